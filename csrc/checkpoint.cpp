@@ -1,0 +1,151 @@
+#include "checkpoint.h"
+
+#include <chrono>
+#include <stdexcept>
+
+#include "driver_error.h"
+#include "driver_table.h"
+#include "uuid.h"
+
+namespace flexium {
+namespace {
+
+const DriverTable &checkpoint_driver() {
+  const DriverTable &d = require_driver();
+  require_symbol(reinterpret_cast<const void *>(d.cuCheckpointProcessLock), "cuCheckpointProcessLock", 12080);
+  require_symbol(reinterpret_cast<const void *>(d.cuCheckpointProcessCheckpoint), "cuCheckpointProcessCheckpoint", 12080);
+  require_symbol(reinterpret_cast<const void *>(d.cuCheckpointProcessRestore), "cuCheckpointProcessRestore", 12080);
+  require_symbol(reinterpret_cast<const void *>(d.cuCheckpointProcessUnlock), "cuCheckpointProcessUnlock", 12080);
+  require_symbol(reinterpret_cast<const void *>(d.cuCheckpointProcessGetState), "cuCheckpointProcessGetState", 12080);
+  return d;
+}
+
+std::vector<CUcheckpointGpuPair> parse_pairs(const std::vector<GpuPair> &pairs) {
+  std::vector<CUcheckpointGpuPair> parsed;
+  parsed.reserve(pairs.size());
+  for (const GpuPair &pair : pairs) {
+    CUcheckpointGpuPair p{};
+    p.oldUuid = parse_uuid(pair.old_uuid);
+    p.newUuid = parse_uuid(pair.new_uuid);
+    parsed.push_back(p);
+  }
+  return parsed;
+}
+
+CUresult call_step(const DriverTable &d, int pid, const Step &step) {
+  switch (step.kind) {
+    case StepKind::Lock: {
+      CUcheckpointLockArgs args{};
+      args.timeoutMs = step.timeout_ms;
+      return d.cuCheckpointProcessLock(pid, &args);
+    }
+    case StepKind::Checkpoint: {
+      CUcheckpointCheckpointArgs args{};
+      return d.cuCheckpointProcessCheckpoint(pid, &args);
+    }
+    case StepKind::Restore: {
+      if (step.pairs.empty()) return d.cuCheckpointProcessRestore(pid, nullptr);
+      CUcheckpointRestoreArgs args{};
+      // The driver wants every visible GPU in gpuPairs, a permutation (DESIGN.md fact 2).
+      args.gpuPairs = const_cast<CUcheckpointGpuPair *>(step.pairs.data());
+      args.gpuPairsCount = static_cast<unsigned int>(step.pairs.size());
+      return d.cuCheckpointProcessRestore(pid, &args);
+    }
+    case StepKind::Unlock: {
+      CUcheckpointUnlockArgs args{};
+      return d.cuCheckpointProcessUnlock(pid, &args);
+    }
+  }
+  return CUDA_ERROR_INVALID_VALUE;
+}
+
+StepOutcome timed_step(const DriverTable &d, int pid, const Step &step, bool rollback) {
+  StepOutcome outcome;
+  outcome.step = step_name(step.kind);
+  outcome.rollback = rollback;
+  const auto start = std::chrono::steady_clock::now();
+  outcome.code = call_step(d, pid, step);
+  outcome.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (outcome.code != CUDA_SUCCESS) {
+    outcome.error_name = error_name(outcome.code);
+    outcome.error_text = error_text(outcome.code);
+  }
+  return outcome;
+}
+
+void check_step(const DriverTable &d, int pid, const Step &step, const char *call) {
+  const StepOutcome outcome = timed_step(d, pid, step, false);
+  if (outcome.code != CUDA_SUCCESS) throw DriverError(call, outcome.code, "pid " + std::to_string(pid), __FILE__, __LINE__);
+}
+
+}  // namespace
+
+const char *step_name(StepKind kind) {
+  switch (kind) {
+    case StepKind::Lock: return "lock";
+    case StepKind::Checkpoint: return "checkpoint";
+    case StepKind::Restore: return "restore";
+    case StepKind::Unlock: return "unlock";
+  }
+  return "unknown";
+}
+
+Step make_step(StepKind kind, unsigned timeout_ms, const std::vector<GpuPair> &pairs) {
+  if (kind != StepKind::Restore && !pairs.empty()) {
+    throw std::invalid_argument(std::string("GPU pairs apply to restore only, not to ") + step_name(kind));
+  }
+  Step step;
+  step.kind = kind;
+  step.timeout_ms = timeout_ms;
+  step.pairs = parse_pairs(pairs);
+  return step;
+}
+
+CUprocessState process_state(int pid) {
+  const DriverTable &d = checkpoint_driver();
+  CUprocessState state = CU_PROCESS_STATE_RUNNING;
+  FLEXIUM_CU_CHECK(d.cuCheckpointProcessGetState(pid, &state));
+  return state;
+}
+
+int restore_thread_id(int pid) {
+  const DriverTable &d = require_driver();
+  require_symbol(reinterpret_cast<const void *>(d.cuCheckpointProcessGetRestoreThreadId),
+                 "cuCheckpointProcessGetRestoreThreadId", 12080);
+  int tid = 0;
+  FLEXIUM_CU_CHECK(d.cuCheckpointProcessGetRestoreThreadId(pid, &tid));
+  return tid;
+}
+
+void lock_process(int pid, unsigned timeout_ms) {
+  check_step(checkpoint_driver(), pid, make_step(StepKind::Lock, timeout_ms, {}), "cuCheckpointProcessLock");
+}
+
+void checkpoint_process(int pid) {
+  check_step(checkpoint_driver(), pid, make_step(StepKind::Checkpoint, 0, {}), "cuCheckpointProcessCheckpoint");
+}
+
+void restore_process(int pid, const std::vector<GpuPair> &pairs) {
+  check_step(checkpoint_driver(), pid, make_step(StepKind::Restore, 0, pairs), "cuCheckpointProcessRestore");
+}
+
+void unlock_process(int pid) {
+  check_step(checkpoint_driver(), pid, make_step(StepKind::Unlock, 0, {}), "cuCheckpointProcessUnlock");
+}
+
+std::vector<StepOutcome> run_steps(int pid, const std::vector<Step> &steps,
+                                   const std::vector<std::vector<Step>> &rollbacks) {
+  const DriverTable &d = checkpoint_driver();
+  std::vector<StepOutcome> outcomes;
+  for (std::size_t i = 0; i < steps.size(); ++i) {
+    outcomes.push_back(timed_step(d, pid, steps[i], false));
+    if (outcomes.back().code == CUDA_SUCCESS) continue;
+    if (i < rollbacks.size()) {
+      for (const Step &undo : rollbacks[i]) outcomes.push_back(timed_step(d, pid, undo, true));
+    }
+    break;
+  }
+  return outcomes;
+}
+
+}  // namespace flexium

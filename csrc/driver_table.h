@@ -1,0 +1,50 @@
+// One table of every libcuda function flexium calls, resolved once at run time.
+// libcuda is never linked: a machine without a driver must still import flexium.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "cuda_driver_types.h"
+
+namespace flexium {
+
+// X(name, minimum CUDA version asked of cuGetProcAddress, required)
+// An explicit version matters: a plain dlsym can hand back an old ABI (cuDeviceTotalMem v1).
+#define FLEXIUM_DRIVER_FUNCTIONS(X)                     \
+  X(cuInit, 2000, true)                                 \
+  X(cuGetErrorName, 6000, true)                         \
+  X(cuGetErrorString, 6000, true)                       \
+  X(cuDeviceGetCount, 2000, true)                       \
+  X(cuDeviceGet, 2000, true)                            \
+  X(cuDeviceGetName, 2000, true)                        \
+  X(cuDeviceGetUuid, 11040, true)                       \
+  X(cuDeviceTotalMem, 3020, true)                       \
+  X(cuDeviceGetPCIBusId, 4010, true)                    \
+  X(cuCheckpointProcessGetState, 12080, false)          \
+  X(cuCheckpointProcessGetRestoreThreadId, 12080, false) \
+  X(cuCheckpointProcessLock, 12080, false)              \
+  X(cuCheckpointProcessCheckpoint, 12080, false)        \
+  X(cuCheckpointProcessRestore, 12080, false)           \
+  X(cuCheckpointProcessUnlock, 12080, false)
+
+struct DriverTable {
+  bool loaded = false;          // library opened and every required symbol resolved
+  std::string library;          // path or soname that was opened
+  std::string load_error;       // why loading failed, empty when loaded
+  int cuda_version = 0;         // cuDriverGetVersion, e.g. 13000
+  CUresult init_result = CUDA_ERROR_NOT_INITIALIZED;  // cuInit(0)
+  std::vector<std::string> missing_optional;          // feature symbols the driver lacks
+
+#define FLEXIUM_DECLARE_POINTER(name, version, required) PFN_##name name = nullptr;
+  FLEXIUM_DRIVER_FUNCTIONS(FLEXIUM_DECLARE_POINTER)
+#undef FLEXIUM_DECLARE_POINTER
+};
+
+// Loads on first use; FLEXIUM_LIBCUDA names another library (the tests' fake driver).
+const DriverTable &driver();
+
+// Whether every checkpoint symbol resolved.
+bool has_checkpoint_api();
+
+}  // namespace flexium
