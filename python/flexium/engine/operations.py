@@ -1,0 +1,74 @@
+"""What an operation reports: states, placements, per-step timings. Frozen, JSON-friendly."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+
+class EngineState(str, enum.Enum):
+    RUNNING = "RUNNING"
+    MIGRATING = "MIGRATING"
+    PAUSING = "PAUSING"
+    PAUSED = "PAUSED"
+    RESUMING = "RESUMING"
+
+
+class OperationKind(str, enum.Enum):
+    MIGRATE = "migrate"
+    PAUSE = "pause"
+    RESUME = "resume"
+
+
+@dataclass(frozen=True)
+class GpuIdentity:
+    """One physical GPU as seen at init, before any migration (the driver hides later moves)."""
+
+    ordinal: int               # its CUDA ordinal in this process at init ("cuda:N" targets name this)
+    uuid: str                  # "GPU-..." as nvidia-smi prints it
+    name: str                  # model, e.g. "NVIDIA H200"
+    total_memory: int          # bytes
+    pci_bus_id: str
+    nvml_index: Optional[int]  # nvidia-smi's index, None where NVML is unavailable
+
+    @property
+    def device(self) -> str:
+        return f"cuda:{self.ordinal}"
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    step: str                  # lock | checkpoint | restore | unlock | prepare | validate
+    seconds: float
+    ok: bool
+    rollback: bool = False     # part of the rollback after a failure
+    error: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class OperationResult:
+    kind: OperationKind
+    path: str                                   # "driver" (checkpoint API moves everything)
+    ok: bool
+    logical_device: str                         # what the training code uses, e.g. "cuda:0"
+    source: GpuIdentity
+    target: Optional[GpuIdentity]               # None for pause
+    steps: tuple[StepTiming, ...] = ()
+    bytes_moved: int = 0
+    seconds: float = 0.0
+    failed_step: Optional[str] = None
+    error: Optional[str] = None
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def step_seconds(self, step: str) -> float:
+        return sum(s.seconds for s in self.steps if s.step == step and not s.rollback)
+
+    @property
+    def gb_per_second(self) -> Optional[float]:
+        return self.bytes_moved / 1e9 / self.seconds if self.seconds > 0 and self.bytes_moved else None
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["kind"] = self.kind.value
+        return data
