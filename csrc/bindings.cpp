@@ -82,7 +82,8 @@ PYBIND11_MODULE(_C, m) {
       .value("LOCK", StepKind::Lock)
       .value("CHECKPOINT", StepKind::Checkpoint)
       .value("RESTORE", StepKind::Restore)
-      .value("UNLOCK", StepKind::Unlock);
+      .value("UNLOCK", StepKind::Unlock)
+      .value("RECOVER", StepKind::Recover);
   py::class_<Step>(m, "Step")
       .def(py::init(&make_step), py::arg("kind"), py::arg("timeout_ms") = 0,
            py::arg("pairs") = std::vector<GpuPair>{})

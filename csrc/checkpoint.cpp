@@ -55,6 +55,8 @@ CUresult call_step(const DriverTable &d, int pid, const Step &step) {
       CUcheckpointUnlockArgs args{};
       return d.cuCheckpointProcessUnlock(pid, &args);
     }
+    case StepKind::Recover:
+      break;  // expanded by run_step into the calls it needs
   }
   return CUDA_ERROR_INVALID_VALUE;
 }
@@ -73,6 +75,28 @@ StepOutcome timed_step(const DriverTable &d, int pid, const Step &step, bool rol
   return outcome;
 }
 
+// Appends the outcome of `step` (or, for Recover, of each call it makes); returns false on failure.
+bool run_step(const DriverTable &d, int pid, const Step &step, bool rollback, std::vector<StepOutcome> &out) {
+  if (step.kind != StepKind::Recover) {
+    out.push_back(timed_step(d, pid, step, rollback));
+    return out.back().code == CUDA_SUCCESS;
+  }
+  CUprocessState state = CU_PROCESS_STATE_CHECKPOINTED;
+  if (d.cuCheckpointProcessGetState(pid, &state) != CUDA_SUCCESS) state = CU_PROCESS_STATE_CHECKPOINTED;
+  if (state == CU_PROCESS_STATE_RUNNING) return true;
+  bool ok = true;
+  if (state == CU_PROCESS_STATE_CHECKPOINTED || state == CU_PROCESS_STATE_FAILED) {
+    Step restore;
+    restore.kind = StepKind::Restore;
+    out.push_back(timed_step(d, pid, restore, rollback));
+    ok = out.back().code == CUDA_SUCCESS;
+  }
+  Step unlock;
+  unlock.kind = StepKind::Unlock;
+  out.push_back(timed_step(d, pid, unlock, rollback));
+  return ok && out.back().code == CUDA_SUCCESS;
+}
+
 void check_step(const DriverTable &d, int pid, const Step &step, const char *call) {
   const StepOutcome outcome = timed_step(d, pid, step, false);
   if (outcome.code != CUDA_SUCCESS) throw DriverError(call, outcome.code, "pid " + std::to_string(pid), __FILE__, __LINE__);
@@ -86,6 +110,7 @@ const char *step_name(StepKind kind) {
     case StepKind::Checkpoint: return "checkpoint";
     case StepKind::Restore: return "restore";
     case StepKind::Unlock: return "unlock";
+    case StepKind::Recover: return "recover";
   }
   return "unknown";
 }
@@ -138,10 +163,9 @@ std::vector<StepOutcome> run_steps(int pid, const std::vector<Step> &steps,
   const DriverTable &d = checkpoint_driver();
   std::vector<StepOutcome> outcomes;
   for (std::size_t i = 0; i < steps.size(); ++i) {
-    outcomes.push_back(timed_step(d, pid, steps[i], false));
-    if (outcomes.back().code == CUDA_SUCCESS) continue;
+    if (run_step(d, pid, steps[i], false, outcomes)) continue;
     if (i < rollbacks.size()) {
-      for (const Step &undo : rollbacks[i]) outcomes.push_back(timed_step(d, pid, undo, true));
+      for (const Step &undo : rollbacks[i]) run_step(d, pid, undo, true, outcomes);
     }
     break;
   }

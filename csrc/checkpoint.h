@@ -21,7 +21,11 @@ void checkpoint_process(int pid);
 void restore_process(int pid, const std::vector<GpuPair> &pairs);  // empty: restore in place
 void unlock_process(int pid);
 
-enum class StepKind { Lock, Checkpoint, Restore, Unlock };
+// Recover: whatever brings the process back to RUNNING where it was, read from its state:
+// CHECKPOINTED -> restore in place + unlock, LOCKED -> unlock, RUNNING -> nothing.
+// A failed remapped restore leaves the process CHECKPOINTED and a plain restore brings it
+// back on the source GPU (DESIGN.md fact 3).
+enum class StepKind { Lock, Checkpoint, Restore, Unlock, Recover };
 const char *step_name(StepKind kind);
 
 struct Step {
