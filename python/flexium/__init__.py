@@ -1,1 +1,10 @@
-"""flexium"""
+"""flexium: move running PyTorch training between GPUs, or pause it with its GPU memory freed.
+
+    import flexium
+    flexium.init()
+"""
+
+from flexium.api.session import init, is_initialized, shutdown
+
+__version__ = "0.1.0"
+__all__ = ["init", "shutdown", "is_initialized", "__version__"]

@@ -13,6 +13,7 @@ class EngineState(str, enum.Enum):
     PAUSING = "PAUSING"
     PAUSED = "PAUSED"
     RESUMING = "RESUMING"
+    FAILED = "FAILED"  # a rollback failed: the process may be stuck, a person must look
 
 
 class OperationKind(str, enum.Enum):

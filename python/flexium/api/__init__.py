@@ -1,0 +1,1 @@
+"""The public API's machinery: session lifecycle, device routing, error recovery."""

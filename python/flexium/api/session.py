@@ -1,0 +1,159 @@
+"""The process-wide flexium session that init() starts and shutdown() ends."""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import secrets
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from flexium.config import FlexiumConfig, load_config, print_local_mode_warning
+from flexium.engine.capabilities import Capabilities, detect
+from flexium.errors import ConfigError
+
+log = logging.getLogger("flexium")
+
+
+@dataclass
+class Session:
+    config: Optional[FlexiumConfig]
+    process_id: str
+    logical_device: str           # what the training code uses: "cuda:N", or "cpu" without CUDA
+    disabled: bool = False
+    capabilities: Optional[Capabilities] = None
+    engine: Optional[Any] = None  # flexium.engine.Engine when pause/resume is possible here
+    client: Optional[Any] = None  # the server connection, when a server is configured
+    scopes: int = 0               # open flexium.auto.run() blocks
+
+
+_lock = threading.RLock()
+_session: Optional[Session] = None
+_process_id = f"gpu-{secrets.token_hex(4)}"
+_atexit_registered = False
+
+
+def current() -> Optional[Session]:
+    return _session
+
+
+def process_id() -> str:
+    return _process_id
+
+
+def is_initialized() -> bool:
+    return _session is not None
+
+
+def init(server: Optional[str] = None, device: Optional[str] = None, disabled: bool = False) -> None:
+    global _session
+    with _lock:
+        if _session is not None:
+            log.warning("flexium.init() was already called; this call changes nothing (call shutdown() first)")
+            return
+        if disabled:
+            _session = Session(config=None, process_id=_process_id, logical_device=device or "cuda:0", disabled=True)
+            return
+        config = load_config(orchestrator=server, device=device)
+        from flexium._logging import configure_logging
+
+        configure_logging(config.log_level)
+        if config.local_mode:
+            print_local_mode_warning()
+        _session = _start(config)
+        _register_atexit()
+
+
+def _start(config: FlexiumConfig) -> Session:
+    capabilities = detect()
+    for problem in capabilities.problems:
+        log.warning("migration and pause are limited: %s", problem)
+    logical_device = _claim_device(config.device, capabilities)
+    session = Session(config=config, process_id=_process_id, logical_device=logical_device, capabilities=capabilities)
+    session.engine = _start_engine(logical_device, capabilities)
+
+    from flexium.api import device_routing
+
+    device_routing.install(lambda: session.logical_device)
+    if not config.local_mode:
+        session.client = _start_client(session)
+    log.info(
+        "flexium %s on %s (process %s, migration %s)",
+        "ready" if session.engine is not None else "in degraded mode",
+        logical_device,
+        _process_id,
+        "on" if session.engine is not None and capabilities.migration else "off",
+    )
+    return session
+
+
+def _claim_device(device: str, capabilities: Capabilities) -> str:
+    if device == "cpu":
+        return "cpu"
+    ordinal = int(device.split(":", 1)[1])
+    if not capabilities.torch_cuda:
+        return device if _driver_selected_by_env() else "cpu"
+    import torch
+
+    count = torch.cuda.device_count()
+    if ordinal >= count:
+        raise ConfigError(
+            f"device {device} does not exist: this process sees {count} GPU(s) (cuda:0..cuda:{count - 1}); "
+            "set GPU_DEVICE or init(device=...) to one of them"
+        )
+    torch.cuda.set_device(ordinal)
+    return device
+
+
+def _driver_selected_by_env() -> bool:
+    # FLEXIUM_LIBCUDA names a driver explicitly (the tests' fake): run the engine without torch CUDA.
+    return bool(os.environ.get("FLEXIUM_LIBCUDA"))
+
+
+def _start_engine(logical_device: str, capabilities: Capabilities) -> Optional[Any]:
+    if logical_device == "cpu" or not capabilities.pause_resume:
+        return None
+    if not (capabilities.torch_cuda or _driver_selected_by_env()):
+        return None
+    from flexium.engine import Engine, snapshot_gpus
+
+    engine = Engine(
+        logical_ordinal=int(logical_device.split(":", 1)[1]),
+        gpus=snapshot_gpus(),
+        capabilities=capabilities,
+    )
+    engine.start()
+    return engine
+
+
+def _start_client(session: Session) -> Optional[Any]:
+    try:
+        from flexium.client import start_client
+    except ImportError:
+        log.warning("a server is configured but this flexium build has no client; running locally")
+        return None
+    return start_client(session)
+
+
+def shutdown() -> None:
+    global _session
+    with _lock:
+        session, _session = _session, None
+        if session is None or session.disabled:
+            return
+        if session.client is not None:
+            session.client.stop()
+        if session.engine is not None:
+            session.engine.stop()
+        from flexium.api import device_routing
+
+        device_routing.uninstall()
+
+
+def _register_atexit() -> None:
+    global _atexit_registered
+    if not _atexit_registered:
+        atexit.register(shutdown)
+        _atexit_registered = True

@@ -1,0 +1,104 @@
+"""What this machine allows: pause/resume needs the driver checkpoint API (driver 550+ per the
+spec; the cuCheckpointProcess* functions themselves arrive with CUDA 12.8), migration needs
+GPU remapping on restore (driver 580+)."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any, Optional
+
+from flexium.engine import nvml
+
+PAUSE_RESUME_MIN_DRIVER = 550
+MIGRATION_MIN_DRIVER = 580
+
+# Where NVML is missing, the CUDA version the driver reports bounds its branch from below.
+_MIN_DRIVER_FOR_CUDA = ((13000, 580), (12090, 575), (12080, 570), (12060, 560), (12040, 550), (12000, 525))
+
+
+@dataclass(frozen=True)
+class Capabilities:
+    driver_version: Optional[str]   # NVIDIA driver, e.g. "580.159.04"
+    driver_major: Optional[int]
+    cuda_version: int               # cuDriverGetVersion, e.g. 13000; 0 without a driver
+    checkpoint_api: bool
+    torch_cuda: bool
+    gpu_count: int
+    pause_resume: bool
+    migration: bool
+    problems: tuple[str, ...]       # each: what is missing and what to do
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["problems"] = list(self.problems)
+        return data
+
+
+def _driver_major(version: Optional[str], cuda_version: int) -> Optional[int]:
+    if version:
+        try:
+            return int(version.split(".")[0])
+        except ValueError:
+            pass
+    for cuda, driver in _MIN_DRIVER_FOR_CUDA:
+        if cuda_version >= cuda:
+            return driver
+    return None
+
+
+def _torch_cuda() -> tuple[bool, Optional[str]]:
+    try:
+        import torch
+    except ImportError:
+        return False, "PyTorch is not installed: install a CUDA build of torch (pip install torch)"
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"CUDA {torch.version.cuda} but no usable GPU"
+        return False, f"torch {torch.__version__} is {build}: training runs, migration and pause are off"
+    return True, None
+
+
+def detect(*, check_torch: bool = True) -> Capabilities:
+    from flexium import _C
+
+    status = _C.driver_status()
+    problems: list[str] = []
+    cuda_version = int(status["cuda_version"])
+    gpu_count = 0
+    if not status["loaded"]:
+        problems.append(f"{status['error']}; install the NVIDIA driver (550+ for pause/resume, 580+ for migration)")
+    elif status["init_error"]:
+        problems.append(f"the NVIDIA driver failed to initialise ({status['init_error']}); check nvidia-smi")
+    else:
+        gpu_count = len(_C.list_devices())
+
+    driver_version = nvml.driver_version()
+    major = _driver_major(driver_version, cuda_version) if status["loaded"] else None
+    checkpoint_api = bool(status["checkpoint_api"])
+    torch_cuda, torch_problem = _torch_cuda() if check_torch else (False, None)
+    if torch_problem:
+        problems.append(torch_problem)
+
+    driver_ok = status["loaded"] and not status["init_error"]
+    pause_resume = bool(driver_ok and checkpoint_api and major is not None and major >= PAUSE_RESUME_MIN_DRIVER)
+    migration = bool(pause_resume and major is not None and major >= MIGRATION_MIN_DRIVER)
+    if driver_ok and major is not None:
+        shown = driver_version or f"{major}+ (CUDA {cuda_version // 1000}.{cuda_version % 1000 // 10})"
+        if major < PAUSE_RESUME_MIN_DRIVER:
+            problems.append(f"NVIDIA driver {shown} is too old: pause/resume needs 550+, migration 580+; upgrade the driver")
+        elif not checkpoint_api:
+            problems.append(
+                f"NVIDIA driver {shown} lacks the checkpoint API (cuCheckpointProcess*, CUDA 12.8); upgrade to 580+"
+            )
+        elif major < MIGRATION_MIN_DRIVER:
+            problems.append(f"NVIDIA driver {shown}: pause/resume only; migration to another GPU needs 580+")
+    return Capabilities(
+        driver_version=driver_version,
+        driver_major=major,
+        cuda_version=cuda_version,
+        checkpoint_api=checkpoint_api,
+        torch_cuda=torch_cuda,
+        gpu_count=gpu_count,
+        pause_resume=pause_resume,
+        migration=migration,
+        problems=tuple(problems),
+    )

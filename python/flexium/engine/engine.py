@@ -1,0 +1,507 @@
+"""migrate / pause / resume of this process, each a transaction on the driver checkpoint API.
+
+Every operation validates before touching anything, runs its locked section in one native call
+(csrc/checkpoint.cpp says why), and ends with the process RUNNING on its source GPU, RUNNING on
+its target, or (pause, failed resume) checkpointed and paused. Anything else raises
+RollbackFailedError and is logged at CRITICAL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, replace
+from typing import Callable, Iterator, Optional, Sequence
+
+from flexium.engine import nvml, torch_bridge
+from flexium.engine.capabilities import Capabilities
+from flexium.engine.identity import IdentityMap, Target
+from flexium.engine.operations import (
+    EngineState,
+    GpuIdentity,
+    OperationKind,
+    OperationResult,
+    StepTiming,
+)
+from flexium.engine.parking import Parking
+from flexium.engine.safe_point import SafePoints
+from flexium.errors import (
+    CapabilityError,
+    InvalidStateError,
+    OperationFailedError,
+    OperationInProgressError,
+    RollbackFailedError,
+    TargetRefusedError,
+)
+
+log = logging.getLogger("flexium")
+
+GIB = 1 << 30
+DEFAULT_LOCK_TIMEOUT_MS = 30_000
+DEFAULT_SAFE_POINT_WAIT_SECONDS = 5.0
+# Restore needs some room beyond the process's own bytes (driver bookkeeping on the target).
+DEFAULT_MEMORY_MARGIN_BYTES = 512 << 20
+
+
+@dataclass(frozen=True)
+class TargetCandidate:
+    gpu: GpuIdentity
+    free_bytes: int
+
+
+def _gib(n: int) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def snapshot_gpus() -> list[GpuIdentity]:
+    """The visible GPUs as the driver reports them now: call before any migration."""
+    from flexium import _C
+
+    nvml_index = {gpu.uuid: gpu.index for gpu in nvml.host_gpus()}
+    return [
+        GpuIdentity(
+            ordinal=d.ordinal,
+            uuid=d.uuid,
+            name=d.name,
+            total_memory=int(d.total_memory),
+            pci_bus_id=d.pci_bus_id,
+            nvml_index=nvml_index.get(d.uuid),
+        )
+        for d in _C.list_devices()
+    ]
+
+
+class Engine:
+    def __init__(
+        self,
+        *,
+        logical_ordinal: int,
+        gpus: Sequence[GpuIdentity],
+        capabilities: Capabilities,
+        lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS,
+        safe_point_wait_seconds: float = DEFAULT_SAFE_POINT_WAIT_SECONDS,
+        memory_margin_bytes: int = DEFAULT_MEMORY_MARGIN_BYTES,
+    ) -> None:
+        if not 0 <= logical_ordinal < len(gpus):
+            raise ValueError(f"device cuda:{logical_ordinal} is not among the {len(gpus)} visible GPU(s)")
+        self.capabilities = capabilities
+        self.lock_timeout_ms = lock_timeout_ms
+        self.memory_margin_bytes = memory_margin_bytes
+        self._pid = os.getpid()
+        self._logical = logical_ordinal
+        self._identity = IdentityMap(gpus)
+        self._state = EngineState.RUNNING
+        self._state_lock = threading.Lock()
+        self._operation_lock = threading.Lock()
+        self._safe_points = SafePoints(safe_point_wait_seconds)
+        self._parking = Parking()
+        self._paused_bytes = 0
+        self._listeners: list[Callable[[EngineState], None]] = []
+        self.last_result: Optional[OperationResult] = None
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._safe_points.install()
+
+    def stop(self) -> None:
+        """Unhooks; a job paused at shutdown is resumed in place so the process can exit."""
+        self._safe_points.uninstall()
+        if self.state == EngineState.PAUSED:
+            try:
+                self.resume()
+            except Exception as exc:  # exiting anyway; say what happened
+                log.error("could not resume the paused job at shutdown: %s", exc)
+        self._parking.release()
+
+    # ---- what the rest of flexium reads ----------------------------------------------------
+
+    @property
+    def state(self) -> EngineState:
+        with self._state_lock:
+            return self._state
+
+    @property
+    def gpus(self) -> tuple[GpuIdentity, ...]:
+        return self._identity.gpus
+
+    @property
+    def logical_device(self) -> str:
+        return f"cuda:{self._logical}"
+
+    @property
+    def safe_point_wait_seconds(self) -> float:
+        return self._safe_points.wait_seconds
+
+    def placement(self) -> tuple[str, GpuIdentity]:
+        return self.logical_device, self._identity.physical_of(self._logical)
+
+    def is_busy(self) -> bool:
+        return self.state in (EngineState.MIGRATING, EngineState.PAUSING, EngineState.RESUMING)
+
+    def add_state_listener(self, listener: Callable[[EngineState], None]) -> None:
+        self._listeners.append(listener)
+
+    def process_bytes(self) -> int:
+        """GPU memory this process holds on every GPU, from NVML; PyTorch's reserved bytes where
+        NVML cannot see processes (it then misses the context, a few hundred MiB)."""
+        total = 0
+        seen = False
+        for gpu in nvml.host_gpus():
+            used = gpu.used_by(self._pid)
+            if used is not None:
+                total += used
+                seen = True
+        return total if seen else torch_bridge.reserved_bytes()
+
+    def _bytes_on(self, gpu: GpuIdentity) -> Optional[int]:
+        host = nvml.gpu_by_uuid(gpu.uuid)
+        if host is None:
+            return None
+        return host.used_by(self._pid) or 0
+
+    def candidate_targets(self) -> list[TargetCandidate]:
+        """GPUs this job could move to now: same model, room for it; most free memory first."""
+        _, source = self.placement()
+        needed = self._paused_bytes if self.state == EngineState.PAUSED else (self._bytes_on(source) or 0)
+        candidates = []
+        for gpu in self._identity.gpus:
+            if gpu.uuid == source.uuid or gpu.name != source.name:
+                continue
+            host = nvml.gpu_by_uuid(gpu.uuid)
+            if host is None:
+                continue
+            free = host.memory_free + (host.used_by(self._pid) or 0)
+            if free >= needed + self.memory_margin_bytes:
+                candidates.append(TargetCandidate(gpu=gpu, free_bytes=free))
+        return sorted(candidates, key=lambda c: -c.free_bytes)
+
+    # ---- operations ------------------------------------------------------------------------
+
+    def migrate(self, target: Target) -> OperationResult:
+        with self._operation(OperationKind.MIGRATE, allowed=(EngineState.RUNNING,)):
+            self._require(self.capabilities.migration, "migration to another GPU")
+            source = self._identity.physical_of(self._logical)
+            dest = self._identity.resolve(target)
+            notes = self._validate_target(source, dest, needed=self._bytes_on(source))
+            pairs = self._identity.pairs_to_move(self._logical, dest)
+            result, _ = self._safe_points.run(lambda: self._run_migration(source, dest, pairs, notes))
+            return self._finish(result)
+
+    def pause(self) -> OperationResult:
+        with self._operation(OperationKind.PAUSE, allowed=(EngineState.RUNNING,)):
+            self._require(self.capabilities.pause_resume, "pause")
+            if self._safe_points.on_training_thread():
+                raise InvalidStateError(
+                    "pause() was called from the training thread: it would block at its next CUDA call "
+                    "until resume(); call pause() from another thread (the flexium control thread does)"
+                )
+            source = self._identity.physical_of(self._logical)
+            result, at_safe_point = self._safe_points.run(
+                lambda: self._run_pause(source), then=self._park_while_paused
+            )
+            if not at_safe_point and result.ok:
+                log.info("paused outside a safe point: the training thread waits in its next CUDA call")
+            return self._finish(result)
+
+    def resume(self, target: Optional[Target] = None) -> OperationResult:
+        with self._operation(OperationKind.RESUME, allowed=(EngineState.PAUSED,)):
+            source = self._identity.physical_of(self._logical)
+            dest = self._choose_resume_target(source, target)
+            if dest.uuid != source.uuid:
+                self._require(self.capabilities.migration, "resuming on another GPU")
+            pairs = self._identity.pairs_to_move(self._logical, dest) if dest.uuid != source.uuid else []
+
+            def work() -> OperationResult:
+                return self._run_resume(source, dest, pairs)
+
+            result = self._parking.submit(work) if self._parking.occupied else work()
+            return self._finish(result)
+
+    # ---- validation ------------------------------------------------------------------------
+
+    def _require(self, available: bool, feature: str) -> None:
+        if not available:
+            why = "; ".join(self.capabilities.problems) or "the driver does not support it"
+            raise CapabilityError(f"{feature} is not available on this machine: {why}")
+
+    def _validate_target(self, source: GpuIdentity, dest: GpuIdentity, *, needed: Optional[int]) -> tuple[str, ...]:
+        if dest.uuid == source.uuid:
+            raise TargetRefusedError(f"the job is already on {dest.device} ({dest.uuid})")
+        if dest.name != source.name:
+            raise TargetRefusedError(
+                f"{dest.device} is a {dest.name}, the job runs on a {source.name}: migration needs the same GPU model"
+            )
+        host = nvml.gpu_by_uuid(dest.uuid)
+        if host is None or needed is None:
+            return ("free memory on the target not checked: NVML unavailable",)
+        # Whatever of ours already sits on the target moves to the source in the swap.
+        available = host.memory_free + (host.used_by(self._pid) or 0)
+        if available < needed + self.memory_margin_bytes:
+            raise TargetRefusedError(
+                f"{dest.device} ({dest.name}, nvidia-smi index {host.index}) has {_gib(available)} free; "
+                f"the job needs {_gib(needed)} plus {_gib(self.memory_margin_bytes)} headroom: "
+                "free memory there or choose another GPU"
+            )
+        return ()
+
+    def _choose_resume_target(self, source: GpuIdentity, target: Optional[Target]) -> GpuIdentity:
+        needed = self._paused_bytes
+        if target is not None:
+            dest = self._identity.resolve(target)
+            if dest.name != source.name:
+                raise TargetRefusedError(
+                    f"{dest.device} is a {dest.name}, the job was paused on a {source.name}: resume needs the same model"
+                )
+            self._check_room(dest, needed)
+            return dest
+        host = nvml.gpu_by_uuid(source.uuid)
+        if host is None or host.memory_free >= needed + self.memory_margin_bytes:
+            return source
+        fitting = self.candidate_targets() if self.capabilities.migration else []
+        if not fitting:
+            raise TargetRefusedError(
+                f"the job needs {_gib(needed)} and no GPU of model {source.name} has that free; it stays paused"
+            )
+        return fitting[0].gpu
+
+    def _check_room(self, dest: GpuIdentity, needed: int) -> None:
+        host = nvml.gpu_by_uuid(dest.uuid)
+        if host is not None and host.memory_free < needed + self.memory_margin_bytes:
+            raise TargetRefusedError(
+                f"{dest.device} has {_gib(host.memory_free)} free; the paused job needs {_gib(needed)} "
+                f"plus {_gib(self.memory_margin_bytes)}: it stays paused"
+            )
+
+    # ---- the transactions ------------------------------------------------------------------
+
+    def _prepare(self) -> tuple[StepTiming, int]:
+        started = time.perf_counter()
+        torch_bridge.synchronize()
+        torch_bridge.release_cached_memory()
+        moved = self.process_bytes()
+        return StepTiming("prepare", time.perf_counter() - started, ok=True), moved
+
+    def _run_migration(
+        self, source: GpuIdentity, dest: GpuIdentity, pairs: list[tuple[str, str]], notes: tuple[str, ...]
+    ) -> OperationResult:
+        from flexium import _C
+
+        started = time.perf_counter()
+        self._set_state(EngineState.MIGRATING)
+        prepare, moved = self._prepare()
+        steps = [
+            _C.Step(_C.StepKind.LOCK, timeout_ms=self.lock_timeout_ms),
+            _C.Step(_C.StepKind.CHECKPOINT),
+            _C.Step(_C.StepKind.RESTORE, pairs=[_C.GpuPair(old, new) for old, new in pairs]),
+            _C.Step(_C.StepKind.UNLOCK),
+        ]
+        recover = [_C.Step(_C.StepKind.RECOVER)]
+        outcomes = self._run_steps(steps, [[], recover, recover, [_C.Step(_C.StepKind.UNLOCK)]])
+        final = _C.process_state(self._pid)
+        timings = (prepare, *(_timing(o) for o in outcomes))
+        restored = any(o.step == "restore" and not o.rollback and o.code == 0 for o in outcomes)
+        result = OperationResult(
+            kind=OperationKind.MIGRATE,
+            path="driver",
+            ok=False,
+            logical_device=self.logical_device,
+            source=source,
+            target=dest,
+            steps=timings,
+            bytes_moved=moved,
+            seconds=time.perf_counter() - started,
+            notes=notes,
+        )
+        if final == _C.ProcessState.RUNNING and restored:
+            self._identity.apply(pairs)
+            self._set_state(EngineState.RUNNING)
+            return replace(result, ok=True)
+        failure = _first_failure(outcomes)
+        if final == _C.ProcessState.RUNNING:
+            self._set_state(EngineState.RUNNING)
+            return replace(
+                result,
+                failed_step=failure.step,
+                error=f"{_describe(failure)}; rolled back: the job runs on {source.device} ({source.uuid}) as before",
+            )
+        self._set_state(EngineState.FAILED)
+        return replace(
+            result,
+            failed_step=failure.step,
+            error=f"{_describe(failure)}; ROLLBACK FAILED: the process is {final.name}, not RUNNING",
+        )
+
+    def _run_pause(self, source: GpuIdentity) -> OperationResult:
+        from flexium import _C
+
+        started = time.perf_counter()
+        self._set_state(EngineState.PAUSING)
+        prepare, moved = self._prepare()
+        steps = [_C.Step(_C.StepKind.LOCK, timeout_ms=self.lock_timeout_ms), _C.Step(_C.StepKind.CHECKPOINT)]
+        outcomes = self._run_steps(steps, [[], [_C.Step(_C.StepKind.RECOVER)]])
+        final = _C.process_state(self._pid)
+        result = OperationResult(
+            kind=OperationKind.PAUSE,
+            path="driver",
+            ok=False,
+            logical_device=self.logical_device,
+            source=source,
+            target=None,
+            steps=(prepare, *(_timing(o) for o in outcomes)),
+            bytes_moved=moved,
+            seconds=time.perf_counter() - started,
+        )
+        if final == _C.ProcessState.CHECKPOINTED and not any(o.code for o in outcomes):
+            self._paused_bytes = moved
+            self._set_state(EngineState.PAUSED)
+            return replace(result, ok=True)
+        failure = _first_failure(outcomes)
+        if final == _C.ProcessState.RUNNING:
+            self._set_state(EngineState.RUNNING)
+            return replace(
+                result,
+                failed_step=failure.step,
+                error=f"{_describe(failure)}; rolled back: the job runs on {source.device} as before",
+            )
+        self._set_state(EngineState.FAILED)
+        return replace(
+            result, failed_step=failure.step, error=f"{_describe(failure)}; ROLLBACK FAILED: the process is {final.name}"
+        )
+
+    def _run_resume(self, source: GpuIdentity, dest: GpuIdentity, pairs: list[tuple[str, str]]) -> OperationResult:
+        from flexium import _C
+
+        started = time.perf_counter()
+        self._set_state(EngineState.RESUMING)
+        steps = [
+            _C.Step(_C.StepKind.RESTORE, pairs=[_C.GpuPair(old, new) for old, new in pairs]),
+            _C.Step(_C.StepKind.UNLOCK),
+        ]
+        # A failed restore leaves the process checkpointed (DESIGN.md fact 3): still paused, nothing to undo.
+        outcomes = self._run_steps(steps, [[], [_C.Step(_C.StepKind.UNLOCK)]])
+        final = _C.process_state(self._pid)
+        result = OperationResult(
+            kind=OperationKind.RESUME,
+            path="driver",
+            ok=False,
+            logical_device=self.logical_device,
+            source=source,
+            target=dest,
+            steps=tuple(_timing(o) for o in outcomes),
+            bytes_moved=self._paused_bytes,
+            seconds=time.perf_counter() - started,
+        )
+        restored = any(o.step == "restore" and not o.rollback and o.code == 0 for o in outcomes)
+        if final == _C.ProcessState.RUNNING and restored:
+            self._identity.apply(pairs)
+            self._set_state(EngineState.RUNNING)
+            return replace(result, ok=True)
+        failure = _first_failure(outcomes)
+        if final == _C.ProcessState.CHECKPOINTED:
+            self._set_state(EngineState.PAUSED)
+            return replace(
+                result,
+                failed_step=failure.step,
+                error=f"{_describe(failure)}; the job is still paused and can be resumed again",
+            )
+        self._set_state(EngineState.FAILED)
+        return replace(
+            result, failed_step=failure.step, error=f"{_describe(failure)}; ROLLBACK FAILED: the process is {final.name}"
+        )
+
+    def _run_steps(self, steps: list, rollbacks: list) -> list:
+        from flexium import _C
+
+        return list(_C.run_steps(self._pid, steps, rollbacks))
+
+    def _park_while_paused(self, result: OperationResult) -> None:
+        if result.ok:
+            self._parking.park(lambda: self.state == EngineState.PAUSED)
+
+    # ---- bookkeeping -----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _operation(self, kind: OperationKind, *, allowed: tuple[EngineState, ...]) -> Iterator[None]:
+        if not self._operation_lock.acquire(blocking=False):
+            raise OperationInProgressError(
+                f"cannot {kind.value}: another operation is in progress ({self.state.value}); wait for it to finish"
+            )
+        try:
+            state = self.state
+            if state not in allowed:
+                raise InvalidStateError(_state_refusal(kind, state))
+            yield
+        finally:
+            self._operation_lock.release()
+
+    def _set_state(self, state: EngineState) -> None:
+        with self._state_lock:
+            self._state = state
+        for listener in list(self._listeners):
+            try:
+                listener(state)
+            except Exception:  # a reporting hook must never break an operation
+                log.exception("state listener failed")
+
+    def _finish(self, result: OperationResult) -> OperationResult:
+        self.last_result = result
+        summary = ", ".join(f"{s.step} {s.seconds * 1e3:.0f} ms" for s in result.steps if not s.rollback)
+        if result.ok:
+            where = f" -> {result.target.device}" if result.target is not None else ""
+            log.info("%s %s%s done in %.2f s (%s)", result.kind.value, result.source.device, where, result.seconds, summary)
+            return result
+        if self.state == EngineState.FAILED:
+            log.critical("%s failed and could not be rolled back: %s", result.kind.value, result.error)
+            raise RollbackFailedError(f"{result.kind.value} failed: {result.error}", step=result.failed_step or "?", result=result)
+        log.error("%s failed: %s", result.kind.value, result.error)
+        raise OperationFailedError(f"{result.kind.value} failed: {result.error}", step=result.failed_step or "?", result=result)
+
+
+def _timing(outcome: object) -> StepTiming:
+    code = getattr(outcome, "code")
+    error = None if code == 0 else f"{getattr(outcome, 'error_name')} ({getattr(outcome, 'error_text')})"
+    return StepTiming(
+        step=getattr(outcome, "step"),
+        seconds=float(getattr(outcome, "seconds")),
+        ok=code == 0,
+        rollback=bool(getattr(outcome, "rollback")),
+        error=error,
+    )
+
+
+def _first_failure(outcomes: Sequence[object]) -> object:
+    for outcome in outcomes:
+        if getattr(outcome, "code") != 0:
+            return outcome
+    raise AssertionError("no failed step among the outcomes")
+
+
+_STEP_CALLS = {
+    "lock": "cuCheckpointProcessLock",
+    "checkpoint": "cuCheckpointProcessCheckpoint",
+    "restore": "cuCheckpointProcessRestore",
+    "unlock": "cuCheckpointProcessUnlock",
+}
+
+
+def _describe(outcome: object) -> str:
+    step = getattr(outcome, "step")
+    name = getattr(outcome, "error_name")
+    text = f"step '{step}' failed: {_STEP_CALLS.get(step, step)} returned {name} ({getattr(outcome, 'error_text')})"
+    if step == "lock" and name == "CUDA_ERROR_TIMEOUT":
+        text += " (the process stayed busy in CUDA work past the lock timeout; try again)"
+    return text
+
+
+def _state_refusal(kind: OperationKind, state: EngineState) -> str:
+    if state == EngineState.PAUSED:
+        return f"cannot {kind.value}: the job is paused; resume it first (resume may pick the GPU)"
+    if state == EngineState.RUNNING and kind == OperationKind.RESUME:
+        return "cannot resume: the job is running, not paused"
+    if state == EngineState.FAILED:
+        return f"cannot {kind.value}: an earlier rollback failed and the process may be stuck; restart the job"
+    return f"cannot {kind.value}: the job is {state.value}"

@@ -1,0 +1,64 @@
+"""Where the training thread waits while its job is paused at a safe point.
+
+The thread blocks here with the GIL released, so the control thread stays free to receive the
+resume command; the resume itself then runs on this thread, which owns the step it paused in.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Optional
+
+
+class Parking:
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._work: Optional[Callable[[], Any]] = None
+        self._outcome: Optional[tuple[Any, Optional[BaseException]]] = None
+        self._released = False
+        self.occupied = False
+
+    def park(self, still_paused: Callable[[], bool]) -> None:
+        """Runs submitted work until the job is no longer paused or release() is called."""
+        with self._cond:
+            self.occupied = True
+            self._released = False
+            self._cond.notify_all()
+        try:
+            while True:
+                with self._cond:
+                    self._cond.wait_for(lambda: self._work is not None or self._released)
+                    if self._work is None:
+                        return
+                    work, self._work = self._work, None
+                try:
+                    outcome: tuple[Any, Optional[BaseException]] = (work(), None)
+                except BaseException as exc:  # given to the submitter
+                    outcome = (None, exc)
+                with self._cond:
+                    self._outcome = outcome
+                    self._cond.notify_all()
+                if not still_paused():
+                    return
+        finally:
+            with self._cond:
+                self.occupied = False
+                self._cond.notify_all()
+
+    def submit(self, work: Callable[[], Any]) -> Any:
+        """Runs `work` on the parked thread and returns its result (or raises its error)."""
+        with self._cond:
+            self._outcome = None
+            self._work = work
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: self._outcome is not None)
+            result, error = self._outcome  # type: ignore[misc]
+            self._outcome = None
+        if error is not None:
+            raise error
+        return result
+
+    def release(self) -> None:
+        with self._cond:
+            self._released = True
+            self._cond.notify_all()

@@ -1,0 +1,98 @@
+"""Runs engine operations on the training thread at the end of an optimizer step.
+
+Between optimizer steps autograd is idle and no tensor is half-written, and the training
+thread is the one that would otherwise block inside a CUDA call, perhaps holding the GIL,
+while the process is locked. PyTorch's global optimizer step hook gives this point in plain
+loops, Lightning, Hugging Face Trainer and Accelerate alike. Jobs without torch.optim steps
+(or whose steps stop) get the operation run on the caller's thread after a bounded wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Callable, Generic, Optional, TypeVar
+
+T = TypeVar("T")
+log = logging.getLogger("flexium")
+
+
+class _Request(Generic[T]):
+    def __init__(self, work: Callable[[], T], then: Optional[Callable[[T], None]]) -> None:
+        self.work = work
+        self.then = then
+        self.taken = False
+        self.done = threading.Event()
+        self.result: Optional[T] = None
+        self.error: Optional[BaseException] = None
+
+
+class SafePoints:
+    def __init__(self, wait_seconds: float) -> None:
+        self.wait_seconds = wait_seconds
+        self._lock = threading.Lock()
+        self._pending: Optional[_Request[Any]] = None
+        self._handle: Optional[Any] = None
+        self._training_thread: Optional[int] = None
+        self._in_hook = threading.local()
+        self.steps_seen = 0
+
+    def install(self) -> bool:
+        try:
+            from torch.optim.optimizer import register_optimizer_step_post_hook
+        except ImportError:
+            return False
+        if self._handle is None:
+            self._handle = register_optimizer_step_post_hook(self._on_step)
+        return True
+
+    def uninstall(self) -> None:
+        if self._handle is not None:
+            self._handle.remove()
+            self._handle = None
+
+    def in_safe_point(self) -> bool:
+        return bool(getattr(self._in_hook, "active", False))
+
+    def on_training_thread(self) -> bool:
+        return self._training_thread == threading.get_ident()
+
+    def run(self, work: Callable[[], T], *, then: Optional[Callable[[T], None]] = None) -> tuple[T, bool]:
+        """Runs `work` at the next safe point, or here after the bounded wait. Returns its result
+        and whether it ran at a safe point. `then(result)` runs on the training thread after the
+        caller has been given the result, and only when the work ran at a safe point."""
+        if self._handle is None or self.steps_seen == 0 or self.on_training_thread():
+            return work(), False
+        request: _Request[T] = _Request(work, then)
+        with self._lock:
+            self._pending = request
+        if not request.done.wait(self.wait_seconds):
+            with self._lock:
+                if not request.taken:
+                    self._pending = None
+                    log.info("no optimizer step within %.1f s: running the operation now", self.wait_seconds)
+                    return work(), False
+            request.done.wait()
+        if request.error is not None:
+            raise request.error
+        return request.result, True  # type: ignore[return-value]
+
+    def _on_step(self, *_: Any) -> None:
+        self._training_thread = threading.get_ident()
+        self.steps_seen += 1
+        with self._lock:
+            request, self._pending = self._pending, None
+            if request is None:
+                return
+            request.taken = True
+        self._in_hook.active = True
+        try:
+            try:
+                request.result = request.work()
+            except BaseException as exc:  # handed to the caller, who raises it
+                request.error = exc
+            request.done.set()
+            if request.error is None and request.then is not None:
+                request.then(request.result)
+        finally:
+            self._in_hook.active = False
