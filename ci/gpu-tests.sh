@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Builds flexium on a machine with 2+ NVIDIA GPUs and runs every GPU test and the migration
+# benchmark in one go. Results land in $OUT (the device tool's folder) or ./gpu-results.
+#   bash ci/gpu-tests.sh [--tests-only | --bench-only] [pytest args...]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${OUT:-$PWD/gpu-results}"
+mkdir -p "$out"
+mode="all"
+case "${1:-}" in --tests-only|--bench-only) mode="$1"; shift ;; esac
+export PYTHONUNBUFFERED=1
+# Never use NVLink multicast on shared hosts (device README).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
+nvidia-smi --query-gpu=index,name,uuid,driver_version,memory.used,memory.total --format=csv | tee "$out/gpus.csv"
+python3 -c 'import torch; print("torch", torch.__version__, "gpus", torch.cuda.device_count())' | tee -a "$out/gpus.csv"
+
+echo "== build"
+if ! python3 -m pip install --no-build-isolation --no-deps -e . >"$out/build.log" 2>&1; then
+  tail -40 "$out/build.log"; echo "BUILD FAILED"; exit 1
+fi
+python3 -c 'import flexium.utils as u; print(u.get_capabilities())' | tee "$out/capabilities.txt"
+
+status=0
+if [ "$mode" != "--bench-only" ]; then
+  echo "== GPU tests"
+  python3 -m pytest tests/gpu -v -p no:cacheprovider -o addopts="" --timeout 900 "$@" 2>&1 | tee "$out/gpu-tests.log"
+  status=${PIPESTATUS[0]}
+fi
+if [ "$mode" != "--tests-only" ]; then
+  echo "== benchmark: bench/migrate.py"
+  python3 bench/migrate.py --sizes "${BENCH_SIZES:-2,16,64}" --json "$out/bench-migrate.json" 2>&1 | tee "$out/bench-migrate.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+fi
+exit "$status"

@@ -1,0 +1,76 @@
+"""GPU tests: run by ci/gpu-tests.sh on a machine with 2+ NVIDIA GPUs. Every job runs in a
+fresh process (checkpoint state is process-wide); this pytest process only reads NVML."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+import pytest
+
+HERE = Path(__file__).parent
+GIB = 1 << 30
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        item.add_marker(pytest.mark.gpu)
+
+
+@dataclass
+class JobRun:
+    returncode: int
+    events: list[dict[str, Any]]
+    stderr: str
+    ops: list[dict[str, Any]] = field(default_factory=list)
+
+    def one(self, name: str) -> dict[str, Any]:
+        found = [e for e in self.events if e["event"] == name]
+        assert found, f"job printed no '{name}' event; stderr tail:\n{self.stderr[-3000:]}"
+        return found[-1]
+
+
+def run_job(*args: str, env: Optional[dict[str, str]] = None, timeout: float = 480) -> JobRun:
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "train_job.py"), *args],
+        capture_output=True, text=True, timeout=timeout, env=full_env,
+    )
+    events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    run = JobRun(proc.returncode, events, proc.stderr, [e for e in events if e["event"] == "op"])
+    sys.stderr.write(proc.stderr[-4000:])
+    return run
+
+
+@pytest.fixture
+def gpu_filler() -> Iterator[Any]:
+    procs: list[subprocess.Popen[str]] = []
+
+    def fill(index: int, leave_free_gib: float) -> dict[str, Any]:
+        proc = subprocess.Popen(
+            [sys.executable, str(HERE / "fill_gpu.py"), str(index), str(leave_free_gib)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        )
+        procs.append(proc)
+        assert proc.stdout is not None
+        return json.loads(proc.stdout.readline())
+
+    yield fill
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.close()
+        proc.wait(timeout=60)
+
+
+@pytest.fixture(scope="session")
+def host_gpus() -> list[Any]:
+    from flexium.engine import nvml
+
+    gpus = nvml.host_gpus()
+    assert len(gpus) >= 2, f"the GPU tests need 2 GPUs, NVML sees {len(gpus)}"
+    return gpus

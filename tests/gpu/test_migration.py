@@ -1,0 +1,116 @@
+"""Real training migrated and paused on real GPUs: bit-identical losses, nothing left behind."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from conftest import GIB, run_job
+
+BALLAST_GB = "4"
+STEPS = "60"
+# Memory a GPU may show beyond its idle reading once the job has left it (driver bookkeeping).
+RESIDUE_SLACK = 64 << 20
+
+
+def idle_used(host_gpus: list[Any]) -> dict[str, int]:
+    return {gpu.uuid: gpu.memory_used for gpu in host_gpus}
+
+
+def uuid_of(host_gpus: list[Any], index: int) -> str:
+    return next(gpu.uuid for gpu in host_gpus if gpu.index == index)
+
+
+def assert_left(op: dict[str, Any], uuid: str, idle: dict[str, int]) -> None:
+    reading = op["nvml"][uuid]
+    assert reading["ours"] == 0, f"after {op['op']} the job still holds {reading['ours']} bytes on {uuid}"
+    assert reading["used"] <= idle[uuid] + RESIDUE_SLACK, (
+        f"after {op['op']} {uuid} shows {reading['used'] >> 20} MiB used, idle was {idle[uuid] >> 20} MiB"
+    )
+
+
+def test_migrate_there_and_back_then_pause_and_resume_elsewhere(host_gpus: list[Any]) -> None:
+    idle = idle_used(host_gpus)
+    gpu0, gpu1 = uuid_of(host_gpus, 0), uuid_of(host_gpus, 1)
+    reference = run_job("--ballast-gb", BALLAST_GB, "--steps", STEPS)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    moved = run_job(
+        "--ballast-gb", BALLAST_GB, "--steps", STEPS,
+        "--plan", "10:migrate:cuda:1", "--plan", "25:migrate:cuda:0",
+        "--plan", "40:pause", "--plan", "40:resume:cuda:1",
+    )
+    assert moved.returncode == 0, moved.stderr[-3000:]
+    assert moved.one("ready")["migration"] is True
+    assert [op["ok"] for op in moved.ops] == [True] * 4, moved.ops
+    to1, to0, pause, resume = moved.ops
+
+    assert to1["physical"] == "cuda:1" and to1["logical"] == "cuda:0"
+    assert to1["nvml"][gpu1]["ours"] >= float(BALLAST_GB) * GIB
+    assert_left(to1, gpu0, idle)
+
+    assert to0["physical"] == "cuda:0"
+    assert to0["nvml"][gpu0]["ours"] >= float(BALLAST_GB) * GIB
+    assert_left(to0, gpu1, idle)
+
+    assert_left(pause, gpu0, idle)
+    assert_left(pause, gpu1, idle)
+
+    assert resume["physical"] == "cuda:1"
+    assert resume["nvml"][gpu1]["ours"] >= float(BALLAST_GB) * GIB
+    assert_left(resume, gpu0, idle)
+
+    done = moved.one("done")
+    assert done["ballast_ok"] is True
+    assert done["losses"] == reference.one("done")["losses"], "loss trace differs from the undisturbed run"
+    for op in moved.ops:
+        steps = {s["step"] for s in op["result"]["steps"]}
+        assert op["result"]["bytes_moved"] >= float(BALLAST_GB) * GIB
+        assert steps >= ({"lock", "checkpoint"} if op["op"] == "pause" else {"restore", "unlock"})
+
+
+def test_target_without_room_is_refused_and_training_continues(host_gpus: list[Any], gpu_filler: Any) -> None:
+    reference = run_job("--ballast-gb", BALLAST_GB, "--steps", "30")
+    gpu_filler(1, 2.0)  # leaves 2 GiB free on GPU 1; the job holds over 4
+    run = run_job("--ballast-gb", BALLAST_GB, "--steps", "30", "--plan", "10:migrate:cuda:1")
+    assert run.returncode == 0, run.stderr[-3000:]
+    (op,) = run.ops
+    assert op["ok"] is False and op["error_type"] == "TargetRefusedError", op
+    assert "free" in op["error"] and op["state"] == "RUNNING"
+    done = run.one("done")
+    assert done["physical"] == "cuda:0" and done["ballast_ok"] is True
+    assert done["losses"] == reference.one("done")["losses"]
+
+
+def test_driver_refusal_on_a_full_target_rolls_back_to_the_source(host_gpus: list[Any], gpu_filler: Any) -> None:
+    """With our own room check bypassed, the driver's restore hits the full GPU: the engine must
+    bring the job back on its source (a failed remapped restore leaves it checkpointed)."""
+    idle = idle_used(host_gpus)
+    gpu1 = uuid_of(host_gpus, 1)
+    reference = run_job("--ballast-gb", BALLAST_GB, "--steps", "30")
+    filled = gpu_filler(1, 1.0)
+    run = run_job("--ballast-gb", BALLAST_GB, "--steps", "30", "--plan", "10:migrate:cuda:1", "--skip-room-check")
+    assert run.returncode == 0, run.stderr[-3000:]
+    (op,) = run.ops
+    assert op["ok"] is False and op["error_type"] == "OperationFailedError", op
+    assert op["step"] in ("restore", "checkpoint"), op
+    assert op["state"] == "RUNNING", op
+    assert op["nvml"][gpu1]["ours"] == 0
+    assert op["nvml"][gpu1]["used"] <= idle[gpu1] + filled["held"] + RESIDUE_SLACK
+    done = run.one("done")
+    assert done["physical"] == "cuda:0" and done["ballast_ok"] is True
+    assert done["losses"] == reference.one("done")["losses"]
+
+
+def test_identity_is_tracked_with_cuda_visible_devices_reordered(host_gpus: list[Any]) -> None:
+    """CUDA_VISIBLE_DEVICES=1,0: the job's cuda:0 is nvidia-smi's GPU 1; "cuda:1" names GPU 0."""
+    gpu0, gpu1 = uuid_of(host_gpus, 0), uuid_of(host_gpus, 1)
+    run = run_job(
+        "--ballast-gb", "2", "--steps", "30", "--plan", "10:migrate:cuda:1", "--plan", "20:migrate:cuda:0",
+        env={"CUDA_VISIBLE_DEVICES": "1,0"},
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.one("ready")["uuid"].replace("GPU-", "") in gpu1
+    there, back = run.ops
+    assert there["ok"] and back["ok"], run.ops
+    assert there["physical"] == "cuda:1" and there["nvml"][gpu0]["ours"] > 0 and there["nvml"][gpu1]["ours"] == 0
+    assert back["physical"] == "cuda:0" and back["nvml"][gpu1]["ours"] > 0 and back["nvml"][gpu0]["ours"] == 0
