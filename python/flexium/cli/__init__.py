@@ -1,0 +1,1 @@
+"""The `flexium` command line."""
