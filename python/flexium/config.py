@@ -1,0 +1,361 @@
+"""Where flexium's settings come from, validated once.
+
+Priority, highest first: parameters, environment variables (FLEXIUM_SERVER, GPU_DEVICE,
+FLEXIUM_TOKEN, FLEXIUM_LOG_LEVEL), the config file (./.flexiumrc if it exists, else
+~/.flexiumrc; only one is read), defaults (local mode, "cuda:0"). Every rejected value is
+reported with where it came from and what a good value looks like.
+"""
+
+from __future__ import annotations
+
+import difflib
+import ipaddress
+import os
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Mapping, Optional
+
+import yaml
+
+from flexium._logging import DEFAULT_LEVEL, LEVEL_NAMES, get_logger, normalize_level
+from flexium.errors import ConfigError
+
+__all__ = [
+    "ENV_SERVER",
+    "ENV_DEVICE",
+    "ENV_TOKEN",
+    "ENV_LOG_LEVEL",
+    "RC_FILENAME",
+    "DEFAULT_DEVICE",
+    "LOCAL_MODE_WARNING",
+    "FlexiumConfig",
+    "ServerAddress",
+    "load_config",
+    "find_config_file",
+    "parse_server_address",
+    "validate_device",
+    "print_local_mode_warning",
+]
+
+ENV_SERVER = "FLEXIUM_SERVER"
+ENV_DEVICE = "GPU_DEVICE"
+ENV_TOKEN = "FLEXIUM_TOKEN"
+ENV_LOG_LEVEL = "FLEXIUM_LOG_LEVEL"
+RC_FILENAME = ".flexiumrc"
+DEFAULT_DEVICE = "cuda:0"
+
+SOURCE_PARAMETER = "parameter"
+SOURCE_DEFAULT = "default"
+
+_SERVER_EXAMPLE = "app.flexium.ai/myworkspace or http://localhost:8080/myworkspace"
+
+# Field name -> (rc file key, environment variable, how messages name it).
+_FIELDS: dict[str, tuple[str, str, str]] = {
+    "orchestrator": ("server", ENV_SERVER, "server address"),
+    "device": ("device", ENV_DEVICE, "device"),
+    "token": ("token", ENV_TOKEN, "token"),
+    "log_level": ("log_level", ENV_LOG_LEVEL, "log level"),
+}
+_RC_KEYS = {rc_key: name for name, (rc_key, _, _) in _FIELDS.items()}
+
+LOCAL_MODE_WARNING = (
+    "============================================================\n"
+    "[flexium] WARNING: No server configured!\n"
+    "[flexium] Running in local mode (no migration support)\n"
+    "[flexium]\n"
+    "[flexium] To enable Flexium, set FLEXIUM_SERVER:\n"
+    "[flexium]   export FLEXIUM_SERVER=app.flexium.ai/myworkspace\n"
+    "============================================================\n"
+)
+
+_log = get_logger("config")
+
+
+@dataclass(frozen=True)
+class ServerAddress:
+    """A parsed `host[:port]/workspace`. `base_url` has no workspace and no trailing slash."""
+
+    base_url: str          # "http://app.flexium.ai", "https://[::1]:8443"
+    workspace: str
+    host: str              # without IPv6 brackets
+    port: Optional[int]    # None: the scheme's default port
+    scheme: str            # "http" (default) or "https"
+
+    def __str__(self) -> str:
+        return f"{self.base_url}/{self.workspace}"
+
+
+@dataclass(frozen=True)
+class FlexiumConfig:
+    """The resolved settings. `sources[field]` says where each value came from: "parameter",
+    an environment variable name, the config file's path, or "default"."""
+
+    orchestrator: Optional[str] = None
+    device: str = DEFAULT_DEVICE
+    token: Optional[str] = field(default=None, repr=False)  # never printed
+    log_level: str = DEFAULT_LEVEL
+    address: Optional[ServerAddress] = None
+    config_file: Optional[str] = None   # the rc file that was read, if any
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
+
+    @property
+    def server(self) -> Optional[str]:
+        """Alias of `orchestrator`, the name flexium.init() uses."""
+        return self.orchestrator
+
+    @property
+    def local_mode(self) -> bool:
+        """No server: the job trains normally but cannot be moved from the dashboard."""
+        return self.orchestrator is None
+
+
+@dataclass(frozen=True)
+class _Raw:
+    value: Any
+    source: str          # what goes into FlexiumConfig.sources
+    where: str           # how an error message names it
+
+
+_HOST_RE = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?(\.[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?)*$")
+_WORKSPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+_DEVICE_RE = re.compile(r"^cuda:(-?\d+)$")
+_TOKEN_RE = re.compile(r"^[\x21-\x7e]+$")  # sent in an HTTP header: printable ASCII, no blanks
+
+
+def parse_server_address(text: str, *, where: str = "") -> ServerAddress:
+    """Parse `host[:port]/workspace`, optionally prefixed with http:// (the default) or https://.
+
+    `where` names the value's origin in error messages, e.g. "(from FLEXIUM_SERVER)".
+    """
+    origin = f" {where}" if where else ""
+    if not isinstance(text, str):
+        raise ConfigError(
+            f"server address{origin} must be a string like {_SERVER_EXAMPLE}, not {text!r} ({type(text).__name__})"
+        )
+
+    def bad(reason: str) -> ConfigError:
+        return ConfigError(
+            f"server address {text!r}{origin} {reason}; expected host[:port]/workspace, e.g. {_SERVER_EXAMPLE}"
+        )
+
+    rest = text.strip()
+    if not rest:
+        raise bad("is empty")
+    scheme = "http"
+    if "://" in rest:
+        scheme, rest = rest.split("://", 1)
+        scheme = scheme.lower()
+        if scheme not in ("http", "https"):
+            raise bad(f"uses scheme {scheme!r}; only http:// and https:// are supported")
+    if any(c in rest for c in "?#@ \t"):
+        raise bad("contains a query, fragment, user name or blank")
+    hostport, slash, workspace = rest.partition("/")
+    workspace = workspace.rstrip("/")
+    if not slash or not workspace:
+        raise bad("has no workspace")
+    if "/" in workspace:
+        raise bad(f"has a workspace with a '/' in it ({workspace!r})")
+    if not _WORKSPACE_RE.match(workspace):
+        raise bad(f"has an invalid workspace {workspace!r} (use letters, digits, '.', '_' and '-')")
+
+    port_text: Optional[str] = None
+    if hostport.startswith("["):
+        host, bracket, tail = hostport[1:].partition("]")
+        if not bracket:
+            raise bad("has an unclosed '[' around an IPv6 host")
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise bad(f"has an invalid IPv6 host [{host}]") from None
+        if tail:
+            if not tail.startswith(":"):
+                raise bad(f"has unexpected text {tail!r} after the IPv6 host")
+            port_text = tail[1:]
+        netloc_host = f"[{host}]"
+    else:
+        host, colon, port_part = hostport.partition(":")
+        if colon:
+            port_text = port_part
+        if not host:
+            raise bad("has no host")
+        if not _HOST_RE.match(host):
+            raise bad(f"has an invalid host {host!r}")
+        netloc_host = host
+
+    port: Optional[int] = None
+    if port_text is not None:
+        if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
+            raise bad(f"has an invalid port {port_text!r} (a number from 1 to 65535)")
+        port = int(port_text)
+
+    base_url = f"{scheme}://{netloc_host}" + (f":{port}" if port is not None else "")
+    return ServerAddress(base_url=base_url, workspace=workspace, host=host, port=port, scheme=scheme)
+
+
+def validate_device(value: Any, *, where: str = "") -> str:
+    """Return the canonical form of a device string: "cuda:N" (N >= 0) or "cpu"."""
+    origin = f" {where}" if where else ""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.device):
+        value = str(value)
+    if not isinstance(value, str):
+        raise ConfigError(
+            f"device{origin} must be a string like 'cuda:0' or 'cpu', not {value!r} ({type(value).__name__})"
+        )
+    text = value.strip().lower()
+    if text == "cpu":
+        return text
+    match = _DEVICE_RE.match(text)
+    if match and int(match.group(1)) >= 0:
+        return f"cuda:{int(match.group(1))}"
+    hint = " (name the GPU: 'cuda:0')" if text == "cuda" else ""
+    raise ConfigError(f"device {value!r}{origin} is not valid{hint}; expected 'cuda:N' with N >= 0 (e.g. 'cuda:1') or 'cpu'")
+
+
+def _validate_token(value: Any, where: str) -> str:
+    if not isinstance(value, str):
+        quote = " (quote it in YAML: token: \"...\")" if isinstance(value, (int, float)) else ""
+        raise ConfigError(f"token {where} must be a string, not {type(value).__name__}{quote}")
+    token = value.strip()
+    if not _TOKEN_RE.match(token):
+        # Never echo the token itself.
+        raise ConfigError(
+            f"token {where} is empty or contains blanks or non-ASCII characters; "
+            "copy the workspace token from the dashboard again"
+        )
+    return token
+
+
+def _validate_log_level(value: Any, where: str) -> str:
+    choices = ", ".join(sorted(set(LEVEL_NAMES.values())))
+    if not isinstance(value, str):
+        raise ConfigError(f"log level {where} must be a level name ({choices}), not {value!r} ({type(value).__name__})")
+    canonical = normalize_level(value)
+    if canonical is None:
+        raise ConfigError(f"log level {value!r} {where} is not a Python level name; use one of {choices} (any case)")
+    return canonical
+
+
+def find_config_file() -> Optional[Path]:
+    """./.flexiumrc if it exists, else ~/.flexiumrc if it exists, else None."""
+    candidates = [Path.cwd() / RC_FILENAME]
+    try:
+        candidates.append(Path.home() / RC_FILENAME)
+    except RuntimeError:  # no HOME and no passwd entry: only the local file can apply
+        pass
+    for path in candidates:
+        if os.path.lexists(path):
+            return path.absolute()
+    return None
+
+
+def _read_rc(path: Path) -> dict[str, tuple[Any, int]]:
+    """The rc file's known keys as {field: (value, line)}; unknown keys are logged and dropped."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}; fix or remove it") from exc
+    try:
+        root = yaml.compose(text, Loader=yaml.SafeLoader)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+        at_line = f", line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(
+            f"config file {path}{at_line} is not valid YAML ({problem}); "
+            "it should hold lines like 'server: app.flexium.ai/myworkspace' and 'device: cuda:0'"
+        ) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict) or not isinstance(root, yaml.MappingNode):
+        raise ConfigError(
+            f"config file {path} must be a YAML mapping of keys to values, but its top level is a "
+            f"{type(data).__name__}; write one 'key: value' per line, e.g. 'server: app.flexium.ai/myworkspace'"
+        )
+    lines: dict[Any, int] = {}
+    for key_node, value_node in root.value:
+        if isinstance(key_node, yaml.ScalarNode):
+            lines[key_node.value] = value_node.start_mark.line + 1
+    found: dict[str, tuple[Any, int]] = {}
+    for key, value in data.items():
+        name = _RC_KEYS.get(key) if isinstance(key, str) else None
+        line = lines.get(str(key), 0)
+        if name is None:
+            close = difflib.get_close_matches(str(key), sorted(_RC_KEYS), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            _log.warning(
+                "ignoring unknown key %r in config file %s (line %d); known keys: %s%s",
+                key, path, line, ", ".join(sorted(_RC_KEYS)), hint,
+            )
+            continue
+        if value is not None:
+            found[name] = (value, line)
+    return found
+
+
+def load_config(
+    orchestrator: Optional[str] = None,
+    device: Optional[str] = None,
+    *,
+    token: Optional[str] = None,
+) -> FlexiumConfig:
+    """Resolve and validate flexium's settings. Raises ConfigError naming the bad value's source."""
+    rc_path = find_config_file()
+    rc = _read_rc(rc_path) if rc_path is not None else {}
+    params: dict[str, Any] = {"orchestrator": orchestrator, "device": device, "token": token}
+
+    raw: dict[str, Optional[_Raw]] = {}
+    for name, (rc_key, env_name, label) in _FIELDS.items():
+        param = params.get(name)
+        env_value = os.environ.get(env_name, "")
+        if param is not None:
+            raw[name] = _Raw(param, SOURCE_PARAMETER, f"(passed in code as {name}=)")
+        elif env_value.strip():
+            # An empty variable counts as unset: `FLEXIUM_SERVER= python train.py` means local mode.
+            raw[name] = _Raw(env_value, env_name, f"(from environment variable {env_name})")
+        elif name in rc:
+            value, line = rc[name]
+            raw[name] = _Raw(value, str(rc_path), f"(from {rc_path}, line {line}, key '{rc_key}')")
+        else:
+            raw[name] = None
+
+    sources: dict[str, str] = {}
+    for name in _FIELDS:
+        entry = raw[name]
+        sources[name] = entry.source if entry is not None else SOURCE_DEFAULT
+
+    orchestrator_value: Optional[str] = None
+    address: Optional[ServerAddress] = None
+    entry = raw["orchestrator"]
+    if entry is not None:
+        address = parse_server_address(entry.value, where=entry.where)
+        orchestrator_value = entry.value.strip()
+
+    entry = raw["device"]
+    device_value = validate_device(entry.value, where=entry.where) if entry is not None else DEFAULT_DEVICE
+
+    entry = raw["token"]
+    token_value = _validate_token(entry.value, entry.where) if entry is not None else None
+
+    entry = raw["log_level"]
+    log_level = _validate_log_level(entry.value, entry.where) if entry is not None else DEFAULT_LEVEL
+
+    return FlexiumConfig(
+        orchestrator=orchestrator_value,
+        device=device_value,
+        token=token_value,
+        log_level=log_level,
+        address=address,
+        config_file=str(rc_path) if rc_path is not None else None,
+        sources=MappingProxyType(sources),
+    )
+
+
+def print_local_mode_warning() -> None:
+    """Print the local-mode box to stderr exactly as documented (no logging prefix or level)."""
+    sys.stderr.write(LOCAL_MODE_WARNING)
+    sys.stderr.flush()
