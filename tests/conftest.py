@@ -1,0 +1,8 @@
+"""Puts tests/ on sys.path so that test modules can `import fake_driver`."""
+
+import sys
+from pathlib import Path
+
+_TESTS_DIR = str(Path(__file__).resolve().parent)
+if _TESTS_DIR not in sys.path:
+    sys.path.insert(0, _TESTS_DIR)

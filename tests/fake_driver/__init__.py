@@ -1,0 +1,474 @@
+"""A test double of the NVIDIA driver (libcuda + NVML) for CPU-only machines.
+
+``build()`` compiles ``fake_cuda.c`` into one shared library; ``FakeDriver`` drives it through
+ctypes. The library plays two parts at once:
+
+* **libcuda** for ``flexium._C``: set ``FLEXIUM_LIBCUDA`` to ``build()`` before ``_C`` first
+  touches the driver (it loads the driver once per process). ``activate()`` does that and checks it.
+* **NVML** for pynvml (nvidia-ml-py 13): ``FLEXIUM_LIBNVML`` names the same file. pynvml loads
+  ``libnvidia-ml.so.1`` in ``_LoadNvmlLibrary`` only while ``pynvml.nvmlLib is None``, so
+  ``pynvml.nvmlLib = ctypes.CDLL(path)`` before ``pynvml.nvmlInit()`` redirects every later call
+  (``nvmlInit`` calls ``nvmlInitWithFlags(0)``, found by ``getattr(nvmlLib, name)``). pynvml caches
+  function pointers by name in ``pynvml._nvmlGetFunctionPointer_cache``: clear it if a process
+  switches libraries after a call. ``FakeDriver.attach_pynvml(pynvml)`` does both.
+
+The dynamic loader keeps one instance of a library per file, so ``_C``'s ``dlopen`` of the path,
+pynvml's ``CDLL`` of it and ``FakeDriver``'s ``CDLL`` of it all share one modelled machine.
+
+The machine
+-----------
+``FAKE_CUDA_GPUS`` GPUs (default 2, at most 16), numbered the same for CUDA and NVML. Each has a
+fixed UUID (the same in every run; ``FakeDriver.uuid(i)``), a name from ``FAKE_CUDA_MODELS``
+(comma list per GPU, the last repeating; default ``NVIDIA H200``), a size from
+``FAKE_CUDA_TOTAL_MIB`` (same form; default 143771) and a PCI bus id.
+
+The process (``getpid()``) has one logical device per GPU, logical ``i`` on physical ``i`` at first.
+It holds ``set_process_memory(logical, bytes)`` on each; other processes hold
+``set_other_memory(physical, bytes)``. Its checkpoint state machine::
+
+    RUNNING -lock-> LOCKED -checkpoint-> CHECKPOINTED -restore-> LOCKED -unlock-> RUNNING
+
+Any other transition: ``CUDA_ERROR_ILLEGAL_STATE``, nothing changes. FAILED is reached only through
+``force_state`` and left by no transition (what the real driver allows there is unmeasured).
+
+* lock: ``set_lock_delay_ms(ms)`` makes the process take ``ms`` to drain; a lock whose
+  ``timeoutMs`` (0: no timeout) is shorter sleeps ``timeoutMs`` and returns ``CUDA_ERROR_TIMEOUT``.
+* restore with GPU pairs (``old`` = the physical GPU a logical device is on NOW, ``new`` = where it
+  goes) must list every GPU once as old and once as new (DESIGN.md fact 2), name GPUs of this
+  machine, of the same model, and needs CUDA >= 13000; else ``CUDA_ERROR_INVALID_VALUE``. Each
+  destination needs free memory (total - other processes) for what lands on it, else
+  ``CUDA_ERROR_OUT_OF_MEMORY``. Any failure leaves the process CHECKPOINTED where it was (fact 3).
+  A restore without pairs (NULL args, or no pairs) restores in place, with the same memory check.
+  ``set_oom_poisons_restore(True)`` models NVIDIA/cuda-checkpoint issue 44 (driver 580.95): after
+  a restore failed for memory, every later restore fails with ``CUDA_ERROR_OPERATING_SYSTEM``.
+* while CHECKPOINTED the process holds no GPU memory (NVML shows none; fact 6).
+* after a remap, ``cuDeviceGet*`` still report each logical device's ORIGINAL GPU (fact 5);
+  ``physical_of`` and NVML say where it really is.
+* reserved fields of the argument structs must be zero, else ``CUDA_ERROR_INVALID_VALUE``.
+* any pid other than ``getpid()``: ``CUDA_ERROR_INVALID_VALUE`` from every checkpoint function
+  (what tools see from the real driver for a pid with no CUDA state; not measured here).
+* fact 4: while the process is not RUNNING, its other CUDA calls (cuInit, cuDevice*) block until
+  it runs again. From the thread that took the lock that never happens (the real driver hangs):
+  the fake returns ``CUDA_ERROR_ILLEGAL_STATE`` at once, counts a deadlock and says so on stderr.
+  Another thread waits up to ``set_block_timeout_ms`` (default 5000) and then does the same.
+  ``blocked_calls()`` / ``deadlocks()`` count them. cuGetErrorName/String never block.
+* ``cuGetProcAddress[_v2]`` knows only the functions flexium uses, each from the CUDA version
+  of its current ABI; an older version asked: ``VERSION_NOT_SUFFICIENT``; an unknown name, a
+  function newer than ``FAKE_CUDA_VERSION`` (default 13000; checkpoint needs 12080) or a checkpoint
+  function under ``FAKE_CUDA_NO_CHECKPOINT=1``: ``SYMBOL_NOT_FOUND``. Both return
+  ``CUDA_ERROR_NOT_FOUND``.
+* ``FAKE_CUDA_GPUS=0``: ``cuInit`` fails with ``CUDA_ERROR_NO_DEVICE``.
+
+NVML (physical view): memory used = other processes + this process's bytes on that GPU now;
+compute processes = this pid (when it holds memory there) and, for other memory, one process
+with pid ``OTHER_PID_BASE + physical`` (above the kernel's pid limit, so never real). Driver
+version ``FAKE_NVML_DRIVER`` (default ``580.159.04``).
+
+Failure injection: ``fail(function, code, nth=1)`` makes the nth next call of ``function`` (any
+exported cu*/nvml* name) return ``code`` without doing anything; ``nth=0``: every call, until
+``clear_failures()``. ``FAKE_CUDA_FAIL="function:code[:nth],..."`` arms the same at load (nth
+defaults to 0 there), for subprocesses. ``set_delay_ms(function, ms)`` makes calls slow.
+
+Environment, read at load and by ``reset()``: FAKE_CUDA_GPUS, FAKE_CUDA_VERSION,
+FAKE_CUDA_NO_CHECKPOINT, FAKE_CUDA_MODELS, FAKE_CUDA_TOTAL_MIB, FAKE_NVML_DRIVER, FAKE_CUDA_FAIL.
+``_C`` resolves symbols and reads the CUDA version once, so FAKE_CUDA_VERSION and
+FAKE_CUDA_NO_CHECKPOINT only matter for a process that has not loaded the driver yet.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import enum
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional, Union
+
+SOURCE = Path(__file__).resolve().with_name("fake_cuda.c")
+REPO_ROOT = SOURCE.parents[2]
+BUILD_DIR = REPO_ROOT / "build" / "fake_driver"
+LIBRARY_NAME = "libfake_cuda.so"
+CFLAGS = ["-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror", "-pthread"]
+
+OTHER_PID_BASE = 4195304
+FAKE_ENV_VARS = (
+    "FAKE_CUDA_GPUS",
+    "FAKE_CUDA_VERSION",
+    "FAKE_CUDA_NO_CHECKPOINT",
+    "FAKE_CUDA_MODELS",
+    "FAKE_CUDA_TOTAL_MIB",
+    "FAKE_NVML_DRIVER",
+    "FAKE_CUDA_FAIL",
+)
+
+CUDA_ERRORS = {
+    "CUDA_SUCCESS": 0,
+    "CUDA_ERROR_INVALID_VALUE": 1,
+    "CUDA_ERROR_OUT_OF_MEMORY": 2,
+    "CUDA_ERROR_NOT_INITIALIZED": 3,
+    "CUDA_ERROR_DEINITIALIZED": 4,
+    "CUDA_ERROR_NO_DEVICE": 100,
+    "CUDA_ERROR_INVALID_DEVICE": 101,
+    "CUDA_ERROR_INVALID_CONTEXT": 201,
+    "CUDA_ERROR_OPERATING_SYSTEM": 304,
+    "CUDA_ERROR_INVALID_HANDLE": 400,
+    "CUDA_ERROR_ILLEGAL_STATE": 401,
+    "CUDA_ERROR_NOT_FOUND": 500,
+    "CUDA_ERROR_NOT_READY": 600,
+    "CUDA_ERROR_ILLEGAL_ADDRESS": 700,
+    "CUDA_ERROR_LAUNCH_FAILED": 719,
+    "CUDA_ERROR_NOT_PERMITTED": 800,
+    "CUDA_ERROR_NOT_SUPPORTED": 801,
+    "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH": 803,
+    "CUDA_ERROR_TIMEOUT": 909,
+    "CUDA_ERROR_UNKNOWN": 999,
+}
+NVML_ERRORS = {
+    "NVML_SUCCESS": 0,
+    "NVML_ERROR_UNINITIALIZED": 1,
+    "NVML_ERROR_INVALID_ARGUMENT": 2,
+    "NVML_ERROR_NOT_SUPPORTED": 3,
+    "NVML_ERROR_NO_PERMISSION": 4,
+    "NVML_ERROR_NOT_FOUND": 6,
+    "NVML_ERROR_INSUFFICIENT_SIZE": 7,
+    "NVML_ERROR_DRIVER_NOT_LOADED": 9,
+    "NVML_ERROR_TIMEOUT": 10,
+    "NVML_ERROR_GPU_IS_LOST": 15,
+    "NVML_ERROR_UNKNOWN": 999,
+}
+
+# cuGetProcAddress_v2 lookup status
+SYMBOL_FOUND = 0
+SYMBOL_NOT_FOUND = 1
+VERSION_NOT_SUFFICIENT = 2
+
+
+class ProcessState(enum.IntEnum):
+    RUNNING = 0
+    LOCKED = 1
+    CHECKPOINTED = 2
+    FAILED = 3
+
+
+@dataclass(frozen=True)
+class Call:
+    """One logged CUDA call: ``pairs`` is the gpuPairs count of a restore (0: in place), else -1."""
+
+    function: str
+    result: int
+    pairs: int
+    tid: int
+
+
+def _error_code(code: Union[int, str]) -> int:
+    if isinstance(code, int):
+        return code
+    if code in CUDA_ERRORS:
+        return CUDA_ERRORS[code]
+    if code in NVML_ERRORS:
+        return NVML_ERRORS[code]
+    raise ValueError(f"unknown error name {code!r}")
+
+
+def build(force: bool = False) -> Path:
+    """Compiles fake_cuda.c (when the library is missing or older than the source) and returns
+    the library's path. The new file replaces the old one atomically: a process that has the
+    old one loaded keeps it, and concurrent builders never see a half-written file."""
+    BUILD_DIR.mkdir(parents=True, exist_ok=True)
+    target = BUILD_DIR / LIBRARY_NAME
+    if not force and target.exists() and target.stat().st_mtime >= SOURCE.stat().st_mtime:
+        return target
+    compiler = os.environ.get("CC", "cc")
+    fd, tmp_name = tempfile.mkstemp(prefix=".libfake_cuda.", suffix=".so", dir=BUILD_DIR)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [compiler, *CFLAGS, "-o", tmp_name, str(SOURCE)], capture_output=True, text=True
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"building the fake driver failed ({compiler}):\n{done.stderr}")
+        os.chmod(tmp_name, 0o755)
+        os.replace(tmp_name, target)
+    finally:
+        if os.path.exists(tmp_name):
+            os.unlink(tmp_name)
+    return target
+
+
+def subprocess_env(library: Optional[Path] = None, **fake_vars: Any) -> dict[str, str]:
+    """The environment for a Python subprocess that should run on the fake: this environment
+    without FAKE_* settings, plus FLEXIUM_LIBCUDA / FLEXIUM_LIBNVML, the given FAKE_* variables
+    (``FAKE_CUDA_GPUS=4``) and tests/ on PYTHONPATH so that it can import fake_driver."""
+    env = {k: v for k, v in os.environ.items() if k not in FAKE_ENV_VARS}
+    path = str(library if library is not None else build())
+    env["FLEXIUM_LIBCUDA"] = path
+    env["FLEXIUM_LIBNVML"] = path
+    for name, value in fake_vars.items():
+        if not name.startswith("FAKE_"):
+            raise ValueError(f"{name}: only FAKE_* variables belong here")
+        env[name] = str(value)
+    tests_dir = str(SOURCE.parents[1])
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, env.get("PYTHONPATH", "")) if p)
+    return env
+
+
+class FakeDriver:
+    """ctypes handle on the fake driver's control functions. Every method acts on the one
+    instance of the library in this process, the one flexium._C and pynvml use."""
+
+    def __init__(self, path: Optional[Path] = None) -> None:
+        self.path = Path(path) if path is not None else build()
+        self._lib = ctypes.CDLL(str(self.path))
+        self._declare()
+
+    def _declare(self) -> None:
+        lib = self._lib
+        c_int, c_uint, c_ull, c_long = ctypes.c_int, ctypes.c_uint, ctypes.c_ulonglong, ctypes.c_long
+        signatures: dict[str, tuple[Any, list[Any]]] = {
+            "fake_reset": (None, []),
+            "fake_gpu_count": (c_int, []),
+            "fake_uuid": (c_int, [c_int, ctypes.c_char_p, c_int]),
+            "fake_set_process_memory": (c_int, [c_int, c_ull]),
+            "fake_set_other_memory": (c_int, [c_int, c_ull]),
+            "fake_set_gpu_activity": (c_int, [c_int, c_uint, c_uint, c_uint, c_ull]),
+            "fake_fail": (c_int, [ctypes.c_char_p, c_int, c_int]),
+            "fake_clear_failures": (None, []),
+            "fake_pending_failures": (c_int, []),
+            "fake_set_delay_ms": (c_int, [ctypes.c_char_p, c_uint]),
+            "fake_set_lock_delay_ms": (None, [c_uint]),
+            "fake_set_block_timeout_ms": (None, [c_uint]),
+            "fake_set_oom_poisons_restore": (None, [c_int]),
+            "fake_state": (c_int, []),
+            "fake_force_state": (c_int, [c_int]),
+            "fake_physical_of": (c_int, [c_int]),
+            "fake_process_bytes_on": (c_ull, [c_int]),
+            "fake_used_bytes": (c_ull, [c_int]),
+            "fake_call_count": (c_int, [ctypes.c_char_p]),
+            "fake_last_pairs_count": (c_int, []),
+            "fake_last_pair": (c_int, [c_int, ctypes.POINTER(c_int), ctypes.POINTER(c_int)]),
+            "fake_log_size": (c_int, []),
+            "fake_log_dropped": (c_long, []),
+            "fake_log_entry": (
+                c_int,
+                [c_int, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(c_int), ctypes.POINTER(c_int),
+                 ctypes.POINTER(c_long)],
+            ),
+            "fake_clear_log": (None, []),
+            "fake_blocked_calls": (c_int, []),
+            "fake_deadlocks": (c_int, []),
+            "fake_restore_thread_id": (c_int, []),
+            "fake_nvml_refcount": (c_int, []),
+            "fake_cuda_version": (c_int, []),
+        }
+        for name, (restype, argtypes) in signatures.items():
+            fn = getattr(lib, name)
+            fn.restype = restype
+            fn.argtypes = argtypes
+
+    @property
+    def library(self) -> ctypes.CDLL:
+        """The library itself, for calling its cu*/nvml* functions directly."""
+        return self._lib
+
+    @staticmethod
+    def _check(rc: int, what: str) -> None:
+        if rc != 0:
+            raise ValueError(f"fake driver refused {what}")
+
+    # -- configuration -------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        """Back to the start: RUNNING, logical i on physical i, no memory anywhere, no failures,
+        delays or log; re-reads the FAKE_* environment. NVML's init count and cuInit survive."""
+        self._lib.fake_reset()
+
+    def set_process_memory(self, logical: int, nbytes: int) -> None:
+        """Bytes this process holds on logical device ``logical`` (it moves with the device)."""
+        self._check(self._lib.fake_set_process_memory(logical, nbytes), f"logical device {logical}")
+
+    def set_other_memory(self, physical: int, nbytes: int) -> None:
+        """Bytes other processes hold on physical GPU ``physical``."""
+        self._check(self._lib.fake_set_other_memory(physical, nbytes), f"GPU {physical}")
+
+    def set_gpu_activity(
+        self, physical: int, *, utilization: int = 0, memory_utilization: int = 0,
+        temperature_c: int = 35, ecc_uncorrected: int = 0,
+    ) -> None:
+        """What NVML reports as utilization, temperature and uncorrected ECC errors of a GPU."""
+        rc = self._lib.fake_set_gpu_activity(physical, utilization, memory_utilization, temperature_c, ecc_uncorrected)
+        self._check(rc, f"GPU {physical}")
+
+    def fail(self, function: str, code: Union[int, str], nth: int = 1) -> None:
+        """The ``nth`` next call of ``function`` returns ``code`` (an int or a CUDA_ERROR_* /
+        NVML_ERROR_* name) and does nothing else; ``nth=0``: every call until clear_failures()."""
+        self._check(self._lib.fake_fail(function.encode(), nth, _error_code(code)), f"fail({function!r}, nth={nth})")
+
+    def clear_failures(self) -> None:
+        self._lib.fake_clear_failures()
+
+    def pending_failures(self) -> int:
+        """Injected failures not fired yet (every-call ones count until cleared)."""
+        return int(self._lib.fake_pending_failures())
+
+    def set_delay_ms(self, function: str, ms: int) -> None:
+        """Each call of ``function`` sleeps ``ms`` first (outside the fake's lock)."""
+        self._check(self._lib.fake_set_delay_ms(function.encode(), ms), f"delay of {function!r}")
+
+    def set_lock_delay_ms(self, ms: int) -> None:
+        """cuCheckpointProcessLock takes ``ms`` to drain the process; shorter timeouts fail with
+        CUDA_ERROR_TIMEOUT after sleeping the timeout."""
+        self._lib.fake_set_lock_delay_ms(ms)
+
+    def set_block_timeout_ms(self, ms: int) -> None:
+        """How long a CUDA call from another thread waits for a locked process to run again."""
+        self._lib.fake_set_block_timeout_ms(ms)
+
+    def set_oom_poisons_restore(self, on: bool) -> None:
+        """Model cuda-checkpoint issue 44: after an OOM restore, restores fail for good."""
+        self._lib.fake_set_oom_poisons_restore(1 if on else 0)
+
+    def force_state(self, state: Union[ProcessState, int]) -> None:
+        """Puts the process in ``state`` at once, bypassing the checkpoint API's rules."""
+        self._check(self._lib.fake_force_state(int(state)), f"state {state}")
+
+    # -- observation ---------------------------------------------------------------------------
+
+    @property
+    def gpu_count(self) -> int:
+        return int(self._lib.fake_gpu_count())
+
+    @property
+    def cuda_version(self) -> int:
+        return int(self._lib.fake_cuda_version())
+
+    def uuid(self, physical: int) -> str:
+        """The "GPU-..." UUID of a physical GPU, as NVML and (before a remap) CUDA report it."""
+        buf = ctypes.create_string_buffer(64)
+        self._check(self._lib.fake_uuid(physical, buf, len(buf)), f"GPU {physical}")
+        return buf.value.decode()
+
+    def uuids(self) -> list[str]:
+        return [self.uuid(i) for i in range(self.gpu_count)]
+
+    def state(self) -> ProcessState:
+        return ProcessState(self._lib.fake_state())
+
+    def physical_of(self, logical: int) -> int:
+        """The physical GPU logical device ``logical`` is on now (-1: no such device)."""
+        return int(self._lib.fake_physical_of(logical))
+
+    def placement(self) -> list[int]:
+        return [self.physical_of(i) for i in range(self.gpu_count)]
+
+    def process_bytes_on(self, physical: int) -> int:
+        """This process's bytes on a physical GPU now (0 while checkpointed)."""
+        return int(self._lib.fake_process_bytes_on(physical))
+
+    def used_bytes(self, physical: int) -> int:
+        """NVML's memory used of a physical GPU: other processes + this process."""
+        return int(self._lib.fake_used_bytes(physical))
+
+    def call_count(self, function: str) -> int:
+        """Calls of an exported cu*/nvml* function since the last reset()/clear_log()."""
+        return int(self._lib.fake_call_count(function.encode()))
+
+    def last_pairs_count(self) -> int:
+        """gpuPairsCount of the last cuCheckpointProcessRestore (0: in place; -1: none yet)."""
+        return int(self._lib.fake_last_pairs_count())
+
+    def last_pairs(self) -> list[tuple[int, int]]:
+        """The last restore's pairs as (old, new) physical indexes; -1 for a UUID not of this machine."""
+        pairs = []
+        old, new = ctypes.c_int(), ctypes.c_int()
+        for i in range(max(self.last_pairs_count(), 0)):
+            if self._lib.fake_last_pair(i, ctypes.byref(old), ctypes.byref(new)) != 0:
+                break
+            pairs.append((old.value, new.value))
+        return pairs
+
+    def calls(self, prefix: str = "cu") -> list[Call]:
+        """Logged CUDA calls, oldest first (the log keeps the last 4096), filtered by name prefix."""
+        out = []
+        name, result, pairs, tid = ctypes.c_char_p(), ctypes.c_int(), ctypes.c_int(), ctypes.c_long()
+        for i in range(self._lib.fake_log_size()):
+            if self._lib.fake_log_entry(i, ctypes.byref(name), ctypes.byref(result), ctypes.byref(pairs), ctypes.byref(tid)) != 0:
+                break
+            function = (name.value or b"").decode()
+            if function.startswith(prefix):
+                out.append(Call(function, result.value, pairs.value, tid.value))
+        return out
+
+    def checkpoint_calls(self) -> list[str]:
+        """Names of the checkpoint API calls in order, without the cuCheckpointProcess prefix
+        ("Lock", "Checkpoint", "Restore", "Unlock", "GetState", "GetRestoreThreadId")."""
+        prefix = "cuCheckpointProcess"
+        return [c.function[len(prefix):] for c in self.calls(prefix)]
+
+    def log_dropped(self) -> int:
+        return int(self._lib.fake_log_dropped())
+
+    def clear_log(self) -> None:
+        """Forgets the call log, counters, last pairs and blocked/deadlock counts."""
+        self._lib.fake_clear_log()
+
+    def blocked_calls(self) -> int:
+        """CUDA calls made while the process was not RUNNING (fact 4: the real driver blocks them)."""
+        return int(self._lib.fake_blocked_calls())
+
+    def deadlocks(self) -> int:
+        """Of those, calls that would never return on a real driver."""
+        return int(self._lib.fake_deadlocks())
+
+    def restore_thread_id(self) -> int:
+        """The tid cuCheckpointProcessGetRestoreThreadId reports (the thread that ran cuInit)."""
+        return int(self._lib.fake_restore_thread_id())
+
+    def nvml_refcount(self) -> int:
+        return int(self._lib.fake_nvml_refcount())
+
+    # -- helpers -------------------------------------------------------------------------------
+
+    def attach_pynvml(self, pynvml: Any) -> None:
+        """Makes the given pynvml module use this library (see the module docstring)."""
+        pynvml.nvmlLib = self._lib
+        pynvml._nvmlGetFunctionPointer_cache.clear()
+
+    def environment(self, **fake_vars: Any) -> dict[str, str]:
+        """subprocess_env() for this library."""
+        return subprocess_env(self.path, **fake_vars)
+
+    def run_python(self, code: str, timeout: float = 120, **fake_vars: Any) -> subprocess.CompletedProcess:
+        """Runs ``code`` in a fresh Python on the fake (own driver load, own machine state)."""
+        return subprocess.run(
+            [sys.executable, "-c", code], env=self.environment(**fake_vars), capture_output=True, text=True,
+            timeout=timeout,
+        )
+
+
+def activate() -> FakeDriver:
+    """Points this process's flexium._C (and flexium's NVML through FLEXIUM_LIBNVML) at the fake,
+    loads it and returns its FakeDriver, reset. _C loads a driver once per process: if something
+    already made it load another library, this raises RuntimeError naming it."""
+    path = build()
+    os.environ.setdefault("FLEXIUM_LIBCUDA", str(path))
+    os.environ.setdefault("FLEXIUM_LIBNVML", str(path))
+    from flexium import _C
+
+    status = _C.driver_status()
+    if status["library"] != str(path):
+        raise RuntimeError(
+            f"flexium._C already loaded {status['library']!r} in this process, not the fake driver "
+            f"{str(path)!r}: FLEXIUM_LIBCUDA must name the fake before anything touches the driver"
+        )
+    fake = FakeDriver(path)
+    fake.reset()
+    return fake
+
+
+__all__ = [
+    "CUDA_ERRORS", "NVML_ERRORS", "OTHER_PID_BASE", "SYMBOL_FOUND", "SYMBOL_NOT_FOUND", "VERSION_NOT_SUFFICIENT",
+    "Call", "FakeDriver", "ProcessState", "activate", "build", "subprocess_env",
+]

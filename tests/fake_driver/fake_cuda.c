@@ -1,0 +1,1549 @@
+/*
+ * A test double of the NVIDIA driver for CPU-only machines: the few libcuda functions flexium
+ * resolves (csrc/driver_table.h) and the NVML functions pynvml needs, in one shared library, so
+ * that flexium._C (through FLEXIUM_LIBCUDA) and pynvml (through FLEXIUM_LIBNVML) see one machine.
+ *
+ * It models the facts measured on real GPUs (/work/shared/DESIGN.md):
+ *  - one CUDA process (getpid()) with a checkpoint state machine
+ *      RUNNING -lock-> LOCKED -checkpoint-> CHECKPOINTED -restore-> LOCKED -unlock-> RUNNING;
+ *    any other transition is CUDA_ERROR_ILLEGAL_STATE and changes nothing;
+ *  - a restore with GPU pairs must name every visible GPU once as old and once as new (fact 2),
+ *    and a failed restore leaves the process CHECKPOINTED (fact 3);
+ *  - after a remap the process keeps reporting its original device identity (fact 5), while
+ *    NVML reports physical GPUs and where the process's memory really is (fact 6);
+ *  - while the process is not RUNNING, every other CUDA call blocks, including on the thread
+ *    that took the lock (fact 4).
+ * Control functions (fake_*) let tests set memory, inject failures and read a call log.
+ * See tests/fake_driver/__init__.py for the full description.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+/* ------------------------------------------------------------------ CUDA driver types */
+
+typedef int CUresult;
+typedef int CUdevice;
+typedef uint64_t cuuint64_t;
+
+enum {
+  CUDA_SUCCESS = 0,
+  CUDA_ERROR_INVALID_VALUE = 1,
+  CUDA_ERROR_OUT_OF_MEMORY = 2,
+  CUDA_ERROR_NOT_INITIALIZED = 3,
+  CUDA_ERROR_DEINITIALIZED = 4,
+  CUDA_ERROR_NO_DEVICE = 100,
+  CUDA_ERROR_INVALID_DEVICE = 101,
+  CUDA_ERROR_INVALID_CONTEXT = 201,
+  CUDA_ERROR_OPERATING_SYSTEM = 304,
+  CUDA_ERROR_INVALID_HANDLE = 400,
+  CUDA_ERROR_ILLEGAL_STATE = 401,
+  CUDA_ERROR_NOT_FOUND = 500,
+  CUDA_ERROR_NOT_READY = 600,
+  CUDA_ERROR_ILLEGAL_ADDRESS = 700,
+  CUDA_ERROR_LAUNCH_FAILED = 719,
+  CUDA_ERROR_NOT_PERMITTED = 800,
+  CUDA_ERROR_NOT_SUPPORTED = 801,
+  CUDA_ERROR_SYSTEM_DRIVER_MISMATCH = 803,
+  CUDA_ERROR_TIMEOUT = 909,
+  CUDA_ERROR_UNKNOWN = 999,
+};
+
+typedef struct {
+  char bytes[16];
+} CUuuid;
+
+enum { CU_GET_PROC_ADDRESS_SUCCESS = 0, CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND = 1,
+       CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT = 2 };
+/* cuGetProcAddress flags the real driver accepts: default, legacy stream, per-thread stream. */
+#define FAKE_PROC_ADDRESS_FLAGS 3ull
+
+enum { CU_PROCESS_STATE_RUNNING = 0, CU_PROCESS_STATE_LOCKED = 1, CU_PROCESS_STATE_CHECKPOINTED = 2,
+       CU_PROCESS_STATE_FAILED = 3 };
+
+typedef struct {
+  unsigned int timeoutMs;
+  unsigned int reserved0;
+  cuuint64_t reserved1[7];
+} CUcheckpointLockArgs;
+
+typedef struct {
+  cuuint64_t reserved[8];
+} CUcheckpointCheckpointArgs;
+
+typedef struct {
+  CUuuid oldUuid;
+  CUuuid newUuid;
+} CUcheckpointGpuPair;
+
+/* Everything after gpuPairsCount is reserved and must be zero, whatever later headers call it. */
+typedef struct {
+  CUcheckpointGpuPair *gpuPairs;
+  unsigned int gpuPairsCount;
+  char reserved[44];
+  cuuint64_t reserved1;
+} CUcheckpointRestoreArgs;
+
+typedef struct {
+  cuuint64_t reserved[8];
+} CUcheckpointUnlockArgs;
+
+_Static_assert(sizeof(CUcheckpointLockArgs) == 64, "layout of CUcheckpointLockArgs");
+_Static_assert(sizeof(CUcheckpointRestoreArgs) == 64, "layout of CUcheckpointRestoreArgs");
+_Static_assert(sizeof(CUcheckpointGpuPair) == 32, "layout of CUcheckpointGpuPair");
+
+/* ------------------------------------------------------------------ NVML types */
+
+typedef int nvmlReturn_t;
+enum {
+  NVML_SUCCESS = 0,
+  NVML_ERROR_UNINITIALIZED = 1,
+  NVML_ERROR_INVALID_ARGUMENT = 2,
+  NVML_ERROR_NOT_SUPPORTED = 3,
+  NVML_ERROR_NO_PERMISSION = 4,
+  NVML_ERROR_ALREADY_INITIALIZED = 5,
+  NVML_ERROR_NOT_FOUND = 6,
+  NVML_ERROR_INSUFFICIENT_SIZE = 7,
+  NVML_ERROR_DRIVER_NOT_LOADED = 9,
+  NVML_ERROR_TIMEOUT = 10,
+  NVML_ERROR_LIBRARY_NOT_FOUND = 12,
+  NVML_ERROR_FUNCTION_NOT_FOUND = 13,
+  NVML_ERROR_GPU_IS_LOST = 15,
+  NVML_ERROR_IN_USE = 19,
+  NVML_ERROR_MEMORY = 20,
+  NVML_ERROR_NO_DATA = 21,
+  NVML_ERROR_ARGUMENT_VERSION_MISMATCH = 25,
+  NVML_ERROR_UNKNOWN = 999,
+};
+
+typedef struct {
+  unsigned long long total;
+  unsigned long long free;
+  unsigned long long used;
+} nvmlMemory_t;
+
+typedef struct {
+  unsigned int version;
+  unsigned long long total;
+  unsigned long long reserved;
+  unsigned long long free;
+  unsigned long long used;
+} nvmlMemory_v2_t;
+#define NVML_MEMORY_V2_VERSION (unsigned int)(sizeof(nvmlMemory_v2_t) | (2u << 24))
+
+/* nvmlProcessInfo_v2_t; pynvml 13 uses the same layout for the _v3 entry points. */
+typedef struct {
+  unsigned int pid;
+  unsigned long long usedGpuMemory;
+  unsigned int gpuInstanceId;
+  unsigned int computeInstanceId;
+} nvmlProcessInfo_t;
+
+typedef struct {
+  unsigned int gpu;
+  unsigned int memory;
+} nvmlUtilization_t;
+
+typedef struct {
+  unsigned int version;
+  int sensorType;
+  int temperature;
+} nvmlTemperature_t;
+#define NVML_TEMPERATURE_V1_VERSION (unsigned int)(sizeof(nvmlTemperature_t) | (1u << 24))
+
+typedef struct {
+  char busIdLegacy[16];
+  unsigned int domain;
+  unsigned int bus;
+  unsigned int device;
+  unsigned int pciDeviceId;
+  unsigned int pciSubSystemId;
+  char busId[32];
+} nvmlPciInfo_t;
+
+_Static_assert(sizeof(nvmlProcessInfo_t) == 24, "layout of nvmlProcessInfo_v2_t");
+_Static_assert(sizeof(nvmlMemory_v2_t) == 40, "layout of nvmlMemory_v2_t");
+
+/* ------------------------------------------------------------------ the modelled machine */
+
+#define MAX_GPUS 16
+#define MAX_RULES 64
+#define MAX_COUNTERS 128
+#define LOG_CAPACITY 4096
+#define MAX_DELAYS 32
+#define MIB (1024ull * 1024ull)
+/* Above the kernel's PID_MAX_LIMIT (2^22), so never a real process. */
+#define OTHER_PID_BASE 4195304u
+
+struct gpu {
+  CUuuid uuid;
+  char uuid_text[48];
+  char name[96];
+  char pci_bus_id[16]; /* "0000:18:00.0", as cuDeviceGetPCIBusId prints it */
+  unsigned int bus;
+  unsigned long long total;
+  unsigned long long other_bytes; /* used by other processes */
+  unsigned int util_gpu, util_memory, temperature_c;
+  unsigned long long ecc_uncorrected;
+};
+
+struct rule {
+  char function[64];
+  int countdown; /* fires when it reaches 0; 0 at creation means every call */
+  int every;
+  int code;
+};
+
+struct counter {
+  char function[64];
+  int count;
+};
+
+struct log_entry {
+  const char *function;
+  int result;
+  int pairs;
+  long tid;
+};
+
+struct delay {
+  char function[64];
+  unsigned int ms;
+};
+
+static pthread_mutex_t mutex = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t state_changed = PTHREAD_COND_INITIALIZER;
+
+static struct {
+  /* configuration read from the environment */
+  int cuda_version;
+  int no_checkpoint;
+  char nvml_driver[80];
+  int gpu_count;
+  struct gpu gpus[MAX_GPUS];
+
+  /* the process */
+  int initialized;       /* cuInit succeeded */
+  long restore_tid;      /* thread that ran cuInit: stands for the driver's restore thread */
+  int state;
+  long lock_tid;         /* thread that took the checkpoint lock */
+  int placement[MAX_GPUS];                     /* logical device -> physical GPU */
+  unsigned long long process_bytes[MAX_GPUS];  /* per logical device */
+  int restore_poisoned;
+  int oom_poisons_restore;
+
+  /* behaviour and failure injection */
+  unsigned int lock_delay_ms;
+  unsigned int block_timeout_ms;
+  struct rule rules[MAX_RULES];
+  int rule_count;
+  struct delay delays[MAX_DELAYS];
+  int delay_count;
+
+  /* observation */
+  struct counter counters[MAX_COUNTERS];
+  int counter_count;
+  struct log_entry log[LOG_CAPACITY];
+  long log_total;
+  int last_pairs_count;
+  int last_pairs_old[MAX_GPUS * 4];
+  int last_pairs_new[MAX_GPUS * 4];
+  int blocked_calls;
+  int deadlocks;
+
+  int nvml_refcount;
+} fake;
+
+static long current_tid(void) { return (long)syscall(SYS_gettid); }
+
+static void sleep_ms(unsigned int ms) {
+  struct timespec ts = {(time_t)(ms / 1000u), (long)(ms % 1000u) * 1000000L};
+  while (nanosleep(&ts, &ts) != 0 && errno == EINTR) {
+  }
+}
+
+static uint64_t splitmix64(uint64_t *x) {
+  uint64_t z = (*x += 0x9e3779b97f4a7c15ull);
+  z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+  z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+  return z ^ (z >> 31);
+}
+
+static void format_uuid(const CUuuid *uuid, char *out) {
+  static const char hex[] = "0123456789abcdef";
+  char *p = out;
+  memcpy(p, "GPU-", 4);
+  p += 4;
+  for (int i = 0; i < 16; ++i) {
+    if (i == 4 || i == 6 || i == 8 || i == 10) *p++ = '-';
+    const unsigned char byte = (unsigned char)uuid->bytes[i];
+    *p++ = hex[byte >> 4];
+    *p++ = hex[byte & 0xf];
+  }
+  *p = '\0';
+}
+
+static int env_int(const char *name, int fallback) {
+  const char *text = getenv(name);
+  if (text == NULL || *text == '\0') return fallback;
+  char *end = NULL;
+  long value = strtol(text, &end, 10);
+  return (end != NULL && *end == '\0') ? (int)value : fallback;
+}
+
+/* Item `index` of a comma list; a list shorter than the GPU count repeats its last item. */
+static void list_item(const char *list, int index, char *out, size_t size) {
+  const char *start = list;
+  const char *last_start = list;
+  for (int i = 0; i <= index; ++i) {
+    last_start = start;
+    const char *comma = strchr(start, ',');
+    if (comma == NULL) {
+      start = NULL;
+      break;
+    }
+    if (i == index) break;
+    start = comma + 1;
+  }
+  const char *item = start != NULL ? start : last_start;
+  size_t length = strcspn(item, ",");
+  if (length >= size) length = size - 1;
+  memcpy(out, item, length);
+  out[length] = '\0';
+}
+
+static int add_rule(const char *function, int nth, int code);
+
+static void configure_from_environment(void) {
+  fake.cuda_version = env_int("FAKE_CUDA_VERSION", 13000);
+  fake.no_checkpoint = env_int("FAKE_CUDA_NO_CHECKPOINT", 0) != 0;
+  const char *driver = getenv("FAKE_NVML_DRIVER");
+  snprintf(fake.nvml_driver, sizeof(fake.nvml_driver), "%s", driver != NULL && *driver ? driver : "580.159.04");
+
+  int count = env_int("FAKE_CUDA_GPUS", 2);
+  if (count < 0) count = 0;
+  if (count > MAX_GPUS) count = MAX_GPUS;
+  fake.gpu_count = count;
+  const char *models = getenv("FAKE_CUDA_MODELS");
+  if (models == NULL || *models == '\0') models = "NVIDIA H200";
+  const char *totals = getenv("FAKE_CUDA_TOTAL_MIB");
+  if (totals == NULL || *totals == '\0') totals = "143771";
+  /* A typical 8-GPU HGX board's PCI buses, so bus ids look like the real thing. */
+  static const unsigned int buses[8] = {0x18, 0x2a, 0x3a, 0x5d, 0x9a, 0xab, 0xba, 0xdb};
+
+  uint64_t seed = 0x466c6578696d2d31ull; /* fixed: the same UUIDs in every run */
+  for (int i = 0; i < MAX_GPUS; ++i) {
+    struct gpu *g = &fake.gpus[i];
+    memset(g, 0, sizeof(*g));
+    const uint64_t hi = splitmix64(&seed);
+    const uint64_t lo = splitmix64(&seed);
+    memcpy(g->uuid.bytes, &hi, 8);
+    memcpy(g->uuid.bytes + 8, &lo, 8);
+    format_uuid(&g->uuid, g->uuid_text);
+    list_item(models, i, g->name, sizeof(g->name));
+    char total_text[32];
+    list_item(totals, i, total_text, sizeof(total_text));
+    g->total = strtoull(total_text, NULL, 10) * MIB;
+    g->bus = i < 8 ? buses[i] : 0xe0u + (unsigned int)i;
+    snprintf(g->pci_bus_id, sizeof(g->pci_bus_id), "0000:%02x:00.0", g->bus);
+    g->temperature_c = 35;
+  }
+
+  /* FAKE_CUDA_FAIL="function:code[:nth],...": failures armed before the library is used, for
+   * subprocesses that cannot call fake_fail before flexium._C loads the driver. */
+  const char *fail = getenv("FAKE_CUDA_FAIL");
+  while (fail != NULL && *fail != '\0') {
+    char item[128];
+    size_t length = strcspn(fail, ",");
+    if (length >= sizeof(item)) length = sizeof(item) - 1;
+    memcpy(item, fail, length);
+    item[length] = '\0';
+    char *code_text = strchr(item, ':');
+    if (code_text != NULL) {
+      *code_text++ = '\0';
+      char *nth_text = strchr(code_text, ':');
+      if (nth_text != NULL) *nth_text++ = '\0';
+      add_rule(item, nth_text != NULL ? atoi(nth_text) : 0, atoi(code_text));
+    }
+    fail += strcspn(fail, ",");
+    if (*fail == ',') ++fail;
+  }
+}
+
+static void reset_locked(void) {
+  const int refcount = fake.nvml_refcount;
+  const int initialized = fake.initialized;
+  const long restore_tid = fake.restore_tid;
+  memset(&fake, 0, sizeof(fake));
+  /* NVML users (pynvml) and cuInit's effect outlive a reset, as they would a test boundary. */
+  fake.nvml_refcount = refcount;
+  fake.initialized = initialized;
+  fake.restore_tid = restore_tid;
+  fake.state = CU_PROCESS_STATE_RUNNING;
+  fake.last_pairs_count = -1;
+  fake.block_timeout_ms = 5000;
+  configure_from_environment();
+  for (int i = 0; i < MAX_GPUS; ++i) fake.placement[i] = i;
+  pthread_cond_broadcast(&state_changed);
+}
+
+__attribute__((constructor)) static void fake_load(void) {
+  pthread_mutex_lock(&mutex);
+  reset_locked();
+  pthread_mutex_unlock(&mutex);
+}
+
+/* ------------------------------------------------------------------ call bookkeeping */
+
+static struct counter *counter_for(const char *function, int create) {
+  for (int i = 0; i < fake.counter_count; ++i) {
+    if (strcmp(fake.counters[i].function, function) == 0) return &fake.counters[i];
+  }
+  if (!create || fake.counter_count == MAX_COUNTERS) return NULL;
+  struct counter *c = &fake.counters[fake.counter_count++];
+  snprintf(c->function, sizeof(c->function), "%s", function);
+  return c;
+}
+
+static int add_rule(const char *function, int nth, int code) {
+  if (function == NULL || *function == '\0' || nth < 0 || fake.rule_count == MAX_RULES) return -1;
+  struct rule *r = &fake.rules[fake.rule_count++];
+  snprintf(r->function, sizeof(r->function), "%s", function);
+  r->every = nth == 0;
+  r->countdown = nth;
+  r->code = code;
+  return 0;
+}
+
+/* Each rule counts the calls of its function on its own; the first one due fires. */
+static int injected_failure(const char *function, int *code) {
+  int fired = 0;
+  int kept = 0;
+  for (int i = 0; i < fake.rule_count; ++i) {
+    struct rule r = fake.rules[i];
+    if (strcmp(r.function, function) == 0) {
+      if (r.every) {
+        if (!fired) {
+          fired = 1;
+          *code = r.code;
+        }
+      } else if (--r.countdown == 0) {
+        if (!fired) {
+          fired = 1;
+          *code = r.code;
+        }
+        continue; /* used up */
+      }
+    }
+    fake.rules[kept++] = r;
+  }
+  fake.rule_count = kept;
+  return fired;
+}
+
+static unsigned int delay_for(const char *function) {
+  for (int i = 0; i < fake.delay_count; ++i) {
+    if (strcmp(fake.delays[i].function, function) == 0) return fake.delays[i].ms;
+  }
+  return 0;
+}
+
+/* Takes the mutex (held until leave()), counts the call, applies a configured delay, and says
+ * whether an injected failure replaces the call. */
+static int enter(const char *function, int *code) {
+  pthread_mutex_lock(&mutex);
+  struct counter *c = counter_for(function, 1);
+  if (c != NULL) ++c->count;
+  const unsigned int ms = delay_for(function);
+  if (ms > 0) {
+    pthread_mutex_unlock(&mutex);
+    sleep_ms(ms);
+    pthread_mutex_lock(&mutex);
+  }
+  return injected_failure(function, code);
+}
+
+static int leave(const char *function, int result, int pairs) {
+  if (strncmp(function, "cu", 2) == 0) {
+    struct log_entry *e = &fake.log[fake.log_total % LOG_CAPACITY];
+    e->function = function;
+    e->result = result;
+    e->pairs = pairs;
+    e->tid = current_tid();
+    ++fake.log_total;
+  }
+  pthread_mutex_unlock(&mutex);
+  return result;
+}
+
+/* Fact 4: while the process is locked or checkpointed, its other CUDA calls block until it is
+ * RUNNING again. On the thread that holds the lock that never happens: the real driver hangs;
+ * the fake fails the call at once (and says so on stderr) so a test sees the bug instead of
+ * hanging. Called with the mutex held. */
+static CUresult wait_until_running(const char *function) {
+  if (fake.state == CU_PROCESS_STATE_RUNNING) return CUDA_SUCCESS;
+  ++fake.blocked_calls;
+  if (current_tid() == fake.lock_tid) {
+    ++fake.deadlocks;
+    fprintf(stderr, "fake_cuda: %s called by the thread holding the checkpoint lock: "
+                    "the real driver hangs here forever (DESIGN.md fact 4)\n", function);
+    return CUDA_ERROR_ILLEGAL_STATE;
+  }
+  struct timespec deadline;
+  clock_gettime(CLOCK_REALTIME, &deadline);
+  deadline.tv_sec += fake.block_timeout_ms / 1000u;
+  deadline.tv_nsec += (long)(fake.block_timeout_ms % 1000u) * 1000000L;
+  if (deadline.tv_nsec >= 1000000000L) {
+    deadline.tv_sec += 1;
+    deadline.tv_nsec -= 1000000000L;
+  }
+  while (fake.state != CU_PROCESS_STATE_RUNNING) {
+    if (pthread_cond_timedwait(&state_changed, &mutex, &deadline) == ETIMEDOUT &&
+        fake.state != CU_PROCESS_STATE_RUNNING) {
+      ++fake.deadlocks;
+      fprintf(stderr, "fake_cuda: %s blocked %u ms while the process was not RUNNING: "
+                      "the real driver would still be waiting (DESIGN.md fact 4)\n",
+              function, fake.block_timeout_ms);
+      return CUDA_ERROR_ILLEGAL_STATE;
+    }
+  }
+  return CUDA_SUCCESS;
+}
+
+/* A device call: needs cuInit and a running process. */
+static CUresult device_call_ready(const char *function) {
+  const CUresult blocked = wait_until_running(function);
+  if (blocked != CUDA_SUCCESS) return blocked;
+  return fake.initialized ? CUDA_SUCCESS : CUDA_ERROR_NOT_INITIALIZED;
+}
+
+static void set_state(int state) {
+  fake.state = state;
+  if (state == CU_PROCESS_STATE_RUNNING) fake.lock_tid = 0;
+  pthread_cond_broadcast(&state_changed);
+}
+
+static int all_zero(const void *bytes, size_t size) {
+  const unsigned char *p = (const unsigned char *)bytes;
+  for (size_t i = 0; i < size; ++i) {
+    if (p[i] != 0) return 0;
+  }
+  return 1;
+}
+
+static int physical_by_uuid(const CUuuid *uuid) {
+  for (int i = 0; i < fake.gpu_count; ++i) {
+    if (memcmp(fake.gpus[i].uuid.bytes, uuid->bytes, 16) == 0) return i;
+  }
+  return -1;
+}
+
+static unsigned long long process_bytes_on(int physical) {
+  if (fake.state == CU_PROCESS_STATE_CHECKPOINTED) return 0;
+  unsigned long long bytes = 0;
+  for (int l = 0; l < fake.gpu_count; ++l) {
+    if (fake.placement[l] == physical) bytes += fake.process_bytes[l];
+  }
+  return bytes;
+}
+
+/* ------------------------------------------------------------------ errors */
+
+struct error_text {
+  int code;
+  const char *name;
+  const char *text;
+};
+
+static const struct error_text cuda_errors[] = {
+    {CUDA_SUCCESS, "CUDA_SUCCESS", "no error"},
+    {CUDA_ERROR_INVALID_VALUE, "CUDA_ERROR_INVALID_VALUE", "invalid argument"},
+    {CUDA_ERROR_OUT_OF_MEMORY, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory"},
+    {CUDA_ERROR_NOT_INITIALIZED, "CUDA_ERROR_NOT_INITIALIZED", "initialization error"},
+    {CUDA_ERROR_DEINITIALIZED, "CUDA_ERROR_DEINITIALIZED", "driver shutting down"},
+    {CUDA_ERROR_NO_DEVICE, "CUDA_ERROR_NO_DEVICE", "no CUDA-capable device is detected"},
+    {CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
+    {CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
+    {CUDA_ERROR_OPERATING_SYSTEM, "CUDA_ERROR_OPERATING_SYSTEM",
+     "OS call failed or operation not supported on this OS"},
+    {CUDA_ERROR_INVALID_HANDLE, "CUDA_ERROR_INVALID_HANDLE", "invalid resource handle"},
+    {CUDA_ERROR_ILLEGAL_STATE, "CUDA_ERROR_ILLEGAL_STATE",
+     "the operation cannot be performed in the present state"},
+    {CUDA_ERROR_NOT_FOUND, "CUDA_ERROR_NOT_FOUND", "named symbol not found"},
+    {CUDA_ERROR_NOT_READY, "CUDA_ERROR_NOT_READY", "device not ready"},
+    {CUDA_ERROR_ILLEGAL_ADDRESS, "CUDA_ERROR_ILLEGAL_ADDRESS", "an illegal memory access was encountered"},
+    {CUDA_ERROR_LAUNCH_FAILED, "CUDA_ERROR_LAUNCH_FAILED", "unspecified launch failure"},
+    {CUDA_ERROR_NOT_PERMITTED, "CUDA_ERROR_NOT_PERMITTED", "operation not permitted"},
+    {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
+    {CUDA_ERROR_SYSTEM_DRIVER_MISMATCH, "CUDA_ERROR_SYSTEM_DRIVER_MISMATCH",
+     "system has unsupported display driver / cuda driver combination"},
+    {CUDA_ERROR_TIMEOUT, "CUDA_ERROR_TIMEOUT", "timeout occurred"},
+    {CUDA_ERROR_UNKNOWN, "CUDA_ERROR_UNKNOWN", "unknown error"},
+};
+
+static const struct error_text *find_cuda_error(CUresult code) {
+  for (size_t i = 0; i < sizeof(cuda_errors) / sizeof(cuda_errors[0]); ++i) {
+    if (cuda_errors[i].code == code) return &cuda_errors[i];
+  }
+  return NULL;
+}
+
+/* ------------------------------------------------------------------ libcuda: lookup */
+
+CUresult cuInit(unsigned int flags);
+CUresult cuDriverGetVersion(int *driverVersion);
+CUresult cuGetErrorName(CUresult error, const char **pStr);
+CUresult cuGetErrorString(CUresult error, const char **pStr);
+CUresult cuDeviceGetCount(int *count);
+CUresult cuDeviceGet(CUdevice *device, int ordinal);
+CUresult cuDeviceGetName(char *name, int len, CUdevice dev);
+CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev);
+CUresult cuDeviceTotalMem(size_t *bytes, CUdevice dev);
+CUresult cuDeviceGetPCIBusId(char *pciBusId, int len, CUdevice dev);
+CUresult cuCheckpointProcessGetState(int pid, int *state);
+CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid);
+CUresult cuCheckpointProcessLock(int pid, CUcheckpointLockArgs *args);
+CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args);
+CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args);
+CUresult cuCheckpointProcessUnlock(int pid, CUcheckpointUnlockArgs *args);
+CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags, int *symbolStatus);
+CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags);
+
+struct symbol {
+  const char *name;
+  int since;       /* CUDA version that introduced this ABI of the function */
+  int checkpoint;  /* part of the checkpoint API (absent with FAKE_CUDA_NO_CHECKPOINT) */
+  void *fn;
+};
+
+/* Only the current ABI of each function exists here: asking for an older one (cuDeviceTotalMem
+ * before 3.2 had 32-bit sizes) is VERSION_NOT_SUFFICIENT instead of a wrong-ABI pointer. */
+static const struct symbol symbols[] = {
+    {"cuInit", 2000, 0, (void *)cuInit},
+    {"cuDriverGetVersion", 2020, 0, (void *)cuDriverGetVersion},
+    {"cuGetErrorName", 6000, 0, (void *)cuGetErrorName},
+    {"cuGetErrorString", 6000, 0, (void *)cuGetErrorString},
+    {"cuGetProcAddress", 12000, 0, (void *)cuGetProcAddress_v2},
+    {"cuDeviceGetCount", 2000, 0, (void *)cuDeviceGetCount},
+    {"cuDeviceGet", 2000, 0, (void *)cuDeviceGet},
+    {"cuDeviceGetName", 2000, 0, (void *)cuDeviceGetName},
+    {"cuDeviceGetUuid", 9020, 0, (void *)cuDeviceGetUuid},
+    {"cuDeviceTotalMem", 3020, 0, (void *)cuDeviceTotalMem},
+    {"cuDeviceGetPCIBusId", 4010, 0, (void *)cuDeviceGetPCIBusId},
+    {"cuCheckpointProcessGetState", 12080, 1, (void *)cuCheckpointProcessGetState},
+    {"cuCheckpointProcessGetRestoreThreadId", 12080, 1, (void *)cuCheckpointProcessGetRestoreThreadId},
+    {"cuCheckpointProcessLock", 12080, 1, (void *)cuCheckpointProcessLock},
+    {"cuCheckpointProcessCheckpoint", 12080, 1, (void *)cuCheckpointProcessCheckpoint},
+    {"cuCheckpointProcessRestore", 12080, 1, (void *)cuCheckpointProcessRestore},
+    {"cuCheckpointProcessUnlock", 12080, 1, (void *)cuCheckpointProcessUnlock},
+};
+
+static CUresult lookup(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags, int *status) {
+  if (symbol == NULL || pfn == NULL || (flags & ~FAKE_PROC_ADDRESS_FLAGS) != 0) return CUDA_ERROR_INVALID_VALUE;
+  *pfn = NULL;
+  for (size_t i = 0; i < sizeof(symbols) / sizeof(symbols[0]); ++i) {
+    const struct symbol *s = &symbols[i];
+    if (strcmp(s->name, symbol) != 0) continue;
+    /* A driver older than the function, or one built without the checkpoint API, lacks it. */
+    if (s->since > fake.cuda_version || (s->checkpoint && fake.no_checkpoint)) break;
+    if (cudaVersion < s->since) {
+      if (status != NULL) *status = CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT;
+      return CUDA_ERROR_NOT_FOUND;
+    }
+    *pfn = s->fn;
+    if (status != NULL) *status = CU_GET_PROC_ADDRESS_SUCCESS;
+    return CUDA_SUCCESS;
+  }
+  if (status != NULL) *status = CU_GET_PROC_ADDRESS_SYMBOL_NOT_FOUND;
+  return CUDA_ERROR_NOT_FOUND;
+}
+
+CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
+                             int *symbolStatus) {
+  static const char fn[] = "cuGetProcAddress_v2";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  return leave(fn, lookup(symbol, pfn, cudaVersion, flags, symbolStatus), -1);
+}
+
+/* The legacy entry point (4 arguments, no status), exported under its historical name. */
+CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags) {
+  static const char fn[] = "cuGetProcAddress";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  return leave(fn, lookup(symbol, pfn, cudaVersion, flags, NULL), -1);
+}
+
+CUresult cuDriverGetVersion(int *driverVersion) {
+  static const char fn[] = "cuDriverGetVersion";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (driverVersion == NULL) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  *driverVersion = fake.cuda_version;
+  return leave(fn, CUDA_SUCCESS, -1);
+}
+
+/* Pure table lookups: they touch no context, so they do not block while the process is locked. */
+CUresult cuGetErrorName(CUresult error, const char **pStr) {
+  static const char fn[] = "cuGetErrorName";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (pStr == NULL) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  const struct error_text *e = find_cuda_error(error);
+  *pStr = e != NULL ? e->name : NULL;
+  return leave(fn, e != NULL ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE, -1);
+}
+
+CUresult cuGetErrorString(CUresult error, const char **pStr) {
+  static const char fn[] = "cuGetErrorString";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (pStr == NULL) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  const struct error_text *e = find_cuda_error(error);
+  *pStr = e != NULL ? e->text : NULL;
+  return leave(fn, e != NULL ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE, -1);
+}
+
+/* ------------------------------------------------------------------ libcuda: devices */
+
+CUresult cuInit(unsigned int flags) {
+  static const char fn[] = "cuInit";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (flags != 0) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  const CUresult blocked = wait_until_running(fn);
+  if (blocked != CUDA_SUCCESS) return leave(fn, blocked, -1);
+  if (fake.gpu_count == 0) return leave(fn, CUDA_ERROR_NO_DEVICE, -1);
+  if (!fake.initialized) {
+    fake.initialized = 1;
+    fake.restore_tid = current_tid();
+  }
+  return leave(fn, CUDA_SUCCESS, -1);
+}
+
+CUresult cuDeviceGetCount(int *count) {
+  static const char fn[] = "cuDeviceGetCount";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (count == NULL) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  rc = device_call_ready(fn);
+  if (rc == CUDA_SUCCESS) *count = fake.gpu_count;
+  return leave(fn, rc, -1);
+}
+
+CUresult cuDeviceGet(CUdevice *device, int ordinal) {
+  static const char fn[] = "cuDeviceGet";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (device == NULL) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  rc = device_call_ready(fn);
+  if (rc != CUDA_SUCCESS) return leave(fn, rc, -1);
+  if (ordinal < 0 || ordinal >= fake.gpu_count) return leave(fn, CUDA_ERROR_INVALID_DEVICE, -1);
+  *device = ordinal;
+  return leave(fn, CUDA_SUCCESS, -1);
+}
+
+/* Fact 5: the identity of a device stays that of the GPU it was before any remap, so the
+ * properties below come from the logical device's original GPU, not from placement[]. */
+static CUresult device_ready(const char *function, CUdevice dev) {
+  const CUresult rc = device_call_ready(function);
+  if (rc != CUDA_SUCCESS) return rc;
+  return (dev < 0 || dev >= fake.gpu_count) ? CUDA_ERROR_INVALID_DEVICE : CUDA_SUCCESS;
+}
+
+static void copy_truncated(char *out, int len, const char *text) {
+  const size_t size = (size_t)len;
+  size_t length = strlen(text);
+  if (length >= size) length = size - 1;
+  memcpy(out, text, length);
+  out[length] = '\0';
+}
+
+CUresult cuDeviceGetName(char *name, int len, CUdevice dev) {
+  static const char fn[] = "cuDeviceGetName";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (name == NULL || len <= 0) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  rc = device_ready(fn, dev);
+  if (rc == CUDA_SUCCESS) copy_truncated(name, len, fake.gpus[dev].name);
+  return leave(fn, rc, -1);
+}
+
+CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev) {
+  static const char fn[] = "cuDeviceGetUuid";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (uuid == NULL) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  rc = device_ready(fn, dev);
+  if (rc == CUDA_SUCCESS) *uuid = fake.gpus[dev].uuid;
+  return leave(fn, rc, -1);
+}
+
+CUresult cuDeviceTotalMem(size_t *bytes, CUdevice dev) {
+  static const char fn[] = "cuDeviceTotalMem";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (bytes == NULL) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  rc = device_ready(fn, dev);
+  if (rc == CUDA_SUCCESS) *bytes = (size_t)fake.gpus[dev].total;
+  return leave(fn, rc, -1);
+}
+
+CUresult cuDeviceGetPCIBusId(char *pciBusId, int len, CUdevice dev) {
+  static const char fn[] = "cuDeviceGetPCIBusId";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (pciBusId == NULL || len <= 0) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  rc = device_ready(fn, dev);
+  if (rc == CUDA_SUCCESS) copy_truncated(pciBusId, len, fake.gpus[dev].pci_bus_id);
+  return leave(fn, rc, -1);
+}
+
+/* ------------------------------------------------------------------ libcuda: checkpoint */
+
+/* Only this process is a CUDA process here. For any other pid the fake answers
+ * CUDA_ERROR_INVALID_VALUE, what tools built on the real driver report for a pid that owns no
+ * CUDA checkpoint state (an unmeasured choice; NOT_INITIALIZED is the other answer seen). */
+static int is_own_pid(int pid) { return pid == (int)getpid(); }
+
+CUresult cuCheckpointProcessGetState(int pid, int *state) {
+  static const char fn[] = "cuCheckpointProcessGetState";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (state == NULL || !is_own_pid(pid)) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  *state = fake.state;
+  return leave(fn, CUDA_SUCCESS, -1);
+}
+
+CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid) {
+  static const char fn[] = "cuCheckpointProcessGetRestoreThreadId";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (tid == NULL || !is_own_pid(pid)) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  if (!fake.initialized) return leave(fn, CUDA_ERROR_NOT_INITIALIZED, -1);
+  *tid = (int)fake.restore_tid;
+  return leave(fn, CUDA_SUCCESS, -1);
+}
+
+CUresult cuCheckpointProcessLock(int pid, CUcheckpointLockArgs *args) {
+  static const char fn[] = "cuCheckpointProcessLock";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (!is_own_pid(pid)) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  if (args != NULL && (args->reserved0 != 0 || !all_zero(args->reserved1, sizeof(args->reserved1)))) {
+    return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  }
+  if (fake.state != CU_PROCESS_STATE_RUNNING) return leave(fn, CUDA_ERROR_ILLEGAL_STATE, -1);
+  /* The process's in-flight work takes lock_delay_ms to drain; a timeout (0: none) shorter than
+   * that gives up after the timeout. */
+  const unsigned int busy = fake.lock_delay_ms;
+  const unsigned int timeout = args != NULL ? args->timeoutMs : 0;
+  if (busy > 0) {
+    const int times_out = timeout != 0 && timeout < busy;
+    pthread_mutex_unlock(&mutex);
+    sleep_ms(times_out ? timeout : busy);
+    pthread_mutex_lock(&mutex);
+    if (times_out) return leave(fn, CUDA_ERROR_TIMEOUT, -1);
+    if (fake.state != CU_PROCESS_STATE_RUNNING) return leave(fn, CUDA_ERROR_ILLEGAL_STATE, -1);
+  }
+  set_state(CU_PROCESS_STATE_LOCKED);
+  fake.lock_tid = current_tid();
+  return leave(fn, CUDA_SUCCESS, -1);
+}
+
+CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args) {
+  static const char fn[] = "cuCheckpointProcessCheckpoint";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (!is_own_pid(pid)) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  if (args != NULL && !all_zero(args, sizeof(*args))) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  if (fake.state != CU_PROCESS_STATE_LOCKED) return leave(fn, CUDA_ERROR_ILLEGAL_STATE, -1);
+  set_state(CU_PROCESS_STATE_CHECKPOINTED);
+  return leave(fn, CUDA_SUCCESS, -1);
+}
+
+/* Works out where each logical device goes; returns CUDA_SUCCESS and fills target[]. */
+static CUresult plan_restore(const CUcheckpointRestoreArgs *args, int target[MAX_GPUS]) {
+  for (int l = 0; l < fake.gpu_count; ++l) target[l] = fake.placement[l];
+  if (args == NULL) return CUDA_SUCCESS;
+  const size_t tail = offsetof(CUcheckpointRestoreArgs, gpuPairsCount) + sizeof(unsigned int);
+  if (!all_zero((const char *)args + tail, sizeof(*args) - tail)) return CUDA_ERROR_INVALID_VALUE;
+  if (args->gpuPairs == NULL && args->gpuPairsCount == 0) return CUDA_SUCCESS;
+  if (args->gpuPairs == NULL || args->gpuPairsCount == 0) return CUDA_ERROR_INVALID_VALUE;
+  /* GPU pairs came with driver 580 (CUDA 13.0); an older driver sees non-zero reserved bytes. */
+  if (fake.cuda_version < 13000) return CUDA_ERROR_INVALID_VALUE;
+  /* Fact 2: every visible GPU exactly once on each side, a permutation. */
+  if (args->gpuPairsCount != (unsigned int)fake.gpu_count) return CUDA_ERROR_INVALID_VALUE;
+  int seen_old[MAX_GPUS] = {0};
+  int seen_new[MAX_GPUS] = {0};
+  for (unsigned int i = 0; i < args->gpuPairsCount; ++i) {
+    const int from = physical_by_uuid(&args->gpuPairs[i].oldUuid);
+    const int to = physical_by_uuid(&args->gpuPairs[i].newUuid);
+    if (from < 0 || to < 0 || seen_old[from] || seen_new[to]) return CUDA_ERROR_INVALID_VALUE;
+    seen_old[from] = seen_new[to] = 1;
+    /* The driver restores onto a GPU "of the same chip type" only; the code it gives for a
+     * mismatch is unmeasured. */
+    if (strcmp(fake.gpus[from].name, fake.gpus[to].name) != 0) return CUDA_ERROR_INVALID_VALUE;
+    for (int l = 0; l < fake.gpu_count; ++l) {
+      if (fake.placement[l] == from) target[l] = to;
+    }
+  }
+  return CUDA_SUCCESS;
+}
+
+CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args) {
+  static const char fn[] = "cuCheckpointProcessRestore";
+  const int pairs = args != NULL && args->gpuPairs != NULL ? (int)args->gpuPairsCount : 0;
+  int rc;
+  const int injected = enter(fn, &rc);
+  /* Recorded as asked, whether or not the restore succeeds. */
+  fake.last_pairs_count = pairs;
+  for (int i = 0; i < pairs && i < MAX_GPUS * 4; ++i) {
+    fake.last_pairs_old[i] = physical_by_uuid(&args->gpuPairs[i].oldUuid);
+    fake.last_pairs_new[i] = physical_by_uuid(&args->gpuPairs[i].newUuid);
+  }
+  if (injected) return leave(fn, rc, pairs);
+  if (!is_own_pid(pid)) return leave(fn, CUDA_ERROR_INVALID_VALUE, pairs);
+  if (fake.state != CU_PROCESS_STATE_CHECKPOINTED) return leave(fn, CUDA_ERROR_ILLEGAL_STATE, pairs);
+  /* NVIDIA/cuda-checkpoint issue 44 (driver 580.95): after a restore failed for memory, every
+   * later restore fails with CUDA_ERROR_OPERATING_SYSTEM. Off unless a test turns it on. */
+  if (fake.restore_poisoned) return leave(fn, CUDA_ERROR_OPERATING_SYSTEM, pairs);
+  int target[MAX_GPUS];
+  rc = plan_restore(args, target);
+  if (rc != CUDA_SUCCESS) return leave(fn, rc, pairs);
+  for (int p = 0; p < fake.gpu_count; ++p) {
+    unsigned long long need = 0;
+    for (int l = 0; l < fake.gpu_count; ++l) {
+      if (target[l] == p) need += fake.process_bytes[l];
+    }
+    const struct gpu *g = &fake.gpus[p];
+    const unsigned long long free_bytes = g->other_bytes >= g->total ? 0 : g->total - g->other_bytes;
+    if (need > free_bytes) {
+      if (fake.oom_poisons_restore) fake.restore_poisoned = 1;
+      return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, pairs);
+    }
+  }
+  for (int l = 0; l < fake.gpu_count; ++l) fake.placement[l] = target[l];
+  set_state(CU_PROCESS_STATE_LOCKED);
+  return leave(fn, CUDA_SUCCESS, pairs);
+}
+
+CUresult cuCheckpointProcessUnlock(int pid, CUcheckpointUnlockArgs *args) {
+  static const char fn[] = "cuCheckpointProcessUnlock";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (!is_own_pid(pid)) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  if (args != NULL && !all_zero(args, sizeof(*args))) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  if (fake.state != CU_PROCESS_STATE_LOCKED) return leave(fn, CUDA_ERROR_ILLEGAL_STATE, -1);
+  set_state(CU_PROCESS_STATE_RUNNING);
+  return leave(fn, CUDA_SUCCESS, -1);
+}
+
+/* ------------------------------------------------------------------ NVML */
+
+typedef struct gpu *nvmlDevice_t;
+
+static const struct error_text nvml_errors[] = {
+    {NVML_SUCCESS, "NVML_SUCCESS", "Success"},
+    {NVML_ERROR_UNINITIALIZED, "NVML_ERROR_UNINITIALIZED", "Uninitialized"},
+    {NVML_ERROR_INVALID_ARGUMENT, "NVML_ERROR_INVALID_ARGUMENT", "Invalid Argument"},
+    {NVML_ERROR_NOT_SUPPORTED, "NVML_ERROR_NOT_SUPPORTED", "Not Supported"},
+    {NVML_ERROR_NO_PERMISSION, "NVML_ERROR_NO_PERMISSION", "Insufficient Permissions"},
+    {NVML_ERROR_ALREADY_INITIALIZED, "NVML_ERROR_ALREADY_INITIALIZED", "Already Initialized"},
+    {NVML_ERROR_NOT_FOUND, "NVML_ERROR_NOT_FOUND", "Not Found"},
+    {NVML_ERROR_INSUFFICIENT_SIZE, "NVML_ERROR_INSUFFICIENT_SIZE", "Insufficient Size"},
+    {NVML_ERROR_DRIVER_NOT_LOADED, "NVML_ERROR_DRIVER_NOT_LOADED", "Driver Not Loaded"},
+    {NVML_ERROR_TIMEOUT, "NVML_ERROR_TIMEOUT", "Timeout"},
+    {NVML_ERROR_LIBRARY_NOT_FOUND, "NVML_ERROR_LIBRARY_NOT_FOUND", "NVML Shared Library Not Found"},
+    {NVML_ERROR_FUNCTION_NOT_FOUND, "NVML_ERROR_FUNCTION_NOT_FOUND", "Function Not Found"},
+    {NVML_ERROR_GPU_IS_LOST, "NVML_ERROR_GPU_IS_LOST", "GPU is lost"},
+    {NVML_ERROR_IN_USE, "NVML_ERROR_IN_USE", "In use by another client"},
+    {NVML_ERROR_MEMORY, "NVML_ERROR_MEMORY", "Insufficient Memory"},
+    {NVML_ERROR_NO_DATA, "NVML_ERROR_NO_DATA", "No data"},
+    {NVML_ERROR_ARGUMENT_VERSION_MISMATCH, "NVML_ERROR_ARGUMENT_VERSION_MISMATCH", "Argument version mismatch"},
+    {NVML_ERROR_UNKNOWN, "NVML_ERROR_UNKNOWN", "Unknown Error"},
+};
+
+static nvmlReturn_t nvml_ready(void) { return fake.nvml_refcount > 0 ? NVML_SUCCESS : NVML_ERROR_UNINITIALIZED; }
+
+static nvmlReturn_t nvml_device(nvmlDevice_t device, int *index) {
+  if (fake.nvml_refcount == 0) return NVML_ERROR_UNINITIALIZED;
+  if (device < &fake.gpus[0] || device >= &fake.gpus[fake.gpu_count]) return NVML_ERROR_INVALID_ARGUMENT;
+  *index = (int)(device - &fake.gpus[0]);
+  return NVML_SUCCESS;
+}
+
+static nvmlReturn_t copy_text(char *out, unsigned int length, const char *text) {
+  if (out == NULL) return NVML_ERROR_INVALID_ARGUMENT;
+  if (strlen(text) + 1 > length) return NVML_ERROR_INSUFFICIENT_SIZE;
+  memcpy(out, text, strlen(text) + 1);
+  return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
+  static const char fn[] = "nvmlInitWithFlags";
+  int rc;
+  (void)flags;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  ++fake.nvml_refcount;
+  return leave(fn, NVML_SUCCESS, -1);
+}
+
+nvmlReturn_t nvmlInit_v2(void) { return nvmlInitWithFlags(0); }
+nvmlReturn_t nvmlInit(void) { return nvmlInitWithFlags(0); }
+
+nvmlReturn_t nvmlShutdown(void) {
+  static const char fn[] = "nvmlShutdown";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (fake.nvml_refcount == 0) return leave(fn, NVML_ERROR_UNINITIALIZED, -1);
+  --fake.nvml_refcount;
+  return leave(fn, NVML_SUCCESS, -1);
+}
+
+const char *nvmlErrorString(nvmlReturn_t result) {
+  for (size_t i = 0; i < sizeof(nvml_errors) / sizeof(nvml_errors[0]); ++i) {
+    if (nvml_errors[i].code == result) return nvml_errors[i].text;
+  }
+  return "Unknown Error";
+}
+
+nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length) {
+  static const char fn[] = "nvmlSystemGetDriverVersion";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  rc = nvml_ready();
+  if (rc == NVML_SUCCESS) rc = copy_text(version, length, fake.nvml_driver);
+  return leave(fn, rc, -1);
+}
+
+nvmlReturn_t nvmlSystemGetNVMLVersion(char *version, unsigned int length) {
+  static const char fn[] = "nvmlSystemGetNVMLVersion";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  char text[96];
+  snprintf(text, sizeof(text), "%d.%s", fake.cuda_version / 1000, fake.nvml_driver);
+  rc = nvml_ready();
+  if (rc == NVML_SUCCESS) rc = copy_text(version, length, text);
+  return leave(fn, rc, -1);
+}
+
+nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *version) {
+  static const char fn[] = "nvmlSystemGetCudaDriverVersion_v2";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  rc = nvml_ready();
+  if (rc == NVML_SUCCESS && version == NULL) rc = NVML_ERROR_INVALID_ARGUMENT;
+  if (rc == NVML_SUCCESS) *version = fake.cuda_version;
+  return leave(fn, rc, -1);
+}
+
+nvmlReturn_t nvmlSystemGetCudaDriverVersion(int *version) { return nvmlSystemGetCudaDriverVersion_v2(version); }
+
+nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count) {
+  static const char fn[] = "nvmlDeviceGetCount_v2";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  rc = nvml_ready();
+  if (rc == NVML_SUCCESS && count == NULL) rc = NVML_ERROR_INVALID_ARGUMENT;
+  if (rc == NVML_SUCCESS) *count = (unsigned int)fake.gpu_count;
+  return leave(fn, rc, -1);
+}
+
+nvmlReturn_t nvmlDeviceGetCount(unsigned int *count) { return nvmlDeviceGetCount_v2(count); }
+
+nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *device) {
+  static const char fn[] = "nvmlDeviceGetHandleByIndex_v2";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  rc = nvml_ready();
+  if (rc == NVML_SUCCESS && (device == NULL || index >= (unsigned int)fake.gpu_count)) {
+    rc = NVML_ERROR_INVALID_ARGUMENT;
+  }
+  if (rc == NVML_SUCCESS) *device = &fake.gpus[index];
+  return leave(fn, rc, -1);
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByIndex(unsigned int index, nvmlDevice_t *device) {
+  return nvmlDeviceGetHandleByIndex_v2(index, device);
+}
+
+nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device) {
+  static const char fn[] = "nvmlDeviceGetHandleByUUID";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  rc = nvml_ready();
+  if (rc == NVML_SUCCESS && (uuid == NULL || device == NULL)) rc = NVML_ERROR_INVALID_ARGUMENT;
+  if (rc == NVML_SUCCESS) {
+    rc = NVML_ERROR_NOT_FOUND;
+    for (int i = 0; i < fake.gpu_count; ++i) {
+      if (strcmp(fake.gpus[i].uuid_text, uuid) == 0) {
+        *device = &fake.gpus[i];
+        rc = NVML_SUCCESS;
+      }
+    }
+  }
+  return leave(fn, rc, -1);
+}
+
+nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index) {
+  static const char fn[] = "nvmlDeviceGetIndex";
+  int rc, i = 0;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  rc = nvml_device(device, &i);
+  if (rc == NVML_SUCCESS && index == NULL) rc = NVML_ERROR_INVALID_ARGUMENT;
+  if (rc == NVML_SUCCESS) *index = (unsigned int)i;
+  return leave(fn, rc, -1);
+}
+
+nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int length) {
+  static const char fn[] = "nvmlDeviceGetUUID";
+  int rc, i = 0;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  rc = nvml_device(device, &i);
+  if (rc == NVML_SUCCESS) rc = copy_text(uuid, length, fake.gpus[i].uuid_text);
+  return leave(fn, rc, -1);
+}
+
+nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int length) {
+  static const char fn[] = "nvmlDeviceGetName";
+  int rc, i = 0;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  rc = nvml_device(device, &i);
+  if (rc == NVML_SUCCESS) rc = copy_text(name, length, fake.gpus[i].name);
+  return leave(fn, rc, -1);
+}
+
+static void memory_of(int physical, unsigned long long *total, unsigned long long *used, unsigned long long *free_bytes) {
+  const struct gpu *g = &fake.gpus[physical];
+  unsigned long long in_use = g->other_bytes + process_bytes_on(physical);
+  if (in_use > g->total) in_use = g->total;
+  *total = g->total;
+  *used = in_use;
+  *free_bytes = g->total - in_use;
+}
+
+nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) {
+  static const char fn[] = "nvmlDeviceGetMemoryInfo";
+  int rc, i = 0;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  rc = nvml_device(device, &i);
+  if (rc == NVML_SUCCESS && memory == NULL) rc = NVML_ERROR_INVALID_ARGUMENT;
+  if (rc == NVML_SUCCESS) memory_of(i, &memory->total, &memory->used, &memory->free);
+  return leave(fn, rc, -1);
+}
+
+nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *memory) {
+  static const char fn[] = "nvmlDeviceGetMemoryInfo_v2";
+  int rc, i = 0;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  rc = nvml_device(device, &i);
+  if (rc == NVML_SUCCESS && memory == NULL) rc = NVML_ERROR_INVALID_ARGUMENT;
+  if (rc == NVML_SUCCESS && memory->version != NVML_MEMORY_V2_VERSION) rc = NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+  if (rc == NVML_SUCCESS) {
+    memory->reserved = 0;
+    memory_of(i, &memory->total, &memory->used, &memory->free);
+  }
+  return leave(fn, rc, -1);
+}
+
+/* Physical view: this process appears on each GPU that holds some of its memory now (nothing
+ * while checkpointed); memory of other processes appears as one process per GPU. */
+static nvmlReturn_t running_processes(int physical, unsigned int *count, nvmlProcessInfo_t *infos) {
+  nvmlProcessInfo_t found[2];
+  unsigned int n = 0;
+  const unsigned long long ours = process_bytes_on(physical);
+  if (ours > 0) {
+    found[n].pid = (unsigned int)getpid();
+    found[n].usedGpuMemory = ours;
+    ++n;
+  }
+  if (fake.gpus[physical].other_bytes > 0) {
+    found[n].pid = OTHER_PID_BASE + (unsigned int)physical;
+    found[n].usedGpuMemory = fake.gpus[physical].other_bytes;
+    ++n;
+  }
+  for (unsigned int k = 0; k < n; ++k) found[k].gpuInstanceId = found[k].computeInstanceId = 0xffffffffu;
+  if (n == 0) {
+    *count = 0;
+    return NVML_SUCCESS;
+  }
+  if (infos == NULL || *count < n) {
+    *count = n;
+    return NVML_ERROR_INSUFFICIENT_SIZE;
+  }
+  memcpy(infos, found, n * sizeof(found[0]));
+  *count = n;
+  return NVML_SUCCESS;
+}
+
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsigned int *count,
+                                                     nvmlProcessInfo_t *infos) {
+  static const char fn[] = "nvmlDeviceGetComputeRunningProcesses_v3";
+  int rc, i = 0;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  rc = nvml_device(device, &i);
+  if (rc == NVML_SUCCESS && count == NULL) rc = NVML_ERROR_INVALID_ARGUMENT;
+  if (rc == NVML_SUCCESS) rc = running_processes(i, count, infos);
+  return leave(fn, rc, -1);
+}
+
+nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v2(nvmlDevice_t device, unsigned int *count,
+                                                     nvmlProcessInfo_t *infos) {
+  return nvmlDeviceGetComputeRunningProcesses_v3(device, count, infos);
+}
+
+nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t device, unsigned int *count,
+                                                      nvmlProcessInfo_t *infos) {
+  static const char fn[] = "nvmlDeviceGetGraphicsRunningProcesses_v3";
+  int rc, i = 0;
+  (void)infos;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  rc = nvml_device(device, &i);
+  if (rc == NVML_SUCCESS && count == NULL) rc = NVML_ERROR_INVALID_ARGUMENT;
+  if (rc == NVML_SUCCESS) *count = 0;
+  return leave(fn, rc, -1);
+}
+
+nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_t *utilization) {
+  static const char fn[] = "nvmlDeviceGetUtilizationRates";
+  int rc, i = 0;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  rc = nvml_device(device, &i);
+  if (rc == NVML_SUCCESS && utilization == NULL) rc = NVML_ERROR_INVALID_ARGUMENT;
+  if (rc == NVML_SUCCESS) {
+    utilization->gpu = fake.gpus[i].util_gpu;
+    utilization->memory = fake.gpus[i].util_memory;
+  }
+  return leave(fn, rc, -1);
+}
+
+nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, int sensor, unsigned int *temperature) {
+  static const char fn[] = "nvmlDeviceGetTemperature";
+  int rc, i = 0;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  rc = nvml_device(device, &i);
+  if (rc == NVML_SUCCESS && (temperature == NULL || sensor != 0)) rc = NVML_ERROR_INVALID_ARGUMENT;
+  if (rc == NVML_SUCCESS) *temperature = fake.gpus[i].temperature_c;
+  return leave(fn, rc, -1);
+}
+
+nvmlReturn_t nvmlDeviceGetTemperatureV(nvmlDevice_t device, nvmlTemperature_t *temperature) {
+  static const char fn[] = "nvmlDeviceGetTemperatureV";
+  int rc, i = 0;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  rc = nvml_device(device, &i);
+  if (rc == NVML_SUCCESS && (temperature == NULL || temperature->sensorType != 0)) rc = NVML_ERROR_INVALID_ARGUMENT;
+  if (rc == NVML_SUCCESS && temperature->version != NVML_TEMPERATURE_V1_VERSION) rc = NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
+  if (rc == NVML_SUCCESS) temperature->temperature = (int)fake.gpus[i].temperature_c;
+  return leave(fn, rc, -1);
+}
+
+nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci) {
+  static const char fn[] = "nvmlDeviceGetPciInfo_v3";
+  int rc, i = 0;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  rc = nvml_device(device, &i);
+  if (rc == NVML_SUCCESS && pci == NULL) rc = NVML_ERROR_INVALID_ARGUMENT;
+  if (rc == NVML_SUCCESS) {
+    memset(pci, 0, sizeof(*pci));
+    const unsigned int bus = fake.gpus[i].bus;
+    snprintf(pci->busIdLegacy, sizeof(pci->busIdLegacy), "0000:%02X:00.0", bus);
+    snprintf(pci->busId, sizeof(pci->busId), "00000000:%02X:00.0", bus);
+    pci->bus = bus;
+    pci->pciDeviceId = 0x233510deu;    /* H200 SXM, NVIDIA's vendor id in the low half */
+    pci->pciSubSystemId = 0x18be10deu;
+  }
+  return leave(fn, rc, -1);
+}
+
+nvmlReturn_t nvmlDeviceGetEccMode(nvmlDevice_t device, int *current, int *pending) {
+  static const char fn[] = "nvmlDeviceGetEccMode";
+  int rc, i = 0;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  rc = nvml_device(device, &i);
+  if (rc == NVML_SUCCESS && (current == NULL || pending == NULL)) rc = NVML_ERROR_INVALID_ARGUMENT;
+  if (rc == NVML_SUCCESS) *current = *pending = 1;
+  return leave(fn, rc, -1);
+}
+
+nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device, int errorType, int counterType,
+                                         unsigned long long *count) {
+  static const char fn[] = "nvmlDeviceGetTotalEccErrors";
+  int rc, i = 0;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  rc = nvml_device(device, &i);
+  if (rc == NVML_SUCCESS && (count == NULL || errorType < 0 || errorType > 1 || counterType < 0 || counterType > 1)) {
+    rc = NVML_ERROR_INVALID_ARGUMENT;
+  }
+  if (rc == NVML_SUCCESS) *count = errorType == 1 ? fake.gpus[i].ecc_uncorrected : 0;
+  return leave(fn, rc, -1);
+}
+
+/* ------------------------------------------------------------------ control functions for tests */
+
+void fake_reset(void) {
+  pthread_mutex_lock(&mutex);
+  reset_locked();
+  pthread_mutex_unlock(&mutex);
+}
+
+int fake_gpu_count(void) {
+  pthread_mutex_lock(&mutex);
+  const int n = fake.gpu_count;
+  pthread_mutex_unlock(&mutex);
+  return n;
+}
+
+/* Writes "GPU-..." of a physical GPU into out; 0, or -1 for a bad index. */
+int fake_uuid(int physical, char *out, int length) {
+  pthread_mutex_lock(&mutex);
+  int rc = -1;
+  if (physical >= 0 && physical < fake.gpu_count && out != NULL && length > 0) {
+    copy_truncated(out, length, fake.gpus[physical].uuid_text);
+    rc = 0;
+  }
+  pthread_mutex_unlock(&mutex);
+  return rc;
+}
+
+int fake_set_process_memory(int logical, unsigned long long bytes) {
+  pthread_mutex_lock(&mutex);
+  const int ok = logical >= 0 && logical < fake.gpu_count;
+  if (ok) fake.process_bytes[logical] = bytes;
+  pthread_mutex_unlock(&mutex);
+  return ok ? 0 : -1;
+}
+
+int fake_set_other_memory(int physical, unsigned long long bytes) {
+  pthread_mutex_lock(&mutex);
+  const int ok = physical >= 0 && physical < fake.gpu_count;
+  if (ok) fake.gpus[physical].other_bytes = bytes;
+  pthread_mutex_unlock(&mutex);
+  return ok ? 0 : -1;
+}
+
+int fake_set_gpu_activity(int physical, unsigned int util_gpu, unsigned int util_memory, unsigned int temperature_c,
+                          unsigned long long ecc_uncorrected) {
+  pthread_mutex_lock(&mutex);
+  const int ok = physical >= 0 && physical < fake.gpu_count;
+  if (ok) {
+    fake.gpus[physical].util_gpu = util_gpu;
+    fake.gpus[physical].util_memory = util_memory;
+    fake.gpus[physical].temperature_c = temperature_c;
+    fake.gpus[physical].ecc_uncorrected = ecc_uncorrected;
+  }
+  pthread_mutex_unlock(&mutex);
+  return ok ? 0 : -1;
+}
+
+int fake_fail(const char *function, int nth, int code) {
+  pthread_mutex_lock(&mutex);
+  const int rc = add_rule(function, nth, code);
+  pthread_mutex_unlock(&mutex);
+  return rc;
+}
+
+void fake_clear_failures(void) {
+  pthread_mutex_lock(&mutex);
+  fake.rule_count = 0;
+  pthread_mutex_unlock(&mutex);
+}
+
+int fake_pending_failures(void) {
+  pthread_mutex_lock(&mutex);
+  const int n = fake.rule_count;
+  pthread_mutex_unlock(&mutex);
+  return n;
+}
+
+int fake_set_delay_ms(const char *function, unsigned int ms) {
+  if (function == NULL || *function == '\0') return -1;
+  pthread_mutex_lock(&mutex);
+  int rc = 0;
+  int i = 0;
+  while (i < fake.delay_count && strcmp(fake.delays[i].function, function) != 0) ++i;
+  if (i == fake.delay_count) {
+    if (fake.delay_count == MAX_DELAYS) {
+      rc = -1;
+    } else {
+      ++fake.delay_count;
+      snprintf(fake.delays[i].function, sizeof(fake.delays[i].function), "%s", function);
+    }
+  }
+  if (rc == 0) fake.delays[i].ms = ms;
+  pthread_mutex_unlock(&mutex);
+  return rc;
+}
+
+void fake_set_lock_delay_ms(unsigned int ms) {
+  pthread_mutex_lock(&mutex);
+  fake.lock_delay_ms = ms;
+  pthread_mutex_unlock(&mutex);
+}
+
+void fake_set_block_timeout_ms(unsigned int ms) {
+  pthread_mutex_lock(&mutex);
+  fake.block_timeout_ms = ms;
+  pthread_mutex_unlock(&mutex);
+}
+
+void fake_set_oom_poisons_restore(int on) {
+  pthread_mutex_lock(&mutex);
+  fake.oom_poisons_restore = on != 0;
+  if (!on) fake.restore_poisoned = 0;
+  pthread_mutex_unlock(&mutex);
+}
+
+int fake_state(void) {
+  pthread_mutex_lock(&mutex);
+  const int state = fake.state;
+  pthread_mutex_unlock(&mutex);
+  return state;
+}
+
+/* Puts the process in any state at once (e.g. FAILED, which the fake never enters by itself and
+ * leaves by no transition), without the checks of the checkpoint API. */
+int fake_force_state(int state) {
+  if (state < CU_PROCESS_STATE_RUNNING || state > CU_PROCESS_STATE_FAILED) return -1;
+  pthread_mutex_lock(&mutex);
+  set_state(state);
+  pthread_mutex_unlock(&mutex);
+  return 0;
+}
+
+int fake_physical_of(int logical) {
+  pthread_mutex_lock(&mutex);
+  const int physical = logical >= 0 && logical < fake.gpu_count ? fake.placement[logical] : -1;
+  pthread_mutex_unlock(&mutex);
+  return physical;
+}
+
+unsigned long long fake_process_bytes_on(int physical) {
+  pthread_mutex_lock(&mutex);
+  const unsigned long long bytes = physical >= 0 && physical < fake.gpu_count ? process_bytes_on(physical) : 0;
+  pthread_mutex_unlock(&mutex);
+  return bytes;
+}
+
+unsigned long long fake_used_bytes(int physical) {
+  unsigned long long total = 0, used = 0, free_bytes = 0;
+  pthread_mutex_lock(&mutex);
+  if (physical >= 0 && physical < fake.gpu_count) memory_of(physical, &total, &used, &free_bytes);
+  pthread_mutex_unlock(&mutex);
+  return used;
+}
+
+int fake_call_count(const char *function) {
+  if (function == NULL) return 0;
+  pthread_mutex_lock(&mutex);
+  const struct counter *c = counter_for(function, 0);
+  const int n = c != NULL ? c->count : 0;
+  pthread_mutex_unlock(&mutex);
+  return n;
+}
+
+int fake_last_pairs_count(void) {
+  pthread_mutex_lock(&mutex);
+  const int n = fake.last_pairs_count;
+  pthread_mutex_unlock(&mutex);
+  return n;
+}
+
+/* Pair i of the last restore, as physical GPU indexes (-1: a UUID of no GPU here). */
+int fake_last_pair(int i, int *old_physical, int *new_physical) {
+  pthread_mutex_lock(&mutex);
+  const int ok = i >= 0 && i < fake.last_pairs_count && i < MAX_GPUS * 4 && old_physical != NULL && new_physical != NULL;
+  if (ok) {
+    *old_physical = fake.last_pairs_old[i];
+    *new_physical = fake.last_pairs_new[i];
+  }
+  pthread_mutex_unlock(&mutex);
+  return ok ? 0 : -1;
+}
+
+/* The log of CUDA (cu*) calls, oldest first; it keeps the last LOG_CAPACITY calls. */
+int fake_log_size(void) {
+  pthread_mutex_lock(&mutex);
+  const int n = fake.log_total < LOG_CAPACITY ? (int)fake.log_total : LOG_CAPACITY;
+  pthread_mutex_unlock(&mutex);
+  return n;
+}
+
+long fake_log_dropped(void) {
+  pthread_mutex_lock(&mutex);
+  const long n = fake.log_total > LOG_CAPACITY ? fake.log_total - LOG_CAPACITY : 0;
+  pthread_mutex_unlock(&mutex);
+  return n;
+}
+
+/* Entry i: the function name (static storage), its result, pair count (-1 where it does not
+ * apply) and calling thread; 0, or -1 past the end. */
+int fake_log_entry(int i, const char **function, int *result, int *pairs, long *tid) {
+  pthread_mutex_lock(&mutex);
+  const long size = fake.log_total < LOG_CAPACITY ? fake.log_total : LOG_CAPACITY;
+  const int ok = i >= 0 && i < size;
+  if (ok) {
+    const long first = fake.log_total - size;
+    const struct log_entry *e = &fake.log[(first + i) % LOG_CAPACITY];
+    if (function != NULL) *function = e->function;
+    if (result != NULL) *result = e->result;
+    if (pairs != NULL) *pairs = e->pairs;
+    if (tid != NULL) *tid = e->tid;
+  }
+  pthread_mutex_unlock(&mutex);
+  return ok ? 0 : -1;
+}
+
+void fake_clear_log(void) {
+  pthread_mutex_lock(&mutex);
+  fake.log_total = 0;
+  fake.counter_count = 0;
+  fake.last_pairs_count = -1;
+  fake.blocked_calls = 0;
+  fake.deadlocks = 0;
+  pthread_mutex_unlock(&mutex);
+}
+
+int fake_blocked_calls(void) {
+  pthread_mutex_lock(&mutex);
+  const int n = fake.blocked_calls;
+  pthread_mutex_unlock(&mutex);
+  return n;
+}
+
+int fake_deadlocks(void) {
+  pthread_mutex_lock(&mutex);
+  const int n = fake.deadlocks;
+  pthread_mutex_unlock(&mutex);
+  return n;
+}
+
+int fake_restore_thread_id(void) {
+  pthread_mutex_lock(&mutex);
+  const int tid = (int)fake.restore_tid;
+  pthread_mutex_unlock(&mutex);
+  return tid;
+}
+
+int fake_nvml_refcount(void) {
+  pthread_mutex_lock(&mutex);
+  const int n = fake.nvml_refcount;
+  pthread_mutex_unlock(&mutex);
+  return n;
+}
+
+int fake_cuda_version(void) {
+  pthread_mutex_lock(&mutex);
+  const int v = fake.cuda_version;
+  pthread_mutex_unlock(&mutex);
+  return v;
+}
