@@ -18,3 +18,34 @@ python -m pip install -q --no-build-isolation ".[test]"
 
 echo "== CPU tests"
 python -m pytest -q tests/unit "$@"
+
+# -----------------------------------------------------------------------------------------------
+# Server tests (tests/server): the API and storage on SQLite and on a real PostgreSQL, which this
+# section installs from Debian's packages (when missing), starts as the postgres user on a free
+# port in a temporary folder, and stops at the end.
+echo "== server: PostgreSQL and the server extra"
+pg_bin="$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1 || true)"
+if [ -z "$pg_bin" ] || [ ! -x "$pg_bin/initdb" ] || ! id postgres >/dev/null 2>&1; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq postgresql >/dev/null
+  pg_bin="$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -n 1)"
+fi
+python -m pip install -q --no-build-isolation ".[server,test]"
+python -m pip install -q "httpx>=0.27"
+
+pg_dir="$(mktemp -d /tmp/flexium-pg.XXXXXX)"
+pg_port="$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"
+chown postgres:postgres "$pg_dir"
+stop_postgres() {
+  runuser -u postgres -- "$pg_bin/pg_ctl" -D "$pg_dir/data" -m immediate stop >/dev/null 2>&1 || true
+  rm -rf "$pg_dir"
+}
+trap stop_postgres EXIT
+runuser -u postgres -- "$pg_bin/initdb" -D "$pg_dir/data" -A trust -U postgres -E UTF8 >/dev/null
+runuser -u postgres -- "$pg_bin/pg_ctl" -D "$pg_dir/data" -l "$pg_dir/server.log" -w -t 60 \
+  -o "-p $pg_port -k $pg_dir -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200" start >/dev/null
+export FLEXIUM_TEST_POSTGRES_URL="postgresql://postgres@127.0.0.1:$pg_port/postgres"
+
+echo "== server tests (SQLite and PostgreSQL $("$pg_bin/postgres" --version | awk '{print $3}'))"
+python -m pytest -q tests/server "$@"

@@ -1,0 +1,288 @@
+"""The server application and its entry point.
+
+``flexium server`` (the CLI) calls ``main(argv)``; ``python -m flexium.server`` does the same.
+``create_app(settings)`` builds the ASGI app (tests use it with their own settings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import sys
+import time
+from pathlib import Path
+from typing import Any, AsyncIterator, Callable, Optional, Sequence
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.staticfiles import StaticFiles
+from sqlalchemy.exc import IntegrityError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from flexium import protocol
+from flexium.server import storage
+from flexium.server.context import ServerContext
+from flexium.server.db import Database, DatabaseUnavailable, SchemaTooNew
+from flexium.server.errors import ApiError
+from flexium.server.routes import api, pages, system
+from flexium.server.settings import Settings, load_settings
+
+log = logging.getLogger("flexium.server")
+
+_STATUS_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
+                 405: "bad_request", 409: "invalid_state", 413: "payload_too_large",
+                 415: "bad_request", 422: "invalid_request"}
+
+
+def _error(status: int, code: str, message: str, detail: Any = None) -> JSONResponse:
+    body: dict[str, Any] = {"error": code, "message": message}
+    if detail is not None:
+        body["detail"] = detail
+    return JSONResponse(body, status_code=status)
+
+
+class BodyLimit:
+    """Refuse bodies over the limit with 413 before anything parses them. A body without
+    Content-Length (chunked) is read here up to the limit and replayed."""
+
+    def __init__(self, app: Any, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Any, receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        length = None
+        for name, value in scope.get("headers", ()):
+            if name == b"content-length":
+                length = value
+                break
+        too_large = _error(413, "payload_too_large", f"request body over {self.max_bytes} bytes")
+        if length is not None:
+            if not length.isdigit() or int(length) > self.max_bytes:
+                await too_large(scope, receive, send)
+                return
+            await self.app(scope, receive, send)
+            return
+        if scope.get("method") in ("GET", "HEAD", "DELETE", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return
+            size += len(message.get("body", b""))
+            if size > self.max_bytes:
+                await too_large(scope, receive, send)
+                return
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        replayed = False
+
+        async def replay() -> Any:
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+
+def _validation_message(errors: Sequence[Any]) -> tuple[int, str, str, list[dict[str, Any]]]:
+    detail = []
+    for err in errors[:20]:
+        loc = [str(p) for p in err.get("loc", ())]
+        detail.append({"loc": loc, "msg": str(err.get("msg", ""))[:300], "type": err.get("type", "")})
+    if any(d["type"] == "json_invalid" for d in detail):
+        return 400, "bad_request", "malformed JSON body", detail
+    first = detail[0] if detail else {"loc": [], "msg": "invalid request"}
+    where = ".".join(p for p in first["loc"] if p not in ("body",)) or "request"
+    more = f" (and {len(detail) - 1} more)" if len(detail) > 1 else ""
+    return 422, "invalid_request", f"{where}: {first['msg']}{more}", detail
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ApiError)
+    async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        return _error(exc.status, exc.code, exc.message, exc.detail)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        status, code, message, detail = _validation_message(exc.errors())
+        return _error(status, code, message, detail)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = _STATUS_CODES.get(exc.status_code, "bad_request" if exc.status_code < 500 else "internal")
+        message = exc.detail if isinstance(exc.detail, str) else "request refused"
+        if exc.status_code == 404 and message == "Not Found":
+            message = "no such endpoint"
+        return JSONResponse({"error": code, "message": message}, status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(DatabaseUnavailable)
+    async def _db_down(_request: Request, exc: DatabaseUnavailable) -> JSONResponse:
+        log.warning("database unavailable: %s", exc)
+        return _error(503, "unavailable", f"database unavailable: {exc}")
+
+    @app.exception_handler(IntegrityError)
+    async def _integrity(_request: Request, exc: IntegrityError) -> JSONResponse:
+        log.info("conflicting concurrent change: %s", exc.orig)
+        return _error(409, "busy", "a concurrent request changed the same thing; retry")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
+        log.exception("unexpected error")
+        return _error(500, "internal", f"internal error ({type(exc).__name__}); see the server log")
+
+
+def create_app(settings: Optional[Settings] = None, *, database: Optional[Database] = None,
+               upgrade: bool = True) -> FastAPI:
+    """The ASGI app. Upgrades the schema first (unless ``upgrade=False``)."""
+    settings = settings or load_settings()
+    db = database or Database(settings.database_url, threads=settings.db_threads)
+    if upgrade:
+        db.upgrade()
+    ctx = ServerContext(settings=settings, db=db)
+    if db.migration_seconds is not None:
+        ctx.metrics.schema_migration.observe(db.migration_seconds)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        ctx.loop = asyncio.get_running_loop()
+        sweeper = asyncio.create_task(ctx.sweep_forever())
+        try:
+            yield
+        finally:
+            ctx.begin_shutdown()
+            sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await sweeper
+            if database is None:
+                db.dispose()
+
+    app = FastAPI(title="flexium server", version=str(protocol.PROTOCOL_VERSION),
+                  description="Processes, GPUs and commands of flexium training jobs. "
+                              "Every /api call carries 'Authorization: Bearer <workspace token>'.",
+                  lifespan=lifespan)
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    app.include_router(system.router)
+    app.include_router(api.router)
+    app.include_router(pages.router)
+    app.mount("/static", StaticFiles(directory=str(Path(__file__).resolve().parent / "static")),
+              name="static")
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    return app
+
+
+def bootstrap(db: Database) -> Optional[str]:
+    """On a database without workspaces, create ``default``; its token, or None."""
+    return db.run(storage.ensure_default_workspace, write=True, now=time.time())
+
+
+def build_parser(prog: str = "flexium server") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, description="Run the flexium server: API, dashboard "
+                                     "and live events in one process.")
+    parser.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None, help=f"port (default {protocol.DEFAULT_PORT})")
+    parser.add_argument("--database", default=None, metavar="URL",
+                        help="sqlite:///PATH or postgresql://USER@HOST/DB (default: "
+                             f"${protocol.DATABASE_ENV}, else ~/.flexium/server.db)")
+    parser.add_argument("--public-url", default=None, help="base URL printed in links (behind a proxy)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--access-log", action="store_true", help="log every request")
+    timing = parser.add_argument_group("timing (seconds; defaults suit most clusters)")
+    timing.add_argument("--heartbeat-interval", type=float, default=None, dest="heartbeat_interval_s")
+    timing.add_argument("--poll-timeout", type=float, default=None, dest="poll_timeout_s")
+    timing.add_argument("--stale-after", type=float, default=None, dest="stale_after_s")
+    timing.add_argument("--remove-after", type=float, default=None, dest="remove_after_s")
+    timing.add_argument("--command-ttl", type=float, default=None, dest="command_ttl_s")
+    timing.add_argument("--sweep-interval", type=float, default=None, dest="sweep_interval_s")
+    return parser
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    return load_settings(host=args.host, port=args.port, database_url=args.database,
+                         public_url=args.public_url, log_level=args.log_level,
+                         access_log=args.access_log or None,
+                         heartbeat_interval_s=args.heartbeat_interval_s,
+                         poll_timeout_s=args.poll_timeout_s, stale_after_s=args.stale_after_s,
+                         remove_after_s=args.remove_after_s, command_ttl_s=args.command_ttl_s,
+                         sweep_interval_s=args.sweep_interval_s)
+
+
+def _redact(url: str) -> str:
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        creds, host = rest.rsplit("@", 1)
+        return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}" if ":" in creds else url
+    return url
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """``flexium server [--host H] [--port P] [--database URL]``; returns the exit status."""
+    args = build_parser().parse_args(argv)
+    try:
+        settings = settings_from_args(args)
+    except ValueError as exc:
+        print(f"flexium server: {exc}", file=sys.stderr)
+        return 2
+    logging.basicConfig(level=getattr(logging, settings.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    try:
+        import uvicorn
+    except ImportError:
+        print('flexium server: the server is not installed: pip install "flexium[server]"', file=sys.stderr)
+        return 2
+    db = Database(settings.database_url, threads=settings.db_threads)
+    try:
+        seconds = db.upgrade()
+        token = bootstrap(db) if settings.bootstrap_default_workspace else None
+    except (DatabaseUnavailable, SchemaTooNew) as exc:
+        print(f"flexium server: cannot use the database {_redact(settings.database_url)}: {exc}",
+              file=sys.stderr)
+        return 1
+    app = create_app(settings, database=db, upgrade=False)
+    app.state.ctx.metrics.schema_migration.observe(seconds)
+    link = settings.link_base
+    print(f"flexium server: database {_redact(settings.database_url)} (schema ready in {seconds:.2f} s)")
+    print(f"flexium server: dashboard {link}/  API {link}{protocol.API_PREFIX}/  "
+          f"docs {link}/docs")
+    if token is not None:
+        print(f"flexium server: created workspace '{protocol.DEFAULT_WORKSPACE}'. Log in to the dashboard: "
+              f"{link}/login#token={token}")
+        print(f"flexium server: training jobs: FLEXIUM_SERVER={settings.host if settings.host not in ('0.0.0.0', '::') else '<this host>'}:"
+              f"{settings.port}/{protocol.DEFAULT_WORKSPACE} {protocol.TOKEN_ENV}=<token below>")
+        print(f"flexium server: token of workspace '{protocol.DEFAULT_WORKSPACE}' (shown once):")
+        print(token)
+    sys.stdout.flush()
+
+    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
+                            access_log=settings.access_log, timeout_keep_alive=75,
+                            timeout_graceful_shutdown=3, backlog=4096, lifespan="on")
+    ctx = app.state.ctx
+
+    class Server(uvicorn.Server):
+        """Told about a stop signal first, so that waiting long-polls and event streams end at
+        once instead of holding the graceful shutdown for their full timeout."""
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            if ctx.loop is not None and not ctx.loop.is_closed():
+                ctx.loop.call_soon_threadsafe(ctx.begin_shutdown)
+            super().handle_exit(sig, frame)
+
+    server = Server(config)
+    try:
+        server.run()
+    finally:
+        db.dispose()
+    return 0 if server.started else 1

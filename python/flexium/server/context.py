@@ -1,0 +1,129 @@
+"""What one running server holds in memory, beside the database: settings, the database
+handle, the notifier and event bus, metrics, the token cache. Routes get it through
+``get_context``."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Optional
+
+from fastapi import Depends, Request
+
+from flexium import protocol
+from flexium.server import storage
+from flexium.server.db import Database
+from flexium.server.live import EventBus, Notifier
+from flexium.server.metrics import Metrics
+from flexium.server.settings import Settings
+from flexium.server.storage import AuthInfo
+
+log = logging.getLogger("flexium.server")
+
+
+class TokenCache:
+    """token hash -> (auth, valid until). Only successes are cached, and only briefly: a token
+    revoked by another process (the CLI on the same database) stops working within
+    ``ttl`` seconds; one revoked through this server stops at once."""
+
+    def __init__(self, ttl: float, max_entries: int = 10000) -> None:
+        self.ttl = ttl
+        self.max_entries = max_entries
+        self._entries: dict[str, tuple[AuthInfo, float]] = {}
+
+    def get(self, token_hash: str, now: float) -> Optional[AuthInfo]:
+        entry = self._entries.get(token_hash)
+        if entry is None or entry[1] < now:
+            return None
+        return entry[0]
+
+    def put(self, token_hash: str, auth: AuthInfo, now: float) -> None:
+        if len(self._entries) >= self.max_entries:
+            self._entries.clear()
+        self._entries[token_hash] = (auth, now + self.ttl)
+
+    def forget(self, token_id: int) -> None:
+        for key in [k for k, (a, _t) in self._entries.items() if a.token_id == token_id]:
+            del self._entries[key]
+
+
+@dataclass
+class ServerContext:
+    settings: Settings
+    db: Database
+    notifier: Notifier = field(default_factory=Notifier)
+    bus: EventBus = field(default_factory=EventBus)
+    metrics: Metrics = field(default_factory=Metrics)
+    started_at: float = field(default_factory=time.time)
+    tokens: TokenCache = field(init=False)
+    process_hosts: dict[tuple[int, str], str] = field(default_factory=dict)
+    device_writes: dict[tuple[int, str], float] = field(default_factory=dict)
+    stopping: bool = False
+    loop: Optional[asyncio.AbstractEventLoop] = None
+
+    def __post_init__(self) -> None:
+        self.tokens = TokenCache(self.settings.token_cache_s)
+        self.bus = EventBus(history=self.settings.event_history, queue_size=self.settings.sse_queue_size)
+        self.metrics.up_since.set(self.started_at)
+
+    def begin_shutdown(self) -> None:
+        """Answer every long-poll and end every event stream now, so a restart is quick and
+        clients come back to the new server."""
+        if self.stopping:
+            return
+        self.stopping = True
+        self.notifier.close()
+        self.bus.close()
+
+    def publish(self, workspace_id: int, event: str, data: Any) -> None:
+        self.bus.publish(workspace_id, event, data)
+
+    def should_write_devices(self, workspace_id: int, process_id: str, now: float) -> bool:
+        host = self.process_hosts.get((workspace_id, process_id))
+        if host is None:
+            return True
+        return now - self.device_writes.get((workspace_id, host), 0.0) >= self.settings.device_write_interval_s
+
+    def devices_written(self, workspace_id: int, host: str, now: float) -> None:
+        self.device_writes[(workspace_id, host)] = now
+
+    def forget_process(self, workspace_id: int, process_id: str) -> None:
+        self.process_hosts.pop((workspace_id, process_id), None)
+
+    async def sweep_forever(self) -> None:
+        previous = time.time()
+        while not self.stopping:
+            await asyncio.sleep(self.settings.sweep_interval_s)
+            now = time.time()
+            try:
+                result = await self.db.call(
+                    storage.sweep, write=True, now=now, alive_since=self.started_at,
+                    stale_after=self.settings.stale_after_s, remove_after=self.settings.remove_after_s,
+                    command_ttl=self.settings.command_ttl_s, stale_since=previous)
+            except Exception:   # a database hiccup must not end housekeeping for good
+                log.exception("sweep failed; retrying at the next interval")
+                continue
+            previous = now
+            for ws, cmd in result.expired:
+                self.metrics.commands_finished.labels(kind=cmd["kind"], outcome="expired").inc()
+                self.publish(ws, protocol.EVENT_COMMAND, {"action": "updated", "command": cmd})
+                self.notifier.notify(("cmd", ws, cmd["id"]))
+            for ws, cmd in result.failed:
+                self.metrics.commands_finished.labels(kind=cmd["kind"], outcome="failed").inc()
+                self.publish(ws, protocol.EVENT_COMMAND, {"action": "updated", "command": cmd})
+                self.notifier.notify(("cmd", ws, cmd["id"]))
+            for ws, process_id in result.removed:
+                self.forget_process(ws, process_id)
+                self.publish(ws, protocol.EVENT_PROCESS, {"action": "removed",
+                                                          "process": {"process_id": process_id}})
+            for ws, proc in result.newly_stale:
+                self.publish(ws, protocol.EVENT_PROCESS, {"action": "stale", "process": proc})
+
+
+def get_context(request: Request) -> ServerContext:
+    return request.app.state.ctx  # type: ignore[no-any-return]
+
+
+Ctx = Annotated[ServerContext, Depends(get_context)]

@@ -1,0 +1,172 @@
+"""The one database module: engine, SQLite pragmas, transactions, schema migrations.
+
+Everything dialect-specific lives here so storage functions are plain SQLAlchemy for both
+SQLite and PostgreSQL.
+
+SQLite hazards handled here:
+- WAL lets readers run beside the one writer; ``synchronous=NORMAL`` is durable across a
+  crash of this process (only power loss can drop the last commits).
+- A deferred transaction that reads and then writes can fail at once with SQLITE_BUSY when
+  another writer got in first (the busy timeout does not help there), so write transactions
+  start with ``BEGIN IMMEDIATE``. pysqlite's own transaction handling is switched off for that.
+- The busy handler sleeps in steps up to 100 ms, which would wreck delivery latency, so
+  writers inside this server queue on a lock instead; ``busy_timeout`` still covers other
+  processes (a CLI creating a workspace while the server runs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional, TypeVar
+
+import anyio
+import anyio.to_thread
+from sqlalchemy import create_engine, event, text
+from sqlalchemy.engine import Engine
+from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.orm import Session
+from sqlalchemy.pool import StaticPool
+
+T = TypeVar("T")
+
+_WRITE_OPTION = "flexium_write"
+_PG_MIGRATION_LOCK = 0x666C6578  # any constant; serialises schema upgrades of several servers
+
+
+class DatabaseUnavailable(Exception):
+    """The database cannot be reached or is locked for too long (mapped to 503)."""
+
+
+class SchemaTooNew(Exception):
+    """The database was upgraded by a newer flexium than this one."""
+
+
+class Database:
+    def __init__(self, url: str, *, threads: int = 32, echo: bool = False) -> None:
+        self.url = url
+        self.dialect = "sqlite" if url.startswith("sqlite") else "postgresql"
+        self._write_lock: Optional[threading.Lock] = threading.Lock() if self.is_sqlite else None
+        self._limiter = anyio.CapacityLimiter(threads)
+        self.engine = self._create_engine(url, threads=threads, echo=echo)
+        self._write_engine = self.engine.execution_options(**{_WRITE_OPTION: True})
+        self.migration_seconds: Optional[float] = None
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.dialect == "sqlite"
+
+    def _create_engine(self, url: str, *, threads: int, echo: bool) -> Engine:
+        if self.is_sqlite:
+            path = url.split(":///", 1)[1] if ":///" in url else ""
+            in_memory = path in ("", ":memory:")
+            if not in_memory:
+                Path(path).parent.mkdir(parents=True, exist_ok=True)
+            kwargs: dict[str, Any] = {"connect_args": {"check_same_thread": False, "timeout": 30}}
+            if in_memory:
+                kwargs["poolclass"] = StaticPool
+            else:
+                kwargs.update(pool_size=min(threads, 16), max_overflow=threads, pool_timeout=30)
+            engine = create_engine(url, echo=echo, **kwargs)
+            event.listen(engine, "connect", _sqlite_on_connect)
+            event.listen(engine, "begin", _sqlite_on_begin)
+            return engine
+        return create_engine(url, echo=echo, pool_size=min(threads, 10), max_overflow=threads,
+                             pool_timeout=30, pool_pre_ping=True, pool_recycle=1800)
+
+    # --- transactions -----------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def session(self, *, write: bool) -> Iterator[Session]:
+        """One transaction: committed when the block ends, rolled back on an exception."""
+        lock = self._write_lock if write else None
+        if lock is not None:
+            lock.acquire()
+        try:
+            with Session(bind=self._write_engine if write else self.engine,
+                         expire_on_commit=False, autoflush=False) as session:
+                with session.begin():
+                    yield session
+        except OperationalError as exc:
+            raise DatabaseUnavailable(_short(exc)) from exc
+        except DBAPIError as exc:
+            if exc.connection_invalidated:
+                raise DatabaseUnavailable(_short(exc)) from exc
+            raise
+        finally:
+            if lock is not None:
+                lock.release()
+
+    def run(self, fn: Callable[..., T], /, *, write: bool, **kwargs: Any) -> T:
+        """Call a storage function ``fn(session=..., **kwargs)`` inside one transaction."""
+        with self.session(write=write) as session:
+            return fn(session=session, **kwargs)
+
+    async def call(self, fn: Callable[..., T], /, *, write: bool, **kwargs: Any) -> T:
+        """``run`` on a worker thread, so the event loop keeps serving long-polls."""
+        return await anyio.to_thread.run_sync(
+            functools.partial(self.run, fn, write=write, **kwargs), limiter=self._limiter)
+
+    def ping(self) -> None:
+        with self.session(write=False) as session:
+            session.execute(text("SELECT 1"))
+
+    # --- schema -----------------------------------------------------------------------------
+
+    def upgrade(self) -> float:
+        """Create or upgrade the schema to this version's head; returns seconds taken."""
+        from alembic import command
+        from alembic.config import Config
+        from alembic.script import ScriptDirectory
+        from alembic.runtime.migration import MigrationContext
+
+        config = Config()
+        config.set_main_option("script_location", "flexium.server:migrations")
+        script = ScriptDirectory.from_config(config)
+        known = {rev.revision for rev in script.walk_revisions()}
+        start = time.perf_counter()
+        lock = self._write_lock
+        if lock is not None:
+            lock.acquire()
+        try:
+            with self._write_engine.begin() as conn:
+                if not self.is_sqlite:
+                    conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_MIGRATION_LOCK})
+                unknown = set(MigrationContext.configure(conn).get_current_heads()) - known
+                if unknown:
+                    raise SchemaTooNew(f"the database schema is at revision {', '.join(sorted(unknown))}, "
+                                       "which this flexium does not know: upgrade flexium")
+                config.attributes["connection"] = conn
+                command.upgrade(config, "head")
+        except OperationalError as exc:
+            raise DatabaseUnavailable(_short(exc)) from exc
+        finally:
+            if lock is not None:
+                lock.release()
+        self.migration_seconds = time.perf_counter() - start
+        return self.migration_seconds
+
+    def dispose(self) -> None:
+        self.engine.dispose()
+
+
+def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
+    dbapi_connection.isolation_level = None   # we emit BEGIN ourselves (see module docstring)
+    cursor = dbapi_connection.cursor()
+    for pragma in ("journal_mode=WAL", "synchronous=NORMAL", "busy_timeout=30000",
+                   "foreign_keys=ON", "temp_store=MEMORY", "cache_size=-16000"):
+        cursor.execute(f"PRAGMA {pragma}")
+    cursor.close()
+
+
+def _sqlite_on_begin(conn: Any) -> None:
+    write = conn.get_execution_options().get(_WRITE_OPTION, False)
+    conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+
+
+def _short(exc: BaseException) -> str:
+    orig = getattr(exc, "orig", None) or exc
+    return str(orig).strip().splitlines()[0][:300] if str(orig).strip() else type(orig).__name__

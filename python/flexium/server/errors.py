@@ -1,0 +1,80 @@
+"""Errors storage functions and routes raise on purpose. Each carries a protocol error code
+(``flexium.protocol.ERROR_STATUS`` gives its HTTP status) and a message meant for a person."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from flexium import protocol
+
+
+class ApiError(Exception):
+    code = "internal"
+
+    def __init__(self, message: str, *, detail: Optional[Any] = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.detail = detail
+
+    @property
+    def status(self) -> int:
+        return protocol.ERROR_STATUS[self.code]
+
+    def body(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"error": self.code, "message": self.message}
+        if self.detail is not None:
+            body["detail"] = self.detail
+        return body
+
+
+class BadRequest(ApiError):
+    code = "bad_request"
+
+
+class Unauthorized(ApiError):
+    code = "unauthorized"
+
+
+class Forbidden(ApiError):
+    code = "forbidden"
+
+
+class NotFound(ApiError):
+    code = "not_found"
+
+
+class InvalidState(ApiError):
+    code = "invalid_state"
+
+
+class Busy(ApiError):
+    code = "busy"
+
+
+class Stale(ApiError):
+    code = "stale"
+
+
+class InvalidRequest(ApiError):
+    code = "invalid_request"
+
+
+class TargetRefused(ApiError):
+    code = "target_refused"
+
+
+class CapabilityMissing(ApiError):
+    code = "capability"
+
+
+class PayloadTooLarge(ApiError):
+    code = "payload_too_large"
+
+
+class Unavailable(ApiError):
+    code = "unavailable"
+
+
+class Conflict(ApiError):
+    """A name that must be unique is taken (workspace create)."""
+    code = "invalid_state"

@@ -1,0 +1,145 @@
+"""In-process wake-ups and live events. Both live on the event loop of the one server process;
+the database stays the source of truth (a missed wake-up only delays, never loses: every
+long-poll reads the database before it waits).
+
+Notifier: a long-poll registers a waiter for its key *before* reading the database, so a
+command committed between the read and the wait still wakes it.
+
+EventBus: per-workspace fan-out to server-sent-event subscribers, with a numbered history for
+``Last-Event-ID`` replay. A subscriber too slow to keep up is cut off with a ``resync``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import json
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Optional
+
+from flexium import protocol
+
+
+class Notifier:
+    def __init__(self) -> None:
+        self._waiters: dict[Hashable, set[asyncio.Future[None]]] = {}
+        self.closed = False
+
+    def register(self, key: Hashable) -> asyncio.Future[None]:
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        if self.closed:
+            fut.set_result(None)
+        self._waiters.setdefault(key, set()).add(fut)
+        return fut
+
+    def unregister(self, key: Hashable, fut: asyncio.Future[None]) -> None:
+        waiters = self._waiters.get(key)
+        if waiters is not None:
+            waiters.discard(fut)
+            if not waiters:
+                del self._waiters[key]
+        if not fut.done():
+            fut.cancel()
+
+    async def wait(self, fut: asyncio.Future[None], timeout: float) -> bool:
+        """True when woken, False on timeout."""
+        done, _pending = await asyncio.wait({fut}, timeout=max(0.0, timeout))
+        return bool(done)
+
+    def notify(self, key: Hashable) -> int:
+        woken = 0
+        for fut in self._waiters.get(key, ()):
+            if not fut.done():
+                fut.set_result(None)
+                woken += 1
+        return woken
+
+    def close(self) -> None:
+        """Wake every waiter (the server is stopping: polls answer now, clients come back)."""
+        self.closed = True
+        for waiters in self._waiters.values():
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(None)
+
+    @property
+    def waiting(self) -> int:
+        return sum(len(w) for w in self._waiters.values())
+
+
+@dataclass
+class Subscriber:
+    workspace_id: int
+    queue: asyncio.Queue[Optional[str]]
+    overflowed: bool = False
+
+
+@dataclass
+class _History:
+    events: collections.deque[tuple[int, str]] = field(default_factory=collections.deque)
+
+
+class EventBus:
+    def __init__(self, *, history: int = 2000, queue_size: int = 1000) -> None:
+        self._ids = itertools.count(1)
+        self._subs: dict[int, set[Subscriber]] = {}
+        self._history: dict[int, collections.deque[tuple[int, str]]] = {}
+        self._history_len = history
+        self._queue_size = queue_size
+        self.last_id = 0
+        self.closed = False
+
+    @staticmethod
+    def frame(event_id: int, event: str, data: Any) -> str:
+        payload = json.dumps(data, separators=(",", ":"), allow_nan=False)
+        return f"id: {event_id}\nevent: {event}\ndata: {payload}\n\n"
+
+    def publish(self, workspace_id: int, event: str, data: Any) -> None:
+        event_id = next(self._ids)
+        self.last_id = event_id
+        text = self.frame(event_id, event, data)
+        history = self._history.setdefault(workspace_id, collections.deque(maxlen=self._history_len))
+        history.append((event_id, text))
+        for sub in list(self._subs.get(workspace_id, ())):
+            if sub.overflowed:
+                continue
+            try:
+                sub.queue.put_nowait(text)
+            except asyncio.QueueFull:
+                sub.overflowed = True
+
+    def subscribe(self, workspace_id: int, *, last_event_id: Optional[int] = None) -> tuple[Subscriber, list[str]]:
+        """A new subscriber and what it missed since ``last_event_id`` (a single ``resync``
+        event when that is no longer in the history)."""
+        sub = Subscriber(workspace_id, asyncio.Queue(self._queue_size))
+        self._subs.setdefault(workspace_id, set()).add(sub)
+        backlog: list[str] = []
+        if last_event_id is not None:
+            history = self._history.get(workspace_id, ())
+            oldest = history[0][0] if history else self.last_id + 1
+            if last_event_id < self.last_id and last_event_id + 1 < oldest:
+                backlog.append(self.frame(self.last_id, protocol.EVENT_RESYNC, {}))
+            else:
+                backlog.extend(text for eid, text in history if eid > last_event_id)
+        return sub, backlog
+
+    def unsubscribe(self, sub: Subscriber) -> None:
+        subs = self._subs.get(sub.workspace_id)
+        if subs is not None:
+            subs.discard(sub)
+            if not subs:
+                del self._subs[sub.workspace_id]
+
+    def close(self) -> None:
+        self.closed = True
+        for subs in self._subs.values():
+            for sub in subs:
+                try:
+                    sub.queue.put_nowait(None)
+                except asyncio.QueueFull:
+                    sub.overflowed = True
+
+    @property
+    def subscribers(self) -> int:
+        return sum(len(s) for s in self._subs.values())

@@ -1,0 +1,64 @@
+"""Prometheus metrics (``GET /metrics``), each series named ``flexium_...``.
+
+Counts that must survive a restart (processes by state, commands by state) are read from the
+database at scrape time; rates and latencies are counted in this process.
+"""
+
+from __future__ import annotations
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
+
+from flexium import protocol
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+_OPERATION_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
+_DELIVERY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5, 30)
+
+
+class Metrics:
+    def __init__(self) -> None:
+        prometheus_client.disable_created_metrics()   # '_created' series only add noise here
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.processes = Gauge("flexium_processes", "Processes by shown state (STALE: heartbeats stopped).",
+                               ["state"], registry=r)
+        self.commands = Gauge("flexium_commands", "Commands in the database by state.", ["state"], registry=r)
+        self.commands_finished = Counter("flexium_commands_finished", "Commands that ended, by kind and outcome "
+                                         "(succeeded, failed, expired), since this server started.",
+                                         ["kind", "outcome"], registry=r)
+        self.commands_created = Counter("flexium_commands_created", "Commands accepted, by kind.", ["kind"],
+                                        registry=r)
+        self.commands_refused = Counter("flexium_commands_refused", "Command requests refused, by error code.",
+                                        ["error"], registry=r)
+        self.migration_duration = Histogram(
+            "flexium_migration_duration_seconds",
+            "Duration of migrate / pause / resume operations as the processes report them.",
+            ["kind", "outcome"], buckets=_OPERATION_BUCKETS, registry=r)
+        self.delivery_latency = Histogram(
+            "flexium_command_delivery_seconds", "From a command's creation to its first delivery.",
+            buckets=_DELIVERY_BUCKETS, registry=r)
+        self.schema_migration = Histogram(
+            "flexium_schema_migration_duration_seconds", "Database schema upgrade at start.",
+            buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 30), registry=r)
+        self.heartbeats = Counter("flexium_heartbeats", "Heartbeats received.", registry=r)
+        self.long_polls = Gauge("flexium_long_polls_waiting", "Long-polls waiting for a command.", registry=r)
+        self.sse_subscribers = Gauge("flexium_sse_subscribers", "Open live event streams.", registry=r)
+        self.up_since = Gauge("flexium_server_start_time_seconds", "When this server started (epoch).",
+                              registry=r)
+        for state in protocol.DISPLAY_STATES:
+            self.processes.labels(state=state)
+        for state in protocol.COMMAND_STATES:
+            self.commands.labels(state=state)
+
+    def render(self, *, processes: dict[str, int], commands: dict[str, int], long_polls: int,
+               sse_subscribers: int) -> bytes:
+        for state, n in processes.items():
+            self.processes.labels(state=state).set(n)
+        for state, n in commands.items():
+            self.commands.labels(state=state).set(n)
+        self.long_polls.set(long_polls)
+        self.sse_subscribers.set(sse_subscribers)
+        return generate_latest(self.registry)

@@ -1,0 +1,123 @@
+"""Tables. The schema itself is created and changed only by the migrations in
+``migrations/versions``; these classes must match them (a test compares the two).
+
+Times are Unix epoch seconds in double precision columns: the same on SQLite and PostgreSQL,
+no time zone handling, and what the wire format uses.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from sqlalchemy import (JSON, BigInteger, Double, ForeignKey, Index, Integer, String, Text,
+                        UniqueConstraint, text)
+from sqlalchemy.dialects.postgresql import JSONB
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+from flexium import protocol
+
+JsonType = JSON().with_variant(JSONB(), "postgresql")
+
+# One active command per process, enforced by the database so two racing requests cannot
+# both pass the check.
+ACTIVE_SQL = "state IN ('queued', 'delivered', 'running')"
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Workspace(Base):
+    __tablename__ = "workspaces"
+    __table_args__ = (UniqueConstraint("name", name="uq_workspaces_name"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[float] = mapped_column(Double)
+
+
+class Token(Base):
+    __tablename__ = "tokens"
+    __table_args__ = (UniqueConstraint("token_hash", name="uq_tokens_token_hash"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    workspace_id: Mapped[int] = mapped_column(ForeignKey("workspaces.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT), default="")
+    token_hash: Mapped[str] = mapped_column(String(64))   # sha256 hex of the token
+    prefix: Mapped[str] = mapped_column(String(16))                     # shown in lists
+    created_at: Mapped[float] = mapped_column(Double)
+    revoked_at: Mapped[Optional[float]] = mapped_column(Double, nullable=True)
+
+
+class Process(Base):
+    __tablename__ = "processes"
+    __table_args__ = (
+        UniqueConstraint("workspace_id", "process_id", name="uq_processes_workspace_process"),
+        Index("ix_processes_workspace_last_seen", "workspace_id", "last_seen"),
+    )
+    pk: Mapped[int] = mapped_column(Integer, primary_key=True)
+    workspace_id: Mapped[int] = mapped_column(ForeignKey("workspaces.id", ondelete="CASCADE"))
+    process_id: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT))
+    host: Mapped[str] = mapped_column(String(protocol.MAX_HOST_LEN))
+    user: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT), default="")
+    pid: Mapped[int] = mapped_column(BigInteger, default=0)
+    gpu_uuid: Mapped[Optional[str]] = mapped_column(String(protocol.MAX_SHORT_TEXT), nullable=True)
+    gpu_model: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT), default="")
+    gpu_index: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
+    logical_device: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT), default="")
+    physical_device: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT), default="")
+    visible_gpus: Mapped[Any] = mapped_column(JsonType, default=list)
+    torch_version: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT), default="")
+    driver_version: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT), default="")
+    flexium_version: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT), default="")
+    capabilities: Mapped[Any] = mapped_column(JsonType, default=dict)
+    memory_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    footprint_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    state: Mapped[str] = mapped_column(String(16))
+    started_at: Mapped[Optional[float]] = mapped_column(Double, nullable=True)
+    registered_at: Mapped[float] = mapped_column(Double)
+    last_seen: Mapped[float] = mapped_column(Double)
+    cmdline: Mapped[str] = mapped_column(Text, default="")
+
+
+class Device(Base):
+    __tablename__ = "devices"
+    __table_args__ = (
+        UniqueConstraint("workspace_id", "host", "uuid", name="uq_devices_workspace_host_uuid"),
+    )
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    workspace_id: Mapped[int] = mapped_column(ForeignKey("workspaces.id", ondelete="CASCADE"))
+    host: Mapped[str] = mapped_column(String(protocol.MAX_HOST_LEN))
+    uuid: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT))
+    index: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
+    name: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT), default="")
+    memory_total: Mapped[int] = mapped_column(BigInteger, default=0)
+    memory_used: Mapped[int] = mapped_column(BigInteger, default=0)
+    utilization: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
+    temperature: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
+    health: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT), default="ok")
+    updated_at: Mapped[float] = mapped_column(Double)
+
+
+class Command(Base):
+    __tablename__ = "commands"
+    __table_args__ = (
+        Index("ix_commands_process_state", "process_pk", "state"),
+        Index("ix_commands_workspace_id", "workspace_id", "id"),
+        Index("ix_commands_state_created", "state", "created_at"),
+        Index("uq_commands_one_active", "process_pk", unique=True,
+              sqlite_where=text(ACTIVE_SQL), postgresql_where=text(ACTIVE_SQL)),
+    )
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    workspace_id: Mapped[int] = mapped_column(ForeignKey("workspaces.id", ondelete="CASCADE"))
+    process_pk: Mapped[int] = mapped_column(ForeignKey("processes.pk", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(String(16))
+    state: Mapped[str] = mapped_column(String(16))
+    target_uuid: Mapped[Optional[str]] = mapped_column(String(protocol.MAX_SHORT_TEXT), nullable=True)
+    target_index: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
+    target_device: Mapped[Optional[str]] = mapped_column(String(protocol.MAX_SHORT_TEXT), nullable=True)
+    created_at: Mapped[float] = mapped_column(Double)
+    delivered_at: Mapped[Optional[float]] = mapped_column(Double, nullable=True)
+    started_at: Mapped[Optional[float]] = mapped_column(Double, nullable=True)
+    finished_at: Mapped[Optional[float]] = mapped_column(Double, nullable=True)
+    deliveries: Mapped[int] = mapped_column(Integer, default=0)
+    result: Mapped[Optional[Any]] = mapped_column(JsonType, nullable=True)
+    error: Mapped[Optional[str]] = mapped_column(Text, nullable=True)

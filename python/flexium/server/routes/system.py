@@ -1,0 +1,46 @@
+"""Unauthenticated operational endpoints: health and Prometheus metrics."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi import APIRouter, Response
+from fastapi.responses import JSONResponse
+from sqlalchemy import text
+
+from flexium.server import storage
+from flexium.server.context import Ctx
+from flexium.server.db import DatabaseUnavailable
+from flexium.server.metrics import CONTENT_TYPE
+from flexium.server.schemas import HealthOut
+
+router = APIRouter()
+
+
+def _ping(*, session: Any) -> None:
+    session.execute(text("SELECT 1"))
+
+
+@router.get("/healthz", response_model=HealthOut, responses={503: {"model": HealthOut}},
+            summary="200 when the database answers")
+async def healthz(ctx: Ctx) -> Any:
+    try:
+        await ctx.db.call(_ping, write=False)
+    except DatabaseUnavailable as exc:
+        return JSONResponse({"status": "degraded", "database": f"unavailable: {exc}"}, status_code=503)
+    return {"status": "ok", "database": ctx.db.dialect}
+
+
+@router.get("/metrics", response_class=Response, summary="Prometheus text format",
+            responses={200: {"content": {"text/plain": {}}}})
+async def metrics(ctx: Ctx) -> Response:
+    now = time.time()
+    processes = await ctx.db.call(storage.count_processes, write=False, now=now,
+                                  stale_after=ctx.settings.stale_after_s)
+    commands = await ctx.db.call(storage.count_commands, write=False)
+    body = ctx.metrics.render(processes=processes, commands=commands,
+                              long_polls=ctx.notifier.waiting, sse_subscribers=ctx.bus.subscribers)
+    return Response(body, media_type=CONTENT_TYPE)
+
+

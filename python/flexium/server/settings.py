@@ -1,0 +1,99 @@
+"""The server's one settings object. Built once by ``load_settings`` from command-line values,
+then environment variables, then defaults; everything else receives it, nothing reads the
+environment on its own."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any, Optional
+
+from flexium import protocol
+
+DEFAULT_HOST = "127.0.0.1"
+
+
+def default_data_dir() -> Path:
+    return Path(os.environ.get("FLEXIUM_HOME") or Path.home() / ".flexium")
+
+
+def default_database_url() -> str:
+    return f"sqlite:///{default_data_dir() / 'server.db'}"
+
+
+@dataclass(frozen=True)
+class Settings:
+    database_url: str = field(default_factory=default_database_url)
+    host: str = DEFAULT_HOST
+    port: int = protocol.DEFAULT_PORT
+    public_url: Optional[str] = None          # what links printed on start point at
+
+    heartbeat_interval_s: float = protocol.HEARTBEAT_INTERVAL_S
+    poll_timeout_s: float = protocol.POLL_TIMEOUT_S
+    stale_after_s: float = protocol.STALE_AFTER_S
+    remove_after_s: float = protocol.REMOVE_AFTER_S
+    command_ttl_s: float = protocol.COMMAND_TTL_S
+    sweep_interval_s: float = 2.0             # stale marking, removal, expiry
+    device_write_interval_s: float = 2.0      # one host's GPU report is written at most this often
+    token_cache_s: float = 5.0                # a token revoked outside this server stops working within this
+    max_body_bytes: int = protocol.MAX_BODY_BYTES
+    sse_keepalive_s: float = 15.0
+    sse_queue_size: int = 1000
+    event_history: int = 2000                 # events kept for Last-Event-ID replay, per workspace
+
+    db_threads: int = 32                      # worker threads for database calls
+    access_log: bool = False
+    log_level: str = "info"
+    bootstrap_default_workspace: bool = True
+
+    @property
+    def is_sqlite(self) -> bool:
+        return self.database_url.startswith("sqlite")
+
+    @property
+    def link_base(self) -> str:
+        if self.public_url:
+            return self.public_url.rstrip("/")
+        host = self.host
+        if host in ("0.0.0.0", "::", ""):
+            host = "127.0.0.1"
+        if ":" in host:
+            host = f"[{host}]"
+        return f"http://{host}:{self.port}"
+
+    def with_(self, **changes: Any) -> "Settings":
+        return replace(self, **changes)
+
+
+def normalize_database_url(url: str) -> str:
+    """Accept what people type (``postgresql://``, ``postgres://``, a plain file path) and name
+    the driver SQLAlchemy must use (psycopg 3 for PostgreSQL)."""
+    url = url.strip()
+    if url.startswith("postgres://"):
+        url = "postgresql://" + url[len("postgres://"):]
+    if url.startswith("postgresql://"):
+        return "postgresql+psycopg://" + url[len("postgresql://"):]
+    if url.startswith(("postgresql+", "sqlite:")):
+        return url
+    if "://" not in url:                       # a file path
+        return f"sqlite:///{Path(url).expanduser().resolve()}"
+    raise ValueError(f"unsupported database URL {url!r}: use sqlite:///PATH or postgresql://USER@HOST/DB")
+
+
+def load_settings(**overrides: Any) -> Settings:
+    """Explicit values (None means 'not given') win over FLEXIUM_* variables, which win over
+    defaults."""
+    values: dict[str, Any] = {}
+    env_url = os.environ.get(protocol.DATABASE_ENV)
+    if env_url:
+        values["database_url"] = env_url
+    env_public = os.environ.get("FLEXIUM_PUBLIC_URL")
+    if env_public:
+        values["public_url"] = env_public
+    for key, value in overrides.items():
+        if value is not None:
+            values[key] = value
+    if "database_url" in values:
+        values["database_url"] = normalize_database_url(values["database_url"])
+    return Settings(**values)

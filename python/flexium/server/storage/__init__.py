@@ -1,0 +1,31 @@
+"""Storage functions: the only code that reads or writes tables.
+
+Every function takes keyword arguments only, starting with ``session`` (one open
+transaction, from ``Database.session`` / ``Database.run`` / ``Database.call``), and the
+caller's clock as ``now`` so tests can move time. They return protocol-shaped dicts
+(``flexium.protocol`` TypedDicts) that routes send as they are and dashboard templates render,
+and raise ``flexium.server.errors.ApiError`` subclasses for anything a user did wrong.
+"""
+
+from flexium.server.storage.commands import (create_command, count_commands, get_command,
+                                             list_commands, next_command, report_command)
+from flexium.server.storage.devices import list_devices, upsert_devices
+from flexium.server.storage.processes import (HeartbeatOutcome, count_processes, get_process,
+                                              heartbeat, list_processes, register_process,
+                                              unregister_process)
+from flexium.server.storage.sweep import SweepResult, sweep
+from flexium.server.storage.workspaces import (AuthInfo, authenticate, create_workspace,
+                                               ensure_default_workspace, get_workspace,
+                                               hash_token, issue_token, list_tokens,
+                                               list_workspaces, new_token, revoke_token,
+                                               workspace_summary)
+
+__all__ = [
+    "AuthInfo", "HeartbeatOutcome", "SweepResult",
+    "authenticate", "count_commands", "count_processes", "create_command", "create_workspace",
+    "ensure_default_workspace", "get_command", "get_process", "get_workspace", "hash_token",
+    "heartbeat", "issue_token", "list_commands", "list_devices", "list_processes",
+    "list_tokens", "list_workspaces", "new_token", "next_command", "register_process",
+    "report_command", "revoke_token", "sweep", "unregister_process", "upsert_devices",
+    "workspace_summary",
+]

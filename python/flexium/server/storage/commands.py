@@ -1,0 +1,317 @@
+"""Commands: durable rows moving queued -> delivered -> running -> succeeded | failed, or
+queued/delivered -> expired.
+
+Checked before a row is written (each a 4xx with a message): the process exists and is
+alive, it has no active command, its state allows the operation, its capabilities include
+it, and the target GPU is on its host, of its model, visible to it, healthy and has room.
+The unique partial index ``uq_commands_one_active`` backs the one-active-command rule against
+races.
+
+A long-poll hands out the oldest queued *or delivered* command: a command whose delivery was
+never acknowledged (the answer was lost, the server restarted) goes out again on the next
+poll, so a process may see one command twice and must ignore an id it already ran.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Union
+
+from sqlalchemy import func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from flexium import protocol
+from flexium.server.errors import (Busy, CapabilityMissing, InvalidRequest, InvalidState, NotFound,
+                                   Stale, TargetRefused)
+from flexium.server.models import Command, Device, Process
+from flexium.server.storage.devices import find_device_hosts, host_devices
+from flexium.server.storage.processes import active_command, find_process
+from flexium.server.storage.views import command_view, is_stale, process_view
+
+_RUNNING_STATE = {"migrate": "MIGRATING", "pause": "PAUSING", "resume": "RESUMING"}
+_GIB = float(1 << 30)
+
+
+def _gib(n: int) -> str:
+    return f"{n / _GIB:.1f} GiB"
+
+
+def _require_capability(proc: Process, key: str, what: str) -> None:
+    caps = proc.capabilities or {}
+    if not caps.get(key):
+        driver = caps.get("driver_version") or proc.driver_version or "unknown"
+        need = "580+" if key == protocol.CAP_MIGRATION else "550+"
+        raise CapabilityMissing(f"process {proc.process_id!r} cannot {what}: it reports no "
+                                f"{key!r} capability (driver {driver}; {what} needs driver {need})")
+
+
+def _resolve_target(session: Session, proc: Process, target: Union[str, int]) -> Device:
+    devices = host_devices(session, workspace_id=proc.workspace_id, host=proc.host)
+    if isinstance(target, bool):
+        raise InvalidRequest("target must be a GPU UUID, an index on the process's host, or 'cuda:N'")
+    if isinstance(target, int) or (isinstance(target, str) and target.isdigit()):
+        index = int(target)
+        for dev in devices.values():
+            if dev.index == index:
+                return dev
+        raise TargetRefused(f"host {proc.host!r} reported no GPU with index {index}")
+    text = target.strip()
+    if text.startswith("cuda:"):
+        ordinal = text[5:]
+        visible = list(proc.visible_gpus or [])
+        if not ordinal.isdigit():
+            raise InvalidRequest(f"target {text!r} is not 'cuda:N'")
+        if not visible:
+            raise TargetRefused(f"process {proc.process_id!r} did not report its visible GPUs; "
+                                "name the target by UUID or by index")
+        if int(ordinal) >= len(visible):
+            raise TargetRefused(f"process {proc.process_id!r} sees {len(visible)} GPU(s); "
+                                f"{text} is not one of them")
+        text = visible[int(ordinal)]
+    if not text:
+        raise InvalidRequest("target is empty")
+    dev = devices.get(text)
+    if dev is not None:
+        return dev
+    elsewhere = [h for h in find_device_hosts(session, workspace_id=proc.workspace_id, uuid=text)
+                 if h != proc.host]
+    if elsewhere:
+        raise TargetRefused(f"GPU {text} is on host {elsewhere[0]!r}, not on the process's "
+                            f"host {proc.host!r}")
+    raise TargetRefused(f"unknown GPU {text!r} on host {proc.host!r}")
+
+
+def _check_target(proc: Process, dev: Device, *, now: float, stale_after: float) -> None:
+    visible = list(proc.visible_gpus or [])
+    if visible and dev.uuid not in visible:
+        raise TargetRefused(f"GPU {dev.uuid} is not visible to process {proc.process_id!r} "
+                            "(CUDA_VISIBLE_DEVICES)")
+    if proc.gpu_model and dev.name and dev.name != proc.gpu_model:
+        raise TargetRefused(f"GPU {dev.uuid} is a {dev.name}; process {proc.process_id!r} runs on "
+                            f"a {proc.gpu_model} (the driver moves jobs only between GPUs of one model)")
+    if dev.health and dev.health != "ok":
+        raise TargetRefused(f"GPU {dev.uuid} reports health {dev.health!r}")
+    if dev.updated_at < now - stale_after:
+        raise TargetRefused(f"no fresh report for GPU {dev.uuid} (host {proc.host!r} is silent)")
+    need = max(proc.footprint_bytes, proc.memory_bytes)
+    free = max(0, dev.memory_total - dev.memory_used)
+    if free < need:
+        raise TargetRefused(f"not enough free memory on GPU {dev.uuid}: the job needs "
+                            f"{_gib(need)}, {_gib(free)} free")
+
+
+def _choose_resume_target(session: Session, proc: Process, *, now: float,
+                          stale_after: float) -> Optional[Device]:
+    """Resume where it paused when that GPU has room; else, if the job can migrate, the
+    same-model GPU with the most free memory; None lets the process resume on its source
+    (no device reports to judge by)."""
+    devices = host_devices(session, workspace_id=proc.workspace_id, host=proc.host)
+    if not devices:
+        return None
+    home = devices.get(proc.gpu_uuid or "")
+    if home is not None:
+        try:
+            _check_target(proc, home, now=now, stale_after=stale_after)
+            return home
+        except TargetRefused as refusal:
+            home_refusal: Optional[TargetRefused] = refusal
+    else:
+        home_refusal = None
+    if (proc.capabilities or {}).get(protocol.CAP_MIGRATION):
+        candidates = []
+        for dev in devices.values():
+            try:
+                _check_target(proc, dev, now=now, stale_after=stale_after)
+            except TargetRefused:
+                continue
+            candidates.append(dev)
+        if candidates:
+            return max(candidates, key=lambda d: (d.memory_total - d.memory_used, -(d.index or 0)))
+    if home_refusal is not None:
+        raise TargetRefused(f"no GPU can take process {proc.process_id!r}: {home_refusal.message}")
+    if proc.gpu_uuid is None:
+        return None
+    raise TargetRefused(f"no GPU on host {proc.host!r} can take process {proc.process_id!r}")
+
+
+def create_command(*, session: Session, workspace_id: int, kind: str, process_id: str,
+                   target: Union[str, int, None] = None, now: float,
+                   stale_after: float) -> dict[str, Any]:
+    if kind not in protocol.COMMAND_KINDS:
+        raise InvalidRequest(f"unknown command kind {kind!r}: use migrate, pause or resume")
+    proc = find_process(session, workspace_id=workspace_id, process_id=process_id, for_update=True)
+    if is_stale(proc, now=now, stale_after=stale_after):
+        raise Stale(f"process {process_id!r} sent no heartbeat for {now - proc.last_seen:.0f} s; "
+                    "it is not listening")
+    active = active_command(session, process_pk=proc.pk)
+    if active is not None:
+        raise Busy(f"process {process_id!r} already has command {active.id} ({active.kind}, "
+                   f"{active.state}); one at a time", detail={"command_id": active.id})
+    device: Optional[Device] = None
+    if kind == "migrate":
+        if proc.state != "RUNNING":
+            hint = "; resume it with a target instead" if proc.state == "PAUSED" else ""
+            raise InvalidState(f"cannot migrate process {process_id!r}: it is {proc.state}{hint}")
+        _require_capability(proc, protocol.CAP_MIGRATION, "migrate")
+        if target is None or target == "":
+            raise InvalidRequest("migrate needs a target GPU")
+        device = _resolve_target(session, proc, target)
+        if device.uuid == proc.gpu_uuid:
+            raise TargetRefused(f"process {process_id!r} is already on GPU {device.uuid}")
+        _check_target(proc, device, now=now, stale_after=stale_after)
+    elif kind == "pause":
+        if proc.state != "RUNNING":
+            raise InvalidState(f"cannot pause process {process_id!r}: it is {proc.state}")
+        _require_capability(proc, protocol.CAP_PAUSE_RESUME, "pause")
+        if target is not None:
+            raise InvalidRequest("pause takes no target")
+    else:
+        if proc.state != "PAUSED":
+            raise InvalidState(f"cannot resume process {process_id!r}: it is {proc.state}, not PAUSED")
+        _require_capability(proc, protocol.CAP_PAUSE_RESUME, "resume")
+        if target is not None and target != "":
+            device = _resolve_target(session, proc, target)
+            _check_target(proc, device, now=now, stale_after=stale_after)
+        else:
+            device = _choose_resume_target(session, proc, now=now, stale_after=stale_after)
+        if device is not None and proc.gpu_uuid and device.uuid != proc.gpu_uuid:
+            _require_capability(proc, protocol.CAP_MIGRATION, "resume on another GPU")
+    visible = list(proc.visible_gpus or [])
+    row = Command(workspace_id=workspace_id, process_pk=proc.pk, kind=kind, state="queued",
+                  target_uuid=device.uuid if device else None,
+                  target_index=device.index if device else None,
+                  target_device=(f"cuda:{visible.index(device.uuid)}"
+                                 if device is not None and device.uuid in visible else None),
+                  created_at=now, deliveries=0)
+    session.add(row)
+    try:
+        session.flush()
+    except IntegrityError:
+        raise Busy(f"process {process_id!r} already has an active command; one at a time") from None
+    return command_view(row, process_id)
+
+
+def _find_command(session: Session, *, workspace_id: int, command_id: int,
+                  for_update: bool = False) -> tuple[Command, Process]:
+    query = (select(Command, Process).join(Process, Process.pk == Command.process_pk)
+             .where(Command.id == command_id, Command.workspace_id == workspace_id))
+    if for_update:
+        query = query.with_for_update()
+    row = session.execute(query).first()
+    if row is None:
+        raise NotFound(f"command {command_id} not found")
+    return row[0], row[1]
+
+
+def get_command(*, session: Session, workspace_id: int, command_id: int) -> dict[str, Any]:
+    cmd, proc = _find_command(session, workspace_id=workspace_id, command_id=command_id)
+    return command_view(cmd, proc.process_id)
+
+
+def list_commands(*, session: Session, workspace_id: int, process_id: Optional[str] = None,
+                  state: Optional[str] = None, limit: int = 100,
+                  before_id: Optional[int] = None) -> list[dict[str, Any]]:
+    """Newest first; page with ``before_id`` (the smallest id of the previous page)."""
+    query = (select(Command, Process.process_id).join(Process, Process.pk == Command.process_pk)
+             .where(Command.workspace_id == workspace_id))
+    if process_id:
+        query = query.where(Process.process_id == process_id)
+    if state:
+        query = query.where(Command.state == state)
+    if before_id:
+        query = query.where(Command.id < before_id)
+    rows = session.execute(query.order_by(Command.id.desc()).limit(limit))
+    return [command_view(cmd, pid) for cmd, pid in rows]
+
+
+def next_command(*, session: Session, workspace_id: int, process_id: str,
+                 now: float) -> tuple[Optional[dict[str, Any]], bool]:
+    """The command a long-poll hands out, marked delivered; (command or None, first delivery)."""
+    pk = session.scalar(select(Process.pk).where(Process.workspace_id == workspace_id,
+                                                 Process.process_id == process_id))
+    if pk is None:
+        raise NotFound(f"process {process_id!r} not found")
+    cmd = session.scalar(select(Command).where(
+        Command.process_pk == pk, Command.state.in_(protocol.PENDING_COMMAND_STATES))
+        .order_by(Command.id).limit(1).with_for_update())
+    if cmd is None:
+        return None, False
+    first = cmd.delivered_at is None
+    cmd.state = "delivered"
+    cmd.deliveries = (cmd.deliveries or 0) + 1
+    if first:
+        cmd.delivered_at = now
+    session.flush()
+    return command_view(cmd, process_id), first
+
+
+def report_command(*, session: Session, workspace_id: int, command_id: int,
+                   report: dict[str, Any], now: float,
+                   stale_after: float) -> tuple[dict[str, Any], Optional[dict[str, Any]], bool]:
+    """Apply a process's report; returns (command, process after it, changed).
+
+    Repeating a report is harmless (the client retries until the server answers). A report
+    on an expired command is accepted: the process did act, and its word is the truth.
+    """
+    state = report["state"]
+    if state not in protocol.REPORT_STATES:
+        raise InvalidRequest(f"a process reports running, succeeded or failed, not {state!r}")
+    cmd, proc = _find_command(session, workspace_id=workspace_id, command_id=command_id,
+                              for_update=True)
+    if cmd.state == state or (state == "running" and cmd.state in ("succeeded", "failed")):
+        return command_view(cmd, proc.process_id), None, False    # a retry, or a late ack
+    if cmd.state in ("succeeded", "failed"):
+        raise InvalidState(f"command {command_id} already {cmd.state}; it cannot become {state}")
+    cmd.state = state
+    if state == "running":
+        cmd.started_at = cmd.started_at or now
+        proc.state = _RUNNING_STATE[cmd.kind]
+    else:
+        cmd.finished_at = now
+        cmd.started_at = cmd.started_at or now
+        cmd.result = report.get("result")
+        cmd.error = report.get("error")
+        _settle_process(proc, cmd, succeeded=state == "succeeded")
+    update = report.get("process") or {}
+    for name in ("state", "gpu_uuid", "gpu_index", "physical_device", "memory_bytes"):
+        if name in update and (update[name] is not None or name in ("gpu_uuid", "gpu_index")):
+            setattr(proc, name, update[name])
+    if proc.memory_bytes:
+        proc.footprint_bytes = max(proc.footprint_bytes, proc.memory_bytes) \
+            if proc.state == "PAUSED" else proc.memory_bytes
+    proc.last_seen = max(proc.last_seen, now)
+    try:
+        session.flush()
+    except IntegrityError:
+        raise Busy(f"process {proc.process_id!r} got another command after {command_id} expired") from None
+    active = cmd if cmd.state in protocol.ACTIVE_COMMAND_STATES else None
+    return (command_view(cmd, proc.process_id),
+            process_view(proc, now=now, stale_after=stale_after, active=active), True)
+
+
+def _settle_process(proc: Process, cmd: Command, *, succeeded: bool) -> None:
+    """Where the process is after the operation, unless its report says otherwise."""
+    if cmd.kind == "pause":
+        proc.state = "PAUSED" if succeeded else "RUNNING"
+        if succeeded:
+            proc.footprint_bytes = max(proc.footprint_bytes, proc.memory_bytes)
+            proc.memory_bytes = 0
+        return
+    if cmd.kind == "resume" and not succeeded:
+        proc.state = "PAUSED"
+        return
+    proc.state = "RUNNING"
+    if succeeded and cmd.target_uuid:
+        proc.gpu_uuid = cmd.target_uuid
+        proc.gpu_index = cmd.target_index
+        if cmd.target_device:
+            proc.physical_device = cmd.target_device
+    if succeeded and cmd.kind == "resume" and not proc.memory_bytes:
+        proc.memory_bytes = proc.footprint_bytes
+
+
+def count_commands(*, session: Session) -> dict[str, int]:
+    counts = {state: 0 for state in protocol.COMMAND_STATES}
+    for state, n in session.execute(select(Command.state, func.count()).group_by(Command.state)):
+        counts[state] = n
+    return counts

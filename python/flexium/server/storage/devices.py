@@ -1,0 +1,85 @@
+"""GPUs, as the processes of each host report them through NVML. A host's report replaces
+its previous one; memory held by this workspace's flexium jobs is computed from their own
+reports, so the dashboard can tell ours from others'."""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from flexium.server.models import Device, Process
+
+_FIELDS = ("index", "name", "memory_total", "memory_used", "utilization", "temperature", "health")
+
+
+def upsert_devices(*, session: Session, workspace_id: int, host: str,
+                   devices: Iterable[dict[str, Any]], now: float) -> None:
+    existing = {d.uuid: d for d in session.scalars(select(Device).where(
+        Device.workspace_id == workspace_id, Device.host == host))}
+    for report in devices:
+        row = existing.get(report["uuid"])
+        if row is None:
+            row = Device(workspace_id=workspace_id, host=host, uuid=report["uuid"])
+            session.add(row)
+            existing[row.uuid] = row
+        for name in _FIELDS:
+            value = report.get(name)
+            if value is None and name in ("name", "memory_total", "memory_used", "health"):
+                value = {"name": "", "health": "ok"}.get(name, 0)
+            setattr(row, name, value)
+        row.updated_at = now
+
+
+def device_view(row: Device, *, flexium_bytes: int, processes: list[str]) -> dict[str, Any]:
+    return {
+        "uuid": row.uuid, "index": row.index, "name": row.name,
+        "memory_total": row.memory_total, "memory_used": row.memory_used,
+        "memory_flexium": flexium_bytes,
+        "memory_other": max(0, row.memory_used - flexium_bytes),
+        "memory_free": max(0, row.memory_total - row.memory_used),
+        "utilization": row.utilization, "temperature": row.temperature,
+        "health": row.health, "updated_at": row.updated_at, "processes": processes,
+    }
+
+
+def list_devices(*, session: Session, workspace_id: int, now: float, stale_after: float,
+                 host: str | None = None) -> dict[str, Any]:
+    """``{"hosts": [{"host", "updated_at", "stale", "devices": [...]}]}``, hosts by name,
+    devices by index."""
+    query = select(Device).where(Device.workspace_id == workspace_id)
+    if host:
+        query = query.where(Device.host == host)
+    rows = list(session.scalars(query.order_by(Device.host, Device.index, Device.uuid)))
+    cutoff = now - stale_after
+    on_gpu: dict[tuple[str, str], tuple[int, list[str]]] = {}
+    for proc in session.execute(select(Process.process_id, Process.host, Process.gpu_uuid,
+                                       Process.memory_bytes, Process.state).where(
+            Process.workspace_id == workspace_id, Process.last_seen >= cutoff,
+            Process.gpu_uuid.is_not(None))):
+        key = (proc.host, proc.gpu_uuid)
+        used, names = on_gpu.get(key, (0, []))
+        held = 0 if proc.state == "PAUSED" else proc.memory_bytes
+        on_gpu[key] = (used + held, names + [proc.process_id])
+    hosts: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        entry = hosts.setdefault(row.host, {"host": row.host, "updated_at": row.updated_at,
+                                            "stale": True, "devices": []})
+        entry["updated_at"] = max(entry["updated_at"], row.updated_at)
+        entry["stale"] = entry["updated_at"] < cutoff
+        used, names = on_gpu.get((row.host, row.uuid), (0, []))
+        entry["devices"].append(device_view(row, flexium_bytes=used, processes=names))
+    return {"hosts": list(hosts.values())}
+
+
+def host_devices(session: Session, *, workspace_id: int, host: str) -> dict[str, Device]:
+    return {d.uuid: d for d in session.scalars(select(Device).where(
+        Device.workspace_id == workspace_id, Device.host == host))}
+
+
+def find_device_hosts(session: Session, *, workspace_id: int, uuid: str) -> list[str]:
+    return list(session.scalars(select(Device.host).where(Device.workspace_id == workspace_id,
+                                                          Device.uuid == uuid)))
+
+

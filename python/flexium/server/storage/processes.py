@@ -1,0 +1,152 @@
+"""Processes: register (an upsert, so a process re-attaches after a server restart or a
+network cut), heartbeat, unregister, read."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from sqlalchemy import case, func, select
+from sqlalchemy.orm import Session
+
+from flexium import protocol
+from flexium.server.errors import NotFound
+from flexium.server.models import Command, Process
+from flexium.server.storage.devices import upsert_devices
+from flexium.server.storage.views import process_view
+
+_REGISTER_FIELDS = ("host", "user", "pid", "gpu_uuid", "gpu_model", "gpu_index", "logical_device",
+                    "physical_device", "visible_gpus", "torch_version", "driver_version",
+                    "flexium_version", "capabilities", "memory_bytes", "state", "started_at",
+                    "cmdline")
+_DEFAULTS: dict[str, Any] = {"user": "", "pid": 0, "gpu_model": "", "logical_device": "",
+                             "physical_device": "", "visible_gpus": [], "torch_version": "",
+                             "driver_version": "", "flexium_version": "", "capabilities": {},
+                             "memory_bytes": 0, "state": "RUNNING", "cmdline": ""}
+_NULLABLE = ("gpu_uuid", "gpu_index", "started_at")
+# Fields whose change is worth a live event to dashboards (not last_seen: that is every beat).
+_WATCHED = ("state", "memory_bytes", "gpu_uuid", "gpu_index", "physical_device")
+
+
+@dataclass(frozen=True)
+class HeartbeatOutcome:
+    host: str
+    pending_command: Optional[int]
+    changed: Optional[dict[str, Any]]   # the process, when a watched field changed
+
+
+def find_process(session: Session, *, workspace_id: int, process_id: str,
+                 for_update: bool = False) -> Process:
+    query = select(Process).where(Process.workspace_id == workspace_id,
+                                  Process.process_id == process_id)
+    if for_update:
+        query = query.with_for_update()
+    row = session.scalar(query)
+    if row is None:
+        raise NotFound(f"process {process_id!r} not found")
+    return row
+
+
+def active_command(session: Session, *, process_pk: int) -> Optional[Command]:
+    return session.scalar(select(Command).where(
+        Command.process_pk == process_pk,
+        Command.state.in_(protocol.ACTIVE_COMMAND_STATES)).order_by(Command.id).limit(1))
+
+
+def _apply_footprint(row: Process, *, footprint: Optional[int]) -> None:
+    if footprint is not None:
+        row.footprint_bytes = footprint
+    elif row.memory_bytes:
+        row.footprint_bytes = row.memory_bytes
+
+
+def register_process(*, session: Session, workspace_id: int, report: dict[str, Any], now: float,
+                     stale_after: float) -> tuple[dict[str, Any], bool]:
+    """Create or refresh a process from its registration (every field is replaced; missing
+    ones take their defaults); returns (process, created)."""
+    row = session.scalar(select(Process).where(Process.workspace_id == workspace_id,
+                                               Process.process_id == report["process_id"])
+                         .with_for_update())
+    created = row is None
+    if row is None:
+        row = Process(workspace_id=workspace_id, process_id=report["process_id"],
+                      registered_at=now, footprint_bytes=0)
+        session.add(row)
+    for name in _REGISTER_FIELDS:
+        value = report.get(name)
+        if value is None and name not in _NULLABLE:
+            value = _DEFAULTS[name]
+        setattr(row, name, value)
+    row.last_seen = now
+    _apply_footprint(row, footprint=report.get("footprint_bytes"))
+    session.flush()
+    if report.get("devices"):
+        upsert_devices(session=session, workspace_id=workspace_id, host=row.host,
+                       devices=report["devices"], now=now)
+    active = None if created else active_command(session, process_pk=row.pk)
+    return process_view(row, now=now, stale_after=stale_after, active=active), created
+
+
+def heartbeat(*, session: Session, workspace_id: int, process_id: str, report: dict[str, Any],
+              now: float, stale_after: float, write_devices: bool = True) -> HeartbeatOutcome:
+    row = find_process(session, workspace_id=workspace_id, process_id=process_id)
+    was_stale = row.last_seen < now - stale_after
+    before = tuple(getattr(row, name) for name in _WATCHED)
+    for name in ("state", "memory_bytes", "gpu_uuid", "gpu_index", "physical_device"):
+        if name in report and (report[name] is not None or name in ("gpu_uuid", "gpu_index")):
+            setattr(row, name, report[name])
+    _apply_footprint(row, footprint=report.get("footprint_bytes"))
+    row.last_seen = now
+    if write_devices and report.get("devices"):
+        upsert_devices(session=session, workspace_id=workspace_id, host=row.host,
+                       devices=report["devices"], now=now)
+    pending = session.scalar(select(Command.id).where(
+        Command.process_pk == row.pk, Command.state.in_(protocol.PENDING_COMMAND_STATES)).limit(1))
+    changed = None
+    if was_stale or before != tuple(getattr(row, name) for name in _WATCHED):
+        changed = process_view(row, now=now, stale_after=stale_after,
+                               active=active_command(session, process_pk=row.pk))
+    return HeartbeatOutcome(host=row.host, pending_command=pending, changed=changed)
+
+
+def unregister_process(*, session: Session, workspace_id: int, process_id: str) -> None:
+    """Forget a process and its commands (it exited, or a person removed a stale entry)."""
+    row = find_process(session, workspace_id=workspace_id, process_id=process_id, for_update=True)
+    session.delete(row)
+
+
+def get_process(*, session: Session, workspace_id: int, process_id: str, now: float,
+                stale_after: float) -> dict[str, Any]:
+    row = find_process(session, workspace_id=workspace_id, process_id=process_id)
+    return process_view(row, now=now, stale_after=stale_after,
+                        active=active_command(session, process_pk=row.pk))
+
+
+def list_processes(*, session: Session, workspace_id: int, now: float, stale_after: float,
+                   state: Optional[str] = None, host: Optional[str] = None,
+                   gpu: Optional[str] = None) -> list[dict[str, Any]]:
+    """Every process of the workspace, oldest first; ``state`` filters on the shown state
+    (STALE included), ``gpu`` on the GPU UUID."""
+    query = select(Process).where(Process.workspace_id == workspace_id)
+    if host:
+        query = query.where(Process.host == host)
+    if gpu:
+        query = query.where(Process.gpu_uuid == gpu)
+    cutoff = now - stale_after
+    if state == protocol.STALE:
+        query = query.where(Process.last_seen < cutoff)
+    elif state:
+        query = query.where(Process.state == state, Process.last_seen >= cutoff)
+    rows = list(session.scalars(query.order_by(Process.registered_at, Process.pk)))
+    active = {c.process_pk: c for c in session.scalars(select(Command).where(
+        Command.workspace_id == workspace_id, Command.state.in_(protocol.ACTIVE_COMMAND_STATES)))}
+    return [process_view(r, now=now, stale_after=stale_after, active=active.get(r.pk)) for r in rows]
+
+
+def count_processes(*, session: Session, now: float, stale_after: float) -> dict[str, int]:
+    """Shown state -> number of processes, all workspaces (for /metrics)."""
+    shown = case((Process.last_seen < now - stale_after, protocol.STALE), else_=Process.state)
+    counts = {state: 0 for state in protocol.DISPLAY_STATES}
+    for state, n in session.execute(select(shown, func.count()).group_by(shown)):
+        counts[state] = counts.get(state, 0) + n
+    return counts

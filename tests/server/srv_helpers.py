@@ -1,0 +1,98 @@
+"""Helpers shared by the server tests (imported by name: pytest puts this folder on sys.path)."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from fastapi.testclient import TestClient
+
+from flexium.server.db import Database
+from flexium.server.settings import Settings, normalize_database_url
+
+
+def make_settings(database_url: str, **overrides: Any) -> Settings:
+    values: dict[str, Any] = dict(database_url=normalize_database_url(database_url), sweep_interval_s=3600.0,
+                                  token_cache_s=0.0)
+    values.update(overrides)
+    return Settings(**values)
+
+
+class Api:
+    """A TestClient bound to a workspace and its token, with short helpers."""
+
+    ctx: Any
+    db: Database
+
+    def __init__(self, client: TestClient, token: str, workspace: str = "default") -> None:
+        self.client = client
+        self.token = token
+        self.workspace = workspace
+
+    @property
+    def base(self) -> str:
+        return f"/api/w/{self.workspace}"
+
+    def headers(self, token: str | None = None) -> dict[str, str]:
+        return {"Authorization": f"Bearer {token or self.token}"}
+
+    def get(self, path: str, **kw: Any) -> Any:
+        return self.client.get(self.base + path, headers=kw.pop("headers", self.headers()), **kw)
+
+    def post(self, path: str, json: Any = None, **kw: Any) -> Any:
+        return self.client.post(self.base + path, json=json, headers=kw.pop("headers", self.headers()), **kw)
+
+    def delete(self, path: str, **kw: Any) -> Any:
+        return self.client.delete(self.base + path, headers=kw.pop("headers", self.headers()), **kw)
+
+    def register(self, process_id: str = "gpu-1", **fields: Any) -> Any:
+        body = process_body(process_id, **fields)
+        r = self.post("/processes", body)
+        assert r.status_code in (200, 201), r.text
+        return r.json()
+
+    def command(self, kind: str, process_id: str = "gpu-1", target: Any = None) -> Any:
+        body: dict[str, Any] = {"kind": kind, "process_id": process_id}
+        if target is not None:
+            body["target"] = target
+        return self.post("/commands", body)
+
+
+GIB = 1 << 30
+
+
+def gpu(index: int, *, used: int = 0, total: int = 140 * GIB, name: str = "NVIDIA H200",
+        health: str = "ok") -> dict[str, Any]:
+    return {"uuid": f"GPU-{index:04d}", "index": index, "name": name, "memory_total": total,
+            "memory_used": used, "utilization": 10, "temperature": 40, "health": health}
+
+
+def process_body(process_id: str = "gpu-1", *, host: str = "node1", gpu_index: int = 0,
+                 memory: int = 10 * GIB, n_gpus: int = 4, migration: bool = True,
+                 pause_resume: bool = True, state: str = "RUNNING",
+                 devices: list[dict[str, Any]] | None = None, **extra: Any) -> dict[str, Any]:
+    if devices is None:
+        devices = [gpu(i, used=memory if i == gpu_index else 0) for i in range(n_gpus)]
+    body = {
+        "process_id": process_id, "host": host, "user": "alice", "pid": 4242,
+        "gpu_uuid": f"GPU-{gpu_index:04d}", "gpu_model": "NVIDIA H200", "gpu_index": gpu_index,
+        "logical_device": "cuda:0", "physical_device": f"cuda:{gpu_index}",
+        "visible_gpus": [d["uuid"] for d in devices],
+        "torch_version": "2.11.0", "driver_version": "580.159.04", "flexium_version": "0.1.0",
+        "capabilities": {"pause_resume": pause_resume, "migration": migration, "driver_version": "580.159.04"},
+        "memory_bytes": memory, "state": state, "started_at": time.time() - 60,
+        "cmdline": "python train.py", "devices": devices,
+    }
+    body.update(extra)
+    return body
+
+
+def table_snapshot(db: Database) -> dict[str, list[tuple[Any, ...]]]:
+    """Every row of every table, to show a refused request changed nothing."""
+    from sqlalchemy import text
+
+    out = {}
+    with db.session(write=False) as session:
+        for table in ("workspaces", "tokens", "processes", "devices", "commands"):
+            out[table] = [tuple(r) for r in session.execute(text(f"SELECT * FROM {table} ORDER BY 1"))]
+    return out

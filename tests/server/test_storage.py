@@ -1,0 +1,511 @@
+"""Storage functions against SQLite and PostgreSQL, without HTTP."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+from sqlalchemy import text
+
+from flexium.server import errors, storage
+from flexium.server.db import Database
+from srv_helpers import GIB, gpu, process_body
+
+NOW = 1_800_000_000.0
+STALE = 30.0
+
+
+def _workspace(db: Database, name: str = "team") -> tuple[int, str]:
+    row, token = db.run(storage.create_workspace, write=True, name=name, now=NOW)
+    return row["id"], token
+
+
+def _register(db: Database, ws: int, process_id: str = "gpu-1", now: float = NOW, **fields: Any) -> dict[str, Any]:
+    body = process_body(process_id, **fields)
+    body.setdefault("footprint_bytes", None)
+    proc, _created = db.run(storage.register_process, write=True, workspace_id=ws, report=body, now=now,
+                            stale_after=STALE)
+    return proc
+
+
+def _command(db: Database, ws: int, kind: str, process_id: str = "gpu-1", target: Any = None,
+             now: float = NOW) -> dict[str, Any]:
+    return db.run(storage.create_command, write=True, workspace_id=ws, kind=kind, process_id=process_id,
+                  target=target, now=now, stale_after=STALE)
+
+
+# --- schema ---------------------------------------------------------------------------------
+
+def test_migrations_match_models(db: Database) -> None:
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    from flexium.server.models import Base
+
+    with db.engine.connect() as conn:
+        diff = compare_metadata(MigrationContext.configure(conn), Base.metadata)
+    assert diff == []
+
+
+def test_upgrade_is_idempotent(db: Database) -> None:
+    db.upgrade()
+    db.upgrade()
+    with db.session(write=False) as s:
+        assert s.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0001"
+
+
+def test_schema_newer_than_code_is_refused(db: Database) -> None:
+    from flexium.server.db import SchemaTooNew
+
+    with db.session(write=True) as s:
+        s.execute(text("UPDATE alembic_version SET version_num = '9999'"))
+    with pytest.raises(SchemaTooNew, match="9999"):
+        db.upgrade()
+
+
+def test_sqlite_pragmas(tmp_path: Any) -> None:
+    db = Database(f"sqlite:///{tmp_path / 'p.db'}")
+    db.upgrade()
+    with db.session(write=False) as s:
+        assert s.execute(text("PRAGMA journal_mode")).scalar() == "wal"
+        assert s.execute(text("PRAGMA foreign_keys")).scalar() == 1
+        assert s.execute(text("PRAGMA busy_timeout")).scalar() == 30000
+    db.dispose()
+
+
+# --- workspaces and tokens ------------------------------------------------------------------
+
+def test_workspace_tokens_hashed_and_revocable(db: Database) -> None:
+    ws, token = _workspace(db)
+    assert token.startswith("flx_") and len(token) > 40
+    with db.session(write=False) as s:
+        stored = [r[0] for r in s.execute(text("SELECT token_hash FROM tokens"))]
+    assert token not in stored and storage.hash_token(token) in stored
+    auth = db.run(storage.authenticate, write=False, token=token)
+    assert auth is not None and auth.workspace == "team" and auth.workspace_id == ws
+    info, second = db.run(storage.issue_token, write=True, workspace_id=ws, name="ci", now=NOW)
+    assert db.run(storage.authenticate, write=False, token=second).token_id == info["id"]
+    db.run(storage.revoke_token, write=True, workspace_id=ws, token=second, now=NOW)
+    assert db.run(storage.authenticate, write=False, token=second) is None
+    assert db.run(storage.authenticate, write=False, token=token) is not None
+    assert db.run(storage.authenticate, write=False, token="flx_nope") is None
+    tokens = db.run(storage.list_tokens, write=False, workspace_id=ws)
+    assert [t["revoked"] for t in tokens] == [False, True]
+
+
+def test_workspace_names(db: Database) -> None:
+    _workspace(db, "a")
+    with pytest.raises(errors.Conflict):
+        _workspace(db, "a")
+    for bad in ("", "A", "-x", "a b", "x" * 64, "a/b"):
+        with pytest.raises(errors.InvalidRequest):
+            _workspace(db, bad)
+    assert [w["name"] for w in db.run(storage.list_workspaces, write=False)] == ["a"]
+
+
+def test_default_workspace_only_on_empty_database(db: Database) -> None:
+    token = db.run(storage.ensure_default_workspace, write=True, now=NOW)
+    assert token and db.run(storage.authenticate, write=False, token=token).workspace == "default"
+    assert db.run(storage.ensure_default_workspace, write=True, now=NOW) is None
+
+
+def test_revoke_token_of_other_workspace_is_not_found(db: Database) -> None:
+    ws_a, _ = _workspace(db, "a")
+    _ws_b, token_b = _workspace(db, "b")
+    with pytest.raises(errors.NotFound):
+        db.run(storage.revoke_token, write=True, workspace_id=ws_a, token=token_b, now=NOW)
+
+
+# --- processes ------------------------------------------------------------------------------
+
+def test_register_is_an_upsert(db: Database) -> None:
+    ws, _ = _workspace(db)
+    first = _register(db, ws)
+    assert first["state"] == "RUNNING" and first["footprint_bytes"] == 10 * GIB
+    body = process_body("gpu-1", memory=12 * GIB)
+    body["footprint_bytes"] = None
+    again, created = db.run(storage.register_process, write=True, workspace_id=ws, report=body,
+                            now=NOW + 5, stale_after=STALE)
+    assert not created and again["memory_bytes"] == 12 * GIB and again["registered_at"] == NOW
+    assert again["last_seen"] == NOW + 5
+    assert len(db.run(storage.list_processes, write=False, workspace_id=ws, now=NOW, stale_after=STALE)) == 1
+
+
+def test_heartbeat_updates_and_reports_changes(db: Database) -> None:
+    ws, _ = _workspace(db)
+    _register(db, ws)
+    out = db.run(storage.heartbeat, write=True, workspace_id=ws, process_id="gpu-1",
+                 report={"memory_bytes": 10 * GIB}, now=NOW + 1, stale_after=STALE)
+    assert out.changed is None and out.pending_command is None and out.host == "node1"
+    out = db.run(storage.heartbeat, write=True, workspace_id=ws, process_id="gpu-1",
+                 report={"memory_bytes": 11 * GIB, "state": "RUNNING"}, now=NOW + 2, stale_after=STALE)
+    assert out.changed is not None and out.changed["memory_bytes"] == 11 * GIB
+    with pytest.raises(errors.NotFound):
+        db.run(storage.heartbeat, write=True, workspace_id=ws, process_id="nope", report={}, now=NOW,
+               stale_after=STALE)
+
+
+def test_stale_shown_and_filtered(db: Database) -> None:
+    ws, _ = _workspace(db)
+    _register(db, ws, "gpu-1", now=NOW)
+    _register(db, ws, "gpu-2", now=NOW + 40)
+    procs = db.run(storage.list_processes, write=False, workspace_id=ws, now=NOW + 45, stale_after=STALE)
+    assert {p["process_id"]: p["state"] for p in procs} == {"gpu-1": "STALE", "gpu-2": "RUNNING"}
+    stale = db.run(storage.list_processes, write=False, workspace_id=ws, now=NOW + 45, stale_after=STALE,
+                   state="STALE")
+    assert [p["process_id"] for p in stale] == ["gpu-1"]
+    counts = db.run(storage.count_processes, write=False, now=NOW + 45, stale_after=STALE)
+    assert counts["STALE"] == 1 and counts["RUNNING"] == 1
+
+
+def test_processes_are_scoped_to_workspace(db: Database) -> None:
+    ws_a, _ = _workspace(db, "a")
+    ws_b, _ = _workspace(db, "b")
+    _register(db, ws_a, "gpu-1")
+    _register(db, ws_b, "gpu-1", host="other")   # same id, other workspace: a different process
+    assert db.run(storage.get_process, write=False, workspace_id=ws_b, process_id="gpu-1", now=NOW,
+                  stale_after=STALE)["host"] == "other"
+    _register(db, ws_a, "gpu-9")
+    with pytest.raises(errors.NotFound):
+        db.run(storage.get_process, write=False, workspace_id=ws_b, process_id="gpu-9", now=NOW,
+               stale_after=STALE)
+
+
+def test_devices_grouped_with_flexium_memory(db: Database) -> None:
+    ws, _ = _workspace(db)
+    devices = [gpu(0, used=30 * GIB), gpu(1, used=5 * GIB), gpu(2)]
+    _register(db, ws, "gpu-1", gpu_index=0, memory=20 * GIB, devices=devices)
+    _register(db, ws, "gpu-2", gpu_index=0, memory=8 * GIB, devices=devices)
+    _register(db, ws, "gpu-3", host="node2", gpu_index=1, memory=1 * GIB, n_gpus=2)
+    out = db.run(storage.list_devices, write=False, workspace_id=ws, now=NOW, stale_after=STALE)
+    assert [h["host"] for h in out["hosts"]] == ["node1", "node2"]
+    d0 = out["hosts"][0]["devices"][0]
+    assert d0["memory_flexium"] == 28 * GIB and d0["memory_other"] == 2 * GIB
+    assert d0["memory_free"] == 110 * GIB and sorted(d0["processes"]) == ["gpu-1", "gpu-2"]
+    assert out["hosts"][0]["devices"][1]["memory_other"] == 5 * GIB
+    assert len(out["hosts"][1]["devices"]) == 2
+
+
+# --- commands: validation -------------------------------------------------------------------
+
+def test_migrate_checks(db: Database) -> None:
+    ws, _ = _workspace(db)
+    devices = [gpu(0, used=10 * GIB), gpu(1, used=135 * GIB), gpu(2, name="NVIDIA A100"),
+               gpu(3, health="xid 79"), gpu(4)]
+    _register(db, ws, "gpu-1", devices=devices)
+    _register(db, ws, "gpu-far", host="node2", gpu_index=0, n_gpus=1,
+              devices=[{**gpu(0), "uuid": "GPU-far"}])
+    cases = [
+        ("nope", 4, errors.NotFound), ("gpu-1", None, errors.InvalidRequest),
+        ("gpu-1", "GPU-0000", errors.TargetRefused),      # already there
+        ("gpu-1", 1, errors.TargetRefused),               # no room
+        ("gpu-1", "GPU-0002", errors.TargetRefused),      # other model
+        ("gpu-1", "GPU-0003", errors.TargetRefused),      # unhealthy
+        ("gpu-1", "GPU-far", errors.TargetRefused),       # other host
+        ("gpu-1", "GPU-ffff", errors.TargetRefused),      # unknown
+        ("gpu-1", 9, errors.TargetRefused),               # no such index
+        ("gpu-1", "cuda:7", errors.TargetRefused),        # not visible
+        ("gpu-1", "cuda:x", errors.InvalidRequest),
+    ]
+    for process_id, target, exc in cases:
+        with pytest.raises(exc) as info:
+            _command(db, ws, "migrate", process_id, target)
+        assert info.value.message, (process_id, target)
+    with pytest.raises(errors.TargetRefused, match="other|host"):
+        _command(db, ws, "migrate", "gpu-1", "GPU-far")
+    cmd = _command(db, ws, "migrate", "gpu-1", "cuda:4")
+    assert cmd["state"] == "queued" and cmd["target_uuid"] == "GPU-0004" and cmd["target_device"] == "cuda:4"
+    assert cmd["target_index"] == 4
+
+
+def test_target_not_visible_to_process(db: Database) -> None:
+    ws, _ = _workspace(db)
+    _register(db, ws, "gpu-1", visible_gpus=["GPU-0000", "GPU-0001"])
+    with pytest.raises(errors.TargetRefused, match="not visible"):
+        _command(db, ws, "migrate", "gpu-1", 2)
+    assert _command(db, ws, "migrate", "gpu-1", 1)["target_device"] == "cuda:1"
+
+
+def test_state_and_capability_checks(db: Database) -> None:
+    ws, _ = _workspace(db)
+    _register(db, ws, "paused", state="PAUSED")
+    _register(db, ws, "old-driver", migration=False, pause_resume=True)
+    _register(db, ws, "no-ckpt", migration=False, pause_resume=False)
+    _register(db, ws, "running")
+    with pytest.raises(errors.InvalidState, match="PAUSED"):
+        _command(db, ws, "pause", "paused")
+    with pytest.raises(errors.InvalidState, match="resume it"):
+        _command(db, ws, "migrate", "paused", 1)
+    with pytest.raises(errors.InvalidState, match="RUNNING"):
+        _command(db, ws, "resume", "running")
+    with pytest.raises(errors.CapabilityMissing, match="migrat"):
+        _command(db, ws, "migrate", "old-driver", 1)
+    with pytest.raises(errors.CapabilityMissing, match="pause"):
+        _command(db, ws, "pause", "no-ckpt")
+    with pytest.raises(errors.InvalidRequest):
+        _command(db, ws, "pause", "running", 1)
+    with pytest.raises(errors.InvalidRequest):
+        _command(db, ws, "explode", "running")
+    assert _command(db, ws, "pause", "old-driver")["kind"] == "pause"
+
+
+def test_stale_process_refuses_commands(db: Database) -> None:
+    ws, _ = _workspace(db)
+    _register(db, ws, now=NOW)
+    with pytest.raises(errors.Stale):
+        _command(db, ws, "pause", now=NOW + STALE + 1)
+
+
+def test_one_active_command_per_process(db: Database) -> None:
+    ws, _ = _workspace(db)
+    _register(db, ws)
+    first = _command(db, ws, "pause")
+    with pytest.raises(errors.Busy) as info:
+        _command(db, ws, "migrate", target=1)
+    assert info.value.detail == {"command_id": first["id"]}
+
+
+def test_one_active_command_under_concurrency(db: Database) -> None:
+    ws, _ = _workspace(db)
+    _register(db, ws)
+    outcomes: list[str] = []
+    barrier = threading.Barrier(6)
+
+    def attempt() -> None:
+        barrier.wait()
+        try:
+            _command(db, ws, "pause")
+            outcomes.append("ok")
+        except errors.Busy:
+            outcomes.append("busy")
+        except Exception as exc:   # an IntegrityError here would be a 500 at the API
+            outcomes.append(type(exc).__name__)
+
+    threads = [threading.Thread(target=attempt) for _ in range(6)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(outcomes) == ["busy"] * 5 + ["ok"]
+
+
+def test_resume_target_choice(db: Database) -> None:
+    ws, _ = _workspace(db)
+    # paused from GPU 0, which is now full: resume goes to the emptiest same-model GPU
+    devices = [gpu(0, used=139 * GIB), gpu(1, used=50 * GIB), gpu(2, used=20 * GIB), gpu(3, name="NVIDIA A100")]
+    _register(db, ws, "p", state="PAUSED", memory=0, footprint_bytes=30 * GIB, devices=devices)
+    assert _command(db, ws, "resume", "p")["target_uuid"] == "GPU-0002"
+    # room on its own GPU: resume there
+    _register(db, ws, "q", state="PAUSED", memory=0, footprint_bytes=30 * GIB, host="n2", n_gpus=2)
+    assert _command(db, ws, "resume", "q")["target_uuid"] == "GPU-0000"
+    # cannot migrate and its GPU is full: refused
+    _register(db, ws, "r", state="PAUSED", memory=0, footprint_bytes=30 * GIB, migration=False,
+              host="n3", devices=[gpu(0, used=139 * GIB), gpu(1)])
+    with pytest.raises(errors.TargetRefused):
+        _command(db, ws, "resume", "r")
+    # explicit other GPU needs migration
+    with pytest.raises(errors.CapabilityMissing):
+        _command(db, ws, "resume", "r", 1)
+    # explicit GPU without room
+    _register(db, ws, "s", state="PAUSED", memory=0, footprint_bytes=30 * GIB, host="n4",
+              devices=[gpu(0), gpu(1, used=139 * GIB)])
+    with pytest.raises(errors.TargetRefused, match="free"):
+        _command(db, ws, "resume", "s", 1)
+
+
+def test_resume_without_device_reports_lets_process_choose(db: Database) -> None:
+    ws, _ = _workspace(db)
+    _register(db, ws, "p", state="PAUSED", memory=0, devices=[])
+    cmd = _command(db, ws, "resume", "p")
+    assert cmd["target_uuid"] is None
+
+
+# --- commands: delivery and reports ---------------------------------------------------------
+
+def _next(db: Database, ws: int, process_id: str = "gpu-1", now: float = NOW) -> Any:
+    return db.run(storage.next_command, write=True, workspace_id=ws, process_id=process_id, now=now)
+
+
+def _report(db: Database, ws: int, command_id: int, state: str, now: float = NOW, **extra: Any) -> Any:
+    return db.run(storage.report_command, write=True, workspace_id=ws, command_id=command_id,
+                  report={"state": state, **extra}, now=now, stale_after=STALE)
+
+
+def test_delivery_redelivery_and_lifecycle(db: Database) -> None:
+    ws, _ = _workspace(db)
+    _register(db, ws)
+    assert _next(db, ws) == (None, False)
+    cmd = _command(db, ws, "migrate", target=2)
+    got, first = _next(db, ws, now=NOW + 0.01)
+    assert first and got["id"] == cmd["id"] and got["state"] == "delivered" and got["deliveries"] == 1
+    again, first = _next(db, ws, now=NOW + 5)     # never acknowledged: handed out again
+    assert not first and again["id"] == cmd["id"] and again["deliveries"] == 2
+    assert again["delivered_at"] == NOW + 0.01
+    running, proc, changed = _report(db, ws, cmd["id"], "running", now=NOW + 6)
+    assert changed and running["state"] == "running" and proc["state"] == "MIGRATING"
+    assert _next(db, ws) == (None, False)         # running: not handed out again
+    result = {"kind": "migrate", "path": "driver", "ok": True, "seconds": 1.25, "steps": []}
+    done, proc, changed = _report(db, ws, cmd["id"], "succeeded", now=NOW + 8, result=result)
+    assert done["state"] == "succeeded" and done["result"] == result and done["finished_at"] == NOW + 8
+    assert proc["state"] == "RUNNING" and proc["gpu_uuid"] == "GPU-0002" and proc["gpu_index"] == 2
+    assert proc["active_command"] is None
+    # a retry of the same report is harmless; a contradicting one is refused
+    assert _report(db, ws, cmd["id"], "succeeded", now=NOW + 9)[2] is False
+    assert _report(db, ws, cmd["id"], "running", now=NOW + 9)[2] is False
+    with pytest.raises(errors.InvalidState):
+        _report(db, ws, cmd["id"], "failed", now=NOW + 9)
+    # and the process can take the next command
+    assert _command(db, ws, "pause", now=NOW + 10)["state"] == "queued"
+
+
+def test_pause_resume_settle_process(db: Database) -> None:
+    ws, _ = _workspace(db)
+    _register(db, ws, memory=12 * GIB)
+    pause = _command(db, ws, "pause")
+    _next(db, ws)
+    _, proc, _ = _report(db, ws, pause["id"], "succeeded", now=NOW + 1)
+    assert proc["state"] == "PAUSED" and proc["memory_bytes"] == 0 and proc["footprint_bytes"] == 12 * GIB
+    resume = _command(db, ws, "resume", now=NOW + 2)
+    assert resume["target_uuid"] == "GPU-0000"
+    _next(db, ws)
+    _, proc, _ = _report(db, ws, resume["id"], "failed", now=NOW + 3, error="restore failed")
+    assert proc["state"] == "PAUSED"
+    resume = _command(db, ws, "resume", target=3, now=NOW + 4)
+    _, proc, _ = _report(db, ws, resume["id"], "succeeded", now=NOW + 5,
+                         process={"memory_bytes": 12 * GIB, "physical_device": "cuda:3"})
+    assert proc["state"] == "RUNNING" and proc["gpu_uuid"] == "GPU-0003" and proc["physical_device"] == "cuda:3"
+    assert proc["memory_bytes"] == 12 * GIB
+
+
+def test_failed_migration_stays_on_source(db: Database) -> None:
+    ws, _ = _workspace(db)
+    _register(db, ws)
+    cmd = _command(db, ws, "migrate", target=1)
+    _report(db, ws, cmd["id"], "running")
+    done, proc, _ = _report(db, ws, cmd["id"], "failed", error="cuCheckpointProcessRestore failed: "
+                            "CUDA_ERROR_INVALID_VALUE", result={"failed_step": "restore", "ok": False})
+    assert done["error"].startswith("cuCheckpoint") and proc["gpu_uuid"] == "GPU-0000"
+    assert proc["state"] == "RUNNING"
+
+
+def test_commands_of_other_workspace_not_found(db: Database) -> None:
+    ws_a, _ = _workspace(db, "a")
+    ws_b, _ = _workspace(db, "b")
+    _register(db, ws_a)
+    cmd = _command(db, ws_a, "pause")
+    with pytest.raises(errors.NotFound):
+        db.run(storage.get_command, write=False, workspace_id=ws_b, command_id=cmd["id"])
+    with pytest.raises(errors.NotFound):
+        _report(db, ws_b, cmd["id"], "running")
+    with pytest.raises(errors.NotFound):
+        _next(db, ws_b)
+    assert db.run(storage.list_commands, write=False, workspace_id=ws_b) == []
+
+
+def test_list_commands_paging_and_filters(db: Database) -> None:
+    ws, _ = _workspace(db)
+    for i in range(5):
+        _register(db, ws, f"gpu-{i}")
+        _command(db, ws, "pause", f"gpu-{i}")
+    page = db.run(storage.list_commands, write=False, workspace_id=ws, limit=2)
+    assert [c["process_id"] for c in page] == ["gpu-4", "gpu-3"]
+    rest = db.run(storage.list_commands, write=False, workspace_id=ws, before_id=page[-1]["id"])
+    assert [c["process_id"] for c in rest] == ["gpu-2", "gpu-1", "gpu-0"]
+    assert len(db.run(storage.list_commands, write=False, workspace_id=ws, process_id="gpu-2")) == 1
+    assert db.run(storage.count_commands, write=False)["queued"] == 5
+
+
+# --- sweep ----------------------------------------------------------------------------------
+
+def _sweep(db: Database, now: float, alive_since: float = NOW - 10_000, **kw: Any) -> storage.SweepResult:
+    args = dict(stale_after=STALE, remove_after=600.0, command_ttl=120.0, stale_since=now - 2)
+    args.update(kw)
+    return db.run(storage.sweep, write=True, now=now, alive_since=alive_since, **args)
+
+
+def test_sweep_expires_old_queued_commands(db: Database) -> None:
+    ws, _ = _workspace(db)
+    _register(db, ws)
+    cmd = _command(db, ws, "pause")
+    assert _sweep(db, NOW + 60).expired == []
+    result = _sweep(db, NOW + 121)
+    assert [c["id"] for _ws, c in result.expired] == [cmd["id"]]
+    got = db.run(storage.get_command, write=False, workspace_id=ws, command_id=cmd["id"])
+    assert got["state"] == "expired" and "not started" in got["error"]
+    assert _next(db, ws) == (None, False)
+    # a late report of a process that did act is still taken
+    done, proc, changed = _report(db, ws, cmd["id"], "succeeded", now=NOW + 122)
+    assert changed and done["state"] == "succeeded" and proc["state"] == "PAUSED"
+
+
+def test_sweep_removes_silent_processes_but_not_after_restart(db: Database) -> None:
+    ws, _ = _workspace(db)
+    _register(db, ws, "gone", now=NOW)
+    _register(db, ws, "alive", now=NOW + 700)
+    _command(db, ws, "pause", "gone", now=NOW)
+    # the server just restarted: silence from before it started does not count
+    assert _sweep(db, NOW + 701, alive_since=NOW + 690).removed == []
+    result = _sweep(db, NOW + 701, alive_since=NOW)
+    assert result.removed == [(ws, "gone")]
+    names = [p["process_id"] for p in db.run(storage.list_processes, write=False, workspace_id=ws,
+                                             now=NOW + 701, stale_after=STALE)]
+    assert names == ["alive"]
+    assert db.run(storage.list_commands, write=False, workspace_id=ws) == []
+
+
+def test_sweep_fails_running_commands_of_dead_processes(db: Database) -> None:
+    ws, _ = _workspace(db)
+    _register(db, ws, now=NOW)
+    cmd = _command(db, ws, "pause")
+    _report(db, ws, cmd["id"], "running", now=NOW)
+    assert _sweep(db, NOW + 100).failed == []            # still within the command's time
+    result = _sweep(db, NOW + 200)
+    assert [c["id"] for _w, c in result.failed] == [cmd["id"]]
+
+
+def test_sweep_reports_newly_stale_once(db: Database) -> None:
+    ws, _ = _workspace(db)
+    _register(db, ws, now=NOW)
+    assert _sweep(db, NOW + 29, stale_since=NOW + 27).newly_stale == []
+    first = _sweep(db, NOW + 31, stale_since=NOW + 29).newly_stale
+    assert [p["process_id"] for _w, p in first] == ["gpu-1"] and first[0][1]["state"] == "STALE"
+    assert _sweep(db, NOW + 33, stale_since=NOW + 31).newly_stale == []
+
+
+def test_unregister_removes_commands(db: Database) -> None:
+    ws, _ = _workspace(db)
+    _register(db, ws)
+    _command(db, ws, "pause")
+    db.run(storage.unregister_process, write=True, workspace_id=ws, process_id="gpu-1")
+    with db.session(write=False) as s:
+        assert s.execute(text("SELECT count(*) FROM commands")).scalar() == 0
+    with pytest.raises(errors.NotFound):
+        db.run(storage.unregister_process, write=True, workspace_id=ws, process_id="gpu-1")
+
+
+def test_concurrent_heartbeats_and_commands(db: Database) -> None:
+    """Many threads writing at once: no 'database is locked', no lost update."""
+    ws, _ = _workspace(db)
+    for i in range(8):
+        _register(db, ws, f"gpu-{i}")
+    failures: list[BaseException] = []
+
+    def beat(i: int) -> None:
+        try:
+            for n in range(25):
+                db.run(storage.heartbeat, write=True, workspace_id=ws, process_id=f"gpu-{i}",
+                       report={"memory_bytes": n}, now=time.time(), stale_after=1e9)
+                db.run(storage.list_processes, write=False, workspace_id=ws, now=time.time(), stale_after=1e9)
+        except BaseException as exc:  # noqa: BLE001
+            failures.append(exc)
+
+    threads = [threading.Thread(target=beat, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+    procs = db.run(storage.list_processes, write=False, workspace_id=ws, now=time.time(), stale_after=1e9)
+    assert {p["memory_bytes"] for p in procs} == {24}
