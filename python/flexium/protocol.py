@@ -318,6 +318,7 @@ class DeviceInfo(TypedDict):
 class HostInfo(TypedDict):
     host: str
     updated_at: float
+    stale: bool                     # no report from this host for stale_after seconds
     devices: list[DeviceInfo]
 
 
@@ -330,7 +331,7 @@ class DevicesResponse(TypedDict):
 EVENT_HELLO = "hello"           # {"workspace": name, "last_event_id": N}
 EVENT_PROCESS = "process"       # {"action": "registered"|"updated"|"removed"|"stale", "process": ProcessInfo | {"process_id"}}
 EVENT_COMMAND = "command"       # {"action": "created"|"updated", "command": CommandInfo}
-EVENT_DEVICES = "devices"       # {"host": HostInfo}
+EVENT_DEVICES = "devices"       # {"host": name}: that host's GPUs changed; GET .../devices?host=name
 EVENT_RESYNC = "resync"         # events were missed: reload the lists, then keep listening
 
 

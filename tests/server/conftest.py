@@ -13,6 +13,11 @@ import pytest
 
 pytest.importorskip("fastapi", reason='the server extra is not installed: pip install "flexium[server]"')
 
+import warnings  # noqa: E402
+
+# Starlette suggests a successor of httpx for its TestClient; httpx still works.
+warnings.filterwarnings("ignore", message=".*httpx.*", category=DeprecationWarning)
+
 from fastapi.testclient import TestClient  # noqa: E402
 
 from flexium.server.app import bootstrap, create_app  # noqa: E402

@@ -96,3 +96,191 @@ def table_snapshot(db: Database) -> dict[str, list[tuple[Any, ...]]]:
         for table in ("workspaces", "tokens", "processes", "devices", "commands"):
             out[table] = [tuple(r) for r in session.execute(text(f"SELECT * FROM {table} ORDER BY 1"))]
     return out
+
+
+# --- a real server process and simulated jobs speaking the protocol over HTTP -----------------
+
+import os  # noqa: E402
+import re  # noqa: E402
+import signal  # noqa: E402
+import socket  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import threading  # noqa: E402
+
+import requests  # noqa: E402
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LiveServer:
+    """``python -m flexium.server`` in a child process, as ``flexium server`` runs it."""
+
+    def __init__(self, database_url: str, home: str, *args: str, port: int | None = None) -> None:
+        self.database_url = database_url
+        self.home = home
+        self.args = list(args)
+        self.port = port or free_port()
+        self.proc: subprocess.Popen[str] | None = None
+        self.lines: list[str] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 60.0) -> "LiveServer":
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FLEXIUM_")}
+        env["FLEXIUM_HOME"] = self.home
+        cmd = [sys.executable, "-m", "flexium.server", "--port", str(self.port), *self.args]
+        if self.database_url:
+            cmd += ["--database", self.database_url]
+        self.lines = []
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("server exited:\n" + "\n".join(self.lines))
+            try:
+                if requests.get(self.url + "/healthz", timeout=1).status_code == 200:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.05)
+        raise RuntimeError("server did not come up:\n" + "\n".join(self.lines))
+
+    def _read(self, proc: subprocess.Popen[str]) -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    @property
+    def token(self) -> str | None:
+        tokens = [line for line in self.lines if re.fullmatch(r"flx_[A-Za-z0-9_-]+", line)]
+        return tokens[-1] if tokens else None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> float:
+        """Seconds until the process exited."""
+        assert self.proc is not None
+        start = time.monotonic()
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise
+        return time.monotonic() - start
+
+
+class SimJob:
+    """A training process's control side reduced to the protocol: register, heartbeat, long-poll,
+    report; survives server restarts (retries, re-registers on 404). ``accepting`` False: it
+    stops taking commands (as while busy), ``drop_next`` True: it receives one command and
+    forgets it unacknowledged (as if the answer were lost)."""
+
+    def __init__(self, base: str, token: str, process_id: str, body: dict[str, Any]) -> None:
+        self.base = base
+        self.process_id = process_id
+        self.body = body
+        self.session = requests.Session()
+        self.session.headers["Authorization"] = f"Bearer {token}"
+        self.accepting = threading.Event()
+        self.accepting.set()
+        self.drop_next = False
+        self.stop = threading.Event()
+        self.received: list[dict[str, Any]] = []
+        self.done: list[int] = []
+        self.registrations = 0
+        self.errors = 0
+        self.state = body.get("state", "RUNNING")
+        self.threads = [threading.Thread(target=self._beat, daemon=True),
+                        threading.Thread(target=self._poll, daemon=True)]
+
+    def start(self) -> "SimJob":
+        self._register()
+        for t in self.threads:
+            t.start()
+        return self
+
+    def close(self) -> None:
+        self.stop.set()
+        self.accepting.set()
+        for t in self.threads:
+            t.join(10)
+
+    def _register(self) -> None:
+        while not self.stop.is_set():
+            try:
+                r = self.session.post(f"{self.base}/processes", json={**self.body, "state": self.state}, timeout=5)
+                if r.status_code in (200, 201):
+                    self.registrations += 1
+                    return
+            except requests.RequestException:
+                pass
+            self.errors += 1
+            self.stop.wait(0.1)
+
+    def _beat(self) -> None:
+        while not self.stop.wait(0.2):
+            try:
+                r = self.session.post(f"{self.base}/processes/{self.process_id}/heartbeat",
+                                      json={"state": self.state}, timeout=5)
+                if r.status_code == 404:
+                    self._register()
+            except requests.RequestException:
+                self.errors += 1
+
+    def _poll(self) -> None:
+        seen: set[int] = set()
+        while not self.stop.is_set():
+            self.accepting.wait()
+            if self.stop.is_set():
+                return
+            try:
+                r = self.session.get(f"{self.base}/processes/{self.process_id}/commands/next",
+                                     params={"wait": 2}, timeout=10)
+            except requests.RequestException:
+                self.errors += 1
+                self.stop.wait(0.1)
+                continue
+            if r.status_code == 404:
+                self._register()
+                continue
+            if r.status_code != 200:
+                continue
+            cmd = r.json()
+            self.received.append(cmd)
+            if self.drop_next:
+                self.drop_next = False
+                self.accepting.clear()
+                continue
+            if cmd["id"] in seen and cmd["id"] in self.done:
+                continue
+            seen.add(cmd["id"])
+            self._run(cmd)
+
+    def _report(self, command_id: int, body: dict[str, Any]) -> None:
+        while not self.stop.is_set():
+            try:
+                r = self.session.post(f"{self.base}/commands/{command_id}/report", json=body, timeout=5)
+                if r.status_code < 500:
+                    return
+            except requests.RequestException:
+                pass
+            self.stop.wait(0.1)
+
+    def _run(self, cmd: dict[str, Any]) -> None:
+        self._report(cmd["id"], {"state": "running"})
+        self.state = {"migrate": "RUNNING", "pause": "PAUSED", "resume": "RUNNING"}[cmd["kind"]]
+        update: dict[str, Any] = {"state": self.state}
+        if cmd.get("target_uuid"):
+            update["gpu_uuid"] = cmd["target_uuid"]
+        self._report(cmd["id"], {"state": "succeeded", "process": update,
+                                 "result": {"kind": cmd["kind"], "path": "driver", "ok": True, "seconds": 0.01}})
+        self.done.append(cmd["id"])

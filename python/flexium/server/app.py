@@ -19,7 +19,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy.exc import DataError, IntegrityError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flexium import protocol
@@ -136,6 +136,13 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _integrity(_request: Request, exc: IntegrityError) -> JSONResponse:
         log.info("conflicting concurrent change: %s", exc.orig)
         return _error(409, "busy", "a concurrent request changed the same thing; retry")
+
+    @app.exception_handler(DataError)
+    async def _data(_request: Request, exc: DataError) -> JSONResponse:
+        # Validation should have caught it; this keeps a value the database refuses a 4xx.
+        log.warning("database refused a value: %s", exc.orig)
+        return _error(422, "invalid_request", "a value could not be stored: "
+                      + str(exc.orig).strip().splitlines()[0][:200])
 
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:

@@ -15,7 +15,7 @@ import asyncio
 import collections
 import itertools
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Hashable, Optional
 
 from flexium import protocol
@@ -68,16 +68,11 @@ class Notifier:
         return sum(len(w) for w in self._waiters.values())
 
 
-@dataclass
+@dataclass(eq=False)   # identity, so it can live in a set
 class Subscriber:
     workspace_id: int
     queue: asyncio.Queue[Optional[str]]
     overflowed: bool = False
-
-
-@dataclass
-class _History:
-    events: collections.deque[tuple[int, str]] = field(default_factory=collections.deque)
 
 
 class EventBus:

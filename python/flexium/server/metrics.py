@@ -52,6 +52,12 @@ class Metrics:
             self.processes.labels(state=state)
         for state in protocol.COMMAND_STATES:
             self.commands.labels(state=state)
+        for kind in protocol.COMMAND_KINDS:     # every series exists from the start, at zero
+            self.commands_created.labels(kind=kind)
+            for outcome in protocol.FINAL_COMMAND_STATES:
+                self.commands_finished.labels(kind=kind, outcome=outcome)
+            for outcome in ("succeeded", "failed"):
+                self.migration_duration.labels(kind=kind, outcome=outcome)
 
     def render(self, *, processes: dict[str, int], commands: dict[str, int], long_polls: int,
                sse_subscribers: int) -> bytes:

@@ -25,7 +25,8 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
 
 router = APIRouter(prefix=protocol.API_PREFIX + "/w/{workspace}", responses=_ERRORS)
 
-ProcessIdPath = Annotated[str, Path(max_length=protocol.MAX_SHORT_TEXT)]
+_NO_NUL = r"^[^\x00]*$"
+ProcessIdPath = Annotated[str, Path(max_length=protocol.MAX_SHORT_TEXT, pattern=protocol.PROCESS_ID_RE.pattern)]
 CommandIdPath = Annotated[int, Path(ge=1, le=2**31 - 1)]
 WaitQuery = Annotated[Optional[float], Query(ge=0, le=protocol.MAX_POLL_TIMEOUT_S,
                                              description="seconds to wait (long-poll)")]
@@ -59,8 +60,8 @@ async def register_process(body: RegisterIn, auth: Auth, ctx: Ctx, response: Res
 
 @router.get("/processes", response_model=list[ProcessOut], summary="List processes")
 async def list_processes(auth: Auth, ctx: Ctx, state: Optional[DisplayState] = None,
-                         host: Annotated[Optional[str], Query(max_length=protocol.MAX_HOST_LEN)] = None,
-                         gpu: Annotated[Optional[str], Query(max_length=protocol.MAX_SHORT_TEXT,
+                         host: Annotated[Optional[str], Query(max_length=protocol.MAX_HOST_LEN, pattern=_NO_NUL)] = None,
+                         gpu: Annotated[Optional[str], Query(max_length=protocol.MAX_SHORT_TEXT, pattern=_NO_NUL,
                                                              description="GPU UUID")] = None) -> Any:
     return await ctx.db.call(storage.list_processes, write=False, workspace_id=auth.workspace_id,
                              now=time.time(), stale_after=ctx.settings.stale_after_s,
@@ -153,7 +154,7 @@ async def create_command(body: CommandIn, auth: Auth, ctx: Ctx) -> Any:
 
 @router.get("/commands", response_model=list[CommandOut], summary="Commands, newest first")
 async def list_commands(auth: Auth, ctx: Ctx,
-                        process_id: Annotated[Optional[str], Query(max_length=protocol.MAX_SHORT_TEXT)] = None,
+                        process_id: Annotated[Optional[str], Query(max_length=protocol.MAX_SHORT_TEXT, pattern=_NO_NUL)] = None,
                         state: Optional[CommandState] = None,
                         limit: Annotated[int, Query(ge=1, le=1000)] = 100,
                         before_id: Annotated[Optional[int], Query(ge=1, le=2**31 - 1)] = None) -> Any:
@@ -207,7 +208,7 @@ async def report_command(command_id: CommandIdPath, body: CommandReportIn, auth:
 
 @router.get("/devices", response_model=DevicesOut, summary="GPUs by host, as processes report them")
 async def list_devices(auth: Auth, ctx: Ctx,
-                       host: Annotated[Optional[str], Query(max_length=protocol.MAX_HOST_LEN)] = None) -> Any:
+                       host: Annotated[Optional[str], Query(max_length=protocol.MAX_HOST_LEN, pattern=_NO_NUL)] = None) -> Any:
     return await ctx.db.call(storage.list_devices, write=False, workspace_id=auth.workspace_id,
                              now=time.time(), stale_after=ctx.settings.stale_after_s, host=host)
 

@@ -1,0 +1,389 @@
+"""The HTTP API through FastAPI's TestClient (in-process ASGI), on SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from flexium import protocol
+from srv_helpers import GIB, Api, gpu, process_body, table_snapshot
+
+
+def _error(r: Any, status: int, code: str | None = None) -> dict[str, Any]:
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert isinstance(body.get("message"), str) and body["message"], body
+    if code:
+        assert body["error"] == code, body
+    return body
+
+
+# --- system ---------------------------------------------------------------------------------
+
+def test_healthz_metrics_openapi(api: Api) -> None:
+    r = api.client.get("/healthz")
+    assert r.status_code == 200 and r.json()["status"] == "ok"
+    api.register()
+    assert api.command("pause").status_code == 201
+    text = api.client.get("/metrics").text
+    for series in ('flexium_processes{state="RUNNING"} 1.0', 'flexium_processes{state="STALE"} 0.0',
+                   'flexium_commands{state="queued"} 1.0', "flexium_migration_duration_seconds_bucket",
+                   "flexium_schema_migration_duration_seconds_count 1.0", "flexium_command_delivery_seconds",
+                   'flexium_commands_created_total{kind="pause"} 1.0'):
+        assert series in text, series
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            assert line.startswith("flexium_"), line
+    spec = api.client.get("/openapi.json").json()
+    paths = spec["paths"]
+    assert "/api/w/{workspace}/commands" in paths and "/api/w/{workspace}/processes/{process_id}/commands/next" in paths
+
+
+def test_unknown_endpoint_is_json_404(api: Api) -> None:
+    _error(api.client.get("/api/nothing"), 404, "not_found")
+    _error(api.client.put(api.base + "/processes", headers=api.headers()), 405, "bad_request")
+
+
+# --- auth -----------------------------------------------------------------------------------
+
+PROTECTED = [("GET", ""), ("GET", "/processes"), ("GET", "/processes/gpu-1"), ("POST", "/processes"),
+             ("POST", "/processes/gpu-1/heartbeat"), ("GET", "/processes/gpu-1/commands/next?wait=0"),
+             ("DELETE", "/processes/gpu-1"), ("GET", "/commands"), ("POST", "/commands"),
+             ("GET", "/commands/1"), ("POST", "/commands/1/report"), ("GET", "/devices"),
+             ("GET", "/tokens"), ("POST", "/tokens"), ("DELETE", "/tokens/1"), ("GET", "/events")]
+
+
+@pytest.mark.parametrize("method,path", PROTECTED)
+def test_every_endpoint_needs_a_token(api: Api, method: str, path: str) -> None:
+    api.register()
+    cmd = api.command("pause").json()
+    assert cmd["id"] == 1
+    before = table_snapshot(api.db)
+    body = {"kind": "pause", "process_id": "gpu-1"} if method == "POST" else None
+    for headers in ({}, {"Authorization": "Bearer flx_wrong"}, {"Authorization": "Basic abc"},
+                    {"Authorization": "Bearer " + "x" * 5000}, {"Authorization": "Bearer"}):
+        r = api.client.request(method, api.base + path, headers=headers, json=body)
+        err = _error(r, 401, "unauthorized")
+        assert "gpu-1" not in r.text and "node1" not in r.text, err
+    assert table_snapshot(api.db) == before
+
+
+@pytest.mark.parametrize("method,path", PROTECTED)
+def test_other_workspace_token_gets_404_and_nothing_leaks(api: Api, method: str, path: str) -> None:
+    api.register()
+    api.command("pause")
+    other = api.post("/tokens", {"name": "x"}).json()["token"]   # sanity: same workspace works
+    assert api.get("/processes", headers=api.headers(other)).status_code == 200
+    token_b = _create_workspace(api, "team-b")
+    before = table_snapshot(api.db)
+    body = {"kind": "pause", "process_id": "gpu-1"} if method == "POST" else None
+    r = api.client.request(method, api.base + path, headers=api.headers(token_b), json=body)
+    _error(r, 404, "not_found")
+    assert "gpu-1" not in r.text and "node1" not in r.text
+    assert table_snapshot(api.db) == before
+    # and in its own workspace it sees nothing of the first one
+    b = Api(api.client, token_b, "team-b")
+    assert b.get("/processes").json() == [] and b.get("/commands").json() == []
+    assert b.get("/devices").json() == {"hosts": []}
+    _error(b.get("/processes/gpu-1"), 404, "not_found")
+    _error(b.get("/commands/1"), 404, "not_found")
+    _error(b.post("/commands/1/report", {"state": "running"}), 404, "not_found")
+
+
+def _create_workspace(api: Api, name: str) -> str:
+    from flexium.server import storage
+
+    _row, token = api.db.run(storage.create_workspace, write=True, name=name, now=time.time())
+    return token
+
+
+def test_unknown_workspace_is_404_not_401(api: Api) -> None:
+    _error(api.client.get("/api/w/nope/processes", headers=api.headers()), 404, "not_found")
+
+
+def test_revoked_token_refused_at_once(api: Api) -> None:
+    created = api.post("/tokens", {"name": "laptop"})
+    assert created.status_code == 201
+    new = created.json()
+    assert new["token"].startswith("flx_") and new["name"] == "laptop"
+    assert api.get("/processes", headers=api.headers(new["token"])).status_code == 200
+    listed = api.get("/tokens").json()
+    assert all("token" not in t for t in listed) and len(listed) == 2
+    assert api.delete(f"/tokens/{new['id']}").json()["revoked"] is True
+    _error(api.get("/processes", headers=api.headers(new["token"])), 401, "unauthorized")
+    _error(api.delete("/tokens/999"), 404, "not_found")
+
+
+def test_cookie_auth_needs_csrf_header_for_writes(api: Api) -> None:
+    client = api.client
+    r = client.post("/login", content=f"token={api.token}",
+                    headers={"Content-Type": "application/x-www-form-urlencoded"}, follow_redirects=False)
+    assert r.status_code == 303 and protocol.TOKEN_COOKIE in r.headers["set-cookie"]
+    client.cookies.set(protocol.TOKEN_COOKIE, api.token)
+    try:
+        assert client.get(api.base + "/processes").status_code == 200
+        body = process_body()
+        _error(client.post(api.base + "/processes", json=body), 403, "forbidden")
+        assert client.post(api.base + "/processes", json=body,
+                           headers={protocol.CSRF_HEADER: "1"}).status_code == 201
+        page = client.get("/")
+        assert page.status_code == 200 and "gpu-1" in page.text
+    finally:
+        client.cookies.clear()
+    assert client.get("/", follow_redirects=False).status_code == 303
+    r = client.post("/login", content="token=flx_bad", headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 401 and "invalid" in r.text
+
+
+# --- processes ------------------------------------------------------------------------------
+
+def test_register_heartbeat_unregister(api: Api) -> None:
+    r = api.post("/processes", process_body())
+    assert r.status_code == 201
+    reg = r.json()
+    assert reg["process"]["state"] == "RUNNING" and reg["heartbeat_interval_s"] > 0
+    assert reg["poll_timeout_s"] > 0 and reg["stale_after_s"] > reg["heartbeat_interval_s"]
+    assert api.post("/processes", process_body()).status_code == 200       # re-register
+    hb = api.post("/processes/gpu-1/heartbeat", {"memory_bytes": 11 * GIB, "state": "RUNNING"}).json()
+    assert hb["ok"] and hb["pending_command"] is None
+    assert api.get("/processes/gpu-1").json()["memory_bytes"] == 11 * GIB
+    assert api.get("/", ).status_code == 200
+    assert api.get("").json()["processes"] == 1
+    assert api.delete("/processes/gpu-1").status_code == 204
+    _error(api.post("/processes/gpu-1/heartbeat", {}), 404, "not_found")   # -> the client registers again
+    _error(api.delete("/processes/gpu-1"), 404, "not_found")
+
+
+def test_list_filters(api: Api) -> None:
+    api.register("a")
+    api.register("b", host="node2", state="PAUSED", gpu_index=1)
+    assert [p["process_id"] for p in api.get("/processes?state=PAUSED").json()] == ["b"]
+    assert [p["process_id"] for p in api.get("/processes?host=node2").json()] == ["b"]
+    assert [p["process_id"] for p in api.get("/processes?gpu=GPU-0000").json()] == ["a"]
+    _error(api.get("/processes?state=BOGUS"), 422, "invalid_request")
+    hosts = api.get("/devices").json()["hosts"]
+    assert [h["host"] for h in hosts] == ["node1", "node2"] and len(hosts[0]["devices"]) == 4
+    assert api.get("/devices?host=node2").json()["hosts"][0]["host"] == "node2"
+
+
+# --- commands -------------------------------------------------------------------------------
+
+def test_command_lifecycle_over_http(api: Api) -> None:
+    api.register()
+    r = api.command("migrate", target="GPU-0002")
+    assert r.status_code == 201
+    cmd = r.json()
+    hb = api.post("/processes/gpu-1/heartbeat", {}).json()
+    assert hb["pending_command"] == cmd["id"]
+    got = api.get("/processes/gpu-1/commands/next?wait=0")
+    assert got.status_code == 200 and got.json()["id"] == cmd["id"] and got.json()["state"] == "delivered"
+    assert api.post(f"/commands/{cmd['id']}/report", {"state": "running"}).json()["state"] == "running"
+    assert api.get("/processes/gpu-1").json()["state"] == "MIGRATING"
+    assert api.get("/processes/gpu-1/commands/next?wait=0").status_code == 204
+    result = {"kind": "migrate", "path": "driver", "ok": True, "seconds": 1.1,
+              "steps": [{"step": "checkpoint", "seconds": 0.5, "ok": True}]}
+    done = api.post(f"/commands/{cmd['id']}/report", {"state": "succeeded", "result": result}).json()
+    assert done["state"] == "succeeded" and done["result"] == result
+    proc = api.get("/processes/gpu-1").json()
+    assert proc["state"] == "RUNNING" and proc["gpu_uuid"] == "GPU-0002" and proc["active_command"] is None
+    assert api.get(f"/commands/{cmd['id']}").json()["state"] == "succeeded"
+    assert [c["id"] for c in api.get("/commands?process_id=gpu-1").json()] == [cmd["id"]]
+    metrics = api.client.get("/metrics").text
+    assert 'flexium_commands_finished_total{kind="migrate",outcome="succeeded"} 1.0' in metrics
+    assert 'flexium_migration_duration_seconds_count{kind="migrate",outcome="succeeded"} 1.0' in metrics
+
+
+@pytest.mark.parametrize("body,status,code", [
+    ({"kind": "migrate", "process_id": "nope", "target": 1}, 404, "not_found"),
+    ({"kind": "migrate", "process_id": "gpu-1", "target": "GPU-0000"}, 422, "target_refused"),
+    ({"kind": "migrate", "process_id": "gpu-1", "target": 1}, 422, "target_refused"),         # full
+    ({"kind": "migrate", "process_id": "gpu-1", "target": 2}, 422, "target_refused"),         # A100
+    ({"kind": "migrate", "process_id": "gpu-1", "target": 99}, 422, "target_refused"),
+    ({"kind": "migrate", "process_id": "gpu-1", "target": "GPU-other-host"}, 422, "target_refused"),
+    ({"kind": "migrate", "process_id": "gpu-1"}, 422, "invalid_request"),
+    ({"kind": "resume", "process_id": "gpu-1"}, 409, "invalid_state"),
+    ({"kind": "pause", "process_id": "paused"}, 409, "invalid_state"),
+    ({"kind": "migrate", "process_id": "paused", "target": 3}, 409, "invalid_state"),
+    ({"kind": "migrate", "process_id": "old", "target": 3}, 422, "capability"),
+    ({"kind": "pause", "process_id": "ancient"}, 422, "capability"),
+    ({"kind": "teleport", "process_id": "gpu-1"}, 422, "invalid_request"),
+    ({"kind": "pause", "process_id": "gpu-1", "target": True}, 422, "invalid_request"),
+    ({"kind": "pause", "process_id": "gpu-1", "target": [1]}, 422, "invalid_request"),
+])
+def test_command_refusals(api: Api, body: dict[str, Any], status: int, code: str) -> None:
+    devices = [gpu(0, used=10 * GIB), gpu(1, used=139 * GIB), gpu(2, name="NVIDIA A100"), gpu(3)]
+    api.register("gpu-1", devices=devices)
+    api.register("paused", state="PAUSED", devices=devices)
+    api.register("old", migration=False, devices=devices)
+    api.register("ancient", migration=False, pause_resume=False, devices=devices)
+    api.register("far", host="node9", devices=[{**gpu(0), "uuid": "GPU-other-host"}])
+    before = table_snapshot(api.db)
+    _error(api.post("/commands", body), status, code)
+    assert table_snapshot(api.db) == before
+
+
+def test_one_active_command_409(api: Api) -> None:
+    api.register()
+    first = api.command("pause").json()
+    body = _error(api.command("migrate", target=3), 409, "busy")
+    assert body["detail"] == {"command_id": first["id"]}
+
+
+def test_command_wait_returns_when_finished(api: Api) -> None:
+    api.register()
+    cmd = api.command("pause").json()
+
+    def finish() -> None:
+        time.sleep(0.3)
+        api.post(f"/commands/{cmd['id']}/report", {"state": "succeeded"})
+
+    t = threading.Thread(target=finish)
+    start = time.monotonic()
+    t.start()
+    r = api.get(f"/commands/{cmd['id']}?wait=10")
+    t.join()
+    assert r.json()["state"] == "succeeded" and time.monotonic() - start < 5
+    start = time.monotonic()
+    assert api.get(f"/commands/{cmd['id']}?wait=10").json()["state"] == "succeeded"
+    assert time.monotonic() - start < 1
+
+
+def test_long_poll_wakes_on_command(api: Api) -> None:
+    api.register()
+    out: dict[str, Any] = {}
+
+    def poll() -> None:
+        r = api.get("/processes/gpu-1/commands/next?wait=20")
+        out["received"] = time.monotonic()
+        out["response"] = r
+
+    t = threading.Thread(target=poll)
+    t.start()
+    time.sleep(0.5)                          # the poll is waiting
+    created = time.monotonic()
+    assert api.command("pause").status_code == 201
+    t.join(10)
+    assert out["response"].status_code == 200 and out["response"].json()["kind"] == "pause"
+    assert out["received"] - created < 0.5   # at once, not at the end of the wait
+
+
+def test_long_poll_times_out_with_204(api: Api) -> None:
+    api.register()
+    start = time.monotonic()
+    r = api.get("/processes/gpu-1/commands/next?wait=0.3")
+    assert r.status_code == 204 and 0.25 < time.monotonic() - start < 5
+    _error(api.get("/processes/nope/commands/next?wait=0"), 404, "not_found")
+    _error(api.get("/processes/gpu-1/commands/next?wait=999"), 422, "invalid_request")
+
+
+# --- bad input ------------------------------------------------------------------------------
+
+BAD_REGISTRATIONS = [
+    ("not json", "{\"process_id\": ", 400, "bad_request"),
+    ("a list", [], 422, "invalid_request"),
+    ("no host", {"process_id": "gpu-1"}, 422, "invalid_request"),
+    ("pid as string", {**process_body(), "pid": "4242"}, 422, "invalid_request"),
+    ("negative memory", {**process_body(), "memory_bytes": -1}, 422, "invalid_request"),
+    ("huge memory", {**process_body(), "memory_bytes": 10**30}, 422, "invalid_request"),
+    ("float memory", {**process_body(), "memory_bytes": 1.5}, 422, "invalid_request"),
+    ("bool pid", {**process_body(), "pid": True}, 422, "invalid_request"),
+    ("bad state", {**process_body(), "state": "DANCING"}, 422, "invalid_request"),
+    ("bad process id", {**process_body(), "process_id": "../../etc"}, 422, "invalid_request"),
+    ("NUL in host", {**process_body(), "host": "node\x001"}, 422, "invalid_request"),
+    ("long host", {**process_body(), "host": "h" * 300}, 422, "invalid_request"),
+    ("NaN start", "NAN_START", 422, "invalid_request"),
+    ("deep capabilities", {**process_body(), "capabilities": json.loads("{\"a\":" * 20 + "1" + "}" * 20)},
+     422, "invalid_request"),
+    ("NUL in capabilities", {**process_body(), "capabilities": {"x": "a\x00b"}}, 422, "invalid_request"),
+    ("device without uuid", {**process_body(), "devices": [{"index": 0}]}, 422, "invalid_request"),
+    ("device bad index", {**process_body(), "devices": [{**gpu(0), "index": -3}]}, 422, "invalid_request"),
+    ("device utilization 500", {**process_body(), "devices": [{**gpu(0), "utilization": 500}]},
+     422, "invalid_request"),
+    ("too many devices", {**process_body(), "devices": [gpu(i) for i in range(100)]}, 422, "invalid_request"),
+    ("devices not a list", {**process_body(), "devices": {"uuid": "GPU-1"}}, 422, "invalid_request"),
+]
+
+
+@pytest.mark.parametrize("name,body,status,code", BAD_REGISTRATIONS, ids=[b[0] for b in BAD_REGISTRATIONS])
+def test_bad_registration_refused_database_unchanged(api: Api, name: str, body: Any, status: int, code: str) -> None:
+    api.register("existing")
+    before = table_snapshot(api.db)
+    headers = {**api.headers(), "Content-Type": "application/json"}
+    if body == "NAN_START":
+        content = json.dumps(process_body(), allow_nan=True)[:-1] + ', "started_at": NaN}'
+    elif isinstance(body, str):
+        content = body
+    else:
+        content = json.dumps(body)
+    r = api.client.post(api.base + "/processes", content=content, headers=headers)
+    _error(r, status, code)
+    assert table_snapshot(api.db) == before
+
+
+def test_huge_bodies_413(api: Api) -> None:
+    api.register()
+    before = table_snapshot(api.db)
+    big = json.dumps({**process_body(), "cmdline": "x" * (2 << 20)})
+    r = api.client.post(api.base + "/processes", content=big,
+                        headers={**api.headers(), "Content-Type": "application/json"})
+    _error(r, 413, "payload_too_large")
+
+    def chunks() -> Any:
+        for _ in range(40):
+            yield b"x" * 65536
+
+    r = api.client.post(api.base + "/processes/gpu-1/heartbeat", content=chunks(),
+                        headers={**api.headers(), "Content-Type": "application/json"})
+    _error(r, 413, "payload_too_large")
+    assert table_snapshot(api.db) == before
+
+
+def test_bad_reports_and_ids(api: Api) -> None:
+    api.register()
+    cmd = api.command("pause").json()
+    before = table_snapshot(api.db)
+    cases = [
+        (api.post(f"/commands/{cmd['id']}/report", {"state": "queued"}), 422),
+        (api.post(f"/commands/{cmd['id']}/report", {"state": "succeeded", "result": {"seconds": "NaN", "x": [1] * 1000}}), 422),
+        (api.post(f"/commands/{cmd['id']}/report", {"state": "failed", "error": "e" * 10_000}), 422),
+        (api.post(f"/commands/{cmd['id']}/report", {"state": "failed", "process": {"state": "LOST"}}), 422),
+        (api.post("/commands/999999/report", {"state": "running"}), 404),
+        (api.post("/commands/99999999999999999999/report", {"state": "running"}), 422),
+        (api.post("/commands/-1/report", {"state": "running"}), 422),
+        (api.post("/commands/abc/report", {"state": "running"}), 422),
+        (api.get("/commands/0"), 422),
+        (api.get("/commands/999"), 404),
+        (api.get("/commands?limit=0"), 422),
+        (api.get("/commands?limit=abc"), 422),
+        (api.get("/commands?state=lost"), 422),
+        (api.get("/processes/" + "x" * 300), 422),
+        (api.get("/processes/%00"), 422),
+        (api.get("/processes?host=a%00b"), 422),
+        (api.get("/commands?process_id=a%00b"), 422),
+        (api.post("/processes/gpu-1/heartbeat", {"memory_bytes": "lots"}), 422),
+        (api.post("/processes/gpu-1/heartbeat", {"devices": [{"uuid": ""}]}), 422),
+        (api.post("/processes/gpu-1/heartbeat", {"state": "PAUSED\x00"}), 422),
+        (api.delete("/tokens/abc"), 422),
+        (api.post("/tokens", {"name": 5}), 422),
+        (api.client.post(api.base + "/commands", content=b"\xff\xfe", headers={**api.headers(), "Content-Type": "application/json"}), 400),
+        (api.client.post(api.base + "/commands", content=b"", headers={**api.headers(), "Content-Type": "application/json"}), 422),
+    ]
+    for r, status in cases:
+        assert r.status_code == status, (r.request.url, r.text)
+        assert r.json()["message"]
+    assert table_snapshot(api.db) == before
+
+
+def test_heartbeat_pending_devices_throttled(api: Api) -> None:
+    api.register()
+    hb = {"devices": [gpu(0, used=50 * GIB), gpu(1), gpu(2), gpu(3)]}
+    assert api.post("/processes/gpu-1/heartbeat", hb).status_code == 200
+    # within device_write_interval_s of the registration's report: not written
+    assert api.get("/devices").json()["hosts"][0]["devices"][0]["memory_used"] == 10 * GIB
+    api.ctx.device_writes.clear()
+    assert api.post("/processes/gpu-1/heartbeat", hb).status_code == 200
+    assert api.get("/devices").json()["hosts"][0]["devices"][0]["memory_used"] == 50 * GIB

@@ -1,0 +1,287 @@
+"""A real server process (``python -m flexium.server``, what ``flexium server`` runs) over real
+HTTP: start-up output, live events, delivery latency, restart with work in flight, the
+workspace command line."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+
+from srv_helpers import LiveServer, SimJob, process_body
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _auth(token: str) -> dict[str, str]:
+    return {"Authorization": f"Bearer {token}"}
+
+
+@pytest.fixture
+def server(database_url: str, tmp_path: Path) -> Any:
+    srv = LiveServer(database_url, str(tmp_path / "home"), "--stale-after", "5", "--sweep-interval", "0.5")
+    srv.start()
+    yield srv
+    srv.stop(signal.SIGKILL)
+
+
+def test_start_prints_links_and_token(server: LiveServer) -> None:
+    out = "\n".join(server.lines)
+    assert f"dashboard {server.url}/" in out
+    assert f"{server.url}/login#token={server.token}" in out
+    assert server.token and server.token.startswith("flx_")
+    r = requests.get(f"{server.url}/api/w/default/processes", headers=_auth(server.token), timeout=5)
+    assert r.status_code == 200 and r.json() == []
+    r = requests.get(f"{server.url}/api/w/default/processes", timeout=5)
+    assert r.status_code == 401 and r.json()["error"] == "unauthorized"
+    assert requests.get(f"{server.url}/openapi.json", timeout=5).json()["info"]["title"] == "flexium server"
+    assert "flexium_processes" in requests.get(f"{server.url}/metrics", timeout=5).text
+
+
+def test_default_sqlite_under_home_in_wal_mode(tmp_path: Path) -> None:
+    srv = LiveServer("", str(tmp_path / "home")).start()
+    try:
+        db = tmp_path / "home" / "server.db"
+        assert db.exists() and Path(str(db) + "-wal").exists()
+        assert srv.token
+    finally:
+        srv.stop()
+    # second start: schema and workspace kept, no new token printed
+    srv2 = LiveServer("", str(tmp_path / "home"), port=srv.port).start()
+    try:
+        assert srv2.token is None
+        r = requests.get(f"{srv2.url}/api/w/default", headers=_auth(srv.token or ""), timeout=5)
+        assert r.status_code == 200
+    finally:
+        srv2.stop()
+
+
+def test_sse_live_events_and_replay(server: LiveServer) -> None:
+    base = f"{server.url}/api/w/default"
+    headers = _auth(server.token or "")
+    events: list[tuple[str, str, dict[str, Any]]] = []
+    ready = threading.Event()
+
+    def listen(extra: dict[str, str], sink: list[Any], count: int) -> None:
+        with requests.get(base + "/events", headers={**headers, **extra}, stream=True, timeout=30) as r:
+            assert r.headers["content-type"].startswith("text/event-stream")
+            eid, etype = "", ""
+            for raw in r.iter_lines(decode_unicode=True):
+                if raw.startswith("id: "):
+                    eid = raw[4:]
+                elif raw.startswith("event: "):
+                    etype = raw[7:]
+                elif raw.startswith("data: "):
+                    sink.append((eid, etype, json.loads(raw[6:])))
+                    if etype == "hello":
+                        ready.set()
+                    if len(sink) >= count:
+                        return
+
+    t = threading.Thread(target=listen, args=({}, events, 5), daemon=True)
+    t.start()
+    assert ready.wait(10)
+    assert requests.post(base + "/processes", json=process_body(), headers=headers, timeout=5).status_code == 201
+    cmd = requests.post(base + "/commands", json={"kind": "pause", "process_id": "gpu-1"}, headers=headers, timeout=5).json()
+    requests.get(base + "/processes/gpu-1/commands/next?wait=1", headers=headers, timeout=5)
+    t.join(15)
+    types = [(e[1], e[2].get("action")) for e in events]
+    assert types[0] == ("hello", None)
+    assert ("process", "registered") in types and ("command", "created") in types
+    assert ("command", "updated") in types          # delivered
+    created = next(e for e in events if e[1] == "command")
+    assert created[2]["command"]["id"] == cmd["id"]
+    # reconnect with Last-Event-ID: what came after it is replayed
+    first_id = next(e[0] for e in events if e[1] == "process")
+    replay: list[Any] = []
+    ready.clear()
+    t = threading.Thread(target=listen, args=({"Last-Event-ID": first_id}, replay, 3), daemon=True)
+    t.start()
+    t.join(15)
+    assert [e[1] for e in replay[1:]] == [e[1] for e in events if e[1] != "hello" and int(e[0]) > int(first_id)][:2]
+    # another workspace's stream never sees them
+    r = requests.get(base + "/events", headers=_auth("flx_wrong"), stream=True, timeout=5)
+    assert r.status_code == 401
+
+
+def test_delivery_latency_over_http(server: LiveServer) -> None:
+    base = f"{server.url}/api/w/default"
+    headers = _auth(server.token or "")
+    session = requests.Session()
+    session.headers.update(headers)
+    session.post(base + "/processes", json=process_body(), timeout=5)
+    latencies = []
+    for _ in range(10):
+        got: dict[str, Any] = {}
+
+        def poll() -> None:
+            r = requests.get(base + "/processes/gpu-1/commands/next?wait=10", headers=headers, timeout=15)
+            got["t"] = time.monotonic()
+            got["cmd"] = r.json()
+
+        t = threading.Thread(target=poll)
+        t.start()
+        time.sleep(0.2)
+        start = time.monotonic()
+        cmd = session.post(base + "/commands", json={"kind": "pause", "process_id": "gpu-1"}, timeout=5).json()
+        t.join(15)
+        latencies.append(got["t"] - start)
+        assert got["cmd"]["id"] == cmd["id"]
+        session.post(f"{base}/commands/{cmd['id']}/report", json={"state": "failed", "error": "test"}, timeout=5)
+    latencies.sort()
+    assert latencies[len(latencies) // 2] < 0.1, latencies
+
+
+@pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_restart_loses_nothing_and_jobs_reattach(database_url: str, tmp_path: Path, stop_signal: int) -> None:
+    srv = LiveServer(database_url, str(tmp_path / "home"), "--stale-after", "5").start()
+    token = srv.token or ""
+    base = f"{srv.url}/api/w/default"
+    admin = requests.Session()
+    admin.headers.update(_auth(token))
+    jobs = [SimJob(base, token, f"gpu-{i}", process_body(f"gpu-{i}", gpu_index=i, n_gpus=4)).start()
+            for i in range(3)]
+    try:
+        # gpu-0 and gpu-1 are busy (not polling): their commands stay queued
+        for job in jobs[:2]:
+            job.accepting.clear()
+        time.sleep(0.5)
+        queued = [admin.post(base + "/commands", json={"kind": "pause", "process_id": "gpu-0"}, timeout=5).json(),
+                  admin.post(base + "/commands", json={"kind": "migrate", "process_id": "gpu-1", "target": 3},
+                             timeout=5).json()]
+        assert [c["state"] for c in queued] == ["queued", "queued"]
+        # gpu-2 receives its command and loses it before acknowledging
+        jobs[2].drop_next = True
+        lost = admin.post(base + "/commands", json={"kind": "pause", "process_id": "gpu-2"}, timeout=5).json()
+        deadline = time.monotonic() + 10
+        while not jobs[2].received and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert admin.get(f"{base}/commands/{lost['id']}", timeout=5).json()["state"] == "delivered"
+
+        srv.stop(stop_signal)
+        time.sleep(1.0)                                  # jobs notice: requests fail
+        srv.start()                                      # same database, same port
+        assert srv.token is None                         # nothing re-created
+        for job in jobs:
+            job.accepting.set()
+        ids = [c["id"] for c in queued] + [lost["id"]]
+        deadline = time.monotonic() + 30
+        states: list[str] = []
+        while time.monotonic() < deadline:
+            states = [admin.get(f"{base}/commands/{i}", timeout=5).json()["state"] for i in ids]
+            if states == ["succeeded"] * 3:
+                break
+            time.sleep(0.1)
+        assert states == ["succeeded"] * 3
+        assert sum(1 for c in jobs[2].received if c["id"] == lost["id"]) == 2   # redelivered
+        procs = {p["process_id"]: p for p in admin.get(base + "/processes", timeout=5).json()}
+        assert sorted(procs) == ["gpu-0", "gpu-1", "gpu-2"]
+        assert procs["gpu-0"]["state"] == "PAUSED" and procs["gpu-2"]["state"] == "PAUSED"
+        assert procs["gpu-1"]["state"] == "RUNNING" and procs["gpu-1"]["gpu_uuid"] == "GPU-0003"
+        restarted = time.time() - 5
+        assert all(p["last_seen"] > restarted for p in procs.values())      # attached again
+        assert len(admin.get(base + "/commands", timeout=5).json()) == 3
+    finally:
+        for job in jobs:
+            job.close()
+        srv.stop(signal.SIGKILL)
+
+
+def test_sigterm_is_quick_with_waiting_polls_and_streams(server: LiveServer) -> None:
+    base = f"{server.url}/api/w/default"
+    headers = _auth(server.token or "")
+    requests.post(base + "/processes", json=process_body(), headers=headers, timeout=5)
+    results: list[int] = []
+
+    def poll() -> None:
+        try:
+            results.append(requests.get(base + "/processes/gpu-1/commands/next?wait=60", headers=headers,
+                                        timeout=90).status_code)
+        except requests.RequestException:
+            results.append(-1)
+
+    def stream() -> None:
+        try:
+            with requests.get(base + "/events", headers=headers, stream=True, timeout=90) as r:
+                for _ in r.iter_lines():
+                    pass
+        except requests.RequestException:
+            pass
+
+    threads = [threading.Thread(target=poll), threading.Thread(target=stream)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    assert server.stop(signal.SIGTERM) < 8
+    for t in threads:
+        t.join(10)
+    assert results in ([204], [-1])
+
+
+def test_workspace_command_line(server: LiveServer) -> None:
+    url = server.database_url
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEXIUM_")}
+    env["FLEXIUM_HOME"] = server.home
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "flexium.server", *args]
+        if url:
+            cmd += ["--database", url]
+        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+
+    created = cli("workspace", "create", "team-a")
+    assert created.returncode == 0, created.stderr
+    token = created.stdout.strip().splitlines()[-1]
+    assert token.startswith("flx_")
+    base = f"{server.url}/api/w/team-a"
+    assert requests.get(base + "/processes", headers=_auth(token), timeout=5).status_code == 200
+    # the default workspace's token does not open team-a, and team-a's does not open default
+    assert requests.get(base + "/processes", headers=_auth(server.token or ""), timeout=5).status_code == 404
+    assert requests.get(f"{server.url}/api/w/default/processes", headers=_auth(token),
+                        timeout=5).status_code == 404
+    dup = cli("workspace", "create", "team-a")
+    assert dup.returncode == 1 and "already exists" in dup.stderr
+    issued = cli("token", "issue", "team-a", "--name", "ci")
+    second = issued.stdout.strip().splitlines()[-1]
+    assert requests.get(base, headers=_auth(second), timeout=5).status_code == 200
+    listed = cli("token", "list", "team-a").stdout
+    assert "ci" in listed and second not in listed
+    assert cli("token", "revoke", "team-a", second).returncode == 0
+    deadline = time.monotonic() + 10                  # the server's token cache lets it live <= 5 s
+    while time.monotonic() < deadline:
+        if requests.get(base, headers=_auth(second), timeout=5).status_code == 401:
+            break
+        time.sleep(0.2)
+    assert requests.get(base, headers=_auth(second), timeout=5).status_code == 401
+    assert requests.get(base, headers=_auth(token), timeout=5).status_code == 200
+    assert "team-a" in cli("workspace", "list").stdout
+    assert cli("workspace", "create", "Bad Name").returncode == 1
+
+
+def test_stale_then_event(server: LiveServer) -> None:
+    base = f"{server.url}/api/w/default"
+    headers = _auth(server.token or "")
+    requests.post(base + "/processes", json=process_body(), headers=headers, timeout=5)
+    deadline = time.monotonic() + 15
+    state = ""
+    while time.monotonic() < deadline:
+        state = requests.get(base + "/processes/gpu-1", headers=headers, timeout=5).json()["state"]
+        if state == "STALE":
+            break
+        time.sleep(0.2)
+    assert state == "STALE"
+    r = requests.post(base + "/commands", json={"kind": "pause", "process_id": "gpu-1"}, headers=headers, timeout=5)
+    assert r.status_code == 409 and r.json()["error"] == "stale"
+    requests.post(base + "/processes/gpu-1/heartbeat", json={}, headers=headers, timeout=5)
+    assert requests.get(base + "/processes/gpu-1", headers=headers, timeout=5).json()["state"] == "RUNNING"
+
+
