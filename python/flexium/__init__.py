@@ -4,7 +4,8 @@
     flexium.init()
 """
 
+from flexium import auto, config, utils
 from flexium.api.session import init, is_initialized, shutdown
 
 __version__ = "0.1.0"
-__all__ = ["init", "shutdown", "is_initialized", "__version__"]
+__all__ = ["init", "shutdown", "is_initialized", "auto", "config", "utils", "__version__"]

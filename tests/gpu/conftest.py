@@ -43,8 +43,16 @@ def run_job(*args: str, env: Optional[dict[str, str]] = None, timeout: float = 4
     )
     events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     run = JobRun(proc.returncode, events, proc.stderr, [e for e in events if e["event"] == "op"])
-    sys.stderr.write(proc.stderr[-4000:])
+    _keep_log(args, env, proc.returncode, proc.stdout, proc.stderr)
     return run
+
+
+def _keep_log(args: tuple[str, ...], env: Optional[dict[str, str]], code: int, stdout: str, stderr: str) -> None:
+    """Every job's output, appended to one file in $OUT, survives a run that is cut short."""
+    folder = Path(os.environ.get("OUT") or HERE.parent.parent / "gpu-results")
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / "jobs.log", "a") as log:
+        log.write(f"\n===== job {' '.join(args)} env={env or {}} exit={code}\n{stdout}\n----- stderr\n{stderr[-6000:]}\n")
 
 
 @pytest.fixture

@@ -1,0 +1,42 @@
+"""flexium._C against the real driver: the measured facts our engine relies on still hold."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any
+
+from conftest import HERE, GIB
+
+
+def run_native() -> dict[str, dict[str, Any]]:
+    proc = subprocess.run([sys.executable, str(HERE / "native_job.py")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return {c["check"]: c for c in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))}
+
+
+def test_native_layer_on_the_real_driver(host_gpus: list[Any]) -> None:
+    checks = run_native()
+    devices = checks["devices"]
+    assert devices["status"]["loaded"] and devices["status"]["checkpoint_api"]
+    assert set(devices["uuids"]) <= set(devices["nvml"])
+
+    unlock = checks["unlock_running"]
+    assert unlock["raised"] and unlock["call"] == "cuCheckpointProcessUnlock"
+    assert unlock["name"] in unlock["message"]
+
+    # One pair is refused (fact 2); the recover rollback brings the job back in place (fact 3).
+    single = checks["single_pair"]
+    failed = [o for o in single["outcomes"] if o["code"] != 0]
+    assert failed[0]["step"] == "restore" and not failed[0]["rollback"]
+    assert [o["step"] for o in single["outcomes"] if o["rollback"]] == ["restore", "unlock"]
+    assert single["state"] == "RUNNING" and single["intact"]
+    assert single["ours"][devices["uuids"][0]] >= GIB
+
+    full = checks["full_pairs"]
+    assert all(o["code"] == 0 for o in full["outcomes"]), full["outcomes"]
+    assert full["state"] == "RUNNING" and full["intact"]
+    assert full["ours"][devices["uuids"][1]] >= GIB and full["ours"][devices["uuids"][0]] == 0
+    # The driver API names the new GPU after the move (PyTorch's cached properties do not: fact 5).
+    assert full["reported_uuid"] == devices["uuids"][1]
