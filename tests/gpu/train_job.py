@@ -99,7 +99,6 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--step-sleep", type=float, default=0.02, help="keeps the loop from outrunning the plan")
     parser.add_argument("--no-flexium", action="store_true")
-    parser.add_argument("--skip-room-check", action="store_true", help="exercise the driver's own refusal")
     args = parser.parse_args()
 
     torch.use_deterministic_algorithms(True)
@@ -108,9 +107,6 @@ def main() -> int:
     else:
         flexium.init()
     device = flexium.auto.get_device()
-    engine = flexium_session.current().engine
-    if args.skip_room_check and engine is not None:
-        engine._validate_target = lambda source, dest, needed: ()  # type: ignore[method-assign]
 
     torch.manual_seed(0)
     generator = torch.Generator(device=device)
