@@ -10,6 +10,7 @@ job's memory is. The loss trace is printed bit-exactly (float.hex) for compariso
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -49,6 +50,7 @@ class Control(threading.Thread):
         for at_step, op, target in self.plan:
             self.progress.wait_for(at_step)
             started = time.perf_counter()
+            emit("op_start", op=op, target=target, at_step=at_step, step=self.progress.step)
             try:
                 if op == "migrate":
                     result = engine.migrate(target)
@@ -99,8 +101,10 @@ def main() -> int:
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--step-sleep", type=float, default=0.02, help="keeps the loop from outrunning the plan")
     parser.add_argument("--no-flexium", action="store_true")
+    parser.add_argument("--hang-seconds", type=float, default=300, help="dump every thread's stack and exit")
     args = parser.parse_args()
 
+    faulthandler.dump_traceback_later(args.hang_seconds, exit=True)
     torch.use_deterministic_algorithms(True)
     if args.no_flexium:
         flexium.init(disabled=True)
