@@ -414,9 +414,14 @@ class Engine:
         )
 
     def _run_steps(self, steps: list, rollbacks: list) -> list:
+        """Runs a locked section; NVML queries go elsewhere until the process runs again."""
         from flexium import _C
 
-        return list(_C.run_steps(self._pid, steps, rollbacks))
+        nvml.set_frozen(True)
+        try:
+            return list(_C.run_steps(self._pid, steps, rollbacks))
+        finally:
+            nvml.set_frozen(_C.process_state(self._pid) != _C.ProcessState.RUNNING)
 
     def _park_while_paused(self, result: OperationResult) -> None:
         if result.ok:

@@ -1,19 +1,36 @@
-"""The host's view of its GPUs through NVML. NVML names physical GPUs by UUID and, unlike the
-CUDA driver inside a migrated process (DESIGN.md fact 5), stays true after a migration."""
+"""The host's view of its GPUs through NVML. NVML names physical GPUs by UUID and stays true
+after a migration.
+
+NVML calls made inside a process that is locked or checkpointed block until it runs again
+(seen on driver 580: nvmlDeviceGetCount hung in the control thread of a paused job). While the
+engine has the process frozen, queries therefore run in a short-lived child process.
+"""
 
 from __future__ import annotations
 
 import ctypes
+import json
 import logging
 import os
+import subprocess
+import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 log = logging.getLogger("flexium")
 
 _lock = threading.Lock()
 _state: dict[str, Any] = {"initialized": False, "error": None}
+_frozen = threading.Event()
+
+
+def set_frozen(frozen: bool) -> None:
+    """The engine says when this process is (about to be) locked, until it runs again."""
+    if frozen:
+        _frozen.set()
+    else:
+        _frozen.clear()
 
 
 @dataclass(frozen=True)
@@ -130,20 +147,41 @@ def _read(pynvml: Any, index: int) -> HostGpu:
     )
 
 
-def host_gpus() -> list[HostGpu]:
-    """Every GPU of this host (CUDA_VISIBLE_DEVICES does not apply to NVML), or [] without NVML."""
+def _read_here() -> list[HostGpu]:
     if not _ensure_initialized():
         return []
     pynvml = _pynvml()
     return [_read(pynvml, i) for i in range(pynvml.nvmlDeviceGetCount())]
 
 
-def gpu_by_uuid(uuid: str) -> Optional[HostGpu]:
-    if not _ensure_initialized():
-        return None
-    pynvml = _pynvml()
+def _read_in_child(timeout: float = 30.0) -> list[HostGpu]:
     try:
-        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid.encode() if isinstance(uuid, str) else uuid)
-        return _read(pynvml, int(pynvml.nvmlDeviceGetIndex(handle)))
-    except pynvml.NVMLError:
-        return None
+        proc = subprocess.run(
+            [sys.executable, "-m", "flexium.engine.nvml"], capture_output=True, text=True, timeout=timeout
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        log.warning("NVML query in a child process failed: %s", exc)
+        return []
+    if proc.returncode != 0:
+        log.warning("NVML query in a child process failed: %s", proc.stderr.strip()[-500:])
+        return []
+    return [
+        HostGpu(**{**gpu, "processes": tuple(GpuProcess(**p) for p in gpu["processes"])})
+        for gpu in json.loads(proc.stdout)
+    ]
+
+
+def host_gpus() -> list[HostGpu]:
+    """Every GPU of this host (CUDA_VISIBLE_DEVICES does not apply to NVML), or [] without NVML."""
+    return _read_in_child() if _frozen.is_set() else _read_here()
+
+
+def gpu_by_uuid(uuid: str) -> Optional[HostGpu]:
+    for gpu in host_gpus():
+        if gpu.uuid.lower() == uuid.lower():
+            return gpu
+    return None
+
+
+if __name__ == "__main__":
+    print(json.dumps([asdict(gpu) for gpu in _read_here()]))

@@ -27,7 +27,7 @@ class Parking:
         try:
             while True:
                 with self._cond:
-                    self._cond.wait_for(lambda: self._work is not None or self._released)
+                    self._cond.wait_for(lambda: self._work is not None or self._released or not still_paused())
                     if self._work is None:
                         return
                     work, self._work = self._work, None
