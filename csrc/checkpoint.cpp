@@ -10,13 +10,28 @@
 namespace flexium {
 namespace {
 
+#define FLEXIUM_REQUIRE(table, function) \
+  require_symbol(reinterpret_cast<const void *>((table).function), #function, 12080)
+
+#define FLEXIUM_DRIVER_WITH(name, function)        \
+  const DriverTable &name() {                      \
+    const DriverTable &d = require_driver();       \
+    FLEXIUM_REQUIRE(d, function);                  \
+    return d;                                      \
+  }
+FLEXIUM_DRIVER_WITH(driver_with_lock, cuCheckpointProcessLock)
+FLEXIUM_DRIVER_WITH(driver_with_checkpoint, cuCheckpointProcessCheckpoint)
+FLEXIUM_DRIVER_WITH(driver_with_restore, cuCheckpointProcessRestore)
+FLEXIUM_DRIVER_WITH(driver_with_unlock, cuCheckpointProcessUnlock)
+
+// Every checkpoint function: a step sequence (Recover) may call any of them.
 const DriverTable &checkpoint_driver() {
   const DriverTable &d = require_driver();
-  require_symbol(reinterpret_cast<const void *>(d.cuCheckpointProcessLock), "cuCheckpointProcessLock", 12080);
-  require_symbol(reinterpret_cast<const void *>(d.cuCheckpointProcessCheckpoint), "cuCheckpointProcessCheckpoint", 12080);
-  require_symbol(reinterpret_cast<const void *>(d.cuCheckpointProcessRestore), "cuCheckpointProcessRestore", 12080);
-  require_symbol(reinterpret_cast<const void *>(d.cuCheckpointProcessUnlock), "cuCheckpointProcessUnlock", 12080);
-  require_symbol(reinterpret_cast<const void *>(d.cuCheckpointProcessGetState), "cuCheckpointProcessGetState", 12080);
+  FLEXIUM_REQUIRE(d, cuCheckpointProcessGetState);
+  FLEXIUM_REQUIRE(d, cuCheckpointProcessLock);
+  FLEXIUM_REQUIRE(d, cuCheckpointProcessCheckpoint);
+  FLEXIUM_REQUIRE(d, cuCheckpointProcessRestore);
+  FLEXIUM_REQUIRE(d, cuCheckpointProcessUnlock);
   return d;
 }
 
@@ -127,35 +142,35 @@ Step make_step(StepKind kind, unsigned timeout_ms, const std::vector<GpuPair> &p
 }
 
 CUprocessState process_state(int pid) {
-  const DriverTable &d = checkpoint_driver();
+  const DriverTable &d = require_driver();
+  FLEXIUM_REQUIRE(d, cuCheckpointProcessGetState);
   CUprocessState state = CU_PROCESS_STATE_RUNNING;
-  FLEXIUM_CU_CHECK(d.cuCheckpointProcessGetState(pid, &state));
+  FLEXIUM_CU_CALL(d, cuCheckpointProcessGetState, pid, &state);
   return state;
 }
 
 int restore_thread_id(int pid) {
   const DriverTable &d = require_driver();
-  require_symbol(reinterpret_cast<const void *>(d.cuCheckpointProcessGetRestoreThreadId),
-                 "cuCheckpointProcessGetRestoreThreadId", 12080);
+  FLEXIUM_REQUIRE(d, cuCheckpointProcessGetRestoreThreadId);
   int tid = 0;
-  FLEXIUM_CU_CHECK(d.cuCheckpointProcessGetRestoreThreadId(pid, &tid));
+  FLEXIUM_CU_CALL(d, cuCheckpointProcessGetRestoreThreadId, pid, &tid);
   return tid;
 }
 
 void lock_process(int pid, unsigned timeout_ms) {
-  check_step(checkpoint_driver(), pid, make_step(StepKind::Lock, timeout_ms, {}), "cuCheckpointProcessLock");
+  check_step(driver_with_lock(), pid, make_step(StepKind::Lock, timeout_ms, {}), "cuCheckpointProcessLock");
 }
 
 void checkpoint_process(int pid) {
-  check_step(checkpoint_driver(), pid, make_step(StepKind::Checkpoint, 0, {}), "cuCheckpointProcessCheckpoint");
+  check_step(driver_with_checkpoint(), pid, make_step(StepKind::Checkpoint, 0, {}), "cuCheckpointProcessCheckpoint");
 }
 
 void restore_process(int pid, const std::vector<GpuPair> &pairs) {
-  check_step(checkpoint_driver(), pid, make_step(StepKind::Restore, 0, pairs), "cuCheckpointProcessRestore");
+  check_step(driver_with_restore(), pid, make_step(StepKind::Restore, 0, pairs), "cuCheckpointProcessRestore");
 }
 
 void unlock_process(int pid) {
-  check_step(checkpoint_driver(), pid, make_step(StepKind::Unlock, 0, {}), "cuCheckpointProcessUnlock");
+  check_step(driver_with_unlock(), pid, make_step(StepKind::Unlock, 0, {}), "cuCheckpointProcessUnlock");
 }
 
 std::vector<StepOutcome> run_steps(int pid, const std::vector<Step> &steps,

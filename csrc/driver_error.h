@@ -35,10 +35,12 @@ void require_symbol(const void *fn, const char *symbol, int version);
 
 }  // namespace flexium
 
-#define FLEXIUM_CU_CHECK(call_expr)                                                        \
+// FLEXIUM_CU_CALL(d, cuDeviceGetCount, &count): calls d.cuDeviceGetCount(&count) and throws a
+// DriverError whose .call is the bare function name.
+#define FLEXIUM_CU_CALL(table, function, ...)                                              \
   do {                                                                                     \
-    const CUresult flexium_result_ = (call_expr);                                          \
+    const CUresult flexium_result_ = (table).function(__VA_ARGS__);                        \
     if (flexium_result_ != CUDA_SUCCESS) {                                                 \
-      throw ::flexium::DriverError(#call_expr, flexium_result_, "", __FILE__, __LINE__);   \
+      throw ::flexium::DriverError(#function, flexium_result_, "", __FILE__, __LINE__);    \
     }                                                                                      \
   } while (0)
