@@ -1,0 +1,276 @@
+"""Fixtures and helpers shared by the engine, identity, safe-point, API and capability tests.
+
+Everything here drives the real flexium engine over the fake NVIDIA driver (tests/fake_driver):
+no part of the engine is replaced. Two things are adapted to the fake, each said where it is done:
+
+* ``flexium._C`` loads its driver once per process. ``driver`` points it at the fake (the same
+  way tests/unit/test_native_layer.py does, so both modules run in one pytest process in any
+  order) and restores FLEXIUM_LIBCUDA / FLEXIUM_LIBNVML after the module. Other driver
+  configurations (old driver, no checkpoint API, no driver) run in subprocesses.
+* While the process is frozen, flexium reads NVML in a child process (python -m
+  flexium.engine.nvml). On a real machine that child sees the same GPUs as its parent; with the
+  fake, every process has its own modelled machine, so the child cannot see the memory a test
+  configured in the parent. ``nvml_in_parent`` therefore answers those child reads from this
+  process's fake (whose NVML, unlike the real one, does not block while frozen) and counts them,
+  so tests still see *that* the engine went through the child path. Tests in
+  test_engine_safe_points.py run the real child path.
+
+Test modules import what they use: ``from engine_fixtures import driver, fake, make_engine``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Optional
+
+import pytest
+
+import fake_driver
+from fake_driver import FakeDriver
+
+GiB = 1 << 30
+MiB = 1 << 20
+H200_BYTES = 143771 * MiB
+PID = os.getpid()
+MARGIN = 512 << 20  # engine.DEFAULT_MEMORY_MARGIN_BYTES, restated so a silent change shows up
+
+# The checkpoint API calls that change state (GetState / GetRestoreThreadId only read it).
+STATE_CHANGING = ("Lock", "Checkpoint", "Restore", "Unlock")
+
+FLEXIUM_ENV = ("FLEXIUM_SERVER", "GPU_DEVICE", "FLEXIUM_TOKEN", "FLEXIUM_LOG_LEVEL")
+
+
+# --------------------------------------------------------------------------------- the fake driver
+
+
+@pytest.fixture(scope="module")
+def driver() -> Iterator[FakeDriver]:
+    saved = {name: os.environ.get(name) for name in ("FLEXIUM_LIBCUDA", "FLEXIUM_LIBNVML")}
+    try:
+        fake = fake_driver.activate()
+        _point_nvml_at(fake)
+        yield fake
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def _point_nvml_at(fake: FakeDriver) -> None:
+    """flexium.engine.nvml initialises once per process. If something queried it before the fake
+    was active (and so found no NVML), it is made to try again, now with FLEXIUM_LIBNVML set."""
+    from flexium.engine import nvml
+
+    if nvml.available():
+        return
+    import pynvml
+
+    pynvml.nvmlLib = None
+    with nvml._lock:
+        nvml._state.update(initialized=False, error=None)
+    assert nvml.available(), nvml.unavailable_reason()
+    assert nvml.driver_version() == "580.159.04"
+
+
+@pytest.fixture
+def fake(driver: FakeDriver, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeDriver]:
+    from flexium.engine import nvml
+
+    for name in fake_driver.FAKE_ENV_VARS:
+        monkeypatch.delenv(name, raising=False)
+    driver.reset()
+    nvml.set_frozen(False)
+    yield driver
+    # A test that failed half way must not leave the process locked or NVML "frozen".
+    driver.reset()
+    nvml.set_frozen(False)
+
+
+@dataclass
+class ChildReads:
+    """NVML reads the engine sent to a child process (made while this process was frozen)."""
+
+    count: int = 0
+    threads: list[int] = field(default_factory=list)
+
+
+@pytest.fixture
+def nvml_in_parent(fake: FakeDriver, monkeypatch: pytest.MonkeyPatch) -> ChildReads:
+    """See the module docstring: child-process NVML reads answered from this process's fake."""
+    from flexium.engine import nvml
+
+    reads = ChildReads()
+
+    def read_in_child(timeout: float = 30.0) -> list[Any]:
+        reads.count += 1
+        reads.threads.append(threading.get_ident())
+        return nvml._read_here()
+
+    monkeypatch.setattr(nvml, "_read_in_child", read_in_child)
+    return reads
+
+
+# --------------------------------------------------------------------------------- engines
+
+
+@pytest.fixture
+def make_engine(fake: FakeDriver) -> Iterator[Callable[..., Any]]:
+    """make_engine(logical=0, start=True, capabilities=None, **Engine kwargs) -> a real Engine
+    over the fake, with the visible GPUs snapshotted now; the call log is cleared after."""
+    from flexium.engine import Engine, snapshot_gpus
+    from flexium.engine.capabilities import detect
+
+    engines: list[Any] = []
+
+    def make(logical: int = 0, *, start: bool = True, capabilities: Any = None, **kwargs: Any) -> Any:
+        engine = Engine(
+            logical_ordinal=logical,
+            gpus=snapshot_gpus(),
+            capabilities=capabilities if capabilities is not None else detect(check_torch=False),
+            **kwargs,
+        )
+        if start:
+            engine.start()
+        engines.append(engine)
+        fake.clear_log()
+        return engine
+
+    yield make
+    for engine in engines:
+        try:
+            engine.stop()  # unhooks the optimizer hook; resumes a paused job
+        except Exception:
+            pass
+
+
+def checkpoint_ops(fake: FakeDriver) -> list[str]:
+    """The state-changing checkpoint calls since the last clear_log(), in order."""
+    return [c for c in fake.checkpoint_calls() if c in STATE_CHANGING]
+
+
+def step_summary(result: Any) -> list[tuple[str, bool, bool]]:
+    """(step, ok, rollback) of each timed step of an OperationResult."""
+    return [(s.step, s.ok, s.rollback) for s in result.steps]
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.002)
+
+
+class Background(threading.Thread):
+    """Runs fn() in a thread; join_result() re-raises its exception or returns its value."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        super().__init__(daemon=True)
+        self._fn = fn
+        self.result: Any = None
+        self.error: Optional[BaseException] = None
+
+    def run(self) -> None:
+        try:
+            self.result = self._fn()
+        except BaseException as exc:  # handed to the test thread
+            self.error = exc
+
+    def join_result(self, timeout: float = 10.0) -> Any:
+        self.join(timeout)
+        assert not self.is_alive(), "background operation did not finish"
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+# --------------------------------------------------------------------------------- subprocesses
+
+PRELUDE = """
+import json, os, sys, threading, time
+{block_torch}
+def out(**values):
+    print("RESULT " + json.dumps(values, default=str), flush=True)
+"""
+
+BLOCK_TORCH = "sys.modules['torch'] = None  # not needed here; keeps the subprocess fast"
+
+
+def script_env(*, libcuda: Optional[str] = None, libnvml: Optional[str] = None, **fake_vars: Any) -> dict[str, str]:
+    """Environment for a fresh Python on the fake (or on `libcuda` / `libnvml` paths instead),
+    without any flexium settings of this environment, HOME in an empty directory."""
+    env = fake_driver.subprocess_env(**fake_vars)
+    if libcuda is not None:
+        env["FLEXIUM_LIBCUDA"] = libcuda
+    if libnvml is not None:
+        env["FLEXIUM_LIBNVML"] = libnvml
+    for name in FLEXIUM_ENV:
+        env.pop(name, None)
+    env["HOME"] = _empty_home()
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+_HOME: list[str] = []
+
+
+def _empty_home() -> str:
+    if not _HOME:
+        _HOME.append(tempfile.mkdtemp(prefix="flexium-home-"))
+    return _HOME[0]
+
+
+@dataclass
+class ScriptRun:
+    code: str
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def result(self) -> dict[str, Any]:
+        lines = [line for line in self.stdout.splitlines() if line.startswith("RESULT ")]
+        assert self.returncode == 0 and lines, (
+            f"subprocess failed (rc {self.returncode}):\n--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}"
+        )
+        return json.loads(lines[-1][len("RESULT "):])
+
+
+class Script:
+    """A Python script started at once in a fresh interpreter; .wait() collects it. Several can
+    run side by side (each imports torch, which takes seconds)."""
+
+    def __init__(self, code: str, env: dict[str, str], *, torch: bool = False, timeout: float = 90) -> None:
+        self.code = PRELUDE.format(block_torch="" if torch else BLOCK_TORCH) + textwrap.dedent(code)
+        self.timeout = timeout
+        self._proc = subprocess.Popen(
+            [sys.executable, "-c", self.code], env=env, cwd=env["HOME"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        self._run: Optional[ScriptRun] = None
+
+    def wait(self) -> ScriptRun:
+        if self._run is None:
+            try:
+                stdout, stderr = self._proc.communicate(timeout=self.timeout)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                stdout, stderr = self._proc.communicate()
+                raise AssertionError(f"subprocess timed out:\n{stdout}\n{stderr}")
+            self._run = ScriptRun(self.code, self._proc.returncode, stdout, stderr)
+        return self._run
+
+    def kill(self) -> None:
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.communicate()
