@@ -337,11 +337,6 @@ def test_without_a_driver_training_runs_and_migration_is_off(scripts: dict[str, 
     assert "in degraded mode" in run.stderr and "migration off" in run.stderr
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="API bug: with FLEXIUM_LIBCUDA naming a driver that does not load, init() keeps 'cuda:0' as the "
-    "device (session._driver_selected_by_env), so get_device() says cuda:0 and .cuda() fails on a CPU-only machine",
-)
 def test_without_a_driver_the_device_is_cpu(scripts: dict[str, Script]) -> None:
     out = scripts["no_driver"].wait().result
     assert out["device"] == "cpu" and out["physical"] == "cpu"

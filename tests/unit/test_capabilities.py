@@ -89,8 +89,8 @@ caps = detect(check_torch=False)
 out(caps=caps.to_dict(), status=_C.driver_status(), session=session_report, engine=probe_engine(caps))
 """,
     ),
-    # NVML says 580 but libcuda is CUDA 12.8 (not seen in practice): capabilities promise migration,
-    # the driver refuses the GPU pairs, and the engine must roll back, never wedge.
+    # NVML says 580 but libcuda is CUDA 12.8 (not seen in practice): GPU pairs need CUDA 13.0, so
+    # migration is refused up front, before the driver is asked anything.
     "remap_refused": dict(
         env=dict(FAKE_CUDA_VERSION=12080),
         code=ENGINE_PROBE + """
@@ -101,7 +101,7 @@ try:
     engine.migrate("cuda:1")
     error = None
 except Exception as exc:
-    error = [type(exc).__name__, exc.step, str(exc)]
+    error = [type(exc).__name__, getattr(exc, "step", None), str(exc)]
 out(caps=caps.to_dict(), error=error, calls=fake.checkpoint_calls(),
     final=[engine.state.value, fake.state().name, fake.placement()])
 """,
@@ -282,11 +282,12 @@ def test_a_driver_without_gpus(scripts: dict[str, Script]) -> None:
     assert "CUDA_ERROR_NO_DEVICE" in caps["problems"][0] and "check nvidia-smi" in caps["problems"][0]
 
 
-def test_a_driver_refusing_gpu_pairs_is_rolled_back(scripts: dict[str, Script]) -> None:
+def test_a_libcuda_without_gpu_pairs_refuses_migration_up_front(scripts: dict[str, Script]) -> None:
     out = result(scripts, "remap_refused")
-    assert out["caps"]["migration"] is True  # NVML's 580.159.04 decides the branch
+    assert out["caps"]["pause_resume"] is True and out["caps"]["migration"] is False
+    assert any("CUDA 13.0" in problem for problem in out["caps"]["problems"])
     name, step, message = out["error"]
-    assert name == "OperationFailedError" and step == "restore"
-    assert "cuCheckpointProcessRestore returned CUDA_ERROR_INVALID_VALUE" in message and "rolled back" in message
-    assert [c for c in out["calls"] if c != "GetState"] == ["Lock", "Checkpoint", "Restore", "Restore", "Unlock"]
+    assert name == "CapabilityError" and step is None
+    assert "migration to another GPU is not available" in message and "CUDA 13.0" in message
+    assert [c for c in out["calls"] if c != "GetState"] == []
     assert out["final"] == ["RUNNING", "RUNNING", [0, 1]]

@@ -256,7 +256,7 @@ def test_a_target_without_room_is_refused(fake: FakeDriver, make_engine: Callabl
     engine = make_engine()
     message = refused(engine, "cuda:1")
     assert re.fullmatch(
-        r"cuda:1 \(NVIDIA H200, nvidia-smi index 1\) has 15\.0 GiB free; the job needs 20\.0 GiB plus 0\.5 GiB "
+        r"cuda:1 \(NVIDIA H200, nvidia-smi index 1\) has 15\.00 GiB free; the job needs 20\.00 GiB plus 0\.50 GiB "
         r"headroom: free memory there or choose another GPU",
         message,
     ), message
@@ -267,7 +267,7 @@ def test_room_for_the_job_plus_headroom_is_the_limit(fake: FakeDriver, make_engi
     fake.set_process_memory(0, 20 * GiB)
     fake.set_other_memory(1, H200_BYTES - 20 * GiB - MARGIN + 1)  # one byte short
     engine = make_engine()
-    assert "the job needs 20.0 GiB plus 0.5 GiB headroom" in refused(engine, "cuda:1")
+    assert "the job needs 20.00 GiB plus 0.50 GiB headroom" in refused(engine, "cuda:1")
     assert_untouched(fake, engine)
     fake.set_other_memory(1, H200_BYTES - 20 * GiB - MARGIN)  # exactly enough
     assert engine.migrate("cuda:1").ok
@@ -288,7 +288,7 @@ def test_the_headroom_is_configurable(fake: FakeDriver, make_engine: Callable[..
     fake.set_process_memory(0, 10 * GiB)
     fake.set_other_memory(1, H200_BYTES - 12 * GiB)
     engine = make_engine(memory_margin_bytes=3 * GiB)
-    assert "plus 3.0 GiB headroom" in refused(engine, "cuda:1")
+    assert "plus 3.00 GiB headroom" in refused(engine, "cuda:1")
     assert_untouched(fake, engine)
 
 
@@ -468,12 +468,6 @@ def test_unlock_failing_for_good_is_a_failed_rollback(fake: FakeDriver, make_eng
     assert engine.state == EngineState.FAILED and fake.state() == ProcessState.LOCKED
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="engine bug: an exception in prepare (before the locked section; here NVML failing, on a GPU "
-    "torch.cuda.synchronize() raising a sticky CUDA error) leaves the engine MIGRATING/PAUSING for good "
-    "although nothing was touched",
-)
 @pytest.mark.parametrize("operation,busy", [("migrate", EngineState.MIGRATING), ("pause", EngineState.PAUSING)])
 def test_an_error_in_prepare_leaves_the_engine_usable(
     fake: FakeDriver, make_engine: Callable[..., Any], operation: str, busy: EngineState
@@ -595,9 +589,9 @@ def test_resume_without_room_anywhere_stays_paused(fake: FakeDriver, make_engine
     with pytest.raises(TargetRefusedError) as caught:
         engine.resume()
     assert str(caught.value) == (
-        "the job needs 30.0 GiB and no GPU of model NVIDIA H200 has that free; it stays paused"
+        "the job needs 30.00 GiB and no GPU of model NVIDIA H200 has that free; it stays paused"
     )
-    with pytest.raises(TargetRefusedError, match=r"cuda:1 has 10\.0 GiB free; the paused job needs 30\.0 GiB"):
+    with pytest.raises(TargetRefusedError, match=r"cuda:1 has 10\.00 GiB free; the paused job needs 30\.00 GiB"):
         engine.resume("cuda:1")
     assert fake.calls("cu") == []
     assert engine.state == EngineState.PAUSED and fake.state() == ProcessState.CHECKPOINTED

@@ -94,7 +94,7 @@ def _claim_device(device: str, capabilities: Capabilities) -> str:
         return "cpu"
     ordinal = int(device.split(":", 1)[1])
     if not capabilities.torch_cuda:
-        return device if _driver_selected_by_env() else "cpu"
+        return device if _driver_selected_by_env() and capabilities.gpu_count > ordinal else "cpu"
     import torch
 
     count = torch.cuda.device_count()

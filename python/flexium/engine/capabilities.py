@@ -80,7 +80,8 @@ def detect(*, check_torch: bool = True) -> Capabilities:
 
     driver_ok = status["loaded"] and not status["init_error"]
     pause_resume = bool(driver_ok and checkpoint_api and major is not None and major >= PAUSE_RESUME_MIN_DRIVER)
-    migration = bool(pause_resume and major is not None and major >= MIGRATION_MIN_DRIVER)
+    # GPU pairs on restore arrived with CUDA 13.0 (driver 580): both must say so.
+    migration = bool(pause_resume and major is not None and major >= MIGRATION_MIN_DRIVER and cuda_version >= 13000)
     if driver_ok and major is not None:
         shown = driver_version or f"{major}+ (CUDA {cuda_version // 1000}.{cuda_version % 1000 // 10})"
         if major < PAUSE_RESUME_MIN_DRIVER:
@@ -91,6 +92,11 @@ def detect(*, check_torch: bool = True) -> Capabilities:
             )
         elif major < MIGRATION_MIN_DRIVER:
             problems.append(f"NVIDIA driver {shown}: pause/resume only; migration to another GPU needs 580+")
+        elif cuda_version < 13000:
+            problems.append(
+                f"libcuda reports CUDA {cuda_version // 1000}.{cuda_version % 1000 // 10} although NVML says driver "
+                f"{shown}: GPU remapping on restore needs CUDA 13.0; fix the driver install (mixed versions?)"
+            )
     return Capabilities(
         driver_version=driver_version,
         driver_major=major,

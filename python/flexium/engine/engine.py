@@ -53,7 +53,7 @@ class TargetCandidate:
 
 
 def _gib(n: int) -> str:
-    return f"{n / GIB:.1f} GiB"
+    return f"{n / GIB:.2f} GiB"
 
 
 def snapshot_gpus() -> list[GpuIdentity]:
@@ -278,11 +278,20 @@ class Engine:
 
     # ---- the transactions ------------------------------------------------------------------
 
-    def _prepare(self) -> tuple[StepTiming, int]:
+    def _prepare(self, kind: OperationKind) -> tuple[StepTiming, int]:
+        """Before the lock; a failure here (a sticky CUDA error surfacing in synchronize, NVML
+        gone) touched nothing, so the job simply stays RUNNING."""
         started = time.perf_counter()
-        torch_bridge.synchronize()
-        torch_bridge.release_cached_memory()
-        moved = self.process_bytes()
+        try:
+            torch_bridge.synchronize()
+            torch_bridge.release_cached_memory()
+            moved = self.process_bytes()
+        except Exception as exc:
+            self._set_state(EngineState.RUNNING)
+            raise OperationFailedError(
+                f"{kind.value} failed at step 'prepare' before anything was locked: {type(exc).__name__}: {exc}",
+                step="prepare",
+            ) from exc
         return StepTiming("prepare", time.perf_counter() - started, ok=True), moved
 
     def _run_migration(
@@ -292,7 +301,7 @@ class Engine:
 
         started = time.perf_counter()
         self._set_state(EngineState.MIGRATING)
-        prepare, moved = self._prepare()
+        prepare, moved = self._prepare(OperationKind.MIGRATE)
         steps = [
             _C.Step(_C.StepKind.LOCK, timeout_ms=self.lock_timeout_ms),
             _C.Step(_C.StepKind.CHECKPOINT),
@@ -316,8 +325,9 @@ class Engine:
             seconds=time.perf_counter() - started,
             notes=notes,
         )
+        if restored:
+            self._identity.apply(pairs)  # its memory is on the target now, whatever follows
         if final == _C.ProcessState.RUNNING and restored:
-            self._identity.apply(pairs)
             self._set_state(EngineState.RUNNING)
             return replace(result, ok=True)
         failure = _first_failure(outcomes)
@@ -328,11 +338,13 @@ class Engine:
                 failed_step=failure.step,
                 error=f"{_describe(failure)}; rolled back: the job runs on {source.device} ({source.uuid}) as before",
             )
+        where = dest if restored else source
         self._set_state(EngineState.FAILED)
         return replace(
             result,
             failed_step=failure.step,
-            error=f"{_describe(failure)}; ROLLBACK FAILED: the process is {final.name}, not RUNNING",
+            error=f"{_describe(failure)}; ROLLBACK FAILED: the process is {final.name}, not RUNNING, "
+            f"its memory on {where.device} ({where.uuid})",
         )
 
     def _run_pause(self, source: GpuIdentity) -> OperationResult:
@@ -340,7 +352,7 @@ class Engine:
 
         started = time.perf_counter()
         self._set_state(EngineState.PAUSING)
-        prepare, moved = self._prepare()
+        prepare, moved = self._prepare(OperationKind.PAUSE)
         steps = [_C.Step(_C.StepKind.LOCK, timeout_ms=self.lock_timeout_ms), _C.Step(_C.StepKind.CHECKPOINT)]
         outcomes = self._run_steps(steps, [[], [_C.Step(_C.StepKind.RECOVER)]])
         final = _C.process_state(self._pid)
