@@ -16,7 +16,7 @@ pytest.importorskip("fastapi", reason='the server extra is not installed: pip in
 import warnings  # noqa: E402
 
 # Starlette suggests a successor of httpx for its TestClient; httpx still works.
-warnings.filterwarnings("ignore", message=".*httpx.*", category=DeprecationWarning)
+warnings.filterwarnings("ignore", message=".*httpx.*")
 
 from fastapi.testclient import TestClient  # noqa: E402
 

@@ -399,8 +399,10 @@ def test_commands_of_other_workspace_not_found(db: Database) -> None:
         db.run(storage.get_command, write=False, workspace_id=ws_b, command_id=cmd["id"])
     with pytest.raises(errors.NotFound):
         _report(db, ws_b, cmd["id"], "running")
+    assert _next(db, ws_b) == (None, False)
     with pytest.raises(errors.NotFound):
-        _next(db, ws_b)
+        db.run(storage.peek_command, write=False, workspace_id=ws_b, process_id="gpu-1")
+    assert db.run(storage.peek_command, write=False, workspace_id=ws_a, process_id="gpu-1") == ("node1", cmd["id"])
     assert db.run(storage.list_commands, write=False, workspace_id=ws_b) == []
 
 
@@ -483,6 +485,29 @@ def test_unregister_removes_commands(db: Database) -> None:
         assert s.execute(text("SELECT count(*) FROM commands")).scalar() == 0
     with pytest.raises(errors.NotFound):
         db.run(storage.unregister_process, write=True, workspace_id=ws, process_id="gpu-1")
+
+
+def test_jobs_of_one_host_register_at_once(db: Database) -> None:
+    """Eight jobs of one host report the same GPUs at the same moment: no conflict error."""
+    ws, _ = _workspace(db)
+    failures: list[BaseException] = []
+    barrier = threading.Barrier(8)
+
+    def register(i: int) -> None:
+        barrier.wait()
+        try:
+            _register(db, ws, f"gpu-{i}", gpu_index=i, n_gpus=8)
+        except BaseException as exc:  # noqa: BLE001
+            failures.append(exc)
+
+    threads = [threading.Thread(target=register, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+    hosts = db.run(storage.list_devices, write=False, workspace_id=ws, now=NOW, stale_after=STALE)["hosts"]
+    assert len(hosts) == 1 and len(hosts[0]["devices"]) == 8
 
 
 def test_concurrent_heartbeats_and_commands(db: Database) -> None:

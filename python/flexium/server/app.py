@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import logging
 import sys
 import time
@@ -27,6 +28,7 @@ from flexium.server import storage
 from flexium.server.context import ServerContext
 from flexium.server.db import Database, DatabaseUnavailable, SchemaTooNew
 from flexium.server.errors import ApiError
+from flexium.server.fastpath import HeartbeatFastPath
 from flexium.server.routes import api, pages, system
 from flexium.server.settings import Settings, load_settings
 
@@ -154,7 +156,7 @@ def create_app(settings: Optional[Settings] = None, *, database: Optional[Databa
                upgrade: bool = True) -> FastAPI:
     """The ASGI app. Upgrades the schema first (unless ``upgrade=False``)."""
     settings = settings or load_settings()
-    db = database or Database(settings.database_url, threads=settings.db_threads)
+    db = database or Database(settings.database_url, threads=settings.threads)
     if upgrade:
         db.upgrade()
     ctx = ServerContext(settings=settings, db=db)
@@ -164,14 +166,22 @@ def create_app(settings: Optional[Settings] = None, *, database: Optional[Databa
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         ctx.loop = asyncio.get_running_loop()
-        sweeper = asyncio.create_task(ctx.sweep_forever())
+        for ws, process_id, command_id in await db.call(storage.pending_commands, write=False):
+            ctx.command_pending(ws, process_id, command_id)
+        for ws, process_id, snapshot in await db.call(storage.load_snapshots, write=False):
+            ctx.snapshots[(ws, process_id)] = snapshot
+            ctx.process_hosts[(ws, process_id)] = snapshot.host
+        tasks = [asyncio.create_task(ctx.sweep_forever()), asyncio.create_task(ctx.flush_forever())]
         try:
             yield
         finally:
             ctx.begin_shutdown()
-            sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await sweeper
+            for task in tasks:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+            with contextlib.suppress(Exception):
+                await ctx.flush_beats()
             if database is None:
                 db.dispose()
 
@@ -186,8 +196,19 @@ def create_app(settings: Optional[Settings] = None, *, database: Optional[Databa
     app.include_router(pages.router)
     app.mount("/static", StaticFiles(directory=str(Path(__file__).resolve().parent / "static")),
               name="static")
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(HeartbeatFastPath, ctx=ctx)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)      # outermost
     return app
+
+
+def tune_gc() -> None:
+    """Fewer, cheaper garbage collections: with thousands of open connections a full
+    collection walks every long-lived object and stalls every request for a few hundred ms.
+    What exists at start (modules, the app) is frozen out of collections; the young
+    generation is collected less often. Reference cycles are still collected."""
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(50_000, 20, 100)
 
 
 def bootstrap(db: Database) -> Optional[str]:
@@ -250,7 +271,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ImportError:
         print('flexium server: the server is not installed: pip install "flexium[server]"', file=sys.stderr)
         return 2
-    db = Database(settings.database_url, threads=settings.db_threads)
+    db = Database(settings.database_url, threads=settings.threads)
     try:
         seconds = db.upgrade()
         token = bootstrap(db) if settings.bootstrap_default_workspace else None
@@ -288,6 +309,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             super().handle_exit(sig, frame)
 
     server = Server(config)
+    tune_gc()
     try:
         server.run()
     finally:

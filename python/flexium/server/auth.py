@@ -8,6 +8,7 @@ cannot set it, and a cross-site script cannot send it without a CORS preflight w
 
 from __future__ import annotations
 
+import asyncio
 import time
 from typing import Annotated, Optional
 
@@ -37,17 +38,45 @@ def token_from_request(request: Request) -> tuple[Optional[str], bool]:
     return None, False
 
 
+def _lookup(ctx: Ctx, token: str, token_hash: str) -> "asyncio.Future[Optional[AuthInfo]]":
+    """One database lookup per token at a time, shared by every request that needs it."""
+    inflight = ctx.token_lookups.get(token_hash)
+    if inflight is None:
+        async def run() -> Optional[AuthInfo]:
+            auth = await ctx.db.call(storage.authenticate, write=False, token=token)
+            ctx.tokens.put(token_hash, auth, time.time())
+            return auth
+
+        inflight = asyncio.ensure_future(run())
+        ctx.token_lookups[token_hash] = inflight
+        inflight.add_done_callback(lambda done: _finished(ctx, token_hash, done))
+    return inflight
+
+
+def _finished(ctx: Ctx, token_hash: str, done: "asyncio.Future[Optional[AuthInfo]]") -> None:
+    if ctx.token_lookups.get(token_hash) is done:
+        del ctx.token_lookups[token_hash]
+    if not done.cancelled():
+        done.exception()          # retrieved: a failed background refresh is not an error here
+
+
+def cached_token(ctx: Ctx, token: str, now: float) -> Optional[AuthInfo]:
+    """The cached auth of a token, starting a background refresh when it is due; None when
+    not cached (the caller looks it up)."""
+    token_hash = storage.hash_token(token)
+    auth, refresh = ctx.tokens.get(token_hash, now)
+    if auth is not None and refresh:
+        _lookup(ctx, token, token_hash)
+    return auth
+
+
 async def resolve_token(ctx: Ctx, token: str) -> Optional[AuthInfo]:
     if len(token) > _MAX_TOKEN_LEN or not token.isascii():
         return None
-    now = time.time()
-    token_hash = storage.hash_token(token)
-    auth = ctx.tokens.get(token_hash, now)
-    if auth is None:
-        auth = await ctx.db.call(storage.authenticate, write=False, token=token)
-        if auth is not None:
-            ctx.tokens.put(token_hash, auth, now)
-    return auth
+    auth = cached_token(ctx, token, time.time())
+    if auth is not None:
+        return auth
+    return await asyncio.shield(_lookup(ctx, token, storage.hash_token(token)))
 
 
 async def require_auth(

@@ -5,6 +5,7 @@ handle, the notifier and event bus, metrics, the token cache. Routes get it thro
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -18,31 +19,42 @@ from flexium.server.db import Database
 from flexium.server.live import EventBus, Notifier
 from flexium.server.metrics import Metrics
 from flexium.server.settings import Settings
-from flexium.server.storage import AuthInfo
+from flexium.server.storage import AuthInfo, ProcessSnapshot
 
 log = logging.getLogger("flexium.server")
 
 
 class TokenCache:
-    """token hash -> (auth, valid until). Only successes are cached, and only briefly: a token
-    revoked by another process (the CLI on the same database) stops working within
-    ``ttl`` seconds; one revoked through this server stops at once."""
+    """token hash -> auth. Only successes are cached. An entry older than ``ttl`` is still
+    served while one background lookup refreshes it (thousands of jobs share a token: none of
+    them should wait for that lookup, however busy the database is), so a token revoked by
+    another process (the CLI on the same database) stops working within about ``ttl``
+    seconds; one revoked through this server stops at once."""
 
-    def __init__(self, ttl: float, max_entries: int = 10000) -> None:
+    def __init__(self, ttl: float, max_entries: int = 10000, max_stale: float = 60.0) -> None:
         self.ttl = ttl
         self.max_entries = max_entries
+        self.max_stale = max_stale
         self._entries: dict[str, tuple[AuthInfo, float]] = {}
 
-    def get(self, token_hash: str, now: float) -> Optional[AuthInfo]:
+    def get(self, token_hash: str, now: float) -> tuple[Optional[AuthInfo], bool]:
+        """(auth or None, whether it needs a refresh)."""
         entry = self._entries.get(token_hash)
-        if entry is None or entry[1] < now:
-            return None
-        return entry[0]
+        if entry is None:
+            return None, True
+        auth, fetched = entry
+        age = now - fetched
+        if age > self.ttl + self.max_stale:
+            return None, True
+        return auth, age > self.ttl
 
-    def put(self, token_hash: str, auth: AuthInfo, now: float) -> None:
+    def put(self, token_hash: str, auth: Optional[AuthInfo], now: float) -> None:
+        if auth is None:
+            self._entries.pop(token_hash, None)
+            return
         if len(self._entries) >= self.max_entries:
             self._entries.clear()
-        self._entries[token_hash] = (auth, now + self.ttl)
+        self._entries[token_hash] = (auth, now)
 
     def forget(self, token_id: int) -> None:
         for key in [k for k, (a, _t) in self._entries.items() if a.token_id == token_id]:
@@ -60,6 +72,14 @@ class ServerContext:
     tokens: TokenCache = field(init=False)
     process_hosts: dict[tuple[int, str], str] = field(default_factory=dict)
     device_writes: dict[tuple[int, str], float] = field(default_factory=dict)
+    # Plain heartbeats (nothing changed but the time) are answered from memory and written in
+    # batches: at thousands of jobs they are most of the traffic, and one transaction each
+    # would keep SQLite's single writer busy in front of the commands that matter.
+    snapshots: dict[tuple[int, str], ProcessSnapshot] = field(default_factory=dict)
+    beats: dict[int, float] = field(default_factory=dict)
+    # Hint for heartbeat answers only; delivery always reads the database.
+    pending: dict[tuple[int, str], int] = field(default_factory=dict)
+    token_lookups: dict[str, "asyncio.Future[Optional[AuthInfo]]"] = field(default_factory=dict)
     stopping: bool = False
     loop: Optional[asyncio.AbstractEventLoop] = None
 
@@ -91,6 +111,60 @@ class ServerContext:
 
     def forget_process(self, workspace_id: int, process_id: str) -> None:
         self.process_hosts.pop((workspace_id, process_id), None)
+        self.snapshots.pop((workspace_id, process_id), None)
+        self.pending.pop((workspace_id, process_id), None)
+
+    def beat(self, workspace_id: int, process_id: str, report: dict[str, Any], now: float) -> bool:
+        """Take a heartbeat from memory when it changes nothing but the time; False means the
+        caller must write it through (first beat, a change, devices to store, or stale)."""
+        key = (workspace_id, process_id)
+        snap = self.snapshots.get(key)
+        if (snap is None or now - snap.last_seen > self.settings.stale_after_s
+                or not snap.unchanged_by(report)):
+            return False
+        self.snapshots[key] = dataclasses.replace(snap, last_seen=now)
+        self.beats[snap.pk] = now
+        return True
+
+    async def flush_beats(self) -> None:
+        if not self.beats:
+            return
+        beats, self.beats = self.beats, {}
+        try:
+            await self.db.call(storage.record_beats, write=True, beats=beats)
+        except Exception:
+            for pk, seen in beats.items():        # keep them for the next try
+                self.beats[pk] = max(seen, self.beats.get(pk, 0.0))
+            raise
+
+    async def flush_forever(self) -> None:
+        while not self.stopping:
+            await asyncio.sleep(self.settings.beat_flush_interval_s)
+            try:
+                await self.flush_beats()
+            except Exception:
+                log.exception("writing heartbeats failed; retrying")
+
+    def command_pending(self, workspace_id: int, process_id: str, command_id: Optional[int]) -> None:
+        key = (workspace_id, process_id)
+        if command_id is None:
+            self.pending.pop(key, None)
+        else:
+            self.pending[key] = command_id
+
+    async def reconcile_pending(self) -> None:
+        """Add any queued/delivered command the in-memory view lacks (it never should) and wake
+        its process; entries the database no longer has are dropped where they are used."""
+        for ws, process_id, command_id in await self.db.call(storage.pending_commands, write=False):
+            key = (ws, process_id)
+            if key not in self.pending:
+                self.pending[key] = command_id
+                self.notifier.notify(key)
+
+    def command_settled(self, workspace_id: int, process_id: str, command_id: int) -> None:
+        key = (workspace_id, process_id)
+        if self.pending.get(key) == command_id:
+            del self.pending[key]
 
     async def sweep_forever(self) -> None:
         previous = time.time()
@@ -98,6 +172,8 @@ class ServerContext:
             await asyncio.sleep(self.settings.sweep_interval_s)
             now = time.time()
             try:
+                await self.flush_beats()
+                await self.reconcile_pending()
                 result = await self.db.call(
                     storage.sweep, write=True, now=now, alive_since=self.started_at,
                     stale_after=self.settings.stale_after_s, remove_after=self.settings.remove_after_s,
@@ -107,6 +183,7 @@ class ServerContext:
                 continue
             previous = now
             for ws, cmd in result.expired:
+                self.command_settled(ws, cmd["process_id"], cmd["id"])
                 self.metrics.commands_finished.labels(kind=cmd["kind"], outcome="expired").inc()
                 self.publish(ws, protocol.EVENT_COMMAND, {"action": "updated", "command": cmd})
                 self.notifier.notify(("cmd", ws, cmd["id"]))

@@ -46,13 +46,14 @@ class SchemaTooNew(Exception):
 
 
 class Database:
-    def __init__(self, url: str, *, threads: int = 32, echo: bool = False) -> None:
+    def __init__(self, url: str, *, threads: int = 8, echo: bool = False) -> None:
         self.url = url
         self.dialect = "sqlite" if url.startswith("sqlite") else "postgresql"
         self._write_lock: Optional[threading.Lock] = threading.Lock() if self.is_sqlite else None
         self._limiter = anyio.CapacityLimiter(threads)
         self.engine = self._create_engine(url, threads=threads, echo=echo)
         self._write_engine = self.engine.execution_options(**{_WRITE_OPTION: True})
+        self.inline = self.is_sqlite
         self.migration_seconds: Optional[float] = None
 
     @property
@@ -69,12 +70,13 @@ class Database:
             if in_memory:
                 kwargs["poolclass"] = StaticPool
             else:
-                kwargs.update(pool_size=min(threads, 16), max_overflow=threads, pool_timeout=30)
+                # a connection per worker thread, kept: opening one costs the pragmas again
+                kwargs.update(pool_size=threads + 2, max_overflow=4, pool_timeout=30)
             engine = create_engine(url, echo=echo, **kwargs)
             event.listen(engine, "connect", _sqlite_on_connect)
             event.listen(engine, "begin", _sqlite_on_begin)
             return engine
-        return create_engine(url, echo=echo, pool_size=min(threads, 10), max_overflow=threads,
+        return create_engine(url, echo=echo, pool_size=threads + 2, max_overflow=4,
                              pool_timeout=30, pool_pre_ping=True, pool_recycle=1800)
 
     # --- transactions -----------------------------------------------------------------------
@@ -106,9 +108,23 @@ class Database:
             return fn(session=session, **kwargs)
 
     async def call(self, fn: Callable[..., T], /, *, write: bool, **kwargs: Any) -> T:
-        """``run`` on a worker thread, so the event loop keeps serving long-polls."""
+        """``run`` from the event loop.
+
+        PostgreSQL: on a worker thread, so other requests go on while it waits for the network.
+        SQLite: right here. A SQLite call is a few hundred microseconds of work that holds the
+        GIL; on a worker thread it only adds a hand-over of the GIL with the busy event loop for
+        each statement (up to the 5 ms switch interval each, which made command delivery take
+        hundreds of ms under load), and its writes take turns anyway.
+        """
+        if self.inline:
+            return self.run(fn, write=write, **kwargs)
         return await anyio.to_thread.run_sync(
             functools.partial(self.run, fn, write=write, **kwargs), limiter=self._limiter)
+
+    @property
+    def calls_waiting(self) -> int:
+        """Database calls queued for a worker thread (a sign of overload when it stays up)."""
+        return 0 if self.inline else self._limiter.statistics().tasks_waiting
 
     def ping(self) -> None:
         with self.session(write=False) as session:

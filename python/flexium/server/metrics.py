@@ -46,6 +46,8 @@ class Metrics:
         self.heartbeats = Counter("flexium_heartbeats", "Heartbeats received.", registry=r)
         self.long_polls = Gauge("flexium_long_polls_waiting", "Long-polls waiting for a command.", registry=r)
         self.sse_subscribers = Gauge("flexium_sse_subscribers", "Open live event streams.", registry=r)
+        self.db_waiting = Gauge("flexium_db_calls_waiting", "Database calls queued for a worker thread.",
+                                registry=r)
         self.up_since = Gauge("flexium_server_start_time_seconds", "When this server started (epoch).",
                               registry=r)
         for state in protocol.DISPLAY_STATES:
@@ -60,7 +62,8 @@ class Metrics:
                 self.migration_duration.labels(kind=kind, outcome=outcome)
 
     def render(self, *, processes: dict[str, int], commands: dict[str, int], long_polls: int,
-               sse_subscribers: int) -> bytes:
+               sse_subscribers: int, db_waiting: int = 0) -> bytes:
+        self.db_waiting.set(db_waiting)
         for state, n in processes.items():
             self.processes.labels(state=state).set(n)
         for state, n in commands.items():

@@ -35,17 +35,24 @@ class Settings:
     remove_after_s: float = protocol.REMOVE_AFTER_S
     command_ttl_s: float = protocol.COMMAND_TTL_S
     sweep_interval_s: float = 2.0             # stale marking, removal, expiry
-    device_write_interval_s: float = 2.0      # one host's GPU report is written at most this often
+    device_write_interval_s: float = 5.0      # one host's GPU report is written at most this often
+    beat_flush_interval_s: float = 0.5       # plain heartbeats are written in batches this often
     token_cache_s: float = 5.0                # a token revoked outside this server stops working within this
     max_body_bytes: int = protocol.MAX_BODY_BYTES
     sse_keepalive_s: float = 15.0
     sse_queue_size: int = 1000
     event_history: int = 2000                 # events kept for Last-Event-ID replay, per workspace
 
-    db_threads: int = 32                      # worker threads for database calls
+    db_threads: Optional[int] = None          # worker threads for database calls (default: 8 on
+                                              # SQLite, where writes take turns and more threads
+                                              # only fight over the GIL; 16 on PostgreSQL)
     access_log: bool = False
     log_level: str = "info"
     bootstrap_default_workspace: bool = True
+
+    @property
+    def threads(self) -> int:
+        return self.db_threads or (8 if self.is_sqlite else 16)
 
     @property
     def is_sqlite(self) -> bool:

@@ -8,7 +8,7 @@ import time
 from typing import Annotated, Any, Optional
 
 from fastapi import APIRouter, Header, Path, Query, Request, Response
-from fastapi.responses import StreamingResponse
+from fastapi.responses import JSONResponse, StreamingResponse
 
 from flexium import protocol
 from flexium.server import storage
@@ -44,10 +44,11 @@ async def workspace_info(auth: Auth, ctx: Ctx) -> Any:
 async def register_process(body: RegisterIn, auth: Auth, ctx: Ctx, response: Response) -> Any:
     s = ctx.settings
     now = time.time()
-    process, created = await ctx.db.call(
-        storage.register_process, write=True, workspace_id=auth.workspace_id,
+    process, created, snapshot = await ctx.db.call(
+        storage.register_process_snapshot, write=True, workspace_id=auth.workspace_id,
         report=body.model_dump(), now=now, stale_after=s.stale_after_s)
     ctx.process_hosts[(auth.workspace_id, body.process_id)] = process["host"]
+    ctx.snapshots[(auth.workspace_id, body.process_id)] = snapshot
     if body.devices:
         ctx.devices_written(auth.workspace_id, process["host"], now)
         ctx.publish(auth.workspace_id, protocol.EVENT_DEVICES, {"host": process["host"]})
@@ -92,12 +93,20 @@ async def unregister_process(process_id: ProcessIdPath, auth: Auth, ctx: Ctx) ->
 async def heartbeat(process_id: ProcessIdPath, body: HeartbeatIn, auth: Auth, ctx: Ctx) -> Any:
     now = time.time()
     ws = auth.workspace_id
-    write_devices = bool(body.devices) and ctx.should_write_devices(ws, process_id, now)
-    outcome = await ctx.db.call(storage.heartbeat, write=True, workspace_id=ws,
-                                process_id=process_id, report=body.model_dump(exclude_unset=True),
-                                now=now, stale_after=ctx.settings.stale_after_s,
-                                write_devices=write_devices)
+    report = body.model_dump(exclude_unset=True)
     ctx.metrics.heartbeats.inc()
+    write_devices = bool(body.devices) and ctx.should_write_devices(ws, process_id, now)
+    if not write_devices:
+        report.pop("devices", None)
+        if ctx.beat(ws, process_id, report, now):
+            return JSONResponse({"ok": True, "pending_command": ctx.pending.get((ws, process_id)),
+                                 "heartbeat_interval_s": ctx.settings.heartbeat_interval_s,
+                                 "server_time": now})
+    outcome = await ctx.db.call(storage.heartbeat, write=True, workspace_id=ws,
+                                process_id=process_id, report=report, now=now,
+                                stale_after=ctx.settings.stale_after_s, write_devices=write_devices)
+    ctx.snapshots[(ws, process_id)] = outcome.snapshot
+    ctx.command_pending(ws, process_id, outcome.pending_command)
     ctx.process_hosts[(ws, process_id)] = outcome.host
     if write_devices:
         ctx.devices_written(ws, outcome.host, now)
@@ -116,19 +125,36 @@ async def next_command(process_id: ProcessIdPath, auth: Auth, ctx: Ctx, wait: Wa
     key = (ws, process_id)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + (ctx.settings.poll_timeout_s if wait is None else wait)
+    woken = False
     while True:
         waiter = ctx.notifier.register(key)
         try:
-            command, first = await ctx.db.call(storage.next_command, write=True, workspace_id=ws,
-                                               process_id=process_id, now=time.time())
-            if command is not None:
-                if first:
-                    ctx.metrics.delivery_latency.observe(max(0.0, command["delivered_at"] - command["created_at"]))
-                    ctx.publish(ws, protocol.EVENT_COMMAND, {"action": "updated", "command": command})
-                return command
+            # Most polls find nothing; the in-memory view of pending commands (exact: every
+            # command is created and settled in this process, and the sweep re-reads the
+            # database) spares them any database work.
+            if ctx.stopping:
+                return Response(status_code=204)
+            pending = woken or key in ctx.pending
+            if not pending and key not in ctx.process_hosts:
+                host, command_id = await ctx.db.call(storage.peek_command, write=False,
+                                                     workspace_id=ws, process_id=process_id)
+                ctx.process_hosts[key] = host
+                pending = command_id is not None
+            if pending:
+                command, first = await ctx.db.call(storage.next_command, write=True, workspace_id=ws,
+                                                   process_id=process_id, now=time.time())
+                if command is not None:
+                    ctx.command_pending(ws, process_id, command["id"])
+                    if first:
+                        ctx.metrics.delivery_latency.observe(
+                            max(0.0, command["delivered_at"] - command["created_at"]))
+                        ctx.publish(ws, protocol.EVENT_COMMAND, {"action": "updated", "command": command})
+                    return command
+                ctx.command_pending(ws, process_id, None)
             remaining = deadline - loop.time()
             if ctx.stopping or remaining <= 0 or not await ctx.notifier.wait(waiter, remaining):
                 return Response(status_code=204)
+            woken = True
         finally:
             ctx.notifier.unregister(key, waiter)
 
@@ -146,6 +172,7 @@ async def create_command(body: CommandIn, auth: Auth, ctx: Ctx) -> Any:
     except ApiError as exc:
         ctx.metrics.commands_refused.labels(error=exc.code).inc()
         raise
+    ctx.command_pending(ws, body.process_id, command["id"])
     ctx.notifier.notify((ws, body.process_id))
     ctx.metrics.commands_created.labels(kind=body.kind).inc()
     ctx.publish(ws, protocol.EVENT_COMMAND, {"action": "created", "command": command})
@@ -191,6 +218,8 @@ async def report_command(command_id: CommandIdPath, body: CommandReportIn, auth:
         report=body.model_dump(exclude_unset=True), now=time.time(),
         stale_after=ctx.settings.stale_after_s)
     if changed:
+        ctx.command_settled(ws, command["process_id"], command_id)
+        ctx.snapshots.pop((ws, command["process_id"]), None)
         ctx.publish(ws, protocol.EVENT_COMMAND, {"action": "updated", "command": command})
         if process is not None:
             ctx.publish(ws, protocol.EVENT_PROCESS, {"action": "updated", "process": process})

@@ -40,7 +40,8 @@ async def metrics(ctx: Ctx) -> Response:
                                   stale_after=ctx.settings.stale_after_s)
     commands = await ctx.db.call(storage.count_commands, write=False)
     body = ctx.metrics.render(processes=processes, commands=commands,
-                              long_polls=ctx.notifier.waiting, sse_subscribers=ctx.bus.subscribers)
+                              long_polls=ctx.notifier.waiting, sse_subscribers=ctx.bus.subscribers,
+                              db_waiting=ctx.db.calls_waiting)
     return Response(body, media_type=CONTENT_TYPE)
 
 

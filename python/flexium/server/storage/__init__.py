@@ -8,11 +8,13 @@ and raise ``flexium.server.errors.ApiError`` subclasses for anything a user did 
 """
 
 from flexium.server.storage.commands import (create_command, count_commands, get_command,
-                                             list_commands, next_command, report_command)
+                                             list_commands, next_command, peek_command,
+                                             pending_commands, report_command)
 from flexium.server.storage.devices import list_devices, upsert_devices
-from flexium.server.storage.processes import (HeartbeatOutcome, count_processes, get_process,
-                                              heartbeat, list_processes, register_process,
-                                              unregister_process)
+from flexium.server.storage.processes import (HeartbeatOutcome, ProcessSnapshot, count_processes,
+                                              get_process, heartbeat, list_processes,
+                                              load_snapshots, record_beats, register_process,
+                                              register_process_snapshot, unregister_process)
 from flexium.server.storage.sweep import SweepResult, sweep
 from flexium.server.storage.workspaces import (AuthInfo, authenticate, create_workspace,
                                                ensure_default_workspace, get_workspace,
@@ -21,11 +23,13 @@ from flexium.server.storage.workspaces import (AuthInfo, authenticate, create_wo
                                                workspace_summary)
 
 __all__ = [
-    "AuthInfo", "HeartbeatOutcome", "SweepResult",
+    "AuthInfo", "HeartbeatOutcome", "ProcessSnapshot", "SweepResult",
     "authenticate", "count_commands", "count_processes", "create_command", "create_workspace",
     "ensure_default_workspace", "get_command", "get_process", "get_workspace", "hash_token",
     "heartbeat", "issue_token", "list_commands", "list_devices", "list_processes",
-    "list_tokens", "list_workspaces", "new_token", "next_command", "register_process",
+    "list_tokens", "list_workspaces", "new_token", "next_command", "peek_command",
+    "load_snapshots", "pending_commands", "record_beats", "register_process",
+    "register_process_snapshot",
     "report_command", "revoke_token", "sweep", "unregister_process", "upsert_devices",
     "workspace_summary",
 ]

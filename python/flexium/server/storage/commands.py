@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, Union
 
-from sqlalchemy import func, select
+from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
@@ -224,25 +224,49 @@ def list_commands(*, session: Session, workspace_id: int, process_id: Optional[s
     return [command_view(cmd, pid) for cmd, pid in rows]
 
 
+def peek_command(*, session: Session, workspace_id: int, process_id: str) -> tuple[str, Optional[int]]:
+    """(the process's host, the id of the command a long-poll would hand out) without writing
+    (most polls find none, and a read does not queue behind SQLite's one writer)."""
+    row = session.execute(_PEEK, {"ws": workspace_id, "pid": process_id}).first()
+    if row is None:
+        raise NotFound(f"process {process_id!r} not found")
+    return row[0], row[1]
+
+
+_P = Process.__table__
+_C = Command.__table__
+_PEEK = select(_P.c.host, select(_C.c.id).where(
+    _C.c.process_pk == _P.c.pk, _C.c.state.in_(protocol.PENDING_COMMAND_STATES))
+    .order_by(_C.c.id).limit(1).scalar_subquery()).where(
+    _P.c.workspace_id == bindparam("ws"), _P.c.process_id == bindparam("pid"))
+
+
+def pending_commands(*, session: Session) -> list[tuple[int, str, int]]:
+    """(workspace id, process id, command id) of every queued or delivered command."""
+    return [(ws, pid, cid) for ws, pid, cid in session.execute(
+        select(_C.c.workspace_id, _P.c.process_id, _C.c.id).join(_P, _P.c.pk == _C.c.process_pk)
+        .where(_C.c.state.in_(protocol.PENDING_COMMAND_STATES)))]
+
+
 def next_command(*, session: Session, workspace_id: int, process_id: str,
                  now: float) -> tuple[Optional[dict[str, Any]], bool]:
-    """The command a long-poll hands out, marked delivered; (command or None, first delivery)."""
-    pk = session.scalar(select(Process.pk).where(Process.workspace_id == workspace_id,
-                                                 Process.process_id == process_id))
-    if pk is None:
-        raise NotFound(f"process {process_id!r} not found")
-    cmd = session.scalar(select(Command).where(
-        Command.process_pk == pk, Command.state.in_(protocol.PENDING_COMMAND_STATES))
-        .order_by(Command.id).limit(1).with_for_update())
-    if cmd is None:
+    """The command a long-poll hands out, marked delivered, in one statement; (command or
+    None, whether this is its first delivery). None also when the process is unknown: the
+    route's ``peek_command`` tells those apart."""
+    row = session.execute(_DELIVER, {"ws": workspace_id, "pid": process_id, "now": now}).first()
+    if row is None:
         return None, False
-    first = cmd.delivered_at is None
-    cmd.state = "delivered"
-    cmd.deliveries = (cmd.deliveries or 0) + 1
-    if first:
-        cmd.delivered_at = now
-    session.flush()
-    return command_view(cmd, process_id), first
+    cmd = Command(**{c: getattr(row, c) for c in _COLUMNS})
+    return command_view(cmd, process_id), cmd.deliveries == 1
+
+
+_COLUMNS = [c.name for c in _C.columns]
+_DELIVER = (update(_C).where(_C.c.id == select(_C.c.id).join(_P, _P.c.pk == _C.c.process_pk).where(
+    _P.c.workspace_id == bindparam("ws"), _P.c.process_id == bindparam("pid"),
+    _C.c.state.in_(protocol.PENDING_COMMAND_STATES)).order_by(_C.c.id).limit(1).scalar_subquery())
+    .values(state="delivered", deliveries=_C.c.deliveries + 1,
+            delivered_at=func.coalesce(_C.c.delivered_at, bindparam("now")))
+    .returning(*_C.columns))
 
 
 def report_command(*, session: Session, workspace_id: int, command_id: int,

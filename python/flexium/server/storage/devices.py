@@ -7,6 +7,8 @@ from __future__ import annotations
 from typing import Any, Iterable
 
 from sqlalchemy import select
+from sqlalchemy.dialects.postgresql import insert as pg_insert
+from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
 from flexium.server.models import Device, Process
@@ -16,20 +18,29 @@ _FIELDS = ("index", "name", "memory_total", "memory_used", "utilization", "tempe
 
 def upsert_devices(*, session: Session, workspace_id: int, host: str,
                    devices: Iterable[dict[str, Any]], now: float) -> None:
-    existing = {d.uuid: d for d in session.scalars(select(Device).where(
-        Device.workspace_id == workspace_id, Device.host == host))}
+    """Insert or update a host's GPUs in one statement. The jobs of one host report the same
+    GPUs, often at the same moment: ON CONFLICT makes that race harmless on both databases."""
+    rows = {}
     for report in devices:
-        row = existing.get(report["uuid"])
-        if row is None:
-            row = Device(workspace_id=workspace_id, host=host, uuid=report["uuid"])
-            session.add(row)
-            existing[row.uuid] = row
+        row = {"workspace_id": workspace_id, "host": host, "uuid": report["uuid"], "updated_at": now}
         for name in _FIELDS:
             value = report.get(name)
-            if value is None and name in ("name", "memory_total", "memory_used", "health"):
-                value = {"name": "", "health": "ok"}.get(name, 0)
-            setattr(row, name, value)
-        row.updated_at = now
+            if value is None and name in _NOT_NULL:
+                value = _NOT_NULL[name]
+            row[name] = value
+        rows[row["uuid"]] = row                 # a GPU listed twice: the last one wins
+    if not rows:
+        return
+    dialect = session.get_bind().dialect.name
+    insert = sqlite_insert if dialect == "sqlite" else pg_insert
+    stmt = insert(Device.__table__).values(list(rows.values()))
+    stmt = stmt.on_conflict_do_update(
+        index_elements=["workspace_id", "host", "uuid"],
+        set_={name: stmt.excluded[name] for name in (*_FIELDS, "updated_at")})
+    session.execute(stmt)
+
+
+_NOT_NULL: dict[str, Any] = {"name": "", "memory_total": 0, "memory_used": 0, "health": "ok"}
 
 
 def device_view(row: Device, *, flexium_bytes: int, processes: list[str]) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from sqlalchemy import case, func, select
+from sqlalchemy import bindparam, case, func, select, update
 from sqlalchemy.orm import Session
 
 from flexium import protocol
@@ -29,10 +29,45 @@ _WATCHED = ("state", "memory_bytes", "gpu_uuid", "gpu_index", "physical_device")
 
 
 @dataclass(frozen=True)
+class ProcessSnapshot:
+    """What the server keeps in memory about a process to answer plain heartbeats without the
+    database (see ``record_beats``)."""
+    pk: int
+    host: str
+    state: str
+    memory_bytes: int
+    footprint_bytes: int
+    gpu_uuid: Optional[str]
+    gpu_index: Optional[int]
+    physical_device: str
+    last_seen: float
+
+    @classmethod
+    def of(cls, row: Process) -> "ProcessSnapshot":
+        return cls(pk=row.pk, host=row.host, state=row.state, memory_bytes=row.memory_bytes,
+                   footprint_bytes=row.footprint_bytes, gpu_uuid=row.gpu_uuid, gpu_index=row.gpu_index,
+                   physical_device=row.physical_device, last_seen=row.last_seen)
+
+    def unchanged_by(self, report: dict[str, Any]) -> bool:
+        """True when applying ``report`` (a heartbeat) would change nothing but last_seen."""
+        for name, value in report.items():
+            if name == "devices":
+                if value:
+                    return False
+            elif name == "footprint_bytes":
+                if value is not None and value != self.footprint_bytes:
+                    return False
+            elif getattr(self, name) != value and (value is not None or name in ("gpu_uuid", "gpu_index")):
+                return False
+        return True
+
+
+@dataclass(frozen=True)
 class HeartbeatOutcome:
     host: str
     pending_command: Optional[int]
     changed: Optional[dict[str, Any]]   # the process, when a watched field changed
+    snapshot: ProcessSnapshot
 
 
 def find_process(session: Session, *, workspace_id: int, process_id: str,
@@ -62,6 +97,13 @@ def _apply_footprint(row: Process, *, footprint: Optional[int]) -> None:
 
 def register_process(*, session: Session, workspace_id: int, report: dict[str, Any], now: float,
                      stale_after: float) -> tuple[dict[str, Any], bool]:
+    process, created, _snapshot = register_process_snapshot(
+        session=session, workspace_id=workspace_id, report=report, now=now, stale_after=stale_after)
+    return process, created
+
+
+def register_process_snapshot(*, session: Session, workspace_id: int, report: dict[str, Any],
+                              now: float, stale_after: float) -> tuple[dict[str, Any], bool, ProcessSnapshot]:
     """Create or refresh a process from its registration (every field is replaced; missing
     ones take their defaults); returns (process, created)."""
     row = session.scalar(select(Process).where(Process.workspace_id == workspace_id,
@@ -84,7 +126,15 @@ def register_process(*, session: Session, workspace_id: int, report: dict[str, A
         upsert_devices(session=session, workspace_id=workspace_id, host=row.host,
                        devices=report["devices"], now=now)
     active = None if created else active_command(session, process_pk=row.pk)
-    return process_view(row, now=now, stale_after=stale_after, active=active), created
+    return (process_view(row, now=now, stale_after=stale_after, active=active), created,
+            ProcessSnapshot.of(row))
+
+
+def load_snapshots(*, session: Session) -> list[tuple[int, str, ProcessSnapshot]]:
+    """Every process, for a server that starts with jobs attached: their next heartbeats and
+    polls need no database work."""
+    return [(row.workspace_id, row.process_id, ProcessSnapshot.of(row))
+            for row in session.scalars(select(Process))]
 
 
 def heartbeat(*, session: Session, workspace_id: int, process_id: str, report: dict[str, Any],
@@ -106,7 +156,23 @@ def heartbeat(*, session: Session, workspace_id: int, process_id: str, report: d
     if was_stale or before != tuple(getattr(row, name) for name in _WATCHED):
         changed = process_view(row, now=now, stale_after=stale_after,
                                active=active_command(session, process_pk=row.pk))
-    return HeartbeatOutcome(host=row.host, pending_command=pending, changed=changed)
+    return HeartbeatOutcome(host=row.host, pending_command=pending, changed=changed,
+                            snapshot=ProcessSnapshot.of(row))
+
+
+def record_beats(*, session: Session, beats: dict[int, float]) -> int:
+    """Write buffered plain heartbeats (process pk -> time) in one statement. Never moves
+    last_seen backwards (a heartbeat written directly may be newer)."""
+    if not beats:
+        return 0
+    session.execute(_BEAT_UPDATE, [{"b_pk": pk, "b_seen": seen} for pk, seen in beats.items()])
+    return len(beats)
+
+
+_BEAT_UPDATE = (update(Process.__table__)
+                .where(Process.__table__.c.pk == bindparam("b_pk"),
+                       Process.__table__.c.last_seen < bindparam("b_seen"))
+                .values(last_seen=bindparam("b_seen")))
 
 
 def unregister_process(*, session: Session, workspace_id: int, process_id: str) -> None:
