@@ -147,7 +147,10 @@ class Engine:
 
     def process_bytes(self) -> int:
         """GPU memory this process holds on every GPU, from NVML; PyTorch's reserved bytes where
-        NVML cannot see processes (it then misses the context, a few hundred MiB)."""
+        NVML cannot see processes (it then misses the context, a few hundred MiB). While the
+        process is frozen it holds nothing on any GPU, and asking torch would block."""
+        if nvml.is_frozen():
+            return 0
         total = 0
         seen = False
         for gpu in nvml.host_gpus():
@@ -156,6 +159,10 @@ class Engine:
                 total += used
                 seen = True
         return total if seen else torch_bridge.reserved_bytes()
+
+    def footprint_bytes(self) -> int:
+        """What the job needs on a GPU: what it holds now, or what it held when it was paused."""
+        return self._paused_bytes if self.state == EngineState.PAUSED else self.process_bytes()
 
     def _bytes_on(self, gpu: GpuIdentity) -> Optional[int]:
         host = nvml.gpu_by_uuid(gpu.uuid)

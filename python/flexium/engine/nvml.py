@@ -25,6 +25,10 @@ _state: dict[str, Any] = {"initialized": False, "error": None}
 _frozen = threading.Event()
 
 
+def is_frozen() -> bool:
+    return _frozen.is_set()
+
+
 def set_frozen(frozen: bool) -> None:
     """The engine says when this process is (about to be) locked, until it runs again."""
     if frozen:
