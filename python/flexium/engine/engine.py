@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, replace
 from typing import Callable, Iterator, Optional, Sequence
 
+from flexium import _C
 from flexium.engine import nvml, torch_bridge
 from flexium.engine.capabilities import Capabilities
 from flexium.engine.identity import IdentityMap, Target
@@ -58,8 +59,6 @@ def _gib(n: int) -> str:
 
 def snapshot_gpus() -> list[GpuIdentity]:
     """The visible GPUs as the driver reports them now: call before any migration."""
-    from flexium import _C
-
     nvml_index = {gpu.uuid: gpu.index for gpu in nvml.host_gpus()}
     return [
         GpuIdentity(
@@ -304,8 +303,6 @@ class Engine:
     def _run_migration(
         self, source: GpuIdentity, dest: GpuIdentity, pairs: list[tuple[str, str]], notes: tuple[str, ...]
     ) -> OperationResult:
-        from flexium import _C
-
         started = time.perf_counter()
         self._set_state(EngineState.MIGRATING)
         prepare, moved = self._prepare(OperationKind.MIGRATE)
@@ -355,8 +352,6 @@ class Engine:
         )
 
     def _run_pause(self, source: GpuIdentity) -> OperationResult:
-        from flexium import _C
-
         started = time.perf_counter()
         self._set_state(EngineState.PAUSING)
         prepare, moved = self._prepare(OperationKind.PAUSE)
@@ -392,8 +387,6 @@ class Engine:
         )
 
     def _run_resume(self, source: GpuIdentity, dest: GpuIdentity, pairs: list[tuple[str, str]]) -> OperationResult:
-        from flexium import _C
-
         started = time.perf_counter()
         self._set_state(EngineState.RESUMING)
         steps = [
@@ -432,10 +425,8 @@ class Engine:
             result, failed_step=failure.step, error=f"{_describe(failure)}; ROLLBACK FAILED: the process is {final.name}"
         )
 
-    def _run_steps(self, steps: list, rollbacks: list) -> list:
+    def _run_steps(self, steps: list[_C.Step], rollbacks: list[list[_C.Step]]) -> list[_C.StepOutcome]:
         """Runs a locked section; NVML queries go elsewhere until the process runs again."""
-        from flexium import _C
-
         nvml.set_frozen(True)
         try:
             return list(_C.run_steps(self._pid, steps, rollbacks))
@@ -485,21 +476,16 @@ class Engine:
         raise OperationFailedError(f"{result.kind.value} failed: {result.error}", step=result.failed_step or "?", result=result)
 
 
-def _timing(outcome: object) -> StepTiming:
-    code = getattr(outcome, "code")
-    error = None if code == 0 else f"{getattr(outcome, 'error_name')} ({getattr(outcome, 'error_text')})"
+def _timing(outcome: _C.StepOutcome) -> StepTiming:
+    error = None if outcome.code == 0 else f"{outcome.error_name} ({outcome.error_text})"
     return StepTiming(
-        step=getattr(outcome, "step"),
-        seconds=float(getattr(outcome, "seconds")),
-        ok=code == 0,
-        rollback=bool(getattr(outcome, "rollback")),
-        error=error,
+        step=outcome.step, seconds=float(outcome.seconds), ok=outcome.code == 0, rollback=outcome.rollback, error=error
     )
 
 
-def _first_failure(outcomes: Sequence[object]) -> object:
+def _first_failure(outcomes: Sequence[_C.StepOutcome]) -> _C.StepOutcome:
     for outcome in outcomes:
-        if getattr(outcome, "code") != 0:
+        if outcome.code != 0:
             return outcome
     raise AssertionError("no failed step among the outcomes")
 
@@ -512,10 +498,9 @@ _STEP_CALLS = {
 }
 
 
-def _describe(outcome: object) -> str:
-    step = getattr(outcome, "step")
-    name = getattr(outcome, "error_name")
-    text = f"step '{step}' failed: {_STEP_CALLS.get(step, step)} returned {name} ({getattr(outcome, 'error_text')})"
+def _describe(outcome: _C.StepOutcome) -> str:
+    step, name = outcome.step, outcome.error_name
+    text = f"step '{step}' failed: {_STEP_CALLS.get(step, step)} returned {name} ({outcome.error_text})"
     if step == "lock" and name == "CUDA_ERROR_TIMEOUT":
         text += " (the process stayed busy in CUDA work past the lock timeout; try again)"
     return text

@@ -52,8 +52,10 @@ class Parking:
             self._work = work
             self._cond.notify_all()
             self._cond.wait_for(lambda: self._outcome is not None)
-            result, error = self._outcome  # type: ignore[misc]
+            outcome = self._outcome
             self._outcome = None
+        assert outcome is not None
+        result, error = outcome
         if error is not None:
             raise error
         return result
