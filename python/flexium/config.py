@@ -20,6 +20,7 @@ from typing import Any, Mapping, Optional
 
 import yaml
 
+from flexium import protocol
 from flexium._logging import DEFAULT_LEVEL, LEVEL_NAMES, get_logger, normalize_level
 from flexium.errors import ConfigError
 
@@ -78,10 +79,10 @@ _log = get_logger("config")
 class ServerAddress:
     """A parsed `host[:port]/workspace`. `base_url` has no workspace and no trailing slash."""
 
-    base_url: str          # "http://app.flexium.ai", "https://[::1]:8443"
+    base_url: str          # "http://app.flexium.ai:8080", "https://[::1]:8443"
     workspace: str
     host: str              # without IPv6 brackets
-    port: Optional[int]    # None: the scheme's default port
+    port: int              # the server's default (8080) where the address names none
     scheme: str            # "http" (default) or "https"
 
     def __str__(self) -> str:
@@ -120,7 +121,6 @@ class _Raw:
 
 
 _HOST_RE = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?(\.[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?)*$")
-_WORKSPACE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _DEVICE_RE = re.compile(r"^cuda:(-?\d+)$")
 _TOKEN_RE = re.compile(r"^[\x21-\x7e]+$")  # sent in an HTTP header: printable ASCII, no blanks
 
@@ -128,7 +128,10 @@ _TOKEN_RE = re.compile(r"^[\x21-\x7e]+$")  # sent in an HTTP header: printable A
 def parse_server_address(text: str, *, where: str = "") -> ServerAddress:
     """Parse `host[:port]/workspace`, optionally prefixed with http:// (the default) or https://.
 
-    `where` names the value's origin in error messages, e.g. "(from FLEXIUM_SERVER)".
+    The parsing itself is `flexium.protocol.parse_server_address`, the one parser the client,
+    the CLI and the server share (so a port left out means the server's default, 8080). This
+    adds stricter host checks and says where a bad value came from: `where` names its origin
+    in error messages, e.g. "(from FLEXIUM_SERVER)".
     """
     origin = f" {where}" if where else ""
     if not isinstance(text, str):
@@ -137,62 +140,40 @@ def parse_server_address(text: str, *, where: str = "") -> ServerAddress:
         )
 
     def bad(reason: str) -> ConfigError:
+        joint = " " if reason.startswith(("has ", "is ", "uses ", "contains ")) else ": "
         return ConfigError(
-            f"server address {text!r}{origin} {reason}; expected host[:port]/workspace, e.g. {_SERVER_EXAMPLE}"
+            f"server address {text!r}{origin}{joint}{reason}; expected host[:port]/workspace, e.g. {_SERVER_EXAMPLE}"
         )
 
     rest = text.strip()
     if not rest:
         raise bad("is empty")
-    scheme = "http"
-    if "://" in rest:
-        scheme, rest = rest.split("://", 1)
-        scheme = scheme.lower()
-        if scheme not in ("http", "https"):
-            raise bad(f"uses scheme {scheme!r}; only http:// and https:// are supported")
+    scheme, has_scheme, _ = rest.partition("://")
+    if has_scheme and scheme.lower() not in ("http", "https"):
+        raise bad(f"uses scheme {scheme.lower()!r}; only http:// and https:// are supported")
     if any(c in rest for c in "?#@ \t"):
         raise bad("contains a query, fragment, user name or blank")
-    hostport, slash, workspace = rest.partition("/")
-    workspace = workspace.rstrip("/")
-    if not slash or not workspace:
-        raise bad("has no workspace")
-    if "/" in workspace:
-        raise bad(f"has a workspace with a '/' in it ({workspace!r})")
-    if not _WORKSPACE_RE.match(workspace):
-        raise bad(f"has an invalid workspace {workspace!r} (use letters, digits, '.', '_' and '-')")
-
-    port_text: Optional[str] = None
-    if hostport.startswith("["):
-        host, bracket, tail = hostport[1:].partition("]")
-        if not bracket:
-            raise bad("has an unclosed '[' around an IPv6 host")
+    try:
+        parts = protocol.parse_server_address(rest)
+    except ValueError as exc:
+        reason = str(exc)
+        prefix = f"server address {rest!r}"
+        if reason.startswith(prefix):
+            reason = reason[len(prefix):].lstrip(": ")
+        reason = reason.split(": expected host[:port]/workspace")[0]
+        raise bad(reason) from None
+    host = parts["host"]
+    if ":" in host:
         try:
             ipaddress.IPv6Address(host)
         except ValueError:
             raise bad(f"has an invalid IPv6 host [{host}]") from None
-        if tail:
-            if not tail.startswith(":"):
-                raise bad(f"has unexpected text {tail!r} after the IPv6 host")
-            port_text = tail[1:]
-        netloc_host = f"[{host}]"
-    else:
-        host, colon, port_part = hostport.partition(":")
-        if colon:
-            port_text = port_part
-        if not host:
-            raise bad("has no host")
-        if not _HOST_RE.match(host):
-            raise bad(f"has an invalid host {host!r}")
-        netloc_host = host
-
-    port: Optional[int] = None
-    if port_text is not None:
-        if not port_text.isdigit() or not 1 <= int(port_text) <= 65535:
-            raise bad(f"has an invalid port {port_text!r} (a number from 1 to 65535)")
-        port = int(port_text)
-
-    base_url = f"{scheme}://{netloc_host}" + (f":{port}" if port is not None else "")
-    return ServerAddress(base_url=base_url, workspace=workspace, host=host, port=port, scheme=scheme)
+    elif not _HOST_RE.match(host):
+        raise bad(f"has an invalid host {host!r}")
+    return ServerAddress(
+        base_url=protocol.base_url(parts), workspace=parts["workspace"], host=host, port=parts["port"],
+        scheme=parts["scheme"],
+    )
 
 
 def validate_device(value: Any, *, where: str = "") -> str:

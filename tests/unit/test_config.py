@@ -71,7 +71,7 @@ def test_spec_example(home: Path) -> None:
     assert config.device == "cuda:2"
     assert not config.local_mode
     assert config.address == ServerAddress(
-        base_url="http://app.flexium.ai", workspace="myworkspace", host="app.flexium.ai", port=None, scheme="http"
+        base_url="http://app.flexium.ai:8080", workspace="myworkspace", host="app.flexium.ai", port=8080, scheme="http"
     )
     assert config.sources["orchestrator"] == "parameter"
     assert config.sources["device"] == "parameter"
@@ -162,10 +162,10 @@ def test_config_is_frozen_and_hides_token(home: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ("app.flexium.ai/myworkspace", ("http://app.flexium.ai", "myworkspace", "app.flexium.ai", None, "http")),
+        ("app.flexium.ai/myworkspace", ("http://app.flexium.ai:8080", "myworkspace", "app.flexium.ai", 8080, "http")),
         ("localhost:8080/ws", ("http://localhost:8080", "ws", "localhost", 8080, "http")),
         ("http://10.0.0.5:9000/team-a", ("http://10.0.0.5:9000", "team-a", "10.0.0.5", 9000, "http")),
-        ("HTTPS://app.flexium.ai/ws/", ("https://app.flexium.ai", "ws", "app.flexium.ai", None, "https")),
+        ("HTTPS://app.flexium.ai/ws/", ("https://app.flexium.ai:8080", "ws", "app.flexium.ai", 8080, "https")),
         ("https://[::1]:8443/my_ws", ("https://[::1]:8443", "my_ws", "::1", 8443, "https")),
         ("  flexium_server:80/ws.1  ", ("http://flexium_server:80", "ws.1", "flexium_server", 80, "http")),
     ],
@@ -183,13 +183,14 @@ def test_parse_server_address(text: str, expected: tuple[object, ...]) -> None:
         ("app.flexium.ai/", "has no workspace"),
         ("localhost:8080", "has no workspace"),
         ("ftp://host/ws", "scheme 'ftp'"),
-        ("host:99999/ws", "invalid port '99999'"),
-        ("host:abc/ws", "invalid port 'abc'"),
-        ("host:/ws", "invalid port ''"),
+        ("host:99999/ws", "port '99999' is not a number"),
+        ("host:abc/ws", "port 'abc' is not a number"),
+        ("host:/ws", "port '' is not a number"),
         ("/ws", "has no host"),
         ("bad host/ws", "blank"),
-        ("host/a/b", "'/' in it"),
-        ("host/-ws", "invalid workspace"),
+        ("host/a/b", "workspace 'a/b' is not a valid name"),
+        ("host/-ws", "workspace '-ws' is not a valid name"),
+        ("host/MyWorkspace", "workspace 'MyWorkspace' is not a valid name"),
         ("[::zz]:80/ws", "invalid IPv6 host"),
         ("user@host/ws", "user name"),
         ("host..name/ws", "invalid host"),
