@@ -1,0 +1,206 @@
+"""`flexium demo`: a server on its default SQLite file, the default workspace's token, and a
+small training job attached to it; prints the dashboard link. Ctrl-C stops the job (it
+unregisters) and then the server.
+
+Both run as child processes in sessions of their own, so that Ctrl-C in the terminal reaches
+only this process, which stops them in that order.
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib.util
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from flexium import protocol
+from flexium.cli.admin import server_module
+
+SERVER_START_S = 60.0
+JOB_REGISTER_S = 120.0
+STOP_S = 10.0
+
+
+def _say(text: str) -> None:
+    print(f"flexium demo: {text}", flush=True)
+
+
+def _port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            if exc.errno == errno.EADDRINUSE:
+                return False
+            raise
+    return True
+
+
+def _demo_token(database_url: str) -> tuple[str, bool]:
+    """(a token of workspace 'default', whether to revoke it at the end). A new database gets
+    the default workspace here, and its first token is the user's to keep."""
+    app = server_module("flexium.server.app")
+    workspaces = server_module("flexium.server.workspaces")
+    errors = server_module("flexium.server.errors")
+    assert app is not None and workspaces is not None and errors is not None
+    db = workspaces.open_database(database_url)
+    try:
+        first = app.bootstrap(db)
+    finally:
+        db.dispose()
+    if first is not None:
+        return first, False
+    try:
+        return workspaces.issue_token(protocol.DEFAULT_WORKSPACE, name="flexium demo", database_url=database_url), True
+    except errors.NotFound:
+        return workspaces.create_workspace(protocol.DEFAULT_WORKSPACE, database_url=database_url), False
+
+
+def _stop(proc: Optional[subprocess.Popen[Any]], sig: int) -> Optional[int]:
+    if proc is None:
+        return None
+    if proc.poll() is None:
+        proc.send_signal(sig)
+        try:
+            proc.wait(STOP_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    return proc.returncode
+
+
+def _raise_interrupt(*_: Any) -> None:
+    raise KeyboardInterrupt
+
+
+def run(*, port: Optional[int] = None, host: str = "127.0.0.1", database: Optional[str] = None) -> int:
+    if importlib.util.find_spec("torch") is None:
+        print("flexium demo: the demo training job needs PyTorch: pip install torch (a CPU build is enough)",
+              file=sys.stderr)
+        return 2
+    if server_module("flexium.server.app") is None:
+        return 2
+    settings_module = server_module("flexium.server.settings")
+    db_module = server_module("flexium.server.db")
+    assert settings_module is not None and db_module is not None
+    port = port or protocol.DEFAULT_PORT
+    try:
+        settings = settings_module.load_settings(database_url=database, host=host, port=port)
+    except ValueError as exc:
+        print(f"flexium demo: {exc}", file=sys.stderr)
+        return 2
+    if not _port_free(host, port):
+        print(f"flexium demo: port {port} on {host} is in use (another flexium server?); "
+              "choose another with --port", file=sys.stderr)
+        return 1
+    try:
+        token, revoke = _demo_token(settings.database_url)
+    except (db_module.DatabaseUnavailable, db_module.SchemaTooNew) as exc:
+        print(f"flexium demo: cannot use the database: {exc}", file=sys.stderr)
+        return 1
+
+    from flexium.cli.remote import connect
+    from flexium.client import ServerError
+
+    data_dir = Path(settings_module.default_data_dir())
+    data_dir.mkdir(parents=True, exist_ok=True)
+    log_path = data_dir / "demo-server.log"
+    link_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    address = f"[{link_host}]:{port}" if ":" in link_host else f"{link_host}:{port}"
+    api = connect(f"{address}/{protocol.DEFAULT_WORKSPACE}", token)
+    server: Optional[subprocess.Popen[Any]] = None
+    job: Optional[subprocess.Popen[Any]] = None
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    status = 0
+    try:
+        with open(log_path, "ab") as log:
+            server = subprocess.Popen(
+                [sys.executable, "-m", "flexium.server", "--host", host, "--port", str(port),
+                 "--database", settings.database_url],
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+        deadline = time.monotonic() + SERVER_START_S
+        while True:
+            if server.poll() is not None:
+                tail = log_path.read_text(errors="replace").splitlines()[-15:]
+                print("flexium demo: the server did not start:\n  " + "\n  ".join(tail), file=sys.stderr)
+                return 1
+            try:
+                api.request("GET", "/healthz", workspace=False, timeout=1.0)
+                break
+            except ServerError:
+                if time.monotonic() > deadline:
+                    print(f"flexium demo: the server did not answer within {SERVER_START_S:.0f} s; see {log_path}",
+                          file=sys.stderr)
+                    return 1
+                time.sleep(0.2)
+        base = f"http://{address}"
+        _say(f"server {base} (pid {server.pid}; database {settings.database_url}; log {log_path})")
+        _say(f"dashboard: {base}/login#token={token}")
+
+        env = dict(os.environ)
+        env[protocol.SERVER_ENV] = f"{address}/{protocol.DEFAULT_WORKSPACE}"
+        env[protocol.TOKEN_ENV] = token
+        job = subprocess.Popen([sys.executable, "-m", "flexium.cli.demo_job"], env=env, stdin=subprocess.DEVNULL,
+                               start_new_session=True)
+        _say(f"demo training job started (pid {job.pid}); waiting for it to register")
+        deadline = time.monotonic() + JOB_REGISTER_S
+        registered = None
+        while registered is None and job.poll() is None and time.monotonic() < deadline:
+            try:
+                processes = api.request("GET", protocol.PATH_PROCESSES, timeout=5.0)
+            except ServerError:
+                processes = []
+            registered = next((p for p in processes if p["pid"] == job.pid), None)
+            if registered is None:
+                time.sleep(0.5)
+        if registered is not None:
+            _say(f"job {registered['process_id']} registered ({registered['state']} on {registered['physical_device']})")
+        else:
+            _say("the job has not registered yet; see its output above")
+        _say(f"try: FLEXIUM_SERVER={address}/{protocol.DEFAULT_WORKSPACE} {protocol.TOKEN_ENV}={token} flexium ps")
+        _say("Ctrl-C stops the job and the server")
+        while True:
+            if job.poll() is not None:
+                _say(f"the demo job ended (exit status {job.returncode})")
+                status = 0 if job.returncode == 0 else 1
+                break
+            if server.poll() is not None:
+                _say(f"the server ended (exit status {server.returncode}); see {log_path}")
+                status = 1
+                break
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        print(flush=True)
+        _say("stopping")
+    finally:
+        signal.signal(signal.SIGTERM, _raise_interrupt)
+        try:
+            _stop(job, signal.SIGINT)
+            _stop(server, signal.SIGTERM)
+            if revoke:
+                _revoke(token, settings.database_url)
+        except KeyboardInterrupt:
+            for proc in (job, server):
+                if proc is not None and proc.poll() is None:
+                    proc.kill()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+            api.close()
+    _say("stopped")
+    return status
+
+
+def _revoke(token: str, database_url: str) -> None:
+    workspaces = server_module("flexium.server.workspaces")
+    if workspaces is None:
+        return
+    try:
+        workspaces.revoke_token(protocol.DEFAULT_WORKSPACE, token, database_url=database_url)
+    except Exception as exc:  # the demo is over either way; say so and move on
+        print(f"flexium demo: could not revoke the demo token: {exc}", file=sys.stderr)

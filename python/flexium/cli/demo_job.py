@@ -1,0 +1,64 @@
+"""The training job `flexium demo` starts: a small classifier on synthetic data, plain PyTorch
+after `flexium.init()`. On a GPU it is movable from the dashboard; on a CPU-only torch it
+trains on the CPU and shows up in the dashboard all the same.
+
+    python -m flexium.cli.demo_job [--steps N] [--step-seconds S] [--print-every K]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Optional, Sequence
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flexium.cli.demo_job")
+    parser.add_argument("--steps", type=int, default=0, help="stop after this many steps (default: never)")
+    parser.add_argument("--step-seconds", type=float, default=0.1, help="pause between steps, to stay light")
+    parser.add_argument("--print-every", type=int, default=50)
+    args = parser.parse_args(argv)
+    try:
+        import torch
+    except ImportError:
+        print("flexium demo: the demo training job needs PyTorch: pip install torch (a CPU build is enough)",
+              file=sys.stderr)
+        return 2
+
+    import flexium
+
+    flexium.init()
+    device = flexium.auto.get_device()
+    if not (device.startswith("cuda") and torch.cuda.is_available()):
+        device = "cpu"
+        torch.set_num_threads(1)
+    torch.manual_seed(0)
+    features = torch.randn(4096, 64)
+    labels = (features[:, :8].sum(dim=1) > 0).long()
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 2)).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    step = 0
+    try:
+        while args.steps <= 0 or step < args.steps:
+            index = torch.randint(0, features.shape[0], (128,))
+            x, y = features[index].to(device), labels[index].to(device)
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            step += 1
+            if step % args.print_every == 0 or step == 1:
+                print(f"[demo job] step {step:6d}  loss {loss.item():.4f}  on {flexium.auto.get_physical_device()}",
+                      flush=True)
+            time.sleep(args.step_seconds)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except KeyboardInterrupt:  # stopped before the training loop began
+        sys.exit(0)

@@ -1,0 +1,303 @@
+"""`flexium ps | devices | migrate | pause | resume`: the server's view and its commands, from
+a terminal or a script (``--json``). Every request goes through ``flexium.client.ApiClient``.
+
+Exit status: 0 done; 1 refused or failed (the reason on stderr); 2 bad usage or settings;
+3 the server could not be reached.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from typing import Any, Optional, Sequence
+
+from flexium import protocol
+from flexium.client import ApiClient, NotFound, ServerError, Unauthorized, Unreachable
+from flexium.errors import ConfigError
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_UNREACHABLE = 3
+
+GIB = float(1 << 30)
+DEFAULT_WAIT_S = 300.0
+
+
+def add_connection_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--server", metavar="ADDRESS",
+                        help=f"host[:port]/workspace (default ${protocol.SERVER_ENV}, else 'server:' in .flexiumrc)")
+    parser.add_argument("--token", help=f"workspace token (default ${protocol.TOKEN_ENV}, else 'token:' in .flexiumrc)")
+    parser.add_argument("--json", action="store_true", help="print JSON (the server's objects) for scripts")
+
+
+def add_commands(commands: Any) -> None:
+    p = commands.add_parser("ps", help="list the workspace's training processes")
+    p.add_argument("--state", choices=protocol.DISPLAY_STATES, help="only processes in this state")
+    add_connection_options(p)
+    p = commands.add_parser("devices", help="list the GPUs the workspace's processes report, by host")
+    p.add_argument("--host", help="only this host")
+    add_connection_options(p)
+    p = commands.add_parser("migrate", help="move a running process to another GPU and wait for the outcome")
+    p.add_argument("process", help="process id (gpu-...), a unique prefix of one, or its pid")
+    p.add_argument("target", help="cuda:N (the process's own numbering), a GPU UUID, or an nvidia-smi index")
+    _add_wait_options(p)
+    p = commands.add_parser("pause", help="pause a process (its GPU memory is freed) and wait for the outcome")
+    p.add_argument("process", help="process id (gpu-...), a unique prefix of one, or its pid")
+    _add_wait_options(p)
+    p = commands.add_parser("resume", help="resume a paused process, on its GPU or the one given")
+    p.add_argument("process", help="process id (gpu-...), a unique prefix of one, or its pid")
+    p.add_argument("target", nargs="?", help="cuda:N, a GPU UUID or an nvidia-smi index (default: where it "
+                                             "paused if there is room, else the server picks)")
+    _add_wait_options(p)
+
+
+def _add_wait_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--timeout", type=float, default=DEFAULT_WAIT_S, metavar="SECONDS",
+                        help=f"how long to wait for the outcome (default {DEFAULT_WAIT_S:.0f})")
+    parser.add_argument("--no-wait", action="store_true", help="print the queued command and return")
+    add_connection_options(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        api = connect(args.server, args.token)
+    except ConfigError as exc:
+        return _fail(str(exc), EXIT_USAGE)
+    try:
+        if args.command == "ps":
+            return _ps(api, args)
+        if args.command == "devices":
+            return _devices(api, args)
+        return _command(api, args)
+    except Unreachable as exc:
+        return _fail(f"{exc.message} (is `flexium server` running there?)", EXIT_UNREACHABLE)
+    except Unauthorized as exc:
+        return _fail(f"the server refused the token: {exc.message}. Set {protocol.TOKEN_ENV} (or --token) to a "
+                     f"token of workspace '{api.workspace}'", EXIT_FAILED)
+    except ServerError as exc:
+        return _fail(exc.message, EXIT_FAILED)
+    finally:
+        api.close()
+
+
+def connect(server: Optional[str], token: Optional[str]) -> ApiClient:
+    from flexium import __version__
+    from flexium.config import load_config, parse_server_address
+
+    if server is not None:
+        parse_server_address(server, where="(from --server)")
+    config = load_config(orchestrator=server, token=token)
+    if config.address is None:
+        raise ConfigError(f"no server configured: set {protocol.SERVER_ENV}=host[:port]/workspace "
+                          "(e.g. 127.0.0.1:8080/default), 'server:' in .flexiumrc, or pass --server")
+    return ApiClient(config.address, config.token, user_agent=f"flexium/{__version__} (cli)")
+
+
+def _fail(message: str, status: int) -> int:
+    print(f"flexium: {message}", file=sys.stderr)
+    return status
+
+
+def _print_json(value: Any) -> None:
+    print(json.dumps(value, indent=2, sort_keys=True))
+
+
+# ---- ps, devices ---------------------------------------------------------------------------
+
+def _ps(api: ApiClient, args: argparse.Namespace) -> int:
+    params = {"state": args.state} if args.state else None
+    processes = api.request("GET", protocol.PATH_PROCESSES, params=params, retries=2)
+    if args.json:
+        _print_json(processes)
+        return EXIT_OK
+    if not processes:
+        print(f"no processes in workspace '{api.workspace}' at {api.base_url}")
+        return EXIT_OK
+    now = time.time()
+    rows = [("PROCESS", "STATE", "HOST", "PID", "DEVICE", "GPU", "MEMORY", "UP", "COMMAND")]
+    for p in processes:
+        device = p["logical_device"] or "-"
+        if p["physical_device"] and p["physical_device"] != p["logical_device"]:
+            device += f" (on {p['physical_device']})"
+        gpu = "-" if p["gpu_index"] is None and not p["gpu_model"] else \
+            f"{'' if p['gpu_index'] is None else p['gpu_index']} {p['gpu_model']}".strip()
+        memory = _gib(p["memory_bytes"])
+        if p["state"] == "PAUSED" and p["footprint_bytes"]:
+            memory += f" ({_gib(p['footprint_bytes'])} paused)"
+        active = p.get("active_command")
+        command = f"{active['kind']} {active['state']}" if active else "-"
+        started = p.get("started_at") or p["registered_at"]
+        rows.append((p["process_id"], p["state"], p["host"], str(p["pid"]), device, gpu, memory,
+                     _age(now - started), command))
+    _print_table(rows)
+    return EXIT_OK
+
+
+def _devices(api: ApiClient, args: argparse.Namespace) -> int:
+    params = {"host": args.host} if args.host else None
+    answer = api.request("GET", protocol.PATH_DEVICES, params=params, retries=2)
+    if args.json:
+        _print_json(answer)
+        return EXIT_OK
+    hosts = answer.get("hosts") or []
+    if not hosts:
+        print(f"no GPUs reported in workspace '{api.workspace}' (processes report their host's GPUs)")
+        return EXIT_OK
+    now = time.time()
+    for i, host in enumerate(hosts):
+        if i:
+            print()
+        stale = "  STALE: no report recently" if host.get("stale") else ""
+        print(f"host {host['host']} (reported {_age(now - host['updated_at'])} ago){stale}")
+        rows = [("GPU", "MODEL", "USED / TOTAL", "FLEXIUM", "OTHER", "UTIL", "TEMP", "HEALTH", "UUID", "PROCESSES")]
+        for d in host.get("devices") or []:
+            rows.append((
+                "-" if d["index"] is None else str(d["index"]), d["name"] or "-",
+                f"{d['memory_used'] / GIB:.1f} / {d['memory_total'] / GIB:.1f} GiB",
+                _gib(d["memory_flexium"]), _gib(d["memory_other"]),
+                "-" if d["utilization"] is None else f"{d['utilization']}%",
+                "-" if d["temperature"] is None else f"{d['temperature']}C",
+                d["health"], d["uuid"], ",".join(d.get("processes") or []) or "-",
+            ))
+        _print_table(rows, indent="  ")
+    return EXIT_OK
+
+
+# ---- migrate, pause, resume ----------------------------------------------------------------
+
+def _command(api: ApiClient, args: argparse.Namespace) -> int:
+    target = getattr(args, "target", None)
+    body: dict[str, Any] = {"kind": args.command, "process_id": args.process}
+    if target:
+        body["target"] = target
+    # Not retried: after a lost answer the command may be stored, and the server would refuse
+    # a second one as busy, hiding the first.
+    try:
+        command = api.request("POST", protocol.PATH_COMMANDS, json=body)
+    except NotFound:
+        body["process_id"] = _resolve_process(api, args.process)
+        command = api.request("POST", protocol.PATH_COMMANDS, json=body)
+    if args.no_wait:
+        if args.json:
+            _print_json(command)
+        else:
+            print(f"{_title(command)}: queued as command {command['id']}")
+        return EXIT_OK
+    final = _wait(api, command, args.timeout)
+    if args.json:
+        _print_json(final)
+    if final["state"] not in protocol.FINAL_COMMAND_STATES:
+        return _fail(f"{_title(final)}: still {final['state']} after {args.timeout:.0f} s (command {final['id']}); "
+                     "see `flexium ps`", EXIT_FAILED)
+    if not args.json:
+        _print_outcome(api, final)
+    if final["state"] != "succeeded":
+        if args.json:
+            print(f"flexium: {_title(final)} {final['state']}: {_reason(final)}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _resolve_process(api: ApiClient, text: str) -> str:
+    """A unique id prefix or a pid stands for the process (ids are long to type)."""
+    processes = api.request("GET", protocol.PATH_PROCESSES, retries=2)
+    matches = [p["process_id"] for p in processes
+               if p["process_id"].startswith(text) or p["process_id"] == f"gpu-{text}"
+               or (text.isdigit() and str(p["pid"]) == text)]
+    if len(matches) == 1:
+        return str(matches[0])
+    if not matches:
+        raise NotFound(f"no process {text!r} in workspace '{api.workspace}' (`flexium ps` lists them)",
+                       code="not_found", status=404)
+    raise NotFound(f"{text!r} matches several processes: {', '.join(sorted(matches))}", code="not_found", status=404)
+
+
+def _wait(api: ApiClient, command: dict[str, Any], timeout: float) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    path = protocol.PATH_COMMAND.format(command_id=command["id"])
+    while command["state"] not in protocol.FINAL_COMMAND_STATES:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        wait = min(remaining, protocol.MAX_POLL_TIMEOUT_S)
+        command = api.request("GET", path, params={"wait": round(wait, 3)}, timeout=wait + 10.0, retries=None,
+                              deadline=deadline)
+    return command
+
+
+def _title(command: dict[str, Any]) -> str:
+    target = command.get("target_device") or command.get("target_uuid")
+    return f"{command['kind']} {command['process_id']}" + (f" to {target}" if target else "")
+
+
+def _reason(command: dict[str, Any]) -> str:
+    if command["state"] == "expired":
+        return "the process did not take the command in time (it stopped listening?)"
+    return str(command.get("error") or "no reason given")
+
+
+def _print_outcome(api: ApiClient, command: dict[str, Any]) -> None:
+    created, delivered = command["created_at"], command.get("delivered_at")
+    started, finished = command.get("started_at"), command.get("finished_at")
+    total = (finished or time.time()) - created
+    print(f"{_title(command)}: {command['state']} in {total:.2f} s")
+    parts = []
+    if delivered is not None:
+        parts.append(f"delivered {_ms(delivered - created)} after it was queued")
+    if started is not None and delivered is not None:
+        parts.append(f"started {_ms(started - delivered)} later")
+    if finished is not None and started is not None:
+        parts.append(f"done {_ms(finished - started)} after that (includes the wait for a safe point)")
+    if parts:
+        print("  " + "; ".join(parts))
+    result = command.get("result") or {}
+    steps = [s for s in result.get("steps") or [] if not s.get("rollback")]
+    if steps:
+        line = ", ".join(f"{s['step']} {_ms(s['seconds'])}" + ("" if s.get("ok", True) else " FAILED") for s in steps)
+        moved = result.get("bytes_moved") or 0
+        seconds = result.get("seconds") or 0.0
+        speed = f", {moved / 1e9 / seconds:.1f} GB/s" if moved and seconds else ""
+        print(f"  operation {_ms(seconds)} ({line}); {_gib(moved)} moved{speed}")
+    if command["state"] != "succeeded":
+        print(f"  reason: {_reason(command)}", file=sys.stderr)
+    try:
+        process = api.request("GET", protocol.PATH_PROCESS.format(process_id=command["process_id"]), retries=1)
+    except ServerError:
+        return
+    where = process["physical_device"] or process["logical_device"]
+    gpu = f" ({process['gpu_uuid']}, nvidia-smi index {process['gpu_index']})" if process.get("gpu_uuid") else ""
+    if process["state"] == "PAUSED":
+        print(f"  the process is PAUSED on {where}{gpu}; it needs {_gib(process['footprint_bytes'])} to resume")
+    else:
+        print(f"  the process is {process['state']} on {where}{gpu}")
+
+
+# ---- formatting ----------------------------------------------------------------------------
+
+def _gib(n: Optional[int]) -> str:
+    return f"{(n or 0) / GIB:.1f} GiB"
+
+
+def _ms(seconds: float) -> str:
+    ms = max(0.0, seconds) * 1e3
+    return f"{ms:.1f} ms" if ms < 10 else f"{ms:.0f} ms" if ms < 10_000 else f"{seconds:.1f} s"
+
+
+def _age(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.0f}s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f}m"
+    if seconds < 172800:
+        return f"{seconds / 3600:.0f}h"
+    return f"{seconds / 86400:.0f}d"
+
+
+def _print_table(rows: Sequence[Sequence[str]], indent: str = "") -> None:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    for row in rows:
+        print(indent + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())

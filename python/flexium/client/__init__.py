@@ -1,0 +1,54 @@
+"""The connection to the flexium server.
+
+``ApiClient`` (one request method for everything: the training process and the command line)
+and ``ProcessClient`` (the training process's reporter and control threads, started by
+``flexium.init()`` through ``start_client`` when a server is configured).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Optional
+
+from flexium import protocol
+from flexium.client.http import (
+    ApiClient,
+    Backoff,
+    NotFound,
+    Refused,
+    ServerError,
+    Unauthorized,
+    Unavailable,
+    Unreachable,
+)
+from flexium.client.process import ProcessClient
+
+__all__ = [
+    "ApiClient",
+    "Backoff",
+    "NotFound",
+    "ProcessClient",
+    "Refused",
+    "ServerError",
+    "Unauthorized",
+    "Unavailable",
+    "Unreachable",
+    "start_client",
+]
+
+log = logging.getLogger("flexium.client")
+
+
+def start_client(session: Any) -> Optional[ProcessClient]:
+    """Starts the threads and returns at once: registration happens in the background, and
+    an unreachable server only delays it."""
+    config = session.config
+    if config is None or config.address is None:
+        return None
+    from flexium import __version__
+
+    if not config.token:
+        log.warning("no workspace token: the server %s will refuse this process; set %s or 'token:' in .flexiumrc",
+                    config.address, protocol.TOKEN_ENV)
+    api = ApiClient(config.address, config.token, user_agent=f"flexium/{__version__} (process)")
+    return ProcessClient(session, api).start()

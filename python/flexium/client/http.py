@@ -1,0 +1,222 @@
+"""The one way anything in flexium talks to the server: ``ApiClient.request``.
+
+It owns the base URL, the workspace prefix, the token header, timeouts, retries with capped
+exponential backoff and jitter, and the mapping of the server's error bodies
+(``{"error", "message"}``, see ``flexium.protocol.ERROR_STATUS``) to exceptions. The training
+process's control threads and the command line both use it.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from typing import Any, Optional
+
+import requests
+
+from flexium import protocol
+from flexium.config import ServerAddress
+from flexium.errors import FlexiumError
+
+DEFAULT_TIMEOUT_S = 10.0
+CONNECT_TIMEOUT_S = 2.0
+MIN_BACKOFF_S = 0.1
+MAX_BACKOFF_S = 5.0
+
+
+class ServerError(FlexiumError):
+    """The server answered with an error, or could not be reached. ``code`` is the server's
+    error code (``protocol.ERROR_STATUS``), ``status`` the HTTP status (None: no answer)."""
+
+    def __init__(self, message: str, *, code: str, status: Optional[int] = None, detail: Any = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.code = code
+        self.status = status
+        self.detail = detail
+
+
+class Unreachable(ServerError):
+    """No answer: connection refused, timed out, or cut."""
+
+
+class Unavailable(ServerError):
+    """The server answered 5xx (its database is down, it is restarting, a bug)."""
+
+
+class Unauthorized(ServerError):
+    """401/403: no token, a wrong or revoked token, or a token of another workspace."""
+
+
+class NotFound(ServerError):
+    """404: unknown process or command (the server may have forgotten it: register again)."""
+
+
+class Refused(ServerError):
+    """Any other 4xx: the request was understood and refused (invalid state, busy, stale,
+    target refused, capability, invalid request, too large)."""
+
+
+_BY_STATUS: dict[int, type[ServerError]] = {401: Unauthorized, 403: Unauthorized, 404: NotFound}
+
+
+def error_from_response(response: requests.Response) -> ServerError:
+    try:
+        body = response.json()
+    except ValueError:
+        body = None
+    if isinstance(body, dict) and isinstance(body.get("message"), str):
+        code = str(body.get("error") or "error")
+        message = body["message"]
+        detail = body.get("detail")
+    else:
+        code, detail = ("internal" if response.status_code >= 500 else "bad_request"), None
+        text = response.text.strip().splitlines()[0][:200] if response.text.strip() else response.reason
+        message = f"HTTP {response.status_code} from {response.url}: {text}"
+    if response.status_code >= 500:
+        cls: type[ServerError] = Unavailable
+    else:
+        cls = _BY_STATUS.get(response.status_code, Refused)
+    return cls(message, code=code, status=response.status_code, detail=detail)
+
+
+class Backoff:
+    """Waits that double from ``base`` up to ``cap``; each is drawn from the upper half of its
+    range so that many clients cut off together (a server restart) come back spread out."""
+
+    def __init__(self, base: float = MIN_BACKOFF_S, cap: float = MAX_BACKOFF_S) -> None:
+        self.base = base
+        self.cap = cap
+        self.attempt = 0
+
+    def next(self) -> float:
+        delay = min(self.cap, self.base * (2 ** self.attempt))
+        self.attempt = min(self.attempt + 1, 30)
+        return delay * random.uniform(0.5, 1.0)
+
+    def reset(self) -> None:
+        self.attempt = 0
+
+
+class ApiClient:
+    """Requests to one workspace of one server. Safe to share between threads: each thread
+    gets its own connection pool, so a thread waiting in a long-poll never holds up another."""
+
+    def __init__(self, address: ServerAddress, token: Optional[str], *, user_agent: str = "flexium") -> None:
+        self.address = address
+        self.token = token
+        self.user_agent = user_agent
+        self._local = threading.local()
+        self._sessions: list[requests.Session] = []
+        self._sessions_lock = threading.Lock()
+
+    @property
+    def base_url(self) -> str:
+        return self.address.base_url
+
+    @property
+    def workspace(self) -> str:
+        return self.address.workspace
+
+    def url(self, path: str, *, workspace: bool = True) -> str:
+        prefix = protocol.workspace_path(self.workspace) if workspace else ""
+        return f"{self.base_url}{prefix}{path}"
+
+    def _session(self) -> requests.Session:
+        session = getattr(self._local, "session", None)
+        if session is None:
+            session = requests.Session()
+            session.headers["User-Agent"] = self.user_agent
+            if self.token:
+                session.headers[protocol.TOKEN_HEADER] = f"Bearer {self.token}"
+            self._local.session = session
+            with self._sessions_lock:
+                self._sessions.append(session)
+        return session
+
+    def request(
+        self,
+        method: str,
+        path: str,
+        *,
+        json: Any = None,
+        params: Optional[dict[str, Any]] = None,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        retries: Optional[int] = 0,
+        deadline: Optional[float] = None,
+        stop: Optional[threading.Event] = None,
+        backoff: Optional[Backoff] = None,
+        workspace: bool = True,
+    ) -> Any:
+        """Sends one request; returns the decoded JSON body, or None for 204.
+
+        ``path`` is relative to the workspace (``protocol.PATH_*``) unless ``workspace=False``.
+        ``timeout`` bounds each attempt's wait for an answer (connecting has its own short
+        limit). When the server cannot be reached or answers 5xx, the request is tried again
+        up to ``retries`` more times (None: until ``stop`` is set or ``deadline``, a
+        ``time.monotonic()`` value, passes), after a backoff wait. 4xx answers are never
+        retried: they raise Unauthorized, NotFound or Refused with the server's message.
+        """
+        backoff = backoff or Backoff()
+        attempt = 0
+        while True:
+            try:
+                return self._once(method, path, json=json, params=params, timeout=timeout, workspace=workspace)
+            except (Unreachable, Unavailable) as exc:
+                attempt += 1
+                if retries is not None and attempt > retries:
+                    raise
+                delay = backoff.next()
+                if deadline is not None and time.monotonic() + delay > deadline:
+                    raise
+                if stop is not None:
+                    if stop.wait(delay):
+                        raise
+                else:
+                    if retries is None and deadline is None:
+                        raise ValueError("retries=None needs a stop event or a deadline") from exc
+                    time.sleep(delay)
+
+    def _once(self, method: str, path: str, *, json: Any, params: Optional[dict[str, Any]], timeout: float,
+              workspace: bool) -> Any:
+        url = self.url(path, workspace=workspace)
+        try:
+            response = self._session().request(
+                method, url, json=json, params=params, timeout=(min(CONNECT_TIMEOUT_S, timeout), timeout)
+            )
+        except requests.RequestException as exc:
+            raise Unreachable(f"cannot reach the flexium server at {self.base_url}: {_short(exc)}",
+                              code="unreachable") from None
+        if response.status_code == 204:
+            return None
+        if response.status_code >= 400:
+            raise error_from_response(response)
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError:
+            raise Unavailable(f"the server at {self.base_url} answered {method} {path} with something other "
+                              "than JSON; is that address a flexium server?", code="bad_response",
+                              status=response.status_code) from None
+
+    def close(self) -> None:
+        with self._sessions_lock:
+            sessions, self._sessions = self._sessions, []
+        for session in sessions:
+            session.close()
+
+
+def _short(exc: BaseException) -> str:
+    """requests' messages nest the whole urllib3 chain; the innermost reason is what helps."""
+    if isinstance(exc, requests.ConnectTimeout):
+        return "connection timed out"
+    if isinstance(exc, requests.ReadTimeout):
+        return "no answer within the timeout"
+    text = str(exc)
+    for marker in ("Connection refused", "Name or service not known", "Temporary failure in name resolution",
+                   "No route to host", "Connection reset by peer", "Remote end closed connection"):
+        if marker in text:
+            return marker.lower()
+    return text[:200]

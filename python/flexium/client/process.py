@@ -1,0 +1,296 @@
+"""The training process's side of the server connection: two daemon threads.
+
+* The reporter registers the process (in the background, each attempt short, retried with
+  backoff while the server is away), then sends a heartbeat every ``heartbeat_interval_s``
+  and at once when the engine changes state. A 404 or 401 means the server forgot the process
+  (a restart on a new database, a removal): it registers again with its current state, so a
+  paused job comes back as PAUSED.
+* The control thread waits on the server's long-poll for the next command, reports it
+  running, runs it through the engine (which waits for a safe point itself) and reports the
+  outcome with the operation's timings and where the process is now.
+
+Training is never held back: every request runs on these threads with a timeout, and nothing
+here waits for the training thread except the engine operation itself.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from typing import Any, Optional
+
+from flexium import protocol
+from flexium.client.http import ApiClient, Backoff, NotFound, Refused, ServerError, Unauthorized
+from flexium.client.reports import ProcessReporter
+from flexium.engine import nvml
+from flexium.errors import (
+    CapabilityError,
+    InvalidStateError,
+    OperationFailedError,
+    OperationInProgressError,
+    TargetRefusedError,
+)
+
+log = logging.getLogger("flexium.client")
+
+REGISTER_TIMEOUT_S = 2.0
+HEARTBEAT_TIMEOUT_S = 5.0
+REPORT_TIMEOUT_S = 5.0
+UNREGISTER_TIMEOUT_S = 1.0
+# A long-poll that ends this early without a command means the server is answering at once
+# (it is shutting down): wait before asking again instead of spinning.
+EARLY_POLL_END_S = 0.5
+# The final outcome of a command is kept to answer a repeated delivery without running it again.
+REMEMBERED_COMMANDS = 64
+
+_REFUSALS = (TargetRefusedError, InvalidStateError, CapabilityError, OperationInProgressError)
+
+
+class ProcessClient:
+    def __init__(self, session: Any, api: ApiClient, *, reporter: Optional[ProcessReporter] = None) -> None:
+        self.session = session
+        self.api = api
+        self.engine = session.engine
+        self.process_id: str = session.process_id
+        self.reporter = reporter or ProcessReporter(session)
+        self.heartbeat_interval_s = protocol.HEARTBEAT_INTERVAL_S
+        self.poll_timeout_s = protocol.POLL_TIMEOUT_S
+        self.registrations = 0
+        self.last_delivery_s: Optional[float] = None   # created -> received, of the last command
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._registered = threading.Event()
+        self._connected = True        # what the log last said, so a long outage is logged once
+        self._finished: collections.OrderedDict[int, dict[str, Any]] = collections.OrderedDict()
+        # Held while a body that says where the process is gets built and sent: a heartbeat
+        # built during an operation (PAUSING) must not reach the server after the outcome
+        # (PAUSED) and overwrite it.
+        self._send_lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    def start(self) -> "ProcessClient":
+        if self.engine is not None:
+            self.engine.add_state_listener(self._on_engine_state)
+        for name, target in (("flexium-reporter", self._report_loop), ("flexium-control", self._control_loop)):
+            thread = threading.Thread(target=target, name=name, daemon=True)
+            thread.start()
+            self._threads.append(thread)
+        return self
+
+    def stop(self, timeout: float = UNREGISTER_TIMEOUT_S) -> None:
+        """Unregisters (one short attempt) and lets the threads end; never waits for a
+        long-poll or a server that does not answer."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._wake.set()
+        if self._registered.is_set():
+            try:
+                self.api.request("DELETE", protocol.PATH_PROCESS.format(process_id=self.process_id), timeout=timeout)
+            except ServerError as exc:
+                log.debug("unregister failed: %s", exc)
+        for thread in self._threads:
+            thread.join(0.2)
+        self.api.close()
+
+    @property
+    def registered(self) -> bool:
+        return self._registered.is_set()
+
+    def wait_registered(self, timeout: float) -> bool:
+        return self._registered.wait(timeout)
+
+    def _on_engine_state(self, _state: Any) -> None:
+        # Called on whichever thread changed the state, the training thread included: only
+        # a flag here, the heartbeat goes out from the reporter thread.
+        self._wake.set()
+
+    # ---- reporter thread: register, heartbeats ----------------------------------------------
+
+    def _report_loop(self) -> None:
+        backoff = Backoff()
+        while not self._stop.is_set():
+            if not self._registered.is_set():
+                if self._register():
+                    backoff.reset()
+                else:
+                    self._stop.wait(backoff.next())
+                continue
+            self._wake.wait(self.heartbeat_interval_s)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
+            if self._registered.is_set():
+                self._heartbeat()
+
+    def _register(self) -> bool:
+        try:
+            gpus = nvml.host_gpus()
+            with self._send_lock:
+                body = self.reporter.register_body(gpus)
+                answer = self.api.request("POST", protocol.PATH_PROCESSES, json=body, timeout=REGISTER_TIMEOUT_S)
+        except Unauthorized as exc:
+            self._lost(f"the server refused this process's token ({exc.message}); set {protocol.TOKEN_ENV} "
+                       "or 'token:' in .flexiumrc to a token of the workspace")
+            return False
+        except ServerError as exc:
+            self._lost(f"{exc.message}; training continues, flexium keeps trying in the background")
+            return False
+        except Exception:  # a bug building the report must not end the thread
+            log.exception("registering with the server failed")
+            return False
+        self.heartbeat_interval_s = float(answer.get("heartbeat_interval_s") or self.heartbeat_interval_s)
+        self.poll_timeout_s = float(answer.get("poll_timeout_s") or self.poll_timeout_s)
+        self.registrations += 1
+        self._registered.set()
+        self._connected = True
+        log.info("%s with the server %s/%s as process %s (%s)",
+                 "registered" if self.registrations == 1 else "registered again",
+                 self.api.base_url, self.api.workspace, self.process_id, body.get("state"))
+        return True
+
+    def _heartbeat(self) -> None:
+        try:
+            gpus = nvml.host_gpus()
+            with self._send_lock:
+                answer = self.api.request("POST", protocol.PATH_HEARTBEAT.format(process_id=self.process_id),
+                                          json=self.reporter.heartbeat_body(gpus), timeout=HEARTBEAT_TIMEOUT_S)
+        except (NotFound, Unauthorized) as exc:
+            log.info("the server does not know this process any more (%s): registering again", exc.message)
+            self._registered.clear()
+            return
+        except ServerError as exc:
+            self._lost(f"{exc.message}; training continues")
+            return
+        except Exception:
+            log.exception("heartbeat failed")
+            return
+        if not self._connected:
+            log.info("the server %s answers again", self.api.base_url)
+            self._connected = True
+        if answer and answer.get("heartbeat_interval_s"):
+            self.heartbeat_interval_s = float(answer["heartbeat_interval_s"])
+
+    def _lost(self, message: str) -> None:
+        if self._connected:
+            log.warning("%s", message)
+            self._connected = False
+        else:
+            log.debug("%s", message)
+
+    # ---- control thread: long-poll, run, report ---------------------------------------------
+
+    def _control_loop(self) -> None:
+        backoff = Backoff()
+        while not self._stop.is_set():
+            if not self._registered.wait(0.5):
+                continue
+            wait = self.poll_timeout_s
+            asked = time.monotonic()
+            try:
+                command = self.api.request(
+                    "GET", protocol.PATH_NEXT_COMMAND.format(process_id=self.process_id), params={"wait": wait},
+                    timeout=wait + 10.0, retries=None, stop=self._stop, backoff=backoff)
+            except (NotFound, Unauthorized):
+                self._registered.clear()
+                self._wake.set()
+                continue
+            except ServerError as exc:
+                if not self._stop.is_set():
+                    log.debug("long-poll failed: %s", exc)
+                    self._stop.wait(backoff.next())
+                continue
+            except Exception:
+                log.exception("long-poll failed")
+                self._stop.wait(backoff.next())
+                continue
+            if command is None:
+                if time.monotonic() - asked < EARLY_POLL_END_S:
+                    self._stop.wait(backoff.next())
+                else:
+                    backoff.reset()
+                continue
+            backoff.reset()
+            try:
+                self._execute(command)
+            except Exception:
+                log.exception("running command %s failed", command.get("id"))
+
+    def _execute(self, command: dict[str, Any]) -> None:
+        command_id = int(command["id"])
+        received = time.time()
+        done = self._finished.get(command_id)
+        if done is not None:
+            # Delivered again (our earlier answer was lost): never run an operation twice.
+            self._send_report(command_id, done, final=True)
+            return
+        created = command.get("created_at")
+        if isinstance(created, (int, float)):
+            self.last_delivery_s = max(0.0, received - created)
+        target = command.get("target_device") or command.get("target_uuid")
+        log.info("command %d: %s%s (received %.1f ms after it was created)", command_id, command.get("kind"),
+                 f" to {target}" if target else "", (self.last_delivery_s or 0.0) * 1e3)
+        self._send_report(command_id, {"state": "running"}, final=False)
+        report = self._run(command)
+        self._finished[command_id] = report
+        while len(self._finished) > REMEMBERED_COMMANDS:
+            self._finished.popitem(last=False)
+        self._send_report(command_id, report, final=True)
+        self._wake.set()
+
+    def _run(self, command: dict[str, Any]) -> dict[str, Any]:
+        kind = command.get("kind")
+        engine = self.engine
+        if engine is None:
+            problems = "; ".join(self.reporter.capabilities().get("problems") or []) or "no engine"
+            return self._failed(f"this process cannot {kind}: {problems}")
+        # The UUID names the physical GPU whatever the process's ordinals have become.
+        target = command.get("target_uuid") or command.get("target_device")
+        try:
+            if kind == "migrate":
+                if not target:
+                    return self._failed("migrate needs a target GPU")
+                result = engine.migrate(target)
+            elif kind == "pause":
+                result = engine.pause()
+            elif kind == "resume":
+                result = engine.resume(target or None)
+            else:
+                return self._failed(f"unknown command kind {kind!r}")
+        except OperationFailedError as exc:
+            return self._failed(str(exc), result=exc.result.to_dict() if exc.result is not None else None)
+        except _REFUSALS as exc:
+            return self._failed(str(exc))
+        except Exception as exc:
+            log.exception("%s failed", kind)
+            return self._failed(f"{type(exc).__name__}: {exc}")
+        return {"state": "succeeded", "result": result.to_dict(), "process": self.reporter.process_update()}
+
+    def _failed(self, error: str, *, result: Optional[dict[str, Any]] = None) -> dict[str, Any]:
+        report: dict[str, Any] = {"state": "failed", "error": error[: protocol.MAX_LONG_TEXT],
+                                  "process": self.reporter.process_update()}
+        if result is not None:
+            report["result"] = result
+        return report
+
+    def _send_report(self, command_id: int, report: dict[str, Any], *, final: bool) -> None:
+        """A final outcome is retried until the server takes it (or the client stops): it is
+        the only record of what the process did. 'running' is tried briefly; the operation
+        does not wait for the server."""
+        path = protocol.PATH_COMMAND_REPORT.format(command_id=command_id)
+        try:
+            if final:
+                with self._send_lock:
+                    self.api.request("POST", path, json=report, timeout=REPORT_TIMEOUT_S, retries=None,
+                                     stop=self._stop)
+            else:
+                with self._send_lock:
+                    self.api.request("POST", path, json=report, timeout=REPORT_TIMEOUT_S, retries=2)
+        except (NotFound, Refused, Unauthorized) as exc:
+            log.warning("the server refused the report on command %d (%s): %s", command_id, report["state"], exc.message)
+        except ServerError as exc:
+            log.warning("could not report command %d %s: %s", command_id, report["state"], exc.message)

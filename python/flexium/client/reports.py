@@ -1,0 +1,206 @@
+"""What this process tells the server about itself: the bodies of register, heartbeat and
+the process part of a command report (shapes in ``flexium.protocol``).
+
+Hazard: while the engine has the process locked or checkpointed (MIGRATING, PAUSING, PAUSED,
+RESUMING), any CUDA call, torch.cuda.* included, blocks until it runs again. Nothing here
+touches torch or CUDA unless the engine says RUNNING; NVML goes through ``nvml.host_gpus()``,
+which reads from a child process while the process is frozen.
+"""
+
+from __future__ import annotations
+
+import getpass
+import os
+import shlex
+import socket
+import sys
+import time
+from typing import Any, Optional
+
+from flexium import protocol
+from flexium.engine import nvml, torch_bridge
+from flexium.engine.operations import EngineState
+
+_STATE_ON_WIRE = {
+    EngineState.RUNNING: "RUNNING",
+    EngineState.MIGRATING: "MIGRATING",
+    EngineState.PAUSING: "PAUSING",
+    EngineState.PAUSED: "PAUSED",
+    EngineState.RESUMING: "RESUMING",
+    # The protocol has no state for "a rollback failed, the process may be stuck". PAUSED is
+    # the closest truth (it is not training) and any command sent to it is refused by the
+    # engine with a message saying to restart the job.
+    EngineState.FAILED: "PAUSED",
+}
+
+
+def _short(text: Any, limit: int = protocol.MAX_SHORT_TEXT) -> str:
+    return str(text or "")[:limit]
+
+
+def _process_started_at() -> Optional[float]:
+    """When this process started (Linux: /proc), so the dashboard shows the job's age, not
+    the age of its flexium connection."""
+    try:
+        with open("/proc/self/stat", encoding="ascii") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        start_ticks = int(fields[19])
+        with open("/proc/stat", encoding="ascii") as f:
+            boot = next(int(line.split()[1]) for line in f if line.startswith("btime "))
+        return boot + start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
+
+
+def _torch_version() -> str:
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        return _short(getattr(torch, "__version__", ""))
+    try:
+        from importlib.metadata import version
+
+        return _short(version("torch"))
+    except Exception:  # not installed, or metadata unreadable: nothing to report
+        return ""
+
+
+def _user() -> str:
+    try:
+        return _short(getpass.getuser())
+    except Exception:  # no passwd entry in some containers
+        return _short(os.getuid())
+
+
+def gpu_reports(gpus: list[nvml.HostGpu]) -> list[protocol.GpuReport]:
+    reports: list[protocol.GpuReport] = []
+    for gpu in gpus[: protocol.MAX_DEVICES]:
+        utilization = gpu.utilization_percent
+        reports.append(protocol.GpuReport(
+            uuid=_short(gpu.uuid),
+            index=int(gpu.index),
+            name=_short(gpu.name),
+            memory_total=int(gpu.memory_total),
+            memory_used=int(gpu.memory_used),
+            utilization=None if utilization is None else max(0, min(100, int(utilization))),
+            temperature=None if gpu.temperature_c is None else int(gpu.temperature_c),
+            # "unknown" means NVML cannot read ECC counters on this GPU, not that it is unwell;
+            # the server refuses targets whose health is anything but "ok".
+            health="ok" if gpu.health == "unknown" else _short(gpu.health),
+        ))
+    return reports
+
+
+class ProcessReporter:
+    """Builds the bodies from the session (process id, devices, capabilities) and its engine
+    (state, placement, memory). Called from the client's threads only."""
+
+    def __init__(self, session: Any) -> None:
+        self.session = session
+        self.engine = session.engine
+        self.pid = os.getpid()
+        self.host = _short(socket.gethostname(), protocol.MAX_HOST_LEN) or "localhost"
+        self.started_at = _process_started_at() or time.time()
+        self._last_memory = 0
+
+    # ---- state and placement: pure Python, safe at any time ---------------------------------
+
+    def state(self) -> str:
+        if self.engine is None:
+            return "RUNNING"
+        return _STATE_ON_WIRE.get(self.engine.state, "RUNNING")
+
+    def placement(self) -> dict[str, Any]:
+        if self.engine is None:
+            device = self.session.logical_device
+            return {"gpu_uuid": None, "gpu_index": None, "physical_device": _short(device)}
+        _, gpu = self.engine.placement()
+        return {"gpu_uuid": _short(gpu.uuid), "gpu_index": gpu.nvml_index, "physical_device": gpu.device}
+
+    def capabilities(self) -> dict[str, Any]:
+        caps = self.session.capabilities
+        data: dict[str, Any] = caps.to_dict() if caps is not None else {}
+        if self.engine is None:
+            # Whatever the driver allows, without the engine this process cannot act on commands.
+            data[protocol.CAP_PAUSE_RESUME] = False
+            data[protocol.CAP_MIGRATION] = False
+            problems = list(data.get("problems") or [])
+            problems.append("flexium's engine is not running in this process (training on "
+                            f"{self.session.logical_device}): migrate, pause and resume are off")
+            data["problems"] = problems
+        return data
+
+    # ---- measurements -----------------------------------------------------------------------
+
+    def memory(self, gpus: Optional[list[nvml.HostGpu]] = None) -> tuple[int, Optional[int]]:
+        """(bytes held on GPUs now, bytes needed on a GPU). The second is None while an
+        operation runs: asking would mean touching the frozen process."""
+        engine = self.engine
+        if engine is None:
+            held = self._held_by_pid(gpus)
+            if held is None:
+                held = torch_bridge.reserved_bytes()
+            return held, held
+        state = engine.state
+        if state == EngineState.RUNNING:
+            held = int(engine.process_bytes())
+            self._last_memory = held
+            return held, held
+        if state in (EngineState.PAUSED, EngineState.FAILED):
+            return 0, int(engine.footprint_bytes())
+        return self._last_memory, None
+
+    def _held_by_pid(self, gpus: Optional[list[nvml.HostGpu]]) -> Optional[int]:
+        found = None
+        for gpu in gpus if gpus is not None else nvml.host_gpus():
+            used = gpu.used_by(self.pid)
+            if used is not None:
+                found = (found or 0) + used
+        return found
+
+    # ---- bodies -----------------------------------------------------------------------------
+
+    def register_body(self, gpus: list[nvml.HostGpu]) -> protocol.RegisterRequest:
+        from flexium import __version__
+
+        memory, footprint = self.memory(gpus)
+        placement = self.placement()
+        engine = self.engine
+        caps = self.session.capabilities
+        body = protocol.RegisterRequest(
+            process_id=self.session.process_id,
+            host=self.host,
+            user=_user(),
+            pid=self.pid,
+            gpu_uuid=placement["gpu_uuid"],
+            gpu_model="" if engine is None else _short(engine.placement()[1].name),
+            gpu_index=placement["gpu_index"],
+            logical_device=_short(self.session.logical_device),
+            physical_device=placement["physical_device"],
+            visible_gpus=[] if engine is None else [_short(g.uuid) for g in sorted(engine.gpus, key=lambda g: g.ordinal)],
+            torch_version=_torch_version(),
+            driver_version=_short(caps.driver_version if caps is not None else ""),
+            flexium_version=_short(__version__),
+            capabilities=self.capabilities(),
+            memory_bytes=memory,
+            state=self.state(),
+            started_at=self.started_at,
+            cmdline=_short(" ".join(shlex.quote(a) for a in getattr(sys, "orig_argv", sys.argv)), protocol.MAX_LONG_TEXT),
+            devices=gpu_reports(gpus),
+        )
+        if footprint is not None:
+            body["footprint_bytes"] = footprint
+        return body
+
+    def heartbeat_body(self, gpus: list[nvml.HostGpu]) -> protocol.HeartbeatRequest:
+        memory, footprint = self.memory(gpus)
+        body = protocol.HeartbeatRequest(state=self.state(), memory_bytes=memory, devices=gpu_reports(gpus))
+        body.update(self.placement())  # type: ignore[typeddict-item]
+        if footprint is not None:
+            body["footprint_bytes"] = footprint
+        return body
+
+    def process_update(self) -> protocol.ProcessUpdate:
+        memory, _ = self.memory()
+        update = protocol.ProcessUpdate(state=self.state(), memory_bytes=memory)
+        update.update(self.placement())  # type: ignore[typeddict-item]
+        return update

@@ -1,0 +1,28 @@
+"""Fixtures of the end-to-end tests (helpers in e2e_helpers.py)."""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+pytest.importorskip("fastapi", reason='the server extra is not installed: pip install "flexium[server]"')
+pytest.importorskip("torch", reason="the training processes need torch (a CPU build)")
+
+from e2e_helpers import Server  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def module_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("e2e")
+
+
+@pytest.fixture(scope="module")
+def server(module_tmp: Path) -> Iterator[Server]:
+    srv = Server(module_tmp)
+    srv.create_workspace()
+    srv.start()
+    yield srv
+    srv.stop(signal.SIGKILL)

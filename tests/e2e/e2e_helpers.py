@@ -1,0 +1,235 @@
+"""Helpers of the end-to-end tests: a real ``flexium server`` process, real training processes
+(``train_job.py``: CPU torch + ``flexium.init()``, optionally on the fake driver) and the
+real ``flexium`` command. Everything listens on 127.0.0.1 only; every wait is bounded.
+(Imported by name: pytest puts this folder on sys.path.)"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import requests
+
+import fake_driver  # tests/ is on sys.path: tests/conftest.py
+
+HERE = Path(__file__).resolve().parent
+TRAIN_JOB = HERE / "train_job.py"
+WORKSPACE = "e2e"
+HEARTBEAT_S = 0.5
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+def clean_env(home: Path) -> dict[str, str]:
+    """This environment without flexium's or the fake driver's settings, with a home of its own
+    (no ~/.flexiumrc of the machine applies)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("FLEXIUM_", "FAKE_CUDA_", "FAKE_NVML_")) and k not in ("GPU_DEVICE", "CI_FLEXIUM")}
+    env["HOME"] = str(home)
+    env["FLEXIUM_HOME"] = str(home / ".flexium")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def flexium_command() -> list[str]:
+    script = Path(sys.executable).with_name("flexium")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "flexium.cli.main"]
+
+
+class Output:
+    """A child's combined output, collected by a thread; lines are searchable as they come."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.lines: list[str] = []
+        self._proc = proc
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout: float, start: int = 0) -> re.Match[str]:
+        regex = re.compile(pattern)
+
+        def find() -> Optional[re.Match[str]]:
+            for line in self.lines[start:]:
+                match = regex.search(line)
+                if match:
+                    return match
+            if self._proc.poll() is not None and not self._thread.is_alive():
+                raise AssertionError(f"process exited ({self._proc.returncode}) before printing {pattern!r}:\n"
+                                     + self.text[-3000:])
+            return None
+
+        return wait_until(find, timeout, f"{pattern!r} in the output:\n{self.text[-2000:]}")
+
+
+class Server:
+    """``python -m flexium.server`` (what ``flexium server`` runs) on a SQLite file; restartable
+    on the same port and database."""
+
+    def __init__(self, tmp: Path, *, port: Optional[int] = None) -> None:
+        self.tmp = tmp
+        self.home = tmp / "home"
+        self.home.mkdir(parents=True, exist_ok=True)
+        self.port = port or free_port()
+        self.database = f"sqlite:///{tmp / 'server.db'}"
+        self.proc: Optional[subprocess.Popen[str]] = None
+        self.output: Optional[Output] = None
+        self.token: Optional[str] = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def address(self) -> str:
+        return f"127.0.0.1:{self.port}/{WORKSPACE}"
+
+    @property
+    def api(self) -> str:
+        return f"{self.url}/api/w/{WORKSPACE}"
+
+    def create_workspace(self) -> str:
+        """``flexium workspace create`` on the database (the server need not run)."""
+        done = subprocess.run([*flexium_command(), "workspace", "create", WORKSPACE, "--database", self.database],
+                              env=clean_env(self.home), capture_output=True, text=True, timeout=60)
+        assert done.returncode == 0, done.stderr
+        self.token = done.stdout.strip().splitlines()[-1]
+        assert self.token.startswith("flx_"), done.stdout
+        return self.token
+
+    def start(self, timeout: float = 60.0) -> "Server":
+        cmd = [sys.executable, "-m", "flexium.server", "--host", "127.0.0.1", "--port", str(self.port),
+               "--database", self.database, "--heartbeat-interval", str(HEARTBEAT_S), "--stale-after", "20"]
+        self.proc = subprocess.Popen(cmd, env=clean_env(self.home), stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True)
+        self.output = Output(self.proc)
+
+        def healthy() -> bool:
+            assert self.proc is not None
+            if self.proc.poll() is not None:
+                raise AssertionError("server exited:\n" + (self.output.text if self.output else ""))
+            try:
+                return requests.get(self.url + "/healthz", timeout=1).status_code == 200
+            except requests.RequestException:
+                return False
+
+        wait_until(healthy, timeout, "the server to answer /healthz")
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError("the server did not stop within the timeout")
+
+    def headers(self, token: Optional[str] = None) -> dict[str, str]:
+        return {"Authorization": f"Bearer {token or self.token}"}
+
+    def get(self, path: str, **kw: Any) -> requests.Response:
+        return requests.get(self.api + path, headers=kw.pop("headers", self.headers()), timeout=10, **kw)
+
+    def post(self, path: str, json: Any = None, **kw: Any) -> requests.Response:
+        return requests.post(self.api + path, json=json, headers=kw.pop("headers", self.headers()), timeout=10, **kw)
+
+    def process(self, process_id: str) -> Optional[dict[str, Any]]:
+        r = self.get(f"/processes/{process_id}")
+        return r.json() if r.status_code == 200 else None
+
+    def cli(self, *args: str, timeout: float = 60.0, env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess[str]:
+        run_env = clean_env(self.home)
+        run_env["FLEXIUM_SERVER"] = self.address
+        run_env["FLEXIUM_TOKEN"] = self.token or ""
+        run_env.update(env or {})
+        return subprocess.run([*flexium_command(), *args], env=run_env, capture_output=True, text=True,
+                              timeout=timeout, cwd=self.home)
+
+
+class Job:
+    """A training process (tests/e2e/train_job.py)."""
+
+    def __init__(self, server: Server, *, fake: bool, memory_mib: int = 1024, address: Optional[str] = None,
+                 extra_env: Optional[dict[str, str]] = None) -> None:
+        self.server = server
+        self.control = server.tmp / f"control-{time.monotonic_ns()}"
+        library = fake_driver.build()
+        env = clean_env(server.home)
+        if fake:
+            env.update({k: v for k, v in fake_driver.subprocess_env(library).items()
+                        if k in ("FLEXIUM_LIBCUDA", "FLEXIUM_LIBNVML", "PYTHONPATH")})
+        else:
+            # NVML only: the job sees the host's GPUs but has no driver to move itself with.
+            env["FLEXIUM_LIBNVML"] = str(library)
+        env["FLEXIUM_SERVER"] = address or server.address
+        env["FLEXIUM_TOKEN"] = server.token or ""
+        env["E2E_JOB_MEMORY_MIB"] = str(memory_mib)
+        env["E2E_CONTROL"] = str(self.control)
+        env["E2E_PRINT_EVERY"] = "5"
+        env.update(extra_env or {})
+        self.proc = subprocess.Popen([sys.executable, str(TRAIN_JOB)], env=env, stdout=subprocess.PIPE,
+                                     stderr=subprocess.STDOUT, text=True, cwd=server.home)
+        self.output = Output(self.proc)
+        match = self.output.wait_for(r"^init (\S+) (gpu-[0-9a-f]+)$", 60)
+        self.init_seconds = float(match.group(1))
+        self.process_id = match.group(2)
+
+    def steps(self) -> int:
+        numbers = [int(m.group(1)) for line in self.output.lines if (m := re.match(r"^step (\d+) ", line))]
+        return max(numbers, default=0)
+
+    def wait_registered(self, timeout: float = 20.0) -> dict[str, Any]:
+        return wait_until(lambda: self.server.process(self.process_id), timeout,
+                          f"process {self.process_id} to register")
+
+    def arm_failure(self, function: str, code: str) -> None:
+        start = len(self.output.lines)
+        self.control.write_text(f"fail {function} {code}\n")
+        self.output.wait_for(r"^control done$", 20, start=start)
+
+    def stop(self, timeout: float = 20.0) -> int:
+        if self.proc.poll() is None:
+            os.kill(self.proc.pid, signal.SIGCONT)
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError("the training process did not exit:\n" + self.output.text[-3000:])
+        return int(self.proc.returncode)
+
+
