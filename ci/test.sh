@@ -49,3 +49,11 @@ export FLEXIUM_TEST_POSTGRES_URL="postgresql://postgres@127.0.0.1:$pg_port/postg
 
 echo "== server tests (SQLite and PostgreSQL $("$pg_bin/postgres" --version | awk '{print $3}'))"
 python -m pytest -q tests/server "$@"
+
+# -----------------------------------------------------------------------------------------------
+# End-to-end tests (tests/e2e): a real `flexium server` process on SQLite, real training
+# processes (CPU torch; the fake driver library for migrate / pause / resume) and the `flexium`
+# command line, all on 127.0.0.1. They need the server extra, installed above when missing.
+echo "== end-to-end tests"
+python -c "import fastapi, uvicorn, sqlalchemy" 2>/dev/null || python -m pip install -q --no-build-isolation ".[server,test]"
+python -m pytest -q tests/e2e "$@"
