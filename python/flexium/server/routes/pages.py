@@ -1,52 +1,328 @@
-"""Server-rendered dashboard pages (Jinja templates in ``server/templates``), built on the same
-storage functions as the API. Only the frame is here: login, logout and a minimal overview;
-the dashboard proper grows from ``index.html``."""
+"""The dashboard: one server-rendered page, and the fragments its script swaps in when a live
+event says something changed (``/ui/...``). Page and fragments render through the same Jinja
+macros from the same storage functions as the API, so a row looks the same on first load and
+after an update, and every value a client sent goes through Jinja's escaping exactly once.
+
+The script only moves server-rendered HTML around and posts commands to the API; it never
+builds markup from data. The pages send a Content-Security-Policy without inline scripts as a
+second line against injected markup."""
 
 from __future__ import annotations
 
+import math
+import shlex
 import time
 from pathlib import Path
-from typing import Optional
+from typing import Any, Mapping, Optional
 from urllib.parse import parse_qs
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
+from jinja2 import Environment, FileSystemLoader
+from sqlalchemy.orm import Session
 
 from flexium import protocol
 from flexium.server import storage
 from flexium.server.auth import resolve_token
 from flexium.server.context import Ctx
+from flexium.server.errors import NotFound
 from flexium.server.storage import AuthInfo
 
-TEMPLATES = Jinja2Templates(directory=str(Path(__file__).resolve().parent.parent / "templates"))
+_TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
+# autoescape for every template, whatever its file name: fragments hold client-sent text.
+TEMPLATES = Jinja2Templates(env=Environment(loader=FileSystemLoader(str(_TEMPLATE_DIR)),
+                                            autoescape=True, trim_blocks=True, lstrip_blocks=True))
 
 router = APIRouter(include_in_schema=False)
 
+_CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+        "connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'self'; "
+        "frame-ancestors 'none'")
+_HEADERS = {"Content-Security-Policy": _CSP, "X-Content-Type-Options": "nosniff",
+            "Referrer-Policy": "same-origin", "Cache-Control": "no-store"}
+# How far back the table looks for each process's last finished command (see ``last_finished``).
+_COMMAND_SCAN = 500
+_RECENT_COMMANDS = 15
+
+
+# --- formatting (Jinja filters; static/dashboard.js formats ticking times the same way) -----
+
+def fmt_bytes(n: Optional[int]) -> str:
+    if not n:
+        return "0 B"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit in ("B", "KiB") or value >= 100 else f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{n} B"
+
+
+def fmt_duration(seconds: Optional[float], precise: bool = True) -> str:
+    """``precise``: hundredths under 10 s (how long an operation took); else whole seconds
+    (how long a job has run)."""
+    if seconds is None or not math.isfinite(seconds):
+        return "—"
+    s = max(0.0, seconds)
+    if s < 10 and precise:
+        return f"{s:.2f} s"
+    if s < 60:
+        return f"{int(s)} s"
+    m, sec = divmod(int(s), 60)
+    if m < 60:
+        return f"{m} min {sec} s" if sec else f"{m} min"
+    h, m = divmod(m, 60)
+    if h < 24:
+        return f"{h} h {m} min" if m else f"{h} h"
+    d, h = divmod(h, 24)
+    return f"{d} d {h} h" if h else f"{d} d"
+
+
+def fmt_ago(ts: Optional[float], now: float) -> str:
+    if ts is None:
+        return "—"
+    age = max(0.0, now - ts)
+    if age < 2:
+        return "just now"
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60)):
+        if age >= size:
+            return f"{int(age // size)} {unit} ago"
+    return f"{int(age)} s ago"
+
+
+def job_name(process: Mapping[str, Any]) -> str:
+    """A short name a person recognizes: the script of the command line (launchers such as
+    ``torchrun`` or ``python -m torch.distributed.run`` come first), else its ``-m`` module,
+    else the program, else the process id."""
+    try:
+        words = shlex.split(process.get("cmdline") or "")
+    except ValueError:
+        words = (process.get("cmdline") or "").split()
+    for word in words:
+        if word.endswith(".py"):
+            return Path(word).name
+    for i, word in enumerate(words[:-1]):
+        if word == "-m":
+            return words[i + 1]
+    if words:
+        return Path(words[0]).name or words[0]
+    return str(process.get("process_id") or "")
+
+
+def gpu_label(index: Optional[int], uuid: Optional[str]) -> str:
+    if index is not None:
+        return f"GPU {index}"
+    return f"GPU {uuid[:12]}" if uuid else "no GPU"
+
+
+def membar(device: Mapping[str, Any]) -> dict[str, int]:
+    """Widths (of 1000) of the flexium / other / free parts of a GPU's memory bar."""
+    total = max(int(device.get("memory_total") or 0), 1)
+    ours = min(int(device.get("memory_flexium") or 0), total)
+    other = min(int(device.get("memory_other") or 0), total - ours)
+    f = round(1000 * ours / total)
+    o = round(1000 * other / total)
+    if ours and not f:
+        f = 1                                  # a job's sliver stays visible
+    return {"flexium": f, "other": o, "free": max(0, 1000 - f - o)}
+
+
+def command_seconds(command: Mapping[str, Any]) -> Optional[float]:
+    """The operation's own measure when the process sent one, else the server's clock."""
+    seconds = (command.get("result") or {}).get("seconds")
+    if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and math.isfinite(seconds) and seconds >= 0:
+        return float(seconds)
+    if command.get("finished_at") is not None and command.get("started_at") is not None:
+        return float(command["finished_at"]) - float(command["started_at"])
+    return None
+
+
+TEMPLATES.env.filters.update(bytes=fmt_bytes, duration=fmt_duration)
+TEMPLATES.env.globals.update(fmt_ago=fmt_ago, job_name=job_name, gpu_label=gpu_label, membar=membar,
+                             command_seconds=command_seconds, DISPLAY_STATES=protocol.DISPLAY_STATES,
+                             CAP_MIGRATION=protocol.CAP_MIGRATION, CAP_PAUSE_RESUME=protocol.CAP_PAUSE_RESUME)
+
+
+# --- what the page shows, read in one transaction ---------------------------------------------
+
+def last_finished(commands: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """process id -> its newest finished command, from commands listed newest first."""
+    last: dict[str, dict[str, Any]] = {}
+    for command in commands:
+        if command["state"] in protocol.FINAL_COMMAND_STATES:
+            last.setdefault(command["process_id"], command)
+    return last
+
+
+def dashboard_view(*, session: Session, workspace_id: int, now: float, stale_after: float,
+                   process_id: Optional[str] = None, host: Optional[str] = None,
+                   processes: bool = True, devices: bool = True, commands: bool = True) -> dict[str, Any]:
+    """Processes, GPUs and recent commands through the API's storage functions, in one
+    transaction so the parts agree with each other. ``process_id`` narrows to one process
+    (NotFound when it is gone), ``host`` the GPUs to one host."""
+    view: dict[str, Any] = {"now": now, "stale_after": stale_after}
+    if process_id is not None:
+        view["process"] = storage.get_process(session=session, workspace_id=workspace_id,
+                                              process_id=process_id, now=now, stale_after=stale_after)
+        view["last"] = last_finished(storage.list_commands(session=session, workspace_id=workspace_id,
+                                                           process_id=process_id, limit=20))
+    elif processes:
+        view["processes"] = storage.list_processes(session=session, workspace_id=workspace_id,
+                                                   now=now, stale_after=stale_after)
+        scanned = storage.list_commands(session=session, workspace_id=workspace_id, limit=_COMMAND_SCAN)
+        view["last"] = last_finished(scanned)
+        view["commands"] = scanned[:_RECENT_COMMANDS]
+    if commands and "commands" not in view:
+        view["commands"] = storage.list_commands(session=session, workspace_id=workspace_id,
+                                                 limit=_RECENT_COMMANDS)
+    if devices:
+        view["hosts"] = storage.list_devices(session=session, workspace_id=workspace_id, now=now,
+                                             stale_after=stale_after, host=host)["hosts"]
+    return view
+
+
+def judge_targets(process: Mapping[str, Any], hosts: list[dict[str, Any]], *, kind: str,
+                  now: float, stale_after: float) -> list[tuple[dict[str, Any], Optional[str]]]:
+    """Every GPU of the process's host with the reason it cannot take the job (None: it fits).
+
+    The same rules ``storage.create_command`` enforces, applied to what the API shows, so the
+    dialog offers only GPUs the server will accept; the server still has the last word (the
+    picture may change between opening the dialog and the click)."""
+    judged: list[tuple[dict[str, Any], Optional[str]]] = []
+    visible = list(process.get("visible_gpus") or [])
+    need = max(int(process.get("footprint_bytes") or 0), int(process.get("memory_bytes") or 0))
+    model = process.get("gpu_model") or ""
+    home = process.get("gpu_uuid")
+    can_move = bool((process.get("capabilities") or {}).get(protocol.CAP_MIGRATION))
+    for entry in hosts:
+        if entry["host"] != process.get("host"):
+            continue
+        for device in entry["devices"]:
+            reason: Optional[str] = None
+            if device["uuid"] == home and kind == "migrate":
+                reason = "the job is on it"
+            elif visible and device["uuid"] not in visible:
+                reason = "not visible to the job (CUDA_VISIBLE_DEVICES)"
+            elif model and device["name"] and device["name"] != model:
+                reason = f"{device['name']}; the job needs {model}"
+            elif device["health"] and device["health"] != "ok":
+                reason = f"health: {device['health']}"
+            elif device["updated_at"] < now - stale_after:
+                reason = "no fresh report from its host"
+            elif device["memory_free"] < need:
+                reason = f"{fmt_bytes(device['memory_free'])} free, the job needs {fmt_bytes(need)}"
+            elif kind == "resume" and home and device["uuid"] != home and not can_move:
+                reason = "resuming on another GPU needs migration (driver 580+)"
+            judged.append((device, reason))
+    return judged
+
+
+# --- auth and responses -----------------------------------------------------------------------
 
 async def page_auth(request: Request, ctx: Ctx) -> Optional[AuthInfo]:
     token = request.cookies.get(protocol.TOKEN_COOKIE)
     return await resolve_token(ctx, token) if token else None
 
 
+def _render(request: Request, name: str, context: dict[str, Any], status_code: int = 200) -> Response:
+    return TEMPLATES.TemplateResponse(request, name, context, status_code=status_code, headers=_HEADERS)
+
+
+def _signed_out() -> Response:
+    # Fragments answer 401 instead of redirecting: the script sends the person to /login.
+    return Response("log in again", status_code=401, media_type="text/plain", headers=_HEADERS)
+
+
+async def _view(request: Request, ctx: Ctx, auth: AuthInfo, **narrow: Any) -> dict[str, Any]:
+    view = await ctx.db.call(dashboard_view, write=False, workspace_id=auth.workspace_id,
+                             now=time.time(), stale_after=ctx.settings.stale_after_s, **narrow)
+    view["workspace"] = auth.workspace
+    view["api_base"] = protocol.workspace_path(auth.workspace)
+    return view
+
+
+# --- the page ---------------------------------------------------------------------------------
+
 @router.get("/", response_class=HTMLResponse)
 async def index(request: Request, ctx: Ctx) -> Response:
     auth = await page_auth(request, ctx)
     if auth is None:
         return RedirectResponse("/login", status_code=303)
-    now = time.time()
-    processes = await ctx.db.call(storage.list_processes, write=False, workspace_id=auth.workspace_id,
-                                  now=now, stale_after=ctx.settings.stale_after_s)
-    devices = await ctx.db.call(storage.list_devices, write=False, workspace_id=auth.workspace_id,
-                                now=now, stale_after=ctx.settings.stale_after_s)
-    return TEMPLATES.TemplateResponse(request, "index.html", {
-        "workspace": auth.workspace, "processes": processes, "hosts": devices["hosts"],
-        "api_base": protocol.workspace_path(auth.workspace)})
+    view = await _view(request, ctx, auth)
+    host = request.url.hostname or "localhost"
+    port = request.url.port or (443 if request.url.scheme == "https" else 80)
+    view["server_address"] = f"{host}:{port}/{auth.workspace}"
+    view["token_env"] = protocol.TOKEN_ENV
+    view["server_env"] = protocol.SERVER_ENV
+    # Events published between this read and the script's subscription are not replayed to
+    # it; the script compares this with the stream's first id and reloads the lists if they differ.
+    view["event_id"] = ctx.bus.last_id
+    return _render(request, "index.html", view)
 
+
+# --- fragments (the script swaps these in on live events) -------------------------------------
+
+@router.get("/ui/processes", response_class=HTMLResponse)
+async def process_rows(request: Request, ctx: Ctx) -> Response:
+    auth = await page_auth(request, ctx)
+    if auth is None:
+        return _signed_out()
+    return _render(request, "fragments/rows.html", await _view(request, ctx, auth, devices=False, commands=False))
+
+
+@router.get("/ui/processes/{process_id}", response_class=HTMLResponse)
+async def process_row(request: Request, ctx: Ctx, process_id: str) -> Response:
+    auth = await page_auth(request, ctx)
+    if auth is None:
+        return _signed_out()
+    try:
+        view = await _view(request, ctx, auth, process_id=process_id, devices=False, commands=False)
+    except NotFound:
+        return Response("", status_code=404, headers=_HEADERS)
+    return _render(request, "fragments/row.html", view)
+
+
+@router.get("/ui/processes/{process_id}/targets", response_class=HTMLResponse)
+async def target_form(request: Request, ctx: Ctx, process_id: str,
+                      kind: str = Query("migrate", pattern="^(migrate|resume)$")) -> Response:
+    auth = await page_auth(request, ctx)
+    if auth is None:
+        return _signed_out()
+    try:
+        view = await _view(request, ctx, auth, process_id=process_id, commands=False)
+    except NotFound:
+        return Response("", status_code=404, headers=_HEADERS)
+    judged = judge_targets(view["process"], view["hosts"], kind=kind, now=view["now"],
+                           stale_after=view["stale_after"])
+    view.update(kind=kind, fits=[d for d, reason in judged if reason is None],
+                refused=[(d, reason) for d, reason in judged if reason is not None])
+    return _render(request, "fragments/targets.html", view)
+
+
+@router.get("/ui/devices", response_class=HTMLResponse)
+async def device_cards(request: Request, ctx: Ctx, host: Optional[str] = Query(None, max_length=protocol.MAX_HOST_LEN)) -> Response:
+    auth = await page_auth(request, ctx)
+    if auth is None:
+        return _signed_out()
+    view = await _view(request, ctx, auth, processes=False, commands=False, host=host or None)
+    return _render(request, "fragments/hosts.html", view)
+
+
+@router.get("/ui/commands", response_class=HTMLResponse)
+async def recent_commands(request: Request, ctx: Ctx) -> Response:
+    auth = await page_auth(request, ctx)
+    if auth is None:
+        return _signed_out()
+    return _render(request, "fragments/commands.html",
+                   await _view(request, ctx, auth, processes=False, devices=False))
+
+
+# --- log in / out -----------------------------------------------------------------------------
 
 @router.get("/login", response_class=HTMLResponse)
 async def login_page(request: Request) -> Response:
-    return TEMPLATES.TemplateResponse(request, "login.html", {"error": None})
+    return _render(request, "login.html", {"error": None})
 
 
 @router.post("/login", response_class=HTMLResponse)
@@ -55,8 +331,7 @@ async def login(request: Request, ctx: Ctx) -> Response:
     token = (parse_qs(body).get("token") or [""])[0].strip()
     auth = await resolve_token(ctx, token) if token else None
     if auth is None:
-        return TEMPLATES.TemplateResponse(request, "login.html", {"error": "invalid or revoked token"},
-                                          status_code=401)
+        return _render(request, "login.html", {"error": "invalid or revoked token"}, status_code=401)
     response = RedirectResponse("/", status_code=303)
     response.set_cookie(protocol.TOKEN_COOKIE, token, httponly=True, samesite="strict",
                         secure=request.url.scheme == "https", max_age=30 * 24 * 3600)
@@ -68,5 +343,3 @@ async def logout() -> Response:
     response = RedirectResponse("/login", status_code=303)
     response.delete_cookie(protocol.TOKEN_COOKIE)
     return response
-
-

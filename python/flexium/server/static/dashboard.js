@@ -1,0 +1,474 @@
+// The dashboard's live part. The server renders every row, card and list (routes/pages.py);
+// this script swaps in fresh server-rendered fragments when the event stream says something
+// changed, filters rows in place, and posts commands to the API. It never builds markup from
+// data: text that came from the API goes in through textContent only.
+(function () {
+  "use strict";
+
+  var body = document.body;
+  var API = body.dataset.apiBase;
+  var CSRF_HEADER = "X-Flexium-Request";
+  var skew = parseFloat(body.dataset.serverTime) - Date.now() / 1000;
+  var rows = document.getElementById("process-rows");
+  var hosts = document.getElementById("hosts");
+  var commands = document.getElementById("commands");
+  var dialog = document.getElementById("target-dialog");
+  var dialogBody = document.getElementById("dialog-body");
+  var notices = document.getElementById("notices");
+  var live = document.getElementById("live");
+  var filterQ = document.getElementById("filter-q");
+  var filterDevice = document.getElementById("filter-device");
+  var filterStatus = document.getElementById("filter-status");
+
+  function serverNow() { return Date.now() / 1000 + skew; }
+
+  // --- times (the same formats as pages.py) --------------------------------------------------
+
+  function fmtDuration(seconds, precise) {
+    var s = Math.max(0, seconds);
+    if (s < 10 && precise) { return s.toFixed(2) + " s"; }
+    if (s < 60) { return Math.floor(s) + " s"; }
+    var m = Math.floor(s / 60), sec = Math.floor(s % 60);
+    if (m < 60) { return sec ? m + " min " + sec + " s" : m + " min"; }
+    var h = Math.floor(m / 60); m = m % 60;
+    if (h < 24) { return m ? h + " h " + m + " min" : h + " h"; }
+    var d = Math.floor(h / 24); h = h % 24;
+    return h ? d + " d " + h + " h" : d + " d";
+  }
+
+  function fmtAgo(ts) {
+    var age = Math.max(0, serverNow() - ts);
+    if (age < 2) { return "just now"; }
+    if (age >= 86400) { return Math.floor(age / 86400) + " d ago"; }
+    if (age >= 3600) { return Math.floor(age / 3600) + " h ago"; }
+    if (age >= 60) { return Math.floor(age / 60) + " min ago"; }
+    return Math.floor(age) + " s ago";
+  }
+
+  function tick() {
+    document.querySelectorAll("[data-since]").forEach(function (el) {
+      var since = parseFloat(el.dataset.since);
+      if (!isNaN(since)) { el.textContent = fmtDuration(serverNow() - since, false); }
+    });
+    document.querySelectorAll("[data-ago]").forEach(function (el) {
+      var ts = parseFloat(el.dataset.ago);
+      if (!isNaN(ts)) { el.textContent = fmtAgo(ts); }
+    });
+  }
+
+  // --- fragments -----------------------------------------------------------------------------
+
+  function fragment(html) {
+    var t = document.createElement("template");
+    t.innerHTML = html;
+    return t.content;
+  }
+
+  async function fetchFragment(url) {
+    var r = await fetch(url, {credentials: "same-origin", headers: {"Accept": "text/html"}});
+    if (r.status === 401) {
+      window.location.assign("/login");
+      throw new Error("signed out");
+    }
+    if (r.status === 404) { return null; }
+    if (!r.ok) { throw new Error("HTTP " + r.status + " for " + url); }
+    return r.text();
+  }
+
+  // Coalesces bursts of events per key (one job's command sends several in a second) and keeps
+  // fetches for one key in order, so an older answer never overwrites a newer one.
+  var jobs = new Map();
+  function schedule(key, fn) {
+    var job = jobs.get(key);
+    if (job) {
+      if (job.started) { job.again = true; }
+      return;
+    }
+    job = {started: false, again: false};
+    jobs.set(key, job);
+    setTimeout(async function () {
+      job.started = true;
+      try {
+        await fn();
+      } catch (err) {
+        if (err && err.message !== "signed out") { console.warn("flexium dashboard:", err); }
+      } finally {
+        jobs.delete(key);
+        if (job.again) { schedule(key, fn); }
+      }
+    }, 80);
+  }
+
+  function rowOf(processId) { return document.getElementById("proc-" + processId); }
+
+  // A re-rendered row keeps the keyboard focus where it was.
+  function replaceKeepingFocus(old, fresh) {
+    var active = document.activeElement;
+    var action = old && active && old.contains(active) && active.dataset ? active.dataset.action : null;
+    old.replaceWith(fresh);
+    if (action) {
+      var again = fresh.querySelector('[data-action="' + action + '"]');
+      if (again && !again.disabled) { again.focus(); }
+    }
+  }
+
+  async function refreshRow(processId) {
+    var html = await fetchFragment("/ui/processes/" + encodeURIComponent(processId));
+    var old = rowOf(processId);
+    if (html === null) {
+      if (old) { old.remove(); }
+    } else {
+      var fresh = fragment(html).querySelector("tr");
+      if (!fresh) { return; }
+      if (old) { replaceKeepingFocus(old, fresh); } else { rows.appendChild(fresh); }
+    }
+    applyFilters();
+    tick();
+  }
+
+  async function refreshRows() {
+    var html = await fetchFragment("/ui/processes");
+    rows.replaceChildren(fragment(html || ""));
+    applyFilters();
+    tick();
+  }
+
+  function hostSection(name) {
+    var all = hosts.querySelectorAll(".host");
+    for (var i = 0; i < all.length; i++) {
+      if (all[i].dataset.host === name) { return all[i]; }
+    }
+    return null;
+  }
+
+  async function refreshHost(name) {
+    var html = await fetchFragment("/ui/devices?host=" + encodeURIComponent(name));
+    var fresh = fragment(html || "").querySelector(".host");
+    var old = hostSection(name);
+    if (fresh && old) { keepFolding(old, fresh); old.replaceWith(fresh); }
+    else if (fresh) { hosts.appendChild(fresh); }
+    else if (old) { old.remove(); }
+    hostsChanged();
+  }
+
+  // A host folded or unfolded by hand stays so until it goes silent or comes back.
+  function keepFolding(old, fresh) {
+    if (old.dataset.stale === fresh.dataset.stale) { fresh.open = old.open; }
+  }
+
+  async function refreshHosts() {
+    var html = await fetchFragment("/ui/devices");
+    var fresh = fragment(html || "");
+    fresh.querySelectorAll(".host").forEach(function (section) {
+      var old = hostSection(section.dataset.host);
+      if (old) { keepFolding(old, section); }
+    });
+    hosts.replaceChildren(fresh);
+    hostsChanged();
+  }
+
+  async function refreshCommands() {
+    var html = await fetchFragment("/ui/commands");
+    commands.replaceChildren(fragment(html || ""));
+    document.getElementById("no-commands").hidden = commands.children.length > 0;
+    tick();
+  }
+
+  function refreshAll() {
+    schedule("rows", refreshRows);
+    schedule("hosts", refreshHosts);
+    schedule("commands", refreshCommands);
+  }
+
+  // The device filter lists the GPUs the cards show.
+  function hostsChanged() {
+    document.getElementById("no-gpus").hidden = hosts.querySelector("article.gpu") !== null;
+    var current = filterDevice.value;
+    var keep = Array.prototype.slice.call(filterDevice.options, 0, 2);
+    var options = keep.slice();
+    hosts.querySelectorAll("article.gpu").forEach(function (card) {
+      options.push(new Option(card.dataset.label, card.dataset.uuid));
+    });
+    if (current && !options.some(function (o) { return o.value === current; })) {
+      options.push(new Option(current, current));
+    }
+    filterDevice.replaceChildren.apply(filterDevice, options);
+    filterDevice.value = current;
+    tick();
+  }
+
+  // --- filters -------------------------------------------------------------------------------
+
+  function applyFilters() {
+    var words = filterQ.value.toLowerCase().split(/\s+/).filter(Boolean);
+    var device = filterDevice.value;
+    var status = filterStatus.value;
+    var total = 0, shown = 0;
+    rows.querySelectorAll("tr.proc").forEach(function (row) {
+      total++;
+      var gpu = row.dataset.gpu || "";
+      var text = row.dataset.search || "";
+      var ok = (!status || row.dataset.state === status)
+        && (!device || (device === "none" ? gpu === "" : gpu === device))
+        && words.every(function (w) { return text.indexOf(w) >= 0; });
+      row.hidden = !ok;
+      if (ok) { shown++; }
+    });
+    var count = document.getElementById("shown-count");
+    count.textContent = total === 0 ? "" : shown === total
+      ? total + (total === 1 ? " process" : " processes") : shown + " of " + total + " shown";
+    document.getElementById("no-processes").hidden = total > 0;
+    document.getElementById("no-match").hidden = !(total > 0 && shown === 0);
+  }
+
+  function filtersToUrl() {
+    var params = new URLSearchParams(window.location.search);
+    [["q", filterQ.value.trim()], ["device", filterDevice.value], ["status", filterStatus.value]]
+      .forEach(function (kv) { if (kv[1]) { params.set(kv[0], kv[1]); } else { params.delete(kv[0]); } });
+    var query = params.toString();
+    history.replaceState(null, "", window.location.pathname + (query ? "?" + query : ""));
+  }
+
+  function filtersFromUrl() {
+    var params = new URLSearchParams(window.location.search);
+    filterQ.value = params.get("q") || "";
+    var device = params.get("device") || "";
+    if (device && !Array.prototype.some.call(filterDevice.options, function (o) { return o.value === device; })) {
+      filterDevice.appendChild(new Option(device, device));
+    }
+    filterDevice.value = device;
+    filterStatus.value = params.get("status") || "";
+  }
+
+  // --- notices -------------------------------------------------------------------------------
+
+  var tracked = new Map();   // command id -> notice element, for commands sent from this page
+
+  function notify(text, kind, commandId) {
+    var el = commandId !== undefined ? tracked.get(commandId) : null;
+    if (!el) {
+      el = document.createElement("div");
+      var span = document.createElement("span");
+      span.className = "notice-text";
+      var close = document.createElement("button");
+      close.type = "button";
+      close.className = "notice-close";
+      close.setAttribute("aria-label", "Dismiss");
+      close.textContent = "×";
+      close.addEventListener("click", function () { el.remove(); });
+      el.append(span, close);
+      notices.prepend(el);
+      if (commandId !== undefined) { el.dataset.commandId = commandId; tracked.set(commandId, el); }
+    }
+    el.className = "notice notice-" + kind;
+    el.setAttribute("role", kind === "error" ? "alert" : "status");
+    el.querySelector(".notice-text").textContent = text;
+    clearTimeout(el.dismissTimer);
+    if (kind === "ok") {
+      el.dismissTimer = setTimeout(function () { el.remove(); tracked.delete(commandId); }, 12000);
+    }
+    return el;
+  }
+
+  function gpuText(c) {
+    if (c.target_index !== null && c.target_index !== undefined) { return " → GPU " + c.target_index; }
+    return c.target_uuid ? " → " + c.target_uuid : "";
+  }
+
+  function commandNotice(c) {
+    if (!tracked.has(c.id)) { return; }
+    var what = c.kind + " " + c.process_id + gpuText(c) + " (command " + c.id + "): ";
+    var seconds = c.result && typeof c.result.seconds === "number" ? c.result.seconds
+      : (c.finished_at && c.started_at ? c.finished_at - c.started_at : null);
+    if (c.state === "succeeded") {
+      notify(what + "succeeded" + (seconds !== null ? " in " + fmtDuration(seconds, true) : ""), "ok", c.id);
+    } else if (c.state === "failed" || c.state === "expired") {
+      notify(what + c.state + (c.error ? ": " + c.error : ""), "error", c.id);
+    } else {
+      var phase = {queued: "queued", delivered: "delivered, waiting for a safe point", running: "running"}[c.state];
+      notify(what + (phase || c.state) + "…", "progress", c.id);
+    }
+  }
+
+  // --- commands ------------------------------------------------------------------------------
+
+  async function api(method, path, payload) {
+    var headers = {"Accept": "application/json"};
+    headers[CSRF_HEADER] = "1";
+    var init = {method: method, credentials: "same-origin", headers: headers};
+    if (payload !== undefined) {
+      headers["Content-Type"] = "application/json";
+      init.body = JSON.stringify(payload);
+    }
+    var r;
+    try {
+      r = await fetch(API + path, init);
+    } catch (err) {
+      throw new Error("the server did not answer (" + err.message + ")");
+    }
+    var data = null;
+    try { data = await r.json(); } catch (err) { data = null; }
+    if (r.status === 401) { window.location.assign("/login"); }
+    if (!r.ok) {
+      throw new Error((data && data.message) || "HTTP " + r.status);
+    }
+    return data;
+  }
+
+  async function sendCommand(kind, processId, target) {
+    var payload = {kind: kind, process_id: processId};
+    if (target) { payload.target = target; }
+    var command = await api("POST", "/commands", payload);
+    tracked.set(command.id, null);
+    commandNotice(command);
+    schedule("row:" + processId, function () { return refreshRow(processId); });
+    return command;
+  }
+
+  async function openTargets(kind, processId, opener) {
+    var html = await fetchFragment("/ui/processes/" + encodeURIComponent(processId) + "/targets?kind=" + kind);
+    if (html === null) {
+      notify("process " + processId + " is gone", "error");
+      return;
+    }
+    dialogBody.replaceChildren(fragment(html));
+    dialog.opener = opener;
+    dialog.showModal();
+    var first = dialogBody.querySelector("input[name=target]:checked") || dialogBody.querySelector("button[type=submit]");
+    if (first) { first.focus(); }
+  }
+
+  dialog.addEventListener("submit", async function (ev) {
+    ev.preventDefault();
+    var form = ev.target;
+    var error = form.querySelector(".form-error");
+    var submit = form.querySelector("button[type=submit]");
+    var choice = form.querySelector("input[name=target]:checked");
+    error.hidden = true;
+    submit.disabled = true;
+    try {
+      await sendCommand(form.dataset.kind, form.dataset.processId, choice ? choice.value : "");
+      dialog.close();
+    } catch (err) {
+      error.textContent = err.message;
+      error.hidden = false;
+      notify(form.dataset.kind + " " + form.dataset.processId + " refused: " + err.message, "error");
+    } finally {
+      submit.disabled = false;
+    }
+  });
+
+  dialog.addEventListener("click", function (ev) {
+    if (ev.target === dialog || ev.target.closest("[data-close]")) { dialog.close(); }
+  });
+
+  dialog.addEventListener("close", function () {
+    var opener = dialog.opener;
+    dialogBody.replaceChildren();
+    if (opener && document.contains(opener)) { opener.focus(); }
+  });
+
+  rows.addEventListener("click", async function (ev) {
+    var button = ev.target.closest("button[data-action]");
+    if (!button || button.disabled) { return; }
+    var action = button.dataset.action;
+    var processId = button.dataset.processId;
+    try {
+      if (action === "migrate" || action === "resume") {
+        await openTargets(action, processId, button);
+      } else if (action === "pause") {
+        button.disabled = true;
+        await sendCommand("pause", processId, null);
+      } else if (action === "forget") {
+        button.disabled = true;
+        await api("DELETE", "/processes/" + encodeURIComponent(processId));
+        var row = rowOf(processId);
+        if (row) { row.remove(); applyFilters(); }
+      }
+    } catch (err) {
+      button.disabled = false;
+      notify(action + " " + processId + " refused: " + err.message, "error");
+    }
+  });
+
+  // --- live events ---------------------------------------------------------------------------
+
+  var source = null;
+  var hellos = 0;
+
+  function setLive(on, text) {
+    live.className = "live " + (on ? "live-on" : "live-off");
+    live.textContent = text;
+  }
+
+  function onProcess(ev) {
+    var data = JSON.parse(ev.data);
+    var p = data.process || {};
+    var id = p.process_id;
+    if (!id) { return; }
+    var row = rowOf(id);
+    var host = p.host || (row ? row.dataset.host : null);
+    if (data.action === "removed") {
+      if (row) { row.remove(); applyFilters(); }
+    } else {
+      schedule("row:" + id, function () { return refreshRow(id); });
+    }
+    if (host) { schedule("host:" + host, function () { return refreshHost(host); }); }
+  }
+
+  function onCommand(ev) {
+    var c = JSON.parse(ev.data).command;
+    if (!c) { return; }
+    commandNotice(c);
+    schedule("row:" + c.process_id, function () { return refreshRow(c.process_id); });
+    schedule("commands", refreshCommands);
+  }
+
+  function onDevices(ev) {
+    var host = JSON.parse(ev.data).host;
+    if (host) { schedule("host:" + host, function () { return refreshHost(host); }); }
+  }
+
+  function connect() {
+    source = new EventSource(API + "/events");
+    source.addEventListener("hello", function (ev) {
+      setLive(true, "live");
+      var data = JSON.parse(ev.data);
+      // Reconnected (maybe to a restarted server), or events came between render and subscribe.
+      if (hellos > 0 || String(data.last_event_id) !== body.dataset.eventId) { refreshAll(); }
+      hellos++;
+    });
+    source.addEventListener("process", onProcess);
+    source.addEventListener("command", onCommand);
+    source.addEventListener("devices", onDevices);
+    source.addEventListener("resync", refreshAll);
+    source.addEventListener("error", function () {
+      setLive(false, "reconnecting…");
+      if (source.readyState === EventSource.CLOSED) {
+        // A refused stream is not retried by the browser: find out why, then try again.
+        source = null;
+        fetchFragment("/ui/commands").catch(function () { return null; });
+        setTimeout(function () { if (!source) { connect(); } }, 3000);
+      }
+    });
+  }
+
+  // --- start ---------------------------------------------------------------------------------
+
+  filtersFromUrl();
+  [filterQ, filterDevice, filterStatus].forEach(function (el) {
+    ["input", "change"].forEach(function (type) {
+      el.addEventListener(type, function () { applyFilters(); filtersToUrl(); });
+    });
+  });
+  document.getElementById("filters").addEventListener("submit", function (ev) { ev.preventDefault(); });
+  document.getElementById("filters").addEventListener("reset", function () {
+    setTimeout(function () { applyFilters(); filtersToUrl(); }, 0);
+  });
+  applyFilters();
+  tick();
+  setInterval(tick, 1000);
+  // Time alone changes things no event announces (a host going silent): a slow full refresh.
+  setInterval(refreshAll, 60000);
+  connect();
+})();

@@ -1,0 +1,279 @@
+"""A real server process and simulated training jobs that talk to it over real HTTP, as
+flexium's control thread does: register, heartbeat with the host's GPUs, long-poll the next
+command, report running and then the outcome with its timings."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import requests
+
+GIB = 1 << 30
+H200 = "NVIDIA H200"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class LiveServer:
+    """``python -m flexium.server`` on a free port with its own SQLite file."""
+
+    def __init__(self, home: Path, *args: str) -> None:
+        self.home = home
+        self.args = args
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.lines: list[str] = []
+        self.token: Optional[str] = None
+        self.login_link: Optional[str] = None
+        self.proc: Optional[subprocess.Popen[str]] = None
+
+    def start(self, timeout: float = 30.0) -> "LiveServer":
+        self.home.mkdir(parents=True, exist_ok=True)
+        env = dict(os.environ, PYTHONUNBUFFERED="1", FLEXIUM_HOME=str(self.home))
+        env.pop("FLEXIUM_DATABASE_URL", None)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "flexium.server", "--port", str(self.port),
+             "--database", f"sqlite:///{self.home / 'server.db'}", *self.args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        threading.Thread(target=self._read, daemon=True).start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError("server exited:\n" + "\n".join(self.lines))
+            try:
+                if requests.get(self.url + "/healthz", timeout=1).status_code == 200 and self.token:
+                    return self
+            except requests.RequestException:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError("server did not start:\n" + "\n".join(self.lines))
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        token_next = False
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            self.lines.append(line)
+            if token_next and line.startswith("flx_"):
+                self.token = line.strip()
+            token_next = "(shown once)" in line
+            m = re.search(r"Log in to the dashboard: (\S+)", line)
+            if m:
+                self.login_link = m.group(1)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+class Api:
+    """The workspace API with the default workspace's token (what the CLI and jobs use)."""
+
+    def __init__(self, server: LiveServer, workspace: str = "default") -> None:
+        assert server.token
+        self.base = f"{server.url}/api/w/{workspace}"
+        self.session = requests.Session()
+        self.session.headers["Authorization"] = f"Bearer {server.token}"
+
+    def get(self, path: str, **kw: Any) -> requests.Response:
+        return self.session.get(self.base + path, timeout=kw.pop("timeout", 10), **kw)
+
+    def post(self, path: str, json: Any = None, **kw: Any) -> requests.Response:
+        return self.session.post(self.base + path, json=json, timeout=kw.pop("timeout", 10), **kw)
+
+    def delete(self, path: str) -> requests.Response:
+        return self.session.delete(self.base + path, timeout=10)
+
+    def commands(self, process_id: str) -> list[dict[str, Any]]:
+        r = self.get("/commands", params={"process_id": process_id})
+        r.raise_for_status()
+        return list(r.json())
+
+
+@dataclass
+class Gpu:
+    index: int
+    name: str = H200
+    total: int = 140 * GIB
+    other: int = 0                  # memory held by processes that are not flexium jobs
+    utilization: int = 35
+    temperature: int = 41
+    health: str = "ok"
+
+    def uuid(self, host: str) -> str:
+        return f"GPU-{host}-{self.index:02d}"
+
+
+@dataclass
+class FakeHost:
+    """One machine's GPUs as NVML would report them; memory used includes its jobs'."""
+    name: str
+    gpus: list[Gpu] = field(default_factory=lambda: [Gpu(i) for i in range(4)])
+    jobs: list["SimJob"] = field(default_factory=list)
+
+    def uuid(self, index: int) -> str:
+        return self.gpus[index].uuid(self.name)
+
+    def report(self) -> list[dict[str, Any]]:
+        out = []
+        for gpu in self.gpus:
+            uuid = gpu.uuid(self.name)
+            used = gpu.other + sum(j.memory for j in self.jobs if j.gpu_uuid == uuid and j.state != "PAUSED")
+            out.append({"uuid": uuid, "index": gpu.index, "name": gpu.name, "memory_total": gpu.total,
+                        "memory_used": min(used, gpu.total), "utilization": gpu.utilization,
+                        "temperature": gpu.temperature, "health": gpu.health})
+        return out
+
+
+class SimJob:
+    """A training process as the server sees it. Operations succeed after ``op_seconds`` of
+    reported time; ``hold`` (cleared Event) keeps the next one at 'running' until set;
+    ``fail_with`` makes it fail with that error (rolled back, still on its GPU)."""
+
+    def __init__(self, api: Api, host: FakeHost, process_id: str, *, gpu: int = 0,
+                 memory: int = 20 * GIB, user: str = "alice", cmdline: str = "python train.py",
+                 migration: bool = True, pause_resume: bool = True, state: str = "RUNNING",
+                 op_seconds: float = 1.23) -> None:
+        self.api = api
+        self.host = host
+        self.process_id = process_id
+        self.gpu_uuid: Optional[str] = host.uuid(gpu)
+        self.gpu_index: Optional[int] = gpu
+        self.memory = memory
+        self.footprint = memory
+        self.user = user
+        self.cmdline = cmdline
+        self.capabilities = {"migration": migration, "pause_resume": pause_resume}
+        self.state = state
+        self.op_seconds = op_seconds
+        self.hold = threading.Event()
+        self.hold.set()
+        self.fail_with: Optional[str] = None
+        self.received: list[dict[str, Any]] = []
+        self.errors: list[str] = []
+        self._alive = threading.Event()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        host.jobs.append(self)
+
+    # --- what it sends ------------------------------------------------------------------
+
+    def registration(self) -> dict[str, Any]:
+        return {"process_id": self.process_id, "host": self.host.name, "user": self.user, "pid": 4000 + len(self.host.jobs),
+                "gpu_uuid": self.gpu_uuid, "gpu_model": H200, "gpu_index": self.gpu_index,
+                "logical_device": "cuda:0", "physical_device": f"cuda:{self.gpu_index}",
+                "visible_gpus": [self.host.uuid(g.index) for g in self.host.gpus],
+                "torch_version": "2.13.0", "driver_version": "580.159.04", "flexium_version": "0.1.0",
+                "capabilities": self.capabilities, "memory_bytes": 0 if self.state == "PAUSED" else self.memory,
+                "footprint_bytes": self.footprint, "state": self.state,
+                "started_at": time.time() - 3725, "cmdline": self.cmdline, "devices": self.host.report()}
+
+    def beat(self) -> dict[str, Any]:
+        with self._lock:
+            return {"state": self.state, "memory_bytes": 0 if self.state == "PAUSED" else self.memory,
+                    "footprint_bytes": self.footprint, "gpu_uuid": self.gpu_uuid, "gpu_index": self.gpu_index,
+                    "physical_device": f"cuda:{self.gpu_index}", "devices": self.host.report()}
+
+    # --- life -----------------------------------------------------------------------------
+
+    def start(self) -> "SimJob":
+        r = self.api.post("/processes", self.registration())
+        assert r.status_code in (200, 201), r.text
+        self._alive.set()
+        for target in (self._beat_loop, self._poll_loop):
+            t = threading.Thread(target=target, daemon=True, name=f"{self.process_id}-{target.__name__}")
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def die(self) -> None:
+        """Stop talking to the server (the process was killed): it goes STALE."""
+        self._alive.clear()
+        self.hold.set()
+        for t in self._threads:
+            t.join(10)
+
+    def _beat_loop(self) -> None:
+        while self._alive.is_set():
+            try:
+                r = self.api.post(f"/processes/{self.process_id}/heartbeat", self.beat(), timeout=5)
+                if r.status_code == 404:
+                    self.api.post("/processes", self.registration(), timeout=5)
+            except requests.RequestException as exc:
+                self.errors.append(f"heartbeat: {exc}")
+            time.sleep(0.5)
+
+    def _poll_loop(self) -> None:
+        while self._alive.is_set():
+            try:
+                r = self.api.get(f"/processes/{self.process_id}/commands/next", params={"wait": 1}, timeout=10)
+            except requests.RequestException as exc:
+                self.errors.append(f"poll: {exc}")
+                time.sleep(0.2)
+                continue
+            if r.status_code == 200 and self._alive.is_set():
+                self._run(r.json())
+            elif r.status_code not in (200, 204):
+                time.sleep(0.2)
+
+    def _report(self, command_id: int, body: dict[str, Any]) -> None:
+        r = self.api.post(f"/commands/{command_id}/report", body)
+        if r.status_code != 200:
+            self.errors.append(f"report {command_id}: {r.status_code} {r.text}")
+
+    def _run(self, cmd: dict[str, Any]) -> None:
+        if any(c["id"] == cmd["id"] for c in self.received):
+            return                                  # delivered again: already handled
+        self.received.append(cmd)
+        kind = cmd["kind"]
+        with self._lock:
+            before = self.state
+            self.state = {"migrate": "MIGRATING", "pause": "PAUSING", "resume": "RESUMING"}[kind]
+        self._report(cmd["id"], {"state": "running"})
+        self.hold.wait(60)
+        source = {"ordinal": 0, "uuid": self.gpu_uuid, "name": H200, "total_memory": 140 * GIB,
+                  "pci_bus_id": "0000:00:00.0", "nvml_index": self.gpu_index}
+        target_uuid = cmd.get("target_uuid") or (self.gpu_uuid if kind != "pause" else None)
+        target_index = cmd.get("target_index") if cmd.get("target_uuid") else self.gpu_index
+        target = None if target_uuid is None else dict(source, uuid=target_uuid, nvml_index=target_index)
+        steps = [{"step": "checkpoint", "seconds": round(self.op_seconds * 0.4, 3), "ok": True},
+                 {"step": "restore", "seconds": round(self.op_seconds * 0.5, 3), "ok": self.fail_with is None,
+                  "error": self.fail_with}]
+        result = {"kind": kind, "path": "driver", "ok": self.fail_with is None, "logical_device": "cuda:0",
+                  "source": source, "target": target, "steps": steps, "bytes_moved": self.memory,
+                  "seconds": self.op_seconds, "failed_step": "restore" if self.fail_with else None,
+                  "error": self.fail_with, "notes": []}
+        if self.fail_with is not None:
+            with self._lock:
+                self.state = before
+            self._report(cmd["id"], {"state": "failed", "result": result, "error": self.fail_with,
+                                     "process": {"state": before}})
+            return
+        with self._lock:
+            if kind == "pause":
+                self.state = "PAUSED"
+            else:
+                self.state = "RUNNING"
+                self.gpu_uuid, self.gpu_index = target_uuid, target_index
+            update = {"state": self.state, "gpu_uuid": self.gpu_uuid, "gpu_index": self.gpu_index,
+                      "physical_device": f"cuda:{self.gpu_index}",
+                      "memory_bytes": 0 if self.state == "PAUSED" else self.memory}
+        self._report(cmd["id"], {"state": "succeeded", "result": result, "process": update})

@@ -1,0 +1,145 @@
+"""The dashboard as a test sees it: Selenium calls named after what a person does."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+from selenium.webdriver.common.by import By
+from selenium.webdriver.remote.webelement import WebElement
+from selenium.webdriver.support.select import Select
+from selenium.webdriver.support.ui import WebDriverWait
+
+from dash_helpers import LiveServer
+
+
+class Dashboard:
+    def __init__(self, driver: Any, server: LiveServer) -> None:
+        self.d = driver
+        self.server = server
+        self.d.get_log("browser")                    # start each test with an empty console
+
+    # --- navigation -----------------------------------------------------------------------
+
+    def open(self, query: str = "") -> "Dashboard":
+        self.d.get(f"{self.server.url}/{query}")
+        if "/login" in self.d.current_url:
+            assert self.server.login_link
+            self.d.get(self.server.login_link)
+            self.wait(lambda: self.d.current_url.rstrip("/") == self.server.url, "logged in")
+            if query:
+                self.d.get(f"{self.server.url}/{query}")
+        self.wait(lambda: "live-on" in self.d.find_element(By.ID, "live").get_attribute("class"),
+                  "event stream connected")
+        return self
+
+    def wait(self, condition: Callable[[], Any], message: str, timeout: float = 10.0) -> Any:
+        return WebDriverWait(self.d, timeout, poll_frequency=0.1,
+                             ignored_exceptions=(NoSuchElementException, StaleElementReferenceException)
+                             ).until(lambda _d: condition(), message)
+
+    def js(self, script: str, *args: Any) -> Any:
+        return self.d.execute_script(script, *args)
+
+    # --- the process table ------------------------------------------------------------------
+
+    def row(self, process_id: str) -> WebElement:
+        return self.d.find_element(By.ID, f"proc-{process_id}")
+
+    def has_row(self, process_id: str) -> bool:
+        return bool(self.d.find_elements(By.ID, f"proc-{process_id}"))
+
+    def cell(self, process_id: str, label: str) -> str:
+        return str(self.js("var r = document.getElementById(arguments[0]);"
+                           "var c = r && r.querySelector('td[data-label=\"' + arguments[1] + '\"]');"
+                           "return c ? c.textContent.replace(/\\s+/g, ' ').trim() : null;",
+                           f"proc-{process_id}", label))
+
+    def wait_cell(self, process_id: str, label: str, *texts: str, timeout: float = 10.0) -> str:
+        return str(self.wait(lambda: all(t in self.cell(process_id, label) for t in texts)
+                             and self.cell(process_id, label),
+                             f"{process_id}: {label} shows {texts}", timeout))
+
+    def buttons(self, process_id: str) -> dict[str, bool]:
+        """Action buttons of a row: label -> enabled."""
+        return {b.text: b.is_enabled() for b in self.row(process_id).find_elements(By.CSS_SELECTOR, "button[data-action]")}
+
+    def wait_buttons(self, process_id: str, expected: dict[str, bool]) -> None:
+        self.wait(lambda: self.buttons(process_id) == expected, f"{process_id}: buttons {expected}")
+
+    def click(self, process_id: str, action: str) -> None:
+        self.row(process_id).find_element(By.CSS_SELECTOR, f'button[data-action="{action}"]').click()
+
+    def visible_rows(self) -> set[str]:
+        return set(self.js("return Array.from(document.querySelectorAll('#process-rows tr.proc'))"
+                           ".filter(function (r) { return !r.hidden && r.offsetParent !== null; })"
+                           ".map(function (r) { return r.dataset.processId; });"))
+
+    # --- filters ----------------------------------------------------------------------------
+
+    def search(self, text: str) -> None:
+        box = self.d.find_element(By.ID, "filter-q")
+        box.clear()
+        if text:
+            box.send_keys(text)
+        else:
+            self.js("arguments[0].dispatchEvent(new Event('input'))", box)
+
+    def choose(self, select_id: str, value: str) -> None:
+        Select(self.d.find_element(By.ID, select_id)).select_by_value(value)
+
+    # --- dialog -----------------------------------------------------------------------------
+
+    def dialog_open(self) -> bool:
+        return bool(self.js("return document.getElementById('target-dialog').open"))
+
+    def target_values(self) -> list[str]:
+        return list(self.js("return Array.from(document.querySelectorAll('#target-dialog input[name=target]'))"
+                            ".map(function (i) { return i.value; });"))
+
+    def pick_target(self, value: str) -> None:
+        self.d.find_element(By.CSS_SELECTOR, f'#target-dialog input[name=target][value="{value}"]').click()
+
+    def submit_dialog(self) -> None:
+        self.d.find_element(By.CSS_SELECTOR, "#target-dialog button[type=submit]").click()
+
+    def dialog_error(self) -> str:
+        errors = self.d.find_elements(By.CSS_SELECTOR, "#target-dialog .form-error")
+        return errors[0].text if errors and errors[0].is_displayed() else ""
+
+    # --- elsewhere on the page ----------------------------------------------------------------
+
+    def notices(self) -> list[tuple[str, str]]:
+        """(role, text) of each notice shown."""
+        return [(n.get_attribute("role") or "", n.find_element(By.CSS_SELECTOR, ".notice-text").text)
+                for n in self.d.find_elements(By.CSS_SELECTOR, "#notices .notice")]
+
+    def host_section(self, host: str) -> WebElement:
+        for section in self.d.find_elements(By.CSS_SELECTOR, "#hosts .host"):
+            if section.get_attribute("data-host") == host:
+                return section
+        raise NoSuchElementException(f"no GPU section for host {host!r}")
+
+    def gpu_card(self, uuid: str) -> WebElement:
+        return self.d.find_element(By.CSS_SELECTOR, f'#hosts article.gpu[data-uuid="{uuid}"]')
+
+    def bar(self, uuid: str) -> dict[str, float]:
+        """Widths (of 1000) of a GPU card's memory bar segments."""
+        card = self.gpu_card(uuid)
+        return {part: float(card.find_element(By.CSS_SELECTOR, f"rect.seg-{part}").get_attribute("width"))
+                for part in ("flexium", "other")}
+
+    def command_items(self) -> list[str]:
+        return [li.text for li in self.d.find_elements(By.CSS_SELECTOR, "#commands li.cmd")]
+
+    def overflow(self) -> dict[str, int]:
+        return dict(self.js("var e = document.documentElement, t = document.getElementById('processes');"
+                            "return {scroll: e.scrollWidth, client: e.clientWidth,"
+                            " table: t.scrollWidth, table_box: t.parentElement.clientWidth};"))
+
+    def assert_console_clean(self) -> None:
+        """No script errors and no Content-Security-Policy refusals (what injected markup or a
+        regression to inline scripts would cause)."""
+        bad = [e["message"] for e in self.d.get_log("browser")
+               if e.get("level") == "SEVERE" and "Failed to load resource" not in e["message"]]
+        assert not bad, bad

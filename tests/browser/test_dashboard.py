@@ -1,0 +1,342 @@
+"""The dashboard in headless Chromium: login link, live updates, GPU cards, filters, commands
+with their progress and errors, staleness, escaping, and layout at desktop and phone widths."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import requests
+from selenium.common.exceptions import NoAlertPresentException
+from selenium.webdriver.common.by import By
+
+from dash_helpers import GIB, Api, FakeHost, Gpu, LiveServer, SimJob
+from dash_page import Dashboard
+
+pytestmark = pytest.mark.timeout(120)
+
+Jobs = Callable[..., SimJob]
+
+
+def test_login_link_opens_the_dashboard(server: LiveServer, browser: Any) -> None:
+    out = "\n".join(server.lines)
+    assert server.token and server.token.startswith("flx_")
+    assert f"Log in to the dashboard: {server.url}/login#token={server.token}" in out
+    browser.delete_all_cookies()
+    browser.get(server.url + "/")
+    assert browser.current_url == server.url + "/login"
+    browser.find_element(By.ID, "token").send_keys("flx_not-a-token")
+    browser.find_element(By.CSS_SELECTOR, "#login-form button[type=submit]").click()
+    assert "invalid" in browser.find_element(By.ID, "login-error").text
+
+    browser.get(server.login_link)
+    page = Dashboard(browser, server)
+    page.wait(lambda: browser.current_url == server.url + "/", "redirected to the dashboard")
+    page.wait(lambda: browser.find_element(By.ID, "live").text == "live", "event stream connected")
+    assert browser.find_element(By.ID, "proc-title").text == "Processes"
+    assert "token" not in browser.current_url                     # not left in the address bar
+    page.assert_console_clean()
+
+
+def test_job_appears_live_with_gpu_cards(dash: Dashboard, jobs: Jobs) -> None:
+    dash.open()
+    dash.js("window.samePage = true")
+    host = FakeHost("live-node")
+    host.gpus[1].other = 35 * GIB
+    host.gpus[2].utilization = 87
+    jobs(host, "gpu-live0001", memory=28 * GIB, cmdline="python train_resnet.py --epochs 90")
+
+    dash.wait(lambda: dash.has_row("gpu-live0001"), "the new job's row appears")
+    assert dash.js("return window.samePage") is True                 # no reload
+    dash.wait_cell("gpu-live0001", "Status", "RUNNING")
+    assert "train_resnet.py" in dash.cell("gpu-live0001", "Process")
+    assert "live-node" in dash.cell("gpu-live0001", "Host")
+    assert "GPU 0" in dash.cell("gpu-live0001", "Device")
+    assert "28.0 GiB" in dash.cell("gpu-live0001", "Memory")
+    assert "1 h 2 min" in dash.cell("gpu-live0001", "Runtime")
+    assert dash.buttons("gpu-live0001") == {"Migrate": True, "Pause": True}
+
+    dash.wait(lambda: len(dash.host_section("live-node").find_elements(By.CSS_SELECTOR, "article.gpu")) == 4,
+              "four GPU cards for the new host")
+    dash.wait(lambda: dash.bar(host.uuid(0))["flexium"] == 200, "GPU 0 bar: the job's 28 of 140 GiB")
+    assert dash.bar(host.uuid(0))["other"] == 0
+    assert dash.bar(host.uuid(1)) == {"flexium": 0, "other": 250}
+    card = dash.gpu_card(host.uuid(2)).text
+    assert "utilization 87 %" in card and "ok" in card and "140 GiB free" in card
+    assert "gpu-live0001" in dash.gpu_card(host.uuid(0)).text
+    assert dash.js("return window.samePage") is True
+
+
+def test_filters_and_search_narrow_the_table(dash: Dashboard, jobs: Jobs) -> None:
+    host = FakeHost("filter-node")
+    jobs(host, "gpu-filt-a", gpu=0, cmdline="python llama_finetune.py")
+    jobs(host, "gpu-filt-b", gpu=1, user="bob", cmdline="python resnet.py")
+    jobs(host, "gpu-filt-c", gpu=2, state="PAUSED", cmdline="python llama_pretrain.py")
+    other = FakeHost("filter-other")
+    jobs(other, "gpu-elsewhere", gpu=1, cmdline="python llama_eval.py")
+    dash.open()
+    everyone = {"gpu-filt-a", "gpu-filt-b", "gpu-filt-c", "gpu-elsewhere"}
+    assert everyone <= dash.visible_rows()
+
+    dash.search("gpu-filt-")
+    assert dash.visible_rows() == {"gpu-filt-a", "gpu-filt-b", "gpu-filt-c"}
+    dash.choose("filter-status", "PAUSED")
+    assert dash.visible_rows() == {"gpu-filt-c"}
+    dash.choose("filter-status", "RUNNING")
+    assert dash.visible_rows() == {"gpu-filt-a", "gpu-filt-b"}
+    dash.choose("filter-status", "")
+    dash.choose("filter-device", host.uuid(1))
+    assert dash.visible_rows() == {"gpu-filt-b"}
+    dash.search("")
+    assert dash.visible_rows() == {"gpu-filt-b"}                 # GPU 1 of filter-other is another GPU
+    dash.choose("filter-device", "none")
+    assert "gpu-filt-c" in dash.visible_rows() and not {"gpu-filt-a", "gpu-filt-b"} & dash.visible_rows()
+    dash.choose("filter-device", "")
+    dash.search("llama filter-node")                               # every word must match
+    assert dash.visible_rows() == {"gpu-filt-a", "gpu-filt-c"}
+    assert "2 of" in dash.d.find_element(By.ID, "shown-count").text
+    dash.search("bob")
+    assert dash.visible_rows() == {"gpu-filt-b"}
+    dash.search("no-such-job")
+    assert dash.visible_rows() == set()
+    assert dash.d.find_element(By.ID, "no-match").is_displayed()
+
+    # the filters live in the address: a reload keeps them
+    dash.search("llama")
+    dash.choose("filter-status", "RUNNING")
+    assert "q=llama" in dash.d.current_url and "status=RUNNING" in dash.d.current_url
+    dash.d.refresh()
+    dash.wait(lambda: dash.visible_rows() == {"gpu-filt-a", "gpu-elsewhere"}, "filters restored after reload")
+    dash.d.find_element(By.ID, "filter-reset").click()
+    dash.wait(lambda: everyone <= dash.visible_rows(), "cleared filters show every row")
+    assert "q=" not in dash.d.current_url
+
+    # a job arriving while a filter is set is filtered too
+    dash.choose("filter-status", "PAUSED")
+    jobs(host, "gpu-filt-d", gpu=3, cmdline="python late.py")
+    dash.wait(lambda: dash.has_row("gpu-filt-d"), "the late job's row arrives")
+    assert "gpu-filt-d" not in dash.visible_rows()
+    dash.choose("filter-status", "")
+
+
+def test_migrate_offers_only_gpus_that_fit_and_shows_the_outcome(dash: Dashboard, jobs: Jobs, api: Api) -> None:
+    host = FakeHost("mig-node", gpus=[Gpu(0), Gpu(1), Gpu(2, other=125 * GIB), Gpu(3, name="NVIDIA A100-SXM4-80GB", total=80 * GIB),
+                                      Gpu(4, health="xid 79"), Gpu(5, other=40 * GIB)])
+    job = jobs(host, "gpu-mig-0001", memory=20 * GIB, op_seconds=1.87)
+    jobs(FakeHost("mig-other"), "gpu-mig-other", gpu=0)             # same model, other host: never offered
+    job.hold.clear()
+    dash.open()
+    dash.wait_buttons("gpu-mig-0001", {"Migrate": True, "Pause": True})
+    dash.click("gpu-mig-0001", "migrate")
+    dash.wait(dash.dialog_open, "the Migrate dialog opens")
+    assert sorted(dash.target_values()) == [host.uuid(1), host.uuid(5)]
+    refused = dash.d.find_element(By.CSS_SELECTOR, "#target-dialog details.refused")
+    refused.find_element(By.TAG_NAME, "summary").click()
+    reasons = refused.text
+    assert "GPU 0: the job is on it" in reasons
+    assert "GPU 2: 15.0 GiB free, the job needs 20.0 GiB" in reasons
+    assert "GPU 3: NVIDIA A100-SXM4-80GB" in reasons
+    assert "GPU 4: health: xid 79" in reasons
+
+    dash.pick_target(host.uuid(5))
+    dash.submit_dialog()
+    dash.wait(lambda: not dash.dialog_open(), "the dialog closes once the command is stored")
+    [command] = api.commands("gpu-mig-0001")
+    assert command["kind"] == "migrate" and command["target_uuid"] == host.uuid(5)
+    assert command["state"] in ("queued", "delivered", "running")
+
+    dash.wait_cell("gpu-mig-0001", "Status", "MIGRATING", "migrate → GPU 5: running")
+    assert dash.buttons("gpu-mig-0001") == {}                     # one command at a time
+    assert any("running" in text for _role, text in dash.notices())
+    job.hold.set()
+    dash.wait_cell("gpu-mig-0001", "Status", "RUNNING")
+    dash.wait_cell("gpu-mig-0001", "Device", "GPU 5")
+    last = dash.wait_cell("gpu-mig-0001", "Last migration", "migrate → GPU 5", "1.87 s", "succeeded")
+    assert "succeeded · " in last and ("just now" in last or "ago" in last)
+    assert api.get(f"/commands/{command['id']}").json()["state"] == "succeeded"
+    dash.wait(lambda: any("succeeded in 1.87 s" in text for _r, text in dash.notices()), "a notice tells the outcome")
+    dash.wait(lambda: any(f"#{command['id']}" in item and "succeeded" in item and "1.87 s" in item
+                          for item in dash.command_items()), "recent commands list it")
+    dash.wait_buttons("gpu-mig-0001", {"Migrate": True, "Pause": True})
+    dash.wait(lambda: dash.bar(host.uuid(5))["flexium"] > 0 and dash.bar(host.uuid(0))["flexium"] == 0,
+              "the job's memory moved on the GPU cards")
+
+
+def test_pause_and_resume_follow_the_state(dash: Dashboard, jobs: Jobs, api: Api) -> None:
+    host = FakeHost("pause-node")
+    jobs(host, "gpu-pause-01", memory=16 * GIB, op_seconds=0.42)
+    jobs(host, "gpu-oldriver", gpu=3, migration=False, pause_resume=False)
+    dash.open()
+    dash.wait_buttons("gpu-pause-01", {"Migrate": True, "Pause": True})
+    assert dash.buttons("gpu-oldriver") == {"Migrate": False, "Pause": False}
+    assert "580+" in dash.row("gpu-oldriver").find_element(By.CSS_SELECTOR, "[data-action=migrate]").get_attribute("title")
+
+    dash.click("gpu-pause-01", "pause")
+    dash.wait_cell("gpu-pause-01", "Status", "PAUSED")
+    [pause] = api.commands("gpu-pause-01")
+    assert pause["kind"] == "pause" and pause["target_uuid"] is None
+    dash.wait_buttons("gpu-pause-01", {"Resume": True})
+    assert "paused from GPU 0" in dash.cell("gpu-pause-01", "Device")
+    assert "0 B" in dash.cell("gpu-pause-01", "Memory") and "needs 16.0 GiB" in dash.cell("gpu-pause-01", "Memory")
+    dash.wait_cell("gpu-pause-01", "Last migration", "pause", "0.42 s")
+
+    dash.click("gpu-pause-01", "resume")
+    dash.wait(dash.dialog_open, "the Resume dialog opens")
+    assert dash.target_values()[0] == ""                           # "let flexium choose" comes first
+    assert dash.d.find_element(By.CSS_SELECTOR, '#target-dialog input[value=""]').is_selected()
+    assert set(dash.target_values()[1:]) == {host.uuid(i) for i in range(4)}      # sharing a GPU is fine when it has room
+    dash.pick_target(host.uuid(2))
+    dash.submit_dialog()
+    dash.wait_cell("gpu-pause-01", "Status", "RUNNING")
+    dash.wait_cell("gpu-pause-01", "Device", "GPU 2")
+    dash.wait_buttons("gpu-pause-01", {"Migrate": True, "Pause": True})
+    resume = api.commands("gpu-pause-01")[0]
+    assert resume["kind"] == "resume" and resume["target_uuid"] == host.uuid(2) and resume["state"] == "succeeded"
+    dash.wait_cell("gpu-pause-01", "Last migration", "resume → GPU 2", "succeeded")
+
+
+def test_refused_and_failed_commands_are_visible(dash: Dashboard, jobs: Jobs, api: Api) -> None:
+    host = FakeHost("err-node")
+    job = jobs(host, "gpu-err-0001", op_seconds=0.3)
+    job.hold.clear()
+    dash.open()
+    dash.click("gpu-err-0001", "migrate")
+    dash.wait(dash.dialog_open, "the Migrate dialog opens")
+    # meanwhile someone pauses the job from the command line
+    assert api.post("/commands", {"kind": "pause", "process_id": "gpu-err-0001"}).status_code == 201
+    dash.wait_cell("gpu-err-0001", "Status", "PAUSING")
+    dash.submit_dialog()
+    dash.wait(lambda: "already has command" in dash.dialog_error(), "the refusal shows in the dialog")
+    assert dash.dialog_open()
+    assert any(role == "alert" and "migrate gpu-err-0001 refused" in text and "one at a time" in text
+               for role, text in dash.notices())
+    assert len(api.commands("gpu-err-0001")) == 1                   # nothing stored
+    dash.d.find_element(By.CSS_SELECTOR, "#target-dialog [data-close]").click()
+    dash.wait(lambda: not dash.dialog_open(), "the dialog closes")
+
+    job.hold.set()
+    dash.wait_buttons("gpu-err-0001", {"Resume": True})
+    job.fail_with = "cuCheckpointProcessRestore failed: CUDA_ERROR_INVALID_VALUE"
+    dash.click("gpu-err-0001", "resume")
+    dash.wait(dash.dialog_open, "the Resume dialog opens")
+    dash.submit_dialog()
+    last = dash.wait_cell("gpu-err-0001", "Last migration", "failed", "CUDA_ERROR_INVALID_VALUE")
+    assert "resume" in last
+    dash.wait_cell("gpu-err-0001", "Status", "PAUSED")
+    dash.wait_buttons("gpu-err-0001", {"Resume": True})
+    dash.wait(lambda: any(role == "alert" and "failed: cuCheckpointProcessRestore" in text
+                          for role, text in dash.notices()), "a notice tells the failure")
+    dash.wait(lambda: any("failed" in item and "CUDA_ERROR_INVALID_VALUE" in item for item in dash.command_items()),
+              "recent commands show the error")
+
+
+def test_a_silent_job_is_shown_stale(dash: Dashboard, jobs: Jobs, api: Api) -> None:
+    host = FakeHost("stale-node")
+    job = jobs(host, "gpu-stale-01")
+    dash.open()
+    dash.wait_cell("gpu-stale-01", "Status", "RUNNING")
+    job.die()
+    dash.wait_cell("gpu-stale-01", "Status", "STALE", "silent since", timeout=20)
+    assert dash.buttons("gpu-stale-01") == {"Forget": True}
+    section = dash.host_section("stale-node")                  # its host went silent too: folded
+    assert section.get_attribute("data-stale") == "1" and section.get_attribute("open") is None
+    assert "silent" in section.text
+    dash.choose("filter-status", "STALE")
+    assert "gpu-stale-01" in dash.visible_rows()
+    dash.click("gpu-stale-01", "forget")
+    dash.wait(lambda: not dash.has_row("gpu-stale-01"), "the forgotten row goes")
+    assert api.get("/processes/gpu-stale-01").status_code == 404
+    dash.choose("filter-status", "")
+
+
+XSS = "<img src=x onerror=alert(1)>"
+
+
+def test_client_text_is_escaped(dash: Dashboard, jobs: Jobs) -> None:
+    host = FakeHost(f"{XSS}-node")
+    host.gpus[1].health = f"<b>{XSS}</b>"
+    host.gpus[2].name = XSS
+    job = jobs(host, "gpu-xss-0001", user=XSS, cmdline=f"python train.py --tag '{XSS}'", op_seconds=0.2)
+    jobs(host, "gpu-xss-0002", gpu=3, cmdline=XSS)
+    dash.open()
+    dash.wait(lambda: dash.has_row("gpu-xss-0002"), "the rows are there")
+    job.fail_with = XSS
+    dash.click("gpu-xss-0001", "pause")
+    dash.wait_cell("gpu-xss-0001", "Last migration", "failed", XSS)
+    assert XSS in dash.cell("gpu-xss-0001", "User") and XSS in dash.cell("gpu-xss-0001", "Host")
+    assert XSS in dash.cell("gpu-xss-0002", "Process")
+    assert XSS in dash.host_section(f"{XSS}-node").text
+    dash.click("gpu-xss-0001", "migrate")
+    dash.wait(dash.dialog_open, "the Migrate dialog opens")
+    dash.d.find_element(By.CSS_SELECTOR, "#target-dialog details.refused summary").click()
+    assert XSS in dash.d.find_element(By.ID, "target-dialog").text
+    dash.d.find_element(By.CSS_SELECTOR, "#target-dialog [data-close]").click()
+    dash.wait(lambda: any(XSS in text for _r, text in dash.notices()), "the failure notice quotes the error")
+    assert dash.js("return document.querySelectorAll('img').length") == 0
+    assert f"<b>{XSS}</b>" in dash.gpu_card(host.uuid(1)).text
+    with pytest.raises(NoAlertPresentException):
+        dash.d.switch_to.alert.text
+
+
+def _populate_for_screenshots(jobs: Jobs) -> SimJob:
+    host = FakeHost("dgx-h200-01", gpus=[Gpu(i, other=o * GIB, utilization=u) for i, (o, u) in
+                                          enumerate([(0, 92), (3, 97), (60, 40), (0, 0), (110, 71), (0, 12), (139, 100), (8, 55)])])
+    host.gpus[5].health = "xid 79"
+    jobs(host, "gpu-7f3a9c21", gpu=0, memory=48 * GIB, user="alice",
+         cmdline="python -m torch.distributed.run --nproc-per-node 1 train_llama.py --config configs/llama-8b-long-context.yaml")
+    jobs(host, "gpu-0b91e4d7", gpu=1, memory=17 * GIB, user="bob", cmdline="python resnet50_imagenet.py")
+    jobs(host, "gpu-c4d2aa90", gpu=7, state="PAUSED", memory=33 * GIB, user="carol", cmdline="python -m finetune.whisper")
+    long_id = "gpu-" + "averyveryverylongprocessidentifier" * 3
+    jobs(host, long_id[:120], gpu=3, memory=9 * GIB, user="dmitri.sokolovsky-longname", cmdline="accelerate launch sft.py")
+    busy = jobs(host, "gpu-5e6f7a8b", gpu=2, memory=22 * GIB, user="erin", cmdline="python ppo_agent.py")
+    busy.hold.clear()
+    jobs(FakeHost("node-a100", gpus=[Gpu(i, name="NVIDIA A100-SXM4-80GB", total=80 * GIB) for i in range(2)]),
+         "gpu-aa00bb11", gpu=1, memory=30 * GIB, user="frank", cmdline="python bert.py")
+    return busy
+
+
+def _full_page_screenshot(dash: Dashboard, path: Path, width: int, mobile: bool) -> None:
+    height = int(dash.js("return document.documentElement.scrollHeight"))
+    dash.d.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                           {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": mobile})
+    dash.d.save_screenshot(str(path))
+
+
+def test_layout_at_1280_and_on_a_phone(dash: Dashboard, jobs: Jobs, api: Api, artifacts: Path) -> None:
+    busy = _populate_for_screenshots(jobs)
+    dash.open()
+    dash.wait(lambda: dash.has_row("gpu-aa00bb11"), "rows rendered")
+    dash.click("gpu-5e6f7a8b", "migrate")
+    dash.wait(dash.dialog_open, "the Migrate dialog opens")
+    dash.submit_dialog()
+    dash.wait_cell("gpu-5e6f7a8b", "Status", "MIGRATING", "running")
+    try:
+        for width, height, mobile, name in ((1280, 900, False, "dashboard-1280"), (390, 844, True, "dashboard-390")):
+            dash.d.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                                   {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": mobile})
+            dash.wait(lambda: dash.js("return window.innerWidth") == width, f"viewport {width} px")
+            sizes = dash.overflow()
+            assert sizes["scroll"] <= sizes["client"] <= width, sizes     # a scroll bar may take a few px
+            assert sizes["table"] <= sizes["table_box"], sizes
+            dash.d.save_screenshot(str(artifacts / f"{name}-top.png"))
+            _full_page_screenshot(dash, artifacts / f"{name}.png", width, mobile)
+            if mobile:
+                display = dash.js("return getComputedStyle(document.getElementById(arguments[0])).display",
+                                  "proc-gpu-7f3a9c21")
+                assert display == "grid"                           # one card per process
+                button = dash.row("gpu-7f3a9c21").find_element(By.CSS_SELECTOR, "[data-action=migrate]")
+                assert button.is_displayed() and button.size["height"] >= 36
+                dash.d.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                                       {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": mobile})
+                dash.js("arguments[0].scrollIntoView()", button)
+                button.click()
+                dash.wait(dash.dialog_open, "the Migrate dialog opens on the phone")
+                box = dash.js("return document.getElementById('target-dialog').getBoundingClientRect().toJSON()")
+                assert box["left"] >= 0 and box["right"] <= width, box
+                dash.d.save_screenshot(str(artifacts / "dialog-390.png"))
+                dash.d.find_element(By.CSS_SELECTOR, "#target-dialog [data-close]").click()
+            assert dash.overflow()["scroll"] <= width
+    finally:
+        dash.d.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+        busy.hold.set()
