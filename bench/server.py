@@ -362,7 +362,7 @@ class Server:
         env["FLEXIUM_HOME"] = home
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "flexium.server", "--port", str(self.port), "--database", database_url,
-             "--log-level", "warning"], stdout=subprocess.PIPE, stderr=None if os.environ.get("GCDEBUG") else subprocess.STDOUT, text=True, env=env)
+             "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.token = ""
         deadline = time.monotonic() + 60
         assert self.proc.stdout is not None
@@ -462,10 +462,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", default="100,1000,2000")
     parser.add_argument("--backends", default="sqlite,postgresql")
-    parser.add_argument("--duration", type=float, default=20.0, help="steady phase seconds")
+    parser.add_argument("--duration", type=float, default=30.0, help="steady phase seconds")
     parser.add_argument("--heartbeat-interval", type=float, default=5.0)
-    parser.add_argument("--poll-wait", type=float, default=10.0)
-    parser.add_argument("--command-rate", type=float, default=20.0)
+    parser.add_argument("--poll-wait", type=float, default=25.0, help="the server's default long-poll wait")
+    parser.add_argument("--command-rate", type=float, default=10.0)
     parser.add_argument("--burst-seconds", type=float, default=5.0)
     parser.add_argument("--burst-concurrency", type=int, default=32)
     parser.add_argument("--gpus-per-host", type=int, default=8)

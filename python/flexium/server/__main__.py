@@ -3,10 +3,19 @@
 
 import sys
 
-from flexium.server import app, workspaces
 
-if __name__ == "__main__":
+def _main() -> int:
+    try:
+        from flexium.server import app, workspaces
+    except ImportError as exc:
+        print(f'flexium server: the server is not installed ({exc}): pip install "flexium[server]"',
+              file=sys.stderr)
+        return 2
     argv = sys.argv[1:]
     if argv and argv[0] in ("workspace", "token"):
-        sys.exit(workspaces.main(argv))
-    sys.exit(app.main(argv))
+        return workspaces.main(argv)
+    return app.main(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -171,6 +171,7 @@ def create_app(settings: Optional[Settings] = None, *, database: Optional[Databa
         for ws, process_id, snapshot in await db.call(storage.load_snapshots, write=False):
             ctx.snapshots[(ws, process_id)] = snapshot
             ctx.process_hosts[(ws, process_id)] = snapshot.host
+        db.start_checkpoints()
         tasks = [asyncio.create_task(ctx.sweep_forever()), asyncio.create_task(ctx.flush_forever())]
         try:
             yield
@@ -182,6 +183,9 @@ def create_app(settings: Optional[Settings] = None, *, database: Optional[Databa
                     await task
             with contextlib.suppress(Exception):
                 await ctx.flush_beats()
+            with contextlib.suppress(Exception):
+                await db.aclose()
+            db.stop_checkpoints()
             if database is None:
                 db.dispose()
 
