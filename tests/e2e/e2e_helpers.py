@@ -161,7 +161,8 @@ class Server:
         return {"Authorization": f"Bearer {token or self.token}"}
 
     def get(self, path: str, **kw: Any) -> requests.Response:
-        return requests.get(self.api + path, headers=kw.pop("headers", self.headers()), timeout=10, **kw)
+        return requests.get(self.api + path, headers=kw.pop("headers", self.headers()), timeout=kw.pop("timeout", 10),
+                            **kw)
 
     def post(self, path: str, json: Any = None, **kw: Any) -> requests.Response:
         return requests.post(self.api + path, json=json, headers=kw.pop("headers", self.headers()), timeout=10, **kw)

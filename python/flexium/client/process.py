@@ -63,7 +63,8 @@ class ProcessClient:
         self._wake = threading.Event()
         self._registered = threading.Event()
         self._connected = True        # what the log last said, so a long outage is logged once
-        self._finished: collections.OrderedDict[int, dict[str, Any]] = collections.OrderedDict()
+        # (id, created_at): on SQLite the server may hand a deleted command's id to a new one.
+        self._finished: collections.OrderedDict[tuple[int, float], dict[str, Any]] = collections.OrderedDict()
         # Held while a body that says where the process is gets built and sent: a heartbeat
         # built during an operation (PAUSING) must not reach the server after the outcome
         # (PAUSED) and overwrite it.
@@ -223,7 +224,8 @@ class ProcessClient:
     def _execute(self, command: dict[str, Any]) -> None:
         command_id = int(command["id"])
         received = time.time()
-        done = self._finished.get(command_id)
+        key = (command_id, float(command.get("created_at") or 0.0))
+        done = self._finished.get(key)
         if done is not None:
             # Delivered again (our earlier answer was lost): never run an operation twice.
             self._send_report(command_id, done, final=True)
@@ -236,7 +238,7 @@ class ProcessClient:
                  f" to {target}" if target else "", (self.last_delivery_s or 0.0) * 1e3)
         self._send_report(command_id, {"state": "running"}, final=False)
         report = self._run(command)
-        self._finished[command_id] = report
+        self._finished[key] = report
         while len(self._finished) > REMEMBERED_COMMANDS:
             self._finished.popitem(last=False)
         self._send_report(command_id, report, final=True)

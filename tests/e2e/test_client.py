@@ -1,0 +1,186 @@
+"""The training process's client in this test process, against the real server: engine
+refusals and failures come back as failed commands with the engine's message, and neither
+start nor stop waits for a server that is down or never answers."""
+
+from __future__ import annotations
+
+import socket
+import time
+from types import SimpleNamespace
+from typing import Any, Iterator, Optional
+
+import pytest
+
+from e2e_helpers import Server, wait_until
+from flexium.client import ApiClient, ProcessClient, start_client
+from flexium.config import parse_server_address
+from flexium.engine.operations import EngineState, GpuIdentity, OperationKind, OperationResult
+from flexium.errors import (
+    CapabilityError,
+    InvalidStateError,
+    OperationFailedError,
+    OperationInProgressError,
+    TargetRefusedError,
+)
+
+pytestmark = pytest.mark.timeout(120)
+
+GIB = 1 << 30
+GPUS = [GpuIdentity(ordinal=i, uuid=f"GPU-e2e0000{i}", name="NVIDIA H200", total_memory=140 * GIB,
+                    pci_bus_id=f"0000:0{i}:00.0", nvml_index=i) for i in range(2)]
+
+
+class ScriptedEngine:
+    """Raises what the test queues, in order, whatever the operation."""
+
+    def __init__(self) -> None:
+        self.state = EngineState.RUNNING
+        self.outcomes: list[BaseException] = []
+        self.calls: list[tuple[str, Any]] = []
+
+    def _next(self, kind: str, target: Any) -> OperationResult:
+        self.calls.append((kind, target))
+        raise self.outcomes.pop(0)
+
+    def migrate(self, target: Any) -> OperationResult:
+        return self._next("migrate", target)
+
+    def pause(self) -> OperationResult:
+        return self._next("pause", None)
+
+    def resume(self, target: Any = None) -> OperationResult:
+        return self._next("resume", target)
+
+    def add_state_listener(self, listener: Any) -> None:
+        pass
+
+
+class ScriptedReporter:
+    """A movable process on a host with two H200s, whatever this machine has."""
+
+    def __init__(self, process_id: str) -> None:
+        self.process_id = process_id
+
+    def register_body(self, _gpus: Any) -> dict[str, Any]:
+        return {"process_id": self.process_id, "host": "e2e-host", "pid": 1, "gpu_uuid": GPUS[0].uuid,
+                "gpu_model": "NVIDIA H200", "gpu_index": 0, "logical_device": "cuda:0",
+                "physical_device": "cuda:0", "visible_gpus": [g.uuid for g in GPUS],
+                "capabilities": {"pause_resume": True, "migration": True}, "memory_bytes": GIB,
+                "state": "RUNNING", "devices": [
+                    {"uuid": g.uuid, "index": g.ordinal, "name": g.name, "memory_total": g.total_memory,
+                     "memory_used": GIB if g.ordinal == 0 else 0, "health": "ok"} for g in GPUS]}
+
+    def heartbeat_body(self, _gpus: Any) -> dict[str, Any]:
+        return {"state": "RUNNING", "memory_bytes": GIB}
+
+    def process_update(self) -> dict[str, Any]:
+        return {"state": "RUNNING", "gpu_uuid": GPUS[0].uuid, "gpu_index": 0, "physical_device": "cuda:0",
+                "memory_bytes": GIB}
+
+    def capabilities(self) -> dict[str, Any]:
+        return {"pause_resume": True, "migration": True, "problems": []}
+
+
+def _session(process_id: str, engine: Optional[ScriptedEngine], address: str, token: Optional[str]) -> Any:
+    from flexium.config import FlexiumConfig
+
+    config = FlexiumConfig(orchestrator=address, token=token, address=parse_server_address(address))
+    return SimpleNamespace(config=config, engine=engine, process_id=process_id, logical_device="cuda:0",
+                           capabilities=None)
+
+
+@pytest.fixture
+def scripted(server: Server) -> Iterator[tuple[ProcessClient, ScriptedEngine]]:
+    engine = ScriptedEngine()
+    session = _session("gpu-scripted", engine, server.address, server.token)
+    client = ProcessClient(session, ApiClient(session.config.address, server.token),
+                           reporter=ScriptedReporter("gpu-scripted")).start()  # type: ignore[arg-type]
+    assert client.wait_registered(10)
+    yield client, engine
+    client.stop()
+
+
+def _command(server: Server, kind: str, target: Optional[str] = None) -> dict[str, Any]:
+    body: dict[str, Any] = {"kind": kind, "process_id": "gpu-scripted"}
+    if target:
+        body["target"] = target
+    r = server.post("/commands", body)
+    assert r.status_code == 201, r.text
+    done = server.get(f"/commands/{r.json()['id']}", params={"wait": 20}, timeout=30).json()
+    assert done["state"] in ("succeeded", "failed"), done
+    return done
+
+
+def test_engine_refusals_are_failed_commands_with_the_message(
+        server: Server, scripted: tuple[ProcessClient, ScriptedEngine]) -> None:
+    client, engine = scripted
+    refusals = [TargetRefusedError("cuda:1 has 0.20 GiB free; the job needs 1.00 GiB"),
+                OperationInProgressError("cannot pause: another operation is in progress (MIGRATING)"),
+                CapabilityError("migration to another GPU is not available on this machine: driver 575"),
+                InvalidStateError("cannot migrate: an earlier rollback failed")]
+    kinds = ["migrate", "pause", "migrate", "migrate"]
+    for kind, refusal in zip(kinds, refusals):
+        engine.outcomes.append(refusal)
+        done = _command(server, kind, "cuda:1" if kind == "migrate" else None)
+        assert done["state"] == "failed" and done["error"] == str(refusal)
+    assert [k for k, _ in engine.calls] == kinds
+    assert engine.calls[0][1] == GPUS[1].uuid        # the physical GPU, by UUID
+    assert server.process("gpu-scripted")["state"] == "RUNNING"
+
+
+def test_a_failed_operation_reports_its_timings(server: Server, scripted: tuple[ProcessClient, ScriptedEngine]) -> None:
+    _, engine = scripted
+    result = OperationResult(kind=OperationKind.MIGRATE, path="driver", ok=False, logical_device="cuda:0",
+                             source=GPUS[0], target=GPUS[1], seconds=0.25, failed_step="restore",
+                             error="step 'restore' failed; rolled back")
+    engine.outcomes.append(OperationFailedError("migrate failed: step 'restore' failed; rolled back",
+                                                step="restore", result=result))
+    done = _command(server, "migrate", "cuda:1")
+    assert done["state"] == "failed" and "rolled back" in done["error"]
+    assert done["result"]["failed_step"] == "restore" and done["result"]["seconds"] == 0.25
+
+
+def test_no_engine_refuses_every_command(server: Server) -> None:
+    """A process that reports migration but has no engine (the server trusts its report)."""
+    session = _session("gpu-noengine", None, server.address, server.token)
+
+    class Reporter(ScriptedReporter):
+        def capabilities(self) -> dict[str, Any]:
+            return {"pause_resume": False, "migration": False, "problems": ["no NVIDIA driver"]}
+
+    client = ProcessClient(session, ApiClient(session.config.address, server.token),
+                           reporter=Reporter("gpu-noengine")).start()  # type: ignore[arg-type]
+    try:
+        assert client.wait_registered(10)
+        r = server.post("/commands", {"kind": "pause", "process_id": "gpu-noengine"})
+        done = server.get(f"/commands/{r.json()['id']}", params={"wait": 20}, timeout=30).json()
+        assert done["state"] == "failed" and "no NVIDIA driver" in done["error"]
+    finally:
+        client.stop()
+    assert server.process("gpu-noengine") is None
+
+
+@pytest.mark.parametrize("kind", ["refused", "black hole"])
+def test_start_and_stop_never_wait_for_the_server(kind: str) -> None:
+    """Connection refused, or a server that accepts connections and never answers."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    if kind == "black hole":
+        listener.listen(16)
+    else:
+        listener.close()
+    try:
+        session = _session("gpu-nowhere", ScriptedEngine(), f"127.0.0.1:{port}/e2e", "flx_x")
+        started = time.monotonic()
+        client = start_client(session)
+        assert client is not None
+        assert time.monotonic() - started < 0.5
+        time.sleep(1.0)
+        assert not client.registered
+        started = time.monotonic()
+        client.stop()
+        assert time.monotonic() - started < 2.5
+        wait_until(lambda: not any(t.is_alive() for t in client._threads), 15, "the client threads to end")
+    finally:
+        listener.close()

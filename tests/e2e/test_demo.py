@@ -1,0 +1,79 @@
+"""`flexium demo`: the README's first command. A server on its default SQLite file (under a
+home of the test's own), the demo job attached, the dashboard link; Ctrl-C stops both."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import pytest
+import requests
+
+from e2e_helpers import Output, clean_env, flexium_command, free_port, wait_until
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # A zombie still answers kill(0); its state letter says it has exited.
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_demo_starts_server_and_job_and_stops_both(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    port = free_port()
+    demo = subprocess.Popen([*flexium_command(), "demo", "--port", str(port)], env=clean_env(home), cwd=home,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = Output(demo)
+    try:
+        link = out.wait_for(rf"dashboard: (http://127\.0\.0\.1:{port}/login#token=(flx_\S+))$", 60)
+        token = link.group(2)
+        server_pid = int(out.wait_for(r"server http://\S+ \(pid (\d+);", 1).group(1))
+        job_pid = int(out.wait_for(r"demo training job started \(pid (\d+)\)", 30).group(1))
+        registered = out.wait_for(r"job (gpu-[0-9a-f]+) registered \(RUNNING", 90)
+        assert (home / ".flexium" / "server.db").exists()
+        r = requests.get(f"http://127.0.0.1:{port}/api/w/default/processes",
+                         headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        assert r.status_code == 200
+        processes = {p["process_id"]: p for p in r.json()}
+        assert processes[registered.group(1)]["pid"] == job_pid
+        assert requests.get(f"http://127.0.0.1:{port}/login", timeout=10).status_code == 200
+        out.wait_for(r"\[demo job\] step", 30)
+
+        demo.send_signal(signal.SIGINT)
+        assert demo.wait(30) == 0, out.text
+        out.wait_for(r"flexium demo: stopped$", 5)
+        wait_until(lambda: _gone(server_pid) and _gone(job_pid), 10, "the server and the job to exit")
+        with pytest.raises(requests.ConnectionError):
+            requests.get(f"http://127.0.0.1:{port}/healthz", timeout=2)
+        assert "Traceback" not in out.text, out.text
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
+
+
+def test_demo_says_what_is_missing_when_the_port_is_taken(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = subprocess.run([*flexium_command(), "demo", "--port", str(port)], env=clean_env(home), cwd=home,
+                              capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert re.search(rf"port {port} .* is in use", done.stderr), done.stderr
