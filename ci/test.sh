@@ -57,3 +57,16 @@ python -m pytest -q tests/server "$@"
 echo "== end-to-end tests"
 python -c "import fastapi, uvicorn, sqlalchemy" 2>/dev/null || python -m pip install -q --no-build-isolation ".[server,test]"
 python -m pytest -q tests/e2e "$@"
+
+# -----------------------------------------------------------------------------------------------
+# Dashboard tests (tests/browser): the dashboard of a real server process in headless Chromium,
+# driven by Selenium (from the test extra) through Debian's chromium-driver. Chromium and its
+# driver come from Debian's packages, installed here when missing.
+echo "== dashboard tests (headless Chromium)"
+if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq chromium chromium-driver >/dev/null
+fi
+python -c "import selenium, fastapi, uvicorn" 2>/dev/null || python -m pip install -q --no-build-isolation ".[server,test]"
+python -m pytest -q tests/browser "$@"
