@@ -1,0 +1,88 @@
+"""The `flexium` command's own parts: `flexium server` and the workspace / token commands
+delegated to the server package, and what it says when the server extra is missing."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from e2e_helpers import WORKSPACE, Server, clean_env, flexium_command, free_port, wait_until
+
+pytestmark = pytest.mark.timeout(120)
+
+_BLOCK_SERVER_PACKAGES = (
+    "import sys\n"
+    "class Block:\n"
+    "    def find_spec(self, name, path=None, target=None):\n"
+    "        if name.split('.')[0] in ('fastapi', 'sqlalchemy', 'uvicorn', 'alembic', 'starlette', 'pydantic'):\n"
+    "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
+    "sys.meta_path.insert(0, Block())\n"
+    "from flexium.cli.main import main\n"
+    "sys.exit(main(sys.argv[1:]))\n"
+)
+
+
+def test_help_lists_every_command(tmp_path: Path) -> None:
+    done = subprocess.run([*flexium_command(), "--help"], env=clean_env(tmp_path), capture_output=True, text=True,
+                          timeout=30)
+    assert done.returncode == 0
+    for command in ("doctor", "ps", "devices", "migrate", "pause", "resume", "demo", "server", "workspace", "token"):
+        assert f"    {command}" in done.stdout, command
+    done = subprocess.run([*flexium_command(), "server", "--help"], env=clean_env(tmp_path), capture_output=True,
+                          text=True, timeout=30)
+    assert done.returncode == 0 and "--database" in done.stdout and "flexium server" in done.stdout
+
+
+@pytest.mark.parametrize("argv", [["server"], ["workspace", "create", "x"], ["token", "list", "x"],
+                                  ["demo", "--port", "1"]])
+def test_missing_server_extra_says_how_to_install_it(tmp_path: Path, argv: list[str]) -> None:
+    done = subprocess.run([sys.executable, "-c", _BLOCK_SERVER_PACKAGES, *argv], env=clean_env(tmp_path),
+                          capture_output=True, text=True, timeout=30)
+    assert done.returncode == 2, done.stderr
+    assert 'pip install "flexium[server]"' in done.stderr
+    assert "Traceback" not in done.stderr
+
+
+def test_flexium_server_command_serves(tmp_path: Path) -> None:
+    port = free_port()
+    proc = subprocess.Popen([*flexium_command(), "server", "--port", str(port), "--database",
+                             f"sqlite:///{tmp_path / 'cli.db'}"], env=clean_env(tmp_path),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        def up() -> bool:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            try:
+                return requests.get(f"http://127.0.0.1:{port}/healthz", timeout=1).status_code == 200
+            except requests.RequestException:
+                return False
+
+        wait_until(up, 60, "flexium server to answer")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        # uvicorn re-raises the stop signal once it has shut down cleanly.
+        assert proc.wait(20) in (0, -signal.SIGTERM)
+
+
+def test_tokens_issued_and_revoked_from_the_command_line(server: Server) -> None:
+    env = clean_env(server.home)
+    issued = subprocess.run([*flexium_command(), "token", "issue", WORKSPACE, "--name", "ci", "--database",
+                             server.database], env=env, capture_output=True, text=True, timeout=60)
+    assert issued.returncode == 0, issued.stderr
+    token = issued.stdout.strip().splitlines()[-1]
+    assert token.startswith("flx_") and token != server.token
+    done = server.cli("ps", "--token", token)
+    assert done.returncode == 0, done.stderr
+    revoked = subprocess.run([*flexium_command(), "token", "revoke", WORKSPACE, token, "--database",
+                              server.database], env=env, capture_output=True, text=True, timeout=60)
+    assert revoked.returncode == 0, revoked.stderr
+    # A token revoked on the database directly stops working within the server's cache time.
+    started = time.monotonic()
+    wait_until(lambda: server.cli("ps", "--token", token).returncode == 1, 20, "the revoked token to be refused")
+    assert time.monotonic() - started < 15
+    assert server.cli("ps").returncode == 0
