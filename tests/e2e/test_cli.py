@@ -3,6 +3,7 @@ delegated to the server package, and what it says when the server extra is missi
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
@@ -86,3 +87,15 @@ def test_tokens_issued_and_revoked_from_the_command_line(server: Server) -> None
     wait_until(lambda: server.cli("ps", "--token", token).returncode == 1, 20, "the revoked token to be refused")
     assert time.monotonic() - started < 15
     assert server.cli("ps").returncode == 0
+
+
+def test_server_and_token_from_flexiumrc(server: Server) -> None:
+    """No FLEXIUM_SERVER / FLEXIUM_TOKEN: the command line reads ~/.flexiumrc, like the client."""
+    rc = server.home / ".flexiumrc"
+    rc.write_text(f"server: http://{server.address}\ntoken: {server.token}\n")
+    try:
+        done = server.cli("ps", "--json", env={"FLEXIUM_SERVER": "", "FLEXIUM_TOKEN": ""})
+        assert done.returncode == 0, done.stderr
+        assert isinstance(json.loads(done.stdout), list)
+    finally:
+        rc.unlink()

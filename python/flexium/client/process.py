@@ -89,11 +89,16 @@ class ProcessClient:
             return
         self._stop.set()
         self._wake.set()
-        if self._registered.is_set():
-            try:
+        # A registration in flight finishes first, so that it cannot land after the unregister.
+        locked = self._send_lock.acquire(timeout=timeout)
+        try:
+            if self._registered.is_set():
                 self.api.request("DELETE", protocol.PATH_PROCESS.format(process_id=self.process_id), timeout=timeout)
-            except ServerError as exc:
-                log.debug("unregister failed: %s", exc)
+        except ServerError as exc:
+            log.debug("unregister failed: %s", exc)
+        finally:
+            if locked:
+                self._send_lock.release()
         for thread in self._threads:
             thread.join(0.2)
         self.api.close()
@@ -209,6 +214,11 @@ class ProcessClient:
                 log.exception("long-poll failed")
                 self._stop.wait(backoff.next())
                 continue
+            if self._stop.is_set():
+                # A long-poll answered after stop() belongs to no one now (a new client of this
+                # process, after shutdown() and init(), polls for the same id): leave the
+                # command to it; the server hands an unacknowledged command out again.
+                return
             if command is None:
                 if time.monotonic() - asked < EARLY_POLL_END_S:
                     self._stop.wait(backoff.next())
