@@ -54,6 +54,7 @@ class LiveServer:
             if self.proc.poll() is not None:
                 raise RuntimeError("server exited:\n" + "\n".join(self.lines))
             try:
+                # a restart on the same database prints no token: the first one stays valid
                 if requests.get(self.url + "/healthz", timeout=1).status_code == 200 and self.token:
                     return self
             except requests.RequestException:
@@ -73,6 +74,10 @@ class LiveServer:
             m = re.search(r"Log in to the dashboard: (\S+)", line)
             if m:
                 self.login_link = m.group(1)
+
+    def restart(self) -> "LiveServer":
+        self.stop()
+        return self.start()
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:

@@ -10,6 +10,7 @@ import pytest
 import requests
 from selenium.common.exceptions import NoAlertPresentException
 from selenium.webdriver.common.by import By
+from selenium.webdriver.common.keys import Keys
 
 from dash_helpers import GIB, Api, FakeHost, Gpu, LiveServer, SimJob
 from dash_page import Dashboard
@@ -23,15 +24,15 @@ def test_login_link_opens_the_dashboard(server: LiveServer, browser: Any) -> Non
     out = "\n".join(server.lines)
     assert server.token and server.token.startswith("flx_")
     assert f"Log in to the dashboard: {server.url}/login#token={server.token}" in out
+    page = Dashboard(browser, server)
     browser.delete_all_cookies()
     browser.get(server.url + "/")
     assert browser.current_url == server.url + "/login"
     browser.find_element(By.ID, "token").send_keys("flx_not-a-token")
     browser.find_element(By.CSS_SELECTOR, "#login-form button[type=submit]").click()
-    assert "invalid" in browser.find_element(By.ID, "login-error").text
+    page.wait(lambda: "invalid" in browser.find_element(By.ID, "login-error").text, "the login error shows")
 
     browser.get(server.login_link)
-    page = Dashboard(browser, server)
     page.wait(lambda: browser.current_url == server.url + "/", "redirected to the dashboard")
     page.wait(lambda: browser.find_element(By.ID, "live").text == "live", "event stream connected")
     assert browser.find_element(By.ID, "proc-title").text == "Processes"
@@ -196,6 +197,34 @@ def test_pause_and_resume_follow_the_state(dash: Dashboard, jobs: Jobs, api: Api
     dash.wait_cell("gpu-pause-01", "Last migration", "resume → GPU 2", "succeeded")
 
 
+def test_keyboard_alone_can_migrate(dash: Dashboard, jobs: Jobs, api: Api) -> None:
+    host = FakeHost("keys-node")
+    jobs(host, "gpu-keys-001", op_seconds=0.5)
+    dash.open()
+    dash.wait_buttons("gpu-keys-001", {"Migrate": True, "Pause": True})
+    button = dash.row("gpu-keys-001").find_element(By.CSS_SELECTOR, "[data-action=migrate]")
+    dash.js("arguments[0].focus()", button)
+    active = dash.d.switch_to.active_element
+    assert active.get_attribute("aria-label") == "Migrate gpu-keys-001"
+    active.send_keys(Keys.ENTER)
+    dash.wait(dash.dialog_open, "Enter opens the dialog")
+    focused = dash.d.switch_to.active_element          # the first target, already chosen
+    assert focused.get_attribute("name") == "target" and focused.get_attribute("value") == host.uuid(1)
+    focused.send_keys(Keys.ESCAPE)
+    dash.wait(lambda: not dash.dialog_open(), "Escape closes it")
+    assert dash.d.switch_to.active_element.get_attribute("aria-label") == "Migrate gpu-keys-001"
+    dash.d.switch_to.active_element.send_keys(Keys.ENTER)
+    dash.wait(dash.dialog_open, "the dialog opens again")
+    dash.d.switch_to.active_element.send_keys(Keys.ARROW_DOWN)      # radio group: next GPU
+    assert dash.d.switch_to.active_element.get_attribute("value") == host.uuid(2)
+    dash.d.switch_to.active_element.send_keys(Keys.ENTER)           # submits the form
+    dash.wait_cell("gpu-keys-001", "Last migration", "migrate → GPU 2", "succeeded")
+    assert api.commands("gpu-keys-001")[0]["target_uuid"] == host.uuid(2)
+    labels = dash.js("return Array.from(document.querySelectorAll('#filters input, #filters select'))"
+                     ".map(function (e) { return e.labels.length; })")
+    assert labels and all(n == 1 for n in labels)
+
+
 def test_refused_and_failed_commands_are_visible(dash: Dashboard, jobs: Jobs, api: Api) -> None:
     host = FakeHost("err-node")
     job = jobs(host, "gpu-err-0001", op_seconds=0.3)
@@ -277,6 +306,19 @@ def test_client_text_is_escaped(dash: Dashboard, jobs: Jobs) -> None:
     assert f"<b>{XSS}</b>" in dash.gpu_card(host.uuid(1)).text
     with pytest.raises(NoAlertPresentException):
         dash.d.switch_to.alert.text
+
+
+def test_reconnects_after_a_server_restart(dash: Dashboard, server: LiveServer, jobs: Jobs) -> None:
+    dash.open()
+    dash.js("window.samePage = true")
+    server.stop()
+    dash.wait(lambda: dash.d.find_element(By.ID, "live").text == "reconnecting…", "the page says it lost the stream")
+    server.start()
+    dash.wait(lambda: dash.d.find_element(By.ID, "live").text == "live", "the stream is back", timeout=15)
+    jobs(FakeHost("restart-node"), "gpu-restart-01")
+    dash.wait(lambda: dash.has_row("gpu-restart-01"), "a job registered after the restart appears")
+    dash.wait(lambda: dash.host_section("restart-node"), "and its GPUs")
+    assert dash.js("return window.samePage") is True
 
 
 def _populate_for_screenshots(jobs: Jobs) -> SimJob:

@@ -13,7 +13,7 @@ import math
 import shlex
 import time
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Annotated, Any, Mapping, Optional, Sequence
 from urllib.parse import parse_qs
 
 from fastapi import APIRouter, Query, Request
@@ -44,6 +44,7 @@ _HEADERS = {"Content-Security-Policy": _CSP, "X-Content-Type-Options": "nosniff"
 # How far back the table looks for each process's last finished command (see ``last_finished``).
 _COMMAND_SCAN = 500
 _RECENT_COMMANDS = 15
+_MAX_BATCH = 200            # ids or hosts one fragment request may name
 
 
 # --- formatting (Jinja filters; static/dashboard.js formats ticking times the same way) -----
@@ -156,17 +157,27 @@ def last_finished(commands: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 
 def dashboard_view(*, session: Session, workspace_id: int, now: float, stale_after: float,
-                   process_id: Optional[str] = None, host: Optional[str] = None,
+                   process_ids: Optional[Sequence[str]] = None, hosts: Optional[Sequence[str]] = None,
                    processes: bool = True, devices: bool = True, commands: bool = True) -> dict[str, Any]:
     """Processes, GPUs and recent commands through the API's storage functions, in one
-    transaction so the parts agree with each other. ``process_id`` narrows to one process
-    (NotFound when it is gone), ``host`` the GPUs to one host."""
+    transaction so the parts agree with each other.
+
+    ``process_ids`` narrows the processes to those (the ones gone are left out) and, unless
+    ``hosts`` says otherwise, the GPUs to their hosts; ``hosts`` narrows the GPUs."""
     view: dict[str, Any] = {"now": now, "stale_after": stale_after}
-    if process_id is not None:
-        view["process"] = storage.get_process(session=session, workspace_id=workspace_id,
-                                              process_id=process_id, now=now, stale_after=stale_after)
-        view["last"] = last_finished(storage.list_commands(session=session, workspace_id=workspace_id,
-                                                           process_id=process_id, limit=20))
+    if process_ids is not None:
+        view["processes"], view["last"] = [], {}
+        for process_id in process_ids:
+            try:
+                view["processes"].append(storage.get_process(
+                    session=session, workspace_id=workspace_id, process_id=process_id, now=now,
+                    stale_after=stale_after))
+            except NotFound:
+                continue
+            view["last"].update(last_finished(storage.list_commands(
+                session=session, workspace_id=workspace_id, process_id=process_id, limit=20)))
+        if hosts is None:
+            hosts = sorted({p["host"] for p in view["processes"]})
     elif processes:
         view["processes"] = storage.list_processes(session=session, workspace_id=workspace_id,
                                                    now=now, stale_after=stale_after)
@@ -177,8 +188,13 @@ def dashboard_view(*, session: Session, workspace_id: int, now: float, stale_aft
         view["commands"] = storage.list_commands(session=session, workspace_id=workspace_id,
                                                  limit=_RECENT_COMMANDS)
     if devices:
-        view["hosts"] = storage.list_devices(session=session, workspace_id=workspace_id, now=now,
-                                             stale_after=stale_after, host=host)["hosts"]
+        if hosts is None:
+            view["hosts"] = storage.list_devices(session=session, workspace_id=workspace_id, now=now,
+                                                 stale_after=stale_after)["hosts"]
+        else:
+            view["hosts"] = [entry for host in hosts for entry in storage.list_devices(
+                session=session, workspace_id=workspace_id, now=now, stale_after=stale_after,
+                host=host)["hosts"]]
     return view
 
 
@@ -264,23 +280,15 @@ async def index(request: Request, ctx: Ctx) -> Response:
 # --- fragments (the script swaps these in on live events) -------------------------------------
 
 @router.get("/ui/processes", response_class=HTMLResponse)
-async def process_rows(request: Request, ctx: Ctx) -> Response:
+async def process_rows(request: Request, ctx: Ctx,
+                       ids: Annotated[Optional[list[str]], Query(alias="id")] = None) -> Response:
+    """Rows of the processes named by ``id`` (repeated; those gone are left out), else all."""
     auth = await page_auth(request, ctx)
     if auth is None:
         return _signed_out()
-    return _render(request, "fragments/rows.html", await _view(request, ctx, auth, devices=False, commands=False))
-
-
-@router.get("/ui/processes/{process_id}", response_class=HTMLResponse)
-async def process_row(request: Request, ctx: Ctx, process_id: str) -> Response:
-    auth = await page_auth(request, ctx)
-    if auth is None:
-        return _signed_out()
-    try:
-        view = await _view(request, ctx, auth, process_id=process_id, devices=False, commands=False)
-    except NotFound:
-        return Response("", status_code=404, headers=_HEADERS)
-    return _render(request, "fragments/row.html", view)
+    narrow = {"process_ids": ids[:_MAX_BATCH]} if ids else {}
+    return _render(request, "fragments/rows.html",
+                   await _view(request, ctx, auth, devices=False, commands=False, **narrow))
 
 
 @router.get("/ui/processes/{process_id}/targets", response_class=HTMLResponse)
@@ -289,10 +297,10 @@ async def target_form(request: Request, ctx: Ctx, process_id: str,
     auth = await page_auth(request, ctx)
     if auth is None:
         return _signed_out()
-    try:
-        view = await _view(request, ctx, auth, process_id=process_id, commands=False)
-    except NotFound:
+    view = await _view(request, ctx, auth, process_ids=[process_id], commands=False)
+    if not view["processes"]:
         return Response("", status_code=404, headers=_HEADERS)
+    view["process"] = view["processes"][0]
     judged = judge_targets(view["process"], view["hosts"], kind=kind, now=view["now"],
                            stale_after=view["stale_after"])
     view.update(kind=kind, fits=[d for d, reason in judged if reason is None],
@@ -301,11 +309,14 @@ async def target_form(request: Request, ctx: Ctx, process_id: str,
 
 
 @router.get("/ui/devices", response_class=HTMLResponse)
-async def device_cards(request: Request, ctx: Ctx, host: Optional[str] = Query(None, max_length=protocol.MAX_HOST_LEN)) -> Response:
+async def device_cards(request: Request, ctx: Ctx,
+                       hosts: Annotated[Optional[list[str]], Query(alias="host")] = None) -> Response:
+    """GPU cards of the hosts named by ``host`` (repeated), else of all hosts."""
     auth = await page_auth(request, ctx)
     if auth is None:
         return _signed_out()
-    view = await _view(request, ctx, auth, processes=False, commands=False, host=host or None)
+    narrow = {"hosts": hosts[:_MAX_BATCH]} if hosts else {}
+    view = await _view(request, ctx, auth, processes=False, commands=False, **narrow)
     return _render(request, "fragments/hosts.html", view)
 
 

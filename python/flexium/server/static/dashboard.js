@@ -101,34 +101,68 @@
 
   function rowOf(processId) { return document.getElementById("proc-" + processId); }
 
-  // A re-rendered row keeps the keyboard focus where it was.
-  function replaceKeepingFocus(old, fresh) {
-    var active = document.activeElement;
-    var action = old && active && old.contains(active) && active.dataset ? active.dataset.action : null;
-    old.replaceWith(fresh);
-    if (action) {
-      var again = fresh.querySelector('[data-action="' + action + '"]');
-      if (again && !again.disabled) { again.focus(); }
-    }
+  // A re-rendered row keeps the keyboard focus on the same button.
+  function focusedAction() {
+    var el = document.activeElement;
+    return el && el.dataset && el.dataset.action && rows.contains(el)
+      ? {id: el.dataset.processId, action: el.dataset.action} : null;
   }
 
-  async function refreshRow(processId) {
-    var html = await fetchFragment("/ui/processes/" + encodeURIComponent(processId));
-    var old = rowOf(processId);
-    if (html === null) {
-      if (old) { old.remove(); }
+  function restoreFocus(was) {
+    if (!was || (document.activeElement && document.activeElement !== document.body)) { return; }
+    var row = rowOf(was.id);
+    var button = row && row.querySelector('[data-action="' + was.action + '"]');
+    if (button && !button.disabled) { button.focus(); }
+  }
+
+  // Rows and GPU sections to re-render, gathered over a few events and fetched together.
+  var stale = {rows: new Set(), allRows: false, hosts: new Set(), allHosts: false};
+  var BATCH = 100;
+
+  function queryOf(name, values) {
+    return values.map(function (v) { return name + "=" + encodeURIComponent(v); }).join("&");
+  }
+
+  function rowChanged(processId) {
+    stale.rows.add(processId);
+    schedule("rows", flushRows);
+  }
+
+  function hostChanged(name) {
+    stale.hosts.add(name);
+    schedule("hosts", flushHosts);
+  }
+
+  async function flushRows() {
+    var ids = Array.from(stale.rows);
+    var all = stale.allRows || ids.length > BATCH;
+    stale.rows.clear();
+    stale.allRows = false;
+    if (!all && !ids.length) { return; }
+    var html;
+    try {
+      html = await fetchFragment(all ? "/ui/processes" : "/ui/processes?" + queryOf("id", ids));
+    } catch (err) {                            // try these again with the next change
+      ids.forEach(function (id) { stale.rows.add(id); });
+      stale.allRows = stale.allRows || all;
+      throw err;
+    }
+    var fresh = new Map();
+    fragment(html || "").querySelectorAll("tr.proc").forEach(function (row) {
+      fresh.set(row.dataset.processId, row);
+    });
+    var focus = focusedAction();
+    if (all) {
+      rows.replaceChildren.apply(rows, Array.from(fresh.values()));
     } else {
-      var fresh = fragment(html).querySelector("tr");
-      if (!fresh) { return; }
-      if (old) { replaceKeepingFocus(old, fresh); } else { rows.appendChild(fresh); }
+      ids.forEach(function (id) {
+        var old = rowOf(id), row = fresh.get(id);
+        if (row && old) { old.replaceWith(row); }
+        else if (row) { rows.appendChild(row); }
+        else if (old) { old.remove(); }
+      });
     }
-    applyFilters();
-    tick();
-  }
-
-  async function refreshRows() {
-    var html = await fetchFragment("/ui/processes");
-    rows.replaceChildren(fragment(html || ""));
+    restoreFocus(focus);
     applyFilters();
     tick();
   }
@@ -141,29 +175,42 @@
     return null;
   }
 
-  async function refreshHost(name) {
-    var html = await fetchFragment("/ui/devices?host=" + encodeURIComponent(name));
-    var fresh = fragment(html || "").querySelector(".host");
-    var old = hostSection(name);
-    if (fresh && old) { keepFolding(old, fresh); old.replaceWith(fresh); }
-    else if (fresh) { hosts.appendChild(fresh); }
-    else if (old) { old.remove(); }
-    hostsChanged();
-  }
-
   // A host folded or unfolded by hand stays so until it goes silent or comes back.
   function keepFolding(old, fresh) {
     if (old.dataset.stale === fresh.dataset.stale) { fresh.open = old.open; }
   }
 
-  async function refreshHosts() {
-    var html = await fetchFragment("/ui/devices");
+  async function flushHosts() {
+    var names = Array.from(stale.hosts);
+    var all = stale.allHosts || names.length > BATCH;
+    stale.hosts.clear();
+    stale.allHosts = false;
+    if (!all && !names.length) { return; }
+    var html;
+    try {
+      html = await fetchFragment(all ? "/ui/devices" : "/ui/devices?" + queryOf("host", names));
+    } catch (err) {
+      names.forEach(function (name) { stale.hosts.add(name); });
+      stale.allHosts = stale.allHosts || all;
+      throw err;
+    }
     var fresh = fragment(html || "");
     fresh.querySelectorAll(".host").forEach(function (section) {
       var old = hostSection(section.dataset.host);
       if (old) { keepFolding(old, section); }
     });
-    hosts.replaceChildren(fresh);
+    if (all) {
+      hosts.replaceChildren(fresh);
+    } else {
+      var got = new Map();
+      fresh.querySelectorAll(".host").forEach(function (section) { got.set(section.dataset.host, section); });
+      names.forEach(function (name) {
+        var old = hostSection(name), section = got.get(name);
+        if (section && old) { old.replaceWith(section); }
+        else if (section) { hosts.appendChild(section); }
+        else if (old) { old.remove(); }
+      });
+    }
     hostsChanged();
   }
 
@@ -175,8 +222,10 @@
   }
 
   function refreshAll() {
-    schedule("rows", refreshRows);
-    schedule("hosts", refreshHosts);
+    stale.allRows = true;
+    stale.allHosts = true;
+    schedule("rows", flushRows);
+    schedule("hosts", flushHosts);
     schedule("commands", refreshCommands);
   }
 
@@ -321,7 +370,7 @@
     var command = await api("POST", "/commands", payload);
     tracked.set(command.id, null);
     commandNotice(command);
-    schedule("row:" + processId, function () { return refreshRow(processId); });
+    rowChanged(processId);
     return command;
   }
 
@@ -365,7 +414,12 @@
   dialog.addEventListener("close", function () {
     var opener = dialog.opener;
     dialogBody.replaceChildren();
-    if (opener && document.contains(opener)) { opener.focus(); }
+    if (!opener) { return; }
+    if (document.contains(opener)) {
+      opener.focus();
+    } else {                                   // its row was re-rendered meanwhile
+      restoreFocus({id: opener.dataset.processId, action: opener.dataset.action});
+    }
   });
 
   rows.addEventListener("click", async function (ev) {
@@ -411,22 +465,22 @@
     if (data.action === "removed") {
       if (row) { row.remove(); applyFilters(); }
     } else {
-      schedule("row:" + id, function () { return refreshRow(id); });
+      rowChanged(id);
     }
-    if (host) { schedule("host:" + host, function () { return refreshHost(host); }); }
+    if (host) { hostChanged(host); }
   }
 
   function onCommand(ev) {
     var c = JSON.parse(ev.data).command;
     if (!c) { return; }
     commandNotice(c);
-    schedule("row:" + c.process_id, function () { return refreshRow(c.process_id); });
+    rowChanged(c.process_id);
     schedule("commands", refreshCommands);
   }
 
   function onDevices(ev) {
     var host = JSON.parse(ev.data).host;
-    if (host) { schedule("host:" + host, function () { return refreshHost(host); }); }
+    if (host) { hostChanged(host); }
   }
 
   function connect() {
