@@ -183,8 +183,6 @@ def create_app(settings: Optional[Settings] = None, *, database: Optional[Databa
                     await task
             with contextlib.suppress(Exception):
                 await ctx.flush_beats()
-            with contextlib.suppress(Exception):
-                await db.aclose()
             db.stop_checkpoints()
             if database is None:
                 db.dispose()

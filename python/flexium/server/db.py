@@ -54,10 +54,6 @@ class Database:
         self.engine = self._create_engine(url, threads=threads, echo=echo)
         self._write_engine = self.engine.execution_options(**{_WRITE_OPTION: True})
         self.inline = self.is_sqlite
-        self.use_async = not self.is_sqlite and _has_greenlet()
-        self._threads = threads
-        self._async_engine: Any = None
-        self._async_loop: Any = None
         self._checkpointer: Optional[threading.Thread] = None
         self._stop_checkpoints = threading.Event()
         self.migration_seconds: Optional[float] = None
@@ -114,59 +110,20 @@ class Database:
             return fn(session=session, **kwargs)
 
     async def call(self, fn: Callable[..., T], /, *, write: bool, **kwargs: Any) -> T:
-        """``run`` from the event loop, without worker threads.
+        """``run`` from the event loop.
 
-        A worker thread hands the GIL back and forth with the busy event loop at every
-        statement (up to the 5 ms switch interval each), which made command delivery take
-        hundreds of ms under load. So:
-        - SQLite: right here. A call is a few hundred microseconds of work holding the GIL,
-          writes take turns anyway, and checkpoints (the only fsync) run on their own thread.
-        - PostgreSQL: the same synchronous storage function, run by SQLAlchemy's asyncio
-          bridge on the event loop; it yields to other requests while psycopg waits for the
-          server.
+        SQLite: right here. On a worker thread each statement hands the GIL back and forth with
+        the busy event loop (up to the 5 ms switch interval each), which made command delivery
+        take hundreds of ms under load; a call is a few hundred microseconds of work holding
+        the GIL anyway, writes take turns, and checkpoints (the one fsync) run on their own
+        thread (``start_checkpoints``).
+        PostgreSQL: on a worker thread, so other requests go on while psycopg waits for the
+        server. (SQLAlchemy's asyncio bridge measured no better here, with greenlet to carry.)
         """
         if self.inline:
             return self.run(fn, write=write, **kwargs)
-        if self.use_async:
-            return await self._call_async(fn, kwargs)
         return await anyio.to_thread.run_sync(
             functools.partial(self.run, fn, write=write, **kwargs), limiter=self._limiter)
-
-    async def _call_async(self, fn: Callable[..., T], kwargs: dict[str, Any]) -> T:
-        from sqlalchemy.ext.asyncio import AsyncSession
-
-        engine = self._async_engine_for_loop()
-        try:
-            async with AsyncSession(engine, expire_on_commit=False, autoflush=False) as session:
-                async with session.begin():
-                    return await session.run_sync(lambda sync: fn(session=sync, **kwargs))
-        except OperationalError as exc:
-            raise DatabaseUnavailable(_short(exc)) from exc
-        except DBAPIError as exc:
-            if exc.connection_invalidated:
-                raise DatabaseUnavailable(_short(exc)) from exc
-            raise
-
-    def _async_engine_for_loop(self) -> Any:
-        """Connections belong to the event loop that opened them: one engine per loop (a
-        server has one; tests start several in turn)."""
-        import asyncio
-
-        from sqlalchemy.ext.asyncio import create_async_engine
-
-        loop = asyncio.get_running_loop()
-        if self._async_engine is None or self._async_loop is not loop:
-            self._async_engine = create_async_engine(
-                self.url, pool_size=self._threads + 2, max_overflow=8, pool_timeout=30,
-                pool_pre_ping=True, pool_recycle=1800)
-            self._async_loop = loop
-        return self._async_engine
-
-    async def aclose(self) -> None:
-        """Close this loop's async connections (at server shutdown)."""
-        engine, self._async_engine, self._async_loop = self._async_engine, None, None
-        if engine is not None:
-            await engine.dispose()
 
     @property
     def calls_waiting(self) -> int:
@@ -248,14 +205,6 @@ class Database:
     def dispose(self) -> None:
         self.stop_checkpoints()
         self.engine.dispose()
-
-
-def _has_greenlet() -> bool:
-    try:
-        import greenlet  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:

@@ -105,6 +105,7 @@ class Command(Base):
         Index("ix_commands_state_created", "state", "created_at"),
         Index("uq_commands_one_active", "process_pk", unique=True,
               sqlite_where=text(ACTIVE_SQL), postgresql_where=text(ACTIVE_SQL)),
+        {"sqlite_autoincrement": True},   # ids never reused: clients know repeats by id
     )
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     workspace_id: Mapped[int] = mapped_column(ForeignKey("workspaces.id", ondelete="CASCADE"))

@@ -103,6 +103,9 @@ def upgrade() -> None:
         sa.Column("deliveries", sa.Integer, nullable=False),
         sa.Column("result", _json(), nullable=True),
         sa.Column("error", sa.Text, nullable=True),
+        # ids are never reused (SQLite would hand out a deleted last row's id again, and a
+        # process recognises a repeated delivery by id)
+        sqlite_autoincrement=True,
     )
     op.create_index("ix_commands_process_state", "commands", ["process_pk", "state"])
     op.create_index("ix_commands_workspace_id", "commands", ["workspace_id", "id"])
