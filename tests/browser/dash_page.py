@@ -132,10 +132,14 @@ class Dashboard:
     def command_items(self) -> list[str]:
         return [li.text for li in self.d.find_elements(By.CSS_SELECTOR, "#commands li.cmd")]
 
-    def overflow(self) -> dict[str, int]:
+    def overflow(self) -> dict[str, float]:
+        """The page's scroll and client widths, and the right edges of the process table and
+        of its panel's content box (the table must not spill into the padding either)."""
         return dict(self.js("var e = document.documentElement, t = document.getElementById('processes');"
+                            "var p = t.parentElement, cs = getComputedStyle(p);"
                             "return {scroll: e.scrollWidth, client: e.clientWidth,"
-                            " table: t.scrollWidth, table_box: t.parentElement.clientWidth};"))
+                            " table: t.getBoundingClientRect().right,"
+                            " box: p.getBoundingClientRect().right - parseFloat(cs.paddingRight)};"))
 
     def assert_console_clean(self) -> None:
         """No script errors and no Content-Security-Policy refusals (what injected markup or a
