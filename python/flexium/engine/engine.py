@@ -315,40 +315,23 @@ class Engine:
         recover = [_C.Step(_C.StepKind.RECOVER)]
         outcomes = self._run_steps(steps, [[], recover, recover, [_C.Step(_C.StepKind.UNLOCK)]])
         final = _C.process_state(self._pid)
-        timings = (prepare, *(_timing(o) for o in outcomes))
-        restored = any(o.step == "restore" and not o.rollback and o.code == 0 for o in outcomes)
-        result = OperationResult(
-            kind=OperationKind.MIGRATE,
-            path="driver",
-            ok=False,
-            logical_device=self.logical_device,
-            source=source,
-            target=dest,
-            steps=timings,
-            bytes_moved=moved,
-            seconds=time.perf_counter() - started,
-            notes=notes,
-        )
+        restored = _restored(outcomes)
         if restored:
             self._identity.apply(pairs)  # its memory is on the target now, whatever follows
-        if final == _C.ProcessState.RUNNING and restored:
-            self._set_state(EngineState.RUNNING)
-            return replace(result, ok=True)
-        failure = _first_failure(outcomes)
-        if final == _C.ProcessState.RUNNING:
-            self._set_state(EngineState.RUNNING)
-            return replace(
-                result,
-                failed_step=failure.step,
-                error=f"{_describe(failure)}; rolled back: the job runs on {source.device} ({source.uuid}) as before",
-            )
         where = dest if restored else source
-        self._set_state(EngineState.FAILED)
-        return replace(
-            result,
-            failed_step=failure.step,
-            error=f"{_describe(failure)}; ROLLBACK FAILED: the process is {final.name}, not RUNNING, "
-            f"its memory on {where.device} ({where.uuid})",
+        return self._settle(
+            self._result(OperationKind.MIGRATE, source, dest, (prepare, *map(_timing, outcomes)), moved, started, notes),
+            outcomes,
+            final,
+            succeeded=final == _C.ProcessState.RUNNING and restored,
+            on_success=EngineState.RUNNING,
+            rolled_back={
+                _C.ProcessState.RUNNING: (
+                    EngineState.RUNNING,
+                    f"rolled back: the job runs on {source.device} ({source.uuid}) as before",
+                )
+            },
+            stuck=f", not RUNNING, its memory on {where.device} ({where.uuid})",
         )
 
     def _run_pause(self, source: GpuIdentity) -> OperationResult:
@@ -358,32 +341,18 @@ class Engine:
         steps = [_C.Step(_C.StepKind.LOCK, timeout_ms=self.lock_timeout_ms), _C.Step(_C.StepKind.CHECKPOINT)]
         outcomes = self._run_steps(steps, [[], [_C.Step(_C.StepKind.RECOVER)]])
         final = _C.process_state(self._pid)
-        result = OperationResult(
-            kind=OperationKind.PAUSE,
-            path="driver",
-            ok=False,
-            logical_device=self.logical_device,
-            source=source,
-            target=None,
-            steps=(prepare, *(_timing(o) for o in outcomes)),
-            bytes_moved=moved,
-            seconds=time.perf_counter() - started,
-        )
-        if final == _C.ProcessState.CHECKPOINTED and not any(o.code for o in outcomes):
+        succeeded = final == _C.ProcessState.CHECKPOINTED and not any(o.code for o in outcomes)
+        if succeeded:
             self._paused_bytes = moved
-            self._set_state(EngineState.PAUSED)
-            return replace(result, ok=True)
-        failure = _first_failure(outcomes)
-        if final == _C.ProcessState.RUNNING:
-            self._set_state(EngineState.RUNNING)
-            return replace(
-                result,
-                failed_step=failure.step,
-                error=f"{_describe(failure)}; rolled back: the job runs on {source.device} as before",
-            )
-        self._set_state(EngineState.FAILED)
-        return replace(
-            result, failed_step=failure.step, error=f"{_describe(failure)}; ROLLBACK FAILED: the process is {final.name}"
+        return self._settle(
+            self._result(OperationKind.PAUSE, source, None, (prepare, *map(_timing, outcomes)), moved, started),
+            outcomes,
+            final,
+            succeeded=succeeded,
+            on_success=EngineState.PAUSED,
+            rolled_back={
+                _C.ProcessState.RUNNING: (EngineState.RUNNING, f"rolled back: the job runs on {source.device} as before")
+            },
         )
 
     def _run_resume(self, source: GpuIdentity, dest: GpuIdentity, pairs: list[tuple[str, str]]) -> OperationResult:
@@ -396,33 +365,69 @@ class Engine:
         # A failed restore leaves the process checkpointed (DESIGN.md fact 3): still paused, nothing to undo.
         outcomes = self._run_steps(steps, [[], [_C.Step(_C.StepKind.UNLOCK)]])
         final = _C.process_state(self._pid)
-        result = OperationResult(
-            kind=OperationKind.RESUME,
+        succeeded = final == _C.ProcessState.RUNNING and _restored(outcomes)
+        if succeeded:
+            self._identity.apply(pairs)
+        return self._settle(
+            self._result(OperationKind.RESUME, source, dest, tuple(map(_timing, outcomes)), self._paused_bytes, started),
+            outcomes,
+            final,
+            succeeded=succeeded,
+            on_success=EngineState.RUNNING,
+            rolled_back={
+                _C.ProcessState.CHECKPOINTED: (EngineState.PAUSED, "the job is still paused and can be resumed again")
+            },
+        )
+
+    def _result(
+        self,
+        kind: OperationKind,
+        source: GpuIdentity,
+        target: Optional[GpuIdentity],
+        steps: tuple[StepTiming, ...],
+        moved: int,
+        started: float,
+        notes: tuple[str, ...] = (),
+    ) -> OperationResult:
+        return OperationResult(
+            kind=kind,
             path="driver",
             ok=False,
             logical_device=self.logical_device,
             source=source,
-            target=dest,
-            steps=tuple(_timing(o) for o in outcomes),
-            bytes_moved=self._paused_bytes,
+            target=target,
+            steps=steps,
+            bytes_moved=moved,
             seconds=time.perf_counter() - started,
+            notes=notes,
         )
-        restored = any(o.step == "restore" and not o.rollback and o.code == 0 for o in outcomes)
-        if final == _C.ProcessState.RUNNING and restored:
-            self._identity.apply(pairs)
-            self._set_state(EngineState.RUNNING)
+
+    def _settle(
+        self,
+        result: OperationResult,
+        outcomes: Sequence[_C.StepOutcome],
+        final: _C.ProcessState,
+        *,
+        succeeded: bool,
+        on_success: EngineState,
+        rolled_back: dict[_C.ProcessState, tuple[EngineState, str]],
+        stuck: str = "",
+    ) -> OperationResult:
+        """The engine's state and the result's error from how the process ended up: where the
+        operation wanted it, back where it was (rolled_back, by process state), or stuck."""
+        if succeeded:
+            self._set_state(on_success)
             return replace(result, ok=True)
         failure = _first_failure(outcomes)
-        if final == _C.ProcessState.CHECKPOINTED:
-            self._set_state(EngineState.PAUSED)
-            return replace(
-                result,
-                failed_step=failure.step,
-                error=f"{_describe(failure)}; the job is still paused and can be resumed again",
-            )
+        if final in rolled_back:
+            state, outcome = rolled_back[final]
+            self._set_state(state)
+            return replace(result, failed_step=failure.step, error=f"{_describe(failure)}; {outcome}")
         self._set_state(EngineState.FAILED)
         return replace(
-            result, failed_step=failure.step, error=f"{_describe(failure)}; ROLLBACK FAILED: the process is {final.name}"
+            result,
+            failed_step=failure.step,
+            error=f"{_describe(failure)}; ROLLBACK FAILED: the process is {final.name}{stuck}",
         )
 
     def _run_steps(self, steps: list[_C.Step], rollbacks: list[list[_C.Step]]) -> list[_C.StepOutcome]:
@@ -481,6 +486,11 @@ def _timing(outcome: _C.StepOutcome) -> StepTiming:
     return StepTiming(
         step=outcome.step, seconds=float(outcome.seconds), ok=outcome.code == 0, rollback=outcome.rollback, error=error
     )
+
+
+def _restored(outcomes: Sequence[_C.StepOutcome]) -> bool:
+    """Whether the operation's own restore (not a rollback's) succeeded."""
+    return any(o.step == "restore" and not o.rollback and o.code == 0 for o in outcomes)
 
 
 def _first_failure(outcomes: Sequence[_C.StepOutcome]) -> _C.StepOutcome:
