@@ -2,10 +2,17 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <tuple>
+
 #include "checkpoint.h"
 #include "devices.h"
 #include "driver_error.h"
 #include "driver_table.h"
+#include "vmm_allocator.h"
+#include "vmm_driver.h"
+#include "vmm_host_staging.h"
+#include "vmm_registry.h"
+#include "vmm_relocate.h"
 
 namespace py = pybind11;
 using namespace flexium;
@@ -35,14 +42,67 @@ py::dict driver_status() {
   status["cuda_version"] = d.cuda_version;
   status["init_error"] = (!d.loaded || d.init_result == CUDA_SUCCESS) ? py::none() : py::cast(error_name(d.init_result));
   status["checkpoint_api"] = has_checkpoint_api();
+  status["vmm_api"] = has_vmm_api();
   status["missing_optional"] = d.missing_optional;
   return status;
+}
+
+// (address, size, fd) tuples on the Python side: Python wraps them in its own dataclasses.
+using StagedTuple = std::tuple<unsigned long long, std::size_t, int>;
+
+std::vector<StagedTuple> staged_to_tuples(const std::vector<StagedSegment> &staged) {
+  std::vector<StagedTuple> out;
+  out.reserve(staged.size());
+  for (const StagedSegment &s : staged) out.emplace_back(s.address, s.size, s.fd);
+  return out;
+}
+
+std::vector<StagedSegment> tuples_to_staged(const std::vector<StagedTuple> &tuples) {
+  std::vector<StagedSegment> out;
+  out.reserve(tuples.size());
+  for (const StagedTuple &t : tuples) out.push_back({std::get<0>(t), std::get<1>(t), std::get<2>(t)});
+  return out;
+}
+
+std::vector<std::tuple<unsigned long long, std::size_t, int>> segment_tuples() {
+  std::vector<std::tuple<unsigned long long, std::size_t, int>> out;
+  for (const SegmentInfo &s : list_segments()) out.emplace_back(s.address, s.size, s.device);
+  return out;
+}
+
+void bind_vmm(py::module_ &m) {
+  using release_gil = py::call_guard<py::gil_scoped_release>;
+  m.def("vmm_granularity", [](int device) { return granularity(require_vmm_driver(), device); }, py::arg("device"),
+        release_gil(), "Bytes every segment of the device is rounded up to.");
+  m.def("vmm_segments", &segment_tuples, release_gil(), "(address, size, device) of every segment, by address.");
+  m.def("vmm_bytes_on", &segment_bytes_on, py::arg("device"), release_gil());
+  m.def("vmm_segment_count", &segment_count, release_gil());
+  m.def("vmm_unknown_frees", &unknown_free_count, "Frees of pointers the allocator never handed out.");
+  m.def("vmm_last_error", &vmm_last_error, "This thread's last allocator failure, \"\" if none.");
+
+  m.def(
+      "stage_segments_to_device",
+      [](int target, int source) { return staged_to_tuples(stage_segments_to_device(target, source)); },
+      py::arg("target"), py::arg("source") = -1, release_gil(),
+      "Copies the segments to the target device; returns [(address, size, fd)], the fds now the caller's.");
+  m.def("release_source_backing", &release_source_backing, py::arg("source") = -1, release_gil());
+  m.def(
+      "map_imported",
+      [](const std::vector<StagedTuple> &staged, int device) { map_imported(tuples_to_staged(staged), device); },
+      py::arg("staged"), py::arg("device"), release_gil());
+  m.def("stage_segments_to_host", &stage_segments_to_host, py::arg("chunk_bytes") = kDefaultHostChunkBytes,
+        release_gil());
+  m.def("restore_segments_from_host", &restore_segments_from_host, py::arg("device") = -1, release_gil());
+  m.def("release_host_staging", &release_host_staging, release_gil());
+  m.def("host_staging_pool_bytes", &host_staging_pool_bytes, release_gil());
+  m.def("host_staged_segments", &host_staged_segments, release_gil());
 }
 
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "flexium's native layer: the CUDA driver resolved at run time, and its checkpoint API.";
+  m.doc() = "flexium's native layer: the CUDA driver resolved at run time, its checkpoint API and the VMM "
+            "allocator.";
 
   static py::exception<DriverError> driver_error(m, "DriverError", PyExc_RuntimeError);
   driver_error_type = driver_error.ptr();
@@ -100,4 +160,6 @@ PYBIND11_MODULE(_C, m) {
         py::call_guard<py::gil_scoped_release>(),
         "Runs the steps in order; on failure of step i runs rollbacks[i] and stops. Never raises for a "
         "failed step: the outcomes say what happened.");
+
+  bind_vmm(m);
 }

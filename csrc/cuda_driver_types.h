@@ -23,6 +23,9 @@ enum : CUresult {
   CUDA_ERROR_NOT_INITIALIZED = 3,
   CUDA_ERROR_NO_DEVICE = 100,
   CUDA_ERROR_INVALID_DEVICE = 101,
+  CUDA_ERROR_INVALID_CONTEXT = 201,
+  CUDA_ERROR_OPERATING_SYSTEM = 304,
+  CUDA_ERROR_INVALID_HANDLE = 400,
   CUDA_ERROR_ILLEGAL_STATE = 401,
   CUDA_ERROR_NOT_FOUND = 500,
   CUDA_ERROR_NOT_SUPPORTED = 801,
@@ -79,6 +82,69 @@ typedef struct CUcheckpointUnlockArgs_st {
 static_assert(sizeof(CUcheckpointLockArgs) == 64, "layout of CUcheckpointLockArgs");
 static_assert(sizeof(CUcheckpointRestoreArgs) == 64, "layout of CUcheckpointRestoreArgs");
 
+// Virtual memory management (CUDA 10.2+). Values and layouts as in cuda.h of CUDA 13.0; the
+// docs of CUmemAllocationProp_v1, CUmemLocation_v1 and CUmemAccessDesc_v1 list the same members.
+typedef enum CUmemAllocationType_enum {
+  CU_MEM_ALLOCATION_TYPE_INVALID = 0,
+  CU_MEM_ALLOCATION_TYPE_PINNED = 1,
+} CUmemAllocationType;
+
+typedef enum CUmemAllocationHandleType_enum {
+  CU_MEM_HANDLE_TYPE_NONE = 0,
+  CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1,
+} CUmemAllocationHandleType;
+
+typedef enum CUmemLocationType_enum {
+  CU_MEM_LOCATION_TYPE_INVALID = 0,
+  CU_MEM_LOCATION_TYPE_DEVICE = 1,
+} CUmemLocationType;
+
+typedef enum CUmemAccess_flags_enum {
+  CU_MEM_ACCESS_FLAGS_PROT_NONE = 0,
+  CU_MEM_ACCESS_FLAGS_PROT_READ = 1,
+  CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3,
+} CUmemAccess_flags;
+
+typedef enum CUmemAllocationGranularity_flags_enum {
+  CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0,
+  CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 1,
+} CUmemAllocationGranularity_flags;
+
+// CUDA 13 turned `id` into a union with a {deviceId, localityDomainId} pair of bytes; same size.
+typedef struct CUmemLocation_st {
+  CUmemLocationType type;
+  int id;
+} CUmemLocation;
+
+typedef struct CUmemAllocationProp_st {
+  CUmemAllocationType type;
+  CUmemAllocationHandleType requestedHandleTypes;
+  CUmemLocation location;
+  void *win32HandleMetaData;
+  struct {
+    unsigned char compressionType;
+    unsigned char gpuDirectRDMACapable;
+    unsigned short usage;
+    unsigned char reserved[4];
+  } allocFlags;
+} CUmemAllocationProp;
+
+typedef struct CUmemAccessDesc_st {
+  CUmemLocation location;
+  CUmemAccess_flags flags;
+} CUmemAccessDesc;
+
+static_assert(sizeof(CUmemLocation) == 8, "layout of CUmemLocation");
+static_assert(sizeof(CUmemAllocationProp) == 32, "layout of CUmemAllocationProp");
+static_assert(offsetof(CUmemAllocationProp, win32HandleMetaData) == 16, "layout of CUmemAllocationProp");
+static_assert(offsetof(CUmemAllocationProp, allocFlags) == 24, "layout of CUmemAllocationProp");
+static_assert(sizeof(CUmemAccessDesc) == 12, "layout of CUmemAccessDesc");
+
+enum : unsigned int {
+  CU_MEMHOSTALLOC_PORTABLE = 0x01,  // pinned for every context, not only the allocating one
+  CU_STREAM_NON_BLOCKING = 0x1,     // no implicit ordering with the legacy default stream
+};
+
 typedef CUresult (*PFN_cuGetProcAddress_v2)(const char *symbol, void **pfn, int cudaVersion,
                                             cuuint64_t flags,
                                             CUdriverProcAddressQueryResult *symbolStatus);
@@ -98,5 +164,38 @@ typedef CUresult (*PFN_cuCheckpointProcessLock)(int pid, CUcheckpointLockArgs *a
 typedef CUresult (*PFN_cuCheckpointProcessCheckpoint)(int pid, CUcheckpointCheckpointArgs *args);
 typedef CUresult (*PFN_cuCheckpointProcessRestore)(int pid, CUcheckpointRestoreArgs *args);
 typedef CUresult (*PFN_cuCheckpointProcessUnlock)(int pid, CUcheckpointUnlockArgs *args);
+
+typedef CUresult (*PFN_cuCtxGetCurrent)(CUcontext *pctx);
+typedef CUresult (*PFN_cuCtxSetCurrent)(CUcontext ctx);
+typedef CUresult (*PFN_cuCtxGetDevice)(CUdevice *device);
+typedef CUresult (*PFN_cuCtxSynchronize)(void);
+typedef CUresult (*PFN_cuDevicePrimaryCtxRetain)(CUcontext *pctx, CUdevice dev);
+typedef CUresult (*PFN_cuDevicePrimaryCtxRelease)(CUdevice dev);
+typedef CUresult (*PFN_cuMemGetAllocationGranularity)(size_t *granularity, const CUmemAllocationProp *prop,
+                                                      CUmemAllocationGranularity_flags option);
+typedef CUresult (*PFN_cuMemAddressReserve)(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                                            unsigned long long flags);
+typedef CUresult (*PFN_cuMemAddressFree)(CUdeviceptr ptr, size_t size);
+typedef CUresult (*PFN_cuMemCreate)(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
+                                    unsigned long long flags);
+typedef CUresult (*PFN_cuMemRelease)(CUmemGenericAllocationHandle handle);
+typedef CUresult (*PFN_cuMemMap)(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                                 unsigned long long flags);
+typedef CUresult (*PFN_cuMemUnmap)(CUdeviceptr ptr, size_t size);
+typedef CUresult (*PFN_cuMemSetAccess)(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count);
+typedef CUresult (*PFN_cuMemExportToShareableHandle)(void *shareableHandle, CUmemGenericAllocationHandle handle,
+                                                     CUmemAllocationHandleType handleType, unsigned long long flags);
+typedef CUresult (*PFN_cuMemImportFromShareableHandle)(CUmemGenericAllocationHandle *handle, void *osHandle,
+                                                       CUmemAllocationHandleType shHandleType);
+typedef CUresult (*PFN_cuMemcpyDtoDAsync)(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount,
+                                          CUstream hStream);
+typedef CUresult (*PFN_cuMemcpyDtoHAsync)(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount, CUstream hStream);
+typedef CUresult (*PFN_cuMemcpyHtoDAsync)(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount,
+                                          CUstream hStream);
+typedef CUresult (*PFN_cuMemHostAlloc)(void **pp, size_t bytesize, unsigned int Flags);
+typedef CUresult (*PFN_cuMemFreeHost)(void *p);
+typedef CUresult (*PFN_cuStreamCreate)(CUstream *phStream, unsigned int Flags);
+typedef CUresult (*PFN_cuStreamSynchronize)(CUstream hStream);
+typedef CUresult (*PFN_cuStreamDestroy)(CUstream hStream);
 
 }  // extern "C"

@@ -91,4 +91,13 @@ bool has_checkpoint_api() {
          d.cuCheckpointProcessUnlock != nullptr;
 }
 
+bool has_vmm_api() {
+  const DriverTable &d = driver();
+  bool all = d.loaded;
+#define FLEXIUM_CHECK_RESOLVED(name, version, required) all = all && d.name != nullptr;
+  FLEXIUM_VMM_FUNCTIONS(FLEXIUM_CHECK_RESOLVED)
+#undef FLEXIUM_CHECK_RESOLVED
+  return all;
+}
+
 }  // namespace flexium

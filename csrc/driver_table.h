@@ -26,7 +26,37 @@ namespace flexium {
   X(cuCheckpointProcessLock, 12080, false)              \
   X(cuCheckpointProcessCheckpoint, 12080, false)        \
   X(cuCheckpointProcessRestore, 12080, false)           \
-  X(cuCheckpointProcessUnlock, 12080, false)
+  X(cuCheckpointProcessUnlock, 12080, false)            \
+  FLEXIUM_VMM_FUNCTIONS(X)
+
+// The fast path's allocator and relocation (vmm_*.cpp). Versions are those of each function's
+// current ABI in cudaTypedefs.h (cuDevicePrimaryCtxRelease_v2 11000, cuStreamDestroy_v2 4000,
+// the 64-bit cuMemcpy*_v2 3020); all optional: without them only the driver path is offered.
+#define FLEXIUM_VMM_FUNCTIONS(X)                         \
+  X(cuCtxGetCurrent, 4000, false)                       \
+  X(cuCtxSetCurrent, 4000, false)                       \
+  X(cuCtxGetDevice, 2000, false)                        \
+  X(cuCtxSynchronize, 2000, false)                      \
+  X(cuDevicePrimaryCtxRetain, 7000, false)              \
+  X(cuDevicePrimaryCtxRelease, 11000, false)            \
+  X(cuMemGetAllocationGranularity, 10020, false)        \
+  X(cuMemAddressReserve, 10020, false)                  \
+  X(cuMemAddressFree, 10020, false)                     \
+  X(cuMemCreate, 10020, false)                          \
+  X(cuMemRelease, 10020, false)                         \
+  X(cuMemMap, 10020, false)                             \
+  X(cuMemUnmap, 10020, false)                           \
+  X(cuMemSetAccess, 10020, false)                       \
+  X(cuMemExportToShareableHandle, 10020, false)         \
+  X(cuMemImportFromShareableHandle, 10020, false)       \
+  X(cuMemcpyDtoDAsync, 3020, false)                     \
+  X(cuMemcpyDtoHAsync, 3020, false)                     \
+  X(cuMemcpyHtoDAsync, 3020, false)                     \
+  X(cuMemHostAlloc, 2020, false)                        \
+  X(cuMemFreeHost, 2000, false)                         \
+  X(cuStreamCreate, 2000, false)                        \
+  X(cuStreamSynchronize, 2000, false)                   \
+  X(cuStreamDestroy, 4000, false)
 
 struct DriverTable {
   bool loaded = false;          // library opened and every required symbol resolved
@@ -46,5 +76,8 @@ const DriverTable &driver();
 
 // Whether every checkpoint symbol resolved.
 bool has_checkpoint_api();
+
+// Whether every FLEXIUM_VMM_FUNCTIONS symbol resolved (the fast path's allocator can run).
+bool has_vmm_api();
 
 }  // namespace flexium

@@ -41,7 +41,8 @@ Any other transition: ``CUDA_ERROR_ILLEGAL_STATE``, nothing changes. FAILED is r
   A restore without pairs (NULL args, or no pairs) restores in place, with the same memory check.
   ``set_oom_poisons_restore(True)`` models NVIDIA/cuda-checkpoint issue 44 (driver 580.95): after
   a restore failed for memory, every later restore fails with ``CUDA_ERROR_OPERATING_SYSTEM``.
-* while CHECKPOINTED the process holds no GPU memory (NVML shows none; fact 6).
+* while CHECKPOINTED the process holds no GPU memory (NVML shows none; fact 6), but for VMM
+  memory held only by exported fds (below).
 * after a remap, ``cuDeviceGet*`` still report each logical device's ORIGINAL GPU (fact 5);
   ``physical_of`` and NVML say where it really is.
 * reserved fields of the argument structs must be zero, else ``CUDA_ERROR_INVALID_VALUE``.
@@ -54,10 +55,37 @@ Any other transition: ``CUDA_ERROR_ILLEGAL_STATE``, nothing changes. FAILED is r
   ``blocked_calls()`` / ``deadlocks()`` count them. cuGetErrorName/String never block.
 * ``cuGetProcAddress[_v2]`` knows only the functions flexium uses, each from the CUDA version
   of its current ABI; an older version asked: ``VERSION_NOT_SUFFICIENT``; an unknown name, a
-  function newer than ``FAKE_CUDA_VERSION`` (default 13000; checkpoint needs 12080) or a checkpoint
-  function under ``FAKE_CUDA_NO_CHECKPOINT=1``: ``SYMBOL_NOT_FOUND``. Both return
-  ``CUDA_ERROR_NOT_FOUND``.
+  function newer than ``FAKE_CUDA_VERSION`` (default 13000; checkpoint needs 12080), a checkpoint
+  function under ``FAKE_CUDA_NO_CHECKPOINT=1`` or a VMM one under ``FAKE_CUDA_NO_VMM=1``:
+  ``SYMBOL_NOT_FOUND``. Both return ``CUDA_ERROR_NOT_FOUND``.
 * ``FAKE_CUDA_GPUS=0``: ``cuInit`` fails with ``CUDA_ERROR_NO_DEVICE``.
+
+VMM memory (the fast path's allocator, csrc/vmm_*.cpp), modelled on host memory so that tests can
+read and write the bytes behind a device address with ctypes:
+
+* ``cuMemCreate``: a memfd of the size (a multiple of ``granularity``, 2 MiB) on the physical GPU
+  its device is on now; ``CUDA_ERROR_OUT_OF_MEMORY`` past that GPU's free memory (total - other
+  processes - this process, ``set_process_memory`` and VMM alike, the same numbers NVML shows).
+* ``cuMemAddressReserve``: a ``PROT_NONE`` range, 2 MiB aligned; ``cuMemMap``: the memfd mapped
+  there (``MAP_SHARED|MAP_FIXED``) without access until ``cuMemSetAccess`` grants read/write to
+  a device (then ``PROT_READ|PROT_WRITE``); ``cuMemUnmap`` takes exactly one mapped range back to
+  a bare reservation; ``cuMemAddressFree`` wants the range as reserved, with nothing mapped in it.
+* ``cuMemExportToShareableHandle``: a dup of the memfd (only for memory created with
+  ``requestedHandleTypes = POSIX_FILE_DESCRIPTOR``); ``cuMemImportFromShareableHandle``: a new
+  handle on the allocation the fd refers to. An allocation lives while a handle, a mapping or an
+  fd of the process refers to it (found in /proc/self/fd): closing the last fd frees it.
+* checkpoint: what the process holds a handle or mapping of rides the image (off every GPU while
+  CHECKPOINTED, then onto where its device lands); what only an fd holds stays on its GPU and
+  counts there, also against the restore's free memory (DESIGN.md fact 9).
+* copies (``cuMemcpy{DtoD,DtoH,HtoD}Async``) are memcpy, finished when they return; device
+  ranges must lie in one mapping that grants the current context's device access
+  (``CUDA_ERROR_ILLEGAL_ADDRESS`` otherwise, ``CUDA_ERROR_INVALID_VALUE`` for no mapping).
+* contexts: one primary context per device, retained/released with a count
+  (``primary_ctx_refcount``), current per thread; copies, streams, ``cuMemHostAlloc`` and the
+  VMM calls but the granularity query need an active current context
+  (``CUDA_ERROR_INVALID_CONTEXT``).
+* ``FAKE_CUDA_NO_VMM=1``: none of these symbols resolve. VMM objects, pinned blocks, streams and
+  context counts survive ``reset()`` (they are the process's own); ``vmm_leaks()`` sums them up.
 
 NVML (physical view): memory used = other processes + this process's bytes on that GPU now;
 compute processes = this pid (when it holds memory there) and, for other memory, one process
@@ -70,9 +98,10 @@ exported cu*/nvml* name) return ``code`` without doing anything; ``nth=0``: ever
 defaults to 0 there), for subprocesses. ``set_delay_ms(function, ms)`` makes calls slow.
 
 Environment, read at load and by ``reset()``: FAKE_CUDA_GPUS, FAKE_CUDA_VERSION,
-FAKE_CUDA_NO_CHECKPOINT, FAKE_CUDA_MODELS, FAKE_CUDA_TOTAL_MIB, FAKE_NVML_DRIVER, FAKE_CUDA_FAIL.
-``_C`` resolves symbols and reads the CUDA version once, so FAKE_CUDA_VERSION and
-FAKE_CUDA_NO_CHECKPOINT only matter for a process that has not loaded the driver yet.
+FAKE_CUDA_NO_CHECKPOINT, FAKE_CUDA_NO_VMM, FAKE_CUDA_MODELS, FAKE_CUDA_TOTAL_MIB, FAKE_NVML_DRIVER,
+FAKE_CUDA_FAIL. ``_C`` resolves symbols and reads the CUDA version once, so FAKE_CUDA_VERSION,
+FAKE_CUDA_NO_CHECKPOINT and FAKE_CUDA_NO_VMM only matter for a process that has not loaded the
+driver yet.
 """
 
 from __future__ import annotations
@@ -98,6 +127,7 @@ FAKE_ENV_VARS = (
     "FAKE_CUDA_GPUS",
     "FAKE_CUDA_VERSION",
     "FAKE_CUDA_NO_CHECKPOINT",
+    "FAKE_CUDA_NO_VMM",
     "FAKE_CUDA_MODELS",
     "FAKE_CUDA_TOTAL_MIB",
     "FAKE_NVML_DRIVER",
@@ -262,6 +292,16 @@ class FakeDriver:
             "fake_restore_thread_id": (c_int, []),
             "fake_nvml_refcount": (c_int, []),
             "fake_cuda_version": (c_int, []),
+            "fake_vmm_allocations": (c_int, []),
+            "fake_vmm_handles": (c_int, []),
+            "fake_vmm_mappings": (c_int, []),
+            "fake_vmm_reservations": (c_int, []),
+            "fake_vmm_bytes_on": (c_ull, [c_int]),
+            "fake_pinned_bytes": (c_ull, []),
+            "fake_live_streams": (c_int, []),
+            "fake_primary_ctx_refcount": (c_int, [c_int]),
+            "fake_current_context": (c_int, []),
+            "fake_vmm_granularity": (c_ull, []),
         }
         for name, (restype, argtypes) in signatures.items():
             fn = getattr(lib, name)
@@ -428,6 +468,54 @@ class FakeDriver:
 
     def nvml_refcount(self) -> int:
         return int(self._lib.fake_nvml_refcount())
+
+    # -- VMM memory, pinned memory, streams, contexts -------------------------------------------
+
+    @property
+    def granularity(self) -> int:
+        """What cuMemGetAllocationGranularity reports (minimum and recommended alike)."""
+        return int(self._lib.fake_vmm_granularity())
+
+    def vmm_allocations(self) -> int:
+        """cuMemCreate allocations alive: held by a handle, a mapping or an exported fd."""
+        return int(self._lib.fake_vmm_allocations())
+
+    def vmm_handles(self) -> int:
+        return int(self._lib.fake_vmm_handles())
+
+    def vmm_mappings(self) -> int:
+        return int(self._lib.fake_vmm_mappings())
+
+    def vmm_reservations(self) -> int:
+        return int(self._lib.fake_vmm_reservations())
+
+    def vmm_bytes_on(self, physical: int) -> int:
+        """VMM bytes on a physical GPU now (part of process_bytes_on and of NVML's view)."""
+        return int(self._lib.fake_vmm_bytes_on(physical))
+
+    def pinned_bytes(self) -> int:
+        """Bytes of cuMemHostAlloc memory not freed."""
+        return int(self._lib.fake_pinned_bytes())
+
+    def live_streams(self) -> int:
+        return int(self._lib.fake_live_streams())
+
+    def primary_ctx_refcount(self, device: int) -> int:
+        """Retains of a device's primary context not released (0: the context does not exist)."""
+        return int(self._lib.fake_primary_ctx_refcount(device))
+
+    def current_context(self) -> int:
+        """The calling thread's current context as a device ordinal, -1 for none."""
+        return int(self._lib.fake_current_context())
+
+    def vmm_leaks(self) -> dict[str, int]:
+        """Everything of the VMM model still held; all zero once a test gave it all back."""
+        return {
+            "allocations": self.vmm_allocations(), "handles": self.vmm_handles(), "mappings": self.vmm_mappings(),
+            "reservations": self.vmm_reservations(), "pinned_bytes": self.pinned_bytes(),
+            "streams": self.live_streams(),
+            "primary_contexts": sum(self.primary_ctx_refcount(d) for d in range(self.gpu_count)),
+        }
 
     # -- helpers -------------------------------------------------------------------------------
 

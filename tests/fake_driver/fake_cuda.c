@@ -17,13 +17,17 @@
  * See tests/fake_driver/__init__.py for the full description.
  */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
@@ -99,6 +103,41 @@ typedef struct {
 _Static_assert(sizeof(CUcheckpointLockArgs) == 64, "layout of CUcheckpointLockArgs");
 _Static_assert(sizeof(CUcheckpointRestoreArgs) == 64, "layout of CUcheckpointRestoreArgs");
 _Static_assert(sizeof(CUcheckpointGpuPair) == 32, "layout of CUcheckpointGpuPair");
+
+/* Virtual memory management, as in cuda.h of CUDA 13.0 (csrc/cuda_driver_types.h). */
+typedef unsigned long long CUdeviceptr;
+typedef unsigned long long CUmemGenericAllocationHandle;
+typedef struct CUctx_st *CUcontext;
+typedef struct CUstream_st *CUstream;
+
+enum { CU_MEM_ALLOCATION_TYPE_PINNED = 1, CU_MEM_LOCATION_TYPE_DEVICE = 1,
+       CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1 };
+
+typedef struct {
+  int type;
+  int id;
+} CUmemLocation;
+
+typedef struct {
+  int type;
+  int requestedHandleTypes;
+  CUmemLocation location;
+  void *win32HandleMetaData;
+  struct {
+    unsigned char compressionType;
+    unsigned char gpuDirectRDMACapable;
+    unsigned short usage;
+    unsigned char reserved[4];
+  } allocFlags;
+} CUmemAllocationProp;
+
+typedef struct {
+  CUmemLocation location;
+  int flags;
+} CUmemAccessDesc;
+
+_Static_assert(sizeof(CUmemAllocationProp) == 32, "layout of CUmemAllocationProp");
+_Static_assert(sizeof(CUmemAccessDesc) == 12, "layout of CUmemAccessDesc");
 
 /* ------------------------------------------------------------------ NVML types */
 
@@ -226,6 +265,7 @@ static struct {
   /* configuration read from the environment */
   int cuda_version;
   int no_checkpoint;
+  int no_vmm;
   char nvml_driver[80];
   int gpu_count;
   struct gpu gpus[MAX_GPUS];
@@ -325,6 +365,7 @@ static int add_rule(const char *function, int nth, int code);
 static void configure_from_environment(void) {
   fake.cuda_version = env_int("FAKE_CUDA_VERSION", 13000);
   fake.no_checkpoint = env_int("FAKE_CUDA_NO_CHECKPOINT", 0) != 0;
+  fake.no_vmm = env_int("FAKE_CUDA_NO_VMM", 0) != 0;
   const char *driver = getenv("FAKE_NVML_DRIVER");
   snprintf(fake.nvml_driver, sizeof(fake.nvml_driver), "%s", driver != NULL && *driver ? driver : "580.159.04");
 
@@ -546,13 +587,159 @@ static int physical_by_uuid(const CUuuid *uuid) {
   return -1;
 }
 
-static unsigned long long process_bytes_on(int physical) {
-  if (fake.state == CU_PROCESS_STATE_CHECKPOINTED) return 0;
+/* ------------------------------------------------------------------ VMM memory (state) */
+
+/* Memory made by cuMemCreate is a memfd of its size living on one physical GPU; a reservation is
+ * a PROT_NONE range of host address space; cuMemMap maps the memfd there (MAP_SHARED|MAP_FIXED),
+ * with no access until cuMemSetAccess; an exported handle is a dup of the memfd. So the bytes
+ * behind a device address are readable from the test with ctypes once access is granted.
+ * An allocation lives while a handle, a mapping or an exported fd refers to it (cuMemRelease
+ * docs: "including its shareable counterparts"); the fd part is found by scanning
+ * /proc/self/fd for the memfd's inode. This state survives fake_reset(), as the process's own
+ * objects would: tests free what they allocate. */
+#define MAX_VMM 1024
+#define VMM_GRANULARITY (2ull * MIB) /* what H100/H200 report, minimum and recommended */
+
+struct vmm_alloc {
+  int used;
+  int fd; /* the driver's own reference */
+  dev_t st_dev;
+  ino_t st_ino;
+  size_t size;
+  int physical;      /* GPU holding the bytes */
+  int riding;        /* logical device it rides the checkpoint with; -1: not in the image */
+  int exportable;    /* created with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR */
+  int handles;
+  int mappings;
+};
+
+struct vmm_handle {
+  int used;
+  unsigned long long value;
+  int alloc;
+};
+
+struct vmm_range {
+  int used;
+  uintptr_t base;
+  size_t size;
+  int alloc;             /* mappings only */
+  unsigned int readers;  /* mappings only: bit per logical device */
+  unsigned int writers;
+};
+
+struct host_block {
+  int used;
+  void *ptr;
+  size_t size;
+};
+
+struct fake_stream {
+  struct fake_stream *next;
+  int device;
+};
+
+static struct {
+  struct vmm_alloc allocs[MAX_VMM];
+  struct vmm_handle handles[MAX_VMM];
+  struct vmm_range reservations[MAX_VMM];
+  struct vmm_range mappings[MAX_VMM];
+  struct host_block host[MAX_VMM];
+  struct fake_stream *streams;
+  int stream_count;
+  unsigned long long next_handle;
+  int primary_refs[MAX_GPUS];
+} vmm;
+
+/* Primary contexts: one token per device; the thread's current context is an index (-1: none). */
+static char primary_tokens[MAX_GPUS];
+static __thread int current_context = -1;
+
+static int fd_refers_to(int fd, const struct vmm_alloc *a) {
+  struct stat st;
+  return fstat(fd, &st) == 0 && st.st_dev == a->st_dev && st.st_ino == a->st_ino;
+}
+
+/* Whether any fd of the process but the driver's own still refers to the allocation. */
+static int exported_fd_alive(const struct vmm_alloc *a) {
+  DIR *dir = opendir("/proc/self/fd");
+  if (dir == NULL) return 1; /* cannot tell: keep it */
+  int alive = 0;
+  struct dirent *entry;
+  while (!alive && (entry = readdir(dir)) != NULL) {
+    if (entry->d_name[0] == '.') continue;
+    const int fd = atoi(entry->d_name);
+    if (fd != a->fd && fd != dirfd(dir) && fd_refers_to(fd, a)) alive = 1;
+  }
+  closedir(dir);
+  return alive;
+}
+
+static void vmm_collect(void) {
+  for (int i = 0; i < MAX_VMM; ++i) {
+    struct vmm_alloc *a = &vmm.allocs[i];
+    if (!a->used || a->handles > 0 || a->mappings > 0 || exported_fd_alive(a)) continue;
+    close(a->fd);
+    memset(a, 0, sizeof(*a));
+  }
+}
+
+static int in_process(const struct vmm_alloc *a) { return a->handles > 0 || a->mappings > 0; }
+
+/* Bytes of VMM memory on a physical GPU now: while checkpointed, what rides the checkpoint image
+ * is off the GPUs; memory held only by exported fds stays where it is (fact 9). */
+static unsigned long long vmm_bytes_on(int physical, int fd_only) {
   unsigned long long bytes = 0;
+  for (int i = 0; i < MAX_VMM; ++i) {
+    const struct vmm_alloc *a = &vmm.allocs[i];
+    if (!a->used || a->physical != physical) continue;
+    if (fd_only && in_process(a)) continue;
+    if (fake.state == CU_PROCESS_STATE_CHECKPOINTED && a->riding >= 0) continue;
+    bytes += a->size;
+  }
+  return bytes;
+}
+
+static unsigned long long process_bytes_on(int physical) {
+  vmm_collect();
+  unsigned long long bytes = vmm_bytes_on(physical, 0);
+  if (fake.state == CU_PROCESS_STATE_CHECKPOINTED) return bytes;
   for (int l = 0; l < fake.gpu_count; ++l) {
     if (fake.placement[l] == physical) bytes += fake.process_bytes[l];
   }
   return bytes;
+}
+
+/* At checkpoint: what the process holds a handle or mapping of goes into the image with the
+ * logical device on that GPU; what only an fd holds is skipped. */
+static void vmm_checkpoint(void) {
+  for (int i = 0; i < MAX_VMM; ++i) {
+    struct vmm_alloc *a = &vmm.allocs[i];
+    if (!a->used) continue;
+    a->riding = -1;
+    if (!in_process(a)) continue;
+    for (int l = 0; l < fake.gpu_count; ++l) {
+      if (fake.placement[l] == a->physical) a->riding = l;
+    }
+  }
+}
+
+static unsigned long long vmm_riding_bytes_to(int physical, const int target[MAX_GPUS]) {
+  unsigned long long bytes = 0;
+  for (int i = 0; i < MAX_VMM; ++i) {
+    const struct vmm_alloc *a = &vmm.allocs[i];
+    if (a->used && a->riding >= 0 && target[a->riding] == physical) bytes += a->size;
+  }
+  return bytes;
+}
+
+static void vmm_restored(const int target[MAX_GPUS]) {
+  for (int i = 0; i < MAX_VMM; ++i) {
+    struct vmm_alloc *a = &vmm.allocs[i];
+    if (!a->used || a->riding < 0) continue;
+    a->physical = target[a->riding];
+    a->riding = -1;
+  }
 }
 
 /* ------------------------------------------------------------------ errors */
@@ -616,11 +803,42 @@ CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args);
 CUresult cuCheckpointProcessUnlock(int pid, CUcheckpointUnlockArgs *args);
 CUresult cuGetProcAddress_v2(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags, int *symbolStatus);
 CUresult cuGetProcAddress(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags);
+CUresult cuCtxGetCurrent(CUcontext *pctx);
+CUresult cuCtxSetCurrent(CUcontext ctx);
+CUresult cuCtxGetDevice(CUdevice *device);
+CUresult cuCtxSynchronize(void);
+CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev);
+CUresult cuDevicePrimaryCtxRelease(CUdevice dev);
+CUresult cuMemGetAllocationGranularity(size_t *granularity, const CUmemAllocationProp *prop, int option);
+CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                             unsigned long long flags);
+CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size);
+CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
+                     unsigned long long flags);
+CUresult cuMemRelease(CUmemGenericAllocationHandle handle);
+CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                  unsigned long long flags);
+CUresult cuMemUnmap(CUdeviceptr ptr, size_t size);
+CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count);
+CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGenericAllocationHandle handle, int handleType,
+                                      unsigned long long flags);
+CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *osHandle, int shHandleType);
+CUresult cuMemcpyDtoDAsync(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount, CUstream hStream);
+CUresult cuMemcpyDtoHAsync(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount, CUstream hStream);
+CUresult cuMemcpyHtoDAsync(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount, CUstream hStream);
+CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int Flags);
+CUresult cuMemFreeHost(void *p);
+CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags);
+CUresult cuStreamSynchronize(CUstream hStream);
+CUresult cuStreamDestroy(CUstream hStream);
+
+/* Feature groups a driver may lack: FAKE_CUDA_NO_CHECKPOINT / FAKE_CUDA_NO_VMM hide them. */
+enum { FEATURE_BASE = 0, FEATURE_CHECKPOINT = 1, FEATURE_VMM = 2 };
 
 struct symbol {
   const char *name;
-  int since;       /* CUDA version that introduced this ABI of the function */
-  int checkpoint;  /* part of the checkpoint API (absent with FAKE_CUDA_NO_CHECKPOINT) */
+  int since;    /* CUDA version that introduced this ABI of the function */
+  int feature;
   void *fn;
 };
 
@@ -644,6 +862,32 @@ static const struct symbol symbols[] = {
     {"cuCheckpointProcessCheckpoint", 12080, 1, (void *)cuCheckpointProcessCheckpoint},
     {"cuCheckpointProcessRestore", 12080, 1, (void *)cuCheckpointProcessRestore},
     {"cuCheckpointProcessUnlock", 12080, 1, (void *)cuCheckpointProcessUnlock},
+    /* Versions of the current ABIs, as cudaTypedefs.h names them (cuDevicePrimaryCtxRelease_v11000,
+     * cuStreamDestroy_v4000, cuMemcpyDtoDAsync_v3020, cuMemCreate_v10020...). */
+    {"cuCtxGetCurrent", 4000, FEATURE_VMM, (void *)cuCtxGetCurrent},
+    {"cuCtxSetCurrent", 4000, FEATURE_VMM, (void *)cuCtxSetCurrent},
+    {"cuCtxGetDevice", 2000, FEATURE_VMM, (void *)cuCtxGetDevice},
+    {"cuCtxSynchronize", 2000, FEATURE_VMM, (void *)cuCtxSynchronize},
+    {"cuDevicePrimaryCtxRetain", 7000, FEATURE_VMM, (void *)cuDevicePrimaryCtxRetain},
+    {"cuDevicePrimaryCtxRelease", 11000, FEATURE_VMM, (void *)cuDevicePrimaryCtxRelease},
+    {"cuMemGetAllocationGranularity", 10020, FEATURE_VMM, (void *)cuMemGetAllocationGranularity},
+    {"cuMemAddressReserve", 10020, FEATURE_VMM, (void *)cuMemAddressReserve},
+    {"cuMemAddressFree", 10020, FEATURE_VMM, (void *)cuMemAddressFree},
+    {"cuMemCreate", 10020, FEATURE_VMM, (void *)cuMemCreate},
+    {"cuMemRelease", 10020, FEATURE_VMM, (void *)cuMemRelease},
+    {"cuMemMap", 10020, FEATURE_VMM, (void *)cuMemMap},
+    {"cuMemUnmap", 10020, FEATURE_VMM, (void *)cuMemUnmap},
+    {"cuMemSetAccess", 10020, FEATURE_VMM, (void *)cuMemSetAccess},
+    {"cuMemExportToShareableHandle", 10020, FEATURE_VMM, (void *)cuMemExportToShareableHandle},
+    {"cuMemImportFromShareableHandle", 10020, FEATURE_VMM, (void *)cuMemImportFromShareableHandle},
+    {"cuMemcpyDtoDAsync", 3020, FEATURE_VMM, (void *)cuMemcpyDtoDAsync},
+    {"cuMemcpyDtoHAsync", 3020, FEATURE_VMM, (void *)cuMemcpyDtoHAsync},
+    {"cuMemcpyHtoDAsync", 3020, FEATURE_VMM, (void *)cuMemcpyHtoDAsync},
+    {"cuMemHostAlloc", 2020, FEATURE_VMM, (void *)cuMemHostAlloc},
+    {"cuMemFreeHost", 2000, FEATURE_VMM, (void *)cuMemFreeHost},
+    {"cuStreamCreate", 2000, FEATURE_VMM, (void *)cuStreamCreate},
+    {"cuStreamSynchronize", 2000, FEATURE_VMM, (void *)cuStreamSynchronize},
+    {"cuStreamDestroy", 4000, FEATURE_VMM, (void *)cuStreamDestroy},
 };
 
 static CUresult lookup(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags, int *status) {
@@ -653,7 +897,10 @@ static CUresult lookup(const char *symbol, void **pfn, int cudaVersion, cuuint64
     const struct symbol *s = &symbols[i];
     if (strcmp(s->name, symbol) != 0) continue;
     /* A driver older than the function, or one built without the checkpoint API, lacks it. */
-    if (s->since > fake.cuda_version || (s->checkpoint && fake.no_checkpoint)) break;
+    if (s->since > fake.cuda_version || (s->feature == FEATURE_CHECKPOINT && fake.no_checkpoint) ||
+        (s->feature == FEATURE_VMM && fake.no_vmm)) {
+      break;
+    }
     if (cudaVersion < s->since) {
       if (status != NULL) *status = CU_GET_PROC_ADDRESS_VERSION_NOT_SUFFICIENT;
       return CUDA_ERROR_NOT_FOUND;
@@ -866,6 +1113,8 @@ CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args
   if (!is_own_pid(pid)) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
   if (args != NULL && !all_zero(args, sizeof(*args))) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
   if (fake.state != CU_PROCESS_STATE_LOCKED) return leave(fn, CUDA_ERROR_ILLEGAL_STATE, -1);
+  vmm_collect();
+  vmm_checkpoint();
   set_state(CU_PROCESS_STATE_CHECKPOINTED);
   return leave(fn, CUDA_SUCCESS, -1);
 }
@@ -919,19 +1168,23 @@ CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args) {
   int target[MAX_GPUS];
   rc = plan_restore(args, target);
   if (rc != CUDA_SUCCESS) return leave(fn, rc, pairs);
+  vmm_collect();
   for (int p = 0; p < fake.gpu_count; ++p) {
-    unsigned long long need = 0;
+    /* VMM memory in the image lands with its device; memory held only by fds stays put (fact 9). */
+    unsigned long long need = vmm_riding_bytes_to(p, target);
     for (int l = 0; l < fake.gpu_count; ++l) {
       if (target[l] == p) need += fake.process_bytes[l];
     }
     const struct gpu *g = &fake.gpus[p];
-    const unsigned long long free_bytes = g->other_bytes >= g->total ? 0 : g->total - g->other_bytes;
+    const unsigned long long held = g->other_bytes + vmm_bytes_on(p, 1);
+    const unsigned long long free_bytes = held >= g->total ? 0 : g->total - held;
     if (need > free_bytes) {
       if (fake.oom_poisons_restore) fake.restore_poisoned = 1;
       return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, pairs);
     }
   }
   for (int l = 0; l < fake.gpu_count; ++l) fake.placement[l] = target[l];
+  vmm_restored(target);
   set_state(CU_PROCESS_STATE_LOCKED);
   return leave(fn, CUDA_SUCCESS, pairs);
 }
@@ -945,6 +1198,519 @@ CUresult cuCheckpointProcessUnlock(int pid, CUcheckpointUnlockArgs *args) {
   if (fake.state != CU_PROCESS_STATE_LOCKED) return leave(fn, CUDA_ERROR_ILLEGAL_STATE, -1);
   set_state(CU_PROCESS_STATE_RUNNING);
   return leave(fn, CUDA_SUCCESS, -1);
+}
+
+/* ------------------------------------------------------------------ libcuda: contexts */
+
+static CUcontext token_of(int device) { return (CUcontext)&primary_tokens[device]; }
+
+static int device_of_token(CUcontext ctx) {
+  const char *p = (const char *)ctx;
+  if (p < primary_tokens || p >= primary_tokens + MAX_GPUS) return -1;
+  const int device = (int)(p - primary_tokens);
+  return device < fake.gpu_count ? device : -1;
+}
+
+/* A call that works in the current context: it must exist and be active (retained). */
+static CUresult context_ready(const char *function, int *device) {
+  const CUresult rc = device_call_ready(function);
+  if (rc != CUDA_SUCCESS) return rc;
+  const int d = current_context;
+  if (d < 0 || d >= fake.gpu_count || vmm.primary_refs[d] == 0) return CUDA_ERROR_INVALID_CONTEXT;
+  if (device != NULL) *device = d;
+  return CUDA_SUCCESS;
+}
+
+CUresult cuCtxGetCurrent(CUcontext *pctx) {
+  static const char fn[] = "cuCtxGetCurrent";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (pctx == NULL) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  rc = device_call_ready(fn);
+  if (rc == CUDA_SUCCESS) *pctx = current_context >= 0 ? token_of(current_context) : NULL;
+  return leave(fn, rc, -1);
+}
+
+CUresult cuCtxSetCurrent(CUcontext ctx) {
+  static const char fn[] = "cuCtxSetCurrent";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  rc = device_call_ready(fn);
+  if (rc != CUDA_SUCCESS) return leave(fn, rc, -1);
+  if (ctx == NULL) {
+    current_context = -1;
+    return leave(fn, CUDA_SUCCESS, -1);
+  }
+  const int device = device_of_token(ctx);
+  if (device < 0) return leave(fn, CUDA_ERROR_INVALID_CONTEXT, -1);
+  current_context = device;
+  return leave(fn, CUDA_SUCCESS, -1);
+}
+
+CUresult cuCtxGetDevice(CUdevice *device) {
+  static const char fn[] = "cuCtxGetDevice";
+  int rc, d = 0;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (device == NULL) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  rc = context_ready(fn, &d);
+  if (rc == CUDA_SUCCESS) *device = d;
+  return leave(fn, rc, -1);
+}
+
+CUresult cuCtxSynchronize(void) {
+  static const char fn[] = "cuCtxSynchronize";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  return leave(fn, context_ready(fn, NULL), -1); /* copies here are done when they return */
+}
+
+CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev) {
+  static const char fn[] = "cuDevicePrimaryCtxRetain";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (pctx == NULL) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  rc = device_ready(fn, dev);
+  if (rc == CUDA_SUCCESS) {
+    ++vmm.primary_refs[dev];
+    *pctx = token_of(dev);
+  }
+  return leave(fn, rc, -1);
+}
+
+CUresult cuDevicePrimaryCtxRelease(CUdevice dev) {
+  static const char fn[] = "cuDevicePrimaryCtxRelease";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  rc = device_ready(fn, dev);
+  if (rc == CUDA_SUCCESS && vmm.primary_refs[dev] == 0) rc = CUDA_ERROR_INVALID_CONTEXT;
+  if (rc == CUDA_SUCCESS) --vmm.primary_refs[dev];
+  return leave(fn, rc, -1);
+}
+
+/* ------------------------------------------------------------------ libcuda: VMM */
+
+static int prop_valid(const CUmemAllocationProp *prop) {
+  return prop != NULL && prop->type == CU_MEM_ALLOCATION_TYPE_PINNED &&
+         prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE && prop->location.id >= 0 &&
+         prop->location.id < fake.gpu_count &&
+         (prop->requestedHandleTypes == 0 ||
+          prop->requestedHandleTypes == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) &&
+         prop->win32HandleMetaData == NULL && prop->allocFlags.compressionType == 0 &&
+         prop->allocFlags.usage == 0 && all_zero(prop->allocFlags.reserved, sizeof(prop->allocFlags.reserved));
+}
+
+CUresult cuMemGetAllocationGranularity(size_t *granularity, const CUmemAllocationProp *prop, int option) {
+  static const char fn[] = "cuMemGetAllocationGranularity";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (granularity == NULL || !prop_valid(prop) || (option != 0 && option != 1)) {
+    return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  }
+  rc = device_call_ready(fn);
+  if (rc == CUDA_SUCCESS) *granularity = (size_t)VMM_GRANULARITY;
+  return leave(fn, rc, -1);
+}
+
+static int free_slot(const void *table, size_t stride) {
+  for (int i = 0; i < MAX_VMM; ++i) {
+    if (*(const int *)((const char *)table + (size_t)i * stride) == 0) return i;
+  }
+  return -1;
+}
+#define FREE_SLOT(array) free_slot((array), sizeof((array)[0]))
+
+CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
+                             unsigned long long flags) {
+  static const char fn[] = "cuMemAddressReserve";
+  int rc;
+  (void)addr; /* a hint only */
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  const size_t page = (size_t)sysconf(_SC_PAGESIZE);
+  if (ptr == NULL || size == 0 || size % page != 0 || flags != 0 || (alignment & (alignment - 1)) != 0) {
+    return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  }
+  rc = context_ready(fn, NULL);
+  if (rc != CUDA_SUCCESS) return leave(fn, rc, -1);
+  const int slot = FREE_SLOT(vmm.reservations);
+  if (slot < 0) return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, -1);
+  const size_t align = alignment > VMM_GRANULARITY ? alignment : (size_t)VMM_GRANULARITY;
+  char *raw = mmap(NULL, size + align, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  if (raw == MAP_FAILED) return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, -1);
+  char *base = (char *)(((uintptr_t)raw + align - 1) & ~(uintptr_t)(align - 1));
+  if (base > raw) munmap(raw, (size_t)(base - raw));
+  if (base + size < raw + size + align) munmap(base + size, (size_t)(raw + size + align - (base + size)));
+  vmm.reservations[slot] = (struct vmm_range){1, (uintptr_t)base, size, -1, 0, 0};
+  *ptr = (CUdeviceptr)(uintptr_t)base;
+  return leave(fn, CUDA_SUCCESS, -1);
+}
+
+static int find_range(struct vmm_range *table, uintptr_t base, size_t size) {
+  for (int i = 0; i < MAX_VMM; ++i) {
+    if (table[i].used && table[i].base == base && table[i].size == size) return i;
+  }
+  return -1;
+}
+
+static int overlaps_mapping(uintptr_t base, size_t size) {
+  for (int i = 0; i < MAX_VMM; ++i) {
+    const struct vmm_range *m = &vmm.mappings[i];
+    if (m->used && base < m->base + m->size && m->base < base + size) return 1;
+  }
+  return 0;
+}
+
+/* The driver wants the range exactly as reserved, and (unmeasured; strict here) nothing mapped in it. */
+CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
+  static const char fn[] = "cuMemAddressFree";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  rc = context_ready(fn, NULL);
+  if (rc != CUDA_SUCCESS) return leave(fn, rc, -1);
+  const int slot = find_range(vmm.reservations, (uintptr_t)ptr, size);
+  if (slot < 0 || overlaps_mapping((uintptr_t)ptr, size)) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  munmap((void *)(uintptr_t)ptr, size);
+  memset(&vmm.reservations[slot], 0, sizeof(vmm.reservations[slot]));
+  return leave(fn, CUDA_SUCCESS, -1);
+}
+
+static int new_handle(int alloc) {
+  const int slot = FREE_SLOT(vmm.handles);
+  if (slot < 0) return -1;
+  vmm.handles[slot] = (struct vmm_handle){1, 0x1000 + ++vmm.next_handle, alloc};
+  ++vmm.allocs[alloc].handles;
+  return slot;
+}
+
+static int find_handle(CUmemGenericAllocationHandle value) {
+  for (int i = 0; i < MAX_VMM; ++i) {
+    if (vmm.handles[i].used && vmm.handles[i].value == value) return i;
+  }
+  return -1;
+}
+
+/* Out of memory when the GPU the device is on now has less free than asked (free = total -
+ * other processes - this process, set_process_memory and VMM alike). */
+CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
+                     unsigned long long flags) {
+  static const char fn[] = "cuMemCreate";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (handle == NULL || size == 0 || size % VMM_GRANULARITY != 0 || flags != 0 || !prop_valid(prop)) {
+    return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  }
+  rc = context_ready(fn, NULL);
+  if (rc != CUDA_SUCCESS) return leave(fn, rc, -1);
+  const int physical = fake.placement[prop->location.id];
+  const struct gpu *g = &fake.gpus[physical];
+  const unsigned long long used = g->other_bytes + process_bytes_on(physical);
+  if (used >= g->total || size > g->total - used) return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, -1);
+  const int slot = FREE_SLOT(vmm.allocs);
+  if (slot < 0) return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, -1);
+  const int fd = memfd_create("fake_cuda_vmm", MFD_CLOEXEC);
+  if (fd < 0) return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, -1);
+  struct stat st;
+  if (ftruncate(fd, (off_t)size) != 0 || fstat(fd, &st) != 0) {
+    close(fd);
+    return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, -1);
+  }
+  struct vmm_alloc *a = &vmm.allocs[slot];
+  *a = (struct vmm_alloc){1, fd, st.st_dev, st.st_ino, size, physical, -1,
+                          prop->requestedHandleTypes == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0, 0};
+  const int h = new_handle(slot);
+  if (h < 0) {
+    close(fd);
+    memset(a, 0, sizeof(*a));
+    return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, -1);
+  }
+  *handle = vmm.handles[h].value;
+  return leave(fn, CUDA_SUCCESS, -1);
+}
+
+/* The memory itself goes when nothing else refers to it (mappings, other handles, fds). */
+CUresult cuMemRelease(CUmemGenericAllocationHandle handle) {
+  static const char fn[] = "cuMemRelease";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  rc = context_ready(fn, NULL);
+  if (rc != CUDA_SUCCESS) return leave(fn, rc, -1);
+  const int h = find_handle(handle);
+  if (h < 0) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  --vmm.allocs[vmm.handles[h].alloc].handles;
+  memset(&vmm.handles[h], 0, sizeof(vmm.handles[h]));
+  vmm_collect();
+  return leave(fn, CUDA_SUCCESS, -1);
+}
+
+static int inside_reservation(uintptr_t base, size_t size) {
+  for (int i = 0; i < MAX_VMM; ++i) {
+    const struct vmm_range *r = &vmm.reservations[i];
+    if (r->used && base >= r->base && base + size <= r->base + r->size) return 1;
+  }
+  return 0;
+}
+
+CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
+                  unsigned long long flags) {
+  static const char fn[] = "cuMemMap";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  rc = context_ready(fn, NULL);
+  if (rc != CUDA_SUCCESS) return leave(fn, rc, -1);
+  const int h = find_handle(handle);
+  if (h < 0 || flags != 0 || size == 0 || ptr % VMM_GRANULARITY != 0 || size % VMM_GRANULARITY != 0 ||
+      offset % VMM_GRANULARITY != 0) {
+    return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  }
+  const int alloc = vmm.handles[h].alloc;
+  struct vmm_alloc *a = &vmm.allocs[alloc];
+  const uintptr_t base = (uintptr_t)ptr;
+  if (offset + size > a->size || !inside_reservation(base, size) || overlaps_mapping(base, size)) {
+    return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  }
+  const int slot = FREE_SLOT(vmm.mappings);
+  if (slot < 0) return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, -1);
+  if (mmap((void *)base, size, PROT_NONE, MAP_SHARED | MAP_FIXED, a->fd, (off_t)offset) == MAP_FAILED) {
+    return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, -1);
+  }
+  vmm.mappings[slot] = (struct vmm_range){1, base, size, alloc, 0, 0};
+  ++a->mappings;
+  return leave(fn, CUDA_SUCCESS, -1);
+}
+
+/* Strict: exactly one earlier cuMemMap range (the driver also takes several whole ones). */
+CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) {
+  static const char fn[] = "cuMemUnmap";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  rc = context_ready(fn, NULL);
+  if (rc != CUDA_SUCCESS) return leave(fn, rc, -1);
+  const int slot = find_range(vmm.mappings, (uintptr_t)ptr, size);
+  if (slot < 0) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  /* Back to a bare reservation. */
+  mmap((void *)(uintptr_t)ptr, size, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE | MAP_FIXED, -1, 0);
+  --vmm.allocs[vmm.mappings[slot].alloc].mappings;
+  memset(&vmm.mappings[slot], 0, sizeof(vmm.mappings[slot]));
+  vmm_collect();
+  return leave(fn, CUDA_SUCCESS, -1);
+}
+
+/* The range must consist of whole mappings, back to back. */
+CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count) {
+  static const char fn[] = "cuMemSetAccess";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (desc == NULL || count == 0 || size == 0) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  for (size_t k = 0; k < count; ++k) {
+    const int flags = (int)desc[k].flags;
+    if (desc[k].location.type != CU_MEM_LOCATION_TYPE_DEVICE || desc[k].location.id < 0 ||
+        desc[k].location.id >= fake.gpu_count || (flags != 0 && flags != 1 && flags != 3)) {
+      return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+    }
+  }
+  rc = context_ready(fn, NULL);
+  if (rc != CUDA_SUCCESS) return leave(fn, rc, -1);
+  int slots[MAX_VMM];
+  int n = 0;
+  for (uintptr_t at = (uintptr_t)ptr; at < (uintptr_t)ptr + size;) {
+    int found = -1;
+    for (int i = 0; i < MAX_VMM && found < 0; ++i) {
+      if (vmm.mappings[i].used && vmm.mappings[i].base == at) found = i;
+    }
+    if (found < 0 || at + vmm.mappings[found].size > (uintptr_t)ptr + size) {
+      return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+    }
+    slots[n++] = found;
+    at += vmm.mappings[found].size;
+  }
+  for (int k = 0; k < n; ++k) {
+    struct vmm_range *m = &vmm.mappings[slots[k]];
+    for (size_t j = 0; j < count; ++j) {
+      const unsigned int bit = 1u << desc[j].location.id;
+      const int flags = (int)desc[j].flags;
+      m->readers = flags != 0 ? m->readers | bit : m->readers & ~bit;
+      m->writers = flags == 3 ? m->writers | bit : m->writers & ~bit;
+    }
+    const int prot = m->writers ? PROT_READ | PROT_WRITE : m->readers ? PROT_READ : PROT_NONE;
+    mprotect((void *)m->base, m->size, prot);
+  }
+  return leave(fn, CUDA_SUCCESS, -1);
+}
+
+CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGenericAllocationHandle handle, int handleType,
+                                      unsigned long long flags) {
+  static const char fn[] = "cuMemExportToShareableHandle";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (shareableHandle == NULL || flags != 0 || handleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) {
+    return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  }
+  rc = context_ready(fn, NULL);
+  if (rc != CUDA_SUCCESS) return leave(fn, rc, -1);
+  const int h = find_handle(handle);
+  if (h < 0 || !vmm.allocs[vmm.handles[h].alloc].exportable) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  const int fd = fcntl(vmm.allocs[vmm.handles[h].alloc].fd, F_DUPFD_CLOEXEC, 0);
+  if (fd < 0) return leave(fn, CUDA_ERROR_OPERATING_SYSTEM, -1);
+  *(int *)shareableHandle = fd;
+  return leave(fn, CUDA_SUCCESS, -1);
+}
+
+/* The fd stays the caller's; the new handle is one more reference to the same memory. */
+CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *osHandle, int shHandleType) {
+  static const char fn[] = "cuMemImportFromShareableHandle";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (handle == NULL || shHandleType != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) {
+    return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  }
+  rc = context_ready(fn, NULL);
+  if (rc != CUDA_SUCCESS) return leave(fn, rc, -1);
+  const int fd = (int)(intptr_t)osHandle;
+  int alloc = -1;
+  for (int i = 0; i < MAX_VMM && alloc < 0; ++i) {
+    if (vmm.allocs[i].used && fd_refers_to(fd, &vmm.allocs[i])) alloc = i;
+  }
+  if (alloc < 0) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  const int h = new_handle(alloc);
+  if (h < 0) return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, -1);
+  *handle = vmm.handles[h].value;
+  return leave(fn, CUDA_SUCCESS, -1);
+}
+
+/* ------------------------------------------------------------------ libcuda: copies, pinned memory, streams */
+
+static int stream_valid(CUstream stream) {
+  if (stream == NULL) return 1;
+  for (const struct fake_stream *s = vmm.streams; s != NULL; s = s->next) {
+    if ((const void *)s == (const void *)stream) return 1;
+  }
+  return 0;
+}
+
+/* Device memory the current device may touch: within one mapping that grants it access.
+ * INVALID_VALUE for an address of no mapping; ILLEGAL_ADDRESS where the real copy would fault. */
+static CUresult device_range(CUdeviceptr ptr, size_t size, int device, int write) {
+  for (int i = 0; i < MAX_VMM; ++i) {
+    const struct vmm_range *m = &vmm.mappings[i];
+    if (!m->used || (uintptr_t)ptr < m->base || (uintptr_t)ptr + size > m->base + m->size) continue;
+    const unsigned int mask = write ? m->writers : m->readers;
+    return (mask & (1u << device)) ? CUDA_SUCCESS : CUDA_ERROR_ILLEGAL_ADDRESS;
+  }
+  return CUDA_ERROR_INVALID_VALUE;
+}
+
+static CUresult copy_ready(const char *function, CUstream stream, int *device) {
+  const CUresult rc = context_ready(function, device);
+  if (rc != CUDA_SUCCESS) return rc;
+  return stream_valid(stream) ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+/* Copies finish before they return: a stream or context synchronize has nothing left to wait for. */
+CUresult cuMemcpyDtoDAsync(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount, CUstream hStream) {
+  static const char fn[] = "cuMemcpyDtoDAsync";
+  int rc, device = 0;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  rc = copy_ready(fn, hStream, &device);
+  if (rc == CUDA_SUCCESS) rc = device_range(srcDevice, ByteCount, device, 0);
+  if (rc == CUDA_SUCCESS) rc = device_range(dstDevice, ByteCount, device, 1);
+  if (rc == CUDA_SUCCESS) memmove((void *)(uintptr_t)dstDevice, (const void *)(uintptr_t)srcDevice, ByteCount);
+  return leave(fn, rc, -1);
+}
+
+CUresult cuMemcpyDtoHAsync(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount, CUstream hStream) {
+  static const char fn[] = "cuMemcpyDtoHAsync";
+  int rc, device = 0;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (dstHost == NULL) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  rc = copy_ready(fn, hStream, &device);
+  if (rc == CUDA_SUCCESS) rc = device_range(srcDevice, ByteCount, device, 0);
+  if (rc == CUDA_SUCCESS) memcpy(dstHost, (const void *)(uintptr_t)srcDevice, ByteCount);
+  return leave(fn, rc, -1);
+}
+
+CUresult cuMemcpyHtoDAsync(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount, CUstream hStream) {
+  static const char fn[] = "cuMemcpyHtoDAsync";
+  int rc, device = 0;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (srcHost == NULL) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  rc = copy_ready(fn, hStream, &device);
+  if (rc == CUDA_SUCCESS) rc = device_range(dstDevice, ByteCount, device, 1);
+  if (rc == CUDA_SUCCESS) memcpy((void *)(uintptr_t)dstDevice, srcHost, ByteCount);
+  return leave(fn, rc, -1);
+}
+
+CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int Flags) {
+  static const char fn[] = "cuMemHostAlloc";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (pp == NULL || bytesize == 0 || (Flags & ~7u) != 0) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  rc = context_ready(fn, NULL);
+  if (rc != CUDA_SUCCESS) return leave(fn, rc, -1);
+  const int slot = FREE_SLOT(vmm.host);
+  void *p = slot < 0 ? MAP_FAILED : mmap(NULL, bytesize, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (p == MAP_FAILED) return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, -1);
+  vmm.host[slot] = (struct host_block){1, p, bytesize};
+  *pp = p;
+  return leave(fn, CUDA_SUCCESS, -1);
+}
+
+CUresult cuMemFreeHost(void *p) {
+  static const char fn[] = "cuMemFreeHost";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  rc = context_ready(fn, NULL);
+  if (rc != CUDA_SUCCESS) return leave(fn, rc, -1);
+  for (int i = 0; i < MAX_VMM; ++i) {
+    if (vmm.host[i].used && vmm.host[i].ptr == p) {
+      munmap(p, vmm.host[i].size);
+      memset(&vmm.host[i], 0, sizeof(vmm.host[i]));
+      return leave(fn, CUDA_SUCCESS, -1);
+    }
+  }
+  return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+}
+
+CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags) {
+  static const char fn[] = "cuStreamCreate";
+  int rc, device = 0;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (phStream == NULL || Flags > 1) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  rc = context_ready(fn, &device);
+  if (rc != CUDA_SUCCESS) return leave(fn, rc, -1);
+  struct fake_stream *s = calloc(1, sizeof(*s));
+  if (s == NULL) return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, -1);
+  s->device = device;
+  s->next = vmm.streams;
+  vmm.streams = s;
+  ++vmm.stream_count;
+  *phStream = (CUstream)s;
+  return leave(fn, CUDA_SUCCESS, -1);
+}
+
+CUresult cuStreamSynchronize(CUstream hStream) {
+  static const char fn[] = "cuStreamSynchronize";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  rc = device_call_ready(fn);
+  if (rc == CUDA_SUCCESS && !stream_valid(hStream)) rc = CUDA_ERROR_INVALID_HANDLE;
+  return leave(fn, rc, -1);
+}
+
+CUresult cuStreamDestroy(CUstream hStream) {
+  static const char fn[] = "cuStreamDestroy";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  rc = device_call_ready(fn);
+  if (rc != CUDA_SUCCESS) return leave(fn, rc, -1);
+  for (struct fake_stream **p = &vmm.streams; *p != NULL; p = &(*p)->next) {
+    if ((void *)*p == (void *)hStream) {
+      struct fake_stream *s = *p;
+      *p = s->next;
+      free(s);
+      --vmm.stream_count;
+      return leave(fn, CUDA_SUCCESS, -1);
+    }
+  }
+  return leave(fn, CUDA_ERROR_INVALID_HANDLE, -1);
 }
 
 /* ------------------------------------------------------------------ NVML */
@@ -1547,3 +2313,78 @@ int fake_cuda_version(void) {
   pthread_mutex_unlock(&mutex);
   return v;
 }
+
+/* ------------------------------------------------------------------ control functions: VMM */
+
+int fake_vmm_allocations(void) {
+  pthread_mutex_lock(&mutex);
+  vmm_collect();
+  int n = 0;
+  for (int i = 0; i < MAX_VMM; ++i) n += vmm.allocs[i].used;
+  pthread_mutex_unlock(&mutex);
+  return n;
+}
+
+static int count_used(const void *table, size_t stride) {
+  int n = 0;
+  for (int i = 0; i < MAX_VMM; ++i) n += *(const int *)((const char *)table + (size_t)i * stride) != 0;
+  return n;
+}
+#define COUNT_USED(array) count_used((array), sizeof((array)[0]))
+
+int fake_vmm_handles(void) {
+  pthread_mutex_lock(&mutex);
+  const int n = COUNT_USED(vmm.handles);
+  pthread_mutex_unlock(&mutex);
+  return n;
+}
+
+int fake_vmm_mappings(void) {
+  pthread_mutex_lock(&mutex);
+  const int n = COUNT_USED(vmm.mappings);
+  pthread_mutex_unlock(&mutex);
+  return n;
+}
+
+int fake_vmm_reservations(void) {
+  pthread_mutex_lock(&mutex);
+  const int n = COUNT_USED(vmm.reservations);
+  pthread_mutex_unlock(&mutex);
+  return n;
+}
+
+/* VMM bytes on a physical GPU now (fd-held memory included, memory in a checkpoint image not). */
+unsigned long long fake_vmm_bytes_on(int physical) {
+  pthread_mutex_lock(&mutex);
+  vmm_collect();
+  const unsigned long long bytes = physical >= 0 && physical < fake.gpu_count ? vmm_bytes_on(physical, 0) : 0;
+  pthread_mutex_unlock(&mutex);
+  return bytes;
+}
+
+unsigned long long fake_pinned_bytes(void) {
+  pthread_mutex_lock(&mutex);
+  unsigned long long bytes = 0;
+  for (int i = 0; i < MAX_VMM; ++i) bytes += vmm.host[i].used ? vmm.host[i].size : 0;
+  pthread_mutex_unlock(&mutex);
+  return bytes;
+}
+
+int fake_live_streams(void) {
+  pthread_mutex_lock(&mutex);
+  const int n = vmm.stream_count;
+  pthread_mutex_unlock(&mutex);
+  return n;
+}
+
+int fake_primary_ctx_refcount(int device) {
+  pthread_mutex_lock(&mutex);
+  const int n = device >= 0 && device < MAX_GPUS ? vmm.primary_refs[device] : -1;
+  pthread_mutex_unlock(&mutex);
+  return n;
+}
+
+/* The calling thread's current context, as a device ordinal (-1: none). */
+int fake_current_context(void) { return current_context; }
+
+unsigned long long fake_vmm_granularity(void) { return VMM_GRANULARITY; }

@@ -1,0 +1,63 @@
+// Every segment the VMM allocator handed out, by address, under one mutex. The relocation
+// primitives hold the lock for their whole run, so allocations wait instead of racing them.
+#pragma once
+
+#include <chrono>
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "cuda_driver_types.h"
+
+namespace flexium {
+
+struct Segment {
+  std::uint64_t serial = 0;  // unique per allocation: an address can be reused after a free
+  CUdeviceptr address = 0;   // reserved for the segment's whole life: tensors point into it
+  std::size_t size = 0;      // rounded to the granularity
+  int device = 0;            // ordinal that has access to the mapping
+  bool mapped = false;       // physical memory mapped at `address`
+  bool has_handle = false;   // `handle` is held and ours to release
+  CUmemGenericAllocationHandle handle = 0;
+};
+
+struct SegmentInfo {
+  CUdeviceptr address = 0;
+  std::size_t size = 0;
+  int device = 0;
+};
+
+using SegmentMap = std::map<CUdeviceptr, Segment>;
+
+// Holds the registry's mutex; throws std::runtime_error when it stays taken past `timeout`.
+class RegistryLock {
+ public:
+  explicit RegistryLock(std::chrono::milliseconds timeout);
+  SegmentMap &segments();
+
+ private:
+  std::unique_lock<std::timed_mutex> lock_;
+};
+
+// Snapshots for Python, each under the lock.
+std::vector<SegmentInfo> list_segments();
+std::size_t segment_bytes_on(int device);
+std::size_t segment_count();
+
+std::uint64_t next_segment_serial();
+
+// "0x7f00c0000000", and "segment 0x7f00c0000000 (2097152 bytes, device 0)" for messages.
+std::string hex_address(CUdeviceptr address);
+std::string describe(const Segment &segment);
+
+// Frees of pointers the registry never handed out (ignored, only counted).
+void count_unknown_free();
+std::size_t unknown_free_count();
+
+constexpr std::chrono::milliseconds kAllocatorLockTimeout{60000};
+constexpr std::chrono::milliseconds kRelocationLockTimeout{10000};
+
+}  // namespace flexium

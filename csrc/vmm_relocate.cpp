@@ -1,0 +1,182 @@
+// Vendor rules this file relies on, with their evidence:
+//  - memory held only by an exported POSIX fd of a cuMemCreate allocation (own handle released,
+//    mapping removed, address range still reserved) is skipped by the checkpoint and survives the
+//    restore; importing the fd and mapping it at the same address gives the data back intact
+//    (DESIGN.md fact 9; probes/vmm.c "fdonly": 16 GB in 1.12 s).
+//  - an allocation lives until its mappings are gone and every handle, exported fds included, is
+//    released (cuMemRelease docs: "including its shareable counterparts"); so dropping our handle
+//    and mapping after the export leaves the copy alive, and closing the fd frees it.
+//  - read/write access granted to both GPUs on one mapping lets a copy issued in the source
+//    context write into target memory over NVLink, no cuCtxEnablePeerAccess needed
+//    (probes/vmm.c set_access(tmp, sz, 2) + cuMemcpyDtoD: 392 GB/s, fact 9).
+//  - a new mapping has no access until cuMemSetAccess (cuMemUnmap/cuMemMap docs).
+//  - the target's primary context is retained only while its memory is made and filled; the
+//    probe released it before the checkpoint (cuDevicePrimaryCtxRelease(d1)) and the fd-held
+//    memory survived, so no context of ours stays on the target to ride the checkpoint.
+#include "vmm_relocate.h"
+
+#include <unistd.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <set>
+#include <stdexcept>
+#include <string>
+
+#include "driver_error.h"
+#include "vmm_driver.h"
+#include "vmm_registry.h"
+
+namespace flexium {
+namespace {
+
+// Segments of `source` (-1: all) grouped by their device, in address order within each.
+std::map<int, std::vector<Segment *>> by_device(SegmentMap &segments, int source) {
+  std::map<int, std::vector<Segment *>> groups;
+  for (auto &entry : segments) {
+    if (source < 0 || entry.second.device == source) groups[entry.second.device].push_back(&entry.second);
+  }
+  return groups;
+}
+
+// A copy of one segment on the target: memory exported as an fd, mapped at a temporary address.
+struct Copy {
+  explicit Copy(const DriverTable &d) : temporary(d) {}
+  CUdeviceptr source_address = 0;
+  Backing temporary;
+  OwnedFd fd;
+};
+
+void start_copy(const DriverTable &d, const Segment &segment, int target, CUstream stream, Copy &copy) {
+  Backing &temp = copy.temporary;
+  temp.size = segment.size;
+  const CUmemAllocationProp prop = device_allocation_prop(target);
+  FLEXIUM_CU_CALL(d, cuMemCreate, &temp.handle, segment.size, &prop, 0);
+  temp.created = true;
+  int fd = -1;
+  FLEXIUM_CU_CALL(d, cuMemExportToShareableHandle, &fd, temp.handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+  copy.fd.fd = fd;
+  FLEXIUM_CU_CALL(d, cuMemAddressReserve, &temp.address, segment.size, 0, 0, 0);
+  temp.reserved = true;
+  FLEXIUM_CU_CALL(d, cuMemMap, temp.address, segment.size, 0, temp.handle, 0);
+  temp.mapped = true;
+  std::vector<int> devices{segment.device};
+  if (target != segment.device) devices.push_back(target);
+  grant_access(d, temp.address, segment.size, devices);
+  FLEXIUM_CU_CALL(d, cuMemcpyDtoDAsync, temp.address, segment.address, segment.size, stream);
+  copy.source_address = segment.address;
+}
+
+// After the copy: only the fd keeps the memory.
+void drop_temporary(const DriverTable &d, Backing &temp) {
+  FLEXIUM_CU_CALL(d, cuMemUnmap, temp.address, temp.size);
+  temp.mapped = false;
+  FLEXIUM_CU_CALL(d, cuMemAddressFree, temp.address, temp.size);
+  temp.reserved = false;
+  FLEXIUM_CU_CALL(d, cuMemRelease, temp.handle);
+  temp.created = false;
+}
+
+}  // namespace
+
+std::vector<StagedSegment> stage_segments_to_device(int target, int source) {
+  const DriverTable &d = require_vmm_driver();
+  RegistryLock lock(kRelocationLockTimeout);
+  auto groups = by_device(lock.segments(), source);
+  for (const auto &group : groups) {
+    for (const Segment *segment : group.second) {
+      if (!segment->mapped || !segment->has_handle) {
+        throw std::invalid_argument(describe(*segment) + " has no backing to stage");
+      }
+    }
+  }
+  ScopedContext target_context(d, target);
+  // Declared after the context: on failure the copies are freed while it still exists.
+  std::vector<std::unique_ptr<Copy>> copies;
+  for (const auto &group : groups) {
+    ScopedContext source_context(d, group.first);
+    // The copy stream is ordered after nothing: wait for every write already queued.
+    FLEXIUM_CU_CALL(d, cuCtxSynchronize);
+    ScopedStream stream(d);
+    for (const Segment *segment : group.second) {
+      copies.push_back(std::make_unique<Copy>(d));
+      start_copy(d, *segment, target, stream.get(), *copies.back());
+    }
+    stream.synchronize();
+  }
+  for (auto &copy : copies) drop_temporary(d, copy->temporary);
+  std::vector<StagedSegment> staged;
+  staged.reserve(copies.size());
+  for (auto &copy : copies) staged.push_back({copy->source_address, copy->temporary.size, copy->fd.fd});
+  for (auto &copy : copies) copy->fd.release();
+  return staged;
+}
+
+std::size_t release_source_backing(int source) {
+  const DriverTable &d = require_vmm_driver();
+  RegistryLock lock(kRelocationLockTimeout);
+  std::size_t released = 0;
+  for (auto &group : by_device(lock.segments(), source)) {
+    ScopedContext context(d, group.first);
+    FLEXIUM_CU_CALL(d, cuCtxSynchronize);  // nothing may still use the ranges we unmap
+    for (Segment *segment : group.second) {
+      const bool backed = segment->mapped || segment->has_handle;
+      if (segment->mapped) {
+        FLEXIUM_CU_CALL(d, cuMemUnmap, segment->address, segment->size);
+        segment->mapped = false;
+      }
+      if (segment->has_handle) {
+        FLEXIUM_CU_CALL(d, cuMemRelease, segment->handle);
+        segment->has_handle = false;
+      }
+      if (backed) ++released;
+    }
+  }
+  return released;
+}
+
+void map_imported(const std::vector<StagedSegment> &staged, int device) {
+  const DriverTable &d = require_vmm_driver();
+  RegistryLock lock(kRelocationLockTimeout);
+  SegmentMap &segments = lock.segments();
+  // Checked before anything is done, so a bad list leaves every fd and segment as it was.
+  std::set<CUdeviceptr> seen;
+  for (const StagedSegment &entry : staged) {
+    auto found = segments.find(entry.address);
+    const std::string address = hex_address(entry.address);
+    if (found == segments.end()) throw std::invalid_argument(address + " is not a segment");
+    if (found->second.size != entry.size) {
+      throw std::invalid_argument(describe(found->second) + " does not have the staged size " +
+                                  std::to_string(entry.size));
+    }
+    if (found->second.mapped) throw std::invalid_argument(describe(found->second) + " is still mapped");
+    if (entry.fd < 0) throw std::invalid_argument(address + " comes with no fd");
+    if (!seen.insert(entry.address).second) throw std::invalid_argument(address + " is listed twice");
+  }
+  ScopedContext context(d, device);
+  for (const StagedSegment &entry : staged) {
+    Segment &segment = segments.at(entry.address);
+    Backing backing(d);
+    backing.address = entry.address;
+    backing.size = entry.size;
+    FLEXIUM_CU_CALL(d, cuMemImportFromShareableHandle, &backing.handle,
+                    reinterpret_cast<void *>(static_cast<std::intptr_t>(entry.fd)),
+                    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+    backing.created = true;
+    FLEXIUM_CU_CALL(d, cuMemMap, entry.address, entry.size, 0, backing.handle, 0);
+    backing.mapped = true;
+    grant_access(d, entry.address, entry.size, {device});
+    // A handle left by a release that failed half way: the new memory replaces it.
+    if (segment.has_handle) d.cuMemRelease(segment.handle);
+    segment.handle = backing.handle;
+    segment.has_handle = true;
+    segment.mapped = true;
+    segment.device = device;
+    backing.release_to_caller();
+    // Our handle now holds the memory (the probe's holder closes the fd right after importing).
+    ::close(entry.fd);
+  }
+}
+
+}  // namespace flexium

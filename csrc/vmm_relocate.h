@@ -1,0 +1,37 @@
+// The fast path's moves of the allocator's segments from one GPU to another, around a driver
+// checkpoint (DESIGN.md "Fast path", fact 9, probes/vmm.c). Run with the process RUNNING, never
+// while it is locked: every call here is a CUDA call and would block (fact 4). Each takes the
+// segment registry's lock for its whole run and throws DriverError naming the failed call.
+#pragma once
+
+#include <cstddef>
+#include <vector>
+
+#include "cuda_driver_types.h"
+
+namespace flexium {
+
+// Bytes of one segment held only by an exported POSIX fd, to be mapped back at `address`.
+struct StagedSegment {
+  CUdeviceptr address = 0;
+  std::size_t size = 0;
+  int fd = -1;
+};
+
+// Copies every segment (of device `source`; -1: of every device) into new memory on device
+// `target` and returns that memory as fds, the caller's to pass to map_imported or close (closing
+// frees the copy). The segments themselves are untouched. All or nothing: on failure every copy
+// made so far is freed.
+std::vector<StagedSegment> stage_segments_to_device(int target, int source = -1);
+
+// Unmaps every segment (of `source`; -1: all) and releases its memory; the address ranges stay
+// reserved. Returns how many segments lost their backing. On failure the registry still says
+// which segments are backed.
+std::size_t release_source_backing(int source = -1);
+
+// Maps each fd's memory at its segment's address (the segment must have no backing and the same
+// size), grants `device` access and closes the fd. The caller keeps the fds of the entries not
+// mapped when this throws (the failed one included): they are the only reference to that data.
+void map_imported(const std::vector<StagedSegment> &staged, int device);
+
+}  // namespace flexium
