@@ -99,6 +99,7 @@ PATH_NEXT_COMMAND = "/processes/{process_id}/commands/next"   # long-poll, ?wait
 PATH_COMMANDS = "/commands"
 PATH_COMMAND = "/commands/{command_id}"                      # ?wait=seconds: until finished
 PATH_COMMAND_REPORT = "/commands/{command_id}/report"
+PATH_TARGETS = "/processes/{process_id}/targets"           # ?kind=migrate|resume: which GPUs fit
 PATH_DEVICES = "/devices"
 PATH_EVENTS = "/events"                                      # text/event-stream
 PATH_TOKENS = "/tokens"
@@ -324,6 +325,12 @@ class HostInfo(TypedDict):
 
 class DevicesResponse(TypedDict):
     hosts: list[HostInfo]
+
+
+class TargetInfo(TypedDict):
+    """One GPU of a process's host, judged as the target of a migrate or resume."""
+    device: DeviceInfo
+    refusal: Optional[str]          # why a command to it would be refused; None: it fits
 
 
 # --- server-sent events (GET .../events) -----------------------------------------------------

@@ -135,7 +135,7 @@ def test_migrate_offers_only_gpus_that_fit_and_shows_the_outcome(dash: Dashboard
     refused = dash.d.find_element(By.CSS_SELECTOR, "#target-dialog details.refused")
     refused.find_element(By.TAG_NAME, "summary").click()
     reasons = refused.text
-    assert "GPU 0: the job is on it" in reasons
+    assert "GPU 0: the job is already on it" in reasons
     assert "GPU 2: 15.0 GiB free, the job needs 20.0 GiB" in reasons
     assert "GPU 3: NVIDIA A100-SXM4-80GB" in reasons
     assert "GPU 4: health: xid 79" in reasons

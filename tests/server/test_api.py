@@ -52,7 +52,7 @@ def test_unknown_endpoint_is_json_404(api: Api) -> None:
 
 PROTECTED = [("GET", ""), ("GET", "/processes"), ("GET", "/processes/gpu-1"), ("POST", "/processes"),
              ("POST", "/processes/gpu-1/heartbeat"), ("GET", "/processes/gpu-1/commands/next?wait=0"),
-             ("DELETE", "/processes/gpu-1"), ("GET", "/commands"), ("POST", "/commands"),
+             ("DELETE", "/processes/gpu-1"), ("GET", "/processes/gpu-1/targets"), ("GET", "/commands"), ("POST", "/commands"),
              ("GET", "/commands/1"), ("POST", "/commands/1/report"), ("GET", "/devices"),
              ("GET", "/tokens"), ("POST", "/tokens"), ("DELETE", "/tokens/1"), ("GET", "/events")]
 
@@ -224,6 +224,30 @@ def test_command_refusals(api: Api, body: dict[str, Any], status: int, code: str
     before = table_snapshot(api.db)
     _error(api.post("/commands", body), status, code)
     assert table_snapshot(api.db) == before
+
+
+def test_targets_judged_by_the_rules_commands_obey(api: Api) -> None:
+    devices = [gpu(0, used=10 * GIB), gpu(1, used=139 * GIB), gpu(2, name="NVIDIA A100"), gpu(3),
+               gpu(4, health="xid 79")]
+    api.register("gpu-1", devices=devices)
+    r = api.get("/processes/gpu-1/targets")
+    assert r.status_code == 200, r.text
+    judged = {t["device"]["uuid"]: t["refusal"] for t in r.json()}
+    assert list(judged) == [d["uuid"] for d in devices]
+    assert judged["GPU-0000"] == "the job is already on it" and judged["GPU-0003"] is None
+    assert "free" in judged["GPU-0001"] and "NVIDIA A100" in judged["GPU-0002"]
+    assert judged["GPU-0004"] == "health: xid 79"
+    # the API refuses exactly what it judged (the one that fits last: it takes the command)
+    for uuid, refusal in sorted(judged.items(), key=lambda item: item[1] is None):
+        answer = api.command("migrate", target=uuid)
+        if refusal is None:
+            assert answer.status_code == 201, answer.text
+        else:
+            assert answer.status_code == 422 and refusal in answer.json()["message"], answer.text
+    resume = {t["device"]["uuid"]: t["refusal"] for t in api.get("/processes/gpu-1/targets?kind=resume").json()}
+    assert resume["GPU-0000"] is None
+    _error(api.get("/processes/gpu-1/targets?kind=pause"), 422, "invalid_request")
+    _error(api.get("/processes/nope/targets"), 404, "not_found")
 
 
 def test_one_active_command_409(api: Api) -> None:

@@ -47,6 +47,7 @@ def test_parse_server_address_errors(text: str) -> None:
     (protocol.RegisterResponse, schemas.RegisterOut), (protocol.HeartbeatResponse, schemas.HeartbeatOut),
     (protocol.DeviceInfo, schemas.DeviceOut), (protocol.HostInfo, schemas.HostOut),
     (protocol.DevicesResponse, schemas.DevicesOut), (protocol.ErrorBody, schemas.ErrorOut),
+    (protocol.TargetInfo, schemas.TargetOut),
 ])
 def test_schemas_mirror_protocol(typed: Any, model: Any) -> None:
     assert set(get_type_hints(typed)) == set(model.model_fields)

@@ -255,6 +255,11 @@ class DevicesOut(Out):
     hosts: list[HostOut]
 
 
+class TargetOut(Out):
+    device: DeviceOut
+    refusal: Optional[str]
+
+
 class TokenOut(Out):
     id: int
     name: str

@@ -18,7 +18,7 @@ from flexium.server.errors import ApiError
 from flexium.server.schemas import (CommandIn, CommandOut, CommandReportIn, CommandState,
                                     DevicesOut, DisplayState, ErrorOut, HeartbeatIn,
                                     HeartbeatOut, ProcessOut, RegisterIn, RegisterOut,
-                                    TokenCreatedOut, TokenIn, TokenOut, WorkspaceOut)
+                                    TargetOut, TokenCreatedOut, TokenIn, TokenOut, WorkspaceOut)
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": ErrorOut} for code in (400, 401, 404, 409, 413, 422, 503)}
@@ -73,6 +73,15 @@ async def list_processes(auth: Auth, ctx: Ctx, state: Optional[DisplayState] = N
 async def get_process(process_id: ProcessIdPath, auth: Auth, ctx: Ctx) -> Any:
     return await ctx.db.call(storage.get_process, write=False, workspace_id=auth.workspace_id,
                              process_id=process_id, now=time.time(),
+                             stale_after=ctx.settings.stale_after_s)
+
+
+@router.get("/processes/{process_id}/targets", response_model=list[TargetOut],
+            summary="Every GPU of the process's host, with why a migrate or resume to it would be refused")
+async def process_targets(process_id: ProcessIdPath, auth: Auth, ctx: Ctx,
+                          kind: Annotated[str, Query(pattern="^(migrate|resume)$")] = "migrate") -> Any:
+    return await ctx.db.call(storage.judge_targets, write=False, workspace_id=auth.workspace_id,
+                             process_id=process_id, kind=kind, now=time.time(),
                              stale_after=ctx.settings.stale_after_s)
 
 

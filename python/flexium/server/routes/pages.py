@@ -158,12 +158,15 @@ def last_finished(commands: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def dashboard_view(*, session: Session, workspace_id: int, now: float, stale_after: float,
                    process_ids: Optional[Sequence[str]] = None, hosts: Optional[Sequence[str]] = None,
-                   processes: bool = True, devices: bool = True, commands: bool = True) -> dict[str, Any]:
+                   processes: bool = True, devices: bool = True, commands: bool = True,
+                   targets: Optional[str] = None) -> dict[str, Any]:
     """Processes, GPUs and recent commands through the API's storage functions, in one
     transaction so the parts agree with each other.
 
     ``process_ids`` narrows the processes to those (the ones gone are left out) and, unless
-    ``hosts`` says otherwise, the GPUs to their hosts; ``hosts`` narrows the GPUs."""
+    ``hosts`` says otherwise, the GPUs to their hosts; ``hosts`` narrows the GPUs. ``targets``
+    (migrate or resume) judges the GPUs of the first process as targets of that command:
+    ``storage.judge_targets``, the rules the API enforces."""
     view: dict[str, Any] = {"now": now, "stale_after": stale_after}
     if process_ids is not None:
         view["processes"], view["last"] = [], {}
@@ -195,43 +198,11 @@ def dashboard_view(*, session: Session, workspace_id: int, now: float, stale_aft
             view["hosts"] = [entry for host in hosts for entry in storage.list_devices(
                 session=session, workspace_id=workspace_id, now=now, stale_after=stale_after,
                 host=host)["hosts"]]
+    if targets is not None and view.get("processes"):
+        view["targets"] = storage.judge_targets(
+            session=session, workspace_id=workspace_id, process_id=view["processes"][0]["process_id"],
+            kind=targets, now=now, stale_after=stale_after)
     return view
-
-
-def judge_targets(process: Mapping[str, Any], hosts: list[dict[str, Any]], *, kind: str,
-                  now: float, stale_after: float) -> list[tuple[dict[str, Any], Optional[str]]]:
-    """Every GPU of the process's host with the reason it cannot take the job (None: it fits).
-
-    The same rules ``storage.create_command`` enforces, applied to what the API shows, so the
-    dialog offers only GPUs the server will accept; the server still has the last word (the
-    picture may change between opening the dialog and the click)."""
-    judged: list[tuple[dict[str, Any], Optional[str]]] = []
-    visible = list(process.get("visible_gpus") or [])
-    need = max(int(process.get("footprint_bytes") or 0), int(process.get("memory_bytes") or 0))
-    model = process.get("gpu_model") or ""
-    home = process.get("gpu_uuid")
-    can_move = bool((process.get("capabilities") or {}).get(protocol.CAP_MIGRATION))
-    for entry in hosts:
-        if entry["host"] != process.get("host"):
-            continue
-        for device in entry["devices"]:
-            reason: Optional[str] = None
-            if device["uuid"] == home and kind == "migrate":
-                reason = "the job is on it"
-            elif visible and device["uuid"] not in visible:
-                reason = "not visible to the job (CUDA_VISIBLE_DEVICES)"
-            elif model and device["name"] and device["name"] != model:
-                reason = f"{device['name']}; the job needs {model}"
-            elif device["health"] and device["health"] != "ok":
-                reason = f"health: {device['health']}"
-            elif device["updated_at"] < now - stale_after:
-                reason = "no fresh report from its host"
-            elif device["memory_free"] < need:
-                reason = f"{fmt_bytes(device['memory_free'])} free, the job needs {fmt_bytes(need)}"
-            elif kind == "resume" and home and device["uuid"] != home and not can_move:
-                reason = "resuming on another GPU needs migration (driver 580+)"
-            judged.append((device, reason))
-    return judged
 
 
 # --- auth and responses -----------------------------------------------------------------------
@@ -297,14 +268,14 @@ async def target_form(request: Request, ctx: Ctx, process_id: str,
     auth = await page_auth(request, ctx)
     if auth is None:
         return _signed_out()
-    view = await _view(request, ctx, auth, process_ids=[process_id], commands=False)
+    view = await _view(request, ctx, auth, process_ids=[process_id], commands=False, devices=False,
+                       targets=kind)
     if not view["processes"]:
         return Response("", status_code=404, headers=_HEADERS)
     view["process"] = view["processes"][0]
-    judged = judge_targets(view["process"], view["hosts"], kind=kind, now=view["now"],
-                           stale_after=view["stale_after"])
-    view.update(kind=kind, fits=[d for d, reason in judged if reason is None],
-                refused=[(d, reason) for d, reason in judged if reason is not None])
+    judged = view["targets"]
+    view.update(kind=kind, fits=[t["device"] for t in judged if t["refusal"] is None],
+                refused=[(t["device"], t["refusal"]) for t in judged if t["refusal"] is not None])
     return _render(request, "fragments/targets.html", view)
 
 

@@ -8,8 +8,8 @@ and raise ``flexium.server.errors.ApiError`` subclasses for anything a user did 
 """
 
 from flexium.server.storage.commands import (create_command, count_commands, get_command,
-                                             list_commands, next_command, peek_command,
-                                             pending_commands, report_command)
+                                             judge_targets, list_commands, next_command,
+                                             peek_command, pending_commands, report_command)
 from flexium.server.storage.devices import list_devices, upsert_devices
 from flexium.server.storage.processes import (HeartbeatOutcome, ProcessSnapshot, count_processes,
                                               get_process, heartbeat, list_processes,
@@ -26,7 +26,7 @@ __all__ = [
     "AuthInfo", "HeartbeatOutcome", "ProcessSnapshot", "SweepResult",
     "authenticate", "count_commands", "count_processes", "create_command", "create_workspace",
     "ensure_default_workspace", "get_command", "get_process", "get_workspace", "hash_token",
-    "heartbeat", "issue_token", "list_commands", "list_devices", "list_processes",
+    "heartbeat", "issue_token", "judge_targets", "list_commands", "list_devices", "list_processes",
     "list_tokens", "list_workspaces", "new_token", "next_command", "peek_command",
     "load_snapshots", "pending_commands", "record_beats", "register_process",
     "register_process_snapshot",

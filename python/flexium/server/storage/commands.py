@@ -24,7 +24,7 @@ from flexium import protocol
 from flexium.server.errors import (Busy, CapabilityMissing, InvalidRequest, InvalidState, NotFound,
                                    Stale, TargetRefused)
 from flexium.server.models import Command, Device, Process
-from flexium.server.storage.devices import find_device_hosts, host_devices
+from flexium.server.storage.devices import find_device_hosts, host_devices, list_devices
 from flexium.server.storage.processes import active_command, find_process
 from flexium.server.storage.views import command_view, is_stale, process_view
 
@@ -81,23 +81,57 @@ def _resolve_target(session: Session, proc: Process, target: Union[str, int]) ->
     raise TargetRefused(f"unknown GPU {text!r} on host {proc.host!r}")
 
 
-def _check_target(proc: Process, dev: Device, *, now: float, stale_after: float) -> None:
+def target_refusal(proc: Process, dev: Device, *, kind: str, now: float,
+                   stale_after: float) -> Optional[str]:
+    """Why GPU ``dev`` cannot take ``proc`` for a ``kind`` command, in a few words; None when
+    it can. The one statement of the target rules: command creation raises it, the
+    dashboard's dialog and ``GET .../targets`` show it."""
     visible = list(proc.visible_gpus or [])
+    if kind == "migrate" and dev.uuid == proc.gpu_uuid:
+        return "the job is already on it"
     if visible and dev.uuid not in visible:
-        raise TargetRefused(f"GPU {dev.uuid} is not visible to process {proc.process_id!r} "
-                            "(CUDA_VISIBLE_DEVICES)")
+        return "not visible to the job (CUDA_VISIBLE_DEVICES)"
     if proc.gpu_model and dev.name and dev.name != proc.gpu_model:
-        raise TargetRefused(f"GPU {dev.uuid} is a {dev.name}; process {proc.process_id!r} runs on "
-                            f"a {proc.gpu_model} (the driver moves jobs only between GPUs of one model)")
+        # The driver restores a checkpoint only on a GPU of the model it was taken on.
+        return f"{dev.name}; the job runs on {proc.gpu_model} (jobs move only between GPUs of one model)"
     if dev.health and dev.health != "ok":
-        raise TargetRefused(f"GPU {dev.uuid} reports health {dev.health!r}")
+        return f"health: {dev.health}"
     if dev.updated_at < now - stale_after:
-        raise TargetRefused(f"no fresh report for GPU {dev.uuid} (host {proc.host!r} is silent)")
+        return "no fresh report from its host"
     need = max(proc.footprint_bytes, proc.memory_bytes)
     free = max(0, dev.memory_total - dev.memory_used)
     if free < need:
-        raise TargetRefused(f"not enough free memory on GPU {dev.uuid}: the job needs "
-                            f"{_gib(need)}, {_gib(free)} free")
+        return f"{_gib(free)} free, the job needs {_gib(need)}"
+    return None
+
+
+def _check_target(proc: Process, dev: Device, *, kind: str, now: float, stale_after: float) -> None:
+    reason = target_refusal(proc, dev, kind=kind, now=now, stale_after=stale_after)
+    if reason is not None:
+        raise TargetRefused(f"GPU {dev.uuid} cannot take process {proc.process_id!r}: {reason}")
+
+
+def judge_targets(*, session: Session, workspace_id: int, process_id: str, kind: str, now: float,
+                  stale_after: float) -> list[dict[str, Any]]:
+    """Every GPU of the process's host (``DeviceInfo``, by index) with ``refusal``: why a
+    ``kind`` command (migrate or resume) to it would be refused, or None when it fits. The
+    server still has the last word: the picture may change before a command is sent."""
+    if kind not in ("migrate", "resume"):
+        raise InvalidRequest(f"targets are judged for migrate or resume, not {kind!r}")
+    proc = find_process(session, workspace_id=workspace_id, process_id=process_id)
+    rows = host_devices(session, workspace_id=workspace_id, host=proc.host)
+    can_move = bool((proc.capabilities or {}).get(protocol.CAP_MIGRATION))
+    judged = []
+    for entry in list_devices(session=session, workspace_id=workspace_id, now=now,
+                              stale_after=stale_after, host=proc.host)["hosts"]:
+        for device in entry["devices"]:
+            dev = rows[device["uuid"]]
+            reason = target_refusal(proc, dev, kind=kind, now=now, stale_after=stale_after)
+            if reason is None and kind == "resume" and proc.gpu_uuid and dev.uuid != proc.gpu_uuid \
+                    and not can_move:
+                reason = "resuming on another GPU needs the migration capability"
+            judged.append({"device": device, "refusal": reason})
+    return judged
 
 
 def _choose_resume_target(session: Session, proc: Process, *, now: float,
@@ -109,26 +143,19 @@ def _choose_resume_target(session: Session, proc: Process, *, now: float,
     if not devices:
         return None
     home = devices.get(proc.gpu_uuid or "")
+    home_refusal: Optional[str] = None
     if home is not None:
-        try:
-            _check_target(proc, home, now=now, stale_after=stale_after)
+        home_refusal = target_refusal(proc, home, kind="resume", now=now, stale_after=stale_after)
+        if home_refusal is None:
             return home
-        except TargetRefused as refusal:
-            home_refusal: Optional[TargetRefused] = refusal
-    else:
-        home_refusal = None
     if (proc.capabilities or {}).get(protocol.CAP_MIGRATION):
-        candidates = []
-        for dev in devices.values():
-            try:
-                _check_target(proc, dev, now=now, stale_after=stale_after)
-            except TargetRefused:
-                continue
-            candidates.append(dev)
+        candidates = [dev for dev in devices.values() if target_refusal(
+            proc, dev, kind="resume", now=now, stale_after=stale_after) is None]
         if candidates:
             return max(candidates, key=lambda d: (d.memory_total - d.memory_used, -(d.index or 0)))
     if home_refusal is not None:
-        raise TargetRefused(f"no GPU can take process {proc.process_id!r}: {home_refusal.message}")
+        raise TargetRefused(f"no GPU can take process {proc.process_id!r}: its own GPU "
+                            f"{proc.gpu_uuid}: {home_refusal}")
     if proc.gpu_uuid is None:
         return None
     raise TargetRefused(f"no GPU on host {proc.host!r} can take process {proc.process_id!r}")
@@ -156,9 +183,7 @@ def create_command(*, session: Session, workspace_id: int, kind: str, process_id
         if target is None or target == "":
             raise InvalidRequest("migrate needs a target GPU")
         device = _resolve_target(session, proc, target)
-        if device.uuid == proc.gpu_uuid:
-            raise TargetRefused(f"process {process_id!r} is already on GPU {device.uuid}")
-        _check_target(proc, device, now=now, stale_after=stale_after)
+        _check_target(proc, device, kind=kind, now=now, stale_after=stale_after)
     elif kind == "pause":
         if proc.state != "RUNNING":
             raise InvalidState(f"cannot pause process {process_id!r}: it is {proc.state}")
@@ -171,7 +196,7 @@ def create_command(*, session: Session, workspace_id: int, kind: str, process_id
         _require_capability(proc, protocol.CAP_PAUSE_RESUME, "resume")
         if target is not None and target != "":
             device = _resolve_target(session, proc, target)
-            _check_target(proc, device, now=now, stale_after=stale_after)
+            _check_target(proc, device, kind=kind, now=now, stale_after=stale_after)
         else:
             device = _choose_resume_target(session, proc, now=now, stale_after=stale_after)
         if device is not None and proc.gpu_uuid and device.uuid != proc.gpu_uuid:
