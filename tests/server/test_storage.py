@@ -251,6 +251,18 @@ def test_state_and_capability_checks(db: Database) -> None:
     assert _command(db, ws, "pause", "old-driver")["kind"] == "pause"
 
 
+def test_capability_refusal_quotes_the_process_problems(db: Database) -> None:
+    ws, _ = _workspace(db)
+    cpu = "flexium's engine is not running in this process (training on cpu)"
+    _register(db, ws, "cpu-job", capabilities={"pause_resume": False, "migration": False, "problems": [cpu]})
+    with pytest.raises(errors.CapabilityMissing) as info:
+        _command(db, ws, "pause", "cpu-job")
+    assert cpu in info.value.message and "driver" not in info.value.message
+    _register(db, ws, "old", capabilities={"pause_resume": True, "migration": False})
+    with pytest.raises(errors.CapabilityMissing, match="580"):
+        _command(db, ws, "migrate", "old", 1)
+
+
 def test_stale_process_refuses_commands(db: Database) -> None:
     ws, _ = _workspace(db)
     _register(db, ws, now=NOW)

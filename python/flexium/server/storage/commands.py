@@ -39,6 +39,12 @@ def _gib(n: int) -> str:
 def _require_capability(proc: Process, key: str, what: str) -> None:
     caps = proc.capabilities or {}
     if not caps.get(key):
+        # The process knows why (no GPU, no engine, driver too old...): its word first.
+        problems = [str(p) for p in caps.get("problems") or [] if p] if isinstance(
+            caps.get("problems"), list) else []
+        if problems:
+            raise CapabilityMissing(f"process {proc.process_id!r} cannot {what}: it reports no "
+                                    f"{key!r} capability: {'; '.join(problems)}")
         driver = caps.get("driver_version") or proc.driver_version or "unknown"
         need = "580+" if key == protocol.CAP_MIGRATION else "550+"
         raise CapabilityMissing(f"process {proc.process_id!r} cannot {what}: it reports no "
