@@ -147,6 +147,12 @@ REPORT_STATES = ("running", "succeeded", "failed")        # what a process may r
 CAP_PAUSE_RESUME = "pause_resume"
 CAP_MIGRATION = "migration"
 
+# GPU health (GpuReport.health): "ok", "unknown" (NVML cannot read the ECC counters: nothing
+# known against it) or a short reason. Only a known-bad health refuses a GPU as a target.
+HEALTH_OK = "ok"
+HEALTH_UNKNOWN = "unknown"
+TARGETABLE_HEALTH = (HEALTH_OK, HEALTH_UNKNOWN)
+
 # --- errors ---------------------------------------------------------------------------------
 
 # Every 4xx/5xx body is {"error": CODE, "message": "...", "detail": optional}.
@@ -184,7 +190,7 @@ class GpuReport(TypedDict, total=False):
     memory_used: int                # everything on it, ours and others'
     utilization: Optional[int]      # percent
     temperature: Optional[int]      # degrees C
-    health: str                     # "ok" or a short reason ("xid 79", "ecc")
+    health: str                     # "ok", "unknown" or a short reason ("xid 79", "ecc_errors")
 
 
 class RegisterRequest(TypedDict, total=False):

@@ -220,6 +220,14 @@ def test_migrate_checks(db: Database) -> None:
     assert cmd["target_index"] == 4
 
 
+def test_unknown_health_is_a_target_known_bad_is_not(db: Database) -> None:
+    ws, _ = _workspace(db)
+    _register(db, ws, devices=[gpu(0, used=10 * GIB), gpu(1, health="unknown"), gpu(2, health="ecc_errors")])
+    with pytest.raises(errors.TargetRefused, match="ecc_errors"):
+        _command(db, ws, "migrate", target=2)
+    assert _command(db, ws, "migrate", target=1)["target_uuid"] == "GPU-0001"
+
+
 def test_target_not_visible_to_process(db: Database) -> None:
     ws, _ = _workspace(db)
     _register(db, ws, "gpu-1", visible_gpus=["GPU-0000", "GPU-0001"])

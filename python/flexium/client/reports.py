@@ -83,9 +83,8 @@ def gpu_reports(gpus: list[nvml.HostGpu]) -> list[protocol.GpuReport]:
             memory_used=int(gpu.memory_used),
             utilization=None if utilization is None else max(0, min(100, int(utilization))),
             temperature=None if gpu.temperature_c is None else int(gpu.temperature_c),
-            # "unknown" means NVML cannot read ECC counters on this GPU, not that it is unwell;
-            # the server refuses targets whose health is anything but "ok".
-            health="ok" if gpu.health == "unknown" else _short(gpu.health),
+            # What NVML says, "unknown" included: the server refuses only a known-bad health.
+            health=_short(gpu.health),
         ))
     return reports
 

@@ -100,7 +100,7 @@ def target_refusal(proc: Process, dev: Device, *, kind: str, now: float,
     if proc.gpu_model and dev.name and dev.name != proc.gpu_model:
         # The driver restores a checkpoint only on a GPU of the model it was taken on.
         return f"{dev.name}; the job runs on {proc.gpu_model} (jobs move only between GPUs of one model)"
-    if dev.health and dev.health != "ok":
+    if dev.health and dev.health not in protocol.TARGETABLE_HEALTH:
         return f"health: {dev.health}"
     if dev.updated_at < now - stale_after:
         return "no fresh report from its host"
