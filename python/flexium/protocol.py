@@ -127,8 +127,10 @@ MAX_INT = (1 << 62)           # memory sizes, pids: fits every database's BIGINT
 
 # --- states ---------------------------------------------------------------------------------
 
-# What a process reports (flexium.engine.operations.EngineState values).
-PROCESS_STATES = ("RUNNING", "MIGRATING", "PAUSING", "PAUSED", "RESUMING")
+# What a process reports (flexium.engine.operations.EngineState values). FAILED: a rollback
+# failed, the process may be stuck; it takes no command, the job must be restarted.
+PROCESS_STATES = ("RUNNING", "MIGRATING", "PAUSING", "PAUSED", "RESUMING", "FAILED")
+FAILED = "FAILED"
 # What the server shows: the reported state, or STALE when heartbeats stopped.
 STALE = "STALE"
 DISPLAY_STATES = PROCESS_STATES + (STALE,)

@@ -250,6 +250,25 @@ def test_targets_judged_by_the_rules_commands_obey(api: Api) -> None:
     _error(api.get("/processes/nope/targets"), 404, "not_found")
 
 
+def test_failed_process_refuses_commands_and_shows_red(api: Api) -> None:
+    api.register("gpu-1")
+    r = api.post("/processes/gpu-1/heartbeat", {"state": "FAILED", "memory_bytes": 0})
+    assert r.status_code == 200, r.text
+    proc = api.get("/processes/gpu-1").json()
+    assert proc["state"] == "FAILED"
+    assert [p["process_id"] for p in api.get("/processes?state=FAILED").json()] == ["gpu-1"]
+    for kind, target in (("migrate", 1), ("pause", None), ("resume", None)):
+        body = _error(api.command(kind, target=target), 409, "invalid_state")
+        assert "an earlier rollback failed; restart the job" in body["message"]
+    api.client.cookies.set(protocol.TOKEN_COOKIE, api.token)
+    try:
+        row = api.client.get("/ui/processes?id=gpu-1").text
+    finally:
+        api.client.cookies.clear()
+    assert 'class="badge badge-failed"' in row and "restart the job" in row
+    assert not any(f'data-action="{kind}"' in row for kind in ("migrate", "pause", "resume"))
+
+
 def test_one_active_command_409(api: Api) -> None:
     api.register()
     first = api.command("pause").json()

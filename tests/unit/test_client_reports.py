@@ -16,3 +16,13 @@ def test_gpu_health_is_reported_as_nvml_says() -> None:
     # target and shows it as unknown, not as healthy.
     assert [r["health"] for r in gpu_reports([_gpu("unknown"), _gpu("ok"), _gpu("ecc_errors")])] == \
         ["unknown", "ok", "ecc_errors"]
+
+
+def test_a_failed_engine_is_reported_as_failed() -> None:
+    from types import SimpleNamespace
+
+    from flexium.client.reports import ProcessReporter
+    from flexium.engine.operations import EngineState
+
+    session = SimpleNamespace(engine=SimpleNamespace(state=EngineState.FAILED))
+    assert ProcessReporter(session).state() == "FAILED"

@@ -271,6 +271,8 @@ def _print_outcome(api: ApiClient, command: dict[str, Any]) -> None:
     gpu = f" ({process['gpu_uuid']}, nvidia-smi index {process['gpu_index']})" if process.get("gpu_uuid") else ""
     if process["state"] == "PAUSED":
         print(f"  the process is PAUSED on {where}{gpu}; it needs {_gib(process['footprint_bytes'])} to resume")
+    elif process["state"] == protocol.FAILED:
+        print("  the process is FAILED: an earlier rollback failed and it may be stuck; restart the job")
     else:
         print(f"  the process is {process['state']} on {where}{gpu}")
 

@@ -27,10 +27,7 @@ _STATE_ON_WIRE = {
     EngineState.PAUSING: "PAUSING",
     EngineState.PAUSED: "PAUSED",
     EngineState.RESUMING: "RESUMING",
-    # The protocol has no state for "a rollback failed, the process may be stuck". PAUSED is
-    # the closest truth (it is not training) and any command sent to it is refused by the
-    # engine with a message saying to restart the job.
-    EngineState.FAILED: "PAUSED",
+    EngineState.FAILED: "FAILED",     # a rollback failed: the server refuses its commands
 }
 
 

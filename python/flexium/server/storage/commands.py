@@ -180,6 +180,9 @@ def create_command(*, session: Session, workspace_id: int, kind: str, process_id
     if active is not None:
         raise Busy(f"process {process_id!r} already has command {active.id} ({active.kind}, "
                    f"{active.state}); one at a time", detail={"command_id": active.id})
+    if proc.state == protocol.FAILED:
+        raise InvalidState(f"cannot {kind} process {process_id!r}: an earlier rollback failed; "
+                           "restart the job")
     device: Optional[Device] = None
     if kind == "migrate":
         if proc.state != "RUNNING":
