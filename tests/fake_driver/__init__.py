@@ -106,6 +106,7 @@ driver yet.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import enum
 import os
@@ -114,7 +115,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 SOURCE = Path(__file__).resolve().with_name("fake_cuda.c")
 REPO_ROOT = SOURCE.parents[2]
@@ -556,7 +557,22 @@ def activate() -> FakeDriver:
     return fake
 
 
+@contextlib.contextmanager
+def activated() -> Iterator[FakeDriver]:
+    """activate() for the length of a block (a test module's fixture): the environment variables it
+    sets are put back afterwards, so later modules see the environment they started with."""
+    saved = {name: os.environ.get(name) for name in ("FLEXIUM_LIBCUDA", "FLEXIUM_LIBNVML")}
+    try:
+        yield activate()
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 __all__ = [
     "CUDA_ERRORS", "NVML_ERRORS", "OTHER_PID_BASE", "SYMBOL_FOUND", "SYMBOL_NOT_FOUND", "VERSION_NOT_SUFFICIENT",
-    "Call", "FakeDriver", "ProcessState", "activate", "build", "subprocess_env",
+    "Call", "FakeDriver", "ProcessState", "activate", "activated", "build", "subprocess_env",
 ]

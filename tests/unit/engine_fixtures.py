@@ -53,17 +53,9 @@ FLEXIUM_ENV = ("FLEXIUM_SERVER", "GPU_DEVICE", "FLEXIUM_TOKEN", "FLEXIUM_LOG_LEV
 
 @pytest.fixture(scope="module")
 def driver() -> Iterator[FakeDriver]:
-    saved = {name: os.environ.get(name) for name in ("FLEXIUM_LIBCUDA", "FLEXIUM_LIBNVML")}
-    try:
-        fake = fake_driver.activate()
+    with fake_driver.activated() as fake:
         _point_nvml_at(fake)
         yield fake
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
 
 
 def _point_nvml_at(fake: FakeDriver) -> None:

@@ -73,15 +73,8 @@ class Allocator:
 
 @pytest.fixture(scope="module")
 def driver() -> Iterator[FakeDriver]:
-    saved = {name: os.environ.get(name) for name in ("FLEXIUM_LIBCUDA", "FLEXIUM_LIBNVML")}
-    try:
-        yield fake_driver.activate()
-    finally:
-        for name, value in saved.items():
-            if value is None:
-                os.environ.pop(name, None)
-            else:
-                os.environ[name] = value
+    with fake_driver.activated() as fake:
+        yield fake
 
 
 @pytest.fixture(scope="module")
