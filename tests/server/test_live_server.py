@@ -28,7 +28,8 @@ def _auth(token: str) -> dict[str, str]:
 
 @pytest.fixture
 def server(database_url: str, tmp_path: Path) -> Any:
-    srv = LiveServer(database_url, str(tmp_path / "home"), "--stale-after", "5", "--sweep-interval", "0.5")
+    srv = LiveServer(database_url, str(tmp_path / "home"), "--stale-after", "5", "--device-write-interval", "1",
+                     "--sweep-interval", "0.5")
     srv.start()
     yield srv
     srv.stop(signal.SIGKILL)
@@ -143,7 +144,7 @@ def test_delivery_latency_over_http(server: LiveServer) -> None:
 
 @pytest.mark.parametrize("stop_signal", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
 def test_restart_loses_nothing_and_jobs_reattach(database_url: str, tmp_path: Path, stop_signal: int) -> None:
-    srv = LiveServer(database_url, str(tmp_path / "home"), "--stale-after", "5").start()
+    srv = LiveServer(database_url, str(tmp_path / "home"), "--stale-after", "5", "--device-write-interval", "1").start()
     token = srv.token or ""
     base = f"{srv.url}/api/w/default"
     admin = requests.Session()

@@ -236,6 +236,8 @@ def build_parser(prog: str = "flexium server") -> argparse.ArgumentParser:
     timing.add_argument("--remove-after", type=float, default=None, dest="remove_after_s")
     timing.add_argument("--command-ttl", type=float, default=None, dest="command_ttl_s")
     timing.add_argument("--sweep-interval", type=float, default=None, dest="sweep_interval_s")
+    timing.add_argument("--device-write-interval", type=float, default=None, dest="device_write_interval_s",
+                        help="store a host's GPU report at most this often (5); --stale-after must be longer")
     return parser
 
 
@@ -246,7 +248,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
                          heartbeat_interval_s=args.heartbeat_interval_s,
                          poll_timeout_s=args.poll_timeout_s, stale_after_s=args.stale_after_s,
                          remove_after_s=args.remove_after_s, command_ttl_s=args.command_ttl_s,
-                         sweep_interval_s=args.sweep_interval_s)
+                         sweep_interval_s=args.sweep_interval_s,
+                         device_write_interval_s=args.device_write_interval_s)
 
 
 def _redact(url: str) -> str:

@@ -50,6 +50,23 @@ class Settings:
     log_level: str = "info"
     bootstrap_default_workspace: bool = True
 
+    def __post_init__(self) -> None:
+        for name in ("heartbeat_interval_s", "poll_timeout_s", "stale_after_s", "remove_after_s",
+                     "command_ttl_s", "sweep_interval_s", "device_write_interval_s",
+                     "beat_flush_interval_s", "sse_keepalive_s"):
+            value = getattr(self, name)
+            if not value > 0 or value == float("inf"):
+                raise ValueError(f"{_option(name)} must be a positive number of seconds, not {value}")
+        if self.stale_after_s <= self.device_write_interval_s:
+            # A host's GPU report is stored at most every device_write_interval_s: a stale limit
+            # at or below it makes GPUs that report on time look silent (refused as targets).
+            raise ValueError(f"{_option('stale_after_s')} ({self.stale_after_s:g} s) must be longer than "
+                             f"{_option('device_write_interval_s')} ({self.device_write_interval_s:g} s), "
+                             "how often a host's GPU report is stored; else fresh GPUs look silent")
+        if self.remove_after_s < self.stale_after_s:
+            raise ValueError(f"{_option('remove_after_s')} ({self.remove_after_s:g} s) must not be shorter "
+                             f"than {_option('stale_after_s')} ({self.stale_after_s:g} s)")
+
     @property
     def threads(self) -> int:
         return self.db_threads or (8 if self.is_sqlite else 16)
@@ -71,6 +88,11 @@ class Settings:
 
     def with_(self, **changes: Any) -> "Settings":
         return replace(self, **changes)
+
+
+def _option(name: str) -> str:
+    """The command-line spelling of a timing setting, for error messages."""
+    return "--" + name.removesuffix("_s").replace("_", "-")
 
 
 def normalize_database_url(url: str) -> str:
