@@ -6,7 +6,10 @@ Notifier: a long-poll registers a waiter for its key *before* reading the databa
 command committed between the read and the wait still wakes it.
 
 EventBus: per-workspace fan-out to server-sent-event subscribers, with a numbered history for
-``Last-Event-ID`` replay. A subscriber too slow to keep up is cut off with a ``resync``.
+``Last-Event-ID`` replay. A subscriber too slow to keep up is cut off with a ``resync``. Ids
+start from the clock (milliseconds) so that a restarted server numbers past the ids browsers
+kept from the one before; an id this server never gave (larger than its last) gets a
+``resync`` too, in case the clock went back.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import asyncio
 import collections
 import itertools
 import json
+import time
 from dataclasses import dataclass
 from typing import Any, Hashable, Optional
 
@@ -76,13 +80,15 @@ class Subscriber:
 
 
 class EventBus:
-    def __init__(self, *, history: int = 2000, queue_size: int = 1000) -> None:
-        self._ids = itertools.count(1)
+    def __init__(self, *, history: int = 2000, queue_size: int = 1000,
+                 first_id: Optional[int] = None) -> None:
+        start = int(time.time() * 1000) if first_id is None else first_id - 1
+        self._ids = itertools.count(start + 1)
         self._subs: dict[int, set[Subscriber]] = {}
         self._history: dict[int, collections.deque[tuple[int, str]]] = {}
         self._history_len = history
         self._queue_size = queue_size
-        self.last_id = 0
+        self.last_id = start
         self.closed = False
 
     @staticmethod
@@ -106,14 +112,15 @@ class EventBus:
 
     def subscribe(self, workspace_id: int, *, last_event_id: Optional[int] = None) -> tuple[Subscriber, list[str]]:
         """A new subscriber and what it missed since ``last_event_id`` (a single ``resync``
-        event when that is no longer in the history)."""
+        event when that is no longer in the history, or is not an id of this server's: larger
+        than its last)."""
         sub = Subscriber(workspace_id, asyncio.Queue(self._queue_size))
         self._subs.setdefault(workspace_id, set()).add(sub)
         backlog: list[str] = []
         if last_event_id is not None:
             history = self._history.get(workspace_id, ())
             oldest = history[0][0] if history else self.last_id + 1
-            if last_event_id < self.last_id and last_event_id + 1 < oldest:
+            if last_event_id > self.last_id or (last_event_id < self.last_id and last_event_id + 1 < oldest):
                 backlog.append(self.frame(self.last_id, protocol.EVENT_RESYNC, {}))
             else:
                 backlog.extend(text for eid, text in history if eid > last_event_id)

@@ -1,0 +1,49 @@
+"""Event ids and Last-Event-ID across a server restart (the EventBus without HTTP)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+
+from flexium import protocol
+from flexium.server.live import EventBus
+
+
+def _events(frames: list[str]) -> list[str]:
+    return [line.split(": ", 1)[1] for text in frames for line in text.splitlines() if line.startswith("event: ")]
+
+
+def _subscribe(bus: EventBus, last_event_id: int) -> list[str]:
+    async def run() -> list[str]:
+        sub, backlog = bus.subscribe(1, last_event_id=last_event_id)
+        bus.unsubscribe(sub)
+        return backlog
+    return asyncio.run(run())
+
+
+def test_an_id_larger_than_the_last_gets_resync() -> None:
+    bus = EventBus(first_id=1)
+    for n in range(3):
+        bus.publish(1, protocol.EVENT_DEVICES, {"host": f"h{n}"})
+    assert bus.last_id == 3
+    # a browser that saw id 500 from the server before a restart whose clock went back
+    assert _events(_subscribe(bus, 500)) == [protocol.EVENT_RESYNC]
+    assert _events(_subscribe(bus, 1)) == [protocol.EVENT_DEVICES] * 2
+    assert _subscribe(bus, 3) == []
+
+
+def test_ids_keep_growing_across_a_restart() -> None:
+    before = EventBus()
+    for _ in range(5):
+        before.publish(1, protocol.EVENT_DEVICES, {"host": "h"})
+    seen = before.last_id
+    time.sleep(0.02)                          # a restart takes longer than 5 events' milliseconds
+    after = EventBus()                        # the restarted server: empty history
+    assert after.last_id >= seen
+    after.publish(1, protocol.EVENT_DEVICES, {"host": "h"})
+    assert after.last_id > seen
+    backlog = _subscribe(after, seen)
+    assert _events(backlog) == [protocol.EVENT_RESYNC]       # what it missed is gone: reload
+    frame = before.frame(after.last_id, protocol.EVENT_HELLO, {"last_event_id": after.last_id})
+    assert json.loads(frame.split("data: ", 1)[1])["last_event_id"] == after.last_id
