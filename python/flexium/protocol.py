@@ -216,6 +216,7 @@ class RegisterRequest(TypedDict, total=False):
     started_at: float
     cmdline: str
     devices: list[GpuReport]        # every GPU of the host
+    seq: int                        # see HeartbeatRequest.seq
 
 
 class HeartbeatRequest(TypedDict, total=False):
@@ -226,6 +227,12 @@ class HeartbeatRequest(TypedDict, total=False):
     gpu_index: Optional[int]
     physical_device: str
     devices: list[GpuReport]
+    # Grows with every body the process builds (the client sends time.monotonic_ns()). The
+    # server ignores what a heartbeat says (state, placement, memory, devices) when its seq is
+    # older than the last applied register, heartbeat or command report's ``process``: a beat
+    # built during a pause (PAUSING) and delivered after the final report (PAUSED) changes
+    # nothing. Optional: a body without it is applied as it comes.
+    seq: int
 
 
 class CommandRequest(TypedDict, total=False):
@@ -240,6 +247,7 @@ class ProcessUpdate(TypedDict, total=False):
     gpu_index: Optional[int]
     physical_device: str
     memory_bytes: int
+    seq: int                        # see HeartbeatRequest.seq
 
 
 class CommandReport(TypedDict, total=False):

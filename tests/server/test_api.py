@@ -269,6 +269,29 @@ def test_failed_process_refuses_commands_and_shows_red(api: Api) -> None:
     assert not any(f'data-action="{kind}"' in row for kind in ("migrate", "pause", "resume"))
 
 
+def test_a_heartbeat_older_than_the_final_report_changes_nothing(api: Api) -> None:
+    api.register("gpu-1", seq=10)
+    cmd = api.command("pause").json()
+    assert api.get("/processes/gpu-1/commands/next?wait=0").status_code == 200
+    assert api.post(f"/commands/{cmd['id']}/report", {"state": "running"}).status_code == 200
+    final = {"state": "succeeded", "process": {"state": "PAUSED", "memory_bytes": 0, "seq": 30}}
+    assert api.post(f"/commands/{cmd['id']}/report", final).status_code == 200
+    # built during the pause (seq 20), delivered after the report: the process stays PAUSED
+    for _ in range(2):                 # the second goes through the in-memory shortcut's check too
+        r = api.post("/processes/gpu-1/heartbeat", {"state": "PAUSING", "memory_bytes": 10 * GIB, "seq": 20})
+        assert r.status_code == 200, r.text
+        proc = api.get("/processes/gpu-1").json()
+        assert proc["state"] == "PAUSED" and proc["memory_bytes"] == 0, proc
+    assert api.post("/processes/gpu-1/heartbeat", {"state": "PAUSED", "seq": 40}).status_code == 200
+    assert api.get("/processes/gpu-1").json()["state"] == "PAUSED"
+    # newer ones apply; one without seq (an older client) applies as it comes
+    assert api.post("/processes/gpu-1/heartbeat", {"state": "RUNNING", "seq": 50}).status_code == 200
+    assert api.get("/processes/gpu-1").json()["state"] == "RUNNING"
+    assert api.post("/processes/gpu-1/heartbeat", {"state": "PAUSED"}).status_code == 200
+    assert api.get("/processes/gpu-1").json()["state"] == "PAUSED"
+    _error(api.post("/processes/gpu-1/heartbeat", {"seq": "7"}), 422, "invalid_request")
+
+
 def test_one_active_command_409(api: Api) -> None:
     api.register()
     first = api.command("pause").json()

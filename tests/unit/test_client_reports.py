@@ -26,3 +26,15 @@ def test_a_failed_engine_is_reported_as_failed() -> None:
 
     session = SimpleNamespace(engine=SimpleNamespace(state=EngineState.FAILED))
     assert ProcessReporter(session).state() == "FAILED"
+
+
+def test_every_body_carries_a_growing_seq() -> None:
+    from types import SimpleNamespace
+
+    from flexium.client.reports import ProcessReporter
+
+    session = SimpleNamespace(engine=None, logical_device="cpu", capabilities=None, process_id="cpu-1")
+    reporter = ProcessReporter(session)
+    seqs = [reporter.register_body([])["seq"], reporter.heartbeat_body([])["seq"],
+            reporter.process_update()["seq"], reporter.heartbeat_body([])["seq"]]
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)

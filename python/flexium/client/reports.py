@@ -68,6 +68,13 @@ def _user() -> str:
         return _short(os.getuid())
 
 
+def body_seq() -> int:
+    """``seq`` of a body (protocol.HeartbeatRequest.seq), taken before its state is read: the
+    monotonic clock grows across every client this process (or host, until a reboot, when
+    the job registers afresh anyway) ever runs, where a counter would restart with a new one."""
+    return time.monotonic_ns()
+
+
 def gpu_reports(gpus: list[nvml.HostGpu]) -> list[protocol.GpuReport]:
     reports: list[protocol.GpuReport] = []
     for gpu in gpus[: protocol.MAX_DEVICES]:
@@ -158,6 +165,7 @@ class ProcessReporter:
     def register_body(self, gpus: list[nvml.HostGpu]) -> protocol.RegisterRequest:
         from flexium import __version__
 
+        seq = body_seq()
         memory, footprint = self.memory(gpus)
         placement = self.placement()
         engine = self.engine
@@ -182,21 +190,25 @@ class ProcessReporter:
             started_at=self.started_at,
             cmdline=_short(" ".join(shlex.quote(a) for a in getattr(sys, "orig_argv", sys.argv)), protocol.MAX_LONG_TEXT),
             devices=gpu_reports(gpus),
+            seq=seq,
         )
         if footprint is not None:
             body["footprint_bytes"] = footprint
         return body
 
     def heartbeat_body(self, gpus: list[nvml.HostGpu]) -> protocol.HeartbeatRequest:
+        seq = body_seq()
         memory, footprint = self.memory(gpus)
-        body = protocol.HeartbeatRequest(state=self.state(), memory_bytes=memory, devices=gpu_reports(gpus))
+        body = protocol.HeartbeatRequest(state=self.state(), memory_bytes=memory, devices=gpu_reports(gpus),
+                                         seq=seq)
         body.update(self.placement())  # type: ignore[typeddict-item]
         if footprint is not None:
             body["footprint_bytes"] = footprint
         return body
 
     def process_update(self) -> protocol.ProcessUpdate:
+        seq = body_seq()
         memory, _ = self.memory()
-        update = protocol.ProcessUpdate(state=self.state(), memory_bytes=memory)
+        update = protocol.ProcessUpdate(state=self.state(), memory_bytes=memory, seq=seq)
         update.update(self.placement())  # type: ignore[typeddict-item]
         return update

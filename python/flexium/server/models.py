@@ -76,6 +76,9 @@ class Process(Base):
     registered_at: Mapped[float] = mapped_column(Double)
     last_seen: Mapped[float] = mapped_column(Double)
     cmdline: Mapped[str] = mapped_column(Text, default="")
+    # The ``seq`` of the last body whose state was applied: an older heartbeat (built before
+    # a command's final report, delivered after it) must not undo that report.
+    state_seq: Mapped[Optional[int]] = mapped_column(BigInteger, nullable=True)
 
 
 class Device(Base):

@@ -68,6 +68,7 @@ HostName = Annotated[str, StringConstraints(min_length=1, max_length=protocol.MA
 LongText = Annotated[str, StringConstraints(max_length=protocol.MAX_LONG_TEXT), AfterValidator(_no_nul)]
 ProcessId = Annotated[str, StringConstraints(pattern=protocol.PROCESS_ID_RE.pattern)]
 Bytes = Annotated[int, Field(ge=0, le=protocol.MAX_INT)]
+Seq = Annotated[int, Field(ge=0, le=protocol.MAX_INT, description="grows with every body the process builds")]
 Pid = Annotated[int, Field(ge=0, le=1 << 40)]
 GpuIndex = Annotated[int, Field(ge=0, le=4095)]
 Epoch = Annotated[float, Field(ge=0, le=1e11)]
@@ -122,6 +123,7 @@ class RegisterIn(In):
     started_at: Optional[Epoch] = None
     cmdline: LongText = ""
     devices: Annotated[list[GpuReportIn], Field(max_length=protocol.MAX_DEVICES)] = []
+    seq: Optional[Seq] = None
 
 
 class HeartbeatIn(In):
@@ -132,6 +134,7 @@ class HeartbeatIn(In):
     gpu_index: Optional[GpuIndex] = None
     physical_device: Optional[ShortText] = None
     devices: Annotated[list[GpuReportIn], Field(max_length=protocol.MAX_DEVICES)] = []
+    seq: Optional[Seq] = None
 
 
 class CommandIn(In):
@@ -148,6 +151,7 @@ class ProcessUpdateIn(In):
     gpu_index: Optional[GpuIndex] = None
     physical_device: Optional[ShortText] = None
     memory_bytes: Optional[Bytes] = None
+    seq: Optional[Seq] = None
 
 
 class CommandReportIn(In):

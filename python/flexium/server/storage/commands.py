@@ -25,7 +25,7 @@ from flexium.server.errors import (Busy, CapabilityMissing, InvalidRequest, Inva
                                    Stale, TargetRefused)
 from flexium.server.models import Command, Device, Process
 from flexium.server.storage.devices import find_device_hosts, host_devices, list_devices
-from flexium.server.storage.processes import active_command, find_process
+from flexium.server.storage.processes import active_command, find_process, is_older
 from flexium.server.storage.views import command_view, is_stale, process_view
 
 _RUNNING_STATE = {"migrate": "MIGRATING", "pause": "PAUSING", "resume": "RESUMING"}
@@ -331,6 +331,10 @@ def report_command(*, session: Session, workspace_id: int, command_id: int,
         cmd.error = report.get("error")
         _settle_process(proc, cmd, succeeded=state == "succeeded")
     update = report.get("process") or {}
+    if is_older(update.get("seq"), proc.state_seq):
+        update = {}                 # a heartbeat built later already said where it is
+    elif update.get("seq") is not None:
+        proc.state_seq = update["seq"]
     for name in ("state", "gpu_uuid", "gpu_index", "physical_device", "memory_bytes"):
         if name in update and (update[name] is not None or name in ("gpu_uuid", "gpu_index")):
             setattr(proc, name, update[name])

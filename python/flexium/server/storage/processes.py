@@ -51,6 +51,8 @@ class ProcessSnapshot:
     def unchanged_by(self, report: dict[str, Any]) -> bool:
         """True when applying ``report`` (a heartbeat) would change nothing but last_seen."""
         for name, value in report.items():
+            if name == "seq":
+                continue                  # plain beats need not move it: see ``heartbeat``
             if name == "devices":
                 if value:
                     return False
@@ -120,6 +122,7 @@ def register_process_snapshot(*, session: Session, workspace_id: int, report: di
             value = _DEFAULTS[name]
         setattr(row, name, value)
     row.last_seen = now
+    row.state_seq = report.get("seq")
     _apply_footprint(row, footprint=report.get("footprint_bytes"))
     session.flush()
     if report.get("devices"):
@@ -137,11 +140,26 @@ def load_snapshots(*, session: Session) -> list[tuple[int, str, ProcessSnapshot]
             for row in session.scalars(select(Process))]
 
 
+def is_older(seq: Optional[int], applied: Optional[int]) -> bool:
+    """True when a body numbered ``seq`` was built before the last applied one (bodies
+    without a number are never older: clients that send none keep working)."""
+    return seq is not None and applied is not None and seq < applied
+
+
 def heartbeat(*, session: Session, workspace_id: int, process_id: str, report: dict[str, Any],
               now: float, stale_after: float, write_devices: bool = True) -> HeartbeatOutcome:
+    """Apply a heartbeat. One older (``seq``) than the last applied body only proves the
+    process alive: what it says was true before what the server already knows.
+
+    Plain beats answered from memory (``ServerContext.beat``) do not move ``state_seq``; that
+    is safe because they changed nothing, so what they said is what ``state_seq`` stands for."""
     row = find_process(session, workspace_id=workspace_id, process_id=process_id)
     was_stale = row.last_seen < now - stale_after
     before = tuple(getattr(row, name) for name in _WATCHED)
+    if is_older(report.get("seq"), row.state_seq):
+        report = {}
+    elif report.get("seq") is not None:
+        row.state_seq = report["seq"]
     for name in ("state", "memory_bytes", "gpu_uuid", "gpu_index", "physical_device"):
         if name in report and (report[name] is not None or name in ("gpu_uuid", "gpu_index")):
             setattr(row, name, report[name])
