@@ -19,6 +19,12 @@ python -m pip install -q --no-build-isolation ".[test]"
 echo "== CPU tests"
 python -m pytest -q tests/unit "$@"
 
+# The whole package type-checks (server included: its extra is installed for mypy to read).
+echo "== mypy"
+python -m pip install -q --no-build-isolation ".[server,test]"
+python -m pip install -q mypy types-PyYAML types-requests
+python -m mypy python/flexium --ignore-missing-imports
+
 # -----------------------------------------------------------------------------------------------
 # Server tests (tests/server): the API and storage on SQLite and on a real PostgreSQL, which this
 # section installs from Debian's packages (when missing), starts as the postgres user on a free

@@ -200,7 +200,8 @@ class ServerContext:
 
 
 def get_context(request: Request) -> ServerContext:
-    return request.app.state.ctx  # type: ignore[no-any-return]
+    ctx: ServerContext = request.app.state.ctx
+    return ctx
 
 
 Ctx = Annotated[ServerContext, Depends(get_context)]

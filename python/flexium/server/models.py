@@ -7,9 +7,9 @@ no time zone handling, and what the wire format uses.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
-from sqlalchemy import (JSON, BigInteger, Double, ForeignKey, Index, Integer, String, Text,
+from sqlalchemy import (JSON, BigInteger, Double, ForeignKey, Index, Integer, String, Table, Text,
                         UniqueConstraint, text)
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -125,3 +125,9 @@ class Command(Base):
     deliveries: Mapped[int] = mapped_column(Integer, default=0)
     result: Mapped[Optional[Any]] = mapped_column(JsonType, nullable=True)
     error: Mapped[Optional[str]] = mapped_column(Text, nullable=True)
+
+
+def table_of(model: type[Base]) -> Table:
+    """A model's Core table, typed as one (``__table__`` is typed as any FROM clause), for
+    the statements written in Core: bulk updates, upserts, single-statement deliveries."""
+    return cast(Table, model.__table__)

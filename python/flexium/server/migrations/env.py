@@ -6,13 +6,14 @@ from __future__ import annotations
 
 from alembic import context
 from sqlalchemy import create_engine
+from sqlalchemy.engine import Connection
 
 from flexium.server.models import Base
 
 config = context.config
 
 
-def _run(connection) -> None:  # type: ignore[no-untyped-def]
+def _run(connection: Connection) -> None:
     context.configure(connection=connection, target_metadata=Base.metadata,
                       render_as_batch=connection.dialect.name == "sqlite",
                       compare_type=True)

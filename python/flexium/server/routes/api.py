@@ -295,13 +295,13 @@ async def events(request: Request, auth: Auth, ctx: Ctx,
                     yield ctx.bus.frame(ctx.bus.last_id, protocol.EVENT_RESYNC, {})
                     continue
                 try:
-                    text = await asyncio.wait_for(sub.queue.get(), keepalive)
+                    frame: Optional[str] = await asyncio.wait_for(sub.queue.get(), keepalive)
                 except asyncio.TimeoutError:
                     yield ": keepalive\n\n"
                     continue
-                if text is None:
+                if frame is None:
                     break
-                yield text
+                yield frame
         finally:
             ctx.bus.unsubscribe(sub)
 

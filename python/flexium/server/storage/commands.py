@@ -23,7 +23,7 @@ from sqlalchemy.orm import Session
 from flexium import protocol
 from flexium.server.errors import (Busy, CapabilityMissing, InvalidRequest, InvalidState, NotFound,
                                    Stale, TargetRefused)
-from flexium.server.models import Command, Device, Process
+from flexium.server.models import Command, Device, Process, table_of
 from flexium.server.storage.devices import find_device_hosts, host_devices, list_devices
 from flexium.server.storage.processes import active_command, find_process, is_older
 from flexium.server.storage.views import command_view, is_stale, process_view
@@ -76,9 +76,9 @@ def _resolve_target(session: Session, proc: Process, target: Union[str, int]) ->
         text = visible[int(ordinal)]
     if not text:
         raise InvalidRequest("target is empty")
-    dev = devices.get(text)
-    if dev is not None:
-        return dev
+    found = devices.get(text)
+    if found is not None:
+        return found
     elsewhere = [h for h in find_device_hosts(session, workspace_id=proc.workspace_id, uuid=text)
                  if h != proc.host]
     if elsewhere:
@@ -267,8 +267,8 @@ def peek_command(*, session: Session, workspace_id: int, process_id: str) -> tup
     return row[0], row[1]
 
 
-_P = Process.__table__
-_C = Command.__table__
+_P = table_of(Process)
+_C = table_of(Command)
 _PEEK = select(_P.c.host, select(_C.c.id).where(
     _C.c.process_pk == _P.c.pk, _C.c.state.in_(protocol.PENDING_COMMAND_STATES))
     .order_by(_C.c.id).limit(1).scalar_subquery()).where(

@@ -11,7 +11,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from flexium.server.models import Device, Process
+from flexium.server.models import Device, Process, table_of
 
 _FIELDS = ("index", "name", "memory_total", "memory_used", "utilization", "temperature", "health")
 
@@ -33,7 +33,7 @@ def upsert_devices(*, session: Session, workspace_id: int, host: str,
         return
     dialect = session.get_bind().dialect.name
     insert = sqlite_insert if dialect == "sqlite" else pg_insert
-    stmt = insert(Device.__table__).values(list(rows.values()))
+    stmt = insert(table_of(Device)).values(list(rows.values()))
     stmt = stmt.on_conflict_do_update(
         index_elements=["workspace_id", "host", "uuid"],
         set_={name: stmt.excluded[name] for name in (*_FIELDS, "updated_at")})

@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 
 from flexium import protocol
 from flexium.server.errors import NotFound
-from flexium.server.models import Command, Process
+from flexium.server.models import Command, Process, table_of
 from flexium.server.storage.devices import upsert_devices
 from flexium.server.storage.views import process_view
 
@@ -187,9 +187,10 @@ def record_beats(*, session: Session, beats: dict[int, float]) -> int:
     return len(beats)
 
 
-_BEAT_UPDATE = (update(Process.__table__)
-                .where(Process.__table__.c.pk == bindparam("b_pk"),
-                       Process.__table__.c.last_seen < bindparam("b_seen"))
+_PROCESSES = table_of(Process)
+_BEAT_UPDATE = (update(_PROCESSES)
+                .where(_PROCESSES.c.pk == bindparam("b_pk"),
+                       _PROCESSES.c.last_seen < bindparam("b_seen"))
                 .values(last_seen=bindparam("b_seen")))
 
 
