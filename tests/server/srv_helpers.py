@@ -217,7 +217,9 @@ class SimJob:
     def _register(self) -> None:
         while not self.stop.is_set():
             try:
-                r = self.session.post(f"{self.base}/processes", json={**self.body, "state": self.state}, timeout=5)
+                seq = time.monotonic_ns()  # taken before the state is read, as the real client does
+                r = self.session.post(f"{self.base}/processes", json={**self.body, "state": self.state, "seq": seq},
+                                      timeout=5)
                 if r.status_code in (200, 201):
                     self.registrations += 1
                     return
@@ -229,8 +231,9 @@ class SimJob:
     def _beat(self) -> None:
         while not self.stop.wait(0.2):
             try:
+                seq = time.monotonic_ns()
                 r = self.session.post(f"{self.base}/processes/{self.process_id}/heartbeat",
-                                      json={"state": self.state}, timeout=5)
+                                      json={"state": self.state, "seq": seq}, timeout=5)
                 if r.status_code == 404:
                     self._register()
             except requests.RequestException:
@@ -278,7 +281,7 @@ class SimJob:
     def _run(self, cmd: dict[str, Any]) -> None:
         self._report(cmd["id"], {"state": "running"})
         self.state = {"migrate": "RUNNING", "pause": "PAUSED", "resume": "RUNNING"}[cmd["kind"]]
-        update: dict[str, Any] = {"state": self.state}
+        update: dict[str, Any] = {"state": self.state, "seq": time.monotonic_ns()}
         if cmd.get("target_uuid"):
             update["gpu_uuid"] = cmd["target_uuid"]
         self._report(cmd["id"], {"state": "succeeded", "process": update,
