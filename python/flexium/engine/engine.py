@@ -172,13 +172,17 @@ class Engine:
     def candidate_targets(self) -> list[TargetCandidate]:
         """GPUs this job could move to now: same model, room for it; most free memory first."""
         _, source = self.placement()
-        needed = self._paused_bytes if self.state == EngineState.PAUSED else (self._bytes_on(source) or 0)
+        # One NVML reading for all GPUs: while frozen each reading is a child process.
+        on_host = {gpu.uuid: gpu for gpu in nvml.host_gpus()}
+        if self.state == EngineState.PAUSED:
+            needed = self._paused_bytes
+        else:
+            source_host = on_host.get(source.uuid)
+            needed = (source_host.used_by(self._pid) or 0) if source_host is not None else 0
         candidates = []
         for gpu in self._identity.gpus:
-            if gpu.uuid == source.uuid or gpu.name != source.name:
-                continue
-            host = nvml.gpu_by_uuid(gpu.uuid)
-            if host is None:
+            host = on_host.get(gpu.uuid)
+            if gpu.uuid == source.uuid or gpu.name != source.name or host is None:
                 continue
             free = host.memory_free + (host.used_by(self._pid) or 0)
             if free >= needed + self.memory_margin_bytes:
