@@ -64,9 +64,9 @@ std::vector<StagedSegment> tuples_to_staged(const std::vector<StagedTuple> &tupl
   return out;
 }
 
-std::vector<std::tuple<unsigned long long, std::size_t, int>> segment_tuples() {
-  std::vector<std::tuple<unsigned long long, std::size_t, int>> out;
-  for (const SegmentInfo &s : list_segments()) out.emplace_back(s.address, s.size, s.device);
+std::vector<std::tuple<unsigned long long, std::size_t, int, bool>> segment_tuples() {
+  std::vector<std::tuple<unsigned long long, std::size_t, int, bool>> out;
+  for (const SegmentInfo &s : list_segments()) out.emplace_back(s.address, s.size, s.device, s.mapped);
   return out;
 }
 
@@ -74,7 +74,7 @@ void bind_vmm(py::module_ &m) {
   using release_gil = py::call_guard<py::gil_scoped_release>;
   m.def("vmm_granularity", [](int device) { return granularity(require_vmm_driver(), device); }, py::arg("device"),
         release_gil(), "Bytes every segment of the device is rounded up to.");
-  m.def("vmm_segments", &segment_tuples, release_gil(), "(address, size, device) of every segment, by address.");
+  m.def("vmm_segments", &segment_tuples, release_gil(), "(address, size, device, mapped) of every segment, by address.");
   m.def("vmm_bytes_on", &segment_bytes_on, py::arg("device"), release_gil());
   m.def("vmm_segment_count", &segment_count, release_gil());
   m.def("vmm_unknown_frees", &unknown_free_count, "Frees of pointers the allocator never handed out.");
@@ -82,17 +82,22 @@ void bind_vmm(py::module_ &m) {
 
   m.def(
       "stage_segments_to_device",
-      [](int target, int source) { return staged_to_tuples(stage_segments_to_device(target, source)); },
-      py::arg("target"), py::arg("source") = -1, release_gil(),
-      "Copies the segments to the target device; returns [(address, size, fd)], the fds now the caller's.");
-  m.def("release_source_backing", &release_source_backing, py::arg("source") = -1, release_gil());
+      [](int target, int source, const LiveRanges &live, const SegmentFilter &only) {
+        return staged_to_tuples(stage_segments_to_device(target, source, live, only));
+      },
+      py::arg("target"), py::arg("source") = -1, py::arg("live") = LiveRanges{}, py::arg("only") = SegmentFilter{},
+      "Copies the segments to the target device (only the live ranges of those listed in `live`); returns "
+      "[(address, size, fd)], the fds now the caller's.");
+  m.def("last_staged_copy_bytes", &last_staged_copy_bytes, "Bytes the last stage_segments_to_device copied.");
+  // The relocation functions keep the GIL on purpose: the fast path runs them at a safe point and
+  // no other Python thread may launch work on a segment while its backing is moved.
+  m.def("release_source_backing", &release_source_backing, py::arg("source") = -1, py::arg("only") = SegmentFilter{});
   m.def(
       "map_imported",
       [](const std::vector<StagedTuple> &staged, int device) { map_imported(tuples_to_staged(staged), device); },
-      py::arg("staged"), py::arg("device"), release_gil());
-  m.def("stage_segments_to_host", &stage_segments_to_host, py::arg("chunk_bytes") = kDefaultHostChunkBytes,
-        release_gil());
-  m.def("restore_segments_from_host", &restore_segments_from_host, py::arg("device") = -1, release_gil());
+      py::arg("staged"), py::arg("device"));
+  m.def("stage_segments_to_host", &stage_segments_to_host, py::arg("chunk_bytes") = kDefaultHostChunkBytes);
+  m.def("restore_segments_from_host", &restore_segments_from_host, py::arg("device") = -1);
   m.def("release_host_staging", &release_host_staging, release_gil());
   m.def("host_staging_pool_bytes", &host_staging_pool_bytes, release_gil());
   m.def("host_staged_segments", &host_staged_segments, release_gil());
@@ -156,10 +161,17 @@ PYBIND11_MODULE(_C, m) {
       .def_readonly("error_name", &StepOutcome::error_name)
       .def_readonly("error_text", &StepOutcome::error_text)
       .def_readonly("seconds", &StepOutcome::seconds);
-  m.def("run_steps", &run_steps, py::arg("pid"), py::arg("steps"), py::arg("rollbacks"),
-        py::call_guard<py::gil_scoped_release>(),
-        "Runs the steps in order; on failure of step i runs rollbacks[i] and stops. Never raises for a "
-        "failed step: the outcomes say what happened.");
+  m.def(
+      "run_steps",
+      [](int pid, const std::vector<Step> &steps, const std::vector<std::vector<Step>> &rollbacks, bool hold_gil) {
+        if (hold_gil) return run_steps(pid, steps, rollbacks);
+        py::gil_scoped_release release;
+        return run_steps(pid, steps, rollbacks);
+      },
+      py::arg("pid"), py::arg("steps"), py::arg("rollbacks"), py::arg("hold_gil") = false,
+      "Runs the steps in order; on failure of step i runs rollbacks[i] and stops. Never raises for a "
+      "failed step: the outcomes say what happened. hold_gil keeps every other Python thread out of CUDA "
+      "until the caller has mapped its segments back (the fast path).");
 
   bind_vmm(m);
 }

@@ -29,7 +29,7 @@ std::vector<SegmentInfo> list_segments() {
   std::vector<SegmentInfo> out;
   out.reserve(lock.segments().size());
   for (const auto &entry : lock.segments()) {
-    out.push_back({entry.second.address, entry.second.size, entry.second.device});
+    out.push_back({entry.second.address, entry.second.size, entry.second.device, entry.second.mapped});
   }
   return out;
 }

@@ -28,6 +28,7 @@ struct SegmentInfo {
   CUdeviceptr address = 0;
   std::size_t size = 0;
   int device = 0;
+  bool mapped = false;  // has memory behind it (false between a release and the map back)
 };
 
 using SegmentMap = std::map<CUdeviceptr, Segment>;

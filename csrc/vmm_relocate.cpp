@@ -31,10 +31,12 @@
 namespace flexium {
 namespace {
 
-// Segments of `source` (-1: all) grouped by their device, in address order within each.
-std::map<int, std::vector<Segment *>> by_device(SegmentMap &segments, int source) {
+// Segments of `source` (-1: all; only those in `only` unless it is empty) grouped by their
+// device, in address order within each.
+std::map<int, std::vector<Segment *>> by_device(SegmentMap &segments, int source, const SegmentFilter &only) {
   std::map<int, std::vector<Segment *>> groups;
   for (auto &entry : segments) {
+    if (!only.empty() && only.count(entry.first) == 0) continue;
     if (source < 0 || entry.second.device == source) groups[entry.second.device].push_back(&entry.second);
   }
   return groups;
@@ -48,7 +50,10 @@ struct Copy {
   OwnedFd fd;
 };
 
-void start_copy(const DriverTable &d, const Segment &segment, int target, CUstream stream, Copy &copy) {
+thread_local std::size_t copied_bytes = 0;
+
+void start_copy(const DriverTable &d, const Segment &segment, int target, CUstream stream, const LiveRanges &live,
+                Copy &copy) {
   Backing &temp = copy.temporary;
   temp.size = segment.size;
   const CUmemAllocationProp prop = device_allocation_prop(target);
@@ -64,7 +69,22 @@ void start_copy(const DriverTable &d, const Segment &segment, int target, CUstre
   std::vector<int> devices{segment.device};
   if (target != segment.device) devices.push_back(target);
   grant_access(d, temp.address, segment.size, devices);
-  FLEXIUM_CU_CALL(d, cuMemcpyDtoDAsync, temp.address, segment.address, segment.size, stream);
+  const auto ranges = live.find(segment.address);
+  if (ranges == live.end()) {
+    FLEXIUM_CU_CALL(d, cuMemcpyDtoDAsync, temp.address, segment.address, segment.size, stream);
+    copied_bytes += segment.size;
+  } else {
+    for (const auto &range : ranges->second) {
+      if (range.first > segment.size || range.second > segment.size - range.first) {
+        throw std::invalid_argument("live range (" + std::to_string(range.first) + ", " + std::to_string(range.second) +
+                                    ") lies outside " + describe(segment));
+      }
+      if (range.second == 0) continue;
+      FLEXIUM_CU_CALL(d, cuMemcpyDtoDAsync, temp.address + range.first, segment.address + range.first, range.second,
+                      stream);
+      copied_bytes += range.second;
+    }
+  }
   copy.source_address = segment.address;
 }
 
@@ -80,10 +100,14 @@ void drop_temporary(const DriverTable &d, Backing &temp) {
 
 }  // namespace
 
-std::vector<StagedSegment> stage_segments_to_device(int target, int source) {
+std::size_t last_staged_copy_bytes() { return copied_bytes; }
+
+std::vector<StagedSegment> stage_segments_to_device(int target, int source, const LiveRanges &live,
+                                                    const SegmentFilter &only) {
   const DriverTable &d = require_vmm_driver();
+  copied_bytes = 0;
   RegistryLock lock(kRelocationLockTimeout);
-  auto groups = by_device(lock.segments(), source);
+  auto groups = by_device(lock.segments(), source, only);
   for (const auto &group : groups) {
     for (const Segment *segment : group.second) {
       if (!segment->mapped || !segment->has_handle) {
@@ -101,7 +125,7 @@ std::vector<StagedSegment> stage_segments_to_device(int target, int source) {
     ScopedStream stream(d);
     for (const Segment *segment : group.second) {
       copies.push_back(std::make_unique<Copy>(d));
-      start_copy(d, *segment, target, stream.get(), *copies.back());
+      start_copy(d, *segment, target, stream.get(), live, *copies.back());
     }
     stream.synchronize();
   }
@@ -113,11 +137,11 @@ std::vector<StagedSegment> stage_segments_to_device(int target, int source) {
   return staged;
 }
 
-std::size_t release_source_backing(int source) {
+std::size_t release_source_backing(int source, const SegmentFilter &only) {
   const DriverTable &d = require_vmm_driver();
   RegistryLock lock(kRelocationLockTimeout);
   std::size_t released = 0;
-  for (auto &group : by_device(lock.segments(), source)) {
+  for (auto &group : by_device(lock.segments(), source, only)) {
     ScopedContext context(d, group.first);
     FLEXIUM_CU_CALL(d, cuCtxSynchronize);  // nothing may still use the ranges we unmap
     for (Segment *segment : group.second) {

@@ -5,6 +5,9 @@
 #pragma once
 
 #include <cstddef>
+#include <map>
+#include <set>
+#include <utility>
 #include <vector>
 
 #include "cuda_driver_types.h"
@@ -18,16 +21,27 @@ struct StagedSegment {
   int fd = -1;
 };
 
+// Byte ranges (offset, length) of a segment that hold live data; a segment listed with no
+// ranges is all free cache. Segments not listed are copied whole.
+using LiveRanges = std::map<CUdeviceptr, std::vector<std::pair<std::size_t, std::size_t>>>;
+
 // Copies every segment (of device `source`; -1: of every device) into new memory on device
 // `target` and returns that memory as fds, the caller's to pass to map_imported or close (closing
-// frees the copy). The segments themselves are untouched. All or nothing: on failure every copy
-// made so far is freed.
-std::vector<StagedSegment> stage_segments_to_device(int target, int source = -1);
+// frees the copy). Only the `live` ranges of a listed segment are copied: the rest of its new
+// memory is left as it comes. The segments themselves are untouched. All or nothing: on failure
+// every copy made so far is freed.
+// `only` (if not empty) limits the work to those segments, here and in release_source_backing.
+using SegmentFilter = std::set<CUdeviceptr>;
+std::vector<StagedSegment> stage_segments_to_device(int target, int source = -1, const LiveRanges &live = {},
+                                                    const SegmentFilter &only = {});
+
+// Bytes stage_segments_to_device copied in this thread's last call.
+std::size_t last_staged_copy_bytes();
 
 // Unmaps every segment (of `source`; -1: all) and releases its memory; the address ranges stay
 // reserved. Returns how many segments lost their backing. On failure the registry still says
 // which segments are backed.
-std::size_t release_source_backing(int source = -1);
+std::size_t release_source_backing(int source = -1, const SegmentFilter &only = {});
 
 // Maps each fd's memory at its segment's address (the segment must have no backing and the same
 // size), grants `device` access and closes the fd. The caller keeps the fds of the entries not

@@ -1,7 +1,7 @@
 """Where flexium's settings come from, validated once.
 
 Priority, highest first: parameters, environment variables (FLEXIUM_SERVER, GPU_DEVICE,
-FLEXIUM_TOKEN, FLEXIUM_LOG_LEVEL), the config file (./.flexiumrc if it exists, else
+FLEXIUM_TOKEN, FLEXIUM_LOG_LEVEL, FLEXIUM_FAST_PATH, FLEXIUM_SAFE_POINT_WAIT), the config file (./.flexiumrc if it exists, else
 ~/.flexiumrc; only one is read), defaults (local mode, "cuda:0"). Every rejected value is
 reported with where it came from and what a good value looks like.
 """
@@ -29,6 +29,8 @@ __all__ = [
     "ENV_DEVICE",
     "ENV_TOKEN",
     "ENV_LOG_LEVEL",
+    "ENV_FAST_PATH",
+    "ENV_SAFE_POINT_WAIT",
     "RC_FILENAME",
     "DEFAULT_DEVICE",
     "LOCAL_MODE_WARNING",
@@ -45,6 +47,10 @@ ENV_SERVER = "FLEXIUM_SERVER"
 ENV_DEVICE = "GPU_DEVICE"
 ENV_TOKEN = "FLEXIUM_TOKEN"
 ENV_LOG_LEVEL = "FLEXIUM_LOG_LEVEL"
+ENV_FAST_PATH = "FLEXIUM_FAST_PATH"
+ENV_SAFE_POINT_WAIT = "FLEXIUM_SAFE_POINT_WAIT"
+DEFAULT_SAFE_POINT_WAIT = 5.0
+MAX_SAFE_POINT_WAIT = 3600.0
 RC_FILENAME = ".flexiumrc"
 DEFAULT_DEVICE = "cuda:0"
 
@@ -59,6 +65,8 @@ _FIELDS: dict[str, tuple[str, str, str]] = {
     "device": ("device", ENV_DEVICE, "device"),
     "token": ("token", ENV_TOKEN, "token"),
     "log_level": ("log_level", ENV_LOG_LEVEL, "log level"),
+    "fast_path": ("fast_path", ENV_FAST_PATH, "fast path switch"),
+    "safe_point_wait": ("safe_point_wait", ENV_SAFE_POINT_WAIT, "safe point wait"),
 }
 _RC_KEYS = {rc_key: name for name, (rc_key, _, _) in _FIELDS.items()}
 
@@ -98,6 +106,10 @@ class FlexiumConfig:
     device: str = DEFAULT_DEVICE
     token: Optional[str] = field(default=None, repr=False)  # never printed
     log_level: str = DEFAULT_LEVEL
+    # Our memory pool and the fast path it enables; false keeps PyTorch's own allocator.
+    fast_path: bool = True
+    # Seconds a command waits for the next optimizer step (safe point) before the driver path runs.
+    safe_point_wait: float = DEFAULT_SAFE_POINT_WAIT
     address: Optional[ServerAddress] = None
     config_file: Optional[str] = None   # the rc file that was read, if any
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
@@ -220,6 +232,31 @@ def _validate_log_level(value: Any, where: str) -> str:
     return canonical
 
 
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("0", "false", "no", "off")
+
+
+def _validate_switch(value: Any, where: str) -> bool:
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
+        return value.strip().lower() in _TRUE
+    raise ConfigError(f"fast path switch {value!r} {where} is not valid; use true or false (also 1/0, on/off, yes/no)")
+
+
+def _validate_wait(value: Any, where: str) -> float:
+    try:
+        seconds = float(value) if not isinstance(value, bool) else float("nan")
+    except (TypeError, ValueError):
+        seconds = float("nan")
+    if not 0 < seconds <= MAX_SAFE_POINT_WAIT:
+        raise ConfigError(
+            f"safe point wait {value!r} {where} is not valid; give seconds above 0 and at most "
+            f"{MAX_SAFE_POINT_WAIT:g}, e.g. 5 or 0.5"
+        )
+    return seconds
+
+
 def find_config_file() -> Optional[Path]:
     """./.flexiumrc if it exists, else ~/.flexiumrc if it exists, else None."""
     candidates = [Path.cwd() / RC_FILENAME]
@@ -325,11 +362,19 @@ def load_config(
     entry = raw["log_level"]
     log_level = _validate_log_level(entry.value, entry.where) if entry is not None else DEFAULT_LEVEL
 
+    entry = raw["fast_path"]
+    fast_path = _validate_switch(entry.value, entry.where) if entry is not None else True
+
+    entry = raw["safe_point_wait"]
+    safe_point_wait = _validate_wait(entry.value, entry.where) if entry is not None else DEFAULT_SAFE_POINT_WAIT
+
     return FlexiumConfig(
         orchestrator=orchestrator_value,
         device=device_value,
         token=token_value,
         log_level=log_level,
+        fast_path=fast_path,
+        safe_point_wait=safe_point_wait,
         address=address,
         config_file=str(rc_path) if rc_path is not None else None,
         sources=MappingProxyType(sources),

@@ -20,7 +20,9 @@ from flexium.config import (
 )
 from flexium.errors import ConfigError
 
-ENV_VARS = ("FLEXIUM_SERVER", "GPU_DEVICE", "FLEXIUM_TOKEN", "FLEXIUM_LOG_LEVEL")
+ENV_VARS = (
+    "FLEXIUM_SERVER", "GPU_DEVICE", "FLEXIUM_TOKEN", "FLEXIUM_LOG_LEVEL", "FLEXIUM_FAST_PATH", "FLEXIUM_SAFE_POINT_WAIT",
+)
 
 
 @pytest.fixture
@@ -56,11 +58,14 @@ def test_defaults_are_local_mode(home: Path) -> None:
     assert config.log_level == "INFO"
     assert config.address is None
     assert config.config_file is None
+    assert config.fast_path is True and config.safe_point_wait == 5.0
     assert dict(config.sources) == {
         "orchestrator": "default",
         "device": "default",
         "token": "default",
         "log_level": "default",
+        "fast_path": "default",
+        "safe_point_wait": "default",
     }
 
 
@@ -82,16 +87,21 @@ def test_env_vars_used_when_no_parameters(home: Path, monkeypatch: pytest.Monkey
     monkeypatch.setenv("GPU_DEVICE", "cuda:1")
     monkeypatch.setenv("FLEXIUM_TOKEN", "tok_abc123")
     monkeypatch.setenv("FLEXIUM_LOG_LEVEL", "debug")
+    monkeypatch.setenv("FLEXIUM_FAST_PATH", "off")
+    monkeypatch.setenv("FLEXIUM_SAFE_POINT_WAIT", "0.5")
     config = load_config()
     assert config.orchestrator == "localhost:8080/team"
     assert config.device == "cuda:1"
     assert config.token == "tok_abc123"
     assert config.log_level == "DEBUG"
+    assert config.fast_path is False and config.safe_point_wait == 0.5
     assert dict(config.sources) == {
         "orchestrator": "FLEXIUM_SERVER",
         "device": "GPU_DEVICE",
         "token": "FLEXIUM_TOKEN",
         "log_level": "FLEXIUM_LOG_LEVEL",
+        "fast_path": "FLEXIUM_FAST_PATH",
+        "safe_point_wait": "FLEXIUM_SAFE_POINT_WAIT",
     }
 
 
@@ -406,3 +416,24 @@ def test_logger_has_one_prefix_handler_and_does_not_propagate() -> None:
     handlers = [h for h in logger.handlers if isinstance(h, _logging._StderrHandler)]
     assert len(handlers) == 1
     assert not logger.propagate
+
+
+def test_fast_path_and_safe_point_wait_from_the_rc_file(home: Path) -> None:
+    (Path.cwd() / ".flexiumrc").write_text("fast_path: false\nsafe_point_wait: 2.5\n")
+    config = load_config()
+    assert config.fast_path is False and config.safe_point_wait == 2.5
+    assert config.sources["fast_path"].endswith(".flexiumrc")
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", ""])
+def test_a_bad_fast_path_switch_names_its_source(home: Path, monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    (Path.cwd() / ".flexiumrc").write_text(f"fast_path: '{value}'\n")
+    with pytest.raises(ConfigError, match=r"fast path switch .* line 1, key 'fast_path'.*use true or false"):
+        load_config()
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "soon", "7200", "nan"])
+def test_a_bad_safe_point_wait_names_its_source(home: Path, monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    monkeypatch.setenv("FLEXIUM_SAFE_POINT_WAIT", value)
+    with pytest.raises(ConfigError, match=r"safe point wait .*FLEXIUM_SAFE_POINT_WAIT.*seconds above 0"):
+        load_config()

@@ -93,7 +93,7 @@ def fake(driver: FakeDriver, allocator: Allocator, monkeypatch: pytest.MonkeyPat
     if _C.host_staged_segments():
         _C.restore_segments_from_host()
     _C.release_host_staging()
-    for address, _size, _device in _C.vmm_segments():
+    for address, _size, _device, _mapped in _C.vmm_segments():
         allocator.free(address)
     assert _C.vmm_segment_count() == 0
 
@@ -164,7 +164,7 @@ def test_alloc_rounds_up_registers_and_gives_read_write_memory(fake: FakeDriver,
     big = allocator.alloc(3 * MiB, 1)
     assert small is not None and big is not None, allocator.last_error()
     assert small % (2 * MiB) == 0 and big % (2 * MiB) == 0
-    assert _C.vmm_segments() == sorted([(small, 2 * MiB, 0), (big, 4 * MiB, 1)])
+    assert _C.vmm_segments() == sorted([(small, 2 * MiB, 0, True), (big, 4 * MiB, 1, True)])
     assert _C.vmm_segment_count() == 2
     assert _C.vmm_bytes_on(0) == 2 * MiB and _C.vmm_bytes_on(1) == 4 * MiB
     # The fake's accounting and NVML see the same bytes.
@@ -212,7 +212,7 @@ def test_out_of_memory_returns_null_and_says_why(fake: FakeDriver, allocator: Al
     assert allocator.alloc(1, 1) is not None  # the other GPU has room
     fake.set_process_memory(1, H200_BYTES - 2 * MiB)  # non-VMM memory of the process counts too
     assert allocator.alloc(1, 1) is None
-    for address, _size, _device in _C.vmm_segments():
+    for address, _size, _device, _mapped in _C.vmm_segments():
         allocator.free(address)
     assert fake.vmm_leaks() == NO_LEAKS
 
@@ -228,7 +228,7 @@ def test_a_failing_step_returns_null_and_leaks_nothing(fake: FakeDriver, allocat
     assert allocator.alloc(5 * MiB, 0) is None
     assert allocator.last_error().startswith(f"flexium_vmm_alloc: {function} failed: CUDA_ERROR_UNKNOWN")
     assert fake.pending_failures() == 0
-    assert _C.vmm_segments() == [(kept, 2 * MiB, 0)]
+    assert _C.vmm_segments() == [(kept, 2 * MiB, 0, True)]
     allocator.free(kept)
     assert fake.vmm_leaks() == NO_LEAKS
     assert fake.current_context() == -1
@@ -250,7 +250,7 @@ def test_free_of_an_unknown_pointer_is_ignored_and_counted(fake: FakeDriver, all
     allocator.free(kept + 4096)  # inside a segment is not a segment
     assert _C.vmm_unknown_frees() == before + 3
     assert "is not a segment of this allocator" in allocator.last_error()
-    assert _C.vmm_segments() == [(kept, 2 * MiB, 0)]
+    assert _C.vmm_segments() == [(kept, 2 * MiB, 0, True)]
     allocator.free(kept)
     allocator.free(kept)  # twice: the second is unknown
     assert _C.vmm_unknown_frees() == before + 4
@@ -335,7 +335,7 @@ def test_stage_release_map_imported_across_a_migration(fake: FakeDriver, allocat
     _C.map_imported(staged, 0)  # logical device 0 is on GPU 1 now
     assert_contents(contents)
     assert not any(is_open(fd) for _a, _s, fd in staged)
-    assert _C.vmm_segments() == [(a, len(d), 0) for a, d in sorted(contents.items())]
+    assert _C.vmm_segments() == [(a, len(d), 0, True) for a, d in sorted(contents.items())]
     assert fake.vmm_bytes_on(1) == 12 * MiB and fake.vmm_bytes_on(0) == 0
     assert fake.used_bytes(0) == 0 and fake.used_bytes(1) == 12 * MiB
     for address in contents:
@@ -353,7 +353,7 @@ def test_relocation_without_a_checkpoint_and_of_one_device_only(fake: FakeDriver
     _C.map_imported(staged, 1)
     assert_contents(on_0)
     assert_contents(on_1)
-    assert {d for _a, _s, d in _C.vmm_segments()} == {1} and _C.vmm_bytes_on(1) == 8 * MiB
+    assert {d for _a, _s, d, _m in _C.vmm_segments()} == {1} and _C.vmm_bytes_on(1) == 8 * MiB
 
 
 def test_closing_the_staged_fds_frees_the_copies(fake: FakeDriver, allocator: Allocator) -> None:
@@ -583,7 +583,7 @@ def test_a_failed_restore_from_host_can_be_retried(
     assert fake.live_streams() == 0
     assert _C.restore_segments_from_host() == 6 * MiB
     assert_contents(contents)
-    assert sorted(d for _a, _s, d in _C.vmm_segments()) == [0, 0, 1]
+    assert sorted(d for _a, _s, d, _m in _C.vmm_segments()) == [0, 0, 1]
 
 
 def test_host_staging_of_nothing(fake: FakeDriver) -> None:

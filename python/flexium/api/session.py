@@ -25,6 +25,7 @@ class Session:
     disabled: bool = False
     capabilities: Optional[Capabilities] = None
     engine: Optional[Any] = None  # flexium.engine.Engine when pause/resume is possible here
+    memory_pool: Optional[Any] = None  # flexium.engine.memory_pool.MemoryPool when torch has CUDA
     client: Optional[Any] = None  # the server connection, when a server is configured
     scopes: int = 0               # open flexium.auto.run() blocks
 
@@ -72,19 +73,22 @@ def _start(config: FlexiumConfig) -> Session:
         log.warning("migration and pause are limited: %s", problem)
     logical_device = _claim_device(config.device, capabilities)
     session = Session(config=config, process_id=_process_id, logical_device=logical_device, capabilities=capabilities)
-    session.engine = _start_engine(logical_device, capabilities)
+    session.memory_pool = _start_memory_pool(config, logical_device, capabilities)
+    session.engine = _start_engine(logical_device, capabilities, config, session.memory_pool)
 
     from flexium.api import device_routing
 
     device_routing.install(lambda: session.logical_device)
     if not config.local_mode:
         session.client = _start_client(session)
+    pool = session.memory_pool
     log.info(
-        "flexium %s on %s (process %s, migration %s)",
+        "flexium %s on %s (process %s, migration %s, fast path %s)",
         "ready" if session.engine is not None else "in degraded mode",
         logical_device,
         _process_id,
         "on" if session.engine is not None and capabilities.migration else "off",
+        "on" if pool is not None and pool.active else f"off: {pool.reason_off if pool is not None else 'no CUDA'}",
     )
     return session
 
@@ -112,17 +116,40 @@ def _driver_selected_by_env() -> bool:
     return bool(os.environ.get("FLEXIUM_LIBCUDA"))
 
 
-def _start_engine(logical_device: str, capabilities: Capabilities) -> Optional[Any]:
+def _start_memory_pool(config: FlexiumConfig, logical_device: str, capabilities: Capabilities) -> Optional[Any]:
+    """Routes PyTorch's CUDA memory into our pool before the job allocates any (DESIGN.md fact 11)."""
+    if logical_device == "cpu" or not capabilities.torch_cuda or not capabilities.pause_resume:
+        return None
+    from flexium.engine.memory_pool import MemoryPool
+
+    pool = MemoryPool()
+    if not config.fast_path:
+        source = config.sources.get("fast_path", "default")
+        pool.reason_off = f"switched off (fast_path false, from {source})"
+        return pool
+    import torch
+
+    if not pool.install(list(range(torch.cuda.device_count()))):
+        log.warning("fast path off, migrations and pauses use the driver path: %s", pool.reason_off)
+    return pool
+
+
+def _start_engine(
+    logical_device: str, capabilities: Capabilities, config: FlexiumConfig, memory_pool: Optional[Any]
+) -> Optional[Any]:
     if logical_device == "cpu" or not capabilities.pause_resume:
         return None
     if not (capabilities.torch_cuda or _driver_selected_by_env()):
         return None
     from flexium.engine import Engine, snapshot_gpus
+    from flexium.engine.fast_path import FastPath
 
     engine = Engine(
         logical_ordinal=int(logical_device.split(":", 1)[1]),
         gpus=snapshot_gpus(),
         capabilities=capabilities,
+        safe_point_wait_seconds=config.safe_point_wait,
+        fast_path=FastPath(memory_pool) if memory_pool is not None else None,
     )
     engine.start()
     return engine
@@ -147,6 +174,9 @@ def shutdown() -> None:
             session.client.stop()
         if session.engine is not None:
             session.engine.stop()
+        if session.memory_pool is not None:
+            # Before any MemPool can be destroyed (at exit): destroying one while routed aborts.
+            session.memory_pool.uninstall()
         from flexium.api import device_routing
 
         device_routing.uninstall()

@@ -4,6 +4,11 @@ Every operation validates before touching anything, runs its locked section in o
 (csrc/checkpoint.cpp says why), and ends with the process RUNNING on its source GPU, RUNNING on
 its target, or (pause, failed resume) checkpointed and paused. Anything else raises
 RollbackFailedError and is logged at CRITICAL.
+
+Two paths: the fast path (fast_path.py) moves the memory pool's segments itself at a safe
+point and leaves the driver only the rest; the driver path lets the checkpoint carry
+everything. The fast path runs when the pool is in use and a safe point comes within the
+bounded wait; otherwise, or when asked, the driver path does.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from typing import Callable, Iterator, Optional, Sequence
 from flexium import _C
 from flexium.engine import nvml, torch_bridge
 from flexium.engine.capabilities import Capabilities
+from flexium.engine.fast_path import FastPath, RelocationError, Staged
 from flexium.engine.identity import IdentityMap, Target
 from flexium.engine.operations import (
     EngineState,
@@ -45,6 +51,7 @@ DEFAULT_LOCK_TIMEOUT_MS = 30_000
 DEFAULT_SAFE_POINT_WAIT_SECONDS = 5.0
 # Restore needs some room beyond the process's own bytes (driver bookkeeping on the target).
 DEFAULT_MEMORY_MARGIN_BYTES = 512 << 20
+PATHS = ("auto", "fast", "driver")
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,7 @@ class Engine:
         lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS,
         safe_point_wait_seconds: float = DEFAULT_SAFE_POINT_WAIT_SECONDS,
         memory_margin_bytes: int = DEFAULT_MEMORY_MARGIN_BYTES,
+        fast_path: Optional[FastPath] = None,
     ) -> None:
         if not 0 <= logical_ordinal < len(gpus):
             raise ValueError(f"device cuda:{logical_ordinal} is not among the {len(gpus)} visible GPU(s)")
@@ -98,6 +106,7 @@ class Engine:
         self._safe_points = SafePoints(safe_point_wait_seconds)
         self._parking = Parking()
         self._paused_bytes = 0
+        self._fast = fast_path
         self._listeners: list[Callable[[EngineState], None]] = []
         self.last_result: Optional[OperationResult] = None
 
@@ -191,17 +200,28 @@ class Engine:
 
     # ---- operations ------------------------------------------------------------------------
 
-    def migrate(self, target: Target) -> OperationResult:
+    def migrate(self, target: Target, *, path: str = "auto") -> OperationResult:
+        """Moves the job to `target`. `path`: "auto" (fast when possible), "fast" (refuse
+        otherwise) or "driver"."""
+        _check_path(path)
         with self._operation(OperationKind.MIGRATE, allowed=(EngineState.RUNNING,)):
             self._require(self.capabilities.migration, "migration to another GPU")
             source = self._identity.physical_of(self._logical)
             dest = self._identity.resolve(target)
             notes = self._validate_target(source, dest, needed=self._bytes_on(source))
             pairs = self._identity.pairs_to_move(self._logical, dest)
-            result, _ = self._safe_points.run(lambda: self._run_migration(source, dest, pairs, notes))
+
+            def work(at_safe_point: bool) -> OperationResult:
+                fast, why = self._choose_path(path, at_safe_point)
+                if fast:
+                    return self._run_fast_migration(source, dest, pairs, notes)
+                return self._run_migration(source, dest, pairs, (*notes, *why))
+
+            result, _ = self._safe_points.run(work)
             return self._finish(result)
 
-    def pause(self) -> OperationResult:
+    def pause(self, *, path: str = "auto") -> OperationResult:
+        _check_path(path)
         with self._operation(OperationKind.PAUSE, allowed=(EngineState.RUNNING,)):
             self._require(self.capabilities.pause_resume, "pause")
             if self._safe_points.on_training_thread():
@@ -210,9 +230,12 @@ class Engine:
                     "until resume(); call pause() from another thread (the flexium control thread does)"
                 )
             source = self._identity.physical_of(self._logical)
-            result, at_safe_point = self._safe_points.run(
-                lambda: self._run_pause(source), then=self._park_while_paused
-            )
+
+            def work(at_safe_point: bool) -> OperationResult:
+                fast, why = self._choose_path(path, at_safe_point)
+                return self._run_fast_pause(source) if fast else self._run_pause(source, why)
+
+            result, at_safe_point = self._safe_points.run(work, then=self._park_while_paused)
             if not at_safe_point and result.ok:
                 log.info("paused outside a safe point: the training thread waits in its next CUDA call")
             return self._finish(result)
@@ -232,6 +255,27 @@ class Engine:
             return self._finish(result)
 
     # ---- validation ------------------------------------------------------------------------
+
+    def fast_path_blocker(self) -> Optional[str]:
+        """Why a move now would take the driver path (None: the fast path can run at a safe point)."""
+        if self._fast is None:
+            return "the memory pool is not in use"
+        return self._fast.blocker(self._logical)
+
+    def _choose_path(self, requested: str, at_safe_point: bool) -> tuple[bool, tuple[str, ...]]:
+        """Whether to take the fast path, else the note saying why the driver path runs."""
+        if requested == "driver":
+            return False, ("driver path: asked for",)
+        if self._fast is None and requested == "auto":
+            return False, ()  # no pool in this process (no CUDA torch): the driver path is the only one
+        blocker = self.fast_path_blocker()
+        if blocker is None and not at_safe_point:
+            blocker = f"no optimizer step (safe point) came within {self.safe_point_wait_seconds:g} s"
+        if blocker is None:
+            return True, ()
+        if requested == "fast":
+            raise CapabilityError(f"the fast path cannot run: {blocker}")
+        return False, (f"driver path: {blocker}",)
 
     def _require(self, available: bool, feature: str) -> None:
         if not available:
@@ -338,7 +382,7 @@ class Engine:
             stuck=f", not RUNNING, its memory on {where.device} ({where.uuid})",
         )
 
-    def _run_pause(self, source: GpuIdentity) -> OperationResult:
+    def _run_pause(self, source: GpuIdentity, notes: tuple[str, ...] = ()) -> OperationResult:
         started = time.perf_counter()
         self._set_state(EngineState.PAUSING)
         prepare, moved = self._prepare(OperationKind.PAUSE)
@@ -349,7 +393,7 @@ class Engine:
         if succeeded:
             self._paused_bytes = moved
         return self._settle(
-            self._result(OperationKind.PAUSE, source, None, (prepare, *map(_timing, outcomes)), moved, started),
+            self._result(OperationKind.PAUSE, source, None, (prepare, *map(_timing, outcomes)), moved, started, notes),
             outcomes,
             final,
             succeeded=succeeded,
@@ -366,14 +410,23 @@ class Engine:
             _C.Step(_C.StepKind.RESTORE, pairs=[_C.GpuPair(old, new) for old, new in pairs]),
             _C.Step(_C.StepKind.UNLOCK),
         ]
+        # Paused by the fast path: the pool's segments wait in pinned host memory, and no other
+        # thread may touch them before they are back.
+        from_host = self._fast is not None and self._fast.host_waiting() > 0
         # A failed restore leaves the process checkpointed (DESIGN.md fact 3): still paused, nothing to undo.
-        outcomes = self._run_steps(steps, [[], [_C.Step(_C.StepKind.UNLOCK)]])
+        outcomes = self._run_steps(steps, [[], [_C.Step(_C.StepKind.UNLOCK)]], hold_gil=from_host)
         final = _C.process_state(self._pid)
         succeeded = final == _C.ProcessState.RUNNING and _restored(outcomes)
+        timings = tuple(map(_timing, outcomes))
         if succeeded:
             self._identity.apply(pairs)
+        result = self._result(
+            OperationKind.RESUME, source, dest, timings, self._paused_bytes, started, path="fast" if from_host else "driver"
+        )
+        if succeeded and from_host:
+            return self._bring_back_from_host(result)
         return self._settle(
-            self._result(OperationKind.RESUME, source, dest, tuple(map(_timing, outcomes)), self._paused_bytes, started),
+            result,
             outcomes,
             final,
             succeeded=succeeded,
@@ -382,6 +435,177 @@ class Engine:
                 _C.ProcessState.CHECKPOINTED: (EngineState.PAUSED, "the job is still paused and can be resumed again")
             },
         )
+
+    # ---- the fast path's transactions (fast_path.py moves the segments) -----------------
+
+    def _run_fast_migration(
+        self, source: GpuIdentity, dest: GpuIdentity, pairs: list[tuple[str, str]], notes: tuple[str, ...]
+    ) -> OperationResult:
+        assert self._fast is not None
+        fast = self._fast
+        started = time.perf_counter()
+        self._set_state(EngineState.MIGRATING)
+        prepare, moved = self._prepare(OperationKind.MIGRATE)
+        target_ordinal = self._identity.logical_on(dest.uuid)
+        assert target_ordinal is not None, f"{dest.uuid} has no ordinal in this process"
+        steps: list[StepTiming] = [prepare]
+
+        def result(**changes: object) -> OperationResult:
+            base = self._result(OperationKind.MIGRATE, source, dest, tuple(steps), moved, started, notes, path="fast")
+            return replace(base, **changes)  # type: ignore[arg-type]
+
+        try:
+            staged, timing = fast.stage_to_device(self._logical, target_ordinal)
+            steps.append(timing)
+        except RelocationError as exc:
+            steps.append(exc.timing)
+            self._set_state(EngineState.RUNNING)
+            return result(failed_step=exc.step, error=f"{exc}; nothing moved: the job runs on {source.device} as before")
+        copied = _note_copied(staged)
+        try:
+            steps.append(fast.release(self._logical))
+        except RelocationError as exc:
+            steps.append(exc.timing)
+            return self._fast_rollback(result, steps, exc.step, str(exc), staged, source, (copied,))
+
+        locked = [
+            _C.Step(_C.StepKind.LOCK, timeout_ms=self.lock_timeout_ms),
+            _C.Step(_C.StepKind.CHECKPOINT),
+            _C.Step(_C.StepKind.RESTORE, pairs=[_C.GpuPair(old, new) for old, new in pairs]),
+            _C.Step(_C.StepKind.UNLOCK),
+        ]
+        recover = [_C.Step(_C.StepKind.RECOVER)]
+        outcomes = self._run_steps(locked, [[], recover, recover, [_C.Step(_C.StepKind.UNLOCK)]], hold_gil=True)
+        steps.extend(map(_timing, outcomes))
+        final = _C.process_state(self._pid)
+        restored = _restored(outcomes)
+        if restored:
+            self._identity.apply(pairs)
+        if final == _C.ProcessState.RUNNING and restored:
+            try:
+                steps.append(fast.map_back(staged, self._logical))
+            except RelocationError as first:
+                steps.append(first.timing)
+                try:  # once more: a segment that mapped stays mapped, the rest may go through now
+                    steps.append(fast.map_back(staged, self._logical))
+                except RelocationError as exc:
+                    steps.append(exc.timing)
+                    self._set_state(EngineState.FAILED)
+                    return result(
+                        failed_step=exc.step, notes=(*notes, copied),
+                        error=f"{exc}; ROLLBACK FAILED: the job runs on {dest.device} but part of its memory is "
+                        "not mapped back; restart the job",
+                    )
+            self._set_state(EngineState.RUNNING)
+            return result(ok=True, notes=(*notes, copied))
+        failure = _first_failure(outcomes)
+        if final == _C.ProcessState.RUNNING:
+            return self._fast_rollback(result, steps, failure.step, _describe(failure), staged, source, (copied,))
+        self._set_state(EngineState.FAILED)
+        return result(
+            failed_step=failure.step, notes=(*notes, copied),
+            error=f"{_describe(failure)}; ROLLBACK FAILED: the process is {final.name}, not RUNNING; its pool memory "
+            f"waits on {dest.device}",
+        )
+
+    def _fast_rollback(
+        self,
+        result: Callable[..., OperationResult],
+        steps: list[StepTiming],
+        failed_step: str,
+        error: str,
+        staged: Staged,
+        source: GpuIdentity,
+        notes: tuple[str, ...],
+    ) -> OperationResult:
+        """The job runs on its source GPU with some segments released: bring their data home."""
+        assert self._fast is not None
+        try:
+            steps.append(self._fast.bring_home(staged, self._logical))
+        except RelocationError as exc:
+            steps.append(replace(exc.timing, rollback=True))
+            self._set_state(EngineState.FAILED)
+            return result(failed_step=failed_step, notes=notes, error=f"{error}; ROLLBACK FAILED: {exc}; restart the job")
+        steps[-1] = replace(steps[-1], rollback=True)
+        self._set_state(EngineState.RUNNING)
+        return result(
+            failed_step=failed_step, notes=notes, error=f"{error}; rolled back: the job runs on {source.device} as before"
+        )
+
+    def _run_fast_pause(self, source: GpuIdentity) -> OperationResult:
+        assert self._fast is not None
+        fast = self._fast
+        started = time.perf_counter()
+        self._set_state(EngineState.PAUSING)
+        prepare, moved = self._prepare(OperationKind.PAUSE)
+        steps: list[StepTiming] = [prepare]
+
+        def result(**changes: object) -> OperationResult:
+            base = self._result(OperationKind.PAUSE, source, None, tuple(steps), moved, started, path="fast")
+            return replace(base, **changes)  # type: ignore[arg-type]
+
+        def undo(failed_step: str, error: str) -> OperationResult:
+            try:
+                _, timing = fast.restore_from_host(self._logical, step="rollback_copy")
+                steps.append(replace(timing, rollback=True))
+            except RelocationError as exc:
+                steps.append(replace(exc.timing, rollback=True))
+                self._set_state(EngineState.FAILED)
+                return result(failed_step=failed_step, error=f"{error}; ROLLBACK FAILED: {exc}; restart the job")
+            self._set_state(EngineState.RUNNING)
+            return result(failed_step=failed_step, error=f"{error}; rolled back: the job runs on {source.device} as before")
+
+        try:
+            _, timing = fast.stage_to_host()
+            steps.append(timing)
+        except RelocationError as exc:
+            steps.append(exc.timing)
+            self._set_state(EngineState.RUNNING)
+            return result(failed_step=exc.step, error=f"{exc}; nothing moved: the job runs on {source.device} as before")
+        try:
+            steps.append(fast.release(self._logical))
+        except RelocationError as exc:
+            steps.append(exc.timing)
+            return undo(exc.step, str(exc))
+        locked = [_C.Step(_C.StepKind.LOCK, timeout_ms=self.lock_timeout_ms), _C.Step(_C.StepKind.CHECKPOINT)]
+        outcomes = self._run_steps(locked, [[], [_C.Step(_C.StepKind.RECOVER)]], hold_gil=True)
+        steps.extend(map(_timing, outcomes))
+        final = _C.process_state(self._pid)
+        if final == _C.ProcessState.CHECKPOINTED and not any(o.code for o in outcomes):
+            self._paused_bytes = moved
+            self._set_state(EngineState.PAUSED)
+            return result(ok=True)
+        failure = _first_failure(outcomes)
+        if final == _C.ProcessState.RUNNING:
+            return undo(failure.step, _describe(failure))
+        self._set_state(EngineState.FAILED)
+        return result(
+            failed_step=failure.step,
+            error=f"{_describe(failure)}; ROLLBACK FAILED: the process is {final.name}; its pool memory is in host memory",
+        )
+
+    def _bring_back_from_host(self, result: OperationResult) -> OperationResult:
+        """After a restore that ended a fast pause: the segments come back from pinned memory."""
+        assert self._fast is not None
+        steps = list(result.steps)
+        for attempt in range(2):
+            try:
+                _, timing = self._fast.restore_from_host(self._logical)
+                steps.append(timing)
+                break
+            except RelocationError as exc:
+                steps.append(exc.timing)
+                if attempt == 1:
+                    self._set_state(EngineState.FAILED)
+                    where = result.target.device if result.target is not None else self.logical_device
+                    return replace(
+                        result, steps=tuple(steps), failed_step=exc.step,
+                        error=f"{exc}; ROLLBACK FAILED: the job runs on {where} but part of its memory is still in "
+                        "host memory; restart the job",
+                    )
+        self._set_state(EngineState.RUNNING)
+        return replace(result, ok=True, steps=tuple(steps), seconds=result.seconds + sum(
+            s.seconds for s in steps[len(result.steps):]))
 
     def _result(
         self,
@@ -392,10 +616,11 @@ class Engine:
         moved: int,
         started: float,
         notes: tuple[str, ...] = (),
+        path: str = "driver",
     ) -> OperationResult:
         return OperationResult(
             kind=kind,
-            path="driver",
+            path=path,
             ok=False,
             logical_device=self.logical_device,
             source=source,
@@ -434,11 +659,13 @@ class Engine:
             error=f"{_describe(failure)}; ROLLBACK FAILED: the process is {final.name}{stuck}",
         )
 
-    def _run_steps(self, steps: list[_C.Step], rollbacks: list[list[_C.Step]]) -> list[_C.StepOutcome]:
+    def _run_steps(
+        self, steps: list[_C.Step], rollbacks: list[list[_C.Step]], *, hold_gil: bool = False
+    ) -> list[_C.StepOutcome]:
         """Runs a locked section; NVML queries go elsewhere until the process runs again."""
         nvml.set_frozen(True)
         try:
-            return list(_C.run_steps(self._pid, steps, rollbacks))
+            return list(_C.run_steps(self._pid, steps, rollbacks, hold_gil=hold_gil))
         finally:
             nvml.set_frozen(_C.process_state(self._pid) != _C.ProcessState.RUNNING)
 
@@ -483,6 +710,18 @@ class Engine:
             raise RollbackFailedError(f"{result.kind.value} failed: {result.error}", step=result.failed_step or "?", result=result)
         log.error("%s failed: %s", result.kind.value, result.error)
         raise OperationFailedError(f"{result.kind.value} failed: {result.error}", step=result.failed_step or "?", result=result)
+
+
+def _note_copied(staged: Staged) -> str:
+    return (
+        f"fast path: copied {staged.copied_bytes / GIB:.2f} GiB in use of {staged.segment_bytes / GIB:.2f} GiB "
+        f"in {len(staged.entries)} pool segments"
+    )
+
+
+def _check_path(path: str) -> None:
+    if path not in PATHS:
+        raise ValueError(f"path must be one of {', '.join(PATHS)}, not {path!r}")
 
 
 def _timing(outcome: _C.StepOutcome) -> StepTiming:

@@ -18,7 +18,7 @@ log = logging.getLogger("flexium")
 
 
 class _Request(Generic[T]):
-    def __init__(self, work: Callable[[], T], then: Optional[Callable[[T], None]]) -> None:
+    def __init__(self, work: Callable[[bool], T], then: Optional[Callable[[T], None]]) -> None:
         self.work = work
         self.then = then
         self.taken = False
@@ -57,12 +57,13 @@ class SafePoints:
     def on_training_thread(self) -> bool:
         return self._training_thread == threading.get_ident()
 
-    def run(self, work: Callable[[], T], *, then: Optional[Callable[[T], None]] = None) -> tuple[T, bool]:
-        """Runs `work` at the next safe point, or here after the bounded wait. Returns its result
-        and whether it ran at a safe point. `then(result)` runs on the training thread after the
-        caller has been given the result, and only when the work ran at a safe point."""
+    def run(self, work: Callable[[bool], T], *, then: Optional[Callable[[T], None]] = None) -> tuple[T, bool]:
+        """Runs `work(at_safe_point)` at the next safe point, or here after the bounded wait.
+        Returns its result and whether it ran at a safe point. `then(result)` runs on the
+        training thread after the caller has been given the result, and only when the work ran
+        at a safe point."""
         if self._handle is None or self.steps_seen == 0 or self.on_training_thread():
-            return work(), False
+            return work(False), False
         request: _Request[T] = _Request(work, then)
         with self._lock:
             self._pending = request
@@ -71,7 +72,7 @@ class SafePoints:
                 if not request.taken:
                     self._pending = None
                     log.info("no optimizer step within %.1f s: running the operation now", self.wait_seconds)
-                    return work(), False
+                    return work(False), False
             request.done.wait()
         if request.error is not None:
             raise request.error
@@ -88,7 +89,7 @@ class SafePoints:
         self._in_hook.active = True
         try:
             try:
-                request.result = request.work()
+                request.result = request.work(True)
             except BaseException as exc:  # handed to the caller, who raises it
                 request.error = exc
             request.done.set()

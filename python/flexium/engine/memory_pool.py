@@ -1,0 +1,242 @@
+"""PyTorch's tensor memory in our VMM allocator: what lets the fast path move it itself.
+
+One `torch.cuda.MemPool` on flexium._C's pluggable allocator per visible GPU, and every
+thread's allocations on that GPU routed to it (DESIGN.md fact 11). PyTorch keeps caching,
+streams, statistics and `record_stream` on top; only the segments come from us, each a
+cuMemCreate allocation the fast path can copy to another GPU or to pinned host memory and map
+back at the same address.
+
+Rules from fact 11 this module keeps: the routing starts before the job's first CUDA allocation
+(memory allocated earlier stays outside the pool, so the job then uses the driver path); it
+ends before exit and before any MemPool is destroyed (destroying one while routed aborts the
+process); PyTorch's free-cache-and-retry on out-of-memory is off while routed, so oversize
+cached blocks are made releasable (max_split_size_mb), which the allocator frees and retries
+with before it reports an out-of-memory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import resource
+import threading
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+from flexium import _C
+
+log = logging.getLogger("flexium")
+
+MIB = 1 << 20
+# Cached blocks at least this large can be freed by PyTorch's OOM retry inside our pool.
+DEFAULT_MAX_SPLIT_MB = 256
+_ALLOC_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
+# One fd per segment is held across a fast migration; ask for this many when the hard limit allows.
+WANTED_OPEN_FILES = 1 << 20
+
+
+@dataclass(frozen=True)
+class LiveRange:
+    offset: int
+    length: int
+
+
+class MemoryPool:
+    """The routing of PyTorch's allocations into our allocator, on or off with a reason."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pools: dict[int, Any] = {}     # device -> torch.cuda.MemPool, kept alive on purpose
+        self._routed: list[int] = []
+        self._allocator: Optional[Any] = None
+        self.reason_off: Optional[str] = "not installed"
+
+    @property
+    def active(self) -> bool:
+        return bool(self._routed)
+
+    @property
+    def devices(self) -> tuple[int, ...]:
+        return tuple(self._routed)
+
+    def install(self, devices: Sequence[int]) -> bool:
+        """Routes every thread's allocations on `devices` to our allocator. Returns whether it
+        did; otherwise `reason_off` says why and what to do, and the job uses the driver path."""
+        with self._lock:
+            if self._routed:
+                return True
+            reason = self._refusal(devices)
+            if reason is not None:
+                self.reason_off = reason
+                return False
+            import torch
+
+            _raise_open_file_limit()
+            _make_oversize_blocks_releasable(torch)
+            self._allocator = torch.cuda.memory.CUDAPluggableAllocator(
+                _C.__file__, "flexium_vmm_alloc", "flexium_vmm_free"
+            )
+            try:
+                for device in devices:
+                    # A pool belongs to the current device; switching with _maybe_exchange_device
+                    # creates no context on a GPU the job has not used (a context there would be
+                    # carried to the source by every swap).
+                    previous = torch.cuda._maybe_exchange_device(device)
+                    try:
+                        pool = torch.cuda.MemPool(self._allocator.allocator())
+                    finally:
+                        torch.cuda._maybe_exchange_device(previous)
+                    self._pools[device] = pool
+                    torch._C._cuda_beginAllocateToPool(device, pool.id)
+                    self._routed.append(device)
+            except Exception as exc:
+                self._end_routing(torch)
+                self.reason_off = f"PyTorch refused the memory pool ({type(exc).__name__}: {exc})"
+                return False
+            self.reason_off = None
+            return True
+
+    def uninstall(self) -> None:
+        """Ends the routing; the pools stay alive (their memory may still hold tensors)."""
+        with self._lock:
+            if not self._routed:
+                return
+            import torch
+
+            self._end_routing(torch)
+            self.reason_off = "uninstalled"
+
+    def _end_routing(self, torch: Any) -> None:
+        for device in self._routed:
+            pool = self._pools[device]
+            try:
+                torch._C._cuda_endAllocateToPool(device, pool.id)
+            except Exception as exc:  # exiting anyway: say so, keep ending the others
+                log.error("could not end the memory pool routing on cuda:%d: %s", device, exc)
+        self._routed = []
+
+    def _refusal(self, devices: Sequence[int]) -> Optional[str]:
+        try:
+            import torch
+        except ImportError:
+            return "PyTorch is not installed"
+        if not torch.cuda.is_available():
+            return "torch has no usable CUDA"
+        if not _C.driver_status().get("vmm_api"):
+            return "the driver lacks the virtual memory management API (cuMemCreate and friends)"
+        if not all(hasattr(torch._C, name) for name in ("_cuda_beginAllocateToPool", "_cuda_endAllocateToPool")) or not hasattr(
+            torch.cuda, "MemPool"
+        ):
+            return f"torch {torch.__version__} has no MemPool routing (PyTorch 2.6 or newer has it)"
+        early = _memory_allocated_before(torch, devices)
+        if early:
+            where = ", ".join(f"{_mib(n)} on cuda:{d}" for d, n in early.items())
+            return (
+                f"CUDA memory was allocated before flexium.init() ({where}); that memory cannot join the "
+                "pool, so this job uses the driver path: call flexium.init() before creating CUDA tensors"
+            )
+        return None
+
+    # ---- what the fast path reads ----------------------------------------------------------
+
+    def live_ranges(self, device: int) -> dict[int, list[tuple[int, int]]]:
+        """For each of our segments on `device` that PyTorch knows, the byte ranges of its blocks
+        that hold tensors (or wait for a stream to finish with them). What is left out is free
+        cache by PyTorch's own books, so copying it would move garbage. Call with the device
+        synchronized and no other thread allocating (the safe point)."""
+        pool = self._pools.get(device)
+        if pool is None:
+            return {}
+        import torch
+
+        snapshot = _pool_snapshot(torch, pool)
+        ours = {address for address, _size, dev, _mapped in _C.vmm_segments() if dev == device}
+        ranges: dict[int, list[tuple[int, int]]] = {}
+        for segment in snapshot:
+            base = int(segment["address"])
+            if base not in ours or int(segment.get("device", device)) != device:
+                continue
+            ranges[base] = _merge(_active_blocks(segment, base))
+        return ranges
+
+
+def _pool_snapshot(torch: Any, pool: Any) -> list[dict[str, Any]]:
+    try:
+        raw = torch.cuda.memory_snapshot(pool.id)
+    except TypeError:  # older signature: everything, filtered by segment_pool_id below
+        raw = torch.cuda.memory_snapshot()
+    segments = raw["segments"] if isinstance(raw, dict) else raw
+    wanted = tuple(pool.id)
+    return [s for s in segments if tuple(s.get("segment_pool_id", wanted)) == wanted]
+
+
+def _active_blocks(segment: dict[str, Any], base: int) -> list[tuple[int, int]]:
+    blocks = []
+    offset = 0
+    for block in segment.get("blocks", []):
+        size = int(block["size"])
+        start = int(block["address"]) - base if "address" in block else offset
+        if block.get("state") != "inactive":
+            blocks.append((start, size))
+        offset = start + size
+    return blocks
+
+
+def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    merged: list[tuple[int, int]] = []
+    for start, length in sorted(ranges):
+        if merged and merged[-1][0] + merged[-1][1] >= start:
+            last_start, last_length = merged[-1]
+            merged[-1] = (last_start, max(last_start + last_length, start + length) - last_start)
+        else:
+            merged.append((start, length))
+    return merged
+
+
+def _memory_allocated_before(torch: Any, devices: Sequence[int]) -> dict[int, int]:
+    if not torch.cuda.is_initialized():
+        return {}
+    torch.cuda.empty_cache()
+    early = {}
+    for device in devices:
+        if torch._C._cuda_hasPrimaryContext(device):
+            reserved = int(torch.cuda.memory_reserved(device))
+            if reserved:
+                early[device] = reserved
+    return early
+
+
+def _raise_open_file_limit() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = WANTED_OPEN_FILES if hard == resource.RLIM_INFINITY else min(hard, WANTED_OPEN_FILES)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError) as exc:
+            log.info("could not raise the open file limit from %d (%s); fast moves need one per segment", soft, exc)
+
+
+def open_file_headroom() -> int:
+    """How many more files this process may open now."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 30
+    try:
+        in_use = len(os.listdir("/proc/self/fd"))
+    except OSError:
+        in_use = 0
+    return max(0, soft - in_use)
+
+
+def _make_oversize_blocks_releasable(torch: Any) -> None:
+    for variable in _ALLOC_CONF_VARIABLES:
+        if "max_split_size_mb" in os.environ.get(variable, ""):
+            return  # the user's choice stands
+    try:
+        torch.cuda.memory._set_allocator_settings(f"max_split_size_mb:{DEFAULT_MAX_SPLIT_MB}")
+    except Exception as exc:  # an allocator without the setting: OOM retry stays off in the pool
+        log.info("could not set max_split_size_mb (%s): out-of-memory will not retry after freeing cache", exc)
+
+
+def _mib(n: int) -> str:
+    return f"{n / MIB:.0f} MiB"
