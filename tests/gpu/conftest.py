@@ -35,15 +35,18 @@ class JobRun:
         return found[-1]
 
 
-def run_job(*args: str, env: Optional[dict[str, str]] = None, timeout: float = 480) -> JobRun:
+def run_job(
+    *args: str, env: Optional[dict[str, str]] = None, timeout: float = 480, script: str = "train_job.py"
+) -> JobRun:
+    """Runs tests/gpu/<script> (train_job.py unless named) in a fresh process."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.run(
-        [sys.executable, str(HERE / "train_job.py"), *args],
+        [sys.executable, str(HERE / script), *args],
         capture_output=True, text=True, timeout=timeout, env=full_env,
     )
     events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     run = JobRun(proc.returncode, events, proc.stderr, [e for e in events if e["event"] == "op"])
-    _keep_log(args, env, proc.returncode, proc.stdout, proc.stderr)
+    _keep_log((script, *args) if script != "train_job.py" else args, env, proc.returncode, proc.stdout, proc.stderr)
     return run
 
 

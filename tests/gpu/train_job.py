@@ -5,6 +5,15 @@
 A control thread (standing in for flexium's server connection) runs each planned operation once
 the training loop has passed that step, and reports its result with an NVML reading of where the
 job's memory is. The loss trace is printed bit-exactly (float.hex) for comparison between runs.
+
+A plan item may end in "@fast", "@driver" or "@auto" to ask that path for that operation
+(default: --path). Feature flags make the job use what real training jobs use, each in a
+deterministic way, so two runs with the same flags give the same loss trace bit for bit:
+--amp (fp16 autocast + GradScaler), --checkpointing (activation checkpointing of a block),
+--side-stream (a second CUDA stream feeding the forward), --dataloader (worker processes,
+pinned memory, non-blocking copies), --cuda-graph (a CUDA graph captured before any move and
+replayed every step). --stall-at N --stall-seconds S keeps step N from reaching its optimizer
+step (the safe point) for S seconds.
 """
 
 from __future__ import annotations
@@ -16,14 +25,25 @@ import os
 import sys
 import threading
 import time
+from typing import Any, Callable, Optional
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import torch  # noqa: E402
+import torch.utils.checkpoint  # noqa: E402
+import torch.utils.data  # noqa: E402
 
 import flexium  # noqa: E402
 from flexium.api import session as flexium_session  # noqa: E402
 from flexium.engine import nvml  # noqa: E402
+
+BATCH = 1024
+PATHS = ("auto", "fast", "driver")
+# The DataLoader's dataset: this many batches, read cyclically.
+DATASET_BATCHES = 8
+# The CUDA graph's static computation: GRAPH_ROWS x min(GRAPH_WIDTH, --width).
+GRAPH_ROWS = 64
+GRAPH_WIDTH = 256
 
 
 def emit(event: str, **data: object) -> None:
@@ -38,34 +58,42 @@ def placement_snapshot() -> dict[str, object]:
     }
 
 
+PlanItem = tuple[int, str, Optional[str], Optional[str]]  # step, op, target, path (None: --path)
+
+
 class Control(threading.Thread):
-    def __init__(self, plan: list[tuple[int, str, str | None]], pause_seconds: float, progress: "Progress") -> None:
+    def __init__(self, plan: list[PlanItem], pause_seconds: float, progress: "Progress", path: str = "auto") -> None:
         super().__init__(daemon=True, name="test-control")
         self.plan = plan
         self.pause_seconds = pause_seconds
         self.progress = progress
+        self.path = path
 
     def run(self) -> None:
         engine = flexium_session.current().engine
-        for at_step, op, target in self.plan:
+        for at_step, op, target, path in self.plan:
+            path = path or self.path
             self.progress.wait_for(at_step)
             started = time.perf_counter()
-            emit("op_start", op=op, target=target, at_step=at_step, step=self.progress.step)
+            emit("op_start", op=op, target=target, at_step=at_step, step=self.progress.step, requested_path=path)
             try:
                 if op == "migrate":
-                    result = engine.migrate(target)
+                    result = engine.migrate(target, path=path)
                 elif op == "pause":
-                    result = engine.pause()
+                    result = engine.pause(path=path)
                 else:
                     result = engine.resume(target)
                 emit("op", op=op, target=target, ok=True, wall=time.perf_counter() - started,
-                     result=result.to_dict(), nvml=placement_snapshot(),
+                     requested_path=path, path=result.path, result=result.to_dict(), nvml=placement_snapshot(),
                      physical=flexium.auto.get_physical_device(), logical=flexium.auto.get_device())
                 if op == "pause":
                     time.sleep(self.pause_seconds)
             except Exception as exc:  # reported, and training must go on
+                failed = getattr(exc, "result", None)
                 emit("op", op=op, target=target, ok=False, error_type=type(exc).__name__, error=str(exc),
-                     step=getattr(exc, "step", None), state=engine.state.value, nvml=placement_snapshot())
+                     step=getattr(exc, "step", None), state=engine.state.value, requested_path=path,
+                     result=failed.to_dict() if failed is not None else None, nvml=placement_snapshot(),
+                     physical=flexium.auto.get_physical_device())
         emit("control_done")
 
 
@@ -84,28 +112,169 @@ class Progress:
             self._cond.wait_for(lambda: self.step >= step)
 
 
-def parse_plan(items: list[str]) -> list[tuple[int, str, str | None]]:
-    plan = []
+def parse_plan(items: list[str]) -> list[PlanItem]:
+    """"STEP:OP[:TARGET][@PATH]", e.g. "10:migrate:cuda:1@fast", "20:pause", "20:resume:cuda:0"."""
+    plan: list[PlanItem] = []
     for item in items:
+        path = None
+        if "@" in item:
+            item, path = item.rsplit("@", 1)
+            if path not in PATHS:
+                raise SystemExit(f"plan item {item}@{path}: the path must be one of {', '.join(PATHS)}")
         step, op, *rest = item.split(":", 2)
-        plan.append((int(step), op, rest[0] if rest else None))
+        plan.append((int(step), op, rest[0] if rest else None, path))
     return plan
+
+
+# ---- the DataLoader's side: runs in worker processes, which must never touch CUDA -------------
+
+
+class IndexedRows(torch.utils.data.Dataset):
+    """Row i is a fixed function of i (its own seeded CPU generator): any worker, any order,
+    the same batch."""
+
+    def __init__(self, length: int, width: int) -> None:
+        self.length = length
+        self.width = width
+
+    def __len__(self) -> int:
+        return self.length
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        generator = torch.Generator()
+        generator.manual_seed(10_000 + index)
+        return torch.randn(self.width, generator=generator)
+
+
+def _worker_init(_worker_id: int) -> None:
+    # Spawned fresh, with CUDA not initialized: hiding every GPU keeps the worker off CUDA for good.
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    torch.set_num_threads(1)
+
+
+class Batches:
+    """Batches from a DataLoader (2 spawned workers, pinned memory), cyclically, copied to the
+    device with non_blocking=True."""
+
+    def __init__(self, width: int, device: str) -> None:
+        self.device = device
+        self.loader = torch.utils.data.DataLoader(
+            IndexedRows(DATASET_BATCHES * BATCH, width), batch_size=BATCH, shuffle=False, drop_last=True,
+            num_workers=2, pin_memory=True, persistent_workers=True, multiprocessing_context="spawn",
+            worker_init_fn=_worker_init, prefetch_factor=2,
+        )
+        self._iterator: Any = iter(self.loader)
+
+    def next(self) -> torch.Tensor:
+        try:
+            batch = next(self._iterator)
+        except StopIteration:
+            self._iterator = iter(self.loader)
+            batch = next(self._iterator)
+        return batch.to(self.device, non_blocking=True)
+
+    def close(self) -> None:
+        shutdown = getattr(self._iterator, "_shutdown_workers", None)
+        if shutdown is not None:
+            shutdown()
+        self._iterator = None
+
+
+# ---- the other features --------------------------------------------------------------------
+
+
+class SideStream:
+    """f = tanh(x @ proj) on a second stream from x made on the main stream; the main stream
+    waits for it and the forward uses x + 0.1 f, so a lost or early f changes the loss."""
+
+    def __init__(self, width: int, device: str) -> None:
+        generator = torch.Generator(device=device)
+        generator.manual_seed(2)
+        self.proj = torch.randn(width, width, device=device, generator=generator) / width**0.5
+        self.stream = torch.cuda.Stream(device=device)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        main = torch.cuda.current_stream()
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):
+            f = torch.tanh(x @ self.proj)
+        x.record_stream(self.stream)  # x was made on main and is read on the side stream
+        main.wait_stream(self.stream)
+        f.record_stream(main)  # f was made on the side stream and is read on main
+        return x + 0.1 * f
+
+
+class Graph:
+    """A CUDA graph of a small fixed module, captured before training (warm-up on a side stream
+    first, as PyTorch's docs require) and replayed each step on step-dependent input."""
+
+    def __init__(self, width: int, device: str) -> None:
+        cols = min(GRAPH_WIDTH, width)
+        self.cols = cols
+        self.module = torch.nn.Sequential(torch.nn.Linear(cols, cols), torch.nn.Tanh(), torch.nn.Linear(cols, 1)).to(device)
+        self.static_in = torch.zeros(GRAPH_ROWS, cols, device=device)
+        warmup = torch.cuda.Stream(device=device)
+        warmup.wait_stream(torch.cuda.current_stream())
+        with torch.no_grad(), torch.cuda.stream(warmup):
+            for _ in range(3):
+                self.module(self.static_in)
+        torch.cuda.current_stream().wait_stream(warmup)
+        torch.cuda.synchronize()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.no_grad(), torch.cuda.graph(self.graph):
+            self.static_out = self.module(self.static_in)
+        torch.cuda.synchronize()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.static_in.copy_(x[:GRAPH_ROWS, : self.cols])
+        self.graph.replay()
+        return self.static_out.sum()
+
+
+def pool_status() -> dict[str, object]:
+    session = flexium_session.current()
+    pool = getattr(session, "memory_pool", None) if session is not None else None
+    engine = getattr(session, "engine", None) if session is not None else None
+    blocker_of: Optional[Callable[[], Optional[str]]] = getattr(engine, "fast_path_blocker", None)
+    try:
+        blocker = blocker_of() if blocker_of is not None else "no engine"
+    except Exception as exc:  # reported, not fatal
+        blocker = f"fast_path_blocker raised {type(exc).__name__}: {exc}"
+    return {
+        "pool_active": bool(getattr(pool, "active", False)) if pool is not None else False,
+        "pool_reason": getattr(pool, "reason_off", None) if pool is not None else "no memory pool in the session",
+        "fast_path_blocker": blocker,
+    }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ballast-gb", type=float, default=2.0)
     parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--plan", action="append", default=[])
+    parser.add_argument("--plan", action="append", default=[], help="STEP:OP[:TARGET][@auto|fast|driver]")
     parser.add_argument("--pause-seconds", type=float, default=1.0)
     parser.add_argument("--width", type=int, default=2048)
     parser.add_argument("--step-sleep", type=float, default=0.02, help="keeps the loop from outrunning the plan")
     parser.add_argument("--no-flexium", action="store_true")
     parser.add_argument("--hang-seconds", type=float, default=300, help="dump every thread's stack and exit")
+    parser.add_argument("--path", choices=PATHS, default="auto", help="path for migrate and pause")
+    parser.add_argument("--amp", action="store_true", help="fp16 autocast and a GradScaler")
+    parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing of the first block")
+    parser.add_argument("--side-stream", action="store_true", help="a second CUDA stream feeds the forward")
+    parser.add_argument("--dataloader", action="store_true", help="input from a DataLoader with 2 workers")
+    parser.add_argument("--cuda-graph", action="store_true", help="a CUDA graph captured before training")
+    parser.add_argument("--stall-at", type=int, default=-1, help="this step sleeps before its optimizer step")
+    parser.add_argument("--stall-seconds", type=float, default=0.0)
+    parser.add_argument("--alloc-before-init", type=float, default=0.0, metavar="MB",
+                        help="allocate this many MB on cuda:0 before flexium.init() (kept alive)")
     args = parser.parse_args()
 
     faulthandler.dump_traceback_later(args.hang_seconds, exit=True)
     torch.use_deterministic_algorithms(True)
+    early: Optional[torch.Tensor] = None
+    if args.alloc_before_init > 0:
+        early = torch.full((int(args.alloc_before_init * (1 << 20)) // 4,), 1.5, dtype=torch.float32, device="cuda:0")
+        torch.cuda.synchronize()
     if args.no_flexium:
         flexium.init(disabled=True)
     else:
@@ -123,24 +292,60 @@ def main() -> int:
         torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width)
     ).cuda()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    first_block, head = model[:2], model[2]
+
+    features = [name for name in ("amp", "checkpointing", "side_stream", "dataloader", "cuda_graph") if getattr(args, name)]
+    scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10, growth_interval=8) if args.amp else None
+    side = SideStream(width, device) if args.side_stream else None
+    graph = Graph(width, device) if args.cuda_graph else None
+    batches = Batches(width, device) if args.dataloader else None
+
+    def forward(inp: torch.Tensor) -> torch.Tensor:
+        if args.checkpointing:
+            hidden = torch.utils.checkpoint.checkpoint(first_block, inp, use_reentrant=False)
+            return head(hidden)
+        return model(inp)
+
     torch.cuda.synchronize()
     emit("ready", pid=os.getpid(), device=device, uuid=str(torch.cuda.get_device_properties(device).uuid),
          migration=flexium.auto.is_migration_enabled(), process_id=flexium.auto.get_process_id(),
-         reserved=torch.cuda.memory_reserved(), nvml=placement_snapshot())
+         reserved=torch.cuda.memory_reserved(), nvml=placement_snapshot(), features=features,
+         requested_path=args.path, **pool_status())
 
     progress = Progress()
-    control = Control(parse_plan(args.plan), args.pause_seconds, progress)
+    control = Control(parse_plan(args.plan), args.pause_seconds, progress, args.path)
     if args.plan:
         control.start()
     losses = []
     last = time.perf_counter()
     max_gap = 0.0
     for step in range(args.steps):
-        x = torch.randn(1024, width, device=device, generator=generator)
-        loss = (model(x) - x).pow(2).mean()
+        if batches is not None:
+            x = batches.next()
+        else:
+            x = torch.randn(BATCH, width, device=device, generator=generator)
+        inp = side(x) if side is not None else x
+        if scaler is not None:
+            with torch.autocast("cuda", dtype=torch.float16):
+                out = forward(inp)
+            loss = (out.float() - x).pow(2).mean()
+        else:
+            loss = (forward(inp) - x).pow(2).mean()
+        if graph is not None:
+            loss = loss + 1e-3 * graph(x)
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
+        if scaler is not None:
+            scaler.scale(loss).backward()
+        else:
+            loss.backward()
+        if step == args.stall_at:
+            emit("stall", step=step, seconds=args.stall_seconds)
+            time.sleep(args.stall_seconds)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
         value = loss.item()
         losses.append(value.hex())
         now = time.perf_counter()
@@ -151,8 +356,15 @@ def main() -> int:
     if args.plan:
         control.join(timeout=600)
     intact = ballast[::4097].double().sum().item() == checksum
+    extra: dict[str, object] = {}
+    if early is not None:
+        extra["early_ok"] = early.double().sum().item() == early.numel() * 1.5
+    if scaler is not None:
+        extra["amp_scale"] = scaler.get_scale()
+    if batches is not None:
+        batches.close()
     emit("done", losses=losses, ballast_ok=intact, max_gap=max_gap,
-         physical=flexium.auto.get_physical_device(), nvml=placement_snapshot())
+         physical=flexium.auto.get_physical_device(), nvml=placement_snapshot(), **extra, **pool_status())
     flexium.shutdown()
     return 0
 

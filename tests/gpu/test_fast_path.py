@@ -1,0 +1,273 @@
+"""The fast path on real GPUs: PyTorch's memory in flexium's pool, moved at a safe point.
+
+Each job runs in a fresh process (tests/gpu/train_job.py, tests/gpu/oom_job.py). Every moved
+run is compared bit for bit (float.hex loss traces) with an undisturbed run of the same flags.
+Jobs are small (2 GiB ballast or less, at most 40 steps) so the file runs in a few minutes.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import pytest
+
+from conftest import GIB, JobRun, run_job
+
+BALLAST_GB = "2"
+# Memory a GPU may show beyond its idle reading once the job has left it (driver bookkeeping).
+RESIDUE_SLACK = 64 << 20
+JOB_TIMEOUT = 360  # past train_job.py's own hang dump (300 s), which then lands in the log
+ALL_FEATURES = ("--amp", "--checkpointing", "--side-stream", "--dataloader", "--cuda-graph")
+# A plain AdamW MLP job; the plain reference run is shared by the tests that use these flags.
+PLAIN = ("--ballast-gb", BALLAST_GB, "--steps", "30")
+# Tiny jobs for the driver-path checks.
+TINY = ("--ballast-gb", "0.5", "--steps", "20", "--width", "1024")
+FAST_ONLY_STEPS = {"copy", "release", "map"}
+LOCKED_STEPS = {"lock", "checkpoint", "restore", "unlock"}
+
+
+# ---- helpers -----------------------------------------------------------------------------------
+
+
+def idle_used() -> dict[str, int]:
+    """Each GPU's used memory now, with no job of ours running."""
+    from flexium.engine import nvml
+
+    return {gpu.uuid: gpu.memory_used for gpu in nvml.host_gpus()}
+
+
+def uuid_of(host_gpus: list[Any], index: int) -> str:
+    return next(gpu.uuid for gpu in host_gpus if gpu.index == index)
+
+
+def assert_left(op: dict[str, Any], uuid: str, idle: dict[str, int]) -> None:
+    reading = op["nvml"][uuid]
+    assert reading["ours"] == 0, f"after {op['op']} the job still holds {reading['ours']} bytes on {uuid}"
+    assert reading["used"] <= idle[uuid] + RESIDUE_SLACK, (
+        f"after {op['op']} {uuid} shows {reading['used'] >> 20} MiB used, idle was {idle[uuid] >> 20} MiB"
+    )
+
+
+def assert_holds(op: dict[str, Any], uuid: str, ballast_gb: str) -> None:
+    ours = op["nvml"][uuid]["ours"]
+    assert ours >= float(ballast_gb) * GIB, f"after {op['op']} the job holds only {ours >> 20} MiB on {uuid}"
+
+
+def summary(ops: list[dict[str, Any]]) -> str:
+    """What went wrong, short: each op's outcome, path, notes and error."""
+    lines = []
+    for op in ops:
+        result = op.get("result") or {}
+        lines.append(
+            f"{op['op']} {op.get('target')}: ok={op['ok']} path={op.get('path', result.get('path'))} "
+            f"requested={op.get('requested_path')} notes={result.get('notes')} "
+            f"error={op.get('error_type')}: {op.get('error') or result.get('error')}"
+        )
+    return "\n".join(lines)
+
+
+def ok_run(run: JobRun) -> JobRun:
+    assert run.returncode == 0, f"exit {run.returncode}; stderr tail:\n{run.stderr[-3000:]}"
+    return run
+
+
+def step_names(op: dict[str, Any]) -> set[str]:
+    return {s["step"] for s in op["result"]["steps"] if not s["rollback"]}
+
+
+def driver_note(op: dict[str, Any]) -> str:
+    notes = [n for n in op["result"]["notes"] if n.startswith("driver path: ")]
+    assert notes, f"a driver-path {op['op']} in auto mode has no 'driver path: ' note: {op['result']['notes']}"
+    return notes[0]
+
+
+@functools.lru_cache(maxsize=None)
+def reference(*args: str) -> tuple[str, ...]:
+    """The loss trace of an undisturbed run with these flags (one run per flag set per session)."""
+    run = ok_run(run_job(*args, timeout=JOB_TIMEOUT))
+    assert run.one("ready")["pool_active"] is True, run.one("ready")["pool_reason"]
+    return tuple(run.one("done")["losses"])
+
+
+# ---- tests -------------------------------------------------------------------------------------
+
+
+def test_fast_path_all_features_bit_identical(host_gpus: list[Any]) -> None:
+    """AMP + GradScaler, activation checkpointing, a side stream with record_stream, a DataLoader
+    with workers and pinned memory, a CUDA graph captured before any move: migrate there and back,
+    pause, resume elsewhere, all on the fast path, and the loss trace is unchanged."""
+    gpu0, gpu1 = uuid_of(host_gpus, 0), uuid_of(host_gpus, 1)
+    idle = idle_used()
+    common = ("--ballast-gb", BALLAST_GB, "--steps", "40", "--pause-seconds", "0.5", *ALL_FEATURES)
+    expected = reference(*common)
+
+    moved = ok_run(run_job(
+        *common,
+        "--plan", "8:migrate:cuda:1", "--plan", "16:migrate:cuda:0",
+        "--plan", "24:pause", "--plan", "24:resume:cuda:1",
+        timeout=JOB_TIMEOUT,
+    ))
+    ready = moved.one("ready")
+    assert ready["pool_active"] is True, ready["pool_reason"]
+    assert ready["migration"] is True
+    assert ready["features"] == ["amp", "checkpointing", "side_stream", "dataloader", "cuda_graph"]
+    assert [op["ok"] for op in moved.ops] == [True] * 4, summary(moved.ops)
+    assert [op["result"]["path"] for op in moved.ops] == ["fast"] * 4, summary(moved.ops)
+    to1, to0, pause, resume = moved.ops
+
+    assert to1["physical"] == "cuda:1" and to1["logical"] == "cuda:0"
+    assert_holds(to1, gpu1, BALLAST_GB)
+    assert_left(to1, gpu0, idle)
+
+    assert to0["physical"] == "cuda:0"
+    assert_holds(to0, gpu0, BALLAST_GB)
+    assert_left(to0, gpu1, idle)
+
+    assert_left(pause, gpu0, idle)
+    assert_left(pause, gpu1, idle)
+
+    assert resume["physical"] == "cuda:1"
+    assert_holds(resume, gpu1, BALLAST_GB)
+    assert_left(resume, gpu0, idle)
+
+    for op in (to1, to0):
+        assert step_names(op) >= FAST_ONLY_STEPS | LOCKED_STEPS, op["result"]["steps"]
+        assert op["result"]["bytes_moved"] >= float(BALLAST_GB) * GIB
+    assert step_names(pause) >= {"copy", "release", "lock", "checkpoint"}, pause["result"]["steps"]
+    assert step_names(resume) >= {"restore", "unlock", "copy_back"}, resume["result"]["steps"]
+
+    done = moved.one("done")
+    assert done["ballast_ok"] is True
+    assert done["physical"] == "cuda:1"
+    assert tuple(done["losses"]) == expected, "loss trace differs from the undisturbed run"
+
+
+def test_fast_path_plain_adamw_and_paths_side_by_side(host_gpus: list[Any]) -> None:
+    """The same job moved once on each path: fast to cuda:1, driver back to cuda:0."""
+    gpu0, gpu1 = uuid_of(host_gpus, 0), uuid_of(host_gpus, 1)
+    idle = idle_used()
+    expected = reference(*PLAIN)
+    run = ok_run(run_job(
+        *PLAIN, "--plan", "10:migrate:cuda:1@fast", "--plan", "20:migrate:cuda:0@driver", timeout=JOB_TIMEOUT,
+    ))
+    assert run.one("ready")["pool_active"] is True, run.one("ready")["pool_reason"]
+    assert [op["ok"] for op in run.ops] == [True, True], summary(run.ops)
+    fast, driver = run.ops
+    assert fast["result"]["path"] == "fast" and driver["result"]["path"] == "driver", summary(run.ops)
+
+    assert step_names(fast) >= FAST_ONLY_STEPS | LOCKED_STEPS, fast["result"]["steps"]
+    assert not step_names(driver) & FAST_ONLY_STEPS, driver["result"]["steps"]
+    assert step_names(driver) >= LOCKED_STEPS, driver["result"]["steps"]
+
+    assert fast["physical"] == "cuda:1"
+    assert_holds(fast, gpu1, BALLAST_GB)
+    assert_left(fast, gpu0, idle)
+    assert driver["physical"] == "cuda:0"
+    assert_holds(driver, gpu0, BALLAST_GB)
+    assert_left(driver, gpu1, idle)
+
+    done = run.one("done")
+    assert done["ballast_ok"] is True
+    assert tuple(done["losses"]) == expected
+
+
+def test_no_safe_point_falls_back_to_driver_path(host_gpus: list[Any]) -> None:
+    """Step 10 sleeps 6 s before its optimizer step. The migrate, issued right after step 9,
+    waits FLEXIUM_SAFE_POINT_WAIT=1 s for a safe point, then runs the driver path inline while
+    the loop sleeps. A later migrate finds safe points again and takes the fast path."""
+    gpu0, gpu1 = uuid_of(host_gpus, 0), uuid_of(host_gpus, 1)
+    idle = idle_used()
+    env = {"FLEXIUM_SAFE_POINT_WAIT": "1"}
+    stall = ("--stall-at", "10", "--stall-seconds", "6")
+    reference_run = ok_run(run_job(*PLAIN, *stall, env=env, timeout=JOB_TIMEOUT))
+    run = ok_run(run_job(
+        *PLAIN, *stall, "--plan", "9:migrate:cuda:1", "--plan", "20:migrate:cuda:0", env=env, timeout=JOB_TIMEOUT,
+    ))
+    assert run.one("ready")["pool_active"] is True, run.one("ready")["pool_reason"]
+    assert [op["ok"] for op in run.ops] == [True, True], summary(run.ops)
+    stalled, later = run.ops
+
+    assert stalled["result"]["path"] == "driver", summary(run.ops)
+    assert "safe point" in driver_note(stalled), stalled["result"]["notes"]
+    assert not step_names(stalled) & FAST_ONLY_STEPS, stalled["result"]["steps"]
+    assert stalled["physical"] == "cuda:1"
+    assert_holds(stalled, gpu1, BALLAST_GB)
+    assert_left(stalled, gpu0, idle)
+
+    assert later["result"]["path"] == "fast", summary(run.ops)
+    assert later["physical"] == "cuda:0"
+    assert_left(later, gpu1, idle)
+
+    done = run.one("done")
+    assert done["ballast_ok"] is True
+    assert done["losses"] == reference_run.one("done")["losses"]
+
+
+def test_pool_switched_off_and_early_allocation_use_driver_path(host_gpus: list[Any]) -> None:
+    gpu0 = uuid_of(host_gpus, 0)
+    idle = idle_used()
+
+    # (1) FLEXIUM_FAST_PATH=0: no pool; auto takes the driver path, "fast" is refused.
+    off = ok_run(run_job(
+        *TINY, "--plan", "5:migrate:cuda:1", "--plan", "10:migrate:cuda:0@fast",
+        env={"FLEXIUM_FAST_PATH": "0"}, timeout=JOB_TIMEOUT,
+    ))
+    ready = off.one("ready")
+    assert ready["pool_active"] is False and ready["pool_reason"], ready
+    moved, refused = off.ops
+    assert moved["ok"] is True and moved["result"]["path"] == "driver", summary(off.ops)
+    driver_note(moved)
+    assert moved["physical"] == "cuda:1"
+    assert_left(moved, gpu0, idle)
+    assert refused["ok"] is False and refused["error_type"] == "CapabilityError", summary(off.ops)
+    assert refused["state"] == "RUNNING"
+    done = off.one("done")
+    assert done["ballast_ok"] is True and done["physical"] == "cuda:1"
+
+    # (2) CUDA memory allocated before flexium.init(): the pool stays off, the driver path runs.
+    early = ok_run(run_job(*TINY, "--alloc-before-init", "64", "--plan", "5:migrate:cuda:1", timeout=JOB_TIMEOUT))
+    ready = early.one("ready")
+    assert ready["pool_active"] is False, ready
+    assert "before flexium.init()" in (ready["pool_reason"] or ""), ready["pool_reason"]
+    (op,) = early.ops
+    assert op["ok"] is True and op["result"]["path"] == "driver", summary(early.ops)
+    assert "before flexium.init()" in driver_note(op)
+    assert op["physical"] == "cuda:1"
+    assert_left(op, gpu0, idle)
+    done = early.one("done")
+    assert done["ballast_ok"] is True and done["early_ok"] is True
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [pytest.param("0.6", "0.7", id="cached-smaller-then-larger"), pytest.param("0.7", "0.6", id="cached-larger-then-smaller")],
+)
+def test_out_of_memory_retry_frees_pool_cache(host_gpus: list[Any], first: str, second: str) -> None:
+    """A deleted tensor's block stays cached in the pool; a second allocation that does not fit
+    beside it must still succeed: PyTorch frees the oversize cached block and retries."""
+    run = ok_run(run_job(first, second, script="oom_job.py", timeout=JOB_TIMEOUT))
+    result = run.one("result")
+    assert result["pool_active"] is True, result["pool_reason"]
+    assert result["first"] + result["second"] > result["free"]
+    assert result["reserved_cached"] >= result["first"], result  # the first block was cached, not freed
+    assert result["success"] is True, result
+    assert result["reserved_after"] < result["first"] + result["second"], result
+
+
+def test_target_without_room_is_refused_on_the_fast_path(host_gpus: list[Any], gpu_filler: Any) -> None:
+    """With the pool active and the fast path asked for, a target without room is refused before
+    anything moves, and training continues unchanged."""
+    gpu0, gpu1 = uuid_of(host_gpus, 0), uuid_of(host_gpus, 1)
+    expected = reference(*PLAIN)
+    gpu_filler(1, 1.0)  # leaves 1 GiB free on GPU 1; the job holds over 2
+    run = ok_run(run_job(*PLAIN, "--path", "fast", "--plan", "10:migrate:cuda:1", timeout=JOB_TIMEOUT))
+    assert run.one("ready")["pool_active"] is True, run.one("ready")["pool_reason"]
+    (op,) = run.ops
+    assert op["ok"] is False and op["error_type"] == "TargetRefusedError", summary(run.ops)
+    assert "free" in op["error"] and op["state"] == "RUNNING"
+    assert op["nvml"][gpu1]["ours"] == 0
+    assert op["nvml"][gpu0]["ours"] >= float(BALLAST_GB) * GIB
+    done = run.one("done")
+    assert done["physical"] == "cuda:0" and done["ballast_ok"] is True
+    assert tuple(done["losses"]) == expected
