@@ -96,6 +96,9 @@ void bind_vmm(py::module_ &m) {
       "map_imported",
       [](const std::vector<StagedTuple> &staged, int device) { map_imported(tuples_to_staged(staged), device); },
       py::arg("staged"), py::arg("device"));
+  m.def("reserve_host_staging", &reserve_host_staging, py::arg("bytes"), py::arg("device"),
+        py::arg("chunk_bytes") = kDefaultHostChunkBytes, release_gil(),
+        "Grows the pinned staging pool ahead of a pause; returns the bytes added.");
   m.def("stage_segments_to_host", &stage_segments_to_host, py::arg("chunk_bytes") = kDefaultHostChunkBytes);
   m.def("restore_segments_from_host", &restore_segments_from_host, py::arg("device") = -1);
   m.def("release_host_staging", &release_host_staging, release_gil());

@@ -110,6 +110,42 @@ struct EraseDone {
 
 }  // namespace
 
+std::size_t reserve_host_staging(std::size_t bytes, int device, std::size_t chunk_bytes) {
+  if (chunk_bytes == 0) throw std::invalid_argument("chunk_bytes must be positive");
+  const DriverTable &d = require_vmm_driver();
+  std::size_t have = 0;
+  {
+    RegistryLock lock(kRelocationLockTimeout);
+    have = pool_bytes();
+    if (!pool.chunks.empty()) device = pool.device;
+  }
+  if (have >= bytes) return 0;
+  // Pinned outside the registry lock: pinning gigabytes takes seconds, and the job's
+  // allocations (which take that lock) must not wait for it.
+  std::vector<Chunk> fresh;
+  try {
+    ScopedContext context(d, device);
+    for (std::size_t missing = bytes - have; missing > 0;) {
+      Chunk chunk;
+      chunk.size = std::min(chunk_bytes, missing);
+      FLEXIUM_CU_CALL(d, cuMemHostAlloc, &chunk.host, chunk.size, CU_MEMHOSTALLOC_PORTABLE);
+      fresh.push_back(chunk);
+      missing -= chunk.size;
+    }
+  } catch (...) {
+    for (const Chunk &chunk : fresh) d.cuMemFreeHost(chunk.host);
+    throw;
+  }
+  std::size_t added = 0;
+  RegistryLock lock(kRelocationLockTimeout);
+  if (pool.chunks.empty()) pool.device = device;
+  for (const Chunk &chunk : fresh) {
+    pool.chunks.push_back(chunk);
+    added += chunk.size;
+  }
+  return added;
+}
+
 std::size_t stage_segments_to_host(std::size_t chunk_bytes) {
   if (chunk_bytes == 0) throw std::invalid_argument("chunk_bytes must be positive");
   const DriverTable &d = require_vmm_driver();

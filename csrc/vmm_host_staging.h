@@ -9,6 +9,10 @@ namespace flexium {
 
 constexpr std::size_t kDefaultHostChunkBytes = std::size_t{256} << 20;
 
+// Grows the pinned pool to at least `bytes` ahead of a pause, with `device`'s context (the pool's
+// own once it has chunks), without holding the registry lock while pinning. Returns bytes added.
+std::size_t reserve_host_staging(std::size_t bytes, int device, std::size_t chunk_bytes = kDefaultHostChunkBytes);
+
 // Copies every segment into a pinned staging pool, in pieces of at most `chunk_bytes` (the pool
 // grows by chunks of that size and is kept for the next pause). Segments stay as they are: call
 // release_source_backing() next. Returns the bytes staged. Throws std::runtime_error while the

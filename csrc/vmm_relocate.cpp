@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <optional>
 #include <set>
 #include <stdexcept>
 #include <string>
@@ -98,25 +99,22 @@ void drop_temporary(const DriverTable &d, Backing &temp) {
   temp.created = false;
 }
 
-}  // namespace
+// What a driver says when work for a GPU needs that GPU's context to be current.
+bool wants_context(CUresult code) {
+  return code == CUDA_ERROR_INVALID_CONTEXT || code == CUDA_ERROR_INVALID_DEVICE || code == CUDA_ERROR_NOT_SUPPORTED ||
+         code == CUDA_ERROR_NOT_PERMITTED || code == CUDA_ERROR_CONTEXT_IS_DESTROYED;
+}
 
-std::size_t last_staged_copy_bytes() { return copied_bytes; }
-
-std::vector<StagedSegment> stage_segments_to_device(int target, int source, const LiveRanges &live,
-                                                    const SegmentFilter &only) {
-  const DriverTable &d = require_vmm_driver();
-  copied_bytes = 0;
-  RegistryLock lock(kRelocationLockTimeout);
-  auto groups = by_device(lock.segments(), source, only);
-  for (const auto &group : groups) {
-    for (const Segment *segment : group.second) {
-      if (!segment->mapped || !segment->has_handle) {
-        throw std::invalid_argument(describe(*segment) + " has no backing to stage");
-      }
-    }
+std::vector<StagedSegment> stage_groups(const DriverTable &d, const std::map<int, std::vector<Segment *>> &groups,
+                                        int target, const LiveRanges &live, bool with_target_context) {
+  // Declared before the copies, so that on failure they are freed while a context is current:
+  // the target's when asked for, else the first source's.
+  std::optional<ScopedContext> context;
+  if (with_target_context) {
+    context.emplace(d, target);
+  } else if (!groups.empty()) {
+    context.emplace(d, groups.begin()->first);
   }
-  ScopedContext target_context(d, target);
-  // Declared after the context: on failure the copies are freed while it still exists.
   std::vector<std::unique_ptr<Copy>> copies;
   for (const auto &group : groups) {
     ScopedContext source_context(d, group.first);
@@ -135,6 +133,35 @@ std::vector<StagedSegment> stage_segments_to_device(int target, int source, cons
   for (auto &copy : copies) staged.push_back({copy->source_address, copy->temporary.size, copy->fd.fd});
   for (auto &copy : copies) copy->fd.release();
   return staged;
+}
+
+}  // namespace
+
+std::size_t last_staged_copy_bytes() { return copied_bytes; }
+
+std::vector<StagedSegment> stage_segments_to_device(int target, int source, const LiveRanges &live,
+                                                    const SegmentFilter &only) {
+  const DriverTable &d = require_vmm_driver();
+  copied_bytes = 0;
+  RegistryLock lock(kRelocationLockTimeout);
+  auto groups = by_device(lock.segments(), source, only);
+  for (const auto &group : groups) {
+    for (const Segment *segment : group.second) {
+      if (!segment->mapped || !segment->has_handle) {
+        throw std::invalid_argument(describe(*segment) + " has no backing to stage");
+      }
+    }
+  }
+  // A context of ours on the target costs about 0.2 s to create and destroy, so first try
+  // without one (memory can be created on, and copied into, a GPU from another GPU's context);
+  // a driver that wants the target's context gets it on the second try.
+  try {
+    return stage_groups(d, groups, target, live, false);
+  } catch (const DriverError &e) {
+    if (!wants_context(e.code())) throw;
+    copied_bytes = 0;
+    return stage_groups(d, groups, target, live, true);
+  }
 }
 
 std::size_t release_source_backing(int source, const SegmentFilter &only) {

@@ -7,6 +7,9 @@ no part of the engine is replaced. Two things are adapted to the fake, each said
   way tests/unit/test_native_layer.py does, so both modules run in one pytest process in any
   order) and restores FLEXIUM_LIBCUDA / FLEXIUM_LIBNVML after the module. Other driver
   configurations (old driver, no checkpoint API, no driver) run in subprocesses.
+* A pause needs host memory for what it stages; the engine reads MemAvailable. The fake GPUs
+  hold tens of GiB that this machine's RAM need not match, so ``fake`` models the host's
+  available memory too (``HOST_AVAILABLE``; tests change it through ``host_memory``).
 * While the process is frozen, flexium reads NVML in a child process (python -m
   flexium.engine.nvml). On a real machine that child sees the same GPUs as its parent; with the
   fake, every process has its own modelled machine, so the child cannot see the memory a test
@@ -74,10 +77,29 @@ def _point_nvml_at(fake: FakeDriver) -> None:
     assert nvml.driver_version() == "580.159.04"
 
 
+HOST_AVAILABLE = 2048 * GiB
+
+
+@dataclass
+class HostMemory:
+    available: Optional[int] = HOST_AVAILABLE
+
+
+_host = HostMemory()
+
+
+@pytest.fixture
+def host_memory(fake: FakeDriver) -> HostMemory:
+    return _host
+
+
 @pytest.fixture
 def fake(driver: FakeDriver, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeDriver]:
+    from flexium.engine import engine as engine_module
     from flexium.engine import nvml
 
+    _host.available = HOST_AVAILABLE
+    monkeypatch.setattr(engine_module, "host_memory_available", lambda: _host.available)
     for name in fake_driver.FAKE_ENV_VARS:
         monkeypatch.delenv(name, raising=False)
     driver.reset()

@@ -23,7 +23,9 @@ from engine_fixtures import (  # noqa: F401  (fixtures)
     ChildReads,
     checkpoint_ops,
     driver,
+    HostMemory,
     fake,
+    host_memory,
     make_engine,
     nvml_in_parent,
     step_summary,
@@ -578,6 +580,19 @@ def test_resume_picks_the_gpu_with_most_room_when_the_old_one_filled_up(
     assert result.ok and result.target.device == "cuda:2"
     assert sorted(fake.last_pairs()) == [(0, 2), (1, 1), (2, 0)]
     on_gpu(fake, engine, 2)
+
+
+def test_pause_refused_when_the_host_cannot_hold_the_memory(
+    fake: FakeDriver, make_engine: Callable[..., Any], host_memory: HostMemory
+) -> None:
+    fake.set_process_memory(0, 6 * GiB)
+    host_memory.available = 4 * GiB
+    engine = make_engine()
+    with pytest.raises(TargetRefusedError, match=r"pausing needs 7\.00 GiB of host memory .* has 4\.00 GiB available"):
+        engine.pause()
+    assert engine.state == EngineState.RUNNING and checkpoint_ops(fake) == []
+    host_memory.available = 8 * GiB
+    assert engine.pause().ok
 
 
 def test_resume_without_room_anywhere_stays_paused(fake: FakeDriver, make_engine: Callable[..., Any]) -> None:

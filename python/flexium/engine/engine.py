@@ -24,7 +24,7 @@ from typing import Callable, Iterator, Optional, Sequence
 from flexium import _C
 from flexium.engine import nvml, torch_bridge
 from flexium.engine.capabilities import Capabilities
-from flexium.engine.fast_path import FastPath, RelocationError, Staged
+from flexium.engine.fast_path import FastPath, RelocationError, Staged, host_memory_available
 from flexium.engine.identity import IdentityMap, Target
 from flexium.engine.operations import (
     EngineState,
@@ -51,6 +51,8 @@ DEFAULT_LOCK_TIMEOUT_MS = 30_000
 DEFAULT_SAFE_POINT_WAIT_SECONDS = 5.0
 # Restore needs some room beyond the process's own bytes (driver bookkeeping on the target).
 DEFAULT_MEMORY_MARGIN_BYTES = 512 << 20
+# Host memory a pause leaves free beside what it stages.
+HOST_MEMORY_MARGIN_BYTES = 1 << 30
 PATHS = ("auto", "fast", "driver")
 
 
@@ -230,10 +232,13 @@ class Engine:
                     "until resume(); call pause() from another thread (the flexium control thread does)"
                 )
             source = self._identity.physical_of(self._logical)
+            pinned = self._prepare_host_staging(path)
 
             def work(at_safe_point: bool) -> OperationResult:
                 fast, why = self._choose_path(path, at_safe_point)
-                return self._run_fast_pause(source) if fast else self._run_pause(source, why)
+                if fast:
+                    return replace(self._run_fast_pause(source), notes=pinned)
+                return self._run_pause(source, why)
 
             result, at_safe_point = self._safe_points.run(work, then=self._park_while_paused)
             if not at_safe_point and result.ok:
@@ -255,6 +260,31 @@ class Engine:
             return self._finish(result)
 
     # ---- validation ------------------------------------------------------------------------
+
+    def _prepare_host_staging(self, path: str) -> tuple[str, ...]:
+        """Before a pause: refuses it when the host cannot hold the job's memory, and pins the
+        fast path's staging memory now, while the job still trains, not in its downtime."""
+        needed = self.process_bytes()
+        fast = self._fast if path != "driver" and self.fast_path_blocker() is None else None
+        to_pin = fast.host_bytes_to_pin(self._logical) if fast is not None else 0
+        available = host_memory_available()
+        wanted = (to_pin if fast is not None else needed) + HOST_MEMORY_MARGIN_BYTES
+        if available is not None and available < wanted:
+            raise TargetRefusedError(
+                f"pausing needs {_gib(wanted)} of host memory to hold the job's GPU memory and this machine has "
+                f"{_gib(available)} available: free host memory, or migrate the job instead"
+            )
+        if fast is None or to_pin == 0:
+            return ()
+        try:
+            added, seconds = fast.reserve_host(self._logical)
+        except Exception as exc:
+            raise OperationFailedError(
+                f"pause failed at step 'pin' before anything was touched: could not pin {_gib(to_pin)} of host "
+                f"memory ({type(exc).__name__}: {exc}); the job keeps training",
+                step="pin",
+            ) from exc
+        return (f"pinned {_gib(added)} of host memory for the pool in {seconds:.2f} s while the job trained",)
 
     def fast_path_blocker(self) -> Optional[str]:
         """Why a move now would take the driver path (None: the fast path can run at a safe point)."""

@@ -77,9 +77,8 @@ class FastPath:
     # ---- GPU to GPU ------------------------------------------------------------------------
 
     def stage_to_device(self, logical: int, target_ordinal: int) -> tuple[Staged, StepTiming]:
-        live = self.pool.live_ranges(logical)
-
         def work() -> Staged:
+            live = self.pool.live_ranges(logical)
             entries = _C.stage_segments_to_device(target_ordinal, logical, live)
             return Staged([tuple(e) for e in entries], int(_C.last_staged_copy_bytes()))  # type: ignore[misc]
 
@@ -124,6 +123,16 @@ class FastPath:
 
     # ---- GPU to pinned host memory ---------------------------------------------------------
 
+    def reserve_host(self, logical: int) -> tuple[int, float]:
+        """Pins host memory for the pool's bytes before the safe point (pinning takes seconds;
+        the job trains meanwhile). Returns bytes added and seconds taken."""
+        started = time.perf_counter()
+        added = int(_C.reserve_host_staging(self.pool_bytes(logical), logical))
+        return added, time.perf_counter() - started
+
+    def host_bytes_to_pin(self, logical: int) -> int:
+        return max(0, self.pool_bytes(logical) - int(_C.host_staging_pool_bytes()))
+
     def stage_to_host(self) -> tuple[int, StepTiming]:
         return timed("copy", lambda: int(_C.stage_segments_to_host()))
 
@@ -136,6 +145,18 @@ class FastPath:
     @staticmethod
     def _unbacked() -> set[int]:
         return {address for address, _size, _device, mapped in _C.vmm_segments() if not mapped}
+
+
+def host_memory_available() -> Optional[int]:
+    """MemAvailable of /proc/meminfo in bytes; None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as meminfo:
+            for line in meminfo:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def close_fds(entries: Any) -> None:

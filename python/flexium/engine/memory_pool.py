@@ -111,6 +111,9 @@ class MemoryPool:
             pool = self._pools[device]
             try:
                 torch._C._cuda_endAllocateToPool(device, pool.id)
+                # Gives back the use beginAllocateToPool took (as torch.cuda.use_mem_pool does), so
+                # the pool's own destruction later finds the count it expects.
+                torch._C._cuda_releasePool(device, pool.id)
             except Exception as exc:  # exiting anyway: say so, keep ending the others
                 log.error("could not end the memory pool routing on cuda:%d: %s", device, exc)
         self._routed = []
