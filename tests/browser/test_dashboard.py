@@ -156,7 +156,8 @@ def test_migrate_offers_only_gpus_that_fit_and_shows_the_outcome(dash: Dashboard
     last = dash.wait_cell("gpu-mig-0001", "Last migration", "migrate → GPU 5", "1.87 s", "succeeded")
     assert "succeeded · " in last and ("just now" in last or "ago" in last)
     assert api.get(f"/commands/{command['id']}").json()["state"] == "succeeded"
-    dash.wait(lambda: any("succeeded in 1.87 s" in text for _r, text in dash.notices()), "a notice tells the outcome")
+    dash.wait(lambda: any("succeeded in 1.87 s (driver path)" in text for _r, text in dash.notices()),
+              "a notice tells the outcome and the path that ran")
     dash.wait(lambda: any(f"#{command['id']}" in item and "succeeded" in item and "1.87 s" in item
                           for item in dash.command_items()), "recent commands list it")
     dash.wait_buttons("gpu-mig-0001", {"Migrate": True, "Pause": True})

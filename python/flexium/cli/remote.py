@@ -260,7 +260,10 @@ def _print_outcome(api: ApiClient, command: dict[str, Any]) -> None:
         moved = result.get("bytes_moved") or 0
         seconds = result.get("seconds") or 0.0
         speed = f", {moved / 1e9 / seconds:.1f} GB/s" if moved and seconds else ""
-        print(f"  operation {_ms(seconds)} ({line}); {_gib(moved)} moved{speed}")
+        path = f"{result['path']} path, " if result.get("path") else ""
+        print(f"  operation {_ms(seconds)}, {path}({line}); {_gib(moved)} moved{speed}")
+        for note in result.get("notes") or []:
+            print(f"  note: {note}")
     if command["state"] != "succeeded":
         print(f"  reason: {_reason(command)}", file=sys.stderr)
     try:

@@ -330,7 +330,8 @@
     var seconds = c.result && typeof c.result.seconds === "number" ? c.result.seconds
       : (c.finished_at && c.started_at ? c.finished_at - c.started_at : null);
     if (c.state === "succeeded") {
-      notify(what + "succeeded" + (seconds !== null ? " in " + fmtDuration(seconds, true) : ""), "ok", c.id);
+      var path = c.result && c.result.path ? " (" + c.result.path + " path)" : "";
+      notify(what + "succeeded" + (seconds !== null ? " in " + fmtDuration(seconds, true) : "") + path, "ok", c.id);
     } else if (c.state === "failed" || c.state === "expired") {
       notify(what + c.state + (c.error ? ": " + c.error : ""), "error", c.id);
     } else {
