@@ -45,10 +45,13 @@ class MemoryPool:
     """The routing of PyTorch's allocations into our allocator, on or off with a reason."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        # Re-entrant: a MemPool's __del__ (which takes it) can run inside any call, via gc.
+        self._lock = threading.RLock()
         self._pools: dict[int, Any] = {}     # device -> torch.cuda.MemPool, kept alive on purpose
         self._routed: list[int] = []
         self._allocator: Optional[Any] = None
+        self._suspended = False  # routing ended while some other MemPool is destroyed
+        self._step_hook: Optional[Any] = None
         self.reason_off: Optional[str] = "not installed"
 
     @property
@@ -93,18 +96,73 @@ class MemoryPool:
                 self._end_routing(torch)
                 self.reason_off = f"PyTorch refused the memory pool ({type(exc).__name__}: {exc})"
                 return False
+            self._guard_other_pools(torch)
             self.reason_off = None
             return True
 
     def uninstall(self) -> None:
         """Ends the routing; the pools stay alive (their memory may still hold tensors)."""
         with self._lock:
+            if self._step_hook is not None:
+                self._step_hook.remove()
+                self._step_hook = None
             if not self._routed:
                 return
             import torch
 
-            self._end_routing(torch)
+            if not self._suspended:
+                self._end_routing(torch)
+            self._routed = []
+            self._suspended = False
             self.reason_off = "uninstalled"
+
+    # ---- other MemPools -------------------------------------------------------------------
+
+    def _guard_other_pools(self, torch: Any) -> None:
+        """Destroying any MemPool while ours is routed aborts the process (fact 11), and jobs or
+        libraries may make and drop their own. So the routing ends just before another pool is
+        destroyed and starts again at the next optimizer step; allocations in between come
+        from PyTorch's own allocator and ride the driver checkpoint."""
+        cls = torch.cuda.MemPool
+        if not getattr(cls, "_flexium_guarded", False):
+            original = cls.__dict__.get("__del__")
+            hook = self
+
+            def __del__(pool: Any) -> None:
+                if not any(pool is ours for ours in hook._pools.values()):
+                    hook._suspend()
+                if original is not None:
+                    original(pool)
+
+            cls.__del__ = __del__
+            cls._flexium_guarded = True
+        from torch.optim.optimizer import register_optimizer_step_post_hook
+
+        self._step_hook = register_optimizer_step_post_hook(lambda *_: self._resume_if_suspended())
+
+    def _suspend(self) -> None:
+        with self._lock:
+            if not self._routed or self._suspended:
+                return
+            import torch
+
+            routed = list(self._routed)
+            self._end_routing(torch)
+            self._routed = routed
+            self._suspended = True
+            log.info("memory pool routing paused while another MemPool is destroyed; it resumes at the next step")
+
+    def _resume_if_suspended(self) -> None:
+        if not self._suspended:
+            return
+        with self._lock:
+            if not self._suspended or not self._routed:
+                return
+            import torch
+
+            for device in self._routed:
+                torch._C._cuda_beginAllocateToPool(device, self._pools[device].id)
+            self._suspended = False
 
     def _end_routing(self, torch: Any) -> None:
         for device in self._routed:
