@@ -1,10 +1,20 @@
-"""Migrate, pause and resume times of a real training job per size of its GPU state.
+"""Downtime of migrate, pause and resume of a real training job, fast path against driver path,
+against a hand-written .to() move and against the floor set by this machine's copy bandwidth.
 
-    python bench/migrate.py --sizes 2,16,64 [--json results.json]
+    python bench/migrate.py --sizes 2,16,64 [--json results.json] [--skip-driver-above 16] [--timeout 600]
 
-Each size runs one fresh job (tests/gpu/train_job.py) holding that many GB beside a small
-model: migrate cuda:0 -> cuda:1, pause, resume in place. Prints one table; every figure is
-measured in this run.
+Once per run: copy bandwidths (GPU0 -> GPU1 peer, pinned D2H / H2D; plain torch, best of 3) and
+the fixed cost of the driver checkpoint (a job of 0.1 GiB migrated by the driver path: its
+checkpoint + restore seconds are what a bare torch context costs). Per size (GiB of training
+state, bench/bench_job.py): one job with the memory pool on doing fast migrate cuda:0 -> cuda:1,
+driver migrate back, fast pause + resume and driver pause + resume (in place); one job with
+flexium disabled doing the move by hand (model, AdamW state and ballast .to("cuda:1")).
+
+Downtime is read from the job's own step end times (bench_job.analyse): for a migrate at the
+safe point of step k it is end(k) - end(k-1). Every downtime holds one normal step of compute,
+so "extra" (downtime minus the median normal step) is what the move cost; "vs floor" and
+"vs driver" and the goals use it. Floors: migrate S/peer + checkpoint + restore, pause
+S/D2H + checkpoint, resume S/H2D + restore (S: the job's reserved bytes, fixed costs above).
 """
 
 from __future__ import annotations
@@ -12,62 +22,418 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
+import tempfile
+import threading
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
-JOB = Path(__file__).resolve().parent.parent / "tests" / "gpu" / "train_job.py"
-COLUMNS = ("size GB", "op", "path", "total s", "prepare s", "lock s", "checkpoint s", "restore s", "unlock s", "moved GB", "GB/s")
+JOB = Path(__file__).resolve().parent / "bench_job.py"
+GIB = 1 << 30
+FIXED_COST_GB = 0.1
+GOALS = (  # (size GiB, op, seconds): downtime minus one step of the fast path, shown, not asserted
+    (16.0, "migrate", 1.3),
+    (64.0, "migrate", 1.5),
+    (16.0, "pause", 1.0),
+    (16.0, "resume", 1.0),
+)
+COLUMNS = ("size GiB", "op", "path", "downtime s", "-step s", "step ms", "op total s", "copy s",
+           "checkpoint s", "restore s", "map/back s", "copied GiB", "floor s", "vs floor", "vs driver")
 
 
-def run_size(size_gb: float) -> list[dict[str, Any]]:
-    print(f"-- {size_gb:g} GB: starting a job, then migrate, pause, resume", file=sys.stderr, flush=True)
-    proc = subprocess.run(
-        [sys.executable, str(JOB), "--ballast-gb", str(size_gb), "--steps", "20", "--width", "1024",
-         "--plan", "4:migrate:cuda:1", "--plan", "8:pause", "--plan", "8:resume", "--pause-seconds", "0.5"],
-        capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"}, timeout=1200,
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+# ---- running a job ----------------------------------------------------------------------------
+
+
+class JobRun:
+    def __init__(self, label: str, argv: list[str]) -> None:
+        self.label = label
+        self.argv = argv
+        self.events: list[dict[str, Any]] = []
+        self.returncode: Optional[int] = None
+        self.timed_out = False
+        self.stderr = ""
+        self.seconds = 0.0
+
+    def first(self, name: str) -> Optional[dict[str, Any]]:
+        return next((e for e in self.events if e.get("event") == name), None)
+
+    def all(self, name: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e.get("event") == name]
+
+    def problems(self) -> list[str]:
+        found = []
+        if self.timed_out:
+            found.append(f"timed out after {self.seconds:.0f} s")
+        elif self.returncode not in (0, None):
+            found.append(f"exit status {self.returncode}")
+        for op in self.all("op"):
+            if not op.get("ok"):
+                found.append(f"{op.get('requested_path')} {op['op']}: {op.get('error')}")
+        done = self.first("done")
+        if done is None and not self.timed_out:
+            found.append("no 'done' event")
+        elif done is not None and not done.get("ballast_ok", True):
+            found.append("the ballast changed (data not intact after the moves)")
+        return found
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"label": self.label, "argv": self.argv, "returncode": self.returncode, "timed_out": self.timed_out,
+                "seconds": self.seconds, "events": self.events, "stderr_tail": self.stderr[-4000:]}
+
+
+def run_job(label: str, job_args: list[str], timeout: float, on_event: Any = None) -> JobRun:
+    # The job dumps every thread's stack and exits shortly before it would be killed.
+    argv = [sys.executable, str(JOB), "--hang-seconds", str(max(5.0, timeout - 10)), *job_args]
+    run = JobRun(label, argv)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.pop("FLEXIUM_SERVER", None)
+    started = time.perf_counter()
+    with tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
+                                start_new_session=True)
+
+        def read() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                if not line.startswith('{"event"'):
+                    continue
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    continue
+                run.events.append(event)
+                if on_event is not None:
+                    try:
+                        on_event(event)
+                    except Exception as exc:  # progress printing must not lose events
+                        log(f"   (progress: {type(exc).__name__}: {exc})")
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        try:
+            run.returncode = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            run.timed_out = True
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # the job and any helper it started
+            except ProcessLookupError:
+                pass
+            run.returncode = proc.wait()
+        reader.join(timeout=10)
+        run.seconds = time.perf_counter() - started
+        err.seek(0)
+        run.stderr = err.read().decode(errors="replace")
+    return run
+
+
+def report_failure(run: JobRun) -> None:
+    log(f"!! {run.label} failed: {'; '.join(run.problems())}")
+    tail = run.stderr[-4000:].rstrip()
+    if tail:
+        log(f"!! last of its stderr:\n{tail}")
+
+
+# ---- the jobs ---------------------------------------------------------------------------------
+
+
+def progress_printer(size_label: str) -> Any:
+    def on_event(event: dict[str, Any]) -> None:
+        if event["event"] == "ready":
+            pool = "pool on" if event.get("pool_active") else "pool off"
+            if not event.get("flexium"):
+                pool = "flexium disabled"
+            blocker = event.get("fast_path_blocker")
+            extra = f", fast path blocked: {blocker}" if blocker and event.get("flexium") else ""
+            log(f"   {size_label}: job ready, state {event['state_bytes'] / GIB:.2f} GiB, {pool}{extra}")
+        elif event["event"] == "op":
+            result = event.get("result") or {}
+            path = result.get("path") or event.get("requested_path")
+            where = f" -> {event['target']}" if event.get("target") else ""
+            if event.get("ok"):
+                log(f"-- {size_label}: {path} {event['op']}{where}: {result.get('seconds', 0):.2f} s")
+            else:
+                log(f"-- {size_label}: {event.get('requested_path')} {event['op']}{where}: FAILED {event.get('error')}")
+        elif event["event"] == "warning":
+            log(f"   {size_label}: warning: {event.get('message')}")
+
+    return on_event
+
+
+def pool_plan(with_driver: bool) -> list[str]:
+    plan = ["10:migrate:fast:cuda:1"]
+    if with_driver:
+        plan.append("20:migrate:driver:cuda:0")
+    plan += ["30:pause:fast", "30:resume"]
+    if with_driver:
+        plan += ["40:pause:driver", "40:resume"]
+    return plan
+
+
+def plan_args(plan: list[str]) -> list[str]:
+    return [arg for item in plan for arg in ("--plan", item)]
+
+
+def measure_bandwidth(timeout: float) -> tuple[JobRun, Optional[dict[str, Any]]]:
+    log("-- bandwidth: GPU0 -> GPU1 peer copy of 4 GiB, pinned D2H / H2D of 2 GiB, best of 3")
+    run = run_job("bandwidth", ["--measure-bandwidth"], timeout)
+    event = run.first("bandwidth")
+    if event is None or run.returncode != 0:
+        report_failure(run)
+        return run, None
+    log(f"   peer {event.get('peer_gbps', 0):.0f} GB/s, D2H {event['d2h_gbps']:.1f} GB/s, "
+        f"H2D {event['h2d_gbps']:.1f} GB/s")
+    return run, event
+
+
+def measure_fixed_cost(timeout: float) -> tuple[JobRun, Optional[dict[str, float]]]:
+    log(f"-- fixed cost: a {FIXED_COST_GB:g} GiB job, driver migrate cuda:0 -> cuda:1 and back")
+    plan = ["10:migrate:driver:cuda:1", "20:migrate:driver:cuda:0"]
+    run = run_job("fixed cost", ["--gb", str(FIXED_COST_GB), *plan_args(plan)], timeout,
+                  progress_printer(f"{FIXED_COST_GB:g} GiB"))
+    pairs = []
+    for op in run.all("op"):
+        if op.get("ok") and op.get("result"):
+            result = op["result"]
+            pairs.append((step_seconds(result, "checkpoint"), step_seconds(result, "restore")))
+    if not pairs or run.problems():
+        report_failure(run)
+        if not pairs:
+            return run, None
+    best = min(pairs, key=lambda p: p[0] + p[1])
+    fixed = {"checkpoint": best[0], "restore": best[1], "runs": [list(p) for p in pairs]}
+    log(f"   checkpoint {fixed['checkpoint']:.3f} s + restore {fixed['restore']:.3f} s")
+    return run, fixed
+
+
+# ---- rows -------------------------------------------------------------------------------------
+
+
+def step_seconds(result: dict[str, Any], *names: str) -> Optional[float]:
+    steps = [s for s in result.get("steps", []) if s["step"] in names and not s.get("rollback")]
+    return sum(s["seconds"] for s in steps) if steps else None
+
+
+def copied_bytes(result: dict[str, Any]) -> Optional[int]:
+    """The fast path's copied bytes (from its note), else what the result says it moved."""
+    for note in result.get("notes", []):
+        match = re.search(r"copied ([0-9.]+) GiB", note)
+        if match:
+            return int(float(match.group(1)) * GIB)
+    moved = result.get("bytes_moved")
+    return int(moved) if moved else None
+
+
+def rows_of(size: float, run: JobRun) -> list[dict[str, Any]]:
+    """One row per operation of a job, joined with the job's downtime analysis."""
+    ready = run.first("ready") or {}
+    done = run.first("done") or {}
+    analysed = {entry.get("t0"): entry for entry in done.get("ops", [])}
+    median = done.get("median_step")
+    rows = []
+    for op in run.all("op"):
+        result = op.get("result") or {}
+        timing = analysed.get(op.get("t0"), {})
+        path = result.get("path") or op.get("requested_path")
+        rows.append({
+            "size_gb": size,
+            "op": "migrate" if op["op"] == "handmove" else op["op"],
+            "path": "hand .to()" if path == "hand" else path,
+            "requested_path": op.get("requested_path"),
+            "ok": bool(op.get("ok")),
+            "error": op.get("error"),
+            "downtime": timing.get("downtime"),
+            "extra": timing.get("extra"),
+            "next_step_extra": timing.get("next_step_extra"),
+            "ran_in_step": timing.get("ran_in_step"),
+            "method": timing.get("method"),
+            "median_step": median,
+            "op_seconds": result.get("seconds"),
+            "copy": step_seconds(result, "copy"),
+            "checkpoint": step_seconds(result, "checkpoint"),
+            "restore": step_seconds(result, "restore"),
+            "map_back": step_seconds(result, "map", "copy_back"),
+            "copied": copied_bytes(result),
+            "state_bytes": ready.get("state_bytes"),
+            "notes": result.get("notes", []),
+        })
+    return rows
+
+
+def add_ratios(rows: list[dict[str, Any]], bandwidth: Optional[dict[str, Any]],
+               fixed: Optional[dict[str, float]]) -> None:
+    for row in rows:
+        row["floor"] = floor_seconds(row, bandwidth, fixed)
+        extra = row["extra"]
+        row["vs_floor"] = extra / row["floor"] if extra is not None and row["floor"] else None
+        row["vs_driver"] = None
+        if row["path"] == "fast" and extra is not None:
+            driver = next((r for r in rows if r["size_gb"] == row["size_gb"] and r["op"] == row["op"]
+                           and r["path"] == "driver" and r["extra"]), None)
+            if driver is not None:
+                row["vs_driver"] = extra / driver["extra"]
+
+
+def floor_seconds(row: dict[str, Any], bandwidth: Optional[dict[str, Any]],
+                  fixed: Optional[dict[str, float]]) -> Optional[float]:
+    size = row.get("state_bytes") or row["size_gb"] * GIB
+    if bandwidth is None or fixed is None:
+        return None
+    if row["op"] == "migrate" and bandwidth.get("peer_gbps"):
+        return size / (bandwidth["peer_gbps"] * 1e9) + fixed["checkpoint"] + fixed["restore"]
+    if row["op"] == "pause":
+        return size / (bandwidth["d2h_gbps"] * 1e9) + fixed["checkpoint"]
+    if row["op"] == "resume":
+        return size / (bandwidth["h2d_gbps"] * 1e9) + fixed["restore"]
+    return None
+
+
+# ---- printing ---------------------------------------------------------------------------------
+
+
+def fmt(value: Optional[float], digits: int = 3, suffix: str = "") -> str:
+    return "-" if value is None else f"{value:.{digits}f}{suffix}"
+
+
+def table_row(row: dict[str, Any]) -> tuple[str, ...]:
+    if not row["ok"]:
+        return (f"{row['size_gb']:g}", row["op"], str(row["path"]), "FAILED", *("-",) * (len(COLUMNS) - 4))
+    median = row["median_step"]
+    copied = row["copied"]
+    return (
+        f"{row['size_gb']:g}", row["op"], str(row["path"]), fmt(row["downtime"]), fmt(row["extra"]),
+        fmt(median * 1e3 if median is not None else None, 1), fmt(row["op_seconds"]), fmt(row["copy"]),
+        fmt(row["checkpoint"]), fmt(row["restore"]), fmt(row["map_back"]),
+        fmt(copied / GIB if copied else None, 2), fmt(row["floor"]), fmt(row["vs_floor"], 2, "x"),
+        fmt(row["vs_driver"], 2, "x"),
     )
-    events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    ops = [e for e in events if e["event"] == "op"]
-    if proc.returncode != 0 or not ops or not all(op["ok"] for op in ops):
-        sys.stderr.write(proc.stderr[-4000:])
-        raise SystemExit(f"the {size_gb:g} GB job failed: {[op.get('error') for op in ops if not op['ok']]}")
-    return [{"size_gb": size_gb, "op": op["op"], "result": op["result"]} for op in ops]
 
 
-def row(entry: dict[str, Any]) -> tuple[str, ...]:
-    result = entry["result"]
-
-    def step(name: str) -> str:
-        seconds = sum(s["seconds"] for s in result["steps"] if s["step"] == name and not s["rollback"])
-        return f"{seconds:.3f}" if any(s["step"] == name for s in result["steps"]) else "-"
-
-    moved = result["bytes_moved"] / 1e9
-    rate = moved / result["seconds"] if result["seconds"] else 0.0
-    return (f"{entry['size_gb']:g}", entry["op"], result["path"], f"{result['seconds']:.3f}", step("prepare"),
-            step("lock"), step("checkpoint"), step("restore"), step("unlock"), f"{moved:.2f}", f"{rate:.2f}")
-
-
-def print_table(rows: list[tuple[str, ...]]) -> None:
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(COLUMNS)]
-    line = "  ".join(c.rjust(w) for c, w in zip(COLUMNS, widths))
+def print_table(columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(columns)]
+    line = "  ".join(c.rjust(w) for c, w in zip(columns, widths))
     print(line)
     print("-" * len(line))
     for r in rows:
         print("  ".join(v.rjust(w) for v, w in zip(r, widths)))
 
 
-def main() -> None:
+def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    checked = []
+    for size, op, limit in GOALS:
+        row = next((r for r in rows if r["size_gb"] == size and r["op"] == op and r["path"] == "fast"), None)
+        value = row["extra"] if row is not None and row["ok"] else None
+        checked.append({"size_gb": size, "op": op, "limit": limit, "extra": value,
+                        "downtime": row["downtime"] if row is not None else None,
+                        "met": None if value is None else value <= limit})
+    return checked
+
+
+def print_goals(checked: list[dict[str, Any]]) -> None:
+    print("\nGoals (fast path, downtime minus one normal step; measured, not asserted):")
+    for goal in checked:
+        mark = {True: "[x]", False: "[ ]", None: "[?]"}[goal["met"]]
+        measured = "not measured" if goal["extra"] is None else (
+            f"{goal['extra']:.3f} s (downtime {goal['downtime']:.3f} s)")
+        print(f"  {mark} {goal['op']} {goal['size_gb']:g} GiB <= {goal['limit']:g} s: {measured}")
+
+
+def print_machine(bandwidth: Optional[dict[str, Any]], fixed: Optional[dict[str, float]]) -> None:
+    b = bandwidth or {}
+    f = fixed or {}
+    total = f["checkpoint"] + f["restore"] if fixed else None
+    print()
+    print_table(("peer 0->1 GB/s", "peer 1->0 GB/s", "pinned D2H GB/s", "pinned H2D GB/s", "checkpoint s",
+                 "restore s", "fixed total s"),
+                [(fmt(b.get("peer_gbps"), 1), fmt(b.get("peer_back_gbps"), 1), fmt(b.get("d2h_gbps"), 1),
+                  fmt(b.get("h2d_gbps"), 1), fmt(f.get("checkpoint")), fmt(f.get("restore")), fmt(total))])
+    print(f"(fixed: checkpoint + restore of a {FIXED_COST_GB:g} GiB job by the driver path, the cost of a bare torch"
+          " context)")
+
+
+# ---- main -------------------------------------------------------------------------------------
+
+
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--sizes", default="2,16,64")
-    parser.add_argument("--json", type=Path)
+    parser.add_argument("--sizes", default="2,16,64", help="GiB of training state per job, comma-separated")
+    parser.add_argument("--json", type=Path, help="write every raw result here")
+    parser.add_argument("--skip-driver-above", type=float, default=None, metavar="GB",
+                        help="no driver-path rows for sizes above this (default: driver rows for every size)")
+    parser.add_argument("--timeout", type=float, default=600, help="seconds per job before it is killed")
+    parser.add_argument("--pause-seconds", type=float, default=0.5, help="how long each pause lasts")
     args = parser.parse_args()
-    entries = [e for size in args.sizes.split(",") for e in run_size(float(size))]
-    print_table([row(e) for e in entries])
+    sizes = [float(s) for s in args.sizes.split(",") if s.strip()]
+
+    started = time.perf_counter()
+    failures: list[str] = []
+    jobs: list[JobRun] = []
+    run, bandwidth = measure_bandwidth(args.timeout)
+    jobs.append(run)
+    if bandwidth is None:
+        failures.append("bandwidth")
+    run, fixed = measure_fixed_cost(args.timeout)
+    jobs.append(run)
+    if run.problems():
+        failures.append("fixed cost")
+
+    rows: list[dict[str, Any]] = []
+    for size in sizes:
+        label = f"{size:g} GiB"
+        with_driver = args.skip_driver_above is None or size <= args.skip_driver_above
+        plan = pool_plan(with_driver)
+        log(f"-- {label}: pool job: fast migrate 0->1"
+            + (", driver migrate 1->0" if with_driver else "") + ", fast pause + resume"
+            + (", driver pause + resume" if with_driver else " (driver rows skipped: --skip-driver-above)"))
+        run = run_job(f"{label} pool job", ["--gb", str(size), "--pause-seconds", str(args.pause_seconds),
+                                           *plan_args(plan)], args.timeout, progress_printer(label))
+        jobs.append(run)
+        rows += rows_of(size, run)
+        if run.problems():
+            report_failure(run)
+            failures.append(run.label)
+
+        log(f"-- {label}: hand-written move (flexium disabled): model, AdamW state, ballast .to('cuda:1')")
+        run = run_job(f"{label} hand job", ["--gb", str(size), "--no-flexium", *plan_args(["10:handmove:cuda:1"])],
+                      args.timeout, progress_printer(label))
+        jobs.append(run)
+        hand = rows_of(size, run)
+        if hand and hand[0]["state_bytes"] is None:
+            hand[0]["state_bytes"] = next((r["state_bytes"] for r in rows if r["size_gb"] == size), None)
+        rows += hand
+        if run.problems():
+            report_failure(run)
+            failures.append(run.label)
+
+    add_ratios(rows, bandwidth, fixed)
+    print_table(COLUMNS, [table_row(r) for r in rows])
+    print("downtime: on the job's step clock, holding one normal step; -step: minus the median normal step (step ms)."
+          "\nfloor: migrate S/peer + checkpoint + restore, pause S/D2H + checkpoint, resume S/H2D + restore"
+          " (S: the job's reserved bytes); vs floor and vs driver compare -step."
+          "\ncopied: the fast path's copied bytes, else the bytes the process held (what the checkpoint carried).")
+    for row in rows:
+        if not row["ok"]:
+            print(f"FAILED {row['size_gb']:g} GiB {row['requested_path']} {row['op']}: {row['error']}")
+    print_machine(bandwidth, fixed)
+    checked = goals(rows)
+    print_goals(checked)
+    elapsed = time.perf_counter() - started
+    print(f"\n{len(jobs)} jobs in {elapsed:.0f} s" + (f"; FAILED: {', '.join(failures)}" if failures else ""))
     if args.json:
-        args.json.write_text(json.dumps(entries, indent=1))
+        args.json.write_text(json.dumps({
+            "sizes_gb": sizes, "skip_driver_above": args.skip_driver_above, "bandwidth": bandwidth, "fixed": fixed,
+            "rows": rows, "goals": checked, "failures": failures, "seconds": elapsed,
+            "jobs": [job.to_dict() for job in jobs],
+        }, indent=1))
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
