@@ -8,11 +8,34 @@ from flexium.engine import nvml
 from flexium.engine.capabilities import detect
 
 
+def _fast_path_problem() -> str | None:
+    """What keeps the fast path (flexium's memory pool) off on this machine, None if nothing."""
+    from flexium import _C
+
+    status = _C.driver_status()
+    if not status.get("loaded"):
+        return "no NVIDIA driver"
+    if not status.get("vmm_api"):
+        return "the driver lacks the CUDA virtual memory API"
+    try:
+        import torch
+    except ImportError:
+        return "PyTorch is not installed"
+    if not hasattr(torch.cuda, "MemPool") or not hasattr(torch._C, "_cuda_beginAllocateToPool"):
+        return f"torch {torch.__version__} has no MemPool routing (PyTorch 2.6 or newer has it)"
+    return None
+
+
 def run(*, as_json: bool) -> int:
     caps = detect()
     gpus = nvml.host_gpus()
+    fast_problem = _fast_path_problem() if caps.pause_resume else "pause / resume is not available"
     if as_json:
-        print(json.dumps({"capabilities": caps.to_dict(), "gpus": [g.__dict__ | {"processes": len(g.processes)} for g in gpus]}))
+        print(json.dumps({
+            "capabilities": caps.to_dict(),
+            "fast_path": {"available": fast_problem is None, "problem": fast_problem},
+            "gpus": [g.__dict__ | {"processes": len(g.processes)} for g in gpus],
+        }))
         return 0
     yes_no = {True: "yes", False: "no"}
     print(f"NVIDIA driver     {caps.driver_version or 'not found'}  (CUDA {caps.cuda_version // 1000}.{caps.cuda_version % 1000 // 10})")
@@ -20,6 +43,7 @@ def run(*, as_json: bool) -> int:
     print(f"torch with CUDA   {yes_no[caps.torch_cuda]}")
     print(f"pause / resume    {yes_no[caps.pause_resume]}")
     print(f"GPU migration     {yes_no[caps.migration]}")
+    print(f"fast path         {'yes' if fast_problem is None else 'no: ' + fast_problem}")
     for gpu in gpus:
         print(f"  GPU {gpu.index}  {gpu.name}  {gpu.uuid}  {gpu.memory_used >> 20} / {gpu.memory_total >> 20} MiB  {gpu.health}")
     for problem in caps.problems:
