@@ -2,6 +2,9 @@
 # Builds flexium on a machine with 2+ NVIDIA GPUs and runs every GPU test and the migration
 # benchmark in one go. Results land in $OUT (the device tool's folder) or ./gpu-results.
 #   bash ci/gpu-tests.sh [--tests-only | --bench-only] [pytest args...]
+# Environment: GPU_TESTS (what pytest runs, default tests/gpu), BENCH_SIZES (GB, default
+# 2,16,64), BENCH_ARGS (more bench/migrate.py options), BENCH_OVERHEAD=0 skips the step-time
+# benchmark.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-$PWD/gpu-results}"
@@ -24,12 +27,19 @@ python3 -c 'import flexium.utils as u; print(u.get_capabilities())' | tee "$out/
 status=0
 if [ "$mode" != "--bench-only" ]; then
   echo "== GPU tests"
-  python3 -m pytest tests/gpu -v -p no:cacheprovider -o addopts="" --timeout 900 "$@" 2>&1 | tee "$out/gpu-tests.log"
+  # shellcheck disable=SC2086
+  python3 -m pytest ${GPU_TESTS:-tests/gpu} -v -p no:cacheprovider -o addopts="" --timeout 900 "$@" 2>&1 | tee "$out/gpu-tests.log"
   status=${PIPESTATUS[0]}
 fi
 if [ "$mode" != "--tests-only" ]; then
   echo "== benchmark: bench/migrate.py"
-  python3 bench/migrate.py --sizes "${BENCH_SIZES:-2,16,64}" --json "$out/bench-migrate.json" 2>&1 | tee "$out/bench-migrate.txt"
+  # shellcheck disable=SC2086
+  python3 bench/migrate.py --sizes "${BENCH_SIZES:-2,16,64}" ${BENCH_ARGS:-} --json "$out/bench-migrate.json" 2>&1 | tee "$out/bench-migrate.txt"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  if [ "${BENCH_OVERHEAD:-1}" != "0" ]; then
+    echo "== benchmark: bench/step_overhead.py"
+    python3 bench/step_overhead.py --json "$out/bench-step-overhead.json" 2>&1 | tee "$out/bench-step-overhead.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  fi
 fi
 exit "$status"
