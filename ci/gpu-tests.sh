@@ -22,7 +22,7 @@ echo "== build"
 if ! python3 -m pip install --no-build-isolation --no-deps -e . >"$out/build.log" 2>&1; then
   tail -40 "$out/build.log"; echo "BUILD FAILED"; exit 1
 fi
-python3 -c 'import flexium.utils as u; print(u.get_capabilities())' | tee "$out/capabilities.txt"
+python3 -c 'import flexium.utils as u; print(u.get_capabilities())' | tee -a "$out/gpus.csv"
 
 status=0
 if [ "$mode" != "--bench-only" ]; then
