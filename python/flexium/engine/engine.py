@@ -496,7 +496,7 @@ class Engine:
             steps.append(fast.release(self._logical))
         except RelocationError as exc:
             steps.append(exc.timing)
-            return self._fast_rollback(result, steps, exc.step, str(exc), staged, source, (copied,))
+            return self._fast_rollback(result, steps, exc.step, str(exc), staged, source, (*notes, copied))
 
         locked = [
             _C.Step(_C.StepKind.LOCK, timeout_ms=self.lock_timeout_ms),
@@ -530,7 +530,7 @@ class Engine:
             return result(ok=True, notes=(*notes, copied))
         failure = _first_failure(outcomes)
         if final == _C.ProcessState.RUNNING:
-            return self._fast_rollback(result, steps, failure.step, _describe(failure), staged, source, (copied,))
+            return self._fast_rollback(result, steps, failure.step, _describe(failure), staged, source, (*notes, copied))
         self._set_state(EngineState.FAILED)
         return result(
             failed_step=failure.step, notes=(*notes, copied),
