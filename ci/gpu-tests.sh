@@ -4,7 +4,7 @@
 #   bash ci/gpu-tests.sh [--tests-only | --bench-only] [pytest args...]
 # Environment: GPU_TESTS (what pytest runs, default tests/gpu), BENCH_SIZES (GB, default
 # 2,16,64), BENCH_ARGS (more bench/migrate.py options), BENCH_OVERHEAD=0 skips the step-time
-# benchmark.
+# benchmark, BENCH_CONTEXT=0 the context cost probe.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-$PWD/gpu-results}"
@@ -38,7 +38,12 @@ if [ "$mode" != "--tests-only" ]; then
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   if [ "${BENCH_OVERHEAD:-1}" != "0" ]; then
     echo "== benchmark: bench/step_overhead.py"
-    python3 bench/step_overhead.py --json "$out/bench-step-overhead.json" 2>&1 | tee "$out/bench-step-overhead.txt"
+    timeout -k 10 "${BENCH_OVERHEAD_TIMEOUT:-240}" python3 bench/step_overhead.py 2>&1 | tee "$out/bench-step-overhead.txt"
+    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  fi
+  if [ "${BENCH_CONTEXT:-1}" != "0" ]; then
+    echo "== benchmark: bench/context_cost.py"
+    timeout -k 10 "${BENCH_CONTEXT_TIMEOUT:-240}" python3 bench/context_cost.py --repeats "${BENCH_CONTEXT_REPEATS:-3}" 2>&1 | tee "$out/bench-context-cost.txt"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   fi
 fi

@@ -99,6 +99,9 @@ void bind_vmm(py::module_ &m) {
   m.def("reserve_host_staging", &reserve_host_staging, py::arg("bytes"), py::arg("device"),
         py::arg("chunk_bytes") = kDefaultHostChunkBytes, release_gil(),
         "Grows the pinned staging pool ahead of a pause; returns the bytes added.");
+  m.def("own_imported", &own_imported, py::arg("device"), py::arg("live") = LiveRanges{},
+        "Replaces imported segment memory with memory of our own (a checkpoint cannot restore imported memory).");
+  m.def("vmm_imported_count", &imported_segment_count, release_gil());
   m.def("stage_segments_to_host", &stage_segments_to_host, py::arg("chunk_bytes") = kDefaultHostChunkBytes);
   m.def("restore_segments_from_host", &restore_segments_from_host, py::arg("device") = -1);
   m.def("release_host_staging", &release_host_staging, release_gil());

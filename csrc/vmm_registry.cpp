@@ -48,6 +48,13 @@ std::size_t segment_count() {
   return lock.segments().size();
 }
 
+std::size_t imported_segment_count() {
+  RegistryLock lock(kRelocationLockTimeout);
+  std::size_t count = 0;
+  for (const auto &entry : lock.segments()) count += entry.second.imported ? 1 : 0;
+  return count;
+}
+
 std::uint64_t next_segment_serial() { return serials.fetch_add(1, std::memory_order_relaxed) + 1; }
 
 std::string hex_address(CUdeviceptr address) {

@@ -21,6 +21,10 @@ struct Segment {
   int device = 0;            // ordinal that has access to the mapping
   bool mapped = false;       // physical memory mapped at `address`
   bool has_handle = false;   // `handle` is held and ours to release
+  // The memory came in through an fd (map_imported). The driver's checkpoint cannot restore
+  // imported memory (its restore fails with CUDA_ERROR_NOT_SUPPORTED), so it must be replaced by
+  // memory of our own (own_imported) before any checkpoint that carries it.
+  bool imported = false;
   CUmemGenericAllocationHandle handle = 0;
 };
 
@@ -47,6 +51,7 @@ class RegistryLock {
 std::vector<SegmentInfo> list_segments();
 std::size_t segment_bytes_on(int device);
 std::size_t segment_count();
+std::size_t imported_segment_count();
 
 std::uint64_t next_segment_serial();
 

@@ -223,11 +223,71 @@ void map_imported(const std::vector<StagedSegment> &staged, int device) {
     segment.handle = backing.handle;
     segment.has_handle = true;
     segment.mapped = true;
+    segment.imported = true;
     segment.device = device;
     backing.release_to_caller();
     // Our handle now holds the memory (the probe's holder closes the fd right after importing).
     ::close(entry.fd);
   }
+}
+
+}  // namespace flexium
+
+namespace flexium {
+
+std::size_t own_imported(int device, const LiveRanges &live) {
+  const DriverTable &d = require_vmm_driver();
+  RegistryLock lock(kRelocationLockTimeout);
+  std::vector<Segment *> imported;
+  for (auto &entry : lock.segments()) {
+    if (entry.second.imported && entry.second.mapped && entry.second.device == device) imported.push_back(&entry.second);
+  }
+  if (imported.empty()) return 0;
+  ScopedContext context(d, device);
+  FLEXIUM_CU_CALL(d, cuCtxSynchronize);
+  ScopedStream stream(d);
+  const CUmemAllocationProp prop = device_allocation_prop(device);
+  std::size_t owned = 0;
+  // One segment at a time, so the extra memory needed is one segment's, not the job's.
+  for (Segment *segment : imported) {
+    Backing fresh(d);
+    fresh.size = segment->size;
+    FLEXIUM_CU_CALL(d, cuMemCreate, &fresh.handle, segment->size, &prop, 0);
+    fresh.created = true;
+    FLEXIUM_CU_CALL(d, cuMemAddressReserve, &fresh.address, segment->size, 0, 0, 0);
+    fresh.reserved = true;
+    FLEXIUM_CU_CALL(d, cuMemMap, fresh.address, segment->size, 0, fresh.handle, 0);
+    fresh.mapped = true;
+    grant_access(d, fresh.address, segment->size, {device});
+    const auto ranges = live.find(segment->address);
+    if (ranges == live.end()) {
+      FLEXIUM_CU_CALL(d, cuMemcpyDtoDAsync, fresh.address, segment->address, segment->size, stream.get());
+    } else {
+      for (const auto &range : ranges->second) {
+        if (range.second == 0 || range.first > segment->size || range.second > segment->size - range.first) continue;
+        FLEXIUM_CU_CALL(d, cuMemcpyDtoDAsync, fresh.address + range.first, segment->address + range.first,
+                        range.second, stream.get());
+      }
+    }
+    stream.synchronize();
+    // Swap: the segment's address gets the fresh memory; the imported memory goes once unmapped.
+    FLEXIUM_CU_CALL(d, cuMemUnmap, segment->address, segment->size);
+    const CUresult mapped = d.cuMemMap(segment->address, segment->size, 0, fresh.handle, 0);
+    if (mapped != CUDA_SUCCESS) {
+      // Put the imported memory back so the segment keeps its data, then report.
+      const CUresult back = d.cuMemMap(segment->address, segment->size, 0, segment->handle, 0);
+      if (back == CUDA_SUCCESS) grant_access(d, segment->address, segment->size, {device});
+      else segment->mapped = false;
+      throw DriverError("cuMemMap", mapped, "mapping own memory at " + describe(*segment), __FILE__, __LINE__);
+    }
+    grant_access(d, segment->address, segment->size, {device});
+    d.cuMemRelease(segment->handle);
+    segment->handle = fresh.handle;
+    segment->imported = false;
+    fresh.created = false;  // the segment holds it now
+    owned += segment->size;
+  }
+  return owned;
 }
 
 }  // namespace flexium

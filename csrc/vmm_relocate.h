@@ -48,4 +48,8 @@ std::size_t release_source_backing(int source = -1, const SegmentFilter &only = 
 // mapped when this throws (the failed one included): they are the only reference to that data.
 void map_imported(const std::vector<StagedSegment> &staged, int device);
 
+// Replaces the imported memory of `device`'s segments with memory of our own, copying the `live`
+// ranges (whole segments where not listed), one segment at a time. Returns the bytes replaced.
+std::size_t own_imported(int device, const LiveRanges &live = {});
+
 }  // namespace flexium

@@ -23,7 +23,7 @@ ALL_FEATURES = ("--amp", "--checkpointing", "--side-stream", "--dataloader", "--
 PLAIN = ("--ballast-gb", BALLAST_GB, "--steps", "30")
 # Tiny jobs for the driver-path checks.
 TINY = ("--ballast-gb", "0.5", "--steps", "20", "--width", "1024")
-FAST_ONLY_STEPS = {"copy", "release", "map"}
+FAST_ONLY_STEPS = {"copy", "release", "map", "own"}
 LOCKED_STEPS = {"lock", "checkpoint", "restore", "unlock"}
 
 

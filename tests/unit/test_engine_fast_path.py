@@ -47,7 +47,7 @@ from flexium.errors import (  # noqa: E402
     TargetRefusedError,
 )
 
-FAST_MIGRATION = ["prepare", "copy", "release", "lock", "checkpoint", "restore", "unlock", "map"]
+FAST_MIGRATION = ["prepare", "copy", "release", "lock", "checkpoint", "restore", "unlock", "map", "own"]
 FAST_PAUSE = ["prepare", "copy", "release", "lock", "checkpoint"]
 
 
@@ -264,8 +264,9 @@ def test_fast_migration_there_and_back(job: Job) -> None:
     assert step_summary(result) == [(s, True, False) for s in FAST_MIGRATION]
     assert result.notes == ("fast path: copied 0.01 GiB in use of 0.01 GiB in 3 pool segments",)
     assert job.fast is not None and job.fast.staged[0].copied_bytes == job.total
-    assert job.pool.asked == [0]
+    assert job.pool.asked == [0, 0]  # for the copy, then for making the imported memory our own
     assert checkpoint_ops(fake) == ["Lock", "Checkpoint", "Restore", "Unlock"]
+    assert _C.vmm_imported_count() == 0  # a later driver checkpoint can carry every segment
     assert locking_threads(fake) == {trainer.tid}  # at the end of an optimizer step
     assert fake.blocked_calls() == 0 and fake.deadlocks() == 0
     assert engine.state == EngineState.RUNNING and fake.state() == ProcessState.RUNNING
@@ -279,6 +280,33 @@ def test_fast_migration_there_and_back(job: Job) -> None:
     assert fake.placement() == [0, 1] and engine.placement()[1].device == "cuda:0"
     job.assert_home(physical=0)
     assert open_fds() == fds
+
+    # After fast moves the driver path still works: nothing imported is left for it to carry.
+    driver = engine.migrate("cuda:1", path="driver")
+    assert driver.ok and driver.path == "driver" and fake.placement() == [1, 0]
+    job.assert_home(physical=1)
+
+
+def test_memory_that_could_not_be_made_our_own_keeps_the_driver_path_out(job: Job) -> None:
+    fake = job.fake
+    job.segments([2 * MiB, 4 * MiB])
+    engine = job.engine()
+    job.train()
+    fake.fail("cuMemCreate", "CUDA_ERROR_OUT_OF_MEMORY", nth=3)  # 2 copies, then the first own
+    result = engine.migrate("cuda:1")
+    assert result.ok and result.path == "fast" and fake.placement() == [1, 0]
+    assert [s[:2] for s in step_summary(result)][-1] == ("own", False)
+    assert any("driver path is unavailable" in note for note in result.notes), result.notes
+    assert _C.vmm_imported_count() == 2
+    job.assert_home(physical=1)  # the job runs on the imported memory, contents intact
+    fake.clear_log()
+    with pytest.raises(OperationFailedError, match="cannot restore it") as refused:
+        engine.migrate("cuda:0", path="driver")
+    assert refused.value.step == "validate" and checkpoint_ops(fake) == []
+    assert engine.state == EngineState.RUNNING
+    back = engine.migrate("cuda:0")  # the next fast move makes it our own
+    assert back.ok and back.path == "fast" and _C.vmm_imported_count() == 0
+    job.assert_home(physical=0)
 
 
 def test_only_the_live_ranges_are_copied(job: Job) -> None:
@@ -512,9 +540,9 @@ def test_a_map_failure_after_the_restore_is_retried(job: Job) -> None:
     fake.fail("cuMemImportFromShareableHandle", "CUDA_ERROR_UNKNOWN", nth=2)
     result = engine.migrate("cuda:1")
     assert result.ok and result.path == "fast" and result.error is None
-    assert step_summary(result) == [(s, True, False) for s in FAST_MIGRATION[:-1]] + [
-        ("map", False, False), ("map", True, False)]
-    assert "cuMemImportFromShareableHandle failed: CUDA_ERROR_UNKNOWN" in (result.steps[-2].error or "")
+    assert step_summary(result) == [(s, True, False) for s in FAST_MIGRATION[:-2]] + [
+        ("map", False, False), ("map", True, False), ("own", True, False)]
+    assert "cuMemImportFromShareableHandle failed: CUDA_ERROR_UNKNOWN" in (result.steps[-3].error or "")
     assert fake.placement() == [1, 0] and engine.state == EngineState.RUNNING
     job.assert_home(physical=1)
     assert open_fds() == fds
@@ -636,12 +664,9 @@ def test_a_failed_restore_keeps_a_fast_pause_and_a_failed_copy_back_fails_the_jo
     job.assert_home(physical=0)
 
 
-# ----------------------------------------------------------------------------- known engine bug
+# ----------------------------------------------------------------------------- host memory
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "engine.py pause()/_prepare_host_staging: the host memory check assumes the fast path before the "
-    "safe point decides the path; a pause that then takes the driver path is not checked for it"))
 def test_a_pause_that_ends_on_the_driver_path_is_checked_for_its_host_memory(
     job: Job, host_memory: HostMemory
 ) -> None:
@@ -652,7 +677,7 @@ def test_a_pause_that_ends_on_the_driver_path_is_checked_for_its_host_memory(
     with pytest.raises(TargetRefusedError, match="pausing needs 9.00 GiB of host memory"):
         engine.pause(path="driver")
     # No optimizer step comes: "auto" ends on the driver path too, whose checkpoint needs the
-    # same 8 GiB of host memory; today it goes ahead (the check counted only the pool's 2 MiB).
+    # same 8 GiB of host memory, and is refused as well.
     with pytest.raises((TargetRefusedError, OperationFailedError)):
         engine.pause()
     assert engine.state == EngineState.RUNNING

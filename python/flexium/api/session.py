@@ -127,9 +127,9 @@ def _start_memory_pool(config: FlexiumConfig, logical_device: str, capabilities:
         source = config.sources.get("fast_path", "default")
         pool.reason_off = f"switched off (fast_path false, from {source})"
         return pool
-    import torch
-
-    if not pool.install(list(range(torch.cuda.device_count()))):
+    # The job's own GPU only: making a pool for another GPU can create a context there (about
+    # 500 MiB), which every swap would then carry to the source GPU (seen on H200s, torch 2.11).
+    if not pool.install([int(logical_device.split(":", 1)[1])]):
         log.warning("fast path off, migrations and pauses use the driver path: %s", pool.reason_off)
     return pool
 

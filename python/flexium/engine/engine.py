@@ -264,17 +264,13 @@ class Engine:
     def _prepare_host_staging(self, path: str) -> tuple[str, ...]:
         """Before a pause: refuses it when the host cannot hold the job's memory, and pins the
         fast path's staging memory now, while the job still trains, not in its downtime."""
-        needed = self.process_bytes()
         fast = self._fast if path != "driver" and self.fast_path_blocker() is None else None
-        to_pin = fast.host_bytes_to_pin(self._logical) if fast is not None else 0
-        available = host_memory_available()
-        wanted = (to_pin if fast is not None else needed) + HOST_MEMORY_MARGIN_BYTES
-        if available is not None and available < wanted:
-            raise TargetRefusedError(
-                f"pausing needs {_gib(wanted)} of host memory to hold the job's GPU memory and this machine has "
-                f"{_gib(available)} available: free host memory, or migrate the job instead"
-            )
-        if fast is None or to_pin == 0:
+        if fast is None:
+            self._check_host_room(self.process_bytes(), fast=False)
+            return ()
+        to_pin = fast.host_bytes_to_pin(self._logical)
+        self._check_host_room(to_pin, fast=True)
+        if to_pin == 0:
             return ()
         try:
             added, seconds = fast.reserve_host(self._logical)
@@ -285,6 +281,17 @@ class Engine:
                 step="pin",
             ) from exc
         return (f"pinned {_gib(added)} of host memory for the pool in {seconds:.2f} s while the job trained",)
+
+    def _check_host_room(self, needed: int, *, fast: bool) -> None:
+        """A pause stages the job's memory in host memory: pinned by us (fast) or by the driver."""
+        available = host_memory_available()
+        wanted = needed + HOST_MEMORY_MARGIN_BYTES
+        if available is not None and available < wanted:
+            what = "pinned host memory for the job's pool" if fast else "host memory to hold the job's GPU memory"
+            raise TargetRefusedError(
+                f"pausing needs {_gib(wanted)} of {what} and this machine has {_gib(available)} available: "
+                "free host memory, or migrate the job instead"
+            )
 
     def fast_path_blocker(self) -> Optional[str]:
         """Why a move now would take the driver path (None: the fast path can run at a safe point)."""
@@ -381,6 +388,7 @@ class Engine:
     def _run_migration(
         self, source: GpuIdentity, dest: GpuIdentity, pairs: list[tuple[str, str]], notes: tuple[str, ...]
     ) -> OperationResult:
+        self._check_driver_path(OperationKind.MIGRATE)
         started = time.perf_counter()
         self._set_state(EngineState.MIGRATING)
         prepare, moved = self._prepare(OperationKind.MIGRATE)
@@ -413,6 +421,8 @@ class Engine:
         )
 
     def _run_pause(self, source: GpuIdentity, notes: tuple[str, ...] = ()) -> OperationResult:
+        self._check_driver_path(OperationKind.PAUSE)
+        self._check_host_room(self.process_bytes(), fast=False)
         started = time.perf_counter()
         self._set_state(EngineState.PAUSING)
         prepare, moved = self._prepare(OperationKind.PAUSE)
@@ -527,7 +537,7 @@ class Engine:
                         "not mapped back; restart the job",
                     )
             self._set_state(EngineState.RUNNING)
-            return result(ok=True, notes=(*notes, copied))
+            return result(ok=True, notes=(*notes, copied, *self._own_imported(steps)))
         failure = _first_failure(outcomes)
         if final == _C.ProcessState.RUNNING:
             return self._fast_rollback(result, steps, failure.step, _describe(failure), staged, source, (*notes, copied))
@@ -537,6 +547,27 @@ class Engine:
             error=f"{_describe(failure)}; ROLLBACK FAILED: the process is {final.name}, not RUNNING; its pool memory "
             f"waits on {dest.device}",
         )
+
+    def _own_imported(self, steps: list[StepTiming]) -> tuple[str, ...]:
+        """After the job runs again on imported memory: make it ours. If that fails the job still
+        runs correctly, but no driver-path checkpoint may carry it (checked in _check_driver_path)."""
+        assert self._fast is not None
+        try:
+            steps.append(self._fast.own(self._logical))
+        except RelocationError as exc:
+            steps.append(exc.timing)
+            log.warning("%s; moves take the fast path only until this succeeds at a later move", exc)
+            return (f"{exc}: the driver path is unavailable until the next fast move",)
+        return ()
+
+    def _check_driver_path(self, kind: OperationKind) -> None:
+        if self._fast is not None and _C.vmm_imported_count() > 0:
+            raise OperationFailedError(
+                f"{kind.value} refused before anything was touched: memory brought in by an earlier fast move "
+                "could not be made the job's own, and the driver's checkpoint cannot restore it; use the fast "
+                "path (at an optimizer step) or restart the job",
+                step="validate",
+            )
 
     def _fast_rollback(
         self,

@@ -92,6 +92,12 @@ class FastPath:
         waiting = self._unbacked()
         return timed("map", lambda: _C.map_imported([e for e in staged.entries if e[0] in waiting], logical))[1]
 
+    def own(self, logical: int) -> StepTiming:
+        """Replaces the memory that came in through fds with memory of our own: a later driver
+        checkpoint could not restore imported memory (its restore fails, CUDA_ERROR_NOT_SUPPORTED,
+        and leaves the process stuck)."""
+        return timed("own", lambda: _C.own_imported(logical, self.pool.live_ranges(logical)))[1]
+
     def bring_home(self, staged: Staged, logical: int) -> StepTiming:
         """Rollback after a release: the released segments' data lives only in the copies on the
         target; map them for `logical` (read over NVLink), copy them into memory of its own GPU
@@ -114,6 +120,7 @@ class FastPath:
                 close_fds(home)  # the remote copies are still mapped: the data stays reachable
                 raise
             _C.map_imported(home, logical)
+            _C.own_imported(logical, {})
 
         return timed("rollback_copy", work)[1]
 

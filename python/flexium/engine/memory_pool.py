@@ -1,7 +1,8 @@
 """PyTorch's tensor memory in our VMM allocator: what lets the fast path move it itself.
 
-One `torch.cuda.MemPool` on flexium._C's pluggable allocator per visible GPU, and every
-thread's allocations on that GPU routed to it (DESIGN.md fact 11). PyTorch keeps caching,
+A `torch.cuda.MemPool` on flexium._C's pluggable allocator for the job's GPU, and every
+thread's allocations on that GPU routed to it (DESIGN.md fact 11). Other GPUs keep PyTorch's
+allocator: a pool made for a GPU the job does not use created a CUDA context there (torch 2.11). PyTorch keeps caching,
 streams, statistics and `record_stream` on top; only the segments come from us, each a
 cuMemCreate allocation the fast path can copy to another GPU or to pinned host memory and map
 back at the same address.
