@@ -49,6 +49,8 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
+import tables
+
 VARIANTS = ("bare", "torch_init", "torch_matmul", "matmul_released", "matmul_small_stack", "lazy_loading_off",
             "pinned_host_1g")
 MIB = 1 << 20
@@ -533,12 +535,7 @@ def print_table(results: list[dict[str, Any]]) -> None:
                      "-" if r.get("torch_reserved_mib") is None else f"{r['torch_reserved_mib']:.0f}",
                      fmt(r.get("checkpoint_s")), fmt(r.get("restore_s")), fmt(total_of(r)), fmt(spread_of(r)),
                      "-" if first is None else f"{first * 1e3:.1f}", "ok" if r.get("ok") else "FAILED"))
-    widths = [max(len(c), *(len(row[i]) for row in rows)) if rows else len(c) for i, c in enumerate(columns)]
-    line = "  ".join(c.rjust(w) for c, w in zip(columns, widths))
-    print(line)
-    print("-" * len(line))
-    for row in rows:
-        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+    tables.print_table(columns, rows)
     print("MiB on GPU: NVML, this pid on GPU0 just before the first checkpoint (~: GPU used minus before the "
           "context). torch MiB: torch.cuda.memory_reserved. checkpoint / restore: median of the rounds; spread: "
           "max - min of checkpoint + restore over the rounds; 1st use: synchronize + copy-back check after unlock.")

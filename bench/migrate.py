@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+from tables import print_table
+
 JOB = Path(__file__).resolve().parent / "bench_job.py"
 GIB = 1 << 30
 FIXED_COST_GB = 0.1
@@ -314,15 +316,6 @@ def table_row(row: dict[str, Any]) -> tuple[str, ...]:
         fmt(copied / GIB if copied else None, 2), fmt(row["floor"]), fmt(row["vs_floor"], 2, "x"),
         fmt(row["vs_driver"], 2, "x"),
     )
-
-
-def print_table(columns: tuple[str, ...], rows: list[tuple[str, ...]]) -> None:
-    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(columns)]
-    line = "  ".join(c.rjust(w) for c, w in zip(columns, widths))
-    print(line)
-    print("-" * len(line))
-    for r in rows:
-        print("  ".join(v.rjust(w) for v, w in zip(r, widths)))
 
 
 def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

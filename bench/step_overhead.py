@@ -26,6 +26,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from tables import print_table
+
 MODELS = ("cnn", "transformer")
 MODES = ("pool", "disabled")
 GOAL = 1.01
@@ -192,12 +194,7 @@ def print_report(summaries: list[dict[str, Any]]) -> None:
                      "-" if ratio is None else f"{ratio:.4f}", f"<= {GOAL}", mark,
                      " ".join(f"{v:.2f}" for v in s["pool"]["process_medians_ms"]) or "-",
                      " ".join(f"{v:.2f}" for v in s["disabled"]["process_medians_ms"]) or "-"))
-    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(columns)]
-    line = "  ".join(c.rjust(w) for c, w in zip(columns, widths))
-    print(line)
-    print("-" * len(line))
-    for r in rows:
-        print("  ".join(v.rjust(w) for v, w in zip(r, widths)))
+    print_table(columns, rows)
     print("median step time over every timed step of the mode's processes; [x] goal met, [ ] missed (not asserted)")
 
 

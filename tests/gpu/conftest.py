@@ -15,6 +15,21 @@ import pytest
 
 HERE = Path(__file__).parent
 GIB = 1 << 30
+# Memory a GPU may show beyond its idle reading once the job has left it (driver bookkeeping).
+RESIDUE_SLACK = 64 << 20
+
+
+def uuid_of(host_gpus: list[Any], index: int) -> str:
+    return next(gpu.uuid for gpu in host_gpus if gpu.index == index)
+
+
+def assert_left(op: dict[str, Any], uuid: str, idle: dict[str, int]) -> None:
+    """After `op` the job holds nothing on `uuid`, which is back to its idle reading."""
+    reading = op["nvml"][uuid]
+    assert reading["ours"] == 0, f"after {op['op']} the job still holds {reading['ours']} bytes on {uuid}"
+    assert reading["used"] <= idle[uuid] + RESIDUE_SLACK, (
+        f"after {op['op']} {uuid} shows {reading['used'] >> 20} MiB used, idle was {idle[uuid] >> 20} MiB"
+    )
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

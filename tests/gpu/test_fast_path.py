@@ -12,11 +12,9 @@ from typing import Any
 
 import pytest
 
-from conftest import GIB, JobRun, run_job
+from conftest import GIB, JobRun, assert_left, run_job, uuid_of
 
 BALLAST_GB = "2"
-# Memory a GPU may show beyond its idle reading once the job has left it (driver bookkeeping).
-RESIDUE_SLACK = 64 << 20
 JOB_TIMEOUT = 360  # past train_job.py's own hang dump (300 s), which then lands in the log
 ALL_FEATURES = ("--amp", "--checkpointing", "--side-stream", "--dataloader", "--cuda-graph")
 # A plain AdamW MLP job; the plain reference run is shared by the tests that use these flags.
@@ -37,16 +35,6 @@ def idle_used() -> dict[str, int]:
     return {gpu.uuid: gpu.memory_used for gpu in nvml.host_gpus()}
 
 
-def uuid_of(host_gpus: list[Any], index: int) -> str:
-    return next(gpu.uuid for gpu in host_gpus if gpu.index == index)
-
-
-def assert_left(op: dict[str, Any], uuid: str, idle: dict[str, int]) -> None:
-    reading = op["nvml"][uuid]
-    assert reading["ours"] == 0, f"after {op['op']} the job still holds {reading['ours']} bytes on {uuid}"
-    assert reading["used"] <= idle[uuid] + RESIDUE_SLACK, (
-        f"after {op['op']} {uuid} shows {reading['used'] >> 20} MiB used, idle was {idle[uuid] >> 20} MiB"
-    )
 
 
 def assert_holds(op: dict[str, Any], uuid: str, ballast_gb: str) -> None:

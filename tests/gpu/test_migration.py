@@ -4,28 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from conftest import GIB, run_job
+from conftest import GIB, assert_left, run_job, uuid_of
 
 BALLAST_GB = "4"
 STEPS = "60"
-# Memory a GPU may show beyond its idle reading once the job has left it (driver bookkeeping).
-RESIDUE_SLACK = 64 << 20
 
 
 def idle_used(host_gpus: list[Any]) -> dict[str, int]:
     return {gpu.uuid: gpu.memory_used for gpu in host_gpus}
 
 
-def uuid_of(host_gpus: list[Any], index: int) -> str:
-    return next(gpu.uuid for gpu in host_gpus if gpu.index == index)
-
-
-def assert_left(op: dict[str, Any], uuid: str, idle: dict[str, int]) -> None:
-    reading = op["nvml"][uuid]
-    assert reading["ours"] == 0, f"after {op['op']} the job still holds {reading['ours']} bytes on {uuid}"
-    assert reading["used"] <= idle[uuid] + RESIDUE_SLACK, (
-        f"after {op['op']} {uuid} shows {reading['used'] >> 20} MiB used, idle was {idle[uuid] >> 20} MiB"
-    )
 
 
 def test_migrate_there_and_back_then_pause_and_resume_elsewhere(host_gpus: list[Any]) -> None:

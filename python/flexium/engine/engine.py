@@ -394,14 +394,7 @@ class Engine:
         started = time.perf_counter()
         self._set_state(EngineState.MIGRATING)
         prepare, moved = self._prepare(OperationKind.MIGRATE)
-        steps = [
-            _C.Step(_C.StepKind.LOCK, timeout_ms=self.lock_timeout_ms),
-            _C.Step(_C.StepKind.CHECKPOINT),
-            _C.Step(_C.StepKind.RESTORE, pairs=[_C.GpuPair(old, new) for old, new in pairs]),
-            _C.Step(_C.StepKind.UNLOCK),
-        ]
-        recover = [_C.Step(_C.StepKind.RECOVER)]
-        outcomes = self._run_steps(steps, [[], recover, recover, [_C.Step(_C.StepKind.UNLOCK)]])
+        outcomes = self._run_steps(*self._migration_steps(pairs))
         final = _C.process_state(self._pid)
         restored = _restored(outcomes)
         if restored:
@@ -510,14 +503,7 @@ class Engine:
             steps.append(exc.timing)
             return self._fast_rollback(result, steps, exc.step, str(exc), staged, source, (*notes, copied))
 
-        locked = [
-            _C.Step(_C.StepKind.LOCK, timeout_ms=self.lock_timeout_ms),
-            _C.Step(_C.StepKind.CHECKPOINT),
-            _C.Step(_C.StepKind.RESTORE, pairs=[_C.GpuPair(old, new) for old, new in pairs]),
-            _C.Step(_C.StepKind.UNLOCK),
-        ]
-        recover = [_C.Step(_C.StepKind.RECOVER)]
-        outcomes = self._run_steps(locked, [[], recover, recover, [_C.Step(_C.StepKind.UNLOCK)]], hold_gil=True)
+        outcomes = self._run_steps(*self._migration_steps(pairs), hold_gil=True)
         steps.extend(map(_timing, outcomes))
         final = _C.process_state(self._pid)
         restored = _restored(outcomes)
@@ -721,6 +707,18 @@ class Engine:
             failed_step=failure.step,
             error=f"{_describe(failure)}; ROLLBACK FAILED: the process is {final.name}{stuck}",
         )
+
+    def _migration_steps(self, pairs: list[tuple[str, str]]) -> tuple[list[_C.Step], list[list[_C.Step]]]:
+        """The locked section of a migration and each step's rollback: a failed checkpoint or
+        restore is recovered in place (DESIGN.md fact 3), a failed unlock is tried again."""
+        steps = [
+            _C.Step(_C.StepKind.LOCK, timeout_ms=self.lock_timeout_ms),
+            _C.Step(_C.StepKind.CHECKPOINT),
+            _C.Step(_C.StepKind.RESTORE, pairs=[_C.GpuPair(old, new) for old, new in pairs]),
+            _C.Step(_C.StepKind.UNLOCK),
+        ]
+        recover = [_C.Step(_C.StepKind.RECOVER)]
+        return steps, [[], recover, recover, [_C.Step(_C.StepKind.UNLOCK)]]
 
     def _run_steps(
         self, steps: list[_C.Step], rollbacks: list[list[_C.Step]], *, hold_gil: bool = False

@@ -1,0 +1,14 @@
+"""The one way the benchmarks print a table: right-aligned columns under a ruled header."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+
+def print_table(columns: Sequence[str], rows: Sequence[Sequence[str]], separator: str = "  ") -> None:
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(columns)]
+    line = separator.join(c.rjust(w) for c, w in zip(columns, widths))
+    print(line)
+    print("-" * len(line))
+    for r in rows:
+        print(separator.join(v.rjust(w) for v, w in zip(r, widths)))
