@@ -4,11 +4,6 @@ command, report running and then the outcome with its timings."""
 
 from __future__ import annotations
 
-import os
-import re
-import socket
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -17,76 +12,36 @@ from typing import Any, Optional
 
 import requests
 
+from live_server import ServerProcess
+
 GIB = 1 << 30
 H200 = "NVIDIA H200"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class LiveServer:
-    """``python -m flexium.server`` on a free port with its own SQLite file."""
+class LiveServer(ServerProcess):
+    """The server with its own SQLite file in `home`. Its workspace token and login link are the
+    ones its first start printed (a restart on the same database prints none)."""
 
     def __init__(self, home: Path, *args: str) -> None:
-        self.home = home
-        self.args = args
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.lines: list[str] = []
-        self.token: Optional[str] = None
-        self.login_link: Optional[str] = None
-        self.proc: Optional[subprocess.Popen[str]] = None
+        super().__init__(home, *args, database=f"sqlite:///{Path(home) / 'server.db'}")
+        self._first: Optional[tuple[Optional[str], Optional[str]]] = None
 
     def start(self, timeout: float = 30.0) -> "LiveServer":
-        self.home.mkdir(parents=True, exist_ok=True)
-        env = dict(os.environ, PYTHONUNBUFFERED="1", FLEXIUM_HOME=str(self.home))
-        env.pop("FLEXIUM_DATABASE_URL", None)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "flexium.server", "--port", str(self.port),
-             "--database", f"sqlite:///{self.home / 'server.db'}", *self.args],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        threading.Thread(target=self._read, daemon=True).start()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("server exited:\n" + "\n".join(self.lines))
-            try:
-                # a restart on the same database prints no token: the first one stays valid
-                if requests.get(self.url + "/healthz", timeout=1).status_code == 200 and self.token:
-                    return self
-            except requests.RequestException:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError("server did not start:\n" + "\n".join(self.lines))
+        super().start(timeout)
+        if self._first is None:
+            assert self.output is not None
+            self.output.wait_for(r"^flx_", timeout)
+            self.output.wait_for(r"Log in to the dashboard: ", timeout)
+            self._first = (ServerProcess.token.fget(self), ServerProcess.login_link.fget(self))  # type: ignore[attr-defined]
+        return self
 
-    def _read(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        token_next = False
-        for line in self.proc.stdout:
-            line = line.rstrip("\n")
-            self.lines.append(line)
-            if token_next and line.startswith("flx_"):
-                self.token = line.strip()
-            token_next = "(shown once)" in line
-            m = re.search(r"Log in to the dashboard: (\S+)", line)
-            if m:
-                self.login_link = m.group(1)
+    @property
+    def token(self) -> Optional[str]:
+        return self._first[0] if self._first is not None else None
 
-    def restart(self) -> "LiveServer":
-        self.stop()
-        return self.start()
-
-    def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+    @property
+    def login_link(self) -> Optional[str]:
+        return self._first[1] if self._first is not None else None
 
 
 class Api:

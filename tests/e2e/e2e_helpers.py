@@ -8,39 +8,21 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import requests
 
 import fake_driver  # tests/ is on sys.path: tests/conftest.py
+from live_server import ProcessOutput, ServerProcess, free_port, wait_until  # noqa: F401  (free_port: for the tests)
 
 HERE = Path(__file__).resolve().parent
 TRAIN_JOB = HERE / "train_job.py"
 WORKSPACE = "e2e"
 HEARTBEAT_S = 0.5
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = condition()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
-        time.sleep(interval)
 
 
 def clean_env(home: Path) -> dict[str, str]:
@@ -59,38 +41,7 @@ def flexium_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "flexium.cli.main"]
 
 
-class Output:
-    """A child's combined output, collected by a thread; lines are searchable as they come."""
-
-    def __init__(self, proc: subprocess.Popen[str]) -> None:
-        self.lines: list[str] = []
-        self._proc = proc
-        self._thread = threading.Thread(target=self._read, daemon=True)
-        self._thread.start()
-
-    def _read(self) -> None:
-        assert self._proc.stdout is not None
-        for line in self._proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    @property
-    def text(self) -> str:
-        return "\n".join(self.lines)
-
-    def wait_for(self, pattern: str, timeout: float, start: int = 0) -> re.Match[str]:
-        regex = re.compile(pattern)
-
-        def find() -> Optional[re.Match[str]]:
-            for line in self.lines[start:]:
-                match = regex.search(line)
-                if match:
-                    return match
-            if self._proc.poll() is not None and not self._thread.is_alive():
-                raise AssertionError(f"process exited ({self._proc.returncode}) before printing {pattern!r}:\n"
-                                     + self.text[-3000:])
-            return None
-
-        return wait_until(find, timeout, f"{pattern!r} in the output:\n{self.text[-2000:]}")
+Output = ProcessOutput  # the e2e tests' name for it
 
 
 class Server:
@@ -101,15 +52,20 @@ class Server:
         self.tmp = tmp
         self.home = tmp / "home"
         self.home.mkdir(parents=True, exist_ok=True)
-        self.port = port or free_port()
         self.database = f"sqlite:///{tmp / 'server.db'}"
-        self.proc: Optional[subprocess.Popen[str]] = None
-        self.output: Optional[Output] = None
+        self.child = ServerProcess(
+            self.home, "--heartbeat-interval", str(HEARTBEAT_S), "--stale-after", "20",
+            database=self.database, port=port, env=clean_env(self.home),
+        )
         self.token: Optional[str] = None
 
     @property
+    def port(self) -> int:
+        return self.child.port
+
+    @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return self.child.url
 
     @property
     def address(self) -> str:
@@ -129,33 +85,11 @@ class Server:
         return self.token
 
     def start(self, timeout: float = 60.0) -> "Server":
-        cmd = [sys.executable, "-m", "flexium.server", "--host", "127.0.0.1", "--port", str(self.port),
-               "--database", self.database, "--heartbeat-interval", str(HEARTBEAT_S), "--stale-after", "20"]
-        self.proc = subprocess.Popen(cmd, env=clean_env(self.home), stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True)
-        self.output = Output(self.proc)
-
-        def healthy() -> bool:
-            assert self.proc is not None
-            if self.proc.poll() is not None:
-                raise AssertionError("server exited:\n" + (self.output.text if self.output else ""))
-            try:
-                return requests.get(self.url + "/healthz", timeout=1).status_code == 200
-            except requests.RequestException:
-                return False
-
-        wait_until(healthy, timeout, "the server to answer /healthz")
+        self.child.start(timeout)
         return self
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                raise AssertionError("the server did not stop within the timeout")
+        self.child.stop(sig, timeout)
 
     def headers(self, token: Optional[str] = None) -> dict[str, str]:
         return {"Authorization": f"Bearer {token or self.token}"}

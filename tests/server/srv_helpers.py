@@ -100,82 +100,18 @@ def table_snapshot(db: Database) -> dict[str, list[tuple[Any, ...]]]:
 
 # --- a real server process and simulated jobs speaking the protocol over HTTP -----------------
 
-import os  # noqa: E402
-import re  # noqa: E402
-import signal  # noqa: E402
-import socket  # noqa: E402
-import subprocess  # noqa: E402
-import sys  # noqa: E402
 import threading  # noqa: E402
 
 import requests  # noqa: E402
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from live_server import ServerProcess  # noqa: E402  (tests/ is on sys.path)
 
 
-class LiveServer:
-    """``python -m flexium.server`` in a child process, as ``flexium server`` runs it."""
+class LiveServer(ServerProcess):
+    """The server on `database_url` ("" for its own SQLite default under `home`)."""
 
     def __init__(self, database_url: str, home: str, *args: str, port: int | None = None) -> None:
-        self.database_url = database_url
-        self.home = home
-        self.args = list(args)
-        self.port = port or free_port()
-        self.proc: subprocess.Popen[str] | None = None
-        self.lines: list[str] = []
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout: float = 60.0) -> "LiveServer":
-        env = {k: v for k, v in os.environ.items() if not k.startswith("FLEXIUM_")}
-        env["FLEXIUM_HOME"] = self.home
-        cmd = [sys.executable, "-m", "flexium.server", "--port", str(self.port), *self.args]
-        if self.database_url:
-            cmd += ["--database", self.database_url]
-        self.lines = []
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
-        threading.Thread(target=self._read, args=(self.proc,), daemon=True).start()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError("server exited:\n" + "\n".join(self.lines))
-            try:
-                if requests.get(self.url + "/healthz", timeout=1).status_code == 200:
-                    return self
-            except requests.RequestException:
-                pass
-            time.sleep(0.05)
-        raise RuntimeError("server did not come up:\n" + "\n".join(self.lines))
-
-    def _read(self, proc: subprocess.Popen[str]) -> None:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            self.lines.append(line.rstrip("\n"))
-
-    @property
-    def token(self) -> str | None:
-        tokens = [line for line in self.lines if re.fullmatch(r"flx_[A-Za-z0-9_-]+", line)]
-        return tokens[-1] if tokens else None
-
-    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> float:
-        """Seconds until the process exited."""
-        assert self.proc is not None
-        start = time.monotonic()
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-                raise
-        return time.monotonic() - start
+        super().__init__(home, *args, database=database_url or None, port=port)
 
 
 class SimJob:

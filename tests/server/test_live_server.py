@@ -229,9 +229,9 @@ def test_sigterm_is_quick_with_waiting_polls_and_streams(server: LiveServer) -> 
 
 
 def test_workspace_command_line(server: LiveServer) -> None:
-    url = server.database_url
+    url = server.database
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEXIUM_")}
-    env["FLEXIUM_HOME"] = server.home
+    env["FLEXIUM_HOME"] = str(server.home)
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         cmd = [sys.executable, "-m", "flexium.server", *args]

@@ -1,0 +1,153 @@
+"""A real flexium server in a child process, for the server, end-to-end and browser tests:
+``python -m flexium.server`` (what ``flexium server`` runs) on 127.0.0.1 and a free port, its
+output collected line by line, restartable on the same port and database. Every wait is bounded.
+(tests/ is on sys.path: tests/conftest.py.)"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import requests
+
+_TOKEN_LINE = re.compile(r"flx_[A-Za-z0-9_-]+")
+_LOGIN_LINK = re.compile(r"Log in to the dashboard: (\S+)")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = condition()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+class ProcessOutput:
+    """A child's combined output, collected by a thread; lines are searchable as they come."""
+
+    def __init__(self, proc: subprocess.Popen[str]) -> None:
+        self.lines: list[str] = []
+        self._proc = proc
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        assert self._proc.stdout is not None
+        for line in self._proc.stdout:
+            self.lines.append(line.rstrip("\n"))
+
+    @property
+    def text(self) -> str:
+        return "\n".join(self.lines)
+
+    def wait_for(self, pattern: str, timeout: float, start: int = 0) -> re.Match[str]:
+        regex = re.compile(pattern)
+
+        def find() -> Optional[re.Match[str]]:
+            for line in self.lines[start:]:
+                match = regex.search(line)
+                if match:
+                    return match
+            if self._proc.poll() is not None and not self._thread.is_alive():
+                raise AssertionError(f"process exited ({self._proc.returncode}) before printing {pattern!r}:\n"
+                                     + self.text[-3000:])
+            return None
+
+        return wait_until(find, timeout, f"{pattern!r} in the output:\n{self.text[-2000:]}")
+
+
+class ServerProcess:
+    """The server with its home folder (``FLEXIUM_HOME``) and, unless ``database`` names one,
+    the SQLite file the server makes there. ``env`` replaces the inherited environment (which is
+    otherwise used without any ``FLEXIUM_`` variable)."""
+
+    def __init__(self, home: Path | str, *args: str, database: Optional[str] = None, port: Optional[int] = None,
+                 env: Optional[dict[str, str]] = None) -> None:
+        self.home = Path(home)
+        self.args = list(args)
+        self.database = database
+        self.port = port or free_port()
+        self.env = env
+        self.proc: Optional[subprocess.Popen[str]] = None
+        self.output: Optional[ProcessOutput] = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def lines(self) -> list[str]:
+        """What the server printed since its last start."""
+        return self.output.lines if self.output is not None else []
+
+    @property
+    def token(self) -> Optional[str]:
+        """The workspace token this run printed (a restart on the same database prints none)."""
+        tokens = [line.strip() for line in self.lines if _TOKEN_LINE.fullmatch(line.strip())]
+        return tokens[-1] if tokens else None
+
+    @property
+    def login_link(self) -> Optional[str]:
+        links = [m.group(1) for line in self.lines if (m := _LOGIN_LINK.search(line))]
+        return links[-1] if links else None
+
+    def start(self, timeout: float = 60.0) -> "ServerProcess":
+        self.home.mkdir(parents=True, exist_ok=True)
+        if self.env is not None:
+            env = dict(self.env)
+        else:
+            env = {k: v for k, v in os.environ.items() if not k.startswith("FLEXIUM_")}
+            env["FLEXIUM_HOME"] = str(self.home)
+        env["PYTHONUNBUFFERED"] = "1"
+        cmd = [sys.executable, "-m", "flexium.server", "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+        if self.database:
+            cmd += ["--database", self.database]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+        self.output = ProcessOutput(self.proc)
+
+        def healthy() -> bool:
+            assert self.proc is not None and self.output is not None
+            if self.proc.poll() is not None:
+                raise AssertionError("server exited:\n" + self.output.text)
+            try:
+                return requests.get(self.url + "/healthz", timeout=1).status_code == 200
+            except requests.RequestException:
+                return False
+
+        wait_until(healthy, timeout, "the server to answer /healthz")
+        return self
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> float:
+        """Sends `sig` and waits; returns the seconds until the process exited. A server that
+        does not exit in time is killed and the test fails."""
+        started = time.monotonic()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+                raise AssertionError(f"the server did not exit within {timeout:.0f} s of signal {sig}") from None
+        return time.monotonic() - started
+
+    def restart(self) -> "ServerProcess":
+        self.stop()
+        return self.start()
