@@ -6,6 +6,7 @@ subprocess; they all start together when this module starts and are collected by
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Iterator
 
 import pytest
@@ -105,6 +106,10 @@ except Exception as exc:
 out(caps=caps.to_dict(), error=error, calls=fake.checkpoint_calls(),
     final=[engine.state.value, fake.state().name, fake.placement()])
 """,
+    ),
+    "no_vmm": dict(
+        env=dict(FAKE_CUDA_NO_VMM=1),
+        code="from flexium.cli import doctor\nout(problem=doctor._fast_path_problem())",
     ),
     "driver_550": dict(
         env=dict(FAKE_CUDA_VERSION=12040, FAKE_NVML_DRIVER="550.54.15"),
@@ -291,3 +296,22 @@ def test_a_libcuda_without_gpu_pairs_refuses_migration_up_front(scripts: dict[st
     assert "migration to another GPU is not available" in message and "CUDA 13.0" in message
     assert [c for c in out["calls"] if c != "GetState"] == []
     assert out["final"] == ["RUNNING", "RUNNING", [0, 1]]
+
+
+# ----------------------------------------------------------------------------- flexium doctor: the fast path
+
+
+def test_doctor_says_why_the_fast_path_cannot_run_here(fake: FakeDriver, capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("torch")
+    from flexium.cli import doctor
+
+    assert doctor.run(as_json=True) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["fast_path"]["available"] is False
+    assert re.fullmatch(r"torch \S+ has no usable CUDA", report["fast_path"]["problem"])
+    assert doctor.run(as_json=False) == 0
+    assert re.search(r"^fast path +no: torch \S+ has no usable CUDA$", capsys.readouterr().out, re.M)
+
+
+def test_doctor_names_a_driver_without_the_virtual_memory_api(scripts: dict[str, Script]) -> None:
+    assert result(scripts, "no_vmm")["problem"] == "the driver lacks the CUDA virtual memory API"

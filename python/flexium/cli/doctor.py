@@ -21,6 +21,8 @@ def _fast_path_problem() -> str | None:
         import torch
     except ImportError:
         return "PyTorch is not installed"
+    if not torch.cuda.is_available():
+        return f"torch {torch.__version__} has no usable CUDA"
     if not hasattr(torch.cuda, "MemPool") or not hasattr(torch._C, "_cuda_beginAllocateToPool"):
         return f"torch {torch.__version__} has no MemPool routing (PyTorch 2.6 or newer has it)"
     return None
