@@ -153,7 +153,7 @@ def test_migrate_offers_only_gpus_that_fit_and_shows_the_outcome(dash: Dashboard
     job.hold.set()
     dash.wait_cell("gpu-mig-0001", "Status", "RUNNING")
     dash.wait_cell("gpu-mig-0001", "Device", "GPU 5")
-    last = dash.wait_cell("gpu-mig-0001", "Last migration", "migrate → GPU 5", "1.87 s", "succeeded")
+    last = dash.wait_cell("gpu-mig-0001", "Last migration", "migrate → GPU 5", "1.87 s", "driver path", "succeeded")
     assert "succeeded · " in last and ("just now" in last or "ago" in last)
     assert api.get(f"/commands/{command['id']}").json()["state"] == "succeeded"
     dash.wait(lambda: any("succeeded in 1.87 s (driver path)" in text for _r, text in dash.notices()),

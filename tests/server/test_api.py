@@ -192,6 +192,14 @@ def test_command_lifecycle_over_http(api: Api) -> None:
     assert proc["state"] == "RUNNING" and proc["gpu_uuid"] == "GPU-0002" and proc["active_command"] is None
     assert api.get(f"/commands/{cmd['id']}").json()["state"] == "succeeded"
     assert [c["id"] for c in api.get("/commands?process_id=gpu-1").json()] == [cmd["id"]]
+    api.client.cookies.set(protocol.TOKEN_COOKIE, api.token)
+    try:
+        row = api.client.get("/ui/processes?id=gpu-1").text
+        listed = api.client.get("/ui/commands").text
+    finally:
+        api.client.cookies.clear()
+    assert '<span class="outcome-path muted">driver path</span>' in row  # which path the move took
+    assert '<span class="cmd-path muted">driver path</span>' in listed
     metrics = api.client.get("/metrics").text
     assert 'flexium_commands_finished_total{kind="migrate",outcome="succeeded"} 1.0' in metrics
     assert 'flexium_migration_duration_seconds_count{kind="migrate",outcome="succeeded"} 1.0' in metrics
