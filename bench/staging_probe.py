@@ -36,7 +36,8 @@ Experiments (parts):
                      makes one cuMemCreate allocation of --gb GiB on cuda:0 (POSIX-fd exportable),
                      maps it, fills it (cuMemsetD32, markers at 8 offsets), exports an fd and sends
                      it (SCM_RIGHTS over a Unix seqpacket socket) to a helper child (its own context
-                     on cuda:0, --gb GiB pinned by cuMemHostAlloc once at its start), which imports,
+                     on cuda:0, --gb GiB pinned by cuMemHostAlloc once at its start; the parent then
+                     runs one baseline checkpoint round, before any VMM memory exists), which imports,
                      maps, copies D2H into its pinned buffer, unmaps and releases. The parent
                      releases its memory (unmap + cuMemRelease; the address range stays reserved),
                      runs checkpoint + restore in place, creates new memory at the same address,
