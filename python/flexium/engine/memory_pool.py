@@ -21,7 +21,6 @@ import logging
 import os
 import resource
 import threading
-from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from flexium import _C
@@ -36,10 +35,8 @@ _ALLOC_CONF_VARIABLES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 WANTED_OPEN_FILES = 1 << 20
 
 
-@dataclass(frozen=True)
-class LiveRange:
-    offset: int
-    length: int
+# The pool whose routing a destroyed MemPool must pause (one per process; a new init replaces it).
+_installed: Optional["MemoryPool"] = None
 
 
 class MemoryPool:
@@ -82,9 +79,9 @@ class MemoryPool:
             )
             try:
                 for device in devices:
-                    # A pool belongs to the current device; switching with _maybe_exchange_device
-                    # creates no context on a GPU the job has not used (a context there would be
-                    # carried to the source by every swap).
+                    # A MemPool belongs to the device current when it is made. flexium pools the
+                    # job's own GPU only, which init already made current (a pool made for another
+                    # GPU left a CUDA context there on H200s, docs/fast-path.md).
                     previous = torch.cuda._maybe_exchange_device(device)
                     try:
                         pool = torch.cuda.MemPool(self._allocator.allocator())
@@ -103,7 +100,10 @@ class MemoryPool:
 
     def uninstall(self) -> None:
         """Ends the routing; the pools stay alive (their memory may still hold tensors)."""
+        global _installed
         with self._lock:
+            if _installed is self:
+                _installed = None
             if self._step_hook is not None:
                 self._step_hook.remove()
                 self._step_hook = None
@@ -124,14 +124,16 @@ class MemoryPool:
         libraries may make and drop their own. So the routing ends just before another pool is
         destroyed and starts again at the next optimizer step; allocations in between come
         from PyTorch's own allocator and ride the driver checkpoint."""
+        global _installed
+        _installed = self
         cls = torch.cuda.MemPool
         if not getattr(cls, "_flexium_guarded", False):
             original = cls.__dict__.get("__del__")
-            hook = self
 
             def __del__(pool: Any) -> None:
-                if not any(pool is ours for ours in hook._pools.values()):
-                    hook._suspend()
+                routed = _installed
+                if routed is not None and not any(pool is ours for ours in routed._pools.values()):
+                    routed._suspend()
                 if original is not None:
                     original(pool)
 
