@@ -39,17 +39,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import tables
+from children import run_child
 
 VARIANTS = ("bare", "torch_init", "torch_matmul", "matmul_released", "matmul_small_stack", "lazy_loading_off",
             "pinned_host_1g")
@@ -466,42 +464,7 @@ def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("FLEXIUM_SERVER", None)
     env["CUDA_MODULE_LOADING"] = "EAGER" if variant == "lazy_loading_off" else "LAZY"
-    started = time.perf_counter()
-    timed_out = False
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env, start_new_session=True)
-        try:
-            returncode = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            returncode = proc.wait()
-        out.seek(0)
-        err.seek(0)
-        stdout = out.read().decode(errors="replace")
-        stderr = err.read().decode(errors="replace")
-    wall = time.perf_counter() - started
-    records = []
-    for line in stdout.splitlines():
-        if line.startswith('{"event": "result"'):
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                pass
-    if records:
-        result = records[-1]
-    else:
-        result = {"variant": variant, "ok": False,
-                  "error": f"killed after {timeout:g} s" if timed_out else f"exit status {returncode}, no result"}
-    result.update(returncode=returncode, wall_s=wall, timed_out=timed_out)
-    if result.get("ok") and returncode != 0:
-        result.update(ok=False, error=f"exit status {returncode} after its result")
-    if not result.get("ok"):
-        result["stderr_tail"] = stderr[-4000:]
-    return result
+    return run_child(argv, env, timeout).result(failed={"variant": variant}, timeout=timeout)
 
 
 def fmt(value: Optional[float], digits: int = 3) -> str:

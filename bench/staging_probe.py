@@ -61,17 +61,17 @@ import argparse
 import ctypes
 import json
 import os
-import signal
 import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
 from pathlib import Path
 from typing import Any, Callable, Optional
+
+from children import run_child
 
 THIS = Path(__file__).resolve()
 sys.path.insert(0, str(THIS.parent))  # tables.py beside this file (also when run as a worker)
@@ -559,7 +559,7 @@ def part_pin_stall(part: str, args: argparse.Namespace, result: dict[str, Any], 
         try:
             torch.cuda.set_device(0)
             while not stop.is_set():
-                y = x @ x
+                x @ x
                 torch.cuda.synchronize()
                 ends.append(now())
                 del y
@@ -1072,45 +1072,8 @@ def run_part(experiment: str, part: str, args: argparse.Namespace) -> dict[str, 
             str(args.repeats), "--timeout", str(args.timeout)]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_MODULE_LOADING": "LAZY"}
     env.pop("FLEXIUM_SERVER", None)
-    started = now()
-    timed_out = False
-    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env, start_new_session=True)
-        try:
-            returncode = proc.wait(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            returncode = proc.wait()
-        try:  # the helper child shares the group; make sure nothing of it stays behind
-            os.killpg(proc.pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-        out.seek(0)
-        err.seek(0)
-        stdout = out.read().decode(errors="replace")
-        stderr = err.read().decode(errors="replace")
-    records = []
-    for line in stdout.splitlines():
-        if line.startswith('{"event": "result"'):
-            try:
-                records.append(json.loads(line))
-            except ValueError:
-                pass
-    if records:
-        result = records[-1]
-    else:
-        result = {"experiment": experiment, "part": part, "ok": False,
-                  "error": f"killed after {args.timeout:g} s" if timed_out else f"exit status {returncode}, no result"}
-    result.update(returncode=returncode, wall_s=now() - started, timed_out=timed_out)
-    if result.get("ok") and returncode != 0:
-        result.update(ok=False, error=f"exit status {returncode} after its result")
-    if not result.get("ok"):
-        result["stderr_tail"] = stderr[-4000:]
-    return result
+    return run_child(argv, env, args.timeout).result(failed={"experiment": experiment, "part": part},
+                                                     timeout=args.timeout)
 
 
 def fmt(value: Any, digits: int = 3) -> str:

@@ -1,0 +1,68 @@
+"""Runs one measurement in a fresh process and reads back its result line, for the probes that
+test one thing per process (a checkpoint is process-wide)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+@dataclass
+class Child:
+    returncode: int
+    stdout: str
+    stderr: str
+    timed_out: bool
+    wall_s: float
+
+    def result(self, *, failed: dict[str, Any], timeout: float) -> dict[str, Any]:
+        """The last `{"event": "result", ...}` line it printed, with how it ended; `failed` (plus
+        an error) when it printed none, and its stderr tail whenever it did not end well."""
+        records = []
+        for line in self.stdout.splitlines():
+            if line.startswith('{"event": "result"'):
+                try:
+                    records.append(json.loads(line))
+                except ValueError:
+                    pass
+        if records:
+            result = records[-1]
+        else:
+            error = f"killed after {timeout:g} s" if self.timed_out else f"exit status {self.returncode}, no result"
+            result = {**failed, "ok": False, "error": error}
+        result.update(returncode=self.returncode, wall_s=self.wall_s, timed_out=self.timed_out)
+        if result.get("ok") and self.returncode != 0:
+            result.update(ok=False, error=f"exit status {self.returncode} after its result")
+        if not result.get("ok"):
+            result["stderr_tail"] = self.stderr[-4000:]
+        return result
+
+
+def run_child(argv: list[str], env: dict[str, str], timeout: float) -> Child:
+    """Runs `argv` in a process group of its own; past `timeout` the whole group is killed, and
+    anything of the group left after it exits (a helper it started) too."""
+    started = time.perf_counter()
+    timed_out = False
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env, start_new_session=True)
+        try:
+            returncode: Optional[int] = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            timed_out = True
+            returncode = None
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+        if returncode is None:
+            returncode = proc.wait()
+        out.seek(0)
+        err.seek(0)
+        return Child(returncode, out.read().decode(errors="replace"), err.read().decode(errors="replace"), timed_out,
+                     time.perf_counter() - started)
