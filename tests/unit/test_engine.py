@@ -890,3 +890,11 @@ def test_without_nvml_the_engine_still_migrates_and_says_what_it_could_not_check
     assert out["bytes"] == 0  # neither NVML nor torch can tell here
     assert out["candidates"] == 0
     assert out["resumed"] == [True, "cuda:1", "RUNNING"]
+
+
+def test_an_unknown_path_is_refused_before_anything_happens(fake: FakeDriver, make_engine: Callable[..., Any]) -> None:
+    engine = make_engine()
+    for call in (lambda: engine.migrate("cuda:1", path="quick"), lambda: engine.pause(path="")):
+        with pytest.raises(ValueError, match=r"path must be one of auto, fast, driver, not '(quick)?'"):
+            call()
+    assert engine.state == EngineState.RUNNING and checkpoint_ops(fake) == []
