@@ -148,6 +148,9 @@ REPORT_STATES = ("running", "succeeded", "failed")        # what a process may r
 # Capability keys a process reports (flexium.utils.get_capabilities()).
 CAP_PAUSE_RESUME = "pause_resume"
 CAP_MIGRATION = "migration"
+# Whether the job's memory is in flexium's pool (moves can take the fast path), and if not, why.
+CAP_FAST_PATH = "fast_path"
+CAP_FAST_PATH_PROBLEM = "fast_path_problem"
 
 # GPU health (GpuReport.health): "ok", "unknown" (NVML cannot read the ECC counters: nothing
 # known against it) or a short reason. Only a known-bad health refuses a GPU as a target.

@@ -277,6 +277,22 @@ def test_failed_process_refuses_commands_and_shows_red(api: Api) -> None:
     assert not any(f'data-action="{kind}"' in row for kind in ("migrate", "pause", "resume"))
 
 
+def test_a_job_without_the_fast_path_shows_why(api: Api) -> None:
+    caps = {protocol.CAP_PAUSE_RESUME: True, protocol.CAP_MIGRATION: True, protocol.CAP_FAST_PATH: False,
+            protocol.CAP_FAST_PATH_PROBLEM: "CUDA memory was allocated before flexium.init() <early>"}
+    api.register("gpu-1", capabilities=caps)
+    api.register("gpu-2", capabilities={**caps, protocol.CAP_FAST_PATH: True, protocol.CAP_FAST_PATH_PROBLEM: None})
+    api.client.cookies.set(protocol.TOKEN_COOKIE, api.token)
+    try:
+        slow = api.client.get("/ui/processes?id=gpu-1").text
+        fast = api.client.get("/ui/processes?id=gpu-2").text
+    finally:
+        api.client.cookies.clear()
+    assert ('<small class="muted driver-only" title="CUDA memory was allocated before flexium.init() &lt;early&gt;">'
+            "driver path only</small>") in slow
+    assert "driver path only" not in fast
+
+
 def test_a_heartbeat_older_than_the_final_report_changes_nothing(api: Api) -> None:
     api.register("gpu-1", seq=10)
     cmd = api.command("pause").json()

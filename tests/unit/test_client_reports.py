@@ -38,3 +38,26 @@ def test_every_body_carries_a_growing_seq() -> None:
     seqs = [reporter.register_body([])["seq"], reporter.heartbeat_body([])["seq"],
             reporter.process_update()["seq"], reporter.heartbeat_body([])["seq"]]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+
+
+def test_the_fast_path_status_goes_out_with_the_capabilities() -> None:
+    from types import SimpleNamespace
+
+    from flexium import protocol
+    from flexium.client.reports import ProcessReporter
+
+    engine = SimpleNamespace(state=None)
+    on = SimpleNamespace(active=True, reason_off=None)
+    off = SimpleNamespace(active=False, reason_off="switched off (fast_path false, from FLEXIUM_FAST_PATH)")
+
+    def caps(**session: object) -> dict[str, object]:
+        base = dict(engine=engine, logical_device="cuda:0", capabilities=None, process_id="gpu-1", memory_pool=None)
+        return ProcessReporter(SimpleNamespace(**{**base, **session})).capabilities()
+
+    assert caps(memory_pool=on)[protocol.CAP_FAST_PATH] is True
+    assert caps(memory_pool=on)[protocol.CAP_FAST_PATH_PROBLEM] is None
+    assert caps(memory_pool=off)[protocol.CAP_FAST_PATH] is False
+    assert caps(memory_pool=off)[protocol.CAP_FAST_PATH_PROBLEM] == off.reason_off
+    no_pool = caps()
+    assert no_pool[protocol.CAP_FAST_PATH] is False and "no CUDA torch" in str(no_pool[protocol.CAP_FAST_PATH_PROBLEM])
+    assert caps(engine=None, memory_pool=on)[protocol.CAP_FAST_PATH] is False  # no engine: nothing moves

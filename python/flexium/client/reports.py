@@ -130,6 +130,11 @@ class ProcessReporter:
             problems.append("flexium's engine is not running in this process (training on "
                             f"{self.session.logical_device}): migrate, pause and resume are off")
             data["problems"] = problems
+        pool = getattr(self.session, "memory_pool", None)
+        data[protocol.CAP_FAST_PATH] = bool(self.engine is not None and pool is not None and pool.active)
+        data[protocol.CAP_FAST_PATH_PROBLEM] = None if data[protocol.CAP_FAST_PATH] else (
+            pool.reason_off if pool is not None else "no CUDA memory pool in this process (no CUDA torch)"
+        )
         return data
 
     # ---- measurements -----------------------------------------------------------------------

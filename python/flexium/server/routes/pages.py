@@ -143,6 +143,7 @@ TEMPLATES.env.filters.update(bytes=fmt_bytes, duration=fmt_duration)
 TEMPLATES.env.globals.update(fmt_ago=fmt_ago, job_name=job_name, gpu_label=gpu_label, membar=membar,
                              command_seconds=command_seconds, DISPLAY_STATES=protocol.DISPLAY_STATES,
                              CAP_MIGRATION=protocol.CAP_MIGRATION, CAP_PAUSE_RESUME=protocol.CAP_PAUSE_RESUME,
+                             CAP_FAST_PATH=protocol.CAP_FAST_PATH, CAP_FAST_PATH_PROBLEM=protocol.CAP_FAST_PATH_PROBLEM,
                              TARGETABLE_HEALTH=protocol.TARGETABLE_HEALTH)
 
 
