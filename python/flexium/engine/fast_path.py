@@ -9,9 +9,10 @@ steps around the locked section and decides what a failure means.
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, TypeVar
+from typing import Callable, Iterable, Optional, TypeVar
 
 from flexium import _C
 from flexium.engine.memory_pool import MemoryPool, open_file_headroom
@@ -80,7 +81,7 @@ class FastPath:
         def work() -> Staged:
             live = self.pool.live_ranges(logical)
             entries = _C.stage_segments_to_device(target_ordinal, logical, live)
-            return Staged([tuple(e) for e in entries], int(_C.last_staged_copy_bytes()))  # type: ignore[misc]
+            return Staged([(address, size, fd) for address, size, fd in entries], int(_C.last_staged_copy_bytes()))
 
         return timed("copy", work)
 
@@ -166,9 +167,7 @@ def host_memory_available() -> Optional[int]:
     return None
 
 
-def close_fds(entries: Any) -> None:
-    import os
-
+def close_fds(entries: Iterable[tuple[int, int, int]]) -> None:
     for _address, _size, fd in entries:
         try:
             os.close(fd)
