@@ -279,6 +279,10 @@ static struct {
   unsigned long long process_bytes[MAX_GPUS];  /* per logical device */
   int restore_poisoned;
   int oom_poisons_restore;
+  /* Measured on H200s (driver 580): a checkpoint taken while the process held imported VMM memory
+   * cannot be restored: the restore, remapped or in place, fails with CUDA_ERROR_NOT_SUPPORTED and
+   * the process stays CHECKPOINTED (docs/fast-path.md). */
+  int image_has_imported;
 
   /* behaviour and failure injection */
   unsigned int lock_delay_ms;
@@ -617,6 +621,7 @@ struct vmm_handle {
   int used;
   unsigned long long value;
   int alloc;
+  int imported;  /* made by cuMemImportFromShareableHandle */
 };
 
 struct vmm_range {
@@ -1115,6 +1120,10 @@ CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args
   if (fake.state != CU_PROCESS_STATE_LOCKED) return leave(fn, CUDA_ERROR_ILLEGAL_STATE, -1);
   vmm_collect();
   vmm_checkpoint();
+  fake.image_has_imported = 0;
+  for (int i = 0; i < MAX_VMM; ++i) {
+    if (vmm.handles[i].used && vmm.handles[i].imported) fake.image_has_imported = 1;
+  }
   set_state(CU_PROCESS_STATE_CHECKPOINTED);
   return leave(fn, CUDA_SUCCESS, -1);
 }
@@ -1165,6 +1174,7 @@ CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args) {
   /* NVIDIA/cuda-checkpoint issue 44 (driver 580.95): after a restore failed for memory, every
    * later restore fails with CUDA_ERROR_OPERATING_SYSTEM. Off unless a test turns it on. */
   if (fake.restore_poisoned) return leave(fn, CUDA_ERROR_OPERATING_SYSTEM, pairs);
+  if (fake.image_has_imported) return leave(fn, CUDA_ERROR_NOT_SUPPORTED, pairs);
   int target[MAX_GPUS];
   rc = plan_restore(args, target);
   if (rc != CUDA_SUCCESS) return leave(fn, rc, pairs);
@@ -1376,7 +1386,7 @@ CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size) {
 static int new_handle(int alloc) {
   const int slot = FREE_SLOT(vmm.handles);
   if (slot < 0) return -1;
-  vmm.handles[slot] = (struct vmm_handle){1, 0x1000 + ++vmm.next_handle, alloc};
+  vmm.handles[slot] = (struct vmm_handle){1, 0x1000 + ++vmm.next_handle, alloc, 0};
   ++vmm.allocs[alloc].handles;
   return slot;
 }
@@ -1572,6 +1582,7 @@ CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, vo
   if (alloc < 0) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
   const int h = new_handle(alloc);
   if (h < 0) return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, -1);
+  vmm.handles[h].imported = 1;
   *handle = vmm.handles[h].value;
   return leave(fn, CUDA_SUCCESS, -1);
 }

@@ -25,6 +25,7 @@ from engine_fixtures import (  # noqa: E402,F401  (fixtures)
     H200_BYTES,
     GiB,
     MiB,
+    PID,
     HostMemory,
     checkpoint_ops,
     driver,
@@ -47,7 +48,7 @@ from flexium.errors import (  # noqa: E402
     TargetRefusedError,
 )
 
-FAST_MIGRATION = ["prepare", "copy", "release", "lock", "checkpoint", "restore", "unlock", "map", "own"]
+FAST_MIGRATION = ["prepare", "copy", "release", "lock", "checkpoint", "restore", "unlock", "map"]
 FAST_PAUSE = ["prepare", "copy", "release", "lock", "checkpoint"]
 
 
@@ -264,9 +265,9 @@ def test_fast_migration_there_and_back(job: Job) -> None:
     assert step_summary(result) == [(s, True, False) for s in FAST_MIGRATION]
     assert result.notes == ("fast path: copied 0.01 GiB in use of 0.01 GiB in 3 pool segments",)
     assert job.fast is not None and job.fast.staged[0].copied_bytes == job.total
-    assert job.pool.asked == [0, 0]  # for the copy, then for making the imported memory our own
+    assert job.pool.asked == [0]
     assert checkpoint_ops(fake) == ["Lock", "Checkpoint", "Restore", "Unlock"]
-    assert _C.vmm_imported_count() == 0  # a later driver checkpoint can carry every segment
+    assert _C.vmm_imported_count() == 3  # the job runs on the imported copies
     assert locking_threads(fake) == {trainer.tid}  # at the end of an optimizer step
     assert fake.blocked_calls() == 0 and fake.deadlocks() == 0
     assert engine.state == EngineState.RUNNING and fake.state() == ProcessState.RUNNING
@@ -281,32 +282,95 @@ def test_fast_migration_there_and_back(job: Job) -> None:
     job.assert_home(physical=0)
     assert open_fds() == fds
 
-    # After fast moves the driver path still works: nothing imported is left for it to carry.
+    # A driver checkpoint cannot restore imported memory: at a safe point the driver path first
+    # makes it the job's own, then carries it.
     driver = engine.migrate("cuda:1", path="driver")
     assert driver.ok and driver.path == "driver" and fake.placement() == [1, 0]
+    assert names(driver)[:2] == ["own", "prepare"] and _C.vmm_imported_count() == 0
+    assert job.pool.asked == [0, 0, 0]  # the own step copies live ranges only too
     job.assert_home(physical=1)
 
 
-def test_memory_that_could_not_be_made_our_own_keeps_the_driver_path_out(job: Job) -> None:
+def test_imported_memory_keeps_a_driver_checkpoint_out_until_it_is_our_own(job: Job) -> None:
+    fake = job.fake
+    job.segments([2 * MiB, 4 * MiB])
+    engine = job.engine(safe_point_wait_seconds=0.3)
+    trainer = job.train()
+    assert engine.migrate("cuda:1").path == "fast" and _C.vmm_imported_count() == 2
+
+    # No optimizer step: the driver path would have to carry imported memory; refused untouched.
+    trainer.stopping.set()
+    trainer.join(5)
+    fake.clear_log()
+    with pytest.raises(OperationFailedError, match="no optimizer step came within 0.3 s") as refused:
+        engine.migrate("cuda:0")
+    assert refused.value.step == "validate" and checkpoint_ops(fake) == []
+    assert engine.state == EngineState.RUNNING and _C.vmm_imported_count() == 2
+    job.assert_home(physical=1)
+
+    # At a safe point, making it our own fails (no memory left): still refused untouched.
+    job.train()
+    fake.fail("cuMemCreate", "CUDA_ERROR_OUT_OF_MEMORY", nth=1)
+    with pytest.raises(OperationFailedError, match="failed at step 'own' before anything was locked") as failed:
+        engine.migrate("cuda:0", path="driver")
+    assert failed.value.step == "own" and checkpoint_ops(fake) == []
+    assert engine.state == EngineState.RUNNING
+    job.assert_home(physical=1)
+
+    # The fast path needs no own memory: it moves the imported segments like any other.
+    back = engine.migrate("cuda:0")
+    assert back.ok and back.path == "fast" and fake.placement() == [0, 1]
+    job.assert_home(physical=0)
+
+
+def test_on_the_training_thread_the_driver_path_makes_the_memory_its_own_first(job: Job) -> None:
+    """recoverable() moves the job from the training thread, outside an optimizer step: nothing else
+    launches work meanwhile, so imported memory can be made the job's own there too."""
     fake = job.fake
     job.segments([2 * MiB, 4 * MiB])
     engine = job.engine()
-    job.train()
-    fake.fail("cuMemCreate", "CUDA_ERROR_OUT_OF_MEMORY", nth=3)  # 2 copies, then the first own
-    result = engine.migrate("cuda:1")
-    assert result.ok and result.path == "fast" and fake.placement() == [1, 0]
-    assert [s[:2] for s in step_summary(result)][-1] == ("own", False)
-    assert any("driver path is unavailable" in note for note in result.notes), result.notes
-    assert _C.vmm_imported_count() == 2
-    job.assert_home(physical=1)  # the job runs on the imported memory, contents intact
-    fake.clear_log()
-    with pytest.raises(OperationFailedError, match="cannot restore it") as refused:
-        engine.migrate("cuda:0", path="driver")
-    assert refused.value.step == "validate" and checkpoint_ops(fake) == []
-    assert engine.state == EngineState.RUNNING
-    back = engine.migrate("cuda:0")  # the next fast move makes it our own
-    assert back.ok and back.path == "fast" and _C.vmm_imported_count() == 0
+    trainer = job.train()
+    assert engine.migrate("cuda:1").path == "fast" and _C.vmm_imported_count() == 2
+    trainer.stopping.set()
+    trainer.join(5)
+
+    outcome: dict[str, Any] = {}
+
+    def training_thread() -> None:
+        model = torch.nn.Linear(2, 1)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(torch.ones(1, 2)).sum().backward()
+        optimizer.step()  # this thread is now the training thread
+        try:
+            outcome["result"] = engine.migrate("cuda:0")
+        except Exception as exc:  # reported to the test
+            outcome["error"] = exc
+
+    thread = threading.Thread(target=training_thread)
+    thread.start()
+    thread.join(30)
+    assert "error" not in outcome, outcome
+    result = outcome["result"]
+    assert result.ok and result.path == "driver" and names(result)[:2] == ["own", "prepare"]
+    assert result.notes == ("driver path: called on the training thread outside an optimizer step",)
+    assert _C.vmm_imported_count() == 0 and fake.placement() == [0, 1]
     job.assert_home(physical=0)
+
+
+def test_the_fake_driver_cannot_restore_imported_memory_either(job: Job) -> None:
+    """What the H200s showed (docs/fast-path.md), kept by the fake so the engine's guard is tested."""
+    fake = job.fake
+    job.segments([2 * MiB])
+    engine = job.engine()
+    job.train()
+    assert engine.migrate("cuda:1").path == "fast"
+    outcomes = _C.run_steps(PID, [_C.Step(_C.StepKind.LOCK, timeout_ms=1000), _C.Step(_C.StepKind.CHECKPOINT),
+                                  _C.Step(_C.StepKind.RESTORE)], [[], [], [_C.Step(_C.StepKind.RECOVER)]])
+    assert [(o.step, o.rollback, o.error_name) for o in outcomes] == [
+        ("lock", False, ""), ("checkpoint", False, ""), ("restore", False, "CUDA_ERROR_NOT_SUPPORTED"),
+        ("restore", True, "CUDA_ERROR_NOT_SUPPORTED"), ("unlock", True, "CUDA_ERROR_ILLEGAL_STATE")]
+    assert fake.state() == ProcessState.CHECKPOINTED  # stuck, as on the real driver
+    fake.reset()  # the fixture's cleanup needs a running process
 
 
 def test_only_the_live_ranges_are_copied(job: Job) -> None:
@@ -540,9 +604,9 @@ def test_a_map_failure_after_the_restore_is_retried(job: Job) -> None:
     fake.fail("cuMemImportFromShareableHandle", "CUDA_ERROR_UNKNOWN", nth=2)
     result = engine.migrate("cuda:1")
     assert result.ok and result.path == "fast" and result.error is None
-    assert step_summary(result) == [(s, True, False) for s in FAST_MIGRATION[:-2]] + [
-        ("map", False, False), ("map", True, False), ("own", True, False)]
-    assert "cuMemImportFromShareableHandle failed: CUDA_ERROR_UNKNOWN" in (result.steps[-3].error or "")
+    assert step_summary(result) == [(s, True, False) for s in FAST_MIGRATION[:-1]] + [
+        ("map", False, False), ("map", True, False)]
+    assert "cuMemImportFromShareableHandle failed: CUDA_ERROR_UNKNOWN" in (result.steps[-2].error or "")
     assert fake.placement() == [1, 0] and engine.state == EngineState.RUNNING
     job.assert_home(physical=1)
     assert open_fds() == fds

@@ -217,7 +217,7 @@ class Engine:
                 fast, why = self._choose_path(path, at_safe_point)
                 if fast:
                     return self._run_fast_migration(source, dest, pairs, notes)
-                return self._run_migration(source, dest, pairs, (*notes, *why))
+                return self._run_migration(source, dest, pairs, (*notes, *why), at_safe_point=at_safe_point)
 
             result, _ = self._safe_points.run(work)
             return self._finish(result)
@@ -238,7 +238,7 @@ class Engine:
                 fast, why = self._choose_path(path, at_safe_point)
                 if fast:
                     return replace(self._run_fast_pause(source), notes=pinned)
-                return self._run_pause(source, why)
+                return self._run_pause(source, why, at_safe_point=at_safe_point)
 
             result, at_safe_point = self._safe_points.run(work, then=self._park_while_paused)
             if not at_safe_point and result.ok:
@@ -309,7 +309,11 @@ class Engine:
             return False, ()  # no pool in this process (no CUDA torch): the driver path is the only one
         blocker = self.fast_path_blocker()
         if blocker is None and not at_safe_point:
-            blocker = f"no optimizer step (safe point) came within {self.safe_point_wait_seconds:g} s"
+            blocker = (
+                "called on the training thread outside an optimizer step"
+                if self._safe_points.on_training_thread()
+                else f"no optimizer step (safe point) came within {self.safe_point_wait_seconds:g} s"
+            )
         if blocker is None:
             return True, ()
         if requested == "fast":
@@ -388,10 +392,16 @@ class Engine:
         return StepTiming("prepare", time.perf_counter() - started, ok=True), moved
 
     def _run_migration(
-        self, source: GpuIdentity, dest: GpuIdentity, pairs: list[tuple[str, str]], notes: tuple[str, ...]
+        self,
+        source: GpuIdentity,
+        dest: GpuIdentity,
+        pairs: list[tuple[str, str]],
+        notes: tuple[str, ...],
+        *,
+        at_safe_point: bool = False,
     ) -> OperationResult:
-        self._check_driver_path(OperationKind.MIGRATE)
         started = time.perf_counter()
+        owned = self._own_before_driver_checkpoint(OperationKind.MIGRATE, at_safe_point)
         self._set_state(EngineState.MIGRATING)
         prepare, moved = self._prepare(OperationKind.MIGRATE)
         outcomes = self._run_steps(*self._migration_steps(pairs))
@@ -401,7 +411,9 @@ class Engine:
             self._identity.apply(pairs)  # its memory is on the target now, whatever follows
         where = dest if restored else source
         return self._settle(
-            self._result(OperationKind.MIGRATE, source, dest, (prepare, *map(_timing, outcomes)), moved, started, notes),
+            self._result(
+                OperationKind.MIGRATE, source, dest, (*owned, prepare, *map(_timing, outcomes)), moved, started, notes
+            ),
             outcomes,
             final,
             succeeded=final == _C.ProcessState.RUNNING and restored,
@@ -415,10 +427,12 @@ class Engine:
             stuck=f", not RUNNING, its memory on {where.device} ({where.uuid})",
         )
 
-    def _run_pause(self, source: GpuIdentity, notes: tuple[str, ...] = ()) -> OperationResult:
-        self._check_driver_path(OperationKind.PAUSE)
+    def _run_pause(
+        self, source: GpuIdentity, notes: tuple[str, ...] = (), *, at_safe_point: bool = False
+    ) -> OperationResult:
         self._check_host_room(self.process_bytes(), fast=False)
         started = time.perf_counter()
+        owned = self._own_before_driver_checkpoint(OperationKind.PAUSE, at_safe_point)
         self._set_state(EngineState.PAUSING)
         prepare, moved = self._prepare(OperationKind.PAUSE)
         steps = [_C.Step(_C.StepKind.LOCK, timeout_ms=self.lock_timeout_ms), _C.Step(_C.StepKind.CHECKPOINT)]
@@ -428,7 +442,7 @@ class Engine:
         if succeeded:
             self._paused_bytes = moved
         return self._settle(
-            self._result(OperationKind.PAUSE, source, None, (prepare, *map(_timing, outcomes)), moved, started, notes),
+            self._result(OperationKind.PAUSE, source, None, (*owned, prepare, *map(_timing, outcomes)), moved, started, notes),
             outcomes,
             final,
             succeeded=succeeded,
@@ -525,7 +539,7 @@ class Engine:
                         "not mapped back; restart the job",
                     )
             self._set_state(EngineState.RUNNING)
-            return result(ok=True, notes=(*notes, copied, *self._own_imported(steps)))
+            return result(ok=True, notes=(*notes, copied))
         failure = _first_failure(outcomes)
         if final == _C.ProcessState.RUNNING:
             return self._fast_rollback(result, steps, failure.step, _describe(failure), staged, source, (*notes, copied))
@@ -536,26 +550,30 @@ class Engine:
             f"waits on {dest.device}",
         )
 
-    def _own_imported(self, steps: list[StepTiming]) -> tuple[str, ...]:
-        """After the job runs again on imported memory: make it ours. If that fails the job still
-        runs correctly, but no driver-path checkpoint may carry it (checked in _check_driver_path)."""
-        assert self._fast is not None
-        try:
-            steps.append(self._fast.own(self._logical))
-        except RelocationError as exc:
-            steps.append(exc.timing)
-            log.warning("%s; moves take the fast path only until this succeeds at a later move", exc)
-            return (f"{exc}: the driver path is unavailable until the next fast move",)
-        return ()
-
-    def _check_driver_path(self, kind: OperationKind) -> None:
-        if self._fast is not None and _C.vmm_imported_count() > 0:
+    def _own_before_driver_checkpoint(self, kind: OperationKind, at_safe_point: bool) -> tuple[StepTiming, ...]:
+        """After a fast move the job runs on imported memory, which a driver checkpoint cannot
+        restore (docs/fast-path.md). The fast path never lets it ride one, so it is made the job's
+        own only here, before a driver-path checkpoint, and only where no kernel can be launched on
+        a segment while its memory is swapped: at a safe point or on the training thread."""
+        if self._fast is None or _C.vmm_imported_count() == 0:
+            return ()
+        # The training thread itself (recoverable() after an error) launches nothing meanwhile either.
+        if not (at_safe_point or self._safe_points.on_training_thread()):
             raise OperationFailedError(
-                f"{kind.value} refused before anything was touched: memory brought in by an earlier fast move "
-                "could not be made the job's own, and the driver's checkpoint cannot restore it; use the fast "
-                "path (at an optimizer step) or restart the job",
+                f"{kind.value} refused before anything was touched: part of the job's memory came in by an "
+                "earlier fast move and must be made its own at an optimizer step before the driver's "
+                f"checkpoint can carry it, and no optimizer step came within {self.safe_point_wait_seconds:g} s; "
+                "try again while the job trains",
                 step="validate",
             )
+        try:
+            return (self._fast.own(self._logical),)
+        except RelocationError as exc:
+            raise OperationFailedError(
+                f"{kind.value} failed at step 'own' before anything was locked: {exc}; the job keeps running "
+                "on its GPU (the fast path can still move it)",
+                step="own",
+            ) from exc
 
     def _fast_rollback(
         self,

@@ -94,9 +94,9 @@ class FastPath:
         return timed("map", lambda: _C.map_imported([e for e in staged.entries if e[0] in waiting], logical))[1]
 
     def own(self, logical: int) -> StepTiming:
-        """Replaces the memory that came in through fds with memory of our own: a later driver
-        checkpoint could not restore imported memory (its restore fails, CUDA_ERROR_NOT_SUPPORTED,
-        and leaves the process stuck)."""
+        """Replaces the memory that came in through fds with memory of our own: a driver
+        checkpoint cannot restore imported memory (its restore fails, CUDA_ERROR_NOT_SUPPORTED,
+        and leaves the process stuck). The engine calls it before a driver-path checkpoint."""
         return timed("own", lambda: _C.own_imported(logical, self.pool.live_ranges(logical)))[1]
 
     def bring_home(self, staged: Staged, logical: int) -> StepTiming:
