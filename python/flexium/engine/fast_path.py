@@ -90,8 +90,7 @@ class FastPath:
 
     def map_back(self, staged: Staged, logical: int) -> StepTiming:
         """Maps the copies at their addresses for `logical` (now on the target GPU)."""
-        waiting = self._unbacked()
-        return timed("map", lambda: _C.map_imported([e for e in staged.entries if e[0] in waiting], logical))[1]
+        return timed("map", lambda: self._map(staged, logical))[1]
 
     def own(self, logical: int) -> StepTiming:
         """Replaces the memory that came in through fds with memory of our own: a driver
@@ -101,33 +100,27 @@ class FastPath:
 
     def bring_home(self, staged: Staged, logical: int) -> StepTiming:
         """Rollback after a release: the released segments' data lives only in the copies on the
-        target; map them for `logical` (read over NVLink), copy them into memory of its own GPU
-        and map that instead. Other copies are dropped."""
+        target; map them for `logical` (read over NVLink), then copy them into memory of its own
+        GPU in place (own_imported). Copies of segments that kept their memory are dropped."""
 
         def work() -> None:
-            waiting = self._unbacked()
-            keep = [e for e in staged.entries if e[0] in waiting]
-            close_fds([e for e in staged.entries if e[0] not in waiting])
-            staged.entries = keep
-            if not keep:
-                return
-            _C.map_imported(keep, logical)
-            staged.entries = []
-            addresses = {address for address, _size, _fd in keep}
-            home = _C.stage_segments_to_device(logical, logical, {}, addresses)
-            try:
-                _C.release_source_backing(logical, addresses)
-            except Exception:
-                close_fds(home)  # the remote copies are still mapped: the data stays reachable
-                raise
-            _C.map_imported(home, logical)
+            self._map(staged, logical)
             _C.own_imported(logical, {})
 
         return timed("rollback_copy", work)[1]
 
-    def discard(self, staged: Staged) -> None:
-        close_fds(staged.entries)
-        staged.entries = []
+    def _map(self, staged: Staged, logical: int) -> None:
+        """Maps the copies of the segments without memory; closes the copies of the others.
+        Afterwards `staged` holds only the copies still waiting (map_imported closed the fds of
+        those it mapped), also when it failed half way."""
+        waiting = self._unbacked()
+        close_fds([e for e in staged.entries if e[0] not in waiting])
+        staged.entries = [e for e in staged.entries if e[0] in waiting]
+        try:
+            _C.map_imported(staged.entries, logical)
+        finally:
+            still = self._unbacked()
+            staged.entries = [e for e in staged.entries if e[0] in still]
 
     # ---- GPU to pinned host memory ---------------------------------------------------------
 
