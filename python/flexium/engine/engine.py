@@ -237,7 +237,7 @@ class Engine:
             def work(at_safe_point: bool) -> OperationResult:
                 fast, why = self._choose_path(path, at_safe_point)
                 if fast:
-                    return replace(self._run_fast_pause(source), notes=pinned)
+                    return self._run_fast_pause(source, pinned)
                 return self._run_pause(source, why, at_safe_point=at_safe_point)
 
             result, at_safe_point = self._safe_points.run(work, then=self._park_while_paused)
@@ -262,11 +262,11 @@ class Engine:
     # ---- validation ------------------------------------------------------------------------
 
     def _prepare_host_staging(self, path: str) -> tuple[str, ...]:
-        """Before a pause: refuses it when the host cannot hold the job's memory, and pins the
-        fast path's staging memory before the safe point (kept for later pauses)."""
+        """Before a pause that can take the fast path: refuses it when the host cannot hold the
+        pool, and pins the staging memory before the safe point (kept for later pauses). A pause on
+        the driver path is checked for host memory in _run_pause."""
         fast = self._fast if path != "driver" and self.fast_path_blocker() is None else None
         if fast is None:
-            self._check_host_room(self.process_bytes(), fast=False)
             return ()
         to_pin = fast.host_bytes_to_pin(self._logical)
         self._check_host_room(to_pin, fast=True)
@@ -435,8 +435,7 @@ class Engine:
         owned = self._own_before_driver_checkpoint(OperationKind.PAUSE, at_safe_point)
         self._set_state(EngineState.PAUSING)
         prepare, moved = self._prepare(OperationKind.PAUSE)
-        steps = [_C.Step(_C.StepKind.LOCK, timeout_ms=self.lock_timeout_ms), _C.Step(_C.StepKind.CHECKPOINT)]
-        outcomes = self._run_steps(steps, [[], [_C.Step(_C.StepKind.RECOVER)]])
+        outcomes = self._run_steps(*self._pause_steps())
         final = _C.process_state(self._pid)
         succeeded = final == _C.ProcessState.CHECKPOINTED and not any(o.code for o in outcomes)
         if succeeded:
@@ -599,7 +598,7 @@ class Engine:
             failed_step=failed_step, notes=notes, error=f"{error}; rolled back: the job runs on {source.device} as before"
         )
 
-    def _run_fast_pause(self, source: GpuIdentity) -> OperationResult:
+    def _run_fast_pause(self, source: GpuIdentity, notes: tuple[str, ...] = ()) -> OperationResult:
         assert self._fast is not None
         fast = self._fast
         started = time.perf_counter()
@@ -608,7 +607,7 @@ class Engine:
         steps: list[StepTiming] = [prepare]
 
         def result(**changes: object) -> OperationResult:
-            base = self._result(OperationKind.PAUSE, source, None, tuple(steps), moved, started, path="fast")
+            base = self._result(OperationKind.PAUSE, source, None, tuple(steps), moved, started, notes, path="fast")
             return replace(base, **changes)  # type: ignore[arg-type]
 
         def undo(failed_step: str, error: str) -> OperationResult:
@@ -634,8 +633,7 @@ class Engine:
         except RelocationError as exc:
             steps.append(exc.timing)
             return undo(exc.step, str(exc))
-        locked = [_C.Step(_C.StepKind.LOCK, timeout_ms=self.lock_timeout_ms), _C.Step(_C.StepKind.CHECKPOINT)]
-        outcomes = self._run_steps(locked, [[], [_C.Step(_C.StepKind.RECOVER)]], hold_gil=True)
+        outcomes = self._run_steps(*self._pause_steps(), hold_gil=True)
         steps.extend(map(_timing, outcomes))
         final = _C.process_state(self._pid)
         if final == _C.ProcessState.CHECKPOINTED and not any(o.code for o in outcomes):
@@ -737,6 +735,11 @@ class Engine:
         ]
         recover = [_C.Step(_C.StepKind.RECOVER)]
         return steps, [[], recover, recover, [_C.Step(_C.StepKind.UNLOCK)]]
+
+    def _pause_steps(self) -> tuple[list[_C.Step], list[list[_C.Step]]]:
+        """The locked section of a pause: a failed checkpoint is recovered in place."""
+        steps = [_C.Step(_C.StepKind.LOCK, timeout_ms=self.lock_timeout_ms), _C.Step(_C.StepKind.CHECKPOINT)]
+        return steps, [[], [_C.Step(_C.StepKind.RECOVER)]]
 
     def _run_steps(
         self, steps: list[_C.Step], rollbacks: list[list[_C.Step]], *, hold_gil: bool = False
