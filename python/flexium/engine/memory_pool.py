@@ -92,6 +92,7 @@ class MemoryPool:
                     self._routed.append(device)
             except Exception as exc:
                 self._end_routing(torch)
+                self._routed = []
                 self.reason_off = f"PyTorch refused the memory pool ({type(exc).__name__}: {exc})"
                 return False
             self._guard_other_pools(torch)
@@ -149,9 +150,7 @@ class MemoryPool:
                 return
             import torch
 
-            routed = list(self._routed)
             self._end_routing(torch)
-            self._routed = routed
             self._suspended = True
             log.info("memory pool routing paused while another MemPool is destroyed; it resumes at the next step")
 
@@ -168,6 +167,7 @@ class MemoryPool:
             self._suspended = False
 
     def _end_routing(self, torch: Any) -> None:
+        """Ends the routing of every device in _routed (which the caller updates)."""
         for device in self._routed:
             pool = self._pools[device]
             try:
@@ -177,7 +177,6 @@ class MemoryPool:
                 torch._C._cuda_releasePool(device, pool.id)
             except Exception as exc:  # exiting anyway: say so, keep ending the others
                 log.error("could not end the memory pool routing on cuda:%d: %s", device, exc)
-        self._routed = []
 
     def _refusal(self, devices: Sequence[int]) -> Optional[str]:
         try:
