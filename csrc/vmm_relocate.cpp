@@ -53,6 +53,29 @@ struct Copy {
 
 thread_local std::size_t copied_bytes = 0;
 
+// Queues copies of the segment's live ranges (all of it when `live` does not list it) to the
+// same offsets at `destination`; returns the bytes queued.
+std::size_t copy_live(const DriverTable &d, const Segment &segment, CUdeviceptr destination, const LiveRanges &live,
+                      CUstream stream) {
+  const auto ranges = live.find(segment.address);
+  if (ranges == live.end()) {
+    FLEXIUM_CU_CALL(d, cuMemcpyDtoDAsync, destination, segment.address, segment.size, stream);
+    return segment.size;
+  }
+  std::size_t bytes = 0;
+  for (const auto &range : ranges->second) {
+    if (range.first > segment.size || range.second > segment.size - range.first) {
+      throw std::invalid_argument("live range (" + std::to_string(range.first) + ", " + std::to_string(range.second) +
+                                  ") lies outside " + describe(segment));
+    }
+    if (range.second == 0) continue;
+    FLEXIUM_CU_CALL(d, cuMemcpyDtoDAsync, destination + range.first, segment.address + range.first, range.second,
+                    stream);
+    bytes += range.second;
+  }
+  return bytes;
+}
+
 void start_copy(const DriverTable &d, const Segment &segment, int target, CUstream stream, const LiveRanges &live,
                 Copy &copy) {
   Backing &temp = copy.temporary;
@@ -70,22 +93,7 @@ void start_copy(const DriverTable &d, const Segment &segment, int target, CUstre
   std::vector<int> devices{segment.device};
   if (target != segment.device) devices.push_back(target);
   grant_access(d, temp.address, segment.size, devices);
-  const auto ranges = live.find(segment.address);
-  if (ranges == live.end()) {
-    FLEXIUM_CU_CALL(d, cuMemcpyDtoDAsync, temp.address, segment.address, segment.size, stream);
-    copied_bytes += segment.size;
-  } else {
-    for (const auto &range : ranges->second) {
-      if (range.first > segment.size || range.second > segment.size - range.first) {
-        throw std::invalid_argument("live range (" + std::to_string(range.first) + ", " + std::to_string(range.second) +
-                                    ") lies outside " + describe(segment));
-      }
-      if (range.second == 0) continue;
-      FLEXIUM_CU_CALL(d, cuMemcpyDtoDAsync, temp.address + range.first, segment.address + range.first, range.second,
-                      stream);
-      copied_bytes += range.second;
-    }
-  }
+  copied_bytes += copy_live(d, segment, temp.address, live, stream);
   copy.source_address = segment.address;
 }
 
@@ -231,10 +239,6 @@ void map_imported(const std::vector<StagedSegment> &staged, int device) {
   }
 }
 
-}  // namespace flexium
-
-namespace flexium {
-
 std::size_t own_imported(int device, const LiveRanges &live) {
   const DriverTable &d = require_vmm_driver();
   RegistryLock lock(kRelocationLockTimeout);
@@ -259,16 +263,7 @@ std::size_t own_imported(int device, const LiveRanges &live) {
     FLEXIUM_CU_CALL(d, cuMemMap, fresh.address, segment->size, 0, fresh.handle, 0);
     fresh.mapped = true;
     grant_access(d, fresh.address, segment->size, {device});
-    const auto ranges = live.find(segment->address);
-    if (ranges == live.end()) {
-      FLEXIUM_CU_CALL(d, cuMemcpyDtoDAsync, fresh.address, segment->address, segment->size, stream.get());
-    } else {
-      for (const auto &range : ranges->second) {
-        if (range.second == 0 || range.first > segment->size || range.second > segment->size - range.first) continue;
-        FLEXIUM_CU_CALL(d, cuMemcpyDtoDAsync, fresh.address + range.first, segment->address + range.first,
-                        range.second, stream.get());
-      }
-    }
+    copy_live(d, *segment, fresh.address, live, stream.get());
     stream.synchronize();
     // Swap: the segment's address gets the fresh memory; the imported memory goes once unmapped.
     FLEXIUM_CU_CALL(d, cuMemUnmap, segment->address, segment->size);
