@@ -20,9 +20,11 @@ Plan items, STEP:OP[:...], run once the loop has finished step STEP:
 Engine operations are called from a control thread (as flexium's server connection does); at a
 safe point they run inside the training thread's optimizer.step().
 
-Events: ready (after the warm-up steps: state bytes), op (each operation as it returns: t0/t1 on
-the perf_counter clock, its OperationResult as a dict), done (step_starts, step_ends, the median
-normal step, and per operation the step it ran in and its downtime; see analyse()).
+Events: ready (after the warm-up steps: state bytes), op (each operation as it returns: t0, when
+the control thread made the call (the request), and t1, when it returned, on the perf_counter
+clock; its OperationResult as a dict), done (step_starts, step_ends, the median normal step, and
+per operation the step it ran in and its downtime, and for a pause how training went while it
+prepared before its safe point; see analyse()).
 """
 
 from __future__ import annotations
@@ -205,6 +207,29 @@ def _step_of(record: dict[str, Any], starts: list[float], ends: list[float]) -> 
     return None
 
 
+def _work_started(record: dict[str, Any]) -> Optional[float]:
+    """When the operation's work began (at the safe point, or on the caller's thread after the
+    bounded wait): t1 minus the op's own seconds, which the engine counts from there."""
+    seconds = (record.get("result") or {}).get("seconds")
+    if not seconds or seconds <= 0 or seconds > record["t1"] - record["t0"] + 1e-3:
+        return None
+    return max(record["t0"], record["t1"] - seconds)
+
+
+def preparation(record: dict[str, Any], ends: list[float]) -> dict[str, Any]:
+    """A pause prepares before its safe point (the fast path touches and pins its host staging
+    between the request and the safe point) while training goes on: the seconds from the request
+    (t0) to the start of its work, and the steps that ended in between (a step's length:
+    end(j) - end(j-1), as for the median normal step)."""
+    started = _work_started(record)
+    if started is None:
+        return {"prep": None, "prep_steps": None, "prep_max_step": None, "prep_median_step": None}
+    lengths = [ends[j] - ends[j - 1] for j in range(1, len(ends)) if record["t0"] < ends[j] <= started]
+    return {"prep": started - record["t0"], "prep_steps": len(lengths),
+            "prep_max_step": max(lengths) if lengths else None,
+            "prep_median_step": statistics.median(lengths) if lengths else None}
+
+
 def analyse(records: list[dict[str, Any]], starts: list[float], ends: list[float], warmup: int) -> dict[str, Any]:
     """Downtime of each operation on the training loop's own clock. Each figure holds exactly one
     normal step of compute, so `extra` (downtime minus the median normal step) is what the move
@@ -216,7 +241,9 @@ def analyse(records: list[dict[str, Any]], starts: list[float], ends: list[float
       resume             end(k+1) - t0: from the resume call until the job has finished one
                          whole step after it (k, in which it had paused, and k+1)
     Where an operation ran outside any step (no safe point came): first step end after t1 minus
-    the last step end before t0.
+    the last step end before t0. A pause also gets preparation(): prep (request -> start of its
+    work), prep_steps and the longest and median step that ended meanwhile (prep_max_step,
+    prep_median_step).
     """
     busy: set[int] = set()
     placed = []
@@ -237,6 +264,8 @@ def analyse(records: list[dict[str, Any]], starts: list[float], ends: list[float
             analysed.append(entry)
             continue
         op = record["op"]
+        if op == "pause":
+            entry.update(preparation(record, ends))
         downtime: Optional[float] = None
         if k is not None and k >= 1:
             if op in ("migrate", "handmove") and k < len(ends):
@@ -431,7 +460,8 @@ def run_job(args: argparse.Namespace) -> int:
 
 
 def measure_bandwidth(args: argparse.Namespace) -> int:
-    """GPU0 -> GPU1 peer copy and pinned host copies, plain torch (no flexium), best of --repeats."""
+    """GPU0 -> GPU1 peer copy (with 2+ GPUs) and pinned host copies, plain torch (no flexium),
+    best of --repeats."""
     import torch
 
     def best(copy: Any, devices: tuple[int, ...], nbytes: int) -> tuple[float, list[float]]:
@@ -461,7 +491,7 @@ def measure_bandwidth(args: argparse.Namespace) -> int:
     part = src[:host]
     result["d2h_gbps"], result["d2h_runs"] = best(lambda: pinned.copy_(part, non_blocking=True), (0,), host)
     result["h2d_gbps"], result["h2d_runs"] = best(lambda: part.copy_(pinned, non_blocking=True), (0,), host)
-    result.update(peer_bytes=peer, host_bytes=host, repeats=args.repeats)
+    result.update(peer_bytes=peer, host_bytes=host, repeats=args.repeats, device_count=torch.cuda.device_count())
     emit("bandwidth", **result)
     return 0
 

@@ -10,11 +10,22 @@ state, bench/bench_job.py): one job with the memory pool on doing fast migrate c
 driver migrate back, fast pause + resume and driver pause + resume (in place); one job with
 flexium disabled doing the move by hand (model, AdamW state and ballast .to("cuda:1")).
 
+With one GPU (torch's device count, in a child process) it measures what one GPU allows and says
+that the migrate rows were not measured: bandwidth pinned D2H / H2D only; the fixed cost from a
+0.1 GiB job paused by the driver path and resumed in place, twice (checkpoint seconds of the
+pause, restore seconds of the resume, the better pair); per size the pool job's fast and driver
+pause + resume in place; no hand-move job.
+
 Downtime is read from the job's own step end times (bench_job.analyse): for a migrate at the
 safe point of step k it is end(k) - end(k-1). Every downtime holds one normal step of compute,
 so "extra" (downtime minus the median normal step) is what the move cost; "vs floor" and
 "vs driver" and the goals use it. Floors: migrate S/peer + checkpoint + restore, pause
 S/D2H + checkpoint, resume S/H2D + restore (S: the job's reserved bytes, fixed costs above).
+
+Pause rows also show how training went while the pause prepared before its safe point (the fast
+path touches and pins its host staging then; the first fast pause pins, later ones reuse it):
+"prep s" from the request to the start of the pause at the safe point, and the longest and the
+median step of the steps that ended in that time (bench_job.preparation).
 """
 
 from __future__ import annotations
@@ -44,7 +55,9 @@ GOALS = (  # (size GiB, op, seconds): downtime minus one step of the fast path, 
     (16.0, "resume", 1.0),
 )
 COLUMNS = ("size GiB", "op", "path", "downtime s", "-step s", "step ms", "op total s", "copy s",
-           "checkpoint s", "restore s", "map/back s", "copied GiB", "floor s", "vs floor", "vs driver")
+           "checkpoint s", "restore s", "map/back s", "copied GiB", "floor s", "vs floor", "vs driver",
+           "prep s", "prep max step ms", "prep med step ms")
+MIGRATE_NEEDS = "migrate rows need 2 GPUs and were not measured"
 
 
 def log(message: str) -> None:
@@ -169,9 +182,9 @@ def progress_printer(size_label: str) -> Any:
     return on_event
 
 
-def pool_plan(with_driver: bool) -> list[str]:
-    plan = ["10:migrate:fast:cuda:1"]
-    if with_driver:
+def pool_plan(with_driver: bool, with_migrate: bool = True) -> list[str]:
+    plan = ["10:migrate:fast:cuda:1"] if with_migrate else []
+    if with_driver and with_migrate:
         plan.append("20:migrate:driver:cuda:0")
     plan += ["30:pause:fast", "30:resume"]
     if with_driver:
@@ -183,34 +196,67 @@ def plan_args(plan: list[str]) -> list[str]:
     return [arg for item in plan for arg in ("--plan", item)]
 
 
-def measure_bandwidth(timeout: float) -> tuple[JobRun, Optional[dict[str, Any]]]:
-    log("-- bandwidth: GPU0 -> GPU1 peer copy of 4 GiB, pinned D2H / H2D of 2 GiB, best of 3")
+def count_gpus(timeout: float) -> Optional[int]:
+    """The GPUs a job sees (torch.cuda.device_count() in a child process, as the jobs count them)."""
+    env = {**os.environ}
+    env.pop("FLEXIUM_SERVER", None)
+    try:
+        proc = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+                              capture_output=True, text=True, timeout=timeout, env=env)
+        return int(proc.stdout.strip().splitlines()[-1])
+    except (subprocess.SubprocessError, ValueError, IndexError) as exc:
+        log(f"!! could not count the GPUs ({type(exc).__name__}: {exc})")
+        return None
+
+
+def measure_bandwidth(timeout: float, gpus: int) -> tuple[JobRun, Optional[dict[str, Any]]]:
+    if gpus >= 2:
+        log("-- bandwidth: GPU0 -> GPU1 peer copy of 4 GiB, pinned D2H / H2D of 2 GiB, best of 3")
+    else:
+        log("-- bandwidth: pinned D2H / H2D of 2 GiB, best of 3 (one GPU: no peer copy)")
     run = run_job("bandwidth", ["--measure-bandwidth"], timeout)
     event = run.first("bandwidth")
     if event is None or run.returncode != 0:
         report_failure(run)
         return run, None
-    log(f"   peer {event.get('peer_gbps', 0):.0f} GB/s, D2H {event['d2h_gbps']:.1f} GB/s, "
-        f"H2D {event['h2d_gbps']:.1f} GB/s")
+    peer = f"peer {event['peer_gbps']:.0f} GB/s, " if event.get("peer_gbps") else ""
+    log(f"   {peer}D2H {event['d2h_gbps']:.1f} GB/s, H2D {event['h2d_gbps']:.1f} GB/s")
     return run, event
 
 
-def measure_fixed_cost(timeout: float) -> tuple[JobRun, Optional[dict[str, float]]]:
-    log(f"-- fixed cost: a {FIXED_COST_GB:g} GiB job, driver migrate cuda:0 -> cuda:1 and back")
-    plan = ["10:migrate:driver:cuda:1", "20:migrate:driver:cuda:0"]
+def measure_fixed_cost(timeout: float, gpus: int) -> tuple[JobRun, Optional[dict[str, Any]]]:
+    """Checkpoint + restore of a tiny job on the driver path: a migrate there and back (2+ GPUs),
+    else a pause and a resume in place, twice (the pause's checkpoint, the resume's restore)."""
+    if gpus >= 2:
+        log(f"-- fixed cost: a {FIXED_COST_GB:g} GiB job, driver migrate cuda:0 -> cuda:1 and back")
+        plan = ["10:migrate:driver:cuda:1", "20:migrate:driver:cuda:0"]
+    else:
+        log(f"-- fixed cost: a {FIXED_COST_GB:g} GiB job, driver pause + resume in place, twice (one GPU)")
+        plan = ["10:pause:driver", "10:resume", "20:pause:driver", "20:resume"]
     run = run_job("fixed cost", ["--gb", str(FIXED_COST_GB), *plan_args(plan)], timeout,
                   progress_printer(f"{FIXED_COST_GB:g} GiB"))
-    pairs = []
+    pairs: list[tuple[Optional[float], Optional[float]]] = []
+    checkpoint: Optional[float] = None  # the last pause's, for the resume that follows it
     for op in run.all("op"):
-        if op.get("ok") and op.get("result"):
-            result = op["result"]
+        result = op.get("result")
+        if not (op.get("ok") and result):
+            checkpoint = None
+            continue
+        if op["op"] == "migrate":
             pairs.append((step_seconds(result, "checkpoint"), step_seconds(result, "restore")))
+        elif op["op"] == "pause":
+            checkpoint = step_seconds(result, "checkpoint")
+        elif op["op"] == "resume" and checkpoint is not None:
+            pairs.append((checkpoint, step_seconds(result, "restore")))
+            checkpoint = None
+    pairs = [p for p in pairs if p[0] is not None and p[1] is not None]
     if not pairs or run.problems():
         report_failure(run)
         if not pairs:
             return run, None
-    best = min(pairs, key=lambda p: p[0] + p[1])
-    fixed = {"checkpoint": best[0], "restore": best[1], "runs": [list(p) for p in pairs]}
+    best = min(pairs, key=lambda p: (p[0] or 0.0) + (p[1] or 0.0))
+    fixed: dict[str, Any] = {"checkpoint": best[0], "restore": best[1], "runs": [list(p) for p in pairs],
+                             "how": "driver migrate" if gpus >= 2 else "driver pause + resume in place"}
     log(f"   checkpoint {fixed['checkpoint']:.3f} s + restore {fixed['restore']:.3f} s")
     return run, fixed
 
@@ -264,13 +310,17 @@ def rows_of(size: float, run: JobRun) -> list[dict[str, Any]]:
             "map_back": step_seconds(result, "map", "copy_back"),
             "copied": copied_bytes(result),
             "state_bytes": ready.get("state_bytes"),
+            "prep": timing.get("prep"),
+            "prep_steps": timing.get("prep_steps"),
+            "prep_max_step": timing.get("prep_max_step"),
+            "prep_median_step": timing.get("prep_median_step"),
             "notes": result.get("notes", []),
         })
     return rows
 
 
 def add_ratios(rows: list[dict[str, Any]], bandwidth: Optional[dict[str, Any]],
-               fixed: Optional[dict[str, float]]) -> None:
+               fixed: Optional[dict[str, Any]]) -> None:
     for row in rows:
         row["floor"] = floor_seconds(row, bandwidth, fixed)
         extra = row["extra"]
@@ -284,7 +334,7 @@ def add_ratios(rows: list[dict[str, Any]], bandwidth: Optional[dict[str, Any]],
 
 
 def floor_seconds(row: dict[str, Any], bandwidth: Optional[dict[str, Any]],
-                  fixed: Optional[dict[str, float]]) -> Optional[float]:
+                  fixed: Optional[dict[str, Any]]) -> Optional[float]:
     size = row.get("state_bytes") or row["size_gb"] * GIB
     if bandwidth is None or fixed is None:
         return None
@@ -304,6 +354,10 @@ def fmt(value: Optional[float], digits: int = 3, suffix: str = "") -> str:
     return "-" if value is None else f"{value:.{digits}f}{suffix}"
 
 
+def ms(seconds: Optional[float]) -> str:
+    return fmt(seconds * 1e3 if seconds is not None else None, 1)
+
+
 def table_row(row: dict[str, Any]) -> tuple[str, ...]:
     if not row["ok"]:
         return (f"{row['size_gb']:g}", row["op"], str(row["path"]), "FAILED", *("-",) * (len(COLUMNS) - 4))
@@ -311,21 +365,23 @@ def table_row(row: dict[str, Any]) -> tuple[str, ...]:
     copied = row["copied"]
     return (
         f"{row['size_gb']:g}", row["op"], str(row["path"]), fmt(row["downtime"]), fmt(row["extra"]),
-        fmt(median * 1e3 if median is not None else None, 1), fmt(row["op_seconds"]), fmt(row["copy"]),
+        ms(median), fmt(row["op_seconds"]), fmt(row["copy"]),
         fmt(row["checkpoint"]), fmt(row["restore"]), fmt(row["map_back"]),
         fmt(copied / GIB if copied else None, 2), fmt(row["floor"]), fmt(row["vs_floor"], 2, "x"),
-        fmt(row["vs_driver"], 2, "x"),
+        fmt(row["vs_driver"], 2, "x"), fmt(row.get("prep")), ms(row.get("prep_max_step")),
+        ms(row.get("prep_median_step")),
     )
 
 
-def goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def goals(rows: list[dict[str, Any]], migrate_measured: bool = True) -> list[dict[str, Any]]:
     checked = []
     for size, op, limit in GOALS:
         row = next((r for r in rows if r["size_gb"] == size and r["op"] == op and r["path"] == "fast"), None)
         value = row["extra"] if row is not None and row["ok"] else None
         checked.append({"size_gb": size, "op": op, "limit": limit, "extra": value,
                         "downtime": row["downtime"] if row is not None else None,
-                        "met": None if value is None else value <= limit})
+                        "met": None if value is None else value <= limit,
+                        "why_not": "needs 2 GPUs" if op == "migrate" and not migrate_measured else None})
     return checked
 
 
@@ -335,10 +391,12 @@ def print_goals(checked: list[dict[str, Any]]) -> None:
         mark = {True: "[x]", False: "[ ]", None: "[?]"}[goal["met"]]
         measured = "not measured" if goal["extra"] is None else (
             f"{goal['extra']:.3f} s (downtime {goal['downtime']:.3f} s)")
+        if goal["extra"] is None and goal.get("why_not"):
+            measured += f" ({goal['why_not']})"
         print(f"  {mark} {goal['op']} {goal['size_gb']:g} GiB <= {goal['limit']:g} s: {measured}")
 
 
-def print_machine(bandwidth: Optional[dict[str, Any]], fixed: Optional[dict[str, float]]) -> None:
+def print_machine(bandwidth: Optional[dict[str, Any]], fixed: Optional[dict[str, Any]]) -> None:
     b = bandwidth or {}
     f = fixed or {}
     total = f["checkpoint"] + f["restore"] if fixed else None
@@ -347,8 +405,12 @@ def print_machine(bandwidth: Optional[dict[str, Any]], fixed: Optional[dict[str,
                  "restore s", "fixed total s"),
                 [(fmt(b.get("peer_gbps"), 1), fmt(b.get("peer_back_gbps"), 1), fmt(b.get("d2h_gbps"), 1),
                   fmt(b.get("h2d_gbps"), 1), fmt(f.get("checkpoint")), fmt(f.get("restore")), fmt(total))])
-    print(f"(fixed: checkpoint + restore of a {FIXED_COST_GB:g} GiB job by the driver path, the cost of a bare torch"
-          " context)")
+    if f.get("how") == "driver pause + resume in place":
+        print(f"(fixed: checkpoint of a driver-path pause + restore of its resume in place, a {FIXED_COST_GB:g} GiB job:"
+              " the cost of a bare torch context; one GPU, no peer copy)")
+    else:
+        print(f"(fixed: checkpoint + restore of a {FIXED_COST_GB:g} GiB job by the driver path, the cost of a bare"
+              " torch context)")
 
 
 # ---- main -------------------------------------------------------------------------------------
@@ -368,11 +430,21 @@ def main() -> int:
     started = time.perf_counter()
     failures: list[str] = []
     jobs: list[JobRun] = []
-    run, bandwidth = measure_bandwidth(args.timeout)
+    gpus = count_gpus(min(args.timeout, 300))
+    if gpus is None:
+        failures.append("GPU count")
+        gpus = 2  # unknown: run what two GPUs allow, as always; failing jobs say why
+    elif gpus < 1:
+        log("!! torch sees no GPU: nothing to measure")
+        return 1
+    migrate = gpus >= 2
+    if not migrate:
+        log(f"-- one GPU: {MIGRATE_NEEDS}; measuring pause and resume in place only")
+    run, bandwidth = measure_bandwidth(args.timeout, gpus)
     jobs.append(run)
     if bandwidth is None:
         failures.append("bandwidth")
-    run, fixed = measure_fixed_cost(args.timeout)
+    run, fixed = measure_fixed_cost(args.timeout, gpus)
     jobs.append(run)
     if run.problems():
         failures.append("fixed cost")
@@ -381,10 +453,12 @@ def main() -> int:
     for size in sizes:
         label = f"{size:g} GiB"
         with_driver = args.skip_driver_above is None or size <= args.skip_driver_above
-        plan = pool_plan(with_driver)
-        log(f"-- {label}: pool job: fast migrate 0->1"
-            + (", driver migrate 1->0" if with_driver else "") + ", fast pause + resume"
-            + (", driver pause + resume" if with_driver else " (driver rows skipped: --skip-driver-above)"))
+        plan = pool_plan(with_driver, with_migrate=migrate)
+        log(f"-- {label}: pool job: "
+            + ("fast migrate 0->1, " if migrate else "")
+            + ("driver migrate 1->0, " if with_driver and migrate else "") + "fast pause + resume"
+            + (", driver pause + resume" if with_driver else " (driver rows skipped: --skip-driver-above)")
+            + ("" if migrate else " (in place, one GPU)"))
         run = run_job(f"{label} pool job", ["--gb", str(size), "--pause-seconds", str(args.pause_seconds),
                                            *plan_args(plan)], args.timeout, progress_printer(label))
         jobs.append(run)
@@ -393,6 +467,8 @@ def main() -> int:
             report_failure(run)
             failures.append(run.label)
 
+        if not migrate:
+            continue  # the hand-written move needs a second GPU
         log(f"-- {label}: hand-written move (flexium disabled): model, AdamW state, ballast .to('cuda:1')")
         run = run_job(f"{label} hand job", ["--gb", str(size), "--no-flexium", *plan_args(["10:handmove:cuda:1"])],
                       args.timeout, progress_printer(label))
@@ -410,18 +486,23 @@ def main() -> int:
     print("downtime: on the job's step clock, holding one normal step; -step: minus the median normal step (step ms)."
           "\nfloor: migrate S/peer + checkpoint + restore, pause S/D2H + checkpoint, resume S/H2D + restore"
           " (S: the job's reserved bytes); vs floor and vs driver compare -step."
-          "\ncopied: the fast path's copied bytes, else the bytes the process held (what the checkpoint carried).")
+          "\ncopied: the fast path's copied bytes, else the bytes the process held (what the checkpoint carried)."
+          "\nprep (pause rows): request -> the pause's start at the safe point (the fast path pins its host staging"
+          " meanwhile); prep max / med step: the longest / median step that ended in that time (-: none did).")
+    if not migrate:
+        print(f"ONE GPU: {MIGRATE_NEEDS} (torch sees {gpus} GPU); pause and resume ran in place, no hand move.")
     for row in rows:
         if not row["ok"]:
             print(f"FAILED {row['size_gb']:g} GiB {row['requested_path']} {row['op']}: {row['error']}")
     print_machine(bandwidth, fixed)
-    checked = goals(rows)
+    checked = goals(rows, migrate_measured=migrate)
     print_goals(checked)
     elapsed = time.perf_counter() - started
     print(f"\n{len(jobs)} jobs in {elapsed:.0f} s" + (f"; FAILED: {', '.join(failures)}" if failures else ""))
     if args.json:
         args.json.write_text(json.dumps({
-            "sizes_gb": sizes, "skip_driver_above": args.skip_driver_above, "bandwidth": bandwidth, "fixed": fixed,
+            "sizes_gb": sizes, "skip_driver_above": args.skip_driver_above, "gpus": gpus,
+            "migrate_measured": migrate, "bandwidth": bandwidth, "fixed": fixed,
             "rows": rows, "goals": checked, "failures": failures, "seconds": elapsed,
             "jobs": [job.to_dict() for job in jobs],
         }, indent=1))

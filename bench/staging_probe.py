@@ -559,10 +559,9 @@ def part_pin_stall(part: str, args: argparse.Namespace, result: dict[str, Any], 
         try:
             torch.cuda.set_device(0)
             while not stop.is_set():
-                x @ x
+                x @ x  # the product is dropped at once; its kernel still runs before the synchronize
                 torch.cuda.synchronize()
                 ends.append(now())
-                del y
         except BaseException as exc:  # reported, never raised in the thread
             errors.append(f"{type(exc).__name__}: {exc}")
 

@@ -98,14 +98,17 @@ void bind_vmm(py::module_ &m) {
       py::arg("staged"), py::arg("device"));
   m.def("reserve_host_staging", &reserve_host_staging, py::arg("bytes"), py::arg("device"),
         py::arg("chunk_bytes") = kDefaultHostChunkBytes, release_gil(),
-        "Grows the pinned staging pool ahead of a pause; returns the bytes added.");
+        "Maps, touches and pins host staging for `bytes` ahead of a pause; returns the bytes pinned by this call.");
   m.def("own_imported", &own_imported, py::arg("device"), py::arg("live") = LiveRanges{},
         "Replaces imported segment memory with memory of our own (a checkpoint cannot restore imported memory).");
   m.def("vmm_imported_count", &imported_segment_count, release_gil());
-  m.def("stage_segments_to_host", &stage_segments_to_host, py::arg("chunk_bytes") = kDefaultHostChunkBytes);
+  m.def("stage_segments_to_host", &stage_segments_to_host, py::arg("live") = LiveRanges{},
+        py::arg("chunk_bytes") = kDefaultHostChunkBytes,
+        "Copies the segments (only the live ranges of those listed) into host staging; returns the bytes copied.");
   m.def("restore_segments_from_host", &restore_segments_from_host, py::arg("device") = -1);
   m.def("release_host_staging", &release_host_staging, release_gil());
   m.def("host_staging_pool_bytes", &host_staging_pool_bytes, release_gil());
+  m.def("host_staging_pinned_bytes", &host_staging_pinned_bytes, release_gil());
   m.def("host_staged_segments", &host_staged_segments, release_gil());
 }
 

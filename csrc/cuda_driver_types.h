@@ -15,6 +15,7 @@ typedef unsigned long long CUdeviceptr;
 typedef unsigned long long CUmemGenericAllocationHandle;
 typedef struct CUctx_st *CUcontext;
 typedef struct CUstream_st *CUstream;
+typedef struct CUevent_st *CUevent;
 
 enum : CUresult {
   CUDA_SUCCESS = 0,
@@ -143,8 +144,9 @@ static_assert(offsetof(CUmemAllocationProp, allocFlags) == 24, "layout of CUmemA
 static_assert(sizeof(CUmemAccessDesc) == 12, "layout of CUmemAccessDesc");
 
 enum : unsigned int {
-  CU_MEMHOSTALLOC_PORTABLE = 0x01,  // pinned for every context, not only the allocating one
-  CU_STREAM_NON_BLOCKING = 0x1,     // no implicit ordering with the legacy default stream
+  CU_MEMHOSTREGISTER_PORTABLE = 0x01,  // pinned for every context, not only the registering one
+  CU_STREAM_NON_BLOCKING = 0x1,        // no implicit ordering with the legacy default stream
+  CU_EVENT_DISABLE_TIMING = 0x2,       // an event only waited on: cheaper to record
 };
 
 typedef CUresult (*PFN_cuGetProcAddress_v2)(const char *symbol, void **pfn, int cudaVersion,
@@ -194,10 +196,14 @@ typedef CUresult (*PFN_cuMemcpyDtoDAsync)(CUdeviceptr dstDevice, CUdeviceptr src
 typedef CUresult (*PFN_cuMemcpyDtoHAsync)(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount, CUstream hStream);
 typedef CUresult (*PFN_cuMemcpyHtoDAsync)(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount,
                                           CUstream hStream);
-typedef CUresult (*PFN_cuMemHostAlloc)(void **pp, size_t bytesize, unsigned int Flags);
-typedef CUresult (*PFN_cuMemFreeHost)(void *p);
+typedef CUresult (*PFN_cuMemHostRegister)(void *p, size_t bytesize, unsigned int Flags);
+typedef CUresult (*PFN_cuMemHostUnregister)(void *p);
 typedef CUresult (*PFN_cuStreamCreate)(CUstream *phStream, unsigned int Flags);
 typedef CUresult (*PFN_cuStreamSynchronize)(CUstream hStream);
 typedef CUresult (*PFN_cuStreamDestroy)(CUstream hStream);
+typedef CUresult (*PFN_cuEventCreate)(CUevent *phEvent, unsigned int Flags);
+typedef CUresult (*PFN_cuEventRecord)(CUevent hEvent, CUstream hStream);
+typedef CUresult (*PFN_cuEventSynchronize)(CUevent hEvent);
+typedef CUresult (*PFN_cuEventDestroy)(CUevent hEvent);
 
 }  // extern "C"

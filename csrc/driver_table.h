@@ -30,8 +30,9 @@ namespace flexium {
   FLEXIUM_VMM_FUNCTIONS(X)
 
 // The fast path's allocator and relocation (vmm_*.cpp). Versions are those of each function's
-// current ABI in cudaTypedefs.h (cuDevicePrimaryCtxRelease_v2 11000, cuStreamDestroy_v2 4000,
-// the 64-bit cuMemcpy*_v2 3020); all optional: without them only the driver path is offered.
+// current ABI in cudaTypedefs.h (cuDevicePrimaryCtxRelease_v2 11000, cuStreamDestroy_v2 and
+// cuEventDestroy_v2 4000, cuMemHostRegister_v2 6050, the 64-bit cuMemcpy*_v2 3020); all
+// optional: without them only the driver path is offered.
 #define FLEXIUM_VMM_FUNCTIONS(X)                         \
   X(cuCtxGetCurrent, 4000, false)                       \
   X(cuCtxSetCurrent, 4000, false)                       \
@@ -52,11 +53,15 @@ namespace flexium {
   X(cuMemcpyDtoDAsync, 3020, false)                     \
   X(cuMemcpyDtoHAsync, 3020, false)                     \
   X(cuMemcpyHtoDAsync, 3020, false)                     \
-  X(cuMemHostAlloc, 2020, false)                        \
-  X(cuMemFreeHost, 2000, false)                         \
+  X(cuMemHostRegister, 6050, false)                     \
+  X(cuMemHostUnregister, 4000, false)                   \
   X(cuStreamCreate, 2000, false)                        \
   X(cuStreamSynchronize, 2000, false)                   \
-  X(cuStreamDestroy, 4000, false)
+  X(cuStreamDestroy, 4000, false)                       \
+  X(cuEventCreate, 2000, false)                         \
+  X(cuEventRecord, 2000, false)                         \
+  X(cuEventSynchronize, 2000, false)                    \
+  X(cuEventDestroy, 4000, false)
 
 struct DriverTable {
   bool loaded = false;          // library opened and every required symbol resolved

@@ -1,36 +1,54 @@
 // Vendor rules relied on, with evidence:
 //  - copies between device memory and pinned host memory run at 55 GB/s here against 1.5 GB/s
-//    from pageable memory (DESIGN.md fact 10), hence a pinned pool rather than plain buffers.
-//  - CU_MEMHOSTALLOC_PORTABLE makes the pool pinned for every context, so segments of any
-//    device can be staged through it and restored onto another.
+//    from pageable memory (DESIGN.md fact 10), hence pinned staging.
+//  - pinned host memory in the process slows the driver's checkpoint and, more, its restore
+//    (H200, driver 580, 16 GiB pinned: checkpoint + restore +0.68 s with cuMemHostRegister,
+//    +0.70 s with cuMemHostAlloc); the same memory unregistered before the checkpoint costs
+//    +0.03 s (bench/staging_probe.py checkpoint_pinned). Registering touched memory runs at
+//    46 GB/s and unregistering at 53 GB/s, about the copy speed, while cuMemHostAlloc pins at
+//    2.5 GB/s. So the staging is anonymous memory touched ahead of the pause and pinned chunk by
+//    chunk only while copies run through it.
+//  - CU_MEMHOSTREGISTER_PORTABLE makes a registration count for every context, so a chunk pinned
+//    with one GPU's context serves a restore onto another.
 //  - a segment's address range stays reserved across the checkpoint and a new allocation can be
 //    mapped there after the restore (fact 9 maps the imported fd at the same address).
 #include "vmm_host_staging.h"
 
+#include <sys/mman.h>
+
 #include <algorithm>
+#include <cerrno>
 #include <cstdint>
+#include <cstring>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <stdexcept>
 #include <string>
+#include <system_error>
+#include <thread>
+#include <utility>
 #include <vector>
 
 #include "driver_error.h"
 #include "vmm_driver.h"
 #include "vmm_registry.h"
 
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14; older kernels say EINVAL and the pages are touched instead
+#endif
+
 namespace flexium {
 namespace {
 
-struct Chunk {
-  void *host = nullptr;
-  std::size_t size = 0;
-};
+constexpr std::size_t kPageBytes = 4096;
+constexpr std::size_t kHugePageBytes = std::size_t{2} << 20;
+constexpr std::size_t kMaxTouchThreads = 8;
 
-struct Piece {
-  std::size_t chunk = 0;
-  std::size_t offset = 0;  // in the chunk; the segment's own offset is the sum of earlier pieces
-  std::size_t length = 0;
+struct Chunk {
+  char *host = nullptr;
+  std::size_t size = 0;
+  bool pinned = false;
 };
 
 struct Stashed {
@@ -38,231 +56,429 @@ struct Stashed {
   CUdeviceptr address = 0;
   std::size_t size = 0;
   int device = 0;
-  std::vector<Piece> pieces;
+  bool done = false;  // restored, or freed meanwhile
 };
 
-// Both touched only under the registry lock.
-struct Pool {
-  int device = 0;  // whose context allocated the chunks (any context may free PORTABLE memory)
-  std::vector<Chunk> chunks;
-} pool;
-std::vector<Stashed> stash;
+// One copy between a segment and the staging. Pieces are laid out in chunk order.
+struct Piece {
+  std::size_t stashed = 0;  // index in Staging::stashed
+  std::size_t offset = 0;   // in the segment
+  std::size_t chunk = 0;
+  std::size_t chunk_offset = 0;
+  std::size_t length = 0;
+};
 
-std::size_t pool_bytes() {
+// Guarded by `mutex`, taken after the registry lock where a call needs both and never by the
+// allocator: pinning gigabytes ahead of a pause must not hold up the job's allocations.
+struct Staging {
+  std::mutex mutex;
+  int device = 0;  // whose context pinned chunks last (PORTABLE: any context may unpin them)
+  std::vector<Chunk> chunks;
+  std::vector<Stashed> stashed;
+  std::vector<Piece> pieces;
+} staging;
+
+struct Layout {
+  std::vector<Stashed> stashed;
+  std::vector<Piece> pieces;
+  std::size_t bytes = 0;
+};
+
+void check_chunk_bytes(std::size_t chunk_bytes) {
+  if (chunk_bytes == 0 || chunk_bytes % kPageBytes != 0) {
+    throw std::invalid_argument("chunk_bytes must be a positive multiple of " + std::to_string(kPageBytes) + ", got " +
+                                std::to_string(chunk_bytes));
+  }
+}
+
+std::size_t mapped_bytes() {
   std::size_t total = 0;
-  for (const Chunk &chunk : pool.chunks) total += chunk.size;
+  for (const Chunk &chunk : staging.chunks) total += chunk.size;
   return total;
 }
 
-void grow_pool(const DriverTable &d, std::size_t needed, std::size_t chunk_bytes, int device) {
-  if (pool.chunks.empty()) pool.device = device;
-  const std::size_t have = pool_bytes();
-  if (have >= needed) return;
-  ScopedContext context(d, pool.device);
-  for (std::size_t missing = needed - have; missing > 0;) {
-    const std::size_t size = std::min(chunk_bytes, missing);
-    Chunk chunk;
-    FLEXIUM_CU_CALL(d, cuMemHostAlloc, &chunk.host, size, CU_MEMHOSTALLOC_PORTABLE);
-    chunk.size = size;
-    pool.chunks.push_back(chunk);
-    missing -= size;
+std::size_t waiting_segments() {
+  return static_cast<std::size_t>(
+      std::count_if(staging.stashed.begin(), staging.stashed.end(), [](const Stashed &s) { return !s.done; }));
+}
+
+void refuse_while_staged(const char *what) {
+  const std::size_t waiting = waiting_segments();
+  if (waiting > 0) {
+    throw std::runtime_error(std::string(what) + ": " + std::to_string(waiting) +
+                             " segments are still staged on the host: restore them first");
   }
 }
 
-// Lays the segments out one after the other over the chunks, no piece longer than chunk_bytes.
-std::vector<Stashed> plan(const SegmentMap &segments, std::size_t chunk_bytes) {
-  std::vector<Stashed> planned;
+// Faults the pages in from a few threads: the kernel zeroes them at memory speed per thread, and
+// a single thread would take seconds for tens of GiB.
+void touch(char *base, std::size_t size) {
+  const std::size_t cores = std::max(1u, std::thread::hardware_concurrency());
+  const std::size_t threads =
+      std::max<std::size_t>(1, std::min({kMaxTouchThreads, cores / 2, size / (64 * kHugePageBytes)}));
+  const std::size_t slice = round_up((size + threads - 1) / threads, kHugePageBytes);
+  const auto work = [](char *from, std::size_t length) {
+    if (::madvise(from, length, MADV_POPULATE_WRITE) == 0) return;
+    for (std::size_t offset = 0; offset < length; offset += kPageBytes) static_cast<volatile char *>(from)[offset] = 0;
+  };
+  std::vector<std::thread> workers;
+  std::size_t start = slice;
+  try {
+    for (; start < size; start += slice) workers.emplace_back(work, base + start, std::min(slice, size - start));
+  } catch (const std::system_error &) {
+    // No more threads to be had: this one touches what was not handed out.
+  }
+  work(base, std::min(slice, size));
+  if (start < size) work(base + start, size - start);
+  for (std::thread &worker : workers) worker.join();
+}
+
+// New staging of at least `bytes`, touched, not pinned, cut into chunks of `chunk_bytes`.
+std::vector<Chunk> map_chunks(std::size_t bytes, std::size_t chunk_bytes) {
+  const std::size_t size = round_up(bytes, kHugePageBytes);
+  // One huge page more, so that the staging can start on a huge-page boundary.
+  const std::size_t span = size + kHugePageBytes;
+  void *raw = ::mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  if (raw == MAP_FAILED) {
+    throw std::runtime_error("could not map " + std::to_string(size) +
+                             " bytes of host memory for the staging: " + std::strerror(errno));
+  }
+  char *start = reinterpret_cast<char *>(round_up(reinterpret_cast<std::uintptr_t>(raw), kHugePageBytes));
+  const std::size_t head = static_cast<std::size_t>(start - static_cast<char *>(raw));
+  if (head > 0) ::munmap(raw, head);
+  if (span - head > size) ::munmap(start + size, span - head - size);
+  // Hints: huge pages make touching and pinning faster; forked children (DataLoader workers)
+  // neither need the staging nor should share its pages copy-on-write while the GPU writes them.
+  ::madvise(start, size, MADV_HUGEPAGE);
+  ::madvise(start, size, MADV_DONTFORK);
+  touch(start, size);
+  std::vector<Chunk> chunks;
+  for (std::size_t offset = 0; offset < size; offset += chunk_bytes) {
+    chunks.push_back({start + offset, std::min(chunk_bytes, size - offset), false});
+  }
+  return chunks;
+}
+
+void pin(const DriverTable &d, Chunk &chunk) {
+  if (chunk.pinned) return;
+  FLEXIUM_CU_CALL(d, cuMemHostRegister, chunk.host, chunk.size, CU_MEMHOSTREGISTER_PORTABLE);
+  chunk.pinned = true;
+}
+
+void unpin(const DriverTable &d, Chunk &chunk) {
+  if (!chunk.pinned) return;
+  FLEXIUM_CU_CALL(d, cuMemHostUnregister, chunk.host);
+  chunk.pinned = false;
+}
+
+// After a failure: nothing pinned may ride into the next checkpoint. Best effort.
+void unpin_all_quietly(const DriverTable &d, int device) noexcept {
+  try {
+    if (std::none_of(staging.chunks.begin(), staging.chunks.end(), [](const Chunk &c) { return c.pinned; })) return;
+    ScopedContext context(d, device);
+    for (Chunk &chunk : staging.chunks) {
+      if (chunk.pinned && d.cuMemHostUnregister(chunk.host) == CUDA_SUCCESS) chunk.pinned = false;
+    }
+  } catch (...) {
+  }
+}
+
+char *host_of(const Piece &piece) { return staging.chunks[piece.chunk].host + piece.chunk_offset; }
+
+// Lays the live ranges of the segments out one after the other over the chunks, each device's
+// group starting on a chunk of its own (a chunk is unpinned once all its copies are done), and
+// maps more staging where the chunks run out (the pool grew after the reserve).
+Layout plan(const std::map<int, std::vector<const Segment *>> &groups, const LiveRanges &live,
+            std::size_t chunk_bytes) {
+  std::size_t total = 0;
+  for (const auto &group : groups) {
+    for (const Segment *segment : group.second) {
+      for (const auto &range : live_ranges_of(*segment, live)) total += range.second;
+    }
+  }
+  Layout layout;
   std::size_t chunk = 0, offset = 0;
-  for (const auto &entry : segments) {
-    const Segment &segment = entry.second;
-    Stashed stashed{segment.serial, segment.address, segment.size, segment.device, {}};
-    for (std::size_t remaining = segment.size; remaining > 0;) {
-      if (offset == pool.chunks.at(chunk).size) {
-        ++chunk, offset = 0;
-        continue;
+  for (const auto &group : groups) {
+    if (offset != 0) ++chunk, offset = 0;
+    for (const Segment *segment : group.second) {
+      const std::size_t index = layout.stashed.size();
+      layout.stashed.push_back({segment->serial, segment->address, segment->size, segment->device, false});
+      for (const auto &range : live_ranges_of(*segment, live)) {
+        for (std::size_t done = 0; done < range.second;) {
+          if (chunk == staging.chunks.size()) {
+            std::vector<Chunk> more = map_chunks(total - layout.bytes, chunk_bytes);
+            staging.chunks.insert(staging.chunks.end(), more.begin(), more.end());
+          }
+          const Chunk &into = staging.chunks[chunk];
+          if (offset == into.size) {
+            ++chunk, offset = 0;
+            continue;
+          }
+          const std::size_t length = std::min(range.second - done, into.size - offset);
+          layout.pieces.push_back({index, range.first + done, chunk, offset, length});
+          offset += length;
+          done += length;
+          layout.bytes += length;
+        }
       }
-      const std::size_t length = std::min({remaining, pool.chunks[chunk].size - offset, chunk_bytes});
-      stashed.pieces.push_back({chunk, offset, length});
-      offset += length;
-      remaining -= length;
     }
-    planned.push_back(std::move(stashed));
   }
-  return planned;
+  return layout;
 }
 
-char *host_of(const Piece &piece) { return static_cast<char *>(pool.chunks[piece.chunk].host) + piece.offset; }
-
-// Erases the stash entries marked done, also when a restore stops half way.
-struct EraseDone {
-  std::vector<char> done;
-  explicit EraseDone(std::size_t n) : done(n, 0) {}
-  ~EraseDone() {
-    std::size_t kept = 0;
-    for (std::size_t i = 0; i < stash.size(); ++i) {
-      if (done[i]) continue;
-      if (kept != i) stash[kept] = std::move(stash[i]);  // a self-move would empty its pieces
-      ++kept;
-    }
-    stash.resize(kept);
+// Events recorded after each chunk's last copy on a stream, waited for in order.
+class ChunkEvents {
+ public:
+  explicit ChunkEvents(const DriverTable &d) : d_(d) {}
+  ~ChunkEvents() {
+    for (const auto &entry : events_) d_.cuEventDestroy(entry.second);
   }
+  ChunkEvents(const ChunkEvents &) = delete;
+  ChunkEvents &operator=(const ChunkEvents &) = delete;
+
+  void record(std::size_t chunk, CUstream stream) {
+    CUevent event = nullptr;
+    FLEXIUM_CU_CALL(d_, cuEventCreate, &event, CU_EVENT_DISABLE_TIMING);
+    events_.emplace_back(chunk, event);
+    FLEXIUM_CU_CALL(d_, cuEventRecord, event, stream);
+  }
+
+  // done(chunk) for each chunk as soon as its copies have finished, in order.
+  template <typename Done>
+  void each_done(Done &&done) {
+    for (const auto &entry : events_) {
+      FLEXIUM_CU_CALL(d_, cuEventSynchronize, entry.second);
+      done(entry.first);
+    }
+  }
+
+ private:
+  const DriverTable &d_;
+  std::vector<std::pair<std::size_t, CUevent>> events_;
 };
+
+// Queues copy(piece) for the pieces of the segments marked in `member`, in chunk order:
+// before(chunk) ahead of each chunk's first piece, an event after its last.
+template <typename Copy, typename Before>
+void queue_by_chunk(const std::vector<Piece> &pieces, const std::vector<char> &member, CUstream stream,
+                    ChunkEvents &events, Copy &&copy, Before &&before) {
+  bool open = false;
+  std::size_t current = 0;
+  for (const Piece &piece : pieces) {
+    if (!member[piece.stashed]) continue;
+    if (!open || piece.chunk != current) {
+      if (open) events.record(current, stream);
+      before(piece.chunk);
+      current = piece.chunk;
+      open = true;
+    }
+    copy(piece);
+  }
+  if (open) events.record(current, stream);
+}
 
 }  // namespace
 
 std::size_t reserve_host_staging(std::size_t bytes, int device, std::size_t chunk_bytes) {
-  if (chunk_bytes == 0) throw std::invalid_argument("chunk_bytes must be positive");
+  check_chunk_bytes(chunk_bytes);
   const DriverTable &d = require_vmm_driver();
-  std::size_t have = 0;
-  {
-    RegistryLock lock(kRelocationLockTimeout);
-    have = pool_bytes();
-    if (!pool.chunks.empty()) device = pool.device;
+  std::lock_guard<std::mutex> guard(staging.mutex);
+  refuse_while_staged("cannot reserve host staging");
+  const std::size_t have = mapped_bytes();
+  if (have < bytes) {
+    std::vector<Chunk> fresh = map_chunks(bytes - have, chunk_bytes);
+    staging.chunks.insert(staging.chunks.end(), fresh.begin(), fresh.end());
   }
-  if (have >= bytes) return 0;
-  // Pinned outside the registry lock: pinning gigabytes takes seconds, and the job's
-  // allocations (which take that lock) must not wait for it.
-  std::vector<Chunk> fresh;
+  std::size_t pinned = 0;
   try {
     ScopedContext context(d, device);
-    for (std::size_t missing = bytes - have; missing > 0;) {
-      Chunk chunk;
-      chunk.size = std::min(chunk_bytes, missing);
-      FLEXIUM_CU_CALL(d, cuMemHostAlloc, &chunk.host, chunk.size, CU_MEMHOSTALLOC_PORTABLE);
-      fresh.push_back(chunk);
-      missing -= chunk.size;
+    // Only as many chunks as `bytes` needs: the layout fills them from the first.
+    for (std::size_t i = 0, covered = 0; i < staging.chunks.size() && covered < bytes; ++i) {
+      Chunk &chunk = staging.chunks[i];
+      covered += chunk.size;
+      if (chunk.pinned) continue;
+      pin(d, chunk);
+      pinned += chunk.size;
     }
   } catch (...) {
-    for (const Chunk &chunk : fresh) d.cuMemFreeHost(chunk.host);
+    unpin_all_quietly(d, device);
     throw;
   }
-  std::size_t added = 0;
-  RegistryLock lock(kRelocationLockTimeout);
-  if (pool.chunks.empty()) pool.device = device;
-  for (const Chunk &chunk : fresh) {
-    pool.chunks.push_back(chunk);
-    added += chunk.size;
-  }
-  return added;
+  staging.device = device;
+  return pinned;
 }
 
-std::size_t stage_segments_to_host(std::size_t chunk_bytes) {
-  if (chunk_bytes == 0) throw std::invalid_argument("chunk_bytes must be positive");
+std::size_t stage_segments_to_host(const LiveRanges &live, std::size_t chunk_bytes) {
+  check_chunk_bytes(chunk_bytes);
   const DriverTable &d = require_vmm_driver();
   RegistryLock lock(kRelocationLockTimeout);
-  if (!stash.empty()) {
-    throw std::runtime_error(std::to_string(stash.size()) +
-                             " segments are still staged on the host: restore them first");
-  }
+  std::lock_guard<std::mutex> guard(staging.mutex);
+  refuse_while_staged("cannot stage to host memory");
+  staging.stashed.clear();
+  staging.pieces.clear();
   const SegmentMap &segments = lock.segments();
   if (segments.empty()) return 0;
-  std::size_t total = 0;
+  std::map<int, std::vector<const Segment *>> groups;
   for (const auto &entry : segments) {
     if (!entry.second.mapped || !entry.second.has_handle) {
       throw std::invalid_argument(describe(entry.second) + " has no backing to stage");
     }
-    total += entry.second.size;
+    groups[entry.second.device].push_back(&entry.second);
   }
-  grow_pool(d, total, chunk_bytes, segments.begin()->second.device);
-  std::vector<Stashed> planned = plan(segments, chunk_bytes);
-  std::map<int, std::vector<const Stashed *>> groups;
-  for (const Stashed &stashed : planned) groups[stashed.device].push_back(&stashed);
-  for (const auto &group : groups) {
-    ScopedContext context(d, group.first);
-    FLEXIUM_CU_CALL(d, cuCtxSynchronize);  // the copies must see every write already queued
-    ScopedStream stream(d);
-    for (const Stashed *stashed : group.second) {
-      std::size_t done = 0;
-      for (const Piece &piece : stashed->pieces) {
-        FLEXIUM_CU_CALL(d, cuMemcpyDtoHAsync, host_of(piece), stashed->address + done, piece.length, stream.get());
-        done += piece.length;
+  Layout layout = plan(groups, live, chunk_bytes);
+  std::vector<char> used(staging.chunks.size(), 0);
+  for (const Piece &piece : layout.pieces) used[piece.chunk] = 1;
+  int current = groups.begin()->first;
+  try {
+    bool spares_unpinned = false;
+    for (const auto &group : groups) {
+      current = group.first;
+      ScopedContext context(d, group.first);
+      FLEXIUM_CU_CALL(d, cuCtxSynchronize);  // the copies must see every write already queued
+      ScopedStream stream(d);
+      ChunkEvents events(d);
+      std::vector<char> member(layout.stashed.size(), 0);
+      for (std::size_t i = 0; i < layout.stashed.size(); ++i) member[i] = layout.stashed[i].device == group.first;
+      queue_by_chunk(
+          layout.pieces, member, stream.get(), events,
+          [&](const Piece &piece) {
+            FLEXIUM_CU_CALL(d, cuMemcpyDtoHAsync, host_of(piece), layout.stashed[piece.stashed].address + piece.offset,
+                            piece.length, stream.get());
+          },
+          // Pinned by the reserve, unless plan() mapped it or a failure unpinned it.
+          [&](std::size_t chunk) { pin(d, staging.chunks[chunk]); });
+      if (!spares_unpinned) {  // while the first copies run
+        for (std::size_t c = 0; c < used.size(); ++c) {
+          if (!used[c]) unpin(d, staging.chunks[c]);
+        }
+        spares_unpinned = true;
       }
+      events.each_done([&](std::size_t chunk) { unpin(d, staging.chunks[chunk]); });
+      stream.synchronize();
     }
-    stream.synchronize();
+  } catch (...) {
+    unpin_all_quietly(d, current);
+    throw;
   }
-  stash = std::move(planned);
-  return total;
+  staging.device = current;
+  const std::size_t bytes = layout.bytes;
+  staging.stashed = std::move(layout.stashed);
+  staging.pieces = std::move(layout.pieces);
+  return bytes;
 }
 
 std::size_t restore_segments_from_host(int device) {
   const DriverTable &d = require_vmm_driver();
   RegistryLock lock(kRelocationLockTimeout);
+  std::lock_guard<std::mutex> guard(staging.mutex);
   SegmentMap &segments = lock.segments();
-  EraseDone erase(stash.size());
   std::map<int, std::vector<std::size_t>> groups;
-  for (std::size_t i = 0; i < stash.size(); ++i) {
-    auto found = segments.find(stash[i].address);
-    const bool waiting = found != segments.end() && found->second.serial == stash[i].serial && !found->second.mapped;
-    if (!waiting) {
-      erase.done[i] = 1;  // freed meanwhile, or never released: nothing to bring back
+  for (std::size_t i = 0; i < staging.stashed.size(); ++i) {
+    Stashed &stashed = staging.stashed[i];
+    if (stashed.done) continue;
+    const auto found = segments.find(stashed.address);
+    if (found == segments.end() || found->second.serial != stashed.serial || found->second.mapped) {
+      stashed.done = true;  // freed meanwhile, or never released: nothing to bring back
       continue;
     }
-    groups[device >= 0 ? device : stash[i].device].push_back(i);
+    groups[device >= 0 ? device : stashed.device].push_back(i);
   }
   std::size_t restored = 0;
-  for (const auto &group : groups) {
-    const int target = group.first;
-    ScopedContext context(d, target);
-    // Declared before the stream: on failure the stream waits for its copies, then these unwind.
-    std::vector<std::unique_ptr<Backing>> made;
-    ScopedStream stream(d);
-    const CUmemAllocationProp prop = device_allocation_prop(target);
-    for (const std::size_t i : group.second) {
-      const Stashed &stashed = stash[i];
-      made.push_back(std::make_unique<Backing>(d));
-      Backing &backing = *made.back();
-      backing.address = stashed.address;
-      backing.size = stashed.size;
-      FLEXIUM_CU_CALL(d, cuMemCreate, &backing.handle, stashed.size, &prop, 0);
-      backing.created = true;
-      FLEXIUM_CU_CALL(d, cuMemMap, stashed.address, stashed.size, 0, backing.handle, 0);
-      backing.mapped = true;
-      grant_access(d, stashed.address, stashed.size, {target});
-      std::size_t done = 0;
-      for (const Piece &piece : stashed.pieces) {
-        FLEXIUM_CU_CALL(d, cuMemcpyHtoDAsync, stashed.address + done, host_of(piece), piece.length, stream.get());
-        done += piece.length;
+  int current = device >= 0 ? device : staging.device;
+  try {
+    for (const auto &group : groups) {
+      const int target = current = group.first;
+      ScopedContext context(d, target);
+      // Declared before the stream: on failure the stream waits for its copies, then these unwind.
+      std::vector<std::unique_ptr<Backing>> made;
+      ScopedStream stream(d);
+      ChunkEvents events(d);
+      const CUmemAllocationProp prop = device_allocation_prop(target);
+      std::vector<char> member(staging.stashed.size(), 0);
+      for (const std::size_t i : group.second) {
+        const Stashed &stashed = staging.stashed[i];
+        member[i] = 1;
+        made.push_back(std::make_unique<Backing>(d));
+        Backing &backing = *made.back();
+        backing.address = stashed.address;
+        backing.size = stashed.size;
+        FLEXIUM_CU_CALL(d, cuMemCreate, &backing.handle, stashed.size, &prop, 0);
+        backing.created = true;
+        FLEXIUM_CU_CALL(d, cuMemMap, stashed.address, stashed.size, 0, backing.handle, 0);
+        backing.mapped = true;
+        grant_access(d, stashed.address, stashed.size, {target});
       }
+      std::size_t copied = 0;
+      // Each chunk is pinned while the copies of the one before it run.
+      queue_by_chunk(
+          staging.pieces, member, stream.get(), events,
+          [&](const Piece &piece) {
+            FLEXIUM_CU_CALL(d, cuMemcpyHtoDAsync, staging.stashed[piece.stashed].address + piece.offset,
+                            host_of(piece), piece.length, stream.get());
+            copied += piece.length;
+          },
+          [&](std::size_t chunk) { pin(d, staging.chunks[chunk]); });
+      events.each_done([&](std::size_t chunk) { unpin(d, staging.chunks[chunk]); });
+      stream.synchronize();
+      for (std::size_t k = 0; k < group.second.size(); ++k) {
+        Stashed &stashed = staging.stashed[group.second[k]];
+        Segment &segment = segments.at(stashed.address);
+        if (segment.has_handle) d.cuMemRelease(segment.handle);  // left by a half-failed release
+        segment.handle = made[k]->handle;
+        segment.has_handle = segment.mapped = true;
+        segment.imported = false;
+        segment.device = target;
+        made[k]->release_to_caller();
+        stashed.done = true;
+      }
+      restored += copied;
     }
-    stream.synchronize();
-    for (std::size_t k = 0; k < group.second.size(); ++k) {
-      const std::size_t i = group.second[k];
-      Segment &segment = segments.at(stash[i].address);
-      if (segment.has_handle) d.cuMemRelease(segment.handle);  // left by a half-failed release
-      segment.handle = made[k]->handle;
-      segment.has_handle = segment.mapped = true;
-      segment.device = target;
-      made[k]->release_to_caller();
-      erase.done[i] = 1;
-      restored += stash[i].size;
-    }
+  } catch (...) {
+    unpin_all_quietly(d, current);
+    throw;
+  }
+  if (waiting_segments() == 0) {
+    staging.stashed.clear();
+    staging.pieces.clear();
   }
   return restored;
 }
 
-void release_host_staging() {
-  RegistryLock lock(kRelocationLockTimeout);
-  if (!stash.empty()) {
-    throw std::runtime_error(std::to_string(stash.size()) +
-                             " segments are still staged on the host: restore them first");
+std::size_t release_host_staging() {
+  std::lock_guard<std::mutex> guard(staging.mutex);
+  refuse_while_staged("cannot release host staging");
+  staging.stashed.clear();
+  staging.pieces.clear();
+  if (std::any_of(staging.chunks.begin(), staging.chunks.end(), [](const Chunk &c) { return c.pinned; })) {
+    const DriverTable &d = require_vmm_driver();
+    ScopedContext context(d, staging.device);
+    for (Chunk &chunk : staging.chunks) unpin(d, chunk);
   }
-  if (pool.chunks.empty()) return;
-  const DriverTable &d = require_vmm_driver();
-  ScopedContext context(d, pool.device);
-  while (!pool.chunks.empty()) {
-    FLEXIUM_CU_CALL(d, cuMemFreeHost, pool.chunks.back().host);
-    pool.chunks.pop_back();
+  std::size_t released = 0;
+  while (!staging.chunks.empty()) {
+    const Chunk &chunk = staging.chunks.back();
+    ::munmap(chunk.host, chunk.size);
+    released += chunk.size;
+    staging.chunks.pop_back();
   }
+  return released;
 }
 
 std::size_t host_staging_pool_bytes() {
-  RegistryLock lock(kRelocationLockTimeout);
-  return pool_bytes();
+  std::lock_guard<std::mutex> guard(staging.mutex);
+  return mapped_bytes();
+}
+
+std::size_t host_staging_pinned_bytes() {
+  std::lock_guard<std::mutex> guard(staging.mutex);
+  std::size_t pinned = 0;
+  for (const Chunk &chunk : staging.chunks) pinned += chunk.pinned ? chunk.size : 0;
+  return pinned;
 }
 
 std::size_t host_staged_segments() {
-  RegistryLock lock(kRelocationLockTimeout);
-  return stash.size();
+  std::lock_guard<std::mutex> guard(staging.mutex);
+  return waiting_segments();
 }
 
 }  // namespace flexium

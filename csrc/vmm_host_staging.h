@@ -1,33 +1,48 @@
-// Pause and resume of the allocator's segments through pinned host memory: the host side of
-// the fast path (DESIGN.md "Fast path": "Pause is the same with pinned host memory"). Same rules
-// as vmm_relocate.h: process RUNNING, registry lock held for the run, DriverError naming the call.
+// Pause and resume of the allocator's segments through host memory: the host side of the fast
+// path (DESIGN.md "Fast path": "Pause is the same with pinned host memory"). Same rules as
+// vmm_relocate.h: process RUNNING, registry lock held while segments are touched, DriverError
+// naming the failed call.
+//
+// The staging is plain anonymous host memory, touched ahead of a pause and pinned
+// (cuMemHostRegister) only while copies run through it: pinned memory in the process slows the
+// driver's checkpoint and restore, unpinned memory does not (vmm_host_staging.cpp says how much).
 #pragma once
 
 #include <cstddef>
+
+#include "vmm_relocate.h"
 
 namespace flexium {
 
 constexpr std::size_t kDefaultHostChunkBytes = std::size_t{256} << 20;
 
-// Grows the pinned pool to at least `bytes` ahead of a pause, with `device`'s context (the pool's
-// own once it has chunks), without holding the registry lock while pinning. Returns bytes added.
+// Makes the staging hold at least `bytes`, all of it pinned, ahead of a pause: maps and touches
+// what is missing (several threads, huge pages where the kernel gives them) and registers every
+// chunk with `device`'s context. Takes seconds for tens of GiB, never the registry lock, so the
+// job keeps training meanwhile. Returns the bytes pinned by this call. On failure nothing stays
+// pinned. Throws std::runtime_error while segments are staged.
 std::size_t reserve_host_staging(std::size_t bytes, int device, std::size_t chunk_bytes = kDefaultHostChunkBytes);
 
-// Copies every segment into a pinned staging pool, in pieces of at most `chunk_bytes` (the pool
-// grows by chunks of that size and is kept for the next pause). Segments stay as they are: call
-// release_source_backing() next. Returns the bytes staged. Throws std::runtime_error while the
-// pool still holds segments not restored; on a driver failure nothing is staged.
-std::size_t stage_segments_to_host(std::size_t chunk_bytes = kDefaultHostChunkBytes);
+// Copies the `live` ranges of every segment (whole segments where not listed) into the staging,
+// in pieces of at most `chunk_bytes`, and unpins each chunk as soon as its copies are done, so
+// the checkpoint that follows sees no pinned memory. Grows the staging if the pool outgrew it.
+// Segments stay as they are: call release_source_backing() next. Returns the bytes copied.
+// Throws std::runtime_error while segments are staged; on a driver failure nothing is staged.
+std::size_t stage_segments_to_host(const LiveRanges &live = {}, std::size_t chunk_bytes = kDefaultHostChunkBytes);
 
 // Gives each staged segment new memory on `device` (-1: the device it had), mapped at its own
-// address, and copies its bytes back. Segments freed meanwhile are dropped; ones already mapped
-// are skipped, so a failed restore can be retried (on another device too). Returns bytes restored.
+// address, and copies its bytes back, pinning each chunk just before its copies and unpinning it
+// after them. Segments freed meanwhile are dropped; ones already mapped are skipped, so a failed
+// restore can be retried (on another device too). Returns the bytes copied back. The staging
+// stays mapped (unpinned) until release_host_staging().
 std::size_t restore_segments_from_host(int device = -1);
 
-// Frees the pinned pool. Throws std::runtime_error while it holds segments not restored.
-void release_host_staging();
+// Unpins and unmaps the staging; returns the bytes given back. Throws std::runtime_error while
+// it holds segments not restored.
+std::size_t release_host_staging();
 
-std::size_t host_staging_pool_bytes();  // pinned bytes held by the pool
-std::size_t host_staged_segments();     // segments waiting in it
+std::size_t host_staging_pool_bytes();     // host bytes the staging holds (mapped)
+std::size_t host_staging_pinned_bytes();   // of those, pinned now
+std::size_t host_staged_segments();        // segments waiting in it
 
 }  // namespace flexium

@@ -57,18 +57,8 @@ thread_local std::size_t copied_bytes = 0;
 // same offsets at `destination`; returns the bytes queued.
 std::size_t copy_live(const DriverTable &d, const Segment &segment, CUdeviceptr destination, const LiveRanges &live,
                       CUstream stream) {
-  const auto ranges = live.find(segment.address);
-  if (ranges == live.end()) {
-    FLEXIUM_CU_CALL(d, cuMemcpyDtoDAsync, destination, segment.address, segment.size, stream);
-    return segment.size;
-  }
   std::size_t bytes = 0;
-  for (const auto &range : ranges->second) {
-    if (range.first > segment.size || range.second > segment.size - range.first) {
-      throw std::invalid_argument("live range (" + std::to_string(range.first) + ", " + std::to_string(range.second) +
-                                  ") lies outside " + describe(segment));
-    }
-    if (range.second == 0) continue;
+  for (const auto &range : live_ranges_of(segment, live)) {
     FLEXIUM_CU_CALL(d, cuMemcpyDtoDAsync, destination + range.first, segment.address + range.first, range.second,
                     stream);
     bytes += range.second;
@@ -146,6 +136,20 @@ std::vector<StagedSegment> stage_groups(const DriverTable &d, const std::map<int
 }  // namespace
 
 std::size_t last_staged_copy_bytes() { return copied_bytes; }
+
+std::vector<std::pair<std::size_t, std::size_t>> live_ranges_of(const Segment &segment, const LiveRanges &live) {
+  const auto listed = live.find(segment.address);
+  if (listed == live.end()) return {{0, segment.size}};
+  std::vector<std::pair<std::size_t, std::size_t>> ranges;
+  for (const auto &range : listed->second) {
+    if (range.first > segment.size || range.second > segment.size - range.first) {
+      throw std::invalid_argument("live range (" + std::to_string(range.first) + ", " + std::to_string(range.second) +
+                                  ") lies outside " + describe(segment));
+    }
+    if (range.second != 0) ranges.push_back(range);
+  }
+  return ranges;
+}
 
 std::vector<StagedSegment> stage_segments_to_device(int target, int source, const LiveRanges &live,
                                                     const SegmentFilter &only) {

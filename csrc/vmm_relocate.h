@@ -25,6 +25,11 @@ struct StagedSegment {
 // ranges is all free cache. Segments not listed are copied whole.
 using LiveRanges = std::map<CUdeviceptr, std::vector<std::pair<std::size_t, std::size_t>>>;
 
+// The ranges of `segment` to copy: its listed live ranges (empty ones dropped), or the whole
+// segment when `live` does not list it. Throws std::invalid_argument for a range outside it.
+struct Segment;
+std::vector<std::pair<std::size_t, std::size_t>> live_ranges_of(const Segment &segment, const LiveRanges &live);
+
 // Copies every segment (of device `source`; -1: of every device) into new memory on device
 // `target` and returns that memory as fds, the caller's to pass to map_imported or close (closing
 // frees the copy). Only the `live` ranges of a listed segment are copied: the rest of its new

@@ -81,10 +81,13 @@ read and write the bytes behind a device address with ctypes:
   ranges must lie in one mapping that grants the current context's device access
   (``CUDA_ERROR_ILLEGAL_ADDRESS`` otherwise, ``CUDA_ERROR_INVALID_VALUE`` for no mapping).
 * contexts: one primary context per device, retained/released with a count
-  (``primary_ctx_refcount``), current per thread; copies, streams, ``cuMemHostAlloc`` and the
-  VMM calls but the granularity query need an active current context
+  (``primary_ctx_refcount``), current per thread; copies, streams, events, host registration and
+  the VMM calls but the granularity query need an active current context
   (``CUDA_ERROR_INVALID_CONTEXT``).
-* ``FAKE_CUDA_NO_VMM=1``: none of these symbols resolve. VMM objects, pinned blocks, streams and
+* ``cuMemHostRegister``/``cuMemHostUnregister``: registrations tracked (``pinned_bytes``), an
+  overlapping one refused (``CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED``); each checkpoint
+  records the pinned bytes it saw (``pinned_at_last_checkpoint``). Events complete when recorded.
+* ``FAKE_CUDA_NO_VMM=1``: none of these symbols resolve. VMM objects, registrations, streams, events and
   context counts survive ``reset()`` (they are the process's own); ``vmm_leaks()`` sums them up.
 
 NVML (physical view): memory used = other processes + this process's bytes on that GPU now;
@@ -299,6 +302,8 @@ class FakeDriver:
             "fake_vmm_reservations": (c_int, []),
             "fake_vmm_bytes_on": (c_ull, [c_int]),
             "fake_pinned_bytes": (c_ull, []),
+            "fake_pinned_at_last_checkpoint": (c_ull, []),
+            "fake_live_events": (c_int, []),
             "fake_live_streams": (c_int, []),
             "fake_primary_ctx_refcount": (c_int, [c_int]),
             "fake_current_context": (c_int, []),
@@ -495,11 +500,18 @@ class FakeDriver:
         return int(self._lib.fake_vmm_bytes_on(physical))
 
     def pinned_bytes(self) -> int:
-        """Bytes of cuMemHostAlloc memory not freed."""
+        """Host bytes registered (pinned) and not unregistered."""
         return int(self._lib.fake_pinned_bytes())
 
     def live_streams(self) -> int:
         return int(self._lib.fake_live_streams())
+
+    def live_events(self) -> int:
+        return int(self._lib.fake_live_events())
+
+    def pinned_at_last_checkpoint(self) -> int:
+        """Pinned host bytes the last checkpoint saw."""
+        return int(self._lib.fake_pinned_at_last_checkpoint())
 
     def primary_ctx_refcount(self, device: int) -> int:
         """Retains of a device's primary context not released (0: the context does not exist)."""
@@ -514,7 +526,7 @@ class FakeDriver:
         return {
             "allocations": self.vmm_allocations(), "handles": self.vmm_handles(), "mappings": self.vmm_mappings(),
             "reservations": self.vmm_reservations(), "pinned_bytes": self.pinned_bytes(),
-            "streams": self.live_streams(),
+            "streams": self.live_streams(), "events": self.live_events(),
             "primary_contexts": sum(self.primary_ctx_refcount(d) for d in range(self.gpu_count)),
         }
 

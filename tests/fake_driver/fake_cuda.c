@@ -53,6 +53,8 @@ enum {
   CUDA_ERROR_NOT_FOUND = 500,
   CUDA_ERROR_NOT_READY = 600,
   CUDA_ERROR_ILLEGAL_ADDRESS = 700,
+  CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712,
+  CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713,
   CUDA_ERROR_LAUNCH_FAILED = 719,
   CUDA_ERROR_NOT_PERMITTED = 800,
   CUDA_ERROR_NOT_SUPPORTED = 801,
@@ -109,6 +111,7 @@ typedef unsigned long long CUdeviceptr;
 typedef unsigned long long CUmemGenericAllocationHandle;
 typedef struct CUctx_st *CUcontext;
 typedef struct CUstream_st *CUstream;
+typedef struct CUevent_st *CUevent;
 
 enum { CU_MEM_ALLOCATION_TYPE_PINNED = 1, CU_MEM_LOCATION_TYPE_DEVICE = 1,
        CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1 };
@@ -283,6 +286,9 @@ static struct {
    * cannot be restored: the restore, remapped or in place, fails with CUDA_ERROR_NOT_SUPPORTED and
    * the process stays CHECKPOINTED (docs/fast-path.md). */
   int image_has_imported;
+  /* Pinned host bytes when the last checkpoint was taken: on H200s pinned memory slows the
+   * checkpoint and restore (csrc/vmm_host_staging.cpp), so the fast pause unpins before it. */
+  unsigned long long pinned_at_checkpoint;
 
   /* behaviour and failure injection */
   unsigned int lock_delay_ms;
@@ -644,6 +650,10 @@ struct fake_stream {
   int device;
 };
 
+struct fake_event {
+  struct fake_event *next;
+};
+
 static struct {
   struct vmm_alloc allocs[MAX_VMM];
   struct vmm_handle handles[MAX_VMM];
@@ -652,6 +662,8 @@ static struct {
   struct host_block host[MAX_VMM];
   struct fake_stream *streams;
   int stream_count;
+  struct fake_event *events;
+  int event_count;
   unsigned long long next_handle;
   int primary_refs[MAX_GPUS];
 } vmm;
@@ -772,6 +784,10 @@ static const struct error_text cuda_errors[] = {
     {CUDA_ERROR_NOT_FOUND, "CUDA_ERROR_NOT_FOUND", "named symbol not found"},
     {CUDA_ERROR_NOT_READY, "CUDA_ERROR_NOT_READY", "device not ready"},
     {CUDA_ERROR_ILLEGAL_ADDRESS, "CUDA_ERROR_ILLEGAL_ADDRESS", "an illegal memory access was encountered"},
+    {CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED, "CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED",
+     "part or all of the requested memory range is already mapped"},
+    {CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED, "CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED",
+     "pointer does not correspond to a registered memory region"},
     {CUDA_ERROR_LAUNCH_FAILED, "CUDA_ERROR_LAUNCH_FAILED", "unspecified launch failure"},
     {CUDA_ERROR_NOT_PERMITTED, "CUDA_ERROR_NOT_PERMITTED", "operation not permitted"},
     {CUDA_ERROR_NOT_SUPPORTED, "CUDA_ERROR_NOT_SUPPORTED", "operation not supported"},
@@ -831,11 +847,15 @@ CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, vo
 CUresult cuMemcpyDtoDAsync(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount, CUstream hStream);
 CUresult cuMemcpyDtoHAsync(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount, CUstream hStream);
 CUresult cuMemcpyHtoDAsync(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount, CUstream hStream);
-CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int Flags);
-CUresult cuMemFreeHost(void *p);
+CUresult cuMemHostRegister(void *p, size_t bytesize, unsigned int Flags);
+CUresult cuMemHostUnregister(void *p);
 CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags);
 CUresult cuStreamSynchronize(CUstream hStream);
 CUresult cuStreamDestroy(CUstream hStream);
+CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags);
+CUresult cuEventRecord(CUevent hEvent, CUstream hStream);
+CUresult cuEventSynchronize(CUevent hEvent);
+CUresult cuEventDestroy(CUevent hEvent);
 
 /* Feature groups a driver may lack: FAKE_CUDA_NO_CHECKPOINT / FAKE_CUDA_NO_VMM hide them. */
 enum { FEATURE_BASE = 0, FEATURE_CHECKPOINT = 1, FEATURE_VMM = 2 };
@@ -888,11 +908,15 @@ static const struct symbol symbols[] = {
     {"cuMemcpyDtoDAsync", 3020, FEATURE_VMM, (void *)cuMemcpyDtoDAsync},
     {"cuMemcpyDtoHAsync", 3020, FEATURE_VMM, (void *)cuMemcpyDtoHAsync},
     {"cuMemcpyHtoDAsync", 3020, FEATURE_VMM, (void *)cuMemcpyHtoDAsync},
-    {"cuMemHostAlloc", 2020, FEATURE_VMM, (void *)cuMemHostAlloc},
-    {"cuMemFreeHost", 2000, FEATURE_VMM, (void *)cuMemFreeHost},
+    {"cuMemHostRegister", 6050, FEATURE_VMM, (void *)cuMemHostRegister},
+    {"cuMemHostUnregister", 4000, FEATURE_VMM, (void *)cuMemHostUnregister},
     {"cuStreamCreate", 2000, FEATURE_VMM, (void *)cuStreamCreate},
     {"cuStreamSynchronize", 2000, FEATURE_VMM, (void *)cuStreamSynchronize},
     {"cuStreamDestroy", 4000, FEATURE_VMM, (void *)cuStreamDestroy},
+    {"cuEventCreate", 2000, FEATURE_VMM, (void *)cuEventCreate},
+    {"cuEventRecord", 2000, FEATURE_VMM, (void *)cuEventRecord},
+    {"cuEventSynchronize", 2000, FEATURE_VMM, (void *)cuEventSynchronize},
+    {"cuEventDestroy", 4000, FEATURE_VMM, (void *)cuEventDestroy},
 };
 
 static CUresult lookup(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags, int *status) {
@@ -1121,8 +1145,10 @@ CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args
   vmm_collect();
   vmm_checkpoint();
   fake.image_has_imported = 0;
+  fake.pinned_at_checkpoint = 0;
   for (int i = 0; i < MAX_VMM; ++i) {
     if (vmm.handles[i].used && vmm.handles[i].imported) fake.image_has_imported = 1;
+    fake.pinned_at_checkpoint += vmm.host[i].used ? vmm.host[i].size : 0;
   }
   set_state(CU_PROCESS_STATE_CHECKPOINTED);
   return leave(fn, CUDA_SUCCESS, -1);
@@ -1649,35 +1675,40 @@ CUresult cuMemcpyHtoDAsync(CUdeviceptr dstDevice, const void *srcHost, size_t By
   return leave(fn, rc, -1);
 }
 
-CUresult cuMemHostAlloc(void **pp, size_t bytesize, unsigned int Flags) {
-  static const char fn[] = "cuMemHostAlloc";
+/* Registered (pinned) host ranges; overlapping registrations are refused as the driver does. */
+CUresult cuMemHostRegister(void *p, size_t bytesize, unsigned int Flags) {
+  static const char fn[] = "cuMemHostRegister";
   int rc;
   if (enter(fn, &rc)) return leave(fn, rc, -1);
-  if (pp == NULL || bytesize == 0 || (Flags & ~7u) != 0) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  if (p == NULL || bytesize == 0 || (Flags & ~15u) != 0) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
   rc = context_ready(fn, NULL);
   if (rc != CUDA_SUCCESS) return leave(fn, rc, -1);
+  const uintptr_t start = (uintptr_t)p, end = start + bytesize;
+  for (int i = 0; i < MAX_VMM; ++i) {
+    const struct host_block *h = &vmm.host[i];
+    if (h->used && start < (uintptr_t)h->ptr + h->size && (uintptr_t)h->ptr < end) {
+      return leave(fn, CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED, -1);
+    }
+  }
   const int slot = FREE_SLOT(vmm.host);
-  void *p = slot < 0 ? MAP_FAILED : mmap(NULL, bytesize, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, -1);
+  if (slot < 0) return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, -1);
   vmm.host[slot] = (struct host_block){1, p, bytesize};
-  *pp = p;
   return leave(fn, CUDA_SUCCESS, -1);
 }
 
-CUresult cuMemFreeHost(void *p) {
-  static const char fn[] = "cuMemFreeHost";
+CUresult cuMemHostUnregister(void *p) {
+  static const char fn[] = "cuMemHostUnregister";
   int rc;
   if (enter(fn, &rc)) return leave(fn, rc, -1);
   rc = context_ready(fn, NULL);
   if (rc != CUDA_SUCCESS) return leave(fn, rc, -1);
   for (int i = 0; i < MAX_VMM; ++i) {
     if (vmm.host[i].used && vmm.host[i].ptr == p) {
-      munmap(p, vmm.host[i].size);
       memset(&vmm.host[i], 0, sizeof(vmm.host[i]));
       return leave(fn, CUDA_SUCCESS, -1);
     }
   }
-  return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  return leave(fn, CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED, -1);
 }
 
 CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags) {
@@ -1718,6 +1749,66 @@ CUresult cuStreamDestroy(CUstream hStream) {
       *p = s->next;
       free(s);
       --vmm.stream_count;
+      return leave(fn, CUDA_SUCCESS, -1);
+    }
+  }
+  return leave(fn, CUDA_ERROR_INVALID_HANDLE, -1);
+}
+
+/* Events: copies finish before they return, so an event is complete once recorded. */
+static int event_valid(CUevent event) {
+  for (const struct fake_event *e = vmm.events; e != NULL; e = e->next) {
+    if ((const void *)e == (const void *)event) return 1;
+  }
+  return 0;
+}
+
+CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags) {
+  static const char fn[] = "cuEventCreate";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (phEvent == NULL || Flags > 15u) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  rc = context_ready(fn, NULL);
+  if (rc != CUDA_SUCCESS) return leave(fn, rc, -1);
+  struct fake_event *e = calloc(1, sizeof(*e));
+  if (e == NULL) return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, -1);
+  e->next = vmm.events;
+  vmm.events = e;
+  ++vmm.event_count;
+  *phEvent = (CUevent)e;
+  return leave(fn, CUDA_SUCCESS, -1);
+}
+
+CUresult cuEventRecord(CUevent hEvent, CUstream hStream) {
+  static const char fn[] = "cuEventRecord";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  rc = context_ready(fn, NULL);
+  if (rc == CUDA_SUCCESS && (!event_valid(hEvent) || !stream_valid(hStream))) rc = CUDA_ERROR_INVALID_HANDLE;
+  return leave(fn, rc, -1);
+}
+
+CUresult cuEventSynchronize(CUevent hEvent) {
+  static const char fn[] = "cuEventSynchronize";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  rc = device_call_ready(fn);
+  if (rc == CUDA_SUCCESS && !event_valid(hEvent)) rc = CUDA_ERROR_INVALID_HANDLE;
+  return leave(fn, rc, -1);
+}
+
+CUresult cuEventDestroy(CUevent hEvent) {
+  static const char fn[] = "cuEventDestroy";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  rc = device_call_ready(fn);
+  if (rc != CUDA_SUCCESS) return leave(fn, rc, -1);
+  for (struct fake_event **p = &vmm.events; *p != NULL; p = &(*p)->next) {
+    if ((void *)*p == (void *)hEvent) {
+      struct fake_event *e = *p;
+      *p = e->next;
+      free(e);
+      --vmm.event_count;
       return leave(fn, CUDA_SUCCESS, -1);
     }
   }
@@ -2379,6 +2470,20 @@ unsigned long long fake_pinned_bytes(void) {
   for (int i = 0; i < MAX_VMM; ++i) bytes += vmm.host[i].used ? vmm.host[i].size : 0;
   pthread_mutex_unlock(&mutex);
   return bytes;
+}
+
+unsigned long long fake_pinned_at_last_checkpoint(void) {
+  pthread_mutex_lock(&mutex);
+  const unsigned long long bytes = fake.pinned_at_checkpoint;
+  pthread_mutex_unlock(&mutex);
+  return bytes;
+}
+
+int fake_live_events(void) {
+  pthread_mutex_lock(&mutex);
+  const int n = vmm.event_count;
+  pthread_mutex_unlock(&mutex);
+  return n;
 }
 
 int fake_live_streams(void) {

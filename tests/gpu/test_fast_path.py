@@ -3,6 +3,8 @@
 Each job runs in a fresh process (tests/gpu/train_job.py, tests/gpu/oom_job.py). Every moved
 run is compared bit for bit (float.hex loss traces) with an undisturbed run of the same flags.
 Jobs are small (2 GiB ballast or less, at most 40 steps) so the file runs in a few minutes.
+Tests that move the job to GPU 1 (or fill it) use the `two_gpus` fixture and are skipped on a
+one-GPU machine; the in-place pause / resume tests and the out-of-memory test need one GPU.
 """
 
 from __future__ import annotations
@@ -81,6 +83,7 @@ def reference(*args: str) -> tuple[str, ...]:
 # ---- tests -------------------------------------------------------------------------------------
 
 
+@pytest.mark.usefixtures("two_gpus")
 def test_fast_path_all_features_bit_identical(host_gpus: list[Any]) -> None:
     """AMP + GradScaler, activation checkpointing, a side stream with record_stream, a DataLoader
     with workers and pinned memory, a CUDA graph captured before any move: migrate there and back,
@@ -131,6 +134,7 @@ def test_fast_path_all_features_bit_identical(host_gpus: list[Any]) -> None:
     assert tuple(done["losses"]) == expected, "loss trace differs from the undisturbed run"
 
 
+@pytest.mark.usefixtures("two_gpus")
 def test_fast_path_plain_adamw_and_paths_side_by_side(host_gpus: list[Any]) -> None:
     """The same job moved once on each path: fast to cuda:1, driver back to cuda:0."""
     gpu0, gpu1 = uuid_of(host_gpus, 0), uuid_of(host_gpus, 1)
@@ -163,6 +167,76 @@ def test_fast_path_plain_adamw_and_paths_side_by_side(host_gpus: list[Any]) -> N
     assert tuple(done["losses"]) == expected
 
 
+def test_fast_pause_and_resume_in_place_all_features(host_gpus: list[Any]) -> None:
+    """One GPU: the all-features job paused on the fast path and resumed where it was, twice (the
+    staging is given back after each resume and prepared again for the next pause). While paused
+    the job holds nothing on the GPU; the loss trace is unchanged."""
+    gpu0 = uuid_of(host_gpus, 0)
+    idle = idle_used()
+    common = ("--ballast-gb", BALLAST_GB, "--steps", "40", "--pause-seconds", "0.5", *ALL_FEATURES)
+    expected = reference(*common)
+
+    run = ok_run(run_job(
+        *common, "--plan", "8:pause", "--plan", "8:resume", "--plan", "24:pause", "--plan", "24:resume",
+        timeout=JOB_TIMEOUT,
+    ))
+    ready = run.one("ready")
+    assert ready["pool_active"] is True, ready["pool_reason"]
+    assert ready["features"] == ["amp", "checkpointing", "side_stream", "dataloader", "cuda_graph"]
+    assert [op["op"] for op in run.ops] == ["pause", "resume"] * 2, summary(run.ops)
+    assert [op["ok"] for op in run.ops] == [True] * 4, summary(run.ops)
+    assert [op["result"]["path"] for op in run.ops] == ["fast"] * 4, summary(run.ops)
+
+    for pause, resume in (run.ops[0:2], run.ops[2:4]):
+        assert_left(pause, gpu0, idle)
+        assert step_names(pause) >= {"copy", "release", "lock", "checkpoint"}, pause["result"]["steps"]
+        assert resume["physical"] == "cuda:0"
+        assert_holds(resume, gpu0, BALLAST_GB)
+        assert step_names(resume) >= {"restore", "unlock", "copy_back"}, resume["result"]["steps"]
+
+    done = run.one("done")
+    assert done["ballast_ok"] is True
+    assert done["physical"] == "cuda:0"
+    assert tuple(done["losses"]) == expected, "loss trace differs from the undisturbed run"
+
+
+def test_driver_and_fast_pause_side_by_side_in_place(host_gpus: list[Any]) -> None:
+    """One GPU: the plain job paused on the driver path and resumed in place, then paused again
+    in auto mode, which takes the fast path (the driver round trip left nothing that blocks it),
+    and resumed in place. Nothing of the job stays on the GPU while paused; the loss trace is
+    unchanged."""
+    gpu0 = uuid_of(host_gpus, 0)
+    idle = idle_used()
+    expected = reference(*PLAIN)
+    run = ok_run(run_job(
+        *PLAIN, "--plan", "8:pause@driver", "--plan", "8:resume", "--plan", "20:pause", "--plan", "20:resume",
+        timeout=JOB_TIMEOUT,
+    ))
+    assert run.one("ready")["pool_active"] is True, run.one("ready")["pool_reason"]
+    assert [op["op"] for op in run.ops] == ["pause", "resume"] * 2, summary(run.ops)
+    assert [op["ok"] for op in run.ops] == [True] * 4, summary(run.ops)
+    assert [op["result"]["path"] for op in run.ops] == ["driver", "driver", "fast", "fast"], summary(run.ops)
+    driver_pause, driver_resume, fast_pause, fast_resume = run.ops
+
+    assert not step_names(driver_pause) & FAST_ONLY_STEPS, driver_pause["result"]["steps"]
+    assert step_names(driver_pause) >= {"lock", "checkpoint"}, driver_pause["result"]["steps"]
+    assert "copy_back" not in step_names(driver_resume), driver_resume["result"]["steps"]
+    assert step_names(driver_resume) >= {"restore", "unlock"}, driver_resume["result"]["steps"]
+    assert step_names(fast_pause) >= {"copy", "release", "lock", "checkpoint"}, fast_pause["result"]["steps"]
+    assert step_names(fast_resume) >= {"restore", "unlock", "copy_back"}, fast_resume["result"]["steps"]
+
+    for pause, resume in ((driver_pause, driver_resume), (fast_pause, fast_resume)):
+        assert_left(pause, gpu0, idle)
+        assert resume["physical"] == "cuda:0"
+        assert_holds(resume, gpu0, BALLAST_GB)
+
+    done = run.one("done")
+    assert done["ballast_ok"] is True
+    assert done["physical"] == "cuda:0"
+    assert tuple(done["losses"]) == expected, "loss trace differs from the undisturbed run"
+
+
+@pytest.mark.usefixtures("two_gpus")
 def test_no_safe_point_falls_back_to_driver_path(host_gpus: list[Any]) -> None:
     """Step 10 sleeps 6 s before its optimizer step. The migrate, issued right after step 9,
     waits FLEXIUM_SAFE_POINT_WAIT=1 s for a safe point, then runs the driver path inline while
@@ -195,6 +269,7 @@ def test_no_safe_point_falls_back_to_driver_path(host_gpus: list[Any]) -> None:
     assert done["losses"] == reference_run.one("done")["losses"]
 
 
+@pytest.mark.usefixtures("two_gpus")
 def test_pool_switched_off_and_early_allocation_use_driver_path(host_gpus: list[Any]) -> None:
     gpu0 = uuid_of(host_gpus, 0)
     idle = idle_used()
@@ -251,6 +326,7 @@ def test_out_of_memory_retry_frees_pool_cache(host_gpus: list[Any], first: str, 
     assert result["reserved_after"] < result["first"] + result["second"], result
 
 
+@pytest.mark.usefixtures("two_gpus")
 def test_target_without_room_is_refused_on_the_fast_path(host_gpus: list[Any], gpu_filler: Any) -> None:
     """With the pool active and the fast path asked for, a target without room is refused before
     anything moves, and training continues unchanged."""

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from conftest import GIB, assert_left, run_job, uuid_of
+
+# Every test here moves the job to GPU 1 or fills it.
+pytestmark = pytest.mark.usefixtures("two_gpus")
 
 BALLAST_GB = "4"
 STEPS = "60"

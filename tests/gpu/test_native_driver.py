@@ -7,7 +7,12 @@ import subprocess
 import sys
 from typing import Any
 
+import pytest
+
 from conftest import HERE, GIB
+
+# native_job.py restores GPU 0's context onto GPU 1 (devices[1]).
+pytestmark = pytest.mark.usefixtures("two_gpus")
 
 
 def run_native() -> dict[str, dict[str, Any]]:

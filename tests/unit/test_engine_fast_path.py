@@ -191,6 +191,8 @@ class Job:
         fake = self.fake
         fake.clear_failures()
         fake.reset()  # a test that failed half way may have left the process locked
+        if self.fast is not None:
+            self.fast._wait_for_release()
         if _C.host_staged_segments():
             _C.restore_segments_from_host()
         _C.release_host_staging()
@@ -649,10 +651,14 @@ def test_fast_pause_and_resume_in_place_and_on_another_gpu(job: Job) -> None:
 
     paused = engine.pause()
     assert paused.ok and paused.path == "fast" and names(paused) == FAST_PAUSE
-    assert len(paused.notes) == 1 and paused.notes[0].startswith("pinned 0.01 GiB of host memory for the pool in ")
+    pin_note, copy_note = paused.notes
+    assert pin_note.startswith("pinned 0.01 GiB of host staging in ") and "0.01 GiB of it newly mapped" in pin_note
+    assert copy_note == "fast path: copied 0.01 GiB in use of 0.01 GiB of pool segments to host memory"
     assert engine.state == EngineState.PAUSED and fake.state() == ProcessState.CHECKPOINTED
     assert [fake.process_bytes_on(g) for g in (0, 1)] == [0, 0] and fake.vmm_bytes_on(0) == 0
-    assert _C.host_staged_segments() == 3 and fake.pinned_bytes() == job.total
+    assert _C.host_staged_segments() == 3 and _C.host_staging_pool_bytes() == job.total
+    # Pinned before the safe point, unpinned chunk by chunk as the copies finished.
+    assert fake.pinned_at_last_checkpoint() == 0 and fake.pinned_bytes() == 0
     assert [m for _a, _s, _d, m in _C.vmm_segments()] == [False] * 3
 
     resumed = engine.resume()
@@ -660,15 +666,30 @@ def test_fast_pause_and_resume_in_place_and_on_another_gpu(job: Job) -> None:
     assert engine.state == EngineState.RUNNING and fake.placement() == [0, 1]
     job.assert_home(physical=0)
     assert _C.host_staged_segments() == 0 and open_fds() == fds
+    # The staging goes back to the host in the background.
+    wait_until(lambda: _C.host_staging_pool_bytes() == 0, what="the host staging to be given back")
+    assert fake.pinned_bytes() == 0
 
-    again = engine.pause()  # the pinned pool is reused: nothing to pin
-    assert again.ok and again.path == "fast" and again.notes == ()
-    assert fake.pinned_bytes() == job.total
+    again = engine.pause()  # mapped, touched and pinned again
+    assert again.ok and again.path == "fast" and again.notes[0].startswith("pinned 0.01 GiB of host staging in ")
+    assert fake.pinned_bytes() == 0 and fake.pinned_at_last_checkpoint() == 0
     elsewhere = engine.resume(target="cuda:1")
     assert elsewhere.ok and elsewhere.path == "fast" and elsewhere.target.device == "cuda:1"
     assert names(elsewhere) == ["restore", "unlock", "copy_back"]
     assert fake.placement() == [1, 0] and engine.placement()[1].device == "cuda:1"
     job.assert_home(physical=1)
+
+
+def test_a_pause_that_ends_on_the_driver_path_gives_the_staging_back_first(job: Job) -> None:
+    fake = job.fake
+    job.segments([2 * MiB, 4 * MiB])
+    engine = job.engine()
+    paused = engine.pause()  # staging pinned, then no optimizer step comes: the driver path
+    assert paused.ok and paused.path == "driver", paused.notes
+    assert fake.call_count("cuMemHostRegister") > 0
+    assert fake.pinned_at_last_checkpoint() == 0 and _C.host_staging_pool_bytes() == 0
+    assert engine.resume().ok
+    job.assert_home(physical=0)
 
 
 PAUSE_FAILURES = {

@@ -238,6 +238,8 @@ class Engine:
                 fast, why = self._choose_path(path, at_safe_point)
                 if fast:
                     return self._run_fast_pause(source, pinned)
+                if self._fast is not None:
+                    self._fast.release_host_now()  # pinned staging would slow the driver's checkpoint
                 return self._run_pause(source, why, at_safe_point=at_safe_point)
 
             result, at_safe_point = self._safe_points.run(work, then=self._park_while_paused)
@@ -263,33 +265,33 @@ class Engine:
 
     def _prepare_host_staging(self, path: str) -> tuple[str, ...]:
         """Before a pause that can take the fast path: refuses it when the host cannot hold the
-        pool, and pins the staging memory before the safe point (kept for later pauses). A pause on
-        the driver path is checked for host memory in _run_pause."""
+        pool's live bytes, and touches and pins the staging before the safe point, while the job
+        trains. A pause on the driver path is checked for host memory in _run_pause."""
         fast = self._fast if path != "driver" and self.fast_path_blocker() is None else None
         if fast is None:
             return ()
-        to_pin = fast.host_bytes_to_pin(self._logical)
-        self._check_host_room(to_pin, fast=True)
-        if to_pin == 0:
-            return ()
+        to_map = fast.host_bytes_to_map(self._logical)
+        self._check_host_room(to_map, fast=True)
         try:
-            added, seconds = fast.reserve_host(self._logical)
+            pinned, seconds = fast.reserve_host(self._logical)
         except Exception as exc:
+            fast.release_host_later()
             raise OperationFailedError(
-                f"pause failed at step 'pin' before anything was touched: could not pin {_gib(to_pin)} of host "
-                f"memory ({type(exc).__name__}: {exc}); the job keeps training",
+                f"pause failed at step 'pin' before anything was touched: could not prepare host staging "
+                f"({type(exc).__name__}: {exc}); the job keeps training",
                 step="pin",
             ) from exc
-        # Measured on H200s: the driver holds the job's CUDA calls while it pins (about 1.8 GB/s),
-        # so this is part of the first pause's wait; later pauses reuse the pinned memory.
-        return (f"pinned {_gib(added)} of host memory for the pool in {seconds:.2f} s before the safe point",)
+        if pinned == 0:
+            return ()
+        return (f"pinned {_gib(pinned)} of host staging in {seconds:.2f} s before the safe point "
+                f"({_gib(to_map)} of it newly mapped and touched)",)
 
     def _check_host_room(self, needed: int, *, fast: bool) -> None:
         """A pause stages the job's memory in host memory: pinned by us (fast) or by the driver."""
         available = host_memory_available()
         wanted = needed + HOST_MEMORY_MARGIN_BYTES
         if available is not None and available < wanted:
-            what = "pinned host memory for the job's pool" if fast else "host memory to hold the job's GPU memory"
+            what = "host memory to stage the job's pool" if fast else "host memory to hold the job's GPU memory"
             raise TargetRefusedError(
                 f"pausing needs {_gib(wanted)} of {what} and this machine has {_gib(available)} available: "
                 "free host memory, or migrate the job instead"
@@ -618,16 +620,20 @@ class Engine:
                 steps.append(replace(exc.timing, rollback=True))
                 self._set_state(EngineState.FAILED)
                 return result(failed_step=failed_step, error=f"{error}; ROLLBACK FAILED: {exc}; restart the job")
+            fast.release_host_later()
             self._set_state(EngineState.RUNNING)
             return result(failed_step=failed_step, error=f"{error}; rolled back: the job runs on {source.device} as before")
 
         try:
-            _, timing = fast.stage_to_host()
+            copied, timing = fast.stage_to_host(self._logical)
             steps.append(timing)
         except RelocationError as exc:
             steps.append(exc.timing)
+            fast.release_host_later()
             self._set_state(EngineState.RUNNING)
             return result(failed_step=exc.step, error=f"{exc}; nothing moved: the job runs on {source.device} as before")
+        notes = (*notes, f"fast path: copied {copied / GIB:.2f} GiB in use of {fast.pool_bytes(self._logical) / GIB:.2f} "
+                 "GiB of pool segments to host memory")
         try:
             steps.append(fast.release(self._logical))
         except RelocationError as exc:
@@ -650,7 +656,8 @@ class Engine:
         )
 
     def _bring_back_from_host(self, result: OperationResult) -> OperationResult:
-        """After a restore that ended a fast pause: the segments come back from pinned memory."""
+        """After a restore that ended a fast pause: the segments come back from host memory, whose
+        staging is then given back."""
         assert self._fast is not None
         steps = list(result.steps)
         for attempt in range(2):
@@ -668,6 +675,7 @@ class Engine:
                         error=f"{exc}; ROLLBACK FAILED: the job runs on {where} but part of its memory is still in "
                         "host memory; restart the job",
                     )
+        self._fast.release_host_later()
         self._set_state(EngineState.RUNNING)
         return replace(result, ok=True, steps=tuple(steps), seconds=result.seconds + sum(
             s.seconds for s in steps[len(result.steps):]))

@@ -1,15 +1,17 @@
 """The fast path's moves of our pool's segments, each a timed step that names itself on failure.
 
 DESIGN.md "Fast path": at a safe point, holding the GIL, the segments are copied to the target
-GPU over NVLink (or to pinned host memory for a pause) and their source memory released, so
-the driver checkpoint only carries the rest (context, library workspaces, anything outside the
-pool); after the restore they are mapped back at their own addresses. The engine orders these
+GPU over NVLink (or to host memory, pinned only while copies run, for a pause) and their source
+memory released, so the driver checkpoint only carries the rest (context, library workspaces,
+anything outside the pool); after the restore they are mapped back at their own addresses. The engine orders these
 steps around the locked section and decides what a failure means.
 """
 
 from __future__ import annotations
 
+import logging
 import os
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, TypeVar
@@ -19,8 +21,11 @@ from flexium.engine.memory_pool import MemoryPool, open_file_headroom
 from flexium.engine.operations import StepTiming
 
 T = TypeVar("T")
+log = logging.getLogger("flexium")
 # Files kept free besides one per segment (sockets, logs, the NVML helper's pipes).
 FD_RESERVE = 256
+# Host staging a pause prepares beyond the pool's live bytes (one chunk of csrc's staging).
+HOST_STAGING_SLACK = 256 << 20
 
 
 class RelocationError(Exception):
@@ -55,6 +60,7 @@ def timed(step: str, work: Callable[[], T]) -> tuple[T, StepTiming]:
 class FastPath:
     def __init__(self, pool: MemoryPool) -> None:
         self.pool = pool
+        self._releasing: Optional[threading.Thread] = None
 
     def blocker(self, logical: int) -> Optional[str]:
         """Why the fast path cannot move this job now (None: it can)."""
@@ -122,23 +128,55 @@ class FastPath:
             still = self._unbacked()
             staged.entries = [e for e in staged.entries if e[0] in still]
 
-    # ---- GPU to pinned host memory ---------------------------------------------------------
+    # ---- GPU to host memory ----------------------------------------------------------------
+
+    def host_bytes_wanted(self, logical: int) -> int:
+        """Host staging a pause of `logical` would fill: the pool's live bytes now, with room for
+        what the job may allocate before the safe point, never more than the pool holds. (Should
+        it need more at the safe point, the stage maps the rest there.)"""
+        live = self.pool.live_ranges(logical)
+        segments = [(address, size) for address, size, device, _m in _C.vmm_segments() if device == logical]
+        live_bytes = sum(sum(length for _o, length in live[a]) if a in live else size for a, size in segments)
+        return min(sum(size for _a, size in segments), live_bytes + live_bytes // 16 + HOST_STAGING_SLACK)
+
+    def host_bytes_to_map(self, logical: int) -> int:
+        """New host memory a pause would take (the staging kept from before counts)."""
+        self._wait_for_release()
+        return max(0, self.host_bytes_wanted(logical) - int(_C.host_staging_pool_bytes()))
 
     def reserve_host(self, logical: int) -> tuple[int, float]:
-        """Pins host memory for the pool's bytes before the safe point (pinning takes seconds;
-        the job trains meanwhile). Returns bytes added and seconds taken."""
+        """Touches and pins the staging before the safe point, while the job trains: the stage
+        unpins each chunk once copied, so the checkpoint sees no pinned memory. Returns the bytes
+        pinned and the seconds taken."""
+        self._wait_for_release()
         started = time.perf_counter()
-        added = int(_C.reserve_host_staging(self.pool_bytes(logical), logical))
-        return added, time.perf_counter() - started
+        pinned = int(_C.reserve_host_staging(self.host_bytes_wanted(logical), logical))
+        return pinned, time.perf_counter() - started
 
-    def host_bytes_to_pin(self, logical: int) -> int:
-        return max(0, self.pool_bytes(logical) - int(_C.host_staging_pool_bytes()))
-
-    def stage_to_host(self) -> tuple[int, StepTiming]:
-        return timed("copy", lambda: int(_C.stage_segments_to_host()))
+    def stage_to_host(self, logical: int) -> tuple[int, StepTiming]:
+        return timed("copy", lambda: int(_C.stage_segments_to_host(self.pool.live_ranges(logical))))
 
     def restore_from_host(self, logical: int, step: str = "copy_back") -> tuple[int, StepTiming]:
         return timed(step, lambda: int(_C.restore_segments_from_host(logical)))
+
+    def release_host_later(self) -> None:
+        """Gives the staging's host memory back in a background thread (unmapping tens of GiB
+        takes a fraction of a second the resumed job need not wait for). A later pause maps and
+        touches it again before its safe point."""
+        self._wait_for_release()
+        thread = threading.Thread(target=release_host_staging, name="flexium-host-staging-release", daemon=True)
+        self._releasing = thread
+        thread.start()
+
+    def release_host_now(self) -> None:
+        """Before a driver-path checkpoint: pinned staging would slow it, and it needs none."""
+        self._wait_for_release()
+        release_host_staging()
+
+    def _wait_for_release(self) -> None:
+        if self._releasing is not None:
+            self._releasing.join()
+            self._releasing = None
 
     def host_waiting(self) -> int:
         return int(_C.host_staged_segments())
@@ -158,6 +196,13 @@ def host_memory_available() -> Optional[int]:
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def release_host_staging() -> None:
+    try:
+        _C.release_host_staging()
+    except Exception as exc:  # the next pause reuses what is left; nothing is lost
+        log.warning("could not give the host staging back: %s: %s", type(exc).__name__, exc)
 
 
 def close_fds(entries: Iterable[tuple[int, int, int]]) -> None:
