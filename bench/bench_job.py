@@ -43,6 +43,7 @@ from typing import Any, Optional
 GIB = 1 << 30
 ENGINE_OPS = ("migrate", "pause", "resume")
 PATHS = ("auto", "fast", "driver")
+SETTLE_STEPS = 3  # steps run after an operation before the next one starts
 
 
 _emit_lock = threading.Lock()
@@ -129,8 +130,11 @@ class Control(threading.Thread):
 
         current = session.current()
         engine = current.engine if current is not None else None
+        settled = 0
         for entry in self.plan:
-            self.progress.wait_for(entry["at_step"])
+            # A resume's downtime ends with the second step after it (analyse): the next operation
+            # waits for those steps even when its own step has passed meanwhile.
+            self.progress.wait_for(max(entry["at_step"], settled))
             record: dict[str, Any] = {"op": entry["op"], "requested_path": entry["path"], "target": entry["target"],
                                       "at_step": entry["at_step"]}
             record["t0"] = time.perf_counter()
@@ -155,6 +159,8 @@ class Control(threading.Thread):
             emit("op", **record)
             if entry["op"] == "pause" and record["ok"]:
                 time.sleep(self.pause_seconds)
+            else:
+                settled = self.progress.step + SETTLE_STEPS
         if engine is not None:
             state = engine.state.value
             if state == "PAUSED":  # a resume failed: try once more in place, else the loop never ends

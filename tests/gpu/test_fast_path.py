@@ -208,9 +208,11 @@ def test_driver_and_fast_pause_side_by_side_in_place(host_gpus: list[Any]) -> No
     gpu0 = uuid_of(host_gpus, 0)
     idle = idle_used()
     expected = reference(*PLAIN)
+    # Slower steps (the losses do not depend on them): the fast pause prepares its host staging
+    # while the job trains, and its safe point must come before the job's last step.
     run = ok_run(run_job(
-        *PLAIN, "--plan", "8:pause@driver", "--plan", "8:resume", "--plan", "20:pause", "--plan", "20:resume",
-        timeout=JOB_TIMEOUT,
+        *PLAIN, "--step-sleep", "0.05", "--plan", "6:pause@driver", "--plan", "6:resume", "--plan", "12:pause",
+        "--plan", "12:resume", timeout=JOB_TIMEOUT,
     ))
     assert run.one("ready")["pool_active"] is True, run.one("ready")["pool_reason"]
     assert [op["op"] for op in run.ops] == ["pause", "resume"] * 2, summary(run.ops)

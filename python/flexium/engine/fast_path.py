@@ -161,10 +161,11 @@ class FastPath:
 
     def release_host_later(self) -> None:
         """Gives the staging's host memory back in a background thread (unmapping tens of GiB
-        takes a fraction of a second the resumed job need not wait for). A later pause maps and
-        touches it again before its safe point."""
+        takes a second the resumed job need not wait for). A later pause maps and touches it
+        again before its safe point. Not a daemon: the interpreter waits for it at exit, as a
+        daemon thread ended inside the native call would abort the process."""
         self._wait_for_release()
-        thread = threading.Thread(target=release_host_staging, name="flexium-host-staging-release", daemon=True)
+        thread = threading.Thread(target=release_host_staging, name="flexium-host-staging-release")
         self._releasing = thread
         thread.start()
 
