@@ -12,7 +12,7 @@ from conftest import GIB, assert_left, run_job, uuid_of
 pytestmark = pytest.mark.usefixtures("two_gpus")
 
 BALLAST_GB = "4"
-STEPS = "60"
+STEPS = "80"  # the pause at step 40 prepares its host staging while the job trains
 
 
 def idle_used(host_gpus: list[Any]) -> dict[str, int]:

@@ -48,7 +48,7 @@ from flexium.errors import (  # noqa: E402
     TargetRefusedError,
 )
 
-FAST_MIGRATION = ["prepare", "copy", "release", "lock", "checkpoint", "restore", "unlock", "map"]
+FAST_MIGRATION = ["prepare", "copy", "release", "lock", "checkpoint", "restore", "unlock", "map", "own"]
 FAST_PAUSE = ["prepare", "copy", "release", "lock", "checkpoint"]
 
 
@@ -267,9 +267,9 @@ def test_fast_migration_there_and_back(job: Job) -> None:
     assert step_summary(result) == [(s, True, False) for s in FAST_MIGRATION]
     assert result.notes == ("fast path: copied 0.01 GiB in use of 0.01 GiB in 3 pool segments",)
     assert job.fast is not None and job.fast.staged[0].copied_bytes == job.total
-    assert job.pool.asked == [0]
+    assert job.pool.asked == [0, 0]  # the copy and the own step copy live ranges only
     assert checkpoint_ops(fake) == ["Lock", "Checkpoint", "Restore", "Unlock"]
-    assert _C.vmm_imported_count() == 3  # the job runs on the imported copies
+    assert _C.vmm_imported_count() == 0  # the copies, mapped, were made the job's own
     assert locking_threads(fake) == {trainer.tid}  # at the end of an optimizer step
     assert fake.blocked_calls() == 0 and fake.deadlocks() == 0
     assert engine.state == EngineState.RUNNING and fake.state() == ProcessState.RUNNING
@@ -284,13 +284,22 @@ def test_fast_migration_there_and_back(job: Job) -> None:
     job.assert_home(physical=0)
     assert open_fds() == fds
 
-    # A driver checkpoint cannot restore imported memory: at a safe point the driver path first
-    # makes it the job's own, then carries it.
+    # Nothing imported is left for a driver checkpoint to trip over.
     driver = engine.migrate("cuda:1", path="driver")
     assert driver.ok and driver.path == "driver" and fake.placement() == [1, 0]
-    assert names(driver)[:2] == ["own", "prepare"] and _C.vmm_imported_count() == 0
-    assert job.pool.asked == [0, 0, 0]  # the own step copies live ranges only too
+    assert names(driver) == ["prepare", "lock", "checkpoint", "restore", "unlock"]
     job.assert_home(physical=1)
+
+
+def fast_move_left_imported(engine: Any, job: Job, target: str) -> None:
+    """A fast move whose own step fails (no memory for the job's own copies): it succeeds, says
+    so, and the job runs on the imported copies."""
+    # The copy makes one allocation per segment, then the own step's first one fails.
+    job.fake.fail("cuMemCreate", "CUDA_ERROR_OUT_OF_MEMORY", nth=len(_C.vmm_segments()) + 1)
+    result = engine.migrate(target)
+    assert result.ok and result.path == "fast" and step_summary(result)[-1][:2] == ("own", False)
+    assert result.notes[-1].startswith("the moved memory stays imported (step 'own' failed: ")
+    assert _C.vmm_imported_count() == len(_C.vmm_segments())
 
 
 def test_imported_memory_keeps_a_driver_checkpoint_out_until_it_is_our_own(job: Job) -> None:
@@ -298,7 +307,7 @@ def test_imported_memory_keeps_a_driver_checkpoint_out_until_it_is_our_own(job: 
     job.segments([2 * MiB, 4 * MiB])
     engine = job.engine(safe_point_wait_seconds=0.3)
     trainer = job.train()
-    assert engine.migrate("cuda:1").path == "fast" and _C.vmm_imported_count() == 2
+    fast_move_left_imported(engine, job, "cuda:1")
 
     # No optimizer step: the driver path would have to carry imported memory; refused untouched.
     trainer.stopping.set()
@@ -332,7 +341,7 @@ def test_on_the_training_thread_the_driver_path_makes_the_memory_its_own_first(j
     job.segments([2 * MiB, 4 * MiB])
     engine = job.engine()
     trainer = job.train()
-    assert engine.migrate("cuda:1").path == "fast" and _C.vmm_imported_count() == 2
+    fast_move_left_imported(engine, job, "cuda:1")
     trainer.stopping.set()
     trainer.join(5)
 
@@ -365,7 +374,7 @@ def test_the_fake_driver_cannot_restore_imported_memory_either(job: Job) -> None
     job.segments([2 * MiB])
     engine = job.engine()
     job.train()
-    assert engine.migrate("cuda:1").path == "fast"
+    fast_move_left_imported(engine, job, "cuda:1")
     outcomes = _C.run_steps(PID, [_C.Step(_C.StepKind.LOCK, timeout_ms=1000), _C.Step(_C.StepKind.CHECKPOINT),
                                   _C.Step(_C.StepKind.RESTORE)], [[], [], [_C.Step(_C.StepKind.RECOVER)]])
     assert [(o.step, o.rollback, o.error_name) for o in outcomes] == [
@@ -606,9 +615,9 @@ def test_a_map_failure_after_the_restore_is_retried(job: Job) -> None:
     fake.fail("cuMemImportFromShareableHandle", "CUDA_ERROR_UNKNOWN", nth=2)
     result = engine.migrate("cuda:1")
     assert result.ok and result.path == "fast" and result.error is None
-    assert step_summary(result) == [(s, True, False) for s in FAST_MIGRATION[:-1]] + [
-        ("map", False, False), ("map", True, False)]
-    assert "cuMemImportFromShareableHandle failed: CUDA_ERROR_UNKNOWN" in (result.steps[-2].error or "")
+    assert step_summary(result) == [(s, True, False) for s in FAST_MIGRATION[:-2]] + [
+        ("map", False, False), ("map", True, False), ("own", True, False)]
+    assert "cuMemImportFromShareableHandle failed: CUDA_ERROR_UNKNOWN" in (result.steps[-3].error or "")
     assert fake.placement() == [1, 0] and engine.state == EngineState.RUNNING
     job.assert_home(physical=1)
     assert open_fds() == fds

@@ -539,8 +539,9 @@ class Engine:
                         error=f"{exc}; ROLLBACK FAILED: the job runs on {dest.device} but part of its memory is "
                         "not mapped back; restart the job",
                     )
+            owned = self._own_after_fast_move(steps)
             self._set_state(EngineState.RUNNING)
-            return result(ok=True, notes=(*notes, copied))
+            return result(ok=True, notes=(*notes, copied, *owned))
         failure = _first_failure(outcomes)
         if final == _C.ProcessState.RUNNING:
             return self._fast_rollback(result, steps, failure.step, _describe(failure), staged, source, (*notes, copied))
@@ -551,11 +552,26 @@ class Engine:
             f"waits on {dest.device}",
         )
 
+    def _own_after_fast_move(self, steps: list[StepTiming]) -> tuple[str, ...]:
+        """Right after the map, still at the safe point: the mapped copies came in through fds, and
+        imported memory is neither restorable by a driver checkpoint (docs/fast-path.md) nor
+        counted for this process by NVML (the dashboard would show the job without its memory).
+        Measured on H200s: 0.08 s for 16 GiB, 0.28 s for 64 GiB. A failure leaves the job running
+        on the copies; the driver path makes them its own before its checkpoint."""
+        assert self._fast is not None
+        try:
+            steps.append(self._fast.own(self._logical))
+        except RelocationError as exc:
+            steps.append(exc.timing)
+            log.warning("the moved memory stays imported: %s", exc)
+            return (f"the moved memory stays imported ({exc}); a driver-path move makes it the job's own first",)
+        return ()
+
     def _own_before_driver_checkpoint(self, kind: OperationKind, at_safe_point: bool) -> tuple[StepTiming, ...]:
-        """After a fast move the job runs on imported memory, which a driver checkpoint cannot
-        restore (docs/fast-path.md). The fast path never lets it ride one, so it is made the job's
-        own only here, before a driver-path checkpoint, and only where no kernel can be launched on
-        a segment while its memory is swapped: at a safe point or on the training thread."""
+        """Imported memory left by a fast move whose own step failed cannot be restored by a driver
+        checkpoint (docs/fast-path.md): it is made the job's own here, before a driver-path
+        checkpoint, and only where no kernel can be launched on a segment while its memory is
+        swapped: at a safe point or on the training thread."""
         if self._fast is None or _C.vmm_imported_count() == 0:
             return ()
         # The training thread itself (recoverable() after an error) launches nothing meanwhile either.
