@@ -23,7 +23,7 @@ so "extra" (downtime minus the median normal step) is what the move cost; "vs fl
 S/D2H + checkpoint, resume S/H2D + restore (S: the job's reserved bytes, fixed costs above).
 
 Pause rows also show how training went while the pause prepared before its safe point (the fast
-path touches and pins its host staging then; the first fast pause pins, later ones reuse it):
+path maps, touches and pins its host staging then, and gives it back after the resume):
 "prep s" from the request to the start of the pause at the safe point, and the longest and the
 median step of the steps that ended in that time (bench_job.preparation).
 """
