@@ -44,6 +44,7 @@ GIB = 1 << 30
 ENGINE_OPS = ("migrate", "pause", "resume")
 PATHS = ("auto", "fast", "driver")
 SETTLE_STEPS = 3  # steps run after an operation before the next one starts
+AFTER_STEPS = 20  # steps after a move whose extra time counts as the move's (after_extra)
 
 
 _emit_lock = threading.Lock()
@@ -160,6 +161,8 @@ class Control(threading.Thread):
             if entry["op"] == "pause" and record["ok"]:
                 time.sleep(self.pause_seconds)
             else:
+                if entry["op"] == "migrate":
+                    wait_for_own_memory(60.0)  # the moved copies become the job's own meanwhile
                 settled = self.progress.step + SETTLE_STEPS
         if engine is not None:
             state = engine.state.value
@@ -169,6 +172,14 @@ class Control(threading.Thread):
                 except Exception as exc:
                     emit("warning", message=f"the job stayed paused after the plan: {exc}")
             self.engine_state = engine.state.value
+
+
+def wait_for_own_memory(timeout: float) -> None:
+    from flexium import _C
+
+    deadline = time.perf_counter() + timeout
+    while _C.vmm_imported_count() > 0 and time.perf_counter() < deadline:
+        time.sleep(0.005)
 
 
 def _fast_path_blocker() -> Optional[str]:
@@ -236,6 +247,14 @@ def preparation(record: dict[str, Any], ends: list[float]) -> dict[str, Any]:
             "prep_median_step": statistics.median(lengths) if lengths else None}
 
 
+def after_extra(k: int, ends: list[float], median: float, until: float, steps: int = AFTER_STEPS) -> float:
+    """What the steps after a move (up to `steps`, all ending before `until`: the next operation)
+    took beyond a normal step, summed: a fast move's copies become the job's own at those steps,
+    its cost outside the downtime."""
+    return sum(max(0.0, ends[j] - ends[j - 1] - median)
+               for j in range(k + 1, min(len(ends), k + 1 + steps)) if ends[j] < until)
+
+
 def analyse(records: list[dict[str, Any]], starts: list[float], ends: list[float], warmup: int) -> dict[str, Any]:
     """Downtime of each operation on the training loop's own clock. Each figure holds exactly one
     normal step of compute, so `extra` (downtime minus the median normal step) is what the move
@@ -280,6 +299,9 @@ def analyse(records: list[dict[str, Any]], starts: list[float], ends: list[float
                 downtime, entry["method"] = record["t1"] - ends[k - 1], "t1 - end(k-1)"
             elif op == "resume" and k + 1 < len(ends):
                 downtime, entry["method"] = ends[k + 1] - record["t0"], "end(k+1) - t0"
+            if op == "migrate":
+                later = [r["t0"] for r in records if r["t0"] > record["t1"]]
+                entry["after_extra"] = after_extra(k, ends, median, min(later, default=float("inf")))
             if k + 1 < len(ends) and op != "pause":
                 entry["next_step_extra"] = ends[k + 1] - ends[k] - median if op != "resume" else (
                     ends[k + 2] - ends[k + 1] - median if k + 2 < len(ends) else None)

@@ -56,7 +56,7 @@ GOALS = (  # (size GiB, op, seconds): downtime minus one step of the fast path, 
 )
 COLUMNS = ("size GiB", "op", "path", "downtime s", "-step s", "step ms", "op total s", "copy s",
            "checkpoint s", "restore s", "map/back s", "copied GiB", "floor s", "vs floor", "vs driver",
-           "prep s", "prep max step ms", "prep med step ms")
+           "after s", "prep s", "prep max step ms", "prep med step ms")
 MIGRATE_NEEDS = "migrate rows need 2 GPUs and were not measured"
 
 
@@ -300,6 +300,7 @@ def rows_of(size: float, run: JobRun) -> list[dict[str, Any]]:
             "downtime": timing.get("downtime"),
             "extra": timing.get("extra"),
             "next_step_extra": timing.get("next_step_extra"),
+            "after_extra": timing.get("after_extra"),
             "ran_in_step": timing.get("ran_in_step"),
             "method": timing.get("method"),
             "median_step": median,
@@ -368,7 +369,7 @@ def table_row(row: dict[str, Any]) -> tuple[str, ...]:
         ms(median), fmt(row["op_seconds"]), fmt(row["copy"]),
         fmt(row["checkpoint"]), fmt(row["restore"]), fmt(row["map_back"]),
         fmt(copied / GIB if copied else None, 2), fmt(row["floor"]), fmt(row["vs_floor"], 2, "x"),
-        fmt(row["vs_driver"], 2, "x"), fmt(row.get("prep")), ms(row.get("prep_max_step")),
+        fmt(row["vs_driver"], 2, "x"), fmt(row.get("after_extra")), fmt(row.get("prep")), ms(row.get("prep_max_step")),
         ms(row.get("prep_median_step")),
     )
 
@@ -487,7 +488,9 @@ def main() -> int:
           "\nfloor: migrate S/peer + checkpoint + restore, pause S/D2H + checkpoint, resume S/H2D + restore"
           " (S: the job's reserved bytes); vs floor and vs driver compare -step."
           "\ncopied: the fast path's copied bytes, else the bytes the process held (what the checkpoint carried)."
-          "\nprep (pause rows): request -> the pause's start at the safe point (the fast path pins its host staging"
+          "\nafter (migrate rows): what the 20 steps after the move took beyond normal steps, summed (a fast"
+          " move's copies become the job's own there, outside the downtime).")
+    print("prep (pause rows): request -> the pause's start at the safe point (the fast path pins its host staging"
           " meanwhile); prep max / med step: the longest / median step that ended in that time (-: none did).")
     if not migrate:
         print(f"ONE GPU: {MIGRATE_NEEDS} (torch sees {gpus} GPU); pause and resume ran in place, no hand move.")

@@ -100,7 +100,9 @@ void bind_vmm(py::module_ &m) {
         py::arg("chunk_bytes") = kDefaultHostChunkBytes, release_gil(),
         "Maps, touches and pins host staging for `bytes` ahead of a pause; returns the bytes pinned by this call.");
   m.def("own_imported", &own_imported, py::arg("device"), py::arg("live") = LiveRanges{},
-        "Replaces imported segment memory with memory of our own (a checkpoint cannot restore imported memory).");
+        py::arg("max_bytes") = SIZE_MAX,
+        "Replaces imported segment memory with memory of our own (a checkpoint cannot restore imported memory), "
+        "stopping once max_bytes are replaced; returns the bytes replaced.");
   m.def("vmm_imported_count", &imported_segment_count, release_gil());
   m.def("stage_segments_to_host", &stage_segments_to_host, py::arg("live") = LiveRanges{},
         py::arg("chunk_bytes") = kDefaultHostChunkBytes,

@@ -243,7 +243,7 @@ void map_imported(const std::vector<StagedSegment> &staged, int device) {
   }
 }
 
-std::size_t own_imported(int device, const LiveRanges &live) {
+std::size_t own_imported(int device, const LiveRanges &live, std::size_t max_bytes) {
   const DriverTable &d = require_vmm_driver();
   RegistryLock lock(kRelocationLockTimeout);
   std::vector<Segment *> imported;
@@ -258,6 +258,7 @@ std::size_t own_imported(int device, const LiveRanges &live) {
   std::size_t owned = 0;
   // One segment at a time, so the extra memory needed is one segment's, not the job's.
   for (Segment *segment : imported) {
+    if (owned > 0 && owned >= max_bytes) break;
     Backing fresh(d);
     fresh.size = segment->size;
     FLEXIUM_CU_CALL(d, cuMemCreate, &fresh.handle, segment->size, &prop, 0);

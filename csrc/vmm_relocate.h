@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <map>
 #include <set>
 #include <utility>
@@ -54,7 +55,8 @@ std::size_t release_source_backing(int source = -1, const SegmentFilter &only = 
 void map_imported(const std::vector<StagedSegment> &staged, int device);
 
 // Replaces the imported memory of `device`'s segments with memory of our own, copying the `live`
-// ranges (whole segments where not listed), one segment at a time. Returns the bytes replaced.
-std::size_t own_imported(int device, const LiveRanges &live = {});
+// ranges (whole segments where not listed), one segment at a time, in address order, stopping
+// once `max_bytes` are replaced (at least one segment). Returns the bytes replaced.
+std::size_t own_imported(int device, const LiveRanges &live = {}, std::size_t max_bytes = SIZE_MAX);
 
 }  // namespace flexium

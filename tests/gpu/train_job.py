@@ -83,7 +83,10 @@ class Control(threading.Thread):
                     result = engine.pause(path=path)
                 else:
                     result = engine.resume(target)
-                emit("op", op=op, target=target, ok=True, wall=time.perf_counter() - started,
+                # A fast move's copies become the job's own over the next optimizer steps; NVML
+                # counts them for this process from then on.
+                own_wait = wait_for_own_memory(30.0) if op == "migrate" and result.path == "fast" else 0.0
+                emit("op", op=op, target=target, ok=True, wall=time.perf_counter() - started, own_wait=own_wait,
                      requested_path=path, path=result.path, result=result.to_dict(), nvml=placement_snapshot(),
                      physical=flexium.auto.get_physical_device(), logical=flexium.auto.get_device())
                 if op == "pause":
@@ -95,6 +98,18 @@ class Control(threading.Thread):
                      result=failed.to_dict() if failed is not None else None, nvml=placement_snapshot(),
                      physical=flexium.auto.get_physical_device())
         emit("control_done")
+
+
+def wait_for_own_memory(timeout: float) -> Optional[float]:
+    """Seconds until no imported memory is left (None: still some after `timeout`)."""
+    from flexium import _C
+
+    started = time.perf_counter()
+    while _C.vmm_imported_count() > 0:
+        if time.perf_counter() - started > timeout:
+            return None
+        time.sleep(0.005)
+    return time.perf_counter() - started
 
 
 class Progress:

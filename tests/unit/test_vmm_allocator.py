@@ -501,6 +501,20 @@ def test_free_during_the_window_frees_only_the_address(fake: FakeDriver, allocat
 # ----------------------------------------------------------------------------- pause through host memory
 
 
+def test_own_imported_stops_after_max_bytes(fake: FakeDriver, allocator: Allocator) -> None:
+    contents = make_segments(allocator, [2 * MiB, 4 * MiB, 6 * MiB])
+    staged = _C.stage_segments_to_device(1)
+    _C.release_source_backing()
+    _C.map_imported(staged, 1)
+    assert _C.vmm_imported_count() == 3
+    # Whole segments in address order, at least one, until max_bytes are replaced.
+    assert _C.own_imported(1, {}, 1) in (2 * MiB, 4 * MiB, 6 * MiB)
+    assert _C.vmm_imported_count() == 2
+    rest = _C.own_imported(1, {}, 64 * MiB)
+    assert _C.vmm_imported_count() == 0 and rest > 0
+    assert_contents(contents)
+
+
 def test_host_staging_round_trip_across_a_pause(fake: FakeDriver, allocator: Allocator) -> None:
     contents = make_segments(allocator, [2 * MiB, 4 * MiB, 6 * MiB])
     # Chunks of 3 MiB: segments straddle chunk boundaries.

@@ -98,11 +98,15 @@ class FastPath:
         """Maps the copies at their addresses for `logical` (now on the target GPU)."""
         return timed("map", lambda: self._map(staged, logical))[1]
 
-    def own(self, logical: int) -> StepTiming:
-        """Replaces the memory that came in through fds with memory of our own: a driver
-        checkpoint cannot restore imported memory (its restore fails, CUDA_ERROR_NOT_SUPPORTED,
-        and leaves the process stuck). The engine calls it before a driver-path checkpoint."""
-        return timed("own", lambda: _C.own_imported(logical, self.pool.live_ranges(logical)))[1]
+    def own(self, logical: int, max_bytes: Optional[int] = None) -> StepTiming:
+        """Replaces the memory that came in through fds with memory of our own (at most about
+        `max_bytes` of it, whole segments): a driver checkpoint cannot restore imported memory
+        (its restore fails, CUDA_ERROR_NOT_SUPPORTED, and leaves the process stuck), and NVML
+        does not count it for the process."""
+        live = self.pool.live_ranges(logical)
+        if max_bytes is None:
+            return timed("own", lambda: _C.own_imported(logical, live))[1]
+        return timed("own", lambda: _C.own_imported(logical, live, max_bytes))[1]
 
     def bring_home(self, staged: Staged, logical: int) -> StepTiming:
         """Rollback after a release: the released segments' data lives only in the copies on the

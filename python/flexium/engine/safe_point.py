@@ -35,6 +35,7 @@ class SafePoints:
         self._handle: Optional[Any] = None
         self._training_thread: Optional[int] = None
         self._in_hook = threading.local()
+        self._between: Optional[Callable[[], bool]] = None
         self.steps_seen = 0
 
     def install(self) -> bool:
@@ -50,6 +51,12 @@ class SafePoints:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+
+    def between_operations(self, work: Optional[Callable[[], bool]]) -> None:
+        """`work()` runs at each safe point no operation takes, until it returns False or raises
+        (logged); None stops it. For bounded chores an operation leaves behind."""
+        with self._lock:
+            self._between = work
 
     def in_safe_point(self) -> bool:
         return bool(getattr(self._in_hook, "active", False))
@@ -81,11 +88,17 @@ class SafePoints:
     def _on_step(self, *_: Any) -> None:
         self._training_thread = threading.get_ident()
         self.steps_seen += 1
+        between: Optional[Callable[[], bool]] = None
         with self._lock:
             request, self._pending = self._pending, None
             if request is None:
-                return
-            request.taken = True
+                between = self._between
+            else:
+                request.taken = True
+        if request is None:
+            if between is not None:
+                self._run_between(between)
+            return
         self._in_hook.active = True
         try:
             try:
@@ -97,3 +110,17 @@ class SafePoints:
                 request.then(request.result)
         finally:
             self._in_hook.active = False
+
+    def _run_between(self, work: Callable[[], bool]) -> None:
+        self._in_hook.active = True
+        try:
+            more = work()
+        except Exception as exc:  # a chore must never break the training loop
+            log.warning("work between operations stopped: %s: %s", type(exc).__name__, exc)
+            more = False
+        finally:
+            self._in_hook.active = False
+        if not more:
+            with self._lock:
+                if self._between is work:
+                    self._between = None
