@@ -273,10 +273,11 @@ class Engine:
         fast = self._fast if path != "driver" and self.fast_path_blocker() is None else None
         if fast is None:
             return ()
-        to_map = fast.host_bytes_to_map(self._logical)
+        wanted = fast.host_bytes_wanted(self._logical)
+        to_map = fast.host_bytes_to_map(wanted)
         self._check_host_room(to_map, fast=True)
         try:
-            pinned, seconds = fast.reserve_host(self._logical)
+            pinned, seconds = fast.reserve_host(self._logical, wanted)
         except Exception as exc:
             fast.release_host_later()
             raise OperationFailedError(

@@ -143,18 +143,18 @@ class FastPath:
         live_bytes = sum(sum(length for _o, length in live[a]) if a in live else size for a, size in segments)
         return min(sum(size for _a, size in segments), live_bytes + live_bytes // 16 + HOST_STAGING_SLACK)
 
-    def host_bytes_to_map(self, logical: int) -> int:
-        """New host memory a pause would take (the staging kept from before counts)."""
+    def host_bytes_to_map(self, wanted: int) -> int:
+        """New host memory a staging of `wanted` bytes would take (what is kept from before counts)."""
         self._wait_for_release()
-        return max(0, self.host_bytes_wanted(logical) - int(_C.host_staging_pool_bytes()))
+        return max(0, wanted - int(_C.host_staging_pool_bytes()))
 
-    def reserve_host(self, logical: int) -> tuple[int, float]:
-        """Touches and pins the staging before the safe point, while the job trains: the stage
-        unpins each chunk once copied, so the checkpoint sees no pinned memory. Returns the bytes
-        pinned and the seconds taken."""
+    def reserve_host(self, logical: int, wanted: int) -> tuple[int, float]:
+        """Touches and pins `wanted` bytes of staging before the safe point, while the job trains:
+        the stage unpins each chunk once copied, so the checkpoint sees no pinned memory. Returns
+        the bytes pinned and the seconds taken."""
         self._wait_for_release()
         started = time.perf_counter()
-        pinned = int(_C.reserve_host_staging(self.host_bytes_wanted(logical), logical))
+        pinned = int(_C.reserve_host_staging(wanted, logical))
         return pinned, time.perf_counter() - started
 
     def stage_to_host(self, logical: int) -> tuple[int, StepTiming]:
