@@ -3,14 +3,15 @@
 DESIGN.md "Fast path": at a safe point, holding the GIL, the segments are copied to the target
 GPU over NVLink (or to host memory, pinned only while copies run, for a pause) and their source
 memory released, so the driver checkpoint only carries the rest (context, library workspaces,
-anything outside the pool); after the restore they are mapped back at their own addresses. The engine orders these
-steps around the locked section and decides what a failure means.
+anything outside the pool); after the restore they are mapped back at their own addresses. The
+engine orders these steps around the locked section and decides what a failure means.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -98,15 +99,12 @@ class FastPath:
         """Maps the copies at their addresses for `logical` (now on the target GPU)."""
         return timed("map", lambda: self._map(staged, logical))[1]
 
-    def own(self, logical: int, max_bytes: Optional[int] = None) -> StepTiming:
-        """Replaces the memory that came in through fds with memory of our own (at most about
-        `max_bytes` of it, whole segments): a driver checkpoint cannot restore imported memory
-        (its restore fails, CUDA_ERROR_NOT_SUPPORTED, and leaves the process stuck), and NVML
-        does not count it for the process."""
-        live = self.pool.live_ranges(logical)
-        if max_bytes is None:
-            return timed("own", lambda: _C.own_imported(logical, live))[1]
-        return timed("own", lambda: _C.own_imported(logical, live, max_bytes))[1]
+    def own(self, logical: int, max_bytes: int = sys.maxsize) -> StepTiming:
+        """Replaces the memory that came in through fds with memory of our own (whole segments
+        until `max_bytes` are replaced): a driver checkpoint cannot restore imported memory (its
+        restore fails, CUDA_ERROR_NOT_SUPPORTED, and leaves the process stuck), and NVML does not
+        count it for the process."""
+        return timed("own", lambda: _C.own_imported(logical, self.pool.live_ranges(logical), max_bytes))[1]
 
     def bring_home(self, staged: Staged, logical: int) -> StepTiming:
         """Rollback after a release: the released segments' data lives only in the copies on the
