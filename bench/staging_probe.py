@@ -44,6 +44,15 @@ Experiments (parts):
                      sends its fd, the helper copies H2D, and the parent checks the pattern.
                      pause = export + D2H round trip + release + lock + checkpoint;
                      resume = restore + unlock + create + map + export + H2D round trip.
+  shared_staging     Pure ctypes, no torch: can a helper process pin memory the job maps too? For
+                     each kind of host memory (memfd: memfd_create + MAP_SHARED, what a helper and
+                     the job can both map; anon: MAP_PRIVATE|MAP_ANONYMOUS, what the staging uses
+                     now), --gb GiB: mmap + MADV_HUGEPAGE + touch (MADV_POPULATE_WRITE), huge pages
+                     got, cuMemHostRegister per 256 MiB, H2D GB/s, unregister; then pinning and
+                     copying chunk by chunk (register chunk k+1 while chunk k's copy runs) against
+                     register-all-then-copy. Also a bare driver context: its create time, the GPU
+                     memory NVML shows for it, and cuDevicePrimaryCtxReset with the memory still
+                     registered (does it unpin, how long).
   own_cost           Pure ctypes: --gb segments of 1 GiB made "imported" (cuMemCreate, export,
                      import, mapped at a reserved address), then replaced by own memory one segment
                      at a time as csrc/vmm_relocate.cpp own_imported does: cuMemCreate; reserve +
@@ -85,6 +94,7 @@ EXPERIMENTS: dict[str, tuple[str, ...]] = {
     "pin_stall": ("hostalloc_256m", "hostalloc_32m", "register_chunks", "register_once"),
     "checkpoint_pinned": ("hostalloc", "register"),
     "helper_copy": ("helper",),
+    "shared_staging": ("compare",),
     "own_cost": ("own",),
 }
 FAST_COPY_GBPS = 45.0  # "reaches ~50 GB/s" (DESIGN.md fact 10: 55 GB/s pinned here)
@@ -104,6 +114,8 @@ CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 1
 PROT_READ, PROT_WRITE = 0x1, 0x2
 MAP_PRIVATE, MAP_ANONYMOUS = 0x02, 0x20
 MADV_HUGEPAGE = 14
+MAP_SHARED = 0x01
+MADV_POPULATE_WRITE = 23
 
 
 def log(message: str) -> None:
@@ -162,6 +174,7 @@ SIGNATURES: dict[str, tuple[str, list[Any]]] = {
     "cuDeviceGet": ("cuDeviceGet", [_P(_int), _int]),
     "cuDevicePrimaryCtxRetain": ("cuDevicePrimaryCtxRetain", [_P(_vp), _int]),
     "cuCtxSetCurrent": ("cuCtxSetCurrent", [_vp]),
+    "cuDevicePrimaryCtxReset": ("cuDevicePrimaryCtxReset_v2", [_int]),
     "cuCtxSynchronize": ("cuCtxSynchronize", []),
     "cuMemGetInfo": ("cuMemGetInfo_v2", [_P(_size), _P(_size)]),
     "cuMemAlloc": ("cuMemAlloc_v2", [_P(_u64), _size]),
@@ -940,6 +953,151 @@ def part_helper_copy(part: str, args: argparse.Namespace, result: dict[str, Any]
         parent_sock.close()
 
 
+# ---- experiment: shared_staging ----------------------------------------------------------------------
+
+
+def nvml_used_mib(pid: int) -> Optional[int]:
+    """GPU memory NVML shows for `pid` (nvidia-smi), None where it shows none."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+                             capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    for line in out.splitlines():
+        fields = [f.strip() for f in line.split(",")]
+        if len(fields) == 2 and fields[0] == str(pid):
+            try:
+                return int(fields[1])
+            except ValueError:
+                return None
+    return None
+
+
+def smaps_huge() -> dict[str, int]:
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                name, _, rest = line.partition(":")
+                if "Huge" in name or "Pmd" in name:
+                    out[name] = int(rest.split()[0]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return out
+
+
+def map_host(libc: Libc, size: int, kind: str) -> tuple[int, int, int]:
+    """(mmap address, length, memfd or -1) of `size` bytes (2 MiB aligned start) of `kind`."""
+    length = size + HUGE
+    fd = -1
+    if kind == "memfd":
+        fd = os.memfd_create("flexium-probe-staging", 0)
+        os.ftruncate(fd, length)
+        addr = libc.lib.mmap(None, length, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+    else:
+        addr = libc.lib.mmap(None, length, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+    if addr is None or addr == ctypes.c_void_p(-1).value:
+        raise OSError(ctypes.get_errno(), f"mmap of {length} bytes ({kind})")
+    return int(addr), length, fd
+
+
+def part_shared_staging(part: str, args: argparse.Namespace, result: dict[str, Any], state: dict[str, Any]) -> None:
+    drv = Driver()
+    t = now()
+    drv.primary_context(0)
+    result["ctx_create_s"] = now() - t
+    result["ctx_nvml_mib"] = nvml_used_mib(os.getpid())
+    thp = thp_settings()
+    try:
+        thp["shmem_enabled"] = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text().strip()
+    except OSError:
+        thp["shmem_enabled"] = "?"
+    result["thp"] = thp
+    libc = Libc()
+    size = pinned_bytes(args.gb)
+    result["gib"] = size / GIB
+    device_size = GIB
+    allocated = ctypes.c_uint64()
+    drv.call("cuMemAlloc", ctypes.byref(allocated), device_size)
+    device = int(allocated.value)
+    stream = drv.stream()
+    kinds: dict[str, Any] = {}
+    result["kinds"] = kinds
+    for kind in ("memfd", "anon"):
+        r: dict[str, Any] = {}
+        kinds[kind] = r
+        addr, length, fd = map_host(libc, size, kind)
+        base = round_up(addr, HUGE)
+        chunks = [(base + off, min(CHUNK, size - off)) for off in range(0, size, CHUNK)]
+        try:
+            before = smaps_huge()
+            r["madvise_rc"] = libc.lib.madvise(base, size, MADV_HUGEPAGE)
+            t = now()
+            rc = libc.lib.madvise(base, size, MADV_POPULATE_WRITE)
+            if rc != 0:
+                for off in range(0, size, CHUNK):
+                    libc.lib.memset(base + off, 0, min(CHUNK, size - off))
+            r["touch_s"] = now() - t
+            r["populate_rc"] = rc
+            after = smaps_huge()
+            r["huge_gib"] = {k: round((after.get(k, 0) - before.get(k, 0)) / GIB, 2) for k in after
+                             if after.get(k, 0) != before.get(k, 0)}
+            t = now()
+            for a, n in chunks:
+                drv.call("cuMemHostRegister", a, n, CU_MEMHOSTREGISTER_PORTABLE)
+            r["register_s"] = now() - t
+            _, r["h2d_s"] = copy_host_device(drv, chunks, device, device_size, False, stream)
+            _, r["d2h_s"] = copy_host_device(drv, chunks, device, device_size, True, stream)
+            t = now()
+            for a, _n in chunks:
+                drv.call("cuMemHostUnregister", a)
+            r["unregister_s"] = now() - t
+            # serial: register all, then copy all
+            t = now()
+            for a, n in chunks:
+                drv.call("cuMemHostRegister", a, n, CU_MEMHOSTREGISTER_PORTABLE)
+            copy_host_device(drv, chunks, device, device_size, False, stream)
+            r["serial_s"] = now() - t
+            for a, _n in chunks:
+                drv.call("cuMemHostUnregister", a)
+            # pipelined: register chunk k, queue its copy, go on with k+1 while it runs
+            t = now()
+            for k, (a, n) in enumerate(chunks):
+                drv.call("cuMemHostRegister", a, n, CU_MEMHOSTREGISTER_PORTABLE)
+                off = (k * CHUNK) % device_size
+                drv.call("cuMemcpyHtoDAsync", device + off, a, min(n, device_size - off), stream)
+            drv.stream_sync(stream)
+            r["pipelined_s"] = now() - t
+            if kind == "memfd":
+                # context reset with the memory still registered: does it unpin, and how long
+                t = now()
+                drv.call("cuDevicePrimaryCtxReset", drv.device)
+                r["ctx_reset_registered_s"] = now() - t
+                result["nvml_after_reset_mib"] = nvml_used_mib(os.getpid())
+                t = now()
+                drv.primary_context(0)
+                r["ctx_recreate_s"] = now() - t
+                drv.call("cuMemAlloc", ctypes.byref(allocated), device_size)
+                device = int(allocated.value)
+                stream = drv.stream()
+                t = now()
+                try:
+                    drv.call("cuMemHostRegister", chunks[0][0], chunks[0][1], CU_MEMHOSTREGISTER_PORTABLE)
+                    r["after_reset"] = "registers again (the reset unpinned it)"
+                    drv.call("cuMemHostUnregister", chunks[0][0])
+                except CudaError as exc:
+                    r["after_reset"] = f"register again: {exc.name}"
+            else:
+                for a, _n in chunks:
+                    drv.call("cuMemHostUnregister", a)
+        finally:
+            libc.lib.munmap(addr, length)
+            if fd >= 0:
+                os.close(fd)
+        log(f"   {kind}: " + ", ".join(f"{k} {fmt(v)}" for k, v in r.items()))
+    result["ok"] = True
+
+
 # ---- experiment: own_cost ----------------------------------------------------------------------------------
 
 
@@ -1028,6 +1186,7 @@ PARTS: dict[str, Callable[[str, argparse.Namespace, dict[str, Any], dict[str, An
     "pin_stall": part_pin_stall,
     "checkpoint_pinned": part_checkpoint_pinned,
     "helper_copy": part_helper_copy,
+    "shared_staging": part_shared_staging,
     "own_cost": part_own_cost,
 }
 
@@ -1177,6 +1336,28 @@ def table_helper(results: list[dict[str, Any]]) -> None:
         tables.print_table(("step", "seconds", "detail"), rows)
 
 
+def table_shared(results: list[dict[str, Any]]) -> None:
+    import tables
+
+    for r in results:
+        kinds = r.get("kinds") or {}
+        gib = r.get("gib") or 0
+        rows = []
+        for kind, k in kinds.items():
+            rows.append((kind, fmt(k.get("touch_s")), str(k.get("huge_gib")), fmt(k.get("register_s")),
+                         fmt(gbps(gib * GIB, k.get("register_s")), 1), fmt(gbps(gib * GIB, k.get("h2d_s")), 1),
+                         fmt(gbps(gib * GIB, k.get("d2h_s")), 1), fmt(k.get("unregister_s")), fmt(k.get("serial_s")),
+                         fmt(k.get("pipelined_s"))))
+        print(f"shared_staging, {fmt(gib, 1)} GiB, THP {r.get('thp')} ({status(r)}):")
+        tables.print_table(("memory", "touch s", "huge GiB", "register s", "reg GB/s", "H2D GB/s", "D2H GB/s",
+                            "unreg s", "reg+copy serial s", "pipelined s"), rows)
+        memfd = kinds.get("memfd") or {}
+        print(f"  bare driver context: create {fmt(r.get('ctx_create_s'))} s, NVML {r.get('ctx_nvml_mib')} MiB; "
+              f"reset with {fmt(gib, 1)} GiB registered {fmt(memfd.get('ctx_reset_registered_s'))} s (NVML after: "
+              f"{r.get('nvml_after_reset_mib')} MiB), recreate {fmt(memfd.get('ctx_recreate_s'))} s; after the reset: "
+              f"{memfd.get('after_reset')}")
+
+
 def table_own(results: list[dict[str, Any]]) -> None:
     import tables
 
@@ -1311,7 +1492,7 @@ def main() -> int:
         log(f"   {status(result)} in {result['wall_s']:.1f} s" + ("" if result.get("ok") else f": {result.get('error')}"))
 
     printers = {"pin_stall": table_pin_stall, "checkpoint_pinned": table_checkpoint_pinned, "helper_copy": table_helper,
-                "own_cost": table_own}
+                "shared_staging": table_shared, "own_cost": table_own}
     for experiment, results in by_experiment.items():
         print()
         print(f"== {experiment}")
