@@ -8,6 +8,7 @@
 #include "devices.h"
 #include "driver_error.h"
 #include "driver_table.h"
+#include "host_copier.h"
 #include "vmm_allocator.h"
 #include "vmm_driver.h"
 #include "vmm_host_staging.h"
@@ -64,6 +65,75 @@ std::vector<StagedSegment> tuples_to_staged(const std::vector<StagedTuple> &tupl
   return out;
 }
 
+// Pieces of a copier order as (segment, segment_offset, chunk, chunk_offset, length), chunks as
+// (extent, offset, size).
+using PieceTuple = std::tuple<std::size_t, std::size_t, std::size_t, std::size_t, std::size_t>;
+using ChunkTuple = std::tuple<std::size_t, std::size_t, std::size_t>;
+using FdSizes = std::vector<std::pair<int, std::size_t>>;
+
+std::tuple<FdSizes, std::vector<PieceTuple>, std::size_t> order_tuple(const HostOrder &order) {
+  std::vector<PieceTuple> pieces;
+  pieces.reserve(order.pieces.size());
+  for (const CopierPiece &p : order.pieces) {
+    pieces.emplace_back(p.segment, p.segment_offset, p.chunk, p.chunk_offset, p.length);
+  }
+  return {order.segments, pieces, order.bytes};
+}
+
+std::vector<CopierPiece> tuples_to_pieces(const std::vector<PieceTuple> &tuples) {
+  std::vector<CopierPiece> out;
+  out.reserve(tuples.size());
+  for (const PieceTuple &t : tuples) {
+    out.push_back({std::get<0>(t), std::get<1>(t), std::get<2>(t), std::get<3>(t), std::get<4>(t)});
+  }
+  return out;
+}
+
+void bind_copier(py::module_ &m) {
+  using release_gil = py::call_guard<py::gil_scoped_release>;
+  m.def(
+      "host_staging_layout",
+      []() {
+        const HostStagingLayout layout = host_staging_layout();
+        std::vector<ChunkTuple> chunks;
+        for (const CopierChunk &c : layout.chunks) chunks.emplace_back(c.extent, c.offset, c.size);
+        return std::make_pair(layout.extents, chunks);
+      },
+      "((memfd, size) of each extent, the staging's own fds; (extent, offset, size) of each chunk).");
+  // The orders keep the GIL, like the in-process moves: no other thread may touch the segments.
+  m.def(
+      "begin_stage_order", [](const LiveRanges &live) { return order_tuple(begin_stage_order(live)); },
+      py::arg("live") = LiveRanges{},
+      "Lays the segments out over the staging for the copier: ([(fd, size)], [piece], bytes); the fds stay the "
+      "order's. Holds the segment lock until finish_host_order() or abort_host_order().");
+  m.def(
+      "begin_restore_order", [](int device) { return order_tuple(begin_restore_order(device)); },
+      py::arg("device") = -1, "New memory for the staged segments, for the copier to fill: like begin_stage_order.");
+  m.def("finish_host_order", &finish_host_order);
+  m.def("abort_host_order", &abort_host_order);
+
+  py::class_<HostCopier>(m, "HostCopier")
+      .def(py::init([](const FdSizes &extents, const std::vector<ChunkTuple> &chunks) {
+             std::vector<CopierChunk> specs;
+             for (const ChunkTuple &t : chunks) specs.push_back({std::get<0>(t), std::get<1>(t), std::get<2>(t)});
+             return std::make_unique<HostCopier>(extents, specs);
+           }),
+           py::arg("extents"), py::arg("chunks"))
+      .def("wake", &HostCopier::wake, py::arg("uuid"), py::arg("wait"), py::arg("pause_ms") = 0, release_gil())
+      .def(
+          "copy",
+          [](HostCopier &copier, bool to_host, const FdSizes &segments, const std::vector<PieceTuple> &pieces) {
+            const std::vector<CopierPiece> converted = tuples_to_pieces(pieces);
+            py::gil_scoped_release release;
+            return copier.copy(to_host, segments, converted);
+          },
+          py::arg("to_host"), py::arg("segments"), py::arg("pieces"))
+      .def("sleep", &HostCopier::sleep, release_gil())
+      .def_property_readonly("awake", &HostCopier::awake)
+      .def_property_readonly("pinned_bytes", &HostCopier::pinned_bytes)
+      .def_property_readonly("last_import_seconds", &HostCopier::last_import_seconds);
+}
+
 std::vector<std::tuple<unsigned long long, std::size_t, int, bool>> segment_tuples() {
   std::vector<std::tuple<unsigned long long, std::size_t, int, bool>> out;
   for (const SegmentInfo &s : list_segments()) out.emplace_back(s.address, s.size, s.device, s.mapped);
@@ -97,8 +167,9 @@ void bind_vmm(py::module_ &m) {
       [](const std::vector<StagedTuple> &staged, int device) { map_imported(tuples_to_staged(staged), device); },
       py::arg("staged"), py::arg("device"));
   m.def("reserve_host_staging", &reserve_host_staging, py::arg("bytes"), py::arg("device"),
-        py::arg("chunk_bytes") = kDefaultHostChunkBytes, release_gil(),
-        "Maps, touches and pins host staging for `bytes` ahead of a pause; returns the bytes pinned by this call.");
+        py::arg("chunk_bytes") = kDefaultHostChunkBytes, py::arg("pin_here") = true, release_gil(),
+        "Maps, touches and (pin_here) pins host staging for `bytes` ahead of a pause; returns the bytes pinned by "
+        "this call.");
   m.def("own_imported", &own_imported, py::arg("device"), py::arg("live") = LiveRanges{},
         py::arg("max_bytes") = SIZE_MAX,
         "Replaces imported segment memory with memory of our own (a checkpoint cannot restore imported memory), "
@@ -185,4 +256,5 @@ PYBIND11_MODULE(_C, m) {
       "until the caller has mapped its segments back (the fast path).");
 
   bind_vmm(m);
+  bind_copier(m);
 }

@@ -6,8 +6,12 @@
 //    +0.70 s with cuMemHostAlloc); the same memory unregistered before the checkpoint costs
 //    +0.03 s (bench/staging_probe.py checkpoint_pinned). Registering touched memory runs at
 //    46 GB/s and unregistering at 53 GB/s, about the copy speed, while cuMemHostAlloc pins at
-//    2.5 GB/s. So the staging is anonymous memory touched ahead of the pause and pinned chunk by
-//    chunk only while copies run through it.
+//    2.5 GB/s. So the staging is host memory touched ahead of the pause and pinned chunk by chunk
+//    only while copies run through it.
+//  - the staging is a memfd mapped shared, so that the copier process (host_copier.h) can map
+//    and pin the same pages: pinned there, they cost this process's checkpoint nothing. Without
+//    shmem huge pages (shmem_enabled "never", the H200 hosts) it pins at 27 GB/s against 57 GB/s
+//    for anonymous memory (staging_probe.py shared_staging), still ahead of the safe point.
 //  - CU_MEMHOSTREGISTER_PORTABLE makes a registration count for every context, so a chunk pinned
 //    with one GPU's context serves a restore onto another.
 //  - a segment's address range stays reserved across the checkpoint and a new allocation can be
@@ -15,6 +19,7 @@
 #include "vmm_host_staging.h"
 
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cerrno>
@@ -47,10 +52,19 @@ constexpr std::size_t kHugePageBytes = std::size_t{2} << 20;
 constexpr std::size_t kMaxTouchThreads = 8;
 constexpr std::chrono::milliseconds kPinBreak{2};
 
+// One memfd, mapped shared here and by the copier process.
+struct Extent {
+  int fd = -1;
+  char *base = nullptr;
+  std::size_t size = 0;
+};
+
 struct Chunk {
   char *host = nullptr;
   std::size_t size = 0;
   bool pinned = false;
+  std::size_t extent = 0;  // index in Staging::extents
+  std::size_t offset = 0;  // in that extent
 };
 
 struct Stashed {
@@ -75,6 +89,7 @@ struct Piece {
 struct Staging {
   std::mutex mutex;
   int device = 0;  // whose context pinned chunks last (PORTABLE: any context may unpin them)
+  std::vector<Extent> extents;
   std::vector<Chunk> chunks;
   std::vector<Stashed> stashed;
   std::vector<Piece> pieces;
@@ -135,30 +150,44 @@ void touch(char *base, std::size_t size) {
   for (std::thread &worker : workers) worker.join();
 }
 
-// New staging of at least `bytes`, touched, not pinned, cut into chunks of `chunk_bytes`.
-std::vector<Chunk> map_chunks(std::size_t bytes, std::size_t chunk_bytes) {
+// A new extent of at least `bytes`, touched, not pinned, cut into chunks of `chunk_bytes`
+// (appended to the staging's chunks).
+void map_extent(std::size_t bytes, std::size_t chunk_bytes) {
   const std::size_t size = round_up(bytes, kHugePageBytes);
-  // One huge page more, so that the staging can start on a huge-page boundary.
-  const std::size_t span = size + kHugePageBytes;
-  void *raw = ::mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (raw == MAP_FAILED) {
-    throw std::runtime_error("could not map " + std::to_string(size) +
-                             " bytes of host memory for the staging: " + std::strerror(errno));
+  const int fd = ::memfd_create("flexium-host-staging", MFD_CLOEXEC);
+  if (fd < 0 || ::ftruncate(fd, static_cast<off_t>(size)) != 0) {
+    const int error = errno;
+    if (fd >= 0) ::close(fd);
+    throw std::runtime_error("could not create " + std::to_string(size) +
+                             " bytes of host memory for the staging: " + std::strerror(error));
   }
-  char *start = reinterpret_cast<char *>(round_up(reinterpret_cast<std::uintptr_t>(raw), kHugePageBytes));
+  // Placed on a huge-page boundary inside a larger reservation, where the kernel can use huge pages.
+  const std::size_t span = size + kHugePageBytes;
+  void *raw = ::mmap(nullptr, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
+  char *start = raw == MAP_FAILED
+                    ? nullptr
+                    : reinterpret_cast<char *>(round_up(reinterpret_cast<std::uintptr_t>(raw), kHugePageBytes));
+  if (start == nullptr ||
+      ::mmap(start, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) == MAP_FAILED) {
+    const int error = errno;
+    if (raw != MAP_FAILED) ::munmap(raw, span);
+    ::close(fd);
+    throw std::runtime_error("could not map " + std::to_string(size) + " bytes of host memory for the staging: " +
+                             std::strerror(error));
+  }
   const std::size_t head = static_cast<std::size_t>(start - static_cast<char *>(raw));
   if (head > 0) ::munmap(raw, head);
   if (span - head > size) ::munmap(start + size, span - head - size);
   // Hints: huge pages make touching and pinning faster; forked children (DataLoader workers)
-  // neither need the staging nor should share its pages copy-on-write while the GPU writes them.
+  // neither need the staging nor should share its pages while the GPU writes them.
   ::madvise(start, size, MADV_HUGEPAGE);
   ::madvise(start, size, MADV_DONTFORK);
   touch(start, size);
-  std::vector<Chunk> chunks;
+  const std::size_t extent = staging.extents.size();
+  staging.extents.push_back({fd, start, size});
   for (std::size_t offset = 0; offset < size; offset += chunk_bytes) {
-    chunks.push_back({start + offset, std::min(chunk_bytes, size - offset), false});
+    staging.chunks.push_back({start + offset, std::min(chunk_bytes, size - offset), false, extent, offset});
   }
-  return chunks;
 }
 
 void pin(const DriverTable &d, Chunk &chunk) {
@@ -191,7 +220,7 @@ char *host_of(const Piece &piece) { return staging.chunks[piece.chunk].host + pi
 // group starting on a chunk of its own (a chunk is unpinned once all its copies are done), and
 // maps more staging where the chunks run out (the pool grew after the reserve).
 Layout plan(const std::map<int, std::vector<const Segment *>> &groups, const LiveRanges &live,
-            std::size_t chunk_bytes) {
+            std::size_t chunk_bytes, bool may_grow = true) {
   std::size_t total = 0;
   for (const auto &group : groups) {
     for (const Segment *segment : group.second) {
@@ -208,8 +237,12 @@ Layout plan(const std::map<int, std::vector<const Segment *>> &groups, const Liv
       for (const auto &range : live_ranges_of(*segment, live)) {
         for (std::size_t done = 0; done < range.second;) {
           if (chunk == staging.chunks.size()) {
-            std::vector<Chunk> more = map_chunks(total - layout.bytes, chunk_bytes);
-            staging.chunks.insert(staging.chunks.end(), more.begin(), more.end());
+            if (!may_grow) {
+              throw std::length_error("the pool's live bytes (" + std::to_string(total) +
+                                      ") outgrew the host staging prepared for them (" +
+                                      std::to_string(mapped_bytes()) + " bytes)");
+            }
+            map_extent(total - layout.bytes, chunk_bytes);
           }
           const Chunk &into = staging.chunks[chunk];
           if (offset == into.size) {
@@ -279,18 +312,99 @@ void queue_by_chunk(const std::vector<Piece> &pieces, const std::vector<char> &m
   if (open) events.record(current, stream);
 }
 
+// The staged segments that still wait for memory, by the device they go back to (`device`, or
+// where each was when -1); the ones freed meanwhile or never released are marked done.
+std::map<int, std::vector<std::size_t>> waiting_by_device(const SegmentMap &segments, int device) {
+  std::map<int, std::vector<std::size_t>> groups;
+  for (std::size_t i = 0; i < staging.stashed.size(); ++i) {
+    Stashed &stashed = staging.stashed[i];
+    if (stashed.done) continue;
+    const auto found = segments.find(stashed.address);
+    if (found == segments.end() || found->second.serial != stashed.serial || found->second.mapped) {
+      stashed.done = true;  // freed meanwhile, or never released: nothing to bring back
+      continue;
+    }
+    groups[device >= 0 ? device : stashed.device].push_back(i);
+  }
+  return groups;
+}
+
+// New memory on `target` mapped at each of the staged segments' addresses (the current context
+// must be `target`'s). Undone on unwind unless adopted.
+std::vector<std::unique_ptr<Backing>> make_backings(const DriverTable &d, int target,
+                                                    const std::vector<std::size_t> &indices) {
+  std::vector<std::unique_ptr<Backing>> made;
+  const CUmemAllocationProp prop = device_allocation_prop(target);
+  for (const std::size_t i : indices) {
+    const Stashed &stashed = staging.stashed[i];
+    made.push_back(std::make_unique<Backing>(d));
+    Backing &backing = *made.back();
+    backing.address = stashed.address;
+    backing.size = stashed.size;
+    FLEXIUM_CU_CALL(d, cuMemCreate, &backing.handle, stashed.size, &prop, 0);
+    backing.created = true;
+    FLEXIUM_CU_CALL(d, cuMemMap, stashed.address, stashed.size, 0, backing.handle, 0);
+    backing.mapped = true;
+    grant_access(d, stashed.address, stashed.size, {target});
+  }
+  return made;
+}
+
+// The segments own their new memory (their bytes are back): the registry says so.
+void adopt_backings(const DriverTable &d, SegmentMap &segments, const std::vector<std::size_t> &indices,
+                    std::vector<std::unique_ptr<Backing>> &made, int target) {
+  for (std::size_t k = 0; k < indices.size(); ++k) {
+    Stashed &stashed = staging.stashed[indices[k]];
+    Segment &segment = segments.at(stashed.address);
+    if (segment.has_handle) d.cuMemRelease(segment.handle);  // left by a half-failed release
+    segment.handle = made[k]->handle;
+    segment.has_handle = segment.mapped = true;
+    segment.imported = false;
+    segment.device = target;
+    made[k]->release_to_caller();
+    stashed.done = true;
+  }
+  if (waiting_segments() == 0) {
+    staging.stashed.clear();
+    staging.pieces.clear();
+  }
+}
+
+// An order handed to the copier: its locks are held until it is finished or aborted, so no
+// allocation or other move touches the segments while the copier copies them.
+struct PendingOrder {
+  std::unique_ptr<RegistryLock> lock;
+  std::unique_lock<std::mutex> guard;
+  bool restore = false;
+  int device = 0;
+  Layout layout;                                // stage: the layout to adopt
+  std::vector<std::size_t> indices;             // restore: the stashed segments it brings back
+  std::vector<std::unique_ptr<Backing>> made;   // restore: their new memory
+  std::vector<OwnedFd> fds;                     // exported for the copier, closed at the end
+  std::size_t bytes = 0;
+};
+std::unique_ptr<PendingOrder> pending;
+
+void refuse_second_order() {
+  if (pending) throw std::runtime_error("a copier order is already open: finish or abort it first");
+}
+
+int export_fd(const DriverTable &d, CUmemGenericAllocationHandle handle) {
+  int fd = -1;
+  FLEXIUM_CU_CALL(d, cuMemExportToShareableHandle, &fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
+  return fd;
+}
+
 }  // namespace
 
-std::size_t reserve_host_staging(std::size_t bytes, int device, std::size_t chunk_bytes) {
+std::size_t reserve_host_staging(std::size_t bytes, int device, std::size_t chunk_bytes, bool pin_here) {
   check_chunk_bytes(chunk_bytes);
   const DriverTable &d = require_vmm_driver();
   std::lock_guard<std::mutex> guard(staging.mutex);
   refuse_while_staged("cannot reserve host staging");
   const std::size_t have = mapped_bytes();
-  if (have < bytes) {
-    std::vector<Chunk> fresh = map_chunks(bytes - have, chunk_bytes);
-    staging.chunks.insert(staging.chunks.end(), fresh.begin(), fresh.end());
-  }
+  if (have < bytes) map_extent(bytes - have, chunk_bytes);
+  if (!pin_here) return 0;
   std::size_t pinned = 0;
   try {
     ScopedContext context(d, device);
@@ -319,6 +433,7 @@ std::size_t stage_segments_to_host(const LiveRanges &live, std::size_t chunk_byt
   const DriverTable &d = require_vmm_driver();
   RegistryLock lock(kRelocationLockTimeout);
   std::lock_guard<std::mutex> guard(staging.mutex);
+  refuse_second_order();
   refuse_while_staged("cannot stage to host memory");
   staging.stashed.clear();
   staging.pieces.clear();
@@ -377,43 +492,21 @@ std::size_t restore_segments_from_host(int device) {
   const DriverTable &d = require_vmm_driver();
   RegistryLock lock(kRelocationLockTimeout);
   std::lock_guard<std::mutex> guard(staging.mutex);
+  refuse_second_order();
   SegmentMap &segments = lock.segments();
-  std::map<int, std::vector<std::size_t>> groups;
-  for (std::size_t i = 0; i < staging.stashed.size(); ++i) {
-    Stashed &stashed = staging.stashed[i];
-    if (stashed.done) continue;
-    const auto found = segments.find(stashed.address);
-    if (found == segments.end() || found->second.serial != stashed.serial || found->second.mapped) {
-      stashed.done = true;  // freed meanwhile, or never released: nothing to bring back
-      continue;
-    }
-    groups[device >= 0 ? device : stashed.device].push_back(i);
-  }
+  const std::map<int, std::vector<std::size_t>> groups = waiting_by_device(segments, device);
   std::size_t restored = 0;
   int current = device >= 0 ? device : staging.device;
   try {
     for (const auto &group : groups) {
       const int target = current = group.first;
       ScopedContext context(d, target);
-      // Declared before the stream: on failure the stream waits for its copies, then these unwind.
-      std::vector<std::unique_ptr<Backing>> made;
+      // Made before the stream: on failure the stream waits for its copies, then these unwind.
+      std::vector<std::unique_ptr<Backing>> made = make_backings(d, target, group.second);
       ScopedStream stream(d);
       ChunkEvents events(d);
-      const CUmemAllocationProp prop = device_allocation_prop(target);
       std::vector<char> member(staging.stashed.size(), 0);
-      for (const std::size_t i : group.second) {
-        const Stashed &stashed = staging.stashed[i];
-        member[i] = 1;
-        made.push_back(std::make_unique<Backing>(d));
-        Backing &backing = *made.back();
-        backing.address = stashed.address;
-        backing.size = stashed.size;
-        FLEXIUM_CU_CALL(d, cuMemCreate, &backing.handle, stashed.size, &prop, 0);
-        backing.created = true;
-        FLEXIUM_CU_CALL(d, cuMemMap, stashed.address, stashed.size, 0, backing.handle, 0);
-        backing.mapped = true;
-        grant_access(d, stashed.address, stashed.size, {target});
-      }
+      for (const std::size_t i : group.second) member[i] = 1;
       std::size_t copied = 0;
       // Each chunk is pinned while the copies of the one before it run.
       queue_by_chunk(
@@ -426,28 +519,119 @@ std::size_t restore_segments_from_host(int device) {
           [&](std::size_t chunk) { pin(d, staging.chunks[chunk]); });
       events.each_done([&](std::size_t chunk) { unpin(d, staging.chunks[chunk]); });
       stream.synchronize();
-      for (std::size_t k = 0; k < group.second.size(); ++k) {
-        Stashed &stashed = staging.stashed[group.second[k]];
-        Segment &segment = segments.at(stashed.address);
-        if (segment.has_handle) d.cuMemRelease(segment.handle);  // left by a half-failed release
-        segment.handle = made[k]->handle;
-        segment.has_handle = segment.mapped = true;
-        segment.imported = false;
-        segment.device = target;
-        made[k]->release_to_caller();
-        stashed.done = true;
-      }
+      adopt_backings(d, segments, group.second, made, target);
       restored += copied;
     }
   } catch (...) {
     unpin_all_quietly(d, current);
     throw;
   }
-  if (waiting_segments() == 0) {
-    staging.stashed.clear();
-    staging.pieces.clear();
-  }
   return restored;
+}
+
+HostOrder begin_stage_order(const LiveRanges &live, std::size_t chunk_bytes) {
+  check_chunk_bytes(chunk_bytes);
+  const DriverTable &d = require_vmm_driver();
+  refuse_second_order();  // before the locks: the open order holds them
+  auto order = std::make_unique<PendingOrder>();
+  order->lock = std::make_unique<RegistryLock>(kRelocationLockTimeout);
+  order->guard = std::unique_lock<std::mutex>(staging.mutex);
+  refuse_while_staged("cannot stage to host memory");
+  const SegmentMap &segments = order->lock->segments();
+  std::map<int, std::vector<const Segment *>> groups;
+  for (const auto &entry : segments) {
+    if (!entry.second.mapped || !entry.second.has_handle) {
+      throw std::invalid_argument(describe(entry.second) + " has no backing to stage");
+    }
+    groups[entry.second.device].push_back(&entry.second);
+  }
+  if (groups.size() > 1) throw std::invalid_argument("the copier stages one device's segments; the pool spans several");
+  HostOrder out;
+  if (groups.empty()) {
+    pending = std::move(order);
+    return out;
+  }
+  order->device = groups.begin()->first;
+  ScopedContext context(d, order->device);
+  FLEXIUM_CU_CALL(d, cuCtxSynchronize);  // the copies must see every write already queued
+  order->layout = plan(groups, live, chunk_bytes, /*may_grow=*/false);
+  for (const Stashed &stashed : order->layout.stashed) {
+    order->fds.emplace_back(export_fd(d, segments.at(stashed.address).handle));
+    out.segments.emplace_back(order->fds.back().fd, stashed.size);
+  }
+  for (const Piece &piece : order->layout.pieces) {
+    out.pieces.push_back({piece.stashed, piece.offset, piece.chunk, piece.chunk_offset, piece.length});
+  }
+  out.bytes = order->bytes = order->layout.bytes;
+  pending = std::move(order);
+  return out;
+}
+
+HostOrder begin_restore_order(int device) {
+  const DriverTable &d = require_vmm_driver();
+  refuse_second_order();  // before the locks: the open order holds them
+  auto order = std::make_unique<PendingOrder>();
+  order->lock = std::make_unique<RegistryLock>(kRelocationLockTimeout);
+  order->guard = std::unique_lock<std::mutex>(staging.mutex);
+  order->restore = true;
+  order->device = device >= 0 ? device : staging.device;
+  std::map<int, std::vector<std::size_t>> groups = waiting_by_device(order->lock->segments(), order->device);
+  HostOrder out;
+  if (!groups.empty()) {
+    order->indices = std::move(groups.begin()->second);
+    ScopedContext context(d, order->device);
+    std::vector<std::size_t> position(staging.stashed.size(), SIZE_MAX);
+    try {
+      order->made = make_backings(d, order->device, order->indices);
+      for (std::size_t k = 0; k < order->indices.size(); ++k) {
+        position[order->indices[k]] = k;
+        order->fds.emplace_back(export_fd(d, order->made[k]->handle));
+        out.segments.emplace_back(order->fds.back().fd, order->made[k]->size);
+      }
+    } catch (...) {
+      order->made.clear();  // while the context is current
+      throw;
+    }
+    for (const Piece &piece : staging.pieces) {
+      if (position[piece.stashed] == SIZE_MAX) continue;
+      out.pieces.push_back({position[piece.stashed], piece.offset, piece.chunk, piece.chunk_offset, piece.length});
+      out.bytes += piece.length;
+    }
+  }
+  order->bytes = out.bytes;
+  pending = std::move(order);
+  return out;
+}
+
+std::size_t finish_host_order() {
+  if (!pending) throw std::runtime_error("no copier order is open");
+  std::unique_ptr<PendingOrder> order = std::move(pending);
+  if (order->restore) {
+    adopt_backings(require_vmm_driver(), order->lock->segments(), order->indices, order->made, order->device);
+  } else {
+    staging.device = order->device;
+    staging.stashed = std::move(order->layout.stashed);
+    staging.pieces = std::move(order->layout.pieces);
+  }
+  return order->bytes;  // the fds close and the locks go with `order`
+}
+
+void abort_host_order() {
+  if (!pending) return;
+  std::unique_ptr<PendingOrder> order = std::move(pending);
+  if (!order->made.empty()) {
+    // The new memory is unmapped and released while its device's context is current.
+    ScopedContext context(require_vmm_driver(), order->device);
+    order->made.clear();
+  }
+}
+
+HostStagingLayout host_staging_layout() {
+  std::lock_guard<std::mutex> guard(staging.mutex);
+  HostStagingLayout layout;
+  for (const Extent &extent : staging.extents) layout.extents.emplace_back(extent.fd, extent.size);
+  for (const Chunk &chunk : staging.chunks) layout.chunks.push_back({chunk.extent, chunk.offset, chunk.size});
+  return layout;
 }
 
 std::size_t release_host_staging() {
@@ -461,11 +645,13 @@ std::size_t release_host_staging() {
     for (Chunk &chunk : staging.chunks) unpin(d, chunk);
   }
   std::size_t released = 0;
-  while (!staging.chunks.empty()) {
-    const Chunk &chunk = staging.chunks.back();
-    ::munmap(chunk.host, chunk.size);
-    released += chunk.size;
-    staging.chunks.pop_back();
+  staging.chunks.clear();
+  while (!staging.extents.empty()) {
+    const Extent &extent = staging.extents.back();
+    ::munmap(extent.base, extent.size);
+    ::close(extent.fd);  // the copier's mapping, if any, keeps the pages until it unmaps them
+    released += extent.size;
+    staging.extents.pop_back();
   }
   return released;
 }

@@ -9,6 +9,10 @@
 #pragma once
 
 #include <cstddef>
+#include <utility>
+#include <vector>
+
+#include "host_copier.h"
 
 #include "vmm_relocate.h"
 
@@ -21,7 +25,9 @@ constexpr std::size_t kDefaultHostChunkBytes = std::size_t{256} << 20;
 // chunk with `device`'s context. Takes seconds for tens of GiB, never the registry lock, so the
 // job keeps training meanwhile. Returns the bytes pinned by this call. On failure nothing stays
 // pinned. Throws std::runtime_error while segments are staged.
-std::size_t reserve_host_staging(std::size_t bytes, int device, std::size_t chunk_bytes = kDefaultHostChunkBytes);
+// With `pin_here` false it only maps and touches: the copier process pins instead (host_copier.h).
+std::size_t reserve_host_staging(std::size_t bytes, int device, std::size_t chunk_bytes = kDefaultHostChunkBytes,
+                                 bool pin_here = true);
 
 // Copies the `live` ranges of every segment (whole segments where not listed) into the staging,
 // in pieces of at most `chunk_bytes`, and unpins each chunk as soon as its copies are done, so
@@ -40,6 +46,35 @@ std::size_t restore_segments_from_host(int device = -1);
 // Unpins and unmaps the staging; returns the bytes given back. Throws std::runtime_error while
 // it holds segments not restored.
 std::size_t release_host_staging();
+
+// ---- The same moves with the copies run by the copier process --------------------------------
+// The staging is memfds (extents) the copier maps too. An order lists the segments as exported
+// fds and the copies as pieces in chunk order; between begin and finish/abort this thread holds
+// the registry lock (no allocation touches a segment while the copier copies it).
+struct HostOrder {
+  std::vector<std::pair<int, std::size_t>> segments;  // (fd, size): the order's to close, not the caller's
+  std::vector<CopierPiece> pieces;
+  std::size_t bytes = 0;
+};
+
+struct HostStagingLayout {
+  std::vector<std::pair<int, std::size_t>> extents;  // (memfd, size): the staging's own fds
+  std::vector<CopierChunk> chunks;
+};
+
+HostStagingLayout host_staging_layout();
+
+// Lays out the live ranges of the segments (one device's) over the staging, which must already
+// be large enough (std::length_error otherwise: stage in-process instead, which grows it), after
+// synchronizing their device. finish_host_order() then records them as staged.
+HostOrder begin_stage_order(const LiveRanges &live = {}, std::size_t chunk_bytes = kDefaultHostChunkBytes);
+
+// New memory on `device` (-1: where the segments were) mapped at each staged segment's address;
+// finish_host_order() hands it to the segments once the copier has copied their bytes in.
+HostOrder begin_restore_order(int device = -1);
+
+std::size_t finish_host_order();  // returns the order's bytes
+void abort_host_order();          // undoes what begin did; the staging is as before it
 
 std::size_t host_staging_pool_bytes();     // host bytes the staging holds (mapped)
 std::size_t host_staging_pinned_bytes();   // of those, pinned now

@@ -621,6 +621,7 @@ struct vmm_alloc {
   int exportable;    /* created with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR */
   int handles;
   int mappings;
+  int foreign; /* imported from an fd another process exported: its bytes count for that process */
 };
 
 struct vmm_handle {
@@ -709,7 +710,7 @@ static unsigned long long vmm_bytes_on(int physical, int fd_only) {
   unsigned long long bytes = 0;
   for (int i = 0; i < MAX_VMM; ++i) {
     const struct vmm_alloc *a = &vmm.allocs[i];
-    if (!a->used || a->physical != physical) continue;
+    if (!a->used || a->physical != physical || a->foreign) continue;
     if (fd_only && in_process(a)) continue;
     if (fake.state == CU_PROCESS_STATE_CHECKPOINTED && a->riding >= 0) continue;
     bytes += a->size;
@@ -1451,7 +1452,7 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CU
   }
   struct vmm_alloc *a = &vmm.allocs[slot];
   *a = (struct vmm_alloc){1, fd, st.st_dev, st.st_ino, size, physical, -1,
-                          prop->requestedHandleTypes == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0, 0};
+                          prop->requestedHandleTypes == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0, 0, 0};
   const int h = new_handle(slot);
   if (h < 0) {
     close(fd);
@@ -1591,6 +1592,23 @@ CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGenericAllocat
 }
 
 /* The fd stays the caller's; the new handle is one more reference to the same memory. */
+/* An fd from another process (the copier imports the job's segments): a memfd of a granularity
+ * multiple becomes an allocation of its own here, on the GPU of the current context, counted for
+ * the process that made it. -1 if the fd is no such memfd. */
+static int adopt_foreign(int fd) {
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size <= 0 || (size_t)st.st_size % VMM_GRANULARITY != 0) {
+    return -1;
+  }
+  const int slot = FREE_SLOT(vmm.allocs);
+  if (slot < 0 || current_context < 0) return -1;
+  const int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  if (own < 0) return -1;
+  struct vmm_alloc *a = &vmm.allocs[slot];
+  *a = (struct vmm_alloc){1, own, st.st_dev, st.st_ino, (size_t)st.st_size, fake.placement[current_context], -1, 1, 0, 0, 1};
+  return slot;
+}
+
 CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *osHandle, int shHandleType) {
   static const char fn[] = "cuMemImportFromShareableHandle";
   int rc;
@@ -1605,6 +1623,7 @@ CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, vo
   for (int i = 0; i < MAX_VMM && alloc < 0; ++i) {
     if (vmm.allocs[i].used && fd_refers_to(fd, &vmm.allocs[i])) alloc = i;
   }
+  if (alloc < 0) alloc = adopt_foreign(fd);
   if (alloc < 0) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
   const int h = new_handle(alloc);
   if (h < 0) return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, -1);

@@ -13,6 +13,8 @@ from __future__ import annotations
 import ctypes
 import os
 import random
+import re
+import signal
 import threading
 import time
 from typing import Any, Callable, Iterator, Optional
@@ -50,7 +52,7 @@ from flexium.errors import (  # noqa: E402
 
 FAST_MIGRATION = ["prepare", "copy", "release", "lock", "checkpoint", "restore", "unlock", "map"]
 OWNING_NOTE = "the moved memory becomes the job's own over the next optimizer steps (4.00 GiB each)"
-FAST_PAUSE = ["prepare", "copy", "release", "lock", "checkpoint"]
+FAST_PAUSE = ["prepare", "copy", "release", "lock", "checkpoint", "copier_sleep"]
 
 
 class StandInPool:
@@ -215,6 +217,24 @@ def job(fake: FakeDriver, make_engine: Callable[..., Any], nvml_in_parent: Any) 
         job.close()
 
 
+def copier_processes() -> list[int]:
+    """Pids of this process's children that run the copier."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                ppid = int(stat.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{entry}/cmdline", "rb") as cmdline:
+                command = cmdline.read()
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == os.getpid() and b"flexium.engine.host_copier_process" in command:
+            found.append(int(entry))
+    return found
+
+
 def open_fds() -> int:
     """How many files are open. The fake keeps one memfd per live allocation and the staged
     copies are fds too: with the allocations back to one per segment, an fd the engine failed
@@ -245,7 +265,8 @@ def rolled_back(job: Job, engine: Any, error: OperationFailedError, step: str, f
     assert engine.state == EngineState.RUNNING and job.fake.state() == ProcessState.RUNNING
     assert job.fake.placement() == [0, 1] and engine.placement()[1].device == "cuda:0"
     job.assert_home(physical=0)
-    assert open_fds() == fds
+    # The copier's socket and the staging's memfds close in the background release.
+    wait_until(lambda: open_fds() == fds, what="the copier and the staging to be given back")
     assert job.fake.pending_failures() == 0
     return result
 
@@ -666,26 +687,28 @@ def test_fast_pause_and_resume_in_place_and_on_another_gpu(job: Job) -> None:
     paused = engine.pause()
     assert paused.ok and paused.path == "fast" and names(paused) == FAST_PAUSE
     pin_note, copy_note = paused.notes
-    assert pin_note.startswith("pinned 0.01 GiB of host staging in ") and "0.01 GiB of it newly mapped" in pin_note
+    assert re.match(r"pinned 0.01 GiB of host staging by the copier process \d+ in ", pin_note), pin_note
+    assert "0.01 GiB of it newly mapped" in pin_note
     assert copy_note == "fast path: copied 0.01 GiB in use of 0.01 GiB of pool segments to host memory"
     assert engine.state == EngineState.PAUSED and fake.state() == ProcessState.CHECKPOINTED
     assert [fake.process_bytes_on(g) for g in (0, 1)] == [0, 0] and fake.vmm_bytes_on(0) == 0
     assert _C.host_staged_segments() == 3 and _C.host_staging_pool_bytes() == job.total
-    # Pinned before the safe point, unpinned chunk by chunk as the copies finished.
-    assert fake.pinned_at_last_checkpoint() == 0 and fake.pinned_bytes() == 0
+    # Pinned before the safe point by the copier process: never in this one.
+    assert fake.pinned_at_last_checkpoint() == 0 and fake.call_count("cuMemHostRegister") == 0
     assert [m for _a, _s, _d, m in _C.vmm_segments()] == [False] * 3
 
     resumed = engine.resume()
     assert resumed.ok and resumed.path == "fast" and names(resumed) == ["restore", "unlock", "copy_back"]
     assert engine.state == EngineState.RUNNING and fake.placement() == [0, 1]
     job.assert_home(physical=0)
-    assert _C.host_staged_segments() == 0 and open_fds() == fds
-    # The staging goes back to the host in the background.
-    wait_until(lambda: _C.host_staging_pool_bytes() == 0, what="the host staging to be given back")
+    assert _C.host_staged_segments() == 0
+    # The staging goes back to the host in the background, and the copier exits.
+    wait_until(lambda: _C.host_staging_pool_bytes() == 0 and open_fds() == fds and copier_processes() == [],
+               what="the host staging and the copier to be given back")
     assert fake.pinned_bytes() == 0
 
     again = engine.pause()  # mapped, touched and pinned again
-    assert again.ok and again.path == "fast" and again.notes[0].startswith("pinned 0.01 GiB of host staging in ")
+    assert again.ok and again.path == "fast" and again.notes[0].startswith("pinned 0.01 GiB of host staging by the copier")
     assert fake.pinned_bytes() == 0 and fake.pinned_at_last_checkpoint() == 0
     elsewhere = engine.resume(target="cuda:1")
     assert elsewhere.ok and elsewhere.path == "fast" and elsewhere.target.device == "cuda:1"
@@ -700,8 +723,8 @@ def test_a_pause_that_ends_on_the_driver_path_gives_the_staging_back_first(job: 
     engine = job.engine()
     paused = engine.pause()  # staging pinned, then no optimizer step comes: the driver path
     assert paused.ok and paused.path == "driver", paused.notes
-    assert fake.call_count("cuMemHostRegister") > 0
     assert fake.pinned_at_last_checkpoint() == 0 and _C.host_staging_pool_bytes() == 0
+    assert copier_processes() == []  # it pinned the staging, and went before the checkpoint
     assert engine.resume().ok
     job.assert_home(physical=0)
 
@@ -735,7 +758,10 @@ def test_a_failed_fast_pause_is_rolled_back(job: Job, step: str) -> None:
     job.assert_home(physical=0)
 
 
-def test_a_failed_restore_keeps_a_fast_pause_and_a_failed_copy_back_fails_the_job(job: Job) -> None:
+def test_a_failed_restore_keeps_a_fast_pause_and_a_failed_copy_back_fails_the_job(
+    job: Job, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FLEXIUM_HOST_COPIER", "0")  # the copies run here, where the fake fails them
     fake = job.fake
     job.segments([2 * MiB, 4 * MiB])
     engine = job.engine()
@@ -760,6 +786,97 @@ def test_a_failed_restore_keeps_a_fast_pause_and_a_failed_copy_back_fails_the_jo
     # Nothing is lost: the host copies come back once the driver lets them.
     fake.clear_failures()
     assert _C.restore_segments_from_host(0) == job.total
+    job.assert_home(physical=0)
+
+
+# ----------------------------------------------------------------------------- the copier process
+
+CUDA_ERROR_UNKNOWN = 999
+# Where the copier fails (its own fake driver, armed through the environment it starts with) ->
+# the operation whose copies then run in this process instead.
+COPIER_FAILURES = {
+    "pin": ("cuMemHostRegister", "pause"),
+    "copy_to_host": ("cuMemcpyDtoHAsync", "pause"),
+    "copy_back": ("cuMemcpyHtoDAsync", "resume"),
+}
+
+
+@pytest.mark.parametrize("where", COPIER_FAILURES)
+def test_a_failing_copier_is_replaced_by_copies_in_this_process(
+    job: Job, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    call, op = COPIER_FAILURES[where]
+    job.segments([2 * MiB, 4 * MiB, 6 * MiB])
+    engine = job.engine()
+    job.train()
+    fds = open_fds()
+    monkeypatch.setenv("FAKE_CUDA_FAIL", f"{call}:{CUDA_ERROR_UNKNOWN}")  # read by the copier's fake at its start
+
+    paused = engine.pause()
+    assert paused.ok and paused.path == "fast" and names(paused) == FAST_PAUSE
+    if where == "pin":
+        assert paused.notes[0].startswith("pinned 0.01 GiB of host staging in this process (the copier failed: ")
+        assert call in paused.notes[0]
+    if where == "copy_to_host":
+        assert paused.notes[0].startswith("pinned 0.01 GiB of host staging by the copier process")
+        assert paused.notes[-1].startswith("the copies to and from host memory ran in this process: ")
+        assert call in paused.notes[-1]
+    assert fake_state_paused(job)
+    assert len(copier_processes()) == (0 if op == "pause" else 1)  # a failed copier is killed at once
+    assert job.fake.pinned_at_last_checkpoint() == 0  # pinned here, but unpinned before the checkpoint
+
+    resumed = engine.resume(target="cuda:1")
+    assert resumed.ok and resumed.path == "fast" and names(resumed) == ["restore", "unlock", "copy_back"]
+    fell_back = [n for n in resumed.notes if n.startswith("the copies to and from host memory ran in this process")]
+    assert len(fell_back) == (1 if op == "resume" else 0) and (op != "resume" or call in fell_back[0])
+    job.assert_home(physical=1)
+    wait_until(lambda: open_fds() == fds and copier_processes() == [], what="the copier and the staging to go")
+
+
+def fake_state_paused(job: Job) -> bool:
+    return job.fake.state() == ProcessState.CHECKPOINTED and _C.host_staged_segments() > 0
+
+
+def test_a_copier_killed_while_the_job_is_paused_loses_nothing(job: Job) -> None:
+    job.segments([2 * MiB, 4 * MiB, 6 * MiB])
+    engine = job.engine()
+    job.train()
+    paused = engine.pause()
+    assert paused.ok and paused.path == "fast"
+    (copier,) = copier_processes()
+    os.kill(copier, signal.SIGKILL)  # the staged bytes are this process's memfds: nothing goes with it
+    wait_until(lambda: copier_processes() == [] or zombie(copier), what="the copier to die")
+
+    resumed = engine.resume()
+    assert resumed.ok and resumed.path == "fast"
+    assert any(n.startswith("the copies to and from host memory ran in this process: ") for n in resumed.notes)
+    job.assert_home(physical=0)
+    again = engine.pause()  # a new copier serves the next pause
+    assert again.ok and again.notes[0].startswith("pinned 0.01 GiB of host staging by the copier process")
+    assert engine.resume().ok
+    job.assert_home(physical=0)
+
+
+def zombie(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except OSError:
+        return True
+
+
+def test_copier_off_pins_and_copies_in_this_process(job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLEXIUM_HOST_COPIER", "0")
+    job.segments([2 * MiB, 4 * MiB])
+    engine = job.engine()
+    job.train()
+    paused = engine.pause()
+    assert paused.ok and paused.path == "fast" and copier_processes() == []
+    assert paused.notes[0].startswith("pinned 0.01 GiB of host staging in this process (the copier process is off")
+    # Pinned here ahead of the safe point, unpinned chunk by chunk as the copies finished.
+    assert job.fake.call_count("cuMemHostRegister") > 0
+    assert job.fake.pinned_at_last_checkpoint() == 0 and job.fake.pinned_bytes() == 0
+    assert engine.resume().ok
     job.assert_home(physical=0)
 
 

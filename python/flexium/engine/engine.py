@@ -235,7 +235,7 @@ class Engine:
                     "until resume(); call pause() from another thread (the flexium control thread does)"
                 )
             source = self._identity.physical_of(self._logical)
-            pinned = self._prepare_host_staging(path)
+            pinned = self._prepare_host_staging(path, source)
 
             def work(at_safe_point: bool) -> OperationResult:
                 fast, why = self._choose_path(path, at_safe_point)
@@ -266,7 +266,7 @@ class Engine:
 
     # ---- validation ------------------------------------------------------------------------
 
-    def _prepare_host_staging(self, path: str) -> tuple[str, ...]:
+    def _prepare_host_staging(self, path: str, source: GpuIdentity) -> tuple[str, ...]:
         """Before a pause that can take the fast path: refuses it when the host cannot hold the
         pool's live bytes, and touches and pins the staging before the safe point, while the job
         trains. A pause on the driver path is checked for host memory in _run_pause."""
@@ -277,7 +277,7 @@ class Engine:
         to_map = fast.host_bytes_to_map(wanted)
         self._check_host_room(to_map, fast=True)
         try:
-            pinned, seconds = fast.reserve_host(self._logical, wanted)
+            pinned, seconds, where = fast.reserve_host(self._logical, wanted, source.uuid)
         except Exception as exc:
             fast.release_host_later()
             raise OperationFailedError(
@@ -287,7 +287,7 @@ class Engine:
             ) from exc
         if pinned == 0:
             return ()
-        return (f"pinned {_gib(pinned)} of host staging in {seconds:.2f} s before the safe point "
+        return (f"pinned {_gib(pinned)} of host staging {where} in {seconds:.2f} s before the safe point "
                 f"({_gib(to_map)} of it newly mapped and touched)",)
 
     def _check_host_room(self, needed: int, *, fast: bool) -> None:
@@ -467,6 +467,8 @@ class Engine:
         # Paused by the fast path: the pool's segments wait in pinned host memory, and no other
         # thread may touch them before they are back.
         from_host = self._fast is not None and self._fast.host_waiting() > 0
+        if from_host and self._fast is not None:
+            self._fast.wake_for_restore(dest.uuid)  # pins while the restore runs
         # A failed restore leaves the process checkpointed (DESIGN.md fact 3): still paused, nothing to undo.
         outcomes = self._run_steps(steps, [[], [_C.Step(_C.StepKind.UNLOCK)]], hold_gil=from_host)
         final = _C.process_state(self._pid)
@@ -478,7 +480,7 @@ class Engine:
             OperationKind.RESUME, source, dest, timings, self._paused_bytes, started, path="fast" if from_host else "driver"
         )
         if succeeded and from_host:
-            return self._bring_back_from_host(result)
+            return self._bring_back_from_host(result, dest)
         return self._settle(
             result,
             outcomes,
@@ -637,7 +639,7 @@ class Engine:
 
         def undo(failed_step: str, error: str) -> OperationResult:
             try:
-                _, timing = fast.restore_from_host(self._logical, step="rollback_copy")
+                _, timing = fast.restore_from_host(self._logical, source.uuid, step="rollback_copy")
                 steps.append(replace(timing, rollback=True))
             except RelocationError as exc:
                 steps.append(replace(exc.timing, rollback=True))
@@ -666,9 +668,10 @@ class Engine:
         steps.extend(map(_timing, outcomes))
         final = _C.process_state(self._pid)
         if final == _C.ProcessState.CHECKPOINTED and not any(o.code for o in outcomes):
+            steps.append(fast.copier_asleep())
             self._paused_bytes = moved
             self._set_state(EngineState.PAUSED)
-            return result(ok=True)
+            return result(ok=True, notes=(*notes, *_copier_notes(fast)))
         failure = _first_failure(outcomes)
         if final == _C.ProcessState.RUNNING:
             return undo(failure.step, _describe(failure))
@@ -678,14 +681,14 @@ class Engine:
             error=f"{_describe(failure)}; ROLLBACK FAILED: the process is {final.name}; its pool memory is in host memory",
         )
 
-    def _bring_back_from_host(self, result: OperationResult) -> OperationResult:
+    def _bring_back_from_host(self, result: OperationResult, dest: GpuIdentity) -> OperationResult:
         """After a restore that ended a fast pause: the segments come back from host memory, whose
         staging is then given back."""
         assert self._fast is not None
         steps = list(result.steps)
         for attempt in range(2):
             try:
-                _, timing = self._fast.restore_from_host(self._logical)
+                _, timing = self._fast.restore_from_host(self._logical, dest.uuid)
                 steps.append(timing)
                 break
             except RelocationError as exc:
@@ -698,9 +701,10 @@ class Engine:
                         error=f"{exc}; ROLLBACK FAILED: the job runs on {where} but part of its memory is still in "
                         "host memory; restart the job",
                     )
+        notes = _copier_notes(self._fast)
         self._fast.release_host_later()
         self._set_state(EngineState.RUNNING)
-        return replace(result, ok=True, steps=tuple(steps), seconds=result.seconds + sum(
+        return replace(result, ok=True, steps=tuple(steps), notes=(*result.notes, *notes), seconds=result.seconds + sum(
             s.seconds for s in steps[len(result.steps):]))
 
     def _result(
@@ -823,6 +827,12 @@ class Engine:
             raise RollbackFailedError(f"{result.kind.value} failed: {result.error}", step=result.failed_step or "?", result=result)
         log.error("%s failed: %s", result.kind.value, result.error)
         raise OperationFailedError(f"{result.kind.value} failed: {result.error}", step=result.failed_step or "?", result=result)
+
+
+def _copier_notes(fast: FastPath) -> tuple[str, ...]:
+    """Says when the copies ran in this process because the copier failed, once."""
+    why, fast.copier_fallback = fast.copier_fallback, ""
+    return (f"the copies to and from host memory ran in this process: {why}",) if why else ()
 
 
 def _note_copied(staged: Staged) -> str:

@@ -18,15 +18,20 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, TypeVar
 
 from flexium import _C
+from flexium.engine.host_copier import Copier, CopierError, copier_enabled
 from flexium.engine.memory_pool import MemoryPool, open_file_headroom
 from flexium.engine.operations import StepTiming
 
 T = TypeVar("T")
+# A copier order: the segments as (fd, size), the pieces, the bytes (csrc/vmm_host_staging.h).
+Order = tuple[list[tuple[int, int]], list[tuple[int, int, int, int, int]], int]
 log = logging.getLogger("flexium")
 # Files kept free besides one per segment (sockets, logs, the NVML helper's pipes).
 FD_RESERVE = 256
 # Host staging a pause prepares beyond the pool's live bytes (one chunk of csrc's staging).
 HOST_STAGING_SLACK = 256 << 20
+# Between the copier's chunks while it pins ahead of a pause: the job's CUDA calls get through.
+PIN_PAUSE_MS = 2
 
 
 class RelocationError(Exception):
@@ -62,6 +67,9 @@ class FastPath:
     def __init__(self, pool: MemoryPool) -> None:
         self.pool = pool
         self._releasing: Optional[threading.Thread] = None
+        self._copier: Optional[Copier] = None
+        # Why the last host move ran in this process instead of the copier ("" if it did not).
+        self.copier_fallback = ""
 
     def blocker(self, logical: int) -> Optional[str]:
         """Why the fast path cannot move this job now (None: it can)."""
@@ -146,34 +154,122 @@ class FastPath:
         self._wait_for_release()
         return max(0, wanted - int(_C.host_staging_pool_bytes()))
 
-    def reserve_host(self, logical: int, wanted: int) -> tuple[int, float]:
-        """Touches and pins `wanted` bytes of staging before the safe point, while the job trains:
-        the stage unpins each chunk once copied, so the checkpoint sees no pinned memory. Returns
-        the bytes pinned and the seconds taken."""
+    def reserve_host(self, logical: int, wanted: int, uuid: str) -> tuple[int, float, str]:
+        """Touches `wanted` bytes of staging and pins them before the safe point, while the job
+        trains: in the copier process (GPU `uuid`), or here if the copier is off or fails (the
+        stage then unpins each chunk once copied, so the checkpoint sees no pinned memory).
+        Returns the bytes pinned, the seconds taken and where they were pinned."""
         self._wait_for_release()
         started = time.perf_counter()
-        pinned = int(_C.reserve_host_staging(wanted, logical))
-        return pinned, time.perf_counter() - started
+        if not copier_enabled():
+            pinned = int(_C.reserve_host_staging(wanted, logical))
+            return pinned, time.perf_counter() - started, f"in this process ({DISABLE_NOTE})"
+        _C.reserve_host_staging(wanted, logical, pin_here=False)
+        try:
+            copier = self._copier if self._copier is not None and self._copier.alive() else Copier.start()
+            self._copier = copier
+            copier.attach(*_C.host_staging_layout())
+            reply = copier.wake(uuid, wait=True, pause_ms=PIN_PAUSE_MS, pinned_bytes=wanted)
+            return int(reply.get("pinned", 0)), time.perf_counter() - started, f"by the copier process {copier.pid}"
+        except CopierError as exc:
+            self._drop_copier(f"{exc}")
+            pinned = int(_C.reserve_host_staging(wanted, logical))
+            return pinned, time.perf_counter() - started, f"in this process (the copier failed: {exc})"
 
     def stage_to_host(self, logical: int) -> tuple[int, StepTiming]:
-        return timed("copy", lambda: int(_C.stage_segments_to_host(self.pool.live_ranges(logical))))
+        def work() -> int:
+            live = self.pool.live_ranges(logical)
+            return self._by_copier(lambda: _C.begin_stage_order(live), to_host=True,
+                                   here=lambda: int(_C.stage_segments_to_host(live)))
 
-    def restore_from_host(self, logical: int, step: str = "copy_back") -> tuple[int, StepTiming]:
-        return timed(step, lambda: int(_C.restore_segments_from_host(logical)))
+        return timed("copy", work)
+
+    def wake_for_restore(self, uuid: str) -> None:
+        """Before the restore that ends a fast pause: the copier takes a context on the GPU the
+        job resumes on and pins the staging while the restore runs."""
+        if self._copier is None:
+            return
+        try:
+            self._copier.wake(uuid, wait=False)
+        except CopierError as exc:
+            self._drop_copier(str(exc))
+
+    def restore_from_host(self, logical: int, uuid: str, step: str = "copy_back") -> tuple[int, StepTiming]:
+        def work() -> int:
+            if self._copier is not None and self._copier.awake_on != uuid:
+                self.wake_for_restore(uuid)
+            return self._by_copier(lambda: _C.begin_restore_order(logical), to_host=False,
+                                   here=lambda: int(_C.restore_segments_from_host(logical)))
+
+        return timed(step, work)
+
+    def copier_asleep(self) -> StepTiming:
+        """After the checkpoint of a fast pause: the copier must hold nothing on any GPU. If it
+        does not say so in time it is killed, which frees its context all the same."""
+
+        def work() -> None:
+            if self._copier is None:
+                return
+            try:
+                self._copier.slept(timeout=10.0)
+            except CopierError as exc:
+                self._drop_copier(str(exc))
+
+        return timed("copier_sleep", work)[1]
+
+    def _by_copier(self, begin: Callable[[], Order], *,
+                   to_host: bool, here: Callable[[], int]) -> int:
+        """One order run by the copier; in this process instead when there is none or it fails
+        (the staging's bytes are this process's memfds, so nothing is lost with it)."""
+        copier = self._copier
+        if copier is None:
+            return here()
+        try:
+            segments, pieces, nbytes = begin()
+        except (ValueError, RuntimeError) as exc:  # e.g. the pool outgrew the staging: the stage here grows it
+            self._drop_copier(f"{type(exc).__name__}: {exc}")
+            return here()
+        try:
+            copier.copy(to_host, segments, pieces, nbytes)
+        except CopierError as exc:
+            _C.abort_host_order()
+            self._drop_copier(str(exc))
+            return here()
+        except BaseException:
+            _C.abort_host_order()
+            raise
+        return int(_C.finish_host_order())
+
+    def _drop_copier(self, why: str) -> None:
+        self.copier_fallback = why
+        if self._copier is not None:
+            log.warning("the copier process failed (%s); this process copies instead", why)
+            self._copier.kill()
+            self._copier = None
 
     def release_host_later(self) -> None:
         """Gives the staging's host memory back in a background thread (unmapping tens of GiB
-        takes a second the resumed job need not wait for). A later pause maps and touches it
-        again before its safe point. Not a daemon: the interpreter waits for it at exit, as a
-        daemon thread ended inside the native call would abort the process."""
+        takes a second the resumed job need not wait for), and lets the copier go. A later pause
+        maps and touches it again before its safe point. Not a daemon: the interpreter waits for
+        it at exit, as a daemon thread ended inside the native call would abort the process."""
         self._wait_for_release()
-        thread = threading.Thread(target=release_host_staging, name="flexium-host-staging-release")
+        copier, self._copier = self._copier, None
+
+        def release() -> None:
+            if copier is not None:
+                copier.close()
+            release_host_staging()
+
+        thread = threading.Thread(target=release, name="flexium-host-staging-release")
         self._releasing = thread
         thread.start()
 
     def release_host_now(self) -> None:
         """Before a driver-path checkpoint: pinned staging would slow it, and it needs none."""
         self._wait_for_release()
+        if self._copier is not None:
+            self._copier.close()
+            self._copier = None
         release_host_staging()
 
     def _wait_for_release(self) -> None:
@@ -187,6 +283,9 @@ class FastPath:
     @staticmethod
     def _unbacked() -> set[int]:
         return {address for address, _size, _device, mapped in _C.vmm_segments() if not mapped}
+
+
+DISABLE_NOTE = "the copier process is off: FLEXIUM_HOST_COPIER=0"
 
 
 def host_memory_available() -> Optional[int]:

@@ -1,0 +1,90 @@
+// The copier process's native side (python/flexium/engine/host_copier_process.py runs it): it
+// maps the job's host staging (memfd extents the job shares with it), pins it with a context of
+// its own and copies between it and the job's segments, imported through their fds.
+//
+// Why a second process: pinned memory in the checkpointed process slows its checkpoint and
+// restore (vmm_host_staging.cpp), and unpinning in the job does not overlap its copies; pinned in
+// another process, the pause's copy needs no unpinning before the checkpoint, and on resume the
+// pinning runs while the job's restore does (bench/staging_probe.py helper_copy, shared_staging).
+// The copier holds no GPU memory while the job is paused: sleep() unpins and drops its context.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstddef>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "cuda_driver_types.h"
+
+namespace flexium {
+
+// A chunk of the staging: `size` bytes at `offset` of extent `extent`.
+struct CopierChunk {
+  std::size_t extent = 0;
+  std::size_t offset = 0;
+  std::size_t size = 0;
+};
+
+// One copy: `length` bytes at `segment_offset` of segment `segment` of the order, to or from
+// `chunk_offset` of chunk `chunk`.
+struct CopierPiece {
+  std::size_t segment = 0;
+  std::size_t segment_offset = 0;
+  std::size_t chunk = 0;
+  std::size_t chunk_offset = 0;
+  std::size_t length = 0;
+};
+
+class HostCopier {
+ public:
+  // Maps each extent (fd, size) shared; the fds stay the caller's.
+  HostCopier(const std::vector<std::pair<int, std::size_t>> &extents, const std::vector<CopierChunk> &chunks);
+  ~HostCopier();  // sleep(), quietly, then unmaps
+  HostCopier(const HostCopier &) = delete;
+  HostCopier &operator=(const HostCopier &) = delete;
+
+  // Takes the primary context of the GPU with `uuid` and starts pinning the chunks in order in a
+  // thread of its own, `pause_ms` between chunks. With `wait`, returns once all are pinned (and
+  // throws if pinning failed). Waking an awake copier on the same GPU does nothing.
+  void wake(const std::string &uuid, bool wait, int pause_ms);
+
+  // Copies the pieces between the chunks and the segments (fd, size) in chunk order, pinning the
+  // chunks not yet pinned just before their copies (the copies of the chunk before run meanwhile).
+  // Returns the bytes copied. The fds stay the caller's; the imports are gone when it returns.
+  std::size_t copy(bool to_host, const std::vector<std::pair<int, std::size_t>> &segments,
+                   const std::vector<CopierPiece> &pieces);
+
+  // Unpins every chunk and releases the context, so the copier holds nothing on any GPU.
+  void sleep();
+
+  bool awake() const { return context_ != nullptr; }
+  std::size_t pinned_bytes() const;
+  double last_import_seconds() const { return import_seconds_; }
+
+ private:
+  void stop_pinner();
+  void pin_chunk(std::size_t index);
+  void require_awake(const char *what) const;
+
+  struct Extent {
+    char *base = nullptr;
+    std::size_t size = 0;
+  };
+  std::vector<Extent> extents_;
+  std::vector<CopierChunk> chunks_;
+  std::vector<char> pinned_;
+  CUdevice device_ = 0;
+  int ordinal_ = -1;
+  CUcontext context_ = nullptr;
+  CUstream stream_ = nullptr;
+  std::thread pinner_;
+  std::atomic<bool> stop_{false};
+  mutable std::mutex mutex_;  // pinned_ and pin_error_
+  std::string pin_error_;
+  double import_seconds_ = 0;
+};
+
+}  // namespace flexium

@@ -1,0 +1,212 @@
+"""The job's side of the copier process, which runs a fast pause's copies to and from host memory.
+
+Pinned memory in the checkpointed process slows its checkpoint and restore, and unpinning it
+there does not overlap the copies (docs/fast-path.md). So the copies run in a second process
+(``host_copier_process.py``, csrc/host_copier.cpp): it maps the job's host staging (memfds the
+job keeps mapped too), pins it with a context of its own and copies between it and the job's
+segments, passed to it as fds. While the job is paused it holds no GPU memory (it unpins and
+drops its context after the copy to host); on resume it pins again while the job's restore runs.
+
+The copier is disposable: the staged bytes live in the job's own memfds, so when the copier fails
+or dies the job kills it and runs the copies itself. Every exchange has a time limit.
+
+Wire format: Unix seqpacket frames, each a flag byte (1: more frames follow) and a slice of one
+JSON message; fds ride the frames in batches (SCM_RIGHTS carries at most 253 per message).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+log = logging.getLogger("flexium")
+
+DISABLE_ENV = "FLEXIUM_HOST_COPIER"  # "0": copies run in the job's process
+FRAME_BYTES = 48 << 10
+FDS_PER_FRAME = 200
+START_TIMEOUT_S = 60.0
+# Time limits grow with the bytes at this pace (far below the 55 GB/s measured, 27 GB/s pinning).
+SLOWEST_BYTES_PER_S = 1 << 30
+EXIT_TIMEOUT_S = 10.0
+
+
+class CopierError(Exception):
+    """The copier failed or did not answer in time: the caller kills it and copies itself."""
+
+
+def copier_enabled() -> bool:
+    return os.environ.get(DISABLE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def send(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
+    data = json.dumps(message, separators=(",", ":")).encode()
+    frames = max(1, -(-len(data) // FRAME_BYTES), -(-len(fds) // FDS_PER_FRAME))
+    for k in range(frames):
+        body = bytes([1 if k + 1 < frames else 0]) + data[k * FRAME_BYTES:(k + 1) * FRAME_BYTES]
+        batch = list(fds[k * FDS_PER_FRAME:(k + 1) * FDS_PER_FRAME])
+        if batch:
+            socket.send_fds(sock, [body], batch)
+        else:
+            sock.sendall(body)
+
+
+def receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
+    """One message and the fds that came with it (the caller's to close)."""
+    data = bytearray()
+    fds: list[int] = []
+    try:
+        while True:
+            body, got, _flags, _addr = socket.recv_fds(sock, FRAME_BYTES + 1, FDS_PER_FRAME)
+            fds.extend(got)
+            if not body:
+                raise ConnectionError("the other side closed the connection")
+            data += body[1:]
+            if body[0] == 0:
+                return json.loads(data.decode()), fds
+    except BaseException:
+        close_all(fds)
+        raise
+
+
+def close_all(fds: Sequence[int]) -> None:
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+class Copier:
+    """One copier process; every method raises CopierError when it fails or times out."""
+
+    def __init__(self, process: subprocess.Popen[bytes], sock: socket.socket) -> None:
+        self._process = process
+        self._sock = sock
+        self._unread: list[str] = []  # replies owed for requests sent without waiting
+        self._attached: Optional[tuple[tuple[int, int], ...]] = None
+        self.awake_on: Optional[str] = None  # the GPU it was last woken on, None while asleep
+
+    @classmethod
+    def start(cls) -> "Copier":
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        env = dict(os.environ)
+        package_root = str(Path(__file__).resolve().parents[2])  # the copier imports this flexium
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
+        try:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "flexium.engine.host_copier_process", "--socket", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+            )
+        except OSError as exc:
+            ours.close()
+            raise CopierError(f"could not start the copier process: {exc}") from exc
+        finally:
+            theirs.close()
+        copier = cls(process, ours)
+        copier._exchange({"op": "hello"}, timeout=START_TIMEOUT_S)
+        return copier
+
+    @property
+    def pid(self) -> int:
+        return self._process.pid
+
+    def alive(self) -> bool:
+        return self._process.poll() is None
+
+    def attach(self, extents: Sequence[tuple[int, int]], chunks: Sequence[tuple[int, int, int]]) -> None:
+        """Maps the staging's extents (memfd, size); again only when they changed."""
+        key = tuple((os.fstat(fd).st_ino, size) for fd, size in extents)
+        if key == self._attached:
+            return
+        self._exchange({"op": "attach", "sizes": [size for _fd, size in extents], "chunks": [list(c) for c in chunks]},
+                       [fd for fd, _size in extents], timeout=30.0)
+        self._attached = key
+
+    def wake(self, uuid: str, *, wait: bool, pause_ms: int = 0, pinned_bytes: int = 0) -> dict[str, Any]:
+        """Takes a context on the GPU `uuid` and pins the staging; without `wait` returns at once
+        (the pinning goes on while the caller restores) and the reply is read later."""
+        message = {"op": "wake", "uuid": uuid, "wait": wait, "pause_ms": pause_ms}
+        self.awake_on = uuid
+        if not wait:
+            self._send(message)
+            self._unread.append("wake")
+            return {}
+        return self._exchange(message, timeout=START_TIMEOUT_S + pinned_bytes / SLOWEST_BYTES_PER_S)
+
+    def copy(self, to_host: bool, segments: Sequence[tuple[int, int]], pieces: Sequence[Sequence[int]],
+             nbytes: int) -> dict[str, Any]:
+        """Runs one order; the copier goes to sleep right after it (its reply read by slept())."""
+        message = {"op": "copy", "to_host": to_host, "sizes": [size for _fd, size in segments],
+                   "pieces": [list(p) for p in pieces], "then_sleep": True}
+        reply = self._exchange(message, [fd for fd, _size in segments],
+                               timeout=START_TIMEOUT_S + 2 * nbytes / SLOWEST_BYTES_PER_S)
+        self._unread.append("sleep")
+        self.awake_on = None
+        return reply
+
+    def slept(self, timeout: float) -> dict[str, Any]:
+        """Waits until the copier holds nothing on any GPU (after a copy)."""
+        return self._read_unread(timeout)
+
+    def close(self) -> None:
+        """Asks the copier to exit and waits for it; kills it if it does not."""
+        try:
+            send(self._sock, {"op": "quit"})
+        except OSError:
+            pass
+        try:
+            self._process.wait(timeout=EXIT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            self.kill()
+        self._sock.close()
+
+    def kill(self) -> None:
+        if self.alive():
+            self._process.kill()
+        try:
+            self._process.wait(timeout=EXIT_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            log.warning("the copier process %d did not exit after SIGKILL", self._process.pid)
+        self._sock.close()
+
+    # ---- the exchange ------------------------------------------------------------------------
+
+    def _send(self, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
+        try:
+            self._sock.settimeout(START_TIMEOUT_S)
+            send(self._sock, message, fds)
+        except OSError as exc:
+            raise CopierError(f"could not send '{message['op']}' to the copier: {exc}") from exc
+
+    def _exchange(self, message: dict[str, Any], fds: Sequence[int] = (), *, timeout: float) -> dict[str, Any]:
+        self._send(message, fds)
+        while self._unread:
+            self._read_unread(timeout)
+        return self._reply(str(message["op"]), timeout)
+
+    def _read_unread(self, timeout: float) -> dict[str, Any]:
+        if not self._unread:
+            return {}
+        what = self._unread.pop(0)
+        return self._reply(what, timeout)
+
+    def _reply(self, what: str, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        try:
+            self._sock.settimeout(max(0.001, deadline - time.monotonic()))
+            reply, fds = receive(self._sock)
+        except (OSError, ConnectionError, ValueError) as exc:
+            code = self._process.poll()
+            state = f"it exited with status {code}" if code is not None else f"no answer within {timeout:.0f} s"
+            raise CopierError(f"the copier failed at '{what}': {type(exc).__name__}: {exc} ({state})") from exc
+        close_all(fds)
+        if not reply.get("ok"):
+            raise CopierError(f"the copier failed at '{what}': {reply.get('error', 'no reason given')}")
+        return reply

@@ -1,0 +1,109 @@
+"""The copier process (host_copier.py says why it exists): serves one job over the socket it was
+given, one request at a time, until the job says quit or goes away.
+
+    python -m flexium.engine.host_copier_process --socket FD
+
+Requests: hello; attach (the staging's extents as fds, sizes, chunks); wake (uuid, wait, pause_ms);
+copy (to_host, the segments as fds, sizes, pieces, then_sleep: a second reply follows once asleep);
+sleep; quit. Each gets {"ok": true, ...} or {"ok": false, "error": "..."}. Only flexium._C is
+loaded: no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import socket
+import sys
+import time
+import traceback
+from typing import Any, Optional
+
+from flexium import _C
+from flexium.engine.host_copier import close_all, receive, send
+
+
+class Server:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.copier: Optional[_C.HostCopier] = None
+
+    def serve(self) -> int:
+        while True:
+            try:
+                message, fds = receive(self.sock)
+            except (ConnectionError, OSError):
+                return 0  # the job is gone
+            op = message.get("op")
+            if op == "quit":
+                close_all(fds)
+                return 0
+            started = time.perf_counter()
+            try:
+                reply = self.handle(str(op), message, fds)
+                reply.update(ok=True, seconds=time.perf_counter() - started)
+            except Exception as exc:
+                traceback.print_exc(file=sys.stderr)
+                reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+            finally:
+                close_all(fds)
+            send(self.sock, reply)
+            if op == "copy" and message.get("then_sleep") and self.copier is not None:
+                self.reply_after(self.copier.sleep)
+
+    def reply_after(self, work: Any) -> None:
+        started = time.perf_counter()
+        reply: dict[str, Any]
+        try:
+            work()
+            reply = {"ok": True, "seconds": time.perf_counter() - started}
+        except Exception as exc:
+            traceback.print_exc(file=sys.stderr)
+            reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        send(self.sock, reply)
+
+    def handle(self, op: str, message: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+        if op == "hello":
+            return {}
+        if op == "attach":
+            sizes = [int(s) for s in message["sizes"]]
+            if len(sizes) != len(fds):
+                raise ValueError(f"attach sent {len(fds)} fds for {len(sizes)} extents")
+            if self.copier is not None:
+                self.copier.sleep()
+                self.copier = None  # unmaps the old extents
+            self.copier = _C.HostCopier(list(zip(fds, sizes)), [tuple(c) for c in message["chunks"]])
+            return {}
+        copier = self.require_attached(op)
+        if op == "wake":
+            copier.wake(str(message["uuid"]), bool(message["wait"]), int(message.get("pause_ms", 0)))
+            return {"pinned": copier.pinned_bytes}
+        if op == "copy":
+            sizes = [int(s) for s in message["sizes"]]
+            if len(sizes) != len(fds):
+                raise ValueError(f"copy sent {len(fds)} fds for {len(sizes)} segments")
+            copied = copier.copy(bool(message["to_host"]), list(zip(fds, sizes)), [tuple(p) for p in message["pieces"]])
+            return {"bytes": copied, "import_seconds": copier.last_import_seconds}
+        if op == "sleep":
+            copier.sleep()
+            return {}
+        raise ValueError(f"unknown request {op!r}")
+
+    def require_attached(self, op: str) -> _C.HostCopier:
+        if self.copier is None:
+            raise RuntimeError(f"'{op}' before 'attach': the copier has no staging")
+        return self.copier
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m flexium.engine.host_copier_process")
+    parser.add_argument("--socket", type=int, required=True, help="fd of the seqpacket socket to the job")
+    args = parser.parse_args(argv)
+    server = Server(socket.socket(fileno=args.socket))
+    try:
+        return server.serve()
+    finally:
+        server.copier = None  # sleeps and unmaps before the interpreter goes
+
+
+if __name__ == "__main__":
+    sys.exit(main())
