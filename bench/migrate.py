@@ -9,6 +9,9 @@ checkpoint + restore seconds are what a bare torch context costs). Per size (GiB
 state, bench/bench_job.py): one job with the memory pool on doing fast migrate cuda:0 -> cuda:1,
 driver migrate back, fast pause + resume and driver pause + resume (in place); one job with
 flexium disabled doing the move by hand (model, AdamW state and ballast .to("cuda:1")).
+Unless --no-compare-in-process: per size one more pool job, fast pause + resume only, with the
+host copies in the job's process (FLEXIUM_HOST_COPIER=0; rows "fast-here") beside the default
+copier process (rows "fast").
 
 With one GPU (torch's device count, in a child process) it measures what one GPU allows and says
 that the migrate rows were not measured: bandwidth pinned D2H / H2D only; the fixed cost from a
@@ -58,6 +61,7 @@ COLUMNS = ("size GiB", "op", "path", "downtime s", "-step s", "step ms", "op tot
            "checkpoint s", "restore s", "map/back s", "copied GiB", "floor s", "vs floor", "vs driver",
            "after s", "prep s", "prep max step ms", "prep med step ms")
 MIGRATE_NEEDS = "migrate rows need 2 GPUs and were not measured"
+IN_PROCESS_PATH = "fast-here"  # fast pause / resume rows with FLEXIUM_HOST_COPIER=0
 
 
 def log(message: str) -> None:
@@ -104,11 +108,12 @@ class JobRun:
                 "seconds": self.seconds, "events": self.events, "stderr_tail": self.stderr[-4000:]}
 
 
-def run_job(label: str, job_args: list[str], timeout: float, on_event: Any = None) -> JobRun:
+def run_job(label: str, job_args: list[str], timeout: float, on_event: Any = None,
+            env_extra: Optional[dict[str, str]] = None) -> JobRun:
     # The job dumps every thread's stack and exits shortly before it would be killed.
     argv = [sys.executable, str(JOB), "--hang-seconds", str(max(5.0, timeout - 10)), *job_args]
     run = JobRun(label, argv)
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     env.pop("FLEXIUM_SERVER", None)
     started = time.perf_counter()
     with tempfile.TemporaryFile() as err:
@@ -425,6 +430,8 @@ def main() -> int:
                         help="no driver-path rows for sizes above this (default: driver rows for every size)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per job before it is killed")
     parser.add_argument("--pause-seconds", type=float, default=0.5, help="how long each pause lasts")
+    parser.add_argument("--no-compare-in-process", dest="compare_in_process", action="store_false",
+                        help="skip the fast pause + resume rows with the copies in the job's process")
     args = parser.parse_args()
     sizes = [float(s) for s in args.sizes.split(",") if s.strip()]
 
@@ -468,6 +475,21 @@ def main() -> int:
             report_failure(run)
             failures.append(run.label)
 
+        if args.compare_in_process:
+            log(f"-- {label}: pool job, fast pause + resume with the copies in the job's process "
+                "(FLEXIUM_HOST_COPIER=0), for comparison")
+            run = run_job(f"{label} pool job, copies in-process",
+                          ["--gb", str(size), "--pause-seconds", str(args.pause_seconds),
+                           *plan_args(pool_plan(False, with_migrate=False))],
+                          args.timeout, progress_printer(label), env_extra={"FLEXIUM_HOST_COPIER": "0"})
+            jobs.append(run)
+            for row in rows_of(size, run):
+                row["path"] = IN_PROCESS_PATH
+                rows.append(row)
+            if run.problems():
+                report_failure(run)
+                failures.append(run.label)
+
         if not migrate:
             continue  # the hand-written move needs a second GPU
         log(f"-- {label}: hand-written move (flexium disabled): model, AdamW state, ballast .to('cuda:1')")
@@ -489,7 +511,9 @@ def main() -> int:
           " (S: the job's reserved bytes); vs floor and vs driver compare -step."
           "\ncopied: the fast path's copied bytes, else the bytes the process held (what the checkpoint carried)."
           "\nafter (migrate rows): what the 20 steps after the move took beyond normal steps, summed (a fast"
-          " move's copies become the job's own there, outside the downtime).")
+          " move's copies become the job's own there, outside the downtime)."
+          f"\n{IN_PROCESS_PATH}: the fast path with its host copies in the job's process (FLEXIUM_HOST_COPIER=0);"
+          " fast: in the copier process (the default).")
     print("prep (pause rows): request -> the pause's start at the safe point (the fast path pins its host staging"
           " meanwhile); prep max / med step: the longest / median step that ended in that time (-: none did).")
     if not migrate:

@@ -44,6 +44,13 @@ def assert_holds(op: dict[str, Any], uuid: str, ballast_gb: str) -> None:
     assert ours >= float(ballast_gb) * GIB, f"after {op['op']} the job holds only {ours >> 20} MiB on {uuid}"
 
 
+def assert_copier_ran(pause: dict[str, Any], resume: dict[str, Any]) -> None:
+    """The pause's host copies ran in the copier process, not in the job's."""
+    notes = [*pause["result"]["notes"], *resume["result"]["notes"]]
+    assert any("of host staging by the copier process" in n for n in notes), notes
+    assert not any("ran in this process" in n for n in notes), notes
+
+
 def summary(ops: list[dict[str, Any]]) -> str:
     """What went wrong, short: each op's outcome, path, notes and error."""
     lines = []
@@ -117,6 +124,7 @@ def test_fast_path_all_features_bit_identical(host_gpus: list[Any]) -> None:
 
     assert_left(pause, gpu0, idle)
     assert_left(pause, gpu1, idle)
+    assert_copier_ran(pause, resume)
 
     assert resume["physical"] == "cuda:1"
     assert_holds(resume, gpu1, BALLAST_GB)
@@ -190,7 +198,8 @@ def test_fast_pause_and_resume_in_place_all_features(host_gpus: list[Any]) -> No
     assert [op["result"]["path"] for op in run.ops] == ["fast"] * 4, summary(run.ops)
 
     for pause, resume in (run.ops[0:2], run.ops[2:4]):
-        assert_left(pause, gpu0, idle)
+        assert_left(pause, gpu0, idle)  # the copier process's context is gone too
+        assert_copier_ran(pause, resume)
         assert step_names(pause) >= {"copy", "release", "lock", "checkpoint"}, pause["result"]["steps"]
         assert resume["physical"] == "cuda:0"
         assert_holds(resume, gpu0, BALLAST_GB)
