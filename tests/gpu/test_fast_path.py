@@ -97,7 +97,10 @@ def test_fast_path_all_features_bit_identical(host_gpus: list[Any]) -> None:
     pause, resume elsewhere, all on the fast path, and the loss trace is unchanged."""
     gpu0, gpu1 = uuid_of(host_gpus, 0), uuid_of(host_gpus, 1)
     idle = idle_used()
-    common = ("--ballast-gb", BALLAST_GB, "--steps", "40", "--pause-seconds", "0.5", *ALL_FEATURES)
+    # Slower steps (the losses do not depend on them): a fast pause prepares its host staging while
+    # the job trains, and its safe point must come before the job's last step.
+    common = ("--ballast-gb", BALLAST_GB, "--steps", "40", "--step-sleep", "0.1", "--pause-seconds", "0.5",
+              *ALL_FEATURES)
     expected = reference(*common)
 
     moved = ok_run(run_job(
@@ -183,7 +186,10 @@ def test_fast_pause_and_resume_in_place_all_features(host_gpus: list[Any]) -> No
     the job holds nothing on the GPU; the loss trace is unchanged."""
     gpu0 = uuid_of(host_gpus, 0)
     idle = idle_used()
-    common = ("--ballast-gb", BALLAST_GB, "--steps", "40", "--pause-seconds", "0.5", *ALL_FEATURES)
+    # Slower steps (the losses do not depend on them): a fast pause prepares its host staging while
+    # the job trains, and its safe point must come before the job's last step.
+    common = ("--ballast-gb", BALLAST_GB, "--steps", "40", "--step-sleep", "0.1", "--pause-seconds", "0.5",
+              *ALL_FEATURES)
     expected = reference(*common)
 
     run = ok_run(run_job(
@@ -222,7 +228,7 @@ def test_driver_and_fast_pause_side_by_side_in_place(host_gpus: list[Any]) -> No
     # Slower steps (the losses do not depend on them): the fast pause prepares its host staging
     # while the job trains, and its safe point must come before the job's last step.
     run = ok_run(run_job(
-        *PLAIN, "--step-sleep", "0.05", "--plan", "6:pause@driver", "--plan", "6:resume", "--plan", "12:pause",
+        *PLAIN, "--step-sleep", "0.1", "--plan", "6:pause@driver", "--plan", "6:resume", "--plan", "12:pause",
         "--plan", "12:resume", timeout=JOB_TIMEOUT,
     ))
     assert run.one("ready")["pool_active"] is True, run.one("ready")["pool_reason"]

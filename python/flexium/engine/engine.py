@@ -118,6 +118,8 @@ class Engine:
 
     def start(self) -> None:
         self._safe_points.install()
+        if self._fast is not None and self._fast.pool.active:
+            self._fast.warm_up()  # the copier process starts now, not in a pause's preparation
 
     def stop(self) -> None:
         """Unhooks; a job paused at shutdown is resumed in place so the process can exit."""
@@ -129,6 +131,8 @@ class Engine:
             except Exception as exc:  # exiting anyway; say what happened
                 log.error("could not resume the paused job at shutdown: %s", exc)
         self._parking.release()
+        if self._fast is not None:
+            self._fast.close()
 
     # ---- what the rest of flexium reads ----------------------------------------------------
 

@@ -68,8 +68,37 @@ class FastPath:
         self.pool = pool
         self._releasing: Optional[threading.Thread] = None
         self._copier: Optional[Copier] = None
+        self._starting: Optional[threading.Thread] = None
         # Why the last host move ran in this process instead of the copier ("" if it did not).
         self.copier_fallback = ""
+
+    def warm_up(self) -> None:
+        """Starts the copier process in the background: it loads the driver and waits, holding
+        nothing on any GPU, so that a pause's preparation only pins."""
+        if not copier_enabled() or self._copier is not None or self._starting is not None:
+            return
+
+        def start() -> None:
+            try:
+                self._copier = Copier.start()
+            except CopierError as exc:  # the first pause tries again, and copies here if it fails
+                log.debug("the copier process did not start: %s", exc)
+
+        self._starting = threading.Thread(target=start, name="flexium-copier-start", daemon=True)
+        self._starting.start()
+
+    def close(self) -> None:
+        """Lets the copier go (at the engine's stop)."""
+        self._wait_for_start()
+        self._wait_for_release()
+        if self._copier is not None:
+            self._copier.close()
+            self._copier = None
+
+    def _wait_for_start(self) -> None:
+        if self._starting is not None:
+            self._starting.join()
+            self._starting = None
 
     def blocker(self, logical: int) -> Optional[str]:
         """Why the fast path cannot move this job now (None: it can)."""
@@ -160,6 +189,7 @@ class FastPath:
         stage then unpins each chunk once copied, so the checkpoint sees no pinned memory).
         Returns the bytes pinned, the seconds taken and where they were pinned."""
         self._wait_for_release()
+        self._wait_for_start()
         started = time.perf_counter()
         if not copier_enabled():
             pinned = int(_C.reserve_host_staging(wanted, logical))
@@ -249,27 +279,30 @@ class FastPath:
 
     def release_host_later(self) -> None:
         """Gives the staging's host memory back in a background thread (unmapping tens of GiB
-        takes a second the resumed job need not wait for), and lets the copier go. A later pause
-        maps and touches it again before its safe point. Not a daemon: the interpreter waits for
-        it at exit, as a daemon thread ended inside the native call would abort the process."""
+        takes a second the resumed job need not wait for); the copier unmaps it too and stays,
+        asleep, for the next pause, which maps and touches the staging again before its safe
+        point. Not a daemon: the interpreter waits for it at exit, as a daemon thread ended
+        inside the native call would abort the process."""
         self._wait_for_release()
-        copier, self._copier = self._copier, None
-
-        def release() -> None:
-            if copier is not None:
-                copier.close()
-            release_host_staging()
-
-        thread = threading.Thread(target=release, name="flexium-host-staging-release")
+        copier = self._copier
+        thread = threading.Thread(target=self._release_host, args=(copier,), name="flexium-host-staging-release")
         self._releasing = thread
         thread.start()
 
     def release_host_now(self) -> None:
         """Before a driver-path checkpoint: pinned staging would slow it, and it needs none."""
         self._wait_for_release()
-        if self._copier is not None:
-            self._copier.close()
-            self._copier = None
+        self._release_host(self._copier)
+
+    def _release_host(self, copier: Optional[Copier]) -> None:
+        if copier is not None:
+            try:
+                copier.detach()
+            except CopierError as exc:
+                log.warning("the copier process failed to let the staging go (%s); it is stopped", exc)
+                copier.kill()
+                if self._copier is copier:
+                    self._copier = None
         release_host_staging()
 
     def _wait_for_release(self) -> None:

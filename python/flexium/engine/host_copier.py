@@ -155,6 +155,13 @@ class Copier:
         """Waits until the copier holds nothing on any GPU (after a copy)."""
         return self._read_unread(timeout)
 
+    def detach(self) -> None:
+        """Unmaps the staging (its memory goes once the job unmaps it too); the copier stays,
+        asleep, for the next pause."""
+        self._exchange({"op": "detach"}, timeout=START_TIMEOUT_S)
+        self._attached = None
+        self.awake_on = None
+
     def close(self) -> None:
         """Asks the copier to exit and waits for it; kills it if it does not."""
         try:

@@ -3,9 +3,9 @@ given, one request at a time, until the job says quit or goes away.
 
     python -m flexium.engine.host_copier_process --socket FD
 
-Requests: hello; attach (the staging's extents as fds, sizes, chunks); wake (uuid, wait, pause_ms);
-copy (to_host, the segments as fds, sizes, pieces, then_sleep: a second reply follows once asleep);
-sleep; quit. Each gets {"ok": true, ...} or {"ok": false, "error": "..."}. Only flexium._C is
+Requests: hello (loads the driver); attach (the staging's extents as fds, sizes, chunks); wake
+(uuid, wait, pause_ms); copy (to_host, the segments as fds, sizes, pieces, then_sleep: a second
+reply follows once asleep); sleep; detach (unmaps the staging); quit. Each gets {"ok": true, ...} or {"ok": false, "error": "..."}. Only flexium._C is
 loaded: no torch.
 """
 
@@ -63,6 +63,9 @@ class Server:
 
     def handle(self, op: str, message: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         if op == "hello":
+            status = _C.driver_status()  # loads the driver and runs cuInit: no context, no GPU memory
+            if not status["loaded"] or not status["vmm_api"]:
+                raise RuntimeError(f"the copier cannot use the driver: {status}")
             return {}
         if op == "attach":
             sizes = [int(s) for s in message["sizes"]]
@@ -72,6 +75,11 @@ class Server:
                 self.copier.sleep()
                 self.copier = None  # unmaps the old extents
             self.copier = _C.HostCopier(list(zip(fds, sizes)), [tuple(c) for c in message["chunks"]])
+            return {}
+        if op == "detach":
+            if self.copier is not None:
+                self.copier.sleep()
+                self.copier = None  # unmaps the extents
             return {}
         copier = self.require_attached(op)
         if op == "wake":
