@@ -175,6 +175,10 @@ void bind_vmm(py::module_ &m) {
         "Replaces imported segment memory with memory of our own (a checkpoint cannot restore imported memory), "
         "stopping once max_bytes are replaced; returns the bytes replaced.");
   m.def("vmm_imported_count", &imported_segment_count, release_gil());
+  m.def("vmm_segments_to_own", &segments_to_own_count, release_gil(),
+        "Segments own_imported replaces: imported, or left unexportable by a driver restore.");
+  m.def("vmm_mark_restored_by_driver", &mark_restored_by_driver, release_gil(),
+        "After a driver restore: the segments mapped now are no longer exportable; returns how many.");
   m.def("stage_segments_to_host", &stage_segments_to_host, py::arg("live") = LiveRanges{},
         py::arg("chunk_bytes") = kDefaultHostChunkBytes,
         "Copies the segments (only the live ranges of those listed) into host staging; returns the bytes copied.");

@@ -547,6 +547,13 @@ HostOrder begin_stage_order(const LiveRanges &live, std::size_t chunk_bytes) {
     groups[entry.second.device].push_back(&entry.second);
   }
   if (groups.size() > 1) throw std::invalid_argument("the copier stages one device's segments; the pool spans several");
+  for (const auto &entry : segments) {
+    if (!entry.second.exportable) {
+      throw std::invalid_argument(describe(entry.second) +
+                                  " came back from a driver checkpoint and cannot be exported until it is made the "
+                                  "job's own again");
+    }
+  }
   HostOrder out;
   if (groups.empty()) {
     pending = std::move(order);

@@ -55,6 +55,24 @@ std::size_t imported_segment_count() {
   return count;
 }
 
+std::size_t segments_to_own_count() {
+  RegistryLock lock(kRelocationLockTimeout);
+  std::size_t count = 0;
+  for (const auto &entry : lock.segments()) count += (entry.second.imported || !entry.second.exportable) ? 1 : 0;
+  return count;
+}
+
+std::size_t mark_restored_by_driver() {
+  RegistryLock lock(kRelocationLockTimeout);
+  std::size_t count = 0;
+  for (auto &entry : lock.segments()) {
+    if (!entry.second.mapped || entry.second.imported) continue;
+    entry.second.exportable = false;
+    ++count;
+  }
+  return count;
+}
+
 std::uint64_t next_segment_serial() { return serials.fetch_add(1, std::memory_order_relaxed) + 1; }
 
 std::string hex_address(CUdeviceptr address) {

@@ -25,6 +25,10 @@ struct Segment {
   // imported memory (its restore fails with CUDA_ERROR_NOT_SUPPORTED), so it must be replaced by
   // memory of our own (own_imported) before any checkpoint that carries it.
   bool imported = false;
+  // False once a driver checkpoint carried the memory: the allocation it restores refuses
+  // cuMemExportToShareableHandle (CUDA_ERROR_INVALID_VALUE, H200, driver 580), so the copier
+  // process cannot import it until own_imported() gives the segment fresh memory.
+  bool exportable = true;
   CUmemGenericAllocationHandle handle = 0;
 };
 
@@ -52,6 +56,10 @@ std::vector<SegmentInfo> list_segments();
 std::size_t segment_bytes_on(int device);
 std::size_t segment_count();
 std::size_t imported_segment_count();
+// Segments own_imported() replaces: imported, or not exportable since a driver restore.
+std::size_t segments_to_own_count();
+// After a driver restore: the segments it carried (those mapped now) are no longer exportable.
+std::size_t mark_restored_by_driver();
 
 std::uint64_t next_segment_serial();
 

@@ -248,7 +248,10 @@ std::size_t own_imported(int device, const LiveRanges &live, std::size_t max_byt
   RegistryLock lock(kRelocationLockTimeout);
   std::vector<Segment *> imported;
   for (auto &entry : lock.segments()) {
-    if (entry.second.imported && entry.second.mapped && entry.second.device == device) imported.push_back(&entry.second);
+    const Segment &segment = entry.second;
+    if ((segment.imported || !segment.exportable) && segment.mapped && segment.device == device) {
+      imported.push_back(&entry.second);
+    }
   }
   if (imported.empty()) return 0;
   ScopedContext context(d, device);
@@ -284,6 +287,7 @@ std::size_t own_imported(int device, const LiveRanges &live, std::size_t max_byt
     d.cuMemRelease(segment->handle);
     segment->handle = fresh.handle;
     segment->imported = false;
+    segment->exportable = true;
     fresh.created = false;  // the segment holds it now
     owned += segment->size;
   }

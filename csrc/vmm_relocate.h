@@ -54,7 +54,8 @@ std::size_t release_source_backing(int source = -1, const SegmentFilter &only = 
 // mapped when this throws (the failed one included): they are the only reference to that data.
 void map_imported(const std::vector<StagedSegment> &staged, int device);
 
-// Replaces the imported memory of `device`'s segments with memory of our own, copying the `live`
+// Replaces the imported memory of `device`'s segments (and the memory a driver restore left
+// unexportable) with memory of our own, copying the `live`
 // ranges (whole segments where not listed), one segment at a time, in address order, stopping
 // once `max_bytes` are replaced (at least one segment). Returns the bytes replaced.
 std::size_t own_imported(int device, const LiveRanges &live = {}, std::size_t max_bytes = SIZE_MAX);

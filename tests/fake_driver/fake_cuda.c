@@ -757,6 +757,7 @@ static void vmm_restored(const int target[MAX_GPUS]) {
     if (!a->used || a->riding < 0) continue;
     a->physical = target[a->riding];
     a->riding = -1;
+    a->exportable = 0; /* the restored allocation refuses export (H200, driver 580) */
   }
 }
 

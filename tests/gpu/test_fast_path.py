@@ -243,6 +243,8 @@ def test_driver_and_fast_pause_side_by_side_in_place(host_gpus: list[Any]) -> No
     assert step_names(driver_resume) >= {"restore", "unlock"}, driver_resume["result"]["steps"]
     assert step_names(fast_pause) >= {"copy", "release", "lock", "checkpoint"}, fast_pause["result"]["steps"]
     assert step_names(fast_resume) >= {"restore", "unlock", "copy_back"}, fast_resume["result"]["steps"]
+    # The driver's restore left the pool unexportable; it was made exportable again in time.
+    assert_copier_ran(fast_pause, fast_resume)
 
     for pause, resume in ((driver_pause, driver_resume), (fast_pause, fast_resume)):
         assert_left(pause, gpu0, idle)

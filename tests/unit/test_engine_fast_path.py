@@ -869,6 +869,38 @@ def zombie(pid: int) -> bool:
         return True
 
 
+def test_after_a_driver_restore_the_pool_is_made_exportable_again_for_the_copier(job: Job) -> None:
+    job.segments([2 * MiB, 4 * MiB, 6 * MiB])
+    engine = job.engine()
+    job.train()
+    assert engine.pause(path="driver").ok
+    resumed = engine.resume()
+    assert resumed.ok and resumed.path == "driver"
+    # The driver's restore gives the segments memory it will not export; they get fresh memory of
+    # the job's own at the next optimizer steps, and then the copier can import them again.
+    wait_until(lambda: _C.vmm_segments_to_own() == 0, what="the restored memory to become exportable again")
+    job.assert_home(physical=0)
+    paused = engine.pause()
+    assert paused.ok and paused.path == "fast"
+    assert not any("ran in this process" in n for n in paused.notes), paused.notes
+    assert engine.resume().ok
+    job.assert_home(physical=0)
+
+
+def test_a_pause_before_the_pool_is_exportable_again_copies_in_this_process(job: Job) -> None:
+    job.segments([2 * MiB, 4 * MiB])
+    engine = job.engine()  # no training thread: no optimizer step makes the memory exportable
+    assert engine.pause(path="driver").ok and engine.resume().ok
+    assert _C.vmm_segments_to_own() == 2
+    engine._safe_points.between_operations(None)  # the slices wait, as if the pause came first
+    trainer = job.train()
+    paused = engine.pause()
+    assert paused.ok and paused.path == "fast"
+    assert any("came back from a driver checkpoint" in n for n in paused.notes), paused.notes
+    assert engine.resume().ok and trainer.error is None
+    job.assert_home(physical=0)
+
+
 def test_copier_off_pins_and_copies_in_this_process(job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FLEXIUM_HOST_COPIER", "0")
     job.segments([2 * MiB, 4 * MiB])

@@ -549,9 +549,9 @@ class Engine:
                         error=f"{exc}; ROLLBACK FAILED: the job runs on {dest.device} but part of its memory is "
                         "not mapped back; restart the job",
                     )
-            owning = self._own_after_fast_move()
             self._set_state(EngineState.RUNNING)
-            return result(ok=True, notes=(*notes, copied, owning))
+            return result(ok=True, notes=(*notes, copied, "the moved memory becomes the job's own over the next "
+                                          f"optimizer steps ({_gib(OWN_SLICE_BYTES)} each)"))
         failure = _first_failure(outcomes)
         if final == _C.ProcessState.RUNNING:
             return self._fast_rollback(result, steps, failure.step, _describe(failure), staged, source, (*notes, copied))
@@ -562,23 +562,25 @@ class Engine:
             f"waits on {dest.device}",
         )
 
-    def _own_after_fast_move(self) -> str:
-        """The mapped copies came in through fds: imported memory is neither restorable by a
-        driver checkpoint (docs/fast-path.md) nor counted for this process by NVML. They are made
-        the job's own a slice at a time at the next optimizer steps, outside the move's downtime
-        (measured on H200s: 0.28 s for 64 GiB in one go). Should a slice fail, the rest stays
-        imported and the driver path makes it the job's own before its checkpoint."""
-        assert self._fast is not None
+    def _own_in_slices(self) -> None:
+        """After a fast move the mapped copies came in through fds: imported memory is neither
+        restorable by a driver checkpoint nor counted for this process by NVML. After a driver
+        restore the pool's memory cannot be exported to the copier process. Either way the
+        segments get fresh memory of the job's own a slice at a time at the next optimizer steps,
+        outside the operation's downtime (H200: 0.28 s for 64 GiB in one go). Should a slice fail,
+        the rest waits: the driver path owns imported memory before its checkpoint, and a pause
+        copies unexportable memory in this process."""
+        if self._fast is None or _C.vmm_segments_to_own() == 0:
+            return
         fast, logical = self._fast, self._logical
 
         def own_a_slice() -> bool:
-            if _C.vmm_imported_count() == 0:
+            if _C.vmm_segments_to_own() == 0:
                 return False
             fast.own(logical, OWN_SLICE_BYTES)
-            return _C.vmm_imported_count() > 0
+            return _C.vmm_segments_to_own() > 0
 
         self._safe_points.between_operations(own_a_slice)
-        return f"the moved memory becomes the job's own over the next optimizer steps ({_gib(OWN_SLICE_BYTES)} each)"
 
     def _own_before_driver_checkpoint(self, kind: OperationKind, at_safe_point: bool) -> tuple[StepTiming, ...]:
         """Imported memory left by a fast move whose own step failed cannot be restored by a driver
@@ -786,9 +788,13 @@ class Engine:
         """Runs a locked section; NVML queries go elsewhere until the process runs again."""
         nvml.set_frozen(True)
         try:
-            return list(_C.run_steps(self._pid, steps, rollbacks, hold_gil=hold_gil))
+            outcomes = list(_C.run_steps(self._pid, steps, rollbacks, hold_gil=hold_gil))
         finally:
             nvml.set_frozen(_C.process_state(self._pid) != _C.ProcessState.RUNNING)
+        if self._fast is not None and any(o.step == "restore" and o.code == 0 for o in outcomes):
+            # What the driver carried through its checkpoint comes back unexportable (fast-path.md).
+            _C.vmm_mark_restored_by_driver()
+        return outcomes
 
     def _park_while_paused(self, result: OperationResult) -> None:
         if result.ok:
@@ -821,6 +827,8 @@ class Engine:
 
     def _finish(self, result: OperationResult) -> OperationResult:
         self.last_result = result
+        if self.state == EngineState.RUNNING:
+            self._own_in_slices()
         summary = ", ".join(f"{s.step} {s.seconds * 1e3:.0f} ms" for s in result.steps if not s.rollback)
         if result.ok:
             where = f" -> {result.target.device}" if result.target is not None else ""
