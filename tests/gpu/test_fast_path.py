@@ -193,7 +193,7 @@ def test_fast_pause_and_resume_in_place_all_features(host_gpus: list[Any]) -> No
     expected = reference(*common)
 
     run = ok_run(run_job(
-        *common, "--plan", "8:pause", "--plan", "8:resume", "--plan", "24:pause", "--plan", "24:resume",
+        *common, "--plan", "8:pause", "--plan", "8:resume", "--plan", "16:pause", "--plan", "16:resume",
         timeout=JOB_TIMEOUT,
     ))
     ready = run.one("ready")
