@@ -74,6 +74,10 @@ read and write the bytes behind a device address with ctypes:
   ``requestedHandleTypes = POSIX_FILE_DESCRIPTOR``); ``cuMemImportFromShareableHandle``: a new
   handle on the allocation the fd refers to. An allocation lives while a handle, a mapping or an
   fd of the process refers to it (found in /proc/self/fd): closing the last fd frees it.
+  An fd from another process (the copier process imports the job's segments) becomes an
+  allocation of its own there, on the current context's GPU, counted for the process that made it.
+  An allocation the checkpoint carried comes back from the restore unexportable
+  (``CUDA_ERROR_INVALID_VALUE``), as on the H200s with driver 580.
 * checkpoint: what the process holds a handle or mapping of rides the image (off every GPU while
   CHECKPOINTED, then onto where its device lands); what only an fd holds stays on its GPU and
   counts there, also against the restore's free memory (DESIGN.md fact 9).

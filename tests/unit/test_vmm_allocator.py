@@ -681,6 +681,124 @@ def test_host_staging_of_nothing(fake: FakeDriver) -> None:
     assert fake.pinned_bytes() == 0
 
 
+# ----------------------------------------------------------------------------- orders for the copier process
+# The copier (csrc/host_copier.cpp) runs in its own process in flexium; here it runs in this one,
+# which the fake allows: the orders and the copier meet only through fds and the staging's memfds.
+
+
+def copier_for_staging() -> Any:
+    extents, chunks = _C.host_staging_layout()
+    return _C.HostCopier(extents, chunks)
+
+
+def test_copier_orders_round_trip_across_a_pause(fake: FakeDriver, allocator: Allocator) -> None:
+    contents = make_segments(allocator, [2 * MiB, 4 * MiB, 6 * MiB])
+    assert _C.reserve_host_staging(12 * MiB, 0, chunk_bytes=4 * MiB, pin_here=False) == 0
+    assert fake.pinned_bytes() == 0 and _C.host_staging_pool_bytes() == 12 * MiB
+    copier = copier_for_staging()
+    copier.wake(fake.uuid(0), True, 0)
+    assert copier.awake and copier.pinned_bytes == 12 * MiB
+
+    segments, pieces, nbytes = _C.begin_stage_order()
+    assert nbytes == 12 * MiB and len(segments) == 3 and sum(p[4] for p in pieces) == nbytes
+    with pytest.raises(RuntimeError, match="already open"):
+        _C.begin_stage_order()
+    assert copier.copy(True, segments, pieces) == 12 * MiB
+    assert _C.finish_host_order() == 12 * MiB
+    assert not any(is_open(fd) for fd, _size in segments)  # the order closed its exported fds
+    assert _C.host_staged_segments() == 3
+    copier.sleep()
+    assert not copier.awake and fake.pinned_bytes() == 0 and fake.primary_ctx_refcount(0) == 0
+
+    assert _C.release_source_backing() == 3
+    _C.lock(PID, 0)
+    _C.checkpoint(PID)
+    assert fake.used_bytes(0) == fake.used_bytes(1) == 0
+    _C.restore(PID)
+    _C.unlock(PID)
+
+    segments, pieces, nbytes = _C.begin_restore_order(1)
+    assert nbytes == 12 * MiB
+    copier.wake(fake.uuid(1), False, 0)  # pins while this thread goes on; the copy pins the rest
+    assert copier.copy(False, segments, pieces) == 12 * MiB
+    assert _C.finish_host_order() == 12 * MiB
+    assert_contents(contents)
+    assert _C.host_staged_segments() == 0 and fake.vmm_bytes_on(1) == 12 * MiB and fake.vmm_bytes_on(0) == 0
+    copier.sleep()
+    del copier
+    assert _C.release_host_staging() == 12 * MiB
+    for address in contents:
+        allocator.free(address)
+    assert fake.vmm_leaks() == NO_LEAKS
+
+
+def test_an_aborted_order_leaves_everything_as_it_was(fake: FakeDriver, allocator: Allocator) -> None:
+    contents = make_segments(allocator, [2 * MiB, 4 * MiB])
+    _C.reserve_host_staging(6 * MiB, 0, pin_here=False)
+    segments, _pieces, _nbytes = _C.begin_stage_order()
+    _C.abort_host_order()
+    assert not any(is_open(fd) for fd, _size in segments) and _C.host_staged_segments() == 0
+    extra = allocator.must_alloc(2 * MiB)  # the segment lock is free again
+    allocator.free(extra)
+
+    assert _C.stage_segments_to_host() == 6 * MiB
+    _C.release_source_backing()
+    _C.begin_restore_order(0)
+    assert fake.vmm_bytes_on(0) == 6 * MiB  # the new memory, not yet the segments'
+    _C.abort_host_order()
+    assert fake.vmm_bytes_on(0) == 0 and [m for _a, _s, _d, m in _C.vmm_segments()] == [False, False]
+    assert _C.restore_segments_from_host() == 6 * MiB  # in this process instead
+    assert_contents(contents)
+    _C.abort_host_order()  # none open: nothing to do
+
+
+def test_a_stage_order_does_not_grow_the_staging(fake: FakeDriver, allocator: Allocator) -> None:
+    contents = make_segments(allocator, [2 * MiB, 8 * MiB])
+    _C.reserve_host_staging(2 * MiB, 0, chunk_bytes=2 * MiB, pin_here=False)
+    with pytest.raises(ValueError, match="outgrew the host staging prepared for them"):
+        _C.begin_stage_order()
+    assert _C.host_staging_pool_bytes() == 2 * MiB
+    assert _C.stage_segments_to_host(chunk_bytes=2 * MiB) == 10 * MiB  # this process's stage grows it
+    _C.release_source_backing()
+    assert _C.restore_segments_from_host() == 10 * MiB
+    assert_contents(contents)
+
+
+def test_memory_a_driver_restore_left_unexportable_is_owned_again(fake: FakeDriver, allocator: Allocator) -> None:
+    contents = make_segments(allocator, [2 * MiB, 4 * MiB])
+    _C.reserve_host_staging(6 * MiB, 0, pin_here=False)
+    assert _C.vmm_mark_restored_by_driver() == 2 and _C.vmm_segments_to_own() == 2
+    with pytest.raises(ValueError, match="came back from a driver checkpoint"):
+        _C.begin_stage_order()
+    assert _C.own_imported(0) == 6 * MiB and _C.vmm_segments_to_own() == 0
+    assert_contents(contents)
+    segments, _pieces, nbytes = _C.begin_stage_order()
+    assert nbytes == 6 * MiB and len(segments) == 2
+    _C.abort_host_order()
+
+
+def test_the_copier_refuses_bad_orders(fake: FakeDriver, allocator: Allocator) -> None:
+    make_segments(allocator, [2 * MiB])
+    _C.reserve_host_staging(2 * MiB, 0, pin_here=False)
+    copier = copier_for_staging()
+    with pytest.raises(RuntimeError, match="asleep"):
+        copier.copy(True, [], [])
+    with pytest.raises(ValueError, match="no GPU with UUID GPU-00000000"):
+        copier.wake("GPU-00000000-0000-0000-0000-000000000000", True, 0)
+    copier.wake(fake.uuid(0), True, 0)
+    segments, pieces, _nbytes = _C.begin_stage_order()
+    try:
+        bad = [(0, 0, 0, 0, 4 * MiB)]  # longer than the segment
+        with pytest.raises(ValueError, match="lies outside its segment or chunk"):
+            copier.copy(True, segments, bad)
+    finally:
+        _C.abort_host_order()
+    with pytest.raises(ValueError, match="lies outside the staging's extents"):
+        _C.HostCopier(*_C.host_staging_layout()[:1], [(0, 0, 4 * MiB)])
+    copier.sleep()
+    assert fake.pinned_bytes() == 0
+
+
 # ----------------------------------------------------------------------------- other drivers, PyTorch
 
 SUBPROCESS = """
