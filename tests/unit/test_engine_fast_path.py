@@ -168,6 +168,13 @@ class Job:
         self.fast._wait_for_start()  # the copier process is up (its socket counts in open_fds())
         return engine
 
+    def training(self, sizes: list[int]) -> Any:
+        """Segments of these sizes, an engine and a training thread: the usual start of a test."""
+        self.segments(sizes)
+        engine = self.engine()
+        self.train()
+        return engine
+
     def train(self) -> Trainer:
         trainer = Trainer()
         trainer.start()
@@ -396,9 +403,7 @@ def test_on_the_training_thread_the_driver_path_makes_the_memory_its_own_first(j
 def test_the_fake_driver_cannot_restore_imported_memory_either(job: Job) -> None:
     """What the H200s showed (docs/fast-path.md), kept by the fake so the engine's guard is tested."""
     fake = job.fake
-    job.segments([2 * MiB])
-    engine = job.engine()
-    job.train()
+    engine = job.training([2 * MiB])
     fast_move_left_imported(engine, job, "cuda:1")
     outcomes = _C.run_steps(PID, [_C.Step(_C.StepKind.LOCK, timeout_ms=1000), _C.Step(_C.StepKind.CHECKPOINT),
                                   _C.Step(_C.StepKind.RESTORE)], [[], [], [_C.Step(_C.StepKind.RECOVER)]])
@@ -508,9 +513,7 @@ def test_memory_on_two_devices_takes_the_driver_path(job: Job) -> None:
 
 @pytest.mark.parametrize("code", ["CUDA_ERROR_UNKNOWN", "CUDA_ERROR_OUT_OF_MEMORY"])
 def test_a_failed_copy_moves_nothing(job: Job, code: str) -> None:
-    job.segments([2 * MiB, 4 * MiB, 2 * MiB])
-    engine = job.engine()
-    job.train()
+    engine = job.training([2 * MiB, 4 * MiB, 2 * MiB])
     fds = open_fds()
     job.fake.fail("cuMemcpyDtoDAsync", code, nth=2)
     error = failure(lambda: engine.migrate("cuda:1"))
@@ -528,9 +531,7 @@ def test_a_failed_copy_moves_nothing(job: Job, code: str) -> None:
 # Release #4: the 1st segment is unmapped but keeps its handle.
 @pytest.mark.parametrize("call,nth", [("cuMemUnmap", 5), ("cuMemRelease", 4)])
 def test_a_failed_release_brings_the_released_segments_home(job: Job, call: str, nth: int) -> None:
-    job.segments([2 * MiB, 4 * MiB, 2 * MiB])
-    engine = job.engine()
-    job.train()
+    engine = job.training([2 * MiB, 4 * MiB, 2 * MiB])
     fds = open_fds()
     job.fake.fail(call, "CUDA_ERROR_UNKNOWN", nth=nth)
     error = failure(lambda: engine.migrate("cuda:1"))
@@ -634,9 +635,7 @@ def test_a_failure_in_the_locked_section_recovers_and_brings_the_segments_home(j
 
 def test_a_map_failure_after_the_restore_is_retried(job: Job) -> None:
     fake = job.fake
-    job.segments([2 * MiB, 4 * MiB, 2 * MiB])
-    engine = job.engine()
-    job.train()
+    engine = job.training([2 * MiB, 4 * MiB, 2 * MiB])
     fds = open_fds()
     # Imports happen only when mapping back: the 2nd segment's fails once, the 1st is mapped by then.
     fake.fail("cuMemImportFromShareableHandle", "CUDA_ERROR_UNKNOWN", nth=2)
@@ -652,9 +651,7 @@ def test_a_map_failure_after_the_restore_is_retried(job: Job) -> None:
 
 def test_a_map_failure_that_persists_fails_the_job(job: Job) -> None:
     fake = job.fake
-    job.segments([2 * MiB, 4 * MiB])
-    engine = job.engine()
-    job.train()
+    engine = job.training([2 * MiB, 4 * MiB])
     fds = open_fds()
     fake.fail("cuMemImportFromShareableHandle", "CUDA_ERROR_UNKNOWN", nth=0)
     error = failure(lambda: engine.migrate("cuda:1"), RollbackFailedError)
@@ -680,9 +677,7 @@ def test_a_map_failure_that_persists_fails_the_job(job: Job) -> None:
 
 def test_fast_pause_and_resume_in_place_and_on_another_gpu(job: Job) -> None:
     fake = job.fake
-    job.segments([2 * MiB, 4 * MiB, 6 * MiB])
-    engine = job.engine()
-    job.train()
+    engine = job.training([2 * MiB, 4 * MiB, 6 * MiB])
     fds = open_fds()
 
     paused = engine.pause()
@@ -767,9 +762,7 @@ def test_a_failed_restore_keeps_a_fast_pause_and_a_failed_copy_back_fails_the_jo
 ) -> None:
     monkeypatch.setenv("FLEXIUM_HOST_COPIER", "0")  # the copies run here, where the fake fails them
     fake = job.fake
-    job.segments([2 * MiB, 4 * MiB])
-    engine = job.engine()
-    job.train()
+    engine = job.training([2 * MiB, 4 * MiB])
     assert engine.pause().ok
 
     # The restore fails: still paused, the segments still wait in host memory.
@@ -811,9 +804,7 @@ def test_a_failing_copier_is_replaced_by_copies_in_this_process(
 ) -> None:
     call, op = COPIER_FAILURES[where]
     monkeypatch.setenv("FAKE_CUDA_FAIL", f"{call}:{CUDA_ERROR_UNKNOWN}")  # read by the copier's fake at its start
-    job.segments([2 * MiB, 4 * MiB, 6 * MiB])
-    engine = job.engine()
-    job.train()
+    engine = job.training([2 * MiB, 4 * MiB, 6 * MiB])
     fds = open_fds()
 
     paused = engine.pause()
@@ -843,9 +834,7 @@ def fake_state_paused(job: Job) -> bool:
 
 
 def test_a_copier_killed_while_the_job_is_paused_loses_nothing(job: Job) -> None:
-    job.segments([2 * MiB, 4 * MiB, 6 * MiB])
-    engine = job.engine()
-    job.train()
+    engine = job.training([2 * MiB, 4 * MiB, 6 * MiB])
     paused = engine.pause()
     assert paused.ok and paused.path == "fast"
     (copier,) = copier_processes()
@@ -871,9 +860,7 @@ def zombie(pid: int) -> bool:
 
 
 def test_after_a_driver_restore_the_pool_is_made_exportable_again_for_the_copier(job: Job) -> None:
-    job.segments([2 * MiB, 4 * MiB, 6 * MiB])
-    engine = job.engine()
-    job.train()
+    engine = job.training([2 * MiB, 4 * MiB, 6 * MiB])
     assert engine.pause(path="driver").ok
     resumed = engine.resume()
     assert resumed.ok and resumed.path == "driver"
@@ -904,9 +891,7 @@ def test_a_pause_before_the_pool_is_exportable_again_copies_in_this_process(job:
 
 def test_copier_off_pins_and_copies_in_this_process(job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FLEXIUM_HOST_COPIER", "0")
-    job.segments([2 * MiB, 4 * MiB])
-    engine = job.engine()
-    job.train()
+    engine = job.training([2 * MiB, 4 * MiB])
     paused = engine.pause()
     assert paused.ok and paused.path == "fast" and copier_processes() == []
     assert paused.notes[0].startswith("pinned 0.01 GiB of host staging in this process (the copier process is off")
