@@ -203,7 +203,7 @@ class FastPath:
             copier = self._copier if self._copier is not None and self._copier.alive() else Copier.start()
             self._copier = copier
             copier.attach(*_C.host_staging_layout())
-            reply = copier.wake(uuid, wait=True, pause_ms=PIN_PAUSE_MS, pinned_bytes=wanted)
+            reply = copier.wake(uuid, wait=True, pause_ms=PIN_PAUSE_MS, bytes_to_pin=wanted)
             return int(reply.get("pinned", 0)), time.perf_counter() - started, f"by the copier process {copier.pid}"
         except CopierError as exc:
             self._drop_copier(f"{exc}")

@@ -129,7 +129,7 @@ class Copier:
                        [fd for fd, _size in extents], timeout=30.0)
         self._attached = key
 
-    def wake(self, uuid: str, *, wait: bool, pause_ms: int = 0, pinned_bytes: int = 0) -> dict[str, Any]:
+    def wake(self, uuid: str, *, wait: bool, pause_ms: int = 0, bytes_to_pin: int = 0) -> dict[str, Any]:
         """Takes a context on the GPU `uuid` and pins the staging; without `wait` returns at once
         (the pinning goes on while the caller restores) and the reply is read later."""
         message = {"op": "wake", "uuid": uuid, "wait": wait, "pause_ms": pause_ms}
@@ -138,7 +138,7 @@ class Copier:
             self._send(message)
             self._unread.append("wake")
             return {}
-        return self._exchange(message, timeout=START_TIMEOUT_S + pinned_bytes / SLOWEST_BYTES_PER_S)
+        return self._exchange(message, timeout=START_TIMEOUT_S + bytes_to_pin / SLOWEST_BYTES_PER_S)
 
     def copy(self, to_host: bool, segments: Sequence[tuple[int, int]], pieces: Sequence[Sequence[int]],
              nbytes: int) -> dict[str, Any]:
