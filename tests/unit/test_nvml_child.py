@@ -1,5 +1,6 @@
-"""NVML reads while the process is frozen run in a child process (flexium/engine/nvml.py): the
-child runs nvml.py by its path, with the fake NVML the parent uses, and reports the same GPUs."""
+"""NVML reads while the process is frozen (flexium/engine/nvml.py) go to the reader process, else
+to a short-lived child; both run nvml.py by its path with the fake NVML the parent uses and
+report the same GPUs."""
 
 from __future__ import annotations
 
@@ -21,3 +22,32 @@ def test_host_gpus_reads_in_a_child_while_frozen(fake: FakeDriver) -> None:  # n
         assert [g.uuid for g in nvml.host_gpus()] == fake.uuids()
     finally:
         nvml.set_frozen(False)
+
+
+def test_frozen_reads_go_to_the_reader_process_and_to_a_child_once_it_is_gone(fake: FakeDriver) -> None:  # noqa: F811
+    nvml.start_reader()
+    try:
+        reader = nvml._reader
+        assert reader is not None
+        nvml.set_frozen(True)
+        try:
+            for _ in range(3):  # one process answers every read
+                assert [g.uuid for g in nvml.host_gpus()] == fake.uuids()
+                assert nvml._reader is reader and reader.proc.poll() is None
+            reader.proc.kill()
+            reader.proc.wait()
+            assert [g.uuid for g in nvml.host_gpus()] == fake.uuids()  # a child read instead
+            assert nvml._reader is None
+        finally:
+            nvml.set_frozen(False)
+    finally:
+        nvml.stop_reader()
+    assert nvml._reader is None
+
+
+def test_stopping_the_reader_ends_its_process(fake: FakeDriver) -> None:  # noqa: F811
+    nvml.start_reader()
+    reader = nvml._reader
+    assert reader is not None
+    nvml.stop_reader()
+    assert reader.proc.returncode == 0

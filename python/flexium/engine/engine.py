@@ -118,6 +118,7 @@ class Engine:
 
     def start(self) -> None:
         self._safe_points.install()
+        nvml.start_reader()  # reads while the job is frozen (a resume's room check) take milliseconds
         if self._fast is not None and self._fast.pool.active:
             self._fast.warm_up()  # the copier process starts now, not in a pause's preparation
 
@@ -133,6 +134,7 @@ class Engine:
         self._parking.release()
         if self._fast is not None:
             self._fast.close()
+        nvml.stop_reader()
 
     # ---- what the rest of flexium reads ----------------------------------------------------
 
