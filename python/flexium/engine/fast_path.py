@@ -277,7 +277,7 @@ class FastPath:
     def _drop_copier(self, why: str) -> None:
         self.copier_fallback = why
         if self._copier is not None:
-            log.warning("the copier process failed (%s); this process copies instead", why)
+            log.warning("the copier process is stopped (%s); this process copies instead", why)
             self._copier.kill()
             self._copier = None
 
