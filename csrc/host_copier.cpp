@@ -18,23 +18,17 @@
 #include <memory>
 #include <stdexcept>
 
+#include "devices.h"
 #include "driver_error.h"
-#include "uuid.h"
 #include "vmm_driver.h"
 
 namespace flexium {
 namespace {
 
 // The ordinal of the GPU with `uuid` among those this process sees.
-int ordinal_of(const DriverTable &d, const std::string &uuid) {
-  int count = 0;
-  FLEXIUM_CU_CALL(d, cuDeviceGetCount, &count);
-  for (int ordinal = 0; ordinal < count; ++ordinal) {
-    CUdevice dev = 0;
-    FLEXIUM_CU_CALL(d, cuDeviceGet, &dev, ordinal);
-    CUuuid id{};
-    FLEXIUM_CU_CALL(d, cuDeviceGetUuid, &id, dev);
-    if (::strcasecmp(format_uuid(id).c_str(), uuid.c_str()) == 0) return ordinal;
+int ordinal_of(const std::string &uuid) {
+  for (const DeviceInfo &device : list_devices()) {
+    if (::strcasecmp(device.uuid.c_str(), uuid.c_str()) == 0) return device.ordinal;
   }
   throw std::invalid_argument("no GPU with UUID " + uuid + " is visible to the copier (CUDA_VISIBLE_DEVICES?)");
 }
@@ -76,7 +70,7 @@ HostCopier::~HostCopier() {
 
 void HostCopier::wake(const std::string &uuid, bool wait, int pause_ms) {
   const DriverTable &d = require_vmm_driver();
-  const int ordinal = ordinal_of(d, uuid);
+  const int ordinal = ordinal_of(uuid);
   if (context_ != nullptr && ordinal != ordinal_) sleep();
   if (context_ == nullptr) {
     FLEXIUM_CU_CALL(d, cuDeviceGet, &device_, ordinal);

@@ -313,6 +313,18 @@ void queue_by_chunk(const std::vector<Piece> &pieces, const std::vector<char> &m
   if (open) events.record(current, stream);
 }
 
+// The segments to stage, by device; every one must have its memory.
+std::map<int, std::vector<const Segment *>> by_device_to_stage(const SegmentMap &segments) {
+  std::map<int, std::vector<const Segment *>> groups;
+  for (const auto &entry : segments) {
+    if (!entry.second.mapped || !entry.second.has_handle) {
+      throw std::invalid_argument(describe(entry.second) + " has no backing to stage");
+    }
+    groups[entry.second.device].push_back(&entry.second);
+  }
+  return groups;
+}
+
 // The staged segments that still wait for memory, by the device they go back to (`device`, or
 // where each was when -1); the ones freed meanwhile or never released are marked done.
 std::map<int, std::vector<std::size_t>> waiting_by_device(const SegmentMap &segments, int device) {
@@ -390,6 +402,15 @@ void refuse_second_order() {
   if (pending) throw std::runtime_error("a copier order is already open: finish or abort it first");
 }
 
+// A new order holding the registry lock, then the staging's mutex (the order every call takes them in).
+std::unique_ptr<PendingOrder> open_order() {
+  refuse_second_order();  // before the locks: the open order holds them
+  auto order = std::make_unique<PendingOrder>();
+  order->lock = std::make_unique<RegistryLock>(kRelocationLockTimeout);
+  order->guard = std::unique_lock<std::mutex>(staging.mutex);
+  return order;
+}
+
 int export_fd(const DriverTable &d, CUmemGenericAllocationHandle handle) {
   int fd = -1;
   FLEXIUM_CU_CALL(d, cuMemExportToShareableHandle, &fd, handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0);
@@ -440,13 +461,7 @@ std::size_t stage_segments_to_host(const LiveRanges &live, std::size_t chunk_byt
   staging.pieces.clear();
   const SegmentMap &segments = lock.segments();
   if (segments.empty()) return 0;
-  std::map<int, std::vector<const Segment *>> groups;
-  for (const auto &entry : segments) {
-    if (!entry.second.mapped || !entry.second.has_handle) {
-      throw std::invalid_argument(describe(entry.second) + " has no backing to stage");
-    }
-    groups[entry.second.device].push_back(&entry.second);
-  }
+  const std::map<int, std::vector<const Segment *>> groups = by_device_to_stage(segments);
   Layout layout = plan(groups, live, chunk_bytes);
   std::vector<char> used(staging.chunks.size(), 0);
   for (const Piece &piece : layout.pieces) used[piece.chunk] = 1;
@@ -533,19 +548,10 @@ std::size_t restore_segments_from_host(int device) {
 HostOrder begin_stage_order(const LiveRanges &live, std::size_t chunk_bytes) {
   check_chunk_bytes(chunk_bytes);
   const DriverTable &d = require_vmm_driver();
-  refuse_second_order();  // before the locks: the open order holds them
-  auto order = std::make_unique<PendingOrder>();
-  order->lock = std::make_unique<RegistryLock>(kRelocationLockTimeout);
-  order->guard = std::unique_lock<std::mutex>(staging.mutex);
+  std::unique_ptr<PendingOrder> order = open_order();
   refuse_while_staged("cannot stage to host memory");
   const SegmentMap &segments = order->lock->segments();
-  std::map<int, std::vector<const Segment *>> groups;
-  for (const auto &entry : segments) {
-    if (!entry.second.mapped || !entry.second.has_handle) {
-      throw std::invalid_argument(describe(entry.second) + " has no backing to stage");
-    }
-    groups[entry.second.device].push_back(&entry.second);
-  }
+  const std::map<int, std::vector<const Segment *>> groups = by_device_to_stage(segments);
   if (groups.size() > 1) throw std::invalid_argument("the copier stages one device's segments; the pool spans several");
   for (const auto &entry : segments) {
     if (!entry.second.exportable) {
@@ -577,10 +583,7 @@ HostOrder begin_stage_order(const LiveRanges &live, std::size_t chunk_bytes) {
 
 HostOrder begin_restore_order(int device) {
   const DriverTable &d = require_vmm_driver();
-  refuse_second_order();  // before the locks: the open order holds them
-  auto order = std::make_unique<PendingOrder>();
-  order->lock = std::make_unique<RegistryLock>(kRelocationLockTimeout);
-  order->guard = std::unique_lock<std::mutex>(staging.mutex);
+  std::unique_ptr<PendingOrder> order = open_order();
   order->restore = true;
   order->device = device >= 0 ? device : staging.device;
   std::map<int, std::vector<std::size_t>> groups = waiting_by_device(order->lock->segments(), order->device);
