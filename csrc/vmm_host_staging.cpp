@@ -373,6 +373,7 @@ void adopt_backings(const DriverTable &d, SegmentMap &segments, const std::vecto
     segment.handle = made[k]->handle;
     segment.has_handle = segment.mapped = true;
     segment.imported = false;
+    segment.exportable = true;  // fresh memory of ours, whatever the driver left before
     segment.device = target;
     made[k]->release_to_caller();
     stashed.done = true;

@@ -775,6 +775,13 @@ def test_memory_a_driver_restore_left_unexportable_is_owned_again(fake: FakeDriv
     segments, _pieces, nbytes = _C.begin_stage_order()
     assert nbytes == 6 * MiB and len(segments) == 2
     _C.abort_host_order()
+    # Memory a pause gives back is fresh too: nothing is left to own after a round trip in this process.
+    _C.vmm_mark_restored_by_driver()
+    assert _C.stage_segments_to_host() == 6 * MiB
+    _C.release_source_backing()
+    assert _C.restore_segments_from_host() == 6 * MiB
+    assert _C.vmm_segments_to_own() == 0
+    assert_contents(contents)
 
 
 def test_the_copier_refuses_bad_orders(fake: FakeDriver, allocator: Allocator) -> None:
