@@ -130,8 +130,7 @@ void bind_copier(py::module_ &m) {
           py::arg("to_host"), py::arg("segments"), py::arg("pieces"))
       .def("sleep", &HostCopier::sleep, release_gil())
       .def_property_readonly("awake", &HostCopier::awake)
-      .def_property_readonly("pinned_bytes", &HostCopier::pinned_bytes)
-      .def_property_readonly("last_import_seconds", &HostCopier::last_import_seconds);
+      .def_property_readonly("pinned_bytes", &HostCopier::pinned_bytes);
 }
 
 std::vector<std::tuple<unsigned long long, std::size_t, int, bool>> segment_tuples() {

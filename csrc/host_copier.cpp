@@ -145,7 +145,6 @@ std::size_t HostCopier::copy(bool to_host, const std::vector<std::pair<int, std:
   }
   stop_pinner();  // this thread pins what is left, between the copies
   FLEXIUM_CU_CALL(d, cuCtxSetCurrent, context_);
-  const auto started = std::chrono::steady_clock::now();
   std::vector<std::unique_ptr<Backing>> imports;
   imports.reserve(segments.size());
   for (const auto &segment : segments) {
@@ -162,7 +161,6 @@ std::size_t HostCopier::copy(bool to_host, const std::vector<std::pair<int, std:
     b.mapped = true;
     grant_access(d, b.address, b.size, {ordinal_});
   }
-  import_seconds_ = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
   // Declared after the imports, so it runs first on unwind: no copy may still run into memory
   // that is unmapped next.
   struct Drain {

@@ -61,7 +61,6 @@ class HostCopier {
 
   bool awake() const { return context_ != nullptr; }
   std::size_t pinned_bytes() const;
-  double last_import_seconds() const { return import_seconds_; }
 
  private:
   void stop_pinner();
@@ -83,7 +82,6 @@ class HostCopier {
   std::atomic<bool> stop_{false};
   mutable std::mutex mutex_;  // pinned_ and pin_error_
   std::string pin_error_;
-  double import_seconds_ = 0;
 };
 
 }  // namespace flexium

@@ -90,7 +90,7 @@ class Server:
             if len(sizes) != len(fds):
                 raise ValueError(f"copy sent {len(fds)} fds for {len(sizes)} segments")
             copied = copier.copy(bool(message["to_host"]), list(zip(fds, sizes)), [tuple(p) for p in message["pieces"]])
-            return {"bytes": copied, "import_seconds": copier.last_import_seconds}
+            return {"bytes": copied}
         if op == "sleep":
             copier.sleep()
             return {}
