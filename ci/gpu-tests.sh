@@ -8,7 +8,8 @@
 # Environment: GPU_TESTS (what pytest runs, default tests/gpu), BENCH_SIZES (GB, default
 # 2,16,64), BENCH_ARGS (more bench/migrate.py options), BENCH_OVERHEAD=0 skips the step-time
 # benchmark, BENCH_CONTEXT=0 the context cost probe, BENCH_STAGING=1 adds the pause staging probe
-# (both probes write bench-probes.txt: the device tool brings back at most 8 files).
+# (the probes and bench/nvml_read.py write bench-probes.txt: the device tool brings back at most 8
+# files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-$PWD/gpu-results}"
@@ -39,6 +40,9 @@ if [ "$mode" != "--tests-only" ]; then
   echo "== benchmark: bench/migrate.py"
   # shellcheck disable=SC2086
   python3 bench/migrate.py --sizes "${BENCH_SIZES:-2,16,64}" ${BENCH_ARGS:-} --json "$out/bench-migrate.json" 2>&1 | tee "$out/bench-migrate.txt"
+  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+  echo "== benchmark: bench/nvml_read.py"
+  timeout -k 10 120 python3 bench/nvml_read.py 2>&1 | tee -a "$out/bench-probes.txt"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   if [ "${BENCH_OVERHEAD:-1}" != "0" ]; then
     echo "== benchmark: bench/step_overhead.py"
