@@ -236,12 +236,20 @@ _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 
 
-def _validate_switch(value: Any, where: str) -> bool:
+def _validate_switch(value: Any, where: str, what: str = "fast path switch") -> bool:
     if isinstance(value, bool):
         return value
     if isinstance(value, str) and value.strip().lower() in _TRUE + _FALSE:
         return value.strip().lower() in _TRUE
-    raise ConfigError(f"fast path switch {value!r} {where} is not valid; use true or false (also 1/0, on/off, yes/no)")
+    raise ConfigError(f"{what} {value!r} {where} is not valid; use true or false (also 1/0, on/off, yes/no)")
+
+
+def switch_from_env(name: str, default: bool, what: str) -> bool:
+    """An on/off environment variable outside the config file (ConfigError names a bad value)."""
+    value = os.environ.get(name)
+    if value is None or not value.strip():
+        return default
+    return _validate_switch(value, f"(from environment variable {name})", what)
 
 
 def _validate_wait(value: Any, where: str) -> float:

@@ -437,3 +437,17 @@ def test_a_bad_safe_point_wait_names_its_source(home: Path, monkeypatch: pytest.
     monkeypatch.setenv("FLEXIUM_SAFE_POINT_WAIT", value)
     with pytest.raises(ConfigError, match=r"safe point wait .*FLEXIUM_SAFE_POINT_WAIT.*seconds above 0"):
         load_config()
+
+
+def test_the_host_copier_switch_reads_like_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flexium.engine.host_copier import copier_enabled
+
+    monkeypatch.delenv("FLEXIUM_HOST_COPIER", raising=False)
+    assert copier_enabled() is True
+    for value, expected in (("0", False), ("off", False), ("True", True), ("1", True), (" ", True)):
+        monkeypatch.setenv("FLEXIUM_HOST_COPIER", value)
+        assert copier_enabled() is expected, value
+    monkeypatch.setenv("FLEXIUM_HOST_COPIER", "maybe")
+    with pytest.raises(ConfigError, match=r"host copier switch 'maybe' \(from environment variable "
+                                          r"FLEXIUM_HOST_COPIER\) is not valid; use true or false"):
+        copier_enabled()

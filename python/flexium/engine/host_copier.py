@@ -26,9 +26,11 @@ import time
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
+from flexium.config import switch_from_env
+
 log = logging.getLogger("flexium")
 
-DISABLE_ENV = "FLEXIUM_HOST_COPIER"  # "0": copies run in the job's process
+DISABLE_ENV = "FLEXIUM_HOST_COPIER"  # false: copies run in the job's process
 FRAME_BYTES = 48 << 10
 FDS_PER_FRAME = 200
 START_TIMEOUT_S = 60.0
@@ -42,7 +44,7 @@ class CopierError(Exception):
 
 
 def copier_enabled() -> bool:
-    return os.environ.get(DISABLE_ENV, "1").strip().lower() not in ("0", "false", "no", "off")
+    return switch_from_env(DISABLE_ENV, True, "host copier switch")
 
 
 def send(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
