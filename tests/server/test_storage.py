@@ -147,6 +147,36 @@ def test_heartbeat_updates_and_reports_changes(db: Database) -> None:
                stale_after=STALE)
 
 
+def test_heartbeat_built_before_a_concurrent_report_loses_to_it(db: Database) -> None:
+    """A beat that read the process before a report committed must not write back the state
+    the report replaced (PostgreSQL runs them side by side: the beat waits for the row)."""
+    ws, _ = _workspace(db)
+    _register(db, ws, seq=10)
+    cmd = _command(db, ws, "pause")
+    db.run(storage.next_command, write=True, workspace_id=ws, process_id="gpu-1", now=NOW + 1)
+    db.run(storage.report_command, write=True, workspace_id=ws, command_id=cmd["id"], now=NOW + 1,
+           stale_after=STALE, report={"state": "running"})
+    beat_done = threading.Event()
+
+    def older_beat() -> None:
+        db.run(storage.heartbeat, write=True, workspace_id=ws, process_id="gpu-1",
+               report={"state": "RUNNING", "seq": 100}, now=NOW + 2, stale_after=STALE)
+        beat_done.set()
+
+    beat = threading.Thread(target=older_beat)
+    with db.session(write=True) as session:
+        storage.report_command(session=session, workspace_id=ws, command_id=cmd["id"], now=NOW + 2,
+                               stale_after=STALE, report={"state": "succeeded",
+                                                          "process": {"state": "PAUSED", "seq": 200}})
+        beat.start()
+        assert not beat_done.wait(0.3)      # the report holds the row until it commits
+    beat.join(10)
+    assert beat_done.is_set()
+    proc = db.run(storage.get_process, write=False, workspace_id=ws, process_id="gpu-1", now=NOW + 2,
+                  stale_after=STALE)
+    assert proc["state"] == "PAUSED"
+
+
 def test_stale_shown_and_filtered(db: Database) -> None:
     ws, _ = _workspace(db)
     _register(db, ws, "gpu-1", now=NOW)

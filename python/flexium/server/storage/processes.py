@@ -152,8 +152,11 @@ def heartbeat(*, session: Session, workspace_id: int, process_id: str, report: d
     process alive: what it says was true before what the server already knows.
 
     Plain beats answered from memory (``ServerContext.beat``) do not move ``state_seq``; that
-    is safe because they changed nothing, so what they said is what ``state_seq`` stands for."""
-    row = find_process(session, workspace_id=workspace_id, process_id=process_id)
+    is safe because they changed nothing, so what they said is what ``state_seq`` stands for.
+
+    The row is read locked: on PostgreSQL a report may commit between an unlocked read and
+    this write, and the beat would then write back the state (and ``seq``) it replaced."""
+    row = find_process(session, workspace_id=workspace_id, process_id=process_id, for_update=True)
     was_stale = row.last_seen < now - stale_after
     before = tuple(getattr(row, name) for name in _WATCHED)
     if is_older(report.get("seq"), row.state_seq):
