@@ -60,7 +60,7 @@ class Trainer(threading.Thread):
                 self.optimizer.zero_grad()
                 loss.backward()
                 self.optimizer.step()
-                self.losses.append(float(loss))
+                self.losses.append(float(loss.detach()))
                 self.steps += 1
                 time.sleep(0.001)
         except BaseException as exc:

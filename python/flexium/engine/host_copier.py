@@ -12,6 +12,10 @@ or dies the job kills it and runs the copies itself. Every exchange has a time l
 
 Wire format: Unix seqpacket frames, each a flag byte (1: more frames follow) and a slice of one
 JSON message; fds ride the frames in batches (SCM_RIGHTS carries at most 253 per message).
+
+A process forked from the job (a DataLoader worker) would inherit the socket: the copier would
+then not see the job's end when the job dies, and two processes could talk over one socket. So
+the fork's copy is closed in the child, and a child's Copier refuses every request.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import socket
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
 from typing import Any, Optional, Sequence
 
@@ -94,6 +99,8 @@ class Copier:
         self._unread: list[str] = []  # replies owed for requests sent without waiting
         self._attached: Optional[tuple[tuple[int, int], ...]] = None
         self.awake_on: Optional[str] = None  # the GPU it was last woken on, None while asleep
+        self._parent_pid: Optional[int] = None  # set in a forked child: the copier is its parent's
+        _copiers.add(self)
 
     @classmethod
     def start(cls) -> "Copier":
@@ -120,7 +127,7 @@ class Copier:
         return self._process.pid
 
     def alive(self) -> bool:
-        return self._process.poll() is None
+        return self._parent_pid is None and self._process.poll() is None
 
     def attach(self, extents: Sequence[tuple[int, int]], chunks: Sequence[tuple[int, int, int]]) -> None:
         """Maps the staging's extents (memfd, size); again only when they changed."""
@@ -166,6 +173,8 @@ class Copier:
 
     def close(self) -> None:
         """Asks the copier to exit and waits for it; kills it if it does not."""
+        if self._parent_pid is not None:
+            return
         try:
             send(self._sock, {"op": "quit"})
         except OSError:
@@ -177,6 +186,8 @@ class Copier:
         self._sock.close()
 
     def kill(self) -> None:
+        if self._parent_pid is not None:
+            return
         if self.alive():
             self._process.kill()
         try:
@@ -187,7 +198,13 @@ class Copier:
 
     # ---- the exchange ------------------------------------------------------------------------
 
+    def _let_go_after_fork(self) -> None:
+        self._parent_pid = os.getppid()
+        self._sock.close()
+
     def _send(self, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
+        if self._parent_pid is not None:
+            raise CopierError(f"this process was forked from process {self._parent_pid}, whose copier this is")
         try:
             self._sock.settimeout(START_TIMEOUT_S)
             send(self._sock, message, fds)
@@ -219,3 +236,14 @@ class Copier:
         if not reply.get("ok"):
             raise CopierError(f"the copier failed at '{what}': {reply.get('error', 'no reason given')}")
         return reply
+
+
+_copiers: "weakref.WeakSet[Copier]" = weakref.WeakSet()
+
+
+def _let_go_after_fork() -> None:
+    for copier in list(_copiers):
+        copier._let_go_after_fork()
+
+
+os.register_at_fork(after_in_child=_let_go_after_fork)

@@ -215,6 +215,29 @@ def stop_reader() -> None:
         reader.stop()
 
 
+def _let_go_after_fork() -> None:
+    """A forked child (a DataLoader worker) closes its copies of the reader's pipes: the reader
+    must see the job's end of them close when the job goes, and belongs to the job alone."""
+    global _reader, _reader_lock
+    _reader_lock = threading.Lock()  # another thread may have held it at the fork
+    reader, _reader = _reader, None
+    if reader is None:
+        return
+    # The pipes' fds are pointed at /dev/null rather than closed: the file objects may hold a
+    # request buffered at the fork, and flush it when they go.
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for pipe in (reader.proc.stdin, reader.proc.stdout):
+            if pipe is not None:
+                os.dup2(null, pipe.fileno())
+    finally:
+        os.close(null)
+    reader.proc.returncode = 0  # not this process's child: never waited for here
+
+
+os.register_at_fork(after_in_child=_let_go_after_fork)
+
+
 def _from_reader(timeout: float) -> Optional[list[dict[str, Any]]]:
     global _reader
     with _reader_lock:
