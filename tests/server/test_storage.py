@@ -560,6 +560,36 @@ def test_jobs_of_one_host_register_at_once(db: Database) -> None:
     assert len(hosts) == 1 and len(hosts[0]["devices"]) == 8
 
 
+def test_jobs_listing_their_gpus_in_other_orders_write_them_at_once(db: Database) -> None:
+    """Jobs of one host may list its GPUs in different orders: their device writes, side by side,
+    must not deadlock (PostgreSQL aborts one of two transactions that lock rows crosswise)."""
+    ws, _ = _workspace(db)
+    devices = [gpu(i) for i in range(8)]
+    for i in range(4):
+        _register(db, ws, f"gpu-{i}", gpu_index=i, n_gpus=8)
+    failures: list[BaseException] = []
+    barrier = threading.Barrier(4)
+
+    def beat(i: int) -> None:
+        listed = devices if i % 2 else devices[::-1]
+        barrier.wait()
+        try:
+            for n in range(30):
+                db.run(storage.heartbeat, write=True, workspace_id=ws, process_id=f"gpu-{i}",
+                       report={"devices": listed, "memory_bytes": n}, now=time.time(), stale_after=1e9)
+        except BaseException as exc:  # noqa: BLE001
+            failures.append(exc)
+
+    threads = [threading.Thread(target=beat, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert failures == []
+    hosts = db.run(storage.list_devices, write=False, workspace_id=ws, now=time.time(), stale_after=1e9)["hosts"]
+    assert len(hosts) == 1 and len(hosts[0]["devices"]) == 8
+
+
 def test_concurrent_heartbeats_and_commands(db: Database) -> None:
     """Many threads writing at once: no 'database is locked', no lost update."""
     ws, _ = _workspace(db)

@@ -33,7 +33,9 @@ def upsert_devices(*, session: Session, workspace_id: int, host: str,
         return
     dialect = session.get_bind().dialect.name
     insert = sqlite_insert if dialect == "sqlite" else pg_insert
-    stmt = insert(table_of(Device)).values(list(rows.values()))
+    # In one order (by UUID) whatever order a job lists them in: two jobs' upserts then lock
+    # the rows in the same order and cannot deadlock on PostgreSQL.
+    stmt = insert(table_of(Device)).values([rows[uuid] for uuid in sorted(rows)])
     stmt = stmt.on_conflict_do_update(
         index_elements=["workspace_id", "host", "uuid"],
         set_={name: stmt.excluded[name] for name in (*_FIELDS, "updated_at")})
