@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 from typing import Iterator, Optional
 
 from flexium.api import session as _session
 from flexium.api.recoverable import recoverable
+from flexium.config import validate_device
+
+log = logging.getLogger("flexium")
 
 __all__ = [
     "run",
@@ -22,12 +26,16 @@ __all__ = [
 
 @contextlib.contextmanager
 def run(orchestrator: Optional[str] = None, device: Optional[str] = None, disabled: bool = False) -> Iterator[None]:
-    """Flexium is active inside the block; a session this block started ends with it."""
+    """Flexium is active inside the block; a session this block started ends with it. Inside a
+    running session (flexium.init()), the session's settings stay: a warning names any argument
+    that asked for others."""
     started_here = not _session.is_initialized()
     if started_here:
-        _session.init(server=orchestrator, device=device, disabled=disabled)
+        _session.start(orchestrator, device, disabled, server_parameter="orchestrator")
     current = _session.current()
     assert current is not None
+    if not started_here:
+        _warn_ignored(current, orchestrator=orchestrator, device=device, disabled=disabled)
     current.scopes += 1
     try:
         yield
@@ -35,6 +43,21 @@ def run(orchestrator: Optional[str] = None, device: Optional[str] = None, disabl
         current.scopes -= 1
         if started_here:
             _session.shutdown()
+
+
+def _warn_ignored(current: _session.Session, *, orchestrator: Optional[str], device: Optional[str],
+                  disabled: bool) -> None:
+    ignored = []
+    server = current.config.orchestrator if current.config is not None else None
+    if orchestrator is not None and orchestrator.strip() != server:
+        ignored.append(f"orchestrator={orchestrator!r} (the session's server: {server or 'none, local mode'})")
+    if device is not None and validate_device(device) != current.logical_device:
+        ignored.append(f"device={device!r} (the session's device: {current.logical_device})")
+    if disabled != current.disabled:
+        ignored.append(f"disabled={disabled} (the session's: disabled={current.disabled})")
+    if ignored:
+        log.warning("flexium.auto.run() inside the session flexium.init() started keeps that session's settings; "
+                    "ignored: %s. Call flexium.shutdown() first to start one with these.", "; ".join(ignored))
 
 
 def get_device() -> str:
@@ -56,8 +79,9 @@ def get_physical_device() -> str:
 
 
 def is_active() -> bool:
+    """True inside a flexium.auto.run() block (not disabled)."""
     current = _session.current()
-    return current is not None and not current.disabled
+    return current is not None and current.scopes > 0 and not current.disabled
 
 
 def is_migration_in_progress() -> bool:

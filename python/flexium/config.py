@@ -323,31 +323,36 @@ def _read_rc(path: Path) -> dict[str, tuple[Any, int]]:
     return found
 
 
+def _setting(name: str, param: Any, rc: dict[str, tuple[Any, int]], rc_path: Optional[Path],
+             parameter: str) -> Optional[_Raw]:
+    """One setting from the first source that has it: the parameter, its variable, the rc file."""
+    rc_key, env_name, _label = _FIELDS[name]
+    env_value = os.environ.get(env_name, "")
+    if param is not None:
+        return _Raw(param, SOURCE_PARAMETER, f"(passed in code as {parameter}=)")
+    if env_value.strip():
+        # An empty variable counts as unset: `FLEXIUM_SERVER= python train.py` means local mode.
+        return _Raw(env_value, env_name, f"(from environment variable {env_name})")
+    if name in rc:
+        value, line = rc[name]
+        return _Raw(value, str(rc_path), f"(from {rc_path}, line {line}, key '{rc_key}')")
+    return None
+
+
 def load_config(
     orchestrator: Optional[str] = None,
     device: Optional[str] = None,
     *,
     token: Optional[str] = None,
+    server_parameter: str = "orchestrator",
 ) -> FlexiumConfig:
-    """Resolve and validate flexium's settings. Raises ConfigError naming the bad value's source."""
+    """Resolve and validate flexium's settings. Raises ConfigError naming the bad value's source.
+    `server_parameter`: what the caller's API calls the server address (init's is `server`)."""
     rc_path = find_config_file()
     rc = _read_rc(rc_path) if rc_path is not None else {}
     params: dict[str, Any] = {"orchestrator": orchestrator, "device": device, "token": token}
-
-    raw: dict[str, Optional[_Raw]] = {}
-    for name, (rc_key, env_name, label) in _FIELDS.items():
-        param = params.get(name)
-        env_value = os.environ.get(env_name, "")
-        if param is not None:
-            raw[name] = _Raw(param, SOURCE_PARAMETER, f"(passed in code as {name}=)")
-        elif env_value.strip():
-            # An empty variable counts as unset: `FLEXIUM_SERVER= python train.py` means local mode.
-            raw[name] = _Raw(env_value, env_name, f"(from environment variable {env_name})")
-        elif name in rc:
-            value, line = rc[name]
-            raw[name] = _Raw(value, str(rc_path), f"(from {rc_path}, line {line}, key '{rc_key}')")
-        else:
-            raw[name] = None
+    raw = {name: _setting(name, params.get(name), rc, rc_path, server_parameter if name == "orchestrator" else name)
+           for name in _FIELDS}
 
     sources: dict[str, str] = {}
     for name in _FIELDS:
@@ -387,6 +392,15 @@ def load_config(
         config_file=str(rc_path) if rc_path is not None else None,
         sources=MappingProxyType(sources),
     )
+
+
+def resolve_device(device: Optional[str] = None) -> str:
+    """The device alone, from the same sources in the same order as load_config (a disabled
+    session reads no other setting)."""
+    rc_path = find_config_file()
+    rc = _read_rc(rc_path) if rc_path is not None else {}
+    entry = _setting("device", device, rc, rc_path, "device")
+    return validate_device(entry.value, where=entry.where) if entry is not None else DEFAULT_DEVICE
 
 
 def print_local_mode_warning() -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import re
+from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
@@ -30,6 +31,7 @@ from fake_driver import FakeDriver, ProcessState  # noqa: E402
 from flexium.api import device_routing  # noqa: E402
 from flexium.api import session as session_module  # noqa: E402
 from flexium.engine import Engine, EngineState  # noqa: E402
+from flexium.errors import ConfigError  # noqa: E402
 
 PROCESS_ID = re.compile(r"^gpu-[0-9a-f]{8}$")
 
@@ -132,7 +134,7 @@ def test_init_with_the_fake_driver_starts_the_engine(clean: FakeDriver, capsys: 
     assert flexium.auto.get_physical_device() == "cuda:0"
     assert flexium.auto.is_migration_enabled() is True
     assert flexium.auto.is_migration_in_progress() is False
-    assert flexium.auto.is_active() is True
+    assert flexium.auto.is_active() is False  # init() alone: not inside a flexium.auto.run() block
     assert device_routing.is_installed()
     assert device_routing.managed_device() == "cuda:0"
     err = capsys.readouterr().err
@@ -184,6 +186,47 @@ def test_is_migration_in_progress_during_an_operation(clean: FakeDriver) -> None
     assert flexium.auto.get_physical_device() == "cuda:1"
 
 
+def test_disabled_still_resolves_and_checks_the_device(clean: FakeDriver, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("GPU_DEVICE", "cuda:1")
+    flexium.init(disabled=True)
+    assert flexium.auto.get_device() == "cuda:1" == flexium.auto.get_physical_device()
+    flexium.shutdown()
+    with pytest.raises(ConfigError, match="device 'bogus' \\(passed in code as device=\\) is not valid"):
+        flexium.init(disabled=True, device="bogus")
+    assert not flexium.is_initialized()
+    monkeypatch.setenv("GPU_DEVICE", "gpu1")
+    with pytest.raises(ConfigError, match="from environment variable GPU_DEVICE"):
+        flexium.init(disabled=True)
+
+
+def test_a_bad_server_is_named_as_the_caller_passed_it(clean: FakeDriver) -> None:
+    with pytest.raises(ConfigError, match="passed in code as server="):
+        flexium.init(server=123)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="passed in code as orchestrator="):
+        with flexium.auto.run(orchestrator=123):  # type: ignore[arg-type]
+            pass
+    assert not flexium.is_initialized()
+
+
+def test_init_applies_the_configured_log_level(clean: FakeDriver, monkeypatch: pytest.MonkeyPatch) -> None:
+    import logging
+
+    logger = logging.getLogger("flexium")
+    before = logger.level
+    try:
+        monkeypatch.setenv("FLEXIUM_LOG_LEVEL", "debug")
+        flexium.init()
+        assert logger.level == logging.DEBUG
+        flexium.shutdown()
+        monkeypatch.delenv("FLEXIUM_LOG_LEVEL")
+        Path.cwd().joinpath(".flexiumrc").write_text("log_level: WARNING\n")  # `clean` runs in a tmp dir
+        flexium.init()
+        assert logger.level == logging.WARNING
+    finally:
+        flexium.shutdown()
+        logger.setLevel(before)
+
+
 def test_process_id(clean: FakeDriver) -> None:
     first = flexium.auto.get_process_id()
     assert PROCESS_ID.match(first)
@@ -215,13 +258,26 @@ def test_run_ends_its_session_when_the_block_raises(clean: FakeDriver) -> None:
     assert not flexium.is_initialized() and flexium.auto.is_active() is False
 
 
-def test_run_inside_init_keeps_the_session(clean: FakeDriver) -> None:
+def test_run_inside_init_keeps_the_session(clean: FakeDriver, capsys: pytest.CaptureFixture[str]) -> None:
     flexium.init()
     before = session_module.current()
+    capsys.readouterr()
     with flexium.auto.run():
         assert session_module.current() is before and before.scopes == 1
+        assert flexium.auto.is_active() is True
     assert session_module.current() is before and before.scopes == 0
-    assert flexium.auto.is_active() is True
+    assert flexium.auto.is_active() is False
+    assert "ignored" not in capsys.readouterr().err  # no argument asked for other settings
+    with flexium.auto.run(device="cuda:0", orchestrator=None):  # what the session has: nothing to say
+        pass
+    assert "ignored" not in capsys.readouterr().err
+    with flexium.auto.run(orchestrator="localhost:9/w", device="cuda:1", disabled=True):
+        assert flexium.auto.get_device() == "cuda:0" and flexium.auto.is_active() is True
+    err = capsys.readouterr().err
+    assert "flexium.auto.run() inside the session flexium.init() started keeps that session's settings" in err
+    assert "orchestrator='localhost:9/w' (the session's server: none, local mode)" in err
+    assert "device='cuda:1' (the session's device: cuda:0)" in err and "disabled=True" in err
+    assert session_module.current() is before
 
 
 def test_disabled_bypasses_everything(clean: FakeDriver) -> None:
@@ -321,7 +377,7 @@ def test_without_a_driver_training_runs_and_migration_is_off(scripts: dict[str, 
     run = scripts["no_driver"].wait()
     out = run.result
     assert out["initialized"] is True and out["engine"] is False
-    assert out["migration_enabled"] is False and out["in_progress"] is False and out["active"] is True
+    assert out["migration_enabled"] is False and out["in_progress"] is False and out["active"] is False
     assert PROCESS_ID.match(out["process_id"])
     assert out["last_loss"] < out["first_loss"] / 10  # training ran on CPU tensors
     caps = out["caps"]

@@ -10,7 +10,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from flexium.config import FlexiumConfig, load_config, print_local_mode_warning
+from flexium.config import FlexiumConfig, load_config, print_local_mode_warning, resolve_device
 from flexium.engine.capabilities import Capabilities, detect
 from flexium.errors import ConfigError
 
@@ -49,15 +49,24 @@ def is_initialized() -> bool:
 
 
 def init(server: Optional[str] = None, device: Optional[str] = None, disabled: bool = False) -> None:
-    global _session
     with _lock:
         if _session is not None:
             log.warning("flexium.init() was already called; this call changes nothing (call shutdown() first)")
             return
+        start(server, device, disabled, server_parameter="server")
+
+
+def start(server: Optional[str], device: Optional[str], disabled: bool, *, server_parameter: str) -> None:
+    """Starts the session (none may be running); `server_parameter` names `server` in errors as
+    the caller's API spells it."""
+    global _session
+    with _lock:
+        assert _session is None, "a flexium session is already running"
         if disabled:
-            _session = Session(config=None, process_id=_process_id, logical_device=device or "cuda:0", disabled=True)
+            _session = Session(config=None, process_id=_process_id, logical_device=resolve_device(device),
+                               disabled=True)
             return
-        config = load_config(orchestrator=server, device=device)
+        config = load_config(orchestrator=server, device=device, server_parameter=server_parameter)
         from flexium._logging import configure_logging
 
         configure_logging(config.log_level)
