@@ -19,6 +19,12 @@ python -m pip install -q --no-build-isolation ".[test]"
 echo "== CPU tests"
 python -m pytest -q tests/unit "$@"
 
+# Framework tests (tests/frameworks): PyTorch Lightning's and Hugging Face's Trainers train after
+# flexium.init() while the job is migrated, paused and resumed (the fake driver, CPU torch).
+echo "== framework tests (PyTorch Lightning, Hugging Face Trainer)"
+python -m pip install -q "lightning==2.6.6" "transformers==5.24.0" "accelerate==1.15.0"
+python -m pytest -q tests/frameworks "$@"
+
 # The whole package type-checks (server included: its extra is installed for mypy to read).
 echo "== mypy"
 python -m pip install -q --no-build-isolation ".[server,test]"
