@@ -3,9 +3,11 @@
 // vmm_relocate.h: process RUNNING, registry lock held while segments are touched, DriverError
 // naming the failed call.
 //
-// The staging is plain anonymous host memory, touched ahead of a pause and pinned
-// (cuMemHostRegister) only while copies run through it: pinned memory in the process slows the
-// driver's checkpoint and restore, unpinned memory does not (vmm_host_staging.cpp says how much).
+// The staging is host memory (memfds the copier process maps too), touched ahead of a pause and
+// pinned (cuMemHostRegister) only while copies run through it: pinned memory in the process slows
+// the driver's checkpoint and restore, unpinned memory does not (vmm_host_staging.cpp says how
+// much). Implemented in vmm_host_staging.cpp (the memory), vmm_host_copies.cpp (copies in this
+// process) and vmm_host_orders.cpp (copies by the copier).
 #pragma once
 
 #include <cstddef>
