@@ -287,7 +287,7 @@ static struct {
    * the process stays CHECKPOINTED (docs/fast-path.md). */
   int image_has_imported;
   /* Pinned host bytes when the last checkpoint was taken: on H200s pinned memory slows the
-   * checkpoint and restore (csrc/vmm_host_staging.cpp), so the fast pause unpins before it. */
+   * checkpoint and restore (csrc/vmm_host_staging.cpp says how much), so the fast pause unpins before it. */
   unsigned long long pinned_at_checkpoint;
 
   /* behaviour and failure injection */

@@ -1,5 +1,5 @@
 """The VMM allocator (csrc/vmm_allocator.cpp) and the fast path's relocation primitives
-(csrc/vmm_relocate.cpp, csrc/vmm_host_staging.cpp) against the fake driver, which backs device
+(csrc/vmm_relocate.cpp, csrc/vmm_host_*.cpp) against the fake driver, which backs device
 memory with host memory: the bytes behind a returned address are read and written with ctypes.
 
 flexium_vmm_alloc/free are called through ctypes on the _C module file, as PyTorch's
