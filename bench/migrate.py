@@ -10,7 +10,8 @@ state, bench/bench_job.py): one job with the memory pool on doing fast migrate c
 driver migrate back, fast pause + resume and driver pause + resume (in place); one job with
 flexium disabled doing the move by hand (model, AdamW state and ballast .to("cuda:1")).
 With --repeat-pause N: N-1 more pool jobs doing the fast pause + resume only, for each size that
-has a pause or resume goal (16 GiB), which is then judged on the median of N runs. Unless --no-compare-in-process: per size one more pool job, fast pause + resume only, with the
+has a pause or resume goal (16 GiB), which is then judged on the median of N runs.
+Unless --no-compare-in-process: per size one more pool job, fast pause + resume only, with the
 host copies in the job's process (FLEXIUM_HOST_COPIER=0; rows "fast-here") beside the default
 copier process (rows "fast").
 
