@@ -54,14 +54,22 @@ def control():
             ops.append(dict(op=op, ok=result.ok and resumed.ok, path=result.path,
                             steps_while_paused=steps_while_paused))
 
-def report(undisturbed, training_thread):
+# fit(record) undisturbed, then again while control() runs; prints both runs' losses.
+def run_both(fit):
+    undisturbed = []
+    fit(undisturbed)
+    controller = threading.Thread(target=control, name="control")
+    controller.start()
+    fit(losses)
+    controller.join()
     print("RESULT " + json.dumps(dict(undisturbed=undisturbed, disturbed=losses, ops=ops, on_thread=on_thread,
-                                      training_thread=training_thread, device=flexium.auto.get_device())))
+                                      training_thread=threading.current_thread().name,
+                                      device=flexium.auto.get_device())))
     flexium.shutdown()
 """
 
 LIGHTNING = """
-import threading, time, torch, lightning as L
+import time, torch, lightning as L
 
 class Net(L.LightningModule):
     def __init__(self, record):
@@ -88,17 +96,11 @@ def fit(record):
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(Net(record), loader)
 
-undisturbed = []
-fit(undisturbed)
-controller = threading.Thread(target=control, name="control")
-controller.start()
-fit(losses)
-controller.join()
-report(undisturbed, threading.current_thread().name)
+run_both(fit)
 """
 
 HF_TRAINER = """
-import tempfile, threading, time, torch
+import tempfile, time, torch
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
 from transformers.utils import logging as hf_logging
 hf_logging.set_verbosity_error()
@@ -124,13 +126,7 @@ def fit(record):
     trainer.record = record
     trainer.train()
 
-undisturbed = []
-fit(undisturbed)
-controller = threading.Thread(target=control, name="control")
-controller.start()
-fit(losses)
-controller.join()
-report(undisturbed, threading.current_thread().name)
+run_both(fit)
 """
 
 
