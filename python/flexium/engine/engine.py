@@ -5,10 +5,10 @@ Every operation validates before touching anything, runs its locked section in o
 its target, or (pause, failed resume) checkpointed and paused. Anything else raises
 RollbackFailedError and is logged at CRITICAL.
 
-Two paths: the fast path (fast_path.py) moves the memory pool's segments itself at a safe
-point and leaves the driver only the rest; the driver path lets the checkpoint carry
-everything. The fast path runs when the pool is in use and a safe point comes within the
-bounded wait; otherwise, or when asked, the driver path does.
+Two paths: the fast path (fast_transactions.py, mixed in here) moves the memory pool's
+segments itself at a safe point and leaves the driver only the rest; the driver path (here) lets
+the checkpoint carry everything. The fast path runs when the pool is in use and a safe point
+comes within the bounded wait; otherwise, or when asked, the driver path does.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from typing import Callable, Iterator, Optional, Sequence
 from flexium import _C
 from flexium.engine import nvml, torch_bridge
 from flexium.engine.capabilities import Capabilities
-from flexium.engine.fast_path import FastPath, RelocationError, Staged, host_memory_available
+from flexium.engine.fast_path import FastPath, host_memory_available
+from flexium.engine.fast_transactions import FastTransactions
 from flexium.engine.identity import IdentityMap, Target
 from flexium.engine.operations import (
     EngineState,
@@ -35,6 +36,7 @@ from flexium.engine.operations import (
 )
 from flexium.engine.parking import Parking
 from flexium.engine.safe_point import SafePoints
+from flexium.engine.step_outcomes import describe_failure, first_failure, own_restore_succeeded, timing_of
 from flexium.errors import (
     CapabilityError,
     InvalidStateError,
@@ -51,8 +53,6 @@ DEFAULT_LOCK_TIMEOUT_MS = 30_000
 DEFAULT_SAFE_POINT_WAIT_SECONDS = 5.0
 # Restore needs some room beyond the process's own bytes (driver bookkeeping on the target).
 DEFAULT_MEMORY_MARGIN_BYTES = 512 << 20
-# Memory made the job's own per optimizer step after a fast move (H200s: about 4.4 ms per GiB).
-OWN_SLICE_BYTES = 4 << 30
 # Host memory a pause leaves free beside what it stages.
 HOST_MEMORY_MARGIN_BYTES = 1 << 30
 PATHS = ("auto", "fast", "driver")
@@ -84,7 +84,7 @@ def snapshot_gpus() -> list[GpuIdentity]:
     ]
 
 
-class Engine:
+class Engine(FastTransactions):
     def __init__(
         self,
         *,
@@ -418,13 +418,13 @@ class Engine:
         prepare, moved = self._prepare(OperationKind.MIGRATE)
         outcomes = self._run_steps(*self._migration_steps(pairs))
         final = _C.process_state(self._pid)
-        restored = _restored(outcomes)
+        restored = own_restore_succeeded(outcomes)
         if restored:
             self._identity.apply(pairs)  # its memory is on the target now, whatever follows
         where = dest if restored else source
         return self._settle(
             self._result(
-                OperationKind.MIGRATE, source, dest, (*owned, prepare, *map(_timing, outcomes)), moved, started, notes
+                OperationKind.MIGRATE, source, dest, (*owned, prepare, *map(timing_of, outcomes)), moved, started, notes
             ),
             outcomes,
             final,
@@ -453,7 +453,7 @@ class Engine:
         if succeeded:
             self._paused_bytes = moved
         return self._settle(
-            self._result(OperationKind.PAUSE, source, None, (*owned, prepare, *map(_timing, outcomes)), moved, started, notes),
+            self._result(OperationKind.PAUSE, source, None, (*owned, prepare, *map(timing_of, outcomes)), moved, started, notes),
             outcomes,
             final,
             succeeded=succeeded,
@@ -478,8 +478,8 @@ class Engine:
         # A failed restore leaves the process checkpointed (DESIGN.md fact 3): still paused, nothing to undo.
         outcomes = self._run_steps(steps, [[], [_C.Step(_C.StepKind.UNLOCK)]], hold_gil=from_host)
         final = _C.process_state(self._pid)
-        succeeded = final == _C.ProcessState.RUNNING and _restored(outcomes)
-        timings = tuple(map(_timing, outcomes))
+        succeeded = final == _C.ProcessState.RUNNING and own_restore_succeeded(outcomes)
+        timings = tuple(map(timing_of, outcomes))
         if succeeded:
             self._identity.apply(pairs)
         result = self._result(
@@ -497,223 +497,6 @@ class Engine:
                 _C.ProcessState.CHECKPOINTED: (EngineState.PAUSED, "the job is still paused and can be resumed again")
             },
         )
-
-    # ---- the fast path's transactions (fast_path.py moves the segments) -----------------
-
-    def _run_fast_migration(
-        self, source: GpuIdentity, dest: GpuIdentity, pairs: list[tuple[str, str]], notes: tuple[str, ...]
-    ) -> OperationResult:
-        assert self._fast is not None
-        fast = self._fast
-        started = time.perf_counter()
-        self._set_state(EngineState.MIGRATING)
-        prepare, moved = self._prepare(OperationKind.MIGRATE)
-        target_ordinal = self._identity.logical_on(dest.uuid)
-        assert target_ordinal is not None, f"{dest.uuid} has no ordinal in this process"
-        steps: list[StepTiming] = [prepare]
-
-        def result(**changes: object) -> OperationResult:
-            base = self._result(OperationKind.MIGRATE, source, dest, tuple(steps), moved, started, notes, path="fast")
-            return replace(base, **changes)  # type: ignore[arg-type]
-
-        try:
-            staged, timing = fast.stage_to_device(self._logical, target_ordinal)
-            steps.append(timing)
-        except RelocationError as exc:
-            steps.append(exc.timing)
-            self._set_state(EngineState.RUNNING)
-            return result(failed_step=exc.step, error=f"{exc}; nothing moved: the job runs on {source.device} as before")
-        copied = _note_copied(staged)
-        try:
-            steps.append(fast.release(self._logical))
-        except RelocationError as exc:
-            steps.append(exc.timing)
-            return self._fast_rollback(result, steps, exc.step, str(exc), staged, source, (*notes, copied))
-
-        outcomes = self._run_steps(*self._migration_steps(pairs), hold_gil=True)
-        steps.extend(map(_timing, outcomes))
-        final = _C.process_state(self._pid)
-        restored = _restored(outcomes)
-        if restored:
-            self._identity.apply(pairs)
-        if final == _C.ProcessState.RUNNING and restored:
-            try:
-                steps.append(fast.map_back(staged, self._logical))
-            except RelocationError as first:
-                steps.append(first.timing)
-                try:  # once more: a segment that mapped stays mapped, the rest may go through now
-                    steps.append(fast.map_back(staged, self._logical))
-                except RelocationError as exc:
-                    steps.append(exc.timing)
-                    self._set_state(EngineState.FAILED)
-                    return result(
-                        failed_step=exc.step, notes=(*notes, copied),
-                        error=f"{exc}; ROLLBACK FAILED: the job runs on {dest.device} but part of its memory is "
-                        "not mapped back; restart the job",
-                    )
-            self._set_state(EngineState.RUNNING)
-            return result(ok=True, notes=(*notes, copied, "the moved memory becomes the job's own over the next "
-                                          f"optimizer steps ({_gib(OWN_SLICE_BYTES)} each)"))
-        failure = _first_failure(outcomes)
-        if final == _C.ProcessState.RUNNING:
-            return self._fast_rollback(result, steps, failure.step, _describe(failure), staged, source, (*notes, copied))
-        self._set_state(EngineState.FAILED)
-        return result(
-            failed_step=failure.step, notes=(*notes, copied),
-            error=f"{_describe(failure)}; ROLLBACK FAILED: the process is {final.name}, not RUNNING; its pool memory "
-            f"waits on {dest.device}",
-        )
-
-    def _own_in_slices(self) -> None:
-        """After a fast move the mapped copies came in through fds: imported memory is neither
-        restorable by a driver checkpoint nor counted for this process by NVML. After a driver
-        restore the pool's memory cannot be exported to the copier process. Either way the
-        segments get fresh memory of the job's own a slice at a time at the next optimizer steps,
-        outside the operation's downtime (H200: 0.28 s for 64 GiB in one go). Should a slice fail,
-        the rest waits: the driver path owns imported memory before its checkpoint, and a pause
-        copies unexportable memory in this process."""
-        if self._fast is None or _C.vmm_segments_to_own() == 0:
-            return
-        fast, logical = self._fast, self._logical
-
-        def own_a_slice() -> bool:
-            if _C.vmm_segments_to_own() == 0:
-                return False
-            fast.own(logical, OWN_SLICE_BYTES)
-            return _C.vmm_segments_to_own() > 0
-
-        self._safe_points.between_operations(own_a_slice)
-
-    def _own_before_driver_checkpoint(self, kind: OperationKind, at_safe_point: bool) -> tuple[StepTiming, ...]:
-        """Imported memory left by a fast move whose own step failed cannot be restored by a driver
-        checkpoint (docs/fast-path.md): it is made the job's own here, before a driver-path
-        checkpoint, and only where no kernel can be launched on a segment while its memory is
-        swapped: at a safe point or on the training thread."""
-        if self._fast is None or _C.vmm_imported_count() == 0:
-            return ()
-        # The training thread itself (recoverable() after an error) launches nothing meanwhile either.
-        if not (at_safe_point or self._safe_points.on_training_thread()):
-            raise OperationFailedError(
-                f"{kind.value} refused before anything was touched: part of the job's memory came in by an "
-                "earlier fast move and must be made its own at an optimizer step before the driver's "
-                f"checkpoint can carry it, and no optimizer step came within {self.safe_point_wait_seconds:g} s; "
-                "try again while the job trains",
-                step="validate",
-            )
-        try:
-            return (self._fast.own(self._logical),)
-        except RelocationError as exc:
-            raise OperationFailedError(
-                f"{kind.value} failed at step 'own' before anything was locked: {exc}; the job keeps running "
-                "on its GPU (the fast path can still move it)",
-                step="own",
-            ) from exc
-
-    def _fast_rollback(
-        self,
-        result: Callable[..., OperationResult],
-        steps: list[StepTiming],
-        failed_step: str,
-        error: str,
-        staged: Staged,
-        source: GpuIdentity,
-        notes: tuple[str, ...],
-    ) -> OperationResult:
-        """The job runs on its source GPU with some segments released: bring their data home."""
-        assert self._fast is not None
-        try:
-            steps.append(self._fast.bring_home(staged, self._logical))
-        except RelocationError as exc:
-            steps.append(replace(exc.timing, rollback=True))
-            self._set_state(EngineState.FAILED)
-            return result(failed_step=failed_step, notes=notes, error=f"{error}; ROLLBACK FAILED: {exc}; restart the job")
-        steps[-1] = replace(steps[-1], rollback=True)
-        self._set_state(EngineState.RUNNING)
-        return result(
-            failed_step=failed_step, notes=notes, error=f"{error}; rolled back: the job runs on {source.device} as before"
-        )
-
-    def _run_fast_pause(self, source: GpuIdentity, notes: tuple[str, ...] = ()) -> OperationResult:
-        assert self._fast is not None
-        fast = self._fast
-        started = time.perf_counter()
-        self._set_state(EngineState.PAUSING)
-        prepare, moved = self._prepare(OperationKind.PAUSE)
-        steps: list[StepTiming] = [prepare]
-
-        def result(**changes: object) -> OperationResult:
-            base = self._result(OperationKind.PAUSE, source, None, tuple(steps), moved, started, notes, path="fast")
-            return replace(base, **changes)  # type: ignore[arg-type]
-
-        def undo(failed_step: str, error: str) -> OperationResult:
-            try:
-                _, timing = fast.restore_from_host(self._logical, source.uuid, step="rollback_copy")
-                steps.append(replace(timing, rollback=True))
-            except RelocationError as exc:
-                steps.append(replace(exc.timing, rollback=True))
-                self._set_state(EngineState.FAILED)
-                return result(failed_step=failed_step, error=f"{error}; ROLLBACK FAILED: {exc}; restart the job")
-            fast.release_host_later()
-            self._set_state(EngineState.RUNNING)
-            return result(failed_step=failed_step, error=f"{error}; rolled back: the job runs on {source.device} as before")
-
-        try:
-            copied, timing = fast.stage_to_host(self._logical)
-            steps.append(timing)
-        except RelocationError as exc:
-            steps.append(exc.timing)
-            fast.release_host_later()
-            self._set_state(EngineState.RUNNING)
-            return result(failed_step=exc.step, error=f"{exc}; nothing moved: the job runs on {source.device} as before")
-        notes = (*notes, f"fast path: copied {copied / GIB:.2f} GiB in use of {fast.pool_bytes(self._logical) / GIB:.2f} "
-                 "GiB of pool segments to host memory")
-        try:
-            steps.append(fast.release(self._logical))
-        except RelocationError as exc:
-            steps.append(exc.timing)
-            return undo(exc.step, str(exc))
-        outcomes = self._run_steps(*self._pause_steps(), hold_gil=True)
-        steps.extend(map(_timing, outcomes))
-        final = _C.process_state(self._pid)
-        if final == _C.ProcessState.CHECKPOINTED and not any(o.code for o in outcomes):
-            steps.append(fast.copier_asleep())
-            self._paused_bytes = moved
-            self._set_state(EngineState.PAUSED)
-            return result(ok=True, notes=(*notes, *_copier_notes(fast)))
-        failure = _first_failure(outcomes)
-        if final == _C.ProcessState.RUNNING:
-            return undo(failure.step, _describe(failure))
-        self._set_state(EngineState.FAILED)
-        return result(
-            failed_step=failure.step,
-            error=f"{_describe(failure)}; ROLLBACK FAILED: the process is {final.name}; its pool memory is in host memory",
-        )
-
-    def _bring_back_from_host(self, result: OperationResult, dest: GpuIdentity) -> OperationResult:
-        """After a restore that ended a fast pause: the segments come back from host memory, whose
-        staging is then given back."""
-        assert self._fast is not None
-        steps = list(result.steps)
-        for attempt in range(2):
-            try:
-                _, timing = self._fast.restore_from_host(self._logical, dest.uuid)
-                steps.append(timing)
-                break
-            except RelocationError as exc:
-                steps.append(exc.timing)
-                if attempt == 1:
-                    self._set_state(EngineState.FAILED)
-                    where = result.target.device if result.target is not None else self.logical_device
-                    return replace(
-                        result, steps=tuple(steps), failed_step=exc.step,
-                        error=f"{exc}; ROLLBACK FAILED: the job runs on {where} but part of its memory is still in "
-                        "host memory; restart the job",
-                    )
-        notes = _copier_notes(self._fast)
-        self._fast.release_host_later()
-        self._set_state(EngineState.RUNNING)
-        return replace(result, ok=True, steps=tuple(steps), notes=(*result.notes, *notes), seconds=result.seconds + sum(
-            s.seconds for s in steps[len(result.steps):]))
 
     def _result(
         self,
@@ -755,16 +538,16 @@ class Engine:
         if succeeded:
             self._set_state(on_success)
             return replace(result, ok=True)
-        failure = _first_failure(outcomes)
+        failure = first_failure(outcomes)
         if final in rolled_back:
             state, outcome = rolled_back[final]
             self._set_state(state)
-            return replace(result, failed_step=failure.step, error=f"{_describe(failure)}; {outcome}")
+            return replace(result, failed_step=failure.step, error=f"{describe_failure(failure)}; {outcome}")
         self._set_state(EngineState.FAILED)
         return replace(
             result,
             failed_step=failure.step,
-            error=f"{_describe(failure)}; ROLLBACK FAILED: the process is {final.name}{stuck}",
+            error=f"{describe_failure(failure)}; ROLLBACK FAILED: the process is {final.name}{stuck}",
         )
 
     def _migration_steps(self, pairs: list[tuple[str, str]]) -> tuple[list[_C.Step], list[list[_C.Step]]]:
@@ -843,57 +626,9 @@ class Engine:
         raise OperationFailedError(f"{result.kind.value} failed: {result.error}", step=result.failed_step or "?", result=result)
 
 
-def _copier_notes(fast: FastPath) -> tuple[str, ...]:
-    """Says when the copies ran in this process because the copier failed, once."""
-    why, fast.copier_fallback = fast.copier_fallback, ""
-    return (f"the copies to and from host memory ran in this process: {why}",) if why else ()
-
-
-def _note_copied(staged: Staged) -> str:
-    return (
-        f"fast path: copied {staged.copied_bytes / GIB:.2f} GiB in use of {staged.segment_bytes / GIB:.2f} GiB "
-        f"in {len(staged.entries)} pool segments"
-    )
-
-
 def _check_path(path: str) -> None:
     if path not in PATHS:
         raise ValueError(f"path must be one of {', '.join(PATHS)}, not {path!r}")
-
-
-def _timing(outcome: _C.StepOutcome) -> StepTiming:
-    error = None if outcome.code == 0 else f"{outcome.error_name} ({outcome.error_text})"
-    return StepTiming(
-        step=outcome.step, seconds=float(outcome.seconds), ok=outcome.code == 0, rollback=outcome.rollback, error=error
-    )
-
-
-def _restored(outcomes: Sequence[_C.StepOutcome]) -> bool:
-    """Whether the operation's own restore (not a rollback's) succeeded."""
-    return any(o.step == "restore" and not o.rollback and o.code == 0 for o in outcomes)
-
-
-def _first_failure(outcomes: Sequence[_C.StepOutcome]) -> _C.StepOutcome:
-    for outcome in outcomes:
-        if outcome.code != 0:
-            return outcome
-    raise AssertionError("no failed step among the outcomes")
-
-
-_STEP_CALLS = {
-    "lock": "cuCheckpointProcessLock",
-    "checkpoint": "cuCheckpointProcessCheckpoint",
-    "restore": "cuCheckpointProcessRestore",
-    "unlock": "cuCheckpointProcessUnlock",
-}
-
-
-def _describe(outcome: _C.StepOutcome) -> str:
-    step, name = outcome.step, outcome.error_name
-    text = f"step '{step}' failed: {_STEP_CALLS.get(step, step)} returned {name} ({outcome.error_text})"
-    if step == "lock" and name == "CUDA_ERROR_TIMEOUT":
-        text += " (the process stayed busy in CUDA work past the lock timeout; try again)"
-    return text
 
 
 def _state_refusal(kind: OperationKind, state: EngineState) -> str:
