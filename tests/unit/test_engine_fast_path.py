@@ -193,6 +193,17 @@ class Job:
         assert self.fake.primary_ctx_refcount(0) == self.fake.primary_ctx_refcount(1) == 0
         self.assert_contents()
 
+    def assert_copies_map_back(self, fds_before: int, physical: int) -> None:
+        """After a failed rollback nothing is lost: the last fast move's copies, still held by their
+        fds, map back at the segments' addresses once the driver lets them."""
+        self.fake.clear_failures()
+        assert self.fast is not None
+        staged = self.fast.staged[-1]
+        assert open_fds() - fds_before == len(staged.entries) == len(self.contents)
+        _C.map_imported(staged.entries, 0)
+        self.assert_home(physical=physical)
+        assert open_fds() == fds_before
+
     def close(self) -> None:
         for engine in self.engines:
             engine.stop()  # a paused job resumes, which lets a parked trainer go
@@ -556,14 +567,8 @@ def test_a_rollback_that_cannot_map_the_copies_fails_the_job(job: Job) -> None:
     assert step_summary(result)[-2:] == [("lock", False, False), ("rollback_copy", False, True)]
     assert "; ROLLBACK FAILED: step 'rollback_copy' failed: DriverError: cuMemImportFromShareableHandle" in result.error
     assert result.error.endswith("; restart the job")
-    # Nothing is lost: the copies on GPU 1 are still held by their fds and map back from there.
-    fake.clear_failures()
-    assert job.fast is not None
-    staged = job.fast.staged[-1]
-    assert open_fds() - fds == len(staged.entries) == 2
-    _C.map_imported(staged.entries, 0)
-    job.assert_home(physical=1)
-    assert fake.placement() == [0, 1] and open_fds() == fds
+    job.assert_copies_map_back(fds, physical=1)
+    assert fake.placement() == [0, 1]
 
 
 def test_a_lock_timeout_is_rolled_back(job: Job) -> None:
@@ -662,14 +667,7 @@ def test_a_map_failure_that_persists_fails_the_job(job: Job) -> None:
         "ROLLBACK FAILED: the job runs on cuda:1 but part of its memory is not mapped back; restart the job")
     assert engine.state == EngineState.FAILED
     assert failure(lambda: engine.migrate("cuda:0"), InvalidStateError).args[0].endswith("restart the job")
-    # Nothing is lost: the copies on GPU 1, held by their fds, map back once the driver lets them.
-    fake.clear_failures()
-    assert job.fast is not None
-    staged = job.fast.staged[-1]
-    assert open_fds() - fds == len(staged.entries) == 2
-    _C.map_imported(staged.entries, 0)
-    job.assert_home(physical=1)
-    assert open_fds() == fds
+    job.assert_copies_map_back(fds, physical=1)
 
 
 # ----------------------------------------------------------------------------- pause / resume
