@@ -53,6 +53,11 @@ Experiments (parts):
                      register-all-then-copy. Also a bare driver context: its create time, the GPU
                      memory NVML shows for it, and cuDevicePrimaryCtxReset with the memory still
                      registered (does it unpin, how long).
+  memfd_fill         Pure ctypes: how to fill the staging's memfd (csrc/vmm_host_staging.cpp
+                     map_extent). --gb GiB each way: touch (MADV_POPULATE_WRITE from up to 8
+                     threads, what csrc does now), fallocate (posix_fallocate of the memfd, no
+                     touch), fallocate+touch; then cuMemHostRegister per 256 MiB, timed, to see
+                     whether the way of filling changes how fast the pages pin afterwards.
   own_cost           Pure ctypes: --gb segments of 1 GiB made "imported" (cuMemCreate, export,
                      import, mapped at a reserved address), then replaced by own memory one segment
                      at a time as csrc/vmm_relocate.cpp own_imported does: cuMemCreate; reserve +
@@ -96,6 +101,7 @@ EXPERIMENTS: dict[str, tuple[str, ...]] = {
     "helper_copy": ("helper",),
     "shared_staging": ("compare",),
     "own_cost": ("own",),
+    "memfd_fill": ("compare",),
 }
 FAST_COPY_GBPS = 45.0  # "reaches ~50 GB/s" (DESIGN.md fact 10: 55 GB/s pinned here)
 PAUSE_GOAL_S = 1.0
@@ -214,13 +220,14 @@ class CudaError(RuntimeError):
 
 class Driver:
     def __init__(self) -> None:
-        self.lib = ctypes.CDLL("libcuda.so.1")
+        self.lib = ctypes.CDLL(os.environ.get("FLEXIUM_LIBCUDA", "libcuda.so.1"))  # FLEXIUM_LIBCUDA as flexium reads it
         self.fns: dict[str, Any] = {}
         for name, (symbol, argtypes) in SIGNATURES.items():
-            try:
-                fn = getattr(self.lib, symbol)
-            except AttributeError:
+            # The fake driver (tests/fake_driver) exports the plain names flexium resolves.
+            found = [getattr(self.lib, s) for s in (symbol, name) if hasattr(self.lib, s)]
+            if not found:
                 continue
+            fn = found[0]
             fn.argtypes = argtypes
             fn.restype = ctypes.c_int
             self.fns[name] = fn
@@ -1098,6 +1105,62 @@ def part_shared_staging(part: str, args: argparse.Namespace, result: dict[str, A
     result["ok"] = True
 
 
+# ---- experiment: memfd_fill ------------------------------------------------------------------------------
+
+
+def populate(libc: Libc, base: int, size: int, threads: int) -> None:
+    """Faults [base, base+size) in from `threads` threads (ctypes lets the GIL go during madvise)."""
+    slice_bytes = round_up(-(-size // threads), HUGE)
+
+    def work(start: int, length: int) -> None:
+        if libc.lib.madvise(start, length, MADV_POPULATE_WRITE) != 0:
+            libc.lib.memset(start, 0, length)
+
+    workers = [threading.Thread(target=work, args=(base + off, min(slice_bytes, size - off)))
+               for off in range(0, size, slice_bytes)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+
+
+def part_memfd_fill(part: str, args: argparse.Namespace, result: dict[str, Any], state: dict[str, Any]) -> None:
+    drv = Driver()
+    drv.primary_context(0)
+    libc = Libc()
+    size = pinned_bytes(args.gb)
+    threads = max(1, min(8, (os.cpu_count() or 2) // 2))  # as csrc's touch() picks them
+    result.update(gib=size / GIB, threads=threads, ways={})
+    for way in ("touch", "fallocate", "fallocate+touch"):
+        r: dict[str, Any] = {}
+        result["ways"][way] = r
+        addr, length, fd = map_host(libc, size, "memfd")
+        base = round_up(addr, HUGE)
+        chunks = [(base + off, min(CHUNK, size - off)) for off in range(0, size, CHUNK)]
+        try:
+            libc.lib.madvise(base, size, MADV_HUGEPAGE)
+            if way.startswith("fallocate"):
+                t = now()
+                os.posix_fallocate(fd, 0, length)
+                r["fallocate_s"] = now() - t
+            if way.endswith("touch"):
+                t = now()
+                populate(libc, base, size, threads)
+                r["touch_s"] = now() - t
+            r["fill_s"] = (r.get("fallocate_s") or 0.0) + (r.get("touch_s") or 0.0)
+            t = now()
+            for a, n in chunks:
+                drv.call("cuMemHostRegister", a, n, CU_MEMHOSTREGISTER_PORTABLE)
+            r["register_s"] = now() - t
+            for a, _n in chunks:
+                drv.call("cuMemHostUnregister", a)
+        finally:
+            libc.lib.munmap(addr, length)
+            os.close(fd)
+        log(f"   {way}: " + ", ".join(f"{k} {fmt(v)}" for k, v in r.items()))
+    result["ok"] = True
+
+
 # ---- experiment: own_cost ----------------------------------------------------------------------------------
 
 
@@ -1188,6 +1251,7 @@ PARTS: dict[str, Callable[[str, argparse.Namespace, dict[str, Any], dict[str, An
     "helper_copy": part_helper_copy,
     "shared_staging": part_shared_staging,
     "own_cost": part_own_cost,
+    "memfd_fill": part_memfd_fill,
 }
 
 
@@ -1358,6 +1422,20 @@ def table_shared(results: list[dict[str, Any]]) -> None:
               f"{memfd.get('after_reset')}")
 
 
+def table_fill(results: list[dict[str, Any]]) -> None:
+    import tables
+
+    for r in results:
+        gib = r.get("gib") or 0
+        rows = [(way, fmt(w.get("fallocate_s")), fmt(w.get("touch_s")), fmt(w.get("fill_s")),
+                 fmt(gbps(gib * GIB, w.get("fill_s")), 1), fmt(w.get("register_s")),
+                 fmt(gbps(gib * GIB, w.get("register_s")), 1), fmt(w.get("fill_s", 0) + w.get("register_s", 0)))
+                for way, w in (r.get("ways") or {}).items()]
+        print(f"memfd_fill, {fmt(gib, 1)} GiB, touch with {r.get('threads')} threads ({status(r)}):")
+        tables.print_table(("way", "fallocate s", "touch s", "fill s", "fill GB/s", "register s", "reg GB/s",
+                            "fill + register s"), rows)
+
+
 def table_own(results: list[dict[str, Any]]) -> None:
     import tables
 
@@ -1448,6 +1526,16 @@ def summary(by_experiment: dict[str, list[dict[str, Any]]]) -> list[str]:
         share = ", ".join(f"{n} {s['total_s'] / r['total_s']:.0%}" for n, s in steps.items() if r["total_s"])
         lines.append(f"own_cost: {r['total_s']:.3f} s for {gib:.0f} GiB ({per * 1e3:.1f} ms/GiB, 64 GiB ~ {per * 64:.2f} s "
                      f"vs 0.28 s measured in the fast path); shares: {share}")
+    for r in by_experiment.get("memfd_fill", []):
+        ways = {w: v for w, v in (r.get("ways") or {}).items() if v.get("register_s") is not None}
+        if not r.get("ok") or "touch" not in ways:
+            continue
+        now_s = ways["touch"]["fill_s"] + ways["touch"]["register_s"]
+        best = min(ways, key=lambda w: ways[w]["fill_s"] + ways[w]["register_s"])
+        best_s = ways[best]["fill_s"] + ways[best]["register_s"]
+        scale = 16.0 / r["gib"] if r.get("gib") else 0.0
+        lines.append(f"memfd_fill: fill + pin {r['gib']:.1f} GiB: touch (what csrc does) {now_s:.2f} s, best {best} "
+                     f"{best_s:.2f} s ({now_s / best_s:.1f}x); 16 GiB ~ {now_s * scale:.1f} s against {best_s * scale:.1f} s")
     return lines
 
 
@@ -1492,7 +1580,7 @@ def main() -> int:
         log(f"   {status(result)} in {result['wall_s']:.1f} s" + ("" if result.get("ok") else f": {result.get('error')}"))
 
     printers = {"pin_stall": table_pin_stall, "checkpoint_pinned": table_checkpoint_pinned, "helper_copy": table_helper,
-                "shared_staging": table_shared, "own_cost": table_own}
+                "shared_staging": table_shared, "own_cost": table_own, "memfd_fill": table_fill}
     for experiment, results in by_experiment.items():
         print()
         print(f"== {experiment}")

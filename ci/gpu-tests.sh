@@ -8,8 +8,8 @@
 # Environment: GPU_TESTS (what pytest runs, default tests/gpu), BENCH_SIZES (GB, default
 # 2,16,64), BENCH_ARGS (more bench/migrate.py options), BENCH_OVERHEAD=0 skips the step-time
 # benchmark, BENCH_CONTEXT=0 the context cost probe, BENCH_STAGING=1 adds the pause staging probe
-# (the probes and bench/nvml_read.py write bench-probes.txt: the device tool brings back at most 8
-# files).
+# (BENCH_STAGING_EXPERIMENTS picks its experiments, e.g. memfd_fill; the probes and
+# bench/nvml_read.py write bench-probes.txt: the device tool brings back at most 8 files).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-$PWD/gpu-results}"
@@ -56,7 +56,8 @@ if [ "$mode" != "--tests-only" ]; then
   fi
   if [ "${BENCH_STAGING:-0}" != "0" ]; then
     echo "== probe: bench/staging_probe.py"
-    timeout -k 10 "${BENCH_STAGING_TIMEOUT:-300}" python3 bench/staging_probe.py --gb "${BENCH_STAGING_GB:-8}" 2>&1 | tee -a "$out/bench-probes.txt"
+    timeout -k 10 "${BENCH_STAGING_TIMEOUT:-300}" python3 bench/staging_probe.py --gb "${BENCH_STAGING_GB:-8}" \
+      ${BENCH_STAGING_EXPERIMENTS:+--experiments "$BENCH_STAGING_EXPERIMENTS"} 2>&1 | tee -a "$out/bench-probes.txt"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   fi
 fi
