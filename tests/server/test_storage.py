@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 from sqlalchemy import text
@@ -537,25 +537,30 @@ def test_unregister_removes_commands(db: Database) -> None:
         db.run(storage.unregister_process, write=True, workspace_id=ws, process_id="gpu-1")
 
 
-def test_jobs_of_one_host_register_at_once(db: Database) -> None:
-    """Eight jobs of one host report the same GPUs at the same moment: no conflict error."""
-    ws, _ = _workspace(db)
+def _all_at_once(count: int, work: Callable[[int], None]) -> list[BaseException]:
+    """Runs work(0) .. work(count - 1) on threads released together; returns what they raised."""
     failures: list[BaseException] = []
-    barrier = threading.Barrier(8)
+    barrier = threading.Barrier(count)
 
-    def register(i: int) -> None:
+    def run(i: int) -> None:
         barrier.wait()
         try:
-            _register(db, ws, f"gpu-{i}", gpu_index=i, n_gpus=8)
+            work(i)
         except BaseException as exc:  # noqa: BLE001
             failures.append(exc)
 
-    threads = [threading.Thread(target=register, args=(i,)) for i in range(8)]
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(count)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    assert failures == []
+    return failures
+
+
+def test_jobs_of_one_host_register_at_once(db: Database) -> None:
+    """Eight jobs of one host report the same GPUs at the same moment: no conflict error."""
+    ws, _ = _workspace(db)
+    assert _all_at_once(8, lambda i: _register(db, ws, f"gpu-{i}", gpu_index=i, n_gpus=8)) == []
     hosts = db.run(storage.list_devices, write=False, workspace_id=ws, now=NOW, stale_after=STALE)["hosts"]
     assert len(hosts) == 1 and len(hosts[0]["devices"]) == 8
 
@@ -567,25 +572,14 @@ def test_jobs_listing_their_gpus_in_other_orders_write_them_at_once(db: Database
     devices = [gpu(i) for i in range(8)]
     for i in range(4):
         _register(db, ws, f"gpu-{i}", gpu_index=i, n_gpus=8)
-    failures: list[BaseException] = []
-    barrier = threading.Barrier(4)
 
     def beat(i: int) -> None:
         listed = devices if i % 2 else devices[::-1]
-        barrier.wait()
-        try:
-            for n in range(30):
-                db.run(storage.heartbeat, write=True, workspace_id=ws, process_id=f"gpu-{i}",
-                       report={"devices": listed, "memory_bytes": n}, now=time.time(), stale_after=1e9)
-        except BaseException as exc:  # noqa: BLE001
-            failures.append(exc)
+        for n in range(30):
+            db.run(storage.heartbeat, write=True, workspace_id=ws, process_id=f"gpu-{i}",
+                   report={"devices": listed, "memory_bytes": n}, now=time.time(), stale_after=1e9)
 
-    threads = [threading.Thread(target=beat, args=(i,)) for i in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert failures == []
+    assert _all_at_once(4, beat) == []
     hosts = db.run(storage.list_devices, write=False, workspace_id=ws, now=time.time(), stale_after=1e9)["hosts"]
     assert len(hosts) == 1 and len(hosts[0]["devices"]) == 8
 
@@ -595,22 +589,13 @@ def test_concurrent_heartbeats_and_commands(db: Database) -> None:
     ws, _ = _workspace(db)
     for i in range(8):
         _register(db, ws, f"gpu-{i}")
-    failures: list[BaseException] = []
 
     def beat(i: int) -> None:
-        try:
-            for n in range(25):
-                db.run(storage.heartbeat, write=True, workspace_id=ws, process_id=f"gpu-{i}",
-                       report={"memory_bytes": n}, now=time.time(), stale_after=1e9)
-                db.run(storage.list_processes, write=False, workspace_id=ws, now=time.time(), stale_after=1e9)
-        except BaseException as exc:  # noqa: BLE001
-            failures.append(exc)
+        for n in range(25):
+            db.run(storage.heartbeat, write=True, workspace_id=ws, process_id=f"gpu-{i}",
+                   report={"memory_bytes": n}, now=time.time(), stale_after=1e9)
+            db.run(storage.list_processes, write=False, workspace_id=ws, now=time.time(), stale_after=1e9)
 
-    threads = [threading.Thread(target=beat, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert failures == []
+    assert _all_at_once(8, beat) == []
     procs = db.run(storage.list_processes, write=False, workspace_id=ws, now=time.time(), stale_after=1e9)
     assert {p["memory_bytes"] for p in procs} == {24}
