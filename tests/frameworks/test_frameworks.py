@@ -21,7 +21,8 @@ import pytest
 
 import fake_driver
 
-FRAMEWORKS = {"lightning": "lightning==2.6.6", "transformers": "transformers==5.24.0", "accelerate": "accelerate==1.15.0"}
+FRAMEWORKS = {"lightning": "lightning==2.6.6", "transformers": "transformers==5.24.0",
+              "accelerate": "accelerate==1.15.0"}
 
 # Runs the operations of PLAN from a control thread as the training loop passes their steps.
 CONTROL = """
@@ -34,6 +35,7 @@ engine = session.current().engine
 losses, ops, on_thread = [], [], []
 engine.add_state_listener(lambda state: on_thread.append((state.value, threading.current_thread().name)))
 PLAN = [(6, "migrate", "cuda:1"), (14, "pause", None), (22, "migrate", "cuda:0")]
+STEPS = 40  # the last operation's safe point comes well before the end
 
 def wait_for_step(n):
     while len(losses) < n:
@@ -92,7 +94,7 @@ def fit(record):
     data = torch.utils.data.TensorDataset(torch.randn(512, 8), torch.randn(512, 1))
     loader = torch.utils.data.DataLoader(data, batch_size=16, shuffle=True, num_workers=2,
                                          generator=torch.Generator().manual_seed(0))
-    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=30, logger=False, enable_checkpointing=False,
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=STEPS, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False)
     trainer.fit(Net(record), loader)
 
@@ -119,9 +121,9 @@ def fit(record):
     model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_head=2, n_embd=32, vocab_size=97, n_positions=32))
     g = torch.Generator().manual_seed(1)
     data = [{"input_ids": ids, "labels": ids} for ids in torch.randint(0, 97, (256, 16), generator=g)]
-    args = TrainingArguments(output_dir=tempfile.mkdtemp(), use_cpu=True, per_device_train_batch_size=8, max_steps=30,
-                             learning_rate=1e-3, seed=0, report_to=[], save_strategy="no", logging_strategy="no",
-                             disable_tqdm=True, dataloader_num_workers=0)
+    args = TrainingArguments(output_dir=tempfile.mkdtemp(), use_cpu=True, per_device_train_batch_size=8,
+                             max_steps=STEPS, learning_rate=1e-3, seed=0, report_to=[], save_strategy="no",
+                             logging_strategy="no", disable_tqdm=True, dataloader_num_workers=0)
     trainer = Recording(model=model, args=args, train_dataset=data)
     trainer.record = record
     trainer.train()
@@ -148,7 +150,7 @@ def _run(script: str) -> dict[str, Any]:
 
 
 def _check(out: dict[str, Any]) -> None:
-    assert len(out["undisturbed"]) == 30
+    assert len(out["undisturbed"]) == 40
     assert out["disturbed"] == out["undisturbed"]              # bit-identical losses
     assert [(o["op"], o["ok"]) for o in out["ops"]] == [("migrate", True), ("pause", True), ("migrate", True)]
     assert [o.get("physical") for o in out["ops"]] == ["cuda:1", None, "cuda:0"]
