@@ -5,8 +5,8 @@ given, one request at a time, until the job says quit or goes away.
 
 Requests: hello (loads the driver); attach (the staging's extents as fds, sizes, chunks); wake
 (uuid, wait, pause_ms); copy (to_host, the segments as fds, sizes, pieces, then_sleep: a second
-reply follows once asleep); sleep; detach (unmaps the staging); quit. Each gets {"ok": true, ...} or {"ok": false, "error": "..."}. Only flexium._C is
-loaded: no torch.
+reply follows once asleep); sleep; detach (unmaps the staging); quit. Each gets {"ok": true, ...}
+or {"ok": false, "error": "..."}. Only flexium._C is loaded: no torch.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import socket
 import sys
 import time
 import traceback
-from typing import Any, Optional
+from typing import Any, Callable, Optional, Sequence
 
 from flexium import _C
 from flexium.engine.host_copier import close_all, receive, send
@@ -37,29 +37,27 @@ class Server:
             if op == "quit":
                 close_all(fds)
                 return 0
-            started = time.perf_counter()
-            try:
-                reply = self.handle(str(op), message, fds)
-                reply.update(ok=True, seconds=time.perf_counter() - started)
-            except Exception as exc:
-                traceback.print_exc(file=sys.stderr)
-                reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
-            finally:
-                close_all(fds)
-            send(self.sock, reply)
+            self.answer(lambda: self.handle(str(op), message, fds), fds)
             if op == "copy" and message.get("then_sleep") and self.copier is not None:
-                self.reply_after(self.copier.sleep)
+                self.answer(self.sleep)
 
-    def reply_after(self, work: Any) -> None:
+    def answer(self, work: Callable[[], dict[str, Any]], fds: Sequence[int] = ()) -> None:
+        """Runs one request and sends its reply. The fds it came with are closed before the reply:
+        a segment's fd kept here would keep its memory alive past the job's release."""
         started = time.perf_counter()
-        reply: dict[str, Any]
         try:
-            work()
-            reply = {"ok": True, "seconds": time.perf_counter() - started}
+            reply = work()
+            reply.update(ok=True, seconds=time.perf_counter() - started)
         except Exception as exc:
             traceback.print_exc(file=sys.stderr)
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            close_all(fds)
         send(self.sock, reply)
+
+    def sleep(self) -> dict[str, Any]:
+        self.require_attached("sleep").sleep()
+        return {}
 
     def handle(self, op: str, message: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         if op == "hello":
@@ -92,8 +90,7 @@ class Server:
             copied = copier.copy(bool(message["to_host"]), list(zip(fds, sizes)), [tuple(p) for p in message["pieces"]])
             return {"bytes": copied}
         if op == "sleep":
-            copier.sleep()
-            return {}
+            return self.sleep()
         raise ValueError(f"unknown request {op!r}")
 
     def require_attached(self, op: str) -> _C.HostCopier:
