@@ -460,6 +460,8 @@ def main() -> int:
     parser.add_argument("--no-compare-in-process", dest="compare_in_process", action="store_false",
                         help="skip the fast pause + resume rows with the copies in the job's process")
     args = parser.parse_args()
+    if args.repeat_pause < 1:
+        parser.error(f"--repeat-pause must be at least 1 (one run: the pool job's own), not {args.repeat_pause}")
     sizes = [float(s) for s in args.sizes.split(",") if s.strip()]
 
     started = time.perf_counter()
