@@ -58,6 +58,10 @@ Experiments (parts):
                      threads, what csrc does now), fallocate (posix_fallocate of the memfd, no
                      touch), fallocate+touch; then cuMemHostRegister per 256 MiB, timed, to see
                      whether the way of filling changes how fast the pages pin afterwards.
+  pin_threads        Pure ctypes: does pinning scale with threads? A touched --gb GiB memfd (what
+                     the copier pins on resume, its pages already in) is registered per 256 MiB
+                     from 1, 2, 4 and 8 threads, then 1 again (each thread with the primary
+                     context current, chunks dealt round robin), then unregistered the same way.
   own_cost           Pure ctypes: --gb segments of 1 GiB made "imported" (cuMemCreate, export,
                      import, mapped at a reserved address), then replaced by own memory one segment
                      at a time as csrc/vmm_relocate.cpp own_imported does: cuMemCreate; reserve +
@@ -102,6 +106,7 @@ EXPERIMENTS: dict[str, tuple[str, ...]] = {
     "shared_staging": ("compare",),
     "own_cost": ("own",),
     "memfd_fill": ("compare",),
+    "pin_threads": ("compare",),
 }
 FAST_COPY_GBPS = 45.0  # "reaches ~50 GB/s" (DESIGN.md fact 10: 55 GB/s pinned here)
 PAUSE_GOAL_S = 1.0
@@ -1161,6 +1166,57 @@ def part_memfd_fill(part: str, args: argparse.Namespace, result: dict[str, Any],
     result["ok"] = True
 
 
+# ---- experiment: pin_threads -----------------------------------------------------------------------------
+
+
+def across_threads(ctx: int, drv: Driver, threads: int, chunks: list[tuple[int, int]],
+                   call: Callable[[int, int], None]) -> float:
+    """Runs call(address, size) for every chunk from `threads` threads (round robin); seconds."""
+    errors: list[BaseException] = []
+
+    def work(mine: list[tuple[int, int]]) -> None:
+        try:
+            drv.call("cuCtxSetCurrent", ctx)
+            for a, n in mine:
+                call(a, n)
+        except BaseException as exc:  # reported by the caller
+            errors.append(exc)
+
+    workers = [threading.Thread(target=work, args=(chunks[i::threads],)) for i in range(threads)]
+    t = now()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    if errors:
+        raise errors[0]
+    return now() - t
+
+
+def part_pin_threads(part: str, args: argparse.Namespace, result: dict[str, Any], state: dict[str, Any]) -> None:
+    drv = Driver()
+    ctx = drv.primary_context(0)
+    libc = Libc()
+    size = pinned_bytes(args.gb)
+    addr, length, fd = map_host(libc, size, "memfd")
+    base = round_up(addr, HUGE)
+    chunks = [(base + off, min(CHUNK, size - off)) for off in range(0, size, CHUNK)]
+    result.update(gib=size / GIB, ways={})
+    try:
+        libc.lib.madvise(base, size, MADV_HUGEPAGE)
+        populate(libc, base, size, max(1, min(8, (os.cpu_count() or 2) // 2)))
+        for name, threads in (("1", 1), ("2", 2), ("4", 4), ("8", 8), ("1 again", 1)):
+            r = result["ways"][name] = {}
+            r["register_s"] = across_threads(
+                ctx, drv, threads, chunks, lambda a, n: drv.call("cuMemHostRegister", a, n, CU_MEMHOSTREGISTER_PORTABLE))
+            r["unregister_s"] = across_threads(ctx, drv, threads, chunks, lambda a, n: drv.call("cuMemHostUnregister", a))
+            log(f"   {name} thread(s): " + ", ".join(f"{k} {fmt(v)}" for k, v in r.items()))
+    finally:
+        libc.lib.munmap(addr, length)
+        os.close(fd)
+    result["ok"] = True
+
+
 # ---- experiment: own_cost ----------------------------------------------------------------------------------
 
 
@@ -1252,6 +1308,7 @@ PARTS: dict[str, Callable[[str, argparse.Namespace, dict[str, Any], dict[str, An
     "shared_staging": part_shared_staging,
     "own_cost": part_own_cost,
     "memfd_fill": part_memfd_fill,
+    "pin_threads": part_pin_threads,
 }
 
 
@@ -1436,6 +1493,21 @@ def table_fill(results: list[dict[str, Any]]) -> None:
                             "fill + register s"), rows)
 
 
+def table_pin_threads(results: list[dict[str, Any]]) -> None:
+    import tables
+
+    for r in results:
+        gib = r.get("gib") or 0
+        ways = r.get("ways") or {}
+        one = (ways.get("1") or {}).get("register_s")
+        rows = [(threads, fmt(w.get("register_s")), fmt(gbps(gib * GIB, w.get("register_s")), 1),
+                 fmt(one / w["register_s"] if one and w.get("register_s") else None, 2),
+                 fmt(w.get("unregister_s")), fmt(gbps(gib * GIB, w.get("unregister_s")), 1))
+                for threads, w in ways.items()]
+        print(f"pin_threads, {fmt(gib, 1)} GiB memfd, touched, 256 MiB chunks ({status(r)}):")
+        tables.print_table(("threads", "register s", "reg GB/s", "vs 1 thread", "unregister s", "unreg GB/s"), rows)
+
+
 def table_own(results: list[dict[str, Any]]) -> None:
     import tables
 
@@ -1580,7 +1652,8 @@ def main() -> int:
         log(f"   {status(result)} in {result['wall_s']:.1f} s" + ("" if result.get("ok") else f": {result.get('error')}"))
 
     printers = {"pin_stall": table_pin_stall, "checkpoint_pinned": table_checkpoint_pinned, "helper_copy": table_helper,
-                "shared_staging": table_shared, "own_cost": table_own, "memfd_fill": table_fill}
+                "shared_staging": table_shared, "own_cost": table_own, "memfd_fill": table_fill,
+                "pin_threads": table_pin_threads}
     for experiment, results in by_experiment.items():
         print()
         print(f"== {experiment}")
