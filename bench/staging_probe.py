@@ -1608,6 +1608,15 @@ def summary(by_experiment: dict[str, list[dict[str, Any]]]) -> list[str]:
         scale = 16.0 / r["gib"] if r.get("gib") else 0.0
         lines.append(f"memfd_fill: fill + pin {r['gib']:.1f} GiB: touch (what csrc does) {now_s:.2f} s, best {best} "
                      f"{best_s:.2f} s ({now_s / best_s:.1f}x); 16 GiB ~ {now_s * scale:.1f} s against {best_s * scale:.1f} s")
+    for r in by_experiment.get("pin_threads", []):
+        ways = {w: v for w, v in (r.get("ways") or {}).items() if v.get("register_s")}
+        if not r.get("ok") or "1 again" not in ways:
+            continue
+        one = ways["1 again"]["register_s"]  # the warm single thread: the first run pays a cold start
+        best = min(ways, key=lambda w: ways[w]["register_s"])
+        lines.append(f"pin_threads: pinning {r['gib']:.1f} GiB, 1 thread (warm) {one:.2f} s "
+                     f"({gbps(r['gib'] * GIB, one):.1f} GB/s), fastest {best} thread(s) "
+                     f"{ways[best]['register_s']:.2f} s ({one / ways[best]['register_s']:.2f}x)")
     return lines
 
 
