@@ -10,6 +10,8 @@
 # benchmark, BENCH_CONTEXT=0 the context cost probe, BENCH_STAGING=1 adds the pause staging probe
 # (BENCH_STAGING_EXPERIMENTS picks its experiments, e.g. memfd_fill; the probes and
 # bench/nvml_read.py write bench-probes.txt: the device tool brings back at most 8 files).
+# tests/gpu/test_server_end_to_end.py needs the server extra: installed, or its wheels in .whl/
+# (ci/server-wheels.sh fetches them for a machine without network).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-$PWD/gpu-results}"
@@ -28,6 +30,14 @@ if ! python3 -m pip install --no-build-isolation --no-deps -e . >"$out/build.log
   tail -40 "$out/build.log"; echo "BUILD FAILED"; exit 1
 fi
 python3 -c 'import flexium.utils as u; print(u.get_capabilities())' | tee -a "$out/gpus.csv"
+# Wheels carried for a machine without network (ci/server-wheels.sh): the server extra.
+if compgen -G ".whl/*.whl" >/dev/null; then
+  if ! python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/flexium-wheels \
+      .whl/*.whl >>"$out/build.log" 2>&1; then
+    tail -20 "$out/build.log"; echo "INSTALLING THE CARRIED WHEELS FAILED"; exit 1
+  fi
+  export PYTHONPATH="/tmp/flexium-wheels${PYTHONPATH:+:$PYTHONPATH}"
+fi
 
 status=0
 if [ "$mode" != "--bench-only" ]; then

@@ -28,6 +28,12 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def flexium_command() -> list[str]:
+    """The `flexium` command of this interpreter's environment."""
+    script = Path(sys.executable).with_name("flexium")
+    return [str(script)] if script.exists() else [sys.executable, "-m", "flexium.cli.main"]
+
+
 def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
     deadline = time.monotonic() + timeout
     while True:

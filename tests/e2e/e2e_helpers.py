@@ -17,7 +17,7 @@ from typing import Any, Optional
 import requests
 
 import fake_driver  # tests/ is on sys.path: tests/conftest.py
-from live_server import ProcessOutput, ServerProcess, free_port, wait_until  # noqa: F401  (free_port: for the tests)
+from live_server import ProcessOutput, ServerProcess, flexium_command, free_port, wait_until  # noqa: F401  (free_port: for the tests)
 
 HERE = Path(__file__).resolve().parent
 TRAIN_JOB = HERE / "train_job.py"
@@ -34,11 +34,6 @@ def clean_env(home: Path) -> dict[str, str]:
     env["FLEXIUM_HOME"] = str(home / ".flexium")
     env["PYTHONUNBUFFERED"] = "1"
     return env
-
-
-def flexium_command() -> list[str]:
-    script = Path(sys.executable).with_name("flexium")
-    return [str(script)] if script.exists() else [sys.executable, "-m", "flexium.cli.main"]
 
 
 Output = ProcessOutput  # the e2e tests' name for it

@@ -1,0 +1,121 @@
+"""The whole product on real GPUs: a real `flexium server` (SQLite), a training job on GPU 0 that
+only calls `flexium.init()` and finds the server through FLEXIUM_SERVER, and the `flexium`
+command moving it over HTTP (the requests the dashboard's buttons send). The server must show
+the host's real GPUs and where the job is; migrate, pause and resume must take the fast path,
+leave nothing behind on the GPU the job left (NVML, read from this process), and the loss trace
+must match an undisturbed run bit for bit."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+from conftest import GIB, HERE, RESIDUE_SLACK, _keep_log, run_job, uuid_of
+from live_server import ProcessOutput, ServerProcess, flexium_command, wait_until
+
+pytest.importorskip("fastapi", reason='the server extra is not installed: pip install "flexium[server]" '
+                    "(ci/gpu-tests.sh installs the wheels carried in .whl)")
+
+pytestmark = pytest.mark.usefixtures("two_gpus")
+
+BALLAST_GB = 2.0
+# Long enough for three commands and their checks; the job's step sleep paces it.
+JOB_ARGS = ("--ballast-gb", str(BALLAST_GB), "--steps", "600")
+STEP_SLEEP_S = "0.05"
+
+
+def test_commands_from_the_server_move_a_gpu_job(host_gpus: list[Any], tmp_path: Path) -> None:
+    from flexium.engine import nvml
+
+    gpu0, gpu1 = uuid_of(host_gpus, 0), uuid_of(host_gpus, 1)
+    idle = {gpu.uuid: gpu.memory_used for gpu in host_gpus}
+    reference = run_job(*JOB_ARGS, "--step-sleep", "0")
+    assert reference.returncode == 0, reference.stderr[-3000:]
+
+    server = ServerProcess(tmp_path / "server").start()
+    job: subprocess.Popen[str] | None = None
+    try:
+        assert server.token, "the server printed no token for its default workspace:\n" + "\n".join(server.lines)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FLEXIUM_")}
+        env.update(FLEXIUM_SERVER=f"127.0.0.1:{server.port}/default", FLEXIUM_TOKEN=server.token,
+                   PYTHONUNBUFFERED="1")
+        job = subprocess.Popen([sys.executable, str(HERE / "train_job.py"), *JOB_ARGS, "--step-sleep", STEP_SLEEP_S],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        output = ProcessOutput(job)
+        ready = json.loads(output.wait_for(r'^\{"event": "ready"', 180).string)
+        assert ready["migration"] is True and ready["pool_active"] is True, ready
+        process_id, pid = ready["process_id"], ready["pid"]
+
+        def cli(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([*flexium_command(), *args], env=env, capture_output=True, text=True, timeout=180)
+
+        def listed() -> dict[str, Any]:
+            done = cli("ps", "--json")
+            assert done.returncode == 0, done.stderr
+            return next((p for p in json.loads(done.stdout) if p["process_id"] == process_id), {})
+
+        def command(*args: str) -> dict[str, Any]:
+            done = cli(*args, "--json")
+            assert done.returncode == 0, f"flexium {' '.join(args)}: {done.stdout}\n{done.stderr}\n{output.text[-3000:]}"
+            final = json.loads(done.stdout)
+            assert final["state"] == "succeeded" and final["result"]["path"] == "fast", final
+            return final
+
+        def job_memory(settled: Callable[[dict[str, int]], bool], what: str) -> dict[str, int]:
+            """This job's bytes per GPU as NVML shows them, once `settled` holds."""
+            def reading() -> dict[str, int] | None:
+                ours = {gpu.uuid: gpu.used_by(pid) or 0 for gpu in nvml.host_gpus()}
+                return ours if settled(ours) else None
+            return wait_until(reading, 30, what)
+
+        # The server shows the job where it is, and the host's real GPUs.
+        p = wait_until(listed, 30, f"process {process_id} in `flexium ps`")
+        assert p["state"] == "RUNNING" and p["gpu_uuid"] == gpu0 and p["physical_device"] == "cuda:0", p
+        assert p["capabilities"]["migration"] is True and p["capabilities"]["pause_resume"] is True, p
+        assert p["pid"] == pid
+        done = cli("devices", "--json")
+        assert done.returncode == 0, done.stderr
+        hosts = json.loads(done.stdout)["hosts"]
+        devices = {d["uuid"]: d for host in hosts for d in host["devices"]}
+        assert {gpu0, gpu1} <= set(devices), devices
+        assert process_id in devices[gpu0]["processes"] and devices[gpu0]["memory_total"] > 100 * GIB
+
+        ballast = int(BALLAST_GB * GIB)
+        migrated = command("migrate", process_id, "cuda:1")
+        assert migrated["result"]["bytes_moved"] >= ballast
+        job_memory(lambda ours: ours[gpu1] >= ballast and ours[gpu0] == 0, "the job's memory to be all on GPU 1")
+        p = listed()
+        assert p["physical_device"] == "cuda:1" and p["gpu_uuid"] == gpu1 and p["state"] == "RUNNING", p
+
+        command("pause", process_id)
+        job_memory(lambda ours: ours[gpu0] == 0 and ours[gpu1] == 0, "the paused job to hold nothing on any GPU")
+        for gpu in nvml.host_gpus():
+            assert gpu.memory_used <= idle[gpu.uuid] + RESIDUE_SLACK, (
+                f"paused: {gpu.uuid} shows {gpu.memory_used >> 20} MiB used, idle was {idle[gpu.uuid] >> 20} MiB")
+        p = listed()
+        assert p["state"] == "PAUSED" and p["memory_bytes"] == 0, p
+
+        command("resume", process_id, "cuda:0")
+        job_memory(lambda ours: ours[gpu0] >= ballast and ours[gpu1] == 0, "the resumed job's memory on GPU 0")
+        p = listed()
+        assert p["state"] == "RUNNING" and p["physical_device"] == "cuda:0" and p["gpu_uuid"] == gpu0, p
+
+        assert job.wait(300) == 0, output.text[-3000:]
+        done_line = output.wait_for(r'^\{"event": "done"', 10).string
+        finished = json.loads(done_line)
+        assert finished["ballast_ok"] is True
+        assert finished["losses"] == reference.one("done")["losses"], "loss trace differs from the undisturbed run"
+        wait_until(lambda: not listed(), 30, "the finished job to unregister")
+    finally:
+        if job is not None:
+            if job.poll() is None:
+                job.kill()
+                job.wait()
+            _keep_log(("(attached to a server)", *JOB_ARGS), None, job.returncode, output.text, "")
+        server.stop()
