@@ -27,8 +27,14 @@ FRAMEWORKS = {"lightning": "lightning==2.6.6", "transformers": "transformers==5.
 # Runs the operations of PLAN from a control thread as the training loop passes their steps.
 CONTROL = """
 import json, threading, time
+import torch
 import flexium
 from flexium.api import session
+
+# The two runs must be able to agree bit for bit without flexium: one intra-op thread (a CI run
+# saw them differ by 1e-7 at step 1, before any operation) and MKL's reproducible mode (its env).
+torch.set_num_threads(1)
+torch.use_deterministic_algorithms(True)
 
 flexium.init()
 engine = session.current().engine
@@ -142,6 +148,7 @@ def _require_frameworks() -> None:
 def _run(script: str) -> dict[str, Any]:
     _require_frameworks()
     env = fake_driver.subprocess_env()
+    env["MKL_CBWR"] = "COMPATIBLE"  # MKL's results otherwise may depend on the buffers' alignment
     proc = subprocess.run([sys.executable, "-c", textwrap.dedent(CONTROL) + textwrap.dedent(script)],
                           env=env, capture_output=True, text=True, timeout=300)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]

@@ -72,7 +72,8 @@ class FakeTorchCuda:
         monkeypatch.setattr(cuda, "MemPool", FakeMemPool)
         monkeypatch.setattr(cuda, "_maybe_exchange_device", lambda d: self._record("exchange", d) or 0)
         monkeypatch.setattr(cuda.memory, "CUDAPluggableAllocator", self._allocator)
-        monkeypatch.setattr(cuda.memory, "_set_allocator_settings", self.settings.append)
+        monkeypatch.setattr(C, "_accelerator_setAllocatorSettings", self.settings.append, raising=False)
+        monkeypatch.setattr(cuda.memory, "_set_allocator_settings", self._deprecated_setter)
         monkeypatch.setattr(cuda, "memory_snapshot", lambda pool_id=None: self.snapshot)
         monkeypatch.setattr(C, "_cuda_beginAllocateToPool", lambda d, i: self._record("begin", d, i), raising=False)
         monkeypatch.setattr(C, "_cuda_endAllocateToPool", lambda d, i: self._record("end", d, i), raising=False)
@@ -82,6 +83,10 @@ class FakeTorchCuda:
 
     def _record(self, *call: Any) -> None:
         self.calls.append(call)
+
+    def _deprecated_setter(self, settings: str) -> None:
+        raise AssertionError(f"torch.cuda.memory._set_allocator_settings({settings!r}) warns on torch 2.9+: "
+                             "use torch._C._accelerator_setAllocatorSettings")
 
     def _allocator(self, path: str, alloc: str, free: str) -> Any:
         self._record("allocator", alloc, free)
@@ -119,6 +124,16 @@ def test_the_users_max_split_size_stands(cuda: FakeTorchCuda, monkeypatch: pytes
     pool = MemoryPool()
     assert pool.install([0])
     assert cuda.settings == []
+    pool.uninstall()
+
+
+def test_torch_before_2_9_gets_the_setting_through_torch_cuda(cuda: FakeTorchCuda,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delattr(torch._C, "_accelerator_setAllocatorSettings", raising=False)
+    monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", cuda.settings.append)
+    pool = MemoryPool()
+    assert pool.install([0])
+    assert cuda.settings == [f"max_split_size_mb:{memory_pool.DEFAULT_MAX_SPLIT_MB}"]
     pool.uninstall()
 
 

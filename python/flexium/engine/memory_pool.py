@@ -295,8 +295,10 @@ def _make_oversize_blocks_releasable(torch: Any) -> None:
     for variable in _ALLOC_CONF_VARIABLES:
         if "max_split_size_mb" in os.environ.get(variable, ""):
             return  # the user's choice stands
+    # torch 2.9+ has the accelerator-wide setter; torch.cuda's own is deprecated there (it warns).
+    setter = getattr(torch._C, "_accelerator_setAllocatorSettings", None) or torch.cuda.memory._set_allocator_settings
     try:
-        torch.cuda.memory._set_allocator_settings(f"max_split_size_mb:{DEFAULT_MAX_SPLIT_MB}")
+        setter(f"max_split_size_mb:{DEFAULT_MAX_SPLIT_MB}")
     except Exception as exc:  # an allocator without the setting: OOM retry stays off in the pool
         log.info("could not set max_split_size_mb (%s): out-of-memory will not retry after freeing cache", exc)
 
