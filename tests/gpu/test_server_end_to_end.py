@@ -1,14 +1,19 @@
-"""The whole product on real GPUs: a real `flexium server` (SQLite), a training job on GPU 0 that
-only calls `flexium.init()` and finds the server through FLEXIUM_SERVER, and the `flexium`
-command moving it over HTTP (the requests the dashboard's buttons send). The server must show
-the host's real GPUs and where the job is; migrate, pause and resume must take the fast path,
-leave nothing behind on the GPU the job left (NVML, read from this process), and the loss trace
-must match an undisturbed run bit for bit."""
+"""The whole product on real GPUs.
+
+* A real `flexium server` (SQLite), a training job on GPU 0 that only calls `flexium.init()` and
+  finds the server through FLEXIUM_SERVER, and the `flexium` command moving it over HTTP (the
+  requests the dashboard's buttons send). The server must show the host's real GPUs and where
+  the job is; migrate, pause and resume must take the fast path, leave nothing behind on the GPU
+  the job left (NVML, read from this process), and the loss trace must match an undisturbed run
+  bit for bit.
+* The README's first command, `flexium demo`: its job lands on GPU 0 and the command line moves,
+  pauses and resumes it; Ctrl-C stops everything."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +22,7 @@ from typing import Any, Callable
 import pytest
 
 from conftest import GIB, HERE, RESIDUE_SLACK, _keep_log, run_job, uuid_of
-from live_server import ProcessOutput, ServerProcess, flexium_command, wait_until
+from live_server import ProcessOutput, ServerProcess, flexium_command, free_port, wait_until
 
 pytest.importorskip("fastapi", reason='the server extra is not installed: pip install "flexium[server]" '
                     "(ci/gpu-tests.sh installs the wheels carried in .whl)")
@@ -119,3 +124,40 @@ def test_commands_from_the_server_move_a_gpu_job(host_gpus: list[Any], tmp_path:
                 job.wait()
             _keep_log(("(attached to a server)", *JOB_ARGS), None, job.returncode, output.text, "")
         server.stop()
+
+
+def test_flexium_demo_trains_on_a_gpu_and_the_command_line_moves_it(tmp_path: Path) -> None:
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEXIUM_")}
+    env.update(HOME=str(home), PYTHONUNBUFFERED="1")
+    port = free_port()
+    demo = subprocess.Popen([*flexium_command(), "demo", "--port", str(port)], env=env, cwd=home,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = ProcessOutput(demo)
+    try:
+        token = out.wait_for(rf"dashboard: http://127\.0\.0\.1:{port}/login#token=(flx_\S+)$", 90).group(1)
+        registered = out.wait_for(r"job (gpu-[0-9a-f]+) registered \((\w+) on (\S+)\)", 180)
+        process_id = registered.group(1)
+        assert registered.group(2, 3) == ("RUNNING", "cuda:0"), registered.group(0)
+        cli_env = {**env, "FLEXIUM_SERVER": f"127.0.0.1:{port}/default", "FLEXIUM_TOKEN": token}
+        for args, lands_on in ((("migrate", process_id, "cuda:1"), "cuda:1"), (("pause", process_id), None),
+                               (("resume", process_id, "cuda:0"), "cuda:0")):
+            start = len(out.lines)
+            done = subprocess.run([*flexium_command(), *args], env=cli_env, capture_output=True, text=True, timeout=180)
+            assert done.returncode == 0, f"flexium {' '.join(args)}:\n{done.stdout}\n{done.stderr}\n{out.text[-3000:]}"
+            assert "succeeded" in done.stdout and "fast path" in done.stdout, done.stdout
+            if lands_on is not None:
+                assert f"RUNNING on {lands_on}" in done.stdout, done.stdout
+                # The demo prints every 50 steps (5 s): the job trains on where it was sent.
+                out.wait_for(rf"\[demo job\] step +\d+ +loss \S+ +on {lands_on}$", 30, start=start)
+            else:
+                assert "PAUSED" in done.stdout, done.stdout
+        demo.send_signal(signal.SIGINT)
+        assert demo.wait(60) == 0, out.text[-3000:]
+        out.wait_for(r"flexium demo: stopped$", 5)
+        assert "Traceback" not in out.text, out.text[-3000:]
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.wait()
