@@ -98,8 +98,8 @@ def test_fast_path_all_features_bit_identical(host_gpus: list[Any]) -> None:
     gpu0, gpu1 = uuid_of(host_gpus, 0), uuid_of(host_gpus, 1)
     idle = idle_used()
     # Slower steps (the losses do not depend on them): a fast pause prepares its host staging while
-    # the job trains, and its safe point must come before the job's last step.
-    common = ("--ballast-gb", BALLAST_GB, "--steps", "40", "--step-sleep", "0.1", "--pause-seconds", "0.5",
+    # the job trains (1.1-1.4 s here), and its safe point must come well before the job's last step.
+    common = ("--ballast-gb", BALLAST_GB, "--steps", "60", "--step-sleep", "0.1", "--pause-seconds", "0.5",
               *ALL_FEATURES)
     expected = reference(*common)
 
@@ -187,8 +187,9 @@ def test_fast_pause_and_resume_in_place_all_features(host_gpus: list[Any]) -> No
     gpu0 = uuid_of(host_gpus, 0)
     idle = idle_used()
     # Slower steps (the losses do not depend on them): a fast pause prepares its host staging while
-    # the job trains, and its safe point must come before the job's last step.
-    common = ("--ballast-gb", BALLAST_GB, "--steps", "40", "--step-sleep", "0.1", "--pause-seconds", "0.5",
+    # the job trains, and its safe point must come before the job's last step. The second pause
+    # comes right after the first resume and once took until step 39 to prepare: 60 steps.
+    common = ("--ballast-gb", BALLAST_GB, "--steps", "60", "--step-sleep", "0.1", "--pause-seconds", "0.5",
               *ALL_FEATURES)
     expected = reference(*common)
 
@@ -224,11 +225,13 @@ def test_driver_and_fast_pause_side_by_side_in_place(host_gpus: list[Any]) -> No
     unchanged."""
     gpu0 = uuid_of(host_gpus, 0)
     idle = idle_used()
-    expected = reference(*PLAIN)
     # Slower steps (the losses do not depend on them): the fast pause prepares its host staging
-    # while the job trains, and its safe point must come before the job's last step.
+    # while the job trains, and its safe point must come well before the job's last step (it came
+    # at step 24 of 30 once): 45 steps.
+    common = (*PLAIN, "--steps", "45")
+    expected = reference(*common)
     run = ok_run(run_job(
-        *PLAIN, "--step-sleep", "0.1", "--plan", "6:pause@driver", "--plan", "6:resume", "--plan", "12:pause",
+        *common, "--step-sleep", "0.1", "--plan", "6:pause@driver", "--plan", "6:resume", "--plan", "12:pause",
         "--plan", "12:resume", timeout=JOB_TIMEOUT,
     ))
     assert run.one("ready")["pool_active"] is True, run.one("ready")["pool_reason"]

@@ -140,6 +140,8 @@ def test_flexium_demo_trains_on_a_gpu_and_the_command_line_moves_it(tmp_path: Pa
         registered = out.wait_for(r"job (gpu-[0-9a-f]+) registered \((\w+) on (\S+)\)", 180)
         process_id = registered.group(1)
         assert registered.group(2, 3) == ("RUNNING", "cuda:0"), registered.group(0)
+        # Training has begun: a command before the first optimizer step takes the driver path at once.
+        out.wait_for(r"\[demo job\] step +1 +loss \S+ +on cuda:0$", 120)
         cli_env = {**env, "FLEXIUM_SERVER": f"127.0.0.1:{port}/default", "FLEXIUM_TOKEN": token}
         for args, lands_on in ((("migrate", process_id, "cuda:1"), "cuda:1"), (("pause", process_id), None),
                                (("resume", process_id, "cuda:0"), "cuda:0")):

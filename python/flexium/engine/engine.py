@@ -321,11 +321,7 @@ class Engine(FastTransactions):
             return False, ()  # no pool in this process (no CUDA torch): the driver path is the only one
         blocker = self.fast_path_blocker()
         if blocker is None and not at_safe_point:
-            blocker = (
-                "called on the training thread outside an optimizer step"
-                if self._safe_points.on_training_thread()
-                else f"no optimizer step (safe point) came within {self.safe_point_wait_seconds:g} s"
-            )
+            blocker = self._safe_points.missed()
         if blocker is None:
             return True, ()
         if requested == "fast":

@@ -36,9 +36,6 @@ class FastTransactions:
         @property
         def logical_device(self) -> str: ...
 
-        @property
-        def safe_point_wait_seconds(self) -> float: ...
-
         def _set_state(self, state: EngineState) -> None: ...
 
         def _prepare(self, kind: OperationKind) -> tuple[StepTiming, int]: ...
@@ -150,8 +147,7 @@ class FastTransactions:
             raise OperationFailedError(
                 f"{kind.value} refused before anything was touched: part of the job's memory came in by an "
                 "earlier fast move and must be made its own at an optimizer step before the driver's "
-                f"checkpoint can carry it, and no optimizer step came within {self.safe_point_wait_seconds:g} s; "
-                "try again while the job trains",
+                f"checkpoint can carry it, and {self._safe_points.missed()}; try again while the job trains",
                 step="validate",
             )
         try:

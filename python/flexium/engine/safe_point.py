@@ -64,6 +64,16 @@ class SafePoints:
     def on_training_thread(self) -> bool:
         return self._training_thread == threading.get_ident()
 
+    def missed(self) -> str:
+        """Why an operation just ran outside a safe point, for its notes and errors."""
+        if self.on_training_thread():
+            return "called on the training thread outside an optimizer step"
+        if self._handle is None:
+            return "this torch has no global optimizer step hook"
+        if self.steps_seen == 0:
+            return "no optimizer step has run yet (training has not started)"
+        return f"no optimizer step (safe point) came within {self.wait_seconds:g} s"
+
     def run(self, work: Callable[[bool], T], *, then: Optional[Callable[[T], None]] = None) -> tuple[T, bool]:
         """Runs `work(at_safe_point)` at the next safe point, or here after the bounded wait.
         Returns its result and whether it ran at a safe point. `then(result)` runs on the
