@@ -59,6 +59,8 @@ def test_migrate_from_the_command_line(server: Server, job: Job) -> None:
     assert re.search(r"operation [\d.]+ ms, driver path, \(prepare [\d.]+ ms, lock [\d.]+ ms, checkpoint [\d.]+ ms, "
                      r"restore [\d.]+ ms, unlock [\d.]+ ms\); 2\.0 GiB moved", out), out
     assert "RUNNING on cuda:1" in out and "nvidia-smi index 1" in out
+    # While it was under way the command said where it stood, on stderr.
+    assert re.search(rf"^migrate {job.process_id} to cuda:1: command \d+ queued", done.stderr, re.M), done.stderr
     p = _ps(server, job)
     assert p["physical_device"] == "cuda:1" and p["gpu_index"] == 1 and p["gpu_uuid"] == p["visible_gpus"][1]
     assert p["state"] == "RUNNING" and p["active_command"] is None

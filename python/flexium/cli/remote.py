@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 import time
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from flexium import protocol
 from flexium.client import ApiClient, NotFound, ServerError, Unauthorized, Unreachable
@@ -24,6 +24,13 @@ EXIT_UNREACHABLE = 3
 
 GIB = float(1 << 30)
 DEFAULT_WAIT_S = 300.0
+# While a command is under way the CLI says so on stderr at each change, and this often between.
+PROGRESS_EVERY_S = 10.0
+_UNDER_WAY = {
+    "queued": "queued; the process takes it at its next poll",
+    "delivered": "delivered to the process",
+    "running": "running: the process prepares, waits for its next optimizer step (safe point), then moves",
+}
 
 
 def add_connection_options(parser: argparse.ArgumentParser) -> None:
@@ -186,7 +193,7 @@ def _command(api: ApiClient, args: argparse.Namespace) -> int:
         else:
             print(f"{_title(command)}: queued as command {command['id']}")
         return EXIT_OK
-    final = _wait(api, command, args.timeout)
+    final = _wait(api, command, args.timeout, progress=None if args.json else _progress_printer(command))
     if args.json:
         _print_json(final)
     if final["state"] not in protocol.FINAL_COMMAND_STATES:
@@ -215,17 +222,41 @@ def _resolve_process(api: ApiClient, text: str) -> str:
     raise NotFound(f"{text!r} matches several processes: {', '.join(sorted(matches))}", code="not_found", status=404)
 
 
-def _wait(api: ApiClient, command: dict[str, Any], timeout: float) -> dict[str, Any]:
+def _wait(api: ApiClient, command: dict[str, Any], timeout: float,
+          progress: Optional[Callable[[dict[str, Any]], None]] = None) -> dict[str, Any]:
+    """Long-polls the command until it ends or `timeout` passes; `progress(command)` is called
+    with each answer while it is under way (each change, and every PROGRESS_EVERY_S between)."""
     deadline = time.monotonic() + timeout
     path = protocol.PATH_COMMAND.format(command_id=command["id"])
     while command["state"] not in protocol.FINAL_COMMAND_STATES:
+        if progress is not None:
+            progress(command)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             break
-        wait = min(remaining, protocol.MAX_POLL_TIMEOUT_S)
+        wait = min(remaining, protocol.MAX_POLL_TIMEOUT_S, PROGRESS_EVERY_S if progress is not None else remaining)
         command = api.request("GET", path, params={"wait": round(wait, 3)}, timeout=wait + 10.0, retries=None,
                               deadline=deadline)
     return command
+
+
+def _progress_printer(queued: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
+    """Prints on stderr where a command stands: at each change of state, and every
+    PROGRESS_EVERY_S while it stays the same (a 64 GiB pause prepares for half a minute)."""
+    started = time.monotonic()
+    said_state, said_at = "", started
+
+    def show(command: dict[str, Any]) -> None:
+        nonlocal said_state, said_at
+        now = time.monotonic()
+        state = command["state"]
+        if state == said_state and now - said_at < 0.9 * PROGRESS_EVERY_S:
+            return
+        said_state, said_at = state, now
+        doing = _UNDER_WAY.get(state, state)
+        print(f"{_title(queued)}: command {queued['id']} {doing} ({now - started:.0f} s)", file=sys.stderr, flush=True)
+
+    return show
 
 
 def _title(command: dict[str, Any]) -> str:

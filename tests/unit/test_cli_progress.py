@@ -1,0 +1,56 @@
+"""`flexium migrate | pause | resume` while the command is under way: a line on stderr at each
+change of state and every PROGRESS_EVERY_S while it stays the same; nothing with --json."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import pytest
+
+from flexium.cli import remote
+
+
+class LongPolls:
+    """Answers GET /commands/{id}?wait=S with the next scripted state; a repeated state is
+    answered only after the whole wait, as the server does when nothing changes."""
+
+    def __init__(self, states: list[str]) -> None:
+        self.states = states
+        self.waits: list[float] = []
+
+    def request(self, method: str, path: str, *, params: dict[str, Any], **_: Any) -> dict[str, Any]:
+        assert method == "GET" and path == "/commands/7"
+        self.waits.append(params["wait"])
+        state = self.states.pop(0)
+        if state == "running" and self.states and self.states[0] == "running":
+            time.sleep(params["wait"])
+        return command(state)
+
+
+def command(state: str) -> dict[str, Any]:
+    return {"id": 7, "kind": "pause", "process_id": "gpu-1a2b3c4d", "state": state, "target_device": None,
+            "target_uuid": None}
+
+
+def test_each_change_and_every_interval_between_are_said(monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(remote, "PROGRESS_EVERY_S", 0.3)
+    polls = LongPolls(["delivered", "running", "running", "running", "succeeded"])
+    queued = command("queued")
+    final = remote._wait(polls, queued, 30.0, progress=remote._progress_printer(queued))  # type: ignore[arg-type]
+    assert final["state"] == "succeeded"
+    lines = capsys.readouterr().err.splitlines()
+    said = [line.split("command 7 ")[1].split(" (")[0].split(":")[0] for line in lines]
+    assert said[:3] == ["queued; the process takes it at its next poll", "delivered to the process", "running"]
+    # The running state lasted two long-polls of 0.3 s: said again once in between, not at each poll.
+    assert said[3:] == ["running"], lines
+    assert all(line.startswith("pause gpu-1a2b3c4d: command 7 ") for line in lines)
+    assert max(polls.waits) <= 0.3
+
+
+def test_without_progress_the_wait_is_one_long_poll(capsys: pytest.CaptureFixture[str]) -> None:
+    polls = LongPolls(["succeeded"])
+    final = remote._wait(polls, command("queued"), 30.0)  # type: ignore[arg-type]
+    assert final["state"] == "succeeded" and polls.waits == [30.0]
+    assert capsys.readouterr().err == ""
