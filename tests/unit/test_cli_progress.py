@@ -41,8 +41,9 @@ def test_each_change_and_every_interval_between_are_said(monkeypatch: pytest.Mon
     final = remote._wait(polls, queued, 30.0, progress=remote._progress_printer(queued))  # type: ignore[arg-type]
     assert final["state"] == "succeeded"
     lines = capsys.readouterr().err.splitlines()
-    said = [line.split("command 7 ")[1].split(" (")[0].split(":")[0] for line in lines]
-    assert said[:3] == ["queued; the process takes it at its next poll", "delivered to the process", "running"]
+    said = [line.split("command 7 ")[1].split()[0].rstrip(";") for line in lines]
+    assert said[:3] == ["queued", "delivered", "running"], lines
+    assert "next optimizer step" in lines[2] and lines[2].endswith(" s)")
     # The running state lasted two long-polls of 0.3 s: said again once in between, not at each poll.
     assert said[3:] == ["running"], lines
     assert all(line.startswith("pause gpu-1a2b3c4d: command 7 ") for line in lines)

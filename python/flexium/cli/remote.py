@@ -29,7 +29,7 @@ PROGRESS_EVERY_S = 10.0
 _UNDER_WAY = {
     "queued": "queued; the process takes it at its next poll",
     "delivered": "delivered to the process",
-    "running": "running: the process prepares, waits for its next optimizer step (safe point), then moves",
+    "running": "running in the process (a migrate or pause acts at its next optimizer step, its safe point)",
 }
 
 
