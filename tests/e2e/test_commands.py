@@ -67,6 +67,8 @@ def test_migrate_from_the_command_line(server: Server, job: Job) -> None:
     job.output.wait_for(r"^step \d+ cuda:1$", 10)
     table = server.cli("ps").stdout
     assert "cuda:0 (on cuda:1)" in table
+    row = next(line for line in table.splitlines() if job.process_id in line)
+    assert row.split()[-2:] == ["driver", "-"], row    # CPU torch: no memory pool, the driver path moves it
 
 
 def test_commands_arrive_within_100_ms(server: Server, job: Job, record_property: Any) -> None:

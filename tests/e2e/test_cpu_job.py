@@ -39,6 +39,9 @@ def test_registers_with_capabilities_saying_no_migration(server: Server, job: Jo
     assert "train_job.py" in p["cmdline"]
     table = server.cli("ps")
     assert table.returncode == 0 and job.process_id in table.stdout and "RUNNING" in table.stdout
+    row = next(line for line in table.stdout.splitlines() if job.process_id in line)
+    assert row.split()[-2:] == ["-", "-"], row         # MOVES: none; COMMAND: none
+    assert "MOVES: fast = " in table.stdout
 
 
 def test_heartbeats_keep_it_fresh(server: Server, job: Job) -> None:

@@ -124,7 +124,7 @@ def _ps(api: ApiClient, args: argparse.Namespace) -> int:
         print(f"no processes in workspace '{api.workspace}' at {api.base_url}")
         return EXIT_OK
     now = time.time()
-    rows = [("PROCESS", "STATE", "HOST", "PID", "DEVICE", "GPU", "MEMORY", "UP", "COMMAND")]
+    rows = [("PROCESS", "STATE", "HOST", "PID", "DEVICE", "GPU", "MEMORY", "UP", "MOVES", "COMMAND")]
     for p in processes:
         device = p["logical_device"] or "-"
         if p["physical_device"] and p["physical_device"] != p["logical_device"]:
@@ -138,9 +138,20 @@ def _ps(api: ApiClient, args: argparse.Namespace) -> int:
         command = f"{active['kind']} {active['state']}" if active else "-"
         started = p.get("started_at") or p["registered_at"]
         rows.append((p["process_id"], p["state"], p["host"], str(p["pid"]), device, gpu, memory,
-                     _age(now - started), command))
+                     _age(now - started), _moves(p.get("capabilities") or {}), command))
     _print_table(rows)
+    print("MOVES: fast = migrate and pause on the fast path, driver = on the driver path only, pause = "
+          "pause and resume only (driver below 580), - = none (`flexium ps --json` gives the reasons)")
     return EXIT_OK
+
+
+def _moves(capabilities: dict[str, Any]) -> str:
+    """What the process can be moved by, in a word (the --json capabilities say why not)."""
+    if not capabilities.get(protocol.CAP_PAUSE_RESUME):
+        return "-"
+    if not capabilities.get(protocol.CAP_MIGRATION):
+        return "pause"
+    return "fast" if capabilities.get(protocol.CAP_FAST_PATH) else "driver"
 
 
 def _devices(api: ApiClient, args: argparse.Namespace) -> int:

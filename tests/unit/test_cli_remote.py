@@ -1,5 +1,7 @@
-"""`flexium migrate | pause | resume` while the command is under way: a line on stderr at each
-change of state and every PROGRESS_EVERY_S while it stays the same; nothing with --json."""
+"""The `flexium` command's remote parts that no end-to-end job on the CPU reaches: progress while
+a command is under way (a line on stderr at each change of state and every PROGRESS_EVERY_S while
+it stays the same; nothing with --json), and the MOVES column of `flexium ps` for every kind of
+process."""
 
 from __future__ import annotations
 
@@ -55,3 +57,14 @@ def test_without_progress_the_wait_is_one_long_poll(capsys: pytest.CaptureFixtur
     final = remote._wait(polls, command("queued"), 30.0)  # type: ignore[arg-type]
     assert final["state"] == "succeeded" and polls.waits == [30.0]
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("capabilities, moves", [
+    ({"pause_resume": True, "migration": True, "fast_path": True}, "fast"),
+    ({"pause_resume": True, "migration": True, "fast_path": False, "fast_path_problem": "no pool"}, "driver"),
+    ({"pause_resume": True, "migration": False, "fast_path": True}, "pause"),
+    ({"pause_resume": False, "migration": False, "problems": ["no driver"]}, "-"),
+    ({}, "-"),
+])
+def test_ps_says_how_a_process_can_move(capabilities: dict[str, Any], moves: str) -> None:
+    assert remote._moves(capabilities) == moves
