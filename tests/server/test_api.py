@@ -293,6 +293,25 @@ def test_a_job_without_the_fast_path_shows_why(api: Api) -> None:
     assert "driver path only" not in fast
 
 
+def test_buttons_a_job_cannot_use_say_why(api: Api) -> None:
+    problems = ["torch 2.13.0+cpu is a CPU-only build: training runs, migration and pause are off",
+                "no NVIDIA driver <libcuda>"]
+    api.register("gpu-1", capabilities={protocol.CAP_PAUSE_RESUME: False, protocol.CAP_MIGRATION: False,
+                                        "problems": problems})
+    api.register("gpu-2", capabilities={protocol.CAP_PAUSE_RESUME: True, protocol.CAP_MIGRATION: False})
+    api.client.cookies.set(protocol.TOKEN_COOKIE, api.token)
+    try:
+        cpu = api.client.get("/ui/processes?id=gpu-1").text
+        old_driver = api.client.get("/ui/processes?id=gpu-2").text
+    finally:
+        api.client.cookies.clear()
+    why = ("torch 2.13.0+cpu is a CPU-only build: training runs, migration and pause are off; "
+           "no NVIDIA driver &lt;libcuda&gt;")
+    assert cpu.count(f'disabled title="{why}"') == 2          # Migrate and Pause
+    assert "disabled title=\"This job&#39;s driver cannot migrate (needs 580+)\"" in old_driver
+    assert 'data-action="pause"' in old_driver and old_driver.count("disabled") == 1
+
+
 def test_a_heartbeat_older_than_the_final_report_changes_nothing(api: Api) -> None:
     api.register("gpu-1", seq=10)
     cmd = api.command("pause").json()
