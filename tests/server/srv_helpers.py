@@ -7,6 +7,7 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
+from flexium import protocol
 from flexium.server.db import Database
 from flexium.server.settings import Settings, normalize_database_url
 
@@ -50,6 +51,14 @@ class Api:
         r = self.post("/processes", body)
         assert r.status_code in (200, 201), r.text
         return r.json()
+
+    def pages(self, *paths: str) -> list[str]:
+        """The dashboard's HTML at each path, fetched as a logged-in browser (the token cookie)."""
+        self.client.cookies.set(protocol.TOKEN_COOKIE, self.token)
+        try:
+            return [self.client.get(path).text for path in paths]
+        finally:
+            self.client.cookies.clear()
 
     def command(self, kind: str, process_id: str = "gpu-1", target: Any = None) -> Any:
         body: dict[str, Any] = {"kind": kind, "process_id": process_id}

@@ -192,12 +192,7 @@ def test_command_lifecycle_over_http(api: Api) -> None:
     assert proc["state"] == "RUNNING" and proc["gpu_uuid"] == "GPU-0002" and proc["active_command"] is None
     assert api.get(f"/commands/{cmd['id']}").json()["state"] == "succeeded"
     assert [c["id"] for c in api.get("/commands?process_id=gpu-1").json()] == [cmd["id"]]
-    api.client.cookies.set(protocol.TOKEN_COOKIE, api.token)
-    try:
-        row = api.client.get("/ui/processes?id=gpu-1").text
-        listed = api.client.get("/ui/commands").text
-    finally:
-        api.client.cookies.clear()
+    row, listed = api.pages("/ui/processes?id=gpu-1", "/ui/commands")
     assert '<span class="outcome-path muted">driver path</span>' in row  # which path the move took
     assert '<span class="cmd-path muted">driver path</span>' in listed
     metrics = api.client.get("/metrics").text
@@ -268,11 +263,7 @@ def test_failed_process_refuses_commands_and_shows_red(api: Api) -> None:
     for kind, target in (("migrate", 1), ("pause", None), ("resume", None)):
         body = _error(api.command(kind, target=target), 409, "invalid_state")
         assert "an earlier rollback failed; restart the job" in body["message"]
-    api.client.cookies.set(protocol.TOKEN_COOKIE, api.token)
-    try:
-        row = api.client.get("/ui/processes?id=gpu-1").text
-    finally:
-        api.client.cookies.clear()
+    [row] = api.pages("/ui/processes?id=gpu-1")
     assert 'class="badge badge-failed"' in row and "restart the job" in row
     assert not any(f'data-action="{kind}"' in row for kind in ("migrate", "pause", "resume"))
 
@@ -282,12 +273,7 @@ def test_a_job_without_the_fast_path_shows_why(api: Api) -> None:
             protocol.CAP_FAST_PATH_PROBLEM: "CUDA memory was allocated before flexium.init() <early>"}
     api.register("gpu-1", capabilities=caps)
     api.register("gpu-2", capabilities={**caps, protocol.CAP_FAST_PATH: True, protocol.CAP_FAST_PATH_PROBLEM: None})
-    api.client.cookies.set(protocol.TOKEN_COOKIE, api.token)
-    try:
-        slow = api.client.get("/ui/processes?id=gpu-1").text
-        fast = api.client.get("/ui/processes?id=gpu-2").text
-    finally:
-        api.client.cookies.clear()
+    slow, fast = api.pages("/ui/processes?id=gpu-1", "/ui/processes?id=gpu-2")
     assert ('<small class="muted driver-only" title="CUDA memory was allocated before flexium.init() &lt;early&gt;">'
             "driver path only</small>") in slow
     assert "driver path only" not in fast
@@ -299,12 +285,7 @@ def test_buttons_a_job_cannot_use_say_why(api: Api) -> None:
     api.register("gpu-1", capabilities={protocol.CAP_PAUSE_RESUME: False, protocol.CAP_MIGRATION: False,
                                         "problems": problems})
     api.register("gpu-2", capabilities={protocol.CAP_PAUSE_RESUME: True, protocol.CAP_MIGRATION: False})
-    api.client.cookies.set(protocol.TOKEN_COOKIE, api.token)
-    try:
-        cpu = api.client.get("/ui/processes?id=gpu-1").text
-        old_driver = api.client.get("/ui/processes?id=gpu-2").text
-    finally:
-        api.client.cookies.clear()
+    cpu, old_driver = api.pages("/ui/processes?id=gpu-1", "/ui/processes?id=gpu-2")
     why = ("torch 2.13.0+cpu is a CPU-only build: training runs, migration and pause are off; "
            "no NVIDIA driver &lt;libcuda&gt;")
     assert cpu.count(f'disabled title="{why}"') == 2          # Migrate and Pause
