@@ -92,6 +92,8 @@ def test_commands_from_the_server_move_a_gpu_job(host_gpus: list[Any], tmp_path:
         assert process_id in devices[gpu0]["processes"] and devices[gpu0]["memory_total"] > 100 * GIB
 
         ballast = int(BALLAST_GB * GIB)
+        # Training has begun: a command before the first optimizer step takes the driver path at once.
+        output.wait_for(r'^\{"event": "first_step"', 120)
         migrated = command("migrate", process_id, "cuda:1")
         assert migrated["result"]["bytes_moved"] >= ballast
         job_memory(lambda ours: ours[gpu1] >= ballast and ours[gpu0] == 0, "the job's memory to be all on GPU 1")

@@ -367,6 +367,8 @@ def main() -> int:
         max_gap = max(max_gap, now - last)
         last = now
         progress.advance(step)
+        if step == 0:
+            emit("first_step")  # a command from now on finds its safe point
         time.sleep(args.step_sleep)
     if args.plan:
         control.join(timeout=600)
