@@ -34,6 +34,17 @@ def flexium_command() -> list[str]:
     return [str(script)] if script.exists() else [sys.executable, "-m", "flexium.cli.main"]
 
 
+def clean_env(home: Path) -> dict[str, str]:
+    """This environment without flexium's or the fake driver's settings, with a home of its own
+    (no ~/.flexiumrc of the machine applies)."""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("FLEXIUM_", "FAKE_CUDA_", "FAKE_NVML_")) and k not in ("GPU_DEVICE", "CI_FLEXIUM")}
+    env["HOME"] = str(home)
+    env["FLEXIUM_HOME"] = str(home / ".flexium")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
 def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
     deadline = time.monotonic() + timeout
     while True:

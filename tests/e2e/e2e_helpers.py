@@ -17,23 +17,14 @@ from typing import Any, Optional
 import requests
 
 import fake_driver  # tests/ is on sys.path: tests/conftest.py
-from live_server import ProcessOutput, ServerProcess, flexium_command, free_port, wait_until  # noqa: F401  (free_port: for the tests)
+from live_server import (  # noqa: F401  (free_port: for the tests)
+    ProcessOutput, ServerProcess, clean_env, flexium_command, free_port, wait_until,
+)
 
 HERE = Path(__file__).resolve().parent
 TRAIN_JOB = HERE / "train_job.py"
 WORKSPACE = "e2e"
 HEARTBEAT_S = 0.5
-
-
-def clean_env(home: Path) -> dict[str, str]:
-    """This environment without flexium's or the fake driver's settings, with a home of its own
-    (no ~/.flexiumrc of the machine applies)."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("FLEXIUM_", "FAKE_CUDA_", "FAKE_NVML_")) and k not in ("GPU_DEVICE", "CI_FLEXIUM")}
-    env["HOME"] = str(home)
-    env["FLEXIUM_HOME"] = str(home / ".flexium")
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
 
 
 Output = ProcessOutput  # the e2e tests' name for it

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -22,7 +21,7 @@ from typing import Any, Callable
 import pytest
 
 from conftest import GIB, HERE, RESIDUE_SLACK, _keep_log, run_job, uuid_of
-from live_server import ProcessOutput, ServerProcess, flexium_command, free_port, wait_until
+from live_server import ProcessOutput, ServerProcess, clean_env, flexium_command, free_port, wait_until
 
 pytest.importorskip("fastapi", reason='the server extra is not installed: pip install "flexium[server]" '
                     "(ci/gpu-tests.sh installs the wheels carried in .whl)")
@@ -47,9 +46,10 @@ def test_commands_from_the_server_move_a_gpu_job(host_gpus: list[Any], tmp_path:
     job: subprocess.Popen[str] | None = None
     try:
         assert server.token, "the server printed no token for its default workspace:\n" + "\n".join(server.lines)
-        env = {k: v for k, v in os.environ.items() if not k.startswith("FLEXIUM_")}
-        env.update(FLEXIUM_SERVER=f"127.0.0.1:{server.port}/default", FLEXIUM_TOKEN=server.token,
-                   PYTHONUNBUFFERED="1")
+        home = tmp_path / "home"
+        home.mkdir()
+        env = clean_env(home)
+        env.update(FLEXIUM_SERVER=f"127.0.0.1:{server.port}/default", FLEXIUM_TOKEN=server.token)
         job = subprocess.Popen([sys.executable, str(HERE / "train_job.py"), *JOB_ARGS, "--step-sleep", STEP_SLEEP_S],
                                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         output = ProcessOutput(job)
@@ -131,8 +131,7 @@ def test_commands_from_the_server_move_a_gpu_job(host_gpus: list[Any], tmp_path:
 def test_flexium_demo_trains_on_a_gpu_and_the_command_line_moves_it(tmp_path: Path) -> None:
     home = tmp_path / "home"
     home.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEXIUM_")}
-    env.update(HOME=str(home), PYTHONUNBUFFERED="1")
+    env = clean_env(home)
     port = free_port()
     demo = subprocess.Popen([*flexium_command(), "demo", "--port", str(port)], env=env, cwd=home,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
