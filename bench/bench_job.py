@@ -282,7 +282,7 @@ def analyse(records: list[dict[str, Any]], starts: list[float], ends: list[float
     median = statistics.median(normal) if normal else 0.0
 
     analysed = []
-    for record, k in zip(records, placed):
+    for record, k in zip(records, placed, strict=True):
         entry: dict[str, Any] = {"op": record["op"], "t0": record["t0"], "ok": record.get("ok", False), "ran_in_step": k,
                                  "downtime": None, "extra": None, "next_step_extra": None, "method": None}
         if not entry["ok"]:

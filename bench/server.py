@@ -503,7 +503,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                     rows.append(row)
                     print(f"   registered in {row['register_s']:.1f} s, warm-up {row['warmup_s']:.1f} s; "
                           f"{row['commands']} commands, "
-                          f"delivery p90/p95/p99 {fmt_ms(row['del_p90'])}/{fmt_ms(row['del_p95'])}/{fmt_ms(row['del_p99'])} ms "
+                          f"delivery p90/p95/p99 {fmt_ms(row['del_p90'])}/{fmt_ms(row['del_p95'])}/"
+                          f"{fmt_ms(row['del_p99'])} ms "
                           f"(from the server's commit: p99 {fmt_ms(row['srv_del_p99'])} ms), "
                           f"heartbeat p99 {fmt_ms(row['hb_p99'])} ms, errors {row['errors']}", flush=True)
                 finally:

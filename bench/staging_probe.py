@@ -77,6 +77,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import itertools
 import json
 import os
 import socket
@@ -564,7 +565,7 @@ class Rounds:
 
 def gap_stats(ends: list[float], t0: float, t1: float) -> dict[str, Any]:
     """Gaps between consecutive iteration ends whose interval overlaps [t0, t1]."""
-    gaps = [b - a for a, b in zip(ends, ends[1:]) if b > t0 and a < t1]
+    gaps = [b - a for a, b in itertools.pairwise(ends) if b > t0 and a < t1]
     return {"max_gap_s": max(gaps) if gaps else None, "median_iter_s": statistics.median(gaps) if gaps else None,
             "iterations": len(gaps), "seconds": t1 - t0}
 
@@ -726,7 +727,7 @@ def part_checkpoint_pinned(part: str, args: argparse.Namespace, result: dict[str
             saved = [ctypes.c_uint64.from_address(a).value for a, _ in pinned.chunks]
             nbytes, seconds = copy_host_device(drv, pinned.chunks, dev.value, dev_size, True, stream)
             result["d2h_gbps_after_reregister"] = gbps(nbytes, seconds)
-            for (a, _), value in zip(pinned.chunks, saved):  # the copy overwrote the markers
+            for (a, _), value in zip(pinned.chunks, saved, strict=True):  # the copy overwrote the markers
                 ctypes.c_uint64.from_address(a).value = value
         finally:
             drv.call("cuStreamDestroy", stream)

@@ -7,8 +7,8 @@ from typing import Sequence
 
 def print_table(columns: Sequence[str], rows: Sequence[Sequence[str]], separator: str = "  ") -> None:
     widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(columns)]
-    line = separator.join(c.rjust(w) for c, w in zip(columns, widths))
+    line = separator.join(c.rjust(w) for c, w in zip(columns, widths, strict=True))
     print(line)
     print("-" * len(line))
     for r in rows:
-        print(separator.join(v.rjust(w) for v, w in zip(r, widths)))
+        print(separator.join(v.rjust(w) for v, w in zip(r, widths, strict=False)))

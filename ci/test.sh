@@ -9,12 +9,27 @@ venv="${FLEXIUM_TEST_VENV:-.venv}"
 # shellcheck disable=SC1091
 . "$venv/bin/activate"
 
-echo "== installing build tools, torch (CPU) and test dependencies"
 python -m pip install -q --upgrade pip
+
+# Lint first: it needs no build and fails in seconds. The versions are pinned here and in
+# .pre-commit-config.yaml (pyproject.toml's [tool.ruff] refuses any other ruff).
+echo "== lint: ruff check, ruff format --check, clang-format"
+python -m pip install -q "ruff==0.17.5" "clang-format==23.1.3"
+ruff check .
+ruff format --check .
+clang-format --dry-run -Werror csrc/*.cpp csrc/*.h
+
+echo "== installing build tools, torch (CPU) and test dependencies"
 python -m pip install -q "torch==2.13.0"
 python -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12"
 echo "== building flexium"
-python -m pip install -q --no-build-isolation ".[test]"
+python -m pip install -q --no-build-isolation ".[server,test]"
+
+# The whole package type-checks (server included: its extra is installed for mypy to read);
+# engine/, client/ and the wire model strictly (pyproject.toml's [tool.mypy] overrides).
+echo "== mypy"
+python -m pip install -q "mypy==2.4.1" "types-PyYAML==6.0.12.20261122" "types-requests==2.33.0.20261030"
+python -m mypy python/flexium --ignore-missing-imports
 
 echo "== CPU tests"
 python -m pytest -q tests/unit "$@"
@@ -24,12 +39,6 @@ python -m pytest -q tests/unit "$@"
 echo "== framework tests (PyTorch Lightning, Hugging Face Trainer)"
 python -m pip install -q "lightning==2.6.6" "transformers==5.24.0" "accelerate==1.15.0"
 python -m pytest -q tests/frameworks "$@"
-
-# The whole package type-checks (server included: its extra is installed for mypy to read).
-echo "== mypy"
-python -m pip install -q --no-build-isolation ".[server,test]"
-python -m pip install -q mypy types-PyYAML types-requests
-python -m mypy python/flexium --ignore-missing-imports
 
 # -----------------------------------------------------------------------------------------------
 # Server tests (tests/server): the API and storage on SQLite and on a real PostgreSQL, which this

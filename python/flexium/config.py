@@ -1,9 +1,10 @@
 """Where flexium's settings come from, validated once.
 
 Priority, highest first: parameters, environment variables (FLEXIUM_SERVER, GPU_DEVICE,
-FLEXIUM_TOKEN, FLEXIUM_LOG_LEVEL, FLEXIUM_FAST_PATH, FLEXIUM_SAFE_POINT_WAIT), the config file (./.flexiumrc if it exists, else
-~/.flexiumrc; only one is read), defaults (local mode, "cuda:0"). Every rejected value is
-reported with where it came from and what a good value looks like.
+FLEXIUM_TOKEN, FLEXIUM_LOG_LEVEL, FLEXIUM_FAST_PATH, FLEXIUM_SAFE_POINT_WAIT), the config file
+(./.flexiumrc if it exists, else ~/.flexiumrc; only one is read), defaults (local mode,
+"cuda:0"). Every rejected value is reported with where it came from and what a good value
+looks like.
 """
 
 from __future__ import annotations

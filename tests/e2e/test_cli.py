@@ -1,5 +1,5 @@
-"""The `flexium` command's own parts: `flexium server` and the workspace / token commands
-delegated to the server package, and what it says when the server extra is missing."""
+"""The `flexium` command's own parts: `flexium server` and the workspace / token commands (run by
+the server package), and what it says when the server extra is missing."""
 
 from __future__ import annotations
 
@@ -48,6 +48,27 @@ def test_missing_server_extra_says_how_to_install_it(tmp_path: Path, argv: list[
     assert done.returncode == 2, done.stderr
     assert 'pip install "flexium[server]"' in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_help_needs_no_server_extra(tmp_path: Path) -> None:
+    """Every parser lives in cli/, so the server's commands explain themselves on a client install too."""
+    for argv in (["server", "--help"], ["token", "issue", "--help"]):
+        done = subprocess.run([sys.executable, "-c", _BLOCK_SERVER_PACKAGES, *argv], env=clean_env(tmp_path),
+                              capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0, done.stderr
+        assert f"usage: flexium {' '.join(argv[:-1])}" in done.stdout and "--database" in done.stdout
+
+
+def test_python_m_flexium_server_is_flexium_server(tmp_path: Path) -> None:
+    env = clean_env(tmp_path)
+    for argv, usage in ((["--help"], "usage: flexium server"), (["workspace", "--help"], "usage: flexium workspace")):
+        done = subprocess.run([sys.executable, "-m", "flexium.server", *argv], env=env, capture_output=True,
+                              text=True, timeout=30)
+        assert done.returncode == 0 and usage in done.stdout, done.stderr
+    for argv, error in ((["--port", "x"], "argument --port"), (["--hots"], "unrecognized arguments: --hots")):
+        done = subprocess.run([sys.executable, "-m", "flexium.server", *argv], env=env, capture_output=True,
+                              text=True, timeout=30)
+        assert done.returncode == 2 and f"flexium server: error: {error}" in done.stderr, done.stderr
 
 
 def test_flexium_server_command_serves(tmp_path: Path) -> None:

@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from flexium.server.app import main
+from flexium.cli.main import main
 from flexium.server.settings import Settings, load_settings
 
 
@@ -28,6 +28,6 @@ def test_short_stale_limit_with_a_shorter_device_interval() -> None:
 
 
 def test_command_line_says_what_is_wrong(capsys: pytest.CaptureFixture[str], tmp_path: Any) -> None:
-    assert main(["--database", str(tmp_path / "s.db"), "--stale-after", "4"]) == 2
+    assert main(["server", "--database", str(tmp_path / "s.db"), "--stale-after", "4"]) == 2
     err = capsys.readouterr().err
     assert "flexium server: --stale-after (4 s) must be longer than --device-write-interval (5 s)" in err

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from flexium import protocol
-from flexium.cli.admin import server_module
+from flexium.cli.server_extra import server_module
 
 SERVER_START_S = 60.0
 JOB_REGISTER_S = 120.0

@@ -40,14 +40,16 @@ def run(*, as_json: bool) -> int:
         }))
         return 0
     yes_no = {True: "yes", False: "no"}
-    print(f"NVIDIA driver     {caps.driver_version or 'not found'}  (CUDA {caps.cuda_version // 1000}.{caps.cuda_version % 1000 // 10})")
+    cuda = f"{caps.cuda_version // 1000}.{caps.cuda_version % 1000 // 10}"
+    print(f"NVIDIA driver     {caps.driver_version or 'not found'}  (CUDA {cuda})")
     print(f"checkpoint API    {yes_no[caps.checkpoint_api]}")
     print(f"torch with CUDA   {yes_no[caps.torch_cuda]}")
     print(f"pause / resume    {yes_no[caps.pause_resume]}")
     print(f"GPU migration     {yes_no[caps.migration]}")
     print(f"fast path         {'yes' if fast_problem is None else 'no: ' + fast_problem}")
     for gpu in gpus:
-        print(f"  GPU {gpu.index}  {gpu.name}  {gpu.uuid}  {gpu.memory_used >> 20} / {gpu.memory_total >> 20} MiB  {gpu.health}")
+        memory = f"{gpu.memory_used >> 20} / {gpu.memory_total >> 20} MiB"
+        print(f"  GPU {gpu.index}  {gpu.name}  {gpu.uuid}  {memory}  {gpu.health}")
     for problem in caps.problems:
         print(f"! {problem}")
     return 0

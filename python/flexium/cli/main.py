@@ -1,4 +1,4 @@
-"""Entry point of the `flexium` command."""
+"""Entry point of the `flexium` command: every command's parser is built here from cli/'s modules."""
 
 from __future__ import annotations
 
@@ -6,8 +6,7 @@ import argparse
 import sys
 from typing import Optional, Sequence
 
-# Handed whole to the server package, which parses its own options (see cli/admin.py).
-DELEGATED = ("server", "workspace", "token")
+from flexium.cli import remote, server, workspaces
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,8 +20,6 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = commands.add_parser("doctor", help="check what this machine allows (driver, torch, GPUs)")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
 
-    from flexium.cli import remote
-
     remote.add_commands(commands)
 
     demo = commands.add_parser("demo", help="start a local server and a small training job attached to it")
@@ -30,20 +27,18 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--host", default="127.0.0.1", help="address the server listens on (default 127.0.0.1)")
     demo.add_argument("--database", metavar="URL", help="database (default: the server's SQLite file under ~/.flexium)")
 
-    commands.add_parser("server", add_help=False, help="run the server: API, dashboard, live events "
-                        "(flexium server --help)")
-    commands.add_parser("workspace", add_help=False, help="create or list workspaces (flexium workspace --help)")
-    commands.add_parser("token", add_help=False, help="issue, revoke or list tokens (flexium token --help)")
+    server.add_command(commands)
+    workspaces.add_commands(commands)
     return parser
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    args_list = list(sys.argv[1:] if argv is None else argv)
-    if args_list and args_list[0] in DELEGATED:
-        from flexium.cli import admin
-
-        return admin.run(args_list)
-    args = build_parser().parse_args(args_list)
+    parser = build_parser()
+    args, unrecognized = parser.parse_known_args(argv)
+    if unrecognized:
+        # argparse leaves these to the top parser; a command that sets its own parser here answers
+        # with its own usage (`flexium server --hots` lists the server's options).
+        getattr(args, "usage_parser", parser).error(f"unrecognized arguments: {' '.join(unrecognized)}")
     if args.command == "doctor":
         from flexium.cli import doctor
 
@@ -52,8 +47,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         from flexium.cli import demo
 
         return demo.run(port=args.port, host=args.host, database=args.database)
-    from flexium.cli import remote
-
+    if args.command == "server":
+        return server.run(args)
+    if args.command in ("workspace", "token"):
+        return workspaces.run(args)
     return remote.run(args)
 
 

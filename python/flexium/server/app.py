@@ -1,12 +1,9 @@
-"""The server application and its entry point.
-
-``flexium server`` (the CLI) calls ``main(argv)``; ``python -m flexium.server`` does the same.
-``create_app(settings)`` builds the ASGI app (tests use it with their own settings).
+"""The server application: ``create_app(settings)`` builds the ASGI app (tests use it with their
+own settings); ``serve(settings)`` runs it, for ``flexium server`` (cli/server.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import gc
@@ -16,6 +13,7 @@ import time
 from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -218,40 +216,6 @@ def bootstrap(db: Database) -> Optional[str]:
     return db.run(storage.ensure_default_workspace, write=True, now=time.time())
 
 
-def build_parser(prog: str = "flexium server") -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=prog, description="Run the flexium server: API, dashboard "
-                                     "and live events in one process.")
-    parser.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=None, help=f"port (default {protocol.DEFAULT_PORT})")
-    parser.add_argument("--database", default=None, metavar="URL",
-                        help="sqlite:///PATH or postgresql://USER@HOST/DB (default: "
-                             f"${protocol.DATABASE_ENV}, else ~/.flexium/server.db)")
-    parser.add_argument("--public-url", default=None, help="base URL printed in links (behind a proxy)")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-    parser.add_argument("--access-log", action="store_true", help="log every request")
-    timing = parser.add_argument_group("timing (seconds; defaults suit most clusters)")
-    timing.add_argument("--heartbeat-interval", type=float, default=None, dest="heartbeat_interval_s")
-    timing.add_argument("--poll-timeout", type=float, default=None, dest="poll_timeout_s")
-    timing.add_argument("--stale-after", type=float, default=None, dest="stale_after_s")
-    timing.add_argument("--remove-after", type=float, default=None, dest="remove_after_s")
-    timing.add_argument("--command-ttl", type=float, default=None, dest="command_ttl_s")
-    timing.add_argument("--sweep-interval", type=float, default=None, dest="sweep_interval_s")
-    timing.add_argument("--device-write-interval", type=float, default=None, dest="device_write_interval_s",
-                        help="store a host's GPU report at most this often (5); --stale-after must be longer")
-    return parser
-
-
-def settings_from_args(args: argparse.Namespace) -> Settings:
-    return load_settings(host=args.host, port=args.port, database_url=args.database,
-                         public_url=args.public_url, log_level=args.log_level,
-                         access_log=args.access_log or None,
-                         heartbeat_interval_s=args.heartbeat_interval_s,
-                         poll_timeout_s=args.poll_timeout_s, stale_after_s=args.stale_after_s,
-                         remove_after_s=args.remove_after_s, command_ttl_s=args.command_ttl_s,
-                         sweep_interval_s=args.sweep_interval_s,
-                         device_write_interval_s=args.device_write_interval_s)
-
-
 def _redact(url: str) -> str:
     if "@" in url and "://" in url:
         scheme, rest = url.split("://", 1)
@@ -260,22 +224,9 @@ def _redact(url: str) -> str:
     return url
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    """``flexium server [--host H] [--port P] [--database URL]``; returns the exit status."""
-    args = build_parser().parse_args(argv)
-    try:
-        settings = settings_from_args(args)
-    except ValueError as exc:
-        print(f"flexium server: {exc}", file=sys.stderr)
-        return 2
-    logging.basicConfig(level=getattr(logging, settings.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("alembic").setLevel(logging.WARNING)
-    try:
-        import uvicorn
-    except ImportError:
-        print('flexium server: the server is not installed: pip install "flexium[server]"', file=sys.stderr)
-        return 2
+def serve(settings: Settings) -> int:
+    """Upgrade the schema, create the default workspace on an empty database, print where the
+    dashboard is, and serve until a stop signal; returns the exit status."""
     db = Database(settings.database_url, threads=settings.threads)
     try:
         seconds = db.upgrade()
@@ -293,7 +244,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if token is not None:
         print(f"flexium server: created workspace '{protocol.DEFAULT_WORKSPACE}'. Log in to the dashboard: "
               f"{link}/login#token={token}")
-        print(f"flexium server: training jobs: FLEXIUM_SERVER={settings.host if settings.host not in ('0.0.0.0', '::') else '<this host>'}:"
+        job_host = settings.host if settings.host not in ("0.0.0.0", "::") else "<this host>"
+        print(f"flexium server: training jobs: FLEXIUM_SERVER={job_host}:"
               f"{settings.port}/{protocol.DEFAULT_WORKSPACE} {protocol.TOKEN_ENV}=<token below>")
         print(f"flexium server: token of workspace '{protocol.DEFAULT_WORKSPACE}' (shown once):")
         print(token)

@@ -1,13 +1,13 @@
-"""`flexium server`, `flexium workspace ...` and `flexium token ...`: handed to the server
-package, imported only here so that the client install (no server extra) runs every other
-command."""
+"""The server extra's modules, for the commands that need them (`flexium server`, `workspace`,
+`token`, `demo`). They are imported only when such a command runs, so that the client install
+(no server extra) runs every other command, and these say how to install what is missing."""
 
 from __future__ import annotations
 
 import importlib
 import sys
 from types import ModuleType
-from typing import Optional, Sequence
+from typing import Optional
 
 SERVER_EXTRA_HINT = 'pip install "flexium[server]"'
 
@@ -22,12 +22,3 @@ def server_module(name: str) -> Optional[ModuleType]:
             raise
         print(f"flexium: the server is not installed (no module {missing!r}): {SERVER_EXTRA_HINT}", file=sys.stderr)
         return None
-
-
-def run(argv: Sequence[str]) -> int:
-    """``argv`` starts with "server", "workspace" or "token"."""
-    if argv[0] == "server":
-        app = server_module("flexium.server.app")
-        return 2 if app is None else int(app.main(list(argv[1:])))
-    workspaces = server_module("flexium.server.workspaces")
-    return 2 if workspaces is None else int(workspaces.main(list(argv)))

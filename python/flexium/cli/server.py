@@ -1,0 +1,66 @@
+"""`flexium server`: its options build the server's one Settings object, then
+``flexium.server.app.serve`` runs the server until a stop signal."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from flexium import protocol
+from flexium.cli.remote import EXIT_USAGE
+from flexium.cli.server_extra import server_module
+from flexium.server.settings import Settings, load_settings
+
+DESCRIPTION = "Run the flexium server: API, dashboard and live events in one process."
+
+
+def add_command(commands: Any) -> None:
+    """``commands``: the ``flexium`` parser's subparsers."""
+    parser = commands.add_parser("server", description=DESCRIPTION,
+                                 help="run the server: API, dashboard, live events (flexium server --help)")
+    parser.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None, help=f"port (default {protocol.DEFAULT_PORT})")
+    parser.add_argument("--database", default=None, metavar="URL",
+                        help="sqlite:///PATH or postgresql://USER@HOST/DB (default: "
+                             f"${protocol.DATABASE_ENV}, else ~/.flexium/server.db)")
+    parser.add_argument("--public-url", default=None, help="base URL printed in links (behind a proxy)")
+    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument("--access-log", action="store_true", help="log every request")
+    timing = parser.add_argument_group("timing (seconds; defaults suit most clusters)")
+    timing.add_argument("--heartbeat-interval", type=float, default=None, dest="heartbeat_interval_s")
+    timing.add_argument("--poll-timeout", type=float, default=None, dest="poll_timeout_s")
+    timing.add_argument("--stale-after", type=float, default=None, dest="stale_after_s")
+    timing.add_argument("--remove-after", type=float, default=None, dest="remove_after_s")
+    timing.add_argument("--command-ttl", type=float, default=None, dest="command_ttl_s")
+    timing.add_argument("--sweep-interval", type=float, default=None, dest="sweep_interval_s")
+    timing.add_argument("--device-write-interval", type=float, default=None, dest="device_write_interval_s",
+                        help="store a host's GPU report at most this often (5); --stale-after must be longer")
+    parser.set_defaults(usage_parser=parser)
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    return load_settings(host=args.host, port=args.port, database_url=args.database,
+                         public_url=args.public_url, log_level=args.log_level,
+                         access_log=args.access_log or None,
+                         heartbeat_interval_s=args.heartbeat_interval_s,
+                         poll_timeout_s=args.poll_timeout_s, stale_after_s=args.stale_after_s,
+                         remove_after_s=args.remove_after_s, command_ttl_s=args.command_ttl_s,
+                         sweep_interval_s=args.sweep_interval_s,
+                         device_write_interval_s=args.device_write_interval_s)
+
+
+def run(args: argparse.Namespace) -> int:
+    app = server_module("flexium.server.app")
+    if app is None:
+        return EXIT_USAGE
+    try:
+        settings = settings_from_args(args)
+    except ValueError as exc:
+        print(f"flexium server: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    logging.basicConfig(level=getattr(logging, settings.log_level.upper()),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("alembic").setLevel(logging.WARNING)
+    return int(app.serve(settings))

@@ -1,0 +1,75 @@
+"""`flexium workspace create|list` and `flexium token issue|revoke|list`: on the database
+directly (``flexium.server.workspaces``), so they work while the server runs or not. A new token
+is printed alone on the last line of output, for scripts."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from flexium import protocol
+from flexium.cli.remote import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from flexium.cli.server_extra import server_module
+
+
+def add_commands(commands: Any) -> None:
+    """``commands``: the ``flexium`` parser's subparsers."""
+    db_help = f"database URL (default ${protocol.DATABASE_ENV}, else ~/.flexium/server.db)"
+    ws = commands.add_parser("workspace", help="create or list workspaces (flexium workspace --help)")
+    actions = ws.add_subparsers(dest="action", required=True)
+    p = actions.add_parser("create", help="create a workspace; prints its first token on the last line")
+    p.add_argument("name")
+    p.add_argument("--database", metavar="URL", help=db_help)
+    p = actions.add_parser("list", help="list workspaces")
+    p.add_argument("--database", metavar="URL", help=db_help)
+    tok = commands.add_parser("token", help="issue, revoke or list tokens (flexium token --help)")
+    actions = tok.add_subparsers(dest="action", required=True)
+    p = actions.add_parser("issue", help="issue another token; prints it on the last line")
+    p.add_argument("workspace")
+    p.add_argument("--name", default="", help="a label to recognise it by")
+    p.add_argument("--database", metavar="URL", help=db_help)
+    p = actions.add_parser("revoke", help="revoke a token (by value or id)")
+    p.add_argument("workspace")
+    p.add_argument("token", help="the token, or its id from 'token list'")
+    p.add_argument("--database", metavar="URL", help=db_help)
+    p = actions.add_parser("list", help="list a workspace's tokens (no secrets)")
+    p.add_argument("workspace")
+    p.add_argument("--database", metavar="URL", help=db_help)
+
+
+def run(args: argparse.Namespace) -> int:
+    workspaces = server_module("flexium.server.workspaces")
+    if workspaces is None:
+        return EXIT_USAGE
+    from flexium.server.db import DatabaseUnavailable, SchemaTooNew
+    from flexium.server.errors import ApiError
+
+    url = args.database
+    try:
+        if args.command == "workspace" and args.action == "create":
+            token = workspaces.create_workspace(args.name, database_url=url)
+            print(f"created workspace '{args.name}'. Its token (shown once; "
+                  f"training jobs read it from {protocol.TOKEN_ENV}):")
+            print(token)
+        elif args.command == "workspace":
+            for row in workspaces.list_workspaces(database_url=url):
+                print(row["name"])
+        elif args.action == "issue":
+            token = workspaces.issue_token(args.workspace, name=args.name, database_url=url)
+            print(f"new token for workspace '{args.workspace}' (shown once):")
+            print(token)
+        elif args.action == "revoke":
+            info = workspaces.revoke_token(args.workspace, args.token, database_url=url)
+            print(f"revoked token {info['id']} ({info['prefix']}...) of workspace '{args.workspace}'")
+        else:
+            for row in workspaces.list_tokens(args.workspace, database_url=url):
+                state = "revoked" if row["revoked"] else "active"
+                print(f"{row['id']}\t{row['prefix']}...\t{state}\t{row['name']}")
+    except ApiError as exc:
+        print(f"flexium: {exc.message}", file=sys.stderr)
+        return EXIT_FAILED
+    except (DatabaseUnavailable, SchemaTooNew, ValueError) as exc:
+        print(f"flexium: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
