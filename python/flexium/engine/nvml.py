@@ -190,6 +190,9 @@ class _Reader:
         except (OSError, subprocess.TimeoutExpired):
             self.proc.kill()
             self.proc.wait()
+        finally:
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
 
 
 _reader_lock = threading.Lock()
