@@ -1,0 +1,46 @@
+"""The `flexium` command's parsers: all of them are built in cli/ (the server package parses no
+command line), and the server's options become its Settings without the server extra."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from flexium.cli import server
+from flexium.cli.main import build_parser
+
+PACKAGE = Path(__file__).resolve().parents[2] / "python" / "flexium"
+# The host copier's child process reads a fixed argv that the engine itself writes: not a user's command line.
+INTERNAL_ARGV = {"engine/host_copier_process.py"}
+
+
+def _imports_argparse(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import) and any(alias.name == "argparse" for alias in node.names):
+            return True
+        if isinstance(node, ast.ImportFrom) and node.module == "argparse":
+            return True
+    return False
+
+
+def test_every_parser_is_under_cli() -> None:
+    parsing = {str(p.relative_to(PACKAGE)) for p in PACKAGE.rglob("*.py") if _imports_argparse(p)}
+    assert parsing, "found no module that parses a command line: is PACKAGE right?"
+    assert {p for p in parsing if not p.startswith("cli/")} == INTERNAL_ARGV
+
+
+def test_server_options_become_settings(tmp_path: Path) -> None:
+    args = build_parser().parse_args(["server", "--port", "9001", "--database", f"sqlite:///{tmp_path / 's.db'}",
+                                      "--stale-after", "30", "--access-log"])
+    settings = server.settings_from_args(args)
+    assert (settings.port, settings.stale_after_s, settings.access_log) == (9001, 30.0, True)
+    assert settings.database_url == f"sqlite:///{tmp_path / 's.db'}"
+
+
+def test_workspace_and_token_commands() -> None:
+    parser = build_parser()
+    args = parser.parse_args(["workspace", "create", "team", "--database", "sqlite:///x.db"])
+    assert (args.command, args.action, args.name, args.database) == ("workspace", "create", "team", "sqlite:///x.db")
+    args = parser.parse_args(["token", "revoke", "team", "3"])
+    assert (args.command, args.action, args.workspace, args.token, args.database) == ("token", "revoke", "team", "3",
+                                                                                      None)
