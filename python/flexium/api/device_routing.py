@@ -112,7 +112,7 @@ def install(get_device: Callable[[], str]) -> None:
             had_own = "cuda" in owner.__dict__
             original = owner.__dict__["cuda"] if had_own else getattr(owner, "cuda")
             wrapper = wrap(getattr(owner, "cuda"))
-            setattr(owner, "cuda", wrapper)
+            setattr(owner, "cuda", wrapper)  # noqa: B010 (mypy refuses `owner.cuda = ...`: assigning to a method)
             _saved.append(_Saved(owner=owner, name="cuda", had_own=had_own, original=original, wrapper=wrapper))
         _log.debug("routing bare .cuda() calls to the managed device")
     finally:
