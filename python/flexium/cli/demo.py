@@ -45,20 +45,20 @@ def _port_free(host: str, port: int) -> bool:
 def _demo_token(database_url: str) -> tuple[str, bool]:
     """(a token of workspace 'default', whether to revoke it at the end). A new database gets
     the default workspace here, and its first token is the user's to keep."""
-    app = server_module("flexium.server.app")
-    workspaces = server_module("flexium.server.workspaces")
-    errors = server_module("flexium.server.errors")
-    assert app is not None and workspaces is not None and errors is not None
+    from flexium.server import workspaces
+    from flexium.server.app import bootstrap
+    from flexium.server.errors import NotFound
+
     db = workspaces.open_database(database_url)
     try:
-        first = app.bootstrap(db)
+        first = bootstrap(db)
     finally:
         db.dispose()
     if first is not None:
         return first, False
     try:
         return workspaces.issue_token(protocol.DEFAULT_WORKSPACE, name="flexium demo", database_url=database_url), True
-    except errors.NotFound:
+    except NotFound:
         return workspaces.create_workspace(protocol.DEFAULT_WORKSPACE, database_url=database_url), False
 
 
@@ -86,12 +86,12 @@ def run(*, port: Optional[int] = None, host: str = "127.0.0.1", database: Option
         return 2
     if server_module("flexium.server.app") is None:
         return 2
-    settings_module = server_module("flexium.server.settings")
-    db_module = server_module("flexium.server.db")
-    assert settings_module is not None and db_module is not None
+    from flexium.server.db import DatabaseUnavailable, SchemaTooNew
+    from flexium.server.settings import default_data_dir, load_settings
+
     port = port or protocol.DEFAULT_PORT
     try:
-        settings = settings_module.load_settings(database_url=database, host=host, port=port)
+        settings = load_settings(database_url=database, host=host, port=port)
     except ValueError as exc:
         print(f"flexium demo: {exc}", file=sys.stderr)
         return 2
@@ -101,14 +101,14 @@ def run(*, port: Optional[int] = None, host: str = "127.0.0.1", database: Option
         return 1
     try:
         token, revoke = _demo_token(settings.database_url)
-    except (db_module.DatabaseUnavailable, db_module.SchemaTooNew) as exc:
+    except (DatabaseUnavailable, SchemaTooNew) as exc:
         print(f"flexium demo: cannot use the database: {exc}", file=sys.stderr)
         return 1
 
     from flexium.cli.remote import connect
     from flexium.client import ServerError
 
-    data_dir = Path(settings_module.default_data_dir())
+    data_dir = Path(default_data_dir())
     data_dir.mkdir(parents=True, exist_ok=True)
     log_path = data_dir / "demo-server.log"
     link_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
@@ -160,7 +160,8 @@ def run(*, port: Optional[int] = None, host: str = "127.0.0.1", database: Option
             if registered is None:
                 time.sleep(0.5)
         if registered is not None:
-            _say(f"job {registered['process_id']} registered ({registered['state']} on {registered['physical_device']})")
+            where = f"{registered['state']} on {registered['physical_device']}"
+            _say(f"job {registered['process_id']} registered ({where})")
         else:
             _say("the job has not registered yet; see its output above")
         _say(f"try: FLEXIUM_SERVER={address}/{protocol.DEFAULT_WORKSPACE} {protocol.TOKEN_ENV}={token} flexium ps")
@@ -197,9 +198,8 @@ def run(*, port: Optional[int] = None, host: str = "127.0.0.1", database: Option
 
 
 def _revoke(token: str, database_url: str) -> None:
-    workspaces = server_module("flexium.server.workspaces")
-    if workspaces is None:
-        return
+    from flexium.server import workspaces
+
     try:
         workspaces.revoke_token(protocol.DEFAULT_WORKSPACE, token, database_url=database_url)
     except Exception as exc:  # the demo is over either way; say so and move on

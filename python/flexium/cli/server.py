@@ -52,9 +52,10 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
 
 
 def run(args: argparse.Namespace) -> int:
-    app = server_module("flexium.server.app")
-    if app is None:
+    if server_module("flexium.server.app") is None:
         return EXIT_USAGE
+    from flexium.server.app import serve
+
     try:
         settings = settings_from_args(args)
     except ValueError as exc:
@@ -63,4 +64,4 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=getattr(logging, settings.log_level.upper()),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("alembic").setLevel(logging.WARNING)
-    return int(app.serve(settings))
+    return serve(settings)

@@ -39,9 +39,9 @@ def add_commands(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    workspaces = server_module("flexium.server.workspaces")
-    if workspaces is None:
+    if server_module("flexium.server.workspaces") is None:
         return EXIT_USAGE
+    from flexium.server import workspaces
     from flexium.server.db import DatabaseUnavailable, SchemaTooNew
     from flexium.server.errors import ApiError
 
