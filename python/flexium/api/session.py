@@ -110,7 +110,7 @@ def _start(config: FlexiumConfig) -> Session:
 def _claim_device(device: str, capabilities: Capabilities) -> str:
     if device == "cpu":
         return "cpu"
-    ordinal = int(device.split(":", 1)[1])
+    ordinal = _ordinal(device)
     if not capabilities.torch_cuda:
         return device if _driver_selected_by_env() and capabilities.gpu_count > ordinal else "cpu"
     import torch
@@ -123,6 +123,11 @@ def _claim_device(device: str, capabilities: Capabilities) -> str:
         )
     torch.cuda.set_device(ordinal)
     return device
+
+
+def _ordinal(device: str) -> int:
+    """N of the "cuda:N" that config.validate_device already checked."""
+    return int(device.split(":", 1)[1])
 
 
 def _driver_selected_by_env() -> bool:
@@ -143,7 +148,7 @@ def _start_memory_pool(config: FlexiumConfig, logical_device: str, capabilities:
         return pool
     # The job's own GPU only: making a pool for another GPU can create a context there (about
     # 500 MiB), which every swap would then carry to the source GPU (seen on H200s, torch 2.11).
-    if not pool.install([int(logical_device.split(":", 1)[1])]):
+    if not pool.install([_ordinal(logical_device)]):
         log.warning("fast path off, migrations and pauses use the driver path: %s", pool.reason_off)
     return pool
 
@@ -159,7 +164,7 @@ def _start_engine(
     from flexium.engine.fast_path import FastPath
 
     engine = Engine(
-        logical_ordinal=int(logical_device.split(":", 1)[1]),
+        logical_ordinal=_ordinal(logical_device),
         gpus=snapshot_gpus(),
         capabilities=capabilities,
         safe_point_wait_seconds=config.safe_point_wait,
