@@ -186,7 +186,9 @@ def test_a_plan_of_several_moves_is_one_full_permutation() -> None:
         identity.plan({0: g[2], 1: g[2]})
 
 
-def test_pairs_drive_the_driver_to_the_placement_the_map_records(fake: FakeDriver, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pairs_drive_the_driver_to_the_placement_the_map_records(
+    fake: FakeDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A random walk of plans moving one or two logical devices: every pair list is a full
     permutation the fake driver accepts (fact 2), and after each restore the map and the driver
     agree on where every logical device is."""

@@ -360,7 +360,8 @@ class Engine:
             dest = self._ctx.identity.resolve(target)
             if dest.name != source.name:
                 raise TargetRefusedError(
-                    f"{dest.device} is a {dest.name}, the job was paused on a {source.name}: resume needs the same model"
+                    f"{dest.device} is a {dest.name}, the job was paused on a {source.name}: "
+                    "resume needs the same model"
                 )
             self._check_room(dest, needed)
             return dest
@@ -409,13 +410,15 @@ class Engine:
         summary = ", ".join(f"{s.step} {s.seconds * 1e3:.0f} ms" for s in result.steps if not s.rollback)
         if result.ok:
             where = f" -> {result.target.device}" if result.target is not None else ""
-            log.info("%s %s%s done in %.2f s (%s)", result.kind.value, result.source.device, where, result.seconds, summary)
+            log.info("%s %s%s done in %.2f s (%s)", result.kind.value, result.source.device, where, result.seconds,
+                     summary)
             return result
+        message, step = f"{result.kind.value} failed: {result.error}", result.failed_step or "?"
         if self.state == EngineState.FAILED:
             log.critical("%s failed and could not be rolled back: %s", result.kind.value, result.error)
-            raise RollbackFailedError(f"{result.kind.value} failed: {result.error}", step=result.failed_step or "?", result=result)
+            raise RollbackFailedError(message, step=step, result=result)
         log.error("%s failed: %s", result.kind.value, result.error)
-        raise OperationFailedError(f"{result.kind.value} failed: {result.error}", step=result.failed_step or "?", result=result)
+        raise OperationFailedError(message, step=step, result=result)
 
 
 def _check_path(path: str) -> None:

@@ -119,7 +119,9 @@ class IdentityMap:
         by_uuid = {gpu.uuid: gpu for gpu in self._gpus}
         moves = dict(plan.pairs)
         with self._lock:
-            self._physical = {logical: by_uuid[moves.get(gpu.uuid, gpu.uuid)] for logical, gpu in self._physical.items()}
+            self._physical = {
+                logical: by_uuid[moves.get(gpu.uuid, gpu.uuid)] for logical, gpu in self._physical.items()
+            }
 
 
 def _visible_hint() -> str:

@@ -35,7 +35,8 @@ def migrate_fast(ctx: OperationContext, fast: FastPath, plan: MovePlan, notes: t
     except RelocationError as exc:
         draft.steps.append(exc.timing)
         ctx.set_state(EngineState.RUNNING)
-        return draft.build(failed_step=exc.step, error=f"{exc}; nothing moved: the job runs on {source.device} as before")
+        return draft.build(failed_step=exc.step,
+                           error=f"{exc}; nothing moved: the job runs on {source.device} as before")
     draft.notes = (*draft.notes, note_copied(staged))
     try:
         draft.steps.append(fast.release(ctx.logical))
@@ -73,8 +74,8 @@ def migrate_fast(ctx: OperationContext, fast: FastPath, plan: MovePlan, notes: t
     ctx.set_state(EngineState.FAILED)
     return draft.build(
         failed_step=failure.step,
-        error=f"{describe_failure(failure)}; ROLLBACK FAILED: the process is {final.name}, not RUNNING; its pool memory "
-        f"waits on {dest.device}",
+        error=f"{describe_failure(failure)}; ROLLBACK FAILED: the process is {final.name}, not RUNNING; "
+        f"its pool memory waits on {dest.device}",
     )
 
 
@@ -96,4 +97,5 @@ def _bring_home(
         return draft.build(failed_step=failed_step, error=f"{error}; ROLLBACK FAILED: {exc}; restart the job")
     draft.steps[-1] = replace(draft.steps[-1], rollback=True)
     ctx.set_state(EngineState.RUNNING)
-    return draft.build(failed_step=failed_step, error=f"{error}; rolled back: the job runs on {source.device} as before")
+    return draft.build(failed_step=failed_step,
+                       error=f"{error}; rolled back: the job runs on {source.device} as before")

@@ -34,7 +34,8 @@ def pause_fast(ctx: OperationContext, fast: FastPath, source: GpuIdentity, notes
             return draft.build(failed_step=failed_step, error=f"{error}; ROLLBACK FAILED: {exc}; restart the job")
         fast.release_host_later()
         ctx.set_state(EngineState.RUNNING)
-        return draft.build(failed_step=failed_step, error=f"{error}; rolled back: the job runs on {source.device} as before")
+        return draft.build(failed_step=failed_step,
+                           error=f"{error}; rolled back: the job runs on {source.device} as before")
 
     try:
         copied, timing = fast.stage_to_host(ctx.logical)
@@ -43,7 +44,8 @@ def pause_fast(ctx: OperationContext, fast: FastPath, source: GpuIdentity, notes
         draft.steps.append(exc.timing)
         fast.release_host_later()
         ctx.set_state(EngineState.RUNNING)
-        return draft.build(failed_step=exc.step, error=f"{exc}; nothing moved: the job runs on {source.device} as before")
+        return draft.build(failed_step=exc.step,
+                           error=f"{exc}; nothing moved: the job runs on {source.device} as before")
     draft.notes = (*draft.notes, f"fast path: copied {copied / GIB:.2f} GiB in use of "
                    f"{fast.pool_bytes(ctx.logical) / GIB:.2f} GiB of pool segments to host memory")
     try:
@@ -65,5 +67,6 @@ def pause_fast(ctx: OperationContext, fast: FastPath, source: GpuIdentity, notes
     ctx.set_state(EngineState.FAILED)
     return draft.build(
         failed_step=failure.step,
-        error=f"{describe_failure(failure)}; ROLLBACK FAILED: the process is {final.name}; its pool memory is in host memory",
+        error=f"{describe_failure(failure)}; ROLLBACK FAILED: the process is {final.name}; "
+        "its pool memory is in host memory",
     )

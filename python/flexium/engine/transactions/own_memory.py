@@ -33,7 +33,9 @@ def own_in_slices(ctx: OperationContext) -> None:
     ctx.safe_points.between_operations(own_a_slice)
 
 
-def own_before_driver_checkpoint(ctx: OperationContext, kind: OperationKind, at_safe_point: bool) -> tuple[StepTiming, ...]:
+def own_before_driver_checkpoint(
+    ctx: OperationContext, kind: OperationKind, at_safe_point: bool
+) -> tuple[StepTiming, ...]:
     """Imported memory left by a fast move whose own step failed cannot be restored by a driver
     checkpoint (docs/fast-path.md): it is made the job's own here, before a driver-path
     checkpoint, and only where no kernel can be launched on a segment while its memory is
