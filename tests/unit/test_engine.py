@@ -196,6 +196,31 @@ def test_a_job_on_cuda_1_migrates_to_cuda_0(fake: FakeDriver, make_engine: Calla
     assert fake.process_bytes_on(0) == 2 * GiB and fake.process_bytes_on(1) == 0
 
 
+def test_a_transaction_runs_over_its_context_and_plan_alone(fake: FakeDriver) -> None:
+    """No Engine is needed to run a transaction: an OperationContext and a MovePlan are all a
+    driver migration takes, and it reports through the context's state and identity map."""
+    from flexium.engine import snapshot_gpus
+    from flexium.engine.identity import IdentityMap
+    from flexium.engine.safe_point import SafePoints
+    from flexium.engine.transactions.context import OperationContext
+    from flexium.engine.transactions.driver_migrate import migrate_by_driver
+
+    fake.set_process_memory(0, 2 * GiB)
+    identity = IdentityMap(snapshot_gpus())
+    ctx = OperationContext(pid=PID, logical=0, identity=identity, safe_points=SafePoints(0.1), fast=None,
+                           lock_timeout_ms=5000)
+    seen: list[EngineState] = []
+    ctx.add_state_listener(seen.append)
+    fake.clear_log()
+    result = migrate_by_driver(ctx, identity.plan({0: identity.gpus[1]}), ("a note",), at_safe_point=False)
+    assert result.ok and result.path == "driver" and result.notes == ("a note",)
+    assert result.source == identity.gpus[0] and result.target == identity.gpus[1]
+    assert [(s.step, s.ok) for s in result.steps] == [(step, ok) for step, ok, _ in MIGRATION_STEPS]
+    assert checkpoint_ops(fake) == ["Lock", "Checkpoint", "Restore", "Unlock"] and fake.placement() == [1, 0]
+    assert identity.physical_of(0) == identity.gpus[1] and result.bytes_moved == 2 * GiB
+    assert seen == [EngineState.MIGRATING, EngineState.RUNNING] and ctx.state == EngineState.RUNNING
+
+
 # ----------------------------------------------------------------------------- target validation
 
 
