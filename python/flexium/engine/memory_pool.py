@@ -77,6 +77,7 @@ class MemoryPool:
             self._allocator = torch.cuda.memory.CUDAPluggableAllocator(
                 _C.__file__, "flexium_vmm_alloc", "flexium_vmm_free"
             )
+            allocator: Any = self._allocator  # torch leaves CUDAPluggableAllocator.allocator() unannotated
             try:
                 for device in devices:
                     # A MemPool belongs to the device current when it is made. flexium pools the
@@ -84,7 +85,7 @@ class MemoryPool:
                     # GPU left a CUDA context there on H200s, docs/fast-path.md).
                     previous = torch.cuda._maybe_exchange_device(device)
                     try:
-                        pool = torch.cuda.MemPool(self._allocator.allocator())
+                        pool = torch.cuda.MemPool(allocator.allocator())
                     finally:
                         torch.cuda._maybe_exchange_device(previous)
                     self._pools[device] = pool
