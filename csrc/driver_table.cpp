@@ -5,6 +5,8 @@
 #include <cstdlib>
 #include <mutex>
 
+#include "driver_error.h"
+
 namespace flexium {
 namespace {
 
@@ -84,20 +86,33 @@ const DriverTable &driver() {
   return table;
 }
 
+// `&& d.name != nullptr` for each function of a list.
+#define FLEXIUM_AND_RESOLVED(name, version, required) &&d.name != nullptr
+
 bool has_checkpoint_api() {
   const DriverTable &d = driver();
-  return d.loaded && d.cuCheckpointProcessGetState != nullptr && d.cuCheckpointProcessLock != nullptr &&
-         d.cuCheckpointProcessCheckpoint != nullptr && d.cuCheckpointProcessRestore != nullptr &&
-         d.cuCheckpointProcessUnlock != nullptr;
+  return d.loaded FLEXIUM_CHECKPOINT_FUNCTIONS(FLEXIUM_AND_RESOLVED);
 }
 
 bool has_vmm_api() {
   const DriverTable &d = driver();
-  bool all = d.loaded;
-#define FLEXIUM_CHECK_RESOLVED(name, version, required) all = all && d.name != nullptr;
-  FLEXIUM_VMM_FUNCTIONS(FLEXIUM_CHECK_RESOLVED)
-#undef FLEXIUM_CHECK_RESOLVED
-  return all;
+  return d.loaded FLEXIUM_VMM_FUNCTIONS(FLEXIUM_AND_RESOLVED);
+}
+
+#undef FLEXIUM_AND_RESOLVED
+
+DriverStatus driver_status() {
+  const DriverTable &d = driver();
+  DriverStatus status;
+  status.loaded = d.loaded;
+  status.library = d.library;
+  if (!d.loaded) status.error = d.load_error;
+  status.cuda_version = d.cuda_version;
+  if (d.loaded && d.init_result != CUDA_SUCCESS) status.init_error = error_name(d.init_result);
+  status.checkpoint_api = has_checkpoint_api();
+  status.vmm_api = has_vmm_api();
+  status.missing_optional = d.missing_optional;
+  return status;
 }
 
 }  // namespace flexium

@@ -2,6 +2,7 @@
 // libcuda is never linked: a machine without a driver must still import flexium.
 #pragma once
 
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -21,13 +22,19 @@ namespace flexium {
   X(cuDeviceGetUuid, 11040, true)                       \
   X(cuDeviceTotalMem, 3020, true)                       \
   X(cuDeviceGetPCIBusId, 4010, true)                    \
-  X(cuCheckpointProcessGetState, 12080, false)          \
-  X(cuCheckpointProcessGetRestoreThreadId, 12080, false) \
-  X(cuCheckpointProcessLock, 12080, false)              \
-  X(cuCheckpointProcessCheckpoint, 12080, false)        \
-  X(cuCheckpointProcessRestore, 12080, false)           \
-  X(cuCheckpointProcessUnlock, 12080, false)            \
+  FLEXIUM_CHECKPOINT_FUNCTIONS(X)                       \
   FLEXIUM_VMM_FUNCTIONS(X)
+
+// The process checkpoint API (checkpoint.cpp): every function arrived with CUDA 12.8; all
+// optional, without them flexium only trains.
+constexpr int kCheckpointApiVersion = 12080;
+#define FLEXIUM_CHECKPOINT_FUNCTIONS(X)                                 \
+  X(cuCheckpointProcessGetState, kCheckpointApiVersion, false)           \
+  X(cuCheckpointProcessGetRestoreThreadId, kCheckpointApiVersion, false) \
+  X(cuCheckpointProcessLock, kCheckpointApiVersion, false)               \
+  X(cuCheckpointProcessCheckpoint, kCheckpointApiVersion, false)         \
+  X(cuCheckpointProcessRestore, kCheckpointApiVersion, false)            \
+  X(cuCheckpointProcessUnlock, kCheckpointApiVersion, false)
 
 // The fast path's allocator and relocation (vmm_*.cpp). Versions are those of each function's
 // current ABI in cudaTypedefs.h (cuDevicePrimaryCtxRelease_v2 11000, cuStreamDestroy_v2 and
@@ -79,10 +86,30 @@ struct DriverTable {
 // Loads on first use; FLEXIUM_LIBCUDA names another library (the tests' fake driver).
 const DriverTable &driver();
 
-// Whether every checkpoint symbol resolved.
+// Whether every FLEXIUM_CHECKPOINT_FUNCTIONS symbol resolved (pause, resume and migration can run).
 bool has_checkpoint_api();
 
 // Whether every FLEXIUM_VMM_FUNCTIONS symbol resolved (the fast path's allocator can run).
 bool has_vmm_api();
+
+// The minimum CUDA version asked for each function, by its name: driver_versions::cuMemMap.
+namespace driver_versions {
+#define FLEXIUM_DECLARE_VERSION(name, version, required) constexpr int name = version;
+FLEXIUM_DRIVER_FUNCTIONS(FLEXIUM_DECLARE_VERSION)
+#undef FLEXIUM_DECLARE_VERSION
+}  // namespace driver_versions
+
+// What Python's driver_status() reports: whether the driver loaded, and which features it has.
+struct DriverStatus {
+  bool loaded = false;
+  std::string library;
+  std::optional<std::string> error;       // why loading failed
+  int cuda_version = 0;
+  std::optional<std::string> init_error;  // cuInit's error name, when it failed
+  bool checkpoint_api = false;
+  bool vmm_api = false;
+  std::vector<std::string> missing_optional;
+};
+DriverStatus driver_status();
 
 }  // namespace flexium
