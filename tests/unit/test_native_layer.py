@@ -212,6 +212,7 @@ def test_driver_status_with_the_fake(fake: FakeDriver) -> None:
     assert status.cuda_version == 13000
     assert status.checkpoint_api is True and status.vmm_api is True
     assert status.missing_optional == []
+    assert _C.CHECKPOINT_API_VERSION == 12080  # the version each cuCheckpointProcess* lookup asks for
 
 
 # ----------------------------------------------------------------------------- devices
