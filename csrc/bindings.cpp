@@ -107,8 +107,7 @@ void bind_checkpoint(py::module_ &m) {
       .value("RECOVER", StepKind::Recover)
       .finalize();
   py::class_<Step>(m, "Step")
-      .def(py::init(&make_step), py::arg("kind"), py::arg("timeout_ms") = 0,
-           py::arg("pairs") = std::vector<GpuPair>{})
+      .def(py::init(&make_step), py::arg("kind"), py::arg("timeout_ms") = 0, py::arg("pairs") = std::vector<GpuPair>{})
       .def_property_readonly("kind", [](const Step &s) { return s.kind; })
       .def_property_readonly("pair_count", [](const Step &s) { return s.pairs.size(); });
   py::class_<StepOutcome>(m, "StepOutcome")
@@ -139,8 +138,9 @@ void bind_allocator(py::module_ &m) {
       .def_readonly("mapped", &SegmentInfo::mapped);
   def_repr(segment, {"address", "size", "device", "mapped"});
 
-  m.def("vmm_granularity", [](int device) { return granularity(require_vmm_driver(), device); }, py::arg("device"),
-        release_gil(), "Bytes every segment of the device is rounded up to.");
+  m.def(
+      "vmm_granularity", [](int device) { return granularity(require_vmm_driver(), device); }, py::arg("device"),
+      release_gil(), "Bytes every segment of the device is rounded up to.");
   m.def("vmm_segments", &list_segments, release_gil(), "Every segment of the allocator, by address.");
   m.def("vmm_bytes_on", &segment_bytes_on, py::arg("device"), release_gil());
   m.def("vmm_segment_count", &segment_count, release_gil());
@@ -157,8 +157,7 @@ void bind_allocator(py::module_ &m) {
 // no other Python thread may launch work on a segment while its backing is moved.
 void bind_relocation(py::module_ &m) {
   py::class_<StagedSegment> staged(m, "StagedSegment");
-  staged
-      .def(py::init<CUdeviceptr, std::size_t, int>(), py::arg("address"), py::arg("size"), py::arg("fd"))
+  staged.def(py::init<CUdeviceptr, std::size_t, int>(), py::arg("address"), py::arg("size"), py::arg("fd"))
       .def_readonly("address", &StagedSegment::address)
       .def_readonly("size", &StagedSegment::size)
       .def_readonly("fd", &StagedSegment::fd);
@@ -194,8 +193,7 @@ void bind_host_staging(py::module_ &m) {
 
 void bind_copier(py::module_ &m) {
   py::class_<CopierChunk> chunk(m, "CopierChunk");
-  chunk
-      .def(py::init<std::size_t, std::size_t, std::size_t>(), py::arg("extent"), py::arg("offset"), py::arg("size"))
+  chunk.def(py::init<std::size_t, std::size_t, std::size_t>(), py::arg("extent"), py::arg("offset"), py::arg("size"))
       .def_readonly("extent", &CopierChunk::extent)
       .def_readonly("offset", &CopierChunk::offset)
       .def_readonly("size", &CopierChunk::size);
@@ -247,8 +245,9 @@ void bind_copier(py::module_ &m) {
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "flexium's native layer: the CUDA driver resolved at run time, its checkpoint API and the VMM "
-            "allocator.";
+  m.doc() =
+      "flexium's native layer: the CUDA driver resolved at run time, its checkpoint API and the VMM "
+      "allocator.";
   bind_driver(m);
   bind_devices(m);
   bind_checkpoint(m);

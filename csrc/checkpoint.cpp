@@ -10,11 +10,11 @@
 namespace flexium {
 namespace {
 
-#define FLEXIUM_DRIVER_WITH(name, function) \
-  const DriverTable &name() {               \
+#define FLEXIUM_DRIVER_WITH(name, function)  \
+  const DriverTable &name() {                \
     const DriverTable &d = require_driver(); \
-    FLEXIUM_REQUIRE_FUNCTION(d, function);  \
-    return d;                               \
+    FLEXIUM_REQUIRE_FUNCTION(d, function);   \
+    return d;                                \
   }
 FLEXIUM_DRIVER_WITH(driver_with_lock, cuCheckpointProcessLock)
 FLEXIUM_DRIVER_WITH(driver_with_checkpoint, cuCheckpointProcessCheckpoint)
@@ -66,8 +66,7 @@ CUresult call_step(const DriverTable &d, int pid, const Step &step) {
       CUcheckpointUnlockArgs args{};
       return d.cuCheckpointProcessUnlock(pid, &args);
     }
-    case StepKind::Recover:
-      break;  // expanded by run_step into the calls it needs
+    case StepKind::Recover: break;  // expanded by run_step into the calls it needs
   }
   return CUDA_ERROR_INVALID_VALUE;
 }
@@ -110,7 +109,8 @@ bool run_step(const DriverTable &d, int pid, const Step &step, bool rollback, st
 
 void check_step(const DriverTable &d, int pid, const Step &step, const char *call) {
   const StepOutcome outcome = timed_step(d, pid, step, false);
-  if (outcome.code != CUDA_SUCCESS) throw DriverError(call, outcome.code, "pid " + std::to_string(pid), __FILE__, __LINE__);
+  if (outcome.code != CUDA_SUCCESS)
+    throw DriverError(call, outcome.code, "pid " + std::to_string(pid), __FILE__, __LINE__);
 }
 
 }  // namespace

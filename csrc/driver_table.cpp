@@ -10,8 +10,7 @@
 namespace flexium {
 namespace {
 
-typedef CUresult (*PFN_cuGetProcAddress_legacy)(const char *symbol, void **pfn, int cudaVersion,
-                                                cuuint64_t flags);
+typedef CUresult (*PFN_cuGetProcAddress_legacy)(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags);
 
 struct Resolver {
   PFN_cuGetProcAddress_v2 v2 = nullptr;
@@ -40,8 +39,8 @@ DriverTable load() {
   void *handle = dlopen(table.library.c_str(), RTLD_NOW | RTLD_GLOBAL);
   if (handle == nullptr) {
     const char *why = dlerror();
-    table.load_error = "no NVIDIA driver: could not load " + table.library + " (" +
-                       (why != nullptr ? why : "unknown reason") + ")";
+    table.load_error =
+        "no NVIDIA driver: could not load " + table.library + " (" + (why != nullptr ? why : "unknown reason") + ")";
     return table;
   }
   Resolver resolver;
@@ -55,14 +54,14 @@ DriverTable load() {
   get_version(&table.cuda_version);
 
   std::string missing_required;
-#define FLEXIUM_RESOLVE(name, version, required)                                      \
-  table.name = reinterpret_cast<PFN_##name>(resolver.resolve(#name, version));        \
-  if (table.name == nullptr) {                                                        \
-    if (required) {                                                                   \
+#define FLEXIUM_RESOLVE(name, version, required)                                       \
+  table.name = reinterpret_cast<PFN_##name>(resolver.resolve(#name, version));         \
+  if (table.name == nullptr) {                                                         \
+    if (required) {                                                                    \
       missing_required += (missing_required.empty() ? "" : ", ") + std::string(#name); \
-    } else {                                                                          \
-      table.missing_optional.emplace_back(#name);                                     \
-    }                                                                                 \
+    } else {                                                                           \
+      table.missing_optional.emplace_back(#name);                                      \
+    }                                                                                  \
   }
   FLEXIUM_DRIVER_FUNCTIONS(FLEXIUM_RESOLVE)
 #undef FLEXIUM_RESOLVE
