@@ -24,18 +24,20 @@ namespace {
 
 using release_gil = py::call_guard<py::gil_scoped_release>;
 
-// "Name(field=value, ...)" of a bound record, from the attributes Python sees.
-template <typename Class>
-void def_repr(py::class_<Class> &cls, std::initializer_list<const char *> fields) {
-  const std::string name = py::str(cls.attr("__name__"));
-  std::vector<std::string> names(fields.begin(), fields.end());
-  cls.def("__repr__", [name, names](py::handle self) {
-    std::string text = name + "(";
-    for (std::size_t i = 0; i < names.size(); ++i) {
-      text += (i ? ", " : "") + names[i] + "=" + std::string(py::repr(self.attr(names[i].c_str())));
-    }
-    return text + ")";
-  });
+// "Name(field=value, ...)" of a bound struct, over its class's properties in the order they were bound.
+std::string record_repr(py::handle self) {
+  const py::handle cls = py::type::handle_of(self);
+  const py::handle property_type = reinterpret_cast<PyObject *>(&PyProperty_Type);
+  std::string text = std::string(py::str(cls.attr("__name__"))) + "(";
+  const char *separator = "";
+  for (const py::handle item : cls.attr("__dict__").attr("items")()) {
+    const auto entry = py::reinterpret_borrow<py::tuple>(item);
+    if (!py::isinstance(entry[1], property_type)) continue;
+    const std::string name = py::str(entry[0]);
+    text += separator + name + "=" + std::string(py::repr(self.attr(name.c_str())));
+    separator = ", ";
+  }
+  return text + ")";
 }
 
 // flexium.errors.DriverError (a FlexiumError), raised for every C++ DriverError. Pure Python
@@ -53,29 +55,28 @@ void bind_driver(py::module_ &m) {
     }
   });
 
-  py::class_<DriverStatus> status(m, "DriverStatus");
-  status.def_readonly("loaded", &DriverStatus::loaded)
+  py::class_<DriverStatus>(m, "DriverStatus")
+      .def_readonly("loaded", &DriverStatus::loaded)
       .def_readonly("library", &DriverStatus::library)
       .def_readonly("error", &DriverStatus::error)
       .def_readonly("cuda_version", &DriverStatus::cuda_version)
       .def_readonly("init_error", &DriverStatus::init_error)
       .def_readonly("checkpoint_api", &DriverStatus::checkpoint_api)
       .def_readonly("vmm_api", &DriverStatus::vmm_api)
-      .def_readonly("missing_optional", &DriverStatus::missing_optional);
-  def_repr(status, {"loaded", "library", "error", "cuda_version", "init_error", "checkpoint_api", "vmm_api",
-                    "missing_optional"});
+      .def_readonly("missing_optional", &DriverStatus::missing_optional)
+      .def("__repr__", &record_repr);
   m.def("driver_status", &driver_status, "Whether the driver loaded, its CUDA version and missing features.");
   m.attr("CHECKPOINT_API_VERSION") = kCheckpointApiVersion;
 }
 
 void bind_devices(py::module_ &m) {
-  py::class_<DeviceInfo> device(m, "DeviceInfo");
-  device.def_readonly("ordinal", &DeviceInfo::ordinal)
+  py::class_<DeviceInfo>(m, "DeviceInfo")
+      .def_readonly("ordinal", &DeviceInfo::ordinal)
       .def_readonly("uuid", &DeviceInfo::uuid)
       .def_readonly("name", &DeviceInfo::name)
       .def_readonly("total_memory", &DeviceInfo::total_memory)
-      .def_readonly("pci_bus_id", &DeviceInfo::pci_bus_id);
-  def_repr(device, {"ordinal", "uuid", "name", "total_memory", "pci_bus_id"});
+      .def_readonly("pci_bus_id", &DeviceInfo::pci_bus_id)
+      .def("__repr__", &record_repr);
   m.def("list_devices", &list_devices, release_gil(), "GPUs this process sees, as the driver reports them now.");
 }
 
@@ -90,7 +91,8 @@ void bind_checkpoint(py::module_ &m) {
   py::class_<GpuPair>(m, "GpuPair")
       .def(py::init<std::string, std::string>(), py::arg("old_uuid"), py::arg("new_uuid"))
       .def_readonly("old_uuid", &GpuPair::old_uuid)
-      .def_readonly("new_uuid", &GpuPair::new_uuid);
+      .def_readonly("new_uuid", &GpuPair::new_uuid)
+      .def("__repr__", &record_repr);
 
   m.def("process_state", &process_state, py::arg("pid"), release_gil());
   m.def("restore_thread_id", &restore_thread_id, py::arg("pid"), release_gil());
@@ -109,14 +111,16 @@ void bind_checkpoint(py::module_ &m) {
   py::class_<Step>(m, "Step")
       .def(py::init(&make_step), py::arg("kind"), py::arg("timeout_ms") = 0, py::arg("pairs") = std::vector<GpuPair>{})
       .def_property_readonly("kind", [](const Step &s) { return s.kind; })
-      .def_property_readonly("pair_count", [](const Step &s) { return s.pairs.size(); });
+      .def_property_readonly("pair_count", [](const Step &s) { return s.pairs.size(); })
+      .def("__repr__", &record_repr);
   py::class_<StepOutcome>(m, "StepOutcome")
       .def_readonly("step", &StepOutcome::step)
       .def_readonly("rollback", &StepOutcome::rollback)
       .def_readonly("code", &StepOutcome::code)
       .def_readonly("error_name", &StepOutcome::error_name)
       .def_readonly("error_text", &StepOutcome::error_text)
-      .def_readonly("seconds", &StepOutcome::seconds);
+      .def_readonly("seconds", &StepOutcome::seconds)
+      .def("__repr__", &record_repr);
   m.def(
       "run_steps",
       [](int pid, const std::vector<Step> &steps, const std::vector<std::vector<Step>> &rollbacks, bool hold_gil) {
@@ -131,12 +135,12 @@ void bind_checkpoint(py::module_ &m) {
 }
 
 void bind_allocator(py::module_ &m) {
-  py::class_<SegmentInfo> segment(m, "SegmentInfo");
-  segment.def_readonly("address", &SegmentInfo::address)
+  py::class_<SegmentInfo>(m, "SegmentInfo")
+      .def_readonly("address", &SegmentInfo::address)
       .def_readonly("size", &SegmentInfo::size)
       .def_readonly("device", &SegmentInfo::device)
-      .def_readonly("mapped", &SegmentInfo::mapped);
-  def_repr(segment, {"address", "size", "device", "mapped"});
+      .def_readonly("mapped", &SegmentInfo::mapped)
+      .def("__repr__", &record_repr);
 
   m.def(
       "vmm_granularity", [](int device) { return granularity(require_vmm_driver(), device); }, py::arg("device"),
@@ -156,12 +160,12 @@ void bind_allocator(py::module_ &m) {
 // The relocation functions keep the GIL on purpose: the fast path runs them at a safe point and
 // no other Python thread may launch work on a segment while its backing is moved.
 void bind_relocation(py::module_ &m) {
-  py::class_<StagedSegment> staged(m, "StagedSegment");
-  staged.def(py::init<CUdeviceptr, std::size_t, int>(), py::arg("address"), py::arg("size"), py::arg("fd"))
+  py::class_<StagedSegment>(m, "StagedSegment")
+      .def(py::init<CUdeviceptr, std::size_t, int>(), py::arg("address"), py::arg("size"), py::arg("fd"))
       .def_readonly("address", &StagedSegment::address)
       .def_readonly("size", &StagedSegment::size)
-      .def_readonly("fd", &StagedSegment::fd);
-  def_repr(staged, {"address", "size", "fd"});
+      .def_readonly("fd", &StagedSegment::fd)
+      .def("__repr__", &record_repr);
 
   m.def("stage_segments_to_device", &stage_segments_to_device, py::arg("target"), py::arg("source") = -1,
         py::arg("live") = LiveRanges{}, py::arg("only") = SegmentFilter{},
@@ -192,33 +196,33 @@ void bind_host_staging(py::module_ &m) {
 }
 
 void bind_copier(py::module_ &m) {
-  py::class_<CopierChunk> chunk(m, "CopierChunk");
-  chunk.def(py::init<std::size_t, std::size_t, std::size_t>(), py::arg("extent"), py::arg("offset"), py::arg("size"))
+  py::class_<CopierChunk>(m, "CopierChunk")
+      .def(py::init<std::size_t, std::size_t, std::size_t>(), py::arg("extent"), py::arg("offset"), py::arg("size"))
       .def_readonly("extent", &CopierChunk::extent)
       .def_readonly("offset", &CopierChunk::offset)
-      .def_readonly("size", &CopierChunk::size);
-  def_repr(chunk, {"extent", "offset", "size"});
+      .def_readonly("size", &CopierChunk::size)
+      .def("__repr__", &record_repr);
 
-  py::class_<CopierPiece> piece(m, "CopierPiece");
-  piece
+  py::class_<CopierPiece>(m, "CopierPiece")
       .def(py::init<std::size_t, std::size_t, std::size_t, std::size_t, std::size_t>(), py::arg("segment"),
            py::arg("segment_offset"), py::arg("chunk"), py::arg("chunk_offset"), py::arg("length"))
       .def_readonly("segment", &CopierPiece::segment)
       .def_readonly("segment_offset", &CopierPiece::segment_offset)
       .def_readonly("chunk", &CopierPiece::chunk)
       .def_readonly("chunk_offset", &CopierPiece::chunk_offset)
-      .def_readonly("length", &CopierPiece::length);
-  def_repr(piece, {"segment", "segment_offset", "chunk", "chunk_offset", "length"});
+      .def_readonly("length", &CopierPiece::length)
+      .def("__repr__", &record_repr);
 
-  py::class_<HostStagingLayout> layout(m, "HostStagingLayout");
-  layout.def_readonly("extents", &HostStagingLayout::extents).def_readonly("chunks", &HostStagingLayout::chunks);
-  def_repr(layout, {"extents", "chunks"});
+  py::class_<HostStagingLayout>(m, "HostStagingLayout")
+      .def_readonly("extents", &HostStagingLayout::extents)
+      .def_readonly("chunks", &HostStagingLayout::chunks)
+      .def("__repr__", &record_repr);
 
-  py::class_<HostOrder> order(m, "HostOrder");
-  order.def_readonly("segments", &HostOrder::segments)
+  py::class_<HostOrder>(m, "HostOrder")
+      .def_readonly("segments", &HostOrder::segments)
       .def_readonly("pieces", &HostOrder::pieces)
-      .def_readonly("bytes", &HostOrder::bytes);
-  def_repr(order, {"segments", "pieces", "bytes"});
+      .def_readonly("bytes", &HostOrder::bytes)
+      .def("__repr__", &record_repr);
 
   m.def("host_staging_layout", &host_staging_layout, "The staging's extents (memfd, size), its own fds, and chunks.");
   // The orders keep the GIL, like the in-process moves: no other thread may touch the segments.

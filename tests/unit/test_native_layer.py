@@ -697,3 +697,18 @@ def test_pynvml_sees_the_physical_gpus_through_a_migration_and_a_pause(driver: F
     assert out["index_by_uuid"] == 1
     assert out["name"] == "NVIDIA H200" and out["temperature"] == 35 and out["utilization"] == 0
     assert out["pci"] == "00000000:2A:00.0" and out["ecc"] == 0
+
+
+# ----------------------------------------------------------------------------- bound structs
+
+
+def test_bound_structs_are_built_by_name_and_read_back() -> None:
+    piece = _C.CopierPiece(segment=1, segment_offset=2, chunk=3, chunk_offset=4, length=5)
+    assert (piece.segment, piece.segment_offset, piece.chunk, piece.chunk_offset, piece.length) == (1, 2, 3, 4, 5)
+    assert repr(_C.StagedSegment(address=0x7F00C0000000, size=2 * MiB, fd=7)) == (
+        f"StagedSegment(address={0x7F00C0000000}, size={2 * MiB}, fd=7)")
+    assert repr(_C.CopierChunk(0, 4096, 8192)) == "CopierChunk(extent=0, offset=4096, size=8192)"
+    with pytest.raises(AttributeError):
+        piece.length = 6  # type: ignore[misc]  # what C++ handed over is read-only
+    with pytest.raises(TypeError):
+        _C.CopierChunk(0, 4096)  # type: ignore[call-arg]
