@@ -45,7 +45,8 @@ START_TIMEOUT_S = 60.0
 # Time limits grow with the bytes at this pace (far below the 55 GB/s measured, 27 GB/s pinning).
 SLOWEST_BYTES_PER_S = 1 << 30
 EXIT_TIMEOUT_S = 10.0
-# The wire carries a chunk or piece as the list of its fields in its constructor's order.
+# The wire carries a chunk or a piece (csrc/host_copier.h) as the list of these fields' values;
+# the copier rebuilds it by name.
 CHUNK_FIELDS = ("extent", "offset", "size")
 PIECE_FIELDS = ("segment", "segment_offset", "chunk", "chunk_offset", "length")
 

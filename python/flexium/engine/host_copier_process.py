@@ -72,7 +72,7 @@ class Server:
             if self.copier is not None:
                 self.copier.sleep()
                 self.copier = None  # unmaps the old extents
-            chunks = [_C.CopierChunk(**dict(zip(CHUNK_FIELDS, row))) for row in message["chunks"]]
+            chunks = [_C.CopierChunk(**dict(zip(CHUNK_FIELDS, row, strict=True))) for row in message["chunks"]]
             self.copier = _C.HostCopier(list(zip(fds, sizes)), chunks)
             return {}
         if op == "detach":
@@ -88,7 +88,7 @@ class Server:
             sizes = [int(s) for s in message["sizes"]]
             if len(sizes) != len(fds):
                 raise ValueError(f"copy sent {len(fds)} fds for {len(sizes)} segments")
-            pieces = [_C.CopierPiece(**dict(zip(PIECE_FIELDS, row))) for row in message["pieces"]]
+            pieces = [_C.CopierPiece(**dict(zip(PIECE_FIELDS, row, strict=True))) for row in message["pieces"]]
             copied = copier.copy(bool(message["to_host"]), list(zip(fds, sizes)), pieces)
             return {"bytes": copied}
         if op == "sleep":
