@@ -365,7 +365,7 @@ def worker(args: argparse.Namespace) -> int:
             raise RuntimeError("the driver lists no GPU")
         dev0 = devices[0]
         result.update(gpu_uuid=dev0.uuid, gpu_name=dev0.name, driver=nvml.driver_version(),
-                      cuda_driver=_C.driver_status().get("cuda_version"))
+                      cuda_driver=_C.driver_status().cuda_version)
         if not nvml.available():
             raise RuntimeError(f"NVML is needed for the memory figures: {nvml.unavailable_reason()}")
         memory = Memory(nvml, dev0.uuid, pid)  # before any context of ours exists

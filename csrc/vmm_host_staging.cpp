@@ -118,13 +118,12 @@ void map_extent(std::size_t bytes, std::size_t chunk_bytes) {
   char *start = raw == MAP_FAILED
                     ? nullptr
                     : reinterpret_cast<char *>(round_up(reinterpret_cast<std::uintptr_t>(raw), kHugePageBytes));
-  if (start == nullptr ||
-      ::mmap(start, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) == MAP_FAILED) {
+  if (start == nullptr || ::mmap(start, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) == MAP_FAILED) {
     const int error = errno;
     if (raw != MAP_FAILED) ::munmap(raw, span);
     ::close(fd);
-    throw std::runtime_error("could not map " + std::to_string(size) + " bytes of host memory for the staging: " +
-                             std::strerror(error));
+    throw std::runtime_error("could not map " + std::to_string(size) +
+                             " bytes of host memory for the staging: " + std::strerror(error));
   }
   const std::size_t head = static_cast<std::size_t>(start - static_cast<char *>(raw));
   if (head > 0) ::munmap(raw, head);

@@ -15,7 +15,6 @@
 #include <vector>
 
 #include "host_copier.h"
-
 #include "vmm_relocate.h"
 
 namespace flexium {

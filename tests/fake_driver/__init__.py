@@ -562,10 +562,10 @@ def activate() -> FakeDriver:
     os.environ.setdefault("FLEXIUM_LIBNVML", str(path))
     from flexium import _C
 
-    status = _C.driver_status()
-    if status["library"] != str(path):
+    library = _C.driver_status().library
+    if library != str(path):
         raise RuntimeError(
-            f"flexium._C already loaded {status['library']!r} in this process, not the fake driver "
+            f"flexium._C already loaded {library!r} in this process, not the fake driver "
             f"{str(path)!r}: FLEXIUM_LIBCUDA must name the fake before anything touches the driver"
         )
     fake = FakeDriver(path)

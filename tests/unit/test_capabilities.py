@@ -87,7 +87,9 @@ out(caps=caps.to_dict(), engine=probe_engine(caps))
         torch=True,
         code=ENGINE_PROBE + SESSION_PROBE + """
 caps = detect(check_torch=False)
-out(caps=caps.to_dict(), status=_C.driver_status(), session=session_report, engine=probe_engine(caps))
+status = _C.driver_status()
+out(caps=caps.to_dict(), status=dict(loaded=status.loaded, checkpoint_api=status.checkpoint_api),
+    session=session_report, engine=probe_engine(caps))
 """,
     ),
     # NVML says 580 but libcuda is CUDA 12.8 (not seen in practice): GPU pairs need CUDA 13.0, so

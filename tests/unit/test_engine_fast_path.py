@@ -81,7 +81,7 @@ class RecordingFastPath(FastPath):
     def stage_to_device(self, logical: int, target_ordinal: int) -> Any:
         staged, timing = super().stage_to_device(logical, target_ordinal)
         self.staged.append(staged)
-        self._inodes.update((fd, os.fstat(fd).st_ino) for _a, _s, fd in staged.entries)
+        self._inodes.update((s.fd, os.fstat(s.fd).st_ino) for s in staged.entries)
         return staged, timing
 
     def close_leftovers(self) -> None:
@@ -186,7 +186,8 @@ class Job:
         """Every segment backed and mapped for logical `device`, its memory on `physical`, its
         bytes intact, nothing else of the VMM model alive (no copy, stream or context left)."""
         n = len(self.contents)
-        assert _C.vmm_segments() == [(a, len(d), device, True) for a, d in sorted(self.contents.items())]
+        assert [(s.address, s.size, s.device, s.mapped) for s in _C.vmm_segments()] == [
+            (a, len(d), device, True) for a, d in sorted(self.contents.items())]
         assert self.fake.vmm_bytes_on(physical) == self.total and self.fake.vmm_bytes_on(1 - physical) == 0
         assert self.fake.vmm_allocations() == self.fake.vmm_handles() == self.fake.vmm_mappings() == n
         assert self.fake.vmm_reservations() == n and self.fake.live_streams() == 0
@@ -218,8 +219,8 @@ class Job:
         if _C.host_staged_segments():
             _C.restore_segments_from_host()
         _C.release_host_staging()
-        for address, _size, _device, _mapped in _C.vmm_segments():
-            self._free(address, 0, 0, None)
+        for segment in _C.vmm_segments():
+            self._free(segment.address, 0, 0, None)
         if self.fast is not None:
             self.fast.close_leftovers()
         assert all(t.error is None for t in self.trainers), [t.error for t in self.trainers]
@@ -515,7 +516,7 @@ def test_memory_on_two_devices_takes_the_driver_path(job: Job) -> None:
     assert job.fast is not None and job.fast.staged == []
     assert fake.placement() == [1, 0]
     assert fake.vmm_bytes_on(1) == 4 * MiB and fake.vmm_bytes_on(0) == 4 * MiB  # swapped by the checkpoint
-    assert sorted(d for _a, _s, d, _m in _C.vmm_segments()) == [0, 0, 1]
+    assert sorted(s.device for s in _C.vmm_segments()) == [0, 0, 1]
     job.assert_contents()
 
 
@@ -690,7 +691,7 @@ def test_fast_pause_and_resume_in_place_and_on_another_gpu(job: Job) -> None:
     assert _C.host_staged_segments() == 3 and _C.host_staging_pool_bytes() == 14 * MiB
     # Pinned before the safe point by the copier process: never in this one.
     assert fake.pinned_at_last_checkpoint() == 0 and fake.call_count("cuMemHostRegister") == 0
-    assert [m for _a, _s, _d, m in _C.vmm_segments()] == [False] * 3
+    assert [s.mapped for s in _C.vmm_segments()] == [False] * 3
 
     resumed = engine.resume()
     assert resumed.ok and resumed.path == "fast" and names(resumed) == ["restore", "unlock", "copy_back"]

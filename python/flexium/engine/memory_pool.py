@@ -186,7 +186,7 @@ class MemoryPool:
             return "PyTorch is not installed"
         if not torch.cuda.is_available():
             return "torch has no usable CUDA"
-        if not _C.driver_status().get("vmm_api"):
+        if not _C.driver_status().vmm_api:
             return "the driver lacks the virtual memory management API (cuMemCreate and friends)"
         if not all(hasattr(torch._C, name) for name in ("_cuda_beginAllocateToPool", "_cuda_endAllocateToPool")) or not hasattr(
             torch.cuda, "MemPool"
@@ -214,7 +214,7 @@ class MemoryPool:
         import torch
 
         snapshot = _pool_snapshot(torch, pool)
-        ours = {address for address, _size, dev, _mapped in _C.vmm_segments() if dev == device}
+        ours = {s.address for s in _C.vmm_segments() if s.device == device}
         ranges: dict[int, list[tuple[int, int]]] = {}
         for segment in snapshot:
             base = int(segment["address"])
