@@ -1,5 +1,5 @@
 """What makes up the fixed cost of the driver's checkpoint + restore of a CUDA context, and what
-can be released or kept out before the checkpoint to shrink it (DESIGN.md fact 12).
+can be released or kept out before the checkpoint to shrink it (docs/facts.md fact 12).
 
     python bench/context_cost.py [--variants bare,torch_init,...] [--repeats 3] [--json out.json]
 

@@ -3,7 +3,7 @@
 //
 // Vendor rules relied on, with evidence:
 //  - copies between device memory and pinned host memory run at 55 GB/s here against 1.5 GB/s
-//    from pageable memory (DESIGN.md fact 10), hence pinned staging.
+//    from pageable memory (docs/facts.md fact 10), hence pinned staging.
 //  - pinned host memory in the process slows the driver's checkpoint and, more, its restore
 //    (H200, driver 580, 16 GiB pinned: checkpoint + restore +0.68 s with cuMemHostRegister,
 //    +0.70 s with cuMemHostAlloc); the same memory unregistered before the checkpoint costs

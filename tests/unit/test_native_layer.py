@@ -283,7 +283,7 @@ def test_restore_with_every_gpu_paired_moves_the_process_but_not_its_identity(fa
     assert fake.placement() == [1, 0]
     assert fake.process_bytes_on(1) == 5 * GiB and fake.process_bytes_on(0) == 0
     assert fake.last_pairs_count() == 2 and fake.last_pairs() == [(0, 1), (1, 0)]
-    assert [d.uuid for d in _C.list_devices()] == before  # DESIGN.md fact 5
+    assert [d.uuid for d in _C.list_devices()] == before  # docs/facts.md fact 5
     # Pairs are relative to where the process is now: the same swap brings it back.
     _C.lock(PID, 0)
     _C.checkpoint(PID)
@@ -405,7 +405,7 @@ def test_a_single_pair_is_refused_and_the_process_stays_checkpointed(fake: FakeD
     _checkpointed(fake)
     err = driver_error(_C.restore, PID, [_C.GpuPair(u[0], u[1])])
     assert err.error_name == "CUDA_ERROR_INVALID_VALUE"
-    assert fake.state() == ProcessState.CHECKPOINTED  # DESIGN.md facts 2 and 3
+    assert fake.state() == ProcessState.CHECKPOINTED  # docs/facts.md facts 2 and 3
     assert fake.last_pairs_count() == 1
     _C.restore(PID)  # a plain restore brings it back on the source
     _C.unlock(PID)
@@ -439,7 +439,7 @@ def test_restore_onto_a_full_gpu_is_out_of_memory(fake: FakeDriver) -> None:
 
 def test_cuda_calls_on_the_locking_thread_would_hang(fake: FakeDriver) -> None:
     _C.lock(PID, 0)
-    err = driver_error(_C.list_devices)  # the real driver never returns here (DESIGN.md fact 4)
+    err = driver_error(_C.list_devices)  # the real driver never returns here (docs/facts.md fact 4)
     assert err.error_name == "CUDA_ERROR_ILLEGAL_STATE"
     assert fake.deadlocks() == 1 and fake.blocked_calls() == 1
     _C.unlock(PID)

@@ -336,7 +336,7 @@ def test_stage_release_map_imported_across_a_migration(fake: FakeDriver, allocat
     outcomes = _C.run_steps(PID, *swap_plan(fake))
     assert all(o.code == 0 for o in outcomes), [(o.step, o.error_name) for o in outcomes]
     assert fake.placement() == [1, 0]
-    assert fake.vmm_bytes_on(1) == 12 * MiB  # skipped by the checkpoint, still on GPU 1 (fact 9)
+    assert fake.vmm_bytes_on(1) == 12 * MiB  # skipped by the checkpoint, still on GPU 1 (docs/facts.md fact 9)
 
     _C.map_imported(staged, 0)  # logical device 0 is on GPU 1 now
     assert_contents(contents)
@@ -391,7 +391,7 @@ def test_primitives_refuse_to_run_while_the_process_is_locked(fake: FakeDriver, 
     _C.lock(PID, 0)
     try:
         err = driver_error(_C.stage_segments_to_device, 1)
-        assert err.error_name == "CUDA_ERROR_ILLEGAL_STATE"  # the real driver hangs here (fact 4)
+        assert err.error_name == "CUDA_ERROR_ILLEGAL_STATE"  # the real driver hangs here (docs/facts.md fact 4)
         assert fake.deadlocks() >= 1
     finally:
         _C.unlock(PID)

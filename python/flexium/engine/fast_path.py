@@ -1,6 +1,6 @@
 """The fast path's moves of our pool's segments, each a timed step that names itself on failure.
 
-DESIGN.md "Fast path": at a safe point, holding the GIL, the segments are copied to the target
+docs/fast-path.md: at a safe point, holding the GIL, the segments are copied to the target
 GPU over NVLink (or to host memory, pinned only while copies run, for a pause) and their source
 memory released, so the driver checkpoint only carries the rest (context, library workspaces,
 anything outside the pool); after the restore they are mapped back at their own addresses. The

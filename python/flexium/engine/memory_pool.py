@@ -1,13 +1,13 @@
 """PyTorch's tensor memory in our VMM allocator: what lets the fast path move it itself.
 
 A `torch.cuda.MemPool` on flexium._C's pluggable allocator for the job's GPU, and every
-thread's allocations on that GPU routed to it (DESIGN.md fact 11). Other GPUs keep PyTorch's
+thread's allocations on that GPU routed to it (docs/facts.md fact 11). Other GPUs keep PyTorch's
 allocator: a pool made for a GPU the job does not use created a CUDA context there (torch 2.11). PyTorch keeps caching,
 streams, statistics and `record_stream` on top; only the segments come from us, each a
 cuMemCreate allocation the fast path can copy to another GPU or to pinned host memory and map
 back at the same address.
 
-Rules from fact 11 this module keeps: the routing starts before the job's first CUDA allocation
+Rules from docs/facts.md fact 11 this module keeps: the routing starts before the job's first CUDA allocation
 (memory allocated earlier stays outside the pool, so the job then uses the driver path); it
 ends before exit and before any MemPool is destroyed (destroying one while routed aborts the
 process); PyTorch's free-cache-and-retry on out-of-memory is off while routed, so oversize
@@ -122,7 +122,7 @@ class MemoryPool:
     # ---- other MemPools -------------------------------------------------------------------
 
     def _guard_other_pools(self, torch: Any) -> None:
-        """Destroying any MemPool while ours is routed aborts the process (fact 11), and jobs or
+        """Destroying any MemPool while ours is routed aborts the process (docs/facts.md fact 11), and jobs or
         libraries may make and drop their own. So the routing ends just before another pool is
         destroyed and starts again at the next optimizer step; allocations in between come
         from PyTorch's own allocator and ride the driver checkpoint."""
