@@ -11,7 +11,7 @@ records time.perf_counter() at the start and at the end of every step (each step
 loss.item(), so its GPU work is done).
 
 Plan items, STEP:OP[:...], run once the loop has finished step STEP:
-  STEP:migrate:PATH:TARGET   engine.migrate(TARGET, path=PATH)   PATH: auto | fast | driver
+  STEP:migrate:PATH:TARGET   engine.migrate(TARGET, path=PATH)   PATH: auto | fast | driver; TARGET: cuda:N or a UUID
   STEP:pause[:PATH]          engine.pause(path=PATH); then --pause-seconds of sleep
   STEP:resume[:TARGET]       engine.resume(TARGET)    (in place without TARGET)
   STEP:handmove:TARGET       on the training thread at the start of step STEP: model, AdamW
@@ -90,6 +90,14 @@ def parse_plan(items: list[str]) -> list[dict[str, Any]]:
     return plan
 
 
+def engine_target(engine: Any, name: Optional[str]) -> Any:
+    """The engine takes a GPU UUID or a GpuIdentity; a plan names GPUs as a person would tell the
+    server, "cuda:N" in the job's own numbering at init, which the server resolves the same way."""
+    if name is None or not name.startswith("cuda:"):
+        return name
+    return engine.gpus[int(name[len("cuda:"):])]
+
+
 class Progress:
     """The last finished step, for the control thread to wait on."""
 
@@ -143,11 +151,11 @@ class Control(threading.Thread):
                 if engine is None:
                     raise RuntimeError("flexium has no engine in this process (disabled, or no capability)")
                 if entry["op"] == "migrate":
-                    result = engine.migrate(entry["target"], path=entry["path"])
+                    result = engine.migrate(engine_target(engine, entry["target"]), path=entry["path"])
                 elif entry["op"] == "pause":
                     result = engine.pause(path=entry["path"])
                 else:
-                    result = engine.resume(entry["target"])
+                    result = engine.resume(engine_target(engine, entry["target"]))
                 record["t1"] = time.perf_counter()
                 record.update(ok=True, result=result.to_dict())
             except Exception as exc:  # reported; the job goes on with the rest of the plan

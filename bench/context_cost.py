@@ -1,5 +1,5 @@
 """What makes up the fixed cost of the driver's checkpoint + restore of a CUDA context, and what
-can be released or kept out before the checkpoint to shrink it (DESIGN.md fact 12).
+can be released or kept out before the checkpoint to shrink it (docs/facts.md fact 12).
 
     python bench/context_cost.py [--variants bare,torch_init,...] [--repeats 3] [--json out.json]
 
@@ -365,7 +365,7 @@ def worker(args: argparse.Namespace) -> int:
             raise RuntimeError("the driver lists no GPU")
         dev0 = devices[0]
         result.update(gpu_uuid=dev0.uuid, gpu_name=dev0.name, driver=nvml.driver_version(),
-                      cuda_driver=_C.driver_status().get("cuda_version"))
+                      cuda_driver=_C.driver_status().cuda_version)
         if not nvml.available():
             raise RuntimeError(f"NVML is needed for the memory figures: {nvml.unavailable_reason()}")
         memory = Memory(nvml, dev0.uuid, pid)  # before any context of ours exists

@@ -109,7 +109,7 @@ EXPERIMENTS: dict[str, tuple[str, ...]] = {
     "memfd_fill": ("compare",),
     "pin_threads": ("compare",),
 }
-FAST_COPY_GBPS = 45.0  # "reaches ~50 GB/s" (DESIGN.md fact 10: 55 GB/s pinned here)
+FAST_COPY_GBPS = 45.0  # "reaches ~50 GB/s" (docs/facts.md fact 10: 55 GB/s pinned here)
 PAUSE_GOAL_S = 1.0
 RESUME_GOAL_S = 1.0
 

@@ -10,28 +10,24 @@
 namespace flexium {
 namespace {
 
-#define FLEXIUM_REQUIRE(table, function) \
-  require_symbol(reinterpret_cast<const void *>((table).function), #function, 12080)
-
-#define FLEXIUM_DRIVER_WITH(name, function)        \
-  const DriverTable &name() {                      \
-    const DriverTable &d = require_driver();       \
-    FLEXIUM_REQUIRE(d, function);                  \
-    return d;                                      \
+#define FLEXIUM_DRIVER_WITH(name, function)  \
+  const DriverTable &name() {                \
+    const DriverTable &d = require_driver(); \
+    FLEXIUM_REQUIRE_FUNCTION(d, function);   \
+    return d;                                \
   }
 FLEXIUM_DRIVER_WITH(driver_with_lock, cuCheckpointProcessLock)
 FLEXIUM_DRIVER_WITH(driver_with_checkpoint, cuCheckpointProcessCheckpoint)
 FLEXIUM_DRIVER_WITH(driver_with_restore, cuCheckpointProcessRestore)
 FLEXIUM_DRIVER_WITH(driver_with_unlock, cuCheckpointProcessUnlock)
+#undef FLEXIUM_DRIVER_WITH
 
 // Every checkpoint function: a step sequence (Recover) may call any of them.
 const DriverTable &checkpoint_driver() {
   const DriverTable &d = require_driver();
-  FLEXIUM_REQUIRE(d, cuCheckpointProcessGetState);
-  FLEXIUM_REQUIRE(d, cuCheckpointProcessLock);
-  FLEXIUM_REQUIRE(d, cuCheckpointProcessCheckpoint);
-  FLEXIUM_REQUIRE(d, cuCheckpointProcessRestore);
-  FLEXIUM_REQUIRE(d, cuCheckpointProcessUnlock);
+#define FLEXIUM_REQUIRE_CHECKPOINT(name, version, required) FLEXIUM_REQUIRE_FUNCTION(d, name);
+  FLEXIUM_CHECKPOINT_FUNCTIONS(FLEXIUM_REQUIRE_CHECKPOINT)
+#undef FLEXIUM_REQUIRE_CHECKPOINT
   return d;
 }
 
@@ -61,7 +57,7 @@ CUresult call_step(const DriverTable &d, int pid, const Step &step) {
     case StepKind::Restore: {
       if (step.pairs.empty()) return d.cuCheckpointProcessRestore(pid, nullptr);
       CUcheckpointRestoreArgs args{};
-      // The driver wants every visible GPU in gpuPairs, a permutation (DESIGN.md fact 2).
+      // The driver wants every visible GPU in gpuPairs, a permutation (docs/facts.md fact 2).
       args.gpuPairs = const_cast<CUcheckpointGpuPair *>(step.pairs.data());
       args.gpuPairsCount = static_cast<unsigned int>(step.pairs.size());
       return d.cuCheckpointProcessRestore(pid, &args);
@@ -70,8 +66,7 @@ CUresult call_step(const DriverTable &d, int pid, const Step &step) {
       CUcheckpointUnlockArgs args{};
       return d.cuCheckpointProcessUnlock(pid, &args);
     }
-    case StepKind::Recover:
-      break;  // expanded by run_step into the calls it needs
+    case StepKind::Recover: break;  // expanded by run_step into the calls it needs
   }
   return CUDA_ERROR_INVALID_VALUE;
 }
@@ -114,7 +109,8 @@ bool run_step(const DriverTable &d, int pid, const Step &step, bool rollback, st
 
 void check_step(const DriverTable &d, int pid, const Step &step, const char *call) {
   const StepOutcome outcome = timed_step(d, pid, step, false);
-  if (outcome.code != CUDA_SUCCESS) throw DriverError(call, outcome.code, "pid " + std::to_string(pid), __FILE__, __LINE__);
+  if (outcome.code != CUDA_SUCCESS)
+    throw DriverError(call, outcome.code, "pid " + std::to_string(pid), __FILE__, __LINE__);
 }
 
 }  // namespace
@@ -143,7 +139,7 @@ Step make_step(StepKind kind, unsigned timeout_ms, const std::vector<GpuPair> &p
 
 CUprocessState process_state(int pid) {
   const DriverTable &d = require_driver();
-  FLEXIUM_REQUIRE(d, cuCheckpointProcessGetState);
+  FLEXIUM_REQUIRE_FUNCTION(d, cuCheckpointProcessGetState);
   CUprocessState state = CU_PROCESS_STATE_RUNNING;
   FLEXIUM_CU_CALL(d, cuCheckpointProcessGetState, pid, &state);
   return state;
@@ -151,7 +147,7 @@ CUprocessState process_state(int pid) {
 
 int restore_thread_id(int pid) {
   const DriverTable &d = require_driver();
-  FLEXIUM_REQUIRE(d, cuCheckpointProcessGetRestoreThreadId);
+  FLEXIUM_REQUIRE_FUNCTION(d, cuCheckpointProcessGetRestoreThreadId);
   int tid = 0;
   FLEXIUM_CU_CALL(d, cuCheckpointProcessGetRestoreThreadId, pid, &tid);
   return tid;

@@ -149,8 +149,7 @@ enum : unsigned int {
   CU_EVENT_DISABLE_TIMING = 0x2,       // an event only waited on: cheaper to record
 };
 
-typedef CUresult (*PFN_cuGetProcAddress_v2)(const char *symbol, void **pfn, int cudaVersion,
-                                            cuuint64_t flags,
+typedef CUresult (*PFN_cuGetProcAddress_v2)(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags,
                                             CUdriverProcAddressQueryResult *symbolStatus);
 typedef CUresult (*PFN_cuInit)(unsigned int flags);
 typedef CUresult (*PFN_cuDriverGetVersion)(int *driverVersion);

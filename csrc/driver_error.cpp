@@ -39,8 +39,7 @@ std::string basename_of(const char *path) {
   return slash != nullptr ? slash + 1 : path;
 }
 
-std::string format(const std::string &call, CUresult code, const std::string &detail, const char *file,
-                   int line) {
+std::string format(const std::string &call, CUresult code, const std::string &detail, const char *file, int line) {
   std::string message = call + " failed: " + error_name(code) + " (" + error_text(code) + ")";
   if (!detail.empty()) message += ": " + detail;
   if (file != nullptr) message += " [" + basename_of(file) + ":" + std::to_string(line) + "]";
@@ -49,8 +48,7 @@ std::string format(const std::string &call, CUresult code, const std::string &de
 
 }  // namespace
 
-DriverError::DriverError(std::string call, CUresult code, const std::string &detail, const char *file,
-                         int line)
+DriverError::DriverError(std::string call, CUresult code, const std::string &detail, const char *file, int line)
     : std::runtime_error(format(call, code, detail, file, line)),
       call_(std::move(call)),
       code_(code),
@@ -82,8 +80,8 @@ const DriverTable &require_driver() {
 void require_symbol(const void *fn, const char *symbol, int version) {
   const DriverTable &d = require_driver();
   if (fn != nullptr) return;
-  std::string detail = "the driver (CUDA " + std::to_string(d.cuda_version) +
-                       ") does not provide it; it needs CUDA " + std::to_string(version) + "+";
+  std::string detail = "the driver (CUDA " + std::to_string(d.cuda_version) + ") does not provide it; it needs CUDA " +
+                       std::to_string(version) + "+";
   throw DriverError(symbol, CUDA_ERROR_NOT_FOUND, detail, nullptr, 0);
 }
 

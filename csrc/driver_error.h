@@ -35,12 +35,19 @@ void require_symbol(const void *fn, const char *symbol, int version);
 
 }  // namespace flexium
 
+// FLEXIUM_REQUIRE_FUNCTION(d, cuMemMap): require_symbol with the version driver_table.h lists.
+#define FLEXIUM_REQUIRE_FUNCTION(table, function)                                        \
+  ::flexium::require_symbol(reinterpret_cast<const void *>((table).function), #function, \
+                            ::flexium::driver_versions::function)
+
+namespace flexium {}  // namespace flexium
+
 // FLEXIUM_CU_CALL(d, cuDeviceGetCount, &count): calls d.cuDeviceGetCount(&count) and throws a
 // DriverError whose .call is the bare function name.
-#define FLEXIUM_CU_CALL(table, function, ...)                                              \
-  do {                                                                                     \
-    const CUresult flexium_result_ = (table).function(__VA_ARGS__);                        \
-    if (flexium_result_ != CUDA_SUCCESS) {                                                 \
-      throw ::flexium::DriverError(#function, flexium_result_, "", __FILE__, __LINE__);    \
-    }                                                                                      \
+#define FLEXIUM_CU_CALL(table, function, ...)                                           \
+  do {                                                                                  \
+    const CUresult flexium_result_ = (table).function(__VA_ARGS__);                     \
+    if (flexium_result_ != CUDA_SUCCESS) {                                              \
+      throw ::flexium::DriverError(#function, flexium_result_, "", __FILE__, __LINE__); \
+    }                                                                                   \
   } while (0)

@@ -5,11 +5,12 @@
 #include <cstdlib>
 #include <mutex>
 
+#include "driver_error.h"
+
 namespace flexium {
 namespace {
 
-typedef CUresult (*PFN_cuGetProcAddress_legacy)(const char *symbol, void **pfn, int cudaVersion,
-                                                cuuint64_t flags);
+typedef CUresult (*PFN_cuGetProcAddress_legacy)(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags);
 
 struct Resolver {
   PFN_cuGetProcAddress_v2 v2 = nullptr;
@@ -38,8 +39,8 @@ DriverTable load() {
   void *handle = dlopen(table.library.c_str(), RTLD_NOW | RTLD_GLOBAL);
   if (handle == nullptr) {
     const char *why = dlerror();
-    table.load_error = "no NVIDIA driver: could not load " + table.library + " (" +
-                       (why != nullptr ? why : "unknown reason") + ")";
+    table.load_error =
+        "no NVIDIA driver: could not load " + table.library + " (" + (why != nullptr ? why : "unknown reason") + ")";
     return table;
   }
   Resolver resolver;
@@ -53,14 +54,14 @@ DriverTable load() {
   get_version(&table.cuda_version);
 
   std::string missing_required;
-#define FLEXIUM_RESOLVE(name, version, required)                                      \
-  table.name = reinterpret_cast<PFN_##name>(resolver.resolve(#name, version));        \
-  if (table.name == nullptr) {                                                        \
-    if (required) {                                                                   \
+#define FLEXIUM_RESOLVE(name, version, required)                                       \
+  table.name = reinterpret_cast<PFN_##name>(resolver.resolve(#name, version));         \
+  if (table.name == nullptr) {                                                         \
+    if (required) {                                                                    \
       missing_required += (missing_required.empty() ? "" : ", ") + std::string(#name); \
-    } else {                                                                          \
-      table.missing_optional.emplace_back(#name);                                     \
-    }                                                                                 \
+    } else {                                                                           \
+      table.missing_optional.emplace_back(#name);                                      \
+    }                                                                                  \
   }
   FLEXIUM_DRIVER_FUNCTIONS(FLEXIUM_RESOLVE)
 #undef FLEXIUM_RESOLVE
@@ -84,20 +85,33 @@ const DriverTable &driver() {
   return table;
 }
 
+// `&& d.name != nullptr` for each function of a list.
+#define FLEXIUM_AND_RESOLVED(name, version, required) &&d.name != nullptr
+
 bool has_checkpoint_api() {
   const DriverTable &d = driver();
-  return d.loaded && d.cuCheckpointProcessGetState != nullptr && d.cuCheckpointProcessLock != nullptr &&
-         d.cuCheckpointProcessCheckpoint != nullptr && d.cuCheckpointProcessRestore != nullptr &&
-         d.cuCheckpointProcessUnlock != nullptr;
+  return d.loaded FLEXIUM_CHECKPOINT_FUNCTIONS(FLEXIUM_AND_RESOLVED);
 }
 
 bool has_vmm_api() {
   const DriverTable &d = driver();
-  bool all = d.loaded;
-#define FLEXIUM_CHECK_RESOLVED(name, version, required) all = all && d.name != nullptr;
-  FLEXIUM_VMM_FUNCTIONS(FLEXIUM_CHECK_RESOLVED)
-#undef FLEXIUM_CHECK_RESOLVED
-  return all;
+  return d.loaded FLEXIUM_VMM_FUNCTIONS(FLEXIUM_AND_RESOLVED);
+}
+
+#undef FLEXIUM_AND_RESOLVED
+
+DriverStatus driver_status() {
+  const DriverTable &d = driver();
+  DriverStatus status;
+  status.loaded = d.loaded;
+  status.library = d.library;
+  if (!d.loaded) status.error = d.load_error;
+  status.cuda_version = d.cuda_version;
+  if (d.loaded && d.init_result != CUDA_SUCCESS) status.init_error = error_name(d.init_result);
+  status.checkpoint_api = has_checkpoint_api();
+  status.vmm_api = has_vmm_api();
+  status.missing_optional = d.missing_optional;
+  return status;
 }
 
 }  // namespace flexium

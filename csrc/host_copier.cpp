@@ -42,8 +42,8 @@ HostCopier::HostCopier(const std::vector<std::pair<int, std::size_t>> &extents, 
     if (base == MAP_FAILED) {
       const int error = errno;
       for (const Extent &mapped : extents_) ::munmap(mapped.base, mapped.size);
-      throw std::runtime_error("could not map " + std::to_string(extent.second) + " bytes of the job's host staging: " +
-                               std::strerror(error));
+      throw std::runtime_error("could not map " + std::to_string(extent.second) +
+                               " bytes of the job's host staging: " + std::strerror(error));
     }
     ::madvise(base, extent.second, MADV_HUGEPAGE);
     extents_.push_back({static_cast<char *>(base), extent.second});
@@ -136,7 +136,8 @@ std::size_t HostCopier::copy(bool to_host, const std::vector<std::pair<int, std:
     if (piece.segment >= segments.size() || piece.chunk >= chunks_.size() ||
         piece.segment_offset > segments[piece.segment].second ||
         piece.length > segments[piece.segment].second - piece.segment_offset ||
-        piece.chunk_offset > chunks_[piece.chunk].size || piece.length > chunks_[piece.chunk].size - piece.chunk_offset) {
+        piece.chunk_offset > chunks_[piece.chunk].size ||
+        piece.length > chunks_[piece.chunk].size - piece.chunk_offset) {
       throw std::invalid_argument("piece of " + std::to_string(piece.length) + " bytes (segment " +
                                   std::to_string(piece.segment) + " + " + std::to_string(piece.segment_offset) +
                                   ", chunk " + std::to_string(piece.chunk) + " + " +

@@ -19,8 +19,7 @@ std::atomic<std::size_t> granularity_cache[kCachedDevices];
 
 const DriverTable &require_vmm_driver() {
   const DriverTable &d = require_driver();
-#define FLEXIUM_REQUIRE_VMM(name, version, required) \
-  require_symbol(reinterpret_cast<const void *>(d.name), #name, version);
+#define FLEXIUM_REQUIRE_VMM(name, version, required) FLEXIUM_REQUIRE_FUNCTION(d, name);
   FLEXIUM_VMM_FUNCTIONS(FLEXIUM_REQUIRE_VMM)
 #undef FLEXIUM_REQUIRE_VMM
   return d;

@@ -14,10 +14,10 @@ namespace flexium {
 const DriverTable &require_vmm_driver();
 
 // Device memory on `device`, exportable as a POSIX fd: the fast path hands that fd across the
-// checkpoint (DESIGN.md fact 9, probes/vmm.c make()).
+// checkpoint (docs/facts.md fact 9).
 CUmemAllocationProp device_allocation_prop(int device);
 
-// The recommended granularity of `device` (probes/vmm.c rounds to it), cached per device.
+// The recommended granularity of `device` (the probe of docs/facts.md fact 9 rounded to it), cached per device.
 std::size_t granularity(const DriverTable &d, int device);
 
 // Rounds up to a multiple of `step`; throws std::overflow_error past SIZE_MAX.
@@ -28,8 +28,8 @@ void grant_access(const DriverTable &d, CUdeviceptr address, std::size_t size, c
 
 // Makes `device`'s primary context current on this thread for the scope, retained so that it
 // cannot go away meanwhile; the previous current context (maybe none) comes back at the end and
-// the retain is released, so a context we created is destroyed again (DESIGN.md: "release any
-// temporary context on the target", probes/vmm.c cuDevicePrimaryCtxRelease(d1)).
+// the retain is released, so a context we created is destroyed again (docs/facts.md fact 9: no
+// context of ours needs to stay on the target).
 class ScopedContext {
  public:
   ScopedContext(const DriverTable &d, int device);

@@ -3,7 +3,7 @@
 // both ways of copying share.
 //
 // Vendor rule relied on, with evidence: a segment's address range stays reserved across the
-// checkpoint and a new allocation can be mapped there after the restore (fact 9 maps the
+// checkpoint and a new allocation can be mapped there after the restore (docs/facts.md fact 9 maps the
 // imported fd at the same address).
 #include <algorithm>
 #include <map>
@@ -80,8 +80,8 @@ void queue_by_chunk(const std::vector<Piece> &pieces, const std::vector<char> &m
 // Lays the live ranges of the segments out one after the other over the chunks, each device's
 // group starting on a chunk of its own (a chunk is unpinned once all its copies are done), and
 // maps more staging where the chunks run out (the pool grew after the reserve).
-Layout plan(const std::map<int, std::vector<const Segment *>> &groups, const LiveRanges &live,
-            std::size_t chunk_bytes, bool may_grow) {
+Layout plan(const std::map<int, std::vector<const Segment *>> &groups, const LiveRanges &live, std::size_t chunk_bytes,
+            bool may_grow) {
   std::size_t total = 0;
   for (const auto &group : groups) {
     for (const Segment *segment : group.second) {
@@ -275,8 +275,8 @@ std::size_t restore_segments_from_host(int device) {
       queue_by_chunk(
           staging.pieces, member, stream.get(), events,
           [&](const Piece &piece) {
-            FLEXIUM_CU_CALL(d, cuMemcpyHtoDAsync, staging.stashed[piece.stashed].address + piece.offset,
-                            host_of(piece), piece.length, stream.get());
+            FLEXIUM_CU_CALL(d, cuMemcpyHtoDAsync, staging.stashed[piece.stashed].address + piece.offset, host_of(piece),
+                            piece.length, stream.get());
             copied += piece.length;
           },
           [&](std::size_t chunk) { pin(d, staging.chunks[chunk]); });

@@ -3,7 +3,7 @@
 //
 // Vendor rules relied on, with evidence:
 //  - copies between device memory and pinned host memory run at 55 GB/s here against 1.5 GB/s
-//    from pageable memory (DESIGN.md fact 10), hence pinned staging.
+//    from pageable memory (docs/facts.md fact 10), hence pinned staging.
 //  - pinned host memory in the process slows the driver's checkpoint and, more, its restore
 //    (H200, driver 580, 16 GiB pinned: checkpoint + restore +0.68 s with cuMemHostRegister,
 //    +0.70 s with cuMemHostAlloc); the same memory unregistered before the checkpoint costs
@@ -118,13 +118,12 @@ void map_extent(std::size_t bytes, std::size_t chunk_bytes) {
   char *start = raw == MAP_FAILED
                     ? nullptr
                     : reinterpret_cast<char *>(round_up(reinterpret_cast<std::uintptr_t>(raw), kHugePageBytes));
-  if (start == nullptr ||
-      ::mmap(start, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) == MAP_FAILED) {
+  if (start == nullptr || ::mmap(start, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) == MAP_FAILED) {
     const int error = errno;
     if (raw != MAP_FAILED) ::munmap(raw, span);
     ::close(fd);
-    throw std::runtime_error("could not map " + std::to_string(size) + " bytes of host memory for the staging: " +
-                             std::strerror(error));
+    throw std::runtime_error("could not map " + std::to_string(size) +
+                             " bytes of host memory for the staging: " + std::strerror(error));
   }
   const std::size_t head = static_cast<std::size_t>(start - static_cast<char *>(raw));
   if (head > 0) ::munmap(raw, head);

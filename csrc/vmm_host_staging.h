@@ -1,5 +1,5 @@
 // Pause and resume of the allocator's segments through host memory: the host side of the fast
-// path (DESIGN.md "Fast path": "Pause is the same with pinned host memory"). Same rules as
+// path (docs/fast-path.md, "Fast pause"). Same rules as
 // vmm_relocate.h: process RUNNING, registry lock held while segments are touched, DriverError
 // naming the failed call.
 //
@@ -15,7 +15,6 @@
 #include <vector>
 
 #include "host_copier.h"
-
 #include "vmm_relocate.h"
 
 namespace flexium {

@@ -87,8 +87,8 @@ void unpin_all_quietly(const DriverTable &d, int device) noexcept;
 // Lays the live ranges of the segments out one after the other over the chunks, each device's
 // group starting on a chunk of its own (a chunk is unpinned once all its copies are done), and
 // maps more staging where the chunks run out (the pool grew after the reserve).
-Layout plan(const std::map<int, std::vector<const Segment *>> &groups, const LiveRanges &live,
-            std::size_t chunk_bytes, bool may_grow = true);
+Layout plan(const std::map<int, std::vector<const Segment *>> &groups, const LiveRanges &live, std::size_t chunk_bytes,
+            bool may_grow = true);
 
 // The segments to stage, by device; every one must have its memory.
 std::map<int, std::vector<const Segment *>> by_device_to_stage(const SegmentMap &segments);

@@ -17,8 +17,7 @@ std::atomic<std::uint64_t> serials{0};
 
 RegistryLock::RegistryLock(std::chrono::milliseconds timeout) : lock_(registry_mutex, std::defer_lock) {
   if (!lock_.try_lock_for(timeout)) {
-    throw std::runtime_error("the VMM segment registry stayed locked for " + std::to_string(timeout.count()) +
-                             " ms");
+    throw std::runtime_error("the VMM segment registry stayed locked for " + std::to_string(timeout.count()) + " ms");
   }
 }
 

@@ -2,16 +2,16 @@
 //  - memory held only by an exported POSIX fd of a cuMemCreate allocation (own handle released,
 //    mapping removed, address range still reserved) is skipped by the checkpoint and survives the
 //    restore; importing the fd and mapping it at the same address gives the data back intact
-//    (DESIGN.md fact 9; probes/vmm.c "fdonly": 16 GB in 1.12 s).
+//    (docs/facts.md fact 9: 16 GiB moved in 1.12 s).
 //  - an allocation lives until its mappings are gone and every handle, exported fds included, is
 //    released (cuMemRelease docs: "including its shareable counterparts"); so dropping our handle
 //    and mapping after the export leaves the copy alive, and closing the fd frees it.
 //  - read/write access granted to both GPUs on one mapping lets a copy issued in the source
 //    context write into target memory over NVLink, no cuCtxEnablePeerAccess needed
-//    (probes/vmm.c set_access(tmp, sz, 2) + cuMemcpyDtoD: 392 GB/s, fact 9).
+//    (docs/facts.md fact 9: 392 GB/s).
 //  - a new mapping has no access until cuMemSetAccess (cuMemUnmap/cuMemMap docs).
 //  - the target's primary context is retained only while its memory is made and filled; the
-//    probe released it before the checkpoint (cuDevicePrimaryCtxRelease(d1)) and the fd-held
+//    probe of docs/facts.md fact 9 released it before the checkpoint and the fd-held
 //    memory survived, so no context of ours stays on the target to ride the checkpoint.
 #include "vmm_relocate.h"
 
@@ -238,7 +238,7 @@ void map_imported(const std::vector<StagedSegment> &staged, int device) {
     segment.imported = true;
     segment.device = device;
     backing.release_to_caller();
-    // Our handle now holds the memory (the probe's holder closes the fd right after importing).
+    // Our handle now holds the memory (the fd may be closed right after importing).
     ::close(entry.fd);
   }
 }

@@ -1,6 +1,6 @@
 // The fast path's moves of the allocator's segments from one GPU to another, around a driver
-// checkpoint (DESIGN.md "Fast path", fact 9, probes/vmm.c). Run with the process RUNNING, never
-// while it is locked: every call here is a CUDA call and would block (fact 4). Each takes the
+// checkpoint (docs/fast-path.md; docs/facts.md fact 9). Run with the process RUNNING, never
+// while it is locked: every call here is a CUDA call and would block (docs/facts.md fact 4). Each takes the
 // segment registry's lock for its whole run and throws DriverError naming the failed call.
 #pragma once
 

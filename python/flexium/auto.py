@@ -74,7 +74,7 @@ def get_physical_device() -> str:
     """The GPU the process really runs on now, named as at init ("cuda:N")."""
     current = _session.current()
     if current is not None and current.engine is not None:
-        return str(current.engine.placement()[1].device)
+        return current.engine.placement()[1].device
     return get_device()
 
 

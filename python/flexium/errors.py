@@ -12,6 +12,18 @@ class FlexiumError(RuntimeError):
     """Base class of flexium's own errors."""
 
 
+class DriverError(FlexiumError):
+    """A CUDA driver call failed, or the driver lacks a function it needs; flexium._C raises it.
+    `call` names the function ("cuMemMap", "dlopen" when there is no driver), `code` is its
+    CUresult and `error_name` that code's name ("CUDA_ERROR_OUT_OF_MEMORY")."""
+
+    def __init__(self, message: str, *, call: str = "", code: int = 0, error_name: str = "") -> None:
+        super().__init__(message)
+        self.call = call
+        self.code = code
+        self.error_name = error_name
+
+
 class ConfigError(FlexiumError, ValueError):
     """A parameter, environment variable or config file value is malformed."""
 

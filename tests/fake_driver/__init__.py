@@ -34,21 +34,21 @@ Any other transition: ``CUDA_ERROR_ILLEGAL_STATE``, nothing changes. FAILED is r
 * lock: ``set_lock_delay_ms(ms)`` makes the process take ``ms`` to drain; a lock whose
   ``timeoutMs`` (0: no timeout) is shorter sleeps ``timeoutMs`` and returns ``CUDA_ERROR_TIMEOUT``.
 * restore with GPU pairs (``old`` = the physical GPU a logical device is on NOW, ``new`` = where it
-  goes) must list every GPU once as old and once as new (DESIGN.md fact 2), name GPUs of this
+  goes) must list every GPU once as old and once as new (docs/facts.md fact 2), name GPUs of this
   machine, of the same model, and needs CUDA >= 13000; else ``CUDA_ERROR_INVALID_VALUE``. Each
   destination needs free memory (total - other processes) for what lands on it, else
-  ``CUDA_ERROR_OUT_OF_MEMORY``. Any failure leaves the process CHECKPOINTED where it was (fact 3).
+  ``CUDA_ERROR_OUT_OF_MEMORY``. Any failure leaves the process CHECKPOINTED where it was (docs/facts.md fact 3).
   A restore without pairs (NULL args, or no pairs) restores in place, with the same memory check.
   ``set_oom_poisons_restore(True)`` models NVIDIA/cuda-checkpoint issue 44 (driver 580.95): after
   a restore failed for memory, every later restore fails with ``CUDA_ERROR_OPERATING_SYSTEM``.
-* while CHECKPOINTED the process holds no GPU memory (NVML shows none; fact 6), but for VMM
+* while CHECKPOINTED the process holds no GPU memory (NVML shows none; docs/facts.md fact 6), but for VMM
   memory held only by exported fds (below).
-* after a remap, ``cuDeviceGet*`` still report each logical device's ORIGINAL GPU (fact 5);
+* after a remap, ``cuDeviceGet*`` still report each logical device's ORIGINAL GPU (docs/facts.md fact 5);
   ``physical_of`` and NVML say where it really is.
 * reserved fields of the argument structs must be zero, else ``CUDA_ERROR_INVALID_VALUE``.
 * any pid other than ``getpid()``: ``CUDA_ERROR_INVALID_VALUE`` from every checkpoint function
   (what tools see from the real driver for a pid with no CUDA state; not measured here).
-* fact 4: while the process is not RUNNING, its other CUDA calls (cuInit, cuDevice*) block until
+* docs/facts.md fact 4: while the process is not RUNNING, its other CUDA calls (cuInit, cuDevice*) block until
   it runs again. From the thread that took the lock that never happens (the real driver hangs):
   the fake returns ``CUDA_ERROR_ILLEGAL_STATE`` at once, counts a deadlock and says so on stderr.
   Another thread waits up to ``set_block_timeout_ms`` (default 5000) and then does the same.
@@ -80,7 +80,7 @@ read and write the bytes behind a device address with ctypes:
   (``CUDA_ERROR_INVALID_VALUE``), as on the H200s with driver 580.
 * checkpoint: what the process holds a handle or mapping of rides the image (off every GPU while
   CHECKPOINTED, then onto where its device lands); what only an fd holds stays on its GPU and
-  counts there, also against the restore's free memory (DESIGN.md fact 9).
+  counts there, also against the restore's free memory (docs/facts.md fact 9).
 * copies (``cuMemcpy{DtoD,DtoH,HtoD}Async``) are memcpy, finished when they return; device
   ranges must lie in one mapping that grants the current context's device access
   (``CUDA_ERROR_ILLEGAL_ADDRESS`` otherwise, ``CUDA_ERROR_INVALID_VALUE`` for no mapping).
@@ -465,7 +465,7 @@ class FakeDriver:
         self._lib.fake_clear_log()
 
     def blocked_calls(self) -> int:
-        """CUDA calls made while the process was not RUNNING (fact 4: the real driver blocks them)."""
+        """CUDA calls made while the process was not RUNNING (docs/facts.md fact 4: the real driver blocks them)."""
         return int(self._lib.fake_blocked_calls())
 
     def deadlocks(self) -> int:
@@ -562,10 +562,10 @@ def activate() -> FakeDriver:
     os.environ.setdefault("FLEXIUM_LIBNVML", str(path))
     from flexium import _C
 
-    status = _C.driver_status()
-    if status["library"] != str(path):
+    library = _C.driver_status().library
+    if library != str(path):
         raise RuntimeError(
-            f"flexium._C already loaded {status['library']!r} in this process, not the fake driver "
+            f"flexium._C already loaded {library!r} in this process, not the fake driver "
             f"{str(path)!r}: FLEXIUM_LIBCUDA must name the fake before anything touches the driver"
         )
     fake = FakeDriver(path)

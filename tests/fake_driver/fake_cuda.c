@@ -3,16 +3,16 @@
  * resolves (csrc/driver_table.h) and the NVML functions pynvml needs, in one shared library, so
  * that flexium._C (through FLEXIUM_LIBCUDA) and pynvml (through FLEXIUM_LIBNVML) see one machine.
  *
- * It models the facts measured on real GPUs (/work/shared/DESIGN.md):
+ * It models the facts measured on real GPUs (docs/facts.md):
  *  - one CUDA process (getpid()) with a checkpoint state machine
  *      RUNNING -lock-> LOCKED -checkpoint-> CHECKPOINTED -restore-> LOCKED -unlock-> RUNNING;
  *    any other transition is CUDA_ERROR_ILLEGAL_STATE and changes nothing;
- *  - a restore with GPU pairs must name every visible GPU once as old and once as new (fact 2),
- *    and a failed restore leaves the process CHECKPOINTED (fact 3);
- *  - after a remap the process keeps reporting its original device identity (fact 5), while
- *    NVML reports physical GPUs and where the process's memory really is (fact 6);
+ *  - a restore with GPU pairs must name every visible GPU once as old and once as new (docs/facts.md fact 2),
+ *    and a failed restore leaves the process CHECKPOINTED (docs/facts.md fact 3);
+ *  - after a remap the process keeps reporting its original device identity (docs/facts.md fact 5), while
+ *    NVML reports physical GPUs and where the process's memory really is (docs/facts.md fact 6);
  *  - while the process is not RUNNING, every other CUDA call blocks, including on the thread
- *    that took the lock (fact 4).
+ *    that took the lock (docs/facts.md fact 4).
  * Control functions (fake_*) let tests set memory, inject failures and read a call log.
  * See tests/fake_driver/__init__.py for the full description.
  */
@@ -535,7 +535,7 @@ static int leave(const char *function, int result, int pairs) {
   return result;
 }
 
-/* Fact 4: while the process is locked or checkpointed, its other CUDA calls block until it is
+/* docs/facts.md fact 4: while the process is locked or checkpointed, its other CUDA calls block until it is
  * RUNNING again. On the thread that holds the lock that never happens: the real driver hangs;
  * the fake fails the call at once (and says so on stderr) so a test sees the bug instead of
  * hanging. Called with the mutex held. */
@@ -545,7 +545,7 @@ static CUresult wait_until_running(const char *function) {
   if (current_tid() == fake.lock_tid) {
     ++fake.deadlocks;
     fprintf(stderr, "fake_cuda: %s called by the thread holding the checkpoint lock: "
-                    "the real driver hangs here forever (DESIGN.md fact 4)\n", function);
+                    "the real driver hangs here forever (docs/facts.md fact 4)\n", function);
     return CUDA_ERROR_ILLEGAL_STATE;
   }
   struct timespec deadline;
@@ -561,7 +561,7 @@ static CUresult wait_until_running(const char *function) {
         fake.state != CU_PROCESS_STATE_RUNNING) {
       ++fake.deadlocks;
       fprintf(stderr, "fake_cuda: %s blocked %u ms while the process was not RUNNING: "
-                      "the real driver would still be waiting (DESIGN.md fact 4)\n",
+                      "the real driver would still be waiting (docs/facts.md fact 4)\n",
               function, fake.block_timeout_ms);
       return CUDA_ERROR_ILLEGAL_STATE;
     }
@@ -705,7 +705,7 @@ static void vmm_collect(void) {
 static int in_process(const struct vmm_alloc *a) { return a->handles > 0 || a->mappings > 0; }
 
 /* Bytes of VMM memory on a physical GPU now: while checkpointed, what rides the checkpoint image
- * is off the GPUs; memory held only by exported fds stays where it is (fact 9). */
+ * is off the GPUs; memory held only by exported fds stays where it is (docs/facts.md fact 9). */
 static unsigned long long vmm_bytes_on(int physical, int fd_only) {
   unsigned long long bytes = 0;
   for (int i = 0; i < MAX_VMM; ++i) {
@@ -1029,7 +1029,7 @@ CUresult cuDeviceGet(CUdevice *device, int ordinal) {
   return leave(fn, CUDA_SUCCESS, -1);
 }
 
-/* Fact 5: the identity of a device stays that of the GPU it was before any remap, so the
+/* docs/facts.md fact 5: the identity of a device stays that of the GPU it was before any remap, so the
  * properties below come from the logical device's original GPU, not from placement[]. */
 static CUresult device_ready(const char *function, CUdevice dev) {
   const CUresult rc = device_call_ready(function);
@@ -1166,7 +1166,7 @@ static CUresult plan_restore(const CUcheckpointRestoreArgs *args, int target[MAX
   if (args->gpuPairs == NULL || args->gpuPairsCount == 0) return CUDA_ERROR_INVALID_VALUE;
   /* GPU pairs came with driver 580 (CUDA 13.0); an older driver sees non-zero reserved bytes. */
   if (fake.cuda_version < 13000) return CUDA_ERROR_INVALID_VALUE;
-  /* Fact 2: every visible GPU exactly once on each side, a permutation. */
+  /* docs/facts.md fact 2: every visible GPU exactly once on each side, a permutation. */
   if (args->gpuPairsCount != (unsigned int)fake.gpu_count) return CUDA_ERROR_INVALID_VALUE;
   int seen_old[MAX_GPUS] = {0};
   int seen_new[MAX_GPUS] = {0};
@@ -1208,7 +1208,7 @@ CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args) {
   if (rc != CUDA_SUCCESS) return leave(fn, rc, pairs);
   vmm_collect();
   for (int p = 0; p < fake.gpu_count; ++p) {
-    /* VMM memory in the image lands with its device; memory held only by fds stays put (fact 9). */
+    /* VMM memory in the image lands with its device; memory held only by fds stays put (docs/facts.md fact 9). */
     unsigned long long need = vmm_riding_bytes_to(p, target);
     for (int l = 0; l < fake.gpu_count; ++l) {
       if (target[l] == p) need += fake.process_bytes[l];

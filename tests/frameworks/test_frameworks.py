@@ -40,7 +40,7 @@ flexium.init()
 engine = session.current().engine
 losses, ops, on_thread = [], [], []
 engine.add_state_listener(lambda state: on_thread.append((state.value, threading.current_thread().name)))
-PLAN = [(6, "migrate", "cuda:1"), (14, "pause", None), (22, "migrate", "cuda:0")]
+PLAN = [(6, "migrate", 1), (14, "pause", None), (22, "migrate", 0)]  # targets: GPUs as seen at init
 STEPS = 40  # the last operation's safe point comes well before the end
 
 def wait_for_step(n):
@@ -51,7 +51,7 @@ def control():
     for step, op, target in PLAN:
         wait_for_step(step)
         if op == "migrate":
-            result = engine.migrate(target)
+            result = engine.migrate(engine.gpus[target])
             ops.append(dict(op=op, ok=result.ok, path=result.path, physical=flexium.auto.get_physical_device()))
         else:
             result = engine.pause()

@@ -15,6 +15,11 @@ def emit(check: str, **data: object) -> None:
     print(json.dumps({"check": check, **data}), flush=True)
 
 
+def fields(record: object) -> dict[str, object]:
+    """A bound record (DriverStatus) as a dict, for JSON."""
+    return {name: getattr(record, name) for name in dir(record) if not name.startswith("_")}
+
+
 def outcomes(items: list) -> list[dict[str, object]]:
     return [{"step": o.step, "rollback": o.rollback, "code": o.code, "error": o.error_name} for o in items]
 
@@ -26,7 +31,7 @@ def ours() -> dict[str, int]:
 pid = os.getpid()
 devices = _C.list_devices()
 emit("devices", uuids=[d.uuid for d in devices], names=[d.name for d in devices],
-     nvml=[g.uuid for g in nvml.host_gpus()], status=_C.driver_status())
+     nvml=[g.uuid for g in nvml.host_gpus()], status=fields(_C.driver_status()))
 
 data = torch.arange(256 << 20, dtype=torch.int32, device="cuda:0")  # 1 GiB
 expected = int(data[::1009].sum().item())

@@ -31,7 +31,8 @@ def test_native_layer_on_the_real_driver(host_gpus: list[Any]) -> None:
     assert unlock["raised"] and unlock["call"] == "cuCheckpointProcessUnlock"
     assert unlock["name"] in unlock["message"]
 
-    # One pair is refused (fact 2); the recover rollback brings the job back in place (fact 3).
+    # One pair is refused (docs/facts.md fact 2); the recover rollback brings the job back in place
+    # (docs/facts.md fact 3).
     single = checks["single_pair"]
     failed = [o for o in single["outcomes"] if o["code"] != 0]
     assert failed[0]["step"] == "restore" and not failed[0]["rollback"]
@@ -43,5 +44,5 @@ def test_native_layer_on_the_real_driver(host_gpus: list[Any]) -> None:
     assert all(o["code"] == 0 for o in full["outcomes"]), full["outcomes"]
     assert full["state"] == "RUNNING" and full["intact"]
     assert full["ours"][devices["uuids"][1]] >= GIB and full["ours"][devices["uuids"][0]] == 0
-    # The driver API names the new GPU after the move (PyTorch's cached properties do not: fact 5).
+    # The driver API names the new GPU after the move (PyTorch's cached properties do not: docs/facts.md fact 5).
     assert full["reported_uuid"] == devices["uuids"][1]

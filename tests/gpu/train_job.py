@@ -58,6 +58,14 @@ def placement_snapshot() -> dict[str, object]:
     }
 
 
+def engine_target(engine: Any, name: Optional[str]) -> Any:
+    """The engine takes a GPU UUID or a GpuIdentity; a plan names GPUs as a person would tell the
+    server, "cuda:N" in the job's own numbering at init, which the server resolves the same way."""
+    if name is None or not name.startswith("cuda:"):
+        return name
+    return engine.gpus[int(name[len("cuda:"):])]
+
+
 PlanItem = tuple[int, str, Optional[str], Optional[str]]  # step, op, target, path (None: --path)
 
 
@@ -78,11 +86,11 @@ class Control(threading.Thread):
             emit("op_start", op=op, target=target, at_step=at_step, step=self.progress.step, requested_path=path)
             try:
                 if op == "migrate":
-                    result = engine.migrate(target, path=path)
+                    result = engine.migrate(engine_target(engine, target), path=path)
                 elif op == "pause":
                     result = engine.pause(path=path)
                 else:
-                    result = engine.resume(target)
+                    result = engine.resume(engine_target(engine, target))
                 # A fast move's copies become the job's own over the next optimizer steps; NVML
                 # counts them for this process from then on.
                 own_wait = wait_for_own_memory(30.0) if op == "migrate" and result.path == "fast" else 0.0

@@ -145,12 +145,12 @@ def test_init_with_the_fake_driver_starts_the_engine(clean: FakeDriver, capsys: 
 def test_get_physical_device_follows_migrations(clean: FakeDriver) -> None:
     clean.set_process_memory(0, 2 * GiB)
     flexium.init()
-    assert engine().migrate("cuda:1").ok
+    assert engine().migrate(engine().gpus[1]).ok
     assert flexium.auto.get_physical_device() == "cuda:1"
     assert flexium.auto.get_device() == "cuda:0"  # what the training code uses does not change
     assert device_routing.managed_device() == "cuda:0"
     assert clean.placement() == [1, 0]
-    assert engine().migrate("cuda:0").ok
+    assert engine().migrate(engine().gpus[0]).ok
     assert flexium.auto.get_physical_device() == "cuda:0"
 
 
@@ -159,7 +159,7 @@ def test_the_device_comes_from_gpu_device_or_the_parameter(clean: FakeDriver, mo
     flexium.init()
     assert flexium.auto.get_device() == "cuda:1" and engine().logical_device == "cuda:1"
     assert flexium.auto.get_physical_device() == "cuda:1"
-    assert engine().migrate("cuda:0").ok
+    assert engine().migrate(engine().gpus[0]).ok
     assert flexium.auto.get_physical_device() == "cuda:0" and clean.physical_of(1) == 0
     flexium.shutdown()
     flexium.init(device="cuda:0")  # the parameter wins over GPU_DEVICE
@@ -177,7 +177,7 @@ def test_get_device_without_init_uses_the_configuration(clean: FakeDriver, monke
 def test_is_migration_in_progress_during_an_operation(clean: FakeDriver) -> None:
     flexium.init()
     clean.set_delay_ms("cuCheckpointProcessCheckpoint", 300)
-    migration = Background(lambda: engine().migrate("cuda:1"))
+    migration = Background(lambda: engine().migrate(engine().gpus[1]))
     migration.start()
     wait_until(lambda: clean.state() == ProcessState.LOCKED, what="the migration to lock the process")
     assert flexium.auto.is_migration_in_progress() is True
@@ -313,7 +313,7 @@ def test_init_twice_warns_and_changes_nothing(clean: FakeDriver, capsys: pytest.
 def test_shutdown_then_init_again(clean: FakeDriver) -> None:
     flexium.init()
     first = engine()
-    assert first.migrate("cuda:1").ok
+    assert first.migrate(first.gpus[1]).ok
     flexium.shutdown()
     assert not flexium.is_initialized() and not device_routing.is_installed()
     assert flexium.auto.is_migration_enabled() is False
@@ -322,7 +322,7 @@ def test_shutdown_then_init_again(clean: FakeDriver) -> None:
     second = engine()
     assert second is not first and second.state == EngineState.RUNNING
     assert flexium.auto.get_physical_device() == "cuda:0"
-    assert second.migrate("cuda:1").ok and flexium.auto.get_physical_device() == "cuda:1"
+    assert second.migrate(second.gpus[1]).ok and flexium.auto.get_physical_device() == "cuda:1"
     assert device_routing.is_installed()
 
 

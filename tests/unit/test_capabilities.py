@@ -35,11 +35,11 @@ def attempt(fn):
 def probe_engine(caps):
     engine = Engine(logical_ordinal=0, gpus=snapshot_gpus(), capabilities=caps)
     fake.clear_log()
-    report = {"migrate": attempt(lambda: engine.migrate("cuda:1")),
+    report = {"migrate": attempt(lambda: engine.migrate(engine.gpus[1])),
               "calls_after_migrate": fake.checkpoint_calls()}
     report["pause"] = attempt(engine.pause)
     report["state_after_pause"] = engine.state.value
-    report["resume_elsewhere"] = attempt(lambda: engine.resume("cuda:1"))
+    report["resume_elsewhere"] = attempt(lambda: engine.resume(engine.gpus[1]))
     report["resume"] = attempt(engine.resume)
     report["final"] = [engine.state.value, fake.state().name, fake.placement()]
     return report
@@ -67,8 +67,8 @@ SCRIPTS: dict[str, dict[str, Any]] = {
         code=ENGINE_PROBE + SESSION_PROBE + """
 engine = current.engine
 fake.clear_log()
-engine_report = {"migrate": attempt(lambda: engine.migrate("cuda:1")), "calls": fake.checkpoint_calls(),
-                 "pause": attempt(engine.pause), "resume_elsewhere": attempt(lambda: engine.resume("cuda:1")),
+engine_report = {"migrate": attempt(lambda: engine.migrate(engine.gpus[1])), "calls": fake.checkpoint_calls(),
+                 "pause": attempt(engine.pause), "resume_elsewhere": attempt(lambda: engine.resume(engine.gpus[1])),
                  "resume": attempt(engine.resume), "final": [engine.state.value, fake.state().name]}
 out(caps=detect(check_torch=False).to_dict(), session=session_report, engine=engine_report)
 """,
@@ -87,7 +87,9 @@ out(caps=caps.to_dict(), engine=probe_engine(caps))
         torch=True,
         code=ENGINE_PROBE + SESSION_PROBE + """
 caps = detect(check_torch=False)
-out(caps=caps.to_dict(), status=_C.driver_status(), session=session_report, engine=probe_engine(caps))
+status = _C.driver_status()
+out(caps=caps.to_dict(), status=dict(loaded=status.loaded, checkpoint_api=status.checkpoint_api),
+    session=session_report, engine=probe_engine(caps))
 """,
     ),
     # NVML says 580 but libcuda is CUDA 12.8 (not seen in practice): GPU pairs need CUDA 13.0, so
@@ -99,7 +101,7 @@ caps = detect(check_torch=False)
 engine = Engine(logical_ordinal=0, gpus=snapshot_gpus(), capabilities=caps)
 fake.clear_log()
 try:
-    engine.migrate("cuda:1")
+    engine.migrate(engine.gpus[1])
     error = None
 except Exception as exc:
     error = [type(exc).__name__, getattr(exc, "step", None), str(exc)]

@@ -102,7 +102,7 @@ def test_migrate_moves_the_job_and_reports_it(fake: FakeDriver, make_engine: Cal
     fake.set_delay_ms("cuCheckpointProcessCheckpoint", 30)
     fake.set_delay_ms("cuCheckpointProcessRestore", 20)
 
-    result = engine.migrate("cuda:1")
+    result = engine.migrate(engine.gpus[1])
 
     assert result.ok and result.error is None and result.failed_step is None
     assert result.kind == OperationKind.MIGRATE and result.path == "driver"
@@ -111,11 +111,11 @@ def test_migrate_moves_the_job_and_reports_it(fake: FakeDriver, make_engine: Cal
     on_gpu(fake, engine, 1)
     assert engine.state == EngineState.RUNNING
     assert seen == [EngineState.MIGRATING, EngineState.RUNNING]
-    # The driver saw one transaction with every GPU paired (fact 2).
+    # The driver saw one transaction with every GPU paired (docs/facts.md fact 2).
     assert checkpoint_ops(fake) == ["Lock", "Checkpoint", "Restore", "Unlock"]
     assert fake.last_pairs() == [(0, 1), (1, 0)]
-    assert fake.blocked_calls() == 0 and fake.deadlocks() == 0  # fact 4: no other CUDA call while locked
-    # Bytes from NVML; zero residue on the source (fact 6).
+    assert fake.blocked_calls() == 0 and fake.deadlocks() == 0  # docs/facts.md fact 4: no other CUDA call while locked
+    # Bytes from NVML; zero residue on the source (docs/facts.md fact 6).
     assert result.bytes_moved == 3 * GiB
     assert fake.process_bytes_on(1) == 3 * GiB and fake.process_bytes_on(0) == 0
     assert fake.used_bytes(0) == 0 and fake.used_bytes(1) == 13 * GiB
@@ -127,14 +127,14 @@ def test_migrate_moves_the_job_and_reports_it(fake: FakeDriver, make_engine: Cal
     assert result.seconds >= result.step_seconds("checkpoint") + result.step_seconds("restore")
     assert result.gb_per_second == pytest.approx(3 * GiB / 1e9 / result.seconds)
     assert engine.last_result is result
-    # The process still sees its old identity (fact 5); the engine knows better.
+    # The process still sees its old identity (docs/facts.md fact 5); the engine knows better.
     assert [d.uuid for d in _C.list_devices()] == fake.uuids()
     assert nvml.gpu_by_uuid(fake.uuid(1)).used_by(PID) == 3 * GiB
 
 
 def test_the_result_is_json_friendly(fake: FakeDriver, make_engine: Callable[..., Any]) -> None:
     fake.set_process_memory(0, GiB)
-    result = make_engine().migrate(1)
+    result = make_engine().migrate(fake.uuid(1))
     data = json.loads(json.dumps(result.to_dict()))
     assert data["kind"] == "migrate" and data["ok"] is True
     assert data["source"]["uuid"] == fake.uuid(0) and data["target"]["uuid"] == fake.uuid(1)
@@ -150,7 +150,7 @@ def test_every_visible_gpu_is_paired_on_a_four_gpu_machine(
     fake.set_process_memory(0, 2 * GiB)
     fake.set_process_memory(3, 1 * GiB)  # another device of this process, untouched by the swap
     engine = make_engine()
-    result = engine.migrate("cuda:2")
+    result = engine.migrate(engine.gpus[2])
     assert result.ok
     assert fake.last_pairs() == [(0, 2), (1, 1), (2, 0), (3, 3)]
     assert fake.placement() == [2, 1, 0, 3]
@@ -167,9 +167,9 @@ def test_repeated_migrations_keep_the_identity_right(
     engine = make_engine()
     expected = [
         # target, pairs as physical (old, new) relative to where the contexts are now, placement
-        ("cuda:1", [(0, 1), (1, 0), (2, 2)], [1, 0, 2]),
-        ("cuda:0", [(1, 0), (0, 1), (2, 2)], [0, 1, 2]),
-        ("cuda:2", [(0, 2), (1, 1), (2, 0)], [2, 1, 0]),
+        (fake.uuid(1), [(0, 1), (1, 0), (2, 2)], [1, 0, 2]),
+        (engine.gpus[0], [(1, 0), (0, 1), (2, 2)], [0, 1, 2]),
+        (fake.uuid(2), [(0, 2), (1, 1), (2, 0)], [2, 1, 0]),
         (fake.uuid(1), [(2, 1), (1, 2), (0, 0)], [1, 2, 0]),
     ]
     where = 0
@@ -183,17 +183,42 @@ def test_repeated_migrations_keep_the_identity_right(
         assert fake.process_bytes_on(placement[0]) == 4 * GiB and fake.process_bytes_on(where) == 0
         assert result.bytes_moved == 4 * GiB
         where = placement[0]
-    # The driver still reports the identities of init (fact 5).
+    # The driver still reports the identities of init (docs/facts.md fact 5).
     assert [d.uuid for d in _C.list_devices()] == fake.uuids()
 
 
 def test_a_job_on_cuda_1_migrates_to_cuda_0(fake: FakeDriver, make_engine: Callable[..., Any]) -> None:
     fake.set_process_memory(1, 2 * GiB)
     engine = make_engine(1)
-    result = engine.migrate("cuda:0")
+    result = engine.migrate(engine.gpus[0])
     assert result.ok and result.logical_device == "cuda:1"
     on_gpu(fake, engine, 0)
     assert fake.process_bytes_on(0) == 2 * GiB and fake.process_bytes_on(1) == 0
+
+
+def test_a_transaction_runs_over_its_context_and_plan_alone(fake: FakeDriver) -> None:
+    """No Engine is needed to run a transaction: an OperationContext and a MovePlan are all a
+    driver migration takes, and it reports through the context's state and identity map."""
+    from flexium.engine import snapshot_gpus
+    from flexium.engine.identity import IdentityMap
+    from flexium.engine.safe_point import SafePoints
+    from flexium.engine.transactions.context import OperationContext
+    from flexium.engine.transactions.driver_migrate import migrate_by_driver
+
+    fake.set_process_memory(0, 2 * GiB)
+    identity = IdentityMap(snapshot_gpus())
+    ctx = OperationContext(pid=PID, logical=0, identity=identity, safe_points=SafePoints(0.1), fast=None,
+                           lock_timeout_ms=5000)
+    seen: list[EngineState] = []
+    ctx.add_state_listener(seen.append)
+    fake.clear_log()
+    result = migrate_by_driver(ctx, identity.plan({0: identity.gpus[1]}), ("a note",), at_safe_point=False)
+    assert result.ok and result.path == "driver" and result.notes == ("a note",)
+    assert result.source == identity.gpus[0] and result.target == identity.gpus[1]
+    assert [(s.step, s.ok) for s in result.steps] == [(step, ok) for step, ok, _ in MIGRATION_STEPS]
+    assert checkpoint_ops(fake) == ["Lock", "Checkpoint", "Restore", "Unlock"] and fake.placement() == [1, 0]
+    assert identity.physical_of(0) == identity.gpus[1] and result.bytes_moved == 2 * GiB
+    assert seen == [EngineState.MIGRATING, EngineState.RUNNING] and ctx.state == EngineState.RUNNING
 
 
 # ----------------------------------------------------------------------------- target validation
@@ -206,17 +231,18 @@ def refused(engine: Any, target: Any) -> str:
     return str(caught.value)
 
 
-def test_unknown_ordinal_is_refused_before_anything_is_touched(fake: FakeDriver, make_engine: Callable[..., Any]) -> None:
+@pytest.mark.parametrize("target", ["cuda:1", "1", "gpu1"])
+def test_a_device_name_is_refused_before_anything_is_touched(
+    target: str, fake: FakeDriver, make_engine: Callable[..., Any]
+) -> None:
+    """The server resolves device names to a UUID; the engine takes a UUID or a GpuIdentity."""
     engine = make_engine()
-    assert "device cuda:7 does not exist: this process sees 2 GPU(s) (cuda:0..cuda:1)" in refused(engine, "cuda:7")
+    assert refused(engine, target) == (
+        f"target '{target}' is not a GPU UUID: the engine takes a UUID ('GPU-...', as nvidia-smi -L prints it) "
+        "or a GpuIdentity; names such as 'cuda:N' or an nvidia-smi index are resolved by the server"
+    )
     assert_untouched(fake, engine)
     assert engine.last_result is None
-
-
-def test_malformed_target_is_refused(fake: FakeDriver, make_engine: Callable[..., Any]) -> None:
-    engine = make_engine()
-    assert refused(engine, "gpu1") == "invalid device 'gpu1': expected 'cuda:N' (e.g. 'cuda:1') or a GPU UUID 'GPU-...'"
-    assert_untouched(fake, engine)
 
 
 def test_uuid_not_on_this_host_is_refused(fake: FakeDriver, make_engine: Callable[..., Any]) -> None:
@@ -230,9 +256,9 @@ def test_uuid_not_on_this_host_is_refused(fake: FakeDriver, make_engine: Callabl
 def test_the_current_gpu_is_refused(fake: FakeDriver, make_engine: Callable[..., Any]) -> None:
     fake.set_process_memory(0, GiB)
     engine = make_engine()
-    assert refused(engine, "cuda:0") == f"the job is already on cuda:0 ({fake.uuid(0)})"
+    assert refused(engine, engine.gpus[0]) == f"the job is already on cuda:0 ({fake.uuid(0)})"
     assert_untouched(fake, engine)
-    assert engine.migrate("cuda:1").ok
+    assert engine.migrate(engine.gpus[1]).ok
     fake.clear_log()
     # After the move the job is on the GPU that was cuda:1 at init.
     assert refused(engine, fake.uuid(1)) == f"the job is already on cuda:1 ({fake.uuid(1)})"
@@ -245,7 +271,7 @@ def test_another_gpu_model_is_refused(
     monkeypatch.setenv("FAKE_CUDA_MODELS", "NVIDIA H200,NVIDIA H100 80GB HBM3")
     fake.reset()
     engine = make_engine()
-    assert refused(engine, "cuda:1") == (
+    assert refused(engine, engine.gpus[1]) == (
         "cuda:1 is a NVIDIA H100 80GB HBM3, the job runs on a NVIDIA H200: migration needs the same GPU model"
     )
     assert_untouched(fake, engine)
@@ -256,7 +282,7 @@ def test_a_target_without_room_is_refused(fake: FakeDriver, make_engine: Callabl
     fake.set_process_memory(0, 20 * GiB)
     fake.set_other_memory(1, H200_BYTES - 15 * GiB)
     engine = make_engine()
-    message = refused(engine, "cuda:1")
+    message = refused(engine, engine.gpus[1])
     assert re.fullmatch(
         r"cuda:1 \(NVIDIA H200, nvidia-smi index 1\) has 15\.00 GiB free; the job needs 20\.00 GiB plus 0\.50 GiB "
         r"headroom: free memory there or choose another GPU",
@@ -269,10 +295,10 @@ def test_room_for_the_job_plus_headroom_is_the_limit(fake: FakeDriver, make_engi
     fake.set_process_memory(0, 20 * GiB)
     fake.set_other_memory(1, H200_BYTES - 20 * GiB - MARGIN + 1)  # one byte short
     engine = make_engine()
-    assert "the job needs 20.00 GiB plus 0.50 GiB headroom" in refused(engine, "cuda:1")
+    assert "the job needs 20.00 GiB plus 0.50 GiB headroom" in refused(engine, engine.gpus[1])
     assert_untouched(fake, engine)
     fake.set_other_memory(1, H200_BYTES - 20 * GiB - MARGIN)  # exactly enough
-    assert engine.migrate("cuda:1").ok
+    assert engine.migrate(engine.gpus[1]).ok
     on_gpu(fake, engine, 1)
 
 
@@ -282,7 +308,7 @@ def test_our_own_memory_on_the_target_counts_as_room(fake: FakeDriver, make_engi
     fake.set_process_memory(1, 30 * GiB)
     fake.set_other_memory(1, H200_BYTES - 31 * GiB)  # 1 GiB free, but 30 GiB of it are ours
     engine = make_engine()
-    assert engine.migrate("cuda:1").ok
+    assert engine.migrate(engine.gpus[1]).ok
     assert fake.placement() == [1, 0]
 
 
@@ -290,7 +316,7 @@ def test_the_headroom_is_configurable(fake: FakeDriver, make_engine: Callable[..
     fake.set_process_memory(0, 10 * GiB)
     fake.set_other_memory(1, H200_BYTES - 12 * GiB)
     engine = make_engine(memory_margin_bytes=3 * GiB)
-    assert "plus 3.00 GiB headroom" in refused(engine, "cuda:1")
+    assert "plus 3.00 GiB headroom" in refused(engine, engine.gpus[1])
     assert_untouched(fake, engine)
 
 
@@ -318,7 +344,7 @@ def test_lock_timeout_touches_nothing_else(fake: FakeDriver, make_engine: Callab
     engine = make_engine(lock_timeout_ms=50)
     started = time.perf_counter()
     with pytest.raises(OperationFailedError) as caught:
-        engine.migrate("cuda:1")
+        engine.migrate(engine.gpus[1])
     assert time.perf_counter() - started < 1.0
     err = caught.value
     assert not isinstance(err, RollbackFailedError)
@@ -336,7 +362,7 @@ def test_lock_timeout_touches_nothing_else(fake: FakeDriver, make_engine: Callab
     assert not nvml._frozen.is_set()
     # The job carries on and can be moved once it is less busy.
     fake.set_lock_delay_ms(0)
-    assert engine.migrate("cuda:1").ok
+    assert engine.migrate(engine.gpus[1]).ok
 
 
 def test_checkpoint_failure_is_rolled_back(fake: FakeDriver, make_engine: Callable[..., Any]) -> None:
@@ -344,7 +370,7 @@ def test_checkpoint_failure_is_rolled_back(fake: FakeDriver, make_engine: Callab
     engine = make_engine()
     fake.fail("cuCheckpointProcessCheckpoint", "CUDA_ERROR_UNKNOWN")
     with pytest.raises(OperationFailedError) as caught:
-        engine.migrate("cuda:1")
+        engine.migrate(engine.gpus[1])
     err = caught.value
     assert not isinstance(err, RollbackFailedError)
     assert err.step == "checkpoint"
@@ -358,13 +384,13 @@ def test_checkpoint_failure_is_rolled_back(fake: FakeDriver, make_engine: Callab
 
 
 def test_failed_remapped_restore_is_recovered_in_place(fake: FakeDriver, make_engine: Callable[..., Any]) -> None:
-    """Fact 3: the failed restore leaves the process CHECKPOINTED; the engine's recover step
+    """docs/facts.md fact 3: the failed restore leaves the process CHECKPOINTED; the engine's recover step
     restores it in place (no pairs) and unlocks."""
     fake.set_process_memory(0, 5 * GiB)
     engine = make_engine()
     fake.fail("cuCheckpointProcessRestore", "CUDA_ERROR_INVALID_VALUE")
     with pytest.raises(OperationFailedError) as caught:
-        engine.migrate("cuda:1")
+        engine.migrate(engine.gpus[1])
     err = caught.value
     assert not isinstance(err, RollbackFailedError)
     assert err.step == "restore"
@@ -382,7 +408,7 @@ def test_failed_remapped_restore_is_recovered_in_place(fake: FakeDriver, make_en
     assert fake.process_bytes_on(0) == 5 * GiB and fake.process_bytes_on(1) == 0
     assert not nvml._frozen.is_set()
     # Nothing was left behind: the next migration works.
-    assert engine.migrate("cuda:1").ok
+    assert engine.migrate(engine.gpus[1]).ok
     on_gpu(fake, engine, 1)
 
 
@@ -399,7 +425,7 @@ def test_target_filled_after_validation_fails_the_restore_then_rolls_back(
 
     engine.add_state_listener(someone_fills_gpu1)
     with pytest.raises(OperationFailedError) as caught:
-        engine.migrate("cuda:1")
+        engine.migrate(engine.gpus[1])
     assert caught.value.step == "restore"
     assert "CUDA_ERROR_OUT_OF_MEMORY" in str(caught.value) and "rolled back" in str(caught.value)
     assert engine.state == EngineState.RUNNING
@@ -413,7 +439,7 @@ def test_rollback_failure_is_loud_and_the_engine_refuses_everything_after(
     engine = make_engine()
     fake.fail("cuCheckpointProcessRestore", "CUDA_ERROR_UNKNOWN", nth=0)  # every restore fails
     with pytest.raises(RollbackFailedError) as caught:
-        engine.migrate("cuda:1")
+        engine.migrate(engine.gpus[1])
     err = caught.value
     assert isinstance(err, OperationFailedError)
     assert err.step == "restore"
@@ -423,7 +449,7 @@ def test_rollback_failure_is_loud_and_the_engine_refuses_everything_after(
     assert fake.state() == ProcessState.CHECKPOINTED
     assert "CRITICAL: migrate failed and could not be rolled back" in capsys.readouterr().err
     fake.clear_log()
-    for attempt in (lambda: engine.migrate("cuda:1"), engine.pause, engine.resume):
+    for attempt in (lambda: engine.migrate(engine.gpus[1]), engine.pause, engine.resume):
         with pytest.raises(InvalidStateError) as refused_:
             attempt()
         assert "an earlier rollback failed and the process may be stuck; restart the job" in str(refused_.value)
@@ -439,7 +465,7 @@ def test_oom_poisoned_restore_fails_the_rollback(fake: FakeDriver, make_engine: 
         lambda state: fake.set_other_memory(1, H200_BYTES - GiB) if state == EngineState.MIGRATING else None
     )
     with pytest.raises(RollbackFailedError) as caught:
-        engine.migrate("cuda:1")
+        engine.migrate(engine.gpus[1])
     steps = caught.value.result.steps
     assert [(s.step, s.rollback) for s in steps if not s.ok] == [("restore", False), ("restore", True), ("unlock", True)]
     assert "CUDA_ERROR_OUT_OF_MEMORY" in steps[3].error and "CUDA_ERROR_OPERATING_SYSTEM" in steps[4].error
@@ -451,7 +477,7 @@ def test_unlock_failure_after_a_successful_restore_is_retried(fake: FakeDriver, 
     fake.set_process_memory(0, GiB)
     engine = make_engine()
     fake.fail("cuCheckpointProcessUnlock", "CUDA_ERROR_UNKNOWN")
-    result = engine.migrate("cuda:1")
+    result = engine.migrate(engine.gpus[1])
     # The process was restored on the target and is running there: the move happened.
     assert result.ok
     assert checkpoint_ops(fake) == ["Lock", "Checkpoint", "Restore", "Unlock", "Unlock"]
@@ -464,7 +490,7 @@ def test_unlock_failing_for_good_is_a_failed_rollback(fake: FakeDriver, make_eng
     engine = make_engine()
     fake.fail("cuCheckpointProcessUnlock", "CUDA_ERROR_UNKNOWN", nth=0)
     with pytest.raises(RollbackFailedError) as caught:
-        engine.migrate("cuda:1")
+        engine.migrate(engine.gpus[1])
     assert caught.value.step == "unlock"
     assert "the process is LOCKED" in str(caught.value)
     assert engine.state == EngineState.FAILED and fake.state() == ProcessState.LOCKED
@@ -484,7 +510,7 @@ def test_an_error_in_prepare_leaves_the_engine_usable(
             fake.fail("nvmlDeviceGetCount_v2", "NVML_ERROR_UNKNOWN")
 
     engine.add_state_listener(nvml_breaks)
-    run = (lambda: engine.migrate("cuda:1")) if operation == "migrate" else engine.pause
+    run = (lambda: engine.migrate(engine.gpus[1])) if operation == "migrate" else engine.pause
     with pytest.raises(Exception):
         run()
     assert checkpoint_ops(fake) == []
@@ -504,7 +530,7 @@ def test_a_failing_state_listener_does_not_break_an_operation(
         raise RuntimeError("listener bug")
 
     engine.add_state_listener(broken)
-    assert engine.migrate("cuda:1").ok
+    assert engine.migrate(engine.gpus[1]).ok
     on_gpu(fake, engine, 1)
     assert "state listener failed" in capsys.readouterr().err
 
@@ -525,7 +551,7 @@ def test_pause_frees_every_gpu_and_resume_in_place(
     assert step_summary(paused) == [("prepare", True, False), ("lock", True, False), ("checkpoint", True, False)]
     assert paused.bytes_moved == 6 * GiB
     assert engine.state == EngineState.PAUSED and fake.state() == ProcessState.CHECKPOINTED
-    assert fake.used_bytes(0) == 0 and fake.used_bytes(1) == 0  # fact 6: nothing left anywhere
+    assert fake.used_bytes(0) == 0 and fake.used_bytes(1) == 0  # docs/facts.md fact 6: nothing left anywhere
     assert checkpoint_ops(fake) == ["Lock", "Checkpoint"]
     # While frozen the job holds nothing anywhere: answered without any NVML query (or torch call).
     assert nvml._frozen.is_set()
@@ -553,13 +579,13 @@ def test_resume_on_another_gpu(fake: FakeDriver, make_engine: Callable[..., Any]
     engine = make_engine()
     engine.pause()
     fake.clear_log()
-    result = engine.resume("cuda:1")
+    result = engine.resume(engine.gpus[1])
     assert result.ok and result.target.device == "cuda:1"
     assert fake.last_pairs() == [(0, 1), (1, 0)]
     on_gpu(fake, engine, 1)
     assert fake.process_bytes_on(1) == 6 * GiB and fake.used_bytes(0) == 0
     # And back through a migration, relative to the new place.
-    assert engine.migrate("cuda:0").ok
+    assert engine.migrate(engine.gpus[0]).ok
     on_gpu(fake, engine, 0)
 
 
@@ -608,7 +634,7 @@ def test_resume_without_room_anywhere_stays_paused(fake: FakeDriver, make_engine
         "the job needs 30.00 GiB and no GPU of model NVIDIA H200 has that free; it stays paused"
     )
     with pytest.raises(TargetRefusedError, match=r"cuda:1 has 10\.00 GiB free; the paused job needs 30\.00 GiB"):
-        engine.resume("cuda:1")
+        engine.resume(engine.gpus[1])
     assert fake.calls("cu") == []
     assert engine.state == EngineState.PAUSED and fake.state() == ProcessState.CHECKPOINTED
     fake.set_other_memory(1, 0)
@@ -625,8 +651,21 @@ def test_resume_on_another_model_is_refused(
     engine.pause()
     fake.clear_log()
     with pytest.raises(TargetRefusedError, match="the job was paused on a NVIDIA H200: resume needs the same model"):
+        engine.resume(engine.gpus[1])
+    assert fake.calls("cu") == [] and engine.state == EngineState.PAUSED
+
+
+def test_resume_on_a_device_name_is_refused_and_the_job_stays_paused(
+    fake: FakeDriver, make_engine: Callable[..., Any]
+) -> None:
+    engine = make_engine()
+    engine.pause()
+    fake.clear_log()
+    with pytest.raises(TargetRefusedError, match=r"^target 'cuda:1' is not a GPU UUID: "):
         engine.resume("cuda:1")
     assert fake.calls("cu") == [] and engine.state == EngineState.PAUSED
+    assert engine.resume(fake.uuid(1)).ok
+    on_gpu(fake, engine, 1)
 
 
 def test_failed_resume_stays_paused_and_can_be_retried(fake: FakeDriver, make_engine: Callable[..., Any]) -> None:
@@ -635,14 +674,14 @@ def test_failed_resume_stays_paused_and_can_be_retried(fake: FakeDriver, make_en
     engine.pause()
     fake.fail("cuCheckpointProcessRestore", "CUDA_ERROR_OUT_OF_MEMORY")
     with pytest.raises(OperationFailedError) as caught:
-        engine.resume("cuda:1")
+        engine.resume(engine.gpus[1])
     err = caught.value
     assert not isinstance(err, RollbackFailedError)
     assert err.step == "restore"
     assert "the job is still paused and can be resumed again" in str(err)
     assert engine.state == EngineState.PAUSED and fake.state() == ProcessState.CHECKPOINTED
     assert nvml._frozen.is_set()
-    assert engine.resume("cuda:1").ok
+    assert engine.resume(engine.gpus[1]).ok
     on_gpu(fake, engine, 1)
 
 
@@ -703,7 +742,7 @@ def test_operations_that_do_not_fit_the_state_are_refused(fake: FakeDriver, make
         engine.pause()
     assert str(caught.value) == "cannot pause: the job is paused; resume it first (resume may pick the GPU)"
     with pytest.raises(InvalidStateError) as caught:
-        engine.migrate("cuda:1")
+        engine.migrate(engine.gpus[1])
     assert str(caught.value) == "cannot migrate: the job is paused; resume it first (resume may pick the GPU)"
     assert fake.calls("cu") == []
     assert engine.state == EngineState.PAUSED and fake.state() == ProcessState.CHECKPOINTED
@@ -713,11 +752,11 @@ def test_one_operation_at_a_time(fake: FakeDriver, make_engine: Callable[..., An
     fake.set_process_memory(0, GiB)
     engine = make_engine()
     fake.set_delay_ms("cuCheckpointProcessCheckpoint", 400)
-    running = Background(lambda: engine.migrate("cuda:1"))
+    running = Background(lambda: engine.migrate(engine.gpus[1]))
     running.start()
     wait_until(lambda: fake.state() == ProcessState.LOCKED, what="the migration to take the lock")
     assert engine.state == EngineState.MIGRATING and engine.is_busy()
-    for second in (engine.pause, lambda: engine.migrate("cuda:1"), engine.resume):
+    for second in (engine.pause, lambda: engine.migrate(engine.gpus[1]), engine.resume):
         with pytest.raises(OperationInProgressError) as caught:
             second()
         assert str(caught.value).endswith("another operation is in progress (MIGRATING); wait for it to finish")
@@ -732,7 +771,7 @@ def test_nvml_is_read_elsewhere_while_the_process_is_locked(
 ) -> None:
     engine = make_engine()
     fake.set_delay_ms("cuCheckpointProcessCheckpoint", 300)
-    running = Background(lambda: engine.migrate("cuda:1"))
+    running = Background(lambda: engine.migrate(engine.gpus[1]))
     running.start()
     wait_until(lambda: fake.state() == ProcessState.LOCKED, what="the lock")
     before = nvml_in_parent.count
@@ -758,7 +797,7 @@ def test_without_migration_capability_only_pause_and_resume_in_place(
     )
     engine = make_engine(capabilities=caps)
     with pytest.raises(CapabilityError) as caught:
-        engine.migrate("cuda:1")
+        engine.migrate(engine.gpus[1])
     assert str(caught.value) == (
         "migration to another GPU is not available on this machine: "
         "NVIDIA driver 570.86.10: pause/resume only; migration to another GPU needs 580+"
@@ -766,7 +805,7 @@ def test_without_migration_capability_only_pause_and_resume_in_place(
     assert_untouched(fake, engine)
     engine.pause()
     with pytest.raises(CapabilityError, match="resuming on another GPU is not available"):
-        engine.resume("cuda:1")
+        engine.resume(engine.gpus[1])
     fake.set_other_memory(0, H200_BYTES)  # GPU 0 full: no other GPU may be chosen
     with pytest.raises(TargetRefusedError, match="it stays paused"):
         engine.resume()
@@ -784,7 +823,7 @@ def test_without_the_checkpoint_api_nothing_is_attempted(fake: FakeDriver, make_
     with pytest.raises(CapabilityError, match="^pause is not available on this machine: the driver does not support it$"):
         engine.pause()
     with pytest.raises(CapabilityError):
-        engine.migrate("cuda:1")
+        engine.migrate(engine.gpus[1])
     assert_untouched(fake, engine)
 
 
@@ -816,12 +855,12 @@ fake.set_process_memory(0, 3 << 30)
 engine = Engine(logical_ordinal=0, gpus=snapshot_gpus(), capabilities=detect(check_torch=False))
 engine.start()
 moves = []
-for target in ["cuda:1", "cuda:0", "cuda:2", "cuda:3", "cuda:1"]:
-    result = engine.migrate(target)
-    moves.append([target, result.ok, fake.last_pairs(), fake.placement(), engine.placement()[1].device,
+for target in [1, 0, 2, 3, 1]:
+    result = engine.migrate(engine.gpus[target])
+    moves.append([f"cuda:{target}", result.ok, fake.last_pairs(), fake.placement(), engine.placement()[1].device,
                   result.bytes_moved])
 paused = engine.pause()
-resumed = engine.resume("cuda:3")  # room on cuda:3 checked by NVML in a child process: 4 GPUs there too
+resumed = engine.resume(fake.uuid(3))  # room on cuda:3 checked by NVML in a child process: 4 GPUs there too
 out(gpus=len(engine.gpus), moves=moves, paused=paused.ok,
     resumed=[resumed.ok, resumed.target.device, fake.last_pairs(), fake.placement(), engine.state.value])
 engine.stop()
@@ -836,7 +875,7 @@ fake = fake_driver.FakeDriver(os.environ["FLEXIUM_LIBCUDA"])
 fake.set_process_memory(0, 3 << 30)
 caps = detect(check_torch=False)
 engine = Engine(logical_ordinal=0, gpus=snapshot_gpus(), capabilities=caps)
-migrated = engine.migrate("cuda:1")
+migrated = engine.migrate(engine.gpus[1])
 candidates = engine.candidate_targets()
 engine.pause()
 resumed = engine.resume()
@@ -894,7 +933,7 @@ def test_without_nvml_the_engine_still_migrates_and_says_what_it_could_not_check
 
 def test_an_unknown_path_is_refused_before_anything_happens(fake: FakeDriver, make_engine: Callable[..., Any]) -> None:
     engine = make_engine()
-    for call in (lambda: engine.migrate("cuda:1", path="quick"), lambda: engine.pause(path="")):
+    for call in (lambda: engine.migrate(engine.gpus[1], path="quick"), lambda: engine.pause(path="")):
         with pytest.raises(ValueError, match=r"path must be one of auto, fast, driver, not '(quick)?'"):
             call()
     assert engine.state == EngineState.RUNNING and checkpoint_ops(fake) == []

@@ -81,7 +81,7 @@ class RecordingFastPath(FastPath):
     def stage_to_device(self, logical: int, target_ordinal: int) -> Any:
         staged, timing = super().stage_to_device(logical, target_ordinal)
         self.staged.append(staged)
-        self._inodes.update((fd, os.fstat(fd).st_ino) for _a, _s, fd in staged.entries)
+        self._inodes.update((s.fd, os.fstat(s.fd).st_ino) for s in staged.entries)
         return staged, timing
 
     def close_leftovers(self) -> None:
@@ -186,7 +186,8 @@ class Job:
         """Every segment backed and mapped for logical `device`, its memory on `physical`, its
         bytes intact, nothing else of the VMM model alive (no copy, stream or context left)."""
         n = len(self.contents)
-        assert _C.vmm_segments() == [(a, len(d), device, True) for a, d in sorted(self.contents.items())]
+        assert [(s.address, s.size, s.device, s.mapped) for s in _C.vmm_segments()] == [
+            (a, len(d), device, True) for a, d in sorted(self.contents.items())]
         assert self.fake.vmm_bytes_on(physical) == self.total and self.fake.vmm_bytes_on(1 - physical) == 0
         assert self.fake.vmm_allocations() == self.fake.vmm_handles() == self.fake.vmm_mappings() == n
         assert self.fake.vmm_reservations() == n and self.fake.live_streams() == 0
@@ -218,8 +219,8 @@ class Job:
         if _C.host_staged_segments():
             _C.restore_segments_from_host()
         _C.release_host_staging()
-        for address, _size, _device, _mapped in _C.vmm_segments():
-            self._free(address, 0, 0, None)
+        for segment in _C.vmm_segments():
+            self._free(segment.address, 0, 0, None)
         if self.fast is not None:
             self.fast.close_leftovers()
         assert all(t.error is None for t in self.trainers), [t.error for t in self.trainers]
@@ -302,7 +303,7 @@ def test_fast_migration_there_and_back(job: Job) -> None:
     fds = open_fds()
     fake.clear_log()
 
-    result = engine.migrate("cuda:1")
+    result = engine.migrate(engine.gpus[1])
 
     assert result.ok and result.path == "fast" and result.failed_step is None
     assert step_summary(result) == [(s, True, False) for s in FAST_MIGRATION]
@@ -320,7 +321,7 @@ def test_fast_migration_there_and_back(job: Job) -> None:
     assert fake.process_bytes_on(1) == GiB + job.total and fake.process_bytes_on(0) == 0
     assert open_fds() == fds  # every staged fd was closed when its copy was mapped
 
-    back = engine.migrate("cuda:0")
+    back = engine.migrate(engine.gpus[0])
     assert back.ok and back.path == "fast" and names(back) == FAST_MIGRATION
     assert fake.placement() == [0, 1] and engine.placement()[1].device == "cuda:0"
     job.assert_home(physical=0)
@@ -328,13 +329,13 @@ def test_fast_migration_there_and_back(job: Job) -> None:
     wait_until(lambda: _C.vmm_imported_count() == 0, what="the moved memory to become the job's own")
 
     # Nothing imported is left for a driver checkpoint to trip over.
-    driver = engine.migrate("cuda:1", path="driver")
+    driver = engine.migrate(engine.gpus[1], path="driver")
     assert driver.ok and driver.path == "driver" and fake.placement() == [1, 0]
     assert names(driver) == ["prepare", "lock", "checkpoint", "restore", "unlock"]
     job.assert_home(physical=1)
 
 
-def fast_move_left_imported(engine: Any, job: Job, target: str) -> None:
+def fast_move_left_imported(engine: Any, job: Job, target: GpuIdentity) -> None:
     """A fast move whose first own slice fails (no memory for the job's own copies): the move
     stands and the job goes on running on the imported copies."""
     # The copy makes one allocation per segment, then the first own slice's first one fails.
@@ -350,14 +351,14 @@ def test_imported_memory_keeps_a_driver_checkpoint_out_until_it_is_our_own(job: 
     job.segments([2 * MiB, 4 * MiB])
     engine = job.engine(safe_point_wait_seconds=0.3)
     trainer = job.train()
-    fast_move_left_imported(engine, job, "cuda:1")
+    fast_move_left_imported(engine, job, engine.gpus[1])
 
     # No optimizer step: the driver path would have to carry imported memory; refused untouched.
     trainer.stopping.set()
     trainer.join(5)
     fake.clear_log()
     with pytest.raises(OperationFailedError, match=r"no optimizer step \(safe point\) came within 0.3 s") as refused:
-        engine.migrate("cuda:0")
+        engine.migrate(engine.gpus[0])
     assert refused.value.step == "validate" and checkpoint_ops(fake) == []
     assert engine.state == EngineState.RUNNING and _C.vmm_imported_count() == 2
     job.assert_home(physical=1)
@@ -366,13 +367,13 @@ def test_imported_memory_keeps_a_driver_checkpoint_out_until_it_is_our_own(job: 
     job.train()
     fake.fail("cuMemCreate", "CUDA_ERROR_OUT_OF_MEMORY", nth=1)
     with pytest.raises(OperationFailedError, match="failed at step 'own' before anything was locked") as failed:
-        engine.migrate("cuda:0", path="driver")
+        engine.migrate(engine.gpus[0], path="driver")
     assert failed.value.step == "own" and checkpoint_ops(fake) == []
     assert engine.state == EngineState.RUNNING
     job.assert_home(physical=1)
 
     # The fast path needs no own memory: it moves the imported segments like any other.
-    back = engine.migrate("cuda:0")
+    back = engine.migrate(engine.gpus[0])
     assert back.ok and back.path == "fast" and fake.placement() == [0, 1]
     job.assert_home(physical=0)
 
@@ -384,7 +385,7 @@ def test_on_the_training_thread_the_driver_path_makes_the_memory_its_own_first(j
     job.segments([2 * MiB, 4 * MiB])
     engine = job.engine()
     trainer = job.train()
-    fast_move_left_imported(engine, job, "cuda:1")
+    fast_move_left_imported(engine, job, engine.gpus[1])
     trainer.stopping.set()
     trainer.join(5)
 
@@ -396,7 +397,7 @@ def test_on_the_training_thread_the_driver_path_makes_the_memory_its_own_first(j
         model(torch.ones(1, 2)).sum().backward()
         optimizer.step()  # this thread is now the training thread
         try:
-            outcome["result"] = engine.migrate("cuda:0")
+            outcome["result"] = engine.migrate(engine.gpus[0])
         except Exception as exc:  # reported to the test
             outcome["error"] = exc
 
@@ -415,7 +416,7 @@ def test_the_fake_driver_cannot_restore_imported_memory_either(job: Job) -> None
     """What the H200s showed (docs/fast-path.md), kept by the fake so the engine's guard is tested."""
     fake = job.fake
     engine = job.training([2 * MiB])
-    fast_move_left_imported(engine, job, "cuda:1")
+    fast_move_left_imported(engine, job, engine.gpus[1])
     outcomes = _C.run_steps(PID, [_C.Step(_C.StepKind.LOCK, timeout_ms=1000), _C.Step(_C.StepKind.CHECKPOINT),
                                   _C.Step(_C.StepKind.RESTORE)], [[], [], [_C.Step(_C.StepKind.RECOVER)]])
     assert [(o.step, o.rollback, o.error_name) for o in outcomes] == [
@@ -431,7 +432,7 @@ def test_only_the_live_ranges_are_copied(job: Job) -> None:
     engine = job.engine(ranges={partial: live, idle: []})
     job.train()
 
-    result = engine.migrate("cuda:1")
+    result = engine.migrate(engine.gpus[1])
 
     assert result.ok and result.path == "fast"
     copied = 24 * MiB + 4096 + 2 * MiB  # the live ranges, the unlisted segment whole, nothing of idle
@@ -457,7 +458,7 @@ def test_a_live_range_outside_its_segment_fails_the_copy(job: Job) -> None:
     engine = job.engine(ranges={second: [(MiB, 2 * MiB)]})
     job.train()
     fds = open_fds()
-    error = failure(lambda: engine.migrate("cuda:1"))
+    error = failure(lambda: engine.migrate(engine.gpus[1]))
     result = rolled_back(job, engine, error, "copy", fds)
     assert result.error == (
         f"step 'copy' failed: ValueError: live range ({MiB}, {2 * MiB}) lies outside segment {second:#x} "
@@ -474,7 +475,7 @@ def test_the_driver_path_when_asked_or_without_a_safe_point(job: Job) -> None:
     engine = job.engine()
 
     # No optimizer step has been seen: "auto" takes the driver path and says why.
-    result = engine.migrate("cuda:1")
+    result = engine.migrate(engine.gpus[1])
     assert result.ok and result.path == "driver"
     assert result.notes == ("driver path: no optimizer step has run yet (training has not started)",)
     assert names(result) == ["prepare", "lock", "checkpoint", "restore", "unlock"]
@@ -483,14 +484,14 @@ def test_the_driver_path_when_asked_or_without_a_safe_point(job: Job) -> None:
 
     # "fast" refuses without a safe point, before anything is touched.
     fake.clear_log()
-    error = failure(lambda: engine.migrate("cuda:0", path="fast"), CapabilityError)
+    error = failure(lambda: engine.migrate(engine.gpus[0], path="fast"), CapabilityError)
     assert str(error) == "the fast path cannot run: no optimizer step has run yet (training has not started)"
     assert engine.state == EngineState.RUNNING and checkpoint_ops(fake) == [] and fake.placement() == [1, 0]
 
     # At a safe point, "driver" still takes the driver path when asked for.
     trainer = job.train()
     fake.clear_log()
-    result = engine.migrate("cuda:0", path="driver")
+    result = engine.migrate(engine.gpus[0], path="driver")
     assert locking_threads(fake) == {trainer.tid}
     assert result.ok and result.path == "driver" and result.notes == ("driver path: asked for",)
     assert job.fast.staged == [] and fake.placement() == [0, 1]
@@ -506,16 +507,16 @@ def test_memory_on_two_devices_takes_the_driver_path(job: Job) -> None:
     blocker = "the job also holds memory on cuda:1; the fast path moves one GPU's memory"
     assert engine.fast_path_blocker() == blocker
 
-    error = failure(lambda: engine.migrate("cuda:1", path="fast"), CapabilityError)
+    error = failure(lambda: engine.migrate(engine.gpus[1], path="fast"), CapabilityError)
     assert str(error) == f"the fast path cannot run: {blocker}"
     assert fake.placement() == [0, 1] and engine.state == EngineState.RUNNING
 
-    result = engine.migrate("cuda:1")
+    result = engine.migrate(engine.gpus[1])
     assert result.ok and result.path == "driver" and result.notes == (f"driver path: {blocker}",)
     assert job.fast is not None and job.fast.staged == []
     assert fake.placement() == [1, 0]
     assert fake.vmm_bytes_on(1) == 4 * MiB and fake.vmm_bytes_on(0) == 4 * MiB  # swapped by the checkpoint
-    assert sorted(d for _a, _s, d, _m in _C.vmm_segments()) == [0, 0, 1]
+    assert sorted(s.device for s in _C.vmm_segments()) == [0, 0, 1]
     job.assert_contents()
 
 
@@ -527,13 +528,13 @@ def test_a_failed_copy_moves_nothing(job: Job, code: str) -> None:
     engine = job.training([2 * MiB, 4 * MiB, 2 * MiB])
     fds = open_fds()
     job.fake.fail("cuMemcpyDtoDAsync", code, nth=2)
-    error = failure(lambda: engine.migrate("cuda:1"))
+    error = failure(lambda: engine.migrate(engine.gpus[1]))
     result = rolled_back(job, engine, error, "copy", fds)
     assert step_summary(result) == [("prepare", True, False), ("copy", False, False)]
     assert result.error.startswith(f"step 'copy' failed: DriverError: cuMemcpyDtoDAsync failed: {code}")
     assert result.error.endswith("; nothing moved: the job runs on cuda:0 as before")
     assert checkpoint_ops(job.fake) == []
-    assert engine.migrate("cuda:1").ok  # nothing left behind blocks the next try
+    assert engine.migrate(engine.gpus[1]).ok  # nothing left behind blocks the next try
     job.assert_home(physical=1)
 
 
@@ -545,7 +546,7 @@ def test_a_failed_release_brings_the_released_segments_home(job: Job, call: str,
     engine = job.training([2 * MiB, 4 * MiB, 2 * MiB])
     fds = open_fds()
     job.fake.fail(call, "CUDA_ERROR_UNKNOWN", nth=nth)
-    error = failure(lambda: engine.migrate("cuda:1"))
+    error = failure(lambda: engine.migrate(engine.gpus[1]))
     result = rolled_back(job, engine, error, "release", fds)
     assert step_summary(result) == [
         ("prepare", True, False), ("copy", True, False), ("release", False, False), ("rollback_copy", True, True)]
@@ -561,7 +562,7 @@ def test_a_rollback_that_cannot_map_the_copies_fails_the_job(job: Job) -> None:
     fds = open_fds()
     fake.set_lock_delay_ms(1000)
     fake.fail("cuMemImportFromShareableHandle", "CUDA_ERROR_UNKNOWN", nth=0)
-    error = failure(lambda: engine.migrate("cuda:1"), RollbackFailedError)
+    error = failure(lambda: engine.migrate(engine.gpus[1]), RollbackFailedError)
     result = error.result
     assert error.step == "lock" and engine.state == EngineState.FAILED
     assert step_summary(result)[-2:] == [("lock", False, False), ("rollback_copy", False, True)]
@@ -577,7 +578,7 @@ def test_a_lock_timeout_is_rolled_back(job: Job) -> None:
     job.train()
     fds = open_fds()
     job.fake.set_lock_delay_ms(1000)
-    error = failure(lambda: engine.migrate("cuda:1"))
+    error = failure(lambda: engine.migrate(engine.gpus[1]))
     result = rolled_back(job, engine, error, "lock", fds)
     assert step_summary(result) == [("prepare", True, False), ("copy", True, False), ("release", True, False),
                                     ("lock", False, False), ("rollback_copy", True, True)]
@@ -626,7 +627,7 @@ def test_a_failure_in_the_locked_section_recovers_and_brings_the_segments_home(j
     job.train()
     fds = open_fds()
     arm(job, engine)
-    error = failure(lambda: engine.migrate("cuda:1"))
+    error = failure(lambda: engine.migrate(engine.gpus[1]))
     step = "checkpoint" if case == "checkpoint" else "restore"
     result = rolled_back(job, engine, error, step, fds)
     assert step_summary(result) == [("prepare", True, False), ("copy", True, False), ("release", True, False),
@@ -634,7 +635,7 @@ def test_a_failure_in_the_locked_section_recovers_and_brings_the_segments_home(j
     assert message in result.error
     assert job.fake.process_bytes_on(0) == 8 * MiB + job.total and job.fake.process_bytes_on(1) == 0
     job.fake.set_other_memory(1, 0)
-    assert engine.migrate("cuda:1").ok
+    assert engine.migrate(engine.gpus[1]).ok
     job.assert_home(physical=1)
 
 
@@ -644,7 +645,7 @@ def test_a_map_failure_after_the_restore_is_retried(job: Job) -> None:
     fds = open_fds()
     # Imports happen only when mapping back: the 2nd segment's fails once, the 1st is mapped by then.
     fake.fail("cuMemImportFromShareableHandle", "CUDA_ERROR_UNKNOWN", nth=2)
-    result = engine.migrate("cuda:1")
+    result = engine.migrate(engine.gpus[1])
     assert result.ok and result.path == "fast" and result.error is None
     assert step_summary(result) == [(s, True, False) for s in FAST_MIGRATION[:-1]] + [
         ("map", False, False), ("map", True, False)]
@@ -659,14 +660,14 @@ def test_a_map_failure_that_persists_fails_the_job(job: Job) -> None:
     engine = job.training([2 * MiB, 4 * MiB])
     fds = open_fds()
     fake.fail("cuMemImportFromShareableHandle", "CUDA_ERROR_UNKNOWN", nth=0)
-    error = failure(lambda: engine.migrate("cuda:1"), RollbackFailedError)
+    error = failure(lambda: engine.migrate(engine.gpus[1]), RollbackFailedError)
     result = error.result
     assert error.step == "map" and result.failed_step == "map" and not result.ok
     assert [s[:2] for s in step_summary(result)][-2:] == [("map", False), ("map", False)]
     assert result.error.endswith(
         "ROLLBACK FAILED: the job runs on cuda:1 but part of its memory is not mapped back; restart the job")
     assert engine.state == EngineState.FAILED
-    assert failure(lambda: engine.migrate("cuda:0"), InvalidStateError).args[0].endswith("restart the job")
+    assert failure(lambda: engine.migrate(engine.gpus[0]), InvalidStateError).args[0].endswith("restart the job")
     job.assert_copies_map_back(fds, physical=1)
 
 
@@ -690,7 +691,7 @@ def test_fast_pause_and_resume_in_place_and_on_another_gpu(job: Job) -> None:
     assert _C.host_staged_segments() == 3 and _C.host_staging_pool_bytes() == 14 * MiB
     # Pinned before the safe point by the copier process: never in this one.
     assert fake.pinned_at_last_checkpoint() == 0 and fake.call_count("cuMemHostRegister") == 0
-    assert [m for _a, _s, _d, m in _C.vmm_segments()] == [False] * 3
+    assert [s.mapped for s in _C.vmm_segments()] == [False] * 3
 
     resumed = engine.resume()
     assert resumed.ok and resumed.path == "fast" and names(resumed) == ["restore", "unlock", "copy_back"]
@@ -706,7 +707,7 @@ def test_fast_pause_and_resume_in_place_and_on_another_gpu(job: Job) -> None:
     again = engine.pause()  # mapped, touched and pinned again
     assert again.ok and again.path == "fast" and again.notes[0].startswith("pinned 0.01 GiB of host staging by the copier")
     assert fake.pinned_bytes() == 0 and fake.pinned_at_last_checkpoint() == 0
-    elsewhere = engine.resume(target="cuda:1")
+    elsewhere = engine.resume(target=engine.gpus[1])
     assert elsewhere.ok and elsewhere.path == "fast" and elsewhere.target.device == "cuda:1"
     assert names(elsewhere) == ["restore", "unlock", "copy_back"]
     assert fake.placement() == [1, 0] and engine.placement()[1].device == "cuda:1"
@@ -818,7 +819,7 @@ def test_a_failing_copier_is_replaced_by_copies_in_this_process(
     assert len(copier_processes()) == (0 if op == "pause" else 1)  # a failed copier is killed at once
     assert job.fake.pinned_at_last_checkpoint() == 0  # pinned here, but unpinned before the checkpoint
 
-    resumed = engine.resume(target="cuda:1")
+    resumed = engine.resume(target=engine.gpus[1])
     assert resumed.ok and resumed.path == "fast" and names(resumed) == ["restore", "unlock", "copy_back"]
     fell_back = [n for n in resumed.notes if n.startswith("the copies to and from host memory ran in this process")]
     assert len(fell_back) == (1 if op == "resume" else 0) and (op != "resume" or call in fell_back[0])

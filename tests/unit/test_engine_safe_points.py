@@ -115,7 +115,7 @@ def test_a_migration_requested_elsewhere_runs_on_the_training_thread(
     trainer = trainers()
     wait_until(lambda: trainer.steps >= 3, what="training to start")
 
-    result = engine.migrate("cuda:1")
+    result = engine.migrate(engine.gpus[1])
 
     assert result.ok
     assert where == [(trainer.ident, True)]  # inside the optimizer step hook of the training thread
@@ -168,7 +168,7 @@ def test_a_parked_job_resumes_on_another_gpu(
     engine.pause()
     wait_until(lambda: parked(engine), what="the training thread to park")
     fake.clear_log()
-    result = engine.resume("cuda:1")
+    result = engine.resume(engine.gpus[1])
     assert result.ok and result.target.device == "cuda:1"
     assert driver_call_threads(fake) == {trainer.tid}
     assert fake.placement() == [1, 0] and fake.process_bytes_on(1) == 2 * GiB
@@ -204,7 +204,7 @@ def test_a_failure_at_the_safe_point_reaches_the_caller_and_training_goes_on(
     trainer = trainers()
     wait_until(lambda: trainer.steps >= 2, what="training to start")
     with pytest.raises(OperationFailedError) as caught:
-        engine.migrate("cuda:1")
+        engine.migrate(engine.gpus[1])
     assert caught.value.step == "lock" and "CUDA_ERROR_TIMEOUT" in str(caught.value)
     assert driver_call_threads(fake) == {trainer.tid}
     assert engine.state == EngineState.RUNNING and fake.placement() == [0, 1]
@@ -222,7 +222,7 @@ def test_an_operation_waiting_for_a_safe_point_blocks_a_second_one(
     gate.set()
     wait_until(lambda: trainer.steps == 1, what="one step")
     # The trainer is between steps (waiting on the gate): the migration waits for its next step.
-    migration = Background(lambda: engine.migrate("cuda:1"))
+    migration = Background(lambda: engine.migrate(engine.gpus[1]))
     migration.start()
     wait_until(lambda: engine._safe_points._pending is not None, what="the request to be queued")
     with pytest.raises(OperationInProgressError):
@@ -243,7 +243,7 @@ def test_without_any_optimizer_step_the_caller_runs_the_operation_at_once(
 ) -> None:
     engine = make_engine(safe_point_wait_seconds=5.0)
     started = time.monotonic()
-    caller = Background(lambda: (threading.get_native_id(), engine.migrate("cuda:1")))
+    caller = Background(lambda: (threading.get_native_id(), engine.migrate(engine.gpus[1])))
     caller.start()
     native_id, result = caller.join_result()
     assert result.ok
@@ -261,7 +261,7 @@ def test_when_steps_stop_the_caller_runs_the_operation_after_the_wait(
     trainer.join(5)
     assert trainer.steps == 3 and not trainer.is_alive()
     started = time.monotonic()
-    result = engine.migrate("cuda:1")
+    result = engine.migrate(engine.gpus[1])
     elapsed = time.monotonic() - started
     assert result.ok
     assert 0.25 <= elapsed < 2.0
@@ -304,7 +304,7 @@ def test_after_stop_no_operation_waits_for_the_optimizer(
     trainer = trainers()
     wait_until(lambda: trainer.steps >= 2, what="training to start")
     engine.stop()
-    assert engine.migrate("cuda:1").ok
+    assert engine.migrate(engine.gpus[1]).ok
     assert driver_call_threads(fake) == {threading.get_native_id()}
 
 
@@ -335,7 +335,7 @@ def test_pause_and_resume_read_nvml_only_in_a_child_while_frozen(
     assert engine.pause().ok
     fake.clear_log()  # also zeroes the fake's per-function call counters
     assert engine.process_bytes() == 0
-    result = engine.resume("cuda:1")  # checks room on cuda:1 through NVML first
+    result = engine.resume(engine.gpus[1])  # checks room on cuda:1 through NVML first
     assert result.ok
     for function in ("nvmlDeviceGetCount_v2", "nvmlDeviceGetMemoryInfo", "nvmlDeviceGetComputeRunningProcesses_v3"):
         assert fake.call_count(function) == 0, function
@@ -351,7 +351,7 @@ def test_nvml_reads_while_frozen_are_counted_by_the_fixture(
     """The in-parent stand-in used by the other tests is taken exactly when the engine froze
     the process, and from the thread asking."""
     engine = make_engine()
-    engine.migrate("cuda:1")
+    engine.migrate(engine.gpus[1])
     assert nvml_in_parent.count == 0  # nothing read NVML while locked
     engine.pause()
     engine.candidate_targets()
@@ -388,7 +388,7 @@ def test_resume_right_after_pause_never_strands_the_training_thread(
         steps = trainer.steps
         wait_until(lambda: trainer.steps > steps, what=f"a step before round {round_}")
         assert engine.pause().ok
-        assert engine.resume("cuda:1" if round_ % 2 == 0 else "cuda:0").ok
+        assert engine.resume(engine.gpus[1] if round_ % 2 == 0 else engine.gpus[0]).ok
         assert engine.state == EngineState.RUNNING and fake.state() == ProcessState.RUNNING
     steps = trainer.steps
     wait_until(lambda: trainer.steps > steps + 2, what="training to go on")

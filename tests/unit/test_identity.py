@@ -1,7 +1,7 @@
 """The identity map (flexium.engine.identity): which physical GPU each CUDA ordinal is on, how
-targets are named, and the full GPU permutation a remapped restore needs (DESIGN.md facts 2, 5).
-Pair lists are checked against the fake driver's restore, which enforces fact 2 and tracks where
-every logical device really is."""
+targets are named, and the move plans whose pairs are the full GPU permutation a remapped restore
+needs (docs/facts.md facts 2, 5). Pair lists are checked against the fake driver's restore,
+which enforces docs/facts.md fact 2 and tracks where every logical device really is."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from engine_fixtures import PID, driver, fake  # noqa: F401  (fixtures)
 from fake_driver import FakeDriver
-from flexium.engine.identity import IdentityMap
+from flexium.engine.identity import IdentityMap, Move
 from flexium.engine.operations import GpuIdentity
 from flexium.errors import TargetRefusedError
 
@@ -45,61 +45,43 @@ def placement_of(identity: IdentityMap, n: int) -> list[str]:
 # ----------------------------------------------------------------------------- naming targets
 
 
-@pytest.mark.parametrize("target", ["cuda:1", "CUDA:1", " cuda:1 ", "1", 1, "cuda:01"])
-def test_targets_naming_ordinal_1(target: Any) -> None:
-    identity = IdentityMap(gpus(3))
-    assert identity.resolve(target) == gpus(3)[1]
-
-
 def test_a_uuid_or_a_gpu_identity_resolves_to_that_gpu_in_any_case() -> None:
     all_gpus = gpus(3)
     identity = IdentityMap(all_gpus)
     assert identity.resolve(all_gpus[2].uuid) == all_gpus[2]
     assert identity.resolve(all_gpus[2].uuid.lower().replace("gpu-", "GPU-")) == all_gpus[2]
     assert identity.resolve(all_gpus[2].uuid.upper()) == all_gpus[2]
+    assert identity.resolve(f" {all_gpus[2].uuid} ") == all_gpus[2]
     assert identity.resolve(all_gpus[1]) == all_gpus[1]
 
 
-def test_cuda_n_names_the_gpu_as_it_was_at_init_not_where_logical_n_went() -> None:
+def test_a_uuid_names_the_physical_gpu_not_where_a_logical_device_went() -> None:
     all_gpus = gpus(2)
     identity = IdentityMap(all_gpus)
-    identity.apply(identity.pairs_to_move(0, all_gpus[1]))
+    identity.apply(identity.plan({0: all_gpus[1]}))
     assert identity.physical_of(0) == all_gpus[1]
-    # "cuda:0" still means the GPU that was cuda:0 at init, now holding logical 1.
-    assert identity.resolve("cuda:0") == all_gpus[0]
-    assert identity.resolve(1) == all_gpus[1]
+    # The GPU that was cuda:0 at init, now holding logical 1.
+    assert identity.resolve(all_gpus[0].uuid) == all_gpus[0]
+    assert identity.resolve(all_gpus[1]) == all_gpus[1]
 
 
-@pytest.mark.parametrize("target", ["gpu1", "cuda:", "cuda:x", "cuda:-1", "cuda:1.0", "", "cuda 1", "MIG-1234"])
-def test_malformed_targets_are_refused_with_the_expected_form(target: str) -> None:
+@pytest.mark.parametrize("target", ["cuda:1", "CUDA:1", " cuda:1 ", "1", "cuda:01", "gpu1", "cuda:x", "", "MIG-1234"])
+def test_device_names_are_refused_the_server_resolves_them(target: str) -> None:
+    """The engine parses no device names: "cuda:N" or an nvidia-smi index means something only in
+    the numbering the server resolves it in."""
     with pytest.raises(TargetRefusedError) as caught:
         IdentityMap(gpus(2)).resolve(target)
-    message = str(caught.value)
-    assert f"'{target}'" in message
-    assert "cuda:N" in message and "e.g. 'cuda:1'" in message
-
-
-@pytest.mark.parametrize("target", [None, 1.0, ["cuda:1"]])
-def test_targets_of_another_type_are_refused(target: Any) -> None:
-    with pytest.raises(TargetRefusedError, match=f"not {type(target).__name__}"):
-        IdentityMap(gpus(2)).resolve(target)
-
-
-@pytest.mark.parametrize("target,shown", [("cuda:7", "cuda:7"), (7, "7"), ("2", "2"), (-1, "-1")])
-def test_an_ordinal_out_of_range_names_the_visible_range(target: Any, shown: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-    with pytest.raises(TargetRefusedError) as caught:
-        IdentityMap(gpus(2)).resolve(target)
-    assert str(caught.value) == f"device {shown} does not exist: this process sees 2 GPU(s) (cuda:0..cuda:1)"
-
-
-def test_out_of_range_on_one_gpu_and_with_cuda_visible_devices(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    with pytest.raises(TargetRefusedError) as caught:
-        IdentityMap(gpus(1)).resolve("cuda:1")
     assert str(caught.value) == (
-        "device cuda:1 does not exist: this process sees 1 GPU(s) (cuda:0) (CUDA_VISIBLE_DEVICES=3)"
+        f"target '{target}' is not a GPU UUID: the engine takes a UUID ('GPU-...', as nvidia-smi -L prints it) "
+        "or a GpuIdentity; names such as 'cuda:N' or an nvidia-smi index are resolved by the server"
     )
+
+
+@pytest.mark.parametrize("target", [None, 1, 1.0, ["cuda:1"]])
+def test_targets_of_another_type_are_refused(target: Any) -> None:
+    with pytest.raises(TargetRefusedError) as caught:
+        IdentityMap(gpus(2)).resolve(target)
+    assert str(caught.value) == f"target must be a GPU UUID or a GpuIdentity, not {type(target).__name__}"
 
 
 def test_a_uuid_not_on_this_host(fake: FakeDriver) -> None:
@@ -129,31 +111,34 @@ def test_an_empty_gpu_list_is_refused() -> None:
         IdentityMap([])
 
 
-# ----------------------------------------------------------------------------- pairs and placement
+# ----------------------------------------------------------------------------- plans, pairs and placement
 
 
 def test_pairs_name_every_gpu_and_swap_source_with_target() -> None:
     g = gpus(4)
     identity = IdentityMap(g)
-    assert identity.pairs_to_move(0, g[2]) == [
+    plan = identity.plan({0: g[2]})
+    assert plan.move == Move(0, g[0], g[2])
+    assert plan.pairs == (
         (g[0].uuid, g[2].uuid),
         (g[1].uuid, g[1].uuid),
         (g[2].uuid, g[0].uuid),
         (g[3].uuid, g[3].uuid),
-    ]
-    assert placement_of(identity, 4) == [x.uuid for x in g]  # asking changes nothing
+    )
+    assert placement_of(identity, 4) == [x.uuid for x in g]  # planning changes nothing
 
 
 def test_pairs_are_relative_to_where_each_context_is_now() -> None:
     g = gpus(3)
     identity = IdentityMap(g)
-    identity.apply(identity.pairs_to_move(0, g[1]))  # logical 0 on GPU 1, logical 1 on GPU 0
+    identity.apply(identity.plan({0: g[1]}))  # logical 0 on GPU 1, logical 1 on GPU 0
     assert placement_of(identity, 3) == [g[1].uuid, g[0].uuid, g[2].uuid]
-    back = identity.pairs_to_move(0, g[0])
-    assert sorted(back) == sorted([(g[1].uuid, g[0].uuid), (g[0].uuid, g[1].uuid), (g[2].uuid, g[2].uuid)])
+    back = identity.plan({0: g[0]})
+    assert back.move == Move(0, g[1], g[0])
+    assert sorted(back.pairs) == sorted([(g[1].uuid, g[0].uuid), (g[0].uuid, g[1].uuid), (g[2].uuid, g[2].uuid)])
     identity.apply(back)
     assert placement_of(identity, 3) == [g[0].uuid, g[1].uuid, g[2].uuid]
-    identity.apply(identity.pairs_to_move(0, g[2]))
+    identity.apply(identity.plan({0: g[2]}))
     assert placement_of(identity, 3) == [g[2].uuid, g[1].uuid, g[0].uuid]
     assert identity.logical_on(g[2].uuid) == 0 and identity.logical_on(g[0].uuid) == 2
     assert identity.logical_on("GPU-none") is None
@@ -162,14 +147,51 @@ def test_pairs_are_relative_to_where_each_context_is_now() -> None:
 def test_moving_another_logical_device() -> None:
     g = gpus(3)
     identity = IdentityMap(g)
-    identity.apply(identity.pairs_to_move(1, g[2]))
+    identity.apply(identity.plan({1: g[2]}))
     assert placement_of(identity, 3) == [g[0].uuid, g[2].uuid, g[1].uuid]
 
 
-def test_pairs_drive_the_driver_to_the_placement_the_map_records(fake: FakeDriver, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A random walk of moves: every pair list is a full permutation the fake driver accepts
-    (fact 2), and after each restore the map and the driver agree on where every logical
-    device is."""
+def test_a_plan_that_stays_put_has_no_pairs_a_restore_in_place_takes_no_map() -> None:
+    g = gpus(3)
+    identity = IdentityMap(g)
+    identity.apply(identity.plan({0: g[1]}))
+    stay = identity.plan({0: g[1]})
+    assert stay.move == Move(0, g[1], g[1]) and stay.pairs == ()
+    identity.apply(stay)
+    assert placement_of(identity, 3) == [g[1].uuid, g[0].uuid, g[2].uuid]
+
+
+def test_a_plan_of_several_moves_is_one_full_permutation() -> None:
+    """Two logical devices moved at once (no engine operation does so yet): each goes to its
+    target, the contexts they displace take the GPUs they leave, in order."""
+    g = gpus(4)
+    identity = IdentityMap(g)
+    plan = identity.plan({0: g[2], 1: g[3]})
+    assert plan.pairs == (
+        (g[0].uuid, g[2].uuid),
+        (g[1].uuid, g[3].uuid),
+        (g[2].uuid, g[0].uuid),
+        (g[3].uuid, g[1].uuid),
+    )
+    rotate = identity.plan({0: g[1], 1: g[2]})  # logical 1 leaves for where logical 2 is
+    assert rotate.pairs == (
+        (g[0].uuid, g[1].uuid),
+        (g[1].uuid, g[2].uuid),
+        (g[2].uuid, g[0].uuid),
+        (g[3].uuid, g[3].uuid),
+    )
+    with pytest.raises(ValueError, match="no single move"):
+        plan.move
+    with pytest.raises(ValueError, match="cannot move to the same GPU"):
+        identity.plan({0: g[2], 1: g[2]})
+
+
+def test_pairs_drive_the_driver_to_the_placement_the_map_records(
+    fake: FakeDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A random walk of plans moving one or two logical devices: every pair list is a full
+    permutation the fake driver accepts (docs/facts.md fact 2), and after each restore the map and the driver
+    agree on where every logical device is."""
     from flexium import _C
 
     monkeypatch.setenv("FAKE_CUDA_GPUS", "4")
@@ -178,10 +200,14 @@ def test_pairs_drive_the_driver_to_the_placement_the_map_records(fake: FakeDrive
     uuids = [x.uuid for x in g]
     identity = IdentityMap(g)
     rng = random.Random(1234)
-    for _ in range(12):
-        logical = rng.randrange(4)
-        target = rng.choice([x for x in g if x.uuid != identity.physical_of(logical).uuid])
-        pairs = identity.pairs_to_move(logical, target)
+    for walk in range(16):
+        movers = rng.sample(range(4), 1 + walk % 2)
+        targets: dict[int, GpuIdentity] = {}
+        for logical in movers:
+            taken = {x.uuid for x in targets.values()} | {identity.physical_of(logical).uuid}
+            targets[logical] = rng.choice([x for x in g if x.uuid not in taken])
+        plan = identity.plan(targets)
+        pairs = plan.pairs
         assert sorted(old for old, _ in pairs) == sorted(uuids)
         assert sorted(new for _, new in pairs) == sorted(uuids)
         outcomes = _C.run_steps(
@@ -195,6 +221,6 @@ def test_pairs_drive_the_driver_to_the_placement_the_map_records(fake: FakeDrive
             [],
         )
         assert [o.code for o in outcomes] == [0, 0, 0, 0]
-        identity.apply(pairs)
-        assert identity.physical_of(logical) == target
+        identity.apply(plan)
+        assert all(identity.physical_of(logical) == target for logical, target in targets.items())
         assert [uuids[fake.physical_of(lg)] for lg in range(4)] == placement_of(identity, 4)

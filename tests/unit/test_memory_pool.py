@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import gc
 import resource
+from types import SimpleNamespace
 from typing import Any, Iterator
 
 import pytest
@@ -151,7 +152,7 @@ def test_memory_allocated_before_init_keeps_the_pool_off(cuda: FakeTorchCuda, mo
 
 
 def test_a_driver_without_vmm_keeps_the_pool_off(cuda: FakeTorchCuda, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(memory_pool._C, "driver_status", lambda: {"vmm_api": False})
+    monkeypatch.setattr(memory_pool._C, "driver_status", lambda: SimpleNamespace(vmm_api=False))
     pool = MemoryPool()
     assert not pool.install([0])
     assert pool.reason_off == "the driver lacks the virtual memory management API (cuMemCreate and friends)"
@@ -196,7 +197,7 @@ def test_live_ranges_read_the_pools_snapshot(cuda: FakeTorchCuda, fake: FakeDriv
     pool = MemoryPool()
     assert pool.install([0])
     ours, theirs = 0x7F0000000000, 0x7F1000000000
-    monkeypatch.setattr(memory_pool._C, "vmm_segments", lambda: [(ours, 4 * MiB, 0, True)])
+    monkeypatch.setattr(memory_pool._C, "vmm_segments", lambda: [SimpleNamespace(address=ours, size=4 * MiB, device=0, mapped=True)])
     pool_id = FakeMemPool.made[0].id
     cuda.snapshot = [
         {"address": ours, "device": 0, "segment_pool_id": pool_id, "total_size": 4 * MiB, "blocks": [

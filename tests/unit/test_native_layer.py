@@ -81,14 +81,18 @@ def summary(outcomes: list[Any]) -> list[tuple[str, bool, str]]:
 SUBPROCESS_PRELUDE = """
 import json, os
 from flexium import _C
+from flexium.errors import FlexiumError
 
 def error(fn, *args):
     try:
         fn(*args)
     except _C.DriverError as e:
         return {"message": str(e), "call": e.call, "code": e.code, "error_name": e.error_name,
-                "is_runtime_error": isinstance(e, RuntimeError)}
+                "is_runtime_error": isinstance(e, RuntimeError), "is_flexium_error": isinstance(e, FlexiumError)}
     return None
+
+def fields(record):  # a bound record (DriverStatus) as a dict, for JSON
+    return {name: getattr(record, name) for name in dir(record) if not name.startswith("_")}
 
 pid = os.getpid()
 """
@@ -117,7 +121,7 @@ def test_without_a_driver_status_says_why_and_calls_raise_driver_error() -> None
     missing = "/nonexistent/libcuda.so.1"
     out = run_python(
         """
-        status = _C.driver_status()
+        status = fields(_C.driver_status())
         print(json.dumps({"status": status, "list_devices": error(_C.list_devices), "lock": error(_C.lock, pid, 0),
                           "run_steps": error(_C.run_steps, pid, [_C.Step(_C.StepKind.LOCK)], [])}))
         """,
@@ -132,7 +136,7 @@ def test_without_a_driver_status_says_why_and_calls_raise_driver_error() -> None
     for name in ("list_devices", "lock", "run_steps"):
         err = out[name]
         assert err is not None, f"{name} did not raise"
-        assert err["is_runtime_error"]
+        assert err["is_runtime_error"] and err["is_flexium_error"]
         assert err["call"] == "dlopen"
         assert err["code"] == CUDA_ERRORS["CUDA_ERROR_NO_DEVICE"]
         assert err["error_name"] == "CUDA_ERROR_NO_DEVICE"
@@ -140,7 +144,7 @@ def test_without_a_driver_status_says_why_and_calls_raise_driver_error() -> None
 
 
 def test_a_library_without_cuGetProcAddress_is_not_taken_for_a_driver() -> None:
-    out = run_python('print(json.dumps({"status": _C.driver_status(), "err": error(_C.list_devices)}))',
+    out = run_python('print(json.dumps({"status": fields(_C.driver_status()), "err": error(_C.list_devices)}))',
                      env_with_library("libm.so.6"))
     assert out["status"]["loaded"] is False
     assert "has no cuGetProcAddress/cuDriverGetVersion" in out["status"]["error"]
@@ -150,7 +154,7 @@ def test_a_library_without_cuGetProcAddress_is_not_taken_for_a_driver() -> None:
 def test_driver_without_checkpoint_symbols_loads_without_the_checkpoint_api(driver: FakeDriver) -> None:
     out = run_python(
         """
-        print(json.dumps({"status": _C.driver_status(), "devices": len(_C.list_devices()),
+        print(json.dumps({"status": fields(_C.driver_status()), "devices": len(_C.list_devices()),
                           "lock": error(_C.lock, pid, 0), "restore": error(_C.restore, pid),
                           "restore_thread_id": error(_C.restore_thread_id, pid),
                           "run_steps": error(_C.run_steps, pid, [_C.Step(_C.StepKind.LOCK)], [])}))
@@ -173,7 +177,7 @@ def test_driver_without_checkpoint_symbols_loads_without_the_checkpoint_api(driv
 
 
 def test_driver_older_than_the_checkpoint_api(driver: FakeDriver) -> None:
-    out = run_python('print(json.dumps({"status": _C.driver_status(), "lock": error(_C.lock, pid, 0)}))',
+    out = run_python('print(json.dumps({"status": fields(_C.driver_status()), "lock": error(_C.lock, pid, 0)}))',
                      driver.environment(FAKE_CUDA_VERSION=12040))
     assert out["status"]["cuda_version"] == 12040
     assert out["status"]["checkpoint_api"] is False
@@ -182,7 +186,7 @@ def test_driver_older_than_the_checkpoint_api(driver: FakeDriver) -> None:
 
 
 def test_machine_without_gpus_reports_the_cuInit_error(driver: FakeDriver) -> None:
-    out = run_python('print(json.dumps({"status": _C.driver_status(), "err": error(_C.list_devices)}))',
+    out = run_python('print(json.dumps({"status": fields(_C.driver_status()), "err": error(_C.list_devices)}))',
                      driver.environment(FAKE_CUDA_GPUS=0))
     assert out["status"]["loaded"] is True
     assert out["status"]["init_error"] == "CUDA_ERROR_NO_DEVICE"
@@ -193,7 +197,7 @@ def test_machine_without_gpus_reports_the_cuInit_error(driver: FakeDriver) -> No
 
 def test_a_missing_required_symbol_fails_the_load_naming_it(driver: FakeDriver) -> None:
     # The third lookup is cuGetErrorString (csrc/driver_table.h order).
-    out = run_python('print(json.dumps({"status": _C.driver_status(), "err": error(_C.list_devices)}))',
+    out = run_python('print(json.dumps({"status": fields(_C.driver_status()), "err": error(_C.list_devices)}))',
                      driver.environment(FAKE_CUDA_FAIL="cuGetProcAddress_v2:500:3"))
     assert out["status"]["loaded"] is False
     assert "lacks required functions: cuGetErrorString" in out["status"]["error"]
@@ -202,12 +206,13 @@ def test_a_missing_required_symbol_fails_the_load_naming_it(driver: FakeDriver) 
 
 def test_driver_status_with_the_fake(fake: FakeDriver) -> None:
     status = _C.driver_status()
-    assert status["loaded"] is True
-    assert status["library"] == str(fake.path)
-    assert status["error"] is None and status["init_error"] is None
-    assert status["cuda_version"] == 13000
-    assert status["checkpoint_api"] is True
-    assert status["missing_optional"] == []
+    assert status.loaded is True
+    assert status.library == str(fake.path)
+    assert status.error is None and status.init_error is None
+    assert status.cuda_version == 13000
+    assert status.checkpoint_api is True and status.vmm_api is True
+    assert status.missing_optional == []
+    assert _C.CHECKPOINT_API_VERSION == 12080  # the version each cuCheckpointProcess* lookup asks for
 
 
 # ----------------------------------------------------------------------------- devices
@@ -278,7 +283,7 @@ def test_restore_with_every_gpu_paired_moves_the_process_but_not_its_identity(fa
     assert fake.placement() == [1, 0]
     assert fake.process_bytes_on(1) == 5 * GiB and fake.process_bytes_on(0) == 0
     assert fake.last_pairs_count() == 2 and fake.last_pairs() == [(0, 1), (1, 0)]
-    assert [d.uuid for d in _C.list_devices()] == before  # DESIGN.md fact 5
+    assert [d.uuid for d in _C.list_devices()] == before  # docs/facts.md fact 5
     # Pairs are relative to where the process is now: the same swap brings it back.
     _C.lock(PID, 0)
     _C.checkpoint(PID)
@@ -400,7 +405,7 @@ def test_a_single_pair_is_refused_and_the_process_stays_checkpointed(fake: FakeD
     _checkpointed(fake)
     err = driver_error(_C.restore, PID, [_C.GpuPair(u[0], u[1])])
     assert err.error_name == "CUDA_ERROR_INVALID_VALUE"
-    assert fake.state() == ProcessState.CHECKPOINTED  # DESIGN.md facts 2 and 3
+    assert fake.state() == ProcessState.CHECKPOINTED  # docs/facts.md facts 2 and 3
     assert fake.last_pairs_count() == 1
     _C.restore(PID)  # a plain restore brings it back on the source
     _C.unlock(PID)
@@ -434,7 +439,7 @@ def test_restore_onto_a_full_gpu_is_out_of_memory(fake: FakeDriver) -> None:
 
 def test_cuda_calls_on_the_locking_thread_would_hang(fake: FakeDriver) -> None:
     _C.lock(PID, 0)
-    err = driver_error(_C.list_devices)  # the real driver never returns here (DESIGN.md fact 4)
+    err = driver_error(_C.list_devices)  # the real driver never returns here (docs/facts.md fact 4)
     assert err.error_name == "CUDA_ERROR_ILLEGAL_STATE"
     assert fake.deadlocks() == 1 and fake.blocked_calls() == 1
     _C.unlock(PID)
@@ -692,3 +697,18 @@ def test_pynvml_sees_the_physical_gpus_through_a_migration_and_a_pause(driver: F
     assert out["index_by_uuid"] == 1
     assert out["name"] == "NVIDIA H200" and out["temperature"] == 35 and out["utilization"] == 0
     assert out["pci"] == "00000000:2A:00.0" and out["ecc"] == 0
+
+
+# ----------------------------------------------------------------------------- bound structs
+
+
+def test_bound_structs_are_built_by_name_and_read_back() -> None:
+    piece = _C.CopierPiece(segment=1, segment_offset=2, chunk=3, chunk_offset=4, length=5)
+    assert (piece.segment, piece.segment_offset, piece.chunk, piece.chunk_offset, piece.length) == (1, 2, 3, 4, 5)
+    assert repr(_C.StagedSegment(address=0x7F00C0000000, size=2 * MiB, fd=7)) == (
+        f"StagedSegment(address={0x7F00C0000000}, size={2 * MiB}, fd=7)")
+    assert repr(_C.CopierChunk(0, 4096, 8192)) == "CopierChunk(extent=0, offset=4096, size=8192)"
+    with pytest.raises(AttributeError):
+        piece.length = 6  # type: ignore[misc]  # what C++ handed over is read-only
+    with pytest.raises(TypeError):
+        _C.CopierChunk(0, 4096)  # type: ignore[call-arg]

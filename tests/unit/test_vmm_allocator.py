@@ -94,9 +94,14 @@ def fake(driver: FakeDriver, allocator: Allocator, monkeypatch: pytest.MonkeyPat
     if _C.host_staged_segments():
         _C.restore_segments_from_host()
     _C.release_host_staging()
-    for address, _size, _device, _mapped in _C.vmm_segments():
-        allocator.free(address)
+    for segment in _C.vmm_segments():
+        allocator.free(segment.address)
     assert _C.vmm_segment_count() == 0
+
+
+def segments() -> list[tuple[int, int, int, bool]]:
+    """(address, size, device, mapped) of every segment, to compare with a whole list at once."""
+    return [(s.address, s.size, s.device, s.mapped) for s in _C.vmm_segments()]
 
 
 def fill(address: int, size: int, seed: int) -> bytes:
@@ -155,8 +160,8 @@ def swap_plan(fake: FakeDriver) -> tuple[list[Any], list[list[Any]]]:
 
 def test_driver_status_reports_the_vmm_api(fake: FakeDriver) -> None:
     status = _C.driver_status()
-    assert status["vmm_api"] is True
-    assert status["missing_optional"] == []
+    assert status.vmm_api is True
+    assert status.missing_optional == []
     assert _C.vmm_granularity(0) == _C.vmm_granularity(1) == fake.granularity == 2 * MiB
 
 
@@ -165,7 +170,7 @@ def test_alloc_rounds_up_registers_and_gives_read_write_memory(fake: FakeDriver,
     big = allocator.alloc(3 * MiB, 1)
     assert small is not None and big is not None, allocator.last_error()
     assert small % (2 * MiB) == 0 and big % (2 * MiB) == 0
-    assert _C.vmm_segments() == sorted([(small, 2 * MiB, 0, True), (big, 4 * MiB, 1, True)])
+    assert segments() == sorted([(small, 2 * MiB, 0, True), (big, 4 * MiB, 1, True)])
     assert _C.vmm_segment_count() == 2
     assert _C.vmm_bytes_on(0) == 2 * MiB and _C.vmm_bytes_on(1) == 4 * MiB
     # The fake's accounting and NVML see the same bytes.
@@ -180,7 +185,7 @@ def test_alloc_rounds_up_registers_and_gives_read_write_memory(fake: FakeDriver,
     assert fake.current_context() == -1 and fake.primary_ctx_refcount(0) == 0
     allocator.free(small, 1, 0)  # PyTorch passes the size it asked for
     allocator.free(big, 3 * MiB, 1)
-    assert _C.vmm_segments() == [] and _C.vmm_bytes_on(0) == 0
+    assert segments() == [] and _C.vmm_bytes_on(0) == 0
     assert fake.vmm_leaks() == NO_LEAKS and fake.used_bytes(0) == 0
 
 
@@ -213,8 +218,8 @@ def test_out_of_memory_returns_null_and_says_why(fake: FakeDriver, allocator: Al
     assert allocator.alloc(1, 1) is not None  # the other GPU has room
     fake.set_process_memory(1, H200_BYTES - 2 * MiB)  # non-VMM memory of the process counts too
     assert allocator.alloc(1, 1) is None
-    for address, _size, _device, _mapped in _C.vmm_segments():
-        allocator.free(address)
+    for segment in _C.vmm_segments():
+        allocator.free(segment.address)
     assert fake.vmm_leaks() == NO_LEAKS
 
 
@@ -229,7 +234,7 @@ def test_a_failing_step_returns_null_and_leaks_nothing(fake: FakeDriver, allocat
     assert allocator.alloc(5 * MiB, 0) is None
     assert allocator.last_error().startswith(f"flexium_vmm_alloc: {function} failed: CUDA_ERROR_UNKNOWN")
     assert fake.pending_failures() == 0
-    assert _C.vmm_segments() == [(kept, 2 * MiB, 0, True)]
+    assert segments() == [(kept, 2 * MiB, 0, True)]
     allocator.free(kept)
     assert fake.vmm_leaks() == NO_LEAKS
     assert fake.current_context() == -1
@@ -251,7 +256,7 @@ def test_free_of_an_unknown_pointer_is_ignored_and_counted(fake: FakeDriver, all
     allocator.free(kept + 4096)  # inside a segment is not a segment
     assert _C.vmm_unknown_frees() == before + 3
     assert "is not a segment of this allocator" in allocator.last_error()
-    assert _C.vmm_segments() == [(kept, 2 * MiB, 0, True)]
+    assert segments() == [(kept, 2 * MiB, 0, True)]
     allocator.free(kept)
     allocator.free(kept)  # twice: the second is unknown
     assert _C.vmm_unknown_frees() == before + 4
@@ -263,7 +268,7 @@ def test_a_failing_free_step_is_reported_and_the_rest_still_runs(fake: FakeDrive
     fake.fail("cuCtxSynchronize", "CUDA_ERROR_LAUNCH_FAILED")
     allocator.free(address)
     assert allocator.last_error().startswith("flexium_vmm_free: cuCtxSynchronize failed: CUDA_ERROR_LAUNCH_FAILED")
-    assert _C.vmm_segments() == []
+    assert segments() == []
     assert fake.vmm_leaks() == NO_LEAKS  # unmap, release and address free ran anyway
 
 
@@ -315,8 +320,8 @@ def test_stage_release_map_imported_across_a_migration(fake: FakeDriver, allocat
     contents = make_segments(allocator, [2 * MiB, 4 * MiB, 6 * MiB])
     fds_before = open_fds()
     staged = _C.stage_segments_to_device(1)
-    assert [(a, s) for a, s, _fd in staged] == [(a, len(d)) for a, d in sorted(contents.items())]
-    fds = {fd for _a, _s, fd in staged}
+    assert [(s.address, s.size) for s in staged] == [(a, len(d)) for a, d in sorted(contents.items())]
+    fds = {s.fd for s in staged}
     assert len(fds) == 3 and fds <= open_fds() - fds_before
     # The copies live on GPU 1, held only by their fds; the sources are untouched.
     assert fake.vmm_bytes_on(1) == 12 * MiB and fake.vmm_bytes_on(0) == 12 * MiB
@@ -331,12 +336,12 @@ def test_stage_release_map_imported_across_a_migration(fake: FakeDriver, allocat
     outcomes = _C.run_steps(PID, *swap_plan(fake))
     assert all(o.code == 0 for o in outcomes), [(o.step, o.error_name) for o in outcomes]
     assert fake.placement() == [1, 0]
-    assert fake.vmm_bytes_on(1) == 12 * MiB  # skipped by the checkpoint, still on GPU 1 (fact 9)
+    assert fake.vmm_bytes_on(1) == 12 * MiB  # skipped by the checkpoint, still on GPU 1 (docs/facts.md fact 9)
 
     _C.map_imported(staged, 0)  # logical device 0 is on GPU 1 now
     assert_contents(contents)
-    assert not any(is_open(fd) for _a, _s, fd in staged)
-    assert _C.vmm_segments() == [(a, len(d), 0, True) for a, d in sorted(contents.items())]
+    assert not any(is_open(s.fd) for s in staged)
+    assert segments() == [(a, len(d), 0, True) for a, d in sorted(contents.items())]
     assert fake.vmm_bytes_on(1) == 12 * MiB and fake.vmm_bytes_on(0) == 0
     assert fake.used_bytes(0) == 0 and fake.used_bytes(1) == 12 * MiB
     for address in contents:
@@ -348,21 +353,21 @@ def test_relocation_without_a_checkpoint_and_of_one_device_only(fake: FakeDriver
     on_0 = make_segments(allocator, [2 * MiB, 2 * MiB], device=0)
     on_1 = make_segments(allocator, [4 * MiB], device=1)
     staged = _C.stage_segments_to_device(1, source=0)
-    assert sorted(a for a, _s, _fd in staged) == sorted(on_0)
+    assert sorted(s.address for s in staged) == sorted(on_0)
     assert _C.release_source_backing(source=0) == 2
     assert fake.vmm_bytes_on(0) == 0 and fake.vmm_bytes_on(1) == 8 * MiB
     _C.map_imported(staged, 1)
     assert_contents(on_0)
     assert_contents(on_1)
-    assert {d for _a, _s, d, _m in _C.vmm_segments()} == {1} and _C.vmm_bytes_on(1) == 8 * MiB
+    assert {s.device for s in _C.vmm_segments()} == {1} and _C.vmm_bytes_on(1) == 8 * MiB
 
 
 def test_closing_the_staged_fds_frees_the_copies(fake: FakeDriver, allocator: Allocator) -> None:
     make_segments(allocator, [2 * MiB, 4 * MiB])
     staged = _C.stage_segments_to_device(1)
     assert fake.vmm_bytes_on(1) == 6 * MiB and fake.vmm_allocations() == 4
-    for _a, _s, fd in staged:
-        os.close(fd)
+    for entry in staged:
+        os.close(entry.fd)
     assert fake.vmm_bytes_on(1) == 0 and fake.vmm_allocations() == 2
 
 
@@ -386,7 +391,7 @@ def test_primitives_refuse_to_run_while_the_process_is_locked(fake: FakeDriver, 
     _C.lock(PID, 0)
     try:
         err = driver_error(_C.stage_segments_to_device, 1)
-        assert err.error_name == "CUDA_ERROR_ILLEGAL_STATE"  # the real driver hangs here (fact 4)
+        assert err.error_name == "CUDA_ERROR_ILLEGAL_STATE"  # the real driver hangs here (docs/facts.md fact 4)
         assert fake.deadlocks() >= 1
     finally:
         _C.unlock(PID)
@@ -419,8 +424,8 @@ def test_a_failed_stage_raises_and_undoes_every_copy(
     assert_contents(contents)
     staged = _C.stage_segments_to_device(1)  # nothing left behind blocks a retry
     assert len(staged) == 2
-    for _a, _s, fd in staged:
-        os.close(fd)
+    for entry in staged:
+        os.close(entry.fd)
 
 
 def test_release_stops_at_a_failure_and_the_registry_stays_truthful(fake: FakeDriver, allocator: Allocator) -> None:
@@ -444,26 +449,28 @@ def test_a_failed_import_keeps_the_fds_not_mapped(fake: FakeDriver, allocator: A
     fake.fail(function, "CUDA_ERROR_UNKNOWN", nth=2)
     err = driver_error(_C.map_imported, staged, 1)
     assert err.call == function
-    assert not is_open(staged[0][2]) and is_open(staged[1][2]) and is_open(staged[2][2])
+    assert not is_open(staged[0].fd) and is_open(staged[1].fd) and is_open(staged[2].fd)
     assert fake.vmm_mappings() == 1 and fake.vmm_handles() == 1
     assert fake.vmm_bytes_on(1) == 8 * MiB  # nothing lost: the fds still hold the rest
     _C.map_imported(staged[1:], 1)
     assert_contents(contents)
-    assert not any(is_open(fd) for _a, _s, fd in staged)
+    assert not any(is_open(s.fd) for s in staged)
 
 
 def test_map_imported_checks_the_whole_list_first(fake: FakeDriver, allocator: Allocator) -> None:
     contents = make_segments(allocator, [2 * MiB, 4 * MiB])
     staged = _C.stage_segments_to_device(1)
-    (a0, s0, f0), (a1, s1, f1) = staged
+    first, second = staged
+    a0, s0, f0 = first.address, first.size, first.fd
+    a1, s1, f1 = second.address, second.size, second.fd
     with pytest.raises(ValueError, match="is still mapped"):
         _C.map_imported(staged, 1)
     _C.release_source_backing()
     bad_lists = {
-        "is not a segment": [(a0, s0, f0), (a1 + 2 * MiB, s1, f1)],
-        "does not have the staged size": [(a0, s0, f0), (a1, s0, f1)],
-        "is listed twice": [(a0, s0, f0), (a0, s0, f1)],
-        "comes with no fd": [(a0, s0, f0), (a1, s1, -1)],
+        "is not a segment": [first, _C.StagedSegment(a1 + 2 * MiB, s1, f1)],
+        "does not have the staged size": [first, _C.StagedSegment(address=a1, size=s0, fd=f1)],
+        "is listed twice": [first, _C.StagedSegment(a0, s0, f1)],
+        "comes with no fd": [first, _C.StagedSegment(a1, s1, -1)],
     }
     for message, entries in bad_lists.items():
         with pytest.raises(ValueError, match=message):
@@ -493,8 +500,8 @@ def test_free_during_the_window_frees_only_the_address(fake: FakeDriver, allocat
     assert fake.vmm_reservations() == 1
     with pytest.raises(ValueError, match="is not a segment"):
         _C.map_imported(staged, 1)
-    _C.map_imported([s for s in staged if s[0] == kept], 1)
-    os.close([s for s in staged if s[0] == gone][0][2])
+    _C.map_imported([s for s in staged if s.address == kept], 1)
+    os.close([s for s in staged if s.address == gone][0].fd)
     assert_contents({kept: contents[kept]})
 
 
@@ -669,7 +676,7 @@ def test_a_failed_restore_from_host_can_be_retried(
     assert fake.live_streams() == 0 and fake.live_events() == 0 and fake.pinned_bytes() == 0
     assert _C.restore_segments_from_host() == 6 * MiB
     assert_contents(contents)
-    assert sorted(d for _a, _s, d, _m in _C.vmm_segments()) == [0, 0, 1]
+    assert sorted(s.device for s in _C.vmm_segments()) == [0, 0, 1]
 
 
 def test_host_staging_of_nothing(fake: FakeDriver) -> None:
@@ -687,8 +694,8 @@ def test_host_staging_of_nothing(fake: FakeDriver) -> None:
 
 
 def copier_for_staging() -> Any:
-    extents, chunks = _C.host_staging_layout()
-    return _C.HostCopier(extents, chunks)
+    layout = _C.host_staging_layout()
+    return _C.HostCopier(layout.extents, layout.chunks)
 
 
 def test_copier_orders_round_trip_across_a_pause(fake: FakeDriver, allocator: Allocator) -> None:
@@ -699,13 +706,13 @@ def test_copier_orders_round_trip_across_a_pause(fake: FakeDriver, allocator: Al
     copier.wake(fake.uuid(0), True, 0)
     assert copier.awake and copier.pinned_bytes == 12 * MiB
 
-    segments, pieces, nbytes = _C.begin_stage_order()
-    assert nbytes == 12 * MiB and len(segments) == 3 and sum(p[4] for p in pieces) == nbytes
+    order = _C.begin_stage_order()
+    assert order.bytes == 12 * MiB and len(order.segments) == 3 and sum(p.length for p in order.pieces) == order.bytes
     with pytest.raises(RuntimeError, match="already open"):
         _C.begin_stage_order()
-    assert copier.copy(True, segments, pieces) == 12 * MiB
+    assert copier.copy(True, order.segments, order.pieces) == 12 * MiB
     assert _C.finish_host_order() == 12 * MiB
-    assert not any(is_open(fd) for fd, _size in segments)  # the order closed its exported fds
+    assert not any(is_open(fd) for fd, _size in order.segments)  # the order closed its exported fds
     assert _C.host_staged_segments() == 3
     copier.sleep()
     assert not copier.awake and fake.pinned_bytes() == 0 and fake.primary_ctx_refcount(0) == 0
@@ -717,10 +724,10 @@ def test_copier_orders_round_trip_across_a_pause(fake: FakeDriver, allocator: Al
     _C.restore(PID)
     _C.unlock(PID)
 
-    segments, pieces, nbytes = _C.begin_restore_order(1)
-    assert nbytes == 12 * MiB
+    order = _C.begin_restore_order(1)
+    assert order.bytes == 12 * MiB
     copier.wake(fake.uuid(1), False, 0)  # pins while this thread goes on; the copy pins the rest
-    assert copier.copy(False, segments, pieces) == 12 * MiB
+    assert copier.copy(False, order.segments, order.pieces) == 12 * MiB
     assert _C.finish_host_order() == 12 * MiB
     assert_contents(contents)
     assert _C.host_staged_segments() == 0 and fake.vmm_bytes_on(1) == 12 * MiB and fake.vmm_bytes_on(0) == 0
@@ -735,9 +742,9 @@ def test_copier_orders_round_trip_across_a_pause(fake: FakeDriver, allocator: Al
 def test_an_aborted_order_leaves_everything_as_it_was(fake: FakeDriver, allocator: Allocator) -> None:
     contents = make_segments(allocator, [2 * MiB, 4 * MiB])
     _C.reserve_host_staging(6 * MiB, 0, pin_here=False)
-    segments, _pieces, _nbytes = _C.begin_stage_order()
+    order = _C.begin_stage_order()
     _C.abort_host_order()
-    assert not any(is_open(fd) for fd, _size in segments) and _C.host_staged_segments() == 0
+    assert not any(is_open(fd) for fd, _size in order.segments) and _C.host_staged_segments() == 0
     extra = allocator.must_alloc(2 * MiB)  # the segment lock is free again
     allocator.free(extra)
 
@@ -746,7 +753,7 @@ def test_an_aborted_order_leaves_everything_as_it_was(fake: FakeDriver, allocato
     _C.begin_restore_order(0)
     assert fake.vmm_bytes_on(0) == 6 * MiB  # the new memory, not yet the segments'
     _C.abort_host_order()
-    assert fake.vmm_bytes_on(0) == 0 and [m for _a, _s, _d, m in _C.vmm_segments()] == [False, False]
+    assert fake.vmm_bytes_on(0) == 0 and [s.mapped for s in _C.vmm_segments()] == [False, False]
     assert _C.restore_segments_from_host() == 6 * MiB  # in this process instead
     assert_contents(contents)
     _C.abort_host_order()  # none open: nothing to do
@@ -772,8 +779,8 @@ def test_memory_a_driver_restore_left_unexportable_is_owned_again(fake: FakeDriv
         _C.begin_stage_order()
     assert _C.own_imported(0) == 6 * MiB and _C.vmm_segments_to_own() == 0
     assert_contents(contents)
-    segments, _pieces, nbytes = _C.begin_stage_order()
-    assert nbytes == 6 * MiB and len(segments) == 2
+    order = _C.begin_stage_order()
+    assert order.bytes == 6 * MiB and len(order.segments) == 2
     _C.abort_host_order()
     # Memory a pause gives back is fresh too: nothing is left to own after a round trip in this process.
     _C.vmm_mark_restored_by_driver()
@@ -793,15 +800,15 @@ def test_the_copier_refuses_bad_orders(fake: FakeDriver, allocator: Allocator) -
     with pytest.raises(ValueError, match="no GPU with UUID GPU-00000000"):
         copier.wake("GPU-00000000-0000-0000-0000-000000000000", True, 0)
     copier.wake(fake.uuid(0), True, 0)
-    segments, pieces, _nbytes = _C.begin_stage_order()
+    order = _C.begin_stage_order()
     try:
-        bad = [(0, 0, 0, 0, 4 * MiB)]  # longer than the segment
+        bad = [_C.CopierPiece(segment=0, segment_offset=0, chunk=0, chunk_offset=0, length=4 * MiB)]  # too long
         with pytest.raises(ValueError, match="lies outside its segment or chunk"):
-            copier.copy(True, segments, bad)
+            copier.copy(True, order.segments, bad)
     finally:
         _C.abort_host_order()
     with pytest.raises(ValueError, match="lies outside the staging's extents"):
-        _C.HostCopier(*_C.host_staging_layout()[:1], [(0, 0, 4 * MiB)])
+        _C.HostCopier(_C.host_staging_layout().extents, [_C.CopierChunk(extent=0, offset=0, size=4 * MiB)])
     copier.sleep()
     assert fake.pinned_bytes() == 0
 
@@ -837,7 +844,9 @@ def run_python(code: str, env: dict[str, str]) -> dict[str, Any]:
 def test_a_driver_without_the_vmm_api(driver: FakeDriver) -> None:
     out = run_python(
         """
-        print(json.dumps({"status": _C.driver_status(), "alloc": alloc(1 << 20),
+        status = _C.driver_status()
+        print(json.dumps({"status": {"vmm_api": status.vmm_api, "checkpoint_api": status.checkpoint_api,
+                                     "missing_optional": status.missing_optional}, "alloc": alloc(1 << 20),
                           "stage": error(_C.stage_segments_to_device, 1), "host": error(_C.stage_segments_to_host)}))
         """,
         driver.environment(FAKE_CUDA_NO_VMM=1),

@@ -8,11 +8,16 @@ import os
 import secrets
 import threading
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Optional
 
 from flexium.config import FlexiumConfig, load_config, print_local_mode_warning, resolve_device
 from flexium.engine.capabilities import Capabilities, detect
 from flexium.errors import ConfigError
+
+if TYPE_CHECKING:  # imported when used: they load the native extension, torch or an HTTP client
+    from flexium.client.process import ProcessClient
+    from flexium.engine.engine import Engine
+    from flexium.engine.memory_pool import MemoryPool
 
 log = logging.getLogger("flexium")
 
@@ -24,9 +29,9 @@ class Session:
     logical_device: str           # what the training code uses: "cuda:N", or "cpu" without CUDA
     disabled: bool = False
     capabilities: Optional[Capabilities] = None
-    engine: Optional[Any] = None  # flexium.engine.Engine when pause/resume is possible here
-    memory_pool: Optional[Any] = None  # flexium.engine.memory_pool.MemoryPool when torch has CUDA
-    client: Optional[Any] = None  # the server connection, when a server is configured
+    engine: Optional[Engine] = None            # when pause/resume is possible here
+    memory_pool: Optional[MemoryPool] = None   # when torch has CUDA
+    client: Optional[ProcessClient] = None     # the server connection, when a server is configured
     scopes: int = 0               # open flexium.auto.run() blocks
 
 
@@ -105,7 +110,7 @@ def _start(config: FlexiumConfig) -> Session:
 def _claim_device(device: str, capabilities: Capabilities) -> str:
     if device == "cpu":
         return "cpu"
-    ordinal = int(device.split(":", 1)[1])
+    ordinal = _ordinal(device)
     if not capabilities.torch_cuda:
         return device if _driver_selected_by_env() and capabilities.gpu_count > ordinal else "cpu"
     import torch
@@ -120,13 +125,18 @@ def _claim_device(device: str, capabilities: Capabilities) -> str:
     return device
 
 
+def _ordinal(device: str) -> int:
+    """N of the "cuda:N" that config.validate_device already checked."""
+    return int(device.split(":", 1)[1])
+
+
 def _driver_selected_by_env() -> bool:
     # FLEXIUM_LIBCUDA names a driver explicitly (the tests' fake): run the engine without torch CUDA.
     return bool(os.environ.get("FLEXIUM_LIBCUDA"))
 
 
-def _start_memory_pool(config: FlexiumConfig, logical_device: str, capabilities: Capabilities) -> Optional[Any]:
-    """Routes PyTorch's CUDA memory into our pool before the job allocates any (DESIGN.md fact 11)."""
+def _start_memory_pool(config: FlexiumConfig, logical_device: str, capabilities: Capabilities) -> Optional[MemoryPool]:
+    """Routes PyTorch's CUDA memory into our pool before the job allocates any (docs/facts.md fact 11)."""
     if logical_device == "cpu" or not capabilities.torch_cuda or not capabilities.pause_resume:
         return None
     from flexium.engine.memory_pool import MemoryPool
@@ -138,14 +148,14 @@ def _start_memory_pool(config: FlexiumConfig, logical_device: str, capabilities:
         return pool
     # The job's own GPU only: making a pool for another GPU can create a context there (about
     # 500 MiB), which every swap would then carry to the source GPU (seen on H200s, torch 2.11).
-    if not pool.install([int(logical_device.split(":", 1)[1])]):
+    if not pool.install([_ordinal(logical_device)]):
         log.warning("fast path off, migrations and pauses use the driver path: %s", pool.reason_off)
     return pool
 
 
 def _start_engine(
-    logical_device: str, capabilities: Capabilities, config: FlexiumConfig, memory_pool: Optional[Any]
-) -> Optional[Any]:
+    logical_device: str, capabilities: Capabilities, config: FlexiumConfig, memory_pool: Optional[MemoryPool]
+) -> Optional[Engine]:
     if logical_device == "cpu" or not capabilities.pause_resume:
         return None
     if not (capabilities.torch_cuda or _driver_selected_by_env()):
@@ -154,7 +164,7 @@ def _start_engine(
     from flexium.engine.fast_path import FastPath
 
     engine = Engine(
-        logical_ordinal=int(logical_device.split(":", 1)[1]),
+        logical_ordinal=_ordinal(logical_device),
         gpus=snapshot_gpus(),
         capabilities=capabilities,
         safe_point_wait_seconds=config.safe_point_wait,
@@ -164,7 +174,7 @@ def _start_engine(
     return engine
 
 
-def _start_client(session: Session) -> Optional[Any]:
+def _start_client(session: Session) -> Optional[ProcessClient]:
     try:
         from flexium.client import start_client
     except ImportError:

@@ -13,9 +13,9 @@ def _fast_path_problem() -> str | None:
     from flexium import _C
 
     status = _C.driver_status()
-    if not status.get("loaded"):
+    if not status.loaded:
         return "no NVIDIA driver"
-    if not status.get("vmm_api"):
+    if not status.vmm_api:
         return "the driver lacks the CUDA virtual memory API"
     try:
         import torch

@@ -34,6 +34,11 @@ class Capabilities:
         return data
 
 
+def cuda_text(version: int) -> str:
+    """13000 -> "13.0", as cuDriverGetVersion numbers CUDA releases."""
+    return f"{version // 1000}.{version % 1000 // 10}"
+
+
 def _driver_major(version: Optional[str], cuda_version: int) -> Optional[int]:
     if version:
         try:
@@ -62,39 +67,40 @@ def detect(*, check_torch: bool = True) -> Capabilities:
 
     status = _C.driver_status()
     problems: list[str] = []
-    cuda_version = int(status["cuda_version"])
+    cuda_version = status.cuda_version
     gpu_count = 0
-    if not status["loaded"]:
-        problems.append(f"{status['error']}; install the NVIDIA driver (550+ for pause/resume, 580+ for migration)")
-    elif status["init_error"]:
-        problems.append(f"the NVIDIA driver failed to initialise ({status['init_error']}); check nvidia-smi")
+    if not status.loaded:
+        problems.append(f"{status.error}; install the NVIDIA driver (550+ for pause/resume, 580+ for migration)")
+    elif status.init_error:
+        problems.append(f"the NVIDIA driver failed to initialise ({status.init_error}); check nvidia-smi")
     else:
         gpu_count = len(_C.list_devices())
 
     driver_version = nvml.driver_version()
-    major = _driver_major(driver_version, cuda_version) if status["loaded"] else None
-    checkpoint_api = bool(status["checkpoint_api"])
+    major = _driver_major(driver_version, cuda_version) if status.loaded else None
+    checkpoint_api = status.checkpoint_api
     torch_cuda, torch_problem = _torch_cuda() if check_torch else (False, None)
     if torch_problem:
         problems.append(torch_problem)
 
-    driver_ok = status["loaded"] and not status["init_error"]
+    driver_ok = status.loaded and not status.init_error
     pause_resume = bool(driver_ok and checkpoint_api and major is not None and major >= PAUSE_RESUME_MIN_DRIVER)
     # GPU pairs on restore arrived with CUDA 13.0 (driver 580): both must say so.
     migration = bool(pause_resume and major is not None and major >= MIGRATION_MIN_DRIVER and cuda_version >= 13000)
     if driver_ok and major is not None:
-        shown = driver_version or f"{major}+ (CUDA {cuda_version // 1000}.{cuda_version % 1000 // 10})"
+        shown = driver_version or f"{major}+ (CUDA {cuda_text(cuda_version)})"
         if major < PAUSE_RESUME_MIN_DRIVER:
             problems.append(f"NVIDIA driver {shown} is too old: pause/resume needs 550+, migration 580+; upgrade the driver")
         elif not checkpoint_api:
             problems.append(
-                f"NVIDIA driver {shown} lacks the checkpoint API (cuCheckpointProcess*, CUDA 12.8); upgrade to 580+"
+                f"NVIDIA driver {shown} lacks the checkpoint API (cuCheckpointProcess*, "
+                f"CUDA {cuda_text(_C.CHECKPOINT_API_VERSION)}); upgrade to 580+"
             )
         elif major < MIGRATION_MIN_DRIVER:
             problems.append(f"NVIDIA driver {shown}: pause/resume only; migration to another GPU needs 580+")
         elif cuda_version < 13000:
             problems.append(
-                f"libcuda reports CUDA {cuda_version // 1000}.{cuda_version % 1000 // 10} although NVML says driver "
+                f"libcuda reports CUDA {cuda_text(cuda_version)} although NVML says driver "
                 f"{shown}: GPU remapping on restore needs CUDA 13.0; fix the driver install (mixed versions?)"
             )
     return Capabilities(

@@ -1,14 +1,16 @@
-"""migrate / pause / resume of this process, each a transaction on the driver checkpoint API.
+"""The engine: migrate / pause / resume of this process, each a transaction on the driver
+checkpoint API (engine/transactions/, one module each).
 
-Every operation validates before touching anything, runs its locked section in one native call
-(csrc/checkpoint.cpp says why), and ends with the process RUNNING on its source GPU, RUNNING on
-its target, or (pause, failed resume) checkpointed and paused. Anything else raises
+The engine owns the lifecycle, the last-word checks before anything is touched (same model, free
+memory on the target, host memory for a pause), the choice of path and the dispatch to a
+transaction at a safe point. Every operation ends with the process RUNNING on its source GPU,
+RUNNING on its target, or (pause, failed resume) checkpointed and paused. Anything else raises
 RollbackFailedError and is logged at CRITICAL.
 
-Two paths: the fast path (fast_transactions.py, mixed in here) moves the memory pool's
-segments itself at a safe point and leaves the driver only the rest; the driver path (here) lets
-the checkpoint carry everything. The fast path runs when the pool is in use and a safe point
-comes within the bounded wait; otherwise, or when asked, the driver path does.
+Two paths: the fast path moves the memory pool's segments itself at a safe point and leaves the
+driver only the rest; the driver path lets the checkpoint carry everything. The fast path runs
+when the pool is in use and a safe point comes within the bounded wait; otherwise, or when asked,
+the driver path does.
 """
 
 from __future__ import annotations
@@ -17,26 +19,24 @@ import contextlib
 import logging
 import os
 import threading
-import time
-from dataclasses import dataclass, replace
-from typing import Callable, Iterator, Optional, Sequence
+from dataclasses import dataclass
+from typing import Iterator, Literal, Optional, Sequence, get_args
 
 from flexium import _C
-from flexium.engine import nvml, torch_bridge
+from flexium.engine import nvml
 from flexium.engine.capabilities import Capabilities
 from flexium.engine.fast_path import FastPath, host_memory_available
-from flexium.engine.fast_transactions import FastTransactions
-from flexium.engine.identity import IdentityMap, Target
-from flexium.engine.operations import (
-    EngineState,
-    GpuIdentity,
-    OperationKind,
-    OperationResult,
-    StepTiming,
-)
+from flexium.engine.identity import IdentityMap, MovePlan, Target
+from flexium.engine.operations import EngineState, GpuIdentity, OperationKind, OperationResult
 from flexium.engine.parking import Parking
 from flexium.engine.safe_point import SafePoints
-from flexium.engine.step_outcomes import describe_failure, first_failure, own_restore_succeeded, timing_of
+from flexium.engine.transactions.context import OperationContext, StateListener
+from flexium.engine.transactions.driver_migrate import migrate_by_driver
+from flexium.engine.transactions.driver_pause import pause_by_driver
+from flexium.engine.transactions.fast_migrate import migrate_fast
+from flexium.engine.transactions.fast_pause import pause_fast
+from flexium.engine.transactions.own_memory import own_in_slices
+from flexium.engine.transactions.resume import resume
 from flexium.errors import (
     CapabilityError,
     InvalidStateError,
@@ -55,7 +55,9 @@ DEFAULT_SAFE_POINT_WAIT_SECONDS = 5.0
 DEFAULT_MEMORY_MARGIN_BYTES = 512 << 20
 # Host memory a pause leaves free beside what it stages.
 HOST_MEMORY_MARGIN_BYTES = 1 << 30
-PATHS = ("auto", "fast", "driver")
+# "auto": fast when possible; "fast": refuse otherwise; "driver": the checkpoint carries everything.
+PathChoice = Literal["auto", "fast", "driver"]
+PATHS: tuple[str, ...] = get_args(PathChoice)
 
 
 @dataclass(frozen=True)
@@ -84,7 +86,7 @@ def snapshot_gpus() -> list[GpuIdentity]:
     ]
 
 
-class Engine(FastTransactions):
+class Engine:
     def __init__(
         self,
         *,
@@ -99,19 +101,18 @@ class Engine(FastTransactions):
         if not 0 <= logical_ordinal < len(gpus):
             raise ValueError(f"device cuda:{logical_ordinal} is not among the {len(gpus)} visible GPU(s)")
         self.capabilities = capabilities
-        self.lock_timeout_ms = lock_timeout_ms
         self.memory_margin_bytes = memory_margin_bytes
-        self._pid = os.getpid()
-        self._logical = logical_ordinal
-        self._identity = IdentityMap(gpus)
-        self._state = EngineState.RUNNING
-        self._state_lock = threading.Lock()
-        self._operation_lock = threading.Lock()
         self._safe_points = SafePoints(safe_point_wait_seconds)
         self._parking = Parking()
-        self._paused_bytes = 0
-        self._fast = fast_path
-        self._listeners: list[Callable[[EngineState], None]] = []
+        self._operation_lock = threading.Lock()
+        self._ctx = OperationContext(
+            pid=os.getpid(),
+            logical=logical_ordinal,
+            identity=IdentityMap(gpus),
+            safe_points=self._safe_points,
+            fast=fast_path,
+            lock_timeout_ms=lock_timeout_ms,
+        )
         self.last_result: Optional[OperationResult] = None
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -119,8 +120,9 @@ class Engine(FastTransactions):
     def start(self) -> None:
         self._safe_points.install()
         nvml.start_reader()  # reads while the job is frozen (a resume's room check) take milliseconds
-        if self._fast is not None and self._fast.pool.active:
-            self._fast.warm_up()  # the copier process starts now, not in a pause's preparation
+        fast = self._ctx.fast
+        if fast is not None and fast.pool.active:
+            fast.warm_up()  # the copier process starts now, not in a pause's preparation
 
     def stop(self) -> None:
         """Unhooks; a job paused at shutdown is resumed in place so the process can exit."""
@@ -132,106 +134,94 @@ class Engine(FastTransactions):
             except Exception as exc:  # exiting anyway; say what happened
                 log.error("could not resume the paused job at shutdown: %s", exc)
         self._parking.release()
-        if self._fast is not None:
-            self._fast.close()
+        if self._ctx.fast is not None:
+            self._ctx.fast.close()
         nvml.stop_reader()
 
     # ---- what the rest of flexium reads ----------------------------------------------------
 
     @property
     def state(self) -> EngineState:
-        with self._state_lock:
-            return self._state
+        return self._ctx.state
 
     @property
     def gpus(self) -> tuple[GpuIdentity, ...]:
-        return self._identity.gpus
+        return self._ctx.identity.gpus
 
     @property
     def logical_device(self) -> str:
-        return f"cuda:{self._logical}"
+        return self._ctx.logical_device
 
     @property
     def safe_point_wait_seconds(self) -> float:
         return self._safe_points.wait_seconds
 
     def placement(self) -> tuple[str, GpuIdentity]:
-        return self.logical_device, self._identity.physical_of(self._logical)
+        return self.logical_device, self._source()
 
     def is_busy(self) -> bool:
         return self.state in (EngineState.MIGRATING, EngineState.PAUSING, EngineState.RESUMING)
 
-    def add_state_listener(self, listener: Callable[[EngineState], None]) -> None:
-        self._listeners.append(listener)
+    def add_state_listener(self, listener: StateListener) -> None:
+        self._ctx.add_state_listener(listener)
 
     def process_bytes(self) -> int:
-        """GPU memory this process holds on every GPU, from NVML; PyTorch's reserved bytes where
-        NVML cannot see processes (it then misses the context, a few hundred MiB). While the
-        process is frozen it holds nothing on any GPU, and asking torch would block."""
-        if nvml.is_frozen():
-            return 0
-        total = 0
-        seen = False
-        for gpu in nvml.host_gpus():
-            used = gpu.used_by(self._pid)
-            if used is not None:
-                total += used
-                seen = True
-        return total if seen else torch_bridge.reserved_bytes()
+        """GPU memory this process holds on every GPU (OperationContext.process_bytes says how)."""
+        return self._ctx.process_bytes()
 
     def footprint_bytes(self) -> int:
         """What the job needs on a GPU: what it holds now, or what it held when it was paused."""
-        return self._paused_bytes if self.state == EngineState.PAUSED else self.process_bytes()
-
-    def _bytes_on(self, gpu: GpuIdentity) -> Optional[int]:
-        host = nvml.gpu_by_uuid(gpu.uuid)
-        if host is None:
-            return None
-        return host.used_by(self._pid) or 0
+        return self._ctx.paused_bytes if self.state == EngineState.PAUSED else self.process_bytes()
 
     def candidate_targets(self) -> list[TargetCandidate]:
         """GPUs this job could move to now: same model, room for it; most free memory first."""
-        _, source = self.placement()
+        source = self._source()
+        pid = self._ctx.pid
         # One NVML reading for all GPUs: while frozen each reading is a child process.
         on_host = {gpu.uuid: gpu for gpu in nvml.host_gpus()}
         if self.state == EngineState.PAUSED:
-            needed = self._paused_bytes
+            needed = self._ctx.paused_bytes
         else:
             source_host = on_host.get(source.uuid)
-            needed = (source_host.used_by(self._pid) or 0) if source_host is not None else 0
+            needed = (source_host.used_by(pid) or 0) if source_host is not None else 0
         candidates = []
-        for gpu in self._identity.gpus:
+        for gpu in self.gpus:
             host = on_host.get(gpu.uuid)
             if gpu.uuid == source.uuid or gpu.name != source.name or host is None:
                 continue
-            free = host.memory_free + (host.used_by(self._pid) or 0)
+            free = host.memory_free + (host.used_by(pid) or 0)
             if free >= needed + self.memory_margin_bytes:
                 candidates.append(TargetCandidate(gpu=gpu, free_bytes=free))
         return sorted(candidates, key=lambda c: -c.free_bytes)
 
+    def fast_path_blocker(self) -> Optional[str]:
+        """Why a move now would take the driver path (None: the fast path can run at a safe point)."""
+        if self._ctx.fast is None:
+            return "the memory pool is not in use"
+        return self._ctx.fast.blocker(self._ctx.logical)
+
     # ---- operations ------------------------------------------------------------------------
 
-    def migrate(self, target: Target, *, path: str = "auto") -> OperationResult:
-        """Moves the job to `target`. `path`: "auto" (fast when possible), "fast" (refuse
-        otherwise) or "driver"."""
+    def migrate(self, target: Target, *, path: PathChoice = "auto") -> OperationResult:
+        """Moves the job to `target`, a GPU UUID or a GpuIdentity of `gpus`."""
         _check_path(path)
         with self._operation(OperationKind.MIGRATE, allowed=(EngineState.RUNNING,)):
             self._require(self.capabilities.migration, "migration to another GPU")
-            source = self._identity.physical_of(self._logical)
-            dest = self._identity.resolve(target)
+            source = self._source()
+            dest = self._ctx.identity.resolve(target)
             notes = self._validate_target(source, dest, needed=self._bytes_on(source))
-            pairs = self._identity.pairs_to_move(self._logical, dest)
+            plan = self._plan(dest)
 
             def work(at_safe_point: bool) -> OperationResult:
                 fast, why = self._choose_path(path, at_safe_point)
-                if fast:
-                    return self._run_fast_migration(source, dest, pairs, notes)
-                return self._run_migration(source, dest, pairs, (*notes, *why), at_safe_point=at_safe_point)
+                if fast is not None:
+                    return migrate_fast(self._ctx, fast, plan, notes)
+                return migrate_by_driver(self._ctx, plan, (*notes, *why), at_safe_point=at_safe_point)
 
             result, _ = self._safe_points.run(work)
             return self._finish(result)
 
-    def pause(self, *, path: str = "auto") -> OperationResult:
+    def pause(self, *, path: PathChoice = "auto") -> OperationResult:
         _check_path(path)
         with self._operation(OperationKind.PAUSE, allowed=(EngineState.RUNNING,)):
             self._require(self.capabilities.pause_resume, "pause")
@@ -240,16 +230,17 @@ class Engine(FastTransactions):
                     "pause() was called from the training thread: it would block at its next CUDA call "
                     "until resume(); call pause() from another thread (the flexium control thread does)"
                 )
-            source = self._identity.physical_of(self._logical)
+            source = self._source()
             pinned = self._prepare_host_staging(path, source)
 
             def work(at_safe_point: bool) -> OperationResult:
                 fast, why = self._choose_path(path, at_safe_point)
-                if fast:
-                    return self._run_fast_pause(source, pinned)
-                if self._fast is not None:
-                    self._fast.release_host_now()  # pinned staging would slow the driver's checkpoint
-                return self._run_pause(source, why, at_safe_point=at_safe_point)
+                if fast is not None:
+                    return pause_fast(self._ctx, fast, source, pinned)
+                if self._ctx.fast is not None:
+                    self._ctx.fast.release_host_now()  # pinned staging would slow the driver's checkpoint
+                self._check_host_room(self.process_bytes(), fast=False)
+                return pause_by_driver(self._ctx, source, why, at_safe_point=at_safe_point)
 
             result, at_safe_point = self._safe_points.run(work, then=self._park_while_paused)
             if not at_safe_point and result.ok:
@@ -257,33 +248,42 @@ class Engine(FastTransactions):
             return self._finish(result)
 
     def resume(self, target: Optional[Target] = None) -> OperationResult:
+        """Resumes the paused job on `target` (a GPU UUID or a GpuIdentity of `gpus`), or where
+        it fits, its own GPU first."""
         with self._operation(OperationKind.RESUME, allowed=(EngineState.PAUSED,)):
-            source = self._identity.physical_of(self._logical)
+            source = self._source()
             dest = self._choose_resume_target(source, target)
             if dest.uuid != source.uuid:
                 self._require(self.capabilities.migration, "resuming on another GPU")
-            pairs = self._identity.pairs_to_move(self._logical, dest) if dest.uuid != source.uuid else []
+            plan = self._plan(dest)
 
             def work() -> OperationResult:
-                return self._run_resume(source, dest, pairs)
+                return resume(self._ctx, plan)
 
             result = self._parking.submit(work) if self._parking.occupied else work()
             return self._finish(result)
 
+    def _source(self) -> GpuIdentity:
+        return self._ctx.identity.physical_of(self._ctx.logical)
+
+    def _plan(self, dest: GpuIdentity) -> MovePlan:
+        return self._ctx.identity.plan({self._ctx.logical: dest})
+
     # ---- validation ------------------------------------------------------------------------
 
-    def _prepare_host_staging(self, path: str, source: GpuIdentity) -> tuple[str, ...]:
+    def _prepare_host_staging(self, path: PathChoice, source: GpuIdentity) -> tuple[str, ...]:
         """Before a pause that can take the fast path: refuses it when the host cannot hold the
         pool's live bytes, and touches and pins the staging before the safe point, while the job
-        trains. A pause on the driver path is checked for host memory in _run_pause."""
-        fast = self._fast if path != "driver" and self.fast_path_blocker() is None else None
+        trains. A pause on the driver path is checked for host memory at its safe point."""
+        fast = self._ctx.fast if path != "driver" and self.fast_path_blocker() is None else None
         if fast is None:
             return ()
-        wanted = fast.host_bytes_wanted(self._logical)
+        logical = self._ctx.logical
+        wanted = fast.host_bytes_wanted(logical)
         to_map = fast.host_bytes_to_map(wanted)
         self._check_host_room(to_map, fast=True)
         try:
-            pinned, seconds, where = fast.reserve_host(self._logical, wanted, source.uuid)
+            pinned, seconds, where = fast.reserve_host(logical, wanted, source.uuid)
         except Exception as exc:
             fast.release_host_later()
             raise OperationFailedError(
@@ -307,31 +307,32 @@ class Engine(FastTransactions):
                 "free host memory, or migrate the job instead"
             )
 
-    def fast_path_blocker(self) -> Optional[str]:
-        """Why a move now would take the driver path (None: the fast path can run at a safe point)."""
-        if self._fast is None:
-            return "the memory pool is not in use"
-        return self._fast.blocker(self._logical)
-
-    def _choose_path(self, requested: str, at_safe_point: bool) -> tuple[bool, tuple[str, ...]]:
-        """Whether to take the fast path, else the note saying why the driver path runs."""
+    def _choose_path(self, requested: PathChoice, at_safe_point: bool) -> tuple[Optional[FastPath], tuple[str, ...]]:
+        """The fast path to take, else None and the note saying why the driver path runs."""
+        fast = self._ctx.fast
         if requested == "driver":
-            return False, ("driver path: asked for",)
-        if self._fast is None and requested == "auto":
-            return False, ()  # no pool in this process (no CUDA torch): the driver path is the only one
+            return None, ("driver path: asked for",)
+        if fast is None and requested == "auto":
+            return None, ()  # no pool in this process (no CUDA torch): the driver path is the only one
         blocker = self.fast_path_blocker()
         if blocker is None and not at_safe_point:
             blocker = self._safe_points.missed()
-        if blocker is None:
-            return True, ()
+        if blocker is None and fast is not None:
+            return fast, ()
         if requested == "fast":
             raise CapabilityError(f"the fast path cannot run: {blocker}")
-        return False, (f"driver path: {blocker}",)
+        return None, (f"driver path: {blocker}",)
 
     def _require(self, available: bool, feature: str) -> None:
         if not available:
             why = "; ".join(self.capabilities.problems) or "the driver does not support it"
             raise CapabilityError(f"{feature} is not available on this machine: {why}")
+
+    def _bytes_on(self, gpu: GpuIdentity) -> Optional[int]:
+        host = nvml.gpu_by_uuid(gpu.uuid)
+        if host is None:
+            return None
+        return host.used_by(self._ctx.pid) or 0
 
     def _validate_target(self, source: GpuIdentity, dest: GpuIdentity, *, needed: Optional[int]) -> tuple[str, ...]:
         if dest.uuid == source.uuid:
@@ -344,7 +345,7 @@ class Engine(FastTransactions):
         if host is None or needed is None:
             return ("free memory on the target not checked: NVML unavailable",)
         # Whatever of ours already sits on the target moves to the source in the swap.
-        available = host.memory_free + (host.used_by(self._pid) or 0)
+        available = host.memory_free + (host.used_by(self._ctx.pid) or 0)
         if available < needed + self.memory_margin_bytes:
             raise TargetRefusedError(
                 f"{dest.device} ({dest.name}, nvidia-smi index {host.index}) has {_gib(available)} free; "
@@ -354,12 +355,13 @@ class Engine(FastTransactions):
         return ()
 
     def _choose_resume_target(self, source: GpuIdentity, target: Optional[Target]) -> GpuIdentity:
-        needed = self._paused_bytes
+        needed = self._ctx.paused_bytes
         if target is not None:
-            dest = self._identity.resolve(target)
+            dest = self._ctx.identity.resolve(target)
             if dest.name != source.name:
                 raise TargetRefusedError(
-                    f"{dest.device} is a {dest.name}, the job was paused on a {source.name}: resume needs the same model"
+                    f"{dest.device} is a {dest.name}, the job was paused on a {source.name}: "
+                    "resume needs the same model"
                 )
             self._check_room(dest, needed)
             return dest
@@ -381,207 +383,11 @@ class Engine(FastTransactions):
                 f"plus {_gib(self.memory_margin_bytes)}: it stays paused"
             )
 
-    # ---- the transactions ------------------------------------------------------------------
-
-    def _prepare(self, kind: OperationKind) -> tuple[StepTiming, int]:
-        """Before the lock; a failure here (a sticky CUDA error surfacing in synchronize, NVML
-        gone) touched nothing, so the job simply stays RUNNING."""
-        started = time.perf_counter()
-        try:
-            torch_bridge.synchronize()
-            torch_bridge.release_cached_memory()
-            moved = self.process_bytes()
-        except Exception as exc:
-            self._set_state(EngineState.RUNNING)
-            raise OperationFailedError(
-                f"{kind.value} failed at step 'prepare' before anything was locked: {type(exc).__name__}: {exc}",
-                step="prepare",
-            ) from exc
-        return StepTiming("prepare", time.perf_counter() - started, ok=True), moved
-
-    def _run_migration(
-        self,
-        source: GpuIdentity,
-        dest: GpuIdentity,
-        pairs: list[tuple[str, str]],
-        notes: tuple[str, ...],
-        *,
-        at_safe_point: bool = False,
-    ) -> OperationResult:
-        started = time.perf_counter()
-        owned = self._own_before_driver_checkpoint(OperationKind.MIGRATE, at_safe_point)
-        self._set_state(EngineState.MIGRATING)
-        prepare, moved = self._prepare(OperationKind.MIGRATE)
-        outcomes = self._run_steps(*self._migration_steps(pairs))
-        final = _C.process_state(self._pid)
-        restored = own_restore_succeeded(outcomes)
-        if restored:
-            self._identity.apply(pairs)  # its memory is on the target now, whatever follows
-        where = dest if restored else source
-        return self._settle(
-            self._result(
-                OperationKind.MIGRATE, source, dest, (*owned, prepare, *map(timing_of, outcomes)), moved, started, notes
-            ),
-            outcomes,
-            final,
-            succeeded=final == _C.ProcessState.RUNNING and restored,
-            on_success=EngineState.RUNNING,
-            rolled_back={
-                _C.ProcessState.RUNNING: (
-                    EngineState.RUNNING,
-                    f"rolled back: the job runs on {source.device} ({source.uuid}) as before",
-                )
-            },
-            stuck=f", not RUNNING, its memory on {where.device} ({where.uuid})",
-        )
-
-    def _run_pause(
-        self, source: GpuIdentity, notes: tuple[str, ...] = (), *, at_safe_point: bool = False
-    ) -> OperationResult:
-        self._check_host_room(self.process_bytes(), fast=False)
-        started = time.perf_counter()
-        owned = self._own_before_driver_checkpoint(OperationKind.PAUSE, at_safe_point)
-        self._set_state(EngineState.PAUSING)
-        prepare, moved = self._prepare(OperationKind.PAUSE)
-        outcomes = self._run_steps(*self._pause_steps())
-        final = _C.process_state(self._pid)
-        succeeded = final == _C.ProcessState.CHECKPOINTED and not any(o.code for o in outcomes)
-        if succeeded:
-            self._paused_bytes = moved
-        return self._settle(
-            self._result(OperationKind.PAUSE, source, None, (*owned, prepare, *map(timing_of, outcomes)), moved, started, notes),
-            outcomes,
-            final,
-            succeeded=succeeded,
-            on_success=EngineState.PAUSED,
-            rolled_back={
-                _C.ProcessState.RUNNING: (EngineState.RUNNING, f"rolled back: the job runs on {source.device} as before")
-            },
-        )
-
-    def _run_resume(self, source: GpuIdentity, dest: GpuIdentity, pairs: list[tuple[str, str]]) -> OperationResult:
-        started = time.perf_counter()
-        self._set_state(EngineState.RESUMING)
-        steps = [
-            _C.Step(_C.StepKind.RESTORE, pairs=[_C.GpuPair(old, new) for old, new in pairs]),
-            _C.Step(_C.StepKind.UNLOCK),
-        ]
-        # Paused by the fast path: the pool's segments wait in pinned host memory, and no other
-        # thread may touch them before they are back.
-        from_host = self._fast is not None and self._fast.host_waiting() > 0
-        if from_host and self._fast is not None:
-            self._fast.wake_for_restore(dest.uuid)  # pins while the restore runs
-        # A failed restore leaves the process checkpointed (DESIGN.md fact 3): still paused, nothing to undo.
-        outcomes = self._run_steps(steps, [[], [_C.Step(_C.StepKind.UNLOCK)]], hold_gil=from_host)
-        final = _C.process_state(self._pid)
-        succeeded = final == _C.ProcessState.RUNNING and own_restore_succeeded(outcomes)
-        timings = tuple(map(timing_of, outcomes))
-        if succeeded:
-            self._identity.apply(pairs)
-        result = self._result(
-            OperationKind.RESUME, source, dest, timings, self._paused_bytes, started, path="fast" if from_host else "driver"
-        )
-        if succeeded and from_host:
-            return self._bring_back_from_host(result, dest)
-        return self._settle(
-            result,
-            outcomes,
-            final,
-            succeeded=succeeded,
-            on_success=EngineState.RUNNING,
-            rolled_back={
-                _C.ProcessState.CHECKPOINTED: (EngineState.PAUSED, "the job is still paused and can be resumed again")
-            },
-        )
-
-    def _result(
-        self,
-        kind: OperationKind,
-        source: GpuIdentity,
-        target: Optional[GpuIdentity],
-        steps: tuple[StepTiming, ...],
-        moved: int,
-        started: float,
-        notes: tuple[str, ...] = (),
-        path: str = "driver",
-    ) -> OperationResult:
-        return OperationResult(
-            kind=kind,
-            path=path,
-            ok=False,
-            logical_device=self.logical_device,
-            source=source,
-            target=target,
-            steps=steps,
-            bytes_moved=moved,
-            seconds=time.perf_counter() - started,
-            notes=notes,
-        )
-
-    def _settle(
-        self,
-        result: OperationResult,
-        outcomes: Sequence[_C.StepOutcome],
-        final: _C.ProcessState,
-        *,
-        succeeded: bool,
-        on_success: EngineState,
-        rolled_back: dict[_C.ProcessState, tuple[EngineState, str]],
-        stuck: str = "",
-    ) -> OperationResult:
-        """The engine's state and the result's error from how the process ended up: where the
-        operation wanted it, back where it was (rolled_back, by process state), or stuck."""
-        if succeeded:
-            self._set_state(on_success)
-            return replace(result, ok=True)
-        failure = first_failure(outcomes)
-        if final in rolled_back:
-            state, outcome = rolled_back[final]
-            self._set_state(state)
-            return replace(result, failed_step=failure.step, error=f"{describe_failure(failure)}; {outcome}")
-        self._set_state(EngineState.FAILED)
-        return replace(
-            result,
-            failed_step=failure.step,
-            error=f"{describe_failure(failure)}; ROLLBACK FAILED: the process is {final.name}{stuck}",
-        )
-
-    def _migration_steps(self, pairs: list[tuple[str, str]]) -> tuple[list[_C.Step], list[list[_C.Step]]]:
-        """The locked section of a migration and each step's rollback: a failed checkpoint or
-        restore is recovered in place (DESIGN.md fact 3), a failed unlock is tried again."""
-        steps = [
-            _C.Step(_C.StepKind.LOCK, timeout_ms=self.lock_timeout_ms),
-            _C.Step(_C.StepKind.CHECKPOINT),
-            _C.Step(_C.StepKind.RESTORE, pairs=[_C.GpuPair(old, new) for old, new in pairs]),
-            _C.Step(_C.StepKind.UNLOCK),
-        ]
-        recover = [_C.Step(_C.StepKind.RECOVER)]
-        return steps, [[], recover, recover, [_C.Step(_C.StepKind.UNLOCK)]]
-
-    def _pause_steps(self) -> tuple[list[_C.Step], list[list[_C.Step]]]:
-        """The locked section of a pause: a failed checkpoint is recovered in place."""
-        steps = [_C.Step(_C.StepKind.LOCK, timeout_ms=self.lock_timeout_ms), _C.Step(_C.StepKind.CHECKPOINT)]
-        return steps, [[], [_C.Step(_C.StepKind.RECOVER)]]
-
-    def _run_steps(
-        self, steps: list[_C.Step], rollbacks: list[list[_C.Step]], *, hold_gil: bool = False
-    ) -> list[_C.StepOutcome]:
-        """Runs a locked section; NVML queries go elsewhere until the process runs again."""
-        nvml.set_frozen(True)
-        try:
-            outcomes = list(_C.run_steps(self._pid, steps, rollbacks, hold_gil=hold_gil))
-        finally:
-            nvml.set_frozen(_C.process_state(self._pid) != _C.ProcessState.RUNNING)
-        if self._fast is not None and any(o.step == "restore" and o.code == 0 for o in outcomes):
-            # What the driver carried through its checkpoint comes back unexportable (fast-path.md).
-            _C.vmm_mark_restored_by_driver()
-        return outcomes
+    # ---- bookkeeping -----------------------------------------------------------------------
 
     def _park_while_paused(self, result: OperationResult) -> None:
         if result.ok:
             self._parking.park(lambda: self.state == EngineState.PAUSED)
-
-    # ---- bookkeeping -----------------------------------------------------------------------
 
     @contextlib.contextmanager
     def _operation(self, kind: OperationKind, *, allowed: tuple[EngineState, ...]) -> Iterator[None]:
@@ -597,29 +403,22 @@ class Engine(FastTransactions):
         finally:
             self._operation_lock.release()
 
-    def _set_state(self, state: EngineState) -> None:
-        with self._state_lock:
-            self._state = state
-        for listener in list(self._listeners):
-            try:
-                listener(state)
-            except Exception:  # a reporting hook must never break an operation
-                log.exception("state listener failed")
-
     def _finish(self, result: OperationResult) -> OperationResult:
         self.last_result = result
         if self.state == EngineState.RUNNING:
-            self._own_in_slices()
+            own_in_slices(self._ctx)
         summary = ", ".join(f"{s.step} {s.seconds * 1e3:.0f} ms" for s in result.steps if not s.rollback)
         if result.ok:
             where = f" -> {result.target.device}" if result.target is not None else ""
-            log.info("%s %s%s done in %.2f s (%s)", result.kind.value, result.source.device, where, result.seconds, summary)
+            log.info("%s %s%s done in %.2f s (%s)", result.kind.value, result.source.device, where, result.seconds,
+                     summary)
             return result
+        message, step = f"{result.kind.value} failed: {result.error}", result.failed_step or "?"
         if self.state == EngineState.FAILED:
             log.critical("%s failed and could not be rolled back: %s", result.kind.value, result.error)
-            raise RollbackFailedError(f"{result.kind.value} failed: {result.error}", step=result.failed_step or "?", result=result)
+            raise RollbackFailedError(message, step=step, result=result)
         log.error("%s failed: %s", result.kind.value, result.error)
-        raise OperationFailedError(f"{result.kind.value} failed: {result.error}", step=result.failed_step or "?", result=result)
+        raise OperationFailedError(message, step=step, result=result)
 
 
 def _check_path(path: str) -> None:

@@ -1,6 +1,6 @@
 """The fast path's moves of our pool's segments, each a timed step that names itself on failure.
 
-DESIGN.md "Fast path": at a safe point, holding the GIL, the segments are copied to the target
+docs/fast-path.md: at a safe point, holding the GIL, the segments are copied to the target
 GPU over NVLink (or to host memory, pinned only while copies run, for a pause) and their source
 memory released, so the driver checkpoint only carries the rest (context, library workspaces,
 anything outside the pool); after the restore they are mapped back at their own addresses. The
@@ -23,8 +23,6 @@ from flexium.engine.memory_pool import MemoryPool, open_file_headroom
 from flexium.engine.operations import StepTiming
 
 T = TypeVar("T")
-# A copier order: the segments as (fd, size), the pieces, the bytes (csrc/vmm_host_staging.h).
-Order = tuple[list[tuple[int, int]], list[tuple[int, int, int, int, int]], int]
 log = logging.getLogger("flexium")
 # Files kept free besides one per segment (sockets, logs, the NVML helper's pipes).
 FD_RESERVE = 256
@@ -46,12 +44,12 @@ class RelocationError(Exception):
 class Staged:
     """Copies of the segments on the target GPU, held only by these fds until mapped back."""
 
-    entries: list[tuple[int, int, int]]   # (address, size, fd)
+    entries: list[_C.StagedSegment]
     copied_bytes: int
 
     @property
     def segment_bytes(self) -> int:
-        return sum(size for _address, size, _fd in self.entries)
+        return sum(entry.size for entry in self.entries)
 
 
 def timed(step: str, work: Callable[[], T]) -> tuple[T, StepTiming]:
@@ -106,11 +104,11 @@ class FastPath:
         if not self.pool.active:
             return f"the memory pool is off: {self.pool.reason_off}"
         segments = _C.vmm_segments()
-        elsewhere = sorted({device for _a, _s, device, _m in segments if device != logical})
+        elsewhere = sorted({s.device for s in segments if s.device != logical})
         if elsewhere:
             names = ", ".join(f"cuda:{d}" for d in elsewhere)
             return f"the job also holds memory on {names}; the fast path moves one GPU's memory"
-        if any(not mapped for _a, _s, _d, mapped in segments):
+        if any(not s.mapped for s in segments):
             return "some segments have no memory behind them (an earlier move did not finish)"
         headroom = open_file_headroom()
         if len(segments) + FD_RESERVE > headroom:
@@ -125,8 +123,7 @@ class FastPath:
     def stage_to_device(self, logical: int, target_ordinal: int) -> tuple[Staged, StepTiming]:
         def work() -> Staged:
             live = self.pool.live_ranges(logical)
-            entries = _C.stage_segments_to_device(target_ordinal, logical, live)
-            return Staged([(address, size, fd) for address, size, fd in entries], int(_C.last_staged_copy_bytes()))
+            return Staged(_C.stage_segments_to_device(target_ordinal, logical, live), _C.last_staged_copy_bytes())
 
         return timed("copy", work)
 
@@ -160,13 +157,13 @@ class FastPath:
         Afterwards `staged` holds only the copies still waiting (map_imported closed the fds of
         those it mapped), also when it failed half way."""
         waiting = self._unbacked()
-        close_fds([e for e in staged.entries if e[0] not in waiting])
-        staged.entries = [e for e in staged.entries if e[0] in waiting]
+        close_fds([e for e in staged.entries if e.address not in waiting])
+        staged.entries = [e for e in staged.entries if e.address in waiting]
         try:
             _C.map_imported(staged.entries, logical)
         finally:
             still = self._unbacked()
-            staged.entries = [e for e in staged.entries if e[0] in still]
+            staged.entries = [e for e in staged.entries if e.address in still]
 
     # ---- GPU to host memory ----------------------------------------------------------------
 
@@ -177,7 +174,7 @@ class FastPath:
         and the safe point). Should it need more at the safe point, the copies run in this
         process, which maps the rest there."""
         live = self.pool.live_ranges(logical)
-        segments = [(address, size) for address, size, device, _m in _C.vmm_segments() if device == logical]
+        segments = [(s.address, s.size) for s in _C.vmm_segments() if s.device == logical]
         live_bytes = sum(sum(length for _o, length in live[a]) if a in live else size for a, size in segments)
         pool_bytes = sum(size for _a, size in segments)
         return min(pool_bytes + pool_bytes // POOL_GROWTH_ROOM, live_bytes + live_bytes // 16 + HOST_STAGING_SLACK)
@@ -202,7 +199,7 @@ class FastPath:
         try:
             copier = self._copier if self._copier is not None and self._copier.alive() else Copier.start()
             self._copier = copier
-            copier.attach(*_C.host_staging_layout())
+            copier.attach(_C.host_staging_layout())
             reply = copier.wake(uuid, wait=True, pause_ms=PIN_PAUSE_MS, bytes_to_pin=wanted)
             return int(reply.get("pinned", 0)), time.perf_counter() - started, f"by the copier process {copier.pid}"
         except CopierError as exc:
@@ -251,7 +248,7 @@ class FastPath:
 
         return timed("copier_sleep", work)[1]
 
-    def _by_copier(self, begin: Callable[[], Order], *,
+    def _by_copier(self, begin: Callable[[], _C.HostOrder], *,
                    to_host: bool, here: Callable[[], int]) -> int:
         """One order run by the copier; in this process instead when there is none or it fails
         (the staging's bytes are this process's memfds, so nothing is lost with it)."""
@@ -259,12 +256,12 @@ class FastPath:
         if copier is None:
             return here()
         try:
-            segments, pieces, nbytes = begin()
+            order = begin()
         except (ValueError, RuntimeError) as exc:  # e.g. the pool outgrew the staging: the stage here grows it
             self._drop_copier(f"{type(exc).__name__}: {exc}")
             return here()
         try:
-            copier.copy(to_host, segments, pieces, nbytes)
+            copier.copy(to_host, order)
         except CopierError as exc:
             _C.abort_host_order()
             self._drop_copier(str(exc))
@@ -319,7 +316,7 @@ class FastPath:
 
     @staticmethod
     def _unbacked() -> set[int]:
-        return {address for address, _size, _device, mapped in _C.vmm_segments() if not mapped}
+        return {s.address for s in _C.vmm_segments() if not s.mapped}
 
 
 DISABLE_NOTE = "the copier process is off: FLEXIUM_HOST_COPIER=0"
@@ -344,9 +341,9 @@ def release_host_staging() -> None:
         log.warning("could not give the host staging back: %s: %s", type(exc).__name__, exc)
 
 
-def close_fds(entries: Iterable[tuple[int, int, int]]) -> None:
-    for _address, _size, fd in entries:
+def close_fds(entries: Iterable[_C.StagedSegment]) -> None:
+    for entry in entries:
         try:
-            os.close(fd)
+            os.close(entry.fd)
         except OSError:
             pass

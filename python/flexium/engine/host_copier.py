@@ -29,9 +29,12 @@ import sys
 import time
 import weakref
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from flexium.config import switch_from_env
+
+if TYPE_CHECKING:
+    from flexium import _C
 
 log = logging.getLogger("flexium")
 
@@ -42,6 +45,10 @@ START_TIMEOUT_S = 60.0
 # Time limits grow with the bytes at this pace (far below the 55 GB/s measured, 27 GB/s pinning).
 SLOWEST_BYTES_PER_S = 1 << 30
 EXIT_TIMEOUT_S = 10.0
+# The wire carries a chunk or a piece (csrc/host_copier.h) as the list of these fields' values;
+# the copier rebuilds it by name.
+CHUNK_FIELDS = ("extent", "offset", "size")
+PIECE_FIELDS = ("segment", "segment_offset", "chunk", "chunk_offset", "length")
 
 
 class CopierError(Exception):
@@ -80,6 +87,10 @@ def receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
     except BaseException:
         close_all(fds)
         raise
+
+
+def as_row(record: Any, fields: Sequence[str]) -> list[int]:
+    return [int(getattr(record, name)) for name in fields]
 
 
 def close_all(fds: Sequence[int]) -> None:
@@ -129,12 +140,14 @@ class Copier:
     def alive(self) -> bool:
         return self._parent_pid is None and self._process.poll() is None
 
-    def attach(self, extents: Sequence[tuple[int, int]], chunks: Sequence[tuple[int, int, int]]) -> None:
+    def attach(self, layout: "_C.HostStagingLayout") -> None:
         """Maps the staging's extents (memfd, size); again only when they changed."""
+        extents = layout.extents
         key = tuple((os.fstat(fd).st_ino, size) for fd, size in extents)
         if key == self._attached:
             return
-        self._exchange({"op": "attach", "sizes": [size for _fd, size in extents], "chunks": [list(c) for c in chunks]},
+        chunks = [as_row(chunk, CHUNK_FIELDS) for chunk in layout.chunks]
+        self._exchange({"op": "attach", "sizes": [size for _fd, size in extents], "chunks": chunks},
                        [fd for fd, _size in extents], timeout=30.0)
         self._attached = key
 
@@ -149,13 +162,13 @@ class Copier:
             return {}
         return self._exchange(message, timeout=START_TIMEOUT_S + bytes_to_pin / SLOWEST_BYTES_PER_S)
 
-    def copy(self, to_host: bool, segments: Sequence[tuple[int, int]], pieces: Sequence[Sequence[int]],
-             nbytes: int) -> dict[str, Any]:
+    def copy(self, to_host: bool, order: "_C.HostOrder") -> dict[str, Any]:
         """Runs one order; the copier goes to sleep right after it (its reply read by slept())."""
+        segments = order.segments
         message = {"op": "copy", "to_host": to_host, "sizes": [size for _fd, size in segments],
-                   "pieces": [list(p) for p in pieces], "then_sleep": True}
+                   "pieces": [as_row(piece, PIECE_FIELDS) for piece in order.pieces], "then_sleep": True}
         reply = self._exchange(message, [fd for fd, _size in segments],
-                               timeout=START_TIMEOUT_S + 2 * nbytes / SLOWEST_BYTES_PER_S)
+                               timeout=START_TIMEOUT_S + 2 * order.bytes / SLOWEST_BYTES_PER_S)
         self._unread.append("sleep")
         self.awake_on = None
         return reply

@@ -19,7 +19,7 @@ import traceback
 from typing import Any, Callable, Optional, Sequence
 
 from flexium import _C
-from flexium.engine.host_copier import close_all, receive, send
+from flexium.engine.host_copier import CHUNK_FIELDS, PIECE_FIELDS, close_all, receive, send
 
 
 class Server:
@@ -62,7 +62,7 @@ class Server:
     def handle(self, op: str, message: dict[str, Any], fds: list[int]) -> dict[str, Any]:
         if op == "hello":
             status = _C.driver_status()  # loads the driver and runs cuInit: no context, no GPU memory
-            if not status["loaded"] or not status["vmm_api"]:
+            if not status.loaded or not status.vmm_api:
                 raise RuntimeError(f"the copier cannot use the driver: {status}")
             return {}
         if op == "attach":
@@ -72,7 +72,8 @@ class Server:
             if self.copier is not None:
                 self.copier.sleep()
                 self.copier = None  # unmaps the old extents
-            self.copier = _C.HostCopier(list(zip(fds, sizes)), [tuple(c) for c in message["chunks"]])
+            chunks = [_C.CopierChunk(**dict(zip(CHUNK_FIELDS, row, strict=True))) for row in message["chunks"]]
+            self.copier = _C.HostCopier(list(zip(fds, sizes)), chunks)
             return {}
         if op == "detach":
             if self.copier is not None:
@@ -87,7 +88,8 @@ class Server:
             sizes = [int(s) for s in message["sizes"]]
             if len(sizes) != len(fds):
                 raise ValueError(f"copy sent {len(fds)} fds for {len(sizes)} segments")
-            copied = copier.copy(bool(message["to_host"]), list(zip(fds, sizes)), [tuple(p) for p in message["pieces"]])
+            pieces = [_C.CopierPiece(**dict(zip(PIECE_FIELDS, row, strict=True))) for row in message["pieces"]]
+            copied = copier.copy(bool(message["to_host"]), list(zip(fds, sizes)), pieces)
             return {"bytes": copied}
         if op == "sleep":
             return self.sleep()

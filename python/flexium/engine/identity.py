@@ -1,21 +1,62 @@
-"""Which physical GPU each CUDA ordinal of this process is on now.
+"""Which physical GPU each CUDA ordinal of this process is on now, and the plans that move them.
 
 After a remapped restore the driver still reports the pre-migration UUIDs and ordinals
-(DESIGN.md fact 5), so this map is the only record of where the process really is. Targets
-name GPUs as they were at init: "cuda:N" is the N-th GPU this process saw before any move.
+(docs/facts.md fact 5), so this map is the only record of where the process really is. A target
+is a GPU UUID or a GpuIdentity: the server turns what a person typed into a UUID, so the engine
+parses no device names.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from typing import Optional, Sequence, Union
+from dataclasses import dataclass
+from typing import Mapping, Optional, Sequence, Union
 
 from flexium.engine import nvml
 from flexium.engine.operations import GpuIdentity
 from flexium.errors import TargetRefusedError
 
-Target = Union[str, int, GpuIdentity]
+# A GPU UUID ("GPU-...", as nvidia-smi -L prints it) or a GpuIdentity of this process's snapshot.
+Target = Union[str, GpuIdentity]
+
+
+@dataclass(frozen=True)
+class Move:
+    logical: int          # the CUDA ordinal the training code uses
+    source: GpuIdentity   # where its context is now
+    target: GpuIdentity
+
+
+@dataclass(frozen=True)
+class MovePlan:
+    """Where a migrate or resume puts this process's logical devices, planned from where every
+    one of them is now (the driver remaps all visible GPUs at once, docs/facts.md fact 2)."""
+
+    moves: tuple[Move, ...]
+    placement: tuple[tuple[int, GpuIdentity], ...]  # every logical ordinal's GPU when planned
+
+    @property
+    def move(self) -> Move:
+        """The plan's one move: an operation's result names one source and one target."""
+        if len(self.moves) != 1:
+            raise ValueError(f"a plan of {len(self.moves)} moves has no single move")
+        return self.moves[0]
+
+    @property
+    def pairs(self) -> tuple[tuple[str, str], ...]:
+        """The restore's GPU map, (where a context is now, where it goes) for every visible GPU:
+        each move's source goes to its target, each context a move displaces goes to a GPU a
+        move leaves, and every other GPU maps to itself. Empty when nothing changes GPU: a
+        restore in place takes no map."""
+        moving = {m.source.uuid: m.target.uuid for m in self.moves if m.source.uuid != m.target.uuid}
+        if not moving:
+            return ()
+        taken = set(moving.values())
+        left = [uuid for uuid in moving if uuid not in taken]
+        displaced = [gpu.uuid for _, gpu in self.placement if gpu.uuid in taken and gpu.uuid not in moving]
+        goes_to = {**moving, **dict(zip(displaced, left))}
+        return tuple((gpu.uuid, goes_to.get(gpu.uuid, gpu.uuid)) for _, gpu in self.placement)
 
 
 class IdentityMap:
@@ -42,60 +83,45 @@ class IdentityMap:
         return None
 
     def resolve(self, target: Target) -> GpuIdentity:
-        """The GPU a target names; TargetRefusedError when it names none this process can use."""
+        """The visible GPU a target names; TargetRefusedError when it names none this process can use."""
         if isinstance(target, GpuIdentity):
-            target = target.uuid
-        if isinstance(target, int) or (isinstance(target, str) and target.strip().isdigit()):
-            return self._by_ordinal(int(target), str(target))
-        if not isinstance(target, str):
-            raise TargetRefusedError(f"target must be 'cuda:N', an ordinal or a GPU UUID, not {type(target).__name__}")
-        text = target.strip()
-        if text.lower().startswith("cuda:"):
-            number = text[5:]
-            if not number.isdigit():
-                raise TargetRefusedError(f"invalid device '{target}': expected 'cuda:N' with N a GPU index, e.g. 'cuda:1'")
-            return self._by_ordinal(int(number), text)
-        if text.upper().startswith("GPU-"):
-            for gpu in self._gpus:
-                if gpu.uuid.lower() == text.lower():
-                    return gpu
-            on_host = nvml.gpu_by_uuid(text)
-            if on_host is not None:
-                raise TargetRefusedError(
-                    f"GPU {text} (nvidia-smi index {on_host.index}) is not visible to this process{_visible_hint()}"
-                )
-            raise TargetRefusedError(f"no GPU with UUID {text} on this host")
-        raise TargetRefusedError(f"invalid device '{target}': expected 'cuda:N' (e.g. 'cuda:1') or a GPU UUID 'GPU-...'")
+            uuid = target.uuid
+        elif isinstance(target, str):
+            uuid = target.strip()
+        else:
+            raise TargetRefusedError(f"target must be a GPU UUID or a GpuIdentity, not {type(target).__name__}")
+        for gpu in self._gpus:
+            if gpu.uuid.lower() == uuid.lower():
+                return gpu
+        if not uuid.upper().startswith("GPU-"):
+            raise TargetRefusedError(
+                f"target '{target}' is not a GPU UUID: the engine takes a UUID ('GPU-...', as nvidia-smi -L prints it) "
+                "or a GpuIdentity; names such as 'cuda:N' or an nvidia-smi index are resolved by the server"
+            )
+        on_host = nvml.gpu_by_uuid(uuid)
+        if on_host is not None:
+            raise TargetRefusedError(
+                f"GPU {uuid} (nvidia-smi index {on_host.index}) is not visible to this process{_visible_hint()}"
+            )
+        raise TargetRefusedError(f"no GPU with UUID {uuid} on this host")
 
-    def _by_ordinal(self, ordinal: int, shown: str) -> GpuIdentity:
-        if 0 <= ordinal < len(self._gpus):
-            return self._gpus[ordinal]
-        span = f"cuda:0..cuda:{len(self._gpus) - 1}" if len(self._gpus) > 1 else "cuda:0"
-        raise TargetRefusedError(
-            f"device {shown} does not exist: this process sees {len(self._gpus)} GPU(s) ({span}){_visible_hint()}"
-        )
-
-    def pairs_to_move(self, logical: int, target: GpuIdentity) -> list[tuple[str, str]]:
-        """The full permutation that puts `logical` on `target`: its GPU and the target swap
-        places and every other visible GPU maps to itself (the driver wants all of them,
-        DESIGN.md fact 2). Pairs name where each context is now, not where it began."""
+    def plan(self, targets: Mapping[int, GpuIdentity]) -> MovePlan:
+        """A plan putting each logical ordinal in `targets` on its GPU, from where all are now."""
+        if len({gpu.uuid for gpu in targets.values()}) != len(targets):
+            raise ValueError("two logical devices cannot move to the same GPU")
         with self._lock:
-            source = self._physical[logical]
-            pairs = []
-            for gpu in self._physical.values():
-                if gpu.uuid == source.uuid:
-                    pairs.append((gpu.uuid, target.uuid))
-                elif gpu.uuid == target.uuid:
-                    pairs.append((gpu.uuid, source.uuid))
-                else:
-                    pairs.append((gpu.uuid, gpu.uuid))
-            return pairs
+            placement = tuple(self._physical.items())
+            moves = tuple(Move(logical, self._physical[logical], gpu) for logical, gpu in targets.items())
+        return MovePlan(moves=moves, placement=placement)
 
-    def apply(self, pairs: Sequence[tuple[str, str]]) -> None:
+    def apply(self, plan: MovePlan) -> None:
+        """Records that the plan's restore succeeded: its pairs name where each context was."""
         by_uuid = {gpu.uuid: gpu for gpu in self._gpus}
-        moves = dict(pairs)
+        moves = dict(plan.pairs)
         with self._lock:
-            self._physical = {logical: by_uuid[moves.get(gpu.uuid, gpu.uuid)] for logical, gpu in self._physical.items()}
+            self._physical = {
+                logical: by_uuid[moves.get(gpu.uuid, gpu.uuid)] for logical, gpu in self._physical.items()
+            }
 
 
 def _visible_hint() -> str:

@@ -1,13 +1,13 @@
 """PyTorch's tensor memory in our VMM allocator: what lets the fast path move it itself.
 
 A `torch.cuda.MemPool` on flexium._C's pluggable allocator for the job's GPU, and every
-thread's allocations on that GPU routed to it (DESIGN.md fact 11). Other GPUs keep PyTorch's
+thread's allocations on that GPU routed to it (docs/facts.md fact 11). Other GPUs keep PyTorch's
 allocator: a pool made for a GPU the job does not use created a CUDA context there (torch 2.11). PyTorch keeps caching,
 streams, statistics and `record_stream` on top; only the segments come from us, each a
 cuMemCreate allocation the fast path can copy to another GPU or to pinned host memory and map
 back at the same address.
 
-Rules from fact 11 this module keeps: the routing starts before the job's first CUDA allocation
+Rules from docs/facts.md fact 11 this module keeps: the routing starts before the job's first CUDA allocation
 (memory allocated earlier stays outside the pool, so the job then uses the driver path); it
 ends before exit and before any MemPool is destroyed (destroying one while routed aborts the
 process); PyTorch's free-cache-and-retry on out-of-memory is off while routed, so oversize
@@ -77,6 +77,7 @@ class MemoryPool:
             self._allocator = torch.cuda.memory.CUDAPluggableAllocator(
                 _C.__file__, "flexium_vmm_alloc", "flexium_vmm_free"
             )
+            allocator: Any = self._allocator  # torch leaves CUDAPluggableAllocator.allocator() unannotated
             try:
                 for device in devices:
                     # A MemPool belongs to the device current when it is made. flexium pools the
@@ -84,7 +85,7 @@ class MemoryPool:
                     # GPU left a CUDA context there on H200s, docs/fast-path.md).
                     previous = torch.cuda._maybe_exchange_device(device)
                     try:
-                        pool = torch.cuda.MemPool(self._allocator.allocator())
+                        pool = torch.cuda.MemPool(allocator.allocator())
                     finally:
                         torch.cuda._maybe_exchange_device(previous)
                     self._pools[device] = pool
@@ -121,7 +122,7 @@ class MemoryPool:
     # ---- other MemPools -------------------------------------------------------------------
 
     def _guard_other_pools(self, torch: Any) -> None:
-        """Destroying any MemPool while ours is routed aborts the process (fact 11), and jobs or
+        """Destroying any MemPool while ours is routed aborts the process (docs/facts.md fact 11), and jobs or
         libraries may make and drop their own. So the routing ends just before another pool is
         destroyed and starts again at the next optimizer step; allocations in between come
         from PyTorch's own allocator and ride the driver checkpoint."""
@@ -185,7 +186,7 @@ class MemoryPool:
             return "PyTorch is not installed"
         if not torch.cuda.is_available():
             return "torch has no usable CUDA"
-        if not _C.driver_status().get("vmm_api"):
+        if not _C.driver_status().vmm_api:
             return "the driver lacks the virtual memory management API (cuMemCreate and friends)"
         if not all(hasattr(torch._C, name) for name in ("_cuda_beginAllocateToPool", "_cuda_endAllocateToPool")) or not hasattr(
             torch.cuda, "MemPool"
@@ -213,7 +214,7 @@ class MemoryPool:
         import torch
 
         snapshot = _pool_snapshot(torch, pool)
-        ours = {address for address, _size, dev, _mapped in _C.vmm_segments() if dev == device}
+        ours = {s.address for s in _C.vmm_segments() if s.device == device}
         ranges: dict[int, list[tuple[int, int]]] = {}
         for segment in snapshot:
             base = int(segment["address"])

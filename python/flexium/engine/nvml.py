@@ -101,7 +101,8 @@ def available() -> bool:
 
 def unavailable_reason() -> Optional[str]:
     _ensure_initialized()
-    return _state["error"]
+    error: Optional[str] = _state["error"]
+    return error
 
 
 def _text(value: Any) -> str:

@@ -26,7 +26,7 @@ class OperationKind(str, enum.Enum):
 class GpuIdentity:
     """One physical GPU as seen at init, before any migration (the driver hides later moves)."""
 
-    ordinal: int               # its CUDA ordinal in this process at init ("cuda:N" targets name this)
+    ordinal: int               # its CUDA ordinal in this process at init (what `device` shows)
     uuid: str                  # "GPU-..." as nvidia-smi prints it
     name: str                  # model, e.g. "NVIDIA H200"
     total_memory: int          # bytes
@@ -40,7 +40,9 @@ class GpuIdentity:
 
 @dataclass(frozen=True)
 class StepTiming:
-    step: str                  # lock | checkpoint | restore | unlock | prepare | validate
+    # prepare | own | copy | release | lock | checkpoint | restore | unlock | recover | map
+    # | copier_sleep | copy_back | rollback_copy (the fast path's steps: fast_path.py)
+    step: str
     seconds: float
     ok: bool
     rollback: bool = False     # part of the rollback after a failure
@@ -50,7 +52,7 @@ class StepTiming:
 @dataclass(frozen=True)
 class OperationResult:
     kind: OperationKind
-    path: str                                   # "driver" (checkpoint API moves everything)
+    path: str                                   # "fast" (pool segments moved by us) or "driver"
     ok: bool
     logical_device: str                         # what the training code uses, e.g. "cuda:0"
     source: GpuIdentity

@@ -7,14 +7,16 @@ resume command; the resume itself then runs on this thread, which owns the step 
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Optional
+from typing import Callable, Optional, TypeVar, cast
+
+T = TypeVar("T")
 
 
 class Parking:
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._work: Optional[Callable[[], Any]] = None
-        self._outcome: Optional[tuple[Any, Optional[BaseException]]] = None
+        self._work: Optional[Callable[[], object]] = None
+        self._outcome: Optional[tuple[object, Optional[BaseException]]] = None
         self._released = False
         self.occupied = False
 
@@ -32,7 +34,7 @@ class Parking:
                         return
                     work, self._work = self._work, None
                 try:
-                    outcome: tuple[Any, Optional[BaseException]] = (work(), None)
+                    outcome: tuple[object, Optional[BaseException]] = (work(), None)
                 except BaseException as exc:  # given to the submitter
                     outcome = (None, exc)
                 with self._cond:
@@ -45,7 +47,7 @@ class Parking:
                 self.occupied = False
                 self._cond.notify_all()
 
-    def submit(self, work: Callable[[], Any]) -> Any:
+    def submit(self, work: Callable[[], T]) -> T:
         """Runs `work` on the parked thread and returns its result (or raises its error)."""
         with self._cond:
             self._outcome = None
@@ -58,7 +60,7 @@ class Parking:
         result, error = outcome
         if error is not None:
             raise error
-        return result
+        return cast(T, result)  # what `work` returned
 
     def release(self) -> None:
         with self._cond:

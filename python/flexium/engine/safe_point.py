@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Generic, Optional, TypeVar
+from typing import Any, Callable, Generic, Optional, TypeVar, cast
 
 T = TypeVar("T")
 log = logging.getLogger("flexium")
@@ -32,7 +32,7 @@ class SafePoints:
         self.wait_seconds = wait_seconds
         self._lock = threading.Lock()
         self._pending: Optional[_Request[Any]] = None
-        self._handle: Optional[Any] = None
+        self._handle: Optional[Any] = None  # torch's RemovableHandle
         self._training_thread: Optional[int] = None
         self._in_hook = threading.local()
         self._between: Optional[Callable[[], bool]] = None
@@ -93,7 +93,7 @@ class SafePoints:
             request.done.wait()
         if request.error is not None:
             raise request.error
-        return request.result, True  # type: ignore[return-value]
+        return cast(T, request.result), True  # set with no error: what `work` returned
 
     def _on_step(self, *_: Any) -> None:
         self._training_thread = threading.get_ident()

@@ -10,7 +10,8 @@ def _torch_cuda() -> Optional[Any]:
         import torch
     except ImportError:
         return None
-    return torch if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+    cuda: Any = torch.cuda  # torch leaves is_initialized() unannotated
+    return torch if cuda.is_available() and cuda.is_initialized() else None
 
 
 def _devices_with_context(torch: Any) -> list[int]:

@@ -1,0 +1,79 @@
+"""What every transaction works on, handed to it explicitly by the engine."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Optional
+
+from flexium.engine import nvml, torch_bridge
+from flexium.engine.fast_path import FastPath
+from flexium.engine.identity import IdentityMap
+from flexium.engine.operations import EngineState
+from flexium.engine.safe_point import SafePoints
+
+log = logging.getLogger("flexium")
+
+StateListener = Callable[[EngineState], None]
+
+
+class OperationContext:
+    """One process's engine state shared by its transactions: where its devices are, the fast
+    path, the safe points, the engine's state with its listeners, and what a pause left behind."""
+
+    def __init__(
+        self,
+        *,
+        pid: int,
+        logical: int,
+        identity: IdentityMap,
+        safe_points: SafePoints,
+        fast: Optional[FastPath],
+        lock_timeout_ms: int,
+    ) -> None:
+        self.pid = pid
+        self.logical = logical  # the CUDA ordinal the training code uses
+        self.identity = identity
+        self.safe_points = safe_points
+        self.fast = fast
+        self.lock_timeout_ms = lock_timeout_ms
+        self.paused_bytes = 0  # what the job held on its GPU when it was paused
+        self._state = EngineState.RUNNING
+        self._state_lock = threading.Lock()
+        self._listeners: list[StateListener] = []
+
+    @property
+    def logical_device(self) -> str:
+        return f"cuda:{self.logical}"
+
+    @property
+    def state(self) -> EngineState:
+        with self._state_lock:
+            return self._state
+
+    def set_state(self, state: EngineState) -> None:
+        with self._state_lock:
+            self._state = state
+        for listener in list(self._listeners):
+            try:
+                listener(state)
+            except Exception:  # a reporting hook must never break an operation
+                log.exception("state listener failed")
+
+    def add_state_listener(self, listener: StateListener) -> None:
+        self._listeners.append(listener)
+
+    def process_bytes(self) -> int:
+        """GPU memory this process holds on every GPU, from NVML; PyTorch's reserved bytes where
+        NVML cannot see processes (it then misses the context, a few hundred MiB). While the
+        process is frozen it holds nothing on any GPU, and asking torch would block."""
+        if nvml.is_frozen():
+            return 0
+        total = 0
+        seen = False
+        for gpu in nvml.host_gpus():
+            used = gpu.used_by(self.pid)
+            if used is not None:
+                total += used
+                seen = True
+        return total if seen else torch_bridge.reserved_bytes()

@@ -1,0 +1,48 @@
+"""A migration on the driver path: the checkpoint carries all of the job's GPU memory and the
+restore puts it on the target."""
+
+from __future__ import annotations
+
+import time
+
+from flexium import _C
+from flexium.engine.identity import MovePlan
+from flexium.engine.operations import EngineState, OperationKind, OperationResult
+from flexium.engine.step_outcomes import own_restore_succeeded, timing_of
+from flexium.engine.transactions import locked_section
+from flexium.engine.transactions.context import OperationContext
+from flexium.engine.transactions.own_memory import own_before_driver_checkpoint
+from flexium.engine.transactions.results import ResultDraft, settle
+
+
+def migrate_by_driver(
+    ctx: OperationContext, plan: MovePlan, notes: tuple[str, ...], *, at_safe_point: bool
+) -> OperationResult:
+    started = time.perf_counter()
+    source, dest = plan.move.source, plan.move.target
+    owned = own_before_driver_checkpoint(ctx, OperationKind.MIGRATE, at_safe_point)
+    ctx.set_state(EngineState.MIGRATING)
+    prepare, moved = locked_section.prepare(ctx, OperationKind.MIGRATE)
+    outcomes = locked_section.run(ctx, locked_section.migration_steps(ctx, plan))
+    final = locked_section.process_state(ctx)
+    restored = own_restore_succeeded(outcomes)
+    if restored:
+        ctx.identity.apply(plan)  # its memory is on the target now, whatever follows
+    where = dest if restored else source
+    draft = ResultDraft(OperationKind.MIGRATE, "driver", ctx.logical_device, source, dest, moved, started, notes,
+                        steps=[*owned, prepare, *map(timing_of, outcomes)])
+    return settle(
+        ctx,
+        draft,
+        outcomes,
+        final,
+        succeeded=final == _C.ProcessState.RUNNING and restored,
+        on_success=EngineState.RUNNING,
+        rolled_back={
+            _C.ProcessState.RUNNING: (
+                EngineState.RUNNING,
+                f"rolled back: the job runs on {source.device} ({source.uuid}) as before",
+            )
+        },
+        stuck=f", not RUNNING, its memory on {where.device} ({where.uuid})",
+    )

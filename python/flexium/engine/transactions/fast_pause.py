@@ -1,0 +1,72 @@
+"""A pause on the fast path: at a safe point, holding the GIL, the pool's segments are copied to
+host staging (pinned before the safe point, engine.py) and their GPU memory released; the
+driver's checkpoint carries only the rest. A failure at any step copies them back and names the
+step."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+from flexium import _C
+from flexium.engine.fast_path import FastPath, RelocationError
+from flexium.engine.operations import EngineState, GpuIdentity, OperationKind, OperationResult
+from flexium.engine.step_outcomes import describe_failure, first_failure, timing_of
+from flexium.engine.transactions import locked_section
+from flexium.engine.transactions.context import OperationContext
+from flexium.engine.transactions.results import GIB, ResultDraft, copier_notes
+
+
+def pause_fast(ctx: OperationContext, fast: FastPath, source: GpuIdentity, notes: tuple[str, ...]) -> OperationResult:
+    started = time.perf_counter()
+    ctx.set_state(EngineState.PAUSING)
+    prepare, moved = locked_section.prepare(ctx, OperationKind.PAUSE)
+    draft = ResultDraft(OperationKind.PAUSE, "fast", ctx.logical_device, source, None, moved, started, notes,
+                        steps=[prepare])
+
+    def undo(failed_step: str, error: str) -> OperationResult:
+        try:
+            _, timing = fast.restore_from_host(ctx.logical, source.uuid, step="rollback_copy")
+            draft.steps.append(replace(timing, rollback=True))
+        except RelocationError as exc:
+            draft.steps.append(replace(exc.timing, rollback=True))
+            ctx.set_state(EngineState.FAILED)
+            return draft.build(failed_step=failed_step, error=f"{error}; ROLLBACK FAILED: {exc}; restart the job")
+        fast.release_host_later()
+        ctx.set_state(EngineState.RUNNING)
+        return draft.build(failed_step=failed_step,
+                           error=f"{error}; rolled back: the job runs on {source.device} as before")
+
+    try:
+        copied, timing = fast.stage_to_host(ctx.logical)
+        draft.steps.append(timing)
+    except RelocationError as exc:
+        draft.steps.append(exc.timing)
+        fast.release_host_later()
+        ctx.set_state(EngineState.RUNNING)
+        return draft.build(failed_step=exc.step,
+                           error=f"{exc}; nothing moved: the job runs on {source.device} as before")
+    draft.notes = (*draft.notes, f"fast path: copied {copied / GIB:.2f} GiB in use of "
+                   f"{fast.pool_bytes(ctx.logical) / GIB:.2f} GiB of pool segments to host memory")
+    try:
+        draft.steps.append(fast.release(ctx.logical))
+    except RelocationError as exc:
+        draft.steps.append(exc.timing)
+        return undo(exc.step, str(exc))
+    outcomes = locked_section.run(ctx, locked_section.pause_steps(ctx), hold_gil=True)
+    draft.steps.extend(map(timing_of, outcomes))
+    final = locked_section.process_state(ctx)
+    if final == _C.ProcessState.CHECKPOINTED and not any(o.code for o in outcomes):
+        draft.steps.append(fast.copier_asleep())
+        ctx.paused_bytes = moved
+        ctx.set_state(EngineState.PAUSED)
+        return draft.build(ok=True, notes=copier_notes(fast))
+    failure = first_failure(outcomes)
+    if final == _C.ProcessState.RUNNING:
+        return undo(failure.step, describe_failure(failure))
+    ctx.set_state(EngineState.FAILED)
+    return draft.build(
+        failed_step=failure.step,
+        error=f"{describe_failure(failure)}; ROLLBACK FAILED: the process is {final.name}; "
+        "its pool memory is in host memory",
+    )

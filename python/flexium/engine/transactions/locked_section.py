@@ -1,0 +1,79 @@
+"""The locked section every transaction runs in one native call (csrc/checkpoint.cpp says why),
+its step lists, and the preparation before it."""
+
+from __future__ import annotations
+
+import time
+
+from flexium import _C
+from flexium.engine import nvml, torch_bridge
+from flexium.engine.identity import MovePlan
+from flexium.engine.operations import EngineState, OperationKind, StepTiming
+from flexium.engine.transactions.context import OperationContext
+from flexium.errors import OperationFailedError
+
+Steps = tuple[list[_C.Step], list[list[_C.Step]]]  # the steps and each one's rollback
+
+
+def prepare(ctx: OperationContext, kind: OperationKind) -> tuple[StepTiming, int]:
+    """Before the lock; a failure here (a sticky CUDA error surfacing in synchronize, NVML
+    gone) touched nothing, so the job simply stays RUNNING. Returns the step and the bytes
+    the operation moves."""
+    started = time.perf_counter()
+    try:
+        torch_bridge.synchronize()
+        torch_bridge.release_cached_memory()
+        moved = ctx.process_bytes()
+    except Exception as exc:
+        ctx.set_state(EngineState.RUNNING)
+        raise OperationFailedError(
+            f"{kind.value} failed at step 'prepare' before anything was locked: {type(exc).__name__}: {exc}",
+            step="prepare",
+        ) from exc
+    return StepTiming("prepare", time.perf_counter() - started, ok=True), moved
+
+
+def restore_step(plan: MovePlan) -> _C.Step:
+    return _C.Step(_C.StepKind.RESTORE, pairs=[_C.GpuPair(old, new) for old, new in plan.pairs])
+
+
+def migration_steps(ctx: OperationContext, plan: MovePlan) -> Steps:
+    """A migration's locked section: a failed checkpoint or restore is recovered in place
+    (docs/facts.md fact 3), a failed unlock is tried again."""
+    steps = [
+        _C.Step(_C.StepKind.LOCK, timeout_ms=ctx.lock_timeout_ms),
+        _C.Step(_C.StepKind.CHECKPOINT),
+        restore_step(plan),
+        _C.Step(_C.StepKind.UNLOCK),
+    ]
+    recover = [_C.Step(_C.StepKind.RECOVER)]
+    return steps, [[], recover, recover, [_C.Step(_C.StepKind.UNLOCK)]]
+
+
+def pause_steps(ctx: OperationContext) -> Steps:
+    """A pause's locked section: a failed checkpoint is recovered in place."""
+    steps = [_C.Step(_C.StepKind.LOCK, timeout_ms=ctx.lock_timeout_ms), _C.Step(_C.StepKind.CHECKPOINT)]
+    return steps, [[], [_C.Step(_C.StepKind.RECOVER)]]
+
+
+def resume_steps(plan: MovePlan) -> Steps:
+    """A resume's: a failed restore leaves the process checkpointed (docs/facts.md fact 3), still
+    paused with nothing to undo; a failed unlock is tried again."""
+    return [restore_step(plan), _C.Step(_C.StepKind.UNLOCK)], [[], [_C.Step(_C.StepKind.UNLOCK)]]
+
+
+def run(ctx: OperationContext, steps: Steps, *, hold_gil: bool = False) -> list[_C.StepOutcome]:
+    """Runs a locked section; NVML queries go elsewhere until the process runs again."""
+    nvml.set_frozen(True)
+    try:
+        outcomes = list(_C.run_steps(ctx.pid, *steps, hold_gil=hold_gil))
+    finally:
+        nvml.set_frozen(_C.process_state(ctx.pid) != _C.ProcessState.RUNNING)
+    if ctx.fast is not None and any(o.step == "restore" and o.code == 0 for o in outcomes):
+        # What the driver carried through its checkpoint comes back unexportable (docs/fast-path.md).
+        _C.vmm_mark_restored_by_driver()
+    return outcomes
+
+
+def process_state(ctx: OperationContext) -> _C.ProcessState:
+    return _C.process_state(ctx.pid)
