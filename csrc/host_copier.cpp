@@ -1,11 +1,9 @@
-// Vendor rules relied on, with evidence (bench/staging_probe.py, H200, driver 580):
-//  - memory pinned (cuMemHostRegister) in one process and mapped shared by another is ordinary
-//    memory to the other: the job's checkpoint with the staging pinned here costs what an
-//    unpinned one does (helper_copy: pause 0.80 s, resume 0.58 s at 16 GiB).
-//  - registering a chunk does not hold up the copies already queued (shared_staging: pinning and
-//    copying 16 GiB chunk by chunk took 0.55 s against 0.64 s + 0.29 s one after the other).
-//  - a bare context costs 518 MiB of GPU memory and comes back in 0.13 s once the driver is
-//    initialised; releasing the last reference to the primary context destroys it.
+// Vendor rules relied on:
+//  - memory pinned here and mapped shared by the job is ordinary memory to the job's checkpoint
+//    (docs/fast-path.md fact 10).
+//  - registering a chunk does not hold up copies already queued (docs/fast-path.md fact 10).
+//  - releasing the last reference to the primary context destroys it (a bare one costs 518 MiB:
+//    docs/fast-path.md fact 10).
 #include "host_copier.h"
 
 #include <strings.h>

@@ -3,9 +3,9 @@
 // its own and copies between it and the job's segments, imported through their fds.
 //
 // Why a second process: pinned memory in the checkpointed process slows its checkpoint and
-// restore (vmm_host_staging.cpp), and unpinning in the job does not overlap its copies; pinned in
-// another process, the pause's copy needs no unpinning before the checkpoint, and on resume the
-// pinning runs while the job's restore does (bench/staging_probe.py helper_copy, shared_staging).
+// restore, and unpinning in the job does not overlap its copies; pinned here, the staging costs
+// the job's checkpoint nothing, and pinning overlaps the job's restore (docs/fast-path.md facts 5,
+// 6 and 10).
 // The copier holds no GPU memory while the job is paused: sleep() unpins and drops its context.
 #pragma once
 

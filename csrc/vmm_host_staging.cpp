@@ -1,20 +1,15 @@
 // The host staging's memory: memfd extents mapped here (and by the copier process), touched
 // ahead of a pause, pinned chunk by chunk, given back after a resume.
 //
-// Vendor rules relied on, with evidence:
-//  - copies between device memory and pinned host memory run at 55 GB/s here against 1.5 GB/s
-//    from pageable memory (docs/facts.md fact 10), hence pinned staging.
-//  - pinned host memory in the process slows the driver's checkpoint and, more, its restore
-//    (H200, driver 580, 16 GiB pinned: checkpoint + restore +0.68 s with cuMemHostRegister,
-//    +0.70 s with cuMemHostAlloc); the same memory unregistered before the checkpoint costs
-//    +0.03 s (bench/staging_probe.py checkpoint_pinned). Registering touched memory runs at
-//    46 GB/s and unregistering at 53 GB/s, about the copy speed, while cuMemHostAlloc pins at
-//    2.5 GB/s. So the staging is host memory touched ahead of the pause and pinned chunk by chunk
-//    only while copies run through it.
-//  - the staging is a memfd mapped shared, so that the copier process (host_copier.h) can map
-//    and pin the same pages: pinned there, they cost this process's checkpoint nothing. Without
-//    shmem huge pages (shmem_enabled "never", the H200 hosts) it pins at 27 GB/s against 57 GB/s
-//    for anonymous memory (staging_probe.py shared_staging), still ahead of the safe point.
+// Vendor rules relied on:
+//  - copies from pinned host memory are far faster than from pageable memory: the staging is pinned
+//    (docs/facts.md fact 10).
+//  - pinned memory in the process slows its checkpoint and restore, unpinned it costs nothing: pinned only while
+//    copies run (docs/fast-path.md fact 5).
+//  - registering touched memory pins far faster than cuMemHostAlloc, about the copy speed: the staging is touched
+//    ahead of the pause and registered (docs/fast-path.md fact 6).
+//  - a memfd mapped shared lets the copier process (host_copier.h) pin the same pages; pinned there, they cost
+//    this process's checkpoint nothing (docs/fast-path.md facts 10, 14).
 //  - CU_MEMHOSTREGISTER_PORTABLE makes a registration count for every context, so a chunk pinned
 //    with one GPU's context serves a restore onto another.
 #include "vmm_host_staging.h"
@@ -184,9 +179,7 @@ std::size_t reserve_host_staging(std::size_t bytes, int device, std::size_t chun
       Chunk &chunk = staging.chunks[i];
       covered += chunk.size;
       if (chunk.pinned) continue;
-      // The job's CUDA calls wait while the driver pins, and back to back registrations kept
-      // them waiting for all of it (H200: the job's step in flight took 0.41 s longer for
-      // 16 GiB, 2.9 s for 64 GiB); a pause between chunks lets them through.
+      // A break between chunks lets the job's CUDA calls through while we pin (docs/fast-path.md fact 6).
       if (pinned > 0) std::this_thread::sleep_for(kPinBreak);
       pin(d, chunk);
       pinned += chunk.size;
@@ -217,10 +210,9 @@ std::size_t release_host_staging() {
     ScopedContext context(d, staging.device);
     for (Chunk &chunk : staging.chunks) unpin(d, chunk);
   }
-  // Unmapping takes the process's mmap lock for writing, and the job's page faults and the
-  // driver's own mappings wait for it: unmapped whole, 16 GiB of small pages held the first step
-  // after a resume up by a second. Dropped chunk by chunk (MADV_DONTNEED takes the lock for
-  // reading only), with a break between, the munmap below has nothing left to do.
+  // munmap takes the mmap lock for writing, which the job's page faults wait for. Dropped chunk by chunk
+  // (MADV_DONTNEED takes the lock for reading only), so munmap finds nothing left to hold the job up
+  // (docs/fast-path.md fact 15).
   for (std::size_t i = 0; i < staging.chunks.size(); ++i) {
     if (i > 0) std::this_thread::sleep_for(kUnmapBreak);
     ::madvise(staging.chunks[i].host, staging.chunks[i].size, MADV_DONTNEED);

@@ -5,9 +5,9 @@
 //
 // The staging is host memory (memfds the copier process maps too), touched ahead of a pause and
 // pinned (cuMemHostRegister) only while copies run through it: pinned memory in the process slows
-// the driver's checkpoint and restore, unpinned memory does not (vmm_host_staging.cpp says how
-// much). Implemented in vmm_host_staging.cpp (the memory), vmm_host_copies.cpp (copies in this
-// process) and vmm_host_orders.cpp (copies by the copier).
+// the driver's checkpoint and restore, unpinned memory does not (docs/fast-path.md fact 5).
+// Implemented in vmm_host_staging.cpp (the memory), vmm_host_copies.cpp (copies in this process)
+// and vmm_host_orders.cpp (copies by the copier).
 #pragma once
 
 #include <cstddef>

@@ -1,18 +1,12 @@
-// Vendor rules this file relies on, with their evidence:
-//  - memory held only by an exported POSIX fd of a cuMemCreate allocation (own handle released,
-//    mapping removed, address range still reserved) is skipped by the checkpoint and survives the
-//    restore; importing the fd and mapping it at the same address gives the data back intact
-//    (docs/facts.md fact 9: 16 GiB moved in 1.12 s).
-//  - an allocation lives until its mappings are gone and every handle, exported fds included, is
-//    released (cuMemRelease docs: "including its shareable counterparts"); so dropping our handle
-//    and mapping after the export leaves the copy alive, and closing the fd frees it.
-//  - read/write access granted to both GPUs on one mapping lets a copy issued in the source
-//    context write into target memory over NVLink, no cuCtxEnablePeerAccess needed
-//    (docs/facts.md fact 9: 392 GB/s).
-//  - a new mapping has no access until cuMemSetAccess (cuMemUnmap/cuMemMap docs).
-//  - the target's primary context is retained only while its memory is made and filled; the
-//    probe of docs/facts.md fact 9 released it before the checkpoint and the fd-held
-//    memory survived, so no context of ours stays on the target to ride the checkpoint.
+// Vendor rules relied on:
+//  - memory held only by an exported fd of a cuMemCreate allocation survives the checkpoint and maps back at its
+//    address (docs/facts.md fact 9).
+//  - an allocation lives until every mapping and handle, exported fds included, is gone (cuMemRelease docs):
+//    the fd alone keeps the copy alive, and closing it frees the memory.
+//  - access for both GPUs on one mapping lets the source context copy into target memory, no peer access call
+//    (docs/facts.md fact 9).
+//  - a new mapping has no access until cuMemSetAccess (cuMemMap docs).
+//  - no context of ours stays on the target to ride the checkpoint (docs/facts.md fact 9).
 #include "vmm_relocate.h"
 
 #include <unistd.h>
@@ -164,9 +158,8 @@ std::vector<StagedSegment> stage_segments_to_device(int target, int source, cons
       }
     }
   }
-  // A context of ours on the target costs about 0.2 s to create and destroy, so first try
-  // without one (memory can be created on, and copied into, a GPU from another GPU's context);
-  // a driver that wants the target's context gets it on the second try.
+  // First without a context on the target (docs/fast-path.md fact 4): memory can be created on, and copied into,
+  // a GPU from another GPU's context. A driver that wants one gets it on the retry.
   try {
     return stage_groups(d, groups, target, live, false);
   } catch (const DriverError &e) {

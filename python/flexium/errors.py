@@ -47,7 +47,8 @@ class OperationInProgressError(FlexiumError):
 
 class OperationFailedError(FlexiumError):
     """A step failed and was rolled back: the process runs on its source GPU (or, for a failed
-    resume, stays paused) exactly as before. `step` names the failing step; `result` has timings."""
+    resume, stays paused) exactly as before. `step` names the failing step: a StepTiming step, or
+    pin / validate / own / prepare for a refusal before the locked section; `result` has timings."""
 
     def __init__(self, message: str, *, step: str, result: Optional["OperationResult"] = None) -> None:
         super().__init__(message)

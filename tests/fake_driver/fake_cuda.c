@@ -284,10 +284,10 @@ static struct {
   int oom_poisons_restore;
   /* Measured on H200s (driver 580): a checkpoint taken while the process held imported VMM memory
    * cannot be restored: the restore, remapped or in place, fails with CUDA_ERROR_NOT_SUPPORTED and
-   * the process stays CHECKPOINTED (docs/fast-path.md). */
+   * the process stays CHECKPOINTED (docs/fast-path.md fact 1). */
   int image_has_imported;
   /* Pinned host bytes when the last checkpoint was taken: on H200s pinned memory slows the
-   * checkpoint and restore (csrc/vmm_host_staging.cpp says how much), so the fast pause unpins before it. */
+   * checkpoint and restore (docs/fast-path.md fact 5), so the fast pause unpins before it. */
   unsigned long long pinned_at_checkpoint;
 
   /* behaviour and failure injection */
@@ -757,7 +757,7 @@ static void vmm_restored(const int target[MAX_GPUS]) {
     if (!a->used || a->riding < 0) continue;
     a->physical = target[a->riding];
     a->riding = -1;
-    a->exportable = 0; /* the restored allocation refuses export (H200, driver 580) */
+    a->exportable = 0; /* the restored allocation refuses export (docs/fast-path.md fact 11) */
   }
 }
 

@@ -146,8 +146,7 @@ def _start_memory_pool(config: FlexiumConfig, logical_device: str, capabilities:
         source = config.sources.get("fast_path", "default")
         pool.reason_off = f"switched off (fast_path false, from {source})"
         return pool
-    # The job's own GPU only: making a pool for another GPU can create a context there (about
-    # 500 MiB), which every swap would then carry to the source GPU (seen on H200s, torch 2.11).
+    # The job's own GPU only (docs/fast-path.md fact 2).
     if not pool.install([_ordinal(logical_device)]):
         log.warning("fast path off, migrations and pauses use the driver path: %s", pool.reason_off)
     return pool

@@ -170,9 +170,8 @@ class FastPath:
     def host_bytes_wanted(self, logical: int) -> int:
         """Host staging a pause of `logical` would fill: the pool's live bytes now, with room for
         what the job may allocate before the safe point, never more than an eighth over what the
-        pool holds now (H200 run: an all-features job's pool grew by 6 % between the preparation
-        and the safe point). Should it need more at the safe point, the copies run in this
-        process, which maps the rest there."""
+        pool holds now (the pool grows meanwhile: docs/fast-path.md fact 16). Should it need more at
+        the safe point, the copies run in this process, which maps the rest there."""
         live = self.pool.live_ranges(logical)
         segments = [(s.address, s.size) for s in _C.vmm_segments() if s.device == logical]
         live_bytes = sum(sum(length for _o, length in live[a]) if a in live else size for a, size in segments)

@@ -2,10 +2,10 @@
 
 A `torch.cuda.MemPool` on flexium._C's pluggable allocator for the job's GPU, and every
 thread's allocations on that GPU routed to it (docs/facts.md fact 11). Other GPUs keep PyTorch's
-allocator: a pool made for a GPU the job does not use created a CUDA context there (torch 2.11). PyTorch keeps caching,
-streams, statistics and `record_stream` on top; only the segments come from us, each a
-cuMemCreate allocation the fast path can copy to another GPU or to pinned host memory and map
-back at the same address.
+allocator: a pool made for another GPU creates a CUDA context there, which every swap would carry
+(docs/fast-path.md fact 2). PyTorch keeps caching, streams, statistics and `record_stream` on top;
+only the segments come from us, each a cuMemCreate allocation the fast path can copy to another
+GPU or to pinned host memory and map back at the same address.
 
 Rules from docs/facts.md fact 11 this module keeps: the routing starts before the job's first CUDA allocation
 (memory allocated earlier stays outside the pool, so the job then uses the driver path); it
@@ -81,8 +81,7 @@ class MemoryPool:
             try:
                 for device in devices:
                     # A MemPool belongs to the device current when it is made. flexium pools the
-                    # job's own GPU only, which init already made current (a pool made for another
-                    # GPU left a CUDA context there on H200s, docs/fast-path.md).
+                    # job's own GPU only, which init already made current (docs/fast-path.md fact 2).
                     previous = torch.cuda._maybe_exchange_device(device)
                     try:
                         pool = torch.cuda.MemPool(allocator.allocator())

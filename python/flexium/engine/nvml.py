@@ -5,9 +5,9 @@ NVML calls made inside a process that is locked or checkpointed block until it r
 (seen on driver 580: nvmlDeviceGetCount hung in the control thread of a paused job). While the
 engine has the process frozen, queries therefore go to a reader process the engine starts with
 the job (this file run by its path with --serve: NVML initialised once, a read per line of its
-stdin), else to a short-lived child. A resume's room check runs while the job is still
-checkpointed: the child cost 0.31 s, 0.28 s of it importing the flexium package (`python -m`),
-now 0.12 s run by path; the reader answers in milliseconds.
+stdin), else to a short-lived child run by path, not as a package module (importing flexium was
+most of its time). A resume's room check runs while the job is still checkpointed
+(docs/fast-path.md fact 12 has the timings).
 """
 
 from __future__ import annotations

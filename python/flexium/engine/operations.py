@@ -40,8 +40,9 @@ class GpuIdentity:
 
 @dataclass(frozen=True)
 class StepTiming:
-    # prepare | own | copy | release | lock | checkpoint | restore | unlock | recover | map
-    # | copier_sleep | copy_back | rollback_copy (the fast path's steps: fast_path.py)
+    # prepare | copy | release | lock | checkpoint | restore | unlock | map | own | copier_sleep | copy_back
+    # | rollback_copy (the native recover step reports its calls as restore / unlock with rollback=True;
+    # validate is never a timing). docs/design.md, "The engine's invariants", lists them too.
     step: str
     seconds: float
     ok: bool
@@ -52,7 +53,9 @@ class StepTiming:
 @dataclass(frozen=True)
 class OperationResult:
     kind: OperationKind
-    path: str                                   # "fast" (pool segments moved by us) or "driver"
+    # "fast" (we moved the pool's segments; the checkpoint carried the rest) or "driver" (the checkpoint
+    # carried everything)
+    path: str
     ok: bool
     logical_device: str                         # what the training code uses, e.g. "cuda:0"
     source: GpuIdentity
@@ -60,6 +63,7 @@ class OperationResult:
     steps: tuple[StepTiming, ...] = ()
     bytes_moved: int = 0
     seconds: float = 0.0
+    # a StepTiming step, or pin / validate / own / prepare for a refusal before the locked section
     failed_step: Optional[str] = None
     error: Optional[str] = None
     notes: tuple[str, ...] = field(default_factory=tuple)

@@ -70,7 +70,7 @@ def run(ctx: OperationContext, steps: Steps, *, hold_gil: bool = False) -> list[
     finally:
         nvml.set_frozen(_C.process_state(ctx.pid) != _C.ProcessState.RUNNING)
     if ctx.fast is not None and any(o.step == "restore" and o.code == 0 for o in outcomes):
-        # What the driver carried through its checkpoint comes back unexportable (docs/fast-path.md).
+        # What the driver carried through its checkpoint comes back unexportable (docs/fast-path.md fact 11).
         _C.vmm_mark_restored_by_driver()
     return outcomes
 

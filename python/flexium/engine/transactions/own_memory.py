@@ -10,14 +10,14 @@ from flexium.engine.operations import OperationKind, StepTiming
 from flexium.engine.transactions.context import OperationContext
 from flexium.errors import OperationFailedError
 
-# Memory made the job's own per optimizer step after a fast move (H200s: about 4.4 ms per GiB).
+# Memory made the job's own per optimizer step after a fast move (docs/fast-path.md fact 17).
 OWN_SLICE_BYTES = 4 << 30
 
 
 def own_in_slices(ctx: OperationContext) -> None:
     """The segments get fresh memory of the job's own a slice at a time at the next optimizer
-    steps, outside the operation's downtime (H200: 0.28 s for 64 GiB in one go). Should a slice
-    fail, the rest waits: the driver path owns imported memory before its checkpoint, and a
+    steps, outside the operation's downtime (docs/fast-path.md facts 1, 9, 11 and 17). Should a
+    slice fail, the rest waits: the driver path owns imported memory before its checkpoint, and a
     pause copies unexportable memory in this process."""
     fast = ctx.fast
     if fast is None or _C.vmm_segments_to_own() == 0:
@@ -37,7 +37,7 @@ def own_before_driver_checkpoint(
     ctx: OperationContext, kind: OperationKind, at_safe_point: bool
 ) -> tuple[StepTiming, ...]:
     """Imported memory left by a fast move whose own step failed cannot be restored by a driver
-    checkpoint (docs/fast-path.md): it is made the job's own here, before a driver-path
+    checkpoint (docs/fast-path.md fact 1): it is made the job's own here, before a driver-path
     checkpoint, and only where no kernel can be launched on a segment while its memory is
     swapped: at a safe point or on the training thread."""
     if ctx.fast is None or _C.vmm_imported_count() == 0:
