@@ -1,6 +1,5 @@
 // Glue only: every function here forwards to one file of csrc/, and every struct crosses as
 // itself (a bound class), never as a tuple.
-#include <pybind11/native_enum.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -45,7 +44,7 @@ std::string record_repr(py::handle self) {
 void bind_driver(py::module_ &m) {
   static py::handle driver_error = py::object(py::module_::import("flexium.errors").attr("DriverError")).release();
   m.attr("DriverError") = driver_error;
-  py::register_exception_translator([](std::exception_ptr pending) {
+  py::register_local_exception_translator([](std::exception_ptr pending) {
     try {
       if (pending) std::rethrow_exception(pending);
     } catch (const DriverError &e) {
@@ -81,12 +80,13 @@ void bind_devices(py::module_ &m) {
 }
 
 void bind_checkpoint(py::module_ &m) {
-  py::native_enum<CUprocessState>(m, "ProcessState", "enum.Enum")
+  // py::enum_, not py::native_enum: a native_enum of pybind11 3.1 loaded before torch 2.11 makes
+  // `import torch` crash (docs/facts.md fact 20).
+  py::enum_<CUprocessState>(m, "ProcessState")
       .value("RUNNING", CU_PROCESS_STATE_RUNNING)
       .value("LOCKED", CU_PROCESS_STATE_LOCKED)
       .value("CHECKPOINTED", CU_PROCESS_STATE_CHECKPOINTED)
-      .value("FAILED", CU_PROCESS_STATE_FAILED)
-      .finalize();
+      .value("FAILED", CU_PROCESS_STATE_FAILED);
 
   py::class_<GpuPair>(m, "GpuPair")
       .def(py::init<std::string, std::string>(), py::arg("old_uuid"), py::arg("new_uuid"))
@@ -101,13 +101,12 @@ void bind_checkpoint(py::module_ &m) {
   m.def("restore", &restore_process, py::arg("pid"), py::arg("pairs") = std::vector<GpuPair>{}, release_gil());
   m.def("unlock", &unlock_process, py::arg("pid"), release_gil());
 
-  py::native_enum<StepKind>(m, "StepKind", "enum.Enum")
+  py::enum_<StepKind>(m, "StepKind")
       .value("LOCK", StepKind::Lock)
       .value("CHECKPOINT", StepKind::Checkpoint)
       .value("RESTORE", StepKind::Restore)
       .value("UNLOCK", StepKind::Unlock)
-      .value("RECOVER", StepKind::Recover)
-      .finalize();
+      .value("RECOVER", StepKind::Recover);
   py::class_<Step>(m, "Step")
       .def(py::init(&make_step), py::arg("kind"), py::arg("timeout_ms") = 0, py::arg("pairs") = std::vector<GpuPair>{})
       .def_property_readonly("kind", [](const Step &s) { return s.kind; })

@@ -1,7 +1,7 @@
 """flexium's native layer (csrc/). Private: the public API is pure Python.
 tests/unit/test_native_stub.py keeps this stub and the built module in step."""
 
-import enum
+from typing import ClassVar
 from collections.abc import Mapping, Sequence, Set
 
 from flexium.errors import DriverError as DriverError
@@ -48,11 +48,18 @@ def list_devices() -> list[DeviceInfo]: ...
 
 # ---- the checkpoint API (checkpoint.h) ---------------------------------------------------------
 
-class ProcessState(enum.Enum):
-    RUNNING = 0
-    LOCKED = 1
-    CHECKPOINTED = 2
-    FAILED = 3
+class ProcessState:
+    """A pybind11 enum (py::enum_), not an enum.Enum: csrc/bindings.cpp says why."""
+
+    RUNNING: ClassVar[ProcessState]
+    LOCKED: ClassVar[ProcessState]
+    CHECKPOINTED: ClassVar[ProcessState]
+    FAILED: ClassVar[ProcessState]
+    def __init__(self, value: int) -> None: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def value(self) -> int: ...
 
 class GpuPair:
     def __init__(self, old_uuid: str, new_uuid: str) -> None: ...
@@ -68,12 +75,19 @@ def checkpoint(pid: int) -> None: ...
 def restore(pid: int, pairs: Sequence[GpuPair] = ...) -> None: ...
 def unlock(pid: int) -> None: ...
 
-class StepKind(enum.Enum):
-    LOCK = 0
-    CHECKPOINT = 1
-    RESTORE = 2
-    UNLOCK = 3
-    RECOVER = 4
+class StepKind:
+    """A pybind11 enum (py::enum_), like ProcessState."""
+
+    LOCK: ClassVar[StepKind]
+    CHECKPOINT: ClassVar[StepKind]
+    RESTORE: ClassVar[StepKind]
+    UNLOCK: ClassVar[StepKind]
+    RECOVER: ClassVar[StepKind]
+    def __init__(self, value: int) -> None: ...
+    @property
+    def name(self) -> str: ...
+    @property
+    def value(self) -> int: ...
 
 class Step:
     def __init__(self, kind: StepKind, timeout_ms: int = 0, pairs: Sequence[GpuPair] = ...) -> None: ...

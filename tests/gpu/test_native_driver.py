@@ -46,3 +46,12 @@ def test_native_layer_on_the_real_driver(host_gpus: list[Any]) -> None:
     assert full["ours"][devices["uuids"][1]] >= GIB and full["ours"][devices["uuids"][0]] == 0
     # The driver API names the new GPU after the move (PyTorch's cached properties do not: docs/facts.md fact 5).
     assert full["reported_uuid"] == devices["uuids"][1]
+
+
+def test_importing_flexium_before_torch_leaves_torch_working() -> None:
+    # docs/facts.md fact 20: a job that imports flexium first (python -m flexium.cli.demo_job does)
+    # once crashed inside `import torch`.
+    code = "import flexium._C; import torch; print(torch.ones(2, device='cuda').sum().item())"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-3000:]}"
+    assert proc.stdout.strip().splitlines()[-1] == "2.0"

@@ -6,7 +6,6 @@ its docstring; mypy's stubtest cannot read those, so this test does."""
 from __future__ import annotations
 
 import ast
-import enum
 import re
 from pathlib import Path
 from typing import Any, Optional
@@ -101,13 +100,15 @@ def is_property(node: ast.FunctionDef) -> bool:
 
 def class_differences(name: str, node: ast.ClassDef, runtime: type) -> list[str]:
     found: list[str] = []
-    if issubclass(runtime, enum.Enum):
-        if [ast.unparse(b) for b in node.bases] != ["enum.Enum"]:
-            found.append(f"{name}: the stub's base is not enum.Enum")
-        stub_members = {t.id: ast.literal_eval(a.value) for a in node.body if isinstance(a, ast.Assign)
-                        for t in a.targets if isinstance(t, ast.Name)}
-        if stub_members != {m.name: m.value for m in runtime}:
-            found.append(f"{name}: members {stub_members} != {[(m.name, m.value) for m in runtime]}")
+    if isinstance(getattr(runtime, "__members__", None), dict):  # a py::enum_
+        stub_members = [a.target.id for a in node.body
+                        if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)
+                        and ast.unparse(a.annotation) == f"ClassVar[{name}]"]
+        if stub_members != list(runtime.__members__):
+            found.append(f"{name}: members {stub_members} != {list(runtime.__members__)}")
+        stub_properties = sorted(f.name for f in node.body if isinstance(f, ast.FunctionDef) and is_property(f))
+        if stub_properties != ["name", "value"]:
+            found.append(f"{name}: the stub's properties are {stub_properties}, an enum has name and value")
         return found
     stub_members = {f.name: f for f in node.body if isinstance(f, ast.FunctionDef)}
     runtime_members = {}
@@ -194,7 +195,7 @@ def test_driver_error_is_flexiums_own_error() -> None:
         ("def abort_host_order() -> None: ...\n", "def abort_host_order() -> None: ...\ndef gone() -> None: ...\n",
          "gone is in the stub, not in the module"),
         ("def unlock(pid: int) -> None: ...\n", "", "unlock is not in the stub"),
-        ("    FAILED = 3\n", "", "ProcessState: members"),
+        ("    FAILED: ClassVar[ProcessState]\n", "", "ProcessState: members"),
         ("    def sleep(self) -> None: ...\n", "    @property\n    def sleep(self) -> None: ...\n",
          "HostCopier.sleep: property in one"),
         ("CHECKPOINT_API_VERSION: int", "CHECKPOINT_API_VERSION: str", "CHECKPOINT_API_VERSION: str != int"),
