@@ -280,7 +280,7 @@ class Script:
             except subprocess.TimeoutExpired:
                 self._proc.kill()
                 stdout, stderr = self._proc.communicate()
-                raise AssertionError(f"subprocess timed out:\n{stdout}\n{stderr}")
+                raise AssertionError(f"subprocess timed out:\n{stdout}\n{stderr}") from None
             self._run = ScriptRun(self.code, self._proc.returncode, stdout, stderr)
         return self._run
 

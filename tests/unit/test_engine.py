@@ -511,7 +511,7 @@ def test_an_error_in_prepare_leaves_the_engine_usable(
 
     engine.add_state_listener(nvml_breaks)
     run = (lambda: engine.migrate(engine.gpus[1])) if operation == "migrate" else engine.pause
-    with pytest.raises(Exception):
+    with pytest.raises(OperationFailedError, match="at step 'prepare'"):
         run()
     assert checkpoint_ops(fake) == []
     on_gpu(fake, engine, 0)
@@ -908,7 +908,7 @@ def test_four_gpus_in_a_fresh_process(fresh_processes: Any) -> None:
         ("cuda:3", [(2, 3), (1, 1), (0, 0), (3, 2)], [3, 1, 0, 2]),
         ("cuda:1", [(3, 1), (1, 3), (0, 0), (2, 2)], [1, 3, 0, 2]),
     ]
-    for move, (target, pairs, placement) in zip(out["moves"], expected):
+    for move, (target, pairs, placement) in zip(out["moves"], expected, strict=True):
         assert move[0] == target and move[1] is True
         assert sorted(map(tuple, move[2])) == sorted(pairs), target
         assert move[3] == placement, target

@@ -42,6 +42,7 @@ from fake_driver import FakeDriver, ProcessState  # noqa: E402
 from flexium import _C  # noqa: E402
 from flexium.engine import EngineState  # noqa: E402
 from flexium.engine.fast_path import FastPath, Staged  # noqa: E402
+from flexium.engine.operations import GpuIdentity  # noqa: E402
 from flexium.errors import (  # noqa: E402
     CapabilityError,
     InvalidStateError,

@@ -386,7 +386,7 @@ def test_resume_right_after_pause_never_strands_the_training_thread(
     trainer = trainers()
     for round_ in range(8):
         steps = trainer.steps
-        wait_until(lambda: trainer.steps > steps, what=f"a step before round {round_}")
+        wait_until(lambda: trainer.steps > steps, what=f"a step before round {round_}")  # noqa: B023  (waited on here)
         assert engine.pause().ok
         assert engine.resume(engine.gpus[1] if round_ % 2 == 0 else engine.gpus[0]).ok
         assert engine.state == EngineState.RUNNING and fake.state() == ProcessState.RUNNING

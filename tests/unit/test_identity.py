@@ -181,7 +181,7 @@ def test_a_plan_of_several_moves_is_one_full_permutation() -> None:
         (g[3].uuid, g[3].uuid),
     )
     with pytest.raises(ValueError, match="no single move"):
-        plan.move
+        _ = plan.move
     with pytest.raises(ValueError, match="cannot move to the same GPU"):
         identity.plan({0: g[2], 1: g[2]})
 

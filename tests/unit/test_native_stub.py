@@ -35,7 +35,9 @@ class Signature:
         if [p[0] for p in self.params] != [p[0] for p in runtime.params]:
             found.append(f"parameters {[p[0] for p in self.params]} != {[p[0] for p in runtime.params]}")
             return found
-        for (name, stub_type, stub_default), (_, runtime_type, runtime_default) in zip(self.params, runtime.params):
+        for (name, stub_type, stub_default), (_, runtime_type, runtime_default) in zip(
+            self.params, runtime.params, strict=True
+        ):
             if stub_type != runtime_type:
                 found.append(f"{name}: {stub_type} != {runtime_type}")
             if (stub_default is None) != (runtime_default is None):
@@ -87,7 +89,7 @@ def stub_signature(node: ast.FunctionDef, *, method: bool) -> Signature:
     args = node.args.args[1:] if method else node.args.args
     defaults: list[Optional[ast.expr]] = [None] * (len(args) - len(node.args.defaults)) + list(node.args.defaults)
     params = []
-    for arg, default in zip(args, defaults):
+    for arg, default in zip(args, defaults, strict=True):
         assert arg.annotation is not None, f"{node.name}: {arg.arg} has no type"
         params.append((arg.arg, ast.unparse(arg.annotation), None if default is None else ast.unparse(default)))
     assert node.returns is not None, f"{node.name} has no return type"

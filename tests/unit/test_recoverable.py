@@ -382,7 +382,7 @@ def test_iterator_non_cuda_error_is_not_retried(engine: FakeEngine) -> None:
         for attempt in recoverable(retries=3):
             with attempt:
                 tries += 1
-                1 / 0
+                _ = 1 / 0
     assert tries == 1
     assert engine.migrations == []
 

@@ -53,7 +53,7 @@ def _tensor_to_cpu(tensor: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     # Tensor.cuda(device, non_blocking, memory_format) and Tensor.to(device, dtype, ...) differ
     # in positional order, so the pass-through arguments are named here.
     options = dict(kwargs)
-    for name, value in zip(("non_blocking", "memory_format"), args):
+    for name, value in zip(("non_blocking", "memory_format"), args, strict=False):  # args may name fewer
         options[name] = value
     return tensor.to("cpu", **options)
 

@@ -37,7 +37,7 @@ class Server:
             if op == "quit":
                 close_all(fds)
                 return 0
-            self.answer(lambda: self.handle(str(op), message, fds), fds)
+            self.answer(lambda: self.handle(str(op), message, fds), fds)  # noqa: B023  (runs at once, in this pass)
             if op == "copy" and message.get("then_sleep") and self.copier is not None:
                 self.answer(self.sleep)
 
@@ -73,7 +73,7 @@ class Server:
                 self.copier.sleep()
                 self.copier = None  # unmaps the old extents
             chunks = [_C.CopierChunk(**dict(zip(CHUNK_FIELDS, row, strict=True))) for row in message["chunks"]]
-            self.copier = _C.HostCopier(list(zip(fds, sizes)), chunks)
+            self.copier = _C.HostCopier(list(zip(fds, sizes, strict=True)), chunks)
             return {}
         if op == "detach":
             if self.copier is not None:
@@ -89,7 +89,7 @@ class Server:
             if len(sizes) != len(fds):
                 raise ValueError(f"copy sent {len(fds)} fds for {len(sizes)} segments")
             pieces = [_C.CopierPiece(**dict(zip(PIECE_FIELDS, row, strict=True))) for row in message["pieces"]]
-            copied = copier.copy(bool(message["to_host"]), list(zip(fds, sizes)), pieces)
+            copied = copier.copy(bool(message["to_host"]), list(zip(fds, sizes, strict=True)), pieces)
             return {"bytes": copied}
         if op == "sleep":
             return self.sleep()

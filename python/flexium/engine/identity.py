@@ -55,7 +55,7 @@ class MovePlan:
         taken = set(moving.values())
         left = [uuid for uuid in moving if uuid not in taken]
         displaced = [gpu.uuid for _, gpu in self.placement if gpu.uuid in taken and gpu.uuid not in moving]
-        goes_to = {**moving, **dict(zip(displaced, left))}
+        goes_to = {**moving, **dict(zip(displaced, left, strict=True))}
         return tuple((gpu.uuid, goes_to.get(gpu.uuid, gpu.uuid)) for _, gpu in self.placement)
 
 
