@@ -9,11 +9,11 @@ from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 from sqlalchemy import text
 
+from flexium import wire
 from flexium.server import storage
 from flexium.server.context import Ctx
 from flexium.server.db import DatabaseUnavailable
 from flexium.server.metrics import CONTENT_TYPE
-from flexium.server.schemas import HealthOut
 
 router = APIRouter()
 
@@ -22,7 +22,7 @@ def _ping(*, session: Any) -> None:
     session.execute(text("SELECT 1"))
 
 
-@router.get("/healthz", response_model=HealthOut, responses={503: {"model": HealthOut}},
+@router.get("/healthz", response_model=wire.HealthInfo, responses={503: {"model": wire.HealthInfo}},
             summary="200 when the database answers")
 async def healthz(ctx: Ctx) -> Any:
     try:
