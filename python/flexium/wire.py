@@ -49,7 +49,7 @@ def _check_json(value: dict[str, Any]) -> dict[str, Any]:
                     raise ValueError("object keys must be strings")
                 _no_nul(key)
                 walk(item, depth + 1)
-        elif isinstance(node, list):
+        elif isinstance(node, (list, tuple)):       # a tuple goes out as a JSON array
             for item in node:
                 walk(item, depth + 1)
         elif isinstance(node, str):

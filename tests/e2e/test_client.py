@@ -12,6 +12,7 @@ from typing import Any, Iterator, Optional
 import pytest
 
 from e2e_helpers import Server, wait_until
+from flexium import wire
 from flexium.client import ApiClient, ProcessClient, start_client
 from flexium.config import parse_server_address
 from flexium.engine.operations import EngineState, GpuIdentity, OperationKind, OperationResult
@@ -61,21 +62,21 @@ class ScriptedReporter:
     def __init__(self, process_id: str) -> None:
         self.process_id = process_id
 
-    def register_body(self, _gpus: Any) -> dict[str, Any]:
-        return {"process_id": self.process_id, "host": "e2e-host", "pid": 1, "gpu_uuid": GPUS[0].uuid,
+    def register_body(self, _gpus: Any) -> wire.RegisterRequest:
+        return wire.RegisterRequest.model_validate({"process_id": self.process_id, "host": "e2e-host", "pid": 1, "gpu_uuid": GPUS[0].uuid,
                 "gpu_model": "NVIDIA H200", "gpu_index": 0, "logical_device": "cuda:0",
                 "physical_device": "cuda:0", "visible_gpus": [g.uuid for g in GPUS],
                 "capabilities": {"pause_resume": True, "migration": True}, "memory_bytes": GIB,
                 "state": "RUNNING", "devices": [
                     {"uuid": g.uuid, "index": g.ordinal, "name": g.name, "memory_total": g.total_memory,
-                     "memory_used": GIB if g.ordinal == 0 else 0, "health": "ok"} for g in GPUS]}
+                     "memory_used": GIB if g.ordinal == 0 else 0, "health": "ok"} for g in GPUS]})
 
-    def heartbeat_body(self, _gpus: Any) -> dict[str, Any]:
-        return {"state": "RUNNING", "memory_bytes": GIB}
+    def heartbeat_body(self, _gpus: Any) -> wire.HeartbeatRequest:
+        return wire.HeartbeatRequest(state="RUNNING", memory_bytes=GIB)
 
-    def process_update(self) -> dict[str, Any]:
-        return {"state": "RUNNING", "gpu_uuid": GPUS[0].uuid, "gpu_index": 0, "physical_device": "cuda:0",
-                "memory_bytes": GIB}
+    def process_update(self) -> wire.ProcessUpdate:
+        return wire.ProcessUpdate(state="RUNNING", gpu_uuid=GPUS[0].uuid, gpu_index=0, physical_device="cuda:0",
+                                  memory_bytes=GIB)
 
     def capabilities(self) -> dict[str, Any]:
         return {"pause_resume": True, "migration": True, "problems": []}
