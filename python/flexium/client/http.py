@@ -112,8 +112,8 @@ class ApiClient:
         self.token = token
         self.user_agent = user_agent
         self._local = threading.local()
-        self._sessions: list[requests.Session] = []
-        self._sessions_lock = threading.Lock()
+        self._pools: list[requests.Session] = []       # one per thread: see ``_pool``
+        self._pools_lock = threading.Lock()
 
     @property
     def base_url(self) -> str:
@@ -127,17 +127,18 @@ class ApiClient:
         prefix = protocol.workspace_path(self.workspace) if workspace else ""
         return f"{self.base_url}{prefix}{path}"
 
-    def _session(self) -> requests.Session:
-        session = getattr(self._local, "session", None)
-        if session is None:
-            session = requests.Session()
-            session.headers["User-Agent"] = self.user_agent
+    def _pool(self) -> requests.Session:
+        """This thread's connections (a ``requests.Session``: a pool and default headers)."""
+        pool: Optional[requests.Session] = getattr(self._local, "pool", None)
+        if pool is None:
+            pool = requests.Session()
+            pool.headers["User-Agent"] = self.user_agent
             if self.token:
-                session.headers[protocol.TOKEN_HEADER] = f"Bearer {self.token}"
-            self._local.session = session
-            with self._sessions_lock:
-                self._sessions.append(session)
-        return session
+                pool.headers[protocol.TOKEN_HEADER] = f"Bearer {self.token}"
+            self._local.pool = pool
+            with self._pools_lock:
+                self._pools.append(pool)
+        return pool
 
     def request(
         self,
@@ -186,7 +187,7 @@ class ApiClient:
               workspace: bool) -> Any:
         url = self.url(path, workspace=workspace)
         try:
-            response = self._session().request(
+            response = self._pool().request(
                 method, url, json=json, params=params, timeout=(min(CONNECT_TIMEOUT_S, timeout), timeout)
             )
         except requests.RequestException as exc:
@@ -282,10 +283,10 @@ class ApiClient:
         return self._read(wire.CommandInfo, answer, "a command")
 
     def close(self) -> None:
-        with self._sessions_lock:
-            sessions, self._sessions = self._sessions, []
-        for session in sessions:
-            session.close()
+        with self._pools_lock:
+            pools, self._pools = self._pools, []
+        for pool in pools:
+            pool.close()
 
 
 def _body(model: BaseModel) -> Any:

@@ -53,13 +53,13 @@ _REFUSALS = (TargetRefusedError, InvalidStateError, CapabilityError, OperationIn
 
 
 class ProcessClient:
-    def __init__(self, session: TrainingProcess, api: ApiClient, *,
+    def __init__(self, training: TrainingProcess, api: ApiClient, *,
                  reporter: Optional[ProcessReporter] = None) -> None:
-        self.session = session
+        self.training = training
         self.api = api
-        self.engine = session.engine
-        self.process_id: str = session.process_id
-        self.reporter = reporter or ProcessReporter(session)
+        self.engine = training.engine
+        self.process_id: str = training.process_id
+        self.reporter = reporter or ProcessReporter(training)
         self.heartbeat_interval_s = protocol.HEARTBEAT_INTERVAL_S
         self.poll_timeout_s = protocol.POLL_TIMEOUT_S
         self.registrations = 0

@@ -95,12 +95,13 @@ def gpu_reports(gpus: list[nvml.HostGpu]) -> list[wire.GpuReport]:
 
 
 class ProcessReporter:
-    """Builds the bodies from the session (process id, devices, capabilities) and its engine
-    (state, placement, memory). Called from the client's threads only."""
+    """Builds the bodies from the training process's flexium state (process id, devices,
+    capabilities) and its engine (state, placement, memory). Called from the client's
+    threads only."""
 
-    def __init__(self, session: TrainingProcess) -> None:
-        self.session = session
-        self.engine = session.engine
+    def __init__(self, training: TrainingProcess) -> None:
+        self.training = training
+        self.engine = training.engine
         self.pid = os.getpid()
         self.host = _short(socket.gethostname(), protocol.MAX_HOST_LEN) or "localhost"
         self.started_at = _process_started_at() or time.time()
@@ -116,12 +117,12 @@ class ProcessReporter:
     def placement(self) -> wire.ProcessUpdate:
         """Where the process is: its GPU (None without an engine) and the ordinal it has now."""
         if self.engine is None:
-            return wire.ProcessUpdate(gpu_uuid=None, gpu_index=None, physical_device=_short(self.session.logical_device))
+            return wire.ProcessUpdate(gpu_uuid=None, gpu_index=None, physical_device=_short(self.training.logical_device))
         _, gpu = self.engine.placement()
         return wire.ProcessUpdate(gpu_uuid=_short(gpu.uuid), gpu_index=gpu.nvml_index, physical_device=gpu.device)
 
     def capabilities(self) -> dict[str, Any]:
-        caps = self.session.capabilities
+        caps = self.training.capabilities
         data: dict[str, Any] = caps.to_dict() if caps is not None else {}
         if self.engine is None:
             # Whatever the driver allows, without the engine this process cannot act on commands.
@@ -129,9 +130,9 @@ class ProcessReporter:
             data[protocol.CAP_MIGRATION] = False
             problems = list(data.get("problems") or [])
             problems.append("flexium's engine is not running in this process (training on "
-                            f"{self.session.logical_device}): migrate, pause and resume are off")
+                            f"{self.training.logical_device}): migrate, pause and resume are off")
             data["problems"] = problems
-        pool = getattr(self.session, "memory_pool", None)
+        pool = getattr(self.training, "memory_pool", None)
         data[protocol.CAP_FAST_PATH] = bool(self.engine is not None and pool is not None and pool.active)
         data[protocol.CAP_FAST_PATH_PROBLEM] = None if data[protocol.CAP_FAST_PATH] else (
             pool.reason_off if pool is not None else "no CUDA memory pool in this process (no CUDA torch)"
@@ -175,16 +176,16 @@ class ProcessReporter:
         memory, footprint = self.memory(gpus)
         placement = self.placement()
         engine = self.engine
-        caps = self.session.capabilities
+        caps = self.training.capabilities
         return wire.RegisterRequest(
-            process_id=self.session.process_id,
+            process_id=self.training.process_id,
             host=self.host,
             user=_user(),
             pid=self.pid,
             gpu_uuid=placement.gpu_uuid,
             gpu_model="" if engine is None else _short(engine.placement()[1].name),
             gpu_index=placement.gpu_index,
-            logical_device=_short(self.session.logical_device),
+            logical_device=_short(self.training.logical_device),
             physical_device=placement.physical_device or "",
             visible_gpus=[] if engine is None else [_short(g.uuid) for g in sorted(engine.gpus, key=lambda g: g.ordinal)],
             torch_version=_torch_version(),
