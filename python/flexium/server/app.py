@@ -24,7 +24,7 @@ from sqlalchemy.exc import DataError, IntegrityError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flexium import protocol
-from flexium.server import storage
+from flexium.server import services, storage
 from flexium.server.context import ServerContext
 from flexium.server.db import Database, DatabaseUnavailable, SchemaTooNew
 from flexium.server.errors import ApiError
@@ -176,7 +176,7 @@ def create_app(settings: Optional[Settings] = None, *, database: Optional[Databa
             ctx.snapshots[(ws, process_id)] = snapshot
             ctx.process_hosts[(ws, process_id)] = snapshot.host
         db.start_checkpoints()
-        tasks = [asyncio.create_task(ctx.sweep_forever()), asyncio.create_task(ctx.flush_forever())]
+        tasks = [asyncio.create_task(services.sweep_forever(ctx)), asyncio.create_task(ctx.flush_forever())]
         try:
             yield
         finally:

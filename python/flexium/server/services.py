@@ -7,6 +7,7 @@ routes stay HTTP in, one call, HTTP out."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from typing import AsyncIterator, Optional
 
@@ -15,6 +16,8 @@ from flexium.server import storage
 from flexium.server.context import ServerContext
 from flexium.server.errors import ApiError
 from flexium.server.storage import AuthInfo
+
+log = logging.getLogger("flexium.server")
 
 
 # --- processes ------------------------------------------------------------------------------
@@ -182,6 +185,43 @@ async def report_command(ctx: ServerContext, *, workspace_id: int, command_id: i
             seconds = finished - (command.started_at or finished)
         ctx.metrics.migration_duration.labels(kind=command.kind, outcome=command.state).observe(seconds)
     return command
+
+
+# --- housekeeping ---------------------------------------------------------------------------
+
+async def sweep_forever(ctx: ServerContext) -> None:
+    """Every ``sweep_interval_s``: write buffered heartbeats, re-check the pending view, and
+    run ``storage.sweep``; then tell dashboards and waiters what it expired, failed, removed or
+    found stale."""
+    previous = time.time()
+    while not ctx.stopping:
+        await asyncio.sleep(ctx.settings.sweep_interval_s)
+        now = time.time()
+        try:
+            await ctx.flush_beats()
+            await ctx.reconcile_pending()
+            result = await ctx.db.call(
+                storage.sweep, write=True, now=now, alive_since=ctx.started_at,
+                stale_after=ctx.settings.stale_after_s, remove_after=ctx.settings.remove_after_s,
+                command_ttl=ctx.settings.command_ttl_s, stale_since=previous)
+        except Exception:   # a database hiccup must not end housekeeping for good
+            log.exception("sweep failed; retrying at the next interval")
+            continue
+        previous = now
+        for ws, cmd in result.expired:
+            ctx.command_settled(ws, cmd.process_id, cmd.id)
+            ctx.metrics.commands_finished.labels(kind=cmd.kind, outcome="expired").inc()
+            ctx.publish(ws, protocol.EVENT_COMMAND, {"action": "updated", "command": cmd})
+            ctx.notifier.notify(("cmd", ws, cmd.id))
+        for ws, cmd in result.failed:
+            ctx.metrics.commands_finished.labels(kind=cmd.kind, outcome="failed").inc()
+            ctx.publish(ws, protocol.EVENT_COMMAND, {"action": "updated", "command": cmd})
+            ctx.notifier.notify(("cmd", ws, cmd.id))
+        for ws, process_id in result.removed:
+            ctx.forget_process(ws, process_id)
+            ctx.publish(ws, protocol.EVENT_PROCESS, {"action": "removed", "process": {"process_id": process_id}})
+        for ws, proc in result.newly_stale:
+            ctx.publish(ws, protocol.EVENT_PROCESS, {"action": "stale", "process": proc})
 
 
 # --- tokens, events -------------------------------------------------------------------------
