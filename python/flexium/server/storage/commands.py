@@ -59,7 +59,7 @@ def resolve_target(session: Session, proc: Process, target: Union[str, int]) -> 
     devices = host_devices(session, workspace_id=proc.workspace_id, host=proc.host)
     if isinstance(target, bool):
         raise InvalidRequest("target must be a GPU UUID, an index on the process's host, or 'cuda:N'")
-    if isinstance(target, int) or target.strip().isdigit():
+    if isinstance(target, int) or target.isdigit():
         index = int(target)
         for dev in devices.values():
             if dev.index == index:
