@@ -36,6 +36,7 @@ class ScriptedEngine:
 
     def __init__(self) -> None:
         self.state = EngineState.RUNNING
+        self.gpus = GPUS
         self.outcomes: list[BaseException] = []
         self.calls: list[tuple[str, Any]] = []
 
@@ -127,6 +128,16 @@ def test_engine_refusals_are_failed_commands_with_the_message(
     assert [k for k, _ in engine.calls] == kinds
     assert engine.calls[0][1] == GPUS[1].uuid        # the physical GPU, by UUID
     assert server.process("gpu-scripted")["state"] == "RUNNING"
+
+
+def test_the_engine_gets_the_uuid_whatever_the_target_text(
+        server: Server, scripted: tuple[ProcessClient, ScriptedEngine]) -> None:
+    """The server resolves cuda:N, an nvidia-smi index or a UUID once; the engine sees the UUID."""
+    _, engine = scripted
+    for target in ("1", GPUS[1].uuid, "cuda:1"):
+        engine.outcomes.append(TargetRefusedError("refused by the test"))
+        assert _command(server, "migrate", target)["state"] == "failed"
+    assert [t for _, t in engine.calls] == [GPUS[1].uuid] * 3
 
 
 def test_a_failed_operation_reports_its_timings(server: Server, scripted: tuple[ProcessClient, ScriptedEngine]) -> None:
