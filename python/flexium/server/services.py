@@ -224,6 +224,15 @@ async def sweep_forever(ctx: ServerContext) -> None:
             ctx.publish(ws, protocol.EVENT_PROCESS, {"action": "stale", "process": proc})
 
 
+async def metrics_text(ctx: ServerContext) -> bytes:
+    """The Prometheus page: the counters kept in memory and the counts read now."""
+    processes = await ctx.db.call(storage.count_processes, write=False, now=time.time(),
+                                  stale_after=ctx.settings.stale_after_s)
+    commands = await ctx.db.call(storage.count_commands, write=False)
+    return ctx.metrics.render(processes=processes, commands=commands, long_polls=ctx.notifier.waiting,
+                              sse_subscribers=ctx.bus.subscribers, db_waiting=ctx.db.calls_waiting)
+
+
 # --- tokens, events -------------------------------------------------------------------------
 
 async def revoke_token(ctx: ServerContext, *, workspace_id: int, token_id: int) -> dict[str, object]:
