@@ -1,10 +1,6 @@
-"""The wire format between training processes, the CLI, the dashboard and the server.
-
-This module is imported by both sides. The client side of a base install has only the
-standard library, nvidia-ml-py, pyyaml and requests, so everything here is plain Python:
-constants, TypedDicts describing the JSON bodies, and small pure helpers. The server's
-pydantic models (``flexium.server.schemas``) mirror these shapes and take their limits from
-here; a test keeps the two in step.
+"""What both sides of the wire agree on besides the bodies: the address format and its
+parser, paths, timing defaults, limits, states, error codes and event names. The bodies
+themselves are the pydantic models of ``flexium.wire``, which take their limits from here.
 
 All times on the wire are Unix epoch seconds (float). All sizes are bytes (int).
 """
@@ -12,7 +8,7 @@ All times on the wire are Unix epoch seconds (float). All sizes are bytes (int).
 from __future__ import annotations
 
 import re
-from typing import Any, Literal, Optional, TypedDict, Union
+from typing import TypedDict
 
 PROTOCOL_VERSION = 1
 
@@ -34,6 +30,7 @@ PROCESS_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 
 
 class ServerAddress(TypedDict):
+    """The parts of an address (``flexium.config`` builds its own address object from them)."""
     host: str
     port: int
     workspace: str
@@ -105,7 +102,7 @@ PATH_EVENTS = "/events"                                      # text/event-stream
 PATH_TOKENS = "/tokens"
 PATH_TOKEN = "/tokens/{token_id}"
 
-# --- timing defaults (the server sends its own values in RegisterResponse) ------------------
+# --- timing defaults (the server sends its own values in wire.RegisterResponse) ------------------
 
 HEARTBEAT_INTERVAL_S = 5.0
 POLL_TIMEOUT_S = 25.0          # a long-poll with nothing to deliver answers 204 after this
@@ -135,10 +132,8 @@ FAILED = "FAILED"
 STALE = "STALE"
 DISPLAY_STATES = PROCESS_STATES + (STALE,)
 
-CommandKind = Literal["migrate", "pause", "resume"]
 COMMAND_KINDS = ("migrate", "pause", "resume")
 
-CommandState = Literal["queued", "delivered", "running", "succeeded", "failed", "expired"]
 COMMAND_STATES = ("queued", "delivered", "running", "succeeded", "failed", "expired")
 ACTIVE_COMMAND_STATES = ("queued", "delivered", "running")
 PENDING_COMMAND_STATES = ("queued", "delivered")          # what a long-poll hands out
@@ -152,7 +147,7 @@ CAP_MIGRATION = "migration"
 CAP_FAST_PATH = "fast_path"
 CAP_FAST_PATH_PROBLEM = "fast_path_problem"
 
-# GPU health (GpuReport.health): "ok", "unknown" (NVML cannot read the ECC counters: nothing
+# GPU health (wire.GpuReport.health): "ok", "unknown" (NVML cannot read the ECC counters: nothing
 # known against it) or a short reason. Only a known-bad health refuses a GPU as a target.
 HEALTH_OK = "ok"
 HEALTH_UNKNOWN = "unknown"
@@ -178,185 +173,11 @@ ERROR_STATUS: dict[str, int] = {
 }
 
 
-class ErrorBody(TypedDict, total=False):
-    error: str
-    message: str
-    detail: Any
-
-
-# --- bodies ---------------------------------------------------------------------------------
-
-class GpuReport(TypedDict, total=False):
-    """One GPU of the reporting host, read through NVML (every GPU, not only the job's)."""
-    uuid: str                       # required: "GPU-..."
-    index: int                      # nvidia-smi's index on that host
-    name: str                       # model, e.g. "NVIDIA H200"
-    memory_total: int
-    memory_used: int                # everything on it, ours and others'
-    utilization: Optional[int]      # percent
-    temperature: Optional[int]      # degrees C
-    health: str                     # "ok", "unknown" or a short reason ("xid 79", "ecc_errors")
-
-
-class RegisterRequest(TypedDict, total=False):
-    process_id: str                 # required; flexium.auto.get_process_id(), e.g. "gpu-abc12345"
-    host: str                       # required
-    user: str
-    pid: int
-    gpu_uuid: Optional[str]         # the physical GPU it is on (None while paused)
-    gpu_model: str
-    gpu_index: Optional[int]        # NVML index of that GPU
-    logical_device: str             # what the training code uses, "cuda:0"
-    physical_device: str            # flexium.auto.get_physical_device()
-    visible_gpus: list[str]         # UUIDs in this process's CUDA ordinal order ("cuda:N" = [N])
-    torch_version: str
-    driver_version: str
-    flexium_version: str
-    capabilities: dict[str, Any]    # {"pause_resume": bool, "migration": bool, ...}
-    memory_bytes: int               # bytes it holds on its GPU now
-    footprint_bytes: int            # bytes it needs on a GPU (kept while paused)
-    state: str                      # one of PROCESS_STATES, default RUNNING
-    started_at: float
-    cmdline: str
-    devices: list[GpuReport]        # every GPU of the host
-    seq: int                        # see HeartbeatRequest.seq
-
-
-class HeartbeatRequest(TypedDict, total=False):
-    state: str
-    memory_bytes: int
-    footprint_bytes: int
-    gpu_uuid: Optional[str]
-    gpu_index: Optional[int]
-    physical_device: str
-    devices: list[GpuReport]
-    # Grows with every body the process builds (the client sends time.monotonic_ns()). The
-    # server ignores what a heartbeat says (state, placement, memory, devices) when its seq is
-    # older than the last applied register, heartbeat or command report's ``process``: a beat
-    # built during a pause (PAUSING) and delivered after the final report (PAUSED) changes
-    # nothing. Optional: a body without it is applied as it comes.
-    seq: int
-
-
-class CommandRequest(TypedDict, total=False):
-    kind: str                       # migrate | pause | resume
-    process_id: str
-    target: Union[str, int, None]   # GPU UUID, NVML index on the process's host, or "cuda:N"
-
-
-class ProcessUpdate(TypedDict, total=False):
-    state: str
-    gpu_uuid: Optional[str]
-    gpu_index: Optional[int]
-    physical_device: str
-    memory_bytes: int
-    seq: int                        # see HeartbeatRequest.seq
-
-
-class CommandReport(TypedDict, total=False):
-    state: str                      # running | succeeded | failed
-    result: Optional[dict[str, Any]]  # OperationResult.to_dict() (path, steps, seconds, ...)
-    error: Optional[str]
-    process: ProcessUpdate          # where the process is after the operation
-
-
-class CommandInfo(TypedDict):
-    id: int
-    kind: str
-    process_id: str
-    state: str
-    target_uuid: Optional[str]
-    target_index: Optional[int]
-    target_device: Optional[str]    # "cuda:N" in the process's own ordinals, when known
-    created_at: float
-    delivered_at: Optional[float]
-    started_at: Optional[float]
-    finished_at: Optional[float]
-    deliveries: int
-    result: Optional[dict[str, Any]]
-    error: Optional[str]
-
-
-class ProcessInfo(TypedDict):
-    process_id: str
-    host: str
-    user: str
-    pid: int
-    state: str                      # DISPLAY_STATES
-    reported_state: str
-    stale: bool
-    gpu_uuid: Optional[str]
-    gpu_model: str
-    gpu_index: Optional[int]
-    logical_device: str
-    physical_device: str
-    visible_gpus: list[str]
-    torch_version: str
-    driver_version: str
-    flexium_version: str
-    capabilities: dict[str, Any]
-    memory_bytes: int
-    footprint_bytes: int
-    started_at: Optional[float]
-    registered_at: float
-    last_seen: float
-    cmdline: str
-    active_command: Optional[CommandInfo]
-
-
-class RegisterResponse(TypedDict):
-    process: ProcessInfo
-    heartbeat_interval_s: float
-    poll_timeout_s: float
-    stale_after_s: float
-    server_time: float
-
-
-class HeartbeatResponse(TypedDict):
-    ok: bool
-    pending_command: Optional[int]  # a command waits: the long-poll will hand it out
-    heartbeat_interval_s: float
-    server_time: float
-
-
-class DeviceInfo(TypedDict):
-    uuid: str
-    index: Optional[int]
-    name: str
-    memory_total: int
-    memory_used: int
-    memory_flexium: int             # held by this workspace's flexium jobs on it
-    memory_other: int               # memory_used - memory_flexium, never negative
-    memory_free: int
-    utilization: Optional[int]
-    temperature: Optional[int]
-    health: str
-    updated_at: float
-    processes: list[str]            # process ids on it
-
-
-class HostInfo(TypedDict):
-    host: str
-    updated_at: float
-    stale: bool                     # no report from this host for stale_after seconds
-    devices: list[DeviceInfo]
-
-
-class DevicesResponse(TypedDict):
-    hosts: list[HostInfo]
-
-
-class TargetInfo(TypedDict):
-    """One GPU of a process's host, judged as the target of a migrate or resume."""
-    device: DeviceInfo
-    refusal: Optional[str]          # why a command to it would be refused; None: it fits
-
-
 # --- server-sent events (GET .../events) -----------------------------------------------------
 # Each event: "id: N", "event: TYPE", "data: JSON". TYPEs:
 EVENT_HELLO = "hello"           # {"workspace": name, "last_event_id": N}
-EVENT_PROCESS = "process"       # {"action": "registered"|"updated"|"removed"|"stale", "process": ProcessInfo | {"process_id"}}
-EVENT_COMMAND = "command"       # {"action": "created"|"updated", "command": CommandInfo}
+EVENT_PROCESS = "process"       # {"action": "registered"|"updated"|"removed"|"stale", "process": wire.ProcessInfo | {"process_id"}}
+EVENT_COMMAND = "command"       # {"action": "created"|"updated", "command": wire.CommandInfo}
 EVENT_DEVICES = "devices"       # {"host": name}: that host's GPUs changed; GET .../devices?host=name
 EVENT_RESYNC = "resync"         # events were missed: reload the lists, then keep listening
 

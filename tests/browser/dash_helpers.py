@@ -212,7 +212,9 @@ class SimJob:
         source = {"ordinal": 0, "uuid": self.gpu_uuid, "name": H200, "total_memory": 140 * GIB,
                   "pci_bus_id": "0000:00:00.0", "nvml_index": self.gpu_index}
         target_uuid = cmd.get("target_uuid") or (self.gpu_uuid if kind != "pause" else None)
-        target_index = cmd.get("target_index") if cmd.get("target_uuid") else self.gpu_index
+        # A command names its GPU by UUID only; its index is the host's numbering of that GPU.
+        target_index = next((g.index for g in self.host.gpus if self.host.uuid(g.index) == cmd["target_uuid"]),
+                            None) if cmd.get("target_uuid") else self.gpu_index
         target = None if target_uuid is None else dict(source, uuid=target_uuid, nvml_index=target_index)
         steps = [{"step": "checkpoint", "seconds": round(self.op_seconds * 0.4, 3), "ok": True},
                  {"step": "restore", "seconds": round(self.op_seconds * 0.5, 3), "ok": self.fail_with is None,

@@ -21,7 +21,7 @@ _BLOCK_SERVER_PACKAGES = (
     "import sys\n"
     "class Block:\n"
     "    def find_spec(self, name, path=None, target=None):\n"
-    "        if name.split('.')[0] in ('fastapi', 'sqlalchemy', 'uvicorn', 'alembic', 'starlette', 'pydantic'):\n"
+    "        if name.split('.')[0] in ('fastapi', 'sqlalchemy', 'uvicorn', 'alembic', 'starlette'):\n"
     "            raise ModuleNotFoundError(f'No module named {name!r}', name=name)\n"
     "sys.meta_path.insert(0, Block())\n"
     "from flexium.cli.main import main\n"

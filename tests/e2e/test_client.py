@@ -12,6 +12,7 @@ from typing import Any, Iterator, Optional
 import pytest
 
 from e2e_helpers import Server, wait_until
+from flexium import wire
 from flexium.client import ApiClient, ProcessClient, start_client
 from flexium.config import parse_server_address
 from flexium.engine.operations import EngineState, GpuIdentity, OperationKind, OperationResult
@@ -35,6 +36,7 @@ class ScriptedEngine:
 
     def __init__(self) -> None:
         self.state = EngineState.RUNNING
+        self.gpus = GPUS
         self.outcomes: list[BaseException] = []
         self.calls: list[tuple[str, Any]] = []
 
@@ -61,21 +63,21 @@ class ScriptedReporter:
     def __init__(self, process_id: str) -> None:
         self.process_id = process_id
 
-    def register_body(self, _gpus: Any) -> dict[str, Any]:
-        return {"process_id": self.process_id, "host": "e2e-host", "pid": 1, "gpu_uuid": GPUS[0].uuid,
+    def register_body(self, _gpus: Any) -> wire.RegisterRequest:
+        return wire.RegisterRequest.model_validate({"process_id": self.process_id, "host": "e2e-host", "pid": 1, "gpu_uuid": GPUS[0].uuid,
                 "gpu_model": "NVIDIA H200", "gpu_index": 0, "logical_device": "cuda:0",
                 "physical_device": "cuda:0", "visible_gpus": [g.uuid for g in GPUS],
                 "capabilities": {"pause_resume": True, "migration": True}, "memory_bytes": GIB,
                 "state": "RUNNING", "devices": [
                     {"uuid": g.uuid, "index": g.ordinal, "name": g.name, "memory_total": g.total_memory,
-                     "memory_used": GIB if g.ordinal == 0 else 0, "health": "ok"} for g in GPUS]}
+                     "memory_used": GIB if g.ordinal == 0 else 0, "health": "ok"} for g in GPUS]})
 
-    def heartbeat_body(self, _gpus: Any) -> dict[str, Any]:
-        return {"state": "RUNNING", "memory_bytes": GIB}
+    def heartbeat_body(self, _gpus: Any) -> wire.HeartbeatRequest:
+        return wire.HeartbeatRequest(state="RUNNING", memory_bytes=GIB)
 
-    def process_update(self) -> dict[str, Any]:
-        return {"state": "RUNNING", "gpu_uuid": GPUS[0].uuid, "gpu_index": 0, "physical_device": "cuda:0",
-                "memory_bytes": GIB}
+    def process_update(self) -> wire.ProcessUpdate:
+        return wire.ProcessUpdate(state="RUNNING", gpu_uuid=GPUS[0].uuid, gpu_index=0, physical_device="cuda:0",
+                                  memory_bytes=GIB)
 
     def capabilities(self) -> dict[str, Any]:
         return {"pause_resume": True, "migration": True, "problems": []}
@@ -126,6 +128,16 @@ def test_engine_refusals_are_failed_commands_with_the_message(
     assert [k for k, _ in engine.calls] == kinds
     assert engine.calls[0][1] == GPUS[1].uuid        # the physical GPU, by UUID
     assert server.process("gpu-scripted")["state"] == "RUNNING"
+
+
+def test_the_engine_gets_the_uuid_whatever_the_target_text(
+        server: Server, scripted: tuple[ProcessClient, ScriptedEngine]) -> None:
+    """The server resolves cuda:N, an nvidia-smi index or a UUID once; the engine sees the UUID."""
+    _, engine = scripted
+    for target in ("1", GPUS[1].uuid, "cuda:1"):
+        engine.outcomes.append(TargetRefusedError("refused by the test"))
+        assert _command(server, "migrate", target)["state"] == "failed"
+    assert [t for _, t in engine.calls] == [GPUS[1].uuid] * 3
 
 
 def test_a_failed_operation_reports_its_timings(server: Server, scripted: tuple[ProcessClient, ScriptedEngine]) -> None:

@@ -41,6 +41,12 @@ def test_healthz_metrics_openapi(api: Api) -> None:
     spec = api.client.get("/openapi.json").json()
     paths = spec["paths"]
     assert "/api/w/{workspace}/commands" in paths and "/api/w/{workspace}/processes/{process_id}/commands/next" in paths
+    # the served OpenAPI is the reference of the bodies: the models of flexium.wire
+    schemas = spec["components"]["schemas"]
+    assert {"RegisterRequest", "HeartbeatRequest", "CommandRequest", "CommandReport", "ProcessInfo",
+            "CommandInfo", "DevicesResponse", "TargetInfo"} <= set(schemas)
+    assert "target_uuid" in schemas["CommandInfo"]["properties"]
+    assert not {"target_index", "target_device"} & set(schemas["CommandInfo"]["properties"])
 
 
 def test_unknown_endpoint_is_json_404(api: Api) -> None:
@@ -195,6 +201,7 @@ def test_command_lifecycle_over_http(api: Api) -> None:
     row, listed = api.pages("/ui/processes?id=gpu-1", "/ui/commands")
     assert '<span class="outcome-path muted">driver path</span>' in row  # which path the move took
     assert '<span class="cmd-path muted">driver path</span>' in listed
+    assert "migrate → GPU 2" in listed         # the index shown is derived from the UUID the command holds
     metrics = api.client.get("/metrics").text
     assert 'flexium_commands_finished_total{kind="migrate",outcome="succeeded"} 1.0' in metrics
     assert 'flexium_migration_duration_seconds_count{kind="migrate",outcome="succeeded"} 1.0' in metrics

@@ -9,6 +9,7 @@ from typing import Any, Callable
 import pytest
 from sqlalchemy import text
 
+from flexium import wire
 from flexium.server import errors, storage
 from flexium.server.db import Database
 from srv_helpers import GIB, gpu, process_body
@@ -25,7 +26,8 @@ def _workspace(db: Database, name: str = "team") -> tuple[int, str]:
 def _register(db: Database, ws: int, process_id: str = "gpu-1", now: float = NOW, **fields: Any) -> dict[str, Any]:
     body = process_body(process_id, **fields)
     body.setdefault("footprint_bytes", None)
-    proc, _created = db.run(storage.register_process, write=True, workspace_id=ws, report=body, now=now,
+    proc, _created = db.run(storage.register_process, write=True, workspace_id=ws,
+                            report=wire.RegisterRequest.model_validate(body), now=now,
                             stale_after=STALE)
     return proc
 
@@ -53,7 +55,7 @@ def test_upgrade_is_idempotent(db: Database) -> None:
     db.upgrade()
     db.upgrade()
     with db.session(write=False) as s:
-        assert s.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0002"
+        assert s.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0003"
 
 
 def test_schema_newer_than_code_is_refused(db: Database) -> None:
@@ -123,13 +125,14 @@ def test_revoke_token_of_other_workspace_is_not_found(db: Database) -> None:
 def test_register_is_an_upsert(db: Database) -> None:
     ws, _ = _workspace(db)
     first = _register(db, ws)
-    assert first["state"] == "RUNNING" and first["footprint_bytes"] == 10 * GIB
+    assert first.state == "RUNNING" and first.footprint_bytes == 10 * GIB
     body = process_body("gpu-1", memory=12 * GIB)
     body["footprint_bytes"] = None
-    again, created = db.run(storage.register_process, write=True, workspace_id=ws, report=body,
+    again, created = db.run(storage.register_process, write=True, workspace_id=ws,
+                            report=wire.RegisterRequest.model_validate(body),
                             now=NOW + 5, stale_after=STALE)
-    assert not created and again["memory_bytes"] == 12 * GIB and again["registered_at"] == NOW
-    assert again["last_seen"] == NOW + 5
+    assert not created and again.memory_bytes == 12 * GIB and again.registered_at == NOW
+    assert again.last_seen == NOW + 5
     assert len(db.run(storage.list_processes, write=False, workspace_id=ws, now=NOW, stale_after=STALE)) == 1
 
 
@@ -137,13 +140,13 @@ def test_heartbeat_updates_and_reports_changes(db: Database) -> None:
     ws, _ = _workspace(db)
     _register(db, ws)
     out = db.run(storage.heartbeat, write=True, workspace_id=ws, process_id="gpu-1",
-                 report={"memory_bytes": 10 * GIB}, now=NOW + 1, stale_after=STALE)
+                 report=wire.HeartbeatRequest.model_validate({"memory_bytes": 10 * GIB}), now=NOW + 1, stale_after=STALE)
     assert out.changed is None and out.pending_command is None and out.host == "node1"
     out = db.run(storage.heartbeat, write=True, workspace_id=ws, process_id="gpu-1",
-                 report={"memory_bytes": 11 * GIB, "state": "RUNNING"}, now=NOW + 2, stale_after=STALE)
-    assert out.changed is not None and out.changed["memory_bytes"] == 11 * GIB
+                 report=wire.HeartbeatRequest.model_validate({"memory_bytes": 11 * GIB, "state": "RUNNING"}), now=NOW + 2, stale_after=STALE)
+    assert out.changed is not None and out.changed.memory_bytes == 11 * GIB
     with pytest.raises(errors.NotFound):
-        db.run(storage.heartbeat, write=True, workspace_id=ws, process_id="nope", report={}, now=NOW,
+        db.run(storage.heartbeat, write=True, workspace_id=ws, process_id="nope", report=wire.HeartbeatRequest.model_validate({}), now=NOW,
                stale_after=STALE)
 
 
@@ -154,27 +157,27 @@ def test_heartbeat_built_before_a_concurrent_report_loses_to_it(db: Database) ->
     _register(db, ws, seq=10)
     cmd = _command(db, ws, "pause")
     db.run(storage.next_command, write=True, workspace_id=ws, process_id="gpu-1", now=NOW + 1)
-    db.run(storage.report_command, write=True, workspace_id=ws, command_id=cmd["id"], now=NOW + 1,
-           stale_after=STALE, report={"state": "running"})
+    db.run(storage.report_command, write=True, workspace_id=ws, command_id=cmd.id, now=NOW + 1,
+           stale_after=STALE, report=wire.CommandReport(state="running"))
     beat_done = threading.Event()
 
     def older_beat() -> None:
         db.run(storage.heartbeat, write=True, workspace_id=ws, process_id="gpu-1",
-               report={"state": "RUNNING", "seq": 100}, now=NOW + 2, stale_after=STALE)
+               report=wire.HeartbeatRequest.model_validate({"state": "RUNNING", "seq": 100}), now=NOW + 2, stale_after=STALE)
         beat_done.set()
 
     beat = threading.Thread(target=older_beat)
     with db.session(write=True) as session:
-        storage.report_command(session=session, workspace_id=ws, command_id=cmd["id"], now=NOW + 2,
-                               stale_after=STALE, report={"state": "succeeded",
-                                                          "process": {"state": "PAUSED", "seq": 200}})
+        storage.report_command(session=session, workspace_id=ws, command_id=cmd.id, now=NOW + 2,
+                               stale_after=STALE, report=wire.CommandReport.model_validate(
+                                   {"state": "succeeded", "process": {"state": "PAUSED", "seq": 200}}))
         beat.start()
         assert not beat_done.wait(0.3)      # the report holds the row until it commits
     beat.join(10)
     assert beat_done.is_set()
     proc = db.run(storage.get_process, write=False, workspace_id=ws, process_id="gpu-1", now=NOW + 2,
                   stale_after=STALE)
-    assert proc["state"] == "PAUSED"
+    assert proc.state == "PAUSED"
 
 
 def test_stale_shown_and_filtered(db: Database) -> None:
@@ -182,10 +185,10 @@ def test_stale_shown_and_filtered(db: Database) -> None:
     _register(db, ws, "gpu-1", now=NOW)
     _register(db, ws, "gpu-2", now=NOW + 40)
     procs = db.run(storage.list_processes, write=False, workspace_id=ws, now=NOW + 45, stale_after=STALE)
-    assert {p["process_id"]: p["state"] for p in procs} == {"gpu-1": "STALE", "gpu-2": "RUNNING"}
+    assert {p.process_id: p.state for p in procs} == {"gpu-1": "STALE", "gpu-2": "RUNNING"}
     stale = db.run(storage.list_processes, write=False, workspace_id=ws, now=NOW + 45, stale_after=STALE,
                    state="STALE")
-    assert [p["process_id"] for p in stale] == ["gpu-1"]
+    assert [p.process_id for p in stale] == ["gpu-1"]
     counts = db.run(storage.count_processes, write=False, now=NOW + 45, stale_after=STALE)
     assert counts["STALE"] == 1 and counts["RUNNING"] == 1
 
@@ -196,7 +199,7 @@ def test_processes_are_scoped_to_workspace(db: Database) -> None:
     _register(db, ws_a, "gpu-1")
     _register(db, ws_b, "gpu-1", host="other")   # same id, other workspace: a different process
     assert db.run(storage.get_process, write=False, workspace_id=ws_b, process_id="gpu-1", now=NOW,
-                  stale_after=STALE)["host"] == "other"
+                  stale_after=STALE).host == "other"
     _register(db, ws_a, "gpu-9")
     with pytest.raises(errors.NotFound):
         db.run(storage.get_process, write=False, workspace_id=ws_b, process_id="gpu-9", now=NOW,
@@ -210,12 +213,12 @@ def test_devices_grouped_with_flexium_memory(db: Database) -> None:
     _register(db, ws, "gpu-2", gpu_index=0, memory=8 * GIB, devices=devices)
     _register(db, ws, "gpu-3", host="node2", gpu_index=1, memory=1 * GIB, n_gpus=2)
     out = db.run(storage.list_devices, write=False, workspace_id=ws, now=NOW, stale_after=STALE)
-    assert [h["host"] for h in out["hosts"]] == ["node1", "node2"]
-    d0 = out["hosts"][0]["devices"][0]
-    assert d0["memory_flexium"] == 28 * GIB and d0["memory_other"] == 2 * GIB
-    assert d0["memory_free"] == 110 * GIB and sorted(d0["processes"]) == ["gpu-1", "gpu-2"]
-    assert out["hosts"][0]["devices"][1]["memory_other"] == 5 * GIB
-    assert len(out["hosts"][1]["devices"]) == 2
+    assert [h.host for h in out.hosts] == ["node1", "node2"]
+    d0 = out.hosts[0].devices[0]
+    assert d0.memory_flexium == 28 * GIB and d0.memory_other == 2 * GIB
+    assert d0.memory_free == 110 * GIB and sorted(d0.processes) == ["gpu-1", "gpu-2"]
+    assert out.hosts[0].devices[1].memory_other == 5 * GIB
+    assert len(out.hosts[1].devices) == 2
 
 
 # --- commands: validation -------------------------------------------------------------------
@@ -246,8 +249,27 @@ def test_migrate_checks(db: Database) -> None:
     with pytest.raises(errors.TargetRefused, match="other|host"):
         _command(db, ws, "migrate", "gpu-1", "GPU-far")
     cmd = _command(db, ws, "migrate", "gpu-1", "cuda:4")
-    assert cmd["state"] == "queued" and cmd["target_uuid"] == "GPU-0004" and cmd["target_device"] == "cuda:4"
-    assert cmd["target_index"] == 4
+    assert cmd.state == "queued" and cmd.target_uuid == "GPU-0004"
+    assert "target_index" not in cmd.model_dump() and "target_device" not in cmd.model_dump()
+
+
+def test_target_text_has_one_meaning_each(db: Database) -> None:
+    """cuda:N = entry N of the job's visible_gpus; a bare integer (or digits) = the nvidia-smi
+    index on its host; GPU-... = a UUID. The job below sees GPU 3 as cuda:0 and GPU 1 as cuda:1."""
+    ws, _ = _workspace(db)
+    _register(db, ws, "gpu-1", gpu_index=3, visible_gpus=["GPU-0003", "GPU-0001", "GPU-0002"])
+    proc = db.run(storage.get_process, write=False, workspace_id=ws, process_id="gpu-1", now=NOW, stale_after=STALE)
+    for target, uuid in (("cuda:1", "GPU-0001"), (2, "GPU-0002"), ("2", "GPU-0002"), ("1", "GPU-0001"),
+                         ("GPU-0002", "GPU-0002"), ("cuda:2", "GPU-0002")):
+        cmd = _command(db, ws, "migrate", "gpu-1", target)
+        assert cmd.target_uuid == uuid, target
+        db.run(storage.report_command, write=True, workspace_id=ws, command_id=cmd.id, now=NOW,
+               stale_after=STALE, report=wire.CommandReport(state="failed", error="test"))
+    with pytest.raises(errors.TargetRefused, match="already on it"):
+        _command(db, ws, "migrate", "gpu-1", "cuda:0")
+    # what is shown is derived from the UUID: the job's own ordinal, the host's index
+    assert proc.cuda_ordinal("GPU-0001") == "cuda:1" and proc.cuda_ordinal("GPU-0000") is None
+    assert db.run(storage.device_indexes, write=False, workspace_id=ws)["GPU-0001"] == 1
 
 
 def test_unknown_health_is_a_target_known_bad_is_not(db: Database) -> None:
@@ -255,7 +277,7 @@ def test_unknown_health_is_a_target_known_bad_is_not(db: Database) -> None:
     _register(db, ws, devices=[gpu(0, used=10 * GIB), gpu(1, health="unknown"), gpu(2, health="ecc_errors")])
     with pytest.raises(errors.TargetRefused, match="ecc_errors"):
         _command(db, ws, "migrate", target=2)
-    assert _command(db, ws, "migrate", target=1)["target_uuid"] == "GPU-0001"
+    assert _command(db, ws, "migrate", target=1).target_uuid == "GPU-0001"
 
 
 def test_target_not_visible_to_process(db: Database) -> None:
@@ -263,7 +285,7 @@ def test_target_not_visible_to_process(db: Database) -> None:
     _register(db, ws, "gpu-1", visible_gpus=["GPU-0000", "GPU-0001"])
     with pytest.raises(errors.TargetRefused, match="not visible"):
         _command(db, ws, "migrate", "gpu-1", 2)
-    assert _command(db, ws, "migrate", "gpu-1", 1)["target_device"] == "cuda:1"
+    assert _command(db, ws, "migrate", "gpu-1", 1).target_uuid == "GPU-0001"
 
 
 def test_state_and_capability_checks(db: Database) -> None:
@@ -286,7 +308,7 @@ def test_state_and_capability_checks(db: Database) -> None:
         _command(db, ws, "pause", "running", 1)
     with pytest.raises(errors.InvalidRequest):
         _command(db, ws, "explode", "running")
-    assert _command(db, ws, "pause", "old-driver")["kind"] == "pause"
+    assert _command(db, ws, "pause", "old-driver").kind == "pause"
 
 
 def test_capability_refusal_quotes_the_process_problems(db: Database) -> None:
@@ -314,7 +336,7 @@ def test_one_active_command_per_process(db: Database) -> None:
     first = _command(db, ws, "pause")
     with pytest.raises(errors.Busy) as info:
         _command(db, ws, "migrate", target=1)
-    assert info.value.detail == {"command_id": first["id"]}
+    assert info.value.detail == {"command_id": first.id}
 
 
 def test_one_active_command_under_concurrency(db: Database) -> None:
@@ -346,10 +368,10 @@ def test_resume_target_choice(db: Database) -> None:
     # paused from GPU 0, which is now full: resume goes to the emptiest same-model GPU
     devices = [gpu(0, used=139 * GIB), gpu(1, used=50 * GIB), gpu(2, used=20 * GIB), gpu(3, name="NVIDIA A100")]
     _register(db, ws, "p", state="PAUSED", memory=0, footprint_bytes=30 * GIB, devices=devices)
-    assert _command(db, ws, "resume", "p")["target_uuid"] == "GPU-0002"
+    assert _command(db, ws, "resume", "p").target_uuid == "GPU-0002"
     # room on its own GPU: resume there
     _register(db, ws, "q", state="PAUSED", memory=0, footprint_bytes=30 * GIB, host="n2", n_gpus=2)
-    assert _command(db, ws, "resume", "q")["target_uuid"] == "GPU-0000"
+    assert _command(db, ws, "resume", "q").target_uuid == "GPU-0000"
     # cannot migrate and its GPU is full: refused
     _register(db, ws, "r", state="PAUSED", memory=0, footprint_bytes=30 * GIB, migration=False,
               host="n3", devices=[gpu(0, used=139 * GIB), gpu(1)])
@@ -369,7 +391,7 @@ def test_resume_without_device_reports_lets_process_choose(db: Database) -> None
     ws, _ = _workspace(db)
     _register(db, ws, "p", state="PAUSED", memory=0, devices=[])
     cmd = _command(db, ws, "resume", "p")
-    assert cmd["target_uuid"] is None
+    assert cmd.target_uuid is None
 
 
 # --- commands: delivery and reports ---------------------------------------------------------
@@ -380,7 +402,7 @@ def _next(db: Database, ws: int, process_id: str = "gpu-1", now: float = NOW) ->
 
 def _report(db: Database, ws: int, command_id: int, state: str, now: float = NOW, **extra: Any) -> Any:
     return db.run(storage.report_command, write=True, workspace_id=ws, command_id=command_id,
-                  report={"state": state, **extra}, now=now, stale_after=STALE)
+                  report=wire.CommandReport.model_validate({"state": state, **extra}), now=now, stale_after=STALE)
 
 
 def test_delivery_redelivery_and_lifecycle(db: Database) -> None:
@@ -389,25 +411,25 @@ def test_delivery_redelivery_and_lifecycle(db: Database) -> None:
     assert _next(db, ws) == (None, False)
     cmd = _command(db, ws, "migrate", target=2)
     got, first = _next(db, ws, now=NOW + 0.01)
-    assert first and got["id"] == cmd["id"] and got["state"] == "delivered" and got["deliveries"] == 1
+    assert first and got.id == cmd.id and got.state == "delivered" and got.deliveries == 1
     again, first = _next(db, ws, now=NOW + 5)     # never acknowledged: handed out again
-    assert not first and again["id"] == cmd["id"] and again["deliveries"] == 2
-    assert again["delivered_at"] == NOW + 0.01
-    running, proc, changed = _report(db, ws, cmd["id"], "running", now=NOW + 6)
-    assert changed and running["state"] == "running" and proc["state"] == "MIGRATING"
+    assert not first and again.id == cmd.id and again.deliveries == 2
+    assert again.delivered_at == NOW + 0.01
+    running, proc, changed = _report(db, ws, cmd.id, "running", now=NOW + 6)
+    assert changed and running.state == "running" and proc.state == "MIGRATING"
     assert _next(db, ws) == (None, False)         # running: not handed out again
     result = {"kind": "migrate", "path": "driver", "ok": True, "seconds": 1.25, "steps": []}
-    done, proc, changed = _report(db, ws, cmd["id"], "succeeded", now=NOW + 8, result=result)
-    assert done["state"] == "succeeded" and done["result"] == result and done["finished_at"] == NOW + 8
-    assert proc["state"] == "RUNNING" and proc["gpu_uuid"] == "GPU-0002" and proc["gpu_index"] == 2
-    assert proc["active_command"] is None
+    done, proc, changed = _report(db, ws, cmd.id, "succeeded", now=NOW + 8, result=result)
+    assert done.state == "succeeded" and done.result == result and done.finished_at == NOW + 8
+    assert proc.state == "RUNNING" and proc.gpu_uuid == "GPU-0002" and proc.gpu_index == 2
+    assert proc.active_command is None
     # a retry of the same report is harmless; a contradicting one is refused
-    assert _report(db, ws, cmd["id"], "succeeded", now=NOW + 9)[2] is False
-    assert _report(db, ws, cmd["id"], "running", now=NOW + 9)[2] is False
+    assert _report(db, ws, cmd.id, "succeeded", now=NOW + 9)[2] is False
+    assert _report(db, ws, cmd.id, "running", now=NOW + 9)[2] is False
     with pytest.raises(errors.InvalidState):
-        _report(db, ws, cmd["id"], "failed", now=NOW + 9)
+        _report(db, ws, cmd.id, "failed", now=NOW + 9)
     # and the process can take the next command
-    assert _command(db, ws, "pause", now=NOW + 10)["state"] == "queued"
+    assert _command(db, ws, "pause", now=NOW + 10).state == "queued"
 
 
 def test_pause_resume_settle_process(db: Database) -> None:
@@ -415,29 +437,29 @@ def test_pause_resume_settle_process(db: Database) -> None:
     _register(db, ws, memory=12 * GIB)
     pause = _command(db, ws, "pause")
     _next(db, ws)
-    _, proc, _ = _report(db, ws, pause["id"], "succeeded", now=NOW + 1)
-    assert proc["state"] == "PAUSED" and proc["memory_bytes"] == 0 and proc["footprint_bytes"] == 12 * GIB
+    _, proc, _ = _report(db, ws, pause.id, "succeeded", now=NOW + 1)
+    assert proc.state == "PAUSED" and proc.memory_bytes == 0 and proc.footprint_bytes == 12 * GIB
     resume = _command(db, ws, "resume", now=NOW + 2)
-    assert resume["target_uuid"] == "GPU-0000"
+    assert resume.target_uuid == "GPU-0000"
     _next(db, ws)
-    _, proc, _ = _report(db, ws, resume["id"], "failed", now=NOW + 3, error="restore failed")
-    assert proc["state"] == "PAUSED"
+    _, proc, _ = _report(db, ws, resume.id, "failed", now=NOW + 3, error="restore failed")
+    assert proc.state == "PAUSED"
     resume = _command(db, ws, "resume", target=3, now=NOW + 4)
-    _, proc, _ = _report(db, ws, resume["id"], "succeeded", now=NOW + 5,
+    _, proc, _ = _report(db, ws, resume.id, "succeeded", now=NOW + 5,
                          process={"memory_bytes": 12 * GIB, "physical_device": "cuda:3"})
-    assert proc["state"] == "RUNNING" and proc["gpu_uuid"] == "GPU-0003" and proc["physical_device"] == "cuda:3"
-    assert proc["memory_bytes"] == 12 * GIB
+    assert proc.state == "RUNNING" and proc.gpu_uuid == "GPU-0003" and proc.physical_device == "cuda:3"
+    assert proc.memory_bytes == 12 * GIB
 
 
 def test_failed_migration_stays_on_source(db: Database) -> None:
     ws, _ = _workspace(db)
     _register(db, ws)
     cmd = _command(db, ws, "migrate", target=1)
-    _report(db, ws, cmd["id"], "running")
-    done, proc, _ = _report(db, ws, cmd["id"], "failed", error="cuCheckpointProcessRestore failed: "
+    _report(db, ws, cmd.id, "running")
+    done, proc, _ = _report(db, ws, cmd.id, "failed", error="cuCheckpointProcessRestore failed: "
                             "CUDA_ERROR_INVALID_VALUE", result={"failed_step": "restore", "ok": False})
-    assert done["error"].startswith("cuCheckpoint") and proc["gpu_uuid"] == "GPU-0000"
-    assert proc["state"] == "RUNNING"
+    assert done.error.startswith("cuCheckpoint") and proc.gpu_uuid == "GPU-0000"
+    assert proc.state == "RUNNING"
 
 
 def test_commands_of_other_workspace_not_found(db: Database) -> None:
@@ -446,13 +468,13 @@ def test_commands_of_other_workspace_not_found(db: Database) -> None:
     _register(db, ws_a)
     cmd = _command(db, ws_a, "pause")
     with pytest.raises(errors.NotFound):
-        db.run(storage.get_command, write=False, workspace_id=ws_b, command_id=cmd["id"])
+        db.run(storage.get_command, write=False, workspace_id=ws_b, command_id=cmd.id)
     with pytest.raises(errors.NotFound):
-        _report(db, ws_b, cmd["id"], "running")
+        _report(db, ws_b, cmd.id, "running")
     assert _next(db, ws_b) == (None, False)
     with pytest.raises(errors.NotFound):
         db.run(storage.peek_command, write=False, workspace_id=ws_b, process_id="gpu-1")
-    assert db.run(storage.peek_command, write=False, workspace_id=ws_a, process_id="gpu-1") == ("node1", cmd["id"])
+    assert db.run(storage.peek_command, write=False, workspace_id=ws_a, process_id="gpu-1") == ("node1", cmd.id)
     assert db.run(storage.list_commands, write=False, workspace_id=ws_b) == []
 
 
@@ -462,9 +484,9 @@ def test_list_commands_paging_and_filters(db: Database) -> None:
         _register(db, ws, f"gpu-{i}")
         _command(db, ws, "pause", f"gpu-{i}")
     page = db.run(storage.list_commands, write=False, workspace_id=ws, limit=2)
-    assert [c["process_id"] for c in page] == ["gpu-4", "gpu-3"]
-    rest = db.run(storage.list_commands, write=False, workspace_id=ws, before_id=page[-1]["id"])
-    assert [c["process_id"] for c in rest] == ["gpu-2", "gpu-1", "gpu-0"]
+    assert [c.process_id for c in page] == ["gpu-4", "gpu-3"]
+    rest = db.run(storage.list_commands, write=False, workspace_id=ws, before_id=page[-1].id)
+    assert [c.process_id for c in rest] == ["gpu-2", "gpu-1", "gpu-0"]
     assert len(db.run(storage.list_commands, write=False, workspace_id=ws, process_id="gpu-2")) == 1
     assert db.run(storage.count_commands, write=False)["queued"] == 5
 
@@ -483,13 +505,13 @@ def test_sweep_expires_old_queued_commands(db: Database) -> None:
     cmd = _command(db, ws, "pause")
     assert _sweep(db, NOW + 60).expired == []
     result = _sweep(db, NOW + 121)
-    assert [c["id"] for _ws, c in result.expired] == [cmd["id"]]
-    got = db.run(storage.get_command, write=False, workspace_id=ws, command_id=cmd["id"])
-    assert got["state"] == "expired" and "not started" in got["error"]
+    assert [c.id for _ws, c in result.expired] == [cmd.id]
+    got = db.run(storage.get_command, write=False, workspace_id=ws, command_id=cmd.id)
+    assert got.state == "expired" and "not started" in got.error
     assert _next(db, ws) == (None, False)
     # a late report of a process that did act is still taken
-    done, proc, changed = _report(db, ws, cmd["id"], "succeeded", now=NOW + 122)
-    assert changed and done["state"] == "succeeded" and proc["state"] == "PAUSED"
+    done, proc, changed = _report(db, ws, cmd.id, "succeeded", now=NOW + 122)
+    assert changed and done.state == "succeeded" and proc.state == "PAUSED"
 
 
 def test_sweep_removes_silent_processes_but_not_after_restart(db: Database) -> None:
@@ -501,7 +523,7 @@ def test_sweep_removes_silent_processes_but_not_after_restart(db: Database) -> N
     assert _sweep(db, NOW + 701, alive_since=NOW + 690).removed == []
     result = _sweep(db, NOW + 701, alive_since=NOW)
     assert result.removed == [(ws, "gone")]
-    names = [p["process_id"] for p in db.run(storage.list_processes, write=False, workspace_id=ws,
+    names = [p.process_id for p in db.run(storage.list_processes, write=False, workspace_id=ws,
                                              now=NOW + 701, stale_after=STALE)]
     assert names == ["alive"]
     assert db.run(storage.list_commands, write=False, workspace_id=ws) == []
@@ -511,10 +533,10 @@ def test_sweep_fails_running_commands_of_dead_processes(db: Database) -> None:
     ws, _ = _workspace(db)
     _register(db, ws, now=NOW)
     cmd = _command(db, ws, "pause")
-    _report(db, ws, cmd["id"], "running", now=NOW)
+    _report(db, ws, cmd.id, "running", now=NOW)
     assert _sweep(db, NOW + 100).failed == []            # still within the command's time
     result = _sweep(db, NOW + 200)
-    assert [c["id"] for _w, c in result.failed] == [cmd["id"]]
+    assert [c.id for _w, c in result.failed] == [cmd.id]
 
 
 def test_sweep_reports_newly_stale_once(db: Database) -> None:
@@ -522,7 +544,7 @@ def test_sweep_reports_newly_stale_once(db: Database) -> None:
     _register(db, ws, now=NOW)
     assert _sweep(db, NOW + 29, stale_since=NOW + 27).newly_stale == []
     first = _sweep(db, NOW + 31, stale_since=NOW + 29).newly_stale
-    assert [p["process_id"] for _w, p in first] == ["gpu-1"] and first[0][1]["state"] == "STALE"
+    assert [p.process_id for _w, p in first] == ["gpu-1"] and first[0][1].state == "STALE"
     assert _sweep(db, NOW + 33, stale_since=NOW + 31).newly_stale == []
 
 
@@ -561,8 +583,8 @@ def test_jobs_of_one_host_register_at_once(db: Database) -> None:
     """Eight jobs of one host report the same GPUs at the same moment: no conflict error."""
     ws, _ = _workspace(db)
     assert _all_at_once(8, lambda i: _register(db, ws, f"gpu-{i}", gpu_index=i, n_gpus=8)) == []
-    hosts = db.run(storage.list_devices, write=False, workspace_id=ws, now=NOW, stale_after=STALE)["hosts"]
-    assert len(hosts) == 1 and len(hosts[0]["devices"]) == 8
+    hosts = db.run(storage.list_devices, write=False, workspace_id=ws, now=NOW, stale_after=STALE).hosts
+    assert len(hosts) == 1 and len(hosts[0].devices) == 8
 
 
 def test_jobs_listing_their_gpus_in_other_orders_write_them_at_once(db: Database) -> None:
@@ -577,11 +599,11 @@ def test_jobs_listing_their_gpus_in_other_orders_write_them_at_once(db: Database
         listed = devices if i % 2 else devices[::-1]
         for n in range(30):
             db.run(storage.heartbeat, write=True, workspace_id=ws, process_id=f"gpu-{i}",
-                   report={"devices": listed, "memory_bytes": n}, now=time.time(), stale_after=1e9)
+                   report=wire.HeartbeatRequest.model_validate({"devices": listed, "memory_bytes": n}), now=time.time(), stale_after=1e9)
 
     assert _all_at_once(4, beat) == []
-    hosts = db.run(storage.list_devices, write=False, workspace_id=ws, now=time.time(), stale_after=1e9)["hosts"]
-    assert len(hosts) == 1 and len(hosts[0]["devices"]) == 8
+    hosts = db.run(storage.list_devices, write=False, workspace_id=ws, now=time.time(), stale_after=1e9).hosts
+    assert len(hosts) == 1 and len(hosts[0].devices) == 8
 
 
 def test_concurrent_heartbeats_and_commands(db: Database) -> None:
@@ -593,9 +615,9 @@ def test_concurrent_heartbeats_and_commands(db: Database) -> None:
     def beat(i: int) -> None:
         for n in range(25):
             db.run(storage.heartbeat, write=True, workspace_id=ws, process_id=f"gpu-{i}",
-                   report={"memory_bytes": n}, now=time.time(), stale_after=1e9)
+                   report=wire.HeartbeatRequest.model_validate({"memory_bytes": n}), now=time.time(), stale_after=1e9)
             db.run(storage.list_processes, write=False, workspace_id=ws, now=time.time(), stale_after=1e9)
 
     assert _all_at_once(8, beat) == []
     procs = db.run(storage.list_processes, write=False, workspace_id=ws, now=time.time(), stale_after=1e9)
-    assert {p["memory_bytes"] for p in procs} == {24}
+    assert {p.memory_bytes for p in procs} == {24}

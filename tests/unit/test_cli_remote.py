@@ -10,29 +10,32 @@ from typing import Any
 
 import pytest
 
+from flexium import wire
 from flexium.cli import remote
 
 
 class LongPolls:
-    """Answers GET /commands/{id}?wait=S with the next scripted state; a repeated state is
-    answered only after the whole wait, as the server does when nothing changes."""
+    """Answers ``ApiClient.wait_command`` (GET /commands/{id}?wait=S) with the next scripted
+    state; a repeated state is answered only after the whole wait, as the server does when
+    nothing changes."""
 
     def __init__(self, states: list[str]) -> None:
         self.states = states
         self.waits: list[float] = []
 
-    def request(self, method: str, path: str, *, params: dict[str, Any], **_: Any) -> dict[str, Any]:
-        assert method == "GET" and path == "/commands/7"
-        self.waits.append(params["wait"])
+    def wait_command(self, command_id: int, *, wait: float, **_: Any) -> wire.CommandInfo:
+        assert command_id == 7
+        self.waits.append(wait)
         state = self.states.pop(0)
         if state == "running" and self.states and self.states[0] == "running":
-            time.sleep(params["wait"])
+            time.sleep(wait)
         return command(state)
 
 
-def command(state: str) -> dict[str, Any]:
-    return {"id": 7, "kind": "pause", "process_id": "gpu-1a2b3c4d", "state": state, "target_device": None,
-            "target_uuid": None}
+def command(state: str) -> wire.CommandInfo:
+    return wire.CommandInfo(id=7, kind="pause", process_id="gpu-1a2b3c4d", state=state,  # type: ignore[arg-type]
+                            target_uuid=None, created_at=0.0, delivered_at=None, started_at=None,
+                            finished_at=None, deliveries=0, result=None, error=None)
 
 
 def test_each_change_and_every_interval_between_are_said(monkeypatch: pytest.MonkeyPatch,
@@ -40,8 +43,9 @@ def test_each_change_and_every_interval_between_are_said(monkeypatch: pytest.Mon
     monkeypatch.setattr(remote, "PROGRESS_EVERY_S", 0.3)
     polls = LongPolls(["delivered", "running", "running", "running", "succeeded"])
     queued = command("queued")
-    final = remote._wait(polls, queued, 30.0, progress=remote._progress_printer(queued))  # type: ignore[arg-type]
-    assert final["state"] == "succeeded"
+    title = "pause gpu-1a2b3c4d"
+    final = remote._wait(polls, queued, 30.0, progress=remote._progress_printer(title, queued))  # type: ignore[arg-type]
+    assert final.state == "succeeded"
     lines = capsys.readouterr().err.splitlines()
     said = [line.split("command 7 ")[1].split()[0].rstrip(";") for line in lines]
     assert said[:3] == ["queued", "delivered", "running"], lines
@@ -55,7 +59,7 @@ def test_each_change_and_every_interval_between_are_said(monkeypatch: pytest.Mon
 def test_without_progress_the_wait_is_one_long_poll(capsys: pytest.CaptureFixture[str]) -> None:
     polls = LongPolls(["succeeded"])
     final = remote._wait(polls, command("queued"), 30.0)  # type: ignore[arg-type]
-    assert final["state"] == "succeeded" and polls.waits == [30.0]
+    assert final.state == "succeeded" and polls.waits == [30.0]
     assert capsys.readouterr().err == ""
 
 

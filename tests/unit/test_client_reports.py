@@ -14,7 +14,7 @@ def _gpu(health: str) -> HostGpu:
 def test_gpu_health_is_reported_as_nvml_says() -> None:
     # "unknown" (NVML cannot read ECC counters) goes out as it is: the server accepts it as a
     # target and shows it as unknown, not as healthy.
-    assert [r["health"] for r in gpu_reports([_gpu("unknown"), _gpu("ok"), _gpu("ecc_errors")])] == \
+    assert [r.health for r in gpu_reports([_gpu("unknown"), _gpu("ok"), _gpu("ecc_errors")])] == \
         ["unknown", "ok", "ecc_errors"]
 
 
@@ -25,7 +25,7 @@ def test_a_failed_engine_is_reported_as_failed() -> None:
     from flexium.engine.operations import EngineState
 
     session = SimpleNamespace(engine=SimpleNamespace(state=EngineState.FAILED))
-    assert ProcessReporter(session).state() == "FAILED"
+    assert ProcessReporter(session).state() == "FAILED"  # type: ignore[arg-type]
 
 
 def test_every_body_carries_a_growing_seq() -> None:
@@ -34,9 +34,9 @@ def test_every_body_carries_a_growing_seq() -> None:
     from flexium.client.reports import ProcessReporter
 
     session = SimpleNamespace(engine=None, logical_device="cpu", capabilities=None, process_id="cpu-1")
-    reporter = ProcessReporter(session)
-    seqs = [reporter.register_body([])["seq"], reporter.heartbeat_body([])["seq"],
-            reporter.process_update()["seq"], reporter.heartbeat_body([])["seq"]]
+    reporter = ProcessReporter(session)  # type: ignore[arg-type]
+    seqs = [reporter.register_body([]).seq, reporter.heartbeat_body([]).seq,
+            reporter.process_update().seq, reporter.heartbeat_body([]).seq]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
 
 
@@ -52,7 +52,7 @@ def test_the_fast_path_status_goes_out_with_the_capabilities() -> None:
 
     def caps(**session: object) -> dict[str, object]:
         base = dict(engine=engine, logical_device="cuda:0", capabilities=None, process_id="gpu-1", memory_pool=None)
-        return ProcessReporter(SimpleNamespace(**{**base, **session})).capabilities()
+        return ProcessReporter(SimpleNamespace(**{**base, **session})).capabilities()  # type: ignore[arg-type]
 
     assert caps(memory_pool=on)[protocol.CAP_FAST_PATH] is True
     assert caps(memory_pool=on)[protocol.CAP_FAST_PATH_PROBLEM] is None
@@ -61,3 +61,17 @@ def test_the_fast_path_status_goes_out_with_the_capabilities() -> None:
     no_pool = caps()
     assert no_pool[protocol.CAP_FAST_PATH] is False and "no CUDA torch" in str(no_pool[protocol.CAP_FAST_PATH_PROBLEM])
     assert caps(engine=None, memory_pool=on)[protocol.CAP_FAST_PATH] is False  # no engine: nothing moves
+
+
+def test_a_paused_process_says_it_is_on_no_gpu() -> None:
+    """A heartbeat's gpu_uuid None means "on no GPU": it goes out as null, while a field the
+    body leaves out means "unchanged" and does not go out at all."""
+    from types import SimpleNamespace
+
+    from flexium.client.http import _body
+    from flexium.client.reports import ProcessReporter
+
+    session = SimpleNamespace(engine=None, logical_device="cpu", capabilities=None, process_id="cpu-1")
+    sent = _body(ProcessReporter(session).heartbeat_body([]))  # type: ignore[arg-type]
+    assert sent["gpu_uuid"] is None and sent["gpu_index"] is None and sent["physical_device"] == "cpu"
+    assert "footprint_bytes" in sent and "gpu_model" not in sent

@@ -13,7 +13,9 @@ import sys
 import time
 from typing import Any, Callable, Optional, Sequence
 
-from flexium import protocol
+from pydantic import BaseModel, ValidationError
+
+from flexium import protocol, wire
 from flexium.client import ApiClient, NotFound, ServerError, Unauthorized, Unreachable
 from flexium.errors import ConfigError
 
@@ -33,6 +35,11 @@ _UNDER_WAY = {
 }
 
 
+# The server reads a target this way, and only the server (it resolves it to a GPU UUID).
+TARGET_HELP = ("the GPU: cuda:N = the job's own CUDA numbering (entry N of the GPUs it sees), a bare "
+               "number N = nvidia-smi's index N on the job's host, GPU-... = a GPU UUID")
+
+
 def add_connection_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--server", metavar="ADDRESS",
                         help=f"host[:port]/workspace (default ${protocol.SERVER_ENV}, else 'server:' in .flexiumrc)")
@@ -49,15 +56,15 @@ def add_commands(commands: Any) -> None:
     add_connection_options(p)
     p = commands.add_parser("migrate", help="move a running process to another GPU and wait for the outcome")
     p.add_argument("process", help="process id (gpu-...), a unique prefix of one, or its pid")
-    p.add_argument("target", help="cuda:N (the process's own numbering), a GPU UUID, or an nvidia-smi index")
+    p.add_argument("target", help=TARGET_HELP)
     _add_wait_options(p)
     p = commands.add_parser("pause", help="pause a process (its GPU memory is freed) and wait for the outcome")
     p.add_argument("process", help="process id (gpu-...), a unique prefix of one, or its pid")
     _add_wait_options(p)
     p = commands.add_parser("resume", help="resume a paused process, on its GPU or the one given")
     p.add_argument("process", help="process id (gpu-...), a unique prefix of one, or its pid")
-    p.add_argument("target", nargs="?", help="cuda:N, a GPU UUID or an nvidia-smi index (default: where it "
-                                             "paused if there is room, else the server picks)")
+    p.add_argument("target", nargs="?", help=TARGET_HELP + " (default: where it paused if there is room, "
+                                                           "else the server picks)")
     _add_wait_options(p)
 
 
@@ -86,6 +93,9 @@ def run(args: argparse.Namespace) -> int:
                      f"token of workspace '{api.workspace}'", EXIT_FAILED)
     except ServerError as exc:
         return _fail(exc.message, EXIT_FAILED)
+    except ValidationError as exc:       # what the server would refuse as invalid_request
+        first = exc.errors()[0]
+        return _fail(f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}", EXIT_FAILED)
     finally:
         api.close()
 
@@ -108,15 +118,15 @@ def _fail(message: str, status: int) -> int:
     return status
 
 
-def _print_json(value: Any) -> None:
-    print(json.dumps(value, indent=2, sort_keys=True))
+def _print_json(value: BaseModel | list[wire.ProcessInfo]) -> None:
+    data = [v.model_dump(mode="json") for v in value] if isinstance(value, list) else value.model_dump(mode="json")
+    print(json.dumps(data, indent=2, sort_keys=True))
 
 
 # ---- ps, devices ---------------------------------------------------------------------------
 
 def _ps(api: ApiClient, args: argparse.Namespace) -> int:
-    params = {"state": args.state} if args.state else None
-    processes = api.request("GET", protocol.PATH_PROCESSES, params=params, retries=2)
+    processes = api.list_processes(state=args.state)
     if args.json:
         _print_json(processes)
         return EXIT_OK
@@ -126,19 +136,19 @@ def _ps(api: ApiClient, args: argparse.Namespace) -> int:
     now = time.time()
     rows = [("PROCESS", "STATE", "HOST", "PID", "DEVICE", "GPU", "MEMORY", "UP", "MOVES", "COMMAND")]
     for p in processes:
-        device = p["logical_device"] or "-"
-        if p["physical_device"] and p["physical_device"] != p["logical_device"]:
-            device += f" (on {p['physical_device']})"
-        gpu = "-" if p["gpu_index"] is None and not p["gpu_model"] else \
-            f"{'' if p['gpu_index'] is None else p['gpu_index']} {p['gpu_model']}".strip()
-        memory = _gib(p["memory_bytes"])
-        if p["state"] == "PAUSED" and p["footprint_bytes"]:
-            memory += f" ({_gib(p['footprint_bytes'])} paused)"
-        active = p.get("active_command")
-        command = f"{active['kind']} {active['state']}" if active else "-"
-        started = p.get("started_at") or p["registered_at"]
-        rows.append((p["process_id"], p["state"], p["host"], str(p["pid"]), device, gpu, memory,
-                     _age(now - started), _moves(p.get("capabilities") or {}), command))
+        device = p.logical_device or "-"
+        if p.physical_device and p.physical_device != p.logical_device:
+            device += f" (on {p.physical_device})"
+        gpu = "-" if p.gpu_index is None and not p.gpu_model else \
+            f"{'' if p.gpu_index is None else p.gpu_index} {p.gpu_model}".strip()
+        memory = _gib(p.memory_bytes)
+        if p.state == "PAUSED" and p.footprint_bytes:
+            memory += f" ({_gib(p.footprint_bytes)} paused)"
+        active = p.active_command
+        command = f"{active.kind} {active.state}" if active else "-"
+        started = p.started_at or p.registered_at
+        rows.append((p.process_id, p.state, p.host, str(p.pid), device, gpu, memory,
+                     _age(now - started), _moves(p.capabilities), command))
     _print_table(rows)
     print("MOVES: fast = migrate and pause on the fast path, driver = on the driver path only, pause = "
           "pause and resume only (driver below 580), - = none (`flexium ps --json` gives the reasons)")
@@ -155,30 +165,28 @@ def _moves(capabilities: dict[str, Any]) -> str:
 
 
 def _devices(api: ApiClient, args: argparse.Namespace) -> int:
-    params = {"host": args.host} if args.host else None
-    answer = api.request("GET", protocol.PATH_DEVICES, params=params, retries=2)
+    answer = api.devices(host=args.host)
     if args.json:
         _print_json(answer)
         return EXIT_OK
-    hosts = answer.get("hosts") or []
-    if not hosts:
+    if not answer.hosts:
         print(f"no GPUs reported in workspace '{api.workspace}' (processes report their host's GPUs)")
         return EXIT_OK
     now = time.time()
-    for i, host in enumerate(hosts):
+    for i, host in enumerate(answer.hosts):
         if i:
             print()
-        stale = "  STALE: no report recently" if host.get("stale") else ""
-        print(f"host {host['host']} (reported {_age(now - host['updated_at'])} ago){stale}")
+        stale = "  STALE: no report recently" if host.stale else ""
+        print(f"host {host.host} (reported {_age(now - host.updated_at)} ago){stale}")
         rows = [("GPU", "MODEL", "USED / TOTAL", "FLEXIUM", "OTHER", "UTIL", "TEMP", "HEALTH", "UUID", "PROCESSES")]
-        for d in host.get("devices") or []:
+        for d in host.devices:
             rows.append((
-                "-" if d["index"] is None else str(d["index"]), d["name"] or "-",
-                f"{d['memory_used'] / GIB:.1f} / {d['memory_total'] / GIB:.1f} GiB",
-                _gib(d["memory_flexium"]), _gib(d["memory_other"]),
-                "-" if d["utilization"] is None else f"{d['utilization']}%",
-                "-" if d["temperature"] is None else f"{d['temperature']}C",
-                d["health"], d["uuid"], ",".join(d.get("processes") or []) or "-",
+                "-" if d.index is None else str(d.index), d.name or "-",
+                f"{d.memory_used / GIB:.1f} / {d.memory_total / GIB:.1f} GiB",
+                _gib(d.memory_flexium), _gib(d.memory_other),
+                "-" if d.utilization is None else f"{d.utilization}%",
+                "-" if d.temperature is None else f"{d.temperature}C",
+                d.health, d.uuid, ",".join(d.processes) or "-",
             ))
         _print_table(rows, indent="  ")
     return EXIT_OK
@@ -188,104 +196,105 @@ def _devices(api: ApiClient, args: argparse.Namespace) -> int:
 
 def _command(api: ApiClient, args: argparse.Namespace) -> int:
     target = getattr(args, "target", None)
-    body: dict[str, Any] = {"kind": args.command, "process_id": args.process}
-    if target:
-        body["target"] = target
-    # Not retried: after a lost answer the command may be stored, and the server would refuse
-    # a second one as busy, hiding the first.
+    request = wire.CommandRequest(kind=args.command, process_id=args.process, target=target or None)
     try:
-        command = api.request("POST", protocol.PATH_COMMANDS, json=body)
+        command = api.create_command(request)
     except NotFound:
-        body["process_id"] = _resolve_process(api, args.process)
-        command = api.request("POST", protocol.PATH_COMMANDS, json=body)
+        request.process_id = _resolve_process(api, args.process)
+        command = api.create_command(request)
+    title = _title(api, command)
     if args.no_wait:
         if args.json:
             _print_json(command)
         else:
-            print(f"{_title(command)}: queued as command {command['id']}")
+            print(f"{title}: queued as command {command.id}")
         return EXIT_OK
-    final = _wait(api, command, args.timeout, progress=None if args.json else _progress_printer(command))
+    final = _wait(api, command, args.timeout, progress=None if args.json else _progress_printer(title, command))
     if args.json:
         _print_json(final)
-    if final["state"] not in protocol.FINAL_COMMAND_STATES:
-        return _fail(f"{_title(final)}: still {final['state']} after {args.timeout:.0f} s (command {final['id']}); "
+    if final.state not in protocol.FINAL_COMMAND_STATES:
+        return _fail(f"{title}: still {final.state} after {args.timeout:.0f} s (command {final.id}); "
                      "see `flexium ps`", EXIT_FAILED)
     if not args.json:
-        _print_outcome(api, final)
-    if final["state"] != "succeeded":
+        _print_outcome(api, title, final)
+    if final.state != "succeeded":
         if args.json:
-            print(f"flexium: {_title(final)} {final['state']}: {_reason(final)}", file=sys.stderr)
+            print(f"flexium: {title} {final.state}: {_reason(final)}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
 
 
 def _resolve_process(api: ApiClient, text: str) -> str:
     """A unique id prefix or a pid stands for the process (ids are long to type)."""
-    processes = api.request("GET", protocol.PATH_PROCESSES, retries=2)
-    matches = [p["process_id"] for p in processes
-               if p["process_id"].startswith(text) or p["process_id"] == f"gpu-{text}"
-               or (text.isdigit() and str(p["pid"]) == text)]
+    matches = [p.process_id for p in api.list_processes()
+               if p.process_id.startswith(text) or p.process_id == f"gpu-{text}"
+               or (text.isdigit() and str(p.pid) == text)]
     if len(matches) == 1:
-        return str(matches[0])
+        return matches[0]
     if not matches:
         raise NotFound(f"no process {text!r} in workspace '{api.workspace}' (`flexium ps` lists them)",
                        code="not_found", status=404)
     raise NotFound(f"{text!r} matches several processes: {', '.join(sorted(matches))}", code="not_found", status=404)
 
 
-def _wait(api: ApiClient, command: dict[str, Any], timeout: float,
-          progress: Optional[Callable[[dict[str, Any]], None]] = None) -> dict[str, Any]:
+def _wait(api: ApiClient, command: wire.CommandInfo, timeout: float,
+          progress: Optional[Callable[[wire.CommandInfo], None]] = None) -> wire.CommandInfo:
     """Long-polls the command until it ends or `timeout` passes; `progress(command)` is called
     with each answer while it is under way (each change, and every PROGRESS_EVERY_S between)."""
     deadline = time.monotonic() + timeout
-    path = protocol.PATH_COMMAND.format(command_id=command["id"])
-    while command["state"] not in protocol.FINAL_COMMAND_STATES:
+    while command.state not in protocol.FINAL_COMMAND_STATES:
         if progress is not None:
             progress(command)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             break
         wait = min(remaining, protocol.MAX_POLL_TIMEOUT_S, PROGRESS_EVERY_S if progress is not None else remaining)
-        command = api.request("GET", path, params={"wait": round(wait, 3)}, timeout=wait + 10.0, retries=None,
-                              deadline=deadline)
+        command = api.wait_command(command.id, wait=round(wait, 3), deadline=deadline)
     return command
 
 
-def _progress_printer(queued: dict[str, Any]) -> Callable[[dict[str, Any]], None]:
+def _progress_printer(title: str, queued: wire.CommandInfo) -> Callable[[wire.CommandInfo], None]:
     """Prints on stderr where a command stands: at each change of state, and every
     PROGRESS_EVERY_S while it stays the same (a 64 GiB pause prepares for half a minute)."""
     started = time.monotonic()
     said_state, said_at = "", started
 
-    def show(command: dict[str, Any]) -> None:
+    def show(command: wire.CommandInfo) -> None:
         nonlocal said_state, said_at
         now = time.monotonic()
-        state = command["state"]
+        state = command.state
         if state == said_state and now - said_at < 0.9 * PROGRESS_EVERY_S:
             return
         said_state, said_at = state, now
         doing = _UNDER_WAY.get(state, state)
-        print(f"{_title(queued)}: command {queued['id']} {doing} ({now - started:.0f} s)", file=sys.stderr, flush=True)
+        print(f"{title}: command {queued.id} {doing} ({now - started:.0f} s)", file=sys.stderr, flush=True)
 
     return show
 
 
-def _title(command: dict[str, Any]) -> str:
-    target = command.get("target_device") or command.get("target_uuid")
-    return f"{command['kind']} {command['process_id']}" + (f" to {target}" if target else "")
+def _title(api: ApiClient, command: wire.CommandInfo) -> str:
+    """"migrate gpu-1a2b to cuda:1": the target in the job's own numbering when it sees the
+    GPU (derived here from the UUID the command carries), else the UUID."""
+    target = command.target_uuid
+    if target is not None:
+        try:
+            target = api.get_process(command.process_id).cuda_ordinal(target) or target
+        except ServerError:
+            pass
+    return f"{command.kind} {command.process_id}" + (f" to {target}" if target else "")
 
 
-def _reason(command: dict[str, Any]) -> str:
-    if command["state"] == "expired":
+def _reason(command: wire.CommandInfo) -> str:
+    if command.state == "expired":
         return "the process did not take the command in time (it stopped listening?)"
-    return str(command.get("error") or "no reason given")
+    return command.error or "no reason given"
 
 
-def _print_outcome(api: ApiClient, command: dict[str, Any]) -> None:
-    created, delivered = command["created_at"], command.get("delivered_at")
-    started, finished = command.get("started_at"), command.get("finished_at")
+def _print_outcome(api: ApiClient, title: str, command: wire.CommandInfo) -> None:
+    created, delivered = command.created_at, command.delivered_at
+    started, finished = command.started_at, command.finished_at
     total = (finished or time.time()) - created
-    print(f"{_title(command)}: {command['state']} in {total:.2f} s")
+    print(f"{title}: {command.state} in {total:.2f} s")
     parts = []
     if delivered is not None:
         parts.append(f"delivered {_ms(delivered - created)} after it was queued")
@@ -295,7 +304,8 @@ def _print_outcome(api: ApiClient, command: dict[str, Any]) -> None:
         parts.append(f"done {_ms(finished - started)} after that (includes the wait for a safe point)")
     if parts:
         print("  " + "; ".join(parts))
-    result = command.get("result") or {}
+    # The operation's own result (OperationResult.to_dict()): free-form JSON on the wire.
+    result: dict[str, Any] = command.result or {}
     steps = [s for s in result.get("steps") or [] if not s.get("rollback")]
     if steps:
         line = ", ".join(f"{s['step']} {_ms(s['seconds'])}" + ("" if s.get("ok", True) else " FAILED") for s in steps)
@@ -306,20 +316,20 @@ def _print_outcome(api: ApiClient, command: dict[str, Any]) -> None:
         print(f"  operation {_ms(seconds)}, {path}({line}); {_gib(moved)} moved{speed}")
         for note in result.get("notes") or []:
             print(f"  note: {note}")
-    if command["state"] != "succeeded":
+    if command.state != "succeeded":
         print(f"  reason: {_reason(command)}", file=sys.stderr)
     try:
-        process = api.request("GET", protocol.PATH_PROCESS.format(process_id=command["process_id"]), retries=1)
+        process = api.get_process(command.process_id)
     except ServerError:
         return
-    where = process["physical_device"] or process["logical_device"]
-    gpu = f" ({process['gpu_uuid']}, nvidia-smi index {process['gpu_index']})" if process.get("gpu_uuid") else ""
-    if process["state"] == "PAUSED":
-        print(f"  the process is PAUSED on {where}{gpu}; it needs {_gib(process['footprint_bytes'])} to resume")
-    elif process["state"] == protocol.FAILED:
+    where = process.physical_device or process.logical_device
+    gpu = f" ({process.gpu_uuid}, nvidia-smi index {process.gpu_index})" if process.gpu_uuid else ""
+    if process.state == "PAUSED":
+        print(f"  the process is PAUSED on {where}{gpu}; it needs {_gib(process.footprint_bytes)} to resume")
+    elif process.state == protocol.FAILED:
         print("  the process is FAILED: an earlier rollback failed and it may be stuck; restart the job")
     else:
-        print(f"  the process is {process['state']} on {where}{gpu}")
+        print(f"  the process is {process.state} on {where}{gpu}")
 
 
 # ---- formatting ----------------------------------------------------------------------------

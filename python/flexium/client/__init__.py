@@ -8,9 +8,10 @@ and ``ProcessClient`` (the training process's reporter and control threads, star
 from __future__ import annotations
 
 import logging
-from typing import Any, Optional
+from typing import Optional
 
 from flexium import protocol
+from flexium.client.contracts import EngineControl, TrainingProcess
 from flexium.client.http import (
     ApiClient,
     Backoff,
@@ -26,10 +27,12 @@ from flexium.client.process import ProcessClient
 __all__ = [
     "ApiClient",
     "Backoff",
+    "EngineControl",
     "NotFound",
     "ProcessClient",
     "Refused",
     "ServerError",
+    "TrainingProcess",
     "Unauthorized",
     "Unavailable",
     "Unreachable",
@@ -39,10 +42,10 @@ __all__ = [
 log = logging.getLogger("flexium.client")
 
 
-def start_client(session: Any) -> Optional[ProcessClient]:
+def start_client(training: TrainingProcess) -> Optional[ProcessClient]:
     """Starts the threads and returns at once: registration happens in the background, and
     an unreachable server only delays it."""
-    config = session.config
+    config = training.config
     if config is None or config.address is None:
         return None
     from flexium import __version__
@@ -51,4 +54,4 @@ def start_client(session: Any) -> Optional[ProcessClient]:
         log.warning("no workspace token: the server %s will refuse this process; set %s or 'token:' in .flexiumrc",
                     config.address, protocol.TOKEN_ENV)
     api = ApiClient(config.address, config.token, user_agent=f"flexium/{__version__} (process)")
-    return ProcessClient(session, api).start()
+    return ProcessClient(training, api).start()

@@ -3,7 +3,8 @@
 It owns the base URL, the workspace prefix, the token header, timeouts, retries with capped
 exponential backoff and jitter, and the mapping of the server's error bodies
 (``{"error", "message"}``, see ``flexium.protocol.ERROR_STATUS``) to exceptions. The training
-process's control threads and the command line both use it.
+process's control threads and the command line both use it, through the typed methods below:
+they send ``flexium.wire`` models and return them.
 """
 
 from __future__ import annotations
@@ -11,13 +12,16 @@ from __future__ import annotations
 import random
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Optional, TypeVar
 
 import requests
+from pydantic import BaseModel, TypeAdapter, ValidationError
 
-from flexium import protocol
+from flexium import protocol, wire
 from flexium.config import ServerAddress
 from flexium.errors import FlexiumError
+
+_Model = TypeVar("_Model", bound=BaseModel)
 
 DEFAULT_TIMEOUT_S = 10.0
 CONNECT_TIMEOUT_S = 2.0
@@ -91,7 +95,7 @@ class Backoff:
         self.attempt = 0
 
     def next(self) -> float:
-        delay = min(self.cap, self.base * (2 ** self.attempt))
+        delay = min(self.cap, self.base * (2.0 ** self.attempt))
         self.attempt = min(self.attempt + 1, 30)
         return delay * random.uniform(0.5, 1.0)
 
@@ -108,8 +112,8 @@ class ApiClient:
         self.token = token
         self.user_agent = user_agent
         self._local = threading.local()
-        self._sessions: list[requests.Session] = []
-        self._sessions_lock = threading.Lock()
+        self._pools: list[requests.Session] = []       # one per thread: see ``_pool``
+        self._pools_lock = threading.Lock()
 
     @property
     def base_url(self) -> str:
@@ -123,17 +127,18 @@ class ApiClient:
         prefix = protocol.workspace_path(self.workspace) if workspace else ""
         return f"{self.base_url}{prefix}{path}"
 
-    def _session(self) -> requests.Session:
-        session = getattr(self._local, "session", None)
-        if session is None:
-            session = requests.Session()
-            session.headers["User-Agent"] = self.user_agent
+    def _pool(self) -> requests.Session:
+        """This thread's connections (a ``requests.Session``: a pool and default headers)."""
+        pool: Optional[requests.Session] = getattr(self._local, "pool", None)
+        if pool is None:
+            pool = requests.Session()
+            pool.headers["User-Agent"] = self.user_agent
             if self.token:
-                session.headers[protocol.TOKEN_HEADER] = f"Bearer {self.token}"
-            self._local.session = session
-            with self._sessions_lock:
-                self._sessions.append(session)
-        return session
+                pool.headers[protocol.TOKEN_HEADER] = f"Bearer {self.token}"
+            self._local.pool = pool
+            with self._pools_lock:
+                self._pools.append(pool)
+        return pool
 
     def request(
         self,
@@ -182,7 +187,7 @@ class ApiClient:
               workspace: bool) -> Any:
         url = self.url(path, workspace=workspace)
         try:
-            response = self._session().request(
+            response = self._pool().request(
                 method, url, json=json, params=params, timeout=(min(CONNECT_TIMEOUT_S, timeout), timeout)
             )
         except requests.RequestException as exc:
@@ -201,11 +206,100 @@ class ApiClient:
                               "than JSON; is that address a flexium server?", code="bad_response",
                               status=response.status_code) from None
 
+    # ---- typed requests ---------------------------------------------------------------------
+
+    def _read(self, model: type[_Model], answer: object, what: str) -> _Model:
+        try:
+            return model.model_validate(answer)
+        except ValidationError as exc:
+            raise _bad_answer(self.base_url, what, exc) from None
+
+    def _read_list(self, model: type[_Model], answer: object, what: str) -> list[_Model]:
+        try:
+            return TypeAdapter(list[model]).validate_python(answer)  # type: ignore[valid-type]
+        except ValidationError as exc:
+            raise _bad_answer(self.base_url, what, exc) from None
+
+    def register(self, body: wire.RegisterRequest, *, timeout: float) -> wire.RegisterResponse:
+        answer = self.request("POST", protocol.PATH_PROCESSES, json=_body(body), timeout=timeout)
+        return self._read(wire.RegisterResponse, answer, "register")
+
+    def heartbeat(self, process_id: str, body: wire.HeartbeatRequest, *, timeout: float) -> wire.HeartbeatResponse:
+        answer = self.request("POST", protocol.PATH_HEARTBEAT.format(process_id=process_id), json=_body(body),
+                              timeout=timeout)
+        return self._read(wire.HeartbeatResponse, answer, "heartbeat")
+
+    def unregister(self, process_id: str, *, timeout: float) -> None:
+        self.request("DELETE", protocol.PATH_PROCESS.format(process_id=process_id), timeout=timeout)
+
+    def next_command(self, process_id: str, *, wait: float, stop: threading.Event,
+                     backoff: Backoff) -> Optional[wire.CommandInfo]:
+        """The long-poll; None when nothing came within ``wait`` seconds. Retried until
+        ``stop`` is set while the server cannot be reached."""
+        answer = self.request("GET", protocol.PATH_NEXT_COMMAND.format(process_id=process_id),
+                              params={"wait": wait}, timeout=wait + 10.0, retries=None, stop=stop, backoff=backoff)
+        return None if answer is None else self._read(wire.CommandInfo, answer, "the next command")
+
+    def report_command(self, command_id: int, body: wire.CommandReport, *, timeout: float,
+                       retries: Optional[int], stop: Optional[threading.Event] = None) -> wire.CommandInfo:
+        answer = self.request("POST", protocol.PATH_COMMAND_REPORT.format(command_id=command_id), json=_body(body),
+                              timeout=timeout, retries=retries, stop=stop)
+        return self._read(wire.CommandInfo, answer, "a command report")
+
+    def list_processes(self, *, state: Optional[str] = None, retries: int = 2) -> list[wire.ProcessInfo]:
+        answer = self.request("GET", protocol.PATH_PROCESSES, params={"state": state} if state else None,
+                              retries=retries)
+        return self._read_list(wire.ProcessInfo, answer, "the process list")
+
+    def get_process(self, process_id: str, *, retries: int = 1) -> wire.ProcessInfo:
+        answer = self.request("GET", protocol.PATH_PROCESS.format(process_id=process_id), retries=retries)
+        return self._read(wire.ProcessInfo, answer, "a process")
+
+    def targets(self, process_id: str, *, kind: wire.TargetKind = "migrate", retries: int = 2) -> list[wire.TargetInfo]:
+        answer = self.request("GET", protocol.PATH_TARGETS.format(process_id=process_id), params={"kind": kind},
+                              retries=retries)
+        return self._read_list(wire.TargetInfo, answer, "the targets")
+
+    def devices(self, *, host: Optional[str] = None, retries: int = 2) -> wire.DevicesResponse:
+        answer = self.request("GET", protocol.PATH_DEVICES, params={"host": host} if host else None, retries=retries)
+        return self._read(wire.DevicesResponse, answer, "the devices")
+
+    def create_command(self, body: wire.CommandRequest) -> wire.CommandInfo:
+        # Not retried: after a lost answer the command may be stored, and the server would
+        # refuse a second one as busy, hiding the first.
+        answer = self.request("POST", protocol.PATH_COMMANDS, json=_body(body))
+        return self._read(wire.CommandInfo, answer, "the new command")
+
+    def get_command(self, command_id: int, *, retries: int = 2) -> wire.CommandInfo:
+        answer = self.request("GET", protocol.PATH_COMMAND.format(command_id=command_id), retries=retries)
+        return self._read(wire.CommandInfo, answer, "a command")
+
+    def wait_command(self, command_id: int, *, wait: float, deadline: Optional[float] = None) -> wire.CommandInfo:
+        """The command once it ends, or after ``wait`` seconds (the server's long-poll);
+        retried while the server cannot be reached until ``deadline`` (``time.monotonic()``)."""
+        answer = self.request("GET", protocol.PATH_COMMAND.format(command_id=command_id),
+                              params={"wait": wait}, timeout=wait + 10.0, retries=None,
+                              deadline=deadline if deadline is not None else time.monotonic() + wait + 10.0)
+        return self._read(wire.CommandInfo, answer, "a command")
+
     def close(self) -> None:
-        with self._sessions_lock:
-            sessions, self._sessions = self._sessions, []
-        for session in sessions:
-            session.close()
+        with self._pools_lock:
+            pools, self._pools = self._pools, []
+        for pool in pools:
+            pool.close()
+
+
+def _body(model: BaseModel) -> Any:
+    """What a request model sends: the fields set, None included (see ``flexium.wire``)."""
+    return model.model_dump(mode="json", exclude_unset=True)
+
+
+def _bad_answer(base_url: str, what: str, exc: ValidationError) -> ServerError:
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": str(exc)}
+    where = ".".join(str(part) for part in first["loc"]) or "body"
+    return Unavailable(f"the server at {base_url} answered {what} with a body this client cannot read "
+                       f"({where}: {first['msg']}); is it a flexium server of a compatible version?",
+                       code="bad_response")
 
 
 def _short(exc: BaseException) -> str:

@@ -21,10 +21,14 @@ import threading
 import time
 from typing import Any, Optional
 
-from flexium import protocol
+from pydantic import ValidationError
+
+from flexium import protocol, wire
+from flexium.client.contracts import TrainingProcess
 from flexium.client.http import ApiClient, Backoff, NotFound, Refused, ServerError, Unauthorized
 from flexium.client.reports import ProcessReporter
 from flexium.engine import nvml
+from flexium.engine.operations import EngineState, OperationResult
 from flexium.errors import (
     CapabilityError,
     InvalidStateError,
@@ -49,12 +53,13 @@ _REFUSALS = (TargetRefusedError, InvalidStateError, CapabilityError, OperationIn
 
 
 class ProcessClient:
-    def __init__(self, session: Any, api: ApiClient, *, reporter: Optional[ProcessReporter] = None) -> None:
-        self.session = session
+    def __init__(self, training: TrainingProcess, api: ApiClient, *,
+                 reporter: Optional[ProcessReporter] = None) -> None:
+        self.training = training
         self.api = api
-        self.engine = session.engine
-        self.process_id: str = session.process_id
-        self.reporter = reporter or ProcessReporter(session)
+        self.engine = training.engine
+        self.process_id: str = training.process_id
+        self.reporter = reporter or ProcessReporter(training)
         self.heartbeat_interval_s = protocol.HEARTBEAT_INTERVAL_S
         self.poll_timeout_s = protocol.POLL_TIMEOUT_S
         self.registrations = 0
@@ -64,7 +69,7 @@ class ProcessClient:
         self._registered = threading.Event()
         self._connected = True        # what the log last said, so a long outage is logged once
         # (id, created_at): on SQLite the server may hand a deleted command's id to a new one.
-        self._finished: collections.OrderedDict[tuple[int, float], dict[str, Any]] = collections.OrderedDict()
+        self._finished: collections.OrderedDict[tuple[int, float], wire.CommandReport] = collections.OrderedDict()
         # Held while a body that says where the process is gets built and sent: a heartbeat
         # built during an operation (PAUSING) must not reach the server after the outcome
         # (PAUSED) and overwrite it.
@@ -93,7 +98,7 @@ class ProcessClient:
         locked = self._send_lock.acquire(timeout=timeout)
         try:
             if self._registered.is_set():
-                self.api.request("DELETE", protocol.PATH_PROCESS.format(process_id=self.process_id), timeout=timeout)
+                self.api.unregister(self.process_id, timeout=timeout)
         except ServerError as exc:
             log.debug("unregister failed: %s", exc)
         finally:
@@ -110,7 +115,7 @@ class ProcessClient:
     def wait_registered(self, timeout: float) -> bool:
         return self._registered.wait(timeout)
 
-    def _on_engine_state(self, _state: Any) -> None:
+    def _on_engine_state(self, _state: EngineState) -> None:
         # Called on whichever thread changed the state, the training thread included: only
         # a flag here, the heartbeat goes out from the reporter thread.
         self._wake.set()
@@ -138,7 +143,7 @@ class ProcessClient:
             gpus = nvml.host_gpus()
             with self._send_lock:
                 body = self.reporter.register_body(gpus)
-                answer = self.api.request("POST", protocol.PATH_PROCESSES, json=body, timeout=REGISTER_TIMEOUT_S)
+                answer = self.api.register(body, timeout=REGISTER_TIMEOUT_S)
         except Unauthorized as exc:
             self._lost(f"the server refused this process's token ({exc.message}); set {protocol.TOKEN_ENV} "
                        "or 'token:' in .flexiumrc to a token of the workspace")
@@ -149,22 +154,22 @@ class ProcessClient:
         except Exception:  # a bug building the report must not end the thread
             log.exception("registering with the server failed")
             return False
-        self.heartbeat_interval_s = float(answer.get("heartbeat_interval_s") or self.heartbeat_interval_s)
-        self.poll_timeout_s = float(answer.get("poll_timeout_s") or self.poll_timeout_s)
+        self.heartbeat_interval_s = answer.heartbeat_interval_s or self.heartbeat_interval_s
+        self.poll_timeout_s = answer.poll_timeout_s or self.poll_timeout_s
         self.registrations += 1
         self._registered.set()
         self._connected = True
         log.info("%s with the server %s/%s as process %s (%s)",
                  "registered" if self.registrations == 1 else "registered again",
-                 self.api.base_url, self.api.workspace, self.process_id, body.get("state"))
+                 self.api.base_url, self.api.workspace, self.process_id, body.state)
         return True
 
     def _heartbeat(self) -> None:
         try:
             gpus = nvml.host_gpus()
             with self._send_lock:
-                answer = self.api.request("POST", protocol.PATH_HEARTBEAT.format(process_id=self.process_id),
-                                          json=self.reporter.heartbeat_body(gpus), timeout=HEARTBEAT_TIMEOUT_S)
+                answer = self.api.heartbeat(self.process_id, self.reporter.heartbeat_body(gpus),
+                                            timeout=HEARTBEAT_TIMEOUT_S)
         except (NotFound, Unauthorized) as exc:
             log.info("the server does not know this process any more (%s): registering again", exc.message)
             self._registered.clear()
@@ -178,8 +183,8 @@ class ProcessClient:
         if not self._connected:
             log.info("the server %s answers again", self.api.base_url)
             self._connected = True
-        if answer and answer.get("heartbeat_interval_s"):
-            self.heartbeat_interval_s = float(answer["heartbeat_interval_s"])
+        if answer.heartbeat_interval_s:
+            self.heartbeat_interval_s = answer.heartbeat_interval_s
 
     def _lost(self, message: str) -> None:
         if self._connected:
@@ -198,9 +203,7 @@ class ProcessClient:
             wait = self.poll_timeout_s
             asked = time.monotonic()
             try:
-                command = self.api.request(
-                    "GET", protocol.PATH_NEXT_COMMAND.format(process_id=self.process_id), params={"wait": wait},
-                    timeout=wait + 10.0, retries=None, stop=self._stop, backoff=backoff)
+                command = self.api.next_command(self.process_id, wait=wait, stop=self._stop, backoff=backoff)
             except (NotFound, Unauthorized):
                 self._registered.clear()
                 self._wake.set()
@@ -229,50 +232,54 @@ class ProcessClient:
             try:
                 self._execute(command)
             except Exception:
-                log.exception("running command %s failed", command.get("id"))
+                log.exception("running command %s failed", command.id)
 
-    def _execute(self, command: dict[str, Any]) -> None:
-        command_id = int(command["id"])
+    def _execute(self, command: wire.CommandInfo) -> None:
         received = time.time()
-        key = (command_id, float(command.get("created_at") or 0.0))
+        key = (command.id, command.created_at)
         done = self._finished.get(key)
         if done is not None:
             # Delivered again (our earlier answer was lost): never run an operation twice.
-            self._send_report(command_id, done, final=True)
+            self._send_report(command.id, done, final=True)
             return
-        created = command.get("created_at")
-        if isinstance(created, (int, float)):
-            self.last_delivery_s = max(0.0, received - created)
-        target = command.get("target_device") or command.get("target_uuid")
-        log.info("command %d: %s%s (received %.1f ms after it was created)", command_id, command.get("kind"),
-                 f" to {target}" if target else "", (self.last_delivery_s or 0.0) * 1e3)
-        self._send_report(command_id, {"state": "running"}, final=False)
+        self.last_delivery_s = max(0.0, received - command.created_at)
+        target = self._shown(command.target_uuid)
+        log.info("command %d: %s%s (received %.1f ms after it was created)", command.id, command.kind,
+                 f" to {target}" if target else "", self.last_delivery_s * 1e3)
+        self._send_report(command.id, wire.CommandReport(state="running"), final=False)
         report = self._run(command)
         self._finished[key] = report
         while len(self._finished) > REMEMBERED_COMMANDS:
             self._finished.popitem(last=False)
-        self._send_report(command_id, report, final=True)
+        self._send_report(command.id, report, final=True)
         self._wake.set()
 
-    def _run(self, command: dict[str, Any]) -> dict[str, Any]:
-        kind = command.get("kind")
+    def _shown(self, uuid: Optional[str]) -> Optional[str]:
+        """A GPU as this job numbers it (``cuda:N``), else its UUID."""
+        engine = self.engine
+        if uuid is None or engine is None:
+            return uuid
+        return next((gpu.device for gpu in engine.gpus if gpu.uuid == uuid), uuid)
+
+    def _run(self, command: wire.CommandInfo) -> wire.CommandReport:
+        kind = command.kind
         engine = self.engine
         if engine is None:
             problems = "; ".join(self.reporter.capabilities().get("problems") or []) or "no engine"
             return self._failed(f"this process cannot {kind}: {problems}")
-        # The UUID names the physical GPU whatever the process's ordinals have become.
-        target = command.get("target_uuid") or command.get("target_device")
+        # The server resolved the person's target to a UUID, which names the physical GPU
+        # whatever the process's ordinals have become; the engine takes nothing else.
+        target = command.target_uuid
         try:
+            result: OperationResult
             if kind == "migrate":
                 if not target:
                     return self._failed("migrate needs a target GPU")
                 result = engine.migrate(target)
             elif kind == "pause":
                 result = engine.pause()
-            elif kind == "resume":
-                result = engine.resume(target or None)
             else:
-                return self._failed(f"unknown command kind {kind!r}")
+                result = engine.resume(target)
         except OperationFailedError as exc:
             return self._failed(str(exc), result=exc.result.to_dict() if exc.result is not None else None)
         except _REFUSALS as exc:
@@ -280,29 +287,40 @@ class ProcessClient:
         except Exception as exc:
             log.exception("%s failed", kind)
             return self._failed(f"{type(exc).__name__}: {exc}")
-        return {"state": "succeeded", "result": result.to_dict(), "process": self.reporter.process_update()}
+        report = wire.CommandReport(state="succeeded", process=self.reporter.process_update())
+        return _with_result(report, result.to_dict())
 
-    def _failed(self, error: str, *, result: Optional[dict[str, Any]] = None) -> dict[str, Any]:
-        report: dict[str, Any] = {"state": "failed", "error": error[: protocol.MAX_LONG_TEXT],
-                                  "process": self.reporter.process_update()}
-        if result is not None:
-            report["result"] = result
-        return report
+    def _failed(self, error: str, *, result: Optional[dict[str, Any]] = None) -> wire.CommandReport:
+        report = wire.CommandReport(state="failed", error=error[: protocol.MAX_LONG_TEXT],
+                                    process=self.reporter.process_update())
+        return report if result is None else _with_result(report, result)
 
-    def _send_report(self, command_id: int, report: dict[str, Any], *, final: bool) -> None:
+    def _send_report(self, command_id: int, report: wire.CommandReport, *, final: bool) -> None:
         """A final outcome is retried until the server takes it (or the client stops): it is
         the only record of what the process did. 'running' is tried briefly; the operation
         does not wait for the server."""
-        path = protocol.PATH_COMMAND_REPORT.format(command_id=command_id)
         try:
-            if final:
-                with self._send_lock:
-                    self.api.request("POST", path, json=report, timeout=REPORT_TIMEOUT_S, retries=None,
-                                     stop=self._stop)
-            else:
-                with self._send_lock:
-                    self.api.request("POST", path, json=report, timeout=REPORT_TIMEOUT_S, retries=2)
+            with self._send_lock:
+                if final:
+                    self.api.report_command(command_id, report, timeout=REPORT_TIMEOUT_S, retries=None,
+                                            stop=self._stop)
+                else:
+                    self.api.report_command(command_id, report, timeout=REPORT_TIMEOUT_S, retries=2)
         except (NotFound, Refused, Unauthorized) as exc:
-            log.warning("the server refused the report on command %d (%s): %s", command_id, report["state"], exc.message)
+            log.warning("the server refused the report on command %d (%s): %s", command_id, report.state, exc.message)
         except ServerError as exc:
-            log.warning("could not report command %d %s: %s", command_id, report["state"], exc.message)
+            log.warning("could not report command %d %s: %s", command_id, report.state, exc.message)
+
+
+def _with_result(report: wire.CommandReport, result: dict[str, Any]) -> wire.CommandReport:
+    """The report with the operation's timings, or without them when they do not fit the
+    wire's limits: the outcome itself must reach the server whatever its details hold."""
+    try:
+        return wire.CommandReport.model_validate({**_fields(report), "result": result})
+    except ValidationError as exc:
+        log.warning("the operation's result is left out of the report: %s", exc.errors()[0]["msg"])
+        return report
+
+
+def _fields(model: wire.CommandReport) -> dict[str, Any]:
+    return {name: getattr(model, name) for name in model.model_fields_set}

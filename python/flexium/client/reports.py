@@ -1,5 +1,5 @@
 """What this process tells the server about itself: the bodies of register, heartbeat and
-the process part of a command report (shapes in ``flexium.protocol``).
+the process part of a command report (``flexium.wire`` models).
 
 Hazard: while the engine has the process locked or checkpointed (MIGRATING, PAUSING, PAUSED,
 RESUMING), any CUDA call, torch.cuda.* included, blocks until it runs again. Nothing here
@@ -17,11 +17,12 @@ import sys
 import time
 from typing import Any, Optional
 
-from flexium import protocol
+from flexium import protocol, wire
+from flexium.client.contracts import TrainingProcess
 from flexium.engine import nvml, torch_bridge
 from flexium.engine.operations import EngineState
 
-_STATE_ON_WIRE = {
+_STATE_ON_WIRE: dict[EngineState, wire.ProcessState] = {
     EngineState.RUNNING: "RUNNING",
     EngineState.MIGRATING: "MIGRATING",
     EngineState.PAUSING: "PAUSING",
@@ -31,7 +32,7 @@ _STATE_ON_WIRE = {
 }
 
 
-def _short(text: Any, limit: int = protocol.MAX_SHORT_TEXT) -> str:
+def _short(text: object, limit: int = protocol.MAX_SHORT_TEXT) -> str:
     return str(text or "")[:limit]
 
 
@@ -69,17 +70,17 @@ def _user() -> str:
 
 
 def body_seq() -> int:
-    """``seq`` of a body (protocol.HeartbeatRequest.seq), taken before its state is read: the
+    """``seq`` of a body (see ``wire.HeartbeatRequest``), taken before its state is read: the
     monotonic clock grows across every client this process (or host, until a reboot, when
     the job registers afresh anyway) ever runs, where a counter would restart with a new one."""
     return time.monotonic_ns()
 
 
-def gpu_reports(gpus: list[nvml.HostGpu]) -> list[protocol.GpuReport]:
-    reports: list[protocol.GpuReport] = []
+def gpu_reports(gpus: list[nvml.HostGpu]) -> list[wire.GpuReport]:
+    reports: list[wire.GpuReport] = []
     for gpu in gpus[: protocol.MAX_DEVICES]:
         utilization = gpu.utilization_percent
-        reports.append(protocol.GpuReport(
+        reports.append(wire.GpuReport(
             uuid=_short(gpu.uuid),
             index=int(gpu.index),
             name=_short(gpu.name),
@@ -94,12 +95,13 @@ def gpu_reports(gpus: list[nvml.HostGpu]) -> list[protocol.GpuReport]:
 
 
 class ProcessReporter:
-    """Builds the bodies from the session (process id, devices, capabilities) and its engine
-    (state, placement, memory). Called from the client's threads only."""
+    """Builds the bodies from the training process's flexium state (process id, devices,
+    capabilities) and its engine (state, placement, memory). Called from the client's
+    threads only."""
 
-    def __init__(self, session: Any) -> None:
-        self.session = session
-        self.engine = session.engine
+    def __init__(self, training: TrainingProcess) -> None:
+        self.training = training
+        self.engine = training.engine
         self.pid = os.getpid()
         self.host = _short(socket.gethostname(), protocol.MAX_HOST_LEN) or "localhost"
         self.started_at = _process_started_at() or time.time()
@@ -107,20 +109,20 @@ class ProcessReporter:
 
     # ---- state and placement: pure Python, safe at any time ---------------------------------
 
-    def state(self) -> str:
+    def state(self) -> wire.ProcessState:
         if self.engine is None:
             return "RUNNING"
         return _STATE_ON_WIRE.get(self.engine.state, "RUNNING")
 
-    def placement(self) -> dict[str, Any]:
+    def placement(self) -> wire.ProcessUpdate:
+        """Where the process is: its GPU (None without an engine) and the ordinal it has now."""
         if self.engine is None:
-            device = self.session.logical_device
-            return {"gpu_uuid": None, "gpu_index": None, "physical_device": _short(device)}
+            return wire.ProcessUpdate(gpu_uuid=None, gpu_index=None, physical_device=_short(self.training.logical_device))
         _, gpu = self.engine.placement()
-        return {"gpu_uuid": _short(gpu.uuid), "gpu_index": gpu.nvml_index, "physical_device": gpu.device}
+        return wire.ProcessUpdate(gpu_uuid=_short(gpu.uuid), gpu_index=gpu.nvml_index, physical_device=gpu.device)
 
     def capabilities(self) -> dict[str, Any]:
-        caps = self.session.capabilities
+        caps = self.training.capabilities
         data: dict[str, Any] = caps.to_dict() if caps is not None else {}
         if self.engine is None:
             # Whatever the driver allows, without the engine this process cannot act on commands.
@@ -128,9 +130,9 @@ class ProcessReporter:
             data[protocol.CAP_MIGRATION] = False
             problems = list(data.get("problems") or [])
             problems.append("flexium's engine is not running in this process (training on "
-                            f"{self.session.logical_device}): migrate, pause and resume are off")
+                            f"{self.training.logical_device}): migrate, pause and resume are off")
             data["problems"] = problems
-        pool = getattr(self.session, "memory_pool", None)
+        pool = getattr(self.training, "memory_pool", None)
         data[protocol.CAP_FAST_PATH] = bool(self.engine is not None and pool is not None and pool.active)
         data[protocol.CAP_FAST_PATH_PROBLEM] = None if data[protocol.CAP_FAST_PATH] else (
             pool.reason_off if pool is not None else "no CUDA memory pool in this process (no CUDA torch)"
@@ -167,53 +169,53 @@ class ProcessReporter:
 
     # ---- bodies -----------------------------------------------------------------------------
 
-    def register_body(self, gpus: list[nvml.HostGpu]) -> protocol.RegisterRequest:
+    def register_body(self, gpus: list[nvml.HostGpu]) -> wire.RegisterRequest:
         from flexium import __version__
 
         seq = body_seq()
         memory, footprint = self.memory(gpus)
         placement = self.placement()
         engine = self.engine
-        caps = self.session.capabilities
-        body = protocol.RegisterRequest(
-            process_id=self.session.process_id,
+        caps = self.training.capabilities
+        return wire.RegisterRequest(
+            process_id=self.training.process_id,
             host=self.host,
             user=_user(),
             pid=self.pid,
-            gpu_uuid=placement["gpu_uuid"],
+            gpu_uuid=placement.gpu_uuid,
             gpu_model="" if engine is None else _short(engine.placement()[1].name),
-            gpu_index=placement["gpu_index"],
-            logical_device=_short(self.session.logical_device),
-            physical_device=placement["physical_device"],
+            gpu_index=placement.gpu_index,
+            logical_device=_short(self.training.logical_device),
+            physical_device=placement.physical_device or "",
             visible_gpus=[] if engine is None else [_short(g.uuid) for g in sorted(engine.gpus, key=lambda g: g.ordinal)],
             torch_version=_torch_version(),
             driver_version=_short(caps.driver_version if caps is not None else ""),
             flexium_version=_short(__version__),
             capabilities=self.capabilities(),
             memory_bytes=memory,
+            footprint_bytes=footprint,
             state=self.state(),
             started_at=self.started_at,
             cmdline=_short(" ".join(shlex.quote(a) for a in getattr(sys, "orig_argv", sys.argv)), protocol.MAX_LONG_TEXT),
             devices=gpu_reports(gpus),
             seq=seq,
         )
-        if footprint is not None:
-            body["footprint_bytes"] = footprint
-        return body
 
-    def heartbeat_body(self, gpus: list[nvml.HostGpu]) -> protocol.HeartbeatRequest:
+    def heartbeat_body(self, gpus: list[nvml.HostGpu]) -> wire.HeartbeatRequest:
         seq = body_seq()
         memory, footprint = self.memory(gpus)
-        body = protocol.HeartbeatRequest(state=self.state(), memory_bytes=memory, devices=gpu_reports(gpus),
-                                         seq=seq)
-        body.update(self.placement())  # type: ignore[typeddict-item]
+        body = wire.HeartbeatRequest(state=self.state(), memory_bytes=memory, devices=gpu_reports(gpus), seq=seq,
+                                     **_stated(self.placement()))
         if footprint is not None:
-            body["footprint_bytes"] = footprint
+            body.footprint_bytes = footprint
         return body
 
-    def process_update(self) -> protocol.ProcessUpdate:
+    def process_update(self) -> wire.ProcessUpdate:
         seq = body_seq()
         memory, _ = self.memory()
-        update = protocol.ProcessUpdate(state=self.state(), memory_bytes=memory, seq=seq)
-        update.update(self.placement())  # type: ignore[typeddict-item]
-        return update
+        return wire.ProcessUpdate(state=self.state(), memory_bytes=memory, seq=seq, **_stated(self.placement()))
+
+
+def _stated(update: wire.ProcessUpdate) -> dict[str, Any]:
+    """The fields ``update`` states, None included (None = no GPU)."""
+    return {name: getattr(update, name) for name in update.model_fields_set}

@@ -16,17 +16,17 @@ from typing import Any, AsyncIterator, Callable, Optional, Sequence
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from fastapi.staticfiles import StaticFiles
 from sqlalchemy.exc import DataError, IntegrityError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flexium import protocol
-from flexium.server import storage
+from flexium.server import services, storage
 from flexium.server.context import ServerContext
 from flexium.server.db import Database, DatabaseUnavailable, SchemaTooNew
 from flexium.server.errors import ApiError
-from flexium.server.fastpath import HeartbeatFastPath
+from flexium.server.heartbeat_shortcut import HeartbeatShortcut
 from flexium.server.routes import api, pages, system
 from flexium.server.settings import Settings, load_settings
 
@@ -127,6 +127,10 @@ def install_error_handlers(app: FastAPI) -> None:
         return JSONResponse({"error": code, "message": message}, status_code=exc.status_code,
                             headers=getattr(exc, "headers", None))
 
+    @app.exception_handler(pages.SignedOut)
+    async def _signed_out(_request: Request, exc: pages.SignedOut) -> Response:
+        return exc.response
+
     @app.exception_handler(DatabaseUnavailable)
     async def _db_down(_request: Request, exc: DatabaseUnavailable) -> JSONResponse:
         log.warning("database unavailable: %s", exc)
@@ -170,7 +174,7 @@ def create_app(settings: Optional[Settings] = None, *, database: Optional[Databa
             ctx.snapshots[(ws, process_id)] = snapshot
             ctx.process_hosts[(ws, process_id)] = snapshot.host
         db.start_checkpoints()
-        tasks = [asyncio.create_task(ctx.sweep_forever()), asyncio.create_task(ctx.flush_forever())]
+        tasks = [asyncio.create_task(services.sweep_forever(ctx)), asyncio.create_task(ctx.flush_forever())]
         try:
             yield
         finally:
@@ -196,7 +200,7 @@ def create_app(settings: Optional[Settings] = None, *, database: Optional[Databa
     app.include_router(pages.router)
     app.mount("/static", StaticFiles(directory=str(Path(__file__).resolve().parent / "static")),
               name="static")
-    app.add_middleware(HeartbeatFastPath, ctx=ctx)
+    app.add_middleware(HeartbeatShortcut, ctx=ctx)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)      # outermost
     return app
 

@@ -1,6 +1,7 @@
 """What one running server holds in memory, beside the database: settings, the database
-handle, the notifier and event bus, metrics, the token cache. Routes get it through
-``get_context``."""
+handle, the notifier and event bus, metrics, the token cache, and the in-memory views that
+spare the database most heartbeats and polls. Routes get it through ``get_context``; what a
+request changes in it is done by ``flexium.server.services``."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from typing import Annotated, Any, Optional
 
 from fastapi import Depends, Request
 
-from flexium import protocol
+from flexium import wire
 from flexium.server import storage
 from flexium.server.db import Database
 from flexium.server.live import EventBus, Notifier
@@ -114,9 +115,10 @@ class ServerContext:
         self.snapshots.pop((workspace_id, process_id), None)
         self.pending.pop((workspace_id, process_id), None)
 
-    def beat(self, workspace_id: int, process_id: str, report: dict[str, Any], now: float) -> bool:
-        """Take a heartbeat from memory when it changes nothing but the time; False means the
-        caller must write it through (first beat, a change, devices to store, or stale)."""
+    def beat(self, workspace_id: int, process_id: str, report: wire.HeartbeatRequest, now: float) -> bool:
+        """Take a heartbeat from memory when it changes nothing but the time (its devices, if
+        any, are not due for a write); False means the caller must write it through (first
+        beat, a change, or stale)."""
         key = (workspace_id, process_id)
         snap = self.snapshots.get(key)
         if (snap is None or now - snap.last_seen > self.settings.stale_after_s
@@ -165,38 +167,6 @@ class ServerContext:
         key = (workspace_id, process_id)
         if self.pending.get(key) == command_id:
             del self.pending[key]
-
-    async def sweep_forever(self) -> None:
-        previous = time.time()
-        while not self.stopping:
-            await asyncio.sleep(self.settings.sweep_interval_s)
-            now = time.time()
-            try:
-                await self.flush_beats()
-                await self.reconcile_pending()
-                result = await self.db.call(
-                    storage.sweep, write=True, now=now, alive_since=self.started_at,
-                    stale_after=self.settings.stale_after_s, remove_after=self.settings.remove_after_s,
-                    command_ttl=self.settings.command_ttl_s, stale_since=previous)
-            except Exception:   # a database hiccup must not end housekeeping for good
-                log.exception("sweep failed; retrying at the next interval")
-                continue
-            previous = now
-            for ws, cmd in result.expired:
-                self.command_settled(ws, cmd["process_id"], cmd["id"])
-                self.metrics.commands_finished.labels(kind=cmd["kind"], outcome="expired").inc()
-                self.publish(ws, protocol.EVENT_COMMAND, {"action": "updated", "command": cmd})
-                self.notifier.notify(("cmd", ws, cmd["id"]))
-            for ws, cmd in result.failed:
-                self.metrics.commands_finished.labels(kind=cmd["kind"], outcome="failed").inc()
-                self.publish(ws, protocol.EVENT_COMMAND, {"action": "updated", "command": cmd})
-                self.notifier.notify(("cmd", ws, cmd["id"]))
-            for ws, process_id in result.removed:
-                self.forget_process(ws, process_id)
-                self.publish(ws, protocol.EVENT_PROCESS, {"action": "removed",
-                                                          "process": {"process_id": process_id}})
-            for ws, proc in result.newly_stale:
-                self.publish(ws, protocol.EVENT_PROCESS, {"action": "stale", "process": proc})
 
 
 def get_context(request: Request) -> ServerContext:

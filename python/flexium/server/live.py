@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Hashable, Optional
 
+from pydantic import BaseModel
+
 from flexium import protocol
 
 
@@ -93,7 +95,7 @@ class EventBus:
 
     @staticmethod
     def frame(event_id: int, event: str, data: Any) -> str:
-        payload = json.dumps(data, separators=(",", ":"), allow_nan=False)
+        payload = json.dumps(data, separators=(",", ":"), allow_nan=False, default=_jsonable)
         return f"id: {event_id}\nevent: {event}\ndata: {payload}\n\n"
 
     def publish(self, workspace_id: int, event: str, data: Any) -> None:
@@ -145,3 +147,10 @@ class EventBus:
     @property
     def subscribers(self) -> int:
         return sum(len(s) for s in self._subs.values())
+
+
+def _jsonable(value: Any) -> Any:
+    """Events carry the API's models (``flexium.wire``) as the API sends them."""
+    if isinstance(value, BaseModel):
+        return value.model_dump(mode="json")
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")

@@ -115,9 +115,9 @@ class Command(Base):
     process_pk: Mapped[int] = mapped_column(ForeignKey("processes.pk", ondelete="CASCADE"))
     kind: Mapped[str] = mapped_column(String(16))
     state: Mapped[str] = mapped_column(String(16))
+    # The GPU the server resolved the target to; its index and the job's cuda:N are derived
+    # when shown (an index is the host's, an ordinal the job's: neither names the GPU).
     target_uuid: Mapped[Optional[str]] = mapped_column(String(protocol.MAX_SHORT_TEXT), nullable=True)
-    target_index: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
-    target_device: Mapped[Optional[str]] = mapped_column(String(protocol.MAX_SHORT_TEXT), nullable=True)
     created_at: Mapped[float] = mapped_column(Double)
     delivered_at: Mapped[Optional[float]] = mapped_column(Double, nullable=True)
     started_at: Mapped[Optional[float]] = mapped_column(Double, nullable=True)

@@ -13,19 +13,19 @@ import math
 import shlex
 import time
 from pathlib import Path
-from typing import Annotated, Any, Mapping, Optional, Sequence
+from typing import Annotated, Any, Awaitable, Callable, Optional, Sequence
 from urllib.parse import parse_qs
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 from jinja2 import Environment, FileSystemLoader
 from sqlalchemy.orm import Session
 
-from flexium import protocol
+from flexium import protocol, wire
 from flexium.server import storage
 from flexium.server.auth import resolve_token
-from flexium.server.context import Ctx
+from flexium.server.context import Ctx, ServerContext
 from flexium.server.errors import NotFound
 from flexium.server.storage import AuthInfo
 
@@ -92,14 +92,14 @@ def fmt_ago(ts: Optional[float], now: float) -> str:
     return f"{int(age)} s ago"
 
 
-def job_name(process: Mapping[str, Any]) -> str:
+def job_name(process: wire.ProcessInfo) -> str:
     """A short name a person recognizes: the script of the command line (launchers such as
     ``torchrun`` or ``python -m torch.distributed.run`` come first), else its ``-m`` module,
     else the program, else the process id."""
     try:
-        words = shlex.split(process.get("cmdline") or "")
+        words = shlex.split(process.cmdline or "")
     except ValueError:
-        words = (process.get("cmdline") or "").split()
+        words = (process.cmdline or "").split()
     for word in words:
         if word.endswith(".py"):
             return Path(word).name
@@ -108,7 +108,7 @@ def job_name(process: Mapping[str, Any]) -> str:
             return words[i + 1]
     if words:
         return Path(words[0]).name or words[0]
-    return str(process.get("process_id") or "")
+    return process.process_id
 
 
 def gpu_label(index: Optional[int], uuid: Optional[str]) -> str:
@@ -117,11 +117,11 @@ def gpu_label(index: Optional[int], uuid: Optional[str]) -> str:
     return f"GPU {uuid[:12]}" if uuid else "no GPU"
 
 
-def membar(device: Mapping[str, Any]) -> dict[str, int]:
+def membar(device: wire.DeviceInfo) -> dict[str, int]:
     """Widths (of 1000) of the flexium / other / free parts of a GPU's memory bar."""
-    total = max(int(device.get("memory_total") or 0), 1)
-    ours = min(int(device.get("memory_flexium") or 0), total)
-    other = min(int(device.get("memory_other") or 0), total - ours)
+    total = max(device.memory_total, 1)
+    ours = min(device.memory_flexium, total)
+    other = min(device.memory_other, total - ours)
     f = round(1000 * ours / total)
     o = round(1000 * other / total)
     if ours and not f:
@@ -129,13 +129,13 @@ def membar(device: Mapping[str, Any]) -> dict[str, int]:
     return {"flexium": f, "other": o, "free": max(0, 1000 - f - o)}
 
 
-def command_seconds(command: Mapping[str, Any]) -> Optional[float]:
+def command_seconds(command: wire.CommandInfo) -> Optional[float]:
     """The operation's own measure when the process sent one, else the server's clock."""
-    seconds = (command.get("result") or {}).get("seconds")
+    seconds = (command.result or {}).get("seconds")
     if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and math.isfinite(seconds) and seconds >= 0:
         return float(seconds)
-    if command.get("finished_at") is not None and command.get("started_at") is not None:
-        return float(command["finished_at"]) - float(command["started_at"])
+    if command.finished_at is not None and command.started_at is not None:
+        return command.finished_at - command.started_at
     return None
 
 
@@ -149,12 +149,12 @@ TEMPLATES.env.globals.update(fmt_ago=fmt_ago, job_name=job_name, gpu_label=gpu_l
 
 # --- what the page shows, read in one transaction ---------------------------------------------
 
-def last_finished(commands: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def last_finished(commands: list[wire.CommandInfo]) -> dict[str, wire.CommandInfo]:
     """process id -> its newest finished command, from commands listed newest first."""
-    last: dict[str, dict[str, Any]] = {}
+    last: dict[str, wire.CommandInfo] = {}
     for command in commands:
-        if command["state"] in protocol.FINAL_COMMAND_STATES:
-            last.setdefault(command["process_id"], command)
+        if command.state in protocol.FINAL_COMMAND_STATES:
+            last.setdefault(command.process_id, command)
     return last
 
 
@@ -169,7 +169,8 @@ def dashboard_view(*, session: Session, workspace_id: int, now: float, stale_aft
     ``hosts`` says otherwise, the GPUs to their hosts; ``hosts`` narrows the GPUs. ``targets``
     (migrate or resume) judges the GPUs of the first process as targets of that command:
     ``storage.judge_targets``, the rules the API enforces."""
-    view: dict[str, Any] = {"now": now, "stale_after": stale_after}
+    view: dict[str, Any] = {"now": now, "stale_after": stale_after,
+                            "gpu_indexes": storage.device_indexes(session, workspace_id=workspace_id)}
     if process_ids is not None:
         view["processes"], view["last"] = [], {}
         for process_id in process_ids:
@@ -182,7 +183,7 @@ def dashboard_view(*, session: Session, workspace_id: int, now: float, stale_aft
             view["last"].update(last_finished(storage.list_commands(
                 session=session, workspace_id=workspace_id, process_id=process_id, limit=20)))
         if hosts is None:
-            hosts = sorted({p["host"] for p in view["processes"]})
+            hosts = sorted({p.host for p in view["processes"]})
     elif processes:
         view["processes"] = storage.list_processes(session=session, workspace_id=workspace_id,
                                                    now=now, stale_after=stale_after)
@@ -195,32 +196,48 @@ def dashboard_view(*, session: Session, workspace_id: int, now: float, stale_aft
     if devices:
         if hosts is None:
             view["hosts"] = storage.list_devices(session=session, workspace_id=workspace_id, now=now,
-                                                 stale_after=stale_after)["hosts"]
+                                                 stale_after=stale_after).hosts
         else:
             view["hosts"] = [entry for host in hosts for entry in storage.list_devices(
                 session=session, workspace_id=workspace_id, now=now, stale_after=stale_after,
-                host=host)["hosts"]]
+                host=host).hosts]
     if targets is not None and view.get("processes"):
         view["targets"] = storage.judge_targets(
-            session=session, workspace_id=workspace_id, process_id=view["processes"][0]["process_id"],
+            session=session, workspace_id=workspace_id, process_id=view["processes"][0].process_id,
             kind=targets, now=now, stale_after=stale_after)
     return view
 
 
 # --- auth and responses -----------------------------------------------------------------------
 
-async def page_auth(request: Request, ctx: Ctx) -> Optional[AuthInfo]:
-    token = request.cookies.get(protocol.TOKEN_COOKIE)
-    return await resolve_token(ctx, token) if token else None
+class SignedOut(Exception):
+    """No valid login cookie: the app answers with ``response`` (see ``install_error_handlers``)."""
+
+    def __init__(self, response: Response) -> None:
+        super().__init__("signed out")
+        self.response = response
+
+
+def _signed_in(*, redirect: bool) -> Callable[[Request, ServerContext], Awaitable[AuthInfo]]:
+    """The one check of the dashboard's login cookie. The page sends a person without one to
+    the login form; fragments answer 401 instead, and the script sends the person there."""
+    async def page_auth(request: Request, ctx: Ctx) -> AuthInfo:
+        token = request.cookies.get(protocol.TOKEN_COOKIE)
+        auth = await resolve_token(ctx, token) if token else None
+        if auth is None:
+            raise SignedOut(RedirectResponse("/login", status_code=303) if redirect else
+                            Response("log in again", status_code=401, media_type="text/plain", headers=_HEADERS))
+        return auth
+
+    return page_auth
+
+
+PageAuth = Annotated[AuthInfo, Depends(_signed_in(redirect=True))]
+FragmentAuth = Annotated[AuthInfo, Depends(_signed_in(redirect=False))]
 
 
 def _render(request: Request, name: str, context: dict[str, Any], status_code: int = 200) -> Response:
     return TEMPLATES.TemplateResponse(request, name, context, status_code=status_code, headers=_HEADERS)
-
-
-def _signed_out() -> Response:
-    # Fragments answer 401 instead of redirecting: the script sends the person to /login.
-    return Response("log in again", status_code=401, media_type="text/plain", headers=_HEADERS)
 
 
 async def _view(request: Request, ctx: Ctx, auth: AuthInfo, **narrow: Any) -> dict[str, Any]:
@@ -234,10 +251,7 @@ async def _view(request: Request, ctx: Ctx, auth: AuthInfo, **narrow: Any) -> di
 # --- the page ---------------------------------------------------------------------------------
 
 @router.get("/", response_class=HTMLResponse)
-async def index(request: Request, ctx: Ctx) -> Response:
-    auth = await page_auth(request, ctx)
-    if auth is None:
-        return RedirectResponse("/login", status_code=303)
+async def index(request: Request, ctx: Ctx, auth: PageAuth) -> Response:
     view = await _view(request, ctx, auth)
     host = request.url.hostname or "localhost"
     port = request.url.port or (443 if request.url.scheme == "https" else 80)
@@ -253,51 +267,39 @@ async def index(request: Request, ctx: Ctx) -> Response:
 # --- fragments (the script swaps these in on live events) -------------------------------------
 
 @router.get("/ui/processes", response_class=HTMLResponse)
-async def process_rows(request: Request, ctx: Ctx,
+async def process_rows(request: Request, ctx: Ctx, auth: FragmentAuth,
                        ids: Annotated[Optional[list[str]], Query(alias="id")] = None) -> Response:
     """Rows of the processes named by ``id`` (repeated; those gone are left out), else all."""
-    auth = await page_auth(request, ctx)
-    if auth is None:
-        return _signed_out()
     narrow = {"process_ids": ids[:_MAX_BATCH]} if ids else {}
     return _render(request, "fragments/rows.html",
                    await _view(request, ctx, auth, devices=False, commands=False, **narrow))
 
 
 @router.get("/ui/processes/{process_id}/targets", response_class=HTMLResponse)
-async def target_form(request: Request, ctx: Ctx, process_id: str,
+async def target_form(request: Request, ctx: Ctx, auth: FragmentAuth, process_id: str,
                       kind: str = Query("migrate", pattern="^(migrate|resume)$")) -> Response:
-    auth = await page_auth(request, ctx)
-    if auth is None:
-        return _signed_out()
     view = await _view(request, ctx, auth, process_ids=[process_id], commands=False, devices=False,
                        targets=kind)
     if not view["processes"]:
         return Response("", status_code=404, headers=_HEADERS)
     view["process"] = view["processes"][0]
     judged = view["targets"]
-    view.update(kind=kind, fits=[t["device"] for t in judged if t["refusal"] is None],
-                refused=[(t["device"], t["refusal"]) for t in judged if t["refusal"] is not None])
+    view.update(kind=kind, fits=[t.device for t in judged if t.refusal is None],
+                refused=[(t.device, t.refusal) for t in judged if t.refusal is not None])
     return _render(request, "fragments/targets.html", view)
 
 
 @router.get("/ui/devices", response_class=HTMLResponse)
-async def device_cards(request: Request, ctx: Ctx,
+async def device_cards(request: Request, ctx: Ctx, auth: FragmentAuth,
                        hosts: Annotated[Optional[list[str]], Query(alias="host")] = None) -> Response:
     """GPU cards of the hosts named by ``host`` (repeated), else of all hosts."""
-    auth = await page_auth(request, ctx)
-    if auth is None:
-        return _signed_out()
     narrow = {"hosts": hosts[:_MAX_BATCH]} if hosts else {}
     view = await _view(request, ctx, auth, processes=False, commands=False, **narrow)
     return _render(request, "fragments/hosts.html", view)
 
 
 @router.get("/ui/commands", response_class=HTMLResponse)
-async def recent_commands(request: Request, ctx: Ctx) -> Response:
-    auth = await page_auth(request, ctx)
-    if auth is None:
-        return _signed_out()
+async def recent_commands(request: Request, ctx: Ctx, auth: FragmentAuth) -> Response:
     return _render(request, "fragments/commands.html",
                    await _view(request, ctx, auth, processes=False, devices=False))
 

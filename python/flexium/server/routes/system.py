@@ -2,18 +2,17 @@
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 from sqlalchemy import text
 
-from flexium.server import storage
+from flexium import wire
+from flexium.server import services
 from flexium.server.context import Ctx
 from flexium.server.db import DatabaseUnavailable
 from flexium.server.metrics import CONTENT_TYPE
-from flexium.server.schemas import HealthOut
 
 router = APIRouter()
 
@@ -22,7 +21,7 @@ def _ping(*, session: Any) -> None:
     session.execute(text("SELECT 1"))
 
 
-@router.get("/healthz", response_model=HealthOut, responses={503: {"model": HealthOut}},
+@router.get("/healthz", response_model=wire.HealthInfo, responses={503: {"model": wire.HealthInfo}},
             summary="200 when the database answers")
 async def healthz(ctx: Ctx) -> Any:
     try:
@@ -35,13 +34,4 @@ async def healthz(ctx: Ctx) -> Any:
 @router.get("/metrics", response_class=Response, summary="Prometheus text format",
             responses={200: {"content": {"text/plain": {}}}})
 async def metrics(ctx: Ctx) -> Response:
-    now = time.time()
-    processes = await ctx.db.call(storage.count_processes, write=False, now=now,
-                                  stale_after=ctx.settings.stale_after_s)
-    commands = await ctx.db.call(storage.count_commands, write=False)
-    body = ctx.metrics.render(processes=processes, commands=commands,
-                              long_polls=ctx.notifier.waiting, sse_subscribers=ctx.bus.subscribers,
-                              db_waiting=ctx.db.calls_waiting)
-    return Response(body, media_type=CONTENT_TYPE)
-
-
+    return Response(await services.metrics_text(ctx), media_type=CONTENT_TYPE)

@@ -319,9 +319,12 @@
     return el;
   }
 
+  // A command names its GPU by UUID only; the index shown is the one its GPU card shows.
   function gpuText(c) {
-    if (c.target_index !== null && c.target_index !== undefined) { return " → GPU " + c.target_index; }
-    return c.target_uuid ? " → " + c.target_uuid : "";
+    if (!c.target_uuid) { return ""; }
+    var card = document.querySelector('article.gpu[data-uuid="' + CSS.escape(c.target_uuid) + '"]');
+    var index = card ? card.dataset.index : "";
+    return index ? " → GPU " + index : " → " + c.target_uuid;
   }
 
   function commandNotice(c) {

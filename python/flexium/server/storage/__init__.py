@@ -2,15 +2,18 @@
 
 Every function takes keyword arguments only, starting with ``session`` (one open
 transaction, from ``Database.session`` / ``Database.run`` / ``Database.call``), and the
-caller's clock as ``now`` so tests can move time. They return protocol-shaped dicts
-(``flexium.protocol`` TypedDicts) that routes send as they are and dashboard templates render,
-and raise ``flexium.server.errors.ApiError`` subclasses for anything a user did wrong.
+caller's clock as ``now`` so tests can move time. Processes, commands and devices come back
+as ``flexium.wire`` models built from the rows, which routes send as they are and dashboard
+templates render (workspaces and tokens, which only the server and its admin commands see,
+as plain dicts), and they raise ``flexium.server.errors.ApiError`` subclasses for anything a
+user did wrong.
 """
 
 from flexium.server.storage.commands import (create_command, count_commands, get_command,
                                              judge_targets, list_commands, next_command,
-                                             peek_command, pending_commands, report_command)
-from flexium.server.storage.devices import list_devices, upsert_devices
+                                             peek_command, pending_commands, report_command,
+                                             resolve_target, target_refusal)
+from flexium.server.storage.devices import device_indexes, list_devices, upsert_devices
 from flexium.server.storage.processes import (HeartbeatOutcome, ProcessSnapshot, count_processes,
                                               get_process, heartbeat, list_processes,
                                               load_snapshots, record_beats, register_process,
@@ -24,7 +27,7 @@ from flexium.server.storage.workspaces import (AuthInfo, authenticate, create_wo
 
 __all__ = [
     "AuthInfo", "HeartbeatOutcome", "ProcessSnapshot", "SweepResult",
-    "authenticate", "count_commands", "count_processes", "create_command", "create_workspace",
+    "authenticate", "count_commands", "device_indexes", "resolve_target", "target_refusal", "count_processes", "create_command", "create_workspace",
     "ensure_default_workspace", "get_command", "get_process", "get_workspace", "hash_token",
     "heartbeat", "issue_token", "judge_targets", "list_commands", "list_devices", "list_processes",
     "list_tokens", "list_workspaces", "new_token", "next_command", "peek_command",

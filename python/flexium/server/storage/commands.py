@@ -14,18 +14,18 @@ poll, so a process may see one command twice and must ignore an id it already ra
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
 from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from flexium import protocol
+from flexium import protocol, wire
 from flexium.server.errors import (Busy, CapabilityMissing, InvalidRequest, InvalidState, NotFound,
                                    Stale, TargetRefused)
 from flexium.server.models import Command, Device, Process, table_of
 from flexium.server.storage.devices import find_device_hosts, host_devices, list_devices
-from flexium.server.storage.processes import active_command, find_process, is_older
+from flexium.server.storage.processes import active_command, apply_process_update, find_process, is_older
 from flexium.server.storage.views import command_view, is_stale, process_view
 
 _RUNNING_STATE = {"migrate": "MIGRATING", "pause": "PAUSING", "resume": "RESUMING"}
@@ -51,11 +51,15 @@ def _require_capability(proc: Process, key: str, what: str) -> None:
                                 f"{key!r} capability (driver {driver}; {what} needs driver {need})")
 
 
-def _resolve_target(session: Session, proc: Process, target: Union[str, int]) -> Device:
+def resolve_target(session: Session, proc: Process, target: Union[str, int]) -> Device:
+    """The one reading of a person's target text (the CLI's help and ``wire.CommandRequest``
+    say the same): ``cuda:N`` is entry N of the process's ``visible_gpus`` (the job's own CUDA
+    numbering, as it registered), a bare integer or digits the nvidia-smi index on the
+    process's host, anything else a GPU UUID. Commands carry only the UUID it resolves to."""
     devices = host_devices(session, workspace_id=proc.workspace_id, host=proc.host)
     if isinstance(target, bool):
         raise InvalidRequest("target must be a GPU UUID, an index on the process's host, or 'cuda:N'")
-    if isinstance(target, int) or (isinstance(target, str) and target.isdigit()):
+    if isinstance(target, int) or target.isdigit():
         index = int(target)
         for dev in devices.values():
             if dev.index == index:
@@ -87,11 +91,16 @@ def _resolve_target(session: Session, proc: Process, target: Union[str, int]) ->
     raise TargetRefused(f"unknown GPU {text!r} on host {proc.host!r}")
 
 
+# A refusal that is the process's lack, not the GPU's: command creation answers it as a
+# missing capability.
+_RESUME_ELSEWHERE = "resuming on another GPU needs the migration capability"
+
+
 def target_refusal(proc: Process, dev: Device, *, kind: str, now: float,
                    stale_after: float) -> Optional[str]:
     """Why GPU ``dev`` cannot take ``proc`` for a ``kind`` command, in a few words; None when
-    it can. The one statement of the target rules: command creation raises it, the
-    dashboard's dialog and ``GET .../targets`` show it."""
+    it can. The one statement of the target rules: command creation raises it, the resume
+    choice picks by it, the dashboard's dialog and ``GET .../targets`` show it."""
     visible = list(proc.visible_gpus or [])
     if kind == "migrate" and dev.uuid == proc.gpu_uuid:
         return "the job is already on it"
@@ -108,43 +117,41 @@ def target_refusal(proc: Process, dev: Device, *, kind: str, now: float,
     free = max(0, dev.memory_total - dev.memory_used)
     if free < need:
         return f"{_gib(free)} free, the job needs {_gib(need)}"
+    if (kind == "resume" and proc.gpu_uuid and dev.uuid != proc.gpu_uuid
+            and not (proc.capabilities or {}).get(protocol.CAP_MIGRATION)):
+        return _RESUME_ELSEWHERE
     return None
 
 
 def _check_target(proc: Process, dev: Device, *, kind: str, now: float, stale_after: float) -> None:
     reason = target_refusal(proc, dev, kind=kind, now=now, stale_after=stale_after)
+    if reason == _RESUME_ELSEWHERE:
+        _require_capability(proc, protocol.CAP_MIGRATION, "resume on another GPU")
     if reason is not None:
         raise TargetRefused(f"GPU {dev.uuid} cannot take process {proc.process_id!r}: {reason}")
 
 
 def judge_targets(*, session: Session, workspace_id: int, process_id: str, kind: str, now: float,
-                  stale_after: float) -> list[dict[str, Any]]:
-    """Every GPU of the process's host (``DeviceInfo``, by index) with ``refusal``: why a
-    ``kind`` command (migrate or resume) to it would be refused, or None when it fits. The
-    server still has the last word: the picture may change before a command is sent."""
+                  stale_after: float) -> list[wire.TargetInfo]:
+    """Every GPU of the process's host (by index) with ``refusal``: why a ``kind`` command
+    (migrate or resume) to it would be refused, or None when it fits. The server still has
+    the last word: the picture may change before a command is sent."""
     if kind not in ("migrate", "resume"):
         raise InvalidRequest(f"targets are judged for migrate or resume, not {kind!r}")
     proc = find_process(session, workspace_id=workspace_id, process_id=process_id)
     rows = host_devices(session, workspace_id=workspace_id, host=proc.host)
-    can_move = bool((proc.capabilities or {}).get(protocol.CAP_MIGRATION))
-    judged = []
-    for entry in list_devices(session=session, workspace_id=workspace_id, now=now,
-                              stale_after=stale_after, host=proc.host)["hosts"]:
-        for device in entry["devices"]:
-            dev = rows[device["uuid"]]
-            reason = target_refusal(proc, dev, kind=kind, now=now, stale_after=stale_after)
-            if reason is None and kind == "resume" and proc.gpu_uuid and dev.uuid != proc.gpu_uuid \
-                    and not can_move:
-                reason = "resuming on another GPU needs the migration capability"
-            judged.append({"device": device, "refusal": reason})
-    return judged
+    return [wire.TargetInfo(device=device, refusal=target_refusal(
+                proc, rows[device.uuid], kind=kind, now=now, stale_after=stale_after))
+            for entry in list_devices(session=session, workspace_id=workspace_id, now=now,
+                                      stale_after=stale_after, host=proc.host).hosts
+            for device in entry.devices]
 
 
 def _choose_resume_target(session: Session, proc: Process, *, now: float,
                           stale_after: float) -> Optional[Device]:
-    """Resume where it paused when that GPU has room; else, if the job can migrate, the
-    same-model GPU with the most free memory; None lets the process resume on its source
-    (no device reports to judge by)."""
+    """Resume where it paused when that GPU has room; else the GPU ``target_refusal`` allows
+    with the most free memory (another GPU only for a job that can migrate); None lets the
+    process resume on its source (no device reports to judge by)."""
     devices = host_devices(session, workspace_id=proc.workspace_id, host=proc.host)
     if not devices:
         return None
@@ -154,11 +161,10 @@ def _choose_resume_target(session: Session, proc: Process, *, now: float,
         home_refusal = target_refusal(proc, home, kind="resume", now=now, stale_after=stale_after)
         if home_refusal is None:
             return home
-    if (proc.capabilities or {}).get(protocol.CAP_MIGRATION):
-        candidates = [dev for dev in devices.values() if target_refusal(
-            proc, dev, kind="resume", now=now, stale_after=stale_after) is None]
-        if candidates:
-            return max(candidates, key=lambda d: (d.memory_total - d.memory_used, -(d.index or 0)))
+    candidates = [dev for dev in devices.values() if target_refusal(
+        proc, dev, kind="resume", now=now, stale_after=stale_after) is None]
+    if candidates and (proc.capabilities or {}).get(protocol.CAP_MIGRATION):
+        return max(candidates, key=lambda d: (d.memory_total - d.memory_used, -(d.index or 0)))
     if home_refusal is not None:
         raise TargetRefused(f"no GPU can take process {proc.process_id!r}: its own GPU "
                             f"{proc.gpu_uuid}: {home_refusal}")
@@ -169,7 +175,7 @@ def _choose_resume_target(session: Session, proc: Process, *, now: float,
 
 def create_command(*, session: Session, workspace_id: int, kind: str, process_id: str,
                    target: Union[str, int, None] = None, now: float,
-                   stale_after: float) -> dict[str, Any]:
+                   stale_after: float) -> wire.CommandInfo:
     if kind not in protocol.COMMAND_KINDS:
         raise InvalidRequest(f"unknown command kind {kind!r}: use migrate, pause or resume")
     proc = find_process(session, workspace_id=workspace_id, process_id=process_id, for_update=True)
@@ -191,7 +197,7 @@ def create_command(*, session: Session, workspace_id: int, kind: str, process_id
         _require_capability(proc, protocol.CAP_MIGRATION, "migrate")
         if target is None or target == "":
             raise InvalidRequest("migrate needs a target GPU")
-        device = _resolve_target(session, proc, target)
+        device = resolve_target(session, proc, target)
         _check_target(proc, device, kind=kind, now=now, stale_after=stale_after)
     elif kind == "pause":
         if proc.state != "RUNNING":
@@ -204,19 +210,12 @@ def create_command(*, session: Session, workspace_id: int, kind: str, process_id
             raise InvalidState(f"cannot resume process {process_id!r}: it is {proc.state}, not PAUSED")
         _require_capability(proc, protocol.CAP_PAUSE_RESUME, "resume")
         if target is not None and target != "":
-            device = _resolve_target(session, proc, target)
+            device = resolve_target(session, proc, target)
             _check_target(proc, device, kind=kind, now=now, stale_after=stale_after)
         else:
             device = _choose_resume_target(session, proc, now=now, stale_after=stale_after)
-        if device is not None and proc.gpu_uuid and device.uuid != proc.gpu_uuid:
-            _require_capability(proc, protocol.CAP_MIGRATION, "resume on another GPU")
-    visible = list(proc.visible_gpus or [])
     row = Command(workspace_id=workspace_id, process_pk=proc.pk, kind=kind, state="queued",
-                  target_uuid=device.uuid if device else None,
-                  target_index=device.index if device else None,
-                  target_device=(f"cuda:{visible.index(device.uuid)}"
-                                 if device is not None and device.uuid in visible else None),
-                  created_at=now, deliveries=0)
+                  target_uuid=device.uuid if device else None, created_at=now, deliveries=0)
     session.add(row)
     try:
         session.flush()
@@ -237,14 +236,14 @@ def _find_command(session: Session, *, workspace_id: int, command_id: int,
     return row[0], row[1]
 
 
-def get_command(*, session: Session, workspace_id: int, command_id: int) -> dict[str, Any]:
+def get_command(*, session: Session, workspace_id: int, command_id: int) -> wire.CommandInfo:
     cmd, proc = _find_command(session, workspace_id=workspace_id, command_id=command_id)
     return command_view(cmd, proc.process_id)
 
 
 def list_commands(*, session: Session, workspace_id: int, process_id: Optional[str] = None,
                   state: Optional[str] = None, limit: int = 100,
-                  before_id: Optional[int] = None) -> list[dict[str, Any]]:
+                  before_id: Optional[int] = None) -> list[wire.CommandInfo]:
     """Newest first; page with ``before_id`` (the smallest id of the previous page)."""
     query = (select(Command, Process.process_id).join(Process, Process.pk == Command.process_pk)
              .where(Command.workspace_id == workspace_id))
@@ -283,7 +282,7 @@ def pending_commands(*, session: Session) -> list[tuple[int, str, int]]:
 
 
 def next_command(*, session: Session, workspace_id: int, process_id: str,
-                 now: float) -> tuple[Optional[dict[str, Any]], bool]:
+                 now: float) -> tuple[Optional[wire.CommandInfo], bool]:
     """The command a long-poll hands out, marked delivered, in one statement; (command or
     None, whether this is its first delivery). None also when the process is unknown: the
     route's ``peek_command`` tells those apart."""
@@ -304,16 +303,14 @@ _DELIVER = (update(_C).where(_C.c.id == select(_C.c.id).join(_P, _P.c.pk == _C.c
 
 
 def report_command(*, session: Session, workspace_id: int, command_id: int,
-                   report: dict[str, Any], now: float,
-                   stale_after: float) -> tuple[dict[str, Any], Optional[dict[str, Any]], bool]:
+                   report: wire.CommandReport, now: float,
+                   stale_after: float) -> tuple[wire.CommandInfo, Optional[wire.ProcessInfo], bool]:
     """Apply a process's report; returns (command, process after it, changed).
 
     Repeating a report is harmless (the client retries until the server answers). A report
     on an expired command is accepted: the process did act, and its word is the truth.
     """
-    state = report["state"]
-    if state not in protocol.REPORT_STATES:
-        raise InvalidRequest(f"a process reports running, succeeded or failed, not {state!r}")
+    state = report.state
     cmd, proc = _find_command(session, workspace_id=workspace_id, command_id=command_id,
                               for_update=True)
     if cmd.state == state or (state == "running" and cmd.state in ("succeeded", "failed")):
@@ -321,23 +318,23 @@ def report_command(*, session: Session, workspace_id: int, command_id: int,
     if cmd.state in ("succeeded", "failed"):
         raise InvalidState(f"command {command_id} already {cmd.state}; it cannot become {state}")
     cmd.state = state
+    update = report.process if report.process is not None else wire.ProcessUpdate()
+    if is_older(update.seq, proc.state_seq):
+        update = wire.ProcessUpdate()     # a heartbeat built later already said where it is
+    elif update.seq is not None:
+        proc.state_seq = update.seq
     if state == "running":
         cmd.started_at = cmd.started_at or now
         proc.state = _RUNNING_STATE[cmd.kind]
     else:
         cmd.finished_at = now
         cmd.started_at = cmd.started_at or now
-        cmd.result = report.get("result")
-        cmd.error = report.get("error")
+        cmd.result = report.result
+        cmd.error = report.error
         _settle_process(proc, cmd, succeeded=state == "succeeded")
-    update = report.get("process") or {}
-    if is_older(update.get("seq"), proc.state_seq):
-        update = {}                 # a heartbeat built later already said where it is
-    elif update.get("seq") is not None:
-        proc.state_seq = update["seq"]
-    for name in ("state", "gpu_uuid", "gpu_index", "physical_device", "memory_bytes"):
-        if name in update and (update[name] is not None or name in ("gpu_uuid", "gpu_index")):
-            setattr(proc, name, update[name])
+        if state == "succeeded":
+            update = _location_after(session, proc, cmd, update)
+    apply_process_update(proc, update)
     if proc.memory_bytes:
         proc.footprint_bytes = max(proc.footprint_bytes, proc.memory_bytes) \
             if proc.state == "PAUSED" else proc.memory_bytes
@@ -352,7 +349,8 @@ def report_command(*, session: Session, workspace_id: int, command_id: int,
 
 
 def _settle_process(proc: Process, cmd: Command, *, succeeded: bool) -> None:
-    """Where the process is after the operation, unless its report says otherwise."""
+    """The state an operation's outcome leaves the process in (its location is
+    ``_location_after``'s)."""
     if cmd.kind == "pause":
         proc.state = "PAUSED" if succeeded else "RUNNING"
         if succeeded:
@@ -363,13 +361,25 @@ def _settle_process(proc: Process, cmd: Command, *, succeeded: bool) -> None:
         proc.state = "PAUSED"
         return
     proc.state = "RUNNING"
-    if succeeded and cmd.target_uuid:
-        proc.gpu_uuid = cmd.target_uuid
-        proc.gpu_index = cmd.target_index
-        if cmd.target_device:
-            proc.physical_device = cmd.target_device
     if succeeded and cmd.kind == "resume" and not proc.memory_bytes:
         proc.memory_bytes = proc.footprint_bytes
+
+
+def _location_after(session: Session, proc: Process, cmd: Command,
+                    update: wire.ProcessUpdate) -> wire.ProcessUpdate:
+    """The process's own update, with the location a succeeded move sent it to filled in
+    where the update says nothing of it (the GPU's index and the job's ``cuda:N`` are derived
+    from the target UUID here, never stored with the command)."""
+    if not cmd.target_uuid or "gpu_uuid" in update.model_fields_set:
+        return update
+    target = host_devices(session, workspace_id=proc.workspace_id, host=proc.host).get(cmd.target_uuid)
+    visible = list(proc.visible_gpus or [])
+    derived: dict[str, object] = {"gpu_uuid": cmd.target_uuid,
+                                  "gpu_index": target.index if target is not None else None}
+    if cmd.target_uuid in visible:
+        derived["physical_device"] = f"cuda:{visible.index(cmd.target_uuid)}"
+    stated = {name: getattr(update, name) for name in update.model_fields_set}
+    return wire.ProcessUpdate.model_validate({**derived, **stated})
 
 
 def count_commands(*, session: Session) -> dict[str, int]:

@@ -4,27 +4,29 @@ reports, so the dashboard can tell ours from others'."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable
+from typing import Any, Iterable, Optional
 
 from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
+from flexium import wire
 from flexium.server.models import Device, Process, table_of
 
 _FIELDS = ("index", "name", "memory_total", "memory_used", "utilization", "temperature", "health")
 
 
 def upsert_devices(*, session: Session, workspace_id: int, host: str,
-                   devices: Iterable[dict[str, Any]], now: float) -> None:
+                   devices: Iterable[wire.GpuReport], now: float) -> None:
     """Insert or update a host's GPUs in one statement. The jobs of one host report the same
     GPUs, often at the same moment: ON CONFLICT makes that race harmless on both databases."""
     rows = {}
     for report in devices:
-        row = {"workspace_id": workspace_id, "host": host, "uuid": report["uuid"], "updated_at": now}
+        row: dict[str, Any] = {"workspace_id": workspace_id, "host": host, "uuid": report.uuid,
+                               "updated_at": now}
         for name in _FIELDS:
-            value = report.get(name)
+            value = getattr(report, name)
             if value is None and name in _NOT_NULL:
                 value = _NOT_NULL[name]
             row[name] = value
@@ -45,22 +47,21 @@ def upsert_devices(*, session: Session, workspace_id: int, host: str,
 _NOT_NULL: dict[str, Any] = {"name": "", "memory_total": 0, "memory_used": 0, "health": "ok"}
 
 
-def device_view(row: Device, *, flexium_bytes: int, processes: list[str]) -> dict[str, Any]:
-    return {
-        "uuid": row.uuid, "index": row.index, "name": row.name,
-        "memory_total": row.memory_total, "memory_used": row.memory_used,
-        "memory_flexium": flexium_bytes,
-        "memory_other": max(0, row.memory_used - flexium_bytes),
-        "memory_free": max(0, row.memory_total - row.memory_used),
-        "utilization": row.utilization, "temperature": row.temperature,
-        "health": row.health, "updated_at": row.updated_at, "processes": processes,
-    }
+def device_view(row: Device, *, flexium_bytes: int, processes: list[str]) -> wire.DeviceInfo:
+    return wire.DeviceInfo(
+        uuid=row.uuid, index=row.index, name=row.name,
+        memory_total=row.memory_total, memory_used=row.memory_used,
+        memory_flexium=flexium_bytes,
+        memory_other=max(0, row.memory_used - flexium_bytes),
+        memory_free=max(0, row.memory_total - row.memory_used),
+        utilization=row.utilization, temperature=row.temperature,
+        health=row.health, updated_at=row.updated_at, processes=processes,
+    )
 
 
 def list_devices(*, session: Session, workspace_id: int, now: float, stale_after: float,
-                 host: str | None = None) -> dict[str, Any]:
-    """``{"hosts": [{"host", "updated_at", "stale", "devices": [...]}]}``, hosts by name,
-    devices by index."""
+                 host: str | None = None) -> wire.DevicesResponse:
+    """Hosts by name, each with its devices by index."""
     query = select(Device).where(Device.workspace_id == workspace_id)
     if host:
         query = query.where(Device.host == host)
@@ -75,20 +76,27 @@ def list_devices(*, session: Session, workspace_id: int, now: float, stale_after
         used, names = on_gpu.get(key, (0, []))
         held = 0 if proc.state == "PAUSED" else proc.memory_bytes
         on_gpu[key] = (used + held, names + [proc.process_id])
-    hosts: dict[str, dict[str, Any]] = {}
+    hosts: dict[str, wire.HostInfo] = {}
     for row in rows:
-        entry = hosts.setdefault(row.host, {"host": row.host, "updated_at": row.updated_at,
-                                            "stale": True, "devices": []})
-        entry["updated_at"] = max(entry["updated_at"], row.updated_at)
-        entry["stale"] = entry["updated_at"] < cutoff
+        entry = hosts.setdefault(row.host, wire.HostInfo(host=row.host, updated_at=row.updated_at,
+                                                         stale=True, devices=[]))
+        entry.updated_at = max(entry.updated_at, row.updated_at)
+        entry.stale = entry.updated_at < cutoff
         used, names = on_gpu.get((row.host, row.uuid), (0, []))
-        entry["devices"].append(device_view(row, flexium_bytes=used, processes=names))
-    return {"hosts": list(hosts.values())}
+        entry.devices.append(device_view(row, flexium_bytes=used, processes=names))
+    return wire.DevicesResponse(hosts=list(hosts.values()))
 
 
 def host_devices(session: Session, *, workspace_id: int, host: str) -> dict[str, Device]:
     return {d.uuid: d for d in session.scalars(select(Device).where(
         Device.workspace_id == workspace_id, Device.host == host))}
+
+
+def device_indexes(session: Session, *, workspace_id: int) -> dict[str, Optional[int]]:
+    """GPU UUID -> nvidia-smi index, for showing a command's target (commands store only the
+    UUID)."""
+    return {uuid: index for uuid, index in session.execute(
+        select(Device.uuid, Device.index).where(Device.workspace_id == workspace_id))}
 
 
 def find_device_hosts(session: Session, *, workspace_id: int, uuid: str) -> list[str]:

@@ -4,12 +4,12 @@ network cut), heartbeat, unregister, read."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional, Union
 
 from sqlalchemy import bindparam, case, func, select, update
 from sqlalchemy.orm import Session
 
-from flexium import protocol
+from flexium import protocol, wire
 from flexium.server.errors import NotFound
 from flexium.server.models import Command, Process, table_of
 from flexium.server.storage.devices import upsert_devices
@@ -19,11 +19,6 @@ _REGISTER_FIELDS = ("host", "user", "pid", "gpu_uuid", "gpu_model", "gpu_index",
                     "physical_device", "visible_gpus", "torch_version", "driver_version",
                     "flexium_version", "capabilities", "memory_bytes", "state", "started_at",
                     "cmdline")
-_DEFAULTS: dict[str, Any] = {"user": "", "pid": 0, "gpu_model": "", "logical_device": "",
-                             "physical_device": "", "visible_gpus": [], "torch_version": "",
-                             "driver_version": "", "flexium_version": "", "capabilities": {},
-                             "memory_bytes": 0, "state": "RUNNING", "cmdline": ""}
-_NULLABLE = ("gpu_uuid", "gpu_index", "started_at")
 # Fields whose change is worth a live event to dashboards (not last_seen: that is every beat).
 _WATCHED = ("state", "memory_bytes", "gpu_uuid", "gpu_index", "physical_device")
 
@@ -48,15 +43,14 @@ class ProcessSnapshot:
                    footprint_bytes=row.footprint_bytes, gpu_uuid=row.gpu_uuid, gpu_index=row.gpu_index,
                    physical_device=row.physical_device, last_seen=row.last_seen)
 
-    def unchanged_by(self, report: dict[str, Any]) -> bool:
-        """True when applying ``report`` (a heartbeat) would change nothing but last_seen."""
-        for name, value in report.items():
-            if name == "seq":
-                continue                  # plain beats need not move it: see ``heartbeat``
-            if name == "devices":
-                if value:
-                    return False
-            elif name == "footprint_bytes":
+    def unchanged_by(self, report: wire.HeartbeatRequest) -> bool:
+        """True when applying ``report`` (a heartbeat whose devices, if any, need no write)
+        would change nothing but last_seen."""
+        for name in report.model_fields_set:
+            value = getattr(report, name)
+            if name in ("seq", "devices"):
+                continue                  # plain beats need not move seq: see ``heartbeat``
+            if name == "footprint_bytes":
                 if value is not None and value != self.footprint_bytes:
                     return False
             elif getattr(self, name) != value and (value is not None or name in ("gpu_uuid", "gpu_index")):
@@ -68,7 +62,7 @@ class ProcessSnapshot:
 class HeartbeatOutcome:
     host: str
     pending_command: Optional[int]
-    changed: Optional[dict[str, Any]]   # the process, when a watched field changed
+    changed: Optional[wire.ProcessInfo]   # the process, when a watched field changed
     snapshot: ProcessSnapshot
 
 
@@ -97,37 +91,48 @@ def _apply_footprint(row: Process, *, footprint: Optional[int]) -> None:
         row.footprint_bytes = row.memory_bytes
 
 
-def register_process(*, session: Session, workspace_id: int, report: dict[str, Any], now: float,
-                     stale_after: float) -> tuple[dict[str, Any], bool]:
+def apply_process_update(row: Process, update: Union[wire.ProcessUpdate, wire.HeartbeatRequest]) -> None:
+    """The one writer of what a process says of its state and location after it registered
+    (heartbeats, command reports): a field it states is taken, None only where None means
+    "none" (no GPU while paused)."""
+    for name in _UPDATED:
+        if name in update.model_fields_set:
+            value = getattr(update, name)
+            if value is not None or name in ("gpu_uuid", "gpu_index"):
+                setattr(row, name, value)
+
+
+_UPDATED = ("state", "memory_bytes", "gpu_uuid", "gpu_index", "physical_device")
+
+
+def register_process(*, session: Session, workspace_id: int, report: wire.RegisterRequest, now: float,
+                     stale_after: float) -> tuple[wire.ProcessInfo, bool]:
     process, created, _snapshot = register_process_snapshot(
         session=session, workspace_id=workspace_id, report=report, now=now, stale_after=stale_after)
     return process, created
 
 
-def register_process_snapshot(*, session: Session, workspace_id: int, report: dict[str, Any],
-                              now: float, stale_after: float) -> tuple[dict[str, Any], bool, ProcessSnapshot]:
+def register_process_snapshot(*, session: Session, workspace_id: int, report: wire.RegisterRequest,
+                              now: float, stale_after: float) -> tuple[wire.ProcessInfo, bool, ProcessSnapshot]:
     """Create or refresh a process from its registration (every field is replaced; missing
     ones take their defaults); returns (process, created)."""
     row = session.scalar(select(Process).where(Process.workspace_id == workspace_id,
-                                               Process.process_id == report["process_id"])
+                                               Process.process_id == report.process_id)
                          .with_for_update())
     created = row is None
     if row is None:
-        row = Process(workspace_id=workspace_id, process_id=report["process_id"],
+        row = Process(workspace_id=workspace_id, process_id=report.process_id,
                       registered_at=now, footprint_bytes=0)
         session.add(row)
     for name in _REGISTER_FIELDS:
-        value = report.get(name)
-        if value is None and name not in _NULLABLE:
-            value = _DEFAULTS[name]
-        setattr(row, name, value)
+        setattr(row, name, getattr(report, name))
     row.last_seen = now
-    row.state_seq = report.get("seq")
-    _apply_footprint(row, footprint=report.get("footprint_bytes"))
+    row.state_seq = report.seq
+    _apply_footprint(row, footprint=report.footprint_bytes)
     session.flush()
-    if report.get("devices"):
+    if report.devices:
         upsert_devices(session=session, workspace_id=workspace_id, host=row.host,
-                       devices=report["devices"], now=now)
+                       devices=report.devices, now=now)
     active = None if created else active_command(session, process_pk=row.pk)
     return (process_view(row, now=now, stale_after=stale_after, active=active), created,
             ProcessSnapshot.of(row))
@@ -146,7 +151,7 @@ def is_older(seq: Optional[int], applied: Optional[int]) -> bool:
     return seq is not None and applied is not None and seq < applied
 
 
-def heartbeat(*, session: Session, workspace_id: int, process_id: str, report: dict[str, Any],
+def heartbeat(*, session: Session, workspace_id: int, process_id: str, report: wire.HeartbeatRequest,
               now: float, stale_after: float, write_devices: bool = True) -> HeartbeatOutcome:
     """Apply a heartbeat. One older (``seq``) than the last applied body only proves the
     process alive: what it says was true before what the server already knows.
@@ -159,18 +164,16 @@ def heartbeat(*, session: Session, workspace_id: int, process_id: str, report: d
     row = find_process(session, workspace_id=workspace_id, process_id=process_id, for_update=True)
     was_stale = row.last_seen < now - stale_after
     before = tuple(getattr(row, name) for name in _WATCHED)
-    if is_older(report.get("seq"), row.state_seq):
-        report = {}
-    elif report.get("seq") is not None:
-        row.state_seq = report["seq"]
-    for name in ("state", "memory_bytes", "gpu_uuid", "gpu_index", "physical_device"):
-        if name in report and (report[name] is not None or name in ("gpu_uuid", "gpu_index")):
-            setattr(row, name, report[name])
-    _apply_footprint(row, footprint=report.get("footprint_bytes"))
+    if is_older(report.seq, row.state_seq):
+        report = wire.HeartbeatRequest()
+    elif report.seq is not None:
+        row.state_seq = report.seq
+    apply_process_update(row, report)
+    _apply_footprint(row, footprint=report.footprint_bytes)
     row.last_seen = now
-    if write_devices and report.get("devices"):
+    if write_devices and report.devices:
         upsert_devices(session=session, workspace_id=workspace_id, host=row.host,
-                       devices=report["devices"], now=now)
+                       devices=report.devices, now=now)
     pending = session.scalar(select(Command.id).where(
         Command.process_pk == row.pk, Command.state.in_(protocol.PENDING_COMMAND_STATES)).limit(1))
     changed = None
@@ -204,7 +207,7 @@ def unregister_process(*, session: Session, workspace_id: int, process_id: str) 
 
 
 def get_process(*, session: Session, workspace_id: int, process_id: str, now: float,
-                stale_after: float) -> dict[str, Any]:
+                stale_after: float) -> wire.ProcessInfo:
     row = find_process(session, workspace_id=workspace_id, process_id=process_id)
     return process_view(row, now=now, stale_after=stale_after,
                         active=active_command(session, process_pk=row.pk))
@@ -212,7 +215,7 @@ def get_process(*, session: Session, workspace_id: int, process_id: str, now: fl
 
 def list_processes(*, session: Session, workspace_id: int, now: float, stale_after: float,
                    state: Optional[str] = None, host: Optional[str] = None,
-                   gpu: Optional[str] = None) -> list[dict[str, Any]]:
+                   gpu: Optional[str] = None) -> list[wire.ProcessInfo]:
     """Every process of the workspace, oldest first; ``state`` filters on the shown state
     (STALE included), ``gpu`` on the GPU UUID."""
     query = select(Process).where(Process.workspace_id == workspace_id)

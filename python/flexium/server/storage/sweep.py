@@ -7,22 +7,21 @@ down, so silence is only counted from then (a restart must not delete attached j
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from flexium import protocol
+from flexium import protocol, wire
 from flexium.server.models import Command, Device, Process
 from flexium.server.storage.views import command_view, process_view
 
 
 @dataclass
 class SweepResult:
-    expired: list[tuple[int, dict[str, Any]]] = field(default_factory=list)     # (workspace, command)
-    failed: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
-    removed: list[tuple[int, str]] = field(default_factory=list)                # (workspace, process id)
-    newly_stale: list[tuple[int, dict[str, Any]]] = field(default_factory=list)  # (workspace, process)
+    expired: list[tuple[int, wire.CommandInfo]] = field(default_factory=list)     # (workspace, command)
+    failed: list[tuple[int, wire.CommandInfo]] = field(default_factory=list)
+    removed: list[tuple[int, str]] = field(default_factory=list)                  # (workspace, process id)
+    newly_stale: list[tuple[int, wire.ProcessInfo]] = field(default_factory=list)  # (workspace, process)
 
 
 def sweep(*, session: Session, now: float, alive_since: float, stale_after: float,

@@ -1,22 +1,21 @@
-"""Rows -> protocol dicts (what the API returns and templates render)."""
+"""Rows -> wire models (what the API returns and templates render)."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
-from flexium import protocol
+from flexium import protocol, wire
 from flexium.server.models import Command, Process
 
 
-def command_view(row: Command, process_id: str) -> dict[str, Any]:
-    return {
+def command_view(row: Command, process_id: str) -> wire.CommandInfo:
+    return wire.CommandInfo.model_validate({
         "id": row.id, "kind": row.kind, "process_id": process_id, "state": row.state,
-        "target_uuid": row.target_uuid, "target_index": row.target_index,
-        "target_device": row.target_device, "created_at": row.created_at,
+        "target_uuid": row.target_uuid, "created_at": row.created_at,
         "delivered_at": row.delivered_at, "started_at": row.started_at,
         "finished_at": row.finished_at, "deliveries": row.deliveries,
         "result": row.result, "error": row.error,
-    }
+    })
 
 
 def is_stale(row: Process, *, now: float, stale_after: float) -> bool:
@@ -24,9 +23,9 @@ def is_stale(row: Process, *, now: float, stale_after: float) -> bool:
 
 
 def process_view(row: Process, *, now: float, stale_after: float,
-                 active: Optional[Command] = None) -> dict[str, Any]:
+                 active: Optional[Command] = None) -> wire.ProcessInfo:
     stale = is_stale(row, now=now, stale_after=stale_after)
-    return {
+    return wire.ProcessInfo.model_validate({
         "process_id": row.process_id, "host": row.host, "user": row.user, "pid": row.pid,
         "state": protocol.STALE if stale else row.state, "reported_state": row.state,
         "stale": stale, "gpu_uuid": row.gpu_uuid, "gpu_model": row.gpu_model,
@@ -38,4 +37,4 @@ def process_view(row: Process, *, now: float, stale_after: float,
         "started_at": row.started_at, "registered_at": row.registered_at,
         "last_seen": row.last_seen, "cmdline": row.cmdline,
         "active_command": command_view(active, row.process_id) if active is not None else None,
-    }
+    })

@@ -3,8 +3,8 @@ heartbeat (valid body, cached token, known process, nothing changed but the time
 
 At thousands of jobs, heartbeats are most requests, and FastAPI's routing, dependency
 solving and response validation cost several times the work such a heartbeat needs. This
-pure ASGI layer answers it from memory with the same model (``HeartbeatIn``), the same token
-cache and the same ``ServerContext.beat``; anything else — an unknown token, a change to
+pure ASGI layer answers it from memory with the same model (``wire.HeartbeatRequest``), the
+same token cache and the same ``services.heartbeat_from_memory``; anything else — an unknown token, a change to
 store, a body it cannot validate, a stale or unknown process — goes to the FastAPI route
 untouched (the body is replayed), which gives the full answer or error. Tests run every
 heartbeat case through both.
@@ -12,22 +12,21 @@ heartbeat case through both.
 
 from __future__ import annotations
 
-import json
 import re
 import time
 from typing import Any, Callable, Optional
 
 from pydantic import ValidationError
 
-from flexium import protocol
+from flexium import protocol, wire
+from flexium.server import services
 from flexium.server.auth import cached_token
 from flexium.server.context import ServerContext
-from flexium.server.schemas import HeartbeatIn
 
 _HEARTBEAT = re.compile(r"^/api/w/([^/]+)/processes/([^/]+)/heartbeat$")
 
 
-class HeartbeatFastPath:
+class HeartbeatShortcut:
     def __init__(self, app: Any, ctx: ServerContext) -> None:
         self.app = app
         self.ctx = ctx
@@ -67,7 +66,7 @@ class HeartbeatFastPath:
 
         await self.app(scope, replay, send)
 
-    def _answer(self, scope: Any, workspace: str, process_id: str, body: bytes) -> Optional[bytes]:
+    def _answer(self, scope: Any, workspace: str, process_id: str, body_bytes: bytes) -> Optional[bytes]:
         ctx = self.ctx
         token = None
         for name, value in scope.get("headers", ()):
@@ -83,17 +82,9 @@ class HeartbeatFastPath:
         if auth is None or auth.workspace != workspace:
             return None
         try:
-            report = HeartbeatIn.model_validate_json(body or b"{}").model_dump(exclude_unset=True)
+            body = wire.HeartbeatRequest.model_validate_json(body_bytes or b"{}")
         except ValidationError:
             return None
-        ws = auth.workspace_id
-        if report.get("devices"):
-            if ctx.should_write_devices(ws, process_id, now):
-                return None
-            del report["devices"]
-        if not ctx.beat(ws, process_id, report, now):
-            return None
-        ctx.metrics.heartbeats.inc()
-        return json.dumps({"ok": True, "pending_command": ctx.pending.get((ws, process_id)),
-                           "heartbeat_interval_s": ctx.settings.heartbeat_interval_s,
-                           "server_time": now}).encode()
+        answer = services.heartbeat_from_memory(ctx, workspace_id=auth.workspace_id, process_id=process_id,
+                                                body=body, now=now)
+        return None if answer is None else answer.model_dump_json().encode()

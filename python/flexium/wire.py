@@ -1,9 +1,20 @@
-"""Pydantic models of the request and response bodies: the validated, documented (OpenAPI)
-form of the TypedDicts in ``flexium.protocol``, with its limits.
+"""The bodies on the wire between training processes, the CLI, the dashboard and the server:
+one pydantic model per shape, used by both sides. The server validates requests and
+documents responses with them (the served OpenAPI, ``/openapi.json`` and ``/docs``, is the
+reference); the client builds its requests and reads the answers through them. Constants,
+paths and limits are in ``flexium.protocol``.
 
-Strict types (a string is not a number), finite floats, bounded strings without NUL (which
-PostgreSQL refuses in text: it would otherwise surface as a 500), bounded free-form JSON.
-Unknown fields are ignored so an older server accepts a newer client.
+Requests (``WireIn``) are validated strictly: a string is not a number, floats are finite,
+strings are bounded and free of NUL (which PostgreSQL refuses in text: it would otherwise
+surface as a 500), free-form JSON is bounded in depth and size. Every model ignores fields it
+does not know, so an older server accepts a newer client and an older client reads a newer
+server.
+
+A client sends a request with ``model_dump(exclude_unset=True)``: a field it set to None
+(``gpu_uuid`` while paused) is sent as null and means "none", a field it left out means
+"unchanged".
+
+All times are Unix epoch seconds (float); all sizes are bytes (int).
 """
 
 from __future__ import annotations
@@ -22,11 +33,11 @@ def _no_nul(value: str) -> str:
     return value
 
 
-def _check_json(value: Any) -> Any:
+def _check_json(value: dict[str, Any]) -> dict[str, Any]:
     """Bounded depth and size, finite numbers, no NUL: anything both databases store."""
     budget = [protocol.MAX_JSON_ITEMS]
 
-    def walk(node: Any, depth: int) -> None:
+    def walk(node: object, depth: int) -> None:
         if depth > protocol.MAX_JSON_DEPTH:
             raise ValueError(f"nested deeper than {protocol.MAX_JSON_DEPTH} levels")
         budget[0] -= 1
@@ -38,7 +49,7 @@ def _check_json(value: Any) -> Any:
                     raise ValueError("object keys must be strings")
                 _no_nul(key)
                 walk(item, depth + 1)
-        elif isinstance(node, list):
+        elif isinstance(node, (list, tuple)):       # a tuple goes out as a JSON array
             for item in node:
                 walk(item, depth + 1)
         elif isinstance(node, str):
@@ -74,78 +85,94 @@ GpuIndex = Annotated[int, Field(ge=0, le=4095)]
 Epoch = Annotated[float, Field(ge=0, le=1e11)]
 FreeJson = Annotated[dict[str, Any], AfterValidator(_check_json)]
 
+# The same values as protocol.PROCESS_STATES etc. (a test keeps them equal): Literal types
+# for the models and mypy, tuples for the code that iterates them.
 ProcessState = Literal["RUNNING", "MIGRATING", "PAUSING", "PAUSED", "RESUMING", "FAILED"]
 DisplayState = Literal["RUNNING", "MIGRATING", "PAUSING", "PAUSED", "RESUMING", "FAILED", "STALE"]
 CommandKind = Literal["migrate", "pause", "resume"]
 CommandState = Literal["queued", "delivered", "running", "succeeded", "failed", "expired"]
 ReportState = Literal["running", "succeeded", "failed"]
+TargetKind = Literal["migrate", "resume"]
 
 
-class In(BaseModel):
+class WireIn(BaseModel):
+    """A request body."""
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
-class Out(BaseModel):
+class WireOut(BaseModel):
+    """A response body."""
     model_config = ConfigDict(extra="ignore")
 
 
 # --- requests -------------------------------------------------------------------------------
 
-class GpuReportIn(In):
+class GpuReport(WireIn):
+    """One GPU of the reporting host, read through NVML (every GPU, not only the job's)."""
     uuid: NonEmptyText
-    index: Optional[GpuIndex] = None
-    name: ShortText = ""
+    index: Optional[GpuIndex] = Field(default=None, description="nvidia-smi's index on that host")
+    name: ShortText = Field(default="", description="model, e.g. 'NVIDIA H200'")
     memory_total: Bytes = 0
-    memory_used: Bytes = 0
+    memory_used: Bytes = Field(default=0, description="everything on it, ours and others'")
     utilization: Optional[Annotated[int, Field(ge=0, le=100)]] = None
     temperature: Optional[Annotated[int, Field(ge=-100, le=300)]] = None
-    health: ShortText = "ok"
+    health: ShortText = Field(default=protocol.HEALTH_OK, description=(
+        "'ok', 'unknown' (NVML cannot read the ECC counters) or a short reason ('xid 79'); "
+        "only a known-bad health refuses a GPU as a target"))
 
 
-class RegisterIn(In):
+class RegisterRequest(WireIn):
     process_id: ProcessId
     host: HostName
     user: ShortText = ""
     pid: Pid = 0
-    gpu_uuid: Optional[ShortText] = None
+    gpu_uuid: Optional[ShortText] = Field(default=None, description="the GPU it is on (None while paused)")
     gpu_model: ShortText = ""
-    gpu_index: Optional[GpuIndex] = None
-    logical_device: ShortText = ""
+    gpu_index: Optional[GpuIndex] = Field(default=None, description="nvidia-smi index of that GPU")
+    logical_device: ShortText = Field(default="", description="what the training code uses, 'cuda:0'")
     physical_device: ShortText = ""
-    visible_gpus: Annotated[list[NonEmptyText], Field(max_length=protocol.MAX_DEVICES)] = []
+    visible_gpus: Annotated[list[NonEmptyText], Field(max_length=protocol.MAX_DEVICES, description=(
+        "GPU UUIDs in this process's CUDA ordinal order: target 'cuda:N' is entry N"))] = []
     torch_version: ShortText = ""
     driver_version: ShortText = ""
     flexium_version: ShortText = ""
     capabilities: FreeJson = {}
-    memory_bytes: Bytes = 0
-    footprint_bytes: Optional[Bytes] = None
+    memory_bytes: Bytes = Field(default=0, description="held on its GPU now")
+    footprint_bytes: Optional[Bytes] = Field(default=None, description="needed on a GPU (kept while paused)")
     state: ProcessState = "RUNNING"
     started_at: Optional[Epoch] = None
     cmdline: LongText = ""
-    devices: Annotated[list[GpuReportIn], Field(max_length=protocol.MAX_DEVICES)] = []
+    devices: Annotated[list[GpuReport], Field(max_length=protocol.MAX_DEVICES)] = []
     seq: Optional[Seq] = None
 
 
-class HeartbeatIn(In):
+class HeartbeatRequest(WireIn):
+    """``seq`` grows with every body the process builds (the client sends
+    ``time.monotonic_ns()``). The server ignores what a heartbeat says (state, placement,
+    memory, devices) when its seq is older than the last applied register, heartbeat or
+    command report's ``process``: a beat built during a pause (PAUSING) and delivered after
+    the final report (PAUSED) changes nothing. A body without it is applied as it comes."""
     state: Optional[ProcessState] = None
     memory_bytes: Optional[Bytes] = None
     footprint_bytes: Optional[Bytes] = None
     gpu_uuid: Optional[ShortText] = None
     gpu_index: Optional[GpuIndex] = None
     physical_device: Optional[ShortText] = None
-    devices: Annotated[list[GpuReportIn], Field(max_length=protocol.MAX_DEVICES)] = []
+    devices: Annotated[list[GpuReport], Field(max_length=protocol.MAX_DEVICES)] = []
     seq: Optional[Seq] = None
 
 
-class CommandIn(In):
+class CommandRequest(WireIn):
     kind: CommandKind
     process_id: ProcessId
-    target: Union[StrictInt, ShortText, None] = Field(
-        default=None, description="GPU UUID, NVML index on the process's host, or 'cuda:N' "
-                                  "(the process's own ordinal); resume: optional")
+    target: Union[StrictInt, ShortText, None] = Field(default=None, description=(
+        "the GPU: 'cuda:N' = entry N of the process's visible_gpus (the job's own CUDA "
+        "numbering), a bare integer (or digits) = the nvidia-smi index on the process's host, "
+        "'GPU-...' = a GPU UUID. The server resolves it to a UUID once; resume: optional"))
 
 
-class ProcessUpdateIn(In):
+class ProcessUpdate(WireIn):
+    """Where the process is after an operation, in its own word."""
     state: Optional[ProcessState] = None
     gpu_uuid: Optional[ShortText] = None
     gpu_index: Optional[GpuIndex] = None
@@ -154,33 +181,32 @@ class ProcessUpdateIn(In):
     seq: Optional[Seq] = None
 
 
-class CommandReportIn(In):
+class CommandReport(WireIn):
     state: ReportState
-    result: Optional[FreeJson] = None
+    result: Optional[FreeJson] = Field(default=None, description="OperationResult.to_dict()")
     error: Optional[LongText] = None
-    process: Optional[ProcessUpdateIn] = None
+    process: Optional[ProcessUpdate] = None
 
 
-class TokenIn(In):
+class TokenRequest(WireIn):
     name: ShortText = ""
 
 
 # --- responses ------------------------------------------------------------------------------
 
-class ErrorOut(Out):
+class ErrorBody(WireOut):
+    """Every 4xx/5xx answer; ``error`` is a key of ``protocol.ERROR_STATUS``."""
     error: str
     message: str
     detail: Any = None
 
 
-class CommandOut(Out):
+class CommandInfo(WireOut):
     id: int
     kind: CommandKind
     process_id: str
     state: CommandState
-    target_uuid: Optional[str]
-    target_index: Optional[int]
-    target_device: Optional[str]
+    target_uuid: Optional[str] = Field(description="the GPU the server resolved the target to")
     created_at: float
     delivered_at: Optional[float]
     started_at: Optional[float]
@@ -190,12 +216,12 @@ class CommandOut(Out):
     error: Optional[str]
 
 
-class ProcessOut(Out):
+class ProcessInfo(WireOut):
     process_id: str
     host: str
     user: str
     pid: int
-    state: DisplayState
+    state: DisplayState = Field(description="the reported state, or STALE when heartbeats stopped")
     reported_state: ProcessState
     stale: bool
     gpu_uuid: Optional[str]
@@ -214,57 +240,64 @@ class ProcessOut(Out):
     registered_at: float
     last_seen: float
     cmdline: str
-    active_command: Optional[CommandOut]
+    active_command: Optional[CommandInfo]
+
+    def cuda_ordinal(self, uuid: Optional[str]) -> Optional[str]:
+        """``cuda:N`` of GPU ``uuid`` in this process's own numbering, when it sees that GPU."""
+        if uuid is None or uuid not in self.visible_gpus:
+            return None
+        return f"cuda:{self.visible_gpus.index(uuid)}"
 
 
-class RegisterOut(Out):
-    process: ProcessOut
+class RegisterResponse(WireOut):
+    process: ProcessInfo
     heartbeat_interval_s: float
     poll_timeout_s: float
     stale_after_s: float
     server_time: float
 
 
-class HeartbeatOut(Out):
+class HeartbeatResponse(WireOut):
     ok: bool
-    pending_command: Optional[int]
+    pending_command: Optional[int] = Field(description="a command waits: the long-poll will hand it out")
     heartbeat_interval_s: float
     server_time: float
 
 
-class DeviceOut(Out):
+class DeviceInfo(WireOut):
     uuid: str
     index: Optional[int]
     name: str
     memory_total: int
     memory_used: int
-    memory_flexium: int
-    memory_other: int
+    memory_flexium: int = Field(description="held by this workspace's flexium jobs on it")
+    memory_other: int = Field(description="memory_used - memory_flexium, never negative")
     memory_free: int
     utilization: Optional[int]
     temperature: Optional[int]
     health: str
     updated_at: float
-    processes: list[str]
+    processes: list[str] = Field(description="process ids on it")
 
 
-class HostOut(Out):
+class HostInfo(WireOut):
     host: str
     updated_at: float
-    stale: bool
-    devices: list[DeviceOut]
+    stale: bool = Field(description="no report from this host for stale_after seconds")
+    devices: list[DeviceInfo]
 
 
-class DevicesOut(Out):
-    hosts: list[HostOut]
+class DevicesResponse(WireOut):
+    hosts: list[HostInfo]
 
 
-class TargetOut(Out):
-    device: DeviceOut
-    refusal: Optional[str]
+class TargetInfo(WireOut):
+    """One GPU of a process's host, judged as the target of a migrate or resume."""
+    device: DeviceInfo
+    refusal: Optional[str] = Field(description="why a command to it would be refused; None: it fits")
 
 
-class TokenOut(Out):
+class TokenInfo(WireOut):
     id: int
     name: str
     prefix: str
@@ -273,11 +306,11 @@ class TokenOut(Out):
     revoked: bool
 
 
-class TokenCreatedOut(TokenOut):
+class TokenCreated(TokenInfo):
     token: str = Field(description="shown once; only its hash is stored")
 
 
-class WorkspaceOut(Out):
+class WorkspaceInfo(WireOut):
     id: int
     name: str
     created_at: float
@@ -285,7 +318,7 @@ class WorkspaceOut(Out):
     active_commands: int
 
 
-class HealthOut(Out):
+class HealthInfo(WireOut):
     status: Literal["ok", "degraded"]
     database: str
     version: int = protocol.PROTOCOL_VERSION

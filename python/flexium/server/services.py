@@ -1,0 +1,278 @@
+"""What a request does beside its storage call: the in-memory views the server keeps
+(process hosts, heartbeat snapshots, pending commands, device write times), live events to
+dashboards, wake-ups of long-polls and waits, and metrics. Each route calls one function
+here (or one storage function through ``ctx.db.call`` when there is nothing beside it), so
+routes stay HTTP in, one call, HTTP out."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import AsyncIterator, Optional
+
+from flexium import protocol, wire
+from flexium.server import storage
+from flexium.server.context import ServerContext
+from flexium.server.errors import ApiError
+from flexium.server.storage import AuthInfo
+
+log = logging.getLogger("flexium.server")
+
+
+# --- processes ------------------------------------------------------------------------------
+
+async def register_process(ctx: ServerContext, *, workspace_id: int,
+                           body: wire.RegisterRequest) -> tuple[wire.RegisterResponse, bool]:
+    """(the answer, whether the process is new)."""
+    settings = ctx.settings
+    now = time.time()
+    process, created, snapshot = await ctx.db.call(
+        storage.register_process_snapshot, write=True, workspace_id=workspace_id, report=body, now=now,
+        stale_after=settings.stale_after_s)
+    key = (workspace_id, body.process_id)
+    ctx.process_hosts[key] = process.host
+    ctx.snapshots[key] = snapshot
+    if body.devices:
+        ctx.devices_written(workspace_id, process.host, now)
+        ctx.publish(workspace_id, protocol.EVENT_DEVICES, {"host": process.host})
+    ctx.publish(workspace_id, protocol.EVENT_PROCESS,
+                {"action": "registered" if created else "updated", "process": process})
+    return wire.RegisterResponse(
+        process=process, heartbeat_interval_s=settings.heartbeat_interval_s,
+        poll_timeout_s=settings.poll_timeout_s, stale_after_s=settings.stale_after_s, server_time=now), created
+
+
+async def unregister_process(ctx: ServerContext, *, workspace_id: int, process_id: str) -> None:
+    await ctx.db.call(storage.unregister_process, write=True, workspace_id=workspace_id, process_id=process_id)
+    ctx.forget_process(workspace_id, process_id)
+    ctx.publish(workspace_id, protocol.EVENT_PROCESS, {"action": "removed", "process": {"process_id": process_id}})
+    ctx.notifier.notify((workspace_id, process_id))
+
+
+def heartbeat_from_memory(ctx: ServerContext, *, workspace_id: int, process_id: str,
+                          body: wire.HeartbeatRequest, now: float) -> Optional[wire.HeartbeatResponse]:
+    """The answer to a plain heartbeat (nothing changed but the time, no devices due for a
+    write), from memory; None when it must go to the database (``heartbeat``)."""
+    if body.devices and ctx.should_write_devices(workspace_id, process_id, now):
+        return None
+    if not ctx.beat(workspace_id, process_id, body, now):
+        return None
+    ctx.metrics.heartbeats.inc()
+    return wire.HeartbeatResponse(ok=True, pending_command=ctx.pending.get((workspace_id, process_id)),
+                                  heartbeat_interval_s=ctx.settings.heartbeat_interval_s, server_time=now)
+
+
+async def heartbeat(ctx: ServerContext, *, workspace_id: int, process_id: str,
+                    body: wire.HeartbeatRequest) -> wire.HeartbeatResponse:
+    now = time.time()
+    answer = heartbeat_from_memory(ctx, workspace_id=workspace_id, process_id=process_id, body=body, now=now)
+    if answer is not None:
+        return answer
+    ctx.metrics.heartbeats.inc()
+    write_devices = bool(body.devices) and ctx.should_write_devices(workspace_id, process_id, now)
+    outcome = await ctx.db.call(storage.heartbeat, write=True, workspace_id=workspace_id,
+                                process_id=process_id, report=body, now=now,
+                                stale_after=ctx.settings.stale_after_s, write_devices=write_devices)
+    key = (workspace_id, process_id)
+    ctx.snapshots[key] = outcome.snapshot
+    ctx.command_pending(workspace_id, process_id, outcome.pending_command)
+    ctx.process_hosts[key] = outcome.host
+    if write_devices:
+        ctx.devices_written(workspace_id, outcome.host, now)
+        ctx.publish(workspace_id, protocol.EVENT_DEVICES, {"host": outcome.host})
+    if outcome.changed is not None:
+        ctx.publish(workspace_id, protocol.EVENT_PROCESS, {"action": "updated", "process": outcome.changed})
+    return wire.HeartbeatResponse(ok=True, pending_command=outcome.pending_command,
+                                  heartbeat_interval_s=ctx.settings.heartbeat_interval_s, server_time=now)
+
+
+async def next_command(ctx: ServerContext, *, workspace_id: int, process_id: str,
+                       wait: Optional[float]) -> Optional[wire.CommandInfo]:
+    """The long-poll: the next command for the process, or None when there is none within
+    the wait (or the server is stopping)."""
+    key = (workspace_id, process_id)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + (ctx.settings.poll_timeout_s if wait is None else wait)
+    woken = False
+    while True:
+        waiter = ctx.notifier.register(key)
+        try:
+            # Most polls find nothing; the in-memory view of pending commands (exact: every
+            # command is created and settled in this process, and the sweep re-reads the
+            # database) spares them any database work.
+            if ctx.stopping:
+                return None
+            pending = woken or key in ctx.pending
+            if not pending and key not in ctx.process_hosts:
+                host, command_id = await ctx.db.call(storage.peek_command, write=False,
+                                                     workspace_id=workspace_id, process_id=process_id)
+                ctx.process_hosts[key] = host
+                pending = command_id is not None
+            if pending:
+                command, first = await ctx.db.call(storage.next_command, write=True, workspace_id=workspace_id,
+                                                   process_id=process_id, now=time.time())
+                if command is not None:
+                    ctx.command_pending(workspace_id, process_id, command.id)
+                    if first:
+                        ctx.metrics.delivery_latency.observe(
+                            max(0.0, (command.delivered_at or command.created_at) - command.created_at))
+                        ctx.publish(workspace_id, protocol.EVENT_COMMAND, {"action": "updated", "command": command})
+                    return command
+                ctx.command_pending(workspace_id, process_id, None)
+            remaining = deadline - loop.time()
+            if ctx.stopping or remaining <= 0 or not await ctx.notifier.wait(waiter, remaining):
+                return None
+            woken = True
+        finally:
+            ctx.notifier.unregister(key, waiter)
+
+
+# --- commands -------------------------------------------------------------------------------
+
+async def create_command(ctx: ServerContext, *, workspace_id: int, body: wire.CommandRequest) -> wire.CommandInfo:
+    try:
+        command = await ctx.db.call(storage.create_command, write=True, workspace_id=workspace_id,
+                                    kind=body.kind, process_id=body.process_id, target=body.target,
+                                    now=time.time(), stale_after=ctx.settings.stale_after_s)
+    except ApiError as exc:
+        ctx.metrics.commands_refused.labels(error=exc.code).inc()
+        raise
+    ctx.command_pending(workspace_id, body.process_id, command.id)
+    ctx.notifier.notify((workspace_id, body.process_id))
+    ctx.metrics.commands_created.labels(kind=body.kind).inc()
+    ctx.publish(workspace_id, protocol.EVENT_COMMAND, {"action": "created", "command": command})
+    return command
+
+
+async def wait_command(ctx: ServerContext, *, workspace_id: int, command_id: int,
+                       wait: Optional[float]) -> wire.CommandInfo:
+    """The command, once it ends or after ``wait`` seconds, whichever comes first."""
+    key = ("cmd", workspace_id, command_id)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + (wait or 0.0)
+    while True:
+        waiter = ctx.notifier.register(key)
+        try:
+            command = await ctx.db.call(storage.get_command, write=False, workspace_id=workspace_id,
+                                        command_id=command_id)
+            remaining = deadline - loop.time()
+            if (command.state in protocol.FINAL_COMMAND_STATES or ctx.stopping or remaining <= 0
+                    or not await ctx.notifier.wait(waiter, remaining)):
+                return command
+        finally:
+            ctx.notifier.unregister(key, waiter)
+
+
+async def report_command(ctx: ServerContext, *, workspace_id: int, command_id: int,
+                         body: wire.CommandReport) -> wire.CommandInfo:
+    command, process, changed = await ctx.db.call(
+        storage.report_command, write=True, workspace_id=workspace_id, command_id=command_id,
+        report=body, now=time.time(), stale_after=ctx.settings.stale_after_s)
+    if not changed:
+        return command
+    ctx.command_settled(workspace_id, command.process_id, command_id)
+    ctx.snapshots.pop((workspace_id, command.process_id), None)
+    ctx.publish(workspace_id, protocol.EVENT_COMMAND, {"action": "updated", "command": command})
+    if process is not None:
+        ctx.publish(workspace_id, protocol.EVENT_PROCESS, {"action": "updated", "process": process})
+    ctx.notifier.notify(("cmd", workspace_id, command_id))
+    if command.state in protocol.FINAL_COMMAND_STATES:
+        ctx.metrics.commands_finished.labels(kind=command.kind, outcome=command.state).inc()
+        seconds = (command.result or {}).get("seconds")
+        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds < 0:
+            finished = command.finished_at or time.time()
+            seconds = finished - (command.started_at or finished)
+        ctx.metrics.migration_duration.labels(kind=command.kind, outcome=command.state).observe(seconds)
+    return command
+
+
+# --- housekeeping ---------------------------------------------------------------------------
+
+async def sweep_forever(ctx: ServerContext) -> None:
+    """Every ``sweep_interval_s``: write buffered heartbeats, re-check the pending view, and
+    run ``storage.sweep``; then tell dashboards and waiters what it expired, failed, removed or
+    found stale."""
+    previous = time.time()
+    while not ctx.stopping:
+        await asyncio.sleep(ctx.settings.sweep_interval_s)
+        now = time.time()
+        try:
+            await ctx.flush_beats()
+            await ctx.reconcile_pending()
+            result = await ctx.db.call(
+                storage.sweep, write=True, now=now, alive_since=ctx.started_at,
+                stale_after=ctx.settings.stale_after_s, remove_after=ctx.settings.remove_after_s,
+                command_ttl=ctx.settings.command_ttl_s, stale_since=previous)
+        except Exception:   # a database hiccup must not end housekeeping for good
+            log.exception("sweep failed; retrying at the next interval")
+            continue
+        previous = now
+        for ws, cmd in result.expired:
+            ctx.command_settled(ws, cmd.process_id, cmd.id)
+            ctx.metrics.commands_finished.labels(kind=cmd.kind, outcome="expired").inc()
+            ctx.publish(ws, protocol.EVENT_COMMAND, {"action": "updated", "command": cmd})
+            ctx.notifier.notify(("cmd", ws, cmd.id))
+        for ws, cmd in result.failed:
+            ctx.metrics.commands_finished.labels(kind=cmd.kind, outcome="failed").inc()
+            ctx.publish(ws, protocol.EVENT_COMMAND, {"action": "updated", "command": cmd})
+            ctx.notifier.notify(("cmd", ws, cmd.id))
+        for ws, process_id in result.removed:
+            ctx.forget_process(ws, process_id)
+            ctx.publish(ws, protocol.EVENT_PROCESS, {"action": "removed", "process": {"process_id": process_id}})
+        for ws, proc in result.newly_stale:
+            ctx.publish(ws, protocol.EVENT_PROCESS, {"action": "stale", "process": proc})
+
+
+async def metrics_text(ctx: ServerContext) -> bytes:
+    """The Prometheus page: the counters kept in memory and the counts read now."""
+    processes = await ctx.db.call(storage.count_processes, write=False, now=time.time(),
+                                  stale_after=ctx.settings.stale_after_s)
+    commands = await ctx.db.call(storage.count_commands, write=False)
+    return ctx.metrics.render(processes=processes, commands=commands, long_polls=ctx.notifier.waiting,
+                              sse_subscribers=ctx.bus.subscribers, db_waiting=ctx.db.calls_waiting)
+
+
+# --- tokens, events -------------------------------------------------------------------------
+
+async def revoke_token(ctx: ServerContext, *, workspace_id: int, token_id: int) -> dict[str, object]:
+    info: dict[str, object] = await ctx.db.call(storage.revoke_token, write=True, workspace_id=workspace_id,
+                                                token_id=token_id, now=time.time())
+    ctx.tokens.forget(token_id)
+    return info
+
+
+def open_event_stream(ctx: ServerContext, *, auth: AuthInfo, last_event_id: Optional[str]) -> AsyncIterator[str]:
+    """Subscribes now (so nothing published from here on is missed) and returns the
+    server-sent event frames for the workspace from ``last_event_id`` on, with keepalives,
+    and a resync when this subscriber fell behind."""
+    resume_from = int(last_event_id) if last_event_id and last_event_id.isdigit() else None
+    sub, backlog = ctx.bus.subscribe(auth.workspace_id, last_event_id=resume_from)
+    keepalive = ctx.settings.sse_keepalive_s
+    hello = ctx.bus.frame(ctx.bus.last_id, protocol.EVENT_HELLO,
+                          {"workspace": auth.workspace, "last_event_id": ctx.bus.last_id})
+
+    async def stream() -> AsyncIterator[str]:
+        try:
+            yield "retry: 2000\n\n" + hello
+            for text in backlog:
+                yield text
+            while not ctx.stopping:
+                if sub.overflowed:
+                    while not sub.queue.empty():
+                        sub.queue.get_nowait()
+                    sub.overflowed = False
+                    yield ctx.bus.frame(ctx.bus.last_id, protocol.EVENT_RESYNC, {})
+                    continue
+                try:
+                    frame: Optional[str] = await asyncio.wait_for(sub.queue.get(), keepalive)
+                except asyncio.TimeoutError:
+                    yield ": keepalive\n\n"
+                    continue
+                if frame is None:
+                    break
+                yield frame
+        finally:
+            ctx.bus.unsubscribe(sub)
+
+    return stream()
