@@ -95,7 +95,7 @@ def engine_target(engine: Any, name: Optional[str]) -> Any:
     server, "cuda:N" in the job's own numbering at init, which the server resolves the same way."""
     if name is None or not name.startswith("cuda:"):
         return name
-    return engine.gpus[int(name[len("cuda:"):])]
+    return engine.gpus[int(name[len("cuda:") :])]
 
 
 class Progress:
@@ -118,8 +118,9 @@ class Progress:
 class Control(threading.Thread):
     """Runs the plan's engine operations in order, each once the loop has passed its step."""
 
-    def __init__(self, plan: list[dict[str, Any]], pause_seconds: float, progress: Progress,
-                 records: list[dict[str, Any]]) -> None:
+    def __init__(
+        self, plan: list[dict[str, Any]], pause_seconds: float, progress: Progress, records: list[dict[str, Any]]
+    ) -> None:
         super().__init__(daemon=True, name="bench-control")
         self.plan = plan
         self.pause_seconds = pause_seconds
@@ -144,8 +145,12 @@ class Control(threading.Thread):
             # A resume's downtime ends with the second step after it (analyse): the next operation
             # waits for those steps even when its own step has passed meanwhile.
             self.progress.wait_for(max(entry["at_step"], settled))
-            record: dict[str, Any] = {"op": entry["op"], "requested_path": entry["path"], "target": entry["target"],
-                                      "at_step": entry["at_step"]}
+            record: dict[str, Any] = {
+                "op": entry["op"],
+                "requested_path": entry["path"],
+                "target": entry["target"],
+                "at_step": entry["at_step"],
+            }
             record["t0"] = time.perf_counter()
             try:
                 if engine is None:
@@ -161,8 +166,11 @@ class Control(threading.Thread):
             except Exception as exc:  # reported; the job goes on with the rest of the plan
                 record["t1"] = time.perf_counter()
                 failed = getattr(exc, "result", None)
-                record.update(ok=False, error=f"{type(exc).__name__}: {exc}",
-                              result=failed.to_dict() if failed is not None else None)
+                record.update(
+                    ok=False,
+                    error=f"{type(exc).__name__}: {exc}",
+                    result=failed.to_dict() if failed is not None else None,
+                )
             record["physical"] = _physical_device()
             self.records.append(record)
             emit("op", **record)
@@ -250,17 +258,21 @@ def preparation(record: dict[str, Any], ends: list[float]) -> dict[str, Any]:
     if started is None:
         return {"prep": None, "prep_steps": None, "prep_max_step": None, "prep_median_step": None}
     lengths = [ends[j] - ends[j - 1] for j in range(1, len(ends)) if record["t0"] < ends[j] <= started]
-    return {"prep": started - record["t0"], "prep_steps": len(lengths),
-            "prep_max_step": max(lengths) if lengths else None,
-            "prep_median_step": statistics.median(lengths) if lengths else None}
+    return {
+        "prep": started - record["t0"],
+        "prep_steps": len(lengths),
+        "prep_max_step": max(lengths) if lengths else None,
+        "prep_median_step": statistics.median(lengths) if lengths else None,
+    }
 
 
 def after_extra(k: int, ends: list[float], median: float, until: float, steps: int = AFTER_STEPS) -> float:
     """What the steps after a move (up to `steps`, all ending before `until`: the next operation)
     took beyond a normal step, summed: a fast move's copies become the job's own at those steps,
     its cost outside the downtime."""
-    return sum(max(0.0, ends[j] - ends[j - 1] - median)
-               for j in range(k + 1, min(len(ends), k + 1 + steps)) if ends[j] < until)
+    return sum(
+        max(0.0, ends[j] - ends[j - 1] - median) for j in range(k + 1, min(len(ends), k + 1 + steps)) if ends[j] < until
+    )
 
 
 def analyse(records: list[dict[str, Any]], starts: list[float], ends: list[float], warmup: int) -> dict[str, Any]:
@@ -291,8 +303,16 @@ def analyse(records: list[dict[str, Any]], starts: list[float], ends: list[float
 
     analysed = []
     for record, k in zip(records, placed, strict=True):
-        entry: dict[str, Any] = {"op": record["op"], "t0": record["t0"], "ok": record.get("ok", False), "ran_in_step": k,
-                                 "downtime": None, "extra": None, "next_step_extra": None, "method": None}
+        entry: dict[str, Any] = {
+            "op": record["op"],
+            "t0": record["t0"],
+            "ok": record.get("ok", False),
+            "ran_in_step": k,
+            "downtime": None,
+            "extra": None,
+            "next_step_extra": None,
+            "method": None,
+        }
         if not entry["ok"]:
             analysed.append(entry)
             continue
@@ -311,8 +331,11 @@ def analyse(records: list[dict[str, Any]], starts: list[float], ends: list[float
                 later = [r["t0"] for r in records if r["t0"] > record["t1"]]
                 entry["after_extra"] = after_extra(k, ends, median, min(later, default=float("inf")))
             if k + 1 < len(ends) and op != "pause":
-                entry["next_step_extra"] = ends[k + 1] - ends[k] - median if op != "resume" else (
-                    ends[k + 2] - ends[k + 1] - median if k + 2 < len(ends) else None)
+                entry["next_step_extra"] = (
+                    ends[k + 1] - ends[k] - median
+                    if op != "resume"
+                    else (ends[k + 2] - ends[k + 1] - median if k + 2 < len(ends) else None)
+                )
         if downtime is None:
             before = [e for e in ends if e < record["t0"]]
             after = [e for e in ends if e > record["t1"]]
@@ -413,6 +436,7 @@ def run_job(args: argparse.Namespace) -> int:
         os.environ.pop("FLEXIUM_SERVER", None)
         flexium.init()
     import torch
+
     from flexium.api import session
 
     current = session.current()
@@ -452,12 +476,25 @@ def run_job(args: argparse.Namespace) -> int:
             ballast, moved = hand_move(model, optimizer, ballast, entry["target"])
             t1 = time.perf_counter()
             device = entry["target"]
-            record = {"op": "handmove", "requested_path": "hand", "target": entry["target"],
-                      "at_step": entry["at_step"], "t0": t0, "t1": t1, "ok": True, "ran_in_step": step,
-                      "physical": device,
-                      "result": {"path": "hand", "ok": True, "seconds": t1 - t0, "bytes_moved": moved,
-                                 "steps": [{"step": "copy", "seconds": t1 - t0, "ok": True, "rollback": False,
-                                            "error": None}], "notes": []}}
+            record = {
+                "op": "handmove",
+                "requested_path": "hand",
+                "target": entry["target"],
+                "at_step": entry["at_step"],
+                "t0": t0,
+                "t1": t1,
+                "ok": True,
+                "ran_in_step": step,
+                "physical": device,
+                "result": {
+                    "path": "hand",
+                    "ok": True,
+                    "seconds": t1 - t0,
+                    "bytes_moved": moved,
+                    "steps": [{"step": "copy", "seconds": t1 - t0, "ok": True, "rollback": False, "error": None}],
+                    "notes": [],
+                },
+            }
             records.append(record)
             emit("op", **record)
         x = torch.randn(batch, width, device=device)
@@ -468,12 +505,21 @@ def run_job(args: argparse.Namespace) -> int:
         losses.append(loss.item())
         ends.append(time.perf_counter())
         if step + 1 == args.warmup:
-            emit("ready", pid=os.getpid(), gb=args.gb, width=width, pool_active=pool_active,
-                 flexium=not args.no_flexium, state_bytes=_reserved(torch, device, model, ballast)[0],
-                 allocated_bytes=_reserved(torch, device, model, ballast)[1],
-                 ballast_bytes=sum(t.numel() * t.element_size() for t in ballast), ballast_tensors=len(ballast),
-                 model_params=sum(p.numel() for p in model.parameters()), step_seconds=ends[-1] - starts[-1],
-                 fast_path_blocker=_fast_path_blocker())
+            emit(
+                "ready",
+                pid=os.getpid(),
+                gb=args.gb,
+                width=width,
+                pool_active=pool_active,
+                flexium=not args.no_flexium,
+                state_bytes=_reserved(torch, device, model, ballast)[0],
+                allocated_bytes=_reserved(torch, device, model, ballast)[1],
+                ballast_bytes=sum(t.numel() * t.element_size() for t in ballast),
+                ballast_tensors=len(ballast),
+                model_params=sum(p.numel() for p in model.parameters()),
+                step_seconds=ends[-1] - starts[-1],
+                fast_path_blocker=_fast_path_blocker(),
+            )
             if engine_plan:
                 control.start()
                 control_started = True
@@ -484,10 +530,21 @@ def run_job(args: argparse.Namespace) -> int:
     ballast_ok = checksum(ballast) == sum_before
     summary = analyse(records, starts, ends, args.warmup)
     finite = all(math.isfinite(v) for v in losses)
-    emit("done", steps=len(ends), step_starts=starts, step_ends=ends, median_step=summary["median_step"],
-         normal_steps=summary["normal_steps"], ops=summary["ops"], ballast_ok=ballast_ok, losses_finite=finite,
-         first_loss=losses[0] if losses else None, last_loss=losses[-1] if losses else None,
-         engine_state=control.engine_state, physical=_physical_device())
+    emit(
+        "done",
+        steps=len(ends),
+        step_starts=starts,
+        step_ends=ends,
+        median_step=summary["median_step"],
+        normal_steps=summary["normal_steps"],
+        ops=summary["ops"],
+        ballast_ok=ballast_ok,
+        losses_finite=finite,
+        first_loss=losses[0] if losses else None,
+        last_loss=losses[-1] if losses else None,
+        engine_state=control.engine_state,
+        physical=_physical_device(),
+    )
     flexium.shutdown()
     return 0 if ballast_ok and finite and all(r.get("ok") for r in records) else 2
 

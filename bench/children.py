@@ -64,5 +64,10 @@ def run_child(argv: list[str], env: dict[str, str], timeout: float) -> Child:
             returncode = proc.wait()
         out.seek(0)
         err.seek(0)
-        return Child(returncode, out.read().decode(errors="replace"), err.read().decode(errors="replace"), timed_out,
-                     time.perf_counter() - started)
+        return Child(
+            returncode,
+            out.read().decode(errors="replace"),
+            err.read().decode(errors="replace"),
+            timed_out,
+            time.perf_counter() - started,
+        )

@@ -49,21 +49,49 @@ from typing import Any, Callable, Optional
 import tables
 from children import run_child
 
-VARIANTS = ("bare", "torch_init", "torch_matmul", "matmul_released", "matmul_small_stack", "lazy_loading_off",
-            "pinned_host_1g")
+VARIANTS = (
+    "bare",
+    "torch_init",
+    "torch_matmul",
+    "matmul_released",
+    "matmul_small_stack",
+    "lazy_loading_off",
+    "pinned_host_1g",
+)
 MIB = 1 << 20
 LOCK_TIMEOUT_MS = 30000
 # CUlimit values (cuda.h)
 CU_LIMIT_STACK_SIZE = 0x00
 CU_LIMIT_PRINTF_FIFO_SIZE = 0x01
 CU_LIMIT_MALLOC_HEAP_SIZE = 0x02
-LIMIT_NAMES = {CU_LIMIT_STACK_SIZE: "stack_size", CU_LIMIT_PRINTF_FIFO_SIZE: "printf_fifo_size",
-               CU_LIMIT_MALLOC_HEAP_SIZE: "malloc_heap_size"}
+LIMIT_NAMES = {
+    CU_LIMIT_STACK_SIZE: "stack_size",
+    CU_LIMIT_PRINTF_FIFO_SIZE: "printf_fifo_size",
+    CU_LIMIT_MALLOC_HEAP_SIZE: "malloc_heap_size",
+}
 # What matmul_small_stack sets, in this order (the stack last: it is the one that can be large).
-SMALL_LIMITS = ((CU_LIMIT_MALLOC_HEAP_SIZE, 1 * MIB), (CU_LIMIT_PRINTF_FIFO_SIZE, 64 * 1024),
-                (CU_LIMIT_STACK_SIZE, 1024))
-LIBRARY_MARKERS = ("libcuda.so", "cudart", "cublas", "cudnn", "nvrtc", "nvJitLink", "cusparse", "cufft", "curand",
-                   "cusolver", "nccl", "nvshmem", "libtorch_cuda", "libc10_cuda", "nvidia-ml")
+SMALL_LIMITS = (
+    (CU_LIMIT_MALLOC_HEAP_SIZE, 1 * MIB),
+    (CU_LIMIT_PRINTF_FIFO_SIZE, 64 * 1024),
+    (CU_LIMIT_STACK_SIZE, 1024),
+)
+LIBRARY_MARKERS = (
+    "libcuda.so",
+    "cudart",
+    "cublas",
+    "cudnn",
+    "nvrtc",
+    "nvJitLink",
+    "cusparse",
+    "cufft",
+    "curand",
+    "cusolver",
+    "nccl",
+    "nvshmem",
+    "libtorch_cuda",
+    "libc10_cuda",
+    "nvidia-ml",
+)
 
 
 def log(message: str) -> None:
@@ -87,8 +115,13 @@ class Cuda:
         self.ct = ctypes
         lib = ctypes.CDLL(os.environ.get("FLEXIUM_LIBCUDA") or "libcuda.so.1")
         self.lib = lib
-        c_int, c_void_p, c_size_t, c_uint64, POINTER = (ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t,
-                                                        ctypes.c_uint64, ctypes.POINTER)
+        c_int, c_void_p, c_size_t, c_uint64, POINTER = (
+            ctypes.c_int,
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_uint64,
+            ctypes.POINTER,
+        )
         signatures: dict[str, list[Any]] = {
             "cuInit": [ctypes.c_uint],
             "cuDeviceGet": [POINTER(c_int), c_int],
@@ -194,7 +227,8 @@ class Memory:
         return {
             "stage": label,
             "pid_mib": None if used is None else round(used / MIB, 1),
-            "device_delta_mib": None if self.baseline_used is None
+            "device_delta_mib": None
+            if self.baseline_used is None
             else round((gpu.memory_used - self.baseline_used) / MIB, 1),
         }
 
@@ -242,8 +276,7 @@ def setup_torch(setup: Setup, *, libraries: bool, pinned_bytes: int = 0) -> Any:
     tiny = expected.to(device)  # a host-to-device copy: no kernel
     torch.cuda.synchronize()
     setup.synchronize = torch.cuda.synchronize
-    setup.info.update(torch=torch.__version__, torch_cuda=torch.version.cuda,
-                      gpu=torch.cuda.get_device_name(0))
+    setup.info.update(torch=torch.__version__, torch_cuda=torch.version.cuda, gpu=torch.cuda.get_device_name(0))
     checks: list[Callable[[], bool]] = [lambda: bool(torch.equal(tiny.cpu(), expected))]
 
     if pinned_bytes:
@@ -273,15 +306,18 @@ def setup_torch(setup: Setup, *, libraries: bool, pinned_bytes: int = 0) -> Any:
         setup.info.update(
             cudnn=torch.backends.cudnn.version(),
             blas_library=str(torch.backends.cuda.preferred_blas_library())
-            if hasattr(torch.backends.cuda, "preferred_blas_library") else None,
+            if hasattr(torch.backends.cuda, "preferred_blas_library")
+            else None,
             results_finite=finite,
         )
 
         def final() -> dict[str, Any]:
             again = a @ a  # runs kernels again after the last round: the context still computes
             torch.cuda.synchronize()
-            return {"matmul_close_after_restore": bool(torch.allclose(again, product, rtol=1e-5, atol=1e-4)),
-                    "matmul_bit_identical_after_restore": bool(torch.equal(again, product))}
+            return {
+                "matmul_close_after_restore": bool(torch.allclose(again, product, rtol=1e-5, atol=1e-4)),
+                "matmul_bit_identical_after_restore": bool(torch.equal(again, product)),
+            }
 
         setup.final_checks = final
 
@@ -304,8 +340,12 @@ def setup_torch(setup: Setup, *, libraries: bool, pinned_bytes: int = 0) -> Any:
 
 
 def run_rounds(_C: Any, pid: int, repeats: int, setup: Setup) -> tuple[list[dict[str, Any]], Optional[str]]:
-    steps = [_C.Step(_C.StepKind.LOCK, timeout_ms=LOCK_TIMEOUT_MS), _C.Step(_C.StepKind.CHECKPOINT),
-             _C.Step(_C.StepKind.RESTORE), _C.Step(_C.StepKind.UNLOCK)]
+    steps = [
+        _C.Step(_C.StepKind.LOCK, timeout_ms=LOCK_TIMEOUT_MS),
+        _C.Step(_C.StepKind.CHECKPOINT),
+        _C.Step(_C.StepKind.RESTORE),
+        _C.Step(_C.StepKind.UNLOCK),
+    ]
     recover = [_C.Step(_C.StepKind.RECOVER)]
     rollbacks = [[], recover, recover, [_C.Step(_C.StepKind.UNLOCK)]]
     rounds: list[dict[str, Any]] = []
@@ -314,9 +354,15 @@ def run_rounds(_C: Any, pid: int, repeats: int, setup: Setup) -> tuple[list[dict
         outcomes = list(_C.run_steps(pid, steps, rollbacks))
         wall = time.perf_counter() - started
         state = _C.process_state(pid)
-        record: dict[str, Any] = {"round": index, "wall_s": wall, "state": state.name,
-                                  "outcomes": [{"step": o.step, "rollback": o.rollback, "code": o.code,
-                                                "error": o.error_name, "seconds": o.seconds} for o in outcomes]}
+        record: dict[str, Any] = {
+            "round": index,
+            "wall_s": wall,
+            "state": state.name,
+            "outcomes": [
+                {"step": o.step, "rollback": o.rollback, "code": o.code, "error": o.error_name, "seconds": o.seconds}
+                for o in outcomes
+            ],
+        }
         for o in outcomes:
             if not o.rollback and o.code == 0:
                 record[f"{o.step}_s"] = o.seconds
@@ -351,8 +397,12 @@ def worker(args: argparse.Namespace) -> int:
         os.environ["CUDA_MODULE_LOADING"] = "EAGER"
     else:
         os.environ.setdefault("CUDA_MODULE_LOADING", "LAZY")
-    result: dict[str, Any] = {"variant": variant, "ok": False, "pid": os.getpid(),
-                              "cuda_module_loading": os.environ.get("CUDA_MODULE_LOADING")}
+    result: dict[str, Any] = {
+        "variant": variant,
+        "ok": False,
+        "pid": os.getpid(),
+        "cuda_module_loading": os.environ.get("CUDA_MODULE_LOADING"),
+    }
     running = True
     _C: Any = None
     try:
@@ -364,8 +414,12 @@ def worker(args: argparse.Namespace) -> int:
         if not devices:
             raise RuntimeError("the driver lists no GPU")
         dev0 = devices[0]
-        result.update(gpu_uuid=dev0.uuid, gpu_name=dev0.name, driver=nvml.driver_version(),
-                      cuda_driver=_C.driver_status().cuda_version)
+        result.update(
+            gpu_uuid=dev0.uuid,
+            gpu_name=dev0.name,
+            driver=nvml.driver_version(),
+            cuda_driver=_C.driver_status().cuda_version,
+        )
         if not nvml.available():
             raise RuntimeError(f"NVML is needed for the memory figures: {nvml.unavailable_reason()}")
         memory = Memory(nvml, dev0.uuid, pid)  # before any context of ours exists
@@ -459,8 +513,16 @@ def variant_timeout(variant: str, timeout: float) -> float:
 
 def run_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     timeout = variant_timeout(variant, args.timeout)
-    argv = [sys.executable, str(Path(__file__).resolve()), "--variant", variant, "--repeats", str(args.repeats),
-            "--timeout", str(timeout)]
+    argv = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--variant",
+        variant,
+        "--repeats",
+        str(args.repeats),
+        "--timeout",
+        str(timeout),
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("FLEXIUM_SERVER", None)
     env["CUDA_MODULE_LOADING"] = "EAGER" if variant == "lazy_loading_off" else "LAZY"
@@ -477,8 +539,11 @@ def total_of(r: dict[str, Any]) -> Optional[float]:
 
 
 def spread_of(r: dict[str, Any]) -> Optional[float]:
-    totals = [x["checkpoint_s"] + x["restore_s"] for x in r.get("rounds", [])
-              if x.get("checkpoint_s") is not None and x.get("restore_s") is not None]
+    totals = [
+        x["checkpoint_s"] + x["restore_s"]
+        for x in r.get("rounds", [])
+        if x.get("checkpoint_s") is not None and x.get("restore_s") is not None
+    ]
     return max(totals) - min(totals) if len(totals) > 1 else None
 
 
@@ -489,19 +554,39 @@ def mib_text(r: dict[str, Any]) -> str:
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
-    columns = ("variant", "MiB on GPU", "torch MiB", "checkpoint s", "restore s", "total s", "spread s",
-               "1st use ms", "status")
+    columns = (
+        "variant",
+        "MiB on GPU",
+        "torch MiB",
+        "checkpoint s",
+        "restore s",
+        "total s",
+        "spread s",
+        "1st use ms",
+        "status",
+    )
     rows = []
     for r in results:
         first = r.get("first_use_s")
-        rows.append((r["variant"], mib_text(r),
-                     "-" if r.get("torch_reserved_mib") is None else f"{r['torch_reserved_mib']:.0f}",
-                     fmt(r.get("checkpoint_s")), fmt(r.get("restore_s")), fmt(total_of(r)), fmt(spread_of(r)),
-                     "-" if first is None else f"{first * 1e3:.1f}", "ok" if r.get("ok") else "FAILED"))
+        rows.append(
+            (
+                r["variant"],
+                mib_text(r),
+                "-" if r.get("torch_reserved_mib") is None else f"{r['torch_reserved_mib']:.0f}",
+                fmt(r.get("checkpoint_s")),
+                fmt(r.get("restore_s")),
+                fmt(total_of(r)),
+                fmt(spread_of(r)),
+                "-" if first is None else f"{first * 1e3:.1f}",
+                "ok" if r.get("ok") else "FAILED",
+            )
+        )
     tables.print_table(columns, rows)
-    print("MiB on GPU: NVML, this pid on GPU0 just before the first checkpoint (~: GPU used minus before the "
-          "context). torch MiB: torch.cuda.memory_reserved. checkpoint / restore: median of the rounds; spread: "
-          "max - min of checkpoint + restore over the rounds; 1st use: synchronize + copy-back check after unlock.")
+    print(
+        "MiB on GPU: NVML, this pid on GPU0 just before the first checkpoint (~: GPU used minus before the "
+        "context). torch MiB: torch.cuda.memory_reserved. checkpoint / restore: median of the rounds; spread: "
+        "max - min of checkpoint + restore over the rounds; 1st use: synchronize + copy-back check after unlock."
+    )
 
 
 def print_details(results: list[dict[str, Any]]) -> None:
@@ -514,7 +599,8 @@ def print_details(results: list[dict[str, Any]]) -> None:
         stages = ", ".join(
             f"{s['stage']} {'-' if s.get('pid_mib') is None else s['pid_mib']} MiB"
             + ("" if s.get("device_delta_mib") is None else f" (GPU +{s['device_delta_mib']})")
-            for s in r.get("stages", []))
+            for s in r.get("stages", [])
+        )
         if stages:
             print(f"    memory: {stages}")
         after = r.get("mib_after_rounds")
@@ -522,8 +608,11 @@ def print_details(results: list[dict[str, Any]]) -> None:
             print(f"    after the rounds: {after.get('pid_mib')} MiB (GPU +{after.get('device_delta_mib')})")
         rounds = r.get("rounds", [])
         if rounds:
-            per = "; ".join(f"{fmt(x.get('lock_s'), 4)} / {fmt(x.get('checkpoint_s'))} / {fmt(x.get('restore_s'))} / "
-                            f"{fmt(x.get('unlock_s'), 4)}" for x in rounds)
+            per = "; ".join(
+                f"{fmt(x.get('lock_s'), 4)} / {fmt(x.get('checkpoint_s'))} / {fmt(x.get('restore_s'))} / "
+                f"{fmt(x.get('unlock_s'), 4)}"
+                for x in rounds
+            )
             print(f"    rounds, lock / checkpoint / restore / unlock s: {per}")
         if r.get("limits_before_checkpoint"):
             print(f"    limits before checkpoint (bytes): {r['limits_before_checkpoint']}")
@@ -538,11 +627,15 @@ def print_details(results: list[dict[str, Any]]) -> None:
         if r.get("final_checks"):
             print(f"    checks after the rounds: {r['final_checks']}")
         if r.get("libraries"):
-            print("    CUDA libraries mapped (file MiB): "
-                  + ", ".join(f"{name} {size:g}" for name, size in r["libraries"].items()))
+            print(
+                "    CUDA libraries mapped (file MiB): "
+                + ", ".join(f"{name} {size:g}" for name, size in r["libraries"].items())
+            )
         if r.get("setup_s") is not None:
-            print(f"    setup {r['setup_s']:.2f} s, CUDA_MODULE_LOADING={r.get('cuda_module_loading')}, "
-                  f"process {r.get('wall_s', 0):.1f} s")
+            print(
+                f"    setup {r['setup_s']:.2f} s, CUDA_MODULE_LOADING={r.get('cuda_module_loading')}, "
+                f"process {r.get('wall_s', 0):.1f} s"
+            )
         if not r.get("ok") and r.get("stderr_tail"):
             print("    stderr tail:")
             for text in r["stderr_tail"].rstrip().splitlines()[-30:]:
@@ -579,24 +672,30 @@ def analysis(results: list[dict[str, Any]]) -> list[str]:
         dt = total_of(a) - total_of(b)  # type: ignore[operator]
         dc = a["checkpoint_s"] - b["checkpoint_s"]
         dr = a["restore_s"] - b["restore_s"]
-        dm = (a["mib_before"] - b["mib_before"]) if a.get("mib_before") is not None and b.get(
-            "mib_before") is not None else None
+        dm = (
+            (a["mib_before"] - b["mib_before"])
+            if a.get("mib_before") is not None and b.get("mib_before") is not None
+            else None
+        )
         mib = "" if dm is None else f"{dm:+.0f} MiB, "
         tag = f" (within the rounds' largest spread, {noise:.3f} s)" if abs(dt) <= noise else ""
-        lines.append(f"{what} ({new} vs {old}): {mib}{dt:+.3f} s in all (checkpoint {dc:+.3f}, restore {dr:+.3f})"
-                     f"{tag}")
+        lines.append(f"{what} ({new} vs {old}): {mib}{dt:+.3f} s in all (checkpoint {dc:+.3f}, restore {dr:+.3f}){tag}")
 
     if "bare" in ok:
         b = ok["bare"]
         mib = "" if b.get("mib_before") is None else f"{b['mib_before']:.0f} MiB, "
-        lines.append(f"the driver's own minimum (bare): {mib}checkpoint {b['checkpoint_s']:.3f} s + restore "
-                     f"{b['restore_s']:.3f} s = {total_of(b):.3f} s")
+        lines.append(
+            f"the driver's own minimum (bare): {mib}checkpoint {b['checkpoint_s']:.3f} s + restore "
+            f"{b['restore_s']:.3f} s = {total_of(b):.3f} s"
+        )
         for name in ("torch_matmul", "torch_init"):
             if name in ok:
                 share = total_of(b) / total_of(ok[name]) if total_of(ok[name]) else None  # type: ignore[operator]
                 if share is not None:
-                    lines.append(f"bare is {share:.0%} of {name}'s checkpoint + restore; the rest comes with what "
-                                 f"{name} adds to the context")
+                    lines.append(
+                        f"bare is {share:.0%} of {name}'s checkpoint + restore; the rest comes with what "
+                        f"{name} adds to the context"
+                    )
                 break
     diff("torch_init", "bare", "torch's runtime context over the bare driver context")
     diff("torch_matmul", "torch_init", "cuBLAS / cuBLASLt / cuDNN kernels and workspaces")
@@ -620,8 +719,9 @@ def analysis(results: list[dict[str, Any]]) -> list[str]:
                 lines.append(f"{name} MiB by stage: {steps}")
 
     # Does the cost follow the memory? Fit over the variants without pinned host memory.
-    points = [(r["mib_before"] / 1024, r) for n, r in ok.items()
-              if n != "pinned_host_1g" and r.get("mib_before") is not None]
+    points = [
+        (r["mib_before"] / 1024, r) for n, r in ok.items() if n != "pinned_host_1g" and r.get("mib_before") is not None
+    ]
     if len({round(p[0], 3) for p in points}) >= 3:
         for key, label in (("checkpoint_s", "checkpoint"), ("restore_s", "restore")):
             line = fit([(gib, r[key]) for gib, r in points])
@@ -629,33 +729,47 @@ def analysis(results: list[dict[str, Any]]) -> list[str]:
                 continue
             intercept, slope, r2 = line
             rate = f", i.e. {1 / slope * 1.073741824:.1f} GB/s" if slope > 0 else ""
-            lines.append(f"{label} s ~ {intercept:.3f} + {slope:.3f} x GiB on GPU (least squares over {len(points)} "
-                         f"variants, r^2 {r2:.2f}{rate})")
+            lines.append(
+                f"{label} s ~ {intercept:.3f} + {slope:.3f} x GiB on GPU (least squares over {len(points)} "
+                f"variants, r^2 {r2:.2f}{rate})"
+            )
         line = fit([(gib, r["checkpoint_s"] + r["restore_s"]) for gib, r in points])
         if line is not None and "torch_matmul" in ok and ok["torch_matmul"].get("mib_before") is not None:
             intercept, slope, r2 = line
             t = total_of(ok["torch_matmul"])
             part = slope * ok["torch_matmul"]["mib_before"] / 1024
-            lines.append(f"for torch_matmul the fit gives {part:.3f} s proportional to its GPU memory + {intercept:.3f}"
-                         f" s fixed = {part + intercept:.3f} s (measured {fmt(t)} s)")
+            lines.append(
+                f"for torch_matmul the fit gives {part:.3f} s proportional to its GPU memory + {intercept:.3f}"
+                f" s fixed = {part + intercept:.3f} s (measured {fmt(t)} s)"
+            )
     best = [n for n in ("matmul_released", "matmul_small_stack") if n in ok]
     if best and "torch_matmul" in ok:
         name = min(best, key=lambda n: total_of(ok[n]))  # type: ignore[arg-type,return-value]
         saved = total_of(ok["torch_matmul"]) - total_of(ok[name])  # type: ignore[operator]
-        lines.append(f"best release found: {name} saves {saved:.3f} s of torch_matmul's checkpoint + restore "
-                     f"({saved / total_of(ok['torch_matmul']):.0%})")  # type: ignore[operator]
+        lines.append(
+            f"best release found: {name} saves {saved:.3f} s of torch_matmul's checkpoint + restore "
+            f"({saved / total_of(ok['torch_matmul']):.0%})"
+        )  # type: ignore[operator]
     if noise:
-        lines.append(f"largest spread of checkpoint + restore over the rounds of one variant: {noise:.3f} s; smaller "
-                     "differences are noise")
+        lines.append(
+            f"largest spread of checkpoint + restore over the rounds of one variant: {noise:.3f} s; smaller "
+            "differences are noise"
+        )
     return lines
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list (default all): {', '.join(VARIANTS)}")
+    parser.add_argument(
+        "--variants", default=",".join(VARIANTS), help=f"comma list (default all): {', '.join(VARIANTS)}"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="checkpoint + restore rounds per variant (default 3)")
-    parser.add_argument("--timeout", type=float, default=120,
-                        help="seconds per variant process before it is killed (default 120; lazy_loading_off 2x)")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=120,
+        help="seconds per variant process before it is killed (default 120; lazy_loading_off 2x)",
+    )
     parser.add_argument("--json", type=Path, help="write every raw result here")
     parser.add_argument("--variant", choices=VARIANTS, help=argparse.SUPPRESS)  # worker mode
     args = parser.parse_args()
@@ -675,8 +789,10 @@ def main() -> int:
         result = run_variant(variant, args)
         results.append(result)
         if result.get("ok"):
-            log(f"   {mib_text(result)} MiB, checkpoint {fmt(result.get('checkpoint_s'))} s, "
-                f"restore {fmt(result.get('restore_s'))} s ({result['wall_s']:.1f} s)")
+            log(
+                f"   {mib_text(result)} MiB, checkpoint {fmt(result.get('checkpoint_s'))} s, "
+                f"restore {fmt(result.get('restore_s'))} s ({result['wall_s']:.1f} s)"
+            )
         else:
             log(f"!! {variant} failed: {result.get('error')}")
     print_table(results)
@@ -690,8 +806,18 @@ def main() -> int:
     elapsed = time.perf_counter() - started
     print(f"{len(results)} variants in {elapsed:.0f} s" + (f"; FAILED: {'; '.join(failures)}" if failures else ""))
     if args.json:
-        args.json.write_text(json.dumps({"results": results, "analysis": lines, "failures": failures,
-                                         "seconds": elapsed, "repeats": args.repeats}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "results": results,
+                    "analysis": lines,
+                    "failures": failures,
+                    "seconds": elapsed,
+                    "repeats": args.repeats,
+                },
+                indent=1,
+            )
+        )
     return 1 if failures else 0
 
 

@@ -61,9 +61,27 @@ GOALS = (  # (size GiB, op, seconds): downtime minus one step of the fast path, 
     (16.0, "resume", 1.0),
 )
 PAUSE_GOAL_SIZES = {size for size, op, _limit in GOALS if op in ("pause", "resume")}
-COLUMNS = ("size GiB", "op", "path", "downtime s", "-step s", "step ms", "op total s", "copy s",
-           "checkpoint s", "restore s", "map/back s", "copied GiB", "floor s", "vs floor", "vs driver",
-           "after s", "prep s", "prep max step ms", "prep med step ms")
+COLUMNS = (
+    "size GiB",
+    "op",
+    "path",
+    "downtime s",
+    "-step s",
+    "step ms",
+    "op total s",
+    "copy s",
+    "checkpoint s",
+    "restore s",
+    "map/back s",
+    "copied GiB",
+    "floor s",
+    "vs floor",
+    "vs driver",
+    "after s",
+    "prep s",
+    "prep max step ms",
+    "prep med step ms",
+)
 MIGRATE_NEEDS = "migrate rows need 2 GPUs and were not measured"
 IN_PROCESS_PATH = "fast-here"  # fast pause / resume rows with FLEXIUM_HOST_COPIER=0
 
@@ -108,12 +126,20 @@ class JobRun:
         return found
 
     def to_dict(self) -> dict[str, Any]:
-        return {"label": self.label, "argv": self.argv, "returncode": self.returncode, "timed_out": self.timed_out,
-                "seconds": self.seconds, "events": self.events, "stderr_tail": self.stderr[-4000:]}
+        return {
+            "label": self.label,
+            "argv": self.argv,
+            "returncode": self.returncode,
+            "timed_out": self.timed_out,
+            "seconds": self.seconds,
+            "events": self.events,
+            "stderr_tail": self.stderr[-4000:],
+        }
 
 
-def run_job(label: str, job_args: list[str], timeout: float, on_event: Any = None,
-            env_extra: Optional[dict[str, str]] = None) -> JobRun:
+def run_job(
+    label: str, job_args: list[str], timeout: float, on_event: Any = None, env_extra: Optional[dict[str, str]] = None
+) -> JobRun:
     # The job dumps every thread's stack and exits shortly before it would be killed.
     argv = [sys.executable, str(JOB), "--hang-seconds", str(max(5.0, timeout - 10)), *job_args]
     run = JobRun(label, argv)
@@ -121,8 +147,7 @@ def run_job(label: str, job_args: list[str], timeout: float, on_event: Any = Non
     env.pop("FLEXIUM_SERVER", None)
     started = time.perf_counter()
     with tempfile.TemporaryFile() as err:
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True, env=env, start_new_session=True)
 
         def read() -> None:
             assert proc.stdout is not None
@@ -201,12 +226,23 @@ def pool_plan(with_driver: bool, with_migrate: bool = True) -> list[str]:
     return plan
 
 
-def run_pause_job(label: str, size: float, args: argparse.Namespace,
-                  env_extra: Optional[dict[str, str]] = None) -> JobRun:
+def run_pause_job(
+    label: str, size: float, args: argparse.Namespace, env_extra: Optional[dict[str, str]] = None
+) -> JobRun:
     """A pool job that only pauses on the fast path and resumes, in place."""
-    return run_job(label, ["--gb", str(size), "--pause-seconds", str(args.pause_seconds),
-                           *plan_args(pool_plan(False, with_migrate=False))],
-                   args.timeout, progress_printer(f"{size:g} GiB"), env_extra=env_extra)
+    return run_job(
+        label,
+        [
+            "--gb",
+            str(size),
+            "--pause-seconds",
+            str(args.pause_seconds),
+            *plan_args(pool_plan(False, with_migrate=False)),
+        ],
+        args.timeout,
+        progress_printer(f"{size:g} GiB"),
+        env_extra=env_extra,
+    )
 
 
 def plan_args(plan: list[str]) -> list[str]:
@@ -218,8 +254,13 @@ def count_gpus(timeout: float) -> Optional[int]:
     env = {**os.environ}
     env.pop("FLEXIUM_SERVER", None)
     try:
-        proc = subprocess.run([sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
-                              capture_output=True, text=True, timeout=timeout, env=env)
+        proc = subprocess.run(
+            [sys.executable, "-c", "import torch; print(torch.cuda.device_count())"],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+        )
         return int(proc.stdout.strip().splitlines()[-1])
     except (subprocess.SubprocessError, ValueError, IndexError) as exc:
         log(f"!! could not count the GPUs ({type(exc).__name__}: {exc})")
@@ -250,8 +291,12 @@ def measure_fixed_cost(timeout: float, gpus: int) -> tuple[JobRun, Optional[dict
     else:
         log(f"-- fixed cost: a {FIXED_COST_GB:g} GiB job, driver pause + resume in place, twice (one GPU)")
         plan = ["10:pause:driver", "10:resume", "20:pause:driver", "20:resume"]
-    run = run_job("fixed cost", ["--gb", str(FIXED_COST_GB), *plan_args(plan)], timeout,
-                  progress_printer(f"{FIXED_COST_GB:g} GiB"))
+    run = run_job(
+        "fixed cost",
+        ["--gb", str(FIXED_COST_GB), *plan_args(plan)],
+        timeout,
+        progress_printer(f"{FIXED_COST_GB:g} GiB"),
+    )
     pairs: list[tuple[Optional[float], Optional[float]]] = []
     checkpoint: Optional[float] = None  # the last pause's, for the resume that follows it
     for op in run.all("op"):
@@ -272,8 +317,12 @@ def measure_fixed_cost(timeout: float, gpus: int) -> tuple[JobRun, Optional[dict
         if not pairs:
             return run, None
     best = min(pairs, key=lambda p: (p[0] or 0.0) + (p[1] or 0.0))
-    fixed: dict[str, Any] = {"checkpoint": best[0], "restore": best[1], "runs": [list(p) for p in pairs],
-                             "how": "driver migrate" if gpus >= 2 else "driver pause + resume in place"}
+    fixed: dict[str, Any] = {
+        "checkpoint": best[0],
+        "restore": best[1],
+        "runs": [list(p) for p in pairs],
+        "how": "driver migrate" if gpus >= 2 else "driver pause + resume in place",
+    }
     log(f"   checkpoint {fixed['checkpoint']:.3f} s + restore {fixed['restore']:.3f} s")
     return run, fixed
 
@@ -307,52 +356,62 @@ def rows_of(size: float, run: JobRun) -> list[dict[str, Any]]:
         result = op.get("result") or {}
         timing = analysed.get(op.get("t0"), {})
         path = result.get("path") or op.get("requested_path")
-        rows.append({
-            "size_gb": size,
-            "op": "migrate" if op["op"] == "handmove" else op["op"],
-            "path": "hand .to()" if path == "hand" else path,
-            "requested_path": op.get("requested_path"),
-            "ok": bool(op.get("ok")),
-            "error": op.get("error"),
-            "downtime": timing.get("downtime"),
-            "extra": timing.get("extra"),
-            "next_step_extra": timing.get("next_step_extra"),
-            "after_extra": timing.get("after_extra"),
-            "ran_in_step": timing.get("ran_in_step"),
-            "method": timing.get("method"),
-            "median_step": median,
-            "op_seconds": result.get("seconds"),
-            "copy": step_seconds(result, "copy"),
-            "checkpoint": step_seconds(result, "checkpoint"),
-            "restore": step_seconds(result, "restore"),
-            "map_back": step_seconds(result, "map", "copy_back"),
-            "copied": copied_bytes(result),
-            "state_bytes": ready.get("state_bytes"),
-            "prep": timing.get("prep"),
-            "prep_steps": timing.get("prep_steps"),
-            "prep_max_step": timing.get("prep_max_step"),
-            "prep_median_step": timing.get("prep_median_step"),
-            "notes": result.get("notes", []),
-        })
+        rows.append(
+            {
+                "size_gb": size,
+                "op": "migrate" if op["op"] == "handmove" else op["op"],
+                "path": "hand .to()" if path == "hand" else path,
+                "requested_path": op.get("requested_path"),
+                "ok": bool(op.get("ok")),
+                "error": op.get("error"),
+                "downtime": timing.get("downtime"),
+                "extra": timing.get("extra"),
+                "next_step_extra": timing.get("next_step_extra"),
+                "after_extra": timing.get("after_extra"),
+                "ran_in_step": timing.get("ran_in_step"),
+                "method": timing.get("method"),
+                "median_step": median,
+                "op_seconds": result.get("seconds"),
+                "copy": step_seconds(result, "copy"),
+                "checkpoint": step_seconds(result, "checkpoint"),
+                "restore": step_seconds(result, "restore"),
+                "map_back": step_seconds(result, "map", "copy_back"),
+                "copied": copied_bytes(result),
+                "state_bytes": ready.get("state_bytes"),
+                "prep": timing.get("prep"),
+                "prep_steps": timing.get("prep_steps"),
+                "prep_max_step": timing.get("prep_max_step"),
+                "prep_median_step": timing.get("prep_median_step"),
+                "notes": result.get("notes", []),
+            }
+        )
     return rows
 
 
-def add_ratios(rows: list[dict[str, Any]], bandwidth: Optional[dict[str, Any]],
-               fixed: Optional[dict[str, Any]]) -> None:
+def add_ratios(
+    rows: list[dict[str, Any]], bandwidth: Optional[dict[str, Any]], fixed: Optional[dict[str, Any]]
+) -> None:
     for row in rows:
         row["floor"] = floor_seconds(row, bandwidth, fixed)
         extra = row["extra"]
         row["vs_floor"] = extra / row["floor"] if extra is not None and row["floor"] else None
         row["vs_driver"] = None
         if row["path"] == "fast" and extra is not None:
-            driver = next((r for r in rows if r["size_gb"] == row["size_gb"] and r["op"] == row["op"]
-                           and r["path"] == "driver" and r["extra"]), None)
+            driver = next(
+                (
+                    r
+                    for r in rows
+                    if r["size_gb"] == row["size_gb"] and r["op"] == row["op"] and r["path"] == "driver" and r["extra"]
+                ),
+                None,
+            )
             if driver is not None:
                 row["vs_driver"] = extra / driver["extra"]
 
 
-def floor_seconds(row: dict[str, Any], bandwidth: Optional[dict[str, Any]],
-                  fixed: Optional[dict[str, Any]]) -> Optional[float]:
+def floor_seconds(
+    row: dict[str, Any], bandwidth: Optional[dict[str, Any]], fixed: Optional[dict[str, Any]]
+) -> Optional[float]:
     size = row.get("state_bytes") or row["size_gb"] * GIB
     if bandwidth is None or fixed is None:
         return None
@@ -382,11 +441,24 @@ def table_row(row: dict[str, Any]) -> tuple[str, ...]:
     median = row["median_step"]
     copied = row["copied"]
     return (
-        f"{row['size_gb']:g}", row["op"], str(row["path"]), fmt(row["downtime"]), fmt(row["extra"]),
-        ms(median), fmt(row["op_seconds"]), fmt(row["copy"]),
-        fmt(row["checkpoint"]), fmt(row["restore"]), fmt(row["map_back"]),
-        fmt(copied / GIB if copied else None, 2), fmt(row["floor"]), fmt(row["vs_floor"], 2, "x"),
-        fmt(row["vs_driver"], 2, "x"), fmt(row.get("after_extra")), fmt(row.get("prep")), ms(row.get("prep_max_step")),
+        f"{row['size_gb']:g}",
+        row["op"],
+        str(row["path"]),
+        fmt(row["downtime"]),
+        fmt(row["extra"]),
+        ms(median),
+        fmt(row["op_seconds"]),
+        fmt(row["copy"]),
+        fmt(row["checkpoint"]),
+        fmt(row["restore"]),
+        fmt(row["map_back"]),
+        fmt(copied / GIB if copied else None, 2),
+        fmt(row["floor"]),
+        fmt(row["vs_floor"], 2, "x"),
+        fmt(row["vs_driver"], 2, "x"),
+        fmt(row.get("after_extra")),
+        fmt(row.get("prep")),
+        ms(row.get("prep_max_step")),
         ms(row.get("prep_median_step")),
     )
 
@@ -400,12 +472,20 @@ def goals(rows: list[dict[str, Any]], migrate_measured: bool = True) -> list[dic
         measured = [r for r in runs if r["ok"] and r["extra"] is not None]
         extra = statistics.median(r["extra"] for r in measured) if measured else None
         failed = len(runs) - len(measured)
-        checked.append({"size_gb": size, "op": op, "limit": limit, "extra": extra,
-                        "runs": [r["extra"] for r in measured], "failed": failed,
-                        "within": sum(1 for r in measured if r["extra"] <= limit),
-                        "downtime": statistics.median(r["downtime"] for r in measured) if measured else None,
-                        "met": None if extra is None else extra <= limit and failed == 0,
-                        "why_not": "needs 2 GPUs" if op == "migrate" and not migrate_measured else None})
+        checked.append(
+            {
+                "size_gb": size,
+                "op": op,
+                "limit": limit,
+                "extra": extra,
+                "runs": [r["extra"] for r in measured],
+                "failed": failed,
+                "within": sum(1 for r in measured if r["extra"] <= limit),
+                "downtime": statistics.median(r["downtime"] for r in measured) if measured else None,
+                "met": None if extra is None else extra <= limit and failed == 0,
+                "why_not": "needs 2 GPUs" if op == "migrate" and not migrate_measured else None,
+            }
+        )
     return checked
 
 
@@ -414,11 +494,11 @@ def print_goals(checked: list[dict[str, Any]]) -> None:
     for goal in checked:
         mark = {True: "[x]", False: "[ ]", None: "[?]"}[goal["met"]]
         runs, failed = goal["runs"], goal["failed"]
-        measured = "not measured" if goal["extra"] is None else (
-            f"{goal['extra']:.3f} s (downtime {goal['downtime']:.3f} s)")
+        measured = (
+            "not measured" if goal["extra"] is None else (f"{goal['extra']:.3f} s (downtime {goal['downtime']:.3f} s)")
+        )
         if len(runs) + failed > 1:
-            measured += (f"; median of {len(runs)} runs ({', '.join(f'{e:.3f}' for e in runs)}), "
-                         f"{goal['within']} within")
+            measured += f"; median of {len(runs)} runs ({', '.join(f'{e:.3f}' for e in runs)}), {goal['within']} within"
         if failed:
             measured += f"; {failed} FAILED"
         if goal["extra"] is None and goal.get("why_not"):
@@ -431,16 +511,38 @@ def print_machine(bandwidth: Optional[dict[str, Any]], fixed: Optional[dict[str,
     f = fixed or {}
     total = f["checkpoint"] + f["restore"] if fixed else None
     print()
-    print_table(("peer 0->1 GB/s", "peer 1->0 GB/s", "pinned D2H GB/s", "pinned H2D GB/s", "checkpoint s",
-                 "restore s", "fixed total s"),
-                [(fmt(b.get("peer_gbps"), 1), fmt(b.get("peer_back_gbps"), 1), fmt(b.get("d2h_gbps"), 1),
-                  fmt(b.get("h2d_gbps"), 1), fmt(f.get("checkpoint")), fmt(f.get("restore")), fmt(total))])
+    print_table(
+        (
+            "peer 0->1 GB/s",
+            "peer 1->0 GB/s",
+            "pinned D2H GB/s",
+            "pinned H2D GB/s",
+            "checkpoint s",
+            "restore s",
+            "fixed total s",
+        ),
+        [
+            (
+                fmt(b.get("peer_gbps"), 1),
+                fmt(b.get("peer_back_gbps"), 1),
+                fmt(b.get("d2h_gbps"), 1),
+                fmt(b.get("h2d_gbps"), 1),
+                fmt(f.get("checkpoint")),
+                fmt(f.get("restore")),
+                fmt(total),
+            )
+        ],
+    )
     if f.get("how") == "driver pause + resume in place":
-        print(f"(fixed: checkpoint of a driver-path pause + restore of its resume in place, a {FIXED_COST_GB:g} GiB job:"
-              " the cost of a bare torch context; one GPU, no peer copy)")
+        print(
+            f"(fixed: checkpoint of a driver-path pause + restore of its resume in place, a {FIXED_COST_GB:g} GiB job:"
+            " the cost of a bare torch context; one GPU, no peer copy)"
+        )
     else:
-        print(f"(fixed: checkpoint + restore of a {FIXED_COST_GB:g} GiB job by the driver path, the cost of a bare"
-              " torch context)")
+        print(
+            f"(fixed: checkpoint + restore of a {FIXED_COST_GB:g} GiB job by the driver path, the cost of a bare"
+            " torch context)"
+        )
 
 
 # ---- main -------------------------------------------------------------------------------------
@@ -450,15 +552,29 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="2,16,64", help="GiB of training state per job, comma-separated")
     parser.add_argument("--json", type=Path, help="write every raw result here")
-    parser.add_argument("--skip-driver-above", type=float, default=None, metavar="GB",
-                        help="no driver-path rows for sizes above this (default: driver rows for every size)")
+    parser.add_argument(
+        "--skip-driver-above",
+        type=float,
+        default=None,
+        metavar="GB",
+        help="no driver-path rows for sizes above this (default: driver rows for every size)",
+    )
     parser.add_argument("--timeout", type=float, default=600, help="seconds per job before it is killed")
     parser.add_argument("--pause-seconds", type=float, default=0.5, help="how long each pause lasts")
-    parser.add_argument("--repeat-pause", type=int, default=1, metavar="N",
-                        help="fast pause + resume N times at the sizes with pause / resume goals (N-1 more jobs); "
-                             "the goals take the median")
-    parser.add_argument("--no-compare-in-process", dest="compare_in_process", action="store_false",
-                        help="skip the fast pause + resume rows with the copies in the job's process")
+    parser.add_argument(
+        "--repeat-pause",
+        type=int,
+        default=1,
+        metavar="N",
+        help="fast pause + resume N times at the sizes with pause / resume goals (N-1 more jobs); "
+        "the goals take the median",
+    )
+    parser.add_argument(
+        "--no-compare-in-process",
+        dest="compare_in_process",
+        action="store_false",
+        help="skip the fast pause + resume rows with the copies in the job's process",
+    )
     args = parser.parse_args()
     if args.repeat_pause < 1:
         parser.error(f"--repeat-pause must be at least 1 (one run: the pool job's own), not {args.repeat_pause}")
@@ -491,13 +607,20 @@ def main() -> int:
         label = f"{size:g} GiB"
         with_driver = args.skip_driver_above is None or size <= args.skip_driver_above
         plan = pool_plan(with_driver, with_migrate=migrate)
-        log(f"-- {label}: pool job: "
+        log(
+            f"-- {label}: pool job: "
             + ("fast migrate 0->1, " if migrate else "")
-            + ("driver migrate 1->0, " if with_driver and migrate else "") + "fast pause + resume"
+            + ("driver migrate 1->0, " if with_driver and migrate else "")
+            + "fast pause + resume"
             + (", driver pause + resume" if with_driver else " (driver rows skipped: --skip-driver-above)")
-            + ("" if migrate else " (in place, one GPU)"))
-        run = run_job(f"{label} pool job", ["--gb", str(size), "--pause-seconds", str(args.pause_seconds),
-                                           *plan_args(plan)], args.timeout, progress_printer(label))
+            + ("" if migrate else " (in place, one GPU)")
+        )
+        run = run_job(
+            f"{label} pool job",
+            ["--gb", str(size), "--pause-seconds", str(args.pause_seconds), *plan_args(plan)],
+            args.timeout,
+            progress_printer(label),
+        )
         jobs.append(run)
         rows += rows_of(size, run)
         if run.problems():
@@ -515,8 +638,10 @@ def main() -> int:
                 failures.append(run.label)
 
         if args.compare_in_process:
-            log(f"-- {label}: pool job, fast pause + resume with the copies in the job's process "
-                "(FLEXIUM_HOST_COPIER=0), for comparison")
+            log(
+                f"-- {label}: pool job, fast pause + resume with the copies in the job's process "
+                "(FLEXIUM_HOST_COPIER=0), for comparison"
+            )
             run = run_pause_job(f"{label} pool job, copies in-process", size, args, {"FLEXIUM_HOST_COPIER": "0"})
             jobs.append(run)
             for row in rows_of(size, run):
@@ -529,8 +654,12 @@ def main() -> int:
         if not migrate:
             continue  # the hand-written move needs a second GPU
         log(f"-- {label}: hand-written move (flexium disabled): model, AdamW state, ballast .to('cuda:1')")
-        run = run_job(f"{label} hand job", ["--gb", str(size), "--no-flexium", *plan_args(["10:handmove:cuda:1"])],
-                      args.timeout, progress_printer(label))
+        run = run_job(
+            f"{label} hand job",
+            ["--gb", str(size), "--no-flexium", *plan_args(["10:handmove:cuda:1"])],
+            args.timeout,
+            progress_printer(label),
+        )
         jobs.append(run)
         hand = rows_of(size, run)
         if hand and hand[0]["state_bytes"] is None:
@@ -542,16 +671,20 @@ def main() -> int:
 
     add_ratios(rows, bandwidth, fixed)
     print_table(COLUMNS, [table_row(r) for r in rows])
-    print("downtime: on the job's step clock, holding one normal step; -step: minus the median normal step (step ms)."
-          "\nfloor: migrate S/peer + checkpoint + restore, pause S/D2H + checkpoint, resume S/H2D + restore"
-          " (S: the job's reserved bytes); vs floor and vs driver compare -step."
-          "\ncopied: the fast path's copied bytes, else the bytes the process held (what the checkpoint carried)."
-          "\nafter (migrate rows): what the 20 steps after the move took beyond normal steps, summed (a fast"
-          " move's copies become the job's own there, outside the downtime)."
-          f"\n{IN_PROCESS_PATH}: the fast path with its host copies in the job's process (FLEXIUM_HOST_COPIER=0);"
-          " fast: in the copier process (the default).")
-    print("prep (pause rows): request -> the pause's start at the safe point (the fast path pins its host staging"
-          " meanwhile); prep max / med step: the longest / median step that ended in that time (-: none did).")
+    print(
+        "downtime: on the job's step clock, holding one normal step; -step: minus the median normal step (step ms)."
+        "\nfloor: migrate S/peer + checkpoint + restore, pause S/D2H + checkpoint, resume S/H2D + restore"
+        " (S: the job's reserved bytes); vs floor and vs driver compare -step."
+        "\ncopied: the fast path's copied bytes, else the bytes the process held (what the checkpoint carried)."
+        "\nafter (migrate rows): what the 20 steps after the move took beyond normal steps, summed (a fast"
+        " move's copies become the job's own there, outside the downtime)."
+        f"\n{IN_PROCESS_PATH}: the fast path with its host copies in the job's process (FLEXIUM_HOST_COPIER=0);"
+        " fast: in the copier process (the default)."
+    )
+    print(
+        "prep (pause rows): request -> the pause's start at the safe point (the fast path pins its host staging"
+        " meanwhile); prep max / med step: the longest / median step that ended in that time (-: none did)."
+    )
     if not migrate:
         print(f"ONE GPU: {MIGRATE_NEEDS} (torch sees {gpus} GPU); pause and resume ran in place, no hand move.")
     for row in rows:
@@ -563,12 +696,24 @@ def main() -> int:
     elapsed = time.perf_counter() - started
     print(f"\n{len(jobs)} jobs in {elapsed:.0f} s" + (f"; FAILED: {', '.join(failures)}" if failures else ""))
     if args.json:
-        args.json.write_text(json.dumps({
-            "sizes_gb": sizes, "skip_driver_above": args.skip_driver_above, "gpus": gpus,
-            "migrate_measured": migrate, "bandwidth": bandwidth, "fixed": fixed,
-            "rows": rows, "goals": checked, "failures": failures, "seconds": elapsed,
-            "jobs": [job.to_dict() for job in jobs],
-        }, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "sizes_gb": sizes,
+                    "skip_driver_above": args.skip_driver_above,
+                    "gpus": gpus,
+                    "migrate_measured": migrate,
+                    "bandwidth": bandwidth,
+                    "fixed": fixed,
+                    "rows": rows,
+                    "goals": checked,
+                    "failures": failures,
+                    "seconds": elapsed,
+                    "jobs": [job.to_dict() for job in jobs],
+                },
+                indent=1,
+            )
+        )
     return 1 if failures else 0
 
 

@@ -69,8 +69,16 @@ def main() -> int:
         nvml.stop_reader()
 
     base = statistics.median(results["child -m"][0])
-    rows = [(name, f"{statistics.median(s) * 1e3:.2f}", f"{max(s) * 1e3:.2f}", f"{statistics.median(s) / base:.4f}",
-             str(gpus)) for name, (s, gpus) in results.items()]
+    rows = [
+        (
+            name,
+            f"{statistics.median(s) * 1e3:.2f}",
+            f"{max(s) * 1e3:.2f}",
+            f"{statistics.median(s) / base:.4f}",
+            str(gpus),
+        )
+        for name, (s, gpus) in results.items()
+    ]
     print_table(("way", "median ms", "worst ms", "vs child -m", "GPUs read"), rows)
     if all(gpus == 0 for _s, gpus in results.values()):
         print("(no GPU read: NVML is unavailable here, so this is the cost of the processes alone)")

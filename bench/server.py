@@ -46,6 +46,7 @@ GIB = 1 << 30
 
 # --- a small HTTP/1.1 client ----------------------------------------------------------------
 
+
 class HttpError(Exception):
     pass
 
@@ -68,11 +69,12 @@ class Conn:
             self.writer.close()
         self.reader = self.writer = None
 
-    async def request(self, method: str, path: str, body: Any = None, *,
-                      timeout: float = 60.0) -> tuple[int, Any]:
+    async def request(self, method: str, path: str, body: Any = None, *, timeout: float = 60.0) -> tuple[int, Any]:
         payload = b"" if body is None else json.dumps(body).encode()
-        head = (f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{self.auth}"
-                f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n").encode()
+        head = (
+            f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{self.auth}"
+            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
+        ).encode()
         for attempt in (0, 1):
             if self.writer is None:
                 await self._connect()
@@ -110,6 +112,7 @@ class Conn:
 
 # --- measurements ---------------------------------------------------------------------------
 
+
 def pct(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -123,7 +126,7 @@ class Stats:
     post_latency: list[float] = field(default_factory=list)
     delivery: list[float] = field(default_factory=list)
     server_delivery: list[float] = field(default_factory=list)
-    sent: dict[int, float] = field(default_factory=dict)       # command id -> controller send time
+    sent: dict[int, float] = field(default_factory=dict)  # command id -> controller send time
     received: dict[int, tuple[float, float]] = field(default_factory=dict)  # id -> (monotonic, wall)
     created_wall: dict[int, float] = field(default_factory=dict)
     errors: int = 0
@@ -143,20 +146,43 @@ class Job:
 def job_body(job: Job, gpus_per_host: int) -> dict[str, Any]:
     host = f"host-{job.index // gpus_per_host:04d}"
     mine = job.index % gpus_per_host
-    devices = [{"uuid": f"GPU-{host}-{g}", "index": g, "name": "NVIDIA H200", "memory_total": 141 * GIB,
-                "memory_used": 10 * GIB, "utilization": 90, "temperature": 60, "health": "ok"}
-               for g in range(gpus_per_host)]
-    return {"process_id": job.process_id, "host": host, "user": "bench", "pid": 10000 + job.index,
-            "gpu_uuid": devices[mine]["uuid"], "gpu_model": "NVIDIA H200", "gpu_index": mine,
-            "logical_device": "cuda:0", "physical_device": f"cuda:{mine}",
-            "visible_gpus": [d["uuid"] for d in devices], "torch_version": "2.11.0",
-            "driver_version": "580.159.04", "flexium_version": "0.1.0",
-            "capabilities": {"pause_resume": True, "migration": True}, "memory_bytes": 10 * GIB,
-            "state": "RUNNING", "started_at": time.time(), "cmdline": "python train.py", "devices": devices}
+    devices = [
+        {
+            "uuid": f"GPU-{host}-{g}",
+            "index": g,
+            "name": "NVIDIA H200",
+            "memory_total": 141 * GIB,
+            "memory_used": 10 * GIB,
+            "utilization": 90,
+            "temperature": 60,
+            "health": "ok",
+        }
+        for g in range(gpus_per_host)
+    ]
+    return {
+        "process_id": job.process_id,
+        "host": host,
+        "user": "bench",
+        "pid": 10000 + job.index,
+        "gpu_uuid": devices[mine]["uuid"],
+        "gpu_model": "NVIDIA H200",
+        "gpu_index": mine,
+        "logical_device": "cuda:0",
+        "physical_device": f"cuda:{mine}",
+        "visible_gpus": [d["uuid"] for d in devices],
+        "torch_version": "2.11.0",
+        "driver_version": "580.159.04",
+        "flexium_version": "0.1.0",
+        "capabilities": {"pause_resume": True, "migration": True},
+        "memory_bytes": 10 * GIB,
+        "state": "RUNNING",
+        "started_at": time.time(),
+        "cmdline": "python train.py",
+        "devices": devices,
+    }
 
 
-async def run_job(job: Job, base: str, stats: Stats, stop: asyncio.Event, interval: float,
-                  poll_wait: float) -> None:
+async def run_job(job: Job, base: str, stats: Stats, stop: asyncio.Event, interval: float, poll_wait: float) -> None:
     async def heartbeats() -> None:
         await asyncio.sleep(random.uniform(0, interval))
         while not stop.is_set():
@@ -164,8 +190,10 @@ async def run_job(job: Job, base: str, stats: Stats, stop: asyncio.Event, interv
             try:
                 async with job.control.lock:
                     status, _ = await job.control.request(
-                        "POST", f"{base}/processes/{job.process_id}/heartbeat",
-                        {"state": job.state, "memory_bytes": 0 if job.state == "PAUSED" else 10 * GIB})
+                        "POST",
+                        f"{base}/processes/{job.process_id}/heartbeat",
+                        {"state": job.state, "memory_bytes": 0 if job.state == "PAUSED" else 10 * GIB},
+                    )
                 if status == 200:
                     stats.hb_latency.append(time.perf_counter() - start)
                 else:
@@ -177,11 +205,11 @@ async def run_job(job: Job, base: str, stats: Stats, stop: asyncio.Event, interv
 
     async def polls() -> None:
         while not stop.is_set():
-            wait = round(random.uniform(0.5, 1.0) * poll_wait, 2)   # real jobs are not in step
+            wait = round(random.uniform(0.5, 1.0) * poll_wait, 2)  # real jobs are not in step
             try:
                 status, cmd = await job.poll.request(
-                    "GET", f"{base}/processes/{job.process_id}/commands/next?wait={wait}",
-                    timeout=wait + 30)
+                    "GET", f"{base}/processes/{job.process_id}/commands/next?wait={wait}", timeout=wait + 30
+                )
             except Exception:
                 stats.errors += 1
                 await asyncio.sleep(0.1)
@@ -196,9 +224,15 @@ async def run_job(job: Job, base: str, stats: Stats, stop: asyncio.Event, interv
             try:
                 async with job.control.lock:
                     await job.control.request("POST", f"{base}/commands/{cmd['id']}/report", {"state": "running"})
-                    await job.control.request("POST", f"{base}/commands/{cmd['id']}/report", {
-                        "state": "succeeded", "process": {"state": new_state},
-                        "result": {"kind": cmd["kind"], "path": "driver", "ok": True, "seconds": 0.001}})
+                    await job.control.request(
+                        "POST",
+                        f"{base}/commands/{cmd['id']}/report",
+                        {
+                            "state": "succeeded",
+                            "process": {"state": new_state},
+                            "result": {"kind": cmd["kind"], "path": "driver", "ok": True, "seconds": 0.001},
+                        },
+                    )
             except Exception:
                 stats.errors += 1
             job.state = new_state
@@ -207,16 +241,19 @@ async def run_job(job: Job, base: str, stats: Stats, stop: asyncio.Event, interv
     await asyncio.gather(heartbeats(), polls())
 
 
-async def controller(jobs: list[Job], conns: list[Conn], base: str, stats: Stats, stop: asyncio.Event,
-                     rate: float) -> None:
+async def controller(
+    jobs: list[Job], conns: list[Conn], base: str, stats: Stats, stop: asyncio.Event, rate: float
+) -> None:
     """Commands at ``rate`` per second, each to a job without one in flight."""
+
     async def send(job: Job, conn: Conn) -> None:
         kind = "pause" if job.state == "RUNNING" else "resume"
         async with conn.lock:
             start = time.perf_counter()
             try:
-                status, body = await conn.request("POST", f"{base}/commands",
-                                                  {"kind": kind, "process_id": job.process_id})
+                status, body = await conn.request(
+                    "POST", f"{base}/commands", {"kind": kind, "process_id": job.process_id}
+                )
             except Exception:
                 stats.errors += 1
                 job.busy = False
@@ -261,8 +298,9 @@ async def burst(jobs: list[Job], base: str, seconds: float, concurrency: int) ->
         while time.perf_counter() < deadline:
             job = jobs[i % len(jobs)]
             start = time.perf_counter()
-            status, _ = await conns[k].request("POST", f"{base}/processes/{job.process_id}/heartbeat",
-                                               {"state": job.state})
+            status, _ = await conns[k].request(
+                "POST", f"{base}/processes/{job.process_id}/heartbeat", {"state": job.state}
+            )
             if status == 200:
                 latencies.append(time.perf_counter() - start)
             i += concurrency
@@ -292,8 +330,9 @@ async def bench_once(port: int, token: str, n: int, args: argparse.Namespace) ->
     register_s = time.perf_counter() - t0
 
     stop = asyncio.Event()
-    runners = [asyncio.create_task(run_job(j, base, stats, stop, args.heartbeat_interval, args.poll_wait))
-               for j in jobs]
+    runners = [
+        asyncio.create_task(run_job(j, base, stats, stop, args.heartbeat_interval, args.poll_wait)) for j in jobs
+    ]
     # warm-up: every job has heartbeated and the server answers promptly again (2000 jobs
     # starting at the same instant is a storm no real cluster makes); bounded
     probe = Conn(port, token)
@@ -317,7 +356,7 @@ async def bench_once(port: int, token: str, n: int, args: argparse.Namespace) ->
     await ctl
     steady_s = time.perf_counter() - steady_start
     heartbeats = len(stats.hb_latency)
-    await asyncio.sleep(1.0)                                    # last deliveries land
+    await asyncio.sleep(1.0)  # last deliveries land
     stop.set()
     # polls end by their own wait; don't hold the run for them
     await asyncio.wait(runners, timeout=args.poll_wait + 5)
@@ -335,19 +374,33 @@ async def bench_once(port: int, token: str, n: int, args: argparse.Namespace) ->
             stats.delivery.append(stats.received[cid][0] - sent)
             stats.server_delivery.append(stats.received[cid][1] - stats.created_wall[cid])
     lost = [cid for cid in stats.sent if cid not in stats.received]
-    return {"n": n, "register_s": register_s, "warmup_s": warmup_s, "hb_rate": heartbeats / steady_s,
-            "hb_p50": pct(stats.hb_latency, 0.5), "hb_p99": pct(stats.hb_latency, 0.99),
-            "burst_rate": burst_rate, "burst_p50": pct(burst_lat, 0.5), "burst_p99": pct(burst_lat, 0.99),
-            "commands": len(stats.delivery), "undelivered": len(lost),
-            "del_p50": pct(stats.delivery, 0.5), "del_p99": pct(stats.delivery, 0.99),
-            "del_p90": pct(stats.delivery, 0.9), "del_p95": pct(stats.delivery, 0.95),
-            "del_max": max(stats.delivery) if stats.delivery else float("nan"),
-            "srv_del_p99": pct(stats.server_delivery, 0.99),
-            "post_p50": pct(stats.post_latency, 0.5), "post_p99": pct(stats.post_latency, 0.99),
-            "errors": stats.errors, "refused": stats.refused}
+    return {
+        "n": n,
+        "register_s": register_s,
+        "warmup_s": warmup_s,
+        "hb_rate": heartbeats / steady_s,
+        "hb_p50": pct(stats.hb_latency, 0.5),
+        "hb_p99": pct(stats.hb_latency, 0.99),
+        "burst_rate": burst_rate,
+        "burst_p50": pct(burst_lat, 0.5),
+        "burst_p99": pct(burst_lat, 0.99),
+        "commands": len(stats.delivery),
+        "undelivered": len(lost),
+        "del_p50": pct(stats.delivery, 0.5),
+        "del_p99": pct(stats.delivery, 0.99),
+        "del_p90": pct(stats.delivery, 0.9),
+        "del_p95": pct(stats.delivery, 0.95),
+        "del_max": max(stats.delivery) if stats.delivery else float("nan"),
+        "srv_del_p99": pct(stats.server_delivery, 0.99),
+        "post_p50": pct(stats.post_latency, 0.5),
+        "post_p99": pct(stats.post_latency, 0.99),
+        "errors": stats.errors,
+        "refused": stats.refused,
+    }
 
 
 # --- servers --------------------------------------------------------------------------------
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -361,8 +414,22 @@ class Server:
         env = {k: v for k, v in os.environ.items() if not k.startswith("FLEXIUM_")}
         env["FLEXIUM_HOME"] = home
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "flexium.server", "--port", str(self.port), "--database", database_url,
-             "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+            [
+                sys.executable,
+                "-m",
+                "flexium.server",
+                "--port",
+                str(self.port),
+                "--database",
+                database_url,
+                "--log-level",
+                "warning",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
         self.token = ""
         deadline = time.monotonic() + 60
         assert self.proc.stdout is not None
@@ -402,17 +469,36 @@ class ThrowawayPostgres:
         shutil.chown(self.dir, "postgres", "postgres")
         self.port = free_port()
         run = ["runuser", "-u", "postgres", "--"]
-        subprocess.run(run + [f"{self.bin}/initdb", "-D", f"{self.dir}/data", "-A", "trust", "-U", "postgres",
-                              "-E", "UTF8"], check=True, stdout=subprocess.DEVNULL)
-        subprocess.run(run + [f"{self.bin}/pg_ctl", "-D", f"{self.dir}/data", "-l", f"{self.dir}/log", "-w",
-                              "-o", f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 "
-                                    "-c max_connections=300 -c shared_buffers=256MB", "start"],
-                       check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(
+            run + [f"{self.bin}/initdb", "-D", f"{self.dir}/data", "-A", "trust", "-U", "postgres", "-E", "UTF8"],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        subprocess.run(
+            run
+            + [
+                f"{self.bin}/pg_ctl",
+                "-D",
+                f"{self.dir}/data",
+                "-l",
+                f"{self.dir}/log",
+                "-w",
+                "-o",
+                f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 "
+                "-c max_connections=300 -c shared_buffers=256MB",
+                "start",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
         self.url = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
 
     def stop(self) -> None:
-        subprocess.run(["runuser", "-u", "postgres", "--", f"{self.bin}/pg_ctl", "-D", f"{self.dir}/data",
-                        "-m", "fast", "stop"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        subprocess.run(
+            ["runuser", "-u", "postgres", "--", f"{self.bin}/pg_ctl", "-D", f"{self.dir}/data", "-m", "fast", "stop"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
@@ -432,30 +518,63 @@ def fresh_pg_database(admin_url: str) -> tuple[str, Any]:
 
 # --- main -----------------------------------------------------------------------------------
 
+
 def fmt_ms(seconds: float) -> str:
     return "-" if seconds != seconds else f"{seconds * 1000:.1f}"
 
 
 def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print()
-    print(f"flexium server benchmark: heartbeat every {args.heartbeat_interval:g} s per job, long-poll "
-          f"wait {args.poll_wait:g} s, {args.command_rate:g} commands/s for {args.duration:g} s; "
-          f"burst: {args.burst_concurrency} connections back-to-back for {args.burst_seconds:g} s")
-    head = ("backend", "jobs", "hb/s", "hb p50 ms", "hb p99 ms", "burst hb/s", "burst p99 ms",
-            "cmds", "deliv p50 ms", "deliv p99 ms", "deliv max ms", "POST p99 ms", "lost", "errors")
+    print(
+        f"flexium server benchmark: heartbeat every {args.heartbeat_interval:g} s per job, long-poll "
+        f"wait {args.poll_wait:g} s, {args.command_rate:g} commands/s for {args.duration:g} s; "
+        f"burst: {args.burst_concurrency} connections back-to-back for {args.burst_seconds:g} s"
+    )
+    head = (
+        "backend",
+        "jobs",
+        "hb/s",
+        "hb p50 ms",
+        "hb p99 ms",
+        "burst hb/s",
+        "burst p99 ms",
+        "cmds",
+        "deliv p50 ms",
+        "deliv p99 ms",
+        "deliv max ms",
+        "POST p99 ms",
+        "lost",
+        "errors",
+    )
     table = [head]
     for r in rows:
-        table.append((r["backend"], str(r["n"]), f"{r['hb_rate']:.0f}", fmt_ms(r["hb_p50"]), fmt_ms(r["hb_p99"]),
-                      f"{r['burst_rate']:.0f}", fmt_ms(r["burst_p99"]), str(r["commands"]),
-                      fmt_ms(r["del_p50"]), fmt_ms(r["del_p99"]), fmt_ms(r["del_max"]), fmt_ms(r["post_p99"]),
-                      str(r["undelivered"]), str(r["errors"])))
+        table.append(
+            (
+                r["backend"],
+                str(r["n"]),
+                f"{r['hb_rate']:.0f}",
+                fmt_ms(r["hb_p50"]),
+                fmt_ms(r["hb_p99"]),
+                f"{r['burst_rate']:.0f}",
+                fmt_ms(r["burst_p99"]),
+                str(r["commands"]),
+                fmt_ms(r["del_p50"]),
+                fmt_ms(r["del_p99"]),
+                fmt_ms(r["del_max"]),
+                fmt_ms(r["post_p99"]),
+                str(r["undelivered"]),
+                str(r["errors"]),
+            )
+        )
     widths = [max(len(row[i]) for row in table) for i in range(len(head))]
     for k, row in enumerate(table):
         print(" | ".join(cell.rjust(widths[i]) for i, cell in enumerate(row)))
         if k == 0:
             print("-+-".join("-" * w for w in widths))
-    print("deliv: controller sends POST /commands -> the job's open long-poll returns it. "
-          "lost: created but not received within the run.")
+    print(
+        "deliv: controller sends POST /commands -> the job's open long-poll returns it. "
+        "lost: created but not received within the run."
+    )
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -473,11 +592,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     try:
         import uvloop
+
         uvloop.install()
     except ImportError:
         pass
     import gc
-    gc.freeze()                       # the client's own collections must not show as latency
+
+    gc.freeze()  # the client's own collections must not show as latency
     gc.set_threshold(50_000, 20, 100)
     rows = []
     pg: Optional[ThrowawayPostgres] = None
@@ -501,12 +622,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                     row = asyncio.run(bench_once(server.port, server.token, n, args))
                     row["backend"] = backend
                     rows.append(row)
-                    print(f"   registered in {row['register_s']:.1f} s, warm-up {row['warmup_s']:.1f} s; "
-                          f"{row['commands']} commands, "
-                          f"delivery p90/p95/p99 {fmt_ms(row['del_p90'])}/{fmt_ms(row['del_p95'])}/"
-                          f"{fmt_ms(row['del_p99'])} ms "
-                          f"(from the server's commit: p99 {fmt_ms(row['srv_del_p99'])} ms), "
-                          f"heartbeat p99 {fmt_ms(row['hb_p99'])} ms, errors {row['errors']}", flush=True)
+                    print(
+                        f"   registered in {row['register_s']:.1f} s, warm-up {row['warmup_s']:.1f} s; "
+                        f"{row['commands']} commands, "
+                        f"delivery p90/p95/p99 {fmt_ms(row['del_p90'])}/{fmt_ms(row['del_p95'])}/"
+                        f"{fmt_ms(row['del_p99'])} ms "
+                        f"(from the server's commit: p99 {fmt_ms(row['srv_del_p99'])} ms), "
+                        f"heartbeat p99 {fmt_ms(row['hb_p99'])} ms, errors {row['errors']}",
+                        flush=True,
+                    )
                 finally:
                     server.stop()
                     if drop is not None:

@@ -155,13 +155,22 @@ class CUmemLocation(ctypes.Structure):
 
 
 class CUmemAllocFlags(ctypes.Structure):
-    _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
-                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
+    _fields_ = [
+        ("compressionType", ctypes.c_ubyte),
+        ("gpuDirectRDMACapable", ctypes.c_ubyte),
+        ("usage", ctypes.c_ushort),
+        ("reserved", ctypes.c_ubyte * 4),
+    ]
 
 
 class CUmemAllocationProp(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", CUmemLocation),
-                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", CUmemAllocFlags)]
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("requestedHandleTypes", ctypes.c_int),
+        ("location", CUmemLocation),
+        ("win32HandleMetaData", ctypes.c_void_p),
+        ("allocFlags", CUmemAllocFlags),
+    ]
 
 
 class CUmemAccessDesc(ctypes.Structure):
@@ -175,8 +184,14 @@ assert CUmemAllocationProp.win32HandleMetaData.offset == 16
 assert ctypes.sizeof(CUmemAccessDesc) == 12
 
 _P = ctypes.POINTER
-_int, _uint, _size, _u64, _ull, _vp = (ctypes.c_int, ctypes.c_uint, ctypes.c_size_t, ctypes.c_uint64,
-                                       ctypes.c_ulonglong, ctypes.c_void_p)
+_int, _uint, _size, _u64, _ull, _vp = (
+    ctypes.c_int,
+    ctypes.c_uint,
+    ctypes.c_size_t,
+    ctypes.c_uint64,
+    ctypes.c_ulonglong,
+    ctypes.c_void_p,
+)
 # name used here -> (exported symbol, argtypes); every restype is CUresult (int). The symbols are
 # the ones cuda.h's #defines select (cuMemcpyDtoH -> cuMemcpyDtoH_v2 ...): the unversioned v1 of
 # those takes a 32-bit CUdeviceptr or unsigned sizes, so no fallback to it.
@@ -304,8 +319,9 @@ class Driver:
 
     def granularity(self, prop: CUmemAllocationProp) -> int:
         g = ctypes.c_size_t()
-        self.call("cuMemGetAllocationGranularity", ctypes.byref(g), ctypes.byref(prop),
-                  CU_MEM_ALLOC_GRANULARITY_RECOMMENDED)
+        self.call(
+            "cuMemGetAllocationGranularity", ctypes.byref(g), ctypes.byref(prop), CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+        )
         return int(g.value)
 
     def create(self, size: int, prop: CUmemAllocationProp) -> int:
@@ -330,19 +346,32 @@ class Driver:
 
     def export_fd(self, handle: int) -> int:
         fd = ctypes.c_int(-1)
-        self.call("cuMemExportToShareableHandle", ctypes.addressof(fd), handle,
-                  CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)
+        self.call(
+            "cuMemExportToShareableHandle", ctypes.addressof(fd), handle, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0
+        )
         return int(fd.value)
 
     def import_fd(self, fd: int) -> int:
         h = ctypes.c_ulonglong()
-        self.call("cuMemImportFromShareableHandle", ctypes.byref(h), ctypes.c_void_p(fd),
-                  CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
+        self.call(
+            "cuMemImportFromShareableHandle",
+            ctypes.byref(h),
+            ctypes.c_void_p(fd),
+            CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+        )
         return int(h.value)
 
 
-def copy_host_device(drv: Driver, chunks: list[tuple[int, int]], device_base: int, device_size: int, to_host: bool,
-                     stream: int, total: Optional[int] = None, piece: int = CHUNK) -> tuple[int, float]:
+def copy_host_device(
+    drv: Driver,
+    chunks: list[tuple[int, int]],
+    device_base: int,
+    device_size: int,
+    to_host: bool,
+    stream: int,
+    total: Optional[int] = None,
+    piece: int = CHUNK,
+) -> tuple[int, float]:
     """Copies between the host chunks (in order) and a device range (wrapping around it when the
     chunks are larger), at most `piece` bytes per call and never across a chunk's end; `total`
     limits the bytes. Returns (bytes, seconds including the stream synchronize)."""
@@ -488,8 +517,10 @@ class Pinned:
             ctypes.c_uint64.from_address(address).value = 0xC0FFEE0000000000 + index
 
     def markers_ok(self) -> bool:
-        return all(ctypes.c_uint64.from_address(address).value == 0xC0FFEE0000000000 + index
-                   for index, (address, _) in enumerate(self.chunks))
+        return all(
+            ctypes.c_uint64.from_address(address).value == 0xC0FFEE0000000000 + index
+            for index, (address, _) in enumerate(self.chunks)
+        )
 
 
 def pinned_bytes(gb: float) -> int:
@@ -521,8 +552,12 @@ class Rounds:
         self._C = _C
         self.pid = os.getpid()
         self.check = check
-        self.steps = [_C.Step(_C.StepKind.LOCK, timeout_ms=LOCK_TIMEOUT_MS), _C.Step(_C.StepKind.CHECKPOINT),
-                      _C.Step(_C.StepKind.RESTORE), _C.Step(_C.StepKind.UNLOCK)]
+        self.steps = [
+            _C.Step(_C.StepKind.LOCK, timeout_ms=LOCK_TIMEOUT_MS),
+            _C.Step(_C.StepKind.CHECKPOINT),
+            _C.Step(_C.StepKind.RESTORE),
+            _C.Step(_C.StepKind.UNLOCK),
+        ]
         recover = [_C.Step(_C.StepKind.RECOVER)]
         self.rollbacks = [[], recover, recover, [_C.Step(_C.StepKind.UNLOCK)]]
 
@@ -566,8 +601,12 @@ class Rounds:
 def gap_stats(ends: list[float], t0: float, t1: float) -> dict[str, Any]:
     """Gaps between consecutive iteration ends whose interval overlaps [t0, t1]."""
     gaps = [b - a for a, b in itertools.pairwise(ends) if b > t0 and a < t1]
-    return {"max_gap_s": max(gaps) if gaps else None, "median_iter_s": statistics.median(gaps) if gaps else None,
-            "iterations": len(gaps), "seconds": t1 - t0}
+    return {
+        "max_gap_s": max(gaps) if gaps else None,
+        "median_iter_s": statistics.median(gaps) if gaps else None,
+        "iterations": len(gaps),
+        "seconds": t1 - t0,
+    }
 
 
 def part_pin_stall(part: str, args: argparse.Namespace, result: dict[str, Any], state: dict[str, Any]) -> None:
@@ -656,8 +695,7 @@ def part_pin_stall(part: str, args: argparse.Namespace, result: dict[str, Any], 
 # ---- experiment: checkpoint_pinned -----------------------------------------------------------------
 
 
-def part_checkpoint_pinned(part: str, args: argparse.Namespace, result: dict[str, Any],
-                           state: dict[str, Any]) -> None:
+def part_checkpoint_pinned(part: str, args: argparse.Namespace, result: dict[str, Any], state: dict[str, Any]) -> None:
     torch = torch_context()
     drv = Driver()
     drv.primary_context(0)
@@ -823,8 +861,14 @@ def helper_main(args: argparse.Namespace) -> int:
             drv.call("cuMemRelease", handle)
             handle = 0
             t3 = now()
-            reply = {"ok": True, "import_map_s": t1 - t0, "copy_s": seconds, "bytes": copied,
-                     "gbps": gbps(copied, seconds), "unmap_release_s": t3 - t2}
+            reply = {
+                "ok": True,
+                "import_map_s": t1 - t0,
+                "copy_s": seconds,
+                "bytes": copied,
+                "gbps": gbps(copied, seconds),
+                "unmap_release_s": t3 - t2,
+            }
         except BaseException as exc:
             traceback.print_exc()
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
@@ -849,9 +893,20 @@ def part_helper_copy(part: str, args: argparse.Namespace, result: dict[str, Any]
     size = pinned_bytes(args.gb)
     result.update(gib=size / GIB, torch=torch.__version__)
     parent_sock, child_sock = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-    child = subprocess.Popen([sys.executable, str(THIS), "--helper-sock", str(child_sock.fileno()), "--gb",
-                              str(args.gb), "--timeout", str(max(20.0, args.timeout - 15))],
-                             pass_fds=[child_sock.fileno()], stdout=sys.stderr)
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            str(THIS),
+            "--helper-sock",
+            str(child_sock.fileno()),
+            "--gb",
+            str(args.gb),
+            "--timeout",
+            str(max(20.0, args.timeout - 15)),
+        ],
+        pass_fds=[child_sock.fileno()],
+        stdout=sys.stderr,
+    )
     child_sock.close()
     parent_sock.settimeout(max(20.0, args.timeout / 2))
     prop = drv.prop(0)
@@ -931,10 +986,21 @@ def part_helper_copy(part: str, args: argparse.Namespace, result: dict[str, Any]
         if bad:
             result["bad_words"] = bad[:5]
 
-        result["pause_s"] = (result["export_s"] + result["d2h_roundtrip_s"] + result["release_s"]
-                             + (ck["lock_s"] or 0) + (ck["checkpoint_s"] or 0))
-        result["resume_s"] = ((ck["restore_s"] or 0) + (ck["unlock_s"] or 0) + result["create_s"] + result["map_s"]
-                              + result["export2_s"] + result["h2d_roundtrip_s"])
+        result["pause_s"] = (
+            result["export_s"]
+            + result["d2h_roundtrip_s"]
+            + result["release_s"]
+            + (ck["lock_s"] or 0)
+            + (ck["checkpoint_s"] or 0)
+        )
+        result["resume_s"] = (
+            (ck["restore_s"] or 0)
+            + (ck["unlock_s"] or 0)
+            + result["create_s"]
+            + result["map_s"]
+            + result["export2_s"]
+            + result["h2d_roundtrip_s"]
+        )
         result["d2h_gbps"] = result["d2h"].get("gbps")
         result["h2d_gbps"] = result["h2d"].get("gbps")
         result["checkpoint_s"] = ck["checkpoint_s"]
@@ -972,8 +1038,12 @@ def part_helper_copy(part: str, args: argparse.Namespace, result: dict[str, Any]
 def nvml_used_mib(pid: int) -> Optional[int]:
     """GPU memory NVML shows for `pid` (nvidia-smi), None where it shows none."""
     try:
-        out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
-                             capture_output=True, text=True, timeout=20).stdout
+        out = subprocess.run(
+            ["nvidia-smi", "--query-compute-apps=pid,used_memory", "--format=csv,noheader,nounits"],
+            capture_output=True,
+            text=True,
+            timeout=20,
+        ).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     for line in out.splitlines():
@@ -1053,8 +1123,11 @@ def part_shared_staging(part: str, args: argparse.Namespace, result: dict[str, A
             r["touch_s"] = now() - t
             r["populate_rc"] = rc
             after = smaps_huge()
-            r["huge_gib"] = {k: round((after.get(k, 0) - before.get(k, 0)) / GIB, 2) for k in after
-                             if after.get(k, 0) != before.get(k, 0)}
+            r["huge_gib"] = {
+                k: round((after.get(k, 0) - before.get(k, 0)) / GIB, 2)
+                for k in after
+                if after.get(k, 0) != before.get(k, 0)
+            }
             t = now()
             for a, n in chunks:
                 drv.call("cuMemHostRegister", a, n, CU_MEMHOSTREGISTER_PORTABLE)
@@ -1122,8 +1195,10 @@ def populate(libc: Libc, base: int, size: int, threads: int) -> None:
         if libc.lib.madvise(start, length, MADV_POPULATE_WRITE) != 0:
             libc.lib.memset(start, 0, length)
 
-    workers = [threading.Thread(target=work, args=(base + off, min(slice_bytes, size - off)))
-               for off in range(0, size, slice_bytes)]
+    workers = [
+        threading.Thread(target=work, args=(base + off, min(slice_bytes, size - off)))
+        for off in range(0, size, slice_bytes)
+    ]
     for w in workers:
         w.start()
     for w in workers:
@@ -1170,8 +1245,9 @@ def part_memfd_fill(part: str, args: argparse.Namespace, result: dict[str, Any],
 # ---- experiment: pin_threads -----------------------------------------------------------------------------
 
 
-def across_threads(ctx: int, drv: Driver, threads: int, chunks: list[tuple[int, int]],
-                   call: Callable[[int, int], None]) -> float:
+def across_threads(
+    ctx: int, drv: Driver, threads: int, chunks: list[tuple[int, int]], call: Callable[[int, int], None]
+) -> float:
     """Runs call(address, size) for every chunk from `threads` threads (round robin); seconds."""
     errors: list[BaseException] = []
 
@@ -1209,8 +1285,11 @@ def part_pin_threads(part: str, args: argparse.Namespace, result: dict[str, Any]
         for name, threads in (("1", 1), ("2", 2), ("4", 4), ("8", 8), ("1 again", 1)):
             r = result["ways"][name] = {}
             r["register_s"] = across_threads(
-                ctx, drv, threads, chunks, lambda a, n: drv.call("cuMemHostRegister", a, n, CU_MEMHOSTREGISTER_PORTABLE))
-            r["unregister_s"] = across_threads(ctx, drv, threads, chunks, lambda a, n: drv.call("cuMemHostUnregister", a))
+                ctx, drv, threads, chunks, lambda a, n: drv.call("cuMemHostRegister", a, n, CU_MEMHOSTREGISTER_PORTABLE)
+            )
+            r["unregister_s"] = across_threads(
+                ctx, drv, threads, chunks, lambda a, n: drv.call("cuMemHostUnregister", a)
+            )
             log(f"   {name} thread(s): " + ", ".join(f"{k} {fmt(v)}" for k, v in r.items()))
     finally:
         libc.lib.munmap(addr, length)
@@ -1278,16 +1357,25 @@ def part_own_cost(part: str, args: argparse.Namespace, result: dict[str, Any], s
             drv.call("cuMemUnmap", temp, seg)
             drv.call("cuMemAddressFree", temp, seg)
             t5 = now()
-            for name, a, b in (("create", t0, t1), ("map_temp", t1, t2), ("copy", t2, t3), ("swap", t3, t4),
-                               ("cleanup", t4, t5)):
+            for name, a, b in (
+                ("create", t0, t1),
+                ("map_temp", t1, t2),
+                ("copy", t2, t3),
+                ("swap", t3, t4),
+                ("cleanup", t4, t5),
+            ):
                 steps[name].append(b - a)
         result["total_s"] = now() - started
         drv.call("cuStreamDestroy", stream)
-        result["steps"] = {name: {"total_s": sum(v), "median_s": statistics.median(v), "max_s": max(v)}
-                           for name, v in steps.items()}
+        result["steps"] = {
+            name: {"total_s": sum(v), "median_s": statistics.median(v), "max_s": max(v)} for name, v in steps.items()
+        }
         result["copy_gbps"] = gbps(seg * count, sum(steps["copy"]))
-        bad = [i for i, s in enumerate(segments)
-               if drv.read_u32(s["va"] + 4096) != 0x1000 + i or drv.read_u32(s["va"] + seg - 4) != 0x1000 + i]
+        bad = [
+            i
+            for i, s in enumerate(segments)
+            if drv.read_u32(s["va"] + 4096) != 0x1000 + i or drv.read_u32(s["va"] + seg - 4) != 0x1000 + i
+        ]
         result["data_ok"] = not bad
         result["ok"] = not bad
         if bad:
@@ -1320,8 +1408,7 @@ def worker(args: argparse.Namespace) -> int:
     faulthandler.dump_traceback_later(max(5.0, args.timeout - 10), exit=True)
     os.environ.setdefault("CUDA_MODULE_LOADING", "LAZY")
     experiment, _, part = args.part.partition(":")
-    result: dict[str, Any] = {"experiment": experiment, "part": part, "ok": False, "pid": os.getpid(),
-                              "gb": args.gb}
+    result: dict[str, Any] = {"experiment": experiment, "part": part, "ok": False, "pid": os.getpid(), "gb": args.gb}
     state: dict[str, Any] = {}
     started = now()
     try:
@@ -1348,12 +1435,23 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def run_part(experiment: str, part: str, args: argparse.Namespace) -> dict[str, Any]:
-    argv = [sys.executable, str(THIS), "--part", f"{experiment}:{part}", "--gb", str(args.gb), "--repeats",
-            str(args.repeats), "--timeout", str(args.timeout)]
+    argv = [
+        sys.executable,
+        str(THIS),
+        "--part",
+        f"{experiment}:{part}",
+        "--gb",
+        str(args.gb),
+        "--repeats",
+        str(args.repeats),
+        "--timeout",
+        str(args.timeout),
+    ]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_MODULE_LOADING": "LAZY"}
     env.pop("FLEXIUM_SERVER", None)
-    return run_child(argv, env, args.timeout).result(failed={"experiment": experiment, "part": part},
-                                                     timeout=args.timeout)
+    return run_child(argv, env, args.timeout).result(
+        failed={"experiment": experiment, "part": part}, timeout=args.timeout
+    )
 
 
 def fmt(value: Any, digits: int = 3) -> str:
@@ -1377,34 +1475,75 @@ def status(r: dict[str, Any]) -> str:
 def table_pin_stall(results: list[dict[str, Any]]) -> None:
     import tables
 
-    columns = ("method", "pin s", "GB/s", "touch s", "register s", "THP GiB", "max gap ms", "base max ms",
-               "iter ms", "base iter ms", "speed kept", "D2H GB/s", "H2D GB/s", "free s", "status")
+    columns = (
+        "method",
+        "pin s",
+        "GB/s",
+        "touch s",
+        "register s",
+        "THP GiB",
+        "max gap ms",
+        "base max ms",
+        "iter ms",
+        "base iter ms",
+        "speed kept",
+        "D2H GB/s",
+        "H2D GB/s",
+        "free s",
+        "status",
+    )
     rows = []
     for r in results:
         pin = (r.get("phases") or {}).get("pin") or {}
         base = r.get("baseline") or {}
         kept = r.get("train_speed_kept")
-        rows.append((r["part"], fmt(r.get("pin_s"), 2), fmt(r.get("pin_gbps"), 2), fmt(r.get("touch_s"), 2),
-                     fmt(r.get("register_s"), 2), fmt(r.get("thp_gib"), 1), ms(pin.get("max_gap_s")),
-                     ms(base.get("max_gap_s")), ms(pin.get("median_iter_s")), ms(base.get("median_iter_s")),
-                     "-" if kept is None else f"{kept:.0%}", fmt(r.get("d2h_gbps"), 1), fmt(r.get("h2d_gbps"), 1),
-                     fmt(r.get("free_s"), 2), status(r)))
+        rows.append(
+            (
+                r["part"],
+                fmt(r.get("pin_s"), 2),
+                fmt(r.get("pin_gbps"), 2),
+                fmt(r.get("touch_s"), 2),
+                fmt(r.get("register_s"), 2),
+                fmt(r.get("thp_gib"), 1),
+                ms(pin.get("max_gap_s")),
+                ms(base.get("max_gap_s")),
+                ms(pin.get("median_iter_s")),
+                ms(base.get("median_iter_s")),
+                "-" if kept is None else f"{kept:.0%}",
+                fmt(r.get("d2h_gbps"), 1),
+                fmt(r.get("h2d_gbps"), 1),
+                fmt(r.get("free_s"), 2),
+                status(r),
+            )
+        )
     tables.print_table(columns, rows)
     for r in results:
         phases = r.get("phases") or {}
-        extra = [f"{name}: max gap {ms(p.get('max_gap_s'))} ms over {p.get('seconds', 0):.2f} s"
-                 for name, p in phases.items() if name != "pin"]
+        extra = [
+            f"{name}: max gap {ms(p.get('max_gap_s'))} ms over {p.get('seconds', 0):.2f} s"
+            for name, p in phases.items()
+            if name != "pin"
+        ]
         if extra:
             print(f"  {r['part']}: " + "; ".join(extra) + f" (madvise {r.get('madvise', '-')}, THP {r.get('thp')})")
-    print("max gap: the training thread's longest time between iteration ends while pinning (base: in the 1 s "
-          "before); iter: median; speed kept: iterations while pinning x base median / pin seconds.")
+    print(
+        "max gap: the training thread's longest time between iteration ends while pinning (base: in the 1 s "
+        "before); iter: median; speed kept: iterations while pinning x base median / pin seconds."
+    )
 
 
 def state_row(r: dict[str, Any], label: str) -> tuple[str, ...]:
     s = (r.get("states") or {}).get(label) or {}
     c, t = s.get("checkpoint_s"), s.get("restore_s")
-    return (r["part"], label, fmt(c), fmt(t), fmt(None if c is None or t is None else c + t), str(len(s.get("rounds", []))),
-            "FAILED" if s.get("error") else "ok")
+    return (
+        r["part"],
+        label,
+        fmt(c),
+        fmt(t),
+        fmt(None if c is None or t is None else c + t),
+        str(len(s.get("rounds", []))),
+        "FAILED" if s.get("error") else "ok",
+    )
 
 
 def table_checkpoint_pinned(results: list[dict[str, Any]]) -> None:
@@ -1413,12 +1552,20 @@ def table_checkpoint_pinned(results: list[dict[str, Any]]) -> None:
     columns = ("part", "state", "checkpoint s", "restore s", "total s", "rounds", "status")
     rows = []
     for r in results:
-        for label in (r.get("states") or {}):
+        for label in r.get("states") or {}:
             rows.append(state_row(r, label))
     tables.print_table(columns, rows)
     for r in results:
-        keys = ("pin_s", "touch_s", "register_s", "unregister_s", "reregister_s", "free_s", "d2h_gbps_after_reregister",
-                "thp_gib")
+        keys = (
+            "pin_s",
+            "touch_s",
+            "register_s",
+            "unregister_s",
+            "reregister_s",
+            "free_s",
+            "d2h_gbps_after_reregister",
+            "thp_gib",
+        )
         text = ", ".join(f"{k} {fmt(r.get(k), 3)}" for k in keys if r.get(k) is not None)
         print(f"  {r['part']} ({fmt(r.get('pinned_gib'), 1)} GiB, {status(r)}): {text}")
         if r.get("error"):
@@ -1434,23 +1581,35 @@ def table_helper(results: list[dict[str, Any]]) -> None:
         paused = (r.get("states") or {}).get("paused") or {}
         rows = [
             ("helper pins its buffer (once, at its start)", fmt(r.get("helper_pin_s")), ""),
-            ("baseline checkpoint / restore (no VMM memory)", f"{fmt(base.get('checkpoint_s'))} / "
-             f"{fmt(base.get('restore_s'))}", ""),
+            (
+                "baseline checkpoint / restore (no VMM memory)",
+                f"{fmt(base.get('checkpoint_s'))} / {fmt(base.get('restore_s'))}",
+                "",
+            ),
             ("pause: export fd", fmt(r.get("export_s")), ""),
-            ("pause: D2H round trip", fmt(r.get("d2h_roundtrip_s")),
-             f"helper import+map {fmt(d2h.get('import_map_s'))}, copy {fmt(d2h.get('copy_s'))} "
-             f"({fmt(d2h.get('gbps'), 1)} GB/s), unmap+release {fmt(d2h.get('unmap_release_s'))}"),
-            ("pause: release (unmap + cuMemRelease)", fmt(r.get("release_s")),
-             f"GPU memory freed {fmt(r.get('gpu_freed_gib'), 2)} GiB"),
+            (
+                "pause: D2H round trip",
+                fmt(r.get("d2h_roundtrip_s")),
+                f"helper import+map {fmt(d2h.get('import_map_s'))}, copy {fmt(d2h.get('copy_s'))} "
+                f"({fmt(d2h.get('gbps'), 1)} GB/s), unmap+release {fmt(d2h.get('unmap_release_s'))}",
+            ),
+            (
+                "pause: release (unmap + cuMemRelease)",
+                fmt(r.get("release_s")),
+                f"GPU memory freed {fmt(r.get('gpu_freed_gib'), 2)} GiB",
+            ),
             ("pause: lock + checkpoint", f"{fmt(paused.get('lock_s'), 4)} + {fmt(paused.get('checkpoint_s'))}", ""),
             ("PAUSE total", fmt(r.get("pause_s")), ""),
             ("resume: restore + unlock", f"{fmt(paused.get('restore_s'))} + {fmt(paused.get('unlock_s'), 4)}", ""),
             ("resume: cuMemCreate", fmt(r.get("create_s")), ""),
             ("resume: map at the same address + access", fmt(r.get("map_s")), ""),
             ("resume: export fd", fmt(r.get("export2_s")), ""),
-            ("resume: H2D round trip", fmt(r.get("h2d_roundtrip_s")),
-             f"helper import+map {fmt(h2d.get('import_map_s'))}, copy {fmt(h2d.get('copy_s'))} "
-             f"({fmt(h2d.get('gbps'), 1)} GB/s), unmap+release {fmt(h2d.get('unmap_release_s'))}"),
+            (
+                "resume: H2D round trip",
+                fmt(r.get("h2d_roundtrip_s")),
+                f"helper import+map {fmt(h2d.get('import_map_s'))}, copy {fmt(h2d.get('copy_s'))} "
+                f"({fmt(h2d.get('gbps'), 1)} GB/s), unmap+release {fmt(h2d.get('unmap_release_s'))}",
+            ),
             ("RESUME total", fmt(r.get("resume_s")), ""),
             ("data_ok", fmt(r.get("data_ok")), status(r)),
         ]
@@ -1466,18 +1625,43 @@ def table_shared(results: list[dict[str, Any]]) -> None:
         gib = r.get("gib") or 0
         rows = []
         for kind, k in kinds.items():
-            rows.append((kind, fmt(k.get("touch_s")), str(k.get("huge_gib")), fmt(k.get("register_s")),
-                         fmt(gbps(gib * GIB, k.get("register_s")), 1), fmt(gbps(gib * GIB, k.get("h2d_s")), 1),
-                         fmt(gbps(gib * GIB, k.get("d2h_s")), 1), fmt(k.get("unregister_s")), fmt(k.get("serial_s")),
-                         fmt(k.get("pipelined_s"))))
+            rows.append(
+                (
+                    kind,
+                    fmt(k.get("touch_s")),
+                    str(k.get("huge_gib")),
+                    fmt(k.get("register_s")),
+                    fmt(gbps(gib * GIB, k.get("register_s")), 1),
+                    fmt(gbps(gib * GIB, k.get("h2d_s")), 1),
+                    fmt(gbps(gib * GIB, k.get("d2h_s")), 1),
+                    fmt(k.get("unregister_s")),
+                    fmt(k.get("serial_s")),
+                    fmt(k.get("pipelined_s")),
+                )
+            )
         print(f"shared_staging, {fmt(gib, 1)} GiB, THP {r.get('thp')} ({status(r)}):")
-        tables.print_table(("memory", "touch s", "huge GiB", "register s", "reg GB/s", "H2D GB/s", "D2H GB/s",
-                            "unreg s", "reg+copy serial s", "pipelined s"), rows)
+        tables.print_table(
+            (
+                "memory",
+                "touch s",
+                "huge GiB",
+                "register s",
+                "reg GB/s",
+                "H2D GB/s",
+                "D2H GB/s",
+                "unreg s",
+                "reg+copy serial s",
+                "pipelined s",
+            ),
+            rows,
+        )
         memfd = kinds.get("memfd") or {}
-        print(f"  bare driver context: create {fmt(r.get('ctx_create_s'))} s, NVML {r.get('ctx_nvml_mib')} MiB; "
-              f"reset with {fmt(gib, 1)} GiB registered {fmt(memfd.get('ctx_reset_registered_s'))} s (NVML after: "
-              f"{r.get('nvml_after_reset_mib')} MiB), recreate {fmt(memfd.get('ctx_recreate_s'))} s; after the reset: "
-              f"{memfd.get('after_reset')}")
+        print(
+            f"  bare driver context: create {fmt(r.get('ctx_create_s'))} s, NVML {r.get('ctx_nvml_mib')} MiB; "
+            f"reset with {fmt(gib, 1)} GiB registered {fmt(memfd.get('ctx_reset_registered_s'))} s (NVML after: "
+            f"{r.get('nvml_after_reset_mib')} MiB), recreate {fmt(memfd.get('ctx_recreate_s'))} s; after the reset: "
+            f"{memfd.get('after_reset')}"
+        )
 
 
 def table_fill(results: list[dict[str, Any]]) -> None:
@@ -1485,13 +1669,24 @@ def table_fill(results: list[dict[str, Any]]) -> None:
 
     for r in results:
         gib = r.get("gib") or 0
-        rows = [(way, fmt(w.get("fallocate_s")), fmt(w.get("touch_s")), fmt(w.get("fill_s")),
-                 fmt(gbps(gib * GIB, w.get("fill_s")), 1), fmt(w.get("register_s")),
-                 fmt(gbps(gib * GIB, w.get("register_s")), 1), fmt(w.get("fill_s", 0) + w.get("register_s", 0)))
-                for way, w in (r.get("ways") or {}).items()]
+        rows = [
+            (
+                way,
+                fmt(w.get("fallocate_s")),
+                fmt(w.get("touch_s")),
+                fmt(w.get("fill_s")),
+                fmt(gbps(gib * GIB, w.get("fill_s")), 1),
+                fmt(w.get("register_s")),
+                fmt(gbps(gib * GIB, w.get("register_s")), 1),
+                fmt(w.get("fill_s", 0) + w.get("register_s", 0)),
+            )
+            for way, w in (r.get("ways") or {}).items()
+        ]
         print(f"memfd_fill, {fmt(gib, 1)} GiB, touch with {r.get('threads')} threads ({status(r)}):")
-        tables.print_table(("way", "fallocate s", "touch s", "fill s", "fill GB/s", "register s", "reg GB/s",
-                            "fill + register s"), rows)
+        tables.print_table(
+            ("way", "fallocate s", "touch s", "fill s", "fill GB/s", "register s", "reg GB/s", "fill + register s"),
+            rows,
+        )
 
 
 def table_pin_threads(results: list[dict[str, Any]]) -> None:
@@ -1501,10 +1696,17 @@ def table_pin_threads(results: list[dict[str, Any]]) -> None:
         gib = r.get("gib") or 0
         ways = r.get("ways") or {}
         one = (ways.get("1") or {}).get("register_s")
-        rows = [(threads, fmt(w.get("register_s")), fmt(gbps(gib * GIB, w.get("register_s")), 1),
-                 fmt(one / w["register_s"] if one and w.get("register_s") else None, 2),
-                 fmt(w.get("unregister_s")), fmt(gbps(gib * GIB, w.get("unregister_s")), 1))
-                for threads, w in ways.items()]
+        rows = [
+            (
+                threads,
+                fmt(w.get("register_s")),
+                fmt(gbps(gib * GIB, w.get("register_s")), 1),
+                fmt(one / w["register_s"] if one and w.get("register_s") else None, 2),
+                fmt(w.get("unregister_s")),
+                fmt(gbps(gib * GIB, w.get("unregister_s")), 1),
+            )
+            for threads, w in ways.items()
+        ]
         print(f"pin_threads, {fmt(gib, 1)} GiB memfd, touched, 256 MiB chunks ({status(r)}):")
         tables.print_table(("threads", "register s", "reg GB/s", "vs 1 thread", "unregister s", "unreg GB/s"), rows)
 
@@ -1514,16 +1716,21 @@ def table_own(results: list[dict[str, Any]]) -> None:
 
     for r in results:
         steps = r.get("steps") or {}
-        rows = [(name, fmt(s.get("total_s"), 4), ms(s.get("median_s")), ms(s.get("max_s")))
-                for name, s in steps.items()]
+        rows = [
+            (name, fmt(s.get("total_s"), 4), ms(s.get("median_s")), ms(s.get("max_s"))) for name, s in steps.items()
+        ]
         rows.append(("all", fmt(r.get("total_s"), 4), "-", "-"))
-        print(f"own_cost, {r.get('segments')} segments of {fmt(r.get('segment_gib'), 2)} GiB "
-              f"(sync + stream {ms(r.get('sync_stream_s'))} ms, copy {fmt(r.get('copy_gbps'), 0)} GB/s, data_ok "
-              f"{fmt(r.get('data_ok'))}, {status(r)}):")
+        print(
+            f"own_cost, {r.get('segments')} segments of {fmt(r.get('segment_gib'), 2)} GiB "
+            f"(sync + stream {ms(r.get('sync_stream_s'))} ms, copy {fmt(r.get('copy_gbps'), 0)} GB/s, data_ok "
+            f"{fmt(r.get('data_ok'))}, {status(r)}):"
+        )
         tables.print_table(("step", "total s", "median ms", "max ms"), rows)
-        print("  create: cuMemCreate; map_temp: reserve + map + access of a temporary range; copy: cuMemcpyDtoDAsync + "
-              "stream sync; swap: unmap the imported + map the new + access; cleanup: release the imported handle + "
-              "unmap + free the temporary range.")
+        print(
+            "  create: cuMemCreate; map_temp: reserve + map + access of a temporary range; copy: cuMemcpyDtoDAsync + "
+            "stream sync; swap: unmap the imported + map the new + access; cleanup: release the imported handle + "
+            "unmap + free the temporary range."
+        )
 
 
 def summary(by_experiment: dict[str, list[dict[str, Any]]]) -> list[str]:
@@ -1534,17 +1741,21 @@ def summary(by_experiment: dict[str, list[dict[str, Any]]]) -> list[str]:
             pin = (r.get("phases") or {}).get("pin") or {}
             rate = r.get("pin_gbps")
             t16 = 16 * GIB / (rate * 1e9) if rate else None
-            lines.append(f"pin_stall {name}: {fmt(rate, 2)} GB/s (16 GiB in {fmt(t16, 1)} s), training max gap "
-                         f"{ms(pin.get('max_gap_s'))} ms, kept {fmt((r.get('train_speed_kept') or 0) * 100, 0)} % of its "
-                         f"speed, D2H {fmt(r.get('d2h_gbps'), 1)} GB/s ({'fast' if r.get('d2h_fast') else 'NOT fast'})")
+            lines.append(
+                f"pin_stall {name}: {fmt(rate, 2)} GB/s (16 GiB in {fmt(t16, 1)} s), training max gap "
+                f"{ms(pin.get('max_gap_s'))} ms, kept {fmt((r.get('train_speed_kept') or 0) * 100, 0)} % of its "
+                f"speed, D2H {fmt(r.get('d2h_gbps'), 1)} GB/s ({'fast' if r.get('d2h_fast') else 'NOT fast'})"
+            )
         fast = [r for r in pins.values() if r.get("d2h_fast") and r.get("pin_gbps")]
         if fast:
             best = max(fast, key=lambda r: r["pin_gbps"])
             calm = min(fast, key=lambda r: ((r.get("phases") or {}).get("pin") or {}).get("max_gap_s") or 1e9)
             ref = pins.get("hostalloc_256m")
             vs = f" ({best['pin_gbps'] / ref['pin_gbps']:.1f}x hostalloc_256m)" if ref and ref.get("pin_gbps") else ""
-            lines.append(f"fastest pinning with fast copies: {best['part']} {best['pin_gbps']:.2f} GB/s{vs}; smallest "
-                         f"training stall: {calm['part']}")
+            lines.append(
+                f"fastest pinning with fast copies: {best['part']} {best['pin_gbps']:.2f} GB/s{vs}; smallest "
+                f"training stall: {calm['part']}"
+            )
     cks = {r["part"]: r for r in by_experiment.get("checkpoint_pinned", [])}
 
     def total(r: dict[str, Any], label: str) -> Optional[float]:
@@ -1557,39 +1768,49 @@ def summary(by_experiment: dict[str, list[dict[str, Any]]]) -> list[str]:
         for label in ("pinned", "registered", "unregistered", "reregistered", "freed"):
             value = total(r, label)
             if none is not None and value is not None:
-                lines.append(f"checkpoint_pinned {name} {label}: checkpoint + restore {value:.3f} s, {value - none:+.3f} s "
-                             f"over none ({none:.3f} s) with {fmt(r.get('pinned_gib'), 1)} GiB")
+                lines.append(
+                    f"checkpoint_pinned {name} {label}: checkpoint + restore {value:.3f} s, {value - none:+.3f} s "
+                    f"over none ({none:.3f} s) with {fmt(r.get('pinned_gib'), 1)} GiB"
+                )
         reg, unreg = total(r, "registered"), total(r, "unregistered")
         if none is not None and reg is not None and unreg is not None:
             extra, left = reg - none, unreg - none
             removed = left <= max(0.05, 0.2 * extra)
-            lines.append(f"unregistering before the checkpoint {'removes' if removed else 'does NOT remove'} the pinned "
-                         f"cost ({extra:+.3f} s registered, {left:+.3f} s unregistered); unregister "
-                         f"{fmt(r.get('unregister_s'))} s, re-register {fmt(r.get('reregister_s'))} s "
-                         f"({fmt(gbps((r.get('pinned_gib') or 0) * GIB, r.get('reregister_s')), 1)} GB/s; first "
-                         f"register {fmt(r.get('register_s'))} s), D2H after re-register "
-                         f"{fmt(r.get('d2h_gbps_after_reregister'), 1)} GB/s")
+            lines.append(
+                f"unregistering before the checkpoint {'removes' if removed else 'does NOT remove'} the pinned "
+                f"cost ({extra:+.3f} s registered, {left:+.3f} s unregistered); unregister "
+                f"{fmt(r.get('unregister_s'))} s, re-register {fmt(r.get('reregister_s'))} s "
+                f"({fmt(gbps((r.get('pinned_gib') or 0) * GIB, r.get('reregister_s')), 1)} GB/s; first "
+                f"register {fmt(r.get('register_s'))} s), D2H after re-register "
+                f"{fmt(r.get('d2h_gbps_after_reregister'), 1)} GB/s"
+            )
             if r.get("unregister_s") is not None and r.get("reregister_s") is not None:
                 net = extra - r["unregister_s"] - r["reregister_s"]
-                lines.append(f"  net per pause + resume from unregistering: {net:+.3f} s (positive: worth it), "
-                             "re-register could also run after the job resumes")
+                lines.append(
+                    f"  net per pause + resume from unregistering: {net:+.3f} s (positive: worth it), "
+                    "re-register could also run after the job resumes"
+                )
     for r in by_experiment.get("helper_copy", []):
         if not r.get("ok"):
             continue
         gib = r.get("gib") or 0
         d2h, h2d = r.get("d2h") or {}, r.get("h2d") or {}
         paused = (r.get("states") or {}).get("paused") or {}
-        lines.append(f"helper_copy {gib:.1f} GiB: pause {r['pause_s']:.3f} s, resume {r['resume_s']:.3f} s (D2H "
-                     f"{fmt(d2h.get('gbps'), 1)} GB/s, H2D {fmt(h2d.get('gbps'), 1)} GB/s, checkpoint "
-                     f"{fmt(paused.get('checkpoint_s'))} s, restore {fmt(paused.get('restore_s'))} s), data_ok "
-                     f"{fmt(r.get('data_ok'))}")
+        lines.append(
+            f"helper_copy {gib:.1f} GiB: pause {r['pause_s']:.3f} s, resume {r['resume_s']:.3f} s (D2H "
+            f"{fmt(d2h.get('gbps'), 1)} GB/s, H2D {fmt(h2d.get('gbps'), 1)} GB/s, checkpoint "
+            f"{fmt(paused.get('checkpoint_s'))} s, restore {fmt(paused.get('restore_s'))} s), data_ok "
+            f"{fmt(r.get('data_ok'))}"
+        )
         if gib and d2h.get("copy_s") and h2d.get("copy_s"):
             scale = 16.0 / gib
             pause16 = r["pause_s"] + d2h["copy_s"] * (scale - 1)
             resume16 = r["resume_s"] + h2d["copy_s"] * (scale - 1) + r["create_s"] * (scale - 1)
-            verdict = ("meets" if pause16 <= PAUSE_GOAL_S and resume16 <= RESUME_GOAL_S else "misses")
-            lines.append(f"  estimate for 16 GiB (copies and cuMemCreate scaled linearly): pause {pause16:.2f} s, resume "
-                         f"{resume16:.2f} s: {verdict} the goal of {PAUSE_GOAL_S:.1f} s each")
+            verdict = "meets" if pause16 <= PAUSE_GOAL_S and resume16 <= RESUME_GOAL_S else "misses"
+            lines.append(
+                f"  estimate for 16 GiB (copies and cuMemCreate scaled linearly): pause {pause16:.2f} s, resume "
+                f"{resume16:.2f} s: {verdict} the goal of {PAUSE_GOAL_S:.1f} s each"
+            )
     for r in by_experiment.get("own_cost", []):
         if not r.get("ok") or not r.get("segments"):
             continue
@@ -1597,8 +1818,10 @@ def summary(by_experiment: dict[str, list[dict[str, Any]]]) -> list[str]:
         per = r["total_s"] / gib
         steps = r.get("steps") or {}
         share = ", ".join(f"{n} {s['total_s'] / r['total_s']:.0%}" for n, s in steps.items() if r["total_s"])
-        lines.append(f"own_cost: {r['total_s']:.3f} s for {gib:.0f} GiB ({per * 1e3:.1f} ms/GiB, 64 GiB ~ {per * 64:.2f} s "
-                     f"vs 0.28 s measured in the fast path); shares: {share}")
+        lines.append(
+            f"own_cost: {r['total_s']:.3f} s for {gib:.0f} GiB ({per * 1e3:.1f} ms/GiB, 64 GiB ~ {per * 64:.2f} s "
+            f"vs 0.28 s measured in the fast path); shares: {share}"
+        )
     for r in by_experiment.get("memfd_fill", []):
         ways = {w: v for w, v in (r.get("ways") or {}).items() if v.get("register_s") is not None}
         if not r.get("ok") or "touch" not in ways:
@@ -1607,25 +1830,32 @@ def summary(by_experiment: dict[str, list[dict[str, Any]]]) -> list[str]:
         best = min(ways, key=lambda w: ways[w]["fill_s"] + ways[w]["register_s"])
         best_s = ways[best]["fill_s"] + ways[best]["register_s"]
         scale = 16.0 / r["gib"] if r.get("gib") else 0.0
-        lines.append(f"memfd_fill: fill + pin {r['gib']:.1f} GiB: touch (what csrc does) {now_s:.2f} s, best {best} "
-                     f"{best_s:.2f} s ({now_s / best_s:.1f}x); 16 GiB ~ {now_s * scale:.1f} s against {best_s * scale:.1f} s")
+        lines.append(
+            f"memfd_fill: fill + pin {r['gib']:.1f} GiB: touch (what csrc does) {now_s:.2f} s, best {best} "
+            f"{best_s:.2f} s ({now_s / best_s:.1f}x); 16 GiB ~ {now_s * scale:.1f} s against {best_s * scale:.1f} s"
+        )
     for r in by_experiment.get("pin_threads", []):
         ways = {w: v for w, v in (r.get("ways") or {}).items() if v.get("register_s")}
         if not r.get("ok") or "1 again" not in ways:
             continue
         one = ways["1 again"]["register_s"]  # the warm single thread: the first run pays a cold start
         best = min(ways, key=lambda w: ways[w]["register_s"])
-        lines.append(f"pin_threads: pinning {r['gib']:.1f} GiB, 1 thread (warm) {one:.2f} s "
-                     f"({gbps(r['gib'] * GIB, one):.1f} GB/s), fastest {best} thread(s) "
-                     f"{ways[best]['register_s']:.2f} s ({one / ways[best]['register_s']:.2f}x)")
+        lines.append(
+            f"pin_threads: pinning {r['gib']:.1f} GiB, 1 thread (warm) {one:.2f} s "
+            f"({gbps(r['gib'] * GIB, one):.1f} GB/s), fastest {best} thread(s) "
+            f"{ways[best]['register_s']:.2f} s ({one / ways[best]['register_s']:.2f}x)"
+        )
     return lines
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gb", type=float, default=8.0, help="GiB pinned / copied / owned (default 8)")
-    parser.add_argument("--experiments", default=",".join(EXPERIMENTS),
-                        help=f"comma list of experiments or EXPERIMENT:PART (default all): {', '.join(EXPERIMENTS)}")
+    parser.add_argument(
+        "--experiments",
+        default=",".join(EXPERIMENTS),
+        help=f"comma list of experiments or EXPERIMENT:PART (default all): {', '.join(EXPERIMENTS)}",
+    )
     parser.add_argument("--repeats", type=int, default=2, help="checkpoint rounds per state (default 2)")
     parser.add_argument("--timeout", type=float, default=150, help="seconds per part process (default 150)")
     parser.add_argument("--json", type=Path, help="write every raw result here")
@@ -1647,8 +1877,10 @@ def main() -> int:
             continue
         experiment, _, part = item.partition(":")
         if experiment not in EXPERIMENTS or (part and part not in EXPERIMENTS[experiment]):
-            parser.error(f"unknown experiment {item!r}: choose from "
-                         + ", ".join(f"{e} ({'/'.join(p)})" for e, p in EXPERIMENTS.items()))
+            parser.error(
+                f"unknown experiment {item!r}: choose from "
+                + ", ".join(f"{e} ({'/'.join(p)})" for e, p in EXPERIMENTS.items())
+            )
         plan.extend((experiment, p) for p in ([part] if part else EXPERIMENTS[experiment]))
     if not plan:
         parser.error("no experiment given")
@@ -1659,11 +1891,20 @@ def main() -> int:
         log(f"-- {experiment}:{part} ...")
         result = run_part(experiment, part, args)
         by_experiment.setdefault(experiment, []).append(result)
-        log(f"   {status(result)} in {result['wall_s']:.1f} s" + ("" if result.get("ok") else f": {result.get('error')}"))
+        log(
+            f"   {status(result)} in {result['wall_s']:.1f} s"
+            + ("" if result.get("ok") else f": {result.get('error')}")
+        )
 
-    printers = {"pin_stall": table_pin_stall, "checkpoint_pinned": table_checkpoint_pinned, "helper_copy": table_helper,
-                "shared_staging": table_shared, "own_cost": table_own, "memfd_fill": table_fill,
-                "pin_threads": table_pin_threads}
+    printers = {
+        "pin_stall": table_pin_stall,
+        "checkpoint_pinned": table_checkpoint_pinned,
+        "helper_copy": table_helper,
+        "shared_staging": table_shared,
+        "own_cost": table_own,
+        "memfd_fill": table_fill,
+        "pin_threads": table_pin_threads,
+    }
     for experiment, results in by_experiment.items():
         print()
         print(f"== {experiment}")
@@ -1680,8 +1921,12 @@ def main() -> int:
         lines = [f"(summary failed: {type(exc).__name__}: {exc})"]
     for line in lines or ["(nothing succeeded to summarise)"]:
         print(f"  - {line}")
-    failures = [f"{r['experiment']}:{r['part']}: {r.get('error')}" for rs in by_experiment.values() for r in rs
-                if not r.get("ok")]
+    failures = [
+        f"{r['experiment']}:{r['part']}: {r.get('error')}"
+        for rs in by_experiment.values()
+        for r in rs
+        if not r.get("ok")
+    ]
     for rs in by_experiment.values():
         for r in rs:
             if not r.get("ok") and r.get("stderr_tail"):
@@ -1689,12 +1934,25 @@ def main() -> int:
                 for text in r["stderr_tail"].rstrip().splitlines()[-30:]:
                     print(f"    {text}")
     elapsed = now() - started
-    print(f"\n{sum(len(rs) for rs in by_experiment.values())} parts in {elapsed:.0f} s"
-          + (f"; FAILED: {'; '.join(failures)}" if failures else ""))
+    print(
+        f"\n{sum(len(rs) for rs in by_experiment.values())} parts in {elapsed:.0f} s"
+        + (f"; FAILED: {'; '.join(failures)}" if failures else "")
+    )
     if args.json:
-        args.json.write_text(json.dumps({"results": by_experiment, "summary": lines, "failures": failures,
-                                         "seconds": elapsed, "gb": args.gb, "repeats": args.repeats},
-                                        indent=1, default=str))
+        args.json.write_text(
+            json.dumps(
+                {
+                    "results": by_experiment,
+                    "summary": lines,
+                    "failures": failures,
+                    "seconds": elapsed,
+                    "gb": args.gb,
+                    "repeats": args.repeats,
+                },
+                indent=1,
+                default=str,
+            )
+        )
     return 1 if failures else 0
 
 

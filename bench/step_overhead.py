@@ -55,8 +55,12 @@ def build_cnn(torch: Any, device: str, amp: bool) -> Callable[[], None]:
         def forward(self, x: Any) -> Any:
             return torch.relu(self.body(x) + self.skip(x))
 
-    layers: list[Any] = [nn.Conv2d(3, 64, 7, 2, 3, bias=False), nn.BatchNorm2d(64), nn.ReLU(inplace=True),
-                         nn.MaxPool2d(3, 2, 1)]
+    layers: list[Any] = [
+        nn.Conv2d(3, 64, 7, 2, 3, bias=False),
+        nn.BatchNorm2d(64),
+        nn.ReLU(inplace=True),
+        nn.MaxPool2d(3, 2, 1),
+    ]
     cin = 64
     for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
         layers += [Basic(cin, cout, stride), Basic(cout, cout, 1)]
@@ -80,8 +84,9 @@ def build_cnn(torch: Any, device: str, amp: bool) -> Callable[[], None]:
 
 def build_transformer(torch: Any, device: str, amp: bool) -> Callable[[], None]:
     nn = torch.nn
-    layer = nn.TransformerEncoderLayer(d_model=1024, nhead=16, dim_feedforward=4096, dropout=0.1,
-                                       batch_first=True, norm_first=True)
+    layer = nn.TransformerEncoderLayer(
+        d_model=1024, nhead=16, dim_feedforward=4096, dropout=0.1, batch_first=True, norm_first=True
+    )
     model = nn.TransformerEncoder(layer, num_layers=8, enable_nested_tensor=False).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     inputs = torch.randn(16, 1024, 1024, device=device)
@@ -107,6 +112,7 @@ def worker(args: argparse.Namespace) -> int:
     else:
         flexium.init(disabled=True)
     import torch
+
     from flexium.api import session
 
     current = session.current()
@@ -125,12 +131,23 @@ def worker(args: argparse.Namespace) -> int:
         torch.cuda.synchronize(device)
         if i >= args.warmup:
             times.append(time.perf_counter() - started)
-    print(json.dumps({
-        "event": "result", "model": args.model, "mode": args.mode, "pool_active": pool_active,
-        "pool_reason_off": reason_off, "engine": engine is not None, "amp": args.amp,
-        "step_seconds": times, "median_ms": statistics.median(times) * 1e3,
-        "reserved_bytes": int(torch.cuda.memory_reserved(device)),
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                "event": "result",
+                "model": args.model,
+                "mode": args.mode,
+                "pool_active": pool_active,
+                "pool_reason_off": reason_off,
+                "engine": engine is not None,
+                "amp": args.amp,
+                "step_seconds": times,
+                "median_ms": statistics.median(times) * 1e3,
+                "reserved_bytes": int(torch.cuda.memory_reserved(device)),
+            }
+        ),
+        flush=True,
+    )
     flexium.shutdown()
     return 0
 
@@ -139,8 +156,19 @@ def worker(args: argparse.Namespace) -> int:
 
 
 def run_worker(model: str, mode: str, args: argparse.Namespace) -> dict[str, Any]:
-    argv = [sys.executable, str(Path(__file__).resolve()), "--worker", "--model", model, "--mode", mode,
-            "--warmup", str(args.warmup), "--steps", str(args.steps)]
+    argv = [
+        sys.executable,
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--model",
+        model,
+        "--mode",
+        mode,
+        "--warmup",
+        str(args.warmup),
+        "--steps",
+        str(args.steps),
+    ]
     if not args.amp:
         argv.append("--no-amp")
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -150,12 +178,22 @@ def run_worker(model: str, mode: str, args: argparse.Namespace) -> dict[str, Any
         proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=args.timeout)
     except subprocess.TimeoutExpired as exc:
         tail = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else (exc.stderr or "")
-        return {"model": model, "mode": mode, "ok": False, "error": f"timed out after {args.timeout:g} s",
-                "stderr_tail": tail[-3000:]}
+        return {
+            "model": model,
+            "mode": mode,
+            "ok": False,
+            "error": f"timed out after {args.timeout:g} s",
+            "stderr_tail": tail[-3000:],
+        }
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"event": "result"')]
     if proc.returncode != 0 or not results:
-        return {"model": model, "mode": mode, "ok": False, "error": f"exit status {proc.returncode}, no result",
-                "stderr_tail": proc.stderr[-3000:]}
+        return {
+            "model": model,
+            "mode": mode,
+            "ok": False,
+            "error": f"exit status {proc.returncode}, no result",
+            "stderr_tail": proc.stderr[-3000:],
+        }
     result = results[0]
     result.update(ok=True, wall_seconds=time.perf_counter() - started)
     if mode == "pool" and not result["pool_active"]:
@@ -180,8 +218,16 @@ def summarise(model: str, runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def print_report(summaries: list[dict[str, Any]]) -> None:
-    columns = ("model", "pool ms", "disabled ms", "pool/disabled", "goal", "", "pool per process",
-               "disabled per process")
+    columns = (
+        "model",
+        "pool ms",
+        "disabled ms",
+        "pool/disabled",
+        "goal",
+        "",
+        "pool per process",
+        "disabled per process",
+    )
     rows = []
     for s in summaries:
         ratio = s["ratio"]
@@ -190,10 +236,18 @@ def print_report(summaries: list[dict[str, Any]]) -> None:
         def ms(value: Any) -> str:
             return "-" if value is None else f"{value:.2f}"
 
-        rows.append((s["model"], ms(s["pool"]["median_ms"]), ms(s["disabled"]["median_ms"]),
-                     "-" if ratio is None else f"{ratio:.4f}", f"<= {GOAL}", mark,
-                     " ".join(f"{v:.2f}" for v in s["pool"]["process_medians_ms"]) or "-",
-                     " ".join(f"{v:.2f}" for v in s["disabled"]["process_medians_ms"]) or "-"))
+        rows.append(
+            (
+                s["model"],
+                ms(s["pool"]["median_ms"]),
+                ms(s["disabled"]["median_ms"]),
+                "-" if ratio is None else f"{ratio:.4f}",
+                f"<= {GOAL}",
+                mark,
+                " ".join(f"{v:.2f}" for v in s["pool"]["process_medians_ms"]) or "-",
+                " ".join(f"{v:.2f}" for v in s["disabled"]["process_medians_ms"]) or "-",
+            )
+        )
     print_table(columns, rows)
     print("median step time over every timed step of the mode's processes; [x] goal met, [ ] missed (not asserted)")
 
@@ -240,8 +294,12 @@ def main() -> int:
     elapsed = time.perf_counter() - started
     print(f"{len(runs)} processes in {elapsed:.0f} s" + (f"; FAILED: {'; '.join(failures)}" if failures else ""))
     if args.json:
-        args.json.write_text(json.dumps({"summaries": summaries, "runs": runs, "failures": failures,
-                                         "seconds": elapsed, "amp": args.amp}, indent=1))
+        args.json.write_text(
+            json.dumps(
+                {"summaries": summaries, "runs": runs, "failures": failures, "seconds": elapsed, "amp": args.amp},
+                indent=1,
+            )
+        )
     return 1 if failures else 0
 
 

@@ -37,8 +37,11 @@ def flexium_command() -> list[str]:
 def clean_env(home: Path) -> dict[str, str]:
     """This environment without flexium's or the fake driver's settings, with a home of its own
     (no ~/.flexiumrc of the machine applies)."""
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("FLEXIUM_", "FAKE_CUDA_", "FAKE_NVML_")) and k not in ("GPU_DEVICE", "CI_FLEXIUM")}
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if not k.startswith(("FLEXIUM_", "FAKE_CUDA_", "FAKE_NVML_")) and k not in ("GPU_DEVICE", "CI_FLEXIUM")
+    }
     env["HOME"] = str(home)
     env["FLEXIUM_HOME"] = str(home / ".flexium")
     env["PYTHONUNBUFFERED"] = "1"
@@ -83,8 +86,9 @@ class ProcessOutput:
                 if match:
                     return match
             if self._proc.poll() is not None and not self._thread.is_alive():
-                raise AssertionError(f"process exited ({self._proc.returncode}) before printing {pattern!r}:\n"
-                                     + self.text[-3000:])
+                raise AssertionError(
+                    f"process exited ({self._proc.returncode}) before printing {pattern!r}:\n" + self.text[-3000:]
+                )
             return None
 
         return wait_until(find, timeout, f"{pattern!r} in the output:\n{self.text[-2000:]}")
@@ -95,8 +99,14 @@ class ServerProcess:
     the SQLite file the server makes there. ``env`` replaces the inherited environment (which is
     otherwise used without any ``FLEXIUM_`` variable)."""
 
-    def __init__(self, home: Path | str, *args: str, database: Optional[str] = None, port: Optional[int] = None,
-                 env: Optional[dict[str, str]] = None) -> None:
+    def __init__(
+        self,
+        home: Path | str,
+        *args: str,
+        database: Optional[str] = None,
+        port: Optional[int] = None,
+        env: Optional[dict[str, str]] = None,
+    ) -> None:
         self.home = Path(home)
         self.args = list(args)
         self.database = database

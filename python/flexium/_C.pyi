@@ -1,8 +1,8 @@
 """flexium's native layer (csrc/). Private: the public API is pure Python.
 tests/unit/test_native_stub.py keeps this stub and the built module in step."""
 
-from typing import ClassVar
 from collections.abc import Mapping, Sequence, Set
+from typing import ClassVar
 
 from flexium.errors import DriverError as DriverError
 

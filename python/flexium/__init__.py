@@ -1,7 +1,7 @@
 """flexium: move running PyTorch training between GPUs, or pause it with its GPU memory freed.
 
-    import flexium
-    flexium.init()
+import flexium
+flexium.init()
 """
 
 from flexium import auto, config, utils

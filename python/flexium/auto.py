@@ -45,8 +45,9 @@ def run(orchestrator: Optional[str] = None, device: Optional[str] = None, disabl
             _session.shutdown()
 
 
-def _warn_ignored(current: _session.Session, *, orchestrator: Optional[str], device: Optional[str],
-                  disabled: bool) -> None:
+def _warn_ignored(
+    current: _session.Session, *, orchestrator: Optional[str], device: Optional[str], disabled: bool
+) -> None:
     ignored = []
     server = current.config.orchestrator if current.config is not None else None
     if orchestrator is not None and orchestrator.strip() != server:
@@ -56,8 +57,11 @@ def _warn_ignored(current: _session.Session, *, orchestrator: Optional[str], dev
     if disabled != current.disabled:
         ignored.append(f"disabled={disabled} (the session's: disabled={current.disabled})")
     if ignored:
-        log.warning("flexium.auto.run() inside the session flexium.init() started keeps that session's settings; "
-                    "ignored: %s. Call flexium.shutdown() first to start one with these.", "; ".join(ignored))
+        log.warning(
+            "flexium.auto.run() inside the session flexium.init() started keeps that session's settings; "
+            "ignored: %s. Call flexium.shutdown() first to start one with these.",
+            "; ".join(ignored),
+        )
 
 
 def get_device() -> str:

@@ -88,11 +88,11 @@ _log = get_logger("config")
 class ServerAddress:
     """A parsed `host[:port]/workspace`. `base_url` has no workspace and no trailing slash."""
 
-    base_url: str          # "http://app.flexium.ai:8080", "https://[::1]:8443"
+    base_url: str  # "http://app.flexium.ai:8080", "https://[::1]:8443"
     workspace: str
-    host: str              # without IPv6 brackets
-    port: int              # the server's default (8080) where the address names none
-    scheme: str            # "http" (default) or "https"
+    host: str  # without IPv6 brackets
+    port: int  # the server's default (8080) where the address names none
+    scheme: str  # "http" (default) or "https"
 
     def __str__(self) -> str:
         return f"{self.base_url}/{self.workspace}"
@@ -112,7 +112,7 @@ class FlexiumConfig:
     # Seconds a command waits for the next optimizer step (safe point) before the driver path runs.
     safe_point_wait: float = DEFAULT_SAFE_POINT_WAIT
     address: Optional[ServerAddress] = None
-    config_file: Optional[str] = None   # the rc file that was read, if any
+    config_file: Optional[str] = None  # the rc file that was read, if any
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     @property
@@ -129,8 +129,8 @@ class FlexiumConfig:
 @dataclass(frozen=True)
 class _Raw:
     value: Any
-    source: str          # what goes into FlexiumConfig.sources
-    where: str           # how an error message names it
+    source: str  # what goes into FlexiumConfig.sources
+    where: str  # how an error message names it
 
 
 _HOST_RE = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?(\.[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?)*$")
@@ -172,7 +172,7 @@ def parse_server_address(text: str, *, where: str = "") -> ServerAddress:
         reason = str(exc)
         prefix = f"server address {rest!r}"
         if reason.startswith(prefix):
-            reason = reason[len(prefix):].lstrip(": ")
+            reason = reason[len(prefix) :].lstrip(": ")
         reason = reason.split(": expected host[:port]/workspace")[0]
         raise bad(reason) from None
     host = parts["host"]
@@ -184,7 +184,10 @@ def parse_server_address(text: str, *, where: str = "") -> ServerAddress:
     elif not _HOST_RE.match(host):
         raise bad(f"has an invalid host {host!r}")
     return ServerAddress(
-        base_url=protocol.base_url(parts), workspace=parts["workspace"], host=host, port=parts["port"],
+        base_url=protocol.base_url(parts),
+        workspace=parts["workspace"],
+        host=host,
+        port=parts["port"],
         scheme=parts["scheme"],
     )
 
@@ -206,12 +209,14 @@ def validate_device(value: Any, *, where: str = "") -> str:
     if match and int(match.group(1)) >= 0:
         return f"cuda:{int(match.group(1))}"
     hint = " (name the GPU: 'cuda:0')" if text == "cuda" else ""
-    raise ConfigError(f"device {value!r}{origin} is not valid{hint}; expected 'cuda:N' with N >= 0 (e.g. 'cuda:1') or 'cpu'")
+    raise ConfigError(
+        f"device {value!r}{origin} is not valid{hint}; expected 'cuda:N' with N >= 0 (e.g. 'cuda:1') or 'cpu'"
+    )
 
 
 def _validate_token(value: Any, where: str) -> str:
     if not isinstance(value, str):
-        quote = " (quote it in YAML: token: \"...\")" if isinstance(value, (int, float)) else ""
+        quote = ' (quote it in YAML: token: "...")' if isinstance(value, (int, float)) else ""
         raise ConfigError(f"token {where} must be a string, not {type(value).__name__}{quote}")
     token = value.strip()
     if not _TOKEN_RE.match(token):
@@ -316,7 +321,11 @@ def _read_rc(path: Path) -> dict[str, tuple[Any, int]]:
             hint = f"; did you mean {close[0]!r}?" if close else ""
             _log.warning(
                 "ignoring unknown key %r in config file %s (line %d); known keys: %s%s",
-                key, path, line, ", ".join(sorted(_RC_KEYS)), hint,
+                key,
+                path,
+                line,
+                ", ".join(sorted(_RC_KEYS)),
+                hint,
             )
             continue
         if value is not None:
@@ -324,8 +333,9 @@ def _read_rc(path: Path) -> dict[str, tuple[Any, int]]:
     return found
 
 
-def _setting(name: str, param: Any, rc: dict[str, tuple[Any, int]], rc_path: Optional[Path],
-             parameter: str) -> Optional[_Raw]:
+def _setting(
+    name: str, param: Any, rc: dict[str, tuple[Any, int]], rc_path: Optional[Path], parameter: str
+) -> Optional[_Raw]:
     """One setting from the first source that has it: the parameter, its variable, the rc file."""
     rc_key, env_name, _label = _FIELDS[name]
     env_value = os.environ.get(env_name, "")
@@ -352,8 +362,10 @@ def load_config(
     rc_path = find_config_file()
     rc = _read_rc(rc_path) if rc_path is not None else {}
     params: dict[str, Any] = {"orchestrator": orchestrator, "device": device, "token": token}
-    raw = {name: _setting(name, params.get(name), rc, rc_path, server_parameter if name == "orchestrator" else name)
-           for name in _FIELDS}
+    raw = {
+        name: _setting(name, params.get(name), rc, rc_path, server_parameter if name == "orchestrator" else name)
+        for name in _FIELDS
+    }
 
     sources: dict[str, str] = {}
     for name in _FIELDS:

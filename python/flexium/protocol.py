@@ -16,9 +16,9 @@ PROTOCOL_VERSION = 1
 
 DEFAULT_PORT = 8080
 API_PREFIX = "/api"
-TOKEN_HEADER = "Authorization"         # "Bearer <token>"
-TOKEN_COOKIE = "flexium_token"         # the dashboard's login cookie, same token
-CSRF_HEADER = "X-Flexium-Request"      # must be present on unsafe requests authenticated by cookie
+TOKEN_HEADER = "Authorization"  # "Bearer <token>"
+TOKEN_COOKIE = "flexium_token"  # the dashboard's login cookie, same token
+CSRF_HEADER = "X-Flexium-Request"  # must be present on unsafe requests authenticated by cookie
 TOKEN_PREFIX = "flx_"
 TOKEN_ENV = "FLEXIUM_TOKEN"
 SERVER_ENV = "FLEXIUM_SERVER"
@@ -31,6 +31,7 @@ PROCESS_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 
 class ServerAddress(TypedDict):
     """The parts of an address (``flexium.config`` builds its own address object from them)."""
+
     host: str
     port: int
     workspace: str
@@ -45,21 +46,23 @@ def parse_server_address(address: str) -> ServerAddress:
     for prefix in ("http://", "https://"):
         if text.lower().startswith(prefix):
             scheme = prefix[:-3]
-            text = text[len(prefix):]
+            text = text[len(prefix) :]
             break
     hostport, sep, workspace = text.partition("/")
     workspace = workspace.strip("/")
     if not sep or not workspace:
         raise ValueError(f"server address {address!r} has no workspace: expected host[:port]/workspace")
     if not WORKSPACE_NAME_RE.match(workspace):
-        raise ValueError(f"server address {address!r}: workspace {workspace!r} is not a valid name "
-                         "(lowercase letters, digits, '.', '_', '-'; at most 63)")
+        raise ValueError(
+            f"server address {address!r}: workspace {workspace!r} is not a valid name "
+            "(lowercase letters, digits, '.', '_', '-'; at most 63)"
+        )
     host, port = hostport, DEFAULT_PORT
-    if hostport.startswith("["):                       # [::1]:8080
+    if hostport.startswith("["):  # [::1]:8080
         end = hostport.find("]")
         if end < 0:
             raise ValueError(f"server address {address!r}: unclosed '['")
-        host, rest = hostport[1:end], hostport[end + 1:]
+        host, rest = hostport[1:end], hostport[end + 1 :]
         if rest:
             if not rest.startswith(":"):
                 raise ValueError(f"server address {address!r}: expected ':port' after ']'")
@@ -92,24 +95,24 @@ def workspace_path(workspace: str) -> str:
 PATH_PROCESSES = "/processes"
 PATH_PROCESS = "/processes/{process_id}"
 PATH_HEARTBEAT = "/processes/{process_id}/heartbeat"
-PATH_NEXT_COMMAND = "/processes/{process_id}/commands/next"   # long-poll, ?wait=seconds
+PATH_NEXT_COMMAND = "/processes/{process_id}/commands/next"  # long-poll, ?wait=seconds
 PATH_COMMANDS = "/commands"
-PATH_COMMAND = "/commands/{command_id}"                      # ?wait=seconds: until finished
+PATH_COMMAND = "/commands/{command_id}"  # ?wait=seconds: until finished
 PATH_COMMAND_REPORT = "/commands/{command_id}/report"
-PATH_TARGETS = "/processes/{process_id}/targets"           # ?kind=migrate|resume: which GPUs fit
+PATH_TARGETS = "/processes/{process_id}/targets"  # ?kind=migrate|resume: which GPUs fit
 PATH_DEVICES = "/devices"
-PATH_EVENTS = "/events"                                      # text/event-stream
+PATH_EVENTS = "/events"  # text/event-stream
 PATH_TOKENS = "/tokens"
 PATH_TOKEN = "/tokens/{token_id}"
 
 # --- timing defaults (the server sends its own values in wire.RegisterResponse) ------------------
 
 HEARTBEAT_INTERVAL_S = 5.0
-POLL_TIMEOUT_S = 25.0          # a long-poll with nothing to deliver answers 204 after this
+POLL_TIMEOUT_S = 25.0  # a long-poll with nothing to deliver answers 204 after this
 MAX_POLL_TIMEOUT_S = 60.0
-STALE_AFTER_S = 30.0           # no heartbeat for this long: shown STALE
-REMOVE_AFTER_S = 900.0         # no heartbeat for this long: removed
-COMMAND_TTL_S = 300.0          # queued/delivered but never started for this long: expired
+STALE_AFTER_S = 30.0  # no heartbeat for this long: shown STALE
+REMOVE_AFTER_S = 900.0  # no heartbeat for this long: removed
+COMMAND_TTL_S = 300.0  # queued/delivered but never started for this long: expired
 
 # --- limits the server enforces (4xx, never 5xx) --------------------------------------------
 
@@ -120,7 +123,7 @@ MAX_LONG_TEXT = 4096
 MAX_DEVICES = 64
 MAX_JSON_DEPTH = 8
 MAX_JSON_ITEMS = 512
-MAX_INT = (1 << 62)           # memory sizes, pids: fits every database's BIGINT
+MAX_INT = 1 << 62  # memory sizes, pids: fits every database's BIGINT
 
 # --- states ---------------------------------------------------------------------------------
 
@@ -136,9 +139,9 @@ COMMAND_KINDS = ("migrate", "pause", "resume")
 
 COMMAND_STATES = ("queued", "delivered", "running", "succeeded", "failed", "expired")
 ACTIVE_COMMAND_STATES = ("queued", "delivered", "running")
-PENDING_COMMAND_STATES = ("queued", "delivered")          # what a long-poll hands out
+PENDING_COMMAND_STATES = ("queued", "delivered")  # what a long-poll hands out
 FINAL_COMMAND_STATES = ("succeeded", "failed", "expired")
-REPORT_STATES = ("running", "succeeded", "failed")        # what a process may report
+REPORT_STATES = ("running", "succeeded", "failed")  # what a process may report
 
 # Capability keys a process reports (flexium.utils.get_capabilities()).
 CAP_PAUSE_RESUME = "pause_resume"
@@ -157,29 +160,31 @@ TARGETABLE_HEALTH = (HEALTH_OK, HEALTH_UNKNOWN)
 
 # Every 4xx/5xx body is {"error": CODE, "message": "...", "detail": optional}.
 ERROR_STATUS: dict[str, int] = {
-    "bad_request": 400,           # malformed JSON, unreadable body
-    "unauthorized": 401,          # no token, unknown or revoked token
-    "forbidden": 403,             # cookie-authenticated write without the CSRF header
-    "not_found": 404,             # unknown id, or another workspace's (never told apart)
-    "invalid_state": 409,         # e.g. pause a paused job
-    "busy": 409,                  # the process already has an active command
-    "stale": 409,                 # the process stopped sending heartbeats
+    "bad_request": 400,  # malformed JSON, unreadable body
+    "unauthorized": 401,  # no token, unknown or revoked token
+    "forbidden": 403,  # cookie-authenticated write without the CSRF header
+    "not_found": 404,  # unknown id, or another workspace's (never told apart)
+    "invalid_state": 409,  # e.g. pause a paused job
+    "busy": 409,  # the process already has an active command
+    "stale": 409,  # the process stopped sending heartbeats
     "payload_too_large": 413,
-    "invalid_request": 422,       # wrong types, out-of-range values
-    "target_refused": 422,        # unknown GPU, other host, other model, no room, same GPU
-    "capability": 422,            # the process lacks the feature (driver too old)
-    "unavailable": 503,           # database unreachable
+    "invalid_request": 422,  # wrong types, out-of-range values
+    "target_refused": 422,  # unknown GPU, other host, other model, no room, same GPU
+    "capability": 422,  # the process lacks the feature (driver too old)
+    "unavailable": 503,  # database unreachable
     "internal": 500,
 }
 
 
 # --- server-sent events (GET .../events) -----------------------------------------------------
 # Each event: "id: N", "event: TYPE", "data: JSON". TYPEs:
-EVENT_HELLO = "hello"           # {"workspace": name, "last_event_id": N}
-EVENT_PROCESS = "process"       # {"action": "registered"|"updated"|"removed"|"stale", "process": wire.ProcessInfo | {"process_id"}}
-EVENT_COMMAND = "command"       # {"action": "created"|"updated", "command": wire.CommandInfo}
-EVENT_DEVICES = "devices"       # {"host": name}: that host's GPUs changed; GET .../devices?host=name
-EVENT_RESYNC = "resync"         # events were missed: reload the lists, then keep listening
+EVENT_HELLO = "hello"  # {"workspace": name, "last_event_id": N}
+EVENT_PROCESS = (
+    "process"  # {"action": "registered"|"updated"|"removed"|"stale", "process": wire.ProcessInfo | {"process_id"}}
+)
+EVENT_COMMAND = "command"  # {"action": "created"|"updated", "command": wire.CommandInfo}
+EVENT_DEVICES = "devices"  # {"host": name}: that host's GPUs changed; GET .../devices?host=name
+EVENT_RESYNC = "resync"  # events were missed: reload the lists, then keep listening
 
 
 def is_active(state: str) -> bool:

@@ -49,7 +49,7 @@ def _check_json(value: dict[str, Any]) -> dict[str, Any]:
                     raise ValueError("object keys must be strings")
                 _no_nul(key)
                 walk(item, depth + 1)
-        elif isinstance(node, (list, tuple)):       # a tuple goes out as a JSON array
+        elif isinstance(node, (list, tuple)):  # a tuple goes out as a JSON array
             for item in node:
                 walk(item, depth + 1)
         elif isinstance(node, str):
@@ -72,10 +72,16 @@ def _check_json(value: dict[str, Any]) -> dict[str, Any]:
 
 
 ShortText = Annotated[str, StringConstraints(max_length=protocol.MAX_SHORT_TEXT), AfterValidator(_no_nul)]
-NonEmptyText = Annotated[str, StringConstraints(min_length=1, max_length=protocol.MAX_SHORT_TEXT,
-                                                strip_whitespace=True), AfterValidator(_no_nul)]
-HostName = Annotated[str, StringConstraints(min_length=1, max_length=protocol.MAX_HOST_LEN,
-                                            strip_whitespace=True), AfterValidator(_no_nul)]
+NonEmptyText = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=protocol.MAX_SHORT_TEXT, strip_whitespace=True),
+    AfterValidator(_no_nul),
+]
+HostName = Annotated[
+    str,
+    StringConstraints(min_length=1, max_length=protocol.MAX_HOST_LEN, strip_whitespace=True),
+    AfterValidator(_no_nul),
+]
 LongText = Annotated[str, StringConstraints(max_length=protocol.MAX_LONG_TEXT), AfterValidator(_no_nul)]
 ProcessId = Annotated[str, StringConstraints(pattern=protocol.PROCESS_ID_RE.pattern)]
 Bytes = Annotated[int, Field(ge=0, le=protocol.MAX_INT)]
@@ -97,18 +103,22 @@ TargetKind = Literal["migrate", "resume"]
 
 class WireIn(BaseModel):
     """A request body."""
+
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
 class WireOut(BaseModel):
     """A response body."""
+
     model_config = ConfigDict(extra="ignore")
 
 
 # --- requests -------------------------------------------------------------------------------
 
+
 class GpuReport(WireIn):
     """One GPU of the reporting host, read through NVML (every GPU, not only the job's)."""
+
     uuid: NonEmptyText
     index: Optional[GpuIndex] = Field(default=None, description="nvidia-smi's index on that host")
     name: ShortText = Field(default="", description="model, e.g. 'NVIDIA H200'")
@@ -116,9 +126,13 @@ class GpuReport(WireIn):
     memory_used: Bytes = Field(default=0, description="everything on it, ours and others'")
     utilization: Optional[Annotated[int, Field(ge=0, le=100)]] = None
     temperature: Optional[Annotated[int, Field(ge=-100, le=300)]] = None
-    health: ShortText = Field(default=protocol.HEALTH_OK, description=(
-        "'ok', 'unknown' (NVML cannot read the ECC counters) or a short reason ('xid 79'); "
-        "only a known-bad health refuses a GPU as a target"))
+    health: ShortText = Field(
+        default=protocol.HEALTH_OK,
+        description=(
+            "'ok', 'unknown' (NVML cannot read the ECC counters) or a short reason ('xid 79'); "
+            "only a known-bad health refuses a GPU as a target"
+        ),
+    )
 
 
 class RegisterRequest(WireIn):
@@ -131,8 +145,13 @@ class RegisterRequest(WireIn):
     gpu_index: Optional[GpuIndex] = Field(default=None, description="nvidia-smi index of that GPU")
     logical_device: ShortText = Field(default="", description="what the training code uses, 'cuda:0'")
     physical_device: ShortText = ""
-    visible_gpus: Annotated[list[NonEmptyText], Field(max_length=protocol.MAX_DEVICES, description=(
-        "GPU UUIDs in this process's CUDA ordinal order: target 'cuda:N' is entry N"))] = []
+    visible_gpus: Annotated[
+        list[NonEmptyText],
+        Field(
+            max_length=protocol.MAX_DEVICES,
+            description=("GPU UUIDs in this process's CUDA ordinal order: target 'cuda:N' is entry N"),
+        ),
+    ] = []
     torch_version: ShortText = ""
     driver_version: ShortText = ""
     flexium_version: ShortText = ""
@@ -152,6 +171,7 @@ class HeartbeatRequest(WireIn):
     memory, devices) when its seq is older than the last applied register, heartbeat or
     command report's ``process``: a beat built during a pause (PAUSING) and delivered after
     the final report (PAUSED) changes nothing. A body without it is applied as it comes."""
+
     state: Optional[ProcessState] = None
     memory_bytes: Optional[Bytes] = None
     footprint_bytes: Optional[Bytes] = None
@@ -165,14 +185,19 @@ class HeartbeatRequest(WireIn):
 class CommandRequest(WireIn):
     kind: CommandKind
     process_id: ProcessId
-    target: Union[StrictInt, ShortText, None] = Field(default=None, description=(
-        "the GPU: 'cuda:N' = entry N of the process's visible_gpus (the job's own CUDA "
-        "numbering), a bare integer (or digits) = the nvidia-smi index on the process's host, "
-        "'GPU-...' = a GPU UUID. The server resolves it to a UUID once; resume: optional"))
+    target: Union[StrictInt, ShortText, None] = Field(
+        default=None,
+        description=(
+            "the GPU: 'cuda:N' = entry N of the process's visible_gpus (the job's own CUDA "
+            "numbering), a bare integer (or digits) = the nvidia-smi index on the process's host, "
+            "'GPU-...' = a GPU UUID. The server resolves it to a UUID once; resume: optional"
+        ),
+    )
 
 
 class ProcessUpdate(WireIn):
     """Where the process is after an operation, in its own word."""
+
     state: Optional[ProcessState] = None
     gpu_uuid: Optional[ShortText] = None
     gpu_index: Optional[GpuIndex] = None
@@ -194,8 +219,10 @@ class TokenRequest(WireIn):
 
 # --- responses ------------------------------------------------------------------------------
 
+
 class ErrorBody(WireOut):
     """Every 4xx/5xx answer; ``error`` is a key of ``protocol.ERROR_STATUS``."""
+
     error: str
     message: str
     detail: Any = None
@@ -293,6 +320,7 @@ class DevicesResponse(WireOut):
 
 class TargetInfo(WireOut):
     """One GPU of a process's host, judged as the target of a migrate or resume."""
+
     device: DeviceInfo
     refusal: Optional[str] = Field(description="why a command to it would be refused; None: it fits")
 

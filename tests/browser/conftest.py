@@ -25,13 +25,25 @@ CHROMEDRIVER = "/usr/bin/chromedriver"
 
 # Short timings so that staleness shows within seconds. Stale must stay above the server's
 # 5 s interval between writes of one host's GPU reports, or fresh GPUs would look silent.
-SERVER_ARGS = ("--stale-after", "8", "--sweep-interval", "0.5", "--heartbeat-interval", "1",
-               "--poll-timeout", "5", "--command-ttl", "120")
+SERVER_ARGS = (
+    "--stale-after",
+    "8",
+    "--sweep-interval",
+    "0.5",
+    "--heartbeat-interval",
+    "1",
+    "--poll-timeout",
+    "5",
+    "--command-ttl",
+    "120",
+)
 
 
 def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
     if not (os.access(CHROMIUM, os.X_OK) and os.access(CHROMEDRIVER, os.X_OK)):
-        skip = pytest.mark.skip(reason=f"needs {CHROMIUM} and {CHROMEDRIVER} (apt-get install chromium chromium-driver)")
+        skip = pytest.mark.skip(
+            reason=f"needs {CHROMIUM} and {CHROMEDRIVER} (apt-get install chromium chromium-driver)"
+        )
         for item in items:
             if Path(str(item.fspath)).parent == Path(__file__).parent:
                 item.add_marker(skip)
@@ -54,7 +66,7 @@ def pytest_runtest_makereport(item: Any, call: Any) -> Iterator[None]:
         logs = "\n".join(str(e) for e in driver.get_log("browser"))
         stem.with_suffix(".console.txt").write_text(logs)
         report.sections.append(("dashboard", f"screenshot and page kept: {stem}.png / .html"))
-    except Exception as exc:          # the browser itself may be what broke
+    except Exception as exc:  # the browser itself may be what broke
         report.sections.append(("dashboard", f"no screenshot: {exc}"))
 
 
@@ -85,11 +97,18 @@ def browser(server: LiveServer, artifacts: Path) -> Iterator[Any]:
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
-    os.environ.setdefault("SE_OFFLINE", "true")        # never let Selenium Manager download
+    os.environ.setdefault("SE_OFFLINE", "true")  # never let Selenium Manager download
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--window-size=1280,900",
-                "--disable-extensions", "--no-first-run", "--lang=en-US"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--window-size=1280,900",
+        "--disable-extensions",
+        "--no-first-run",
+        "--lang=en-US",
+    ):
         options.add_argument(arg)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     driver = webdriver.Chrome(options=options, service=Service(CHROMEDRIVER))
@@ -116,7 +135,7 @@ def jobs(api: Api) -> Iterator[Callable[..., SimJob]]:
         return job
 
     yield start
-    for job in started:                    # they exit: stop talking, unregister
+    for job in started:  # they exit: stop talking, unregister
         job.die()
         api.delete(f"/processes/{job.process_id}")
     for job in started:

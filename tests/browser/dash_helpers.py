@@ -73,7 +73,7 @@ class Gpu:
     index: int
     name: str = H200
     total: int = 140 * GIB
-    other: int = 0                  # memory held by processes that are not flexium jobs
+    other: int = 0  # memory held by processes that are not flexium jobs
     utilization: int = 35
     temperature: int = 41
     health: str = "ok"
@@ -85,6 +85,7 @@ class Gpu:
 @dataclass
 class FakeHost:
     """One machine's GPUs as NVML would report them; memory used includes its jobs'."""
+
     name: str
     gpus: list[Gpu] = field(default_factory=lambda: [Gpu(i) for i in range(4)])
     jobs: list["SimJob"] = field(default_factory=list)
@@ -97,9 +98,18 @@ class FakeHost:
         for gpu in self.gpus:
             uuid = gpu.uuid(self.name)
             used = gpu.other + sum(j.memory for j in self.jobs if j.gpu_uuid == uuid and j.state != "PAUSED")
-            out.append({"uuid": uuid, "index": gpu.index, "name": gpu.name, "memory_total": gpu.total,
-                        "memory_used": min(used, gpu.total), "utilization": gpu.utilization,
-                        "temperature": gpu.temperature, "health": gpu.health})
+            out.append(
+                {
+                    "uuid": uuid,
+                    "index": gpu.index,
+                    "name": gpu.name,
+                    "memory_total": gpu.total,
+                    "memory_used": min(used, gpu.total),
+                    "utilization": gpu.utilization,
+                    "temperature": gpu.temperature,
+                    "health": gpu.health,
+                }
+            )
         return out
 
 
@@ -108,10 +118,21 @@ class SimJob:
     reported time; ``hold`` (cleared Event) keeps the next one at 'running' until set;
     ``fail_with`` makes it fail with that error (rolled back, still on its GPU)."""
 
-    def __init__(self, api: Api, host: FakeHost, process_id: str, *, gpu: int = 0,
-                 memory: int = 20 * GIB, user: str = "alice", cmdline: str = "python train.py",
-                 migration: bool = True, pause_resume: bool = True, state: str = "RUNNING",
-                 op_seconds: float = 1.23) -> None:
+    def __init__(
+        self,
+        api: Api,
+        host: FakeHost,
+        process_id: str,
+        *,
+        gpu: int = 0,
+        memory: int = 20 * GIB,
+        user: str = "alice",
+        cmdline: str = "python train.py",
+        migration: bool = True,
+        pause_resume: bool = True,
+        state: str = "RUNNING",
+        op_seconds: float = 1.23,
+    ) -> None:
         self.api = api
         self.host = host
         self.process_id = process_id
@@ -137,20 +158,40 @@ class SimJob:
     # --- what it sends ------------------------------------------------------------------
 
     def registration(self) -> dict[str, Any]:
-        return {"process_id": self.process_id, "host": self.host.name, "user": self.user, "pid": 4000 + len(self.host.jobs),
-                "gpu_uuid": self.gpu_uuid, "gpu_model": H200, "gpu_index": self.gpu_index,
-                "logical_device": "cuda:0", "physical_device": f"cuda:{self.gpu_index}",
-                "visible_gpus": [self.host.uuid(g.index) for g in self.host.gpus],
-                "torch_version": "2.13.0", "driver_version": "580.159.04", "flexium_version": "0.1.0",
-                "capabilities": self.capabilities, "memory_bytes": 0 if self.state == "PAUSED" else self.memory,
-                "footprint_bytes": self.footprint, "state": self.state,
-                "started_at": time.time() - 3725, "cmdline": self.cmdline, "devices": self.host.report()}
+        return {
+            "process_id": self.process_id,
+            "host": self.host.name,
+            "user": self.user,
+            "pid": 4000 + len(self.host.jobs),
+            "gpu_uuid": self.gpu_uuid,
+            "gpu_model": H200,
+            "gpu_index": self.gpu_index,
+            "logical_device": "cuda:0",
+            "physical_device": f"cuda:{self.gpu_index}",
+            "visible_gpus": [self.host.uuid(g.index) for g in self.host.gpus],
+            "torch_version": "2.13.0",
+            "driver_version": "580.159.04",
+            "flexium_version": "0.1.0",
+            "capabilities": self.capabilities,
+            "memory_bytes": 0 if self.state == "PAUSED" else self.memory,
+            "footprint_bytes": self.footprint,
+            "state": self.state,
+            "started_at": time.time() - 3725,
+            "cmdline": self.cmdline,
+            "devices": self.host.report(),
+        }
 
     def beat(self) -> dict[str, Any]:
         with self._lock:
-            return {"state": self.state, "memory_bytes": 0 if self.state == "PAUSED" else self.memory,
-                    "footprint_bytes": self.footprint, "gpu_uuid": self.gpu_uuid, "gpu_index": self.gpu_index,
-                    "physical_device": f"cuda:{self.gpu_index}", "devices": self.host.report()}
+            return {
+                "state": self.state,
+                "memory_bytes": 0 if self.state == "PAUSED" else self.memory,
+                "footprint_bytes": self.footprint,
+                "gpu_uuid": self.gpu_uuid,
+                "gpu_index": self.gpu_index,
+                "physical_device": f"cuda:{self.gpu_index}",
+                "devices": self.host.report(),
+            }
 
     # --- life -----------------------------------------------------------------------------
 
@@ -201,7 +242,7 @@ class SimJob:
 
     def _run(self, cmd: dict[str, Any]) -> None:
         if any(c["id"] == cmd["id"] for c in self.received):
-            return                                  # delivered again: already handled
+            return  # delivered again: already handled
         self.received.append(cmd)
         kind = cmd["kind"]
         with self._lock:
@@ -209,25 +250,51 @@ class SimJob:
             self.state = {"migrate": "MIGRATING", "pause": "PAUSING", "resume": "RESUMING"}[kind]
         self._report(cmd["id"], {"state": "running"})
         self.hold.wait(60)
-        source = {"ordinal": 0, "uuid": self.gpu_uuid, "name": H200, "total_memory": 140 * GIB,
-                  "pci_bus_id": "0000:00:00.0", "nvml_index": self.gpu_index}
+        source = {
+            "ordinal": 0,
+            "uuid": self.gpu_uuid,
+            "name": H200,
+            "total_memory": 140 * GIB,
+            "pci_bus_id": "0000:00:00.0",
+            "nvml_index": self.gpu_index,
+        }
         target_uuid = cmd.get("target_uuid") or (self.gpu_uuid if kind != "pause" else None)
         # A command names its GPU by UUID only; its index is the host's numbering of that GPU.
-        target_index = next((g.index for g in self.host.gpus if self.host.uuid(g.index) == cmd["target_uuid"]),
-                            None) if cmd.get("target_uuid") else self.gpu_index
+        target_index = (
+            next((g.index for g in self.host.gpus if self.host.uuid(g.index) == cmd["target_uuid"]), None)
+            if cmd.get("target_uuid")
+            else self.gpu_index
+        )
         target = None if target_uuid is None else dict(source, uuid=target_uuid, nvml_index=target_index)
-        steps = [{"step": "checkpoint", "seconds": round(self.op_seconds * 0.4, 3), "ok": True},
-                 {"step": "restore", "seconds": round(self.op_seconds * 0.5, 3), "ok": self.fail_with is None,
-                  "error": self.fail_with}]
-        result = {"kind": kind, "path": "driver", "ok": self.fail_with is None, "logical_device": "cuda:0",
-                  "source": source, "target": target, "steps": steps, "bytes_moved": self.memory,
-                  "seconds": self.op_seconds, "failed_step": "restore" if self.fail_with else None,
-                  "error": self.fail_with, "notes": []}
+        steps = [
+            {"step": "checkpoint", "seconds": round(self.op_seconds * 0.4, 3), "ok": True},
+            {
+                "step": "restore",
+                "seconds": round(self.op_seconds * 0.5, 3),
+                "ok": self.fail_with is None,
+                "error": self.fail_with,
+            },
+        ]
+        result = {
+            "kind": kind,
+            "path": "driver",
+            "ok": self.fail_with is None,
+            "logical_device": "cuda:0",
+            "source": source,
+            "target": target,
+            "steps": steps,
+            "bytes_moved": self.memory,
+            "seconds": self.op_seconds,
+            "failed_step": "restore" if self.fail_with else None,
+            "error": self.fail_with,
+            "notes": [],
+        }
         if self.fail_with is not None:
             with self._lock:
                 self.state = before
-            self._report(cmd["id"], {"state": "failed", "result": result, "error": self.fail_with,
-                                     "process": {"state": before}})
+            self._report(
+                cmd["id"], {"state": "failed", "result": result, "error": self.fail_with, "process": {"state": before}}
+            )
             return
         with self._lock:
             if kind == "pause":
@@ -235,7 +302,11 @@ class SimJob:
             else:
                 self.state = "RUNNING"
                 self.gpu_uuid, self.gpu_index = target_uuid, target_index
-            update = {"state": self.state, "gpu_uuid": self.gpu_uuid, "gpu_index": self.gpu_index,
-                      "physical_device": f"cuda:{self.gpu_index}",
-                      "memory_bytes": 0 if self.state == "PAUSED" else self.memory}
+            update = {
+                "state": self.state,
+                "gpu_uuid": self.gpu_uuid,
+                "gpu_index": self.gpu_index,
+                "physical_device": f"cuda:{self.gpu_index}",
+                "memory_bytes": 0 if self.state == "PAUSED" else self.memory,
+            }
         self._report(cmd["id"], {"state": "succeeded", "result": result, "process": update})

@@ -17,7 +17,7 @@ class Dashboard:
     def __init__(self, driver: Any, server: LiveServer) -> None:
         self.d = driver
         self.server = server
-        self.d.get_log("browser")                    # start each test with an empty console
+        self.d.get_log("browser")  # start each test with an empty console
 
     # --- navigation -----------------------------------------------------------------------
 
@@ -29,14 +29,18 @@ class Dashboard:
             self.wait(lambda: self.d.current_url.rstrip("/") == self.server.url, "logged in")
             if query:
                 self.d.get(f"{self.server.url}/{query}")
-        self.wait(lambda: "live-on" in self.d.find_element(By.ID, "live").get_attribute("class"),
-                  "event stream connected")
+        self.wait(
+            lambda: "live-on" in self.d.find_element(By.ID, "live").get_attribute("class"), "event stream connected"
+        )
         return self
 
     def wait(self, condition: Callable[[], Any], message: str, timeout: float = 10.0) -> Any:
-        return WebDriverWait(self.d, timeout, poll_frequency=0.1,
-                             ignored_exceptions=(NoSuchElementException, StaleElementReferenceException)
-                             ).until(lambda _d: condition(), message)
+        return WebDriverWait(
+            self.d,
+            timeout,
+            poll_frequency=0.1,
+            ignored_exceptions=(NoSuchElementException, StaleElementReferenceException),
+        ).until(lambda _d: condition(), message)
 
     def js(self, script: str, *args: Any) -> Any:
         return self.d.execute_script(script, *args)
@@ -50,19 +54,30 @@ class Dashboard:
         return bool(self.d.find_elements(By.ID, f"proc-{process_id}"))
 
     def cell(self, process_id: str, label: str) -> str:
-        return str(self.js("var r = document.getElementById(arguments[0]);"
-                           "var c = r && r.querySelector('td[data-label=\"' + arguments[1] + '\"]');"
-                           "return c ? c.textContent.replace(/\\s+/g, ' ').trim() : null;",
-                           f"proc-{process_id}", label))
+        return str(
+            self.js(
+                "var r = document.getElementById(arguments[0]);"
+                "var c = r && r.querySelector('td[data-label=\"' + arguments[1] + '\"]');"
+                "return c ? c.textContent.replace(/\\s+/g, ' ').trim() : null;",
+                f"proc-{process_id}",
+                label,
+            )
+        )
 
     def wait_cell(self, process_id: str, label: str, *texts: str, timeout: float = 10.0) -> str:
-        return str(self.wait(lambda: all(t in self.cell(process_id, label) for t in texts)
-                             and self.cell(process_id, label),
-                             f"{process_id}: {label} shows {texts}", timeout))
+        return str(
+            self.wait(
+                lambda: all(t in self.cell(process_id, label) for t in texts) and self.cell(process_id, label),
+                f"{process_id}: {label} shows {texts}",
+                timeout,
+            )
+        )
 
     def buttons(self, process_id: str) -> dict[str, bool]:
         """Action buttons of a row: label -> enabled."""
-        return {b.text: b.is_enabled() for b in self.row(process_id).find_elements(By.CSS_SELECTOR, "button[data-action]")}
+        return {
+            b.text: b.is_enabled() for b in self.row(process_id).find_elements(By.CSS_SELECTOR, "button[data-action]")
+        }
 
     def wait_buttons(self, process_id: str, expected: dict[str, bool]) -> None:
         self.wait(lambda: self.buttons(process_id) == expected, f"{process_id}: buttons {expected}")
@@ -71,9 +86,13 @@ class Dashboard:
         self.row(process_id).find_element(By.CSS_SELECTOR, f'button[data-action="{action}"]').click()
 
     def visible_rows(self) -> set[str]:
-        return set(self.js("return Array.from(document.querySelectorAll('#process-rows tr.proc'))"
-                           ".filter(function (r) { return !r.hidden && r.offsetParent !== null; })"
-                           ".map(function (r) { return r.dataset.processId; });"))
+        return set(
+            self.js(
+                "return Array.from(document.querySelectorAll('#process-rows tr.proc'))"
+                ".filter(function (r) { return !r.hidden && r.offsetParent !== null; })"
+                ".map(function (r) { return r.dataset.processId; });"
+            )
+        )
 
     # --- filters ----------------------------------------------------------------------------
 
@@ -94,8 +113,12 @@ class Dashboard:
         return bool(self.js("return document.getElementById('target-dialog').open"))
 
     def target_values(self) -> list[str]:
-        return list(self.js("return Array.from(document.querySelectorAll('#target-dialog input[name=target]'))"
-                            ".map(function (i) { return i.value; });"))
+        return list(
+            self.js(
+                "return Array.from(document.querySelectorAll('#target-dialog input[name=target]'))"
+                ".map(function (i) { return i.value; });"
+            )
+        )
 
     def pick_target(self, value: str) -> None:
         self.d.find_element(By.CSS_SELECTOR, f'#target-dialog input[name=target][value="{value}"]').click()
@@ -111,8 +134,10 @@ class Dashboard:
 
     def notices(self) -> list[tuple[str, str]]:
         """(role, text) of each notice shown."""
-        return [(n.get_attribute("role") or "", n.find_element(By.CSS_SELECTOR, ".notice-text").text)
-                for n in self.d.find_elements(By.CSS_SELECTOR, "#notices .notice")]
+        return [
+            (n.get_attribute("role") or "", n.find_element(By.CSS_SELECTOR, ".notice-text").text)
+            for n in self.d.find_elements(By.CSS_SELECTOR, "#notices .notice")
+        ]
 
     def host_section(self, host: str) -> WebElement:
         for section in self.d.find_elements(By.CSS_SELECTOR, "#hosts .host"):
@@ -126,8 +151,10 @@ class Dashboard:
     def bar(self, uuid: str) -> dict[str, float]:
         """Widths (of 1000) of a GPU card's memory bar segments."""
         card = self.gpu_card(uuid)
-        return {part: float(card.find_element(By.CSS_SELECTOR, f"rect.seg-{part}").get_attribute("width"))
-                for part in ("flexium", "other")}
+        return {
+            part: float(card.find_element(By.CSS_SELECTOR, f"rect.seg-{part}").get_attribute("width"))
+            for part in ("flexium", "other")
+        }
 
     def command_items(self) -> list[str]:
         return [li.text for li in self.d.find_elements(By.CSS_SELECTOR, "#commands li.cmd")]
@@ -135,15 +162,22 @@ class Dashboard:
     def overflow(self) -> dict[str, float]:
         """The page's scroll and client widths, and the right edges of the process table and
         of its panel's content box (the table must not spill into the padding either)."""
-        return dict(self.js("var e = document.documentElement, t = document.getElementById('processes');"
-                            "var p = t.parentElement, cs = getComputedStyle(p);"
-                            "return {scroll: e.scrollWidth, client: e.clientWidth,"
-                            " table: t.getBoundingClientRect().right,"
-                            " box: p.getBoundingClientRect().right - parseFloat(cs.paddingRight)};"))
+        return dict(
+            self.js(
+                "var e = document.documentElement, t = document.getElementById('processes');"
+                "var p = t.parentElement, cs = getComputedStyle(p);"
+                "return {scroll: e.scrollWidth, client: e.clientWidth,"
+                " table: t.getBoundingClientRect().right,"
+                " box: p.getBoundingClientRect().right - parseFloat(cs.paddingRight)};"
+            )
+        )
 
     def assert_console_clean(self) -> None:
         """No script errors and no Content-Security-Policy refusals (what injected markup or a
         regression to inline scripts would cause)."""
-        bad = [e["message"] for e in self.d.get_log("browser")
-               if e.get("level") == "SEVERE" and "Failed to load resource" not in e["message"]]
+        bad = [
+            e["message"]
+            for e in self.d.get_log("browser")
+            if e.get("level") == "SEVERE" and "Failed to load resource" not in e["message"]
+        ]
         assert not bad, bad

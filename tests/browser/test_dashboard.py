@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Any, Callable
 
 import pytest
-import requests
 from selenium.common.exceptions import NoAlertPresentException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
@@ -36,7 +35,7 @@ def test_login_link_opens_the_dashboard(server: LiveServer, browser: Any) -> Non
     page.wait(lambda: browser.current_url == server.url + "/", "redirected to the dashboard")
     page.wait(lambda: browser.find_element(By.ID, "live").text == "live", "event stream connected")
     assert browser.find_element(By.ID, "proc-title").text == "Processes"
-    assert "token" not in browser.current_url                     # not left in the address bar
+    assert "token" not in browser.current_url  # not left in the address bar
     page.assert_console_clean()
 
 
@@ -49,7 +48,7 @@ def test_job_appears_live_with_gpu_cards(dash: Dashboard, jobs: Jobs) -> None:
     jobs(host, "gpu-live0001", memory=28 * GIB, cmdline="python train_resnet.py --epochs 90")
 
     dash.wait(lambda: dash.has_row("gpu-live0001"), "the new job's row appears")
-    assert dash.js("return window.samePage") is True                 # no reload
+    assert dash.js("return window.samePage") is True  # no reload
     dash.wait_cell("gpu-live0001", "Status", "RUNNING")
     assert "train_resnet.py" in dash.cell("gpu-live0001", "Process")
     assert "live-node" in dash.cell("gpu-live0001", "Host")
@@ -58,8 +57,10 @@ def test_job_appears_live_with_gpu_cards(dash: Dashboard, jobs: Jobs) -> None:
     assert "1 h 2 min" in dash.cell("gpu-live0001", "Runtime")
     assert dash.buttons("gpu-live0001") == {"Migrate": True, "Pause": True}
 
-    dash.wait(lambda: len(dash.host_section("live-node").find_elements(By.CSS_SELECTOR, "article.gpu")) == 4,
-              "four GPU cards for the new host")
+    dash.wait(
+        lambda: len(dash.host_section("live-node").find_elements(By.CSS_SELECTOR, "article.gpu")) == 4,
+        "four GPU cards for the new host",
+    )
     dash.wait(lambda: dash.bar(host.uuid(0))["flexium"] == 200, "GPU 0 bar: the job's 28 of 140 GiB")
     assert dash.bar(host.uuid(0))["other"] == 0
     assert dash.bar(host.uuid(1)) == {"flexium": 0, "other": 250}
@@ -90,11 +91,11 @@ def test_filters_and_search_narrow_the_table(dash: Dashboard, jobs: Jobs) -> Non
     dash.choose("filter-device", host.uuid(1))
     assert dash.visible_rows() == {"gpu-filt-b"}
     dash.search("")
-    assert dash.visible_rows() == {"gpu-filt-b"}                 # GPU 1 of filter-other is another GPU
+    assert dash.visible_rows() == {"gpu-filt-b"}  # GPU 1 of filter-other is another GPU
     dash.choose("filter-device", "none")
     assert "gpu-filt-c" in dash.visible_rows() and not {"gpu-filt-a", "gpu-filt-b"} & dash.visible_rows()
     dash.choose("filter-device", "")
-    dash.search("llama filter-node")                               # every word must match
+    dash.search("llama filter-node")  # every word must match
     assert dash.visible_rows() == {"gpu-filt-a", "gpu-filt-c"}
     assert "2 of" in dash.d.find_element(By.ID, "shown-count").text
     dash.search("bob")
@@ -122,10 +123,19 @@ def test_filters_and_search_narrow_the_table(dash: Dashboard, jobs: Jobs) -> Non
 
 
 def test_migrate_offers_only_gpus_that_fit_and_shows_the_outcome(dash: Dashboard, jobs: Jobs, api: Api) -> None:
-    host = FakeHost("mig-node", gpus=[Gpu(0), Gpu(1), Gpu(2, other=125 * GIB), Gpu(3, name="NVIDIA A100-SXM4-80GB", total=80 * GIB),
-                                      Gpu(4, health="xid 79"), Gpu(5, other=40 * GIB)])
+    host = FakeHost(
+        "mig-node",
+        gpus=[
+            Gpu(0),
+            Gpu(1),
+            Gpu(2, other=125 * GIB),
+            Gpu(3, name="NVIDIA A100-SXM4-80GB", total=80 * GIB),
+            Gpu(4, health="xid 79"),
+            Gpu(5, other=40 * GIB),
+        ],
+    )
     job = jobs(host, "gpu-mig-0001", memory=20 * GIB, op_seconds=1.87)
-    jobs(FakeHost("mig-other"), "gpu-mig-other", gpu=0)             # same model, other host: never offered
+    jobs(FakeHost("mig-other"), "gpu-mig-other", gpu=0)  # same model, other host: never offered
     job.hold.clear()
     dash.open()
     dash.wait_buttons("gpu-mig-0001", {"Migrate": True, "Pause": True})
@@ -148,7 +158,7 @@ def test_migrate_offers_only_gpus_that_fit_and_shows_the_outcome(dash: Dashboard
     assert command["state"] in ("queued", "delivered", "running")
 
     dash.wait_cell("gpu-mig-0001", "Status", "MIGRATING", "migrate → GPU 5: running")
-    assert dash.buttons("gpu-mig-0001") == {}                     # one command at a time
+    assert dash.buttons("gpu-mig-0001") == {}  # one command at a time
     assert any("running" in text for _role, text in dash.notices())
     job.hold.set()
     dash.wait_cell("gpu-mig-0001", "Status", "RUNNING")
@@ -156,13 +166,21 @@ def test_migrate_offers_only_gpus_that_fit_and_shows_the_outcome(dash: Dashboard
     last = dash.wait_cell("gpu-mig-0001", "Last migration", "migrate → GPU 5", "1.87 s", "driver path", "succeeded")
     assert "succeeded · " in last and ("just now" in last or "ago" in last)
     assert api.get(f"/commands/{command['id']}").json()["state"] == "succeeded"
-    dash.wait(lambda: any("succeeded in 1.87 s (driver path)" in text for _r, text in dash.notices()),
-              "a notice tells the outcome and the path that ran")
-    dash.wait(lambda: any(f"#{command['id']}" in item and "succeeded" in item and "1.87 s" in item
-                          for item in dash.command_items()), "recent commands list it")
+    dash.wait(
+        lambda: any("succeeded in 1.87 s (driver path)" in text for _r, text in dash.notices()),
+        "a notice tells the outcome and the path that ran",
+    )
+    dash.wait(
+        lambda: any(
+            f"#{command['id']}" in item and "succeeded" in item and "1.87 s" in item for item in dash.command_items()
+        ),
+        "recent commands list it",
+    )
     dash.wait_buttons("gpu-mig-0001", {"Migrate": True, "Pause": True})
-    dash.wait(lambda: dash.bar(host.uuid(5))["flexium"] > 0 and dash.bar(host.uuid(0))["flexium"] == 0,
-              "the job's memory moved on the GPU cards")
+    dash.wait(
+        lambda: dash.bar(host.uuid(5))["flexium"] > 0 and dash.bar(host.uuid(0))["flexium"] == 0,
+        "the job's memory moved on the GPU cards",
+    )
 
 
 def test_pause_and_resume_follow_the_state(dash: Dashboard, jobs: Jobs, api: Api) -> None:
@@ -172,7 +190,9 @@ def test_pause_and_resume_follow_the_state(dash: Dashboard, jobs: Jobs, api: Api
     dash.open()
     dash.wait_buttons("gpu-pause-01", {"Migrate": True, "Pause": True})
     assert dash.buttons("gpu-oldriver") == {"Migrate": False, "Pause": False}
-    assert "580+" in dash.row("gpu-oldriver").find_element(By.CSS_SELECTOR, "[data-action=migrate]").get_attribute("title")
+    assert "580+" in dash.row("gpu-oldriver").find_element(By.CSS_SELECTOR, "[data-action=migrate]").get_attribute(
+        "title"
+    )
 
     dash.click("gpu-pause-01", "pause")
     dash.wait_cell("gpu-pause-01", "Status", "PAUSED")
@@ -185,9 +205,9 @@ def test_pause_and_resume_follow_the_state(dash: Dashboard, jobs: Jobs, api: Api
 
     dash.click("gpu-pause-01", "resume")
     dash.wait(dash.dialog_open, "the Resume dialog opens")
-    assert dash.target_values()[0] == ""                           # "let flexium choose" comes first
+    assert dash.target_values()[0] == ""  # "let flexium choose" comes first
     assert dash.d.find_element(By.CSS_SELECTOR, '#target-dialog input[value=""]').is_selected()
-    assert set(dash.target_values()[1:]) == {host.uuid(i) for i in range(4)}      # sharing a GPU is fine when it has room
+    assert set(dash.target_values()[1:]) == {host.uuid(i) for i in range(4)}  # sharing a GPU is fine when it has room
     dash.pick_target(host.uuid(2))
     dash.submit_dialog()
     dash.wait_cell("gpu-pause-01", "Status", "RUNNING")
@@ -209,20 +229,22 @@ def test_keyboard_alone_can_migrate(dash: Dashboard, jobs: Jobs, api: Api) -> No
     assert active.get_attribute("aria-label") == "Migrate gpu-keys-001"
     active.send_keys(Keys.ENTER)
     dash.wait(dash.dialog_open, "Enter opens the dialog")
-    focused = dash.d.switch_to.active_element          # the first target, already chosen
+    focused = dash.d.switch_to.active_element  # the first target, already chosen
     assert focused.get_attribute("name") == "target" and focused.get_attribute("value") == host.uuid(1)
     focused.send_keys(Keys.ESCAPE)
     dash.wait(lambda: not dash.dialog_open(), "Escape closes it")
     assert dash.d.switch_to.active_element.get_attribute("aria-label") == "Migrate gpu-keys-001"
     dash.d.switch_to.active_element.send_keys(Keys.ENTER)
     dash.wait(dash.dialog_open, "the dialog opens again")
-    dash.d.switch_to.active_element.send_keys(Keys.ARROW_DOWN)      # radio group: next GPU
+    dash.d.switch_to.active_element.send_keys(Keys.ARROW_DOWN)  # radio group: next GPU
     assert dash.d.switch_to.active_element.get_attribute("value") == host.uuid(2)
-    dash.d.switch_to.active_element.send_keys(Keys.ENTER)           # submits the form
+    dash.d.switch_to.active_element.send_keys(Keys.ENTER)  # submits the form
     dash.wait_cell("gpu-keys-001", "Last migration", "migrate → GPU 2", "succeeded")
     assert api.commands("gpu-keys-001")[0]["target_uuid"] == host.uuid(2)
-    labels = dash.js("return Array.from(document.querySelectorAll('#filters input, #filters select'))"
-                     ".map(function (e) { return e.labels.length; })")
+    labels = dash.js(
+        "return Array.from(document.querySelectorAll('#filters input, #filters select'))"
+        ".map(function (e) { return e.labels.length; })"
+    )
     assert labels and all(n == 1 for n in labels)
 
 
@@ -239,9 +261,11 @@ def test_refused_and_failed_commands_are_visible(dash: Dashboard, jobs: Jobs, ap
     dash.submit_dialog()
     dash.wait(lambda: "already has command" in dash.dialog_error(), "the refusal shows in the dialog")
     assert dash.dialog_open()
-    assert any(role == "alert" and "migrate gpu-err-0001 refused" in text and "one at a time" in text
-               for role, text in dash.notices())
-    assert len(api.commands("gpu-err-0001")) == 1                   # nothing stored
+    assert any(
+        role == "alert" and "migrate gpu-err-0001 refused" in text and "one at a time" in text
+        for role, text in dash.notices()
+    )
+    assert len(api.commands("gpu-err-0001")) == 1  # nothing stored
     dash.d.find_element(By.CSS_SELECTOR, "#target-dialog [data-close]").click()
     dash.wait(lambda: not dash.dialog_open(), "the dialog closes")
 
@@ -255,10 +279,14 @@ def test_refused_and_failed_commands_are_visible(dash: Dashboard, jobs: Jobs, ap
     assert "resume" in last
     dash.wait_cell("gpu-err-0001", "Status", "PAUSED")
     dash.wait_buttons("gpu-err-0001", {"Resume": True})
-    dash.wait(lambda: any(role == "alert" and "failed: cuCheckpointProcessRestore" in text
-                          for role, text in dash.notices()), "a notice tells the failure")
-    dash.wait(lambda: any("failed" in item and "CUDA_ERROR_INVALID_VALUE" in item for item in dash.command_items()),
-              "recent commands show the error")
+    dash.wait(
+        lambda: any(role == "alert" and "failed: cuCheckpointProcessRestore" in text for role, text in dash.notices()),
+        "a notice tells the failure",
+    )
+    dash.wait(
+        lambda: any("failed" in item and "CUDA_ERROR_INVALID_VALUE" in item for item in dash.command_items()),
+        "recent commands show the error",
+    )
 
 
 def test_a_silent_job_is_shown_stale(dash: Dashboard, jobs: Jobs, api: Api) -> None:
@@ -269,7 +297,7 @@ def test_a_silent_job_is_shown_stale(dash: Dashboard, jobs: Jobs, api: Api) -> N
     job.die()
     dash.wait_cell("gpu-stale-01", "Status", "STALE", "silent since", timeout=20)
     assert dash.buttons("gpu-stale-01") == {"Forget": True}
-    section = dash.host_section("stale-node")                  # its host went silent too: folded
+    section = dash.host_section("stale-node")  # its host went silent too: folded
     assert section.get_attribute("data-stale") == "1" and section.get_attribute("open") is None
     assert "silent" in section.text
     dash.choose("filter-status", "STALE")
@@ -306,7 +334,7 @@ def test_client_text_is_escaped(dash: Dashboard, jobs: Jobs) -> None:
     assert dash.js("return document.querySelectorAll('img').length") == 0
     assert f"<b>{XSS}</b>" in dash.gpu_card(host.uuid(1)).text
     with pytest.raises(NoAlertPresentException):
-        dash.d.switch_to.alert.text
+        _ = dash.d.switch_to.alert.text
 
 
 def test_reconnects_after_a_server_restart(dash: Dashboard, server: LiveServer, jobs: Jobs) -> None:
@@ -323,26 +351,55 @@ def test_reconnects_after_a_server_restart(dash: Dashboard, server: LiveServer, 
 
 
 def _populate_for_screenshots(jobs: Jobs) -> SimJob:
-    host = FakeHost("dgx-h200-01", gpus=[Gpu(i, other=o * GIB, utilization=u) for i, (o, u) in
-                                          enumerate([(0, 92), (3, 97), (60, 40), (0, 0), (110, 71), (0, 12), (139, 100), (8, 55)])])
+    host = FakeHost(
+        "dgx-h200-01",
+        gpus=[
+            Gpu(i, other=o * GIB, utilization=u)
+            for i, (o, u) in enumerate([(0, 92), (3, 97), (60, 40), (0, 0), (110, 71), (0, 12), (139, 100), (8, 55)])
+        ],
+    )
     host.gpus[5].health = "xid 79"
-    jobs(host, "gpu-7f3a9c21", gpu=0, memory=48 * GIB, user="alice",
-         cmdline="python -m torch.distributed.run --nproc-per-node 1 train_llama.py --config configs/llama-8b-long-context.yaml")
+    jobs(
+        host,
+        "gpu-7f3a9c21",
+        gpu=0,
+        memory=48 * GIB,
+        user="alice",
+        cmdline="python -m torch.distributed.run --nproc-per-node 1 train_llama.py "
+        "--config configs/llama-8b-long-context.yaml",
+    )
     jobs(host, "gpu-0b91e4d7", gpu=1, memory=17 * GIB, user="bob", cmdline="python resnet50_imagenet.py")
-    jobs(host, "gpu-c4d2aa90", gpu=7, state="PAUSED", memory=33 * GIB, user="carol", cmdline="python -m finetune.whisper")
+    jobs(
+        host, "gpu-c4d2aa90", gpu=7, state="PAUSED", memory=33 * GIB, user="carol", cmdline="python -m finetune.whisper"
+    )
     long_id = "gpu-" + "averyveryverylongprocessidentifier" * 3
-    jobs(host, long_id[:120], gpu=3, memory=9 * GIB, user="dmitri.sokolovsky-longname", cmdline="accelerate launch sft.py")
+    jobs(
+        host,
+        long_id[:120],
+        gpu=3,
+        memory=9 * GIB,
+        user="dmitri.sokolovsky-longname",
+        cmdline="accelerate launch sft.py",
+    )
     busy = jobs(host, "gpu-5e6f7a8b", gpu=2, memory=22 * GIB, user="erin", cmdline="python ppo_agent.py")
     busy.hold.clear()
-    jobs(FakeHost("node-a100", gpus=[Gpu(i, name="NVIDIA A100-SXM4-80GB", total=80 * GIB) for i in range(2)]),
-         "gpu-aa00bb11", gpu=1, memory=30 * GIB, user="frank", cmdline="python bert.py")
+    jobs(
+        FakeHost("node-a100", gpus=[Gpu(i, name="NVIDIA A100-SXM4-80GB", total=80 * GIB) for i in range(2)]),
+        "gpu-aa00bb11",
+        gpu=1,
+        memory=30 * GIB,
+        user="frank",
+        cmdline="python bert.py",
+    )
     return busy
 
 
 def _full_page_screenshot(dash: Dashboard, path: Path, width: int, mobile: bool) -> None:
     height = int(dash.js("return document.documentElement.scrollHeight"))
-    dash.d.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
-                           {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": mobile})
+    dash.d.execute_cdp_cmd(
+        "Emulation.setDeviceMetricsOverride",
+        {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": mobile},
+    )
     dash.d.save_screenshot(str(path))
 
 
@@ -355,24 +412,32 @@ def test_layout_at_1280_and_on_a_phone(dash: Dashboard, jobs: Jobs, api: Api, ar
     dash.submit_dialog()
     dash.wait_cell("gpu-5e6f7a8b", "Status", "MIGRATING", "running")
     try:
-        for width, height, mobile, name in ((1280, 900, False, "dashboard-1280"), (1024, 768, False, "dashboard-1024"),
-                                            (390, 844, True, "dashboard-390")):
-            dash.d.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
-                                   {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": mobile})
-            dash.wait(lambda: dash.js("return window.innerWidth") == width, f"viewport {width} px")
+        for width, height, mobile, name in (
+            (1280, 900, False, "dashboard-1280"),
+            (1024, 768, False, "dashboard-1024"),
+            (390, 844, True, "dashboard-390"),
+        ):
+            dash.d.execute_cdp_cmd(
+                "Emulation.setDeviceMetricsOverride",
+                {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": mobile},
+            )
+            dash.wait(lambda: dash.js("return window.innerWidth") == width, f"viewport {width} px")  # noqa: B023 (waited on here)
             sizes = dash.overflow()
-            assert sizes["scroll"] <= sizes["client"] <= width, sizes     # a scroll bar may take a few px
+            assert sizes["scroll"] <= sizes["client"] <= width, sizes  # a scroll bar may take a few px
             assert sizes["table"] <= sizes["box"] + 0.5, sizes
             dash.d.save_screenshot(str(artifacts / f"{name}-top.png"))
             _full_page_screenshot(dash, artifacts / f"{name}.png", width, mobile)
             if mobile:
-                display = dash.js("return getComputedStyle(document.getElementById(arguments[0])).display",
-                                  "proc-gpu-7f3a9c21")
-                assert display == "grid"                           # one card per process
+                display = dash.js(
+                    "return getComputedStyle(document.getElementById(arguments[0])).display", "proc-gpu-7f3a9c21"
+                )
+                assert display == "grid"  # one card per process
                 button = dash.row("gpu-7f3a9c21").find_element(By.CSS_SELECTOR, "[data-action=migrate]")
                 assert button.is_displayed() and button.size["height"] >= 36
-                dash.d.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
-                                       {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": mobile})
+                dash.d.execute_cdp_cmd(
+                    "Emulation.setDeviceMetricsOverride",
+                    {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": mobile},
+                )
                 dash.js("arguments[0].scrollIntoView()", button)
                 button.click()
                 dash.wait(dash.dialog_open, "the Migrate dialog opens on the phone")

@@ -18,7 +18,12 @@ import requests
 
 import fake_driver  # tests/ is on sys.path: tests/conftest.py
 from live_server import (  # noqa: F401  (free_port: for the tests)
-    ProcessOutput, ServerProcess, clean_env, flexium_command, free_port, wait_until,
+    ProcessOutput,
+    ServerProcess,
+    clean_env,
+    flexium_command,
+    free_port,
+    wait_until,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -40,8 +45,14 @@ class Server:
         self.home.mkdir(parents=True, exist_ok=True)
         self.database = f"sqlite:///{tmp / 'server.db'}"
         self.child = ServerProcess(
-            self.home, "--heartbeat-interval", str(HEARTBEAT_S), "--stale-after", "20",
-            database=self.database, port=port, env=clean_env(self.home),
+            self.home,
+            "--heartbeat-interval",
+            str(HEARTBEAT_S),
+            "--stale-after",
+            "20",
+            database=self.database,
+            port=port,
+            env=clean_env(self.home),
         )
         self.token: Optional[str] = None
 
@@ -63,8 +74,13 @@ class Server:
 
     def create_workspace(self) -> str:
         """``flexium workspace create`` on the database (the server need not run)."""
-        done = subprocess.run([*flexium_command(), "workspace", "create", WORKSPACE, "--database", self.database],
-                              env=clean_env(self.home), capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            [*flexium_command(), "workspace", "create", WORKSPACE, "--database", self.database],
+            env=clean_env(self.home),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert done.returncode == 0, done.stderr
         self.token = done.stdout.strip().splitlines()[-1]
         assert self.token.startswith("flx_"), done.stdout
@@ -81,8 +97,9 @@ class Server:
         return {"Authorization": f"Bearer {token or self.token}"}
 
     def get(self, path: str, **kw: Any) -> requests.Response:
-        return requests.get(self.api + path, headers=kw.pop("headers", self.headers()), timeout=kw.pop("timeout", 10),
-                            **kw)
+        return requests.get(
+            self.api + path, headers=kw.pop("headers", self.headers()), timeout=kw.pop("timeout", 10), **kw
+        )
 
     def post(self, path: str, json: Any = None, **kw: Any) -> requests.Response:
         return requests.post(self.api + path, json=json, headers=kw.pop("headers", self.headers()), timeout=10, **kw)
@@ -91,27 +108,42 @@ class Server:
         r = self.get(f"/processes/{process_id}")
         return r.json() if r.status_code == 200 else None
 
-    def cli(self, *args: str, timeout: float = 60.0, env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess[str]:
+    def cli(
+        self, *args: str, timeout: float = 60.0, env: Optional[dict[str, str]] = None
+    ) -> subprocess.CompletedProcess[str]:
         run_env = clean_env(self.home)
         run_env["FLEXIUM_SERVER"] = self.address
         run_env["FLEXIUM_TOKEN"] = self.token or ""
         run_env.update(env or {})
-        return subprocess.run([*flexium_command(), *args], env=run_env, capture_output=True, text=True,
-                              timeout=timeout, cwd=self.home)
+        return subprocess.run(
+            [*flexium_command(), *args], env=run_env, capture_output=True, text=True, timeout=timeout, cwd=self.home
+        )
 
 
 class Job:
     """A training process (tests/e2e/train_job.py)."""
 
-    def __init__(self, server: Server, *, fake: bool, memory_mib: int = 1024, address: Optional[str] = None,
-                 extra_env: Optional[dict[str, str]] = None) -> None:
+    def __init__(
+        self,
+        server: Server,
+        *,
+        fake: bool,
+        memory_mib: int = 1024,
+        address: Optional[str] = None,
+        extra_env: Optional[dict[str, str]] = None,
+    ) -> None:
         self.server = server
         self.control = server.tmp / f"control-{time.monotonic_ns()}"
         library = fake_driver.build()
         env = clean_env(server.home)
         if fake:
-            env.update({k: v for k, v in fake_driver.subprocess_env(library).items()
-                        if k in ("FLEXIUM_LIBCUDA", "FLEXIUM_LIBNVML", "PYTHONPATH")})
+            env.update(
+                {
+                    k: v
+                    for k, v in fake_driver.subprocess_env(library).items()
+                    if k in ("FLEXIUM_LIBCUDA", "FLEXIUM_LIBNVML", "PYTHONPATH")
+                }
+            )
         else:
             # NVML only: the job sees the host's GPUs but has no driver to move itself with.
             env["FLEXIUM_LIBNVML"] = str(library)
@@ -121,8 +153,14 @@ class Job:
         env["E2E_CONTROL"] = str(self.control)
         env["E2E_PRINT_EVERY"] = "5"
         env.update(extra_env or {})
-        self.proc = subprocess.Popen([sys.executable, str(TRAIN_JOB)], env=env, stdout=subprocess.PIPE,
-                                     stderr=subprocess.STDOUT, text=True, cwd=server.home)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(TRAIN_JOB)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            cwd=server.home,
+        )
         self.output = Output(self.proc)
         match = self.output.wait_for(r"^init (\S+) (gpu-[0-9a-f]+)$", 60)
         self.init_seconds = float(match.group(1))
@@ -133,8 +171,9 @@ class Job:
         return max(numbers, default=0)
 
     def wait_registered(self, timeout: float = 20.0) -> dict[str, Any]:
-        return wait_until(lambda: self.server.process(self.process_id), timeout,
-                          f"process {self.process_id} to register")
+        return wait_until(
+            lambda: self.server.process(self.process_id), timeout, f"process {self.process_id} to register"
+        )
 
     def arm_failure(self, function: str, code: str) -> None:
         start = len(self.output.lines)
@@ -150,7 +189,5 @@ class Job:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait()
-                raise AssertionError("the training process did not exit:\n" + self.output.text[-3000:])
+                raise AssertionError("the training process did not exit:\n" + self.output.text[-3000:]) from None
         return int(self.proc.returncode)
-
-

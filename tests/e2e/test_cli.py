@@ -30,21 +30,29 @@ _BLOCK_SERVER_PACKAGES = (
 
 
 def test_help_lists_every_command(tmp_path: Path) -> None:
-    done = subprocess.run([*flexium_command(), "--help"], env=clean_env(tmp_path), capture_output=True, text=True,
-                          timeout=30)
+    done = subprocess.run(
+        [*flexium_command(), "--help"], env=clean_env(tmp_path), capture_output=True, text=True, timeout=30
+    )
     assert done.returncode == 0
     for command in ("doctor", "ps", "devices", "migrate", "pause", "resume", "demo", "server", "workspace", "token"):
         assert f"    {command}" in done.stdout, command
-    done = subprocess.run([*flexium_command(), "server", "--help"], env=clean_env(tmp_path), capture_output=True,
-                          text=True, timeout=30)
+    done = subprocess.run(
+        [*flexium_command(), "server", "--help"], env=clean_env(tmp_path), capture_output=True, text=True, timeout=30
+    )
     assert done.returncode == 0 and "--database" in done.stdout and "flexium server" in done.stdout
 
 
-@pytest.mark.parametrize("argv", [["server"], ["workspace", "create", "x"], ["token", "list", "x"],
-                                  ["demo", "--port", "1"]])
+@pytest.mark.parametrize(
+    "argv", [["server"], ["workspace", "create", "x"], ["token", "list", "x"], ["demo", "--port", "1"]]
+)
 def test_missing_server_extra_says_how_to_install_it(tmp_path: Path, argv: list[str]) -> None:
-    done = subprocess.run([sys.executable, "-c", _BLOCK_SERVER_PACKAGES, *argv], env=clean_env(tmp_path),
-                          capture_output=True, text=True, timeout=30)
+    done = subprocess.run(
+        [sys.executable, "-c", _BLOCK_SERVER_PACKAGES, *argv],
+        env=clean_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert done.returncode == 2, done.stderr
     assert 'pip install "flexium[server]"' in done.stderr
     assert "Traceback" not in done.stderr
@@ -53,8 +61,13 @@ def test_missing_server_extra_says_how_to_install_it(tmp_path: Path, argv: list[
 def test_help_needs_no_server_extra(tmp_path: Path) -> None:
     """Every parser lives in cli/, so the server's commands explain themselves on a client install too."""
     for argv in (["server", "--help"], ["token", "issue", "--help"]):
-        done = subprocess.run([sys.executable, "-c", _BLOCK_SERVER_PACKAGES, *argv], env=clean_env(tmp_path),
-                              capture_output=True, text=True, timeout=30)
+        done = subprocess.run(
+            [sys.executable, "-c", _BLOCK_SERVER_PACKAGES, *argv],
+            env=clean_env(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
         assert done.returncode == 0, done.stderr
         assert f"usage: flexium {' '.join(argv[:-1])}" in done.stdout and "--database" in done.stdout
 
@@ -62,21 +75,28 @@ def test_help_needs_no_server_extra(tmp_path: Path) -> None:
 def test_python_m_flexium_server_is_flexium_server(tmp_path: Path) -> None:
     env = clean_env(tmp_path)
     for argv, usage in ((["--help"], "usage: flexium server"), (["workspace", "--help"], "usage: flexium workspace")):
-        done = subprocess.run([sys.executable, "-m", "flexium.server", *argv], env=env, capture_output=True,
-                              text=True, timeout=30)
+        done = subprocess.run(
+            [sys.executable, "-m", "flexium.server", *argv], env=env, capture_output=True, text=True, timeout=30
+        )
         assert done.returncode == 0 and usage in done.stdout, done.stderr
     for argv, error in ((["--port", "x"], "argument --port"), (["--hots"], "unrecognized arguments: --hots")):
-        done = subprocess.run([sys.executable, "-m", "flexium.server", *argv], env=env, capture_output=True,
-                              text=True, timeout=30)
+        done = subprocess.run(
+            [sys.executable, "-m", "flexium.server", *argv], env=env, capture_output=True, text=True, timeout=30
+        )
         assert done.returncode == 2 and f"flexium server: error: {error}" in done.stderr, done.stderr
 
 
 def test_flexium_server_command_serves(tmp_path: Path) -> None:
     port = free_port()
-    proc = subprocess.Popen([*flexium_command(), "server", "--port", str(port), "--database",
-                             f"sqlite:///{tmp_path / 'cli.db'}"], env=clean_env(tmp_path),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [*flexium_command(), "server", "--port", str(port), "--database", f"sqlite:///{tmp_path / 'cli.db'}"],
+        env=clean_env(tmp_path),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
+
         def up() -> bool:
             assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
             try:
@@ -93,15 +113,25 @@ def test_flexium_server_command_serves(tmp_path: Path) -> None:
 
 def test_tokens_issued_and_revoked_from_the_command_line(server: Server) -> None:
     env = clean_env(server.home)
-    issued = subprocess.run([*flexium_command(), "token", "issue", WORKSPACE, "--name", "ci", "--database",
-                             server.database], env=env, capture_output=True, text=True, timeout=60)
+    issued = subprocess.run(
+        [*flexium_command(), "token", "issue", WORKSPACE, "--name", "ci", "--database", server.database],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert issued.returncode == 0, issued.stderr
     token = issued.stdout.strip().splitlines()[-1]
     assert token.startswith("flx_") and token != server.token
     done = server.cli("ps", "--token", token)
     assert done.returncode == 0, done.stderr
-    revoked = subprocess.run([*flexium_command(), "token", "revoke", WORKSPACE, token, "--database",
-                              server.database], env=env, capture_output=True, text=True, timeout=60)
+    revoked = subprocess.run(
+        [*flexium_command(), "token", "revoke", WORKSPACE, token, "--database", server.database],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert revoked.returncode == 0, revoked.stderr
     # A token revoked on the database directly stops working within the server's cache time.
     started = time.monotonic()

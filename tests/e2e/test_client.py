@@ -27,8 +27,17 @@ from flexium.errors import (
 pytestmark = pytest.mark.timeout(120)
 
 GIB = 1 << 30
-GPUS = [GpuIdentity(ordinal=i, uuid=f"GPU-e2e0000{i}", name="NVIDIA H200", total_memory=140 * GIB,
-                    pci_bus_id=f"0000:0{i}:00.0", nvml_index=i) for i in range(2)]
+GPUS = [
+    GpuIdentity(
+        ordinal=i,
+        uuid=f"GPU-e2e0000{i}",
+        name="NVIDIA H200",
+        total_memory=140 * GIB,
+        pci_bus_id=f"0000:0{i}:00.0",
+        nvml_index=i,
+    )
+    for i in range(2)
+]
 
 
 class ScriptedEngine:
@@ -64,20 +73,41 @@ class ScriptedReporter:
         self.process_id = process_id
 
     def register_body(self, _gpus: Any) -> wire.RegisterRequest:
-        return wire.RegisterRequest.model_validate({"process_id": self.process_id, "host": "e2e-host", "pid": 1, "gpu_uuid": GPUS[0].uuid,
-                "gpu_model": "NVIDIA H200", "gpu_index": 0, "logical_device": "cuda:0",
-                "physical_device": "cuda:0", "visible_gpus": [g.uuid for g in GPUS],
-                "capabilities": {"pause_resume": True, "migration": True}, "memory_bytes": GIB,
-                "state": "RUNNING", "devices": [
-                    {"uuid": g.uuid, "index": g.ordinal, "name": g.name, "memory_total": g.total_memory,
-                     "memory_used": GIB if g.ordinal == 0 else 0, "health": "ok"} for g in GPUS]})
+        return wire.RegisterRequest.model_validate(
+            {
+                "process_id": self.process_id,
+                "host": "e2e-host",
+                "pid": 1,
+                "gpu_uuid": GPUS[0].uuid,
+                "gpu_model": "NVIDIA H200",
+                "gpu_index": 0,
+                "logical_device": "cuda:0",
+                "physical_device": "cuda:0",
+                "visible_gpus": [g.uuid for g in GPUS],
+                "capabilities": {"pause_resume": True, "migration": True},
+                "memory_bytes": GIB,
+                "state": "RUNNING",
+                "devices": [
+                    {
+                        "uuid": g.uuid,
+                        "index": g.ordinal,
+                        "name": g.name,
+                        "memory_total": g.total_memory,
+                        "memory_used": GIB if g.ordinal == 0 else 0,
+                        "health": "ok",
+                    }
+                    for g in GPUS
+                ],
+            }
+        )
 
     def heartbeat_body(self, _gpus: Any) -> wire.HeartbeatRequest:
         return wire.HeartbeatRequest(state="RUNNING", memory_bytes=GIB)
 
     def process_update(self) -> wire.ProcessUpdate:
-        return wire.ProcessUpdate(state="RUNNING", gpu_uuid=GPUS[0].uuid, gpu_index=0, physical_device="cuda:0",
-                                  memory_bytes=GIB)
+        return wire.ProcessUpdate(
+            state="RUNNING", gpu_uuid=GPUS[0].uuid, gpu_index=0, physical_device="cuda:0", memory_bytes=GIB
+        )
 
     def capabilities(self) -> dict[str, Any]:
         return {"pause_resume": True, "migration": True, "problems": []}
@@ -87,16 +117,18 @@ def _session(process_id: str, engine: Optional[ScriptedEngine], address: str, to
     from flexium.config import FlexiumConfig
 
     config = FlexiumConfig(orchestrator=address, token=token, address=parse_server_address(address))
-    return SimpleNamespace(config=config, engine=engine, process_id=process_id, logical_device="cuda:0",
-                           capabilities=None)
+    return SimpleNamespace(
+        config=config, engine=engine, process_id=process_id, logical_device="cuda:0", capabilities=None
+    )
 
 
 @pytest.fixture
 def scripted(server: Server) -> Iterator[tuple[ProcessClient, ScriptedEngine]]:
     engine = ScriptedEngine()
     session = _session("gpu-scripted", engine, server.address, server.token)
-    client = ProcessClient(session, ApiClient(session.config.address, server.token),
-                           reporter=ScriptedReporter("gpu-scripted")).start()  # type: ignore[arg-type]
+    client = ProcessClient(
+        session, ApiClient(session.config.address, server.token), reporter=ScriptedReporter("gpu-scripted")
+    ).start()  # type: ignore[arg-type]
     assert client.wait_registered(10)
     yield client, engine
     client.stop()
@@ -114,24 +146,28 @@ def _command(server: Server, kind: str, target: Optional[str] = None) -> dict[st
 
 
 def test_engine_refusals_are_failed_commands_with_the_message(
-        server: Server, scripted: tuple[ProcessClient, ScriptedEngine]) -> None:
+    server: Server, scripted: tuple[ProcessClient, ScriptedEngine]
+) -> None:
     client, engine = scripted
-    refusals = [TargetRefusedError("cuda:1 has 0.20 GiB free; the job needs 1.00 GiB"),
-                OperationInProgressError("cannot pause: another operation is in progress (MIGRATING)"),
-                CapabilityError("migration to another GPU is not available on this machine: driver 575"),
-                InvalidStateError("cannot migrate: an earlier rollback failed")]
+    refusals = [
+        TargetRefusedError("cuda:1 has 0.20 GiB free; the job needs 1.00 GiB"),
+        OperationInProgressError("cannot pause: another operation is in progress (MIGRATING)"),
+        CapabilityError("migration to another GPU is not available on this machine: driver 575"),
+        InvalidStateError("cannot migrate: an earlier rollback failed"),
+    ]
     kinds = ["migrate", "pause", "migrate", "migrate"]
-    for kind, refusal in zip(kinds, refusals):
+    for kind, refusal in zip(kinds, refusals, strict=True):
         engine.outcomes.append(refusal)
         done = _command(server, kind, "cuda:1" if kind == "migrate" else None)
         assert done["state"] == "failed" and done["error"] == str(refusal)
     assert [k for k, _ in engine.calls] == kinds
-    assert engine.calls[0][1] == GPUS[1].uuid        # the physical GPU, by UUID
+    assert engine.calls[0][1] == GPUS[1].uuid  # the physical GPU, by UUID
     assert server.process("gpu-scripted")["state"] == "RUNNING"
 
 
 def test_the_engine_gets_the_uuid_whatever_the_target_text(
-        server: Server, scripted: tuple[ProcessClient, ScriptedEngine]) -> None:
+    server: Server, scripted: tuple[ProcessClient, ScriptedEngine]
+) -> None:
     """The server resolves cuda:N, an nvidia-smi index or a UUID once; the engine sees the UUID."""
     _, engine = scripted
     for target in ("1", GPUS[1].uuid, "cuda:1"):
@@ -142,11 +178,20 @@ def test_the_engine_gets_the_uuid_whatever_the_target_text(
 
 def test_a_failed_operation_reports_its_timings(server: Server, scripted: tuple[ProcessClient, ScriptedEngine]) -> None:
     _, engine = scripted
-    result = OperationResult(kind=OperationKind.MIGRATE, path="driver", ok=False, logical_device="cuda:0",
-                             source=GPUS[0], target=GPUS[1], seconds=0.25, failed_step="restore",
-                             error="step 'restore' failed; rolled back")
-    engine.outcomes.append(OperationFailedError("migrate failed: step 'restore' failed; rolled back",
-                                                step="restore", result=result))
+    result = OperationResult(
+        kind=OperationKind.MIGRATE,
+        path="driver",
+        ok=False,
+        logical_device="cuda:0",
+        source=GPUS[0],
+        target=GPUS[1],
+        seconds=0.25,
+        failed_step="restore",
+        error="step 'restore' failed; rolled back",
+    )
+    engine.outcomes.append(
+        OperationFailedError("migrate failed: step 'restore' failed; rolled back", step="restore", result=result)
+    )
     done = _command(server, "migrate", "cuda:1")
     assert done["state"] == "failed" and "rolled back" in done["error"]
     assert done["result"]["failed_step"] == "restore" and done["result"]["seconds"] == 0.25
@@ -160,8 +205,9 @@ def test_no_engine_refuses_every_command(server: Server) -> None:
         def capabilities(self) -> dict[str, Any]:
             return {"pause_resume": False, "migration": False, "problems": ["no NVIDIA driver"]}
 
-    client = ProcessClient(session, ApiClient(session.config.address, server.token),
-                           reporter=Reporter("gpu-noengine")).start()  # type: ignore[arg-type]
+    client = ProcessClient(
+        session, ApiClient(session.config.address, server.token), reporter=Reporter("gpu-noengine")
+    ).start()  # type: ignore[arg-type]
     try:
         assert client.wait_registered(10)
         r = server.post("/commands", {"kind": "pause", "process_id": "gpu-noengine"})

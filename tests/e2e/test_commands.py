@@ -56,8 +56,11 @@ def test_migrate_from_the_command_line(server: Server, job: Job) -> None:
     out = done.stdout
     assert re.search(rf"^migrate {job.process_id} to cuda:1: succeeded in [\d.]+ s$", out, re.M), out
     assert re.search(r"delivered [\d.]+ ms after it was queued", out), out
-    assert re.search(r"operation [\d.]+ ms, driver path, \(prepare [\d.]+ ms, lock [\d.]+ ms, checkpoint [\d.]+ ms, "
-                     r"restore [\d.]+ ms, unlock [\d.]+ ms\); 2\.0 GiB moved", out), out
+    assert re.search(
+        r"operation [\d.]+ ms, driver path, \(prepare [\d.]+ ms, lock [\d.]+ ms, checkpoint [\d.]+ ms, "
+        r"restore [\d.]+ ms, unlock [\d.]+ ms\); 2\.0 GiB moved",
+        out,
+    ), out
     assert "RUNNING on cuda:1" in out and "nvidia-smi index 1" in out
     # While it was under way the command said where it stood, on stderr.
     assert re.search(rf"^migrate {job.process_id} to cuda:1: command \d+ queued", done.stderr, re.M), done.stderr
@@ -68,7 +71,7 @@ def test_migrate_from_the_command_line(server: Server, job: Job) -> None:
     table = server.cli("ps").stdout
     assert "cuda:0 (on cuda:1)" in table
     row = next(line for line in table.splitlines() if job.process_id in line)
-    assert row.split()[-2:] == ["driver", "-"], row    # CPU torch: no memory pool, the driver path moves it
+    assert row.split()[-2:] == ["driver", "-"], row  # CPU torch: no memory pool, the driver path moves it
 
 
 def test_commands_arrive_within_100_ms(server: Server, job: Job, record_property: Any) -> None:
@@ -81,14 +84,17 @@ def test_commands_arrive_within_100_ms(server: Server, job: Job, record_property
         assert done.returncode == 0, done.stderr
         command = json.loads(done.stdout)
         delivered.append(command["delivered_at"] - command["created_at"])
-        match = job.output.wait_for(rf"command {command['id']}: migrate to {target} \(received ([\d.]+) ms", 5,
-                                    start=start)
+        match = job.output.wait_for(
+            rf"command {command['id']}: migrate to {target} \(received ([\d.]+) ms", 5, start=start
+        )
         received.append(float(match.group(1)) / 1e3)
     record_property("delivery_ms_server", [round(s * 1e3, 1) for s in delivered])
     record_property("delivery_ms_process", [round(s * 1e3, 1) for s in received])
-    print(f"\ndelivery created->delivered (server) ms: median {statistics.median(delivered) * 1e3:.1f}, "
-          f"max {max(delivered) * 1e3:.1f}; created->received (process) ms: median "
-          f"{statistics.median(received) * 1e3:.1f}, max {max(received) * 1e3:.1f}")
+    print(
+        f"\ndelivery created->delivered (server) ms: median {statistics.median(delivered) * 1e3:.1f}, "
+        f"max {max(delivered) * 1e3:.1f}; created->received (process) ms: median "
+        f"{statistics.median(received) * 1e3:.1f}, max {max(received) * 1e3:.1f}"
+    )
     assert max(delivered) < DELIVERY_LIMIT_S, delivered
     assert max(received) < DELIVERY_LIMIT_S, received
 
@@ -103,8 +109,9 @@ def test_pause_and_resume_from_the_command_line(server: Server, job: Job) -> Non
     # Heartbeats go on while the job is frozen, and training really stopped.
     seen = p["last_seen"]
     steps = job.steps()
-    wait_until(lambda: (server.process(job.process_id) or {}).get("last_seen", 0) > seen + 0.4, 10,
-               "a heartbeat while paused")
+    wait_until(
+        lambda: (server.process(job.process_id) or {}).get("last_seen", 0) > seen + 0.4, 10, "a heartbeat while paused"
+    )
     assert server.process(job.process_id)["state"] == "PAUSED"
     assert job.steps() <= steps + 5
 
@@ -152,8 +159,9 @@ def test_refused_before_anything_moves(server: Server, job: Job) -> None:
     done = server.cli("pause", job.process_id, "--no-wait", "--json")
     assert done.returncode == 0 and json.loads(done.stdout)["state"] == "queued"
     busy = server.cli("migrate", job.process_id, "cuda:1")
-    assert busy.returncode == 1 and ("one at a time" in busy.stderr or "PAUSED" in busy.stderr or
-                                     "PAUSING" in busy.stderr), busy.stderr
+    assert busy.returncode == 1 and (
+        "one at a time" in busy.stderr or "PAUSED" in busy.stderr or "PAUSING" in busy.stderr
+    ), busy.stderr
     wait_until(lambda: server.process(job.process_id)["state"] == "PAUSED", 10, "the pause")
     assert server.cli("resume", job.process_id).returncode == 0
     assert time.monotonic() - started < 30

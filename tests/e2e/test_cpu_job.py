@@ -40,15 +40,18 @@ def test_registers_with_capabilities_saying_no_migration(server: Server, job: Jo
     table = server.cli("ps")
     assert table.returncode == 0 and job.process_id in table.stdout and "RUNNING" in table.stdout
     row = next(line for line in table.stdout.splitlines() if job.process_id in line)
-    assert row.split()[-2:] == ["-", "-"], row         # MOVES: none; COMMAND: none
+    assert row.split()[-2:] == ["-", "-"], row  # MOVES: none; COMMAND: none
     assert "MOVES: fast = " in table.stdout
 
 
 def test_heartbeats_keep_it_fresh(server: Server, job: Job) -> None:
     first = server.process(job.process_id)
     assert first is not None
-    wait_until(lambda: (server.process(job.process_id) or {}).get("last_seen", 0) > first["last_seen"] + 0.4,
-               10, "a later heartbeat")
+    wait_until(
+        lambda: (server.process(job.process_id) or {}).get("last_seen", 0) > first["last_seen"] + 0.4,
+        10,
+        "a later heartbeat",
+    )
 
 
 def test_devices_of_the_host_are_reported(server: Server, job: Job) -> None:
@@ -79,13 +82,18 @@ def test_commands_to_a_cpu_job_are_refused_with_a_reason(server: Server, job: Jo
 
 def test_bad_input_is_a_4xx_with_a_message(server: Server, job: Job) -> None:
     cases = [
-        requests.post(server.api + "/commands", data=b"{not json", timeout=10,
-                      headers={**server.headers(), "Content-Type": "application/json"}),
+        requests.post(
+            server.api + "/commands",
+            data=b"{not json",
+            timeout=10,
+            headers={**server.headers(), "Content-Type": "application/json"},
+        ),
         server.post("/commands", {"kind": "explode", "process_id": job.process_id}),
         server.post("/commands", {"kind": "pause", "process_id": "gpu-nobody00"}),
         server.post("/commands", {"kind": "pause", "process_id": job.process_id}, headers={}),
-        server.post("/commands", {"kind": "pause", "process_id": job.process_id},
-                    headers=server.headers("flx_not-a-real-token")),
+        server.post(
+            "/commands", {"kind": "pause", "process_id": job.process_id}, headers=server.headers("flx_not-a-real-token")
+        ),
         server.post(f"/processes/{job.process_id}/heartbeat", {"state": "DANCING"}),
         server.post("/processes", {"process_id": "bad id with blanks", "host": "h"}),
     ]

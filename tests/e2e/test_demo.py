@@ -33,8 +33,14 @@ def test_demo_starts_server_and_job_and_stops_both(tmp_path: Path) -> None:
     home = tmp_path / "home"
     home.mkdir()
     port = free_port()
-    demo = subprocess.Popen([*flexium_command(), "demo", "--port", str(port)], env=clean_env(home), cwd=home,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    demo = subprocess.Popen(
+        [*flexium_command(), "demo", "--port", str(port)],
+        env=clean_env(home),
+        cwd=home,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     out = Output(demo)
     try:
         link = out.wait_for(rf"dashboard: (http://127\.0\.0\.1:{port}/login#token=(flx_\S+))$", 60)
@@ -43,8 +49,9 @@ def test_demo_starts_server_and_job_and_stops_both(tmp_path: Path) -> None:
         job_pid = int(out.wait_for(r"demo training job started \(pid (\d+)\)", 30).group(1))
         registered = out.wait_for(r"job (gpu-[0-9a-f]+) registered \(RUNNING", 90)
         assert (home / ".flexium" / "server.db").exists()
-        r = requests.get(f"http://127.0.0.1:{port}/api/w/default/processes",
-                         headers={"Authorization": f"Bearer {token}"}, timeout=10)
+        r = requests.get(
+            f"http://127.0.0.1:{port}/api/w/default/processes", headers={"Authorization": f"Bearer {token}"}, timeout=10
+        )
         assert r.status_code == 200
         processes = {p["process_id"]: p for p in r.json()}
         assert processes[registered.group(1)]["pid"] == job_pid
@@ -73,7 +80,13 @@ def test_demo_says_what_is_missing_when_the_port_is_taken(tmp_path: Path) -> Non
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        done = subprocess.run([*flexium_command(), "demo", "--port", str(port)], env=clean_env(home), cwd=home,
-                              capture_output=True, text=True, timeout=60)
+        done = subprocess.run(
+            [*flexium_command(), "demo", "--port", str(port)],
+            env=clean_env(home),
+            cwd=home,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
     assert done.returncode == 1
     assert re.search(rf"port {port} .* is in use", done.stderr), done.stderr

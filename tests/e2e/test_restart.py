@@ -43,8 +43,11 @@ def test_restart_loses_nothing_and_jobs_reattach(tmp_path: Path) -> None:
         assert done["state"] == "succeeded", done
         p = server.process(job.process_id)
         assert p is not None and p["state"] == "RUNNING" and p["physical_device"] == "cuda:1"
-        wait_until(lambda: server.process(job.process_id)["last_seen"] > restarted + 0.5, 10,
-                   "heartbeats to the restarted server")
+        wait_until(
+            lambda: server.process(job.process_id)["last_seen"] > restarted + 0.5,
+            10,
+            "heartbeats to the restarted server",
+        )
 
         # A paused job across a restart, then forgotten by the server: it registers again, PAUSED.
         assert server.cli("pause", job.process_id).returncode == 0
@@ -56,8 +59,12 @@ def test_restart_loses_nothing_and_jobs_reattach(tmp_path: Path) -> None:
         assert r.status_code == 409 and "PAUSED" in r.json()["message"]
         import requests
 
-        assert requests.delete(f"{server.api}/processes/{job.process_id}", headers=server.headers(),
-                               timeout=10).status_code == 204
+        assert (
+            requests.delete(
+                f"{server.api}/processes/{job.process_id}", headers=server.headers(), timeout=10
+            ).status_code
+            == 204
+        )
         job.output.wait_for(r"registered again with the server", 20)
         p = wait_until(lambda: server.process(job.process_id), 10, "the job to register again")
         assert p["state"] == "PAUSED" and p["memory_bytes"] == 0 and p["footprint_bytes"] == 1024 << 20
@@ -74,7 +81,7 @@ def test_restart_loses_nothing_and_jobs_reattach(tmp_path: Path) -> None:
 def test_server_down_at_job_start(tmp_path: Path) -> None:
     server = Server(tmp_path)
     server.create_workspace()
-    job = Job(server, fake=False)        # nothing listens on the port yet
+    job = Job(server, fake=False)  # nothing listens on the port yet
     try:
         assert job.init_seconds < 1.0, "flexium.init() waited for the server"
         job.output.wait_for(r"^step 10 ", 10)

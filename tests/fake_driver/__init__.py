@@ -223,9 +223,7 @@ def build(force: bool = False) -> Path:
     fd, tmp_name = tempfile.mkstemp(prefix=".libfake_cuda.", suffix=".so", dir=BUILD_DIR)
     os.close(fd)
     try:
-        done = subprocess.run(
-            [compiler, *CFLAGS, "-o", tmp_name, str(SOURCE)], capture_output=True, text=True
-        )
+        done = subprocess.run([compiler, *CFLAGS, "-o", tmp_name, str(SOURCE)], capture_output=True, text=True)
         if done.returncode != 0:
             raise RuntimeError(f"building the fake driver failed ({compiler}):\n{done.stderr}")
         os.chmod(tmp_name, 0o755)
@@ -291,8 +289,13 @@ class FakeDriver:
             "fake_log_dropped": (c_long, []),
             "fake_log_entry": (
                 c_int,
-                [c_int, ctypes.POINTER(ctypes.c_char_p), ctypes.POINTER(c_int), ctypes.POINTER(c_int),
-                 ctypes.POINTER(c_long)],
+                [
+                    c_int,
+                    ctypes.POINTER(ctypes.c_char_p),
+                    ctypes.POINTER(c_int),
+                    ctypes.POINTER(c_int),
+                    ctypes.POINTER(c_long),
+                ],
             ),
             "fake_clear_log": (None, []),
             "fake_blocked_calls": (c_int, []),
@@ -344,8 +347,13 @@ class FakeDriver:
         self._check(self._lib.fake_set_other_memory(physical, nbytes), f"GPU {physical}")
 
     def set_gpu_activity(
-        self, physical: int, *, utilization: int = 0, memory_utilization: int = 0,
-        temperature_c: int = 35, ecc_uncorrected: int = 0,
+        self,
+        physical: int,
+        *,
+        utilization: int = 0,
+        memory_utilization: int = 0,
+        temperature_c: int = 35,
+        ecc_uncorrected: int = 0,
     ) -> None:
         """What NVML reports as utilization, temperature and uncorrected ECC errors of a GPU."""
         rc = self._lib.fake_set_gpu_activity(physical, utilization, memory_utilization, temperature_c, ecc_uncorrected)
@@ -444,7 +452,12 @@ class FakeDriver:
         out = []
         name, result, pairs, tid = ctypes.c_char_p(), ctypes.c_int(), ctypes.c_int(), ctypes.c_long()
         for i in range(self._lib.fake_log_size()):
-            if self._lib.fake_log_entry(i, ctypes.byref(name), ctypes.byref(result), ctypes.byref(pairs), ctypes.byref(tid)) != 0:
+            if (
+                self._lib.fake_log_entry(
+                    i, ctypes.byref(name), ctypes.byref(result), ctypes.byref(pairs), ctypes.byref(tid)
+                )
+                != 0
+            ):
                 break
             function = (name.value or b"").decode()
             if function.startswith(prefix):
@@ -455,7 +468,7 @@ class FakeDriver:
         """Names of the checkpoint API calls in order, without the cuCheckpointProcess prefix
         ("Lock", "Checkpoint", "Restore", "Unlock", "GetState", "GetRestoreThreadId")."""
         prefix = "cuCheckpointProcess"
-        return [c.function[len(prefix):] for c in self.calls(prefix)]
+        return [c.function[len(prefix) :] for c in self.calls(prefix)]
 
     def log_dropped(self) -> int:
         return int(self._lib.fake_log_dropped())
@@ -528,9 +541,13 @@ class FakeDriver:
     def vmm_leaks(self) -> dict[str, int]:
         """Everything of the VMM model still held; all zero once a test gave it all back."""
         return {
-            "allocations": self.vmm_allocations(), "handles": self.vmm_handles(), "mappings": self.vmm_mappings(),
-            "reservations": self.vmm_reservations(), "pinned_bytes": self.pinned_bytes(),
-            "streams": self.live_streams(), "events": self.live_events(),
+            "allocations": self.vmm_allocations(),
+            "handles": self.vmm_handles(),
+            "mappings": self.vmm_mappings(),
+            "reservations": self.vmm_reservations(),
+            "pinned_bytes": self.pinned_bytes(),
+            "streams": self.live_streams(),
+            "events": self.live_events(),
             "primary_contexts": sum(self.primary_ctx_refcount(d) for d in range(self.gpu_count)),
         }
 
@@ -548,7 +565,10 @@ class FakeDriver:
     def run_python(self, code: str, timeout: float = 120, **fake_vars: Any) -> subprocess.CompletedProcess:
         """Runs ``code`` in a fresh Python on the fake (own driver load, own machine state)."""
         return subprocess.run(
-            [sys.executable, "-c", code], env=self.environment(**fake_vars), capture_output=True, text=True,
+            [sys.executable, "-c", code],
+            env=self.environment(**fake_vars),
+            capture_output=True,
+            text=True,
             timeout=timeout,
         )
 
@@ -589,6 +609,17 @@ def activated() -> Iterator[FakeDriver]:
 
 
 __all__ = [
-    "CUDA_ERRORS", "NVML_ERRORS", "OTHER_PID_BASE", "SYMBOL_FOUND", "SYMBOL_NOT_FOUND", "VERSION_NOT_SUFFICIENT",
-    "Call", "FakeDriver", "ProcessState", "activate", "activated", "build", "subprocess_env",
+    "CUDA_ERRORS",
+    "NVML_ERRORS",
+    "OTHER_PID_BASE",
+    "SYMBOL_FOUND",
+    "SYMBOL_NOT_FOUND",
+    "VERSION_NOT_SUFFICIENT",
+    "Call",
+    "FakeDriver",
+    "ProcessState",
+    "activate",
+    "activated",
+    "build",
+    "subprocess_env",
 ]

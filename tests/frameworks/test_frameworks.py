@@ -21,8 +21,11 @@ import pytest
 
 import fake_driver
 
-FRAMEWORKS = {"lightning": "lightning==2.6.6", "transformers": "transformers==5.24.0",
-              "accelerate": "accelerate==1.15.0"}
+FRAMEWORKS = {
+    "lightning": "lightning==2.6.6",
+    "transformers": "transformers==5.24.0",
+    "accelerate": "accelerate==1.15.0",
+}
 
 # Runs the operations of PLAN from a control thread as the training loop passes their steps.
 CONTROL = """
@@ -141,28 +144,36 @@ run_both(fit)
 def _require_frameworks() -> None:
     missing = [spec for module, spec in FRAMEWORKS.items() if importlib.util.find_spec(module) is None]
     if missing:
-        pytest.fail(f"the framework tests need {', '.join(missing)}: pip install {' '.join(missing)} "
-                    "(ci/test.sh installs them)", pytrace=False)
+        pytest.fail(
+            f"the framework tests need {', '.join(missing)}: pip install {' '.join(missing)} "
+            "(ci/test.sh installs them)",
+            pytrace=False,
+        )
 
 
 def _run(script: str) -> dict[str, Any]:
     _require_frameworks()
     env = fake_driver.subprocess_env()
     env["MKL_CBWR"] = "COMPATIBLE"  # MKL's results otherwise may depend on the buffers' alignment
-    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(CONTROL) + textwrap.dedent(script)],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(CONTROL) + textwrap.dedent(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, f"rc {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
-    return dict(json.loads(lines[-1][len("RESULT "):]))
+    return dict(json.loads(lines[-1][len("RESULT ") :]))
 
 
 def _check(out: dict[str, Any]) -> None:
     assert len(out["undisturbed"]) == 40
-    assert out["disturbed"] == out["undisturbed"]              # bit-identical losses
+    assert out["disturbed"] == out["undisturbed"]  # bit-identical losses
     assert [(o["op"], o["ok"]) for o in out["ops"]] == [("migrate", True), ("pause", True), ("migrate", True)]
     assert [o.get("physical") for o in out["ops"]] == ["cuda:1", None, "cuda:0"]
     assert out["ops"][1]["steps_while_paused"] == 0
-    assert out["device"] == "cuda:0"                           # what the training code sees never changes
+    assert out["device"] == "cuda:0"  # what the training code sees never changes
     # Every operation ran on the framework's training thread: migrate and pause at its optimizer
     # step, the resume handed to the training thread parked there while paused.
     thread = out["training_thread"]

@@ -59,7 +59,10 @@ def run_job(
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.run(
         [sys.executable, str(HERE / script), *args],
-        capture_output=True, text=True, timeout=timeout, env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
     )
     events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     run = JobRun(proc.returncode, events, proc.stderr, [e for e in events if e["event"] == "op"])
@@ -72,7 +75,9 @@ def _keep_log(args: tuple[str, ...], env: Optional[dict[str, str]], code: int, s
     folder = Path(os.environ.get("OUT") or HERE.parent.parent / "gpu-results")
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "jobs.log", "a") as log:
-        log.write(f"\n===== job {' '.join(args)} env={env or {}} exit={code}\n{stdout}\n----- stderr\n{stderr[-6000:]}\n")
+        log.write(
+            f"\n===== job {' '.join(args)} env={env or {}} exit={code}\n{stdout}\n----- stderr\n{stderr[-6000:]}\n"
+        )
 
 
 @pytest.fixture
@@ -82,7 +87,9 @@ def gpu_filler() -> Iterator[Any]:
     def fill(index: int, leave_free_gib: float) -> dict[str, Any]:
         proc = subprocess.Popen(
             [sys.executable, str(HERE / "fill_gpu.py"), str(index), str(leave_free_gib)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
         )
         procs.append(proc)
         assert proc.stdout is not None

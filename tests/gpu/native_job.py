@@ -30,8 +30,13 @@ def ours() -> dict[str, int]:
 
 pid = os.getpid()
 devices = _C.list_devices()
-emit("devices", uuids=[d.uuid for d in devices], names=[d.name for d in devices],
-     nvml=[g.uuid for g in nvml.host_gpus()], status=fields(_C.driver_status()))
+emit(
+    "devices",
+    uuids=[d.uuid for d in devices],
+    names=[d.name for d in devices],
+    nvml=[g.uuid for g in nvml.host_gpus()],
+    status=fields(_C.driver_status()),
+)
 
 data = torch.arange(256 << 20, dtype=torch.int32, device="cuda:0")  # 1 GiB
 expected = int(data[::1009].sum().item())
@@ -47,20 +52,39 @@ except _C.DriverError as exc:
 
 single = _C.run_steps(
     pid,
-    [_C.Step(_C.StepKind.LOCK, timeout_ms=10000), _C.Step(_C.StepKind.CHECKPOINT),
-     _C.Step(_C.StepKind.RESTORE, pairs=[_C.GpuPair(u0, u1)]), _C.Step(_C.StepKind.UNLOCK)],
+    [
+        _C.Step(_C.StepKind.LOCK, timeout_ms=10000),
+        _C.Step(_C.StepKind.CHECKPOINT),
+        _C.Step(_C.StepKind.RESTORE, pairs=[_C.GpuPair(u0, u1)]),
+        _C.Step(_C.StepKind.UNLOCK),
+    ],
     [[], [_C.Step(_C.StepKind.RECOVER)], [_C.Step(_C.StepKind.RECOVER)], [_C.Step(_C.StepKind.UNLOCK)]],
 )
-emit("single_pair", outcomes=outcomes(single), state=_C.process_state(pid).name,
-     intact=int(data[::1009].sum().item()) == expected, ours=ours())
+emit(
+    "single_pair",
+    outcomes=outcomes(single),
+    state=_C.process_state(pid).name,
+    intact=int(data[::1009].sum().item()) == expected,
+    ours=ours(),
+)
 
 full = _C.run_steps(
     pid,
-    [_C.Step(_C.StepKind.LOCK, timeout_ms=10000), _C.Step(_C.StepKind.CHECKPOINT),
-     _C.Step(_C.StepKind.RESTORE, pairs=[_C.GpuPair(u0, u1), _C.GpuPair(u1, u0)] + [_C.GpuPair(a, b) for a, b in others]),
-     _C.Step(_C.StepKind.UNLOCK)],
+    [
+        _C.Step(_C.StepKind.LOCK, timeout_ms=10000),
+        _C.Step(_C.StepKind.CHECKPOINT),
+        _C.Step(
+            _C.StepKind.RESTORE, pairs=[_C.GpuPair(u0, u1), _C.GpuPair(u1, u0)] + [_C.GpuPair(a, b) for a, b in others]
+        ),
+        _C.Step(_C.StepKind.UNLOCK),
+    ],
     [[], [_C.Step(_C.StepKind.RECOVER)], [_C.Step(_C.StepKind.RECOVER)], [_C.Step(_C.StepKind.UNLOCK)]],
 )
-emit("full_pairs", outcomes=outcomes(full), state=_C.process_state(pid).name,
-     intact=int(data[::1009].sum().item()) == expected, ours=ours(),
-     reported_uuid=_C.list_devices()[0].uuid)
+emit(
+    "full_pairs",
+    outcomes=outcomes(full),
+    state=_C.process_state(pid).name,
+    intact=int(data[::1009].sum().item()) == expected,
+    ours=ours(),
+    reported_uuid=_C.list_devices()[0].uuid,
+)

@@ -46,7 +46,7 @@ def main() -> int:
     if big is not None:
         big.fill_(7)
         torch.cuda.synchronize()
-        success = bool(big[::1 << 20].eq(7).all().item())
+        success = bool(big[:: 1 << 20].eq(7).all().item())
     else:
         success = False
     reserved_after = torch.cuda.memory_reserved(device)
@@ -57,12 +57,26 @@ def main() -> int:
         pool_bytes = int(_C.vmm_bytes_on(int(str(device).split(":")[1])))
     except Exception:  # informative only
         pass
-    print(json.dumps({
-        "event": "result", "success": success, "first_attempt_ok": first_attempt_ok, "error": error, "free": free, "total": total,
-        "first": first, "second": second, "reserved_cached": reserved_cached, "reserved_after": reserved_after,
-        "pool_bytes": pool_bytes, "pool_active": bool(pool is not None and pool.active),
-        "pool_reason": pool.reason_off if pool is not None else "no memory pool in the session",
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                "event": "result",
+                "success": success,
+                "first_attempt_ok": first_attempt_ok,
+                "error": error,
+                "free": free,
+                "total": total,
+                "first": first,
+                "second": second,
+                "reserved_cached": reserved_cached,
+                "reserved_after": reserved_after,
+                "pool_bytes": pool_bytes,
+                "pool_active": bool(pool is not None and pool.active),
+                "pool_reason": pool.reason_off if pool is not None else "no memory pool in the session",
+            }
+        ),
+        flush=True,
+    )
     del big
     flexium.shutdown()
     return 0

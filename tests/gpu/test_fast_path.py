@@ -37,8 +37,6 @@ def idle_used() -> dict[str, int]:
     return {gpu.uuid: gpu.memory_used for gpu in nvml.host_gpus()}
 
 
-
-
 def assert_holds(op: dict[str, Any], uuid: str, ballast_gb: str) -> None:
     ours = op["nvml"][uuid]["ours"]
     assert ours >= float(ballast_gb) * GIB, f"after {op['op']} the job holds only {ours >> 20} MiB on {uuid}"
@@ -99,16 +97,33 @@ def test_fast_path_all_features_bit_identical(host_gpus: list[Any]) -> None:
     idle = idle_used()
     # Slower steps (the losses do not depend on them): a fast pause prepares its host staging while
     # the job trains (1.1-1.4 s here), and its safe point must come well before the job's last step.
-    common = ("--ballast-gb", BALLAST_GB, "--steps", "60", "--step-sleep", "0.1", "--pause-seconds", "0.5",
-              *ALL_FEATURES)
+    common = (
+        "--ballast-gb",
+        BALLAST_GB,
+        "--steps",
+        "60",
+        "--step-sleep",
+        "0.1",
+        "--pause-seconds",
+        "0.5",
+        *ALL_FEATURES,
+    )
     expected = reference(*common)
 
-    moved = ok_run(run_job(
-        *common,
-        "--plan", "8:migrate:cuda:1", "--plan", "16:migrate:cuda:0",
-        "--plan", "24:pause", "--plan", "24:resume:cuda:1",
-        timeout=JOB_TIMEOUT,
-    ))
+    moved = ok_run(
+        run_job(
+            *common,
+            "--plan",
+            "8:migrate:cuda:1",
+            "--plan",
+            "16:migrate:cuda:0",
+            "--plan",
+            "24:pause",
+            "--plan",
+            "24:resume:cuda:1",
+            timeout=JOB_TIMEOUT,
+        )
+    )
     ready = moved.one("ready")
     assert ready["pool_active"] is True, ready["pool_reason"]
     assert ready["migration"] is True
@@ -151,9 +166,16 @@ def test_fast_path_plain_adamw_and_paths_side_by_side(host_gpus: list[Any]) -> N
     gpu0, gpu1 = uuid_of(host_gpus, 0), uuid_of(host_gpus, 1)
     idle = idle_used()
     expected = reference(*PLAIN)
-    run = ok_run(run_job(
-        *PLAIN, "--plan", "10:migrate:cuda:1@fast", "--plan", "20:migrate:cuda:0@driver", timeout=JOB_TIMEOUT,
-    ))
+    run = ok_run(
+        run_job(
+            *PLAIN,
+            "--plan",
+            "10:migrate:cuda:1@fast",
+            "--plan",
+            "20:migrate:cuda:0@driver",
+            timeout=JOB_TIMEOUT,
+        )
+    )
     assert run.one("ready")["pool_active"] is True, run.one("ready")["pool_reason"]
     assert [op["ok"] for op in run.ops] == [True, True], summary(run.ops)
     fast, driver = run.ops
@@ -189,14 +211,33 @@ def test_fast_pause_and_resume_in_place_all_features(host_gpus: list[Any]) -> No
     # Slower steps (the losses do not depend on them): a fast pause prepares its host staging while
     # the job trains, and its safe point must come before the job's last step. The second pause
     # comes right after the first resume and once took until step 39 to prepare: 60 steps.
-    common = ("--ballast-gb", BALLAST_GB, "--steps", "60", "--step-sleep", "0.1", "--pause-seconds", "0.5",
-              *ALL_FEATURES)
+    common = (
+        "--ballast-gb",
+        BALLAST_GB,
+        "--steps",
+        "60",
+        "--step-sleep",
+        "0.1",
+        "--pause-seconds",
+        "0.5",
+        *ALL_FEATURES,
+    )
     expected = reference(*common)
 
-    run = ok_run(run_job(
-        *common, "--plan", "8:pause", "--plan", "8:resume", "--plan", "16:pause", "--plan", "16:resume",
-        timeout=JOB_TIMEOUT,
-    ))
+    run = ok_run(
+        run_job(
+            *common,
+            "--plan",
+            "8:pause",
+            "--plan",
+            "8:resume",
+            "--plan",
+            "16:pause",
+            "--plan",
+            "16:resume",
+            timeout=JOB_TIMEOUT,
+        )
+    )
     ready = run.one("ready")
     assert ready["pool_active"] is True, ready["pool_reason"]
     assert ready["features"] == ["amp", "checkpointing", "side_stream", "dataloader", "cuda_graph"]
@@ -230,10 +271,22 @@ def test_driver_and_fast_pause_side_by_side_in_place(host_gpus: list[Any]) -> No
     # at step 24 of 30 once): 45 steps.
     common = (*PLAIN, "--steps", "45")
     expected = reference(*common)
-    run = ok_run(run_job(
-        *common, "--step-sleep", "0.1", "--plan", "6:pause@driver", "--plan", "6:resume", "--plan", "12:pause",
-        "--plan", "12:resume", timeout=JOB_TIMEOUT,
-    ))
+    run = ok_run(
+        run_job(
+            *common,
+            "--step-sleep",
+            "0.1",
+            "--plan",
+            "6:pause@driver",
+            "--plan",
+            "6:resume",
+            "--plan",
+            "12:pause",
+            "--plan",
+            "12:resume",
+            timeout=JOB_TIMEOUT,
+        )
+    )
     assert run.one("ready")["pool_active"] is True, run.one("ready")["pool_reason"]
     assert [op["op"] for op in run.ops] == ["pause", "resume"] * 2, summary(run.ops)
     assert [op["ok"] for op in run.ops] == [True] * 4, summary(run.ops)
@@ -270,9 +323,18 @@ def test_no_safe_point_falls_back_to_driver_path(host_gpus: list[Any]) -> None:
     env = {"FLEXIUM_SAFE_POINT_WAIT": "1"}
     stall = ("--stall-at", "10", "--stall-seconds", "6")
     reference_run = ok_run(run_job(*PLAIN, *stall, env=env, timeout=JOB_TIMEOUT))
-    run = ok_run(run_job(
-        *PLAIN, *stall, "--plan", "9:migrate:cuda:1", "--plan", "20:migrate:cuda:0", env=env, timeout=JOB_TIMEOUT,
-    ))
+    run = ok_run(
+        run_job(
+            *PLAIN,
+            *stall,
+            "--plan",
+            "9:migrate:cuda:1",
+            "--plan",
+            "20:migrate:cuda:0",
+            env=env,
+            timeout=JOB_TIMEOUT,
+        )
+    )
     assert run.one("ready")["pool_active"] is True, run.one("ready")["pool_reason"]
     assert [op["ok"] for op in run.ops] == [True, True], summary(run.ops)
     stalled, later = run.ops
@@ -299,10 +361,17 @@ def test_pool_switched_off_and_early_allocation_use_driver_path(host_gpus: list[
     idle = idle_used()
 
     # (1) FLEXIUM_FAST_PATH=0: no pool; auto takes the driver path, "fast" is refused.
-    off = ok_run(run_job(
-        *TINY, "--plan", "5:migrate:cuda:1", "--plan", "10:migrate:cuda:0@fast",
-        env={"FLEXIUM_FAST_PATH": "0"}, timeout=JOB_TIMEOUT,
-    ))
+    off = ok_run(
+        run_job(
+            *TINY,
+            "--plan",
+            "5:migrate:cuda:1",
+            "--plan",
+            "10:migrate:cuda:0@fast",
+            env={"FLEXIUM_FAST_PATH": "0"},
+            timeout=JOB_TIMEOUT,
+        )
+    )
     ready = off.one("ready")
     assert ready["pool_active"] is False and ready["pool_reason"], ready
     moved, refused = off.ops
@@ -331,7 +400,10 @@ def test_pool_switched_off_and_early_allocation_use_driver_path(host_gpus: list[
 
 @pytest.mark.parametrize(
     ("first", "second"),
-    [pytest.param("0.6", "0.7", id="cached-smaller-then-larger"), pytest.param("0.7", "0.6", id="cached-larger-then-smaller")],
+    [
+        pytest.param("0.6", "0.7", id="cached-smaller-then-larger"),
+        pytest.param("0.7", "0.6", id="cached-larger-then-smaller"),
+    ],
 )
 def test_out_of_memory_retry_frees_pool_cache(host_gpus: list[Any], first: str, second: str) -> None:
     """A deleted tensor's block stays cached in the pool; a second allocation that does not fit

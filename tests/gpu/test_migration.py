@@ -19,8 +19,6 @@ def idle_used(host_gpus: list[Any]) -> dict[str, int]:
     return {gpu.uuid: gpu.memory_used for gpu in host_gpus}
 
 
-
-
 def test_migrate_there_and_back_then_pause_and_resume_elsewhere(host_gpus: list[Any]) -> None:
     idle = idle_used(host_gpus)
     gpu0, gpu1 = uuid_of(host_gpus, 0), uuid_of(host_gpus, 1)
@@ -28,9 +26,18 @@ def test_migrate_there_and_back_then_pause_and_resume_elsewhere(host_gpus: list[
     assert reference.returncode == 0, reference.stderr[-3000:]
 
     moved = run_job(
-        "--ballast-gb", BALLAST_GB, "--steps", STEPS,
-        "--plan", "10:migrate:cuda:1", "--plan", "25:migrate:cuda:0",
-        "--plan", "40:pause", "--plan", "40:resume:cuda:1",
+        "--ballast-gb",
+        BALLAST_GB,
+        "--steps",
+        STEPS,
+        "--plan",
+        "10:migrate:cuda:1",
+        "--plan",
+        "25:migrate:cuda:0",
+        "--plan",
+        "40:pause",
+        "--plan",
+        "40:resume:cuda:1",
     )
     assert moved.returncode == 0, moved.stderr[-3000:]
     assert moved.one("ready")["migration"] is True
@@ -78,7 +85,14 @@ def test_identity_is_tracked_with_cuda_visible_devices_reordered(host_gpus: list
     """CUDA_VISIBLE_DEVICES=1,0: the job's cuda:0 is nvidia-smi's GPU 1; "cuda:1" names GPU 0."""
     gpu0, gpu1 = uuid_of(host_gpus, 0), uuid_of(host_gpus, 1)
     run = run_job(
-        "--ballast-gb", "2", "--steps", "30", "--plan", "10:migrate:cuda:1", "--plan", "20:migrate:cuda:0",
+        "--ballast-gb",
+        "2",
+        "--steps",
+        "30",
+        "--plan",
+        "10:migrate:cuda:1",
+        "--plan",
+        "20:migrate:cuda:0",
         env={"CUDA_VISIBLE_DEVICES": "1,0"},
     )
     assert run.returncode == 0, run.stderr[-3000:]

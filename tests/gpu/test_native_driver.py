@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from conftest import HERE, GIB
+from conftest import GIB, HERE
 
 # native_job.py restores GPU 0's context onto GPU 1 (devices[1]).
 pytestmark = pytest.mark.usefixtures("two_gpus")

@@ -23,8 +23,11 @@ import pytest
 from conftest import GIB, HERE, RESIDUE_SLACK, _keep_log, run_job, uuid_of
 from live_server import ProcessOutput, ServerProcess, clean_env, flexium_command, free_port, wait_until
 
-pytest.importorskip("fastapi", reason='the server extra is not installed: pip install "flexium[server]" '
-                    "(ci/gpu-tests.sh installs the wheels carried in .whl)")
+pytest.importorskip(
+    "fastapi",
+    reason='the server extra is not installed: pip install "flexium[server]" '
+    "(ci/gpu-tests.sh installs the wheels carried in .whl)",
+)
 
 pytestmark = pytest.mark.usefixtures("two_gpus")
 
@@ -50,8 +53,13 @@ def test_commands_from_the_server_move_a_gpu_job(host_gpus: list[Any], tmp_path:
         home.mkdir()
         env = clean_env(home)
         env.update(FLEXIUM_SERVER=f"127.0.0.1:{server.port}/default", FLEXIUM_TOKEN=server.token)
-        job = subprocess.Popen([sys.executable, str(HERE / "train_job.py"), *JOB_ARGS, "--step-sleep", STEP_SLEEP_S],
-                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        job = subprocess.Popen(
+            [sys.executable, str(HERE / "train_job.py"), *JOB_ARGS, "--step-sleep", STEP_SLEEP_S],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         output = ProcessOutput(job)
         ready = json.loads(output.wait_for(r'^\{"event": "ready"', 180).string)
         assert ready["migration"] is True and ready["pool_active"] is True, ready
@@ -67,16 +75,20 @@ def test_commands_from_the_server_move_a_gpu_job(host_gpus: list[Any], tmp_path:
 
         def command(*args: str) -> dict[str, Any]:
             done = cli(*args, "--json")
-            assert done.returncode == 0, f"flexium {' '.join(args)}: {done.stdout}\n{done.stderr}\n{output.text[-3000:]}"
+            assert done.returncode == 0, (
+                f"flexium {' '.join(args)}: {done.stdout}\n{done.stderr}\n{output.text[-3000:]}"
+            )
             final = json.loads(done.stdout)
             assert final["state"] == "succeeded" and final["result"]["path"] == "fast", final
             return final
 
         def job_memory(settled: Callable[[dict[str, int]], bool], what: str) -> dict[str, int]:
             """This job's bytes per GPU as NVML shows them, once `settled` holds."""
+
             def reading() -> dict[str, int] | None:
                 ours = {gpu.uuid: gpu.used_by(pid) or 0 for gpu in nvml.host_gpus()}
                 return ours if settled(ours) else None
+
             return wait_until(reading, 30, what)
 
         # The server shows the job where it is, and the host's real GPUs.
@@ -104,7 +116,8 @@ def test_commands_from_the_server_move_a_gpu_job(host_gpus: list[Any], tmp_path:
         job_memory(lambda ours: ours[gpu0] == 0 and ours[gpu1] == 0, "the paused job to hold nothing on any GPU")
         for gpu in nvml.host_gpus():
             assert gpu.memory_used <= idle[gpu.uuid] + RESIDUE_SLACK, (
-                f"paused: {gpu.uuid} shows {gpu.memory_used >> 20} MiB used, idle was {idle[gpu.uuid] >> 20} MiB")
+                f"paused: {gpu.uuid} shows {gpu.memory_used >> 20} MiB used, idle was {idle[gpu.uuid] >> 20} MiB"
+            )
         p = listed()
         assert p["state"] == "PAUSED" and p["memory_bytes"] == 0, p
 
@@ -133,8 +146,14 @@ def test_flexium_demo_trains_on_a_gpu_and_the_command_line_moves_it(tmp_path: Pa
     home.mkdir()
     env = clean_env(home)
     port = free_port()
-    demo = subprocess.Popen([*flexium_command(), "demo", "--port", str(port)], env=env, cwd=home,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    demo = subprocess.Popen(
+        [*flexium_command(), "demo", "--port", str(port)],
+        env=env,
+        cwd=home,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     out = ProcessOutput(demo)
     try:
         token = out.wait_for(rf"dashboard: http://127\.0\.0\.1:{port}/login#token=(flx_\S+)$", 90).group(1)
@@ -144,8 +163,11 @@ def test_flexium_demo_trains_on_a_gpu_and_the_command_line_moves_it(tmp_path: Pa
         # Training has begun: a command before the first optimizer step takes the driver path at once.
         out.wait_for(r"\[demo job\] step +1 +loss \S+ +on cuda:0$", 120)
         cli_env = {**env, "FLEXIUM_SERVER": f"127.0.0.1:{port}/default", "FLEXIUM_TOKEN": token}
-        for args, lands_on in ((("migrate", process_id, "cuda:1"), "cuda:1"), (("pause", process_id), None),
-                               (("resume", process_id, "cuda:0"), "cuda:0")):
+        for args, lands_on in (
+            (("migrate", process_id, "cuda:1"), "cuda:1"),
+            (("pause", process_id), None),
+            (("resume", process_id, "cuda:0"), "cuda:0"),
+        ):
             start = len(out.lines)
             done = subprocess.run([*flexium_command(), *args], env=cli_env, capture_output=True, text=True, timeout=180)
             assert done.returncode == 0, f"flexium {' '.join(args)}:\n{done.stdout}\n{done.stderr}\n{out.text[-3000:]}"

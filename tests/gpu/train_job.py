@@ -63,7 +63,7 @@ def engine_target(engine: Any, name: Optional[str]) -> Any:
     server, "cuda:N" in the job's own numbering at init, which the server resolves the same way."""
     if name is None or not name.startswith("cuda:"):
         return name
-    return engine.gpus[int(name[len("cuda:"):])]
+    return engine.gpus[int(name[len("cuda:") :])]
 
 
 PlanItem = tuple[int, str, Optional[str], Optional[str]]  # step, op, target, path (None: --path)
@@ -94,17 +94,38 @@ class Control(threading.Thread):
                 # A fast move's copies become the job's own over the next optimizer steps; NVML
                 # counts them for this process from then on.
                 own_wait = wait_for_own_memory(30.0) if op == "migrate" and result.path == "fast" else 0.0
-                emit("op", op=op, target=target, ok=True, wall=time.perf_counter() - started, own_wait=own_wait,
-                     requested_path=path, path=result.path, result=result.to_dict(), nvml=placement_snapshot(),
-                     physical=flexium.auto.get_physical_device(), logical=flexium.auto.get_device())
+                emit(
+                    "op",
+                    op=op,
+                    target=target,
+                    ok=True,
+                    wall=time.perf_counter() - started,
+                    own_wait=own_wait,
+                    requested_path=path,
+                    path=result.path,
+                    result=result.to_dict(),
+                    nvml=placement_snapshot(),
+                    physical=flexium.auto.get_physical_device(),
+                    logical=flexium.auto.get_device(),
+                )
                 if op == "pause":
                     time.sleep(self.pause_seconds)
             except Exception as exc:  # reported, and training must go on
                 failed = getattr(exc, "result", None)
-                emit("op", op=op, target=target, ok=False, error_type=type(exc).__name__, error=str(exc),
-                     step=getattr(exc, "step", None), state=engine.state.value, requested_path=path,
-                     result=failed.to_dict() if failed is not None else None, nvml=placement_snapshot(),
-                     physical=flexium.auto.get_physical_device())
+                emit(
+                    "op",
+                    op=op,
+                    target=target,
+                    ok=False,
+                    error_type=type(exc).__name__,
+                    error=str(exc),
+                    step=getattr(exc, "step", None),
+                    state=engine.state.value,
+                    requested_path=path,
+                    result=failed.to_dict() if failed is not None else None,
+                    nvml=placement_snapshot(),
+                    physical=flexium.auto.get_physical_device(),
+                )
         emit("control_done")
 
 
@@ -136,7 +157,7 @@ class Progress:
 
 
 def parse_plan(items: list[str]) -> list[PlanItem]:
-    """"STEP:OP[:TARGET][@PATH]", e.g. "10:migrate:cuda:1@fast", "20:pause", "20:resume:cuda:0"."""
+    """ "STEP:OP[:TARGET][@PATH]", e.g. "10:migrate:cuda:1@fast", "20:pause", "20:resume:cuda:0"."""
     plan: list[PlanItem] = []
     for item in items:
         path = None
@@ -182,9 +203,16 @@ class Batches:
     def __init__(self, width: int, device: str) -> None:
         self.device = device
         self.loader = torch.utils.data.DataLoader(
-            IndexedRows(DATASET_BATCHES * BATCH, width), batch_size=BATCH, shuffle=False, drop_last=True,
-            num_workers=2, pin_memory=True, persistent_workers=True, multiprocessing_context="spawn",
-            worker_init_fn=_worker_init, prefetch_factor=2,
+            IndexedRows(DATASET_BATCHES * BATCH, width),
+            batch_size=BATCH,
+            shuffle=False,
+            drop_last=True,
+            num_workers=2,
+            pin_memory=True,
+            persistent_workers=True,
+            multiprocessing_context="spawn",
+            worker_init_fn=_worker_init,
+            prefetch_factor=2,
         )
         self._iterator: Any = iter(self.loader)
 
@@ -234,7 +262,9 @@ class Graph:
     def __init__(self, width: int, device: str) -> None:
         cols = min(GRAPH_WIDTH, width)
         self.cols = cols
-        self.module = torch.nn.Sequential(torch.nn.Linear(cols, cols), torch.nn.Tanh(), torch.nn.Linear(cols, 1)).to(device)
+        self.module = torch.nn.Sequential(torch.nn.Linear(cols, cols), torch.nn.Tanh(), torch.nn.Linear(cols, 1)).to(
+            device
+        )
         self.static_in = torch.zeros(GRAPH_ROWS, cols, device=device)
         warmup = torch.cuda.Stream(device=device)
         warmup.wait_stream(torch.cuda.current_stream())
@@ -288,8 +318,13 @@ def main() -> int:
     parser.add_argument("--cuda-graph", action="store_true", help="a CUDA graph captured before training")
     parser.add_argument("--stall-at", type=int, default=-1, help="this step sleeps before its optimizer step")
     parser.add_argument("--stall-seconds", type=float, default=0.0)
-    parser.add_argument("--alloc-before-init", type=float, default=0.0, metavar="MB",
-                        help="allocate this many MB on cuda:0 before flexium.init() (kept alive)")
+    parser.add_argument(
+        "--alloc-before-init",
+        type=float,
+        default=0.0,
+        metavar="MB",
+        help="allocate this many MB on cuda:0 before flexium.init() (kept alive)",
+    )
     args = parser.parse_args()
 
     faulthandler.dump_traceback_later(args.hang_seconds, exit=True)
@@ -317,7 +352,9 @@ def main() -> int:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     first_block, head = model[:2], model[2]
 
-    features = [name for name in ("amp", "checkpointing", "side_stream", "dataloader", "cuda_graph") if getattr(args, name)]
+    features = [
+        name for name in ("amp", "checkpointing", "side_stream", "dataloader", "cuda_graph") if getattr(args, name)
+    ]
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10, growth_interval=8) if args.amp else None
     side = SideStream(width, device) if args.side_stream else None
     graph = Graph(width, device) if args.cuda_graph else None
@@ -330,10 +367,19 @@ def main() -> int:
         return model(inp)
 
     torch.cuda.synchronize()
-    emit("ready", pid=os.getpid(), device=device, uuid=str(torch.cuda.get_device_properties(device).uuid),
-         migration=flexium.auto.is_migration_enabled(), process_id=flexium.auto.get_process_id(),
-         reserved=torch.cuda.memory_reserved(), nvml=placement_snapshot(), features=features,
-         requested_path=args.path, **pool_status())
+    emit(
+        "ready",
+        pid=os.getpid(),
+        device=device,
+        uuid=str(torch.cuda.get_device_properties(device).uuid),
+        migration=flexium.auto.is_migration_enabled(),
+        process_id=flexium.auto.get_process_id(),
+        reserved=torch.cuda.memory_reserved(),
+        nvml=placement_snapshot(),
+        features=features,
+        requested_path=args.path,
+        **pool_status(),
+    )
 
     progress = Progress()
     control = Control(parse_plan(args.plan), args.pause_seconds, progress, args.path)
@@ -388,8 +434,16 @@ def main() -> int:
         extra["amp_scale"] = scaler.get_scale()
     if batches is not None:
         batches.close()
-    emit("done", losses=losses, ballast_ok=intact, max_gap=max_gap,
-         physical=flexium.auto.get_physical_device(), nvml=placement_snapshot(), **extra, **pool_status())
+    emit(
+        "done",
+        losses=losses,
+        ballast_ok=intact,
+        max_gap=max_gap,
+        physical=flexium.auto.get_physical_device(),
+        nvml=placement_snapshot(),
+        **extra,
+        **pool_status(),
+    )
     flexium.shutdown()
     return 0
 

@@ -13,8 +13,9 @@ from flexium.server.settings import Settings, normalize_database_url
 
 
 def make_settings(database_url: str, **overrides: Any) -> Settings:
-    values: dict[str, Any] = dict(database_url=normalize_database_url(database_url), sweep_interval_s=3600.0,
-                                  token_cache_s=0.0)
+    values: dict[str, Any] = dict(
+        database_url=normalize_database_url(database_url), sweep_interval_s=3600.0, token_cache_s=0.0
+    )
     values.update(overrides)
     return Settings(**values)
 
@@ -70,27 +71,56 @@ class Api:
 GIB = 1 << 30
 
 
-def gpu(index: int, *, used: int = 0, total: int = 140 * GIB, name: str = "NVIDIA H200",
-        health: str = "ok") -> dict[str, Any]:
-    return {"uuid": f"GPU-{index:04d}", "index": index, "name": name, "memory_total": total,
-            "memory_used": used, "utilization": 10, "temperature": 40, "health": health}
+def gpu(
+    index: int, *, used: int = 0, total: int = 140 * GIB, name: str = "NVIDIA H200", health: str = "ok"
+) -> dict[str, Any]:
+    return {
+        "uuid": f"GPU-{index:04d}",
+        "index": index,
+        "name": name,
+        "memory_total": total,
+        "memory_used": used,
+        "utilization": 10,
+        "temperature": 40,
+        "health": health,
+    }
 
 
-def process_body(process_id: str = "gpu-1", *, host: str = "node1", gpu_index: int = 0,
-                 memory: int = 10 * GIB, n_gpus: int = 4, migration: bool = True,
-                 pause_resume: bool = True, state: str = "RUNNING",
-                 devices: list[dict[str, Any]] | None = None, **extra: Any) -> dict[str, Any]:
+def process_body(
+    process_id: str = "gpu-1",
+    *,
+    host: str = "node1",
+    gpu_index: int = 0,
+    memory: int = 10 * GIB,
+    n_gpus: int = 4,
+    migration: bool = True,
+    pause_resume: bool = True,
+    state: str = "RUNNING",
+    devices: list[dict[str, Any]] | None = None,
+    **extra: Any,
+) -> dict[str, Any]:
     if devices is None:
         devices = [gpu(i, used=memory if i == gpu_index else 0) for i in range(n_gpus)]
     body = {
-        "process_id": process_id, "host": host, "user": "alice", "pid": 4242,
-        "gpu_uuid": f"GPU-{gpu_index:04d}", "gpu_model": "NVIDIA H200", "gpu_index": gpu_index,
-        "logical_device": "cuda:0", "physical_device": f"cuda:{gpu_index}",
+        "process_id": process_id,
+        "host": host,
+        "user": "alice",
+        "pid": 4242,
+        "gpu_uuid": f"GPU-{gpu_index:04d}",
+        "gpu_model": "NVIDIA H200",
+        "gpu_index": gpu_index,
+        "logical_device": "cuda:0",
+        "physical_device": f"cuda:{gpu_index}",
         "visible_gpus": [d["uuid"] for d in devices],
-        "torch_version": "2.11.0", "driver_version": "580.159.04", "flexium_version": "0.1.0",
+        "torch_version": "2.11.0",
+        "driver_version": "580.159.04",
+        "flexium_version": "0.1.0",
         "capabilities": {"pause_resume": pause_resume, "migration": migration, "driver_version": "580.159.04"},
-        "memory_bytes": memory, "state": state, "started_at": time.time() - 60,
-        "cmdline": "python train.py", "devices": devices,
+        "memory_bytes": memory,
+        "state": state,
+        "started_at": time.time() - 60,
+        "cmdline": "python train.py",
+        "devices": devices,
     }
     body.update(extra)
     return body
@@ -144,8 +174,10 @@ class SimJob:
         self.registrations = 0
         self.errors = 0
         self.state = body.get("state", "RUNNING")
-        self.threads = [threading.Thread(target=self._beat, daemon=True),
-                        threading.Thread(target=self._poll, daemon=True)]
+        self.threads = [
+            threading.Thread(target=self._beat, daemon=True),
+            threading.Thread(target=self._poll, daemon=True),
+        ]
 
     def start(self) -> "SimJob":
         self._register()
@@ -163,8 +195,9 @@ class SimJob:
         while not self.stop.is_set():
             try:
                 seq = time.monotonic_ns()  # taken before the state is read, as the real client does
-                r = self.session.post(f"{self.base}/processes", json={**self.body, "state": self.state, "seq": seq},
-                                      timeout=5)
+                r = self.session.post(
+                    f"{self.base}/processes", json={**self.body, "state": self.state, "seq": seq}, timeout=5
+                )
                 if r.status_code in (200, 201):
                     self.registrations += 1
                     return
@@ -177,8 +210,11 @@ class SimJob:
         while not self.stop.wait(0.2):
             try:
                 seq = time.monotonic_ns()
-                r = self.session.post(f"{self.base}/processes/{self.process_id}/heartbeat",
-                                      json={"state": self.state, "seq": seq}, timeout=5)
+                r = self.session.post(
+                    f"{self.base}/processes/{self.process_id}/heartbeat",
+                    json={"state": self.state, "seq": seq},
+                    timeout=5,
+                )
                 if r.status_code == 404:
                     self._register()
             except requests.RequestException:
@@ -191,8 +227,9 @@ class SimJob:
             if self.stop.is_set():
                 return
             try:
-                r = self.session.get(f"{self.base}/processes/{self.process_id}/commands/next",
-                                     params={"wait": 2}, timeout=10)
+                r = self.session.get(
+                    f"{self.base}/processes/{self.process_id}/commands/next", params={"wait": 2}, timeout=10
+                )
             except requests.RequestException:
                 self.errors += 1
                 self.stop.wait(0.1)
@@ -229,6 +266,12 @@ class SimJob:
         update: dict[str, Any] = {"state": self.state, "seq": time.monotonic_ns()}
         if cmd.get("target_uuid"):
             update["gpu_uuid"] = cmd["target_uuid"]
-        self._report(cmd["id"], {"state": "succeeded", "process": update,
-                                 "result": {"kind": cmd["kind"], "path": "driver", "ok": True, "seconds": 0.01}})
+        self._report(
+            cmd["id"],
+            {
+                "state": "succeeded",
+                "process": update,
+                "result": {"kind": cmd["kind"], "path": "driver", "ok": True, "seconds": 0.01},
+            },
+        )
         self.done.append(cmd["id"])

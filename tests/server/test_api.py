@@ -24,16 +24,22 @@ def _error(r: Any, status: int, code: str | None = None) -> dict[str, Any]:
 
 # --- system ---------------------------------------------------------------------------------
 
+
 def test_healthz_metrics_openapi(api: Api) -> None:
     r = api.client.get("/healthz")
     assert r.status_code == 200 and r.json()["status"] == "ok"
     api.register()
     assert api.command("pause").status_code == 201
     text = api.client.get("/metrics").text
-    for series in ('flexium_processes{state="RUNNING"} 1.0', 'flexium_processes{state="STALE"} 0.0',
-                   'flexium_commands{state="queued"} 1.0', "flexium_migration_duration_seconds_bucket",
-                   "flexium_schema_migration_duration_seconds_count 1.0", "flexium_command_delivery_seconds",
-                   'flexium_commands_created_total{kind="pause"} 1.0'):
+    for series in (
+        'flexium_processes{state="RUNNING"} 1.0',
+        'flexium_processes{state="STALE"} 0.0',
+        'flexium_commands{state="queued"} 1.0',
+        "flexium_migration_duration_seconds_bucket",
+        "flexium_schema_migration_duration_seconds_count 1.0",
+        "flexium_command_delivery_seconds",
+        'flexium_commands_created_total{kind="pause"} 1.0',
+    ):
         assert series in text, series
     for line in text.splitlines():
         if line and not line.startswith("#"):
@@ -43,8 +49,16 @@ def test_healthz_metrics_openapi(api: Api) -> None:
     assert "/api/w/{workspace}/commands" in paths and "/api/w/{workspace}/processes/{process_id}/commands/next" in paths
     # the served OpenAPI is the reference of the bodies: the models of flexium.wire
     schemas = spec["components"]["schemas"]
-    assert {"RegisterRequest", "HeartbeatRequest", "CommandRequest", "CommandReport", "ProcessInfo",
-            "CommandInfo", "DevicesResponse", "TargetInfo"} <= set(schemas)
+    assert {
+        "RegisterRequest",
+        "HeartbeatRequest",
+        "CommandRequest",
+        "CommandReport",
+        "ProcessInfo",
+        "CommandInfo",
+        "DevicesResponse",
+        "TargetInfo",
+    } <= set(schemas)
     assert "target_uuid" in schemas["CommandInfo"]["properties"]
     assert not {"target_index", "target_device"} & set(schemas["CommandInfo"]["properties"])
 
@@ -56,11 +70,25 @@ def test_unknown_endpoint_is_json_404(api: Api) -> None:
 
 # --- auth -----------------------------------------------------------------------------------
 
-PROTECTED = [("GET", ""), ("GET", "/processes"), ("GET", "/processes/gpu-1"), ("POST", "/processes"),
-             ("POST", "/processes/gpu-1/heartbeat"), ("GET", "/processes/gpu-1/commands/next?wait=0"),
-             ("DELETE", "/processes/gpu-1"), ("GET", "/processes/gpu-1/targets"), ("GET", "/commands"), ("POST", "/commands"),
-             ("GET", "/commands/1"), ("POST", "/commands/1/report"), ("GET", "/devices"),
-             ("GET", "/tokens"), ("POST", "/tokens"), ("DELETE", "/tokens/1"), ("GET", "/events")]
+PROTECTED = [
+    ("GET", ""),
+    ("GET", "/processes"),
+    ("GET", "/processes/gpu-1"),
+    ("POST", "/processes"),
+    ("POST", "/processes/gpu-1/heartbeat"),
+    ("GET", "/processes/gpu-1/commands/next?wait=0"),
+    ("DELETE", "/processes/gpu-1"),
+    ("GET", "/processes/gpu-1/targets"),
+    ("GET", "/commands"),
+    ("POST", "/commands"),
+    ("GET", "/commands/1"),
+    ("POST", "/commands/1/report"),
+    ("GET", "/devices"),
+    ("GET", "/tokens"),
+    ("POST", "/tokens"),
+    ("DELETE", "/tokens/1"),
+    ("GET", "/events"),
+]
 
 
 @pytest.mark.parametrize("method,path", PROTECTED)
@@ -70,8 +98,13 @@ def test_every_endpoint_needs_a_token(api: Api, method: str, path: str) -> None:
     assert cmd["id"] == 1
     before = table_snapshot(api.db)
     body = {"kind": "pause", "process_id": "gpu-1"} if method == "POST" else None
-    for headers in ({}, {"Authorization": "Bearer flx_wrong"}, {"Authorization": "Basic abc"},
-                    {"Authorization": "Bearer " + "x" * 5000}, {"Authorization": "Bearer"}):
+    for headers in (
+        {},
+        {"Authorization": "Bearer flx_wrong"},
+        {"Authorization": "Basic abc"},
+        {"Authorization": "Bearer " + "x" * 5000},
+        {"Authorization": "Bearer"},
+    ):
         r = api.client.request(method, api.base + path, headers=headers, json=body)
         err = _error(r, 401, "unauthorized")
         assert "gpu-1" not in r.text and "node1" not in r.text, err
@@ -82,7 +115,7 @@ def test_every_endpoint_needs_a_token(api: Api, method: str, path: str) -> None:
 def test_other_workspace_token_gets_404_and_nothing_leaks(api: Api, method: str, path: str) -> None:
     api.register()
     api.command("pause")
-    other = api.post("/tokens", {"name": "x"}).json()["token"]   # sanity: same workspace works
+    other = api.post("/tokens", {"name": "x"}).json()["token"]  # sanity: same workspace works
     assert api.get("/processes", headers=api.headers(other)).status_code == 200
     token_b = _create_workspace(api, "team-b")
     before = table_snapshot(api.db)
@@ -126,16 +159,19 @@ def test_revoked_token_refused_at_once(api: Api) -> None:
 
 def test_cookie_auth_needs_csrf_header_for_writes(api: Api) -> None:
     client = api.client
-    r = client.post("/login", content=f"token={api.token}",
-                    headers={"Content-Type": "application/x-www-form-urlencoded"}, follow_redirects=False)
+    r = client.post(
+        "/login",
+        content=f"token={api.token}",
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
+        follow_redirects=False,
+    )
     assert r.status_code == 303 and protocol.TOKEN_COOKIE in r.headers["set-cookie"]
     client.cookies.set(protocol.TOKEN_COOKIE, api.token)
     try:
         assert client.get(api.base + "/processes").status_code == 200
         body = process_body()
         _error(client.post(api.base + "/processes", json=body), 403, "forbidden")
-        assert client.post(api.base + "/processes", json=body,
-                           headers={protocol.CSRF_HEADER: "1"}).status_code == 201
+        assert client.post(api.base + "/processes", json=body, headers={protocol.CSRF_HEADER: "1"}).status_code == 201
         page = client.get("/")
         assert page.status_code == 200 and "gpu-1" in page.text
     finally:
@@ -147,20 +183,26 @@ def test_cookie_auth_needs_csrf_header_for_writes(api: Api) -> None:
 
 # --- processes ------------------------------------------------------------------------------
 
+
 def test_register_heartbeat_unregister(api: Api) -> None:
     r = api.post("/processes", process_body())
     assert r.status_code == 201
     reg = r.json()
     assert reg["process"]["state"] == "RUNNING" and reg["heartbeat_interval_s"] > 0
     assert reg["poll_timeout_s"] > 0 and reg["stale_after_s"] > reg["heartbeat_interval_s"]
-    assert api.post("/processes", process_body()).status_code == 200       # re-register
+    assert api.post("/processes", process_body()).status_code == 200  # re-register
     hb = api.post("/processes/gpu-1/heartbeat", {"memory_bytes": 11 * GIB, "state": "RUNNING"}).json()
     assert hb["ok"] and hb["pending_command"] is None
     assert api.get("/processes/gpu-1").json()["memory_bytes"] == 11 * GIB
-    assert api.get("/", ).status_code == 200
+    assert (
+        api.get(
+            "/",
+        ).status_code
+        == 200
+    )
     assert api.get("").json()["processes"] == 1
     assert api.delete("/processes/gpu-1").status_code == 204
-    _error(api.post("/processes/gpu-1/heartbeat", {}), 404, "not_found")   # -> the client registers again
+    _error(api.post("/processes/gpu-1/heartbeat", {}), 404, "not_found")  # -> the client registers again
     _error(api.delete("/processes/gpu-1"), 404, "not_found")
 
 
@@ -178,6 +220,7 @@ def test_list_filters(api: Api) -> None:
 
 # --- commands -------------------------------------------------------------------------------
 
+
 def test_command_lifecycle_over_http(api: Api) -> None:
     api.register()
     r = api.command("migrate", target="GPU-0002")
@@ -190,8 +233,13 @@ def test_command_lifecycle_over_http(api: Api) -> None:
     assert api.post(f"/commands/{cmd['id']}/report", {"state": "running"}).json()["state"] == "running"
     assert api.get("/processes/gpu-1").json()["state"] == "MIGRATING"
     assert api.get("/processes/gpu-1/commands/next?wait=0").status_code == 204
-    result = {"kind": "migrate", "path": "driver", "ok": True, "seconds": 1.1,
-              "steps": [{"step": "checkpoint", "seconds": 0.5, "ok": True}]}
+    result = {
+        "kind": "migrate",
+        "path": "driver",
+        "ok": True,
+        "seconds": 1.1,
+        "steps": [{"step": "checkpoint", "seconds": 0.5, "ok": True}],
+    }
     done = api.post(f"/commands/{cmd['id']}/report", {"state": "succeeded", "result": result}).json()
     assert done["state"] == "succeeded" and done["result"] == result
     proc = api.get("/processes/gpu-1").json()
@@ -201,29 +249,32 @@ def test_command_lifecycle_over_http(api: Api) -> None:
     row, listed = api.pages("/ui/processes?id=gpu-1", "/ui/commands")
     assert '<span class="outcome-path muted">driver path</span>' in row  # which path the move took
     assert '<span class="cmd-path muted">driver path</span>' in listed
-    assert "migrate → GPU 2" in listed         # the index shown is derived from the UUID the command holds
+    assert "migrate → GPU 2" in listed  # the index shown is derived from the UUID the command holds
     metrics = api.client.get("/metrics").text
     assert 'flexium_commands_finished_total{kind="migrate",outcome="succeeded"} 1.0' in metrics
     assert 'flexium_migration_duration_seconds_count{kind="migrate",outcome="succeeded"} 1.0' in metrics
 
 
-@pytest.mark.parametrize("body,status,code", [
-    ({"kind": "migrate", "process_id": "nope", "target": 1}, 404, "not_found"),
-    ({"kind": "migrate", "process_id": "gpu-1", "target": "GPU-0000"}, 422, "target_refused"),
-    ({"kind": "migrate", "process_id": "gpu-1", "target": 1}, 422, "target_refused"),         # full
-    ({"kind": "migrate", "process_id": "gpu-1", "target": 2}, 422, "target_refused"),         # A100
-    ({"kind": "migrate", "process_id": "gpu-1", "target": 99}, 422, "target_refused"),
-    ({"kind": "migrate", "process_id": "gpu-1", "target": "GPU-other-host"}, 422, "target_refused"),
-    ({"kind": "migrate", "process_id": "gpu-1"}, 422, "invalid_request"),
-    ({"kind": "resume", "process_id": "gpu-1"}, 409, "invalid_state"),
-    ({"kind": "pause", "process_id": "paused"}, 409, "invalid_state"),
-    ({"kind": "migrate", "process_id": "paused", "target": 3}, 409, "invalid_state"),
-    ({"kind": "migrate", "process_id": "old", "target": 3}, 422, "capability"),
-    ({"kind": "pause", "process_id": "ancient"}, 422, "capability"),
-    ({"kind": "teleport", "process_id": "gpu-1"}, 422, "invalid_request"),
-    ({"kind": "pause", "process_id": "gpu-1", "target": True}, 422, "invalid_request"),
-    ({"kind": "pause", "process_id": "gpu-1", "target": [1]}, 422, "invalid_request"),
-])
+@pytest.mark.parametrize(
+    "body,status,code",
+    [
+        ({"kind": "migrate", "process_id": "nope", "target": 1}, 404, "not_found"),
+        ({"kind": "migrate", "process_id": "gpu-1", "target": "GPU-0000"}, 422, "target_refused"),
+        ({"kind": "migrate", "process_id": "gpu-1", "target": 1}, 422, "target_refused"),  # full
+        ({"kind": "migrate", "process_id": "gpu-1", "target": 2}, 422, "target_refused"),  # A100
+        ({"kind": "migrate", "process_id": "gpu-1", "target": 99}, 422, "target_refused"),
+        ({"kind": "migrate", "process_id": "gpu-1", "target": "GPU-other-host"}, 422, "target_refused"),
+        ({"kind": "migrate", "process_id": "gpu-1"}, 422, "invalid_request"),
+        ({"kind": "resume", "process_id": "gpu-1"}, 409, "invalid_state"),
+        ({"kind": "pause", "process_id": "paused"}, 409, "invalid_state"),
+        ({"kind": "migrate", "process_id": "paused", "target": 3}, 409, "invalid_state"),
+        ({"kind": "migrate", "process_id": "old", "target": 3}, 422, "capability"),
+        ({"kind": "pause", "process_id": "ancient"}, 422, "capability"),
+        ({"kind": "teleport", "process_id": "gpu-1"}, 422, "invalid_request"),
+        ({"kind": "pause", "process_id": "gpu-1", "target": True}, 422, "invalid_request"),
+        ({"kind": "pause", "process_id": "gpu-1", "target": [1]}, 422, "invalid_request"),
+    ],
+)
 def test_command_refusals(api: Api, body: dict[str, Any], status: int, code: str) -> None:
     devices = [gpu(0, used=10 * GIB), gpu(1, used=139 * GIB), gpu(2, name="NVIDIA A100"), gpu(3)]
     api.register("gpu-1", devices=devices)
@@ -237,8 +288,13 @@ def test_command_refusals(api: Api, body: dict[str, Any], status: int, code: str
 
 
 def test_targets_judged_by_the_rules_commands_obey(api: Api) -> None:
-    devices = [gpu(0, used=10 * GIB), gpu(1, used=139 * GIB), gpu(2, name="NVIDIA A100"), gpu(3),
-               gpu(4, health="xid 79")]
+    devices = [
+        gpu(0, used=10 * GIB),
+        gpu(1, used=139 * GIB),
+        gpu(2, name="NVIDIA A100"),
+        gpu(3),
+        gpu(4, health="xid 79"),
+    ]
     api.register("gpu-1", devices=devices)
     r = api.get("/processes/gpu-1/targets")
     assert r.status_code == 200, r.text
@@ -276,27 +332,38 @@ def test_failed_process_refuses_commands_and_shows_red(api: Api) -> None:
 
 
 def test_a_job_without_the_fast_path_shows_why(api: Api) -> None:
-    caps = {protocol.CAP_PAUSE_RESUME: True, protocol.CAP_MIGRATION: True, protocol.CAP_FAST_PATH: False,
-            protocol.CAP_FAST_PATH_PROBLEM: "CUDA memory was allocated before flexium.init() <early>"}
+    caps = {
+        protocol.CAP_PAUSE_RESUME: True,
+        protocol.CAP_MIGRATION: True,
+        protocol.CAP_FAST_PATH: False,
+        protocol.CAP_FAST_PATH_PROBLEM: "CUDA memory was allocated before flexium.init() <early>",
+    }
     api.register("gpu-1", capabilities=caps)
     api.register("gpu-2", capabilities={**caps, protocol.CAP_FAST_PATH: True, protocol.CAP_FAST_PATH_PROBLEM: None})
     slow, fast = api.pages("/ui/processes?id=gpu-1", "/ui/processes?id=gpu-2")
-    assert ('<small class="muted driver-only" title="CUDA memory was allocated before flexium.init() &lt;early&gt;">'
-            "driver path only</small>") in slow
+    assert (
+        '<small class="muted driver-only" title="CUDA memory was allocated before flexium.init() &lt;early&gt;">'
+        "driver path only</small>"
+    ) in slow
     assert "driver path only" not in fast
 
 
 def test_buttons_a_job_cannot_use_say_why(api: Api) -> None:
-    problems = ["torch 2.13.0+cpu is a CPU-only build: training runs, migration and pause are off",
-                "no NVIDIA driver <libcuda>"]
-    api.register("gpu-1", capabilities={protocol.CAP_PAUSE_RESUME: False, protocol.CAP_MIGRATION: False,
-                                        "problems": problems})
+    problems = [
+        "torch 2.13.0+cpu is a CPU-only build: training runs, migration and pause are off",
+        "no NVIDIA driver <libcuda>",
+    ]
+    api.register(
+        "gpu-1", capabilities={protocol.CAP_PAUSE_RESUME: False, protocol.CAP_MIGRATION: False, "problems": problems}
+    )
     api.register("gpu-2", capabilities={protocol.CAP_PAUSE_RESUME: True, protocol.CAP_MIGRATION: False})
     cpu, old_driver = api.pages("/ui/processes?id=gpu-1", "/ui/processes?id=gpu-2")
-    why = ("torch 2.13.0+cpu is a CPU-only build: training runs, migration and pause are off; "
-           "no NVIDIA driver &lt;libcuda&gt;")
-    assert cpu.count(f'disabled title="{why}"') == 2          # Migrate and Pause
-    assert "disabled title=\"This job&#39;s driver cannot migrate (needs 580+)\"" in old_driver
+    why = (
+        "torch 2.13.0+cpu is a CPU-only build: training runs, migration and pause are off; "
+        "no NVIDIA driver &lt;libcuda&gt;"
+    )
+    assert cpu.count(f'disabled title="{why}"') == 2  # Migrate and Pause
+    assert 'disabled title="This job&#39;s driver cannot migrate (needs 580+)"' in old_driver
     assert 'data-action="pause"' in old_driver and old_driver.count("disabled") == 1
 
 
@@ -308,7 +375,7 @@ def test_a_heartbeat_older_than_the_final_report_changes_nothing(api: Api) -> No
     final = {"state": "succeeded", "process": {"state": "PAUSED", "memory_bytes": 0, "seq": 30}}
     assert api.post(f"/commands/{cmd['id']}/report", final).status_code == 200
     # built during the pause (seq 20), delivered after the report: the process stays PAUSED
-    for _ in range(2):                 # the second goes through the in-memory shortcut's check too
+    for _ in range(2):  # the second goes through the in-memory shortcut's check too
         r = api.post("/processes/gpu-1/heartbeat", {"state": "PAUSING", "memory_bytes": 10 * GIB, "seq": 20})
         assert r.status_code == 200, r.text
         proc = api.get("/processes/gpu-1").json()
@@ -360,12 +427,12 @@ def test_long_poll_wakes_on_command(api: Api) -> None:
 
     t = threading.Thread(target=poll)
     t.start()
-    time.sleep(0.5)                          # the poll is waiting
+    time.sleep(0.5)  # the poll is waiting
     created = time.monotonic()
     assert api.command("pause").status_code == 201
     t.join(10)
     assert out["response"].status_code == 200 and out["response"].json()["kind"] == "pause"
-    assert out["received"] - created < 0.5   # at once, not at the end of the wait
+    assert out["received"] - created < 0.5  # at once, not at the end of the wait
 
 
 def test_long_poll_times_out_with_204(api: Api) -> None:
@@ -380,7 +447,7 @@ def test_long_poll_times_out_with_204(api: Api) -> None:
 # --- bad input ------------------------------------------------------------------------------
 
 BAD_REGISTRATIONS = [
-    ("not json", "{\"process_id\": ", 400, "bad_request"),
+    ("not json", '{"process_id": ', 400, "bad_request"),
     ("a list", [], 422, "invalid_request"),
     ("no host", {"process_id": "gpu-1"}, 422, "invalid_request"),
     ("pid as string", {**process_body(), "pid": "4242"}, 422, "invalid_request"),
@@ -393,13 +460,16 @@ BAD_REGISTRATIONS = [
     ("NUL in host", {**process_body(), "host": "node\x001"}, 422, "invalid_request"),
     ("long host", {**process_body(), "host": "h" * 300}, 422, "invalid_request"),
     ("NaN start", "NAN_START", 422, "invalid_request"),
-    ("deep capabilities", {**process_body(), "capabilities": json.loads("{\"a\":" * 20 + "1" + "}" * 20)},
-     422, "invalid_request"),
+    (
+        "deep capabilities",
+        {**process_body(), "capabilities": json.loads('{"a":' * 20 + "1" + "}" * 20)},
+        422,
+        "invalid_request",
+    ),
     ("NUL in capabilities", {**process_body(), "capabilities": {"x": "a\x00b"}}, 422, "invalid_request"),
     ("device without uuid", {**process_body(), "devices": [{"index": 0}]}, 422, "invalid_request"),
     ("device bad index", {**process_body(), "devices": [{**gpu(0), "index": -3}]}, 422, "invalid_request"),
-    ("device utilization 500", {**process_body(), "devices": [{**gpu(0), "utilization": 500}]},
-     422, "invalid_request"),
+    ("device utilization 500", {**process_body(), "devices": [{**gpu(0), "utilization": 500}]}, 422, "invalid_request"),
     ("too many devices", {**process_body(), "devices": [gpu(i) for i in range(100)]}, 422, "invalid_request"),
     ("devices not a list", {**process_body(), "devices": {"uuid": "GPU-1"}}, 422, "invalid_request"),
 ]
@@ -425,16 +495,20 @@ def test_huge_bodies_413(api: Api) -> None:
     api.register()
     before = table_snapshot(api.db)
     big = json.dumps({**process_body(), "cmdline": "x" * (2 << 20)})
-    r = api.client.post(api.base + "/processes", content=big,
-                        headers={**api.headers(), "Content-Type": "application/json"})
+    r = api.client.post(
+        api.base + "/processes", content=big, headers={**api.headers(), "Content-Type": "application/json"}
+    )
     _error(r, 413, "payload_too_large")
 
     def chunks() -> Any:
         for _ in range(40):
             yield b"x" * 65536
 
-    r = api.client.post(api.base + "/processes/gpu-1/heartbeat", content=chunks(),
-                        headers={**api.headers(), "Content-Type": "application/json"})
+    r = api.client.post(
+        api.base + "/processes/gpu-1/heartbeat",
+        content=chunks(),
+        headers={**api.headers(), "Content-Type": "application/json"},
+    )
     _error(r, 413, "payload_too_large")
     assert table_snapshot(api.db) == before
 
@@ -445,7 +519,12 @@ def test_bad_reports_and_ids(api: Api) -> None:
     before = table_snapshot(api.db)
     cases = [
         (api.post(f"/commands/{cmd['id']}/report", {"state": "queued"}), 422),
-        (api.post(f"/commands/{cmd['id']}/report", {"state": "succeeded", "result": {"seconds": "NaN", "x": [1] * 1000}}), 422),
+        (
+            api.post(
+                f"/commands/{cmd['id']}/report", {"state": "succeeded", "result": {"seconds": "NaN", "x": [1] * 1000}}
+            ),
+            422,
+        ),
         (api.post(f"/commands/{cmd['id']}/report", {"state": "failed", "error": "e" * 10_000}), 422),
         (api.post(f"/commands/{cmd['id']}/report", {"state": "failed", "process": {"state": "LOST"}}), 422),
         (api.post("/commands/999999/report", {"state": "running"}), 404),
@@ -466,8 +545,20 @@ def test_bad_reports_and_ids(api: Api) -> None:
         (api.post("/processes/gpu-1/heartbeat", {"state": "PAUSED\x00"}), 422),
         (api.delete("/tokens/abc"), 422),
         (api.post("/tokens", {"name": 5}), 422),
-        (api.client.post(api.base + "/commands", content=b"\xff\xfe", headers={**api.headers(), "Content-Type": "application/json"}), 400),
-        (api.client.post(api.base + "/commands", content=b"", headers={**api.headers(), "Content-Type": "application/json"}), 422),
+        (
+            api.client.post(
+                api.base + "/commands",
+                content=b"\xff\xfe",
+                headers={**api.headers(), "Content-Type": "application/json"},
+            ),
+            400,
+        ),
+        (
+            api.client.post(
+                api.base + "/commands", content=b"", headers={**api.headers(), "Content-Type": "application/json"}
+            ),
+            422,
+        ),
     ]
     for r, status in cases:
         assert r.status_code == status, (r.request.url, r.text)

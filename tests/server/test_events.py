@@ -19,6 +19,7 @@ def _subscribe(bus: EventBus, last_event_id: int) -> list[str]:
         sub, backlog = bus.subscribe(1, last_event_id=last_event_id)
         bus.unsubscribe(sub)
         return backlog
+
     return asyncio.run(run())
 
 
@@ -38,12 +39,12 @@ def test_ids_keep_growing_across_a_restart() -> None:
     for _ in range(5):
         before.publish(1, protocol.EVENT_DEVICES, {"host": "h"})
     seen = before.last_id
-    time.sleep(0.02)                          # a restart takes longer than 5 events' milliseconds
-    after = EventBus()                        # the restarted server: empty history
+    time.sleep(0.02)  # a restart takes longer than 5 events' milliseconds
+    after = EventBus()  # the restarted server: empty history
     assert after.last_id >= seen
     after.publish(1, protocol.EVENT_DEVICES, {"host": "h"})
     assert after.last_id > seen
     backlog = _subscribe(after, seen)
-    assert _events(backlog) == [protocol.EVENT_RESYNC]       # what it missed is gone: reload
+    assert _events(backlog) == [protocol.EVENT_RESYNC]  # what it missed is gone: reload
     frame = before.frame(after.last_id, protocol.EVENT_HELLO, {"last_event_id": after.last_id})
     assert json.loads(frame.split("data: ", 1)[1])["last_event_id"] == after.last_id

@@ -28,8 +28,16 @@ def _auth(token: str) -> dict[str, str]:
 
 @pytest.fixture
 def server(database_url: str, tmp_path: Path) -> Any:
-    srv = LiveServer(database_url, str(tmp_path / "home"), "--stale-after", "5", "--device-write-interval", "1",
-                     "--sweep-interval", "0.5")
+    srv = LiveServer(
+        database_url,
+        str(tmp_path / "home"),
+        "--stale-after",
+        "5",
+        "--device-write-interval",
+        "1",
+        "--sweep-interval",
+        "0.5",
+    )
     srv.start()
     yield srv
     srv.stop(signal.SIGKILL)
@@ -92,13 +100,15 @@ def test_sse_live_events_and_replay(server: LiveServer) -> None:
     t.start()
     assert ready.wait(10)
     assert requests.post(base + "/processes", json=process_body(), headers=headers, timeout=5).status_code == 201
-    cmd = requests.post(base + "/commands", json={"kind": "pause", "process_id": "gpu-1"}, headers=headers, timeout=5).json()
+    cmd = requests.post(
+        base + "/commands", json={"kind": "pause", "process_id": "gpu-1"}, headers=headers, timeout=5
+    ).json()
     requests.get(base + "/processes/gpu-1/commands/next?wait=1", headers=headers, timeout=5)
     t.join(15)
     types = [(e[1], e[2].get("action")) for e in events]
     assert types[0] == ("hello", None)
     assert ("process", "registered") in types and ("command", "created") in types
-    assert ("command", "updated") in types          # delivered
+    assert ("command", "updated") in types  # delivered
     created = next(e for e in events if e[1] == "command")
     assert created[2]["command"]["id"] == cmd["id"]
     # reconnect with Last-Event-ID: what came after it is replayed
@@ -124,7 +134,7 @@ def test_delivery_latency_over_http(server: LiveServer) -> None:
     for _ in range(10):
         got: dict[str, Any] = {}
 
-        def poll() -> None:
+        def poll(got: dict[str, Any] = got) -> None:
             r = requests.get(base + "/processes/gpu-1/commands/next?wait=10", headers=headers, timeout=15)
             got["t"] = time.monotonic()
             got["cmd"] = r.json()
@@ -149,16 +159,18 @@ def test_restart_loses_nothing_and_jobs_reattach(database_url: str, tmp_path: Pa
     base = f"{srv.url}/api/w/default"
     admin = requests.Session()
     admin.headers.update(_auth(token))
-    jobs = [SimJob(base, token, f"gpu-{i}", process_body(f"gpu-{i}", gpu_index=i, n_gpus=4)).start()
-            for i in range(3)]
+    jobs = [SimJob(base, token, f"gpu-{i}", process_body(f"gpu-{i}", gpu_index=i, n_gpus=4)).start() for i in range(3)]
     try:
         # gpu-0 and gpu-1 are busy (not polling): their commands stay queued
         for job in jobs[:2]:
             job.accepting.clear()
         time.sleep(0.5)
-        queued = [admin.post(base + "/commands", json={"kind": "pause", "process_id": "gpu-0"}, timeout=5).json(),
-                  admin.post(base + "/commands", json={"kind": "migrate", "process_id": "gpu-1", "target": 3},
-                             timeout=5).json()]
+        queued = [
+            admin.post(base + "/commands", json={"kind": "pause", "process_id": "gpu-0"}, timeout=5).json(),
+            admin.post(
+                base + "/commands", json={"kind": "migrate", "process_id": "gpu-1", "target": 3}, timeout=5
+            ).json(),
+        ]
         assert [c["state"] for c in queued] == ["queued", "queued"]
         # gpu-2 receives its command and loses it before acknowledging
         jobs[2].drop_next = True
@@ -169,9 +181,9 @@ def test_restart_loses_nothing_and_jobs_reattach(database_url: str, tmp_path: Pa
         assert admin.get(f"{base}/commands/{lost['id']}", timeout=5).json()["state"] == "delivered"
 
         srv.stop(stop_signal)
-        time.sleep(1.0)                                  # jobs notice: requests fail
-        srv.start()                                      # same database, same port
-        assert srv.token is None                         # nothing re-created
+        time.sleep(1.0)  # jobs notice: requests fail
+        srv.start()  # same database, same port
+        assert srv.token is None  # nothing re-created
         for job in jobs:
             job.accepting.set()
         ids = [c["id"] for c in queued] + [lost["id"]]
@@ -183,13 +195,13 @@ def test_restart_loses_nothing_and_jobs_reattach(database_url: str, tmp_path: Pa
                 break
             time.sleep(0.1)
         assert states == ["succeeded"] * 3
-        assert sum(1 for c in jobs[2].received if c["id"] == lost["id"]) == 2   # redelivered
+        assert sum(1 for c in jobs[2].received if c["id"] == lost["id"]) == 2  # redelivered
         procs = {p["process_id"]: p for p in admin.get(base + "/processes", timeout=5).json()}
         assert sorted(procs) == ["gpu-0", "gpu-1", "gpu-2"]
         assert procs["gpu-0"]["state"] == "PAUSED" and procs["gpu-2"]["state"] == "PAUSED"
         assert procs["gpu-1"]["state"] == "RUNNING" and procs["gpu-1"]["gpu_uuid"] == "GPU-0003"
         restarted = time.time() - 5
-        assert all(p["last_seen"] > restarted for p in procs.values())      # attached again
+        assert all(p["last_seen"] > restarted for p in procs.values())  # attached again
         assert len(admin.get(base + "/commands", timeout=5).json()) == 3
     finally:
         for job in jobs:
@@ -205,8 +217,9 @@ def test_sigterm_is_quick_with_waiting_polls_and_streams(server: LiveServer) -> 
 
     def poll() -> None:
         try:
-            results.append(requests.get(base + "/processes/gpu-1/commands/next?wait=60", headers=headers,
-                                        timeout=90).status_code)
+            results.append(
+                requests.get(base + "/processes/gpu-1/commands/next?wait=60", headers=headers, timeout=90).status_code
+            )
         except requests.RequestException:
             results.append(-1)
 
@@ -247,8 +260,7 @@ def test_workspace_command_line(server: LiveServer) -> None:
     assert requests.get(base + "/processes", headers=_auth(token), timeout=5).status_code == 200
     # the default workspace's token does not open team-a, and team-a's does not open default
     assert requests.get(base + "/processes", headers=_auth(server.token or ""), timeout=5).status_code == 404
-    assert requests.get(f"{server.url}/api/w/default/processes", headers=_auth(token),
-                        timeout=5).status_code == 404
+    assert requests.get(f"{server.url}/api/w/default/processes", headers=_auth(token), timeout=5).status_code == 404
     dup = cli("workspace", "create", "team-a")
     assert dup.returncode == 1 and "already exists" in dup.stderr
     issued = cli("token", "issue", "team-a", "--name", "ci")
@@ -257,7 +269,7 @@ def test_workspace_command_line(server: LiveServer) -> None:
     listed = cli("token", "list", "team-a").stdout
     assert "ci" in listed and second not in listed
     assert cli("token", "revoke", "team-a", second).returncode == 0
-    deadline = time.monotonic() + 10                  # the server's token cache lets it live <= 5 s
+    deadline = time.monotonic() + 10  # the server's token cache lets it live <= 5 s
     while time.monotonic() < deadline:
         if requests.get(base, headers=_auth(second), timeout=5).status_code == 401:
             break
@@ -284,5 +296,3 @@ def test_stale_then_event(server: LiveServer) -> None:
     assert r.status_code == 409 and r.json()["error"] == "stale"
     requests.post(base + "/processes/gpu-1/heartbeat", json={}, headers=headers, timeout=5)
     assert requests.get(base + "/processes/gpu-1", headers=headers, timeout=5).json()["state"] == "RUNNING"
-
-

@@ -11,12 +11,15 @@ from flexium.cli.main import main
 from flexium.server.settings import Settings, load_settings
 
 
-@pytest.mark.parametrize("values,message", [
-    ({"stale_after_s": 5.0}, r"--stale-after \(5 s\) must be longer than --device-write-interval \(5 s\)"),
-    ({"stale_after_s": 2.0, "device_write_interval_s": 3.0}, "fresh GPUs look silent"),
-    ({"heartbeat_interval_s": 0.0}, "--heartbeat-interval must be a positive"),
-    ({"remove_after_s": 10.0}, "--remove-after"),
-])
+@pytest.mark.parametrize(
+    "values,message",
+    [
+        ({"stale_after_s": 5.0}, r"--stale-after \(5 s\) must be longer than --device-write-interval \(5 s\)"),
+        ({"stale_after_s": 2.0, "device_write_interval_s": 3.0}, "fresh GPUs look silent"),
+        ({"heartbeat_interval_s": 0.0}, "--heartbeat-interval must be a positive"),
+        ({"remove_after_s": 10.0}, "--remove-after"),
+    ],
+)
 def test_bad_timings_refused(values: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=message):
         Settings(database_url="sqlite:///x.db", **values)

@@ -26,19 +26,34 @@ def _workspace(db: Database, name: str = "team") -> tuple[int, str]:
 def _register(db: Database, ws: int, process_id: str = "gpu-1", now: float = NOW, **fields: Any) -> dict[str, Any]:
     body = process_body(process_id, **fields)
     body.setdefault("footprint_bytes", None)
-    proc, _created = db.run(storage.register_process, write=True, workspace_id=ws,
-                            report=wire.RegisterRequest.model_validate(body), now=now,
-                            stale_after=STALE)
+    proc, _created = db.run(
+        storage.register_process,
+        write=True,
+        workspace_id=ws,
+        report=wire.RegisterRequest.model_validate(body),
+        now=now,
+        stale_after=STALE,
+    )
     return proc
 
 
-def _command(db: Database, ws: int, kind: str, process_id: str = "gpu-1", target: Any = None,
-             now: float = NOW) -> dict[str, Any]:
-    return db.run(storage.create_command, write=True, workspace_id=ws, kind=kind, process_id=process_id,
-                  target=target, now=now, stale_after=STALE)
+def _command(
+    db: Database, ws: int, kind: str, process_id: str = "gpu-1", target: Any = None, now: float = NOW
+) -> dict[str, Any]:
+    return db.run(
+        storage.create_command,
+        write=True,
+        workspace_id=ws,
+        kind=kind,
+        process_id=process_id,
+        target=target,
+        now=now,
+        stale_after=STALE,
+    )
 
 
 # --- schema ---------------------------------------------------------------------------------
+
 
 def test_migrations_match_models(db: Database) -> None:
     from alembic.autogenerate import compare_metadata
@@ -78,6 +93,7 @@ def test_sqlite_pragmas(tmp_path: Any) -> None:
 
 
 # --- workspaces and tokens ------------------------------------------------------------------
+
 
 def test_workspace_tokens_hashed_and_revocable(db: Database) -> None:
     ws, token = _workspace(db)
@@ -122,15 +138,21 @@ def test_revoke_token_of_other_workspace_is_not_found(db: Database) -> None:
 
 # --- processes ------------------------------------------------------------------------------
 
+
 def test_register_is_an_upsert(db: Database) -> None:
     ws, _ = _workspace(db)
     first = _register(db, ws)
     assert first.state == "RUNNING" and first.footprint_bytes == 10 * GIB
     body = process_body("gpu-1", memory=12 * GIB)
     body["footprint_bytes"] = None
-    again, created = db.run(storage.register_process, write=True, workspace_id=ws,
-                            report=wire.RegisterRequest.model_validate(body),
-                            now=NOW + 5, stale_after=STALE)
+    again, created = db.run(
+        storage.register_process,
+        write=True,
+        workspace_id=ws,
+        report=wire.RegisterRequest.model_validate(body),
+        now=NOW + 5,
+        stale_after=STALE,
+    )
     assert not created and again.memory_bytes == 12 * GIB and again.registered_at == NOW
     assert again.last_seen == NOW + 5
     assert len(db.run(storage.list_processes, write=False, workspace_id=ws, now=NOW, stale_after=STALE)) == 1
@@ -139,15 +161,36 @@ def test_register_is_an_upsert(db: Database) -> None:
 def test_heartbeat_updates_and_reports_changes(db: Database) -> None:
     ws, _ = _workspace(db)
     _register(db, ws)
-    out = db.run(storage.heartbeat, write=True, workspace_id=ws, process_id="gpu-1",
-                 report=wire.HeartbeatRequest.model_validate({"memory_bytes": 10 * GIB}), now=NOW + 1, stale_after=STALE)
+    out = db.run(
+        storage.heartbeat,
+        write=True,
+        workspace_id=ws,
+        process_id="gpu-1",
+        report=wire.HeartbeatRequest.model_validate({"memory_bytes": 10 * GIB}),
+        now=NOW + 1,
+        stale_after=STALE,
+    )
     assert out.changed is None and out.pending_command is None and out.host == "node1"
-    out = db.run(storage.heartbeat, write=True, workspace_id=ws, process_id="gpu-1",
-                 report=wire.HeartbeatRequest.model_validate({"memory_bytes": 11 * GIB, "state": "RUNNING"}), now=NOW + 2, stale_after=STALE)
+    out = db.run(
+        storage.heartbeat,
+        write=True,
+        workspace_id=ws,
+        process_id="gpu-1",
+        report=wire.HeartbeatRequest.model_validate({"memory_bytes": 11 * GIB, "state": "RUNNING"}),
+        now=NOW + 2,
+        stale_after=STALE,
+    )
     assert out.changed is not None and out.changed.memory_bytes == 11 * GIB
     with pytest.raises(errors.NotFound):
-        db.run(storage.heartbeat, write=True, workspace_id=ws, process_id="nope", report=wire.HeartbeatRequest.model_validate({}), now=NOW,
-               stale_after=STALE)
+        db.run(
+            storage.heartbeat,
+            write=True,
+            workspace_id=ws,
+            process_id="nope",
+            report=wire.HeartbeatRequest.model_validate({}),
+            now=NOW,
+            stale_after=STALE,
+        )
 
 
 def test_heartbeat_built_before_a_concurrent_report_loses_to_it(db: Database) -> None:
@@ -157,26 +200,46 @@ def test_heartbeat_built_before_a_concurrent_report_loses_to_it(db: Database) ->
     _register(db, ws, seq=10)
     cmd = _command(db, ws, "pause")
     db.run(storage.next_command, write=True, workspace_id=ws, process_id="gpu-1", now=NOW + 1)
-    db.run(storage.report_command, write=True, workspace_id=ws, command_id=cmd.id, now=NOW + 1,
-           stale_after=STALE, report=wire.CommandReport(state="running"))
+    db.run(
+        storage.report_command,
+        write=True,
+        workspace_id=ws,
+        command_id=cmd.id,
+        now=NOW + 1,
+        stale_after=STALE,
+        report=wire.CommandReport(state="running"),
+    )
     beat_done = threading.Event()
 
     def older_beat() -> None:
-        db.run(storage.heartbeat, write=True, workspace_id=ws, process_id="gpu-1",
-               report=wire.HeartbeatRequest.model_validate({"state": "RUNNING", "seq": 100}), now=NOW + 2, stale_after=STALE)
+        db.run(
+            storage.heartbeat,
+            write=True,
+            workspace_id=ws,
+            process_id="gpu-1",
+            report=wire.HeartbeatRequest.model_validate({"state": "RUNNING", "seq": 100}),
+            now=NOW + 2,
+            stale_after=STALE,
+        )
         beat_done.set()
 
     beat = threading.Thread(target=older_beat)
     with db.session(write=True) as session:
-        storage.report_command(session=session, workspace_id=ws, command_id=cmd.id, now=NOW + 2,
-                               stale_after=STALE, report=wire.CommandReport.model_validate(
-                                   {"state": "succeeded", "process": {"state": "PAUSED", "seq": 200}}))
+        storage.report_command(
+            session=session,
+            workspace_id=ws,
+            command_id=cmd.id,
+            now=NOW + 2,
+            stale_after=STALE,
+            report=wire.CommandReport.model_validate(
+                {"state": "succeeded", "process": {"state": "PAUSED", "seq": 200}}
+            ),
+        )
         beat.start()
-        assert not beat_done.wait(0.3)      # the report holds the row until it commits
+        assert not beat_done.wait(0.3)  # the report holds the row until it commits
     beat.join(10)
     assert beat_done.is_set()
-    proc = db.run(storage.get_process, write=False, workspace_id=ws, process_id="gpu-1", now=NOW + 2,
-                  stale_after=STALE)
+    proc = db.run(storage.get_process, write=False, workspace_id=ws, process_id="gpu-1", now=NOW + 2, stale_after=STALE)
     assert proc.state == "PAUSED"
 
 
@@ -186,8 +249,7 @@ def test_stale_shown_and_filtered(db: Database) -> None:
     _register(db, ws, "gpu-2", now=NOW + 40)
     procs = db.run(storage.list_processes, write=False, workspace_id=ws, now=NOW + 45, stale_after=STALE)
     assert {p.process_id: p.state for p in procs} == {"gpu-1": "STALE", "gpu-2": "RUNNING"}
-    stale = db.run(storage.list_processes, write=False, workspace_id=ws, now=NOW + 45, stale_after=STALE,
-                   state="STALE")
+    stale = db.run(storage.list_processes, write=False, workspace_id=ws, now=NOW + 45, stale_after=STALE, state="STALE")
     assert [p.process_id for p in stale] == ["gpu-1"]
     counts = db.run(storage.count_processes, write=False, now=NOW + 45, stale_after=STALE)
     assert counts["STALE"] == 1 and counts["RUNNING"] == 1
@@ -197,13 +259,14 @@ def test_processes_are_scoped_to_workspace(db: Database) -> None:
     ws_a, _ = _workspace(db, "a")
     ws_b, _ = _workspace(db, "b")
     _register(db, ws_a, "gpu-1")
-    _register(db, ws_b, "gpu-1", host="other")   # same id, other workspace: a different process
-    assert db.run(storage.get_process, write=False, workspace_id=ws_b, process_id="gpu-1", now=NOW,
-                  stale_after=STALE).host == "other"
+    _register(db, ws_b, "gpu-1", host="other")  # same id, other workspace: a different process
+    assert (
+        db.run(storage.get_process, write=False, workspace_id=ws_b, process_id="gpu-1", now=NOW, stale_after=STALE).host
+        == "other"
+    )
     _register(db, ws_a, "gpu-9")
     with pytest.raises(errors.NotFound):
-        db.run(storage.get_process, write=False, workspace_id=ws_b, process_id="gpu-9", now=NOW,
-               stale_after=STALE)
+        db.run(storage.get_process, write=False, workspace_id=ws_b, process_id="gpu-9", now=NOW, stale_after=STALE)
 
 
 def test_devices_grouped_with_flexium_memory(db: Database) -> None:
@@ -223,23 +286,29 @@ def test_devices_grouped_with_flexium_memory(db: Database) -> None:
 
 # --- commands: validation -------------------------------------------------------------------
 
+
 def test_migrate_checks(db: Database) -> None:
     ws, _ = _workspace(db)
-    devices = [gpu(0, used=10 * GIB), gpu(1, used=135 * GIB), gpu(2, name="NVIDIA A100"),
-               gpu(3, health="xid 79"), gpu(4)]
+    devices = [
+        gpu(0, used=10 * GIB),
+        gpu(1, used=135 * GIB),
+        gpu(2, name="NVIDIA A100"),
+        gpu(3, health="xid 79"),
+        gpu(4),
+    ]
     _register(db, ws, "gpu-1", devices=devices)
-    _register(db, ws, "gpu-far", host="node2", gpu_index=0, n_gpus=1,
-              devices=[{**gpu(0), "uuid": "GPU-far"}])
+    _register(db, ws, "gpu-far", host="node2", gpu_index=0, n_gpus=1, devices=[{**gpu(0), "uuid": "GPU-far"}])
     cases = [
-        ("nope", 4, errors.NotFound), ("gpu-1", None, errors.InvalidRequest),
-        ("gpu-1", "GPU-0000", errors.TargetRefused),      # already there
-        ("gpu-1", 1, errors.TargetRefused),               # no room
-        ("gpu-1", "GPU-0002", errors.TargetRefused),      # other model
-        ("gpu-1", "GPU-0003", errors.TargetRefused),      # unhealthy
-        ("gpu-1", "GPU-far", errors.TargetRefused),       # other host
-        ("gpu-1", "GPU-ffff", errors.TargetRefused),      # unknown
-        ("gpu-1", 9, errors.TargetRefused),               # no such index
-        ("gpu-1", "cuda:7", errors.TargetRefused),        # not visible
+        ("nope", 4, errors.NotFound),
+        ("gpu-1", None, errors.InvalidRequest),
+        ("gpu-1", "GPU-0000", errors.TargetRefused),  # already there
+        ("gpu-1", 1, errors.TargetRefused),  # no room
+        ("gpu-1", "GPU-0002", errors.TargetRefused),  # other model
+        ("gpu-1", "GPU-0003", errors.TargetRefused),  # unhealthy
+        ("gpu-1", "GPU-far", errors.TargetRefused),  # other host
+        ("gpu-1", "GPU-ffff", errors.TargetRefused),  # unknown
+        ("gpu-1", 9, errors.TargetRefused),  # no such index
+        ("gpu-1", "cuda:7", errors.TargetRefused),  # not visible
         ("gpu-1", "cuda:x", errors.InvalidRequest),
     ]
     for process_id, target, exc in cases:
@@ -259,12 +328,25 @@ def test_target_text_has_one_meaning_each(db: Database) -> None:
     ws, _ = _workspace(db)
     _register(db, ws, "gpu-1", gpu_index=3, visible_gpus=["GPU-0003", "GPU-0001", "GPU-0002"])
     proc = db.run(storage.get_process, write=False, workspace_id=ws, process_id="gpu-1", now=NOW, stale_after=STALE)
-    for target, uuid in (("cuda:1", "GPU-0001"), (2, "GPU-0002"), ("2", "GPU-0002"), ("1", "GPU-0001"),
-                         ("GPU-0002", "GPU-0002"), ("cuda:2", "GPU-0002")):
+    for target, uuid in (
+        ("cuda:1", "GPU-0001"),
+        (2, "GPU-0002"),
+        ("2", "GPU-0002"),
+        ("1", "GPU-0001"),
+        ("GPU-0002", "GPU-0002"),
+        ("cuda:2", "GPU-0002"),
+    ):
         cmd = _command(db, ws, "migrate", "gpu-1", target)
         assert cmd.target_uuid == uuid, target
-        db.run(storage.report_command, write=True, workspace_id=ws, command_id=cmd.id, now=NOW,
-               stale_after=STALE, report=wire.CommandReport(state="failed", error="test"))
+        db.run(
+            storage.report_command,
+            write=True,
+            workspace_id=ws,
+            command_id=cmd.id,
+            now=NOW,
+            stale_after=STALE,
+            report=wire.CommandReport(state="failed", error="test"),
+        )
     with pytest.raises(errors.TargetRefused, match="already on it"):
         _command(db, ws, "migrate", "gpu-1", "cuda:0")
     # what is shown is derived from the UUID: the job's own ordinal, the host's index
@@ -352,7 +434,7 @@ def test_one_active_command_under_concurrency(db: Database) -> None:
             outcomes.append("ok")
         except errors.Busy:
             outcomes.append("busy")
-        except Exception as exc:   # an IntegrityError here would be a 500 at the API
+        except Exception as exc:  # an IntegrityError here would be a 500 at the API
             outcomes.append(type(exc).__name__)
 
     threads = [threading.Thread(target=attempt) for _ in range(6)]
@@ -373,16 +455,33 @@ def test_resume_target_choice(db: Database) -> None:
     _register(db, ws, "q", state="PAUSED", memory=0, footprint_bytes=30 * GIB, host="n2", n_gpus=2)
     assert _command(db, ws, "resume", "q").target_uuid == "GPU-0000"
     # cannot migrate and its GPU is full: refused
-    _register(db, ws, "r", state="PAUSED", memory=0, footprint_bytes=30 * GIB, migration=False,
-              host="n3", devices=[gpu(0, used=139 * GIB), gpu(1)])
+    _register(
+        db,
+        ws,
+        "r",
+        state="PAUSED",
+        memory=0,
+        footprint_bytes=30 * GIB,
+        migration=False,
+        host="n3",
+        devices=[gpu(0, used=139 * GIB), gpu(1)],
+    )
     with pytest.raises(errors.TargetRefused):
         _command(db, ws, "resume", "r")
     # explicit other GPU needs migration
     with pytest.raises(errors.CapabilityMissing):
         _command(db, ws, "resume", "r", 1)
     # explicit GPU without room
-    _register(db, ws, "s", state="PAUSED", memory=0, footprint_bytes=30 * GIB, host="n4",
-              devices=[gpu(0), gpu(1, used=139 * GIB)])
+    _register(
+        db,
+        ws,
+        "s",
+        state="PAUSED",
+        memory=0,
+        footprint_bytes=30 * GIB,
+        host="n4",
+        devices=[gpu(0), gpu(1, used=139 * GIB)],
+    )
     with pytest.raises(errors.TargetRefused, match="free"):
         _command(db, ws, "resume", "s", 1)
 
@@ -396,13 +495,21 @@ def test_resume_without_device_reports_lets_process_choose(db: Database) -> None
 
 # --- commands: delivery and reports ---------------------------------------------------------
 
+
 def _next(db: Database, ws: int, process_id: str = "gpu-1", now: float = NOW) -> Any:
     return db.run(storage.next_command, write=True, workspace_id=ws, process_id=process_id, now=now)
 
 
 def _report(db: Database, ws: int, command_id: int, state: str, now: float = NOW, **extra: Any) -> Any:
-    return db.run(storage.report_command, write=True, workspace_id=ws, command_id=command_id,
-                  report=wire.CommandReport.model_validate({"state": state, **extra}), now=now, stale_after=STALE)
+    return db.run(
+        storage.report_command,
+        write=True,
+        workspace_id=ws,
+        command_id=command_id,
+        report=wire.CommandReport.model_validate({"state": state, **extra}),
+        now=now,
+        stale_after=STALE,
+    )
 
 
 def test_delivery_redelivery_and_lifecycle(db: Database) -> None:
@@ -412,12 +519,12 @@ def test_delivery_redelivery_and_lifecycle(db: Database) -> None:
     cmd = _command(db, ws, "migrate", target=2)
     got, first = _next(db, ws, now=NOW + 0.01)
     assert first and got.id == cmd.id and got.state == "delivered" and got.deliveries == 1
-    again, first = _next(db, ws, now=NOW + 5)     # never acknowledged: handed out again
+    again, first = _next(db, ws, now=NOW + 5)  # never acknowledged: handed out again
     assert not first and again.id == cmd.id and again.deliveries == 2
     assert again.delivered_at == NOW + 0.01
     running, proc, changed = _report(db, ws, cmd.id, "running", now=NOW + 6)
     assert changed and running.state == "running" and proc.state == "MIGRATING"
-    assert _next(db, ws) == (None, False)         # running: not handed out again
+    assert _next(db, ws) == (None, False)  # running: not handed out again
     result = {"kind": "migrate", "path": "driver", "ok": True, "seconds": 1.25, "steps": []}
     done, proc, changed = _report(db, ws, cmd.id, "succeeded", now=NOW + 8, result=result)
     assert done.state == "succeeded" and done.result == result and done.finished_at == NOW + 8
@@ -445,8 +552,9 @@ def test_pause_resume_settle_process(db: Database) -> None:
     _, proc, _ = _report(db, ws, resume.id, "failed", now=NOW + 3, error="restore failed")
     assert proc.state == "PAUSED"
     resume = _command(db, ws, "resume", target=3, now=NOW + 4)
-    _, proc, _ = _report(db, ws, resume.id, "succeeded", now=NOW + 5,
-                         process={"memory_bytes": 12 * GIB, "physical_device": "cuda:3"})
+    _, proc, _ = _report(
+        db, ws, resume.id, "succeeded", now=NOW + 5, process={"memory_bytes": 12 * GIB, "physical_device": "cuda:3"}
+    )
     assert proc.state == "RUNNING" and proc.gpu_uuid == "GPU-0003" and proc.physical_device == "cuda:3"
     assert proc.memory_bytes == 12 * GIB
 
@@ -456,8 +564,14 @@ def test_failed_migration_stays_on_source(db: Database) -> None:
     _register(db, ws)
     cmd = _command(db, ws, "migrate", target=1)
     _report(db, ws, cmd.id, "running")
-    done, proc, _ = _report(db, ws, cmd.id, "failed", error="cuCheckpointProcessRestore failed: "
-                            "CUDA_ERROR_INVALID_VALUE", result={"failed_step": "restore", "ok": False})
+    done, proc, _ = _report(
+        db,
+        ws,
+        cmd.id,
+        "failed",
+        error="cuCheckpointProcessRestore failed: CUDA_ERROR_INVALID_VALUE",
+        result={"failed_step": "restore", "ok": False},
+    )
     assert done.error.startswith("cuCheckpoint") and proc.gpu_uuid == "GPU-0000"
     assert proc.state == "RUNNING"
 
@@ -493,6 +607,7 @@ def test_list_commands_paging_and_filters(db: Database) -> None:
 
 # --- sweep ----------------------------------------------------------------------------------
 
+
 def _sweep(db: Database, now: float, alive_since: float = NOW - 10_000, **kw: Any) -> storage.SweepResult:
     args = dict(stale_after=STALE, remove_after=600.0, command_ttl=120.0, stale_since=now - 2)
     args.update(kw)
@@ -523,8 +638,10 @@ def test_sweep_removes_silent_processes_but_not_after_restart(db: Database) -> N
     assert _sweep(db, NOW + 701, alive_since=NOW + 690).removed == []
     result = _sweep(db, NOW + 701, alive_since=NOW)
     assert result.removed == [(ws, "gone")]
-    names = [p.process_id for p in db.run(storage.list_processes, write=False, workspace_id=ws,
-                                             now=NOW + 701, stale_after=STALE)]
+    names = [
+        p.process_id
+        for p in db.run(storage.list_processes, write=False, workspace_id=ws, now=NOW + 701, stale_after=STALE)
+    ]
     assert names == ["alive"]
     assert db.run(storage.list_commands, write=False, workspace_id=ws) == []
 
@@ -534,7 +651,7 @@ def test_sweep_fails_running_commands_of_dead_processes(db: Database) -> None:
     _register(db, ws, now=NOW)
     cmd = _command(db, ws, "pause")
     _report(db, ws, cmd.id, "running", now=NOW)
-    assert _sweep(db, NOW + 100).failed == []            # still within the command's time
+    assert _sweep(db, NOW + 100).failed == []  # still within the command's time
     result = _sweep(db, NOW + 200)
     assert [c.id for _w, c in result.failed] == [cmd.id]
 
@@ -598,8 +715,15 @@ def test_jobs_listing_their_gpus_in_other_orders_write_them_at_once(db: Database
     def beat(i: int) -> None:
         listed = devices if i % 2 else devices[::-1]
         for n in range(30):
-            db.run(storage.heartbeat, write=True, workspace_id=ws, process_id=f"gpu-{i}",
-                   report=wire.HeartbeatRequest.model_validate({"devices": listed, "memory_bytes": n}), now=time.time(), stale_after=1e9)
+            db.run(
+                storage.heartbeat,
+                write=True,
+                workspace_id=ws,
+                process_id=f"gpu-{i}",
+                report=wire.HeartbeatRequest.model_validate({"devices": listed, "memory_bytes": n}),
+                now=time.time(),
+                stale_after=1e9,
+            )
 
     assert _all_at_once(4, beat) == []
     hosts = db.run(storage.list_devices, write=False, workspace_id=ws, now=time.time(), stale_after=1e9).hosts
@@ -614,8 +738,15 @@ def test_concurrent_heartbeats_and_commands(db: Database) -> None:
 
     def beat(i: int) -> None:
         for n in range(25):
-            db.run(storage.heartbeat, write=True, workspace_id=ws, process_id=f"gpu-{i}",
-                   report=wire.HeartbeatRequest.model_validate({"memory_bytes": n}), now=time.time(), stale_after=1e9)
+            db.run(
+                storage.heartbeat,
+                write=True,
+                workspace_id=ws,
+                process_id=f"gpu-{i}",
+                report=wire.HeartbeatRequest.model_validate({"memory_bytes": n}),
+                now=time.time(),
+                stale_after=1e9,
+            )
             db.run(storage.list_processes, write=False, workspace_id=ws, now=time.time(), stale_after=1e9)
 
     assert _all_at_once(8, beat) == []

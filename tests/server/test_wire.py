@@ -13,13 +13,16 @@ from pydantic import ValidationError
 from flexium import protocol, wire
 
 
-@pytest.mark.parametrize("text,expected", [
-    ("app.flexium.ai/myworkspace", ("http", "app.flexium.ai", 8080, "myworkspace")),
-    ("localhost:9000/default", ("http", "localhost", 9000, "default")),
-    ("https://gpu.example.org:443/team-a/", ("https", "gpu.example.org", 443, "team-a")),
-    ("[::1]:8081/x", ("http", "::1", 8081, "x")),
-    ("10.0.0.5/ws_1", ("http", "10.0.0.5", 8080, "ws_1")),
-])
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ("app.flexium.ai/myworkspace", ("http", "app.flexium.ai", 8080, "myworkspace")),
+        ("localhost:9000/default", ("http", "localhost", 9000, "default")),
+        ("https://gpu.example.org:443/team-a/", ("https", "gpu.example.org", 443, "team-a")),
+        ("[::1]:8081/x", ("http", "::1", 8081, "x")),
+        ("10.0.0.5/ws_1", ("http", "10.0.0.5", 8080, "ws_1")),
+    ],
+)
 def test_parse_server_address(text: str, expected: tuple[str, str, int, str]) -> None:
     a = protocol.parse_server_address(text)
     assert (a["scheme"], a["host"], a["port"], a["workspace"]) == expected
@@ -28,12 +31,15 @@ def test_parse_server_address(text: str, expected: tuple[str, str, int, str]) ->
 def test_base_url_and_paths() -> None:
     a = protocol.parse_server_address("[::1]:8081/x")
     assert protocol.base_url(a) == "http://[::1]:8081"
-    assert protocol.workspace_path("x") + protocol.PATH_NEXT_COMMAND.format(process_id="gpu-1") == \
-        "/api/w/x/processes/gpu-1/commands/next"
+    assert (
+        protocol.workspace_path("x") + protocol.PATH_NEXT_COMMAND.format(process_id="gpu-1")
+        == "/api/w/x/processes/gpu-1/commands/next"
+    )
 
 
-@pytest.mark.parametrize("text", ["", "host", "host/", "host:99999/x", "host:abc/x", ":80/x", "host/Bad Name",
-                                  "[::1/x"])
+@pytest.mark.parametrize(
+    "text", ["", "host", "host/", "host:99999/x", "host:abc/x", ":80/x", "host/Bad Name", "[::1/x"]
+)
 def test_parse_server_address_errors(text: str) -> None:
     with pytest.raises(ValueError, match="server address"):
         protocol.parse_server_address(text)
@@ -45,23 +51,42 @@ def test_state_literals_match_the_tuples() -> None:
     assert get_args(wire.CommandKind) == protocol.COMMAND_KINDS
     assert get_args(wire.CommandState) == protocol.COMMAND_STATES
     assert get_args(wire.ReportState) == protocol.REPORT_STATES
-    assert set(protocol.ERROR_STATUS) >= {"unauthorized", "not_found", "invalid_state", "busy", "target_refused",
-                                          "capability", "invalid_request", "payload_too_large"}
+    assert set(protocol.ERROR_STATUS) >= {
+        "unauthorized",
+        "not_found",
+        "invalid_state",
+        "busy",
+        "target_refused",
+        "capability",
+        "invalid_request",
+        "payload_too_large",
+    }
 
 
-@pytest.mark.parametrize("body", [
-    {"process_id": "gpu-1", "host": "h", "pid": "42"},                     # strict: a string is not a number
-    {"process_id": "gpu-1", "host": "h", "user": "a\x00b"},                # NUL
-    {"process_id": "gpu-1", "host": "h", "user": "x" * (protocol.MAX_SHORT_TEXT + 1)},
-    {"process_id": "gpu-1", "host": "h", "cmdline": "x" * (protocol.MAX_LONG_TEXT + 1)},
-    {"process_id": "gpu-1", "host": "h", "started_at": float("inf")},
-    {"process_id": "gpu 1", "host": "h"},
-    {"process_id": "gpu-1", "host": " "},
-    {"process_id": "gpu-1", "host": "h", "memory_bytes": protocol.MAX_INT + 1},
-    {"process_id": "gpu-1", "host": "h", "capabilities": {"a": {"b": {"c": {"d": {"e": {"f": {"g": {"h": {"i": 1}}}}}}}}}},
-    {"process_id": "gpu-1", "host": "h", "capabilities": {"x": list(range(protocol.MAX_JSON_ITEMS + 1))}},
-    {"process_id": "gpu-1", "host": "h", "devices": [{"uuid": f"GPU-{i}"} for i in range(protocol.MAX_DEVICES + 1)]},
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"process_id": "gpu-1", "host": "h", "pid": "42"},  # strict: a string is not a number
+        {"process_id": "gpu-1", "host": "h", "user": "a\x00b"},  # NUL
+        {"process_id": "gpu-1", "host": "h", "user": "x" * (protocol.MAX_SHORT_TEXT + 1)},
+        {"process_id": "gpu-1", "host": "h", "cmdline": "x" * (protocol.MAX_LONG_TEXT + 1)},
+        {"process_id": "gpu-1", "host": "h", "started_at": float("inf")},
+        {"process_id": "gpu 1", "host": "h"},
+        {"process_id": "gpu-1", "host": " "},
+        {"process_id": "gpu-1", "host": "h", "memory_bytes": protocol.MAX_INT + 1},
+        {
+            "process_id": "gpu-1",
+            "host": "h",
+            "capabilities": {"a": {"b": {"c": {"d": {"e": {"f": {"g": {"h": {"i": 1}}}}}}}}},
+        },
+        {"process_id": "gpu-1", "host": "h", "capabilities": {"x": list(range(protocol.MAX_JSON_ITEMS + 1))}},
+        {
+            "process_id": "gpu-1",
+            "host": "h",
+            "devices": [{"uuid": f"GPU-{i}"} for i in range(protocol.MAX_DEVICES + 1)],
+        },
+    ],
+)
 def test_requests_are_refused_beyond_the_limits(body: dict[str, Any]) -> None:
     with pytest.raises(ValidationError):
         wire.RegisterRequest.model_validate(body)
@@ -71,10 +96,23 @@ def test_unknown_fields_are_ignored_both_ways() -> None:
     """An older server accepts a newer client's body, and an older client reads a newer server's."""
     body = wire.RegisterRequest.model_validate({"process_id": "gpu-1", "host": "h", "from_the_future": 1})
     assert not hasattr(body, "from_the_future")
-    command = wire.CommandInfo.model_validate({
-        "id": 1, "kind": "pause", "process_id": "gpu-1", "state": "queued", "target_uuid": None, "created_at": 1.0,
-        "delivered_at": None, "started_at": None, "finished_at": None, "deliveries": 0, "result": None, "error": None,
-        "target_rank": 3})
+    command = wire.CommandInfo.model_validate(
+        {
+            "id": 1,
+            "kind": "pause",
+            "process_id": "gpu-1",
+            "state": "queued",
+            "target_uuid": None,
+            "created_at": 1.0,
+            "delivered_at": None,
+            "started_at": None,
+            "finished_at": None,
+            "deliveries": 0,
+            "result": None,
+            "error": None,
+            "target_rank": 3,
+        }
+    )
     assert command.id == 1
 
 
@@ -88,14 +126,16 @@ def test_a_target_is_text_or_an_integer() -> None:
 def test_the_client_side_imports_without_server_packages() -> None:
     """A training job's base install has no fastapi, sqlalchemy or alembic: the wire model,
     the client and the remote CLI must not need them."""
-    code = ("import sys\n"
-            "class Block:\n"
-            "    def find_spec(self, name, path=None, target=None):\n"
-            "        if name.split('.')[0] in ('fastapi', 'sqlalchemy', 'starlette', 'alembic', 'uvicorn'):\n"
-            "            raise ImportError('blocked ' + name)\n"
-            "sys.meta_path.insert(0, Block())\n"
-            "import flexium.protocol as p, flexium.wire, flexium.client, flexium.cli.remote\n"
-            "print(p.parse_server_address('h:1/w')['port'])\n")
+    code = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('fastapi', 'sqlalchemy', 'starlette', 'alembic', 'uvicorn'):\n"
+        "            raise ImportError('blocked ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import flexium.protocol as p, flexium.wire, flexium.client, flexium.cli.remote\n"
+        "print(p.parse_server_address('h:1/w')['port'])\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "1"

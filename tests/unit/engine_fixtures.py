@@ -257,7 +257,7 @@ class ScriptRun:
         assert self.returncode == 0 and lines, (
             f"subprocess failed (rc {self.returncode}):\n--- stdout\n{self.stdout}\n--- stderr\n{self.stderr}"
         )
-        return json.loads(lines[-1][len("RESULT "):])
+        return json.loads(lines[-1][len("RESULT ") :])
 
 
 class Script:
@@ -268,8 +268,12 @@ class Script:
         self.code = PRELUDE.format(block_torch="" if torch else BLOCK_TORCH) + textwrap.dedent(code)
         self.timeout = timeout
         self._proc = subprocess.Popen(
-            [sys.executable, "-c", self.code], env=env, cwd=env["HOME"],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            [sys.executable, "-c", self.code],
+            env=env,
+            cwd=env["HOME"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
         )
         self._run: Optional[ScriptRun] = None
 

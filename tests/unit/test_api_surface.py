@@ -18,8 +18,8 @@ import flexium.auto  # noqa: E402
 import flexium.utils  # noqa: E402
 from engine_fixtures import (  # noqa: E402,F401  (fixtures)
     FLEXIUM_ENV,
-    GiB,
     Background,
+    GiB,
     Script,
     driver,
     fake,
@@ -107,7 +107,9 @@ def scripts() -> Iterator[dict[str, Script]]:
 
 
 @pytest.fixture
-def clean(fake: FakeDriver, nvml_in_parent: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> Iterator[FakeDriver]:
+def clean(
+    fake: FakeDriver, nvml_in_parent: Any, monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> Iterator[FakeDriver]:
     """No flexium settings from this environment or any rc file; no session before or after."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("HOME", str(tmp_path))
@@ -306,7 +308,10 @@ def test_init_twice_warns_and_changes_nothing(clean: FakeDriver, capsys: pytest.
     first = session_module.current()
     capsys.readouterr()
     flexium.init(device="cuda:1")
-    assert "flexium.init() was already called; this call changes nothing (call shutdown() first)" in capsys.readouterr().err
+    assert (
+        "flexium.init() was already called; this call changes nothing (call shutdown() first)"
+        in capsys.readouterr().err
+    )
     assert session_module.current() is first and flexium.auto.get_device() == "cuda:0"
 
 
@@ -351,8 +356,14 @@ def test_the_spec_signatures() -> None:
 
     assert params(flexium.init) == [("server", None), ("device", None), ("disabled", False)]
     assert params(flexium.auto.run) == [("orchestrator", None), ("device", None), ("disabled", False)]
-    for name in ("get_device", "get_physical_device", "is_active", "is_migration_in_progress", "get_process_id",
-                 "is_migration_enabled"):
+    for name in (
+        "get_device",
+        "get_physical_device",
+        "is_active",
+        "is_migration_in_progress",
+        "get_process_id",
+        "is_migration_enabled",
+    ):
         assert params(getattr(flexium.auto, name)) == [], name
     assert params(flexium.auto.recoverable) == [("retries", 3)]
     assert callable(flexium.shutdown) and callable(flexium.is_initialized)

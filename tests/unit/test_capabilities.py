@@ -64,7 +64,9 @@ SCRIPTS: dict[str, dict[str, Any]] = {
     "driver_570": dict(
         env=dict(FAKE_CUDA_VERSION=12080, FAKE_NVML_DRIVER="570.86.10"),
         torch=True,
-        code=ENGINE_PROBE + SESSION_PROBE + """
+        code=ENGINE_PROBE
+        + SESSION_PROBE
+        + """
 engine = current.engine
 fake.clear_log()
 engine_report = {"migrate": attempt(lambda: engine.migrate(engine.gpus[1])), "calls": fake.checkpoint_calls(),
@@ -76,7 +78,8 @@ out(caps=detect(check_torch=False).to_dict(), session=session_report, engine=eng
     # The same driver where NVML cannot be loaded: the CUDA version bounds the driver branch.
     "cuda_12080_without_nvml": dict(
         env=dict(FAKE_CUDA_VERSION=12080, libnvml="/nonexistent/libnvidia-ml.so.1"),
-        code=ENGINE_PROBE + """
+        code=ENGINE_PROBE
+        + """
 caps = detect(check_torch=False)
 out(caps=caps.to_dict(), engine=probe_engine(caps))
 """,
@@ -85,7 +88,9 @@ out(caps=caps.to_dict(), engine=probe_engine(caps))
     "no_checkpoint_api": dict(
         env=dict(FAKE_CUDA_NO_CHECKPOINT=1),
         torch=True,
-        code=ENGINE_PROBE + SESSION_PROBE + """
+        code=ENGINE_PROBE
+        + SESSION_PROBE
+        + """
 caps = detect(check_torch=False)
 status = _C.driver_status()
 out(caps=caps.to_dict(), status=dict(loaded=status.loaded, checkpoint_api=status.checkpoint_api),
@@ -96,7 +101,8 @@ out(caps=caps.to_dict(), status=dict(loaded=status.loaded, checkpoint_api=status
     # migration is refused up front, before the driver is asked anything.
     "remap_refused": dict(
         env=dict(FAKE_CUDA_VERSION=12080),
-        code=ENGINE_PROBE + """
+        code=ENGINE_PROBE
+        + """
 caps = detect(check_torch=False)
 engine = Engine(logical_ordinal=0, gpus=snapshot_gpus(), capabilities=caps)
 fake.clear_log()
@@ -150,8 +156,15 @@ def result(scripts: dict[str, Script], name: str) -> dict[str, Any]:
 def test_driver_580_allows_everything(fake: FakeDriver) -> None:
     caps = detect(check_torch=False)
     assert caps == Capabilities(
-        driver_version="580.159.04", driver_major=580, cuda_version=13000, checkpoint_api=True, torch_cuda=False,
-        gpu_count=2, pause_resume=True, migration=True, problems=(),
+        driver_version="580.159.04",
+        driver_major=580,
+        cuda_version=13000,
+        checkpoint_api=True,
+        torch_cuda=False,
+        gpu_count=2,
+        pause_resume=True,
+        migration=True,
+        problems=(),
     )
     data = caps.to_dict()
     assert json.loads(json.dumps(data)) == data and data["problems"] == []
@@ -178,7 +191,7 @@ def test_the_gpu_count_follows_the_driver(fake: FakeDriver, monkeypatch: pytest.
         ("580.159.04", 13000, 580),
         ("570.86.10", 12080, 570),
         ("550.54.15", 12040, 550),
-        (None, 13000, 580),   # without NVML, the CUDA version bounds the branch from below
+        (None, 13000, 580),  # without NVML, the CUDA version bounds the branch from below
         (None, 12090, 575),
         (None, 12080, 570),
         (None, 12060, 560),
@@ -218,7 +231,10 @@ def test_driver_570_pauses_but_does_not_migrate(scripts: dict[str, Script]) -> N
     assert engine["migrate"]["error"] == "CapabilityError"
     # The message lists every problem of the session (here also the CPU-only torch of this machine).
     assert engine["migrate"]["message"].startswith("migration to another GPU is not available on this machine: ")
-    assert "NVIDIA driver 570.86.10: pause/resume only; migration to another GPU needs 580+" in engine["migrate"]["message"]
+    assert (
+        "NVIDIA driver 570.86.10: pause/resume only; migration to another GPU needs 580+"
+        in engine["migrate"]["message"]
+    )
     assert engine["calls"] == []  # refused before any driver call
     assert engine["pause"] == {"ok": True, "target": None}
     assert engine["resume_elsewhere"]["error"] == "CapabilityError"
@@ -232,7 +248,9 @@ def test_cuda_12080_without_nvml_is_taken_for_driver_570(scripts: dict[str, Scri
     caps = out["caps"]
     assert caps["driver_version"] is None and caps["driver_major"] == 570
     assert caps["pause_resume"] and not caps["migration"]
-    assert caps["problems"] == ["NVIDIA driver 570+ (CUDA 12.8): pause/resume only; migration to another GPU needs 580+"]
+    assert caps["problems"] == [
+        "NVIDIA driver 570+ (CUDA 12.8): pause/resume only; migration to another GPU needs 580+"
+    ]
     engine = out["engine"]
     assert engine["migrate"]["error"] == "CapabilityError"
     assert engine["calls_after_migrate"] == []

@@ -30,8 +30,18 @@ def test_every_parser_is_under_cli() -> None:
 
 
 def test_server_options_become_settings(tmp_path: Path) -> None:
-    args = build_parser().parse_args(["server", "--port", "9001", "--database", f"sqlite:///{tmp_path / 's.db'}",
-                                      "--stale-after", "30", "--access-log"])
+    args = build_parser().parse_args(
+        [
+            "server",
+            "--port",
+            "9001",
+            "--database",
+            f"sqlite:///{tmp_path / 's.db'}",
+            "--stale-after",
+            "30",
+            "--access-log",
+        ]
+    )
     settings = server.settings_from_args(args)
     assert (settings.port, settings.stale_after_s, settings.access_log) == (9001, 30.0, True)
     assert settings.database_url == f"sqlite:///{tmp_path / 's.db'}"
@@ -42,5 +52,10 @@ def test_workspace_and_token_commands() -> None:
     args = parser.parse_args(["workspace", "create", "team", "--database", "sqlite:///x.db"])
     assert (args.command, args.action, args.name, args.database) == ("workspace", "create", "team", "sqlite:///x.db")
     args = parser.parse_args(["token", "revoke", "team", "3"])
-    assert (args.command, args.action, args.workspace, args.token, args.database) == ("token", "revoke", "team", "3",
-                                                                                      None)
+    assert (args.command, args.action, args.workspace, args.token, args.database) == (
+        "token",
+        "revoke",
+        "team",
+        "3",
+        None,
+    )

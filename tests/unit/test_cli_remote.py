@@ -33,13 +33,25 @@ class LongPolls:
 
 
 def command(state: str) -> wire.CommandInfo:
-    return wire.CommandInfo(id=7, kind="pause", process_id="gpu-1a2b3c4d", state=state,  # type: ignore[arg-type]
-                            target_uuid=None, created_at=0.0, delivered_at=None, started_at=None,
-                            finished_at=None, deliveries=0, result=None, error=None)
+    return wire.CommandInfo(
+        id=7,
+        kind="pause",
+        process_id="gpu-1a2b3c4d",
+        state=state,  # type: ignore[arg-type]
+        target_uuid=None,
+        created_at=0.0,
+        delivered_at=None,
+        started_at=None,
+        finished_at=None,
+        deliveries=0,
+        result=None,
+        error=None,
+    )
 
 
-def test_each_change_and_every_interval_between_are_said(monkeypatch: pytest.MonkeyPatch,
-                                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_each_change_and_every_interval_between_are_said(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setattr(remote, "PROGRESS_EVERY_S", 0.3)
     polls = LongPolls(["delivered", "running", "running", "running", "succeeded"])
     queued = command("queued")
@@ -63,12 +75,15 @@ def test_without_progress_the_wait_is_one_long_poll(capsys: pytest.CaptureFixtur
     assert capsys.readouterr().err == ""
 
 
-@pytest.mark.parametrize("capabilities, moves", [
-    ({"pause_resume": True, "migration": True, "fast_path": True}, "fast"),
-    ({"pause_resume": True, "migration": True, "fast_path": False, "fast_path_problem": "no pool"}, "driver"),
-    ({"pause_resume": True, "migration": False, "fast_path": True}, "pause"),
-    ({"pause_resume": False, "migration": False, "problems": ["no driver"]}, "-"),
-    ({}, "-"),
-])
+@pytest.mark.parametrize(
+    "capabilities, moves",
+    [
+        ({"pause_resume": True, "migration": True, "fast_path": True}, "fast"),
+        ({"pause_resume": True, "migration": True, "fast_path": False, "fast_path_problem": "no pool"}, "driver"),
+        ({"pause_resume": True, "migration": False, "fast_path": True}, "pause"),
+        ({"pause_resume": False, "migration": False, "problems": ["no driver"]}, "-"),
+        ({}, "-"),
+    ],
+)
 def test_ps_says_how_a_process_can_move(capabilities: dict[str, Any], moves: str) -> None:
     assert remote._moves(capabilities) == moves

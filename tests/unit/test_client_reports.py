@@ -7,15 +7,28 @@ from flexium.engine.nvml import HostGpu
 
 
 def _gpu(health: str) -> HostGpu:
-    return HostGpu(index=0, uuid="GPU-0", name="NVIDIA H200", memory_total=100, memory_used=10,
-                   memory_free=90, utilization_percent=7, temperature_c=40, health=health, processes=())
+    return HostGpu(
+        index=0,
+        uuid="GPU-0",
+        name="NVIDIA H200",
+        memory_total=100,
+        memory_used=10,
+        memory_free=90,
+        utilization_percent=7,
+        temperature_c=40,
+        health=health,
+        processes=(),
+    )
 
 
 def test_gpu_health_is_reported_as_nvml_says() -> None:
     # "unknown" (NVML cannot read ECC counters) goes out as it is: the server accepts it as a
     # target and shows it as unknown, not as healthy.
-    assert [r.health for r in gpu_reports([_gpu("unknown"), _gpu("ok"), _gpu("ecc_errors")])] == \
-        ["unknown", "ok", "ecc_errors"]
+    assert [r.health for r in gpu_reports([_gpu("unknown"), _gpu("ok"), _gpu("ecc_errors")])] == [
+        "unknown",
+        "ok",
+        "ecc_errors",
+    ]
 
 
 def test_a_failed_engine_is_reported_as_failed() -> None:
@@ -35,8 +48,12 @@ def test_every_body_carries_a_growing_seq() -> None:
 
     session = SimpleNamespace(engine=None, logical_device="cpu", capabilities=None, process_id="cpu-1")
     reporter = ProcessReporter(session)  # type: ignore[arg-type]
-    seqs = [reporter.register_body([]).seq, reporter.heartbeat_body([]).seq,
-            reporter.process_update().seq, reporter.heartbeat_body([]).seq]
+    seqs = [
+        reporter.register_body([]).seq,
+        reporter.heartbeat_body([]).seq,
+        reporter.process_update().seq,
+        reporter.heartbeat_body([]).seq,
+    ]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
 
 

@@ -21,7 +21,12 @@ from flexium.config import (
 from flexium.errors import ConfigError
 
 ENV_VARS = (
-    "FLEXIUM_SERVER", "GPU_DEVICE", "FLEXIUM_TOKEN", "FLEXIUM_LOG_LEVEL", "FLEXIUM_FAST_PATH", "FLEXIUM_SAFE_POINT_WAIT",
+    "FLEXIUM_SERVER",
+    "GPU_DEVICE",
+    "FLEXIUM_TOKEN",
+    "FLEXIUM_LOG_LEVEL",
+    "FLEXIUM_FAST_PATH",
+    "FLEXIUM_SAFE_POINT_WAIT",
 )
 
 
@@ -218,7 +223,9 @@ def test_parse_server_address_rejects(text: str, reason: str) -> None:
 
 def test_bad_server_from_env_names_the_variable(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FLEXIUM_SERVER", "localhost:8080")
-    with pytest.raises(ConfigError, match=r"'localhost:8080' \(from environment variable FLEXIUM_SERVER\) has no workspace"):
+    with pytest.raises(
+        ConfigError, match=r"'localhost:8080' \(from environment variable FLEXIUM_SERVER\) has no workspace"
+    ):
         load_config()
 
 
@@ -232,7 +239,10 @@ def test_empty_server_parameter_is_an_error(home: Path) -> None:
         load_config(orchestrator="")
 
 
-@pytest.mark.parametrize(("text", "canonical"), [("cuda:0", "cuda:0"), ("cuda:7", "cuda:7"), (" CUDA:01 ", "cuda:1"), ("cpu", "cpu"), ("CPU", "cpu")])
+@pytest.mark.parametrize(
+    ("text", "canonical"),
+    [("cuda:0", "cuda:0"), ("cuda:7", "cuda:7"), (" CUDA:01 ", "cuda:1"), ("cpu", "cpu"), ("CPU", "cpu")],
+)
 def test_validate_device(text: str, canonical: str) -> None:
     assert validate_device(text) == canonical
 
@@ -356,7 +366,9 @@ def test_unreadable_rc_file(home: Path) -> None:
         load_config()
 
 
-def test_unknown_key_warning_shows_even_without_any_logging_setup(home: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_unknown_key_warning_shows_even_without_any_logging_setup(
+    home: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     root = logging.getLogger()
     saved = root.handlers[:]
     root.handlers.clear()
@@ -448,6 +460,9 @@ def test_the_host_copier_switch_reads_like_the_others(monkeypatch: pytest.Monkey
         monkeypatch.setenv("FLEXIUM_HOST_COPIER", value)
         assert copier_enabled() is expected, value
     monkeypatch.setenv("FLEXIUM_HOST_COPIER", "maybe")
-    with pytest.raises(ConfigError, match=r"host copier switch 'maybe' \(from environment variable "
-                                          r"FLEXIUM_HOST_COPIER\) is not valid; use true or false"):
+    with pytest.raises(
+        ConfigError,
+        match=r"host copier switch 'maybe' \(from environment variable "
+        r"FLEXIUM_HOST_COPIER\) is not valid; use true or false",
+    ):
         copier_enabled()

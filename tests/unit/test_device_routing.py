@@ -25,7 +25,9 @@ class Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[Any, ...]] = []
 
-    def tensor_cuda(self, tensor: Any, device: Any = None, non_blocking: bool = False, memory_format: Any = None) -> Any:
+    def tensor_cuda(
+        self, tensor: Any, device: Any = None, non_blocking: bool = False, memory_format: Any = None
+    ) -> Any:
         self.calls.append(("tensor", device, non_blocking, memory_format))
         return tensor
 

@@ -15,15 +15,15 @@ from typing import Any, Callable
 import pytest
 
 from engine_fixtures import (  # noqa: F401  (fixtures)
-    GiB,
     H200_BYTES,
     MARGIN,
     PID,
     Background,
     ChildReads,
+    GiB,
+    HostMemory,
     checkpoint_ops,
     driver,
-    HostMemory,
     fake,
     host_memory,
     make_engine,
@@ -33,9 +33,8 @@ from engine_fixtures import (  # noqa: F401  (fixtures)
 )
 from fake_driver import FakeDriver, ProcessState
 from flexium import _C
-from flexium.engine import EngineState, OperationKind
+from flexium.engine import EngineState, OperationKind, nvml
 from flexium.engine import engine as engine_module
-from flexium.engine import nvml
 from flexium.errors import (
     CapabilityError,
     FlexiumError,
@@ -48,8 +47,13 @@ from flexium.errors import (
 
 pytestmark = pytest.mark.usefixtures("nvml_in_parent")
 
-MIGRATION_STEPS = [("prepare", True, False), ("lock", True, False), ("checkpoint", True, False),
-                   ("restore", True, False), ("unlock", True, False)]
+MIGRATION_STEPS = [
+    ("prepare", True, False),
+    ("lock", True, False),
+    ("checkpoint", True, False),
+    ("restore", True, False),
+    ("unlock", True, False),
+]
 
 
 def on_gpu(fake: FakeDriver, engine: Any, physical: int) -> None:
@@ -207,8 +211,9 @@ def test_a_transaction_runs_over_its_context_and_plan_alone(fake: FakeDriver) ->
 
     fake.set_process_memory(0, 2 * GiB)
     identity = IdentityMap(snapshot_gpus())
-    ctx = OperationContext(pid=PID, logical=0, identity=identity, safe_points=SafePoints(0.1), fast=None,
-                           lock_timeout_ms=5000)
+    ctx = OperationContext(
+        pid=PID, logical=0, identity=identity, safe_points=SafePoints(0.1), fast=None, lock_timeout_ms=5000
+    )
     seen: list[EngineState] = []
     ctx.add_state_listener(seen.append)
     fake.clear_log()
@@ -400,8 +405,12 @@ def test_failed_remapped_restore_is_recovered_in_place(fake: FakeDriver, make_en
     restores = [c for c in fake.calls("cuCheckpointProcessRestore")]
     assert [c.pairs for c in restores] == [2, 0]  # remapped, then in place
     assert step_summary(err.result) == [
-        ("prepare", True, False), ("lock", True, False), ("checkpoint", True, False),
-        ("restore", False, False), ("restore", True, True), ("unlock", True, True),
+        ("prepare", True, False),
+        ("lock", True, False),
+        ("checkpoint", True, False),
+        ("restore", False, False),
+        ("restore", True, True),
+        ("unlock", True, True),
     ]
     assert engine.state == EngineState.RUNNING
     on_gpu(fake, engine, 0)
@@ -467,13 +476,19 @@ def test_oom_poisoned_restore_fails_the_rollback(fake: FakeDriver, make_engine: 
     with pytest.raises(RollbackFailedError) as caught:
         engine.migrate(engine.gpus[1])
     steps = caught.value.result.steps
-    assert [(s.step, s.rollback) for s in steps if not s.ok] == [("restore", False), ("restore", True), ("unlock", True)]
+    assert [(s.step, s.rollback) for s in steps if not s.ok] == [
+        ("restore", False),
+        ("restore", True),
+        ("unlock", True),
+    ]
     assert "CUDA_ERROR_OUT_OF_MEMORY" in steps[3].error and "CUDA_ERROR_OPERATING_SYSTEM" in steps[4].error
     assert caught.value.step == "restore"
     assert engine.state == EngineState.FAILED
 
 
-def test_unlock_failure_after_a_successful_restore_is_retried(fake: FakeDriver, make_engine: Callable[..., Any]) -> None:
+def test_unlock_failure_after_a_successful_restore_is_retried(
+    fake: FakeDriver, make_engine: Callable[..., Any]
+) -> None:
     fake.set_process_memory(0, GiB)
     engine = make_engine()
     fake.fail("cuCheckpointProcessUnlock", "CUDA_ERROR_UNKNOWN")
@@ -792,7 +807,8 @@ def test_without_migration_capability_only_pause_and_resume_in_place(
     from flexium.engine.capabilities import detect
 
     caps = dataclasses.replace(
-        detect(check_torch=False), migration=False,
+        detect(check_torch=False),
+        migration=False,
         problems=("NVIDIA driver 570.86.10: pause/resume only; migration to another GPU needs 580+",),
     )
     engine = make_engine(capabilities=caps)
@@ -817,10 +833,13 @@ def test_without_migration_capability_only_pause_and_resume_in_place(
 def test_without_the_checkpoint_api_nothing_is_attempted(fake: FakeDriver, make_engine: Callable[..., Any]) -> None:
     from flexium.engine.capabilities import detect
 
-    caps = dataclasses.replace(detect(check_torch=False), checkpoint_api=False, pause_resume=False, migration=False,
-                               problems=())
+    caps = dataclasses.replace(
+        detect(check_torch=False), checkpoint_api=False, pause_resume=False, migration=False, problems=()
+    )
     engine = make_engine(capabilities=caps)
-    with pytest.raises(CapabilityError, match="^pause is not available on this machine: the driver does not support it$"):
+    with pytest.raises(
+        CapabilityError, match="^pause is not available on this machine: the driver does not support it$"
+    ):
         engine.pause()
     with pytest.raises(CapabilityError):
         engine.migrate(engine.gpus[1])

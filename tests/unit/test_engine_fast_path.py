@@ -25,10 +25,10 @@ torch = pytest.importorskip("torch")
 
 from engine_fixtures import (  # noqa: E402,F401  (fixtures)
     H200_BYTES,
-    GiB,
-    MiB,
     PID,
+    GiB,
     HostMemory,
+    MiB,
     checkpoint_ops,
     driver,
     fake,
@@ -188,7 +188,8 @@ class Job:
         bytes intact, nothing else of the VMM model alive (no copy, stream or context left)."""
         n = len(self.contents)
         assert [(s.address, s.size, s.device, s.mapped) for s in _C.vmm_segments()] == [
-            (a, len(d), device, True) for a, d in sorted(self.contents.items())]
+            (a, len(d), device, True) for a, d in sorted(self.contents.items())
+        ]
         assert self.fake.vmm_bytes_on(physical) == self.total and self.fake.vmm_bytes_on(1 - physical) == 0
         assert self.fake.vmm_allocations() == self.fake.vmm_handles() == self.fake.vmm_mappings() == n
         assert self.fake.vmm_reservations() == n and self.fake.live_streams() == 0
@@ -282,7 +283,8 @@ def rolled_back(job: Job, engine: Any, error: OperationFailedError, step: str, f
     result = error.result
     assert error.step == step and result.failed_step == step and not result.ok and result.path == "fast"
     assert result.error.endswith("rolled back: the job runs on cuda:0 as before") or result.error.endswith(
-        "nothing moved: the job runs on cuda:0 as before")
+        "nothing moved: the job runs on cuda:0 as before"
+    )
     assert engine.state == EngineState.RUNNING and job.fake.state() == ProcessState.RUNNING
     assert job.fake.placement() == [0, 1] and engine.placement()[1].device == "cuda:0"
     job.assert_home(physical=0)
@@ -418,11 +420,18 @@ def test_the_fake_driver_cannot_restore_imported_memory_either(job: Job) -> None
     fake = job.fake
     engine = job.training([2 * MiB])
     fast_move_left_imported(engine, job, engine.gpus[1])
-    outcomes = _C.run_steps(PID, [_C.Step(_C.StepKind.LOCK, timeout_ms=1000), _C.Step(_C.StepKind.CHECKPOINT),
-                                  _C.Step(_C.StepKind.RESTORE)], [[], [], [_C.Step(_C.StepKind.RECOVER)]])
+    outcomes = _C.run_steps(
+        PID,
+        [_C.Step(_C.StepKind.LOCK, timeout_ms=1000), _C.Step(_C.StepKind.CHECKPOINT), _C.Step(_C.StepKind.RESTORE)],
+        [[], [], [_C.Step(_C.StepKind.RECOVER)]],
+    )
     assert [(o.step, o.rollback, o.error_name) for o in outcomes] == [
-        ("lock", False, ""), ("checkpoint", False, ""), ("restore", False, "CUDA_ERROR_NOT_SUPPORTED"),
-        ("restore", True, "CUDA_ERROR_NOT_SUPPORTED"), ("unlock", True, "CUDA_ERROR_ILLEGAL_STATE")]
+        ("lock", False, ""),
+        ("checkpoint", False, ""),
+        ("restore", False, "CUDA_ERROR_NOT_SUPPORTED"),
+        ("restore", True, "CUDA_ERROR_NOT_SUPPORTED"),
+        ("unlock", True, "CUDA_ERROR_ILLEGAL_STATE"),
+    ]
     assert fake.state() == ProcessState.CHECKPOINTED  # stuck, as on the real driver
     fake.reset()  # the fixture's cleanup needs a running process
 
@@ -446,7 +455,7 @@ def test_only_the_live_ranges_are_copied(job: Job) -> None:
     assert ctypes.string_at(whole, 2 * MiB) == job.contents[whole]
     data = job.contents[partial]
     for offset, length in live:
-        assert ctypes.string_at(partial + offset, length) == data[offset:offset + length]
+        assert ctypes.string_at(partial + offset, length) == data[offset : offset + length]
     # Fresh memory of the fake is zeroed: what lay outside the live ranges did not come along.
     assert ctypes.string_at(partial + 16 * MiB, 24 * MiB) == bytes(24 * MiB)
     assert ctypes.string_at(partial + 48 * MiB + 4096, 16 * MiB - 4096) == bytes(16 * MiB - 4096)
@@ -463,7 +472,8 @@ def test_a_live_range_outside_its_segment_fails_the_copy(job: Job) -> None:
     result = rolled_back(job, engine, error, "copy", fds)
     assert result.error == (
         f"step 'copy' failed: ValueError: live range ({MiB}, {2 * MiB}) lies outside segment {second:#x} "
-        f"({2 * MiB} bytes, device 0); nothing moved: the job runs on cuda:0 as before")
+        f"({2 * MiB} bytes, device 0); nothing moved: the job runs on cuda:0 as before"
+    )
     assert checkpoint_ops(job.fake) == []
 
 
@@ -550,7 +560,11 @@ def test_a_failed_release_brings_the_released_segments_home(job: Job, call: str,
     error = failure(lambda: engine.migrate(engine.gpus[1]))
     result = rolled_back(job, engine, error, "release", fds)
     assert step_summary(result) == [
-        ("prepare", True, False), ("copy", True, False), ("release", False, False), ("rollback_copy", True, True)]
+        ("prepare", True, False),
+        ("copy", True, False),
+        ("release", False, False),
+        ("rollback_copy", True, True),
+    ]
     assert f"{call} failed: CUDA_ERROR_UNKNOWN" in result.error
     assert checkpoint_ops(job.fake) == []
 
@@ -581,8 +595,13 @@ def test_a_lock_timeout_is_rolled_back(job: Job) -> None:
     job.fake.set_lock_delay_ms(1000)
     error = failure(lambda: engine.migrate(engine.gpus[1]))
     result = rolled_back(job, engine, error, "lock", fds)
-    assert step_summary(result) == [("prepare", True, False), ("copy", True, False), ("release", True, False),
-                                    ("lock", False, False), ("rollback_copy", True, True)]
+    assert step_summary(result) == [
+        ("prepare", True, False),
+        ("copy", True, False),
+        ("release", True, False),
+        ("lock", False, False),
+        ("rollback_copy", True, True),
+    ]
     assert "cuCheckpointProcessLock returned CUDA_ERROR_TIMEOUT" in result.error
     assert "the process stayed busy in CUDA work past the lock timeout; try again" in result.error
 
@@ -604,18 +623,26 @@ def fill_target_meanwhile(job: Job, engine: Any) -> None:
         if state == EngineState.MIGRATING and not done:
             done.append(True)
             job.fake.set_other_memory(1, H200_BYTES - job.total - 2 * MiB)
+
     engine.add_state_listener(taken)
 
 
 LOCKED_FAILURES = {
-    "checkpoint": (fail_checkpoint, "cuCheckpointProcessCheckpoint returned CUDA_ERROR_UNKNOWN",
-                   [("checkpoint", False, False), ("unlock", True, True)]),
-    "restore": (fail_restore, "cuCheckpointProcessRestore returned CUDA_ERROR_UNKNOWN",
-                [("checkpoint", True, False), ("restore", False, False), ("restore", True, True),
-                 ("unlock", True, True)]),
-    "restore_out_of_memory": (fill_target_meanwhile, "cuCheckpointProcessRestore returned CUDA_ERROR_OUT_OF_MEMORY",
-                              [("checkpoint", True, False), ("restore", False, False), ("restore", True, True),
-                               ("unlock", True, True)]),
+    "checkpoint": (
+        fail_checkpoint,
+        "cuCheckpointProcessCheckpoint returned CUDA_ERROR_UNKNOWN",
+        [("checkpoint", False, False), ("unlock", True, True)],
+    ),
+    "restore": (
+        fail_restore,
+        "cuCheckpointProcessRestore returned CUDA_ERROR_UNKNOWN",
+        [("checkpoint", True, False), ("restore", False, False), ("restore", True, True), ("unlock", True, True)],
+    ),
+    "restore_out_of_memory": (
+        fill_target_meanwhile,
+        "cuCheckpointProcessRestore returned CUDA_ERROR_OUT_OF_MEMORY",
+        [("checkpoint", True, False), ("restore", False, False), ("restore", True, True), ("unlock", True, True)],
+    ),
 }
 
 
@@ -631,8 +658,14 @@ def test_a_failure_in_the_locked_section_recovers_and_brings_the_segments_home(j
     error = failure(lambda: engine.migrate(engine.gpus[1]))
     step = "checkpoint" if case == "checkpoint" else "restore"
     result = rolled_back(job, engine, error, step, fds)
-    assert step_summary(result) == [("prepare", True, False), ("copy", True, False), ("release", True, False),
-                                    ("lock", True, False), *summary, ("rollback_copy", True, True)]
+    assert step_summary(result) == [
+        ("prepare", True, False),
+        ("copy", True, False),
+        ("release", True, False),
+        ("lock", True, False),
+        *summary,
+        ("rollback_copy", True, True),
+    ]
     assert message in result.error
     assert job.fake.process_bytes_on(0) == 8 * MiB + job.total and job.fake.process_bytes_on(1) == 0
     job.fake.set_other_memory(1, 0)
@@ -649,7 +682,9 @@ def test_a_map_failure_after_the_restore_is_retried(job: Job) -> None:
     result = engine.migrate(engine.gpus[1])
     assert result.ok and result.path == "fast" and result.error is None
     assert step_summary(result) == [(s, True, False) for s in FAST_MIGRATION[:-1]] + [
-        ("map", False, False), ("map", True, False)]
+        ("map", False, False),
+        ("map", True, False),
+    ]
     assert "cuMemImportFromShareableHandle failed: CUDA_ERROR_UNKNOWN" in (result.steps[-2].error or "")
     assert fake.placement() == [1, 0] and engine.state == EngineState.RUNNING
     job.assert_home(physical=1)
@@ -666,7 +701,8 @@ def test_a_map_failure_that_persists_fails_the_job(job: Job) -> None:
     assert error.step == "map" and result.failed_step == "map" and not result.ok
     assert [s[:2] for s in step_summary(result)][-2:] == [("map", False), ("map", False)]
     assert result.error.endswith(
-        "ROLLBACK FAILED: the job runs on cuda:1 but part of its memory is not mapped back; restart the job")
+        "ROLLBACK FAILED: the job runs on cuda:1 but part of its memory is not mapped back; restart the job"
+    )
     assert engine.state == EngineState.FAILED
     assert failure(lambda: engine.migrate(engine.gpus[0]), InvalidStateError).args[0].endswith("restart the job")
     job.assert_copies_map_back(fds, physical=1)
@@ -700,13 +736,16 @@ def test_fast_pause_and_resume_in_place_and_on_another_gpu(job: Job) -> None:
     job.assert_home(physical=0)
     assert _C.host_staged_segments() == 0
     # The staging goes back to the host in the background; the copier stays, asleep, for the next pause.
-    wait_until(lambda: _C.host_staging_pool_bytes() == 0 and open_fds() == fds,
-               what="the host staging to be given back")
+    wait_until(
+        lambda: _C.host_staging_pool_bytes() == 0 and open_fds() == fds, what="the host staging to be given back"
+    )
     assert len(copier_processes()) == 1
     assert fake.pinned_bytes() == 0
 
     again = engine.pause()  # mapped, touched and pinned again
-    assert again.ok and again.path == "fast" and again.notes[0].startswith("pinned 0.01 GiB of host staging by the copier")
+    assert (
+        again.ok and again.path == "fast" and again.notes[0].startswith("pinned 0.01 GiB of host staging by the copier")
+    )
     assert fake.pinned_bytes() == 0 and fake.pinned_at_last_checkpoint() == 0
     elsewhere = engine.resume(target=engine.gpus[1])
     assert elsewhere.ok and elsewhere.path == "fast" and elsewhere.target.device == "cuda:1"
@@ -731,9 +770,10 @@ def test_a_pause_that_ends_on_the_driver_path_gives_the_staging_back_first(job: 
 PAUSE_FAILURES = {
     # stage_to_host unmaps nothing: the release's 2nd unmap fails, after the 1st segment went.
     "release": (("cuMemUnmap", 2), [("release", False, False)]),
-    "checkpoint": (("cuCheckpointProcessCheckpoint", 1),
-                   [("release", True, False), ("lock", True, False), ("checkpoint", False, False),
-                    ("unlock", True, True)]),
+    "checkpoint": (
+        ("cuCheckpointProcessCheckpoint", 1),
+        [("release", True, False), ("lock", True, False), ("checkpoint", False, False), ("unlock", True, True)],
+    ),
 }
 
 
@@ -747,8 +787,12 @@ def test_a_failed_fast_pause_is_rolled_back(job: Job, step: str) -> None:
     job.fake.fail(call, "CUDA_ERROR_UNKNOWN", nth=nth)
     error = failure(engine.pause)
     result = rolled_back(job, engine, error, step, fds)
-    assert step_summary(result) == [("prepare", True, False), ("copy", True, False), *summary,
-                                    ("rollback_copy", True, True)]
+    assert step_summary(result) == [
+        ("prepare", True, False),
+        ("copy", True, False),
+        *summary,
+        ("rollback_copy", True, True),
+    ]
     assert f"{call}" in result.error
     assert _C.host_staged_segments() == 0
     steps = trainer.steps
@@ -777,7 +821,8 @@ def test_a_failed_restore_keeps_a_fast_pause_and_a_failed_copy_back_fails_the_jo
     assert error.step == "copy_back"
     assert names(error.result) == ["restore", "unlock", "copy_back", "copy_back"]
     assert error.result.error.endswith(
-        "ROLLBACK FAILED: the job runs on cuda:0 but part of its memory is still in host memory; restart the job")
+        "ROLLBACK FAILED: the job runs on cuda:0 but part of its memory is still in host memory; restart the job"
+    )
     assert engine.state == EngineState.FAILED and fake.state() == ProcessState.RUNNING
     assert _C.host_staged_segments() == 2 and fake.vmm_bytes_on(0) == 0  # nothing half made stays
     # Nothing is lost: the host copies come back once the driver lets them.
@@ -905,9 +950,7 @@ def test_copier_off_pins_and_copies_in_this_process(job: Job, monkeypatch: pytes
 # ----------------------------------------------------------------------------- host memory
 
 
-def test_a_pause_that_ends_on_the_driver_path_is_checked_for_its_host_memory(
-    job: Job, host_memory: HostMemory
-) -> None:
+def test_a_pause_that_ends_on_the_driver_path_is_checked_for_its_host_memory(job: Job, host_memory: HostMemory) -> None:
     job.segments([2 * MiB])
     job.fake.set_process_memory(0, 8 * GiB)  # outside the pool: only the checkpoint can carry it
     host_memory.available = 3 * GiB

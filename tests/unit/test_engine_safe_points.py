@@ -15,9 +15,9 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from engine_fixtures import (  # noqa: E402,F401  (fixtures)
-    GiB,
     Background,
     ChildReads,
+    GiB,
     checkpoint_ops,
     driver,
     fake,
@@ -109,8 +109,11 @@ def test_a_migration_requested_elsewhere_runs_on_the_training_thread(
     engine = make_engine(safe_point_wait_seconds=5.0)
     where: list[tuple[int, bool]] = []
     engine.add_state_listener(
-        lambda state: where.append((threading.get_ident(), engine._safe_points.in_safe_point()))
-        if state == EngineState.MIGRATING else None
+        lambda state: (
+            where.append((threading.get_ident(), engine._safe_points.in_safe_point()))
+            if state == EngineState.MIGRATING
+            else None
+        )
     )
     trainer = trainers()
     wait_until(lambda: trainer.steps >= 3, what="training to start")

@@ -63,8 +63,13 @@ SCRIPT = textwrap.dedent("""
 
 
 def test_a_forked_worker_lets_go_of_the_copier_and_the_nvml_reader(driver: FakeDriver) -> None:  # noqa: F811
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=120,
-                          env=dict(os.environ, FLEXIUM_HOST_COPIER="1"))
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=dict(os.environ, FLEXIUM_HOST_COPIER="1"),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     child = out["child"]

@@ -34,12 +34,16 @@ def test_merge_joins_touching_and_overlapping_ranges() -> None:
 
 def test_active_blocks_keep_what_is_allocated_or_waits_for_a_stream() -> None:
     base = 0x7F0000000000
-    segment = {"address": base, "total_size": 8 * MiB, "blocks": [
-        {"address": base, "size": 2 * MiB, "state": "active_allocated"},
-        {"address": base + 2 * MiB, "size": 3 * MiB, "state": "inactive"},
-        {"address": base + 5 * MiB, "size": 1 * MiB, "state": "active_pending_free"},
-        {"address": base + 6 * MiB, "size": 2 * MiB, "state": "inactive"},
-    ]}
+    segment = {
+        "address": base,
+        "total_size": 8 * MiB,
+        "blocks": [
+            {"address": base, "size": 2 * MiB, "state": "active_allocated"},
+            {"address": base + 2 * MiB, "size": 3 * MiB, "state": "inactive"},
+            {"address": base + 5 * MiB, "size": 1 * MiB, "state": "active_pending_free"},
+            {"address": base + 6 * MiB, "size": 2 * MiB, "state": "inactive"},
+        ],
+    }
     assert _active_blocks(segment, base) == [(0, 2 * MiB), (5 * MiB, 1 * MiB)]
     # Older snapshots give no block addresses: blocks follow each other from the segment's start.
     for block in segment["blocks"]:
@@ -86,8 +90,10 @@ class FakeTorchCuda:
         self.calls.append(call)
 
     def _deprecated_setter(self, settings: str) -> None:
-        raise AssertionError(f"torch.cuda.memory._set_allocator_settings({settings!r}) warns on torch 2.9+: "
-                             "use torch._C._accelerator_setAllocatorSettings")
+        raise AssertionError(
+            f"torch.cuda.memory._set_allocator_settings({settings!r}) warns on torch 2.9+: "
+            "use torch._C._accelerator_setAllocatorSettings"
+        )
 
     def _allocator(self, path: str, alloc: str, free: str) -> Any:
         self._record("allocator", alloc, free)
@@ -110,8 +116,12 @@ def test_install_routes_the_device_and_uninstall_gives_the_use_back(cuda: FakeTo
     assert pool.install([0]) and pool.active and pool.devices == (0,) and pool.reason_off is None
     (made,) = FakeMemPool.made
     assert made.allocator == "pluggable"
-    assert cuda.calls == [("allocator", "flexium_vmm_alloc", "flexium_vmm_free"), ("exchange", 0), ("exchange", 0),
-                          ("begin", 0, made.id)]
+    assert cuda.calls == [
+        ("allocator", "flexium_vmm_alloc", "flexium_vmm_free"),
+        ("exchange", 0),
+        ("exchange", 0),
+        ("begin", 0, made.id),
+    ]
     assert cuda.settings == [f"max_split_size_mb:{memory_pool.DEFAULT_MAX_SPLIT_MB}"]
     assert pool.install([0])  # a second install changes nothing
     assert len(FakeMemPool.made) == 1
@@ -128,8 +138,9 @@ def test_the_users_max_split_size_stands(cuda: FakeTorchCuda, monkeypatch: pytes
     pool.uninstall()
 
 
-def test_torch_before_2_9_gets_the_setting_through_torch_cuda(cuda: FakeTorchCuda,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_torch_before_2_9_gets_the_setting_through_torch_cuda(
+    cuda: FakeTorchCuda, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delattr(torch._C, "_accelerator_setAllocatorSettings", raising=False)
     monkeypatch.setattr(torch.cuda.memory, "_set_allocator_settings", cuda.settings.append)
     pool = MemoryPool()
@@ -193,17 +204,28 @@ def test_another_pool_destroyed_pauses_the_routing_until_the_next_step(cuda: Fak
     assert cuda.calls.count(("begin", 0, ours.id)) == 1  # the hook is gone with the pool
 
 
-def test_live_ranges_read_the_pools_snapshot(cuda: FakeTorchCuda, fake: FakeDriver, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_live_ranges_read_the_pools_snapshot(
+    cuda: FakeTorchCuda, fake: FakeDriver, monkeypatch: pytest.MonkeyPatch
+) -> None:
     pool = MemoryPool()
     assert pool.install([0])
     ours, theirs = 0x7F0000000000, 0x7F1000000000
-    monkeypatch.setattr(memory_pool._C, "vmm_segments", lambda: [SimpleNamespace(address=ours, size=4 * MiB, device=0, mapped=True)])
+    monkeypatch.setattr(
+        memory_pool._C, "vmm_segments", lambda: [SimpleNamespace(address=ours, size=4 * MiB, device=0, mapped=True)]
+    )
     pool_id = FakeMemPool.made[0].id
     cuda.snapshot = [
-        {"address": ours, "device": 0, "segment_pool_id": pool_id, "total_size": 4 * MiB, "blocks": [
-            {"address": ours, "size": MiB, "state": "inactive"},
-            {"address": ours + MiB, "size": MiB, "state": "active_allocated"},
-            {"address": ours + 2 * MiB, "size": 2 * MiB, "state": "active_allocated"}]},
+        {
+            "address": ours,
+            "device": 0,
+            "segment_pool_id": pool_id,
+            "total_size": 4 * MiB,
+            "blocks": [
+                {"address": ours, "size": MiB, "state": "inactive"},
+                {"address": ours + MiB, "size": MiB, "state": "active_allocated"},
+                {"address": ours + 2 * MiB, "size": 2 * MiB, "state": "active_allocated"},
+            ],
+        },
         # a segment of another pool (a CUDA graph's), and one PyTorch has but we did not make
         {"address": theirs, "device": 0, "segment_pool_id": (7, 7), "total_size": MiB, "blocks": []},
         {"address": theirs, "device": 0, "segment_pool_id": pool_id, "total_size": MiB, "blocks": []},
@@ -221,7 +243,11 @@ def test_the_open_file_limit_is_raised_for_one_fd_per_segment(cuda: FakeTorchCud
         pool = MemoryPool()
         assert pool.install([0])
         now, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-        expected = hard if hard != resource.RLIM_INFINITY and hard < memory_pool.WANTED_OPEN_FILES else memory_pool.WANTED_OPEN_FILES
+        expected = (
+            hard
+            if hard != resource.RLIM_INFINITY and hard < memory_pool.WANTED_OPEN_FILES
+            else memory_pool.WANTED_OPEN_FILES
+        )
         assert now == max(lowered, expected)
         pool.uninstall()
     finally:

@@ -102,7 +102,10 @@ def run_python(code: str, env: dict[str, str]) -> dict[str, Any]:
     """Runs the prelude + code in a fresh interpreter; the code prints one JSON object last."""
     done = subprocess.run(
         [sys.executable, "-c", SUBPROCESS_PRELUDE + textwrap.dedent(code)],
-        env=env, capture_output=True, text=True, timeout=120,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert done.returncode == 0, f"subprocess failed:\n{done.stderr}"
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -144,8 +147,10 @@ def test_without_a_driver_status_says_why_and_calls_raise_driver_error() -> None
 
 
 def test_a_library_without_cuGetProcAddress_is_not_taken_for_a_driver() -> None:
-    out = run_python('print(json.dumps({"status": fields(_C.driver_status()), "err": error(_C.list_devices)}))',
-                     env_with_library("libm.so.6"))
+    out = run_python(
+        'print(json.dumps({"status": fields(_C.driver_status()), "err": error(_C.list_devices)}))',
+        env_with_library("libm.so.6"),
+    )
     assert out["status"]["loaded"] is False
     assert "has no cuGetProcAddress/cuDriverGetVersion" in out["status"]["error"]
     assert "libm.so.6" in out["err"]["message"]
@@ -177,8 +182,10 @@ def test_driver_without_checkpoint_symbols_loads_without_the_checkpoint_api(driv
 
 
 def test_driver_older_than_the_checkpoint_api(driver: FakeDriver) -> None:
-    out = run_python('print(json.dumps({"status": fields(_C.driver_status()), "lock": error(_C.lock, pid, 0)}))',
-                     driver.environment(FAKE_CUDA_VERSION=12040))
+    out = run_python(
+        'print(json.dumps({"status": fields(_C.driver_status()), "lock": error(_C.lock, pid, 0)}))',
+        driver.environment(FAKE_CUDA_VERSION=12040),
+    )
     assert out["status"]["cuda_version"] == 12040
     assert out["status"]["checkpoint_api"] is False
     assert sorted(out["status"]["missing_optional"]) == sorted(CHECKPOINT_SYMBOLS)
@@ -186,8 +193,10 @@ def test_driver_older_than_the_checkpoint_api(driver: FakeDriver) -> None:
 
 
 def test_machine_without_gpus_reports_the_cuInit_error(driver: FakeDriver) -> None:
-    out = run_python('print(json.dumps({"status": fields(_C.driver_status()), "err": error(_C.list_devices)}))',
-                     driver.environment(FAKE_CUDA_GPUS=0))
+    out = run_python(
+        'print(json.dumps({"status": fields(_C.driver_status()), "err": error(_C.list_devices)}))',
+        driver.environment(FAKE_CUDA_GPUS=0),
+    )
     assert out["status"]["loaded"] is True
     assert out["status"]["init_error"] == "CUDA_ERROR_NO_DEVICE"
     assert out["err"]["call"] == "cuInit(0)"
@@ -197,8 +206,10 @@ def test_machine_without_gpus_reports_the_cuInit_error(driver: FakeDriver) -> No
 
 def test_a_missing_required_symbol_fails_the_load_naming_it(driver: FakeDriver) -> None:
     # The third lookup is cuGetErrorString (csrc/driver_table.h order).
-    out = run_python('print(json.dumps({"status": fields(_C.driver_status()), "err": error(_C.list_devices)}))',
-                     driver.environment(FAKE_CUDA_FAIL="cuGetProcAddress_v2:500:3"))
+    out = run_python(
+        'print(json.dumps({"status": fields(_C.driver_status()), "err": error(_C.list_devices)}))',
+        driver.environment(FAKE_CUDA_FAIL="cuGetProcAddress_v2:500:3"),
+    )
     assert out["status"]["loaded"] is False
     assert "lacks required functions: cuGetErrorString" in out["status"]["error"]
     assert "cuGetErrorString" in out["err"]["message"]
@@ -269,8 +280,17 @@ def test_primitives_walk_the_state_machine(fake: FakeDriver) -> None:
     _C.unlock(PID)
     assert _C.process_state(PID) == _C.ProcessState.RUNNING
     assert fake.placement() == [0, 1] and fake.process_bytes_on(0) == 3 * GiB
-    assert fake.checkpoint_calls() == ["GetState", "Lock", "GetState", "Checkpoint", "GetState", "Restore",
-                                       "GetState", "Unlock", "GetState"]
+    assert fake.checkpoint_calls() == [
+        "GetState",
+        "Lock",
+        "GetState",
+        "Checkpoint",
+        "GetState",
+        "Restore",
+        "GetState",
+        "Unlock",
+        "GetState",
+    ]
 
 
 def test_restore_with_every_gpu_paired_moves_the_process_but_not_its_identity(fake: FakeDriver) -> None:
@@ -309,17 +329,29 @@ def _checkpointed(fake: FakeDriver) -> None:
 PRIMITIVE_FAILURES = [
     # (primitive, state before, failing driver function, injected code, name of the call in the error)
     ("lock", None, "cuCheckpointProcessLock", "CUDA_ERROR_TIMEOUT", "cuCheckpointProcessLock"),
-    ("checkpoint", _locked, "cuCheckpointProcessCheckpoint", "CUDA_ERROR_OUT_OF_MEMORY", "cuCheckpointProcessCheckpoint"),
+    (
+        "checkpoint",
+        _locked,
+        "cuCheckpointProcessCheckpoint",
+        "CUDA_ERROR_OUT_OF_MEMORY",
+        "cuCheckpointProcessCheckpoint",
+    ),
     ("restore", _checkpointed, "cuCheckpointProcessRestore", "CUDA_ERROR_INVALID_VALUE", "cuCheckpointProcessRestore"),
     ("unlock", _locked, "cuCheckpointProcessUnlock", "CUDA_ERROR_UNKNOWN", "cuCheckpointProcessUnlock"),
     ("process_state", None, "cuCheckpointProcessGetState", "CUDA_ERROR_NOT_INITIALIZED", "cuCheckpointProcessGetState"),
-    ("restore_thread_id", None, "cuCheckpointProcessGetRestoreThreadId", "CUDA_ERROR_OPERATING_SYSTEM",
-     "cuCheckpointProcessGetRestoreThreadId"),
+    (
+        "restore_thread_id",
+        None,
+        "cuCheckpointProcessGetRestoreThreadId",
+        "CUDA_ERROR_OPERATING_SYSTEM",
+        "cuCheckpointProcessGetRestoreThreadId",
+    ),
 ]
 
 
-@pytest.mark.parametrize("primitive,arrange,function,code,call", PRIMITIVE_FAILURES,
-                         ids=[p[0] for p in PRIMITIVE_FAILURES])
+@pytest.mark.parametrize(
+    "primitive,arrange,function,code,call", PRIMITIVE_FAILURES, ids=[p[0] for p in PRIMITIVE_FAILURES]
+)
 def test_a_failing_primitive_raises_driver_error_and_changes_nothing(
     fake: FakeDriver, primitive: str, arrange: Any, function: str, code: str, call: str
 ) -> None:
@@ -333,10 +365,14 @@ def test_a_failing_primitive_raises_driver_error_and_changes_nothing(
     assert call in err.call
     assert err.code == CUDA_ERRORS[code]
     assert err.error_name == code
-    text = {"CUDA_ERROR_TIMEOUT": "timeout occurred", "CUDA_ERROR_OUT_OF_MEMORY": "out of memory",
-            "CUDA_ERROR_INVALID_VALUE": "invalid argument", "CUDA_ERROR_UNKNOWN": "unknown error",
-            "CUDA_ERROR_NOT_INITIALIZED": "initialization error",
-            "CUDA_ERROR_OPERATING_SYSTEM": "OS call failed or operation not supported on this OS"}[code]
+    text = {
+        "CUDA_ERROR_TIMEOUT": "timeout occurred",
+        "CUDA_ERROR_OUT_OF_MEMORY": "out of memory",
+        "CUDA_ERROR_INVALID_VALUE": "invalid argument",
+        "CUDA_ERROR_UNKNOWN": "unknown error",
+        "CUDA_ERROR_NOT_INITIALIZED": "initialization error",
+        "CUDA_ERROR_OPERATING_SYSTEM": "OS call failed or operation not supported on this OS",
+    }[code]
     assert f"{call}" in str(err) and f"{code} ({text})" in str(err)
     assert fake.state() == state_before
     assert fake.pending_failures() == 0
@@ -355,7 +391,9 @@ def test_a_failing_primitive_raises_driver_error_and_changes_nothing(
         (_checkpointed, "lock", ProcessState.CHECKPOINTED),
     ],
 )
-def test_out_of_order_calls_are_illegal_state(fake: FakeDriver, arrange: Any, primitive: str, state: ProcessState) -> None:
+def test_out_of_order_calls_are_illegal_state(
+    fake: FakeDriver, arrange: Any, primitive: str, state: ProcessState
+) -> None:
     if arrange is not None:
         arrange(fake)
     args = (PID, 0) if primitive == "lock" else (PID,)
@@ -520,15 +558,23 @@ def test_run_steps_migrates_the_process(fake: FakeDriver) -> None:
     steps, rollbacks = migrate_plan(swap_pairs(fake))
     assert [s.pair_count for s in steps] == [0, 0, 2, 0]
     outcomes = _C.run_steps(PID, steps, rollbacks)
-    assert summary(outcomes) == [("lock", False, "ok"), ("checkpoint", False, "ok"), ("restore", False, "ok"),
-                                 ("unlock", False, "ok")]
+    assert summary(outcomes) == [
+        ("lock", False, "ok"),
+        ("checkpoint", False, "ok"),
+        ("restore", False, "ok"),
+        ("unlock", False, "ok"),
+    ]
     assert all(o.code == 0 and o.error_text == "" and o.seconds >= 0 for o in outcomes)
     assert fake.state() == ProcessState.RUNNING
     assert fake.physical_of(0) == 1 and fake.physical_of(1) == 0
     assert fake.process_bytes_on(1) == 8 * GiB and fake.process_bytes_on(0) == 0
     calls = fake.calls("cuCheckpointProcess")
-    assert [c.function for c in calls] == ["cuCheckpointProcessLock", "cuCheckpointProcessCheckpoint",
-                                           "cuCheckpointProcessRestore", "cuCheckpointProcessUnlock"]
+    assert [c.function for c in calls] == [
+        "cuCheckpointProcessLock",
+        "cuCheckpointProcessCheckpoint",
+        "cuCheckpointProcessRestore",
+        "cuCheckpointProcessUnlock",
+    ]
     assert [c.pairs for c in calls] == [-1, -1, 2, -1]
     assert len({c.tid for c in calls}) == 1  # the whole locked section in one native call
 
@@ -544,8 +590,11 @@ def test_run_steps_failed_remap_rolls_back_to_the_source(fake: FakeDriver, why: 
         expected = "CUDA_ERROR_INVALID_VALUE"
     outcomes = _C.run_steps(PID, *migrate_plan(swap_pairs(fake)))
     assert summary(outcomes) == [
-        ("lock", False, "ok"), ("checkpoint", False, "ok"), ("restore", False, expected),
-        ("restore", True, "ok"), ("unlock", True, "ok"),
+        ("lock", False, "ok"),
+        ("checkpoint", False, "ok"),
+        ("restore", False, expected),
+        ("restore", True, "ok"),
+        ("unlock", True, "ok"),
     ]
     failed = outcomes[2]
     assert failed.code == CUDA_ERRORS[expected] and failed.error_text
@@ -570,8 +619,11 @@ def test_run_steps_single_pair_is_refused_then_recovered(fake: FakeDriver) -> No
     u = fake.uuids()
     outcomes = _C.run_steps(PID, *migrate_plan([_C.GpuPair(u[0], u[1])]))
     assert summary(outcomes) == [
-        ("lock", False, "ok"), ("checkpoint", False, "ok"), ("restore", False, "CUDA_ERROR_INVALID_VALUE"),
-        ("restore", True, "ok"), ("unlock", True, "ok"),
+        ("lock", False, "ok"),
+        ("checkpoint", False, "ok"),
+        ("restore", False, "CUDA_ERROR_INVALID_VALUE"),
+        ("restore", True, "ok"),
+        ("unlock", True, "ok"),
     ]
     assert fake.state() == ProcessState.RUNNING and fake.placement() == [0, 1]
     assert [c.pairs for c in fake.calls("cuCheckpointProcessRestore")] == [1, 0]
@@ -580,8 +632,11 @@ def test_run_steps_single_pair_is_refused_then_recovered(fake: FakeDriver) -> No
 def test_run_steps_recover_of_a_locked_process_only_unlocks(fake: FakeDriver) -> None:
     fake.fail("cuCheckpointProcessCheckpoint", "CUDA_ERROR_UNKNOWN")
     outcomes = _C.run_steps(PID, *migrate_plan(swap_pairs(fake)))
-    assert summary(outcomes) == [("lock", False, "ok"), ("checkpoint", False, "CUDA_ERROR_UNKNOWN"),
-                                 ("unlock", True, "ok")]
+    assert summary(outcomes) == [
+        ("lock", False, "ok"),
+        ("checkpoint", False, "CUDA_ERROR_UNKNOWN"),
+        ("unlock", True, "ok"),
+    ]
     assert fake.state() == ProcessState.RUNNING
     assert fake.checkpoint_calls() == ["Lock", "Checkpoint", "GetState", "Unlock"]
 
@@ -593,8 +648,11 @@ def test_run_steps_runs_every_rollback_step_even_when_they_fail(fake: FakeDriver
     fake.set_other_memory(1, H200_BYTES - 1 * GiB)
     outcomes = _C.run_steps(PID, *migrate_plan(swap_pairs(fake)))
     assert summary(outcomes) == [
-        ("lock", False, "ok"), ("checkpoint", False, "ok"), ("restore", False, "CUDA_ERROR_OUT_OF_MEMORY"),
-        ("restore", True, "CUDA_ERROR_OPERATING_SYSTEM"), ("unlock", True, "CUDA_ERROR_ILLEGAL_STATE"),
+        ("lock", False, "ok"),
+        ("checkpoint", False, "ok"),
+        ("restore", False, "CUDA_ERROR_OUT_OF_MEMORY"),
+        ("restore", True, "CUDA_ERROR_OPERATING_SYSTEM"),
+        ("unlock", True, "CUDA_ERROR_ILLEGAL_STATE"),
     ]
     assert fake.state() == ProcessState.CHECKPOINTED
 
@@ -613,8 +671,13 @@ def test_run_steps_without_rollbacks_stops_at_the_failure(fake: FakeDriver) -> N
 def test_cuGetProcAddress_reports_missing_and_too_old_symbols(fake: FakeDriver) -> None:
     lookup = fake.library.cuGetProcAddress_v2
     lookup.restype = ctypes.c_int
-    lookup.argtypes = [ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_uint64,
-                       ctypes.POINTER(ctypes.c_int)]
+    lookup.argtypes = [
+        ctypes.c_char_p,
+        ctypes.POINTER(ctypes.c_void_p),
+        ctypes.c_int,
+        ctypes.c_uint64,
+        ctypes.POINTER(ctypes.c_int),
+    ]
 
     def ask(symbol: str, version: int) -> tuple[int, int, int]:
         fn, status = ctypes.c_void_p(), ctypes.c_int(-1)
@@ -706,7 +769,8 @@ def test_bound_structs_are_built_by_name_and_read_back() -> None:
     piece = _C.CopierPiece(segment=1, segment_offset=2, chunk=3, chunk_offset=4, length=5)
     assert (piece.segment, piece.segment_offset, piece.chunk, piece.chunk_offset, piece.length) == (1, 2, 3, 4, 5)
     assert repr(_C.StagedSegment(address=0x7F00C0000000, size=2 * MiB, fd=7)) == (
-        f"StagedSegment(address={0x7F00C0000000}, size={2 * MiB}, fd=7)")
+        f"StagedSegment(address={0x7F00C0000000}, size={2 * MiB}, fd=7)"
+    )
     assert repr(_C.CopierChunk(0, 4096, 8192)) == "CopierChunk(extent=0, offset=4096, size=8192)"
     with pytest.raises(AttributeError):
         piece.length = 6  # type: ignore[misc]  # what C++ handed over is read-only

@@ -103,9 +103,13 @@ def is_property(node: ast.FunctionDef) -> bool:
 def class_differences(name: str, node: ast.ClassDef, runtime: type) -> list[str]:
     found: list[str] = []
     if isinstance(getattr(runtime, "__members__", None), dict):  # a py::enum_
-        stub_members = [a.target.id for a in node.body
-                        if isinstance(a, ast.AnnAssign) and isinstance(a.target, ast.Name)
-                        and ast.unparse(a.annotation) == f"ClassVar[{name}]"]
+        stub_members = [
+            a.target.id
+            for a in node.body
+            if isinstance(a, ast.AnnAssign)
+            and isinstance(a.target, ast.Name)
+            and ast.unparse(a.annotation) == f"ClassVar[{name}]"
+        ]
         if stub_members != list(runtime.__members__):
             found.append(f"{name}: members {stub_members} != {list(runtime.__members__)}")
         stub_properties = sorted(f.name for f in node.body if isinstance(f, ast.FunctionDef) and is_property(f))
@@ -165,8 +169,10 @@ def differences(stub_source: str, module: Any) -> list[str]:
             if isinstance(value, type) or not callable(value):
                 found.append(f"{name} is a function in the stub only")
             else:
-                found += [f"{name}: {d}" for d in stub_signature(node, method=False).differences(
-                    runtime_signature(value, method=False))]
+                found += [
+                    f"{name}: {d}"
+                    for d in stub_signature(node, method=False).differences(runtime_signature(value, method=False))
+                ]
         elif isinstance(node, ast.AnnAssign) and ast.unparse(node.annotation) != type(value).__name__:
             found.append(f"{name}: {ast.unparse(node.annotation)} != {type(value).__name__}")
     return found
@@ -187,19 +193,34 @@ def test_driver_error_is_flexiums_own_error() -> None:
     ("before", "after", "expected"),
     [
         ("def lock(pid: int, timeout_ms: int)", "def lock(pid: int, timeout: int)", "lock: parameters"),
-        ("def vmm_segments() -> list[SegmentInfo]", "def vmm_segments() -> list[tuple[int, int]]",
-         "vmm_segments: returns"),
-        ("def restore_segments_from_host(device: int = -1)", "def restore_segments_from_host(device: int = 0)",
-         "restore_segments_from_host: device: default"),
-        ("def map_imported(staged: Sequence[StagedSegment],", "def map_imported(staged: Sequence[int],",
-         "map_imported: staged:"),
+        (
+            "def vmm_segments() -> list[SegmentInfo]",
+            "def vmm_segments() -> list[tuple[int, int]]",
+            "vmm_segments: returns",
+        ),
+        (
+            "def restore_segments_from_host(device: int = -1)",
+            "def restore_segments_from_host(device: int = 0)",
+            "restore_segments_from_host: device: default",
+        ),
+        (
+            "def map_imported(staged: Sequence[StagedSegment],",
+            "def map_imported(staged: Sequence[int],",
+            "map_imported: staged:",
+        ),
         ("    @property\n    def fd(self) -> int: ...\n", "", "StagedSegment.fd is not in the stub"),
-        ("def abort_host_order() -> None: ...\n", "def abort_host_order() -> None: ...\ndef gone() -> None: ...\n",
-         "gone is in the stub, not in the module"),
+        (
+            "def abort_host_order() -> None: ...\n",
+            "def abort_host_order() -> None: ...\ndef gone() -> None: ...\n",
+            "gone is in the stub, not in the module",
+        ),
         ("def unlock(pid: int) -> None: ...\n", "", "unlock is not in the stub"),
         ("    FAILED: ClassVar[ProcessState]\n", "", "ProcessState: members"),
-        ("    def sleep(self) -> None: ...\n", "    @property\n    def sleep(self) -> None: ...\n",
-         "HostCopier.sleep: property in one"),
+        (
+            "    def sleep(self) -> None: ...\n",
+            "    @property\n    def sleep(self) -> None: ...\n",
+            "HostCopier.sleep: property in one",
+        ),
         ("CHECKPOINT_API_VERSION: int", "CHECKPOINT_API_VERSION: str", "CHECKPOINT_API_VERSION: str != int"),
     ],
 )

@@ -91,8 +91,16 @@ class FakeEngine:
         )
         if self.report_failure:
             return OperationResult(
-                OperationKind.MIGRATE, "driver", False, "cuda:0", source, target, steps,
-                seconds=1.5, failed_step="restore", error="CUDA_ERROR_INVALID_VALUE",
+                OperationKind.MIGRATE,
+                "driver",
+                False,
+                "cuda:0",
+                source,
+                target,
+                steps,
+                seconds=1.5,
+                failed_step="restore",
+                error="CUDA_ERROR_INVALID_VALUE",
             )
         self.migrations.append(target)
         self.current = target
@@ -154,7 +162,10 @@ def test_classify_any_exception_type_by_message() -> None:
     class AcceleratorError(Exception):
         pass
 
-    assert classify_error(AcceleratorError("CUDA error: an illegal memory access was encountered")) is CudaErrorKind.ILLEGAL_ACCESS
+    assert (
+        classify_error(AcceleratorError("CUDA error: an illegal memory access was encountered"))
+        is CudaErrorKind.ILLEGAL_ACCESS
+    )
 
 
 @pytest.mark.parametrize(
@@ -317,7 +328,9 @@ def test_decorator_last_error_kind_is_named(engine: FakeEngine) -> None:
     def step() -> None:
         raise RuntimeError(ERRORS[next(kinds)])
 
-    with pytest.raises(RuntimeError, match=r"failed with an uncorrectable ECC error on all 2 attempts.*nvidia-smi -q -d ECC"):
+    with pytest.raises(
+        RuntimeError, match=r"failed with an uncorrectable ECC error on all 2 attempts.*nvidia-smi -q -d ECC"
+    ):
         step()
 
 
@@ -483,7 +496,9 @@ def test_no_candidate_after_ecc_says_context_unusable(engine: FakeEngine) -> Non
     "kind", [CudaErrorKind.ECC, CudaErrorKind.DEVICE_ASSERT, CudaErrorKind.ILLEGAL_ACCESS, CudaErrorKind.LAUNCH_FAILURE]
 )
 def test_driver_refuses_to_move_away_from_faulty_gpu(engine: FakeEngine, kind: CudaErrorKind) -> None:
-    refusal = OperationFailedError("cuCheckpointProcessCheckpoint failed: CUDA_ERROR_ECC_UNCORRECTABLE", step="checkpoint")
+    refusal = OperationFailedError(
+        "cuCheckpointProcessCheckpoint failed: CUDA_ERROR_ECC_UNCORRECTABLE", step="checkpoint"
+    )
     engine.fail_with = refusal
 
     @recoverable(retries=3)
@@ -534,7 +549,10 @@ def test_oom_move_failures(engine: FakeEngine, failure: BaseException, expected:
 
 def test_migrate_reporting_failure_is_not_success(engine: FakeEngine) -> None:
     engine.report_failure = True
-    with pytest.raises(RuntimeError, match=r"failed \(OperationFailedError: CUDA_ERROR_INVALID_VALUE\); it was rolled back at step 'restore'"):
+    with pytest.raises(
+        RuntimeError,
+        match=r"failed \(OperationFailedError: CUDA_ERROR_INVALID_VALUE\); it was rolled back at step 'restore'",
+    ):
         with recoverable():
             raise RuntimeError(ERRORS[CudaErrorKind.OOM])
 

@@ -28,15 +28,45 @@ PID = os.getpid()
 MiB = 1 << 20
 H200_BYTES = 143771 * MiB
 VMM_SYMBOLS = [
-    "cuCtxGetCurrent", "cuCtxSetCurrent", "cuCtxGetDevice", "cuCtxSynchronize", "cuDevicePrimaryCtxRetain",
-    "cuDevicePrimaryCtxRelease", "cuMemGetAllocationGranularity", "cuMemAddressReserve", "cuMemAddressFree",
-    "cuMemCreate", "cuMemRelease", "cuMemMap", "cuMemUnmap", "cuMemSetAccess", "cuMemExportToShareableHandle",
-    "cuMemImportFromShareableHandle", "cuMemcpyDtoDAsync", "cuMemcpyDtoHAsync", "cuMemcpyHtoDAsync",
-    "cuMemHostRegister", "cuMemHostUnregister", "cuStreamCreate", "cuStreamSynchronize", "cuStreamDestroy",
-    "cuEventCreate", "cuEventRecord", "cuEventSynchronize", "cuEventDestroy",
+    "cuCtxGetCurrent",
+    "cuCtxSetCurrent",
+    "cuCtxGetDevice",
+    "cuCtxSynchronize",
+    "cuDevicePrimaryCtxRetain",
+    "cuDevicePrimaryCtxRelease",
+    "cuMemGetAllocationGranularity",
+    "cuMemAddressReserve",
+    "cuMemAddressFree",
+    "cuMemCreate",
+    "cuMemRelease",
+    "cuMemMap",
+    "cuMemUnmap",
+    "cuMemSetAccess",
+    "cuMemExportToShareableHandle",
+    "cuMemImportFromShareableHandle",
+    "cuMemcpyDtoDAsync",
+    "cuMemcpyDtoHAsync",
+    "cuMemcpyHtoDAsync",
+    "cuMemHostRegister",
+    "cuMemHostUnregister",
+    "cuStreamCreate",
+    "cuStreamSynchronize",
+    "cuStreamDestroy",
+    "cuEventCreate",
+    "cuEventRecord",
+    "cuEventSynchronize",
+    "cuEventDestroy",
 ]
-NO_LEAKS = {"allocations": 0, "handles": 0, "mappings": 0, "reservations": 0, "pinned_bytes": 0, "streams": 0,
-            "events": 0, "primary_contexts": 0}
+NO_LEAKS = {
+    "allocations": 0,
+    "handles": 0,
+    "mappings": 0,
+    "reservations": 0,
+    "pinned_bytes": 0,
+    "streams": 0,
+    "events": 0,
+    "primary_contexts": 0,
+}
 
 
 class Allocator:
@@ -150,8 +180,12 @@ def swap_plan(fake: FakeDriver) -> tuple[list[Any], list[list[Any]]]:
     u = fake.uuids()
     pairs = [_C.GpuPair(u[0], u[1]), _C.GpuPair(u[1], u[0])]
     kinds = _C.StepKind
-    steps = [_C.Step(kinds.LOCK, 5000), _C.Step(kinds.CHECKPOINT), _C.Step(kinds.RESTORE, pairs=pairs),
-             _C.Step(kinds.UNLOCK)]
+    steps = [
+        _C.Step(kinds.LOCK, 5000),
+        _C.Step(kinds.CHECKPOINT),
+        _C.Step(kinds.RESTORE, pairs=pairs),
+        _C.Step(kinds.UNLOCK),
+    ]
     return steps, [[_C.Step(kinds.RECOVER)] for _ in steps]
 
 
@@ -223,8 +257,16 @@ def test_out_of_memory_returns_null_and_says_why(fake: FakeDriver, allocator: Al
     assert fake.vmm_leaks() == NO_LEAKS
 
 
-ALLOC_STEPS = ["cuDeviceGet", "cuCtxGetCurrent", "cuDevicePrimaryCtxRetain", "cuCtxSetCurrent", "cuMemAddressReserve",
-               "cuMemCreate", "cuMemMap", "cuMemSetAccess"]
+ALLOC_STEPS = [
+    "cuDeviceGet",
+    "cuCtxGetCurrent",
+    "cuDevicePrimaryCtxRetain",
+    "cuCtxSetCurrent",
+    "cuMemAddressReserve",
+    "cuMemCreate",
+    "cuMemMap",
+    "cuMemSetAccess",
+]
 
 
 @pytest.mark.parametrize("function", ALLOC_STEPS)
@@ -379,7 +421,10 @@ def test_fd_held_memory_counts_against_the_restore(fake: FakeDriver, allocator: 
     fake.set_other_memory(1, H200_BYTES - 10 * MiB)  # 10 MiB free on GPU 1, 6 held by our fd
     outcomes = _C.run_steps(PID, *swap_plan(fake))
     assert [(o.step, o.rollback, o.error_name or "ok") for o in outcomes][2:] == [
-        ("restore", False, "CUDA_ERROR_OUT_OF_MEMORY"), ("restore", True, "ok"), ("unlock", True, "ok")]
+        ("restore", False, "CUDA_ERROR_OUT_OF_MEMORY"),
+        ("restore", True, "ok"),
+        ("unlock", True, "ok"),
+    ]
     assert fake.placement() == [0, 1] and fake.state() == ProcessState.RUNNING
     # Rolled back on the source: the copy on GPU 1 maps back from there over the peer mapping.
     _C.map_imported(staged, 0)
@@ -399,9 +444,18 @@ def test_primitives_refuse_to_run_while_the_process_is_locked(fake: FakeDriver, 
 
 STAGE_FAILURES = [
     # (function, nth call that fails) with two segments on device 0
-    ("cuDevicePrimaryCtxRetain", 1), ("cuCtxSynchronize", 1), ("cuStreamCreate", 1), ("cuMemCreate", 2),
-    ("cuMemExportToShareableHandle", 2), ("cuMemAddressReserve", 2), ("cuMemMap", 2), ("cuMemSetAccess", 2),
-    ("cuMemcpyDtoDAsync", 2), ("cuStreamSynchronize", 1), ("cuMemUnmap", 2), ("cuMemAddressFree", 1),
+    ("cuDevicePrimaryCtxRetain", 1),
+    ("cuCtxSynchronize", 1),
+    ("cuStreamCreate", 1),
+    ("cuMemCreate", 2),
+    ("cuMemExportToShareableHandle", 2),
+    ("cuMemAddressReserve", 2),
+    ("cuMemMap", 2),
+    ("cuMemSetAccess", 2),
+    ("cuMemcpyDtoDAsync", 2),
+    ("cuStreamSynchronize", 1),
+    ("cuMemUnmap", 2),
+    ("cuMemAddressFree", 1),
     ("cuMemRelease", 2),
 ]
 
@@ -599,7 +653,7 @@ def test_host_staging_copies_only_live_ranges(fake: FakeDriver, allocator: Alloc
     assert _C.restore_segments_from_host() == MiB + (512 << 10) + 2 * MiB
     data = contents[partial]
     assert read(partial, MiB) == data[:MiB]
-    assert read(partial + 3 * MiB, 512 << 10) == data[3 * MiB:3 * MiB + (512 << 10)]
+    assert read(partial + 3 * MiB, 512 << 10) == data[3 * MiB : 3 * MiB + (512 << 10)]
     assert_contents({whole: contents[whole]})
     with pytest.raises(ValueError, match="lies outside"):
         _C.stage_segments_to_host({whole: [(MiB, 2 * MiB)]})
@@ -625,9 +679,15 @@ def test_staging_twice_or_releasing_a_full_pool_is_refused(fake: FakeDriver, all
     assert_contents(contents)
 
 
-STAGE_FAILURES = [("cuMemHostRegister", 2), ("cuCtxSynchronize", 1), ("cuMemcpyDtoHAsync", 3),
-                  ("cuEventRecord", 2), ("cuEventSynchronize", 1), ("cuMemHostUnregister", 2),
-                  ("cuStreamSynchronize", 1)]
+STAGE_FAILURES = [
+    ("cuMemHostRegister", 2),
+    ("cuCtxSynchronize", 1),
+    ("cuMemcpyDtoHAsync", 3),
+    ("cuEventRecord", 2),
+    ("cuEventSynchronize", 1),
+    ("cuMemHostUnregister", 2),
+    ("cuStreamSynchronize", 1),
+]
 
 
 @pytest.mark.parametrize("function,nth", STAGE_FAILURES, ids=[f for f, _ in STAGE_FAILURES])
@@ -656,8 +716,15 @@ def test_a_failed_reserve_leaves_nothing_pinned(fake: FakeDriver) -> None:
 # Device 0's two segments come back first (one call each, 3 copies of 2 MiB pieces in 2 chunks
 # pinned one by one, a synchronize and the stream's own at its end); device 1's group starts on a
 # chunk of its own, and the nth call is the first of that group.
-RESTORE_FAILURES = [("cuMemCreate", 3), ("cuMemMap", 3), ("cuMemSetAccess", 3), ("cuMemcpyHtoDAsync", 4),
-                    ("cuMemHostRegister", 3), ("cuEventSynchronize", 3), ("cuStreamSynchronize", 3)]
+RESTORE_FAILURES = [
+    ("cuMemCreate", 3),
+    ("cuMemMap", 3),
+    ("cuMemSetAccess", 3),
+    ("cuMemcpyHtoDAsync", 4),
+    ("cuMemHostRegister", 3),
+    ("cuEventSynchronize", 3),
+    ("cuStreamSynchronize", 3),
+]
 
 
 @pytest.mark.parametrize("function,nth", RESTORE_FAILURES, ids=[f for f, _ in RESTORE_FAILURES])
@@ -835,8 +902,9 @@ def error(fn, *args):
 
 
 def run_python(code: str, env: dict[str, str]) -> dict[str, Any]:
-    done = subprocess.run([sys.executable, "-c", SUBPROCESS + textwrap.dedent(code)], env=env,
-                          capture_output=True, text=True, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", SUBPROCESS + textwrap.dedent(code)], env=env, capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -864,11 +932,14 @@ def test_a_driver_without_the_vmm_api(driver: FakeDriver) -> None:
 def test_a_failing_granularity_query_returns_null_once(driver: FakeDriver) -> None:
     # The granularity is cached per device after the first query: a fresh process sees the query.
     code = CUDA_ERRORS["CUDA_ERROR_NOT_SUPPORTED"]
-    out = run_python('print(json.dumps({"first": alloc(1), "second": alloc(1)}))',
-                     driver.environment(FAKE_CUDA_FAIL=f"cuMemGetAllocationGranularity:{code}:1"))
+    out = run_python(
+        'print(json.dumps({"first": alloc(1), "second": alloc(1)}))',
+        driver.environment(FAKE_CUDA_FAIL=f"cuMemGetAllocationGranularity:{code}:1"),
+    )
     assert out["first"][0] is None
     assert out["first"][1].startswith(
-        "flexium_vmm_alloc: cuMemGetAllocationGranularity failed: CUDA_ERROR_NOT_SUPPORTED")
+        "flexium_vmm_alloc: cuMemGetAllocationGranularity failed: CUDA_ERROR_NOT_SUPPORTED"
+    )
     assert out["second"][0] is not None
 
 

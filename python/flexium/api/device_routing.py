@@ -30,8 +30,8 @@ _LOCK_TIMEOUT_S = 10.0
 class _Saved:
     owner: type
     name: str
-    had_own: bool          # False: inherited (Tensor.cuda lives on torch._C.TensorBase)
-    original: Any          # what `owner.__dict__[name]` held, or the inherited function
+    had_own: bool  # False: inherited (Tensor.cuda lives on torch._C.TensorBase)
+    original: Any  # what `owner.__dict__[name]` held, or the inherited function
     wrapper: Any
 
 
@@ -110,8 +110,8 @@ def install(get_device: Callable[[], str]) -> None:
             return
         for owner, wrap in ((torch.Tensor, _wrap_tensor_cuda), (torch.nn.Module, _wrap_module_cuda)):
             had_own = "cuda" in owner.__dict__
-            original = owner.__dict__["cuda"] if had_own else getattr(owner, "cuda")
-            wrapper = wrap(getattr(owner, "cuda"))
+            original = owner.__dict__["cuda"] if had_own else owner.cuda
+            wrapper = wrap(owner.cuda)
             setattr(owner, "cuda", wrapper)  # noqa: B010 (mypy refuses `owner.cuda = ...`: assigning to a method)
             _saved.append(_Saved(owner=owner, name="cuda", had_own=had_own, original=original, wrapper=wrapper))
         _log.debug("routing bare .cuda() calls to the managed device")
@@ -133,7 +133,8 @@ def uninstall() -> None:
                 # still underneath, passes calls through unchanged now that _get_device is None.
                 _log.warning(
                     "%s.%s was replaced after flexium patched it; leaving that replacement in place",
-                    saved.owner.__qualname__, saved.name,
+                    saved.owner.__qualname__,
+                    saved.name,
                 )
                 continue
             if saved.had_own:

@@ -150,12 +150,12 @@ class Recovery:
     """One handled error: where the job was, where it went, how long it took."""
 
     kind: CudaErrorKind
-    error: str                          # "Type: first line of the message"
-    logical_device: str                 # what the training code keeps using, e.g. "cuda:0"
+    error: str  # "Type: first line of the message"
+    logical_device: str  # what the training code keeps using, e.g. "cuda:0"
     source: GpuIdentity
     target: GpuIdentity
-    seconds: float                      # whole recovery, freeing memory included
-    result: Optional[OperationResult]   # None: another thread had just moved the job
+    seconds: float  # whole recovery, freeing memory included
+    result: Optional[OperationResult]  # None: another thread had just moved the job
 
 
 # Bumped after every successful move, so that threads failing together move the job once.
@@ -233,13 +233,16 @@ def _engine_for(kind: CudaErrorKind, exc: BaseException) -> _Engine:
     session = session_module.current() if session_module is not None else None
     if session is None:
         raise _cannot(
-            kind, exc, "flexium is not initialised in this process",
+            kind,
+            exc,
+            "flexium is not initialised in this process",
             "Call flexium.init() at the start of the script, before the model is moved to the GPU.",
         ) from exc
     engine: Optional[_Engine] = getattr(session, "engine", None)
     if engine is None:
         raise _cannot(
-            kind, exc,
+            kind,
+            exc,
             "flexium runs without its GPU engine here (flexium.init(disabled=True), no CUDA, or an "
             "unsupported driver; see the warnings flexium logged at start-up), so it cannot move the job",
             "Fix what those warnings name, or restart the job from its last checkpoint.",
@@ -249,9 +252,9 @@ def _engine_for(kind: CudaErrorKind, exc: BaseException) -> _Engine:
         driver = getattr(capabilities, "driver_version", None)
         found = f" (this machine has driver {driver})" if driver else ""
         raise _cannot(
-            kind, exc,
-            f"moving a job to another GPU needs NVIDIA driver 580+{found}; pause/resume alone cannot "
-            "recover from this",
+            kind,
+            exc,
+            f"moving a job to another GPU needs NVIDIA driver 580+{found}; pause/resume alone cannot recover from this",
             "Upgrade the NVIDIA driver, or restart the job from its last checkpoint.",
         ) from exc
     return engine
@@ -262,10 +265,15 @@ def _no_candidate(
 ) -> RuntimeError:
     needed = _job_bytes(engine, logical)
     room = f"{_gib(needed)} free" if needed else "enough free memory for this job"
-    reason = f"no other {source.name} GPU has {room} (only GPUs of the same model can take the job; it runs on {_gpu(source)})"
+    reason = (
+        f"no other {source.name} GPU has {room} "
+        f"(only GPUs of the same model can take the job; it runs on {_gpu(source)})"
+    )
     if kind.context_lost:
         return _cannot(
-            kind, exc, reason,
+            kind,
+            exc,
+            reason,
             "The CUDA context is likely unusable after this error. " + _ADVICE[kind],
         )
     return _cannot(kind, exc, reason, _ADVICE[kind])
@@ -285,9 +293,10 @@ def _move_failed(
     reason = f"moving to {_gpu(target)} failed ({_summary(move_exc)}); {state}"
     if kind.context_lost:
         return _cannot(
-            kind, exc, reason,
-            "The CUDA context is likely unusable after this error and the driver refused to move it. "
-            + _ADVICE[kind],
+            kind,
+            exc,
+            reason,
+            "The CUDA context is likely unusable after this error and the driver refused to move it. " + _ADVICE[kind],
         )
     if isinstance(move_exc, OperationInProgressError):
         return _cannot(kind, exc, reason, "Retry the step once that operation has finished.")
@@ -317,7 +326,9 @@ def _recover(kind: CudaErrorKind, exc: BaseException, *, seen_generation: int, o
         _free_memory(exc)
     if not _recovery_lock.acquire(timeout=_LOCK_TIMEOUT_S):
         raise _cannot(
-            kind, exc, f"another thread's recovery did not finish within {_LOCK_TIMEOUT_S:.0f} s",
+            kind,
+            exc,
+            f"another thread's recovery did not finish within {_LOCK_TIMEOUT_S:.0f} s",
             "Restart the job from its last checkpoint.",
         ) from exc
     try:
@@ -338,7 +349,9 @@ def _recover(kind: CudaErrorKind, exc: BaseException, *, seen_generation: int, o
         except FlexiumError as move_exc:  # refused, failed and rolled back, busy, or not capable
             raise _move_failed(kind, exc, source, chosen.gpu, move_exc) from move_exc
         if not result.ok:
-            failure = OperationFailedError(result.error or "migration reported failure", step=result.failed_step or "?", result=result)
+            failure = OperationFailedError(
+                result.error or "migration reported failure", step=result.failed_step or "?", result=result
+            )
             raise _move_failed(kind, exc, source, chosen.gpu, failure) from exc
         _generation += 1
     finally:
@@ -347,8 +360,14 @@ def _recover(kind: CudaErrorKind, exc: BaseException, *, seen_generation: int, o
     seconds = time.monotonic() - started
     _log.warning(
         "recovered from %s on %s: moved %s -> %s (%s free) in %.2f s (%s); %s",
-        kind.label, logical, _gpu(source), _gpu(chosen.gpu), _gib(chosen.free_bytes),
-        seconds, _timings(result), outcome,
+        kind.label,
+        logical,
+        _gpu(source),
+        _gpu(chosen.gpu),
+        _gib(chosen.free_bytes),
+        seconds,
+        _timings(result),
+        outcome,
     )
     return Recovery(kind, _summary(exc), logical, source, chosen.gpu, seconds, result)
 
@@ -365,8 +384,8 @@ class Attempt:
     """One try of the iterator form; use it as `with attempt:`."""
 
     def __init__(self, owner: "recoverable", number: int, attempts: int) -> None:
-        self.number = number          # 1-based
-        self.attempts = attempts      # retries + 1
+        self.number = number  # 1-based
+        self.attempts = attempts  # retries + 1
         self._owner = owner
         self._recovered = False
 
@@ -407,7 +426,9 @@ class recoverable:
 
     def __init__(self, retries: int = 3) -> None:
         if callable(retries):
-            raise ConfigError("recoverable needs parentheses when used as a decorator: @recoverable() or @recoverable(retries=3)")
+            raise ConfigError(
+                "recoverable needs parentheses when used as a decorator: @recoverable() or @recoverable(retries=3)"
+            )
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise ConfigError(f"recoverable(retries={retries!r}): retries must be a whole number >= 0, e.g. retries=3")
         self.retries = retries
@@ -430,7 +451,9 @@ class recoverable:
         kind = classify_error(exc)
         if kind is None:
             return False
-        self._handle(kind, exc, _generation, "the operation in the `with recoverable()` block was lost; training continues")
+        self._handle(
+            kind, exc, _generation, "the operation in the `with recoverable()` block was lost; training continues"
+        )
         return True
 
     # Form 2: decorator, the function is retried.
@@ -438,7 +461,10 @@ class recoverable:
         if not callable(func):
             raise ConfigError(f"recoverable(...) decorates a function, not {func!r}")
         if inspect.iscoroutinefunction(func):
-            raise ConfigError(f"recoverable cannot decorate the async function {func.__qualname__}; wrap the synchronous GPU work instead")
+            raise ConfigError(
+                f"recoverable cannot decorate the async function {func.__qualname__}; "
+                "wrap the synchronous GPU work instead"
+            )
         attempts = self.retries + 1
         name = getattr(func, "__qualname__", repr(func))
 

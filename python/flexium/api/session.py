@@ -26,13 +26,13 @@ log = logging.getLogger("flexium")
 class Session:
     config: Optional[FlexiumConfig]
     process_id: str
-    logical_device: str           # what the training code uses: "cuda:N", or "cpu" without CUDA
+    logical_device: str  # what the training code uses: "cuda:N", or "cpu" without CUDA
     disabled: bool = False
     capabilities: Optional[Capabilities] = None
-    engine: Optional[Engine] = None            # when pause/resume is possible here
-    memory_pool: Optional[MemoryPool] = None   # when torch has CUDA
-    client: Optional[ProcessClient] = None     # the server connection, when a server is configured
-    scopes: int = 0               # open flexium.auto.run() blocks
+    engine: Optional[Engine] = None  # when pause/resume is possible here
+    memory_pool: Optional[MemoryPool] = None  # when torch has CUDA
+    client: Optional[ProcessClient] = None  # the server connection, when a server is configured
+    scopes: int = 0  # open flexium.auto.run() blocks
 
 
 _lock = threading.RLock()
@@ -68,8 +68,9 @@ def start(server: Optional[str], device: Optional[str], disabled: bool, *, serve
     with _lock:
         assert _session is None, "a flexium session is already running"
         if disabled:
-            _session = Session(config=None, process_id=_process_id, logical_device=resolve_device(device),
-                               disabled=True)
+            _session = Session(
+                config=None, process_id=_process_id, logical_device=resolve_device(device), disabled=True
+            )
             return
         config = load_config(orchestrator=server, device=device, server_parameter=server_parameter)
         from flexium._logging import configure_logging

@@ -81,8 +81,10 @@ def _raise_interrupt(*_: Any) -> None:
 
 def run(*, port: Optional[int] = None, host: str = "127.0.0.1", database: Optional[str] = None) -> int:
     if importlib.util.find_spec("torch") is None:
-        print("flexium demo: the demo training job needs PyTorch: pip install torch (a CPU build is enough)",
-              file=sys.stderr)
+        print(
+            "flexium demo: the demo training job needs PyTorch: pip install torch (a CPU build is enough)",
+            file=sys.stderr,
+        )
         return 2
     if server_module("flexium.server.app") is None:
         return 2
@@ -96,8 +98,10 @@ def run(*, port: Optional[int] = None, host: str = "127.0.0.1", database: Option
         print(f"flexium demo: {exc}", file=sys.stderr)
         return 2
     if not _port_free(host, port):
-        print(f"flexium demo: port {port} on {host} is in use (another flexium server?); "
-              "choose another with --port", file=sys.stderr)
+        print(
+            f"flexium demo: port {port} on {host} is in use (another flexium server?); choose another with --port",
+            file=sys.stderr,
+        )
         return 1
     try:
         token, revoke = _demo_token(settings.database_url)
@@ -121,9 +125,22 @@ def run(*, port: Optional[int] = None, host: str = "127.0.0.1", database: Option
     try:
         with open(log_path, "ab") as log:
             server = subprocess.Popen(
-                [sys.executable, "-m", "flexium.server", "--host", host, "--port", str(port),
-                 "--database", settings.database_url],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, start_new_session=True)
+                [
+                    sys.executable,
+                    "-m",
+                    "flexium.server",
+                    "--host",
+                    host,
+                    "--port",
+                    str(port),
+                    "--database",
+                    settings.database_url,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
         deadline = time.monotonic() + SERVER_START_S
         while True:
             if server.poll() is not None:
@@ -135,8 +152,10 @@ def run(*, port: Optional[int] = None, host: str = "127.0.0.1", database: Option
                 break
             except ServerError:
                 if time.monotonic() > deadline:
-                    print(f"flexium demo: the server did not answer within {SERVER_START_S:.0f} s; see {log_path}",
-                          file=sys.stderr)
+                    print(
+                        f"flexium demo: the server did not answer within {SERVER_START_S:.0f} s; see {log_path}",
+                        file=sys.stderr,
+                    )
                     return 1
                 time.sleep(0.2)
         base = f"http://{address}"
@@ -146,8 +165,9 @@ def run(*, port: Optional[int] = None, host: str = "127.0.0.1", database: Option
         env = dict(os.environ)
         env[protocol.SERVER_ENV] = f"{address}/{protocol.DEFAULT_WORKSPACE}"
         env[protocol.TOKEN_ENV] = token
-        job = subprocess.Popen([sys.executable, "-m", "flexium.cli.demo_job"], env=env, stdin=subprocess.DEVNULL,
-                               start_new_session=True)
+        job = subprocess.Popen(
+            [sys.executable, "-m", "flexium.cli.demo_job"], env=env, stdin=subprocess.DEVNULL, start_new_session=True
+        )
         _say(f"demo training job started (pid {job.pid}); waiting for it to register")
         deadline = time.monotonic() + JOB_REGISTER_S
         registered = None

@@ -22,8 +22,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         import torch
     except ImportError:
-        print("flexium demo: the demo training job needs PyTorch: pip install torch (a CPU build is enough)",
-              file=sys.stderr)
+        print(
+            "flexium demo: the demo training job needs PyTorch: pip install torch (a CPU build is enough)",
+            file=sys.stderr,
+        )
         return 2
 
     import flexium
@@ -49,8 +51,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             optimizer.step()
             step += 1
             if step % args.print_every == 0 or step == 1:
-                print(f"[demo job] step {step:6d}  loss {loss.item():.4f}  on {flexium.auto.get_physical_device()}",
-                      flush=True)
+                print(
+                    f"[demo job] step {step:6d}  loss {loss.item():.4f}  on {flexium.auto.get_physical_device()}",
+                    flush=True,
+                )
             time.sleep(args.step_seconds)
     except KeyboardInterrupt:
         pass

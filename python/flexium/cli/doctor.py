@@ -33,11 +33,15 @@ def run(*, as_json: bool) -> int:
     gpus = nvml.host_gpus()
     fast_problem = _fast_path_problem() if caps.pause_resume else "pause / resume is not available"
     if as_json:
-        print(json.dumps({
-            "capabilities": caps.to_dict(),
-            "fast_path": {"available": fast_problem is None, "problem": fast_problem},
-            "gpus": [g.__dict__ | {"processes": len(g.processes)} for g in gpus],
-        }))
+        print(
+            json.dumps(
+                {
+                    "capabilities": caps.to_dict(),
+                    "fast_path": {"available": fast_problem is None, "problem": fast_problem},
+                    "gpus": [g.__dict__ | {"processes": len(g.processes)} for g in gpus],
+                }
+            )
+        )
         return 0
     yes_no = {True: "yes", False: "no"}
     cuda = f"{caps.cuda_version // 1000}.{caps.cuda_version % 1000 // 10}"

@@ -36,13 +36,18 @@ _UNDER_WAY = {
 
 
 # The server reads a target this way, and only the server (it resolves it to a GPU UUID).
-TARGET_HELP = ("the GPU: cuda:N = the job's own CUDA numbering (entry N of the GPUs it sees), a bare "
-               "number N = nvidia-smi's index N on the job's host, GPU-... = a GPU UUID")
+TARGET_HELP = (
+    "the GPU: cuda:N = the job's own CUDA numbering (entry N of the GPUs it sees), a bare "
+    "number N = nvidia-smi's index N on the job's host, GPU-... = a GPU UUID"
+)
 
 
 def add_connection_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--server", metavar="ADDRESS",
-                        help=f"host[:port]/workspace (default ${protocol.SERVER_ENV}, else 'server:' in .flexiumrc)")
+    parser.add_argument(
+        "--server",
+        metavar="ADDRESS",
+        help=f"host[:port]/workspace (default ${protocol.SERVER_ENV}, else 'server:' in .flexiumrc)",
+    )
     parser.add_argument("--token", help=f"workspace token (default ${protocol.TOKEN_ENV}, else 'token:' in .flexiumrc)")
     parser.add_argument("--json", action="store_true", help="print JSON (the server's objects) for scripts")
 
@@ -63,14 +68,20 @@ def add_commands(commands: Any) -> None:
     _add_wait_options(p)
     p = commands.add_parser("resume", help="resume a paused process, on its GPU or the one given")
     p.add_argument("process", help="process id (gpu-...), a unique prefix of one, or its pid")
-    p.add_argument("target", nargs="?", help=TARGET_HELP + " (default: where it paused if there is room, "
-                                                           "else the server picks)")
+    p.add_argument(
+        "target", nargs="?", help=TARGET_HELP + " (default: where it paused if there is room, else the server picks)"
+    )
     _add_wait_options(p)
 
 
 def _add_wait_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--timeout", type=float, default=DEFAULT_WAIT_S, metavar="SECONDS",
-                        help=f"how long to wait for the outcome (default {DEFAULT_WAIT_S:.0f})")
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_WAIT_S,
+        metavar="SECONDS",
+        help=f"how long to wait for the outcome (default {DEFAULT_WAIT_S:.0f})",
+    )
     parser.add_argument("--no-wait", action="store_true", help="print the queued command and return")
     add_connection_options(parser)
 
@@ -89,11 +100,14 @@ def run(args: argparse.Namespace) -> int:
     except Unreachable as exc:
         return _fail(f"{exc.message} (is `flexium server` running there?)", EXIT_UNREACHABLE)
     except Unauthorized as exc:
-        return _fail(f"the server refused the token: {exc.message}. Set {protocol.TOKEN_ENV} (or --token) to a "
-                     f"token of workspace '{api.workspace}'", EXIT_FAILED)
+        return _fail(
+            f"the server refused the token: {exc.message}. Set {protocol.TOKEN_ENV} (or --token) to a "
+            f"token of workspace '{api.workspace}'",
+            EXIT_FAILED,
+        )
     except ServerError as exc:
         return _fail(exc.message, EXIT_FAILED)
-    except ValidationError as exc:       # what the server would refuse as invalid_request
+    except ValidationError as exc:  # what the server would refuse as invalid_request
         first = exc.errors()[0]
         return _fail(f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}", EXIT_FAILED)
     finally:
@@ -108,8 +122,10 @@ def connect(server: Optional[str], token: Optional[str]) -> ApiClient:
         parse_server_address(server, where="(from --server)")
     config = load_config(orchestrator=server, token=token)
     if config.address is None:
-        raise ConfigError(f"no server configured: set {protocol.SERVER_ENV}=host[:port]/workspace "
-                          "(e.g. 127.0.0.1:8080/default), 'server:' in .flexiumrc, or pass --server")
+        raise ConfigError(
+            f"no server configured: set {protocol.SERVER_ENV}=host[:port]/workspace "
+            "(e.g. 127.0.0.1:8080/default), 'server:' in .flexiumrc, or pass --server"
+        )
     return ApiClient(config.address, config.token, user_agent=f"flexium/{__version__} (cli)")
 
 
@@ -125,6 +141,7 @@ def _print_json(value: BaseModel | list[wire.ProcessInfo]) -> None:
 
 # ---- ps, devices ---------------------------------------------------------------------------
 
+
 def _ps(api: ApiClient, args: argparse.Namespace) -> int:
     processes = api.list_processes(state=args.state)
     if args.json:
@@ -139,19 +156,36 @@ def _ps(api: ApiClient, args: argparse.Namespace) -> int:
         device = p.logical_device or "-"
         if p.physical_device and p.physical_device != p.logical_device:
             device += f" (on {p.physical_device})"
-        gpu = "-" if p.gpu_index is None and not p.gpu_model else \
-            f"{'' if p.gpu_index is None else p.gpu_index} {p.gpu_model}".strip()
+        gpu = (
+            "-"
+            if p.gpu_index is None and not p.gpu_model
+            else f"{'' if p.gpu_index is None else p.gpu_index} {p.gpu_model}".strip()
+        )
         memory = _gib(p.memory_bytes)
         if p.state == "PAUSED" and p.footprint_bytes:
             memory += f" ({_gib(p.footprint_bytes)} paused)"
         active = p.active_command
         command = f"{active.kind} {active.state}" if active else "-"
         started = p.started_at or p.registered_at
-        rows.append((p.process_id, p.state, p.host, str(p.pid), device, gpu, memory,
-                     _age(now - started), _moves(p.capabilities), command))
+        rows.append(
+            (
+                p.process_id,
+                p.state,
+                p.host,
+                str(p.pid),
+                device,
+                gpu,
+                memory,
+                _age(now - started),
+                _moves(p.capabilities),
+                command,
+            )
+        )
     _print_table(rows)
-    print("MOVES: fast = migrate and pause on the fast path, driver = on the driver path only, pause = "
-          "pause and resume only (driver below 580), - = none (`flexium ps --json` gives the reasons)")
+    print(
+        "MOVES: fast = migrate and pause on the fast path, driver = on the driver path only, pause = "
+        "pause and resume only (driver below 580), - = none (`flexium ps --json` gives the reasons)"
+    )
     return EXIT_OK
 
 
@@ -180,19 +214,26 @@ def _devices(api: ApiClient, args: argparse.Namespace) -> int:
         print(f"host {host.host} (reported {_age(now - host.updated_at)} ago){stale}")
         rows = [("GPU", "MODEL", "USED / TOTAL", "FLEXIUM", "OTHER", "UTIL", "TEMP", "HEALTH", "UUID", "PROCESSES")]
         for d in host.devices:
-            rows.append((
-                "-" if d.index is None else str(d.index), d.name or "-",
-                f"{d.memory_used / GIB:.1f} / {d.memory_total / GIB:.1f} GiB",
-                _gib(d.memory_flexium), _gib(d.memory_other),
-                "-" if d.utilization is None else f"{d.utilization}%",
-                "-" if d.temperature is None else f"{d.temperature}C",
-                d.health, d.uuid, ",".join(d.processes) or "-",
-            ))
+            rows.append(
+                (
+                    "-" if d.index is None else str(d.index),
+                    d.name or "-",
+                    f"{d.memory_used / GIB:.1f} / {d.memory_total / GIB:.1f} GiB",
+                    _gib(d.memory_flexium),
+                    _gib(d.memory_other),
+                    "-" if d.utilization is None else f"{d.utilization}%",
+                    "-" if d.temperature is None else f"{d.temperature}C",
+                    d.health,
+                    d.uuid,
+                    ",".join(d.processes) or "-",
+                )
+            )
         _print_table(rows, indent="  ")
     return EXIT_OK
 
 
 # ---- migrate, pause, resume ----------------------------------------------------------------
+
 
 def _command(api: ApiClient, args: argparse.Namespace) -> int:
     target = getattr(args, "target", None)
@@ -213,8 +254,10 @@ def _command(api: ApiClient, args: argparse.Namespace) -> int:
     if args.json:
         _print_json(final)
     if final.state not in protocol.FINAL_COMMAND_STATES:
-        return _fail(f"{title}: still {final.state} after {args.timeout:.0f} s (command {final.id}); "
-                     "see `flexium ps`", EXIT_FAILED)
+        return _fail(
+            f"{title}: still {final.state} after {args.timeout:.0f} s (command {final.id}); see `flexium ps`",
+            EXIT_FAILED,
+        )
     if not args.json:
         _print_outcome(api, title, final)
     if final.state != "succeeded":
@@ -226,19 +269,28 @@ def _command(api: ApiClient, args: argparse.Namespace) -> int:
 
 def _resolve_process(api: ApiClient, text: str) -> str:
     """A unique id prefix or a pid stands for the process (ids are long to type)."""
-    matches = [p.process_id for p in api.list_processes()
-               if p.process_id.startswith(text) or p.process_id == f"gpu-{text}"
-               or (text.isdigit() and str(p.pid) == text)]
+    matches = [
+        p.process_id
+        for p in api.list_processes()
+        if p.process_id.startswith(text) or p.process_id == f"gpu-{text}" or (text.isdigit() and str(p.pid) == text)
+    ]
     if len(matches) == 1:
         return matches[0]
     if not matches:
-        raise NotFound(f"no process {text!r} in workspace '{api.workspace}' (`flexium ps` lists them)",
-                       code="not_found", status=404)
+        raise NotFound(
+            f"no process {text!r} in workspace '{api.workspace}' (`flexium ps` lists them)",
+            code="not_found",
+            status=404,
+        )
     raise NotFound(f"{text!r} matches several processes: {', '.join(sorted(matches))}", code="not_found", status=404)
 
 
-def _wait(api: ApiClient, command: wire.CommandInfo, timeout: float,
-          progress: Optional[Callable[[wire.CommandInfo], None]] = None) -> wire.CommandInfo:
+def _wait(
+    api: ApiClient,
+    command: wire.CommandInfo,
+    timeout: float,
+    progress: Optional[Callable[[wire.CommandInfo], None]] = None,
+) -> wire.CommandInfo:
     """Long-polls the command until it ends or `timeout` passes; `progress(command)` is called
     with each answer while it is under way (each change, and every PROGRESS_EVERY_S between)."""
     deadline = time.monotonic() + timeout
@@ -273,7 +325,7 @@ def _progress_printer(title: str, queued: wire.CommandInfo) -> Callable[[wire.Co
 
 
 def _title(api: ApiClient, command: wire.CommandInfo) -> str:
-    """"migrate gpu-1a2b to cuda:1": the target in the job's own numbering when it sees the
+    """ "migrate gpu-1a2b to cuda:1": the target in the job's own numbering when it sees the
     GPU (derived here from the UUID the command carries), else the UUID."""
     target = command.target_uuid
     if target is not None:
@@ -334,6 +386,7 @@ def _print_outcome(api: ApiClient, title: str, command: wire.CommandInfo) -> Non
 
 # ---- formatting ----------------------------------------------------------------------------
 
+
 def _gib(n: Optional[int]) -> str:
     return f"{(n or 0) / GIB:.1f} GiB"
 
@@ -357,4 +410,4 @@ def _age(seconds: float) -> str:
 def _print_table(rows: Sequence[Sequence[str]], indent: str = "") -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     for row in rows:
-        print(indent + "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip())
+        print(indent + "  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=True)).rstrip())

@@ -18,13 +18,18 @@ DESCRIPTION = "Run the flexium server: API, dashboard and live events in one pro
 
 def add_command(commands: Any) -> None:
     """``commands``: the ``flexium`` parser's subparsers."""
-    parser = commands.add_parser("server", description=DESCRIPTION,
-                                 help="run the server: API, dashboard, live events (flexium server --help)")
+    parser = commands.add_parser(
+        "server", description=DESCRIPTION, help="run the server: API, dashboard, live events (flexium server --help)"
+    )
     parser.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help=f"port (default {protocol.DEFAULT_PORT})")
-    parser.add_argument("--database", default=None, metavar="URL",
-                        help="sqlite:///PATH or postgresql://USER@HOST/DB (default: "
-                             f"${protocol.DATABASE_ENV}, else ~/.flexium/server.db)")
+    parser.add_argument(
+        "--database",
+        default=None,
+        metavar="URL",
+        help="sqlite:///PATH or postgresql://USER@HOST/DB (default: "
+        f"${protocol.DATABASE_ENV}, else ~/.flexium/server.db)",
+    )
     parser.add_argument("--public-url", default=None, help="base URL printed in links (behind a proxy)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--access-log", action="store_true", help="log every request")
@@ -35,20 +40,32 @@ def add_command(commands: Any) -> None:
     timing.add_argument("--remove-after", type=float, default=None, dest="remove_after_s")
     timing.add_argument("--command-ttl", type=float, default=None, dest="command_ttl_s")
     timing.add_argument("--sweep-interval", type=float, default=None, dest="sweep_interval_s")
-    timing.add_argument("--device-write-interval", type=float, default=None, dest="device_write_interval_s",
-                        help="store a host's GPU report at most this often (5); --stale-after must be longer")
+    timing.add_argument(
+        "--device-write-interval",
+        type=float,
+        default=None,
+        dest="device_write_interval_s",
+        help="store a host's GPU report at most this often (5); --stale-after must be longer",
+    )
     parser.set_defaults(usage_parser=parser)
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
-    return load_settings(host=args.host, port=args.port, database_url=args.database,
-                         public_url=args.public_url, log_level=args.log_level,
-                         access_log=args.access_log or None,
-                         heartbeat_interval_s=args.heartbeat_interval_s,
-                         poll_timeout_s=args.poll_timeout_s, stale_after_s=args.stale_after_s,
-                         remove_after_s=args.remove_after_s, command_ttl_s=args.command_ttl_s,
-                         sweep_interval_s=args.sweep_interval_s,
-                         device_write_interval_s=args.device_write_interval_s)
+    return load_settings(
+        host=args.host,
+        port=args.port,
+        database_url=args.database,
+        public_url=args.public_url,
+        log_level=args.log_level,
+        access_log=args.access_log or None,
+        heartbeat_interval_s=args.heartbeat_interval_s,
+        poll_timeout_s=args.poll_timeout_s,
+        stale_after_s=args.stale_after_s,
+        remove_after_s=args.remove_after_s,
+        command_ttl_s=args.command_ttl_s,
+        sweep_interval_s=args.sweep_interval_s,
+        device_write_interval_s=args.device_write_interval_s,
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -61,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"flexium server: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    logging.basicConfig(level=getattr(logging, settings.log_level.upper()),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(
+        level=getattr(logging, settings.log_level.upper()), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
     logging.getLogger("alembic").setLevel(logging.WARNING)
     return serve(settings)

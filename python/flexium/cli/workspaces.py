@@ -49,8 +49,10 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.command == "workspace" and args.action == "create":
             token = workspaces.create_workspace(args.name, database_url=url)
-            print(f"created workspace '{args.name}'. Its token (shown once; "
-                  f"training jobs read it from {protocol.TOKEN_ENV}):")
+            print(
+                f"created workspace '{args.name}'. Its token (shown once; "
+                f"training jobs read it from {protocol.TOKEN_ENV}):"
+            )
             print(token)
         elif args.command == "workspace":
             for row in workspaces.list_workspaces(database_url=url):

@@ -51,7 +51,10 @@ def start_client(training: TrainingProcess) -> Optional[ProcessClient]:
     from flexium import __version__
 
     if not config.token:
-        log.warning("no workspace token: the server %s will refuse this process; set %s or 'token:' in .flexiumrc",
-                    config.address, protocol.TOKEN_ENV)
+        log.warning(
+            "no workspace token: the server %s will refuse this process; set %s or 'token:' in .flexiumrc",
+            config.address,
+            protocol.TOKEN_ENV,
+        )
     api = ApiClient(config.address, config.token, user_agent=f"flexium/{__version__} (process)")
     return ProcessClient(training, api).start()

@@ -95,7 +95,7 @@ class Backoff:
         self.attempt = 0
 
     def next(self) -> float:
-        delay = min(self.cap, self.base * (2.0 ** self.attempt))
+        delay = min(self.cap, self.base * (2.0**self.attempt))
         self.attempt = min(self.attempt + 1, 30)
         return delay * random.uniform(0.5, 1.0)
 
@@ -112,7 +112,7 @@ class ApiClient:
         self.token = token
         self.user_agent = user_agent
         self._local = threading.local()
-        self._pools: list[requests.Session] = []       # one per thread: see ``_pool``
+        self._pools: list[requests.Session] = []  # one per thread: see ``_pool``
         self._pools_lock = threading.Lock()
 
     @property
@@ -183,16 +183,18 @@ class ApiClient:
                         raise ValueError("retries=None needs a stop event or a deadline") from exc
                     time.sleep(delay)
 
-    def _once(self, method: str, path: str, *, json: Any, params: Optional[dict[str, Any]], timeout: float,
-              workspace: bool) -> Any:
+    def _once(
+        self, method: str, path: str, *, json: Any, params: Optional[dict[str, Any]], timeout: float, workspace: bool
+    ) -> Any:
         url = self.url(path, workspace=workspace)
         try:
             response = self._pool().request(
                 method, url, json=json, params=params, timeout=(min(CONNECT_TIMEOUT_S, timeout), timeout)
             )
         except requests.RequestException as exc:
-            raise Unreachable(f"cannot reach the flexium server at {self.base_url}: {_short(exc)}",
-                              code="unreachable") from None
+            raise Unreachable(
+                f"cannot reach the flexium server at {self.base_url}: {_short(exc)}", code="unreachable"
+            ) from None
         if response.status_code == 204:
             return None
         if response.status_code >= 400:
@@ -202,9 +204,12 @@ class ApiClient:
         try:
             return response.json()
         except ValueError:
-            raise Unavailable(f"the server at {self.base_url} answered {method} {path} with something other "
-                              "than JSON; is that address a flexium server?", code="bad_response",
-                              status=response.status_code) from None
+            raise Unavailable(
+                f"the server at {self.base_url} answered {method} {path} with something other "
+                "than JSON; is that address a flexium server?",
+                code="bad_response",
+                status=response.status_code,
+            ) from None
 
     # ---- typed requests ---------------------------------------------------------------------
 
@@ -225,30 +230,53 @@ class ApiClient:
         return self._read(wire.RegisterResponse, answer, "register")
 
     def heartbeat(self, process_id: str, body: wire.HeartbeatRequest, *, timeout: float) -> wire.HeartbeatResponse:
-        answer = self.request("POST", protocol.PATH_HEARTBEAT.format(process_id=process_id), json=_body(body),
-                              timeout=timeout)
+        answer = self.request(
+            "POST", protocol.PATH_HEARTBEAT.format(process_id=process_id), json=_body(body), timeout=timeout
+        )
         return self._read(wire.HeartbeatResponse, answer, "heartbeat")
 
     def unregister(self, process_id: str, *, timeout: float) -> None:
         self.request("DELETE", protocol.PATH_PROCESS.format(process_id=process_id), timeout=timeout)
 
-    def next_command(self, process_id: str, *, wait: float, stop: threading.Event,
-                     backoff: Backoff) -> Optional[wire.CommandInfo]:
+    def next_command(
+        self, process_id: str, *, wait: float, stop: threading.Event, backoff: Backoff
+    ) -> Optional[wire.CommandInfo]:
         """The long-poll; None when nothing came within ``wait`` seconds. Retried until
         ``stop`` is set while the server cannot be reached."""
-        answer = self.request("GET", protocol.PATH_NEXT_COMMAND.format(process_id=process_id),
-                              params={"wait": wait}, timeout=wait + 10.0, retries=None, stop=stop, backoff=backoff)
+        answer = self.request(
+            "GET",
+            protocol.PATH_NEXT_COMMAND.format(process_id=process_id),
+            params={"wait": wait},
+            timeout=wait + 10.0,
+            retries=None,
+            stop=stop,
+            backoff=backoff,
+        )
         return None if answer is None else self._read(wire.CommandInfo, answer, "the next command")
 
-    def report_command(self, command_id: int, body: wire.CommandReport, *, timeout: float,
-                       retries: Optional[int], stop: Optional[threading.Event] = None) -> wire.CommandInfo:
-        answer = self.request("POST", protocol.PATH_COMMAND_REPORT.format(command_id=command_id), json=_body(body),
-                              timeout=timeout, retries=retries, stop=stop)
+    def report_command(
+        self,
+        command_id: int,
+        body: wire.CommandReport,
+        *,
+        timeout: float,
+        retries: Optional[int],
+        stop: Optional[threading.Event] = None,
+    ) -> wire.CommandInfo:
+        answer = self.request(
+            "POST",
+            protocol.PATH_COMMAND_REPORT.format(command_id=command_id),
+            json=_body(body),
+            timeout=timeout,
+            retries=retries,
+            stop=stop,
+        )
         return self._read(wire.CommandInfo, answer, "a command report")
 
     def list_processes(self, *, state: Optional[str] = None, retries: int = 2) -> list[wire.ProcessInfo]:
-        answer = self.request("GET", protocol.PATH_PROCESSES, params={"state": state} if state else None,
-                              retries=retries)
+        answer = self.request(
+            "GET", protocol.PATH_PROCESSES, params={"state": state} if state else None, retries=retries
+        )
         return self._read_list(wire.ProcessInfo, answer, "the process list")
 
     def get_process(self, process_id: str, *, retries: int = 1) -> wire.ProcessInfo:
@@ -256,8 +284,9 @@ class ApiClient:
         return self._read(wire.ProcessInfo, answer, "a process")
 
     def targets(self, process_id: str, *, kind: wire.TargetKind = "migrate", retries: int = 2) -> list[wire.TargetInfo]:
-        answer = self.request("GET", protocol.PATH_TARGETS.format(process_id=process_id), params={"kind": kind},
-                              retries=retries)
+        answer = self.request(
+            "GET", protocol.PATH_TARGETS.format(process_id=process_id), params={"kind": kind}, retries=retries
+        )
         return self._read_list(wire.TargetInfo, answer, "the targets")
 
     def devices(self, *, host: Optional[str] = None, retries: int = 2) -> wire.DevicesResponse:
@@ -277,9 +306,14 @@ class ApiClient:
     def wait_command(self, command_id: int, *, wait: float, deadline: Optional[float] = None) -> wire.CommandInfo:
         """The command once it ends, or after ``wait`` seconds (the server's long-poll);
         retried while the server cannot be reached until ``deadline`` (``time.monotonic()``)."""
-        answer = self.request("GET", protocol.PATH_COMMAND.format(command_id=command_id),
-                              params={"wait": wait}, timeout=wait + 10.0, retries=None,
-                              deadline=deadline if deadline is not None else time.monotonic() + wait + 10.0)
+        answer = self.request(
+            "GET",
+            protocol.PATH_COMMAND.format(command_id=command_id),
+            params={"wait": wait},
+            timeout=wait + 10.0,
+            retries=None,
+            deadline=deadline if deadline is not None else time.monotonic() + wait + 10.0,
+        )
         return self._read(wire.CommandInfo, answer, "a command")
 
     def close(self) -> None:
@@ -297,9 +331,11 @@ def _body(model: BaseModel) -> Any:
 def _bad_answer(base_url: str, what: str, exc: ValidationError) -> ServerError:
     first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": str(exc)}
     where = ".".join(str(part) for part in first["loc"]) or "body"
-    return Unavailable(f"the server at {base_url} answered {what} with a body this client cannot read "
-                       f"({where}: {first['msg']}); is it a flexium server of a compatible version?",
-                       code="bad_response")
+    return Unavailable(
+        f"the server at {base_url} answered {what} with a body this client cannot read "
+        f"({where}: {first['msg']}); is it a flexium server of a compatible version?",
+        code="bad_response",
+    )
 
 
 def _short(exc: BaseException) -> str:
@@ -309,8 +345,14 @@ def _short(exc: BaseException) -> str:
     if isinstance(exc, requests.ReadTimeout):
         return "no answer within the timeout"
     text = str(exc)
-    for marker in ("Connection refused", "Name or service not known", "Temporary failure in name resolution",
-                   "No route to host", "Connection reset by peer", "Remote end closed connection"):
+    for marker in (
+        "Connection refused",
+        "Name or service not known",
+        "Temporary failure in name resolution",
+        "No route to host",
+        "Connection reset by peer",
+        "Remote end closed connection",
+    ):
         if marker in text:
             return marker.lower()
     return text[:200]

@@ -53,8 +53,9 @@ _REFUSALS = (TargetRefusedError, InvalidStateError, CapabilityError, OperationIn
 
 
 class ProcessClient:
-    def __init__(self, training: TrainingProcess, api: ApiClient, *,
-                 reporter: Optional[ProcessReporter] = None) -> None:
+    def __init__(
+        self, training: TrainingProcess, api: ApiClient, *, reporter: Optional[ProcessReporter] = None
+    ) -> None:
         self.training = training
         self.api = api
         self.engine = training.engine
@@ -63,11 +64,11 @@ class ProcessClient:
         self.heartbeat_interval_s = protocol.HEARTBEAT_INTERVAL_S
         self.poll_timeout_s = protocol.POLL_TIMEOUT_S
         self.registrations = 0
-        self.last_delivery_s: Optional[float] = None   # created -> received, of the last command
+        self.last_delivery_s: Optional[float] = None  # created -> received, of the last command
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._registered = threading.Event()
-        self._connected = True        # what the log last said, so a long outage is logged once
+        self._connected = True  # what the log last said, so a long outage is logged once
         # (id, created_at): on SQLite the server may hand a deleted command's id to a new one.
         self._finished: collections.OrderedDict[tuple[int, float], wire.CommandReport] = collections.OrderedDict()
         # Held while a body that says where the process is gets built and sent: a heartbeat
@@ -145,8 +146,10 @@ class ProcessClient:
                 body = self.reporter.register_body(gpus)
                 answer = self.api.register(body, timeout=REGISTER_TIMEOUT_S)
         except Unauthorized as exc:
-            self._lost(f"the server refused this process's token ({exc.message}); set {protocol.TOKEN_ENV} "
-                       "or 'token:' in .flexiumrc to a token of the workspace")
+            self._lost(
+                f"the server refused this process's token ({exc.message}); set {protocol.TOKEN_ENV} "
+                "or 'token:' in .flexiumrc to a token of the workspace"
+            )
             return False
         except ServerError as exc:
             self._lost(f"{exc.message}; training continues, flexium keeps trying in the background")
@@ -159,17 +162,23 @@ class ProcessClient:
         self.registrations += 1
         self._registered.set()
         self._connected = True
-        log.info("%s with the server %s/%s as process %s (%s)",
-                 "registered" if self.registrations == 1 else "registered again",
-                 self.api.base_url, self.api.workspace, self.process_id, body.state)
+        log.info(
+            "%s with the server %s/%s as process %s (%s)",
+            "registered" if self.registrations == 1 else "registered again",
+            self.api.base_url,
+            self.api.workspace,
+            self.process_id,
+            body.state,
+        )
         return True
 
     def _heartbeat(self) -> None:
         try:
             gpus = nvml.host_gpus()
             with self._send_lock:
-                answer = self.api.heartbeat(self.process_id, self.reporter.heartbeat_body(gpus),
-                                            timeout=HEARTBEAT_TIMEOUT_S)
+                answer = self.api.heartbeat(
+                    self.process_id, self.reporter.heartbeat_body(gpus), timeout=HEARTBEAT_TIMEOUT_S
+                )
         except (NotFound, Unauthorized) as exc:
             log.info("the server does not know this process any more (%s): registering again", exc.message)
             self._registered.clear()
@@ -244,8 +253,13 @@ class ProcessClient:
             return
         self.last_delivery_s = max(0.0, received - command.created_at)
         target = self._shown(command.target_uuid)
-        log.info("command %d: %s%s (received %.1f ms after it was created)", command.id, command.kind,
-                 f" to {target}" if target else "", self.last_delivery_s * 1e3)
+        log.info(
+            "command %d: %s%s (received %.1f ms after it was created)",
+            command.id,
+            command.kind,
+            f" to {target}" if target else "",
+            self.last_delivery_s * 1e3,
+        )
         self._send_report(command.id, wire.CommandReport(state="running"), final=False)
         report = self._run(command)
         self._finished[key] = report
@@ -291,8 +305,9 @@ class ProcessClient:
         return _with_result(report, result.to_dict())
 
     def _failed(self, error: str, *, result: Optional[dict[str, Any]] = None) -> wire.CommandReport:
-        report = wire.CommandReport(state="failed", error=error[: protocol.MAX_LONG_TEXT],
-                                    process=self.reporter.process_update())
+        report = wire.CommandReport(
+            state="failed", error=error[: protocol.MAX_LONG_TEXT], process=self.reporter.process_update()
+        )
         return report if result is None else _with_result(report, result)
 
     def _send_report(self, command_id: int, report: wire.CommandReport, *, final: bool) -> None:
@@ -302,8 +317,7 @@ class ProcessClient:
         try:
             with self._send_lock:
                 if final:
-                    self.api.report_command(command_id, report, timeout=REPORT_TIMEOUT_S, retries=None,
-                                            stop=self._stop)
+                    self.api.report_command(command_id, report, timeout=REPORT_TIMEOUT_S, retries=None, stop=self._stop)
                 else:
                     self.api.report_command(command_id, report, timeout=REPORT_TIMEOUT_S, retries=2)
         except (NotFound, Refused, Unauthorized) as exc:

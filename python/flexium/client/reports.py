@@ -28,7 +28,7 @@ _STATE_ON_WIRE: dict[EngineState, wire.ProcessState] = {
     EngineState.PAUSING: "PAUSING",
     EngineState.PAUSED: "PAUSED",
     EngineState.RESUMING: "RESUMING",
-    EngineState.FAILED: "FAILED",     # a rollback failed: the server refuses its commands
+    EngineState.FAILED: "FAILED",  # a rollback failed: the server refuses its commands
 }
 
 
@@ -80,17 +80,19 @@ def gpu_reports(gpus: list[nvml.HostGpu]) -> list[wire.GpuReport]:
     reports: list[wire.GpuReport] = []
     for gpu in gpus[: protocol.MAX_DEVICES]:
         utilization = gpu.utilization_percent
-        reports.append(wire.GpuReport(
-            uuid=_short(gpu.uuid),
-            index=int(gpu.index),
-            name=_short(gpu.name),
-            memory_total=int(gpu.memory_total),
-            memory_used=int(gpu.memory_used),
-            utilization=None if utilization is None else max(0, min(100, int(utilization))),
-            temperature=None if gpu.temperature_c is None else int(gpu.temperature_c),
-            # What NVML says, "unknown" included: the server refuses only a known-bad health.
-            health=_short(gpu.health),
-        ))
+        reports.append(
+            wire.GpuReport(
+                uuid=_short(gpu.uuid),
+                index=int(gpu.index),
+                name=_short(gpu.name),
+                memory_total=int(gpu.memory_total),
+                memory_used=int(gpu.memory_used),
+                utilization=None if utilization is None else max(0, min(100, int(utilization))),
+                temperature=None if gpu.temperature_c is None else int(gpu.temperature_c),
+                # What NVML says, "unknown" included: the server refuses only a known-bad health.
+                health=_short(gpu.health),
+            )
+        )
     return reports
 
 
@@ -117,7 +119,9 @@ class ProcessReporter:
     def placement(self) -> wire.ProcessUpdate:
         """Where the process is: its GPU (None without an engine) and the ordinal it has now."""
         if self.engine is None:
-            return wire.ProcessUpdate(gpu_uuid=None, gpu_index=None, physical_device=_short(self.training.logical_device))
+            return wire.ProcessUpdate(
+                gpu_uuid=None, gpu_index=None, physical_device=_short(self.training.logical_device)
+            )
         _, gpu = self.engine.placement()
         return wire.ProcessUpdate(gpu_uuid=_short(gpu.uuid), gpu_index=gpu.nvml_index, physical_device=gpu.device)
 
@@ -129,13 +133,17 @@ class ProcessReporter:
             data[protocol.CAP_PAUSE_RESUME] = False
             data[protocol.CAP_MIGRATION] = False
             problems = list(data.get("problems") or [])
-            problems.append("flexium's engine is not running in this process (training on "
-                            f"{self.training.logical_device}): migrate, pause and resume are off")
+            problems.append(
+                "flexium's engine is not running in this process (training on "
+                f"{self.training.logical_device}): migrate, pause and resume are off"
+            )
             data["problems"] = problems
         pool = getattr(self.training, "memory_pool", None)
         data[protocol.CAP_FAST_PATH] = bool(self.engine is not None and pool is not None and pool.active)
-        data[protocol.CAP_FAST_PATH_PROBLEM] = None if data[protocol.CAP_FAST_PATH] else (
-            pool.reason_off if pool is not None else "no CUDA memory pool in this process (no CUDA torch)"
+        data[protocol.CAP_FAST_PATH_PROBLEM] = (
+            None
+            if data[protocol.CAP_FAST_PATH]
+            else (pool.reason_off if pool is not None else "no CUDA memory pool in this process (no CUDA torch)")
         )
         return data
 
@@ -187,7 +195,9 @@ class ProcessReporter:
             gpu_index=placement.gpu_index,
             logical_device=_short(self.training.logical_device),
             physical_device=placement.physical_device or "",
-            visible_gpus=[] if engine is None else [_short(g.uuid) for g in sorted(engine.gpus, key=lambda g: g.ordinal)],
+            visible_gpus=[]
+            if engine is None
+            else [_short(g.uuid) for g in sorted(engine.gpus, key=lambda g: g.ordinal)],
             torch_version=_torch_version(),
             driver_version=_short(caps.driver_version if caps is not None else ""),
             flexium_version=_short(__version__),
@@ -196,7 +206,9 @@ class ProcessReporter:
             footprint_bytes=footprint,
             state=self.state(),
             started_at=self.started_at,
-            cmdline=_short(" ".join(shlex.quote(a) for a in getattr(sys, "orig_argv", sys.argv)), protocol.MAX_LONG_TEXT),
+            cmdline=_short(
+                " ".join(shlex.quote(a) for a in getattr(sys, "orig_argv", sys.argv)), protocol.MAX_LONG_TEXT
+            ),
             devices=gpu_reports(gpus),
             seq=seq,
         )
@@ -204,8 +216,9 @@ class ProcessReporter:
     def heartbeat_body(self, gpus: list[nvml.HostGpu]) -> wire.HeartbeatRequest:
         seq = body_seq()
         memory, footprint = self.memory(gpus)
-        body = wire.HeartbeatRequest(state=self.state(), memory_bytes=memory, devices=gpu_reports(gpus), seq=seq,
-                                     **_stated(self.placement()))
+        body = wire.HeartbeatRequest(
+            state=self.state(), memory_bytes=memory, devices=gpu_reports(gpus), seq=seq, **_stated(self.placement())
+        )
         if footprint is not None:
             body.footprint_bytes = footprint
         return body

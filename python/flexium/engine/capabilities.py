@@ -18,15 +18,15 @@ _MIN_DRIVER_FOR_CUDA = ((13000, 580), (12090, 575), (12080, 570), (12060, 560), 
 
 @dataclass(frozen=True)
 class Capabilities:
-    driver_version: Optional[str]   # NVIDIA driver, e.g. "580.159.04"
+    driver_version: Optional[str]  # NVIDIA driver, e.g. "580.159.04"
     driver_major: Optional[int]
-    cuda_version: int               # cuDriverGetVersion, e.g. 13000; 0 without a driver
+    cuda_version: int  # cuDriverGetVersion, e.g. 13000; 0 without a driver
     checkpoint_api: bool
     torch_cuda: bool
     gpu_count: int
     pause_resume: bool
     migration: bool
-    problems: tuple[str, ...]       # each: what is missing and what to do
+    problems: tuple[str, ...]  # each: what is missing and what to do
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
@@ -90,7 +90,9 @@ def detect(*, check_torch: bool = True) -> Capabilities:
     if driver_ok and major is not None:
         shown = driver_version or f"{major}+ (CUDA {cuda_text(cuda_version)})"
         if major < PAUSE_RESUME_MIN_DRIVER:
-            problems.append(f"NVIDIA driver {shown} is too old: pause/resume needs 550+, migration 580+; upgrade the driver")
+            problems.append(
+                f"NVIDIA driver {shown} is too old: pause/resume needs 550+, migration 580+; upgrade the driver"
+            )
         elif not checkpoint_api:
             problems.append(
                 f"NVIDIA driver {shown} lacks the checkpoint API (cuCheckpointProcess*, "

@@ -293,8 +293,10 @@ class Engine:
             ) from exc
         if pinned == 0:
             return ()
-        return (f"pinned {_gib(pinned)} of host staging {where} in {seconds:.2f} s before the safe point "
-                f"({_gib(to_map)} of it newly mapped and touched)",)
+        return (
+            f"pinned {_gib(pinned)} of host staging {where} in {seconds:.2f} s before the safe point "
+            f"({_gib(to_map)} of it newly mapped and touched)",
+        )
 
     def _check_host_room(self, needed: int, *, fast: bool) -> None:
         """A pause stages the job's memory in host memory: pinned by us (fast) or by the driver."""
@@ -410,8 +412,9 @@ class Engine:
         summary = ", ".join(f"{s.step} {s.seconds * 1e3:.0f} ms" for s in result.steps if not s.rollback)
         if result.ok:
             where = f" -> {result.target.device}" if result.target is not None else ""
-            log.info("%s %s%s done in %.2f s (%s)", result.kind.value, result.source.device, where, result.seconds,
-                     summary)
+            log.info(
+                "%s %s%s done in %.2f s (%s)", result.kind.value, result.source.device, where, result.seconds, summary
+            )
             return result
         message, step = f"{result.kind.value} failed: {result.error}", result.failed_step or "?"
         if self.state == EngineState.FAILED:

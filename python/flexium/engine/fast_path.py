@@ -209,8 +209,9 @@ class FastPath:
     def stage_to_host(self, logical: int) -> tuple[int, StepTiming]:
         def work() -> int:
             live = self.pool.live_ranges(logical)
-            return self._by_copier(lambda: _C.begin_stage_order(live), to_host=True,
-                                   here=lambda: int(_C.stage_segments_to_host(live)))
+            return self._by_copier(
+                lambda: _C.begin_stage_order(live), to_host=True, here=lambda: int(_C.stage_segments_to_host(live))
+            )
 
         return timed("copy", work)
 
@@ -228,8 +229,11 @@ class FastPath:
         def work() -> int:
             if self._copier is not None and self._copier.awake_on != uuid:
                 self.wake_for_restore(uuid)
-            return self._by_copier(lambda: _C.begin_restore_order(logical), to_host=False,
-                                   here=lambda: int(_C.restore_segments_from_host(logical)))
+            return self._by_copier(
+                lambda: _C.begin_restore_order(logical),
+                to_host=False,
+                here=lambda: int(_C.restore_segments_from_host(logical)),
+            )
 
         return timed(step, work)
 
@@ -247,8 +251,7 @@ class FastPath:
 
         return timed("copier_sleep", work)[1]
 
-    def _by_copier(self, begin: Callable[[], _C.HostOrder], *,
-                   to_host: bool, here: Callable[[], int]) -> int:
+    def _by_copier(self, begin: Callable[[], _C.HostOrder], *, to_host: bool, here: Callable[[], int]) -> int:
         """One order run by the copier; in this process instead when there is none or it fails
         (the staging's bytes are this process's memfds, so nothing is lost with it)."""
         copier = self._copier

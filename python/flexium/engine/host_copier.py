@@ -63,8 +63,8 @@ def send(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) 
     data = json.dumps(message, separators=(",", ":")).encode()
     frames = max(1, -(-len(data) // FRAME_BYTES), -(-len(fds) // FDS_PER_FRAME))
     for k in range(frames):
-        body = bytes([1 if k + 1 < frames else 0]) + data[k * FRAME_BYTES:(k + 1) * FRAME_BYTES]
-        batch = list(fds[k * FDS_PER_FRAME:(k + 1) * FDS_PER_FRAME])
+        body = bytes([1 if k + 1 < frames else 0]) + data[k * FRAME_BYTES : (k + 1) * FRAME_BYTES]
+        batch = list(fds[k * FDS_PER_FRAME : (k + 1) * FDS_PER_FRAME])
         if batch:
             socket.send_fds(sock, [body], batch)
         else:
@@ -122,7 +122,10 @@ class Copier:
         try:
             process = subprocess.Popen(
                 [sys.executable, "-m", "flexium.engine.host_copier_process", "--socket", str(theirs.fileno())],
-                pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                pass_fds=[theirs.fileno()],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
             )
         except OSError as exc:
             ours.close()
@@ -147,8 +150,11 @@ class Copier:
         if key == self._attached:
             return
         chunks = [as_row(chunk, CHUNK_FIELDS) for chunk in layout.chunks]
-        self._exchange({"op": "attach", "sizes": [size for _fd, size in extents], "chunks": chunks},
-                       [fd for fd, _size in extents], timeout=30.0)
+        self._exchange(
+            {"op": "attach", "sizes": [size for _fd, size in extents], "chunks": chunks},
+            [fd for fd, _size in extents],
+            timeout=30.0,
+        )
         self._attached = key
 
     def wake(self, uuid: str, *, wait: bool, pause_ms: int = 0, bytes_to_pin: int = 0) -> dict[str, Any]:
@@ -165,10 +171,16 @@ class Copier:
     def copy(self, to_host: bool, order: "_C.HostOrder") -> dict[str, Any]:
         """Runs one order; the copier goes to sleep right after it (its reply read by slept())."""
         segments = order.segments
-        message = {"op": "copy", "to_host": to_host, "sizes": [size for _fd, size in segments],
-                   "pieces": [as_row(piece, PIECE_FIELDS) for piece in order.pieces], "then_sleep": True}
-        reply = self._exchange(message, [fd for fd, _size in segments],
-                               timeout=START_TIMEOUT_S + 2 * order.bytes / SLOWEST_BYTES_PER_S)
+        message = {
+            "op": "copy",
+            "to_host": to_host,
+            "sizes": [size for _fd, size in segments],
+            "pieces": [as_row(piece, PIECE_FIELDS) for piece in order.pieces],
+            "then_sleep": True,
+        }
+        reply = self._exchange(
+            message, [fd for fd, _size in segments], timeout=START_TIMEOUT_S + 2 * order.bytes / SLOWEST_BYTES_PER_S
+        )
         self._unread.append("sleep")
         self.awake_on = None
         return reply

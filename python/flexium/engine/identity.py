@@ -23,8 +23,8 @@ Target = Union[str, GpuIdentity]
 
 @dataclass(frozen=True)
 class Move:
-    logical: int          # the CUDA ordinal the training code uses
-    source: GpuIdentity   # where its context is now
+    logical: int  # the CUDA ordinal the training code uses
+    source: GpuIdentity  # where its context is now
     target: GpuIdentity
 
 

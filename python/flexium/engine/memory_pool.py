@@ -45,7 +45,7 @@ class MemoryPool:
     def __init__(self) -> None:
         # Re-entrant: a MemPool's __del__ (which takes it) can run inside any call, via gc.
         self._lock = threading.RLock()
-        self._pools: dict[int, Any] = {}     # device -> torch.cuda.MemPool, kept alive on purpose
+        self._pools: dict[int, Any] = {}  # device -> torch.cuda.MemPool, kept alive on purpose
         self._routed: list[int] = []
         self._allocator: Optional[Any] = None
         self._suspended = False  # routing ended while some other MemPool is destroyed
@@ -187,9 +187,9 @@ class MemoryPool:
             return "torch has no usable CUDA"
         if not _C.driver_status().vmm_api:
             return "the driver lacks the virtual memory management API (cuMemCreate and friends)"
-        if not all(hasattr(torch._C, name) for name in ("_cuda_beginAllocateToPool", "_cuda_endAllocateToPool")) or not hasattr(
-            torch.cuda, "MemPool"
-        ):
+        if not all(
+            hasattr(torch._C, name) for name in ("_cuda_beginAllocateToPool", "_cuda_endAllocateToPool")
+        ) or not hasattr(torch.cuda, "MemPool"):
             return f"torch {torch.__version__} has no MemPool routing (PyTorch 2.6 or newer has it)"
         early = _memory_allocated_before(torch, devices)
         if early:

@@ -169,8 +169,12 @@ class _Reader:
 
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "--serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL, text=True, bufsize=1,
+            [sys.executable, os.path.abspath(__file__), "--serve"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            bufsize=1,
         )
 
     def read(self, timeout: float) -> list[dict[str, Any]]:

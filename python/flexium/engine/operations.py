@@ -26,10 +26,10 @@ class OperationKind(str, enum.Enum):
 class GpuIdentity:
     """One physical GPU as seen at init, before any migration (the driver hides later moves)."""
 
-    ordinal: int               # its CUDA ordinal in this process at init (what `device` shows)
-    uuid: str                  # "GPU-..." as nvidia-smi prints it
-    name: str                  # model, e.g. "NVIDIA H200"
-    total_memory: int          # bytes
+    ordinal: int  # its CUDA ordinal in this process at init (what `device` shows)
+    uuid: str  # "GPU-..." as nvidia-smi prints it
+    name: str  # model, e.g. "NVIDIA H200"
+    total_memory: int  # bytes
     pci_bus_id: str
     nvml_index: Optional[int]  # nvidia-smi's index, None where NVML is unavailable
 
@@ -46,7 +46,7 @@ class StepTiming:
     step: str
     seconds: float
     ok: bool
-    rollback: bool = False     # part of the rollback after a failure
+    rollback: bool = False  # part of the rollback after a failure
     error: Optional[str] = None
 
 
@@ -57,9 +57,9 @@ class OperationResult:
     # carried everything)
     path: str
     ok: bool
-    logical_device: str                         # what the training code uses, e.g. "cuda:0"
+    logical_device: str  # what the training code uses, e.g. "cuda:0"
     source: GpuIdentity
-    target: Optional[GpuIdentity]               # None for pause
+    target: Optional[GpuIdentity]  # None for pause
     steps: tuple[StepTiming, ...] = ()
     bytes_moved: int = 0
     seconds: float = 0.0

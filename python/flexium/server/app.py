@@ -32,9 +32,17 @@ from flexium.server.settings import Settings, load_settings
 
 log = logging.getLogger("flexium.server")
 
-_STATUS_CODES = {400: "bad_request", 401: "unauthorized", 403: "forbidden", 404: "not_found",
-                 405: "bad_request", 409: "invalid_state", 413: "payload_too_large",
-                 415: "bad_request", 422: "invalid_request"}
+_STATUS_CODES = {
+    400: "bad_request",
+    401: "unauthorized",
+    403: "forbidden",
+    404: "not_found",
+    405: "bad_request",
+    409: "invalid_state",
+    413: "payload_too_large",
+    415: "bad_request",
+    422: "invalid_request",
+}
 
 
 def _error(status: int, code: str, message: str, detail: Any = None) -> JSONResponse:
@@ -124,8 +132,9 @@ def install_error_handlers(app: FastAPI) -> None:
         message = exc.detail if isinstance(exc.detail, str) else "request refused"
         if exc.status_code == 404 and message == "Not Found":
             message = "no such endpoint"
-        return JSONResponse({"error": code, "message": message}, status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return JSONResponse(
+            {"error": code, "message": message}, status_code=exc.status_code, headers=getattr(exc, "headers", None)
+        )
 
     @app.exception_handler(pages.SignedOut)
     async def _signed_out(_request: Request, exc: pages.SignedOut) -> Response:
@@ -145,8 +154,9 @@ def install_error_handlers(app: FastAPI) -> None:
     async def _data(_request: Request, exc: DataError) -> JSONResponse:
         # Validation should have caught it; this keeps a value the database refuses a 4xx.
         log.warning("database refused a value: %s", exc.orig)
-        return _error(422, "invalid_request", "a value could not be stored: "
-                      + str(exc.orig).strip().splitlines()[0][:200])
+        return _error(
+            422, "invalid_request", "a value could not be stored: " + str(exc.orig).strip().splitlines()[0][:200]
+        )
 
     @app.exception_handler(Exception)
     async def _unexpected(_request: Request, exc: Exception) -> JSONResponse:
@@ -154,8 +164,9 @@ def install_error_handlers(app: FastAPI) -> None:
         return _error(500, "internal", f"internal error ({type(exc).__name__}); see the server log")
 
 
-def create_app(settings: Optional[Settings] = None, *, database: Optional[Database] = None,
-               upgrade: bool = True) -> FastAPI:
+def create_app(
+    settings: Optional[Settings] = None, *, database: Optional[Database] = None, upgrade: bool = True
+) -> FastAPI:
     """The ASGI app. Upgrades the schema first (unless ``upgrade=False``)."""
     settings = settings or load_settings()
     db = database or Database(settings.database_url, threads=settings.threads)
@@ -189,19 +200,21 @@ def create_app(settings: Optional[Settings] = None, *, database: Optional[Databa
             if database is None:
                 db.dispose()
 
-    app = FastAPI(title="flexium server", version=str(protocol.PROTOCOL_VERSION),
-                  description="Processes, GPUs and commands of flexium training jobs. "
-                              "Every /api call carries 'Authorization: Bearer <workspace token>'.",
-                  lifespan=lifespan)
+    app = FastAPI(
+        title="flexium server",
+        version=str(protocol.PROTOCOL_VERSION),
+        description="Processes, GPUs and commands of flexium training jobs. "
+        "Every /api call carries 'Authorization: Bearer <workspace token>'.",
+        lifespan=lifespan,
+    )
     app.state.ctx = ctx
     install_error_handlers(app)
     app.include_router(system.router)
     app.include_router(api.router)
     app.include_router(pages.router)
-    app.mount("/static", StaticFiles(directory=str(Path(__file__).resolve().parent / "static")),
-              name="static")
+    app.mount("/static", StaticFiles(directory=str(Path(__file__).resolve().parent / "static")), name="static")
     app.add_middleware(HeartbeatShortcut, ctx=ctx)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)      # outermost
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)  # outermost
     return app
 
 
@@ -236,28 +249,38 @@ def serve(settings: Settings) -> int:
         seconds = db.upgrade()
         token = bootstrap(db) if settings.bootstrap_default_workspace else None
     except (DatabaseUnavailable, SchemaTooNew) as exc:
-        print(f"flexium server: cannot use the database {_redact(settings.database_url)}: {exc}",
-              file=sys.stderr)
+        print(f"flexium server: cannot use the database {_redact(settings.database_url)}: {exc}", file=sys.stderr)
         return 1
     app = create_app(settings, database=db, upgrade=False)
     app.state.ctx.metrics.schema_migration.observe(seconds)
     link = settings.link_base
     print(f"flexium server: database {_redact(settings.database_url)} (schema ready in {seconds:.2f} s)")
-    print(f"flexium server: dashboard {link}/  API {link}{protocol.API_PREFIX}/  "
-          f"docs {link}/docs")
+    print(f"flexium server: dashboard {link}/  API {link}{protocol.API_PREFIX}/  docs {link}/docs")
     if token is not None:
-        print(f"flexium server: created workspace '{protocol.DEFAULT_WORKSPACE}'. Log in to the dashboard: "
-              f"{link}/login#token={token}")
+        print(
+            f"flexium server: created workspace '{protocol.DEFAULT_WORKSPACE}'. Log in to the dashboard: "
+            f"{link}/login#token={token}"
+        )
         job_host = settings.host if settings.host not in ("0.0.0.0", "::") else "<this host>"
-        print(f"flexium server: training jobs: FLEXIUM_SERVER={job_host}:"
-              f"{settings.port}/{protocol.DEFAULT_WORKSPACE} {protocol.TOKEN_ENV}=<token below>")
+        print(
+            f"flexium server: training jobs: FLEXIUM_SERVER={job_host}:"
+            f"{settings.port}/{protocol.DEFAULT_WORKSPACE} {protocol.TOKEN_ENV}=<token below>"
+        )
         print(f"flexium server: token of workspace '{protocol.DEFAULT_WORKSPACE}' (shown once):")
         print(token)
     sys.stdout.flush()
 
-    config = uvicorn.Config(app, host=settings.host, port=settings.port, log_level=settings.log_level,
-                            access_log=settings.access_log, timeout_keep_alive=75,
-                            timeout_graceful_shutdown=3, backlog=4096, lifespan="on")
+    config = uvicorn.Config(
+        app,
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level,
+        access_log=settings.access_log,
+        timeout_keep_alive=75,
+        timeout_graceful_shutdown=3,
+        backlog=4096,
+        lifespan="on",
+    )
     ctx = app.state.ctx
 
     class Server(uvicorn.Server):

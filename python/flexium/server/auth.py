@@ -42,6 +42,7 @@ def _lookup(ctx: Ctx, token: str, token_hash: str) -> "asyncio.Future[Optional[A
     """One database lookup per token at a time, shared by every request that needs it."""
     inflight = ctx.token_lookups.get(token_hash)
     if inflight is None:
+
         async def run() -> Optional[AuthInfo]:
             auth = await ctx.db.call(storage.authenticate, write=False, token=token)
             ctx.tokens.put(token_hash, auth, time.time())
@@ -57,7 +58,7 @@ def _finished(ctx: Ctx, token_hash: str, done: "asyncio.Future[Optional[AuthInfo
     if ctx.token_lookups.get(token_hash) is done:
         del ctx.token_lookups[token_hash]
     if not done.cancelled():
-        done.exception()          # retrieved: a failed background refresh is not an error here
+        done.exception()  # retrieved: a failed background refresh is not an error here
 
 
 def cached_token(ctx: Ctx, token: str, now: float) -> Optional[AuthInfo]:
@@ -80,12 +81,14 @@ async def resolve_token(ctx: Ctx, token: str) -> Optional[AuthInfo]:
 
 
 async def require_auth(
-        request: Request, ctx: Ctx,
-        workspace: Annotated[str, Path(max_length=64, description="workspace name")]) -> AuthInfo:
+    request: Request, ctx: Ctx, workspace: Annotated[str, Path(max_length=64, description="workspace name")]
+) -> AuthInfo:
     token, via_cookie = token_from_request(request)
     if token is None:
-        raise Unauthorized("missing token: send 'Authorization: Bearer <token>' (training jobs read "
-                           f"it from {protocol.TOKEN_ENV} or the 'token' key of .flexiumrc)")
+        raise Unauthorized(
+            "missing token: send 'Authorization: Bearer <token>' (training jobs read "
+            f"it from {protocol.TOKEN_ENV} or the 'token' key of .flexiumrc)"
+        )
     auth = await resolve_token(ctx, token)
     if auth is None:
         raise Unauthorized("invalid or revoked token")

@@ -121,8 +121,7 @@ class ServerContext:
         beat, a change, or stale)."""
         key = (workspace_id, process_id)
         snap = self.snapshots.get(key)
-        if (snap is None or now - snap.last_seen > self.settings.stale_after_s
-                or not snap.unchanged_by(report)):
+        if snap is None or now - snap.last_seen > self.settings.stale_after_s or not snap.unchanged_by(report):
             return False
         self.snapshots[key] = dataclasses.replace(snap, last_seen=now)
         self.beats[snap.pk] = now
@@ -135,7 +134,7 @@ class ServerContext:
         try:
             await self.db.call(storage.record_beats, write=True, beats=beats)
         except Exception:
-            for pk, seen in beats.items():        # keep them for the next try
+            for pk, seen in beats.items():  # keep them for the next try
                 self.beats[pk] = max(seen, self.beats.get(pk, 0.0))
             raise
 

@@ -78,8 +78,15 @@ class Database:
             event.listen(engine, "connect", _sqlite_on_connect)
             event.listen(engine, "begin", _sqlite_on_begin)
             return engine
-        return create_engine(url, echo=echo, pool_size=threads + 2, max_overflow=4,
-                             pool_timeout=30, pool_pre_ping=True, pool_recycle=1800)
+        return create_engine(
+            url,
+            echo=echo,
+            pool_size=threads + 2,
+            max_overflow=4,
+            pool_timeout=30,
+            pool_pre_ping=True,
+            pool_recycle=1800,
+        )
 
     # --- transactions -----------------------------------------------------------------------
 
@@ -90,8 +97,9 @@ class Database:
         if lock is not None:
             lock.acquire()
         try:
-            with Session(bind=self._write_engine if write else self.engine,
-                         expire_on_commit=False, autoflush=False) as session:
+            with Session(
+                bind=self._write_engine if write else self.engine, expire_on_commit=False, autoflush=False
+            ) as session:
                 with session.begin():
                     yield session
         except OperationalError as exc:
@@ -123,7 +131,8 @@ class Database:
         if self.inline:
             return self.run(fn, write=write, **kwargs)
         return await anyio.to_thread.run_sync(
-            functools.partial(self.run, fn, write=write, **kwargs), limiter=self._limiter)
+            functools.partial(self.run, fn, write=write, **kwargs), limiter=self._limiter
+        )
 
     @property
     def calls_waiting(self) -> int:
@@ -140,8 +149,8 @@ class Database:
         """Create or upgrade the schema to this version's head; returns seconds taken."""
         from alembic import command
         from alembic.config import Config
-        from alembic.script import ScriptDirectory
         from alembic.runtime.migration import MigrationContext
+        from alembic.script import ScriptDirectory
 
         config = Config()
         config.set_main_option("script_location", "flexium.server:migrations")
@@ -157,8 +166,10 @@ class Database:
                     conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_MIGRATION_LOCK})
                 unknown = set(MigrationContext.configure(conn).get_current_heads()) - known
                 if unknown:
-                    raise SchemaTooNew(f"the database schema is at revision {', '.join(sorted(unknown))}, "
-                                       "which this flexium does not know: upgrade flexium")
+                    raise SchemaTooNew(
+                        f"the database schema is at revision {', '.join(sorted(unknown))}, "
+                        "which this flexium does not know: upgrade flexium"
+                    )
                 config.attributes["connection"] = conn
                 command.upgrade(config, "head")
         except OperationalError as exc:
@@ -188,7 +199,7 @@ class Database:
                     try:
                         conn.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
                     except sqlite3.Error:
-                        pass          # busy now; the next round catches up
+                        pass  # busy now; the next round catches up
             finally:
                 conn.close()
 
@@ -208,13 +219,19 @@ class Database:
 
 
 def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
-    dbapi_connection.isolation_level = None   # we emit BEGIN ourselves (see module docstring)
+    dbapi_connection.isolation_level = None  # we emit BEGIN ourselves (see module docstring)
     cursor = dbapi_connection.cursor()
     # wal_autocheckpoint=0: Database.start_checkpoints does it off the request path; without
     # it (the CLI), SQLite checkpoints when the last connection closes.
-    for pragma in ("journal_mode=WAL", "synchronous=NORMAL", "busy_timeout=30000",
-                   "foreign_keys=ON", "temp_store=MEMORY", "cache_size=-16000",
-                   "wal_autocheckpoint=0"):
+    for pragma in (
+        "journal_mode=WAL",
+        "synchronous=NORMAL",
+        "busy_timeout=30000",
+        "foreign_keys=ON",
+        "temp_store=MEMORY",
+        "cache_size=-16000",
+        "wal_autocheckpoint=0",
+    ):
         cursor.execute(f"PRAGMA {pragma}")
     cursor.close()
 

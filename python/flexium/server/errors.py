@@ -77,4 +77,5 @@ class Unavailable(ApiError):
 
 class Conflict(ApiError):
     """A name that must be unique is taken (workspace create)."""
+
     code = "invalid_state"

@@ -43,16 +43,20 @@ class HeartbeatShortcut:
         while True:
             message = await receive()
             if message["type"] != "http.request":
-                return                      # the client went away
+                return  # the client went away
             chunks.append(message.get("body", b""))
             if not message.get("more_body", False):
                 break
         body = b"".join(chunks)
         answer = self._answer(scope, match.group(1), match.group(2), body)
         if answer is not None:
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": [(b"content-type", b"application/json"),
-                                    (b"content-length", str(len(answer)).encode())]})
+            await send(
+                {
+                    "type": "http.response.start",
+                    "status": 200,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(answer)).encode())],
+                }
+            )
             await send({"type": "http.response.body", "body": answer})
             return
         replayed = False
@@ -85,6 +89,7 @@ class HeartbeatShortcut:
             body = wire.HeartbeatRequest.model_validate_json(body_bytes or b"{}")
         except ValidationError:
             return None
-        answer = services.heartbeat_from_memory(ctx, workspace_id=auth.workspace_id, process_id=process_id,
-                                                body=body, now=now)
+        answer = services.heartbeat_from_memory(
+            ctx, workspace_id=auth.workspace_id, process_id=process_id, body=body, now=now
+        )
         return None if answer is None else answer.model_dump_json().encode()

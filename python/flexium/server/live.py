@@ -74,7 +74,7 @@ class Notifier:
         return sum(len(w) for w in self._waiters.values())
 
 
-@dataclass(eq=False)   # identity, so it can live in a set
+@dataclass(eq=False)  # identity, so it can live in a set
 class Subscriber:
     workspace_id: int
     queue: asyncio.Queue[Optional[str]]
@@ -82,8 +82,7 @@ class Subscriber:
 
 
 class EventBus:
-    def __init__(self, *, history: int = 2000, queue_size: int = 1000,
-                 first_id: Optional[int] = None) -> None:
+    def __init__(self, *, history: int = 2000, queue_size: int = 1000, first_id: Optional[int] = None) -> None:
         start = int(time.time() * 1000) if first_id is None else first_id - 1
         self._ids = itertools.count(start + 1)
         self._subs: dict[int, set[Subscriber]] = {}

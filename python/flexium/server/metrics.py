@@ -20,49 +20,67 @@ _DELIVERY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1,
 
 class Metrics:
     def __init__(self) -> None:
-        prometheus_client.disable_created_metrics()   # '_created' series only add noise here
+        prometheus_client.disable_created_metrics()  # '_created' series only add noise here
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.processes = Gauge("flexium_processes", "Processes by shown state (STALE: heartbeats stopped).",
-                               ["state"], registry=r)
+        self.processes = Gauge(
+            "flexium_processes", "Processes by shown state (STALE: heartbeats stopped).", ["state"], registry=r
+        )
         self.commands = Gauge("flexium_commands", "Commands in the database by state.", ["state"], registry=r)
-        self.commands_finished = Counter("flexium_commands_finished", "Commands that ended, by kind and outcome "
-                                         "(succeeded, failed, expired), since this server started.",
-                                         ["kind", "outcome"], registry=r)
-        self.commands_created = Counter("flexium_commands_created", "Commands accepted, by kind.", ["kind"],
-                                        registry=r)
-        self.commands_refused = Counter("flexium_commands_refused", "Command requests refused, by error code.",
-                                        ["error"], registry=r)
+        self.commands_finished = Counter(
+            "flexium_commands_finished",
+            "Commands that ended, by kind and outcome (succeeded, failed, expired), since this server started.",
+            ["kind", "outcome"],
+            registry=r,
+        )
+        self.commands_created = Counter("flexium_commands_created", "Commands accepted, by kind.", ["kind"], registry=r)
+        self.commands_refused = Counter(
+            "flexium_commands_refused", "Command requests refused, by error code.", ["error"], registry=r
+        )
         self.migration_duration = Histogram(
             "flexium_migration_duration_seconds",
             "Duration of migrate / pause / resume operations as the processes report them.",
-            ["kind", "outcome"], buckets=_OPERATION_BUCKETS, registry=r)
+            ["kind", "outcome"],
+            buckets=_OPERATION_BUCKETS,
+            registry=r,
+        )
         self.delivery_latency = Histogram(
-            "flexium_command_delivery_seconds", "From a command's creation to its first delivery.",
-            buckets=_DELIVERY_BUCKETS, registry=r)
+            "flexium_command_delivery_seconds",
+            "From a command's creation to its first delivery.",
+            buckets=_DELIVERY_BUCKETS,
+            registry=r,
+        )
         self.schema_migration = Histogram(
-            "flexium_schema_migration_duration_seconds", "Database schema upgrade at start.",
-            buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 30), registry=r)
+            "flexium_schema_migration_duration_seconds",
+            "Database schema upgrade at start.",
+            buckets=(0.01, 0.05, 0.1, 0.5, 1, 5, 30),
+            registry=r,
+        )
         self.heartbeats = Counter("flexium_heartbeats", "Heartbeats received.", registry=r)
         self.long_polls = Gauge("flexium_long_polls_waiting", "Long-polls waiting for a command.", registry=r)
         self.sse_subscribers = Gauge("flexium_sse_subscribers", "Open live event streams.", registry=r)
-        self.db_waiting = Gauge("flexium_db_calls_waiting", "Database calls queued for a worker thread.",
-                                registry=r)
-        self.up_since = Gauge("flexium_server_start_time_seconds", "When this server started (epoch).",
-                              registry=r)
+        self.db_waiting = Gauge("flexium_db_calls_waiting", "Database calls queued for a worker thread.", registry=r)
+        self.up_since = Gauge("flexium_server_start_time_seconds", "When this server started (epoch).", registry=r)
         for state in protocol.DISPLAY_STATES:
             self.processes.labels(state=state)
         for state in protocol.COMMAND_STATES:
             self.commands.labels(state=state)
-        for kind in protocol.COMMAND_KINDS:     # every series exists from the start, at zero
+        for kind in protocol.COMMAND_KINDS:  # every series exists from the start, at zero
             self.commands_created.labels(kind=kind)
             for outcome in protocol.FINAL_COMMAND_STATES:
                 self.commands_finished.labels(kind=kind, outcome=outcome)
             for outcome in ("succeeded", "failed"):
                 self.migration_duration.labels(kind=kind, outcome=outcome)
 
-    def render(self, *, processes: dict[str, int], commands: dict[str, int], long_polls: int,
-               sse_subscribers: int, db_waiting: int = 0) -> bytes:
+    def render(
+        self,
+        *,
+        processes: dict[str, int],
+        commands: dict[str, int],
+        long_polls: int,
+        sse_subscribers: int,
+        db_waiting: int = 0,
+    ) -> bytes:
         self.db_waiting.set(db_waiting)
         for state, n in processes.items():
             self.processes.labels(state=state).set(n)

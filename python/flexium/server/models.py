@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Any, Optional, cast
 
-from sqlalchemy import (JSON, BigInteger, Double, ForeignKey, Index, Integer, String, Table, Text,
-                        UniqueConstraint, text)
+from sqlalchemy import JSON, BigInteger, Double, ForeignKey, Index, Integer, String, Table, Text, UniqueConstraint, text
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
@@ -41,8 +40,8 @@ class Token(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     workspace_id: Mapped[int] = mapped_column(ForeignKey("workspaces.id", ondelete="CASCADE"), index=True)
     name: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT), default="")
-    token_hash: Mapped[str] = mapped_column(String(64))   # sha256 hex of the token
-    prefix: Mapped[str] = mapped_column(String(16))                     # shown in lists
+    token_hash: Mapped[str] = mapped_column(String(64))  # sha256 hex of the token
+    prefix: Mapped[str] = mapped_column(String(16))  # shown in lists
     created_at: Mapped[float] = mapped_column(Double)
     revoked_at: Mapped[Optional[float]] = mapped_column(Double, nullable=True)
 
@@ -83,9 +82,7 @@ class Process(Base):
 
 class Device(Base):
     __tablename__ = "devices"
-    __table_args__ = (
-        UniqueConstraint("workspace_id", "host", "uuid", name="uq_devices_workspace_host_uuid"),
-    )
+    __table_args__ = (UniqueConstraint("workspace_id", "host", "uuid", name="uq_devices_workspace_host_uuid"),)
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     workspace_id: Mapped[int] = mapped_column(ForeignKey("workspaces.id", ondelete="CASCADE"))
     host: Mapped[str] = mapped_column(String(protocol.MAX_HOST_LEN))
@@ -106,9 +103,14 @@ class Command(Base):
         Index("ix_commands_process_state", "process_pk", "state"),
         Index("ix_commands_workspace_id", "workspace_id", "id"),
         Index("ix_commands_state_created", "state", "created_at"),
-        Index("uq_commands_one_active", "process_pk", unique=True,
-              sqlite_where=text(ACTIVE_SQL), postgresql_where=text(ACTIVE_SQL)),
-        {"sqlite_autoincrement": True},   # ids never reused: clients know repeats by id
+        Index(
+            "uq_commands_one_active",
+            "process_pk",
+            unique=True,
+            sqlite_where=text(ACTIVE_SQL),
+            postgresql_where=text(ACTIVE_SQL),
+        ),
+        {"sqlite_autoincrement": True},  # ids never reused: clients know repeats by id
     )
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     workspace_id: Mapped[int] = mapped_column(ForeignKey("workspaces.id", ondelete="CASCADE"))

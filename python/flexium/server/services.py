@@ -22,25 +22,37 @@ log = logging.getLogger("flexium.server")
 
 # --- processes ------------------------------------------------------------------------------
 
-async def register_process(ctx: ServerContext, *, workspace_id: int,
-                           body: wire.RegisterRequest) -> tuple[wire.RegisterResponse, bool]:
+
+async def register_process(
+    ctx: ServerContext, *, workspace_id: int, body: wire.RegisterRequest
+) -> tuple[wire.RegisterResponse, bool]:
     """(the answer, whether the process is new)."""
     settings = ctx.settings
     now = time.time()
     process, created, snapshot = await ctx.db.call(
-        storage.register_process_snapshot, write=True, workspace_id=workspace_id, report=body, now=now,
-        stale_after=settings.stale_after_s)
+        storage.register_process_snapshot,
+        write=True,
+        workspace_id=workspace_id,
+        report=body,
+        now=now,
+        stale_after=settings.stale_after_s,
+    )
     key = (workspace_id, body.process_id)
     ctx.process_hosts[key] = process.host
     ctx.snapshots[key] = snapshot
     if body.devices:
         ctx.devices_written(workspace_id, process.host, now)
         ctx.publish(workspace_id, protocol.EVENT_DEVICES, {"host": process.host})
-    ctx.publish(workspace_id, protocol.EVENT_PROCESS,
-                {"action": "registered" if created else "updated", "process": process})
+    ctx.publish(
+        workspace_id, protocol.EVENT_PROCESS, {"action": "registered" if created else "updated", "process": process}
+    )
     return wire.RegisterResponse(
-        process=process, heartbeat_interval_s=settings.heartbeat_interval_s,
-        poll_timeout_s=settings.poll_timeout_s, stale_after_s=settings.stale_after_s, server_time=now), created
+        process=process,
+        heartbeat_interval_s=settings.heartbeat_interval_s,
+        poll_timeout_s=settings.poll_timeout_s,
+        stale_after_s=settings.stale_after_s,
+        server_time=now,
+    ), created
 
 
 async def unregister_process(ctx: ServerContext, *, workspace_id: int, process_id: str) -> None:
@@ -50,8 +62,9 @@ async def unregister_process(ctx: ServerContext, *, workspace_id: int, process_i
     ctx.notifier.notify((workspace_id, process_id))
 
 
-def heartbeat_from_memory(ctx: ServerContext, *, workspace_id: int, process_id: str,
-                          body: wire.HeartbeatRequest, now: float) -> Optional[wire.HeartbeatResponse]:
+def heartbeat_from_memory(
+    ctx: ServerContext, *, workspace_id: int, process_id: str, body: wire.HeartbeatRequest, now: float
+) -> Optional[wire.HeartbeatResponse]:
     """The answer to a plain heartbeat (nothing changed but the time, no devices due for a
     write), from memory; None when it must go to the database (``heartbeat``)."""
     if body.devices and ctx.should_write_devices(workspace_id, process_id, now):
@@ -59,21 +72,33 @@ def heartbeat_from_memory(ctx: ServerContext, *, workspace_id: int, process_id: 
     if not ctx.beat(workspace_id, process_id, body, now):
         return None
     ctx.metrics.heartbeats.inc()
-    return wire.HeartbeatResponse(ok=True, pending_command=ctx.pending.get((workspace_id, process_id)),
-                                  heartbeat_interval_s=ctx.settings.heartbeat_interval_s, server_time=now)
+    return wire.HeartbeatResponse(
+        ok=True,
+        pending_command=ctx.pending.get((workspace_id, process_id)),
+        heartbeat_interval_s=ctx.settings.heartbeat_interval_s,
+        server_time=now,
+    )
 
 
-async def heartbeat(ctx: ServerContext, *, workspace_id: int, process_id: str,
-                    body: wire.HeartbeatRequest) -> wire.HeartbeatResponse:
+async def heartbeat(
+    ctx: ServerContext, *, workspace_id: int, process_id: str, body: wire.HeartbeatRequest
+) -> wire.HeartbeatResponse:
     now = time.time()
     answer = heartbeat_from_memory(ctx, workspace_id=workspace_id, process_id=process_id, body=body, now=now)
     if answer is not None:
         return answer
     ctx.metrics.heartbeats.inc()
     write_devices = bool(body.devices) and ctx.should_write_devices(workspace_id, process_id, now)
-    outcome = await ctx.db.call(storage.heartbeat, write=True, workspace_id=workspace_id,
-                                process_id=process_id, report=body, now=now,
-                                stale_after=ctx.settings.stale_after_s, write_devices=write_devices)
+    outcome = await ctx.db.call(
+        storage.heartbeat,
+        write=True,
+        workspace_id=workspace_id,
+        process_id=process_id,
+        report=body,
+        now=now,
+        stale_after=ctx.settings.stale_after_s,
+        write_devices=write_devices,
+    )
     key = (workspace_id, process_id)
     ctx.snapshots[key] = outcome.snapshot
     ctx.command_pending(workspace_id, process_id, outcome.pending_command)
@@ -83,12 +108,17 @@ async def heartbeat(ctx: ServerContext, *, workspace_id: int, process_id: str,
         ctx.publish(workspace_id, protocol.EVENT_DEVICES, {"host": outcome.host})
     if outcome.changed is not None:
         ctx.publish(workspace_id, protocol.EVENT_PROCESS, {"action": "updated", "process": outcome.changed})
-    return wire.HeartbeatResponse(ok=True, pending_command=outcome.pending_command,
-                                  heartbeat_interval_s=ctx.settings.heartbeat_interval_s, server_time=now)
+    return wire.HeartbeatResponse(
+        ok=True,
+        pending_command=outcome.pending_command,
+        heartbeat_interval_s=ctx.settings.heartbeat_interval_s,
+        server_time=now,
+    )
 
 
-async def next_command(ctx: ServerContext, *, workspace_id: int, process_id: str,
-                       wait: Optional[float]) -> Optional[wire.CommandInfo]:
+async def next_command(
+    ctx: ServerContext, *, workspace_id: int, process_id: str, wait: Optional[float]
+) -> Optional[wire.CommandInfo]:
     """The long-poll: the next command for the process, or None when there is none within
     the wait (or the server is stopping)."""
     key = (workspace_id, process_id)
@@ -105,18 +135,21 @@ async def next_command(ctx: ServerContext, *, workspace_id: int, process_id: str
                 return None
             pending = woken or key in ctx.pending
             if not pending and key not in ctx.process_hosts:
-                host, command_id = await ctx.db.call(storage.peek_command, write=False,
-                                                     workspace_id=workspace_id, process_id=process_id)
+                host, command_id = await ctx.db.call(
+                    storage.peek_command, write=False, workspace_id=workspace_id, process_id=process_id
+                )
                 ctx.process_hosts[key] = host
                 pending = command_id is not None
             if pending:
-                command, first = await ctx.db.call(storage.next_command, write=True, workspace_id=workspace_id,
-                                                   process_id=process_id, now=time.time())
+                command, first = await ctx.db.call(
+                    storage.next_command, write=True, workspace_id=workspace_id, process_id=process_id, now=time.time()
+                )
                 if command is not None:
                     ctx.command_pending(workspace_id, process_id, command.id)
                     if first:
                         ctx.metrics.delivery_latency.observe(
-                            max(0.0, (command.delivered_at or command.created_at) - command.created_at))
+                            max(0.0, (command.delivered_at or command.created_at) - command.created_at)
+                        )
                         ctx.publish(workspace_id, protocol.EVENT_COMMAND, {"action": "updated", "command": command})
                     return command
                 ctx.command_pending(workspace_id, process_id, None)
@@ -130,11 +163,19 @@ async def next_command(ctx: ServerContext, *, workspace_id: int, process_id: str
 
 # --- commands -------------------------------------------------------------------------------
 
+
 async def create_command(ctx: ServerContext, *, workspace_id: int, body: wire.CommandRequest) -> wire.CommandInfo:
     try:
-        command = await ctx.db.call(storage.create_command, write=True, workspace_id=workspace_id,
-                                    kind=body.kind, process_id=body.process_id, target=body.target,
-                                    now=time.time(), stale_after=ctx.settings.stale_after_s)
+        command = await ctx.db.call(
+            storage.create_command,
+            write=True,
+            workspace_id=workspace_id,
+            kind=body.kind,
+            process_id=body.process_id,
+            target=body.target,
+            now=time.time(),
+            stale_after=ctx.settings.stale_after_s,
+        )
     except ApiError as exc:
         ctx.metrics.commands_refused.labels(error=exc.code).inc()
         raise
@@ -145,8 +186,9 @@ async def create_command(ctx: ServerContext, *, workspace_id: int, body: wire.Co
     return command
 
 
-async def wait_command(ctx: ServerContext, *, workspace_id: int, command_id: int,
-                       wait: Optional[float]) -> wire.CommandInfo:
+async def wait_command(
+    ctx: ServerContext, *, workspace_id: int, command_id: int, wait: Optional[float]
+) -> wire.CommandInfo:
     """The command, once it ends or after ``wait`` seconds, whichever comes first."""
     key = ("cmd", workspace_id, command_id)
     loop = asyncio.get_running_loop()
@@ -154,21 +196,33 @@ async def wait_command(ctx: ServerContext, *, workspace_id: int, command_id: int
     while True:
         waiter = ctx.notifier.register(key)
         try:
-            command = await ctx.db.call(storage.get_command, write=False, workspace_id=workspace_id,
-                                        command_id=command_id)
+            command = await ctx.db.call(
+                storage.get_command, write=False, workspace_id=workspace_id, command_id=command_id
+            )
             remaining = deadline - loop.time()
-            if (command.state in protocol.FINAL_COMMAND_STATES or ctx.stopping or remaining <= 0
-                    or not await ctx.notifier.wait(waiter, remaining)):
+            if (
+                command.state in protocol.FINAL_COMMAND_STATES
+                or ctx.stopping
+                or remaining <= 0
+                or not await ctx.notifier.wait(waiter, remaining)
+            ):
                 return command
         finally:
             ctx.notifier.unregister(key, waiter)
 
 
-async def report_command(ctx: ServerContext, *, workspace_id: int, command_id: int,
-                         body: wire.CommandReport) -> wire.CommandInfo:
+async def report_command(
+    ctx: ServerContext, *, workspace_id: int, command_id: int, body: wire.CommandReport
+) -> wire.CommandInfo:
     command, process, changed = await ctx.db.call(
-        storage.report_command, write=True, workspace_id=workspace_id, command_id=command_id,
-        report=body, now=time.time(), stale_after=ctx.settings.stale_after_s)
+        storage.report_command,
+        write=True,
+        workspace_id=workspace_id,
+        command_id=command_id,
+        report=body,
+        now=time.time(),
+        stale_after=ctx.settings.stale_after_s,
+    )
     if not changed:
         return command
     ctx.command_settled(workspace_id, command.process_id, command_id)
@@ -189,6 +243,7 @@ async def report_command(ctx: ServerContext, *, workspace_id: int, command_id: i
 
 # --- housekeeping ---------------------------------------------------------------------------
 
+
 async def sweep_forever(ctx: ServerContext) -> None:
     """Every ``sweep_interval_s``: write buffered heartbeats, re-check the pending view, and
     run ``storage.sweep``; then tell dashboards and waiters what it expired, failed, removed or
@@ -201,10 +256,16 @@ async def sweep_forever(ctx: ServerContext) -> None:
             await ctx.flush_beats()
             await ctx.reconcile_pending()
             result = await ctx.db.call(
-                storage.sweep, write=True, now=now, alive_since=ctx.started_at,
-                stale_after=ctx.settings.stale_after_s, remove_after=ctx.settings.remove_after_s,
-                command_ttl=ctx.settings.command_ttl_s, stale_since=previous)
-        except Exception:   # a database hiccup must not end housekeeping for good
+                storage.sweep,
+                write=True,
+                now=now,
+                alive_since=ctx.started_at,
+                stale_after=ctx.settings.stale_after_s,
+                remove_after=ctx.settings.remove_after_s,
+                command_ttl=ctx.settings.command_ttl_s,
+                stale_since=previous,
+            )
+        except Exception:  # a database hiccup must not end housekeeping for good
             log.exception("sweep failed; retrying at the next interval")
             continue
         previous = now
@@ -226,18 +287,26 @@ async def sweep_forever(ctx: ServerContext) -> None:
 
 async def metrics_text(ctx: ServerContext) -> bytes:
     """The Prometheus page: the counters kept in memory and the counts read now."""
-    processes = await ctx.db.call(storage.count_processes, write=False, now=time.time(),
-                                  stale_after=ctx.settings.stale_after_s)
+    processes = await ctx.db.call(
+        storage.count_processes, write=False, now=time.time(), stale_after=ctx.settings.stale_after_s
+    )
     commands = await ctx.db.call(storage.count_commands, write=False)
-    return ctx.metrics.render(processes=processes, commands=commands, long_polls=ctx.notifier.waiting,
-                              sse_subscribers=ctx.bus.subscribers, db_waiting=ctx.db.calls_waiting)
+    return ctx.metrics.render(
+        processes=processes,
+        commands=commands,
+        long_polls=ctx.notifier.waiting,
+        sse_subscribers=ctx.bus.subscribers,
+        db_waiting=ctx.db.calls_waiting,
+    )
 
 
 # --- tokens, events -------------------------------------------------------------------------
 
+
 async def revoke_token(ctx: ServerContext, *, workspace_id: int, token_id: int) -> dict[str, object]:
-    info: dict[str, object] = await ctx.db.call(storage.revoke_token, write=True, workspace_id=workspace_id,
-                                                token_id=token_id, now=time.time())
+    info: dict[str, object] = await ctx.db.call(
+        storage.revoke_token, write=True, workspace_id=workspace_id, token_id=token_id, now=time.time()
+    )
     ctx.tokens.forget(token_id)
     return info
 
@@ -249,8 +318,9 @@ def open_event_stream(ctx: ServerContext, *, auth: AuthInfo, last_event_id: Opti
     resume_from = int(last_event_id) if last_event_id and last_event_id.isdigit() else None
     sub, backlog = ctx.bus.subscribe(auth.workspace_id, last_event_id=resume_from)
     keepalive = ctx.settings.sse_keepalive_s
-    hello = ctx.bus.frame(ctx.bus.last_id, protocol.EVENT_HELLO,
-                          {"workspace": auth.workspace, "last_event_id": ctx.bus.last_id})
+    hello = ctx.bus.frame(
+        ctx.bus.last_id, protocol.EVENT_HELLO, {"workspace": auth.workspace, "last_event_id": ctx.bus.last_id}
+    )
 
     async def stream() -> AsyncIterator[str]:
         try:

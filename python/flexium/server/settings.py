@@ -27,45 +27,57 @@ class Settings:
     database_url: str = field(default_factory=default_database_url)
     host: str = DEFAULT_HOST
     port: int = protocol.DEFAULT_PORT
-    public_url: Optional[str] = None          # what links printed on start point at
+    public_url: Optional[str] = None  # what links printed on start point at
 
     heartbeat_interval_s: float = protocol.HEARTBEAT_INTERVAL_S
     poll_timeout_s: float = protocol.POLL_TIMEOUT_S
     stale_after_s: float = protocol.STALE_AFTER_S
     remove_after_s: float = protocol.REMOVE_AFTER_S
     command_ttl_s: float = protocol.COMMAND_TTL_S
-    sweep_interval_s: float = 2.0             # stale marking, removal, expiry
-    device_write_interval_s: float = 5.0      # one host's GPU report is written at most this often
-    beat_flush_interval_s: float = 0.5       # plain heartbeats are written in batches this often
-    token_cache_s: float = 5.0                # a token revoked outside this server stops working within this
+    sweep_interval_s: float = 2.0  # stale marking, removal, expiry
+    device_write_interval_s: float = 5.0  # one host's GPU report is written at most this often
+    beat_flush_interval_s: float = 0.5  # plain heartbeats are written in batches this often
+    token_cache_s: float = 5.0  # a token revoked outside this server stops working within this
     max_body_bytes: int = protocol.MAX_BODY_BYTES
     sse_keepalive_s: float = 15.0
     sse_queue_size: int = 1000
-    event_history: int = 2000                 # events kept for Last-Event-ID replay, per workspace
+    event_history: int = 2000  # events kept for Last-Event-ID replay, per workspace
 
-    db_threads: Optional[int] = None          # worker threads for database calls (default: 8 on
-                                              # SQLite, where writes take turns and more threads
-                                              # only fight over the GIL; 16 on PostgreSQL)
+    db_threads: Optional[int] = None  # worker threads for database calls (default: 8 on
+    # SQLite, where writes take turns and more threads
+    # only fight over the GIL; 16 on PostgreSQL)
     access_log: bool = False
     log_level: str = "info"
     bootstrap_default_workspace: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("heartbeat_interval_s", "poll_timeout_s", "stale_after_s", "remove_after_s",
-                     "command_ttl_s", "sweep_interval_s", "device_write_interval_s",
-                     "beat_flush_interval_s", "sse_keepalive_s"):
+        for name in (
+            "heartbeat_interval_s",
+            "poll_timeout_s",
+            "stale_after_s",
+            "remove_after_s",
+            "command_ttl_s",
+            "sweep_interval_s",
+            "device_write_interval_s",
+            "beat_flush_interval_s",
+            "sse_keepalive_s",
+        ):
             value = getattr(self, name)
             if not value > 0 or value == float("inf"):
                 raise ValueError(f"{_option(name)} must be a positive number of seconds, not {value}")
         if self.stale_after_s <= self.device_write_interval_s:
             # A host's GPU report is stored at most every device_write_interval_s: a stale limit
             # at or below it makes GPUs that report on time look silent (refused as targets).
-            raise ValueError(f"{_option('stale_after_s')} ({self.stale_after_s:g} s) must be longer than "
-                             f"{_option('device_write_interval_s')} ({self.device_write_interval_s:g} s), "
-                             "how often a host's GPU report is stored; else fresh GPUs look silent")
+            raise ValueError(
+                f"{_option('stale_after_s')} ({self.stale_after_s:g} s) must be longer than "
+                f"{_option('device_write_interval_s')} ({self.device_write_interval_s:g} s), "
+                "how often a host's GPU report is stored; else fresh GPUs look silent"
+            )
         if self.remove_after_s < self.stale_after_s:
-            raise ValueError(f"{_option('remove_after_s')} ({self.remove_after_s:g} s) must not be shorter "
-                             f"than {_option('stale_after_s')} ({self.stale_after_s:g} s)")
+            raise ValueError(
+                f"{_option('remove_after_s')} ({self.remove_after_s:g} s) must not be shorter "
+                f"than {_option('stale_after_s')} ({self.stale_after_s:g} s)"
+            )
 
     @property
     def threads(self) -> int:
@@ -100,12 +112,12 @@ def normalize_database_url(url: str) -> str:
     the driver SQLAlchemy must use (psycopg 3 for PostgreSQL)."""
     url = url.strip()
     if url.startswith("postgres://"):
-        url = "postgresql://" + url[len("postgres://"):]
+        url = "postgresql://" + url[len("postgres://") :]
     if url.startswith("postgresql://"):
-        return "postgresql+psycopg://" + url[len("postgresql://"):]
+        return "postgresql+psycopg://" + url[len("postgresql://") :]
     if url.startswith(("postgresql+", "sqlite:")):
         return url
-    if "://" not in url:                       # a file path
+    if "://" not in url:  # a file path
         return f"sqlite:///{Path(url).expanduser().resolve()}"
     raise ValueError(f"unsupported database URL {url!r}: use sqlite:///PATH or postgresql://USER@HOST/DB")
 

@@ -52,8 +52,7 @@ def issue_token(workspace: str, *, name: str = "", database_url: Optional[str] =
         db.dispose()
 
 
-def revoke_token(workspace: str, token_or_id: Union[str, int], *,
-                 database_url: Optional[str] = None) -> dict[str, Any]:
+def revoke_token(workspace: str, token_or_id: Union[str, int], *, database_url: Optional[str] = None) -> dict[str, Any]:
     """Revoke by the token itself or by its id (``list_tokens`` shows ids). A running server
     stops accepting it within its token cache time (5 s)."""
     db = open_database(database_url)

@@ -29,8 +29,17 @@ def migrate_by_driver(
     if restored:
         ctx.identity.apply(plan)  # its memory is on the target now, whatever follows
     where = dest if restored else source
-    draft = ResultDraft(OperationKind.MIGRATE, "driver", ctx.logical_device, source, dest, moved, started, notes,
-                        steps=[*owned, prepare, *map(timing_of, outcomes)])
+    draft = ResultDraft(
+        OperationKind.MIGRATE,
+        "driver",
+        ctx.logical_device,
+        source,
+        dest,
+        moved,
+        started,
+        notes,
+        steps=[*owned, prepare, *map(timing_of, outcomes)],
+    )
     return settle(
         ctx,
         draft,

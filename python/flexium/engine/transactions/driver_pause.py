@@ -26,8 +26,17 @@ def pause_by_driver(
     succeeded = final == _C.ProcessState.CHECKPOINTED and not any(o.code for o in outcomes)
     if succeeded:
         ctx.paused_bytes = moved
-    draft = ResultDraft(OperationKind.PAUSE, "driver", ctx.logical_device, source, None, moved, started, notes,
-                        steps=[*owned, prepare, *map(timing_of, outcomes)])
+    draft = ResultDraft(
+        OperationKind.PAUSE,
+        "driver",
+        ctx.logical_device,
+        source,
+        None,
+        moved,
+        started,
+        notes,
+        steps=[*owned, prepare, *map(timing_of, outcomes)],
+    )
     return settle(
         ctx,
         draft,

@@ -26,8 +26,9 @@ def migrate_fast(ctx: OperationContext, fast: FastPath, plan: MovePlan, notes: t
     prepare, moved = locked_section.prepare(ctx, OperationKind.MIGRATE)
     target_ordinal = ctx.identity.logical_on(dest.uuid)
     assert target_ordinal is not None, f"{dest.uuid} has no ordinal in this process"
-    draft = ResultDraft(OperationKind.MIGRATE, "fast", ctx.logical_device, source, dest, moved, started, notes,
-                        steps=[prepare])
+    draft = ResultDraft(
+        OperationKind.MIGRATE, "fast", ctx.logical_device, source, dest, moved, started, notes, steps=[prepare]
+    )
 
     try:
         staged, timing = fast.stage_to_device(ctx.logical, target_ordinal)
@@ -35,8 +36,9 @@ def migrate_fast(ctx: OperationContext, fast: FastPath, plan: MovePlan, notes: t
     except RelocationError as exc:
         draft.steps.append(exc.timing)
         ctx.set_state(EngineState.RUNNING)
-        return draft.build(failed_step=exc.step,
-                           error=f"{exc}; nothing moved: the job runs on {source.device} as before")
+        return draft.build(
+            failed_step=exc.step, error=f"{exc}; nothing moved: the job runs on {source.device} as before"
+        )
     draft.notes = (*draft.notes, note_copied(staged))
     try:
         draft.steps.append(fast.release(ctx.logical))
@@ -66,8 +68,13 @@ def migrate_fast(ctx: OperationContext, fast: FastPath, plan: MovePlan, notes: t
                     "not mapped back; restart the job",
                 )
         ctx.set_state(EngineState.RUNNING)
-        return draft.build(ok=True, notes=("the moved memory becomes the job's own over the next optimizer steps "
-                                           f"({OWN_SLICE_BYTES / GIB:.2f} GiB each)",))
+        return draft.build(
+            ok=True,
+            notes=(
+                "the moved memory becomes the job's own over the next optimizer steps "
+                f"({OWN_SLICE_BYTES / GIB:.2f} GiB each)",
+            ),
+        )
     failure = first_failure(outcomes)
     if final == _C.ProcessState.RUNNING:
         return _bring_home(ctx, fast, draft, failure.step, describe_failure(failure), staged, source)
@@ -97,5 +104,6 @@ def _bring_home(
         return draft.build(failed_step=failed_step, error=f"{error}; ROLLBACK FAILED: {exc}; restart the job")
     draft.steps[-1] = replace(draft.steps[-1], rollback=True)
     ctx.set_state(EngineState.RUNNING)
-    return draft.build(failed_step=failed_step,
-                       error=f"{error}; rolled back: the job runs on {source.device} as before")
+    return draft.build(
+        failed_step=failed_step, error=f"{error}; rolled back: the job runs on {source.device} as before"
+    )

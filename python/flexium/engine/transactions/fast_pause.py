@@ -21,8 +21,9 @@ def pause_fast(ctx: OperationContext, fast: FastPath, source: GpuIdentity, notes
     started = time.perf_counter()
     ctx.set_state(EngineState.PAUSING)
     prepare, moved = locked_section.prepare(ctx, OperationKind.PAUSE)
-    draft = ResultDraft(OperationKind.PAUSE, "fast", ctx.logical_device, source, None, moved, started, notes,
-                        steps=[prepare])
+    draft = ResultDraft(
+        OperationKind.PAUSE, "fast", ctx.logical_device, source, None, moved, started, notes, steps=[prepare]
+    )
 
     def undo(failed_step: str, error: str) -> OperationResult:
         try:
@@ -34,8 +35,9 @@ def pause_fast(ctx: OperationContext, fast: FastPath, source: GpuIdentity, notes
             return draft.build(failed_step=failed_step, error=f"{error}; ROLLBACK FAILED: {exc}; restart the job")
         fast.release_host_later()
         ctx.set_state(EngineState.RUNNING)
-        return draft.build(failed_step=failed_step,
-                           error=f"{error}; rolled back: the job runs on {source.device} as before")
+        return draft.build(
+            failed_step=failed_step, error=f"{error}; rolled back: the job runs on {source.device} as before"
+        )
 
     try:
         copied, timing = fast.stage_to_host(ctx.logical)
@@ -44,10 +46,14 @@ def pause_fast(ctx: OperationContext, fast: FastPath, source: GpuIdentity, notes
         draft.steps.append(exc.timing)
         fast.release_host_later()
         ctx.set_state(EngineState.RUNNING)
-        return draft.build(failed_step=exc.step,
-                           error=f"{exc}; nothing moved: the job runs on {source.device} as before")
-    draft.notes = (*draft.notes, f"fast path: copied {copied / GIB:.2f} GiB in use of "
-                   f"{fast.pool_bytes(ctx.logical) / GIB:.2f} GiB of pool segments to host memory")
+        return draft.build(
+            failed_step=exc.step, error=f"{exc}; nothing moved: the job runs on {source.device} as before"
+        )
+    draft.notes = (
+        *draft.notes,
+        f"fast path: copied {copied / GIB:.2f} GiB in use of "
+        f"{fast.pool_bytes(ctx.logical) / GIB:.2f} GiB of pool segments to host memory",
+    )
     try:
         draft.steps.append(fast.release(ctx.logical))
     except RelocationError as exc:

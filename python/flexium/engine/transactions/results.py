@@ -31,8 +31,14 @@ class ResultDraft:
     notes: tuple[str, ...] = ()
     steps: list[StepTiming] = field(default_factory=list)
 
-    def build(self, *, ok: bool = False, failed_step: Optional[str] = None, error: Optional[str] = None,
-              notes: tuple[str, ...] = ()) -> OperationResult:
+    def build(
+        self,
+        *,
+        ok: bool = False,
+        failed_step: Optional[str] = None,
+        error: Optional[str] = None,
+        notes: tuple[str, ...] = (),
+    ) -> OperationResult:
         """The result now, with `notes` after the draft's own."""
         return OperationResult(
             kind=self.kind,

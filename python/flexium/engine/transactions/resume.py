@@ -29,8 +29,16 @@ def resume(ctx: OperationContext, plan: MovePlan) -> OperationResult:
     succeeded = final == _C.ProcessState.RUNNING and own_restore_succeeded(outcomes)
     if succeeded:
         ctx.identity.apply(plan)
-    draft = ResultDraft(OperationKind.RESUME, "fast" if fast is not None else "driver", ctx.logical_device, source,
-                        dest, ctx.paused_bytes, started, steps=list(map(timing_of, outcomes)))
+    draft = ResultDraft(
+        OperationKind.RESUME,
+        "fast" if fast is not None else "driver",
+        ctx.logical_device,
+        source,
+        dest,
+        ctx.paused_bytes,
+        started,
+        steps=list(map(timing_of, outcomes)),
+    )
     if succeeded and fast is not None:
         return _bring_back_from_host(ctx, fast, draft)
     return settle(

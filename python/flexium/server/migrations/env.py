@@ -14,9 +14,12 @@ config = context.config
 
 
 def _run(connection: Connection) -> None:
-    context.configure(connection=connection, target_metadata=Base.metadata,
-                      render_as_batch=connection.dialect.name == "sqlite",
-                      compare_type=True)
+    context.configure(
+        connection=connection,
+        target_metadata=Base.metadata,
+        render_as_batch=connection.dialect.name == "sqlite",
+        compare_type=True,
+    )
     with context.begin_transaction():
         context.run_migrations()
 

@@ -16,15 +16,17 @@ from flexium.server.auth import Auth
 from flexium.server.context import Ctx
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": wire.ErrorBody} for code in (400, 401, 404, 409, 413, 422, 503)}
+    code: {"model": wire.ErrorBody} for code in (400, 401, 404, 409, 413, 422, 503)
+}
 
 router = APIRouter(prefix=protocol.API_PREFIX + "/w/{workspace}", responses=_ERRORS)
 
 _NO_NUL = r"^[^\x00]*$"
 ProcessIdPath = Annotated[str, Path(max_length=protocol.MAX_SHORT_TEXT, pattern=protocol.PROCESS_ID_RE.pattern)]
 CommandIdPath = Annotated[int, Path(ge=1, le=2**31 - 1)]
-WaitQuery = Annotated[Optional[float], Query(ge=0, le=protocol.MAX_POLL_TIMEOUT_S,
-                                             description="seconds to wait (long-poll)")]
+WaitQuery = Annotated[
+    Optional[float], Query(ge=0, le=protocol.MAX_POLL_TIMEOUT_S, description="seconds to wait (long-poll)")
+]
 
 
 @router.get("", response_model=wire.WorkspaceInfo, summary="This workspace and its counts")
@@ -34,8 +36,13 @@ async def workspace_info(auth: Auth, ctx: Ctx) -> Any:
 
 # --- processes ------------------------------------------------------------------------------
 
-@router.post("/processes", response_model=wire.RegisterResponse, status_code=201,
-             summary="Register a process (again after a restart: same process_id, 200)")
+
+@router.post(
+    "/processes",
+    response_model=wire.RegisterResponse,
+    status_code=201,
+    summary="Register a process (again after a restart: same process_id, 200)",
+)
 async def register_process(body: wire.RegisterRequest, auth: Auth, ctx: Ctx, response: Response) -> Any:
     answer, created = await services.register_process(ctx, workspace_id=auth.workspace_id, body=body)
     response.status_code = 201 if created else 200
@@ -43,46 +50,84 @@ async def register_process(body: wire.RegisterRequest, auth: Auth, ctx: Ctx, res
 
 
 @router.get("/processes", response_model=list[wire.ProcessInfo], summary="List processes")
-async def list_processes(auth: Auth, ctx: Ctx, state: Optional[wire.DisplayState] = None,
-                         host: Annotated[Optional[str], Query(max_length=protocol.MAX_HOST_LEN, pattern=_NO_NUL)] = None,
-                         gpu: Annotated[Optional[str], Query(max_length=protocol.MAX_SHORT_TEXT, pattern=_NO_NUL,
-                                                             description="GPU UUID")] = None) -> Any:
-    return await ctx.db.call(storage.list_processes, write=False, workspace_id=auth.workspace_id,
-                             now=time.time(), stale_after=ctx.settings.stale_after_s,
-                             state=state, host=host, gpu=gpu)
+async def list_processes(
+    auth: Auth,
+    ctx: Ctx,
+    state: Optional[wire.DisplayState] = None,
+    host: Annotated[Optional[str], Query(max_length=protocol.MAX_HOST_LEN, pattern=_NO_NUL)] = None,
+    gpu: Annotated[
+        Optional[str], Query(max_length=protocol.MAX_SHORT_TEXT, pattern=_NO_NUL, description="GPU UUID")
+    ] = None,
+) -> Any:
+    return await ctx.db.call(
+        storage.list_processes,
+        write=False,
+        workspace_id=auth.workspace_id,
+        now=time.time(),
+        stale_after=ctx.settings.stale_after_s,
+        state=state,
+        host=host,
+        gpu=gpu,
+    )
 
 
 @router.get("/processes/{process_id}", response_model=wire.ProcessInfo, summary="One process")
 async def get_process(process_id: ProcessIdPath, auth: Auth, ctx: Ctx) -> Any:
-    return await ctx.db.call(storage.get_process, write=False, workspace_id=auth.workspace_id,
-                             process_id=process_id, now=time.time(), stale_after=ctx.settings.stale_after_s)
+    return await ctx.db.call(
+        storage.get_process,
+        write=False,
+        workspace_id=auth.workspace_id,
+        process_id=process_id,
+        now=time.time(),
+        stale_after=ctx.settings.stale_after_s,
+    )
 
 
-@router.get("/processes/{process_id}/targets", response_model=list[wire.TargetInfo],
-            summary="Every GPU of the process's host, with why a migrate or resume to it would be refused")
-async def process_targets(process_id: ProcessIdPath, auth: Auth, ctx: Ctx,
-                          kind: Annotated[str, Query(pattern="^(migrate|resume)$")] = "migrate") -> Any:
-    return await ctx.db.call(storage.judge_targets, write=False, workspace_id=auth.workspace_id,
-                             process_id=process_id, kind=kind, now=time.time(),
-                             stale_after=ctx.settings.stale_after_s)
+@router.get(
+    "/processes/{process_id}/targets",
+    response_model=list[wire.TargetInfo],
+    summary="Every GPU of the process's host, with why a migrate or resume to it would be refused",
+)
+async def process_targets(
+    process_id: ProcessIdPath,
+    auth: Auth,
+    ctx: Ctx,
+    kind: Annotated[str, Query(pattern="^(migrate|resume)$")] = "migrate",
+) -> Any:
+    return await ctx.db.call(
+        storage.judge_targets,
+        write=False,
+        workspace_id=auth.workspace_id,
+        process_id=process_id,
+        kind=kind,
+        now=time.time(),
+        stale_after=ctx.settings.stale_after_s,
+    )
 
 
-@router.delete("/processes/{process_id}", status_code=204,
-               summary="Unregister (the process exits) or forget a stale entry")
+@router.delete(
+    "/processes/{process_id}", status_code=204, summary="Unregister (the process exits) or forget a stale entry"
+)
 async def unregister_process(process_id: ProcessIdPath, auth: Auth, ctx: Ctx) -> Response:
     await services.unregister_process(ctx, workspace_id=auth.workspace_id, process_id=process_id)
     return Response(status_code=204)
 
 
-@router.post("/processes/{process_id}/heartbeat", response_model=wire.HeartbeatResponse,
-             summary="Liveness, memory and state; 404 means: register again")
+@router.post(
+    "/processes/{process_id}/heartbeat",
+    response_model=wire.HeartbeatResponse,
+    summary="Liveness, memory and state; 404 means: register again",
+)
 async def heartbeat(process_id: ProcessIdPath, body: wire.HeartbeatRequest, auth: Auth, ctx: Ctx) -> Any:
     return await services.heartbeat(ctx, workspace_id=auth.workspace_id, process_id=process_id, body=body)
 
 
-@router.get("/processes/{process_id}/commands/next", response_model=wire.CommandInfo,
-            responses={204: {"description": "nothing to do within the wait; poll again"}},
-            summary="Long-poll: the next command for this process")
+@router.get(
+    "/processes/{process_id}/commands/next",
+    response_model=wire.CommandInfo,
+    responses={204: {"description": "nothing to do within the wait; poll again"}},
+    summary="Long-poll: the next command for this process",
+)
 async def next_command(process_id: ProcessIdPath, auth: Auth, ctx: Ctx, wait: WaitQuery = None) -> Any:
     command = await services.next_command(ctx, workspace_id=auth.workspace_id, process_id=process_id, wait=wait)
     return Response(status_code=204) if command is None else command
@@ -90,41 +135,69 @@ async def next_command(process_id: ProcessIdPath, auth: Auth, ctx: Ctx, wait: Wa
 
 # --- commands -------------------------------------------------------------------------------
 
-@router.post("/commands", response_model=wire.CommandInfo, status_code=201,
-             summary="Migrate, pause or resume a process")
+
+@router.post(
+    "/commands", response_model=wire.CommandInfo, status_code=201, summary="Migrate, pause or resume a process"
+)
 async def create_command(body: wire.CommandRequest, auth: Auth, ctx: Ctx) -> Any:
     return await services.create_command(ctx, workspace_id=auth.workspace_id, body=body)
 
 
 @router.get("/commands", response_model=list[wire.CommandInfo], summary="Commands, newest first")
-async def list_commands(auth: Auth, ctx: Ctx,
-                        process_id: Annotated[Optional[str], Query(max_length=protocol.MAX_SHORT_TEXT, pattern=_NO_NUL)] = None,
-                        state: Optional[wire.CommandState] = None,
-                        limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-                        before_id: Annotated[Optional[int], Query(ge=1, le=2**31 - 1)] = None) -> Any:
-    return await ctx.db.call(storage.list_commands, write=False, workspace_id=auth.workspace_id,
-                             process_id=process_id, state=state, limit=limit, before_id=before_id)
+async def list_commands(
+    auth: Auth,
+    ctx: Ctx,
+    process_id: Annotated[Optional[str], Query(max_length=protocol.MAX_SHORT_TEXT, pattern=_NO_NUL)] = None,
+    state: Optional[wire.CommandState] = None,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    before_id: Annotated[Optional[int], Query(ge=1, le=2**31 - 1)] = None,
+) -> Any:
+    return await ctx.db.call(
+        storage.list_commands,
+        write=False,
+        workspace_id=auth.workspace_id,
+        process_id=process_id,
+        state=state,
+        limit=limit,
+        before_id=before_id,
+    )
 
 
-@router.get("/commands/{command_id}", response_model=wire.CommandInfo,
-            summary="One command; with ?wait=S, answers when it ends or after S seconds")
+@router.get(
+    "/commands/{command_id}",
+    response_model=wire.CommandInfo,
+    summary="One command; with ?wait=S, answers when it ends or after S seconds",
+)
 async def get_command(command_id: CommandIdPath, auth: Auth, ctx: Ctx, wait: WaitQuery = None) -> Any:
     return await services.wait_command(ctx, workspace_id=auth.workspace_id, command_id=command_id, wait=wait)
 
 
-@router.post("/commands/{command_id}/report", response_model=wire.CommandInfo,
-             summary="The process reports: running, then succeeded or failed (with its result)")
+@router.post(
+    "/commands/{command_id}/report",
+    response_model=wire.CommandInfo,
+    summary="The process reports: running, then succeeded or failed (with its result)",
+)
 async def report_command(command_id: CommandIdPath, body: wire.CommandReport, auth: Auth, ctx: Ctx) -> Any:
     return await services.report_command(ctx, workspace_id=auth.workspace_id, command_id=command_id, body=body)
 
 
 # --- devices, tokens, events ----------------------------------------------------------------
 
+
 @router.get("/devices", response_model=wire.DevicesResponse, summary="GPUs by host, as processes report them")
-async def list_devices(auth: Auth, ctx: Ctx,
-                       host: Annotated[Optional[str], Query(max_length=protocol.MAX_HOST_LEN, pattern=_NO_NUL)] = None) -> Any:
-    return await ctx.db.call(storage.list_devices, write=False, workspace_id=auth.workspace_id,
-                             now=time.time(), stale_after=ctx.settings.stale_after_s, host=host)
+async def list_devices(
+    auth: Auth,
+    ctx: Ctx,
+    host: Annotated[Optional[str], Query(max_length=protocol.MAX_HOST_LEN, pattern=_NO_NUL)] = None,
+) -> Any:
+    return await ctx.db.call(
+        storage.list_devices,
+        write=False,
+        workspace_id=auth.workspace_id,
+        now=time.time(),
+        stale_after=ctx.settings.stale_after_s,
+        host=host,
+    )
 
 
 @router.get("/tokens", response_model=list[wire.TokenInfo], summary="Tokens of this workspace (no secrets)")
@@ -134,8 +207,9 @@ async def list_tokens(auth: Auth, ctx: Ctx) -> Any:
 
 @router.post("/tokens", response_model=wire.TokenCreated, status_code=201, summary="Issue a token")
 async def issue_token(body: wire.TokenRequest, auth: Auth, ctx: Ctx) -> Any:
-    info, token = await ctx.db.call(storage.issue_token, write=True, workspace_id=auth.workspace_id,
-                                    name=body.name, now=time.time())
+    info, token = await ctx.db.call(
+        storage.issue_token, write=True, workspace_id=auth.workspace_id, name=body.name, now=time.time()
+    )
     return {**info, "token": token}
 
 
@@ -144,11 +218,17 @@ async def revoke_token(token_id: Annotated[int, Path(ge=1, le=2**31 - 1)], auth:
     return await services.revoke_token(ctx, workspace_id=auth.workspace_id, token_id=token_id)
 
 
-@router.get("/events", response_class=StreamingResponse,
-            responses={200: {"content": {"text/event-stream": {}}}},
-            summary="Live events (server-sent events); resumes after Last-Event-ID")
-async def events(auth: Auth, ctx: Ctx,
-                 last_event_id: Annotated[Optional[str], Header(max_length=32)] = None) -> StreamingResponse:
-    return StreamingResponse(services.open_event_stream(ctx, auth=auth, last_event_id=last_event_id),
-                             media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+@router.get(
+    "/events",
+    response_class=StreamingResponse,
+    responses={200: {"content": {"text/event-stream": {}}}},
+    summary="Live events (server-sent events); resumes after Last-Event-ID",
+)
+async def events(
+    auth: Auth, ctx: Ctx, last_event_id: Annotated[Optional[str], Header(max_length=32)] = None
+) -> StreamingResponse:
+    return StreamingResponse(
+        services.open_event_stream(ctx, auth=auth, last_event_id=last_event_id),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )

@@ -31,23 +31,31 @@ from flexium.server.storage import AuthInfo
 
 _TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
 # autoescape for every template, whatever its file name: fragments hold client-sent text.
-TEMPLATES = Jinja2Templates(env=Environment(loader=FileSystemLoader(str(_TEMPLATE_DIR)),
-                                            autoescape=True, trim_blocks=True, lstrip_blocks=True))
+TEMPLATES = Jinja2Templates(
+    env=Environment(loader=FileSystemLoader(str(_TEMPLATE_DIR)), autoescape=True, trim_blocks=True, lstrip_blocks=True)
+)
 
 router = APIRouter(include_in_schema=False)
 
-_CSP = ("default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-        "connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'self'; "
-        "frame-ancestors 'none'")
-_HEADERS = {"Content-Security-Policy": _CSP, "X-Content-Type-Options": "nosniff",
-            "Referrer-Policy": "same-origin", "Cache-Control": "no-store"}
+_CSP = (
+    "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
+    "connect-src 'self'; object-src 'none'; base-uri 'none'; form-action 'self'; "
+    "frame-ancestors 'none'"
+)
+_HEADERS = {
+    "Content-Security-Policy": _CSP,
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "same-origin",
+    "Cache-Control": "no-store",
+}
 # How far back the table looks for each process's last finished command (see ``last_finished``).
 _COMMAND_SCAN = 500
 _RECENT_COMMANDS = 15
-_MAX_BATCH = 200            # ids or hosts one fragment request may name
+_MAX_BATCH = 200  # ids or hosts one fragment request may name
 
 
 # --- formatting (Jinja filters; static/dashboard.js formats ticking times the same way) -----
+
 
 def fmt_bytes(n: Optional[int]) -> str:
     if not n:
@@ -125,7 +133,7 @@ def membar(device: wire.DeviceInfo) -> dict[str, int]:
     f = round(1000 * ours / total)
     o = round(1000 * other / total)
     if ours and not f:
-        f = 1                                  # a job's sliver stays visible
+        f = 1  # a job's sliver stays visible
     return {"flexium": f, "other": o, "free": max(0, 1000 - f - o)}
 
 
@@ -140,14 +148,23 @@ def command_seconds(command: wire.CommandInfo) -> Optional[float]:
 
 
 TEMPLATES.env.filters.update(bytes=fmt_bytes, duration=fmt_duration)
-TEMPLATES.env.globals.update(fmt_ago=fmt_ago, job_name=job_name, gpu_label=gpu_label, membar=membar,
-                             command_seconds=command_seconds, DISPLAY_STATES=protocol.DISPLAY_STATES,
-                             CAP_MIGRATION=protocol.CAP_MIGRATION, CAP_PAUSE_RESUME=protocol.CAP_PAUSE_RESUME,
-                             CAP_FAST_PATH=protocol.CAP_FAST_PATH, CAP_FAST_PATH_PROBLEM=protocol.CAP_FAST_PATH_PROBLEM,
-                             TARGETABLE_HEALTH=protocol.TARGETABLE_HEALTH)
+TEMPLATES.env.globals.update(
+    fmt_ago=fmt_ago,
+    job_name=job_name,
+    gpu_label=gpu_label,
+    membar=membar,
+    command_seconds=command_seconds,
+    DISPLAY_STATES=protocol.DISPLAY_STATES,
+    CAP_MIGRATION=protocol.CAP_MIGRATION,
+    CAP_PAUSE_RESUME=protocol.CAP_PAUSE_RESUME,
+    CAP_FAST_PATH=protocol.CAP_FAST_PATH,
+    CAP_FAST_PATH_PROBLEM=protocol.CAP_FAST_PATH_PROBLEM,
+    TARGETABLE_HEALTH=protocol.TARGETABLE_HEALTH,
+)
 
 
 # --- what the page shows, read in one transaction ---------------------------------------------
+
 
 def last_finished(commands: list[wire.CommandInfo]) -> dict[str, wire.CommandInfo]:
     """process id -> its newest finished command, from commands listed newest first."""
@@ -158,10 +175,19 @@ def last_finished(commands: list[wire.CommandInfo]) -> dict[str, wire.CommandInf
     return last
 
 
-def dashboard_view(*, session: Session, workspace_id: int, now: float, stale_after: float,
-                   process_ids: Optional[Sequence[str]] = None, hosts: Optional[Sequence[str]] = None,
-                   processes: bool = True, devices: bool = True, commands: bool = True,
-                   targets: Optional[str] = None) -> dict[str, Any]:
+def dashboard_view(
+    *,
+    session: Session,
+    workspace_id: int,
+    now: float,
+    stale_after: float,
+    process_ids: Optional[Sequence[str]] = None,
+    hosts: Optional[Sequence[str]] = None,
+    processes: bool = True,
+    devices: bool = True,
+    commands: bool = True,
+    targets: Optional[str] = None,
+) -> dict[str, Any]:
     """Processes, GPUs and recent commands through the API's storage functions, in one
     transaction so the parts agree with each other.
 
@@ -169,46 +195,69 @@ def dashboard_view(*, session: Session, workspace_id: int, now: float, stale_aft
     ``hosts`` says otherwise, the GPUs to their hosts; ``hosts`` narrows the GPUs. ``targets``
     (migrate or resume) judges the GPUs of the first process as targets of that command:
     ``storage.judge_targets``, the rules the API enforces."""
-    view: dict[str, Any] = {"now": now, "stale_after": stale_after,
-                            "gpu_indexes": storage.device_indexes(session, workspace_id=workspace_id)}
+    view: dict[str, Any] = {
+        "now": now,
+        "stale_after": stale_after,
+        "gpu_indexes": storage.device_indexes(session, workspace_id=workspace_id),
+    }
     if process_ids is not None:
         view["processes"], view["last"] = [], {}
         for process_id in process_ids:
             try:
-                view["processes"].append(storage.get_process(
-                    session=session, workspace_id=workspace_id, process_id=process_id, now=now,
-                    stale_after=stale_after))
+                view["processes"].append(
+                    storage.get_process(
+                        session=session,
+                        workspace_id=workspace_id,
+                        process_id=process_id,
+                        now=now,
+                        stale_after=stale_after,
+                    )
+                )
             except NotFound:
                 continue
-            view["last"].update(last_finished(storage.list_commands(
-                session=session, workspace_id=workspace_id, process_id=process_id, limit=20)))
+            view["last"].update(
+                last_finished(
+                    storage.list_commands(session=session, workspace_id=workspace_id, process_id=process_id, limit=20)
+                )
+            )
         if hosts is None:
             hosts = sorted({p.host for p in view["processes"]})
     elif processes:
-        view["processes"] = storage.list_processes(session=session, workspace_id=workspace_id,
-                                                   now=now, stale_after=stale_after)
+        view["processes"] = storage.list_processes(
+            session=session, workspace_id=workspace_id, now=now, stale_after=stale_after
+        )
         scanned = storage.list_commands(session=session, workspace_id=workspace_id, limit=_COMMAND_SCAN)
         view["last"] = last_finished(scanned)
         view["commands"] = scanned[:_RECENT_COMMANDS]
     if commands and "commands" not in view:
-        view["commands"] = storage.list_commands(session=session, workspace_id=workspace_id,
-                                                 limit=_RECENT_COMMANDS)
+        view["commands"] = storage.list_commands(session=session, workspace_id=workspace_id, limit=_RECENT_COMMANDS)
     if devices:
         if hosts is None:
-            view["hosts"] = storage.list_devices(session=session, workspace_id=workspace_id, now=now,
-                                                 stale_after=stale_after).hosts
+            view["hosts"] = storage.list_devices(
+                session=session, workspace_id=workspace_id, now=now, stale_after=stale_after
+            ).hosts
         else:
-            view["hosts"] = [entry for host in hosts for entry in storage.list_devices(
-                session=session, workspace_id=workspace_id, now=now, stale_after=stale_after,
-                host=host).hosts]
+            view["hosts"] = [
+                entry
+                for host in hosts
+                for entry in storage.list_devices(
+                    session=session, workspace_id=workspace_id, now=now, stale_after=stale_after, host=host
+                ).hosts
+            ]
     if targets is not None and view.get("processes"):
         view["targets"] = storage.judge_targets(
-            session=session, workspace_id=workspace_id, process_id=view["processes"][0].process_id,
-            kind=targets, now=now, stale_after=stale_after)
+            session=session,
+            workspace_id=workspace_id,
+            process_id=view["processes"][0].process_id,
+            kind=targets,
+            now=now,
+            stale_after=stale_after,
+        )
     return view
 
 
 # --- auth and responses -----------------------------------------------------------------------
+
 
 class SignedOut(Exception):
     """No valid login cookie: the app answers with ``response`` (see ``install_error_handlers``)."""
@@ -221,12 +270,16 @@ class SignedOut(Exception):
 def _signed_in(*, redirect: bool) -> Callable[[Request, ServerContext], Awaitable[AuthInfo]]:
     """The one check of the dashboard's login cookie. The page sends a person without one to
     the login form; fragments answer 401 instead, and the script sends the person there."""
+
     async def page_auth(request: Request, ctx: Ctx) -> AuthInfo:
         token = request.cookies.get(protocol.TOKEN_COOKIE)
         auth = await resolve_token(ctx, token) if token else None
         if auth is None:
-            raise SignedOut(RedirectResponse("/login", status_code=303) if redirect else
-                            Response("log in again", status_code=401, media_type="text/plain", headers=_HEADERS))
+            raise SignedOut(
+                RedirectResponse("/login", status_code=303)
+                if redirect
+                else Response("log in again", status_code=401, media_type="text/plain", headers=_HEADERS)
+            )
         return auth
 
     return page_auth
@@ -241,14 +294,21 @@ def _render(request: Request, name: str, context: dict[str, Any], status_code: i
 
 
 async def _view(request: Request, ctx: Ctx, auth: AuthInfo, **narrow: Any) -> dict[str, Any]:
-    view = await ctx.db.call(dashboard_view, write=False, workspace_id=auth.workspace_id,
-                             now=time.time(), stale_after=ctx.settings.stale_after_s, **narrow)
+    view = await ctx.db.call(
+        dashboard_view,
+        write=False,
+        workspace_id=auth.workspace_id,
+        now=time.time(),
+        stale_after=ctx.settings.stale_after_s,
+        **narrow,
+    )
     view["workspace"] = auth.workspace
     view["api_base"] = protocol.workspace_path(auth.workspace)
     return view
 
 
 # --- the page ---------------------------------------------------------------------------------
+
 
 @router.get("/", response_class=HTMLResponse)
 async def index(request: Request, ctx: Ctx, auth: PageAuth) -> Response:
@@ -266,32 +326,43 @@ async def index(request: Request, ctx: Ctx, auth: PageAuth) -> Response:
 
 # --- fragments (the script swaps these in on live events) -------------------------------------
 
+
 @router.get("/ui/processes", response_class=HTMLResponse)
-async def process_rows(request: Request, ctx: Ctx, auth: FragmentAuth,
-                       ids: Annotated[Optional[list[str]], Query(alias="id")] = None) -> Response:
+async def process_rows(
+    request: Request, ctx: Ctx, auth: FragmentAuth, ids: Annotated[Optional[list[str]], Query(alias="id")] = None
+) -> Response:
     """Rows of the processes named by ``id`` (repeated; those gone are left out), else all."""
     narrow = {"process_ids": ids[:_MAX_BATCH]} if ids else {}
-    return _render(request, "fragments/rows.html",
-                   await _view(request, ctx, auth, devices=False, commands=False, **narrow))
+    return _render(
+        request, "fragments/rows.html", await _view(request, ctx, auth, devices=False, commands=False, **narrow)
+    )
 
 
 @router.get("/ui/processes/{process_id}/targets", response_class=HTMLResponse)
-async def target_form(request: Request, ctx: Ctx, auth: FragmentAuth, process_id: str,
-                      kind: str = Query("migrate", pattern="^(migrate|resume)$")) -> Response:
-    view = await _view(request, ctx, auth, process_ids=[process_id], commands=False, devices=False,
-                       targets=kind)
+async def target_form(
+    request: Request,
+    ctx: Ctx,
+    auth: FragmentAuth,
+    process_id: str,
+    kind: str = Query("migrate", pattern="^(migrate|resume)$"),
+) -> Response:
+    view = await _view(request, ctx, auth, process_ids=[process_id], commands=False, devices=False, targets=kind)
     if not view["processes"]:
         return Response("", status_code=404, headers=_HEADERS)
     view["process"] = view["processes"][0]
     judged = view["targets"]
-    view.update(kind=kind, fits=[t.device for t in judged if t.refusal is None],
-                refused=[(t.device, t.refusal) for t in judged if t.refusal is not None])
+    view.update(
+        kind=kind,
+        fits=[t.device for t in judged if t.refusal is None],
+        refused=[(t.device, t.refusal) for t in judged if t.refusal is not None],
+    )
     return _render(request, "fragments/targets.html", view)
 
 
 @router.get("/ui/devices", response_class=HTMLResponse)
-async def device_cards(request: Request, ctx: Ctx, auth: FragmentAuth,
-                       hosts: Annotated[Optional[list[str]], Query(alias="host")] = None) -> Response:
+async def device_cards(
+    request: Request, ctx: Ctx, auth: FragmentAuth, hosts: Annotated[Optional[list[str]], Query(alias="host")] = None
+) -> Response:
     """GPU cards of the hosts named by ``host`` (repeated), else of all hosts."""
     narrow = {"hosts": hosts[:_MAX_BATCH]} if hosts else {}
     view = await _view(request, ctx, auth, processes=False, commands=False, **narrow)
@@ -300,11 +371,11 @@ async def device_cards(request: Request, ctx: Ctx, auth: FragmentAuth,
 
 @router.get("/ui/commands", response_class=HTMLResponse)
 async def recent_commands(request: Request, ctx: Ctx, auth: FragmentAuth) -> Response:
-    return _render(request, "fragments/commands.html",
-                   await _view(request, ctx, auth, processes=False, devices=False))
+    return _render(request, "fragments/commands.html", await _view(request, ctx, auth, processes=False, devices=False))
 
 
 # --- log in / out -----------------------------------------------------------------------------
+
 
 @router.get("/login", response_class=HTMLResponse)
 async def login_page(request: Request) -> Response:
@@ -319,8 +390,14 @@ async def login(request: Request, ctx: Ctx) -> Response:
     if auth is None:
         return _render(request, "login.html", {"error": "invalid or revoked token"}, status_code=401)
     response = RedirectResponse("/", status_code=303)
-    response.set_cookie(protocol.TOKEN_COOKIE, token, httponly=True, samesite="strict",
-                        secure=request.url.scheme == "https", max_age=30 * 24 * 3600)
+    response.set_cookie(
+        protocol.TOKEN_COOKIE,
+        token,
+        httponly=True,
+        samesite="strict",
+        secure=request.url.scheme == "https",
+        max_age=30 * 24 * 3600,
+    )
     return response
 
 

@@ -21,8 +21,12 @@ def _ping(*, session: Any) -> None:
     session.execute(text("SELECT 1"))
 
 
-@router.get("/healthz", response_model=wire.HealthInfo, responses={503: {"model": wire.HealthInfo}},
-            summary="200 when the database answers")
+@router.get(
+    "/healthz",
+    response_model=wire.HealthInfo,
+    responses={503: {"model": wire.HealthInfo}},
+    summary="200 when the database answers",
+)
 async def healthz(ctx: Ctx) -> Any:
     try:
         await ctx.db.call(_ping, write=False)
@@ -31,7 +35,11 @@ async def healthz(ctx: Ctx) -> Any:
     return {"status": "ok", "database": ctx.db.dialect}
 
 
-@router.get("/metrics", response_class=Response, summary="Prometheus text format",
-            responses={200: {"content": {"text/plain": {}}}})
+@router.get(
+    "/metrics",
+    response_class=Response,
+    summary="Prometheus text format",
+    responses={200: {"content": {"text/plain": {}}}},
+)
 async def metrics(ctx: Ctx) -> Response:
     return Response(await services.metrics_text(ctx), media_type=CONTENT_TYPE)

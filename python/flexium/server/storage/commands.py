@@ -21,8 +21,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from flexium import protocol, wire
-from flexium.server.errors import (Busy, CapabilityMissing, InvalidRequest, InvalidState, NotFound,
-                                   Stale, TargetRefused)
+from flexium.server.errors import Busy, CapabilityMissing, InvalidRequest, InvalidState, NotFound, Stale, TargetRefused
 from flexium.server.models import Command, Device, Process, table_of
 from flexium.server.storage.devices import find_device_hosts, host_devices, list_devices
 from flexium.server.storage.processes import active_command, apply_process_update, find_process, is_older
@@ -40,15 +39,17 @@ def _require_capability(proc: Process, key: str, what: str) -> None:
     caps = proc.capabilities or {}
     if not caps.get(key):
         # The process knows why (no GPU, no engine, driver too old...): its word first.
-        problems = [str(p) for p in caps.get("problems") or [] if p] if isinstance(
-            caps.get("problems"), list) else []
+        problems = [str(p) for p in caps.get("problems") or [] if p] if isinstance(caps.get("problems"), list) else []
         if problems:
-            raise CapabilityMissing(f"process {proc.process_id!r} cannot {what}: it reports no "
-                                    f"{key!r} capability: {'; '.join(problems)}")
+            raise CapabilityMissing(
+                f"process {proc.process_id!r} cannot {what}: it reports no {key!r} capability: {'; '.join(problems)}"
+            )
         driver = caps.get("driver_version") or proc.driver_version or "unknown"
         need = "580+" if key == protocol.CAP_MIGRATION else "550+"
-        raise CapabilityMissing(f"process {proc.process_id!r} cannot {what}: it reports no "
-                                f"{key!r} capability (driver {driver}; {what} needs driver {need})")
+        raise CapabilityMissing(
+            f"process {proc.process_id!r} cannot {what}: it reports no "
+            f"{key!r} capability (driver {driver}; {what} needs driver {need})"
+        )
 
 
 def resolve_target(session: Session, proc: Process, target: Union[str, int]) -> Device:
@@ -72,22 +73,20 @@ def resolve_target(session: Session, proc: Process, target: Union[str, int]) -> 
         if not ordinal.isdigit():
             raise InvalidRequest(f"target {text!r} is not 'cuda:N'")
         if not visible:
-            raise TargetRefused(f"process {proc.process_id!r} did not report its visible GPUs; "
-                                "name the target by UUID or by index")
+            raise TargetRefused(
+                f"process {proc.process_id!r} did not report its visible GPUs; name the target by UUID or by index"
+            )
         if int(ordinal) >= len(visible):
-            raise TargetRefused(f"process {proc.process_id!r} sees {len(visible)} GPU(s); "
-                                f"{text} is not one of them")
+            raise TargetRefused(f"process {proc.process_id!r} sees {len(visible)} GPU(s); {text} is not one of them")
         text = visible[int(ordinal)]
     if not text:
         raise InvalidRequest("target is empty")
     found = devices.get(text)
     if found is not None:
         return found
-    elsewhere = [h for h in find_device_hosts(session, workspace_id=proc.workspace_id, uuid=text)
-                 if h != proc.host]
+    elsewhere = [h for h in find_device_hosts(session, workspace_id=proc.workspace_id, uuid=text) if h != proc.host]
     if elsewhere:
-        raise TargetRefused(f"GPU {text} is on host {elsewhere[0]!r}, not on the process's "
-                            f"host {proc.host!r}")
+        raise TargetRefused(f"GPU {text} is on host {elsewhere[0]!r}, not on the process's host {proc.host!r}")
     raise TargetRefused(f"unknown GPU {text!r} on host {proc.host!r}")
 
 
@@ -96,8 +95,7 @@ def resolve_target(session: Session, proc: Process, target: Union[str, int]) -> 
 _RESUME_ELSEWHERE = "resuming on another GPU needs the migration capability"
 
 
-def target_refusal(proc: Process, dev: Device, *, kind: str, now: float,
-                   stale_after: float) -> Optional[str]:
+def target_refusal(proc: Process, dev: Device, *, kind: str, now: float, stale_after: float) -> Optional[str]:
     """Why GPU ``dev`` cannot take ``proc`` for a ``kind`` command, in a few words; None when
     it can. The one statement of the target rules: command creation raises it, the resume
     choice picks by it, the dashboard's dialog and ``GET .../targets`` show it."""
@@ -117,8 +115,12 @@ def target_refusal(proc: Process, dev: Device, *, kind: str, now: float,
     free = max(0, dev.memory_total - dev.memory_used)
     if free < need:
         return f"{_gib(free)} free, the job needs {_gib(need)}"
-    if (kind == "resume" and proc.gpu_uuid and dev.uuid != proc.gpu_uuid
-            and not (proc.capabilities or {}).get(protocol.CAP_MIGRATION)):
+    if (
+        kind == "resume"
+        and proc.gpu_uuid
+        and dev.uuid != proc.gpu_uuid
+        and not (proc.capabilities or {}).get(protocol.CAP_MIGRATION)
+    ):
         return _RESUME_ELSEWHERE
     return None
 
@@ -131,8 +133,9 @@ def _check_target(proc: Process, dev: Device, *, kind: str, now: float, stale_af
         raise TargetRefused(f"GPU {dev.uuid} cannot take process {proc.process_id!r}: {reason}")
 
 
-def judge_targets(*, session: Session, workspace_id: int, process_id: str, kind: str, now: float,
-                  stale_after: float) -> list[wire.TargetInfo]:
+def judge_targets(
+    *, session: Session, workspace_id: int, process_id: str, kind: str, now: float, stale_after: float
+) -> list[wire.TargetInfo]:
     """Every GPU of the process's host (by index) with ``refusal``: why a ``kind`` command
     (migrate or resume) to it would be refused, or None when it fits. The server still has
     the last word: the picture may change before a command is sent."""
@@ -140,15 +143,18 @@ def judge_targets(*, session: Session, workspace_id: int, process_id: str, kind:
         raise InvalidRequest(f"targets are judged for migrate or resume, not {kind!r}")
     proc = find_process(session, workspace_id=workspace_id, process_id=process_id)
     rows = host_devices(session, workspace_id=workspace_id, host=proc.host)
-    return [wire.TargetInfo(device=device, refusal=target_refusal(
-                proc, rows[device.uuid], kind=kind, now=now, stale_after=stale_after))
-            for entry in list_devices(session=session, workspace_id=workspace_id, now=now,
-                                      stale_after=stale_after, host=proc.host).hosts
-            for device in entry.devices]
+    return [
+        wire.TargetInfo(
+            device=device, refusal=target_refusal(proc, rows[device.uuid], kind=kind, now=now, stale_after=stale_after)
+        )
+        for entry in list_devices(
+            session=session, workspace_id=workspace_id, now=now, stale_after=stale_after, host=proc.host
+        ).hosts
+        for device in entry.devices
+    ]
 
 
-def _choose_resume_target(session: Session, proc: Process, *, now: float,
-                          stale_after: float) -> Optional[Device]:
+def _choose_resume_target(session: Session, proc: Process, *, now: float, stale_after: float) -> Optional[Device]:
     """Resume where it paused when that GPU has room; else the GPU ``target_refusal`` allows
     with the most free memory (another GPU only for a job that can migrate); None lets the
     process resume on its source (no device reports to judge by)."""
@@ -161,34 +167,43 @@ def _choose_resume_target(session: Session, proc: Process, *, now: float,
         home_refusal = target_refusal(proc, home, kind="resume", now=now, stale_after=stale_after)
         if home_refusal is None:
             return home
-    candidates = [dev for dev in devices.values() if target_refusal(
-        proc, dev, kind="resume", now=now, stale_after=stale_after) is None]
+    candidates = [
+        dev
+        for dev in devices.values()
+        if target_refusal(proc, dev, kind="resume", now=now, stale_after=stale_after) is None
+    ]
     if candidates and (proc.capabilities or {}).get(protocol.CAP_MIGRATION):
         return max(candidates, key=lambda d: (d.memory_total - d.memory_used, -(d.index or 0)))
     if home_refusal is not None:
-        raise TargetRefused(f"no GPU can take process {proc.process_id!r}: its own GPU "
-                            f"{proc.gpu_uuid}: {home_refusal}")
+        raise TargetRefused(f"no GPU can take process {proc.process_id!r}: its own GPU {proc.gpu_uuid}: {home_refusal}")
     if proc.gpu_uuid is None:
         return None
     raise TargetRefused(f"no GPU on host {proc.host!r} can take process {proc.process_id!r}")
 
 
-def create_command(*, session: Session, workspace_id: int, kind: str, process_id: str,
-                   target: Union[str, int, None] = None, now: float,
-                   stale_after: float) -> wire.CommandInfo:
+def create_command(
+    *,
+    session: Session,
+    workspace_id: int,
+    kind: str,
+    process_id: str,
+    target: Union[str, int, None] = None,
+    now: float,
+    stale_after: float,
+) -> wire.CommandInfo:
     if kind not in protocol.COMMAND_KINDS:
         raise InvalidRequest(f"unknown command kind {kind!r}: use migrate, pause or resume")
     proc = find_process(session, workspace_id=workspace_id, process_id=process_id, for_update=True)
     if is_stale(proc, now=now, stale_after=stale_after):
-        raise Stale(f"process {process_id!r} sent no heartbeat for {now - proc.last_seen:.0f} s; "
-                    "it is not listening")
+        raise Stale(f"process {process_id!r} sent no heartbeat for {now - proc.last_seen:.0f} s; it is not listening")
     active = active_command(session, process_pk=proc.pk)
     if active is not None:
-        raise Busy(f"process {process_id!r} already has command {active.id} ({active.kind}, "
-                   f"{active.state}); one at a time", detail={"command_id": active.id})
+        raise Busy(
+            f"process {process_id!r} already has command {active.id} ({active.kind}, {active.state}); one at a time",
+            detail={"command_id": active.id},
+        )
     if proc.state == protocol.FAILED:
-        raise InvalidState(f"cannot {kind} process {process_id!r}: an earlier rollback failed; "
-                           "restart the job")
+        raise InvalidState(f"cannot {kind} process {process_id!r}: an earlier rollback failed; restart the job")
     device: Optional[Device] = None
     if kind == "migrate":
         if proc.state != "RUNNING":
@@ -214,8 +229,15 @@ def create_command(*, session: Session, workspace_id: int, kind: str, process_id
             _check_target(proc, device, kind=kind, now=now, stale_after=stale_after)
         else:
             device = _choose_resume_target(session, proc, now=now, stale_after=stale_after)
-    row = Command(workspace_id=workspace_id, process_pk=proc.pk, kind=kind, state="queued",
-                  target_uuid=device.uuid if device else None, created_at=now, deliveries=0)
+    row = Command(
+        workspace_id=workspace_id,
+        process_pk=proc.pk,
+        kind=kind,
+        state="queued",
+        target_uuid=device.uuid if device else None,
+        created_at=now,
+        deliveries=0,
+    )
     session.add(row)
     try:
         session.flush()
@@ -224,10 +246,14 @@ def create_command(*, session: Session, workspace_id: int, kind: str, process_id
     return command_view(row, process_id)
 
 
-def _find_command(session: Session, *, workspace_id: int, command_id: int,
-                  for_update: bool = False) -> tuple[Command, Process]:
-    query = (select(Command, Process).join(Process, Process.pk == Command.process_pk)
-             .where(Command.id == command_id, Command.workspace_id == workspace_id))
+def _find_command(
+    session: Session, *, workspace_id: int, command_id: int, for_update: bool = False
+) -> tuple[Command, Process]:
+    query = (
+        select(Command, Process)
+        .join(Process, Process.pk == Command.process_pk)
+        .where(Command.id == command_id, Command.workspace_id == workspace_id)
+    )
     if for_update:
         query = query.with_for_update()
     row = session.execute(query).first()
@@ -241,12 +267,21 @@ def get_command(*, session: Session, workspace_id: int, command_id: int) -> wire
     return command_view(cmd, proc.process_id)
 
 
-def list_commands(*, session: Session, workspace_id: int, process_id: Optional[str] = None,
-                  state: Optional[str] = None, limit: int = 100,
-                  before_id: Optional[int] = None) -> list[wire.CommandInfo]:
+def list_commands(
+    *,
+    session: Session,
+    workspace_id: int,
+    process_id: Optional[str] = None,
+    state: Optional[str] = None,
+    limit: int = 100,
+    before_id: Optional[int] = None,
+) -> list[wire.CommandInfo]:
     """Newest first; page with ``before_id`` (the smallest id of the previous page)."""
-    query = (select(Command, Process.process_id).join(Process, Process.pk == Command.process_pk)
-             .where(Command.workspace_id == workspace_id))
+    query = (
+        select(Command, Process.process_id)
+        .join(Process, Process.pk == Command.process_pk)
+        .where(Command.workspace_id == workspace_id)
+    )
     if process_id:
         query = query.where(Process.process_id == process_id)
     if state:
@@ -268,21 +303,31 @@ def peek_command(*, session: Session, workspace_id: int, process_id: str) -> tup
 
 _P = table_of(Process)
 _C = table_of(Command)
-_PEEK = select(_P.c.host, select(_C.c.id).where(
-    _C.c.process_pk == _P.c.pk, _C.c.state.in_(protocol.PENDING_COMMAND_STATES))
-    .order_by(_C.c.id).limit(1).scalar_subquery()).where(
-    _P.c.workspace_id == bindparam("ws"), _P.c.process_id == bindparam("pid"))
+_PEEK = select(
+    _P.c.host,
+    select(_C.c.id)
+    .where(_C.c.process_pk == _P.c.pk, _C.c.state.in_(protocol.PENDING_COMMAND_STATES))
+    .order_by(_C.c.id)
+    .limit(1)
+    .scalar_subquery(),
+).where(_P.c.workspace_id == bindparam("ws"), _P.c.process_id == bindparam("pid"))
 
 
 def pending_commands(*, session: Session) -> list[tuple[int, str, int]]:
     """(workspace id, process id, command id) of every queued or delivered command."""
-    return [(ws, pid, cid) for ws, pid, cid in session.execute(
-        select(_C.c.workspace_id, _P.c.process_id, _C.c.id).join(_P, _P.c.pk == _C.c.process_pk)
-        .where(_C.c.state.in_(protocol.PENDING_COMMAND_STATES)))]
+    return [
+        (ws, pid, cid)
+        for ws, pid, cid in session.execute(
+            select(_C.c.workspace_id, _P.c.process_id, _C.c.id)
+            .join(_P, _P.c.pk == _C.c.process_pk)
+            .where(_C.c.state.in_(protocol.PENDING_COMMAND_STATES))
+        )
+    ]
 
 
-def next_command(*, session: Session, workspace_id: int, process_id: str,
-                 now: float) -> tuple[Optional[wire.CommandInfo], bool]:
+def next_command(
+    *, session: Session, workspace_id: int, process_id: str, now: float
+) -> tuple[Optional[wire.CommandInfo], bool]:
     """The command a long-poll hands out, marked delivered, in one statement; (command or
     None, whether this is its first delivery). None also when the process is unknown: the
     route's ``peek_command`` tells those apart."""
@@ -294,33 +339,48 @@ def next_command(*, session: Session, workspace_id: int, process_id: str,
 
 
 _COLUMNS = [c.name for c in _C.columns]
-_DELIVER = (update(_C).where(_C.c.id == select(_C.c.id).join(_P, _P.c.pk == _C.c.process_pk).where(
-    _P.c.workspace_id == bindparam("ws"), _P.c.process_id == bindparam("pid"),
-    _C.c.state.in_(protocol.PENDING_COMMAND_STATES)).order_by(_C.c.id).limit(1).scalar_subquery())
-    .values(state="delivered", deliveries=_C.c.deliveries + 1,
-            delivered_at=func.coalesce(_C.c.delivered_at, bindparam("now")))
-    .returning(*_C.columns))
+_DELIVER = (
+    update(_C)
+    .where(
+        _C.c.id
+        == select(_C.c.id)
+        .join(_P, _P.c.pk == _C.c.process_pk)
+        .where(
+            _P.c.workspace_id == bindparam("ws"),
+            _P.c.process_id == bindparam("pid"),
+            _C.c.state.in_(protocol.PENDING_COMMAND_STATES),
+        )
+        .order_by(_C.c.id)
+        .limit(1)
+        .scalar_subquery()
+    )
+    .values(
+        state="delivered",
+        deliveries=_C.c.deliveries + 1,
+        delivered_at=func.coalesce(_C.c.delivered_at, bindparam("now")),
+    )
+    .returning(*_C.columns)
+)
 
 
-def report_command(*, session: Session, workspace_id: int, command_id: int,
-                   report: wire.CommandReport, now: float,
-                   stale_after: float) -> tuple[wire.CommandInfo, Optional[wire.ProcessInfo], bool]:
+def report_command(
+    *, session: Session, workspace_id: int, command_id: int, report: wire.CommandReport, now: float, stale_after: float
+) -> tuple[wire.CommandInfo, Optional[wire.ProcessInfo], bool]:
     """Apply a process's report; returns (command, process after it, changed).
 
     Repeating a report is harmless (the client retries until the server answers). A report
     on an expired command is accepted: the process did act, and its word is the truth.
     """
     state = report.state
-    cmd, proc = _find_command(session, workspace_id=workspace_id, command_id=command_id,
-                              for_update=True)
+    cmd, proc = _find_command(session, workspace_id=workspace_id, command_id=command_id, for_update=True)
     if cmd.state == state or (state == "running" and cmd.state in ("succeeded", "failed")):
-        return command_view(cmd, proc.process_id), None, False    # a retry, or a late ack
+        return command_view(cmd, proc.process_id), None, False  # a retry, or a late ack
     if cmd.state in ("succeeded", "failed"):
         raise InvalidState(f"command {command_id} already {cmd.state}; it cannot become {state}")
     cmd.state = state
     update = report.process if report.process is not None else wire.ProcessUpdate()
     if is_older(update.seq, proc.state_seq):
-        update = wire.ProcessUpdate()     # a heartbeat built later already said where it is
+        update = wire.ProcessUpdate()  # a heartbeat built later already said where it is
     elif update.seq is not None:
         proc.state_seq = update.seq
     if state == "running":
@@ -336,16 +396,20 @@ def report_command(*, session: Session, workspace_id: int, command_id: int,
             update = _location_after(session, proc, cmd, update)
     apply_process_update(proc, update)
     if proc.memory_bytes:
-        proc.footprint_bytes = max(proc.footprint_bytes, proc.memory_bytes) \
-            if proc.state == "PAUSED" else proc.memory_bytes
+        proc.footprint_bytes = (
+            max(proc.footprint_bytes, proc.memory_bytes) if proc.state == "PAUSED" else proc.memory_bytes
+        )
     proc.last_seen = max(proc.last_seen, now)
     try:
         session.flush()
     except IntegrityError:
         raise Busy(f"process {proc.process_id!r} got another command after {command_id} expired") from None
     active = cmd if cmd.state in protocol.ACTIVE_COMMAND_STATES else None
-    return (command_view(cmd, proc.process_id),
-            process_view(proc, now=now, stale_after=stale_after, active=active), True)
+    return (
+        command_view(cmd, proc.process_id),
+        process_view(proc, now=now, stale_after=stale_after, active=active),
+        True,
+    )
 
 
 def _settle_process(proc: Process, cmd: Command, *, succeeded: bool) -> None:
@@ -365,8 +429,7 @@ def _settle_process(proc: Process, cmd: Command, *, succeeded: bool) -> None:
         proc.memory_bytes = proc.footprint_bytes
 
 
-def _location_after(session: Session, proc: Process, cmd: Command,
-                    update: wire.ProcessUpdate) -> wire.ProcessUpdate:
+def _location_after(session: Session, proc: Process, cmd: Command, update: wire.ProcessUpdate) -> wire.ProcessUpdate:
     """The process's own update, with the location a succeeded move sent it to filled in
     where the update says nothing of it (the GPU's index and the job's ``cuda:N`` are derived
     from the target UUID here, never stored with the command)."""
@@ -374,8 +437,10 @@ def _location_after(session: Session, proc: Process, cmd: Command,
         return update
     target = host_devices(session, workspace_id=proc.workspace_id, host=proc.host).get(cmd.target_uuid)
     visible = list(proc.visible_gpus or [])
-    derived: dict[str, object] = {"gpu_uuid": cmd.target_uuid,
-                                  "gpu_index": target.index if target is not None else None}
+    derived: dict[str, object] = {
+        "gpu_uuid": cmd.target_uuid,
+        "gpu_index": target.index if target is not None else None,
+    }
     if cmd.target_uuid in visible:
         derived["physical_device"] = f"cuda:{visible.index(cmd.target_uuid)}"
     stated = {name: getattr(update, name) for name in update.model_fields_set}

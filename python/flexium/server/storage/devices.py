@@ -17,20 +17,20 @@ from flexium.server.models import Device, Process, table_of
 _FIELDS = ("index", "name", "memory_total", "memory_used", "utilization", "temperature", "health")
 
 
-def upsert_devices(*, session: Session, workspace_id: int, host: str,
-                   devices: Iterable[wire.GpuReport], now: float) -> None:
+def upsert_devices(
+    *, session: Session, workspace_id: int, host: str, devices: Iterable[wire.GpuReport], now: float
+) -> None:
     """Insert or update a host's GPUs in one statement. The jobs of one host report the same
     GPUs, often at the same moment: ON CONFLICT makes that race harmless on both databases."""
     rows = {}
     for report in devices:
-        row: dict[str, Any] = {"workspace_id": workspace_id, "host": host, "uuid": report.uuid,
-                               "updated_at": now}
+        row: dict[str, Any] = {"workspace_id": workspace_id, "host": host, "uuid": report.uuid, "updated_at": now}
         for name in _FIELDS:
             value = getattr(report, name)
             if value is None and name in _NOT_NULL:
                 value = _NOT_NULL[name]
             row[name] = value
-        rows[row["uuid"]] = row                 # a GPU listed twice: the last one wins
+        rows[row["uuid"]] = row  # a GPU listed twice: the last one wins
     if not rows:
         return
     dialect = session.get_bind().dialect.name
@@ -40,7 +40,8 @@ def upsert_devices(*, session: Session, workspace_id: int, host: str,
     stmt = insert(table_of(Device)).values([rows[uuid] for uuid in sorted(rows)])
     stmt = stmt.on_conflict_do_update(
         index_elements=["workspace_id", "host", "uuid"],
-        set_={name: stmt.excluded[name] for name in (*_FIELDS, "updated_at")})
+        set_={name: stmt.excluded[name] for name in (*_FIELDS, "updated_at")},
+    )
     session.execute(stmt)
 
 
@@ -49,18 +50,25 @@ _NOT_NULL: dict[str, Any] = {"name": "", "memory_total": 0, "memory_used": 0, "h
 
 def device_view(row: Device, *, flexium_bytes: int, processes: list[str]) -> wire.DeviceInfo:
     return wire.DeviceInfo(
-        uuid=row.uuid, index=row.index, name=row.name,
-        memory_total=row.memory_total, memory_used=row.memory_used,
+        uuid=row.uuid,
+        index=row.index,
+        name=row.name,
+        memory_total=row.memory_total,
+        memory_used=row.memory_used,
         memory_flexium=flexium_bytes,
         memory_other=max(0, row.memory_used - flexium_bytes),
         memory_free=max(0, row.memory_total - row.memory_used),
-        utilization=row.utilization, temperature=row.temperature,
-        health=row.health, updated_at=row.updated_at, processes=processes,
+        utilization=row.utilization,
+        temperature=row.temperature,
+        health=row.health,
+        updated_at=row.updated_at,
+        processes=processes,
     )
 
 
-def list_devices(*, session: Session, workspace_id: int, now: float, stale_after: float,
-                 host: str | None = None) -> wire.DevicesResponse:
+def list_devices(
+    *, session: Session, workspace_id: int, now: float, stale_after: float, host: str | None = None
+) -> wire.DevicesResponse:
     """Hosts by name, each with its devices by index."""
     query = select(Device).where(Device.workspace_id == workspace_id)
     if host:
@@ -68,18 +76,20 @@ def list_devices(*, session: Session, workspace_id: int, now: float, stale_after
     rows = list(session.scalars(query.order_by(Device.host, Device.index, Device.uuid)))
     cutoff = now - stale_after
     on_gpu: dict[tuple[str, str], tuple[int, list[str]]] = {}
-    for proc in session.execute(select(Process.process_id, Process.host, Process.gpu_uuid,
-                                       Process.memory_bytes, Process.state).where(
-            Process.workspace_id == workspace_id, Process.last_seen >= cutoff,
-            Process.gpu_uuid.is_not(None))):
+    for proc in session.execute(
+        select(Process.process_id, Process.host, Process.gpu_uuid, Process.memory_bytes, Process.state).where(
+            Process.workspace_id == workspace_id, Process.last_seen >= cutoff, Process.gpu_uuid.is_not(None)
+        )
+    ):
         key = (proc.host, proc.gpu_uuid)
         used, names = on_gpu.get(key, (0, []))
         held = 0 if proc.state == "PAUSED" else proc.memory_bytes
         on_gpu[key] = (used + held, names + [proc.process_id])
     hosts: dict[str, wire.HostInfo] = {}
     for row in rows:
-        entry = hosts.setdefault(row.host, wire.HostInfo(host=row.host, updated_at=row.updated_at,
-                                                         stale=True, devices=[]))
+        entry = hosts.setdefault(
+            row.host, wire.HostInfo(host=row.host, updated_at=row.updated_at, stale=True, devices=[])
+        )
         entry.updated_at = max(entry.updated_at, row.updated_at)
         entry.stale = entry.updated_at < cutoff
         used, names = on_gpu.get((row.host, row.uuid), (0, []))
@@ -88,19 +98,20 @@ def list_devices(*, session: Session, workspace_id: int, now: float, stale_after
 
 
 def host_devices(session: Session, *, workspace_id: int, host: str) -> dict[str, Device]:
-    return {d.uuid: d for d in session.scalars(select(Device).where(
-        Device.workspace_id == workspace_id, Device.host == host))}
+    return {
+        d.uuid: d
+        for d in session.scalars(select(Device).where(Device.workspace_id == workspace_id, Device.host == host))
+    }
 
 
 def device_indexes(session: Session, *, workspace_id: int) -> dict[str, Optional[int]]:
     """GPU UUID -> nvidia-smi index, for showing a command's target (commands store only the
     UUID)."""
-    return {uuid: index for uuid, index in session.execute(
-        select(Device.uuid, Device.index).where(Device.workspace_id == workspace_id))}
+    return {
+        uuid: index
+        for uuid, index in session.execute(select(Device.uuid, Device.index).where(Device.workspace_id == workspace_id))
+    }
 
 
 def find_device_hosts(session: Session, *, workspace_id: int, uuid: str) -> list[str]:
-    return list(session.scalars(select(Device.host).where(Device.workspace_id == workspace_id,
-                                                          Device.uuid == uuid)))
-
-
+    return list(session.scalars(select(Device.host).where(Device.workspace_id == workspace_id, Device.uuid == uuid)))

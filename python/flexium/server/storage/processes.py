@@ -15,10 +15,25 @@ from flexium.server.models import Command, Process, table_of
 from flexium.server.storage.devices import upsert_devices
 from flexium.server.storage.views import process_view
 
-_REGISTER_FIELDS = ("host", "user", "pid", "gpu_uuid", "gpu_model", "gpu_index", "logical_device",
-                    "physical_device", "visible_gpus", "torch_version", "driver_version",
-                    "flexium_version", "capabilities", "memory_bytes", "state", "started_at",
-                    "cmdline")
+_REGISTER_FIELDS = (
+    "host",
+    "user",
+    "pid",
+    "gpu_uuid",
+    "gpu_model",
+    "gpu_index",
+    "logical_device",
+    "physical_device",
+    "visible_gpus",
+    "torch_version",
+    "driver_version",
+    "flexium_version",
+    "capabilities",
+    "memory_bytes",
+    "state",
+    "started_at",
+    "cmdline",
+)
 # Fields whose change is worth a live event to dashboards (not last_seen: that is every beat).
 _WATCHED = ("state", "memory_bytes", "gpu_uuid", "gpu_index", "physical_device")
 
@@ -27,6 +42,7 @@ _WATCHED = ("state", "memory_bytes", "gpu_uuid", "gpu_index", "physical_device")
 class ProcessSnapshot:
     """What the server keeps in memory about a process to answer plain heartbeats without the
     database (see ``record_beats``)."""
+
     pk: int
     host: str
     state: str
@@ -39,9 +55,17 @@ class ProcessSnapshot:
 
     @classmethod
     def of(cls, row: Process) -> "ProcessSnapshot":
-        return cls(pk=row.pk, host=row.host, state=row.state, memory_bytes=row.memory_bytes,
-                   footprint_bytes=row.footprint_bytes, gpu_uuid=row.gpu_uuid, gpu_index=row.gpu_index,
-                   physical_device=row.physical_device, last_seen=row.last_seen)
+        return cls(
+            pk=row.pk,
+            host=row.host,
+            state=row.state,
+            memory_bytes=row.memory_bytes,
+            footprint_bytes=row.footprint_bytes,
+            gpu_uuid=row.gpu_uuid,
+            gpu_index=row.gpu_index,
+            physical_device=row.physical_device,
+            last_seen=row.last_seen,
+        )
 
     def unchanged_by(self, report: wire.HeartbeatRequest) -> bool:
         """True when applying ``report`` (a heartbeat whose devices, if any, need no write)
@@ -49,7 +73,7 @@ class ProcessSnapshot:
         for name in report.model_fields_set:
             value = getattr(report, name)
             if name in ("seq", "devices"):
-                continue                  # plain beats need not move seq: see ``heartbeat``
+                continue  # plain beats need not move seq: see ``heartbeat``
             if name == "footprint_bytes":
                 if value is not None and value != self.footprint_bytes:
                     return False
@@ -62,14 +86,12 @@ class ProcessSnapshot:
 class HeartbeatOutcome:
     host: str
     pending_command: Optional[int]
-    changed: Optional[wire.ProcessInfo]   # the process, when a watched field changed
+    changed: Optional[wire.ProcessInfo]  # the process, when a watched field changed
     snapshot: ProcessSnapshot
 
 
-def find_process(session: Session, *, workspace_id: int, process_id: str,
-                 for_update: bool = False) -> Process:
-    query = select(Process).where(Process.workspace_id == workspace_id,
-                                  Process.process_id == process_id)
+def find_process(session: Session, *, workspace_id: int, process_id: str, for_update: bool = False) -> Process:
+    query = select(Process).where(Process.workspace_id == workspace_id, Process.process_id == process_id)
     if for_update:
         query = query.with_for_update()
     row = session.scalar(query)
@@ -79,9 +101,12 @@ def find_process(session: Session, *, workspace_id: int, process_id: str,
 
 
 def active_command(session: Session, *, process_pk: int) -> Optional[Command]:
-    return session.scalar(select(Command).where(
-        Command.process_pk == process_pk,
-        Command.state.in_(protocol.ACTIVE_COMMAND_STATES)).order_by(Command.id).limit(1))
+    return session.scalar(
+        select(Command)
+        .where(Command.process_pk == process_pk, Command.state.in_(protocol.ACTIVE_COMMAND_STATES))
+        .order_by(Command.id)
+        .limit(1)
+    )
 
 
 def _apply_footprint(row: Process, *, footprint: Optional[int]) -> None:
@@ -105,24 +130,28 @@ def apply_process_update(row: Process, update: Union[wire.ProcessUpdate, wire.He
 _UPDATED = ("state", "memory_bytes", "gpu_uuid", "gpu_index", "physical_device")
 
 
-def register_process(*, session: Session, workspace_id: int, report: wire.RegisterRequest, now: float,
-                     stale_after: float) -> tuple[wire.ProcessInfo, bool]:
+def register_process(
+    *, session: Session, workspace_id: int, report: wire.RegisterRequest, now: float, stale_after: float
+) -> tuple[wire.ProcessInfo, bool]:
     process, created, _snapshot = register_process_snapshot(
-        session=session, workspace_id=workspace_id, report=report, now=now, stale_after=stale_after)
+        session=session, workspace_id=workspace_id, report=report, now=now, stale_after=stale_after
+    )
     return process, created
 
 
-def register_process_snapshot(*, session: Session, workspace_id: int, report: wire.RegisterRequest,
-                              now: float, stale_after: float) -> tuple[wire.ProcessInfo, bool, ProcessSnapshot]:
+def register_process_snapshot(
+    *, session: Session, workspace_id: int, report: wire.RegisterRequest, now: float, stale_after: float
+) -> tuple[wire.ProcessInfo, bool, ProcessSnapshot]:
     """Create or refresh a process from its registration (every field is replaced; missing
     ones take their defaults); returns (process, created)."""
-    row = session.scalar(select(Process).where(Process.workspace_id == workspace_id,
-                                               Process.process_id == report.process_id)
-                         .with_for_update())
+    row = session.scalar(
+        select(Process)
+        .where(Process.workspace_id == workspace_id, Process.process_id == report.process_id)
+        .with_for_update()
+    )
     created = row is None
     if row is None:
-        row = Process(workspace_id=workspace_id, process_id=report.process_id,
-                      registered_at=now, footprint_bytes=0)
+        row = Process(workspace_id=workspace_id, process_id=report.process_id, registered_at=now, footprint_bytes=0)
         session.add(row)
     for name in _REGISTER_FIELDS:
         setattr(row, name, getattr(report, name))
@@ -131,18 +160,15 @@ def register_process_snapshot(*, session: Session, workspace_id: int, report: wi
     _apply_footprint(row, footprint=report.footprint_bytes)
     session.flush()
     if report.devices:
-        upsert_devices(session=session, workspace_id=workspace_id, host=row.host,
-                       devices=report.devices, now=now)
+        upsert_devices(session=session, workspace_id=workspace_id, host=row.host, devices=report.devices, now=now)
     active = None if created else active_command(session, process_pk=row.pk)
-    return (process_view(row, now=now, stale_after=stale_after, active=active), created,
-            ProcessSnapshot.of(row))
+    return (process_view(row, now=now, stale_after=stale_after, active=active), created, ProcessSnapshot.of(row))
 
 
 def load_snapshots(*, session: Session) -> list[tuple[int, str, ProcessSnapshot]]:
     """Every process, for a server that starts with jobs attached: their next heartbeats and
     polls need no database work."""
-    return [(row.workspace_id, row.process_id, ProcessSnapshot.of(row))
-            for row in session.scalars(select(Process))]
+    return [(row.workspace_id, row.process_id, ProcessSnapshot.of(row)) for row in session.scalars(select(Process))]
 
 
 def is_older(seq: Optional[int], applied: Optional[int]) -> bool:
@@ -151,8 +177,16 @@ def is_older(seq: Optional[int], applied: Optional[int]) -> bool:
     return seq is not None and applied is not None and seq < applied
 
 
-def heartbeat(*, session: Session, workspace_id: int, process_id: str, report: wire.HeartbeatRequest,
-              now: float, stale_after: float, write_devices: bool = True) -> HeartbeatOutcome:
+def heartbeat(
+    *,
+    session: Session,
+    workspace_id: int,
+    process_id: str,
+    report: wire.HeartbeatRequest,
+    now: float,
+    stale_after: float,
+    write_devices: bool = True,
+) -> HeartbeatOutcome:
     """Apply a heartbeat. One older (``seq``) than the last applied body only proves the
     process alive: what it says was true before what the server already knows.
 
@@ -172,16 +206,16 @@ def heartbeat(*, session: Session, workspace_id: int, process_id: str, report: w
     _apply_footprint(row, footprint=report.footprint_bytes)
     row.last_seen = now
     if write_devices and report.devices:
-        upsert_devices(session=session, workspace_id=workspace_id, host=row.host,
-                       devices=report.devices, now=now)
-    pending = session.scalar(select(Command.id).where(
-        Command.process_pk == row.pk, Command.state.in_(protocol.PENDING_COMMAND_STATES)).limit(1))
+        upsert_devices(session=session, workspace_id=workspace_id, host=row.host, devices=report.devices, now=now)
+    pending = session.scalar(
+        select(Command.id)
+        .where(Command.process_pk == row.pk, Command.state.in_(protocol.PENDING_COMMAND_STATES))
+        .limit(1)
+    )
     changed = None
     if was_stale or before != tuple(getattr(row, name) for name in _WATCHED):
-        changed = process_view(row, now=now, stale_after=stale_after,
-                               active=active_command(session, process_pk=row.pk))
-    return HeartbeatOutcome(host=row.host, pending_command=pending, changed=changed,
-                            snapshot=ProcessSnapshot.of(row))
+        changed = process_view(row, now=now, stale_after=stale_after, active=active_command(session, process_pk=row.pk))
+    return HeartbeatOutcome(host=row.host, pending_command=pending, changed=changed, snapshot=ProcessSnapshot.of(row))
 
 
 def record_beats(*, session: Session, beats: dict[int, float]) -> int:
@@ -194,10 +228,11 @@ def record_beats(*, session: Session, beats: dict[int, float]) -> int:
 
 
 _PROCESSES = table_of(Process)
-_BEAT_UPDATE = (update(_PROCESSES)
-                .where(_PROCESSES.c.pk == bindparam("b_pk"),
-                       _PROCESSES.c.last_seen < bindparam("b_seen"))
-                .values(last_seen=bindparam("b_seen")))
+_BEAT_UPDATE = (
+    update(_PROCESSES)
+    .where(_PROCESSES.c.pk == bindparam("b_pk"), _PROCESSES.c.last_seen < bindparam("b_seen"))
+    .values(last_seen=bindparam("b_seen"))
+)
 
 
 def unregister_process(*, session: Session, workspace_id: int, process_id: str) -> None:
@@ -206,16 +241,23 @@ def unregister_process(*, session: Session, workspace_id: int, process_id: str) 
     session.delete(row)
 
 
-def get_process(*, session: Session, workspace_id: int, process_id: str, now: float,
-                stale_after: float) -> wire.ProcessInfo:
+def get_process(
+    *, session: Session, workspace_id: int, process_id: str, now: float, stale_after: float
+) -> wire.ProcessInfo:
     row = find_process(session, workspace_id=workspace_id, process_id=process_id)
-    return process_view(row, now=now, stale_after=stale_after,
-                        active=active_command(session, process_pk=row.pk))
+    return process_view(row, now=now, stale_after=stale_after, active=active_command(session, process_pk=row.pk))
 
 
-def list_processes(*, session: Session, workspace_id: int, now: float, stale_after: float,
-                   state: Optional[str] = None, host: Optional[str] = None,
-                   gpu: Optional[str] = None) -> list[wire.ProcessInfo]:
+def list_processes(
+    *,
+    session: Session,
+    workspace_id: int,
+    now: float,
+    stale_after: float,
+    state: Optional[str] = None,
+    host: Optional[str] = None,
+    gpu: Optional[str] = None,
+) -> list[wire.ProcessInfo]:
     """Every process of the workspace, oldest first; ``state`` filters on the shown state
     (STALE included), ``gpu`` on the GPU UUID."""
     query = select(Process).where(Process.workspace_id == workspace_id)
@@ -229,8 +271,14 @@ def list_processes(*, session: Session, workspace_id: int, now: float, stale_aft
     elif state:
         query = query.where(Process.state == state, Process.last_seen >= cutoff)
     rows = list(session.scalars(query.order_by(Process.registered_at, Process.pk)))
-    active = {c.process_pk: c for c in session.scalars(select(Command).where(
-        Command.workspace_id == workspace_id, Command.state.in_(protocol.ACTIVE_COMMAND_STATES)))}
+    active = {
+        c.process_pk: c
+        for c in session.scalars(
+            select(Command).where(
+                Command.workspace_id == workspace_id, Command.state.in_(protocol.ACTIVE_COMMAND_STATES)
+            )
+        )
+    }
     return [process_view(r, now=now, stale_after=stale_after, active=active.get(r.pk)) for r in rows]
 
 

@@ -18,45 +18,66 @@ from flexium.server.storage.views import command_view, process_view
 
 @dataclass
 class SweepResult:
-    expired: list[tuple[int, wire.CommandInfo]] = field(default_factory=list)     # (workspace, command)
+    expired: list[tuple[int, wire.CommandInfo]] = field(default_factory=list)  # (workspace, command)
     failed: list[tuple[int, wire.CommandInfo]] = field(default_factory=list)
-    removed: list[tuple[int, str]] = field(default_factory=list)                  # (workspace, process id)
+    removed: list[tuple[int, str]] = field(default_factory=list)  # (workspace, process id)
     newly_stale: list[tuple[int, wire.ProcessInfo]] = field(default_factory=list)  # (workspace, process)
 
 
-def sweep(*, session: Session, now: float, alive_since: float, stale_after: float,
-          remove_after: float, command_ttl: float, stale_since: float) -> SweepResult:
+def sweep(
+    *,
+    session: Session,
+    now: float,
+    alive_since: float,
+    stale_after: float,
+    remove_after: float,
+    command_ttl: float,
+    stale_since: float,
+) -> SweepResult:
     """``stale_since``: the previous sweep's time; processes that became stale after it are
     reported once in ``newly_stale``."""
     result = SweepResult()
     for cmd, proc in session.execute(
-            select(Command, Process).join(Process, Process.pk == Command.process_pk)
-            .where(Command.state.in_(protocol.PENDING_COMMAND_STATES),
-                   Command.created_at < now - command_ttl).with_for_update()):
+        select(Command, Process)
+        .join(Process, Process.pk == Command.process_pk)
+        .where(Command.state.in_(protocol.PENDING_COMMAND_STATES), Command.created_at < now - command_ttl)
+        .with_for_update()
+    ):
         cmd.state = "expired"
         cmd.finished_at = now
         cmd.error = f"not started within {command_ttl:.0f} s"
         result.expired.append((cmd.workspace_id, command_view(cmd, proc.process_id)))
-    if alive_since < now - stale_after:     # silence is counted only while we were up
+    if alive_since < now - stale_after:  # silence is counted only while we were up
         for cmd, proc in session.execute(
-                select(Command, Process).join(Process, Process.pk == Command.process_pk)
-                .where(Command.state == "running", Process.last_seen < now - stale_after,
-                       Command.started_at < now - command_ttl).with_for_update()):
+            select(Command, Process)
+            .join(Process, Process.pk == Command.process_pk)
+            .where(
+                Command.state == "running",
+                Process.last_seen < now - stale_after,
+                Command.started_at < now - command_ttl,
+            )
+            .with_for_update()
+        ):
             cmd.state = "failed"
             cmd.finished_at = now
             cmd.error = "the process stopped reporting during the operation"
             result.failed.append((cmd.workspace_id, command_view(cmd, proc.process_id)))
     if alive_since <= now - remove_after:
-        doomed = list(session.execute(select(Process.pk, Process.workspace_id, Process.process_id)
-                                      .where(Process.last_seen < now - remove_after)))
+        doomed = list(
+            session.execute(
+                select(Process.pk, Process.workspace_id, Process.process_id).where(
+                    Process.last_seen < now - remove_after
+                )
+            )
+        )
         if doomed:
             pks = [d.pk for d in doomed]
             session.execute(delete(Command).where(Command.process_pk.in_(pks)))
             session.execute(delete(Process).where(Process.pk.in_(pks)))
             result.removed = [(d.workspace_id, d.process_id) for d in doomed]
         session.execute(delete(Device).where(Device.updated_at < now - remove_after))
-    for proc in session.scalars(select(Process).where(
-            Process.last_seen < now - stale_after, Process.last_seen >= stale_since - stale_after)):
-        result.newly_stale.append((proc.workspace_id,
-                                   process_view(proc, now=now, stale_after=stale_after)))
+    for proc in session.scalars(
+        select(Process).where(Process.last_seen < now - stale_after, Process.last_seen >= stale_since - stale_after)
+    ):
+        result.newly_stale.append((proc.workspace_id, process_view(proc, now=now, stale_after=stale_after)))
     return result

@@ -9,32 +9,55 @@ from flexium.server.models import Command, Process
 
 
 def command_view(row: Command, process_id: str) -> wire.CommandInfo:
-    return wire.CommandInfo.model_validate({
-        "id": row.id, "kind": row.kind, "process_id": process_id, "state": row.state,
-        "target_uuid": row.target_uuid, "created_at": row.created_at,
-        "delivered_at": row.delivered_at, "started_at": row.started_at,
-        "finished_at": row.finished_at, "deliveries": row.deliveries,
-        "result": row.result, "error": row.error,
-    })
+    return wire.CommandInfo.model_validate(
+        {
+            "id": row.id,
+            "kind": row.kind,
+            "process_id": process_id,
+            "state": row.state,
+            "target_uuid": row.target_uuid,
+            "created_at": row.created_at,
+            "delivered_at": row.delivered_at,
+            "started_at": row.started_at,
+            "finished_at": row.finished_at,
+            "deliveries": row.deliveries,
+            "result": row.result,
+            "error": row.error,
+        }
+    )
 
 
 def is_stale(row: Process, *, now: float, stale_after: float) -> bool:
     return row.last_seen < now - stale_after
 
 
-def process_view(row: Process, *, now: float, stale_after: float,
-                 active: Optional[Command] = None) -> wire.ProcessInfo:
+def process_view(row: Process, *, now: float, stale_after: float, active: Optional[Command] = None) -> wire.ProcessInfo:
     stale = is_stale(row, now=now, stale_after=stale_after)
-    return wire.ProcessInfo.model_validate({
-        "process_id": row.process_id, "host": row.host, "user": row.user, "pid": row.pid,
-        "state": protocol.STALE if stale else row.state, "reported_state": row.state,
-        "stale": stale, "gpu_uuid": row.gpu_uuid, "gpu_model": row.gpu_model,
-        "gpu_index": row.gpu_index, "logical_device": row.logical_device,
-        "physical_device": row.physical_device, "visible_gpus": list(row.visible_gpus or []),
-        "torch_version": row.torch_version, "driver_version": row.driver_version,
-        "flexium_version": row.flexium_version, "capabilities": dict(row.capabilities or {}),
-        "memory_bytes": row.memory_bytes, "footprint_bytes": row.footprint_bytes,
-        "started_at": row.started_at, "registered_at": row.registered_at,
-        "last_seen": row.last_seen, "cmdline": row.cmdline,
-        "active_command": command_view(active, row.process_id) if active is not None else None,
-    })
+    return wire.ProcessInfo.model_validate(
+        {
+            "process_id": row.process_id,
+            "host": row.host,
+            "user": row.user,
+            "pid": row.pid,
+            "state": protocol.STALE if stale else row.state,
+            "reported_state": row.state,
+            "stale": stale,
+            "gpu_uuid": row.gpu_uuid,
+            "gpu_model": row.gpu_model,
+            "gpu_index": row.gpu_index,
+            "logical_device": row.logical_device,
+            "physical_device": row.physical_device,
+            "visible_gpus": list(row.visible_gpus or []),
+            "torch_version": row.torch_version,
+            "driver_version": row.driver_version,
+            "flexium_version": row.flexium_version,
+            "capabilities": dict(row.capabilities or {}),
+            "memory_bytes": row.memory_bytes,
+            "footprint_bytes": row.footprint_bytes,
+            "started_at": row.started_at,
+            "registered_at": row.registered_at,
+            "last_seen": row.last_seen,
+            "cmdline": row.cmdline,
+            "active_command": command_view(active, row.process_id) if active is not None else None,
+        }
+    )

@@ -37,19 +37,28 @@ def _workspace_dict(row: Workspace) -> dict[str, Any]:
 
 
 def _token_dict(row: Token) -> dict[str, Any]:
-    return {"id": row.id, "name": row.name, "prefix": row.prefix, "created_at": row.created_at,
-            "revoked_at": row.revoked_at, "revoked": row.revoked_at is not None}
+    return {
+        "id": row.id,
+        "name": row.name,
+        "prefix": row.prefix,
+        "created_at": row.created_at,
+        "revoked_at": row.revoked_at,
+        "revoked": row.revoked_at is not None,
+    }
 
 
 def check_workspace_name(name: str) -> str:
     if not isinstance(name, str) or not protocol.WORKSPACE_NAME_RE.match(name):
-        raise InvalidRequest(f"invalid workspace name {name!r}: use lowercase letters, digits, "
-                             "'.', '_', '-' (at most 63, starting with a letter or digit)")
+        raise InvalidRequest(
+            f"invalid workspace name {name!r}: use lowercase letters, digits, "
+            "'.', '_', '-' (at most 63, starting with a letter or digit)"
+        )
     return name
 
 
-def create_workspace(*, session: Session, name: str, now: float,
-                     token_name: str = "initial") -> tuple[dict[str, Any], str]:
+def create_workspace(
+    *, session: Session, name: str, now: float, token_name: str = "initial"
+) -> tuple[dict[str, Any], str]:
     """A new workspace and its first token (returned in clear once; only its hash is kept)."""
     check_workspace_name(name)
     if session.scalar(select(Workspace.id).where(Workspace.name == name)) is not None:
@@ -85,18 +94,29 @@ def workspace_summary(*, session: Session, workspace_id: int) -> dict[str, Any]:
     row = session.get(Workspace, workspace_id)
     if row is None:
         raise NotFound("workspace not found")
-    processes = session.scalar(select(func.count()).select_from(Process)
-                               .where(Process.workspace_id == workspace_id)) or 0
-    active = session.scalar(select(func.count()).select_from(Command)
-                            .where(Command.workspace_id == workspace_id,
-                                   Command.state.in_(protocol.ACTIVE_COMMAND_STATES))) or 0
+    processes = (
+        session.scalar(select(func.count()).select_from(Process).where(Process.workspace_id == workspace_id)) or 0
+    )
+    active = (
+        session.scalar(
+            select(func.count())
+            .select_from(Command)
+            .where(Command.workspace_id == workspace_id, Command.state.in_(protocol.ACTIVE_COMMAND_STATES))
+        )
+        or 0
+    )
     return {**_workspace_dict(row), "processes": processes, "active_commands": active}
 
 
 def issue_token(*, session: Session, workspace_id: int, name: str = "", now: float) -> tuple[dict[str, Any], str]:
     token = new_token()
-    row = Token(workspace_id=workspace_id, name=name or "", token_hash=hash_token(token),
-                prefix=token[:len(protocol.TOKEN_PREFIX) + 6], created_at=now)
+    row = Token(
+        workspace_id=workspace_id,
+        name=name or "",
+        token_hash=hash_token(token),
+        prefix=token[: len(protocol.TOKEN_PREFIX) + 6],
+        created_at=now,
+    )
     session.add(row)
     session.flush()
     return _token_dict(row), token
@@ -107,8 +127,9 @@ def list_tokens(*, session: Session, workspace_id: int) -> list[dict[str, Any]]:
     return [_token_dict(r) for r in rows]
 
 
-def revoke_token(*, session: Session, workspace_id: int, token_id: Optional[int] = None,
-                 token: Optional[str] = None, now: float) -> dict[str, Any]:
+def revoke_token(
+    *, session: Session, workspace_id: int, token_id: Optional[int] = None, token: Optional[str] = None, now: float
+) -> dict[str, Any]:
     """Revoke by id or by the token itself. Revoking twice is not an error."""
     query = select(Token).where(Token.workspace_id == workspace_id)
     if token is not None:
@@ -129,7 +150,8 @@ def authenticate(*, session: Session, token: str) -> Optional[AuthInfo]:
     row = session.execute(
         select(Token.id, Token.workspace_id, Workspace.name)
         .join(Workspace, Workspace.id == Token.workspace_id)
-        .where(Token.token_hash == hash_token(token), Token.revoked_at.is_(None))).first()
+        .where(Token.token_hash == hash_token(token), Token.revoked_at.is_(None))
+    ).first()
     if row is None:
         return None
     return AuthInfo(workspace_id=row.workspace_id, workspace=row.name, token_id=row.id)

@@ -4,8 +4,9 @@ Revision ID: 0001
 Revises:
 Create Date: 2026-11-30
 """
-from alembic import op
+
 import sqlalchemy as sa
+from alembic import op
 from sqlalchemy.dialects import postgresql
 
 revision = "0001"
@@ -110,8 +111,14 @@ def upgrade() -> None:
     op.create_index("ix_commands_process_state", "commands", ["process_pk", "state"])
     op.create_index("ix_commands_workspace_id", "commands", ["workspace_id", "id"])
     op.create_index("ix_commands_state_created", "commands", ["state", "created_at"])
-    op.create_index("uq_commands_one_active", "commands", ["process_pk"], unique=True,
-                    sqlite_where=sa.text(ACTIVE_SQL), postgresql_where=sa.text(ACTIVE_SQL))
+    op.create_index(
+        "uq_commands_one_active",
+        "commands",
+        ["process_pk"],
+        unique=True,
+        sqlite_where=sa.text(ACTIVE_SQL),
+        postgresql_where=sa.text(ACTIVE_SQL),
+    )
 
 
 def downgrade() -> None:

@@ -4,8 +4,9 @@ Revision ID: 0003
 Revises: 0002
 Create Date: 2026-12-01
 """
-from alembic import op
+
 import sqlalchemy as sa
+from alembic import op
 
 revision = "0003"
 down_revision = "0002"
@@ -36,5 +37,4 @@ def downgrade() -> None:
 def _recreate_one_active_index() -> None:
     """Batch mode re-creates indexes from reflection, which may lose a partial index's WHERE."""
     op.execute("DROP INDEX IF EXISTS uq_commands_one_active")
-    op.create_index("uq_commands_one_active", "commands", ["process_pk"], unique=True,
-                    sqlite_where=sa.text(_ACTIVE))
+    op.create_index("uq_commands_one_active", "commands", ["process_pk"], unique=True, sqlite_where=sa.text(_ACTIVE))
