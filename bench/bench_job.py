@@ -136,9 +136,9 @@ class Control(threading.Thread):
             self.finished.set()
 
     def _run(self) -> None:
-        from flexium.api import session
+        from flexium.api import runtime
 
-        current = session.current()
+        current = runtime.current()
         engine = current.engine if current is not None else None
         settled = 0
         for entry in self.plan:
@@ -200,9 +200,9 @@ def wait_for_own_memory(timeout: float) -> None:
 
 def _fast_path_blocker() -> Optional[str]:
     """Why a move now would take the driver path (None: the fast path can run)."""
-    from flexium.api import session
+    from flexium.api import runtime
 
-    current = session.current()
+    current = runtime.current()
     if current is None or current.engine is None:
         return "no flexium engine in this process"
     try:
@@ -437,9 +437,9 @@ def run_job(args: argparse.Namespace) -> int:
         flexium.init()
     import torch
 
-    from flexium.api import session
+    from flexium.api import runtime
 
-    current = session.current()
+    current = runtime.current()
     pool = current.memory_pool if current is not None else None
     pool_active = bool(pool is not None and pool.active)
     device = args.device

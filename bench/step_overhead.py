@@ -113,9 +113,9 @@ def worker(args: argparse.Namespace) -> int:
         flexium.init(disabled=True)
     import torch
 
-    from flexium.api import session
+    from flexium.api import runtime
 
-    current = session.current()
+    current = runtime.current()
     pool = current.memory_pool if current is not None else None
     pool_active = bool(pool is not None and pool.active)
     reason_off = None if pool_active or pool is None else pool.reason_off

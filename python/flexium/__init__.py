@@ -5,7 +5,7 @@ flexium.init()
 """
 
 from flexium import auto, config, utils
-from flexium.api.session import init, is_initialized, shutdown
+from flexium.api.runtime import init, is_initialized, shutdown
 
 __version__ = "0.1.0"
 __all__ = ["init", "shutdown", "is_initialized", "auto", "config", "utils", "__version__"]

@@ -6,7 +6,7 @@ import contextlib
 import logging
 from typing import Iterator, Optional
 
-from flexium.api import session as _session
+from flexium.api import runtime as _runtime
 from flexium.api.recoverable import recoverable
 from flexium.config import validate_device
 
@@ -29,10 +29,10 @@ def run(orchestrator: Optional[str] = None, device: Optional[str] = None, disabl
     """Flexium is active inside the block; a session this block started ends with it. Inside a
     running session (flexium.init()), the session's settings stay: a warning names any argument
     that asked for others."""
-    started_here = not _session.is_initialized()
+    started_here = not _runtime.is_initialized()
     if started_here:
-        _session.start(orchestrator, device, disabled, server_parameter="orchestrator")
-    current = _session.current()
+        _runtime.start(orchestrator, device, disabled, server_parameter="orchestrator")
+    current = _runtime.current()
     assert current is not None
     if not started_here:
         _warn_ignored(current, orchestrator=orchestrator, device=device, disabled=disabled)
@@ -42,11 +42,11 @@ def run(orchestrator: Optional[str] = None, device: Optional[str] = None, disabl
     finally:
         current.scopes -= 1
         if started_here:
-            _session.shutdown()
+            _runtime.shutdown()
 
 
 def _warn_ignored(
-    current: _session.Session, *, orchestrator: Optional[str], device: Optional[str], disabled: bool
+    current: _runtime.Runtime, *, orchestrator: Optional[str], device: Optional[str], disabled: bool
 ) -> None:
     ignored = []
     server = current.config.orchestrator if current.config is not None else None
@@ -66,7 +66,7 @@ def _warn_ignored(
 
 def get_device() -> str:
     """The device the training code uses, e.g. "cuda:0" (unchanged by migrations), or "cpu"."""
-    current = _session.current()
+    current = _runtime.current()
     if current is not None:
         return current.logical_device
     from flexium.config import load_config
@@ -76,7 +76,7 @@ def get_device() -> str:
 
 def get_physical_device() -> str:
     """The GPU the process really runs on now, named as at init ("cuda:N")."""
-    current = _session.current()
+    current = _runtime.current()
     if current is not None and current.engine is not None:
         return current.engine.placement()[1].device
     return get_device()
@@ -84,23 +84,23 @@ def get_physical_device() -> str:
 
 def is_active() -> bool:
     """True inside a flexium.auto.run() block (not disabled)."""
-    current = _session.current()
+    current = _runtime.current()
     return current is not None and current.scopes > 0 and not current.disabled
 
 
 def is_migration_in_progress() -> bool:
-    current = _session.current()
+    current = _runtime.current()
     return bool(current is not None and current.engine is not None and current.engine.is_busy())
 
 
 def get_process_id() -> str:
     """This process's flexium id, "gpu-" and 8 hex digits."""
-    return _session.process_id()
+    return _runtime.process_id()
 
 
 def is_migration_enabled() -> bool:
     """True when CUDA works through PyTorch and the driver allows migration and pause."""
-    current = _session.current()
+    current = _runtime.current()
     return bool(
         current is not None
         and not current.disabled

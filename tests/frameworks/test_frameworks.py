@@ -32,7 +32,7 @@ CONTROL = """
 import json, threading, time
 import torch
 import flexium
-from flexium.api import session
+from flexium.api import runtime
 
 # The two runs must be able to agree bit for bit without flexium: one intra-op thread (a CI run
 # saw them differ by 1e-7 at step 1, before any operation) and MKL's reproducible mode (its env).
@@ -40,7 +40,7 @@ torch.set_num_threads(1)
 torch.use_deterministic_algorithms(True)
 
 flexium.init()
-engine = session.current().engine
+engine = runtime.current().engine
 losses, ops, on_thread = [], [], []
 engine.add_state_listener(lambda state: on_thread.append((state.value, threading.current_thread().name)))
 PLAN = [(6, "migrate", 1), (14, "pause", None), (22, "migrate", 0)]  # targets: GPUs as seen at init

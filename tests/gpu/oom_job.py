@@ -14,7 +14,7 @@ import sys
 import torch
 
 import flexium
-from flexium.api import session as flexium_session
+from flexium.api import runtime as flexium_runtime
 
 
 def main() -> int:
@@ -22,7 +22,7 @@ def main() -> int:
     second_fraction = float(sys.argv[2]) if len(sys.argv) > 2 else 0.7
     flexium.init()
     device = flexium.auto.get_device()
-    pool = flexium_session.current().memory_pool
+    pool = flexium_runtime.current().memory_pool
     free, total = torch.cuda.mem_get_info(device)  # after the context exists
     first, second = int(free * first_fraction), int(free * second_fraction)
 

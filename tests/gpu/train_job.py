@@ -34,7 +34,7 @@ import torch.utils.checkpoint  # noqa: E402
 import torch.utils.data  # noqa: E402
 
 import flexium  # noqa: E402
-from flexium.api import session as flexium_session  # noqa: E402
+from flexium.api import runtime as flexium_runtime  # noqa: E402
 from flexium.engine import nvml  # noqa: E402
 
 BATCH = 1024
@@ -78,7 +78,7 @@ class Control(threading.Thread):
         self.path = path
 
     def run(self) -> None:
-        engine = flexium_session.current().engine
+        engine = flexium_runtime.current().engine
         for at_step, op, target, path in self.plan:
             path = path or self.path
             self.progress.wait_for(at_step)
@@ -285,7 +285,7 @@ class Graph:
 
 
 def pool_status() -> dict[str, object]:
-    session = flexium_session.current()
+    session = flexium_runtime.current()
     pool = getattr(session, "memory_pool", None) if session is not None else None
     engine = getattr(session, "engine", None) if session is not None else None
     blocker_of: Optional[Callable[[], Optional[str]]] = getattr(engine, "fast_path_blocker", None)

@@ -29,7 +29,7 @@ from engine_fixtures import (  # noqa: E402,F401  (fixtures)
 )
 from fake_driver import FakeDriver, ProcessState  # noqa: E402
 from flexium.api import device_routing  # noqa: E402
-from flexium.api import session as session_module  # noqa: E402
+from flexium.api import runtime as runtime_module  # noqa: E402
 from flexium.engine import Engine, EngineState  # noqa: E402
 from flexium.errors import ConfigError  # noqa: E402
 
@@ -47,10 +47,10 @@ def after_flexium():  # registered before init(): runs after flexium's own exit 
 
 atexit.register(after_flexium)
 import flexium
-from flexium.api import session
+from flexium.api import runtime
 flexium.init()
 fake.set_process_memory(0, 1 << 30)
-engine = session.current().engine
+engine = runtime.current().engine
 fake.clear_log()
 paused = engine.pause()
 print("paused:", paused.ok, engine.state.value, fake.state().name, fake.process_bytes_on(0), flush=True)
@@ -60,7 +60,7 @@ print("paused:", paused.ok, engine.state.value, fake.state().name, fake.process_
 NO_DRIVER_SCRIPT = """
 import flexium, torch
 flexium.init()
-from flexium.api import session
+from flexium.api import runtime
 torch.manual_seed(0)
 model = torch.nn.Linear(4, 1)
 optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -77,7 +77,7 @@ try:
     routed = str(torch.nn.Linear(2, 1).cuda().weight.device)
 except Exception as exc:
     routed = type(exc).__name__ + ": " + str(exc)
-out(initialized=flexium.is_initialized(), engine=session.current().engine is not None,
+out(initialized=flexium.is_initialized(), engine=runtime.current().engine is not None,
     migration_enabled=flexium.auto.is_migration_enabled(), in_progress=flexium.auto.is_migration_in_progress(),
     active=flexium.auto.is_active(), device=flexium.auto.get_device(), physical=flexium.auto.get_physical_device(),
     process_id=flexium.auto.get_process_id(), caps=flexium.utils.get_capabilities(),
@@ -123,7 +123,7 @@ def clean(
 
 
 def engine() -> Engine:
-    current = session_module.current()
+    current = runtime_module.current()
     assert current is not None and current.engine is not None
     return current.engine
 
@@ -233,7 +233,7 @@ def test_process_id(clean: FakeDriver) -> None:
     first = flexium.auto.get_process_id()
     assert PROCESS_ID.match(first)
     flexium.init()
-    assert flexium.auto.get_process_id() == first == session_module.current().process_id
+    assert flexium.auto.get_process_id() == first == runtime_module.current().process_id
     flexium.shutdown()
     flexium.init()
     assert flexium.auto.get_process_id() == first  # one id per process
@@ -246,7 +246,7 @@ def test_is_active_inside_run_only(clean: FakeDriver) -> None:
         assert flexium.is_initialized()
         assert flexium.auto.get_device() == "cuda:1"
         assert flexium.auto.is_migration_enabled() is True
-        assert session_module.current().scopes == 1
+        assert runtime_module.current().scopes == 1
     assert flexium.auto.is_active() is False
     assert not flexium.is_initialized()
     assert not device_routing.is_installed()
@@ -262,12 +262,12 @@ def test_run_ends_its_session_when_the_block_raises(clean: FakeDriver) -> None:
 
 def test_run_inside_init_keeps_the_session(clean: FakeDriver, capsys: pytest.CaptureFixture[str]) -> None:
     flexium.init()
-    before = session_module.current()
+    before = runtime_module.current()
     capsys.readouterr()
     with flexium.auto.run():
-        assert session_module.current() is before and before.scopes == 1
+        assert runtime_module.current() is before and before.scopes == 1
         assert flexium.auto.is_active() is True
-    assert session_module.current() is before and before.scopes == 0
+    assert runtime_module.current() is before and before.scopes == 0
     assert flexium.auto.is_active() is False
     assert "ignored" not in capsys.readouterr().err  # no argument asked for other settings
     with flexium.auto.run(device="cuda:0", orchestrator=None):  # what the session has: nothing to say
@@ -279,7 +279,7 @@ def test_run_inside_init_keeps_the_session(clean: FakeDriver, capsys: pytest.Cap
     assert "flexium.auto.run() inside the session flexium.init() started keeps that session's settings" in err
     assert "orchestrator='localhost:9/w' (the session's server: none, local mode)" in err
     assert "device='cuda:1' (the session's device: cuda:0)" in err and "disabled=True" in err
-    assert session_module.current() is before
+    assert runtime_module.current() is before
 
 
 def test_disabled_bypasses_everything(clean: FakeDriver) -> None:
@@ -287,7 +287,7 @@ def test_disabled_bypasses_everything(clean: FakeDriver) -> None:
     clean.clear_log()
     flexium.init(disabled=True)
     assert flexium.is_initialized()
-    current = session_module.current()
+    current = runtime_module.current()
     assert current.disabled and current.engine is None and current.capabilities is None
     assert not device_routing.is_installed() and torch.Tensor.cuda is original
     assert clean.calls("cu") == []  # not even the driver was asked
@@ -299,20 +299,20 @@ def test_disabled_bypasses_everything(clean: FakeDriver) -> None:
     assert not flexium.is_initialized()
     with flexium.auto.run(disabled=True):
         assert flexium.auto.is_active() is False and not device_routing.is_installed()
-        assert session_module.current().engine is None
+        assert runtime_module.current().engine is None
     assert not flexium.is_initialized()
 
 
 def test_init_twice_warns_and_changes_nothing(clean: FakeDriver, capsys: pytest.CaptureFixture[str]) -> None:
     flexium.init()
-    first = session_module.current()
+    first = runtime_module.current()
     capsys.readouterr()
     flexium.init(device="cuda:1")
     assert (
         "flexium.init() was already called; this call changes nothing (call shutdown() first)"
         in capsys.readouterr().err
     )
-    assert session_module.current() is first and flexium.auto.get_device() == "cuda:0"
+    assert runtime_module.current() is first and flexium.auto.get_device() == "cuda:0"
 
 
 def test_shutdown_then_init_again(clean: FakeDriver) -> None:

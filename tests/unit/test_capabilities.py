@@ -47,9 +47,9 @@ def probe_engine(caps):
 
 SESSION_PROBE = """
 import flexium
-from flexium.api import session
+from flexium.api import runtime
 flexium.init()
-current = session.current()
+current = runtime.current()
 session_report = {
     "has_engine": current.engine is not None,
     "migration_enabled": flexium.auto.is_migration_enabled(),

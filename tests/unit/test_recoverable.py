@@ -2,7 +2,7 @@
 
 The stand-in implements the interface recoverable relies on: capabilities.migration,
 candidate_targets(), migrate(target), placement(). It is reached the way the real one is,
-through flexium.api.session.current(), by putting a stand-in session module in sys.modules.
+through flexium.api.runtime.current(), by putting a stand-in session module in sys.modules.
 """
 
 from __future__ import annotations
@@ -111,21 +111,21 @@ class FakeEngine:
 
 
 @pytest.fixture
-def session_module(monkeypatch: pytest.MonkeyPatch) -> Callable[[Any], None]:
-    """Install a stand-in flexium.api.session whose current() returns the given session."""
+def runtime_module(monkeypatch: pytest.MonkeyPatch) -> Callable[[Any], None]:
+    """Install a stand-in flexium.api.runtime whose current() returns the given session."""
 
     def install(session: Any) -> None:
-        module = types.ModuleType("flexium.api.session")
+        module = types.ModuleType("flexium.api.runtime")
         module.current = lambda: session  # type: ignore[attr-defined]
-        monkeypatch.setitem(sys.modules, "flexium.api.session", module)
+        monkeypatch.setitem(sys.modules, "flexium.api.runtime", module)
 
     return install
 
 
 @pytest.fixture
-def engine(session_module: Callable[[Any], None]) -> FakeEngine:
+def engine(runtime_module: Callable[[Any], None]) -> FakeEngine:
     eng = FakeEngine({0: 2 * GiB, 1: 60 * GiB, 2: 120 * GiB, 3: 30 * GiB})
-    session_module(types.SimpleNamespace(engine=eng))
+    runtime_module(types.SimpleNamespace(engine=eng))
     return eng
 
 
@@ -403,8 +403,8 @@ def test_iterator_non_cuda_error_is_not_retried(engine: FakeEngine) -> None:
 # -- cannot recover -------------------------------------------------------------------------------
 
 
-def test_not_initialised(session_module: Callable[[Any], None]) -> None:
-    session_module(None)
+def test_not_initialised(runtime_module: Callable[[Any], None]) -> None:
+    runtime_module(None)
     original = RuntimeError(ERRORS[CudaErrorKind.OOM])
     with pytest.raises(RuntimeError) as info:
         with recoverable():
@@ -414,23 +414,23 @@ def test_not_initialised(session_module: Callable[[Any], None]) -> None:
     assert info.value.__cause__ is original
 
 
-def test_session_module_missing(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(sys.modules, "flexium.api.session", None)
+def test_runtime_module_missing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "flexium.api.runtime", None)
     with pytest.raises(RuntimeError, match="flexium is not initialised"):
         with recoverable():
             raise RuntimeError(ERRORS[CudaErrorKind.OOM])
 
 
-def test_no_engine(session_module: Callable[[Any], None]) -> None:
-    session_module(types.SimpleNamespace(engine=None))
+def test_no_engine(runtime_module: Callable[[Any], None]) -> None:
+    runtime_module(types.SimpleNamespace(engine=None))
     with pytest.raises(RuntimeError, match=r"cannot recover from CUDA out of memory \(OOM\).*without its GPU engine"):
         with recoverable():
             raise RuntimeError(ERRORS[CudaErrorKind.OOM])
 
 
-def test_no_migration_capability(session_module: Callable[[Any], None]) -> None:
+def test_no_migration_capability(runtime_module: Callable[[Any], None]) -> None:
     eng = FakeEngine({0: GiB, 1: 100 * GiB}, migration=False, driver="550.54.15")
-    session_module(types.SimpleNamespace(engine=eng))
+    runtime_module(types.SimpleNamespace(engine=eng))
 
     @recoverable()
     def step() -> None:
@@ -472,10 +472,10 @@ def test_no_candidate_without_size(engine: FakeEngine) -> None:
             raise RuntimeError(ERRORS[CudaErrorKind.OOM])
 
 
-def test_other_models_are_not_candidates(session_module: Callable[[Any], None]) -> None:
+def test_other_models_are_not_candidates(runtime_module: Callable[[Any], None]) -> None:
     eng = FakeEngine({0: GiB, 1: 100 * GiB})
     eng.gpus[1] = gpu(1, name="NVIDIA A100")
-    session_module(types.SimpleNamespace(engine=eng))
+    runtime_module(types.SimpleNamespace(engine=eng))
     with pytest.raises(RuntimeError, match="no other NVIDIA H200 GPU"):
         with recoverable():
             raise RuntimeError(ERRORS[CudaErrorKind.OOM])

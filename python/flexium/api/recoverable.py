@@ -225,20 +225,20 @@ def _cannot(kind: CudaErrorKind, exc: BaseException, reason: str, advice: str) -
 
 def _engine_for(kind: CudaErrorKind, exc: BaseException) -> _Engine:
     try:
-        session_module = importlib.import_module("flexium.api.session")
+        runtime_module = importlib.import_module("flexium.api.runtime")
     except ModuleNotFoundError as missing:
-        if missing.name != "flexium.api.session":
+        if missing.name != "flexium.api.runtime":
             raise
-        session_module = None
-    session = session_module.current() if session_module is not None else None
-    if session is None:
+        runtime_module = None
+    runtime = runtime_module.current() if runtime_module is not None else None
+    if runtime is None:
         raise _cannot(
             kind,
             exc,
             "flexium is not initialised in this process",
             "Call flexium.init() at the start of the script, before the model is moved to the GPU.",
         ) from exc
-    engine: Optional[_Engine] = getattr(session, "engine", None)
+    engine: Optional[_Engine] = getattr(runtime, "engine", None)
     if engine is None:
         raise _cannot(
             kind,

@@ -1,4 +1,4 @@
-"""The process-wide flexium session that init() starts and shutdown() ends."""
+"""The process-wide flexium runtime that init() starts and shutdown() ends."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ log = logging.getLogger("flexium")
 
 
 @dataclass
-class Session:
+class Runtime:
     config: Optional[FlexiumConfig]
     process_id: str
     logical_device: str  # what the training code uses: "cuda:N", or "cpu" without CUDA
@@ -36,13 +36,13 @@ class Session:
 
 
 _lock = threading.RLock()
-_session: Optional[Session] = None
+_runtime: Optional[Runtime] = None
 _process_id = f"gpu-{secrets.token_hex(4)}"
 _atexit_registered = False
 
 
-def current() -> Optional[Session]:
-    return _session
+def current() -> Optional[Runtime]:
+    return _runtime
 
 
 def process_id() -> str:
@@ -50,25 +50,25 @@ def process_id() -> str:
 
 
 def is_initialized() -> bool:
-    return _session is not None
+    return _runtime is not None
 
 
 def init(server: Optional[str] = None, device: Optional[str] = None, disabled: bool = False) -> None:
     with _lock:
-        if _session is not None:
+        if _runtime is not None:
             log.warning("flexium.init() was already called; this call changes nothing (call shutdown() first)")
             return
         start(server, device, disabled, server_parameter="server")
 
 
 def start(server: Optional[str], device: Optional[str], disabled: bool, *, server_parameter: str) -> None:
-    """Starts the session (none may be running); `server_parameter` names `server` in errors as
+    """Starts the runtime (none may be running); `server_parameter` names `server` in errors as
     the caller's API spells it."""
-    global _session
+    global _runtime
     with _lock:
-        assert _session is None, "a flexium session is already running"
+        assert _runtime is None, "a flexium runtime is already running"
         if disabled:
-            _session = Session(
+            _runtime = Runtime(
                 config=None, process_id=_process_id, logical_device=resolve_device(device), disabled=True
             )
             return
@@ -78,34 +78,34 @@ def start(server: Optional[str], device: Optional[str], disabled: bool, *, serve
         configure_logging(config.log_level)
         if config.local_mode:
             print_local_mode_warning()
-        _session = _start(config)
+        _runtime = _start(config)
         _register_atexit()
 
 
-def _start(config: FlexiumConfig) -> Session:
+def _start(config: FlexiumConfig) -> Runtime:
     capabilities = detect()
     for problem in capabilities.problems:
         log.warning("migration and pause are limited: %s", problem)
     logical_device = _claim_device(config.device, capabilities)
-    session = Session(config=config, process_id=_process_id, logical_device=logical_device, capabilities=capabilities)
-    session.memory_pool = _start_memory_pool(config, logical_device, capabilities)
-    session.engine = _start_engine(logical_device, capabilities, config, session.memory_pool)
+    runtime = Runtime(config=config, process_id=_process_id, logical_device=logical_device, capabilities=capabilities)
+    runtime.memory_pool = _start_memory_pool(config, logical_device, capabilities)
+    runtime.engine = _start_engine(logical_device, capabilities, config, runtime.memory_pool)
 
     from flexium.api import device_routing
 
-    device_routing.install(lambda: session.logical_device)
+    device_routing.install(lambda: runtime.logical_device)
     if not config.local_mode:
-        session.client = _start_client(session)
-    pool = session.memory_pool
+        runtime.client = _start_client(runtime)
+    pool = runtime.memory_pool
     log.info(
         "flexium %s on %s (process %s, migration %s, fast path %s)",
-        "ready" if session.engine is not None else "in degraded mode",
+        "ready" if runtime.engine is not None else "in degraded mode",
         logical_device,
         _process_id,
-        "on" if session.engine is not None and capabilities.migration else "off",
+        "on" if runtime.engine is not None and capabilities.migration else "off",
         "on" if pool is not None and pool.active else f"off: {pool.reason_off if pool is not None else 'no CUDA'}",
     )
-    return session
+    return runtime
 
 
 def _claim_device(device: str, capabilities: Capabilities) -> str:
@@ -174,28 +174,28 @@ def _start_engine(
     return engine
 
 
-def _start_client(session: Session) -> Optional[ProcessClient]:
+def _start_client(runtime: Runtime) -> Optional[ProcessClient]:
     try:
         from flexium.client import start_client
     except ImportError:
         log.warning("a server is configured but this flexium build has no client; running locally")
         return None
-    return start_client(session)
+    return start_client(runtime)
 
 
 def shutdown() -> None:
-    global _session
+    global _runtime
     with _lock:
-        session, _session = _session, None
-        if session is None or session.disabled:
+        runtime, _runtime = _runtime, None
+        if runtime is None or runtime.disabled:
             return
-        if session.client is not None:
-            session.client.stop()
-        if session.engine is not None:
-            session.engine.stop()
-        if session.memory_pool is not None:
+        if runtime.client is not None:
+            runtime.client.stop()
+        if runtime.engine is not None:
+            runtime.engine.stop()
+        if runtime.memory_pool is not None:
             # Before any MemPool can be destroyed (at exit): destroying one while routed aborts.
-            session.memory_pool.uninstall()
+            runtime.memory_pool.uninstall()
         from flexium.api import device_routing
 
         device_routing.uninstall()
