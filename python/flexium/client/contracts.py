@@ -1,4 +1,4 @@
-"""What the client uses of the training process's flexium state (``flexium.api``'s session
+"""What the client uses of the training process's flexium state (``flexium.api.runtime.Runtime``
 and its engine), as Protocols: the client depends on these few members, not on the classes,
 and mypy checks both sides against them."""
 
@@ -45,7 +45,7 @@ class MemoryPoolState(Protocol):
 
 
 class TrainingProcess(Protocol):
-    """The session ``flexium.init()`` made in this process."""
+    """The ``Runtime`` that ``flexium.init()`` made in this process."""
 
     @property
     def process_id(self) -> str: ...
