@@ -11,9 +11,6 @@ import pytest
 
 from conftest import GIB, HERE
 
-# native_job.py restores GPU 0's context onto GPU 1 (devices[1]).
-pytestmark = pytest.mark.usefixtures("two_gpus")
-
 
 def run_native() -> dict[str, dict[str, Any]]:
     proc = subprocess.run([sys.executable, str(HERE / "native_job.py")], capture_output=True, text=True, timeout=300)
@@ -21,6 +18,8 @@ def run_native() -> dict[str, dict[str, Any]]:
     return {c["check"]: c for c in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))}
 
 
+# native_job.py restores GPU 0's context onto GPU 1 (devices[1]).
+@pytest.mark.usefixtures("two_gpus")
 def test_native_layer_on_the_real_driver(host_gpus: list[Any]) -> None:
     checks = run_native()
     devices = checks["devices"]
