@@ -12,7 +12,8 @@ from __future__ import annotations
 import random
 import threading
 import time
-from typing import Any, Optional, TypeVar
+from dataclasses import dataclass
+from typing import Any, Optional, TypeVar, Union, get_args
 
 import requests
 from pydantic import BaseModel, TypeAdapter, ValidationError
@@ -240,9 +241,10 @@ class ApiClient:
 
     def next_command(
         self, process_id: str, *, wait: float, stop: threading.Event, backoff: Backoff
-    ) -> Optional[wire.CommandInfo]:
+    ) -> Union[wire.CommandInfo, UnreadableCommand, None]:
         """The long-poll; None when nothing came within ``wait`` seconds. Retried until
-        ``stop`` is set while the server cannot be reached."""
+        ``stop`` is set while the server cannot be reached. A command this client cannot read
+        but can name comes back as an ``UnreadableCommand``, for the caller to answer."""
         answer = self.request(
             "GET",
             protocol.PATH_NEXT_COMMAND.format(process_id=process_id),
@@ -252,7 +254,23 @@ class ApiClient:
             stop=stop,
             backoff=backoff,
         )
-        return None if answer is None else self._read(wire.CommandInfo, answer, "the next command")
+        return None if answer is None else self._read_command(answer)
+
+    def _read_command(self, answer: object) -> Union[wire.CommandInfo, UnreadableCommand]:
+        """The long-poll's answer as a command. The wire model stays exact (its ``kind`` is
+        the server's schema); a command that fails it is still answered, by its id, so that
+        it neither blocks the process's later commands nor comes back on every poll until it
+        expires. Without a readable id nothing can answer it: that is a bad answer."""
+        try:
+            return wire.CommandInfo.model_validate(answer)
+        except ValidationError as exc:
+            fields: dict[str, Any] = answer if isinstance(answer, dict) else {}
+            command_id = _integer(fields.get("id"))
+            if command_id is None:
+                raise _bad_answer(self.base_url, "the next command", exc) from None
+            return UnreadableCommand(
+                id=command_id, created_at=_epoch(fields.get("created_at")), problem=_unreadable(fields, exc)
+            )
 
     def report_command(
         self,
@@ -262,8 +280,11 @@ class ApiClient:
         timeout: float,
         retries: Optional[int],
         stop: Optional[threading.Event] = None,
-    ) -> wire.CommandInfo:
-        answer = self.request(
+    ) -> None:
+        """The server's answer (the command as it stored it) is left unread: a 2xx means it
+        took the report, and a command this client could not read (``UnreadableCommand``)
+        would make a taken report look refused."""
+        self.request(
             "POST",
             protocol.PATH_COMMAND_REPORT.format(command_id=command_id),
             json=_body(body),
@@ -271,7 +292,6 @@ class ApiClient:
             retries=retries,
             stop=stop,
         )
-        return self._read(wire.CommandInfo, answer, "a command report")
 
     def list_processes(self, *, state: Optional[str] = None, retries: int = 2) -> list[wire.ProcessInfo]:
         answer = self.request(
@@ -329,13 +349,57 @@ def _body(model: BaseModel) -> Any:
 
 
 def _bad_answer(base_url: str, what: str, exc: ValidationError) -> ServerError:
-    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": str(exc)}
-    where = ".".join(str(part) for part in first["loc"]) or "body"
     return Unavailable(
         f"the server at {base_url} answered {what} with a body this client cannot read "
-        f"({where}: {first['msg']}); is it a flexium server of a compatible version?",
+        f"({_first_error(exc)}); is it a flexium server of a compatible version?",
         code="bad_response",
     )
+
+
+def _first_error(exc: ValidationError) -> str:
+    first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": str(exc)}
+    where = ".".join(str(part) for part in first["loc"]) or "body"
+    return f"{where}: {first['msg']}"
+
+
+@dataclass(frozen=True)
+class UnreadableCommand:
+    """A command from the long-poll that does not validate as ``wire.CommandInfo`` (a newer
+    server's kind, a field of another shape), with its ``created_at`` where it could be read
+    on its own. ``problem`` says what could not be read and what to do: the error of the
+    failed report that answers it."""
+
+    id: int
+    created_at: Optional[float]
+    problem: str
+
+
+def _unreadable(fields: dict[str, Any], exc: ValidationError) -> str:
+    from flexium import __version__
+
+    kind = fields.get("kind")
+    if isinstance(kind, str) and kind not in get_args(wire.CommandKind):
+        return (
+            f"this flexium (version {__version__}) cannot run command kind {kind[:40]!r} sent by the server; "
+            "upgrade flexium in the job to a version that knows it"
+        )
+    return (
+        f"this flexium (version {__version__}) cannot read the command the server sent ({_first_error(exc)}); "
+        "the job's flexium and the server's are of versions that do not match: upgrade the older one"
+    )
+
+
+def _integer(value: object) -> Optional[int]:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _epoch(value: object) -> Optional[float]:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return None
+    try:
+        return float(value)
+    except OverflowError:  # an integer beyond any float
+        return None
 
 
 def _short(exc: BaseException) -> str:

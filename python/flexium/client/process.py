@@ -19,13 +19,13 @@ import collections
 import logging
 import threading
 import time
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 from pydantic import ValidationError
 
 from flexium import protocol, wire
 from flexium.client.contracts import TrainingProcess
-from flexium.client.http import ApiClient, Backoff, NotFound, Refused, ServerError, Unauthorized
+from flexium.client.http import ApiClient, Backoff, NotFound, Refused, ServerError, Unauthorized, UnreadableCommand
 from flexium.client.reports import ProcessReporter
 from flexium.engine import nvml
 from flexium.engine.operations import EngineState, OperationResult
@@ -49,6 +49,10 @@ EARLY_POLL_END_S = 0.5
 # The final outcome of a command is kept to answer a repeated delivery without running it again.
 REMEMBERED_COMMANDS = 64
 
+# A command is known by (id, created_at): on SQLite the server may hand a deleted command's
+# id to a new one. created_at is None when a command this client cannot read lacks it.
+_CommandKey = tuple[int, Optional[float]]
+
 _REFUSALS = (TargetRefusedError, InvalidStateError, CapabilityError, OperationInProgressError)
 
 
@@ -69,8 +73,8 @@ class ProcessClient:
         self._wake = threading.Event()
         self._registered = threading.Event()
         self._connected = True  # what the log last said, so a long outage is logged once
-        # (id, created_at): on SQLite the server may hand a deleted command's id to a new one.
-        self._finished: collections.OrderedDict[tuple[int, float], wire.CommandReport] = collections.OrderedDict()
+        self._last_bad_answer: Optional[str] = None  # see _poll_failed
+        self._finished: collections.OrderedDict[_CommandKey, wire.CommandReport] = collections.OrderedDict()
         # Held while a body that says where the process is gets built and sent: a heartbeat
         # built during an operation (PAUSING) must not reach the server after the outcome
         # (PAUSED) and overwrite it.
@@ -219,13 +223,14 @@ class ProcessClient:
                 continue
             except ServerError as exc:
                 if not self._stop.is_set():
-                    log.debug("long-poll failed: %s", exc)
+                    self._poll_failed(exc)
                     self._stop.wait(backoff.next())
                 continue
             except Exception:
                 log.exception("long-poll failed")
                 self._stop.wait(backoff.next())
                 continue
+            self._last_bad_answer = None
             if self._stop.is_set():
                 # A long-poll answered after stop() belongs to no one now (a new client of this
                 # process, after shutdown() and init(), polls for the same id): leave the
@@ -243,13 +248,30 @@ class ProcessClient:
             except Exception:
                 log.exception("running command %s failed", command.id)
 
-    def _execute(self, command: wire.CommandInfo) -> None:
+    def _poll_failed(self, exc: ServerError) -> None:
+        if exc.code == "bad_response" and exc.message != self._last_bad_answer:
+            # A body no command can be read from, not even its id, so nothing can answer it:
+            # the server hands it out again on every poll (each after a backoff wait) until
+            # it expires the command.
+            log.warning("%s", exc.message)
+            self._last_bad_answer = exc.message
+        else:
+            log.debug("long-poll failed: %s", exc)
+
+    def _execute(self, command: Union[wire.CommandInfo, UnreadableCommand]) -> None:
         received = time.time()
         key = (command.id, command.created_at)
         done = self._finished.get(key)
         if done is not None:
-            # Delivered again (our earlier answer was lost): never run an operation twice.
+            # Delivered again (our earlier answer was lost): never run an operation twice,
+            # never give one command two different answers.
             self._send_report(command.id, done, final=True)
+            return
+        if isinstance(command, UnreadableCommand):
+            # Answered as failed, not left to the server: it would hand it out on every
+            # poll, and hold back every later command of this process, until it expired.
+            log.warning("command %d: %s", command.id, command.problem)
+            self._finish(key, self._failed(command.problem))
             return
         self.last_delivery_s = max(0.0, received - command.created_at)
         target = self._shown(command.target_uuid)
@@ -261,11 +283,13 @@ class ProcessClient:
             self.last_delivery_s * 1e3,
         )
         self._send_report(command.id, wire.CommandReport(state="running"), final=False)
-        report = self._run(command)
+        self._finish(key, self._run(command))
+
+    def _finish(self, key: _CommandKey, report: wire.CommandReport) -> None:
         self._finished[key] = report
         while len(self._finished) > REMEMBERED_COMMANDS:
             self._finished.popitem(last=False)
-        self._send_report(command.id, report, final=True)
+        self._send_report(key[0], report, final=True)
         self._wake.set()
 
     def _shown(self, uuid: Optional[str]) -> Optional[str]:
