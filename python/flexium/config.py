@@ -24,6 +24,7 @@ import yaml
 from flexium import protocol
 from flexium._logging import DEFAULT_LEVEL, LEVEL_NAMES, get_logger, normalize_level
 from flexium.errors import ConfigError
+from flexium.protocol import ServerAddress
 
 __all__ = [
     "ENV_SERVER",
@@ -82,20 +83,6 @@ LOCAL_MODE_WARNING = (
 )
 
 _log = get_logger("config")
-
-
-@dataclass(frozen=True)
-class ServerAddress:
-    """A parsed `host[:port]/workspace`. `base_url` has no workspace and no trailing slash."""
-
-    base_url: str  # "http://app.flexium.ai:8080", "https://[::1]:8443"
-    workspace: str
-    host: str  # without IPv6 brackets
-    port: int  # the server's default (8080) where the address names none
-    scheme: str  # "http" (default) or "https"
-
-    def __str__(self) -> str:
-        return f"{self.base_url}/{self.workspace}"
 
 
 @dataclass(frozen=True)
@@ -167,7 +154,7 @@ def parse_server_address(text: str, *, where: str = "") -> ServerAddress:
     if any(c in rest for c in "?#@ \t"):
         raise bad("contains a query, fragment, user name or blank")
     try:
-        parts = protocol.parse_server_address(rest)
+        address = protocol.parse_server_address(rest)
     except ValueError as exc:
         reason = str(exc)
         prefix = f"server address {rest!r}"
@@ -175,7 +162,7 @@ def parse_server_address(text: str, *, where: str = "") -> ServerAddress:
             reason = reason[len(prefix) :].lstrip(": ")
         reason = reason.split(": expected host[:port]/workspace")[0]
         raise bad(reason) from None
-    host = parts["host"]
+    host = address.host
     if ":" in host:
         try:
             ipaddress.IPv6Address(host)
@@ -183,13 +170,7 @@ def parse_server_address(text: str, *, where: str = "") -> ServerAddress:
             raise bad(f"has an invalid IPv6 host [{host}]") from None
     elif not _HOST_RE.match(host):
         raise bad(f"has an invalid host {host!r}")
-    return ServerAddress(
-        base_url=protocol.base_url(parts),
-        workspace=parts["workspace"],
-        host=host,
-        port=parts["port"],
-        scheme=parts["scheme"],
-    )
+    return address
 
 
 def validate_device(value: Any, *, where: str = "") -> str:

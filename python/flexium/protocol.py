@@ -8,7 +8,7 @@ All times on the wire are Unix epoch seconds (float). All sizes are bytes (int).
 from __future__ import annotations
 
 import re
-from typing import TypedDict
+from dataclasses import dataclass
 
 PROTOCOL_VERSION = 1
 
@@ -29,13 +29,24 @@ WORKSPACE_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 PROCESS_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 
 
-class ServerAddress(TypedDict):
-    """The parts of an address (``flexium.config`` builds its own address object from them)."""
+@dataclass(frozen=True)
+class ServerAddress:
+    """A parsed ``host[:port]/workspace``: what the client, the CLI and ``flexium.config``
+    (which checks the host more strictly) all hold."""
 
-    host: str
-    port: int
+    host: str  # without IPv6 brackets
+    port: int  # DEFAULT_PORT where the address names none
     workspace: str
-    scheme: str
+    scheme: str  # "http" (the default) or "https"
+
+    @property
+    def base_url(self) -> str:
+        """``http://app.flexium.ai:8080``, ``https://[::1]:8443``: no workspace, no trailing slash."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{self.scheme}://{host}:{self.port}"
+
+    def __str__(self) -> str:
+        return f"{self.base_url}/{self.workspace}"
 
 
 def parse_server_address(address: str) -> ServerAddress:
@@ -81,14 +92,12 @@ def _parse_port(text: str, address: str) -> int:
     return int(text)
 
 
-def base_url(address: ServerAddress) -> str:
-    host = f"[{address['host']}]" if ":" in address["host"] else address["host"]
-    return f"{address['scheme']}://{host}:{address['port']}"
-
-
 def workspace_path(workspace: str) -> str:
     """Prefix of every workspace-scoped API path, e.g. ``/api/w/default``."""
     return f"{API_PREFIX}/w/{workspace}"
+
+
+PATH_HEALTH = "/healthz"  # not under a workspace, no token
 
 
 # Paths below are relative to workspace_path(workspace).

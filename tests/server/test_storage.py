@@ -19,8 +19,8 @@ STALE = 30.0
 
 
 def _workspace(db: Database, name: str = "team") -> tuple[int, str]:
-    row, token = db.run(storage.create_workspace, write=True, name=name, now=NOW)
-    return row["id"], token
+    record, token = db.run(storage.create_workspace, write=True, name=name, now=NOW)
+    return record.id, token
 
 
 def _register(db: Database, ws: int, process_id: str = "gpu-1", now: float = NOW, **fields: Any) -> dict[str, Any]:
@@ -103,14 +103,15 @@ def test_workspace_tokens_hashed_and_revocable(db: Database) -> None:
     assert token not in stored and storage.hash_token(token) in stored
     auth = db.run(storage.authenticate, write=False, token=token)
     assert auth is not None and auth.workspace == "team" and auth.workspace_id == ws
-    info, second = db.run(storage.issue_token, write=True, workspace_id=ws, name="ci", now=NOW)
-    assert db.run(storage.authenticate, write=False, token=second).token_id == info["id"]
+    created = db.run(storage.issue_token, write=True, workspace_id=ws, name="ci", now=NOW)
+    second = created.token
+    assert db.run(storage.authenticate, write=False, token=second).token_id == created.id
     db.run(storage.revoke_token, write=True, workspace_id=ws, token=second, now=NOW)
     assert db.run(storage.authenticate, write=False, token=second) is None
     assert db.run(storage.authenticate, write=False, token=token) is not None
     assert db.run(storage.authenticate, write=False, token="flx_nope") is None
     tokens = db.run(storage.list_tokens, write=False, workspace_id=ws)
-    assert [t["revoked"] for t in tokens] == [False, True]
+    assert [t.revoked for t in tokens] == [False, True]
 
 
 def test_workspace_names(db: Database) -> None:
@@ -120,7 +121,7 @@ def test_workspace_names(db: Database) -> None:
     for bad in ("", "A", "-x", "a b", "x" * 64, "a/b"):
         with pytest.raises(errors.InvalidRequest):
             _workspace(db, bad)
-    assert [w["name"] for w in db.run(storage.list_workspaces, write=False)] == ["a"]
+    assert [w.name for w in db.run(storage.list_workspaces, write=False)] == ["a"]
 
 
 def test_default_workspace_only_on_empty_database(db: Database) -> None:

@@ -25,12 +25,13 @@ from flexium import protocol, wire
 )
 def test_parse_server_address(text: str, expected: tuple[str, str, int, str]) -> None:
     a = protocol.parse_server_address(text)
-    assert (a["scheme"], a["host"], a["port"], a["workspace"]) == expected
+    assert (a.scheme, a.host, a.port, a.workspace) == expected
 
 
 def test_base_url_and_paths() -> None:
     a = protocol.parse_server_address("[::1]:8081/x")
-    assert protocol.base_url(a) == "http://[::1]:8081"
+    assert a.base_url == "http://[::1]:8081"
+    assert str(a) == "http://[::1]:8081/x"
     assert (
         protocol.workspace_path("x") + protocol.PATH_NEXT_COMMAND.format(process_id="gpu-1")
         == "/api/w/x/processes/gpu-1/commands/next"
@@ -134,7 +135,7 @@ def test_the_client_side_imports_without_server_packages() -> None:
         "            raise ImportError('blocked ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
         "import flexium.protocol as p, flexium.wire, flexium.client, flexium.cli.remote\n"
-        "print(p.parse_server_address('h:1/w')['port'])\n"
+        "print(p.parse_server_address('h:1/w').port)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr

@@ -80,9 +80,8 @@ def test_spec_example(home: Path) -> None:
     assert config.server == "app.flexium.ai/myworkspace"
     assert config.device == "cuda:2"
     assert not config.local_mode
-    assert config.address == ServerAddress(
-        base_url="http://app.flexium.ai:8080", workspace="myworkspace", host="app.flexium.ai", port=8080, scheme="http"
-    )
+    assert config.address == ServerAddress(host="app.flexium.ai", port=8080, workspace="myworkspace", scheme="http")
+    assert config.address.base_url == "http://app.flexium.ai:8080"
     assert config.sources["orchestrator"] == "parameter"
     assert config.sources["device"] == "parameter"
 

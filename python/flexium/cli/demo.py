@@ -111,6 +111,7 @@ def run(*, port: Optional[int] = None, host: str = "127.0.0.1", database: Option
 
     from flexium.cli.remote import connect
     from flexium.client import ServerError
+    from flexium.wire import ProcessInfo
 
     data_dir = Path(default_data_dir())
     data_dir.mkdir(parents=True, exist_ok=True)
@@ -148,7 +149,7 @@ def run(*, port: Optional[int] = None, host: str = "127.0.0.1", database: Option
                 print("flexium demo: the server did not start:\n  " + "\n  ".join(tail), file=sys.stderr)
                 return 1
             try:
-                api.request("GET", "/healthz", workspace=False, timeout=1.0)
+                api.health(timeout=1.0)
                 break
             except ServerError:
                 if time.monotonic() > deadline:
@@ -170,18 +171,17 @@ def run(*, port: Optional[int] = None, host: str = "127.0.0.1", database: Option
         )
         _say(f"demo training job started (pid {job.pid}); waiting for it to register")
         deadline = time.monotonic() + JOB_REGISTER_S
-        registered = None
+        registered: Optional[ProcessInfo] = None
         while registered is None and job.poll() is None and time.monotonic() < deadline:
             try:
-                processes = api.request("GET", protocol.PATH_PROCESSES, timeout=5.0)
+                processes = api.list_processes(retries=0, timeout=5.0)
             except ServerError:
                 processes = []
-            registered = next((p for p in processes if p["pid"] == job.pid), None)
+            registered = next((p for p in processes if p.pid == job.pid), None)
             if registered is None:
                 time.sleep(0.5)
         if registered is not None:
-            where = f"{registered['state']} on {registered['physical_device']}"
-            _say(f"job {registered['process_id']} registered ({where})")
+            _say(f"job {registered.process_id} registered ({registered.state} on {registered.physical_device})")
         else:
             _say("the job has not registered yet; see its output above")
         _say(f"try: FLEXIUM_SERVER={address}/{protocol.DEFAULT_WORKSPACE} {protocol.TOKEN_ENV}={token} flexium ps")

@@ -55,19 +55,19 @@ def run(args: argparse.Namespace) -> int:
             )
             print(token)
         elif args.command == "workspace":
-            for row in workspaces.list_workspaces(database_url=url):
-                print(row["name"])
+            for record in workspaces.list_workspaces(database_url=url):
+                print(record.name)
         elif args.action == "issue":
             token = workspaces.issue_token(args.workspace, name=args.name, database_url=url)
             print(f"new token for workspace '{args.workspace}' (shown once):")
             print(token)
         elif args.action == "revoke":
             info = workspaces.revoke_token(args.workspace, args.token, database_url=url)
-            print(f"revoked token {info['id']} ({info['prefix']}...) of workspace '{args.workspace}'")
+            print(f"revoked token {info.id} ({info.prefix}...) of workspace '{args.workspace}'")
         else:
-            for row in workspaces.list_tokens(args.workspace, database_url=url):
-                state = "revoked" if row["revoked"] else "active"
-                print(f"{row['id']}\t{row['prefix']}...\t{state}\t{row['name']}")
+            for info in workspaces.list_tokens(args.workspace, database_url=url):
+                state = "revoked" if info.revoked else "active"
+                print(f"{info.id}\t{info.prefix}...\t{state}\t{info.name}")
     except ApiError as exc:
         print(f"flexium: {exc.message}", file=sys.stderr)
         return EXIT_FAILED

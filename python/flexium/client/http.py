@@ -19,7 +19,6 @@ import requests
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from flexium import protocol, wire
-from flexium.config import ServerAddress
 from flexium.errors import FlexiumError
 
 _Model = TypeVar("_Model", bound=BaseModel)
@@ -108,7 +107,7 @@ class ApiClient:
     """Requests to one workspace of one server. Safe to share between threads: each thread
     gets its own connection pool, so a thread waiting in a long-poll never holds up another."""
 
-    def __init__(self, address: ServerAddress, token: Optional[str], *, user_agent: str = "flexium") -> None:
+    def __init__(self, address: protocol.ServerAddress, token: Optional[str], *, user_agent: str = "flexium") -> None:
         self.address = address
         self.token = token
         self.user_agent = user_agent
@@ -293,9 +292,21 @@ class ApiClient:
             stop=stop,
         )
 
-    def list_processes(self, *, state: Optional[str] = None, retries: int = 2) -> list[wire.ProcessInfo]:
+    def health(self, *, timeout: float = DEFAULT_TIMEOUT_S, retries: int = 0) -> wire.HealthInfo:
+        """The server's ``/healthz`` (no workspace, no token needed); a degraded server
+        (its database down) answers 503, which raises ``Unavailable``."""
+        answer = self.request("GET", protocol.PATH_HEALTH, workspace=False, timeout=timeout, retries=retries)
+        return self._read(wire.HealthInfo, answer, "the health check")
+
+    def list_processes(
+        self, *, state: Optional[str] = None, retries: int = 2, timeout: float = DEFAULT_TIMEOUT_S
+    ) -> list[wire.ProcessInfo]:
         answer = self.request(
-            "GET", protocol.PATH_PROCESSES, params={"state": state} if state else None, retries=retries
+            "GET",
+            protocol.PATH_PROCESSES,
+            params={"state": state} if state else None,
+            timeout=timeout,
+            retries=retries,
         )
         return self._read_list(wire.ProcessInfo, answer, "the process list")
 

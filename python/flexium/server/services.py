@@ -303,8 +303,8 @@ async def metrics_text(ctx: ServerContext) -> bytes:
 # --- tokens, events -------------------------------------------------------------------------
 
 
-async def revoke_token(ctx: ServerContext, *, workspace_id: int, token_id: int) -> dict[str, object]:
-    info: dict[str, object] = await ctx.db.call(
+async def revoke_token(ctx: ServerContext, *, workspace_id: int, token_id: int) -> wire.TokenInfo:
+    info = await ctx.db.call(
         storage.revoke_token, write=True, workspace_id=workspace_id, token_id=token_id, now=time.time()
     )
     ctx.tokens.forget(token_id)

@@ -8,15 +8,16 @@ else the default SQLite file):
 
 - ``create_workspace(name) -> str``: the new workspace's first token
 - ``issue_token(workspace, name="") -> str``
-- ``revoke_token(workspace, token_or_id) -> dict``
-- ``list_tokens(workspace) -> list[dict]``, ``list_workspaces() -> list[dict]``
+- ``revoke_token(workspace, token_or_id) -> wire.TokenInfo``
+- ``list_tokens(workspace) -> list[wire.TokenInfo]``, ``list_workspaces() -> list[WorkspaceRecord]``
 """
 
 from __future__ import annotations
 
 import time
-from typing import Any, Optional, Union
+from typing import Optional, Union
 
+from flexium import wire
 from flexium.server import storage
 from flexium.server.db import Database
 from flexium.server.settings import load_settings
@@ -30,13 +31,13 @@ def open_database(database_url: Optional[str] = None) -> Database:
 
 
 def _workspace_id(db: Database, workspace: str) -> int:
-    return int(db.run(storage.get_workspace, write=False, name=workspace)["id"])
+    return db.run(storage.get_workspace, write=False, name=workspace).id
 
 
 def create_workspace(name: str, *, database_url: Optional[str] = None) -> str:
     db = open_database(database_url)
     try:
-        _row, token = db.run(storage.create_workspace, write=True, name=name, now=time.time())
+        _record, token = db.run(storage.create_workspace, write=True, name=name, now=time.time())
         return token
     finally:
         db.dispose()
@@ -46,13 +47,12 @@ def issue_token(workspace: str, *, name: str = "", database_url: Optional[str] =
     db = open_database(database_url)
     try:
         ws = _workspace_id(db, workspace)
-        _info, token = db.run(storage.issue_token, write=True, workspace_id=ws, name=name, now=time.time())
-        return token
+        return db.run(storage.issue_token, write=True, workspace_id=ws, name=name, now=time.time()).token
     finally:
         db.dispose()
 
 
-def revoke_token(workspace: str, token_or_id: Union[str, int], *, database_url: Optional[str] = None) -> dict[str, Any]:
+def revoke_token(workspace: str, token_or_id: Union[str, int], *, database_url: Optional[str] = None) -> wire.TokenInfo:
     """Revoke by the token itself or by its id (``list_tokens`` shows ids). A running server
     stops accepting it within its token cache time (5 s)."""
     db = open_database(database_url)
@@ -66,7 +66,7 @@ def revoke_token(workspace: str, token_or_id: Union[str, int], *, database_url: 
         db.dispose()
 
 
-def list_tokens(workspace: str, *, database_url: Optional[str] = None) -> list[dict[str, Any]]:
+def list_tokens(workspace: str, *, database_url: Optional[str] = None) -> list[wire.TokenInfo]:
     db = open_database(database_url)
     try:
         return db.run(storage.list_tokens, write=False, workspace_id=_workspace_id(db, workspace))
@@ -74,7 +74,7 @@ def list_tokens(workspace: str, *, database_url: Optional[str] = None) -> list[d
         db.dispose()
 
 
-def list_workspaces(*, database_url: Optional[str] = None) -> list[dict[str, Any]]:
+def list_workspaces(*, database_url: Optional[str] = None) -> list[storage.WorkspaceRecord]:
     db = open_database(database_url)
     try:
         return db.run(storage.list_workspaces, write=False)

@@ -207,10 +207,9 @@ async def list_tokens(auth: Auth, ctx: Ctx) -> Any:
 
 @router.post("/tokens", response_model=wire.TokenCreated, status_code=201, summary="Issue a token")
 async def issue_token(body: wire.TokenRequest, auth: Auth, ctx: Ctx) -> Any:
-    info, token = await ctx.db.call(
+    return await ctx.db.call(
         storage.issue_token, write=True, workspace_id=auth.workspace_id, name=body.name, now=time.time()
     )
-    return {**info, "token": token}
 
 
 @router.delete("/tokens/{token_id}", response_model=wire.TokenInfo, summary="Revoke a token")

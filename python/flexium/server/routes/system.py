@@ -8,7 +8,7 @@ from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
 from sqlalchemy import text
 
-from flexium import wire
+from flexium import protocol, wire
 from flexium.server import services
 from flexium.server.context import Ctx
 from flexium.server.db import DatabaseUnavailable
@@ -22,7 +22,7 @@ def _ping(*, session: Any) -> None:
 
 
 @router.get(
-    "/healthz",
+    protocol.PATH_HEALTH,
     response_model=wire.HealthInfo,
     responses={503: {"model": wire.HealthInfo}},
     summary="200 when the database answers",

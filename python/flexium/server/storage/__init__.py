@@ -2,11 +2,11 @@
 
 Every function takes keyword arguments only, starting with ``session`` (one open
 transaction, from ``Database.session`` / ``Database.run`` / ``Database.call``), and the
-caller's clock as ``now`` so tests can move time. Processes, commands and devices come back
-as ``flexium.wire`` models built from the rows, which routes send as they are and dashboard
-templates render (workspaces and tokens, which only the server and its admin commands see,
-as plain dicts), and they raise ``flexium.server.errors.ApiError`` subclasses for anything a
-user did wrong.
+caller's clock as ``now`` so tests can move time. Processes, commands, devices, the workspace
+summary and tokens come back as ``flexium.wire`` models built from the rows, which routes send
+as they are and dashboard templates render (a workspace without its counts, which only the
+admin commands read, as a ``WorkspaceRecord``), and they raise
+``flexium.server.errors.ApiError`` subclasses for anything a user did wrong.
 """
 
 from flexium.server.storage.commands import (
@@ -39,6 +39,7 @@ from flexium.server.storage.processes import (
 from flexium.server.storage.sweep import SweepResult, sweep
 from flexium.server.storage.workspaces import (
     AuthInfo,
+    WorkspaceRecord,
     authenticate,
     create_workspace,
     ensure_default_workspace,
@@ -57,6 +58,7 @@ __all__ = [
     "HeartbeatOutcome",
     "ProcessSnapshot",
     "SweepResult",
+    "WorkspaceRecord",
     "authenticate",
     "count_commands",
     "device_indexes",

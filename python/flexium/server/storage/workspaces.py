@@ -7,12 +7,12 @@ from __future__ import annotations
 import hashlib
 import secrets
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from flexium import protocol
+from flexium import protocol, wire
 from flexium.server.errors import Conflict, InvalidRequest, NotFound
 from flexium.server.models import Command, Process, Token, Workspace
 
@@ -24,6 +24,16 @@ class AuthInfo:
     token_id: int
 
 
+@dataclass(frozen=True)
+class WorkspaceRecord:
+    """A workspace without its counts, for the admin commands (which need its id or name);
+    the API's view with counts is ``wire.WorkspaceInfo`` (``workspace_summary``)."""
+
+    id: int
+    name: str
+    created_at: float
+
+
 def new_token() -> str:
     return protocol.TOKEN_PREFIX + secrets.token_urlsafe(32)
 
@@ -32,19 +42,19 @@ def hash_token(token: str) -> str:
     return hashlib.sha256(token.encode("utf-8", "surrogatepass")).hexdigest()
 
 
-def _workspace_dict(row: Workspace) -> dict[str, Any]:
-    return {"id": row.id, "name": row.name, "created_at": row.created_at}
+def _workspace_record(row: Workspace) -> WorkspaceRecord:
+    return WorkspaceRecord(id=row.id, name=row.name, created_at=row.created_at)
 
 
-def _token_dict(row: Token) -> dict[str, Any]:
-    return {
-        "id": row.id,
-        "name": row.name,
-        "prefix": row.prefix,
-        "created_at": row.created_at,
-        "revoked_at": row.revoked_at,
-        "revoked": row.revoked_at is not None,
-    }
+def _token_info(row: Token) -> wire.TokenInfo:
+    return wire.TokenInfo(
+        id=row.id,
+        name=row.name,
+        prefix=row.prefix,
+        created_at=row.created_at,
+        revoked_at=row.revoked_at,
+        revoked=row.revoked_at is not None,
+    )
 
 
 def check_workspace_name(name: str) -> str:
@@ -58,7 +68,7 @@ def check_workspace_name(name: str) -> str:
 
 def create_workspace(
     *, session: Session, name: str, now: float, token_name: str = "initial"
-) -> tuple[dict[str, Any], str]:
+) -> tuple[WorkspaceRecord, str]:
     """A new workspace and its first token (returned in clear once; only its hash is kept)."""
     check_workspace_name(name)
     if session.scalar(select(Workspace.id).where(Workspace.name == name)) is not None:
@@ -66,8 +76,8 @@ def create_workspace(
     row = Workspace(name=name, created_at=now)
     session.add(row)
     session.flush()
-    _info, token = issue_token(session=session, workspace_id=row.id, name=token_name, now=now)
-    return _workspace_dict(row), token
+    created = issue_token(session=session, workspace_id=row.id, name=token_name, now=now)
+    return _workspace_record(row), created.token
 
 
 def ensure_default_workspace(*, session: Session, now: float) -> Optional[str]:
@@ -79,18 +89,18 @@ def ensure_default_workspace(*, session: Session, now: float) -> Optional[str]:
     return token
 
 
-def get_workspace(*, session: Session, name: str) -> dict[str, Any]:
+def get_workspace(*, session: Session, name: str) -> WorkspaceRecord:
     row = session.scalar(select(Workspace).where(Workspace.name == name))
     if row is None:
         raise NotFound(f"workspace {name!r} not found")
-    return _workspace_dict(row)
+    return _workspace_record(row)
 
 
-def list_workspaces(*, session: Session) -> list[dict[str, Any]]:
-    return [_workspace_dict(r) for r in session.scalars(select(Workspace).order_by(Workspace.name))]
+def list_workspaces(*, session: Session) -> list[WorkspaceRecord]:
+    return [_workspace_record(r) for r in session.scalars(select(Workspace).order_by(Workspace.name))]
 
 
-def workspace_summary(*, session: Session, workspace_id: int) -> dict[str, Any]:
+def workspace_summary(*, session: Session, workspace_id: int) -> wire.WorkspaceInfo:
     row = session.get(Workspace, workspace_id)
     if row is None:
         raise NotFound("workspace not found")
@@ -105,10 +115,13 @@ def workspace_summary(*, session: Session, workspace_id: int) -> dict[str, Any]:
         )
         or 0
     )
-    return {**_workspace_dict(row), "processes": processes, "active_commands": active}
+    return wire.WorkspaceInfo(
+        id=row.id, name=row.name, created_at=row.created_at, processes=processes, active_commands=active
+    )
 
 
-def issue_token(*, session: Session, workspace_id: int, name: str = "", now: float) -> tuple[dict[str, Any], str]:
+def issue_token(*, session: Session, workspace_id: int, name: str = "", now: float) -> wire.TokenCreated:
+    """The new token in clear (``.token``) is in this answer only: only its hash is kept."""
     token = new_token()
     row = Token(
         workspace_id=workspace_id,
@@ -119,17 +132,17 @@ def issue_token(*, session: Session, workspace_id: int, name: str = "", now: flo
     )
     session.add(row)
     session.flush()
-    return _token_dict(row), token
+    return wire.TokenCreated(**_token_info(row).model_dump(), token=token)
 
 
-def list_tokens(*, session: Session, workspace_id: int) -> list[dict[str, Any]]:
+def list_tokens(*, session: Session, workspace_id: int) -> list[wire.TokenInfo]:
     rows = session.scalars(select(Token).where(Token.workspace_id == workspace_id).order_by(Token.id))
-    return [_token_dict(r) for r in rows]
+    return [_token_info(r) for r in rows]
 
 
 def revoke_token(
     *, session: Session, workspace_id: int, token_id: Optional[int] = None, token: Optional[str] = None, now: float
-) -> dict[str, Any]:
+) -> wire.TokenInfo:
     """Revoke by id or by the token itself. Revoking twice is not an error."""
     query = select(Token).where(Token.workspace_id == workspace_id)
     if token is not None:
@@ -143,7 +156,7 @@ def revoke_token(
         raise NotFound("token not found in this workspace")
     if row.revoked_at is None:
         row.revoked_at = now
-    return _token_dict(row)
+    return _token_info(row)
 
 
 def authenticate(*, session: Session, token: str) -> Optional[AuthInfo]:
