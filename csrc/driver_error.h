@@ -40,8 +40,6 @@ void require_symbol(const void *fn, const char *symbol, int version);
   ::flexium::require_symbol(reinterpret_cast<const void *>((table).function), #function, \
                             ::flexium::driver_versions::function)
 
-namespace flexium {}  // namespace flexium
-
 // FLEXIUM_CU_CALL(d, cuDeviceGetCount, &count): calls d.cuDeviceGetCount(&count) and throws a
 // DriverError whose .call is the bare function name.
 #define FLEXIUM_CU_CALL(table, function, ...)                                           \

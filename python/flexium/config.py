@@ -390,7 +390,7 @@ def load_config(
 
 def resolve_device(device: Optional[str] = None) -> str:
     """The device alone, from the same sources in the same order as load_config (a disabled
-    session reads no other setting)."""
+    runtime reads no other setting)."""
     rc_path = find_config_file()
     rc = _read_rc(rc_path) if rc_path is not None else {}
     entry = _setting("device", device, rc, rc_path, "device")

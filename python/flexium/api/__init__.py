@@ -1,1 +1,1 @@
-"""The public API's machinery: session lifecycle, device routing, error recovery."""
+"""The public API's machinery: the runtime that init() starts and shutdown() ends, device routing, error recovery."""
