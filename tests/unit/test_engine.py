@@ -604,9 +604,16 @@ def test_resume_on_another_gpu(fake: FakeDriver, make_engine: Callable[..., Any]
     on_gpu(fake, engine, 0)
 
 
-def test_resume_picks_the_gpu_with_most_room_when_the_old_one_filled_up(
+IN_PLACE_ADVICE = (
+    "free memory there, or resume it with a target, e.g. from the dashboard or `flexium resume JOB cuda:N`"
+)
+
+
+def test_resume_without_a_target_stays_on_its_gpu_when_that_filled_up(
     fake: FakeDriver, make_engine: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The server chooses the GPU (it always sends one when it has device reports); the engine
+    only rules on its own, and never moves a resume elsewhere by itself."""
     monkeypatch.setenv("FAKE_CUDA_GPUS", "3")
     fake.reset()
     fake.set_process_memory(0, 30 * GiB)
@@ -617,7 +624,15 @@ def test_resume_picks_the_gpu_with_most_room_when_the_old_one_filled_up(
     fake.set_other_memory(2, 20 * GiB)
     assert [c.gpu.device for c in engine.candidate_targets()] == ["cuda:2", "cuda:1"]
     fake.clear_log()
-    result = engine.resume()
+    with pytest.raises(TargetRefusedError) as caught:
+        engine.resume()
+    assert str(caught.value) == (
+        "cuda:0 has 10.00 GiB free; the paused job needs 30.00 GiB plus 0.50 GiB headroom: it stays paused; "
+        + IN_PLACE_ADVICE
+    )
+    assert fake.calls("cu") == []
+    assert engine.state == EngineState.PAUSED and fake.state() == ProcessState.CHECKPOINTED
+    result = engine.resume(engine.gpus[2])
     assert result.ok and result.target.device == "cuda:2"
     assert sorted(fake.last_pairs()) == [(0, 2), (1, 1), (2, 0)]
     on_gpu(fake, engine, 2)
@@ -646,15 +661,24 @@ def test_resume_without_room_anywhere_stays_paused(fake: FakeDriver, make_engine
     with pytest.raises(TargetRefusedError) as caught:
         engine.resume()
     assert str(caught.value) == (
-        "the job needs 30.00 GiB and no GPU of model NVIDIA H200 has that free; it stays paused"
+        "cuda:0 has 10.00 GiB free; the paused job needs 30.00 GiB plus 0.50 GiB headroom: it stays paused; "
+        + IN_PLACE_ADVICE
     )
-    with pytest.raises(TargetRefusedError, match=r"cuda:1 has 10\.00 GiB free; the paused job needs 30\.00 GiB"):
+    with pytest.raises(TargetRefusedError) as caught:
         engine.resume(engine.gpus[1])
+    assert str(caught.value) == (
+        "cuda:1 has 10.00 GiB free; the paused job needs 30.00 GiB plus 0.50 GiB headroom: it stays paused; "
+        "free memory there or choose another GPU"
+    )
     assert fake.calls("cu") == []
     assert engine.state == EngineState.PAUSED and fake.state() == ProcessState.CHECKPOINTED
     fake.set_other_memory(1, 0)
-    assert engine.resume().target.device == "cuda:1"
-    on_gpu(fake, engine, 1)
+    with pytest.raises(TargetRefusedError, match="it stays paused"):
+        engine.resume()  # room elsewhere is the server's to find: in place is still refused
+    assert fake.calls("cu") == [] and engine.state == EngineState.PAUSED
+    fake.set_other_memory(0, 0)
+    assert engine.resume().target.device == "cuda:0"
+    on_gpu(fake, engine, 0)
 
 
 def test_resume_on_another_model_is_refused(
@@ -755,10 +779,10 @@ def test_operations_that_do_not_fit_the_state_are_refused(fake: FakeDriver, make
     fake.clear_log()
     with pytest.raises(InvalidStateError) as caught:
         engine.pause()
-    assert str(caught.value) == "cannot pause: the job is paused; resume it first (resume may pick the GPU)"
+    assert str(caught.value) == "cannot pause: the job is paused; resume it first (resume can take a target GPU)"
     with pytest.raises(InvalidStateError) as caught:
         engine.migrate(engine.gpus[1])
-    assert str(caught.value) == "cannot migrate: the job is paused; resume it first (resume may pick the GPU)"
+    assert str(caught.value) == "cannot migrate: the job is paused; resume it first (resume can take a target GPU)"
     assert fake.calls("cu") == []
     assert engine.state == EngineState.PAUSED and fake.state() == ProcessState.CHECKPOINTED
 
@@ -822,9 +846,13 @@ def test_without_migration_capability_only_pause_and_resume_in_place(
     engine.pause()
     with pytest.raises(CapabilityError, match="resuming on another GPU is not available"):
         engine.resume(engine.gpus[1])
-    fake.set_other_memory(0, H200_BYTES)  # GPU 0 full: no other GPU may be chosen
-    with pytest.raises(TargetRefusedError, match="it stays paused"):
+    fake.set_other_memory(0, H200_BYTES)  # GPU 0 full, and no other GPU to point to
+    with pytest.raises(TargetRefusedError) as refusal:
         engine.resume()
+    assert str(refusal.value).endswith(
+        "it stays paused; free memory there (this machine cannot resume it on another GPU)"
+    )
+    assert engine.state == EngineState.PAUSED
     fake.set_other_memory(0, 0)
     assert engine.resume().ok
     on_gpu(fake, engine, 0)
@@ -854,6 +882,23 @@ def test_stop_resumes_a_paused_job(fake: FakeDriver, make_engine: Callable[..., 
     assert engine.state == EngineState.RUNNING and fake.state() == ProcessState.RUNNING
     on_gpu(fake, engine, 0)
     assert not nvml._frozen.is_set()
+
+
+def test_stop_says_why_a_paused_job_it_cannot_resume_in_place_exits_paused(
+    fake: FakeDriver, make_engine: Callable[..., Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    fake.set_process_memory(0, 30 * GiB)
+    engine = make_engine()
+    engine.pause()
+    fake.set_other_memory(0, H200_BYTES - 10 * GiB)  # GPU 1 has room: stop() does not move the job there
+    fake.clear_log()
+    engine.stop()
+    assert (
+        "could not resume the paused job in place at shutdown, so it exits paused: "
+        "cuda:0 has 10.00 GiB free; the paused job needs 30.00 GiB" in capsys.readouterr().err
+    )
+    assert fake.calls("cu") == []
+    assert engine.state == EngineState.PAUSED and fake.state() == ProcessState.CHECKPOINTED
 
 
 def test_default_settings() -> None:

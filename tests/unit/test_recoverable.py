@@ -23,6 +23,7 @@ from flexium.api.recoverable import CudaErrorKind, Recovery, classify_error, rec
 from flexium.engine.operations import GpuIdentity, OperationKind, OperationResult, StepTiming
 from flexium.errors import (
     ConfigError,
+    DriverError,
     OperationFailedError,
     OperationInProgressError,
     RollbackFailedError,
@@ -545,6 +546,38 @@ def test_oom_move_failures(engine: FakeEngine, failure: BaseException, expected:
             raise RuntimeError(ERRORS[CudaErrorKind.OOM])
     assert expected in str(info.value)
     assert info.value.__cause__ is failure
+
+
+@pytest.mark.parametrize("kind", [CudaErrorKind.OOM, CudaErrorKind.ECC])
+def test_a_driver_error_during_the_move_leaves_the_state_unknown(engine: FakeEngine, kind: CudaErrorKind) -> None:
+    """A DriverError out of migrate (e.g. the process state read after the locked section) is
+    not a rollback: the job may be anywhere, so the message must not say it is still on GPU 0."""
+    failure = DriverError(
+        "cuCheckpointProcessGetState failed: CUDA_ERROR_UNKNOWN (unknown error): pid 4242",
+        call="cuCheckpointProcessGetState",
+        code=999,
+        error_name="CUDA_ERROR_UNKNOWN",
+    )
+    engine.fail_with = failure
+    calls: list[int] = []
+
+    @recoverable(retries=3)
+    def step() -> None:
+        calls.append(1)
+        raise RuntimeError(ERRORS[kind])
+
+    with pytest.raises(RuntimeError) as info:
+        step()
+    message = str(info.value)
+    assert message.startswith(f"cannot recover from {kind.label} (")
+    assert (
+        "moving to GPU 2 (NVIDIA H200, GPU-0002) failed inside the driver call cuCheckpointProcessGetState "
+        "(DriverError: cuCheckpointProcessGetState failed: CUDA_ERROR_UNKNOWN (unknown error): pid 4242); "
+        "the job's state is unknown: it may be on either GPU, or frozen. Restart the job if it does not continue."
+    ) in message
+    assert "still on" not in message and "rolled back" not in message
+    assert info.value.__cause__ is failure
+    assert calls == [1] and engine.migrations == [] and engine.current == engine.gpus[0]
 
 
 def test_migrate_reporting_failure_is_not_success(engine: FakeEngine) -> None:

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Protocol, S
 from flexium._logging import get_logger
 from flexium.errors import (
     ConfigError,
+    DriverError,
     FlexiumError,
     OperationFailedError,
     OperationInProgressError,
@@ -282,6 +283,14 @@ def _no_candidate(
 def _move_failed(
     kind: CudaErrorKind, exc: BaseException, source: GpuIdentity, target: GpuIdentity, move_exc: BaseException
 ) -> RuntimeError:
+    if isinstance(move_exc, DriverError):
+        # A driver call the engine makes outside its locked section's own rollback (the process
+        # state read after it, the memory pool's calls) failed: nothing says where the job is.
+        reason = (
+            f"moving to {_gpu(target)} failed inside the driver call {move_exc.call or 'flexium made'} "
+            f"({_summary(move_exc)}); the job's state is unknown: it may be on either GPU, or frozen"
+        )
+        return _cannot(kind, exc, reason, "Restart the job if it does not continue. " + _ADVICE[kind])
     if isinstance(move_exc, RollbackFailedError):
         state = f"the job may be stuck on {_gpu(source)}"
     elif isinstance(move_exc, OperationFailedError):
@@ -346,7 +355,7 @@ def _recover(kind: CudaErrorKind, exc: BaseException, *, seen_generation: int, o
         chosen = candidates[0]
         try:
             result = engine.migrate(chosen.gpu)
-        except FlexiumError as move_exc:  # refused, failed and rolled back, busy, or not capable
+        except FlexiumError as move_exc:  # refused, failed and rolled back, busy, not capable, or a driver call
             raise _move_failed(kind, exc, source, chosen.gpu, move_exc) from move_exc
         if not result.ok:
             failure = OperationFailedError(

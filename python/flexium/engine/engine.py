@@ -132,7 +132,7 @@ class Engine:
             try:
                 self.resume()
             except Exception as exc:  # exiting anyway; say what happened
-                log.error("could not resume the paused job at shutdown: %s", exc)
+                log.error("could not resume the paused job in place at shutdown, so it exits paused: %s", exc)
         self._parking.release()
         if self._ctx.fast is not None:
             self._ctx.fast.close()
@@ -248,11 +248,13 @@ class Engine:
             return self._finish(result)
 
     def resume(self, target: Optional[Target] = None) -> OperationResult:
-        """Resumes the paused job on `target` (a GPU UUID or a GpuIdentity of `gpus`), or where
-        it fits, its own GPU first."""
+        """Resumes the paused job on `target` (a GPU UUID or a GpuIdentity of `gpus`), or without
+        one on the GPU it paused on. The engine never picks another GPU: the server chooses one
+        (docs/design.md), and here it only has the last word on the one it is given."""
         with self._operation(OperationKind.RESUME, allowed=(EngineState.PAUSED,)):
             source = self._source()
-            dest = self._choose_resume_target(source, target)
+            dest = source if target is None else self._ctx.identity.resolve(target)
+            self._check_resume_target(source, dest, in_place=target is None)
             if dest.uuid != source.uuid:
                 self._require(self.capabilities.migration, "resuming on another GPU")
             plan = self._plan(dest)
@@ -356,34 +358,29 @@ class Engine:
             )
         return ()
 
-    def _choose_resume_target(self, source: GpuIdentity, target: Optional[Target]) -> GpuIdentity:
-        needed = self._ctx.paused_bytes
-        if target is not None:
-            dest = self._ctx.identity.resolve(target)
-            if dest.name != source.name:
-                raise TargetRefusedError(
-                    f"{dest.device} is a {dest.name}, the job was paused on a {source.name}: "
-                    "resume needs the same model"
-                )
-            self._check_room(dest, needed)
-            return dest
-        host = nvml.gpu_by_uuid(source.uuid)
-        if host is None or host.memory_free >= needed + self.memory_margin_bytes:
-            return source
-        fitting = self.candidate_targets() if self.capabilities.migration else []
-        if not fitting:
+    def _check_resume_target(self, source: GpuIdentity, dest: GpuIdentity, *, in_place: bool) -> None:
+        """Same model, and room for what the job held when it was paused (a paused job holds
+        nothing on any GPU, so the free memory NVML reports is what it can have)."""
+        if dest.name != source.name:
             raise TargetRefusedError(
-                f"the job needs {_gib(needed)} and no GPU of model {source.name} has that free; it stays paused"
+                f"{dest.device} is a {dest.name}, the job was paused on a {source.name}: resume needs the same model"
             )
-        return fitting[0].gpu
-
-    def _check_room(self, dest: GpuIdentity, needed: int) -> None:
         host = nvml.gpu_by_uuid(dest.uuid)
-        if host is not None and host.memory_free < needed + self.memory_margin_bytes:
-            raise TargetRefusedError(
-                f"{dest.device} has {_gib(host.memory_free)} free; the paused job needs {_gib(needed)} "
-                f"plus {_gib(self.memory_margin_bytes)}: it stays paused"
+        needed = self._ctx.paused_bytes
+        if host is None or host.memory_free >= needed + self.memory_margin_bytes:
+            return
+        if not in_place:
+            advice = "free memory there or choose another GPU"
+        elif self.capabilities.migration:
+            advice = (
+                "free memory there, or resume it with a target, e.g. from the dashboard or `flexium resume JOB cuda:N`"
             )
+        else:
+            advice = "free memory there (this machine cannot resume it on another GPU)"
+        raise TargetRefusedError(
+            f"{dest.device} has {_gib(host.memory_free)} free; the paused job needs "
+            f"{_gib(needed)} plus {_gib(self.memory_margin_bytes)} headroom: it stays paused; {advice}"
+        )
 
     # ---- bookkeeping -----------------------------------------------------------------------
 
@@ -431,7 +428,7 @@ def _check_path(path: str) -> None:
 
 def _state_refusal(kind: OperationKind, state: EngineState) -> str:
     if state == EngineState.PAUSED:
-        return f"cannot {kind.value}: the job is paused; resume it first (resume may pick the GPU)"
+        return f"cannot {kind.value}: the job is paused; resume it first (resume can take a target GPU)"
     if state == EngineState.RUNNING and kind == OperationKind.RESUME:
         return "cannot resume: the job is running, not paused"
     if state == EngineState.FAILED:
