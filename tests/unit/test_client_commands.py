@@ -237,7 +237,7 @@ class Reporter:
         return wire.HeartbeatRequest(state="RUNNING")
 
     def process_update(self) -> wire.ProcessUpdate:
-        return wire.ProcessUpdate(state="RUNNING", gpu_uuid=GPU.uuid, gpu_index=0, physical_device="cuda:0")
+        return wire.ProcessUpdate(state="RUNNING", gpu_uuid=GPU.uuid)
 
     def capabilities(self) -> dict[str, Any]:
         return {"pause_resume": True, "migration": True, "problems": []}
