@@ -60,7 +60,7 @@ def resolve_target(*, session: Session, proc: Process, target: Union[str, int]) 
     say the same): ``cuda:N`` is entry N of the process's ``visible_gpus`` (the job's own CUDA
     numbering, as it registered), a bare integer or digits the nvidia-smi index on the
     process's host, anything else a GPU UUID. Commands carry only the UUID it resolves to."""
-    devices = host_devices(session, workspace_id=proc.workspace_id, host=proc.host)
+    devices = host_devices(session=session, workspace_id=proc.workspace_id, host=proc.host)
     if isinstance(target, bool):
         raise InvalidRequest("target must be a GPU UUID, an index on the process's host, or 'cuda:N'")
     if isinstance(target, int) or _DIGITS.fullmatch(target):
@@ -87,7 +87,9 @@ def resolve_target(*, session: Session, proc: Process, target: Union[str, int]) 
     found = devices.get(text)
     if found is not None:
         return found
-    elsewhere = [h for h in find_device_hosts(session, workspace_id=proc.workspace_id, uuid=text) if h != proc.host]
+    elsewhere = [
+        h for h in find_device_hosts(session=session, workspace_id=proc.workspace_id, uuid=text) if h != proc.host
+    ]
     if elsewhere:
         raise TargetRefused(f"GPU {text} is on host {elsewhere[0]!r}, not on the process's host {proc.host!r}")
     raise TargetRefused(f"unknown GPU {text!r} on host {proc.host!r}")
@@ -144,8 +146,8 @@ def judge_targets(
     the last word: the picture may change before a command is sent."""
     if kind not in ("migrate", "resume"):
         raise InvalidRequest(f"targets are judged for migrate or resume, not {kind!r}")
-    proc = find_process(session, workspace_id=workspace_id, process_id=process_id)
-    rows = host_devices(session, workspace_id=workspace_id, host=proc.host)
+    proc = find_process(session=session, workspace_id=workspace_id, process_id=process_id)
+    rows = host_devices(session=session, workspace_id=workspace_id, host=proc.host)
     return [
         wire.TargetInfo(
             device=device,
@@ -158,11 +160,11 @@ def judge_targets(
     ]
 
 
-def _choose_resume_target(session: Session, proc: Process, *, now: float, stale_after: float) -> Optional[Device]:
+def _choose_resume_target(*, session: Session, proc: Process, now: float, stale_after: float) -> Optional[Device]:
     """Resume where it paused when that GPU has room; else the GPU ``target_refusal`` allows
     with the most free memory (another GPU only for a job that can migrate); None lets the
     process resume on its source (no device reports to judge by)."""
-    devices = host_devices(session, workspace_id=proc.workspace_id, host=proc.host)
+    devices = host_devices(session=session, workspace_id=proc.workspace_id, host=proc.host)
     if not devices:
         return None
     home = devices.get(proc.gpu_uuid or "")
@@ -197,10 +199,10 @@ def create_command(
 ) -> wire.CommandInfo:
     if kind not in protocol.COMMAND_KINDS:
         raise InvalidRequest(f"unknown command kind {kind!r}: use migrate, pause or resume")
-    proc = find_process(session, workspace_id=workspace_id, process_id=process_id, for_update=True)
+    proc = find_process(session=session, workspace_id=workspace_id, process_id=process_id, for_update=True)
     if is_stale(proc, now=now, stale_after=stale_after):
         raise Stale(f"process {process_id!r} sent no heartbeat for {now - proc.last_seen:.0f} s; it is not listening")
-    active = active_command(session, process_pk=proc.pk)
+    active = active_command(session=session, process_pk=proc.pk)
     if active is not None:
         raise Busy(
             f"process {process_id!r} already has command {active.id} ({active.kind}, {active.state}); one at a time",
@@ -232,7 +234,7 @@ def create_command(
             device = resolve_target(session=session, proc=proc, target=target)
             _check_target(proc, device, kind=kind, now=now, stale_after=stale_after)
         else:
-            device = _choose_resume_target(session, proc, now=now, stale_after=stale_after)
+            device = _choose_resume_target(session=session, proc=proc, now=now, stale_after=stale_after)
     row = Command(
         workspace_id=workspace_id,
         process_pk=proc.pk,

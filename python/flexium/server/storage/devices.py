@@ -97,7 +97,7 @@ def list_devices(
     return wire.DevicesResponse(hosts=list(hosts.values()))
 
 
-def host_devices(session: Session, *, workspace_id: int, host: str) -> dict[str, Device]:
+def host_devices(*, session: Session, workspace_id: int, host: str) -> dict[str, Device]:
     return {
         d.uuid: d
         for d in session.scalars(select(Device).where(Device.workspace_id == workspace_id, Device.host == host))
@@ -114,5 +114,5 @@ def device_indexes(*, session: Session, workspace_id: int, host: Optional[str] =
     return {uuid: index for uuid, index in session.execute(query)}
 
 
-def find_device_hosts(session: Session, *, workspace_id: int, uuid: str) -> list[str]:
+def find_device_hosts(*, session: Session, workspace_id: int, uuid: str) -> list[str]:
     return list(session.scalars(select(Device.host).where(Device.workspace_id == workspace_id, Device.uuid == uuid)))

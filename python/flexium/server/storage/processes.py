@@ -86,7 +86,7 @@ class HeartbeatOutcome:
     snapshot: ProcessSnapshot
 
 
-def find_process(session: Session, *, workspace_id: int, process_id: str, for_update: bool = False) -> Process:
+def find_process(*, session: Session, workspace_id: int, process_id: str, for_update: bool = False) -> Process:
     query = select(Process).where(Process.workspace_id == workspace_id, Process.process_id == process_id)
     if for_update:
         query = query.with_for_update()
@@ -96,7 +96,7 @@ def find_process(session: Session, *, workspace_id: int, process_id: str, for_up
     return row
 
 
-def active_command(session: Session, *, process_pk: int) -> Optional[Command]:
+def active_command(*, session: Session, process_pk: int) -> Optional[Command]:
     return session.scalar(
         select(Command)
         .where(Command.process_pk == process_pk, Command.state.in_(protocol.ACTIVE_COMMAND_STATES))
@@ -162,7 +162,7 @@ def register_process_snapshot(
     session.flush()
     if report.devices:
         upsert_devices(session=session, workspace_id=workspace_id, host=row.host, devices=report.devices, now=now)
-    active = None if created else active_command(session, process_pk=row.pk)
+    active = None if created else active_command(session=session, process_pk=row.pk)
     shown = shown_process(session=session, row=row, now=now, stale_after=stale_after, active=active)
     return shown, created, ProcessSnapshot.of(row)
 
@@ -197,7 +197,7 @@ def heartbeat(
 
     The row is read locked: on PostgreSQL a report may commit between an unlocked read and
     this write, and the beat would then write back the state (and ``seq``) it replaced."""
-    row = find_process(session, workspace_id=workspace_id, process_id=process_id, for_update=True)
+    row = find_process(session=session, workspace_id=workspace_id, process_id=process_id, for_update=True)
     was_stale = row.last_seen < now - stale_after
     before = tuple(getattr(row, name) for name in _UPDATED)
     if is_older(report.seq, row.state_seq):
@@ -221,7 +221,7 @@ def heartbeat(
             row=row,
             now=now,
             stale_after=stale_after,
-            active=active_command(session, process_pk=row.pk),
+            active=active_command(session=session, process_pk=row.pk),
         )
     return HeartbeatOutcome(host=row.host, pending_command=pending, changed=changed, snapshot=ProcessSnapshot.of(row))
 
@@ -245,16 +245,20 @@ _BEAT_UPDATE = (
 
 def unregister_process(*, session: Session, workspace_id: int, process_id: str) -> None:
     """Forget a process and its commands (it exited, or a person removed a stale entry)."""
-    row = find_process(session, workspace_id=workspace_id, process_id=process_id, for_update=True)
+    row = find_process(session=session, workspace_id=workspace_id, process_id=process_id, for_update=True)
     session.delete(row)
 
 
 def get_process(
     *, session: Session, workspace_id: int, process_id: str, now: float, stale_after: float
 ) -> wire.ProcessInfo:
-    row = find_process(session, workspace_id=workspace_id, process_id=process_id)
+    row = find_process(session=session, workspace_id=workspace_id, process_id=process_id)
     return shown_process(
-        session=session, row=row, now=now, stale_after=stale_after, active=active_command(session, process_pk=row.pk)
+        session=session,
+        row=row,
+        now=now,
+        stale_after=stale_after,
+        active=active_command(session=session, process_pk=row.pk),
     )
 
 
