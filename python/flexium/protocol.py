@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 PROTOCOL_VERSION = 1
 
@@ -136,21 +137,29 @@ MAX_INT = 1 << 62  # memory sizes, pids: fits every database's BIGINT
 
 # --- states ---------------------------------------------------------------------------------
 
+# Each set of values is written once, as a Literal type (what the wire models and mypy
+# check); the tuples beside them, for code that iterates the values, are derived from it.
+
 # What a process reports (flexium.engine.operations.EngineState values). FAILED: a rollback
 # failed, the process may be stuck; it takes no command, the job must be restarted.
-PROCESS_STATES = ("RUNNING", "MIGRATING", "PAUSING", "PAUSED", "RESUMING", "FAILED")
+ProcessState = Literal["RUNNING", "MIGRATING", "PAUSING", "PAUSED", "RESUMING", "FAILED"]
+PROCESS_STATES: tuple[str, ...] = get_args(ProcessState)
 FAILED = "FAILED"
 # What the server shows: the reported state, or STALE when heartbeats stopped.
+DisplayState = Literal[ProcessState, "STALE"]
+DISPLAY_STATES: tuple[str, ...] = get_args(DisplayState)  # a nested Literal is flattened
 STALE = "STALE"
-DISPLAY_STATES = PROCESS_STATES + (STALE,)
 
-COMMAND_KINDS = ("migrate", "pause", "resume")
+CommandKind = Literal["migrate", "pause", "resume"]
+COMMAND_KINDS: tuple[str, ...] = get_args(CommandKind)
 
-COMMAND_STATES = ("queued", "delivered", "running", "succeeded", "failed", "expired")
-ACTIVE_COMMAND_STATES = ("queued", "delivered", "running")
-PENDING_COMMAND_STATES = ("queued", "delivered")  # what a long-poll hands out
-FINAL_COMMAND_STATES = ("succeeded", "failed", "expired")
-REPORT_STATES = ("running", "succeeded", "failed")  # what a process may report
+CommandState = Literal["queued", "delivered", "running", "succeeded", "failed", "expired"]
+COMMAND_STATES: tuple[str, ...] = get_args(CommandState)
+ACTIVE_COMMAND_STATES: tuple[str, ...] = ("queued", "delivered", "running")
+PENDING_COMMAND_STATES: tuple[str, ...] = ("queued", "delivered")  # what a long-poll hands out
+FINAL_COMMAND_STATES: tuple[str, ...] = ("succeeded", "failed", "expired")
+ReportState = Literal["running", "succeeded", "failed"]  # what a process may report
+REPORT_STATES: tuple[str, ...] = get_args(ReportState)
 
 # Capability keys a process reports (flexium.utils.get_capabilities()).
 CAP_PAUSE_RESUME = "pause_resume"

@@ -11,8 +11,12 @@ does not know, so an older server accepts a newer client and an older client rea
 server.
 
 A client sends a request with ``model_dump(exclude_unset=True)``: a field it set to None
-(``gpu_uuid`` while paused) is sent as null and means "none", a field it left out means
-"unchanged".
+(``gpu_uuid`` of a process without flexium's engine, so without a GPU of its own) is sent as
+null and means "none", a field it left out means "unchanged".
+
+A process's location is one fact, ``gpu_uuid``, read with ``visible_gpus`` (its CUDA ordinal
+order): ``ProcessInfo.gpu_index`` and ``physical_device`` are derived when the server builds
+the answer, and ``cuda_ordinal`` is the one derivation of ``cuda:N``.
 
 All times are Unix epoch seconds (float); all sizes are bytes (int).
 """
@@ -20,11 +24,16 @@ All times are Unix epoch seconds (float); all sizes are bytes (int).
 from __future__ import annotations
 
 import math
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Sequence, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StringConstraints
 
 from flexium import protocol
+from flexium.protocol import CommandKind as CommandKind
+from flexium.protocol import CommandState as CommandState
+from flexium.protocol import DisplayState as DisplayState
+from flexium.protocol import ProcessState as ProcessState
+from flexium.protocol import ReportState as ReportState
 
 
 def _no_nul(value: str) -> str:
@@ -91,14 +100,17 @@ GpuIndex = Annotated[int, Field(ge=0, le=4095)]
 Epoch = Annotated[float, Field(ge=0, le=1e11)]
 FreeJson = Annotated[dict[str, Any], AfterValidator(_check_json)]
 
-# The same values as protocol.PROCESS_STATES etc. (a test keeps them equal): Literal types
-# for the models and mypy, tuples for the code that iterates them.
-ProcessState = Literal["RUNNING", "MIGRATING", "PAUSING", "PAUSED", "RESUMING", "FAILED"]
-DisplayState = Literal["RUNNING", "MIGRATING", "PAUSING", "PAUSED", "RESUMING", "FAILED", "STALE"]
-CommandKind = Literal["migrate", "pause", "resume"]
-CommandState = Literal["queued", "delivered", "running", "succeeded", "failed", "expired"]
-ReportState = Literal["running", "succeeded", "failed"]
 TargetKind = Literal["migrate", "resume"]
+
+
+def cuda_ordinal(visible_gpus: Sequence[str], gpu_uuid: Optional[str]) -> Optional[str]:
+    """``cuda:N`` of GPU ``gpu_uuid`` in a job's own CUDA numbering (``visible_gpus``: its GPU
+    UUIDs in ordinal order, as it registered them), or None when the job does not see it.
+    The one derivation: the server's ``ProcessInfo.physical_device``, the CLI and the client
+    all show a GPU through it."""
+    if gpu_uuid is None or gpu_uuid not in visible_gpus:
+        return None
+    return f"cuda:{list(visible_gpus).index(gpu_uuid)}"
 
 
 class WireIn(BaseModel):
@@ -140,11 +152,11 @@ class RegisterRequest(WireIn):
     host: HostName
     user: ShortText = ""
     pid: Pid = 0
-    gpu_uuid: Optional[ShortText] = Field(default=None, description="the GPU it is on (None while paused)")
+    gpu_uuid: Optional[ShortText] = Field(
+        default=None, description="the GPU it is on, or paused from; None: no engine, no GPU of its own"
+    )
     gpu_model: ShortText = ""
-    gpu_index: Optional[GpuIndex] = Field(default=None, description="nvidia-smi index of that GPU")
     logical_device: ShortText = Field(default="", description="what the training code uses, 'cuda:0'")
-    physical_device: ShortText = ""
     visible_gpus: Annotated[
         list[NonEmptyText],
         Field(
@@ -176,8 +188,6 @@ class HeartbeatRequest(WireIn):
     memory_bytes: Optional[Bytes] = None
     footprint_bytes: Optional[Bytes] = None
     gpu_uuid: Optional[ShortText] = None
-    gpu_index: Optional[GpuIndex] = None
-    physical_device: Optional[ShortText] = None
     devices: Annotated[list[GpuReport], Field(max_length=protocol.MAX_DEVICES)] = []
     seq: Optional[Seq] = None
 
@@ -200,8 +210,6 @@ class ProcessUpdate(WireIn):
 
     state: Optional[ProcessState] = None
     gpu_uuid: Optional[ShortText] = None
-    gpu_index: Optional[GpuIndex] = None
-    physical_device: Optional[ShortText] = None
     memory_bytes: Optional[Bytes] = None
     seq: Optional[Seq] = None
 
@@ -251,11 +259,13 @@ class ProcessInfo(WireOut):
     state: DisplayState = Field(description="the reported state, or STALE when heartbeats stopped")
     reported_state: ProcessState
     stale: bool
-    gpu_uuid: Optional[str]
+    gpu_uuid: Optional[str] = Field(description="the GPU it is on, or paused from; None: no engine, no GPU of its own")
     gpu_model: str
-    gpu_index: Optional[int]
+    gpu_index: Optional[int] = Field(description="nvidia-smi index of gpu_uuid, from its host's device reports")
     logical_device: str
-    physical_device: str
+    physical_device: str = Field(
+        description="gpu_uuid as the job numbers it, cuda_ordinal(visible_gpus, gpu_uuid); else logical_device"
+    )
     visible_gpus: list[str]
     torch_version: str
     driver_version: str
@@ -268,12 +278,6 @@ class ProcessInfo(WireOut):
     last_seen: float
     cmdline: str
     active_command: Optional[CommandInfo]
-
-    def cuda_ordinal(self, uuid: Optional[str]) -> Optional[str]:
-        """``cuda:N`` of GPU ``uuid`` in this process's own numbering, when it sees that GPU."""
-        if uuid is None or uuid not in self.visible_gpus:
-            return None
-        return f"cuda:{self.visible_gpus.index(uuid)}"
 
 
 class RegisterResponse(WireOut):

@@ -165,9 +165,7 @@ class SimJob:
             "pid": 4000 + len(self.host.jobs),
             "gpu_uuid": self.gpu_uuid,
             "gpu_model": H200,
-            "gpu_index": self.gpu_index,
             "logical_device": "cuda:0",
-            "physical_device": f"cuda:{self.gpu_index}",
             "visible_gpus": [self.host.uuid(g.index) for g in self.host.gpus],
             "torch_version": "2.13.0",
             "driver_version": "580.159.04",
@@ -188,8 +186,6 @@ class SimJob:
                 "memory_bytes": 0 if self.state == "PAUSED" else self.memory,
                 "footprint_bytes": self.footprint,
                 "gpu_uuid": self.gpu_uuid,
-                "gpu_index": self.gpu_index,
-                "physical_device": f"cuda:{self.gpu_index}",
                 "devices": self.host.report(),
             }
 
@@ -305,8 +301,6 @@ class SimJob:
             update = {
                 "state": self.state,
                 "gpu_uuid": self.gpu_uuid,
-                "gpu_index": self.gpu_index,
-                "physical_device": f"cuda:{self.gpu_index}",
                 "memory_bytes": 0 if self.state == "PAUSED" else self.memory,
             }
         self._report(cmd["id"], {"state": "succeeded", "result": result, "process": update})

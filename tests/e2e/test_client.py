@@ -80,9 +80,7 @@ class ScriptedReporter:
                 "pid": 1,
                 "gpu_uuid": GPUS[0].uuid,
                 "gpu_model": "NVIDIA H200",
-                "gpu_index": 0,
                 "logical_device": "cuda:0",
-                "physical_device": "cuda:0",
                 "visible_gpus": [g.uuid for g in GPUS],
                 "capabilities": {"pause_resume": True, "migration": True},
                 "memory_bytes": GIB,
@@ -105,9 +103,7 @@ class ScriptedReporter:
         return wire.HeartbeatRequest(state="RUNNING", memory_bytes=GIB)
 
     def process_update(self) -> wire.ProcessUpdate:
-        return wire.ProcessUpdate(
-            state="RUNNING", gpu_uuid=GPUS[0].uuid, gpu_index=0, physical_device="cuda:0", memory_bytes=GIB
-        )
+        return wire.ProcessUpdate(state="RUNNING", gpu_uuid=GPUS[0].uuid, memory_bytes=GIB)
 
     def capabilities(self) -> dict[str, Any]:
         return {"pause_resume": True, "migration": True, "problems": []}

@@ -390,6 +390,48 @@ def test_a_heartbeat_older_than_the_final_report_changes_nothing(api: Api) -> No
     _error(api.post("/processes/gpu-1/heartbeat", {"seq": "7"}), 422, "invalid_request")
 
 
+def test_the_location_shown_is_derived_from_the_gpu_uuid_alone(api: Api) -> None:
+    """An older client still sends gpu_index and physical_device: ignored, not refused, and its
+    plain heartbeats are still answered from memory (the derived fields are compared nowhere)."""
+    body = process_body("gpu-1", gpu_index=2, visible_gpus=["GPU-0002", "GPU-0000", "GPU-0001", "GPU-0003"])
+    r = api.post("/processes", {**body, "gpu_index": 7, "physical_device": "cuda:7"})
+    assert r.status_code == 201, r.text
+    shown = r.json()["process"]
+    assert (shown["gpu_uuid"], shown["gpu_index"], shown["physical_device"]) == ("GPU-0002", 2, "cuda:0")
+    api.ctx.beats.clear()
+    beat = {
+        "state": "RUNNING",
+        "memory_bytes": 10 * GIB,
+        "gpu_uuid": "GPU-0002",
+        "gpu_index": 9,
+        "physical_device": "x",
+    }
+    assert api.post("/processes/gpu-1/heartbeat", beat).status_code == 200
+    assert api.ctx.beats  # from memory: nothing changed
+    api.ctx.beats.clear()
+    assert api.post("/processes/gpu-1/heartbeat", {**beat, "gpu_uuid": "GPU-0003"}).status_code == 200
+    assert not api.ctx.beats  # a move is written through
+    proc = api.get("/processes/gpu-1").json()
+    assert (proc["gpu_uuid"], proc["gpu_index"], proc["physical_device"]) == ("GPU-0003", 3, "cuda:3")
+    # no engine, no GPU: what the training code names is what it runs on
+    cpu = process_body("cpu-job", gpu_uuid=None, logical_device="cpu", visible_gpus=[])
+    assert api.post("/processes", cpu).json()["process"]["physical_device"] == "cpu"
+    assert api.get("/processes/cpu-job").json()["gpu_index"] is None
+
+
+@pytest.mark.parametrize(
+    "target,code,message",
+    [
+        ("²", "target_refused", "unknown GPU '²'"),  # str.isdigit() says yes, int() says no
+        ("cuda:²", "invalid_request", "is not 'cuda:N'"),
+        ("cuda:١", "invalid_request", "is not 'cuda:N'"),  # an Arabic-Indic one
+    ],
+)
+def test_digits_that_are_not_ascii_are_refused_not_a_500(api: Api, target: str, code: str, message: str) -> None:
+    api.register()
+    assert message in _error(api.command("migrate", target=target), 422, code)["message"]
+
+
 def test_one_active_command_409(api: Api) -> None:
     api.register()
     first = api.command("pause").json()

@@ -8,10 +8,12 @@ from typing import Any, Callable
 
 import pytest
 from sqlalchemy import text
+from sqlalchemy.exc import IntegrityError
 
 from flexium import wire
 from flexium.server import errors, storage
 from flexium.server.db import Database
+from flexium.server.settings import normalize_database_url
 from srv_helpers import GIB, gpu, process_body
 
 NOW = 1_800_000_000.0
@@ -70,7 +72,7 @@ def test_upgrade_is_idempotent(db: Database) -> None:
     db.upgrade()
     db.upgrade()
     with db.session(write=False) as s:
-        assert s.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0003"
+        assert s.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0004"
 
 
 def test_schema_newer_than_code_is_refused(db: Database) -> None:
@@ -80,6 +82,85 @@ def test_schema_newer_than_code_is_refused(db: Database) -> None:
         s.execute(text("UPDATE alembic_version SET version_num = '9999'"))
     with pytest.raises(SchemaTooNew, match="9999"):
         db.upgrade()
+
+
+def _migrate(db: Database, step: Callable[..., None], revision: str) -> None:
+    """``Database.upgrade``'s path (one open connection, SQLite's pragmas on), to a revision."""
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", "flexium.server:migrations")
+    with db.engine.begin() as conn:
+        config.attributes["connection"] = conn
+        step(config, revision)
+
+
+def _columns(db: Database, table: str) -> set[str]:
+    from sqlalchemy import inspect
+
+    with db.engine.connect() as conn:
+        return {c["name"] for c in inspect(conn).get_columns(table)}
+
+
+def test_0004_moves_a_live_process_to_its_gpu_uuid_and_back(database_url: str) -> None:
+    """A server upgraded with a job attached (and a command queued for it) keeps both; the
+    dropped index and cuda:N come back derived. Batch mode copies the table on SQLite, where
+    dropping the old one must not cascade to the commands that reference it."""
+    from alembic import command
+
+    db = Database(normalize_database_url(database_url))
+    _migrate(db, command.upgrade, "0003")
+    with db.session(write=True) as s:
+        s.execute(text("INSERT INTO workspaces (id, name, created_at) VALUES (1, 'team', 0)"))
+        s.execute(
+            text(
+                'INSERT INTO processes (pk, workspace_id, process_id, host, "user", pid, gpu_uuid, gpu_model,'
+                " gpu_index, logical_device, physical_device, visible_gpus, torch_version, driver_version,"
+                " flexium_version, capabilities, memory_bytes, footprint_bytes, state, registered_at, last_seen,"
+                " cmdline) VALUES (7, 1, 'gpu-1', 'node1', 'alice', 42, 'GPU-0002', 'NVIDIA H200', 2, 'cuda:0',"
+                " 'cuda:1', :visible, '', '', '', '{}', 1024, 1024, 'RUNNING', :now, :now, '')"
+            ),
+            {"visible": '["GPU-0001", "GPU-0002"]', "now": NOW},
+        )
+        s.execute(
+            text(
+                'INSERT INTO devices (workspace_id, host, uuid, "index", name, memory_total, memory_used,'
+                " health, updated_at) VALUES (1, 'node1', 'GPU-0002', 2, 'NVIDIA H200', 0, 0, 'ok', :now)"
+            ),
+            {"now": NOW},
+        )
+        s.execute(
+            text(
+                "INSERT INTO commands (workspace_id, process_pk, kind, state, created_at, deliveries)"
+                " VALUES (1, 7, 'pause', 'queued', :now, 0)"
+            ),
+            {"now": NOW},
+        )
+    db.upgrade()
+    assert not {"gpu_index", "physical_device"} & _columns(db, "processes")
+    proc = db.run(storage.get_process, write=False, workspace_id=1, process_id="gpu-1", now=NOW, stale_after=STALE)
+    assert (proc.gpu_uuid, proc.gpu_index, proc.physical_device) == ("GPU-0002", 2, "cuda:1")
+    assert proc.active_command is not None and proc.active_command.kind == "pause"
+    with pytest.raises(IntegrityError), db.session(write=True) as s:  # the one-active-command index stays
+        s.execute(
+            text(
+                "INSERT INTO commands (workspace_id, process_pk, kind, state, created_at, deliveries)"
+                " VALUES (1, 7, 'pause', 'queued', :now, 0)"
+            ),
+            {"now": NOW},
+        )
+    _migrate(db, command.downgrade, "0003")
+    assert {"gpu_index", "physical_device"} <= _columns(db, "processes")
+    with db.session(write=False) as s:
+        assert s.execute(text("SELECT gpu_uuid, gpu_index, physical_device FROM processes")).one() == (
+            "GPU-0002",
+            2,
+            "cuda:0",
+        )
+        assert s.execute(text("SELECT count(*) FROM commands")).scalar() == 1
+    db.upgrade()
+    assert not {"gpu_index", "physical_device"} & _columns(db, "processes")
+    db.dispose()
 
 
 def test_sqlite_pragmas(tmp_path: Any) -> None:
@@ -311,6 +392,8 @@ def test_migrate_checks(db: Database) -> None:
         ("gpu-1", 9, errors.TargetRefused),  # no such index
         ("gpu-1", "cuda:7", errors.TargetRefused),  # not visible
         ("gpu-1", "cuda:x", errors.InvalidRequest),
+        ("gpu-1", "²", errors.TargetRefused),  # str.isdigit() says yes, int() says no: not an index
+        ("gpu-1", "cuda:²", errors.InvalidRequest),
     ]
     for process_id, target, exc in cases:
         with pytest.raises(exc) as info:
@@ -351,7 +434,9 @@ def test_target_text_has_one_meaning_each(db: Database) -> None:
     with pytest.raises(errors.TargetRefused, match="already on it"):
         _command(db, ws, "migrate", "gpu-1", "cuda:0")
     # what is shown is derived from the UUID: the job's own ordinal, the host's index
-    assert proc.cuda_ordinal("GPU-0001") == "cuda:1" and proc.cuda_ordinal("GPU-0000") is None
+    assert wire.cuda_ordinal(proc.visible_gpus, "GPU-0001") == "cuda:1"
+    assert wire.cuda_ordinal(proc.visible_gpus, "GPU-0000") is None
+    assert (proc.gpu_index, proc.physical_device) == (3, "cuda:0")  # derived: the host's index, the job's cuda:N
     assert db.run(storage.device_indexes, write=False, workspace_id=ws)["GPU-0001"] == 1
 
 
@@ -547,15 +632,14 @@ def test_pause_resume_settle_process(db: Database) -> None:
     _next(db, ws)
     _, proc, _ = _report(db, ws, pause.id, "succeeded", now=NOW + 1)
     assert proc.state == "PAUSED" and proc.memory_bytes == 0 and proc.footprint_bytes == 12 * GIB
+    assert proc.gpu_uuid == "GPU-0000" and proc.physical_device == "cuda:0"  # paused from it, not None
     resume = _command(db, ws, "resume", now=NOW + 2)
     assert resume.target_uuid == "GPU-0000"
     _next(db, ws)
     _, proc, _ = _report(db, ws, resume.id, "failed", now=NOW + 3, error="restore failed")
     assert proc.state == "PAUSED"
     resume = _command(db, ws, "resume", target=3, now=NOW + 4)
-    _, proc, _ = _report(
-        db, ws, resume.id, "succeeded", now=NOW + 5, process={"memory_bytes": 12 * GIB, "physical_device": "cuda:3"}
-    )
+    _, proc, _ = _report(db, ws, resume.id, "succeeded", now=NOW + 5, process={"memory_bytes": 12 * GIB})
     assert proc.state == "RUNNING" and proc.gpu_uuid == "GPU-0003" and proc.physical_device == "cuda:3"
     assert proc.memory_bytes == 12 * GIB
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from typing import Any, get_args
+from typing import Any
 
 import pytest
 from pydantic import ValidationError
@@ -46,12 +46,12 @@ def test_parse_server_address_errors(text: str) -> None:
         protocol.parse_server_address(text)
 
 
-def test_state_literals_match_the_tuples() -> None:
-    assert get_args(wire.ProcessState) == protocol.PROCESS_STATES
-    assert get_args(wire.DisplayState) == protocol.DISPLAY_STATES
-    assert get_args(wire.CommandKind) == protocol.COMMAND_KINDS
-    assert get_args(wire.CommandState) == protocol.COMMAND_STATES
-    assert get_args(wire.ReportState) == protocol.REPORT_STATES
+def test_command_state_subsets_and_error_codes() -> None:
+    finished = set(protocol.FINAL_COMMAND_STATES)
+    assert set(protocol.PENDING_COMMAND_STATES) < set(protocol.ACTIVE_COMMAND_STATES)
+    assert set(protocol.ACTIVE_COMMAND_STATES) | finished == set(protocol.COMMAND_STATES)
+    assert not set(protocol.ACTIVE_COMMAND_STATES) & finished
+    assert set(protocol.REPORT_STATES) <= set(protocol.COMMAND_STATES)
     assert set(protocol.ERROR_STATUS) >= {
         "unauthorized",
         "not_found",
@@ -140,3 +140,24 @@ def test_the_client_side_imports_without_server_packages() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "1"
+
+
+def test_an_older_client_that_sends_the_derived_location_is_not_refused() -> None:
+    """gpu_index and physical_device left the requests (the server derives them from gpu_uuid);
+    a client from before still sends them, and they are ignored, not refused."""
+    old = {"gpu_uuid": "GPU-0001", "gpu_index": 1, "physical_device": "cuda:1"}
+    register = wire.RegisterRequest.model_validate({"process_id": "gpu-1", "host": "h", **old})
+    beat = wire.HeartbeatRequest.model_validate({"state": "RUNNING", **old})
+    update = wire.ProcessUpdate.model_validate(old)
+    for body in (register, beat, update):
+        assert body.gpu_uuid == "GPU-0001"
+        assert not {"gpu_index", "physical_device"} & set(body.model_dump())
+
+
+def test_cuda_ordinal_is_the_position_in_visible_gpus() -> None:
+    visible = ["GPU-b", "GPU-a"]
+    assert wire.cuda_ordinal(visible, "GPU-a") == "cuda:1"
+    assert wire.cuda_ordinal(visible, "GPU-b") == "cuda:0"
+    assert wire.cuda_ordinal(visible, "GPU-c") is None
+    assert wire.cuda_ordinal(visible, None) is None
+    assert wire.cuda_ordinal([], "GPU-a") is None

@@ -237,7 +237,7 @@ class Reporter:
         return wire.HeartbeatRequest(state="RUNNING")
 
     def process_update(self) -> wire.ProcessUpdate:
-        return wire.ProcessUpdate(state="RUNNING", gpu_uuid=GPU.uuid, gpu_index=0, physical_device="cuda:0")
+        return wire.ProcessUpdate(state="RUNNING", gpu_uuid=GPU.uuid)
 
     def capabilities(self) -> dict[str, Any]:
         return {"pause_resume": True, "migration": True, "problems": []}
@@ -376,3 +376,23 @@ def test_a_command_without_a_readable_id_is_logged_once_and_polled_with_backoff(
     assert _wait_for(lambda: [r["state"] for r in stub.reports_on(4)] == ["running", "succeeded"], 10)
     assert engine.calls == ["pause"]
     assert training.keeps_stepping()
+
+
+def test_a_command_target_is_logged_in_the_jobs_own_numbering(
+    setup: tuple[StubServer, ProcessClient, PausingEngine, Training, Records],
+) -> None:
+    """The command names its GPU by UUID only; the job's log shows it as cuda:N when it sees
+    that GPU (wire.cuda_ordinal, as the server and the CLI show it), else as the UUID."""
+    stub, client, engine, training, records = setup
+    logger = logging.getLogger("flexium.client")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    try:
+        stub.queue(_command(5, "migrate", target_uuid=GPU.uuid))
+        stub.queue(_command(6, "migrate", target_uuid="GPU-not-mine"))
+        assert _wait_for(lambda: len(stub.reports_on(6)) == 2, 10)
+    finally:
+        logger.setLevel(level)
+    said = [r.getMessage() for r in records.records]
+    assert any(m.startswith("command 5: migrate to cuda:0 ") for m in said), said
+    assert any(m.startswith("command 6: migrate to GPU-not-mine ") for m in said), said

@@ -80,9 +80,10 @@ def test_the_fast_path_status_goes_out_with_the_capabilities() -> None:
     assert caps(engine=None, memory_pool=on)[protocol.CAP_FAST_PATH] is False  # no engine: nothing moves
 
 
-def test_a_paused_process_says_it_is_on_no_gpu() -> None:
-    """A heartbeat's gpu_uuid None means "on no GPU": it goes out as null, while a field the
-    body leaves out means "unchanged" and does not go out at all."""
+def test_a_process_without_an_engine_says_it_is_on_no_gpu() -> None:
+    """A heartbeat's gpu_uuid None means "on no GPU" (no engine): it goes out as null, while a
+    field the body leaves out means "unchanged" and does not go out at all. The index and the
+    cuda:N shown with it are the server's to derive: they are never sent."""
     from types import SimpleNamespace
 
     from flexium.client.http import _body
@@ -90,5 +91,26 @@ def test_a_paused_process_says_it_is_on_no_gpu() -> None:
 
     session = SimpleNamespace(engine=None, logical_device="cpu", capabilities=None, process_id="cpu-1")
     sent = _body(ProcessReporter(session).heartbeat_body([]))  # type: ignore[arg-type]
-    assert sent["gpu_uuid"] is None and sent["gpu_index"] is None and sent["physical_device"] == "cpu"
+    assert sent["gpu_uuid"] is None and "gpu_index" not in sent and "physical_device" not in sent
     assert "footprint_bytes" in sent and "gpu_model" not in sent
+
+
+def test_a_paused_process_names_the_gpu_it_paused_on() -> None:
+    """Paused, the engine still places the job on the GPU it paused from: the server resumes
+    it there when it can. visible_gpus is in CUDA ordinal order, what cuda:N means."""
+    from types import SimpleNamespace
+
+    from flexium.client.http import _body
+    from flexium.client.reports import ProcessReporter
+    from flexium.engine.operations import EngineState, GpuIdentity
+
+    gpus = [GpuIdentity(ordinal, f"GPU-{ordinal}", "NVIDIA H200", 1 << 30, "", ordinal) for ordinal in (1, 0)]
+    engine = SimpleNamespace(
+        state=EngineState.PAUSED, gpus=gpus, placement=lambda: ("cuda:0", gpus[0]), footprint_bytes=lambda: 1 << 20
+    )
+    session = SimpleNamespace(engine=engine, logical_device="cuda:0", capabilities=None, process_id="gpu-1")
+    reporter = ProcessReporter(session)  # type: ignore[arg-type]
+    beat = _body(reporter.heartbeat_body([]))
+    assert beat["state"] == "PAUSED" and beat["gpu_uuid"] == "GPU-1" and "physical_device" not in beat
+    registered = reporter.register_body([])
+    assert registered.gpu_uuid == "GPU-1" and registered.visible_gpus == ["GPU-0", "GPU-1"]

@@ -330,7 +330,8 @@ def _title(api: ApiClient, command: wire.CommandInfo) -> str:
     target = command.target_uuid
     if target is not None:
         try:
-            target = api.get_process(command.process_id).cuda_ordinal(target) or target
+            process = api.get_process(command.process_id)
+            target = wire.cuda_ordinal(process.visible_gpus, target) or target
         except ServerError:
             pass
     return f"{command.kind} {command.process_id}" + (f" to {target}" if target else "")

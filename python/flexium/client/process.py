@@ -26,7 +26,7 @@ from pydantic import ValidationError
 from flexium import protocol, wire
 from flexium.client.contracts import TrainingProcess
 from flexium.client.http import ApiClient, Backoff, NotFound, Refused, ServerError, Unauthorized, UnreadableCommand
-from flexium.client.reports import ProcessReporter
+from flexium.client.reports import ProcessReporter, visible_gpus
 from flexium.engine import nvml
 from flexium.engine.operations import EngineState, OperationResult
 from flexium.errors import (
@@ -294,10 +294,9 @@ class ProcessClient:
 
     def _shown(self, uuid: Optional[str]) -> Optional[str]:
         """A GPU as this job numbers it (``cuda:N``), else its UUID."""
-        engine = self.engine
-        if uuid is None or engine is None:
+        if uuid is None or self.engine is None:
             return uuid
-        return next((gpu.device for gpu in engine.gpus if gpu.uuid == uuid), uuid)
+        return wire.cuda_ordinal(visible_gpus(self.engine), uuid) or uuid
 
     def _run(self, command: wire.CommandInfo) -> wire.CommandReport:
         kind = command.kind

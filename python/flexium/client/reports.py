@@ -18,7 +18,7 @@ import time
 from typing import Any, Optional
 
 from flexium import protocol, wire
-from flexium.client.contracts import TrainingProcess
+from flexium.client.contracts import EngineControl, TrainingProcess
 from flexium.engine import nvml, torch_bridge
 from flexium.engine.operations import EngineState
 
@@ -76,6 +76,12 @@ def body_seq() -> int:
     return time.monotonic_ns()
 
 
+def visible_gpus(engine: EngineControl) -> list[str]:
+    """The job's GPU UUIDs in its CUDA ordinal order, as it was at init: ``cuda:N`` is entry N
+    (``wire.cuda_ordinal``), on the server and here alike."""
+    return [gpu.uuid for gpu in sorted(engine.gpus, key=lambda gpu: gpu.ordinal)]
+
+
 def gpu_reports(gpus: list[nvml.HostGpu]) -> list[wire.GpuReport]:
     reports: list[wire.GpuReport] = []
     for gpu in gpus[: protocol.MAX_DEVICES]:
@@ -117,13 +123,12 @@ class ProcessReporter:
         return _STATE_ON_WIRE.get(self.engine.state, "RUNNING")
 
     def placement(self) -> wire.ProcessUpdate:
-        """Where the process is: its GPU (None without an engine) and the ordinal it has now."""
+        """Where the process is, or paused from: its GPU's UUID (None without an engine). The
+        server derives the index and ``cuda:N`` it shows from it (and from ``visible_gpus``)."""
         if self.engine is None:
-            return wire.ProcessUpdate(
-                gpu_uuid=None, gpu_index=None, physical_device=_short(self.training.logical_device)
-            )
+            return wire.ProcessUpdate(gpu_uuid=None)
         _, gpu = self.engine.placement()
-        return wire.ProcessUpdate(gpu_uuid=_short(gpu.uuid), gpu_index=gpu.nvml_index, physical_device=gpu.device)
+        return wire.ProcessUpdate(gpu_uuid=_short(gpu.uuid))
 
     def capabilities(self) -> dict[str, Any]:
         caps = self.training.capabilities
@@ -192,12 +197,8 @@ class ProcessReporter:
             pid=self.pid,
             gpu_uuid=placement.gpu_uuid,
             gpu_model="" if engine is None else _short(engine.placement()[1].name),
-            gpu_index=placement.gpu_index,
             logical_device=_short(self.training.logical_device),
-            physical_device=placement.physical_device or "",
-            visible_gpus=[]
-            if engine is None
-            else [_short(g.uuid) for g in sorted(engine.gpus, key=lambda g: g.ordinal)],
+            visible_gpus=[] if engine is None else [_short(uuid) for uuid in visible_gpus(engine)],
             torch_version=_torch_version(),
             driver_version=_short(caps.driver_version if caps is not None else ""),
             flexium_version=_short(__version__),

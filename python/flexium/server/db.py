@@ -139,9 +139,9 @@ class Database:
         """Database calls queued for a worker thread (a sign of overload when it stays up)."""
         return 0 if self.inline else self._limiter.statistics().tasks_waiting
 
-    def ping(self) -> None:
-        with self.session(write=False) as session:
-            session.execute(text("SELECT 1"))
+    async def ping(self) -> None:
+        """Raises DatabaseUnavailable when the database does not answer (the health check)."""
+        await self.call(_select_one, write=False)
 
     # --- schema -----------------------------------------------------------------------------
 
@@ -216,6 +216,10 @@ class Database:
     def dispose(self) -> None:
         self.stop_checkpoints()
         self.engine.dispose()
+
+
+def _select_one(*, session: Session) -> None:
+    session.execute(text("SELECT 1"))
 
 
 def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:

@@ -58,11 +58,12 @@ class Process(Base):
     host: Mapped[str] = mapped_column(String(protocol.MAX_HOST_LEN))
     user: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT), default="")
     pid: Mapped[int] = mapped_column(BigInteger, default=0)
+    # Where it is (or paused from): the one stored fact of its location. Its nvidia-smi index
+    # and its cuda:N are derived when shown (wire.ProcessInfo), from the host's device reports
+    # and from visible_gpus, the job's GPU UUIDs in CUDA ordinal order.
     gpu_uuid: Mapped[Optional[str]] = mapped_column(String(protocol.MAX_SHORT_TEXT), nullable=True)
     gpu_model: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT), default="")
-    gpu_index: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
     logical_device: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT), default="")
-    physical_device: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT), default="")
     visible_gpus: Mapped[Any] = mapped_column(JsonType, default=list)
     torch_version: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT), default="")
     driver_version: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT), default="")

@@ -198,7 +198,7 @@ def dashboard_view(
     view: dict[str, Any] = {
         "now": now,
         "stale_after": stale_after,
-        "gpu_indexes": storage.device_indexes(session, workspace_id=workspace_id),
+        "gpu_indexes": storage.device_indexes(session=session, workspace_id=workspace_id),
     }
     if process_ids is not None:
         view["processes"], view["last"] = [], {}

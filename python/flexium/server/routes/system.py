@@ -6,7 +6,6 @@ from typing import Any
 
 from fastapi import APIRouter, Response
 from fastapi.responses import JSONResponse
-from sqlalchemy import text
 
 from flexium import protocol, wire
 from flexium.server import services
@@ -17,10 +16,6 @@ from flexium.server.metrics import CONTENT_TYPE
 router = APIRouter()
 
 
-def _ping(*, session: Any) -> None:
-    session.execute(text("SELECT 1"))
-
-
 @router.get(
     protocol.PATH_HEALTH,
     response_model=wire.HealthInfo,
@@ -29,7 +24,7 @@ def _ping(*, session: Any) -> None:
 )
 async def healthz(ctx: Ctx) -> Any:
     try:
-        await ctx.db.call(_ping, write=False)
+        await ctx.db.ping()
     except DatabaseUnavailable as exc:
         return JSONResponse({"status": "degraded", "database": f"unavailable: {exc}"}, status_code=503)
     return {"status": "ok", "database": ctx.db.dialect}

@@ -14,6 +14,7 @@ poll, so a process may see one command twice and must ignore an id it already ra
 
 from __future__ import annotations
 
+import re
 from typing import Optional, Union
 
 from sqlalchemy import bindparam, func, select, update
@@ -24,10 +25,12 @@ from flexium import protocol, wire
 from flexium.server.errors import Busy, CapabilityMissing, InvalidRequest, InvalidState, NotFound, Stale, TargetRefused
 from flexium.server.models import Command, Device, Process, table_of
 from flexium.server.storage.devices import find_device_hosts, host_devices, list_devices
-from flexium.server.storage.processes import active_command, apply_process_update, find_process, is_older
-from flexium.server.storage.views import command_view, is_stale, process_view
+from flexium.server.storage.processes import active_command, apply_process_update, find_process, is_older, shown_process
+from flexium.server.storage.views import command_view, is_stale
 
 _RUNNING_STATE = {"migrate": "MIGRATING", "pause": "PAUSING", "resume": "RESUMING"}
+# ASCII digits only: str.isdigit() also takes "²", which int() then refuses.
+_DIGITS = re.compile(r"[0-9]+")
 _GIB = float(1 << 30)
 
 
@@ -52,15 +55,15 @@ def _require_capability(proc: Process, key: str, what: str) -> None:
         )
 
 
-def resolve_target(session: Session, proc: Process, target: Union[str, int]) -> Device:
+def resolve_target(*, session: Session, proc: Process, target: Union[str, int]) -> Device:
     """The one reading of a person's target text (the CLI's help and ``wire.CommandRequest``
     say the same): ``cuda:N`` is entry N of the process's ``visible_gpus`` (the job's own CUDA
     numbering, as it registered), a bare integer or digits the nvidia-smi index on the
     process's host, anything else a GPU UUID. Commands carry only the UUID it resolves to."""
-    devices = host_devices(session, workspace_id=proc.workspace_id, host=proc.host)
+    devices = host_devices(session=session, workspace_id=proc.workspace_id, host=proc.host)
     if isinstance(target, bool):
         raise InvalidRequest("target must be a GPU UUID, an index on the process's host, or 'cuda:N'")
-    if isinstance(target, int) or target.isdigit():
+    if isinstance(target, int) or _DIGITS.fullmatch(target):
         index = int(target)
         for dev in devices.values():
             if dev.index == index:
@@ -70,8 +73,8 @@ def resolve_target(session: Session, proc: Process, target: Union[str, int]) -> 
     if text.startswith("cuda:"):
         ordinal = text[5:]
         visible = list(proc.visible_gpus or [])
-        if not ordinal.isdigit():
-            raise InvalidRequest(f"target {text!r} is not 'cuda:N'")
+        if not _DIGITS.fullmatch(ordinal):
+            raise InvalidRequest(f"target {text!r} is not 'cuda:N' (N: the job's CUDA ordinal, in digits 0-9)")
         if not visible:
             raise TargetRefused(
                 f"process {proc.process_id!r} did not report its visible GPUs; name the target by UUID or by index"
@@ -84,7 +87,9 @@ def resolve_target(session: Session, proc: Process, target: Union[str, int]) -> 
     found = devices.get(text)
     if found is not None:
         return found
-    elsewhere = [h for h in find_device_hosts(session, workspace_id=proc.workspace_id, uuid=text) if h != proc.host]
+    elsewhere = [
+        h for h in find_device_hosts(session=session, workspace_id=proc.workspace_id, uuid=text) if h != proc.host
+    ]
     if elsewhere:
         raise TargetRefused(f"GPU {text} is on host {elsewhere[0]!r}, not on the process's host {proc.host!r}")
     raise TargetRefused(f"unknown GPU {text!r} on host {proc.host!r}")
@@ -95,7 +100,7 @@ def resolve_target(session: Session, proc: Process, target: Union[str, int]) -> 
 _RESUME_ELSEWHERE = "resuming on another GPU needs the migration capability"
 
 
-def target_refusal(proc: Process, dev: Device, *, kind: str, now: float, stale_after: float) -> Optional[str]:
+def target_refusal(*, proc: Process, dev: Device, kind: str, now: float, stale_after: float) -> Optional[str]:
     """Why GPU ``dev`` cannot take ``proc`` for a ``kind`` command, in a few words; None when
     it can. The one statement of the target rules: command creation raises it, the resume
     choice picks by it, the dashboard's dialog and ``GET .../targets`` show it."""
@@ -126,7 +131,7 @@ def target_refusal(proc: Process, dev: Device, *, kind: str, now: float, stale_a
 
 
 def _check_target(proc: Process, dev: Device, *, kind: str, now: float, stale_after: float) -> None:
-    reason = target_refusal(proc, dev, kind=kind, now=now, stale_after=stale_after)
+    reason = target_refusal(proc=proc, dev=dev, kind=kind, now=now, stale_after=stale_after)
     if reason == _RESUME_ELSEWHERE:
         _require_capability(proc, protocol.CAP_MIGRATION, "resume on another GPU")
     if reason is not None:
@@ -141,11 +146,12 @@ def judge_targets(
     the last word: the picture may change before a command is sent."""
     if kind not in ("migrate", "resume"):
         raise InvalidRequest(f"targets are judged for migrate or resume, not {kind!r}")
-    proc = find_process(session, workspace_id=workspace_id, process_id=process_id)
-    rows = host_devices(session, workspace_id=workspace_id, host=proc.host)
+    proc = find_process(session=session, workspace_id=workspace_id, process_id=process_id)
+    rows = host_devices(session=session, workspace_id=workspace_id, host=proc.host)
     return [
         wire.TargetInfo(
-            device=device, refusal=target_refusal(proc, rows[device.uuid], kind=kind, now=now, stale_after=stale_after)
+            device=device,
+            refusal=target_refusal(proc=proc, dev=rows[device.uuid], kind=kind, now=now, stale_after=stale_after),
         )
         for entry in list_devices(
             session=session, workspace_id=workspace_id, now=now, stale_after=stale_after, host=proc.host
@@ -154,23 +160,23 @@ def judge_targets(
     ]
 
 
-def _choose_resume_target(session: Session, proc: Process, *, now: float, stale_after: float) -> Optional[Device]:
+def _choose_resume_target(*, session: Session, proc: Process, now: float, stale_after: float) -> Optional[Device]:
     """Resume where it paused when that GPU has room; else the GPU ``target_refusal`` allows
     with the most free memory (another GPU only for a job that can migrate); None lets the
     process resume on its source (no device reports to judge by)."""
-    devices = host_devices(session, workspace_id=proc.workspace_id, host=proc.host)
+    devices = host_devices(session=session, workspace_id=proc.workspace_id, host=proc.host)
     if not devices:
         return None
     home = devices.get(proc.gpu_uuid or "")
     home_refusal: Optional[str] = None
     if home is not None:
-        home_refusal = target_refusal(proc, home, kind="resume", now=now, stale_after=stale_after)
+        home_refusal = target_refusal(proc=proc, dev=home, kind="resume", now=now, stale_after=stale_after)
         if home_refusal is None:
             return home
     candidates = [
         dev
         for dev in devices.values()
-        if target_refusal(proc, dev, kind="resume", now=now, stale_after=stale_after) is None
+        if target_refusal(proc=proc, dev=dev, kind="resume", now=now, stale_after=stale_after) is None
     ]
     if candidates and (proc.capabilities or {}).get(protocol.CAP_MIGRATION):
         return max(candidates, key=lambda d: (d.memory_total - d.memory_used, -(d.index or 0)))
@@ -193,10 +199,10 @@ def create_command(
 ) -> wire.CommandInfo:
     if kind not in protocol.COMMAND_KINDS:
         raise InvalidRequest(f"unknown command kind {kind!r}: use migrate, pause or resume")
-    proc = find_process(session, workspace_id=workspace_id, process_id=process_id, for_update=True)
+    proc = find_process(session=session, workspace_id=workspace_id, process_id=process_id, for_update=True)
     if is_stale(proc, now=now, stale_after=stale_after):
         raise Stale(f"process {process_id!r} sent no heartbeat for {now - proc.last_seen:.0f} s; it is not listening")
-    active = active_command(session, process_pk=proc.pk)
+    active = active_command(session=session, process_pk=proc.pk)
     if active is not None:
         raise Busy(
             f"process {process_id!r} already has command {active.id} ({active.kind}, {active.state}); one at a time",
@@ -212,7 +218,7 @@ def create_command(
         _require_capability(proc, protocol.CAP_MIGRATION, "migrate")
         if target is None or target == "":
             raise InvalidRequest("migrate needs a target GPU")
-        device = resolve_target(session, proc, target)
+        device = resolve_target(session=session, proc=proc, target=target)
         _check_target(proc, device, kind=kind, now=now, stale_after=stale_after)
     elif kind == "pause":
         if proc.state != "RUNNING":
@@ -225,10 +231,10 @@ def create_command(
             raise InvalidState(f"cannot resume process {process_id!r}: it is {proc.state}, not PAUSED")
         _require_capability(proc, protocol.CAP_PAUSE_RESUME, "resume")
         if target is not None and target != "":
-            device = resolve_target(session, proc, target)
+            device = resolve_target(session=session, proc=proc, target=target)
             _check_target(proc, device, kind=kind, now=now, stale_after=stale_after)
         else:
-            device = _choose_resume_target(session, proc, now=now, stale_after=stale_after)
+            device = _choose_resume_target(session=session, proc=proc, now=now, stale_after=stale_after)
     row = Command(
         workspace_id=workspace_id,
         process_pk=proc.pk,
@@ -393,7 +399,7 @@ def report_command(
         cmd.error = report.error
         _settle_process(proc, cmd, succeeded=state == "succeeded")
         if state == "succeeded":
-            update = _location_after(session, proc, cmd, update)
+            update = _location_after(cmd, update)
     apply_process_update(proc, update)
     if proc.memory_bytes:
         proc.footprint_bytes = (
@@ -407,7 +413,7 @@ def report_command(
     active = cmd if cmd.state in protocol.ACTIVE_COMMAND_STATES else None
     return (
         command_view(cmd, proc.process_id),
-        process_view(proc, now=now, stale_after=stale_after, active=active),
+        shown_process(session=session, row=proc, now=now, stale_after=stale_after, active=active),
         True,
     )
 
@@ -429,22 +435,12 @@ def _settle_process(proc: Process, cmd: Command, *, succeeded: bool) -> None:
         proc.memory_bytes = proc.footprint_bytes
 
 
-def _location_after(session: Session, proc: Process, cmd: Command, update: wire.ProcessUpdate) -> wire.ProcessUpdate:
-    """The process's own update, with the location a succeeded move sent it to filled in
-    where the update says nothing of it (the GPU's index and the job's ``cuda:N`` are derived
-    from the target UUID here, never stored with the command)."""
+def _location_after(cmd: Command, update: wire.ProcessUpdate) -> wire.ProcessUpdate:
+    """The process's own update, saying it is on the GPU a succeeded move sent it to where the
+    update says nothing of its GPU (``apply_process_update`` then writes it, once)."""
     if not cmd.target_uuid or "gpu_uuid" in update.model_fields_set:
         return update
-    target = host_devices(session, workspace_id=proc.workspace_id, host=proc.host).get(cmd.target_uuid)
-    visible = list(proc.visible_gpus or [])
-    derived: dict[str, object] = {
-        "gpu_uuid": cmd.target_uuid,
-        "gpu_index": target.index if target is not None else None,
-    }
-    if cmd.target_uuid in visible:
-        derived["physical_device"] = f"cuda:{visible.index(cmd.target_uuid)}"
-    stated = {name: getattr(update, name) for name in update.model_fields_set}
-    return wire.ProcessUpdate.model_validate({**derived, **stated})
+    return update.model_copy(update={"gpu_uuid": cmd.target_uuid})
 
 
 def count_commands(*, session: Session) -> dict[str, int]:

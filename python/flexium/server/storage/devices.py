@@ -97,21 +97,22 @@ def list_devices(
     return wire.DevicesResponse(hosts=list(hosts.values()))
 
 
-def host_devices(session: Session, *, workspace_id: int, host: str) -> dict[str, Device]:
+def host_devices(*, session: Session, workspace_id: int, host: str) -> dict[str, Device]:
     return {
         d.uuid: d
         for d in session.scalars(select(Device).where(Device.workspace_id == workspace_id, Device.host == host))
     }
 
 
-def device_indexes(session: Session, *, workspace_id: int) -> dict[str, Optional[int]]:
-    """GPU UUID -> nvidia-smi index, for showing a command's target (commands store only the
-    UUID)."""
-    return {
-        uuid: index
-        for uuid, index in session.execute(select(Device.uuid, Device.index).where(Device.workspace_id == workspace_id))
-    }
+def device_indexes(*, session: Session, workspace_id: int, host: Optional[str] = None) -> dict[str, Optional[int]]:
+    """GPU UUID -> nvidia-smi index on its host (of ``host`` only, when given), for showing a
+    GPU that processes and commands name by UUID only. A UUID names one GPU, so one map
+    serves every host of a workspace."""
+    query = select(Device.uuid, Device.index).where(Device.workspace_id == workspace_id)
+    if host is not None:
+        query = query.where(Device.host == host)
+    return {uuid: index for uuid, index in session.execute(query)}
 
 
-def find_device_hosts(session: Session, *, workspace_id: int, uuid: str) -> list[str]:
+def find_device_hosts(*, session: Session, workspace_id: int, uuid: str) -> list[str]:
     return list(session.scalars(select(Device.host).where(Device.workspace_id == workspace_id, Device.uuid == uuid)))

@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 from flexium import protocol, wire
 from flexium.server.errors import NotFound
 from flexium.server.models import Command, Process, table_of
-from flexium.server.storage.devices import upsert_devices
+from flexium.server.storage.devices import device_indexes, upsert_devices
 from flexium.server.storage.views import process_view
 
 _REGISTER_FIELDS = (
@@ -21,9 +21,7 @@ _REGISTER_FIELDS = (
     "pid",
     "gpu_uuid",
     "gpu_model",
-    "gpu_index",
     "logical_device",
-    "physical_device",
     "visible_gpus",
     "torch_version",
     "driver_version",
@@ -34,8 +32,10 @@ _REGISTER_FIELDS = (
     "started_at",
     "cmdline",
 )
-# Fields whose change is worth a live event to dashboards (not last_seen: that is every beat).
-_WATCHED = ("state", "memory_bytes", "gpu_uuid", "gpu_index", "physical_device")
+# What a process says of itself after it registered (heartbeats, command reports), each
+# change worth a live event to dashboards (not last_seen: that is every beat). Its location is
+# gpu_uuid alone: the index and cuda:N shown with it are derived from it.
+_UPDATED = ("state", "memory_bytes", "gpu_uuid")
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,6 @@ class ProcessSnapshot:
     memory_bytes: int
     footprint_bytes: int
     gpu_uuid: Optional[str]
-    gpu_index: Optional[int]
-    physical_device: str
     last_seen: float
 
     @classmethod
@@ -62,8 +60,6 @@ class ProcessSnapshot:
             memory_bytes=row.memory_bytes,
             footprint_bytes=row.footprint_bytes,
             gpu_uuid=row.gpu_uuid,
-            gpu_index=row.gpu_index,
-            physical_device=row.physical_device,
             last_seen=row.last_seen,
         )
 
@@ -77,7 +73,7 @@ class ProcessSnapshot:
             if name == "footprint_bytes":
                 if value is not None and value != self.footprint_bytes:
                     return False
-            elif getattr(self, name) != value and (value is not None or name in ("gpu_uuid", "gpu_index")):
+            elif getattr(self, name) != value and (value is not None or name == "gpu_uuid"):
                 return False
         return True
 
@@ -90,7 +86,7 @@ class HeartbeatOutcome:
     snapshot: ProcessSnapshot
 
 
-def find_process(session: Session, *, workspace_id: int, process_id: str, for_update: bool = False) -> Process:
+def find_process(*, session: Session, workspace_id: int, process_id: str, for_update: bool = False) -> Process:
     query = select(Process).where(Process.workspace_id == workspace_id, Process.process_id == process_id)
     if for_update:
         query = query.with_for_update()
@@ -100,7 +96,7 @@ def find_process(session: Session, *, workspace_id: int, process_id: str, for_up
     return row
 
 
-def active_command(session: Session, *, process_pk: int) -> Optional[Command]:
+def active_command(*, session: Session, process_pk: int) -> Optional[Command]:
     return session.scalar(
         select(Command)
         .where(Command.process_pk == process_pk, Command.state.in_(protocol.ACTIVE_COMMAND_STATES))
@@ -119,15 +115,20 @@ def _apply_footprint(row: Process, *, footprint: Optional[int]) -> None:
 def apply_process_update(row: Process, update: Union[wire.ProcessUpdate, wire.HeartbeatRequest]) -> None:
     """The one writer of what a process says of its state and location after it registered
     (heartbeats, command reports): a field it states is taken, None only where None means
-    "none" (no GPU while paused)."""
+    "none" (a gpu_uuid of None: no engine, no GPU of its own)."""
     for name in _UPDATED:
         if name in update.model_fields_set:
             value = getattr(update, name)
-            if value is not None or name in ("gpu_uuid", "gpu_index"):
+            if value is not None or name == "gpu_uuid":
                 setattr(row, name, value)
 
 
-_UPDATED = ("state", "memory_bytes", "gpu_uuid", "gpu_index", "physical_device")
+def shown_process(
+    *, session: Session, row: Process, now: float, stale_after: float, active: Optional[Command]
+) -> wire.ProcessInfo:
+    """One process as the API shows it, its GPU's index read from its host's device reports."""
+    indexes = device_indexes(session=session, workspace_id=row.workspace_id, host=row.host)
+    return process_view(row, now=now, stale_after=stale_after, gpu_indexes=indexes, active=active)
 
 
 def register_process(
@@ -161,8 +162,9 @@ def register_process_snapshot(
     session.flush()
     if report.devices:
         upsert_devices(session=session, workspace_id=workspace_id, host=row.host, devices=report.devices, now=now)
-    active = None if created else active_command(session, process_pk=row.pk)
-    return (process_view(row, now=now, stale_after=stale_after, active=active), created, ProcessSnapshot.of(row))
+    active = None if created else active_command(session=session, process_pk=row.pk)
+    shown = shown_process(session=session, row=row, now=now, stale_after=stale_after, active=active)
+    return shown, created, ProcessSnapshot.of(row)
 
 
 def load_snapshots(*, session: Session) -> list[tuple[int, str, ProcessSnapshot]]:
@@ -195,9 +197,9 @@ def heartbeat(
 
     The row is read locked: on PostgreSQL a report may commit between an unlocked read and
     this write, and the beat would then write back the state (and ``seq``) it replaced."""
-    row = find_process(session, workspace_id=workspace_id, process_id=process_id, for_update=True)
+    row = find_process(session=session, workspace_id=workspace_id, process_id=process_id, for_update=True)
     was_stale = row.last_seen < now - stale_after
-    before = tuple(getattr(row, name) for name in _WATCHED)
+    before = tuple(getattr(row, name) for name in _UPDATED)
     if is_older(report.seq, row.state_seq):
         report = wire.HeartbeatRequest()
     elif report.seq is not None:
@@ -213,8 +215,14 @@ def heartbeat(
         .limit(1)
     )
     changed = None
-    if was_stale or before != tuple(getattr(row, name) for name in _WATCHED):
-        changed = process_view(row, now=now, stale_after=stale_after, active=active_command(session, process_pk=row.pk))
+    if was_stale or before != tuple(getattr(row, name) for name in _UPDATED):
+        changed = shown_process(
+            session=session,
+            row=row,
+            now=now,
+            stale_after=stale_after,
+            active=active_command(session=session, process_pk=row.pk),
+        )
     return HeartbeatOutcome(host=row.host, pending_command=pending, changed=changed, snapshot=ProcessSnapshot.of(row))
 
 
@@ -237,15 +245,21 @@ _BEAT_UPDATE = (
 
 def unregister_process(*, session: Session, workspace_id: int, process_id: str) -> None:
     """Forget a process and its commands (it exited, or a person removed a stale entry)."""
-    row = find_process(session, workspace_id=workspace_id, process_id=process_id, for_update=True)
+    row = find_process(session=session, workspace_id=workspace_id, process_id=process_id, for_update=True)
     session.delete(row)
 
 
 def get_process(
     *, session: Session, workspace_id: int, process_id: str, now: float, stale_after: float
 ) -> wire.ProcessInfo:
-    row = find_process(session, workspace_id=workspace_id, process_id=process_id)
-    return process_view(row, now=now, stale_after=stale_after, active=active_command(session, process_pk=row.pk))
+    row = find_process(session=session, workspace_id=workspace_id, process_id=process_id)
+    return shown_process(
+        session=session,
+        row=row,
+        now=now,
+        stale_after=stale_after,
+        active=active_command(session=session, process_pk=row.pk),
+    )
 
 
 def list_processes(
@@ -279,7 +293,10 @@ def list_processes(
             )
         )
     }
-    return [process_view(r, now=now, stale_after=stale_after, active=active.get(r.pk)) for r in rows]
+    indexes = device_indexes(session=session, workspace_id=workspace_id)
+    return [
+        process_view(r, now=now, stale_after=stale_after, gpu_indexes=indexes, active=active.get(r.pk)) for r in rows
+    ]
 
 
 def count_processes(*, session: Session, now: float, stale_after: float) -> dict[str, int]:

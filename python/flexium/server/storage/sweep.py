@@ -13,7 +13,8 @@ from sqlalchemy.orm import Session
 
 from flexium import protocol, wire
 from flexium.server.models import Command, Device, Process
-from flexium.server.storage.views import command_view, process_view
+from flexium.server.storage.processes import shown_process
+from flexium.server.storage.views import command_view
 
 
 @dataclass
@@ -79,5 +80,6 @@ def sweep(
     for proc in session.scalars(
         select(Process).where(Process.last_seen < now - stale_after, Process.last_seen >= stale_since - stale_after)
     ):
-        result.newly_stale.append((proc.workspace_id, process_view(proc, now=now, stale_after=stale_after)))
+        shown = shown_process(session=session, row=proc, now=now, stale_after=stale_after, active=None)
+        result.newly_stale.append((proc.workspace_id, shown))
     return result

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Mapping, Optional
 
 from flexium import protocol, wire
 from flexium.server.models import Command, Process
@@ -31,8 +31,18 @@ def is_stale(row: Process, *, now: float, stale_after: float) -> bool:
     return row.last_seen < now - stale_after
 
 
-def process_view(row: Process, *, now: float, stale_after: float, active: Optional[Command] = None) -> wire.ProcessInfo:
+def process_view(
+    row: Process,
+    *,
+    now: float,
+    stale_after: float,
+    gpu_indexes: Mapping[str, Optional[int]],
+    active: Optional[Command] = None,
+) -> wire.ProcessInfo:
+    """``gpu_indexes``: GPU UUID -> nvidia-smi index from the device reports (``device_indexes``).
+    The row holds one fact of where the process is, ``gpu_uuid``; how it is shown comes from it."""
     stale = is_stale(row, now=now, stale_after=stale_after)
+    visible = list(row.visible_gpus or [])
     return wire.ProcessInfo.model_validate(
         {
             "process_id": row.process_id,
@@ -44,10 +54,11 @@ def process_view(row: Process, *, now: float, stale_after: float, active: Option
             "stale": stale,
             "gpu_uuid": row.gpu_uuid,
             "gpu_model": row.gpu_model,
-            "gpu_index": row.gpu_index,
+            "gpu_index": gpu_indexes.get(row.gpu_uuid) if row.gpu_uuid is not None else None,
             "logical_device": row.logical_device,
-            "physical_device": row.physical_device,
-            "visible_gpus": list(row.visible_gpus or []),
+            # No ordinal: the process has no engine (no GPU UUID), so what it trains on is its word.
+            "physical_device": wire.cuda_ordinal(visible, row.gpu_uuid) or row.logical_device,
+            "visible_gpus": visible,
             "torch_version": row.torch_version,
             "driver_version": row.driver_version,
             "flexium_version": row.flexium_version,
