@@ -109,8 +109,8 @@ class ScriptedReporter:
             state="RUNNING", gpu_uuid=GPUS[0].uuid, gpu_index=0, physical_device="cuda:0", memory_bytes=GIB
         )
 
-    def capabilities(self) -> dict[str, Any]:
-        return {"pause_resume": True, "migration": True, "problems": []}
+    def capabilities(self) -> wire.ProcessCapabilities:
+        return wire.ProcessCapabilities(pause_resume=True, migration=True, problems=[])
 
 
 def _session(process_id: str, engine: Optional[ScriptedEngine], address: str, token: Optional[str]) -> Any:
@@ -202,8 +202,8 @@ def test_no_engine_refuses_every_command(server: Server) -> None:
     session = _session("gpu-noengine", None, server.address, server.token)
 
     class Reporter(ScriptedReporter):
-        def capabilities(self) -> dict[str, Any]:
-            return {"pause_resume": False, "migration": False, "problems": ["no NVIDIA driver"]}
+        def capabilities(self) -> wire.ProcessCapabilities:
+            return wire.ProcessCapabilities(pause_resume=False, migration=False, problems=["no NVIDIA driver"])
 
     client = ProcessClient(
         session, ApiClient(session.config.address, server.token), reporter=Reporter("gpu-noengine")
