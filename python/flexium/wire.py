@@ -6,9 +6,9 @@ paths and limits are in ``flexium.protocol``.
 
 Requests (``WireIn``) are validated strictly: a string is not a number, floats are finite,
 strings are bounded and free of NUL (which PostgreSQL refuses in text: it would otherwise
-surface as a 500), free-form JSON is bounded in depth and size. Every model ignores fields it
-does not know, so an older server accepts a newer client and an older client reads a newer
-server.
+surface as a 500), a command's result and a process's capabilities are bounded in depth and
+size. Every model ignores fields it does not know, so an older server accepts a newer client
+and an older client reads a newer server.
 
 A client sends a request with ``model_dump(exclude_unset=True)``: a field it set to None
 (``gpu_uuid`` while paused) is sent as null and means "none", a field it left out means
@@ -356,14 +356,14 @@ class HealthInfo(WireOut):
 # --- shapes inside requests and responses ---------------------------------------------------
 #
 # A command's result and a process's capabilities were free-form JSON before they had models:
-# every field has a default (an older or newer peer may leave any out), and whatever a peer
-# sends in them, the keys this side ignores included, stays within the bounds free-form JSON
-# had (``_check_json``). Strings are bounded by MAX_LONG_TEXT as they were there.
-
-_MAX_LISTED = 64  # steps, notes, problems: a few each in practice
+# every field has a default (an older or newer peer may leave any out), and what a peer sends
+# in them, the keys this side ignores included, keeps the bounds that JSON had
+# (``_check_json``, run on the whole of each); strings are bounded by MAX_LONG_TEXT as there.
 
 
-class _FormerlyFreeJson(WireIn):
+class _BoundedJson(WireIn):
+    """Whatever a peer sends in it, the keys this side ignores included, is bounded JSON."""
+
     @model_validator(mode="before")
     @classmethod
     def _bounded(cls, data: object) -> object:
@@ -372,7 +372,7 @@ class _FormerlyFreeJson(WireIn):
         return data
 
 
-class ProcessCapabilities(_FormerlyFreeJson):
+class ProcessCapabilities(_BoundedJson):
     """What a process can be moved by, and why not: the machine's verdict
     (``flexium.engine.capabilities.Capabilities``) as the process amends it (no engine: nothing
     moves) plus whether its memory can take the fast path. A field left out is unknown; the
@@ -387,7 +387,7 @@ class ProcessCapabilities(_FormerlyFreeJson):
     pause_resume: bool = False
     migration: bool = False
     problems: Annotated[
-        list[LongText], Field(max_length=_MAX_LISTED, description="each: what is missing and what to do")
+        list[LongText], Field(max_length=protocol.MAX_JSON_ITEMS, description="each: what is missing and what to do")
     ] = []
     fast_path: Optional[bool] = Field(
         default=None, description="the job's memory is in flexium's pool: moves may take the fast path"
@@ -395,7 +395,7 @@ class ProcessCapabilities(_FormerlyFreeJson):
     fast_path_problem: Optional[LongText] = Field(default=None, description="why fast_path is false")
 
 
-class OperationGpu(_FormerlyFreeJson):
+class OperationGpu(WireIn):
     """One GPU of an operation (``flexium.engine.operations.GpuIdentity``)."""
 
     ordinal: Optional[GpuIndex] = Field(default=None, description="its CUDA ordinal in the process at init")
@@ -406,7 +406,7 @@ class OperationGpu(_FormerlyFreeJson):
     nvml_index: Optional[GpuIndex] = Field(default=None, description="nvidia-smi's index")
 
 
-class StepReport(_FormerlyFreeJson):
+class StepReport(WireIn):
     """One timed step of an operation (``flexium.engine.operations.StepTiming``)."""
 
     step: LongText = ""
@@ -416,7 +416,7 @@ class StepReport(_FormerlyFreeJson):
     error: Optional[LongText] = None
 
 
-class OperationReport(_FormerlyFreeJson):
+class OperationReport(_BoundedJson):
     """What a migrate, pause or resume did, as the process measured it
     (``flexium.engine.operations.OperationResult``)."""
 
@@ -428,12 +428,12 @@ class OperationReport(_FormerlyFreeJson):
     logical_device: LongText = Field(default="", description="what the training code uses, 'cuda:0'")
     source: Optional[OperationGpu] = None
     target: Optional[OperationGpu] = Field(default=None, description="None for pause")
-    steps: Annotated[list[StepReport], Field(max_length=_MAX_LISTED)] = []
+    steps: Annotated[list[StepReport], Field(max_length=protocol.MAX_JSON_ITEMS)] = []
     bytes_moved: Bytes = 0
     seconds: Optional[float] = Field(default=None, description="the whole operation, by the process's clock")
     failed_step: Optional[LongText] = None
     error: Optional[LongText] = None
-    notes: Annotated[list[LongText], Field(max_length=_MAX_LISTED)] = []
+    notes: Annotated[list[LongText], Field(max_length=protocol.MAX_JSON_ITEMS)] = []
 
 
 # Some models above name these before they are defined; resolve those names now.
