@@ -6,9 +6,9 @@ paths and limits are in ``flexium.protocol``.
 
 Requests (``WireIn``) are validated strictly: a string is not a number, floats are finite,
 strings are bounded and free of NUL (which PostgreSQL refuses in text: it would otherwise
-surface as a 500), free-form JSON is bounded in depth and size. Every model ignores fields it
-does not know, so an older server accepts a newer client and an older client reads a newer
-server.
+surface as a 500), a command's result and a process's capabilities are bounded in depth and
+size. Every model ignores fields it does not know, so an older server accepts a newer client
+and an older client reads a newer server.
 
 A client sends a request with ``model_dump(exclude_unset=True)``: a field it set to None
 (``gpu_uuid`` of a process without flexium's engine, so without a GPU of its own) is sent as
@@ -26,7 +26,7 @@ from __future__ import annotations
 import math
 from typing import Annotated, Any, Literal, Optional, Sequence, Union
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StringConstraints, model_validator
 
 from flexium import protocol
 from flexium.protocol import CommandKind as CommandKind
@@ -42,11 +42,14 @@ def _no_nul(value: str) -> str:
     return value
 
 
-def _check_json(value: dict[str, Any]) -> dict[str, Any]:
-    """Bounded depth and size, finite numbers, no NUL: anything both databases store."""
+def _check_json(value: object) -> None:
+    """Bounded depth and size, finite numbers, no NUL: anything both databases store. A model
+    in the tree counts as the JSON it dumps to."""
     budget = [protocol.MAX_JSON_ITEMS]
 
     def walk(node: object, depth: int) -> None:
+        if isinstance(node, BaseModel):
+            node = node.model_dump()
         if depth > protocol.MAX_JSON_DEPTH:
             raise ValueError(f"nested deeper than {protocol.MAX_JSON_DEPTH} levels")
         budget[0] -= 1
@@ -77,7 +80,6 @@ def _check_json(value: dict[str, Any]) -> dict[str, Any]:
             raise ValueError(f"unsupported value of type {type(node).__name__}")
 
     walk(value, 0)
-    return value
 
 
 ShortText = Annotated[str, StringConstraints(max_length=protocol.MAX_SHORT_TEXT), AfterValidator(_no_nul)]
@@ -98,7 +100,6 @@ Seq = Annotated[int, Field(ge=0, le=protocol.MAX_INT, description="grows with ev
 Pid = Annotated[int, Field(ge=0, le=1 << 40)]
 GpuIndex = Annotated[int, Field(ge=0, le=4095)]
 Epoch = Annotated[float, Field(ge=0, le=1e11)]
-FreeJson = Annotated[dict[str, Any], AfterValidator(_check_json)]
 
 TargetKind = Literal["migrate", "resume"]
 
@@ -167,7 +168,7 @@ class RegisterRequest(WireIn):
     torch_version: ShortText = ""
     driver_version: ShortText = ""
     flexium_version: ShortText = ""
-    capabilities: FreeJson = {}
+    capabilities: ProcessCapabilities = Field(default_factory=lambda: ProcessCapabilities())
     memory_bytes: Bytes = Field(default=0, description="held on its GPU now")
     footprint_bytes: Optional[Bytes] = Field(default=None, description="needed on a GPU (kept while paused)")
     state: ProcessState = "RUNNING"
@@ -216,7 +217,7 @@ class ProcessUpdate(WireIn):
 
 class CommandReport(WireIn):
     state: ReportState
-    result: Optional[FreeJson] = Field(default=None, description="OperationResult.to_dict()")
+    result: Optional[OperationReport] = None
     error: Optional[LongText] = None
     process: Optional[ProcessUpdate] = None
 
@@ -247,7 +248,7 @@ class CommandInfo(WireOut):
     started_at: Optional[float]
     finished_at: Optional[float]
     deliveries: int
-    result: Optional[dict[str, Any]]
+    result: Optional[OperationReport]
     error: Optional[str]
 
 
@@ -270,7 +271,7 @@ class ProcessInfo(WireOut):
     torch_version: str
     driver_version: str
     flexium_version: str
-    capabilities: dict[str, Any]
+    capabilities: ProcessCapabilities
     memory_bytes: int
     footprint_bytes: int
     started_at: Optional[float]
@@ -354,3 +355,92 @@ class HealthInfo(WireOut):
     status: Literal["ok", "degraded"]
     database: str
     version: int = protocol.PROTOCOL_VERSION
+
+
+# --- shapes inside requests and responses ---------------------------------------------------
+#
+# A command's result and a process's capabilities were free-form JSON before they had models:
+# every field has a default (an older or newer peer may leave any out), and what a peer sends
+# in them, the keys this side ignores included, keeps the bounds that JSON had
+# (``_check_json``, run on the whole of each); strings are bounded by MAX_LONG_TEXT as there.
+
+
+class _BoundedJson(WireIn):
+    """Whatever a peer sends in it, the keys this side ignores included, is bounded JSON."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded(cls, data: object) -> object:
+        if isinstance(data, dict):
+            _check_json(data)
+        return data
+
+
+class ProcessCapabilities(_BoundedJson):
+    """What a process can be moved by, and why not: the machine's verdict
+    (``flexium.engine.capabilities.Capabilities``) as the process amends it (no engine: nothing
+    moves) plus whether its memory can take the fast path. A field left out is unknown; the
+    server reads a missing pause_resume or migration as "cannot"."""
+
+    driver_version: Optional[LongText] = Field(default=None, description="NVIDIA driver, e.g. '580.159.04'")
+    driver_major: Optional[Bytes] = None
+    cuda_version: Optional[Bytes] = Field(default=None, description="cuDriverGetVersion, e.g. 13000; 0: no driver")
+    checkpoint_api: Optional[bool] = None
+    torch_cuda: Optional[bool] = None
+    gpu_count: Optional[Bytes] = None
+    pause_resume: bool = False
+    migration: bool = False
+    problems: Annotated[
+        list[LongText], Field(max_length=protocol.MAX_JSON_ITEMS, description="each: what is missing and what to do")
+    ] = []
+    fast_path: Optional[bool] = Field(
+        default=None, description="the job's memory is in flexium's pool: moves may take the fast path"
+    )
+    fast_path_problem: Optional[LongText] = Field(default=None, description="why fast_path is false")
+
+
+class OperationGpu(WireIn):
+    """One GPU of an operation (``flexium.engine.operations.GpuIdentity``)."""
+
+    ordinal: Optional[GpuIndex] = Field(default=None, description="its CUDA ordinal in the process at init")
+    uuid: LongText = ""
+    name: LongText = ""
+    total_memory: Bytes = 0
+    pci_bus_id: LongText = ""
+    nvml_index: Optional[GpuIndex] = Field(default=None, description="nvidia-smi's index")
+
+
+class StepReport(WireIn):
+    """One timed step of an operation (``flexium.engine.operations.StepTiming``)."""
+
+    step: LongText = ""
+    seconds: float = 0.0
+    ok: bool = True
+    rollback: bool = Field(default=False, description="part of the rollback after a failure")
+    error: Optional[LongText] = None
+
+
+class OperationReport(_BoundedJson):
+    """What a migrate, pause or resume did, as the process measured it
+    (``flexium.engine.operations.OperationResult``)."""
+
+    kind: Optional[CommandKind] = None
+    path: Optional[LongText] = Field(
+        default=None, description="'fast' (flexium moved the pool's memory) or 'driver' (the checkpoint carried all)"
+    )
+    ok: Optional[bool] = None
+    logical_device: LongText = Field(default="", description="what the training code uses, 'cuda:0'")
+    source: Optional[OperationGpu] = None
+    target: Optional[OperationGpu] = Field(default=None, description="None for pause")
+    steps: Annotated[list[StepReport], Field(max_length=protocol.MAX_JSON_ITEMS)] = []
+    bytes_moved: Bytes = 0
+    seconds: Optional[float] = Field(default=None, description="the whole operation, by the process's clock")
+    failed_step: Optional[LongText] = None
+    error: Optional[LongText] = None
+    notes: Annotated[list[LongText], Field(max_length=protocol.MAX_JSON_ITEMS)] = []
+
+
+# Some models above name these before they are defined; resolve those names now.
+for _model in list(globals().values()):
+    if isinstance(_model, type) and issubclass(_model, BaseModel) and _model.__module__ == __name__:
+        _model.model_rebuild()

@@ -105,8 +105,8 @@ class ScriptedReporter:
     def process_update(self) -> wire.ProcessUpdate:
         return wire.ProcessUpdate(state="RUNNING", gpu_uuid=GPUS[0].uuid, memory_bytes=GIB)
 
-    def capabilities(self) -> dict[str, Any]:
-        return {"pause_resume": True, "migration": True, "problems": []}
+    def capabilities(self) -> wire.ProcessCapabilities:
+        return wire.ProcessCapabilities(pause_resume=True, migration=True, problems=[])
 
 
 def _session(process_id: str, engine: Optional[ScriptedEngine], address: str, token: Optional[str]) -> Any:
@@ -198,8 +198,8 @@ def test_no_engine_refuses_every_command(server: Server) -> None:
     session = _session("gpu-noengine", None, server.address, server.token)
 
     class Reporter(ScriptedReporter):
-        def capabilities(self) -> dict[str, Any]:
-            return {"pause_resume": False, "migration": False, "problems": ["no NVIDIA driver"]}
+        def capabilities(self) -> wire.ProcessCapabilities:
+            return wire.ProcessCapabilities(pause_resume=False, migration=False, problems=["no NVIDIA driver"])
 
     client = ProcessClient(
         session, ApiClient(session.config.address, server.token), reporter=Reporter("gpu-noengine")

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from flexium import protocol
+from flexium import protocol, wire
 from srv_helpers import GIB, Api, gpu, process_body, table_snapshot
 
 
@@ -241,7 +241,12 @@ def test_command_lifecycle_over_http(api: Api) -> None:
         "steps": [{"step": "checkpoint", "seconds": 0.5, "ok": True}],
     }
     done = api.post(f"/commands/{cmd['id']}/report", {"state": "succeeded", "result": result}).json()
-    assert done["state"] == "succeeded" and done["result"] == result
+    # Stored and served as the typed result: what the process sent, every other field at its default.
+    assert done["state"] == "succeeded" and done["result"] == wire.OperationReport.model_validate(result).model_dump()
+    assert done["result"]["path"] == "driver" and done["result"]["seconds"] == 1.1 and done["result"]["error"] is None
+    assert done["result"]["steps"] == [
+        {"step": "checkpoint", "seconds": 0.5, "ok": True, "rollback": False, "error": None}
+    ]
     proc = api.get("/processes/gpu-1").json()
     assert proc["state"] == "RUNNING" and proc["gpu_uuid"] == "GPU-0002" and proc["active_command"] is None
     assert api.get(f"/commands/{cmd['id']}").json()["state"] == "succeeded"

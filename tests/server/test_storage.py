@@ -7,7 +7,7 @@ import time
 from typing import Any, Callable
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import select, text
 from sqlalchemy.exc import IntegrityError
 
 from flexium import wire
@@ -613,7 +613,8 @@ def test_delivery_redelivery_and_lifecycle(db: Database) -> None:
     assert _next(db, ws) == (None, False)  # running: not handed out again
     result = {"kind": "migrate", "path": "driver", "ok": True, "seconds": 1.25, "steps": []}
     done, proc, changed = _report(db, ws, cmd.id, "succeeded", now=NOW + 8, result=result)
-    assert done.state == "succeeded" and done.result == result and done.finished_at == NOW + 8
+    assert done.state == "succeeded" and done.result == wire.OperationReport.model_validate(result)
+    assert done.finished_at == NOW + 8
     assert proc.state == "RUNNING" and proc.gpu_uuid == "GPU-0002" and proc.gpu_index == 2
     assert proc.active_command is None
     # a retry of the same report is harmless; a contradicting one is refused
@@ -659,6 +660,40 @@ def test_failed_migration_stays_on_source(db: Database) -> None:
     )
     assert done.error.startswith("cuCheckpoint") and proc.gpu_uuid == "GPU-0000"
     assert proc.state == "RUNNING"
+
+
+def test_rows_written_before_the_models_still_read(db: Database) -> None:
+    """A command's result and a process's capabilities were free-form JSON: a stored one with
+    keys of its own reads through the model, and one that does not read at all counts as none
+    (a result shown as absent, capabilities as none) instead of failing every page."""
+    from flexium.server.models import Command, Process
+
+    ws, _ = _workspace(db)
+    _register(db, ws)
+    cmd = _command(db, ws, "pause")
+    with db.session(write=True) as s:
+        s.get(Command, cmd.id).result = {"path": "driver", "seconds": 0.5, "from_an_old_client": {"x": [1]}}
+    read = db.run(storage.get_command, write=False, workspace_id=ws, command_id=cmd.id).result
+    assert read is not None and read.path == "driver" and read.seconds == 0.5 and read.kind is None
+    with db.session(write=True) as s:
+        s.get(Command, cmd.id).result = {"path": "driver", "seconds": "slow", "steps": "none"}
+    assert db.run(storage.get_command, write=False, workspace_id=ws, command_id=cmd.id).result is None
+
+    def set_capabilities(value: dict[str, Any]) -> wire.ProcessInfo:
+        with db.session(write=True) as s:
+            row = s.scalars(select(Process).where(Process.process_id == "gpu-1")).one()
+            row.capabilities = value
+        return db.run(storage.get_process, write=False, workspace_id=ws, process_id="gpu-1", now=NOW, stale_after=STALE)
+
+    proc = set_capabilities({"pause_resume": True, "migration": True, "from_an_old_client": "x"})
+    assert proc.capabilities.migration and proc.capabilities.fast_path is None
+    proc = set_capabilities({"pause_resume": "yes", "migration": True, "problems": "none"})
+    assert proc.capabilities == wire.ProcessCapabilities()
+    _register(db, ws, "gpu-2")
+    with db.session(write=True) as s:
+        s.scalars(select(Process).where(Process.process_id == "gpu-2")).one().capabilities = {"pause_resume": 1}
+    with pytest.raises(errors.CapabilityMissing):
+        _command(db, ws, "pause", "gpu-2")
 
 
 def test_commands_of_other_workspace_not_found(db: Database) -> None:

@@ -93,6 +93,29 @@ def test_requests_are_refused_beyond_the_limits(body: dict[str, Any]) -> None:
         wire.RegisterRequest.model_validate(body)
 
 
+def test_a_result_keeps_the_bounds_it_had_as_free_json() -> None:
+    """Keys a side does not know are ignored but still bounded, and a result the client builds
+    from models counts as the JSON it sends."""
+    ok = {"kind": "pause", "path": "driver", "seconds": 0.5, "from_the_future": {"a": [1, 2]}}
+    report = wire.CommandReport.model_validate({"state": "succeeded", "result": ok}).result
+    assert report is not None and report.path == "driver" and not hasattr(report, "from_the_future")
+    deep: dict[str, Any] = {"i": 1}
+    for key in "abcdefgh":
+        deep = {key: deep}
+    for bad in (
+        {"from_the_future": deep},
+        {"from_the_future": list(range(protocol.MAX_JSON_ITEMS + 1))},
+        {"from_the_future": "a\x00b"},
+        {"notes": ["x" * (protocol.MAX_LONG_TEXT + 1)]},
+        {"seconds": float("nan")},
+        {"seconds": "1.5"},
+    ):
+        with pytest.raises(ValidationError):
+            wire.CommandReport.model_validate({"state": "succeeded", "result": bad})
+    with pytest.raises(ValidationError):
+        wire.OperationReport(steps=[wire.StepReport(step="copy")] * (protocol.MAX_JSON_ITEMS // 6 + 1))
+
+
 def test_unknown_fields_are_ignored_both_ways() -> None:
     """An older server accepts a newer client's body, and an older client reads a newer server's."""
     body = wire.RegisterRequest.model_validate({"process_id": "gpu-1", "host": "h", "from_the_future": 1})

@@ -12,6 +12,7 @@ import pytest
 
 from flexium import wire
 from flexium.cli import remote
+from flexium.client import ServerError
 
 
 class LongPolls:
@@ -86,4 +87,35 @@ def test_without_progress_the_wait_is_one_long_poll(capsys: pytest.CaptureFixtur
     ],
 )
 def test_ps_says_how_a_process_can_move(capabilities: dict[str, Any], moves: str) -> None:
-    assert remote._moves(capabilities) == moves
+    assert remote._moves(wire.ProcessCapabilities.model_validate(capabilities)) == moves
+
+
+class NoProcess:
+    def get_process(self, process_id: str) -> wire.ProcessInfo:
+        raise ServerError("gone", code="not_found")
+
+
+def test_the_outcome_shows_the_operation_as_the_process_measured_it(capsys: pytest.CaptureFixture[str]) -> None:
+    done = command("succeeded").model_copy(
+        update={
+            "started_at": 0.5,
+            "finished_at": 1.0,
+            "result": wire.OperationReport(
+                kind="pause",
+                path="fast",
+                ok=True,
+                steps=[
+                    wire.StepReport(step="copy", seconds=0.25),
+                    wire.StepReport(step="restore", seconds=0.001, ok=False),
+                    wire.StepReport(step="rollback_copy", seconds=9.0, rollback=True),
+                ],
+                bytes_moved=2 * 10**9,
+                seconds=0.5,
+                notes=["driver path: not this time"],
+            ),
+        }
+    )
+    remote._print_outcome(NoProcess(), "pause gpu-1a2b3c4d", done)  # type: ignore[arg-type]
+    out = capsys.readouterr().out
+    assert "  operation 500 ms, fast path, (copy 250 ms, restore 1.0 ms FAILED); 1.9 GiB moved, 4.0 GB/s\n" in out
+    assert "  note: driver path: not this time\n" in out and "rollback_copy" not in out

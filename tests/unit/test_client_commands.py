@@ -239,8 +239,8 @@ class Reporter:
     def process_update(self) -> wire.ProcessUpdate:
         return wire.ProcessUpdate(state="RUNNING", gpu_uuid=GPU.uuid)
 
-    def capabilities(self) -> dict[str, Any]:
-        return {"pause_resume": True, "migration": True, "problems": []}
+    def capabilities(self) -> wire.ProcessCapabilities:
+        return wire.ProcessCapabilities(pause_resume=True, migration=True, problems=[])
 
 
 class Training:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+
 from flexium.client.reports import gpu_reports
 from flexium.engine.nvml import HostGpu
+from flexium.engine.operations import GpuIdentity, OperationKind, OperationResult, StepTiming
 
 
 def _gpu(health: str) -> HostGpu:
@@ -60,24 +64,24 @@ def test_every_body_carries_a_growing_seq() -> None:
 def test_the_fast_path_status_goes_out_with_the_capabilities() -> None:
     from types import SimpleNamespace
 
-    from flexium import protocol
+    from flexium import wire
     from flexium.client.reports import ProcessReporter
 
     engine = SimpleNamespace(state=None)
     on = SimpleNamespace(active=True, reason_off=None)
     off = SimpleNamespace(active=False, reason_off="switched off (fast_path false, from FLEXIUM_FAST_PATH)")
 
-    def caps(**session: object) -> dict[str, object]:
+    def caps(**session: object) -> wire.ProcessCapabilities:
         base = dict(engine=engine, logical_device="cuda:0", capabilities=None, process_id="gpu-1", memory_pool=None)
         return ProcessReporter(SimpleNamespace(**{**base, **session})).capabilities()  # type: ignore[arg-type]
 
-    assert caps(memory_pool=on)[protocol.CAP_FAST_PATH] is True
-    assert caps(memory_pool=on)[protocol.CAP_FAST_PATH_PROBLEM] is None
-    assert caps(memory_pool=off)[protocol.CAP_FAST_PATH] is False
-    assert caps(memory_pool=off)[protocol.CAP_FAST_PATH_PROBLEM] == off.reason_off
+    assert caps(memory_pool=on).fast_path is True
+    assert caps(memory_pool=on).fast_path_problem is None
+    assert caps(memory_pool=off).fast_path is False
+    assert caps(memory_pool=off).fast_path_problem == off.reason_off
     no_pool = caps()
-    assert no_pool[protocol.CAP_FAST_PATH] is False and "no CUDA torch" in str(no_pool[protocol.CAP_FAST_PATH_PROBLEM])
-    assert caps(engine=None, memory_pool=on)[protocol.CAP_FAST_PATH] is False  # no engine: nothing moves
+    assert no_pool.fast_path is False and "no CUDA torch" in str(no_pool.fast_path_problem)
+    assert caps(engine=None, memory_pool=on).fast_path is False  # no engine: nothing moves
 
 
 def test_a_process_without_an_engine_says_it_is_on_no_gpu() -> None:
@@ -114,3 +118,81 @@ def test_a_paused_process_names_the_gpu_it_paused_on() -> None:
     assert beat["state"] == "PAUSED" and beat["gpu_uuid"] == "GPU-1" and "physical_device" not in beat
     registered = reporter.register_body([])
     assert registered.gpu_uuid == "GPU-1" and registered.visible_gpus == ["GPU-0", "GPU-1"]
+
+
+def test_the_capabilities_go_out_as_the_keys_they_always_had() -> None:
+    """The typed model sends what the dict did, key for key (older servers read it by key)."""
+    from types import SimpleNamespace
+
+    from flexium.client.http import _body
+    from flexium.client.reports import ProcessReporter
+    from flexium.engine.capabilities import Capabilities
+
+    caps = Capabilities(
+        driver_version="580.159.04",
+        driver_major=580,
+        cuda_version=13000,
+        checkpoint_api=True,
+        torch_cuda=True,
+        gpu_count=2,
+        pause_resume=True,
+        migration=True,
+        problems=("one",),
+    )
+    pool = SimpleNamespace(active=True, reason_off=None)
+    session = SimpleNamespace(
+        engine=SimpleNamespace(state=None), logical_device="cuda:0", capabilities=caps, memory_pool=pool
+    )
+    sent = ProcessReporter(session).capabilities().model_dump(mode="json", exclude_unset=True)  # type: ignore[arg-type]
+    before = {**caps.to_dict(), "fast_path": True, "fast_path_problem": None}
+    assert json.dumps(sent) == json.dumps(before)
+
+    cpu = SimpleNamespace(engine=None, logical_device="cpu", capabilities=None, process_id="cpu-1")
+    body = _body(ProcessReporter(cpu).register_body([]))  # type: ignore[arg-type]
+    assert list(body["capabilities"]) == ["pause_resume", "migration", "problems", "fast_path", "fast_path_problem"]
+    assert body["capabilities"]["pause_resume"] is False and body["capabilities"]["fast_path"] is False
+    assert "engine is not running" in body["capabilities"]["problems"][0]
+
+
+_SOURCE = GpuIdentity(ordinal=0, uuid="GPU-a", name="H200", total_memory=8, pci_bus_id="0:1", nvml_index=3)
+_TARGET = GpuIdentity(ordinal=1, uuid="GPU-b", name="H200", total_memory=8, pci_bus_id="0:2", nvml_index=None)
+_FAILED_MIGRATION = OperationResult(
+    kind=OperationKind.MIGRATE,
+    path="fast",
+    ok=False,
+    logical_device="cuda:0",
+    source=_SOURCE,
+    target=_TARGET,
+    steps=(StepTiming("copy", 0.5, True), StepTiming("restore", 0.25, False, rollback=True, error="e")),
+    bytes_moved=1 << 30,
+    seconds=1.5,
+    failed_step="restore",
+    error="CUDA_ERROR_INVALID_VALUE",
+    notes=("a note",),
+)
+_PAUSE = OperationResult(
+    kind=OperationKind.PAUSE, path="driver", ok=True, logical_device="cuda:0", source=_SOURCE, target=None
+)
+
+
+def test_an_operation_goes_out_as_its_to_dict_always_did() -> None:
+    """The one conversion of the engine's result to the wire sends the JSON ``to_dict()``
+    gave, key for key and in order."""
+    from flexium import wire
+    from flexium.client.http import _body
+    from flexium.client.reports import operation_report
+
+    for result in (_FAILED_MIGRATION, _PAUSE):
+        report = operation_report(result)
+        assert report is not None
+        sent = _body(wire.CommandReport(state="failed", result=report))["result"]
+        assert json.dumps(sent) == json.dumps(result.to_dict())
+
+
+def test_an_operation_beyond_the_wire_limits_goes_without_its_details() -> None:
+    from flexium import protocol
+    from flexium.client.reports import operation_report
+
+    assert operation_report(replace(_FAILED_MIGRATION, error="e" * (protocol.MAX_LONG_TEXT + 1))) is None
+    assert operation_report(replace(_FAILED_MIGRATION, notes=("x\x00y",))) is None
+    assert operation_report(replace(_FAILED_MIGRATION, seconds=float("inf"))) is None

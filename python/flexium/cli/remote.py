@@ -189,13 +189,13 @@ def _ps(api: ApiClient, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _moves(capabilities: dict[str, Any]) -> str:
+def _moves(capabilities: wire.ProcessCapabilities) -> str:
     """What the process can be moved by, in a word (the --json capabilities say why not)."""
-    if not capabilities.get(protocol.CAP_PAUSE_RESUME):
+    if not capabilities.pause_resume:
         return "-"
-    if not capabilities.get(protocol.CAP_MIGRATION):
+    if not capabilities.migration:
         return "pause"
-    return "fast" if capabilities.get(protocol.CAP_FAST_PATH) else "driver"
+    return "fast" if capabilities.fast_path else "driver"
 
 
 def _devices(api: ApiClient, args: argparse.Namespace) -> int:
@@ -357,17 +357,16 @@ def _print_outcome(api: ApiClient, title: str, command: wire.CommandInfo) -> Non
         parts.append(f"done {_ms(finished - started)} after that (includes the wait for a safe point)")
     if parts:
         print("  " + "; ".join(parts))
-    # The operation's own result (OperationResult.to_dict()): free-form JSON on the wire.
-    result: dict[str, Any] = command.result or {}
-    steps = [s for s in result.get("steps") or [] if not s.get("rollback")]
-    if steps:
-        line = ", ".join(f"{s['step']} {_ms(s['seconds'])}" + ("" if s.get("ok", True) else " FAILED") for s in steps)
-        moved = result.get("bytes_moved") or 0
-        seconds = result.get("seconds") or 0.0
+    result = command.result
+    steps = [s for s in result.steps if not s.rollback] if result is not None else []
+    if result is not None and steps:
+        line = ", ".join(f"{s.step} {_ms(s.seconds)}" + ("" if s.ok else " FAILED") for s in steps)
+        moved = result.bytes_moved
+        seconds = result.seconds or 0.0
         speed = f", {moved / 1e9 / seconds:.1f} GB/s" if moved and seconds else ""
-        path = f"{result['path']} path, " if result.get("path") else ""
+        path = f"{result.path} path, " if result.path else ""
         print(f"  operation {_ms(seconds)}, {path}({line}); {_gib(moved)} moved{speed}")
-        for note in result.get("notes") or []:
+        for note in result.notes:
             print(f"  note: {note}")
     if command.state != "succeeded":
         print(f"  reason: {_reason(command)}", file=sys.stderr)

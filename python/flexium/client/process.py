@@ -19,14 +19,12 @@ import collections
 import logging
 import threading
 import time
-from typing import Any, Optional, Union
-
-from pydantic import ValidationError
+from typing import Optional, Union
 
 from flexium import protocol, wire
 from flexium.client.contracts import TrainingProcess
 from flexium.client.http import ApiClient, Backoff, NotFound, Refused, ServerError, Unauthorized, UnreadableCommand
-from flexium.client.reports import ProcessReporter, visible_gpus
+from flexium.client.reports import ProcessReporter, operation_report, visible_gpus
 from flexium.engine import nvml
 from flexium.engine.operations import EngineState, OperationResult
 from flexium.errors import (
@@ -302,7 +300,7 @@ class ProcessClient:
         kind = command.kind
         engine = self.engine
         if engine is None:
-            problems = "; ".join(self.reporter.capabilities().get("problems") or []) or "no engine"
+            problems = "; ".join(self.reporter.capabilities().problems) or "no engine"
             return self._failed(f"this process cannot {kind}: {problems}")
         # The server resolved the person's target to a UUID, which names the physical GPU
         # whatever the process's ordinals have become; the engine takes nothing else.
@@ -318,20 +316,21 @@ class ProcessClient:
             else:
                 result = engine.resume(target)
         except OperationFailedError as exc:
-            return self._failed(str(exc), result=exc.result.to_dict() if exc.result is not None else None)
+            return self._failed(str(exc), result=operation_report(exc.result) if exc.result is not None else None)
         except _REFUSALS as exc:
             return self._failed(str(exc))
         except Exception as exc:
             log.exception("%s failed", kind)
             return self._failed(f"{type(exc).__name__}: {exc}")
-        report = wire.CommandReport(state="succeeded", process=self.reporter.process_update())
-        return _with_result(report, result.to_dict())
+        return _with_result(
+            wire.CommandReport(state="succeeded", process=self.reporter.process_update()), operation_report(result)
+        )
 
-    def _failed(self, error: str, *, result: Optional[dict[str, Any]] = None) -> wire.CommandReport:
+    def _failed(self, error: str, *, result: Optional[wire.OperationReport] = None) -> wire.CommandReport:
         report = wire.CommandReport(
             state="failed", error=error[: protocol.MAX_LONG_TEXT], process=self.reporter.process_update()
         )
-        return report if result is None else _with_result(report, result)
+        return _with_result(report, result)
 
     def _send_report(self, command_id: int, report: wire.CommandReport, *, final: bool) -> None:
         """A final outcome is retried until the server takes it (or the client stops): it is
@@ -349,15 +348,8 @@ class ProcessClient:
             log.warning("could not report command %d %s: %s", command_id, report.state, exc.message)
 
 
-def _with_result(report: wire.CommandReport, result: dict[str, Any]) -> wire.CommandReport:
-    """The report with the operation's timings, or without them when they do not fit the
-    wire's limits: the outcome itself must reach the server whatever its details hold."""
-    try:
-        return wire.CommandReport.model_validate({**_fields(report), "result": result})
-    except ValidationError as exc:
-        log.warning("the operation's result is left out of the report: %s", exc.errors()[0]["msg"])
-        return report
-
-
-def _fields(model: wire.CommandReport) -> dict[str, Any]:
-    return {name: getattr(model, name) for name in model.model_fields_set}
+def _with_result(report: wire.CommandReport, result: Optional[wire.OperationReport]) -> wire.CommandReport:
+    """A report without a result leaves the key out, as clients always have."""
+    if result is not None:
+        report.result = result
+    return report

@@ -1,5 +1,5 @@
 """What this process tells the server about itself: the bodies of register, heartbeat and
-the process part of a command report (``flexium.wire`` models).
+the process and result parts of a command report (``flexium.wire`` models).
 
 Hazard: while the engine has the process locked or checkpointed (MIGRATING, PAUSING, PAUSED,
 RESUMING), any CUDA call, torch.cuda.* included, blocks until it runs again. Nothing here
@@ -10,6 +10,7 @@ which reads from a child process while the process is frozen.
 from __future__ import annotations
 
 import getpass
+import logging
 import os
 import shlex
 import socket
@@ -17,10 +18,14 @@ import sys
 import time
 from typing import Any, Optional
 
+from pydantic import ValidationError
+
 from flexium import protocol, wire
 from flexium.client.contracts import EngineControl, TrainingProcess
 from flexium.engine import nvml, torch_bridge
-from flexium.engine.operations import EngineState
+from flexium.engine.operations import EngineState, GpuIdentity, OperationResult
+
+log = logging.getLogger("flexium.client")
 
 _STATE_ON_WIRE: dict[EngineState, wire.ProcessState] = {
     EngineState.RUNNING: "RUNNING",
@@ -130,27 +135,40 @@ class ProcessReporter:
         _, gpu = self.engine.placement()
         return wire.ProcessUpdate(gpu_uuid=_short(gpu.uuid))
 
-    def capabilities(self) -> dict[str, Any]:
+    def capabilities(self) -> wire.ProcessCapabilities:
         caps = self.training.capabilities
-        data: dict[str, Any] = caps.to_dict() if caps is not None else {}
+        report = (
+            wire.ProcessCapabilities()
+            if caps is None
+            else wire.ProcessCapabilities(
+                driver_version=caps.driver_version,
+                driver_major=caps.driver_major,
+                cuda_version=caps.cuda_version,
+                checkpoint_api=caps.checkpoint_api,
+                torch_cuda=caps.torch_cuda,
+                gpu_count=caps.gpu_count,
+                pause_resume=caps.pause_resume,
+                migration=caps.migration,
+                problems=list(caps.problems),
+            )
+        )
         if self.engine is None:
             # Whatever the driver allows, without the engine this process cannot act on commands.
-            data[protocol.CAP_PAUSE_RESUME] = False
-            data[protocol.CAP_MIGRATION] = False
-            problems = list(data.get("problems") or [])
-            problems.append(
+            report.pause_resume = False
+            report.migration = False
+            report.problems = [
+                *report.problems,
                 "flexium's engine is not running in this process (training on "
-                f"{self.training.logical_device}): migrate, pause and resume are off"
-            )
-            data["problems"] = problems
+                f"{self.training.logical_device}): migrate, pause and resume are off",
+            ]
         pool = getattr(self.training, "memory_pool", None)
-        data[protocol.CAP_FAST_PATH] = bool(self.engine is not None and pool is not None and pool.active)
-        data[protocol.CAP_FAST_PATH_PROBLEM] = (
+        report.fast_path = bool(self.engine is not None and pool is not None and pool.active)
+        report.fast_path_problem = (
             None
-            if data[protocol.CAP_FAST_PATH]
+            if report.fast_path
             else (pool.reason_off if pool is not None else "no CUDA memory pool in this process (no CUDA torch)")
         )
-        return data
+        return report
 
     # ---- measurements -----------------------------------------------------------------------
 
@@ -228,6 +246,44 @@ class ProcessReporter:
         seq = body_seq()
         memory, _ = self.memory()
         return wire.ProcessUpdate(state=self.state(), memory_bytes=memory, seq=seq, **_stated(self.placement()))
+
+
+def operation_report(result: OperationResult) -> Optional[wire.OperationReport]:
+    """The one conversion of the engine's result to the wire; None (with a warning) when it
+    does not fit the wire's limits: the outcome itself must reach the server whatever its
+    details hold."""
+    try:
+        return wire.OperationReport(
+            kind=result.kind.value,
+            path=result.path,
+            ok=result.ok,
+            logical_device=result.logical_device,
+            source=_operation_gpu(result.source),
+            target=None if result.target is None else _operation_gpu(result.target),
+            steps=[
+                wire.StepReport(step=s.step, seconds=s.seconds, ok=s.ok, rollback=s.rollback, error=s.error)
+                for s in result.steps
+            ],
+            bytes_moved=result.bytes_moved,
+            seconds=result.seconds,
+            failed_step=result.failed_step,
+            error=result.error,
+            notes=list(result.notes),
+        )
+    except ValidationError as exc:
+        log.warning("the operation's result is left out of the report: %s", exc.errors()[0]["msg"])
+        return None
+
+
+def _operation_gpu(gpu: GpuIdentity) -> wire.OperationGpu:
+    return wire.OperationGpu(
+        ordinal=gpu.ordinal,
+        uuid=gpu.uuid,
+        name=gpu.name,
+        total_memory=gpu.total_memory,
+        pci_bus_id=gpu.pci_bus_id,
+        nvml_index=gpu.nvml_index,
+    )
 
 
 def _stated(update: wire.ProcessUpdate) -> dict[str, Any]:

@@ -233,8 +233,8 @@ async def report_command(
     ctx.notifier.notify(("cmd", workspace_id, command_id))
     if command.state in protocol.FINAL_COMMAND_STATES:
         ctx.metrics.commands_finished.labels(kind=command.kind, outcome=command.state).inc()
-        seconds = (command.result or {}).get("seconds")
-        if not isinstance(seconds, (int, float)) or isinstance(seconds, bool) or seconds < 0:
+        seconds = command.result.seconds if command.result is not None else None
+        if seconds is None or seconds < 0:
             finished = command.finished_at or time.time()
             seconds = finished - (command.started_at or finished)
         ctx.metrics.migration_duration.labels(kind=command.kind, outcome=command.state).observe(seconds)

@@ -139,9 +139,9 @@ def membar(device: wire.DeviceInfo) -> dict[str, int]:
 
 def command_seconds(command: wire.CommandInfo) -> Optional[float]:
     """The operation's own measure when the process sent one, else the server's clock."""
-    seconds = (command.result or {}).get("seconds")
-    if isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and math.isfinite(seconds) and seconds >= 0:
-        return float(seconds)
+    seconds = command.result.seconds if command.result is not None else None
+    if seconds is not None and seconds >= 0:
+        return seconds
     if command.finished_at is not None and command.started_at is not None:
         return command.finished_at - command.started_at
     return None
@@ -155,10 +155,6 @@ TEMPLATES.env.globals.update(
     membar=membar,
     command_seconds=command_seconds,
     DISPLAY_STATES=protocol.DISPLAY_STATES,
-    CAP_MIGRATION=protocol.CAP_MIGRATION,
-    CAP_PAUSE_RESUME=protocol.CAP_PAUSE_RESUME,
-    CAP_FAST_PATH=protocol.CAP_FAST_PATH,
-    CAP_FAST_PATH_PROBLEM=protocol.CAP_FAST_PATH_PROBLEM,
     TARGETABLE_HEALTH=protocol.TARGETABLE_HEALTH,
 )
 

@@ -26,7 +26,7 @@ from flexium.server.errors import Busy, CapabilityMissing, InvalidRequest, Inval
 from flexium.server.models import Command, Device, Process, table_of
 from flexium.server.storage.devices import find_device_hosts, host_devices, list_devices
 from flexium.server.storage.processes import active_command, apply_process_update, find_process, is_older, shown_process
-from flexium.server.storage.views import command_view, is_stale
+from flexium.server.storage.views import command_view, is_stale, stored_capabilities
 
 _RUNNING_STATE = {"migrate": "MIGRATING", "pause": "PAUSING", "resume": "RESUMING"}
 # ASCII digits only: str.isdigit() also takes "²", which int() then refuses.
@@ -39,15 +39,15 @@ def _gib(n: int) -> str:
 
 
 def _require_capability(proc: Process, key: str, what: str) -> None:
-    caps = proc.capabilities or {}
-    if not caps.get(key):
+    caps = stored_capabilities(proc)
+    if not (caps.migration if key == protocol.CAP_MIGRATION else caps.pause_resume):
         # The process knows why (no GPU, no engine, driver too old...): its word first.
-        problems = [str(p) for p in caps.get("problems") or [] if p] if isinstance(caps.get("problems"), list) else []
+        problems = [p for p in caps.problems if p]
         if problems:
             raise CapabilityMissing(
                 f"process {proc.process_id!r} cannot {what}: it reports no {key!r} capability: {'; '.join(problems)}"
             )
-        driver = caps.get("driver_version") or proc.driver_version or "unknown"
+        driver = caps.driver_version or proc.driver_version or "unknown"
         need = "580+" if key == protocol.CAP_MIGRATION else "550+"
         raise CapabilityMissing(
             f"process {proc.process_id!r} cannot {what}: it reports no "
@@ -120,12 +120,7 @@ def target_refusal(*, proc: Process, dev: Device, kind: str, now: float, stale_a
     free = max(0, dev.memory_total - dev.memory_used)
     if free < need:
         return f"{_gib(free)} free, the job needs {_gib(need)}"
-    if (
-        kind == "resume"
-        and proc.gpu_uuid
-        and dev.uuid != proc.gpu_uuid
-        and not (proc.capabilities or {}).get(protocol.CAP_MIGRATION)
-    ):
+    if kind == "resume" and proc.gpu_uuid and dev.uuid != proc.gpu_uuid and not stored_capabilities(proc).migration:
         return _RESUME_ELSEWHERE
     return None
 
@@ -178,7 +173,7 @@ def _choose_resume_target(*, session: Session, proc: Process, now: float, stale_
         for dev in devices.values()
         if target_refusal(proc=proc, dev=dev, kind="resume", now=now, stale_after=stale_after) is None
     ]
-    if candidates and (proc.capabilities or {}).get(protocol.CAP_MIGRATION):
+    if candidates and stored_capabilities(proc).migration:
         return max(candidates, key=lambda d: (d.memory_total - d.memory_used, -(d.index or 0)))
     if home_refusal is not None:
         raise TargetRefused(f"no GPU can take process {proc.process_id!r}: its own GPU {proc.gpu_uuid}: {home_refusal}")
@@ -395,7 +390,7 @@ def report_command(
     else:
         cmd.finished_at = now
         cmd.started_at = cmd.started_at or now
-        cmd.result = report.result
+        cmd.result = None if report.result is None else report.result.model_dump(mode="json")
         cmd.error = report.error
         _settle_process(proc, cmd, succeeded=state == "succeeded")
         if state == "succeeded":

@@ -26,7 +26,6 @@ _REGISTER_FIELDS = (
     "torch_version",
     "driver_version",
     "flexium_version",
-    "capabilities",
     "memory_bytes",
     "state",
     "started_at",
@@ -156,6 +155,7 @@ def register_process_snapshot(
         session.add(row)
     for name in _REGISTER_FIELDS:
         setattr(row, name, getattr(report, name))
+    row.capabilities = report.capabilities.model_dump(mode="json")
     row.last_seen = now
     row.state_seq = report.seq
     _apply_footprint(row, footprint=report.footprint_bytes)

@@ -2,10 +2,40 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Mapping, Optional
+
+from pydantic import ValidationError
 
 from flexium import protocol, wire
 from flexium.server.models import Command, Process
+
+log = logging.getLogger("flexium.server")
+
+
+def stored_result(row: Command) -> Optional[wire.OperationReport]:
+    """The command's result as stored. A row from an older server kept what its client sent,
+    any keys: they read through the model's leniency, and one that does not read at all is
+    shown as no result rather than failing every page that lists the command."""
+    if row.result is None:
+        return None
+    try:
+        return wire.OperationReport.model_validate(row.result)
+    except ValidationError as exc:
+        log.warning("command %s: its stored result does not read, shown as none: %s", row.id, exc.errors()[0]["msg"])
+        return None
+
+
+def stored_capabilities(row: Process) -> wire.ProcessCapabilities:
+    """The process's capabilities as stored, read as ``stored_result`` reads a result; one that
+    does not read at all counts as none (the process cannot be moved until it registers again)."""
+    try:
+        return wire.ProcessCapabilities.model_validate(row.capabilities or {})
+    except ValidationError as exc:
+        log.warning(
+            "process %s: its stored capabilities do not read, taken as none: %s", row.process_id, exc.errors()[0]["msg"]
+        )
+        return wire.ProcessCapabilities()
 
 
 def command_view(row: Command, process_id: str) -> wire.CommandInfo:
@@ -21,7 +51,7 @@ def command_view(row: Command, process_id: str) -> wire.CommandInfo:
             "started_at": row.started_at,
             "finished_at": row.finished_at,
             "deliveries": row.deliveries,
-            "result": row.result,
+            "result": stored_result(row),
             "error": row.error,
         }
     )
@@ -62,7 +92,7 @@ def process_view(
             "torch_version": row.torch_version,
             "driver_version": row.driver_version,
             "flexium_version": row.flexium_version,
-            "capabilities": dict(row.capabilities or {}),
+            "capabilities": stored_capabilities(row),
             "memory_bytes": row.memory_bytes,
             "footprint_bytes": row.footprint_bytes,
             "started_at": row.started_at,
