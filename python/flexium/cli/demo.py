@@ -45,11 +45,11 @@ def _port_free(host: str, port: int) -> bool:
 def _demo_token(database_url: str) -> tuple[str, bool]:
     """(a token of workspace 'default', whether to revoke it at the end). A new database gets
     the default workspace here, and its first token is the user's to keep."""
-    from flexium.server import workspaces
+    from flexium.server import database_admin
     from flexium.server.app import bootstrap
     from flexium.server.errors import NotFound
 
-    db = workspaces.open_database(database_url)
+    db = database_admin.open_database(database_url)
     try:
         first = bootstrap(db)
     finally:
@@ -57,9 +57,11 @@ def _demo_token(database_url: str) -> tuple[str, bool]:
     if first is not None:
         return first, False
     try:
-        return workspaces.issue_token(protocol.DEFAULT_WORKSPACE, name="flexium demo", database_url=database_url), True
+        return database_admin.issue_token(
+            protocol.DEFAULT_WORKSPACE, name="flexium demo", database_url=database_url
+        ), True
     except NotFound:
-        return workspaces.create_workspace(protocol.DEFAULT_WORKSPACE, database_url=database_url), False
+        return database_admin.create_workspace(protocol.DEFAULT_WORKSPACE, database_url=database_url), False
 
 
 def _stop(proc: Optional[subprocess.Popen[Any]], sig: int) -> Optional[int]:
@@ -218,9 +220,9 @@ def run(*, port: Optional[int] = None, host: str = "127.0.0.1", database: Option
 
 
 def _revoke(token: str, database_url: str) -> None:
-    from flexium.server import workspaces
+    from flexium.server import database_admin
 
     try:
-        workspaces.revoke_token(protocol.DEFAULT_WORKSPACE, token, database_url=database_url)
+        database_admin.revoke_token(protocol.DEFAULT_WORKSPACE, token, database_url=database_url)
     except Exception as exc:  # the demo is over either way; say so and move on
         print(f"flexium demo: could not revoke the demo token: {exc}", file=sys.stderr)

@@ -1,5 +1,5 @@
 """`flexium workspace create|list` and `flexium token issue|revoke|list`: on the database
-directly (``flexium.server.workspaces``), so they work while the server runs or not. A new token
+directly (``flexium.server.database_admin``), so they work while the server runs or not. A new token
 is printed alone on the last line of output, for scripts."""
 
 from __future__ import annotations
@@ -39,33 +39,33 @@ def add_commands(commands: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if server_module("flexium.server.workspaces") is None:
+    if server_module("flexium.server.database_admin") is None:
         return EXIT_USAGE
-    from flexium.server import workspaces
+    from flexium.server import database_admin
     from flexium.server.db import DatabaseUnavailable, SchemaTooNew
     from flexium.server.errors import ApiError
 
     url = args.database
     try:
         if args.command == "workspace" and args.action == "create":
-            token = workspaces.create_workspace(args.name, database_url=url)
+            token = database_admin.create_workspace(args.name, database_url=url)
             print(
                 f"created workspace '{args.name}'. Its token (shown once; "
                 f"training jobs read it from {protocol.TOKEN_ENV}):"
             )
             print(token)
         elif args.command == "workspace":
-            for record in workspaces.list_workspaces(database_url=url):
+            for record in database_admin.list_workspaces(database_url=url):
                 print(record.name)
         elif args.action == "issue":
-            token = workspaces.issue_token(args.workspace, name=args.name, database_url=url)
+            token = database_admin.issue_token(args.workspace, name=args.name, database_url=url)
             print(f"new token for workspace '{args.workspace}' (shown once):")
             print(token)
         elif args.action == "revoke":
-            info = workspaces.revoke_token(args.workspace, args.token, database_url=url)
+            info = database_admin.revoke_token(args.workspace, args.token, database_url=url)
             print(f"revoked token {info.id} ({info.prefix}...) of workspace '{args.workspace}'")
         else:
-            for info in workspaces.list_tokens(args.workspace, database_url=url):
+            for info in database_admin.list_tokens(args.workspace, database_url=url):
                 state = "revoked" if info.revoked else "active"
                 print(f"{info.id}\t{info.prefix}...\t{state}\t{info.name}")
     except ApiError as exc:

@@ -1,7 +1,7 @@
-"""Workspace and token management for the command line (``flexium workspace create NAME``,
-``flexium token issue|revoke|list``, parsed in cli/workspaces.py). These work on the database
-directly, so they work while the server runs or not; each upgrades the schema first, like the
-server.
+"""Workspace and token management straight on the database, for the command line
+(``flexium workspace create NAME``, ``flexium token issue|revoke|list``, parsed in
+cli/workspaces.py): they work while the server runs or not; each upgrades the schema first, like
+the server.
 
 Functions for the CLI to call (each takes ``database_url=None``: then ``$FLEXIUM_DATABASE_URL``,
 else the default SQLite file):
