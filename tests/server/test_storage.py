@@ -491,6 +491,34 @@ def test_capability_refusal_quotes_the_process_problems(db: Database) -> None:
         _command(db, ws, "migrate", "old", 1)
 
 
+def test_one_rank_of_a_distributed_job_is_refused_at_creation(db: Database, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The capabilities a rank of a 2-rank torchrun job reports (client/reports.py) make the
+    server refuse its pause and migrate with the process's own reason."""
+    from types import SimpleNamespace
+
+    from flexium.cli.remote import _moves
+    from flexium.client.reports import ProcessReporter
+    from flexium.engine.capabilities import Capabilities
+    from flexium.engine.operations import EngineState
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    caps = Capabilities("580.159.04", 580, 13000, True, True, 2, True, True, ())
+    training = SimpleNamespace(
+        engine=SimpleNamespace(state=EngineState.RUNNING), logical_device="cuda:0", capabilities=caps, memory_pool=None
+    )
+    reported = ProcessReporter(training).capabilities()  # type: ignore[arg-type]
+    assert _moves(reported) == "-"
+    ws, _ = _workspace(db)
+    _register(db, ws, "rank-0", capabilities=reported.model_dump(mode="json"))
+    for kind, target in (("pause", None), ("migrate", 1)):
+        with pytest.raises(errors.CapabilityMissing) as info:
+            _command(db, ws, kind, "rank-0", target)
+        assert info.value.message.startswith(f"process 'rank-0' cannot {kind}: it reports no ")
+        assert "this process is rank 0 of 2 of a torch.distributed job" in info.value.message
+        assert "would break the whole job" in info.value.message and "driver" not in info.value.message
+
+
 def test_stale_process_refuses_commands(db: Database) -> None:
     ws, _ = _workspace(db)
     _register(db, ws, now=NOW)

@@ -22,7 +22,7 @@ from pydantic import ValidationError
 
 from flexium import protocol, wire
 from flexium.client.contracts import EngineControl, TrainingProcess
-from flexium.engine import nvml, torch_bridge
+from flexium.engine import distributed, nvml, torch_bridge
 from flexium.engine.operations import EngineState, GpuIdentity, OperationResult
 
 log = logging.getLogger("flexium.client")
@@ -161,6 +161,13 @@ class ProcessReporter:
                 "flexium's engine is not running in this process (training on "
                 f"{self.training.logical_device}): migrate, pause and resume are off",
             ]
+        one_rank = distributed.describe().refusal()
+        # Read now, not at init: the job may start its process group after flexium.init(). A
+        # paused job keeps what it had: the server refuses a resume without pause_resume.
+        if one_rank is not None and self.state() != "PAUSED":
+            report.pause_resume = False
+            report.migration = False
+            report.problems = [*report.problems, one_rank]
         pool = getattr(self.training, "memory_pool", None)
         report.fast_path = bool(self.engine is not None and pool is not None and pool.active)
         report.fast_path_problem = (

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Iterator, Literal, Optional, Sequence, get_args
 
 from flexium import _C
-from flexium.engine import nvml
+from flexium.engine import distributed, nvml
 from flexium.engine.capabilities import Capabilities
 from flexium.engine.fast_path import FastPath, host_memory_available
 from flexium.engine.identity import IdentityMap, MovePlan, Target
@@ -207,6 +207,7 @@ class Engine:
         _check_path(path)
         with self._operation(OperationKind.MIGRATE, allowed=(EngineState.RUNNING,)):
             self._require(self.capabilities.migration, "migration to another GPU")
+            _refuse_one_rank(OperationKind.MIGRATE)
             source = self._source()
             dest = self._ctx.identity.resolve(target)
             notes = self._validate_target(source, dest, needed=self._bytes_on(source))
@@ -225,6 +226,7 @@ class Engine:
         _check_path(path)
         with self._operation(OperationKind.PAUSE, allowed=(EngineState.RUNNING,)):
             self._require(self.capabilities.pause_resume, "pause")
+            _refuse_one_rank(OperationKind.PAUSE)
             if self._safe_points.on_training_thread():
                 raise InvalidStateError(
                     "pause() was called from the training thread: it would block at its next CUDA call "
@@ -424,6 +426,14 @@ class Engine:
 def _check_path(path: str) -> None:
     if path not in PATHS:
         raise ValueError(f"path must be one of {', '.join(PATHS)}, not {path!r}")
+
+
+def _refuse_one_rank(kind: OperationKind) -> None:
+    """Moving one rank of a multi-process job would break the whole job (engine/distributed.py).
+    Resume is never refused: a job paused before must always be resumable."""
+    reason = distributed.describe().refusal()
+    if reason is not None:
+        raise CapabilityError(f"cannot {kind.value}: {reason}")
 
 
 def _state_refusal(kind: OperationKind, state: EngineState) -> str:

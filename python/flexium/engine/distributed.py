@@ -1,0 +1,98 @@
+"""This process's place in a torch.distributed job, for the engine's refusal of moving one rank.
+
+Pausing or migrating one rank of a multi-process job breaks the whole job: its other ranks
+block in their next collective, and NCCL's buffers shared between ranks as CUDA IPC cannot be
+restored (docs/facts.md fact 13). Until a whole-job protocol exists, flexium refuses it.
+
+Reading this touches no CUDA and imports nothing: the engine asks before every migrate and
+pause, and the client asks whenever it builds a report, possibly before the job has called
+init_process_group (then the torchrun environment says what the job will be).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class DistributedJob:
+    available: bool  # torch is imported and built with torch.distributed
+    initialized: bool  # the default process group exists
+    backend: Optional[str]  # the default group's, e.g. "nccl", "gloo", "cpu:gloo,cuda:nccl"
+    rank: Optional[int]  # in the default group, else RANK of the environment
+    world_size: Optional[int]  # of the default group, else WORLD_SIZE of the environment
+    local_rank: Optional[int]  # LOCAL_RANK (torchrun)
+    local_world_size: Optional[int]  # LOCAL_WORLD_SIZE (torchrun): ranks on this node
+    group_rank: Optional[int]  # GROUP_RANK (torchrun): this node's rank
+
+    @property
+    def multi_process(self) -> bool:
+        return (self.world_size or 1) > 1
+
+    @property
+    def multi_node(self) -> bool:
+        return self.world_size is not None and self.world_size > (self.local_world_size or self.world_size)
+
+    def refusal(self) -> Optional[str]:
+        """Why this process cannot be paused or migrated on its own, with what to do; None for
+        a single-process job."""
+        if not self.multi_process:
+            return None
+        rank = "?" if self.rank is None else str(self.rank)
+        if self.initialized:
+            how = f"backend {self.backend or 'unknown'}"
+        else:
+            how = "launched by torchrun, process group not initialized yet"
+        if self.multi_node:
+            how += f", node {'?' if self.group_rank is None else self.group_rank} of a multi-node job"
+        return (
+            f"this process is rank {rank} of {self.world_size} of a torch.distributed job ({how}): "
+            "pausing or migrating one rank alone would break the whole job (its other ranks block in "
+            "their next collective); pausing, resuming or migrating a whole torchrun job is not supported "
+            "yet. To move it, stop the job and restart it on the GPUs you want; single-process jobs can "
+            "be paused and migrated"
+        )
+
+
+def describe() -> DistributedJob:
+    dist = _torch_distributed()
+    initialized = dist is not None and bool(dist.is_initialized())
+    rank = _env_int("RANK")
+    world_size = _env_int("WORLD_SIZE")
+    backend: Optional[str] = None
+    if initialized:
+        assert dist is not None
+        backend = str(dist.get_backend())
+        rank = int(dist.get_rank())
+        world_size = int(dist.get_world_size())
+    return DistributedJob(
+        available=dist is not None,
+        initialized=initialized,
+        backend=backend,
+        rank=rank,
+        world_size=world_size,
+        local_rank=_env_int("LOCAL_RANK"),
+        local_world_size=_env_int("LOCAL_WORLD_SIZE"),
+        group_rank=_env_int("GROUP_RANK"),
+    )
+
+
+def _torch_distributed() -> Optional[Any]:
+    """torch.distributed when the job imported torch (a job that did not has no process group)."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    dist = getattr(torch, "distributed", None)
+    if dist is None or not dist.is_available():
+        return None
+    return dist
+
+
+def _env_int(name: str) -> Optional[int]:
+    try:
+        return int(os.environ[name])
+    except (KeyError, ValueError):
+        return None

@@ -1,0 +1,238 @@
+"""One rank of a multi-process job is never paused or migrated alone (docs/facts.md fact 13):
+engine/distributed.py describes the job, the engine refuses before anything is touched, and the
+process reports itself as not movable."""
+
+from __future__ import annotations
+
+import sys
+from types import SimpleNamespace
+from typing import Any, Callable, Iterator
+
+import pytest
+
+from engine_fixtures import Script, checkpoint_ops, driver, fake, make_engine, script_env  # noqa: F401
+from fake_driver import FakeDriver
+
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
+
+
+@pytest.fixture(autouse=True)
+def no_torchrun_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in TORCHRUN_ENV:
+        monkeypatch.delenv(name, raising=False)
+
+
+def _torchrun(monkeypatch: pytest.MonkeyPatch, **values: int) -> None:
+    for name, value in values.items():
+        monkeypatch.setenv(name, str(value))
+
+
+# --------------------------------------------------------------------------------- describe()
+
+
+def test_a_plain_process_is_a_single_process_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flexium.engine import distributed
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # a job that never imported torch
+    job = distributed.describe()
+    assert job == distributed.DistributedJob(
+        available=False,
+        initialized=False,
+        backend=None,
+        rank=None,
+        world_size=None,
+        local_rank=None,
+        local_world_size=None,
+        group_rank=None,
+    )
+    assert not job.multi_process and not job.multi_node and job.refusal() is None
+
+
+def test_torchrun_environment_before_the_process_group_is_a_multi_process_job(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from flexium.engine import distributed
+
+    _torchrun(monkeypatch, RANK=1, WORLD_SIZE=2, LOCAL_RANK=1, LOCAL_WORLD_SIZE=2, GROUP_RANK=0)
+    job = distributed.describe()
+    assert (job.initialized, job.rank, job.world_size, job.local_rank, job.local_world_size, job.group_rank) == (
+        False,
+        1,
+        2,
+        1,
+        2,
+        0,
+    )
+    assert job.multi_process and not job.multi_node
+    reason = job.refusal()
+    assert reason is not None
+    assert reason.startswith("this process is rank 1 of 2 of a torch.distributed job (launched by torchrun")
+    assert "would break the whole job" in reason and "restart it on the GPUs you want" in reason
+
+
+def test_a_multi_node_job_says_which_node(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flexium.engine import distributed
+
+    _torchrun(monkeypatch, RANK=5, WORLD_SIZE=8, LOCAL_RANK=1, LOCAL_WORLD_SIZE=4, GROUP_RANK=1)
+    job = distributed.describe()
+    assert job.multi_node
+    assert "rank 5 of 8" in str(job.refusal()) and "node 1 of a multi-node job" in str(job.refusal())
+
+
+def test_a_torchrun_job_of_one_process_is_movable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flexium.engine import distributed
+
+    _torchrun(monkeypatch, RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, LOCAL_WORLD_SIZE=1, GROUP_RANK=0)
+    assert distributed.describe().refusal() is None
+
+
+@pytest.fixture
+def gloo_group_of_one(tmp_path: Any) -> Iterator[None]:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_process_group_of_one_is_movable(
+    gloo_group_of_one: None, fake: FakeDriver, make_engine: Callable[..., Any]
+) -> None:
+    from flexium.engine import distributed
+
+    job = distributed.describe()
+    assert (job.available, job.initialized, job.backend, job.rank, job.world_size) == (True, True, "gloo", 0, 1)
+    assert job.refusal() is None
+    engine = make_engine()
+    assert engine.pause().ok and engine.resume().ok
+
+
+# --------------------------------------------------------------------------------- the engine
+
+
+def test_one_rank_is_refused_before_anything_is_touched(
+    fake: FakeDriver, make_engine: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flexium.errors import CapabilityError
+
+    engine = make_engine()
+    _torchrun(monkeypatch, RANK=0, WORLD_SIZE=2)
+    with pytest.raises(CapabilityError, match=r"^cannot pause: this process is rank 0 of 2 "):
+        engine.pause()
+    with pytest.raises(CapabilityError, match=r"^cannot migrate: this process is rank 0 of 2 "):
+        engine.migrate(engine.gpus[1])
+    assert fake.checkpoint_calls() == [] and fake.placement() == [0, 1]
+    assert engine.state.value == "RUNNING"
+
+
+def test_a_job_paused_before_is_always_resumable(
+    fake: FakeDriver, make_engine: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = make_engine()
+    assert engine.pause().ok
+    _torchrun(monkeypatch, RANK=0, WORLD_SIZE=2)
+    assert engine.resume().ok and engine.state.value == "RUNNING"
+
+
+# --------------------------------------------------------------------------------- the report
+
+
+def _reporter(state: Any) -> Any:
+    from flexium.client.reports import ProcessReporter
+    from flexium.engine.capabilities import Capabilities
+
+    caps = Capabilities("580.159.04", 580, 13000, True, True, 2, True, True, ())
+    engine = SimpleNamespace(state=state)
+    pool = SimpleNamespace(active=True, reason_off=None)
+    return ProcessReporter(
+        SimpleNamespace(engine=engine, logical_device="cuda:0", capabilities=caps, memory_pool=pool)  # type: ignore[arg-type]
+    )
+
+
+def test_one_rank_reports_itself_not_movable(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flexium.engine import distributed
+    from flexium.engine.operations import EngineState
+
+    reporter = _reporter(EngineState.RUNNING)
+    alone = reporter.capabilities()
+    assert alone.pause_resume and alone.migration and alone.problems == []
+    _torchrun(monkeypatch, RANK=1, WORLD_SIZE=2)  # read when the report is built, not at init
+    rank = reporter.capabilities()
+    assert not rank.pause_resume and not rank.migration
+    assert rank.problems == [distributed.describe().refusal()]
+
+
+def test_a_paused_rank_keeps_what_lets_it_resume(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flexium.engine.operations import EngineState
+
+    _torchrun(monkeypatch, RANK=1, WORLD_SIZE=2)
+    paused = _reporter(EngineState.PAUSED).capabilities()
+    assert paused.pause_resume and paused.migration and paused.problems == []
+
+
+# --------------------------------------------------------------------------------- a real 2-rank job
+
+RANK_SCRIPT = """
+import fake_driver, torch
+import torch.distributed as dist
+import flexium
+from flexium.api import runtime
+from flexium.client.reports import ProcessReporter
+from flexium.errors import CapabilityError
+
+fake = fake_driver.FakeDriver(os.environ["FLEXIUM_LIBCUDA"])
+rank = int(os.environ["TEST_RANK"])
+flexium.init()  # before the process group, as many scripts do
+current = runtime.current()
+engine = current.engine
+fake.set_process_memory(0, 1 << 30)
+before = ProcessReporter(current).capabilities()
+dist.init_process_group("gloo", init_method=os.environ["TEST_RENDEZVOUS"], rank=rank, world_size=2)
+refusals = {}
+if rank == 0:
+    fake.clear_log()
+    for name, call in (("pause", engine.pause), ("migrate", lambda: engine.migrate(engine.gpus[1]))):
+        try:
+            call()
+            refusals[name] = None
+        except CapabilityError as exc:
+            refusals[name] = str(exc)
+after = ProcessReporter(current).capabilities()
+total = 0.0
+for step in range(20):
+    value = torch.tensor([float(rank + step)])
+    dist.all_reduce(value)
+    total += value.item()
+dist.barrier()
+dist.destroy_process_group()
+out(rank=rank, refusals=refusals, calls=fake.checkpoint_calls(), state=engine.state.value,
+    placement=fake.placement(), total=total, before=before.model_dump(), after=after.model_dump())
+"""
+
+
+def test_rank_0_of_a_gloo_job_is_refused_and_both_ranks_train_on(tmp_path: Any) -> None:
+    rendezvous = f"file://{tmp_path / 'rendezvous'}"
+    ranks = [
+        Script(RANK_SCRIPT, {**script_env(), "TEST_RANK": str(rank), "TEST_RENDEZVOUS": rendezvous}, torch=True)
+        for rank in (0, 1)
+    ]
+    try:
+        outs = [script.wait().result for script in ranks]
+    finally:
+        for script in ranks:
+            script.kill()
+    zero, one = outs
+    for what in ("pause", "migrate"):
+        assert zero["refusals"][what].startswith(
+            f"cannot {what}: this process is rank 0 of 2 of a torch.distributed job (backend gloo): "
+            "pausing or migrating one rank alone would break the whole job"
+        )
+    assert zero["calls"] == []  # not even the lock
+    assert zero["state"] == "RUNNING" and zero["placement"] == [0, 1]
+    assert zero["total"] == one["total"] == sum(2 * step + 1 for step in range(20))
+    for rank in outs:
+        assert rank["before"]["pause_resume"] and rank["before"]["migration"]
+        assert not rank["after"]["pause_resume"] and not rank["after"]["migration"]
+        assert f"rank {rank['rank']} of 2" in rank["after"]["problems"][-1]
