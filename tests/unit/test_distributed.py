@@ -10,7 +10,7 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from engine_fixtures import Script, checkpoint_ops, driver, fake, make_engine, script_env  # noqa: F401
+from engine_fixtures import Script, driver, fake, make_engine, script_env  # noqa: F401
 from fake_driver import FakeDriver
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")

@@ -59,15 +59,16 @@ class DistributedJob:
 
 def describe() -> DistributedJob:
     dist = _torch_distributed()
-    initialized = dist is not None and bool(dist.is_initialized())
+    initialized = False
     rank = _env_int("RANK")
     world_size = _env_int("WORLD_SIZE")
     backend: Optional[str] = None
-    if initialized:
-        assert dist is not None
-        backend = str(dist.get_backend())
-        rank = int(dist.get_rank())
-        world_size = int(dist.get_world_size())
+    if dist is not None and dist.is_initialized():
+        try:
+            backend, rank, world_size = str(dist.get_backend()), int(dist.get_rank()), int(dist.get_world_size())
+            initialized = True
+        except (RuntimeError, ValueError):  # destroyed meanwhile (the job is ending): the environment says
+            pass
     return DistributedJob(
         available=dist is not None,
         initialized=initialized,
