@@ -36,6 +36,7 @@ from flexium.engine.transactions.driver_pause import pause_by_driver
 from flexium.engine.transactions.fast_migrate import migrate_fast
 from flexium.engine.transactions.fast_pause import pause_fast
 from flexium.engine.transactions.own_memory import own_in_slices
+from flexium.engine.transactions.results import GIB
 from flexium.engine.transactions.resume import resume
 from flexium.errors import (
     CapabilityError,
@@ -48,7 +49,6 @@ from flexium.errors import (
 
 log = logging.getLogger("flexium")
 
-GIB = 1 << 30
 DEFAULT_LOCK_TIMEOUT_MS = 30_000
 DEFAULT_SAFE_POINT_WAIT_SECONDS = 5.0
 # Restore needs some room beyond the process's own bytes (driver bookkeeping on the target).
