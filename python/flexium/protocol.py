@@ -131,6 +131,7 @@ MAX_SHORT_TEXT = 128
 MAX_HOST_LEN = 255
 MAX_LONG_TEXT = 4096
 MAX_DEVICES = 64
+MAX_RANKS = 1 << 16  # of one multi-process job
 MAX_JSON_DEPTH = 8
 MAX_JSON_ITEMS = 512
 MAX_INT = 1 << 62  # memory sizes, pids: fits every database's BIGINT

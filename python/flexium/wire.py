@@ -100,6 +100,8 @@ Seq = Annotated[int, Field(ge=0, le=protocol.MAX_INT, description="grows with ev
 Pid = Annotated[int, Field(ge=0, le=1 << 40)]
 GpuIndex = Annotated[int, Field(ge=0, le=4095)]
 Epoch = Annotated[float, Field(ge=0, le=1e11)]
+Rank = Annotated[int, Field(ge=0, le=protocol.MAX_RANKS - 1)]
+WorldSize = Annotated[int, Field(ge=1, le=protocol.MAX_RANKS)]
 
 TargetKind = Literal["migrate", "resume"]
 
@@ -148,6 +150,18 @@ class GpuReport(WireIn):
     )
 
 
+class JobMembership(WireIn):
+    """This process's place in a multi-process torch.distributed job (torchrun): every rank of
+    one run sends the same ``key``, and the server shows and moves them as one job."""
+
+    key: NonEmptyText = Field(description="the same for every rank of one run, unique to that run")
+    rank: Rank
+    world_size: WorldSize
+    local_rank: Optional[Rank] = None
+    local_world_size: Optional[WorldSize] = Field(default=None, description="ranks on this host")
+    node_rank: Optional[Rank] = Field(default=None, description="this host's rank in a multi-node job")
+
+
 class RegisterRequest(WireIn):
     process_id: ProcessId
     host: HostName
@@ -176,6 +190,7 @@ class RegisterRequest(WireIn):
     cmdline: LongText = ""
     devices: Annotated[list[GpuReport], Field(max_length=protocol.MAX_DEVICES)] = []
     seq: Optional[Seq] = None
+    job: Optional[JobMembership] = Field(default=None, description="None: a single-process job")
 
 
 class HeartbeatRequest(WireIn):
@@ -201,7 +216,16 @@ class CommandRequest(WireIn):
         description=(
             "the GPU: 'cuda:N' = entry N of the process's visible_gpus (the job's own CUDA "
             "numbering), a bare integer (or digits) = the nvidia-smi index on the process's host, "
-            "'GPU-...' = a GPU UUID. The server resolves it to a UUID once; resume: optional"
+            "'GPU-...' = a GPU UUID. The server resolves it to a UUID once; resume: optional. For a "
+            "rank of a multi-process job: where this rank goes (the others stay)"
+        ),
+    )
+    ranks: Optional[dict[NonEmptyText, Union[StrictInt, ShortText]]] = Field(
+        default=None,
+        max_length=protocol.MAX_RANKS,
+        description=(
+            "a multi-process job only: rank (as text) -> target, in the addressed process's numbering; "
+            "migrate and resume of several ranks at once (a swap); ranks left out stay where they are"
         ),
     )
 
@@ -237,6 +261,29 @@ class ErrorBody(WireOut):
     detail: Any = None
 
 
+class JobCommandInfo(WireOut):
+    """The part of a command that makes it one rank's share of a whole-job operation: the server
+    creates one command per rank, all with the same ``operation_id``, and the ranks carry it out
+    together (docs/design.md, "Distributed jobs")."""
+
+    operation_id: int = Field(description="shared by the commands of every rank of one job operation")
+    job_key: str
+    rank: int = Field(description="the rank this command is for")
+    world_size: int
+    moves: dict[str, str] = Field(description="rank (as text) -> target GPU UUID, for every rank that changes GPU")
+
+
+class JobInfo(WireOut):
+    """A process's job, as ``JobMembership`` said it."""
+
+    key: str
+    rank: int
+    world_size: int
+    local_rank: Optional[int] = None
+    local_world_size: Optional[int] = None
+    node_rank: Optional[int] = None
+
+
 class CommandInfo(WireOut):
     id: int
     kind: CommandKind
@@ -250,6 +297,7 @@ class CommandInfo(WireOut):
     deliveries: int
     result: Optional[OperationReport]
     error: Optional[str]
+    job: Optional[JobCommandInfo] = Field(default=None, description="None: a command for this process alone")
 
 
 class ProcessInfo(WireOut):
@@ -279,6 +327,7 @@ class ProcessInfo(WireOut):
     last_seen: float
     cmdline: str
     active_command: Optional[CommandInfo]
+    job: Optional[JobInfo] = Field(default=None, description="None: a single-process job")
 
 
 class RegisterResponse(WireOut):
@@ -397,6 +446,13 @@ class ProcessCapabilities(_BoundedJson):
         default=None, description="the job's memory is in flexium's pool: moves may take the fast path"
     )
     fast_path_problem: Optional[LongText] = Field(default=None, description="why fast_path is false")
+    job_operations: Optional[bool] = Field(
+        default=None,
+        description=(
+            "a rank of a multi-process job: whether the job can be paused, resumed and migrated as a "
+            "whole (its problems say why not); None: a single-process job"
+        ),
+    )
 
 
 class OperationGpu(WireIn):
