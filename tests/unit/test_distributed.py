@@ -31,7 +31,7 @@ def _torchrun(monkeypatch: pytest.MonkeyPatch, **values: int) -> None:
 
 
 def test_a_plain_process_is_a_single_process_job(monkeypatch: pytest.MonkeyPatch) -> None:
-    from flexium.engine import distributed
+    from flexium.engine.distributed import membership as distributed
 
     monkeypatch.setitem(sys.modules, "torch", None)  # a job that never imported torch
     job = distributed.describe()
@@ -51,7 +51,7 @@ def test_a_plain_process_is_a_single_process_job(monkeypatch: pytest.MonkeyPatch
 def test_torchrun_environment_before_the_process_group_is_a_multi_process_job(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    from flexium.engine import distributed
+    from flexium.engine.distributed import membership as distributed
 
     _torchrun(monkeypatch, RANK=1, WORLD_SIZE=2, LOCAL_RANK=1, LOCAL_WORLD_SIZE=2, GROUP_RANK=0)
     job = distributed.describe()
@@ -67,11 +67,11 @@ def test_torchrun_environment_before_the_process_group_is_a_multi_process_job(
     reason = job.refusal()
     assert reason is not None
     assert reason.startswith("this process is rank 1 of 2 of a torch.distributed job (launched by torchrun")
-    assert "would break the whole job" in reason and "restart it on the GPUs you want" in reason
+    assert "would break the whole job" in reason and "`flexium pause PROCESS` acts on every rank" in reason
 
 
 def test_a_multi_node_job_says_which_node(monkeypatch: pytest.MonkeyPatch) -> None:
-    from flexium.engine import distributed
+    from flexium.engine.distributed import membership as distributed
 
     _torchrun(monkeypatch, RANK=5, WORLD_SIZE=8, LOCAL_RANK=1, LOCAL_WORLD_SIZE=4, GROUP_RANK=1)
     job = distributed.describe()
@@ -80,7 +80,7 @@ def test_a_multi_node_job_says_which_node(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_a_torchrun_job_of_one_process_is_movable(monkeypatch: pytest.MonkeyPatch) -> None:
-    from flexium.engine import distributed
+    from flexium.engine.distributed import membership as distributed
 
     _torchrun(monkeypatch, RANK=0, WORLD_SIZE=1, LOCAL_RANK=0, LOCAL_WORLD_SIZE=1, GROUP_RANK=0)
     assert distributed.describe().refusal() is None
@@ -100,7 +100,7 @@ def gloo_group_of_one(tmp_path: Any) -> Iterator[None]:
 def test_a_process_group_of_one_is_movable(
     gloo_group_of_one: None, fake: FakeDriver, make_engine: Callable[..., Any]
 ) -> None:
-    from flexium.engine import distributed
+    from flexium.engine.distributed import membership as distributed
 
     job = distributed.describe()
     assert (job.available, job.initialized, job.backend, job.rank, job.world_size) == (True, True, "gloo", 0, 1)
@@ -151,17 +151,20 @@ def _reporter(state: Any) -> Any:
     )
 
 
-def test_one_rank_reports_itself_not_movable(monkeypatch: pytest.MonkeyPatch) -> None:
-    from flexium.engine import distributed
+def test_a_rank_before_its_process_group_reports_itself_not_movable(monkeypatch: pytest.MonkeyPatch) -> None:
     from flexium.engine.operations import EngineState
 
     reporter = _reporter(EngineState.RUNNING)
     alone = reporter.capabilities()
-    assert alone.pause_resume and alone.migration and alone.problems == []
+    assert alone.pause_resume and alone.migration and alone.problems == [] and alone.job_operations is None
     _torchrun(monkeypatch, RANK=1, WORLD_SIZE=2)  # read when the report is built, not at init
     rank = reporter.capabilities()
-    assert not rank.pause_resume and not rank.migration
-    assert rank.problems == [distributed.describe().refusal()]
+    assert not rank.pause_resume and not rank.migration and rank.job_operations is False
+    assert rank.problems == [
+        "this process is rank 1 of 2 of a torch.distributed job (launched by torchrun, process group not "
+        "initialized yet), and the job cannot be paused or moved as a whole: the job has not started its "
+        "process group yet (init_process_group): wait until it trains"
+    ]
 
 
 def test_a_paused_rank_keeps_what_lets_it_resume(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -234,5 +237,7 @@ def test_rank_0_of_a_gloo_job_is_refused_and_both_ranks_train_on(tmp_path: Any) 
     assert zero["total"] == one["total"] == sum(2 * step + 1 for step in range(20))
     for rank in outs:
         assert rank["before"]["pause_resume"] and rank["before"]["migration"]
-        assert not rank["after"]["pause_resume"] and not rank["after"]["migration"]
-        assert f"rank {rank['rank']} of 2" in rank["after"]["problems"][-1]
+        # as a rank of a gloo job it moves with its job (test_job_operations.py)
+        assert rank["before"]["job_operations"] is None and rank["after"]["job_operations"] is True
+        assert rank["after"]["pause_resume"] and rank["after"]["migration"]
+        assert rank["after"]["problems"] == rank["before"]["problems"]

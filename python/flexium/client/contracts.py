@@ -8,6 +8,7 @@ from typing import Callable, Optional, Protocol, Sequence
 
 from flexium.config import FlexiumConfig
 from flexium.engine.capabilities import Capabilities
+from flexium.engine.distributed.job_operation import JobOperation
 from flexium.engine.operations import EngineState, GpuIdentity, OperationResult
 
 
@@ -34,6 +35,8 @@ class EngineControl(Protocol):
     def pause(self) -> OperationResult: ...
 
     def resume(self, target: Optional[str] = None) -> OperationResult: ...
+
+    def run_job_operation(self, op: JobOperation) -> OperationResult: ...
 
 
 class MemoryPoolState(Protocol):

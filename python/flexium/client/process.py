@@ -26,7 +26,8 @@ from flexium.client.contracts import TrainingProcess
 from flexium.client.http import ApiClient, Backoff, NotFound, Refused, ServerError, Unauthorized, UnreadableCommand
 from flexium.client.reports import ProcessReporter, operation_report, visible_gpus
 from flexium.engine import nvml
-from flexium.engine.operations import EngineState, OperationResult
+from flexium.engine.distributed.job_operation import JobOperation
+from flexium.engine.operations import EngineState, OperationKind, OperationResult
 from flexium.errors import (
     CapabilityError,
     InvalidStateError,
@@ -72,6 +73,9 @@ class ProcessClient:
         self._registered = threading.Event()
         self._connected = True  # what the log last said, so a long outage is logged once
         self._last_bad_answer: Optional[str] = None  # see _poll_failed
+        # What the server was last told the process can do: a rank's changes as its job starts
+        # its process group, and only a registration carries it.
+        self._registered_capabilities: Optional[wire.ProcessCapabilities] = None
         self._finished: collections.OrderedDict[_CommandKey, wire.CommandReport] = collections.OrderedDict()
         # Held while a body that says where the process is gets built and sent: a heartbeat
         # built during an operation (PAUSING) must not reach the server after the outcome
@@ -159,6 +163,7 @@ class ProcessClient:
         except Exception:  # a bug building the report must not end the thread
             log.exception("registering with the server failed")
             return False
+        self._registered_capabilities = body.capabilities
         self.heartbeat_interval_s = answer.heartbeat_interval_s or self.heartbeat_interval_s
         self.poll_timeout_s = answer.poll_timeout_s or self.poll_timeout_s
         self.registrations += 1
@@ -175,6 +180,10 @@ class ProcessClient:
         return True
 
     def _heartbeat(self) -> None:
+        if self.reporter.capabilities() != self._registered_capabilities:
+            log.info("what this process can do changed: registering again to tell the server")
+            self._registered.clear()
+            return
         try:
             gpus = nvml.host_gpus()
             with self._send_lock:
@@ -307,7 +316,9 @@ class ProcessClient:
         target = command.target_uuid
         try:
             result: OperationResult
-            if kind == "migrate":
+            if command.job is not None:
+                result = engine.run_job_operation(job_operation_of(command, command.job))
+            elif kind == "migrate":
                 if not target:
                     return self._failed("migrate needs a target GPU")
                 result = engine.migrate(target)
@@ -346,6 +357,18 @@ class ProcessClient:
             log.warning("the server refused the report on command %d (%s): %s", command_id, report.state, exc.message)
         except ServerError as exc:
             log.warning("could not report command %d %s: %s", command_id, report.state, exc.message)
+
+
+def job_operation_of(command: wire.CommandInfo, job: wire.JobCommandInfo) -> JobOperation:
+    """This rank's part of a whole-job operation, as the engine takes it."""
+    return JobOperation(
+        operation_id=job.operation_id,
+        kind=OperationKind(command.kind),
+        rank=job.rank,
+        world_size=job.world_size,
+        target=command.target_uuid,
+        moves={int(rank): uuid for rank, uuid in job.moves.items()},
+    )
 
 
 def _with_result(report: wire.CommandReport, result: Optional[wire.OperationReport]) -> wire.CommandReport:

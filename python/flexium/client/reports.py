@@ -22,7 +22,8 @@ from pydantic import ValidationError
 
 from flexium import protocol, wire
 from flexium.client.contracts import EngineControl, TrainingProcess
-from flexium.engine import distributed, nvml, torch_bridge
+from flexium.engine import nvml, torch_bridge
+from flexium.engine.distributed import job_operation, membership
 from flexium.engine.operations import EngineState, GpuIdentity, OperationResult
 
 log = logging.getLogger("flexium.client")
@@ -161,13 +162,20 @@ class ProcessReporter:
                 "flexium's engine is not running in this process (training on "
                 f"{self.training.logical_device}): migrate, pause and resume are off",
             ]
-        one_rank = distributed.describe().refusal()
-        # Read now, not at init: the job may start its process group after flexium.init(). A
-        # paused job keeps what it had: the server refuses a resume without pause_resume.
-        if one_rank is not None and self.state() != "PAUSED":
-            report.pause_resume = False
-            report.migration = False
-            report.problems = [*report.problems, one_rank]
+        job = membership.describe()
+        if job.multi_process:
+            # Read now, not at init: the job may start its process group after flexium.init().
+            # A paused job keeps what it had: the server refuses a resume without pause_resume.
+            problem = job_operation.job_problem(job)
+            report.job_operations = problem is None or self.state() == "PAUSED"
+            if not report.job_operations:
+                report.pause_resume = False
+                report.migration = False
+                report.problems = [
+                    *report.problems,
+                    f"this process is {job.describe_rank()}, and the job cannot be paused or moved as a whole: "
+                    f"{problem}",
+                ]
         pool = getattr(self.training, "memory_pool", None)
         report.fast_path = bool(self.engine is not None and pool is not None and pool.active)
         report.fast_path_problem = (
@@ -237,6 +245,7 @@ class ProcessReporter:
             ),
             devices=gpu_reports(gpus),
             seq=seq,
+            job=job_membership(),
         )
 
     def heartbeat_body(self, gpus: list[nvml.HostGpu]) -> wire.HeartbeatRequest:
@@ -253,6 +262,21 @@ class ProcessReporter:
         seq = body_seq()
         memory, _ = self.memory()
         return wire.ProcessUpdate(state=self.state(), memory_bytes=memory, seq=seq, **_stated(self.placement()))
+
+
+def job_membership() -> Optional[wire.JobMembership]:
+    """This process's job and rank for the server, None for a single-process job."""
+    job = membership.describe()
+    if not job.multi_process or job.rank is None or job.world_size is None:
+        return None
+    return wire.JobMembership(
+        key=_short(membership.job_key()),
+        rank=job.rank,
+        world_size=job.world_size,
+        local_rank=job.local_rank,
+        local_world_size=job.local_world_size,
+        node_rank=job.group_rank,
+    )
 
 
 def operation_report(result: OperationResult) -> Optional[wire.OperationReport]:

@@ -23,13 +23,16 @@ from dataclasses import dataclass
 from typing import Iterator, Literal, Optional, Sequence, get_args
 
 from flexium import _C
-from flexium.engine import distributed, nvml
+from flexium.engine import nvml
 from flexium.engine.capabilities import Capabilities
+from flexium.engine.distributed import job_operation, membership, nccl
+from flexium.engine.distributed.job_operation import Deadlines, JobOperation, RankActions
+from flexium.engine.distributed.rendezvous import JobAborted, Rendezvous, job_store
 from flexium.engine.fast_path import FastPath, host_memory_available
 from flexium.engine.identity import IdentityMap, MovePlan, Target
 from flexium.engine.operations import EngineState, GpuIdentity, OperationKind, OperationResult
 from flexium.engine.parking import Parking
-from flexium.engine.safe_point import SafePoints
+from flexium.engine.safe_point import SafePointMissed, SafePoints
 from flexium.engine.transactions.context import OperationContext, StateListener
 from flexium.engine.transactions.driver_migrate import migrate_by_driver
 from flexium.engine.transactions.driver_pause import pause_by_driver
@@ -114,6 +117,8 @@ class Engine:
             lock_timeout_ms=lock_timeout_ms,
         )
         self.last_result: Optional[OperationResult] = None
+        # The communicators a whole-job pause suspended, for its resume.
+        self._suspended_communicators: list[nccl.Communicator] = []
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -214,10 +219,10 @@ class Engine:
             plan = self._plan(dest)
 
             def work(at_safe_point: bool) -> OperationResult:
-                fast, why = self._choose_path(path, at_safe_point)
-                if fast is not None:
-                    return migrate_fast(self._ctx, fast, plan, notes)
-                return migrate_by_driver(self._ctx, plan, (*notes, *why), at_safe_point=at_safe_point)
+                if at_safe_point:
+                    return self._move_at_safe_point(plan, path, notes)
+                _, why = self._choose_path(path, at_safe_point)
+                return migrate_by_driver(self._ctx, plan, (*notes, *why), at_safe_point=False)
 
             result, _ = self._safe_points.run(work)
             return self._finish(result)
@@ -266,6 +271,108 @@ class Engine:
 
             result = self._parking.submit(work) if self._parking.occupied else work()
             return self._finish(result)
+
+    def run_job_operation(
+        self, op: JobOperation, *, path: PathChoice = "auto", deadlines: Optional[Deadlines] = None
+    ) -> OperationResult:
+        """This rank's part in a pause, resume or migration of its whole multi-process job
+        (engine/distributed/job_operation.py). Blocks until every rank is done; the result
+        is this rank's, with the protocol's steps around its transaction."""
+        _check_path(path)
+        limits = deadlines or Deadlines()
+        allowed = (EngineState.PAUSED,) if op.kind == OperationKind.RESUME else (EngineState.RUNNING,)
+        with self._operation(op.kind, allowed=allowed):
+            problem = job_operation.refusal(membership.describe(), op)
+            if problem is not None:
+                raise CapabilityError(f"cannot {op.kind.value} the job: {problem}")
+            rv = Rendezvous(job_store(), op.operation_id, rank=op.rank, world_size=op.world_size)
+            try:
+                actions = self._rank_actions(op, path)
+            except Exception as exc:  # this rank refuses its part: the others need not wait for it
+                rv.abort(f"refused: {exc}")
+                raise
+            if op.kind == OperationKind.RESUME:
+                return self._finish(self._resume_job(op, rv, actions, limits))
+
+            def at_stop_step() -> OperationResult:
+                communicators: list[nccl.Communicator] = []
+
+                def find() -> list[nccl.Communicator]:
+                    communicators.extend(nccl.communicators())
+                    return communicators
+
+                result = job_operation.migrate_or_pause(op, rv, actions, limits, find_communicators=find)
+                if op.kind == OperationKind.PAUSE and result.ok:
+                    self._suspended_communicators = communicators
+                return result
+
+            agreement = job_operation.StepAgreement(rv, deadline_s=limits.agree_s)
+            park = self._park_while_paused if op.kind == OperationKind.PAUSE else None
+            try:
+                # Longer than the agreement's own deadline, which names the ranks that are late.
+                wait = limits.agree_s + limits.meet_s
+                result = self._safe_points.run_when(at_stop_step, ready=agreement.ready, deadline_s=wait, then=park)
+            except (SafePointMissed, JobAborted) as exc:
+                if isinstance(exc, SafePointMissed):
+                    rv.abort(f"{exc}")
+                if op.kind == OperationKind.PAUSE and self._ctx.fast is not None:
+                    self._ctx.fast.release_host_later()
+                result = job_operation.untouched(
+                    op.kind, actions, f"the job's ranks did not agree on a step, nothing changed: {exc}", "agree"
+                )
+            return self._finish(result)
+
+    def _rank_actions(self, op: JobOperation, path: PathChoice) -> RankActions:
+        """This rank's checks before the operation (as for one process) and what it will do."""
+        if op.kind in (OperationKind.PAUSE, OperationKind.RESUME):
+            self._require(self.capabilities.pause_resume, op.kind.value)
+        if op.target is not None or op.kind == OperationKind.MIGRATE:
+            self._require(self.capabilities.migration, "migration to another GPU")
+        source = self._source()
+        actions = RankActions(source=source, logical_device=self.logical_device)
+        if op.kind == OperationKind.RESUME:
+            dest = source if op.target is None else self._ctx.identity.resolve(op.target)
+            self._check_resume_target(source, dest, in_place=op.target is None)
+            actions.resume = lambda: resume(self._ctx, self._plan(dest))
+            actions.pause_again = lambda: pause_by_driver(
+                self._ctx, self._source(), ("paused again: the job's other ranks could not resume",), at_safe_point=True
+            )
+        elif op.kind == OperationKind.MIGRATE and op.target is not None:
+            dest = self._ctx.identity.resolve(op.target)
+            notes = self._validate_target(source, dest, needed=self._bytes_on(source))
+            actions.move = lambda: self._move_at_safe_point(self._plan(dest), path, notes)
+            actions.move_back = lambda: self._move_at_safe_point(self._plan(source), path, ("moving back",))
+        elif op.kind == OperationKind.PAUSE:
+            pinned = self._prepare_host_staging(path, source)
+            actions.pause = lambda: self._pause_at_safe_point(source, path, pinned)
+            actions.resume_in_place = lambda: resume(self._ctx, self._plan(source))
+        return actions
+
+    def _resume_job(self, op: JobOperation, rv: Rendezvous, actions: RankActions, limits: Deadlines) -> OperationResult:
+        suspended = self._suspended_communicators
+
+        def work() -> OperationResult:
+            return job_operation.resume(op, rv, actions, limits, find_communicators=lambda: suspended)
+
+        result = self._parking.submit(work) if self._parking.occupied else work()
+        if result.ok:
+            self._suspended_communicators = []
+        return result
+
+    def _move_at_safe_point(self, plan: MovePlan, path: PathChoice, notes: tuple[str, ...]) -> OperationResult:
+        fast, why = self._choose_path(path, True)
+        if fast is not None:
+            return migrate_fast(self._ctx, fast, plan, notes)
+        return migrate_by_driver(self._ctx, plan, (*notes, *why), at_safe_point=True)
+
+    def _pause_at_safe_point(self, source: GpuIdentity, path: PathChoice, pinned: tuple[str, ...]) -> OperationResult:
+        fast, why = self._choose_path(path, True)
+        if fast is not None:
+            return pause_fast(self._ctx, fast, source, pinned)
+        if self._ctx.fast is not None:
+            self._ctx.fast.release_host_now()  # pinned staging would slow the driver's checkpoint
+        self._check_host_room(self.process_bytes(), fast=False)
+        return pause_by_driver(self._ctx, source, why, at_safe_point=True)
 
     def _source(self) -> GpuIdentity:
         return self._ctx.identity.physical_of(self._ctx.logical)
@@ -429,9 +536,9 @@ def _check_path(path: str) -> None:
 
 
 def _refuse_one_rank(kind: OperationKind) -> None:
-    """Moving one rank of a multi-process job would break the whole job (engine/distributed.py).
+    """Moving one rank of a multi-process job alone would break the whole job (membership.py).
     Resume is never refused: a job paused before must always be resumable."""
-    reason = distributed.describe().refusal()
+    reason = membership.describe().refusal()
     if reason is not None:
         raise CapabilityError(f"cannot {kind.value}: {reason}")
 

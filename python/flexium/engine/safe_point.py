@@ -17,10 +17,20 @@ T = TypeVar("T")
 log = logging.getLogger("flexium")
 
 
+class SafePointMissed(Exception):
+    """No safe point took the work within its deadline; it was withdrawn and never ran."""
+
+
 class _Request(Generic[T]):
-    def __init__(self, work: Callable[[bool], T], then: Optional[Callable[[T], None]]) -> None:
+    def __init__(
+        self,
+        work: Callable[[bool], T],
+        then: Optional[Callable[[T], None]],
+        ready: Optional[Callable[[int], bool]] = None,
+    ) -> None:
         self.work = work
         self.then = then
+        self.ready = ready  # None: the first safe point takes it
         self.taken = False
         self.done = threading.Event()
         self.result: Optional[T] = None
@@ -95,16 +105,74 @@ class SafePoints:
             raise request.error
         return cast(T, request.result), True  # set with no error: what `work` returned
 
+    def run_when(
+        self,
+        work: Callable[[], T],
+        *,
+        ready: Callable[[int], bool],
+        deadline_s: float,
+        then: Optional[Callable[[T], None]] = None,
+    ) -> T:
+        """Runs `work()` on the training thread at the first safe point where `ready(step)`
+        (step: the safe points seen so far, this one included) says True; `ready` runs at each
+        safe point until then and may raise, which ends the wait with its error. Never runs
+        the work anywhere else: raises SafePointMissed when no safe point took it within
+        `deadline_s` (the job is not training), after withdrawing it."""
+        if self._handle is None:
+            raise SafePointMissed("this torch has no global optimizer step hook")
+        if self.on_training_thread():
+            raise SafePointMissed("called on the training thread, which cannot wait for its own next step")
+        request: _Request[T] = _Request(lambda _at_safe_point: work(), then, ready)
+        with self._lock:
+            self._pending = request
+        if not request.done.wait(deadline_s):
+            with self._lock:
+                if not request.taken:
+                    if self._pending is request:
+                        self._pending = None
+                    raise SafePointMissed(
+                        f"no optimizer step ended within {deadline_s:g} s"
+                        if self.steps_seen == 0 or request.ready is None
+                        else f"the job's ranks did not reach the same optimizer step within {deadline_s:g} s"
+                    )
+            request.done.wait()
+        if request.error is not None:
+            raise request.error
+        return cast(T, request.result)
+
+    def _take(self) -> tuple[Optional[_Request[Any]], Optional[Callable[[], bool]]]:
+        """The request this safe point runs, else the chore it runs."""
+        with self._lock:
+            request = self._pending
+            if request is None:
+                return None, self._between
+            if request.ready is None:
+                self._pending = None
+                request.taken = True
+                return request, None
+        try:
+            go, error = request.ready(self.steps_seen), None
+        except BaseException as exc:  # handed to the waiter, who raises it
+            go, error = False, exc
+        with self._lock:
+            if self._pending is not request:
+                return None, None  # withdrawn meanwhile
+            if error is not None:
+                self._pending = None
+                request.taken = True
+                request.error = error
+                request.done.set()
+                return None, None
+            if not go:
+                return None, None
+            self._pending = None
+            request.taken = True
+            return request, None
+
     def _on_step(self, *_: Any) -> None:
         self._training_thread = threading.get_ident()
         self.steps_seen += 1
-        between: Optional[Callable[[], bool]] = None
-        with self._lock:
-            request, self._pending = self._pending, None
-            if request is None:
-                between = self._between
-            else:
-                request.taken = True
+        request, between = self._take()
         if request is None:
             if between is not None:
                 self._run_between(between)

@@ -1,8 +1,9 @@
-"""This process's place in a torch.distributed job, for the engine's refusal of moving one rank.
+"""This process's place in a torch.distributed job: which run, which rank, how many ranks.
 
-Pausing or migrating one rank of a multi-process job breaks the whole job: its other ranks
-block in their next collective, and NCCL's buffers shared between ranks as CUDA IPC cannot be
-restored (docs/facts.md fact 13). Until a whole-job protocol exists, flexium refuses it.
+Pausing or migrating one rank of a multi-process job on its own breaks the whole job: its other
+ranks block in their next collective, and NCCL's buffers shared between ranks as CUDA IPC
+cannot be restored (docs/facts.md fact 13). So the engine refuses it, and the job's ranks are
+moved together instead (job_operation.py).
 
 Reading this touches no CUDA and imports nothing: the engine asks before every migrate and
 pause, and the client asks whenever it builds a report, possibly before the job has called
@@ -12,6 +13,7 @@ init_process_group (then the torchrun environment says what the job will be).
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -36,11 +38,12 @@ class DistributedJob:
     def multi_node(self) -> bool:
         return self.world_size is not None and self.world_size > (self.local_world_size or self.world_size)
 
-    def refusal(self) -> Optional[str]:
-        """Why this process cannot be paused or migrated on its own, with what to do; None for
-        a single-process job."""
-        if not self.multi_process:
-            return None
+    @property
+    def uses_nccl(self) -> bool:
+        return self.backend is not None and "nccl" in self.backend
+
+    def describe_rank(self) -> str:
+        """'rank 0 of 2 of a torch.distributed job (backend nccl)'."""
         rank = "?" if self.rank is None else str(self.rank)
         if self.initialized:
             how = f"backend {self.backend or 'unknown'}"
@@ -48,12 +51,17 @@ class DistributedJob:
             how = "launched by torchrun, process group not initialized yet"
         if self.multi_node:
             how += f", node {'?' if self.group_rank is None else self.group_rank} of a multi-node job"
+        return f"rank {rank} of {self.world_size} of a torch.distributed job ({how})"
+
+    def refusal(self) -> Optional[str]:
+        """Why this process cannot be paused or migrated on its own, with what to do; None for
+        a single-process job."""
+        if not self.multi_process:
+            return None
         return (
-            f"this process is rank {rank} of {self.world_size} of a torch.distributed job ({how}): "
-            "pausing or migrating one rank alone would break the whole job (its other ranks block in "
-            "their next collective); pausing, resuming or migrating a whole torchrun job is not supported "
-            "yet. To move it, stop the job and restart it on the GPUs you want; single-process jobs can "
-            "be paused and migrated"
+            f"this process is {self.describe_rank()}: pausing or migrating one rank alone would break the "
+            "whole job (its other ranks block in their next collective); pause, resume or migrate the whole "
+            "job instead, through the server (`flexium pause PROCESS` acts on every rank of its job)"
         )
 
 
@@ -79,6 +87,20 @@ def describe() -> DistributedJob:
         local_world_size=_env_int("LOCAL_WORLD_SIZE"),
         group_rank=_env_int("GROUP_RANK"),
     )
+
+
+def job_key() -> str:
+    """The same text in every rank of one run and in no other run: the host, the launcher (the
+    torchrun agent, the ranks' parent), the rendezvous port and the run id and restart count
+    torchrun sets (an elastic restart is a new run, with new processes)."""
+    parts = (
+        socket.gethostname(),
+        str(os.getppid()),
+        os.environ.get("MASTER_PORT", "-"),
+        os.environ.get("TORCHELASTIC_RUN_ID", "-"),
+        os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"),
+    )
+    return ":".join(parts)
 
 
 def _torch_distributed() -> Optional[Any]:
