@@ -5,7 +5,8 @@
 # passed; with two or more a skipped test fails the run) and bench/migrate.py measures pause / resume in place only (it says so); the other
 # benchmarks and probes use one GPU.
 #   bash ci/gpu-tests.sh [--tests-only | --bench-only] [pytest args...]
-# Environment: GPU_TESTS (what pytest runs, default tests/gpu), BENCH_SIZES (GB, default
+# Environment: GPU_TESTS (what pytest runs, default tests/gpu), FLEXIUM_NCCL_SOURCE (an NCCL
+# 2.29.7+ source tarball, built for the distributed tests), BENCH_SIZES (GB, default
 # 2,16,64), BENCH_ARGS (more bench/migrate.py options), BENCH_OVERHEAD=0 skips the step-time
 # benchmark, BENCH_CONTEXT=0 the context cost probe, BENCH_STAGING=1 adds the pause staging probe
 # (BENCH_STAGING_EXPERIMENTS picks its experiments, e.g. memfd_fill; the probes and
@@ -37,6 +38,21 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     tail -20 "$out/build.log"; echo "INSTALLING THE CARRIED WHEELS FAILED"; exit 1
   fi
   export PYTHONPATH="/tmp/flexium-wheels${PYTHONPATH:+:$PYTHONPATH}"
+fi
+
+# NCCL with suspend/resume for tests/gpu/test_distributed_jobs.py (torch 2.11 ships NCCL 2.28.9,
+# which lacks it): FLEXIUM_NCCL_SOURCE names its source tarball; built once per machine.
+if [ -n "${FLEXIUM_NCCL_SOURCE:-}" ] && [ "$mode" != "--bench-only" ]; then
+  nccl_root=/tmp/flexium-nccl
+  if [ ! -e "$nccl_root/nccl/build/lib/libnccl.so.2" ]; then
+    echo "== build NCCL from $FLEXIUM_NCCL_SOURCE (about 2 minutes)"
+    mkdir -p "$nccl_root" && tar -xzf "$FLEXIUM_NCCL_SOURCE" -C "$nccl_root" || { echo "NCCL SOURCE UNREADABLE"; exit 1; }
+    if ! (cd "$nccl_root/nccl" && make -j"$(nproc)" src.build CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}" \
+        NVCC_GENCODE="${NCCL_GENCODE:--gencode=arch=compute_90,code=sm_90}") >"$out/nccl-build.log" 2>&1; then
+      tail -30 "$out/nccl-build.log"; echo "NCCL BUILD FAILED"; exit 1
+    fi
+  fi
+  export FLEXIUM_TEST_NCCL_LIB="$nccl_root/nccl/build/lib/libnccl.so.2"
 fi
 
 status=0

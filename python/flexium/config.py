@@ -361,7 +361,7 @@ def load_config(
         orchestrator_value = entry.value.strip()
 
     entry = raw["device"]
-    device_value = validate_device(entry.value, where=entry.where) if entry is not None else DEFAULT_DEVICE
+    device_value = validate_device(entry.value, where=entry.where) if entry is not None else default_device()
 
     entry = raw["token"]
     token_value = _validate_token(entry.value, entry.where) if entry is not None else None
@@ -388,13 +388,20 @@ def load_config(
     )
 
 
+def default_device() -> str:
+    """Without a setting: the GPU of this rank's LOCAL_RANK under torchrun (every rank of a job
+    sees every GPU, so that it can move, and uses its own), else cuda:0."""
+    local_rank = os.environ.get("LOCAL_RANK", "")
+    return f"cuda:{int(local_rank)}" if local_rank.isdigit() else DEFAULT_DEVICE
+
+
 def resolve_device(device: Optional[str] = None) -> str:
     """The device alone, from the same sources in the same order as load_config (a disabled
     runtime reads no other setting)."""
     rc_path = find_config_file()
     rc = _read_rc(rc_path) if rc_path is not None else {}
     entry = _setting("device", device, rc, rc_path, "device")
-    return validate_device(entry.value, where=entry.where) if entry is not None else DEFAULT_DEVICE
+    return validate_device(entry.value, where=entry.where) if entry is not None else default_device()
 
 
 def print_local_mode_warning() -> None:

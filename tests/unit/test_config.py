@@ -465,3 +465,14 @@ def test_the_host_copier_switch_reads_like_the_others(monkeypatch: pytest.Monkey
         r"FLEXIUM_HOST_COPIER\) is not valid; use true or false",
     ):
         copier_enabled()
+
+
+def test_a_torchrun_rank_defaults_to_its_local_rank_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flexium.config import resolve_device
+
+    monkeypatch.delenv("GPU_DEVICE", raising=False)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert resolve_device() == "cuda:1"
+    assert resolve_device("cuda:0") == "cuda:0"  # a setting wins
+    monkeypatch.delenv("LOCAL_RANK")
+    assert resolve_device() == "cuda:0"

@@ -84,6 +84,7 @@ def start(server: Optional[str], device: Optional[str], disabled: bool, *, serve
 
 def _start(config: FlexiumConfig) -> Runtime:
     capabilities = detect()
+    _prepare_job_environment()
     for problem in capabilities.problems:
         log.warning("migration and pause are limited: %s", problem)
     logical_device = _claim_device(config.device, capabilities)
@@ -106,6 +107,17 @@ def _start(config: FlexiumConfig) -> Runtime:
         "on" if pool is not None and pool.active else f"off: {pool.reason_off if pool is not None else 'no CUDA'}",
     )
     return runtime
+
+
+def _prepare_job_environment() -> None:
+    """A rank of a multi-process job whose NCCL has not started yet gets the settings that let
+    the job be paused and moved as a whole (engine/distributed/nccl.py)."""
+    from flexium.engine.distributed import membership, nccl
+
+    job = membership.describe()
+    if job.multi_process and not job.initialized:
+        for setting in nccl.prepare_environment():
+            log.info("set %s for this rank so that its job can be paused and moved as a whole", setting)
 
 
 def _claim_device(device: str, capabilities: Capabilities) -> str:

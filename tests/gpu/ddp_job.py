@@ -1,0 +1,195 @@
+"""A torchrun job for the GPU tests: every rank prints one JSON line per event.
+
+    torchrun --standalone --nproc-per-node 2 ddp_job.py --model ddp --steps 60 \\
+        --plan 10:pause --plan 10:resume --plan 30:migrate:0=1,1=0
+
+--model ddp: DistributedDataParallel with AdamW under fp16 autocast and a GradScaler;
+--model fsdp2: fully_shard (FSDP2) with AdamW. Each rank trains on data of its own seed and
+prints its loss bit-exactly (float.hex), so two runs compare bit for bit.
+
+Without FLEXIUM_SERVER a control thread in every rank stands in for the server: it gives the
+engine the rank's share of each planned whole-job operation (the same operation id in every
+rank, as the server's commands carry) once the rank has passed that step. MAP is rank=GPU
+index pairs: where each rank goes (migrate) or resumes (resume). --hold S keeps a pause for S
+seconds before the next operation; while paused every rank reads NVML for what it holds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+from typing import Optional
+
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+import flexium  # noqa: E402
+from flexium.api import runtime as flexium_runtime  # noqa: E402
+from flexium.engine import nvml  # noqa: E402
+
+RANK = int(os.environ["RANK"])
+WIDTH = 2048
+BATCH = 512
+
+
+def emit(event: str, **data: object) -> None:
+    print(json.dumps({"event": event, "rank": RANK, **data}), flush=True)
+
+
+def held_by(pids: list[int]) -> dict[str, int]:
+    """What these processes hold on each GPU, by UUID."""
+    return {gpu.uuid: sum(gpu.used_by(pid) or 0 for pid in pids) for gpu in nvml.host_gpus()}
+
+
+def parse_plan(items: list[str]) -> list[tuple[int, str, dict[int, int]]]:
+    plan = []
+    for item in items:
+        step, kind, *rest = item.split(":", 2)
+        targets = {int(r): int(g) for r, g in (pair.split("=") for pair in rest[0].split(","))} if rest else {}
+        plan.append((int(step), kind, targets))
+    return plan
+
+
+class Progress:
+    def __init__(self) -> None:
+        self.step = 0
+        self.cond = threading.Condition()
+
+    def advance(self) -> None:
+        with self.cond:
+            self.step += 1
+            self.cond.notify_all()
+
+    def wait_for(self, step: int) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.step >= step)
+
+
+def control(plan: list[tuple[int, str, dict[int, int]]], progress: Progress, hold: float, world: int) -> None:
+    from flexium.client.reports import ProcessReporter
+    from flexium.engine.distributed.job_operation import JobOperation
+    from flexium.engine.operations import OperationKind
+    from flexium.errors import FlexiumError
+
+    current = flexium_runtime.current()
+    engine = current.engine
+    emit("capabilities", **ProcessReporter(current).capabilities().model_dump(include={"job_operations", "problems"}))
+    for index, (step, kind, targets) in enumerate(plan):
+        progress.wait_for(step)
+        gpu = targets.get(RANK)
+        op = JobOperation(
+            operation_id=index + 1,
+            kind=OperationKind(kind),
+            rank=RANK,
+            world_size=world,
+            target=None if gpu is None else next(g.uuid for g in engine.gpus if g.nvml_index == gpu),
+        )
+        try:
+            result = engine.run_job_operation(op)
+        except FlexiumError as exc:
+            result = getattr(exc, "result", None)
+            emit(
+                "op",
+                kind=kind,
+                ok=False,
+                error=str(exc),
+                step_seen=progress.step,
+                steps={} if result is None else {s.step: s.seconds for s in result.steps if not s.rollback},
+            )
+            continue
+        emit(
+            "op",
+            kind=kind,
+            ok=True,
+            path=result.path,
+            seconds=result.seconds,
+            step_seen=progress.step,
+            steps={s.step: round(s.seconds, 4) for s in result.steps if not s.rollback},
+            held=held_by([os.getpid()]),
+        )
+        if kind == "pause":
+            time.sleep(hold / 2)
+            emit("paused", held=held_by([os.getpid()]))
+            time.sleep(hold / 2)
+
+
+def build(model_kind: str, local_rank: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    layers = [torch.nn.Linear(WIDTH, WIDTH) for _ in range(4)]
+    body: list[torch.nn.Module] = []
+    for layer in layers:
+        body += [layer, torch.nn.GELU()]
+    model = torch.nn.Sequential(*body).cuda()
+    if model_kind == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank])
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in layers:
+            fully_shard(layer)
+        fully_shard(model)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--model", choices=("ddp", "fsdp2"), default="ddp")
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--plan", action="append", default=[])
+    parser.add_argument("--hold", type=float, default=2.0)
+    parser.add_argument("--ballast-gb", type=float, default=1.0)
+    parser.add_argument("--step-sleep", type=float, default=0.02)
+    args = parser.parse_args()
+
+    flexium.init()  # before the process group: cuda:LOCAL_RANK, and NCCL set up to be movable
+    local_rank = int(os.environ["LOCAL_RANK"])
+    dist.init_process_group("nccl", device_id=torch.device(f"cuda:{local_rank}"))
+    world = dist.get_world_size()
+    model, optimizer = build(args.model, local_rank)
+    scaler = torch.amp.GradScaler("cuda") if args.model == "ddp" else None
+    data = torch.Generator(device="cuda").manual_seed(10 + RANK)
+    ballast = torch.randn(int(args.ballast_gb * (1 << 30)) // 4, device="cuda", generator=data)
+    ballast_sum = float(ballast.double().sum().item())
+
+    progress = Progress()
+    thread: Optional[threading.Thread] = None
+    plan = parse_plan(args.plan)
+    if plan and not os.environ.get("FLEXIUM_SERVER"):
+        thread = threading.Thread(target=control, args=(plan, progress, args.hold, world), daemon=True)
+        thread.start()
+    emit("ready", pid=os.getpid(), device=str(torch.cuda.current_device()))
+    for step in range(args.steps):
+        x = torch.randn(BATCH, WIDTH, device="cuda", generator=data)
+        with torch.autocast("cuda", dtype=torch.float16, enabled=scaler is not None):
+            loss = model(x).float().square().mean()
+        optimizer.zero_grad(set_to_none=True)
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            loss.backward()
+            optimizer.step()
+        emit("step", step=step, loss=float(loss.item()).hex())
+        progress.advance()
+        time.sleep(args.step_sleep)
+    if thread is not None:
+        thread.join(timeout=600)
+    intact = float(ballast.double().sum().item()) == ballast_sum
+    emit(
+        "done",
+        ballast_intact=intact,
+        uuid=str(torch.cuda.get_device_properties(local_rank).uuid),
+        held=held_by([os.getpid()]),
+    )
+    dist.destroy_process_group()
+    flexium.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,121 @@
+"""Whole torchrun jobs (2 ranks, NCCL) paused, resumed and swapped on 2 GPUs, bit-identical to
+undisturbed runs, with nothing left on any GPU while paused; and the refusal of a job whose
+NCCL cannot suspend its communicators, which trains on unaffected.
+
+The NCCL with suspend/resume (2.29.7+) comes from FLEXIUM_TEST_NCCL_LIB (ci/gpu-tests.sh builds
+it from FLEXIUM_NCCL_SOURCE and sets it): torch 2.11's own NCCL 2.28.9 lacks it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from typing import Any, Optional
+
+import pytest
+
+from conftest import HERE, _keep_log
+
+# The NCCL watchdog's heartbeat monitor kills a rank whose watchdog is stuck this long; a paused
+# job's must not be (issue: a pause may last hours).
+SHORT_HEARTBEAT_S = 8
+
+
+def nccl_with_suspend() -> str:
+    path = os.environ.get("FLEXIUM_TEST_NCCL_LIB", "")
+    if not os.path.exists(path):
+        pytest.fail(
+            "FLEXIUM_TEST_NCCL_LIB does not name a libnccl.so.2 with ncclCommSuspend (NCCL 2.29.7+): run through "
+            "ci/gpu-tests.sh with FLEXIUM_NCCL_SOURCE set to the NCCL source tarball"
+        )
+    return path
+
+
+class TorchrunJob:
+    def __init__(self, returncode: int, events: list[dict[str, Any]], stderr: str) -> None:
+        self.returncode = returncode
+        self.events = events
+        self.stderr = stderr
+
+    def of(self, rank: int, event: str) -> list[dict[str, Any]]:
+        return [e for e in self.events if e["rank"] == rank and e["event"] == event]
+
+    def losses(self, rank: int) -> list[str]:
+        return [e["loss"] for e in self.of(rank, "step")]
+
+
+def torchrun(
+    *args: str, nccl: Optional[str], env: Optional[dict[str, str]] = None, timeout: float = 420
+) -> TorchrunJob:
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    full_env.pop("LD_PRELOAD", None)
+    if nccl is not None:
+        full_env["LD_PRELOAD"] = nccl
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    proc = subprocess.run(
+        [*command, str(HERE / "ddp_job.py"), *args], capture_output=True, text=True, timeout=timeout, env=full_env
+    )
+    events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    _keep_log(
+        ("ddp_job.py", *args), {"LD_PRELOAD": nccl or "", **(env or {})}, proc.returncode, proc.stdout, proc.stderr
+    )
+    return TorchrunJob(proc.returncode, events, proc.stderr)
+
+
+def _check_ops(job: TorchrunJob, kinds: list[str]) -> None:
+    assert job.returncode == 0, job.stderr[-4000:]
+    for rank in (0, 1):
+        ops = job.of(rank, "op")
+        assert [op["kind"] for op in ops] == kinds, ops
+        failed = [op for op in ops if not op["ok"]]
+        assert not failed, failed
+        done = job.of(rank, "done")[0]
+        assert done["ballast_intact"]
+
+
+def _steps_at_ops(job: TorchrunJob) -> list[tuple[int, ...]]:
+    return [tuple(op["step_seen"] for op in job.of(rank, "op")) for rank in (0, 1)]
+
+
+@pytest.mark.parametrize("model", ["ddp", "fsdp2"])
+def test_a_whole_job_pauses_resumes_and_swaps_bit_identical(two_gpus: list[Any], model: str) -> None:
+    nccl = nccl_with_suspend()
+    common = ("--model", model, "--steps", "60")
+    reference = torchrun(*common, nccl=nccl)
+    assert reference.returncode == 0, reference.stderr[-4000:]
+    plan = ("--plan", "10:pause", "--plan", "10:resume", "--plan", "25:migrate:0=1,1=0", "--plan", "40:migrate:0=0,1=1")
+    # A pause longer than the heartbeat monitor's timeout, with the monitor on.
+    hold = str(SHORT_HEARTBEAT_S * 3)
+    heartbeat = {"TORCH_NCCL_ENABLE_MONITORING": "1", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(SHORT_HEARTBEAT_S)}
+    moved = torchrun(*common, *plan, "--hold", hold, nccl=nccl, env=heartbeat)
+    _check_ops(moved, ["pause", "resume", "migrate", "migrate"])
+    for rank in (0, 1):
+        assert moved.losses(rank) == reference.losses(rank), f"rank {rank}'s loss trace differs"
+        pause, resume, swap, back = moved.of(rank, "op")
+        paused = moved.of(rank, "paused")[0]
+        assert sum(paused["held"].values()) == 0, f"rank {rank} held {paused['held']} while paused"
+        other = 1 - rank
+        # after the swap rank r holds memory only on the GPU rank 1-r started on
+        start = moved.of(rank, "done")[0]
+        assert start["uuid"] == reference.of(rank, "done")[0]["uuid"]  # the process's own view never changes
+        for op in (swap, back):
+            assert "suspend_nccl" in op["steps"] and "resume_nccl" in op["steps"]
+        on = [uuid for uuid, held in swap["held"].items() if held > 0]
+        assert len(on) == 1, swap["held"]
+        assert on != [uuid for uuid, held in back["held"].items() if held > 0], (rank, other)
+    # every rank stopped at the same step for each operation
+    zero, one = _steps_at_ops(moved)
+    assert zero == one
+
+
+def test_a_job_whose_nccl_cannot_suspend_is_refused_and_trains_on(two_gpus: list[Any]) -> None:
+    job = torchrun("--model", "ddp", "--steps", "30", "--plan", "5:pause", "--plan", "8:migrate:0=1,1=0", nccl=None)
+    assert job.returncode == 0, job.stderr[-4000:]
+    for rank in (0, 1):
+        caps = job.of(rank, "capabilities")[0]
+        assert caps["job_operations"] is False
+        assert any("which cannot suspend its communicators" in problem for problem in caps["problems"]), caps
+        for op in job.of(rank, "op"):
+            assert not op["ok"] and op["error"].startswith(f"cannot {op['kind']} the job: this job's NCCL is 2.28.9")
+        assert len(job.losses(rank)) == 30 and job.of(rank, "done")[0]["ballast_intact"]
