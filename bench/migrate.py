@@ -575,6 +575,17 @@ def main() -> int:
         action="store_false",
         help="skip the fast pause + resume rows with the copies in the job's process",
     )
+    parser.add_argument(
+        "--job-sizes",
+        default="",
+        help="GiB of training state per rank: also measure whole-job operations of a 2-rank DDP job "
+        "(bench/job_moves.py) at these sizes, with this run's bandwidth and fixed cost for the floors",
+    )
+    parser.add_argument(
+        "--nccl",
+        default=os.environ.get("FLEXIUM_TEST_NCCL_LIB"),
+        help="for --job-sizes: a libnccl.so.2 with ncclCommSuspend to LD_PRELOAD (torch before 2.12)",
+    )
     args = parser.parse_args()
     if args.repeat_pause < 1:
         parser.error(f"--repeat-pause must be at least 1 (one run: the pool job's own), not {args.repeat_pause}")
@@ -669,6 +680,20 @@ def main() -> int:
             report_failure(run)
             failures.append(run.label)
 
+    job_rows: list[dict[str, Any]] = []
+    job_runs: list[dict[str, Any]] = []
+    job_sizes = [float(s) for s in args.job_sizes.split(",") if s.strip()]
+    if job_sizes and migrate:
+        import job_moves
+
+        job_rows, job_runs, job_failures = job_moves.measure(
+            job_sizes, nccl=args.nccl, hold=args.pause_seconds, timeout=args.timeout, bandwidth=bandwidth, fixed=fixed
+        )
+        failures += job_failures
+    elif job_sizes:
+        log("-- whole-job operations need 2 GPUs: not measured")
+        failures.append("whole-job operations (one GPU)")
+
     add_ratios(rows, bandwidth, fixed)
     print_table(COLUMNS, [table_row(r) for r in rows])
     print(
@@ -690,6 +715,9 @@ def main() -> int:
     for row in rows:
         if not row["ok"]:
             print(f"FAILED {row['size_gb']:g} GiB {row['requested_path']} {row['op']}: {row['error']}")
+    if job_rows:
+        print()
+        job_moves.print_rows(job_rows)
     print_machine(bandwidth, fixed)
     checked = goals(rows, migrate_measured=migrate)
     print_goals(checked)
@@ -710,6 +738,8 @@ def main() -> int:
                     "failures": failures,
                     "seconds": elapsed,
                     "jobs": [job.to_dict() for job in jobs],
+                    "job_rows": job_rows,
+                    "job_runs": job_runs,
                 },
                 indent=1,
             )

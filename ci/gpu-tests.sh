@@ -40,9 +40,10 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   export PYTHONPATH="/tmp/flexium-wheels${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
-# NCCL with suspend/resume for tests/gpu/test_distributed_jobs.py (torch 2.11 ships NCCL 2.28.9,
+# NCCL with suspend/resume for tests/gpu/test_distributed_jobs.py and bench/migrate.py --job-sizes
+# (torch 2.11 ships NCCL 2.28.9,
 # which lacks it): FLEXIUM_NCCL_SOURCE names its source tarball; built once per machine.
-if [ -n "${FLEXIUM_NCCL_SOURCE:-}" ] && [ "$mode" != "--bench-only" ]; then
+if [ -n "${FLEXIUM_NCCL_SOURCE:-}" ]; then
   nccl_root=/tmp/flexium-nccl
   if [ ! -e "$nccl_root/nccl/build/lib/libnccl.so.2" ]; then
     echo "== build NCCL from $FLEXIUM_NCCL_SOURCE (about 2 minutes)"

@@ -294,6 +294,8 @@ class Engine:
             if op.kind == OperationKind.RESUME:
                 return self._finish(self._resume_job(op, rv, actions, limits))
 
+            agreement = job_operation.StepAgreement(rv, deadline_s=limits.agree_s)
+
             def at_stop_step() -> OperationResult:
                 communicators: list[nccl.Communicator] = []
 
@@ -301,12 +303,13 @@ class Engine:
                     communicators.extend(nccl.communicators())
                     return communicators
 
-                result = job_operation.migrate_or_pause(op, rv, actions, limits, find_communicators=find)
+                result = job_operation.migrate_or_pause(
+                    op, rv, actions, limits, find_communicators=find, stop_step=agreement.stop_at
+                )
                 if op.kind == OperationKind.PAUSE and result.ok:
                     self._suspended_communicators = communicators
                 return result
 
-            agreement = job_operation.StepAgreement(rv, deadline_s=limits.agree_s)
             park = self._park_while_paused if op.kind == OperationKind.PAUSE else None
             try:
                 # Longer than the agreement's own deadline, which names the ranks that are late.

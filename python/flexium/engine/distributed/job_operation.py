@@ -40,6 +40,7 @@ log = logging.getLogger("flexium")
 # post only a step later: stopping this many steps after the highest post leaves every rank
 # before the stop step.
 STOP_MARGIN_STEPS = 3
+STOPPED_AT = "the job stopped at optimizer step"  # a result's note; bench/job_moves.py reads it
 
 
 @dataclass(frozen=True)
@@ -244,10 +245,13 @@ def migrate_or_pause(
     *,
     find_communicators: Callable[[], list[nccl.Communicator]] = nccl.communicators,
     check: Callable[[int], str] = check_collective,
+    stop_step: Optional[int] = None,
 ) -> OperationResult:
     """Steps 2-5 at the stop step, on the training thread. A pause that succeeds on every rank
     returns with NCCL still suspended (the resume resumes it)."""
     timeline = _Timeline()
+    if stop_step is not None:
+        timeline.notes.append(f"{STOPPED_AT} {stop_step} of this process (every rank of {op.world_size} at its own)")
     kind = op.kind
     try:
         timeline.timed("meet", lambda: rv.gather("at", OK, deadline_s=deadlines.meet_s, what="reach the stop step"))

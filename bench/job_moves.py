@@ -1,0 +1,224 @@
+"""Downtime of whole-job operations of a 2-rank torchrun job (DDP over NCCL), per stage, beside
+the floor (bench/migrate.py --job-sizes runs it with its own bandwidth and fixed-cost readings).
+
+    python bench/job_moves.py --sizes 16 [--nccl /path/libnccl.so.2] [--json out.json]
+
+One job per size (GiB of training state per rank, bench/rank_job.py): a whole-job pause held
+--hold seconds and its resume in place, then a swap of the two ranks' GPUs, then the swap back.
+A job's downtime is its slowest rank's: for the swaps on the ranks' step clock (the stop step's
+length minus the median normal step), for the pause and the resume the time each rank spent in
+the operation (a pause's step also holds the time it stayed paused). Stages: the ranks meeting
+at the stop step, NCCL suspend, the rank's own transaction, meeting again, NCCL resume and the
+check all-reduce. Floors: pause S/D2H + checkpoint, resume S/H2D + restore, swap S/peer +
+checkpoint + restore, for S the rank's reserved bytes. Goal: each at most 1.5 s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from tables import print_table
+
+JOB = Path(__file__).resolve().parent / "rank_job.py"
+GOAL_S = 1.5
+PROTOCOL_STAGES = ("meet", "suspend_nccl", "meet_again", "resume_nccl", "check_nccl")
+STOPPED = re.compile(r"the job stopped at optimizer step (\d+)")
+COLUMNS = (
+    "GiB/rank",
+    "op",
+    "path",
+    "downtime s",
+    "meet s",
+    "suspend s",
+    "own op s",
+    "meet again s",
+    "resume s",
+    "check s",
+    "floor s",
+    "vs floor",
+    "goal",
+)
+PLAN = ("20:pause", "20:resume", "40:migrate:0=1,1=0", "60:migrate:0=0,1=1")
+OP_NAMES = ("pause", "resume", "swap", "swap back")
+
+
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def run_job(size: float, *, nccl: Optional[str], hold: float, timeout: float) -> dict[str, Any]:
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0"}
+    if nccl:
+        env["LD_PRELOAD"] = nccl
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(JOB)]
+    argv += ["--gb", str(size), "--hold", str(hold), *[a for item in PLAN for a in ("--plan", item)]]
+    started = time.perf_counter()
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+        code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+    except subprocess.TimeoutExpired as exc:
+        code, stdout, stderr = None, str(exc.stdout or ""), str(exc.stderr or "")
+    ranks = {e["rank"]: e for e in (json.loads(line) for line in stdout.splitlines() if line.startswith("{"))}
+    return {
+        "size": size,
+        "returncode": code,
+        "ranks": ranks,
+        "stderr_tail": stderr[-4000:],
+        "seconds": time.perf_counter() - started,
+    }
+
+
+def _stage(op: dict[str, Any], name: str) -> float:
+    return sum(seconds for step, seconds in op.get("steps", []) if step == name)
+
+
+def _own(op: dict[str, Any]) -> float:
+    return sum(seconds for step, seconds in op.get("steps", []) if step not in PROTOCOL_STAGES)
+
+
+def _step_clock(rank: dict[str, Any], op: dict[str, Any]) -> Optional[float]:
+    """The stop step's length minus the median normal step, by this rank's clock."""
+    found = next((STOPPED.search(note) for note in op.get("notes", []) if STOPPED.search(note)), None)
+    ends = rank["ends"]
+    if found is None:
+        return None
+    k = int(found.group(1)) - 1  # the loop iteration whose optimizer step ran the operation
+    if not 0 < k < len(ends):
+        return None
+    normal = statistics.median(b - a for a, b in zip(ends, ends[1:], strict=False))
+    return ends[k] - ends[k - 1] - normal
+
+
+def rows_of(job: dict[str, Any], bandwidth: Optional[dict[str, Any]], fixed: Optional[dict[str, Any]]):
+    rows = []
+    ranks = [job["ranks"].get(r) for r in (0, 1)]
+    if any(r is None for r in ranks):
+        return rows
+    for index, name in enumerate(OP_NAMES):
+        ops = [r["ops"][index] for r in ranks if index < len(r["ops"])]
+        if len(ops) < 2:
+            continue
+        if name.startswith("swap"):
+            clocks = [_step_clock(r, op) for r, op in zip(ranks, ops, strict=True)]
+            downtime = max(c for c in clocks if c is not None) if any(c is not None for c in clocks) else None
+        else:
+            downtime = max(op.get("seconds", 0.0) for op in ops)
+        size_bytes = max(r["reserved"] for r in ranks)
+        rows.append(
+            {
+                "size": job["size"],
+                "op": name,
+                "ok": all(op["ok"] for op in ops),
+                "path": "/".join(sorted({op.get("path", "?") for op in ops})),
+                "downtime": downtime,
+                **{stage: max(_stage(op, stage) for op in ops) for stage in PROTOCOL_STAGES},
+                "own": max(_own(op) for op in ops),
+                "floor": floor(name, size_bytes, bandwidth, fixed),
+                "errors": [op.get("error") for op in ops if not op["ok"]],
+            }
+        )
+    return rows
+
+
+def floor(name: str, size: int, bandwidth: Optional[dict[str, Any]], fixed: Optional[dict[str, Any]]):
+    if not bandwidth or not fixed:
+        return None
+    gb = size / 1e9
+    if name == "pause":
+        return gb / bandwidth["d2h_gbps"] + fixed["checkpoint"]
+    if name == "resume":
+        return gb / bandwidth["h2d_gbps"] + fixed["restore"]
+    peer = bandwidth.get("peer_gbps")
+    return gb / peer + fixed["checkpoint"] + fixed["restore"] if peer else None
+
+
+def _fmt(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def print_rows(rows: list[dict[str, Any]]) -> None:
+    table = []
+    for r in rows:
+        ratio = r["downtime"] / r["floor"] if r["downtime"] is not None and r["floor"] else None
+        met = "-" if r["downtime"] is None else ("met" if r["downtime"] <= GOAL_S else "MISSED")
+        table.append(
+            (
+                f"{r['size']:g}",
+                r["op"],
+                r["path"],
+                _fmt(r["downtime"]),
+                *(_fmt(r[s]) for s in ("meet", "suspend_nccl")),
+                _fmt(r["own"]),
+                *(_fmt(r[s]) for s in ("meet_again", "resume_nccl", "check_nccl")),
+                _fmt(r["floor"]),
+                "-" if ratio is None else f"{ratio:.2f}x",
+                f"{met} (<= {GOAL_S:g} s)",
+            )
+        )
+    print_table(COLUMNS, table)
+    print(
+        "whole-job operations of a 2-rank DDP job (torchrun, NCCL): the slowest rank's downtime; swaps on the"
+        " ranks' step clock minus a normal step, pause / resume: each rank's time in the operation."
+    )
+    for r in rows:
+        if not r["ok"]:
+            print(f"FAILED {r['size']:g} GiB/rank {r['op']}: {r['errors']}")
+
+
+def measure(
+    sizes: list[float],
+    *,
+    nccl: Optional[str],
+    hold: float,
+    timeout: float,
+    bandwidth: Optional[dict[str, Any]] = None,
+    fixed: Optional[dict[str, Any]] = None,
+):
+    """(rows, jobs, failures)."""
+    rows: list[dict[str, Any]] = []
+    jobs, failures = [], []
+    for size in sizes:
+        log(f"-- {size:g} GiB per rank: a 2-rank DDP job, whole-job pause + resume, swap, swap back")
+        job = run_job(size, nccl=nccl, hold=hold, timeout=timeout)
+        jobs.append(job)
+        found = rows_of(job, bandwidth, fixed)
+        rows += found
+        intact = all(r.get("ballast_ok") for r in job["ranks"].values())
+        if job["returncode"] != 0 or len(found) < len(OP_NAMES) or not all(r["ok"] for r in found) or not intact:
+            failures.append(f"{size:g} GiB/rank job")
+            log(f"!! {size:g} GiB/rank job: exit {job['returncode']}, ballast intact {intact}\n{job['stderr_tail']}")
+    return rows, jobs, failures
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="16", help="GiB of training state per rank, comma-separated")
+    parser.add_argument(
+        "--nccl",
+        default=os.environ.get("FLEXIUM_TEST_NCCL_LIB"),
+        help="a libnccl.so.2 with ncclCommSuspend to LD_PRELOAD (torch < 2.12)",
+    )
+    parser.add_argument("--hold", type=float, default=1.0, help="seconds the pause lasts")
+    parser.add_argument("--timeout", type=float, default=600)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    rows, jobs, failures = measure(
+        [float(s) for s in args.sizes.split(",")], nccl=args.nccl, hold=args.hold, timeout=args.timeout
+    )
+    print_rows(rows)
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "jobs": jobs, "failures": failures}, indent=1))
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,114 @@
+"""One rank of the benchmark's torchrun job (bench/job_moves.py runs it): DDP over NCCL with
+AdamW and a ballast that brings the rank's training state to --gb GiB, training on data of its
+own seed; a control thread per rank gives the engine its share of each planned whole-job
+operation, as the server's commands would. At the end every rank prints one JSON line: its
+step end times, its operations' results and what it held.
+
+    torchrun --standalone --nproc-per-node 2 bench/rank_job.py --gb 16 --plan 20:pause --plan 20:resume
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import flexium
+from flexium.api import runtime as flexium_runtime
+
+RANK = int(os.environ["RANK"])
+WIDTH = 4096
+BATCH = 256
+LAYERS = 4
+
+
+def control(plan: list[str], done_steps: list[float], hold: float, world: int, ops: list[dict[str, Any]]) -> None:
+    from flexium.engine.distributed.job_operation import JobOperation
+    from flexium.engine.operations import OperationKind
+    from flexium.errors import FlexiumError
+
+    engine = flexium_runtime.current().engine
+    assert engine is not None, "flexium's engine is not running in this rank"
+    for index, item in enumerate(plan):
+        step, kind, *rest = item.split(":", 2)
+        targets = dict(pair.split("=") for pair in rest[0].split(",")) if rest else {}
+        while len(done_steps) < int(step):
+            time.sleep(0.001)
+        gpu = targets.get(str(RANK))
+        target = None if gpu is None else next(g.uuid for g in engine.gpus if g.nvml_index == int(gpu))
+        op = JobOperation(index + 1, OperationKind(kind), RANK, world, target=target)
+        try:
+            result = engine.run_job_operation(op)
+            ops.append({"kind": kind, "ok": True, **_result(result)})
+        except FlexiumError as exc:
+            failed = getattr(exc, "result", None)
+            ops.append({"kind": kind, "ok": False, "error": str(exc), **(_result(failed) if failed else {})})
+        if kind == "pause":
+            time.sleep(hold)
+
+
+def _result(result: Any) -> dict[str, Any]:
+    return {
+        "path": result.path,
+        "seconds": result.seconds,
+        "steps": [[s.step, s.seconds] for s in result.steps if not s.rollback],
+        "bytes_moved": result.bytes_moved,
+        "notes": list(result.notes),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--gb", type=float, default=2.0, help="GiB of training state per rank")
+    parser.add_argument("--steps", type=int, default=80)
+    parser.add_argument("--plan", action="append", default=[])
+    parser.add_argument("--hold", type=float, default=1.0, help="seconds each pause lasts")
+    args = parser.parse_args()
+
+    flexium.init()
+    local_rank = int(os.environ["LOCAL_RANK"])
+    dist.init_process_group("nccl", device_id=torch.device(f"cuda:{local_rank}"))
+    world = dist.get_world_size()
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]).cuda()
+    model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    params = sum(p.numel() * 4 for p in model.parameters())
+    ballast_bytes = max(0, int(args.gb * (1 << 30)) - 4 * params)  # weights, grads, two AdamW moments
+    data = torch.Generator(device="cuda").manual_seed(10 + RANK)
+    ballast = torch.empty(ballast_bytes // 4, device="cuda").normal_(generator=data)
+    checksum = float(ballast.double().sum().item())
+
+    ends: list[float] = []
+    ops: list[dict[str, Any]] = []
+    thread = threading.Thread(target=control, args=(args.plan, ends, args.hold, world, ops), daemon=True)
+    thread.start()
+    for _ in range(args.steps):
+        x = torch.randn(BATCH, WIDTH, device="cuda", generator=data)
+        loss = model(x).square().mean()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        torch.cuda.synchronize()
+        ends.append(time.perf_counter())
+    thread.join(timeout=600)
+    intact = float(ballast.double().sum().item()) == checksum
+    reserved = int(torch.cuda.memory_reserved())
+    print(
+        json.dumps(
+            {"event": "done", "rank": RANK, "ends": ends, "ops": ops, "reserved": reserved, "ballast_ok": intact}
+        ),
+        flush=True,
+    )
+    dist.destroy_process_group()
+    flexium.shutdown()
+
+
+if __name__ == "__main__":
+    main()
