@@ -118,7 +118,7 @@ def control(plan: list[tuple[int, str, dict[int, int]]], progress: Progress, hol
             time.sleep(hold / 2)
 
 
-def build(model_kind: str, local_rank: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(model_kind: str, device: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     layers = [torch.nn.Linear(WIDTH, WIDTH) for _ in range(4)]
     body: list[torch.nn.Module] = []
@@ -126,7 +126,7 @@ def build(model_kind: str, local_rank: int) -> tuple[torch.nn.Module, torch.opti
         body += [layer, torch.nn.GELU()]
     model = torch.nn.Sequential(*body).cuda()
     if model_kind == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank])
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device])
     else:
         from torch.distributed.fsdp import fully_shard
 
@@ -144,13 +144,17 @@ def main() -> None:
     parser.add_argument("--hold", type=float, default=2.0)
     parser.add_argument("--ballast-gb", type=float, default=1.0)
     parser.add_argument("--step-sleep", type=float, default=0.02)
+    parser.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
     args = parser.parse_args()
 
     flexium.init()  # before the process group: cuda:LOCAL_RANK, and NCCL set up to be movable
-    local_rank = int(os.environ["LOCAL_RANK"])
-    dist.init_process_group("nccl", device_id=torch.device(f"cuda:{local_rank}"))
+    device = torch.cuda.current_device()
+    if args.backend == "nccl":
+        dist.init_process_group("nccl", device_id=torch.device("cuda", device))
+    else:
+        dist.init_process_group("gloo")
     world = dist.get_world_size()
-    model, optimizer = build(args.model, local_rank)
+    model, optimizer = build(args.model, device)
     scaler = torch.amp.GradScaler("cuda") if args.model == "ddp" else None
     data = torch.Generator(device="cuda").manual_seed(10 + RANK)
     ballast = torch.randn(int(args.ballast_gb * (1 << 30)) // 4, device="cuda", generator=data)
@@ -184,7 +188,7 @@ def main() -> None:
     emit(
         "done",
         ballast_intact=intact,
-        uuid=str(torch.cuda.get_device_properties(local_rank).uuid),
+        uuid=str(torch.cuda.get_device_properties(device).uuid),
         held=held_by([os.getpid()]),
     )
     dist.destroy_process_group()

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 import pytest
 
-from conftest import HERE, _keep_log
+from conftest import HERE, _keep_log, run_job
 
 # The NCCL watchdog's heartbeat monitor kills a rank whose watchdog is stuck this long; a paused
 # job's must not be (issue: a pause may last hours).
@@ -119,3 +119,40 @@ def test_a_job_whose_nccl_cannot_suspend_is_refused_and_trains_on(two_gpus: list
         for op in job.of(rank, "op"):
             assert not op["ok"] and op["error"].startswith(f"cannot {op['kind']} the job: this job's NCCL is 2.28.9")
         assert len(job.losses(rank)) == 30 and job.of(rank, "done")[0]["ballast_intact"]
+
+
+# ------------------------------------------------------------------ what one GPU can show
+
+
+def test_an_nccl_communicator_is_suspended_around_a_pause_and_works_after() -> None:
+    nccl = nccl_with_suspend()
+    env = {"LD_PRELOAD": nccl, "NCCL_NVLS_ENABLE": "0"}
+    with_suspend = run_job(script="nccl_suspend_job.py", env=env)
+    assert with_suspend.returncode == 0, with_suspend.stderr[-4000:]
+    seen = with_suspend.one("seen")
+    assert seen["library"] == nccl and seen["can_suspend"] and seen["problem"] is None, seen
+    assert seen["communicators"] == ["RawCommunicator"] and seen["suspended"] and seen["resumed"]
+    assert seen["held_while_paused"] == 0 and seen["all_reduce_after"] == 3.0
+    bundled = run_job(script="nccl_suspend_job.py", env={"LD_PRELOAD": "", "NCCL_NVLS_ENABLE": "0"})
+    assert bundled.returncode == 0, bundled.stderr[-4000:]
+    seen = bundled.one("seen")
+    assert seen["can_suspend"] is False and seen["version"] == "2.28.9"
+    assert seen["problem"].startswith("this job's NCCL is 2.28.9 (") and "torch 2.12 or newer" in seen["problem"]
+
+
+def test_a_two_rank_gloo_job_on_one_gpu_pauses_and_resumes_as_a_whole() -> None:
+    # Both ranks on cuda:0 (gloo allows it, NCCL does not): the protocol with the real driver
+    # and the memory pool, on any machine with one GPU.
+    one_gpu = {"GPU_DEVICE": "cuda:0"}
+    common = ("--model", "ddp", "--backend", "gloo", "--steps", "40", "--ballast-gb", "0.5")
+    reference = torchrun(*common, nccl=None, env=one_gpu)
+    assert reference.returncode == 0, reference.stderr[-4000:]
+    paused = torchrun(*common, "--plan", "10:pause", "--plan", "10:resume", "--hold", "2", nccl=None, env=one_gpu)
+    _check_ops(paused, ["pause", "resume"])
+    for rank in (0, 1):
+        assert paused.losses(rank) == reference.losses(rank), f"rank {rank}'s loss trace differs"
+        assert sum(paused.of(rank, "paused")[0]["held"].values()) == 0
+        pause = paused.of(rank, "op")[0]
+        assert pause["path"] == "fast" and "meet" in pause["steps"]
+    zero, one = _steps_at_ops(paused)
+    assert zero == one
