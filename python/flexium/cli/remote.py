@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 from pydantic import BaseModel, ValidationError
 
@@ -312,9 +312,9 @@ class _UsageError(ValueError):
     pass
 
 
-def _parse_ranks(text: str) -> dict[str, str]:
+def _parse_ranks(text: str) -> dict[str, Union[int, str]]:
     """``0=cuda:1,1=cuda:0`` -> {"0": "cuda:1", "1": "cuda:0"} (the server judges the rest)."""
-    ranks: dict[str, str] = {}
+    ranks: dict[str, Union[int, str]] = {}
     for part in text.split(","):
         rank, sep, gpu = part.partition("=")
         if not sep or not rank.strip() or not gpu.strip():
