@@ -22,7 +22,7 @@ from flexium.server.storage.commands import (
     report_command,
 )
 from flexium.server.storage.devices import device_indexes, list_devices, upsert_devices
-from flexium.server.storage.jobs import get_operation, list_jobs
+from flexium.server.storage.jobs import get_operation, list_jobs, summarize_jobs
 from flexium.server.storage.processes import (
     HeartbeatOutcome,
     ProcessSnapshot,
@@ -94,6 +94,7 @@ __all__ = [
     "register_process_snapshot",
     "report_command",
     "revoke_token",
+    "summarize_jobs",
     "sweep",
     "unregister_process",
     "upsert_devices",

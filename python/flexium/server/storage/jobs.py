@@ -339,8 +339,13 @@ def job_state(ranks: list[wire.ProcessInfo], missing: list[int]) -> str:
 
 def list_jobs(*, session: Session, workspace_id: int, now: float, stale_after: float) -> list[wire.JobSummary]:
     """Every job of several ranks in the workspace, in the order their first rank registered."""
+    return summarize_jobs(list_processes(session=session, workspace_id=workspace_id, now=now, stale_after=stale_after))
+
+
+def summarize_jobs(processes: list[wire.ProcessInfo]) -> list[wire.JobSummary]:
+    """The jobs of several ranks among ``processes`` (listed oldest first), each with its ranks."""
     grouped: dict[str, list[wire.ProcessInfo]] = {}
-    for process in list_processes(session=session, workspace_id=workspace_id, now=now, stale_after=stale_after):
+    for process in processes:
         if process.job is not None and process.job.world_size > 1:
             grouped.setdefault(process.job.key, []).append(process)
     jobs = []
