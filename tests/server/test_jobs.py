@@ -573,3 +573,42 @@ def test_0005_keeps_processes_and_commands_and_goes_back(database_url: str) -> N
     db.upgrade()
     assert "job_key" in _columns(db, "processes")
     db.dispose()
+
+
+# --- live events and the dashboard's rendering ------------------------------------------------
+
+
+def test_job_operation_events_and_escaped_pages(api: Api) -> None:
+    import asyncio
+    import json
+    from urllib.parse import quote
+
+    key = "<b>run</b>/7"
+    for rank in (0, 1):
+        api.register(**rank_body(rank, key=key))
+    workspace_id = api.get("").json()["id"]
+    before = api.ctx.bus.last_id
+    assert api.command("pause", "rank-1").status_code == 201
+
+    async def backlog() -> list[str]:
+        sub, frames = api.ctx.bus.subscribe(workspace_id, last_event_id=before)
+        api.ctx.bus.unsubscribe(sub)
+        return list(frames)
+
+    created = [json.loads(frame.split("data: ", 1)[1]) for frame in asyncio.run(backlog()) if "event: command" in frame]
+    assert [(e["action"], e["command"]["process_id"]) for e in created] == [
+        ("created", "rank-1"),
+        ("created", "rank-0"),
+    ]
+    assert len({e["command"]["job"]["operation_id"] for e in created}) == 1
+
+    page, rows, form = api.pages("/", "/ui/processes", f"/ui/jobs/{quote(key, safe='')}/migrate")
+    for html in (page, rows):
+        assert "<b>run</b>" not in html and 'id="job-&lt;b&gt;run&lt;/b&gt;/7"' in html
+        assert html.index('id="job-&lt;b&gt;run') < html.index('id="proc-rank-0"') < html.index('id="proc-rank-1"')
+        assert 'data-action="job-pause"' not in html  # an operation is under way: no buttons
+        assert "operation " in html and " under way" in html
+    assert "<b>run</b>" not in form and 'data-job-key="&lt;b&gt;run&lt;/b&gt;/7"' in form
+    assert form.count("<select") == 2 and "data-swap" in form
+    [missing] = api.pages("/ui/jobs/no-such-job/migrate")
+    assert missing == ""

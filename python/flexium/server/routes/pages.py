@@ -381,7 +381,7 @@ async def target_form(
     return _render(request, "fragments/targets.html", view)
 
 
-@router.get("/ui/jobs/{job_key}/migrate", response_class=HTMLResponse)
+@router.get("/ui/jobs/{job_key:path}/migrate", response_class=HTMLResponse)
 async def job_migrate_form(request: Request, ctx: Ctx, auth: FragmentAuth, job_key: str) -> Response:
     """The migrate form of a job of several ranks: a GPU for each rank, where it is by default."""
     view = await _view(request, ctx, auth, commands=False)
