@@ -5,7 +5,8 @@ Checked before a row is written (each a 4xx with a message): the process exists 
 alive, it has no active command, its state allows the operation, its capabilities include
 it, and the target GPU is on its host, of its model, visible to it, healthy and has room.
 The unique partial index ``uq_commands_one_active`` backs the one-active-command rule against
-races.
+races. A rank of a job of several gets its command as a share of a job operation, with the
+job's own checks (``storage.jobs``); the target rules are ``storage.targets``'.
 
 A long-poll hands out the oldest queued *or delivered* command: a command whose delivery was
 never acknowledged (the answer was lost, the server restarted) goes out again on the next

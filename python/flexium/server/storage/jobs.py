@@ -75,7 +75,7 @@ def create_job_commands(
     moves = _moves(members=members, devices=devices, kind=kind, job=job)
     _check_placement(
         session=session,
-        members=members,
+        ranks=members,
         devices=devices,
         moves=moves,
         kind=kind,
@@ -203,8 +203,8 @@ def _check_ranks(
     need = "PAUSED" if kind == "resume" else "RUNNING"
     if any(proc.state != need for proc in chosen.values()):
         states = ", ".join(f"rank {rank} is {proc.state}" for rank, proc in sorted(chosen.items()))
-        hint = "; resume it with ranks instead" if kind == "migrate" and need == "RUNNING" else ""
-        hint = hint if all(p.state == "PAUSED" for p in chosen.values()) else ""
+        paused = all(p.state == "PAUSED" for p in chosen.values())
+        hint = "; resume it with ranks instead" if kind == "migrate" and paused else ""
         raise InvalidState(f"cannot {kind} {job}: every rank must be {need}; {states}{hint}")
     for rank, proc in sorted(chosen.items()):
         caps = stored_capabilities(proc)
@@ -231,7 +231,7 @@ def _moves(*, members: dict[int, Process], devices: dict[int, Device], kind: str
 def _check_placement(
     *,
     session: Session,
-    members: dict[int, Process],
+    ranks: dict[int, Process],
     devices: dict[int, Device],
     moves: dict[int, str],
     kind: str,
@@ -239,7 +239,6 @@ def _check_placement(
     now: float,
     stale_after: float,
 ) -> None:
-    ranks = members
     after = {rank: moves.get(rank, proc.gpu_uuid) for rank, proc in ranks.items()}
     for rank, uuid in sorted(moves.items()):
         proc = ranks[rank]
