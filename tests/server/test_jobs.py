@@ -612,3 +612,36 @@ def test_job_operation_events_and_escaped_pages(api: Api) -> None:
     assert form.count("<select") == 2 and "data-swap" in form
     [missing] = api.pages("/ui/jobs/no-such-job/migrate")
     assert missing == ""
+
+
+def test_sweep_expires_a_job_operation_and_forgets_it_with_its_ranks(db: Database) -> None:
+    ws = _workspace(db)
+    _job(db, ws)
+    commands = _create(db, ws, "pause")
+    op_id = commands[0].job.operation_id  # type: ignore[union-attr]
+
+    def sweep(now: float) -> storage.SweepResult:
+        return db.run(
+            storage.sweep,
+            write=True,
+            now=now,
+            alive_since=NOW - 10_000,
+            stale_after=STALE,
+            remove_after=600.0,
+            command_ttl=120.0,
+            stale_since=now - 2,
+        )
+
+    expired = sweep(NOW + 121).expired
+    assert sorted(c.job.rank for _ws, c in expired if c.job) == [0, 1]
+    operation = _operation(db, ws, op_id)
+    assert operation.state == "failed" and [c.state for c in operation.commands] == ["expired", "expired"]
+    _register(db, ws, rank_body(0), now=NOW + 500)  # rank 0 lives on, rank 1 went silent
+    sweep(NOW + 700)
+    assert [c.process_id for c in _operation(db, ws, op_id).commands] == ["rank-0"]
+    _register(db, ws, rank_body(0), now=NOW)
+    with db.session(write=False) as s:
+        assert s.execute(text("SELECT count(*) FROM job_operations")).scalar() == 1
+    sweep(NOW + 700)  # now rank 0 is gone too: nothing shows the operation any more
+    with pytest.raises(errors.NotFound):
+        _operation(db, ws, op_id)
