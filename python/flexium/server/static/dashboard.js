@@ -110,8 +110,8 @@
 
   function restoreFocus(was) {
     if (!was || (document.activeElement && document.activeElement !== document.body)) { return; }
-    var row = rowOf(was.id);
-    var button = row && row.querySelector('[data-action="' + was.action + '"]');
+    // A job's buttons are on its own row: look for the button itself, not the process's row.
+    var button = rows.querySelector('[data-action="' + was.action + '"][data-process-id="' + CSS.escape(was.id) + '"]');
     if (button && !button.disabled) { button.focus(); }
   }
 
