@@ -110,6 +110,8 @@ PATH_COMMANDS = "/commands"
 PATH_COMMAND = "/commands/{command_id}"  # ?wait=seconds: until finished
 PATH_COMMAND_REPORT = "/commands/{command_id}/report"
 PATH_TARGETS = "/processes/{process_id}/targets"  # ?kind=migrate|resume: which GPUs fit
+PATH_OPERATION = "/operations/{operation_id}"  # ?wait=seconds: until every rank's command ended
+PATH_JOBS = "/jobs"  # multi-process jobs, each with its ranks
 PATH_DEVICES = "/devices"
 PATH_EVENTS = "/events"  # text/event-stream
 PATH_TOKENS = "/tokens"

@@ -330,6 +330,46 @@ class ProcessInfo(WireOut):
     job: Optional[JobInfo] = Field(default=None, description="None: a single-process job")
 
 
+OperationState = Literal["queued", "running", "succeeded", "failed"]
+JobState = Literal[ProcessState, "STALE", "MIXED", "INCOMPLETE"]
+
+
+class JobOperationInfo(WireOut):
+    """One pause, resume or migrate of a whole multi-process job: the commands of its ranks
+    (one each, created together), and their state taken together."""
+
+    id: int
+    job_key: str
+    kind: CommandKind
+    world_size: int
+    moves: dict[str, str] = Field(description="rank (as text) -> target GPU UUID, for every rank that changes GPU")
+    created_at: float
+    state: OperationState = Field(
+        description=(
+            "queued: no rank took its command yet; running: while any rank's command is under way; "
+            "succeeded: every rank's did; failed: every rank's ended and one failed or expired"
+        )
+    )
+    finished_at: Optional[float] = Field(description="when the last rank's command ended; None while any is under way")
+    commands: list[CommandInfo] = Field(description="one per rank, by rank")
+
+
+class JobSummary(WireOut):
+    """A multi-process job: the processes that registered with one ``JobMembership.key``."""
+
+    key: str
+    world_size: int
+    state: JobState = Field(
+        description=(
+            "the ranks' common state; INCOMPLETE: a rank has not registered, STALE: a rank is silent, "
+            "FAILED: a rank failed, a moving state while any rank is in one, MIXED: the ranks disagree"
+        )
+    )
+    ranks: list[ProcessInfo] = Field(description="by rank")
+    missing_ranks: list[int] = Field(description="ranks of 0..world_size-1 that did not register")
+    active_operation_id: Optional[int] = Field(description="the job operation under way, if any")
+
+
 class RegisterResponse(WireOut):
     process: ProcessInfo
     heartbeat_interval_s: float

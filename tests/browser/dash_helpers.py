@@ -132,6 +132,8 @@ class SimJob:
         pause_resume: bool = True,
         state: str = "RUNNING",
         op_seconds: float = 1.23,
+        job: Optional[dict[str, Any]] = None,
+        problems: Optional[list[str]] = None,
     ) -> None:
         self.api = api
         self.host = host
@@ -142,7 +144,12 @@ class SimJob:
         self.footprint = memory
         self.user = user
         self.cmdline = cmdline
-        self.capabilities = {"migration": migration, "pause_resume": pause_resume}
+        self.capabilities: dict[str, Any] = {"migration": migration, "pause_resume": pause_resume}
+        if problems:
+            self.capabilities["problems"] = problems
+        self.job = job  # a rank of a job of several: its wire.JobMembership
+        if job is not None:
+            self.capabilities["job_operations"] = migration and pause_resume
         self.state = state
         self.op_seconds = op_seconds
         self.hold = threading.Event()
@@ -177,6 +184,7 @@ class SimJob:
             "started_at": time.time() - 3725,
             "cmdline": self.cmdline,
             "devices": self.host.report(),
+            **({"job": self.job} if self.job is not None else {}),
         }
 
     def beat(self) -> dict[str, Any]:

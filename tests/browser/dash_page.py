@@ -85,6 +85,31 @@ class Dashboard:
     def click(self, process_id: str, action: str) -> None:
         self.row(process_id).find_element(By.CSS_SELECTOR, f'button[data-action="{action}"]').click()
 
+    def job_row(self, key: str) -> WebElement:
+        return self.d.find_element(By.ID, f"job-{key}")
+
+    def click_job(self, key: str, action: str) -> None:
+        self.job_row(key).find_element(By.CSS_SELECTOR, f'button[data-action="job-{action}"]').click()
+
+    def job_text(self, key: str, label: str) -> str:
+        return str(
+            self.js(
+                "var r = document.getElementById(arguments[0]);"
+                "var c = r && r.querySelector('td[data-label=\"' + arguments[1] + '\"]');"
+                "return c ? c.textContent.replace(/\\s+/g, ' ').trim() : '';",
+                f"job-{key}",
+                label,
+            )
+        )
+
+    def table_order(self) -> list[str]:
+        """The ids of the process table's rows, top to bottom (job-KEY, proc-ID)."""
+        return list(
+            self.js(
+                "return Array.from(document.querySelectorAll('#process-rows tr')).map(function (r) { return r.id; });"
+            )
+        )
+
     def visible_rows(self) -> set[str]:
         return set(
             self.js(

@@ -191,3 +191,111 @@ class Job:
                 self.proc.wait()
                 raise AssertionError("the training process did not exit:\n" + self.output.text[-3000:]) from None
         return int(self.proc.returncode)
+
+
+class FakeRank:
+    """One rank of a torchrun job, reduced to what it says over HTTP: it registers with the
+    job's key, beats, long-polls and answers each command as a rank would (running, then its
+    outcome, and where it is after). ``fail_next``: the error its next command fails with."""
+
+    def __init__(
+        self,
+        server: Server,
+        rank: int,
+        *,
+        world: int = 2,
+        key: str = "run-e2e-7f3a",
+        gpus: int = 4,
+        job_operations: bool = True,
+        problems: Optional[list[str]] = None,
+    ) -> None:
+        import threading
+
+        self.server = server
+        self.rank = rank
+        self.process_id = f"{key}-rank-{rank}"
+        self.gpu = f"GPU-e2e-{rank}"
+        self.state = "RUNNING"
+        self.visible = [f"GPU-e2e-{i}" for i in range(gpus)]
+        self.fail_next: Optional[str] = None
+        self.received: list[dict[str, Any]] = []
+        self.errors: list[str] = []
+        self.stop = threading.Event()
+        self.body: dict[str, Any] = {
+            "process_id": self.process_id,
+            "host": "e2e-node",
+            "user": "alice",
+            "pid": 5000 + rank,
+            "gpu_model": "NVIDIA H200",
+            "logical_device": "cuda:0",
+            "visible_gpus": self.visible,
+            "capabilities": {
+                "pause_resume": job_operations,
+                "migration": job_operations,
+                "job_operations": job_operations,
+                "problems": problems or [],
+            },
+            "cmdline": "torchrun --nproc-per-node 2 train_ddp.py",
+            "job": {"key": key, "rank": rank, "world_size": world, "local_rank": rank, "local_world_size": world},
+        }
+        self.threads = [
+            threading.Thread(target=self._beat, daemon=True),
+            threading.Thread(target=self._poll, daemon=True),
+        ]
+
+    def devices(self) -> list[dict[str, Any]]:
+        return [
+            {"uuid": uuid, "index": i, "name": "NVIDIA H200", "memory_total": 140 << 30, "memory_used": 0}
+            for i, uuid in enumerate(self.visible)
+        ]
+
+    def start(self) -> "FakeRank":
+        body = {**self.body, "gpu_uuid": self.gpu, "state": self.state, "memory_bytes": 8 << 30}
+        r = self.server.post("/processes", {**body, "devices": self.devices()})
+        assert r.status_code in (200, 201), r.text
+        for thread in self.threads:
+            thread.start()
+        return self
+
+    def close(self) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(10)
+        requests.delete(f"{self.server.api}/processes/{self.process_id}", headers=self.server.headers(), timeout=10)
+
+    def _beat(self) -> None:
+        while not self.stop.wait(HEARTBEAT_S):
+            try:
+                self.server.post(f"/processes/{self.process_id}/heartbeat", {"state": self.state})
+            except requests.RequestException as exc:
+                self.errors.append(f"heartbeat: {exc}")
+
+    def _poll(self) -> None:
+        while not self.stop.is_set():
+            try:
+                r = self.server.get(f"/processes/{self.process_id}/commands/next", params={"wait": 1}, timeout=10)
+            except requests.RequestException as exc:
+                self.errors.append(f"poll: {exc}")
+                continue
+            if r.status_code == 200:
+                self._run(r.json())
+
+    def _report(self, command_id: int, body: dict[str, Any]) -> None:
+        r = self.server.post(f"/commands/{command_id}/report", body)
+        if r.status_code != 200:
+            self.errors.append(f"report {command_id}: {r.status_code} {r.text}")
+
+    def _run(self, command: dict[str, Any]) -> None:
+        self.received.append(command)
+        self._report(command["id"], {"state": "running"})
+        if self.fail_next is not None:
+            error, self.fail_next = self.fail_next, None
+            self._report(command["id"], {"state": "failed", "error": error, "process": {"state": self.state}})
+            return
+        self.state = {"migrate": "RUNNING", "pause": "PAUSED", "resume": "RUNNING"}[command["kind"]]
+        self.gpu = command.get("target_uuid") or self.gpu
+        result = {"kind": command["kind"], "ok": True, "seconds": 0.25 + self.rank / 100}
+        if command["kind"] != "pause":
+            result["path"] = "fast"
+        update = {"state": self.state, "gpu_uuid": self.gpu, "memory_bytes": 0 if self.state == "PAUSED" else 8 << 30}
+        self._report(command["id"], {"state": "succeeded", "result": result, "process": update})

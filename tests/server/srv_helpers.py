@@ -61,10 +61,12 @@ class Api:
         finally:
             self.client.cookies.clear()
 
-    def command(self, kind: str, process_id: str = "gpu-1", target: Any = None) -> Any:
+    def command(self, kind: str, process_id: str = "gpu-1", target: Any = None, ranks: Any = None) -> Any:
         body: dict[str, Any] = {"kind": kind, "process_id": process_id}
         if target is not None:
             body["target"] = target
+        if ranks is not None:
+            body["ranks"] = ranks
         return self.post("/commands", body)
 
 
@@ -124,13 +126,52 @@ def process_body(
     return body
 
 
+def rank_body(
+    rank: int,
+    *,
+    world: int = 2,
+    key: str = "run-7f3a",
+    gpu_index: int | None = None,
+    memory: int = 10 * GIB,
+    placement: dict[int, int] | None = None,
+    job_operations: bool = True,
+    problems: list[str] | None = None,
+    **fields: Any,
+) -> dict[str, Any]:
+    """A rank of a torchrun job as its client registers it: rank r on GPU r unless told, every
+    rank seeing the host's 4 GPUs. ``placement``: GPU index -> memory used on it (default: each
+    rank's memory on its own GPU)."""
+    index = rank if gpu_index is None else gpu_index
+    if placement is None:
+        placement = {r: memory for r in range(world)}
+    devices = [gpu(i, used=placement.get(i, 0)) for i in range(4)]
+    capabilities = {
+        "pause_resume": job_operations,
+        "migration": job_operations,
+        "driver_version": "580.159.04",
+        "job_operations": job_operations,
+        "problems": problems or [],
+    }
+    body = process_body(
+        f"rank-{rank}",
+        gpu_index=index,
+        memory=memory,
+        devices=devices,
+        capabilities=capabilities,
+        job={"key": key, "rank": rank, "world_size": world, "local_rank": rank, "local_world_size": world},
+        cmdline="torchrun --nproc-per-node 2 train_ddp.py",
+    )
+    body.update(fields)
+    return body
+
+
 def table_snapshot(db: Database) -> dict[str, list[tuple[Any, ...]]]:
     """Every row of every table, to show a refused request changed nothing."""
     from sqlalchemy import text
 
     out = {}
     with db.session(write=False) as session:
-        for table in ("workspaces", "tokens", "processes", "devices", "commands"):
+        for table in ("workspaces", "tokens", "processes", "devices", "commands", "job_operations"):
             out[table] = [tuple(r) for r in session.execute(text(f"SELECT * FROM {table} ORDER BY 1"))]
     return out
 

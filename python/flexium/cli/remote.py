@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 import time
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 from pydantic import BaseModel, ValidationError
 
@@ -25,6 +25,7 @@ EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
 
 GIB = float(1 << 30)
+KEY_WIDTH = 16  # of a job's key in `flexium ps`
 DEFAULT_WAIT_S = 300.0
 # While a command is under way the CLI says so on stderr at each change, and this often between.
 PROGRESS_EVERY_S = 10.0
@@ -36,6 +37,7 @@ _UNDER_WAY = {
 
 
 # The server reads a target this way, and only the server (it resolves it to a GPU UUID).
+PROCESS_HELP = "process id (gpu-...), a unique prefix of one, or its pid; a rank of a job of several stands for its job"
 TARGET_HELP = (
     "the GPU: cuda:N = the job's own CUDA numbering (entry N of the GPUs it sees), a bare "
     "number N = nvidia-smi's index N on the job's host, GPU-... = a GPU UUID"
@@ -59,19 +61,39 @@ def add_commands(commands: Any) -> None:
     p = commands.add_parser("devices", help="list the GPUs the workspace's processes report, by host")
     p.add_argument("--host", help="only this host")
     add_connection_options(p)
-    p = commands.add_parser("migrate", help="move a running process to another GPU and wait for the outcome")
-    p.add_argument("process", help="process id (gpu-...), a unique prefix of one, or its pid")
-    p.add_argument("target", help=TARGET_HELP)
+    p = commands.add_parser(
+        "migrate",
+        help="move a running process to another GPU and wait for the outcome (a rank of a job: that rank, or --ranks)",
+    )
+    p.add_argument("process", help=PROCESS_HELP)
+    p.add_argument("target", nargs="?", help=TARGET_HELP + " (a rank of a job: where that rank goes)")
+    _add_ranks_option(p)
     _add_wait_options(p)
-    p = commands.add_parser("pause", help="pause a process (its GPU memory is freed) and wait for the outcome")
-    p.add_argument("process", help="process id (gpu-...), a unique prefix of one, or its pid")
+    p = commands.add_parser(
+        "pause", help="pause a process (its GPU memory is freed) and wait for the outcome (a rank: its whole job)"
+    )
+    p.add_argument("process", help=PROCESS_HELP)
     _add_wait_options(p)
-    p = commands.add_parser("resume", help="resume a paused process, on its GPU or the one given")
-    p.add_argument("process", help="process id (gpu-...), a unique prefix of one, or its pid")
+    p = commands.add_parser(
+        "resume", help="resume a paused process, on its GPU or the one given (a rank: its whole job)"
+    )
+    p.add_argument("process", help=PROCESS_HELP)
     p.add_argument(
         "target", nargs="?", help=TARGET_HELP + " (default: where it paused if there is room, else the server picks)"
     )
+    _add_ranks_option(p)
     _add_wait_options(p)
+
+
+def _add_ranks_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--ranks",
+        metavar="RANK=GPU,...",
+        help=(
+            "a rank of a job of several: a GPU for each rank that moves, in the named process's numbering, "
+            "e.g. 0=cuda:1,1=cuda:0 (a swap); ranks left out stay where they are"
+        ),
+    )
 
 
 def _add_wait_options(parser: argparse.ArgumentParser) -> None:
@@ -107,6 +129,8 @@ def run(args: argparse.Namespace) -> int:
         )
     except ServerError as exc:
         return _fail(exc.message, EXIT_FAILED)
+    except _UsageError as exc:
+        return _fail(str(exc), EXIT_USAGE)
     except ValidationError as exc:  # what the server would refuse as invalid_request
         first = exc.errors()[0]
         return _fail(f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}", EXIT_FAILED)
@@ -134,8 +158,8 @@ def _fail(message: str, status: int) -> int:
     return status
 
 
-def _print_json(value: BaseModel | list[wire.ProcessInfo]) -> None:
-    data = [v.model_dump(mode="json") for v in value] if isinstance(value, list) else value.model_dump(mode="json")
+def _print_json(value: BaseModel | Sequence[BaseModel]) -> None:
+    data = value.model_dump(mode="json") if isinstance(value, BaseModel) else [v.model_dump(mode="json") for v in value]
     print(json.dumps(data, indent=2, sort_keys=True))
 
 
@@ -151,7 +175,7 @@ def _ps(api: ApiClient, args: argparse.Namespace) -> int:
         print(f"no processes in workspace '{api.workspace}' at {api.base_url}")
         return EXIT_OK
     now = time.time()
-    rows = [("PROCESS", "STATE", "HOST", "PID", "DEVICE", "GPU", "MEMORY", "UP", "MOVES", "COMMAND")]
+    rows = [("PROCESS", "JOB", "RANK", "STATE", "HOST", "PID", "DEVICE", "GPU", "MEMORY", "UP", "MOVES", "COMMAND")]
     for p in processes:
         device = p.logical_device or "-"
         if p.physical_device and p.physical_device != p.logical_device:
@@ -170,6 +194,8 @@ def _ps(api: ApiClient, args: argparse.Namespace) -> int:
         rows.append(
             (
                 p.process_id,
+                _short_key(p.job.key) if p.job else "-",
+                f"{p.job.rank}/{p.job.world_size}" if p.job else "-",
                 p.state,
                 p.host,
                 str(p.pid),
@@ -182,11 +208,18 @@ def _ps(api: ApiClient, args: argparse.Namespace) -> int:
             )
         )
     _print_table(rows)
+    if any(p.job is not None and p.job.world_size > 1 for p in processes):
+        print("JOB, RANK: the ranks of one job of several move together: pause or resume one of them acts on all")
     print(
         "MOVES: fast = migrate and pause on the fast path, driver = on the driver path only, pause = "
         "pause and resume only (driver below 580), - = none (`flexium ps --json` gives the reasons)"
     )
     return EXIT_OK
+
+
+def _short_key(key: str) -> str:
+    """A job's key as a column shows it: enough to tell runs apart."""
+    return key if len(key) <= KEY_WIDTH else key[: KEY_WIDTH - 1] + "~"
 
 
 def _moves(capabilities: wire.ProcessCapabilities) -> str:
@@ -237,12 +270,20 @@ def _devices(api: ApiClient, args: argparse.Namespace) -> int:
 
 def _command(api: ApiClient, args: argparse.Namespace) -> int:
     target = getattr(args, "target", None)
-    request = wire.CommandRequest(kind=args.command, process_id=args.process, target=target or None)
+    ranks_text = getattr(args, "ranks", None)
+    ranks = _parse_ranks(ranks_text) if ranks_text is not None else None
+    if ranks is not None and target:
+        return _fail("give a TARGET (where the named rank goes) or --ranks (several ranks), not both", EXIT_USAGE)
+    if args.command == "migrate" and not target and ranks is None:
+        return _fail("migrate needs a TARGET, or --ranks RANK=GPU,... for a rank of a job of several", EXIT_USAGE)
+    request = wire.CommandRequest(kind=args.command, process_id=args.process, target=target or None, ranks=ranks)
     try:
         command = api.create_command(request)
     except NotFound:
         request.process_id = _resolve_process(api, args.process)
         command = api.create_command(request)
+    if command.job is not None:
+        return _job_operation(api, args, command.job.operation_id)
     title = _title(api, command)
     if args.no_wait:
         if args.json:
@@ -265,6 +306,143 @@ def _command(api: ApiClient, args: argparse.Namespace) -> int:
             print(f"flexium: {title} {final.state}: {_reason(final)}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
+
+
+class _UsageError(ValueError):
+    pass
+
+
+def _parse_ranks(text: str) -> dict[str, Union[int, str]]:
+    """``0=cuda:1,1=cuda:0`` -> {"0": "cuda:1", "1": "cuda:0"} (the server judges the rest)."""
+    ranks: dict[str, Union[int, str]] = {}
+    for part in text.split(","):
+        rank, sep, gpu = part.partition("=")
+        if not sep or not rank.strip() or not gpu.strip():
+            raise _UsageError(f"--ranks {text!r}: each entry is RANK=GPU, e.g. 0=cuda:1,1=cuda:0")
+        ranks[rank.strip()] = gpu.strip()
+    return ranks
+
+
+# ---- job operations ------------------------------------------------------------------------
+
+
+def _job_operation(api: ApiClient, args: argparse.Namespace, operation_id: int) -> int:
+    """Every rank's share of a job operation, waited for together; one line per rank."""
+    operation = api.get_operation(operation_id)
+    title = _job_title(api, operation)
+    if args.no_wait:
+        if args.json:
+            _print_json(operation)
+        else:
+            ids = ", ".join(str(c.id) for c in operation.commands)
+            print(f"{title}: queued as job operation {operation.id} (commands {ids})")
+        return EXIT_OK
+    final = _wait_operation(api, operation, args.timeout, progress=None if args.json else _job_progress(title))
+    if args.json:
+        _print_json(final)
+    if final.finished_at is None:
+        return _fail(
+            f"{title}: still {final.state} after {args.timeout:.0f} s (job operation {final.id}); see `flexium ps`",
+            EXIT_FAILED,
+        )
+    if not args.json:
+        _print_job_outcome(api, title, final)
+    if final.state != "succeeded":
+        reasons = "; ".join(f"rank {_rank(c)}: {_reason(c)}" for c in final.commands if c.state != "succeeded")
+        print(f"flexium: {title} failed: {reasons}", file=sys.stderr)
+        return EXIT_FAILED
+    return EXIT_OK
+
+
+def _wait_operation(
+    api: ApiClient,
+    operation: wire.JobOperationInfo,
+    timeout: float,
+    progress: Optional[Callable[[wire.JobOperationInfo], None]] = None,
+) -> wire.JobOperationInfo:
+    """As ``_wait``, for every rank's command of a job operation."""
+    deadline = time.monotonic() + timeout
+    while operation.finished_at is None:
+        if progress is not None:
+            progress(operation)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        wait = min(remaining, protocol.MAX_POLL_TIMEOUT_S, PROGRESS_EVERY_S if progress is not None else remaining)
+        operation = api.wait_operation(operation.id, wait=round(wait, 3), deadline=deadline)
+    return operation
+
+
+def _rank(command: wire.CommandInfo) -> str:
+    return "?" if command.job is None else str(command.job.rank)
+
+
+def _job_progress(title: str) -> Callable[[wire.JobOperationInfo], None]:
+    """Prints on stderr where each rank's command stands, at each change and every
+    PROGRESS_EVERY_S between."""
+    started = time.monotonic()
+    said, said_at = "", started
+
+    def show(operation: wire.JobOperationInfo) -> None:
+        nonlocal said, said_at
+        now = time.monotonic()
+        states = ", ".join(f"rank {_rank(c)} {c.state}" for c in operation.commands)
+        if states == said and now - said_at < 0.9 * PROGRESS_EVERY_S:
+            return
+        said, said_at = states, now
+        print(f"{title}: {states} ({now - started:.0f} s)", file=sys.stderr, flush=True)
+
+    return show
+
+
+def _job_title(api: ApiClient, operation: wire.JobOperationInfo) -> str:
+    """ "migrate job run-7f3a (2 ranks): rank 0 to cuda:1, rank 1 to cuda:0": each target in the
+    moving rank's own numbering where it sees the GPU."""
+    title = f"{operation.kind} job {operation.job_key} ({operation.world_size} ranks)"
+    if not operation.moves:
+        return title
+    visible = {c.job.rank: c.process_id for c in operation.commands if c.job is not None}
+    try:
+        processes = {p.process_id: p for p in api.list_processes()}
+    except ServerError:
+        processes = {}
+    moves = []
+    for rank, uuid in sorted(operation.moves.items(), key=lambda item: int(item[0])):
+        process = processes.get(visible.get(int(rank), ""))
+        shown = wire.cuda_ordinal(process.visible_gpus, uuid) if process is not None else None
+        moves.append(f"rank {rank} to {shown or uuid}")
+    return f"{title}: {', '.join(moves)}"
+
+
+def _print_job_outcome(api: ApiClient, title: str, operation: wire.JobOperationInfo) -> None:
+    total = (operation.finished_at or time.time()) - operation.created_at
+    print(f"{title}: {operation.state} in {total:.2f} s (job operation {operation.id})")
+    try:
+        processes = {p.process_id: p for p in api.list_processes()}
+    except ServerError:
+        processes = {}
+    rows = [("RANK", "PROCESS", "COMMAND", "STATE", "GPU", "PATH", "TIME", "ERROR")]
+    for command in operation.commands:
+        process = processes.get(command.process_id)
+        gpu = "-"
+        if process is not None and process.gpu_uuid:
+            index = "" if process.gpu_index is None else f" (GPU {process.gpu_index})"
+            gpu = f"{process.physical_device}{index}"
+        result = command.result
+        seconds = result.seconds if result is not None else None
+        rows.append(
+            (
+                _rank(command),
+                command.process_id,
+                command.state,
+                process.state if process is not None else "-",
+                gpu,
+                (result.path if result is not None else None) or "-",
+                "-" if seconds is None else _ms(seconds),
+                _reason(command) if command.state != "succeeded" else "",
+            )
+        )
+    _print_table(rows, indent="  ")
 
 
 def _resolve_process(api: ApiClient, text: str) -> str:

@@ -325,6 +325,9 @@ class ApiClient:
         return self._read(wire.DevicesResponse, answer, "the devices")
 
     def create_command(self, body: wire.CommandRequest) -> wire.CommandInfo:
+        """The addressed process's command; for a rank of a job of several (``body.ranks`` maps
+        several ranks), every rank gets one and this is the addressed rank's: its
+        ``job.operation_id`` is for ``get_operation`` / ``wait_operation``."""
         # Not retried: after a lost answer the command may be stored, and the server would
         # refuse a second one as busy, hiding the first.
         answer = self.request("POST", protocol.PATH_COMMANDS, json=_body(body))
@@ -346,6 +349,32 @@ class ApiClient:
             deadline=deadline if deadline is not None else time.monotonic() + wait + 10.0,
         )
         return self._read(wire.CommandInfo, answer, "a command")
+
+    def get_operation(self, operation_id: int, *, retries: int = 2) -> wire.JobOperationInfo:
+        """A job operation (``CommandInfo.job.operation_id``): every rank's command, and their
+        state taken together."""
+        answer = self.request("GET", protocol.PATH_OPERATION.format(operation_id=operation_id), retries=retries)
+        return self._read(wire.JobOperationInfo, answer, "a job operation")
+
+    def wait_operation(
+        self, operation_id: int, *, wait: float, deadline: Optional[float] = None
+    ) -> wire.JobOperationInfo:
+        """The job operation once every rank's command ended, or after ``wait`` seconds (as
+        ``wait_command``)."""
+        answer = self.request(
+            "GET",
+            protocol.PATH_OPERATION.format(operation_id=operation_id),
+            params={"wait": wait},
+            timeout=wait + 10.0,
+            retries=None,
+            deadline=deadline if deadline is not None else time.monotonic() + wait + 10.0,
+        )
+        return self._read(wire.JobOperationInfo, answer, "a job operation")
+
+    def list_jobs(self, *, retries: int = 2) -> list[wire.JobSummary]:
+        """Jobs of several ranks, each with its ranks (``ProcessInfo``) by rank."""
+        answer = self.request("GET", protocol.PATH_JOBS, retries=retries)
+        return self._read_list(wire.JobSummary, answer, "the job list")
 
     def close(self) -> None:
         with self._pools_lock:

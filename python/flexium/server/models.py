@@ -51,6 +51,7 @@ class Process(Base):
     __table_args__ = (
         UniqueConstraint("workspace_id", "process_id", name="uq_processes_workspace_process"),
         Index("ix_processes_workspace_last_seen", "workspace_id", "last_seen"),
+        Index("ix_processes_workspace_job", "workspace_id", "job_key"),
     )
     pk: Mapped[int] = mapped_column(Integer, primary_key=True)
     workspace_id: Mapped[int] = mapped_column(ForeignKey("workspaces.id", ondelete="CASCADE"))
@@ -79,6 +80,14 @@ class Process(Base):
     # The ``seq`` of the last body whose state was applied: an older heartbeat (built before
     # a command's final report, delivered after it) must not undo that report.
     state_seq: Mapped[Optional[int]] = mapped_column(BigInteger, nullable=True)
+    # Its place in a multi-process job (wire.JobMembership), None for a single-process job:
+    # the ranks of one run share job_key, and are shown and moved together.
+    job_key: Mapped[Optional[str]] = mapped_column(String(protocol.MAX_SHORT_TEXT), nullable=True)
+    job_rank: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
+    job_world_size: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
+    job_local_rank: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
+    job_local_world_size: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
+    job_node_rank: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
 
 
 class Device(Base):
@@ -96,6 +105,24 @@ class Device(Base):
     temperature: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
     health: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT), default="ok")
     updated_at: Mapped[float] = mapped_column(Double)
+
+
+class JobOperation(Base):
+    """One pause, resume or migrate of a whole multi-process job; its commands (one per rank)
+    point to it."""
+
+    __tablename__ = "job_operations"
+    __table_args__ = (
+        Index("ix_job_operations_workspace_job", "workspace_id", "job_key"),
+        {"sqlite_autoincrement": True},
+    )
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    workspace_id: Mapped[int] = mapped_column(ForeignKey("workspaces.id", ondelete="CASCADE"))
+    job_key: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT))
+    kind: Mapped[str] = mapped_column(String(16))
+    world_size: Mapped[int] = mapped_column(Integer)
+    moves: Mapped[Any] = mapped_column(JsonType, default=dict)  # rank (text) -> target GPU UUID
+    created_at: Mapped[float] = mapped_column(Double)
 
 
 class Command(Base):
@@ -128,6 +155,13 @@ class Command(Base):
     deliveries: Mapped[int] = mapped_column(Integer, default=0)
     result: Mapped[Optional[Any]] = mapped_column(JsonType, nullable=True)
     error: Mapped[Optional[str]] = mapped_column(Text, nullable=True)
+    # A rank's share of a job operation: ``operation_id`` finds the operation's commands, and
+    # ``job`` is what the rank is handed (wire.JobCommandInfo), kept whole in the row so every
+    # reader of a command (the long-poll's single statement included) shows it without a join.
+    operation_id: Mapped[Optional[int]] = mapped_column(
+        ForeignKey("job_operations.id", ondelete="CASCADE", name="fk_commands_operation_id"), nullable=True, index=True
+    )
+    job: Mapped[Optional[Any]] = mapped_column(JsonType, nullable=True)
 
 
 def table_of(model: type[Base]) -> Table:

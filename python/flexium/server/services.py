@@ -165,25 +165,29 @@ async def next_command(
 
 
 async def create_command(ctx: ServerContext, *, workspace_id: int, body: wire.CommandRequest) -> wire.CommandInfo:
+    """The addressed process's command; for a rank of a job of several, every rank gets its
+    share of the job operation (``command.job.operation_id``) at once."""
     try:
-        command = await ctx.db.call(
-            storage.create_command,
+        commands = await ctx.db.call(
+            storage.create_commands,
             write=True,
             workspace_id=workspace_id,
             kind=body.kind,
             process_id=body.process_id,
             target=body.target,
+            ranks=body.ranks,
             now=time.time(),
             stale_after=ctx.settings.stale_after_s,
         )
     except ApiError as exc:
         ctx.metrics.commands_refused.labels(error=exc.code).inc()
         raise
-    ctx.command_pending(workspace_id, body.process_id, command.id)
-    ctx.notifier.notify((workspace_id, body.process_id))
-    ctx.metrics.commands_created.labels(kind=body.kind).inc()
-    ctx.publish(workspace_id, protocol.EVENT_COMMAND, {"action": "created", "command": command})
-    return command
+    for command in commands:
+        ctx.command_pending(workspace_id, command.process_id, command.id)
+        ctx.notifier.notify((workspace_id, command.process_id))
+        ctx.metrics.commands_created.labels(kind=body.kind).inc()
+        ctx.publish(workspace_id, protocol.EVENT_COMMAND, {"action": "created", "command": command})
+    return commands[0]
 
 
 async def wait_command(
@@ -211,6 +215,38 @@ async def wait_command(
             ctx.notifier.unregister(key, waiter)
 
 
+async def wait_operation(
+    ctx: ServerContext, *, workspace_id: int, operation_id: int, wait: Optional[float]
+) -> wire.JobOperationInfo:
+    """The job operation, once every rank's command ended or after ``wait`` seconds."""
+    key = ("op", workspace_id, operation_id)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + (wait or 0.0)
+    while True:
+        waiter = ctx.notifier.register(key)
+        try:
+            operation = await ctx.db.call(
+                storage.get_operation, write=False, workspace_id=workspace_id, operation_id=operation_id
+            )
+            remaining = deadline - loop.time()
+            if (
+                operation.finished_at is not None
+                or ctx.stopping
+                or remaining <= 0
+                or not await ctx.notifier.wait(waiter, remaining)
+            ):
+                return operation
+        finally:
+            ctx.notifier.unregister(key, waiter)
+
+
+def _command_changed(ctx: ServerContext, workspace_id: int, command: wire.CommandInfo) -> None:
+    """Wakes whoever waits on the command, and on its job operation."""
+    ctx.notifier.notify(("cmd", workspace_id, command.id))
+    if command.job is not None:
+        ctx.notifier.notify(("op", workspace_id, command.job.operation_id))
+
+
 async def report_command(
     ctx: ServerContext, *, workspace_id: int, command_id: int, body: wire.CommandReport
 ) -> wire.CommandInfo:
@@ -230,7 +266,7 @@ async def report_command(
     ctx.publish(workspace_id, protocol.EVENT_COMMAND, {"action": "updated", "command": command})
     if process is not None:
         ctx.publish(workspace_id, protocol.EVENT_PROCESS, {"action": "updated", "process": process})
-    ctx.notifier.notify(("cmd", workspace_id, command_id))
+    _command_changed(ctx, workspace_id, command)
     if command.state in protocol.FINAL_COMMAND_STATES:
         ctx.metrics.commands_finished.labels(kind=command.kind, outcome=command.state).inc()
         seconds = command.result.seconds if command.result is not None else None
@@ -273,11 +309,11 @@ async def sweep_forever(ctx: ServerContext) -> None:
             ctx.command_settled(ws, cmd.process_id, cmd.id)
             ctx.metrics.commands_finished.labels(kind=cmd.kind, outcome="expired").inc()
             ctx.publish(ws, protocol.EVENT_COMMAND, {"action": "updated", "command": cmd})
-            ctx.notifier.notify(("cmd", ws, cmd.id))
+            _command_changed(ctx, ws, cmd)
         for ws, cmd in result.failed:
             ctx.metrics.commands_finished.labels(kind=cmd.kind, outcome="failed").inc()
             ctx.publish(ws, protocol.EVENT_COMMAND, {"action": "updated", "command": cmd})
-            ctx.notifier.notify(("cmd", ws, cmd.id))
+            _command_changed(ctx, ws, cmd)
         for ws, process_id in result.removed:
             ctx.forget_process(ws, process_id)
             ctx.publish(ws, protocol.EVENT_PROCESS, {"action": "removed", "process": {"process_id": process_id}})

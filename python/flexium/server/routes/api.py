@@ -137,7 +137,13 @@ async def next_command(process_id: ProcessIdPath, auth: Auth, ctx: Ctx, wait: Wa
 
 
 @router.post(
-    "/commands", response_model=wire.CommandInfo, status_code=201, summary="Migrate, pause or resume a process"
+    "/commands",
+    response_model=wire.CommandInfo,
+    status_code=201,
+    summary=(
+        "Migrate, pause or resume a process; for a rank of a job of several, the whole job: every rank's "
+        "command is created (this answer is the addressed rank's; its job.operation_id names the operation)"
+    ),
 )
 async def create_command(body: wire.CommandRequest, auth: Auth, ctx: Ctx) -> Any:
     return await services.create_command(ctx, workspace_id=auth.workspace_id, body=body)
@@ -179,6 +185,31 @@ async def get_command(command_id: CommandIdPath, auth: Auth, ctx: Ctx, wait: Wai
 )
 async def report_command(command_id: CommandIdPath, body: wire.CommandReport, auth: Auth, ctx: Ctx) -> Any:
     return await services.report_command(ctx, workspace_id=auth.workspace_id, command_id=command_id, body=body)
+
+
+# --- jobs of several ranks -------------------------------------------------------------------
+
+
+@router.get(
+    "/operations/{operation_id}",
+    response_model=wire.JobOperationInfo,
+    summary="One job operation (every rank's command); with ?wait=S, answers when all ended or after S seconds",
+)
+async def get_operation(
+    operation_id: Annotated[int, Path(ge=1, le=2**31 - 1)], auth: Auth, ctx: Ctx, wait: WaitQuery = None
+) -> Any:
+    return await services.wait_operation(ctx, workspace_id=auth.workspace_id, operation_id=operation_id, wait=wait)
+
+
+@router.get("/jobs", response_model=list[wire.JobSummary], summary="Jobs of several ranks, each with its ranks")
+async def list_jobs(auth: Auth, ctx: Ctx) -> Any:
+    return await ctx.db.call(
+        storage.list_jobs,
+        write=False,
+        workspace_id=auth.workspace_id,
+        now=time.time(),
+        stale_after=ctx.settings.stale_after_s,
+    )
 
 
 # --- devices, tokens, events ----------------------------------------------------------------

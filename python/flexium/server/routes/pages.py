@@ -225,6 +225,8 @@ def dashboard_view(
         scanned = storage.list_commands(session=session, workspace_id=workspace_id, limit=_COMMAND_SCAN)
         view["last"] = last_finished(scanned)
         view["commands"] = scanned[:_RECENT_COMMANDS]
+    if "processes" in view:
+        view["entries"] = table_entries(view["processes"])
     if commands and "commands" not in view:
         view["commands"] = storage.list_commands(session=session, workspace_id=workspace_id, limit=_RECENT_COMMANDS)
     if devices:
@@ -250,6 +252,30 @@ def dashboard_view(
             stale_after=stale_after,
         )
     return view
+
+
+def table_entries(processes: list[wire.ProcessInfo]) -> list[tuple[str, Any]]:
+    """The process table's rows in order: ("process", ProcessInfo) for a job of its own,
+    ("job", JobSummary) for a job of several ranks, where its first rank would be (its ranks
+    are rendered under it)."""
+    jobs = {job.key: job for job in storage.summarize_jobs(processes)}
+    entries: list[tuple[str, Any]] = []
+    for process in processes:
+        job = jobs.pop(process.job.key, None) if process.job is not None and process.job.world_size > 1 else None
+        if job is not None:
+            entries.append(("job", job))
+        elif process.job is None or process.job.world_size <= 1:
+            entries.append(("process", process))
+    return entries
+
+
+def rank_targets(job: wire.JobSummary, hosts: list[wire.HostInfo]) -> list[tuple[wire.ProcessInfo, list[Any]]]:
+    """(rank, the GPUs it may be sent to: those of its host that it sees) for the job's migrate form."""
+    devices = {(h.host, d.uuid): d for h in hosts for d in h.devices}
+    return [
+        (rank, [devices[(rank.host, uuid)] for uuid in rank.visible_gpus if (rank.host, uuid) in devices])
+        for rank in job.ranks
+    ]
 
 
 # --- auth and responses -----------------------------------------------------------------------
@@ -353,6 +379,17 @@ async def target_form(
         refused=[(t.device, t.refusal) for t in judged if t.refusal is not None],
     )
     return _render(request, "fragments/targets.html", view)
+
+
+@router.get("/ui/jobs/{job_key:path}/migrate", response_class=HTMLResponse)
+async def job_migrate_form(request: Request, ctx: Ctx, auth: FragmentAuth, job_key: str) -> Response:
+    """The migrate form of a job of several ranks: a GPU for each rank, where it is by default."""
+    view = await _view(request, ctx, auth, commands=False)
+    job = next((item for kind, item in view["entries"] if kind == "job" and item.key == job_key), None)
+    if job is None:
+        return Response("", status_code=404, headers=_HEADERS)
+    view.update(job=job, rank_targets=rank_targets(job, view["hosts"]))
+    return _render(request, "fragments/job_migrate.html", view)
 
 
 @router.get("/ui/devices", response_class=HTMLResponse)

@@ -110,8 +110,8 @@
 
   function restoreFocus(was) {
     if (!was || (document.activeElement && document.activeElement !== document.body)) { return; }
-    var row = rowOf(was.id);
-    var button = row && row.querySelector('[data-action="' + was.action + '"]');
+    // A job's buttons are on its own row: look for the button itself, not the process's row.
+    var button = rows.querySelector('[data-action="' + was.action + '"][data-process-id="' + CSS.escape(was.id) + '"]');
     if (button && !button.disabled) { button.focus(); }
   }
 
@@ -123,7 +123,11 @@
     return values.map(function (v) { return name + "=" + encodeURIComponent(v); }).join("&");
   }
 
-  function rowChanged(processId) {
+  // A rank's row sits under its job's row, which sums up every rank: a change to a rank
+  // re-renders the whole table (jobs are few; the order and the job row stay right).
+  function rowChanged(processId, inJob) {
+    var row = rowOf(processId);
+    if (inJob || (row && row.dataset.jobKey)) { stale.allRows = true; }
     stale.rows.add(processId);
     schedule("rows", flushRows);
   }
@@ -147,13 +151,20 @@
       stale.allRows = stale.allRows || all;
       throw err;
     }
+    var got = fragment(html || "");
+    if (!all && got.querySelector("tr[data-job-key]")) {  // a rank we did not know: its job's rows too
+      ids.forEach(function (id) { stale.rows.add(id); });
+      stale.allRows = true;
+      schedule("rows", flushRows);
+      return;
+    }
     var fresh = new Map();
-    fragment(html || "").querySelectorAll("tr.proc").forEach(function (row) {
+    got.querySelectorAll("tr.proc").forEach(function (row) {
       fresh.set(row.dataset.processId, row);
     });
     var focus = focusedAction();
     if (all) {
-      rows.replaceChildren.apply(rows, Array.from(fresh.values()));
+      rows.replaceChildren.apply(rows, Array.from(got.querySelectorAll("tr.proc, tr.job")));
     } else {
       ids.forEach(function (id) {
         var old = rowOf(id), row = fresh.get(id);
@@ -263,6 +274,12 @@
       row.hidden = !ok;
       if (ok) { shown++; }
     });
+    rows.querySelectorAll("tr.job").forEach(function (jobRow) {
+      var key = jobRow.dataset.jobKey;
+      jobRow.hidden = !Array.prototype.some.call(rows.querySelectorAll("tr.rank"), function (r) {
+        return r.dataset.jobKey === key && !r.hidden;
+      });
+    });
     var count = document.getElementById("shown-count");
     count.textContent = total === 0 ? "" : shown === total
       ? total + (total === 1 ? " process" : " processes") : shown + " of " + total + " shown";
@@ -317,6 +334,33 @@
       el.dismissTimer = setTimeout(function () { el.remove(); tracked.delete(commandId); }, 12000);
     }
     return el;
+  }
+
+  // A job operation sent from this page: one notice for every rank's command.
+  var trackedOps = new Map();   // operation id -> {kind, key, ranks: Map rank -> command}
+
+  function operationNotice(c) {
+    var op = trackedOps.get(c.job.operation_id);
+    if (!op) { return; }
+    op.ranks.set(c.job.rank, c);
+    var parts = [], failed = [], active = false, succeeded = 0;
+    Array.from(op.ranks.keys()).sort(function (a, b) { return a - b; }).forEach(function (rank) {
+      var command = op.ranks.get(rank);
+      parts.push("rank " + rank + " " + command.state);
+      if (command.state === "succeeded") { succeeded++; }
+      else if (command.state === "failed" || command.state === "expired") {
+        failed.push("rank " + rank + ": " + (command.error || command.state));
+      } else { active = true; }
+    });
+    var what = op.kind + " job " + op.key + " (operation " + c.job.operation_id + "): ";
+    var key = "op-" + c.job.operation_id;
+    if (!active && succeeded === c.job.world_size) {
+      notify(what + "succeeded on every rank", "ok", key);
+    } else if (!active && op.ranks.size === c.job.world_size) {
+      notify(what + "failed: " + failed.join("; "), "error", key);
+    } else {
+      notify(what + parts.join(", ") + "…", "progress", key);
+    }
   }
 
   // A command names its GPU by UUID only; the index shown is the one its GPU card shows.
@@ -378,6 +422,38 @@
     return command;
   }
 
+  // A pause, resume or migrate of a whole job: sent to one rank, the server gives every rank its share.
+  async function sendJobCommand(kind, processId, key, ranks) {
+    var payload = {kind: kind, process_id: processId};
+    if (ranks) { payload.ranks = ranks; }
+    var command = await api("POST", "/commands", payload);
+    if (command.job) {
+      trackedOps.set(command.job.operation_id, {kind: kind, key: key, ranks: new Map()});
+      operationNotice(command);
+    }
+    rowChanged(processId, true);
+    return command;
+  }
+
+  async function openJobMigrate(key, opener) {
+    var html = await fetchFragment("/ui/jobs/" + encodeURIComponent(key) + "/migrate");
+    if (html === null) {
+      notify("job " + key + " is gone", "error");
+      return;
+    }
+    dialogBody.replaceChildren(fragment(html));
+    dialog.opener = opener;
+    dialog.showModal();
+    var first = dialogBody.querySelector("select");
+    if (first) { first.focus(); }
+  }
+
+  function jobRanks(form) {
+    var ranks = {};
+    form.querySelectorAll("select[data-rank]").forEach(function (select) { ranks[select.dataset.rank] = select.value; });
+    return ranks;
+  }
+
   async function openTargets(kind, processId, opener) {
     var html = await fetchFragment("/ui/processes/" + encodeURIComponent(processId) + "/targets?kind=" + kind);
     if (html === null) {
@@ -400,7 +476,11 @@
     error.hidden = true;
     submit.disabled = true;
     try {
-      await sendCommand(form.dataset.kind, form.dataset.processId, choice ? choice.value : "");
+      if (form.dataset.jobKey) {
+        await sendJobCommand(form.dataset.kind, form.dataset.processId, form.dataset.jobKey, jobRanks(form));
+      } else {
+        await sendCommand(form.dataset.kind, form.dataset.processId, choice ? choice.value : "");
+      }
       dialog.close();
     } catch (err) {
       error.textContent = err.message;
@@ -412,6 +492,15 @@
   });
 
   dialog.addEventListener("click", function (ev) {
+    if (ev.target.closest("[data-swap]")) {            // two ranks: each takes the other's GPU
+      var selects = dialogBody.querySelectorAll("select[data-rank]");
+      if (selects.length === 2) {
+        var first = selects[0].dataset.current, second = selects[1].dataset.current;
+        selects[0].value = second;
+        selects[1].value = first;
+      }
+      return;
+    }
     if (ev.target === dialog || ev.target.closest("[data-close]")) { dialog.close(); }
   });
 
@@ -437,6 +526,11 @@
       } else if (action === "pause") {
         button.disabled = true;
         await sendCommand("pause", processId, null);
+      } else if (action === "job-pause" || action === "job-resume") {
+        button.disabled = true;
+        await sendJobCommand(action.slice(4), processId, button.dataset.jobKey, null);
+      } else if (action === "job-migrate") {
+        await openJobMigrate(button.dataset.jobKey, button);
       } else if (action === "forget") {
         button.disabled = true;
         await api("DELETE", "/processes/" + encodeURIComponent(processId));
@@ -467,9 +561,10 @@
     var row = rowOf(id);
     var host = p.host || (row ? row.dataset.host : null);
     if (data.action === "removed") {
-      if (row) { row.remove(); applyFilters(); }
+      if (row && row.dataset.jobKey) { rowChanged(id, true); }
+      else if (row) { row.remove(); applyFilters(); }
     } else {
-      rowChanged(id);
+      rowChanged(id, Boolean(p.job && p.job.world_size > 1));
     }
     if (host) { hostChanged(host); }
   }
@@ -478,7 +573,8 @@
     var c = JSON.parse(ev.data).command;
     if (!c) { return; }
     commandNotice(c);
-    rowChanged(c.process_id);
+    if (c.job) { operationNotice(c); }
+    rowChanged(c.process_id, Boolean(c.job));
     schedule("commands", refreshCommands);
   }
 

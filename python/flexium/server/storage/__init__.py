@@ -12,6 +12,7 @@ admin commands read, as a ``WorkspaceRecord``), and they raise
 from flexium.server.storage.commands import (
     count_commands,
     create_command,
+    create_commands,
     get_command,
     judge_targets,
     list_commands,
@@ -19,10 +20,9 @@ from flexium.server.storage.commands import (
     peek_command,
     pending_commands,
     report_command,
-    resolve_target,
-    target_refusal,
 )
 from flexium.server.storage.devices import device_indexes, list_devices, upsert_devices
+from flexium.server.storage.jobs import get_operation, list_jobs, summarize_jobs
 from flexium.server.storage.processes import (
     HeartbeatOutcome,
     ProcessSnapshot,
@@ -37,6 +37,7 @@ from flexium.server.storage.processes import (
     unregister_process,
 )
 from flexium.server.storage.sweep import SweepResult, sweep
+from flexium.server.storage.targets import resolve_target, target_refusal
 from flexium.server.storage.workspaces import (
     AuthInfo,
     WorkspaceRecord,
@@ -66,9 +67,11 @@ __all__ = [
     "target_refusal",
     "count_processes",
     "create_command",
+    "create_commands",
     "create_workspace",
     "ensure_default_workspace",
     "get_command",
+    "get_operation",
     "get_process",
     "get_workspace",
     "hash_token",
@@ -77,6 +80,7 @@ __all__ = [
     "judge_targets",
     "list_commands",
     "list_devices",
+    "list_jobs",
     "list_processes",
     "list_tokens",
     "list_workspaces",
@@ -90,6 +94,7 @@ __all__ = [
     "register_process_snapshot",
     "report_command",
     "revoke_token",
+    "summarize_jobs",
     "sweep",
     "unregister_process",
     "upsert_devices",

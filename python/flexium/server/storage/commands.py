@@ -5,7 +5,8 @@ Checked before a row is written (each a 4xx with a message): the process exists 
 alive, it has no active command, its state allows the operation, its capabilities include
 it, and the target GPU is on its host, of its model, visible to it, healthy and has room.
 The unique partial index ``uq_commands_one_active`` backs the one-active-command rule against
-races.
+races. A rank of a job of several gets its command as a share of a job operation, with the
+job's own checks (``storage.jobs``); the target rules are ``storage.targets``'.
 
 A long-poll hands out the oldest queued *or delivered* command: a command whose delivery was
 never acknowledged (the answer was lost, the server restarted) goes out again on the next
@@ -14,7 +15,6 @@ poll, so a process may see one command twice and must ignore an id it already ra
 
 from __future__ import annotations
 
-import re
 from typing import Optional, Union
 
 from sqlalchemy import bindparam, func, select, update
@@ -22,115 +22,15 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from flexium import protocol, wire
-from flexium.server.errors import Busy, CapabilityMissing, InvalidRequest, InvalidState, NotFound, Stale, TargetRefused
+from flexium.server.errors import Busy, InvalidRequest, InvalidState, NotFound, Stale, TargetRefused
 from flexium.server.models import Command, Device, Process, table_of
-from flexium.server.storage.devices import find_device_hosts, host_devices, list_devices
+from flexium.server.storage.devices import host_devices, list_devices
+from flexium.server.storage.jobs import create_job_commands, is_job_rank
 from flexium.server.storage.processes import active_command, apply_process_update, find_process, is_older, shown_process
+from flexium.server.storage.targets import check_target, require_capability, resolve_target, target_refusal
 from flexium.server.storage.views import command_view, is_stale, stored_capabilities
 
 _RUNNING_STATE = {"migrate": "MIGRATING", "pause": "PAUSING", "resume": "RESUMING"}
-# ASCII digits only: str.isdigit() also takes "²", which int() then refuses.
-_DIGITS = re.compile(r"[0-9]+")
-_GIB = float(1 << 30)
-
-
-def _gib(n: int) -> str:
-    return f"{n / _GIB:.1f} GiB"
-
-
-def _require_capability(proc: Process, key: str, what: str) -> None:
-    caps = stored_capabilities(proc)
-    if not (caps.migration if key == protocol.CAP_MIGRATION else caps.pause_resume):
-        # The process knows why (no GPU, no engine, driver too old...): its word first.
-        problems = [p for p in caps.problems if p]
-        if problems:
-            raise CapabilityMissing(
-                f"process {proc.process_id!r} cannot {what}: it reports no {key!r} capability: {'; '.join(problems)}"
-            )
-        driver = caps.driver_version or proc.driver_version or "unknown"
-        need = "580+" if key == protocol.CAP_MIGRATION else "550+"
-        raise CapabilityMissing(
-            f"process {proc.process_id!r} cannot {what}: it reports no "
-            f"{key!r} capability (driver {driver}; {what} needs driver {need})"
-        )
-
-
-def resolve_target(*, session: Session, proc: Process, target: Union[str, int]) -> Device:
-    """The one reading of a person's target text (the CLI's help and ``wire.CommandRequest``
-    say the same): ``cuda:N`` is entry N of the process's ``visible_gpus`` (the job's own CUDA
-    numbering, as it registered), a bare integer or digits the nvidia-smi index on the
-    process's host, anything else a GPU UUID. Commands carry only the UUID it resolves to."""
-    devices = host_devices(session=session, workspace_id=proc.workspace_id, host=proc.host)
-    if isinstance(target, bool):
-        raise InvalidRequest("target must be a GPU UUID, an index on the process's host, or 'cuda:N'")
-    if isinstance(target, int) or _DIGITS.fullmatch(target):
-        index = int(target)
-        for dev in devices.values():
-            if dev.index == index:
-                return dev
-        raise TargetRefused(f"host {proc.host!r} reported no GPU with index {index}")
-    text = target.strip()
-    if text.startswith("cuda:"):
-        ordinal = text[5:]
-        visible = list(proc.visible_gpus or [])
-        if not _DIGITS.fullmatch(ordinal):
-            raise InvalidRequest(f"target {text!r} is not 'cuda:N' (N: the job's CUDA ordinal, in digits 0-9)")
-        if not visible:
-            raise TargetRefused(
-                f"process {proc.process_id!r} did not report its visible GPUs; name the target by UUID or by index"
-            )
-        if int(ordinal) >= len(visible):
-            raise TargetRefused(f"process {proc.process_id!r} sees {len(visible)} GPU(s); {text} is not one of them")
-        text = visible[int(ordinal)]
-    if not text:
-        raise InvalidRequest("target is empty")
-    found = devices.get(text)
-    if found is not None:
-        return found
-    elsewhere = [
-        h for h in find_device_hosts(session=session, workspace_id=proc.workspace_id, uuid=text) if h != proc.host
-    ]
-    if elsewhere:
-        raise TargetRefused(f"GPU {text} is on host {elsewhere[0]!r}, not on the process's host {proc.host!r}")
-    raise TargetRefused(f"unknown GPU {text!r} on host {proc.host!r}")
-
-
-# A refusal that is the process's lack, not the GPU's: command creation answers it as a
-# missing capability.
-_RESUME_ELSEWHERE = "resuming on another GPU needs the migration capability"
-
-
-def target_refusal(*, proc: Process, dev: Device, kind: str, now: float, stale_after: float) -> Optional[str]:
-    """Why GPU ``dev`` cannot take ``proc`` for a ``kind`` command, in a few words; None when
-    it can. The one statement of the target rules: command creation raises it, the resume
-    choice picks by it, the dashboard's dialog and ``GET .../targets`` show it."""
-    visible = list(proc.visible_gpus or [])
-    if kind == "migrate" and dev.uuid == proc.gpu_uuid:
-        return "the job is already on it"
-    if visible and dev.uuid not in visible:
-        return "not visible to the job (CUDA_VISIBLE_DEVICES)"
-    if proc.gpu_model and dev.name and dev.name != proc.gpu_model:
-        # The driver restores a checkpoint only on a GPU of the model it was taken on.
-        return f"{dev.name}; the job runs on {proc.gpu_model} (jobs move only between GPUs of one model)"
-    if dev.health and dev.health not in protocol.TARGETABLE_HEALTH:
-        return f"health: {dev.health}"
-    if dev.updated_at < now - stale_after:
-        return "no fresh report from its host"
-    need = max(proc.footprint_bytes, proc.memory_bytes)
-    free = max(0, dev.memory_total - dev.memory_used)
-    if free < need:
-        return f"{_gib(free)} free, the job needs {_gib(need)}"
-    if kind == "resume" and proc.gpu_uuid and dev.uuid != proc.gpu_uuid and not stored_capabilities(proc).migration:
-        return _RESUME_ELSEWHERE
-    return None
-
-
-def _check_target(proc: Process, dev: Device, *, kind: str, now: float, stale_after: float) -> None:
-    reason = target_refusal(proc=proc, dev=dev, kind=kind, now=now, stale_after=stale_after)
-    if reason == _RESUME_ELSEWHERE:
-        _require_capability(proc, protocol.CAP_MIGRATION, "resume on another GPU")
-    if reason is not None:
-        raise TargetRefused(f"GPU {dev.uuid} cannot take process {proc.process_id!r}: {reason}")
 
 
 def judge_targets(
@@ -189,12 +89,55 @@ def create_command(
     kind: str,
     process_id: str,
     target: Union[str, int, None] = None,
+    ranks: Optional[dict[str, Union[str, int]]] = None,
     now: float,
     stale_after: float,
 ) -> wire.CommandInfo:
+    """The command for ``process_id`` (for a rank of a job of several, its share of the job
+    operation ``create_commands`` writes)."""
+    return create_commands(
+        session=session,
+        workspace_id=workspace_id,
+        kind=kind,
+        process_id=process_id,
+        target=target,
+        ranks=ranks,
+        now=now,
+        stale_after=stale_after,
+    )[0]
+
+
+def create_commands(
+    *,
+    session: Session,
+    workspace_id: int,
+    kind: str,
+    process_id: str,
+    target: Union[str, int, None] = None,
+    ranks: Optional[dict[str, Union[str, int]]] = None,
+    now: float,
+    stale_after: float,
+) -> list[wire.CommandInfo]:
+    """The commands one request creates, the addressed process's first: its own alone, or, for
+    a rank of a job of several, one per rank (``storage.jobs``)."""
     if kind not in protocol.COMMAND_KINDS:
         raise InvalidRequest(f"unknown command kind {kind!r}: use migrate, pause or resume")
     proc = find_process(session=session, workspace_id=workspace_id, process_id=process_id, for_update=True)
+    if is_job_rank(proc):
+        return create_job_commands(
+            session=session,
+            workspace_id=workspace_id,
+            addressed=proc,
+            kind=kind,
+            target=target,
+            ranks=ranks,
+            now=now,
+            stale_after=stale_after,
+        )
+    if ranks is not None:
+        raise InvalidRequest(
+            f"ranks is for a rank of a job of several processes; process {process_id!r} is a job of its own: use target"
+        )
     if is_stale(proc, now=now, stale_after=stale_after):
         raise Stale(f"process {process_id!r} sent no heartbeat for {now - proc.last_seen:.0f} s; it is not listening")
     active = active_command(session=session, process_pk=proc.pk)
@@ -210,24 +153,24 @@ def create_command(
         if proc.state != "RUNNING":
             hint = "; resume it with a target instead" if proc.state == "PAUSED" else ""
             raise InvalidState(f"cannot migrate process {process_id!r}: it is {proc.state}{hint}")
-        _require_capability(proc, protocol.CAP_MIGRATION, "migrate")
+        require_capability(proc, protocol.CAP_MIGRATION, "migrate")
         if target is None or target == "":
             raise InvalidRequest("migrate needs a target GPU")
         device = resolve_target(session=session, proc=proc, target=target)
-        _check_target(proc, device, kind=kind, now=now, stale_after=stale_after)
+        check_target(proc, device, kind=kind, now=now, stale_after=stale_after)
     elif kind == "pause":
         if proc.state != "RUNNING":
             raise InvalidState(f"cannot pause process {process_id!r}: it is {proc.state}")
-        _require_capability(proc, protocol.CAP_PAUSE_RESUME, "pause")
+        require_capability(proc, protocol.CAP_PAUSE_RESUME, "pause")
         if target is not None:
             raise InvalidRequest("pause takes no target")
     else:
         if proc.state != "PAUSED":
             raise InvalidState(f"cannot resume process {process_id!r}: it is {proc.state}, not PAUSED")
-        _require_capability(proc, protocol.CAP_PAUSE_RESUME, "resume")
+        require_capability(proc, protocol.CAP_PAUSE_RESUME, "resume")
         if target is not None and target != "":
             device = resolve_target(session=session, proc=proc, target=target)
-            _check_target(proc, device, kind=kind, now=now, stale_after=stale_after)
+            check_target(proc, device, kind=kind, now=now, stale_after=stale_after)
         else:
             device = _choose_resume_target(session=session, proc=proc, now=now, stale_after=stale_after)
     row = Command(
@@ -244,7 +187,7 @@ def create_command(
         session.flush()
     except IntegrityError:
         raise Busy(f"process {process_id!r} already has an active command; one at a time") from None
-    return command_view(row, process_id)
+    return [command_view(row, process_id)]
 
 
 def _find_command(

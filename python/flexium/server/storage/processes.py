@@ -10,7 +10,7 @@ from sqlalchemy import bindparam, case, func, select, update
 from sqlalchemy.orm import Session
 
 from flexium import protocol, wire
-from flexium.server.errors import NotFound
+from flexium.server.errors import InvalidRequest, NotFound
 from flexium.server.models import Command, Process, table_of
 from flexium.server.storage.devices import device_indexes, upsert_devices
 from flexium.server.storage.views import process_view
@@ -144,6 +144,8 @@ def register_process_snapshot(
 ) -> tuple[wire.ProcessInfo, bool, ProcessSnapshot]:
     """Create or refresh a process from its registration (every field is replaced; missing
     ones take their defaults); returns (process, created)."""
+    if report.job is not None and report.job.rank >= report.job.world_size:
+        raise InvalidRequest(f"job.rank {report.job.rank} is not a rank of a job of world_size {report.job.world_size}")
     row = session.scalar(
         select(Process)
         .where(Process.workspace_id == workspace_id, Process.process_id == report.process_id)
@@ -156,6 +158,7 @@ def register_process_snapshot(
     for name in _REGISTER_FIELDS:
         setattr(row, name, getattr(report, name))
     row.capabilities = report.capabilities.model_dump(mode="json")
+    _set_job(row, report.job)
     row.last_seen = now
     row.state_seq = report.seq
     _apply_footprint(row, footprint=report.footprint_bytes)
@@ -165,6 +168,16 @@ def register_process_snapshot(
     active = None if created else active_command(session=session, process_pk=row.pk)
     shown = shown_process(session=session, row=row, now=now, stale_after=stale_after, active=active)
     return shown, created, ProcessSnapshot.of(row)
+
+
+def _set_job(row: Process, job: Optional[wire.JobMembership]) -> None:
+    """A registration says the whole of the process's job membership: None clears it."""
+    row.job_key = job.key if job else None
+    row.job_rank = job.rank if job else None
+    row.job_world_size = job.world_size if job else None
+    row.job_local_rank = job.local_rank if job else None
+    row.job_local_world_size = job.local_world_size if job else None
+    row.job_node_rank = job.node_rank if job else None
 
 
 def load_snapshots(*, session: Session) -> list[tuple[int, str, ProcessSnapshot]]:

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, exists, select
 from sqlalchemy.orm import Session
 
 from flexium import protocol, wire
-from flexium.server.models import Command, Device, Process
+from flexium.server.models import Command, Device, JobOperation, Process
 from flexium.server.storage.processes import shown_process
 from flexium.server.storage.views import command_view
 
@@ -75,6 +75,8 @@ def sweep(
             pks = [d.pk for d in doomed]
             session.execute(delete(Command).where(Command.process_pk.in_(pks)))
             session.execute(delete(Process).where(Process.pk.in_(pks)))
+            # A job operation is its ranks' commands: once none is left, nothing shows it.
+            session.execute(delete(JobOperation).where(~exists().where(Command.operation_id == JobOperation.id)))
             result.removed = [(d.workspace_id, d.process_id) for d in doomed]
         session.execute(delete(Device).where(Device.updated_at < now - remove_after))
     for proc in session.scalars(

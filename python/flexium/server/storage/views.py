@@ -53,6 +53,7 @@ def command_view(row: Command, process_id: str) -> wire.CommandInfo:
             "deliveries": row.deliveries,
             "result": stored_result(row),
             "error": row.error,
+            "job": row.job,
         }
     )
 
@@ -100,5 +101,19 @@ def process_view(
             "last_seen": row.last_seen,
             "cmdline": row.cmdline,
             "active_command": command_view(active, row.process_id) if active is not None else None,
+            "job": job_view(row),
         }
+    )
+
+
+def job_view(row: Process) -> Optional[wire.JobInfo]:
+    if row.job_key is None or row.job_rank is None or row.job_world_size is None:
+        return None
+    return wire.JobInfo(
+        key=row.job_key,
+        rank=row.job_rank,
+        world_size=row.job_world_size,
+        local_rank=row.job_local_rank,
+        local_world_size=row.job_local_world_size,
+        node_rank=row.job_node_rank,
     )

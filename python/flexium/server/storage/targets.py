@@ -1,0 +1,122 @@
+"""Targets of moves: how a person's target text names a GPU (``resolve_target``) and whether
+that GPU can take a process (``target_refusal``), and whether the process can be moved at all
+(``require_capability``). Single commands and job operations both judge by these."""
+
+from __future__ import annotations
+
+import re
+from typing import Optional, Union
+
+from sqlalchemy.orm import Session
+
+from flexium import protocol
+from flexium.server.errors import CapabilityMissing, InvalidRequest, TargetRefused
+from flexium.server.models import Device, Process
+from flexium.server.storage.devices import find_device_hosts, host_devices
+from flexium.server.storage.views import stored_capabilities
+
+# ASCII digits only: str.isdigit() also takes "²", which int() then refuses.
+DIGITS = re.compile(r"[0-9]+")
+_GIB = float(1 << 30)
+
+
+def _gib(n: int) -> str:
+    return f"{n / _GIB:.1f} GiB"
+
+
+def require_capability(proc: Process, key: str, what: str) -> None:
+    caps = stored_capabilities(proc)
+    if not (caps.migration if key == protocol.CAP_MIGRATION else caps.pause_resume):
+        # The process knows why (no GPU, no engine, driver too old...): its word first.
+        problems = [p for p in caps.problems if p]
+        if problems:
+            raise CapabilityMissing(
+                f"process {proc.process_id!r} cannot {what}: it reports no {key!r} capability: {'; '.join(problems)}"
+            )
+        driver = caps.driver_version or proc.driver_version or "unknown"
+        need = "580+" if key == protocol.CAP_MIGRATION else "550+"
+        raise CapabilityMissing(
+            f"process {proc.process_id!r} cannot {what}: it reports no "
+            f"{key!r} capability (driver {driver}; {what} needs driver {need})"
+        )
+
+
+def resolve_target(*, session: Session, proc: Process, target: Union[str, int]) -> Device:
+    """The one reading of a person's target text (the CLI's help and ``wire.CommandRequest``
+    say the same): ``cuda:N`` is entry N of the process's ``visible_gpus`` (the job's own CUDA
+    numbering, as it registered), a bare integer or digits the nvidia-smi index on the
+    process's host, anything else a GPU UUID. Commands carry only the UUID it resolves to."""
+    devices = host_devices(session=session, workspace_id=proc.workspace_id, host=proc.host)
+    if isinstance(target, bool):
+        raise InvalidRequest("target must be a GPU UUID, an index on the process's host, or 'cuda:N'")
+    if isinstance(target, int) or DIGITS.fullmatch(target):
+        index = int(target)
+        for dev in devices.values():
+            if dev.index == index:
+                return dev
+        raise TargetRefused(f"host {proc.host!r} reported no GPU with index {index}")
+    text = target.strip()
+    if text.startswith("cuda:"):
+        ordinal = text[5:]
+        visible = list(proc.visible_gpus or [])
+        if not DIGITS.fullmatch(ordinal):
+            raise InvalidRequest(f"target {text!r} is not 'cuda:N' (N: the job's CUDA ordinal, in digits 0-9)")
+        if not visible:
+            raise TargetRefused(
+                f"process {proc.process_id!r} did not report its visible GPUs; name the target by UUID or by index"
+            )
+        if int(ordinal) >= len(visible):
+            raise TargetRefused(f"process {proc.process_id!r} sees {len(visible)} GPU(s); {text} is not one of them")
+        text = visible[int(ordinal)]
+    if not text:
+        raise InvalidRequest("target is empty")
+    found = devices.get(text)
+    if found is not None:
+        return found
+    elsewhere = [
+        h for h in find_device_hosts(session=session, workspace_id=proc.workspace_id, uuid=text) if h != proc.host
+    ]
+    if elsewhere:
+        raise TargetRefused(f"GPU {text} is on host {elsewhere[0]!r}, not on the process's host {proc.host!r}")
+    raise TargetRefused(f"unknown GPU {text!r} on host {proc.host!r}")
+
+
+# A refusal that is the process's lack, not the GPU's: command creation answers it as a
+# missing capability.
+_RESUME_ELSEWHERE = "resuming on another GPU needs the migration capability"
+
+
+def target_refusal(
+    *, proc: Process, dev: Device, kind: str, now: float, stale_after: float, freed: int = 0
+) -> Optional[str]:
+    """Why GPU ``dev`` cannot take ``proc`` for a ``kind`` command, in a few words; None when
+    it can. The one statement of the target rules: command creation raises it, the resume
+    choice picks by it, the dashboard's dialog and ``GET .../targets`` show it. ``freed``: the
+    bytes other ranks of the same job operation take off ``dev`` as ``proc`` arrives (a swap)."""
+    visible = list(proc.visible_gpus or [])
+    if kind == "migrate" and dev.uuid == proc.gpu_uuid:
+        return "the job is already on it"
+    if visible and dev.uuid not in visible:
+        return "not visible to the job (CUDA_VISIBLE_DEVICES)"
+    if proc.gpu_model and dev.name and dev.name != proc.gpu_model:
+        # The driver restores a checkpoint only on a GPU of the model it was taken on.
+        return f"{dev.name}; the job runs on {proc.gpu_model} (jobs move only between GPUs of one model)"
+    if dev.health and dev.health not in protocol.TARGETABLE_HEALTH:
+        return f"health: {dev.health}"
+    if dev.updated_at < now - stale_after:
+        return "no fresh report from its host"
+    need = max(proc.footprint_bytes, proc.memory_bytes)
+    free = max(0, dev.memory_total - dev.memory_used + freed)
+    if free < need:
+        return f"{_gib(free)} free, the job needs {_gib(need)}"
+    if kind == "resume" and proc.gpu_uuid and dev.uuid != proc.gpu_uuid and not stored_capabilities(proc).migration:
+        return _RESUME_ELSEWHERE
+    return None
+
+
+def check_target(proc: Process, dev: Device, *, kind: str, now: float, stale_after: float, freed: int = 0) -> None:
+    reason = target_refusal(proc=proc, dev=dev, kind=kind, now=now, stale_after=stale_after, freed=freed)
+    if reason == _RESUME_ELSEWHERE:
+        require_capability(proc, protocol.CAP_MIGRATION, "resume on another GPU")
+    if reason is not None:
+        raise TargetRefused(f"GPU {dev.uuid} cannot take process {proc.process_id!r}: {reason}")
