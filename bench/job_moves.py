@@ -22,6 +22,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -60,14 +61,19 @@ def run_job(size: float, *, nccl: Optional[str], hold: float, timeout: float) ->
     if nccl:
         env["LD_PRELOAD"] = nccl
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(JOB)]
-    argv += ["--gb", str(size), "--hold", str(hold), *[a for item in PLAN for a in ("--plan", item)]]
+    out = tempfile.mkdtemp(prefix="flexium-job-moves-")
+    argv += ["--gb", str(size), "--hold", str(hold), "--out", out, *[a for item in PLAN for a in ("--plan", item)]]
     started = time.perf_counter()
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
-        code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
+        code, stderr = proc.returncode, proc.stderr
     except subprocess.TimeoutExpired as exc:
-        code, stdout, stderr = None, str(exc.stdout or ""), str(exc.stderr or "")
-    ranks = {e["rank"]: e for e in (json.loads(line) for line in stdout.splitlines() if line.startswith("{"))}
+        code, stderr = None, str(exc.stderr or "")
+    ranks = {}
+    for name in os.listdir(out):
+        with open(os.path.join(out, name)) as f:
+            found = json.load(f)
+        ranks[found["rank"]] = found
     return {
         "size": size,
         "returncode": code,

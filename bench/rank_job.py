@@ -2,9 +2,9 @@
 AdamW and a ballast that brings the rank's training state to --gb GiB, training on data of its
 own seed; a control thread per rank gives the engine its share of each planned whole-job
 operation, as the server's commands would. At the end every rank prints one JSON line: its
-step end times, its operations' results and what it held.
+step end times, its operations' results and what it held, into --out/rank-N.json.
 
-    torchrun --standalone --nproc-per-node 2 bench/rank_job.py --gb 16 --plan 20:pause --plan 20:resume
+    torchrun --standalone --nproc-per-node 2 bench/rank_job.py --gb 16 --plan 20:pause --plan 20:resume --out /tmp/ranks
 """
 
 from __future__ import annotations
@@ -69,6 +69,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--plan", action="append", default=[])
     parser.add_argument("--hold", type=float, default=1.0, help="seconds each pause lasts")
+    parser.add_argument("--out", required=True, help="folder for each rank's rank-N.json")
     args = parser.parse_args()
 
     flexium.init()

@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import threading
 import time
 from typing import Optional
@@ -38,7 +39,10 @@ BATCH = 512
 
 
 def emit(event: str, **data: object) -> None:
-    print(json.dumps({"event": event, "rank": RANK, **data}), flush=True)
+    # One write per line: the ranks share torchrun's stdout, and a line written at once (under
+    # PIPE_BUF) is never split by another rank's.
+    sys.stdout.write(json.dumps({"event": event, "rank": RANK, **data}) + "\n")
+    sys.stdout.flush()
 
 
 def held_by(pids: list[int]) -> dict[str, int]:

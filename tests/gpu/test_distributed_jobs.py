@@ -130,7 +130,7 @@ def test_an_nccl_communicator_is_suspended_around_a_pause_and_works_after() -> N
     with_suspend = run_job(script="nccl_suspend_job.py", env=env)
     assert with_suspend.returncode == 0, with_suspend.stderr[-4000:]
     seen = with_suspend.one("seen")
-    assert seen["library"] == nccl and seen["can_suspend"] and seen["problem"] is None, seen
+    assert seen["library"] == os.path.realpath(nccl) and seen["can_suspend"] and seen["problem"] is None, seen
     assert seen["communicators"] == ["RawCommunicator"] and seen["suspended"] and seen["resumed"]
     assert seen["held_while_paused"] == 0 and seen["all_reduce_after"] == 3.0
     bundled = run_job(script="nccl_suspend_job.py", env={"LD_PRELOAD": "", "NCCL_NVLS_ENABLE": "0"})
@@ -156,3 +156,104 @@ def test_a_two_rank_gloo_job_on_one_gpu_pauses_and_resumes_as_a_whole() -> None:
         assert pause["path"] == "fast" and "meet" in pause["steps"]
     zero, one = _steps_at_ops(paused)
     assert zero == one
+
+
+# ------------------------------------------------------------------ through the server and the CLI
+
+
+def _server_case(case: str, host_gpus: list[Any]) -> tuple[tuple[str, ...], dict[str, str], Optional[str]]:
+    """(job arguments, environment, LD_PRELOAD) of a case."""
+    if case == "gloo-one-gpu":
+        return ("--backend", "gloo", "--ballast-gb", "0.5"), {"GPU_DEVICE": "cuda:0"}, None
+    if len(host_gpus) < 2:
+        pytest.skip(f"needs 2 GPUs, NVML sees {len(host_gpus)}")
+    return ("--backend", "nccl", "--ballast-gb", "2"), {}, nccl_with_suspend()
+
+
+@pytest.mark.parametrize("case", ["gloo-one-gpu", "nccl-two-gpus"])
+def test_the_server_and_cli_move_a_whole_torchrun_job(host_gpus: list[Any], tmp_path: Any, case: str) -> None:
+    pytest.importorskip("fastapi", reason="the server extra is not installed (ci/gpu-tests.sh installs .whl)")
+    from flexium.engine import nvml
+    from live_server import ProcessOutput, ServerProcess, clean_env, flexium_command, wait_until
+
+    job_args, job_env, preload = _server_case(case, host_gpus)
+    steps = ("--model", "ddp", "--steps", "400", "--step-sleep", "0.03")
+    reference = torchrun(*job_args, *steps[:4], "--step-sleep", "0", nccl=preload, env=job_env)
+    assert reference.returncode == 0, reference.stderr[-4000:]
+
+    server = ServerProcess(tmp_path / "server").start()
+    job: Optional[subprocess.Popen[str]] = None
+    try:
+        home = tmp_path / "home"
+        home.mkdir()
+        env = clean_env(home)
+        env.update(job_env, FLEXIUM_SERVER=f"127.0.0.1:{server.port}/default", FLEXIUM_TOKEN=server.token or "")
+        env.pop("LD_PRELOAD", None)
+        if preload:
+            env["LD_PRELOAD"] = preload
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+        job = subprocess.Popen(
+            [*command, str(HERE / "ddp_job.py"), *job_args, *steps],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        output = ProcessOutput(job)
+        for rank in (0, 1):
+            output.wait_for(rf'^\{{"event": "ready", "rank": {rank}', 180)
+        cli_env = {k: v for k, v in env.items() if k != "LD_PRELOAD"}
+
+        def cli(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([*flexium_command(), *args], env=cli_env, capture_output=True, text=True, timeout=300)
+
+        def ranks() -> list[dict[str, Any]]:
+            done = cli("ps", "--json")
+            assert done.returncode == 0, done.stderr
+            listed = [p for p in json.loads(done.stdout) if p.get("job")]
+            return sorted(listed, key=lambda p: p["job"]["rank"])
+
+        def movable() -> Optional[list[dict[str, Any]]]:
+            found = ranks()
+            ok = len(found) == 2 and all(p["capabilities"].get("job_operations") for p in found)
+            return found if ok else None
+
+        found = wait_until(movable, 120, "both ranks registered as movable with their job")
+        rank0 = found[0]["process_id"]
+        pids = [p["pid"] for p in found]
+
+        def job_command(*args: str) -> dict[str, Any]:
+            done = cli(*args, "--json")
+            assert done.returncode == 0, (
+                f"flexium {' '.join(args)}: {done.stdout}\n{done.stderr}\n{output.text[-4000:]}"
+            )
+            operation = json.loads(done.stdout)
+            assert operation["state"] == "succeeded" and len(operation["commands"]) == 2, operation
+            return operation
+
+        def held(pid: int) -> dict[str, int]:
+            return {gpu.uuid: gpu.used_by(pid) or 0 for gpu in nvml.host_gpus()}
+
+        paused = job_command("pause", rank0)
+        assert {c["result"]["path"] for c in paused["commands"]} == {"fast"}, paused
+        for pid in pids:
+            assert sum(held(pid).values()) == 0, f"rank pid {pid} holds {held(pid)} while paused"
+        job_command("resume", rank0)
+        if case == "nccl-two-gpus":
+            before = [held(pid) for pid in pids]
+            job_command("migrate", rank0, "--ranks", "0=cuda:1,1=cuda:0")
+            after = [held(pid) for pid in pids]
+            for rank in (0, 1):
+                was = [u for u, b in before[rank].items() if b > 0]
+                now = [u for u, b in after[rank].items() if b > 0]
+                assert len(was) == len(now) == 1 and was != now, (before, after)
+            job_command("migrate", rank0, "--ranks", "0=cuda:0,1=cuda:1")
+        assert job.wait(timeout=300) == 0, output.text[-4000:]
+        lines = [json.loads(line) for line in output.lines if line.startswith('{"event": "step"')]
+        for rank in (0, 1):
+            trace = [e["loss"] for e in lines if e["rank"] == rank]
+            assert trace == reference.losses(rank)[: len(trace)] and len(trace) == 400, f"rank {rank} differs"
+    finally:
+        if job is not None and job.poll() is None:
+            job.kill()
+        server.stop()

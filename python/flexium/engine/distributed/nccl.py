@@ -64,11 +64,13 @@ _library: Optional[NcclLibrary] = None
 
 
 def loaded_library() -> Optional[NcclLibrary]:
-    """The libnccl this process has loaded (torch's, or one put first by LD_PRELOAD), or None."""
+    """The libnccl this process's communicators run on, or None. A job may have two mapped:
+    torch loads its own wheel's by path, and an LD_PRELOADed newer one comes first in the
+    global scope, where torch's calls resolve."""
     global _library
     if _library is not None:
         return _library
-    path = _mapped_path("libnccl")
+    path = _global_symbol_path("ncclGetVersion") or _mapped_path("libnccl")
     if path is None:
         return None
     try:
@@ -81,6 +83,30 @@ def loaded_library() -> Optional[NcclLibrary]:
     can_suspend = all(hasattr(handle, name) for name in ("ncclCommSuspend", "ncclCommResume", "ncclCommMemStats"))
     _library = NcclLibrary(path=path, version=version.value, can_suspend=can_suspend, handle=handle)
     return _library
+
+
+class _DlInfo(ctypes.Structure):
+    _fields_ = [
+        ("dli_fname", ctypes.c_char_p),
+        ("dli_fbase", ctypes.c_void_p),
+        ("dli_sname", ctypes.c_char_p),
+        ("dli_saddr", ctypes.c_void_p),
+    ]
+
+
+def _global_symbol_path(symbol: str) -> Optional[str]:
+    """The file that defines `symbol` first in the process's global scope (dlsym(RTLD_DEFAULT)),
+    or None when no object loaded globally defines it."""
+    try:
+        scope = ctypes.CDLL(None)
+        address = ctypes.cast(getattr(scope, symbol), ctypes.c_void_p)
+        info = _DlInfo()
+        if not scope.dladdr(address, ctypes.byref(info)) or not info.dli_fname:
+            return None
+        name: bytes = info.dli_fname
+        return os.path.realpath(name.decode(errors="replace"))
+    except (OSError, AttributeError):
+        return None
 
 
 def _mapped_path(name: str) -> Optional[str]:
