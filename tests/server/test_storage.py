@@ -491,9 +491,11 @@ def test_capability_refusal_quotes_the_process_problems(db: Database) -> None:
         _command(db, ws, "migrate", "old", 1)
 
 
-def test_one_rank_of_a_distributed_job_is_refused_at_creation(db: Database, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The capabilities a rank of a 2-rank torchrun job reports (client/reports.py) make the
-    server refuse its pause and migrate with the process's own reason."""
+def test_a_rank_that_cannot_move_with_its_job_is_refused_at_creation(
+    db: Database, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The capabilities a rank of a 2-rank torchrun job reports before its process group exists
+    (client/reports.py) make the server refuse its pause and migrate with the process's own reason."""
     from types import SimpleNamespace
 
     from flexium.cli.remote import _moves
@@ -516,7 +518,10 @@ def test_one_rank_of_a_distributed_job_is_refused_at_creation(db: Database, monk
             _command(db, ws, kind, "rank-0", target)
         assert info.value.message.startswith(f"process 'rank-0' cannot {kind}: it reports no ")
         assert "this process is rank 0 of 2 of a torch.distributed job" in info.value.message
-        assert "would break the whole job" in info.value.message and "driver" not in info.value.message
+        assert "the job cannot be paused or moved as a whole: the job has not started its process group" in (
+            info.value.message
+        )
+        assert "driver" not in info.value.message
 
 
 def test_stale_process_refuses_commands(db: Database) -> None:
