@@ -165,6 +165,25 @@ def rank_body(
     return body
 
 
+def migrate_to(db: Database, step: Any, revision: str) -> None:
+    """``Database.upgrade``'s path (one open connection, SQLite's pragmas on), to a revision;
+    `step` is ``alembic.command.upgrade`` or ``downgrade``."""
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", "flexium.server:migrations")
+    with db.engine.begin() as conn:
+        config.attributes["connection"] = conn
+        step(config, revision)
+
+
+def columns(db: Database, table: str) -> set[str]:
+    from sqlalchemy import inspect
+
+    with db.engine.connect() as conn:
+        return {c["name"] for c in inspect(conn).get_columns(table)}
+
+
 def table_snapshot(db: Database) -> dict[str, list[tuple[Any, ...]]]:
     """Every row of every table, to show a refused request changed nothing."""
     from sqlalchemy import text

@@ -14,7 +14,7 @@ from flexium import wire
 from flexium.server import errors, storage
 from flexium.server.db import Database
 from flexium.server.settings import normalize_database_url
-from srv_helpers import GIB, Api, rank_body, table_snapshot
+from srv_helpers import GIB, Api, columns, migrate_to, rank_body, table_snapshot
 
 NOW = 1_800_000_000.0
 STALE = 30.0
@@ -491,30 +491,13 @@ def test_api_job_operation_round_trip(api: Api) -> None:
 # --- migration 0005 ---------------------------------------------------------------------------
 
 
-def _migrate(db: Database, step: Any, revision: str) -> None:
-    from alembic.config import Config
-
-    config = Config()
-    config.set_main_option("script_location", "flexium.server:migrations")
-    with db.engine.begin() as conn:
-        config.attributes["connection"] = conn
-        step(config, revision)
-
-
-def _columns(db: Database, table: str) -> set[str]:
-    from sqlalchemy import inspect
-
-    with db.engine.connect() as conn:
-        return {c["name"] for c in inspect(conn).get_columns(table)}
-
-
 def test_0005_keeps_processes_and_commands_and_goes_back(database_url: str) -> None:
     """A server upgraded with jobs attached and commands stored keeps them all (on SQLite the
     commands table is copied: ids, the one-active index and never-reused ids survive)."""
     from alembic import command
 
     db = Database(normalize_database_url(database_url))
-    _migrate(db, command.upgrade, "0004")
+    migrate_to(db, command.upgrade, "0004")
     with db.session(write=True) as s:
         s.execute(text("INSERT INTO workspaces (id, name, created_at) VALUES (1, 'team', 0)"))
         s.execute(
@@ -536,8 +519,8 @@ def test_0005_keeps_processes_and_commands_and_goes_back(database_url: str) -> N
                 {"state": state, "now": NOW},
             )
     db.upgrade()
-    assert {"job_key", "job_rank", "job_world_size"} <= _columns(db, "processes")
-    assert {"operation_id", "job"} <= _columns(db, "commands")
+    assert {"job_key", "job_rank", "job_world_size"} <= columns(db, "processes")
+    assert {"operation_id", "job"} <= columns(db, "commands")
     proc = db.run(storage.get_process, write=False, workspace_id=1, process_id="gpu-1", now=NOW, stale_after=STALE)
     assert proc.job is None and proc.gpu_uuid == "GPU-0002"
     assert proc.active_command is not None and proc.active_command.id == 2 and proc.active_command.job is None
@@ -564,14 +547,14 @@ def test_0005_keeps_processes_and_commands_and_goes_back(database_url: str) -> N
     _register(db, 1, rank_body(0))
     _register(db, 1, rank_body(1))
     assert len(_create(db, 1, "pause")) == 2
-    _migrate(db, command.downgrade, "0004")
-    assert not {"job_key", "job_rank"} & _columns(db, "processes")
-    assert not {"operation_id", "job"} & _columns(db, "commands")
+    migrate_to(db, command.downgrade, "0004")
+    assert not {"job_key", "job_rank"} & columns(db, "processes")
+    assert not {"operation_id", "job"} & columns(db, "commands")
     with db.session(write=False) as s:
         assert s.execute(text("SELECT count(*) FROM commands")).scalar() == 4
         assert s.execute(text("SELECT count(*) FROM processes")).scalar() == 3
     db.upgrade()
-    assert "job_key" in _columns(db, "processes")
+    assert "job_key" in columns(db, "processes")
     db.dispose()
 
 

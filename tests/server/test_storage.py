@@ -14,7 +14,7 @@ from flexium import wire
 from flexium.server import errors, storage
 from flexium.server.db import Database
 from flexium.server.settings import normalize_database_url
-from srv_helpers import GIB, gpu, process_body
+from srv_helpers import GIB, columns, gpu, migrate_to, process_body
 
 NOW = 1_800_000_000.0
 STALE = 30.0
@@ -84,24 +84,6 @@ def test_schema_newer_than_code_is_refused(db: Database) -> None:
         db.upgrade()
 
 
-def _migrate(db: Database, step: Callable[..., None], revision: str) -> None:
-    """``Database.upgrade``'s path (one open connection, SQLite's pragmas on), to a revision."""
-    from alembic.config import Config
-
-    config = Config()
-    config.set_main_option("script_location", "flexium.server:migrations")
-    with db.engine.begin() as conn:
-        config.attributes["connection"] = conn
-        step(config, revision)
-
-
-def _columns(db: Database, table: str) -> set[str]:
-    from sqlalchemy import inspect
-
-    with db.engine.connect() as conn:
-        return {c["name"] for c in inspect(conn).get_columns(table)}
-
-
 def test_0004_moves_a_live_process_to_its_gpu_uuid_and_back(database_url: str) -> None:
     """A server upgraded with a job attached (and a command queued for it) keeps both; the
     dropped index and cuda:N come back derived. Batch mode copies the table on SQLite, where
@@ -109,7 +91,7 @@ def test_0004_moves_a_live_process_to_its_gpu_uuid_and_back(database_url: str) -
     from alembic import command
 
     db = Database(normalize_database_url(database_url))
-    _migrate(db, command.upgrade, "0003")
+    migrate_to(db, command.upgrade, "0003")
     with db.session(write=True) as s:
         s.execute(text("INSERT INTO workspaces (id, name, created_at) VALUES (1, 'team', 0)"))
         s.execute(
@@ -137,7 +119,7 @@ def test_0004_moves_a_live_process_to_its_gpu_uuid_and_back(database_url: str) -
             {"now": NOW},
         )
     db.upgrade()
-    assert not {"gpu_index", "physical_device"} & _columns(db, "processes")
+    assert not {"gpu_index", "physical_device"} & columns(db, "processes")
     proc = db.run(storage.get_process, write=False, workspace_id=1, process_id="gpu-1", now=NOW, stale_after=STALE)
     assert (proc.gpu_uuid, proc.gpu_index, proc.physical_device) == ("GPU-0002", 2, "cuda:1")
     assert proc.active_command is not None and proc.active_command.kind == "pause"
@@ -149,8 +131,8 @@ def test_0004_moves_a_live_process_to_its_gpu_uuid_and_back(database_url: str) -
             ),
             {"now": NOW},
         )
-    _migrate(db, command.downgrade, "0003")
-    assert {"gpu_index", "physical_device"} <= _columns(db, "processes")
+    migrate_to(db, command.downgrade, "0003")
+    assert {"gpu_index", "physical_device"} <= columns(db, "processes")
     with db.session(write=False) as s:
         assert s.execute(text("SELECT gpu_uuid, gpu_index, physical_device FROM processes")).one() == (
             "GPU-0002",
@@ -159,7 +141,7 @@ def test_0004_moves_a_live_process_to_its_gpu_uuid_and_back(database_url: str) -
         )
         assert s.execute(text("SELECT count(*) FROM commands")).scalar() == 1
     db.upgrade()
-    assert not {"gpu_index", "physical_device"} & _columns(db, "processes")
+    assert not {"gpu_index", "physical_device"} & columns(db, "processes")
     db.dispose()
 
 

@@ -117,7 +117,7 @@ def _prepare_job_environment() -> None:
     job = membership.describe()
     if job.multi_process and not job.initialized:
         for setting in nccl.prepare_environment():
-            log.info("set %s for this rank so that its job can be paused and moved as a whole", setting)
+            log.debug("set %s for this rank so that its job can be paused and moved as a whole", setting)
 
 
 def _claim_device(device: str, capabilities: Capabilities) -> str:

@@ -219,10 +219,7 @@ class Engine:
             plan = self._plan(dest)
 
             def work(at_safe_point: bool) -> OperationResult:
-                if at_safe_point:
-                    return self._move_at_safe_point(plan, path, notes)
-                _, why = self._choose_path(path, at_safe_point)
-                return migrate_by_driver(self._ctx, plan, (*notes, *why), at_safe_point=False)
+                return self._migrate_now(plan, path, notes, at_safe_point=at_safe_point)
 
             result, _ = self._safe_points.run(work)
             return self._finish(result)
@@ -241,13 +238,7 @@ class Engine:
             pinned = self._prepare_host_staging(path, source)
 
             def work(at_safe_point: bool) -> OperationResult:
-                fast, why = self._choose_path(path, at_safe_point)
-                if fast is not None:
-                    return pause_fast(self._ctx, fast, source, pinned)
-                if self._ctx.fast is not None:
-                    self._ctx.fast.release_host_now()  # pinned staging would slow the driver's checkpoint
-                self._check_host_room(self.process_bytes(), fast=False)
-                return pause_by_driver(self._ctx, source, why, at_safe_point=at_safe_point)
+                return self._pause_now(source, path, pinned, at_safe_point=at_safe_point)
 
             result, at_safe_point = self._safe_points.run(work, then=self._park_while_paused)
             if not at_safe_point and result.ok:
@@ -343,11 +334,13 @@ class Engine:
         elif op.kind == OperationKind.MIGRATE and op.target is not None:
             dest = self._ctx.identity.resolve(op.target)
             notes = self._validate_target(source, dest, needed=self._bytes_on(source))
-            actions.move = lambda: self._move_at_safe_point(self._plan(dest), path, notes)
-            actions.move_back = lambda: self._move_at_safe_point(self._plan(source), path, ("moving back",))
+            actions.move = lambda: self._migrate_now(self._plan(dest), path, notes, at_safe_point=True)
+            actions.move_back = lambda: self._migrate_now(
+                self._plan(source), path, ("moving back",), at_safe_point=True
+            )
         elif op.kind == OperationKind.PAUSE:
             pinned = self._prepare_host_staging(path, source)
-            actions.pause = lambda: self._pause_at_safe_point(source, path, pinned)
+            actions.pause = lambda: self._pause_now(source, path, pinned, at_safe_point=True)
             actions.resume_in_place = lambda: resume(self._ctx, self._plan(source))
         return actions
 
@@ -362,20 +355,24 @@ class Engine:
             self._suspended_communicators = []
         return result
 
-    def _move_at_safe_point(self, plan: MovePlan, path: PathChoice, notes: tuple[str, ...]) -> OperationResult:
-        fast, why = self._choose_path(path, True)
+    def _migrate_now(
+        self, plan: MovePlan, path: PathChoice, notes: tuple[str, ...], *, at_safe_point: bool
+    ) -> OperationResult:
+        fast, why = self._choose_path(path, at_safe_point)
         if fast is not None:
             return migrate_fast(self._ctx, fast, plan, notes)
-        return migrate_by_driver(self._ctx, plan, (*notes, *why), at_safe_point=True)
+        return migrate_by_driver(self._ctx, plan, (*notes, *why), at_safe_point=at_safe_point)
 
-    def _pause_at_safe_point(self, source: GpuIdentity, path: PathChoice, pinned: tuple[str, ...]) -> OperationResult:
-        fast, why = self._choose_path(path, True)
+    def _pause_now(
+        self, source: GpuIdentity, path: PathChoice, pinned: tuple[str, ...], *, at_safe_point: bool
+    ) -> OperationResult:
+        fast, why = self._choose_path(path, at_safe_point)
         if fast is not None:
             return pause_fast(self._ctx, fast, source, pinned)
         if self._ctx.fast is not None:
             self._ctx.fast.release_host_now()  # pinned staging would slow the driver's checkpoint
         self._check_host_room(self.process_bytes(), fast=False)
-        return pause_by_driver(self._ctx, source, why, at_safe_point=True)
+        return pause_by_driver(self._ctx, source, why, at_safe_point=at_safe_point)
 
     def _source(self) -> GpuIdentity:
         return self._ctx.identity.physical_of(self._ctx.logical)

@@ -227,6 +227,9 @@ def communicators() -> list[Communicator]:
     dist = getattr(torch, "distributed", None) if torch is not None else None
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return []
+    nccl_group = getattr(dist, "ProcessGroupNCCL", None)
+    if nccl_group is None:
+        return []  # torch without NCCL (a CPU build)
     from torch.distributed import distributed_c10d as c10d
 
     found: list[Communicator] = []
@@ -236,7 +239,7 @@ def communicators() -> list[Communicator]:
             backend = group._get_backend(torch.device("cuda"))
         except (RuntimeError, ValueError):
             continue  # no CUDA backend in this group (gloo only)
-        if not isinstance(backend, dist.ProcessGroupNCCL):
+        if not isinstance(backend, nccl_group):
             continue
         name = "default group" if group is c10d._get_default_group() else f"group {index}"
         if _torch_can_suspend(torch):
