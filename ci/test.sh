@@ -44,6 +44,14 @@ python -m pytest -q tests/frameworks "$@"
 # Server tests (tests/server): the API and storage on SQLite and on a real PostgreSQL, which this
 # section installs from Debian's packages (when missing), starts as the postgres user on a free
 # port in a temporary folder, and stops at the end.
+echo "== examples (a few steps each on the CPU)"
+python -m pip install -q "fastai==2.8.12"
+# fastai pulls in torchvision, whose PyPI wheels need torch's CUDA libraries: with the CPU torch it
+# cannot load, and lightning and transformers import it when it is installed. The examples that
+# need it (timm, torchvision) run on the GPU machine (tests/gpu/test_examples_on_gpu.py).
+python -m pip uninstall -y -q torchvision
+python -m pytest -q tests/examples "$@"
+
 echo "== server: PostgreSQL and the server extra"
 pg_bin="$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1 || true)"
 if [ -z "$pg_bin" ] || [ ! -x "$pg_bin/initdb" ] || ! id postgres >/dev/null 2>&1; then

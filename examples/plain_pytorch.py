@@ -1,6 +1,6 @@
 """A small training job with flexium: unchanged PyTorch code after `flexium.init()`.
 
-    python examples/train_demo.py [--steps N]
+    python examples/plain_pytorch.py [--steps N]
 
 Runs on a GPU when there is one (and is then movable), else on the CPU.
 """
