@@ -20,6 +20,8 @@ mkdir -p "$out"
 mode="all"
 case "${1:-}" in --tests-only|--bench-only) mode="$1"; shift ;; esac
 export PYTHONUNBUFFERED=1
+# A job that dies of a signal leaves its Python stacks in jobs.log.
+export PYTHONFAULTHANDLER=1
 # Never use NVLink multicast on shared hosts (device README).
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 

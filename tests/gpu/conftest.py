@@ -64,10 +64,18 @@ def run_job(
         timeout=timeout,
         env=full_env,
     )
-    events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    events = [e for e in map(_event, proc.stdout.splitlines()) if e is not None]
     run = JobRun(proc.returncode, events, proc.stderr, [e for e in events if e["event"] == "op"])
     _keep_log((script, *args) if script != "train_job.py" else args, env, proc.returncode, proc.stdout, proc.stderr)
     return run
+
+
+def _event(line: str) -> Optional[dict[str, Any]]:
+    """A job's JSON event line; None for other output (a framework may print dicts of its own)."""
+    if not line.startswith('{"event"'):
+        return None
+    event: dict[str, Any] = json.loads(line)
+    return event
 
 
 def _keep_log(args: tuple[str, ...], env: Optional[dict[str, str]], code: int, stdout: str, stderr: str) -> None:
