@@ -45,7 +45,7 @@ python -m pytest -q tests/frameworks "$@"
 # section installs from Debian's packages (when missing), starts as the postgres user on a free
 # port in a temporary folder, and stops at the end.
 echo "== examples (a few steps each on the CPU)"
-python -m pip install -q "fastai==2.8.12"
+python -m pip install -q "fastai==2.8.12" "torch==2.13.0"  # torch pinned: fastai would upgrade it
 # fastai pulls in torchvision, whose PyPI wheels need torch's CUDA libraries: with the CPU torch it
 # cannot load, and lightning and transformers import it when it is installed. The examples that
 # need it (timm, torchvision) run on the GPU machine (tests/gpu/test_examples_on_gpu.py).

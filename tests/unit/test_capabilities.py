@@ -5,7 +5,9 @@ subprocess; they all start together when this module starts and are collected by
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import os
 import re
 from typing import Any, Iterator
 
@@ -331,6 +333,32 @@ def test_doctor_says_why_the_fast_path_cannot_run_here(fake: FakeDriver, capsys:
     assert re.fullmatch(r"torch \S+ has no usable CUDA", report["fast_path"]["problem"])
     assert doctor.run(as_json=False) == 0
     assert re.search(r"^fast path +no: torch \S+ has no usable CUDA$", capsys.readouterr().out, re.M)
+
+
+def test_doctor_says_whether_torchrun_jobs_can_move(
+    fake: FakeDriver, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import torch
+
+    from flexium.cli import doctor
+    from flexium.engine.distributed import nccl
+
+    assert doctor.run(as_json=True) == 0
+    jobs = json.loads(capsys.readouterr().out)["distributed_jobs"]
+    assert jobs == {"nccl": f"none (torch {torch.__version__} has no NCCL)", "movable": True, "problem": None}
+    # A torch with NCCL 2.28.9: what a user of torch 2.11 reads.
+    monkeypatch.setattr(torch.distributed, "ProcessGroupNCCL", object, raising=False)
+    old = nccl.NcclLibrary(path="/site/nvidia/nccl/lib/libnccl.so.2", version=22809, can_suspend=False, handle=None)
+    monkeypatch.setattr(nccl, "loaded_library", lambda: old)
+    monkeypatch.delenv(nccl.NVLS_ENV, raising=False)
+    assert doctor.run(as_json=False) == 0
+    shown = capsys.readouterr().out
+    assert re.search(r"^NCCL +2\.28\.9 \(/site/nvidia/nccl/lib/libnccl\.so\.2\)$", shown, re.M)
+    assert re.search(r"^torchrun jobs +not movable: this job's NCCL is 2\.28\.9 ", shown, re.M)
+    assert nccl.NVLS_ENV not in os.environ  # doctor judged a job's environment without changing its own
+    monkeypatch.setattr(nccl, "loaded_library", lambda: dataclasses.replace(old, version=23007, can_suspend=True))
+    assert doctor.run(as_json=False) == 0
+    assert re.search(r"^torchrun jobs +movable as a whole$", capsys.readouterr().out, re.M)
 
 
 def test_doctor_names_a_driver_without_the_virtual_memory_api(scripts: dict[str, Script]) -> None:

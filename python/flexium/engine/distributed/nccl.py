@@ -18,7 +18,7 @@ import logging
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional, Protocol
+from typing import Any, Mapping, Optional, Protocol
 
 log = logging.getLogger("flexium")
 
@@ -121,8 +121,10 @@ def _mapped_path(name: str) -> Optional[str]:
     return None
 
 
-def suspend_problem() -> Optional[str]:
-    """Why this process's NCCL communicators cannot be suspended, with what to do; None: they can."""
+def suspend_problem(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """Why this process's NCCL communicators cannot be suspended, with what to do; None: they
+    can. `environ`: the job's environment (default: this process's)."""
+    env = os.environ if environ is None else environ
     torch = sys.modules.get("torch")
     if torch is not None and _torch_can_suspend(torch):
         library_ok = True
@@ -141,26 +143,30 @@ def suspend_problem() -> Optional[str]:
                 "install torch 2.12 or newer, or a newer NCCL (the nvidia-nccl wheel of your CUDA, or "
                 "LD_PRELOAD a libnccl.so.2 of 2.29.7 or newer) and start the job again"
             )
-    if os.environ.get(NVLS_ENV) != "0":
+    if env.get(NVLS_ENV) != "0":
         return (
             f"{NVLS_ENV} is not 0 in this job: NVLink SHARP buffers cannot be suspended; start the job with "
             f"{NVLS_ENV}=0 (flexium.init() sets it when it runs before init_process_group)"
         )
-    if os.environ.get(REGISTER_HOOK_ENV, "0") not in ("0", ""):
+    if env.get(REGISTER_HOOK_ENV, "0") not in ("0", ""):
         return (
             f"{REGISTER_HOOK_ENV} is on: NCCL user-buffer registrations cannot be suspended; start the job without it"
         )
     return None
 
 
+def movable_settings(environ: Mapping[str, str]) -> dict[str, str]:
+    """What a movable job's NCCL needs set before the job starts it, of what `environ` leaves
+    unset: a setting the user made is left alone (suspend_problem() then says why the job
+    cannot move)."""
+    return {} if NVLS_ENV in environ else {NVLS_ENV: "0"}
+
+
 def prepare_environment() -> list[str]:
-    """Sets what a movable job's NCCL needs before the job starts it; returns what it set. A
-    setting the user made is left alone (suspend_problem() then says why the job cannot move)."""
-    changed = []
-    if NVLS_ENV not in os.environ:
-        os.environ[NVLS_ENV] = "0"
-        changed.append(f"{NVLS_ENV}=0")
-    return changed
+    """Sets movable_settings() in this process; returns what it set, as NAME=VALUE."""
+    settings = movable_settings(os.environ)
+    os.environ.update(settings)
+    return [f"{name}={value}" for name, value in settings.items()]
 
 
 def _torch_can_suspend(torch: Any) -> bool:

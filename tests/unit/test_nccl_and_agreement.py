@@ -1,0 +1,98 @@
+"""What makes a rank's NCCL suspendable (engine/distributed/nccl.py), and how the ranks agree on
+the step they stop at (job_operation.StepAgreement), without GPUs."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from flexium.engine.distributed import nccl
+from flexium.engine.distributed.job_operation import STOP_MARGIN_STEPS, StepAgreement
+from flexium.engine.distributed.rendezvous import JobAborted, Rendezvous
+
+
+@pytest.fixture(autouse=True)
+def fresh_library(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nccl, "_library", None)
+    monkeypatch.setenv(nccl.NVLS_ENV, "0")
+    monkeypatch.delenv(nccl.REGISTER_HOOK_ENV, raising=False)
+
+
+def _library(version: int, can_suspend: bool) -> nccl.NcclLibrary:
+    return nccl.NcclLibrary(path="/opt/nccl/libnccl.so.2", version=version, can_suspend=can_suspend, handle=None)
+
+
+def test_version_codes_read_as_nccl_prints_them() -> None:
+    assert nccl.version_text(22809) == "2.28.9" and nccl.version_text(23007) == "2.30.7"
+
+
+def test_an_nccl_without_suspend_is_refused_by_version_and_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nccl, "loaded_library", lambda: _library(22809, False))
+    problem = nccl.suspend_problem()
+    assert problem is not None
+    assert problem.startswith("this job's NCCL is 2.28.9 (/opt/nccl/libnccl.so.2), which cannot suspend")
+    assert "NCCL 2.29.7 or newer" in problem and "torch 2.12 or newer" in problem
+
+
+def test_nvls_left_on_and_buffer_registration_are_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nccl, "loaded_library", lambda: _library(23007, True))
+    assert nccl.suspend_problem() is None
+    monkeypatch.setenv(nccl.NVLS_ENV, "1")
+    assert "NCCL_NVLS_ENABLE is not 0" in str(nccl.suspend_problem())
+    monkeypatch.delenv(nccl.NVLS_ENV)
+    assert "NCCL_NVLS_ENABLE is not 0" in str(nccl.suspend_problem())  # unset: NCCL's default uses NVLS
+    monkeypatch.setenv(nccl.NVLS_ENV, "0")
+    monkeypatch.setenv(nccl.REGISTER_HOOK_ENV, "1")
+    assert "user-buffer registrations" in str(nccl.suspend_problem())
+
+
+def test_the_environment_is_prepared_only_where_the_user_said_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(nccl.NVLS_ENV)
+    assert nccl.prepare_environment() == ["NCCL_NVLS_ENABLE=0"] and os.environ[nccl.NVLS_ENV] == "0"
+    monkeypatch.setenv(nccl.NVLS_ENV, "1")
+    assert nccl.prepare_environment() == [] and os.environ[nccl.NVLS_ENV] == "1"
+
+
+def test_a_process_without_nccl_finds_no_library() -> None:
+    assert nccl._global_symbol_path("ncclGetVersion") is None  # CPU torch: no libnccl at all
+    assert nccl._global_symbol_path("malloc") is not None  # dladdr finds what the global scope defines
+
+
+class _Store:
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.data[key] = value.encode()
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(key in self.data for key in keys)
+
+
+def test_ranks_stop_at_the_same_step_after_the_last_one_joined() -> None:
+    store = _Store()
+    zero = StepAgreement(Rendezvous(store, 1, rank=0, world_size=2), deadline_s=60)
+    one = StepAgreement(Rendezvous(store, 1, rank=1, world_size=2), deadline_s=60)
+    assert not zero.ready(10)  # joined at step 10; rank 1 has not
+    assert not zero.ready(11)
+    assert not one.ready(11)  # joined at 11: both have, stop at 11 + margin
+    assert zero.stop_at is None and one.stop_at == 11 + STOP_MARGIN_STEPS
+    assert not zero.ready(12) and zero.stop_at == one.stop_at
+    stop = one.stop_at
+    assert zero.ready(stop) and one.ready(stop)
+
+
+def test_a_rank_already_past_the_stop_step_gives_up_for_all() -> None:
+    store = _Store()
+    zero = StepAgreement(Rendezvous(store, 2, rank=0, world_size=2), deadline_s=60)
+    one = StepAgreement(Rendezvous(store, 2, rank=1, world_size=2), deadline_s=60)
+    assert not zero.ready(10)
+    assert not one.ready(10)
+    with pytest.raises(JobAborted, match="past the agreed step"):
+        zero.ready(10 + STOP_MARGIN_STEPS + 1)
+    with pytest.raises(JobAborted, match="past the agreed step"):
+        one.ready(11)  # the other rank's abort reaches it at its next step
