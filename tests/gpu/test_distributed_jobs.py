@@ -177,7 +177,7 @@ def test_the_server_and_cli_move_a_whole_torchrun_job(host_gpus: list[Any], tmp_
     from live_server import ProcessOutput, ServerProcess, clean_env, flexium_command, wait_until
 
     job_args, job_env, preload = _server_case(case, host_gpus)
-    steps = ("--model", "ddp", "--steps", "400", "--step-sleep", "0.03")
+    steps = ("--model", "ddp", "--steps", "600", "--step-sleep", "0.03")
     reference = torchrun(*job_args, *steps[:4], "--step-sleep", "0", nccl=preload, env=job_env)
     assert reference.returncode == 0, reference.stderr[-4000:]
 
@@ -252,7 +252,7 @@ def test_the_server_and_cli_move_a_whole_torchrun_job(host_gpus: list[Any], tmp_
         lines = [json.loads(line) for line in output.lines if line.startswith('{"event": "step"')]
         for rank in (0, 1):
             trace = [e["loss"] for e in lines if e["rank"] == rank]
-            assert trace == reference.losses(rank)[: len(trace)] and len(trace) == 400, f"rank {rank} differs"
+            assert trace == reference.losses(rank)[: len(trace)] and len(trace) == 600, f"rank {rank} differs"
     finally:
         if job is not None and job.poll() is None:
             job.kill()
