@@ -165,6 +165,22 @@ def rank_body(
     return body
 
 
+def register(db: Database, ws: int, body: dict[str, Any], *, now: float, stale_after: float) -> Any:
+    """A registration straight through storage (what the register route does), as ProcessInfo."""
+    from flexium import wire
+    from flexium.server import storage
+
+    proc, _created = db.run(
+        storage.register_process,
+        write=True,
+        workspace_id=ws,
+        report=wire.RegisterRequest.model_validate(body),
+        now=now,
+        stale_after=stale_after,
+    )
+    return proc
+
+
 def migrate_to(db: Database, step: Any, revision: str) -> None:
     """``Database.upgrade``'s path (one open connection, SQLite's pragmas on), to a revision;
     `step` is ``alembic.command.upgrade`` or ``downgrade``."""

@@ -14,7 +14,7 @@ from flexium import wire
 from flexium.server import errors, storage
 from flexium.server.db import Database
 from flexium.server.settings import normalize_database_url
-from srv_helpers import GIB, Api, columns, migrate_to, rank_body, table_snapshot
+from srv_helpers import GIB, Api, columns, migrate_to, rank_body, register, table_snapshot
 
 NOW = 1_800_000_000.0
 STALE = 30.0
@@ -26,14 +26,7 @@ def _workspace(db: Database) -> int:
 
 
 def _register(db: Database, ws: int, body: dict[str, Any], now: float = NOW) -> wire.ProcessInfo:
-    proc, _created = db.run(
-        storage.register_process,
-        write=True,
-        workspace_id=ws,
-        report=wire.RegisterRequest.model_validate(body),
-        now=now,
-        stale_after=STALE,
-    )
+    proc: wire.ProcessInfo = register(db, ws, body, now=now, stale_after=STALE)
     return proc
 
 

@@ -14,7 +14,7 @@ from flexium import wire
 from flexium.server import errors, storage
 from flexium.server.db import Database
 from flexium.server.settings import normalize_database_url
-from srv_helpers import GIB, columns, gpu, migrate_to, process_body
+from srv_helpers import GIB, columns, gpu, migrate_to, process_body, register
 
 NOW = 1_800_000_000.0
 STALE = 30.0
@@ -28,14 +28,7 @@ def _workspace(db: Database, name: str = "team") -> tuple[int, str]:
 def _register(db: Database, ws: int, process_id: str = "gpu-1", now: float = NOW, **fields: Any) -> dict[str, Any]:
     body = process_body(process_id, **fields)
     body.setdefault("footprint_bytes", None)
-    proc, _created = db.run(
-        storage.register_process,
-        write=True,
-        workspace_id=ws,
-        report=wire.RegisterRequest.model_validate(body),
-        now=now,
-        stale_after=STALE,
-    )
+    proc: dict[str, Any] = register(db, ws, body, now=now, stale_after=STALE)
     return proc
 
 

@@ -292,3 +292,23 @@ class Script:
         if self._proc.poll() is None:
             self._proc.kill()
             self._proc.communicate()
+
+
+class DictStore:
+    """The c10d store calls flexium's rendezvous makes, over a dict (real stores: the 2-rank jobs
+    of test_job_operations.py)."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.data[key] = value.encode()
+
+    def get(self, key: str) -> bytes:
+        return self.data[key]
+
+    def check(self, keys: list[str]) -> bool:
+        return all(key in self.data for key in keys)
+
+    def delete_key(self, key: str) -> bool:
+        return self.data.pop(key, None) is not None

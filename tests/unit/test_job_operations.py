@@ -9,7 +9,7 @@ from typing import Any, Optional
 
 import pytest
 
-from engine_fixtures import Script, script_env
+from engine_fixtures import DictStore, Script, script_env
 from flexium.engine.distributed.rendezvous import OK, Gathered, JobAborted, Rendezvous
 
 STEPS = 40
@@ -265,27 +265,8 @@ def test_a_rank_that_dies_while_paused_never_leaves_the_other_checkpointed(tmp_p
 # ----------------------------------------------------------------------- the meetings alone
 
 
-class _Store:
-    """The c10d store calls Rendezvous makes, over a dict (the real stores are in the jobs above)."""
-
-    def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
-
-    def set(self, key: str, value: str) -> None:
-        self.data[key] = value.encode()
-
-    def get(self, key: str) -> bytes:
-        return self.data[key]
-
-    def check(self, keys: list[str]) -> bool:
-        return all(key in self.data for key in keys)
-
-    def delete_key(self, key: str) -> bool:
-        return self.data.pop(key, None) is not None
-
-
 def test_a_gather_that_times_out_gives_up_for_every_rank() -> None:
-    store = _Store()
+    store = DictStore()
     now = [0.0]
 
     def clock() -> float:

@@ -7,6 +7,7 @@ import os
 
 import pytest
 
+from engine_fixtures import DictStore
 from flexium.engine.distributed import nccl
 from flexium.engine.distributed.job_operation import STOP_MARGIN_STEPS, StepAgreement
 from flexium.engine.distributed.rendezvous import JobAborted, Rendezvous
@@ -59,22 +60,8 @@ def test_a_process_without_nccl_finds_no_library() -> None:
     assert nccl._global_symbol_path("malloc") is not None  # dladdr finds what the global scope defines
 
 
-class _Store:
-    def __init__(self) -> None:
-        self.data: dict[str, bytes] = {}
-
-    def set(self, key: str, value: str) -> None:
-        self.data[key] = value.encode()
-
-    def get(self, key: str) -> bytes:
-        return self.data[key]
-
-    def check(self, keys: list[str]) -> bool:
-        return all(key in self.data for key in keys)
-
-
 def test_ranks_stop_at_the_same_step_after_the_last_one_joined() -> None:
-    store = _Store()
+    store = DictStore()
     zero = StepAgreement(Rendezvous(store, 1, rank=0, world_size=2), deadline_s=60)
     one = StepAgreement(Rendezvous(store, 1, rank=1, world_size=2), deadline_s=60)
     assert not zero.ready(10)  # joined at step 10; rank 1 has not
@@ -87,7 +74,7 @@ def test_ranks_stop_at_the_same_step_after_the_last_one_joined() -> None:
 
 
 def test_a_rank_already_past_the_stop_step_gives_up_for_all() -> None:
-    store = _Store()
+    store = DictStore()
     zero = StepAgreement(Rendezvous(store, 2, rank=0, world_size=2), deadline_s=60)
     one = StepAgreement(Rendezvous(store, 2, rank=1, world_size=2), deadline_s=60)
     assert not zero.ready(10)
