@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal, Optional, get_args
 
 PROTOCOL_VERSION = 1
 
@@ -26,8 +26,17 @@ SERVER_ENV = "FLEXIUM_SERVER"
 DATABASE_ENV = "FLEXIUM_DATABASE_URL"
 DEFAULT_WORKSPACE = "default"
 
+# Match with fullmatch(): with match(), "$" also takes a name followed by a newline.
 WORKSPACE_NAME_RE = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 PROCESS_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
+_ASCII_DIGITS = re.compile(r"[0-9]+")
+
+
+def ascii_number(text: str) -> Optional[int]:
+    """`text` as a non-negative integer when it is ASCII digits alone, else None: the one way a
+    number is read from text on this wire. str.isdigit() also takes '²', which int() refuses,
+    and '١', which int() reads as 1."""
+    return int(text) if _ASCII_DIGITS.fullmatch(text) else None
 
 
 @dataclass(frozen=True)
@@ -64,7 +73,7 @@ def parse_server_address(address: str) -> ServerAddress:
     workspace = workspace.strip("/")
     if not sep or not workspace:
         raise ValueError(f"server address {address!r} has no workspace: expected host[:port]/workspace")
-    if not WORKSPACE_NAME_RE.match(workspace):
+    if not WORKSPACE_NAME_RE.fullmatch(workspace):
         raise ValueError(
             f"server address {address!r}: workspace {workspace!r} is not a valid name "
             "(lowercase letters, digits, '.', '_', '-'; at most 63)"
@@ -88,9 +97,10 @@ def parse_server_address(address: str) -> ServerAddress:
 
 
 def _parse_port(text: str, address: str) -> int:
-    if not text.isdigit() or not 0 < int(text) < 65536:
+    port = ascii_number(text)
+    if port is None or not 0 < port < 65536:
         raise ValueError(f"server address {address!r}: port {text!r} is not a number in 1..65535")
-    return int(text)
+    return port
 
 
 def workspace_path(workspace: str) -> str:

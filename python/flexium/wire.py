@@ -37,9 +37,38 @@ from flexium.protocol import ReportState as ReportState
 
 
 def _no_nul(value: str) -> str:
+    """Text both databases store and JSON carries: no NUL (PostgreSQL refuses it in text) and no
+    lone surrogate (no UTF-8 for it: Python keeps undecodable file names and arguments so)."""
     if "\x00" in value:
         raise ValueError("must not contain NUL characters")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(
+            f"must be valid Unicode text: U+{ord(value[exc.start]):04X} at position {exc.start} is a lone "
+            "surrogate (clean text with flexium.wire.clean_text before sending it)"
+        ) from None
     return value
+
+
+def clean_text(value: str) -> str:
+    """`value` made valid for the wire: what Python smuggled in as lone surrogates (the bytes of
+    a file name or argument that are not UTF-8) becomes U+FFFD, NUL becomes U+FFFD."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        value = "".join("\ufffd" if "\ud800" <= char <= "\udfff" else char for char in value)
+    return value.replace("\x00", "\ufffd")
+
+
+def _cleaned(node: Any) -> Any:
+    if isinstance(node, str):
+        return clean_text(node)
+    if isinstance(node, dict):
+        return {_cleaned(key): _cleaned(item) for key, item in node.items()}
+    if isinstance(node, list):
+        return [_cleaned(item) for item in node]
+    return node
 
 
 def _check_json(value: object) -> None:
@@ -123,9 +152,15 @@ class WireIn(BaseModel):
 
 
 class WireOut(BaseModel):
-    """A response body."""
+    """A response body. Its text is made valid as it is built: a row stored before requests
+    were checked (or by another writer) never makes an answer fail to encode."""
 
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: object) -> object:
+        return _cleaned(data) if isinstance(data, dict) else data
 
 
 # --- requests -------------------------------------------------------------------------------

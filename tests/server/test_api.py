@@ -514,6 +514,15 @@ BAD_REGISTRATIONS = [
         "invalid_request",
     ),
     ("NUL in capabilities", {**process_body(), "capabilities": {"x": "a\x00b"}}, 422, "invalid_request"),
+    # What Python keeps of a non-UTF-8 argument or file name: a lone surrogate has no UTF-8.
+    ("lone surrogate in cmdline", {**process_body(), "cmdline": "train.py donn\udce9es.csv"}, 422, "invalid_request"),
+    (
+        "lone surrogate in a problem",
+        {**process_body(), "capabilities": {"problems": ["\udcff"]}},
+        422,
+        "invalid_request",
+    ),
+    ("lone surrogate in a key", {**process_body(), "capabilities": {"\ud800": 1}}, 422, "invalid_request"),
     ("device without uuid", {**process_body(), "devices": [{"index": 0}]}, 422, "invalid_request"),
     ("device bad index", {**process_body(), "devices": [{**gpu(0), "index": -3}]}, 422, "invalid_request"),
     ("device utilization 500", {**process_body(), "devices": [{**gpu(0), "utilization": 500}]}, 422, "invalid_request"),
@@ -536,6 +545,30 @@ def test_bad_registration_refused_database_unchanged(api: Api, name: str, body: 
     r = api.client.post(api.base + "/processes", content=content, headers=headers)
     _error(r, status, code)
     assert table_snapshot(api.db) == before
+
+
+def test_text_stored_before_it_was_checked_never_breaks_a_list(api: Api) -> None:
+    """A workspace holding a lone surrogate in a process's capabilities and a command's result
+    (what requests could store on SQLite before text was checked; PostgreSQL's jsonb refuses it)
+    still lists, pages and reads."""
+    from sqlalchemy import exc, text
+
+    api.register()
+    command = api.command("pause").json()
+    bad = '{"problems": ["\\udcff"], "pause_resume": true}'
+    if api.db.engine.dialect.name == "postgresql":
+        with pytest.raises(exc.DataError, match="Unicode"), api.db.engine.begin() as conn:
+            conn.execute(text("UPDATE processes SET capabilities = CAST(:bad AS JSONB)"), {"bad": bad})
+        return
+    with api.db.engine.begin() as conn:
+        conn.execute(text("UPDATE processes SET capabilities = :bad"), {"bad": bad})
+        conn.execute(text("UPDATE commands SET result = :bad"), {"bad": '{"error": "\\udcff"}'})
+    listed = api.get("/processes")
+    assert listed.status_code == 200, listed.text
+    assert listed.json()[0]["capabilities"]["pause_resume"] is False  # unreadable: taken as none
+    assert api.get(f"/commands/{command['id']}").status_code == 200
+    assert api.get("/commands").status_code == 200
+    assert all(page for page in api.pages("/ui/processes", "/ui/commands"))
 
 
 def test_huge_bodies_413(api: Api) -> None:

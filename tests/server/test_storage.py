@@ -880,3 +880,21 @@ def test_concurrent_heartbeats_and_commands(db: Database) -> None:
     assert _all_at_once(8, beat) == []
     procs = db.run(storage.list_processes, write=False, workspace_id=ws, now=time.time(), stale_after=1e9)
     assert {p.memory_bytes for p in procs} == {24}
+
+
+@pytest.mark.parametrize("name", ["team\n", "team\r\n", "Team", "-team", "te am", ""])
+def test_a_workspace_name_is_checked_to_its_last_character(db: Database, name: str) -> None:
+    with pytest.raises(errors.InvalidRequest):
+        db.run(storage.create_workspace, write=True, name=name, now=NOW)
+    assert all(w.name != name for w in db.run(storage.list_workspaces, write=False))
+
+
+def test_a_server_address_whose_port_is_not_ascii_digits_is_refused() -> None:
+    from flexium import protocol
+
+    for address in ("host:８０８０/team", "host:²/team"):  # int() reads the first, refuses the second
+        with pytest.raises(ValueError):
+            protocol.parse_server_address(address)
+    assert (
+        protocol.ascii_number("42") == 42 and protocol.ascii_number("²") is None and protocol.ascii_number("١") is None
+    )

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from typing import Any
@@ -184,3 +185,28 @@ def test_cuda_ordinal_is_the_position_in_visible_gpus() -> None:
     assert wire.cuda_ordinal(visible, "GPU-c") is None
     assert wire.cuda_ordinal(visible, None) is None
     assert wire.cuda_ordinal([], "GPU-a") is None
+
+
+def test_clean_text_keeps_what_it_can_of_text_that_is_not_utf8() -> None:
+    assert wire.clean_text("plain") == "plain"
+    assert wire.clean_text("donn\udce9es.csv") == "donn\ufffdes.csv"  # surrogateescape'd byte 0xE9
+    assert wire.clean_text("a\x00b") == "a\ufffdb"
+    cleaned = wire.clean_text("x\ud800y")
+    cleaned.encode("utf-8")  # valid now
+    assert cleaned.startswith("x") and cleaned.endswith("y")
+
+
+def test_an_answer_built_from_text_that_is_not_valid_is_cleaned_not_refused() -> None:
+    token = wire.TokenInfo.model_validate(
+        {"id": 1, "name": "bad \udcff", "prefix": "flx_", "created_at": 1.0, "revoked_at": None, "revoked": False}
+    )
+    assert token.name == "bad \ufffd" and json.loads(token.model_dump_json())["name"] == "bad \ufffd"
+
+
+def test_a_lone_surrogate_in_a_request_is_refused_naming_it() -> None:
+    body = {"process_id": "gpu-1", "host": "node", "cmdline": "train.py donn\udce9es.csv"}
+    with pytest.raises(ValidationError, match="unable to parse raw data as a unicode string"):
+        wire.RegisterRequest.model_validate(body)  # pydantic's own check of a text field
+    # Anywhere in the JSON a peer sends, the keys this side ignores included:
+    with pytest.raises(ValidationError, match="U\\+DCFF at position 4 is a lone surrogate"):
+        wire.ProcessCapabilities.model_validate({"a_newer_field": ["bad \udcff"]})

@@ -396,3 +396,25 @@ def test_a_command_target_is_logged_in_the_jobs_own_numbering(
     said = [r.getMessage() for r in records.records]
     assert any(m.startswith("command 5: migrate to cuda:0 ") for m in said), said
     assert any(m.startswith("command 6: migrate to GPU-not-mine ") for m in said), said
+
+
+def test_a_registration_the_server_refuses_is_said_at_error_once(caplog: pytest.LogCaptureFixture) -> None:
+    """A refusal (4xx) is about this process, not a passing outage: it is logged at ERROR with
+    the server's reason, once however often the registration is tried again."""
+    from flexium.client.http import Refused
+
+    class RefusingApi:
+        base_url, workspace = "http://127.0.0.1:9", "default"
+        tries = 0
+
+        def register(self, body: Any, *, timeout: float) -> Any:
+            RefusingApi.tries += 1
+            raise Refused("request: cmdline: Input should be a valid string", code="invalid_request", status=422)
+
+    training = SimpleNamespace(engine=None, process_id="cpu-1", logical_device="cpu", capabilities=None)
+    client = ProcessClient(training, RefusingApi())  # type: ignore[arg-type]
+    with caplog.at_level(logging.DEBUG, logger="flexium.client"):
+        assert not client._register() and not client._register()
+    errors = [r for r in caplog.records if r.levelno == logging.ERROR]
+    assert RefusingApi.tries == 2 and len(errors) == 1
+    assert "refused to register this process (request: cmdline: Input should be a valid string)" in errors[0].message

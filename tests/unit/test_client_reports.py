@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import replace
+
+import pytest
 
 from flexium.client.reports import gpu_reports
 from flexium.engine.nvml import HostGpu
@@ -189,10 +192,31 @@ def test_an_operation_goes_out_as_its_to_dict_always_did() -> None:
         assert json.dumps(sent) == json.dumps(result.to_dict())
 
 
-def test_an_operation_beyond_the_wire_limits_goes_without_its_details() -> None:
+def test_an_operation_text_is_made_to_fit_the_wire_and_what_cannot_leaves_its_details_out() -> None:
     from flexium import protocol
     from flexium.client.reports import operation_report
 
-    assert operation_report(replace(_FAILED_MIGRATION, error="e" * (protocol.MAX_LONG_TEXT + 1))) is None
-    assert operation_report(replace(_FAILED_MIGRATION, notes=("x\x00y",))) is None
+    # Text is made to fit (cut to the limit, NUL and lone surrogates replaced): the details go.
+    long = operation_report(replace(_FAILED_MIGRATION, error="e" * (protocol.MAX_LONG_TEXT + 1)))
+    assert long is not None and long.error == "e" * protocol.MAX_LONG_TEXT
+    odd = operation_report(replace(_FAILED_MIGRATION, notes=("x\x00y", "z\udcff")))
+    assert odd is not None and odd.notes == ["x\ufffdy", "z\ufffd"]
+    # What cannot be made to fit leaves them out.
     assert operation_report(replace(_FAILED_MIGRATION, seconds=float("inf"))) is None
+
+
+def test_a_job_started_with_an_argument_that_is_not_utf8_registers_with_it_cleaned(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`python train.py donn<0xE9>es.csv` on a UTF-8 system: Python keeps the byte as a lone
+    surrogate, which no JSON for the server can carry; the body has U+FFFD there instead."""
+    from types import SimpleNamespace
+
+    from flexium import wire
+    from flexium.client.reports import ProcessReporter
+
+    monkeypatch.setattr(sys, "orig_argv", ["python", "train.py", "donn\udce9es.csv"])
+    session = SimpleNamespace(engine=None, logical_device="cpu", capabilities=None, process_id="cpu-1")
+    body = ProcessReporter(session).register_body([])  # type: ignore[arg-type]
+    assert body.cmdline == "python train.py 'donn\ufffdes.csv'"
+    wire.RegisterRequest.model_validate_json(body.model_dump_json())  # the server reads it

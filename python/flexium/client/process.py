@@ -73,6 +73,7 @@ class ProcessClient:
         self._registered = threading.Event()
         self._connected = True  # what the log last said, so a long outage is logged once
         self._last_bad_answer: Optional[str] = None  # see _poll_failed
+        self._last_refusal: Optional[str] = None  # see _register
         # What the server was last told the process can do: a rank's changes as its job starts
         # its process group, and only a registration carries it.
         self._registered_capabilities: Optional[wire.ProcessCapabilities] = None
@@ -156,6 +157,17 @@ class ProcessClient:
                 f"the server refused this process's token ({exc.message}); set {protocol.TOKEN_ENV} "
                 "or 'token:' in .flexiumrc to a token of the workspace"
             )
+            return False
+        except Refused as exc:
+            # The server understood and said no: a problem of this client or its process, never a
+            # passing one, so it is said at ERROR (once per reason), not lost among outages.
+            if exc.message != self._last_refusal:
+                log.error(
+                    "the server refused to register this process (%s); training continues without flexium's "
+                    "server until it is fixed: report this to flexium's developers",
+                    exc.message,
+                )
+                self._last_refusal = exc.message
             return False
         except ServerError as exc:
             self._lost(f"{exc.message}; training continues, flexium keeps trying in the background")
@@ -339,7 +351,9 @@ class ProcessClient:
 
     def _failed(self, error: str, *, result: Optional[wire.OperationReport] = None) -> wire.CommandReport:
         report = wire.CommandReport(
-            state="failed", error=error[: protocol.MAX_LONG_TEXT], process=self.reporter.process_update()
+            state="failed",
+            error=wire.clean_text(error)[: protocol.MAX_LONG_TEXT],
+            process=self.reporter.process_update(),
         )
         return _with_result(report, result)
 

@@ -39,7 +39,9 @@ _STATE_ON_WIRE: dict[EngineState, wire.ProcessState] = {
 
 
 def _short(text: object, limit: int = protocol.MAX_SHORT_TEXT) -> str:
-    return str(text or "")[:limit]
+    """`text` as the wire takes it: valid Unicode (an argument or a file name that is not UTF-8
+    is kept with U+FFFD where its bytes were), within `limit`."""
+    return wire.clean_text(str(text or ""))[:limit]
 
 
 def _process_started_at() -> Optional[float]:
@@ -150,7 +152,7 @@ class ProcessReporter:
                 gpu_count=caps.gpu_count,
                 pause_resume=caps.pause_resume,
                 migration=caps.migration,
-                problems=list(caps.problems),
+                problems=[_short(problem, protocol.MAX_LONG_TEXT) for problem in caps.problems],
             )
         )
         if self.engine is None:
@@ -173,8 +175,11 @@ class ProcessReporter:
                 report.migration = False
                 report.problems = [
                     *report.problems,
-                    f"this process is {job.describe_rank()}, and the job cannot be paused or moved as a whole: "
-                    f"{problem}",
+                    _short(
+                        f"this process is {job.describe_rank()}, and the job cannot be paused or moved as a whole: "
+                        f"{problem}",
+                        protocol.MAX_LONG_TEXT,
+                    ),
                 ]
         pool = getattr(self.training, "memory_pool", None)
         report.fast_path = bool(self.engine is not None and pool is not None and pool.active)
@@ -292,14 +297,20 @@ def operation_report(result: OperationResult) -> Optional[wire.OperationReport]:
             source=_operation_gpu(result.source),
             target=None if result.target is None else _operation_gpu(result.target),
             steps=[
-                wire.StepReport(step=s.step, seconds=s.seconds, ok=s.ok, rollback=s.rollback, error=s.error)
+                wire.StepReport(
+                    step=s.step,
+                    seconds=s.seconds,
+                    ok=s.ok,
+                    rollback=s.rollback,
+                    error=None if s.error is None else _short(s.error, protocol.MAX_LONG_TEXT),
+                )
                 for s in result.steps
             ],
             bytes_moved=result.bytes_moved,
             seconds=result.seconds,
             failed_step=result.failed_step,
-            error=result.error,
-            notes=list(result.notes),
+            error=None if result.error is None else _short(result.error, protocol.MAX_LONG_TEXT),
+            notes=[_short(note, protocol.MAX_LONG_TEXT) for note in result.notes],
         )
     except ValidationError as exc:
         log.warning("the operation's result is left out of the report: %s", exc.errors()[0]["msg"])

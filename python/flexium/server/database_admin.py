@@ -17,7 +17,7 @@ from __future__ import annotations
 import time
 from typing import Optional, Union
 
-from flexium import wire
+from flexium import protocol, wire
 from flexium.server import storage
 from flexium.server.db import Database
 from flexium.server.settings import load_settings
@@ -58,10 +58,10 @@ def revoke_token(workspace: str, token_or_id: Union[str, int], *, database_url: 
     db = open_database(database_url)
     try:
         ws = _workspace_id(db, workspace)
-        text = str(token_or_id)
-        if text.isdigit():
-            return db.run(storage.revoke_token, write=True, workspace_id=ws, token_id=int(text), now=time.time())
-        return db.run(storage.revoke_token, write=True, workspace_id=ws, token=text, now=time.time())
+        token_id = protocol.ascii_number(str(token_or_id))
+        if token_id is not None:
+            return db.run(storage.revoke_token, write=True, workspace_id=ws, token_id=token_id, now=time.time())
+        return db.run(storage.revoke_token, write=True, workspace_id=ws, token=str(token_or_id), now=time.time())
     finally:
         db.dispose()
 

@@ -79,7 +79,7 @@ class HeartbeatShortcut:
                 if scheme.lower() == "bearer":
                     token = rest.strip()
                 break
-        if not token or len(token) > 256 or not protocol.PROCESS_ID_RE.match(process_id):
+        if not token or len(token) > 256 or not protocol.PROCESS_ID_RE.fullmatch(process_id):
             return None
         now = time.time()
         auth = cached_token(ctx, token, now)

@@ -351,7 +351,7 @@ def open_event_stream(ctx: ServerContext, *, auth: AuthInfo, last_event_id: Opti
     """Subscribes now (so nothing published from here on is missed) and returns the
     server-sent event frames for the workspace from ``last_event_id`` on, with keepalives,
     and a resync when this subscriber fell behind."""
-    resume_from = int(last_event_id) if last_event_id and last_event_id.isdigit() else None
+    resume_from = protocol.ascii_number(last_event_id) if last_event_id else None
     sub, backlog = ctx.bus.subscribe(auth.workspace_id, last_event_id=resume_from)
     keepalive = ctx.settings.sse_keepalive_s
     hello = ctx.bus.frame(

@@ -23,7 +23,7 @@ from flexium.server.errors import Busy, CapabilityMissing, InvalidRequest, Inval
 from flexium.server.models import Command, Device, JobOperation, Process
 from flexium.server.storage.devices import host_devices
 from flexium.server.storage.processes import active_command, list_processes
-from flexium.server.storage.targets import DIGITS, check_target, require_capability, resolve_target, target_refusal
+from flexium.server.storage.targets import check_target, require_capability, resolve_target, target_refusal
 from flexium.server.storage.views import command_view, is_stale, stored_capabilities
 
 Target = Union[str, int]
@@ -122,13 +122,14 @@ def create_job_commands(
 def _wanted(ranks: dict[str, Target], *, world: int, job: str) -> dict[int, Target]:
     wanted: dict[int, Target] = {}
     for text, target in ranks.items():
-        if not DIGITS.fullmatch(text.strip()) or int(text) >= world:
+        rank = protocol.ascii_number(text.strip())
+        if rank is None or rank >= world:
             raise InvalidRequest(f"ranks: {text!r} is not a rank of {job} (its ranks are 0..{world - 1})")
-        if int(text) in wanted:
-            raise InvalidRequest(f"ranks: rank {int(text)} is given twice")
+        if rank in wanted:
+            raise InvalidRequest(f"ranks: rank {rank} is given twice")
         if target == "" or isinstance(target, bool):
-            raise InvalidRequest(f"ranks: rank {int(text)} has no target GPU (cuda:N, an index or a UUID)")
-        wanted[int(text)] = target
+            raise InvalidRequest(f"ranks: rank {rank} has no target GPU (cuda:N, an index or a UUID)")
+        wanted[rank] = target
     return wanted
 
 

@@ -4,8 +4,7 @@ that GPU can take a process (``target_refusal``), and whether the process can be
 
 from __future__ import annotations
 
-import re
-from typing import Optional, Union
+from typing import Iterable, Optional, Union
 
 from sqlalchemy.orm import Session
 
@@ -15,8 +14,6 @@ from flexium.server.models import Device, Process
 from flexium.server.storage.devices import find_device_hosts, host_devices
 from flexium.server.storage.views import stored_capabilities
 
-# ASCII digits only: str.isdigit() also takes "²", which int() then refuses.
-DIGITS = re.compile(r"[0-9]+")
 _GIB = float(1 << 30)
 
 
@@ -41,6 +38,13 @@ def require_capability(proc: Process, key: str, what: str) -> None:
         )
 
 
+def _by_index(devices: Iterable[Device], index: int, host: str) -> Device:
+    for dev in devices:
+        if dev.index == index:
+            return dev
+    raise TargetRefused(f"host {host!r} reported no GPU with index {index}")
+
+
 def resolve_target(*, session: Session, proc: Process, target: Union[str, int]) -> Device:
     """The one reading of a person's target text (the CLI's help and ``wire.CommandRequest``
     say the same): ``cuda:N`` is entry N of the process's ``visible_gpus`` (the job's own CUDA
@@ -49,25 +53,24 @@ def resolve_target(*, session: Session, proc: Process, target: Union[str, int]) 
     devices = host_devices(session=session, workspace_id=proc.workspace_id, host=proc.host)
     if isinstance(target, bool):
         raise InvalidRequest("target must be a GPU UUID, an index on the process's host, or 'cuda:N'")
-    if isinstance(target, int) or DIGITS.fullmatch(target):
-        index = int(target)
-        for dev in devices.values():
-            if dev.index == index:
-                return dev
-        raise TargetRefused(f"host {proc.host!r} reported no GPU with index {index}")
+    if isinstance(target, int):
+        return _by_index(devices.values(), target, proc.host)
+    index = protocol.ascii_number(target)
+    if index is not None:
+        return _by_index(devices.values(), index, proc.host)
     text = target.strip()
     if text.startswith("cuda:"):
-        ordinal = text[5:]
+        ordinal = protocol.ascii_number(text[5:])
         visible = list(proc.visible_gpus or [])
-        if not DIGITS.fullmatch(ordinal):
+        if ordinal is None:
             raise InvalidRequest(f"target {text!r} is not 'cuda:N' (N: the job's CUDA ordinal, in digits 0-9)")
         if not visible:
             raise TargetRefused(
                 f"process {proc.process_id!r} did not report its visible GPUs; name the target by UUID or by index"
             )
-        if int(ordinal) >= len(visible):
+        if ordinal >= len(visible):
             raise TargetRefused(f"process {proc.process_id!r} sees {len(visible)} GPU(s); {text} is not one of them")
-        text = visible[int(ordinal)]
+        text = visible[ordinal]
     if not text:
         raise InvalidRequest("target is empty")
     found = devices.get(text)

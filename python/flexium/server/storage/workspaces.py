@@ -58,7 +58,7 @@ def _token_info(row: Token) -> wire.TokenInfo:
 
 
 def check_workspace_name(name: str) -> str:
-    if not isinstance(name, str) or not protocol.WORKSPACE_NAME_RE.match(name):
+    if not isinstance(name, str) or not protocol.WORKSPACE_NAME_RE.fullmatch(name):
         raise InvalidRequest(
             f"invalid workspace name {name!r}: use lowercase letters, digits, "
             "'.', '_', '-' (at most 63, starting with a letter or digit)"
