@@ -74,6 +74,20 @@ def test_default_sqlite_under_home_in_wal_mode(tmp_path: Path) -> None:
         srv2.stop()
 
 
+@pytest.mark.parametrize("last_event_id", ["²".encode("latin-1"), b"12abc", b"-3"])
+def test_an_event_id_that_is_not_a_number_starts_the_stream_without_replay(
+    server: LiveServer, last_event_id: bytes
+) -> None:
+    """A Last-Event-ID of digits int() refuses ('²') gave a 500; any id that is not ASCII
+    digits starts a fresh stream."""
+    headers = {**_auth(server.token or ""), "Last-Event-ID": last_event_id}
+    url = f"{server.url}/api/w/default/events"
+    with requests.get(url, headers=headers, stream=True, timeout=30) as r:  # type: ignore[arg-type]
+        assert r.status_code == 200
+        first = next(line for line in r.iter_lines(decode_unicode=True) if line.startswith("event: "))
+        assert first == "event: hello"
+
+
 def test_sse_live_events_and_replay(server: LiveServer) -> None:
     base = f"{server.url}/api/w/default"
     headers = _auth(server.token or "")
