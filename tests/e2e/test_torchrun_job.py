@@ -6,8 +6,10 @@ the loss traces match an undisturbed run bit for bit."""
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -17,7 +19,7 @@ import fake_driver
 from e2e_helpers import HERE, Server, clean_env, wait_until
 from live_server import ProcessOutput
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = pytest.mark.timeout(480)
 
 JOB = HERE / "torchrun_job.py"
 
@@ -29,6 +31,7 @@ def _torchrun(env: dict[str, str]) -> subprocess.Popen[str]:
 
 def _env(server: Server, **extra: str) -> dict[str, str]:
     env = clean_env(server.home)
+    env["PYTHONFAULTHANDLER"] = "1"
     fake = fake_driver.subprocess_env(fake_driver.build())
     env.update({k: v for k, v in fake.items() if k in ("FLEXIUM_LIBCUDA", "FLEXIUM_LIBNVML", "PYTHONPATH")})
     env.update(extra)
@@ -46,8 +49,13 @@ def test_a_torchrun_job_is_paused_resumed_and_swapped_as_a_whole(server: Server,
     output = ProcessOutput(job)
     reference: Optional[subprocess.Popen[str]] = None
     try:
-        for rank in (0, 1):
-            output.wait_for(rf"^ready {rank} gpu-", 120)
+        try:
+            for rank in (0, 1):
+                output.wait_for(rf"^ready {rank} gpu-", 240)
+        except AssertionError:
+            job.send_signal(signal.SIGABRT)  # faulthandler: where torchrun and its ranks wait
+            time.sleep(3)
+            raise AssertionError(f"the torchrun job did not start:\n{output.text[-6000:]}") from None
 
         def ranks() -> Optional[list[dict[str, Any]]]:
             listed = server.get("/processes").json()

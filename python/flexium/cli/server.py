@@ -30,6 +30,12 @@ def add_command(commands: Any) -> None:
         help="sqlite:///PATH or postgresql://USER@HOST/DB (default: "
         f"${protocol.DATABASE_ENV}, else ~/.flexium/server.db)",
     )
+    parser.add_argument(
+        "--new-database",
+        action="store_true",
+        default=None,
+        help="where a SQLite file this server used is gone, begin with an empty one (default: refuse to start)",
+    )
     parser.add_argument("--public-url", default=None, help="base URL printed in links (behind a proxy)")
     parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     parser.add_argument("--access-log", action="store_true", help="log every request")
@@ -55,6 +61,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         host=args.host,
         port=args.port,
         database_url=args.database,
+        new_database=args.new_database,
         public_url=args.public_url,
         log_level=args.log_level,
         access_log=args.access_log or None,

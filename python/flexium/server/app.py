@@ -171,7 +171,7 @@ def create_app(
     settings = settings or load_settings()
     db = database or Database(settings.database_url, threads=settings.threads)
     if upgrade:
-        db.upgrade()
+        db.upgrade(new_database=settings.new_database)
     ctx = ServerContext(settings=settings, db=db)
     if db.migration_seconds is not None:
         ctx.metrics.schema_migration.observe(db.migration_seconds)
@@ -246,7 +246,7 @@ def serve(settings: Settings) -> int:
     dashboard is, and serve until a stop signal; returns the exit status."""
     db = Database(settings.database_url, threads=settings.threads)
     try:
-        seconds = db.upgrade()
+        seconds = db.upgrade(new_database=settings.new_database)
         token = bootstrap(db) if settings.bootstrap_default_workspace else None
     except (DatabaseUnavailable, SchemaTooNew) as exc:
         print(f"flexium server: cannot use the database {_redact(settings.database_url)}: {exc}", file=sys.stderr)

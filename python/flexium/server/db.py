@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 import time
 from pathlib import Path
@@ -35,6 +36,15 @@ T = TypeVar("T")
 
 _WRITE_OPTION = "flexium_write"
 _PG_MIGRATION_LOCK = 0x666C6578  # any constant; serialises schema upgrades of several servers
+
+
+def _sqlite_file(url: str) -> Optional[str]:
+    path = url.split(":///", 1)[1] if ":///" in url else ""
+    return None if path in ("", ":memory:") else os.path.abspath(path)
+
+
+# Written beside a SQLite file once a server has used it: a file that is gone then was lost.
+USED_MARK = ".used"
 
 
 class DatabaseUnavailable(Exception):
@@ -55,6 +65,10 @@ class Database:
         self._write_engine = self.engine.execution_options(**{_WRITE_OPTION: True})
         self.inline = self.is_sqlite
         self._checkpointer: Optional[threading.Thread] = None
+        # The SQLite file and the file it was when first used: open connections keep writing to
+        # a file deleted or replaced under them, and every write is then lost at the restart.
+        self._file = _sqlite_file(url) if self.is_sqlite else None
+        self._file_identity: Optional[tuple[int, int]] = None
         self._stop_checkpoints = threading.Event()
         self.migration_seconds: Optional[float] = None
 
@@ -140,13 +154,42 @@ class Database:
         return 0 if self.inline else self._limiter.statistics().tasks_waiting
 
     async def ping(self) -> None:
-        """Raises DatabaseUnavailable when the database does not answer (the health check)."""
+        """Raises DatabaseUnavailable when the database does not answer, or (SQLite) its file
+        is no longer the one the server writes to (the health check)."""
         await self.call(_select_one, write=False)
+        problem = self.file_problem()
+        if problem is not None:
+            raise DatabaseUnavailable(problem)
+
+    def file_problem(self) -> Optional[str]:
+        """Why the SQLite file on disk is not the database this server writes to; None when it
+        is (or the database is not a file)."""
+        if self._file is None:
+            return None
+        try:
+            found = os.stat(self._file)
+        except FileNotFoundError:
+            return (
+                f"the database file {self._file} is gone (deleted or moved while the server ran): what is "
+                "written now is lost when the server stops; put the file back, or stop the server"
+            )
+        identity = (found.st_dev, found.st_ino)
+        if self._file_identity is None:
+            self._file_identity = identity
+        elif identity != self._file_identity:
+            return (
+                f"the database file {self._file} was replaced while the server ran: the server still writes to "
+                "the old one; restart the server to use the new one"
+            )
+        return None
 
     # --- schema -----------------------------------------------------------------------------
 
-    def upgrade(self) -> float:
-        """Create or upgrade the schema to this version's head; returns seconds taken."""
+    def upgrade(self, *, new_database: bool = False) -> float:
+        """Create or upgrade the schema to this version's head; returns seconds taken. A SQLite
+        file this server used before and that is gone now is not created again empty unless
+        `new_database`: DatabaseUnavailable says where it was and what to do."""
+        self._check_not_lost(new_database=new_database)
         from alembic import command
         from alembic.config import Config
         from alembic.runtime.migration import MigrationContext
@@ -178,7 +221,21 @@ class Database:
             if lock is not None:
                 lock.release()
         self.migration_seconds = time.perf_counter() - start
+        self.file_problem()  # the file this server writes to, from now on
+        if self._file is not None:
+            Path(self._file + USED_MARK).write_text("a flexium server used the database file beside this one\n")
         return self.migration_seconds
+
+    def _check_not_lost(self, *, new_database: bool) -> None:
+        if self._file is None or os.path.exists(self._file):
+            return
+        mark = Path(self._file + USED_MARK)
+        if mark.exists() and not new_database:
+            raise DatabaseUnavailable(
+                f"the database file {self._file} is gone, though a server used it before ({mark} says so): put it "
+                "back (with its -wal file, if any); to begin with an empty one instead, start `flexium server` with "
+                f"--new-database, or delete {mark}"
+            )
 
     def start_checkpoints(self, interval: float = 1.0) -> None:
         """SQLite: move the WAL into the database file from a thread of its own. Serving

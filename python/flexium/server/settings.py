@@ -25,6 +25,7 @@ def default_database_url() -> str:
 @dataclass(frozen=True)
 class Settings:
     database_url: str = field(default_factory=default_database_url)
+    new_database: bool = False  # an empty database where a used SQLite file is gone (Database.upgrade)
     host: str = DEFAULT_HOST
     port: int = protocol.DEFAULT_PORT
     public_url: Optional[str] = None  # what links printed on start point at
