@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import sys
 import threading
 import time
@@ -48,6 +49,14 @@ def emit(event: str, **data: object) -> None:
 def held_by(pids: list[int]) -> dict[str, int]:
     """What these processes hold on each GPU, by UUID."""
     return {gpu.uuid: sum(gpu.used_by(pid) or 0 for pid in pids) for gpu in nvml.host_gpus()}
+
+
+def stopped_at(notes: tuple[str, ...]) -> Optional[int]:
+    """The optimizer step the job stopped at for a pause or a migration (the result says it)."""
+    from flexium.engine.distributed.job_operation import STOPPED_AT
+
+    found = [re.search(rf"{STOPPED_AT} (\d+)", note) for note in notes]
+    return next((int(m.group(1)) for m in found if m), None)
 
 
 def parse_plan(items: list[str]) -> list[tuple[int, str, dict[int, int]]]:
@@ -102,7 +111,7 @@ def control(plan: list[tuple[int, str, dict[int, int]]], progress: Progress, hol
                 kind=kind,
                 ok=False,
                 error=str(exc),
-                step_seen=progress.step,
+                stopped_at=None if result is None else stopped_at(result.notes),
                 steps={} if result is None else {s.step: s.seconds for s in result.steps if not s.rollback},
             )
             continue
@@ -112,7 +121,7 @@ def control(plan: list[tuple[int, str, dict[int, int]]], progress: Progress, hol
             ok=True,
             path=result.path,
             seconds=result.seconds,
-            step_seen=progress.step,
+            stopped_at=stopped_at(result.notes),
             steps={s.step: round(s.seconds, 4) for s in result.steps if not s.rollback},
             held=held_by([os.getpid()]),
         )

@@ -75,7 +75,10 @@ def _check_ops(job: TorchrunJob, kinds: list[str]) -> None:
 
 
 def _steps_at_ops(job: TorchrunJob) -> list[tuple[int, ...]]:
-    return [tuple(op["step_seen"] for op in job.of(rank, "op")) for rank in (0, 1)]
+    """Each rank's stop steps, of the operations that stop the job at one (pause, migrate)."""
+    stops = [tuple(op["stopped_at"] for op in job.of(rank, "op") if op["kind"] != "resume") for rank in (0, 1)]
+    assert all(step is not None for ranks in stops for step in ranks), stops
+    return stops
 
 
 @pytest.mark.parametrize("model", ["ddp", "fsdp2"])
