@@ -48,3 +48,18 @@ def test_ids_keep_growing_across_a_restart() -> None:
     assert _events(backlog) == [protocol.EVENT_RESYNC]  # what it missed is gone: reload
     frame = before.frame(after.last_id, protocol.EVENT_HELLO, {"last_event_id": after.last_id})
     assert json.loads(frame.split("data: ", 1)[1])["last_event_id"] == after.last_id
+
+
+def test_the_history_is_bounded_in_bytes_and_what_fell_out_asks_for_a_resync() -> None:
+    bus = EventBus(first_id=1, history=1000, history_bytes=64 << 10)
+    big = {"result": "x" * (20 << 10)}  # a command's result rides in its event
+    for _ in range(50):
+        bus.publish(1, protocol.EVENT_COMMAND, big)
+    assert bus.history_bytes(1) <= 64 << 10
+    kept = _subscribe(bus, bus.last_id - 2)
+    assert _events(kept) == [protocol.EVENT_COMMAND] * 2  # the newest are kept
+    assert _events(_subscribe(bus, 1)) == [protocol.EVENT_RESYNC]  # the oldest fell out
+    huge = {"result": "y" * (128 << 10)}  # larger than the whole budget: never kept
+    bus.publish(1, protocol.EVENT_COMMAND, huge)
+    assert bus.history_bytes(1) == 0
+    assert _events(_subscribe(bus, bus.last_id - 1)) == [protocol.EVENT_RESYNC]

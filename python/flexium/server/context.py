@@ -86,7 +86,11 @@ class ServerContext:
 
     def __post_init__(self) -> None:
         self.tokens = TokenCache(self.settings.token_cache_s)
-        self.bus = EventBus(history=self.settings.event_history, queue_size=self.settings.sse_queue_size)
+        self.bus = EventBus(
+            history=self.settings.event_history,
+            history_bytes=self.settings.event_history_bytes,
+            queue_size=self.settings.sse_queue_size,
+        )
         self.metrics.up_since.set(self.started_at)
 
     def begin_shutdown(self) -> None:

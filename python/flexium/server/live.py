@@ -82,12 +82,24 @@ class Subscriber:
 
 
 class EventBus:
-    def __init__(self, *, history: int = 2000, queue_size: int = 1000, first_id: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        *,
+        history: int = 2000,
+        history_bytes: int = 4 << 20,
+        queue_size: int = 1000,
+        first_id: Optional[int] = None,
+    ) -> None:
         start = int(time.time() * 1000) if first_id is None else first_id - 1
         self._ids = itertools.count(start + 1)
         self._subs: dict[int, set[Subscriber]] = {}
+        # Per workspace: the last events, at most `history` of them and `history_bytes` of text
+        # (a command's result rides in its event: a count alone let one client grow the server
+        # by gigabytes).
         self._history: dict[int, collections.deque[tuple[int, str]]] = {}
+        self._history_size: dict[int, int] = {}
         self._history_len = history
+        self._history_bytes = history_bytes
         self._queue_size = queue_size
         self.last_id = start
         self.closed = False
@@ -101,8 +113,7 @@ class EventBus:
         event_id = next(self._ids)
         self.last_id = event_id
         text = self.frame(event_id, event, data)
-        history = self._history.setdefault(workspace_id, collections.deque(maxlen=self._history_len))
-        history.append((event_id, text))
+        self._remember(workspace_id, event_id, text)
         for sub in list(self._subs.get(workspace_id, ())):
             if sub.overflowed:
                 continue
@@ -110,6 +121,17 @@ class EventBus:
                 sub.queue.put_nowait(text)
             except asyncio.QueueFull:
                 sub.overflowed = True
+
+    def _remember(self, workspace_id: int, event_id: int, text: str) -> None:
+        history = self._history.setdefault(workspace_id, collections.deque())
+        history.append((event_id, text))
+        size = self._history_size.get(workspace_id, 0) + len(text)
+        while history and (len(history) > self._history_len or size > self._history_bytes):
+            size -= len(history.popleft()[1])
+        self._history_size[workspace_id] = size
+
+    def history_bytes(self, workspace_id: int) -> int:
+        return self._history_size.get(workspace_id, 0)
 
     def subscribe(self, workspace_id: int, *, last_event_id: Optional[int] = None) -> tuple[Subscriber, list[str]]:
         """A new subscriber and what it missed since ``last_event_id`` (a single ``resync``

@@ -43,6 +43,7 @@ class Settings:
     sse_keepalive_s: float = 15.0
     sse_queue_size: int = 1000
     event_history: int = 2000  # events kept for Last-Event-ID replay, per workspace
+    event_history_bytes: int = 4 << 20  # and at most this much of them (events carry whole results)
 
     db_threads: Optional[int] = None  # worker threads for database calls (default: 8 on
     # SQLite, where writes take turns and more threads
