@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from typing import Optional
 
 from flexium import protocol
 from flexium.server.live import EventBus
@@ -63,3 +64,21 @@ def test_the_history_is_bounded_in_bytes_and_what_fell_out_asks_for_a_resync() -
     bus.publish(1, protocol.EVENT_COMMAND, huge)
     assert bus.history_bytes(1) == 0
     assert _events(_subscribe(bus, bus.last_id - 1)) == [protocol.EVENT_RESYNC]
+
+
+def test_a_stream_too_slow_for_the_bytes_it_is_sent_is_cut_off_with_a_resync() -> None:
+    async def run() -> tuple[list[Optional[str]], bool, int]:
+        bus = EventBus(first_id=1, queue_size=1000, queue_bytes=64 << 10)
+        sub, _ = bus.subscribe(1)
+        for _ in range(10):  # 200 KiB for a client that reads nothing
+            bus.publish(1, protocol.EVENT_COMMAND, {"result": "x" * (20 << 10)})
+        overflowed, queued = sub.overflowed, sub.queued_bytes
+        sub.drop_queued()
+        bus.publish(1, protocol.EVENT_DEVICES, {"host": "h"})
+        taken = [await sub.take(1.0)]
+        bus.unsubscribe(sub)
+        return taken, overflowed, queued
+
+    taken, overflowed, queued = asyncio.run(run())
+    assert overflowed and queued <= 64 << 10
+    assert _events([t for t in taken if t]) == [protocol.EVENT_DEVICES]  # after the resync, events flow again

@@ -90,6 +90,7 @@ class ServerContext:
             history=self.settings.event_history,
             history_bytes=self.settings.event_history_bytes,
             queue_size=self.settings.sse_queue_size,
+            queue_bytes=self.settings.sse_queue_bytes,
         )
         self.metrics.up_since.set(self.started_at)
 

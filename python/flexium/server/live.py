@@ -76,9 +76,40 @@ class Notifier:
 
 @dataclass(eq=False)  # identity, so it can live in a set
 class Subscriber:
+    """One open event stream's queue, bounded in events and in bytes: a client too slow for
+    either is cut off with a resync instead of holding the server's memory."""
+
     workspace_id: int
     queue: asyncio.Queue[Optional[str]]
+    max_bytes: int = 4 << 20
     overflowed: bool = False
+    queued_bytes: int = 0
+
+    def offer(self, text: Optional[str]) -> None:
+        """Queues `text` (None: the stream ends), or marks the subscriber overflowed."""
+        size = len(text) if text else 0
+        if self.overflowed or self.queued_bytes + size > self.max_bytes:
+            self.overflowed = True
+            return
+        try:
+            self.queue.put_nowait(text)
+        except asyncio.QueueFull:
+            self.overflowed = True
+            return
+        self.queued_bytes += size
+
+    async def take(self, timeout: float) -> Optional[str]:
+        """The next queued text; asyncio.TimeoutError after `timeout` seconds without one."""
+        text = await asyncio.wait_for(self.queue.get(), timeout)
+        self.queued_bytes -= len(text) if text else 0
+        return text
+
+    def drop_queued(self) -> None:
+        """After an overflow: what is queued goes (the client reloads after the resync)."""
+        while not self.queue.empty():
+            self.queue.get_nowait()
+        self.queued_bytes = 0
+        self.overflowed = False
 
 
 class EventBus:
@@ -88,6 +119,7 @@ class EventBus:
         history: int = 2000,
         history_bytes: int = 4 << 20,
         queue_size: int = 1000,
+        queue_bytes: int = 4 << 20,
         first_id: Optional[int] = None,
     ) -> None:
         start = int(time.time() * 1000) if first_id is None else first_id - 1
@@ -101,6 +133,7 @@ class EventBus:
         self._history_len = history
         self._history_bytes = history_bytes
         self._queue_size = queue_size
+        self._queue_bytes = queue_bytes
         self.last_id = start
         self.closed = False
 
@@ -115,12 +148,7 @@ class EventBus:
         text = self.frame(event_id, event, data)
         self._remember(workspace_id, event_id, text)
         for sub in list(self._subs.get(workspace_id, ())):
-            if sub.overflowed:
-                continue
-            try:
-                sub.queue.put_nowait(text)
-            except asyncio.QueueFull:
-                sub.overflowed = True
+            sub.offer(text)
 
     def _remember(self, workspace_id: int, event_id: int, text: str) -> None:
         history = self._history.setdefault(workspace_id, collections.deque())
@@ -137,7 +165,7 @@ class EventBus:
         """A new subscriber and what it missed since ``last_event_id`` (a single ``resync``
         event when that is no longer in the history, or is not an id of this server's: larger
         than its last)."""
-        sub = Subscriber(workspace_id, asyncio.Queue(self._queue_size))
+        sub = Subscriber(workspace_id, asyncio.Queue(self._queue_size), max_bytes=self._queue_bytes)
         self._subs.setdefault(workspace_id, set()).add(sub)
         backlog: list[str] = []
         if last_event_id is not None:
@@ -160,10 +188,7 @@ class EventBus:
         self.closed = True
         for subs in self._subs.values():
             for sub in subs:
-                try:
-                    sub.queue.put_nowait(None)
-                except asyncio.QueueFull:
-                    sub.overflowed = True
+                sub.offer(None)
 
     @property
     def subscribers(self) -> int:

@@ -365,13 +365,11 @@ def open_event_stream(ctx: ServerContext, *, auth: AuthInfo, last_event_id: Opti
                 yield text
             while not ctx.stopping:
                 if sub.overflowed:
-                    while not sub.queue.empty():
-                        sub.queue.get_nowait()
-                    sub.overflowed = False
+                    sub.drop_queued()
                     yield ctx.bus.frame(ctx.bus.last_id, protocol.EVENT_RESYNC, {})
                     continue
                 try:
-                    frame: Optional[str] = await asyncio.wait_for(sub.queue.get(), keepalive)
+                    frame: Optional[str] = await sub.take(keepalive)
                 except asyncio.TimeoutError:
                     yield ": keepalive\n\n"
                     continue

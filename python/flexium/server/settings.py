@@ -42,6 +42,7 @@ class Settings:
     max_body_bytes: int = protocol.MAX_BODY_BYTES
     sse_keepalive_s: float = 15.0
     sse_queue_size: int = 1000
+    sse_queue_bytes: int = 4 << 20  # what one event stream may have queued before it resyncs
     event_history: int = 2000  # events kept for Last-Event-ID replay, per workspace
     event_history_bytes: int = 4 << 20  # and at most this much of them (events carry whole results)
 
