@@ -35,8 +35,8 @@ def _register(db: Database, ws: int, process_id: str = "gpu-1", now: float = NOW
 def _command(
     db: Database, ws: int, kind: str, process_id: str = "gpu-1", target: Any = None, now: float = NOW
 ) -> dict[str, Any]:
-    return db.run(
-        storage.create_command,
+    created = db.run(
+        storage.create_commands,
         write=True,
         workspace_id=ws,
         kind=kind,
@@ -45,6 +45,7 @@ def _command(
         now=now,
         stale_after=STALE,
     )
+    return created[0]
 
 
 # --- schema ---------------------------------------------------------------------------------

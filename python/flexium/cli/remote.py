@@ -11,7 +11,7 @@ import argparse
 import json
 import sys
 import time
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Callable, Optional, Sequence, TypeVar, Union
 
 from pydantic import BaseModel, ValidationError
 
@@ -29,6 +29,9 @@ KEY_WIDTH = 16  # of a job's key in `flexium ps`
 DEFAULT_WAIT_S = 300.0
 # While a command is under way the CLI says so on stderr at each change, and this often between.
 PROGRESS_EVERY_S = 10.0
+# A command or a job operation, long-polled until it ends.
+_Polled = TypeVar("_Polled", wire.CommandInfo, wire.JobOperationInfo)
+
 _UNDER_WAY = {
     "queued": "queued; the process takes it at its next poll",
     "delivered": "delivered to the process",
@@ -361,16 +364,13 @@ def _wait_operation(
     progress: Optional[Callable[[wire.JobOperationInfo], None]] = None,
 ) -> wire.JobOperationInfo:
     """As ``_wait``, for every rank's command of a job operation."""
-    deadline = time.monotonic() + timeout
-    while operation.finished_at is None:
-        if progress is not None:
-            progress(operation)
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            break
-        wait = min(remaining, protocol.MAX_POLL_TIMEOUT_S, PROGRESS_EVERY_S if progress is not None else remaining)
-        operation = api.wait_operation(operation.id, wait=round(wait, 3), deadline=deadline)
-    return operation
+    return _poll_until(
+        operation,
+        ended=lambda o: o.finished_at is not None,
+        ask=lambda wait, deadline: api.wait_operation(operation.id, wait=wait, deadline=deadline),
+        timeout=timeout,
+        progress=progress,
+    )
 
 
 def _rank(command: wire.CommandInfo) -> str:
@@ -471,16 +471,35 @@ def _wait(
 ) -> wire.CommandInfo:
     """Long-polls the command until it ends or `timeout` passes; `progress(command)` is called
     with each answer while it is under way (each change, and every PROGRESS_EVERY_S between)."""
+    return _poll_until(
+        command,
+        ended=lambda c: c.state in protocol.FINAL_COMMAND_STATES,
+        ask=lambda wait, deadline: api.wait_command(command.id, wait=wait, deadline=deadline),
+        timeout=timeout,
+        progress=progress,
+    )
+
+
+def _poll_until(
+    first: _Polled,
+    *,
+    ended: Callable[[_Polled], bool],
+    ask: Callable[[float, float], _Polled],
+    timeout: float,
+    progress: Optional[Callable[[_Polled], None]],
+) -> _Polled:
+    """`ask(wait, deadline)` the server's long-poll again until `ended` or `timeout` passes."""
     deadline = time.monotonic() + timeout
-    while command.state not in protocol.FINAL_COMMAND_STATES:
+    current = first
+    while not ended(current):
         if progress is not None:
-            progress(command)
+            progress(current)
         remaining = deadline - time.monotonic()
         if remaining <= 0:
             break
         wait = min(remaining, protocol.MAX_POLL_TIMEOUT_S, PROGRESS_EVERY_S if progress is not None else remaining)
-        command = api.wait_command(command.id, wait=round(wait, 3), deadline=deadline)
-    return command
+        current = ask(round(wait, 3), deadline)
+    return current
 
 
 def _progress_printer(title: str, queued: wire.CommandInfo) -> Callable[[wire.CommandInfo], None]:

@@ -340,14 +340,7 @@ class ApiClient:
     def wait_command(self, command_id: int, *, wait: float, deadline: Optional[float] = None) -> wire.CommandInfo:
         """The command once it ends, or after ``wait`` seconds (the server's long-poll);
         retried while the server cannot be reached until ``deadline`` (``time.monotonic()``)."""
-        answer = self.request(
-            "GET",
-            protocol.PATH_COMMAND.format(command_id=command_id),
-            params={"wait": wait},
-            timeout=wait + 10.0,
-            retries=None,
-            deadline=deadline if deadline is not None else time.monotonic() + wait + 10.0,
-        )
+        answer = self._long_poll(protocol.PATH_COMMAND.format(command_id=command_id), wait, deadline)
         return self._read(wire.CommandInfo, answer, "a command")
 
     def get_operation(self, operation_id: int, *, retries: int = 2) -> wire.JobOperationInfo:
@@ -361,15 +354,20 @@ class ApiClient:
     ) -> wire.JobOperationInfo:
         """The job operation once every rank's command ended, or after ``wait`` seconds (as
         ``wait_command``)."""
-        answer = self.request(
+        answer = self._long_poll(protocol.PATH_OPERATION.format(operation_id=operation_id), wait, deadline)
+        return self._read(wire.JobOperationInfo, answer, "a job operation")
+
+    def _long_poll(self, path: str, wait: float, deadline: Optional[float]) -> Any:
+        """GET `path` answered when what it names ends or after `wait` seconds (the server's
+        long-poll), retried while the server cannot be reached until `deadline`."""
+        return self.request(
             "GET",
-            protocol.PATH_OPERATION.format(operation_id=operation_id),
+            path,
             params={"wait": wait},
             timeout=wait + 10.0,
             retries=None,
             deadline=deadline if deadline is not None else time.monotonic() + wait + 10.0,
         )
-        return self._read(wire.JobOperationInfo, answer, "a job operation")
 
     def list_jobs(self, *, retries: int = 2) -> list[wire.JobSummary]:
         """Jobs of several ranks, each with its ranks (``ProcessInfo``) by rank."""

@@ -381,7 +381,6 @@ def job_operation_of(command: wire.CommandInfo, job: wire.JobCommandInfo) -> Job
         rank=job.rank,
         world_size=job.world_size,
         target=command.target_uuid,
-        moves={int(rank): uuid for rank, uuid in job.moves.items()},
     )
 
 

@@ -25,8 +25,8 @@ import dataclasses
 import logging
 import sys
 import time
-from dataclasses import dataclass, field
-from typing import Callable, Mapping, Optional
+from dataclasses import dataclass
+from typing import Callable, Optional
 
 from flexium.engine import torch_bridge
 from flexium.engine.distributed import nccl
@@ -50,7 +50,6 @@ class JobOperation:
     rank: int
     world_size: int
     target: Optional[str] = None  # this rank's GPU UUID; None: it stays (migrate), resumes where it paused
-    moves: Mapping[int, str] = field(default_factory=dict)  # every rank that changes GPU -> its GPU UUID
 
 
 @dataclass(frozen=True)

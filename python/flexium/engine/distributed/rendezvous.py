@@ -99,14 +99,6 @@ class Rendezvous:
             time.sleep(POLL_SECONDS)
         return self.words(stage)
 
-    def clean(self, stages: tuple[str, ...]) -> None:
-        """Deletes this rank's keys (best effort: the store dies with the job anyway)."""
-        for stage in stages:
-            try:
-                self.store.delete_key(self._key(stage, self.rank))
-            except Exception:  # a store that cannot delete keeps a few bytes
-                return
-
 
 def _text(value: Any) -> str:
     return value.decode(errors="replace") if isinstance(value, (bytes, bytearray)) else str(value)

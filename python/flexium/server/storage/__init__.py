@@ -11,7 +11,6 @@ admin commands read, as a ``WorkspaceRecord``), and they raise
 
 from flexium.server.storage.commands import (
     count_commands,
-    create_command,
     create_commands,
     get_command,
     judge_targets,
@@ -66,7 +65,6 @@ __all__ = [
     "resolve_target",
     "target_refusal",
     "count_processes",
-    "create_command",
     "create_commands",
     "create_workspace",
     "ensure_default_workspace",

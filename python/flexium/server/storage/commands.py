@@ -82,31 +82,6 @@ def _choose_resume_target(*, session: Session, proc: Process, now: float, stale_
     raise TargetRefused(f"no GPU on host {proc.host!r} can take process {proc.process_id!r}")
 
 
-def create_command(
-    *,
-    session: Session,
-    workspace_id: int,
-    kind: str,
-    process_id: str,
-    target: Union[str, int, None] = None,
-    ranks: Optional[dict[str, Union[str, int]]] = None,
-    now: float,
-    stale_after: float,
-) -> wire.CommandInfo:
-    """The command for ``process_id`` (for a rank of a job of several, its share of the job
-    operation ``create_commands`` writes)."""
-    return create_commands(
-        session=session,
-        workspace_id=workspace_id,
-        kind=kind,
-        process_id=process_id,
-        target=target,
-        ranks=ranks,
-        now=now,
-        stale_after=stale_after,
-    )[0]
-
-
 def create_commands(
     *,
     session: Session,
