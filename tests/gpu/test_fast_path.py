@@ -259,6 +259,37 @@ def test_fast_pause_and_resume_in_place_all_features(host_gpus: list[Any]) -> No
     assert tuple(done["losses"]) == expected, "loss trace differs from the undisturbed run"
 
 
+@pytest.mark.parametrize("path", ["fast", "driver"])
+def test_batches_delivered_while_paused_are_pinned_after_the_resume(path: str) -> None:
+    """A DataLoader whose workers take longer per batch than a step: batches keep arriving while
+    the job is paused, and its pin-memory thread would pin them then, which kills a checkpointed
+    process (docs/facts.md fact 22). flexium holds that thread until the resume: the job lives
+    through two pauses of 2 s and its loss trace is unchanged."""
+    common = ("--ballast-gb", "1", "--steps", "40", "--step-sleep", "0", "--dataloader", "--batch-delay", "0.2")
+    expected = reference(*common)
+    run = ok_run(
+        run_job(
+            *common,
+            "--pause-seconds",
+            "2",
+            "--path",
+            path,
+            "--plan",
+            "8:pause",
+            "--plan",
+            "8:resume",
+            "--plan",
+            "20:pause",
+            "--plan",
+            "20:resume",
+            timeout=JOB_TIMEOUT,
+        )
+    )
+    assert [op["ok"] for op in run.ops] == [True] * 4, summary(run.ops)
+    assert [op["result"]["path"] for op in run.ops] == [path] * 4, summary(run.ops)
+    assert tuple(run.one("done")["losses"]) == expected, "loss trace differs from the undisturbed run"
+
+
 def test_driver_and_fast_pause_side_by_side_in_place(host_gpus: list[Any]) -> None:
     """One GPU: the plain job paused on the driver path and resumed in place, then paused again
     in auto mode, which takes the fast path (the driver round trip left nothing that blocks it),

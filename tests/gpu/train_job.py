@@ -177,14 +177,17 @@ class IndexedRows(torch.utils.data.Dataset):
     """Row i is a fixed function of i (its own seeded CPU generator): any worker, any order,
     the same batch."""
 
-    def __init__(self, length: int, width: int) -> None:
+    def __init__(self, length: int, width: int, batch_delay: float = 0.0) -> None:
         self.length = length
         self.width = width
+        self.batch_delay = batch_delay
 
     def __len__(self) -> int:
         return self.length
 
     def __getitem__(self, index: int) -> torch.Tensor:
+        if self.batch_delay and index % BATCH == 0:
+            time.sleep(self.batch_delay)  # a slow input pipeline: batches still arrive while paused
         generator = torch.Generator()
         generator.manual_seed(10_000 + index)
         return torch.randn(self.width, generator=generator)
@@ -200,10 +203,10 @@ class Batches:
     """Batches from a DataLoader (2 spawned workers, pinned memory), cyclically, copied to the
     device with non_blocking=True."""
 
-    def __init__(self, width: int, device: str) -> None:
+    def __init__(self, width: int, device: str, batch_delay: float = 0.0) -> None:
         self.device = device
         self.loader = torch.utils.data.DataLoader(
-            IndexedRows(DATASET_BATCHES * BATCH, width),
+            IndexedRows(DATASET_BATCHES * BATCH, width, batch_delay),
             batch_size=BATCH,
             shuffle=False,
             drop_last=True,
@@ -315,6 +318,7 @@ def main() -> int:
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing of the first block")
     parser.add_argument("--side-stream", action="store_true", help="a second CUDA stream feeds the forward")
     parser.add_argument("--dataloader", action="store_true", help="input from a DataLoader with 2 workers")
+    parser.add_argument("--batch-delay", type=float, default=0.0, help="seconds a DataLoader worker takes per batch")
     parser.add_argument("--cuda-graph", action="store_true", help="a CUDA graph captured before training")
     parser.add_argument("--stall-at", type=int, default=-1, help="this step sleeps before its optimizer step")
     parser.add_argument("--stall-seconds", type=float, default=0.0)
@@ -358,7 +362,7 @@ def main() -> int:
     scaler = torch.amp.GradScaler("cuda", init_scale=2.0**10, growth_interval=8) if args.amp else None
     side = SideStream(width, device) if args.side_stream else None
     graph = Graph(width, device) if args.cuda_graph else None
-    batches = Batches(width, device) if args.dataloader else None
+    batches = Batches(width, device, args.batch_delay) if args.dataloader else None
 
     def forward(inp: torch.Tensor) -> torch.Tensor:
         if args.checkpointing:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Iterator, Literal, Optional, Sequence, get_args
 
 from flexium import _C
-from flexium.engine import nvml
+from flexium.engine import nvml, pinning_gate
 from flexium.engine.capabilities import Capabilities
 from flexium.engine.distributed import job_operation, membership, nccl
 from flexium.engine.distributed.job_operation import Deadlines, JobOperation, RankActions
@@ -124,6 +124,7 @@ class Engine:
 
     def start(self) -> None:
         self._safe_points.install()
+        pinning_gate.install()
         nvml.start_reader()  # reads while the job is frozen (a resume's room check) take milliseconds
         fast = self._ctx.fast
         if fast is not None and fast.pool.active:
@@ -139,6 +140,7 @@ class Engine:
             except Exception as exc:  # exiting anyway; say what happened
                 log.error("could not resume the paused job in place at shutdown, so it exits paused: %s", exc)
         self._parking.release()
+        pinning_gate.uninstall()
         if self._ctx.fast is not None:
             self._ctx.fast.close()
         nvml.stop_reader()

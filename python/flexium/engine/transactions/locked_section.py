@@ -3,14 +3,20 @@ its step lists, and the preparation before it."""
 
 from __future__ import annotations
 
+import logging
 import time
 
 from flexium import _C
-from flexium.engine import nvml, torch_bridge
+from flexium.engine import nvml, pinning_gate, torch_bridge
 from flexium.engine.identity import MovePlan
 from flexium.engine.operations import EngineState, OperationKind, StepTiming
 from flexium.engine.transactions.context import OperationContext
 from flexium.errors import OperationFailedError
+
+log = logging.getLogger("flexium")
+
+# Pinning one batch takes milliseconds; a pin still under way after this is stuck elsewhere.
+PIN_WAIT_S = 10.0
 
 Steps = tuple[list[_C.Step], list[list[_C.Step]]]  # the steps and each one's rollback
 
@@ -63,12 +69,18 @@ def resume_steps(plan: MovePlan) -> Steps:
 
 
 def run(ctx: OperationContext, steps: Steps, *, hold_gil: bool = False) -> list[_C.StepOutcome]:
-    """Runs a locked section; NVML queries go elsewhere until the process runs again."""
+    """Runs a locked section; NVML queries go elsewhere and batches wait to be pinned until the
+    process runs again."""
+    if not pinning_gate.GATE.close(PIN_WAIT_S):
+        log.warning("a DataLoader thread was still pinning a batch after %.0f s; locking anyway", PIN_WAIT_S)
     nvml.set_frozen(True)
     try:
         outcomes = list(_C.run_steps(ctx.pid, *steps, hold_gil=hold_gil))
     finally:
-        nvml.set_frozen(_C.process_state(ctx.pid) != _C.ProcessState.RUNNING)
+        running = _C.process_state(ctx.pid) == _C.ProcessState.RUNNING
+        nvml.set_frozen(not running)
+        if running:
+            pinning_gate.GATE.open()
     if ctx.fast is not None and any(o.step == "restore" and o.code == 0 for o in outcomes):
         # What the driver carried through its checkpoint comes back unexportable (docs/fast-path.md fact 11).
         _C.vmm_mark_restored_by_driver()
