@@ -62,6 +62,7 @@ def one_kind(kind: str) -> None:
     torch.cuda.synchronize()
     call = _calls()[kind]
     seen: dict[str, Any] = {"kind": kind, "pause_path": engine.pause().path}
+    print(json.dumps(seen), flush=True)  # what is known if the call kills the process
     outcome: dict[str, Any] = {}
 
     def make_call() -> None:
@@ -97,12 +98,12 @@ def main() -> int:
         done = subprocess.run([sys.executable, __file__, "--child", kind], capture_output=True, text=True, timeout=120)
         lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
         seen = json.loads(lines[-1]) if lines else {}
-        died = f"exit {done.returncode}" if done.returncode else "lived"
+        died = f"died: exit {done.returncode}" if done.returncode else "lived"
         rows.append(
             [
                 kind,
                 seen.get("pause_path", "?"),
-                json.dumps(seen.get("while_paused", "(process died)")),
+                json.dumps(seen.get("while_paused", "(the process died)")),
                 json.dumps(seen.get("after_resume", "-")),
                 died,
             ]
