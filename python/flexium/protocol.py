@@ -39,6 +39,47 @@ def ascii_number(text: str) -> Optional[int]:
     return int(text) if _ASCII_DIGITS.fullmatch(text) else None
 
 
+# GPU UUIDs as NVML gives them ("GPU-" or, for a MIG instance, "MIG-", then hex and dashes).
+_GPU_UUID = re.compile(r"(GPU|MIG)-[0-9A-Za-z-]+")
+# What people type for "the job's GPU N" that is not the syntax: cuda1, gpu:1, GPU 1, device-1.
+_ALMOST_ORDINAL = re.compile(r"(?i)(cuda|gpu|device|dev)\s*[:#_-]?\s*([0-9]+)")
+
+
+@dataclass(frozen=True)
+class TargetText:
+    """A person's name for a GPU, read by its syntax alone (which GPU it is, the server decides
+    from the process's reports): ``cuda:N`` the job's own CUDA numbering (``ordinal``), digits
+    nvidia-smi's index on the job's host (``index``), ``GPU-...`` a GPU UUID (``uuid``)."""
+
+    ordinal: Optional[int] = None
+    index: Optional[int] = None
+    uuid: Optional[str] = None
+
+
+TARGET_SYNTAX = "cuda:N (the job's own numbering), N (nvidia-smi's index) or a GPU UUID (GPU-...)"
+
+
+def read_target(text: str) -> TargetText:
+    """The one reading of a target's syntax (the CLI checks with it before sending, the server
+    resolves by it); ValueError names what is wrong and suggests what was probably meant."""
+    text = text.strip()
+    if not text:
+        raise ValueError(f"the target is empty: name a GPU as {TARGET_SYNTAX}")
+    index = ascii_number(text)
+    if index is not None:
+        return TargetText(index=index)
+    if text.startswith("cuda:"):
+        ordinal = ascii_number(text[len("cuda:") :])
+        if ordinal is None:
+            raise ValueError(f"target {text!r} is not cuda:N (N: the job's CUDA ordinal, in digits 0-9)")
+        return TargetText(ordinal=ordinal)
+    if _GPU_UUID.fullmatch(text):
+        return TargetText(uuid=text)
+    almost = _ALMOST_ORDINAL.fullmatch(text)
+    hint = f"; did you mean cuda:{almost.group(2)}?" if almost and ascii_number(almost.group(2)) is not None else ""
+    raise ValueError(f"target {text!r} is not a GPU name: use {TARGET_SYNTAX}{hint}")
+
+
 @dataclass(frozen=True)
 class ServerAddress:
     """A parsed ``host[:port]/workspace``: what the client, the CLI and ``flexium.config``

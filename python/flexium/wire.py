@@ -24,6 +24,7 @@ All times are Unix epoch seconds (float); all sizes are bytes (int).
 from __future__ import annotations
 
 import math
+import shlex
 from typing import Annotated, Any, Literal, Optional, Sequence, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StringConstraints, model_validator
@@ -143,6 +144,37 @@ def cuda_ordinal(visible_gpus: Sequence[str], gpu_uuid: Optional[str]) -> Option
     if gpu_uuid is None or gpu_uuid not in visible_gpus:
         return None
     return f"cuda:{list(visible_gpus).index(gpu_uuid)}"
+
+
+# Interpreter options that take a value (python -X dev train.py): skipped with it.
+_PYTHON_OPTIONS_WITH_VALUE = ("-X", "-W", "--check-hash-based-pycs")
+
+
+def job_name(cmdline: str) -> str:
+    """A short name for a process from its command line, as ``ps`` users expect one: the script
+    (``train``), the module (``python -m pkg.train`` -> ``pkg.train``), else the program. The
+    one derivation: ``ProcessInfo.name``, which the CLI and the dashboard show."""
+    try:
+        words = shlex.split(cmdline)
+    except ValueError:  # unbalanced quotes (the client clips long command lines)
+        words = [word.strip("'\"") for word in cmdline.split()]
+    if not words:
+        return ""
+    program = words[0].rsplit("/", 1)[-1]
+    if not program.startswith("python"):
+        return program
+    rest = iter(words[1:])
+    for word in rest:
+        if word == "-m":
+            return next(rest, program)
+        if word == "-c":
+            return f"{program} -c"
+        if word in _PYTHON_OPTIONS_WITH_VALUE:
+            next(rest, None)
+        elif not word.startswith("-"):
+            name = word.rsplit("/", 1)[-1]
+            return name[: -len(".py")] if name.endswith(".py") and len(name) > 3 else name
+    return program
 
 
 class WireIn(BaseModel):
@@ -361,6 +393,7 @@ class ProcessInfo(WireOut):
     registered_at: float
     last_seen: float
     cmdline: str
+    name: str = Field(default="", description="a short name from cmdline: the script or module (wire.job_name)")
     active_command: Optional[CommandInfo]
     job: Optional[JobInfo] = Field(default=None, description="None: a single-process job")
 

@@ -120,6 +120,20 @@ class Server:
         )
 
 
+def ps_row(table: str, process_id: str) -> dict[str, str]:
+    """The cells of `process_id`'s row in `flexium ps` output, by column name (the table is
+    aligned: each column starts where its header does)."""
+    lines = table.splitlines()
+    header = lines[0]
+    row = next(line for line in lines if line.startswith(process_id))
+    names = header.split()
+    starts: list[int] = []
+    for name in names:
+        starts.append(header.index(name, starts[-1] + 1 if starts else 0))
+    ends: list[Optional[int]] = [*starts[1:], None]
+    return {name: row[start:end].strip() for name, start, end in zip(names, starts, ends, strict=True)}
+
+
 class Job:
     """A training process (tests/e2e/train_job.py)."""
 

@@ -150,3 +150,31 @@ def test_server_and_token_from_flexiumrc(server: Server) -> None:
         assert isinstance(json.loads(done.stdout), list)
     finally:
         rc.unlink()
+
+
+def test_a_mistyped_target_is_refused_with_a_suggestion_before_anything_is_sent(server: Server) -> None:
+    for typed, suggestion in (("cuda1", "cuda:1"), ("gpu:1", "cuda:1"), ("GPU 0", "cuda:0")):
+        done = server.cli("migrate", "gpu-anything", typed)
+        assert done.returncode == 2, done.stderr
+        assert f"did you mean {suggestion}?" in done.stderr and "cuda:N" in done.stderr, done.stderr
+    done = server.cli("migrate", "gpu-anything", "--ranks", "0=cuda:1,1=dev1")
+    assert done.returncode == 2 and "'dev1'" in done.stderr and "did you mean cuda:1?" in done.stderr
+    assert server.get("/commands").json() == []
+
+
+def test_refusals_under_json_are_json_on_stdout(server: Server) -> None:
+    done = server.cli("pause", "gpu-nosuchprocess", "--json")
+    assert done.returncode == 1
+    refusal = json.loads(done.stdout)
+    assert refusal["error"] == "not_found" and refusal["exit_status"] == 1
+    assert "gpu-nosuchprocess" in refusal["message"] and refusal["message"] in done.stderr
+    done = server.cli("migrate", "gpu-anything", "cuda1", "--json")
+    assert done.returncode == 2 and json.loads(done.stdout)["error"] == "bad_usage"
+
+
+def test_token_problems_are_said_in_the_command_line_s_terms(server: Server) -> None:
+    for token, expected in (("", "no token for workspace 'e2e'"), ("flx_wrong", "does not accept this token")):
+        done = server.cli("ps", env={"FLEXIUM_TOKEN": token})
+        assert done.returncode == 1
+        assert expected in done.stderr and "FLEXIUM_TOKEN, --token or 'token:' in .flexiumrc" in done.stderr
+        assert "Authorization" not in done.stderr and "Bearer" not in done.stderr, done.stderr

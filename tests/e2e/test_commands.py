@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from e2e_helpers import Job, Server, wait_until
+from e2e_helpers import Job, Server, ps_row, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -70,8 +70,8 @@ def test_migrate_from_the_command_line(server: Server, job: Job) -> None:
     job.output.wait_for(r"^step \d+ cuda:1$", 10)
     table = server.cli("ps").stdout
     assert "cuda:0 (on cuda:1)" in table
-    row = next(line for line in table.splitlines() if job.process_id in line)
-    assert row.split()[-2:] == ["driver", "-"], row  # CPU torch: no memory pool, the driver path moves it
+    row = ps_row(table, job.process_id)
+    assert (row["MOVES"], row["DOING"]) == ("driver", "-"), row  # CPU torch: no memory pool, the driver path moves it
 
 
 def test_commands_arrive_within_100_ms(server: Server, job: Job, record_property: Any) -> None:

@@ -11,7 +11,7 @@ from typing import Iterator
 import pytest
 import requests
 
-from e2e_helpers import WORKSPACE, Job, Server, wait_until
+from e2e_helpers import WORKSPACE, Job, Server, ps_row, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -36,11 +36,12 @@ def test_registers_with_capabilities_saying_no_migration(server: Server, job: Jo
     assert any("engine is not running" in problem for problem in p["capabilities"]["problems"])
     assert p["gpu_uuid"] is None and p["logical_device"] == "cpu"
     assert p["torch_version"].startswith("2.") and p["flexium_version"]
-    assert "train_job.py" in p["cmdline"]
+    assert "train_job.py" in p["cmdline"] and p["name"] == "train_job"
     table = server.cli("ps")
     assert table.returncode == 0 and job.process_id in table.stdout and "RUNNING" in table.stdout
-    row = next(line for line in table.stdout.splitlines() if job.process_id in line)
-    assert row.split()[-2:] == ["-", "-"], row  # MOVES: none; COMMAND: none
+    row = ps_row(table.stdout, job.process_id)
+    assert (row["NAME"], row["MOVES"], row["DOING"]) == ("train_job", "-", "-"), row
+    assert "train_job.py" in row["COMMAND"], row  # the job's own command line
     assert "MOVES: fast = " in table.stdout
 
 
@@ -105,7 +106,7 @@ def test_bad_input_is_a_4xx_with_a_message(server: Server, job: Job) -> None:
     done = server.cli("pause", "gpu-nobody00")
     assert done.returncode == 1 and "no process" in done.stderr
     done = server.cli("ps", "--token", "flx_not-a-real-token")
-    assert done.returncode == 1 and "refused the token" in done.stderr
+    assert done.returncode == 1 and "does not accept this token" in done.stderr
     done = server.cli("ps", "--server", "127.0.0.1:1/" + WORKSPACE)
     assert done.returncode == 3 and "cannot reach" in done.stderr
     done = server.cli("ps", "--server", "127.0.0.1:1")

@@ -427,9 +427,9 @@ def test_the_location_shown_is_derived_from_the_gpu_uuid_alone(api: Api) -> None
 @pytest.mark.parametrize(
     "target,code,message",
     [
-        ("²", "target_refused", "unknown GPU '²'"),  # str.isdigit() says yes, int() says no
-        ("cuda:²", "invalid_request", "is not 'cuda:N'"),
-        ("cuda:١", "invalid_request", "is not 'cuda:N'"),  # an Arabic-Indic one
+        ("²", "invalid_request", "target '²' is not a GPU name"),  # str.isdigit() says yes, int() says no
+        ("cuda:²", "invalid_request", "is not cuda:N"),
+        ("cuda:١", "invalid_request", "is not cuda:N"),  # an Arabic-Indic one
     ],
 )
 def test_digits_that_are_not_ascii_are_refused_not_a_500(api: Api, target: str, code: str, message: str) -> None:

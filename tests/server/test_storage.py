@@ -368,7 +368,7 @@ def test_migrate_checks(db: Database) -> None:
         ("gpu-1", 9, errors.TargetRefused),  # no such index
         ("gpu-1", "cuda:7", errors.TargetRefused),  # not visible
         ("gpu-1", "cuda:x", errors.InvalidRequest),
-        ("gpu-1", "²", errors.TargetRefused),  # str.isdigit() says yes, int() says no: not an index
+        ("gpu-1", "²", errors.InvalidRequest),  # str.isdigit() says yes, int() says no: not a GPU name
         ("gpu-1", "cuda:²", errors.InvalidRequest),
     ]
     for process_id, target, exc in cases:

@@ -3,8 +3,11 @@ command line), and the server's options become its Settings without the server e
 
 from __future__ import annotations
 
+import argparse
 import ast
 from pathlib import Path
+
+import pytest
 
 from flexium.cli import server
 from flexium.cli.main import build_parser
@@ -59,3 +62,40 @@ def test_workspace_and_token_commands() -> None:
         "3",
         None,
     )
+
+
+def _commands(parser: argparse.ArgumentParser, path: tuple[str, ...] = ()) -> list[tuple[str, argparse.ArgumentParser]]:
+    found = [(" ".join(("flexium", *path)), parser)]
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found += _commands(sub, (*path, name))
+    return found
+
+
+def test_every_command_says_what_it_does_and_every_option_has_help() -> None:
+    missing = []
+    for command, parser in _commands(build_parser()):
+        if not parser.description:
+            missing.append(f"{command}: no description")
+        for action in parser._actions:
+            if not isinstance(action, argparse._SubParsersAction) and not action.help:
+                missing.append(f"{command} {'/'.join(action.option_strings) or action.dest}: no help")
+    assert missing == []
+
+
+def test_help_shows_defaults_once(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["migrate", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "move a running process to another GPU" in text  # the command's own description
+    assert text.count("(default 300)") == 1 and "(default: 300" not in text
+
+
+def test_version_names_the_distribution(capsys: pytest.CaptureFixture[str]) -> None:
+    from flexium import __version__
+
+    with pytest.raises(SystemExit) as exited:
+        build_parser().parse_args(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out.strip() == f"flexium {__version__}"

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 from flexium.cli import remote, server, workspaces
+
+DISTRIBUTION = "flexium"  # pyproject.toml's [project] name
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -16,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Commands that talk to a server read FLEXIUM_SERVER (host[:port]/workspace) and FLEXIUM_TOKEN, "
         "else .flexiumrc. Exit status: 0 done, 1 refused or failed, 2 bad usage, 3 server unreachable.",
     )
+    parser.add_argument("--version", action="version", version=version_line())
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     doctor = commands.add_parser("doctor", help="check what this machine allows (driver, torch, GPUs)")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
@@ -29,7 +32,44 @@ def build_parser() -> argparse.ArgumentParser:
 
     server.add_command(commands)
     workspaces.add_commands(commands)
+    _describe_commands(commands)
     return parser
+
+
+def version_line() -> str:
+    """The installed distribution's name and version (what pip shows), and the package's."""
+    from importlib import metadata
+
+    from flexium import __version__
+
+    try:
+        installed = metadata.version(DISTRIBUTION)
+    except metadata.PackageNotFoundError:
+        return f"{DISTRIBUTION} {__version__} (not installed as a distribution: run from a source tree)"
+    return f"{DISTRIBUTION} {installed}"
+
+
+class _HelpWithDefaults(argparse.HelpFormatter):
+    """Each option's default after its help, unless the help already says it or there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "default" in text or default in (None, False, "", argparse.SUPPRESS) or not action.option_strings:
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _describe_commands(commands: Any) -> None:
+    """Every command's --help opens with what the command does (its line in `flexium --help`)
+    and shows its defaults, wherever its parser was built."""
+    summaries = {choice.dest: choice.help for choice in commands._choices_actions}
+    for name, sub in commands.choices.items():
+        sub.description = sub.description or summaries.get(name)
+        sub.formatter_class = _HelpWithDefaults
+        for action in sub._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                _describe_commands(action)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

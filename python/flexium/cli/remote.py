@@ -26,6 +26,7 @@ EXIT_UNREACHABLE = 3
 
 GIB = float(1 << 30)
 KEY_WIDTH = 16  # of a job's key in `flexium ps`
+COMMAND_WIDTH = 80  # of a job's command line in `flexium ps` (--json has all of it)
 DEFAULT_WAIT_S = 300.0
 # While a command is under way the CLI says so on stderr at each change, and this often between.
 PROGRESS_EVERY_S = 10.0
@@ -115,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         api = connect(args.server, args.token)
     except ConfigError as exc:
-        return _fail(str(exc), EXIT_USAGE)
+        return _fail(str(exc), EXIT_USAGE, as_json=args.json, code="bad_settings")
     try:
         if args.command == "ps":
             return _ps(api, args)
@@ -123,22 +124,37 @@ def run(args: argparse.Namespace) -> int:
             return _devices(api, args)
         return _command(api, args)
     except Unreachable as exc:
-        return _fail(f"{exc.message} (is `flexium server` running there?)", EXIT_UNREACHABLE)
-    except Unauthorized as exc:
         return _fail(
-            f"the server refused the token: {exc.message}. Set {protocol.TOKEN_ENV} (or --token) to a "
-            f"token of workspace '{api.workspace}'",
-            EXIT_FAILED,
+            f"{exc.message} (is `flexium server` running there?)", EXIT_UNREACHABLE, as_json=args.json, code=exc.code
         )
+    except Unauthorized as exc:
+        return _fail(_token_problem(api, exc), EXIT_FAILED, as_json=args.json, code=exc.code)
     except ServerError as exc:
-        return _fail(exc.message, EXIT_FAILED)
+        return _fail(exc.message, EXIT_FAILED, as_json=args.json, code=exc.code)
     except _UsageError as exc:
-        return _fail(str(exc), EXIT_USAGE)
+        return _fail(str(exc), EXIT_USAGE, as_json=args.json, code="bad_usage")
     except ValidationError as exc:  # what the server would refuse as invalid_request
         first = exc.errors()[0]
-        return _fail(f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}", EXIT_FAILED)
+        message = f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
+        return _fail(message, EXIT_FAILED, as_json=args.json, code="invalid_request")
     finally:
         api.close()
+
+
+def _token_problem(api: ApiClient, refused: Unauthorized) -> str:
+    """A refused token, said in the CLI's terms (where a token comes from), not HTTP's."""
+    where = f"{protocol.TOKEN_ENV}, --token or 'token:' in .flexiumrc"
+    if refused.status == 403:
+        return f"the token is not allowed to do this in workspace '{api.workspace}': {refused.message}"
+    if not api.token:
+        return (
+            f"no token for workspace '{api.workspace}': set {where} (`flexium server` prints the first token "
+            "when it creates a workspace; `flexium token issue WORKSPACE` makes another)"
+        )
+    return (
+        f"the server at {api.base_url} does not accept this token for workspace '{api.workspace}' "
+        f"(wrong, revoked, or of another workspace): set {where} to a token of workspace '{api.workspace}'"
+    )
 
 
 def connect(server: Optional[str], token: Optional[str]) -> ApiClient:
@@ -153,10 +169,14 @@ def connect(server: Optional[str], token: Optional[str]) -> ApiClient:
             f"no server configured: set {protocol.SERVER_ENV}=host[:port]/workspace "
             "(e.g. 127.0.0.1:8080/default), 'server:' in .flexiumrc, or pass --server"
         )
-    return ApiClient(config.address, config.token, user_agent=f"flexium/{__version__} (cli)")
+    return ApiClient(config.address, config.token or None, user_agent=f"flexium/{__version__} (cli)")
 
 
-def _fail(message: str, status: int) -> int:
+def _fail(message: str, status: int, *, as_json: bool = False, code: str = "failed") -> int:
+    """The reason on stderr; under --json also a JSON object on stdout, so that a script reading
+    stdout sees why nothing else came."""
+    if as_json:
+        print(json.dumps({"error": code, "message": message, "exit_status": status}, indent=2, sort_keys=True))
     print(f"flexium: {message}", file=sys.stderr)
     return status
 
@@ -178,7 +198,24 @@ def _ps(api: ApiClient, args: argparse.Namespace) -> int:
         print(f"no processes in workspace '{api.workspace}' at {api.base_url}")
         return EXIT_OK
     now = time.time()
-    rows = [("PROCESS", "JOB", "RANK", "STATE", "HOST", "PID", "DEVICE", "GPU", "MEMORY", "UP", "MOVES", "COMMAND")]
+    rows = [
+        (
+            "PROCESS",
+            "NAME",
+            "JOB",
+            "RANK",
+            "STATE",
+            "HOST",
+            "PID",
+            "DEVICE",
+            "GPU",
+            "MEMORY",
+            "UP",
+            "MOVES",
+            "DOING",
+            "COMMAND",
+        )
+    ]
     for p in processes:
         device = p.logical_device or "-"
         if p.physical_device and p.physical_device != p.logical_device:
@@ -192,11 +229,12 @@ def _ps(api: ApiClient, args: argparse.Namespace) -> int:
         if p.state == "PAUSED" and p.footprint_bytes:
             memory += f" ({_gib(p.footprint_bytes)} paused)"
         active = p.active_command
-        command = f"{active.kind} {active.state}" if active else "-"
+        doing = f"{active.kind} {active.state}" if active else "-"
         started = p.started_at or p.registered_at
         rows.append(
             (
                 p.process_id,
+                p.name or "-",
                 _short_key(p.job.key) if p.job else "-",
                 f"{p.job.rank}/{p.job.world_size}" if p.job else "-",
                 p.state,
@@ -207,7 +245,8 @@ def _ps(api: ApiClient, args: argparse.Namespace) -> int:
                 memory,
                 _age(now - started),
                 _moves(p.capabilities),
-                command,
+                doing,
+                _clip(_command_line(p.cmdline), COMMAND_WIDTH) or "-",
             )
         )
     _print_table(rows)
@@ -215,9 +254,21 @@ def _ps(api: ApiClient, args: argparse.Namespace) -> int:
         print("JOB, RANK: the ranks of one job of several move together: pause or resume one of them acts on all")
     print(
         "MOVES: fast = migrate and pause on the fast path, driver = on the driver path only, pause = "
-        "pause and resume only (driver below 580), - = none (`flexium ps --json` gives the reasons)"
+        "pause and resume only (driver below 580), - = none (`flexium ps --json` gives the reasons). "
+        "DOING: the command under way."
     )
     return EXIT_OK
+
+
+def _command_line(cmdline: str) -> str:
+    """The job's command line with its program by name (``python train.py``, not the
+    interpreter's full path), so that the part that tells jobs apart fits the column."""
+    program, _, rest = cmdline.partition(" ")
+    return f"{program.rsplit('/', 1)[-1]} {rest}".strip()
+
+
+def _clip(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "~"
 
 
 def _short_key(key: str) -> str:
@@ -276,9 +327,12 @@ def _command(api: ApiClient, args: argparse.Namespace) -> int:
     ranks_text = getattr(args, "ranks", None)
     ranks = _parse_ranks(ranks_text) if ranks_text is not None else None
     if ranks is not None and target:
-        return _fail("give a TARGET (where the named rank goes) or --ranks (several ranks), not both", EXIT_USAGE)
+        raise _UsageError("give a TARGET (where the named rank goes) or --ranks (several ranks), not both")
     if args.command == "migrate" and not target and ranks is None:
-        return _fail("migrate needs a TARGET, or --ranks RANK=GPU,... for a rank of a job of several", EXIT_USAGE)
+        raise _UsageError("migrate needs a TARGET, or --ranks RANK=GPU,... for a rank of a job of several")
+    for named in [target, *(ranks or {}).values()]:
+        if named:
+            _check_target(str(named))
     request = wire.CommandRequest(kind=args.command, process_id=args.process, target=target or None, ranks=ranks)
     try:
         command = api.create_command(request)
@@ -313,6 +367,13 @@ def _command(api: ApiClient, args: argparse.Namespace) -> int:
 
 class _UsageError(ValueError):
     pass
+
+
+def _check_target(text: str) -> None:
+    try:
+        protocol.read_target(text)
+    except ValueError as exc:
+        raise _UsageError(str(exc)) from None
 
 
 def _parse_ranks(text: str) -> dict[str, Union[int, str]]:

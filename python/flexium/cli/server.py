@@ -11,7 +11,7 @@ from typing import Any
 from flexium import protocol
 from flexium.cli.remote import EXIT_USAGE
 from flexium.cli.server_extra import server_module
-from flexium.server.settings import Settings, load_settings
+from flexium.server.settings import SWEEP_INTERVAL_S, Settings, load_settings
 
 DESCRIPTION = "Run the flexium server: API, dashboard and live events in one process."
 
@@ -37,15 +37,22 @@ def add_command(commands: Any) -> None:
         help="where a SQLite file this server used is gone, begin with an empty one (default: refuse to start)",
     )
     parser.add_argument("--public-url", default=None, help="base URL printed in links (behind a proxy)")
-    parser.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    parser.add_argument(
+        "--log-level", default="info", choices=["debug", "info", "warning", "error"], help="what the server logs"
+    )
     parser.add_argument("--access-log", action="store_true", help="log every request")
     timing = parser.add_argument_group("timing (seconds; defaults suit most clusters)")
-    timing.add_argument("--heartbeat-interval", type=float, default=None, dest="heartbeat_interval_s")
-    timing.add_argument("--poll-timeout", type=float, default=None, dest="poll_timeout_s")
-    timing.add_argument("--stale-after", type=float, default=None, dest="stale_after_s")
-    timing.add_argument("--remove-after", type=float, default=None, dest="remove_after_s")
-    timing.add_argument("--command-ttl", type=float, default=None, dest="command_ttl_s")
-    timing.add_argument("--sweep-interval", type=float, default=None, dest="sweep_interval_s")
+    for flag, dest, default, what in (
+        ("--heartbeat-interval", "heartbeat_interval_s", protocol.HEARTBEAT_INTERVAL_S, "how often jobs report"),
+        ("--poll-timeout", "poll_timeout_s", protocol.POLL_TIMEOUT_S, "how long a job's wait for a command lasts"),
+        ("--stale-after", "stale_after_s", protocol.STALE_AFTER_S, "a job silent this long shows STALE"),
+        ("--remove-after", "remove_after_s", protocol.REMOVE_AFTER_S, "a STALE job is forgotten after this"),
+        ("--command-ttl", "command_ttl_s", protocol.COMMAND_TTL_S, "a command not taken by then expires"),
+        ("--sweep-interval", "sweep_interval_s", SWEEP_INTERVAL_S, "how often stale, removed and expired are applied"),
+    ):
+        timing.add_argument(
+            flag, type=float, default=None, dest=dest, metavar="SECONDS", help=f"{what} (default {default:g})"
+        )
     timing.add_argument(
         "--device-write-interval",
         type=float,

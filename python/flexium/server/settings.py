@@ -12,6 +12,7 @@ from typing import Any, Optional
 from flexium import protocol
 
 DEFAULT_HOST = "127.0.0.1"
+SWEEP_INTERVAL_S = 2.0  # stale marking, removal, expiry
 
 
 def default_data_dir() -> Path:
@@ -35,7 +36,7 @@ class Settings:
     stale_after_s: float = protocol.STALE_AFTER_S
     remove_after_s: float = protocol.REMOVE_AFTER_S
     command_ttl_s: float = protocol.COMMAND_TTL_S
-    sweep_interval_s: float = 2.0  # stale marking, removal, expiry
+    sweep_interval_s: float = SWEEP_INTERVAL_S
     device_write_interval_s: float = 5.0  # one host's GPU report is written at most this often
     beat_flush_interval_s: float = 0.5  # plain heartbeats are written in batches this often
     token_cache_s: float = 5.0  # a token revoked outside this server stops working within this

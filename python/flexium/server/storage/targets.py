@@ -47,32 +47,34 @@ def _by_index(devices: Iterable[Device], index: int, host: str) -> Device:
 
 def resolve_target(*, session: Session, proc: Process, target: Union[str, int]) -> Device:
     """The one reading of a person's target text (the CLI's help and ``wire.CommandRequest``
-    say the same): ``cuda:N`` is entry N of the process's ``visible_gpus`` (the job's own CUDA
-    numbering, as it registered), a bare integer or digits the nvidia-smi index on the
-    process's host, anything else a GPU UUID. Commands carry only the UUID it resolves to."""
+    say the same; ``protocol.read_target`` reads its syntax): ``cuda:N`` is entry N of the
+    process's ``visible_gpus`` (the job's own CUDA numbering, as it registered), a bare integer
+    or digits the nvidia-smi index on the process's host, ``GPU-...`` a GPU UUID. Commands carry
+    only the UUID it resolves to."""
     devices = host_devices(session=session, workspace_id=proc.workspace_id, host=proc.host)
     if isinstance(target, bool):
-        raise InvalidRequest("target must be a GPU UUID, an index on the process's host, or 'cuda:N'")
+        raise InvalidRequest(f"target must name a GPU as {protocol.TARGET_SYNTAX}")
     if isinstance(target, int):
         return _by_index(devices.values(), target, proc.host)
-    index = protocol.ascii_number(target)
-    if index is not None:
-        return _by_index(devices.values(), index, proc.host)
-    text = target.strip()
-    if text.startswith("cuda:"):
-        ordinal = protocol.ascii_number(text[5:])
+    try:
+        named = protocol.read_target(target)
+    except ValueError as exc:
+        raise InvalidRequest(str(exc)) from None
+    if named.index is not None:
+        return _by_index(devices.values(), named.index, proc.host)
+    if named.ordinal is not None:
         visible = list(proc.visible_gpus or [])
-        if ordinal is None:
-            raise InvalidRequest(f"target {text!r} is not 'cuda:N' (N: the job's CUDA ordinal, in digits 0-9)")
         if not visible:
             raise TargetRefused(
                 f"process {proc.process_id!r} did not report its visible GPUs; name the target by UUID or by index"
             )
-        if ordinal >= len(visible):
-            raise TargetRefused(f"process {proc.process_id!r} sees {len(visible)} GPU(s); {text} is not one of them")
-        text = visible[ordinal]
-    if not text:
-        raise InvalidRequest("target is empty")
+        if named.ordinal >= len(visible):
+            raise TargetRefused(
+                f"process {proc.process_id!r} sees {len(visible)} GPU(s); cuda:{named.ordinal} is not one of them"
+            )
+        text = visible[named.ordinal]
+    else:
+        text = named.uuid or ""
     found = devices.get(text)
     if found is not None:
         return found

@@ -100,6 +100,7 @@ def process_view(
             "registered_at": row.registered_at,
             "last_seen": row.last_seen,
             "cmdline": row.cmdline,
+            "name": wire.job_name(row.cmdline),
             "active_command": command_view(active, row.process_id) if active is not None else None,
             "job": job_view(row),
         }
