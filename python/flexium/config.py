@@ -59,7 +59,7 @@ DEFAULT_DEVICE = "cuda:0"
 SOURCE_PARAMETER = "parameter"
 SOURCE_DEFAULT = "default"
 
-_SERVER_EXAMPLE = "app.flexium.ai/myworkspace or http://localhost:8080/myworkspace"
+_SERVER_EXAMPLE = "gpu-server:8080/myworkspace or http://localhost:8080/default"
 
 # Field name -> (rc file key, environment variable, how messages name it).
 _FIELDS: dict[str, tuple[str, str, str]] = {
@@ -78,7 +78,7 @@ LOCAL_MODE_WARNING = (
     "[flexium] Running in local mode (no migration support)\n"
     "[flexium]\n"
     "[flexium] To enable Flexium, set FLEXIUM_SERVER:\n"
-    "[flexium]   export FLEXIUM_SERVER=app.flexium.ai/myworkspace\n"
+    "[flexium]   export FLEXIUM_SERVER=localhost:8080/default  (the address `flexium server` prints)\n"
     "============================================================\n"
 )
 
@@ -280,14 +280,14 @@ def _read_rc(path: Path) -> dict[str, tuple[Any, int]]:
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError(
             f"config file {path}{at_line} is not valid YAML ({problem}); "
-            "it should hold lines like 'server: app.flexium.ai/myworkspace' and 'device: cuda:0'"
+            "it should hold lines like 'server: localhost:8080/default' and 'device: cuda:0'"
         ) from None
     if data is None:
         return {}
     if not isinstance(data, dict) or not isinstance(root, yaml.MappingNode):
         raise ConfigError(
             f"config file {path} must be a YAML mapping of keys to values, but its top level is a "
-            f"{type(data).__name__}; write one 'key: value' per line, e.g. 'server: app.flexium.ai/myworkspace'"
+            f"{type(data).__name__}; write one 'key: value' per line, e.g. 'server: localhost:8080/default'"
         )
     lines: dict[Any, int] = {}
     for key_node, value_node in root.value:

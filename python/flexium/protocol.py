@@ -92,7 +92,7 @@ class ServerAddress:
 
     @property
     def base_url(self) -> str:
-        """``http://app.flexium.ai:8080``, ``https://[::1]:8443``: no workspace, no trailing slash."""
+        """``http://gpu-server:8080``, ``https://[::1]:8443``: no workspace, no trailing slash."""
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{self.scheme}://{host}:{self.port}"
 

@@ -17,7 +17,7 @@ from flexium import protocol, wire
 @pytest.mark.parametrize(
     "text,expected",
     [
-        ("app.flexium.ai/myworkspace", ("http", "app.flexium.ai", 8080, "myworkspace")),
+        ("gpu-server.example.com/myworkspace", ("http", "gpu-server.example.com", 8080, "myworkspace")),
         ("localhost:9000/default", ("http", "localhost", 9000, "default")),
         ("https://gpu.example.org:443/team-a/", ("https", "gpu.example.org", 443, "team-a")),
         ("[::1]:8081/x", ("http", "::1", 8081, "x")),

@@ -75,13 +75,15 @@ def test_defaults_are_local_mode(home: Path) -> None:
 
 
 def test_spec_example(home: Path) -> None:
-    config = load_config(orchestrator="app.flexium.ai/myworkspace", device="cuda:2")
-    assert config.orchestrator == "app.flexium.ai/myworkspace"
-    assert config.server == "app.flexium.ai/myworkspace"
+    config = load_config(orchestrator="gpu-server.example.com/myworkspace", device="cuda:2")
+    assert config.orchestrator == "gpu-server.example.com/myworkspace"
+    assert config.server == "gpu-server.example.com/myworkspace"
     assert config.device == "cuda:2"
     assert not config.local_mode
-    assert config.address == ServerAddress(host="app.flexium.ai", port=8080, workspace="myworkspace", scheme="http")
-    assert config.address.base_url == "http://app.flexium.ai:8080"
+    assert config.address == ServerAddress(
+        host="gpu-server.example.com", port=8080, workspace="myworkspace", scheme="http"
+    )
+    assert config.address.base_url == "http://gpu-server.example.com:8080"
     assert config.sources["orchestrator"] == "parameter"
     assert config.sources["device"] == "parameter"
 
@@ -176,10 +178,16 @@ def test_config_is_frozen_and_hides_token(home: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "expected"),
     [
-        ("app.flexium.ai/myworkspace", ("http://app.flexium.ai:8080", "myworkspace", "app.flexium.ai", 8080, "http")),
+        (
+            "gpu-server.example.com/myworkspace",
+            ("http://gpu-server.example.com:8080", "myworkspace", "gpu-server.example.com", 8080, "http"),
+        ),
         ("localhost:8080/ws", ("http://localhost:8080", "ws", "localhost", 8080, "http")),
         ("http://10.0.0.5:9000/team-a", ("http://10.0.0.5:9000", "team-a", "10.0.0.5", 9000, "http")),
-        ("HTTPS://app.flexium.ai/ws/", ("https://app.flexium.ai:8080", "ws", "app.flexium.ai", 8080, "https")),
+        (
+            "HTTPS://gpu-server.example.com/ws/",
+            ("https://gpu-server.example.com:8080", "ws", "gpu-server.example.com", 8080, "https"),
+        ),
         ("https://[::1]:8443/my_ws", ("https://[::1]:8443", "my_ws", "::1", 8443, "https")),
         ("  flexium_server:80/ws.1  ", ("http://flexium_server:80", "ws.1", "flexium_server", 80, "http")),
     ],
@@ -193,8 +201,8 @@ def test_parse_server_address(text: str, expected: tuple[object, ...]) -> None:
 @pytest.mark.parametrize(
     ("text", "reason"),
     [
-        ("app.flexium.ai", "has no workspace"),
-        ("app.flexium.ai/", "has no workspace"),
+        ("gpu-server.example.com", "has no workspace"),
+        ("gpu-server.example.com/", "has no workspace"),
         ("localhost:8080", "has no workspace"),
         ("ftp://host/ws", "scheme 'ftp'"),
         ("host:99999/ws", "port '99999' is not a number"),
@@ -217,7 +225,7 @@ def test_parse_server_address_rejects(text: str, reason: str) -> None:
     message = str(info.value)
     assert reason in message
     assert "host[:port]/workspace" in message
-    assert "app.flexium.ai/myworkspace" in message
+    assert "gpu-server:8080/myworkspace" in message
 
 
 def test_bad_server_from_env_names_the_variable(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -392,7 +400,7 @@ def test_local_mode_warning_is_exactly_the_spec_box(capsys: pytest.CaptureFixtur
         "[flexium] Running in local mode (no migration support)",
         "[flexium]",
         "[flexium] To enable Flexium, set FLEXIUM_SERVER:",
-        "[flexium]   export FLEXIUM_SERVER=app.flexium.ai/myworkspace",
+        "[flexium]   export FLEXIUM_SERVER=localhost:8080/default  (the address `flexium server` prints)",
         "=" * 60,
     ]
     assert captured.err == "\n".join(expected_lines) + "\n"
