@@ -53,9 +53,18 @@ class Api:
         assert r.status_code in (200, 201), r.text
         return r.json()
 
+    def log_in(self, token: str | None = None) -> Any:
+        """POST /login as the login form does; the client keeps the session cookie."""
+        return self.client.post(
+            "/login",
+            content=f"token={token or self.token}",
+            headers={"Content-Type": "application/x-www-form-urlencoded"},
+            follow_redirects=False,
+        )
+
     def pages(self, *paths: str) -> list[str]:
-        """The dashboard's HTML at each path, fetched as a logged-in browser (the token cookie)."""
-        self.client.cookies.set(protocol.TOKEN_COOKIE, self.token)
+        """The dashboard's HTML at each path, fetched as a logged-in browser (a session cookie)."""
+        assert self.log_in().status_code == 303
         try:
             return [self.client.get(path).text for path in paths]
         finally:
