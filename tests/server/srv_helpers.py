@@ -7,7 +7,6 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
-from flexium import protocol
 from flexium.server.db import Database
 from flexium.server.settings import Settings, normalize_database_url
 
