@@ -291,7 +291,7 @@ def test_logout_and_revocation_end_the_dashboards_event_streams(live: Workspace)
     streams: list[dict[str, Any]] = [{}, {}]
     threads = [
         threading.Thread(target=_stream, args=(live, out), kwargs={"cookies": browser.cookies})
-        for out, browser in zip(streams, (kept, left))
+        for out, browser in zip(streams, (kept, left), strict=True)
     ]
     for t in threads:
         t.start()

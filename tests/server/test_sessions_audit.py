@@ -184,7 +184,7 @@ def test_revoking_a_token_revokes_what_it_minted_transitively(api: Api) -> None:
     entries = api.get("/audit").json()
     revoked = [e for e in entries if e["action"] == "token.revoked"]
     assert len(revoked) == 4 and all(e["role"] == "admin" and e["outcome"] == "ok" for e in revoked)
-    assert sum(f"revoked with it" in e["detail"] for e in revoked) == 3
+    assert sum("revoked with it" in e["detail"] for e in revoked) == 3
     assert len([e for e in entries if e["action"] == "token.issued"]) >= 5
 
 
