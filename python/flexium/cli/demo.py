@@ -198,8 +198,10 @@ def run(*, port: Optional[int] = None, host: str = "127.0.0.1", database: Option
             _say(f"job {registered.process_id} registered ({registered.state} on {registered.physical_device})")
         else:
             _say("the job has not registered yet; see its output above")
+        server_env = f"{protocol.SERVER_ENV}={address}/{protocol.DEFAULT_WORKSPACE}"
         _say(f"admin token (for the CLI and the dashboard): {token}")
-        _say(f"try: FLEXIUM_SERVER={address}/{protocol.DEFAULT_WORKSPACE} {protocol.TOKEN_ENV}={token} flexium ps")
+        _say(f"try: {server_env} {protocol.TOKEN_ENV}={token} flexium ps")
+        _say(f"a job of yours: {server_env} {protocol.TOKEN_ENV}={job_token} python train.py  (a job token)")
         _say("Ctrl-C stops the job and the server")
         while True:
             if job.poll() is not None:
