@@ -195,12 +195,12 @@ TARGETABLE_HEALTH = (HEALTH_OK, HEALTH_UNKNOWN)
 # writes nothing.
 TokenRole = Literal["admin", "job", "viewer"]
 TOKEN_ROLES: tuple[str, ...] = get_args(TokenRole)
-ROLE_ADMIN = "admin"
-ROLE_JOB = "job"
-ROLE_VIEWER = "viewer"
+ROLE_ADMIN: TokenRole = "admin"
+ROLE_JOB: TokenRole = "job"
+ROLE_VIEWER: TokenRole = "viewer"
 # What `flexium token issue` and POST /tokens give when no role is named: most tokens handed
 # out go to training jobs, and a token that can do less is the safer one to hand out by mistake.
-DEFAULT_ISSUED_ROLE = ROLE_JOB
+DEFAULT_ISSUED_ROLE: TokenRole = ROLE_JOB
 
 # --- errors ---------------------------------------------------------------------------------
 

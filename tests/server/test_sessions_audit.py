@@ -8,13 +8,14 @@ import time
 from typing import Any
 
 import pytest
+import requests
 from sqlalchemy import text
 
 from flexium import protocol
 from flexium.server import storage
 from flexium.server.db import Database
 from flexium.server.storage import audit
-from srv_helpers import Api, columns, migrate_to, process_body, register
+from srv_helpers import Api, LiveServer, columns, migrate_to, process_body, register
 
 FORM = {"Content-Type": "application/x-www-form-urlencoded"}
 NOW = 1_800_000_000.0
@@ -260,6 +261,32 @@ def test_commands_and_their_outcomes_are_audited(api: Api) -> None:
     assert api.get(f"/audit?before_id={entries[1]['id']}").json() == entries[2:]
     r = api.get("/audit", headers=api.headers(job["token"]))
     assert r.status_code == 403
+
+
+def test_commands_the_server_ends_are_audited_as_its_doing(database_url: str, tmp_path: Any) -> None:
+    server = LiveServer(database_url, str(tmp_path / "home"), "--sweep-interval", "0.3", "--command-ttl", "1")
+    server.start()
+    try:
+        headers = {"Authorization": f"Bearer {server.token}"}
+        base = f"{server.url}/api/w/default"
+        assert requests.post(base + "/processes", json=process_body("gpu-1"), headers=headers, timeout=10).ok
+        command = requests.post(
+            base + "/commands", json={"kind": "pause", "process_id": "gpu-1"}, headers=headers, timeout=10
+        )
+        assert command.status_code == 201  # nobody polls for it: it expires
+
+        def expired() -> Any:
+            entries = requests.get(base + "/audit", headers=headers, timeout=10).json()
+            return next((e for e in entries if e["action"] == "command.finished"), None)
+
+        deadline = time.monotonic() + 20
+        while (entry := expired()) is None:
+            assert time.monotonic() < deadline, "the expiry in the audit log"
+            time.sleep(0.2)
+        assert entry["outcome"] == "expired" and entry["token_name"] == "server" and entry["token_id"] is None
+        assert entry["target"] == f"command {command.json()['id']} (pause gpu-1)"
+    finally:
+        server.stop()
 
 
 def test_logins_and_logouts_are_audited(api: Api) -> None:

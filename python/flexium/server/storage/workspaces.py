@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, cast
 
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
@@ -31,7 +31,7 @@ class AuthInfo:
     workspace_id: int
     workspace: str
     token_id: int
-    role: str = protocol.ROLE_ADMIN
+    role: str  # no default: what a caller may do is always read from its token
     token_name: str = ""
     session_id: Optional[int] = None
 
@@ -63,7 +63,7 @@ def _token_info(row: Token) -> wire.TokenInfo:
         id=row.id,
         name=row.name,
         prefix=row.prefix,
-        role=row.role,
+        role=cast(protocol.TokenRole, row.role),  # written only from protocol.TOKEN_ROLES
         minted_by=row.minted_by,
         created_at=row.created_at,
         revoked_at=row.revoked_at,
