@@ -209,12 +209,14 @@ def columns(db: Database, table: str) -> set[str]:
 
 
 def table_snapshot(db: Database) -> dict[str, list[tuple[Any, ...]]]:
-    """Every row of every table, to show a refused request changed nothing."""
+    """Every row of every table, to show a refused request changed nothing (but the audit log,
+    which records refused commands on purpose)."""
     from sqlalchemy import text
 
     out = {}
     with db.session(write=False) as session:
-        for table in ("workspaces", "tokens", "processes", "devices", "commands", "job_operations"):
+        tables = ("workspaces", "tokens", "processes", "devices", "commands", "job_operations")
+        for table in (*tables, "dashboard_sessions", "login_codes"):
             out[table] = [tuple(r) for r in session.execute(text(f"SELECT * FROM {table} ORDER BY 1"))]
     return out
 

@@ -87,6 +87,7 @@ PROTECTED = [
     ("GET", "/tokens"),
     ("POST", "/tokens"),
     ("DELETE", "/tokens/1"),
+    ("GET", "/audit"),
     ("GET", "/events"),
 ]
 
