@@ -246,23 +246,33 @@ def _wait_for(condition: Callable[[], Any], what: str, timeout: float = 10.0) ->
 
 def test_revocation_ends_streams_and_polls_within_a_second_and_cascades(live: Workspace) -> None:
     """An admin token A mints a job token J and a viewer token V; revoking A revokes J and V:
-    J's waiting long-poll and V's open event stream end within a second."""
+    J's waiting long-poll, V's open event stream and A's own wait for a command end within a
+    second."""
     a = live.mint(ADMIN, ADMIN, name="team lead")
     j = live.mint(a["token"], JOB, name="a job")
     v = live.mint(a["token"], VIEWER, name="a screen")
     assert j["minted_by"] == a["id"] and v["minted_by"] == a["id"]
     live.register(j["token"], process_body("gpu-j"))
+    live.register(j["token"], process_body("gpu-k", host="node-k"))
+    command = live.call(a["token"], "POST", "/commands", {"kind": "pause", "process_id": "gpu-k"}).json()
     poll: dict[str, Any] = {}
     stream: dict[str, Any] = {}
+    wait: dict[str, Any] = {}
+
+    def wait_command() -> None:  # A waits for its command to end (what `flexium pause` does)
+        r = live.call(a["token"], "GET", f"/commands/{command['id']}?wait=30", timeout=40)
+        wait["status"], wait["ended"] = r.status_code, time.monotonic()
+
     threads = [
         threading.Thread(target=_poll, args=(live, j["token"], "gpu-j", poll)),
         threading.Thread(target=_stream, args=(live, stream), kwargs={"token": v["token"]}),
+        threading.Thread(target=wait_command),
     ]
     for t in threads:
         t.start()
     _wait_for(lambda: "open" in stream, "the event stream to open")
-    time.sleep(0.5)  # the poll is waiting
-    assert "ended" not in poll and "ended" not in stream
+    time.sleep(0.5)  # the polls are waiting
+    assert "ended" not in poll and "ended" not in stream and "ended" not in wait
 
     revoked_at = time.monotonic()
     r = live.call(ADMIN, "DELETE", f"/tokens/{a['id']}")
@@ -271,6 +281,7 @@ def test_revocation_ends_streams_and_polls_within_a_second_and_cascades(live: Wo
         t.join(10)
     assert poll["status"] == 401 and poll["ended"] - revoked_at < 1.0, poll
     assert stream["status"] == 200 and stream["ended"] - revoked_at < 1.0, stream
+    assert wait["status"] == 401 and wait["ended"] - revoked_at < 1.0, wait
     for token in (a["token"], j["token"], v["token"]):
         assert live.call(token, "GET", "/processes/gpu-j").status_code == 401
     assert live.call(ADMIN, "GET", "").status_code == 200

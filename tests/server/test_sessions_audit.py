@@ -117,6 +117,17 @@ def test_a_login_code_works_once_and_not_after_ten_minutes(api: Api) -> None:
     assert _login(api, "code=made-up").status_code == 401
 
 
+def test_a_login_code_raced_by_two_logins_opens_one_session(db: Database) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    _record, token = db.run(storage.create_workspace, write=True, name="team", now=NOW)
+    for _ in range(5):
+        code = db.run(storage.login_code_for, write=True, token=token, now=NOW)
+        with ThreadPoolExecutor(4) as pool:
+            found = list(pool.map(lambda c: db.run(storage.redeem_login_code, write=True, code=c, now=NOW), [code] * 4))
+        assert sum(auth is not None for auth in found) == 1
+
+
 @pytest.mark.parametrize(
     "headers",
     [
