@@ -4,6 +4,7 @@ made before roles, and the audit log (SQLite and PostgreSQL)."""
 
 from __future__ import annotations
 
+import re
 import time
 from typing import Any
 
@@ -170,6 +171,7 @@ def test_a_viewers_dashboard_shows_the_buttons_disabled_with_the_reason(api: Api
             assert f'disabled title="{refusal}' in html.split(f">{button}</button>")[0].rsplit("<button", 1)[1]
     assert 'id="role"' in page and ">viewer<" in page
     assert "token.issued" in audit_page and "wall screen" not in audit_page.split("<tbody>")[0]
+    assert re.search(r'title="\d{4}-\d\d-\d\d \d\d:\d\d:\d\d UTC"', audit_page)  # each entry's exact time
     [admin_rows] = api.pages("/ui/processes")
     assert refusal not in admin_rows and "Migrate</button>" in admin_rows
 

@@ -101,6 +101,11 @@ def fmt_ago(ts: Optional[float], now: float) -> str:
     return f"{int(age)} s ago"
 
 
+def fmt_utc(ts: float) -> str:
+    """An audit entry's time, exact and the same for every reader whatever their time zone."""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ts))
+
+
 def job_name(process: wire.ProcessInfo) -> str:
     """A short name a person recognizes: the script of the command line (launchers such as
     ``torchrun`` or ``python -m torch.distributed.run`` come first), else its ``-m`` module,
@@ -148,7 +153,7 @@ def command_seconds(command: wire.CommandInfo) -> Optional[float]:
     return None
 
 
-TEMPLATES.env.filters.update(bytes=fmt_bytes, duration=fmt_duration)
+TEMPLATES.env.filters.update(bytes=fmt_bytes, duration=fmt_duration, utc=fmt_utc)
 TEMPLATES.env.globals.update(
     fmt_ago=fmt_ago,
     job_name=job_name,
