@@ -223,15 +223,18 @@ async def create_command(ctx: ServerContext, *, auth: AuthInfo, body: wire.Comma
         )
     except ApiError as exc:
         ctx.metrics.commands_refused.labels(error=exc.code).inc()
-        await ctx.db.call(
-            storage.record_command_refused,
-            write=True,
-            workspace_id=workspace_id,
-            actor=auth,
-            request=body,
-            reason=exc.message,
-            now=time.time(),
-        )
+        try:
+            await ctx.db.call(
+                storage.record_command_refused,
+                write=True,
+                workspace_id=workspace_id,
+                actor=auth,
+                request=body,
+                reason=exc.message,
+                now=time.time(),
+            )
+        except Exception:  # the caller is owed the refusal, not this
+            log.exception("writing the audit entry of a refused command failed")
         raise
     for command in commands:
         ctx.command_pending(workspace_id, command.process_id, command.id)
