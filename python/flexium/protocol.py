@@ -18,7 +18,7 @@ PROTOCOL_VERSION = 1
 DEFAULT_PORT = 8080
 API_PREFIX = "/api"
 TOKEN_HEADER = "Authorization"  # "Bearer <token>"
-TOKEN_COOKIE = "flexium_token"  # the dashboard's login cookie, same token
+SESSION_COOKIE = "flexium_session"  # the dashboard's login: a server-side session's id, never a token
 CSRF_HEADER = "X-Flexium-Request"  # must be present on unsafe requests authenticated by cookie
 TOKEN_PREFIX = "flx_"
 TOKEN_ENV = "FLEXIUM_TOKEN"
@@ -167,6 +167,7 @@ PATH_DEVICES = "/devices"
 PATH_EVENTS = "/events"  # text/event-stream
 PATH_TOKENS = "/tokens"
 PATH_TOKEN = "/tokens/{token_id}"
+PATH_AUDIT = "/audit"  # newest first
 
 # --- timing defaults (the server sends its own values in wire.RegisterResponse) ------------------
 
@@ -228,13 +229,27 @@ HEALTH_OK = "ok"
 HEALTH_UNKNOWN = "unknown"
 TARGETABLE_HEALTH = (HEALTH_OK, HEALTH_UNKNOWN)
 
+# --- roles of tokens -------------------------------------------------------------------------
+
+# admin: everything. job: what a training job does, and only to the processes it registered
+# (register, heartbeat, report, poll and read its own commands). viewer: reads everything,
+# writes nothing.
+TokenRole = Literal["admin", "job", "viewer"]
+TOKEN_ROLES: tuple[str, ...] = get_args(TokenRole)
+ROLE_ADMIN: TokenRole = "admin"
+ROLE_JOB: TokenRole = "job"
+ROLE_VIEWER: TokenRole = "viewer"
+# What `flexium token issue` and POST /tokens give when no role is named: most tokens handed
+# out go to training jobs, and a token that can do less is the safer one to hand out by mistake.
+DEFAULT_ISSUED_ROLE: TokenRole = ROLE_JOB
+
 # --- errors ---------------------------------------------------------------------------------
 
 # Every 4xx/5xx body is {"error": CODE, "message": "...", "detail": optional}.
 ERROR_STATUS: dict[str, int] = {
     "bad_request": 400,  # malformed JSON, unreadable body
     "unauthorized": 401,  # no token, unknown or revoked token
-    "forbidden": 403,  # cookie-authenticated write without the CSRF header
+    "forbidden": 403,  # the token's role may not do this; cookie write without the CSRF header; cross-site login
     "not_found": 404,  # unknown id, or another workspace's (never told apart)
     "invalid_state": 409,  # e.g. pause a paused job
     "busy": 409,  # the process already has an active command

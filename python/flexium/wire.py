@@ -315,6 +315,10 @@ class CommandReport(WireIn):
 
 class TokenRequest(WireIn):
     name: ShortText = ""
+    role: protocol.TokenRole = Field(
+        default=protocol.DEFAULT_ISSUED_ROLE,
+        description="admin: everything; job: a training job's own processes; viewer: reads only",
+    )
 
 
 # --- responses ------------------------------------------------------------------------------
@@ -491,6 +495,10 @@ class TokenInfo(WireOut):
     id: int
     name: str
     prefix: str
+    role: protocol.TokenRole
+    minted_by: Optional[int] = Field(
+        default=None, description="the token that issued this one (revoking it revokes this); None: the command line"
+    )
     created_at: float
     revoked_at: Optional[float]
     revoked: bool
@@ -498,6 +506,28 @@ class TokenInfo(WireOut):
 
 class TokenCreated(TokenInfo):
     token: str = Field(description="shown once; only its hash is stored")
+
+
+class TokenRevoked(TokenInfo):
+    cascade: list[int] = Field(
+        default_factory=list, description="the tokens revoked with it: those it minted, and theirs"
+    )
+
+
+class AuditEntry(WireOut):
+    """One thing done in a workspace: a command and its outcome, a token issued or revoked, a
+    login or logout. ``token_id`` is None for what the server itself did (a command expired)
+    or the command line on the database."""
+
+    id: int
+    at: float
+    token_id: Optional[int]
+    token_name: str
+    role: str
+    action: str = Field(description="e.g. command.created, command.finished, token.issued, token.revoked, login")
+    target: str = Field(description="what it was done to: a command, process or token")
+    outcome: str = Field(description="ok, refused, or a command's final state")
+    detail: str
 
 
 class WorkspaceInfo(WireOut):

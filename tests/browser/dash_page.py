@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
 from selenium.webdriver.common.by import By
@@ -21,18 +21,30 @@ class Dashboard:
 
     # --- navigation -----------------------------------------------------------------------
 
-    def open(self, query: str = "") -> "Dashboard":
+    def open(self, query: str = "", token: Optional[str] = None) -> "Dashboard":
+        """The dashboard, logged in (with the login form: the server's login link works once)
+        with `token`, else the workspace's admin token."""
         self.d.get(f"{self.server.url}/{query}")
         if "/login" in self.d.current_url:
-            assert self.server.login_link
-            self.d.get(self.server.login_link)
-            self.wait(lambda: self.d.current_url.rstrip("/") == self.server.url, "logged in")
+            self.log_in(token or self.server.token or "")
             if query:
                 self.d.get(f"{self.server.url}/{query}")
         self.wait(
             lambda: "live-on" in self.d.find_element(By.ID, "live").get_attribute("class"), "event stream connected"
         )
         return self
+
+    def log_in(self, token: str) -> None:
+        """Paste `token` into the login form, as a person does."""
+        if "/login" not in self.d.current_url:
+            self.d.get(f"{self.server.url}/login")
+        self.d.find_element(By.ID, "token").send_keys(token)
+        self.d.find_element(By.CSS_SELECTOR, "#login-form button[type=submit]").click()
+        self.wait(lambda: self.d.current_url.rstrip("/") == self.server.url, "logged in")
+
+    def log_out(self) -> None:
+        self.d.find_element(By.CSS_SELECTOR, "form.logout button").click()
+        self.wait(lambda: self.d.current_url == self.server.url + "/login", "logged out")
 
     def wait(self, condition: Callable[[], Any], message: str, timeout: float = 10.0) -> Any:
         return WebDriverWait(

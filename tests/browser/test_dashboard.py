@@ -19,10 +19,11 @@ pytestmark = pytest.mark.timeout(120)
 Jobs = Callable[..., SimJob]
 
 
-def test_login_link_opens_the_dashboard(server: LiveServer, browser: Any) -> None:
+def test_login_link_opens_the_dashboard_once(server: LiveServer, browser: Any) -> None:
     out = "\n".join(server.lines)
     assert server.token and server.token.startswith("flx_")
-    assert f"Log in to the dashboard: {server.url}/login#token={server.token}" in out
+    assert server.login_link and f"Log in to the dashboard: {server.url}/login#code=" in out
+    assert server.token not in server.login_link  # a one-time code, never the token
     page = Dashboard(browser, server)
     browser.delete_all_cookies()
     browser.get(server.url + "/")
@@ -35,8 +36,42 @@ def test_login_link_opens_the_dashboard(server: LiveServer, browser: Any) -> Non
     page.wait(lambda: browser.current_url == server.url + "/", "redirected to the dashboard")
     page.wait(lambda: browser.find_element(By.ID, "live").text == "live", "event stream connected")
     assert browser.find_element(By.ID, "proc-title").text == "Processes"
-    assert "token" not in browser.current_url  # not left in the address bar
+    assert "code" not in browser.current_url  # not left in the address bar
+    assert browser.find_element(By.ID, "role").text == "admin"
     page.assert_console_clean()
+
+    page.log_out()
+    browser.get(server.login_link)  # used: it opens nothing now
+    page.wait(lambda: "used already" in browser.find_element(By.ID, "login-error").text, "the link is refused")
+    assert browser.current_url == server.url + "/login"
+    page.log_in(server.token)  # the token itself still does
+    assert browser.find_element(By.ID, "proc-title").text == "Processes"
+
+
+def test_a_viewer_sees_the_buttons_disabled_and_the_audit_log(
+    server: LiveServer, browser: Any, api: Api, jobs: Jobs
+) -> None:
+    minted = api.post("/tokens", {"name": "wall screen", "role": "viewer"})
+    assert minted.status_code == 201
+    jobs(FakeHost("viewer-node"), "gpu-view0001", memory=8 * GIB)
+    page = Dashboard(browser, server)
+    browser.delete_all_cookies()
+    page.open(token=minted.json()["token"])
+    page.wait(lambda: page.has_row("gpu-view0001"), "the job's row appears")
+    page.wait_cell("gpu-view0001", "Status", "RUNNING")
+    assert page.buttons("gpu-view0001") == {"Migrate": False, "Pause": False}
+    title = page.row("gpu-view0001").find_element(By.CSS_SELECTOR, 'button[data-action="pause"]').get_attribute("title")
+    assert "needs a token with role admin" in title and "viewer token" in title
+    assert browser.find_element(By.ID, "role").text == "viewer"
+
+    browser.find_element(By.ID, "audit-link").click()
+    page.wait(lambda: browser.current_url == server.url + "/audit", "the audit log opens")
+    rows = browser.find_elements(By.CSS_SELECTOR, "#audit tbody tr")
+    actions = [(r.get_attribute("data-action"), r.text) for r in rows]
+    assert actions[0][0] == "login" and "wall screen" in actions[0][1]  # newest first: this login
+    assert any(a == "token.issued" and "wall screen" in text for a, text in actions)
+    page.assert_console_clean()
+    page.log_out()
 
 
 def test_job_appears_live_with_gpu_cards(dash: Dashboard, jobs: Jobs) -> None:

@@ -54,7 +54,8 @@ class Server:
             port=port,
             env=clean_env(self.home),
         )
-        self.token: Optional[str] = None
+        self.token: Optional[str] = None  # the workspace's first token: an admin token, for the CLI
+        self.job_token: Optional[str] = None  # what training jobs are handed (as the README says)
 
     @property
     def port(self) -> int:
@@ -73,18 +74,24 @@ class Server:
         return f"{self.url}/api/w/{WORKSPACE}"
 
     def create_workspace(self) -> str:
-        """``flexium workspace create`` on the database (the server need not run)."""
+        """``flexium workspace create`` on the database (the server need not run), and a job
+        token for the training jobs (``flexium token issue --role job``)."""
+        self.token = self._last_line("workspace", "create", WORKSPACE)
+        self.job_token = self._last_line("token", "issue", WORKSPACE, "--role", "job", "--name", "e2e jobs")
+        return self.token
+
+    def _last_line(self, *args: str) -> str:
         done = subprocess.run(
-            [*flexium_command(), "workspace", "create", WORKSPACE, "--database", self.database],
+            [*flexium_command(), *args, "--database", self.database],
             env=clean_env(self.home),
             capture_output=True,
             text=True,
             timeout=60,
         )
         assert done.returncode == 0, done.stderr
-        self.token = done.stdout.strip().splitlines()[-1]
-        assert self.token.startswith("flx_"), done.stdout
-        return self.token
+        line = done.stdout.strip().splitlines()[-1]
+        assert line.startswith("flx_"), done.stdout
+        return line
 
     def start(self, timeout: float = 60.0) -> "Server":
         self.child.start(timeout)
@@ -162,7 +169,7 @@ class Job:
             # NVML only: the job sees the host's GPUs but has no driver to move itself with.
             env["FLEXIUM_LIBNVML"] = str(library)
         env["FLEXIUM_SERVER"] = address or server.address
-        env["FLEXIUM_TOKEN"] = server.token or ""
+        env["FLEXIUM_TOKEN"] = server.job_token or ""
         env["E2E_JOB_MEMORY_MIB"] = str(memory_mib)
         env["E2E_CONTROL"] = str(self.control)
         env["E2E_PRINT_EVERY"] = "5"

@@ -70,6 +70,9 @@ def test_help_needs_no_server_extra(tmp_path: Path) -> None:
         )
         assert done.returncode == 0, done.stderr
         assert f"usage: flexium {' '.join(argv[:-1])}" in done.stdout and "--database" in done.stdout
+        if argv[0] == "token":  # the roles, and which one is the default and why
+            words = " ".join(done.stdout.split())
+            assert "--role {admin,job,viewer}" in words and "(default job: most tokens go to training jobs" in words
 
 
 def test_python_m_flexium_server_is_flexium_server(tmp_path: Path) -> None:
@@ -113,8 +116,21 @@ def test_flexium_server_command_serves(tmp_path: Path) -> None:
 
 def test_tokens_issued_and_revoked_from_the_command_line(server: Server) -> None:
     env = clean_env(server.home)
+    job = server.cli("ps", "--token", server.job_token or "")  # the default role is job: no lists
+    assert job.returncode == 1 and "needs a token with role admin or viewer" in job.stderr, job.stderr
     issued = subprocess.run(
-        [*flexium_command(), "token", "issue", WORKSPACE, "--name", "ci", "--database", server.database],
+        [
+            *flexium_command(),
+            "token",
+            "issue",
+            WORKSPACE,
+            "--name",
+            "ci",
+            "--role",
+            "viewer",
+            "--database",
+            server.database,
+        ],
         env=env,
         capture_output=True,
         text=True,
@@ -125,6 +141,8 @@ def test_tokens_issued_and_revoked_from_the_command_line(server: Server) -> None
     assert token.startswith("flx_") and token != server.token
     done = server.cli("ps", "--token", token)
     assert done.returncode == 0, done.stderr
+    refused = server.cli("pause", "gpu-00000000", "--token", token)  # a viewer changes nothing
+    assert refused.returncode == 1 and "needs a token with role admin" in refused.stderr, refused.stderr
     revoked = subprocess.run(
         [*flexium_command(), "token", "revoke", WORKSPACE, token, "--database", server.database],
         env=env,

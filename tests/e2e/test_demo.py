@@ -43,8 +43,10 @@ def test_demo_starts_server_and_job_and_stops_both(tmp_path: Path) -> None:
     )
     out = Output(demo)
     try:
-        link = out.wait_for(rf"dashboard: (http://127\.0\.0\.1:{port}/login#token=(flx_\S+))$", 60)
-        token = link.group(2)
+        link = out.wait_for(rf"dashboard: http://127\.0\.0\.1:{port}/login#code=(\S+)  \(works once", 60)
+        code = link.group(1)
+        token = out.wait_for(r"admin token \(for the CLI and the dashboard\): (flx_\S+)$", 90).group(1)
+        assert token not in link.group(0)
         server_pid = int(out.wait_for(r"server http://\S+ \(pid (\d+);", 1).group(1))
         job_pid = int(out.wait_for(r"demo training job started \(pid (\d+)\)", 30).group(1))
         registered = out.wait_for(r"job (gpu-[0-9a-f]+) registered \(RUNNING", 90)
@@ -56,6 +58,18 @@ def test_demo_starts_server_and_job_and_stops_both(tmp_path: Path) -> None:
         processes = {p["process_id"]: p for p in r.json()}
         assert processes[registered.group(1)]["pid"] == job_pid
         assert requests.get(f"http://127.0.0.1:{port}/login", timeout=10).status_code == 200
+        # the login link's code opens a dashboard session once
+        login = f"http://127.0.0.1:{port}/login"
+        assert requests.post(login, data={"code": code}, allow_redirects=False, timeout=10).status_code == 303
+        assert requests.post(login, data={"code": code}, allow_redirects=False, timeout=10).status_code == 401
+        # the job was handed a job token of its own, not the admin's
+        tokens = requests.get(
+            f"http://127.0.0.1:{port}/api/w/default/tokens", headers={"Authorization": f"Bearer {token}"}, timeout=10
+        ).json()
+        [job_token] = [t for t in tokens if t["name"] == "flexium demo job" and not t["revoked"]]
+        assert job_token["role"] == "job"
+        handed = out.wait_for(r"a job of yours: FLEXIUM_SERVER=\S+ FLEXIUM_TOKEN=(flx_\S+) python train\.py", 10)
+        assert handed.group(1) != token and handed.group(1).startswith(job_token["prefix"])
         out.wait_for(r"\[demo job\] step", 30)
 
         demo.send_signal(signal.SIGINT)

@@ -45,7 +45,9 @@ def _traces(output: ProcessOutput) -> dict[int, dict[str, Any]]:
 
 def test_a_torchrun_job_is_paused_resumed_and_swapped_as_a_whole(server: Server, tmp_path: Path) -> None:
     stop = tmp_path / "stop"
-    job = _torchrun(_env(server, FLEXIUM_SERVER=server.address, FLEXIUM_TOKEN=server.token or "", E2E_STOP=str(stop)))
+    job = _torchrun(
+        _env(server, FLEXIUM_SERVER=server.address, FLEXIUM_TOKEN=server.job_token or "", E2E_STOP=str(stop))
+    )
     output = ProcessOutput(job)
     reference: Optional[subprocess.Popen[str]] = None
     try:

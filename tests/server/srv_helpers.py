@@ -7,7 +7,6 @@ from typing import Any
 
 from fastapi.testclient import TestClient
 
-from flexium import protocol
 from flexium.server.db import Database
 from flexium.server.settings import Settings, normalize_database_url
 
@@ -53,9 +52,18 @@ class Api:
         assert r.status_code in (200, 201), r.text
         return r.json()
 
+    def log_in(self, token: str | None = None) -> Any:
+        """POST /login as the login form does; the client keeps the session cookie."""
+        return self.client.post(
+            "/login",
+            content=f"token={token or self.token}",
+            headers={"Content-Type": "application/x-www-form-urlencoded"},
+            follow_redirects=False,
+        )
+
     def pages(self, *paths: str) -> list[str]:
-        """The dashboard's HTML at each path, fetched as a logged-in browser (the token cookie)."""
-        self.client.cookies.set(protocol.TOKEN_COOKIE, self.token)
+        """The dashboard's HTML at each path, fetched as a logged-in browser (a session cookie)."""
+        assert self.log_in().status_code == 303
         try:
             return [self.client.get(path).text for path in paths]
         finally:
@@ -201,12 +209,14 @@ def columns(db: Database, table: str) -> set[str]:
 
 
 def table_snapshot(db: Database) -> dict[str, list[tuple[Any, ...]]]:
-    """Every row of every table, to show a refused request changed nothing."""
+    """Every row of every table, to show a refused request changed nothing (but the audit log,
+    which records refused commands on purpose)."""
     from sqlalchemy import text
 
     out = {}
     with db.session(write=False) as session:
-        for table in ("workspaces", "tokens", "processes", "devices", "commands", "job_operations"):
+        tables = ("workspaces", "tokens", "processes", "devices", "commands", "job_operations")
+        for table in (*tables, "dashboard_sessions", "login_codes"):
             out[table] = [tuple(r) for r in session.execute(text(f"SELECT * FROM {table} ORDER BY 1"))]
     return out
 

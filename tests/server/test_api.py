@@ -87,6 +87,7 @@ PROTECTED = [
     ("GET", "/tokens"),
     ("POST", "/tokens"),
     ("DELETE", "/tokens/1"),
+    ("GET", "/audit"),
     ("GET", "/events"),
 ]
 
@@ -115,7 +116,7 @@ def test_every_endpoint_needs_a_token(api: Api, method: str, path: str) -> None:
 def test_other_workspace_token_gets_404_and_nothing_leaks(api: Api, method: str, path: str) -> None:
     api.register()
     api.command("pause")
-    other = api.post("/tokens", {"name": "x"}).json()["token"]  # sanity: same workspace works
+    other = api.post("/tokens", {"name": "x", "role": "admin"}).json()["token"]  # sanity: same workspace works
     assert api.get("/processes", headers=api.headers(other)).status_code == 200
     token_b = _create_workspace(api, "team-b")
     before = table_snapshot(api.db)
@@ -145,10 +146,10 @@ def test_unknown_workspace_is_404_not_401(api: Api) -> None:
 
 
 def test_revoked_token_refused_at_once(api: Api) -> None:
-    created = api.post("/tokens", {"name": "laptop"})
+    created = api.post("/tokens", {"name": "laptop", "role": "viewer"})
     assert created.status_code == 201
     new = created.json()
-    assert new["token"].startswith("flx_") and new["name"] == "laptop"
+    assert new["token"].startswith("flx_") and new["name"] == "laptop" and new["role"] == "viewer"
     assert api.get("/processes", headers=api.headers(new["token"])).status_code == 200
     listed = api.get("/tokens").json()
     assert all("token" not in t for t in listed) and len(listed) == 2
@@ -165,8 +166,8 @@ def test_cookie_auth_needs_csrf_header_for_writes(api: Api) -> None:
         headers={"Content-Type": "application/x-www-form-urlencoded"},
         follow_redirects=False,
     )
-    assert r.status_code == 303 and protocol.TOKEN_COOKIE in r.headers["set-cookie"]
-    client.cookies.set(protocol.TOKEN_COOKIE, api.token)
+    assert r.status_code == 303 and protocol.SESSION_COOKIE in r.headers["set-cookie"]
+    assert api.token not in r.headers["set-cookie"]  # the cookie holds a session's id, never the token
     try:
         assert client.get(api.base + "/processes").status_code == 200
         body = process_body()

@@ -46,7 +46,8 @@ def server(database_url: str, tmp_path: Path) -> Any:
 def test_start_prints_links_and_token(server: LiveServer) -> None:
     out = "\n".join(server.lines)
     assert f"dashboard {server.url}/" in out
-    assert f"{server.url}/login#token={server.token}" in out
+    assert server.login_link and server.login_link.startswith(f"{server.url}/login#code=")
+    assert server.token and server.token not in server.login_link  # a one-time code, never the token
     assert server.token and server.token.startswith("flx_")
     r = requests.get(f"{server.url}/api/w/default/processes", headers=_auth(server.token), timeout=5)
     assert r.status_code == 200 and r.json() == []
@@ -277,11 +278,15 @@ def test_workspace_command_line(server: LiveServer) -> None:
     assert requests.get(f"{server.url}/api/w/default/processes", headers=_auth(token), timeout=5).status_code == 404
     dup = cli("workspace", "create", "team-a")
     assert dup.returncode == 1 and "already exists" in dup.stderr
-    issued = cli("token", "issue", "team-a", "--name", "ci")
+    issued = cli("token", "issue", "team-a", "--name", "ci", "--role", "viewer")
+    assert "new viewer token" in issued.stdout
     second = issued.stdout.strip().splitlines()[-1]
     assert requests.get(base, headers=_auth(second), timeout=5).status_code == 200
+    job = cli("token", "issue", "team-a", "--name", "a job").stdout.strip().splitlines()[-1]  # job: the default
+    refused = requests.get(base, headers=_auth(job), timeout=5)
+    assert refused.status_code == 403 and "role admin or viewer" in refused.json()["message"]
     listed = cli("token", "list", "team-a").stdout
-    assert "ci" in listed and second not in listed
+    assert "ci" in listed and second not in listed and "\tviewer\t" in listed and "\tjob\t" in listed
     assert cli("token", "revoke", "team-a", second).returncode == 0
     deadline = time.monotonic() + 10  # the server's token cache lets it live <= 5 s
     while time.monotonic() < deadline:

@@ -198,7 +198,15 @@ def test_clean_text_keeps_what_it_can_of_text_that_is_not_utf8() -> None:
 
 def test_an_answer_built_from_text_that_is_not_valid_is_cleaned_not_refused() -> None:
     token = wire.TokenInfo.model_validate(
-        {"id": 1, "name": "bad \udcff", "prefix": "flx_", "created_at": 1.0, "revoked_at": None, "revoked": False}
+        {
+            "id": 1,
+            "name": "bad \udcff",
+            "prefix": "flx_",
+            "role": "admin",
+            "created_at": 1.0,
+            "revoked_at": None,
+            "revoked": False,
+        }
     )
     assert token.name == "bad \ufffd" and json.loads(token.model_dump_json())["name"] == "bad \ufffd"
 

@@ -1,6 +1,7 @@
 """`flexium demo`: a server on its default SQLite file, the default workspace's token, and a
-small training job attached to it; prints the dashboard link. Ctrl-C stops the job (it
-unregisters) and then the server.
+small training job attached to it with a job token of its own; prints a dashboard login link
+(a one-time code) and the admin token for the CLI. Ctrl-C stops the job (it unregisters), then
+the server, and revokes the job's token.
 
 Both run as child processes in sessions of their own, so that Ctrl-C in the terminal reaches
 only this process, which stops them in that order.
@@ -43,8 +44,8 @@ def _port_free(host: str, port: int) -> bool:
 
 
 def _demo_token(database_url: str) -> tuple[str, bool]:
-    """(a token of workspace 'default', whether to revoke it at the end). A new database gets
-    the default workspace here, and its first token is the user's to keep."""
+    """(an admin token of workspace 'default', whether to revoke it at the end). A new database
+    gets the default workspace here, and its first token is the user's to keep."""
     from flexium.server import database_admin
     from flexium.server.app import bootstrap
     from flexium.server.errors import NotFound
@@ -58,7 +59,7 @@ def _demo_token(database_url: str) -> tuple[str, bool]:
         return first, False
     try:
         return database_admin.issue_token(
-            protocol.DEFAULT_WORKSPACE, name="flexium demo", database_url=database_url
+            protocol.DEFAULT_WORKSPACE, name="flexium demo", role=protocol.ROLE_ADMIN, database_url=database_url
         ), True
     except NotFound:
         return database_admin.create_workspace(protocol.DEFAULT_WORKSPACE, database_url=database_url), False
@@ -107,6 +108,15 @@ def run(*, port: Optional[int] = None, host: str = "127.0.0.1", database: Option
         return 1
     try:
         token, revoke = _demo_token(settings.database_url)
+        from flexium.server import database_admin, storage
+
+        # The job gets what a job needs, and no more: its token cannot command or mint.
+        job_token = database_admin.issue_token(
+            protocol.DEFAULT_WORKSPACE,
+            name="flexium demo job",
+            role=protocol.ROLE_JOB,
+            database_url=settings.database_url,
+        )
     except (DatabaseUnavailable, SchemaTooNew) as exc:
         print(f"flexium demo: cannot use the database: {exc}", file=sys.stderr)
         return 1
@@ -163,11 +173,13 @@ def run(*, port: Optional[int] = None, host: str = "127.0.0.1", database: Option
                 time.sleep(0.2)
         base = f"http://{address}"
         _say(f"server {base} (pid {server.pid}; database {settings.database_url}; log {log_path})")
-        _say(f"dashboard: {base}/login#token={token}")
+        code = database_admin.login_code(token, database_url=settings.database_url)
+        minutes = storage.LOGIN_CODE_TTL_S / 60
+        _say(f"dashboard: {base}/login#code={code}  (works once, within {minutes:.0f} min; else paste the token below)")
 
         env = dict(os.environ)
         env[protocol.SERVER_ENV] = f"{address}/{protocol.DEFAULT_WORKSPACE}"
-        env[protocol.TOKEN_ENV] = token
+        env[protocol.TOKEN_ENV] = job_token
         job = subprocess.Popen(
             [sys.executable, "-m", "flexium.cli.demo_job"], env=env, stdin=subprocess.DEVNULL, start_new_session=True
         )
@@ -186,7 +198,10 @@ def run(*, port: Optional[int] = None, host: str = "127.0.0.1", database: Option
             _say(f"job {registered.process_id} registered ({registered.state} on {registered.physical_device})")
         else:
             _say("the job has not registered yet; see its output above")
-        _say(f"try: FLEXIUM_SERVER={address}/{protocol.DEFAULT_WORKSPACE} {protocol.TOKEN_ENV}={token} flexium ps")
+        server_env = f"{protocol.SERVER_ENV}={address}/{protocol.DEFAULT_WORKSPACE}"
+        _say(f"admin token (for the CLI and the dashboard): {token}")
+        _say(f"try: {server_env} {protocol.TOKEN_ENV}={token} flexium ps")
+        _say(f"a job of yours: {server_env} {protocol.TOKEN_ENV}={job_token} python train.py  (a job token)")
         _say("Ctrl-C stops the job and the server")
         while True:
             if job.poll() is not None:
@@ -206,6 +221,7 @@ def run(*, port: Optional[int] = None, host: str = "127.0.0.1", database: Option
         try:
             _stop(job, signal.SIGINT)
             _stop(server, signal.SIGTERM)
+            _revoke(job_token, settings.database_url)
             if revoke:
                 _revoke(token, settings.database_url)
         except KeyboardInterrupt:

@@ -18,7 +18,9 @@ def add_commands(commands: Any) -> None:
     db_help = f"database URL (default ${protocol.DATABASE_ENV}, else ~/.flexium/server.db)"
     ws = commands.add_parser("workspace", help="create or list workspaces (flexium workspace --help)")
     actions = ws.add_subparsers(dest="action", required=True)
-    p = actions.add_parser("create", help="create a workspace; prints its first token on the last line")
+    p = actions.add_parser(
+        "create", help="create a workspace; prints its first token (an admin token) on the last line"
+    )
     p.add_argument("name", help="lowercase letters, digits, '.', '_', '-' (e.g. vision-team)")
     p.add_argument("--database", metavar="URL", help=db_help)
     p = actions.add_parser("list", help="list workspaces")
@@ -28,12 +30,22 @@ def add_commands(commands: Any) -> None:
     p = actions.add_parser("issue", help="issue another token; prints it on the last line")
     p.add_argument("workspace", help="the workspace's name")
     p.add_argument("--name", default="", help="a label to recognise it by")
+    p.add_argument(
+        "--role",
+        choices=protocol.TOKEN_ROLES,
+        default=protocol.DEFAULT_ISSUED_ROLE,
+        help=f"admin: everything (commands, tokens); job: what a training job does, to the processes it "
+        f"registers; viewer: reads everything, changes nothing (default {protocol.DEFAULT_ISSUED_ROLE}: most "
+        "tokens go to training jobs, and a token that can do less is the safer one to hand out)",
+    )
     p.add_argument("--database", metavar="URL", help=db_help)
-    p = actions.add_parser("revoke", help="revoke a token (by value or id)")
+    p = actions.add_parser("revoke", help="revoke a token (by value or id) and every token it minted")
     p.add_argument("workspace", help="the workspace's name")
     p.add_argument("token", help="the token, or its id from 'token list'")
     p.add_argument("--database", metavar="URL", help=db_help)
-    p = actions.add_parser("list", help="list a workspace's tokens (no secrets)")
+    p = actions.add_parser(
+        "list", help="list a workspace's tokens (no secrets): id, prefix, state, role, minted by, label"
+    )
     p.add_argument("workspace", help="the workspace's name")
     p.add_argument("--database", metavar="URL", help=db_help)
 
@@ -50,24 +62,27 @@ def run(args: argparse.Namespace) -> int:
         if args.command == "workspace" and args.action == "create":
             token = database_admin.create_workspace(args.name, database_url=url)
             print(
-                f"created workspace '{args.name}'. Its token (shown once; "
-                f"training jobs read it from {protocol.TOKEN_ENV}):"
+                f"created workspace '{args.name}'. Its admin token (shown once; give training jobs a job "
+                f"token: flexium token issue {args.name} --role job):"
             )
             print(token)
         elif args.command == "workspace":
             for record in database_admin.list_workspaces(database_url=url):
                 print(record.name)
         elif args.action == "issue":
-            token = database_admin.issue_token(args.workspace, name=args.name, database_url=url)
-            print(f"new token for workspace '{args.workspace}' (shown once):")
+            token = database_admin.issue_token(args.workspace, name=args.name, role=args.role, database_url=url)
+            use = f"training jobs read it from {protocol.TOKEN_ENV}" if args.role == protocol.ROLE_JOB else ""
+            print(f"new {args.role} token for workspace '{args.workspace}' (shown once{'; ' + use if use else ''}):")
             print(token)
         elif args.action == "revoke":
-            info = database_admin.revoke_token(args.workspace, args.token, database_url=url)
-            print(f"revoked token {info.id} ({info.prefix}...) of workspace '{args.workspace}'")
+            revoked = database_admin.revoke_token(args.workspace, args.token, database_url=url)
+            also = f", and the tokens it minted: {', '.join(map(str, revoked.cascade))}" if revoked.cascade else ""
+            print(f"revoked token {revoked.id} ({revoked.prefix}...) of workspace '{args.workspace}'{also}")
         else:
             for info in database_admin.list_tokens(args.workspace, database_url=url):
                 state = "revoked" if info.revoked else "active"
-                print(f"{info.id}\t{info.prefix}...\t{state}\t{info.name}")
+                minted_by = "-" if info.minted_by is None else str(info.minted_by)
+                print(f"{info.id}\t{info.prefix}...\t{state}\t{info.role}\t{minted_by}\t{info.name}")
     except ApiError as exc:
         print(f"flexium: {exc.message}", file=sys.stderr)
         return EXIT_FAILED

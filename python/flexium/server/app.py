@@ -257,9 +257,11 @@ def serve(settings: Settings) -> int:
     print(f"flexium server: database {_redact(settings.database_url)} (schema ready in {seconds:.2f} s)")
     print(f"flexium server: dashboard {link}/  API {link}{protocol.API_PREFIX}/  docs {link}/docs")
     if token is not None:
+        code = db.run(storage.login_code_for, write=True, token=token, now=time.time())
         print(
             f"flexium server: created workspace '{protocol.DEFAULT_WORKSPACE}'. Log in to the dashboard: "
-            f"{link}/login#token={token}"
+            f"{link}/login#code={code} (works once, within {storage.LOGIN_CODE_TTL_S / 60:.0f} min; "
+            "else paste the token below)"
         )
         job_host = settings.host if settings.host not in ("0.0.0.0", "::") else "<this host>"
         print(

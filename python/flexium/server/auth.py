@@ -1,8 +1,13 @@
-"""Who is calling: a workspace token from ``Authorization: Bearer`` (processes, CLI, scripts)
-or from the dashboard's login cookie. A valid token of another workspace gets the same 404 as
-a workspace that does not exist, so names of other workspaces do not leak.
+"""Who is calling, and what they may do. A workspace token from ``Authorization: Bearer``
+(processes, CLI, scripts), or a dashboard session from its cookie (``storage.sessions``). A
+valid token of another workspace gets the same 404 as a workspace that does not exist, so
+names of other workspaces do not leak.
 
-Cookie-authenticated writes must carry the ``X-Flexium-Request`` header: a cross-site form
+Roles (``protocol.TOKEN_ROLES``): each route names the roles it admits (``Admin``, ``Reader``,
+``Worker``, ``Member``), and a job token is further held to the processes it registered
+(``require_own_process`` and its kin). A refusal is a 403 naming the role needed.
+
+Session-authenticated writes must carry the ``X-Flexium-Request`` header: a cross-site form
 cannot set it, and a cross-site script cannot send it without a CORS preflight we never allow.
 """
 
@@ -10,13 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Annotated, Optional
+from typing import Annotated, Awaitable, Callable, Optional
 
 from fastapi import Depends, Path, Request
 
-from flexium import protocol
+from flexium import protocol, wire
 from flexium.server import storage
-from flexium.server.context import Ctx
+from flexium.server.context import Ctx, ServerContext
 from flexium.server.errors import Forbidden, NotFound, Unauthorized
 from flexium.server.storage import AuthInfo
 
@@ -24,21 +29,17 @@ _SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 _MAX_TOKEN_LEN = 256
 
 
-def token_from_request(request: Request) -> tuple[Optional[str], bool]:
-    """(token, came from the cookie)."""
+def bearer_token(request: Request) -> Optional[str]:
     header = request.headers.get(protocol.TOKEN_HEADER)
-    if header is not None:
-        scheme, _, value = header.strip().partition(" ")
-        if scheme.lower() != "bearer" or not value.strip():
-            raise Unauthorized("malformed Authorization header: expected 'Bearer <token>'")
-        return value.strip(), False
-    cookie = request.cookies.get(protocol.TOKEN_COOKIE)
-    if cookie:
-        return cookie, True
-    return None, False
+    if header is None:
+        return None
+    scheme, _, value = header.strip().partition(" ")
+    if scheme.lower() != "bearer" or not value.strip():
+        raise Unauthorized("malformed Authorization header: expected 'Bearer <token>'")
+    return value.strip()
 
 
-def _lookup(ctx: Ctx, token: str, token_hash: str) -> "asyncio.Future[Optional[AuthInfo]]":
+def _lookup(ctx: ServerContext, token: str, token_hash: str) -> "asyncio.Future[Optional[AuthInfo]]":
     """One database lookup per token at a time, shared by every request that needs it."""
     inflight = ctx.token_lookups.get(token_hash)
     if inflight is None:
@@ -54,14 +55,14 @@ def _lookup(ctx: Ctx, token: str, token_hash: str) -> "asyncio.Future[Optional[A
     return inflight
 
 
-def _finished(ctx: Ctx, token_hash: str, done: "asyncio.Future[Optional[AuthInfo]]") -> None:
+def _finished(ctx: ServerContext, token_hash: str, done: "asyncio.Future[Optional[AuthInfo]]") -> None:
     if ctx.token_lookups.get(token_hash) is done:
         del ctx.token_lookups[token_hash]
     if not done.cancelled():
         done.exception()  # retrieved: a failed background refresh is not an error here
 
 
-def cached_token(ctx: Ctx, token: str, now: float) -> Optional[AuthInfo]:
+def cached_token(ctx: ServerContext, token: str, now: float) -> Optional[AuthInfo]:
     """The cached auth of a token, starting a background refresh when it is due; None when
     not cached (the caller looks it up)."""
     token_hash = storage.hash_token(token)
@@ -71,7 +72,7 @@ def cached_token(ctx: Ctx, token: str, now: float) -> Optional[AuthInfo]:
     return auth
 
 
-async def resolve_token(ctx: Ctx, token: str) -> Optional[AuthInfo]:
+async def resolve_token(ctx: ServerContext, token: str) -> Optional[AuthInfo]:
     if len(token) > _MAX_TOKEN_LEN or not token.isascii():
         return None
     auth = cached_token(ctx, token, time.time())
@@ -80,23 +81,125 @@ async def resolve_token(ctx: Ctx, token: str) -> Optional[AuthInfo]:
     return await asyncio.shield(_lookup(ctx, token, storage.hash_token(token)))
 
 
+async def resolve_session(ctx: ServerContext, secret: str) -> Optional[AuthInfo]:
+    """Who a dashboard session cookie stands for (None: unknown, expired, or its token revoked).
+    Read on every request, so a logout or revocation is seen at once."""
+    if len(secret) > _MAX_TOKEN_LEN or not secret.isascii():
+        return None
+    now = time.time()
+    auth, touch = await ctx.db.call(storage.session_auth, write=False, secret=secret, now=now)
+    if auth is not None and touch:
+        await ctx.db.call(storage.touch_session, write=True, session_id=auth.session_id, now=now)
+    return auth
+
+
 async def require_auth(
     request: Request, ctx: Ctx, workspace: Annotated[str, Path(max_length=64, description="workspace name")]
 ) -> AuthInfo:
-    token, via_cookie = token_from_request(request)
-    if token is None:
-        raise Unauthorized(
-            "missing token: send 'Authorization: Bearer <token>' (training jobs read "
-            f"it from {protocol.TOKEN_ENV} or the 'token' key of .flexiumrc)"
-        )
-    auth = await resolve_token(ctx, token)
-    if auth is None:
-        raise Unauthorized("invalid or revoked token")
-    if via_cookie and request.method not in _SAFE_METHODS and protocol.CSRF_HEADER not in request.headers:
-        raise Forbidden(f"requests authenticated by cookie must send the {protocol.CSRF_HEADER} header")
+    token = bearer_token(request)
+    if token is not None:
+        auth = await resolve_token(ctx, token)
+        if auth is None:
+            raise Unauthorized("invalid or revoked token")
+    else:
+        secret = request.cookies.get(protocol.SESSION_COOKIE)
+        if not secret:
+            raise Unauthorized(
+                "missing token: send 'Authorization: Bearer <token>' (training jobs read "
+                f"it from {protocol.TOKEN_ENV} or the 'token' key of .flexiumrc)"
+            )
+        auth = await resolve_session(ctx, secret)
+        if auth is None:
+            raise Unauthorized("dashboard session ended (logged out, expired, or its token revoked): log in again")
+        if request.method not in _SAFE_METHODS and protocol.CSRF_HEADER not in request.headers:
+            raise Forbidden(f"requests authenticated by cookie must send the {protocol.CSRF_HEADER} header")
     if auth.workspace != workspace:
         raise NotFound(f"workspace {workspace!r} not found")
     return auth
 
 
-Auth = Annotated[AuthInfo, Depends(require_auth)]
+def role_refusal(auth: AuthInfo, roles: tuple[str, ...], doing: str) -> str:
+    """Why ``auth`` may not do ``doing``: the message of the 403, and the reason a dashboard
+    shows beside a disabled button."""
+    needed = " or ".join(roles)
+    return (
+        f"{doing} needs a token with role {needed}; this one ({auth.token_name or 'token ' + str(auth.token_id)}) "
+        f"is a {auth.role} token. An admin issues one: flexium token issue {auth.workspace} --role {roles[0]}"
+    )
+
+
+def _role(*roles: str, doing: str) -> Callable[[Request, ServerContext, str], Awaitable[AuthInfo]]:
+    async def check(request: Request, ctx: Ctx, workspace: Annotated[str, Path(max_length=64)]) -> AuthInfo:
+        auth = await require_auth(request, ctx, workspace)
+        if auth.role not in roles:
+            raise Forbidden(role_refusal(auth, roles, doing))
+        return auth
+
+    return check
+
+
+Member = Annotated[AuthInfo, Depends(require_auth)]
+"""Any role; a job token is then held to its own processes by the route."""
+Reader = Annotated[AuthInfo, Depends(_role(protocol.ROLE_ADMIN, protocol.ROLE_VIEWER, doing="reading the workspace"))]
+Worker = Annotated[AuthInfo, Depends(_role(protocol.ROLE_ADMIN, protocol.ROLE_JOB, doing="what a training job does"))]
+Admin = Annotated[AuthInfo, Depends(_role(protocol.ROLE_ADMIN, doing="this change"))]
+
+
+def _not_yours(auth: AuthInfo, what: str) -> Forbidden:
+    return Forbidden(
+        f"{what} belongs to a process this job token did not register: a job token acts only on "
+        "its own processes (use an admin or viewer token)"
+    )
+
+
+async def _owner(ctx: ServerContext, auth: AuthInfo, process_id: str) -> tuple[bool, Optional[int]]:
+    """(whether the process exists, the token that registered it), from memory when it can."""
+    snapshot = ctx.snapshots.get((auth.workspace_id, process_id))
+    if snapshot is not None:
+        return True, snapshot.token_id
+    exists, owner = await ctx.db.call(
+        storage.process_owner, write=False, workspace_id=auth.workspace_id, process_id=process_id
+    )
+    return exists, owner
+
+
+async def require_own_process(ctx: ServerContext, auth: AuthInfo, process_id: str) -> None:
+    """A job token may act only on the processes it registered. An unknown process passes:
+    the route answers its 404 (for a heartbeat: register again)."""
+    if auth.role != protocol.ROLE_JOB:
+        return
+    exists, owner = await _owner(ctx, auth, process_id)
+    if exists and owner != auth.token_id:
+        raise _not_yours(auth, f"process {process_id!r}")
+
+
+async def require_own_command(ctx: ServerContext, auth: AuthInfo, command_id: int) -> None:
+    if auth.role != protocol.ROLE_JOB:
+        return
+    command = await ctx.db.call(storage.get_command, write=False, workspace_id=auth.workspace_id, command_id=command_id)
+    await require_own_process(ctx, auth, command.process_id)
+
+
+async def require_own_operation(ctx: ServerContext, auth: AuthInfo, operation_id: int) -> None:
+    """A job token reads a job operation when one of its ranks is a process it registered."""
+    if auth.role != protocol.ROLE_JOB:
+        return
+    operation: wire.JobOperationInfo = await ctx.db.call(
+        storage.get_operation, write=False, workspace_id=auth.workspace_id, operation_id=operation_id
+    )
+    for command in operation.commands:
+        exists, owner = await _owner(ctx, auth, command.process_id)
+        if exists and owner == auth.token_id:
+            return
+    raise _not_yours(auth, f"job operation {operation_id}")
+
+
+def may_beat_from_memory(ctx: ServerContext, auth: AuthInfo, process_id: str) -> bool:
+    """Whether the heartbeat shortcut may answer for ``auth`` (else the route decides, and
+    refuses what the role may not do)."""
+    if auth.role == protocol.ROLE_ADMIN:
+        return True
+    if auth.role != protocol.ROLE_JOB:
+        return False
+    snapshot = ctx.snapshots.get((auth.workspace_id, process_id))
+    return snapshot is not None and snapshot.token_id == auth.token_id

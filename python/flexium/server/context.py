@@ -57,8 +57,8 @@ class TokenCache:
             self._entries.clear()
         self._entries[token_hash] = (auth, now)
 
-    def forget(self, token_id: int) -> None:
-        for key in [k for k, (a, _t) in self._entries.items() if a.token_id == token_id]:
+    def forget(self, token_ids: frozenset[int]) -> None:
+        for key in [k for k, (a, _t) in self._entries.items() if a.token_id in token_ids]:
             del self._entries[key]
 
 
@@ -81,6 +81,9 @@ class ServerContext:
     # Hint for heartbeat answers only; delivery always reads the database.
     pending: dict[tuple[int, str], int] = field(default_factory=dict)
     token_lookups: dict[str, "asyncio.Future[Optional[AuthInfo]]"] = field(default_factory=dict)
+    # Revoked through this server since it started (ids only: a few bytes each), for a request
+    # admitted just before its token's revocation and waiting just after it.
+    revoked_tokens: set[int] = field(default_factory=set)
     stopping: bool = False
     loop: Optional[asyncio.AbstractEventLoop] = None
 
@@ -102,6 +105,15 @@ class ServerContext:
         self.stopping = True
         self.notifier.close()
         self.bus.close()
+
+    def tokens_revoked(self, token_ids: frozenset[int]) -> None:
+        """Revoked through this server: no request is admitted with them from now on, and their
+        event streams and waiting long-polls end now (``services.revocation_waiter``)."""
+        self.tokens.forget(token_ids)
+        self.revoked_tokens.update(token_ids)
+        self.bus.end_streams(token_ids=token_ids)
+        for token_id in token_ids:
+            self.notifier.notify(("token", token_id))
 
     def publish(self, workspace_id: int, event: str, data: Any) -> None:
         self.bus.publish(workspace_id, event, data)

@@ -6,9 +6,10 @@ the server.
 Functions for the CLI to call (each takes ``database_url=None``: then ``$FLEXIUM_DATABASE_URL``,
 else the default SQLite file):
 
-- ``create_workspace(name) -> str``: the new workspace's first token
-- ``issue_token(workspace, name="") -> str``
-- ``revoke_token(workspace, token_or_id) -> wire.TokenInfo``
+- ``create_workspace(name) -> str``: the new workspace's first token (an admin token)
+- ``issue_token(workspace, name="", role=protocol.DEFAULT_ISSUED_ROLE) -> str``
+- ``revoke_token(workspace, token_or_id) -> wire.TokenRevoked`` (with what it minted)
+- ``login_code(token) -> str``: a one-time dashboard login code (``/login#code=...``)
 - ``list_tokens(workspace) -> list[wire.TokenInfo]``, ``list_workspaces() -> list[WorkspaceRecord]``
 """
 
@@ -43,18 +44,34 @@ def create_workspace(name: str, *, database_url: Optional[str] = None) -> str:
         db.dispose()
 
 
-def issue_token(workspace: str, *, name: str = "", database_url: Optional[str] = None) -> str:
+def issue_token(
+    workspace: str, *, name: str = "", role: str = protocol.DEFAULT_ISSUED_ROLE, database_url: Optional[str] = None
+) -> str:
+    """Issued by the command line (its audit entry says so; no token minted it, so only its
+    own revocation revokes it)."""
     db = open_database(database_url)
     try:
         ws = _workspace_id(db, workspace)
-        return db.run(storage.issue_token, write=True, workspace_id=ws, name=name, now=time.time()).token
+        return db.run(storage.issue_token, write=True, workspace_id=ws, name=name, role=role, now=time.time()).token
     finally:
         db.dispose()
 
 
-def revoke_token(workspace: str, token_or_id: Union[str, int], *, database_url: Optional[str] = None) -> wire.TokenInfo:
-    """Revoke by the token itself or by its id (``list_tokens`` shows ids). A running server
-    stops accepting it within its token cache time (5 s)."""
+def login_code(token: str, *, database_url: Optional[str] = None) -> str:
+    db = open_database(database_url)
+    try:
+        return db.run(storage.login_code_for, write=True, token=token, now=time.time())
+    finally:
+        db.dispose()
+
+
+def revoke_token(
+    workspace: str, token_or_id: Union[str, int], *, database_url: Optional[str] = None
+) -> wire.TokenRevoked:
+    """Revoke by the token itself or by its id (``list_tokens`` shows ids), and every token it
+    minted. A running server stops accepting them within its token cache time (5 s), and
+    their dashboard sessions at once; revoking through the server's API ends their open
+    event streams and long-polls at once too."""
     db = open_database(database_url)
     try:
         ws = _workspace_id(db, workspace)

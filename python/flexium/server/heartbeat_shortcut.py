@@ -20,7 +20,7 @@ from pydantic import ValidationError
 
 from flexium import protocol, wire
 from flexium.server import services
-from flexium.server.auth import cached_token
+from flexium.server.auth import cached_token, may_beat_from_memory
 from flexium.server.context import ServerContext
 
 _HEARTBEAT = re.compile(r"^/api/w/([^/]+)/processes/([^/]+)/heartbeat$")
@@ -83,7 +83,7 @@ class HeartbeatShortcut:
             return None
         now = time.time()
         auth = cached_token(ctx, token, now)
-        if auth is None or auth.workspace != workspace:
+        if auth is None or auth.workspace != workspace or not may_beat_from_memory(ctx, auth, process_id):
             return None
         try:
             body = wire.HeartbeatRequest.model_validate_json(body_bytes or b"{}")

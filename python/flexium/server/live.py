@@ -84,6 +84,18 @@ class Subscriber:
     max_bytes: int = 4 << 20
     overflowed: bool = False
     queued_bytes: int = 0
+    # Who opened it: revoking the token, or ending the dashboard session, ends the stream.
+    token_id: Optional[int] = None
+    session_id: Optional[int] = None
+    ended: bool = False
+
+    def end(self) -> None:
+        """The stream ends at its next read, whatever is queued or dropped."""
+        self.ended = True
+        try:
+            self.queue.put_nowait(None)
+        except asyncio.QueueFull:
+            pass  # the reader is behind, so it reads soon and sees ``ended``
 
     def offer(self, text: Optional[str]) -> None:
         """Queues `text` (None: the stream ends), or marks the subscriber overflowed."""
@@ -161,11 +173,24 @@ class EventBus:
     def history_bytes(self, workspace_id: int) -> int:
         return self._history_size.get(workspace_id, 0)
 
-    def subscribe(self, workspace_id: int, *, last_event_id: Optional[int] = None) -> tuple[Subscriber, list[str]]:
+    def subscribe(
+        self,
+        workspace_id: int,
+        *,
+        last_event_id: Optional[int] = None,
+        token_id: Optional[int] = None,
+        session_id: Optional[int] = None,
+    ) -> tuple[Subscriber, list[str]]:
         """A new subscriber and what it missed since ``last_event_id`` (a single ``resync``
         event when that is no longer in the history, or is not an id of this server's: larger
         than its last)."""
-        sub = Subscriber(workspace_id, asyncio.Queue(self._queue_size), max_bytes=self._queue_bytes)
+        sub = Subscriber(
+            workspace_id,
+            asyncio.Queue(self._queue_size),
+            max_bytes=self._queue_bytes,
+            token_id=token_id,
+            session_id=session_id,
+        )
         self._subs.setdefault(workspace_id, set()).add(sub)
         backlog: list[str] = []
         if last_event_id is not None:
@@ -189,6 +214,17 @@ class EventBus:
         for subs in self._subs.values():
             for sub in subs:
                 sub.offer(None)
+
+    def end_streams(self, *, token_ids: frozenset[int] = frozenset(), session_id: Optional[int] = None) -> int:
+        """Ends the streams opened with these tokens (revoked) or this dashboard session
+        (logged out); how many."""
+        ended = 0
+        for subs in self._subs.values():
+            for sub in subs:
+                if sub.token_id in token_ids or (session_id is not None and sub.session_id == session_id):
+                    sub.end()
+                    ended += 1
+        return ended
 
     @property
     def subscribers(self) -> int:

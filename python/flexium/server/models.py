@@ -44,6 +44,55 @@ class Token(Base):
     prefix: Mapped[str] = mapped_column(String(16))  # shown in lists
     created_at: Mapped[float] = mapped_column(Double)
     revoked_at: Mapped[Optional[float]] = mapped_column(Double, nullable=True)
+    # protocol.TOKEN_ROLES; tokens made before roles existed could do everything, so they are admin.
+    role: Mapped[str] = mapped_column(String(16), server_default=protocol.ROLE_ADMIN)
+    # The token that issued this one (None: the command line, or the workspace's first):
+    # revoking a token revokes what it minted, and theirs. No foreign key: tokens are revoked,
+    # never deleted (but with their workspace), and SQLite could add one only by copying the table.
+    minted_by: Mapped[Optional[int]] = mapped_column(Integer, nullable=True, index=True)
+
+
+class DashboardSession(Base):
+    """A dashboard login: the browser holds the id (its hash is kept), the token it was
+    opened with decides what it may do, and revoking that token ends it."""
+
+    __tablename__ = "dashboard_sessions"
+    __table_args__ = (UniqueConstraint("session_hash", name="uq_dashboard_sessions_hash"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    token_id: Mapped[int] = mapped_column(ForeignKey("tokens.id", ondelete="CASCADE"), index=True)
+    session_hash: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[float] = mapped_column(Double)
+    last_used: Mapped[float] = mapped_column(Double)
+
+
+class LoginCode(Base):
+    """A one-time code for a login link: exchanged once, within minutes, for a session of its
+    token (the link carries the code, never the token)."""
+
+    __tablename__ = "login_codes"
+    __table_args__ = (UniqueConstraint("code_hash", name="uq_login_codes_hash"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    token_id: Mapped[int] = mapped_column(ForeignKey("tokens.id", ondelete="CASCADE"), index=True)
+    code_hash: Mapped[str] = mapped_column(String(64))
+    expires_at: Mapped[float] = mapped_column(Double)
+
+
+class AuditRecord(Base):
+    """One entry of a workspace's audit log (wire.AuditEntry). Who is copied in (token name
+    and role), so an entry still says who after its token is gone."""
+
+    __tablename__ = "audit_log"
+    __table_args__ = (Index("ix_audit_log_workspace_id", "workspace_id", "id"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    workspace_id: Mapped[int] = mapped_column(ForeignKey("workspaces.id", ondelete="CASCADE"))
+    at: Mapped[float] = mapped_column(Double)
+    token_id: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)  # no FK: entries outlive tokens
+    token_name: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT), default="")
+    role: Mapped[str] = mapped_column(String(16), default="")
+    action: Mapped[str] = mapped_column(String(32))
+    target: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT), default="")
+    outcome: Mapped[str] = mapped_column(String(32), default="")
+    detail: Mapped[str] = mapped_column(Text, default="")
 
 
 class Process(Base):
@@ -88,6 +137,9 @@ class Process(Base):
     job_local_rank: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
     job_local_world_size: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
     job_node_rank: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
+    # The token that registered it: a job token acts only on the processes it registered.
+    # No foreign key, as for Token.minted_by.
+    token_id: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
 
 
 class Device(Base):

@@ -9,12 +9,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import AsyncIterator, Optional
+from typing import Any, AsyncIterator, Awaitable, Callable, Hashable, Optional
 
 from flexium import protocol, wire
 from flexium.server import storage
 from flexium.server.context import ServerContext
-from flexium.server.errors import ApiError
+from flexium.server.errors import ApiError, Unauthorized
 from flexium.server.storage import AuthInfo
 
 log = logging.getLogger("flexium.server")
@@ -24,11 +24,13 @@ log = logging.getLogger("flexium.server")
 
 
 async def register_process(
-    ctx: ServerContext, *, workspace_id: int, body: wire.RegisterRequest
+    ctx: ServerContext, *, auth: AuthInfo, body: wire.RegisterRequest
 ) -> tuple[wire.RegisterResponse, bool]:
-    """(the answer, whether the process is new)."""
+    """(the answer, whether the process is new). The registering token owns a new process; a
+    job token may register again only a process it owns."""
     settings = ctx.settings
     now = time.time()
+    workspace_id = auth.workspace_id
     process, created, snapshot = await ctx.db.call(
         storage.register_process_snapshot,
         write=True,
@@ -36,6 +38,8 @@ async def register_process(
         report=body,
         now=now,
         stale_after=settings.stale_after_s,
+        token_id=auth.token_id,
+        own_only=auth.role == protocol.ROLE_JOB,
     )
     key = (workspace_id, body.process_id)
     ctx.process_hosts[key] = process.host
@@ -116,14 +120,49 @@ async def heartbeat(
     )
 
 
+def revocation_waiter(ctx: ServerContext, auth: AuthInfo) -> "asyncio.Future[None]":
+    """Done when ``auth``'s token is revoked through this server (``ServerContext.tokens_revoked``),
+    or was since the request was admitted; unregister it with the key ("token", id)."""
+    revoked = ctx.notifier.register(("token", auth.token_id))
+    if auth.token_id in ctx.revoked_tokens and not revoked.done():
+        revoked.set_result(None)
+    return revoked
+
+
+async def _wait(
+    ctx: ServerContext, waiter: "asyncio.Future[None]", revoked: "asyncio.Future[None]", timeout: float
+) -> bool:
+    """True when woken, False on timeout; Unauthorized when the caller's token was revoked
+    meanwhile: a revoked token's poll ends at once."""
+    done, _pending = await asyncio.wait(
+        {waiter, revoked}, timeout=max(0.0, timeout), return_when=asyncio.FIRST_COMPLETED
+    )
+    if revoked in done and not ctx.stopping:  # stopping wakes every waiter, this one too
+        raise Unauthorized("token revoked")
+    return bool(done)
+
+
 async def next_command(
-    ctx: ServerContext, *, workspace_id: int, process_id: str, wait: Optional[float]
+    ctx: ServerContext, *, auth: AuthInfo, process_id: str, wait: Optional[float]
 ) -> Optional[wire.CommandInfo]:
     """The long-poll: the next command for the process, or None when there is none within
     the wait (or the server is stopping)."""
+    workspace_id = auth.workspace_id
     key = (workspace_id, process_id)
     loop = asyncio.get_running_loop()
     deadline = loop.time() + (ctx.settings.poll_timeout_s if wait is None else wait)
+    revoked = revocation_waiter(ctx, auth)
+    try:
+        return await _next_command(ctx, key, deadline, revoked)
+    finally:
+        ctx.notifier.unregister(("token", auth.token_id), revoked)
+
+
+async def _next_command(
+    ctx: ServerContext, key: tuple[int, str], deadline: float, revoked: "asyncio.Future[None]"
+) -> Optional[wire.CommandInfo]:
+    workspace_id, process_id = key
+    loop = asyncio.get_running_loop()
     woken = False
     while True:
         waiter = ctx.notifier.register(key)
@@ -154,7 +193,7 @@ async def next_command(
                     return command
                 ctx.command_pending(workspace_id, process_id, None)
             remaining = deadline - loop.time()
-            if ctx.stopping or remaining <= 0 or not await ctx.notifier.wait(waiter, remaining):
+            if ctx.stopping or remaining <= 0 or not await _wait(ctx, waiter, revoked, remaining):
                 return None
             woken = True
         finally:
@@ -164,14 +203,17 @@ async def next_command(
 # --- commands -------------------------------------------------------------------------------
 
 
-async def create_command(ctx: ServerContext, *, workspace_id: int, body: wire.CommandRequest) -> wire.CommandInfo:
+async def create_command(ctx: ServerContext, *, auth: AuthInfo, body: wire.CommandRequest) -> wire.CommandInfo:
     """The addressed process's command; for a rank of a job of several, every rank gets its
-    share of the job operation (``command.job.operation_id``) at once."""
+    share of the job operation (``command.job.operation_id``) at once. Created or refused, it
+    goes to the audit log."""
+    workspace_id = auth.workspace_id
     try:
         commands = await ctx.db.call(
-            storage.create_commands,
+            storage.create_commands_audited,
             write=True,
             workspace_id=workspace_id,
+            actor=auth,
             kind=body.kind,
             process_id=body.process_id,
             target=body.target,
@@ -181,6 +223,18 @@ async def create_command(ctx: ServerContext, *, workspace_id: int, body: wire.Co
         )
     except ApiError as exc:
         ctx.metrics.commands_refused.labels(error=exc.code).inc()
+        try:
+            await ctx.db.call(
+                storage.record_command_refused,
+                write=True,
+                workspace_id=workspace_id,
+                actor=auth,
+                request=body,
+                reason=exc.message,
+                now=time.time(),
+            )
+        except Exception:  # the caller is owed the refusal, not this
+            log.exception("writing the audit entry of a refused command failed")
         raise
     for command in commands:
         ctx.command_pending(workspace_id, command.process_id, command.id)
@@ -191,53 +245,61 @@ async def create_command(ctx: ServerContext, *, workspace_id: int, body: wire.Co
 
 
 async def wait_command(
-    ctx: ServerContext, *, workspace_id: int, command_id: int, wait: Optional[float]
+    ctx: ServerContext, *, auth: AuthInfo, command_id: int, wait: Optional[float]
 ) -> wire.CommandInfo:
     """The command, once it ends or after ``wait`` seconds, whichever comes first."""
-    key = ("cmd", workspace_id, command_id)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + (wait or 0.0)
-    while True:
-        waiter = ctx.notifier.register(key)
-        try:
-            command = await ctx.db.call(
-                storage.get_command, write=False, workspace_id=workspace_id, command_id=command_id
-            )
-            remaining = deadline - loop.time()
-            if (
-                command.state in protocol.FINAL_COMMAND_STATES
-                or ctx.stopping
-                or remaining <= 0
-                or not await ctx.notifier.wait(waiter, remaining)
-            ):
-                return command
-        finally:
-            ctx.notifier.unregister(key, waiter)
+    command: wire.CommandInfo = await _wait_until(
+        ctx,
+        auth,
+        ("cmd", auth.workspace_id, command_id),
+        wait,
+        lambda: ctx.db.call(storage.get_command, write=False, workspace_id=auth.workspace_id, command_id=command_id),
+        lambda command: command.state in protocol.FINAL_COMMAND_STATES,
+    )
+    return command
 
 
 async def wait_operation(
-    ctx: ServerContext, *, workspace_id: int, operation_id: int, wait: Optional[float]
+    ctx: ServerContext, *, auth: AuthInfo, operation_id: int, wait: Optional[float]
 ) -> wire.JobOperationInfo:
     """The job operation, once every rank's command ended or after ``wait`` seconds."""
-    key = ("op", workspace_id, operation_id)
+    operation: wire.JobOperationInfo = await _wait_until(
+        ctx,
+        auth,
+        ("op", auth.workspace_id, operation_id),
+        wait,
+        lambda: ctx.db.call(
+            storage.get_operation, write=False, workspace_id=auth.workspace_id, operation_id=operation_id
+        ),
+        lambda operation: operation.finished_at is not None,
+    )
+    return operation
+
+
+async def _wait_until(
+    ctx: ServerContext,
+    auth: AuthInfo,
+    key: Hashable,
+    wait: Optional[float],
+    read: Callable[[], Awaitable[Any]],
+    ended: Callable[[Any], bool],
+) -> Any:
+    """``read()`` once ``ended`` says so, or after ``wait`` seconds (woken by ``key``)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + (wait or 0.0)
-    while True:
-        waiter = ctx.notifier.register(key)
-        try:
-            operation = await ctx.db.call(
-                storage.get_operation, write=False, workspace_id=workspace_id, operation_id=operation_id
-            )
-            remaining = deadline - loop.time()
-            if (
-                operation.finished_at is not None
-                or ctx.stopping
-                or remaining <= 0
-                or not await ctx.notifier.wait(waiter, remaining)
-            ):
-                return operation
-        finally:
-            ctx.notifier.unregister(key, waiter)
+    revoked = revocation_waiter(ctx, auth)
+    try:
+        while True:
+            waiter = ctx.notifier.register(key)
+            try:
+                value = await read()
+                remaining = deadline - loop.time()
+                if ended(value) or ctx.stopping or remaining <= 0 or not await _wait(ctx, waiter, revoked, remaining):
+                    return value
+            finally:
+                ctx.notifier.unregister(key, waiter)
+    finally:
+        ctx.notifier.unregister(("token", auth.token_id), revoked)
 
 
 def _command_changed(ctx: ServerContext, workspace_id: int, command: wire.CommandInfo) -> None:
@@ -248,12 +310,14 @@ def _command_changed(ctx: ServerContext, workspace_id: int, command: wire.Comman
 
 
 async def report_command(
-    ctx: ServerContext, *, workspace_id: int, command_id: int, body: wire.CommandReport
+    ctx: ServerContext, *, auth: AuthInfo, command_id: int, body: wire.CommandReport
 ) -> wire.CommandInfo:
+    workspace_id = auth.workspace_id
     command, process, changed = await ctx.db.call(
-        storage.report_command,
+        storage.report_command_audited,
         write=True,
         workspace_id=workspace_id,
+        actor=auth,
         command_id=command_id,
         report=body,
         now=time.time(),
@@ -305,6 +369,13 @@ async def sweep_forever(ctx: ServerContext) -> None:
             log.exception("sweep failed; retrying at the next interval")
             continue
         previous = now
+        if result.expired or result.failed:
+            try:
+                await ctx.db.call(
+                    storage.record_commands_finished, write=True, finished=[*result.expired, *result.failed], now=now
+                )
+            except Exception:
+                log.exception("writing the audit entries of ended commands failed")
         for ws, cmd in result.expired:
             ctx.command_settled(ws, cmd.process_id, cmd.id)
             ctx.metrics.commands_finished.labels(kind=cmd.kind, outcome="expired").inc()
@@ -339,12 +410,26 @@ async def metrics_text(ctx: ServerContext) -> bytes:
 # --- tokens, events -------------------------------------------------------------------------
 
 
-async def revoke_token(ctx: ServerContext, *, workspace_id: int, token_id: int) -> wire.TokenInfo:
+async def revoke_token(ctx: ServerContext, *, auth: AuthInfo, token_id: int) -> wire.TokenRevoked:
+    """Revokes the token and what it minted; their requests, event streams, long-polls and
+    dashboard sessions end on this server at once."""
     info = await ctx.db.call(
-        storage.revoke_token, write=True, workspace_id=workspace_id, token_id=token_id, now=time.time()
+        storage.revoke_token,
+        write=True,
+        workspace_id=auth.workspace_id,
+        token_id=token_id,
+        revoked_by=auth,
+        now=time.time(),
     )
-    ctx.tokens.forget(token_id)
+    ctx.tokens_revoked(frozenset([info.id, *info.cascade]))
     return info
+
+
+async def log_out(ctx: ServerContext, *, secret: str) -> None:
+    """Ends the dashboard session (its event streams too)."""
+    auth = await ctx.db.call(storage.end_session, write=True, secret=secret, now=time.time())
+    if auth is not None:
+        ctx.bus.end_streams(session_id=auth.session_id)
 
 
 def open_event_stream(ctx: ServerContext, *, auth: AuthInfo, last_event_id: Optional[str]) -> AsyncIterator[str]:
@@ -352,7 +437,11 @@ def open_event_stream(ctx: ServerContext, *, auth: AuthInfo, last_event_id: Opti
     server-sent event frames for the workspace from ``last_event_id`` on, with keepalives,
     and a resync when this subscriber fell behind."""
     resume_from = protocol.ascii_number(last_event_id) if last_event_id else None
-    sub, backlog = ctx.bus.subscribe(auth.workspace_id, last_event_id=resume_from)
+    sub, backlog = ctx.bus.subscribe(
+        auth.workspace_id, last_event_id=resume_from, token_id=auth.token_id, session_id=auth.session_id
+    )
+    if auth.token_id in ctx.revoked_tokens:  # revoked between this request's admission and now
+        sub.end()
     keepalive = ctx.settings.sse_keepalive_s
     hello = ctx.bus.frame(
         ctx.bus.last_id, protocol.EVENT_HELLO, {"workspace": auth.workspace, "last_event_id": ctx.bus.last_id}
@@ -363,7 +452,7 @@ def open_event_stream(ctx: ServerContext, *, auth: AuthInfo, last_event_id: Opti
             yield "retry: 2000\n\n" + hello
             for text in backlog:
                 yield text
-            while not ctx.stopping:
+            while not ctx.stopping and not sub.ended:
                 if sub.overflowed:
                     sub.drop_queued()
                     yield ctx.bus.frame(ctx.bus.last_id, protocol.EVENT_RESYNC, {})
@@ -373,7 +462,7 @@ def open_event_stream(ctx: ServerContext, *, auth: AuthInfo, last_event_id: Opti
                 except asyncio.TimeoutError:
                     yield ": keepalive\n\n"
                     continue
-                if frame is None:
+                if frame is None or sub.ended:
                     break
                 yield frame
         finally:

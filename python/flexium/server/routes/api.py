@@ -1,6 +1,8 @@
 """The JSON API under ``/api/w/{workspace}``: HTTP in, one call (``flexium.server.services``
 or a storage read), HTTP out. The rules live in ``flexium.server.storage``; the bodies are
-the models of ``flexium.wire``."""
+the models of ``flexium.wire``. Each route's auth type names the roles it admits
+(``flexium.server.auth``: Admin, Reader, Worker, Member); a job token is held to its own
+processes by ``require_own_*``."""
 
 from __future__ import annotations
 
@@ -12,11 +14,19 @@ from fastapi.responses import StreamingResponse
 
 from flexium import protocol, wire
 from flexium.server import services, storage
-from flexium.server.auth import Auth
+from flexium.server.auth import (
+    Admin,
+    Member,
+    Reader,
+    Worker,
+    require_own_command,
+    require_own_operation,
+    require_own_process,
+)
 from flexium.server.context import Ctx
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": wire.ErrorBody} for code in (400, 401, 404, 409, 413, 422, 503)
+    code: {"model": wire.ErrorBody} for code in (400, 401, 403, 404, 409, 413, 422, 503)
 }
 
 router = APIRouter(prefix=protocol.API_PREFIX + "/w/{workspace}", responses=_ERRORS)
@@ -30,7 +40,7 @@ WaitQuery = Annotated[
 
 
 @router.get("", response_model=wire.WorkspaceInfo, summary="This workspace and its counts")
-async def workspace_info(auth: Auth, ctx: Ctx) -> Any:
+async def workspace_info(auth: Reader, ctx: Ctx) -> Any:
     return await ctx.db.call(storage.workspace_summary, write=False, workspace_id=auth.workspace_id)
 
 
@@ -43,15 +53,15 @@ async def workspace_info(auth: Auth, ctx: Ctx) -> Any:
     status_code=201,
     summary="Register a process (again after a restart: same process_id, 200)",
 )
-async def register_process(body: wire.RegisterRequest, auth: Auth, ctx: Ctx, response: Response) -> Any:
-    answer, created = await services.register_process(ctx, workspace_id=auth.workspace_id, body=body)
+async def register_process(body: wire.RegisterRequest, auth: Worker, ctx: Ctx, response: Response) -> Any:
+    answer, created = await services.register_process(ctx, auth=auth, body=body)
     response.status_code = 201 if created else 200
     return answer
 
 
 @router.get("/processes", response_model=list[wire.ProcessInfo], summary="List processes")
 async def list_processes(
-    auth: Auth,
+    auth: Reader,
     ctx: Ctx,
     state: Optional[wire.DisplayState] = None,
     host: Annotated[Optional[str], Query(max_length=protocol.MAX_HOST_LEN, pattern=_NO_NUL)] = None,
@@ -72,7 +82,8 @@ async def list_processes(
 
 
 @router.get("/processes/{process_id}", response_model=wire.ProcessInfo, summary="One process")
-async def get_process(process_id: ProcessIdPath, auth: Auth, ctx: Ctx) -> Any:
+async def get_process(process_id: ProcessIdPath, auth: Member, ctx: Ctx) -> Any:
+    await require_own_process(ctx, auth, process_id)
     return await ctx.db.call(
         storage.get_process,
         write=False,
@@ -90,10 +101,11 @@ async def get_process(process_id: ProcessIdPath, auth: Auth, ctx: Ctx) -> Any:
 )
 async def process_targets(
     process_id: ProcessIdPath,
-    auth: Auth,
+    auth: Member,
     ctx: Ctx,
     kind: Annotated[str, Query(pattern="^(migrate|resume)$")] = "migrate",
 ) -> Any:
+    await require_own_process(ctx, auth, process_id)
     return await ctx.db.call(
         storage.judge_targets,
         write=False,
@@ -108,7 +120,8 @@ async def process_targets(
 @router.delete(
     "/processes/{process_id}", status_code=204, summary="Unregister (the process exits) or forget a stale entry"
 )
-async def unregister_process(process_id: ProcessIdPath, auth: Auth, ctx: Ctx) -> Response:
+async def unregister_process(process_id: ProcessIdPath, auth: Worker, ctx: Ctx) -> Response:
+    await require_own_process(ctx, auth, process_id)
     await services.unregister_process(ctx, workspace_id=auth.workspace_id, process_id=process_id)
     return Response(status_code=204)
 
@@ -118,7 +131,8 @@ async def unregister_process(process_id: ProcessIdPath, auth: Auth, ctx: Ctx) ->
     response_model=wire.HeartbeatResponse,
     summary="Liveness, memory and state; 404 means: register again",
 )
-async def heartbeat(process_id: ProcessIdPath, body: wire.HeartbeatRequest, auth: Auth, ctx: Ctx) -> Any:
+async def heartbeat(process_id: ProcessIdPath, body: wire.HeartbeatRequest, auth: Worker, ctx: Ctx) -> Any:
+    await require_own_process(ctx, auth, process_id)
     return await services.heartbeat(ctx, workspace_id=auth.workspace_id, process_id=process_id, body=body)
 
 
@@ -128,8 +142,9 @@ async def heartbeat(process_id: ProcessIdPath, body: wire.HeartbeatRequest, auth
     responses={204: {"description": "nothing to do within the wait; poll again"}},
     summary="Long-poll: the next command for this process",
 )
-async def next_command(process_id: ProcessIdPath, auth: Auth, ctx: Ctx, wait: WaitQuery = None) -> Any:
-    command = await services.next_command(ctx, workspace_id=auth.workspace_id, process_id=process_id, wait=wait)
+async def next_command(process_id: ProcessIdPath, auth: Worker, ctx: Ctx, wait: WaitQuery = None) -> Any:
+    await require_own_process(ctx, auth, process_id)
+    command = await services.next_command(ctx, auth=auth, process_id=process_id, wait=wait)
     return Response(status_code=204) if command is None else command
 
 
@@ -145,13 +160,13 @@ async def next_command(process_id: ProcessIdPath, auth: Auth, ctx: Ctx, wait: Wa
         "command is created (this answer is the addressed rank's; its job.operation_id names the operation)"
     ),
 )
-async def create_command(body: wire.CommandRequest, auth: Auth, ctx: Ctx) -> Any:
-    return await services.create_command(ctx, workspace_id=auth.workspace_id, body=body)
+async def create_command(body: wire.CommandRequest, auth: Admin, ctx: Ctx) -> Any:
+    return await services.create_command(ctx, auth=auth, body=body)
 
 
 @router.get("/commands", response_model=list[wire.CommandInfo], summary="Commands, newest first")
 async def list_commands(
-    auth: Auth,
+    auth: Reader,
     ctx: Ctx,
     process_id: Annotated[Optional[str], Query(max_length=protocol.MAX_SHORT_TEXT, pattern=_NO_NUL)] = None,
     state: Optional[wire.CommandState] = None,
@@ -174,8 +189,9 @@ async def list_commands(
     response_model=wire.CommandInfo,
     summary="One command; with ?wait=S, answers when it ends or after S seconds",
 )
-async def get_command(command_id: CommandIdPath, auth: Auth, ctx: Ctx, wait: WaitQuery = None) -> Any:
-    return await services.wait_command(ctx, workspace_id=auth.workspace_id, command_id=command_id, wait=wait)
+async def get_command(command_id: CommandIdPath, auth: Member, ctx: Ctx, wait: WaitQuery = None) -> Any:
+    await require_own_command(ctx, auth, command_id)
+    return await services.wait_command(ctx, auth=auth, command_id=command_id, wait=wait)
 
 
 @router.post(
@@ -183,8 +199,9 @@ async def get_command(command_id: CommandIdPath, auth: Auth, ctx: Ctx, wait: Wai
     response_model=wire.CommandInfo,
     summary="The process reports: running, then succeeded or failed (with its result)",
 )
-async def report_command(command_id: CommandIdPath, body: wire.CommandReport, auth: Auth, ctx: Ctx) -> Any:
-    return await services.report_command(ctx, workspace_id=auth.workspace_id, command_id=command_id, body=body)
+async def report_command(command_id: CommandIdPath, body: wire.CommandReport, auth: Worker, ctx: Ctx) -> Any:
+    await require_own_command(ctx, auth, command_id)
+    return await services.report_command(ctx, auth=auth, command_id=command_id, body=body)
 
 
 # --- jobs of several ranks -------------------------------------------------------------------
@@ -196,13 +213,14 @@ async def report_command(command_id: CommandIdPath, body: wire.CommandReport, au
     summary="One job operation (every rank's command); with ?wait=S, answers when all ended or after S seconds",
 )
 async def get_operation(
-    operation_id: Annotated[int, Path(ge=1, le=2**31 - 1)], auth: Auth, ctx: Ctx, wait: WaitQuery = None
+    operation_id: Annotated[int, Path(ge=1, le=2**31 - 1)], auth: Member, ctx: Ctx, wait: WaitQuery = None
 ) -> Any:
-    return await services.wait_operation(ctx, workspace_id=auth.workspace_id, operation_id=operation_id, wait=wait)
+    await require_own_operation(ctx, auth, operation_id)
+    return await services.wait_operation(ctx, auth=auth, operation_id=operation_id, wait=wait)
 
 
 @router.get("/jobs", response_model=list[wire.JobSummary], summary="Jobs of several ranks, each with its ranks")
-async def list_jobs(auth: Auth, ctx: Ctx) -> Any:
+async def list_jobs(auth: Reader, ctx: Ctx) -> Any:
     return await ctx.db.call(
         storage.list_jobs,
         write=False,
@@ -217,7 +235,7 @@ async def list_jobs(auth: Auth, ctx: Ctx) -> Any:
 
 @router.get("/devices", response_model=wire.DevicesResponse, summary="GPUs by host, as processes report them")
 async def list_devices(
-    auth: Auth,
+    auth: Reader,
     ctx: Ctx,
     host: Annotated[Optional[str], Query(max_length=protocol.MAX_HOST_LEN, pattern=_NO_NUL)] = None,
 ) -> Any:
@@ -232,20 +250,51 @@ async def list_devices(
 
 
 @router.get("/tokens", response_model=list[wire.TokenInfo], summary="Tokens of this workspace (no secrets)")
-async def list_tokens(auth: Auth, ctx: Ctx) -> Any:
+async def list_tokens(auth: Reader, ctx: Ctx) -> Any:
     return await ctx.db.call(storage.list_tokens, write=False, workspace_id=auth.workspace_id)
 
 
-@router.post("/tokens", response_model=wire.TokenCreated, status_code=201, summary="Issue a token")
-async def issue_token(body: wire.TokenRequest, auth: Auth, ctx: Ctx) -> Any:
+@router.post(
+    "/tokens",
+    response_model=wire.TokenCreated,
+    status_code=201,
+    summary="Issue a token (admin); revoking the caller's token will revoke it too",
+)
+async def issue_token(body: wire.TokenRequest, auth: Admin, ctx: Ctx) -> Any:
     return await ctx.db.call(
-        storage.issue_token, write=True, workspace_id=auth.workspace_id, name=body.name, now=time.time()
+        storage.issue_token,
+        write=True,
+        workspace_id=auth.workspace_id,
+        name=body.name,
+        role=body.role,
+        minted_by=auth,
+        now=time.time(),
     )
 
 
-@router.delete("/tokens/{token_id}", response_model=wire.TokenInfo, summary="Revoke a token")
-async def revoke_token(token_id: Annotated[int, Path(ge=1, le=2**31 - 1)], auth: Auth, ctx: Ctx) -> Any:
-    return await services.revoke_token(ctx, workspace_id=auth.workspace_id, token_id=token_id)
+@router.delete(
+    "/tokens/{token_id}",
+    response_model=wire.TokenRevoked,
+    summary="Revoke a token (admin), and every token it minted; their streams, polls and sessions end",
+)
+async def revoke_token(token_id: Annotated[int, Path(ge=1, le=2**31 - 1)], auth: Admin, ctx: Ctx) -> Any:
+    return await services.revoke_token(ctx, auth=auth, token_id=token_id)
+
+
+@router.get(
+    "/audit",
+    response_model=list[wire.AuditEntry],
+    summary=f"The audit log, newest first: commands, tokens, logins (the newest {storage.AUDIT_KEEP} are kept)",
+)
+async def list_audit(
+    auth: Reader,
+    ctx: Ctx,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    before_id: Annotated[Optional[int], Query(ge=1, le=2**31 - 1)] = None,
+) -> Any:
+    return await ctx.db.call(
+        storage.list_audit, write=False, workspace_id=auth.workspace_id, limit=limit, before_id=before_id
+    )
 
 
 @router.get(
@@ -255,7 +304,7 @@ async def revoke_token(token_id: Annotated[int, Path(ge=1, le=2**31 - 1)], auth:
     summary="Live events (server-sent events); resumes after Last-Event-ID",
 )
 async def events(
-    auth: Auth, ctx: Ctx, last_event_id: Annotated[Optional[str], Header(max_length=32)] = None
+    auth: Reader, ctx: Ctx, last_event_id: Annotated[Optional[str], Header(max_length=32)] = None
 ) -> StreamingResponse:
     return StreamingResponse(
         services.open_event_stream(ctx, auth=auth, last_event_id=last_event_id),

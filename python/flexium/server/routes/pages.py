@@ -14,7 +14,7 @@ import shlex
 import time
 from pathlib import Path
 from typing import Annotated, Any, Awaitable, Callable, Optional, Sequence
-from urllib.parse import parse_qs
+from urllib.parse import parse_qs, urlsplit
 
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
@@ -23,8 +23,8 @@ from jinja2 import Environment, FileSystemLoader
 from sqlalchemy.orm import Session
 
 from flexium import protocol, wire
-from flexium.server import storage
-from flexium.server.auth import resolve_token
+from flexium.server import services, storage
+from flexium.server.auth import resolve_session, resolve_token, role_refusal
 from flexium.server.context import Ctx, ServerContext
 from flexium.server.errors import NotFound
 from flexium.server.storage import AuthInfo
@@ -52,6 +52,7 @@ _HEADERS = {
 _COMMAND_SCAN = 500
 _RECENT_COMMANDS = 15
 _MAX_BATCH = 200  # ids or hosts one fragment request may name
+_AUDIT_SHOWN = 200
 
 
 # --- formatting (Jinja filters; static/dashboard.js formats ticking times the same way) -----
@@ -98,6 +99,11 @@ def fmt_ago(ts: Optional[float], now: float) -> str:
         if age >= size:
             return f"{int(age // size)} {unit} ago"
     return f"{int(age)} s ago"
+
+
+def fmt_utc(ts: float) -> str:
+    """An audit entry's time, exact and the same for every reader whatever their time zone."""
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ts))
 
 
 def job_name(process: wire.ProcessInfo) -> str:
@@ -147,7 +153,7 @@ def command_seconds(command: wire.CommandInfo) -> Optional[float]:
     return None
 
 
-TEMPLATES.env.filters.update(bytes=fmt_bytes, duration=fmt_duration)
+TEMPLATES.env.filters.update(bytes=fmt_bytes, duration=fmt_duration, utc=fmt_utc)
 TEMPLATES.env.globals.update(
     fmt_ago=fmt_ago,
     job_name=job_name,
@@ -290,12 +296,13 @@ class SignedOut(Exception):
 
 
 def _signed_in(*, redirect: bool) -> Callable[[Request, ServerContext], Awaitable[AuthInfo]]:
-    """The one check of the dashboard's login cookie. The page sends a person without one to
-    the login form; fragments answer 401 instead, and the script sends the person there."""
+    """The one check of the dashboard's session cookie. The page sends a person without a
+    live session to the login form; fragments answer 401 instead, and the script sends the
+    person there."""
 
     async def page_auth(request: Request, ctx: Ctx) -> AuthInfo:
-        token = request.cookies.get(protocol.TOKEN_COOKIE)
-        auth = await resolve_token(ctx, token) if token else None
+        secret = request.cookies.get(protocol.SESSION_COOKIE)
+        auth = await resolve_session(ctx, secret) if secret else None
         if auth is None:
             raise SignedOut(
                 RedirectResponse("/login", status_code=303)
@@ -324,9 +331,21 @@ async def _view(request: Request, ctx: Ctx, auth: AuthInfo, **narrow: Any) -> di
         stale_after=ctx.settings.stale_after_s,
         **narrow,
     )
-    view["workspace"] = auth.workspace
+    _who(view, auth)
     view["api_base"] = protocol.workspace_path(auth.workspace)
     return view
+
+
+def _who(view: dict[str, Any], auth: AuthInfo) -> None:
+    """What every page shows of who is logged in; ``actions_refused``: why the buttons that
+    change something are disabled ("" when they are not)."""
+    view["workspace"] = auth.workspace
+    view["role"] = auth.role
+    view["actions_refused"] = (
+        ""
+        if auth.role == protocol.ROLE_ADMIN
+        else role_refusal(auth, (protocol.ROLE_ADMIN,), "moving, pausing, resuming or forgetting a job")
+    )
 
 
 # --- the page ---------------------------------------------------------------------------------
@@ -407,7 +426,37 @@ async def recent_commands(request: Request, ctx: Ctx, auth: FragmentAuth) -> Res
     return _render(request, "fragments/commands.html", await _view(request, ctx, auth, processes=False, devices=False))
 
 
+# --- the audit log -----------------------------------------------------------------------------
+
+
+@router.get("/audit", response_class=HTMLResponse)
+async def audit_page(request: Request, ctx: Ctx, auth: PageAuth) -> Response:
+    view: dict[str, Any] = {"now": time.time(), "keep": storage.AUDIT_KEEP}
+    view["entries"] = await ctx.db.call(
+        storage.list_audit, write=False, workspace_id=auth.workspace_id, limit=_AUDIT_SHOWN
+    )
+    _who(view, auth)
+    return _render(request, "audit.html", view)
+
+
 # --- log in / out -----------------------------------------------------------------------------
+
+
+def cross_site(request: Request) -> bool:
+    """Whether a browser says this request comes from another site: ``Sec-Fetch-Site`` (sent by
+    every current browser), else an ``Origin`` that is not this server's. A request with
+    neither (curl, an old browser's same-origin form) is not a cross-site one."""
+    fetch_site = request.headers.get("sec-fetch-site")
+    if fetch_site is not None:
+        return fetch_site not in ("same-origin", "none")
+    origin = request.headers.get("origin")
+    if origin is None:
+        return False
+    return origin == "null" or urlsplit(origin).netloc.lower() != request.headers.get("host", "").lower()
+
+
+def _login_form(request: Request, error: str, status_code: int) -> Response:
+    return _render(request, "login.html", {"error": error}, status_code=status_code)
 
 
 @router.get("/login", response_class=HTMLResponse)
@@ -417,25 +466,48 @@ async def login_page(request: Request) -> Response:
 
 @router.post("/login", response_class=HTMLResponse)
 async def login(request: Request, ctx: Ctx) -> Response:
-    body = (await request.body())[:4096].decode("utf-8", "replace")
-    token = (parse_qs(body).get("token") or [""])[0].strip()
-    auth = await resolve_token(ctx, token) if token else None
+    """A token (the form) or a one-time login code (a login link, posted by login.js) opens a
+    dashboard session; the cookie holds the session's id, never the token."""
+    if cross_site(request):
+        return _login_form(request, "refused: a login form must be posted from this server's own page", 403)
+    body = parse_qs((await request.body())[:4096].decode("utf-8", "replace"))
+    token = (body.get("token") or [""])[0].strip()
+    code = (body.get("code") or [""])[0].strip()
+    now = time.time()
+    if code:
+        how = "login code"
+        auth = await ctx.db.call(storage.redeem_login_code, write=True, code=code[:256], now=now)
+        refused = "this login link was used already or has expired: ask for a new one, or paste a token"
+    else:
+        how = "token"
+        auth = await resolve_token(ctx, token) if token else None
+        refused = "invalid or revoked token"
     if auth is None:
-        return _render(request, "login.html", {"error": "invalid or revoked token"}, status_code=401)
+        return _login_form(request, refused, 401)
+    if auth.role == protocol.ROLE_JOB:
+        return _login_form(request, "a job token cannot open the dashboard: log in with a viewer or admin token", 403)
+    previous = request.cookies.get(protocol.SESSION_COOKIE)
+    if previous:
+        await services.log_out(ctx, secret=previous)
+    secret, _session = await ctx.db.call(storage.open_session, write=True, auth=auth, how=how, now=now)
     response = RedirectResponse("/", status_code=303)
     response.set_cookie(
-        protocol.TOKEN_COOKIE,
-        token,
+        protocol.SESSION_COOKIE,
+        secret,
         httponly=True,
         samesite="strict",
         secure=request.url.scheme == "https",
-        max_age=30 * 24 * 3600,
+        max_age=int(storage.SESSION_MAX_S),
     )
     return response
 
 
 @router.post("/logout")
-async def logout() -> Response:
+async def logout(request: Request, ctx: Ctx) -> Response:
+    """Ends the session on the server (its event stream too), not only in this browser."""
+    secret = request.cookies.get(protocol.SESSION_COOKIE)
+    if secret:
+        await services.log_out(ctx, secret=secret)
     response = RedirectResponse("/login", status_code=303)
-    response.delete_cookie(protocol.TOKEN_COOKIE)
+    response.delete_cookie(protocol.SESSION_COOKIE)
     return response

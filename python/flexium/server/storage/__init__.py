@@ -9,6 +9,14 @@ admin commands read, as a ``WorkspaceRecord``), and they raise
 ``flexium.server.errors.ApiError`` subclasses for anything a user did wrong.
 """
 
+from flexium.server.storage.audit import (
+    AUDIT_KEEP,
+    create_commands_audited,
+    list_audit,
+    record_command_refused,
+    record_commands_finished,
+    report_command_audited,
+)
 from flexium.server.storage.commands import (
     count_commands,
     create_commands,
@@ -30,10 +38,23 @@ from flexium.server.storage.processes import (
     heartbeat,
     list_processes,
     load_snapshots,
+    process_owner,
     record_beats,
     register_process,
     register_process_snapshot,
     unregister_process,
+)
+from flexium.server.storage.sessions import (
+    LOGIN_CODE_TTL_S,
+    SESSION_IDLE_S,
+    SESSION_MAX_S,
+    end_session,
+    issue_login_code,
+    login_code_for,
+    open_session,
+    redeem_login_code,
+    session_auth,
+    touch_session,
 )
 from flexium.server.storage.sweep import SweepResult, sweep
 from flexium.server.storage.targets import resolve_target, target_refusal
@@ -54,7 +75,24 @@ from flexium.server.storage.workspaces import (
 )
 
 __all__ = [
+    "AUDIT_KEEP",
+    "LOGIN_CODE_TTL_S",
+    "SESSION_IDLE_S",
+    "SESSION_MAX_S",
     "AuthInfo",
+    "create_commands_audited",
+    "end_session",
+    "issue_login_code",
+    "login_code_for",
+    "list_audit",
+    "open_session",
+    "process_owner",
+    "record_command_refused",
+    "record_commands_finished",
+    "redeem_login_code",
+    "report_command_audited",
+    "session_auth",
+    "touch_session",
     "HeartbeatOutcome",
     "ProcessSnapshot",
     "SweepResult",

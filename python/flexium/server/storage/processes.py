@@ -10,7 +10,7 @@ from sqlalchemy import bindparam, case, func, select, update
 from sqlalchemy.orm import Session
 
 from flexium import protocol, wire
-from flexium.server.errors import InvalidRequest, NotFound
+from flexium.server.errors import Forbidden, InvalidRequest, NotFound
 from flexium.server.models import Command, Process, table_of
 from flexium.server.storage.devices import device_indexes, upsert_devices
 from flexium.server.storage.views import process_view
@@ -49,6 +49,7 @@ class ProcessSnapshot:
     footprint_bytes: int
     gpu_uuid: Optional[str]
     last_seen: float
+    token_id: Optional[int] = None  # the token that registered it (a job token acts on its own alone)
 
     @classmethod
     def of(cls, row: Process) -> "ProcessSnapshot":
@@ -60,6 +61,7 @@ class ProcessSnapshot:
             footprint_bytes=row.footprint_bytes,
             gpu_uuid=row.gpu_uuid,
             last_seen=row.last_seen,
+            token_id=row.token_id,
         )
 
     def unchanged_by(self, report: wire.HeartbeatRequest) -> bool:
@@ -140,10 +142,19 @@ def register_process(
 
 
 def register_process_snapshot(
-    *, session: Session, workspace_id: int, report: wire.RegisterRequest, now: float, stale_after: float
+    *,
+    session: Session,
+    workspace_id: int,
+    report: wire.RegisterRequest,
+    now: float,
+    stale_after: float,
+    token_id: Optional[int] = None,
+    own_only: bool = False,
 ) -> tuple[wire.ProcessInfo, bool, ProcessSnapshot]:
     """Create or refresh a process from its registration (every field is replaced; missing
-    ones take their defaults); returns (process, created)."""
+    ones take their defaults); returns (process, created). ``token_id``: the registering token,
+    kept as the new process's owner; ``own_only`` (a job token): an existing process must be
+    that token's."""
     if report.job is not None and report.job.rank >= report.job.world_size:
         raise InvalidRequest(f"job.rank {report.job.rank} is not a rank of a job of world_size {report.job.world_size}")
     row = session.scalar(
@@ -153,8 +164,19 @@ def register_process_snapshot(
     )
     created = row is None
     if row is None:
-        row = Process(workspace_id=workspace_id, process_id=report.process_id, registered_at=now, footprint_bytes=0)
+        row = Process(
+            workspace_id=workspace_id,
+            process_id=report.process_id,
+            registered_at=now,
+            footprint_bytes=0,
+            token_id=token_id,
+        )
         session.add(row)
+    elif own_only and row.token_id != token_id:
+        raise Forbidden(
+            f"process {report.process_id!r} was registered by another token: a job token acts only on the "
+            "processes it registered (register under a new process id, or use that process's token)"
+        )
     for name in _REGISTER_FIELDS:
         setattr(row, name, getattr(report, name))
     row.capabilities = report.capabilities.model_dump(mode="json")
@@ -178,6 +200,14 @@ def _set_job(row: Process, job: Optional[wire.JobMembership]) -> None:
     row.job_local_rank = job.local_rank if job else None
     row.job_local_world_size = job.local_world_size if job else None
     row.job_node_rank = job.node_rank if job else None
+
+
+def process_owner(*, session: Session, workspace_id: int, process_id: str) -> tuple[bool, Optional[int]]:
+    """(whether the process exists, the token that registered it)."""
+    found = session.execute(
+        select(Process.token_id).where(Process.workspace_id == workspace_id, Process.process_id == process_id)
+    ).first()
+    return (False, None) if found is None else (True, found[0])
 
 
 def load_snapshots(*, session: Session) -> list[tuple[int, str, ProcessSnapshot]]:

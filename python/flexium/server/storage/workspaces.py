@@ -1,27 +1,39 @@
 """Workspaces and their access tokens. Tokens are 256 random bits, so a plain SHA-256 is the
 right hash at rest (a slow password hash buys nothing against brute force here and would cost
-every request)."""
+every request).
+
+A token has a role (``protocol.TOKEN_ROLES``) and remembers the token that minted it:
+revoking a token revokes, in the same transaction, every token it minted and theirs, and ends
+their dashboard sessions and login codes. Each issue and revocation is written to the audit
+log in the transaction that makes it."""
 
 from __future__ import annotations
 
 import hashlib
 import secrets
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, cast
 
-from sqlalchemy import func, select
+from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
 from flexium import protocol, wire
 from flexium.server.errors import Conflict, InvalidRequest, NotFound
-from flexium.server.models import Command, Process, Token, Workspace
+from flexium.server.models import Command, DashboardSession, LoginCode, Process, Token, Workspace
+from flexium.server.storage.audit import record_audit
 
 
 @dataclass(frozen=True)
 class AuthInfo:
+    """Who is calling: a token (``role``, ``protocol.TOKEN_ROLES``), and the dashboard session
+    it came through, if any."""
+
     workspace_id: int
     workspace: str
     token_id: int
+    role: str  # no default: what a caller may do is always read from its token
+    token_name: str = ""
+    session_id: Optional[int] = None
 
 
 @dataclass(frozen=True)
@@ -51,6 +63,8 @@ def _token_info(row: Token) -> wire.TokenInfo:
         id=row.id,
         name=row.name,
         prefix=row.prefix,
+        role=cast(protocol.TokenRole, row.role),  # written only from protocol.TOKEN_ROLES
+        minted_by=row.minted_by,
         created_at=row.created_at,
         revoked_at=row.revoked_at,
         revoked=row.revoked_at is not None,
@@ -69,14 +83,15 @@ def check_workspace_name(name: str) -> str:
 def create_workspace(
     *, session: Session, name: str, now: float, token_name: str = "initial"
 ) -> tuple[WorkspaceRecord, str]:
-    """A new workspace and its first token (returned in clear once; only its hash is kept)."""
+    """A new workspace and its first token, an admin token (returned in clear once; only its
+    hash is kept)."""
     check_workspace_name(name)
     if session.scalar(select(Workspace.id).where(Workspace.name == name)) is not None:
         raise Conflict(f"workspace {name!r} already exists")
     row = Workspace(name=name, created_at=now)
     session.add(row)
     session.flush()
-    created = issue_token(session=session, workspace_id=row.id, name=token_name, now=now)
+    created = issue_token(session=session, workspace_id=row.id, name=token_name, role=protocol.ROLE_ADMIN, now=now)
     return _workspace_record(row), created.token
 
 
@@ -120,8 +135,21 @@ def workspace_summary(*, session: Session, workspace_id: int) -> wire.WorkspaceI
     )
 
 
-def issue_token(*, session: Session, workspace_id: int, name: str = "", now: float) -> wire.TokenCreated:
-    """The new token in clear (``.token``) is in this answer only: only its hash is kept."""
+def issue_token(
+    *,
+    session: Session,
+    workspace_id: int,
+    name: str = "",
+    role: str = protocol.DEFAULT_ISSUED_ROLE,
+    minted_by: Optional[AuthInfo] = None,
+    now: float,
+) -> wire.TokenCreated:
+    """The new token in clear (``.token``) is in this answer only: only its hash is kept.
+    ``minted_by``: the caller, whose revocation will revoke this token too; None for the
+    command line on the database (and a workspace's first token). Who may mint is the
+    route's rule (admins only)."""
+    if role not in protocol.TOKEN_ROLES:
+        raise InvalidRequest(f"unknown role {role!r}: use one of {', '.join(protocol.TOKEN_ROLES)}")
     token = new_token()
     row = Token(
         workspace_id=workspace_id,
@@ -129,10 +157,26 @@ def issue_token(*, session: Session, workspace_id: int, name: str = "", now: flo
         token_hash=hash_token(token),
         prefix=token[: len(protocol.TOKEN_PREFIX) + 6],
         created_at=now,
+        role=role,
+        minted_by=minted_by.token_id if minted_by is not None else None,
     )
     session.add(row)
     session.flush()
+    record_audit(
+        session=session,
+        workspace_id=workspace_id,
+        actor=minted_by,
+        action="token.issued",
+        target=_token_label(row),
+        outcome="ok",
+        detail=f"role {role}",
+        now=now,
+    )
     return wire.TokenCreated(**_token_info(row).model_dump(), token=token)
+
+
+def _token_label(row: Token) -> str:
+    return f"token {row.id} ({row.prefix}...{' ' + row.name if row.name else ''})"
 
 
 def list_tokens(*, session: Session, workspace_id: int) -> list[wire.TokenInfo]:
@@ -141,9 +185,18 @@ def list_tokens(*, session: Session, workspace_id: int) -> list[wire.TokenInfo]:
 
 
 def revoke_token(
-    *, session: Session, workspace_id: int, token_id: Optional[int] = None, token: Optional[str] = None, now: float
-) -> wire.TokenInfo:
-    """Revoke by id or by the token itself. Revoking twice is not an error."""
+    *,
+    session: Session,
+    workspace_id: int,
+    token_id: Optional[int] = None,
+    token: Optional[str] = None,
+    revoked_by: Optional[AuthInfo] = None,
+    now: float,
+) -> wire.TokenRevoked:
+    """Revoke by id or by the token itself, and with it every token it minted, transitively
+    (``cascade``: their ids), ending their dashboard sessions and login codes. Revoking twice
+    is not an error (what it minted since is revoked then too). ``revoked_by``: the caller,
+    for the audit log; None for the command line."""
     query = select(Token).where(Token.workspace_id == workspace_id)
     if token is not None:
         query = query.where(Token.token_hash == hash_token(token))
@@ -154,17 +207,49 @@ def revoke_token(
     row = session.scalar(query)
     if row is None:
         raise NotFound("token not found in this workspace")
-    if row.revoked_at is None:
-        row.revoked_at = now
-    return _token_info(row)
+    cascade: list[Token] = []
+    seen = {row.id}
+    frontier = [row.id]
+    while frontier:
+        minted = list(
+            session.scalars(
+                select(Token)
+                .where(Token.workspace_id == workspace_id, Token.minted_by.in_(frontier))
+                .order_by(Token.id)
+            )
+        )
+        minted = [t for t in minted if t.id not in seen]
+        seen.update(t.id for t in minted)
+        cascade.extend(minted)
+        frontier = [t.id for t in minted]
+    for revoked in (row, *cascade):
+        if revoked.revoked_at is not None:
+            continue
+        revoked.revoked_at = now
+        record_audit(
+            session=session,
+            workspace_id=workspace_id,
+            actor=revoked_by,
+            action="token.revoked",
+            target=_token_label(revoked),
+            outcome="ok",
+            detail="" if revoked is row else f"minted (directly or not) by token {row.id}, revoked with it",
+            now=now,
+        )
+    ids = [t.id for t in (row, *cascade)]
+    session.execute(delete(DashboardSession).where(DashboardSession.token_id.in_(ids)))
+    session.execute(delete(LoginCode).where(LoginCode.token_id.in_(ids)))
+    return wire.TokenRevoked(**_token_info(row).model_dump(), cascade=[t.id for t in cascade])
 
 
 def authenticate(*, session: Session, token: str) -> Optional[AuthInfo]:
     row = session.execute(
-        select(Token.id, Token.workspace_id, Workspace.name)
+        select(Token.id, Token.workspace_id, Token.role, Token.name, Workspace.name.label("workspace"))
         .join(Workspace, Workspace.id == Token.workspace_id)
         .where(Token.token_hash == hash_token(token), Token.revoked_at.is_(None))
     ).first()
     if row is None:
         return None
-    return AuthInfo(workspace_id=row.workspace_id, workspace=row.name, token_id=row.id)
+    return AuthInfo(
+        workspace_id=row.workspace_id, workspace=row.workspace, token_id=row.id, role=row.role, token_name=row.name
+    )

@@ -1,0 +1,152 @@
+"""Dashboard sessions and one-time login codes.
+
+A browser logs in by handing over a token (the login form) or a login code (a login link),
+and gets a session: a random id in an HttpOnly cookie, stored here as its SHA-256 like a
+token. A session ends at logout, after ``SESSION_IDLE_S`` without a request, after
+``SESSION_MAX_S`` whatever its use, and when its token is revoked (the rows go with the
+token's revocation, ``revoke_token``). It may do what its token may.
+
+A login code stands in for a token in a link (``/login#code=...``): used once, within
+``LOGIN_CODE_TTL_S``, so a link left in a terminal's scrollback, a chat or a browser history
+opens nothing later."""
+
+from __future__ import annotations
+
+import secrets
+from typing import Optional
+
+from sqlalchemy import ColumnElement, delete, or_, select, update
+from sqlalchemy.orm import Session
+
+from flexium.server.errors import NotFound
+from flexium.server.models import DashboardSession, LoginCode, Token, Workspace
+from flexium.server.storage.audit import record_audit
+from flexium.server.storage.workspaces import AuthInfo, authenticate, hash_token
+
+SESSION_IDLE_S = 12 * 3600.0  # a working day's pause ends it
+SESSION_MAX_S = 7 * 86400.0  # log in again once a week, however often it is used
+LOGIN_CODE_TTL_S = 600.0
+_TOUCH_EVERY_S = 60.0  # last_used is written at most this often (a page polls fragments)
+
+
+def _secret() -> str:
+    return secrets.token_urlsafe(32)
+
+
+def _expired(now: float) -> ColumnElement[bool]:
+    return or_(DashboardSession.last_used < now - SESSION_IDLE_S, DashboardSession.created_at < now - SESSION_MAX_S)
+
+
+def open_session(*, session: Session, auth: AuthInfo, how: str, now: float) -> tuple[str, AuthInfo]:
+    """A new dashboard session of ``auth``'s token: (the id for the cookie, shown once; who
+    it is). ``how``: "token" or "login code", for the audit log."""
+    session.execute(delete(DashboardSession).where(_expired(now)))
+    session.execute(delete(LoginCode).where(LoginCode.expires_at < now))
+    secret = _secret()
+    row = DashboardSession(token_id=auth.token_id, session_hash=hash_token(secret), created_at=now, last_used=now)
+    session.add(row)
+    session.flush()
+    record_audit(
+        session=session,
+        workspace_id=auth.workspace_id,
+        actor=auth,
+        action="login",
+        target=f"dashboard session {row.id}",
+        outcome="ok",
+        detail=f"with a {how}",
+        now=now,
+    )
+    return secret, AuthInfo(
+        workspace_id=auth.workspace_id,
+        workspace=auth.workspace,
+        token_id=auth.token_id,
+        role=auth.role,
+        token_name=auth.token_name,
+        session_id=row.id,
+    )
+
+
+def session_auth(*, session: Session, secret: str, now: float) -> tuple[Optional[AuthInfo], bool]:
+    """(who a session cookie stands for, whether its last use is due to be written:
+    ``touch_session``); None when it is unknown, expired or its token revoked (expired rows go
+    at the next login)."""
+    found = session.execute(
+        select(DashboardSession, Token.role, Token.name, Token.workspace_id, Token.revoked_at, Workspace.name)
+        .join(Token, Token.id == DashboardSession.token_id)
+        .join(Workspace, Workspace.id == Token.workspace_id)
+        .where(DashboardSession.session_hash == hash_token(secret))
+    ).first()
+    if found is None:
+        return None, False
+    row, role, token_name, workspace_id, revoked_at, workspace = found
+    if revoked_at is not None or row.last_used < now - SESSION_IDLE_S or row.created_at < now - SESSION_MAX_S:
+        return None, False
+    return AuthInfo(
+        workspace_id=workspace_id,
+        workspace=workspace,
+        token_id=row.token_id,
+        role=role,
+        token_name=token_name,
+        session_id=row.id,
+    ), now - row.last_used >= _TOUCH_EVERY_S
+
+
+def touch_session(*, session: Session, session_id: int, now: float) -> None:
+    session.execute(update(DashboardSession).where(DashboardSession.id == session_id).values(last_used=now))
+
+
+def end_session(*, session: Session, secret: str, now: float) -> Optional[AuthInfo]:
+    """Logout: the session is deleted; who it was (None: no such session)."""
+    auth, _touch = session_auth(session=session, secret=secret, now=now)
+    if auth is None:
+        return None
+    session.execute(delete(DashboardSession).where(DashboardSession.id == auth.session_id))
+    record_audit(
+        session=session,
+        workspace_id=auth.workspace_id,
+        actor=auth,
+        action="logout",
+        target=f"dashboard session {auth.session_id}",
+        outcome="ok",
+        now=now,
+    )
+    return auth
+
+
+def issue_login_code(*, session: Session, token_id: int, now: float) -> str:
+    """A one-time code that opens a session of the token within ``LOGIN_CODE_TTL_S``."""
+    code = _secret()
+    session.add(LoginCode(token_id=token_id, code_hash=hash_token(code), expires_at=now + LOGIN_CODE_TTL_S))
+    session.flush()
+    return code
+
+
+def login_code_for(*, session: Session, token: str, now: float) -> str:
+    """A login code for a token held in clear (the one the server or ``flexium demo`` prints)."""
+    auth = authenticate(session=session, token=token)
+    if auth is None:
+        raise NotFound("no such token, or it is revoked")
+    return issue_login_code(session=session, token_id=auth.token_id, now=now)
+
+
+def redeem_login_code(*, session: Session, code: str, now: float) -> Optional[AuthInfo]:
+    """The token a login code stands for, once: the code is deleted whatever the outcome.
+    None when it is unknown, used, expired or its token revoked."""
+    row = session.scalar(select(LoginCode).where(LoginCode.code_hash == hash_token(code)).with_for_update())
+    if row is None:
+        return None
+    session.delete(row)
+    session.flush()
+    if row.expires_at < now:
+        return None
+    found = session.execute(
+        select(Token, Workspace.name)
+        .join(Workspace, Workspace.id == Token.workspace_id)
+        .where(Token.id == row.token_id, Token.revoked_at.is_(None))
+    ).first()
+    if found is None:
+        return None
+    token, workspace = found
+    return AuthInfo(
+        workspace_id=token.workspace_id, workspace=workspace, token_id=token.id, role=token.role, token_name=token.name
+    )
