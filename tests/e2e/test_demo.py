@@ -3,6 +3,7 @@ home of the test's own), the demo job attached, the dashboard link; Ctrl-C stops
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -104,3 +105,52 @@ def test_demo_says_what_is_missing_when_the_port_is_taken(tmp_path: Path) -> Non
         )
     assert done.returncode == 1
     assert re.search(rf"port {port} .* is in use", done.stderr), done.stderr
+
+
+def test_without_a_gpu_the_demo_job_runs_on_a_simulated_host_that_says_so(tmp_path: Path) -> None:
+    """This machine has no NVIDIA GPU: the demo offers two simulated GPUs, and the job on them
+    migrates, pauses and resumes by the command line; every GPU shown is named SIMULATED."""
+    home = tmp_path / "home"
+    home.mkdir()
+    port = free_port()
+    env = clean_env(home)
+    demo = subprocess.Popen(
+        [*flexium_command(), "demo", "--port", str(port)],
+        env=env,
+        cwd=home,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    out = Output(demo)
+    try:
+        out.wait_for(r"SIMULATED: no NVIDIA GPU is used; the job runs on a simulated host with two simulated GPUs", 60)
+        process_id = out.wait_for(r"job (gpu-[0-9a-f]+) registered \(RUNNING on cuda:0, SIMULATED GPU", 90).group(1)
+        token = out.wait_for(r"admin token \(for the CLI and the dashboard\): (flx_\S+)$", 10).group(1)
+        out.wait_for(r"\[demo job\] step .* on cuda:0 \(simulated\)$", 30)
+        assert "CPU-only build" not in out.text, out.text  # no warning about what does not apply
+        cli_env = {**env, "FLEXIUM_SERVER": f"127.0.0.1:{port}/default", "FLEXIUM_TOKEN": token}
+
+        def cli(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run(
+                [*flexium_command(), *args], env=cli_env, capture_output=True, text=True, timeout=120, cwd=home
+            )
+
+        devices = cli("devices", "--json")
+        assert devices.returncode == 0, devices.stderr
+        [host] = json.loads(devices.stdout)["hosts"]
+        assert [d["name"] for d in host["devices"]] == ["SIMULATED GPU (flexium demo)"] * 2
+        moved = cli("migrate", process_id, "cuda:1", "--json")
+        assert moved.returncode == 0, moved.stderr
+        assert json.loads(moved.stdout)["state"] == "succeeded"
+        out.wait_for(r"\[demo job\] step .* on cuda:1 \(simulated\)$", 30)
+        [job] = [p for p in json.loads(cli("ps", "--json").stdout) if p["process_id"] == process_id]
+        assert job["physical_device"] == "cuda:1" and job["gpu_model"] == "SIMULATED GPU (flexium demo)"
+        assert job["memory_bytes"] == 6 << 30  # the simulated memory it holds moved with it
+        assert cli("pause", process_id).returncode == 0
+        assert cli("resume", process_id, "cuda:0").returncode == 0
+        out.wait_for(r"\[demo job\] step .* on cuda:0 \(simulated\)$", 30)
+    finally:
+        if demo.poll() is None:
+            demo.send_signal(signal.SIGINT)
+            demo.wait(30)

@@ -1,6 +1,7 @@
 """A test double of the NVIDIA driver (libcuda + NVML) for CPU-only machines.
 
-``build()`` compiles ``fake_cuda.c`` into one shared library; ``FakeDriver`` drives it through
+``build()`` compiles ``csrc/simulated/driver.c`` (the same library ``flexium demo`` runs its
+simulated host on, ``flexium.simulated``) into one shared library; ``FakeDriver`` drives it through
 ctypes. The library plays two parts at once:
 
 * **libcuda** for ``flexium._C``: set ``FLEXIUM_LIBCUDA`` to ``build()`` before ``_C`` first
@@ -124,7 +125,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
-SOURCE = Path(__file__).resolve().with_name("fake_cuda.c")
+SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "simulated" / "driver.c"
 REPO_ROOT = SOURCE.parents[2]
 BUILD_DIR = REPO_ROOT / "build" / "fake_driver"
 LIBRARY_NAME = "libfake_cuda.so"
@@ -212,7 +213,7 @@ def _error_code(code: Union[int, str]) -> int:
 
 
 def build(force: bool = False) -> Path:
-    """Compiles fake_cuda.c (when the library is missing or older than the source) and returns
+    """Compiles the simulated driver (when the library is missing or older than the source) and returns
     the library's path. The new file replaces the old one atomically: a process that has the
     old one loaded keeps it, and concurrent builders never see a half-written file."""
     BUILD_DIR.mkdir(parents=True, exist_ok=True)

@@ -83,7 +83,9 @@ def start(server: Optional[str], device: Optional[str], disabled: bool, *, serve
 
 
 def _start(config: FlexiumConfig) -> Runtime:
-    capabilities = detect()
+    # A driver named explicitly (the simulated host, the tests' fake) runs the engine without
+    # torch CUDA, so a CPU-only torch is no problem to warn about there.
+    capabilities = detect(check_torch=not _driver_selected_by_env())
     _prepare_job_environment()
     for problem in capabilities.problems:
         log.warning("migration and pause are limited: %s", problem)

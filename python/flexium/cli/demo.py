@@ -82,7 +82,24 @@ def _raise_interrupt(*_: Any) -> None:
     raise KeyboardInterrupt
 
 
-def run(*, port: Optional[int] = None, host: str = "127.0.0.1", database: Optional[str] = None) -> int:
+def _simulated_host(requested: bool) -> Optional[dict[str, str]]:
+    """The environment that puts the demo's job on the simulated host, or None for this host's
+    own GPUs: the simulation is used where NVML sees no NVIDIA GPU, or when asked for."""
+    from flexium import simulated
+    from flexium.engine import nvml
+
+    if not requested and nvml.host_gpus():
+        return None
+    library = simulated.library_path()
+    if library is None:
+        _say(f"no {simulated.LIBRARY_NAME} in this build: the job runs on this host as it is")
+        return None
+    return simulated.environment(library)
+
+
+def run(
+    *, port: Optional[int] = None, host: str = "127.0.0.1", database: Optional[str] = None, simulated: bool = False
+) -> int:
     if importlib.util.find_spec("torch") is None:
         print(
             "flexium demo: the demo training job needs PyTorch: pip install torch (a CPU build is enough)",
@@ -180,6 +197,14 @@ def run(*, port: Optional[int] = None, host: str = "127.0.0.1", database: Option
         env = dict(os.environ)
         env[protocol.SERVER_ENV] = f"{address}/{protocol.DEFAULT_WORKSPACE}"
         env[protocol.TOKEN_ENV] = job_token
+        simulation = _simulated_host(simulated)
+        if simulation is not None:
+            env.update(simulation)
+            _say(
+                "SIMULATED: no NVIDIA GPU is used; the job runs on a simulated host with two simulated GPUs "
+                "(flexium's test double of the driver; the job computes on the CPU). Moves you make there "
+                "are real commands with simulated results: no GPU, no measured downtime"
+            )
         job = subprocess.Popen(
             [sys.executable, "-m", "flexium.cli.demo_job"], env=env, stdin=subprocess.DEVNULL, start_new_session=True
         )
@@ -195,7 +220,14 @@ def run(*, port: Optional[int] = None, host: str = "127.0.0.1", database: Option
             if registered is None:
                 time.sleep(0.5)
         if registered is not None:
-            _say(f"job {registered.process_id} registered ({registered.state} on {registered.physical_device})")
+            on = (
+                f"{registered.physical_device}, {registered.gpu_model}"
+                if registered.gpu_model
+                else registered.physical_device
+            )
+            _say(f"job {registered.process_id} registered ({registered.state} on {on})")
+            if simulation is not None:
+                _say(f"try: flexium migrate {registered.process_id} cuda:1   (or Pause / Migrate in the dashboard)")
         else:
             _say("the job has not registered yet; see its output above")
         server_env = f"{protocol.SERVER_ENV}={address}/{protocol.DEFAULT_WORKSPACE}"

@@ -1,6 +1,7 @@
 """The training job `flexium demo` starts: a small classifier on synthetic data, plain PyTorch
-after `flexium.init()`. On a GPU it is movable from the dashboard; on a CPU-only torch it
-trains on the CPU and shows up in the dashboard all the same.
+after `flexium.init()`. On a GPU it is movable from the dashboard; on the simulated host
+(flexium.simulated, where there is no GPU) it computes on the CPU while flexium moves it between
+simulated GPUs holding simulated memory.
 
     python -m flexium.cli.demo_job [--steps N] [--step-seconds S] [--print-every K]
 """
@@ -29,10 +30,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
 
     import flexium
+    from flexium import simulated
 
     flexium.init()
+    where = ""
+    if simulated.active():
+        simulated.hold_job_memory()
+        where = " (simulated)"
     device = flexium.auto.get_device()
-    if not (device.startswith("cuda") and torch.cuda.is_available()):
+    if where or not (device.startswith("cuda") and torch.cuda.is_available()):  # simulated GPUs compute nothing
         device = "cpu"
         torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -51,10 +57,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             optimizer.step()
             step += 1
             if step % args.print_every == 0 or step == 1:
-                print(
-                    f"[demo job] step {step:6d}  loss {loss.item():.4f}  on {flexium.auto.get_physical_device()}",
-                    flush=True,
-                )
+                on = flexium.auto.get_physical_device() + where
+                print(f"[demo job] step {step:6d}  loss {loss.item():.4f}  on {on}", flush=True)
             time.sleep(args.step_seconds)
     except KeyboardInterrupt:
         pass

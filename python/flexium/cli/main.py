@@ -29,6 +29,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--port", type=int, default=None, help="server port (default 8080)")
     demo.add_argument("--host", default="127.0.0.1", help="address the server listens on (default 127.0.0.1)")
     demo.add_argument("--database", metavar="URL", help="database (default: the server's SQLite file under ~/.flexium)")
+    demo.add_argument(
+        "--simulated",
+        action="store_true",
+        help="run the job on a simulated host with two simulated GPUs even where NVIDIA GPUs are "
+        "(the default where there are none)",
+    )
 
     server.add_command(commands)
     workspaces.add_commands(commands)
@@ -86,7 +92,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if args.command == "demo":
         from flexium.cli import demo
 
-        return demo.run(port=args.port, host=args.host, database=args.database)
+        return demo.run(port=args.port, host=args.host, database=args.database, simulated=args.simulated)
     if args.command == "server":
         return server.run(args)
     if args.command in ("workspace", "token"):

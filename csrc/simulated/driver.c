@@ -1,7 +1,9 @@
 /*
- * A test double of the NVIDIA driver for CPU-only machines: the few libcuda functions flexium
+ * A simulated NVIDIA driver for machines without a GPU: the few libcuda functions flexium
  * resolves (csrc/driver_table.h) and the NVML functions pynvml needs, in one shared library, so
  * that flexium._C (through FLEXIUM_LIBCUDA) and pynvml (through FLEXIUM_LIBNVML) see one machine.
+ * Built with the package as libflexium_simulated_driver.so: the tests' fake driver
+ * (tests/fake_driver) and the simulated host of `flexium demo` (python/flexium/simulated.py).
  *
  * It models the facts measured on real GPUs (docs/facts.md):
  *  - one CUDA process (getpid()) with a checkpoint state machine
