@@ -125,8 +125,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
-SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "simulated" / "driver.c"
-REPO_ROOT = SOURCE.parents[2]
+TESTS_DIR = Path(__file__).resolve().parents[1]
+REPO_ROOT = TESTS_DIR.parent
+SOURCE = REPO_ROOT / "csrc" / "simulated" / "driver.c"
 BUILD_DIR = REPO_ROOT / "build" / "fake_driver"
 LIBRARY_NAME = "libfake_cuda.so"
 CFLAGS = ["-shared", "-fPIC", "-O1", "-Wall", "-Wextra", "-Werror", "-pthread"]
@@ -247,7 +248,7 @@ def subprocess_env(library: Optional[Path] = None, **fake_vars: Any) -> dict[str
         if not name.startswith("FAKE_"):
             raise ValueError(f"{name}: only FAKE_* variables belong here")
         env[name] = str(value)
-    tests_dir = str(SOURCE.parents[1])
+    tests_dir = str(TESTS_DIR)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, env.get("PYTHONPATH", "")) if p)
     return env
 
