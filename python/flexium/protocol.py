@@ -199,6 +199,7 @@ ERROR_STATUS: dict[str, int] = {
     "busy": 409,  # the process already has an active command
     "stale": 409,  # the process stopped sending heartbeats
     "payload_too_large": 413,
+    "quota_exceeded": 409,  # the workspace holds all the processes or tokens its quota allows
     "invalid_request": 422,  # wrong types, out-of-range values
     "target_refused": 422,  # unknown GPU, other host, other model, no room, same GPU
     "capability": 422,  # the process lacks the feature (driver too old)

@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 from flexium import protocol, wire
 from flexium.server.errors import Conflict, InvalidRequest, NotFound
 from flexium.server.models import Command, Process, Token, Workspace
+from flexium.server.storage import quotas
 
 
 @dataclass(frozen=True)
@@ -122,6 +123,7 @@ def workspace_summary(*, session: Session, workspace_id: int) -> wire.WorkspaceI
 
 def issue_token(*, session: Session, workspace_id: int, name: str = "", now: float) -> wire.TokenCreated:
     """The new token in clear (``.token``) is in this answer only: only its hash is kept."""
+    quotas.check_new_token(session=session, workspace_id=workspace_id)
     token = new_token()
     row = Token(
         workspace_id=workspace_id,
