@@ -117,7 +117,8 @@ class ServerProcess:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        scheme = "https" if "--certfile" in self.args else "http"
+        return f"{scheme}://127.0.0.1:{self.port}"
 
     @property
     def lines(self) -> list[str]:

@@ -24,6 +24,7 @@ TOKEN_PREFIX = "flx_"
 TOKEN_ENV = "FLEXIUM_TOKEN"
 SERVER_ENV = "FLEXIUM_SERVER"
 DATABASE_ENV = "FLEXIUM_DATABASE_URL"
+CA_BUNDLE_ENV = "FLEXIUM_CA_BUNDLE"  # a PEM file of CAs the client trusts for https:// servers
 DEFAULT_WORKSPACE = "default"
 
 # Match with fullmatch(): with match(), "$" also takes a name followed by a newline.
