@@ -67,7 +67,7 @@ def bounded_protocol(*, request_timeout_s: float, max_connections: int) -> type[
     class BoundedHttpProtocol(HttpToolsProtocol):
         _request_timer: Optional[Any] = None
 
-        def connection_made(self, transport: Any) -> None:  # type: ignore[override]
+        def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
             self._await_request()
             if len(self.connections) > max_connections:
