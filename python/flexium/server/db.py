@@ -13,9 +13,10 @@ SQLite hazards handled here:
   writers inside this server queue on a lock instead; ``busy_timeout`` still covers other
   processes (a CLI creating a workspace while the server runs), bounded by ``lock_timeout_s``:
   a process that holds the write lock longer gets this server's writes refused (503), not
-  queued. Calls run on the event loop (``call``), so once a write found the file locked, writes
-  go to worker threads until one succeeds: waiting on another process's lock never stalls the
-  loop more than once.
+  queued. Calls run on the event loop (``call``), where a write waits for the lock at most
+  ``INLINE_LOCK_WAIT_S``; one that finds it held longer is handed to a worker thread (which
+  waits up to ``lock_timeout_s``), and so are the writes after it until one succeeds: another
+  process's lock never stalls the loop.
 - The server keeps its connections open, so a file made read-only, deleted or replaced while
   it runs would go on taking writes that are lost or refused at the restart: ``write_problem``
   looks at the file before writes (at most once a second) and refuses them while it is so.
@@ -42,6 +43,8 @@ from sqlalchemy.pool import StaticPool
 T = TypeVar("T")
 
 _WRITE_OPTION = "flexium_write"
+_LOCK_WAIT_OPTION = "flexium_lock_wait_ms"  # SQLite's busy_timeout for this write
+INLINE_LOCK_WAIT_S = 0.05  # what a write on the event loop waits for SQLite's write lock
 _PG_MIGRATION_LOCK = 0x666C6578  # any constant; serialises schema upgrades of several servers
 
 
@@ -56,6 +59,10 @@ USED_MARK = ".used"
 
 class DatabaseUnavailable(Exception):
     """The database cannot be reached or is locked for too long (mapped to 503)."""
+
+
+class DatabaseLocked(DatabaseUnavailable):
+    """SQLite: another process holds the write lock."""
 
 
 class SchemaTooNew(Exception):
@@ -83,7 +90,12 @@ class Database:
         # What every transaction carries in Session.info (the server's quotas: storage/quotas.py).
         self.session_info: dict[str, Any] = {}
         self.engine = self._create_engine(url, threads=threads, echo=echo)
-        self._write_engine = self.engine.execution_options(**{_WRITE_OPTION: True})
+        self._write_engine = self.engine.execution_options(
+            **{_WRITE_OPTION: True, _LOCK_WAIT_OPTION: int(self.lock_timeout_s * 1000)}
+        )
+        self._inline_write_engine = self.engine.execution_options(
+            **{_WRITE_OPTION: True, _LOCK_WAIT_OPTION: int(min(self.lock_timeout_s, INLINE_LOCK_WAIT_S) * 1000)}
+        )
         self.inline = self.is_sqlite
         self._checkpointer: Optional[threading.Thread] = None
         # The SQLite file and the file it was when first used: open connections keep writing to
@@ -129,18 +141,21 @@ class Database:
     # --- transactions -----------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def session(self, *, write: bool) -> Iterator[Session]:
-        """One transaction: committed when the block ends, rolled back on an exception."""
+    def session(self, *, write: bool, inline: bool = False) -> Iterator[Session]:
+        """One transaction: committed when the block ends, rolled back on an exception.
+        ``inline``: on the event loop, so a write waits for a lock at most INLINE_LOCK_WAIT_S."""
         if write:
             problem = self.write_problem()
             if problem is not None:
                 raise DatabaseUnavailable(problem)
         lock = self._write_lock if write else None
-        if lock is not None and not lock.acquire(timeout=self.lock_timeout_s):
-            raise DatabaseUnavailable(self._locked_message())
+        wait = min(self.lock_timeout_s, INLINE_LOCK_WAIT_S) if inline else self.lock_timeout_s
+        if lock is not None and not lock.acquire(timeout=wait):
+            raise DatabaseLocked(self._locked_message())
+        write_engine = self._inline_write_engine if inline else self._write_engine
         try:
             with Session(
-                bind=self._write_engine if write else self.engine,
+                bind=write_engine if write else self.engine,
                 expire_on_commit=False,
                 autoflush=False,
                 info=self.session_info,
@@ -152,7 +167,7 @@ class Database:
         except OperationalError as exc:
             if self.is_sqlite and "locked" in str(exc.orig):
                 self._locked_out = True
-                raise DatabaseUnavailable(self._locked_message()) from exc
+                raise DatabaseLocked(self._locked_message()) from exc
             raise DatabaseUnavailable(_short(exc)) from exc
         except DBAPIError as exc:
             if exc.connection_invalidated:
@@ -181,7 +196,13 @@ class Database:
         server. (SQLAlchemy's asyncio bridge measured no better here, with greenlet to carry.)
         """
         if self.inline and not (write and self._locked_out):
-            return self.run(fn, write=write, **kwargs)
+            try:
+                with self.session(write=write, inline=True) as session:
+                    return fn(session=session, **kwargs)
+            except DatabaseLocked:
+                if not write:
+                    raise
+                # held longer than a loop may wait (BEGIN IMMEDIATE took nothing): a thread waits
         return await anyio.to_thread.run_sync(
             functools.partial(self.run, fn, write=write, **kwargs), limiter=self._limiter
         )
@@ -221,7 +242,7 @@ class Database:
             except sqlite3.OperationalError as exc:
                 if "locked" in str(exc):
                     self._locked_out = True
-                    raise DatabaseUnavailable(self._locked_message()) from exc
+                    raise DatabaseLocked(self._locked_message()) from exc
                 raise DatabaseUnavailable(str(exc)) from exc
             finally:
                 conn.close()
@@ -407,8 +428,12 @@ def _sqlite_on_connect(dbapi_connection: Any, _record: Any, *, busy_ms: int) -> 
 
 
 def _sqlite_on_begin(conn: Any) -> None:
-    write = conn.get_execution_options().get(_WRITE_OPTION, False)
-    conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+    options = conn.get_execution_options()
+    if options.get(_WRITE_OPTION, False):
+        conn.exec_driver_sql(f"PRAGMA busy_timeout={options[_LOCK_WAIT_OPTION]}")
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+    else:
+        conn.exec_driver_sql("BEGIN")
 
 
 def _short(exc: BaseException) -> str:
