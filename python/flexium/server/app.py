@@ -341,6 +341,7 @@ def serve(settings: Settings) -> int:
         host=settings.host,
         port=settings.port,
         http=bounded_protocol(request_timeout_s=settings.request_timeout_s, max_connections=max_connections),
+        ws="none",  # no WebSocket routes: an Upgrade request is plain HTTP, under the request bound
         log_level=settings.log_level,
         access_log=settings.access_log,
         timeout_keep_alive=75,

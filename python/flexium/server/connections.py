@@ -10,6 +10,9 @@ thousand of them used to leave no descriptor for the jobs' heartbeats and polls.
 - past ``max_connections`` open connections, the oldest one that is not inside a request (it
   has not sent one yet, or is idle between two) is closed to make room; when every connection is
   busy with a request, the new one is closed instead.
+Under HTTPS a connection reaches this protocol once its TLS handshake is done; one that never
+finishes it is closed by the event loop after its own handshake timeout (60 s in asyncio and
+uvloop; uvicorn does not expose it).
 """
 
 from __future__ import annotations
