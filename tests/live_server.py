@@ -97,7 +97,8 @@ class ProcessOutput:
 class ServerProcess:
     """The server with its home folder (``FLEXIUM_HOME``) and, unless ``database`` names one,
     the SQLite file the server makes there. ``env`` replaces the inherited environment (which is
-    otherwise used without any ``FLEXIUM_`` variable)."""
+    otherwise used without any ``FLEXIUM_`` variable); ``prefix`` goes before the command (e.g.
+    ``prlimit`` with its options)."""
 
     def __init__(
         self,
@@ -106,8 +107,10 @@ class ServerProcess:
         database: Optional[str] = None,
         port: Optional[int] = None,
         env: Optional[dict[str, str]] = None,
+        prefix: tuple[str, ...] = (),
     ) -> None:
         self.home = Path(home)
+        self.prefix = list(prefix)
         self.args = list(args)
         self.database = database
         self.port = port or free_port()
@@ -144,7 +147,17 @@ class ServerProcess:
             env = {k: v for k, v in os.environ.items() if not k.startswith("FLEXIUM_")}
             env["FLEXIUM_HOME"] = str(self.home)
         env["PYTHONUNBUFFERED"] = "1"
-        cmd = [sys.executable, "-m", "flexium.server", "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+        cmd = [
+            *self.prefix,
+            sys.executable,
+            "-m",
+            "flexium.server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *self.args,
+        ]
         if self.database:
             cmd += ["--database", self.database]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
