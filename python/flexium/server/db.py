@@ -46,6 +46,11 @@ _WRITE_OPTION = "flexium_write"
 _LOCK_WAIT_OPTION = "flexium_lock_wait_ms"  # SQLite's busy_timeout for this write
 INLINE_LOCK_WAIT_S = 0.05  # what a write on the event loop waits for SQLite's write lock
 _PG_MIGRATION_LOCK = 0x666C6578  # any constant; serialises schema upgrades of several servers
+# SQLSTATE of a write refused because the transaction is read-only (default_transaction_read_only,
+# or a standby in recovery).
+_PG_READ_ONLY = "25006"
+_WRITE_CHECK_EVERY_S = 1.0  # how often writes look at the SQLite file (write_problem)
+HEALTH_TIMEOUT_S = 1.0  # the health check answers within about this, whatever the database does
 
 
 def _sqlite_file(url: str) -> Optional[str]:
@@ -67,13 +72,6 @@ class DatabaseLocked(DatabaseUnavailable):
 
 class SchemaTooNew(Exception):
     """The database was upgraded by a newer flexium than this one."""
-
-
-# SQLSTATE of a write refused because the transaction is read-only (default_transaction_read_only,
-# or a standby in recovery).
-_PG_READ_ONLY = "25006"
-_WRITE_CHECK_EVERY_S = 1.0
-HEALTH_TIMEOUT_S = 1.0  # the health check answers within about this, whatever the database does
 
 
 class Database:
@@ -247,7 +245,10 @@ class Database:
             finally:
                 conn.close()
             return
-        read_only = self.run(_pg_read_only if not self.is_sqlite else _select_one, write=False)
+        if self.is_sqlite:  # in memory
+            self.run(_select_one, write=False)
+            return
+        read_only = self.run(_pg_read_only, write=False)
         if read_only is not None:
             raise DatabaseUnavailable(read_only)
 
