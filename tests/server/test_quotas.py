@@ -104,3 +104,22 @@ def test_payload_bytes_of_capabilities_and_results(server: LiveServer) -> None:
     assert s.get(f"{_api(server)}/commands/{command_id}", timeout=10).json()["state"] != "succeeded"
     r = s.post(report, json={"state": "succeeded", "result": {"notes": ["paused"]}}, timeout=10)
     assert r.status_code == 200, r.text
+
+
+def test_the_token_command_keeps_the_quota_of_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`flexium token issue` works on the database directly: FLEXIUM_MAX_TOKENS applies there as
+    in the server."""
+    from flexium.cli.main import main
+
+    database = f"sqlite:///{tmp_path / 'admin.db'}"
+    monkeypatch.setenv("FLEXIUM_MAX_TOKENS", "2")
+    assert main(["workspace", "create", "team", "--database", database]) == 0
+    assert main(["token", "issue", "team", "--database", database]) == 0
+    capsys.readouterr()
+    assert main(["token", "issue", "team", "--database", database]) != 0
+    err = capsys.readouterr().err
+    assert "the workspace has 2 tokens not revoked, its limit" in err and "FLEXIUM_MAX_TOKENS" in err
+    monkeypatch.setenv("FLEXIUM_MAX_TOKENS", "3")
+    assert main(["token", "issue", "team", "--database", database]) == 0
