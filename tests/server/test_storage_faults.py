@@ -88,7 +88,9 @@ conn.execute("ROLLBACK")
 """
 
 
-def test_sqlite_locked_by_another_process(sqlite_server: LiveServer, tmp_path: Path) -> None:
+def test_sqlite_locked_by_another_process(
+    sqlite_server: LiveServer, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert _register(sqlite_server, "before")[1].status_code == 201
     holder = subprocess.Popen(
         [sys.executable, "-c", _HOLD_LOCK, str(tmp_path / "db" / "flexium.db")],
@@ -122,11 +124,12 @@ def test_sqlite_locked_by_another_process(sqlite_server: LiveServer, tmp_path: P
         holder.stdin.close()
         holder.wait(10)
     _recovers(sqlite_server, "after")
-    print(
-        f"\nFIGURES sqlite locked by another process: health answered 503 in {health_s * 1000:.0f} ms, "
-        f"writes refused with 503 in {write_s * 1000:.0f} ms then {again_s * 1000:.0f} ms, "
-        f"a read beside 4 waiting writes answered in {read_s * 1000:.0f} ms"
-    )
+    with capsys.disabled():
+        print(
+            f"\nFIGURES sqlite locked by another process: health answered 503 in {health_s * 1000:.0f} ms, "
+            f"writes refused with 503 in {write_s * 1000:.0f} ms then {again_s * 1000:.0f} ms, "
+            f"a read beside 4 waiting writes answered in {read_s * 1000:.0f} ms"
+        )
 
 
 def _make_read_only(path: Path) -> None:
@@ -222,14 +225,16 @@ def pg_server(own_postgres: OwnPostgres, tmp_path: Path) -> Iterator[LiveServer]
     srv.stop(signal.SIGKILL)
 
 
-def test_postgresql_read_only(own_postgres: OwnPostgres, pg_server: LiveServer) -> None:
+def test_postgresql_read_only(
+    own_postgres: OwnPostgres, pg_server: LiveServer, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert _register(pg_server, "before")[1].status_code == 201
     own_postgres.sql("ALTER SYSTEM SET default_transaction_read_only = on")
     own_postgres.sql("SELECT pg_reload_conf()")
     try:
         health_s = _degraded(pg_server, "read-only: default_transaction_read_only is on")
         assert health_s < 1.5
-        _refused(pg_server, "read-only")
+        write_s = _refused(pg_server, "read-only")
         assert [p["process_id"] for p in _list(pg_server).json()] == ["before"]
     finally:
         import psycopg
@@ -239,9 +244,16 @@ def test_postgresql_read_only(own_postgres: OwnPostgres, pg_server: LiveServer) 
             conn.execute("ALTER SYSTEM RESET default_transaction_read_only")
             conn.execute("SELECT pg_reload_conf()")
     _recovers(pg_server, "after")
+    with capsys.disabled():
+        print(
+            f"\nFIGURES postgresql read-only: health answered 503 in {health_s * 1000:.0f} ms, "
+            f"a write refused with 503 in {write_s * 1000:.0f} ms"
+        )
 
 
-def test_postgresql_stopped_and_started_again(own_postgres: OwnPostgres, pg_server: LiveServer) -> None:
+def test_postgresql_stopped_and_started_again(
+    own_postgres: OwnPostgres, pg_server: LiveServer, capsys: pytest.CaptureFixture[str]
+) -> None:
     assert _register(pg_server, "before")[1].status_code == 201
     own_postgres.stop()
     try:
@@ -253,4 +265,7 @@ def test_postgresql_stopped_and_started_again(own_postgres: OwnPostgres, pg_serv
     finally:
         own_postgres.start()
     _recovers(pg_server, "after")
-    print(f"\nFIGURES postgresql stopped: health answered 503 in {health_s * 1000:.0f} ms, a write in {write_s:.2f} s")
+    with capsys.disabled():
+        print(
+            f"\nFIGURES postgresql stopped: health answered 503 in {health_s * 1000:.0f} ms, a write in {write_s:.2f} s"
+        )
