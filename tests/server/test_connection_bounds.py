@@ -280,3 +280,31 @@ def test_requests_past_max_requests_are_answered_503_with_retry_after(tmp_path: 
         assert requests.get(f"{srv.url}/healthz", timeout=10).status_code == 200
     finally:
         srv.stop(signal.SIGKILL)
+
+
+def test_a_body_that_never_arrives_is_cut_at_the_bound(tmp_path: Path) -> None:
+    """Headers complete, the body promised and never sent: the request waits for it no longer
+    than the bound, and no answer is made up for it."""
+    srv = LiveServer("", str(tmp_path / "home"), "--request-timeout", "2").start()
+    try:
+        assert srv.token
+        sock = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+        started = time.monotonic()
+        sock.sendall(
+            b"POST /api/w/default/processes HTTP/1.1\r\nHost: slow\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + srv.token.encode() + b"\r\nContent-Length: 100\r\n\r\n{"
+        )
+        received = b""
+        while chunk := sock.recv(4096):
+            received += chunk
+        closed_after = time.monotonic() - started
+        sock.close()
+        assert 1.5 < closed_after < 8.0
+        assert not received.startswith(b"HTTP/1.1 2")
+        assert _Job(srv.url, srv.token, "fine-job").register() < 2.0
+        listed = requests.get(
+            f"{srv.url}/api/w/default/processes", headers={"Authorization": f"Bearer {srv.token}"}, timeout=10
+        )
+        assert [p["process_id"] for p in listed.json()] == ["fine-job"]
+    finally:
+        srv.stop(signal.SIGKILL)

@@ -114,7 +114,7 @@ def bounded_protocol(*, request_timeout_s: float, max_connections: int) -> type[
             self._request_timer = None
             if self.transport.is_closing():
                 return
-            if self.cycle is None or self.cycle.response_complete:  # no answer under way
+            if self in idle:  # its headers are incomplete, so no answer to it has begun
                 self.transport.write(_TIMEOUT_ANSWER)
             warn(
                 "closed a connection from %s that sent no complete request within %g s "
