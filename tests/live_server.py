@@ -139,7 +139,9 @@ class ServerProcess:
         links = [m.group(1) for line in self.lines if (m := _LOGIN_LINK.search(line))]
         return links[-1] if links else None
 
-    def start(self, timeout: float = 60.0) -> "ServerProcess":
+    def start(self, timeout: float = 60.0, *, healthy: bool = True) -> "ServerProcess":
+        """Starts the server and waits until /healthz answers 200 (``healthy=False``: answers at
+        all, for a server whose database is meant to fail the check)."""
         self.home.mkdir(parents=True, exist_ok=True)
         if self.env is not None:
             env = dict(self.env)
@@ -163,16 +165,17 @@ class ServerProcess:
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.output = ProcessOutput(self.proc)
 
-        def healthy() -> bool:
+        def answers() -> bool:
             assert self.proc is not None and self.output is not None
             if self.proc.poll() is not None:
                 raise AssertionError("server exited:\n" + self.output.text)
             try:
-                return requests.get(self.url + "/healthz", timeout=1).status_code == 200
+                status = requests.get(self.url + "/healthz", timeout=1).status_code
             except requests.RequestException:
                 return False
+            return status == 200 or not healthy
 
-        wait_until(healthy, timeout, "the server to answer /healthz")
+        wait_until(answers, timeout, "the server to answer /healthz")
         return self
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> float:

@@ -31,22 +31,24 @@ def _health(server: LiveServer) -> tuple[float, requests.Response]:
     return time.perf_counter() - start, r
 
 
-def _register(server: LiveServer, name: str) -> tuple[float, requests.Response]:
-    assert server.token
+def _register(server: LiveServer, name: str, token: str | None = None) -> tuple[float, requests.Response]:
+    token = token or server.token
+    assert token
     start = time.perf_counter()
     r = requests.post(
         f"{server.url}/api/w/default/processes",
         json=process_body(name),
-        headers={"Authorization": f"Bearer {server.token}"},
+        headers={"Authorization": f"Bearer {token}"},
         timeout=10,
     )
     return time.perf_counter() - start, r
 
 
-def _list(server: LiveServer) -> requests.Response:
-    assert server.token
+def _list(server: LiveServer, token: str | None = None) -> requests.Response:
+    token = token or server.token
+    assert token
     return requests.get(
-        f"{server.url}/api/w/default/processes", headers={"Authorization": f"Bearer {server.token}"}, timeout=10
+        f"{server.url}/api/w/default/processes", headers={"Authorization": f"Bearer {token}"}, timeout=10
     )
 
 
@@ -57,8 +59,8 @@ def _degraded(server: LiveServer, says: str) -> float:
     return seconds
 
 
-def _refused(server: LiveServer, says: str) -> float:
-    seconds, r = _register(server, "refused-job")
+def _refused(server: LiveServer, says: str, token: str | None = None) -> float:
+    seconds, r = _register(server, "refused-job", token)
     assert r.status_code == 503, r.text
     assert r.json()["error"] == "unavailable" and says in r.json()["message"]
     assert r.headers["Retry-After"] == "1"
@@ -194,6 +196,18 @@ class OwnPostgres:
         )  # fmt: skip
         return self
 
+    def standby(self, root: Path) -> "OwnPostgres":
+        """A streaming standby of this server (read-only, in recovery), started."""
+        standby = OwnPostgres(root)
+        standby.root.mkdir(parents=True, exist_ok=True)
+        if os.geteuid() == 0:
+            shutil.chown(standby.root, "postgres", "postgres")
+        self._as_postgres(
+            str(self.bin / "pg_basebackup"), "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres",
+            "-D", str(standby.root / "data"), "-R",
+        )  # fmt: skip
+        return standby.start()
+
     def stop(self) -> None:
         self._as_postgres(str(self.bin / "pg_ctl"), "-D", str(self.root / "data"), "-m", "fast", "-w", "stop")
 
@@ -249,6 +263,33 @@ def test_postgresql_read_only(
             f"\nFIGURES postgresql read-only: health answered 503 in {health_s * 1000:.0f} ms, "
             f"a write refused with 503 in {write_s * 1000:.0f} ms"
         )
+
+
+def test_a_postgresql_standby_in_recovery(own_postgres: OwnPostgres, tmp_path: Path) -> None:
+    """A server started on a standby (its schema came with the copy) serves what it can read,
+    fails its health check saying why, and refuses writes with 503."""
+    first = LiveServer(own_postgres.url, str(tmp_path / "home")).start()
+    try:
+        assert _register(first, "before")[1].status_code == 201
+    finally:
+        first.stop()
+    standby_root = Path(tempfile.mkdtemp(prefix="flexium-pg-standby-"))
+    try:
+        standby = own_postgres.standby(standby_root)
+        try:
+            srv = LiveServer(standby.url, str(tmp_path / "home")).start(healthy=False)
+            try:
+                seconds, r = _health(srv)
+                assert r.status_code == 503 and "standby in recovery" in r.json()["database"], r.text
+                assert seconds < 1.5
+                _refused(srv, "read-only", first.token)
+                assert [p["process_id"] for p in _list(srv, first.token).json()] == ["before"]
+            finally:
+                srv.stop(signal.SIGKILL)
+        finally:
+            standby.stop()
+    finally:
+        shutil.rmtree(standby_root, ignore_errors=True)
 
 
 def test_postgresql_stopped_and_started_again(
