@@ -21,7 +21,7 @@ from srv_helpers import LiveServer, process_body
 
 pytestmark = pytest.mark.timeout(240)
 
-REQUEST_TIMEOUT_S = 6.0
+REQUEST_TIMEOUT_S = 8.0
 IDLE_CONNECTIONS = 1000
 HALF_HEADER_CONNECTIONS = 200
 

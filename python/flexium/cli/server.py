@@ -67,9 +67,13 @@ def add_command(commands: Any) -> None:
         metavar="S",
         help="close a connection whose request has not fully arrived within S seconds (10)",
     )
-    bounds.add_argument("--max-connections", type=int, default=None, help="open connections (8192)")
+    bounds.add_argument("--max-connections", type=int, default=None, metavar="N", help="open connections (8192)")
     bounds.add_argument(
-        "--max-requests", type=int, default=None, help="requests in progress, long-polls included; then 503 (4096)"
+        "--max-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests in progress, long-polls included; then 503 (4096)",
     )
     bounds.add_argument(
         "--db-lock-timeout",
@@ -79,12 +83,15 @@ def add_command(commands: Any) -> None:
         metavar="S",
         help="SQLite: wait at most S seconds for another process's write lock, then answer 503 (1)",
     )
-    bounds.add_argument("--max-processes", type=int, default=None, help="processes per workspace (1000)")
-    bounds.add_argument("--max-tokens", type=int, default=None, help="tokens not revoked per workspace (200)")
+    bounds.add_argument("--max-processes", type=int, default=None, metavar="N", help="processes per workspace (1000)")
+    bounds.add_argument(
+        "--max-tokens", type=int, default=None, metavar="N", help="tokens not revoked per workspace (200)"
+    )
     bounds.add_argument(
         "--max-payload-bytes",
         type=int,
         default=None,
+        metavar="N",
         help="a process's capabilities, a command's result, as JSON (65536)",
     )
     parser.set_defaults(usage_parser=parser)
