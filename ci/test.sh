@@ -62,6 +62,13 @@ if [ -z "$pg_bin" ] || [ ! -x "$pg_bin/initdb" ] || ! id postgres >/dev/null 2>&
 fi
 python -m pip install -q --no-build-isolation ".[server,test]"
 python -m pip install -q "httpx>=0.27"
+# The HTTPS test (tests/e2e/test_tls.py) makes its certificates with openssl; the storage-fault
+# tests make a file read-only for root with chattr (e2fsprogs).
+if ! command -v openssl >/dev/null || ! command -v chattr >/dev/null; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq openssl e2fsprogs >/dev/null
+fi
 
 pg_dir="$(mktemp -d /tmp/flexium-pg.XXXXXX)"
 pg_port="$(python -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')"

@@ -97,7 +97,8 @@ class ProcessOutput:
 class ServerProcess:
     """The server with its home folder (``FLEXIUM_HOME``) and, unless ``database`` names one,
     the SQLite file the server makes there. ``env`` replaces the inherited environment (which is
-    otherwise used without any ``FLEXIUM_`` variable)."""
+    otherwise used without any ``FLEXIUM_`` variable); ``prefix`` goes before the command (e.g.
+    ``prlimit`` with its options)."""
 
     def __init__(
         self,
@@ -106,8 +107,10 @@ class ServerProcess:
         database: Optional[str] = None,
         port: Optional[int] = None,
         env: Optional[dict[str, str]] = None,
+        prefix: tuple[str, ...] = (),
     ) -> None:
         self.home = Path(home)
+        self.prefix = list(prefix)
         self.args = list(args)
         self.database = database
         self.port = port or free_port()
@@ -117,7 +120,8 @@ class ServerProcess:
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        scheme = "https" if "--certfile" in self.args else "http"
+        return f"{scheme}://127.0.0.1:{self.port}"
 
     @property
     def lines(self) -> list[str]:
@@ -135,7 +139,9 @@ class ServerProcess:
         links = [m.group(1) for line in self.lines if (m := _LOGIN_LINK.search(line))]
         return links[-1] if links else None
 
-    def start(self, timeout: float = 60.0) -> "ServerProcess":
+    def start(self, timeout: float = 60.0, *, healthy: bool = True) -> "ServerProcess":
+        """Starts the server and waits until /healthz answers 200 (``healthy=False``: answers at
+        all, for a server whose database is meant to fail the check)."""
         self.home.mkdir(parents=True, exist_ok=True)
         if self.env is not None:
             env = dict(self.env)
@@ -143,22 +149,33 @@ class ServerProcess:
             env = {k: v for k, v in os.environ.items() if not k.startswith("FLEXIUM_")}
             env["FLEXIUM_HOME"] = str(self.home)
         env["PYTHONUNBUFFERED"] = "1"
-        cmd = [sys.executable, "-m", "flexium.server", "--host", "127.0.0.1", "--port", str(self.port), *self.args]
+        cmd = [
+            *self.prefix,
+            sys.executable,
+            "-m",
+            "flexium.server",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(self.port),
+            *self.args,
+        ]
         if self.database:
             cmd += ["--database", self.database]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.output = ProcessOutput(self.proc)
 
-        def healthy() -> bool:
+        def answers() -> bool:
             assert self.proc is not None and self.output is not None
             if self.proc.poll() is not None:
                 raise AssertionError("server exited:\n" + self.output.text)
             try:
-                return requests.get(self.url + "/healthz", timeout=1).status_code == 200
+                status = requests.get(self.url + "/healthz", timeout=1).status_code
             except requests.RequestException:
                 return False
+            return status == 200 or not healthy
 
-        wait_until(healthy, timeout, "the server to answer /healthz")
+        wait_until(answers, timeout, "the server to answer /healthz")
         return self
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> float:

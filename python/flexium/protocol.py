@@ -24,6 +24,7 @@ TOKEN_PREFIX = "flx_"
 TOKEN_ENV = "FLEXIUM_TOKEN"
 SERVER_ENV = "FLEXIUM_SERVER"
 DATABASE_ENV = "FLEXIUM_DATABASE_URL"
+CA_BUNDLE_ENV = "FLEXIUM_CA_BUNDLE"  # a PEM file of CAs the client trusts for https:// servers
 DEFAULT_WORKSPACE = "default"
 
 # Match with fullmatch(): with match(), "$" also takes a name followed by a newline.
@@ -255,6 +256,7 @@ ERROR_STATUS: dict[str, int] = {
     "busy": 409,  # the process already has an active command
     "stale": 409,  # the process stopped sending heartbeats
     "payload_too_large": 413,
+    "quota_exceeded": 409,  # the workspace holds all the processes or tokens its quota allows
     "invalid_request": 422,  # wrong types, out-of-range values
     "target_refused": 422,  # unknown GPU, other host, other model, no room, same GPU
     "capability": 422,  # the process lacks the feature (driver too old)

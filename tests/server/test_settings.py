@@ -34,3 +34,39 @@ def test_command_line_says_what_is_wrong(capsys: pytest.CaptureFixture[str], tmp
     assert main(["server", "--database", str(tmp_path / "s.db"), "--stale-after", "4"]) == 2
     err = capsys.readouterr().err
     assert "flexium server: --stale-after (4 s) must be longer than --device-write-interval (5 s)" in err
+
+
+def test_bounds_and_quotas_come_from_options_then_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLEXIUM_MAX_PROCESSES", "7")
+    monkeypatch.setenv("FLEXIUM_REQUEST_TIMEOUT", "2.5")
+    s = load_settings(database_url="sqlite:///x.db", max_processes=None, max_tokens=3)
+    assert (s.max_processes, s.request_timeout_s, s.max_tokens) == (7, 2.5, 3)
+    assert load_settings(database_url="sqlite:///x.db", max_processes=9).max_processes == 9
+    monkeypatch.setenv("FLEXIUM_MAX_TOKENS", "many")
+    with pytest.raises(ValueError, match=r"FLEXIUM_MAX_TOKENS='many' is not a valid int"):
+        load_settings(database_url="sqlite:///x.db")
+
+
+@pytest.mark.parametrize(
+    "values,message",
+    [
+        ({"max_processes": 0}, "--max-processes must be at least 1"),
+        ({"request_timeout_s": 0.0}, "--request-timeout must be a positive number of seconds"),
+        ({"certfile": "c.pem"}, "--certfile needs --keyfile too"),
+        ({"keyfile": "k.pem"}, "--keyfile needs --certfile too"),
+        (
+            {"certfile": "/nonexistent/c.pem", "keyfile": "/nonexistent/k.pem"},
+            "--certfile /nonexistent/c.pem: no such file",
+        ),
+    ],
+)
+def test_bad_bounds_and_tls_settings_refused(values: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        Settings(database_url="sqlite:///x.db", **values)
+
+
+def test_https_links(tmp_path: Any) -> None:
+    for name in ("c.pem", "k.pem"):
+        (tmp_path / name).write_text("-")
+    s = Settings(database_url="sqlite:///x.db", certfile=str(tmp_path / "c.pem"), keyfile=str(tmp_path / "k.pem"))
+    assert s.link_base == f"https://127.0.0.1:{s.port}"

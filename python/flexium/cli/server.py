@@ -60,6 +60,47 @@ def add_command(commands: Any) -> None:
         dest="device_write_interval_s",
         help="store a host's GPU report at most this often (5); --stale-after must be longer",
     )
+    tls = parser.add_argument_group("HTTPS (both or neither; also $FLEXIUM_CERTFILE, $FLEXIUM_KEYFILE)")
+    tls.add_argument("--certfile", default=None, metavar="PEM", help="the server's certificate (chain)")
+    tls.add_argument("--keyfile", default=None, metavar="PEM", help="its private key (unencrypted)")
+    bounds = parser.add_argument_group(
+        "bounds (also $FLEXIUM_<NAME>, e.g. FLEXIUM_MAX_PROCESSES; defaults suit hundreds of jobs)"
+    )
+    bounds.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        dest="request_timeout_s",
+        metavar="S",
+        help="close a connection whose request has not fully arrived within S seconds (10)",
+    )
+    bounds.add_argument("--max-connections", type=int, default=None, metavar="N", help="open connections (8192)")
+    bounds.add_argument(
+        "--max-requests",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests in progress, long-polls included; then 503 (4096)",
+    )
+    bounds.add_argument(
+        "--db-lock-timeout",
+        type=float,
+        default=None,
+        dest="db_lock_timeout_s",
+        metavar="S",
+        help="SQLite: wait at most S seconds for another process's write lock, then answer 503 (1)",
+    )
+    bounds.add_argument("--max-processes", type=int, default=None, metavar="N", help="processes per workspace (1000)")
+    bounds.add_argument(
+        "--max-tokens", type=int, default=None, metavar="N", help="tokens not revoked per workspace (200)"
+    )
+    bounds.add_argument(
+        "--max-payload-bytes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="a process's capabilities, a command's result, as JSON (65536)",
+    )
     parser.set_defaults(usage_parser=parser)
 
 
@@ -79,6 +120,15 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         command_ttl_s=args.command_ttl_s,
         sweep_interval_s=args.sweep_interval_s,
         device_write_interval_s=args.device_write_interval_s,
+        certfile=args.certfile,
+        keyfile=args.keyfile,
+        request_timeout_s=args.request_timeout_s,
+        max_connections=args.max_connections,
+        max_requests=args.max_requests,
+        db_lock_timeout_s=args.db_lock_timeout_s,
+        max_processes=args.max_processes,
+        max_tokens=args.max_tokens,
+        max_payload_bytes=args.max_payload_bytes,
     )
 
 

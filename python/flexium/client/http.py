@@ -9,6 +9,7 @@ they send ``flexium.wire`` models and return them.
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -107,8 +108,18 @@ class ApiClient:
     """Requests to one workspace of one server. Safe to share between threads: each thread
     gets its own connection pool, so a thread waiting in a long-poll never holds up another."""
 
-    def __init__(self, address: protocol.ServerAddress, token: Optional[str], *, user_agent: str = "flexium") -> None:
+    def __init__(
+        self,
+        address: protocol.ServerAddress,
+        token: Optional[str],
+        *,
+        user_agent: str = "flexium",
+        ca_bundle: Optional[str] = None,
+    ) -> None:
+        """``ca_bundle``: a PEM file of the CAs to trust for an https:// server (default:
+        $FLEXIUM_CA_BUNDLE; without either, the system's CAs, or $REQUESTS_CA_BUNDLE)."""
         self.address = address
+        self.verify: Union[bool, str] = ca_bundle or os.environ.get(protocol.CA_BUNDLE_ENV) or True
         self.token = token
         self.user_agent = user_agent
         self._local = threading.local()
@@ -189,8 +200,19 @@ class ApiClient:
         url = self.url(path, workspace=workspace)
         try:
             response = self._pool().request(
-                method, url, json=json, params=params, timeout=(min(CONNECT_TIMEOUT_S, timeout), timeout)
+                method,
+                url,
+                json=json,
+                params=params,
+                timeout=(min(CONNECT_TIMEOUT_S, timeout), timeout),
+                verify=self.verify,
             )
+        except requests.exceptions.SSLError as exc:
+            raise Unreachable(
+                f"cannot reach the flexium server at {self.base_url}: TLS failed ({_short(exc)}); a server with a "
+                f"certificate of its own CA needs that CA's PEM file in ${protocol.CA_BUNDLE_ENV}",
+                code="unreachable",
+            ) from None
         except requests.RequestException as exc:
             raise Unreachable(
                 f"cannot reach the flexium server at {self.base_url}: {_short(exc)}", code="unreachable"
@@ -447,6 +469,9 @@ def _short(exc: BaseException) -> str:
     if isinstance(exc, requests.ReadTimeout):
         return "no answer within the timeout"
     text = str(exc)
+    verify = text.find("certificate verify failed")
+    if verify >= 0:
+        return text[verify:].split(" (_ssl")[0][:200]
     for marker in (
         "Connection refused",
         "Name or service not known",

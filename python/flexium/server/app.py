@@ -8,6 +8,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import ssl
 import sys
 import time
 from pathlib import Path
@@ -23,12 +24,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flexium import protocol
 from flexium.server import services, storage
+from flexium.server.connections import bounded_protocol, connection_limit, raise_open_file_limit
 from flexium.server.context import ServerContext
 from flexium.server.db import Database, DatabaseUnavailable, SchemaTooNew
 from flexium.server.errors import ApiError
 from flexium.server.heartbeat_shortcut import HeartbeatShortcut
 from flexium.server.routes import api, pages, system
-from flexium.server.settings import Settings, load_settings
+from flexium.server.settings import Settings, load_settings, option_and_env
+from flexium.server.storage import quotas
 
 log = logging.getLogger("flexium.server")
 
@@ -103,6 +106,36 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
+class RequestLimit:
+    """At most ``max_requests`` requests in progress; more are answered 503 with Retry-After
+    (clients retry 503s). Long-polls and event streams count: the limit is sized for them."""
+
+    def __init__(self, app: Any, max_requests: int) -> None:
+        self.app = app
+        self.max_requests = max_requests
+        self.in_progress = 0
+
+    async def __call__(self, scope: Any, receive: Callable[..., Any], send: Callable[..., Any]) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        if self.in_progress >= self.max_requests:
+            busy = _error(
+                503,
+                "unavailable",
+                f"the server is busy: {self.in_progress} requests in progress, its limit "
+                f"({option_and_env('max_requests')} raises it); retry shortly",
+            )
+            busy.headers["Retry-After"] = "1"
+            await busy(scope, receive, send)
+            return
+        self.in_progress += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.in_progress -= 1
+
+
 def _validation_message(errors: Sequence[Any]) -> tuple[int, str, str, list[dict[str, Any]]]:
     detail = []
     for err in errors[:20]:
@@ -143,7 +176,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(DatabaseUnavailable)
     async def _db_down(_request: Request, exc: DatabaseUnavailable) -> JSONResponse:
         log.warning("database unavailable: %s", exc)
-        return _error(503, "unavailable", f"database unavailable: {exc}")
+        answer = _error(503, "unavailable", f"database unavailable: {exc}")
+        answer.headers["Retry-After"] = "1"
+        return answer
 
     @app.exception_handler(IntegrityError)
     async def _integrity(_request: Request, exc: IntegrityError) -> JSONResponse:
@@ -169,7 +204,10 @@ def create_app(
 ) -> FastAPI:
     """The ASGI app. Upgrades the schema first (unless ``upgrade=False``)."""
     settings = settings or load_settings()
-    db = database or Database(settings.database_url, threads=settings.threads)
+    db = database or Database(
+        settings.database_url, threads=settings.threads, lock_timeout_s=settings.db_lock_timeout_s
+    )
+    db.session_info[quotas.SESSION_KEY] = quotas.Quotas.of(settings)
     if upgrade:
         db.upgrade(new_database=settings.new_database)
     ctx = ServerContext(settings=settings, db=db)
@@ -214,7 +252,8 @@ def create_app(
     app.include_router(pages.router)
     app.mount("/static", StaticFiles(directory=str(Path(__file__).resolve().parent / "static")), name="static")
     app.add_middleware(HeartbeatShortcut, ctx=ctx)
-    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)  # outermost
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestLimit, max_requests=settings.max_requests)  # outermost
     return app
 
 
@@ -241,10 +280,29 @@ def _redact(url: str) -> str:
     return url
 
 
+def _tls_problem(settings: Settings) -> Optional[str]:
+    """Why the certificate and key cannot serve HTTPS (found at start, not at the first client)."""
+    if settings.certfile is None or settings.keyfile is None:
+        return None
+    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        context.load_cert_chain(settings.certfile, settings.keyfile)
+    except (ssl.SSLError, OSError) as exc:
+        return (
+            f"cannot serve HTTPS with --certfile {settings.certfile} --keyfile {settings.keyfile}: {exc} "
+            "(both must be PEM files, the key the certificate's, unencrypted)"
+        )
+    return None
+
+
 def serve(settings: Settings) -> int:
     """Upgrade the schema, create the default workspace on an empty database, print where the
     dashboard is, and serve until a stop signal; returns the exit status."""
-    db = Database(settings.database_url, threads=settings.threads)
+    tls_problem = _tls_problem(settings)
+    if tls_problem is not None:
+        print(f"flexium server: {tls_problem}", file=sys.stderr)
+        return 1
+    db = Database(settings.database_url, threads=settings.threads, lock_timeout_s=settings.db_lock_timeout_s)
     try:
         seconds = db.upgrade(new_database=settings.new_database)
         token = bootstrap(db) if settings.bootstrap_default_workspace else None
@@ -264,24 +322,36 @@ def serve(settings: Settings) -> int:
             "else paste the token below)"
         )
         job_host = settings.host if settings.host not in ("0.0.0.0", "::") else "<this host>"
+        scheme = "https://" if settings.certfile else ""  # plain host:port means http
         print(
-            f"flexium server: training jobs: FLEXIUM_SERVER={job_host}:"
+            f"flexium server: training jobs: FLEXIUM_SERVER={scheme}{job_host}:"
             f"{settings.port}/{protocol.DEFAULT_WORKSPACE} {protocol.TOKEN_ENV}=<token below>"
         )
         print(f"flexium server: token of workspace '{protocol.DEFAULT_WORKSPACE}' (shown once):")
         print(token)
     sys.stdout.flush()
 
+    open_files = raise_open_file_limit()
+    max_connections = connection_limit(settings.max_connections, open_files)
+    print(
+        f"flexium server: open file limit {open_files}: up to {max_connections} connections, "
+        f"{settings.max_requests} requests in progress; a request must arrive within {settings.request_timeout_s:g} s"
+    )
+    sys.stdout.flush()
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
+        http=bounded_protocol(request_timeout_s=settings.request_timeout_s, max_connections=max_connections),
+        ws="none",  # no WebSocket routes: an Upgrade request is plain HTTP, under the request bound
         log_level=settings.log_level,
         access_log=settings.access_log,
         timeout_keep_alive=75,
         timeout_graceful_shutdown=3,
         backlog=4096,
         lifespan="on",
+        ssl_certfile=settings.certfile,
+        ssl_keyfile=settings.keyfile,
     )
     ctx = app.state.ctx
 

@@ -16,7 +16,7 @@ from fastapi import Depends, Request
 
 from flexium import wire
 from flexium.server import storage
-from flexium.server.db import Database
+from flexium.server.db import Database, DatabaseUnavailable
 from flexium.server.live import EventBus, Notifier
 from flexium.server.metrics import Metrics
 from flexium.server.settings import Settings
@@ -160,6 +160,8 @@ class ServerContext:
             await asyncio.sleep(self.settings.beat_flush_interval_s)
             try:
                 await self.flush_beats()
+            except DatabaseUnavailable as exc:  # the health check says so too; no traceback to add
+                log.warning("writing heartbeats failed, retrying: %s", exc)
             except Exception:
                 log.exception("writing heartbeats failed; retrying")
 

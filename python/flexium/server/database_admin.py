@@ -22,11 +22,13 @@ from flexium import protocol, wire
 from flexium.server import storage
 from flexium.server.db import Database
 from flexium.server.settings import load_settings
+from flexium.server.storage import quotas
 
 
 def open_database(database_url: Optional[str] = None) -> Database:
     settings = load_settings(database_url=database_url)
     db = Database(settings.database_url, threads=2)
+    db.session_info[quotas.SESSION_KEY] = quotas.Quotas.of(settings)  # FLEXIUM_MAX_TOKENS, as the server
     db.upgrade()
     return db
 

@@ -11,7 +11,15 @@ SQLite hazards handled here:
   start with ``BEGIN IMMEDIATE``. pysqlite's own transaction handling is switched off for that.
 - The busy handler sleeps in steps up to 100 ms, which would wreck delivery latency, so
   writers inside this server queue on a lock instead; ``busy_timeout`` still covers other
-  processes (a CLI creating a workspace while the server runs).
+  processes (a CLI creating a workspace while the server runs), bounded by ``lock_timeout_s``:
+  a process that holds the write lock longer gets this server's writes refused (503), not
+  queued. Calls run on the event loop (``call``), where a write waits for the lock at most
+  ``INLINE_LOCK_WAIT_S``; one that finds it held longer is handed to a worker thread (which
+  waits up to ``lock_timeout_s``), and so are the writes after it until one succeeds: another
+  process's lock never stalls the loop.
+- The server keeps its connections open, so a file made read-only, deleted or replaced while
+  it runs would go on taking writes that are lost or refused at the restart: ``write_problem``
+  looks at the file before writes (at most once a second) and refuses them while it is so.
 """
 
 from __future__ import annotations
@@ -35,7 +43,14 @@ from sqlalchemy.pool import StaticPool
 T = TypeVar("T")
 
 _WRITE_OPTION = "flexium_write"
+_LOCK_WAIT_OPTION = "flexium_lock_wait_ms"  # SQLite's busy_timeout for this write
+INLINE_LOCK_WAIT_S = 0.05  # what a write on the event loop waits for SQLite's write lock
 _PG_MIGRATION_LOCK = 0x666C6578  # any constant; serialises schema upgrades of several servers
+# SQLSTATE of a write refused because the transaction is read-only (default_transaction_read_only,
+# or a standby in recovery).
+_PG_READ_ONLY = "25006"
+_WRITE_CHECK_EVERY_S = 1.0  # how often writes look at the SQLite file (write_problem)
+HEALTH_TIMEOUT_S = 1.0  # the health check answers within about this, whatever the database does
 
 
 def _sqlite_file(url: str) -> Optional[str]:
@@ -51,18 +66,34 @@ class DatabaseUnavailable(Exception):
     """The database cannot be reached or is locked for too long (mapped to 503)."""
 
 
+class DatabaseLocked(DatabaseUnavailable):
+    """SQLite: another process holds the write lock."""
+
+
 class SchemaTooNew(Exception):
     """The database was upgraded by a newer flexium than this one."""
 
 
 class Database:
-    def __init__(self, url: str, *, threads: int = 8, echo: bool = False) -> None:
+    def __init__(self, url: str, *, threads: int = 8, echo: bool = False, lock_timeout_s: float = 30.0) -> None:
         self.url = url
+        self.lock_timeout_s = lock_timeout_s
         self.dialect = "sqlite" if url.startswith("sqlite") else "postgresql"
         self._write_lock: Optional[threading.Lock] = threading.Lock() if self.is_sqlite else None
         self._limiter = anyio.CapacityLimiter(threads)
+        self._health_limiter = anyio.CapacityLimiter(1)  # a hung check holds no worker of the requests
+        self._locked_out = False  # a write found the SQLite file locked: writes go to threads
+        self._write_checked_at = 0.0
+        self._write_problem: Optional[str] = None
+        # What every transaction carries in Session.info (the server's quotas: storage/quotas.py).
+        self.session_info: dict[str, Any] = {}
         self.engine = self._create_engine(url, threads=threads, echo=echo)
-        self._write_engine = self.engine.execution_options(**{_WRITE_OPTION: True})
+        self._write_engine = self.engine.execution_options(
+            **{_WRITE_OPTION: True, _LOCK_WAIT_OPTION: int(self.lock_timeout_s * 1000)}
+        )
+        self._inline_write_engine = self.engine.execution_options(
+            **{_WRITE_OPTION: True, _LOCK_WAIT_OPTION: int(min(self.lock_timeout_s, INLINE_LOCK_WAIT_S) * 1000)}
+        )
         self.inline = self.is_sqlite
         self._checkpointer: Optional[threading.Thread] = None
         # The SQLite file and the file it was when first used: open connections keep writing to
@@ -82,14 +113,16 @@ class Database:
             in_memory = path in ("", ":memory:")
             if not in_memory:
                 Path(path).parent.mkdir(parents=True, exist_ok=True)
-            kwargs: dict[str, Any] = {"connect_args": {"check_same_thread": False, "timeout": 30}}
+            kwargs: dict[str, Any] = {"connect_args": {"check_same_thread": False, "timeout": self.lock_timeout_s}}
             if in_memory:
                 kwargs["poolclass"] = StaticPool
             else:
                 # a connection per worker thread, kept: opening one costs the pragmas again
                 kwargs.update(pool_size=threads + 2, max_overflow=4, pool_timeout=30)
             engine = create_engine(url, echo=echo, **kwargs)
-            event.listen(engine, "connect", _sqlite_on_connect)
+            event.listen(
+                engine, "connect", functools.partial(_sqlite_on_connect, busy_ms=int(self.lock_timeout_s * 1000))
+            )
             event.listen(engine, "begin", _sqlite_on_begin)
             return engine
         return create_engine(
@@ -100,27 +133,45 @@ class Database:
             pool_timeout=30,
             pool_pre_ping=True,
             pool_recycle=1800,
+            connect_args={"connect_timeout": 5},  # an unreachable server: refused in seconds, not minutes
         )
 
     # --- transactions -----------------------------------------------------------------------
 
     @contextlib.contextmanager
-    def session(self, *, write: bool) -> Iterator[Session]:
-        """One transaction: committed when the block ends, rolled back on an exception."""
+    def session(self, *, write: bool, inline: bool = False) -> Iterator[Session]:
+        """One transaction: committed when the block ends, rolled back on an exception.
+        ``inline``: on the event loop, so a write waits for a lock at most INLINE_LOCK_WAIT_S."""
+        if write:
+            problem = self.write_problem()
+            if problem is not None:
+                raise DatabaseUnavailable(problem)
         lock = self._write_lock if write else None
-        if lock is not None:
-            lock.acquire()
+        wait = min(self.lock_timeout_s, INLINE_LOCK_WAIT_S) if inline else self.lock_timeout_s
+        if lock is not None and not lock.acquire(timeout=wait):
+            raise DatabaseLocked(self._locked_message())
+        write_engine = self._inline_write_engine if inline else self._write_engine
         try:
             with Session(
-                bind=self._write_engine if write else self.engine, expire_on_commit=False, autoflush=False
+                bind=write_engine if write else self.engine,
+                expire_on_commit=False,
+                autoflush=False,
+                info=self.session_info,
             ) as session:
                 with session.begin():
                     yield session
+            if write:
+                self._locked_out = False
         except OperationalError as exc:
+            if self.is_sqlite and "locked" in str(exc.orig):
+                self._locked_out = True
+                raise DatabaseLocked(self._locked_message()) from exc
             raise DatabaseUnavailable(_short(exc)) from exc
         except DBAPIError as exc:
             if exc.connection_invalidated:
                 raise DatabaseUnavailable(_short(exc)) from exc
+            if getattr(exc.orig, "sqlstate", None) == _PG_READ_ONLY:
+                raise DatabaseUnavailable(f"the database is read-only: {_short(exc)}") from exc
             raise
         finally:
             if lock is not None:
@@ -142,8 +193,14 @@ class Database:
         PostgreSQL: on a worker thread, so other requests go on while psycopg waits for the
         server. (SQLAlchemy's asyncio bridge measured no better here, with greenlet to carry.)
         """
-        if self.inline:
-            return self.run(fn, write=write, **kwargs)
+        if self.inline and not (write and self._locked_out):
+            try:
+                with self.session(write=write, inline=True) as session:
+                    return fn(session=session, **kwargs)
+            except DatabaseLocked:
+                if not write:
+                    raise
+                # held longer than a loop may wait (BEGIN IMMEDIATE took nothing): a thread waits
         return await anyio.to_thread.run_sync(
             functools.partial(self.run, fn, write=write, **kwargs), limiter=self._limiter
         )
@@ -153,13 +210,76 @@ class Database:
         """Database calls queued for a worker thread (a sign of overload when it stays up)."""
         return 0 if self.inline else self._limiter.statistics().tasks_waiting
 
-    async def ping(self) -> None:
-        """Raises DatabaseUnavailable when the database does not answer, or (SQLite) its file
-        is no longer the one the server writes to (the health check)."""
-        await self.call(_select_one, write=False)
-        problem = self.file_problem()
+    async def ping(self, timeout_s: float = HEALTH_TIMEOUT_S) -> None:
+        """The health check: raises DatabaseUnavailable unless a write could be made now: the
+        database answers within ``timeout_s``, is not read-only and (SQLite) is not locked by
+        another process, and its file is the one this server writes to."""
+        problem = self.write_problem(fresh=True)
         if problem is not None:
             raise DatabaseUnavailable(problem)
+        with anyio.move_on_after(timeout_s):
+            await anyio.to_thread.run_sync(
+                functools.partial(self._probe, min(self.lock_timeout_s, timeout_s / 2)),
+                limiter=self._health_limiter,
+                abandon_on_cancel=True,
+            )
+            return
+        raise DatabaseUnavailable(f"no answer within {timeout_s:g} s")
+
+    def _probe(self, wait_s: float) -> None:
+        """SQLite: take the write lock and let go, on a connection of its own that waits at most
+        ``wait_s`` (another process holding the lock shows here); PostgreSQL: ask whether this
+        session may write."""
+        if self._file is not None:
+            import sqlite3
+
+            conn = sqlite3.connect(self._file, timeout=wait_s, isolation_level=None)
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                conn.execute("ROLLBACK")
+            except sqlite3.OperationalError as exc:
+                if "locked" in str(exc):
+                    self._locked_out = True
+                    raise DatabaseLocked(self._locked_message()) from exc
+                raise DatabaseUnavailable(str(exc)) from exc
+            finally:
+                conn.close()
+            return
+        if self.is_sqlite:  # in memory
+            self.run(_select_one, write=False)
+            return
+        read_only = self.run(_pg_read_only, write=False)
+        if read_only is not None:
+            raise DatabaseUnavailable(read_only)
+
+    def _locked_message(self) -> str:
+        return (
+            f"the database file is locked by another process (waited {self.lock_timeout_s:g} s; "
+            "--db-lock-timeout): writes are refused until it lets go"
+        )
+
+    def write_problem(self, *, fresh: bool = False) -> Optional[str]:
+        """Why a write now would be lost or refused (SQLite: the file is gone, replaced or
+        read-only); looked at once a second at most, unless ``fresh``."""
+        if self._file is None:
+            return None
+        now = time.monotonic()
+        if fresh or now - self._write_checked_at >= _WRITE_CHECK_EVERY_S:
+            self._write_checked_at = now
+            self._write_problem = self.file_problem() or self._read_only_problem()
+        return self._write_problem
+
+    def _read_only_problem(self) -> Optional[str]:
+        assert self._file is not None
+        if not os.access(self._file, os.W_OK):
+            return f"the database file {self._file} is read-only: writes are refused until it is writable again"
+        folder = os.path.dirname(self._file)
+        if not os.access(folder, os.W_OK):
+            return (
+                f"the folder of the database file, {folder}, is read-only: SQLite cannot make its -wal and "
+                "-shm files there; writes are refused until it is writable again"
+            )
+        return None
 
     def file_problem(self) -> Optional[str]:
         """Why the SQLite file on disk is not the database this server writes to; None when it
@@ -279,7 +399,18 @@ def _select_one(*, session: Session) -> None:
     session.execute(text("SELECT 1"))
 
 
-def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
+def _pg_read_only(*, session: Session) -> Optional[str]:
+    in_recovery, read_only = session.execute(
+        text("SELECT pg_is_in_recovery(), current_setting('transaction_read_only')")
+    ).one()
+    if in_recovery:
+        return "the database is read-only: the PostgreSQL server is a standby in recovery"
+    if read_only == "on":
+        return "the database is read-only: default_transaction_read_only is on"
+    return None
+
+
+def _sqlite_on_connect(dbapi_connection: Any, _record: Any, *, busy_ms: int) -> None:
     dbapi_connection.isolation_level = None  # we emit BEGIN ourselves (see module docstring)
     cursor = dbapi_connection.cursor()
     # wal_autocheckpoint=0: Database.start_checkpoints does it off the request path; without
@@ -287,7 +418,7 @@ def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
     for pragma in (
         "journal_mode=WAL",
         "synchronous=NORMAL",
-        "busy_timeout=30000",
+        f"busy_timeout={busy_ms}",
         "foreign_keys=ON",
         "temp_store=MEMORY",
         "cache_size=-16000",
@@ -298,8 +429,12 @@ def _sqlite_on_connect(dbapi_connection: Any, _record: Any) -> None:
 
 
 def _sqlite_on_begin(conn: Any) -> None:
-    write = conn.get_execution_options().get(_WRITE_OPTION, False)
-    conn.exec_driver_sql("BEGIN IMMEDIATE" if write else "BEGIN")
+    options = conn.get_execution_options()
+    if options.get(_WRITE_OPTION, False):
+        conn.exec_driver_sql(f"PRAGMA busy_timeout={options[_LOCK_WAIT_OPTION]}")
+        conn.exec_driver_sql("BEGIN IMMEDIATE")
+    else:
+        conn.exec_driver_sql("BEGIN")
 
 
 def _short(exc: BaseException) -> str:

@@ -71,6 +71,12 @@ class PayloadTooLarge(ApiError):
     code = "payload_too_large"
 
 
+class QuotaExceeded(ApiError):
+    """The workspace holds as much of something as its quota allows (storage/quotas.py)."""
+
+    code = "quota_exceeded"
+
+
 class Unavailable(ApiError):
     code = "unavailable"
 

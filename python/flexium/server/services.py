@@ -14,6 +14,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Hashable, Optional
 from flexium import protocol, wire
 from flexium.server import storage
 from flexium.server.context import ServerContext
+from flexium.server.db import DatabaseUnavailable
 from flexium.server.errors import ApiError, Unauthorized
 from flexium.server.storage import AuthInfo
 
@@ -365,6 +366,9 @@ async def sweep_forever(ctx: ServerContext) -> None:
                 command_ttl=ctx.settings.command_ttl_s,
                 stale_since=previous,
             )
+        except DatabaseUnavailable as exc:  # the health check says so too; no traceback to add
+            log.warning("sweep failed, retrying at the next interval: %s", exc)
+            continue
         except Exception:  # a database hiccup must not end housekeeping for good
             log.exception("sweep failed; retrying at the next interval")
             continue

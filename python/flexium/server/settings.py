@@ -47,6 +47,22 @@ class Settings:
     event_history: int = 2000  # events kept for Last-Event-ID replay, per workspace
     event_history_bytes: int = 4 << 20  # and at most this much of them (events carry whole results)
 
+    # Bounds on connections (server/connections.py) and requests (app.RequestLimit). A job holds
+    # one long-poll and now and then a heartbeat; a dashboard one event stream.
+    request_timeout_s: float = 10.0  # a connection's whole request must arrive within this
+    max_connections: int = 8192  # past it, the oldest connection outside a request is closed
+    max_requests: int = 4096  # requests in progress (long-polls and streams included); then 503
+    db_lock_timeout_s: float = 1.0  # SQLite: wait this long for another process's write lock
+
+    # Per-workspace quotas (server/storage/quotas.py), answered 4xx naming the setting.
+    max_processes: int = 1000  # processes registered in one workspace
+    max_tokens: int = 200  # tokens of one workspace not revoked
+    max_payload_bytes: int = 64 << 10  # a process's capabilities, a command's result (as JSON)
+
+    # HTTPS: both files or neither.
+    certfile: Optional[str] = None
+    keyfile: Optional[str] = None
+
     db_threads: Optional[int] = None  # worker threads for database calls (default: 8 on
     # SQLite, where writes take turns and more threads
     # only fight over the GIL; 16 on PostgreSQL)
@@ -65,6 +81,8 @@ class Settings:
             "device_write_interval_s",
             "beat_flush_interval_s",
             "sse_keepalive_s",
+            "request_timeout_s",
+            "db_lock_timeout_s",
         ):
             value = getattr(self, name)
             if not value > 0 or value == float("inf"):
@@ -77,6 +95,16 @@ class Settings:
                 f"{_option('device_write_interval_s')} ({self.device_write_interval_s:g} s), "
                 "how often a host's GPU report is stored; else fresh GPUs look silent"
             )
+        for name in ("max_connections", "max_requests", "max_processes", "max_tokens", "max_payload_bytes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{_option(name)} must be at least 1, not {getattr(self, name)}")
+        if (self.certfile is None) != (self.keyfile is None):
+            given, missing = ("--certfile", "--keyfile") if self.certfile else ("--keyfile", "--certfile")
+            raise ValueError(f"{given} needs {missing} too: HTTPS takes the certificate and its private key")
+        for name in ("certfile", "keyfile"):
+            path = getattr(self, name)
+            if path is not None and not os.access(path, os.R_OK):
+                raise ValueError(f"--{name} {path}: {_unreadable(path)}")
         if self.remove_after_s < self.stale_after_s:
             raise ValueError(
                 f"{_option('remove_after_s')} ({self.remove_after_s:g} s) must not be shorter "
@@ -92,6 +120,10 @@ class Settings:
         return self.database_url.startswith("sqlite")
 
     @property
+    def scheme(self) -> str:
+        return "https" if self.certfile else "http"
+
+    @property
     def link_base(self) -> str:
         if self.public_url:
             return self.public_url.rstrip("/")
@@ -100,15 +132,42 @@ class Settings:
             host = "127.0.0.1"
         if ":" in host:
             host = f"[{host}]"
-        return f"http://{host}:{self.port}"
+        return f"{self.scheme}://{host}:{self.port}"
 
     def with_(self, **changes: Any) -> "Settings":
         return replace(self, **changes)
 
 
 def _option(name: str) -> str:
-    """The command-line spelling of a timing setting, for error messages."""
+    """The command-line spelling of a setting, for error messages."""
     return "--" + name.removesuffix("_s").replace("_", "-")
+
+
+def option_and_env(name: str) -> str:
+    """How a person sets ``name``: its option, and its variable where it has one (for messages
+    that name the limit someone ran into)."""
+    env = next((var for var, (field_name, _kind) in _ENV_SETTINGS.items() if field_name == name), None)
+    return f"{_option(name)}" + (f" or {env}" if env else "")
+
+
+def _unreadable(path: str) -> str:
+    if not os.path.exists(path):
+        return "no such file"
+    return "not readable by this user" if os.path.isfile(path) else "not a file"
+
+
+# Settings also read from the environment (an option given on the command line wins).
+_ENV_SETTINGS: dict[str, tuple[str, type]] = {
+    "FLEXIUM_REQUEST_TIMEOUT": ("request_timeout_s", float),
+    "FLEXIUM_MAX_CONNECTIONS": ("max_connections", int),
+    "FLEXIUM_MAX_REQUESTS": ("max_requests", int),
+    "FLEXIUM_DB_LOCK_TIMEOUT": ("db_lock_timeout_s", float),
+    "FLEXIUM_MAX_PROCESSES": ("max_processes", int),
+    "FLEXIUM_MAX_TOKENS": ("max_tokens", int),
+    "FLEXIUM_MAX_PAYLOAD_BYTES": ("max_payload_bytes", int),
+    "FLEXIUM_CERTFILE": ("certfile", str),
+    "FLEXIUM_KEYFILE": ("keyfile", str),
+}
 
 
 def normalize_database_url(url: str) -> str:
@@ -136,6 +195,13 @@ def load_settings(**overrides: Any) -> Settings:
     env_public = os.environ.get("FLEXIUM_PUBLIC_URL")
     if env_public:
         values["public_url"] = env_public
+    for var, (name, kind) in _ENV_SETTINGS.items():
+        raw = os.environ.get(var)
+        if raw:
+            try:
+                values[name] = kind(raw)
+            except ValueError:
+                raise ValueError(f"{var}={raw!r} is not a valid {kind.__name__}") from None
     for key, value in overrides.items():
         if value is not None:
             values[key] = value

@@ -24,6 +24,7 @@ from sqlalchemy.orm import Session
 from flexium import protocol, wire
 from flexium.server.errors import Busy, InvalidRequest, InvalidState, NotFound, Stale, TargetRefused
 from flexium.server.models import Command, Device, Process, table_of
+from flexium.server.storage import quotas
 from flexium.server.storage.devices import host_devices, list_devices
 from flexium.server.storage.jobs import create_job_commands, is_job_rank
 from flexium.server.storage.processes import active_command, apply_process_update, find_process, is_older, shown_process
@@ -308,7 +309,11 @@ def report_command(
     else:
         cmd.finished_at = now
         cmd.started_at = cmd.started_at or now
-        cmd.result = None if report.result is None else report.result.model_dump(mode="json")
+        cmd.result = (
+            None
+            if report.result is None
+            else quotas.stored_json(session=session, value=report.result, what="the command's result")
+        )
         cmd.error = report.error
         _settle_process(proc, cmd, succeeded=state == "succeeded")
         if state == "succeeded":

@@ -12,6 +12,7 @@ from sqlalchemy.orm import Session
 from flexium import protocol, wire
 from flexium.server.errors import Forbidden, InvalidRequest, NotFound
 from flexium.server.models import Command, Process, table_of
+from flexium.server.storage import quotas
 from flexium.server.storage.devices import device_indexes, upsert_devices
 from flexium.server.storage.views import process_view
 
@@ -164,6 +165,7 @@ def register_process_snapshot(
     )
     created = row is None
     if row is None:
+        quotas.check_new_process(session=session, workspace_id=workspace_id)
         row = Process(
             workspace_id=workspace_id,
             process_id=report.process_id,
@@ -179,7 +181,7 @@ def register_process_snapshot(
         )
     for name in _REGISTER_FIELDS:
         setattr(row, name, getattr(report, name))
-    row.capabilities = report.capabilities.model_dump(mode="json")
+    row.capabilities = quotas.stored_json(session=session, value=report.capabilities, what="the process's capabilities")
     _set_job(row, report.job)
     row.last_seen = now
     row.state_seq = report.seq

@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 from flexium import protocol, wire
 from flexium.server.errors import Conflict, InvalidRequest, NotFound
 from flexium.server.models import Command, DashboardSession, LoginCode, Process, Token, Workspace
+from flexium.server.storage import quotas
 from flexium.server.storage.audit import record_audit
 
 
@@ -150,6 +151,7 @@ def issue_token(
     route's rule (admins only)."""
     if role not in protocol.TOKEN_ROLES:
         raise InvalidRequest(f"unknown role {role!r}: use one of {', '.join(protocol.TOKEN_ROLES)}")
+    quotas.check_new_token(session=session, workspace_id=workspace_id)
     token = new_token()
     row = Token(
         workspace_id=workspace_id,

@@ -1,0 +1,96 @@
+"""Per-workspace quotas: how much one workspace may keep in the database. Each refusal is a 4xx
+that names the limit and the setting that raises it.
+
+The limits ride on the transaction (``Session.info``, set by ``Database.session`` from the
+server's settings) so that storage functions keep their signatures; a session without them
+(a test's, the admin commands') gets the defaults below, which are ``Settings``' defaults.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import BaseModel
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from flexium.server.errors import PayloadTooLarge, QuotaExceeded
+from flexium.server.models import Process, Token
+
+SESSION_KEY = "flexium_quotas"
+
+
+@dataclass(frozen=True)
+class Quotas:
+    max_processes: int = 1000
+    max_tokens: int = 200
+    max_payload_bytes: int = 64 << 10
+
+    @classmethod
+    def of(cls, settings: Any) -> "Quotas":
+        """From a ``flexium.server.settings.Settings``."""
+        return cls(
+            max_processes=settings.max_processes,
+            max_tokens=settings.max_tokens,
+            max_payload_bytes=settings.max_payload_bytes,
+        )
+
+
+def _quotas(session: Session) -> Quotas:
+    found = session.info.get(SESSION_KEY)
+    return found if isinstance(found, Quotas) else Quotas()
+
+
+def _setting(name: str) -> str:
+    from flexium.server.settings import option_and_env
+
+    return option_and_env(name)
+
+
+def check_new_process(*, session: Session, workspace_id: int) -> None:
+    """Before a process is added to the workspace."""
+    limit = _quotas(session).max_processes
+    count = session.scalar(select(func.count()).select_from(Process).where(Process.workspace_id == workspace_id)) or 0
+    if count >= limit:
+        raise QuotaExceeded(
+            f"the workspace has {count} processes, its limit: stopped ones go {_setting('remove_after_s')} "
+            f"after their last heartbeat, or start the server with a higher {_setting('max_processes')}",
+            detail={"limit": "max_processes", "value": limit},
+        )
+
+
+def check_new_token(*, session: Session, workspace_id: int) -> None:
+    """Before a token is issued in the workspace (revoked ones do not count)."""
+    limit = _quotas(session).max_tokens
+    count = (
+        session.scalar(
+            select(func.count())
+            .select_from(Token)
+            .where(Token.workspace_id == workspace_id, Token.revoked_at.is_(None))
+        )
+        or 0
+    )
+    if count >= limit:
+        raise QuotaExceeded(
+            f"the workspace has {count} tokens not revoked, its limit: revoke unused ones "
+            f"(`flexium token revoke`), or start the server with a higher {_setting('max_tokens')}",
+            detail={"limit": "max_tokens", "value": limit},
+        )
+
+
+def stored_json(*, session: Session, value: BaseModel, what: str) -> Any:
+    """``value`` as the JSON to store, when it is within the payload limit. Free-form JSON a
+    peer sends (a process's capabilities, a command's result) is stored, sent to every
+    dashboard in events and kept in the event history: one limit for all of it, here."""
+    data = value.model_dump(mode="json")
+    limit = _quotas(session).max_payload_bytes
+    size = len(json.dumps(data, separators=(",", ":"), ensure_ascii=False).encode("utf-8"))
+    if size > limit:
+        raise PayloadTooLarge(
+            f"{what} is {size} bytes of JSON, over the limit of {limit}: send less, or start the server "
+            f"with a higher {_setting('max_payload_bytes')}",
+            detail={"limit": "max_payload_bytes", "value": limit, "size": size},
+        )
+    return data

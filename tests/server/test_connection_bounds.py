@@ -1,0 +1,310 @@
+"""A real server process under a flood of connections that never send a whole request: jobs
+still register, heartbeat and poll; the flood is closed after --request-timeout; long-polls and
+event streams longer than that bound are not cut. The figures measured are printed (they go
+into docs/ under the reliability heading)."""
+
+from __future__ import annotations
+
+import resource
+import signal
+import socket
+import statistics
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import requests
+
+from live_server import ServerProcess, clean_env, wait_until
+from srv_helpers import LiveServer, process_body
+
+pytestmark = pytest.mark.timeout(240)
+
+REQUEST_TIMEOUT_S = 8.0
+IDLE_CONNECTIONS = 1000
+HALF_HEADER_CONNECTIONS = 200
+
+
+@pytest.fixture(autouse=True)
+def _enough_file_descriptors() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = min(hard, 8192) if hard != resource.RLIM_INFINITY else 8192
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
+@pytest.fixture
+def server(tmp_path: Path) -> Iterator[LiveServer]:
+    srv = LiveServer("", str(tmp_path / "home"), "--request-timeout", str(REQUEST_TIMEOUT_S)).start()
+    yield srv
+    srv.stop(signal.SIGKILL)
+
+
+def _rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def _open_connections(pid: int) -> int:
+    return sum(1 for fd in Path(f"/proc/{pid}/fd").iterdir() if "socket" in str(fd.readlink()))
+
+
+def _flood(port: int, idle: int, half: int) -> list[socket.socket]:
+    held = []
+    for i in range(idle + half):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        if i >= idle:  # the request line and part of the headers, never the end
+            sock.sendall(b"GET /api/w/default/processes HTTP/1.1\r\nHost: flood\r\nX-Slow: ")
+        held.append(sock)
+    return held
+
+
+def _closed_by_server(sock: socket.socket) -> bool:
+    sock.settimeout(0)
+    try:
+        data = sock.recv(4096)
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+    if data.startswith(b"HTTP/1.1 408"):
+        sock.settimeout(1)
+        try:
+            return sock.recv(4096) == b""
+        except OSError:
+            return True
+    return data == b""
+
+
+class _Job:
+    def __init__(self, base: str, token: str, process_id: str) -> None:
+        self.base = f"{base}/api/w/default"
+        self.process_id = process_id
+        self.session = requests.Session()
+        self.session.headers["Authorization"] = f"Bearer {token}"
+
+    def timed(self, method: str, path: str, **kw: Any) -> tuple[float, requests.Response]:
+        start = time.perf_counter()
+        r = self.session.request(method, self.base + path, timeout=30, **kw)
+        return time.perf_counter() - start, r
+
+    def register(self) -> float:
+        seconds, r = self.timed("POST", "/processes", json=process_body(self.process_id))
+        assert r.status_code in (200, 201), r.text
+        return seconds
+
+    def beats(self, n: int) -> list[float]:
+        out = []
+        for i in range(n):
+            seconds, r = self.timed(
+                "POST", f"/processes/{self.process_id}/heartbeat", json={"state": "RUNNING", "seq": i + 1}
+            )
+            assert r.status_code == 200, r.text
+            out.append(seconds)
+        return out
+
+    def poll(self, wait: float) -> float:
+        seconds, r = self.timed("GET", f"/processes/{self.process_id}/commands/next", params={"wait": wait})
+        assert r.status_code == 204, r.text
+        return seconds
+
+
+def test_jobs_are_served_through_a_flood_of_idle_and_half_header_connections(
+    server: LiveServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert server.proc is not None and server.token
+    pid = server.proc.pid
+    job = _Job(server.url, server.token, "flood-job")
+    job.register()
+    before = job.beats(20)
+    rss_before = _rss_mib(pid)
+
+    opened = time.monotonic()
+    flood = _flood(server.port, IDLE_CONNECTIONS, HALF_HEADER_CONNECTIONS)
+    try:
+        held = wait_until(
+            lambda: (n := _open_connections(pid)) >= IDLE_CONNECTIONS + HALF_HEADER_CONNECTIONS and n,
+            REQUEST_TIMEOUT_S / 2,
+            "the server to accept the flood",
+        )
+        register_s = _Job(server.url, server.token, "late-job").register()
+        during = job.beats(20)
+        poll_s = job.poll(1)
+        rss_during = _rss_mib(pid)
+        served_within = time.monotonic() - opened
+        assert served_within < REQUEST_TIMEOUT_S, "the flood was closed before the job was measured inside it"
+        assert register_s < 2.0
+        assert max(during) < 1.0, during
+        assert 0.9 < poll_s < 3.0
+
+        # Past the bound every flood connection is closed (408 and EOF), none is left holding.
+        deadline = opened + REQUEST_TIMEOUT_S + 30
+        remaining = list(flood)
+        while remaining and time.monotonic() < deadline:
+            remaining = [s for s in remaining if not _closed_by_server(s)]
+            time.sleep(0.5)
+        closed_after = time.monotonic() - opened
+        assert not remaining, f"{len(remaining)} flood connections still open {closed_after:.0f} s after opening"
+        assert closed_after >= REQUEST_TIMEOUT_S - 0.5
+        after = job.beats(5)
+        assert max(after) < 1.0
+    finally:
+        for sock in flood:
+            sock.close()
+    with capsys.disabled():
+        print(
+            "\nFIGURES connection flood: "
+            f"{IDLE_CONNECTIONS} idle + {HALF_HEADER_CONNECTIONS} half-header connections held "
+            f"({held} sockets open in the server); heartbeat median/max "
+            f"{statistics.median(before) * 1000:.1f}/{max(before) * 1000:.1f} ms before, "
+            f"{statistics.median(during) * 1000:.1f}/{max(during) * 1000:.1f} ms during the flood; "
+            f"a new job registered in {register_s * 1000:.1f} ms, a 1 s long-poll answered in {poll_s:.2f} s; "
+            f"server RSS {rss_before:.0f} MiB before, {rss_during:.0f} MiB during; "
+            f"all closed {closed_after:.1f} s after opening (--request-timeout {REQUEST_TIMEOUT_S:g})"
+        )
+
+
+def test_a_flood_past_the_open_file_limit_leaves_room_for_jobs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The failure the issue found: with 1024 descriptors, about a thousand idle connections
+    left none for the jobs. Now the limit leaves a reserve and the oldest idle connections make
+    room: a job's requests go through the whole flood, none of them refused."""
+    home = tmp_path / "home"
+    srv = ServerProcess(
+        home,
+        "--request-timeout",
+        "60",  # the flood stays: only eviction makes room
+        env=clean_env(home),
+        prefix=("prlimit", "--nofile=1024:1024", "--"),
+    ).start()
+    try:
+        assert srv.proc is not None and srv.token
+        assert any("open file limit 1024: up to 960 connections" in line for line in srv.lines), srv.lines
+        job = _Job(srv.url, srv.token, "crowded-job")
+        job.register()
+        flood = _flood(srv.port, IDLE_CONNECTIONS, HALF_HEADER_CONNECTIONS)
+        try:
+            wait_until(
+                # the job's own idle connections are among the oldest: some of the room is theirs
+                lambda: sum(1 for s in flood if _closed_by_server(s)) >= len(flood) - 960 - 4,
+                30,
+                "the oldest flood connections to be closed",
+            )
+            register_s = _Job(srv.url, srv.token, "late-job").register()
+            beats = job.beats(20)
+            poll_s = job.poll(1)
+            held = _open_connections(srv.proc.pid)
+            assert held <= 1024
+            assert register_s < 2.0 and max(beats) < 1.0 and 0.9 < poll_s < 3.0
+        finally:
+            for sock in flood:
+                sock.close()
+    finally:
+        srv.stop(signal.SIGKILL)
+    with capsys.disabled():
+        print(
+            f"\nFIGURES flood past a 1024 descriptor limit: {len(flood)} connections opened, the server held {held}; "
+            f"a new job registered in {register_s * 1000:.1f} ms, heartbeat max {max(beats) * 1000:.1f} ms, "
+            f"a 1 s long-poll answered in {poll_s:.2f} s"
+        )
+
+
+def test_long_polls_and_event_streams_outlive_the_request_timeout(server: LiveServer) -> None:
+    """Their request arrives at once; only the answer takes long, which the bound does not cover."""
+    assert server.token
+    job = _Job(server.url, server.token, "patient-job")
+    job.register()
+    assert job.poll(REQUEST_TIMEOUT_S + 2) >= REQUEST_TIMEOUT_S + 1.5
+    with requests.get(
+        f"{server.url}/api/w/default/events",
+        headers={"Authorization": f"Bearer {server.token}"},
+        stream=True,
+        timeout=30,
+    ) as stream:
+        assert stream.status_code == 200
+        started = time.monotonic()
+        received = b""
+        for chunk in stream.iter_content(chunk_size=None):
+            received += chunk
+            if time.monotonic() - started > REQUEST_TIMEOUT_S + 2:
+                break
+        assert time.monotonic() - started > REQUEST_TIMEOUT_S + 2  # not cut at the bound
+        assert b"event: hello" in received
+
+
+def test_past_max_connections_the_oldest_idle_one_makes_room(tmp_path: Path) -> None:
+    srv = LiveServer("", str(tmp_path / "home"), "--max-connections", "100", "--request-timeout", "60").start()
+    try:
+        assert srv.proc is not None and srv.token
+        flood = _flood(srv.port, 150, 0)
+        try:
+            job = _Job(srv.url, srv.token, "room-job")
+            job.register()  # its connection evicts the oldest idle one, not itself
+            assert max(job.beats(5)) < 1.0
+            time.sleep(1)
+            closed = sum(1 for s in flood if _closed_by_server(s))
+            assert closed >= 50  # 150 opened against a limit of 100
+            assert closed < 150
+            assert any("closed the oldest connection outside a request" in line for line in srv.lines)
+        finally:
+            for sock in flood:
+                sock.close()
+    finally:
+        srv.stop(signal.SIGKILL)
+
+
+def test_requests_past_max_requests_are_answered_503_with_retry_after(tmp_path: Path) -> None:
+    srv = LiveServer("", str(tmp_path / "home"), "--max-requests", "2").start()
+    try:
+        assert srv.token
+        waiting = [_Job(srv.url, srv.token, f"waiter-{i}") for i in range(2)]
+        for job in waiting:
+            job.register()
+        import threading
+
+        polls = [threading.Thread(target=job.poll, args=(4,)) for job in waiting]
+        for t in polls:
+            t.start()
+        time.sleep(1.0)  # both long-polls are in progress
+        r = requests.get(f"{srv.url}/healthz", timeout=10)
+        assert r.status_code == 503
+        assert r.headers["Retry-After"] == "1"
+        assert r.json()["error"] == "unavailable"
+        assert "--max-requests or FLEXIUM_MAX_REQUESTS" in r.json()["message"]
+        for t in polls:
+            t.join(20)
+        assert requests.get(f"{srv.url}/healthz", timeout=10).status_code == 200
+    finally:
+        srv.stop(signal.SIGKILL)
+
+
+def test_a_body_that_never_arrives_is_cut_at_the_bound(tmp_path: Path) -> None:
+    """Headers complete, the body promised and never sent: the request waits for it no longer
+    than the bound, and no answer is made up for it."""
+    srv = LiveServer("", str(tmp_path / "home"), "--request-timeout", "2").start()
+    try:
+        assert srv.token
+        sock = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+        started = time.monotonic()
+        sock.sendall(
+            b"POST /api/w/default/processes HTTP/1.1\r\nHost: slow\r\nContent-Type: application/json\r\n"
+            b"Authorization: Bearer " + srv.token.encode() + b"\r\nContent-Length: 100\r\n\r\n{"
+        )
+        received = b""
+        while chunk := sock.recv(4096):
+            received += chunk
+        closed_after = time.monotonic() - started
+        sock.close()
+        assert 1.5 < closed_after < 8.0
+        assert not received.startswith(b"HTTP/1.1 2")
+        assert _Job(srv.url, srv.token, "fine-job").register() < 2.0
+        listed = requests.get(
+            f"{srv.url}/api/w/default/processes", headers={"Authorization": f"Bearer {srv.token}"}, timeout=10
+        )
+        assert [p["process_id"] for p in listed.json()] == ["fine-job"]
+    finally:
+        srv.stop(signal.SIGKILL)
