@@ -10,7 +10,7 @@ from typing import Iterator
 
 import pytest
 
-from e2e_helpers import FakeRank, Server, wait_until
+from e2e_helpers import FakeRank, Server, ps_row, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -42,11 +42,10 @@ def _rank_lines(stdout: str) -> dict[str, str]:
 def test_ps_shows_the_job_and_each_rank(server: Server, ranks: list[FakeRank]) -> None:
     done = server.cli("ps")
     assert done.returncode == 0, done.stderr
-    header, *rows = done.stdout.splitlines()
-    assert header.split()[:3] == ["PROCESS", "JOB", "RANK"]
-    mine = {row.split()[0]: row.split() for row in rows if row.startswith("run-e2e-7f3a-rank-")}
-    assert mine["run-e2e-7f3a-rank-0"][1:3] == ["run-e2e-7f3a", "0/2"]
-    assert mine["run-e2e-7f3a-rank-1"][1:3] == ["run-e2e-7f3a", "1/2"]
+    assert done.stdout.split()[:4] == ["PROCESS", "NAME", "JOB", "RANK"]
+    for rank in (0, 1):
+        row = ps_row(done.stdout, f"run-e2e-7f3a-rank-{rank}")
+        assert (row["JOB"], row["RANK"]) == ("run-e2e-7f3a", f"{rank}/2"), row
     assert "pause or resume one of them acts on all" in done.stdout
 
 

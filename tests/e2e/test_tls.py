@@ -4,6 +4,7 @@ client trusting that CA through FLEXIUM_CA_BUNDLE; and the refusals at start."""
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -83,7 +84,8 @@ def test_https_links_cli_and_client(https_server: ServerProcess, certificates: P
     out = "\n".join(srv.lines)
     assert srv.url.startswith("https://")
     assert f"dashboard {srv.url}/" in out
-    assert f"{srv.url}/login#token={srv.token}" in out
+    assert re.search(rf"{re.escape(srv.url)}/login#code=\S+", out), out  # a one-time login code, never the token
+    assert srv.token not in out.split("(shown once)")[0]
     assert f"FLEXIUM_SERVER=https://127.0.0.1:{srv.port}/default" in out
     assert requests.get(f"{srv.url}/healthz", timeout=10).json()["status"] == "ok"
     with pytest.raises(requests.exceptions.ConnectionError):  # plain HTTP is not served on that port
