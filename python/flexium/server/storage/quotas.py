@@ -3,7 +3,7 @@ that names the limit and the setting that raises it.
 
 The limits ride on the transaction (``Session.info``, set by ``Database.session`` from the
 server's settings) so that storage functions keep their signatures; a session without them
-(a test's, the admin commands') gets the defaults below, which are ``Settings``' defaults.
+(a test's, the admin commands') gets ``Settings``' defaults.
 """
 
 from __future__ import annotations
@@ -18,19 +18,19 @@ from sqlalchemy.orm import Session
 
 from flexium.server.errors import PayloadTooLarge, QuotaExceeded
 from flexium.server.models import Process, Token
+from flexium.server.settings import Settings
 
 SESSION_KEY = "flexium_quotas"
 
 
 @dataclass(frozen=True)
 class Quotas:
-    max_processes: int = 1000
-    max_tokens: int = 200
-    max_payload_bytes: int = 64 << 10
+    max_processes: int = Settings.max_processes
+    max_tokens: int = Settings.max_tokens
+    max_payload_bytes: int = Settings.max_payload_bytes
 
     @classmethod
-    def of(cls, settings: Any) -> "Quotas":
-        """From a ``flexium.server.settings.Settings``."""
+    def of(cls, settings: Settings) -> "Quotas":
         return cls(
             max_processes=settings.max_processes,
             max_tokens=settings.max_tokens,
