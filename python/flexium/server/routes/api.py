@@ -16,7 +16,7 @@ from flexium.server.auth import Auth
 from flexium.server.context import Ctx
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
-    code: {"model": wire.ErrorBody} for code in (400, 401, 404, 409, 413, 422, 503)
+    code: {"model": wire.ErrorBody} for code in (400, 401, 403, 404, 409, 413, 422, 503)
 }
 
 router = APIRouter(prefix=protocol.API_PREFIX + "/w/{workspace}", responses=_ERRORS)
@@ -41,6 +41,7 @@ async def workspace_info(auth: Auth, ctx: Ctx) -> Any:
     "/processes",
     response_model=wire.RegisterResponse,
     status_code=201,
+    responses={200: {"model": wire.RegisterResponse, "description": "registered again (the same process_id)"}},
     summary="Register a process (again after a restart: same process_id, 200)",
 )
 async def register_process(body: wire.RegisterRequest, auth: Auth, ctx: Ctx, response: Response) -> Any:
