@@ -21,6 +21,7 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 from jinja2 import Environment, FileSystemLoader
 from sqlalchemy.orm import Session
+from starlette.convertors import PathConvertor, register_url_convertor
 
 from flexium import protocol, wire
 from flexium.server import storage
@@ -36,6 +37,16 @@ TEMPLATES = Jinja2Templates(
 )
 
 router = APIRouter(include_in_schema=False)
+
+
+class JobKeyConvertor(PathConvertor):
+    """A job key in a path, whatever text its ranks registered: the ``path`` convertor's ``.*``
+    stops at a newline, and a key with one would have no migrate form."""
+
+    regex = r"[\s\S]+"
+
+
+register_url_convertor("job_key", JobKeyConvertor())
 
 _CSP = (
     "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
@@ -381,7 +392,7 @@ async def target_form(
     return _render(request, "fragments/targets.html", view)
 
 
-@router.get("/ui/jobs/{job_key:path}/migrate", response_class=HTMLResponse)
+@router.get("/ui/jobs/{job_key:job_key}/migrate", response_class=HTMLResponse)
 async def job_migrate_form(request: Request, ctx: Ctx, auth: FragmentAuth, job_key: str) -> Response:
     """The migrate form of a job of several ranks: a GPU for each rank, where it is by default."""
     view = await _view(request, ctx, auth, commands=False)
