@@ -552,3 +552,74 @@ def test_hostile_text_in_every_field_is_refused_or_read_back_intact_everywhere(
                 f"adversarial text on {database_url.split(':', 1)[0]}: {writes} hostile writes, "
                 f"{len(shows)} showcases, {reads} reads of lists, pages and events (before and after a restart)"
             )
+
+
+# --- bytes that are not UTF-8, and names given on the command line ------------------------------
+
+
+def _raw_body(text: bytes) -> bytes:
+    """`text` (bytes) in every string field a write reads: the body of each write operation."""
+    fields = ("host", "process_id", "gpu_uuid", "name", "error", "state", "kind")
+    return b"{" + b", ".join(b'"%s": "%s"' % (f.encode(), text) for f in fields) + b"}"
+
+
+RAW_BODIES = {
+    "invalid_utf8": _raw_body(b"\xff\xfe"),
+    "overlong_utf8": _raw_body(b"\xc0\xaf"),
+    "raw_nul_byte": _raw_body(b"a\x00b"),
+    # A surrogate encoded as UTF-8 (CESU-8): Python's JSON reader keeps it as a lone surrogate.
+    "encoded_surrogate": _raw_body(b"donn\xed\xb3\xa9es"),
+    "truncated": b'{"host": "\xe2\x82',
+}
+WRITES = [
+    "/processes",
+    "/processes/gpu-1/heartbeat",
+    "/commands",
+    "/commands/{command_id}/report",
+    "/tokens",
+]
+
+
+def test_bytes_that_are_not_utf8_in_a_raw_body_are_refused_with_a_4xx(api: Any) -> None:
+    api.register("gpu-1")
+    command = api.command("pause")
+    assert command.status_code == 201, command.text
+    before = api.get("/processes").json()
+    for path in WRITES:
+        for name, raw in RAW_BODIES.items():
+            r = api.client.post(
+                api.base + path.format(command_id=command.json()["id"]),
+                content=raw,
+                headers={**api.headers(), "Content-Type": "application/json"},
+            )
+            assert r.status_code in (400, 422), (path, name, r.status_code, r.text)
+            assert r.json()["error"] in ("bad_request", "invalid_request"), (path, name, r.text)
+    # Nothing was stored: the lists read as before, and every page renders.
+    assert api.get("/processes").json() == before
+    assert api.get(f"/commands/{command.json()['id']}").json()["state"] == "queued"
+    assert all(t["name"] == "initial" or t["name"] == "" for t in api.get("/tokens").json())
+    for page in api.pages("/", "/ui/processes", "/ui/devices", "/ui/commands"):
+        assert "gpu-1" in page or "GPU" in page
+
+
+def test_workspace_and_token_names_given_on_the_command_line(database_url: str) -> None:
+    """`flexium workspace create NAME` and `flexium token issue WS --name NAME` (database_admin):
+    a workspace name is refused unless it is a plain name; a token's name is stored as given,
+    or refused by the API's rule for it, never a database error."""
+    from flexium.server import database_admin
+    from flexium.server.errors import InvalidRequest
+
+    database_admin.create_workspace("hostile", database_url=database_url)
+    kept = []
+    names = {**ACCEPTED, **REFUSED, "too_long": "y" * (SHORT + 1), "trailing_newline": "ws\n"}
+    for name, value in names.items():
+        with pytest.raises(InvalidRequest, match="invalid workspace name"):
+            database_admin.create_workspace(value, database_url=database_url)
+        if name in REFUSED or name == "too_long":
+            with pytest.raises(InvalidRequest, match="token name"):
+                database_admin.issue_token("hostile", name=value, database_url=database_url)
+            continue
+        assert database_admin.issue_token("hostile", name=value, database_url=database_url).startswith("flx_")
+        kept.append(value)
+    assert [t.name for t in database_admin.list_tokens("hostile", database_url=database_url)] == ["initial", *kept]
+    assert [w.name for w in database_admin.list_workspaces(database_url=database_url)] == ["hostile"]
