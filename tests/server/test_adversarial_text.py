@@ -25,7 +25,7 @@ import pytest
 import requests
 
 from flexium import protocol
-from srv_helpers import LiveServer, gpu, process_body, rank_body
+from srv_helpers import LiveServer, gpu, process_body, rank_body, report_figures
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -544,14 +544,13 @@ def test_hostile_text_in_every_field_is_refused_or_read_back_intact_everywhere(
     server.restart()
     after = Client(server, client.token)
     reads += read_api(after, shows) + read_pages(after, shows)
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    if reporter is not None and capture is not None:
-        with capture.global_and_fixture_disabled():
-            reporter.write_line(
-                f"adversarial text on {database_url.split(':', 1)[0]}: {writes} hostile writes, "
-                f"{len(shows)} showcases, {reads} reads of lists, pages and events (before and after a restart)"
-            )
+    database = database_url.split(":", 1)[0]
+    line = (
+        f"adversarial text on {database}: {writes} hostile writes, {len(shows)} showcases, "
+        f"{reads} reads of lists, items, pages and events (before and after a restart)"
+    )
+    figures = {"database": database, "writes": writes, "showcases": len(shows), "reads": reads}
+    report_figures(request, f"adversarial-text-{database}", line, figures)
 
 
 # --- bytes that are not UTF-8, and names given on the command line ------------------------------

@@ -21,10 +21,8 @@ printed and, where ``FLEXIUM_RELIABILITY_FIGURES`` names a folder, written there
 from __future__ import annotations
 
 import collections
-import json
 import os
 import signal
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
@@ -46,10 +44,9 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
     status_code_conformance,
 )
 
-from srv_helpers import LiveServer, process_body, rank_body  # noqa: E402
+from srv_helpers import LiveServer, process_body, rank_body, report_figures  # noqa: E402
 
 EXAMPLES = int(os.environ.get("FLEXIUM_FUZZ_EXAMPLES", "50"))
-FIGURES_ENV = "FLEXIUM_RELIABILITY_FIGURES"
 WORKSPACE = "default"
 INVALID_TOKEN = "flx_" + "0" * 43
 CHECKS = [not_a_server_error, status_code_conformance, response_schema_conformance, content_type_conformance]
@@ -258,16 +255,7 @@ def _report(request: pytest.FixtureRequest, figures: Figures) -> None:
         f"operations ({summary['operations_answered_2xx']} answered 2xx at least once), status classes "
         f"{summary['status_classes']}, {summary['server_errors']} server errors, {summary['failures']} failures"
     )
-    capture = request.config.pluginmanager.get_plugin("capturemanager")
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None and capture is not None:
-        with capture.global_and_fixture_disabled():
-            reporter.write_line(line)
-    folder = os.environ.get(FIGURES_ENV)
-    if folder:
-        Path(folder).mkdir(parents=True, exist_ok=True)
-        summary["date"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-        (Path(folder) / f"openapi-fuzz-{figures.database}.json").write_text(json.dumps(summary, indent=1) + "\n")
+    report_figures(request, f"openapi-fuzz-{figures.database}", line, summary)
 
 
 @pytest.fixture
