@@ -20,6 +20,7 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 from jinja2 import Environment, FileSystemLoader
+from markupsafe import Markup, escape
 from sqlalchemy.orm import Session
 from starlette.convertors import PathConvertor, register_url_convertor
 
@@ -31,9 +32,27 @@ from flexium.server.errors import NotFound
 from flexium.server.storage import AuthInfo
 
 _TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
+_CARRIAGE_RETURN = Markup("&#13;")
+
+
+def exact_in_html(value: Any) -> Any:
+    """Every value a template shows, before Jinja escapes it: a browser reads a carriage return
+    in a page as a line feed (CR LF too), but a character reference as itself. So the script
+    reads back from an attribute what the server holds: a job key with one still names its job."""
+    if isinstance(value, str) and "\r" in value:
+        return escape(value).replace("\r", _CARRIAGE_RETURN)
+    return value
+
+
 # autoescape for every template, whatever its file name: fragments hold client-sent text.
 TEMPLATES = Jinja2Templates(
-    env=Environment(loader=FileSystemLoader(str(_TEMPLATE_DIR)), autoescape=True, trim_blocks=True, lstrip_blocks=True)
+    env=Environment(
+        loader=FileSystemLoader(str(_TEMPLATE_DIR)),
+        autoescape=True,
+        finalize=exact_in_html,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
 )
 
 router = APIRouter(include_in_schema=False)
