@@ -123,6 +123,12 @@ def _seed(base: str, seeded: Seeded) -> None:
         assert r.status_code in (200, 201), (path, r.status_code, r.text)
         return r.json()
 
+    # The last round's rows go (a workspace's quotas are not the fuzz's subject); its spare
+    # token stays while the fuzz has not revoked it.
+    if seeded.rounds:
+        last = seeded.rounds
+        for process_id in (seeded.process_id, seeded.idle_process_id, f"run-{last}-rank-0", f"run-{last}-rank-1"):
+            assert session.delete(f"{base}/processes/{process_id}", timeout=10).status_code in (204, 404)
     seeded.rounds += 1
     n = seeded.rounds
     seeded.process_id, seeded.idle_process_id = f"gpu-{n}", f"idle-{n}"
@@ -135,7 +141,9 @@ def _seed(base: str, seeded: Seeded) -> None:
     ]
     operation = post("/commands", {"kind": "pause", "process_id": f"run-{n}-rank-0"})
     seeded.operation_id = operation["job"]["operation_id"]
-    seeded.spare_token_id = post("/tokens", {"name": f"spare-{n}"})["id"]
+    active = {t["id"] for t in session.get(base + "/tokens", timeout=10).json() if not t["revoked"]}
+    if seeded.spare_token_id not in active:
+        seeded.spare_token_id = post("/tokens", {"name": f"spare-{n}"})["id"]
 
 
 def _real_rows(seeded: Seeded, names: set[str]) -> dict[str, Any]:
