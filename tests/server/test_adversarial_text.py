@@ -611,3 +611,36 @@ def test_workspace_and_token_names_given_on_the_command_line(database_url: str) 
         kept.append(value)
     assert [t.name for t in database_admin.list_tokens("hostile", database_url=database_url)] == ["initial", *kept]
     assert [w.name for w in database_admin.list_workspaces(database_url=database_url)] == ["hostile"]
+
+
+def test_hostile_text_in_the_parameters_of_lists_and_fragments(api: Any) -> None:
+    """What a list or a fragment is narrowed by (a process id, a host, a GPU) is checked where it
+    comes in: text no row can hold is a 422 or finds nothing, never the database's refusal (the
+    last line of defence, answered 422 with "could not be stored") nor a 5xx."""
+    api.register("gpu-1")
+    values = [quote(v, safe="", errors="surrogatepass") for v in (*ACCEPTED.values(), *REFUSED.values(), "y" * 5000)]
+    values += ["%FF", "%ED%B3%A9", "a%00b"]  # bytes that are not UTF-8, a NUL, as a URL carries them
+    paths = [
+        "/ui/processes?id={v}",
+        "/ui/processes?id=gpu-1&id={v}",
+        "/ui/devices?host={v}",
+        "/ui/processes/{v}/targets?kind=migrate",
+        "/ui/jobs/{v}/migrate",
+        "/api/w/default/processes?host={v}",
+        "/api/w/default/processes?gpu={v}",
+        "/api/w/default/processes/{v}",
+        "/api/w/default/processes/{v}/targets",
+        "/api/w/default/commands?process_id={v}",
+        "/api/w/default/devices?host={v}",
+        "/api/w/{v}/processes",
+    ]
+    api.client.cookies.set(protocol.TOKEN_COOKIE, api.token)
+    try:
+        for path in paths:
+            for value in values:
+                url = path.format(v=value)
+                r = api.client.get(url, headers=api.headers() if url.startswith("/api/") else {})
+                assert r.status_code in (200, 404, 422), (url[:120], r.status_code, r.text[:300])
+                assert "could not be stored" not in r.text, (url[:120], r.text[:300])
+    finally:
+        api.client.cookies.clear()

@@ -381,7 +381,10 @@ async def index(request: Request, ctx: Ctx, auth: PageAuth) -> Response:
 
 @router.get("/ui/processes", response_class=HTMLResponse)
 async def process_rows(
-    request: Request, ctx: Ctx, auth: FragmentAuth, ids: Annotated[Optional[list[str]], Query(alias="id")] = None
+    request: Request,
+    ctx: Ctx,
+    auth: FragmentAuth,
+    ids: Annotated[Optional[list[wire.ProcessId]], Query(alias="id")] = None,
 ) -> Response:
     """Rows of the processes named by ``id`` (repeated; those gone are left out), else all."""
     narrow = {"process_ids": ids[:_MAX_BATCH]} if ids else {}
@@ -395,7 +398,7 @@ async def target_form(
     request: Request,
     ctx: Ctx,
     auth: FragmentAuth,
-    process_id: str,
+    process_id: wire.ProcessId,
     kind: str = Query("migrate", pattern="^(migrate|resume)$"),
 ) -> Response:
     view = await _view(request, ctx, auth, process_ids=[process_id], commands=False, devices=False, targets=kind)
@@ -424,7 +427,10 @@ async def job_migrate_form(request: Request, ctx: Ctx, auth: FragmentAuth, job_k
 
 @router.get("/ui/devices", response_class=HTMLResponse)
 async def device_cards(
-    request: Request, ctx: Ctx, auth: FragmentAuth, hosts: Annotated[Optional[list[str]], Query(alias="host")] = None
+    request: Request,
+    ctx: Ctx,
+    auth: FragmentAuth,
+    hosts: Annotated[Optional[list[wire.HostName]], Query(alias="host")] = None,
 ) -> Response:
     """GPU cards of the hosts named by ``host`` (repeated), else of all hosts."""
     narrow = {"hosts": hosts[:_MAX_BATCH]} if hosts else {}
