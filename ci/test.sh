@@ -83,6 +83,9 @@ runuser -u postgres -- "$pg_bin/pg_ctl" -D "$pg_dir/data" -l "$pg_dir/server.log
   -o "-p $pg_port -k $pg_dir -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200" start >/dev/null
 export FLEXIUM_TEST_POSTGRES_URL="postgresql://postgres@127.0.0.1:$pg_port/postgres"
 
+# They include the property-based fuzz of every OpenAPI operation (schemathesis, from the test
+# extra) and hostile text read back through every list and page (docs/reliability.md); their
+# figures print with the results, and FLEXIUM_RELIABILITY_FIGURES=DIR writes them there as JSON.
 echo "== server tests (SQLite and PostgreSQL $("$pg_bin/postgres" --version | awk '{print $3}'))"
 python -m pytest -q tests/server "$@"
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import shlex
-from typing import Annotated, Any, Literal, Optional, Sequence, Union
+from typing import Annotated, Any, Literal, NoReturn, Optional, Sequence, Union
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StringConstraints, model_validator
 
@@ -74,10 +74,21 @@ def _cleaned(node: Any) -> Any:
 
 def _check_json(value: object) -> None:
     """Bounded depth and size, finite numbers, no NUL: anything both databases store. A model
-    in the tree counts as the JSON it dumps to."""
+    in the tree counts as the JSON it dumps to. A refusal says where in `value` it is
+    (``problems.0: must not contain NUL characters``): the validation error names only the
+    field that holds it."""
     budget = [protocol.MAX_JSON_ITEMS]
 
-    def walk(node: object, depth: int) -> None:
+    def refuse(where: str, reason: object) -> NoReturn:
+        raise ValueError(f"{where}: {reason}" if where else str(reason)) from None
+
+    def text(where: str, node: str) -> None:
+        try:
+            _no_nul(node)
+        except ValueError as exc:
+            refuse(where, exc)
+
+    def walk(node: object, depth: int, where: str) -> None:
         if isinstance(node, BaseModel):
             node = node.model_dump()
         if depth > protocol.MAX_JSON_DEPTH:
@@ -85,31 +96,32 @@ def _check_json(value: object) -> None:
         budget[0] -= 1
         if budget[0] < 0:
             raise ValueError(f"more than {protocol.MAX_JSON_ITEMS} values")
+        inside = f"{where}." if where else ""
         if isinstance(node, dict):
             for key, item in node.items():
                 if not isinstance(key, str):
-                    raise ValueError("object keys must be strings")
-                _no_nul(key)
-                walk(item, depth + 1)
+                    refuse(where, "object keys must be strings")
+                text(f"{inside}(a key)", key)
+                walk(item, depth + 1, inside + key)
         elif isinstance(node, (list, tuple)):  # a tuple goes out as a JSON array
-            for item in node:
-                walk(item, depth + 1)
+            for index, item in enumerate(node):
+                walk(item, depth + 1, f"{inside}{index}")
         elif isinstance(node, str):
-            _no_nul(node)
+            text(where, node)
             if len(node) > protocol.MAX_LONG_TEXT:
-                raise ValueError(f"a string is longer than {protocol.MAX_LONG_TEXT} characters")
+                refuse(where, f"a string is longer than {protocol.MAX_LONG_TEXT} characters")
         elif isinstance(node, bool) or node is None:
             pass
         elif isinstance(node, int):
             if abs(node) > protocol.MAX_INT:
-                raise ValueError("a number is out of range")
+                refuse(where, "a number is out of range")
         elif isinstance(node, float):
             if not math.isfinite(node):
-                raise ValueError("numbers must be finite")
+                refuse(where, "numbers must be finite")
         else:
-            raise ValueError(f"unsupported value of type {type(node).__name__}")
+            refuse(where, f"unsupported value of type {type(node).__name__}")
 
-    walk(value, 0)
+    walk(value, 0, "")
 
 
 ShortText = Annotated[str, StringConstraints(max_length=protocol.MAX_SHORT_TEXT), AfterValidator(_no_nul)]

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence, Union
 
 import requests
 
@@ -152,6 +152,8 @@ class Job:
         memory_mib: int = 1024,
         address: Optional[str] = None,
         extra_env: Optional[dict[str, str]] = None,
+        script: Path = TRAIN_JOB,
+        args: Sequence[Union[str, bytes]] = (),
     ) -> None:
         self.server = server
         self.control = server.tmp / f"control-{time.monotonic_ns()}"
@@ -175,7 +177,7 @@ class Job:
         env["E2E_PRINT_EVERY"] = "5"
         env.update(extra_env or {})
         self.proc = subprocess.Popen(
-            [sys.executable, str(TRAIN_JOB)],
+            [sys.executable, script, *args],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

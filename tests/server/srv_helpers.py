@@ -359,3 +359,27 @@ class SimJob:
             },
         )
         self.done.append(cmd["id"])
+
+
+# --- figures that docs/reliability.md quotes ----------------------------------------------------
+
+FIGURES_ENV = "FLEXIUM_RELIABILITY_FIGURES"
+
+
+def report_figures(request: Any, name: str, line: str, figures: dict[str, Any]) -> None:
+    """Prints `line` past pytest's capture (-q shows it too) and, where ``$FLEXIUM_RELIABILITY_FIGURES``
+    names a folder, writes `figures` there as ``NAME.json`` with the date of the run."""
+    import json
+    import os
+    from pathlib import Path
+
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None and capture is not None:
+        with capture.global_and_fixture_disabled():
+            reporter.write_line(line)
+    folder = os.environ.get(FIGURES_ENV)
+    if folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
+        stamped = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "summary": line, **figures}
+        (Path(folder) / f"{name}.json").write_text(json.dumps(stamped, indent=1, ensure_ascii=False) + "\n")

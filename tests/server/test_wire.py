@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from typing import Any
@@ -218,3 +219,18 @@ def test_a_lone_surrogate_in_a_request_is_refused_naming_it() -> None:
     # Anywhere in the JSON a peer sends, the keys this side ignores included:
     with pytest.raises(ValidationError, match="U\\+DCFF at position 4 is a lone surrogate"):
         wire.ProcessCapabilities.model_validate({"a_newer_field": ["bad \udcff"]})
+
+
+def test_a_refusal_inside_free_json_says_where_it_is() -> None:
+    """A result's or capabilities' validation error names only the field holding them: the
+    message says where inside."""
+    cases = [
+        (wire.ProcessCapabilities, {"problems": ["fine", "a\x00b"]}, "problems.1: must not contain NUL"),
+        (wire.ProcessCapabilities, {"newer": {"deep": ["bad \udcff"]}}, "newer.deep.0: must be valid Unicode"),
+        (wire.ProcessCapabilities, {"newer": {"key\x00": 1}}, "newer.(a key): must not contain NUL"),
+        (wire.OperationReport, {"steps": [{"step": "x" * (protocol.MAX_LONG_TEXT + 1)}]}, "steps.0.step: a string"),
+        (wire.OperationReport, {"newer": 1 << 63}, "newer: a number is out of range"),
+    ]
+    for model, body, where in cases:
+        with pytest.raises(ValidationError, match=re.escape(where)):
+            model.model_validate(body)

@@ -7,6 +7,7 @@ import sys
 from typing import Any, Optional, Sequence
 
 from flexium.cli import remote, server, workspaces
+from flexium.cli.terminal import terminal_safe_output
 
 DISTRIBUTION = "flexium"  # pyproject.toml's [project] name
 
@@ -95,9 +96,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return demo.run(port=args.port, host=args.host, database=args.database, simulated=args.simulated)
     if args.command == "server":
         return server.run(args)
-    if args.command in ("workspace", "token"):
-        return workspaces.run(args)
-    return remote.run(args)
+    # What these print holds text that training jobs sent (cli/terminal.py).
+    with terminal_safe_output():
+        if args.command in ("workspace", "token"):
+            return workspaces.run(args)
+        return remote.run(args)
 
 
 if __name__ == "__main__":

@@ -18,9 +18,12 @@ from __future__ import annotations
 import time
 from typing import Optional, Union
 
+from pydantic import ValidationError
+
 from flexium import protocol, wire
 from flexium.server import storage
 from flexium.server.db import Database
+from flexium.server.errors import InvalidRequest
 from flexium.server.settings import load_settings
 from flexium.server.storage import quotas
 
@@ -51,6 +54,10 @@ def issue_token(
 ) -> str:
     """Issued by the command line (its audit entry says so; no token minted it, so only its
     own revocation revokes it)."""
+    try:  # the API's rule for a name (a command line may hold NUL or bytes that are not UTF-8)
+        name = wire.TokenRequest(name=name).name
+    except ValidationError as exc:
+        raise InvalidRequest(f"token name {name!r}: {exc.errors()[0]['msg']}") from None
     db = open_database(database_url)
     try:
         ws = _workspace_id(db, workspace)

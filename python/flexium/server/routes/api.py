@@ -51,6 +51,7 @@ async def workspace_info(auth: Reader, ctx: Ctx) -> Any:
     "/processes",
     response_model=wire.RegisterResponse,
     status_code=201,
+    responses={200: {"model": wire.RegisterResponse, "description": "registered again (the same process_id)"}},
     summary="Register a process (again after a restart: same process_id, 200)",
 )
 async def register_process(body: wire.RegisterRequest, auth: Worker, ctx: Ctx, response: Response) -> Any:

@@ -20,7 +20,9 @@ from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from fastapi.templating import Jinja2Templates
 from jinja2 import Environment, FileSystemLoader
+from markupsafe import Markup, escape
 from sqlalchemy.orm import Session
+from starlette.convertors import PathConvertor, register_url_convertor
 
 from flexium import protocol, wire
 from flexium.server import services, storage
@@ -30,12 +32,40 @@ from flexium.server.errors import NotFound
 from flexium.server.storage import AuthInfo
 
 _TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
+_CARRIAGE_RETURN = Markup("&#13;")
+
+
+def exact_in_html(value: Any) -> Any:
+    """Every value a template shows, before Jinja escapes it: a browser reads a carriage return
+    in a page as a line feed (CR LF too), but a character reference as itself. So the script
+    reads back from an attribute what the server holds: a job key with one still names its job."""
+    if isinstance(value, str) and "\r" in value:
+        return escape(value).replace("\r", _CARRIAGE_RETURN)
+    return value
+
+
 # autoescape for every template, whatever its file name: fragments hold client-sent text.
 TEMPLATES = Jinja2Templates(
-    env=Environment(loader=FileSystemLoader(str(_TEMPLATE_DIR)), autoescape=True, trim_blocks=True, lstrip_blocks=True)
+    env=Environment(
+        loader=FileSystemLoader(str(_TEMPLATE_DIR)),
+        autoescape=True,
+        finalize=exact_in_html,
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
 )
 
 router = APIRouter(include_in_schema=False)
+
+
+class JobKeyConvertor(PathConvertor):
+    """A job key in a path, whatever text its ranks registered: the ``path`` convertor's ``.*``
+    stops at a newline, and a key with one would have no migrate form."""
+
+    regex = r"[\s\S]+"
+
+
+register_url_convertor("job_key", JobKeyConvertor())
 
 _CSP = (
     "default-src 'self'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
@@ -370,7 +400,10 @@ async def index(request: Request, ctx: Ctx, auth: PageAuth) -> Response:
 
 @router.get("/ui/processes", response_class=HTMLResponse)
 async def process_rows(
-    request: Request, ctx: Ctx, auth: FragmentAuth, ids: Annotated[Optional[list[str]], Query(alias="id")] = None
+    request: Request,
+    ctx: Ctx,
+    auth: FragmentAuth,
+    ids: Annotated[Optional[list[wire.ProcessId]], Query(alias="id")] = None,
 ) -> Response:
     """Rows of the processes named by ``id`` (repeated; those gone are left out), else all."""
     narrow = {"process_ids": ids[:_MAX_BATCH]} if ids else {}
@@ -384,7 +417,7 @@ async def target_form(
     request: Request,
     ctx: Ctx,
     auth: FragmentAuth,
-    process_id: str,
+    process_id: wire.ProcessId,
     kind: str = Query("migrate", pattern="^(migrate|resume)$"),
 ) -> Response:
     view = await _view(request, ctx, auth, process_ids=[process_id], commands=False, devices=False, targets=kind)
@@ -400,7 +433,7 @@ async def target_form(
     return _render(request, "fragments/targets.html", view)
 
 
-@router.get("/ui/jobs/{job_key:path}/migrate", response_class=HTMLResponse)
+@router.get("/ui/jobs/{job_key:job_key}/migrate", response_class=HTMLResponse)
 async def job_migrate_form(request: Request, ctx: Ctx, auth: FragmentAuth, job_key: str) -> Response:
     """The migrate form of a job of several ranks: a GPU for each rank, where it is by default."""
     view = await _view(request, ctx, auth, commands=False)
@@ -413,7 +446,10 @@ async def job_migrate_form(request: Request, ctx: Ctx, auth: FragmentAuth, job_k
 
 @router.get("/ui/devices", response_class=HTMLResponse)
 async def device_cards(
-    request: Request, ctx: Ctx, auth: FragmentAuth, hosts: Annotated[Optional[list[str]], Query(alias="host")] = None
+    request: Request,
+    ctx: Ctx,
+    auth: FragmentAuth,
+    hosts: Annotated[Optional[list[wire.HostName]], Query(alias="host")] = None,
 ) -> Response:
     """GPU cards of the hosts named by ``host`` (repeated), else of all hosts."""
     narrow = {"hosts": hosts[:_MAX_BATCH]} if hosts else {}

@@ -19,7 +19,16 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from flexium import protocol, wire
-from flexium.server.errors import Busy, CapabilityMissing, InvalidRequest, InvalidState, NotFound, Stale, TargetRefused
+from flexium.server.errors import (
+    ApiError,
+    Busy,
+    CapabilityMissing,
+    InvalidRequest,
+    InvalidState,
+    NotFound,
+    Stale,
+    TargetRefused,
+)
 from flexium.server.models import Command, Device, JobOperation, Process
 from flexium.server.storage.devices import host_devices
 from flexium.server.storage.processes import active_command, list_processes
@@ -71,7 +80,7 @@ def create_job_commands(
     members = _check_ranks(
         session=session, registered=registered, world=world, kind=kind, job=job, now=now, stale_after=stale_after
     )
-    devices = {r: resolve_target(session=session, proc=addressed, target=t) for r, t in wanted.items()}
+    devices = {r: _resolve_rank_target(session, addressed, r, t, named=bool(ranks)) for r, t in wanted.items()}
     moves = _moves(members=members, devices=devices, kind=kind, job=job)
     _check_placement(
         session=session,
@@ -117,6 +126,16 @@ def create_job_commands(
         raise Busy(f"a rank of {job} got another command meanwhile; one at a time") from None
     rows.sort(key=lambda pair: pair[1].pk != addressed.pk)
     return [command_view(row, proc.process_id) for row, proc in rows]
+
+
+def _resolve_rank_target(session: Session, addressed: Process, rank: int, target: Target, *, named: bool) -> Device:
+    """``resolve_target``, whose refusal says which rank's target it is when ``ranks`` named several."""
+    try:
+        return resolve_target(session=session, proc=addressed, target=target)
+    except ApiError as exc:
+        if not named:
+            raise
+        raise type(exc)(f"ranks: rank {rank}: {exc.message}", detail=exc.detail) from None
 
 
 def _wanted(ranks: dict[str, Target], *, world: int, job: str) -> dict[int, Target]:

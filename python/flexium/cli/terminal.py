@@ -1,0 +1,45 @@
+"""What the `flexium` command prints goes to a person's terminal, and much of it is text a
+training job sent (its host, command line, GPU names, an operation's error and notes, a token's
+name). A terminal obeys control characters: an escape sequence in a job's text could set the
+window title, write the clipboard (OSC 52), move the cursor or hide what follows, and a
+right-to-left override reorders what is shown. ``terminal_safe_output`` writes every such
+character out as its escape (``\\x1b``, ``\\u202e``) on the way to stdout and stderr: one place
+for every command, whatever prints. Newlines and tabs are the command's own layout and stay;
+``--json`` output is unchanged (JSON already escapes control characters)."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import re
+import sys
+from typing import Iterator, TextIO
+
+# C0 controls but tab and newline, DEL, C1 controls, and the bidirectional overrides and isolates.
+_CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def terminal_text(text: str) -> str:
+    """`text` with each control character written out as its Python escape."""
+    return _CONTROLS.sub(lambda match: match.group().encode("unicode_escape").decode("ascii"), text)
+
+
+class _TerminalSafe(io.TextIOBase):
+    def __init__(self, stream: TextIO) -> None:
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        self._stream.write(terminal_text(text))
+        return len(text)
+
+    def flush(self) -> None:
+        self._stream.flush()
+
+    def isatty(self) -> bool:
+        return self._stream.isatty()
+
+
+@contextlib.contextmanager
+def terminal_safe_output() -> Iterator[None]:
+    with contextlib.redirect_stdout(_TerminalSafe(sys.stdout)), contextlib.redirect_stderr(_TerminalSafe(sys.stderr)):
+        yield
