@@ -134,6 +134,19 @@ class ServerProcess:
         tokens = [line.strip() for line in self.lines if _TOKEN_LINE.fullmatch(line.strip())]
         return tokens[-1] if tokens else None
 
+    def issue_job_token(self, name: str = "training job") -> str:
+        """A job token of the default workspace, issued through the API with the printed admin
+        token: what training jobs are handed (as the README says)."""
+        assert self.token, "the server printed no admin token (a restart on the same database prints none)"
+        answer = requests.post(
+            f"{self.url}/api/w/default/tokens",
+            json={"name": name, "role": "job"},
+            headers={"Authorization": f"Bearer {self.token}"},
+            timeout=10,
+        )
+        assert answer.status_code == 201, answer.text
+        return str(answer.json()["token"])
+
     @property
     def login_link(self) -> Optional[str]:
         links = [m.group(1) for line in self.lines if (m := _LOGIN_LINK.search(line))]

@@ -197,7 +197,7 @@ def test_the_server_and_cli_move_a_whole_torchrun_job(host_gpus: list[Any], tmp_
         command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
         job = subprocess.Popen(
             [*command, str(HERE / "ddp_job.py"), *job_args, *steps],
-            env=env,
+            env={**env, "FLEXIUM_TOKEN": server.issue_job_token()},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

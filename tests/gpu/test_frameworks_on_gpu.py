@@ -41,7 +41,7 @@ def _moved_while_training(framework: str, tmp_path: Path, moves: list[tuple[str,
         env.update(FLEXIUM_SERVER=f"127.0.0.1:{server.port}/default", FLEXIUM_TOKEN=server.token or "")
         job = subprocess.Popen(
             [sys.executable, str(HERE / "framework_job.py"), framework, "--steps", STEPS, "--pace", PACE_S],
-            env=env,
+            env={**env, "FLEXIUM_TOKEN": server.issue_job_token()},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,

@@ -55,7 +55,7 @@ def test_commands_from_the_server_move_a_gpu_job(host_gpus: list[Any], tmp_path:
         env.update(FLEXIUM_SERVER=f"127.0.0.1:{server.port}/default", FLEXIUM_TOKEN=server.token)
         job = subprocess.Popen(
             [sys.executable, str(HERE / "train_job.py"), *JOB_ARGS, "--step-sleep", STEP_SLEEP_S],
-            env=env,
+            env={**env, "FLEXIUM_TOKEN": server.issue_job_token()},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
@@ -156,10 +156,12 @@ def test_flexium_demo_trains_on_a_gpu_and_the_command_line_moves_it(tmp_path: Pa
     )
     out = ProcessOutput(demo)
     try:
-        token = out.wait_for(rf"dashboard: http://127\.0\.0\.1:{port}/login#token=(flx_\S+)$", 90).group(1)
-        registered = out.wait_for(r"job (gpu-[0-9a-f]+) registered \((\w+) on (\S+)\)", 180)
+        out.wait_for(rf"dashboard: http://127\.0\.0\.1:{port}/login#code=\S+", 90)
+        registered = out.wait_for(r"job (gpu-[0-9a-f]+) registered \((\w+) on ([^,)]+), ([^)]+)\)", 180)
         process_id = registered.group(1)
         assert registered.group(2, 3) == ("RUNNING", "cuda:0"), registered.group(0)
+        assert "SIMULATED" not in registered.group(4) and "SIMULATED" not in out.text, out.text  # real GPUs here
+        token = out.wait_for(r"admin token \(for the CLI and the dashboard\): (flx_\S+)$", 10).group(1)
         # Training has begun: a command before the first optimizer step takes the driver path at once.
         out.wait_for(r"\[demo job\] step +1 +loss \S+ +on cuda:0$", 120)
         cli_env = {**env, "FLEXIUM_SERVER": f"127.0.0.1:{port}/default", "FLEXIUM_TOKEN": token}
