@@ -258,6 +258,8 @@ class RegisterRequest(WireIn):
     devices: Annotated[list[GpuReport], Field(max_length=protocol.MAX_DEVICES)] = []
     seq: Optional[Seq] = None
     job: Optional[JobMembership] = Field(default=None, description="None: a single-process job")
+    steps: Optional[Bytes] = Field(default=None, description="optimizer steps taken so far; None: not counted")
+    loss: Optional[float] = Field(default=None, description="the last loss the job reported (flexium.auto.report)")
 
 
 class HeartbeatRequest(WireIn):
@@ -273,6 +275,10 @@ class HeartbeatRequest(WireIn):
     gpu_uuid: Optional[ShortText] = None
     devices: Annotated[list[GpuReport], Field(max_length=protocol.MAX_DEVICES)] = []
     seq: Optional[Seq] = None
+    steps: Optional[Bytes] = Field(
+        default=None, description="optimizer steps taken so far (the server derives steps/s from two beats)"
+    )
+    loss: Optional[float] = Field(default=None, description="the last loss the job reported (flexium.auto.report)")
 
 
 class CommandRequest(WireIn):
@@ -400,6 +406,10 @@ class ProcessInfo(WireOut):
     name: str = Field(default="", description="a short name from cmdline: the script or module (wire.job_name)")
     active_command: Optional[CommandInfo]
     job: Optional[JobInfo] = Field(default=None, description="None: a single-process job")
+    steps: Optional[int] = Field(default=None, description="optimizer steps taken, as last reported; None: unknown")
+    steps_per_s: Optional[float] = Field(default=None, description="between the last two reports of steps")
+    steps_at: Optional[float] = Field(default=None, description="when steps was last reported")
+    loss: Optional[float] = Field(default=None, description="the last loss the job reported")
 
 
 OperationState = Literal["queued", "running", "succeeded", "failed"]

@@ -29,10 +29,12 @@ from flexium.server.storage.commands import (
     report_command,
 )
 from flexium.server.storage.devices import device_indexes, list_devices, upsert_devices
+from flexium.server.storage.history import HISTORY_EVERY_S, HISTORY_KEEP_S, Sample, gpu_history, prune_history
 from flexium.server.storage.jobs import get_operation, list_jobs, summarize_jobs
 from flexium.server.storage.processes import (
     HeartbeatOutcome,
     ProcessSnapshot,
+    Progress,
     count_processes,
     get_process,
     heartbeat,
@@ -75,6 +77,11 @@ from flexium.server.storage.workspaces import (
 )
 
 __all__ = [
+    "HISTORY_EVERY_S",
+    "HISTORY_KEEP_S",
+    "Sample",
+    "gpu_history",
+    "prune_history",
     "AUDIT_KEEP",
     "LOGIN_CODE_TTL_S",
     "SESSION_IDLE_S",
@@ -95,6 +102,7 @@ __all__ = [
     "touch_session",
     "HeartbeatOutcome",
     "ProcessSnapshot",
+    "Progress",
     "SweepResult",
     "WorkspaceRecord",
     "authenticate",
