@@ -19,6 +19,7 @@ from flexium.server.storage.audit import (
 )
 from flexium.server.storage.commands import (
     count_commands,
+    count_finished,
     create_commands,
     get_command,
     judge_targets,
@@ -107,6 +108,7 @@ __all__ = [
     "WorkspaceRecord",
     "authenticate",
     "count_commands",
+    "count_finished",
     "device_indexes",
     "resolve_target",
     "target_refusal",
