@@ -47,6 +47,7 @@ from flexium.server.storage.processes import (
     register_process_snapshot,
     unregister_process,
 )
+from flexium.server.storage.series import WorkspaceSeries, metric_series
 from flexium.server.storage.sessions import (
     LOGIN_CODE_TTL_S,
     SESSION_IDLE_S,
@@ -78,6 +79,8 @@ from flexium.server.storage.workspaces import (
 )
 
 __all__ = [
+    "WorkspaceSeries",
+    "metric_series",
     "HISTORY_EVERY_S",
     "HISTORY_KEEP_S",
     "Sample",
