@@ -3,11 +3,12 @@ the server renders them (the browser tests click through them)."""
 
 from __future__ import annotations
 
-import html
 import re
 import time
 from typing import Any
 from urllib.parse import quote
+
+from markupsafe import escape
 
 from flexium import protocol
 from flexium.server.routes.pages import SHORT_REASON_MAX, short_reason
@@ -42,7 +43,7 @@ def test_a_job_page_shows_its_command_progress_and_every_command(api: Api) -> No
     assert (
         api.post("/processes/gpu-1/heartbeat", {"gpu_uuid": "GPU-0002", "steps": 10, "loss": 0.125}).status_code == 200
     )
-    refused = api.command("resume", "gpu-1")  # not paused: refused, and not on its timeline
+    refused = api.command("resume", "gpu-1")  # not paused: refused, and on its timeline as refused
     assert refused.status_code == 409
     deadline = time.monotonic() + 5
     while api.get("/processes/gpu-1").json()["loss"] != 0.125 and time.monotonic() < deadline:
@@ -53,10 +54,15 @@ def test_a_job_page_shows_its_command_progress_and_every_command(api: Api) -> No
     assert '<h1 id="job-title" class="job-title">train.py</h1>' in page
     assert 'id="job-steps">10<' in page and 'id="job-loss">0.125<' in page
     timeline = page.split('id="job-timeline"')[1]
-    assert timeline.count('class="event ') == 1
+    assert timeline.count('class="event ') == 2
+    newest = timeline.split('class="event ')[1]
+    assert newest.startswith('event-refused"') and "resume" in newest
+    assert str(escape(refused.json()["message"])) in newest  # the reason, in full
     assert "migrate → GPU 2" in timeline and "fast path" in timeline
     assert "training stopped 1.25 s" in timeline and "10.0 GiB moved" in timeline
-    assert "by default" in timeline or re.search(r"sent <span data-ago=\"[\d.]+\">[^<]+</span> by ", timeline)
+    sender = api.get("/tokens").json()[0]
+    who = sender["name"] or f"token {sender['id']}"
+    assert re.search(r'sent <span data-ago="[\d.]+">[^<]+</span> by ' + re.escape(str(escape(who))), timeline)
     assert "checkpoint" in timeline and "restore" in timeline  # the operation's steps
     assert 'id="job-title"' in panel and "<html" not in panel  # the fragment the page's script swaps in
     assert 'href="/jobs/gpu-1"' in main  # the job's name in the table opens it
@@ -101,7 +107,7 @@ def test_greyed_buttons_say_why_in_a_few_words(api: Api) -> None:
     api.register("gpu-2", capabilities={"pause_resume": True, "migration": False})
     cpu_row, old_driver = api.pages("/ui/processes?id=gpu-1", "/ui/processes?id=gpu-2")
     shown = re.findall(r'<small class="refusal-short" title="([^"]*)">([^<]*)</small>', cpu_row)
-    assert shown == [(html.escape("; ".join(cpu)).replace("&#x27;", "&#39;"), "CPU-only torch: no GPU memory to move")]
+    assert shown == [(str(escape("; ".join(cpu))), "CPU-only torch: no GPU memory to move")]
     [(_full, short)] = re.findall(r'<small class="refusal-short" title="([^"]*)">([^<]*)</small>', old_driver)
     assert short == "migrate: This job&#39;s driver cannot migrate (needs 580+)"
 

@@ -374,6 +374,22 @@ def start_of_day_utc(now: float) -> float:
 _TIMELINE = 200  # commands shown on a job page, newest first
 
 
+def refused_process(target: str) -> str:
+    """The process a refused command was for, from its audit entry's target ("pause gpu-1 to 2",
+    ``storage.audit.record_command_refused``)."""
+    words = target.split()
+    return words[1] if len(words) > 1 else ""
+
+
+def timeline(commands: list[wire.CommandInfo], refusals: list[wire.AuditEntry]) -> list[tuple[str, Any]]:
+    """("command", CommandInfo) and ("refused", AuditEntry: a command the server refused, never
+    created), newest first."""
+    events: list[tuple[float, str, Any]] = [(c.created_at, "command", c) for c in commands]
+    events += [(e.at, "refused", e) for e in refusals]
+    events.sort(key=lambda event: event[0], reverse=True)
+    return [(kind, item) for _at, kind, item in events]
+
+
 def job_page_view(
     *, session: Session, workspace_id: int, process_id: str, now: float, stale_after: float
 ) -> dict[str, Any]:
@@ -396,10 +412,16 @@ def job_page_view(
         )
     commands.sort(key=lambda c: c.id, reverse=True)
     senders: dict[int, wire.AuditEntry] = {}
+    refusals: list[wire.AuditEntry] = []
     labels = {f"command {c.id} ({c.kind} {c.process_id})": c.id for c in commands}
+    ids = {r.process_id for r in ranks}
     for entry in storage.list_audit(session=session, workspace_id=workspace_id, limit=storage.AUDIT_KEEP):
-        if entry.action == "command.created" and entry.target in labels:
+        if entry.action != "command.created":
+            continue
+        if entry.target in labels:
             senders[labels[entry.target]] = entry
+        elif entry.outcome == "refused" and refused_process(entry.target) in ids:
+            refusals.append(entry)
     hosts = sorted({r.host for r in ranks})
     return {
         "now": now,
@@ -408,7 +430,7 @@ def job_page_view(
         "process": process,
         "job": job,
         "ranks": ranks,
-        "timeline": commands[:_TIMELINE],
+        "timeline": timeline(commands[:_TIMELINE], refusals),
         "senders": senders,
         "last": last_finished(commands),
         "hosts": [
