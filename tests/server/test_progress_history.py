@@ -123,3 +123,34 @@ def test_gpu_history_keeps_one_sample_a_minute_for_a_day(db: Database) -> None:
     )
     kept = db.run(storage.gpu_history, write=False, workspace_id=ws, since=0)
     assert [s.at for s in kept[("node1", "GPU-0000")]] == [NOW + 61]
+
+
+def test_0007_goes_back_to_0006_keeping_processes_and_their_commands(db: Database) -> None:
+    from alembic import command
+    from sqlalchemy import inspect, text
+
+    from srv_helpers import columns, migrate_to
+
+    ws = _workspace(db)
+    register(db, ws, {**process_body("gpu-1"), "steps": 5}, now=NOW, stale_after=STALE)
+    db.run(
+        storage.create_commands,
+        write=True,
+        workspace_id=ws,
+        kind="pause",
+        process_id="gpu-1",
+        target=None,
+        now=NOW,
+        stale_after=STALE,
+    )
+    migrate_to(db, command.downgrade, "0006")
+    assert not {"steps", "steps_at", "steps_per_s", "loss"} & columns(db, "processes")
+    with db.engine.connect() as conn:
+        assert "gpu_samples" not in inspect(conn).get_table_names()
+    with db.session(write=False) as s:
+        assert s.execute(text("SELECT count(*) FROM commands")).scalar() == 1
+        assert s.execute(text("SELECT process_id FROM processes")).scalar() == "gpu-1"
+    db.upgrade()
+    assert {"steps", "steps_at", "steps_per_s", "loss"} <= columns(db, "processes")
+    _report(db, ws, NOW, used=GIB)
+    assert db.run(storage.gpu_history, write=False, workspace_id=ws, since=0)
