@@ -74,18 +74,18 @@ def test_clicking_a_job_opens_its_page_with_progress_and_a_timeline(
     jobs(host, "gpu-j0b0page", gpu=0, memory=12 * GIB, cmdline="python train_gpt.py --lr 3e-4", steps=100, loss=2.5)
     dash.open()
     dash.wait(lambda: dash.has_row("gpu-j0b0page"), "the job's row appears")
-    dash.row("gpu-j0b0page").find_element(By.CSS_SELECTOR, "a.job-link").click()
+    _click(dash, "#proc-gpu-j0b0page a.job-link")
     dash.wait(lambda: dash.d.current_url.endswith("/jobs/gpu-j0b0page"), "the job page opens")
     dash.wait(lambda: "live-on" in dash.d.find_element(By.ID, "live").get_attribute("class"), "live")
-    assert dash.d.find_element(By.ID, "job-title").text == "train_gpt.py"
-    assert "python train_gpt.py --lr 3e-4" in dash.d.find_element(By.ID, "job-cmdline").text
+    assert _text(dash, "job-title") == "train_gpt.py"
+    assert "python train_gpt.py --lr 3e-4" in _text(dash, "job-cmdline")
     assert "GPU 0" in _text(dash, "job-gpu") and "12.0 GiB" in _text(dash, "job-memory")
     # progress comes with the heartbeats, and the page follows it without an event
     first = dash.wait(lambda: _text(dash, "job-steps") not in ("None", "—") and _text(dash, "job-steps"), "steps shown")
     dash.wait(lambda: _text(dash, "job-steps") != first, "the step count moves", timeout=15)
     dash.wait(lambda: "steps/s" in _text(dash, "job-rate"), "steps/s shown", timeout=15)
     assert _text(dash, "job-loss") == "2.5"
-    assert dash.d.find_element(By.ID, "no-timeline").is_displayed()
+    assert dash.js("var e = document.getElementById('no-timeline'); return !!e && e.offsetParent !== null")
 
     _click(dash, '#job-actions button[data-action="migrate"]')
     dash.wait(dash.dialog_open, "the Migrate dialog opens")
@@ -223,23 +223,29 @@ def test_totals_and_gpu_history_on_the_main_page(
     _add_history(server, host, time.time())
     dash.open()
     dash.wait(lambda: dash.has_row("gpu-hist0002"), "rows rendered")
-    card = dash.d.find_element(By.CSS_SELECTOR, f'article.gpu[data-uuid="{host.uuid(0)}"]')
-    figure = card.find_element(By.CSS_SELECTOR, "figure.gpu-history")
-    assert figure.get_attribute("data-samples") == "121"  # the two hours written, and one from the jobs' reports
-    for chart in ("spark-memory", "spark-util"):
-        line = figure.find_element(By.CSS_SELECTOR, f"svg.{chart} polyline")
-        assert len(line.get_attribute("points").split()) == 121
-        assert dash.js("return arguments[0].getBoundingClientRect().width", line) > 20  # drawn, not empty
-    assert "peak 39.0 GiB" in figure.text
+    read = (
+        "var f = document.querySelector('article.gpu[data-uuid=\"' + arguments[0] + '\"] figure.gpu-history');"
+        "if (!f) { return null; } f.scrollIntoView(); var r = f.getBoundingClientRect();"
+        "return {samples: f.dataset.samples, text: f.textContent.replace(/\\s+/g, ' '),"
+        " visible: r.width > 0 && r.height > 0 && r.right <= window.innerWidth,"
+        " charts: Array.from(f.querySelectorAll('svg polyline'), l => ({"
+        "  cls: l.parentNode.getAttribute('class'), points: l.getAttribute('points').split(' ').length,"
+        "  width: l.getBoundingClientRect().width}))};"
+    )
+    chart = dash.wait(lambda: dash.js(read, host.uuid(0)), "the GPU's history chart")
+    assert chart["samples"] == "121"  # the two hours written, and one from the jobs' reports
+    assert [c["cls"] for c in chart["charts"]] == ["spark spark-memory", "spark spark-util"]
+    for line in chart["charts"]:
+        assert line["points"] == 121 and line["width"] > 200  # drawn across the chart, not squeezed
+    assert "last 2 h" in chart["text"] and "peak 39.0 GiB" in chart["text"]
     totals = {t: int(_text(dash, f"total-{t}")) for t in ("gpus", "running", "paused", "moves")}
     assert totals["gpus"] >= 4 and totals["running"] >= 1 and totals["paused"] >= 1
     try:
         for width, height in (DESKTOP, PHONE):
             _viewport(dash, width, height)
-            assert dash.d.find_element(By.ID, "totals").is_displayed()
+            assert dash.js("return document.getElementById('totals').getBoundingClientRect().height") > 0
             assert dash.overflow()["scroll"] <= width
-            dash.js("arguments[0].scrollIntoView()", figure)
-            assert figure.is_displayed()
+            assert dash.wait(lambda: dash.js(read, host.uuid(0)), "chart")["visible"]
             dash.d.save_screenshot(str(artifacts / f"totals-history-{width}.png"))
     finally:
         dash.d.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})

@@ -210,8 +210,9 @@ def sparkline(values: Sequence[Optional[float]], times: Sequence[float], *, sinc
 
 
 def history_chart(samples: Sequence[storage.Sample], now: float) -> dict[str, Any]:
-    """The points of a GPU's memory (share of its total) and utilization charts."""
-    since = now - storage.HISTORY_KEEP_S
+    """The points of a GPU's memory (share of its total) and utilization charts, from its first
+    kept sample to now (at most the retention: a GPU seen for an hour fills the chart)."""
+    since = max(now - storage.HISTORY_KEEP_S, min((s.at for s in samples), default=now))
     times = [s.at for s in samples]
     memory = [s.memory_used / s.memory_total if s.memory_total else None for s in samples]
     util = [None if s.utilization is None else s.utilization / 100 for s in samples]
@@ -221,7 +222,7 @@ def history_chart(samples: Sequence[storage.Sample], now: float) -> dict[str, An
         "samples": len(samples),
         "peak_memory": max((s.memory_used for s in samples), default=0),
         "peak_util": max((s.utilization for s in samples if s.utilization is not None), default=None),
-        "hours": round(storage.HISTORY_KEEP_S / 3600),
+        "span": fmt_duration(now - since, precise=False),
     }
 
 

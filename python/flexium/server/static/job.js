@@ -68,21 +68,27 @@
     return r.text();
   }
 
-  function notify(text, kind) {
-    var el = document.createElement("div");
+  // One notice per command (key): its outcome replaces the notice that it was sent.
+  var shown = new Map();
+  function notify(text, kind, key) {
+    var el = key !== undefined ? shown.get(key) : null;
+    if (!el || !document.contains(el)) {
+      el = document.createElement("div");
+      var span = document.createElement("span");
+      span.className = "notice-text";
+      var close = document.createElement("button");
+      close.type = "button";
+      close.className = "notice-close";
+      close.setAttribute("aria-label", "Dismiss");
+      close.textContent = "×";
+      close.addEventListener("click", function () { el.remove(); });
+      el.append(span, close);
+      notices.prepend(el);
+      if (key !== undefined) { shown.set(key, el); }
+    }
     el.className = "notice notice-" + kind;
     el.setAttribute("role", kind === "error" ? "alert" : "status");
-    var span = document.createElement("span");
-    span.className = "notice-text";
-    span.textContent = text;
-    var close = document.createElement("button");
-    close.type = "button";
-    close.className = "notice-close";
-    close.setAttribute("aria-label", "Dismiss");
-    close.textContent = "×";
-    close.addEventListener("click", function () { el.remove(); });
-    el.append(span, close);
-    notices.prepend(el);
+    el.querySelector(".notice-text").textContent = text;
     if (kind === "ok") { setTimeout(function () { el.remove(); }, 12000); }
   }
 
@@ -141,7 +147,7 @@
   async function send(kind, processId, extra) {
     var payload = Object.assign({kind: kind, process_id: processId}, extra || {});
     var command = await api("POST", "/commands", payload);
-    notify(kind + " sent (command " + command.id + ")", "progress");
+    notify(kind + " sent (command " + command.id + ")…", "progress", command.id);
     refresh();
     return command;
   }
@@ -242,9 +248,9 @@
     source.addEventListener("command", function (ev) {
       var c = JSON.parse(ev.data).command || {};
       if (!concerns(c.process_id)) { return; }
-      if (c.state === "succeeded") { notify(c.kind + " succeeded (command " + c.id + ")", "ok"); }
+      if (c.state === "succeeded") { notify(c.kind + " succeeded (command " + c.id + ")", "ok", c.id); }
       else if (c.state === "failed" || c.state === "expired") {
-        notify(c.kind + " " + c.state + (c.error ? ": " + c.error : ""), "error");
+        notify(c.kind + " " + c.state + " (command " + c.id + ")" + (c.error ? ": " + c.error : ""), "error", c.id);
       }
       refresh();
     });
