@@ -267,3 +267,22 @@ def test_flexium_auto_report_records_without_a_server() -> None:
         assert (PROGRESS.loss, PROGRESS.steps) == (1.5, 7)
     finally:
         PROGRESS.reset()
+
+
+def test_counting_steps_never_imports_torch_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from flexium.api.progress import TrainingProgress
+
+    progress = TrainingProgress()
+    monkeypatch.delitem(sys.modules, "torch.optim", raising=False)
+    assert not progress.install()  # the job has not imported torch yet: nothing hooked
+    assert progress.steps is None and "torch.optim" not in sys.modules
+    monkeypatch.undo()
+    import torch.optim  # noqa: F401  (the job imports it after flexium.init())
+
+    try:
+        assert progress.hook_if_ready()  # the next heartbeat starts counting
+        assert progress.steps == 0
+    finally:
+        progress.uninstall()

@@ -10,6 +10,7 @@ CUDA (reading a tensor's value is the job's call: ``loss.item()`` synchronizes i
 from __future__ import annotations
 
 import math
+import sys
 import threading
 from typing import Any, Optional
 
@@ -24,11 +25,19 @@ class TrainingProgress:
         self.loss: Optional[float] = None
 
     def install(self) -> bool:
-        """Count optimizer steps from now (until as many ``uninstall`` calls); False without torch."""
+        """Count optimizer steps from now (until as many ``uninstall`` calls). Never imports
+        torch itself (seconds, on the thread that calls flexium.init()): before the job imports
+        it, counting starts at the first ``hook_if_ready`` after (each heartbeat calls it)."""
         with self._lock:
             self._users += 1
+        return self.hook_if_ready()
+
+    def hook_if_ready(self) -> bool:
+        with self._lock:
             if self._handle is not None:
                 return True
+            if self._users == 0 or "torch.optim" not in sys.modules:
+                return False
             try:
                 from torch.optim.optimizer import register_optimizer_step_post_hook
             except ImportError:

@@ -275,6 +275,7 @@ class ProcessReporter:
         """steps and loss when known: a body leaves out what it does not know, so the server
         keeps what it has (an older client sends neither)."""
         said: dict[str, Any] = {}
+        self.progress.hook_if_ready()  # the job may import torch after flexium.init()
         steps, loss = self.progress.steps, self.progress.loss
         if steps is not None:
             said["steps"] = min(steps, protocol.MAX_INT)

@@ -263,6 +263,6 @@
 
   tick();
   setInterval(tick, 1000);
-  setInterval(refresh, PROGRESS_EVERY_MS);
+  setInterval(function () { if (!document.hidden) { refresh(); } }, PROGRESS_EVERY_MS);
   connect();
 })();
