@@ -64,6 +64,8 @@ def test_a_job_page_shows_its_command_progress_and_every_command(api: Api) -> No
     who = sender["name"] or f"token {sender['id']}"
     assert re.search(r'sent <span data-ago="[\d.]+">[^<]+</span> by ' + re.escape(str(escape(who))), timeline)
     assert "checkpoint" in timeline and "restore" in timeline  # the operation's steps
+    gpus = page.split('id="job-gpus"')[1].split("</section>")[0]
+    assert gpus.count('<article class="gpu') == 1 and 'data-uuid="GPU-0002"' in gpus  # the GPU it is on now
     assert 'id="job-title"' in panel and "<html" not in panel  # the fragment the page's script swaps in
     assert 'href="/jobs/gpu-1"' in main  # the job's name in the table opens it
     [missing] = api.pages("/jobs/gpu-none")

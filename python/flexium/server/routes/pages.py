@@ -424,7 +424,14 @@ def job_page_view(
         elif entry.outcome == "refused" and refused_process(entry.target) in ids:
             refusals.append(entry)
     hosts = sorted({r.host for r in ranks})
+    history: dict[tuple[str, str], dict[str, Any]] = {}
+    for host in hosts:
+        samples = storage.gpu_history(
+            session=session, workspace_id=workspace_id, since=now - storage.HISTORY_KEEP_S, host=host
+        )
+        history.update({key: history_chart(kept, now) for key, kept in samples.items()})
     return {
+        "history": history,
         "now": now,
         "stale_after": stale_after,
         "gpu_indexes": storage.device_indexes(session=session, workspace_id=workspace_id),
