@@ -7,6 +7,7 @@ import logging
 from typing import Iterator, Optional
 
 from flexium.api import runtime as _runtime
+from flexium.api.progress import PROGRESS as _PROGRESS
 from flexium.api.recoverable import recoverable
 from flexium.config import validate_device
 
@@ -21,6 +22,7 @@ __all__ = [
     "is_migration_in_progress",
     "get_process_id",
     "is_migration_enabled",
+    "report",
 ]
 
 
@@ -108,3 +110,12 @@ def is_migration_enabled() -> bool:
         and current.capabilities is not None
         and current.capabilities.migration
     )
+
+
+def report(*, loss: Optional[float] = None, step: Optional[int] = None) -> None:
+    """Tell the dashboard how training goes: ``loss`` (a number; its last value is shown) and,
+    for a loop without torch.optim steps, ``step`` (otherwise flexium counts optimizer steps).
+    It only records the values: the next heartbeat carries them, so it never waits for the
+    server, and it works (and costs nothing more) without one. Pass a Python number:
+    ``loss.item()`` synchronizes the GPU, which is the job's choice of when."""
+    _PROGRESS.record(loss=loss, step=step)

@@ -158,35 +158,22 @@ def cuda_ordinal(visible_gpus: Sequence[str], gpu_uuid: Optional[str]) -> Option
     return f"cuda:{list(visible_gpus).index(gpu_uuid)}"
 
 
-# Interpreter options that take a value (python -X dev train.py): skipped with it.
-_PYTHON_OPTIONS_WITH_VALUE = ("-X", "-W", "--check-hash-based-pycs")
-
-
 def job_name(cmdline: str) -> str:
-    """A short name for a process from its command line, as ``ps`` users expect one: the script
-    (``train``), the module (``python -m pkg.train`` -> ``pkg.train``), else the program. The
-    one derivation: ``ProcessInfo.name``, which the CLI and the dashboard show."""
+    """A short name for a process from its command line, as a person recognizes it: the script
+    (``train.py``, wherever it stands: ``torchrun`` and ``python -m torch.distributed.run`` come
+    first), else the ``-m`` module, else the program. The one derivation: ``ProcessInfo.name``,
+    which the CLI and the dashboard show."""
     try:
         words = shlex.split(cmdline)
     except ValueError:  # unbalanced quotes (the client clips long command lines)
         words = [word.strip("'\"") for word in cmdline.split()]
-    if not words:
-        return ""
-    program = words[0].rsplit("/", 1)[-1]
-    if not program.startswith("python"):
-        return program
-    rest = iter(words[1:])
-    for word in rest:
-        if word == "-m":
-            return next(rest, program)
-        if word == "-c":
-            return f"{program} -c"
-        if word in _PYTHON_OPTIONS_WITH_VALUE:
-            next(rest, None)
-        elif not word.startswith("-"):
-            name = word.rsplit("/", 1)[-1]
-            return name[: -len(".py")] if name.endswith(".py") and len(name) > 3 else name
-    return program
+    for word in words:
+        if word.endswith(".py") and len(word) > 3:
+            return word.rsplit("/", 1)[-1]
+    for option, following in zip(words, words[1:]):
+        if option == "-m":
+            return following
+    return words[0].rsplit("/", 1)[-1] if words else ""
 
 
 class WireIn(BaseModel):
@@ -270,6 +257,8 @@ class RegisterRequest(WireIn):
     devices: Annotated[list[GpuReport], Field(max_length=protocol.MAX_DEVICES)] = []
     seq: Optional[Seq] = None
     job: Optional[JobMembership] = Field(default=None, description="None: a single-process job")
+    steps: Optional[Bytes] = Field(default=None, description="optimizer steps taken so far; None: not counted")
+    loss: Optional[float] = Field(default=None, description="the last loss the job reported (flexium.auto.report)")
 
 
 class HeartbeatRequest(WireIn):
@@ -285,6 +274,10 @@ class HeartbeatRequest(WireIn):
     gpu_uuid: Optional[ShortText] = None
     devices: Annotated[list[GpuReport], Field(max_length=protocol.MAX_DEVICES)] = []
     seq: Optional[Seq] = None
+    steps: Optional[Bytes] = Field(
+        default=None, description="optimizer steps taken so far (the server derives steps/s from two beats)"
+    )
+    loss: Optional[float] = Field(default=None, description="the last loss the job reported (flexium.auto.report)")
 
 
 class CommandRequest(WireIn):
@@ -412,6 +405,10 @@ class ProcessInfo(WireOut):
     name: str = Field(default="", description="a short name from cmdline: the script or module (wire.job_name)")
     active_command: Optional[CommandInfo]
     job: Optional[JobInfo] = Field(default=None, description="None: a single-process job")
+    steps: Optional[int] = Field(default=None, description="optimizer steps taken, as last reported; None: unknown")
+    steps_per_s: Optional[float] = Field(default=None, description="between the last two reports of steps")
+    steps_at: Optional[float] = Field(default=None, description="when steps was last reported")
+    loss: Optional[float] = Field(default=None, description="the last loss the job reported")
 
 
 OperationState = Literal["queued", "running", "succeeded", "failed"]

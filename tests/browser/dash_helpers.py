@@ -134,6 +134,8 @@ class SimJob:
         op_seconds: float = 1.23,
         job: Optional[dict[str, Any]] = None,
         problems: Optional[list[str]] = None,
+        steps: Optional[int] = None,
+        loss: Optional[float] = None,
     ) -> None:
         self.api = api
         self.host = host
@@ -151,6 +153,10 @@ class SimJob:
         if job is not None:
             self.capabilities["job_operations"] = migration and pause_resume
         self.state = state
+        # Training progress its beats report (None: like a client that reports none); each beat
+        # is 5 more optimizer steps.
+        self.steps = steps
+        self.loss = loss
         self.op_seconds = op_seconds
         self.hold = threading.Event()
         self.hold.set()
@@ -189,12 +195,20 @@ class SimJob:
 
     def beat(self) -> dict[str, Any]:
         with self._lock:
+            progress: dict[str, Any] = {}
+            if self.steps is not None:
+                if self.state == "RUNNING":
+                    self.steps += 5
+                progress["steps"] = self.steps
+            if self.loss is not None:
+                progress["loss"] = self.loss
             return {
                 "state": self.state,
                 "memory_bytes": 0 if self.state == "PAUSED" else self.memory,
                 "footprint_bytes": self.footprint,
                 "gpu_uuid": self.gpu_uuid,
                 "devices": self.host.report(),
+                **progress,
             }
 
     # --- life -----------------------------------------------------------------------------

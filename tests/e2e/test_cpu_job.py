@@ -36,11 +36,11 @@ def test_registers_with_capabilities_saying_no_migration(server: Server, job: Jo
     assert any("engine is not running" in problem for problem in p["capabilities"]["problems"])
     assert p["gpu_uuid"] is None and p["logical_device"] == "cpu"
     assert p["torch_version"].startswith("2.") and p["flexium_version"]
-    assert "train_job.py" in p["cmdline"] and p["name"] == "train_job"
+    assert "train_job.py" in p["cmdline"] and p["name"] == "train_job.py"
     table = server.cli("ps")
     assert table.returncode == 0 and job.process_id in table.stdout and "RUNNING" in table.stdout
     row = ps_row(table.stdout, job.process_id)
-    assert (row["NAME"], row["MOVES"], row["DOING"]) == ("train_job", "-", "-"), row
+    assert (row["NAME"], row["MOVES"], row["DOING"]) == ("train_job.py", "-", "-"), row
     assert "train_job.py" in row["COMMAND"], row  # the job's own command line
     assert "MOVES: fast = " in table.stdout
 

@@ -220,3 +220,69 @@ def test_a_job_started_with_an_argument_that_is_not_utf8_registers_with_it_clean
     body = ProcessReporter(session).register_body([])  # type: ignore[arg-type]
     assert body.cmdline == "python train.py 'donn\ufffdes.csv'"
     wire.RegisterRequest.model_validate_json(body.model_dump_json())  # the server reads it
+
+
+def test_heartbeats_carry_the_steps_counted_and_the_loss_reported() -> None:
+    from types import SimpleNamespace
+
+    import torch
+
+    from flexium.api.progress import TrainingProgress
+    from flexium.client.reports import ProcessReporter
+
+    progress = TrainingProgress()
+    session = SimpleNamespace(engine=None, logical_device="cpu", capabilities=None, process_id="cpu-1")
+    reporter = ProcessReporter(session, progress)  # type: ignore[arg-type]
+    body = reporter.heartbeat_body([])
+    assert "steps" not in body.model_fields_set and "loss" not in body.model_fields_set  # nothing known: nothing said
+    assert progress.install()
+    try:
+        weight = torch.nn.Parameter(torch.ones(2))
+        optimizer = torch.optim.SGD([weight], lr=0.1)
+        for _ in range(3):
+            weight.sum().backward()
+            optimizer.step()
+        progress.record(loss=0.75)
+        body = reporter.heartbeat_body([])
+        assert (body.steps, body.loss) == (3, 0.75)
+        assert (reporter.register_body([]).steps, reporter.register_body([]).loss) == (3, 0.75)
+        progress.record(loss=float("nan"))  # the wire carries finite numbers only: not sent
+        assert "loss" not in reporter.heartbeat_body([]).model_fields_set
+        progress.record(step=1000)  # a loop without torch.optim states its own count
+        assert reporter.heartbeat_body([]).steps == 1000
+        with pytest.raises(ValueError, match="count of steps"):
+            progress.record(step=-1)
+    finally:
+        progress.uninstall()
+    optimizer.step()  # uninstalled: no longer counted
+    assert progress.counted_steps == 3
+
+
+def test_flexium_auto_report_records_without_a_server() -> None:
+    import flexium.auto
+    from flexium.api.progress import PROGRESS
+
+    try:
+        flexium.auto.report(loss=1.5, step=7)
+        assert (PROGRESS.loss, PROGRESS.steps) == (1.5, 7)
+    finally:
+        PROGRESS.reset()
+
+
+def test_counting_steps_never_imports_torch_itself(monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from flexium.api.progress import TrainingProgress
+
+    progress = TrainingProgress()
+    monkeypatch.delitem(sys.modules, "torch.optim", raising=False)
+    assert not progress.install()  # the job has not imported torch yet: nothing hooked
+    assert progress.steps is None and "torch.optim" not in sys.modules
+    monkeypatch.undo()
+    import torch.optim  # noqa: F401  (the job imports it after flexium.init())
+
+    try:
+        assert progress.hook_if_ready()  # the next heartbeat starts counting
+        assert progress.steps == 0
+    finally:
+        progress.uninstall()

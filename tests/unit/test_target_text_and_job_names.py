@@ -54,15 +54,16 @@ def test_a_mistyped_target_is_refused_with_what_was_meant(text: str, message: st
 @pytest.mark.parametrize(
     "cmdline, name",
     [
-        ("/usr/bin/python3 train.py --lr 0.1", "train"),
-        ("/opt/venv/bin/python -u /home/me/jobs/finetune.py", "finetune"),
+        ("/usr/bin/python3 train.py --lr 0.1", "train.py"),
+        ("/opt/venv/bin/python -u /home/me/jobs/finetune.py", "finetune.py"),
+        ("python -m torch.distributed.run --nproc-per-node 2 train_ddp.py", "train_ddp.py"),
         ("python3 -X dev -m pkg.train --epochs 3", "pkg.train"),
-        ("python -c 'import x'", "python -c"),
-        ("/opt/venv/bin/accelerate launch train.py", "accelerate"),
-        ("python3 'my script.py'", "my script"),
+        ("python -c 'import x'", "python"),
+        ("/opt/venv/bin/accelerate launch train.py", "train.py"),
+        ("python3 'my script.py'", "my script.py"),
         ("python3", "python3"),
         ("", ""),
-        ("python3 'unbalanced", "unbalanced"),
+        ("python3 'unbalanced.py", "unbalanced.py"),
     ],
 )
 def test_a_process_is_named_by_its_script_or_module(cmdline: str, name: str) -> None:

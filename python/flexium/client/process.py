@@ -22,6 +22,7 @@ import time
 from typing import Optional, Union
 
 from flexium import protocol, wire
+from flexium.api.progress import PROGRESS
 from flexium.client.contracts import TrainingProcess
 from flexium.client.http import ApiClient, Backoff, NotFound, Refused, ServerError, Unauthorized, UnreadableCommand
 from flexium.client.reports import ProcessReporter, operation_report, visible_gpus
@@ -64,6 +65,8 @@ class ProcessClient:
         self.engine = training.engine
         self.process_id: str = training.process_id
         self.reporter = reporter or ProcessReporter(training)
+        # Counted from start to stop: the heartbeats carry the count (ProcessReporter reads it).
+        self.progress = PROGRESS
         self.heartbeat_interval_s = protocol.HEARTBEAT_INTERVAL_S
         self.poll_timeout_s = protocol.POLL_TIMEOUT_S
         self.registrations = 0
@@ -87,6 +90,7 @@ class ProcessClient:
     # ---- lifecycle --------------------------------------------------------------------------
 
     def start(self) -> "ProcessClient":
+        self.progress.install()
         if self.engine is not None:
             self.engine.add_state_listener(self._on_engine_state)
         for name, target in (("flexium-reporter", self._report_loop), ("flexium-control", self._control_loop)):
@@ -102,6 +106,7 @@ class ProcessClient:
             return
         self._stop.set()
         self._wake.set()
+        self.progress.uninstall()
         # A registration in flight finishes first, so that it cannot land after the unregister.
         locked = self._send_lock.acquire(timeout=timeout)
         try:

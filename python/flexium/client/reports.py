@@ -21,6 +21,7 @@ from typing import Any, Optional
 from pydantic import ValidationError
 
 from flexium import protocol, wire
+from flexium.api.progress import PROGRESS, TrainingProgress
 from flexium.client.contracts import EngineControl, TrainingProcess
 from flexium.engine import nvml, torch_bridge
 from flexium.engine.distributed import job_operation, membership
@@ -115,8 +116,9 @@ class ProcessReporter:
     capabilities) and its engine (state, placement, memory). Called from the client's
     threads only."""
 
-    def __init__(self, training: TrainingProcess) -> None:
+    def __init__(self, training: TrainingProcess, progress: TrainingProgress = PROGRESS) -> None:
         self.training = training
+        self.progress = progress
         self.engine = training.engine
         self.pid = os.getpid()
         self.host = _short(socket.gethostname(), protocol.MAX_HOST_LEN) or "localhost"
@@ -251,17 +253,35 @@ class ProcessReporter:
             devices=gpu_reports(gpus),
             seq=seq,
             job=job_membership(),
+            **self._progress(),
         )
 
     def heartbeat_body(self, gpus: list[nvml.HostGpu]) -> wire.HeartbeatRequest:
         seq = body_seq()
         memory, footprint = self.memory(gpus)
         body = wire.HeartbeatRequest(
-            state=self.state(), memory_bytes=memory, devices=gpu_reports(gpus), seq=seq, **_stated(self.placement())
+            state=self.state(),
+            memory_bytes=memory,
+            devices=gpu_reports(gpus),
+            seq=seq,
+            **_stated(self.placement()),
+            **self._progress(),
         )
         if footprint is not None:
             body.footprint_bytes = footprint
         return body
+
+    def _progress(self) -> dict[str, Any]:
+        """steps and loss when known: a body leaves out what it does not know, so the server
+        keeps what it has (an older client sends neither)."""
+        said: dict[str, Any] = {}
+        self.progress.hook_if_ready()  # the job may import torch after flexium.init()
+        steps, loss = self.progress.steps, self.progress.loss
+        if steps is not None:
+            said["steps"] = min(steps, protocol.MAX_INT)
+        if loss is not None:
+            said["loss"] = loss
+        return said
 
     def process_update(self) -> wire.ProcessUpdate:
         seq = body_seq()

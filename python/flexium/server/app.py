@@ -30,6 +30,7 @@ from flexium.server.db import Database, DatabaseUnavailable, SchemaTooNew
 from flexium.server.errors import ApiError
 from flexium.server.heartbeat_shortcut import HeartbeatShortcut
 from flexium.server.routes import api, pages, system
+from flexium.server.routes.docs import install_docs
 from flexium.server.settings import Settings, load_settings, option_and_env
 from flexium.server.storage import quotas
 
@@ -244,12 +245,15 @@ def create_app(
         description="Processes, GPUs and commands of flexium training jobs. "
         "Every /api call carries 'Authorization: Bearer <workspace token>'.",
         lifespan=lifespan,
+        docs_url=None,  # served by routes.docs, with local assets
+        redoc_url=None,
     )
     app.state.ctx = ctx
     install_error_handlers(app)
     app.include_router(system.router)
     app.include_router(api.router)
     app.include_router(pages.router)
+    install_docs(app)
     app.mount("/static", StaticFiles(directory=str(Path(__file__).resolve().parent / "static")), name="static")
     app.add_middleware(HeartbeatShortcut, ctx=ctx)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)

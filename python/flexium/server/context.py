@@ -78,6 +78,7 @@ class ServerContext:
     # would keep SQLite's single writer busy in front of the commands that matter.
     snapshots: dict[tuple[int, str], ProcessSnapshot] = field(default_factory=dict)
     beats: dict[int, float] = field(default_factory=dict)
+    progress: dict[int, storage.Progress] = field(default_factory=dict)  # what those beats said of training
     # Hint for heartbeat answers only; delivery always reads the database.
     pending: dict[tuple[int, str], int] = field(default_factory=dict)
     token_lookups: dict[str, "asyncio.Future[Optional[AuthInfo]]"] = field(default_factory=dict)
@@ -140,19 +141,26 @@ class ServerContext:
         snap = self.snapshots.get(key)
         if snap is None or now - snap.last_seen > self.settings.stale_after_s or not snap.unchanged_by(report):
             return False
-        self.snapshots[key] = dataclasses.replace(snap, last_seen=now)
+        progress = snap.progress
+        if report.steps is not None or report.loss is not None:
+            progress = progress.after(steps=report.steps, loss=report.loss, now=now)
+            self.progress[snap.pk] = progress
+        self.snapshots[key] = dataclasses.replace(snap, last_seen=now, progress=progress)
         self.beats[snap.pk] = now
         return True
 
     async def flush_beats(self) -> None:
-        if not self.beats:
+        if not self.beats and not self.progress:
             return
         beats, self.beats = self.beats, {}
+        progress, self.progress = self.progress, {}
         try:
-            await self.db.call(storage.record_beats, write=True, beats=beats)
+            await self.db.call(storage.record_beats, write=True, beats=beats, progress=progress)
         except Exception:
             for pk, seen in beats.items():  # keep them for the next try
                 self.beats[pk] = max(seen, self.beats.get(pk, 0.0))
+            for pk, kept in progress.items():
+                self.progress.setdefault(pk, kept)
             raise
 
     async def flush_forever(self) -> None:

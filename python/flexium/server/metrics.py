@@ -6,16 +6,100 @@ database at scrape time; rates and latencies are counted in this process.
 
 from __future__ import annotations
 
+from typing import Iterator, Optional, Sequence
+
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 from flexium import protocol
+from flexium.server.storage.series import WorkspaceSeries
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
 _OPERATION_BUCKETS = (0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300)
 _DELIVERY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5, 30)
+
+
+_GPU_LABELS = ["workspace", "host", "uuid", "index", "name"]
+_JOB_LABELS = ["workspace", "process_id", "name", "host", "job", "rank"]
+
+
+class ClusterSeries(Collector):
+    """Per-GPU and per-job gauges of the scrape's snapshot: a GPU or a job that is gone has no
+    series at all (labelled Gauges would keep its last value until the server restarts)."""
+
+    def __init__(self) -> None:
+        self.snapshot: Sequence[WorkspaceSeries] = ()
+
+    def describe(self) -> list[Metric]:
+        return []  # dynamic: no fixed series to check at registration
+
+    def collect(self) -> Iterator[Metric]:
+        gpu = {
+            "memory_used": GaugeMetricFamily(
+                "flexium_gpu_memory_used_bytes", "GPU memory in use, by every process on it.", labels=_GPU_LABELS
+            ),
+            "memory_total": GaugeMetricFamily("flexium_gpu_memory_total_bytes", "GPU memory.", labels=_GPU_LABELS),
+            "memory_flexium": GaugeMetricFamily(
+                "flexium_gpu_memory_flexium_bytes",
+                "GPU memory held by the workspace's flexium jobs.",
+                labels=_GPU_LABELS,
+            ),
+            "utilization": GaugeMetricFamily(
+                "flexium_gpu_utilization_percent", "GPU utilization as NVML reports it.", labels=_GPU_LABELS
+            ),
+            "temperature": GaugeMetricFamily("flexium_gpu_temperature_celsius", "GPU temperature.", labels=_GPU_LABELS),
+            "updated_at": GaugeMetricFamily(
+                "flexium_gpu_report_time_seconds", "When its host last reported it (epoch).", labels=_GPU_LABELS
+            ),
+        }
+        job_state = GaugeMetricFamily(
+            "flexium_job_state",
+            "1 for the state a process is in (STALE: heartbeats stopped); job and rank are empty for a single process.",
+            labels=[*_JOB_LABELS, "state"],
+        )
+        job = {
+            "memory_bytes": GaugeMetricFamily(
+                "flexium_job_memory_bytes", "GPU memory a process holds now.", labels=_JOB_LABELS
+            ),
+            "steps": GaugeMetricFamily(
+                "flexium_job_steps", "Optimizer steps the process has taken, as last reported.", labels=_JOB_LABELS
+            ),
+            "steps_per_s": GaugeMetricFamily(
+                "flexium_job_steps_per_second", "Training speed between its last two reports.", labels=_JOB_LABELS
+            ),
+            "loss": GaugeMetricFamily(
+                "flexium_job_loss", "The last loss the job reported (flexium.auto.report).", labels=_JOB_LABELS
+            ),
+        }
+        for ws in self.snapshot:
+            for host in ws.hosts:
+                for d in host.devices:
+                    labels = [ws.workspace, host.host, d.uuid, "" if d.index is None else str(d.index), d.name]
+                    for field, family in gpu.items():
+                        value: Optional[float] = getattr(d, field)
+                        if value is not None:
+                            family.add_metric(labels, float(value))
+            for p in ws.processes:
+                labels = [
+                    ws.workspace,
+                    p.process_id,
+                    p.name,
+                    p.host,
+                    p.job.key if p.job is not None else "",
+                    str(p.job.rank) if p.job is not None else "",
+                ]
+                job_state.add_metric([*labels, p.state], 1.0)
+                for field, family in job.items():
+                    value = getattr(p, field)
+                    if value is not None:
+                        family.add_metric(labels, float(value))
+        yield from gpu.values()
+        yield job_state
+        yield from job.values()
 
 
 class Metrics:
@@ -61,6 +145,8 @@ class Metrics:
         self.sse_subscribers = Gauge("flexium_sse_subscribers", "Open live event streams.", registry=r)
         self.db_waiting = Gauge("flexium_db_calls_waiting", "Database calls queued for a worker thread.", registry=r)
         self.up_since = Gauge("flexium_server_start_time_seconds", "When this server started (epoch).", registry=r)
+        self.cluster = ClusterSeries()
+        r.register(self.cluster)
         for state in protocol.DISPLAY_STATES:
             self.processes.labels(state=state)
         for state in protocol.COMMAND_STATES:
@@ -80,8 +166,10 @@ class Metrics:
         long_polls: int,
         sse_subscribers: int,
         db_waiting: int = 0,
+        series: Sequence[WorkspaceSeries] = (),
     ) -> bytes:
         self.db_waiting.set(db_waiting)
+        self.cluster.snapshot = series
         for state, n in processes.items():
             self.processes.labels(state=state).set(n)
         for state, n in commands.items():

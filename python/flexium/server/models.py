@@ -140,6 +140,12 @@ class Process(Base):
     # The token that registered it: a job token acts only on the processes it registered.
     # No foreign key, as for Token.minted_by.
     token_id: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
+    # Training progress as the process last reported it (None: it never did): steps_per_s is
+    # derived from the two last reports of steps, so the dashboard needs no history for it.
+    steps: Mapped[Optional[int]] = mapped_column(BigInteger, nullable=True)
+    steps_at: Mapped[Optional[float]] = mapped_column(Double, nullable=True)
+    steps_per_s: Mapped[Optional[float]] = mapped_column(Double, nullable=True)
+    loss: Mapped[Optional[float]] = mapped_column(Double, nullable=True)
 
 
 class Device(Base):
@@ -157,6 +163,25 @@ class Device(Base):
     temperature: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
     health: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT), default="ok")
     updated_at: Mapped[float] = mapped_column(Double)
+
+
+class GpuSample(Base):
+    """One GPU's memory and utilization at one time, at most one a minute per GPU, kept for
+    ``storage.HISTORY_KEEP_S`` (the sweep prunes older ones): the dashboard's history charts."""
+
+    __tablename__ = "gpu_samples"
+    __table_args__ = (
+        Index("ix_gpu_samples_gpu_at", "workspace_id", "host", "uuid", "at"),
+        Index("ix_gpu_samples_at", "at"),
+    )
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    workspace_id: Mapped[int] = mapped_column(ForeignKey("workspaces.id", ondelete="CASCADE"))
+    host: Mapped[str] = mapped_column(String(protocol.MAX_HOST_LEN))
+    uuid: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT))
+    at: Mapped[float] = mapped_column(Double)
+    memory_used: Mapped[int] = mapped_column(BigInteger)
+    memory_total: Mapped[int] = mapped_column(BigInteger)
+    utilization: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
 
 
 class JobOperation(Base):

@@ -402,9 +402,13 @@ async def metrics_text(ctx: ServerContext) -> bytes:
         storage.count_processes, write=False, now=time.time(), stale_after=ctx.settings.stale_after_s
     )
     commands = await ctx.db.call(storage.count_commands, write=False)
+    series = await ctx.db.call(
+        storage.metric_series, write=False, now=time.time(), stale_after=ctx.settings.stale_after_s
+    )
     return ctx.metrics.render(
         processes=processes,
         commands=commands,
+        series=series,
         long_polls=ctx.notifier.waiting,
         sse_subscribers=ctx.bus.subscribers,
         db_waiting=ctx.db.calls_waiting,

@@ -10,7 +10,6 @@ second line against injected markup."""
 from __future__ import annotations
 
 import math
-import shlex
 import time
 from pathlib import Path
 from typing import Annotated, Any, Awaitable, Callable, Optional, Sequence
@@ -137,22 +136,8 @@ def fmt_utc(ts: float) -> str:
 
 
 def job_name(process: wire.ProcessInfo) -> str:
-    """A short name a person recognizes: the script of the command line (launchers such as
-    ``torchrun`` or ``python -m torch.distributed.run`` come first), else its ``-m`` module,
-    else the program, else the process id."""
-    try:
-        words = shlex.split(process.cmdline or "")
-    except ValueError:
-        words = (process.cmdline or "").split()
-    for word in words:
-        if word.endswith(".py"):
-            return Path(word).name
-    for i, word in enumerate(words[:-1]):
-        if word == "-m":
-            return words[i + 1]
-    if words:
-        return Path(words[0]).name or words[0]
-    return process.process_id
+    """What the dashboard calls a process: its name (``wire.job_name``), else its id."""
+    return process.name or process.process_id
 
 
 def gpu_label(index: Optional[int], uuid: Optional[str]) -> str:
@@ -183,13 +168,99 @@ def command_seconds(command: wire.CommandInfo) -> Optional[float]:
     return None
 
 
-TEMPLATES.env.filters.update(bytes=fmt_bytes, duration=fmt_duration, utc=fmt_utc)
+# Known reasons a process cannot be moved, as the few words shown beside a greyed button (the
+# full reason is its tooltip and is on the job page). First match wins; order: most specific.
+_SHORT_REASONS = (
+    ("needs a token with role", "read-only login: an admin token can"),
+    ("CPU-only build", "CPU-only torch: no GPU memory to move"),
+    ("no usable GPU", "torch sees no usable GPU"),
+    ("engine is not running", "flexium's engine is off in this job"),
+    ("install the NVIDIA driver", "no NVIDIA driver"),
+    ("no NVIDIA driver", "no NVIDIA driver"),
+    ("failed to initialise", "the NVIDIA driver failed to start"),
+    ("is too old", "NVIDIA driver too old (550+ / 580+)"),
+    ("lacks the checkpoint API", "driver lacks the checkpoint API (580+)"),
+    ("migration to another GPU needs 580+", "this driver pauses only; moving needs 580+"),
+    ("cannot be paused or moved as a whole", "its job cannot be moved as a whole"),
+    ("cannot take part in a job operation", "a rank cannot take part"),
+    ("GPU remapping on restore", "mixed driver versions"),
+)
+SHORT_REASON_MAX = 60
+
+
+def short_reason(full: str) -> str:
+    """A refusal in at most ``SHORT_REASON_MAX`` characters, for beside a greyed button."""
+    for needle, short in _SHORT_REASONS:
+        if needle in full:
+            return short
+    first = full.split(";")[0].split(": ")[0].strip()
+    return first if len(first) <= SHORT_REASON_MAX else first[: SHORT_REASON_MAX - 1].rstrip() + "…"
+
+
+def refusal(process: wire.ProcessInfo, kind: str, actions_refused: str) -> str:
+    """Why ``kind`` (migrate, pause or resume) of ``process`` is refused before it is sent; ""
+    when it is not. The same rules as the greyed buttons of the table."""
+    if actions_refused:
+        return actions_refused
+    caps = process.capabilities
+    able = caps.migration if kind == "migrate" else caps.pause_resume
+    if able:
+        return ""
+    needs = "580+" if kind == "migrate" else "550+"
+    return "; ".join(caps.problems) or f"This job's driver cannot {kind} (needs {needs})"
+
+
+def sparkline(values: Sequence[Optional[float]], times: Sequence[float], *, since: float, until: float) -> str:
+    """SVG polyline points of ``values`` (0..1, None: a gap skipped) over [since, until], in a
+    240 x 40 box (the charts' viewBox)."""
+    span = max(until - since, 1.0)
+    points = []
+    for value, at in zip(values, times, strict=True):
+        if value is None:
+            continue
+        x = 240 * (at - since) / span
+        y = 40 - 40 * min(max(value, 0.0), 1.0)
+        points.append(f"{x:.1f},{y:.1f}")
+    return " ".join(points)
+
+
+def history_chart(samples: Sequence[storage.Sample], now: float) -> dict[str, Any]:
+    """The points of a GPU's memory (share of its total) and utilization charts, from its first
+    kept sample to now (at most the retention: a GPU seen for an hour fills the chart)."""
+    since = max(now - storage.HISTORY_KEEP_S, min((s.at for s in samples), default=now))
+    times = [s.at for s in samples]
+    memory = [s.memory_used / s.memory_total if s.memory_total else None for s in samples]
+    util = [None if s.utilization is None else s.utilization / 100 for s in samples]
+    return {
+        "memory": sparkline(memory, times, since=since, until=now),
+        "utilization": sparkline(util, times, since=since, until=now),
+        "samples": len(samples),
+        "peak_memory": max((s.memory_used for s in samples), default=0),
+        "peak_util": max((s.utilization for s in samples if s.utilization is not None), default=None),
+        "span": fmt_duration(now - since, precise=False),
+    }
+
+
+def fmt_rate(per_s: Optional[float]) -> str:
+    if per_s is None:
+        return "—"
+    return f"{per_s:.2f} steps/s" if per_s < 10 else f"{per_s:.0f} steps/s"
+
+
+def fmt_loss(loss: Optional[float]) -> str:
+    return "—" if loss is None else f"{loss:.4g}"
+
+
+TEMPLATES.env.filters.update(
+    bytes=fmt_bytes, duration=fmt_duration, utc=fmt_utc, rate=fmt_rate, loss=fmt_loss, short_reason=short_reason
+)
 TEMPLATES.env.globals.update(
     fmt_ago=fmt_ago,
     job_name=job_name,
     gpu_label=gpu_label,
     membar=membar,
     command_seconds=command_seconds,
+    refusal=refusal,
     DISPLAY_STATES=protocol.DISPLAY_STATES,
     TARGETABLE_HEALTH=protocol.TARGETABLE_HEALTH,
 )
@@ -278,6 +349,13 @@ def dashboard_view(
                     session=session, workspace_id=workspace_id, now=now, stale_after=stale_after, host=host
                 ).hosts
             ]
+    if devices and process_ids is None:
+        view["history"] = {
+            key: history_chart(samples, now)
+            for key, samples in storage.gpu_history(
+                session=session, workspace_id=workspace_id, since=now - storage.HISTORY_KEEP_S
+            ).items()
+        }
     if targets is not None and view.get("processes"):
         view["targets"] = storage.judge_targets(
             session=session,
@@ -288,6 +366,104 @@ def dashboard_view(
             stale_after=stale_after,
         )
     return view
+
+
+def cluster_totals(view: dict[str, Any], *, moves_today: int) -> dict[str, Any]:
+    """The summary over the main page: the GPUs of hosts that report, their memory, the jobs
+    (a job of several ranks counts once) by state, and today's moves."""
+    devices = [d for h in view.get("hosts", []) if not h.stale for d in h.devices]
+    states = [item.state for _kind, item in view.get("entries", [])]
+    return {
+        "gpus": len(devices),
+        "memory_used": sum(d.memory_used for d in devices),
+        "memory_total": sum(d.memory_total for d in devices),
+        "running": states.count("RUNNING"),
+        "paused": states.count("PAUSED"),
+        "moves_today": moves_today,
+    }
+
+
+def start_of_day_utc(now: float) -> float:
+    return now - now % 86400
+
+
+_TIMELINE = 200  # commands shown on a job page, newest first
+
+
+def refused_process(target: str) -> str:
+    """The process a refused command was for, from its audit entry's target ("pause gpu-1 to 2",
+    ``storage.audit.record_command_refused``)."""
+    words = target.split()
+    return words[1] if len(words) > 1 else ""
+
+
+def timeline(commands: list[wire.CommandInfo], refusals: list[wire.AuditEntry]) -> list[tuple[str, Any]]:
+    """("command", CommandInfo) and ("refused", AuditEntry: a command the server refused, never
+    created), newest first."""
+    events: list[tuple[float, str, Any]] = [(c.created_at, "command", c) for c in commands]
+    events += [(e.at, "refused", e) for e in refusals]
+    events.sort(key=lambda event: event[0], reverse=True)
+    return [(kind, item) for _at, kind, item in events]
+
+
+def job_page_view(
+    *, session: Session, workspace_id: int, process_id: str, now: float, stale_after: float
+) -> dict[str, Any]:
+    """A process, or the job of several ranks it is a rank of, with every command it received
+    (newest first, each with who sent it from the audit log) and its GPUs."""
+    process = storage.get_process(
+        session=session, workspace_id=workspace_id, process_id=process_id, now=now, stale_after=stale_after
+    )
+    job = None
+    ranks = [process]
+    if process.job is not None and process.job.world_size > 1:
+        everyone = storage.list_processes(session=session, workspace_id=workspace_id, now=now, stale_after=stale_after)
+        job = next((j for j in storage.summarize_jobs(everyone) if j.key == process.job.key), None)
+        if job is not None:
+            ranks = job.ranks
+    commands: list[wire.CommandInfo] = []
+    for rank in ranks:
+        commands += storage.list_commands(
+            session=session, workspace_id=workspace_id, process_id=rank.process_id, limit=_TIMELINE
+        )
+    commands.sort(key=lambda c: c.id, reverse=True)
+    senders: dict[int, wire.AuditEntry] = {}
+    refusals: list[wire.AuditEntry] = []
+    labels = {f"command {c.id} ({c.kind} {c.process_id})": c.id for c in commands}
+    ids = {r.process_id for r in ranks}
+    for entry in storage.list_audit(session=session, workspace_id=workspace_id, limit=storage.AUDIT_KEEP):
+        if entry.action != "command.created":
+            continue
+        if entry.target in labels:
+            senders[labels[entry.target]] = entry
+        elif entry.outcome == "refused" and refused_process(entry.target) in ids:
+            refusals.append(entry)
+    hosts = sorted({r.host for r in ranks})
+    history: dict[tuple[str, str], dict[str, Any]] = {}
+    for host in hosts:
+        samples = storage.gpu_history(
+            session=session, workspace_id=workspace_id, since=now - storage.HISTORY_KEEP_S, host=host
+        )
+        history.update({key: history_chart(kept, now) for key, kept in samples.items()})
+    return {
+        "history": history,
+        "now": now,
+        "stale_after": stale_after,
+        "gpu_indexes": storage.device_indexes(session=session, workspace_id=workspace_id),
+        "process": process,
+        "job": job,
+        "ranks": ranks,
+        "timeline": timeline(commands[:_TIMELINE], refusals),
+        "senders": senders,
+        "last": last_finished(commands),
+        "hosts": [
+            entry
+            for host in hosts
+            for entry in storage.list_devices(
+                session=session, workspace_id=workspace_id, now=now, stale_after=stale_after, host=host
+            ).hosts
+        ],
+    }
 
 
 def table_entries(processes: list[wire.ProcessInfo]) -> list[tuple[str, Any]]:
@@ -392,7 +568,55 @@ async def index(request: Request, ctx: Ctx, auth: PageAuth) -> Response:
     # Events published between this read and the script's subscription are not replayed to
     # it; the script compares this with the stream's first id and reloads the lists if they differ.
     view["event_id"] = ctx.bus.last_id
+    moves = await ctx.db.call(
+        storage.count_finished,
+        write=False,
+        workspace_id=auth.workspace_id,
+        kind="migrate",
+        state="succeeded",
+        since=start_of_day_utc(view["now"]),
+    )
+    view["totals"] = cluster_totals(view, moves_today=moves)
     return _render(request, "index.html", view)
+
+
+async def _job_view(request: Request, ctx: Ctx, auth: AuthInfo, process_id: str) -> Optional[dict[str, Any]]:
+    try:
+        view = await ctx.db.call(
+            job_page_view,
+            write=False,
+            workspace_id=auth.workspace_id,
+            process_id=process_id,
+            now=time.time(),
+            stale_after=ctx.settings.stale_after_s,
+        )
+    except NotFound:
+        return None
+    _who(view, auth)
+    view["api_base"] = protocol.workspace_path(auth.workspace)
+    return view
+
+
+@router.get("/jobs/{process_id}", response_class=HTMLResponse)
+async def job_page(request: Request, ctx: Ctx, auth: PageAuth, process_id: str) -> Response:
+    """A job's page: the process (or every rank of its job), its progress and every command it
+    received. Reached from the job's name in the main page's table."""
+    view = await _job_view(request, ctx, auth, process_id)
+    if view is None:
+        view = {"now": time.time(), "missing": process_id}
+        _who(view, auth)
+        return _render(request, "job.html", view, status_code=404)
+    view["event_id"] = ctx.bus.last_id
+    return _render(request, "job.html", view)
+
+
+@router.get("/ui/jobs/{process_id}/panel", response_class=HTMLResponse)
+async def job_panel(request: Request, ctx: Ctx, auth: FragmentAuth, process_id: str) -> Response:
+    """The job page's content, which its script swaps in on a change and every few seconds."""
+    view = await _job_view(request, ctx, auth, process_id)
+    if view is None:
+        return Response("", status_code=404, headers=_HEADERS)
+    return _render(request, "fragments/job_panel.html", view)
 
 
 # --- fragments (the script swaps these in on live events) -------------------------------------

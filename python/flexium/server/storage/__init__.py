@@ -19,6 +19,7 @@ from flexium.server.storage.audit import (
 )
 from flexium.server.storage.commands import (
     count_commands,
+    count_finished,
     create_commands,
     get_command,
     judge_targets,
@@ -29,10 +30,12 @@ from flexium.server.storage.commands import (
     report_command,
 )
 from flexium.server.storage.devices import device_indexes, list_devices, upsert_devices
+from flexium.server.storage.history import HISTORY_EVERY_S, HISTORY_KEEP_S, Sample, gpu_history, prune_history
 from flexium.server.storage.jobs import get_operation, list_jobs, summarize_jobs
 from flexium.server.storage.processes import (
     HeartbeatOutcome,
     ProcessSnapshot,
+    Progress,
     count_processes,
     get_process,
     heartbeat,
@@ -44,6 +47,7 @@ from flexium.server.storage.processes import (
     register_process_snapshot,
     unregister_process,
 )
+from flexium.server.storage.series import WorkspaceSeries, metric_series
 from flexium.server.storage.sessions import (
     LOGIN_CODE_TTL_S,
     SESSION_IDLE_S,
@@ -75,6 +79,13 @@ from flexium.server.storage.workspaces import (
 )
 
 __all__ = [
+    "WorkspaceSeries",
+    "metric_series",
+    "HISTORY_EVERY_S",
+    "HISTORY_KEEP_S",
+    "Sample",
+    "gpu_history",
+    "prune_history",
     "AUDIT_KEEP",
     "LOGIN_CODE_TTL_S",
     "SESSION_IDLE_S",
@@ -95,10 +106,12 @@ __all__ = [
     "touch_session",
     "HeartbeatOutcome",
     "ProcessSnapshot",
+    "Progress",
     "SweepResult",
     "WorkspaceRecord",
     "authenticate",
     "count_commands",
+    "count_finished",
     "device_indexes",
     "resolve_target",
     "target_refusal",

@@ -366,3 +366,18 @@ def count_commands(*, session: Session) -> dict[str, int]:
     for state, n in session.execute(select(Command.state, func.count()).group_by(Command.state)):
         counts[state] = n
     return counts
+
+
+def count_finished(*, session: Session, workspace_id: int, kind: str, state: str, since: float) -> int:
+    """Commands of ``kind`` that ended in ``state`` since ``since`` (the dashboard's moves today)."""
+    return int(
+        session.scalar(
+            select(func.count()).where(
+                Command.workspace_id == workspace_id,
+                Command.kind == kind,
+                Command.state == state,
+                Command.finished_at >= since,
+            )
+        )
+        or 0
+    )

@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 
 from flexium import wire
 from flexium.server.models import Device, Process, table_of
+from flexium.server.storage.history import record_samples
 
 _FIELDS = ("index", "name", "memory_total", "memory_used", "utilization", "temperature", "health")
 
@@ -20,8 +21,10 @@ _FIELDS = ("index", "name", "memory_total", "memory_used", "utilization", "tempe
 def upsert_devices(
     *, session: Session, workspace_id: int, host: str, devices: Iterable[wire.GpuReport], now: float
 ) -> None:
-    """Insert or update a host's GPUs in one statement. The jobs of one host report the same
-    GPUs, often at the same moment: ON CONFLICT makes that race harmless on both databases."""
+    """Insert or update a host's GPUs in one statement (and take the GPU history's samples). The
+    jobs of one host report the same GPUs, often at the same moment: ON CONFLICT makes that race
+    harmless on both databases."""
+    devices = list(devices)
     rows = {}
     for report in devices:
         row: dict[str, Any] = {"workspace_id": workspace_id, "host": host, "uuid": report.uuid, "updated_at": now}
@@ -43,6 +46,7 @@ def upsert_devices(
         set_={name: stmt.excluded[name] for name in (*_FIELDS, "updated_at")},
     )
     session.execute(stmt)
+    record_samples(session=session, workspace_id=workspace_id, host=host, devices=devices, now=now)
 
 
 _NOT_NULL: dict[str, Any] = {"name": "", "memory_total": 0, "memory_used": 0, "health": "ok"}

@@ -3,10 +3,10 @@ network cut), heartbeat, unregister, read."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional, Union
 
-from sqlalchemy import bindparam, case, func, select, update
+from sqlalchemy import bindparam, case, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from flexium import protocol, wire
@@ -39,6 +39,43 @@ _UPDATED = ("state", "memory_bytes", "gpu_uuid")
 
 
 @dataclass(frozen=True)
+class Progress:
+    """A process's training progress as stored (``Process.steps`` ...); all None until it
+    reports steps."""
+
+    steps: Optional[int] = None
+    steps_at: Optional[float] = None
+    steps_per_s: Optional[float] = None
+    loss: Optional[float] = None
+
+    @classmethod
+    def of(cls, row: Process) -> "Progress":
+        return cls(steps=row.steps, steps_at=row.steps_at, steps_per_s=row.steps_per_s, loss=row.loss)
+
+    def after(self, *, steps: Optional[int], loss: Optional[float], now: float) -> "Progress":
+        """The progress once a body saying ``steps`` and ``loss`` (None: not said) arrives.
+        steps/s is measured between two reports of steps: a count that went back (a new
+        process under the same id) or no time between them starts it afresh."""
+        progress = self if loss is None else replace(self, loss=loss)
+        if steps is None:
+            return progress
+        rate = None
+        if self.steps is not None and self.steps_at is not None and now > self.steps_at and steps >= self.steps:
+            rate = (steps - self.steps) / (now - self.steps_at)
+        elif self.steps == steps:
+            rate = self.steps_per_s
+        return replace(progress, steps=steps, steps_at=now, steps_per_s=rate)
+
+    def store(self, row: Process) -> None:
+        row.steps, row.steps_at, row.steps_per_s, row.loss = self.steps, self.steps_at, self.steps_per_s, self.loss
+
+
+# Said by a body beside its state; they change with every beat, so they never make a beat
+# "changed" (see ``ProcessSnapshot.unchanged_by``): the beat buffer writes them.
+_PROGRESS_FIELDS = ("steps", "loss")
+
+
+@dataclass(frozen=True)
 class ProcessSnapshot:
     """What the server keeps in memory about a process to answer plain heartbeats without the
     database (see ``record_beats``)."""
@@ -51,6 +88,7 @@ class ProcessSnapshot:
     gpu_uuid: Optional[str]
     last_seen: float
     token_id: Optional[int] = None  # the token that registered it (a job token acts on its own alone)
+    progress: Progress = Progress()
 
     @classmethod
     def of(cls, row: Process) -> "ProcessSnapshot":
@@ -63,6 +101,7 @@ class ProcessSnapshot:
             gpu_uuid=row.gpu_uuid,
             last_seen=row.last_seen,
             token_id=row.token_id,
+            progress=Progress.of(row),
         )
 
     def unchanged_by(self, report: wire.HeartbeatRequest) -> bool:
@@ -70,8 +109,8 @@ class ProcessSnapshot:
         would change nothing but last_seen."""
         for name in report.model_fields_set:
             value = getattr(report, name)
-            if name in ("seq", "devices"):
-                continue  # plain beats need not move seq: see ``heartbeat``
+            if name in ("seq", "devices", *_PROGRESS_FIELDS):
+                continue  # plain beats need not move seq (see ``heartbeat``); progress: see _PROGRESS_FIELDS
             if name == "footprint_bytes":
                 if value is not None and value != self.footprint_bytes:
                     return False
@@ -183,6 +222,7 @@ def register_process_snapshot(
         setattr(row, name, getattr(report, name))
     row.capabilities = quotas.stored_json(session=session, value=report.capabilities, what="the process's capabilities")
     _set_job(row, report.job)
+    Progress.of(row).after(steps=report.steps, loss=report.loss, now=now).store(row)
     row.last_seen = now
     row.state_seq = report.seq
     _apply_footprint(row, footprint=report.footprint_bytes)
@@ -245,6 +285,8 @@ def heartbeat(
     row = find_process(session=session, workspace_id=workspace_id, process_id=process_id, for_update=True)
     was_stale = row.last_seen < now - stale_after
     before = tuple(getattr(row, name) for name in _UPDATED)
+    # Progress only grows and is not a placement: an older beat's still counts.
+    Progress.of(row).after(steps=report.steps, loss=report.loss, now=now).store(row)
     if is_older(report.seq, row.state_seq):
         report = wire.HeartbeatRequest()
     elif report.seq is not None:
@@ -271,9 +313,18 @@ def heartbeat(
     return HeartbeatOutcome(host=row.host, pending_command=pending, changed=changed, snapshot=ProcessSnapshot.of(row))
 
 
-def record_beats(*, session: Session, beats: dict[int, float]) -> int:
-    """Write buffered plain heartbeats (process pk -> time) in one statement. Never moves
-    last_seen backwards (a heartbeat written directly may be newer)."""
+def record_beats(*, session: Session, beats: dict[int, float], progress: Optional[dict[int, Progress]] = None) -> int:
+    """Write buffered plain heartbeats (process pk -> time) in one statement, and the progress
+    they carried (process pk -> progress) in another. Never moves last_seen backwards (a
+    heartbeat written directly may be newer)."""
+    if progress:
+        session.execute(
+            _PROGRESS_UPDATE,
+            [
+                {"b_pk": pk, "b_steps": p.steps, "b_steps_at": p.steps_at, "b_rate": p.steps_per_s, "b_loss": p.loss}
+                for pk, p in progress.items()
+            ],
+        )
     if not beats:
         return 0
     session.execute(_BEAT_UPDATE, [{"b_pk": pk, "b_seen": seen} for pk, seen in beats.items()])
@@ -285,6 +336,20 @@ _BEAT_UPDATE = (
     update(_PROCESSES)
     .where(_PROCESSES.c.pk == bindparam("b_pk"), _PROCESSES.c.last_seen < bindparam("b_seen"))
     .values(last_seen=bindparam("b_seen"))
+)
+# A buffered report never replaces a newer one a heartbeat wrote through meanwhile.
+_PROGRESS_UPDATE = (
+    update(_PROCESSES)
+    .where(
+        _PROCESSES.c.pk == bindparam("b_pk"),
+        or_(_PROCESSES.c.steps_at.is_(None), _PROCESSES.c.steps_at <= bindparam("b_steps_at")),
+    )
+    .values(
+        steps=bindparam("b_steps"),
+        steps_at=bindparam("b_steps_at"),
+        steps_per_s=bindparam("b_rate"),
+        loss=bindparam("b_loss"),
+    )
 )
 
 

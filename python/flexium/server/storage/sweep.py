@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session
 
 from flexium import protocol, wire
 from flexium.server.models import Command, Device, JobOperation, Process
+from flexium.server.storage.history import prune_history
 from flexium.server.storage.processes import shown_process
 from flexium.server.storage.views import command_view
 
@@ -79,6 +80,7 @@ def sweep(
             session.execute(delete(JobOperation).where(~exists().where(Command.operation_id == JobOperation.id)))
             result.removed = [(d.workspace_id, d.process_id) for d in doomed]
         session.execute(delete(Device).where(Device.updated_at < now - remove_after))
+    prune_history(session=session, now=now)
     for proc in session.scalars(
         select(Process).where(Process.last_seen < now - stale_after, Process.last_seen >= stale_since - stale_after)
     ):

@@ -103,6 +103,10 @@ def process_view(
             "name": wire.job_name(row.cmdline),
             "active_command": command_view(active, row.process_id) if active is not None else None,
             "job": job_view(row),
+            "steps": row.steps,
+            "steps_per_s": row.steps_per_s,
+            "steps_at": row.steps_at,
+            "loss": row.loss,
         }
     )
 

@@ -1,0 +1,71 @@
+"""The API reference, ``/docs`` (Swagger UI) and ``/redoc``, with their scripts and styles
+served by this server: FastAPI's own pages load them from a CDN, which a server without
+internet (most GPU clusters) cannot reach, and the page stays blank. The assets come from the
+``fastapi-offline`` package (the server extra); without it the pages fall back to the CDN."""
+
+from __future__ import annotations
+
+import importlib.resources
+import logging
+from pathlib import Path
+from typing import Optional
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+from fastapi.responses import HTMLResponse
+from fastapi.staticfiles import StaticFiles
+
+log = logging.getLogger("flexium.server")
+
+ASSETS_PATH = "/docs-assets"
+_TITLE = "flexium server API"
+
+router = APIRouter(include_in_schema=False)
+
+
+def asset_dir() -> Optional[Path]:
+    """Where the Swagger UI and ReDoc files are, None when the package that ships them is missing."""
+    try:
+        folder = Path(str(importlib.resources.files("fastapi_offline") / "static"))
+    except ModuleNotFoundError:
+        return None
+    return folder if (folder / "swagger-ui-bundle.js").is_file() else None
+
+
+@router.get("/docs", response_class=HTMLResponse)
+async def swagger_ui(request: Request) -> HTMLResponse:
+    local = request.app.state.docs_assets_local
+    if not local:
+        return get_swagger_ui_html(openapi_url=request.app.openapi_url, title=_TITLE)
+    return get_swagger_ui_html(
+        openapi_url=request.app.openapi_url,
+        title=_TITLE,
+        swagger_js_url=f"{ASSETS_PATH}/swagger-ui-bundle.js",
+        swagger_css_url=f"{ASSETS_PATH}/swagger-ui.css",
+        swagger_favicon_url=f"{ASSETS_PATH}/favicon.png",
+    )
+
+
+@router.get("/redoc", response_class=HTMLResponse)
+async def redoc(request: Request) -> HTMLResponse:
+    local = request.app.state.docs_assets_local
+    if not local:
+        return get_redoc_html(openapi_url=request.app.openapi_url, title=_TITLE)
+    return get_redoc_html(
+        openapi_url=request.app.openapi_url,
+        title=_TITLE,
+        redoc_js_url=f"{ASSETS_PATH}/redoc.standalone.js",
+        redoc_favicon_url=f"{ASSETS_PATH}/favicon.png",
+        with_google_fonts=False,
+    )
+
+
+def install_docs(app: FastAPI) -> None:
+    """For an app made with ``docs_url=None, redoc_url=None``."""
+    folder = asset_dir()
+    app.state.docs_assets_local = folder is not None
+    if folder is None:
+        log.warning("fastapi-offline is not installed: /docs and /redoc load their scripts from a CDN")
+    else:
+        app.mount(ASSETS_PATH, StaticFiles(directory=str(folder)), name="docs-assets")
+    app.include_router(router)
