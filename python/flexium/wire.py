@@ -170,7 +170,7 @@ def job_name(cmdline: str) -> str:
     for word in words:
         if word.endswith(".py") and len(word) > 3:
             return word.rsplit("/", 1)[-1]
-    for option, following in zip(words, words[1:]):
+    for option, following in zip(words, words[1:], strict=False):
         if option == "-m":
             return following
     return words[0].rsplit("/", 1)[-1] if words else ""
