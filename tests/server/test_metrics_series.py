@@ -39,7 +39,7 @@ def test_metrics_have_a_series_per_gpu_and_per_job(api: Api) -> None:
     assert len(samples["flexium_gpu_memory_total_bytes"]) == 4  # one host's 4 GPUs, however many jobs report them
     assert _one(samples["flexium_gpu_report_time_seconds"], **gpu_labels).value <= time.time()
 
-    job = {"workspace": "default", "process_id": "gpu-1", "name": "train", "host": "node1", "job": "", "rank": ""}
+    job = {"workspace": "default", "process_id": "gpu-1", "name": "train.py", "host": "node1", "job": "", "rank": ""}
     assert _one(samples["flexium_job_state"], **job, state="RUNNING").value == 1
     assert _one(samples["flexium_job_memory_bytes"], **job).value == 10 * GIB
     assert _one(samples["flexium_job_steps"], **job).value == 7
