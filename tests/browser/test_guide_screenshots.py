@@ -40,9 +40,9 @@ def guide_jobs(guide_server: LiveServer) -> Iterator[list[SimJob]]:
     api = Api(guide_server)
     host = FakeHost(
         "gpu-node-01",
-        gpus=[Gpu(i, other=o * GIB, utilization=u) for i, (o, u) in enumerate([(0, 96), (0, 91), (0, 0), (62, 58)])],
+        gpus=[Gpu(i, other=o * GIB, utilization=u) for i, (o, u) in enumerate([(0, 96), (0, 91), (0, 0), (100, 58)])],
     )
-    started = [
+    started = [  # each registered before the next is made: its pid counts the host's jobs so far
         SimJob(
             api,
             host,
@@ -51,14 +51,12 @@ def guide_jobs(guide_server: LiveServer) -> Iterator[list[SimJob]]:
             memory=48 * GIB,
             user="alice",
             cmdline=f"python {MOVED_SCRIPT} --config configs/llama-8b.yaml",
-        ),
-        SimJob(api, host, "gpu-0b91e4d7", gpu=1, memory=17 * GIB, user="bob", cmdline="python resnet50_imagenet.py"),
+        ).start(),
+        SimJob(api, host, "gpu-0b91e4d7", gpu=1, memory=17 * GIB, user="bob", cmdline="python resnet50.py").start(),
         SimJob(
             api, host, "gpu-c4d2aa90", gpu=2, state="PAUSED", memory=33 * GIB, user="carol", cmdline="python whisper.py"
-        ),
+        ).start(),
     ]
-    for job in started:
-        job.start()
     yield started
     for job in started:
         job.die()
@@ -106,6 +104,15 @@ def test_guide_screenshots_of_the_dashboard_and_the_migrate_dialog(
         for job in guide_jobs:
             dash.wait(lambda: dash.has_row(job.process_id), f"{job.process_id}'s row")  # noqa: B023 (waited on here)
         dash.wait_cell(MOVED_JOB, "Status", "RUNNING")
+        # One job already moved, so that the page shows a last migration and a recent command.
+        moved = Api(guide_server).post(
+            "/commands", {"process_id": "gpu-0b91e4d7", "kind": "migrate", "target": "cuda:3"}
+        )
+        assert moved.status_code in (200, 201), moved.text
+        dash.wait_cell("gpu-0b91e4d7", "Device", "GPU 3")
+        dash.wait_cell("gpu-0b91e4d7", "Last migration", "succeeded")
+        source = guide_jobs[1].host.uuid(1)  # a host's GPU report is stored at most every 5 s
+        dash.wait(lambda: dash.bar(source) == {"flexium": 0, "other": 0}, "GPU 1 shows empty again", timeout=20)
         dash.wait_cell("gpu-c4d2aa90", "Status", "PAUSED")
         dash.wait(
             lambda: len(dash.host_section("gpu-node-01").find_elements(By.CSS_SELECTOR, "article.gpu")) == 4,
@@ -128,7 +135,8 @@ def test_guide_screenshots_of_the_dashboard_and_the_migrate_dialog(
             assert MOVED_JOB in dialog or MOVED_SCRIPT in dialog, dialog
             dash.d.find_element(By.CSS_SELECTOR, "#target-dialog details.refused summary").click()
             refused = dash.d.find_element(By.CSS_SELECTOR, "#target-dialog details.refused").text
-            assert "the job is already on it" in refused, refused  # GPU 0, the server's own reason
+            assert "the job is already on it" in refused, refused  # GPU 0: the server's reasons
+            assert "23.0 GiB free, the job needs 48.0 GiB" in refused, refused  # GPU 3
             box = dash.js("return document.getElementById('target-dialog').getBoundingClientRect().toJSON()")
             assert box["left"] >= 0 and box["right"] <= width, box
             _shoot(dash, out_dir / f"migrate-dialog-{name}.png", width, height)
