@@ -16,6 +16,7 @@ PROTOCOL_VERSION = 1
 # --- addressing -----------------------------------------------------------------------------
 
 DEFAULT_PORT = 8080
+HTTPS_PORT = 443
 API_PREFIX = "/api"
 TOKEN_HEADER = "Authorization"  # "Bearer <token>"
 SESSION_COOKIE = "flexium_session"  # the dashboard's login: a server-side session's id, never a token
@@ -87,7 +88,7 @@ class ServerAddress:
     (which checks the host more strictly) all hold."""
 
     host: str  # without IPv6 brackets
-    port: int  # DEFAULT_PORT where the address names none
+    port: int  # where the address names none: HTTPS_PORT for https://, else DEFAULT_PORT
     workspace: str
     scheme: str  # "http" (the default) or "https"
 
@@ -120,7 +121,9 @@ def parse_server_address(address: str) -> ServerAddress:
             f"server address {address!r}: workspace {workspace!r} is not a valid name "
             "(lowercase letters, digits, '.', '_', '-'; at most 63)"
         )
-    host, port = hostport, DEFAULT_PORT
+    # An https:// address without a port is a TLS endpoint (a reverse proxy), on 443 as browsers
+    # assume; a bare host:... or http:// one is flexium's own port.
+    host, port = hostport, HTTPS_PORT if scheme == "https" else DEFAULT_PORT
     if hostport.startswith("["):  # [::1]:8080
         end = hostport.find("]")
         if end < 0:

@@ -8,7 +8,7 @@ from typing import Iterator
 
 import pytest
 
-pytest.importorskip("fastapi", reason='the server extra is not installed: pip install "flexium[server]"')
+pytest.importorskip("fastapi", reason='the server extra is not installed: pip install ".[server]"')
 pytest.importorskip("torch", reason="the training processes need torch (a CPU build)")
 
 from e2e_helpers import Server  # noqa: E402

@@ -54,7 +54,7 @@ def test_missing_server_extra_says_how_to_install_it(tmp_path: Path, argv: list[
         timeout=30,
     )
     assert done.returncode == 2, done.stderr
-    assert 'pip install "flexium[server]"' in done.stderr
+    assert 'pip install ".[server]"' in done.stderr
     assert "Traceback" not in done.stderr
 
 

@@ -27,7 +27,8 @@ EXPECTED = {
     "api.md#1": r"^process gpu-[0-9a-f]{8} on (cuda:\d+|cpu)$",
     "api.md#2": r"^the session ended with the block: True$",
     "api.md#3": r"^movable: (True|False) \| moving now: False$",
-    "api.md#5": r"^can migrate: (True|False)$",
+    "api.md#4": r"^reported$",
+    "api.md#6": r"^can migrate: (True|False)$",
     "configuration.md#1": r"^\{'orchestrator': 'default', 'device': 'default'",
 }
 

@@ -25,7 +25,7 @@ from live_server import ProcessOutput, ServerProcess, clean_env, flexium_command
 
 pytest.importorskip(
     "fastapi",
-    reason='the server extra is not installed: pip install "flexium[server]" '
+    reason='the server extra is not installed: pip install ".[server]" '
     "(ci/gpu-tests.sh installs the wheels carried in .whl)",
 )
 

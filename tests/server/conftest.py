@@ -11,7 +11,7 @@ from typing import Any, Iterator
 
 import pytest
 
-pytest.importorskip("fastapi", reason='the server extra is not installed: pip install "flexium[server]"')
+pytest.importorskip("fastapi", reason='the server extra is not installed: pip install ".[server]"')
 
 import warnings  # noqa: E402
 

@@ -186,7 +186,7 @@ def test_config_is_frozen_and_hides_token(home: Path) -> None:
         ("http://10.0.0.5:9000/team-a", ("http://10.0.0.5:9000", "team-a", "10.0.0.5", 9000, "http")),
         (
             "HTTPS://gpu-server.example.com/ws/",
-            ("https://gpu-server.example.com:8080", "ws", "gpu-server.example.com", 8080, "https"),
+            ("https://gpu-server.example.com:443", "ws", "gpu-server.example.com", 443, "https"),  # TLS: 443
         ),
         ("https://[::1]:8443/my_ws", ("https://[::1]:8443", "my_ws", "::1", 8443, "https")),
         ("  flexium_server:80/ws.1  ", ("http://flexium_server:80", "ws.1", "flexium_server", 80, "http")),

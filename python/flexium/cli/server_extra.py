@@ -9,7 +9,9 @@ import sys
 from types import ModuleType
 from typing import Optional
 
-SERVER_EXTRA_HINT = 'pip install "flexium[server]"'
+SERVER_EXTRA_HINT = (
+    'install its extra: pip install ".[server]" in a flexium checkout, or pip install "FLEXIUM_WHEEL[server]"'
+)
 
 
 def server_module(name: str) -> Optional[ModuleType]:
