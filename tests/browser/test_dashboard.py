@@ -174,6 +174,7 @@ def test_migrate_offers_only_gpus_that_fit_and_shows_the_outcome(dash: Dashboard
     job.hold.clear()
     dash.open()
     dash.wait_buttons("gpu-mig-0001", {"Migrate": True, "Pause": True})
+    moves_before = _total(dash, "moves")
     dash.click("gpu-mig-0001", "migrate")
     dash.wait(dash.dialog_open, "the Migrate dialog opens")
     assert sorted(dash.target_values()) == [host.uuid(1), host.uuid(5)]
@@ -216,6 +217,7 @@ def test_migrate_offers_only_gpus_that_fit_and_shows_the_outcome(dash: Dashboard
         lambda: dash.bar(host.uuid(5))["flexium"] > 0 and dash.bar(host.uuid(0))["flexium"] == 0,
         "the job's memory moved on the GPU cards",
     )
+    dash.wait(lambda: _total(dash, "moves") == moves_before + 1, "the totals count the move without a reload")
 
 
 def test_pause_and_resume_follow_the_state(dash: Dashboard, jobs: Jobs, api: Api) -> None:
@@ -229,8 +231,10 @@ def test_pause_and_resume_follow_the_state(dash: Dashboard, jobs: Jobs, api: Api
         "title"
     )
 
+    paused_before = _total(dash, "paused")
     dash.click("gpu-pause-01", "pause")
     dash.wait_cell("gpu-pause-01", "Status", "PAUSED")
+    dash.wait(lambda: _total(dash, "paused") == paused_before + 1, "the totals count the paused job live")
     [pause] = api.commands("gpu-pause-01")
     assert pause["kind"] == "pause" and pause["target_uuid"] is None
     dash.wait_buttons("gpu-pause-01", {"Resume": True})
@@ -251,6 +255,12 @@ def test_pause_and_resume_follow_the_state(dash: Dashboard, jobs: Jobs, api: Api
     resume = api.commands("gpu-pause-01")[0]
     assert resume["kind"] == "resume" and resume["target_uuid"] == host.uuid(2) and resume["state"] == "succeeded"
     dash.wait_cell("gpu-pause-01", "Last migration", "resume → GPU 2", "succeeded")
+    dash.wait(lambda: _total(dash, "paused") == paused_before, "the totals follow the resume")
+
+
+def _total(dash: Dashboard, name: str) -> int:
+    """One of the cluster totals over the page (total-gpus, -running, -paused, -moves)."""
+    return int(dash.js(f"return document.getElementById('total-{name}').textContent.trim()"))
 
 
 def test_keyboard_alone_can_migrate(dash: Dashboard, jobs: Jobs, api: Api) -> None:

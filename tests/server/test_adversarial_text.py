@@ -451,7 +451,7 @@ def read_pages(client: Client, shows: list[Showcase]) -> int:
     """The page and every fragment, all of them and narrowed to each showcase; each escapes the
     text and keeps its own markup."""
     reads = 0
-    everything = [client.page(path) for path in ("/", "/ui/processes", "/ui/devices", "/ui/commands")]
+    everything = [client.page(path) for path in ("/", "/ui/processes", "/ui/devices", "/ui/commands", "/ui/totals")]
     reads += len(everything)
     for show in shows:
         escaped_host = as_html(show.host.strip())

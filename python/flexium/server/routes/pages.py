@@ -568,6 +568,19 @@ async def index(request: Request, ctx: Ctx, auth: PageAuth) -> Response:
     # Events published between this read and the script's subscription are not replayed to
     # it; the script compares this with the stream's first id and reloads the lists if they differ.
     view["event_id"] = ctx.bus.last_id
+    view["totals"] = await _totals(ctx, auth, view)
+    return _render(request, "index.html", view)
+
+
+@router.get("/ui/totals", response_class=HTMLResponse)
+async def totals_fragment(request: Request, ctx: Ctx, auth: FragmentAuth) -> Response:
+    """The cluster totals again, for the page's script once events changed what they count."""
+    view = await _view(request, ctx, auth)
+    view["totals"] = await _totals(ctx, auth, view)
+    return _render(request, "fragments/totals.html", view)
+
+
+async def _totals(ctx: Ctx, auth: AuthInfo, view: dict[str, Any]) -> dict[str, Any]:
     moves = await ctx.db.call(
         storage.count_finished,
         write=False,
@@ -576,8 +589,7 @@ async def index(request: Request, ctx: Ctx, auth: PageAuth) -> Response:
         state="succeeded",
         since=start_of_day_utc(view["now"]),
     )
-    view["totals"] = cluster_totals(view, moves_today=moves)
-    return _render(request, "index.html", view)
+    return cluster_totals(view, moves_today=moves)
 
 
 async def _job_view(request: Request, ctx: Ctx, auth: AuthInfo, process_id: str) -> Optional[dict[str, Any]]:

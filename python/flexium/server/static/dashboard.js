@@ -232,12 +232,21 @@
     tick();
   }
 
+  // The totals count what every event may change: re-read after the rows, cards or commands.
+  async function refreshTotals() {
+    var html = await fetchFragment("/ui/totals");
+    var fresh = html ? fragment(html).querySelector("#totals") : null;
+    var old = document.getElementById("totals");
+    if (fresh && old) { old.replaceWith(fresh); }
+  }
+
   function refreshAll() {
     stale.allRows = true;
     stale.allHosts = true;
     schedule("rows", flushRows);
     schedule("hosts", flushHosts);
     schedule("commands", refreshCommands);
+    schedule("totals", refreshTotals);
   }
 
   // The device filter lists the GPUs the cards show.
@@ -567,6 +576,7 @@
       rowChanged(id, Boolean(p.job && p.job.world_size > 1));
     }
     if (host) { hostChanged(host); }
+    schedule("totals", refreshTotals);
   }
 
   function onCommand(ev) {
@@ -576,11 +586,13 @@
     if (c.job) { operationNotice(c); }
     rowChanged(c.process_id, Boolean(c.job));
     schedule("commands", refreshCommands);
+    schedule("totals", refreshTotals);
   }
 
   function onDevices(ev) {
     var host = JSON.parse(ev.data).host;
     if (host) { hostChanged(host); }
+    schedule("totals", refreshTotals);
   }
 
   function connect() {
