@@ -9,7 +9,6 @@
   var API = body.dataset.apiBase;
   var PROCESS = body.dataset.processId;
   var ours = new Set((body.dataset.processIds || "").split(" ").filter(Boolean));
-  var skew = parseFloat(body.dataset.serverTime) - Date.now() / 1000;
   var panel = document.getElementById("job-panel");
   var dialog = document.getElementById("target-dialog");
   var dialogBody = document.getElementById("dialog-body");
@@ -17,56 +16,9 @@
   var live = document.getElementById("live");
   var PROGRESS_EVERY_MS = 5000;
 
-  function serverNow() { return Date.now() / 1000 + skew; }
-
-  // The same formats as pages.py and dashboard.js.
-  function fmtDuration(seconds) {
-    var s = Math.max(0, seconds);
-    if (s < 60) { return Math.floor(s) + " s"; }
-    var m = Math.floor(s / 60), sec = Math.floor(s % 60);
-    if (m < 60) { return sec ? m + " min " + sec + " s" : m + " min"; }
-    var h = Math.floor(m / 60); m = m % 60;
-    if (h < 24) { return m ? h + " h " + m + " min" : h + " h"; }
-    var d = Math.floor(h / 24); h = h % 24;
-    return h ? d + " d " + h + " h" : d + " d";
-  }
-
-  function fmtAgo(ts) {
-    var age = Math.max(0, serverNow() - ts);
-    if (age < 2) { return "just now"; }
-    if (age >= 86400) { return Math.floor(age / 86400) + " d ago"; }
-    if (age >= 3600) { return Math.floor(age / 3600) + " h ago"; }
-    if (age >= 60) { return Math.floor(age / 60) + " min ago"; }
-    return Math.floor(age) + " s ago";
-  }
-
-  function tick() {
-    document.querySelectorAll("[data-since]").forEach(function (el) {
-      var since = parseFloat(el.dataset.since);
-      if (!isNaN(since)) { el.textContent = fmtDuration(serverNow() - since); }
-    });
-    document.querySelectorAll("[data-ago]").forEach(function (el) {
-      var ts = parseFloat(el.dataset.ago);
-      if (!isNaN(ts)) { el.textContent = fmtAgo(ts); }
-    });
-  }
-
-  function fragment(html) {
-    var t = document.createElement("template");
-    t.innerHTML = html;
-    return t.content;
-  }
-
-  async function fetchFragment(url) {
-    var r = await fetch(url, {credentials: "same-origin", headers: {"Accept": "text/html"}});
-    if (r.status === 401) {
-      window.location.assign("/login");
-      throw new Error("signed out");
-    }
-    if (r.status === 404) { return null; }
-    if (!r.ok) { throw new Error("HTTP " + r.status + " for " + url); }
-    return r.text();
-  }
+  var page = window.flexiumPage;
+  var tick = page.tick;
+  var fragment = page.fragment, fetchFragment = page.fetchFragment;
 
   // One notice per command (key): its outcome replaces the notice that it was sent.
   var shown = new Map();
