@@ -1,0 +1,390 @@
+"""Probes for freeing a GPU fast (a pause judged by when its GPU is free): which host memory
+pins fastest here, what a staging kept pinned across pauses costs, and what a job's own mapping
+of the staging costs its checkpoint.
+
+    python bench/free_gpu_probe.py [--sizes 16,64] [--timeout 240] [--json out.json]
+
+Needs one NVIDIA GPU (cuda:0), torch with CUDA and flexium built. Every part runs in a fresh
+process (this file with --part NAME:SIZE) that prints one JSON result line; a failed part is
+reported and the others still run. Sizes are GiB (2^30 bytes), bandwidths GB/s (10^9).
+
+Parts:
+  pin:KIND      Host memory of one kind, SIZE GiB, in a process with a bare driver context on
+                cuda:0: touched from 8 threads (MADV_POPULATE_WRITE), registered
+                (cuMemHostRegister per 256 MiB), a D2H copy of all of it from a 1 GiB device
+                buffer, unregistered, registered again (a staging kept resident across pauses
+                pins only), then the context reset with it still registered (how long letting
+                go of a kept pinned staging takes). KIND: memfd (one file, what the copier maps
+                now), memfd8 (8 files, one per touching thread), memfd_madv (memfd +
+                MADV_HUGEPAGE: huge pages only where shmem_enabled allows them), hugetlb
+                (memfd_create MFD_HUGETLB: needs free huge pages reserved on the host), anon_thp
+                (anonymous + MADV_HUGEPAGE, what only the copier could hold).
+  checkpoint:S  A torch context (cuBLAS loaded) with SIZE GiB of touched memfd, lock ->
+                checkpoint -> restore -> unlock twice per state: none (no memfd), fd (the job
+                holds only the file descriptor) and mapped (the job maps it, as now).
+  idle          A matmul loop on cuda:0 (the job) while another process (the keeper) takes a
+                context on cuda:0, touches and pins SIZE GiB of memfd, then holds it: the job's
+                median and longest step before, while the keeper prepares, and while it holds;
+                the keeper's GPU memory (NVML).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from children import run_child  # noqa: E402
+from staging_probe import (  # noqa: E402
+    CHUNK,
+    CU_MEMHOSTREGISTER_PORTABLE,
+    GIB,
+    HUGE,
+    MADV_HUGEPAGE,
+    MAP_SHARED,
+    PROT_READ,
+    PROT_WRITE,
+    Driver,
+    Libc,
+    Rounds,
+    copy_host_device,
+    nvml_used_mib,
+    populate,
+    round_up,
+    smaps_huge,
+    torch_context,
+)
+from tables import print_table  # noqa: E402
+
+THIS = Path(__file__).resolve()
+KINDS = ("memfd", "memfd8", "memfd_madv", "hugetlb", "anon_thp")
+TOUCH_THREADS = 8
+MAP_PRIVATE, MAP_ANONYMOUS = 0x02, 0x20
+MFD_HUGETLB = 0x0004
+
+
+def now() -> float:
+    return time.perf_counter()
+
+
+def gbps(nbytes: int, seconds: Optional[float]) -> Optional[float]:
+    return None if not seconds else nbytes / seconds / 1e9
+
+
+def host_settings() -> dict[str, Any]:
+    out: dict[str, Any] = {"cpus": os.cpu_count()}
+    for name in ("enabled", "defrag", "shmem_enabled"):
+        try:
+            out[f"thp_{name}"] = Path(f"/sys/kernel/mm/transparent_hugepage/{name}").read_text().strip()
+        except OSError:
+            out[f"thp_{name}"] = "?"
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key in ("MemTotal", "MemAvailable", "HugePages_Total", "HugePages_Free", "Hugepagesize"):
+                out[key] = value.strip()
+    except OSError:
+        pass
+    return out
+
+
+class Staging:
+    """SIZE bytes of one kind of host memory, as chunks of 256 MiB (2 MiB aligned)."""
+
+    def __init__(self, libc: Libc, kind: str, size: int) -> None:
+        self.libc, self.kind, self.size = libc, kind, size
+        self.maps: list[tuple[int, int]] = []
+        self.fds: list[int] = []
+        self.chunks: list[tuple[int, int]] = []
+        files = TOUCH_THREADS if kind == "memfd8" else 1
+        per_file = round_up(-(-size // files), HUGE)
+        for index in range(files):
+            length = min(per_file, size - index * per_file)
+            if length <= 0:
+                break
+            self.chunks += [(a, n) for a, n in self._map(length)]
+
+    def _map(self, length: int) -> list[tuple[int, int]]:
+        prot = PROT_READ | PROT_WRITE
+        if self.kind == "anon_thp":
+            addr = self.libc.lib.mmap(None, length + HUGE, prot, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+        else:
+            fd = os.memfd_create("flexium-probe", MFD_HUGETLB if self.kind == "hugetlb" else 0)
+            self.fds.append(fd)
+            os.ftruncate(fd, length + HUGE)
+            addr = self.libc.lib.mmap(None, length + HUGE, prot, MAP_SHARED, self.fds[-1], 0)
+        if addr is None or addr == ctypes.c_void_p(-1).value:
+            raise OSError(
+                ctypes.get_errno(), f"mmap of {length} bytes ({self.kind}): {os.strerror(ctypes.get_errno())}"
+            )
+        self.maps.append((int(addr), length + HUGE))
+        base = round_up(int(addr), HUGE)
+        if self.kind in ("memfd_madv", "anon_thp"):
+            self.libc.lib.madvise(base, length, MADV_HUGEPAGE)
+        return [(base + off, min(CHUNK, length - off)) for off in range(0, length, CHUNK)]
+
+    def touch(self) -> float:
+        started = now()
+        if len(self.maps) > 1:
+            threads = [
+                threading.Thread(target=populate, args=(self.libc, round_up(a, HUGE), n - HUGE, 1))
+                for a, n in self.maps
+            ]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        else:
+            a, n = self.maps[0]
+            populate(self.libc, round_up(a, HUGE), n - HUGE, TOUCH_THREADS)
+        return now() - started
+
+    def unmap(self) -> None:
+        for a, n in self.maps:
+            self.libc.lib.munmap(a, n)
+        self.maps = []
+
+
+def timed_each(chunks: list[tuple[int, int]], call: Callable[[int, int], None]) -> float:
+    started = now()
+    for a, n in chunks:
+        call(a, n)
+    return now() - started
+
+
+def part_pin(kind: str, gib: float, result: dict[str, Any]) -> None:
+    size = round_up(int(gib * GIB), HUGE)
+    if kind == "hugetlb":
+        info = host_settings()
+        free_pages = int(str(info.get("HugePages_Free", "0")).split()[0])
+        page_kib = int(str(info.get("Hugepagesize", "2048 kB")).split()[0])
+        if free_pages * page_kib * 1024 < size:
+            result.update(ok=True, not_possible=f"{free_pages} free huge pages of {page_kib} kB reserved on the host")
+            return
+    drv = Driver()
+    drv.primary_context(0)
+    libc = Libc()
+    register = lambda a, n: drv.call("cuMemHostRegister", a, n, CU_MEMHOSTREGISTER_PORTABLE)  # noqa: E731
+    unregister = lambda a, _n: drv.call("cuMemHostUnregister", a)  # noqa: E731
+    staging = Staging(libc, kind, size)
+    before = smaps_huge()
+    result["touch_s"] = staging.touch()
+    after = smaps_huge()
+    result["huge_gib"] = {
+        k: round((after[k] - before.get(k, 0)) / GIB, 2) for k in after if after[k] != before.get(k, 0)
+    }
+    result["register_s"] = timed_each(staging.chunks, register)
+    device = ctypes.c_uint64()
+    drv.call("cuMemAlloc", ctypes.byref(device), GIB)
+    stream = drv.stream()
+    copied, seconds = copy_host_device(drv, staging.chunks, int(device.value), GIB, True, stream)
+    result["d2h_gbps"] = gbps(copied, seconds)
+    result["unregister_s"] = timed_each(staging.chunks, unregister)
+    result["register_again_s"] = timed_each(staging.chunks, register)
+    started = now()
+    drv.call("cuDevicePrimaryCtxReset", drv.device)
+    result["ctx_reset_registered_s"] = now() - started
+    started = now()
+    staging.unmap()
+    result["unmap_s"] = now() - started
+    result["ok"] = True
+
+
+def part_checkpoint(gib: float, result: dict[str, Any]) -> None:
+    torch = torch_context()
+    libc = Libc()
+    size = round_up(int(gib * GIB), HUGE)
+    probe = torch.arange(1 << 20, device="cuda:0", dtype=torch.float32)
+    expected = float(probe.sum().item())
+    rounds = Rounds(lambda: float(probe.sum().item()) == expected)
+    result["states"] = {"none": rounds.many("none", 2, {})}
+    staging = Staging(libc, "memfd", size)
+    result["touch_s"] = staging.touch()
+    result["states"]["mapped"] = rounds.many("mapped", 2, {})
+    staging.unmap()
+    result["states"]["fd"] = rounds.many("fd", 2, {})
+    result["ok"] = True
+
+
+def keeper_main(gib: float) -> int:
+    """The idle part's other process: a context on cuda:0, SIZE GiB of memfd touched and pinned,
+    then held until stdin closes. Says 'preparing', 'holding' on stdout."""
+    drv = Driver()
+    drv.primary_context(0)
+    libc = Libc()
+    staging = Staging(libc, "memfd", round_up(int(gib * GIB), HUGE))
+    print("preparing", flush=True)
+    staging.touch()
+    for a, n in staging.chunks:
+        drv.call("cuMemHostRegister", a, n, CU_MEMHOSTREGISTER_PORTABLE)
+        time.sleep(0.002)  # the break the copier takes between chunks
+    print("holding", flush=True)
+    sys.stdin.read()
+    return 0
+
+
+def part_idle(gib: float, result: dict[str, Any]) -> None:
+    torch = torch_context()
+    a = torch.randn(4096, 4096, device="cuda:0")
+    ends: list[float] = []
+    marks: dict[str, float] = {}
+    stop = threading.Event()
+
+    def train() -> None:
+        while not stop.is_set():
+            (a @ a).sum().item()
+            ends.append(now())
+
+    trainer = threading.Thread(target=train)
+    trainer.start()
+    time.sleep(4.0)
+    marks["start"] = now()
+    keeper = subprocess.Popen(
+        [sys.executable, str(THIS), "--keeper", str(gib)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert keeper.stdout is not None and keeper.stdin is not None
+    for line in keeper.stdout:
+        marks[line.strip()] = now()
+        if line.strip() == "holding":
+            break
+    time.sleep(6.0)
+    result["keeper_nvml_mib"] = nvml_used_mib(keeper.pid)
+    marks["end"] = now()
+    stop.set()
+    trainer.join()
+    keeper.stdin.close()
+    keeper.wait(timeout=60)
+
+    def steps(t0: float, t1: float) -> dict[str, Any]:
+        gaps = [y - x for x, y in zip(ends, ends[1:], strict=False) if x >= t0 and y <= t1]
+        if not gaps:
+            return {}
+        return {"median_ms": statistics.median(gaps) * 1e3, "max_ms": max(gaps) * 1e3, "steps": len(gaps)}
+
+    result["before"] = steps(ends[0], marks["start"])
+    result["preparing"] = steps(marks.get("preparing", marks["start"]), marks["holding"])
+    result["holding"] = steps(marks["holding"], marks["end"])
+    result["prepare_s"] = marks["holding"] - marks.get("preparing", marks["start"])
+    result["ok"] = keeper.returncode == 0
+
+
+def worker(part: str) -> int:
+    import faulthandler
+
+    faulthandler.enable()
+    name, _, arg = part.partition(":")
+    result: dict[str, Any] = {"part": part, "ok": False}
+    try:
+        if name == "pin":
+            kind, _, gib = arg.partition("@")
+            part_pin(kind, float(gib), result)
+        elif name == "checkpoint":
+            part_checkpoint(float(arg), result)
+        elif name == "idle":
+            part_idle(float(arg), result)
+        else:
+            raise ValueError(f"unknown part {part}")
+    except BaseException as exc:
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        traceback.print_exc()
+    print(json.dumps({"event": "result", **result}, default=str), flush=True)
+    return 0 if result.get("ok") else 1
+
+
+def fmt(value: Any, digits: int = 2) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--sizes", default="16,64", help="GiB per part, comma-separated (default 16,64)")
+    parser.add_argument("--idle-gib", type=float, default=16.0, help="GiB the idle part's keeper pins (default 16)")
+    parser.add_argument("--timeout", type=float, default=240.0, help="seconds per part (default 240)")
+    parser.add_argument("--json", help="write every part's result here")
+    parser.add_argument("--part", help=argparse.SUPPRESS)
+    parser.add_argument("--keeper", type=float, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.keeper is not None:
+        return keeper_main(args.keeper)
+    if args.part:
+        return worker(args.part)
+    sizes = [float(s) for s in args.sizes.split(",") if s]
+    print("host:", json.dumps(host_settings()), flush=True)
+    parts = [f"pin:{kind}@{gib:g}" for gib in sizes for kind in KINDS]
+    parts += [f"checkpoint:{gib:g}" for gib in sizes] + [f"idle:{args.idle_gib:g}"]
+    results = []
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_MODULE_LOADING": "LAZY"}
+    for part in parts:
+        child = run_child([sys.executable, str(THIS), "--part", part], env, args.timeout)
+        r = child.result(failed={"part": part}, timeout=args.timeout)
+        results.append(r)
+        print(json.dumps(r, default=str)[:1500], flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1, default=str))
+    print()
+    rows = []
+    for r in results:
+        if not r["part"].startswith("pin:") or not r.get("ok"):
+            continue
+        kind, _, gib_text = r["part"][4:].partition("@")
+        size = float(gib_text) * GIB
+        if r.get("not_possible"):
+            rows.append((kind, gib_text, "-", "-", "-", "-", "-", "-", r["not_possible"][:40]))
+            continue
+        rows.append(
+            (
+                kind,
+                gib_text,
+                fmt(gbps(int(size), r.get("touch_s"))),
+                fmt(gbps(int(size), r.get("register_s"))),
+                fmt(gbps(int(size), r.get("register_again_s"))),
+                fmt(gbps(int(size), r.get("unregister_s"))),
+                fmt(r.get("d2h_gbps")),
+                fmt(r.get("ctx_reset_registered_s")),
+                json.dumps(r.get("huge_gib", {}))[:40],
+            )
+        )
+    print_table(
+        ("kind", "GiB", "touch GB/s", "pin GB/s", "pin again", "unpin GB/s", "D2H GB/s", "ctx reset s", "huge pages"),
+        rows,
+    )
+    print()
+    rows = []
+    for r in results:
+        if r["part"].startswith("checkpoint:") and r.get("ok"):
+            for state, s in r["states"].items():
+                rows.append((r["part"][11:], state, fmt(s.get("checkpoint_s"), 3), fmt(s.get("restore_s"), 3)))
+    print_table(("GiB", "job's staging", "checkpoint s", "restore s"), rows)
+    print()
+    for r in results:
+        if r["part"].startswith("idle:") and r.get("ok"):
+            for phase in ("before", "preparing", "holding"):
+                s = r.get(phase, {})
+                median, longest = fmt(s.get("median_ms")), fmt(s.get("max_ms"))
+                print(f"idle {r['part'][5:]} GiB {phase:9s}: median {median} ms, max {longest} ms")
+            print(
+                f"keeper: prepared in {fmt(r.get('prepare_s'))} s, holds {r.get('keeper_nvml_mib')} MiB of GPU memory"
+            )
+    failed = [r["part"] for r in results if not r.get("ok")]
+    if failed:
+        print("FAILED:", ", ".join(failed))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
