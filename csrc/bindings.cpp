@@ -9,6 +9,7 @@
 #include "devices.h"
 #include "driver_error.h"
 #include "driver_table.h"
+#include "gpu_memory_yield.h"
 #include "host_copier.h"
 #include "vmm_allocator.h"
 #include "vmm_driver.h"
@@ -154,6 +155,10 @@ void bind_allocator(py::module_ &m) {
         "Segments own_imported replaces: imported, or left unexportable by a driver restore.");
   m.def("vmm_mark_restored_by_driver", &mark_restored_by_driver, release_gil(),
         "After a driver restore: the segments mapped now are no longer exportable; returns how many.");
+  m.def("set_gpu_memory_yielder", &set_gpu_memory_yielder, py::arg("pid"),
+        "The process the allocator kills when the job runs out of GPU memory (0: none).");
+  m.def("gpu_memory_yielder", &gpu_memory_yielder);
+  m.def("gpu_memory_yields", &gpu_memory_yields, "How many times an allocation killed the yielder for memory.");
 }
 
 // The relocation functions keep the GIL on purpose: the fast path runs them at a safe point and

@@ -5,6 +5,7 @@
 #include <stdexcept>
 
 #include "driver_error.h"
+#include "gpu_memory_yield.h"
 #include "vmm_driver.h"
 #include "vmm_registry.h"
 
@@ -27,7 +28,11 @@ void *allocate(std::size_t size, int device) {
   FLEXIUM_CU_CALL(d, cuMemAddressReserve, &backing.address, rounded, 0, 0, 0);
   backing.reserved = true;
   const CUmemAllocationProp prop = device_allocation_prop(device);
-  FLEXIUM_CU_CALL(d, cuMemCreate, &backing.handle, rounded, &prop, 0);
+  CUresult created = d.cuMemCreate(&backing.handle, rounded, &prop, 0);
+  // The copier's context may sit on this GPU (gpu_memory_yield.h): the job's memory comes first.
+  if (created == CUDA_ERROR_OUT_OF_MEMORY && yield_gpu_memory())
+    created = d.cuMemCreate(&backing.handle, rounded, &prop, 0);
+  if (created != CUDA_SUCCESS) throw DriverError("cuMemCreate", created, "", __FILE__, __LINE__);
   backing.created = true;
   FLEXIUM_CU_CALL(d, cuMemMap, backing.address, rounded, 0, backing.handle, 0);
   backing.mapped = true;

@@ -30,6 +30,7 @@ from flexium.engine.distributed.job_operation import Deadlines, JobOperation, Ra
 from flexium.engine.distributed.rendezvous import JobAborted, Rendezvous, job_store
 from flexium.engine.fast_path import FastPath, host_memory_available
 from flexium.engine.identity import IdentityMap, MovePlan, Target
+from flexium.engine.kept_staging import StagingKeeper
 from flexium.engine.operations import EngineState, GpuIdentity, OperationKind, OperationResult
 from flexium.engine.parking import Parking
 from flexium.engine.safe_point import SafePointMissed, SafePoints
@@ -117,6 +118,7 @@ class Engine:
             lock_timeout_ms=lock_timeout_ms,
         )
         self.last_result: Optional[OperationResult] = None
+        self._keeper: Optional[StagingKeeper] = None
         # The communicators a whole-job pause suspended, for its resume.
         self._suspended_communicators: list[nccl.Communicator] = []
 
@@ -129,6 +131,16 @@ class Engine:
         fast = self._ctx.fast
         if fast is not None and fast.pool.active:
             fast.warm_up()  # the copier process starts now, not in a pause's preparation
+            self._keeper = StagingKeeper(
+                fast,
+                placement=lambda: (self._ctx.logical, self._source().uuid),
+                ready=lambda: (
+                    self.state == EngineState.RUNNING
+                    and not self._operation_lock.locked()
+                    and self._safe_points.steps_seen > 0
+                ),
+            )
+            self._keeper.start()
 
     def stop(self) -> None:
         """Unhooks; a job paused at shutdown is resumed in place so the process can exit."""
@@ -141,6 +153,8 @@ class Engine:
                 log.error("could not resume the paused job in place at shutdown, so it exits paused: %s", exc)
         self._parking.release()
         pinning_gate.uninstall()
+        if self._keeper is not None:
+            self._keeper.stop()
         if self._ctx.fast is not None:
             self._ctx.fast.close()
         nvml.stop_reader()
@@ -219,6 +233,7 @@ class Engine:
             dest = self._ctx.identity.resolve(target)
             notes = self._validate_target(source, dest, needed=self._bytes_on(source))
             plan = self._plan(dest)
+            self._copier_off_gpu()
 
             def work(at_safe_point: bool) -> OperationResult:
                 return self._migrate_now(plan, path, notes, at_safe_point=at_safe_point)
@@ -312,7 +327,7 @@ class Engine:
                 if isinstance(exc, SafePointMissed):
                     rv.abort(f"{exc}")
                 if op.kind == OperationKind.PAUSE and self._ctx.fast is not None:
-                    self._ctx.fast.release_host_later()
+                    self._ctx.fast.done_with_host()
                 result = job_operation.untouched(
                     op.kind, actions, f"the job's ranks did not agree on a step, nothing changed: {exc}", "agree"
                 )
@@ -336,6 +351,7 @@ class Engine:
         elif op.kind == OperationKind.MIGRATE and op.target is not None:
             dest = self._ctx.identity.resolve(op.target)
             notes = self._validate_target(source, dest, needed=self._bytes_on(source))
+            self._copier_off_gpu()
             actions.move = lambda: self._migrate_now(self._plan(dest), path, notes, at_safe_point=True)
             actions.move_back = lambda: self._migrate_now(
                 self._plan(source), path, ("moving back",), at_safe_point=True
@@ -375,6 +391,12 @@ class Engine:
             self._ctx.fast.release_host_now()  # pinned staging would slow the driver's checkpoint
         self._check_host_room(self.process_bytes(), fast=False)
         return pause_by_driver(self._ctx, source, why, at_safe_point=at_safe_point)
+
+    def _copier_off_gpu(self) -> None:
+        """Before a migration, outside its downtime: the copier keeping the staging pinned holds a
+        context on the GPU the job leaves (the keeper wakes it on the new one later)."""
+        if self._ctx.fast is not None:
+            self._ctx.fast.copier_sleep_now()
 
     def _source(self) -> GpuIdentity:
         return self._ctx.identity.physical_of(self._ctx.logical)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, TypeVar
 
 from flexium import _C
+from flexium.engine import pinned_budget
 from flexium.engine.host_copier import Copier, CopierError, copier_enabled
 from flexium.engine.memory_pool import MemoryPool, open_file_headroom
 from flexium.engine.operations import StepTiming
@@ -70,6 +71,10 @@ class FastPath:
         self._starting: Optional[threading.Thread] = None
         # Why the last host move ran in this process instead of the copier ("" if it did not).
         self.copier_fallback = ""
+        # One preparation of the staging at a time: a pause's, or the keeper's between pauses.
+        self._host_lock = threading.RLock()
+        # The staging stays (pinned by the copier) between pauses: claimed in pinned_budget.
+        self.keeping = False
 
     def warm_up(self) -> None:
         """Starts the copier process in the background: it loads the driver and waits, holding
@@ -93,6 +98,7 @@ class FastPath:
         if self._copier is not None:
             self._copier.close()
             self._copier = None
+        self._stop_keeping()
 
     def _wait_for_start(self) -> None:
         if self._starting is not None:
@@ -188,6 +194,10 @@ class FastPath:
         trains: in the copier process (GPU `uuid`), or here if the copier is off or fails (the
         stage then unpins each chunk once copied, so the checkpoint sees no pinned memory).
         Returns the bytes pinned, the seconds taken and where they were pinned."""
+        with self._host_lock:
+            return self._reserve_host(logical, wanted, uuid)
+
+    def _reserve_host(self, logical: int, wanted: int, uuid: str) -> tuple[int, float, str]:
         self._wait_for_release()
         self._wait_for_start()
         started = time.perf_counter()
@@ -233,6 +243,7 @@ class FastPath:
                 lambda: _C.begin_restore_order(logical),
                 to_host=False,
                 here=lambda: int(_C.restore_segments_from_host(logical)),
+                then_sleep=not self._try_keep(uuid),
             )
 
         return timed(step, work)
@@ -251,7 +262,9 @@ class FastPath:
 
         return timed("copier_sleep", work)[1]
 
-    def _by_copier(self, begin: Callable[[], _C.HostOrder], *, to_host: bool, here: Callable[[], int]) -> int:
+    def _by_copier(
+        self, begin: Callable[[], _C.HostOrder], *, to_host: bool, here: Callable[[], int], then_sleep: bool = True
+    ) -> int:
         """One order run by the copier; in this process instead when there is none or it fails
         (the staging's bytes are this process's memfds, so nothing is lost with it)."""
         copier = self._copier
@@ -263,7 +276,7 @@ class FastPath:
             self._drop_copier(f"{type(exc).__name__}: {exc}")
             return here()
         try:
-            copier.copy(to_host, order)
+            copier.copy(to_host, order, then_sleep=then_sleep)
         except CopierError as exc:
             _C.abort_host_order()
             self._drop_copier(str(exc))
@@ -280,6 +293,20 @@ class FastPath:
             self._copier.kill()
             self._copier = None
 
+    def done_with_host(self) -> None:
+        """After a pause ended (resumed, rolled back or called off): the staging stays for the
+        next pause when the pinned host memory budget lets this job keep it, else goes back."""
+        with self._host_lock:
+            uuid = self._copier.awake_on if self._copier is not None else None
+            if not self._try_keep(uuid or ""):
+                self.release_host_later()
+
+    def _try_keep(self, uuid: str) -> bool:
+        """Whether the staging may stay between pauses (claimed in the pinned host memory budget)."""
+        held = int(_C.host_staging_pool_bytes())
+        self.keeping = held > 0 and pinned_budget.claim(held, uuid) is None
+        return self.keeping
+
     def release_host_later(self) -> None:
         """Gives the staging's host memory back in a background thread (unmapping tens of GiB
         takes a second the resumed job need not wait for); the copier unmaps it too and stays,
@@ -287,6 +314,7 @@ class FastPath:
         point. Not a daemon: the interpreter waits for it at exit, as a daemon thread ended
         inside the native call would abort the process."""
         self._wait_for_release()
+        self._stop_keeping()
         copier = self._copier
         thread = threading.Thread(target=self._release_host, args=(copier,), name="flexium-host-staging-release")
         self._releasing = thread
@@ -294,8 +322,58 @@ class FastPath:
 
     def release_host_now(self) -> None:
         """Before a driver-path checkpoint: pinned staging would slow it, and it needs none."""
-        self._wait_for_release()
-        self._release_host(self._copier)
+        with self._host_lock:
+            self._wait_for_release()
+            self._stop_keeping()
+            self._release_host(self._copier)
+
+    def copier_sleep_now(self) -> StepTiming:
+        """Before a migration: the copier, awake with the staging pinned, holds a context on the
+        GPU the job leaves, which must be left with nothing of the job's. The staging stays."""
+
+        def work() -> None:
+            with self._host_lock:
+                if self._copier is None or self._copier.awake_on is None:
+                    return
+                try:
+                    self._copier.sleep()
+                except CopierError as exc:
+                    self._drop_copier(str(exc))
+
+        return timed("copier_sleep", work)[1]
+
+    def keep_ready(self, logical: int, uuid: str) -> Optional[str]:
+        """Between pauses: the staging holds what a pause of `logical` needs and the copier keeps
+        it pinned on the job's GPU `uuid`, so that a pause only copies. Returns what it did, or
+        why it could not (the pinned host memory budget); None when nothing was needed."""
+        with self._host_lock:
+            if self.host_waiting() > 0:
+                return None
+            wanted = self.host_bytes_wanted(logical)
+            held = int(_C.host_staging_pool_bytes())
+            awake = self._copier is not None and self._copier.alive() and self._copier.awake_on == uuid
+            if awake and held >= wanted:
+                return None
+            refusal = pinned_budget.claim(max(wanted, held), uuid)
+            if refusal is not None:
+                if held > 0 and not self.keeping:
+                    self.release_host_later()
+                return f"the staging for a pause is prepared when one is asked for: {refusal}"
+            try:
+                _pinned, seconds, where = self._reserve_host(logical, wanted, uuid)
+            except BaseException:
+                self._stop_keeping()
+                raise
+            if self._copier is None:  # pinned in this process, which must not hold it between pauses
+                self.release_host_later()
+                return f"the staging for a pause is prepared when one is asked for: the copier process failed ({where})"
+            self.keeping = True
+            held = int(_C.host_staging_pool_bytes())
+            return f"keeps {held / (1 << 30):.2f} GiB of host staging pinned {where} for a pause (took {seconds:.2f} s)"
+
+    def _stop_keeping(self) -> None:
+        pinned_budget.release()
+        self.keeping = False
 
     def _release_host(self, copier: Optional[Copier]) -> None:
         if copier is not None:

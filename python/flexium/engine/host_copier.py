@@ -109,7 +109,7 @@ class Copier:
         self._sock = sock
         self._unread: list[str] = []  # replies owed for requests sent without waiting
         self._attached: Optional[tuple[tuple[int, int], ...]] = None
-        self.awake_on: Optional[str] = None  # the GPU it was last woken on, None while asleep
+        self._awake_on: Optional[str] = None
         self._parent_pid: Optional[int] = None  # set in a forked child: the copier is its parent's
         _copiers.add(self)
 
@@ -140,6 +140,23 @@ class Copier:
     def pid(self) -> int:
         return self._process.pid
 
+    @property
+    def awake_on(self) -> Optional[str]:
+        """The GPU it holds a context on (woken there), None while asleep."""
+        return self._awake_on
+
+    @awake_on.setter
+    def awake_on(self, uuid: Optional[str]) -> None:
+        # Awake, its context may sit on the job's GPU: should the job run out of GPU memory, the
+        # allocator kills it (csrc/gpu_memory_yield.h); the staged bytes are the job's memfds.
+        from flexium import _C
+
+        self._awake_on = uuid
+        if uuid is not None:
+            _C.set_gpu_memory_yielder(self.pid)
+        elif _C.gpu_memory_yielder() == self.pid:
+            _C.set_gpu_memory_yielder(0)
+
     def alive(self) -> bool:
         return self._parent_pid is None and self._process.poll() is None
 
@@ -168,22 +185,29 @@ class Copier:
             return {}
         return self._exchange(message, timeout=START_TIMEOUT_S + bytes_to_pin / SLOWEST_BYTES_PER_S)
 
-    def copy(self, to_host: bool, order: "_C.HostOrder") -> dict[str, Any]:
-        """Runs one order; the copier goes to sleep right after it (its reply read by slept())."""
+    def copy(self, to_host: bool, order: "_C.HostOrder", *, then_sleep: bool = True) -> dict[str, Any]:
+        """Runs one order; with `then_sleep` the copier goes to sleep right after it (its reply read
+        by slept()), else it stays awake with the staging pinned (kept for the next pause)."""
         segments = order.segments
         message = {
             "op": "copy",
             "to_host": to_host,
             "sizes": [size for _fd, size in segments],
             "pieces": [as_row(piece, PIECE_FIELDS) for piece in order.pieces],
-            "then_sleep": True,
+            "then_sleep": then_sleep,
         }
         reply = self._exchange(
             message, [fd for fd, _size in segments], timeout=START_TIMEOUT_S + 2 * order.bytes / SLOWEST_BYTES_PER_S
         )
-        self._unread.append("sleep")
-        self.awake_on = None
+        if then_sleep:
+            self._unread.append("sleep")
+            self.awake_on = None
         return reply
+
+    def sleep(self) -> None:
+        """Unpins the staging and lets go of its GPU context now (the staging stays mapped)."""
+        self._exchange({"op": "sleep"}, timeout=START_TIMEOUT_S)
+        self.awake_on = None
 
     def slept(self, timeout: float) -> dict[str, Any]:
         """Waits until the copier holds nothing on any GPU (after a copy)."""
@@ -200,6 +224,7 @@ class Copier:
         """Asks the copier to exit and waits for it; kills it if it does not."""
         if self._parent_pid is not None:
             return
+        self.awake_on = None
         try:
             send(self._sock, {"op": "quit"})
         except OSError:
@@ -213,6 +238,7 @@ class Copier:
     def kill(self) -> None:
         if self._parent_pid is not None:
             return
+        self.awake_on = None
         if self.alive():
             self._process.kill()
         try:
@@ -224,8 +250,12 @@ class Copier:
     # ---- the exchange ------------------------------------------------------------------------
 
     def _let_go_after_fork(self) -> None:
+        from flexium import _C
+
         self._parent_pid = os.getppid()
         self._sock.close()
+        self._awake_on = None
+        _C.set_gpu_memory_yielder(0)  # the copier is the parent's to give up, never a child's
 
     def _send(self, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
         if self._parent_pid is not None:

@@ -33,7 +33,7 @@ def pause_fast(ctx: OperationContext, fast: FastPath, source: GpuIdentity, notes
             draft.steps.append(replace(exc.timing, rollback=True))
             ctx.set_state(EngineState.FAILED)
             return draft.build(failed_step=failed_step, error=f"{error}; ROLLBACK FAILED: {exc}; restart the job")
-        fast.release_host_later()
+        fast.done_with_host()
         ctx.set_state(EngineState.RUNNING)
         return draft.build(
             failed_step=failed_step, error=f"{error}; rolled back: the job runs on {source.device} as before"
@@ -44,7 +44,7 @@ def pause_fast(ctx: OperationContext, fast: FastPath, source: GpuIdentity, notes
         draft.steps.append(timing)
     except RelocationError as exc:
         draft.steps.append(exc.timing)
-        fast.release_host_later()
+        fast.done_with_host()
         ctx.set_state(EngineState.RUNNING)
         return draft.build(
             failed_step=exc.step, error=f"{exc}; nothing moved: the job runs on {source.device} as before"

@@ -1,5 +1,6 @@
 """A resume: the restore brings the job back, on its GPU or another of the same model; after a
-fast pause the pool's segments then come back from host staging, which is given back."""
+fast pause the pool's segments then come back from host staging, which is kept for the next pause
+when the pinned host memory budget allows (fast_path.py done_with_host), else given back."""
 
 from __future__ import annotations
 
@@ -56,7 +57,7 @@ def resume(ctx: OperationContext, plan: MovePlan) -> OperationResult:
 
 def _bring_back_from_host(ctx: OperationContext, fast: FastPath, draft: ResultDraft) -> OperationResult:
     """After a restore that ended a fast pause: the segments come back from host memory, whose
-    staging is then given back. A copy that fails is tried once more."""
+    staging is then kept or given back. A copy that fails is tried once more."""
     assert draft.target is not None
     for attempt in range(2):
         try:
@@ -73,6 +74,6 @@ def _bring_back_from_host(ctx: OperationContext, fast: FastPath, draft: ResultDr
                     "still in host memory; restart the job",
                 )
     notes = copier_notes(fast)
-    fast.release_host_later()
+    fast.done_with_host()
     ctx.set_state(EngineState.RUNNING)
     return draft.build(ok=True, notes=notes)

@@ -1,0 +1,93 @@
+"""Keeps a fast pause ready between pauses: the host staging holds what a pause of the job needs
+and the copier process keeps it pinned, so that a pause frees the GPU after one copy and the
+checkpoint instead of seconds of touching and pinning first (docs/fast-path.md fact 18).
+
+It costs host memory (the staging, within the machine's pinned host memory budget:
+pinned_budget.py) and the copier's context on the job's GPU (518 MiB), not training speed. The
+job's memory comes first: when one of its allocations runs out of GPU memory the allocator kills
+the copier (csrc/gpu_memory_yield.h) and the keeper stops pinning ahead on that GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Callable, Optional
+
+from flexium import _C
+from flexium.engine import pinned_budget
+from flexium.engine.fast_path import FastPath
+from flexium.engine.host_copier import copier_enabled
+
+log = logging.getLogger("flexium")
+CHECK_S = 2.0  # how often it looks; a pool must stay the same size between two looks
+
+
+class StagingKeeper:
+    def __init__(self, fast: FastPath, *, placement: Callable[[], tuple[int, str]], ready: Callable[[], bool]) -> None:
+        """`placement`: the job's logical ordinal and its GPU's UUID now; `ready`: the job runs,
+        has trained a step and no operation is under way."""
+        self._fast = fast
+        self._placement = placement
+        self._ready = ready
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+        self._last_pool = 0
+        self._yields_seen = _C.gpu_memory_yields()
+        self._gave_way_on: Optional[str] = None  # the GPU where the job needed the copier's memory
+        self.note: Optional[str] = None  # what it did last, or why it keeps nothing
+
+    def start(self) -> None:
+        limit = pinned_budget.budget()
+        if limit.bytes == 0:
+            self.note = f"nothing is kept pinned between pauses: {pinned_budget.ENV}={limit.setting}"
+            return
+        if not copier_enabled():
+            self.note = "nothing is kept pinned between pauses: the copier process is off"
+            return
+        self._thread = threading.Thread(target=self._run, name="flexium-staging-keeper", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+
+    def _run(self) -> None:
+        while not self._stop.wait(CHECK_S):
+            try:
+                self.check()
+            except Exception as exc:  # the next look tries again; a pause prepares its own staging
+                log.debug("keeping the host staging ready failed: %s: %s", type(exc).__name__, exc)
+
+    def check(self) -> None:
+        if not self._ready():
+            return
+        logical, uuid = self._placement()
+        if self._fast.blocker(logical) is not None:
+            return
+        pool = self._fast.pool_bytes(logical)
+        settled = pool > 0 and pool == self._last_pool
+        self._last_pool = pool
+        if not settled:  # still growing (the first steps): a staging made now would soon be short
+            return
+        yields = _C.gpu_memory_yields()
+        if yields != self._yields_seen:
+            self._yields_seen = yields
+            self._gave_way_on = uuid
+            self._say(
+                "the job needed the GPU memory of the copier process, which kept the host staging pinned: "
+                "a pause of this job on this GPU now pins its staging when asked for (seconds more per 16 GiB)",
+                logging.WARNING,
+            )
+        if uuid == self._gave_way_on:
+            return
+        note = self._fast.keep_ready(logical, uuid)
+        if note is not None:
+            self._say(note, logging.INFO)
+
+    def _say(self, note: str, level: int) -> None:
+        if note != self.note:
+            log.log(level, "%s", note)
+        self.note = note

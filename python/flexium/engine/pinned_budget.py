@@ -1,0 +1,176 @@
+"""How much host memory flexium may keep pinned between pauses, on this machine, for all its jobs.
+
+A job whose host staging stays pinned between pauses frees its GPU in about a second when paused;
+one whose staging is prepared at the pause's command takes seconds more (touching and pinning:
+docs/fast-path.md fact 18). Kept staging is host memory the machine cannot use for anything
+else, so it has a budget: FLEXIUM_PINNED_HOST_MEMORY, "25%" of the machine's memory by default
+(a share of it, "32GiB", a byte count, or 0 for none). The jobs of one machine share it through a
+ledger of one file per process in LEDGER_DIR; a process that is gone no longer counts.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional
+
+from flexium.errors import ConfigError
+
+ENV = "FLEXIUM_PINNED_HOST_MEMORY"
+# A quarter of the machine: room to keep a large job's pause ready, while three quarters stay for
+# the jobs' own host memory (data loading, page cache) and for pauses that take the driver path.
+DEFAULT_SETTING = "25%"
+LEDGER_DIR = Path("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir(), "flexium-pinned")
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
+_UNITS.update({"t": 1 << 40, "tib": 1 << 40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12})
+
+
+@dataclass(frozen=True)
+class Budget:
+    bytes: int
+    setting: str  # as given, e.g. "25%"
+    source: str  # where the setting came from, for messages
+
+    def describe(self) -> str:
+        return f"{_gib(self.bytes)} ({ENV}={self.setting}, {self.source})"
+
+
+@dataclass(frozen=True)
+class Holder:
+    pid: int
+    bytes: int
+    gpu: str
+
+
+def host_memory_total() -> Optional[int]:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemTotal:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def parse(text: str, *, where: str) -> int:
+    """Bytes for a setting: "25%" (of this machine's memory), "32GiB", "512MiB", "1000000", "0"."""
+    value = text.strip().lower()
+    if value in ("0", "off", "none"):
+        return 0
+    share = re.fullmatch(r"(\d+(?:\.\d+)?)\s*%", value)
+    if share:
+        percent = float(share.group(1))
+        total = host_memory_total()
+        if percent > 100:
+            raise ConfigError(f"{ENV}={text!r} ({where}) is more than the machine's memory: give at most 100%")
+        return 0 if total is None else int(total * percent / 100)
+    amount = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]*)", value)
+    if not amount or amount.group(2) not in _UNITS:
+        raise ConfigError(
+            f"{ENV}={text!r} ({where}) is not an amount of memory: give a share of the machine's memory "
+            "like 25%, a size like 32GiB or 512MiB, or 0 to keep nothing pinned between pauses"
+        )
+    return int(float(amount.group(1)) * _UNITS[amount.group(2)])
+
+
+def budget() -> Budget:
+    raw = os.environ.get(ENV, "").strip()
+    if raw:
+        return Budget(parse(raw, where="from the environment"), raw, "from the environment")
+    return Budget(parse(DEFAULT_SETTING, where="the default"), DEFAULT_SETTING, "the default")
+
+
+def holders() -> list[Holder]:
+    """The processes of this machine keeping staging pinned now."""
+    found = []
+    for entry in _entries():
+        try:
+            record = json.loads(entry.read_text())
+            pid = int(entry.name)
+        except (OSError, ValueError):
+            continue
+        if _alive(pid, record.get("start")):
+            found.append(Holder(pid, int(record.get("bytes", 0)), str(record.get("gpu", ""))))
+    return found
+
+
+def claim(nbytes: int, gpu: str) -> Optional[str]:
+    """Records that this process keeps `nbytes` pinned (replacing what it claimed before); None
+    when the budget has room, else why not (nothing is recorded then)."""
+    limit = budget()
+    if nbytes > limit.bytes:
+        return f"its {_gib(nbytes)} exceed flexium's pinned host memory budget of {limit.describe()}"
+    with _locked():
+        others = [h for h in holders() if h.pid != os.getpid()]
+        held = sum(h.bytes for h in others)
+        if held + nbytes > limit.bytes:
+            pids = ", ".join(str(h.pid) for h in others)
+            return (
+                f"its {_gib(nbytes)} do not fit in the {_gib(max(0, limit.bytes - held))} left of flexium's pinned "
+                f"host memory budget of {limit.describe()}; processes {pids} keep {_gib(held)}"
+            )
+        record = {"bytes": nbytes, "gpu": gpu, "start": _start_time(os.getpid())}
+        mine = LEDGER_DIR / str(os.getpid())
+        mine.write_text(json.dumps(record))
+    return None
+
+
+def release() -> None:
+    try:
+        (LEDGER_DIR / str(os.getpid())).unlink()
+    except OSError:
+        pass
+
+
+def _entries() -> Iterator[Path]:
+    try:
+        yield from (p for p in LEDGER_DIR.iterdir() if p.name.isdigit())
+    except OSError:
+        return
+
+
+class _locked:
+    """The ledger's lock: one claim at a time on this machine. The folder is shared by every user
+    (sticky, like /tmp): each process writes only its own file."""
+
+    def __enter__(self) -> None:
+        if not LEDGER_DIR.is_dir():
+            old = os.umask(0)
+            try:
+                LEDGER_DIR.mkdir(mode=0o1777, exist_ok=True)
+            finally:
+                os.umask(old)
+        lock = LEDGER_DIR / "lock"
+        old = os.umask(0)
+        try:
+            self._fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
+        finally:
+            os.umask(old)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *_: object) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+
+
+def _start_time(pid: int) -> Optional[int]:
+    """The process's start time in clock ticks since boot: a pid reused later has another one."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        return int(stat[stat.rindex(")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _alive(pid: int, start: Optional[int]) -> bool:
+    now = _start_time(pid)
+    return now is not None and (start is None or now == start)
+
+
+def _gib(n: int) -> str:
+    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 or n == 0 else f"{n / (1 << 20):.0f} MiB"

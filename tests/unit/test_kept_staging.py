@@ -1,0 +1,245 @@
+"""A pause kept ready between pauses (flexium.engine.kept_staging, pinned_budget, and the allocator
+giving way: csrc/gpu_memory_yield.cpp), over the fake driver with the real copier process.
+
+The budget is this machine's for all flexium jobs: a ledger of one file per process (here in a
+test folder). Within it the staging stays after a resume, pinned by the copier, and the keeper
+prepares it before the first pause; outside it a pause prepares its own and gives it back. The job's
+memory comes first: an allocation short of GPU memory kills the copier, and the keeper stops
+pinning ahead on that GPU."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Any, Callable, Iterator
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from engine_fixtures import H200_BYTES, MiB, driver, fake, make_engine, nvml_in_parent, wait_until  # noqa: E402,F401
+from fake_driver import FakeDriver  # noqa: E402
+from flexium import _C  # noqa: E402
+from flexium.engine import EngineState, kept_staging, pinned_budget  # noqa: E402
+from flexium.errors import ConfigError  # noqa: E402
+from test_engine_fast_path import Job, copier_processes, zombie  # noqa: E402
+
+GiB = 1 << 30
+
+
+@pytest.fixture
+def job(fake: FakeDriver, make_engine: Callable[..., Any], nvml_in_parent: Any) -> Iterator[Job]:
+    job = Job(fake, make_engine)
+    try:
+        yield job
+    finally:
+        job.close()
+        _C.set_gpu_memory_yielder(0)
+
+
+@pytest.fixture
+def budget(monkeypatch: pytest.MonkeyPatch) -> Callable[[str], None]:
+    def set_to(setting: str) -> None:
+        monkeypatch.setenv(pinned_budget.ENV, setting)
+
+    monkeypatch.setattr(kept_staging, "CHECK_S", 0.05)
+    return set_to
+
+
+def ledger() -> dict[int, dict[str, Any]]:
+    return {int(p.name): json.loads(p.read_text()) for p in pinned_budget.LEDGER_DIR.glob("[0-9]*")}
+
+
+def a_live_process() -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+# ----------------------------------------------------------------------------- the budget
+
+
+def test_the_budget_reads_shares_sizes_and_zero(monkeypatch: pytest.MonkeyPatch) -> None:
+    total = pinned_budget.host_memory_total()
+    assert total is not None
+    assert pinned_budget.parse("25%", where="test") == total // 4
+    assert pinned_budget.parse("32GiB", where="test") == 32 * GiB
+    assert pinned_budget.parse("512 MiB", where="test") == 512 * MiB
+    assert pinned_budget.parse("2GB", where="test") == 2 * 10**9
+    assert pinned_budget.parse("0", where="test") == pinned_budget.parse("off", where="test") == 0
+    monkeypatch.delenv(pinned_budget.ENV)
+    assert pinned_budget.budget().setting == "25%" and pinned_budget.budget().source == "the default"
+    monkeypatch.setenv(pinned_budget.ENV, "8GiB")
+    assert pinned_budget.budget().bytes == 8 * GiB and pinned_budget.budget().source == "from the environment"
+
+
+@pytest.mark.parametrize("setting", ["lots", "12 parsecs", "-1GiB", "150%"])
+def test_a_setting_that_is_not_an_amount_says_what_to_give(setting: str) -> None:
+    with pytest.raises(ConfigError) as caught:
+        pinned_budget.parse(setting, where="from the environment")
+    message = str(caught.value)
+    assert f"FLEXIUM_PINNED_HOST_MEMORY={setting!r} (from the environment)" in message
+    assert "100%" in message or ("25%" in message and "32GiB" in message and "0 to keep nothing" in message)
+
+
+def test_claims_share_the_budget_and_a_finished_process_no_longer_counts(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(pinned_budget.ENV, "10GiB")
+    other = a_live_process()
+    try:
+        pinned_budget.LEDGER_DIR.mkdir(mode=0o1777)
+        start = pinned_budget._start_time(other.pid)
+        (pinned_budget.LEDGER_DIR / str(other.pid)).write_text(json.dumps({"bytes": 6 * GiB, "start": start}))
+        assert pinned_budget.claim(3 * GiB, "GPU-a") is None
+        assert ledger()[os.getpid()]["bytes"] == 3 * GiB
+        assert pinned_budget.claim(5 * GiB, "GPU-a") == (
+            "its 5.0 GiB do not fit in the 4.0 GiB left of flexium's pinned host memory budget of 10.0 GiB "
+            f"(FLEXIUM_PINNED_HOST_MEMORY=10GiB, from the environment); processes {other.pid} keep 6.0 GiB"
+        )
+        assert ledger()[os.getpid()]["bytes"] == 3 * GiB  # a refused claim changes nothing
+        assert "exceed flexium's pinned host memory budget of 10.0 GiB" in str(pinned_budget.claim(11 * GiB, "GPU-a"))
+        assert {h.pid for h in pinned_budget.holders()} == {other.pid, os.getpid()}
+    finally:
+        other.kill()
+        other.wait()
+    assert pinned_budget.claim(7 * GiB, "GPU-a") is None  # the other process is gone: its entry does not count
+    assert [h.pid for h in pinned_budget.holders()] == [os.getpid()]
+    pinned_budget.release()
+    assert pinned_budget.holders() == []
+
+
+# ----------------------------------------------------------------------------- the engine
+
+
+def test_a_resumed_job_keeps_its_staging_pinned_for_the_next_pause(job: Job, budget: Callable[[str], None]) -> None:
+    budget("1GiB")
+    engine = job.training([2 * MiB, 4 * MiB, 6 * MiB])
+    gpu0 = engine.gpus[0].uuid
+    assert engine.pause().ok
+    resumed = engine.resume()
+    assert resumed.ok and resumed.path == "fast"
+    job.assert_home(physical=0)
+    assert job.fast is not None and job.fast.keeping
+    assert _C.host_staging_pool_bytes() == 14 * MiB  # kept, not given back
+    assert ledger()[os.getpid()]["bytes"] == 14 * MiB
+    (copier,) = copier_processes()
+    assert job.fast._copier is not None and job.fast._copier.awake_on == gpu0  # stayed awake, pinned
+    assert _C.gpu_memory_yielder() == copier
+
+    again = engine.pause()
+    assert again.ok and again.path == "fast"
+    assert again.notes[0].startswith("pinned 0.01 GiB of host staging by the copier process")
+    assert "(0.00 GiB of it newly mapped and touched)" in again.notes[0]
+    assert _C.gpu_memory_yielder() == 0  # asleep while the job is paused: nothing of it on any GPU
+    assert engine.resume().ok
+    job.assert_home(physical=0)
+    engine.stop()
+    assert os.getpid() not in ledger()
+
+
+def test_the_keeper_prepares_the_first_pause_ahead(job: Job, budget: Callable[[str], None]) -> None:
+    budget("1GiB")
+    engine = job.training([2 * MiB, 4 * MiB, 6 * MiB])
+    keeper = engine._keeper
+    assert keeper is not None
+    wait_until(lambda: job.fast is not None and job.fast.keeping, what="the keeper to keep the staging")
+    assert keeper.note is not None and keeper.note.startswith("keeps 0.01 GiB of host staging pinned by the copier")
+    assert _C.host_staging_pool_bytes() == 14 * MiB and ledger()[os.getpid()]["gpu"] == engine.gpus[0].uuid
+    paused = engine.pause()
+    assert paused.ok and "(0.00 GiB of it newly mapped and touched)" in paused.notes[0]
+    assert engine.resume().ok
+    job.assert_home(physical=0)
+
+
+def test_a_pause_that_does_not_fit_the_budget_prepares_its_own_and_gives_it_back(
+    job: Job, budget: Callable[[str], None]
+) -> None:
+    budget("4MiB")
+    engine = job.training([2 * MiB, 4 * MiB, 6 * MiB])
+    keeper = engine._keeper
+    assert keeper is not None
+    wait_until(lambda: keeper.note is not None, what="the keeper to look")
+    assert keeper.note == (
+        "the staging for a pause is prepared when one is asked for: its 14 MiB exceed flexium's pinned host "
+        "memory budget of 4 MiB (FLEXIUM_PINNED_HOST_MEMORY=4MiB, from the environment)"
+    )
+    assert _C.host_staging_pool_bytes() == 0 and ledger() == {}
+    paused = engine.pause()
+    assert paused.ok and "(0.01 GiB of it newly mapped and touched)" in paused.notes[0]
+    assert engine.resume().ok
+    wait_until(lambda: _C.host_staging_pool_bytes() == 0, what="the staging to be given back")
+    assert ledger() == {} and job.fast is not None and not job.fast.keeping
+
+
+def test_a_migration_first_puts_the_copier_to_sleep_and_the_keeper_wakes_it_on_the_new_gpu(
+    job: Job, budget: Callable[[str], None]
+) -> None:
+    budget("1GiB")
+    engine = job.training([2 * MiB, 4 * MiB])
+    wait_until(lambda: job.fast is not None and job.fast.keeping, what="the keeper to keep the staging")
+    assert job.fast is not None and job.fast._copier is not None
+    assert job.fast._copier.awake_on == engine.gpus[0].uuid
+    moved = engine.migrate(engine.gpus[1])
+    assert moved.ok and moved.path == "fast"
+    job.assert_home(physical=1)
+    gpu1 = engine.gpus[1].uuid
+    wait_until(
+        lambda: job.fast is not None and job.fast._copier is not None and job.fast._copier.awake_on == gpu1,
+        what="the keeper to pin on the new GPU",
+    )
+    assert ledger()[os.getpid()]["gpu"] == engine.gpus[1].uuid
+
+
+def test_the_job_running_out_of_gpu_memory_kills_the_copier_and_the_keeper_gives_way(
+    job: Job, budget: Callable[[str], None]
+) -> None:
+    budget("1GiB")
+    engine = job.training([2 * MiB, 4 * MiB])
+    keeper = engine._keeper
+    assert keeper is not None
+    wait_until(lambda: job.fast is not None and job.fast.keeping, what="the keeper to keep the staging")
+    (copier,) = copier_processes()
+    assert _C.gpu_memory_yielder() == copier
+    yields = _C.gpu_memory_yields()
+    job.fake.set_other_memory(0, H200_BYTES - 16 * MiB)
+    try:
+        assert job._alloc(32 * MiB, 0, None) is None  # the fake's memory stays taken: still short after the kill
+    finally:
+        job.fake.set_other_memory(0, 0)
+    assert _C.gpu_memory_yields() == yields + 1 and _C.gpu_memory_yielder() == 0
+    assert zombie(copier) or copier not in copier_processes()
+    wait_until(
+        lambda: keeper.note is not None and "needed the GPU memory" in keeper.note, what="the keeper to give way"
+    )
+    time.sleep(0.3)  # several looks: it does not start a copier to pin on this GPU again
+    assert [p for p in copier_processes() if not zombie(p)] == []
+    assert engine.state == EngineState.RUNNING
+    paused = engine.pause()  # prepares its own, as without a budget
+    assert paused.ok and paused.path == "fast"
+    assert engine.resume().ok
+    job.assert_home(physical=0)
+
+
+def test_an_allocation_short_of_memory_kills_the_registered_process_once(fake: FakeDriver) -> None:
+    lib = ctypes.CDLL(_C.__file__)
+    lib.flexium_vmm_alloc.restype = ctypes.c_void_p
+    lib.flexium_vmm_alloc.argtypes = [ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    other = a_live_process()
+    yields = _C.gpu_memory_yields()
+    try:
+        _C.set_gpu_memory_yielder(other.pid)
+        assert _C.gpu_memory_yielder() == other.pid
+        fake.set_other_memory(0, H200_BYTES - 4 * MiB)
+        # The fake's memory is not the killed process's: still short after the kill, and said so.
+        assert lib.flexium_vmm_alloc(64 * MiB, 0, None) is None
+        assert other.wait(timeout=5) == -signal.SIGKILL
+        assert _C.gpu_memory_yields() == yields + 1 and _C.gpu_memory_yielder() == 0
+        assert lib.flexium_vmm_alloc(64 * MiB, 0, None) is None  # nothing left to kill: fails at once
+        assert _C.gpu_memory_yields() == yields + 1
+    finally:
+        fake.set_other_memory(0, 0)
+        _C.set_gpu_memory_yielder(0)
+        other.kill()
+        other.wait()
