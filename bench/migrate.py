@@ -28,9 +28,15 @@ so "extra" (downtime minus the median normal step) is what the move cost; "vs fl
 S/D2H + checkpoint, resume S/H2D + restore (S: the job's reserved bytes, fixed costs above).
 
 Pause rows also show how training went while the pause prepared before its safe point (the fast
-path maps, touches and pins its host staging then, and gives it back after the resume):
+path maps, touches and pins its host staging then, unless it was kept from before):
 "prep s" from the request to the start of the pause at the safe point, and the longest and the
 median step of the steps that ended in that time (bench_job.preparation).
+
+"free s" (pause rows): the time to a free GPU, from the request to the first NVML reading that
+shows no memory of the job or of its children (the copier) on any GPU, read every 5 ms by this
+process (the clocks of both processes are CLOCK_MONOTONIC). Each pool job pauses twice: the first
+pause may find its staging still being prepared ("staging": made at the pause), the second finds
+it kept from the first ("kept"). Goals: FREE_GOALS.
 """
 
 from __future__ import annotations
@@ -61,12 +67,16 @@ GOALS = (  # (size GiB, op, seconds): downtime minus one step of the fast path, 
     (16.0, "resume", 1.0),
 )
 PAUSE_GOAL_SIZES = {size for size, op, _limit in GOALS if op in ("pause", "resume")}
+FREE_GOALS = ((16.0, 1.5), (64.0, 4.0))  # (size GiB, seconds from a pause's request to a free GPU)
+NVML_EVERY_S = 0.005
 COLUMNS = (
     "size GiB",
     "op",
     "path",
     "downtime s",
     "-step s",
+    "free s",
+    "staging",
     "step ms",
     "op total s",
     "copy s",
@@ -102,6 +112,7 @@ class JobRun:
         self.timed_out = False
         self.stderr = ""
         self.seconds = 0.0
+        self.gpu_use: list[tuple[float, int]] = []  # (perf_counter, bytes of the job's family on the GPUs)
 
     def first(self, name: str) -> Optional[dict[str, Any]]:
         return next((e for e in self.events if e.get("event") == name), None)
@@ -167,6 +178,8 @@ def run_job(
 
         reader = threading.Thread(target=read, daemon=True)
         reader.start()
+        watcher = GpuUseWatcher(proc.pid)
+        watcher.start()
         try:
             run.returncode = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
@@ -177,10 +190,71 @@ def run_job(
                 pass
             run.returncode = proc.wait()
         reader.join(timeout=10)
+        run.gpu_use = watcher.finish()
         run.seconds = time.perf_counter() - started
         err.seek(0)
         run.stderr = err.read().decode(errors="replace")
     return run
+
+
+class GpuUseWatcher(threading.Thread):
+    """Reads NVML every NVML_EVERY_S: the GPU memory of a process and of its descendants."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True, name="gpu-use")
+        self.pid = pid
+        self.samples: list[tuple[float, int]] = []
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        except Exception as exc:  # no NVML: the "free s" column stays empty
+            log(f"   (NVML unavailable, no time to a free GPU: {type(exc).__name__}: {exc})")
+            return
+        while not self._stop.wait(NVML_EVERY_S):
+            family = self._family()
+            used = 0
+            for handle in handles:
+                try:
+                    processes = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
+                except pynvml.NVMLError:
+                    continue
+                used += sum(p.usedGpuMemory or 0 for p in processes if p.pid in family)
+            self.samples.append((time.perf_counter(), used))
+
+    def _family(self) -> set[int]:
+        found, todo = {self.pid}, [self.pid]
+        while todo:
+            pid = todo.pop()
+            try:
+                for task in os.listdir(f"/proc/{pid}/task"):
+                    with open(f"/proc/{pid}/task/{task}/children") as children:
+                        for child in children.read().split():
+                            if int(child) not in found:
+                                found.add(int(child))
+                                todo.append(int(child))
+            except (OSError, ValueError):
+                continue
+        return found
+
+    def finish(self) -> list[tuple[float, int]]:
+        self._stop.set()
+        self.join(timeout=5)
+        return self.samples
+
+
+def time_to_free(samples: list[tuple[float, int]], request: Optional[float]) -> Optional[float]:
+    """From `request` to the first reading after it with no memory of the job's family on any GPU."""
+    if request is None:
+        return None
+    after = [(t, used) for t, used in samples if t >= request]
+    if not after or after[0][1] == 0:
+        return None  # nothing held when asked, or no readings: not a measurement
+    return next((t - request for t, used in after if used == 0), None)
 
 
 def report_failure(run: JobRun) -> None:
@@ -220,7 +294,7 @@ def pool_plan(with_driver: bool, with_migrate: bool = True) -> list[str]:
     plan = ["10:migrate:fast:cuda:1"] if with_migrate else []
     if with_driver and with_migrate:
         plan.append("20:migrate:driver:cuda:0")
-    plan += ["30:pause:fast", "30:resume"]
+    plan += ["30:pause:fast", "30:resume", "35:pause:fast", "35:resume"]
     if with_driver:
         plan += ["40:pause:driver", "40:resume"]
     return plan
@@ -382,10 +456,21 @@ def rows_of(size: float, run: JobRun) -> list[dict[str, Any]]:
                 "prep_steps": timing.get("prep_steps"),
                 "prep_max_step": timing.get("prep_max_step"),
                 "prep_median_step": timing.get("prep_median_step"),
+                "free": time_to_free(run.gpu_use, op.get("t0")) if op["op"] == "pause" else None,
+                "staging": staging_of(result) if op["op"] == "pause" and path == "fast" else None,
                 "notes": result.get("notes", []),
             }
         )
     return rows
+
+
+def staging_of(result: dict[str, Any]) -> str:
+    """Whether a fast pause found its staging kept from before or made it after the request."""
+    for note in result.get("notes", []):
+        match = re.search(r"\(([0-9.]+) GiB of it newly mapped", note)
+        if match:
+            return "kept" if float(match.group(1)) == 0 else "made"
+    return "-"
 
 
 def add_ratios(
@@ -446,6 +531,8 @@ def table_row(row: dict[str, Any]) -> tuple[str, ...]:
         str(row["path"]),
         fmt(row["downtime"]),
         fmt(row["extra"]),
+        fmt(row.get("free")),
+        row.get("staging") or "-",
         ms(median),
         fmt(row["op_seconds"]),
         fmt(row["copy"]),
@@ -504,6 +591,39 @@ def print_goals(checked: list[dict[str, Any]]) -> None:
         if goal["extra"] is None and goal.get("why_not"):
             measured += f" ({goal['why_not']})"
         print(f"  {mark} {goal['op']} {goal['size_gb']:g} GiB <= {goal['limit']:g} s: {measured}")
+
+
+def free_goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Time to a free GPU per size and staging (kept / made), the median of its fast pauses."""
+    checked = []
+    for size, limit in FREE_GOALS:
+        for staging in ("kept", "made"):
+            runs = [
+                r["free"]
+                for r in rows
+                if r["size_gb"] == size and r["op"] == "pause" and r["path"] == "fast" and r.get("staging") == staging
+            ]
+            runs = [f for f in runs if f is not None]
+            median = statistics.median(runs) if runs else None
+            met = None if median is None else median <= limit
+            checked.append(
+                {"size_gb": size, "staging": staging, "limit": limit, "runs": runs, "median": median, "met": met}
+            )
+    return checked
+
+
+def print_free_goals(checked: list[dict[str, Any]]) -> None:
+    budget = os.environ.get("FLEXIUM_PINNED_HOST_MEMORY") or "the default, 25% of the host's memory"
+    print(
+        f"\nTime to a free GPU (pause request to no memory of the job on any GPU; pinned host memory budget: {budget}):"
+    )
+    for goal in checked:
+        mark = {True: "[x]", False: "[ ]", None: "[?]"}[goal["met"]]
+        runs = goal["runs"]
+        measured = "not measured" if goal["median"] is None else f"{goal['median']:.3f} s"
+        if len(runs) > 1:
+            measured += f" (median of {', '.join(f'{r:.3f}' for r in runs)})"
+        print(f"  {mark} pause {goal['size_gb']:g} GiB, staging {goal['staging']}: <= {goal['limit']:g} s: {measured}")
 
 
 def print_machine(bandwidth: Optional[dict[str, Any]], fixed: Optional[dict[str, Any]]) -> None:
@@ -721,6 +841,8 @@ def main() -> int:
     print_machine(bandwidth, fixed)
     checked = goals(rows, migrate_measured=migrate)
     print_goals(checked)
+    freed = free_goals(rows)
+    print_free_goals(freed)
     elapsed = time.perf_counter() - started
     print(f"\n{len(jobs)} jobs in {elapsed:.0f} s" + (f"; FAILED: {', '.join(failures)}" if failures else ""))
     if args.json:
@@ -735,6 +857,7 @@ def main() -> int:
                     "fixed": fixed,
                     "rows": rows,
                     "goals": checked,
+                    "free_goals": freed,
                     "failures": failures,
                     "seconds": elapsed,
                     "jobs": [job.to_dict() for job in jobs],

@@ -243,3 +243,46 @@ def test_an_allocation_short_of_memory_kills_the_registered_process_once(fake: F
         _C.set_gpu_memory_yielder(0)
         other.kill()
         other.wait()
+
+
+# ----------------------------------------------------------------------------- what users see
+
+
+def test_doctor_shows_the_budget_and_who_keeps_what(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from flexium.cli import doctor
+
+    monkeypatch.setenv(pinned_budget.ENV, "24GiB")
+    assert pinned_budget.claim(3 * GiB, "GPU-1234") is None
+    try:
+        assert doctor.run(as_json=True) == 0
+        report = json.loads(capsys.readouterr().out)["pinned_host_memory"]
+        assert report == {
+            "budget_bytes": 24 * GiB,
+            "setting": "24GiB",
+            "source": "from the environment",
+            "kept_bytes": 3 * GiB,
+            "kept_by": [{"pid": os.getpid(), "bytes": 3 * GiB, "gpu": "GPU-1234"}],
+        }
+        assert doctor.run(as_json=False) == 0
+        out = capsys.readouterr().out
+        assert (
+            "pinned host memory 24.0 GiB for pauses kept ready (FLEXIUM_PINNED_HOST_MEMORY=24GiB, from the "
+            "environment); 3.0 GiB kept now\n" in out
+        )
+        assert f"  process {os.getpid()}  3.0 GiB  for GPU GPU-1234\n" in out
+    finally:
+        pinned_budget.release()
+    monkeypatch.setenv(pinned_budget.ENV, "0")
+    assert doctor.run(as_json=False) == 0
+    assert "pinned host memory none kept between pauses: each pause prepares its own staging" in capsys.readouterr().out
+
+
+def test_a_bad_setting_is_refused_when_the_job_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flexium.api import runtime
+
+    monkeypatch.setenv(pinned_budget.ENV, "a lot")
+    with pytest.raises(ConfigError, match=r"FLEXIUM_PINNED_HOST_MEMORY='a lot' \(from the environment\) is not an"):
+        runtime._start(None)  # type: ignore[arg-type]  (refused before the config is read)
+    assert runtime.current() is None

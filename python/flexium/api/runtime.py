@@ -83,6 +83,9 @@ def start(server: Optional[str], device: Optional[str], disabled: bool, *, serve
 
 
 def _start(config: FlexiumConfig) -> Runtime:
+    from flexium.engine import pinned_budget
+
+    pinned_budget.budget()  # a FLEXIUM_PINNED_HOST_MEMORY that is not an amount is refused before anything starts
     # A driver named explicitly (the simulated host, the tests' fake) runs the engine without
     # torch CUDA, so a CPU-only torch is no problem to warn about there.
     capabilities = detect(check_torch=not _driver_selected_by_env())

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Any
 
 from flexium.engine import nvml
 from flexium.engine.capabilities import detect
+
+GIB = 1 << 30
 
 
 def _fast_path_problem() -> str | None:
@@ -47,11 +50,50 @@ def _distributed_jobs() -> tuple[str, str | None]:
     return found, nccl.suspend_problem(job_environ)
 
 
+def _pinned_host_memory() -> dict[str, Any]:
+    """The pinned host memory budget (engine/pinned_budget.py) and who keeps what of it now."""
+    from flexium.engine import pinned_budget
+    from flexium.errors import ConfigError
+
+    try:
+        limit = pinned_budget.budget()
+    except ConfigError as exc:
+        return {"problem": str(exc)}
+    holders = pinned_budget.holders()
+    return {
+        "budget_bytes": limit.bytes,
+        "setting": limit.setting,
+        "source": limit.source,
+        "kept_bytes": sum(h.bytes for h in holders),
+        "kept_by": [{"pid": h.pid, "bytes": h.bytes, "gpu": h.gpu} for h in holders],
+    }
+
+
+def _describe_pinned(pinned: dict[str, Any]) -> list[str]:
+    if "problem" in pinned:
+        return [f"pinned host memory ! {pinned['problem']}"]
+    budget, kept = pinned["budget_bytes"], pinned["kept_bytes"]
+    if budget == 0:
+        head = "none kept between pauses: each pause prepares its own staging (FLEXIUM_PINNED_HOST_MEMORY=0)"
+    else:
+        head = (
+            f"{budget / GIB:.1f} GiB for pauses kept ready (FLEXIUM_PINNED_HOST_MEMORY={pinned['setting']}, "
+            f"{pinned['source']}); {kept / GIB:.1f} GiB kept now"
+        )
+    lines = [f"pinned host memory {head}"]
+    for holder in pinned["kept_by"]:
+        lines.append(f"  process {holder['pid']}  {holder['bytes'] / GIB:.1f} GiB  for GPU {holder['gpu']}")
+    if budget:
+        lines.append("  (a job whose pause does not fit prepares its staging when paused: seconds more per 16 GiB)")
+    return lines
+
+
 def run(*, as_json: bool) -> int:
     caps = detect()
     gpus = nvml.host_gpus()
     fast_problem = _fast_path_problem() if caps.pause_resume else "pause / resume is not available"
     nccl_found, jobs_problem = _distributed_jobs()
+    pinned = _pinned_host_memory()
     if as_json:
         print(
             json.dumps(
@@ -59,6 +101,7 @@ def run(*, as_json: bool) -> int:
                     "capabilities": caps.to_dict(),
                     "fast_path": {"available": fast_problem is None, "problem": fast_problem},
                     "distributed_jobs": {"nccl": nccl_found, "movable": jobs_problem is None, "problem": jobs_problem},
+                    "pinned_host_memory": pinned,
                     "gpus": [g.__dict__ | {"processes": len(g.processes)} for g in gpus],
                 }
             )
@@ -74,6 +117,8 @@ def run(*, as_json: bool) -> int:
     print(f"fast path         {'yes' if fast_problem is None else 'no: ' + fast_problem}")
     print(f"NCCL              {nccl_found}")
     print(f"torchrun jobs     {'movable as a whole' if jobs_problem is None else 'not movable: ' + jobs_problem}")
+    for line in _describe_pinned(pinned):
+        print(line)
     for gpu in gpus:
         memory = f"{gpu.memory_used >> 20} / {gpu.memory_total >> 20} MiB"
         print(f"  GPU {gpu.index}  {gpu.name}  {gpu.uuid}  {memory}  {gpu.health}")

@@ -206,7 +206,10 @@ class FastPath:
             return pinned, time.perf_counter() - started, f"in this process ({DISABLE_NOTE})"
         _C.reserve_host_staging(wanted, logical, pin_here=False)
         try:
-            copier = self._copier if self._copier is not None and self._copier.alive() else Copier.start()
+            if self._copier is not None and not self._copier.alive():
+                self._copier.kill()  # gone (killed for the job's GPU memory, or died): its socket goes too
+                self._copier = None
+            copier = self._copier if self._copier is not None else Copier.start()
             self._copier = copier
             copier.attach(_C.host_staging_layout())
             reply = copier.wake(uuid, wait=True, pause_ms=PIN_PAUSE_MS, bytes_to_pin=wanted)
