@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -234,7 +233,8 @@ def test_an_allocation_short_of_memory_kills_the_registered_process_once(fake: F
         fake.set_other_memory(0, H200_BYTES - 4 * MiB)
         # The fake's memory is not the killed process's: still short after the kill, and said so.
         assert lib.flexium_vmm_alloc(64 * MiB, 0, None) is None
-        assert other.wait(timeout=5) == -signal.SIGKILL
+        # Reaped by the allocator (the driver frees a context only once all its threads are gone).
+        assert other.wait(timeout=5) is not None and not os.path.exists(f"/proc/{other.pid}")
         assert _C.gpu_memory_yields() == yields + 1 and _C.gpu_memory_yielder() == 0
         assert lib.flexium_vmm_alloc(64 * MiB, 0, None) is None  # nothing left to kill: fails at once
         assert _C.gpu_memory_yields() == yields + 1
