@@ -57,7 +57,7 @@ def test_a_pause_kept_ready_only_copies(host_gpus: list[Any], budget: str) -> No
 def test_the_copier_gives_its_gpu_memory_to_the_job() -> None:
     """The job fills its GPU while the copier keeps its pause ready there: the allocation that
     runs short kills the copier and succeeds; the job still pauses and resumes intact."""
-    run = ok_run(run_job(script="yield_job.py", timeout=JOB_TIMEOUT))
+    run = ok_run(run_job(script="yield_job.py", timeout=150))
     result = run.one("result")
     assert result["kept"] is True, result
     assert result["copier_bytes_before"] and result["copier_bytes_before"] >= 256 << 20, result

@@ -9,8 +9,10 @@ tensors are checked.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import sys
 import threading
 import time
 
@@ -22,6 +24,11 @@ from flexium.api import runtime as flexium_runtime
 from flexium.engine import nvml
 
 KEEP_WAIT_S = 60.0
+HANG_S = 100.0  # every thread's stack to stderr, and exit, well before the test's time limit
+
+
+def stage(what: str) -> None:
+    print(f"[yield_job] {what}", file=sys.stderr, flush=True)
 
 
 def copier_gpu_bytes(pid: int) -> int:
@@ -29,6 +36,7 @@ def copier_gpu_bytes(pid: int) -> int:
 
 
 def main() -> int:
+    faulthandler.dump_traceback_later(HANG_S, exit=True)
     flexium.init()
     device = flexium.auto.get_device()
     engine = flexium_runtime.current().engine
@@ -49,12 +57,14 @@ def main() -> int:
     while not (fast.keeping and fast._copier is not None and fast._copier.awake_on) and time.monotonic() < deadline:
         step()
         time.sleep(0.01)
+    stage(f"kept: {fast.keeping}")
     result: dict[str, object] = {"event": "result", "kept": bool(fast.keeping), "pid": os.getpid()}
     copier = fast._copier.pid if fast._copier is not None else None
     result["copier_bytes_before"] = copier_gpu_bytes(copier) if copier else None
     yields = _C.gpu_memory_yields()
     free, _total = torch.cuda.mem_get_info(device)
     fill = torch.empty(free - (256 << 20), dtype=torch.uint8, device=device)
+    stage(f"filled {fill.numel() >> 20} MiB; asking for 512 MiB more")
     try:
         extra = torch.empty(512 << 20, dtype=torch.uint8, device=device)
         extra.fill_(3)
@@ -64,6 +74,7 @@ def main() -> int:
         result["extra_ok"] = False
         result["error"] = str(exc)[:500]
     result["yields"] = _C.gpu_memory_yields() - yields
+    stage(f"extra ok: {result['extra_ok']}, yields {result['yields']}")
     result["copier_bytes_after"] = copier_gpu_bytes(copier) if copier else None
     del fill
 
@@ -73,9 +84,12 @@ def main() -> int:
 
     def pause_and_resume() -> None:
         try:
+            stage("pausing")
             outcome["pause"] = engine.pause().path
+            stage("paused")
             time.sleep(0.5)
             outcome["resume"] = engine.resume().path
+            stage("resumed")
         except Exception as exc:
             outcome["error"] = f"{type(exc).__name__}: {exc}"
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -219,6 +220,29 @@ def test_the_job_running_out_of_gpu_memory_kills_the_copier_and_the_keeper_gives
     assert paused.ok and paused.path == "fast"
     assert engine.resume().ok
     job.assert_home(physical=0)
+
+
+def test_a_gpu_without_room_for_the_copiers_context_gets_none(job: Job, budget: Callable[[str], None]) -> None:
+    budget("1GiB")
+    job.fake.set_other_memory(0, H200_BYTES - 800 * MiB)  # the job's 6 MiB fit, a context beside them does not
+    try:
+        engine = job.training([2 * MiB, 4 * MiB])
+        keeper = engine._keeper
+        assert keeper is not None
+        wait_until(lambda: keeper.note is not None, what="the keeper to look")
+        assert re.fullmatch(
+            r"nothing is kept pinned for a pause for now: the GPU has \d+ MiB free, less than the 1030 MiB the "
+            r"copier's context needs beside the job",
+            keeper.note,
+        ), keeper.note
+        assert copier_processes() == [] or not job.fast or job.fast._copier is None or job.fast._copier.awake_on is None
+        paused = engine.pause()
+        assert paused.ok and paused.path == "fast"
+        assert re.search(r"of host staging in this process \(the GPU has \d+ MiB free", paused.notes[0]), paused.notes
+        assert engine.resume().ok
+        job.assert_home(physical=0)
+    finally:
+        job.fake.set_other_memory(0, 0)
 
 
 def test_an_allocation_short_of_memory_kills_the_registered_process_once(fake: FakeDriver) -> None:

@@ -32,6 +32,10 @@ HOST_STAGING_SLACK = 256 << 20
 POOL_GROWTH_ROOM = 8  # the staging may exceed the pool by 1/8
 # Between the copier's chunks while it pins ahead of a pause: the job's CUDA calls get through.
 PIN_PAUSE_MS = 2
+# The copier's context on the job's GPU (docs/fast-path.md fact 10: 518 MiB), and what must stay
+# free beside it: a context made on a GPU without room fails or stalls the driver.
+COPIER_CONTEXT_BYTES = 518 << 20
+COPIER_ROOM_MARGIN = 512 << 20
 
 
 class RelocationError(Exception):
@@ -204,6 +208,10 @@ class FastPath:
         if not copier_enabled():
             pinned = int(_C.reserve_host_staging(wanted, logical))
             return pinned, time.perf_counter() - started, f"in this process ({DISABLE_NOTE})"
+        crowded = copier_room_problem(uuid)
+        if crowded is not None:
+            pinned = int(_C.reserve_host_staging(wanted, logical))
+            return pinned, time.perf_counter() - started, f"in this process ({crowded})"
         _C.reserve_host_staging(wanted, logical, pin_here=False)
         try:
             if self._copier is not None and not self._copier.alive():
@@ -357,6 +365,9 @@ class FastPath:
             awake = self._copier is not None and self._copier.alive() and self._copier.awake_on == uuid
             if awake and held >= wanted:
                 return None
+            crowded = None if awake else copier_room_problem(uuid)
+            if crowded is not None:
+                return f"nothing is kept pinned for a pause for now: {crowded}"
             refusal = pinned_budget.claim(max(wanted, held), uuid)
             if refusal is not None:
                 if held > 0 and not self.keeping:
@@ -367,7 +378,7 @@ class FastPath:
             except BaseException:
                 self._stop_keeping()
                 raise
-            if self._copier is None:  # pinned in this process, which must not hold it between pauses
+            if not where.startswith("by the copier"):  # pinned in this process, which must not hold it between pauses
                 self.release_host_later()
                 return f"the staging for a pause is prepared when one is asked for: the copier process failed ({where})"
             self.keeping = True
@@ -403,6 +414,24 @@ class FastPath:
 
 
 DISABLE_NOTE = "the copier process is off: FLEXIUM_HOST_COPIER=0"
+
+
+def copier_room_problem(uuid: str) -> Optional[str]:
+    """Why the copier should not take a context on the GPU `uuid` now (None: it has room, or
+    NVML cannot tell)."""
+    from flexium.engine import nvml
+
+    try:
+        gpu = nvml.gpu_by_uuid(uuid)
+    except Exception:  # NVML unreadable: the copier tries, and fails over to this process
+        return None
+    needed = COPIER_CONTEXT_BYTES + COPIER_ROOM_MARGIN
+    if gpu is None or gpu.memory_free >= needed:
+        return None
+    return (
+        f"the GPU has {gpu.memory_free >> 20} MiB free, less than the {needed >> 20} MiB the copier's context "
+        "needs beside the job"
+    )
 
 
 def host_memory_available() -> Optional[int]:
