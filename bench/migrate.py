@@ -204,7 +204,7 @@ class GpuUseWatcher(threading.Thread):
         super().__init__(daemon=True, name="gpu-use")
         self.pid = pid
         self.samples: list[tuple[float, int]] = []
-        self._stop = threading.Event()
+        self._halt = threading.Event()
 
     def run(self) -> None:
         try:
@@ -215,7 +215,7 @@ class GpuUseWatcher(threading.Thread):
         except Exception as exc:  # no NVML: the "free s" column stays empty
             log(f"   (NVML unavailable, no time to a free GPU: {type(exc).__name__}: {exc})")
             return
-        while not self._stop.wait(NVML_EVERY_S):
+        while not self._halt.wait(NVML_EVERY_S):
             family = self._family()
             used = 0
             for handle in handles:
@@ -242,7 +242,7 @@ class GpuUseWatcher(threading.Thread):
         return found
 
     def finish(self) -> list[tuple[float, int]]:
-        self._stop.set()
+        self._halt.set()
         self.join(timeout=5)
         return self.samples
 

@@ -627,8 +627,7 @@ def test_resume_without_a_target_stays_on_its_gpu_when_that_filled_up(
     with pytest.raises(TargetRefusedError) as caught:
         engine.resume()
     assert str(caught.value) == (
-        "cuda:0 has 10.00 GiB free; the paused job needs 30.00 GiB plus 0.50 GiB headroom: it stays paused; "
-        + IN_PLACE_ADVICE
+        "cuda:0 has 10.00 GiB free; the paused job needs 30.00 GiB: it stays paused; " + IN_PLACE_ADVICE
     )
     assert fake.calls("cu") == []
     assert engine.state == EngineState.PAUSED and fake.state() == ProcessState.CHECKPOINTED
@@ -661,8 +660,7 @@ def test_resume_without_room_anywhere_stays_paused(fake: FakeDriver, make_engine
     with pytest.raises(TargetRefusedError) as caught:
         engine.resume()
     assert str(caught.value) == (
-        "cuda:0 has 10.00 GiB free; the paused job needs 30.00 GiB plus 0.50 GiB headroom: it stays paused; "
-        + IN_PLACE_ADVICE
+        "cuda:0 has 10.00 GiB free; the paused job needs 30.00 GiB: it stays paused; " + IN_PLACE_ADVICE
     )
     with pytest.raises(TargetRefusedError) as caught:
         engine.resume(engine.gpus[1])
@@ -676,7 +674,8 @@ def test_resume_without_room_anywhere_stays_paused(fake: FakeDriver, make_engine
     with pytest.raises(TargetRefusedError, match="it stays paused"):
         engine.resume()  # room elsewhere is the server's to find: in place is still refused
     assert fake.calls("cu") == [] and engine.state == EngineState.PAUSED
-    fake.set_other_memory(0, 0)
+    # Back where it was, a job needs only what it held there: no headroom (it may have filled its GPU).
+    fake.set_other_memory(0, H200_BYTES - 30 * GiB)
     assert engine.resume().target.device == "cuda:0"
     on_gpu(fake, engine, 0)
 
@@ -843,6 +842,7 @@ def test_without_migration_capability_only_pause_and_resume_in_place(
         "NVIDIA driver 570.86.10: pause/resume only; migration to another GPU needs 580+"
     )
     assert_untouched(fake, engine)
+    fake.set_process_memory(0, 2 * GiB)
     engine.pause()
     with pytest.raises(CapabilityError, match="resuming on another GPU is not available"):
         engine.resume(engine.gpus[1])

@@ -500,7 +500,9 @@ class Engine:
             )
         host = nvml.gpu_by_uuid(dest.uuid)
         needed = self._ctx.paused_bytes
-        if host is None or host.memory_free >= needed + self.memory_margin_bytes:
+        # Back where it was, the job fits in what it held there: no headroom asked of a job that filled its GPU.
+        margin = 0 if in_place else self.memory_margin_bytes
+        if host is None or host.memory_free >= needed + margin:
             return
         if not in_place:
             advice = "free memory there or choose another GPU"
@@ -510,9 +512,10 @@ class Engine:
             )
         else:
             advice = "free memory there (this machine cannot resume it on another GPU)"
+        headroom = f" plus {_gib(margin)} headroom" if margin else ""
         raise TargetRefusedError(
-            f"{dest.device} has {_gib(host.memory_free)} free; the paused job needs "
-            f"{_gib(needed)} plus {_gib(self.memory_margin_bytes)} headroom: it stays paused; {advice}"
+            f"{dest.device} has {_gib(host.memory_free)} free; the paused job needs {_gib(needed)}{headroom}: "
+            f"it stays paused; {advice}"
         )
 
     # ---- bookkeeping -----------------------------------------------------------------------
