@@ -3,6 +3,7 @@ Chromium, at desktop and phone widths."""
 
 from __future__ import annotations
 
+import re
 import sqlite3
 import time
 from pathlib import Path
@@ -249,3 +250,29 @@ def test_totals_and_gpu_history_on_the_main_page(
             dash.d.save_screenshot(str(artifacts / f"totals-history-{width}.png"))
     finally:
         dash.d.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+
+
+def test_the_job_page_tells_each_commands_outcome_as_the_dashboard_does(dash: Dashboard, jobs: Jobs, api: Api) -> None:
+    """The job page's notices are the dashboard's (common.js): the target GPU, the time and the
+    path; and a command sent from elsewhere (here the API, as the CLI does) gets one too."""
+    host = FakeHost("jobpage-notices")
+    jobs(host, "gpu-n0tices1", gpu=0, memory=6 * GIB, cmdline="python notices.py")
+    dash.open("jobs/gpu-n0tices1")
+    _click(dash, '#job-actions button[data-action="migrate"]')
+    dash.wait(dash.dialog_open, "the Migrate dialog opens")
+    dash.pick_target(host.uuid(1))
+    dash.submit_dialog()
+    outcome = dash.wait(
+        lambda: next((text for _r, text in dash.notices() if "succeeded" in text), None), "the outcome", timeout=15
+    )
+    # no GPU cards on this page to read the index from: the GPU is named by its UUID
+    expected = (
+        rf"migrate gpu-n0tices1 → {re.escape(host.uuid(1))} \(command \d+\): succeeded in 1\.23 s \(driver path\)"
+    )
+    assert re.fullmatch(expected, outcome), outcome
+    assert api.post("/commands", {"kind": "pause", "process_id": "gpu-n0tices1"}).status_code == 201
+    dash.wait(
+        lambda: any(t.startswith("pause gpu-n0tices1 (command ") and "succeeded in" in t for _r, t in dash.notices()),
+        "a notice for the pause sent from elsewhere",
+        timeout=15,
+    )
