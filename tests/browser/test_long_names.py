@@ -35,14 +35,6 @@ return {chars: chars, limit: b.right - parseFloat(style.paddingRight) - parseFlo
 """
 
 
-def _viewport(dash: Dashboard, width: int, height: int) -> None:
-    dash.d.execute_cdp_cmd(
-        "Emulation.setDeviceMetricsOverride",
-        {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": width < 600},
-    )
-    dash.wait(lambda: dash.js("return window.innerWidth") == width, f"viewport {width} px")
-
-
 def _between_words(before: str, after: str) -> bool:
     return before in "_-/" or (before.islower() and after.isupper())
 
@@ -79,14 +71,14 @@ def test_a_long_script_name_wraps_between_words_inside_its_cell(
     row = "#proc-gpu-l0ngname"
     try:
         for width, height in VIEWPORTS:
-            _viewport(dash, width, height)
+            dash.viewport(width, height)
             lines = _assert_wraps_between_words(dash, f"{row} .job-name", f"{row} td.col-name", f"row at {width} px")
             assert lines >= 2, "60 characters do not fit one line of the column: the test would prove nothing"
             assert dash.overflow()["scroll"] <= width
             dash.d.save_screenshot(str(artifacts / f"long-name-{width}.png"))
         dash.open("jobs/gpu-l0ngname")
         for width, height in VIEWPORTS:
-            _viewport(dash, width, height)
+            dash.viewport(width, height)
             _assert_wraps_between_words(dash, "#job-title", ".job-head", f"job page at {width} px")
     finally:
-        dash.d.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+        dash.reset_viewport()
