@@ -97,6 +97,19 @@
     return el;
   }
 
+  // The newest state of each command seen. The answer to the POST that sent a command and the
+  // command's events come in either order (a job may be done before the answer arrives): an
+  // older state never replaces a newer one, and events before the answer are not lost.
+  var STAGE = {queued: 0, delivered: 1, running: 2, succeeded: 3, failed: 3, expired: 3};
+  var latest = new Map();   // command id -> command
+
+  function newest(c) {
+    var was = latest.get(c.id);
+    if (was && STAGE[was.state] > STAGE[c.state]) { return was; }
+    latest.set(c.id, c);
+    return c;
+  }
+
   // A job operation followed by this page: one notice for every rank's command.
   var trackedOps = new Map();   // operation id -> {kind, key, ranks: Map rank -> command}
 
@@ -150,20 +163,29 @@
 
   function follow(c) {
     if (c.job) {
-      if (!trackedOps.has(c.job.operation_id)) {
-        trackedOps.set(c.job.operation_id, {kind: c.kind, key: c.job.job_key, ranks: new Map()});
-      }
+      var id = c.job.operation_id;
+      if (trackedOps.has(id)) { return; }
+      var op = {kind: c.kind, key: c.job.job_key, ranks: new Map()};
+      latest.forEach(function (seen) {        // its ranks' commands seen before now
+        if (seen.job && seen.job.operation_id === id) { op.ranks.set(seen.job.rank, seen); }
+      });
+      trackedOps.set(id, op);
     } else if (!tracked.has(c.id)) {
       tracked.set(c.id, null);
     }
   }
 
+  function show(c) {
+    commandNotice(c);
+    if (c.job) { operationNotice(c); }
+  }
+
   // A command from the event stream: its notice follows it when this page sent it, or when
   // `adopt` says this page follows every command of what it shows (the job page).
   function commandEvent(c, adopt) {
+    c = newest(c);
     if (adopt) { follow(c); }
-    commandNotice(c);
-    if (c.job) { operationNotice(c); }
+    show(c);
   }
 
   // --- the API -------------------------------------------------------------------------------
@@ -195,9 +217,9 @@
   // gives every rank its share); its notice follows it from here on.
   async function sendCommand(kind, processId, extra) {
     var command = await api("POST", "/commands", Object.assign({kind: kind, process_id: processId}, extra || {}));
-    follow(command);
-    commandNotice(command);
-    if (command.job) { operationNotice(command); }
+    var now = newest(command);
+    follow(now);
+    show(now);
     return command;
   }
 
