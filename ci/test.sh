@@ -19,6 +19,41 @@ ruff check .
 ruff format --check .
 clang-format --dry-run -Werror csrc/*.cpp csrc/*.h
 
+# Whether every requirement of the installed flexium and of its server and test extras is there,
+# at a version they accept: a later stage must not take "fastapi imports" for "the server extra
+# is installed" (fastapi-offline, psycopg or selenium may be missing, or replaced by a stage since).
+extras_installed() {
+  python - <<'PY'
+import importlib.metadata as metadata
+import sys
+
+try:
+    from packaging.requirements import Requirement
+except ImportError:  # pip carries its own copy
+    from pip._vendor.packaging.requirements import Requirement
+
+try:
+    requires = metadata.requires("flexium") or []
+except metadata.PackageNotFoundError:
+    sys.exit(1)
+missing = []
+for line in requires:
+    req = Requirement(line)
+    if req.marker is not None and not any(req.marker.evaluate({"extra": e}) for e in ("", "server", "test")):
+        continue
+    try:
+        version = metadata.version(req.name)
+    except metadata.PackageNotFoundError:
+        missing.append(str(req))
+        continue
+    if not req.specifier.contains(version, prereleases=True):
+        missing.append(f"{req} (found {version})")
+if missing:
+    print("missing from the server and test extras:", ", ".join(missing), file=sys.stderr)
+    sys.exit(1)
+PY
+}
+
 echo "== installing build tools, torch (CPU) and test dependencies"
 python -m pip install -q "torch==2.13.0"
 python -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12"
@@ -94,7 +129,7 @@ python -m pytest -q tests/server "$@"
 # processes (CPU torch; the fake driver library for migrate / pause / resume) and the `flexium`
 # command line, all on 127.0.0.1. They need the server extra, installed above when missing.
 echo "== end-to-end tests"
-python -c "import fastapi, uvicorn, sqlalchemy" 2>/dev/null || python -m pip install -q --no-build-isolation ".[server,test]"
+extras_installed || python -m pip install -q --no-build-isolation ".[server,test]"
 python -m pytest -q tests/e2e "$@"
 
 # -----------------------------------------------------------------------------------------------
@@ -107,5 +142,5 @@ if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
   apt-get update -qq
   apt-get install -y -qq chromium chromium-driver >/dev/null
 fi
-python -c "import selenium, fastapi, uvicorn" 2>/dev/null || python -m pip install -q --no-build-isolation ".[server,test]"
+extras_installed || python -m pip install -q --no-build-isolation ".[server,test]"
 python -m pytest -q tests/browser "$@"

@@ -57,6 +57,23 @@ class Dashboard:
     def js(self, script: str, *args: Any) -> Any:
         return self.d.execute_script(script, *args)
 
+    def viewport(self, width: int, height: int, mobile: Optional[bool] = None) -> None:
+        """Emulate a screen of `width` x `height` CSS pixels (a phone's below 600 unless said),
+        until reset_viewport()."""
+        self.d.execute_cdp_cmd(
+            "Emulation.setDeviceMetricsOverride",
+            {
+                "width": width,
+                "height": height,
+                "deviceScaleFactor": 1,
+                "mobile": width < 600 if mobile is None else mobile,
+            },
+        )
+        self.wait(lambda: self.js("return window.innerWidth") == width, f"viewport {width} px")
+
+    def reset_viewport(self) -> None:
+        self.d.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+
     # --- the process table ------------------------------------------------------------------
 
     def row(self, process_id: str) -> WebElement:

@@ -462,11 +462,7 @@ def test_layout_at_1280_and_on_a_phone(dash: Dashboard, jobs: Jobs, api: Api, ar
             (1024, 768, False, "dashboard-1024"),
             (390, 844, True, "dashboard-390"),
         ):
-            dash.d.execute_cdp_cmd(
-                "Emulation.setDeviceMetricsOverride",
-                {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": mobile},
-            )
-            dash.wait(lambda: dash.js("return window.innerWidth") == width, f"viewport {width} px")  # noqa: B023 (waited on here)
+            dash.viewport(width, height, mobile)
             sizes = dash.overflow()
             assert sizes["scroll"] <= sizes["client"] <= width, sizes  # a scroll bar may take a few px
             assert sizes["table"] <= sizes["box"] + 0.5, sizes
@@ -479,10 +475,7 @@ def test_layout_at_1280_and_on_a_phone(dash: Dashboard, jobs: Jobs, api: Api, ar
                 assert display == "grid"  # one card per process
                 button = dash.row("gpu-7f3a9c21").find_element(By.CSS_SELECTOR, "[data-action=migrate]")
                 assert button.is_displayed() and button.size["height"] >= 36
-                dash.d.execute_cdp_cmd(
-                    "Emulation.setDeviceMetricsOverride",
-                    {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": mobile},
-                )
+                dash.viewport(width, height, mobile)
                 dash.js("arguments[0].scrollIntoView()", button)
                 button.click()
                 dash.wait(dash.dialog_open, "the Migrate dialog opens on the phone")
@@ -492,5 +485,5 @@ def test_layout_at_1280_and_on_a_phone(dash: Dashboard, jobs: Jobs, api: Api, ar
                 dash.d.find_element(By.CSS_SELECTOR, "#target-dialog [data-close]").click()
             assert dash.overflow()["scroll"] <= width
     finally:
-        dash.d.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+        dash.reset_viewport()
         busy.hold.set()

@@ -81,14 +81,6 @@ def _png_size(path: Path) -> tuple[int, int]:
     return width, height
 
 
-def _viewport(dash: Dashboard, width: int, height: int, mobile: bool) -> None:
-    dash.d.execute_cdp_cmd(
-        "Emulation.setDeviceMetricsOverride",
-        {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": mobile},
-    )
-    dash.wait(lambda: dash.js("return window.innerWidth") == width, f"viewport {width} px")
-
-
 def _shoot(dash: Dashboard, path: Path, width: int, height: int) -> None:
     dash.d.save_screenshot(str(path))
     assert _png_size(path) == (width, height), path
@@ -119,7 +111,7 @@ def test_guide_screenshots_of_the_dashboard_and_the_migrate_dialog(
             "the host's four GPU cards",
         )
         for name, width, height, mobile in VIEWPORTS:
-            _viewport(dash, width, height, mobile)
+            dash.viewport(width, height, mobile)
             dash.js("window.scrollTo(0, 0)")
             page = out_dir / f"dashboard-{name}.png"
             _shoot(dash, page, width, height)
@@ -144,7 +136,7 @@ def test_guide_screenshots_of_the_dashboard_and_the_migrate_dialog(
             dash.wait(lambda: not dash.dialog_open(), "the dialog closes")
         dash.assert_console_clean()
     finally:
-        dash.d.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+        dash.reset_viewport()
         browser.delete_all_cookies()
         if server.login_link:  # hand the browser back logged in to the suite's server
             browser.get(server.login_link)

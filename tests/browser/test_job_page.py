@@ -3,6 +3,7 @@ Chromium, at desktop and phone widths."""
 
 from __future__ import annotations
 
+import re
 import sqlite3
 import time
 from pathlib import Path
@@ -18,14 +19,6 @@ pytestmark = pytest.mark.timeout(120)
 
 Jobs = Callable[..., SimJob]
 DESKTOP, PHONE = (1280, 800), (390, 844)
-
-
-def _viewport(dash: Dashboard, width: int, height: int) -> None:
-    dash.d.execute_cdp_cmd(
-        "Emulation.setDeviceMetricsOverride",
-        {"width": width, "height": height, "deviceScaleFactor": 1, "mobile": width < 600},
-    )
-    dash.wait(lambda: dash.js("return window.innerWidth") == width, f"viewport {width} px")
 
 
 def _no_horizontal_overflow(dash: Dashboard, width: int) -> None:
@@ -108,7 +101,7 @@ def test_clicking_a_job_opens_its_page_with_progress_and_a_timeline(
 
     try:
         for (width, height), name in ((DESKTOP, "job-page-1280"), (PHONE, "job-page-390")):
-            _viewport(dash, width, height)
+            dash.viewport(width, height)
             _no_horizontal_overflow(dash, width)
             dash.d.save_screenshot(str(artifacts / f"{name}.png"))
             box = dash.js(
@@ -117,7 +110,7 @@ def test_clicking_a_job_opens_its_page_with_progress_and_a_timeline(
             )
             assert box["height"] >= 30 and 0 <= box["left"] and box["right"] <= width, box
     finally:
-        dash.d.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+        dash.reset_viewport()
     # Pause from the job page: the state follows
     _click(dash, '#job-actions button[data-action="pause"]')
     dash.wait(lambda: _text(dash, "job-state") == "PAUSED", "paused, on the job page", timeout=15)
@@ -141,11 +134,11 @@ def test_a_job_of_several_ranks_shows_its_ranks(dash: Dashboard, jobs: Jobs) -> 
     head = dash.wait(lambda: dash.d.find_element(By.CSS_SELECTOR, ".job-head").text, "the head")
     assert "job run-jp-01 · 2 ranks" in head
     assert dash.js("return !document.querySelector('#job-actions button[data-action=job-migrate]').disabled")
-    _viewport(dash, *PHONE)
+    dash.viewport(*PHONE)
     try:
         _no_horizontal_overflow(dash, PHONE[0])
     finally:
-        dash.d.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+        dash.reset_viewport()
 
 
 def test_a_viewer_gets_the_job_page_without_buttons(server: LiveServer, browser: Any, api: Api, jobs: Jobs) -> None:
@@ -183,14 +176,14 @@ def test_greyed_buttons_say_why_beside_them_on_a_phone_too(dash: Dashboard, jobs
     assert dash.buttons("gpu-refu0001") == {"Migrate": False, "Pause": False}
     try:
         for width, height in (DESKTOP, PHONE):
-            _viewport(dash, width, height)
+            dash.viewport(width, height)
             short = dash.wait(
                 lambda: _refusal(dash, "gpu-refu0001")["visible"] and _refusal(dash, "gpu-refu0001"), "reason shown"
             )
             assert short["text"] == "CPU-only torch: no GPU memory to move"
             assert len(short["text"]) <= 60 and "engine is not running" in short["title"]
     finally:
-        dash.d.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+        dash.reset_viewport()
     dash.open("jobs/gpu-refu0001")
     assert [li.text for li in dash.d.find_elements(By.CSS_SELECTOR, "#why-not li")] == problems  # all of it here
 
@@ -242,10 +235,36 @@ def test_totals_and_gpu_history_on_the_main_page(
     assert totals["gpus"] >= 4 and totals["running"] >= 1 and totals["paused"] >= 1
     try:
         for width, height in (DESKTOP, PHONE):
-            _viewport(dash, width, height)
+            dash.viewport(width, height)
             assert dash.js("return document.getElementById('totals').getBoundingClientRect().height") > 0
             assert dash.overflow()["scroll"] <= width
             assert dash.wait(lambda: dash.js(read, host.uuid(0)), "chart")["visible"]
             dash.d.save_screenshot(str(artifacts / f"totals-history-{width}.png"))
     finally:
-        dash.d.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
+        dash.reset_viewport()
+
+
+def test_the_job_page_tells_each_commands_outcome_as_the_dashboard_does(dash: Dashboard, jobs: Jobs, api: Api) -> None:
+    """The job page's notices are the dashboard's (common.js): the target GPU, the time and the
+    path; and a command sent from elsewhere (here the API, as the CLI does) gets one too."""
+    host = FakeHost("jobpage-notices")
+    jobs(host, "gpu-n0tices1", gpu=0, memory=6 * GIB, cmdline="python notices.py")
+    dash.open("jobs/gpu-n0tices1")
+    _click(dash, '#job-actions button[data-action="migrate"]')
+    dash.wait(dash.dialog_open, "the Migrate dialog opens")
+    dash.pick_target(host.uuid(1))
+    dash.submit_dialog()
+    outcome = dash.wait(
+        lambda: next((text for _r, text in dash.notices() if "succeeded" in text), None), "the outcome", timeout=15
+    )
+    # no GPU cards on this page to read the index from: the GPU is named by its UUID
+    expected = (
+        rf"migrate gpu-n0tices1 → {re.escape(host.uuid(1))} \(command \d+\): succeeded in 1\.23 s \(driver path\)"
+    )
+    assert re.fullmatch(expected, outcome), outcome
+    assert api.post("/commands", {"kind": "pause", "process_id": "gpu-n0tices1"}).status_code == 201
+    dash.wait(
+        lambda: any(t.startswith("pause gpu-n0tices1 (command ") and "succeeded in" in t for _r, t in dash.notices()),
+        "a notice for the pause sent from elsewhere",
+        timeout=15,
+    )

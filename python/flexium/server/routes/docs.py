@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib.resources
 import logging
 from pathlib import Path
-from typing import Optional
+from typing import Any, Awaitable, Callable, Optional
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
@@ -32,32 +32,39 @@ def asset_dir() -> Optional[Path]:
     return folder if (folder / "swagger-ui-bundle.js").is_file() else None
 
 
-@router.get("/docs", response_class=HTMLResponse)
-async def swagger_ui(request: Request) -> HTMLResponse:
-    local = request.app.state.docs_assets_local
-    if not local:
-        return get_swagger_ui_html(openapi_url=request.app.openapi_url, title=_TITLE)
-    return get_swagger_ui_html(
-        openapi_url=request.app.openapi_url,
-        title=_TITLE,
+def _reference_page(
+    build: Callable[..., HTMLResponse], **local_assets: Any
+) -> Callable[[Request], Awaitable[HTMLResponse]]:
+    """A page drawn by FastAPI's ``build`` (Swagger UI or ReDoc), given this server's copies of
+    its assets when they are installed, else FastAPI's CDN defaults."""
+
+    async def page(request: Request) -> HTMLResponse:
+        assets = local_assets if request.app.state.docs_assets_local else {}
+        return build(openapi_url=request.app.openapi_url, title=_TITLE, **assets)
+
+    return page
+
+
+router.add_api_route(
+    "/docs",
+    _reference_page(
+        get_swagger_ui_html,
         swagger_js_url=f"{ASSETS_PATH}/swagger-ui-bundle.js",
         swagger_css_url=f"{ASSETS_PATH}/swagger-ui.css",
         swagger_favicon_url=f"{ASSETS_PATH}/favicon.png",
-    )
-
-
-@router.get("/redoc", response_class=HTMLResponse)
-async def redoc(request: Request) -> HTMLResponse:
-    local = request.app.state.docs_assets_local
-    if not local:
-        return get_redoc_html(openapi_url=request.app.openapi_url, title=_TITLE)
-    return get_redoc_html(
-        openapi_url=request.app.openapi_url,
-        title=_TITLE,
+    ),
+    response_class=HTMLResponse,
+)
+router.add_api_route(
+    "/redoc",
+    _reference_page(
+        get_redoc_html,
         redoc_js_url=f"{ASSETS_PATH}/redoc.standalone.js",
         redoc_favicon_url=f"{ASSETS_PATH}/favicon.png",
         with_google_fonts=False,
-    )
+    ),
+    response_class=HTMLResponse,
+)
 
 
 def install_docs(app: FastAPI) -> None:

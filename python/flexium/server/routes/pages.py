@@ -10,6 +10,7 @@ second line against injected markup."""
 from __future__ import annotations
 
 import math
+import re
 import time
 from pathlib import Path
 from typing import Annotated, Any, Awaitable, Callable, Optional, Sequence
@@ -140,6 +141,18 @@ def job_name(process: wire.ProcessInfo) -> str:
     return process.name or process.process_id
 
 
+# Where a long name may wrap: after _ - / and where a capital follows a small letter (camelCase).
+# Browsers break only at spaces and after a hyphen, so overflow-wrap would split inside a word.
+_WORD_BOUNDARY = re.compile(r"(?<=[_/-])(?=.)|(?<=[a-z])(?=[A-Z])")
+_WRAP_HERE = Markup("<wbr>")
+
+
+def word_breaks(text: str) -> Markup:
+    """``text`` escaped, with a line-break opportunity (``<wbr>``, which adds no character to
+    what is read or copied) between its words."""
+    return _WRAP_HERE.join(escape(part) for part in _WORD_BOUNDARY.split(text))
+
+
 def gpu_label(index: Optional[int], uuid: Optional[str]) -> str:
     if index is not None:
         return f"GPU {index}"
@@ -252,7 +265,13 @@ def fmt_loss(loss: Optional[float]) -> str:
 
 
 TEMPLATES.env.filters.update(
-    bytes=fmt_bytes, duration=fmt_duration, utc=fmt_utc, rate=fmt_rate, loss=fmt_loss, short_reason=short_reason
+    bytes=fmt_bytes,
+    duration=fmt_duration,
+    utc=fmt_utc,
+    rate=fmt_rate,
+    loss=fmt_loss,
+    short_reason=short_reason,
+    word_breaks=word_breaks,
 )
 TEMPLATES.env.globals.update(
     fmt_ago=fmt_ago,

@@ -1,7 +1,13 @@
 // What the dashboard's pages share (dashboard.js, job.js): the server's clock, the time formats
-// (the same as pages.py), and fetching a server-rendered fragment. Loaded before either.
+// (the same as pages.py), fetching a server-rendered fragment, the notices, the buttons and the
+// dialog that send commands (and the notices that follow each one), and the event stream.
+// Loaded before either. Text from the API goes in through textContent only.
 (function () {
   "use strict";
+
+  var body = document.body;
+  var API = body.dataset.apiBase;
+  var CSRF_HEADER = "X-Flexium-Request";
 
   var skew = parseFloat(document.body.dataset.serverTime) - Date.now() / 1000;
 
@@ -60,6 +66,295 @@
     return r.text();
   }
 
+  // --- notices -------------------------------------------------------------------------------
+
+  // key -> its notice: a command's (or a job operation's) next state replaces the last one.
+  var tracked = new Map();
+
+  function notify(text, kind, key) {
+    var el = key !== undefined ? tracked.get(key) : null;
+    if (!el || !document.contains(el)) {        // none yet, or dismissed by hand
+      el = document.createElement("div");
+      var span = document.createElement("span");
+      span.className = "notice-text";
+      var close = document.createElement("button");
+      close.type = "button";
+      close.className = "notice-close";
+      close.setAttribute("aria-label", "Dismiss");
+      close.textContent = "×";
+      close.addEventListener("click", function () { el.remove(); });
+      el.append(span, close);
+      document.getElementById("notices").prepend(el);
+      if (key !== undefined) { el.dataset.commandId = key; tracked.set(key, el); }
+    }
+    el.className = "notice notice-" + kind;
+    el.setAttribute("role", kind === "error" ? "alert" : "status");
+    el.querySelector(".notice-text").textContent = text;
+    clearTimeout(el.dismissTimer);
+    if (kind === "ok") {
+      el.dismissTimer = setTimeout(function () { el.remove(); tracked.delete(key); }, 12000);
+    }
+    return el;
+  }
+
+  // The newest state of each command seen. The answer to the POST that sent a command and the
+  // command's events come in either order (a job may be done before the answer arrives): an
+  // older state never replaces a newer one, and events before the answer are not lost.
+  var STAGE = {queued: 0, delivered: 1, running: 2, succeeded: 3, failed: 3, expired: 3};
+  var latest = new Map();   // command id -> command
+
+  function newest(c) {
+    var was = latest.get(c.id);
+    if (was && STAGE[was.state] > STAGE[c.state]) { return was; }
+    latest.set(c.id, c);
+    return c;
+  }
+
+  // A job operation followed by this page: one notice for every rank's command.
+  var trackedOps = new Map();   // operation id -> {kind, key, ranks: Map rank -> command}
+
+  function operationNotice(c) {
+    var op = trackedOps.get(c.job.operation_id);
+    if (!op) { return; }
+    op.ranks.set(c.job.rank, c);
+    var parts = [], failed = [], active = false, succeeded = 0;
+    Array.from(op.ranks.keys()).sort(function (a, b) { return a - b; }).forEach(function (rank) {
+      var command = op.ranks.get(rank);
+      parts.push("rank " + rank + " " + command.state);
+      if (command.state === "succeeded") { succeeded++; }
+      else if (command.state === "failed" || command.state === "expired") {
+        failed.push("rank " + rank + ": " + (command.error || command.state));
+      } else { active = true; }
+    });
+    var what = op.kind + " job " + op.key + " (operation " + c.job.operation_id + "): ";
+    var key = "op-" + c.job.operation_id;
+    if (!active && succeeded === c.job.world_size) {
+      notify(what + "succeeded on every rank", "ok", key);
+    } else if (!active && op.ranks.size === c.job.world_size) {
+      notify(what + "failed: " + failed.join("; "), "error", key);
+    } else {
+      notify(what + parts.join(", ") + "…", "progress", key);
+    }
+  }
+
+  // A command names its GPU by UUID only; the index shown is the one its GPU card shows.
+  function gpuText(c) {
+    if (!c.target_uuid) { return ""; }
+    var card = document.querySelector('article.gpu[data-uuid="' + CSS.escape(c.target_uuid) + '"]');
+    var index = card ? card.dataset.index : "";
+    return index ? " → GPU " + index : " → " + c.target_uuid;
+  }
+
+  function commandNotice(c) {
+    if (!tracked.has(c.id)) { return; }
+    var what = c.kind + " " + c.process_id + gpuText(c) + " (command " + c.id + "): ";
+    var seconds = c.result && typeof c.result.seconds === "number" ? c.result.seconds
+      : (c.finished_at && c.started_at ? c.finished_at - c.started_at : null);
+    if (c.state === "succeeded") {
+      var path = c.result && c.result.path ? " (" + c.result.path + " path)" : "";
+      notify(what + "succeeded" + (seconds !== null ? " in " + fmtDuration(seconds, true) : "") + path, "ok", c.id);
+    } else if (c.state === "failed" || c.state === "expired") {
+      notify(what + c.state + (c.error ? ": " + c.error : ""), "error", c.id);
+    } else {
+      var phase = {queued: "queued", delivered: "delivered, waiting for a safe point", running: "running"}[c.state];
+      notify(what + (phase || c.state) + "…", "progress", c.id);
+    }
+  }
+
+  function follow(c) {
+    if (c.job) {
+      var id = c.job.operation_id;
+      if (trackedOps.has(id)) { return; }
+      var op = {kind: c.kind, key: c.job.job_key, ranks: new Map()};
+      latest.forEach(function (seen) {        // its ranks' commands seen before now
+        if (seen.job && seen.job.operation_id === id) { op.ranks.set(seen.job.rank, seen); }
+      });
+      trackedOps.set(id, op);
+    } else if (!tracked.has(c.id)) {
+      tracked.set(c.id, null);
+    }
+  }
+
+  function show(c) {
+    commandNotice(c);
+    if (c.job) { operationNotice(c); }
+  }
+
+  // A command from the event stream: its notice follows it when this page sent it, or when
+  // `adopt` says this page follows every command of what it shows (the job page).
+  function commandEvent(c, adopt) {
+    c = newest(c);
+    if (adopt) { follow(c); }
+    show(c);
+  }
+
+  // --- the API -------------------------------------------------------------------------------
+
+  async function api(method, path, payload) {
+    var headers = {"Accept": "application/json"};
+    headers[CSRF_HEADER] = "1";
+    var init = {method: method, credentials: "same-origin", headers: headers};
+    if (payload !== undefined) {
+      headers["Content-Type"] = "application/json";
+      init.body = JSON.stringify(payload);
+    }
+    var r;
+    try {
+      r = await fetch(API + path, init);
+    } catch (err) {
+      throw new Error("the server did not answer (" + err.message + ")");
+    }
+    var data = null;
+    try { data = await r.json(); } catch (err) { data = null; }
+    if (r.status === 401) { window.location.assign("/login"); }
+    if (!r.ok) {
+      throw new Error((data && data.message) || "HTTP " + r.status);
+    }
+    return data;
+  }
+
+  // A pause, resume or migrate of one process, or of a whole job (sent to one rank: the server
+  // gives every rank its share); its notice follows it from here on.
+  async function sendCommand(kind, processId, extra) {
+    var command = await api("POST", "/commands", Object.assign({kind: kind, process_id: processId}, extra || {}));
+    var now = newest(command);
+    follow(now);
+    show(now);
+    return command;
+  }
+
+  // --- the buttons and the dialog that send commands -----------------------------------------
+
+  // What the dialog's form chose: a GPU for each rank of a job, or one target (none: the server picks).
+  function formChoice(form) {
+    if (form.dataset.jobKey) {
+      var ranks = {};
+      form.querySelectorAll("select[data-rank]").forEach(function (select) { ranks[select.dataset.rank] = select.value; });
+      return {ranks: ranks};
+    }
+    var choice = form.querySelector("input[name=target]:checked");
+    return choice && choice.value ? {target: choice.value} : {};
+  }
+
+  // The buttons (data-action) in `container` and the page's #target-dialog. hooks.sent(command)
+  // after a command went out, hooks.forgotten(processId) after a forget, hooks.refocus(opener)
+  // when the dialog closes and the button that opened it was re-rendered meanwhile.
+  function wireCommands(container, hooks) {
+    var dialog = document.getElementById("target-dialog");
+    var dialogBody = document.getElementById("dialog-body");
+
+    async function openDialog(url, opener, what) {
+      var html = await fetchFragment(url);
+      if (html === null) {
+        notify(what + " is gone", "error");
+        return;
+      }
+      dialogBody.replaceChildren(fragment(html));
+      dialog.opener = opener;
+      dialog.showModal();
+      var first = dialogBody.querySelector("input[name=target]:checked") || dialogBody.querySelector("select")
+        || dialogBody.querySelector("button[type=submit]");
+      if (first) { first.focus(); }
+    }
+
+    async function send(kind, processId, extra) {
+      hooks.sent(await sendCommand(kind, processId, extra));
+    }
+
+    container.addEventListener("click", async function (ev) {
+      var button = ev.target.closest("button[data-action]");
+      if (!button || button.disabled) { return; }
+      var action = button.dataset.action;
+      var processId = button.dataset.processId;
+      try {
+        if (action === "migrate" || action === "resume") {
+          await openDialog("/ui/processes/" + encodeURIComponent(processId) + "/targets?kind=" + action,
+            button, "process " + processId);
+        } else if (action === "pause" || action === "job-pause" || action === "job-resume") {
+          button.disabled = true;
+          await send(action.replace("job-", ""), processId);
+        } else if (action === "job-migrate") {
+          await openDialog("/ui/jobs/" + encodeURIComponent(button.dataset.jobKey) + "/migrate",
+            button, "job " + button.dataset.jobKey);
+        } else if (action === "forget") {
+          button.disabled = true;
+          await api("DELETE", "/processes/" + encodeURIComponent(processId));
+          hooks.forgotten(processId);
+        }
+      } catch (err) {
+        button.disabled = false;
+        notify(action + " " + processId + " refused: " + err.message, "error");
+      }
+    });
+
+    dialog.addEventListener("submit", async function (ev) {
+      ev.preventDefault();
+      var form = ev.target;
+      var error = form.querySelector(".form-error");
+      var submit = form.querySelector("button[type=submit]");
+      error.hidden = true;
+      submit.disabled = true;
+      try {
+        await send(form.dataset.kind, form.dataset.processId, formChoice(form));
+        dialog.close();
+      } catch (err) {
+        error.textContent = err.message;
+        error.hidden = false;
+        notify(form.dataset.kind + " " + form.dataset.processId + " refused: " + err.message, "error");
+      } finally {
+        submit.disabled = false;
+      }
+    });
+
+    dialog.addEventListener("click", function (ev) {
+      if (ev.target.closest("[data-swap]")) {            // two ranks: each takes the other's GPU
+        var selects = dialogBody.querySelectorAll("select[data-rank]");
+        if (selects.length === 2) {
+          var first = selects[0].dataset.current, second = selects[1].dataset.current;
+          selects[0].value = second;
+          selects[1].value = first;
+        }
+        return;
+      }
+      if (ev.target === dialog || ev.target.closest("[data-close]")) { dialog.close(); }
+    });
+
+    dialog.addEventListener("close", function () {
+      var opener = dialog.opener;
+      dialogBody.replaceChildren();
+      if (!opener) { return; }
+      if (document.contains(opener)) { opener.focus(); } else { hooks.refocus(opener); }
+    });
+  }
+
+  // --- live events ---------------------------------------------------------------------------
+
+  function setLive(on, text) {
+    var live = document.getElementById("live");
+    live.className = "live " + (on ? "live-on" : "live-off");
+    live.textContent = text;
+  }
+
+  // The workspace's event stream: handlers[name](data) for each event of that name.
+  function listen(handlers) {
+    var source = new EventSource(API + "/events");
+    Object.keys(handlers).forEach(function (name) {
+      source.addEventListener(name, function (ev) {
+        if (name === "hello") { setLive(true, "live"); }
+        handlers[name](JSON.parse(ev.data));
+      });
+    });
+    source.addEventListener("error", function () {
+      setLive(false, "reconnecting…");
+      if (source.readyState === EventSource.CLOSED) {
+        // A refused stream is not retried by the browser: find out why (signed out: the login
+        // page), then try again.
+        fetchFragment("/ui/commands").catch(function () { return null; });
+        setTimeout(function () { listen(handlers); }, 3000);
+      }
+    });
+  }
+
   window.flexiumPage = {
     serverNow: serverNow,
     fmtDuration: fmtDuration,
@@ -67,5 +362,9 @@
     tick: tick,
     fragment: fragment,
     fetchFragment: fetchFragment,
+    notify: notify,
+    commandEvent: commandEvent,
+    wireCommands: wireCommands,
+    listen: listen,
   };
 })();

@@ -85,10 +85,11 @@ def list_devices(
             Process.workspace_id == workspace_id, Process.last_seen >= cutoff, Process.gpu_uuid.is_not(None)
         )
     ):
+        if proc.state == "PAUSED":  # gpu_uuid is where it paused from: it holds nothing there
+            continue
         key = (proc.host, proc.gpu_uuid)
         used, names = on_gpu.get(key, (0, []))
-        held = 0 if proc.state == "PAUSED" else proc.memory_bytes
-        on_gpu[key] = (used + held, names + [proc.process_id])
+        on_gpu[key] = (used + proc.memory_bytes, names + [proc.process_id])
     hosts: dict[str, wire.HostInfo] = {}
     for row in rows:
         entry = hosts.setdefault(

@@ -1,0 +1,55 @@
+"""What a GPU card lists: the jobs on that GPU now. A paused job holds no memory on any GPU, so
+no card lists it (the API's /devices neither); the process table still shows it, PAUSED."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from srv_helpers import GIB, Api
+
+
+def _card(page: str, uuid: str) -> str:
+    found = re.search(rf'<article class="gpu[^"]*" data-uuid="{uuid}".*?</article>', page, re.S)
+    assert found, f"no card for {uuid}"
+    return found.group(0)
+
+
+def _jobs_on(api: Api) -> dict[str, list[str]]:
+    hosts = api.get("/devices").json()["hosts"]
+    return {d["uuid"]: d["processes"] for h in hosts for d in h["devices"]}
+
+
+def _pause(api: Api, process_id: str) -> None:
+    created = api.command("pause", process_id)
+    assert created.status_code == 201, created.text
+    api.client.get(f"{api.base}/processes/{process_id}/commands/next", params={"timeout": 0}, headers=api.headers())
+    for state in ("running", "succeeded"):
+        body: dict[str, Any] = {"state": state}
+        if state == "succeeded":
+            body["result"] = {"kind": "pause", "path": "driver", "ok": True, "seconds": 0.5}
+            body["process"] = {"state": "PAUSED"}
+        r = api.post(f"/commands/{created.json()['id']}/report", body)
+        assert r.status_code == 200, r.text
+
+
+def test_a_paused_job_is_on_no_gpu_card_but_still_in_the_table(api: Api) -> None:
+    api.register("gpu-run", gpu_index=0, memory=10 * GIB)
+    api.register("gpu-held", gpu_index=1, memory=20 * GIB)
+    assert _jobs_on(api)["GPU-0001"] == ["gpu-held"]
+    [before] = api.pages("/ui/devices")
+    assert "gpu-held" in _card(before, "GPU-0001")
+
+    _pause(api, "gpu-held")
+    assert api.get("/processes/gpu-held").json()["state"] == "PAUSED"
+    jobs_on = _jobs_on(api)
+    assert jobs_on["GPU-0000"] == ["gpu-run"]
+    assert not any("gpu-held" in names for names in jobs_on.values())
+    main, cards = api.pages("/", "/ui/devices")
+    for page in (main, cards):
+        assert "gpu-run" in _card(page, "GPU-0000")
+        for index in range(4):
+            assert "gpu-held" not in _card(page, f"GPU-{index:04d}")
+        assert 'class="gpu-jobs"' not in _card(page, "GPU-0001")  # no empty "jobs:" line either
+    row = re.search(r'<tr id="proc-gpu-held" class="proc".*?</tr>', main, re.S)
+    assert row and 'data-state="PAUSED"' in row.group(0) and "PAUSED" in row.group(0)
