@@ -137,12 +137,18 @@
     }
   }
 
-  // A command names its GPU by UUID only; the index shown is the one its GPU card shows.
+  // A command names its GPU by UUID only; the index shown is the one a GPU card or the target
+  // dialog shows when the command is first seen, kept for its later notices (cards come and go as
+  // the page updates).
+  var gpuTexts = new Map();
   function gpuText(c) {
     if (!c.target_uuid) { return ""; }
-    var card = document.querySelector('article.gpu[data-uuid="' + CSS.escape(c.target_uuid) + '"]');
-    var index = card ? card.dataset.index : "";
-    return index ? " → GPU " + index : " → " + c.target_uuid;
+    if (!gpuTexts.has(c.id)) {
+      var shown = document.querySelector('[data-uuid="' + CSS.escape(c.target_uuid) + '"][data-index]:not([data-index=""])');
+      var index = shown ? shown.dataset.index : "";
+      gpuTexts.set(c.id, index ? " → GPU " + index : " → " + c.target_uuid);
+    }
+    return gpuTexts.get(c.id);
   }
 
   function commandNotice(c) {
