@@ -19,6 +19,7 @@
 #include "devices.h"
 #include "driver_error.h"
 #include "vmm_driver.h"
+#include "vmm_host_staging.h"
 
 namespace flexium {
 namespace {
@@ -46,6 +47,11 @@ HostCopier::HostCopier(const std::vector<std::pair<int, std::size_t>> &extents, 
     ::madvise(base, extent.second, MADV_HUGEPAGE);
     extents_.push_back({static_cast<char *>(base), extent.second});
   }
+  // The job only made the files: the pages are allocated (or, kept from before, mapped) here, where
+  // they are pinned.
+  std::vector<std::pair<char *, std::size_t>> ranges;
+  for (const Extent &mapped : extents_) ranges.emplace_back(mapped.base, mapped.size);
+  populate_host_pages(ranges);
   for (const CopierChunk &chunk : chunks_) {
     if (chunk.extent >= extents_.size() || chunk.size == 0 || chunk.offset > extents_[chunk.extent].size ||
         chunk.size > extents_[chunk.extent].size - chunk.offset) {

@@ -43,9 +43,6 @@ constexpr std::size_t kMaxTouchThreads = 8;
 constexpr std::chrono::milliseconds kPinBreak{2};
 constexpr std::chrono::milliseconds kUnmapBreak{1};
 
-// Faults the pages in, one thread per memfd: the kernel zeroes them at memory speed per thread, and
-// threads faulting one shared file wait on each other (one file touched from 8 threads: 4.3 GB/s, 8
-// files: 11 GB/s, which then also pin 2.5 times faster: docs/fast-path.md fact 18).
 void touch(char *base, std::size_t size) {
   if (::madvise(base, size, MADV_POPULATE_WRITE) == 0) return;
   for (std::size_t offset = 0; offset < size; offset += kPageBytes) static_cast<volatile char *>(base)[offset] = 0;
@@ -125,9 +122,9 @@ void refuse_while_staged(const char *what) {
   }
 }
 
-// New extents of at least `bytes` in all, touched, not pinned, cut into chunks of `chunk_bytes`
-// (appended to the staging's chunks): one memfd per touching thread.
-void map_extent(std::size_t bytes, std::size_t chunk_bytes) {
+// New extents of at least `bytes` in all, not pinned, cut into chunks of `chunk_bytes` (appended
+// to the staging's chunks), touched here if `touch_here`: one memfd per touching thread.
+void map_extent(std::size_t bytes, std::size_t chunk_bytes, bool touch_here) {
   const std::size_t total = round_up(bytes, kHugePageBytes);
   const std::size_t files = touch_threads(total);
   const std::size_t each = round_up((total + files - 1) / files, kHugePageBytes);
@@ -139,15 +136,11 @@ void map_extent(std::size_t bytes, std::size_t chunk_bytes) {
     unmap_files(made);
     throw;
   }
-  std::vector<std::thread> workers;
-  try {
-    for (std::size_t i = 1; i < made.size(); ++i) workers.emplace_back(touch, made[i].base, made[i].size);
-  } catch (const std::system_error &) {
-    // No more threads to be had: this one touches the files not handed out.
+  if (touch_here) {
+    std::vector<std::pair<char *, std::size_t>> ranges;
+    for (const Extent &file : made) ranges.emplace_back(file.base, file.size);
+    populate_host_pages(ranges);
   }
-  touch(made[0].base, made[0].size);
-  for (std::size_t i = workers.size() + 1; i < made.size(); ++i) touch(made[i].base, made[i].size);
-  for (std::thread &worker : workers) worker.join();
   for (const Extent &file : made) {
     const std::size_t extent = staging.extents.size();
     staging.extents.push_back(file);
@@ -185,13 +178,29 @@ void unpin_all_quietly(const DriverTable &d, int device) noexcept {
 
 using namespace host_staging;
 
+// One thread per range (memfd): the kernel zeroes new pages at memory speed per thread, and threads
+// faulting one shared file wait on each other (one file from 8 threads: 4.3 GB/s to touch; 8 files:
+// 11 GB/s, docs/fast-path.md fact 18).
+void populate_host_pages(const std::vector<std::pair<char *, std::size_t>> &ranges) {
+  if (ranges.empty()) return;
+  std::vector<std::thread> workers;
+  try {
+    for (std::size_t i = 1; i < ranges.size(); ++i) workers.emplace_back(touch, ranges[i].first, ranges[i].second);
+  } catch (const std::system_error &) {
+    // No more threads to be had: this one touches the ranges not handed out.
+  }
+  touch(ranges[0].first, ranges[0].second);
+  for (std::size_t i = workers.size() + 1; i < ranges.size(); ++i) touch(ranges[i].first, ranges[i].second);
+  for (std::thread &worker : workers) worker.join();
+}
+
 std::size_t reserve_host_staging(std::size_t bytes, int device, std::size_t chunk_bytes, bool pin_here) {
   check_chunk_bytes(chunk_bytes);
   const DriverTable &d = require_vmm_driver();
   std::lock_guard<std::mutex> guard(staging.mutex);
   refuse_while_staged("cannot reserve host staging");
   const std::size_t have = mapped_bytes();
-  if (have < bytes) map_extent(bytes - have, chunk_bytes);
+  if (have < bytes) map_extent(bytes - have, chunk_bytes, pin_here);
   if (!pin_here) return 0;
   std::size_t pinned = 0;
   try {

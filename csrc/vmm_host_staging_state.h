@@ -74,9 +74,9 @@ std::size_t mapped_bytes();                          // the chunks' bytes (calle
 std::size_t waiting_segments();                      // staged segments not brought back yet
 void refuse_while_staged(const char *what);          // std::runtime_error while any waits
 
-// New extents of at least `bytes` in all, touched, not pinned, cut into chunks of `chunk_bytes`
-// (appended to the staging's chunks): one memfd per touching thread.
-void map_extent(std::size_t bytes, std::size_t chunk_bytes);
+// New extents of at least `bytes` in all, not pinned, cut into chunks of `chunk_bytes` (appended
+// to the staging's chunks), touched here if `touch_here`: one memfd per touching thread.
+void map_extent(std::size_t bytes, std::size_t chunk_bytes, bool touch_here);
 
 void pin(const DriverTable &d, Chunk &chunk);    // cuMemHostRegister, PORTABLE; once
 void unpin(const DriverTable &d, Chunk &chunk);  // cuMemHostUnregister; once

@@ -161,16 +161,18 @@ class Copier:
         return self._parent_pid is None and self._process.poll() is None
 
     def attach(self, layout: "_C.HostStagingLayout") -> None:
-        """Maps the staging's extents (memfd, size); again only when they changed."""
+        """Maps the staging's extents (memfd, size) and touches their pages; again only when they
+        changed."""
         extents = layout.extents
         key = tuple((os.fstat(fd).st_ino, size) for fd, size in extents)
         if key == self._attached:
             return
         chunks = [as_row(chunk, CHUNK_FIELDS) for chunk in layout.chunks]
+        total = sum(size for _fd, size in extents)
         self._exchange(
             {"op": "attach", "sizes": [size for _fd, size in extents], "chunks": chunks},
             [fd for fd, _size in extents],
-            timeout=30.0,
+            timeout=START_TIMEOUT_S + total / SLOWEST_BYTES_PER_S,  # it touches the pages
         )
         self._attached = key
 
