@@ -2,7 +2,7 @@
 event on stdout ("ready" with the flexium process id, "loss" per optimizer step, bit-exact as
 float.hex, "done"). Deterministic: two runs give the same loss trace bit for bit.
 
-    python framework_job.py lightning|hf-trainer|accelerate|timm|torchvision --steps 200 --pace 0.03
+    python framework_job.py lightning|hf-trainer|accelerate|timm|torchvision|fastai --steps 200 --pace 0.03
 
 --pace sleeps after each optimizer step (a hook, the same for every framework), so that a
 command line has time to act on the running job.
@@ -24,7 +24,7 @@ import torch  # noqa: E402
 
 import flexium  # noqa: E402
 
-FRAMEWORKS = ("lightning", "hf-trainer", "accelerate", "timm", "torchvision")
+FRAMEWORKS = ("lightning", "hf-trainer", "accelerate", "timm", "torchvision", "fastai")
 
 
 def emit(event: str, **data: Any) -> None:
@@ -184,12 +184,38 @@ def torchvision_model(steps: int) -> None:
         report(loss)
 
 
+def fastai_learner(steps: int) -> None:
+    from fastai.callback.core import Callback
+    from fastai.callback.schedule import fit_one_cycle  # noqa: F401  (adds Learner.fit_one_cycle)
+    from fastai.data.core import DataLoaders
+    from fastai.learner import Learner
+    from fastai.losses import CrossEntropyLossFlat
+    from fastai.torch_core import set_seed
+    from torch.utils.data import TensorDataset
+
+    class ReportLoss(Callback):
+        def after_batch(self) -> None:
+            if self.training:
+                report(self.learn.loss)
+
+    set_seed(0, reproducible=True)  # python's, numpy's and torch's generators: fastai shuffles with them
+    data = torch.Generator().manual_seed(0)
+    count = steps * 64
+    train = TensorDataset(torch.randn(count, 64, generator=data), torch.randint(0, 10, (count,), generator=data))
+    valid = TensorDataset(torch.randn(256, 64, generator=data), torch.randint(0, 10, (256,), generator=data))
+    dls = DataLoaders.from_dsets(train, valid, bs=64, device=torch.device("cuda"))
+    learn = Learner(dls, mlp(), loss_func=CrossEntropyLossFlat(), cbs=[ReportLoss()])
+    with learn.no_logging(), learn.no_bar():
+        learn.fit_one_cycle(1, lr_max=1e-3)
+
+
 RUNS: dict[str, Callable[[int], None]] = {
     "lightning": lightning,
     "hf-trainer": hf_trainer,
     "accelerate": accelerate,
     "timm": timm_model,
     "torchvision": torchvision_model,
+    "fastai": fastai_learner,
 }
 
 

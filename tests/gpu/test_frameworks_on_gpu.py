@@ -19,7 +19,14 @@ pytest.importorskip("fastapi", reason="the server extra is not installed (ci/gpu
 
 STEPS = "240"
 PACE_S = "0.03"
-FRAMEWORKS = ["lightning", "hf-trainer", "accelerate", "timm", "torchvision"]
+FRAMEWORKS = [
+    "lightning",
+    "hf-trainer",
+    "accelerate",
+    "timm",
+    "torchvision",
+    "fastai",
+]  # fastai: ci/framework-wheels.sh
 
 
 def _moved_while_training(framework: str, tmp_path: Path, moves: list[tuple[str, ...]]) -> None:
