@@ -12,7 +12,7 @@
 # (BENCH_STAGING_EXPERIMENTS picks its experiments, e.g. memfd_fill; the probes and
 # bench/nvml_read.py write bench-probes.txt: the device tool brings back at most 8 files).
 # tests/gpu/test_server_end_to_end.py needs the server extra: installed, or its wheels in .whl/
-# (ci/server-wheels.sh fetches them for a machine without network).
+# (ci/server-wheels.sh fetches them for a machine without network; ci/framework-wheels.sh fastai's).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${OUT:-$PWD/gpu-results}"
