@@ -140,8 +140,9 @@ def test_the_keeper_prepares_the_first_pause_ahead(job: Job, budget: Callable[[s
     engine = job.training([2 * MiB, 4 * MiB, 6 * MiB])
     keeper = engine._keeper
     assert keeper is not None
-    wait_until(lambda: job.fast is not None and job.fast.keeping, what="the keeper to keep the staging")
+    wait_until(lambda: keeper.note is not None, what="the keeper to keep the staging and say so")
     assert keeper.note is not None and keeper.note.startswith("keeps 0.01 GiB of host staging pinned by the copier")
+    assert job.fast is not None and job.fast.keeping
     assert _C.host_staging_pool_bytes() == 14 * MiB and ledger()[os.getpid()]["gpu"] == engine.gpus[0].uuid
     paused = engine.pause()
     assert paused.ok and "(0.00 GiB of it newly mapped and touched)" in paused.notes[0]
@@ -334,3 +335,56 @@ def test_the_copier_touches_the_staging_it_pins_and_the_job_never_does(job: Job)
     assert engine.resume().ok
     job.assert_home(physical=0)
     assert staging_rss(os.getpid()) == 0
+
+
+def test_once_kept_the_keeper_leaves_the_pool_alone(job: Job, budget: Callable[[str], None]) -> None:
+    """A pool's live ranges come from a snapshot of PyTorch's allocator: a keeper that has kept
+    the staging for this pool does not take one at every look."""
+    budget("1GiB")
+    engine = job.training([2 * MiB, 4 * MiB])
+    wait_until(lambda: job.fast is not None and job.fast.keeping, what="the keeper to keep the staging")
+    time.sleep(0.2)
+    asked = len(job.pool.asked)
+    time.sleep(0.5)  # ten looks
+    assert len(job.pool.asked) == asked
+    assert engine.pause().ok and engine.resume().ok
+
+
+def test_a_ledger_held_by_another_process_is_a_refusal_not_a_hang(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(pinned_budget.ENV, "8GiB")
+    monkeypatch.setattr(pinned_budget, "LOCK_WAIT_S", 0.3)
+    pinned_budget.LEDGER_DIR.mkdir()
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT, 0o666); "
+            "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(60)",
+            str(pinned_budget.LEDGER_DIR / "lock"),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        umask = os.umask(0o022)
+        os.umask(umask)
+        started = time.monotonic()
+        refusal = pinned_budget.claim(1 * GiB, "GPU-a")
+        assert time.monotonic() - started < 2.0
+        assert refusal is not None and refusal.startswith("its pinned host memory ledger could not be written")
+        assert "held" in refusal and ledger() == {}
+        assert os.umask(umask) == umask  # the process's umask is never changed
+    finally:
+        holder.kill()
+        holder.wait()
+    assert pinned_budget.claim(1 * GiB, "GPU-a") is None
+    pinned_budget.release()
+
+
+def test_a_ledger_that_cannot_be_written_is_a_refusal(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    monkeypatch.setenv(pinned_budget.ENV, "8GiB")
+    monkeypatch.setattr(pinned_budget, "LEDGER_DIR", tmp_path / "not-a-folder" / "ledger")
+    (tmp_path / "not-a-folder").write_text("a file where the ledger's parent folder should be")
+    refusal = pinned_budget.claim(1 * GiB, "GPU-a")
+    assert refusal is not None and refusal.startswith("its pinned host memory ledger could not be written")

@@ -385,6 +385,11 @@ class FastPath:
             held = int(_C.host_staging_pool_bytes())
             return f"keeps {held / (1 << 30):.2f} GiB of host staging pinned {where} for a pause (took {seconds:.2f} s)"
 
+    def kept_on(self, uuid: str) -> bool:
+        """Whether a staging is kept pinned by a live copier on the GPU `uuid` now."""
+        copier = self._copier
+        return self.keeping and copier is not None and copier.alive() and copier.awake_on == uuid
+
     def _stop_keeping(self) -> None:
         pinned_budget.release()
         self.keeping = False

@@ -33,6 +33,7 @@ class StagingKeeper:
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._last_pool = 0
+        self._kept_for_pool = 0  # the pool's size when the staging was last made to fit it
         self._yields_seen = _C.gpu_memory_yields()
         self._gave_way_on: Optional[str] = None  # the GPU where the job needed the copier's memory
         self.note: Optional[str] = None  # what it did last, or why it keeps nothing
@@ -83,9 +84,15 @@ class StagingKeeper:
             )
         if uuid == self._gave_way_on:
             return
+        # Kept for this pool already: nothing to ask (a pool's live ranges come from a snapshot of
+        # PyTorch's allocator, which holds the GIL while it is taken).
+        if pool == self._kept_for_pool and self._fast.kept_on(uuid):
+            return
         note = self._fast.keep_ready(logical, uuid)
         if note is not None:
             self._say(note, logging.INFO)
+        if self._fast.kept_on(uuid):
+            self._kept_for_pool = pool
 
     def _say(self, note: str, level: int) -> None:
         if note != self.note:

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
@@ -25,6 +26,7 @@ ENV = "FLEXIUM_PINNED_HOST_MEMORY"
 # A quarter of the machine: room to keep a large job's pause ready, while three quarters stay for
 # the jobs' own host memory (data loading, page cache) and for pauses that take the driver path.
 DEFAULT_SETTING = "25%"
+LOCK_WAIT_S = 2.0
 LEDGER_DIR = Path("/dev/shm" if Path("/dev/shm").is_dir() else tempfile.gettempdir(), "flexium-pinned")
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mib": 1 << 20, "g": 1 << 30, "gib": 1 << 30}
 _UNITS.update({"t": 1 << 40, "tib": 1 << 40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12})
@@ -105,18 +107,24 @@ def claim(nbytes: int, gpu: str) -> Optional[str]:
     limit = budget()
     if nbytes > limit.bytes:
         return f"its {_gib(nbytes)} exceed flexium's pinned host memory budget of {limit.describe()}"
-    with _locked():
-        others = [h for h in holders() if h.pid != os.getpid()]
-        held = sum(h.bytes for h in others)
-        if held + nbytes > limit.bytes:
-            pids = ", ".join(str(h.pid) for h in others)
-            return (
-                f"its {_gib(nbytes)} do not fit in the {_gib(max(0, limit.bytes - held))} left of flexium's pinned "
-                f"host memory budget of {limit.describe()}; processes {pids} keep {_gib(held)}"
-            )
-        record = {"bytes": nbytes, "gpu": gpu, "start": _start_time(os.getpid())}
-        mine = LEDGER_DIR / str(os.getpid())
-        mine.write_text(json.dumps(record))
+    try:
+        with _locked():
+            return _claim_locked(nbytes, gpu, limit)
+    except (OSError, LedgerBusy) as exc:
+        return f"its pinned host memory ledger could not be written ({exc})"
+
+
+def _claim_locked(nbytes: int, gpu: str, limit: Budget) -> Optional[str]:
+    others = [h for h in holders() if h.pid != os.getpid()]
+    held = sum(h.bytes for h in others)
+    if held + nbytes > limit.bytes:
+        pids = ", ".join(str(h.pid) for h in others)
+        return (
+            f"its {_gib(nbytes)} do not fit in the {_gib(max(0, limit.bytes - held))} left of flexium's pinned "
+            f"host memory budget of {limit.describe()}; processes {pids} keep {_gib(held)}"
+        )
+    record = {"bytes": nbytes, "gpu": gpu, "start": _start_time(os.getpid())}
+    (LEDGER_DIR / str(os.getpid())).write_text(json.dumps(record))
     return None
 
 
@@ -134,24 +142,40 @@ def _entries() -> Iterator[Path]:
         return
 
 
+class LedgerBusy(Exception):
+    pass
+
+
 class _locked:
-    """The ledger's lock: one claim at a time on this machine. The folder is shared by every user
-    (sticky, like /tmp): each process writes only its own file."""
+    """The ledger's lock: one claim at a time on this machine, waited for at most LOCK_WAIT_S (a
+    resume claims: it must never hang on another process). The folder is shared by every user
+    (sticky, like /tmp): each process writes only its own file. Modes are set with chmod, never
+    through the umask, which is the whole process's."""
 
     def __enter__(self) -> None:
-        if not LEDGER_DIR.is_dir():
-            old = os.umask(0)
-            try:
-                LEDGER_DIR.mkdir(mode=0o1777, exist_ok=True)
-            finally:
-                os.umask(old)
-        lock = LEDGER_DIR / "lock"
-        old = os.umask(0)
         try:
-            self._fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o666)
-        finally:
-            os.umask(old)
-        fcntl.flock(self._fd, fcntl.LOCK_EX)
+            LEDGER_DIR.mkdir(exist_ok=False)
+            os.chmod(LEDGER_DIR, 0o1777)
+        except FileExistsError:
+            pass
+        self._fd = os.open(LEDGER_DIR / "lock", os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            if os.fstat(self._fd).st_uid == os.getuid():
+                os.fchmod(self._fd, 0o666)
+            deadline = time.monotonic() + LOCK_WAIT_S
+            while True:
+                try:
+                    fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    return
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        raise LedgerBusy(
+                            f"another process held the ledger {LEDGER_DIR} for {LOCK_WAIT_S:g} s"
+                        ) from None
+                    time.sleep(0.01)
+        except BaseException:
+            os.close(self._fd)
+            raise
 
     def __exit__(self, *_: object) -> None:
         fcntl.flock(self._fd, fcntl.LOCK_UN)
