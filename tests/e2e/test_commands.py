@@ -34,6 +34,22 @@ def _ps(server: Server, job: Job) -> dict[str, Any]:
     return next(p for p in json.loads(done.stdout) if p["process_id"] == job.process_id)
 
 
+def _settled_steps(job: Job, quiet_s: float = 0.5, timeout: float = 10.0) -> int:
+    """The job's step count once no new step line has come for `quiet_s`: this process reads the
+    job's output in a thread of its own, which may lag behind the job on a busy machine. A job that
+    kept training never settles, and the wait fails."""
+    last = [job.steps(), time.monotonic()]
+
+    def settled() -> bool:
+        now = job.steps()
+        if now != last[0]:
+            last[:] = [now, time.monotonic()]
+        return time.monotonic() - last[1] >= quiet_s
+
+    wait_until(settled, timeout, "the paused job's step count to stop growing")
+    return int(last[0])
+
+
 def _steps_advance(job: Job, timeout: float = 10.0) -> None:
     before = job.steps()
     wait_until(lambda: job.steps() > before, timeout, "training steps")
@@ -100,6 +116,9 @@ def test_commands_arrive_within_100_ms(server: Server, job: Job, record_property
 
 
 def test_pause_and_resume_from_the_command_line(server: Server, job: Job) -> None:
+    # Training has begun: a pause before the job's first optimizer step runs at once, outside a
+    # safe point, where this CPU job (no CUDA call to block in) would go on training.
+    _steps_advance(job, timeout=30)
     done = server.cli("pause", job.process_id)
     assert done.returncode == 0, done.stdout + done.stderr
     assert re.search(rf"^pause {job.process_id}: succeeded in [\d.]+ s$", done.stdout, re.M), done.stdout
@@ -108,7 +127,7 @@ def test_pause_and_resume_from_the_command_line(server: Server, job: Job) -> Non
     assert p["state"] == "PAUSED" and p["memory_bytes"] == 0 and p["footprint_bytes"] == 2048 << 20
     # Heartbeats go on while the job is frozen, and training really stopped.
     seen = p["last_seen"]
-    steps = job.steps()
+    steps = _settled_steps(job)
     wait_until(
         lambda: (server.process(job.process_id) or {}).get("last_seen", 0) > seen + 0.4, 10, "a heartbeat while paused"
     )
