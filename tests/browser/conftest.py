@@ -10,13 +10,13 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from dash_helpers import Api, FakeHost, LiveServer, SimJob  # noqa: E402
+from dash_helpers import Api, FakeHost, Jobs, LiveServer, SimJob  # noqa: E402
 from dash_page import Dashboard  # noqa: E402
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "browser"
@@ -125,7 +125,7 @@ def dash(browser: Any, server: LiveServer) -> Iterator[Dashboard]:
 
 
 @pytest.fixture
-def jobs(api: Api) -> Iterator[Callable[..., SimJob]]:
+def jobs(api: Api) -> Iterator[Jobs]:
     """``jobs(host, process_id, **options)`` starts a simulated job; all stop at the end."""
     started: list[SimJob] = []
 

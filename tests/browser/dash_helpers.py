@@ -8,7 +8,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import requests
 
@@ -326,3 +326,21 @@ class SimJob:
                 "memory_bytes": 0 if self.state == "PAUSED" else self.memory,
             }
         self._report(cmd["id"], {"state": "succeeded", "result": result, "process": update})
+
+
+Jobs = Callable[..., SimJob]
+
+
+def two_rank_job(jobs: Jobs, host: FakeHost, key: str, *, op_seconds: float = 0.4) -> list[SimJob]:
+    """The two ranks of a torchrun job on GPUs 0 and 1 of `host`, as the `jobs` fixture makes them."""
+    return [
+        jobs(
+            host,
+            f"{key}-r{rank}",
+            gpu=rank,
+            cmdline="torchrun --nproc-per-node 2 train_ddp.py",
+            op_seconds=op_seconds,
+            job={"key": key, "rank": rank, "world_size": 2, "local_rank": rank, "local_world_size": 2},
+        )
+        for rank in (0, 1)
+    ]

@@ -4,16 +4,13 @@ The page's POST answers are held back here so that the events always come first.
 
 from __future__ import annotations
 
-from typing import Callable
-
 import pytest
 
-from dash_helpers import GIB, FakeHost, SimJob
+from dash_helpers import GIB, FakeHost, Jobs, two_rank_job
 from dash_page import Dashboard
 
 pytestmark = pytest.mark.timeout(120)
 
-Jobs = Callable[..., SimJob]
 HOLD_S = 2.5
 
 # Wraps the page's fetch: the answer to POST .../commands reaches the script HOLD_S late.
@@ -52,17 +49,7 @@ def test_a_command_done_before_its_answer_arrives_still_ends_at_its_outcome(dash
 
 def test_a_job_operation_done_before_its_answer_arrives_still_ends_at_its_outcome(dash: Dashboard, jobs: Jobs) -> None:
     host, key = FakeHost("early-events-ddp"), "early-ddp-7"
-    ranks = [
-        jobs(
-            host,
-            f"{key}-r{rank}",
-            gpu=rank,
-            cmdline="torchrun --nproc-per-node 2 train_ddp.py",
-            op_seconds=0.2,
-            job={"key": key, "rank": rank, "world_size": 2, "local_rank": rank, "local_world_size": 2},
-        )
-        for rank in (0, 1)
-    ]
+    ranks = two_rank_job(jobs, host, key, op_seconds=0.2)
     dash.open()
     dash.wait(lambda: dash.has_row(ranks[1].process_id), "the ranks' rows")
     dash.js(_HOLD_COMMAND_ANSWERS, HOLD_S)

@@ -4,19 +4,17 @@ with their progress and errors, staleness, escaping, and layout at desktop and p
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 from selenium.common.exceptions import NoAlertPresentException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 
-from dash_helpers import GIB, Api, FakeHost, Gpu, LiveServer, SimJob
+from dash_helpers import GIB, Api, FakeHost, Gpu, Jobs, LiveServer, SimJob
 from dash_page import Dashboard
 
 pytestmark = pytest.mark.timeout(120)
-
-Jobs = Callable[..., SimJob]
 
 
 def test_login_link_opens_the_dashboard_once(server: LiveServer, browser: Any) -> None:

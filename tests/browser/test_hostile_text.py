@@ -6,19 +6,17 @@ error or refused inline script (the fixture checks the console)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 from selenium.common.exceptions import NoAlertPresentException
 from selenium.webdriver.common.by import By
 
-from dash_helpers import FakeHost, SimJob
+from dash_helpers import FakeHost, Jobs, SimJob
 from dash_page import Dashboard
 from hostile_text import ACCEPTED
 
 pytestmark = pytest.mark.timeout(180)
-
-Jobs = Callable[..., SimJob]
 
 
 def job_row(dash: Dashboard, key: str) -> Any:

@@ -7,17 +7,16 @@ import re
 import sqlite3
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 from selenium.webdriver.common.by import By
 
-from dash_helpers import GIB, Api, FakeHost, LiveServer, SimJob
+from dash_helpers import GIB, Api, FakeHost, Jobs, LiveServer
 from dash_page import Dashboard
 
 pytestmark = pytest.mark.timeout(120)
 
-Jobs = Callable[..., SimJob]
 DESKTOP, PHONE = (1280, 800), (390, 844)
 
 

@@ -4,32 +4,21 @@ reaching both ranks, and the server's refusal shown in the dialog."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 from selenium.webdriver.common.by import By
 
-from dash_helpers import Api, FakeHost, SimJob
+from dash_helpers import Api, FakeHost, Jobs, SimJob, two_rank_job
 from dash_page import Dashboard
 
 pytestmark = pytest.mark.timeout(120)
 
-Jobs = Callable[..., SimJob]
 KEY = "ddp-run-42"
 
 
 def _ranks(jobs: Jobs, host: FakeHost, key: str = KEY) -> list[SimJob]:
-    return [
-        jobs(
-            host,
-            f"{key}-r{rank}",
-            gpu=rank,
-            cmdline="torchrun --nproc-per-node 2 train_ddp.py",
-            op_seconds=0.4,
-            job={"key": key, "rank": rank, "world_size": 2, "local_rank": rank, "local_world_size": 2},
-        )
-        for rank in (0, 1)
-    ]
+    return two_rank_job(jobs, host, key)
 
 
 def _operation_of(api: Api, process_id: str, kind: str) -> Any:

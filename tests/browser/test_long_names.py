@@ -4,11 +4,11 @@ desktop and phone widths."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
-from dash_helpers import GIB, FakeHost, SimJob
+from dash_helpers import GIB, FakeHost, Jobs
 from dash_page import Dashboard
 
 pytestmark = pytest.mark.timeout(120)
@@ -61,9 +61,7 @@ def _assert_wraps_between_words(dash: Dashboard, name_css: str, box_css: str, wh
     return len(breaks) + 1
 
 
-def test_a_long_script_name_wraps_between_words_inside_its_cell(
-    dash: Dashboard, jobs: Callable[..., SimJob], artifacts: Any
-) -> None:
+def test_a_long_script_name_wraps_between_words_inside_its_cell(dash: Dashboard, jobs: Jobs, artifacts: Any) -> None:
     assert len(SCRIPT) == 60
     jobs(FakeHost("longname-node"), "gpu-l0ngname", gpu=0, memory=4 * GIB, cmdline=f"python exp/{SCRIPT} --lr 1e-4")
     dash.open()
