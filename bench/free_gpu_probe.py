@@ -41,7 +41,7 @@ import threading
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -59,6 +59,9 @@ from staging_probe import (  # noqa: E402
     Libc,
     Rounds,
     copy_host_device,
+    fmt,
+    gbps,
+    now,
     nvml_used_mib,
     populate,
     round_up,
@@ -72,14 +75,6 @@ KINDS = ("memfd", "memfd8", "memfd_madv", "hugetlb", "anon_thp")
 TOUCH_THREADS = 8
 MAP_PRIVATE, MAP_ANONYMOUS = 0x02, 0x20
 MFD_HUGETLB = 0x0004
-
-
-def now() -> float:
-    return time.perf_counter()
-
-
-def gbps(nbytes: int, seconds: Optional[float]) -> Optional[float]:
-    return None if not seconds else nbytes / seconds / 1e9
 
 
 def host_settings() -> dict[str, Any]:
@@ -302,14 +297,6 @@ def worker(part: str) -> int:
     return 0 if result.get("ok") else 1
 
 
-def fmt(value: Any, digits: int = 2) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.{digits}f}"
-    return str(value)
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--sizes", default="16,64", help="GiB per part, comma-separated (default 16,64)")
@@ -350,12 +337,12 @@ def main() -> int:
             (
                 kind,
                 gib_text,
-                fmt(gbps(int(size), r.get("touch_s"))),
-                fmt(gbps(int(size), r.get("register_s"))),
-                fmt(gbps(int(size), r.get("register_again_s"))),
-                fmt(gbps(int(size), r.get("unregister_s"))),
-                fmt(r.get("d2h_gbps")),
-                fmt(r.get("ctx_reset_registered_s")),
+                fmt(gbps(int(size), r.get("touch_s")), 2),
+                fmt(gbps(int(size), r.get("register_s")), 2),
+                fmt(gbps(int(size), r.get("register_again_s")), 2),
+                fmt(gbps(int(size), r.get("unregister_s")), 2),
+                fmt(r.get("d2h_gbps"), 2),
+                fmt(r.get("ctx_reset_registered_s"), 2),
                 json.dumps(r.get("huge_gib", {}))[:40],
             )
         )
@@ -375,11 +362,10 @@ def main() -> int:
         if r["part"].startswith("idle:") and r.get("ok"):
             for phase in ("before", "preparing", "holding"):
                 s = r.get(phase, {})
-                median, longest = fmt(s.get("median_ms")), fmt(s.get("max_ms"))
+                median, longest = fmt(s.get("median_ms"), 2), fmt(s.get("max_ms"), 2)
                 print(f"idle {r['part'][5:]} GiB {phase:9s}: median {median} ms, max {longest} ms")
-            print(
-                f"keeper: prepared in {fmt(r.get('prepare_s'))} s, holds {r.get('keeper_nvml_mib')} MiB of GPU memory"
-            )
+            prepared, held = fmt(r.get("prepare_s"), 2), r.get("keeper_nvml_mib")
+            print(f"keeper: prepared in {prepared} s, holds {held} MiB of GPU memory")
     failed = [r["part"] for r in results if not r.get("ok")]
     if failed:
         print("FAILED:", ", ".join(failed))
