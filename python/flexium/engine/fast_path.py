@@ -221,7 +221,7 @@ class FastPath:
             self._copier = copier
             copier.attach(_C.host_staging_layout())
             reply = copier.wake(uuid, wait=True, pause_ms=PIN_PAUSE_MS, bytes_to_pin=wanted)
-            return int(reply.get("pinned", 0)), time.perf_counter() - started, f"by the copier process {copier.pid}"
+            return int(reply.get("pinned", 0)), time.perf_counter() - started, f"{BY_COPIER} {copier.pid}"
         except CopierError as exc:
             self._drop_copier(f"{exc}")
             pinned = int(_C.reserve_host_staging(wanted, logical))
@@ -362,7 +362,7 @@ class FastPath:
                 return None
             wanted = self.host_bytes_wanted(logical)
             held = int(_C.host_staging_pool_bytes())
-            awake = self._copier is not None and self._copier.alive() and self._copier.awake_on == uuid
+            awake = self._copier_awake_on(uuid)
             if awake and held >= wanted:
                 return None
             crowded = None if awake else copier_room_problem(uuid)
@@ -378,7 +378,7 @@ class FastPath:
             except BaseException:
                 self._stop_keeping()
                 raise
-            if not where.startswith("by the copier"):  # pinned in this process, which must not hold it between pauses
+            if not where.startswith(BY_COPIER):  # pinned in this process, which must not hold it between pauses
                 self.release_host_later()
                 return f"the staging for a pause is prepared when one is asked for: the copier process failed ({where})"
             self.keeping = True
@@ -387,8 +387,11 @@ class FastPath:
 
     def kept_on(self, uuid: str) -> bool:
         """Whether a staging is kept pinned by a live copier on the GPU `uuid` now."""
+        return self.keeping and self._copier_awake_on(uuid)
+
+    def _copier_awake_on(self, uuid: str) -> bool:
         copier = self._copier
-        return self.keeping and copier is not None and copier.alive() and copier.awake_on == uuid
+        return copier is not None and copier.alive() and copier.awake_on == uuid
 
     def _stop_keeping(self) -> None:
         pinned_budget.release()
@@ -419,6 +422,7 @@ class FastPath:
 
 
 DISABLE_NOTE = "the copier process is off: FLEXIUM_HOST_COPIER=0"
+BY_COPIER = "by the copier process"  # where the staging was pinned, as reserve_host says it
 
 
 def copier_room_problem(uuid: str) -> Optional[str]:
