@@ -94,6 +94,23 @@ class ProcessOutput:
         return wait_until(find, timeout, f"{pattern!r} in the output:\n{self.text[-2000:]}")
 
 
+def start_demo(home: Path) -> tuple[subprocess.Popen[str], ProcessOutput, int, dict[str, str]]:
+    """`flexium demo` in a fresh `home` (made here) on a free port: the process, its combined
+    output as it comes, the port and the environment it runs with."""
+    home.mkdir()
+    port = free_port()
+    env = clean_env(home)
+    demo = subprocess.Popen(
+        [*flexium_command(), "demo", "--port", str(port)],
+        env=env,
+        cwd=home,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    return demo, ProcessOutput(demo), port, env
+
+
 class ServerProcess:
     """The server with its home folder (``FLEXIUM_HOME``) and, unless ``database`` names one,
     the SQLite file the server makes there. ``env`` replaces the inherited environment (which is

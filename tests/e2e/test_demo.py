@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from e2e_helpers import Output, clean_env, flexium_command, free_port, wait_until
+from e2e_helpers import clean_env, flexium_command, wait_until
+from live_server import start_demo
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -32,17 +33,7 @@ def _gone(pid: int) -> bool:
 
 def test_demo_starts_server_and_job_and_stops_both(tmp_path: Path) -> None:
     home = tmp_path / "home"
-    home.mkdir()
-    port = free_port()
-    demo = subprocess.Popen(
-        [*flexium_command(), "demo", "--port", str(port)],
-        env=clean_env(home),
-        cwd=home,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    out = Output(demo)
+    demo, out, port, _env = start_demo(home)
     try:
         link = out.wait_for(rf"dashboard: http://127\.0\.0\.1:{port}/login#code=(\S+)  \(works once", 60)
         code = link.group(1)
@@ -111,18 +102,7 @@ def test_without_a_gpu_the_demo_job_runs_on_a_simulated_host_that_says_so(tmp_pa
     """This machine has no NVIDIA GPU: the demo offers two simulated GPUs, and the job on them
     migrates, pauses and resumes by the command line; every GPU shown is named SIMULATED."""
     home = tmp_path / "home"
-    home.mkdir()
-    port = free_port()
-    env = clean_env(home)
-    demo = subprocess.Popen(
-        [*flexium_command(), "demo", "--port", str(port)],
-        env=env,
-        cwd=home,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    out = Output(demo)
+    demo, out, port, env = start_demo(home)
     try:
         out.wait_for(r"SIMULATED: no NVIDIA GPU is used; the job runs on a simulated host with two simulated GPUs", 60)
         process_id = out.wait_for(r"job (gpu-[0-9a-f]+) registered \(RUNNING on cuda:0, SIMULATED GPU", 90).group(1)

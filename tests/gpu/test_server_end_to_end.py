@@ -21,7 +21,7 @@ from typing import Any, Callable
 import pytest
 
 from conftest import GIB, HERE, RESIDUE_SLACK, _keep_log, run_job, uuid_of
-from live_server import ProcessOutput, ServerProcess, clean_env, flexium_command, free_port, wait_until
+from live_server import ProcessOutput, ServerProcess, clean_env, flexium_command, start_demo, wait_until
 
 pytest.importorskip(
     "fastapi",
@@ -143,18 +143,7 @@ def test_commands_from_the_server_move_a_gpu_job(host_gpus: list[Any], tmp_path:
 
 def test_flexium_demo_trains_on_a_gpu_and_the_command_line_moves_it(tmp_path: Path) -> None:
     home = tmp_path / "home"
-    home.mkdir()
-    env = clean_env(home)
-    port = free_port()
-    demo = subprocess.Popen(
-        [*flexium_command(), "demo", "--port", str(port)],
-        env=env,
-        cwd=home,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    out = ProcessOutput(demo)
+    demo, out, port, env = start_demo(home)
     try:
         out.wait_for(rf"dashboard: http://127\.0\.0\.1:{port}/login#code=\S+", 90)
         registered = out.wait_for(r"job (gpu-[0-9a-f]+) registered \((\w+) on ([^,)]+), ([^)]+)\)", 180)
