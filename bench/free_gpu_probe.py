@@ -26,6 +26,10 @@ Parts:
                 context on cuda:0, touches and pins SIZE GiB of memfd, then holds it: the job's
                 median and longest step before, while the keeper prepares, and while it holds;
                 the keeper's GPU memory (NVML).
+  kill          A keeper holding 0.25 GiB pinned with its context on cuda:0, killed (SIGKILL):
+                when its /proc entry says zombie, when it can be reaped (waitpid), and when NVML
+                no longer shows its memory (read every millisecond): what the allocator, short of
+                GPU memory, waits for after killing the copier (csrc/gpu_memory_yield.cpp).
 """
 
 from __future__ import annotations
@@ -274,6 +278,46 @@ def part_idle(gib: float, result: dict[str, Any]) -> None:
     result["ok"] = keeper.returncode == 0
 
 
+def part_kill(result: dict[str, Any]) -> None:
+    import signal
+
+    import pynvml
+
+    pynvml.nvmlInit()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+
+    def used(pid: int) -> int:
+        return sum(p.usedGpuMemory or 0 for p in pynvml.nvmlDeviceGetComputeRunningProcesses(handle) if p.pid == pid)
+
+    keeper = subprocess.Popen(
+        [sys.executable, str(THIS), "--keeper", "0.25"], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    assert keeper.stdout is not None
+    for line in keeper.stdout:
+        if line.strip() == b"holding":
+            break
+    result["held_mib"] = used(keeper.pid) >> 20
+    killed = now()
+    keeper.kill()
+    seen: dict[str, float] = {}
+    while len(seen) < 3 and now() - killed < 10:
+        try:
+            stat = Path(f"/proc/{keeper.pid}/stat").read_text()
+            zombie = stat[stat.rindex(")") + 2] == "Z"
+        except (OSError, IndexError):
+            zombie = True
+        if zombie:
+            seen.setdefault("zombie_s", now() - killed)
+        if "reaped_s" not in seen and os.waitpid(keeper.pid, os.WNOHANG)[0] == keeper.pid:
+            seen["reaped_s"] = now() - killed
+            keeper.returncode = -signal.SIGKILL
+        if used(keeper.pid) == 0:
+            seen.setdefault("freed_s", now() - killed)
+        time.sleep(0.001)
+    result.update(seen)
+    result["ok"] = len(seen) == 3
+
+
 def worker(part: str) -> int:
     import faulthandler
 
@@ -288,6 +332,8 @@ def worker(part: str) -> int:
             part_checkpoint(float(arg), result)
         elif name == "idle":
             part_idle(float(arg), result)
+        elif name == "kill":
+            part_kill(result)
         else:
             raise ValueError(f"unknown part {part}")
     except BaseException as exc:
@@ -313,7 +359,7 @@ def main() -> int:
     sizes = [float(s) for s in args.sizes.split(",") if s]
     print("host:", json.dumps(host_settings()), flush=True)
     parts = [f"pin:{kind}@{gib:g}" for gib in sizes for kind in KINDS]
-    parts += [f"checkpoint:{gib:g}" for gib in sizes] + [f"idle:{args.idle_gib:g}"]
+    parts += [f"checkpoint:{gib:g}" for gib in sizes] + [f"idle:{args.idle_gib:g}", "kill"]
     results = []
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_MODULE_LOADING": "LAZY"}
     for part in parts:
@@ -366,6 +412,12 @@ def main() -> int:
                 print(f"idle {r['part'][5:]} GiB {phase:9s}: median {median} ms, max {longest} ms")
             prepared, held = fmt(r.get("prepare_s"), 2), r.get("keeper_nvml_mib")
             print(f"keeper: prepared in {prepared} s, holds {held} MiB of GPU memory")
+    for r in results:
+        if r["part"] == "kill" and r.get("ok"):
+            zombie, reaped, freed = (fmt(r.get(k), 3) for k in ("zombie_s", "reaped_s", "freed_s"))
+            print(
+                f"killed keeper ({r.get('held_mib')} MiB): zombie after {zombie} s, reaped {reaped} s, freed {freed} s"
+            )
     failed = [r["part"] for r in results if not r.get("ok")]
     if failed:
         print("FAILED:", ", ".join(failed))
