@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 from engine_fixtures import H200_BYTES, MiB, driver, fake, make_engine, nvml_in_parent, wait_until  # noqa: E402,F401
 from fake_driver import FakeDriver  # noqa: E402
 from flexium import _C  # noqa: E402
-from flexium.engine import EngineState, kept_staging, pinned_budget  # noqa: E402
+from flexium.engine import EngineState, host_memory, kept_staging, pinned_budget  # noqa: E402
 from flexium.errors import ConfigError  # noqa: E402
 from test_engine_fast_path import Job, copier_processes, job, zombie  # noqa: E402,F401  (fixture)
 
@@ -59,7 +59,7 @@ def a_live_process() -> subprocess.Popen[bytes]:
 
 
 def test_the_budget_reads_shares_sizes_and_zero(monkeypatch: pytest.MonkeyPatch) -> None:
-    total = pinned_budget.host_memory_total()
+    total = host_memory.host_memory_total()
     assert total is not None
     assert pinned_budget.parse("25%", where="test") == total // 4
     assert pinned_budget.parse("32GiB", where="test") == 32 * GiB

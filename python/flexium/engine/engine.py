@@ -28,7 +28,8 @@ from flexium.engine.capabilities import Capabilities
 from flexium.engine.distributed import job_operation, membership, nccl
 from flexium.engine.distributed.job_operation import Deadlines, JobOperation, RankActions
 from flexium.engine.distributed.rendezvous import JobAborted, Rendezvous, job_store
-from flexium.engine.fast_path import FastPath, host_memory_available
+from flexium.engine.fast_path import FastPath
+from flexium.engine.host_memory import host_memory_available
 from flexium.engine.identity import IdentityMap, MovePlan, Target
 from flexium.engine.kept_staging import StagingKeeper
 from flexium.engine.operations import EngineState, GpuIdentity, OperationKind, OperationResult

@@ -443,18 +443,6 @@ def copier_room_problem(uuid: str) -> Optional[str]:
     )
 
 
-def host_memory_available() -> Optional[int]:
-    """MemAvailable of /proc/meminfo in bytes; None where it cannot be read."""
-    try:
-        with open("/proc/meminfo") as meminfo:
-            for line in meminfo:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
 def release_host_staging() -> None:
     try:
         _C.release_host_staging()

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
+from flexium.engine.host_memory import host_memory_total
 from flexium.errors import ConfigError
 
 ENV = "FLEXIUM_PINNED_HOST_MEMORY"
@@ -47,16 +48,6 @@ class Holder:
     pid: int
     bytes: int
     gpu: str
-
-
-def host_memory_total() -> Optional[int]:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def parse(text: str, *, where: str) -> int:
