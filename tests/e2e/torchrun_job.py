@@ -16,6 +16,13 @@ import torch
 import torch.distributed as dist
 
 
+def say(line: str) -> None:
+    """One write per line: the ranks share torchrun's stdout (unbuffered, a print() writes its
+    text and its newline apart, and another rank's line can land between them)."""
+    sys.stdout.write(line + "\n")
+    sys.stdout.flush()
+
+
 def main() -> None:
     rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
     if os.environ.get("FLEXIUM_LIBCUDA"):
@@ -27,7 +34,7 @@ def main() -> None:
 
     flexium.init()
     dist.init_process_group("gloo")
-    print(f"ready {rank} {flexium.auto.get_process_id()}", flush=True)
+    say(f"ready {rank} {flexium.auto.get_process_id()}")
     torch.set_num_threads(1)
     torch.manual_seed(0)
     model = torch.nn.Linear(16, 16)
@@ -53,8 +60,7 @@ def main() -> None:
                 break
         time.sleep(0.01)
     line = {"rank": rank, "losses": losses, "device": flexium.auto.get_physical_device()}
-    sys.stdout.write(json.dumps(line) + "\n")  # one write: the ranks share torchrun's stdout
-    sys.stdout.flush()
+    say(json.dumps(line))
     dist.destroy_process_group()
 
 
