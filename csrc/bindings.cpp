@@ -247,7 +247,16 @@ void bind_copier(py::module_ &m) {
       .def("copy", &HostCopier::copy, py::arg("to_host"), py::arg("segments"), py::arg("pieces"), release_gil())
       .def("sleep", &HostCopier::sleep, release_gil())
       .def_property_readonly("awake", &HostCopier::awake)
-      .def_property_readonly("pinned_bytes", &HostCopier::pinned_bytes);
+      .def_property_readonly("pinned_bytes", &HostCopier::pinned_bytes)
+      .def_property_readonly("last_copy_times", [](const HostCopier &c) {
+        const CopyTimes t = c.last_copy_times();
+        py::dict out;
+        out["import_s"] = t.import_s;
+        out["pin_s"] = t.pin_s;
+        out["pinned_in_copy"] = t.pinned_in_copy;
+        out["copy_s"] = t.copy_s;
+        return out;
+      });
 }
 
 }  // namespace

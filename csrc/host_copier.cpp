@@ -148,8 +148,14 @@ std::size_t HostCopier::copy(bool to_host, const std::vector<std::pair<int, std:
                                   std::to_string(piece.chunk_offset) + ") lies outside its segment or chunk");
     }
   }
+  using Clock = std::chrono::steady_clock;
+  const auto seconds_since = [](Clock::time_point start) {
+    return std::chrono::duration<double>(Clock::now() - start).count();
+  };
+  times_ = CopyTimes{};
   stop_pinner();  // this thread pins what is left, between the copies
   FLEXIUM_CU_CALL(d, cuCtxSetCurrent, context_);
+  const Clock::time_point import_start = Clock::now();
   std::vector<std::unique_ptr<Backing>> imports;
   imports.reserve(segments.size());
   for (const auto &segment : segments) {
@@ -166,6 +172,8 @@ std::size_t HostCopier::copy(bool to_host, const std::vector<std::pair<int, std:
     b.mapped = true;
     grant_access(d, b.address, b.size, {ordinal_});
   }
+  times_.import_s = seconds_since(import_start);
+  const Clock::time_point copy_start = Clock::now();
   // Declared after the imports, so it runs first on unwind: no copy may still run into memory
   // that is unmapped next.
   struct Drain {
@@ -180,7 +188,12 @@ std::size_t HostCopier::copy(bool to_host, const std::vector<std::pair<int, std:
       std::lock_guard<std::mutex> guard(mutex_);
       pinned = pinned_[piece.chunk] != 0;
     }
-    if (!pinned) pin_chunk(piece.chunk);
+    if (!pinned) {
+      const Clock::time_point pin_start = Clock::now();
+      pin_chunk(piece.chunk);
+      times_.pin_s += seconds_since(pin_start);
+      times_.pinned_in_copy += chunks_[piece.chunk].size;
+    }
     const CopierChunk &chunk = chunks_[piece.chunk];
     char *host = extents_[chunk.extent].base + chunk.offset + piece.chunk_offset;
     const CUdeviceptr device = imports[piece.segment]->address + piece.segment_offset;
@@ -192,6 +205,7 @@ std::size_t HostCopier::copy(bool to_host, const std::vector<std::pair<int, std:
     copied += piece.length;
   }
   FLEXIUM_CU_CALL(d, cuStreamSynchronize, stream_);
+  times_.copy_s = seconds_since(copy_start);
   return copied;
 }
 

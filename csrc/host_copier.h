@@ -37,6 +37,14 @@ struct CopierPiece {
   std::size_t length = 0;
 };
 
+// Where the last copy() spent its time, for the job's debug log and the benchmark.
+struct CopyTimes {
+  double import_s = 0;             // importing and mapping the segments
+  double pin_s = 0;                // pinning the chunks the pinner thread had not reached
+  std::size_t pinned_in_copy = 0;  // their bytes
+  double copy_s = 0;               // from the first copy queued until the last one ended
+};
+
 class HostCopier {
  public:
   // Maps each extent (fd, size) shared; the fds stay the caller's.
@@ -61,6 +69,7 @@ class HostCopier {
 
   bool awake() const { return context_ != nullptr; }
   std::size_t pinned_bytes() const;
+  CopyTimes last_copy_times() const { return times_; }
 
  private:
   void stop_pinner();
@@ -82,6 +91,7 @@ class HostCopier {
   std::atomic<bool> stop_{false};
   mutable std::mutex mutex_;  // pinned_ and pin_error_
   std::string pin_error_;
+  CopyTimes times_;
 };
 
 }  // namespace flexium

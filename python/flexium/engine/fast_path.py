@@ -281,13 +281,27 @@ class FastPath:
         copier = self._copier
         if copier is None:
             return here()
+        began = time.perf_counter()
         try:
             order = begin()
         except (ValueError, RuntimeError) as exc:  # e.g. the pool outgrew the staging: the stage here grows it
             self._drop_copier(f"{type(exc).__name__}: {exc}")
             return here()
+        begin_s = time.perf_counter() - began
         try:
-            copier.copy(to_host, order, then_sleep=then_sleep)
+            reply = copier.copy(to_host, order, then_sleep=then_sleep)
+            log.debug(
+                "copier %s %.2f GiB: order %.0f ms here, then in the copier: import %.0f ms, "
+                "pinning %.2f GiB it had not reached %.0f ms, copies %.0f ms (%.0f ms with the exchange)",
+                "to host" if to_host else "back",
+                order.bytes / (1 << 30),
+                begin_s * 1e3,
+                reply.get("import_s", 0.0) * 1e3,
+                reply.get("pinned_in_copy", 0) / (1 << 30),
+                reply.get("pin_s", 0.0) * 1e3,
+                reply.get("copy_s", 0.0) * 1e3,
+                (time.perf_counter() - began - begin_s) * 1e3,
+            )
         except CopierError as exc:
             _C.abort_host_order()
             self._drop_copier(str(exc))

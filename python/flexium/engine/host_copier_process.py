@@ -90,7 +90,7 @@ class Server:
                 raise ValueError(f"copy sent {len(fds)} fds for {len(sizes)} segments")
             pieces = [_C.CopierPiece(**dict(zip(PIECE_FIELDS, row, strict=True))) for row in message["pieces"]]
             copied = copier.copy(bool(message["to_host"]), list(zip(fds, sizes, strict=True)), pieces)
-            return {"bytes": copied}
+            return {"bytes": copied, **copier.last_copy_times}
         if op == "sleep":
             return self.sleep()
         raise ValueError(f"unknown request {op!r}")
