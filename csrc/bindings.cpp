@@ -243,11 +243,13 @@ void bind_copier(py::module_ &m) {
   py::class_<HostCopier>(m, "HostCopier")
       .def(py::init<const std::vector<std::pair<int, std::size_t>> &, const std::vector<CopierChunk> &>(),
            py::arg("extents"), py::arg("chunks"))
+      .def("extend", &HostCopier::extend, py::arg("extents"), py::arg("chunks"), release_gil())
       .def("wake", &HostCopier::wake, py::arg("uuid"), py::arg("wait"), py::arg("pause_ms") = 0, release_gil())
       .def("copy", &HostCopier::copy, py::arg("to_host"), py::arg("segments"), py::arg("pieces"), release_gil())
       .def("sleep", &HostCopier::sleep, release_gil())
       .def_property_readonly("awake", &HostCopier::awake)
       .def_property_readonly("pinned_bytes", &HostCopier::pinned_bytes)
+      .def_property_readonly("pinned_since_wake", &HostCopier::pinned_since_wake)
       .def_property_readonly("last_copy_times", [](const HostCopier &c) {
         const CopyTimes t = c.last_copy_times();
         py::dict out;

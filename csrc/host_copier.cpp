@@ -34,33 +34,51 @@ int ordinal_of(const std::string &uuid) {
 
 }  // namespace
 
-HostCopier::HostCopier(const std::vector<std::pair<int, std::size_t>> &extents, const std::vector<CopierChunk> &chunks)
-    : chunks_(chunks), pinned_(chunks.size(), 0) {
+HostCopier::HostCopier(const std::vector<std::pair<int, std::size_t>> &extents,
+                       const std::vector<CopierChunk> &chunks) {
+  extend(extents, chunks);
+}
+
+void HostCopier::extend(const std::vector<std::pair<int, std::size_t>> &extents,
+                        const std::vector<CopierChunk> &chunks) {
+  stop_pinner();  // it reads chunks_; wake() starts it again for the new chunks
+  std::vector<Extent> added;
+  const auto unmap_added = [&added] {
+    for (const Extent &mapped : added) ::munmap(mapped.base, mapped.size);
+  };
   for (const auto &extent : extents) {
     void *base = ::mmap(nullptr, extent.second, PROT_READ | PROT_WRITE, MAP_SHARED, extent.first, 0);
     if (base == MAP_FAILED) {
       const int error = errno;
-      for (const Extent &mapped : extents_) ::munmap(mapped.base, mapped.size);
+      unmap_added();
       throw std::runtime_error("could not map " + std::to_string(extent.second) +
                                " bytes of the job's host staging: " + std::strerror(error));
     }
     ::madvise(base, extent.second, MADV_HUGEPAGE);
-    extents_.push_back({static_cast<char *>(base), extent.second});
+    added.push_back({static_cast<char *>(base), extent.second});
   }
-  // The job only made the files: the pages are allocated (or, kept from before, mapped) here, where
-  // they are pinned.
-  std::vector<std::pair<char *, std::size_t>> ranges;
-  for (const Extent &mapped : extents_) ranges.emplace_back(mapped.base, mapped.size);
-  populate_host_pages(ranges);
-  for (const CopierChunk &chunk : chunks_) {
-    if (chunk.extent >= extents_.size() || chunk.size == 0 || chunk.offset > extents_[chunk.extent].size ||
-        chunk.size > extents_[chunk.extent].size - chunk.offset) {
-      for (const Extent &mapped : extents_) ::munmap(mapped.base, mapped.size);
+  const std::size_t first_added = extents_.size();
+  for (const CopierChunk &chunk : chunks) {
+    const std::size_t k = chunk.extent;
+    const std::size_t size = k < first_added                  ? extents_[k].size
+                             : k - first_added < added.size() ? added[k - first_added].size
+                                                              : 0;
+    if (size == 0 || chunk.size == 0 || chunk.offset > size || chunk.size > size - chunk.offset) {
+      unmap_added();
       throw std::invalid_argument("chunk (extent " + std::to_string(chunk.extent) + ", offset " +
                                   std::to_string(chunk.offset) + ", " + std::to_string(chunk.size) +
                                   " bytes) lies outside the staging's extents");
     }
   }
+  // The job only made the files: the pages are allocated (or, kept from before, mapped) here, where
+  // they are pinned.
+  std::vector<std::pair<char *, std::size_t>> ranges;
+  for (const Extent &mapped : added) ranges.emplace_back(mapped.base, mapped.size);
+  populate_host_pages(ranges);
+  extents_.insert(extents_.end(), added.begin(), added.end());
+  std::lock_guard<std::mutex> guard(mutex_);
+  chunks_.insert(chunks_.end(), chunks.begin(), chunks.end());
+  pinned_.resize(chunks_.size(), 0);
 }
 
 HostCopier::~HostCopier() {
@@ -84,28 +102,30 @@ void HostCopier::wake(const std::string &uuid, bool wait, int pause_ms) {
     ordinal_ = ordinal;
     FLEXIUM_CU_CALL(d, cuCtxSetCurrent, context_);
     FLEXIUM_CU_CALL(d, cuStreamCreate, &stream_, CU_STREAM_NON_BLOCKING);
-    {
-      std::lock_guard<std::mutex> guard(mutex_);
-      pin_error_.clear();
-    }
-    stop_ = false;
-    pinner_ = std::thread([this, pause_ms] {
-      try {
-        FLEXIUM_CU_CALL(require_vmm_driver(), cuCtxSetCurrent, context_);
-        for (std::size_t i = 0; i < chunks_.size() && !stop_; ++i) {
-          {
-            std::lock_guard<std::mutex> guard(mutex_);
-            if (pinned_[i]) continue;
-          }
-          pin_chunk(i);
-          if (pause_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
-        }
-      } catch (const std::exception &e) {
-        std::lock_guard<std::mutex> guard(mutex_);
-        pin_error_ = e.what();
-      }
-    });
   }
+  // Awake already, the pinner may have stopped, or chunks been added since (extend()).
+  stop_pinner();
+  {
+    std::lock_guard<std::mutex> guard(mutex_);
+    pin_error_.clear();
+    pinned_since_wake_ = 0;
+  }
+  pinner_ = std::thread([this, pause_ms] {
+    try {
+      FLEXIUM_CU_CALL(require_vmm_driver(), cuCtxSetCurrent, context_);
+      for (std::size_t i = 0; i < chunks_.size() && !stop_; ++i) {
+        {
+          std::lock_guard<std::mutex> guard(mutex_);
+          if (pinned_[i]) continue;
+        }
+        pin_chunk(i);
+        if (pause_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
+      }
+    } catch (const std::exception &e) {
+      std::lock_guard<std::mutex> guard(mutex_);
+      pin_error_ = e.what();
+    }
+  });
   if (wait) {
     if (pinner_.joinable()) pinner_.join();
     std::lock_guard<std::mutex> guard(mutex_);
@@ -120,6 +140,7 @@ void HostCopier::pin_chunk(std::size_t index) {
                   CU_MEMHOSTREGISTER_PORTABLE);
   std::lock_guard<std::mutex> guard(mutex_);
   pinned_[index] = 1;
+  pinned_since_wake_ += chunk.size;
 }
 
 void HostCopier::stop_pinner() {
@@ -230,6 +251,11 @@ void HostCopier::sleep() {
   FLEXIUM_CU_CALL(d, cuDevicePrimaryCtxRelease, device_);
   context_ = nullptr;
   ordinal_ = -1;
+}
+
+std::size_t HostCopier::pinned_since_wake() const {
+  std::lock_guard<std::mutex> guard(mutex_);
+  return pinned_since_wake_;
 }
 
 std::size_t HostCopier::pinned_bytes() const {

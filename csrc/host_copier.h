@@ -50,12 +50,16 @@ class HostCopier {
   // Maps each extent (fd, size) shared; the fds stay the caller's.
   HostCopier(const std::vector<std::pair<int, std::size_t>> &extents, const std::vector<CopierChunk> &chunks);
   ~HostCopier();  // sleep(), quietly, then unmaps
+
+  // Adds extents (fd, size) and chunks (whose extent indexes count the extents mapped before
+  // first) to the staging grown by the job; the chunks pinned already stay pinned.
+  void extend(const std::vector<std::pair<int, std::size_t>> &extents, const std::vector<CopierChunk> &chunks);
   HostCopier(const HostCopier &) = delete;
   HostCopier &operator=(const HostCopier &) = delete;
 
-  // Takes the primary context of the GPU with `uuid` and starts pinning the chunks in order in a
-  // thread of its own, `pause_ms` between chunks. With `wait`, returns once all are pinned (and
-  // throws if pinning failed). Waking an awake copier on the same GPU does nothing.
+  // Takes the primary context of the GPU with `uuid` (unless it holds it already) and pins the
+  // chunks not pinned yet, in order, in a thread of its own, `pause_ms` between chunks. With
+  // `wait`, returns once all are pinned (and throws if pinning failed).
   void wake(const std::string &uuid, bool wait, int pause_ms);
 
   // Copies the pieces between the chunks and the segments (fd, size) in chunk order, pinning the
@@ -69,6 +73,7 @@ class HostCopier {
 
   bool awake() const { return context_ != nullptr; }
   std::size_t pinned_bytes() const;
+  std::size_t pinned_since_wake() const;  // by the last wake() and the copies after it
   CopyTimes last_copy_times() const { return times_; }
 
  private:
@@ -89,7 +94,8 @@ class HostCopier {
   CUstream stream_ = nullptr;
   std::thread pinner_;
   std::atomic<bool> stop_{false};
-  mutable std::mutex mutex_;  // pinned_ and pin_error_
+  mutable std::mutex mutex_;  // pinned_, pinned_since_wake_ and pin_error_
+  std::size_t pinned_since_wake_ = 0;
   std::string pin_error_;
   CopyTimes times_;
 };

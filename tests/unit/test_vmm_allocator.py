@@ -806,6 +806,32 @@ def test_copier_orders_round_trip_across_a_pause(fake: FakeDriver, allocator: Al
     assert fake.vmm_leaks() == NO_LEAKS
 
 
+def test_a_grown_staging_extends_the_copier_whose_pins_stay(fake: FakeDriver, allocator: Allocator) -> None:
+    make_segments(allocator, [4 * MiB])
+    _C.reserve_host_staging(4 * MiB, 0, chunk_bytes=2 * MiB, pin_here=False)
+    before = _C.host_staging_layout()
+    copier = copier_for_staging()
+    copier.wake(fake.uuid(0), True, 0)
+    assert copier.pinned_bytes == 4 * MiB and fake.call_count("cuMemHostRegister") == 2
+
+    make_segments(allocator, [2 * MiB])
+    _C.reserve_host_staging(6 * MiB, 0, chunk_bytes=2 * MiB, pin_here=False)  # grows: extents and chunks added
+    after = _C.host_staging_layout()
+    assert len(after.extents) > len(before.extents) and len(after.chunks) == 3
+    copier.extend(after.extents[len(before.extents) :], after.chunks[len(before.chunks) :])
+    assert copier.awake and copier.pinned_bytes == 4 * MiB  # nothing unpinned
+    copier.wake(fake.uuid(0), True, 0)  # awake already: pins only the new chunk
+    assert copier.pinned_bytes == 6 * MiB and fake.call_count("cuMemHostRegister") == 3
+    assert fake.call_count("cuMemHostUnregister") == 0
+    order = _C.begin_stage_order()
+    assert copier.copy(True, order.segments, order.pieces) == 6 * MiB
+    _C.finish_host_order()
+    with pytest.raises(ValueError, match="lies outside the staging's extents"):
+        copier.extend([], [_C.CopierChunk(extent=len(after.extents), offset=0, size=2 * MiB)])
+    copier.sleep()
+    assert fake.pinned_bytes() == 0
+
+
 def test_an_aborted_order_leaves_everything_as_it_was(fake: FakeDriver, allocator: Allocator) -> None:
     contents = make_segments(allocator, [2 * MiB, 4 * MiB])
     _C.reserve_host_staging(6 * MiB, 0, pin_here=False)

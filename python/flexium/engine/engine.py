@@ -419,7 +419,7 @@ class Engine:
         to_map = fast.host_bytes_to_map(wanted)
         self._check_host_room(to_map, fast=True)
         try:
-            pinned, seconds, where = fast.reserve_host(logical, wanted, source.uuid)
+            reserved = fast.reserve_host(logical, wanted, source.uuid)
         except Exception as exc:
             fast.release_host_later()
             raise OperationFailedError(
@@ -427,11 +427,12 @@ class Engine:
                 f"({type(exc).__name__}: {exc}); the job keeps training",
                 step="pin",
             ) from exc
-        if pinned == 0:
+        if reserved.pinned == 0:
             return ()
         return (
-            f"pinned {_gib(pinned)} of host staging {where} in {seconds:.2f} s before the safe point "
-            f"({_gib(to_map)} of it newly mapped and touched)",
+            f"pinned {_gib(reserved.pinned)} of host staging {reserved.where} in {reserved.seconds:.2f} s before "
+            f"the safe point ({_gib(to_map)} of it newly mapped and touched, {_gib(reserved.newly_pinned)} newly "
+            "pinned)",
         )
 
     def _check_host_room(self, needed: int, *, fast: bool) -> None:

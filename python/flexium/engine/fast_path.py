@@ -45,6 +45,17 @@ class RelocationError(Exception):
         self.timing = timing
 
 
+@dataclass(frozen=True)
+class Reserved:
+    """What reserve_host did: the staging's bytes pinned for the pause, those of them it pinned
+    now (the rest stayed pinned from before), the seconds it took and where it pinned them."""
+
+    pinned: int
+    newly_pinned: int
+    seconds: float
+    where: str
+
+
 @dataclass
 class Staged:
     """Copies of the segments on the target GPU, held only by these fds until mapped back."""
@@ -193,25 +204,28 @@ class FastPath:
         self._wait_for_release()
         return max(0, wanted - int(_C.host_staging_pool_bytes()))
 
-    def reserve_host(self, logical: int, wanted: int, uuid: str) -> tuple[int, float, str]:
+    def reserve_host(self, logical: int, wanted: int, uuid: str) -> "Reserved":
         """Touches `wanted` bytes of staging and pins them before the safe point, while the job
         trains: in the copier process (GPU `uuid`), or here if the copier is off or fails (the
-        stage then unpins each chunk once copied, so the checkpoint sees no pinned memory).
-        Returns the bytes pinned, the seconds taken and where they were pinned."""
+        stage then unpins each chunk once copied, so the checkpoint sees no pinned memory)."""
         with self._host_lock:
             return self._reserve_host(logical, wanted, uuid)
 
-    def _reserve_host(self, logical: int, wanted: int, uuid: str) -> tuple[int, float, str]:
+    def _reserve_host(self, logical: int, wanted: int, uuid: str) -> "Reserved":
         self._wait_for_release()
         self._wait_for_start()
         started = time.perf_counter()
+
+        def here(why: str) -> Reserved:
+            newly = int(_C.reserve_host_staging(wanted, logical))
+            pinned = int(_C.host_staging_pinned_bytes())
+            return Reserved(pinned, newly, time.perf_counter() - started, f"in this process ({why})")
+
         if not copier_enabled():
-            pinned = int(_C.reserve_host_staging(wanted, logical))
-            return pinned, time.perf_counter() - started, f"in this process ({DISABLE_NOTE})"
+            return here(DISABLE_NOTE)
         crowded = copier_room_problem(uuid)
         if crowded is not None:
-            pinned = int(_C.reserve_host_staging(wanted, logical))
-            return pinned, time.perf_counter() - started, f"in this process ({crowded})"
+            return here(crowded)
         _C.reserve_host_staging(wanted, logical, pin_here=False)
         try:
             if self._copier is not None and not self._copier.alive():
@@ -221,11 +235,15 @@ class FastPath:
             self._copier = copier
             copier.attach(_C.host_staging_layout())
             reply = copier.wake(uuid, wait=True, pause_ms=PIN_PAUSE_MS, bytes_to_pin=wanted)
-            return int(reply.get("pinned", 0)), time.perf_counter() - started, f"{BY_COPIER} {copier.pid}"
+            return Reserved(
+                int(reply.get("pinned", 0)),
+                int(reply.get("newly_pinned", 0)),
+                time.perf_counter() - started,
+                f"{BY_COPIER} {copier.pid}",
+            )
         except CopierError as exc:
             self._drop_copier(f"{exc}")
-            pinned = int(_C.reserve_host_staging(wanted, logical))
-            return pinned, time.perf_counter() - started, f"in this process (the copier failed: {exc})"
+            return here(f"the copier failed: {exc}")
 
     def stage_to_host(self, logical: int) -> tuple[int, StepTiming]:
         def work() -> int:
@@ -388,16 +406,22 @@ class FastPath:
                     self.release_host_later()
                 return f"the staging for a pause is prepared when one is asked for: {refusal}"
             try:
-                _pinned, seconds, where = self._reserve_host(logical, wanted, uuid)
+                reserved = self._reserve_host(logical, wanted, uuid)
             except BaseException:
                 self._stop_keeping()
                 raise
-            if not where.startswith(BY_COPIER):  # pinned in this process, which must not hold it between pauses
+            if not reserved.where.startswith(BY_COPIER):  # pinned here, which must not hold it between pauses
                 self.release_host_later()
-                return f"the staging for a pause is prepared when one is asked for: the copier process failed ({where})"
+                return (
+                    "the staging for a pause is prepared when one is asked for: the copier process failed "
+                    f"({reserved.where})"
+                )
             self.keeping = True
             held = int(_C.host_staging_pool_bytes())
-            return f"keeps {held / (1 << 30):.2f} GiB of host staging pinned {where} for a pause (took {seconds:.2f} s)"
+            return (
+                f"keeps {held / (1 << 30):.2f} GiB of host staging pinned {reserved.where} for a pause "
+                f"(took {reserved.seconds:.2f} s)"
+            )
 
     def kept_on(self, uuid: str) -> bool:
         """Whether a staging is kept pinned by a live copier on the GPU `uuid` now."""

@@ -108,7 +108,8 @@ class Copier:
         self._process = process
         self._sock = sock
         self._unread: list[str] = []  # replies owed for requests sent without waiting
-        self._attached: Optional[tuple[tuple[int, int], ...]] = None
+        # What the copier maps: the staging's extents (inode, size) and its chunks, as sent.
+        self._attached: Optional[tuple[tuple[tuple[int, int], ...], list[list[int]]]] = None
         self._awake_on: Optional[str] = None
         self._parent_pid: Optional[int] = None  # set in a forked child: the copier is its parent's
         _copiers.add(self)
@@ -162,19 +163,24 @@ class Copier:
 
     def attach(self, layout: "_C.HostStagingLayout") -> None:
         """Maps the staging's extents (memfd, size) and touches their pages; again only when they
-        changed."""
+        changed. A staging the job grew (extents and chunks added after those it had) is extended:
+        what the copier pinned stays pinned, so a pause after a growth pins only what is new."""
         extents = layout.extents
         key = tuple((os.fstat(fd).st_ino, size) for fd, size in extents)
-        if key == self._attached:
-            return
         chunks = [as_row(chunk, CHUNK_FIELDS) for chunk in layout.chunks]
-        total = sum(size for _fd, size in extents)
+        before = self._attached
+        if before is not None and before == (key, chunks):
+            return
+        op, first_extent, first_chunk = "attach", 0, 0
+        if before is not None and key[: len(before[0])] == before[0] and chunks[: len(before[1])] == before[1]:
+            op, first_extent, first_chunk = "extend", len(before[0]), len(before[1])
+        added = extents[first_extent:]
         self._exchange(
-            {"op": "attach", "sizes": [size for _fd, size in extents], "chunks": chunks},
-            [fd for fd, _size in extents],
-            timeout=START_TIMEOUT_S + total / SLOWEST_BYTES_PER_S,  # it touches the pages
+            {"op": op, "sizes": [size for _fd, size in added], "chunks": chunks[first_chunk:]},
+            [fd for fd, _size in added],
+            timeout=START_TIMEOUT_S + sum(size for _fd, size in added) / SLOWEST_BYTES_PER_S,  # it touches the pages
         )
-        self._attached = key
+        self._attached = (key, chunks)
 
     def wake(self, uuid: str, *, wait: bool, pause_ms: int = 0, bytes_to_pin: int = 0) -> dict[str, Any]:
         """Takes a context on the GPU `uuid` and pins the staging; without `wait` returns at once

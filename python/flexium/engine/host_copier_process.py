@@ -3,7 +3,8 @@ given, one request at a time, until the job says quit or goes away.
 
     python -m flexium.engine.host_copier_process --socket FD
 
-Requests: hello (loads the driver); attach (the staging's extents as fds, sizes, chunks); wake
+Requests: hello (loads the driver); attach (the staging's extents as fds, sizes, chunks); extend
+(the extents and chunks the job added to its staging since); wake
 (uuid, wait, pause_ms); copy (to_host, the segments as fds, sizes, pieces, then_sleep: a second
 reply follows once asleep); sleep; detach (unmaps the staging); quit. Each gets {"ok": true, ...}
 or {"ok": false, "error": "..."}. Only flexium._C is loaded: no torch.
@@ -75,6 +76,13 @@ class Server:
             chunks = [_C.CopierChunk(**dict(zip(CHUNK_FIELDS, row, strict=True))) for row in message["chunks"]]
             self.copier = _C.HostCopier(list(zip(fds, sizes, strict=True)), chunks)
             return {}
+        if op == "extend":
+            sizes = [int(s) for s in message["sizes"]]
+            if len(sizes) != len(fds):
+                raise ValueError(f"extend sent {len(fds)} fds for {len(sizes)} extents")
+            chunks = [_C.CopierChunk(**dict(zip(CHUNK_FIELDS, row, strict=True))) for row in message["chunks"]]
+            self.require_attached(op).extend(list(zip(fds, sizes, strict=True)), chunks)
+            return {}
         if op == "detach":
             if self.copier is not None:
                 self.copier.sleep()
@@ -83,7 +91,7 @@ class Server:
         copier = self.require_attached(op)
         if op == "wake":
             copier.wake(str(message["uuid"]), bool(message["wait"]), int(message.get("pause_ms", 0)))
-            return {"pinned": copier.pinned_bytes}
+            return {"pinned": copier.pinned_bytes, "newly_pinned": copier.pinned_since_wake}
         if op == "copy":
             sizes = [int(s) for s in message["sizes"]]
             if len(sizes) != len(fds):
