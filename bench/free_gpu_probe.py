@@ -2,7 +2,7 @@
 pins fastest here, what a staging kept pinned across pauses costs, and what a job's own mapping
 of the staging costs its checkpoint.
 
-    python bench/free_gpu_probe.py [--sizes 16,64] [--timeout 240] [--json out.json]
+    python bench/free_gpu_probe.py [--sizes 16,64] [--only checkpoint,kill] [--timeout 240] [--json out.json]
 
 Needs one NVIDIA GPU (cuda:0), torch with CUDA and flexium built. Every part runs in a fresh
 process (this file with --part NAME:SIZE) that prints one JSON result line; a failed part is
@@ -21,7 +21,10 @@ Parts:
                 (anonymous + MADV_HUGEPAGE, what only the copier could hold).
   checkpoint:S  A torch context (cuBLAS loaded) with SIZE GiB of touched memfd, lock ->
                 checkpoint -> restore -> unlock twice per state: none (no memfd), fd (the job
-                holds only the file descriptor) and mapped (the job maps it, as now).
+                holds only the file descriptor), mapped (the job maps it, as now) and pinned
+                (the process itself registered it: could a copier be checkpointed with its
+                staging pinned, instead of unpinning it at each pause?), with the pinned
+                memory's H2D rate before and after.
   idle          A matmul loop on cuda:0 (the job) while another process (the keeper) takes a
                 context on cuda:0, touches and pins SIZE GiB of memfd, then holds it: the job's
                 median and longest step before, while the keeper prepares, and while it holds;
@@ -211,6 +214,26 @@ def part_checkpoint(gib: float, result: dict[str, Any]) -> None:
     staging = Staging(libc, "memfd", size)
     result["touch_s"] = staging.touch()
     result["states"]["mapped"] = rounds.many("mapped", 2, {})
+    # Pinned by the checkpointed process itself: does the registration survive, and at what cost?
+    drv = Driver()
+    drv.primary_context(0)
+    for a, n in staging.chunks:
+        drv.call("cuMemHostRegister", a, n, CU_MEMHOSTREGISTER_PORTABLE)
+    stream = drv.stream()
+
+    def h2d_gbps() -> float | None:
+        """Into a 1 GiB buffer made for it and freed after, so the checkpoint carries none."""
+        device = torch.empty(GIB, dtype=torch.uint8, device="cuda:0")
+        copied, seconds = copy_host_device(drv, staging.chunks, device.data_ptr(), GIB, False, stream)
+        del device
+        torch.cuda.empty_cache()
+        return gbps(copied, seconds)
+
+    result["pinned_h2d_gbps_before"] = h2d_gbps()
+    result["states"]["pinned"] = rounds.many("pinned", 2, {})
+    result["pinned_h2d_gbps_after"] = h2d_gbps()
+    for a, _n in staging.chunks:
+        drv.call("cuMemHostUnregister", a)
     staging.unmap()
     result["states"]["fd"] = rounds.many("fd", 2, {})
     result["ok"] = True
@@ -349,6 +372,7 @@ def main() -> int:
     parser.add_argument("--idle-gib", type=float, default=16.0, help="GiB the idle part's keeper pins (default 16)")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per part (default 240)")
     parser.add_argument("--json", help="write every part's result here")
+    parser.add_argument("--only", default="", help="run only these parts, by name, comma-separated (e.g. checkpoint,kill)")
     parser.add_argument("--part", help=argparse.SUPPRESS)
     parser.add_argument("--keeper", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -360,6 +384,8 @@ def main() -> int:
     print("host:", json.dumps(host_settings()), flush=True)
     parts = [f"pin:{kind}@{gib:g}" for gib in sizes for kind in KINDS]
     parts += [f"checkpoint:{gib:g}" for gib in sizes] + [f"idle:{args.idle_gib:g}", "kill"]
+    only = {name.strip() for name in args.only.split(",") if name.strip()}
+    parts = [p for p in parts if not only or p.partition(":")[0] in only]
     results = []
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_MODULE_LOADING": "LAZY"}
     for part in parts:
@@ -403,6 +429,10 @@ def main() -> int:
             for state, s in r["states"].items():
                 rows.append((r["part"][11:], state, fmt(s.get("checkpoint_s"), 3), fmt(s.get("restore_s"), 3)))
     print_table(("GiB", "job's staging", "checkpoint s", "restore s"), rows)
+    for r in results:
+        if r["part"].startswith("checkpoint:") and r.get("ok"):
+            before, after = fmt(r.get("pinned_h2d_gbps_before"), 1), fmt(r.get("pinned_h2d_gbps_after"), 1)
+            print(f"{r['part'][11:]} GiB pinned by the checkpointed process: H2D {before} GB/s before, {after} after")
     print()
     for r in results:
         if r["part"].startswith("idle:") and r.get("ok"):

@@ -69,22 +69,23 @@ python -m mypy python/flexium --ignore-missing-imports
 echo "== CPU tests"
 python -m pytest -q tests/unit "$@"
 
-# Framework tests (tests/frameworks): PyTorch Lightning's and Hugging Face's Trainers train after
-# flexium.init() while the job is migrated, paused and resumed (the fake driver, CPU torch).
-echo "== framework tests (PyTorch Lightning, Hugging Face Trainer)"
+# Framework tests (tests/frameworks): PyTorch Lightning's and Hugging Face's Trainers and fastai's
+# Learner train after flexium.init() while the job is migrated, paused and resumed (the fake
+# driver, CPU torch).
+echo "== framework tests (PyTorch Lightning, Hugging Face Trainer, fastai)"
 python -m pip install -q "lightning==2.6.6" "transformers==5.24.0" "accelerate==1.15.0"
+python -m pip install -q "fastai==2.8.12" "torch==2.13.0"  # torch pinned: fastai would upgrade it
+# fastai pulls in torchvision, whose PyPI wheels need torch's CUDA libraries: with the CPU torch it
+# cannot load, and lightning and transformers import it when it is installed. The examples that
+# need it (timm, torchvision) run on the GPU machine (tests/gpu/test_examples_on_gpu.py).
+python -m pip uninstall -y -q torchvision
 python -m pytest -q tests/frameworks "$@"
 
 # -----------------------------------------------------------------------------------------------
 # Server tests (tests/server): the API and storage on SQLite and on a real PostgreSQL, which this
 # section installs from Debian's packages (when missing), starts as the postgres user on a free
 # port in a temporary folder, and stops at the end.
-echo "== examples (a few steps each on the CPU)"
-python -m pip install -q "fastai==2.8.12" "torch==2.13.0"  # torch pinned: fastai would upgrade it
-# fastai pulls in torchvision, whose PyPI wheels need torch's CUDA libraries: with the CPU torch it
-# cannot load, and lightning and transformers import it when it is installed. The examples that
-# need it (timm, torchvision) run on the GPU machine (tests/gpu/test_examples_on_gpu.py).
-python -m pip uninstall -y -q torchvision
+echo "== examples (a few steps each on the CPU; the framework tests installed what they import)"
 python -m pytest -q tests/examples "$@"
 
 echo "== server: PostgreSQL and the server extra"

@@ -3,6 +3,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <map>
 #include <string>
 
 #include "checkpoint.h"
@@ -252,12 +253,10 @@ void bind_copier(py::module_ &m) {
       .def_property_readonly("pinned_since_wake", &HostCopier::pinned_since_wake)
       .def_property_readonly("last_copy_times", [](const HostCopier &c) {
         const CopyTimes t = c.last_copy_times();
-        py::dict out;
-        out["import_s"] = t.import_s;
-        out["pin_s"] = t.pin_s;
-        out["pinned_in_copy"] = t.pinned_in_copy;
-        out["copy_s"] = t.copy_s;
-        return out;
+        return std::map<std::string, double>{{"import_s", t.import_s},
+                                             {"pin_s", t.pin_s},
+                                             {"pinned_in_copy", static_cast<double>(t.pinned_in_copy)},
+                                             {"copy_s", t.copy_s}};
       });
 }
 

@@ -1,5 +1,6 @@
-"""The spec promises full support for the training frameworks. Here PyTorch Lightning's Trainer
-and Hugging Face's Trainer (over Accelerate) each train after a bare `flexium.init()`, while a
+"""The spec promises full support for the training frameworks. Here PyTorch Lightning's Trainer,
+Hugging Face's Trainer (over Accelerate) and fastai's Learner (with fastai's own optimizer, not a
+torch.optim one) each train after a bare `flexium.init()`, while a
 control thread migrates the job 0 -> 1 -> 0 and pauses and resumes it: every operation runs at
 the framework's own optimizer step on its training thread, no step runs while paused, and the
 losses are bit-identical to an undisturbed run of the same script.
@@ -25,6 +26,7 @@ FRAMEWORKS = {
     "lightning": "lightning==2.6.6",
     "transformers": "transformers==5.24.0",
     "accelerate": "accelerate==1.15.0",
+    "fastai": "fastai==2.8.12",
 }
 
 # Runs the operations of PLAN from a control thread as the training loop passes their steps.
@@ -141,6 +143,38 @@ run_both(fit)
 """
 
 
+FASTAI = """
+import time, torch
+from fastai.callback.core import Callback
+from fastai.callback.schedule import fit_one_cycle  # adds Learner.fit_one_cycle
+from fastai.data.core import DataLoaders
+from fastai.learner import Learner
+from fastai.torch_core import set_seed
+from torch.utils.data import TensorDataset
+
+class Record(Callback):
+    def __init__(self, record):
+        self.record = record
+
+    def after_batch(self):
+        if self.training:
+            self.record.append(self.learn.loss.item())
+            time.sleep(0.01)
+
+def fit(record):
+    set_seed(0, reproducible=True)
+    g = torch.Generator().manual_seed(0)
+    train = TensorDataset(torch.randn(STEPS * 16, 8, generator=g), torch.randn(STEPS * 16, 1, generator=g))
+    valid = TensorDataset(torch.randn(64, 8, generator=g), torch.randn(64, 1, generator=g))
+    dls = DataLoaders.from_dsets(train, valid, bs=16, device=torch.device("cpu"))
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.ReLU(), torch.nn.Linear(32, 1))
+    learn = Learner(dls, model, loss_func=torch.nn.functional.mse_loss, cbs=[Record(record)])  # fastai's Adam
+    with learn.no_logging(), learn.no_bar():
+        learn.fit_one_cycle(1, lr_max=1e-2)
+
+run_both(fit)
+"""
+
 def _require_frameworks() -> None:
     missing = [spec for module, spec in FRAMEWORKS.items() if importlib.util.find_spec(module) is None]
     if missing:
@@ -187,3 +221,7 @@ def test_pytorch_lightning_trainer() -> None:
 
 def test_hugging_face_trainer() -> None:
     _check(_run(HF_TRAINER))
+
+
+def test_fastai_learner_with_its_own_optimizer() -> None:
+    _check(_run(FASTAI))

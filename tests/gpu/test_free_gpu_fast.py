@@ -25,7 +25,7 @@ PLAN = ("--plan", "50:pause", "--plan", "50:resume", "--plan", "60:pause", "--pl
 
 def newly_mapped_gib(pause: dict[str, Any]) -> float:
     for note in pause["result"]["notes"]:
-        match = re.search(r"\(([0-9.]+) GiB of it newly mapped and touched\)", note)
+        match = re.search(r"\(([0-9.]+) GiB of it newly mapped and touched, ", note)
         if match:
             return float(match.group(1))
     raise AssertionError(f"the pause says nothing of its staging: {pause['result']['notes']}")

@@ -3,7 +3,8 @@
 Between optimizer steps autograd is idle and no tensor is half-written, and the training
 thread is the one that would otherwise block inside a CUDA call, perhaps holding the GIL,
 while the process is locked. PyTorch's global optimizer step hook gives this point in plain
-loops, Lightning, Hugging Face Trainer and Accelerate alike. Jobs without torch.optim steps
+loops, Lightning, Hugging Face Trainer and Accelerate alike; fastai's own optimizers report their
+steps through foreign_steps.py. Jobs without torch.optim steps
 (or whose steps stop) get the operation run on the caller's thread after a bounded wait.
 """
 
@@ -12,6 +13,8 @@ from __future__ import annotations
 import logging
 import threading
 from typing import Any, Callable, Generic, Optional, TypeVar, cast
+
+from flexium.engine import foreign_steps
 
 T = TypeVar("T")
 log = logging.getLogger("flexium")
@@ -55,12 +58,14 @@ class SafePoints:
             return False
         if self._handle is None:
             self._handle = register_optimizer_step_post_hook(self._on_step)
+            foreign_steps.watch(self._on_step)
         return True
 
     def uninstall(self) -> None:
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
+            foreign_steps.unwatch(self._on_step)
 
     def between_operations(self, work: Optional[Callable[[], bool]]) -> None:
         """`work()` runs at each safe point no operation takes, until it returns False or raises
