@@ -372,7 +372,7 @@ def main() -> int:
     parser.add_argument("--idle-gib", type=float, default=16.0, help="GiB the idle part's keeper pins (default 16)")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per part (default 240)")
     parser.add_argument("--json", help="write every part's result here")
-    parser.add_argument("--only", default="", help="run only these parts, by name, comma-separated (e.g. checkpoint,kill)")
+    parser.add_argument("--only", default="", help="run only these parts, by name, comma-separated: checkpoint,kill")
     parser.add_argument("--part", help=argparse.SUPPRESS)
     parser.add_argument("--keeper", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
