@@ -175,6 +175,7 @@ def fit(record):
 run_both(fit)
 """
 
+
 def _require_frameworks() -> None:
     missing = [spec for module, spec in FRAMEWORKS.items() if importlib.util.find_spec(module) is None]
     if missing:
