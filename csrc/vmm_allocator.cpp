@@ -7,6 +7,7 @@
 #include "driver_error.h"
 #include "gpu_memory_yield.h"
 #include "vmm_driver.h"
+#include "vmm_peer_access.h"
 #include "vmm_registry.h"
 
 namespace flexium {
@@ -36,7 +37,6 @@ void *allocate(std::size_t size, int device) {
   backing.created = true;
   FLEXIUM_CU_CALL(d, cuMemMap, backing.address, rounded, 0, backing.handle, 0);
   backing.mapped = true;
-  grant_access(d, backing.address, rounded, {device});
 
   Segment segment;
   segment.serial = next_segment_serial();
@@ -48,7 +48,10 @@ void *allocate(std::size_t size, int device) {
   segment.handle = backing.handle;
   {
     RegistryLock lock(kAllocatorLockTimeout);
-    lock.segments().emplace(segment.address, segment);
+    SegmentMap &segments = lock.segments();
+    grant_access(d, backing.address, rounded, pool_access(d, segments, device));
+    open_pool_to(d, segments, device);
+    segments.emplace(segment.address, segment);
   }
   backing.release_to_caller();
   return reinterpret_cast<void *>(static_cast<std::uintptr_t>(segment.address));

@@ -21,6 +21,7 @@
 
 #include "driver_error.h"
 #include "vmm_driver.h"
+#include "vmm_peer_access.h"
 #include "vmm_registry.h"
 
 namespace flexium {
@@ -211,6 +212,7 @@ void map_imported(const std::vector<StagedSegment> &staged, int device) {
     if (!seen.insert(entry.address).second) throw std::invalid_argument(address + " is listed twice");
   }
   ScopedContext context(d, device);
+  const std::vector<int> access = pool_access(d, segments, device, seen);
   for (const StagedSegment &entry : staged) {
     Segment &segment = segments.at(entry.address);
     Backing backing(d);
@@ -222,7 +224,7 @@ void map_imported(const std::vector<StagedSegment> &staged, int device) {
     backing.created = true;
     FLEXIUM_CU_CALL(d, cuMemMap, entry.address, entry.size, 0, backing.handle, 0);
     backing.mapped = true;
-    grant_access(d, entry.address, entry.size, {device});
+    grant_access(d, entry.address, entry.size, access);
     // A handle left by a release that failed half way: the new memory replaces it.
     if (segment.has_handle) d.cuMemRelease(segment.handle);
     segment.handle = backing.handle;
@@ -251,6 +253,7 @@ std::size_t own_imported(int device, const LiveRanges &live, std::size_t max_byt
   FLEXIUM_CU_CALL(d, cuCtxSynchronize);
   ScopedStream stream(d);
   const CUmemAllocationProp prop = device_allocation_prop(device);
+  const std::vector<int> access = pool_access(d, lock.segments(), device);
   std::size_t owned = 0;
   // One segment at a time, so the extra memory needed is one segment's, not the job's.
   for (Segment *segment : imported) {
@@ -263,7 +266,7 @@ std::size_t own_imported(int device, const LiveRanges &live, std::size_t max_byt
     fresh.reserved = true;
     FLEXIUM_CU_CALL(d, cuMemMap, fresh.address, segment->size, 0, fresh.handle, 0);
     fresh.mapped = true;
-    grant_access(d, fresh.address, segment->size, {device});
+    grant_access(d, fresh.address, segment->size, access);
     copy_live(d, *segment, fresh.address, live, stream.get());
     stream.synchronize();
     // Swap: the segment's address gets the fresh memory; the imported memory goes once unmapped.
@@ -272,11 +275,11 @@ std::size_t own_imported(int device, const LiveRanges &live, std::size_t max_byt
     if (mapped != CUDA_SUCCESS) {
       // Put the imported memory back so the segment keeps its data, then report.
       const CUresult back = d.cuMemMap(segment->address, segment->size, 0, segment->handle, 0);
-      if (back == CUDA_SUCCESS) grant_access(d, segment->address, segment->size, {device});
+      if (back == CUDA_SUCCESS) grant_access(d, segment->address, segment->size, access);
       else segment->mapped = false;
       throw DriverError("cuMemMap", mapped, "mapping own memory at " + describe(*segment), __FILE__, __LINE__);
     }
-    grant_access(d, segment->address, segment->size, {device});
+    grant_access(d, segment->address, segment->size, access);
     d.cuMemRelease(segment->handle);
     segment->handle = fresh.handle;
     segment->imported = false;

@@ -2,6 +2,9 @@
 and data made here (nothing is downloaded), with `flexium.init()` first.
 
     python examples/hf_trainer.py [--steps N]
+
+On a machine with several GPUs the Trainer uses them all (DataParallel); flexium then pauses and
+moves them together on the driver path. docs/guide/limits.md says how to keep it on one.
 """
 
 import argparse

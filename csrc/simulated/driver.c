@@ -293,6 +293,7 @@ static struct {
   unsigned long long pinned_at_checkpoint;
 
   /* behaviour and failure injection */
+  int no_peer_access; /* cuDeviceCanAccessPeer says 0 for every pair (GPUs without P2P) */
   unsigned int lock_delay_ms;
   unsigned int block_timeout_ms;
   struct rule rules[MAX_RULES];
@@ -819,6 +820,7 @@ CUresult cuDeviceGet(CUdevice *device, int ordinal);
 CUresult cuDeviceGetName(char *name, int len, CUdevice dev);
 CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev);
 CUresult cuDeviceTotalMem(size_t *bytes, CUdevice dev);
+CUresult cuDeviceCanAccessPeer(int *canAccessPeer, CUdevice dev, CUdevice peerDev);
 CUresult cuDeviceGetPCIBusId(char *pciBusId, int len, CUdevice dev);
 CUresult cuCheckpointProcessGetState(int pid, int *state);
 CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid);
@@ -884,6 +886,7 @@ static const struct symbol symbols[] = {
     {"cuDeviceGetName", 2000, 0, (void *)cuDeviceGetName},
     {"cuDeviceGetUuid", 9020, 0, (void *)cuDeviceGetUuid},
     {"cuDeviceTotalMem", 3020, 0, (void *)cuDeviceTotalMem},
+    {"cuDeviceCanAccessPeer", 4000, FEATURE_VMM, (void *)cuDeviceCanAccessPeer},
     {"cuDeviceGetPCIBusId", 4010, 0, (void *)cuDeviceGetPCIBusId},
     {"cuCheckpointProcessGetState", 12080, 1, (void *)cuCheckpointProcessGetState},
     {"cuCheckpointProcessGetRestoreThreadId", 12080, 1, (void *)cuCheckpointProcessGetRestoreThreadId},
@@ -1074,6 +1077,19 @@ CUresult cuDeviceTotalMem(size_t *bytes, CUdevice dev) {
   if (bytes == NULL) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
   rc = device_ready(fn, dev);
   if (rc == CUDA_SUCCESS) *bytes = (size_t)fake.gpus[dev].total;
+  return leave(fn, rc, -1);
+}
+
+/* Every pair of distinct GPUs can reach each other (NVLink on the H200 hosts), unless
+ * fake_set_peer_access(0). */
+CUresult cuDeviceCanAccessPeer(int *canAccessPeer, CUdevice dev, CUdevice peerDev) {
+  static const char fn[] = "cuDeviceCanAccessPeer";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (canAccessPeer == NULL) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  rc = device_ready(fn, dev);
+  if (rc == CUDA_SUCCESS) rc = device_ready(fn, peerDev);
+  if (rc == CUDA_SUCCESS) *canAccessPeer = dev != peerDev && !fake.no_peer_access;
   return leave(fn, rc, -1);
 }
 
@@ -2211,6 +2227,12 @@ int fake_set_process_memory(int logical, unsigned long long bytes) {
   if (ok) fake.process_bytes[logical] = bytes;
   pthread_mutex_unlock(&mutex);
   return ok ? 0 : -1;
+}
+
+void fake_set_peer_access(int allowed) {
+  pthread_mutex_lock(&mutex);
+  fake.no_peer_access = !allowed;
+  pthread_mutex_unlock(&mutex);
 }
 
 int fake_set_other_memory(int physical, unsigned long long bytes) {

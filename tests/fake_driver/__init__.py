@@ -270,6 +270,7 @@ class FakeDriver:
             "fake_gpu_count": (c_int, []),
             "fake_uuid": (c_int, [c_int, ctypes.c_char_p, c_int]),
             "fake_set_process_memory": (c_int, [c_int, c_ull]),
+            "fake_set_peer_access": (None, [c_int]),
             "fake_set_other_memory": (c_int, [c_int, c_ull]),
             "fake_set_gpu_activity": (c_int, [c_int, c_uint, c_uint, c_uint, c_ull]),
             "fake_fail": (c_int, [ctypes.c_char_p, c_int, c_int]),
@@ -343,6 +344,10 @@ class FakeDriver:
     def set_process_memory(self, logical: int, nbytes: int) -> None:
         """Bytes this process holds on logical device ``logical`` (it moves with the device)."""
         self._check(self._lib.fake_set_process_memory(logical, nbytes), f"logical device {logical}")
+
+    def set_peer_access(self, allowed: bool) -> None:
+        """Whether cuDeviceCanAccessPeer lets distinct GPUs reach each other (until reset)."""
+        self._lib.fake_set_peer_access(int(allowed))
 
     def set_other_memory(self, physical: int, nbytes: int) -> None:
         """Bytes other processes hold on physical GPU ``physical``."""
@@ -535,6 +540,21 @@ class FakeDriver:
     def primary_ctx_refcount(self, device: int) -> int:
         """Retains of a device's primary context not released (0: the context does not exist)."""
         return int(self._lib.fake_primary_ctx_refcount(device))
+
+    def copy_on(self, device: int, dst: int, src: int, size: int) -> int:
+        """``cuMemcpyDtoDAsync`` with ``device``'s primary context current (retained for the call):
+        what a copy or kernel of that GPU does to the two ranges. Returns the CUresult."""
+        lib = self.library
+        ctx = ctypes.c_void_p()
+        self._check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device), f"device {device}")
+        previous = ctypes.c_void_p()
+        lib.cuCtxGetCurrent(ctypes.byref(previous))
+        lib.cuCtxSetCurrent(ctx)
+        try:
+            return int(lib.cuMemcpyDtoDAsync(ctypes.c_uint64(dst), ctypes.c_uint64(src), ctypes.c_size_t(size), None))
+        finally:
+            lib.cuCtxSetCurrent(previous)
+            lib.cuDevicePrimaryCtxRelease(device)
 
     def current_context(self) -> int:
         """The calling thread's current context as a device ordinal, -1 for none."""

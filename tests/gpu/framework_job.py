@@ -2,7 +2,11 @@
 event on stdout ("ready" with the flexium process id, "loss" per optimizer step, bit-exact as
 float.hex, "done"). Deterministic: two runs give the same loss trace bit for bit.
 
-    python framework_job.py lightning|hf-trainer|accelerate|timm|torchvision|fastai --steps 200 --pace 0.03
+    python framework_job.py lightning|hf-trainer|accelerate|timm|torchvision|fastai|split|data-parallel \
+        --steps 200 --pace 0.03
+
+split and data-parallel are plain PyTorch jobs of one process on two GPUs: a model whose second
+half is on cuda:1, and torch.nn.DataParallel over cuda:0 and cuda:1.
 
 --pace sleeps after each optimizer step (a hook, the same for every framework), so that a
 command line has time to act on the running job.
@@ -24,7 +28,7 @@ import torch  # noqa: E402
 
 import flexium  # noqa: E402
 
-FRAMEWORKS = ("lightning", "hf-trainer", "accelerate", "timm", "torchvision", "fastai")
+FRAMEWORKS = ("lightning", "hf-trainer", "accelerate", "timm", "torchvision", "fastai", "split", "data-parallel")
 
 
 def emit(event: str, **data: Any) -> None:
@@ -117,6 +121,10 @@ def hf_trainer(steps: int) -> None:
             disable_tqdm=True,
             logging_strategy="no",
         )
+        # One GPU while both stay visible (the Trainer would wrap the model in DataParallel over
+        # every GPU it sees): what the Trainer itself does for a model-parallel model.
+        _ = args.device
+        args._n_gpu = 1
         Reporting(model=model, args=args, train_dataset=Sentences()).train()
 
 
@@ -209,6 +217,43 @@ def fastai_learner(steps: int) -> None:
         learn.fit_one_cycle(1, lr_max=1e-3)
 
 
+def two_gpu_loop(model: torch.nn.Module, steps: int, first: str, last: str) -> None:
+    """AdamW on data made on `first`; the loss is taken on `last`, where the output is."""
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = torch.Generator(device=first).manual_seed(0)
+    for _ in range(steps):
+        x = torch.randn(256, 64, device=first, generator=data)
+        y = torch.randint(0, 10, (256,), device=first, generator=data)
+        loss = torch.nn.functional.cross_entropy(model(x), y.to(last))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        report(loss)
+
+
+def split_model(steps: int) -> None:
+    """A model split over two GPUs: its activations cross from cuda:0 to cuda:1 and back."""
+
+    class Split(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.front = torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU()).to("cuda:0")
+            self.back = torch.nn.Linear(512, 10).to("cuda:1")
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.back(self.front(x).to("cuda:1"))
+
+    torch.manual_seed(0)
+    two_gpu_loop(Split(), steps, "cuda:0", "cuda:1")
+
+
+def data_parallel(steps: int) -> None:
+    """torch.nn.DataParallel over cuda:0 and cuda:1: scatter, replicate and gather every step."""
+    torch.manual_seed(0)
+    model = torch.nn.DataParallel(mlp().to("cuda:0"), device_ids=[0, 1])
+    two_gpu_loop(model, steps, "cuda:0", "cuda:0")
+
+
 RUNS: dict[str, Callable[[int], None]] = {
     "lightning": lightning,
     "hf-trainer": hf_trainer,
@@ -216,6 +261,8 @@ RUNS: dict[str, Callable[[int], None]] = {
     "timm": timm_model,
     "torchvision": torchvision_model,
     "fastai": fastai_learner,
+    "split": split_model,
+    "data-parallel": data_parallel,
 }
 
 

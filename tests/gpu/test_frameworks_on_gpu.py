@@ -27,9 +27,12 @@ FRAMEWORKS = [
     "torchvision",
     "fastai",
 ]  # fastai: ci/framework-wheels.sh
+# One process on two GPUs (framework_job.py): its pool spans both, which the fast path does not
+# move, so every operation takes the driver path, all its GPUs at once.
+ON_TWO_GPUS = ["split", "data-parallel"]
 
 
-def _moved_while_training(framework: str, tmp_path: Path, moves: list[tuple[str, ...]]) -> None:
+def _moved_while_training(framework: str, tmp_path: Path, moves: list[tuple[str, ...]], path: str = "fast") -> None:
     from flexium.engine import nvml
     from live_server import ProcessOutput, ServerProcess, clean_env, flexium_command, wait_until
 
@@ -75,7 +78,7 @@ def _moved_while_training(framework: str, tmp_path: Path, moves: list[tuple[str,
                 f"flexium {' '.join(move)}: {done.stdout}\n{done.stderr}\n{output.text[-3000:]}"
             )
             outcome = json.loads(done.stdout)
-            assert outcome["state"] == "succeeded" and outcome["result"]["path"] == "fast", outcome
+            assert outcome["state"] == "succeeded" and outcome["result"]["path"] == path, outcome
             if move[0] == "pause":
                 held = {gpu.uuid: gpu.used_by(pid) or 0 for gpu in nvml.host_gpus()}
                 assert sum(held.values()) == 0, f"the paused {framework} job holds {held}"
@@ -101,3 +104,15 @@ def test_a_framework_job_is_migrated_there_and_back_bit_identical(
     framework: str, tmp_path: Path, two_gpus: list[Any]
 ) -> None:
     _moved_while_training(framework, tmp_path, [("migrate", "{id}", "cuda:1"), ("migrate", "{id}", "cuda:0")])
+
+
+@pytest.mark.parametrize("job", ON_TWO_GPUS)
+def test_a_job_on_two_gpus_is_paused_resumed_and_swapped_bit_identical(
+    job: str, tmp_path: Path, two_gpus: list[Any]
+) -> None:
+    _moved_while_training(
+        job,
+        tmp_path,
+        [("pause", "{id}"), ("resume", "{id}"), ("migrate", "{id}", "cuda:1"), ("migrate", "{id}", "cuda:0")],
+        path="driver",
+    )

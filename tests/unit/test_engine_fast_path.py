@@ -529,6 +529,22 @@ def test_memory_on_two_devices_takes_the_driver_path(job: Job) -> None:
     assert fake.vmm_bytes_on(1) == 4 * MiB and fake.vmm_bytes_on(0) == 4 * MiB  # swapped by the checkpoint
     assert sorted(s.device for s in _C.vmm_segments()) == [0, 0, 1]
     job.assert_contents()
+    assert_reachable_from_both(fake)
+
+    paused = engine.pause()
+    assert paused.ok and paused.path == "driver"
+    assert fake.vmm_bytes_on(0) == fake.vmm_bytes_on(1) == 0
+    assert engine.resume().ok and fake.placement() == [1, 0]
+    job.assert_contents()
+    assert_reachable_from_both(fake)
+
+
+def assert_reachable_from_both(fake: FakeDriver) -> None:
+    """A process using two GPUs copies between their memory (DataParallel's scatter and gather)."""
+    on = {s.device: s.address for s in _C.vmm_segments()}
+    for device in (0, 1):
+        other = on[1 - device]  # read and written in place: the contents stay
+        assert fake.copy_on(device, other, other, MiB) == 0, f"cuda:{device} cannot reach cuda:{1 - device}"
 
 
 # ----------------------------------------------------------------------------- failures, rolled back

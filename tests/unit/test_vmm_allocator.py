@@ -34,6 +34,7 @@ VMM_SYMBOLS = [
     "cuCtxSynchronize",
     "cuDevicePrimaryCtxRetain",
     "cuDevicePrimaryCtxRelease",
+    "cuDeviceCanAccessPeer",
     "cuMemGetAllocationGranularity",
     "cuMemAddressReserve",
     "cuMemAddressFree",
@@ -238,6 +239,43 @@ def test_alloc_keeps_the_callers_current_context(fake: FakeDriver, allocator: Al
     finally:
         lib.cuCtxSetCurrent(None)
         lib.cuDevicePrimaryCtxRelease(1)
+
+
+# ----------------------------------------------------------------------------- several GPUs in one process
+
+
+def test_the_pool_is_reachable_from_every_gpu_the_process_uses(fake: FakeDriver, allocator: Allocator) -> None:
+    """DataParallel's scatter and gather copy between the GPUs' memory; VMM memory is reachable only
+    from the devices it was opened to (the HF Trainer failed in its first gather before)."""
+    on0 = allocator.must_alloc(2 * MiB, 0)
+    assert fake.copy_on(1, on0, on0, MiB) == fake_driver.CUDA_ERRORS["CUDA_ERROR_ILLEGAL_ADDRESS"]  # one GPU used: 1 has no access
+    assert fake.primary_ctx_refcount(1) == 0
+    on1 = allocator.must_alloc(2 * MiB, 1)  # the process now uses GPU 1 too
+    ctypes.memset(on0, 7, MiB)
+    assert fake.copy_on(1, on1, on0, MiB) == 0  # GPU 1 reads GPU 0's memory (a gather)
+    assert fake.copy_on(0, on0 + MiB, on1, MiB) == 0  # and GPU 0 reads GPU 1's (a scatter's reverse)
+    assert ctypes.string_at(on0 + MiB, MiB) == b"\x07" * MiB
+    later = allocator.must_alloc(2 * MiB, 0)  # later segments are opened to both from the start
+    assert fake.copy_on(1, on1, later, MiB) == 0
+
+    # After a driver checkpoint the segments get fresh memory of their own: still reachable.
+    assert _C.vmm_mark_restored_by_driver() == 3
+    assert _C.own_imported(0) == 4 * MiB
+    assert fake.copy_on(1, on1, on0, MiB) == 0 and fake.copy_on(1, on1, later, MiB) == 0
+    for address in (on0, on1, later):
+        allocator.free(address)
+    assert fake.vmm_leaks() == NO_LEAKS
+
+
+def test_gpus_that_cannot_reach_each_other_are_not_opened(fake: FakeDriver, allocator: Allocator) -> None:
+    fake.set_peer_access(False)
+    on0, on1 = allocator.must_alloc(2 * MiB, 0), allocator.must_alloc(2 * MiB, 1)
+    assert fake.copy_on(1, on1, on0, MiB) == fake_driver.CUDA_ERRORS["CUDA_ERROR_ILLEGAL_ADDRESS"]
+    assert fake.copy_on(0, on0, on1, MiB) == fake_driver.CUDA_ERRORS["CUDA_ERROR_ILLEGAL_ADDRESS"]
+    assert fake.copy_on(0, on0, on0 + MiB, MiB) == 0  # each GPU its own, as before
+    allocator.free(on0)
+    allocator.free(on1)
+    assert fake.vmm_leaks() == NO_LEAKS
 
 
 def test_out_of_memory_returns_null_and_says_why(fake: FakeDriver, allocator: Allocator) -> None:
