@@ -243,12 +243,14 @@ def test_alloc_keeps_the_callers_current_context(fake: FakeDriver, allocator: Al
 
 # ----------------------------------------------------------------------------- several GPUs in one process
 
+ILLEGAL_ADDRESS = fake_driver.CUDA_ERRORS["CUDA_ERROR_ILLEGAL_ADDRESS"]
+
 
 def test_the_pool_is_reachable_from_every_gpu_the_process_uses(fake: FakeDriver, allocator: Allocator) -> None:
     """DataParallel's scatter and gather copy between the GPUs' memory; VMM memory is reachable only
     from the devices it was opened to (the HF Trainer failed in its first gather before)."""
     on0 = allocator.must_alloc(2 * MiB, 0)
-    assert fake.copy_on(1, on0, on0, MiB) == fake_driver.CUDA_ERRORS["CUDA_ERROR_ILLEGAL_ADDRESS"]  # one GPU used: 1 has no access
+    assert fake.copy_on(1, on0, on0, MiB) == ILLEGAL_ADDRESS  # one GPU used: GPU 1 has no access
     assert fake.primary_ctx_refcount(1) == 0
     on1 = allocator.must_alloc(2 * MiB, 1)  # the process now uses GPU 1 too
     ctypes.memset(on0, 7, MiB)
@@ -270,8 +272,8 @@ def test_the_pool_is_reachable_from_every_gpu_the_process_uses(fake: FakeDriver,
 def test_gpus_that_cannot_reach_each_other_are_not_opened(fake: FakeDriver, allocator: Allocator) -> None:
     fake.set_peer_access(False)
     on0, on1 = allocator.must_alloc(2 * MiB, 0), allocator.must_alloc(2 * MiB, 1)
-    assert fake.copy_on(1, on1, on0, MiB) == fake_driver.CUDA_ERRORS["CUDA_ERROR_ILLEGAL_ADDRESS"]
-    assert fake.copy_on(0, on0, on1, MiB) == fake_driver.CUDA_ERRORS["CUDA_ERROR_ILLEGAL_ADDRESS"]
+    assert fake.copy_on(1, on1, on0, MiB) == ILLEGAL_ADDRESS
+    assert fake.copy_on(0, on0, on1, MiB) == ILLEGAL_ADDRESS
     assert fake.copy_on(0, on0, on0 + MiB, MiB) == 0  # each GPU its own, as before
     allocator.free(on0)
     allocator.free(on1)
