@@ -32,11 +32,11 @@ class OptimWrapper(_BaseOptimizer):
 '''
 
 
-def run(tmp_path: Path, script: str) -> str:
+def run(tmp_path: Path, script: str, *, module_in_package: bool = True) -> str:
     package = tmp_path / "fastai"
     package.mkdir(exist_ok=True)
     (package / "__init__.py").write_text("")
-    (package / "optimizer.py").write_text(STAND_IN)
+    (package if module_in_package else tmp_path).joinpath("optimizer.py").write_text(STAND_IN)
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(script)],
         cwd=tmp_path,
@@ -90,3 +90,27 @@ def test_an_unwatched_step_reports_nothing(tmp_path: Path) -> None:
         """,
     )
     assert out == "2 3"
+
+
+def test_a_module_found_by_another_finder_is_patched_too(tmp_path: Path) -> None:
+    """An editable install serves its modules through a finder of its own on sys.meta_path."""
+    out = run(
+        tmp_path,
+        f"""
+        import importlib.abc, importlib.util, sys
+        class Editable(importlib.abc.MetaPathFinder):
+            def find_spec(self, name, path, target=None):
+                if name == "fastai.optimizer":
+                    return importlib.util.spec_from_file_location(name, {str(tmp_path / "optimizer.py")!r})
+                return None
+        sys.meta_path.append(Editable())
+        from flexium.engine import foreign_steps
+        seen = []
+        foreign_steps.watch(seen.append)
+        from fastai.optimizer import Optimizer
+        Optimizer().step()
+        print(len(seen))
+        """,
+        module_in_package=False,
+    )
+    assert out == "1"

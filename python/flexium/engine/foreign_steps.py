@@ -84,7 +84,13 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
     ) -> Optional[importlib.machinery.ModuleSpec]:
         if fullname not in self._names:
             return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path, target)
+        spec = None
+        for finder in list(sys.meta_path):  # as the import would, editable installs' finders too
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None:
+                break
         loader = spec.loader if spec is not None else None
         if spec is None or loader is None or not hasattr(loader, "exec_module"):
             return spec
