@@ -247,6 +247,7 @@ void bind_copier(py::module_ &m) {
       .def("extend", &HostCopier::extend, py::arg("extents"), py::arg("chunks"), release_gil())
       .def("wake", &HostCopier::wake, py::arg("uuid"), py::arg("wait"), py::arg("pause_ms") = 0, release_gil())
       .def("copy", &HostCopier::copy, py::arg("to_host"), py::arg("segments"), py::arg("pieces"), release_gil())
+      .def("pin_rest", &HostCopier::pin_rest, py::arg("pause_ms"), release_gil())
       .def("sleep", &HostCopier::sleep, release_gil())
       .def_property_readonly("awake", &HostCopier::awake)
       .def_property_readonly("pinned_bytes", &HostCopier::pinned_bytes)

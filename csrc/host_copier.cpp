@@ -103,12 +103,24 @@ void HostCopier::wake(const std::string &uuid, bool wait, int pause_ms) {
     FLEXIUM_CU_CALL(d, cuCtxSetCurrent, context_);
     FLEXIUM_CU_CALL(d, cuStreamCreate, &stream_, CU_STREAM_NON_BLOCKING);
   }
+  {
+    std::lock_guard<std::mutex> guard(mutex_);
+    pinned_since_wake_ = 0;
+  }
   // Awake already, the pinner may have stopped, or chunks been added since (extend()).
+  start_pinner(pause_ms);
+  if (wait) {
+    if (pinner_.joinable()) pinner_.join();
+    std::lock_guard<std::mutex> guard(mutex_);
+    if (!pin_error_.empty()) throw std::runtime_error("pinning the host staging failed: " + pin_error_);
+  }
+}
+
+void HostCopier::start_pinner(int pause_ms) {
   stop_pinner();
   {
     std::lock_guard<std::mutex> guard(mutex_);
     pin_error_.clear();
-    pinned_since_wake_ = 0;
   }
   pinner_ = std::thread([this, pause_ms] {
     try {
@@ -126,11 +138,11 @@ void HostCopier::wake(const std::string &uuid, bool wait, int pause_ms) {
       pin_error_ = e.what();
     }
   });
-  if (wait) {
-    if (pinner_.joinable()) pinner_.join();
-    std::lock_guard<std::mutex> guard(mutex_);
-    if (!pin_error_.empty()) throw std::runtime_error("pinning the host staging failed: " + pin_error_);
-  }
+}
+
+void HostCopier::pin_rest(int pause_ms) {
+  require_awake("cannot pin");
+  start_pinner(pause_ms);
 }
 
 void HostCopier::pin_chunk(std::size_t index) {

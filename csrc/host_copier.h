@@ -68,6 +68,10 @@ class HostCopier {
   std::size_t copy(bool to_host, const std::vector<std::pair<int, std::size_t>> &segments,
                    const std::vector<CopierPiece> &pieces);
 
+  // Awake: pins the chunks not pinned yet in the pinner thread, `pause_ms` between chunks, and
+  // returns at once (after a copy back that keeps the staging: the copies pinned only what they used).
+  void pin_rest(int pause_ms);
+
   // Unpins every chunk and releases the context, so the copier holds nothing on any GPU.
   void sleep();
 
@@ -77,6 +81,7 @@ class HostCopier {
   CopyTimes last_copy_times() const { return times_; }
 
  private:
+  void start_pinner(int pause_ms);
   void stop_pinner();
   void pin_chunk(std::size_t index);
   void require_awake(const char *what) const;

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from typing import Any, Iterator, Optional
 
 import pytest
@@ -870,6 +871,28 @@ def test_a_grown_staging_extends_the_copier_whose_pins_stay(fake: FakeDriver, al
         copier.extend([], [_C.CopierChunk(extent=len(after.extents), offset=0, size=2 * MiB)])
     copier.sleep()
     assert fake.pinned_bytes() == 0
+
+
+def test_after_a_copy_the_copier_pins_the_chunks_it_did_not_use(fake: FakeDriver, allocator: Allocator) -> None:
+    """A copy pins only the chunks it uses; a kept staging must be whole for the next pause."""
+    contents = make_segments(allocator, [2 * MiB])
+    _C.reserve_host_staging(6 * MiB, 0, chunk_bytes=2 * MiB, pin_here=False)  # 3 chunks, 1 used
+    copier = copier_for_staging()
+    copier.wake(fake.uuid(0), False, 200)  # pins one chunk, then waits: the copy stops it there
+    order = _C.begin_stage_order()
+    assert copier.copy(True, order.segments, order.pieces) == 2 * MiB
+    _C.finish_host_order()
+    assert copier.pinned_bytes == 2 * MiB
+    copier.pin_rest(0)
+    deadline = time.monotonic() + 10
+    while copier.pinned_bytes < 6 * MiB and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert copier.pinned_bytes == 6 * MiB
+    copier.sleep()
+    with pytest.raises(RuntimeError, match="asleep"):
+        copier.pin_rest(0)
+    assert fake.pinned_bytes() == 0
+    assert_contents(contents)
 
 
 def test_an_aborted_order_leaves_everything_as_it_was(fake: FakeDriver, allocator: Allocator) -> None:

@@ -307,7 +307,7 @@ class FastPath:
             return here()
         begin_s = time.perf_counter() - began
         try:
-            reply = copier.copy(to_host, order, then_sleep=then_sleep)
+            reply = copier.copy(to_host, order, then_sleep=then_sleep, pin_rest_pause_ms=PIN_PAUSE_MS)
             log.debug(
                 "copier %s %.2f GiB: order %.0f ms here, then in the copier: import %.0f ms, "
                 "pinning %.2f GiB it had not reached %.0f ms, copies %.0f ms (%.0f ms with the exchange)",

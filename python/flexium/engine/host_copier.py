@@ -193,9 +193,12 @@ class Copier:
             return {}
         return self._exchange(message, timeout=START_TIMEOUT_S + bytes_to_pin / SLOWEST_BYTES_PER_S)
 
-    def copy(self, to_host: bool, order: "_C.HostOrder", *, then_sleep: bool = True) -> dict[str, Any]:
+    def copy(
+        self, to_host: bool, order: "_C.HostOrder", *, then_sleep: bool = True, pin_rest_pause_ms: int = 0
+    ) -> dict[str, Any]:
         """Runs one order; with `then_sleep` the copier goes to sleep right after it (its reply read
-        by slept()), else it stays awake with the staging pinned (kept for the next pause)."""
+        by slept()), else it stays awake with the staging pinned (kept for the next pause), and
+        pins in the background what the copies did not use, `pin_rest_pause_ms` between chunks."""
         segments = order.segments
         message = {
             "op": "copy",
@@ -203,6 +206,7 @@ class Copier:
             "sizes": [size for _fd, size in segments],
             "pieces": [as_row(piece, PIECE_FIELDS) for piece in order.pieces],
             "then_sleep": then_sleep,
+            "pin_rest_pause_ms": None if then_sleep else pin_rest_pause_ms,
         }
         reply = self._exchange(
             message, [fd for fd, _size in segments], timeout=START_TIMEOUT_S + 2 * order.bytes / SLOWEST_BYTES_PER_S

@@ -4,9 +4,10 @@ given, one request at a time, until the job says quit or goes away.
     python -m flexium.engine.host_copier_process --socket FD
 
 Requests: hello (loads the driver); attach (the staging's extents as fds, sizes, chunks); extend
-(the extents and chunks the job added to its staging since); wake
-(uuid, wait, pause_ms); copy (to_host, the segments as fds, sizes, pieces, then_sleep: a second
-reply follows once asleep); sleep; detach (unmaps the staging); quit. Each gets {"ok": true, ...}
+(the extents and chunks the job added to its staging since); wake (uuid, wait, pause_ms); copy
+(to_host, the segments as fds, sizes, pieces, then_sleep: a second reply follows once asleep;
+pin_rest_pause_ms: then pins the chunks the copies did not use); sleep; detach (unmaps the
+staging); quit. Each gets {"ok": true, ...}
 or {"ok": false, "error": "..."}. Only flexium._C is loaded: no torch.
 """
 
@@ -98,7 +99,10 @@ class Server:
                 raise ValueError(f"copy sent {len(fds)} fds for {len(sizes)} segments")
             pieces = [_C.CopierPiece(**dict(zip(PIECE_FIELDS, row, strict=True))) for row in message["pieces"]]
             copied = copier.copy(bool(message["to_host"]), list(zip(fds, sizes, strict=True)), pieces)
-            return {"bytes": copied, **copier.last_copy_times}
+            times = copier.last_copy_times  # before the pinner runs again
+            if message.get("pin_rest_pause_ms") is not None:
+                copier.pin_rest(int(message["pin_rest_pause_ms"]))
+            return {"bytes": copied, **times}
         if op == "sleep":
             return self.sleep()
         raise ValueError(f"unknown request {op!r}")
