@@ -539,6 +539,31 @@ def test_memory_on_two_devices_takes_the_driver_path(job: Job) -> None:
     assert_reachable_from_both(fake)
 
 
+def test_a_job_on_two_gpus_resumes_where_each_gpu_has_room_for_its_share(job: Job) -> None:
+    """A process on two GPUs that holds 100 GiB on each comes back to them: each GPU needs its
+    own share, not the 200 GiB of both. A GPU that filled up meanwhile keeps it paused, named."""
+    fake = job.fake
+    job.segments([2 * MiB], device=0)
+    job.segments([2 * MiB], device=1)
+    engine = job.engine()
+    job.train()
+    share = 100 * (1 << 30)
+    fake.set_process_memory(0, share)
+    fake.set_process_memory(1, share)
+    assert engine.pause().ok
+    fake.set_other_memory(1, H200_BYTES - share)  # another job took GPU 1 meanwhile
+    with pytest.raises(TargetRefusedError, match=r"^cuda:1 has .* free; the paused job held 100\.00 GiB there"):
+        engine.resume()
+    assert engine.state == EngineState.PAUSED
+    fake.set_other_memory(1, 0)
+    resumed = engine.resume()
+    assert resumed.ok and resumed.path == "driver" and fake.placement() == [0, 1]
+    job.assert_contents()
+    assert_reachable_from_both(fake)
+    fake.set_process_memory(0, 0)
+    fake.set_process_memory(1, 0)
+
+
 def assert_reachable_from_both(fake: FakeDriver) -> None:
     """A process using two GPUs copies between their memory (DataParallel's scatter and gather)."""
     on = {s.device: s.address for s in _C.vmm_segments()}

@@ -494,31 +494,45 @@ class Engine:
         return ()
 
     def _check_resume_target(self, source: GpuIdentity, dest: GpuIdentity, *, in_place: bool) -> None:
-        """Same model, and room for what the job held when it was paused (a paused job holds
-        nothing on any GPU, so the free memory NVML reports is what it can have)."""
+        """Same model, and room on every GPU the resume puts the job's memory on for what it held
+        when it was paused (a paused job holds nothing on any GPU, so the free memory NVML reports
+        is what it can have). A process on several GPUs needs each GPU's share on the GPU where
+        the restore puts it; back where it was, a share needs no headroom (a job that filled its
+        GPU comes back to it)."""
         if dest.name != source.name:
             raise TargetRefusedError(
                 f"{dest.device} is a {dest.name}, the job was paused on a {source.name}: resume needs the same model"
             )
-        host = nvml.gpu_by_uuid(dest.uuid)
-        needed = self._ctx.paused_bytes
-        # Back where it was, the job fits in what it held there: no headroom asked of a job that filled its GPU.
-        margin = 0 if in_place else self.memory_margin_bytes
-        if host is None or host.memory_free >= needed + margin:
-            return
-        if not in_place:
-            advice = "free memory there or choose another GPU"
-        elif self.capabilities.migration:
-            advice = (
-                "free memory there, or resume it with a target, e.g. from the dashboard or `flexium resume JOB cuda:N`"
+        goes_to = dict(self._plan(dest).pairs)  # empty in place: every GPU maps to itself
+        held = self._ctx.paused_by_gpu or {source.uuid: self._ctx.paused_bytes}
+        for old_uuid, needed in held.items():
+            uuid = goes_to.get(old_uuid, old_uuid)
+            host = nvml.gpu_by_uuid(uuid)
+            margin = 0 if uuid == old_uuid else self.memory_margin_bytes
+            if needed == 0 or host is None or host.memory_free >= needed + margin:
+                continue
+            if uuid != dest.uuid:
+                gpu = next((g for g in self.gpus if g.uuid == uuid), None)
+                name = gpu.device if gpu is not None else uuid
+                raise TargetRefusedError(
+                    f"{name} has {_gib(host.memory_free)} free; the paused job held {_gib(needed)} there"
+                    f"{f' plus {_gib(margin)} headroom' if margin else ''} (it uses several GPUs): it stays paused; "
+                    "free memory there"
+                )
+            if not in_place:
+                advice = "free memory there or choose another GPU"
+            elif self.capabilities.migration:
+                advice = (
+                    "free memory there, or resume it with a target, e.g. from the dashboard or "
+                    "`flexium resume JOB cuda:N`"
+                )
+            else:
+                advice = "free memory there (this machine cannot resume it on another GPU)"
+            headroom = f" plus {_gib(margin)} headroom" if margin else ""
+            raise TargetRefusedError(
+                f"{dest.device} has {_gib(host.memory_free)} free; the paused job needs {_gib(needed)}{headroom}: "
+                f"it stays paused; {advice}"
             )
-        else:
-            advice = "free memory there (this machine cannot resume it on another GPU)"
-        headroom = f" plus {_gib(margin)} headroom" if margin else ""
-        raise TargetRefusedError(
-            f"{dest.device} has {_gib(host.memory_free)} free; the paused job needs {_gib(needed)}{headroom}: "
-            f"it stays paused; {advice}"
-        )
 
     # ---- bookkeeping -----------------------------------------------------------------------
 

@@ -37,7 +37,11 @@ class OperationContext:
         self.safe_points = safe_points
         self.fast = fast
         self.lock_timeout_ms = lock_timeout_ms
-        self.paused_bytes = 0  # what the job held on its GPU when it was paused
+        self.paused_bytes = 0  # what the job held on its GPUs when it was paused
+        # The same by GPU UUID (a process may use several), and what it held at its last
+        # operation's prepare; empty where NVML cannot see processes.
+        self.paused_by_gpu: dict[str, int] = {}
+        self.held_by_gpu: dict[str, int] = {}
         self._state = EngineState.RUNNING
         self._state_lock = threading.Lock()
         self._listeners: list[StateListener] = []
@@ -69,11 +73,14 @@ class OperationContext:
         process is frozen it holds nothing on any GPU, and asking torch would block."""
         if nvml.is_frozen():
             return 0
-        total = 0
-        seen = False
+        by_gpu = self.process_bytes_by_gpu()
+        return sum(by_gpu.values()) if by_gpu else torch_bridge.reserved_bytes()
+
+    def process_bytes_by_gpu(self) -> dict[str, int]:
+        """What this process holds on each GPU where NVML sees it, by UUID."""
+        held = {}
         for gpu in nvml.host_gpus():
             used = gpu.used_by(self.pid)
             if used is not None:
-                total += used
-                seen = True
-        return total if seen else torch_bridge.reserved_bytes()
+                held[gpu.uuid] = used
+        return held

@@ -26,6 +26,7 @@ def pause_by_driver(
     succeeded = final == _C.ProcessState.CHECKPOINTED and not any(o.code for o in outcomes)
     if succeeded:
         ctx.paused_bytes = moved
+        ctx.paused_by_gpu = dict(ctx.held_by_gpu)
     draft = ResultDraft(
         OperationKind.PAUSE,
         "driver",

@@ -65,6 +65,7 @@ def pause_fast(ctx: OperationContext, fast: FastPath, source: GpuIdentity, notes
     if final == _C.ProcessState.CHECKPOINTED and not any(o.code for o in outcomes):
         draft.steps.append(fast.copier_asleep())
         ctx.paused_bytes = moved
+        ctx.paused_by_gpu = dict(ctx.held_by_gpu)
         ctx.set_state(EngineState.PAUSED)
         return draft.build(ok=True, notes=copier_notes(fast))
     failure = first_failure(outcomes)

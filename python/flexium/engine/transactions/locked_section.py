@@ -29,7 +29,8 @@ def prepare(ctx: OperationContext, kind: OperationKind) -> tuple[StepTiming, int
     try:
         torch_bridge.synchronize()
         torch_bridge.release_cached_memory()
-        moved = ctx.process_bytes()
+        ctx.held_by_gpu = ctx.process_bytes_by_gpu()
+        moved = sum(ctx.held_by_gpu.values()) if ctx.held_by_gpu else ctx.process_bytes()
     except Exception as exc:
         ctx.set_state(EngineState.RUNNING)
         raise OperationFailedError(
