@@ -205,6 +205,11 @@ class GpuReport(WireIn):
     name: ShortText = Field(default="", description="model, e.g. 'NVIDIA H200'")
     memory_total: Bytes = 0
     memory_used: Bytes = Field(default=0, description="everything on it, ours and others'")
+    process_bytes: Optional[Bytes] = Field(
+        default=None,
+        description="what the reporting process holds on it (NVML); none when NVML cannot say (a process may use "
+        "several GPUs)",
+    )
     utilization: Optional[Annotated[int, Field(ge=0, le=100)]] = None
     temperature: Optional[Annotated[int, Field(ge=-100, le=300)]] = None
     health: ShortText = Field(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from srv_helpers import GIB, Api
+from srv_helpers import GIB, Api, gpu
 
 
 def _card(page: str, uuid: str) -> str:
@@ -53,3 +53,21 @@ def test_a_paused_job_is_on_no_gpu_card_but_still_in_the_table(api: Api) -> None
         assert 'class="gpu-jobs"' not in _card(page, "GPU-0001")  # no empty "jobs:" line either
     row = re.search(r'<tr id="proc-gpu-held" class="proc".*?</tr>', main, re.S)
     assert row and 'data-state="PAUSED"' in row.group(0) and "PAUSED" in row.group(0)
+
+
+def test_a_job_on_two_gpus_is_on_both_cards_with_what_it_holds_on_each(api: Api) -> None:
+    """One process on GPUs 0 and 1 (DataParallel, a model split over devices): its client says
+    what it holds on each (process_bytes); an older client's memory all counts on its own GPU."""
+    devices = [gpu(0, used=30 * GIB), gpu(1, used=20 * GIB), gpu(2), gpu(3)]
+    devices[0]["process_bytes"], devices[1]["process_bytes"] = 30 * GIB, 20 * GIB
+    api.register("two-gpus", gpu_index=0, memory=50 * GIB, devices=devices)
+    api.register("older", host="node2", gpu_index=1, memory=8 * GIB)  # no process_bytes
+    hosts = {h["host"]: {d["uuid"]: d for d in h["devices"]} for h in api.get("/devices").json()["hosts"]}
+    on = hosts["node1"]
+    assert on["GPU-0000"]["processes"] == ["two-gpus"] and on["GPU-0000"]["memory_flexium"] == 30 * GIB
+    assert on["GPU-0001"]["processes"] == ["two-gpus"] and on["GPU-0001"]["memory_flexium"] == 20 * GIB
+    assert on["GPU-0001"]["memory_other"] == 0  # its memory there is not "other processes"
+    assert hosts["node2"]["GPU-0001"]["processes"] == ["older"]
+    assert hosts["node2"]["GPU-0001"]["memory_flexium"] == 8 * GIB
+    [cards] = api.pages("/ui/devices")
+    assert "two-gpus" in _card(cards, "GPU-0001")

@@ -11,7 +11,7 @@ from sqlalchemy import select, text
 from sqlalchemy.exc import IntegrityError
 
 from flexium import wire
-from flexium.server import errors, storage
+from flexium.server import errors, models, storage
 from flexium.server.db import Database
 from flexium.server.settings import normalize_database_url
 from srv_helpers import GIB, columns, gpu, migrate_to, process_body, register
@@ -66,7 +66,7 @@ def test_upgrade_is_idempotent(db: Database) -> None:
     db.upgrade()
     db.upgrade()
     with db.session(write=False) as s:
-        assert s.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0007"
+        assert s.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0008"
 
 
 def test_schema_newer_than_code_is_refused(db: Database) -> None:
@@ -899,3 +899,39 @@ def test_a_server_address_whose_port_is_not_ascii_digits_is_refused() -> None:
     assert (
         protocol.ascii_number("42") == 42 and protocol.ascii_number("²") is None and protocol.ascii_number("١") is None
     )
+
+
+def test_a_job_on_two_gpus_needs_room_for_the_share_that_moves(db: Database) -> None:
+    """A process holding 100 GiB on each of GPUs 0 and 1: a migration moves its own device's
+    share; onto GPU 1 (its other one) the restore swaps the two shares. Checked against its whole
+    200 GiB, no 140 GiB GPU could take it. One process per host: one command each."""
+    ws, _ = _workspace(db)
+    for host in ("n1", "n2", "n3"):
+        devices = [gpu(0, used=100 * GIB), gpu(1, used=100 * GIB), gpu(2, used=20 * GIB), gpu(3, used=60 * GIB)]
+        devices[0]["process_bytes"], devices[1]["process_bytes"] = 100 * GIB, 100 * GIB
+        _register(db, ws, f"dp-{host}", host=host, memory=200 * GIB, devices=devices)
+    assert _command(db, ws, "migrate", "dp-n1", target=1).target_uuid == "GPU-0001"  # a swap
+    assert _command(db, ws, "migrate", "dp-n2", target=2).target_uuid == "GPU-0002"
+    with pytest.raises(errors.TargetRefused, match="80.0 GiB free, the job needs 100.0 GiB"):
+        _command(db, ws, "migrate", "dp-n3", target=3)
+
+
+def test_0008_goes_back_to_0007_keeping_processes_and_their_commands(db: Database) -> None:
+    from alembic import command
+
+    ws, _ = _workspace(db)
+    devices = [gpu(0, used=3 * GIB), gpu(1, used=2 * GIB)]
+    devices[0]["process_bytes"], devices[1]["process_bytes"] = 3 * GIB, 2 * GIB
+    _register(db, ws, "dp", memory=5 * GIB, devices=devices)
+    _command(db, ws, "pause", "dp")
+    migrate_to(db, command.downgrade, "0007")
+    assert "gpu_bytes" not in columns(db, "processes")
+    with db.session(write=False) as s:
+        assert s.execute(text("SELECT count(*) FROM commands")).scalar() == 1
+        assert s.execute(text("SELECT process_id FROM processes")).scalar() == "dp"
+    db.upgrade()
+    assert "gpu_bytes" in columns(db, "processes")
+    _register(db, ws, "dp", memory=5 * GIB, devices=devices)
+    with db.session(write=False) as s:
+        stored = s.scalar(select(models.Process.gpu_bytes))
+    assert stored == {"GPU-0000": 3 * GIB, "GPU-0001": 2 * GIB}

@@ -38,6 +38,17 @@ def test_gpu_health_is_reported_as_nvml_says() -> None:
     ]
 
 
+def test_each_gpu_says_what_the_reporting_process_holds_on_it() -> None:
+    """A process may use several GPUs: the server counts its memory on each (and none where
+    NVML does not list it)."""
+    from flexium.engine.nvml import GpuProcess
+
+    on_two = [replace(_gpu("ok"), uuid=f"GPU-{i}", processes=(GpuProcess(pid=7, used_bytes=5 * i),)) for i in (1, 2)]
+    elsewhere = replace(_gpu("ok"), uuid="GPU-3", processes=(GpuProcess(pid=8, used_bytes=4),))
+    assert [r.process_bytes for r in gpu_reports([*on_two, elsewhere], pid=7)] == [5, 10, None]
+    assert [r.process_bytes for r in gpu_reports(on_two)] == [None, None]
+
+
 def test_a_failed_engine_is_reported_as_failed() -> None:
     from types import SimpleNamespace
 

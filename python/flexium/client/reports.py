@@ -91,7 +91,8 @@ def visible_gpus(engine: EngineControl) -> list[str]:
     return [gpu.uuid for gpu in sorted(engine.gpus, key=lambda gpu: gpu.ordinal)]
 
 
-def gpu_reports(gpus: list[nvml.HostGpu]) -> list[wire.GpuReport]:
+def gpu_reports(gpus: list[nvml.HostGpu], pid: Optional[int] = None) -> list[wire.GpuReport]:
+    """Every GPU of the host; with `pid`, what that process holds on each."""
     reports: list[wire.GpuReport] = []
     for gpu in gpus[: protocol.MAX_DEVICES]:
         utilization = gpu.utilization_percent
@@ -106,6 +107,7 @@ def gpu_reports(gpus: list[nvml.HostGpu]) -> list[wire.GpuReport]:
                 temperature=None if gpu.temperature_c is None else int(gpu.temperature_c),
                 # What NVML says, "unknown" included: the server refuses only a known-bad health.
                 health=_short(gpu.health),
+                process_bytes=None if pid is None else gpu.used_by(pid),
             )
         )
     return reports
@@ -250,7 +252,7 @@ class ProcessReporter:
             cmdline=_short(
                 " ".join(shlex.quote(a) for a in getattr(sys, "orig_argv", sys.argv)), protocol.MAX_LONG_TEXT
             ),
-            devices=gpu_reports(gpus),
+            devices=gpu_reports(gpus, self.pid),
             seq=seq,
             job=job_membership(),
             **self._progress(),
@@ -262,7 +264,7 @@ class ProcessReporter:
         body = wire.HeartbeatRequest(
             state=self.state(),
             memory_bytes=memory,
-            devices=gpu_reports(gpus),
+            devices=gpu_reports(gpus, self.pid),
             seq=seq,
             **_stated(self.placement()),
             **self._progress(),

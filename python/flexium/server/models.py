@@ -120,6 +120,9 @@ class Process(Base):
     flexium_version: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT), default="")
     capabilities: Mapped[Any] = mapped_column(JsonType, default=dict)
     memory_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
+    # What it held on each GPU (UUID -> bytes) when it last held anything, from its device
+    # reports: a process may use several GPUs. None from a client that does not say.
+    gpu_bytes: Mapped[Optional[Any]] = mapped_column(JsonType, nullable=True)
     footprint_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     state: Mapped[str] = mapped_column(String(16))
     started_at: Mapped[Optional[float]] = mapped_column(Double, nullable=True)

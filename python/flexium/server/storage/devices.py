@@ -81,15 +81,15 @@ def list_devices(
     cutoff = now - stale_after
     on_gpu: dict[tuple[str, str], tuple[int, list[str]]] = {}
     for proc in session.execute(
-        select(Process.process_id, Process.host, Process.gpu_uuid, Process.memory_bytes, Process.state).where(
-            Process.workspace_id == workspace_id, Process.last_seen >= cutoff, Process.gpu_uuid.is_not(None)
-        )
+        select(
+            Process.process_id, Process.host, Process.gpu_uuid, Process.memory_bytes, Process.gpu_bytes, Process.state
+        ).where(Process.workspace_id == workspace_id, Process.last_seen >= cutoff, Process.gpu_uuid.is_not(None))
     ):
         if proc.state == "PAUSED":  # gpu_uuid is where it paused from: it holds nothing there
             continue
-        key = (proc.host, proc.gpu_uuid)
-        used, names = on_gpu.get(key, (0, []))
-        on_gpu[key] = (used + proc.memory_bytes, names + [proc.process_id])
+        for uuid, held in held_by_gpu(proc.gpu_uuid, proc.memory_bytes, proc.gpu_bytes).items():
+            used, names = on_gpu.get((proc.host, uuid), (0, []))
+            on_gpu[(proc.host, uuid)] = (used + held, names + [proc.process_id])
     hosts: dict[str, wire.HostInfo] = {}
     for row in rows:
         entry = hosts.setdefault(
@@ -100,6 +100,14 @@ def list_devices(
         used, names = on_gpu.get((row.host, row.uuid), (0, []))
         entry.devices.append(device_view(row, flexium_bytes=used, processes=names))
     return wire.DevicesResponse(hosts=list(hosts.values()))
+
+
+def held_by_gpu(gpu_uuid: Optional[str], memory_bytes: int, gpu_bytes: Optional[dict[str, int]]) -> dict[str, int]:
+    """What a process holds on each GPU: its own report by GPU, else (an older client, or a
+    report from before it moved off those GPUs) all of its memory on the GPU it is on."""
+    if gpu_bytes and gpu_uuid in gpu_bytes:
+        return {str(uuid): int(held) for uuid, held in gpu_bytes.items()}
+    return {gpu_uuid: memory_bytes} if gpu_uuid else {}
 
 
 def host_devices(*, session: Session, workspace_id: int, host: str) -> dict[str, Device]:

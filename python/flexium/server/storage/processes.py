@@ -226,12 +226,21 @@ def register_process_snapshot(
     row.last_seen = now
     row.state_seq = report.seq
     _apply_footprint(row, footprint=report.footprint_bytes)
+    _apply_held_by_gpu(row, report.devices)
     session.flush()
     if report.devices:
         upsert_devices(session=session, workspace_id=workspace_id, host=row.host, devices=report.devices, now=now)
     active = None if created else active_command(session=session, process_pk=row.pk)
     shown = shown_process(session=session, row=row, now=now, stale_after=stale_after, active=active)
     return shown, created, ProcessSnapshot.of(row)
+
+
+def _apply_held_by_gpu(row: Process, devices: list[wire.GpuReport]) -> None:
+    """What the process holds on each GPU, from a device report that says (an older client sends
+    no process_bytes); kept while it holds nothing (paused: it comes back to those GPUs)."""
+    held = {report.uuid: report.process_bytes for report in devices if report.process_bytes}
+    if held:
+        row.gpu_bytes = held
 
 
 def _set_job(row: Process, job: Optional[wire.JobMembership]) -> None:
@@ -295,6 +304,7 @@ def heartbeat(
     _apply_footprint(row, footprint=report.footprint_bytes)
     row.last_seen = now
     if write_devices and report.devices:
+        _apply_held_by_gpu(row, report.devices)
         upsert_devices(session=session, workspace_id=workspace_id, host=row.host, devices=report.devices, now=now)
     pending = session.scalar(
         select(Command.id)

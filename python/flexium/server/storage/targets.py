@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 from flexium import protocol
 from flexium.server.errors import CapabilityMissing, InvalidRequest, TargetRefused
 from flexium.server.models import Device, Process
-from flexium.server.storage.devices import find_device_hosts, host_devices
+from flexium.server.storage.devices import find_device_hosts, held_by_gpu, host_devices
 from flexium.server.storage.views import stored_capabilities
 
 _GIB = float(1 << 30)
@@ -110,7 +110,14 @@ def target_refusal(
         return f"health: {dev.health}"
     if dev.updated_at < now - stale_after:
         return "no fresh report from its host"
-    need = max(proc.footprint_bytes, proc.memory_bytes)
+    held = held_by_gpu(proc.gpu_uuid, proc.memory_bytes, proc.gpu_bytes)
+    if len(held) > 1 and proc.gpu_uuid is not None:
+        # A process on several GPUs: only its own device's share moves, and a share of its
+        # that is on the target now moves off it (the restore swaps them).
+        need = held[proc.gpu_uuid]
+        freed += held.get(dev.uuid, 0) if proc.state != "PAUSED" else 0
+    else:
+        need = max(proc.footprint_bytes, proc.memory_bytes)
     free = max(0, dev.memory_total - dev.memory_used + freed)
     if free < need:
         return f"{_gib(free)} free, the job needs {_gib(need)}"
