@@ -103,9 +103,10 @@ def list_devices(
 
 
 def held_by_gpu(gpu_uuid: Optional[str], memory_bytes: int, gpu_bytes: Optional[dict[str, int]]) -> dict[str, int]:
-    """What a process holds on each GPU: its own report by GPU, else (an older client, or a
-    report from before it moved off those GPUs) all of its memory on the GPU it is on."""
-    if gpu_bytes and gpu_uuid in gpu_bytes:
+    """What a process holds on each GPU: for a process on several, its own report by GPU; else
+    (one GPU, an older client, a report from before it moved off those GPUs) all of its memory,
+    as of its last heartbeat, on the GPU it is on."""
+    if gpu_bytes and len(gpu_bytes) > 1 and gpu_uuid in gpu_bytes:
         return {str(uuid): int(held) for uuid, held in gpu_bytes.items()}
     return {gpu_uuid: memory_bytes} if gpu_uuid else {}
 
