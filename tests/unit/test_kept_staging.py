@@ -127,7 +127,11 @@ def test_a_resumed_job_keeps_its_staging_pinned_for_the_next_pause(job: Job, bud
     again = engine.pause()
     assert again.ok and again.path == "fast"
     assert again.notes[0].startswith("pinned 0.01 GiB of host staging by the copier process")
-    assert "(0.00 GiB of it newly mapped and touched, 0.00 GiB newly pinned)" in again.notes[0]
+    assert re.search(
+        r"\(0\.00 GiB of it newly mapped and touched, 0\.00 GiB newly pinned; "
+        r"files \d+\.\d\d s, touching \d+\.\d\d s, pinning \d+\.\d\d s\)$",
+        again.notes[0],
+    ), again.notes[0]
     assert _C.gpu_memory_yielder() == 0  # asleep while the job is paused: nothing of it on any GPU
     assert engine.resume().ok
     job.assert_home(physical=0)
@@ -163,7 +167,7 @@ def test_the_keeper_prepares_the_first_pause_ahead(job: Job, budget: Callable[[s
     assert job.fast is not None and job.fast.keeping
     assert _C.host_staging_pool_bytes() == 14 * MiB and ledger()[os.getpid()]["gpu"] == engine.gpus[0].uuid
     paused = engine.pause()
-    assert paused.ok and "(0.00 GiB of it newly mapped and touched, 0.00 GiB newly pinned)" in paused.notes[0]
+    assert paused.ok and "(0.00 GiB of it newly mapped and touched, 0.00 GiB newly pinned; " in paused.notes[0]
     assert engine.resume().ok
     job.assert_home(physical=0)
 
@@ -182,7 +186,7 @@ def test_a_pause_that_does_not_fit_the_budget_prepares_its_own_and_gives_it_back
     )
     assert _C.host_staging_pool_bytes() == 0 and ledger() == {}
     paused = engine.pause()
-    assert paused.ok and "(0.01 GiB of it newly mapped and touched, 0.01 GiB newly pinned)" in paused.notes[0]
+    assert paused.ok and "(0.01 GiB of it newly mapped and touched, 0.01 GiB newly pinned; " in paused.notes[0]
     assert engine.resume().ok
     wait_until(lambda: _C.host_staging_pool_bytes() == 0, what="the staging to be given back")
     assert ledger() == {} and job.fast is not None and not job.fast.keeping

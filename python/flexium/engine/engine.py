@@ -429,10 +429,11 @@ class Engine:
             ) from exc
         if reserved.pinned == 0:
             return ()
+        phases = f"; {reserved.phases}" if reserved.phases else ""
         return (
             f"pinned {_gib(reserved.pinned)} of host staging {reserved.where} in {reserved.seconds:.2f} s before "
             f"the safe point ({_gib(to_map)} of it newly mapped and touched, {_gib(reserved.newly_pinned)} newly "
-            "pinned)",
+            f"pinned{phases})",
         )
 
     def _check_host_room(self, needed: int, *, fast: bool) -> None:
