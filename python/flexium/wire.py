@@ -392,6 +392,11 @@ class ProcessInfo(WireOut):
     gpu_uuid: Optional[str] = Field(description="the GPU it is on, or paused from; None: no engine, no GPU of its own")
     gpu_model: str
     gpu_index: Optional[int] = Field(description="nvidia-smi index of gpu_uuid, from its host's device reports")
+    other_gpus: list[str] = Field(
+        default_factory=list,
+        description="the other GPUs it holds memory on, by UUID (one process on several GPUs: DataParallel, a model "
+        "split over devices); empty for a process on one GPU",
+    )
     logical_device: str
     physical_device: str = Field(
         description="gpu_uuid as the job numbers it, cuda_ordinal(visible_gpus, gpu_uuid); else logical_device"

@@ -71,3 +71,8 @@ def test_a_job_on_two_gpus_is_on_both_cards_with_what_it_holds_on_each(api: Api)
     assert hosts["node2"]["GPU-0001"]["memory_flexium"] == 8 * GIB
     [cards] = api.pages("/ui/devices")
     assert "two-gpus" in _card(cards, "GPU-0001")
+    assert api.get("/processes/two-gpus").json()["other_gpus"] == ["GPU-0001"]
+    assert api.get("/processes/older").json()["other_gpus"] == []
+    [main] = api.pages("/")
+    row = re.search(r'<tr id="proc-two-gpus" class="proc".*?</tr>', main, re.S)
+    assert row and re.search(r'class="gpu-ref also-gpu">\+ GPU 1<', row.group(0)), row.group(0) if row else main

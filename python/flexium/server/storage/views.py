@@ -9,6 +9,7 @@ from pydantic import ValidationError
 
 from flexium import protocol, wire
 from flexium.server.models import Command, Process
+from flexium.server.storage.devices import held_by_gpu
 
 log = logging.getLogger("flexium.server")
 
@@ -86,6 +87,7 @@ def process_view(
             "gpu_uuid": row.gpu_uuid,
             "gpu_model": row.gpu_model,
             "gpu_index": gpu_indexes.get(row.gpu_uuid) if row.gpu_uuid is not None else None,
+            "other_gpus": [u for u in held_by_gpu(row.gpu_uuid, row.memory_bytes, row.gpu_bytes) if u != row.gpu_uuid],
             "logical_device": row.logical_device,
             # No ordinal: the process has no engine (no GPU UUID), so what it trains on is its word.
             "physical_device": wire.cuda_ordinal(visible, row.gpu_uuid) or row.logical_device,
