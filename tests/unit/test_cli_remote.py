@@ -90,6 +90,18 @@ def test_ps_says_how_a_process_can_move(capabilities: dict[str, Any], moves: str
     assert remote._moves(wire.ProcessCapabilities.model_validate(capabilities)) == moves
 
 
+def test_ps_counts_the_other_gpus_of_a_process_on_several() -> None:
+    from types import SimpleNamespace
+
+    def cell(index: Any, others: list[str]) -> str:
+        return remote._gpu_cell(SimpleNamespace(gpu_index=index, gpu_model="NVIDIA H200", other_gpus=others))  # type: ignore[arg-type]
+
+    assert cell(0, []) == "0 NVIDIA H200"
+    assert cell(0, ["GPU-b"]) == "0 NVIDIA H200 (+1 GPU)"
+    assert cell(2, ["GPU-a", "GPU-b", "GPU-d"]) == "2 NVIDIA H200 (+3 GPUs)"
+    assert remote._gpu_cell(SimpleNamespace(gpu_index=None, gpu_model="", other_gpus=[])) == "-"  # type: ignore[arg-type]
+
+
 class NoProcess:
     def get_process(self, process_id: str) -> wire.ProcessInfo:
         raise ServerError("gone", code="not_found")

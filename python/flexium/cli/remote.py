@@ -220,11 +220,7 @@ def _ps(api: ApiClient, args: argparse.Namespace) -> int:
         device = p.logical_device or "-"
         if p.physical_device and p.physical_device != p.logical_device:
             device += f" (on {p.physical_device})"
-        gpu = (
-            "-"
-            if p.gpu_index is None and not p.gpu_model
-            else f"{'' if p.gpu_index is None else p.gpu_index} {p.gpu_model}".strip()
-        )
+        gpu = _gpu_cell(p)
         memory = _gib(p.memory_bytes)
         if p.state == "PAUSED" and p.footprint_bytes:
             memory += f" ({_gib(p.footprint_bytes)} paused)"
@@ -274,6 +270,15 @@ def _clip(text: str, width: int) -> str:
 def _short_key(key: str) -> str:
     """A job's key as a column shows it: enough to tell runs apart."""
     return key if len(key) <= KEY_WIDTH else key[: KEY_WIDTH - 1] + "~"
+
+
+def _gpu_cell(p: wire.ProcessInfo) -> str:
+    """Its GPU's index and model, and how many more GPUs it holds memory on."""
+    if p.gpu_index is None and not p.gpu_model:
+        return "-"
+    cell = f"{'' if p.gpu_index is None else p.gpu_index} {p.gpu_model}".strip()
+    more = len(p.other_gpus)
+    return f"{cell} (+{more} GPU{'s' if more > 1 else ''})" if more else cell
 
 
 def _moves(capabilities: wire.ProcessCapabilities) -> str:
