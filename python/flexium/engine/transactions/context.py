@@ -38,10 +38,8 @@ class OperationContext:
         self.fast = fast
         self.lock_timeout_ms = lock_timeout_ms
         self.paused_bytes = 0  # what the job held on its GPUs when it was paused
-        # The same by GPU UUID (a process may use several), and what it held at its last
-        # operation's prepare; empty where NVML cannot see processes.
+        # The same by GPU UUID (a process may use several); empty where NVML cannot see processes.
         self.paused_by_gpu: dict[str, int] = {}
-        self.held_by_gpu: dict[str, int] = {}
         self._state = EngineState.RUNNING
         self._state_lock = threading.Lock()
         self._listeners: list[StateListener] = []
@@ -68,19 +66,21 @@ class OperationContext:
         self._listeners.append(listener)
 
     def process_bytes(self) -> int:
-        """GPU memory this process holds on every GPU, from NVML; PyTorch's reserved bytes where
-        NVML cannot see processes (it then misses the context, a few hundred MiB). While the
-        process is frozen it holds nothing on any GPU, and asking torch would block."""
+        """GPU memory this process holds on every GPU (held_now); while the process is frozen it
+        holds nothing on any GPU, and asking torch would block."""
         if nvml.is_frozen():
             return 0
-        by_gpu = self.process_bytes_by_gpu()
-        return sum(by_gpu.values()) if by_gpu else torch_bridge.reserved_bytes()
+        return self.held_now()[0]
 
-    def process_bytes_by_gpu(self) -> dict[str, int]:
-        """What this process holds on each GPU where NVML sees it, by UUID."""
-        held = {}
+    def held_now(self) -> tuple[int, dict[str, int]]:
+        """What this process holds on every GPU, in all and by GPU UUID, from NVML; where NVML
+        cannot see processes, PyTorch's reserved bytes in all (it then misses the context, a few
+        hundred MiB; none while frozen) and nothing by GPU."""
+        by_gpu = {}
         for gpu in nvml.host_gpus():
             used = gpu.used_by(self.pid)
             if used is not None:
-                held[gpu.uuid] = used
-        return held
+                by_gpu[gpu.uuid] = used
+        if by_gpu:
+            return sum(by_gpu.values()), by_gpu
+        return (0 if nvml.is_frozen() else torch_bridge.reserved_bytes()), by_gpu

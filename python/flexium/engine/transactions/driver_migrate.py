@@ -22,7 +22,7 @@ def migrate_by_driver(
     source, dest = plan.move.source, plan.move.target
     owned = own_before_driver_checkpoint(ctx, OperationKind.MIGRATE, at_safe_point)
     ctx.set_state(EngineState.MIGRATING)
-    prepare, moved = locked_section.prepare(ctx, OperationKind.MIGRATE)
+    prepare, moved, _by_gpu = locked_section.prepare(ctx, OperationKind.MIGRATE)
     outcomes = locked_section.run(ctx, locked_section.migration_steps(ctx, plan))
     final = locked_section.process_state(ctx)
     restored = own_restore_succeeded(outcomes)

@@ -20,13 +20,13 @@ def pause_by_driver(
     started = time.perf_counter()
     owned = own_before_driver_checkpoint(ctx, OperationKind.PAUSE, at_safe_point)
     ctx.set_state(EngineState.PAUSING)
-    prepare, moved = locked_section.prepare(ctx, OperationKind.PAUSE)
+    prepare, moved, by_gpu = locked_section.prepare(ctx, OperationKind.PAUSE)
     outcomes = locked_section.run(ctx, locked_section.pause_steps(ctx))
     final = locked_section.process_state(ctx)
     succeeded = final == _C.ProcessState.CHECKPOINTED and not any(o.code for o in outcomes)
     if succeeded:
         ctx.paused_bytes = moved
-        ctx.paused_by_gpu = dict(ctx.held_by_gpu)
+        ctx.paused_by_gpu = by_gpu
     draft = ResultDraft(
         OperationKind.PAUSE,
         "driver",

@@ -23,7 +23,7 @@ def migrate_fast(ctx: OperationContext, fast: FastPath, plan: MovePlan, notes: t
     started = time.perf_counter()
     source, dest = plan.move.source, plan.move.target
     ctx.set_state(EngineState.MIGRATING)
-    prepare, moved = locked_section.prepare(ctx, OperationKind.MIGRATE)
+    prepare, moved, _by_gpu = locked_section.prepare(ctx, OperationKind.MIGRATE)
     target_ordinal = ctx.identity.logical_on(dest.uuid)
     assert target_ordinal is not None, f"{dest.uuid} has no ordinal in this process"
     draft = ResultDraft(

@@ -20,7 +20,7 @@ from flexium.engine.transactions.results import GIB, ResultDraft, copier_notes
 def pause_fast(ctx: OperationContext, fast: FastPath, source: GpuIdentity, notes: tuple[str, ...]) -> OperationResult:
     started = time.perf_counter()
     ctx.set_state(EngineState.PAUSING)
-    prepare, moved = locked_section.prepare(ctx, OperationKind.PAUSE)
+    prepare, moved, by_gpu = locked_section.prepare(ctx, OperationKind.PAUSE)
     draft = ResultDraft(
         OperationKind.PAUSE, "fast", ctx.logical_device, source, None, moved, started, notes, steps=[prepare]
     )
@@ -65,7 +65,7 @@ def pause_fast(ctx: OperationContext, fast: FastPath, source: GpuIdentity, notes
     if final == _C.ProcessState.CHECKPOINTED and not any(o.code for o in outcomes):
         draft.steps.append(fast.copier_asleep())
         ctx.paused_bytes = moved
-        ctx.paused_by_gpu = dict(ctx.held_by_gpu)
+        ctx.paused_by_gpu = by_gpu
         ctx.set_state(EngineState.PAUSED)
         return draft.build(ok=True, notes=copier_notes(fast))
     failure = first_failure(outcomes)

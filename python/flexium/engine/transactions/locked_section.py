@@ -21,23 +21,22 @@ PIN_WAIT_S = 10.0
 Steps = tuple[list[_C.Step], list[list[_C.Step]]]  # the steps and each one's rollback
 
 
-def prepare(ctx: OperationContext, kind: OperationKind) -> tuple[StepTiming, int]:
+def prepare(ctx: OperationContext, kind: OperationKind) -> tuple[StepTiming, int, dict[str, int]]:
     """Before the lock; a failure here (a sticky CUDA error surfacing in synchronize, NVML
     gone) touched nothing, so the job simply stays RUNNING. Returns the step and the bytes
-    the operation moves."""
+    the operation moves, in all and by GPU UUID (OperationContext.held_now)."""
     started = time.perf_counter()
     try:
         torch_bridge.synchronize()
         torch_bridge.release_cached_memory()
-        ctx.held_by_gpu = ctx.process_bytes_by_gpu()
-        moved = sum(ctx.held_by_gpu.values()) if ctx.held_by_gpu else ctx.process_bytes()
+        moved, by_gpu = ctx.held_now()
     except Exception as exc:
         ctx.set_state(EngineState.RUNNING)
         raise OperationFailedError(
             f"{kind.value} failed at step 'prepare' before anything was locked: {type(exc).__name__}: {exc}",
             step="prepare",
         ) from exc
-    return StepTiming("prepare", time.perf_counter() - started, ok=True), moved
+    return StepTiming("prepare", time.perf_counter() - started, ok=True), moved, by_gpu
 
 
 def restore_step(plan: MovePlan) -> _C.Step:
