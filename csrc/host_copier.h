@@ -50,12 +50,12 @@ class HostCopier {
   // Maps each extent (fd, size) shared; the fds stay the caller's.
   HostCopier(const std::vector<std::pair<int, std::size_t>> &extents, const std::vector<CopierChunk> &chunks);
   ~HostCopier();  // sleep(), quietly, then unmaps
+  HostCopier(const HostCopier &) = delete;
+  HostCopier &operator=(const HostCopier &) = delete;
 
   // Adds extents (fd, size) and chunks (whose extent indexes count the extents mapped before
   // first) to the staging grown by the job; the chunks pinned already stay pinned.
   void extend(const std::vector<std::pair<int, std::size_t>> &extents, const std::vector<CopierChunk> &chunks);
-  HostCopier(const HostCopier &) = delete;
-  HostCopier &operator=(const HostCopier &) = delete;
 
   // Takes the primary context of the GPU with `uuid` (unless it holds it already) and pins the
   // chunks not pinned yet, in order, in a thread of its own, `pause_ms` between chunks. With

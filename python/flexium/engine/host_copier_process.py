@@ -67,22 +67,15 @@ class Server:
             if not status.loaded or not status.vmm_api:
                 raise RuntimeError(f"the copier cannot use the driver: {status}")
             return {}
-        if op == "attach":
-            sizes = [int(s) for s in message["sizes"]]
-            if len(sizes) != len(fds):
-                raise ValueError(f"attach sent {len(fds)} fds for {len(sizes)} extents")
+        if op in ("attach", "extend"):
+            extents, chunks = with_sizes(op, message, fds, "extents"), staging_chunks(message)
+            if op == "extend":
+                self.require_attached(op).extend(extents, chunks)
+                return {}
             if self.copier is not None:
                 self.copier.sleep()
                 self.copier = None  # unmaps the old extents
-            chunks = [_C.CopierChunk(**dict(zip(CHUNK_FIELDS, row, strict=True))) for row in message["chunks"]]
-            self.copier = _C.HostCopier(list(zip(fds, sizes, strict=True)), chunks)
-            return {}
-        if op == "extend":
-            sizes = [int(s) for s in message["sizes"]]
-            if len(sizes) != len(fds):
-                raise ValueError(f"extend sent {len(fds)} fds for {len(sizes)} extents")
-            chunks = [_C.CopierChunk(**dict(zip(CHUNK_FIELDS, row, strict=True))) for row in message["chunks"]]
-            self.require_attached(op).extend(list(zip(fds, sizes, strict=True)), chunks)
+            self.copier = _C.HostCopier(extents, chunks)
             return {}
         if op == "detach":
             if self.copier is not None:
@@ -94,11 +87,9 @@ class Server:
             copier.wake(str(message["uuid"]), bool(message["wait"]), int(message.get("pause_ms", 0)))
             return {"pinned": copier.pinned_bytes, "newly_pinned": copier.pinned_since_wake}
         if op == "copy":
-            sizes = [int(s) for s in message["sizes"]]
-            if len(sizes) != len(fds):
-                raise ValueError(f"copy sent {len(fds)} fds for {len(sizes)} segments")
+            segments = with_sizes(op, message, fds, "segments")
             pieces = [_C.CopierPiece(**dict(zip(PIECE_FIELDS, row, strict=True))) for row in message["pieces"]]
-            copied = copier.copy(bool(message["to_host"]), list(zip(fds, sizes, strict=True)), pieces)
+            copied = copier.copy(bool(message["to_host"]), segments, pieces)
             times = copier.last_copy_times  # before the pinner runs again
             if message.get("pin_rest_pause_ms") is not None:
                 copier.pin_rest(int(message["pin_rest_pause_ms"]))
@@ -111,6 +102,18 @@ class Server:
         if self.copier is None:
             raise RuntimeError(f"'{op}' before 'attach': the copier has no staging")
         return self.copier
+
+
+def with_sizes(op: str, message: dict[str, Any], fds: list[int], what: str) -> list[tuple[int, int]]:
+    """The request's fds paired with its "sizes", one each."""
+    sizes = [int(s) for s in message["sizes"]]
+    if len(sizes) != len(fds):
+        raise ValueError(f"{op} sent {len(fds)} fds for {len(sizes)} {what}")
+    return list(zip(fds, sizes, strict=True))
+
+
+def staging_chunks(message: dict[str, Any]) -> list[_C.CopierChunk]:
+    return [_C.CopierChunk(**dict(zip(CHUNK_FIELDS, row, strict=True))) for row in message["chunks"]]
 
 
 def main(argv: Optional[list[str]] = None) -> int:
