@@ -77,6 +77,7 @@ COLUMNS = (
     "-step s",
     "free s",
     "staging",
+    "pinned GiB",
     "step ms",
     "op total s",
     "copy s",
@@ -458,6 +459,7 @@ def rows_of(size: float, run: JobRun) -> list[dict[str, Any]]:
                 "prep_median_step": timing.get("prep_median_step"),
                 "free": time_to_free(run.gpu_use, op.get("t0")) if op["op"] == "pause" else None,
                 "staging": staging_of(result) if op["op"] == "pause" and path == "fast" else None,
+                "newly_pinned": newly_pinned_of(result) if op["op"] == "pause" and path == "fast" else None,
                 "notes": result.get("notes", []),
             }
         )
@@ -465,12 +467,22 @@ def rows_of(size: float, run: JobRun) -> list[dict[str, Any]]:
 
 
 def staging_of(result: dict[str, Any]) -> str:
-    """Whether a fast pause found its staging kept from before or made it after the request."""
+    """Whether a fast pause found its staging kept from before or made it after the request (a
+    pause that found all of it kept and pinned has no note on it)."""
     for note in result.get("notes", []):
         match = re.search(r"\(([0-9.]+) GiB of it newly mapped", note)
         if match:
             return "kept" if float(match.group(1)) == 0 else "made"
-    return "-"
+    return "kept"
+
+
+def newly_pinned_of(result: dict[str, Any]) -> float:
+    """GiB of host staging a fast pause pinned between its request and its safe point."""
+    for note in result.get("notes", []):
+        match = re.search(r"([0-9.]+) GiB newly pinned", note)
+        if match:
+            return float(match.group(1))
+    return 0.0
 
 
 def add_ratios(
@@ -533,6 +545,7 @@ def table_row(row: dict[str, Any]) -> tuple[str, ...]:
         fmt(row["extra"]),
         fmt(row.get("free")),
         row.get("staging") or "-",
+        fmt(row.get("newly_pinned"), 2),
         ms(median),
         fmt(row["op_seconds"]),
         fmt(row["copy"]),
@@ -829,6 +842,10 @@ def main() -> int:
     print(
         "prep (pause rows): request -> the pause's start at the safe point (the fast path pins its host staging"
         " meanwhile); prep max / med step: the longest / median step that ended in that time (-: none did)."
+    )
+    print(
+        "staging (fast pause rows): made at the pause, or kept from an earlier one; pinned GiB: what the pause"
+        " pinned of it between its request and its safe point (kept staging is pinned ahead, so 0 is the aim)."
     )
     if not migrate:
         print(f"ONE GPU: {MIGRATE_NEEDS} (torch sees {gpus} GPU); pause and resume ran in place, no hand move.")
