@@ -29,6 +29,11 @@ Parts:
                 context on cuda:0, touches and pins SIZE GiB of memfd, then holds it: the job's
                 median and longest step before, while the keeper prepares, and while it holds;
                 the keeper's GPU memory (NVML).
+  beside:S      Why a pause prepared at its command is slower than pin:memfd8 here: SIZE GiB of
+                memfd8 touched and registered as the copier does (per 256 MiB, 2 ms between), a
+                fresh staging per load running beside it in other processes: none, nvml (NVML's
+                process list read every 5 ms, as bench/migrate.py does), train (a matmul loop on
+                cuda:0), both; and memfd16 (16 files and threads) with none.
   kill          A keeper holding 0.25 GiB pinned with its context on cuda:0, killed (SIGKILL):
                 when its /proc entry says zombie, when it can be reaped (waitpid), and when NVML
                 no longer shows its memory (read every millisecond): what the allocator, short of
@@ -109,7 +114,7 @@ class Staging:
         self.maps: list[tuple[int, int]] = []
         self.fds: list[int] = []
         self.chunks: list[tuple[int, int]] = []
-        files = TOUCH_THREADS if kind == "memfd8" else 1
+        files = {"memfd8": TOUCH_THREADS, "memfd16": 2 * TOUCH_THREADS}.get(kind, 1)
         per_file = round_up(-(-size // files), HUGE)
         for index in range(files):
             length = min(per_file, size - index * per_file)
@@ -239,6 +244,55 @@ def part_checkpoint(gib: float, result: dict[str, Any]) -> None:
     result["ok"] = True
 
 
+LOADS = {
+    "nvml": "import pynvml, time\npynvml.nvmlInit()\nh = pynvml.nvmlDeviceGetHandleByIndex(0)\n"
+    "print('running', flush=True)\nwhile True:\n    pynvml.nvmlDeviceGetComputeRunningProcesses(h)\n"
+    "    time.sleep(0.005)\n",
+    "train": "import torch\na = torch.randn(4096, 4096, device='cuda:0')\n(a @ a).sum().item()\n"
+    "print('running', flush=True)\nwhile True:\n    (a @ a).sum().item()\n",
+}
+
+
+def part_beside(gib: float, result: dict[str, Any]) -> None:
+    drv = Driver()
+    drv.primary_context(0)
+    libc = Libc()
+    size = round_up(int(gib * GIB), HUGE)
+
+    def register(a: int, n: int) -> None:
+        drv.call("cuMemHostRegister", a, n, CU_MEMHOSTREGISTER_PORTABLE)
+        time.sleep(0.002)
+
+    result["loads"] = {}
+    for kind, load in (
+        ("memfd8", "none"),
+        ("memfd16", "none"),
+        *(("memfd8", x) for x in ("nvml", "train", "nvml+train")),
+    ):
+        others = []
+        for name in load.split("+"):
+            if name in LOADS:
+                child = subprocess.Popen([sys.executable, "-c", LOADS[name]], stdout=subprocess.PIPE, text=True)
+                assert child.stdout is not None
+                child.stdout.readline()  # 'running'
+                others.append(child)
+        try:
+            staging = Staging(libc, kind, size)
+            touch_s = staging.touch()
+            register_s = timed_each(staging.chunks, register)
+            for a, _n in staging.chunks:
+                drv.call("cuMemHostUnregister", a)
+            staging.unmap()
+            for fd in staging.fds:
+                os.close(fd)
+        finally:
+            for child in others:
+                child.kill()
+                child.wait()
+        result["loads"][f"{kind} {load}"] = {"touch_gbps": gbps(size, touch_s), "pin_gbps": gbps(size, register_s)}
+    result["ok"] = True
+
+
 def keeper_main(gib: float) -> int:
     """The idle part's other process: a context on cuda:0, SIZE GiB of memfd touched and pinned,
     then held until stdin closes. Says 'preparing', 'holding' on stdout."""
@@ -355,6 +409,8 @@ def worker(part: str) -> int:
             part_checkpoint(float(arg), result)
         elif name == "idle":
             part_idle(float(arg), result)
+        elif name == "beside":
+            part_beside(float(arg), result)
         elif name == "kill":
             part_kill(result)
         else:
@@ -383,7 +439,8 @@ def main() -> int:
     sizes = [float(s) for s in args.sizes.split(",") if s]
     print("host:", json.dumps(host_settings()), flush=True)
     parts = [f"pin:{kind}@{gib:g}" for gib in sizes for kind in KINDS]
-    parts += [f"checkpoint:{gib:g}" for gib in sizes] + [f"idle:{args.idle_gib:g}", "kill"]
+    parts += [f"checkpoint:{gib:g}" for gib in sizes] + [f"beside:{gib:g}" for gib in sizes]
+    parts += [f"idle:{args.idle_gib:g}", "kill"]
     only = {name.strip() for name in args.only.split(",") if name.strip()}
     parts = [p for p in parts if not only or p.partition(":")[0] in only]
     results = []
@@ -442,6 +499,11 @@ def main() -> int:
                 print(f"idle {r['part'][5:]} GiB {phase:9s}: median {median} ms, max {longest} ms")
             prepared, held = fmt(r.get("prepare_s"), 2), r.get("keeper_nvml_mib")
             print(f"keeper: prepared in {prepared} s, holds {held} MiB of GPU memory")
+    for r in results:
+        if r["part"].startswith("beside:") and r.get("ok"):
+            for load, rates in r["loads"].items():
+                touch, pin = fmt(rates.get("touch_gbps"), 1), fmt(rates.get("pin_gbps"), 1)
+                print(f"{r['part'][7:]} GiB {load:18s}: touch {touch} GB/s, pin {pin} GB/s")
     for r in results:
         if r["part"] == "kill" and r.get("ok"):
             zombie, reaped, freed = (fmt(r.get(k), 3) for k in ("zombie_s", "reaped_s", "freed_s"))
