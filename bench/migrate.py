@@ -94,6 +94,7 @@ COLUMNS = (
     "prep med step ms",
 )
 MIGRATE_NEEDS = "migrate rows need 2 GPUs and were not measured"
+JOB_LOGS: Optional[Path] = None  # --job-logs
 IN_PROCESS_PATH = "fast-here"  # fast pause / resume rows with FLEXIUM_HOST_COPIER=0
 
 
@@ -195,6 +196,9 @@ def run_job(
         run.seconds = time.perf_counter() - started
         err.seek(0)
         run.stderr = err.read().decode(errors="replace")
+    if JOB_LOGS is not None:
+        with JOB_LOGS.open("a") as logs:
+            logs.write(f"==== bench job {label}: exit {run.returncode}\n{run.stderr}\n")
     return run
 
 
@@ -722,7 +726,12 @@ def main() -> int:
         default=os.environ.get("FLEXIUM_TEST_NCCL_LIB"),
         help="for --job-sizes: a libnccl.so.2 with ncclCommSuspend to LD_PRELOAD (torch before 2.12)",
     )
+    parser.add_argument(
+        "--job-logs", type=Path, help="append each job's stderr here (its flexium log: FLEXIUM_LOG_LEVEL=DEBUG)"
+    )
     args = parser.parse_args()
+    global JOB_LOGS
+    JOB_LOGS = args.job_logs
     if args.repeat_pause < 1:
         parser.error(f"--repeat-pause must be at least 1 (one run: the pool job's own), not {args.repeat_pause}")
     sizes = [float(s) for s in args.sizes.split(",") if s.strip()]

@@ -71,7 +71,8 @@ fi
 if [ "$mode" != "--tests-only" ]; then
   echo "== benchmark: bench/migrate.py"
   # shellcheck disable=SC2086
-  python3 bench/migrate.py --sizes "${BENCH_SIZES:-2,16,64}" ${BENCH_ARGS:-} --json "$out/bench-migrate.json" 2>&1 | tee "$out/bench-migrate.txt"
+  python3 bench/migrate.py --sizes "${BENCH_SIZES:-2,16,64}" ${BENCH_ARGS:-} --json "$out/bench-migrate.json" \
+    --job-logs "$out/jobs.log" 2>&1 | tee "$out/bench-migrate.txt"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   echo "== benchmark: bench/nvml_read.py"
   timeout -k 10 120 python3 bench/nvml_read.py 2>&1 | tee -a "$out/bench-probes.txt"

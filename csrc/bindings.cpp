@@ -252,6 +252,7 @@ void bind_copier(py::module_ &m) {
       .def_property_readonly("awake", &HostCopier::awake)
       .def_property_readonly("pinned_bytes", &HostCopier::pinned_bytes)
       .def_property_readonly("pinned_since_wake", &HostCopier::pinned_since_wake)
+      .def_property_readonly("last_pinner", &HostCopier::last_pinner)
       .def_property_readonly("last_copy_times", [](const HostCopier &c) {
         const CopyTimes t = c.last_copy_times();
         return std::map<std::string, double>{{"import_s", t.import_s},

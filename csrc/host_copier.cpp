@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <stdexcept>
@@ -123,20 +124,36 @@ void HostCopier::start_pinner(int pause_ms) {
     pin_error_.clear();
   }
   pinner_ = std::thread([this, pause_ms] {
+    const auto started = std::chrono::steady_clock::now();
+    std::size_t chunks = 0, bytes = 0;
+    std::string ending = "all pinned";
     try {
       FLEXIUM_CU_CALL(require_vmm_driver(), cuCtxSetCurrent, context_);
-      for (std::size_t i = 0; i < chunks_.size() && !stop_; ++i) {
+      for (std::size_t i = 0; i < chunks_.size(); ++i) {
+        if (stop_) {
+          ending = "stopped";
+          break;
+        }
         {
           std::lock_guard<std::mutex> guard(mutex_);
           if (pinned_[i]) continue;
         }
         pin_chunk(i);
+        ++chunks;
+        bytes += chunks_[i].size;
         if (pause_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
       }
     } catch (const std::exception &e) {
       std::lock_guard<std::mutex> guard(mutex_);
       pin_error_ = e.what();
+      ending = std::string("failed: ") + e.what();
     }
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    char summary[160];
+    std::snprintf(summary, sizeof summary, "pinned %zu chunks (%.2f GiB) in %.2f s, ", chunks,
+                  static_cast<double>(bytes) / static_cast<double>(std::size_t{1} << 30), seconds);
+    std::lock_guard<std::mutex> guard(mutex_);
+    last_pinner_ = summary + ending;
   });
 }
 
@@ -268,6 +285,11 @@ void HostCopier::sleep() {
 std::size_t HostCopier::pinned_since_wake() const {
   std::lock_guard<std::mutex> guard(mutex_);
   return pinned_since_wake_;
+}
+
+std::string HostCopier::last_pinner() const {
+  std::lock_guard<std::mutex> guard(mutex_);
+  return last_pinner_;
 }
 
 std::size_t HostCopier::pinned_bytes() const {

@@ -78,6 +78,10 @@ class HostCopier {
   bool awake() const { return context_ != nullptr; }
   std::size_t pinned_bytes() const;
   std::size_t pinned_since_wake() const;  // by the last wake() and the copies after it
+  // How the last pinner thread (of wake() or pin_rest()) ended: what it pinned, in how long, and
+  // whether it finished, was stopped or failed; "" before the first. A failure in the background
+  // is reported here and by the next wake(wait=true), which pins again.
+  std::string last_pinner() const;
   CopyTimes last_copy_times() const { return times_; }
 
  private:
@@ -99,9 +103,10 @@ class HostCopier {
   CUstream stream_ = nullptr;
   std::thread pinner_;
   std::atomic<bool> stop_{false};
-  mutable std::mutex mutex_;  // pinned_, pinned_since_wake_ and pin_error_
+  mutable std::mutex mutex_;  // pinned_, pinned_since_wake_, pin_error_ and last_pinner_
   std::size_t pinned_since_wake_ = 0;
   std::string pin_error_;
+  std::string last_pinner_;
   CopyTimes times_;
 };
 

@@ -229,4 +229,6 @@ class HostCopier:
     @property
     def pinned_since_wake(self) -> int: ...
     @property
+    def last_pinner(self) -> str: ...  # how the last background pinning ended ("" before any)
+    @property
     def last_copy_times(self) -> dict[str, float]: ...  # import_s, pin_s, pinned_in_copy (bytes), copy_s

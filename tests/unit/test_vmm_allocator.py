@@ -12,6 +12,7 @@ import ctypes
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import textwrap
@@ -878,16 +879,22 @@ def test_after_a_copy_the_copier_pins_the_chunks_it_did_not_use(fake: FakeDriver
     contents = make_segments(allocator, [2 * MiB])
     _C.reserve_host_staging(6 * MiB, 0, chunk_bytes=2 * MiB, pin_here=False)  # 3 chunks, 1 used
     copier = copier_for_staging()
+    assert copier.last_pinner == ""
     copier.wake(fake.uuid(0), False, 200)  # pins one chunk, then waits: the copy stops it there
     order = _C.begin_stage_order()
     assert copier.copy(True, order.segments, order.pieces) == 2 * MiB
     _C.finish_host_order()
     assert copier.pinned_bytes == 2 * MiB
+    assert re.fullmatch(r"pinned 1 chunks \(0\.00 GiB\) in \d+\.\d\d s, stopped", copier.last_pinner)
     copier.pin_rest(0)
     deadline = time.monotonic() + 10
     while copier.pinned_bytes < 6 * MiB and time.monotonic() < deadline:
         time.sleep(0.01)
     assert copier.pinned_bytes == 6 * MiB
+    deadline = time.monotonic() + 10
+    while not copier.last_pinner.endswith("all pinned") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert re.fullmatch(r"pinned 2 chunks \(0\.00 GiB\) in \d+\.\d\d s, all pinned", copier.last_pinner)
     copier.sleep()
     with pytest.raises(RuntimeError, match="asleep"):
         copier.pin_rest(0)

@@ -248,6 +248,8 @@ class FastPath:
             mark = phase("touching", mark)
             reply = copier.wake(uuid, wait=True, pause_ms=PIN_PAUSE_MS, bytes_to_pin=wanted)
             phase("pinning", mark)
+            if reply.get("pinner_before"):
+                log.debug("copier: its background pinning before this one: %s", reply["pinner_before"])
             return Reserved(
                 int(reply.get("pinned", 0)),
                 int(reply.get("newly_pinned", 0)),

@@ -4,7 +4,8 @@ given, one request at a time, until the job says quit or goes away.
     python -m flexium.engine.host_copier_process --socket FD
 
 Requests: hello (loads the driver); attach (the staging's extents as fds, sizes, chunks); extend
-(the extents and chunks the job added to its staging since); wake (uuid, wait, pause_ms); copy
+(the extents and chunks the job added to its staging since); wake (uuid, wait, pause_ms; says how
+the background pinning before it ended); copy
 (to_host, the segments as fds, sizes, pieces, then_sleep: a second reply follows once asleep;
 pin_rest_pause_ms: then pins the chunks the copies did not use); sleep; detach (unmaps the
 staging); quit. Each gets {"ok": true, ...}
@@ -84,8 +85,9 @@ class Server:
             return {}
         copier = self.require_attached(op)
         if op == "wake":
+            before = copier.last_pinner  # the background pinning since the last wake, if any
             copier.wake(str(message["uuid"]), bool(message["wait"]), int(message.get("pause_ms", 0)))
-            return {"pinned": copier.pinned_bytes, "newly_pinned": copier.pinned_since_wake}
+            return {"pinned": copier.pinned_bytes, "newly_pinned": copier.pinned_since_wake, "pinner_before": before}
         if op == "copy":
             segments = with_sizes(op, message, fds, "segments")
             pieces = [_C.CopierPiece(**dict(zip(PIECE_FIELDS, row, strict=True))) for row in message["pieces"]]
