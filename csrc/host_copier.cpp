@@ -9,6 +9,7 @@
 #include <strings.h>
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <chrono>
 #include <cstdint>
@@ -91,7 +92,9 @@ HostCopier::~HostCopier() {
   for (const Extent &extent : extents_) ::munmap(extent.base, extent.size);
 }
 
-void HostCopier::wake(const std::string &uuid, bool wait, int pause_ms) {
+std::string HostCopier::wake(const std::string &uuid, bool wait, int pause_ms) {
+  stop_pinner();
+  const std::string before = last_pinner();
   const DriverTable &d = require_vmm_driver();
   const int ordinal = ordinal_of(uuid);
   if (context_ != nullptr && ordinal != ordinal_) sleep();
@@ -115,6 +118,7 @@ void HostCopier::wake(const std::string &uuid, bool wait, int pause_ms) {
     std::lock_guard<std::mutex> guard(mutex_);
     if (!pin_error_.empty()) throw std::runtime_error("pinning the host staging failed: " + pin_error_);
   }
+  return before;
 }
 
 void HostCopier::start_pinner(int pause_ms) {
@@ -126,6 +130,7 @@ void HostCopier::start_pinner(int pause_ms) {
   pinner_ = std::thread([this, pause_ms] {
     const auto started = std::chrono::steady_clock::now();
     std::size_t chunks = 0, bytes = 0;
+    double slowest = 0;
     std::string ending = "all pinned";
     try {
       FLEXIUM_CU_CALL(require_vmm_driver(), cuCtxSetCurrent, context_);
@@ -138,7 +143,10 @@ void HostCopier::start_pinner(int pause_ms) {
           std::lock_guard<std::mutex> guard(mutex_);
           if (pinned_[i]) continue;
         }
+        const auto pin_start = std::chrono::steady_clock::now();
         pin_chunk(i);
+        slowest =
+            std::max(slowest, std::chrono::duration<double>(std::chrono::steady_clock::now() - pin_start).count());
         ++chunks;
         bytes += chunks_[i].size;
         if (pause_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
@@ -149,9 +157,9 @@ void HostCopier::start_pinner(int pause_ms) {
       ending = std::string("failed: ") + e.what();
     }
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-    char summary[160];
-    std::snprintf(summary, sizeof summary, "pinned %zu chunks (%.2f GiB) in %.2f s, ", chunks,
-                  static_cast<double>(bytes) / static_cast<double>(std::size_t{1} << 30), seconds);
+    char summary[200];
+    std::snprintf(summary, sizeof summary, "pinned %zu chunks (%.2f GiB) in %.2f s (the slowest %.0f ms), ", chunks,
+                  static_cast<double>(bytes) / static_cast<double>(std::size_t{1} << 30), seconds, slowest * 1e3);
     std::lock_guard<std::mutex> guard(mutex_);
     last_pinner_ = summary + ending;
   });

@@ -59,8 +59,9 @@ class HostCopier {
 
   // Takes the primary context of the GPU with `uuid` (unless it holds it already) and pins the
   // chunks not pinned yet, in order, in a thread of its own, `pause_ms` between chunks. With
-  // `wait`, returns once all are pinned (and throws if pinning failed).
-  void wake(const std::string &uuid, bool wait, int pause_ms);
+  // `wait`, returns once all are pinned (and throws if pinning failed). Returns how the pinning
+  // before it ended (last_pinner(), once that pinner stopped).
+  std::string wake(const std::string &uuid, bool wait, int pause_ms);
 
   // Copies the pieces between the chunks and the segments (fd, size) in chunk order, pinning the
   // chunks not yet pinned just before their copies (the copies of the chunk before run meanwhile).
@@ -80,7 +81,7 @@ class HostCopier {
   std::size_t pinned_since_wake() const;  // by the last wake() and the copies after it
   // How the last pinner thread (of wake() or pin_rest()) ended: what it pinned, in how long, and
   // whether it finished, was stopped or failed; "" before the first. A failure in the background
-  // is reported here and by the next wake(wait=true), which pins again.
+  // is reported here and so by the next wake(), which pins what is left again.
   std::string last_pinner() const;
   CopyTimes last_copy_times() const { return times_; }
 

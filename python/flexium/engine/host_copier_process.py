@@ -1,7 +1,9 @@
 """The copier process (host_copier.py says why it exists): serves one job over the socket it was
 given, one request at a time, until the job says quit or goes away.
 
-    python -m flexium.engine.host_copier_process --socket FD
+    python -m flexium.engine.host_copier_process --socket FD [--trace]
+
+(--trace: each request and reply on stderr, the job's; the job asks for it when its log is at DEBUG.)
 
 Requests: hello (loads the driver); attach (the staging's extents as fds, sizes, chunks); extend
 (the extents and chunks the job added to its staging since); wake (uuid, wait, pause_ms; says how
@@ -26,9 +28,10 @@ from flexium.engine.host_copier import CHUNK_FIELDS, PIECE_FIELDS, close_all, re
 
 
 class Server:
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, trace: bool = False) -> None:
         self.sock = sock
         self.copier: Optional[_C.HostCopier] = None
+        self.trace = trace  # each request and its reply on stderr (the job's log at DEBUG)
 
     def serve(self) -> int:
         while True:
@@ -37,6 +40,9 @@ class Server:
             except (ConnectionError, OSError):
                 return 0  # the job is gone
             op = message.get("op")
+            if self.trace:
+                fields = {k: v for k, v in message.items() if k not in ("op", "pieces", "chunks", "sizes")}
+                print(f"[flexium copier] {time.monotonic():.3f} {op} {fields}", file=sys.stderr, flush=True)
             if op == "quit":
                 close_all(fds)
                 return 0
@@ -56,6 +62,8 @@ class Server:
             reply = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
         finally:
             close_all(fds)
+        if self.trace:
+            print(f"[flexium copier] {time.monotonic():.3f} reply {reply}", file=sys.stderr, flush=True)
         send(self.sock, reply)
 
     def sleep(self) -> dict[str, Any]:
@@ -85,8 +93,7 @@ class Server:
             return {}
         copier = self.require_attached(op)
         if op == "wake":
-            before = copier.last_pinner  # the background pinning since the last wake, if any
-            copier.wake(str(message["uuid"]), bool(message["wait"]), int(message.get("pause_ms", 0)))
+            before = copier.wake(str(message["uuid"]), bool(message["wait"]), int(message.get("pause_ms", 0)))
             return {"pinned": copier.pinned_bytes, "newly_pinned": copier.pinned_since_wake, "pinner_before": before}
         if op == "copy":
             segments = with_sizes(op, message, fds, "segments")
@@ -121,8 +128,9 @@ def staging_chunks(message: dict[str, Any]) -> list[_C.CopierChunk]:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flexium.engine.host_copier_process")
     parser.add_argument("--socket", type=int, required=True, help="fd of the seqpacket socket to the job")
+    parser.add_argument("--trace", action="store_true", help="each request and reply on stderr")
     args = parser.parse_args(argv)
-    server = Server(socket.socket(fileno=args.socket))
+    server = Server(socket.socket(fileno=args.socket), trace=args.trace)
     try:
         return server.serve()
     finally:
