@@ -10,7 +10,8 @@ that the training state (parameters, gradients, AdamW moments, ballast) is about
 records time.perf_counter() at the start and at the end of every step (each step ends with
 loss.item(), so its GPU work is done).
 
-Plan items, STEP:OP[:...], run once the loop has finished step STEP:
+Plan items, STEP:OP[:...], run once the loop has finished step STEP (+STEPS:OP[:...]: STEPS steps
+after the operation before it returned):
   STEP:migrate:PATH:TARGET   engine.migrate(TARGET, path=PATH)   PATH: auto | fast | driver; TARGET: cuda:N or a UUID
   STEP:pause[:PATH]          engine.pause(path=PATH); then --pause-seconds of sleep
   STEP:resume[:TARGET]       engine.resume(TARGET)    (in place without TARGET)
@@ -64,10 +65,15 @@ def parse_plan(items: list[str]) -> list[dict[str, Any]]:
     plan = []
     for item in items:
         parts = item.split(":", 2)
-        if len(parts) < 2 or not parts[0].isdigit():
-            raise SystemExit(f"bad plan item {item!r}: STEP:OP[:...]")
-        step, op, rest = int(parts[0]), parts[1], parts[2] if len(parts) > 2 else ""
-        entry: dict[str, Any] = {"at_step": step, "op": op, "path": None, "target": None}
+        relative = parts[0].startswith("+")
+        if len(parts) < 2 or not parts[0].removeprefix("+").isdigit():
+            raise SystemExit(f"bad plan item {item!r}: STEP:OP[:...] or +STEPS:OP[:...]")
+        step, op, rest = int(parts[0].removeprefix("+")), parts[1], parts[2] if len(parts) > 2 else ""
+        entry: dict[str, Any] = {"at_step": 0 if relative else step, "op": op, "path": None, "target": None}
+        if relative:
+            if op == "handmove":
+                raise SystemExit(f"bad plan item {item!r}: a handmove needs its step: STEP:handmove:cuda:N")
+            entry["after"] = step
         if op == "migrate":
             path, _, target = rest.partition(":")
             if path not in PATHS or not target:
@@ -144,6 +150,8 @@ class Control(threading.Thread):
         for entry in self.plan:
             # A resume's downtime ends with the second step after it (analyse): the next operation
             # waits for those steps even when its own step has passed meanwhile.
+            if "after" in entry:  # +STEPS: counted from the end of the operation before
+                entry["at_step"] = self.progress.step + entry["after"]
             self.progress.wait_for(max(entry["at_step"], settled))
             record: dict[str, Any] = {
                 "op": entry["op"],

@@ -299,11 +299,12 @@ def pool_plan(with_driver: bool, with_migrate: bool = True) -> list[str]:
     plan = ["10:migrate:fast:cuda:1"] if with_migrate else []
     if with_driver and with_migrate:
         plan.append("20:migrate:driver:cuda:0")
-    # The second pause comes 100 steps (0.5-1 s) after the first resume: the copier pins what the copy
-    # back left unpinned in the background meanwhile, as it would before any pause a person sends.
-    plan += ["30:pause:fast", "30:resume", "130:pause:fast", "130:resume"]
+    # The second pause comes 100 steps (0.5-1 s) after the first resume, whenever that came (a pause
+    # that makes its staging reaches its safe point seconds after step 30): the copier pins what the
+    # copy back left unpinned in the background meanwhile, as it would before any pause a person sends.
+    plan += ["30:pause:fast", "+0:resume", "+100:pause:fast", "+0:resume"]
     if with_driver:
-        plan += ["140:pause:driver", "140:resume"]
+        plan += ["+10:pause:driver", "+0:resume"]
     return plan
 
 
