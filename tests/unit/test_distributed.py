@@ -241,3 +241,51 @@ def test_rank_0_of_a_gloo_job_is_refused_and_both_ranks_train_on(tmp_path: Any) 
         assert rank["before"]["job_operations"] is None and rank["after"]["job_operations"] is True
         assert rank["after"]["pause_resume"] and rank["after"]["migration"]
         assert rank["after"]["problems"] == rank["before"]["problems"]
+
+
+# Rank 0 is the user's process and starts rank 1 itself, as PyTorch Lightning's launcher does:
+# the ranks have different parents, so the launch environment alone cannot name their job.
+SELF_LAUNCHING_RANK = """
+import json, os, subprocess, sys
+import torch.distributed as dist
+from flexium.engine.distributed import membership
+
+rank = int(os.environ.get("RANK", "0"))
+child = None
+if rank == 0:
+    child = subprocess.Popen([sys.executable, sys.argv[0]], env={**os.environ, "RANK": "1"})
+before = membership.job_key()
+dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=2)
+after = membership.job_key()
+dist.barrier()
+line = json.dumps({"rank": rank, "before": before, "after": after, "again": membership.job_key()})
+os.write(1, (line + "\\n").encode())  # one write: the ranks share stdout
+dist.destroy_process_group()
+sys.exit(child.wait() if child is not None else 0)
+"""
+
+
+def test_ranks_launched_by_rank_0_agree_on_their_job_through_the_store(tmp_path: Any) -> None:
+    import json
+    import os
+    import socket
+    import subprocess
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    script = tmp_path / "rank.py"
+    script.write_text(SELF_LAUNCHING_RANK)
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    env.pop("RANK", None)
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    ranks = {entry["rank"]: entry for entry in map(json.loads, done.stdout.splitlines())}
+    assert ranks[0]["before"] != ranks[1]["before"]  # different parents
+    assert ranks[0]["after"] == ranks[1]["after"] == ranks[0]["again"] == ranks[1]["again"]
+    assert ranks[0]["after"].startswith(f"{socket.gethostname()}:")
+
+    second = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120)
+    assert second.returncode == 0, second.stderr[-3000:]
+    rerun = {entry["rank"]: entry for entry in map(json.loads, second.stdout.splitlines())}
+    assert rerun[0]["after"] == rerun[1]["after"] != ranks[0]["after"]  # another run, another job

@@ -7,7 +7,8 @@ moved together instead (job_operation.py).
 
 Reading this touches no CUDA and imports nothing: the engine asks before every migrate and
 pause, and the client asks whenever it builds a report, possibly before the job has called
-init_process_group (then the torchrun environment says what the job will be).
+init_process_group (then the torchrun environment says what the job will be). The job's key is
+agreed once through the process group's store (job_key).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import os
 import socket
 import sys
+import uuid
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -90,9 +92,46 @@ def describe() -> DistributedJob:
 
 
 def job_key() -> str:
-    """The same text in every rank of one run and in no other run: the host, the launcher (the
-    torchrun agent, the ranks' parent), the rendezvous port and the run id and restart count
-    torchrun sets (an elastic restart is a new run, with new processes)."""
+    """The same text in every rank of one run and in no other run. Once the process group exists
+    its ranks agree on it through the group's store, whatever launched them (torchrun, whose ranks
+    share a parent, or PyTorch Lightning and others, whose rank 0 is the user's process and starts
+    the other ranks itself); before, the launch environment says it (launch_key)."""
+    agreed = _agreed_key()
+    return agreed if agreed is not None else launch_key()
+
+
+# The store of the process group whose ranks agreed on a key, and that key: asked for once per
+# group (holding the store, a group made after this one cannot be taken for it).
+_agreed: Optional[tuple[Any, str]] = None
+_AGREED_STORE_KEY = "flexium/job_key"
+
+
+def _agreed_key() -> Optional[str]:
+    dist = _torch_distributed()
+    if dist is None or not dist.is_initialized():
+        return None
+    try:
+        from torch.distributed import distributed_c10d as c10d
+
+        store = c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError):
+        return None
+    global _agreed
+    if _agreed is None or _agreed[0] is not store:
+        # The first rank to ask sets it; every rank reads what the first one set.
+        proposal = f"{socket.gethostname()}:{uuid.uuid4().hex[:16]}"
+        try:
+            value = store.compare_set(_AGREED_STORE_KEY, "", proposal)
+        except (RuntimeError, ValueError):  # the store is gone (the job is ending)
+            return None
+        _agreed = (store, value.decode() if isinstance(value, bytes) else str(value))
+    return _agreed[1]
+
+
+def launch_key() -> str:
+    """The same text in every rank that one torchrun started, and in no other run: the host, the
+    launcher (the torchrun agent, the ranks' parent), the rendezvous port and the run id and
+    restart count torchrun sets (an elastic restart is a new run, with new processes)."""
     parts = (
         socket.gethostname(),
         str(os.getppid()),
