@@ -1,7 +1,9 @@
-"""A real 2-rank torchrun job (gloo, CPU torch, the fake driver) attached to a real server and
-moved as a whole by the `flexium` command: both ranks register as one job, a pause and a resume
-reach every rank, a swap moves both, a move that would put two ranks on one GPU is refused, and
-the loss traces match an undisturbed run bit for bit."""
+"""Real 2-rank jobs (gloo, CPU torch, the fake driver) attached to a real server and moved as a
+whole by the `flexium` command: both ranks register as one job, a pause and a resume reach every
+rank, a swap moves both, a move that would put two ranks on one GPU is refused, and the loss
+traces match an undisturbed run bit for bit. Two launchers: torchrun (the ranks are children of
+its agent) and PyTorch Lightning's `strategy="ddp"` (rank 0 is the process started, which starts
+rank 1 itself)."""
 
 from __future__ import annotations
 
@@ -21,12 +23,20 @@ from live_server import ProcessOutput
 
 pytestmark = pytest.mark.timeout(480)
 
-JOB = HERE / "torchrun_job.py"
+LAUNCHES = {
+    "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    + [str(HERE / "torchrun_job.py")],
+    "lightning-ddp": [sys.executable, str(HERE / "lightning_ddp_job.py")],
+}
 
 
-def _torchrun(env: dict[str, str]) -> subprocess.Popen[str]:
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(JOB)]
-    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+def _launch(how: str, env: dict[str, str]) -> subprocess.Popen[str]:
+    if how == "lightning-ddp":
+        import importlib.util
+
+        if importlib.util.find_spec("lightning") is None:
+            pytest.fail("this test needs lightning==2.6.6 (ci/test.sh installs it)", pytrace=False)
+    return subprocess.Popen(LAUNCHES[how], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
 def _env(server: Server, **extra: str) -> dict[str, str]:
@@ -43,10 +53,11 @@ def _traces(output: ProcessOutput) -> dict[int, dict[str, Any]]:
     return {entry["rank"]: entry for entry in found}
 
 
-def test_a_torchrun_job_is_paused_resumed_and_swapped_as_a_whole(server: Server, tmp_path: Path) -> None:
+@pytest.mark.parametrize("how", LAUNCHES)
+def test_a_distributed_job_is_paused_resumed_and_swapped_as_a_whole(how: str, server: Server, tmp_path: Path) -> None:
     stop = tmp_path / "stop"
-    job = _torchrun(
-        _env(server, FLEXIUM_SERVER=server.address, FLEXIUM_TOKEN=server.job_token or "", E2E_STOP=str(stop))
+    job = _launch(
+        how, _env(server, FLEXIUM_SERVER=server.address, FLEXIUM_TOKEN=server.job_token or "", E2E_STOP=str(stop))
     )
     output = ProcessOutput(job)
     reference: Optional[subprocess.Popen[str]] = None
@@ -57,7 +68,7 @@ def test_a_torchrun_job_is_paused_resumed_and_swapped_as_a_whole(server: Server,
         except AssertionError:
             job.send_signal(signal.SIGABRT)  # faulthandler: where torchrun and its ranks wait
             time.sleep(3)
-            raise AssertionError(f"the torchrun job did not start:\n{output.text[-6000:]}") from None
+            raise AssertionError(f"the {how} job did not start:\n{output.text[-6000:]}") from None
 
         def ranks() -> Optional[list[dict[str, Any]]]:
             listed = server.get("/processes").json()
@@ -93,7 +104,7 @@ def test_a_torchrun_job_is_paused_resumed_and_swapped_as_a_whole(server: Server,
         assert job.wait(timeout=120) == 0, output.text[-4000:]
         moved = _traces(output)
         steps = len(moved[0]["losses"])
-        reference = _torchrun(_env(server, E2E_STEPS=str(steps)))
+        reference = _launch(how, _env(server, E2E_STEPS=str(steps)))
         undisturbed = ProcessOutput(reference)
         assert reference.wait(timeout=120) == 0, undisturbed.text[-4000:]
         for rank in (0, 1):
