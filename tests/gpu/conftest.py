@@ -70,6 +70,18 @@ def run_job(
     return run
 
 
+def nccl_with_suspend() -> str:
+    """The libnccl.so.2 with ncclCommSuspend (NCCL 2.29.7+) that jobs of several processes preload:
+    torch 2.11's own NCCL 2.28.9 has none."""
+    path = os.environ.get("FLEXIUM_TEST_NCCL_LIB", "")
+    if not os.path.exists(path):
+        pytest.fail(
+            "FLEXIUM_TEST_NCCL_LIB does not name a libnccl.so.2 with ncclCommSuspend (NCCL 2.29.7+): run through "
+            "ci/gpu-tests.sh with FLEXIUM_NCCL_SOURCE set to the NCCL source tarball"
+        )
+    return path
+
+
 def _event(line: str) -> Optional[dict[str, Any]]:
     """A job's JSON event line; None for other output (a framework may print dicts of its own)."""
     if not line.startswith('{"event"'):

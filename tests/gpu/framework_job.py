@@ -6,7 +6,10 @@ float.hex, "done"). Deterministic: two runs give the same loss trace bit for bit
         --steps 200 --pace 0.03
 
 split and data-parallel are plain PyTorch jobs of one process on two GPUs: a model whose second
-half is on cuda:1, and torch.nn.DataParallel over cuda:0 and cuda:1.
+half is on cuda:1, and torch.nn.DataParallel over cuda:0 and cuda:1. lightning-ddp is Lightning's
+Trainer with strategy="ddp" on two GPUs: this process is rank 0 and Lightning starts rank 1 by
+running this script again. accelerate runs as two processes under `accelerate launch
+--multi_gpu --num_processes 2`. In a job of several processes every event says its rank.
 
 --pace sleeps after each optimizer step (a hook, the same for every framework), so that a
 command line has time to act on the running job.
@@ -28,11 +31,28 @@ import torch  # noqa: E402
 
 import flexium  # noqa: E402
 
-FRAMEWORKS = ("lightning", "hf-trainer", "accelerate", "timm", "torchvision", "fastai", "split", "data-parallel")
+FRAMEWORKS = (
+    "lightning",
+    "hf-trainer",
+    "accelerate",
+    "timm",
+    "torchvision",
+    "fastai",
+    "split",
+    "data-parallel",
+    "lightning-ddp",
+)
+
+
+def rank() -> int:
+    """This process's rank: RANK under torchrun and accelerate launch, LOCAL_RANK in the ranks
+    Lightning starts (one node), 0 in a process of its own (and in Lightning's rank 0)."""
+    return int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0")))
 
 
 def emit(event: str, **data: Any) -> None:
-    sys.stdout.write(json.dumps({"event": event, **data}) + "\n")
+    # One write per line: the ranks of a job share its stdout.
+    sys.stdout.write(json.dumps({"event": event, "rank": rank(), **data}) + "\n")
     sys.stdout.flush()
 
 
@@ -44,7 +64,7 @@ def mlp() -> torch.nn.Module:
     return torch.nn.Sequential(torch.nn.Linear(64, 512), torch.nn.ReLU(), torch.nn.Linear(512, 10))
 
 
-def lightning(steps: int) -> None:
+def lightning(steps: int, devices: int = 1, strategy: str = "auto") -> None:
     import lightning as L
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -67,7 +87,8 @@ def lightning(steps: int) -> None:
     trainer = L.Trainer(
         max_steps=steps,
         accelerator="gpu",
-        devices=1,
+        devices=devices,
+        strategy=strategy,
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -263,6 +284,7 @@ RUNS: dict[str, Callable[[int], None]] = {
     "fastai": fastai_learner,
     "split": split_model,
     "data-parallel": data_parallel,
+    "lightning-ddp": lambda steps: lightning(steps, devices=2, strategy="ddp"),
 }
 
 

@@ -15,21 +15,11 @@ from typing import Any, Optional
 
 import pytest
 
-from conftest import HERE, _keep_log, run_job
+from conftest import HERE, _keep_log, nccl_with_suspend, run_job
 
 # The NCCL watchdog's heartbeat monitor kills a rank whose watchdog is stuck this long; a paused
 # job's must not be (issue: a pause may last hours).
 SHORT_HEARTBEAT_S = 8
-
-
-def nccl_with_suspend() -> str:
-    path = os.environ.get("FLEXIUM_TEST_NCCL_LIB", "")
-    if not os.path.exists(path):
-        pytest.fail(
-            "FLEXIUM_TEST_NCCL_LIB does not name a libnccl.so.2 with ncclCommSuspend (NCCL 2.29.7+): run through "
-            "ci/gpu-tests.sh with FLEXIUM_NCCL_SOURCE set to the NCCL source tarball"
-        )
-    return path
 
 
 class TorchrunJob:
