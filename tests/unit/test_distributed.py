@@ -289,3 +289,13 @@ def test_ranks_launched_by_rank_0_agree_on_their_job_through_the_store(tmp_path:
     assert second.returncode == 0, second.stderr[-3000:]
     rerun = {entry["rank"]: entry for entry in map(json.loads, second.stdout.splitlines())}
     assert rerun[0]["after"] == rerun[1]["after"] != ranks[0]["after"]  # another run, another job
+
+
+def test_the_engine_counts_cuda_graphs_while_it_runs(fake: FakeDriver, make_engine: Callable[..., Any]) -> None:
+    """The refusal of a job holding CUDA graphs (test_nccl_and_agreement.py) needs every capture seen."""
+    import torch
+
+    engine = make_engine()
+    assert hasattr(torch.cuda.CUDAGraph.capture_begin, "__wrapped_by_flexium__")
+    engine.stop()
+    assert not hasattr(torch.cuda.CUDAGraph.capture_begin, "__wrapped_by_flexium__")

@@ -48,6 +48,52 @@ def test_nvls_left_on_and_buffer_registration_are_refused(monkeypatch: pytest.Mo
     assert "user-buffer registrations" in str(nccl.suspend_problem())
 
 
+class StandInGraph:
+    """What flexium wraps of torch.cuda.CUDAGraph, which CPU torch cannot make."""
+
+    def capture_begin(self, pool: object = None) -> None:
+        pass
+
+
+def test_a_cuda_graph_captured_while_nccl_was_live_refuses_whole_job_operations(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import gc
+
+    from flexium.engine.distributed import cuda_graphs, job_operation, membership
+
+    monkeypatch.setattr(nccl, "loaded_library", lambda: _library(23007, True))
+    monkeypatch.setattr(cuda_graphs, "_alive", type(cuda_graphs._alive)())
+    job = membership.DistributedJob(True, True, "nccl", 0, 2, 0, 2, 0)
+    nccl_live = [False]
+    cuda_graphs.install(StandInGraph, nccl_live=lambda: nccl_live[0])
+    try:
+        cuda_graphs.install(StandInGraph)  # once: the wrapper is not wrapped again
+        before = StandInGraph()
+        before.capture_begin()  # before the process group: no communicator to call
+        assert job_operation.job_problem(job) is None
+        nccl_live[0] = True
+        graphs = [StandInGraph(), StandInGraph()]
+        for index in range(2):
+            graphs[index].capture_begin(pool=None)
+        problem = job_operation.job_problem(job)
+        assert problem is not None and problem.startswith(
+            "this rank holds 2 CUDA graphs captured while its NCCL process group existed: a graph holding NCCL "
+            "calls would replay into NCCL buffers that a pause gives back"
+        )
+        assert "torch._dynamo.reset()" in problem
+        assert job_operation.job_problem(membership.DistributedJob(True, True, "gloo", 0, 2, 0, 2, 0)) is None
+        del graphs[0]
+        gc.collect()
+        assert str(job_operation.job_problem(job)).startswith("this rank holds a CUDA graph captured")
+        graphs.clear()
+        gc.collect()
+        assert job_operation.job_problem(job) is None  # the graphs are gone: the job moves again
+    finally:
+        cuda_graphs.uninstall(StandInGraph)
+    assert StandInGraph.capture_begin is not None and not hasattr(StandInGraph.capture_begin, "__wrapped_by_flexium__")
+
+
 def test_the_environment_is_prepared_only_where_the_user_said_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(nccl.NVLS_ENV)
     assert nccl.prepare_environment() == ["NCCL_NVLS_ENABLE=0"] and os.environ[nccl.NVLS_ENV] == "0"

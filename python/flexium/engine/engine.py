@@ -25,7 +25,7 @@ from typing import Iterator, Literal, Optional, Sequence, get_args
 from flexium import _C
 from flexium.engine import nvml, pinning_gate
 from flexium.engine.capabilities import Capabilities
-from flexium.engine.distributed import job_operation, membership, nccl
+from flexium.engine.distributed import cuda_graphs, job_operation, membership, nccl
 from flexium.engine.distributed.job_operation import Deadlines, JobOperation, RankActions
 from flexium.engine.distributed.rendezvous import JobAborted, Rendezvous, job_store
 from flexium.engine.fast_path import FastPath
@@ -128,6 +128,7 @@ class Engine:
     def start(self) -> None:
         self._safe_points.install()
         pinning_gate.install()
+        cuda_graphs.install()
         nvml.start_reader()  # reads while the job is frozen (a resume's room check) take milliseconds
         fast = self._ctx.fast
         if fast is not None and fast.pool.active:
@@ -154,6 +155,7 @@ class Engine:
                 log.error("could not resume the paused job in place at shutdown, so it exits paused: %s", exc)
         self._parking.release()
         pinning_gate.uninstall()
+        cuda_graphs.uninstall()
         if self._keeper is not None:
             self._keeper.stop()
         if self._ctx.fast is not None:

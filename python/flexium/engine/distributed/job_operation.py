@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Callable, Optional
 
 from flexium.engine import torch_bridge
-from flexium.engine.distributed import nccl
+from flexium.engine.distributed import cuda_graphs, nccl
 from flexium.engine.distributed.membership import DistributedJob
 from flexium.engine.distributed.rendezvous import OK, Gathered, JobAborted, Rendezvous
 from flexium.engine.operations import GpuIdentity, OperationKind, OperationResult, StepTiming
@@ -81,7 +81,7 @@ def job_problem(job: DistributedJob) -> Optional[str]:
     if not job.initialized:
         return "the job has not started its process group yet (init_process_group): wait until it trains"
     if job.uses_nccl:
-        return nccl.suspend_problem()
+        return nccl.suspend_problem() or cuda_graphs.problem()
     return None
 
 
