@@ -149,6 +149,22 @@ def build(model_kind: str, device: int) -> tuple[torch.nn.Module, torch.optim.Op
     return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
 
 
+def capture_all_reduce() -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """A CUDA graph holding an NCCL all-reduce of a tensor of its own (warmed up on a side
+    stream first, as capturing a collective needs)."""
+    value = torch.ones(1024, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            dist.all_reduce(value)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        dist.all_reduce(value)
+    return graph, value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", choices=("ddp", "fsdp2"), default="ddp")
@@ -158,6 +174,9 @@ def main() -> None:
     parser.add_argument("--ballast-gb", type=float, default=1.0)
     parser.add_argument("--step-sleep", type=float, default=0.02)
     parser.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
+    parser.add_argument(
+        "--graph-all-reduce", action="store_true", help="capture a CUDA graph of an all-reduce and replay it each step"
+    )
     args = parser.parse_args()
 
     flexium.init()  # before the process group: cuda:LOCAL_RANK, and NCCL set up to be movable
@@ -172,6 +191,8 @@ def main() -> None:
     data = torch.Generator(device="cuda").manual_seed(10 + RANK)
     ballast = torch.randn(int(args.ballast_gb * (1 << 30)) // 4, device="cuda", generator=data)
     ballast_sum = float(ballast.double().sum().item())
+
+    graph = capture_all_reduce() if args.graph_all_reduce else None
 
     progress = Progress()
     thread: Optional[threading.Thread] = None
@@ -192,6 +213,8 @@ def main() -> None:
         else:
             loss.backward()
             optimizer.step()
+        if graph is not None:
+            graph[0].replay()
         emit("step", step=step, loss=float(loss.item()).hex())
         progress.advance()
         time.sleep(args.step_sleep)

@@ -114,6 +114,19 @@ def test_a_job_whose_nccl_cannot_suspend_is_refused_and_trains_on(two_gpus: list
         assert len(job.losses(rank)) == 30 and job.of(rank, "done")[0]["ballast_intact"]
 
 
+def test_a_job_holding_a_cuda_graph_of_an_all_reduce_is_refused_and_trains_on(two_gpus: list[Any]) -> None:
+    plan = ("--plan", "5:pause", "--plan", "8:migrate:0=1,1=0")
+    job = torchrun("--model", "ddp", "--steps", "30", "--graph-all-reduce", *plan, nccl=nccl_with_suspend())
+    assert job.returncode == 0, job.stderr[-4000:]
+    for rank in (0, 1):
+        caps = job.of(rank, "capabilities")[0]
+        assert caps["job_operations"] is False
+        assert any("a CUDA graph captured while its NCCL process group existed" in p for p in caps["problems"]), caps
+        for op in job.of(rank, "op"):
+            assert not op["ok"] and op["error"].startswith(f"cannot {op['kind']} the job: this rank holds a CUDA graph")
+        assert len(job.losses(rank)) == 30 and job.of(rank, "done")[0]["ballast_intact"]
+
+
 # ------------------------------------------------------------------ what one GPU can show
 
 
