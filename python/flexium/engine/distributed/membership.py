@@ -95,7 +95,7 @@ def job_key() -> str:
     """The same text in every rank of one run and in no other run. Once the process group exists
     its ranks agree on it through the group's store, whatever launched them (torchrun, whose ranks
     share a parent, or PyTorch Lightning and others, whose rank 0 is the user's process and starts
-    the other ranks itself); before, the launch environment says it (launch_key)."""
+    the other ranks itself: docs/facts.md fact 24); before, the launch environment says it (launch_key)."""
     agreed = _agreed_key()
     return agreed if agreed is not None else launch_key()
 
