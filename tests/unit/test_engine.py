@@ -162,6 +162,64 @@ def test_every_visible_gpu_is_paired_on_a_four_gpu_machine(
     assert result.bytes_moved == 3 * GiB  # the checkpoint moves all of the process's memory
 
 
+def test_a_process_on_two_gpus_moves_gpu_by_gpu(
+    fake: FakeDriver, make_engine: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process on cuda:0 and cuda:1 (DataParallel, a split model) moved to GPUs 2 and 3: moves
+    name where each of its GPUs goes, and the restore's map covers every visible GPU."""
+    monkeypatch.setenv("FAKE_CUDA_GPUS", "4")
+    fake.reset()
+    fake.set_process_memory(0, 2 * GiB)
+    fake.set_process_memory(1, 1 * GiB)
+    engine = make_engine()
+    result = engine.migrate(moves={fake.uuid(0): fake.uuid(2), fake.uuid(1): engine.gpus[3]})
+    assert result.ok and result.path == "driver"
+    assert fake.last_pairs() == [(0, 2), (1, 3), (2, 0), (3, 1)]
+    assert fake.placement() == [2, 3, 0, 1]
+    on_gpu(fake, engine, 2)  # the job's device, which the result names
+    assert result.source.uuid == fake.uuid(0) and result.target.uuid == fake.uuid(2)
+    assert result.notes[-1] == "moved GPU by GPU: cuda:0 -> cuda:2, cuda:1 -> cuda:3"
+    assert fake.process_bytes_on(2) == 2 * GiB and fake.process_bytes_on(3) == GiB
+    assert fake.process_bytes_on(0) == fake.process_bytes_on(1) == 0
+
+    # Now on GPUs 2 and 3, the moves name them as they are now: cuda:1's memory (on GPU 3) goes
+    # back to GPU 1, the job's device stays on GPU 2.
+    back = engine.migrate(moves={fake.uuid(3): fake.uuid(1)})
+    assert back.ok and fake.placement() == [2, 1, 0, 3]
+    assert back.source.uuid == back.target.uuid == fake.uuid(2)
+    assert fake.process_bytes_on(2) == 2 * GiB and fake.process_bytes_on(1) == GiB
+
+
+def test_moves_that_cannot_be_carried_out_are_refused_before_anything_is_touched(
+    fake: FakeDriver, make_engine: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_CUDA_GPUS", "4")
+    fake.reset()
+    fake.set_process_memory(0, 2 * GiB)
+    fake.set_process_memory(1, 1 * GiB)
+    engine = make_engine()
+    fake.clear_log()
+    cases = {
+        "holds nothing of this process: moves name the GPUs it uses": {fake.uuid(2): fake.uuid(3)},
+        "two devices of the process cannot both go to cuda:2": {fake.uuid(0): fake.uuid(2), fake.uuid(1): fake.uuid(2)},
+        "the job is already on cuda:1": {fake.uuid(1): fake.uuid(1)},
+        "moves names no GPU": {},
+        "not a GPU UUID": {"cuda:0": fake.uuid(2)},
+        "migrate takes a target GPU, or moves": None,
+    }
+    for message, moves in cases.items():
+        with pytest.raises(TargetRefusedError, match=re.escape(message)):
+            if moves is None:
+                engine.migrate(fake.uuid(2), moves={fake.uuid(0): fake.uuid(2)})
+            else:
+                engine.migrate(moves=moves)
+    fake.set_other_memory(3, H200_BYTES - GiB // 2)
+    with pytest.raises(TargetRefusedError, match=r"^cuda:3 \(.*\) has 0\.50 GiB free; the job needs 1\.00 GiB"):
+        engine.migrate(moves={fake.uuid(0): fake.uuid(2), fake.uuid(1): fake.uuid(3)})
+    assert_untouched(fake, engine)
+    assert fake.placement() == [0, 1, 2, 3]
+
+
 def test_repeated_migrations_keep_the_identity_right(
     fake: FakeDriver, make_engine: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -20,7 +20,7 @@ import logging
 import os
 import threading
 from dataclasses import dataclass
-from typing import Iterator, Literal, Optional, Sequence, get_args
+from typing import Iterator, Literal, Mapping, Optional, Sequence, get_args
 
 from flexium import _C
 from flexium.engine import nvml, pinning_gate
@@ -226,16 +226,32 @@ class Engine:
 
     # ---- operations ------------------------------------------------------------------------
 
-    def migrate(self, target: Target, *, path: PathChoice = "auto") -> OperationResult:
-        """Moves the job to `target`, a GPU UUID or a GpuIdentity of `gpus`."""
+    def migrate(
+        self,
+        target: Optional[Target] = None,
+        *,
+        path: PathChoice = "auto",
+        moves: Optional[Mapping[Target, Target]] = None,
+    ) -> OperationResult:
+        """Moves the job to `target`, a GPU UUID or a GpuIdentity of `gpus`. A process on several
+        GPUs may name `moves` instead: the GPU each of its devices is on now -> the GPU it goes
+        to, for the devices that move (one left out stays, unless a named one moves onto its GPU:
+        then it takes the GPU that one leaves, as with `target`)."""
         _check_path(path)
         with self._operation(OperationKind.MIGRATE, allowed=(EngineState.RUNNING,)):
             self._require(self.capabilities.migration, "migration to another GPU")
             _refuse_one_rank(OperationKind.MIGRATE)
-            source = self._source()
-            dest = self._ctx.identity.resolve(target)
-            notes = self._validate_target(source, dest, needed=self._bytes_on(source))
-            plan = self._plan(dest)
+            if target is not None and moves is None:
+                source = self._source()
+                dest = self._ctx.identity.resolve(target)
+                notes = self._validate_target(source, dest, needed=self._bytes_on(source))
+                plan = self._plan(dest)
+            elif moves is not None and target is None:
+                plan, notes = self._plan_moves(moves)
+            else:
+                raise TargetRefusedError(
+                    "migrate takes a target GPU, or moves (the GPU each device is on -> where it goes): one of the two"
+                )
             self._copier_off_gpu()
 
             def work(at_safe_point: bool) -> OperationResult:
@@ -406,6 +422,32 @@ class Engine:
 
     def _plan(self, dest: GpuIdentity) -> MovePlan:
         return self._ctx.identity.plan({self._ctx.logical: dest})
+
+    def _plan_moves(self, moves: Mapping[Target, Target]) -> tuple[MovePlan, tuple[str, ...]]:
+        """The plan of a migration named GPU by GPU (a process on several GPUs), each move checked
+        as a move of that device's own share of the process's memory."""
+        identity = self._ctx.identity
+        targets: dict[int, GpuIdentity] = {}
+        notes: list[str] = []
+        for now, after in moves.items():
+            source, dest = identity.resolve(now), identity.resolve(after)
+            logical = identity.logical_on(source.uuid)
+            held = self._bytes_on(source)
+            if logical is None or held == 0:
+                raise TargetRefusedError(
+                    f"{source.device} ({source.uuid}) holds nothing of this process: moves name the GPUs it uses"
+                )
+            notes.extend(self._validate_target(source, dest, needed=held))
+            if dest in targets.values():
+                raise TargetRefusedError(f"two devices of the process cannot both go to {dest.device} ({dest.uuid})")
+            targets[logical] = dest
+        if not targets:
+            raise TargetRefusedError("moves names no GPU: give the GPU each moving device is on and where it goes")
+        plan = identity.plan(targets)
+        if len(targets) > 1:
+            moved = ", ".join(f"{m.source.device} -> {m.target.device}" for m in plan.moves)
+            notes.append(f"moved GPU by GPU: {moved}")
+        return plan, tuple(dict.fromkeys(notes))
 
     # ---- validation ------------------------------------------------------------------------
 

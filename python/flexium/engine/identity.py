@@ -43,6 +43,13 @@ class MovePlan:
             raise ValueError(f"a plan of {len(self.moves)} moves has no single move")
         return self.moves[0]
 
+    def of(self, logical: int) -> Move:
+        """Where the plan takes logical device `logical`: named in it, displaced by a move onto
+        its GPU, or staying (source and target the same)."""
+        gpus = {gpu.uuid: gpu for _, gpu in self.placement}
+        source = dict(self.placement)[logical]
+        return Move(logical, source, gpus[dict(self.pairs).get(source.uuid, source.uuid)])
+
     @property
     def pairs(self) -> tuple[tuple[str, str], ...]:
         """The restore's GPU map, (where a context is now, where it goes) for every visible GPU:

@@ -19,7 +19,8 @@ def migrate_by_driver(
     ctx: OperationContext, plan: MovePlan, notes: tuple[str, ...], *, at_safe_point: bool
 ) -> OperationResult:
     started = time.perf_counter()
-    source, dest = plan.move.source, plan.move.target
+    own = plan.of(ctx.logical)  # the job's device: the result names its move
+    source, dest = own.source, own.target
     owned = own_before_driver_checkpoint(ctx, OperationKind.MIGRATE, at_safe_point)
     ctx.set_state(EngineState.MIGRATING)
     prepare, moved, _by_gpu = locked_section.prepare(ctx, OperationKind.MIGRATE)
