@@ -305,6 +305,15 @@ class CommandRequest(WireIn):
             "migrate and resume of several ranks at once (a swap); ranks left out stay where they are"
         ),
     )
+    gpus: Optional[dict[NonEmptyText, Union[StrictInt, ShortText]]] = Field(
+        default=None,
+        max_length=protocol.MAX_RANKS,
+        description=(
+            "migrate of one process on several GPUs (DataParallel, a split model) only: a GPU it uses now -> "
+            "the GPU its memory there goes to, both named as targets are; GPUs left out stay, unless a named "
+            "one moves onto theirs (then they swap)"
+        ),
+    )
 
 
 class ProcessUpdate(WireIn):
@@ -371,6 +380,11 @@ class CommandInfo(WireOut):
     process_id: str
     state: CommandState
     target_uuid: Optional[str] = Field(description="the GPU the server resolved the target to")
+    gpu_moves: Optional[dict[str, str]] = Field(
+        default=None,
+        description="a migrate GPU by GPU (a process on several GPUs): GPU UUID now -> GPU UUID after; "
+        "target_uuid is then where the process's own device goes",
+    )
     created_at: float
     delivered_at: Optional[float]
     started_at: Optional[float]

@@ -3,9 +3,10 @@ steps, until SIGTERM or SIGINT (a normal exit: flexium unregisters at exit).
 
 Prints ``init <seconds>`` once flexium.init() has returned and ``step <n> <physical device>``
 every ``E2E_PRINT_EVERY`` steps. On the fake driver (FLEXIUM_LIBCUDA set) it holds
-``E2E_JOB_MEMORY_MIB`` on its GPU, as a CUDA job would. A file named by ``E2E_CONTROL``, when
-it appears, is read between steps: each line ``fail FUNCTION CODE`` arms the fake driver's
-failure injection in this process (its only instance of the fake), then the file is removed.
+``E2E_JOB_MEMORY_MIB`` on its GPU, as a CUDA job would (and ``E2E_JOB_SECOND_GPU_MIB`` on cuda:1:
+a process on two GPUs). A file named by ``E2E_CONTROL``, when it appears, is read between steps:
+each line ``fail FUNCTION CODE`` arms the fake driver's failure injection in this process (its
+only instance of the fake), then the file is removed.
 """
 
 import os
@@ -25,6 +26,8 @@ def main() -> None:
 
         fake = FakeDriver(Path(os.environ["FLEXIUM_LIBCUDA"]))
         fake.set_process_memory(0, int(os.environ.get("E2E_JOB_MEMORY_MIB", "1024")) << 20)
+        if os.environ.get("E2E_JOB_SECOND_GPU_MIB"):  # a process on two GPUs (DataParallel, a split model)
+            fake.set_process_memory(1, int(os.environ["E2E_JOB_SECOND_GPU_MIB"]) << 20)
 
     import flexium
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from typing import Any, Callable
@@ -66,7 +67,7 @@ def test_upgrade_is_idempotent(db: Database) -> None:
     db.upgrade()
     db.upgrade()
     with db.session(write=False) as s:
-        assert s.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0008"
+        assert s.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0009"
 
 
 def test_schema_newer_than_code_is_refused(db: Database) -> None:
@@ -914,6 +915,62 @@ def test_a_job_on_two_gpus_needs_room_for_the_share_that_moves(db: Database) -> 
     assert _command(db, ws, "migrate", "dp-n2", target=2).target_uuid == "GPU-0002"
     with pytest.raises(errors.TargetRefused, match="80.0 GiB free, the job needs 100.0 GiB"):
         _command(db, ws, "migrate", "dp-n3", target=3)
+
+
+def test_a_process_on_two_gpus_is_moved_gpu_by_gpu(db: Database) -> None:
+    """gpus names where the memory on each GPU the process uses goes: checked move by move for
+    that GPU's share, stored on the command (UUID to UUID), handed to the process as such."""
+    ws, _ = _workspace(db)
+    devices = [gpu(0, used=3 * GIB), gpu(1, used=2 * GIB), gpu(2, used=0), gpu(3, used=138 * GIB)]
+    devices[0]["process_bytes"], devices[1]["process_bytes"] = 3 * GIB, 2 * GIB
+    _register(db, ws, "dp", memory=5 * GIB, devices=devices)
+
+    def moved(gpus: dict[str, Any], target: Any = None) -> wire.CommandInfo:
+        created: list[wire.CommandInfo] = db.run(
+            storage.create_commands,
+            write=True,
+            workspace_id=ws,
+            kind="migrate",
+            process_id="dp",
+            target=target,
+            gpus=gpus,
+            now=NOW,
+            stale_after=STALE,
+        )
+        return created[0]
+
+    refusals = {
+        "holds nothing on GPU GPU-0002 (2): gpus name the GPUs it uses (GPU-0000, GPU-0001)": {"2": 3},
+        "two GPUs of process 'dp' cannot both go to GPU GPU-0002": {"0": 2, "1": 2},
+        "GPU GPU-0003 cannot take process 'dp': 2.0 GiB free, the job needs 3.0 GiB": {"0": 3},
+        "the job is already on it": {"GPU-0001": "GPU-0001"},
+        "gpus names no GPU": {},
+    }
+    for message, gpus in refusals.items():
+        with pytest.raises((errors.TargetRefused, errors.InvalidRequest), match=re.escape(message)):
+            moved(gpus)
+    with pytest.raises(errors.InvalidRequest, match="gpus is for a migrate of one process on several GPUs"):
+        moved({"0": 2}, target=2)
+
+    command = moved({"0": 2, "cuda:1": 0})  # its GPU 1's memory onto GPU 0, which its own device leaves
+    assert command.gpu_moves == {"GPU-0000": "GPU-0002", "GPU-0001": "GPU-0000"}
+    assert command.target_uuid == "GPU-0002"  # where the process's own device goes
+    with db.session(write=False) as s:
+        assert s.scalar(select(models.Command.gpu_moves)) == command.gpu_moves
+
+
+def test_0009_goes_back_to_0008_keeping_the_commands(db: Database) -> None:
+    from alembic import command
+
+    ws, _ = _workspace(db)
+    _register(db, ws, "one")
+    _command(db, ws, "pause", "one")
+    migrate_to(db, command.downgrade, "0008")
+    assert "gpu_moves" not in columns(db, "commands")
+    with db.session(write=False) as s:
+        assert s.execute(text("SELECT count(*) FROM commands")).scalar() == 1
+    db.upgrade()
+    assert "gpu_moves" in columns(db, "commands")
 
 
 def test_0008_goes_back_to_0007_keeping_processes_and_their_commands(db: Database) -> None:

@@ -72,6 +72,14 @@ def add_commands(commands: Any) -> None:
     p.add_argument("process", help=PROCESS_HELP)
     p.add_argument("target", nargs="?", help=TARGET_HELP + " (a rank of a job: where that rank goes)")
     _add_ranks_option(p)
+    p.add_argument(
+        "--gpus",
+        metavar="GPU=GPU,...",
+        help=(
+            "one process on several GPUs: where the memory on each GPU it uses goes, GPUs named as TARGET, "
+            "e.g. cuda:0=cuda:2,cuda:1=cuda:3; GPUs left out stay"
+        ),
+    )
     _add_wait_options(p)
     p = commands.add_parser(
         "pause", help="pause a process (its GPU memory is freed) and wait for the outcome (a rank: its whole job)"
@@ -329,16 +337,25 @@ def _devices(api: ApiClient, args: argparse.Namespace) -> int:
 
 def _command(api: ApiClient, args: argparse.Namespace) -> int:
     target = getattr(args, "target", None)
-    ranks_text = getattr(args, "ranks", None)
-    ranks = _parse_ranks(ranks_text) if ranks_text is not None else None
-    if ranks is not None and target:
-        raise _UsageError("give a TARGET (where the named rank goes) or --ranks (several ranks), not both")
-    if args.command == "migrate" and not target and ranks is None:
-        raise _UsageError("migrate needs a TARGET, or --ranks RANK=GPU,... for a rank of a job of several")
-    for named in [target, *(ranks or {}).values()]:
+    ranks_text, gpus_text = getattr(args, "ranks", None), getattr(args, "gpus", None)
+    ranks = _parse_pairs("--ranks", ranks_text, "RANK=GPU, e.g. 0=cuda:1,1=cuda:0") if ranks_text is not None else None
+    gpus = _parse_pairs("--gpus", gpus_text, "GPU=GPU, e.g. cuda:0=cuda:2,cuda:1=cuda:3") if gpus_text else None
+    if sum(given is not None and given != "" for given in (target, ranks, gpus)) > 1:
+        raise _UsageError(
+            "give one of a TARGET (where the process goes), --ranks (several ranks of a job) or --gpus (the GPUs "
+            "of one process on several)"
+        )
+    if args.command == "migrate" and not target and ranks is None and gpus is None:
+        raise _UsageError(
+            "migrate needs a TARGET, or --ranks RANK=GPU,... for a rank of a job of several, or --gpus GPU=GPU,... "
+            "for a process on several GPUs"
+        )
+    for named in [target, *(ranks or {}).values(), *(gpus or {}), *(gpus or {}).values()]:
         if named:
             _check_target(str(named))
-    request = wire.CommandRequest(kind=args.command, process_id=args.process, target=target or None, ranks=ranks)
+    request = wire.CommandRequest(
+        kind=args.command, process_id=args.process, target=target or None, ranks=ranks, gpus=gpus
+    )
     try:
         command = api.create_command(request)
     except NotFound:
@@ -381,15 +398,15 @@ def _check_target(text: str) -> None:
         raise _UsageError(str(exc)) from None
 
 
-def _parse_ranks(text: str) -> dict[str, Union[int, str]]:
+def _parse_pairs(option: str, text: str, form: str) -> dict[str, Union[int, str]]:
     """``0=cuda:1,1=cuda:0`` -> {"0": "cuda:1", "1": "cuda:0"} (the server judges the rest)."""
-    ranks: dict[str, Union[int, str]] = {}
+    pairs: dict[str, Union[int, str]] = {}
     for part in text.split(","):
-        rank, sep, gpu = part.partition("=")
-        if not sep or not rank.strip() or not gpu.strip():
-            raise _UsageError(f"--ranks {text!r}: each entry is RANK=GPU, e.g. 0=cuda:1,1=cuda:0")
-        ranks[rank.strip()] = gpu.strip()
-    return ranks
+        key, sep, gpu = part.partition("=")
+        if not sep or not key.strip() or not gpu.strip():
+            raise _UsageError(f"{option} {text!r}: each entry is {form}")
+        pairs[key.strip()] = gpu.strip()
+    return pairs
 
 
 # ---- job operations ------------------------------------------------------------------------
@@ -590,14 +607,20 @@ def _progress_printer(title: str, queued: wire.CommandInfo) -> Callable[[wire.Co
 def _title(api: ApiClient, command: wire.CommandInfo) -> str:
     """ "migrate gpu-1a2b to cuda:1": the target in the job's own numbering when it sees the
     GPU (derived here from the UUID the command carries), else the UUID."""
-    target = command.target_uuid
-    if target is not None:
+    visible: list[str] = []
+    if command.target_uuid is not None or command.gpu_moves:
         try:
-            process = api.get_process(command.process_id)
-            target = wire.cuda_ordinal(process.visible_gpus, target) or target
+            visible = api.get_process(command.process_id).visible_gpus
         except ServerError:
             pass
-    return f"{command.kind} {command.process_id}" + (f" to {target}" if target else "")
+
+    def shown(uuid: str) -> str:
+        return wire.cuda_ordinal(visible, uuid) or uuid
+
+    title = f"{command.kind} {command.process_id}"
+    if command.gpu_moves:
+        return title + " GPU by GPU: " + ", ".join(f"{shown(a)} to {shown(b)}" for a, b in command.gpu_moves.items())
+    return title + (f" to {shown(command.target_uuid)}" if command.target_uuid else "")
 
 
 def _reason(command: wire.CommandInfo) -> str:

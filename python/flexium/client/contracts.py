@@ -4,7 +4,7 @@ and mypy checks both sides against them."""
 
 from __future__ import annotations
 
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Callable, Mapping, Optional, Protocol, Sequence
 
 from flexium.config import FlexiumConfig
 from flexium.engine.capabilities import Capabilities
@@ -30,7 +30,9 @@ class EngineControl(Protocol):
 
     def footprint_bytes(self) -> int: ...
 
-    def migrate(self, target: str) -> OperationResult: ...
+    def migrate(
+        self, target: Optional[str] = None, *, moves: Optional[Mapping[str, str]] = None
+    ) -> OperationResult: ...
 
     def pause(self) -> OperationResult: ...
 

@@ -335,6 +335,8 @@ class ProcessClient:
             result: OperationResult
             if command.job is not None:
                 result = engine.run_job_operation(job_operation_of(command, command.job))
+            elif kind == "migrate" and command.gpu_moves:
+                result = engine.migrate(moves=command.gpu_moves)
             elif kind == "migrate":
                 if not target:
                     return self._failed("migrate needs a target GPU")

@@ -231,10 +231,10 @@ class Engine:
         target: Optional[Target] = None,
         *,
         path: PathChoice = "auto",
-        moves: Optional[Mapping[Target, Target]] = None,
+        moves: Optional[Mapping[str, Target]] = None,
     ) -> OperationResult:
         """Moves the job to `target`, a GPU UUID or a GpuIdentity of `gpus`. A process on several
-        GPUs may name `moves` instead: the GPU each of its devices is on now -> the GPU it goes
+        GPUs may name `moves` instead: the GPU (UUID) each of its devices is on now -> the GPU it goes
         to, for the devices that move (one left out stays, unless a named one moves onto its GPU:
         then it takes the GPU that one leaves, as with `target`)."""
         _check_path(path)
@@ -423,7 +423,7 @@ class Engine:
     def _plan(self, dest: GpuIdentity) -> MovePlan:
         return self._ctx.identity.plan({self._ctx.logical: dest})
 
-    def _plan_moves(self, moves: Mapping[Target, Target]) -> tuple[MovePlan, tuple[str, ...]]:
+    def _plan_moves(self, moves: Mapping[str, Target]) -> tuple[MovePlan, tuple[str, ...]]:
         """The plan of a migration named GPU by GPU (a process on several GPUs), each move checked
         as a move of that device's own share of the process's memory."""
         identity = self._ctx.identity

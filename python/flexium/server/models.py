@@ -228,6 +228,8 @@ class Command(Base):
     # The GPU the server resolved the target to; its index and the job's cuda:N are derived
     # when shown (an index is the host's, an ordinal the job's: neither names the GPU).
     target_uuid: Mapped[Optional[str]] = mapped_column(String(protocol.MAX_SHORT_TEXT), nullable=True)
+    # A migrate GPU by GPU (one process on several GPUs): GPU UUID now -> GPU UUID after.
+    gpu_moves: Mapped[Optional[Any]] = mapped_column(JsonType, nullable=True)
     created_at: Mapped[float] = mapped_column(Double)
     delivered_at: Mapped[Optional[float]] = mapped_column(Double, nullable=True)
     started_at: Mapped[Optional[float]] = mapped_column(Double, nullable=True)

@@ -219,6 +219,7 @@ async def create_command(ctx: ServerContext, *, auth: AuthInfo, body: wire.Comma
             process_id=body.process_id,
             target=body.target,
             ranks=body.ranks,
+            gpus=body.gpus,
             now=time.time(),
             stale_after=ctx.settings.stale_after_s,
         )

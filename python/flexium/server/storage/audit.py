@@ -103,6 +103,8 @@ def _command_detail(command: wire.CommandInfo) -> str:
     parts = []
     if command.target_uuid:
         parts.append(f"target {command.target_uuid}")
+    if command.gpu_moves:
+        parts.append("GPU by GPU " + ", ".join(f"{now} -> {after}" for now, after in command.gpu_moves.items()))
     if command.job is not None:
         parts.append(f"rank {command.job.rank} of job operation {command.job.operation_id}")
     if command.error:
@@ -130,6 +132,8 @@ def record_command_refused(
     *, session: Session, workspace_id: int, actor: "AuthInfo", request: wire.CommandRequest, reason: str, now: float
 ) -> None:
     target = "" if request.target is None else f" to {request.target}"
+    if request.gpus:
+        target += " GPU by GPU " + ", ".join(f"{now}={after}" for now, after in request.gpus.items())
     record_audit(
         session=session,
         workspace_id=workspace_id,

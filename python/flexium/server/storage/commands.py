@@ -25,7 +25,7 @@ from flexium import protocol, wire
 from flexium.server.errors import Busy, InvalidRequest, InvalidState, NotFound, Stale, TargetRefused
 from flexium.server.models import Command, Device, Process, table_of
 from flexium.server.storage import quotas
-from flexium.server.storage.devices import host_devices, list_devices
+from flexium.server.storage.devices import held_by_gpu, host_devices, list_devices
 from flexium.server.storage.jobs import create_job_commands, is_job_rank
 from flexium.server.storage.processes import active_command, apply_process_update, find_process, is_older, shown_process
 from flexium.server.storage.targets import check_target, require_capability, resolve_target, target_refusal
@@ -91,6 +91,7 @@ def create_commands(
     process_id: str,
     target: Union[str, int, None] = None,
     ranks: Optional[dict[str, Union[str, int]]] = None,
+    gpus: Optional[dict[str, Union[str, int]]] = None,
     now: float,
     stale_after: float,
 ) -> list[wire.CommandInfo]:
@@ -99,6 +100,15 @@ def create_commands(
     if kind not in protocol.COMMAND_KINDS:
         raise InvalidRequest(f"unknown command kind {kind!r}: use migrate, pause or resume")
     proc = find_process(session=session, workspace_id=workspace_id, process_id=process_id, for_update=True)
+    if gpus is not None and (kind != "migrate" or is_job_rank(proc) or target not in (None, "")):
+        raise InvalidRequest(
+            "gpus is for a migrate of one process on several GPUs, without a target: GPU it uses now -> GPU"
+            + (
+                f"; process {process_id!r} is a rank of a job of several: use target or ranks"
+                if is_job_rank(proc)
+                else ""
+            )
+        )
     if is_job_rank(proc):
         return create_job_commands(
             session=session,
@@ -125,15 +135,21 @@ def create_commands(
     if proc.state == protocol.FAILED:
         raise InvalidState(f"cannot {kind} process {process_id!r}: an earlier rollback failed; restart the job")
     device: Optional[Device] = None
+    gpu_moves: Optional[dict[str, str]] = None
     if kind == "migrate":
         if proc.state != "RUNNING":
             hint = "; resume it with a target instead" if proc.state == "PAUSED" else ""
             raise InvalidState(f"cannot migrate process {process_id!r}: it is {proc.state}{hint}")
         require_capability(proc, protocol.CAP_MIGRATION, "migrate")
-        if target is None or target == "":
+        if gpus is not None:
+            gpu_moves = _gpu_moves(session=session, proc=proc, gpus=gpus, now=now, stale_after=stale_after)
+            own = gpu_moves.get(proc.gpu_uuid or "")
+            device = host_devices(session=session, workspace_id=workspace_id, host=proc.host).get(own) if own else None
+        elif target is None or target == "":
             raise InvalidRequest("migrate needs a target GPU")
-        device = resolve_target(session=session, proc=proc, target=target)
-        check_target(proc, device, kind=kind, now=now, stale_after=stale_after)
+        else:
+            device = resolve_target(session=session, proc=proc, target=target)
+            check_target(proc, device, kind=kind, now=now, stale_after=stale_after)
     elif kind == "pause":
         if proc.state != "RUNNING":
             raise InvalidState(f"cannot pause process {process_id!r}: it is {proc.state}")
@@ -155,6 +171,7 @@ def create_commands(
         kind=kind,
         state="queued",
         target_uuid=device.uuid if device else None,
+        gpu_moves=gpu_moves,
         created_at=now,
         deliveries=0,
     )
@@ -164,6 +181,33 @@ def create_commands(
     except IntegrityError:
         raise Busy(f"process {process_id!r} already has an active command; one at a time") from None
     return [command_view(row, process_id)]
+
+
+def _gpu_moves(
+    *, session: Session, proc: Process, gpus: dict[str, Union[str, int]], now: float, stale_after: float
+) -> dict[str, str]:
+    """A migrate of a process on several GPUs named GPU by GPU, resolved to UUIDs (now -> after)
+    and checked move by move as the target rules check one device's share."""
+    held = held_by_gpu(proc.gpu_uuid, proc.memory_bytes, proc.gpu_bytes)
+    if not gpus:
+        raise InvalidRequest("gpus names no GPU: give GPU-now=GPU-after for each GPU that moves")
+    moves: dict[str, str] = {}
+    for now_text, after in gpus.items():
+        source = resolve_target(session=session, proc=proc, target=now_text)
+        dest = resolve_target(session=session, proc=proc, target=after)
+        if source.uuid not in held:
+            uses = ", ".join(sorted(held)) or "none reported"
+            raise TargetRefused(
+                f"process {proc.process_id!r} holds nothing on GPU {source.uuid} ({now_text}): gpus name the GPUs "
+                f"it uses ({uses})"
+            )
+        if source.uuid in moves:
+            raise InvalidRequest(f"GPU {source.uuid} is named twice in gpus")
+        if dest.uuid in moves.values():
+            raise TargetRefused(f"two GPUs of process {proc.process_id!r} cannot both go to GPU {dest.uuid}")
+        check_target(proc, dest, kind="migrate", now=now, stale_after=stale_after, source=source.uuid)
+        moves[source.uuid] = dest.uuid
+    return moves
 
 
 def _find_command(

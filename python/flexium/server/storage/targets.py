@@ -92,14 +92,24 @@ _RESUME_ELSEWHERE = "resuming on another GPU needs the migration capability"
 
 
 def target_refusal(
-    *, proc: Process, dev: Device, kind: str, now: float, stale_after: float, freed: int = 0
+    *,
+    proc: Process,
+    dev: Device,
+    kind: str,
+    now: float,
+    stale_after: float,
+    freed: int = 0,
+    source: Optional[str] = None,
 ) -> Optional[str]:
     """Why GPU ``dev`` cannot take ``proc`` for a ``kind`` command, in a few words; None when
     it can. The one statement of the target rules: command creation raises it, the resume
     choice picks by it, the dashboard's dialog and ``GET .../targets`` show it. ``freed``: the
-    bytes other ranks of the same job operation take off ``dev`` as ``proc`` arrives (a swap)."""
+    bytes other ranks of the same job operation take off ``dev`` as ``proc`` arrives (a swap).
+    ``source``: for a process on several GPUs moved GPU by GPU, the GPU whose share goes to
+    ``dev`` (default: its own device's)."""
     visible = list(proc.visible_gpus or [])
-    if kind == "migrate" and dev.uuid == proc.gpu_uuid:
+    moving_from = source or proc.gpu_uuid
+    if kind == "migrate" and dev.uuid == moving_from:
         return "the job is already on it"
     if visible and dev.uuid not in visible:
         return "not visible to the job (CUDA_VISIBLE_DEVICES)"
@@ -111,10 +121,10 @@ def target_refusal(
     if dev.updated_at < now - stale_after:
         return "no fresh report from its host"
     held = held_by_gpu(proc.gpu_uuid, proc.memory_bytes, proc.gpu_bytes)
-    if len(held) > 1 and proc.gpu_uuid is not None:
-        # A process on several GPUs: only its own device's share moves, and a share of its
+    if len(held) > 1 and moving_from is not None:
+        # A process on several GPUs: only the moving device's share moves, and a share of its
         # that is on the target now moves off it (the restore swaps them).
-        need = held[proc.gpu_uuid]
+        need = held.get(moving_from, 0)
         freed += held.get(dev.uuid, 0) if proc.state != "PAUSED" else 0
     else:
         need = max(proc.footprint_bytes, proc.memory_bytes)
@@ -126,8 +136,17 @@ def target_refusal(
     return None
 
 
-def check_target(proc: Process, dev: Device, *, kind: str, now: float, stale_after: float, freed: int = 0) -> None:
-    reason = target_refusal(proc=proc, dev=dev, kind=kind, now=now, stale_after=stale_after, freed=freed)
+def check_target(
+    proc: Process,
+    dev: Device,
+    *,
+    kind: str,
+    now: float,
+    stale_after: float,
+    freed: int = 0,
+    source: Optional[str] = None,
+) -> None:
+    reason = target_refusal(proc=proc, dev=dev, kind=kind, now=now, stale_after=stale_after, freed=freed, source=source)
     if reason == _RESUME_ELSEWHERE:
         require_capability(proc, protocol.CAP_MIGRATION, "resume on another GPU")
     if reason is not None:

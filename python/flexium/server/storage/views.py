@@ -47,6 +47,7 @@ def command_view(row: Command, process_id: str) -> wire.CommandInfo:
             "process_id": process_id,
             "state": row.state,
             "target_uuid": row.target_uuid,
+            "gpu_moves": row.gpu_moves,
             "created_at": row.created_at,
             "delivered_at": row.delivered_at,
             "started_at": row.started_at,
