@@ -342,8 +342,8 @@ def _command(api: ApiClient, args: argparse.Namespace) -> int:
     gpus = _parse_pairs("--gpus", gpus_text, "GPU=GPU, e.g. cuda:0=cuda:2,cuda:1=cuda:3") if gpus_text else None
     if sum(given is not None and given != "" for given in (target, ranks, gpus)) > 1:
         raise _UsageError(
-            "give one of a TARGET (where the process goes), --ranks (several ranks of a job) or --gpus (the GPUs "
-            "of one process on several)"
+            "give a TARGET (where the process goes), --ranks (several ranks of a job) or --gpus (the GPUs of one "
+            "process on several), not both"
         )
     if args.command == "migrate" and not target and ranks is None and gpus is None:
         raise _UsageError(
