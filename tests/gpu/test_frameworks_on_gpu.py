@@ -147,7 +147,14 @@ def test_a_job_on_two_gpus_is_paused_resumed_and_swapped_bit_identical(
     _moved_while_training(
         job,
         tmp_path,
-        [("pause", "{id}"), ("resume", "{id}"), ("migrate", "{id}", "cuda:1"), ("migrate", "{id}", "cuda:0")],
+        [
+            ("pause", "{id}"),
+            ("resume", "{id}"),
+            ("migrate", "{id}", "cuda:1"),
+            ("migrate", "{id}", "cuda:0"),
+            ("migrate", "{id}", "--gpus", "cuda:0=cuda:1,cuda:1=cuda:0"),  # GPU by GPU
+            ("migrate", "{id}", "--gpus", "cuda:1=cuda:0,cuda:0=cuda:1"),
+        ],
         path="driver",
     )
 
