@@ -102,29 +102,30 @@ def test_a_whole_job_pauses_resumes_and_swaps_bit_identical(two_gpus: list[Any],
     assert zero == one
 
 
-def test_a_job_whose_nccl_cannot_suspend_is_refused_and_trains_on(two_gpus: list[Any]) -> None:
-    job = torchrun("--model", "ddp", "--steps", "30", "--plan", "5:pause", "--plan", "8:migrate:0=1,1=0", nccl=None)
+def _refused_and_trained_on(job: TorchrunJob, problem: str, error: str) -> None:
+    """Every rank reported itself not movable for `problem`, each planned operation was refused
+    with `error` after "cannot KIND the job: ", and the job trained to the end, its ballast intact."""
     assert job.returncode == 0, job.stderr[-4000:]
     for rank in (0, 1):
         caps = job.of(rank, "capabilities")[0]
         assert caps["job_operations"] is False
-        assert any("which cannot suspend its communicators" in problem for problem in caps["problems"]), caps
+        assert any(problem in p for p in caps["problems"]), caps
         for op in job.of(rank, "op"):
-            assert not op["ok"] and op["error"].startswith(f"cannot {op['kind']} the job: this job's NCCL is 2.28.9")
+            assert not op["ok"] and op["error"].startswith(f"cannot {op['kind']} the job: {error}")
         assert len(job.losses(rank)) == 30 and job.of(rank, "done")[0]["ballast_intact"]
+
+
+def test_a_job_whose_nccl_cannot_suspend_is_refused_and_trains_on(two_gpus: list[Any]) -> None:
+    job = torchrun("--model", "ddp", "--steps", "30", "--plan", "5:pause", "--plan", "8:migrate:0=1,1=0", nccl=None)
+    _refused_and_trained_on(job, "which cannot suspend its communicators", "this job's NCCL is 2.28.9")
 
 
 def test_a_job_holding_a_cuda_graph_of_an_all_reduce_is_refused_and_trains_on(two_gpus: list[Any]) -> None:
     plan = ("--plan", "5:pause", "--plan", "8:migrate:0=1,1=0")
     job = torchrun("--model", "ddp", "--steps", "30", "--graph-all-reduce", *plan, nccl=nccl_with_suspend())
-    assert job.returncode == 0, job.stderr[-4000:]
-    for rank in (0, 1):
-        caps = job.of(rank, "capabilities")[0]
-        assert caps["job_operations"] is False
-        assert any("a CUDA graph captured while its NCCL process group existed" in p for p in caps["problems"]), caps
-        for op in job.of(rank, "op"):
-            assert not op["ok"] and op["error"].startswith(f"cannot {op['kind']} the job: this rank holds a CUDA graph")
-        assert len(job.losses(rank)) == 30 and job.of(rank, "done")[0]["ballast_intact"]
+    _refused_and_trained_on(
+        job, "a CUDA graph captured while its NCCL process group existed", "this rank holds a CUDA graph"
+    )
 
 
 # ------------------------------------------------------------------ what one GPU can show

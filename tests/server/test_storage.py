@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import pytest
 from sqlalchemy import select, text
@@ -34,15 +34,22 @@ def _register(db: Database, ws: int, process_id: str = "gpu-1", now: float = NOW
 
 
 def _command(
-    db: Database, ws: int, kind: str, process_id: str = "gpu-1", target: Any = None, now: float = NOW
-) -> dict[str, Any]:
-    created = db.run(
+    db: Database,
+    ws: int,
+    kind: str,
+    process_id: str = "gpu-1",
+    target: Any = None,
+    now: float = NOW,
+    gpus: Optional[dict[str, Any]] = None,
+) -> wire.CommandInfo:
+    created: list[wire.CommandInfo] = db.run(
         storage.create_commands,
         write=True,
         workspace_id=ws,
         kind=kind,
         process_id=process_id,
         target=target,
+        gpus=gpus,
         now=now,
         stale_after=STALE,
     )
@@ -925,21 +932,7 @@ def test_a_process_on_two_gpus_is_moved_gpu_by_gpu(db: Database) -> None:
     devices[0]["process_bytes"], devices[1]["process_bytes"] = 3 * GIB, 2 * GIB
     _register(db, ws, "dp", memory=5 * GIB, devices=devices)
 
-    def moved(gpus: dict[str, Any], target: Any = None) -> wire.CommandInfo:
-        created: list[wire.CommandInfo] = db.run(
-            storage.create_commands,
-            write=True,
-            workspace_id=ws,
-            kind="migrate",
-            process_id="dp",
-            target=target,
-            gpus=gpus,
-            now=NOW,
-            stale_after=STALE,
-        )
-        return created[0]
-
-    refusals = {
+    refusals: dict[str, dict[str, Any]] = {
         "holds nothing on GPU GPU-0002 (2): gpus name the GPUs it uses (GPU-0000, GPU-0001)": {"2": 3},
         "two GPUs of process 'dp' cannot both go to GPU GPU-0002": {"0": 2, "1": 2},
         "GPU GPU-0003 cannot take process 'dp': 2.0 GiB free, the job needs 3.0 GiB": {"0": 3},
@@ -948,11 +941,12 @@ def test_a_process_on_two_gpus_is_moved_gpu_by_gpu(db: Database) -> None:
     }
     for message, gpus in refusals.items():
         with pytest.raises((errors.TargetRefused, errors.InvalidRequest), match=re.escape(message)):
-            moved(gpus)
+            _command(db, ws, "migrate", "dp", gpus=gpus)
     with pytest.raises(errors.InvalidRequest, match="gpus is for a migrate of one process on several GPUs"):
-        moved({"0": 2}, target=2)
+        _command(db, ws, "migrate", "dp", target=2, gpus={"0": 2})
 
-    command = moved({"0": 2, "cuda:1": 0})  # its GPU 1's memory onto GPU 0, which its own device leaves
+    # Its GPU 1's memory onto GPU 0, which its own device leaves.
+    command = _command(db, ws, "migrate", "dp", gpus={"0": 2, "cuda:1": 0})
     assert command.gpu_moves == {"GPU-0000": "GPU-0002", "GPU-0001": "GPU-0000"}
     assert command.target_uuid == "GPU-0002"  # where the process's own device goes
     with db.session(write=False) as s:

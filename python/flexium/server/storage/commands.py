@@ -100,16 +100,13 @@ def create_commands(
     if kind not in protocol.COMMAND_KINDS:
         raise InvalidRequest(f"unknown command kind {kind!r}: use migrate, pause or resume")
     proc = find_process(session=session, workspace_id=workspace_id, process_id=process_id, for_update=True)
-    if gpus is not None and (kind != "migrate" or is_job_rank(proc) or target not in (None, "")):
+    job_rank = is_job_rank(proc)
+    if gpus is not None and (job_rank or kind != "migrate" or target not in (None, "")):
+        rank = f"; process {process_id!r} is a rank of a job of several: use target or ranks" if job_rank else ""
         raise InvalidRequest(
-            "gpus is for a migrate of one process on several GPUs, without a target: GPU it uses now -> GPU"
-            + (
-                f"; process {process_id!r} is a rank of a job of several: use target or ranks"
-                if is_job_rank(proc)
-                else ""
-            )
+            f"gpus is for a migrate of one process on several GPUs, without a target: GPU it uses now -> GPU{rank}"
         )
-    if is_job_rank(proc):
+    if job_rank:
         return create_job_commands(
             session=session,
             workspace_id=workspace_id,
@@ -142,9 +139,9 @@ def create_commands(
             raise InvalidState(f"cannot migrate process {process_id!r}: it is {proc.state}{hint}")
         require_capability(proc, protocol.CAP_MIGRATION, "migrate")
         if gpus is not None:
-            gpu_moves = _gpu_moves(session=session, proc=proc, gpus=gpus, now=now, stale_after=stale_after)
-            own = gpu_moves.get(proc.gpu_uuid or "")
-            device = host_devices(session=session, workspace_id=workspace_id, host=proc.host).get(own) if own else None
+            goes_to = _gpu_moves(session=session, proc=proc, gpus=gpus, now=now, stale_after=stale_after)
+            gpu_moves = {uuid: dest.uuid for uuid, dest in goes_to.items()}
+            device = goes_to.get(proc.gpu_uuid or "")  # where its own device goes, if named
         elif target is None or target == "":
             raise InvalidRequest("migrate needs a target GPU")
         else:
@@ -185,13 +182,13 @@ def create_commands(
 
 def _gpu_moves(
     *, session: Session, proc: Process, gpus: dict[str, Union[str, int]], now: float, stale_after: float
-) -> dict[str, str]:
-    """A migrate of a process on several GPUs named GPU by GPU, resolved to UUIDs (now -> after)
-    and checked move by move as the target rules check one device's share."""
+) -> dict[str, Device]:
+    """A migrate of a process on several GPUs named GPU by GPU, resolved (UUID now -> the GPU it
+    goes to) and checked move by move as the target rules check one device's share."""
     held = held_by_gpu(proc.gpu_uuid, proc.memory_bytes, proc.gpu_bytes)
     if not gpus:
         raise InvalidRequest("gpus names no GPU: give GPU-now=GPU-after for each GPU that moves")
-    moves: dict[str, str] = {}
+    moves: dict[str, Device] = {}
     for now_text, after in gpus.items():
         source = resolve_target(session=session, proc=proc, target=now_text)
         dest = resolve_target(session=session, proc=proc, target=after)
@@ -203,10 +200,10 @@ def _gpu_moves(
             )
         if source.uuid in moves:
             raise InvalidRequest(f"GPU {source.uuid} is named twice in gpus")
-        if dest.uuid in moves.values():
+        if any(taken.uuid == dest.uuid for taken in moves.values()):
             raise TargetRefused(f"two GPUs of process {proc.process_id!r} cannot both go to GPU {dest.uuid}")
         check_target(proc, dest, kind="migrate", now=now, stale_after=stale_after, source=source.uuid)
-        moves[source.uuid] = dest.uuid
+        moves[source.uuid] = dest
     return moves
 
 
