@@ -47,6 +47,10 @@ def test_a_process_on_two_gpus_is_moved_gpu_by_gpu(server: Server, job: Job) -> 
     refused = server.cli("migrate", job.process_id, "--gpus", "cuda:1=cuda:0", "--json")
     assert refused.returncode == 1
     assert f"holds nothing on GPU {uuids[1]} (cuda:1): gpus name the GPUs it uses" in refused.stdout, refused.stdout
+    malformed = server.cli("migrate", job.process_id, "--gpus", "cuda:2")
+    assert malformed.returncode == 2 and "--gpus 'cuda:2': each entry is GPU=GPU" in malformed.stderr
+    mistyped = server.cli("migrate", job.process_id, "--gpus", "cuda:2=gpu1")
+    assert mistyped.returncode == 2 and "gpu1" in mistyped.stderr, mistyped.stderr
     both = server.cli("migrate", job.process_id, "cuda:0", "--gpus", "cuda:2=cuda:0")
     assert both.returncode == 2 and "or --gpus (the GPUs of one process on several), not both" in both.stderr
 
