@@ -93,11 +93,12 @@ class FakeHost:
     def uuid(self, index: int) -> str:
         return self.gpus[index].uuid(self.name)
 
-    def report(self) -> list[dict[str, Any]]:
+    def report(self, by: Optional["SimJob"] = None) -> list[dict[str, Any]]:
+        """The GPUs as job ``by`` reports them: with what it holds on each when it is on several."""
         out = []
         for gpu in self.gpus:
             uuid = gpu.uuid(self.name)
-            used = gpu.other + sum(j.memory for j in self.jobs if j.gpu_uuid == uuid and j.state != "PAUSED")
+            used = gpu.other + sum(j.held_on(uuid) for j in self.jobs)
             out.append(
                 {
                     "uuid": uuid,
@@ -108,6 +109,7 @@ class FakeHost:
                     "utilization": gpu.utilization,
                     "temperature": gpu.temperature,
                     "health": gpu.health,
+                    **({"process_bytes": by.held_on(uuid)} if by is not None and by.shares else {}),
                 }
             )
         return out
@@ -116,7 +118,9 @@ class FakeHost:
 class SimJob:
     """A training process as the server sees it. Operations succeed after ``op_seconds`` of
     reported time; ``hold`` (cleared Event) keeps the next one at 'running' until set;
-    ``fail_with`` makes it fail with that error (rolled back, still on its GPU)."""
+    ``fail_with`` makes it fail with that error (rolled back, still on its GPU). ``shares``: a
+    process on several GPUs (DataParallel), the bytes it holds on each GPU index, its own
+    device (``gpu``) among them; a migrate moves each share as the command's ``gpu_moves`` say."""
 
     def __init__(
         self,
@@ -136,14 +140,16 @@ class SimJob:
         problems: Optional[list[str]] = None,
         steps: Optional[int] = None,
         loss: Optional[float] = None,
+        shares: Optional[dict[int, int]] = None,
     ) -> None:
         self.api = api
         self.host = host
         self.process_id = process_id
         self.gpu_uuid: Optional[str] = host.uuid(gpu)
         self.gpu_index: Optional[int] = gpu
-        self.memory = memory
-        self.footprint = memory
+        self.shares = {host.uuid(index): held for index, held in (shares or {}).items()}
+        self.memory = sum(self.shares.values()) if self.shares else memory
+        self.footprint = self.memory
         self.user = user
         self.cmdline = cmdline
         self.capabilities: dict[str, Any] = {"migration": migration, "pause_resume": pause_resume}
@@ -189,7 +195,7 @@ class SimJob:
             "state": self.state,
             "started_at": time.time() - 3725,
             "cmdline": self.cmdline,
-            "devices": self.host.report(),
+            "devices": self.host.report(self),
             **({"job": self.job} if self.job is not None else {}),
         }
 
@@ -207,9 +213,16 @@ class SimJob:
                 "memory_bytes": 0 if self.state == "PAUSED" else self.memory,
                 "footprint_bytes": self.footprint,
                 "gpu_uuid": self.gpu_uuid,
-                "devices": self.host.report(),
+                "devices": self.host.report(self),
                 **progress,
             }
+
+    def held_on(self, uuid: str) -> int:
+        if self.state == "PAUSED":
+            return 0
+        if self.shares:
+            return self.shares.get(uuid, 0)
+        return self.memory if self.gpu_uuid == uuid else 0
 
     # --- life -----------------------------------------------------------------------------
 
@@ -320,6 +333,8 @@ class SimJob:
             else:
                 self.state = "RUNNING"
                 self.gpu_uuid, self.gpu_index = target_uuid, target_index
+                moves = cmd.get("gpu_moves") or {}
+                self.shares = {moves.get(uuid, uuid): held for uuid, held in self.shares.items()}
             update = {
                 "state": self.state,
                 "gpu_uuid": self.gpu_uuid,

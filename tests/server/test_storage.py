@@ -952,6 +952,40 @@ def test_a_process_on_two_gpus_is_moved_gpu_by_gpu(db: Database) -> None:
     with db.session(write=False) as s:
         assert s.scalar(select(models.Command.gpu_moves)) == command.gpu_moves
 
+    # Done: it is shown where each GPU's memory went at once, before its next device report.
+    _next(db, ws, "dp")
+    _report(db, ws, command.id, "running")
+    _command_after, shown, changed = _report(db, ws, command.id, "succeeded", process={"state": "RUNNING"})
+    assert changed and (shown.gpu_uuid, shown.other_gpus) == ("GPU-0002", ["GPU-0000"])
+
+
+def test_a_heartbeat_that_changes_the_gpus_a_process_holds_memory_on_is_a_change(db: Database) -> None:
+    """The dashboard re-renders a process on a change heartbeats publish: a process that takes
+    memory on a second GPU (or leaves it) is one, though its total stays the same."""
+    ws, _ = _workspace(db)
+    _register(db, ws, "dp", memory=5 * GIB, devices=[gpu(0, used=5 * GIB), gpu(1)])
+
+    def beat(held: dict[int, int]) -> Any:
+        devices = [gpu(i, used=held.get(i, 0)) for i in (0, 1)]
+        for i, n in held.items():
+            devices[i]["process_bytes"] = n
+        return db.run(
+            storage.heartbeat,
+            write=True,
+            workspace_id=ws,
+            process_id="dp",
+            report=wire.HeartbeatRequest.model_validate({"memory_bytes": 5 * GIB, "devices": devices}),
+            now=NOW + 1,
+            stale_after=STALE,
+        ).changed
+
+    assert beat({0: 5 * GIB}) is None  # as registered
+    changed = beat({0: 3 * GIB, 1: 2 * GIB})
+    assert changed is not None and changed.other_gpus == ["GPU-0001"]
+    assert beat({0: 4 * GIB, 1: 1 * GIB}) is None  # the same GPUs
+    changed = beat({0: 5 * GIB})
+    assert changed is not None and changed.other_gpus == []
+
 
 def test_0009_goes_back_to_0008_keeping_the_commands(db: Database) -> None:
     from alembic import command

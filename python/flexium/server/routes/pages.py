@@ -500,13 +500,23 @@ def table_entries(processes: list[wire.ProcessInfo]) -> list[tuple[str, Any]]:
     return entries
 
 
+def seen_gpus(process: wire.ProcessInfo, devices: dict[str, Any]) -> list[Any]:
+    """The GPUs of ``devices`` (its host's, by UUID) that ``process`` sees: where a migrate form
+    may send it."""
+    return [devices[uuid] for uuid in process.visible_gpus if uuid in devices]
+
+
 def rank_targets(job: wire.JobSummary, hosts: list[wire.HostInfo]) -> list[tuple[wire.ProcessInfo, list[Any]]]:
-    """(rank, the GPUs it may be sent to: those of its host that it sees) for the job's migrate form."""
-    devices = {(h.host, d.uuid): d for h in hosts for d in h.devices}
-    return [
-        (rank, [devices[(rank.host, uuid)] for uuid in rank.visible_gpus if (rank.host, uuid) in devices])
-        for rank in job.ranks
-    ]
+    """(rank, the GPUs it may be sent to) for the job's migrate form."""
+    on_host = {h.host: {d.uuid: d for d in h.devices} for h in hosts}
+    return [(rank, seen_gpus(rank, on_host.get(rank.host, {}))) for rank in job.ranks]
+
+
+def gpu_targets(process: wire.ProcessInfo, devices: dict[str, Any]) -> list[tuple[str, list[Any]]]:
+    """(a GPU it holds memory on, the GPUs that memory may be sent to) for the migrate form of a
+    process on several GPUs; its own device first."""
+    seen = seen_gpus(process, devices)
+    return [(uuid, seen) for uuid in [process.gpu_uuid or "", *process.other_gpus]]
 
 
 # --- auth and responses -----------------------------------------------------------------------
@@ -675,11 +685,16 @@ async def target_form(
     process_id: wire.ProcessId,
     kind: str = Query("migrate", pattern="^(migrate|resume)$"),
 ) -> Response:
+    """The Migrate / Resume dialog's form: the GPUs of the process's host judged as targets; to
+    migrate a process on several GPUs, a GPU for each of its GPUs."""
     view = await _view(request, ctx, auth, process_ids=[process_id], commands=False, devices=False, targets=kind)
     if not view["processes"]:
         return Response("", status_code=404, headers=_HEADERS)
-    view["process"] = view["processes"][0]
+    process = view["process"] = view["processes"][0]
     judged = view["targets"]
+    if kind == "migrate" and process.other_gpus:
+        view["gpu_targets"] = gpu_targets(process, {t.device.uuid: t.device for t in judged})
+        return _render(request, "fragments/gpus_migrate.html", view)
     view.update(
         kind=kind,
         fits=[t.device for t in judged if t.refusal is None],

@@ -141,12 +141,16 @@
   // dialog shows when the command is first seen, kept for its later notices (cards come and go as
   // the page updates).
   var gpuTexts = new Map();
+  function gpuName(uuid) {
+    var shown = document.querySelector('[data-uuid="' + CSS.escape(uuid) + '"][data-index]:not([data-index=""])');
+    return shown ? "GPU " + shown.dataset.index : uuid;
+  }
   function gpuText(c) {
-    if (!c.target_uuid) { return ""; }
     if (!gpuTexts.has(c.id)) {
-      var shown = document.querySelector('[data-uuid="' + CSS.escape(c.target_uuid) + '"][data-index]:not([data-index=""])');
-      var index = shown ? shown.dataset.index : "";
-      gpuTexts.set(c.id, index ? " → GPU " + index : " → " + c.target_uuid);
+      var moves = c.gpu_moves ? Object.keys(c.gpu_moves).map(function (now) {
+        return gpuName(now) + " → " + gpuName(c.gpu_moves[now]);
+      }).sort() : [];
+      gpuTexts.set(c.id, moves.length ? " " + moves.join(", ") : c.target_uuid ? " → " + gpuName(c.target_uuid) : "");
     }
     return gpuTexts.get(c.id);
   }
@@ -231,12 +235,20 @@
 
   // --- the buttons and the dialog that send commands -----------------------------------------
 
-  // What the dialog's form chose: a GPU for each rank of a job, or one target (none: the server picks).
+  // What the dialog's form chose: a GPU for each rank of a job, where each GPU's memory of a
+  // process on several goes (those that move), or one target (none: the server picks).
   function formChoice(form) {
     if (form.dataset.jobKey) {
       var ranks = {};
       form.querySelectorAll("select[data-rank]").forEach(function (select) { ranks[select.dataset.rank] = select.value; });
       return {ranks: ranks};
+    }
+    if (form.dataset.gpus) {
+      var gpus = {};
+      form.querySelectorAll("select[data-gpu]").forEach(function (select) {
+        if (select.value !== select.dataset.current) { gpus[select.dataset.gpu] = select.value; }
+      });
+      return {gpus: gpus};
     }
     var choice = form.querySelector("input[name=target]:checked");
     return choice && choice.value ? {target: choice.value} : {};
@@ -313,8 +325,8 @@
     });
 
     dialog.addEventListener("click", function (ev) {
-      if (ev.target.closest("[data-swap]")) {            // two ranks: each takes the other's GPU
-        var selects = dialogBody.querySelectorAll("select[data-rank]");
+      if (ev.target.closest("[data-swap]")) {            // two ranks or GPUs: each takes the other's GPU
+        var selects = dialogBody.querySelectorAll("select[data-current]");
         if (selects.length === 2) {
           var first = selects[0].dataset.current, second = selects[1].dataset.current;
           selects[0].value = second;

@@ -359,6 +359,7 @@ def report_command(
         _settle_process(proc, cmd, succeeded=state == "succeeded")
         if state == "succeeded":
             update = _location_after(cmd, update)
+            _move_held_by_gpu(proc, cmd)
     apply_process_update(proc, update)
     if proc.memory_bytes:
         proc.footprint_bytes = (
@@ -400,6 +401,13 @@ def _location_after(cmd: Command, update: wire.ProcessUpdate) -> wire.ProcessUpd
     if not cmd.target_uuid or "gpu_uuid" in update.model_fields_set:
         return update
     return update.model_copy(update={"gpu_uuid": cmd.target_uuid})
+
+
+def _move_held_by_gpu(proc: Process, cmd: Command) -> None:
+    """A migrate GPU by GPU takes what the process held on each GPU where it went: shown at once,
+    before its next device report says the same."""
+    if cmd.gpu_moves and proc.gpu_bytes:
+        proc.gpu_bytes = {cmd.gpu_moves.get(uuid, uuid): held for uuid, held in proc.gpu_bytes.items()}
 
 
 def count_commands(*, session: Session) -> dict[str, int]:

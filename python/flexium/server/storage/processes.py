@@ -4,7 +4,7 @@ network cut), heartbeat, unregister, read."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 from sqlalchemy import bindparam, case, func, or_, select, update
 from sqlalchemy.orm import Session
@@ -13,7 +13,7 @@ from flexium import protocol, wire
 from flexium.server.errors import Forbidden, InvalidRequest, NotFound
 from flexium.server.models import Command, Process, table_of
 from flexium.server.storage import quotas
-from flexium.server.storage.devices import device_indexes, upsert_devices
+from flexium.server.storage.devices import device_indexes, held_by_gpu, upsert_devices
 from flexium.server.storage.views import process_view
 
 _REGISTER_FIELDS = (
@@ -273,6 +273,12 @@ def is_older(seq: Optional[int], applied: Optional[int]) -> bool:
     return seq is not None and applied is not None and seq < applied
 
 
+def _shown_placement(row: Process) -> tuple[Any, ...]:
+    """What a heartbeat may change that the dashboard shows: the fields it states, and the GPUs
+    a process on several holds memory on."""
+    return (*(getattr(row, name) for name in _UPDATED), sorted(held_by_gpu(row.gpu_uuid, 0, row.gpu_bytes)))
+
+
 def heartbeat(
     *,
     session: Session,
@@ -293,7 +299,7 @@ def heartbeat(
     this write, and the beat would then write back the state (and ``seq``) it replaced."""
     row = find_process(session=session, workspace_id=workspace_id, process_id=process_id, for_update=True)
     was_stale = row.last_seen < now - stale_after
-    before = tuple(getattr(row, name) for name in _UPDATED)
+    before = _shown_placement(row)
     # Progress only grows and is not a placement: an older beat's still counts.
     Progress.of(row).after(steps=report.steps, loss=report.loss, now=now).store(row)
     if is_older(report.seq, row.state_seq):
@@ -312,7 +318,7 @@ def heartbeat(
         .limit(1)
     )
     changed = None
-    if was_stale or before != tuple(getattr(row, name) for name in _UPDATED):
+    if was_stale or before != _shown_placement(row):
         changed = shown_process(
             session=session,
             row=row,

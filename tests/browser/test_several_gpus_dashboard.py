@@ -1,0 +1,104 @@
+"""One process on several GPUs (DataParallel, a model split over devices) on the dashboard in
+headless Chromium: its migrate dialog asks where each GPU's memory goes; a swap and a move to two
+other GPUs go out as one command with gpus and reach the process; the server's refusals show in
+the dialog; the notice and the row name every move."""
+
+from __future__ import annotations
+
+import pytest
+from selenium.webdriver.common.by import By
+
+from dash_helpers import GIB, Api, FakeHost, Jobs
+from dash_page import Dashboard
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _choices(dash: Dashboard) -> dict[str, tuple[str, str]]:
+    """GPU it holds memory on -> (where the form sends it, where it is)."""
+    return {
+        select.get_attribute("data-gpu"): (select.get_attribute("value"), select.get_attribute("data-current"))
+        for select in dash.d.find_elements(By.CSS_SELECTOR, "#gpus-form select[data-gpu]")
+    }
+
+
+def _choose(dash: Dashboard, gpu: str, target: str) -> None:
+    dash.js(
+        "document.querySelector('#gpus-form select[data-gpu=\"' + arguments[0] + '\"]').value = arguments[1]",
+        gpu,
+        target,
+    )
+
+
+def _open_migrate(dash: Dashboard, process_id: str) -> None:
+    dash.wait_buttons(process_id, {"Migrate": True, "Pause": True})
+    dash.click(process_id, "migrate")
+    dash.wait(lambda: dash.dialog_open() and _choices(dash), "the per-GPU migrate dialog")
+
+
+def test_a_process_on_two_gpus_is_swapped_and_moved_gpu_by_gpu(dash: Dashboard, jobs: Jobs, api: Api) -> None:
+    proc = "dp-job-0001"
+    host = FakeHost("dp-node")
+    u = [host.uuid(i) for i in range(4)]
+    job = jobs(host, proc, gpu=0, shares={0: 30 * GIB, 1: 20 * GIB}, cmdline="python train_dp.py")
+    dash.open()
+    dash.wait_cell(proc, "Device", "GPU 0", "+ GPU 1")
+
+    _open_migrate(dash, proc)
+    assert _choices(dash) == {u[0]: (u[0], u[0]), u[1]: (u[1], u[1])}
+    assert "On 2 GPUs of dp-node" in dash.d.find_element(By.ID, "gpus-form").text
+    dash.submit_dialog()  # every GPU where it is
+    dash.wait(lambda: "gpus names no GPU" in dash.dialog_error(), "nothing to move, refused")
+    _choose(dash, u[0], u[2])
+    _choose(dash, u[1], u[2])
+    dash.submit_dialog()
+    dash.wait(lambda: f"cannot both go to GPU {u[2]}" in dash.dialog_error(), "two GPUs onto one, refused")
+    assert dash.dialog_open() and not job.received and not api.commands(proc)
+
+    dash.d.find_element(By.CSS_SELECTOR, "#gpus-form [data-swap]").click()
+    assert _choices(dash) == {u[0]: (u[1], u[0]), u[1]: (u[0], u[1])}
+    dash.submit_dialog()
+    dash.wait(lambda: job.shares == {u[1]: 30 * GIB, u[0]: 20 * GIB}, "the process's GPUs swap")
+    [swap] = job.received
+    assert swap["gpu_moves"] == {u[0]: u[1], u[1]: u[0]} and swap["target_uuid"] == u[1]
+    assert not dash.dialog_open()
+    dash.wait(
+        lambda: any("GPU 0 → GPU 1, GPU 1 → GPU 0" in text and "succeeded" in text for _r, text in dash.notices()),
+        "the notice names both moves",
+    )
+    dash.wait_cell(proc, "Device", "GPU 1", "+ GPU 0")
+    dash.wait_cell(proc, "Last migration", "migrate GPU 0 → GPU 1, GPU 1 → GPU 0", "succeeded")
+
+    _open_migrate(dash, proc)
+    assert _choices(dash) == {u[1]: (u[1], u[1]), u[0]: (u[0], u[0])}
+    _choose(dash, u[1], u[2])
+    _choose(dash, u[0], u[3])
+    dash.submit_dialog()
+    dash.wait(lambda: job.shares == {u[2]: 30 * GIB, u[3]: 20 * GIB}, "the process moves to GPUs 2 and 3")
+    assert job.received[-1]["gpu_moves"] == {u[1]: u[2], u[0]: u[3]}
+    dash.wait_cell(proc, "Device", "GPU 2", "+ GPU 3")
+    dash.wait(
+        lambda: dash.bar(u[2])["flexium"] > 0 and dash.bar(u[3])["flexium"] > 0 and dash.bar(u[0])["flexium"] == 0,
+        "the GPU cards show its memory where it went",
+    )
+    assert not job.errors
+
+
+def test_a_gpu_without_room_for_its_share_is_refused_in_the_dialog(dash: Dashboard, jobs: Jobs, api: Api) -> None:
+    proc = "dp-job-0002"
+    host = FakeHost("dp-node2")
+    host.gpus[3].other = 125 * GIB
+    u = [host.uuid(i) for i in range(4)]
+    job = jobs(host, proc, gpu=0, shares={0: 30 * GIB, 1: 20 * GIB})
+    dash.open()
+    _open_migrate(dash, proc)
+    _choose(dash, u[1], u[3])  # 15 GiB free there, 20 GiB to take
+    dash.submit_dialog()
+    dash.wait(lambda: "15.0 GiB free, the job needs 20.0 GiB" in dash.dialog_error(), "no room, refused")
+    assert not job.received and not api.commands(proc)
+    _choose(dash, u[1], u[2])  # only its second GPU's share moves; its own device stays
+    dash.submit_dialog()
+    dash.wait(lambda: job.shares == {u[0]: 30 * GIB, u[2]: 20 * GIB}, "its second GPU's share moves alone")
+    [move] = job.received
+    assert move["gpu_moves"] == {u[1]: u[2]} and move["target_uuid"] is None
+    dash.wait_cell(proc, "Device", "GPU 0", "+ GPU 2")
