@@ -22,6 +22,10 @@ def _choices(dash: Dashboard) -> dict[str, tuple[str, str]]:
     }
 
 
+def _text(dash: Dashboard, element_id: str) -> str:
+    return str(dash.js("return document.getElementById(arguments[0]).textContent.replace(/\\s+/g, ' ')", element_id))
+
+
 def _choose(dash: Dashboard, gpu: str, target: str) -> None:
     dash.js(
         "document.querySelector('#gpus-form select[data-gpu=\"' + arguments[0] + '\"]').value = arguments[1]",
@@ -102,3 +106,8 @@ def test_a_gpu_without_room_for_its_share_is_refused_in_the_dialog(dash: Dashboa
     [move] = job.received
     assert move["gpu_moves"] == {u[1]: u[2]} and move["target_uuid"] is None
     dash.wait_cell(proc, "Device", "GPU 0", "+ GPU 2")
+
+    dash.open(f"jobs/{proc}")  # its page: both GPUs, and a card for each
+    dash.wait(lambda: "GPU 0 + GPU 2" in _text(dash, "job-gpu"), "the job page names both GPUs")
+    cards = dash.d.find_elements(By.CSS_SELECTOR, "#job-gpus article.gpu")
+    assert sorted(card.get_attribute("data-uuid") for card in cards) == [u[0], u[2]]
