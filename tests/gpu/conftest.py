@@ -1,6 +1,6 @@
 """GPU tests: run by ci/gpu-tests.sh on a machine with 1+ NVIDIA GPUs. Tests that move a job to
-another GPU (or fill GPU 1) request the `two_gpus` fixture and are skipped, reported as not run,
-where NVML sees fewer than 2. Every job runs in a fresh process (checkpoint state is
+another GPU (or fill GPU 1) request the `two_gpus` fixture (those among four GPUs `four_gpus`)
+and are skipped, reported as not run, where NVML sees fewer. Every job runs in a fresh process (checkpoint state is
 process-wide); this pytest process only reads NVML."""
 
 from __future__ import annotations
@@ -131,9 +131,21 @@ def host_gpus() -> list[Any]:
     return gpus
 
 
+def need_gpus(host_gpus: list[Any], count: int) -> list[Any]:
+    """The host's GPUs; the test is skipped (not run, never passed: listed as such, see
+    tests/conftest.py) where NVML sees fewer than ``count``."""
+    if len(host_gpus) < count:
+        pytest.skip(f"needs {count} GPUs, NVML sees {len(host_gpus)}")
+    return host_gpus
+
+
 @pytest.fixture
 def two_gpus(host_gpus: list[Any]) -> list[Any]:
-    """For tests that move a job to another GPU: skipped (not run, never passed) with fewer than 2."""
-    if len(host_gpus) < 2:
-        pytest.skip(f"needs 2 GPUs, NVML sees {len(host_gpus)}")
-    return host_gpus
+    """For tests that move a job to another GPU."""
+    return need_gpus(host_gpus, 2)
+
+
+@pytest.fixture
+def four_gpus(host_gpus: list[Any]) -> list[Any]:
+    """For tests that move the ranks of a job among four GPUs."""
+    return need_gpus(host_gpus, 4)

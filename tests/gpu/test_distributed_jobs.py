@@ -7,68 +7,17 @@ it from FLEXIUM_NCCL_SOURCE and sets it): torch 2.11's own NCCL 2.28.9 lacks it.
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 from typing import Any, Optional
 
 import pytest
 
-from conftest import HERE, _keep_log, nccl_with_suspend, run_job
+from conftest import nccl_with_suspend, need_gpus, run_job
+from torchrun_jobs import ServedJob, TorchrunJob, check_ops, steps_at_ops, torchrun
 
 # The NCCL watchdog's heartbeat monitor kills a rank whose watchdog is stuck this long; a paused
 # job's must not be (issue: a pause may last hours).
 SHORT_HEARTBEAT_S = 8
-
-
-class TorchrunJob:
-    def __init__(self, returncode: int, events: list[dict[str, Any]], stderr: str) -> None:
-        self.returncode = returncode
-        self.events = events
-        self.stderr = stderr
-
-    def of(self, rank: int, event: str) -> list[dict[str, Any]]:
-        return [e for e in self.events if e["rank"] == rank and e["event"] == event]
-
-    def losses(self, rank: int) -> list[str]:
-        return [e["loss"] for e in self.of(rank, "step")]
-
-
-def torchrun(
-    *args: str, nccl: Optional[str], env: Optional[dict[str, str]] = None, timeout: float = 420
-) -> TorchrunJob:
-    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-    full_env.pop("LD_PRELOAD", None)
-    if nccl is not None:
-        full_env["LD_PRELOAD"] = nccl
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    proc = subprocess.run(
-        [*command, str(HERE / "ddp_job.py"), *args], capture_output=True, text=True, timeout=timeout, env=full_env
-    )
-    events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    _keep_log(
-        ("ddp_job.py", *args), {"LD_PRELOAD": nccl or "", **(env or {})}, proc.returncode, proc.stdout, proc.stderr
-    )
-    return TorchrunJob(proc.returncode, events, proc.stderr)
-
-
-def _check_ops(job: TorchrunJob, kinds: list[str]) -> None:
-    assert job.returncode == 0, job.stderr[-4000:]
-    for rank in (0, 1):
-        ops = job.of(rank, "op")
-        assert [op["kind"] for op in ops] == kinds, ops
-        failed = [op for op in ops if not op["ok"]]
-        assert not failed, failed
-        done = job.of(rank, "done")[0]
-        assert done["ballast_intact"]
-
-
-def _steps_at_ops(job: TorchrunJob) -> list[tuple[int, ...]]:
-    """Each rank's stop steps, of the operations that stop the job at one (pause, migrate)."""
-    stops = [tuple(op["stopped_at"] for op in job.of(rank, "op") if op["kind"] != "resume") for rank in (0, 1)]
-    assert all(step is not None for ranks in stops for step in ranks), stops
-    return stops
 
 
 @pytest.mark.parametrize("model", ["ddp", "fsdp2"])
@@ -82,7 +31,7 @@ def test_a_whole_job_pauses_resumes_and_swaps_bit_identical(two_gpus: list[Any],
     hold = str(SHORT_HEARTBEAT_S * 3)
     heartbeat = {"TORCH_NCCL_ENABLE_MONITORING": "1", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(SHORT_HEARTBEAT_S)}
     moved = torchrun(*common, *plan, "--hold", hold, nccl=nccl, env=heartbeat)
-    _check_ops(moved, ["pause", "resume", "migrate", "migrate"])
+    check_ops(moved, ["pause", "resume", "migrate", "migrate"])
     for rank in (0, 1):
         assert moved.losses(rank) == reference.losses(rank), f"rank {rank}'s loss trace differs"
         pause, resume, swap, back = moved.of(rank, "op")
@@ -98,7 +47,7 @@ def test_a_whole_job_pauses_resumes_and_swaps_bit_identical(two_gpus: list[Any],
         assert len(on) == 1, swap["held"]
         assert on != [uuid for uuid, held in back["held"].items() if held > 0], (rank, other)
     # every rank stopped at the same step for each operation
-    zero, one = _steps_at_ops(moved)
+    zero, one = steps_at_ops(moved)
     assert zero == one
 
 
@@ -155,13 +104,13 @@ def test_a_two_rank_gloo_job_on_one_gpu_pauses_and_resumes_as_a_whole() -> None:
     reference = torchrun(*common, nccl=None, env=one_gpu)
     assert reference.returncode == 0, reference.stderr[-4000:]
     paused = torchrun(*common, "--plan", "10:pause", "--plan", "10:resume", "--hold", "2", nccl=None, env=one_gpu)
-    _check_ops(paused, ["pause", "resume"])
+    check_ops(paused, ["pause", "resume"])
     for rank in (0, 1):
         assert paused.losses(rank) == reference.losses(rank), f"rank {rank}'s loss trace differs"
         assert sum(paused.of(rank, "paused")[0]["held"].values()) == 0
         pause = paused.of(rank, "op")[0]
         assert pause["path"] == "fast" and "meet" in pause["steps"]
-    zero, one = _steps_at_ops(paused)
+    zero, one = steps_at_ops(paused)
     assert zero == one
 
 
@@ -172,95 +121,26 @@ def _server_case(case: str, host_gpus: list[Any]) -> tuple[tuple[str, ...], dict
     """(job arguments, environment, LD_PRELOAD) of a case."""
     if case == "gloo-one-gpu":
         return ("--backend", "gloo", "--ballast-gb", "0.5"), {"GPU_DEVICE": "cuda:0"}, None
-    if len(host_gpus) < 2:
-        pytest.skip(f"needs 2 GPUs, NVML sees {len(host_gpus)}")
+    need_gpus(host_gpus, 2)
     return ("--backend", "nccl", "--ballast-gb", "2"), {}, nccl_with_suspend()
 
 
 @pytest.mark.parametrize("case", ["gloo-one-gpu", "nccl-two-gpus"])
 def test_the_server_and_cli_move_a_whole_torchrun_job(host_gpus: list[Any], tmp_path: Any, case: str) -> None:
     pytest.importorskip("fastapi", reason="the server extra is not installed (ci/gpu-tests.sh installs .whl)")
-    from flexium.engine import nvml
-    from live_server import ProcessOutput, ServerProcess, clean_env, flexium_command, wait_until
-
     job_args, job_env, preload = _server_case(case, host_gpus)
     steps = ("--model", "ddp", "--steps", "600", "--step-sleep", "0.03")
     reference = torchrun(*job_args, *steps[:4], "--step-sleep", "0", nccl=preload, env=job_env)
     assert reference.returncode == 0, reference.stderr[-4000:]
-
-    server = ServerProcess(tmp_path / "server").start()
-    job: Optional[subprocess.Popen[str]] = None
-    try:
-        home = tmp_path / "home"
-        home.mkdir()
-        env = clean_env(home)
-        env.update(job_env, FLEXIUM_SERVER=f"127.0.0.1:{server.port}/default", FLEXIUM_TOKEN=server.token or "")
-        env.pop("LD_PRELOAD", None)
-        if preload:
-            env["LD_PRELOAD"] = preload
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-        job = subprocess.Popen(
-            [*command, str(HERE / "ddp_job.py"), *job_args, *steps],
-            env={**env, "FLEXIUM_TOKEN": server.issue_job_token()},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        output = ProcessOutput(job)
-        for rank in (0, 1):
-            output.wait_for(rf'^\{{"event": "ready", "rank": {rank}', 180)
-        cli_env = {k: v for k, v in env.items() if k != "LD_PRELOAD"}
-
-        def cli(*args: str) -> subprocess.CompletedProcess[str]:
-            return subprocess.run([*flexium_command(), *args], env=cli_env, capture_output=True, text=True, timeout=300)
-
-        def ranks() -> list[dict[str, Any]]:
-            done = cli("ps", "--json")
-            assert done.returncode == 0, done.stderr
-            listed = [p for p in json.loads(done.stdout) if p.get("job")]
-            return sorted(listed, key=lambda p: p["job"]["rank"])
-
-        def movable() -> Optional[list[dict[str, Any]]]:
-            found = ranks()
-            ok = len(found) == 2 and all(p["capabilities"].get("job_operations") for p in found)
-            return found if ok else None
-
-        found = wait_until(movable, 120, "both ranks registered as movable with their job")
-        rank0 = found[0]["process_id"]
-        pids = [p["pid"] for p in found]
-
-        def job_command(*args: str) -> dict[str, Any]:
-            done = cli(*args, "--json")
-            assert done.returncode == 0, (
-                f"flexium {' '.join(args)}: {done.stdout}\n{done.stderr}\n{output.text[-4000:]}"
-            )
-            operation = json.loads(done.stdout)
-            assert operation["state"] == "succeeded" and len(operation["commands"]) == 2, operation
-            return operation
-
-        def held(pid: int) -> dict[str, int]:
-            return {gpu.uuid: gpu.used_by(pid) or 0 for gpu in nvml.host_gpus()}
-
-        paused = job_command("pause", rank0)
+    with ServedJob(tmp_path, 2, (*job_args, *steps), env=job_env, nccl=preload) as job:
+        paused = job.command("pause", job.rank0)
         assert {c["result"]["path"] for c in paused["commands"]} == {"fast"}, paused
-        for pid in pids:
-            assert sum(held(pid).values()) == 0, f"rank pid {pid} holds {held(pid)} while paused"
-        job_command("resume", rank0)
+        assert job.held() == [[], []], "a rank holds GPU memory while paused"
+        job.command("resume", job.rank0)
         if case == "nccl-two-gpus":
-            before = [held(pid) for pid in pids]
-            job_command("migrate", rank0, "--ranks", "0=cuda:1,1=cuda:0")
-            after = [held(pid) for pid in pids]
-            for rank in (0, 1):
-                was = [u for u, b in before[rank].items() if b > 0]
-                now = [u for u, b in after[rank].items() if b > 0]
-                assert len(was) == len(now) == 1 and was != now, (before, after)
-            job_command("migrate", rank0, "--ranks", "0=cuda:0,1=cuda:1")
-        assert job.wait(timeout=300) == 0, output.text[-4000:]
-        lines = [json.loads(line) for line in output.lines if line.startswith('{"event": "step"')]
-        for rank in (0, 1):
-            trace = [e["loss"] for e in lines if e["rank"] == rank]
-            assert trace == reference.losses(rank)[: len(trace)] and len(trace) == 600, f"rank {rank} differs"
-    finally:
-        if job is not None and job.poll() is None:
-            job.kill()
-        server.stop()
+            before = job.held()
+            job.command("migrate", job.rank0, "--ranks", "0=cuda:1,1=cuda:0")
+            after = job.held()
+            assert all(len(on) == 1 for on in before + after) and after == before[::-1], (before, after)
+            job.command("migrate", job.rank0, "--ranks", "0=cuda:0,1=cuda:1")
+        job.finish(reference, 600)
