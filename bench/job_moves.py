@@ -1,15 +1,19 @@
-"""Downtime of whole-job operations of a 2-rank torchrun job (DDP over NCCL), per stage, beside
-the floor (bench/migrate.py --job-sizes runs it with its own bandwidth and fixed-cost readings).
+"""Downtime of whole-job operations of a torchrun job (NCCL), per stage, beside the floor
+(bench/migrate.py --job-sizes runs it with its own bandwidth and fixed-cost readings).
 
-    python bench/job_moves.py --sizes 16 [--nccl /path/libnccl.so.2] [--json out.json]
+    python bench/job_moves.py --sizes 16 [--scenarios swap,four-gpus,four-ranks]
+        [--nccl /path/libnccl.so.2] [--json out.json]
 
-One job per size (GiB of training state per rank, bench/rank_job.py): a whole-job pause held
---hold seconds and its resume in place, then a swap of the two ranks' GPUs, then the swap back.
-A job's downtime is its slowest rank's: for the swaps on the ranks' step clock (the stop step's
-length minus the median normal step), for the pause and the resume the time each rank spent in
-the operation (a pause's step also holds the time it stayed paused). Stages: the ranks meeting
-at the stop step, NCCL suspend, the rank's own transaction, meeting again, NCCL resume and the
-check all-reduce. Floors: pause S/D2H + checkpoint, resume S/H2D + restore, swap S/peer +
+One job per size (GiB of training state per rank, bench/rank_job.py) and scenario (SCENARIOS):
+"swap", a 2-rank DDP job: a whole-job pause held --hold seconds and its resume in place, a swap of
+the two ranks' GPUs, the swap back; on four GPUs, "four-gpus", a 2-rank DDP job: rank 1 alone to
+GPU 2, the whole job to GPUs 2 and 3, a pause, its resume on GPUs 0 and 1; "four-ranks", a 4-rank
+FSDP2 job: a pause, its resume, ranks 1 and 2 swapped.
+A job's downtime is its slowest rank's: for a migration on the ranks' step clock (the stop step's
+length minus the median normal step), for a pause and a resume the time each rank spent in the
+operation (a pause's step also holds the time it stayed paused). Stages: the ranks meeting at
+the stop step, NCCL suspend, the rank's own transaction, meeting again, NCCL resume and the
+check all-reduce. Floors: pause S/D2H + checkpoint, resume S/H2D + restore, migrate S/peer +
 checkpoint + restore, for S the rank's reserved bytes. Goal: each at most 1.5 s.
 """
 
@@ -24,6 +28,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -35,6 +40,7 @@ PROTOCOL_STAGES = ("meet", "suspend_nccl", "meet_again", "resume_nccl", "check_n
 STOPPED = re.compile(r"the job stopped at optimizer step (\d+)")
 COLUMNS = (
     "GiB/rank",
+    "job",
     "op",
     "path",
     "downtime s",
@@ -48,21 +54,65 @@ COLUMNS = (
     "vs floor",
     "goal",
 )
-PLAN = ("20:pause", "20:resume", "40:migrate:0=1,1=0", "60:migrate:0=0,1=1")
-OP_NAMES = ("pause", "resume", "swap", "swap back")
+
+
+@dataclass(frozen=True)
+class Scenario:
+    """A job (its ranks, rank_job.py's --model) and what is done to it: the ranks' plan, a row
+    name for each operation, and the GPUs it needs."""
+
+    ranks: int
+    model: str
+    plan: tuple[str, ...]
+    ops: tuple[str, ...]
+    gpus: int
+
+    @property
+    def job(self) -> str:
+        return f"{self.ranks} ranks {self.model.upper()}"
+
+    def kind(self, index: int) -> str:
+        return self.plan[index].split(":")[1]
+
+
+SCENARIOS = {
+    "swap": Scenario(
+        2,
+        "ddp",
+        ("20:pause", "20:resume", "40:migrate:0=1,1=0", "60:migrate:0=0,1=1"),
+        ("pause", "resume", "swap", "swap back"),
+        2,
+    ),
+    "four-gpus": Scenario(
+        2,
+        "ddp",
+        ("20:migrate:1=2", "40:migrate:0=2,1=3", "60:pause", "60:resume:0=0,1=1"),
+        ("rank 1 alone to GPU 2", "job to GPUs 2, 3", "pause", "resume on GPUs 0, 1"),
+        4,
+    ),
+    "four-ranks": Scenario(
+        4,
+        "fsdp2",
+        ("20:pause", "20:resume", "40:migrate:1=2,2=1"),
+        ("pause", "resume", "ranks 1, 2 swapped"),
+        4,
+    ),
+}
 
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def run_job(size: float, *, nccl: Optional[str], hold: float, timeout: float) -> dict[str, Any]:
+def run_job(size: float, scenario: Scenario, *, nccl: Optional[str], hold: float, timeout: float) -> dict[str, Any]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0"}
     if nccl:
         env["LD_PRELOAD"] = nccl
-    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(JOB)]
+    nproc = str(scenario.ranks)
+    argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", nproc, str(JOB)]
     out = tempfile.mkdtemp(prefix="flexium-job-moves-")
-    argv += ["--gb", str(size), "--hold", str(hold), "--out", out, *[a for item in PLAN for a in ("--plan", item)]]
+    argv += ["--gb", str(size), "--hold", str(hold), "--out", out, "--model", scenario.model]
+    argv += [a for item in scenario.plan for a in ("--plan", item)]
     started = time.perf_counter()
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
@@ -76,6 +126,7 @@ def run_job(size: float, *, nccl: Optional[str], hold: float, timeout: float) ->
         ranks[found["rank"]] = found
     return {
         "size": size,
+        "scenario": scenario,
         "returncode": code,
         "ranks": ranks,
         "stderr_tail": stderr[-4000:],
@@ -105,15 +156,17 @@ def _step_clock(rank: dict[str, Any], op: dict[str, Any]) -> Optional[float]:
 
 
 def rows_of(job: dict[str, Any], bandwidth: Optional[dict[str, Any]], fixed: Optional[dict[str, Any]]):
-    rows = []
-    ranks = [job["ranks"].get(r) for r in (0, 1)]
+    rows: list[dict[str, Any]] = []
+    scenario: Scenario = job["scenario"]
+    ranks = [job["ranks"].get(r) for r in range(scenario.ranks)]
     if any(r is None for r in ranks):
         return rows
-    for index, name in enumerate(OP_NAMES):
+    for index, name in enumerate(scenario.ops):
         ops = [r["ops"][index] for r in ranks if index < len(r["ops"])]
-        if len(ops) < 2:
+        if len(ops) < scenario.ranks:
             continue
-        if name.startswith("swap"):
+        kind = scenario.kind(index)
+        if kind == "migrate":
             clocks = [_step_clock(r, op) for r, op in zip(ranks, ops, strict=True)]
             downtime = max(c for c in clocks if c is not None) if any(c is not None for c in clocks) else None
         else:
@@ -122,26 +175,27 @@ def rows_of(job: dict[str, Any], bandwidth: Optional[dict[str, Any]], fixed: Opt
         rows.append(
             {
                 "size": job["size"],
+                "job": scenario.job,
                 "op": name,
                 "ok": all(op["ok"] for op in ops),
                 "path": "/".join(sorted({op.get("path", "?") for op in ops})),
                 "downtime": downtime,
                 **{stage: max(_stage(op, stage) for op in ops) for stage in PROTOCOL_STAGES},
                 "own": max(_own(op) for op in ops),
-                "floor": floor(name, size_bytes, bandwidth, fixed),
+                "floor": floor(kind, size_bytes, bandwidth, fixed),
                 "errors": [op.get("error") for op in ops if not op["ok"]],
             }
         )
     return rows
 
 
-def floor(name: str, size: int, bandwidth: Optional[dict[str, Any]], fixed: Optional[dict[str, Any]]):
+def floor(kind: str, size: int, bandwidth: Optional[dict[str, Any]], fixed: Optional[dict[str, Any]]):
     if not bandwidth or not fixed:
         return None
     gb = size / 1e9
-    if name == "pause":
+    if kind == "pause":
         return gb / bandwidth["d2h_gbps"] + fixed["checkpoint"]
-    if name == "resume":
+    if kind == "resume":
         return gb / bandwidth["h2d_gbps"] + fixed["restore"]
     peer = bandwidth.get("peer_gbps")
     return gb / peer + fixed["checkpoint"] + fixed["restore"] if peer else None
@@ -159,6 +213,7 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
         table.append(
             (
                 f"{r['size']:g}",
+                r["job"],
                 r["op"],
                 r["path"],
                 _fmt(r["downtime"]),
@@ -172,7 +227,7 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
         )
     print_table(COLUMNS, table)
     print(
-        "whole-job operations of a 2-rank DDP job (torchrun, NCCL): the slowest rank's downtime; swaps on the"
+        "whole-job operations of torchrun jobs (NCCL): the slowest rank's downtime; migrations on the"
         " ranks' step clock minus a normal step, pause / resume: each rank's time in the operation."
     )
     for r in rows:
@@ -182,6 +237,7 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
 
 def measure(
     sizes: list[float],
+    scenarios: list[str],
     *,
     nccl: Optional[str],
     hold: float,
@@ -193,16 +249,32 @@ def measure(
     rows: list[dict[str, Any]] = []
     jobs, failures = [], []
     for size in sizes:
-        log(f"-- {size:g} GiB per rank: a 2-rank DDP job, whole-job pause + resume, swap, swap back")
-        job = run_job(size, nccl=nccl, hold=hold, timeout=timeout)
-        jobs.append(job)
-        found = rows_of(job, bandwidth, fixed)
-        rows += found
-        intact = all(r.get("ballast_ok") for r in job["ranks"].values())
-        if job["returncode"] != 0 or len(found) < len(OP_NAMES) or not all(r["ok"] for r in found) or not intact:
-            failures.append(f"{size:g} GiB/rank job")
-            log(f"!! {size:g} GiB/rank job: exit {job['returncode']}, ballast intact {intact}\n{job['stderr_tail']}")
+        for name in scenarios:
+            scenario = SCENARIOS[name]
+            log(f"-- {size:g} GiB per rank, {scenario.job}: {', '.join(scenario.ops)}")
+            job = run_job(size, scenario, nccl=nccl, hold=hold, timeout=timeout)
+            jobs.append({**job, "scenario": name})
+            found = rows_of(job, bandwidth, fixed)
+            rows += found
+            intact = all(r.get("ballast_ok") for r in job["ranks"].values())
+            ok = job["returncode"] == 0 and len(found) == len(scenario.ops) and all(r["ok"] for r in found)
+            if not ok or not intact:
+                failures.append(f"{size:g} GiB/rank {name} job")
+                log(f"!! {size:g} GiB/rank {name} job: exit {job['returncode']}, ballast intact {intact}")
+                log(job["stderr_tail"])
     return rows, jobs, failures
+
+
+def scenarios_for(names: str, gpus: int) -> list[str]:
+    """The scenarios named (comma-separated; "" for those this many GPUs allow); ValueError for an
+    unknown one or one that needs more GPUs."""
+    chosen = [n.strip() for n in names.split(",") if n.strip()] or [n for n, s in SCENARIOS.items() if s.gpus <= gpus]
+    for name in chosen:
+        if name not in SCENARIOS:
+            raise ValueError(f"unknown scenario {name!r}: choose from {', '.join(SCENARIOS)}")
+        if SCENARIOS[name].gpus > gpus:
+            raise ValueError(f"scenario {name!r} needs {SCENARIOS[name].gpus} GPUs, torch sees {gpus}")
+    return chosen
 
 
 def main() -> int:
@@ -213,12 +285,21 @@ def main() -> int:
         default=os.environ.get("FLEXIUM_TEST_NCCL_LIB"),
         help="a libnccl.so.2 with ncclCommSuspend to LD_PRELOAD (torch < 2.12)",
     )
+    parser.add_argument(
+        "--scenarios", default="", help=f"comma-separated, of {', '.join(SCENARIOS)} (default: those the GPUs allow)"
+    )
     parser.add_argument("--hold", type=float, default=1.0, help="seconds the pause lasts")
     parser.add_argument("--timeout", type=float, default=600)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
+    import torch
+
+    try:
+        scenarios = scenarios_for(args.scenarios, torch.cuda.device_count())
+    except ValueError as exc:
+        parser.error(str(exc))
     rows, jobs, failures = measure(
-        [float(s) for s in args.sizes.split(",")], nccl=args.nccl, hold=args.hold, timeout=args.timeout
+        [float(s) for s in args.sizes.split(",")], scenarios, nccl=args.nccl, hold=args.hold, timeout=args.timeout
     )
     print_rows(rows)
     if args.json:

@@ -719,8 +719,14 @@ def main() -> int:
     parser.add_argument(
         "--job-sizes",
         default="",
-        help="GiB of training state per rank: also measure whole-job operations of a 2-rank DDP job "
+        help="GiB of training state per rank: also measure whole-job operations of torchrun jobs "
         "(bench/job_moves.py) at these sizes, with this run's bandwidth and fixed cost for the floors",
+    )
+    parser.add_argument(
+        "--job-scenarios",
+        default="",
+        help="for --job-sizes: bench/job_moves.py's scenarios, comma-separated (default: those the GPUs allow: "
+        "swap on 2, also four-gpus and four-ranks on 4)",
     )
     parser.add_argument(
         "--nccl",
@@ -750,6 +756,15 @@ def main() -> int:
     migrate = gpus >= 2
     if not migrate:
         log(f"-- one GPU: {MIGRATE_NEEDS}; measuring pause and resume in place only")
+    job_sizes = [float(s) for s in args.job_sizes.split(",") if s.strip()]
+    job_scenarios: list[str] = []
+    if job_sizes and migrate:
+        import job_moves
+
+        try:
+            job_scenarios = job_moves.scenarios_for(args.job_scenarios, gpus)
+        except ValueError as exc:
+            parser.error(str(exc))
     run, bandwidth = measure_bandwidth(args.timeout, gpus)
     jobs.append(run)
     if bandwidth is None:
@@ -828,12 +843,15 @@ def main() -> int:
 
     job_rows: list[dict[str, Any]] = []
     job_runs: list[dict[str, Any]] = []
-    job_sizes = [float(s) for s in args.job_sizes.split(",") if s.strip()]
     if job_sizes and migrate:
-        import job_moves
-
         job_rows, job_runs, job_failures = job_moves.measure(
-            job_sizes, nccl=args.nccl, hold=args.pause_seconds, timeout=args.timeout, bandwidth=bandwidth, fixed=fixed
+            job_sizes,
+            job_scenarios,
+            nccl=args.nccl,
+            hold=args.pause_seconds,
+            timeout=args.timeout,
+            bandwidth=bandwidth,
+            fixed=fixed,
         )
         failures += job_failures
     elif job_sizes:

@@ -1,8 +1,9 @@
-"""One rank of the benchmark's torchrun job (bench/job_moves.py runs it): DDP over NCCL with
-AdamW and a ballast that brings the rank's training state to --gb GiB, training on data of its
-own seed; a control thread per rank gives the engine its share of each planned whole-job
-operation, as the server's commands would. At the end every rank prints one JSON line: its
-step end times, its operations' results and what it held, into --out/rank-N.json.
+"""One rank of the benchmark's torchrun job (bench/job_moves.py runs it): DDP (or FSDP2's
+fully_shard, --model fsdp2) over NCCL with AdamW and a ballast that brings the rank's training
+state to --gb GiB, training on data of its own seed; a control thread per rank gives the engine
+its share of each planned whole-job operation, as the server's commands would. At the end every
+rank prints one JSON line: its step end times, its operations' results and what it held, into
+--out/rank-N.json.
 
     torchrun --standalone --nproc-per-node 2 bench/rank_job.py --gb 16 --plan 20:pause --plan 20:resume --out /tmp/ranks
 """
@@ -70,6 +71,7 @@ def main() -> None:
     parser.add_argument("--plan", action="append", default=[])
     parser.add_argument("--hold", type=float, default=1.0, help="seconds each pause lasts")
     parser.add_argument("--out", required=True, help="folder for each rank's rank-N.json")
+    parser.add_argument("--model", choices=("ddp", "fsdp2"), default="ddp", help="DDP, or FSDP2's fully_shard")
     args = parser.parse_args()
 
     flexium.init()
@@ -77,10 +79,19 @@ def main() -> None:
     dist.init_process_group("nccl", device_id=torch.device(f"cuda:{local_rank}"))
     world = dist.get_world_size()
     torch.manual_seed(0)
-    model = torch.nn.Sequential(*[torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]).cuda()
-    model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank])
+    layers = [torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]
+    model = torch.nn.Sequential(*layers).cuda()
+    if args.model == "ddp":
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank])
+    else:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in layers:
+            fully_shard(layer)
+        fully_shard(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    params = sum(p.numel() * 4 for p in model.parameters())
+    # FSDP2's parameters are DTensors: this rank holds its shard only.
+    params = sum((p.to_local() if hasattr(p, "to_local") else p).numel() * 4 for p in model.parameters())
     ballast_bytes = max(0, int(args.gb * (1 << 30)) - 4 * params)  # weights, grads, two AdamW moments
     data = torch.Generator(device="cuda").manual_seed(10 + RANK)
     ballast = torch.empty(ballast_bytes // 4, device="cuda").normal_(generator=data)
