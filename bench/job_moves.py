@@ -171,6 +171,8 @@ def rows_of(job: dict[str, Any], bandwidth: Optional[dict[str, Any]], fixed: Opt
             downtime = max(c for c in clocks if c is not None) if any(c is not None for c in clocks) else None
         else:
             downtime = max(op.get("seconds", 0.0) for op in ops)
+        if not all(op["ok"] for op in ops):
+            downtime = None  # a failed operation's time is no downtime of a move
         size_bytes = max(r["reserved"] for r in ranks)
         rows.append(
             {

@@ -2,8 +2,7 @@
 fully_shard, --model fsdp2) over NCCL with AdamW and a ballast that brings the rank's training
 state to --gb GiB, training on data of its own seed; a control thread per rank gives the engine
 its share of each planned whole-job operation, as the server's commands would. At the end every
-rank prints one JSON line: its step end times, its operations' results and what it held, into
---out/rank-N.json.
+rank writes its step end times, its operations' results and its reserved memory to --out/rank-N.json.
 
     torchrun --standalone --nproc-per-node 2 bench/rank_job.py --gb 16 --plan 20:pause --plan 20:resume --out /tmp/ranks
 """
@@ -54,6 +53,11 @@ def control(plan: list[str], done_steps: list[float], hold: float, world: int, o
             time.sleep(hold)
 
 
+def _checksum(ballast: torch.Tensor) -> float:
+    # By chunks: a whole double copy would stay reserved and count as training state.
+    return sum(float(chunk.double().sum().item()) for chunk in ballast.split(1 << 24))
+
+
 def _result(result: Any) -> dict[str, Any]:
     return {
         "path": result.path,
@@ -95,7 +99,7 @@ def main() -> None:
     ballast_bytes = max(0, int(args.gb * (1 << 30)) - 4 * params)  # weights, grads, two AdamW moments
     data = torch.Generator(device="cuda").manual_seed(10 + RANK)
     ballast = torch.empty(ballast_bytes // 4, device="cuda").normal_(generator=data)
-    checksum = float(ballast.double().sum().item())
+    checksum = _checksum(ballast)
 
     ends: list[float] = []
     ops: list[dict[str, Any]] = []
@@ -110,14 +114,11 @@ def main() -> None:
         torch.cuda.synchronize()
         ends.append(time.perf_counter())
     thread.join(timeout=600)
-    intact = float(ballast.double().sum().item()) == checksum
+    intact = _checksum(ballast) == checksum
     reserved = int(torch.cuda.memory_reserved())
-    print(
-        json.dumps(
-            {"event": "done", "rank": RANK, "ends": ends, "ops": ops, "reserved": reserved, "ballast_ok": intact}
-        ),
-        flush=True,
-    )
+    done = {"event": "done", "rank": RANK, "ends": ends, "ops": ops, "reserved": reserved, "ballast_ok": intact}
+    with open(os.path.join(args.out, f"rank-{RANK}.json"), "w") as f:
+        json.dump(done, f)
     dist.destroy_process_group()
     flexium.shutdown()
 
