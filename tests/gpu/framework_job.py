@@ -158,7 +158,9 @@ def accelerate(steps: int) -> None:
     set_seed(0)
     model = mlp()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    data = TensorDataset(torch.randn(steps * 64, 64), torch.randint(0, 10, (steps * 64,)))
+    # Each process gets every num_processes-th batch: `steps` batches each.
+    samples = steps * 64 * accelerator.num_processes
+    data = TensorDataset(torch.randn(samples, 64), torch.randint(0, 10, (samples,)))
     loader = DataLoader(data, batch_size=64, shuffle=True, generator=torch.Generator().manual_seed(0))
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     for x, y in loader:

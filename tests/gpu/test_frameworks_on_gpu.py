@@ -19,6 +19,9 @@ from conftest import HERE, _keep_log, nccl_with_suspend
 pytest.importorskip("fastapi", reason="the server extra is not installed (ci/gpu-tests.sh installs .whl)")
 
 STEPS = "240"
+# A job that gets four or six commands, each with a job operation or the driver path, trains long
+# enough to meet them all (its ranks become movable a heartbeat after their process group exists).
+MANY_MOVES_STEPS = "1500"
 PACE_S = "0.03"
 FRAMEWORKS = [
     "lightning",
@@ -55,7 +58,9 @@ def _losses(lines: list[str]) -> dict[int, list[str]]:
     return traces
 
 
-def _moved_while_training(job: str, tmp_path: Path, moves: list[tuple[str, ...]], path: str = "fast") -> None:
+def _moved_while_training(
+    job: str, tmp_path: Path, moves: list[tuple[str, ...]], path: str = "fast", steps: str = STEPS
+) -> None:
     from flexium.engine import nvml
     from live_server import ProcessOutput, ServerProcess, clean_env, flexium_command, wait_until
 
@@ -66,12 +71,12 @@ def _moved_while_training(job: str, tmp_path: Path, moves: list[tuple[str, ...]]
     home.mkdir()
     env = clean_env(home)
     reference = subprocess.run(
-        [*_command(job), "--steps", STEPS], env={**env, **preload}, capture_output=True, text=True, timeout=600
+        [*_command(job), "--steps", steps], env={**env, **preload}, capture_output=True, text=True, timeout=600
     )
     _keep_log((job, "(undisturbed)"), preload, reference.returncode, reference.stdout, reference.stderr)
     assert reference.returncode == 0, reference.stderr[-4000:]
     expected = _losses(reference.stdout.splitlines())
-    assert sorted(expected) == list(range(ranks)) and all(len(t) >= int(STEPS) for t in expected.values())
+    assert sorted(expected) == list(range(ranks)) and all(len(t) >= int(steps) for t in expected.values())
 
     server = ServerProcess(tmp_path / "server").start()
     process: Optional[subprocess.Popen[str]] = None
@@ -79,7 +84,7 @@ def _moved_while_training(job: str, tmp_path: Path, moves: list[tuple[str, ...]]
     try:
         env.update(FLEXIUM_SERVER=f"127.0.0.1:{server.port}/default", FLEXIUM_TOKEN=server.token or "")
         process = subprocess.Popen(
-            [*_command(job), "--steps", STEPS, "--pace", PACE_S],
+            [*_command(job), "--steps", steps, "--pace", PACE_S],
             env={**env, **preload, "FLEXIUM_TOKEN": server.issue_job_token()},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -90,7 +95,7 @@ def _moved_while_training(job: str, tmp_path: Path, moves: list[tuple[str, ...]]
         process_id, pids = ready[0]["process_id"], [event["pid"] for event in ready]
 
         def cli(*args: str) -> subprocess.CompletedProcess[str]:
-            return subprocess.run([*flexium_command(), *args], env=env, capture_output=True, text=True, timeout=300)
+            return subprocess.run([*flexium_command(), *args], env=env, capture_output=True, text=True, timeout=360)
 
         def registered() -> Optional[list[dict[str, Any]]]:
             listed = json.loads(cli("ps", "--json").stdout or "[]")
@@ -102,8 +107,9 @@ def _moved_while_training(job: str, tmp_path: Path, moves: list[tuple[str, ...]]
             return ours if ok else None
 
         wait_until(registered, 120, f"{job}: {ranks} process(es) registered and movable")
-        for _ in range(10):  # training has begun: the commands meet optimizer steps
-            output.wait_for(r'^\{"event": "loss"', 180)
+        wait_until(  # training has begun: the commands meet optimizer steps
+            lambda: sum(line.startswith('{"event": "loss"') for line in output.lines) >= 10, 180, f"{job} trains"
+        )
         for planned in moves:
             move = tuple(word.format(id=process_id) for word in planned)
             done = cli(*move, "--json")
@@ -156,6 +162,7 @@ def test_a_job_on_two_gpus_is_paused_resumed_and_swapped_bit_identical(
             ("migrate", "{id}", "--gpus", "cuda:1=cuda:0,cuda:0=cuda:1"),
         ],
         path="driver",
+        steps=MANY_MOVES_STEPS,
     )
 
 
@@ -167,4 +174,5 @@ def test_a_job_of_two_processes_is_paused_resumed_and_swapped_as_a_whole_bit_ide
         job,
         tmp_path,
         [("pause", "{id}"), ("resume", "{id}"), ("migrate", "{id}", *SWAP), ("migrate", "{id}", *UNSWAP)],
+        steps=MANY_MOVES_STEPS,
     )

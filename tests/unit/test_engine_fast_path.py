@@ -539,6 +539,24 @@ def test_memory_on_two_devices_takes_the_driver_path(job: Job) -> None:
     assert_reachable_from_both(fake)
 
 
+def test_memory_of_pytorchs_own_allocator_on_another_gpu_takes_the_driver_path(job: Job) -> None:
+    """The pool is on the job's own GPU only: a model split over devices or DataParallel holds
+    memory on the other GPU through PyTorch's allocator, which NVML sees and the pool does not."""
+    fake = job.fake
+    job.segments([2 * MiB, 2 * MiB], device=0)
+    engine = job.engine()
+    job.train()
+    assert engine.fast_path_blocker() is None
+    fake.set_process_memory(1, 512 * MiB)
+    blocker = "the job also holds memory on cuda:1; the fast path moves one GPU's memory"
+    assert engine.fast_path_blocker() == blocker
+    result = engine.pause()
+    assert result.ok and result.path == "driver" and result.notes == (f"driver path: {blocker}",)
+    assert job.fast is not None and job.fast.staged == []
+    assert engine.resume().ok
+    job.assert_contents()
+
+
 def test_a_job_on_two_gpus_resumes_where_each_gpu_has_room_for_its_share(job: Job) -> None:
     """A process on two GPUs that holds 100 GiB on each comes back to them: each GPU needs its
     own share, not the 200 GiB of both. A GPU that filled up meanwhile keeps it paused, named."""

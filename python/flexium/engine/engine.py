@@ -28,7 +28,7 @@ from flexium.engine.capabilities import Capabilities
 from flexium.engine.distributed import cuda_graphs, job_operation, membership, nccl
 from flexium.engine.distributed.job_operation import Deadlines, JobOperation, RankActions
 from flexium.engine.distributed.rendezvous import JobAborted, Rendezvous, job_store
-from flexium.engine.fast_path import FastPath
+from flexium.engine.fast_path import FastPath, memory_elsewhere
 from flexium.engine.host_memory import host_memory_available
 from flexium.engine.identity import IdentityMap, MovePlan, Target
 from flexium.engine.kept_staging import StagingKeeper
@@ -222,7 +222,16 @@ class Engine:
         """Why a move now would take the driver path (None: the fast path can run at a safe point)."""
         if self._ctx.fast is None:
             return "the memory pool is not in use"
-        return self._ctx.fast.blocker(self._ctx.logical)
+        return self._ctx.fast.blocker(self._ctx.logical) or self._memory_on_other_gpus()
+
+    def _memory_on_other_gpus(self) -> Optional[str]:
+        """The pool is on the job's own GPU only; memory the process holds on another (PyTorch's own
+        allocator there: DataParallel, a model split over devices) only the driver path carries,
+        all its GPUs at once. NVML says where it holds memory (nothing where it cannot see processes)."""
+        own = self._source().uuid
+        _total, by_gpu = self._ctx.held_now()
+        elsewhere = [gpu.device for gpu in self.gpus if gpu.uuid != own and by_gpu.get(gpu.uuid, 0) > 0]
+        return memory_elsewhere(elsewhere) if elsewhere else None
 
     # ---- operations ------------------------------------------------------------------------
 

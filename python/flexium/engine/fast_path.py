@@ -79,6 +79,11 @@ def timed(step: str, work: Callable[[], T]) -> tuple[T, StepTiming]:
     return value, StepTiming(step, time.perf_counter() - started, ok=True)
 
 
+def memory_elsewhere(devices: list[str]) -> str:
+    """Why a job holding memory on other GPUs than its own takes the driver path."""
+    return f"the job also holds memory on {', '.join(devices)}; the fast path moves one GPU's memory"
+
+
 class FastPath:
     def __init__(self, pool: MemoryPool) -> None:
         self.pool = pool
@@ -128,8 +133,7 @@ class FastPath:
         segments = _C.vmm_segments()
         elsewhere = sorted({s.device for s in segments if s.device != logical})
         if elsewhere:
-            names = ", ".join(f"cuda:{d}" for d in elsewhere)
-            return f"the job also holds memory on {names}; the fast path moves one GPU's memory"
+            return memory_elsewhere([f"cuda:{d}" for d in elsewhere])
         if any(not s.mapped for s in segments):
             return "some segments have no memory behind them (an earlier move did not finish)"
         headroom = open_file_headroom()
