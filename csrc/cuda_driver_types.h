@@ -174,6 +174,7 @@ typedef CUresult (*PFN_cuCtxGetDevice)(CUdevice *device);
 typedef CUresult (*PFN_cuCtxSynchronize)(void);
 typedef CUresult (*PFN_cuDevicePrimaryCtxRetain)(CUcontext *pctx, CUdevice dev);
 typedef CUresult (*PFN_cuDevicePrimaryCtxRelease)(CUdevice dev);
+typedef CUresult (*PFN_cuDevicePrimaryCtxGetState)(CUdevice dev, unsigned int *flags, int *active);
 typedef CUresult (*PFN_cuDeviceCanAccessPeer)(int *canAccessPeer, CUdevice dev, CUdevice peerDev);
 typedef CUresult (*PFN_cuMemGetAllocationGranularity)(size_t *granularity, const CUmemAllocationProp *prop,
                                                       CUmemAllocationGranularity_flags option);

@@ -47,6 +47,7 @@ constexpr int kCheckpointApiVersion = 12080;
   X(cuCtxSynchronize, 2000, false)                \
   X(cuDevicePrimaryCtxRetain, 7000, false)        \
   X(cuDevicePrimaryCtxRelease, 11000, false)      \
+  X(cuDevicePrimaryCtxGetState, 7000, false)      \
   X(cuDeviceCanAccessPeer, 4000, false)           \
   X(cuMemGetAllocationGranularity, 10020, false)  \
   X(cuMemAddressReserve, 10020, false)            \

@@ -49,8 +49,9 @@ void *allocate(std::size_t size, int device) {
   {
     RegistryLock lock(kAllocatorLockTimeout);
     SegmentMap &segments = lock.segments();
-    grant_access(d, backing.address, rounded, pool_access(d, segments, device));
+    grant_access(d, backing.address, rounded, training_access(d, segments, device));
     open_pool_to(d, segments, device);
+    open_pool_to_new_users(d, segments);
     segments.emplace(segment.address, segment);
   }
   backing.release_to_caller();

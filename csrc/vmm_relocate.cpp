@@ -213,6 +213,7 @@ void map_imported(const std::vector<StagedSegment> &staged, int device) {
   }
   ScopedContext context(d, device);
   const std::vector<int> access = pool_access(d, segments, device, seen);
+  forget_pool_users();
   for (const StagedSegment &entry : staged) {
     Segment &segment = segments.at(entry.address);
     Backing backing(d);
@@ -253,7 +254,7 @@ std::size_t own_imported(int device, const LiveRanges &live, std::size_t max_byt
   FLEXIUM_CU_CALL(d, cuCtxSynchronize);
   ScopedStream stream(d);
   const CUmemAllocationProp prop = device_allocation_prop(device);
-  const std::vector<int> access = pool_access(d, lock.segments(), device);
+  const std::vector<int> access = training_access(d, lock.segments(), device);
   std::size_t owned = 0;
   // One segment at a time, so the extra memory needed is one segment's, not the job's.
   for (Segment *segment : imported) {

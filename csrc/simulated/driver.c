@@ -836,6 +836,7 @@ CUresult cuCtxGetDevice(CUdevice *device);
 CUresult cuCtxSynchronize(void);
 CUresult cuDevicePrimaryCtxRetain(CUcontext *pctx, CUdevice dev);
 CUresult cuDevicePrimaryCtxRelease(CUdevice dev);
+CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active);
 CUresult cuMemGetAllocationGranularity(size_t *granularity, const CUmemAllocationProp *prop, int option);
 CUresult cuMemAddressReserve(CUdeviceptr *ptr, size_t size, size_t alignment, CUdeviceptr addr,
                              unsigned long long flags);
@@ -902,6 +903,7 @@ static const struct symbol symbols[] = {
     {"cuCtxSynchronize", 2000, FEATURE_VMM, (void *)cuCtxSynchronize},
     {"cuDevicePrimaryCtxRetain", 7000, FEATURE_VMM, (void *)cuDevicePrimaryCtxRetain},
     {"cuDevicePrimaryCtxRelease", 11000, FEATURE_VMM, (void *)cuDevicePrimaryCtxRelease},
+    {"cuDevicePrimaryCtxGetState", 7000, FEATURE_VMM, (void *)cuDevicePrimaryCtxGetState},
     {"cuMemGetAllocationGranularity", 10020, FEATURE_VMM, (void *)cuMemGetAllocationGranularity},
     {"cuMemAddressReserve", 10020, FEATURE_VMM, (void *)cuMemAddressReserve},
     {"cuMemAddressFree", 10020, FEATURE_VMM, (void *)cuMemAddressFree},
@@ -1340,6 +1342,20 @@ CUresult cuDevicePrimaryCtxRelease(CUdevice dev) {
   rc = device_ready(fn, dev);
   if (rc == CUDA_SUCCESS && vmm.primary_refs[dev] == 0) rc = CUDA_ERROR_INVALID_CONTEXT;
   if (rc == CUDA_SUCCESS) --vmm.primary_refs[dev];
+  return leave(fn, rc, -1);
+}
+
+/* Active while retained: the fake's primary contexts live as long as someone holds them. */
+CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *active) {
+  static const char fn[] = "cuDevicePrimaryCtxGetState";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (flags == NULL || active == NULL) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  rc = device_ready(fn, dev);
+  if (rc == CUDA_SUCCESS) {
+    *flags = 0;
+    *active = vmm.primary_refs[dev] > 0;
+  }
   return leave(fn, rc, -1);
 }
 

@@ -36,6 +36,7 @@ VMM_SYMBOLS = [
     "cuCtxSynchronize",
     "cuDevicePrimaryCtxRetain",
     "cuDevicePrimaryCtxRelease",
+    "cuDevicePrimaryCtxGetState",
     "cuDeviceCanAccessPeer",
     "cuMemGetAllocationGranularity",
     "cuMemAddressReserve",
@@ -267,6 +268,34 @@ def test_the_pool_is_reachable_from_every_gpu_the_process_uses(fake: FakeDriver,
     assert _C.own_imported(0) == 4 * MiB
     assert fake.copy_on(1, on1, on0, MiB) == 0 and fake.copy_on(1, on1, later, MiB) == 0
     for address in (on0, on1, later):
+        allocator.free(address)
+    assert fake.vmm_leaks() == NO_LEAKS
+
+
+def test_the_pool_is_opened_to_a_gpu_used_through_pytorchs_own_allocator(
+    fake: FakeDriver, allocator: Allocator
+) -> None:
+    """In a real job the pool is on the job's own GPU only; a second GPU (DataParallel's replicas,
+    the back of a split model) holds PyTorch's own memory, so it has no pool segment but an active
+    context, and PyTorch runs a copy between GPUs on the source GPU: GPU 1 writes GPU 0's pool for
+    a gather. The pool opens to it at the next segment it makes, the earlier segments too."""
+    lib = fake.library
+    early = allocator.must_alloc(2 * MiB, 0)
+    assert fake.copy_on(1, early + MiB, early, MiB) == ILLEGAL_ADDRESS  # GPU 1 not used yet
+    ctx = ctypes.c_void_p()
+    assert lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 1) == 0  # the process begins to use GPU 1
+    try:
+        later = allocator.must_alloc(2 * MiB, 0)
+        assert fake.copy_on(1, later, early, MiB) == 0  # both segments reachable from GPU 1
+        assert fake.copy_on(1, early + MiB, later + MiB, MiB) == 0
+        assert all(s.device == 0 for s in _C.vmm_segments())  # no pool memory on GPU 1 for it
+        # After a driver checkpoint the segments get fresh memory of their own: still reachable.
+        assert _C.vmm_mark_restored_by_driver() == 2
+        assert _C.own_imported(0) == 4 * MiB
+        assert fake.copy_on(1, later, early, MiB) == 0
+    finally:
+        lib.cuDevicePrimaryCtxRelease(1)
+    for address in (early, later):
         allocator.free(address)
     assert fake.vmm_leaks() == NO_LEAKS
 
