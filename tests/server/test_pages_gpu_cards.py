@@ -76,3 +76,20 @@ def test_a_job_on_two_gpus_is_on_both_cards_with_what_it_holds_on_each(api: Api)
     [main] = api.pages("/")
     row = re.search(r'<tr id="proc-two-gpus" class="proc".*?</tr>', main, re.S)
     assert row and re.search(r'class="gpu-ref also-gpu">\+ GPU 1<', row.group(0)), row.group(0) if row else main
+
+
+def test_the_migrate_form_of_a_job_on_two_gpus_has_a_gpu_for_each_where_it_is(api: Api) -> None:
+    """One line per GPU it holds memory on, its GPU selected; one its host's report or its visible
+    GPUs lack is still offered, selected, so the form never sends a move nobody chose."""
+    devices = [gpu(0, used=30 * GIB), gpu(1, used=20 * GIB), gpu(2), gpu(3)]
+    devices[0]["process_bytes"], devices[1]["process_bytes"] = 30 * GIB, 20 * GIB
+    visible = ["GPU-0000", "GPU-0002", "GPU-0003"]  # GPU-0001 left out
+    api.register("two-gpus", gpu_index=0, memory=50 * GIB, devices=devices, visible_gpus=visible)
+    [form] = api.pages("/ui/processes/two-gpus/targets?kind=migrate")
+    assert 'id="gpus-form"' in form and 'data-gpus="2"' in form
+    selects = {m.group(1): m.group(0) for m in re.finditer(r'<select name="gpu-(GPU-\d+)".*?</select>', form, re.S)}
+    assert sorted(selects) == ["GPU-0000", "GPU-0001"]
+    for uuid, select in selects.items():
+        chosen = re.findall(r'<option value="(GPU-\d+)"[^>]*selected', select)
+        assert chosen == [uuid], select
+    assert 'value="GPU-0002"' in selects["GPU-0001"]  # where it may go
