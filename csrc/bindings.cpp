@@ -151,6 +151,8 @@ void bind_allocator(py::module_ &m) {
   m.def("vmm_segment_count", &segment_count, release_gil());
   m.def("vmm_unknown_frees", &unknown_free_count, "Frees of pointers the allocator never handed out.");
   m.def("vmm_last_error", &vmm_last_error, "This thread's last allocator failure, \"\" if none.");
+  m.def("open_pool_to_current_users", &open_pool_to_current_users, release_gil(),
+        "Opens the pool to the GPUs the process has begun to use (their context active); returns how many.");
   m.def("vmm_imported_count", &imported_segment_count, release_gil());
   m.def("vmm_segments_to_own", &segments_to_own_count, release_gil(),
         "Segments own_imported replaces: imported, or left unexportable by a driver restore.");

@@ -128,6 +128,17 @@ void remember_failure(const char *function, Body &&body) noexcept {
 
 std::string vmm_last_error() { return last_error; }
 
+int open_pool_to_current_users() {
+  if (!has_vmm_api()) return 0;
+  const DriverTable &d = require_vmm_driver();
+  RegistryLock lock(kAllocatorLockTimeout);
+  const SegmentMap &segments = lock.segments();
+  if (segments.empty()) return open_pool_to_new_users(d, segments);
+  // cuMemSetAccess needs a context: the pool's own GPU's, which the job has anyway.
+  ScopedContext context(d, segments.begin()->second.device);
+  return open_pool_to_new_users(d, segments);
+}
+
 }  // namespace flexium
 
 extern "C" {

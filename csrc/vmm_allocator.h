@@ -33,4 +33,9 @@ namespace flexium {
 
 std::string vmm_last_error();
 
+// Opens the pool to the GPUs the process has begun to use since the pool last looked (their
+// primary context active): a copy that such a GPU runs into the pool (DataParallel's gather, a
+// split model's backward) works without a new segment having been made first. Returns how many.
+int open_pool_to_current_users();
+
 }  // namespace flexium

@@ -79,7 +79,8 @@ std::vector<int> training_access(const DriverTable &d, const SegmentMap &segment
   return access;
 }
 
-void open_pool_to_new_users(const DriverTable &d, const SegmentMap &segments) {
+int open_pool_to_new_users(const DriverTable &d, const SegmentMap &segments) {
+  int newly = 0;
   const std::set<int> in_pool = pool_devices(segments);
   const std::set<int> active = active_devices(d);
   // A GPU the process stopped using is new again when it comes back (its context was destroyed).
@@ -87,6 +88,7 @@ void open_pool_to_new_users(const DriverTable &d, const SegmentMap &segments) {
   for (auto it = opened.begin(); it != opened.end();) it = active.count(*it) != 0 ? std::next(it) : opened.erase(it);
   for (const int user : active) {
     if (in_pool.count(user) != 0 || !opened.insert(user).second) continue;
+    ++newly;
     for (const auto &entry : segments) {
       const Segment &segment = entry.second;
       if (segment.mapped && segment.device != user && can_reach(d, user, segment.device)) {
@@ -94,6 +96,7 @@ void open_pool_to_new_users(const DriverTable &d, const SegmentMap &segments) {
       }
     }
   }
+  return newly;
 }
 
 void forget_pool_users() { opened_users().clear(); }

@@ -33,9 +33,9 @@ void open_pool_to(const DriverTable &d, const SegmentMap &segments, int device);
 std::vector<int> training_access(const DriverTable &d, const SegmentMap &segments, int device);
 
 // Opens the mapped segments to each GPU the process has begun to use since the last call (its
-// primary context active, no pool memory of its own) where that GPU can reach them. Registry lock
-// held.
-void open_pool_to_new_users(const DriverTable &d, const SegmentMap &segments);
+// primary context active, no pool memory of its own) where that GPU can reach them; returns how
+// many GPUs it opened them to. Registry lock held.
+int open_pool_to_new_users(const DriverTable &d, const SegmentMap &segments);
 
 // After segments got memory opened to the GPUs with pool memory only (a move): the next
 // open_pool_to_new_users opens them to every GPU the process uses then. Registry lock held.

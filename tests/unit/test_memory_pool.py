@@ -235,6 +235,40 @@ def test_live_ranges_read_the_pools_snapshot(
     pool.uninstall()
 
 
+def test_the_pool_opens_to_the_gpus_in_use_at_each_step_and_before_a_data_parallel_gather(
+    cuda: FakeTorchCuda, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """docs/facts.md fact 18: another GPU the job uses copies into the pool; the pool looks for
+    such GPUs at every optimizer step and before DataParallel's gather, and a failure there never
+    reaches training."""
+    looked: list[str] = []
+    monkeypatch.setattr(memory_pool._C, "open_pool_to_current_users", lambda: looked.append("look") or 0)
+    pool = MemoryPool()
+    assert pool.install([0])
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(1, 2)).sum().backward()
+    optimizer.step()
+    assert looked == ["look"]
+    replicas = SimpleNamespace(dim=0)  # a DataParallel's gather needs only its dim
+    with pytest.raises(AssertionError, match="not implemented for CPU"):  # no CUDA here: after the look
+        torch.nn.DataParallel.gather(replicas, [torch.ones(1)], "cpu")
+    assert looked == ["look", "look"]
+
+    def broken() -> int:
+        raise RuntimeError("cuDevicePrimaryCtxGetState failed")
+
+    monkeypatch.setattr(memory_pool._C, "open_pool_to_current_users", broken)
+    optimizer.step()
+    optimizer.step()  # training goes on; said once
+    said = [r.getMessage() for r in caplog.records if "could not open the memory pool" in r.getMessage()]
+    assert said == ["could not open the memory pool to the other GPUs this job uses: cuDevicePrimaryCtxGetState failed"]
+    pool.uninstall()
+    optimizer.step()  # the hook is gone with the pool
+    with pytest.raises(AssertionError, match="not implemented for CPU"):  # the wrapper stays, idle
+        torch.nn.DataParallel.gather(replicas, [torch.ones(1)], "cpu")
+
+
 def test_the_open_file_limit_is_raised_for_one_fd_per_segment(cuda: FakeTorchCuda) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     try:

@@ -300,6 +300,30 @@ def test_the_pool_is_opened_to_a_gpu_used_through_pytorchs_own_allocator(
     assert fake.vmm_leaks() == NO_LEAKS
 
 
+def test_the_pool_opens_to_a_gpu_in_use_without_making_a_segment(fake: FakeDriver, allocator: Allocator) -> None:
+    """What the pool does at each optimizer step and before DataParallel's gather: a GPU whose
+    context became active gets the existing segments; once, until its context goes and comes back."""
+    lib = fake.library
+    early = allocator.must_alloc(2 * MiB, 0)
+    ctx = ctypes.c_void_p()
+    assert lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 1) == 0
+    try:
+        assert fake.copy_on(1, early + MiB, early, MiB) == ILLEGAL_ADDRESS
+        assert _C.open_pool_to_current_users() == 1
+        assert fake.copy_on(1, early + MiB, early, MiB) == 0
+        assert _C.open_pool_to_current_users() == 0  # already open
+    finally:
+        lib.cuDevicePrimaryCtxRelease(1)
+    assert _C.open_pool_to_current_users() == 0  # GPU 1 no longer used
+    assert lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 1) == 0
+    try:
+        assert _C.open_pool_to_current_users() == 1  # used again: opened again
+    finally:
+        lib.cuDevicePrimaryCtxRelease(1)
+    allocator.free(early)
+    assert fake.vmm_leaks() == NO_LEAKS
+
+
 def test_gpus_that_cannot_reach_each_other_are_not_opened(fake: FakeDriver, allocator: Allocator) -> None:
     fake.set_peer_access(False)
     on0, on1 = allocator.must_alloc(2 * MiB, 0), allocator.must_alloc(2 * MiB, 1)

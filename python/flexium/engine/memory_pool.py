@@ -50,6 +50,7 @@ class MemoryPool:
         self._allocator: Optional[Any] = None
         self._suspended = False  # routing ended while some other MemPool is destroyed
         self._step_hook: Optional[Any] = None
+        self._open_failed = False  # said once: open_to_gpus_in_use runs at every step
         self.reason_off: Optional[str] = "not installed"
 
     @property
@@ -96,6 +97,7 @@ class MemoryPool:
                 self.reason_off = f"PyTorch refused the memory pool ({type(exc).__name__}: {exc})"
                 return False
             self._guard_other_pools(torch)
+            _open_before_data_parallel_gathers(torch)
             self.reason_off = None
             return True
 
@@ -142,7 +144,27 @@ class MemoryPool:
             cls._flexium_guarded = True
         from torch.optim.optimizer import register_optimizer_step_post_hook
 
-        self._step_hook = register_optimizer_step_post_hook(lambda *_: self._resume_if_suspended())
+        self._step_hook = register_optimizer_step_post_hook(lambda *_: self._after_step())
+
+    def _after_step(self) -> None:
+        self._resume_if_suspended()
+        self.open_to_gpus_in_use()
+
+    def open_to_gpus_in_use(self) -> None:
+        """Opens the pool to the GPUs the process has begun to use since it last looked (their
+        context active: PyTorch's own allocator there), which copy into it (docs/facts.md fact 18):
+        at each optimizer step and before DataParallel's gather. Never breaks training."""
+        if not self._routed:
+            return
+        try:
+            opened = _C.open_pool_to_current_users()
+        except Exception as exc:
+            if not self._open_failed:
+                self._open_failed = True
+                log.warning("could not open the memory pool to the other GPUs this job uses: %s", exc)
+            return
+        if opened:
+            log.info("memory pool opened to %d more GPU(s) this job uses", opened)
 
     def _suspend(self) -> None:
         with self._lock:
@@ -254,6 +276,25 @@ def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             merged.append((start, length))
     return merged
+
+
+def _open_before_data_parallel_gathers(torch: Any) -> None:
+    """DataParallel's first gather may come before the pool makes a segment after its replicas'
+    GPUs began (small models: every tensor fits the first segments), and the replica GPUs copy into
+    the pool: the installed pool is opened to them first."""
+    cls = torch.nn.DataParallel
+    if getattr(cls, "_flexium_opens_pool", False):
+        return
+    original = cls.gather
+
+    def gather(module: Any, outputs: Any, output_device: Any) -> Any:
+        routed = _installed
+        if routed is not None:
+            routed.open_to_gpus_in_use()
+        return original(module, outputs, output_device)
+
+    cls.gather = gather
+    cls._flexium_opens_pool = True
 
 
 def _memory_allocated_before(torch: Any, devices: Sequence[int]) -> dict[int, int]:
