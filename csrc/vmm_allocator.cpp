@@ -49,10 +49,10 @@ void *allocate(std::size_t size, int device) {
   {
     RegistryLock lock(kAllocatorLockTimeout);
     SegmentMap &segments = lock.segments();
-    grant_access(d, backing.address, rounded, training_access(d, segments, device));
+    grant_access(d, backing.address, rounded, pool_access(d, segments, device));
     open_pool_to(d, segments, device);
-    open_pool_to_new_users(d, segments);
     segments.emplace(segment.address, segment);
+    open_pool_to_new_users(d, segments);  // this segment too
   }
   backing.release_to_caller();
   return reinterpret_cast<void *>(static_cast<std::uintptr_t>(segment.address));
@@ -132,8 +132,8 @@ int open_pool_to_current_users() {
   if (!has_vmm_api()) return 0;
   const DriverTable &d = require_vmm_driver();
   RegistryLock lock(kAllocatorLockTimeout);
-  const SegmentMap &segments = lock.segments();
-  if (segments.empty()) return open_pool_to_new_users(d, segments);
+  SegmentMap &segments = lock.segments();
+  if (segments.empty()) return 0;
   // cuMemSetAccess needs a context: the pool's own GPU's, which the job has anyway.
   ScopedContext context(d, segments.begin()->second.device);
   return open_pool_to_new_users(d, segments);

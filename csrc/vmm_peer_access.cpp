@@ -1,7 +1,5 @@
 #include "vmm_peer_access.h"
 
-#include <iterator>
-
 #include "driver_error.h"
 #include "vmm_driver.h"
 
@@ -25,26 +23,15 @@ std::set<int> pool_devices(const SegmentMap &segments, const std::set<CUdevicept
   return devices;
 }
 
-// The devices whose primary context is active in this process: the GPUs it uses.
-std::set<int> active_devices(const DriverTable &d) {
-  int count = 0;
-  FLEXIUM_CU_CALL(d, cuDeviceGetCount, &count);
-  std::set<int> active;
-  for (int ordinal = 0; ordinal < count; ++ordinal) {
-    CUdevice device = 0;
-    FLEXIUM_CU_CALL(d, cuDeviceGet, &device, ordinal);
-    unsigned int flags = 0;
-    int is_active = 0;
-    FLEXIUM_CU_CALL(d, cuDevicePrimaryCtxGetState, device, &flags, &is_active);
-    if (is_active != 0) active.insert(ordinal);
+// Opens one mapped range of `device` to `user` where it can reach it; false where it could not.
+bool open_to(const DriverTable &d, CUdeviceptr address, std::size_t size, int device, int user) {
+  try {
+    if (!can_reach(d, user, device)) return false;
+    grant_access(d, address, size, {user});
+    return true;
+  } catch (const DriverError &) {
+    return false;
   }
-  return active;
-}
-
-// GPUs without pool memory that open_pool_to_new_users opened the pool to (under the registry lock).
-std::set<int> &opened_users() {
-  static std::set<int> opened;
-  return opened;
 }
 
 }  // namespace
@@ -70,35 +57,45 @@ void open_pool_to(const DriverTable &d, const SegmentMap &segments, int device) 
   }
 }
 
-std::vector<int> training_access(const DriverTable &d, const SegmentMap &segments, int device) {
-  std::vector<int> access = pool_access(d, segments, device);
+// Best effort, like everything done for these GPUs here: an allocation never fails for their sake.
+std::set<int> pool_users(const DriverTable &d, const SegmentMap &segments) {
+  std::set<int> users;
+  int count = 0;
+  if (d.cuDeviceGetCount(&count) != CUDA_SUCCESS) return users;
   const std::set<int> in_pool = pool_devices(segments);
-  for (const int user : active_devices(d)) {
-    if (user != device && in_pool.count(user) == 0 && can_reach(d, user, device)) access.push_back(user);
+  for (int ordinal = 0; ordinal < count; ++ordinal) {
+    CUdevice device = 0;
+    unsigned int flags = 0;
+    int active = 0;
+    if (in_pool.count(ordinal) != 0 || d.cuDeviceGet(&device, ordinal) != CUDA_SUCCESS) continue;
+    if (d.cuDevicePrimaryCtxGetState(device, &flags, &active) == CUDA_SUCCESS && active != 0) users.insert(ordinal);
   }
-  return access;
+  return users;
 }
 
-int open_pool_to_new_users(const DriverTable &d, const SegmentMap &segments) {
-  int newly = 0;
-  const std::set<int> in_pool = pool_devices(segments);
-  const std::set<int> active = active_devices(d);
-  // A GPU the process stopped using is new again when it comes back (its context was destroyed).
-  std::set<int> &opened = opened_users();
-  for (auto it = opened.begin(); it != opened.end();) it = active.count(*it) != 0 ? std::next(it) : opened.erase(it);
-  for (const int user : active) {
-    if (in_pool.count(user) != 0 || !opened.insert(user).second) continue;
-    ++newly;
-    for (const auto &entry : segments) {
-      const Segment &segment = entry.second;
-      if (segment.mapped && segment.device != user && can_reach(d, user, segment.device)) {
-        grant_access(d, segment.address, segment.size, {user});
-      }
+int open_to_pool_users(const DriverTable &d, const std::set<int> &users, Segment &segment) {
+  int opened = 0;
+  for (const int user : users) {
+    if (user == segment.device || segment.users.count(user) != 0) continue;
+    if (open_to(d, segment.address, segment.size, segment.device, user)) segment.users.insert(user), ++opened;
+  }
+  return opened;
+}
+
+int open_pool_to_new_users(const DriverTable &d, SegmentMap &segments) {
+  const std::set<int> users = pool_users(d, segments);
+  if (users.empty()) return 0;
+  std::set<int> reached;
+  for (auto &entry : segments) {
+    Segment &segment = entry.second;
+    if (!segment.mapped) continue;
+    const std::set<int> before = segment.users;
+    if (open_to_pool_users(d, users, segment) == 0) continue;
+    for (const int user : segment.users) {
+      if (before.count(user) == 0) reached.insert(user);
     }
   }
-  return newly;
+  return static_cast<int>(reached.size());
 }
-
-void forget_pool_users() { opened_users().clear(); }
 
 }  // namespace flexium

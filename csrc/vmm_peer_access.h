@@ -28,17 +28,17 @@ std::vector<int> pool_access(const DriverTable &d, const SegmentMap &segments, i
 // devices to it where it can reach them. The registry lock must be held.
 void open_pool_to(const DriverTable &d, const SegmentMap &segments, int device);
 
-// pool_access, plus every other GPU the process uses (its primary context active) that can reach
-// `device`'s memory: the access list of a segment made while the job trains. Registry lock held.
-std::vector<int> training_access(const DriverTable &d, const SegmentMap &segments, int device);
+// The GPUs other than those with pool memory whose primary context is active in this process: the
+// other GPUs it uses (best effort: a GPU whose state cannot be read is left out). Registry lock held.
+std::set<int> pool_users(const DriverTable &d, const SegmentMap &segments);
 
-// Opens the mapped segments to each GPU the process has begun to use since the last call (its
-// primary context active, no pool memory of its own) where that GPU can reach them; returns how
-// many GPUs it opened them to. Registry lock held.
-int open_pool_to_new_users(const DriverTable &d, const SegmentMap &segments);
+// Opens `segment`'s present memory to each of `users` it is not open to yet where that GPU can
+// reach it, and records it in segment.users; best effort (a GPU that cannot be opened stays as
+// before, and is tried again at the next look). Returns how many it opened it to.
+int open_to_pool_users(const DriverTable &d, const std::set<int> &users, Segment &segment);
 
-// After segments got memory opened to the GPUs with pool memory only (a move): the next
-// open_pool_to_new_users opens them to every GPU the process uses then. Registry lock held.
-void forget_pool_users();
+// The pool's look: every mapped segment opened to every GPU the process uses now; returns how many
+// GPUs got access to something. Registry lock held.
+int open_pool_to_new_users(const DriverTable &d, SegmentMap &segments);
 
 }  // namespace flexium

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -30,6 +31,8 @@ struct Segment {
   // it until own_imported() gives the segment fresh memory.
   bool exportable = true;
   CUmemGenericAllocationHandle handle = 0;
+  // GPUs without pool memory that the present memory was opened to (vmm_peer_access.h).
+  std::set<int> users;
 };
 
 struct SegmentInfo {

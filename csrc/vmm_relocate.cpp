@@ -213,7 +213,6 @@ void map_imported(const std::vector<StagedSegment> &staged, int device) {
   }
   ScopedContext context(d, device);
   const std::vector<int> access = pool_access(d, segments, device, seen);
-  forget_pool_users();
   for (const StagedSegment &entry : staged) {
     Segment &segment = segments.at(entry.address);
     Backing backing(d);
@@ -233,6 +232,7 @@ void map_imported(const std::vector<StagedSegment> &staged, int device) {
     segment.mapped = true;
     segment.imported = true;
     segment.device = device;
+    segment.users.clear();  // new memory, open to the GPUs with pool memory only
     backing.release_to_caller();
     // Our handle now holds the memory (the fd may be closed right after importing).
     ::close(entry.fd);
@@ -254,7 +254,7 @@ std::size_t own_imported(int device, const LiveRanges &live, std::size_t max_byt
   FLEXIUM_CU_CALL(d, cuCtxSynchronize);
   ScopedStream stream(d);
   const CUmemAllocationProp prop = device_allocation_prop(device);
-  const std::vector<int> access = training_access(d, lock.segments(), device);
+  const std::vector<int> access = pool_access(d, lock.segments(), device);
   std::size_t owned = 0;
   // One segment at a time, so the extra memory needed is one segment's, not the job's.
   for (Segment *segment : imported) {
@@ -281,6 +281,8 @@ std::size_t own_imported(int device, const LiveRanges &live, std::size_t max_byt
       throw DriverError("cuMemMap", mapped, "mapping own memory at " + describe(*segment), __FILE__, __LINE__);
     }
     grant_access(d, segment->address, segment->size, access);
+    segment->users.clear();
+    open_to_pool_users(d, pool_users(d, lock.segments()), *segment);
     d.cuMemRelease(segment->handle);
     segment->handle = fresh.handle;
     segment->imported = false;
