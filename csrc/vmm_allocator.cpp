@@ -52,7 +52,7 @@ void *allocate(std::size_t size, int device) {
     grant_access(d, backing.address, rounded, pool_access(d, segments, device));
     open_pool_to(d, segments, device);
     segments.emplace(segment.address, segment);
-    open_pool_to_new_users(d, segments);  // this segment too
+    open_pool_to_new_users(d, pool_users(d, segments), segments);  // this segment too
   }
   backing.release_to_caller();
   return reinterpret_cast<void *>(static_cast<std::uintptr_t>(segment.address));
@@ -133,10 +133,12 @@ int open_pool_to_current_users() {
   const DriverTable &d = require_vmm_driver();
   RegistryLock lock(kAllocatorLockTimeout);
   SegmentMap &segments = lock.segments();
-  if (segments.empty()) return 0;
+  // Most steps of most jobs find no other GPU in use: no context switch for them.
+  const std::set<int> users = segments.empty() ? std::set<int>{} : pool_users(d, segments);
+  if (users.empty()) return 0;
   // cuMemSetAccess needs a context: the pool's own GPU's, which the job has anyway.
   ScopedContext context(d, segments.begin()->second.device);
-  return open_pool_to_new_users(d, segments);
+  return open_pool_to_new_users(d, users, segments);
 }
 
 }  // namespace flexium

@@ -73,27 +73,22 @@ std::set<int> pool_users(const DriverTable &d, const SegmentMap &segments) {
   return users;
 }
 
-int open_to_pool_users(const DriverTable &d, const std::set<int> &users, Segment &segment) {
-  int opened = 0;
+std::set<int> open_to_pool_users(const DriverTable &d, const std::set<int> &users, Segment &segment) {
+  std::set<int> opened;
   for (const int user : users) {
     if (user == segment.device || segment.users.count(user) != 0) continue;
-    if (open_to(d, segment.address, segment.size, segment.device, user)) segment.users.insert(user), ++opened;
+    if (open_to(d, segment.address, segment.size, segment.device, user))
+      segment.users.insert(user), opened.insert(user);
   }
   return opened;
 }
 
-int open_pool_to_new_users(const DriverTable &d, SegmentMap &segments) {
-  const std::set<int> users = pool_users(d, segments);
-  if (users.empty()) return 0;
+int open_pool_to_new_users(const DriverTable &d, const std::set<int> &users, SegmentMap &segments) {
   std::set<int> reached;
   for (auto &entry : segments) {
-    Segment &segment = entry.second;
-    if (!segment.mapped) continue;
-    const std::set<int> before = segment.users;
-    if (open_to_pool_users(d, users, segment) == 0) continue;
-    for (const int user : segment.users) {
-      if (before.count(user) == 0) reached.insert(user);
-    }
+    if (!entry.second.mapped) continue;
+    const std::set<int> opened = open_to_pool_users(d, users, entry.second);
+    reached.insert(opened.begin(), opened.end());
   }
   return static_cast<int>(reached.size());
 }

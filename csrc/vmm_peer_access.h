@@ -34,11 +34,11 @@ std::set<int> pool_users(const DriverTable &d, const SegmentMap &segments);
 
 // Opens `segment`'s present memory to each of `users` it is not open to yet where that GPU can
 // reach it, and records it in segment.users; best effort (a GPU that cannot be opened stays as
-// before, and is tried again at the next look). Returns how many it opened it to.
-int open_to_pool_users(const DriverTable &d, const std::set<int> &users, Segment &segment);
+// before, and is tried again at the next look). Returns the GPUs it opened it to.
+std::set<int> open_to_pool_users(const DriverTable &d, const std::set<int> &users, Segment &segment);
 
-// The pool's look: every mapped segment opened to every GPU the process uses now; returns how many
-// GPUs got access to something. Registry lock held.
-int open_pool_to_new_users(const DriverTable &d, SegmentMap &segments);
+// The pool's look: every mapped segment opened to each of `users` (pool_users); returns how many
+// GPUs got access to something. Registry lock held, and a context current (cuMemSetAccess).
+int open_pool_to_new_users(const DriverTable &d, const std::set<int> &users, SegmentMap &segments);
 
 }  // namespace flexium

@@ -255,6 +255,7 @@ std::size_t own_imported(int device, const LiveRanges &live, std::size_t max_byt
   ScopedStream stream(d);
   const CUmemAllocationProp prop = device_allocation_prop(device);
   const std::vector<int> access = pool_access(d, lock.segments(), device);
+  const std::set<int> users = pool_users(d, lock.segments());
   std::size_t owned = 0;
   // One segment at a time, so the extra memory needed is one segment's, not the job's.
   for (Segment *segment : imported) {
@@ -282,7 +283,7 @@ std::size_t own_imported(int device, const LiveRanges &live, std::size_t max_byt
     }
     grant_access(d, segment->address, segment->size, access);
     segment->users.clear();
-    open_to_pool_users(d, pool_users(d, lock.segments()), *segment);
+    open_to_pool_users(d, users, *segment);
     d.cuMemRelease(segment->handle);
     segment->handle = fresh.handle;
     segment->imported = false;
