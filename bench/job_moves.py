@@ -58,14 +58,19 @@ COLUMNS = (
 
 @dataclass(frozen=True)
 class Scenario:
-    """A job (its ranks, rank_job.py's --model) and what is done to it: the ranks' plan, a row
-    name for each operation, and the GPUs it needs."""
+    """A job (its ranks, rank_job.py's --model) and what is done to it: the ranks' plan (STEP:KIND
+    or STEP:KIND:RANK=GPU,...) and a row name for each operation."""
 
     ranks: int
     model: str
     plan: tuple[str, ...]
     ops: tuple[str, ...]
-    gpus: int
+
+    @property
+    def gpus(self) -> int:
+        """The GPUs it needs: one per rank, and every GPU its plan names."""
+        named = [int(pair.split("=")[1]) for item in self.plan for pair in _targets(item)]
+        return max([self.ranks, *(g + 1 for g in named)])
 
     @property
     def job(self) -> str:
@@ -75,27 +80,30 @@ class Scenario:
         return self.plan[index].split(":")[1]
 
 
+def _targets(item: str) -> list[str]:
+    """The RANK=GPU pairs of one plan item."""
+    parts = item.split(":", 2)
+    return parts[2].split(",") if len(parts) > 2 else []
+
+
 SCENARIOS = {
     "swap": Scenario(
         2,
         "ddp",
         ("20:pause", "20:resume", "40:migrate:0=1,1=0", "60:migrate:0=0,1=1"),
         ("pause", "resume", "swap", "swap back"),
-        2,
     ),
     "four-gpus": Scenario(
         2,
         "ddp",
         ("20:migrate:1=2", "40:migrate:0=2,1=3", "60:pause", "60:resume:0=0,1=1"),
         ("rank 1 alone to GPU 2", "job to GPUs 2, 3", "pause", "resume on GPUs 0, 1"),
-        4,
     ),
     "four-ranks": Scenario(
         4,
         "fsdp2",
         ("20:pause", "20:resume", "40:migrate:1=2,2=1"),
         ("pause", "resume", "ranks 1, 2 swapped"),
-        4,
     ),
 }
 
@@ -104,7 +112,8 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def run_job(size: float, scenario: Scenario, *, nccl: Optional[str], hold: float, timeout: float) -> dict[str, Any]:
+def run_job(size: float, name: str, *, nccl: Optional[str], hold: float, timeout: float) -> dict[str, Any]:
+    scenario = SCENARIOS[name]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0"}
     if nccl:
         env["LD_PRELOAD"] = nccl
@@ -126,7 +135,7 @@ def run_job(size: float, scenario: Scenario, *, nccl: Optional[str], hold: float
         ranks[found["rank"]] = found
     return {
         "size": size,
-        "scenario": scenario,
+        "scenario": name,
         "returncode": code,
         "ranks": ranks,
         "stderr_tail": stderr[-4000:],
@@ -157,7 +166,7 @@ def _step_clock(rank: dict[str, Any], op: dict[str, Any]) -> Optional[float]:
 
 def rows_of(job: dict[str, Any], bandwidth: Optional[dict[str, Any]], fixed: Optional[dict[str, Any]]):
     rows: list[dict[str, Any]] = []
-    scenario: Scenario = job["scenario"]
+    scenario = SCENARIOS[job["scenario"]]
     ranks = [job["ranks"].get(r) for r in range(scenario.ranks)]
     if any(r is None for r in ranks):
         return rows
@@ -254,8 +263,8 @@ def measure(
         for name in scenarios:
             scenario = SCENARIOS[name]
             log(f"-- {size:g} GiB per rank, {scenario.job}: {', '.join(scenario.ops)}")
-            job = run_job(size, scenario, nccl=nccl, hold=hold, timeout=timeout)
-            jobs.append({**job, "scenario": name})
+            job = run_job(size, name, nccl=nccl, hold=hold, timeout=timeout)
+            jobs.append(job)
             found = rows_of(job, bandwidth, fixed)
             rows += found
             intact = all(r.get("ballast_ok") for r in job["ranks"].values())
