@@ -12,6 +12,10 @@ engine the rank's share of each planned whole-job operation (the same operation 
 rank, as the server's commands carry) once the rank has passed that step. MAP is rank=GPU
 index pairs: where each rank goes (migrate) or resumes (resume). --hold S keeps a pause for S
 seconds before the next operation; while paused every rank reads NVML for what it holds.
+
+--ranks-share-gpu puts every rank on cuda:0, so that a machine with one GPU runs the protocol
+with NCCL too. NCCL refuses two ranks of one host on one GPU, so each rank names a host of its
+own (NCCL_HOSTID) and NCCL connects them by its socket transport over the loopback.
 """
 
 from __future__ import annotations
@@ -174,10 +178,13 @@ def main() -> None:
     parser.add_argument("--ballast-gb", type=float, default=1.0)
     parser.add_argument("--step-sleep", type=float, default=0.02)
     parser.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
+    parser.add_argument("--ranks-share-gpu", action="store_true", help="every rank on cuda:0 (see above)")
     parser.add_argument(
         "--graph-all-reduce", action="store_true", help="capture a CUDA graph of an all-reduce and replay it each step"
     )
     args = parser.parse_args()
+    if args.ranks_share_gpu:
+        os.environ.update(GPU_DEVICE="cuda:0", NCCL_HOSTID=f"flexium-test-rank-{RANK}", NCCL_SOCKET_IFNAME="lo")
 
     flexium.init()  # before the process group: cuda:LOCAL_RANK, and NCCL set up to be movable
     device = torch.cuda.current_device()

@@ -64,14 +64,22 @@ def _refused_and_trained_on(job: TorchrunJob, problem: str, error: str) -> None:
         assert len(job.losses(rank)) == 30 and job.of(rank, "done")[0]["ballast_intact"]
 
 
-def test_a_job_whose_nccl_cannot_suspend_is_refused_and_trains_on(two_gpus: list[Any]) -> None:
-    job = torchrun("--model", "ddp", "--steps", "30", "--plan", "5:pause", "--plan", "8:migrate:0=1,1=0", nccl=None)
+@pytest.fixture
+def placement(host_gpus: list[Any]) -> tuple[str, ...]:
+    """A refusal needs no second GPU: each rank on a GPU of its own where there are two, both on
+    cuda:0 (ddp_job.py --ranks-share-gpu) where there is one."""
+    return () if len(host_gpus) >= 2 else ("--ranks-share-gpu",)
+
+
+def test_a_job_whose_nccl_cannot_suspend_is_refused_and_trains_on(placement: tuple[str, ...]) -> None:
+    plan = ("--plan", "5:pause", "--plan", "8:migrate:0=1,1=0")
+    job = torchrun("--model", "ddp", "--steps", "30", *placement, *plan, nccl=None)
     _refused_and_trained_on(job, "which cannot suspend its communicators", "this job's NCCL is 2.28.9")
 
 
-def test_a_job_holding_a_cuda_graph_of_an_all_reduce_is_refused_and_trains_on(two_gpus: list[Any]) -> None:
+def test_a_job_holding_a_cuda_graph_of_an_all_reduce_is_refused_and_trains_on(placement: tuple[str, ...]) -> None:
     plan = ("--plan", "5:pause", "--plan", "8:migrate:0=1,1=0")
-    job = torchrun("--model", "ddp", "--steps", "30", "--graph-all-reduce", *plan, nccl=nccl_with_suspend())
+    job = torchrun("--model", "ddp", "--steps", "30", "--graph-all-reduce", *placement, *plan, nccl=nccl_with_suspend())
     _refused_and_trained_on(
         job, "a CUDA graph captured while its NCCL process group existed", "this rank holds a CUDA graph"
     )
@@ -94,6 +102,27 @@ def test_an_nccl_communicator_is_suspended_around_a_pause_and_works_after() -> N
     seen = bundled.one("seen")
     assert seen["can_suspend"] is False and seen["version"] == "2.28.9"
     assert seen["problem"].startswith("this job's NCCL is 2.28.9 (") and "torch 2.12 or newer" in seen["problem"]
+
+
+@pytest.mark.parametrize("model", ["ddp", "fsdp2"])
+def test_a_two_rank_nccl_job_sharing_one_gpu_pauses_and_resumes_as_a_whole(model: str) -> None:
+    # Both ranks on cuda:0, connected by NCCL's socket transport (ddp_job.py --ranks-share-gpu):
+    # every stage of the protocol with real communicators, suspended and resumed, on one GPU.
+    nccl = nccl_with_suspend()
+    common = ("--model", model, "--steps", "40", "--ballast-gb", "0.5", "--ranks-share-gpu")
+    reference = torchrun(*common, nccl=nccl)
+    assert reference.returncode == 0, reference.stderr[-4000:]
+    heartbeat = {"TORCH_NCCL_ENABLE_MONITORING": "1", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(SHORT_HEARTBEAT_S)}
+    plan = ("--plan", "10:pause", "--plan", "10:resume", "--hold", str(SHORT_HEARTBEAT_S * 3))
+    paused = torchrun(*common, *plan, nccl=nccl, env=heartbeat)
+    check_ops(paused, ["pause", "resume"])
+    for rank in (0, 1):
+        assert paused.losses(rank) == reference.losses(rank), f"rank {rank}'s loss trace differs"
+        assert sum(paused.of(rank, "paused")[0]["held"].values()) == 0, paused.of(rank, "paused")
+        pause, resume = paused.of(rank, "op")
+        assert "suspend_nccl" in pause["steps"] and "resume_nccl" in resume["steps"], (pause, resume)
+    zero, one = steps_at_ops(paused)
+    assert zero == one
 
 
 def test_a_two_rank_gloo_job_on_one_gpu_pauses_and_resumes_as_a_whole() -> None:
@@ -121,11 +150,13 @@ def _server_case(case: str, host_gpus: list[Any]) -> tuple[tuple[str, ...], dict
     """(job arguments, environment, LD_PRELOAD) of a case."""
     if case == "gloo-one-gpu":
         return ("--backend", "gloo", "--ballast-gb", "0.5"), {"GPU_DEVICE": "cuda:0"}, None
+    if case == "nccl-one-gpu":
+        return ("--backend", "nccl", "--ballast-gb", "2", "--ranks-share-gpu"), {}, nccl_with_suspend()
     need_gpus(host_gpus, 2)
     return ("--backend", "nccl", "--ballast-gb", "2"), {}, nccl_with_suspend()
 
 
-@pytest.mark.parametrize("case", ["gloo-one-gpu", "nccl-two-gpus"])
+@pytest.mark.parametrize("case", ["gloo-one-gpu", "nccl-one-gpu", "nccl-two-gpus"])
 def test_the_server_and_cli_move_a_whole_torchrun_job(host_gpus: list[Any], tmp_path: Any, case: str) -> None:
     pytest.importorskip("fastapi", reason="the server extra is not installed (ci/gpu-tests.sh installs .whl)")
     job_args, job_env, preload = _server_case(case, host_gpus)
