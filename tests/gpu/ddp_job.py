@@ -14,8 +14,11 @@ index pairs: where each rank goes (migrate) or resumes (resume). --hold S keeps 
 seconds before the next operation; while paused every rank reads NVML for what it holds.
 
 --ranks-share-gpu puts every rank on cuda:0, so that a machine with one GPU runs the protocol
-with NCCL too. NCCL refuses two ranks of one host on one GPU, so each rank names a host of its
-own (NCCL_HOSTID) and NCCL connects them by its socket transport over the loopback.
+with NCCL too. NCCL refuses two ranks of one host on one GPU unless told: "sockets", each rank
+names a host of its own (NCCL_HOSTID) and NCCL connects them by its socket transport over the
+loopback (any NCCL); "ipc", NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL 2.30+), and NCCL shares its
+buffers between the ranks as CUDA IPC, as between ranks on GPUs of their own (what a checkpoint
+cannot restore unless NCCL is suspended, docs/facts.md fact 13).
 """
 
 from __future__ import annotations
@@ -41,6 +44,10 @@ from flexium.engine import nvml  # noqa: E402
 RANK = int(os.environ["RANK"])
 WIDTH = 2048
 BATCH = 512
+SHARED_GPU = {
+    "sockets": {"NCCL_HOSTID": f"flexium-test-rank-{RANK}", "NCCL_SOCKET_IFNAME": "lo"},
+    "ipc": {"NCCL_MULTI_RANK_GPU_ENABLE": "1"},
+}
 
 
 def emit(event: str, **data: object) -> None:
@@ -178,13 +185,13 @@ def main() -> None:
     parser.add_argument("--ballast-gb", type=float, default=1.0)
     parser.add_argument("--step-sleep", type=float, default=0.02)
     parser.add_argument("--backend", choices=("nccl", "gloo"), default="nccl")
-    parser.add_argument("--ranks-share-gpu", action="store_true", help="every rank on cuda:0 (see above)")
+    parser.add_argument("--ranks-share-gpu", choices=SHARED_GPU, help="every rank on cuda:0, and how (see above)")
     parser.add_argument(
         "--graph-all-reduce", action="store_true", help="capture a CUDA graph of an all-reduce and replay it each step"
     )
     args = parser.parse_args()
     if args.ranks_share_gpu:
-        os.environ.update(GPU_DEVICE="cuda:0", NCCL_HOSTID=f"flexium-test-rank-{RANK}", NCCL_SOCKET_IFNAME="lo")
+        os.environ.update(GPU_DEVICE="cuda:0", **SHARED_GPU[args.ranks_share_gpu])
 
     flexium.init()  # before the process group: cuda:LOCAL_RANK, and NCCL set up to be movable
     device = torch.cuda.current_device()

@@ -68,7 +68,7 @@ def _refused_and_trained_on(job: TorchrunJob, problem: str, error: str) -> None:
 def placement(host_gpus: list[Any]) -> tuple[str, ...]:
     """A refusal needs no second GPU: each rank on a GPU of its own where there are two, both on
     cuda:0 (ddp_job.py --ranks-share-gpu) where there is one."""
-    return () if len(host_gpus) >= 2 else ("--ranks-share-gpu",)
+    return () if len(host_gpus) >= 2 else ("--ranks-share-gpu", "sockets")
 
 
 def test_a_job_whose_nccl_cannot_suspend_is_refused_and_trains_on(placement: tuple[str, ...]) -> None:
@@ -104,12 +104,13 @@ def test_an_nccl_communicator_is_suspended_around_a_pause_and_works_after() -> N
     assert seen["problem"].startswith("this job's NCCL is 2.28.9 (") and "torch 2.12 or newer" in seen["problem"]
 
 
-@pytest.mark.parametrize("model", ["ddp", "fsdp2"])
-def test_a_two_rank_nccl_job_sharing_one_gpu_pauses_and_resumes_as_a_whole(model: str) -> None:
-    # Both ranks on cuda:0, connected by NCCL's socket transport (ddp_job.py --ranks-share-gpu):
-    # every stage of the protocol with real communicators, suspended and resumed, on one GPU.
+@pytest.mark.parametrize("model, transport", [("ddp", "ipc"), ("fsdp2", "ipc"), ("ddp", "sockets")])
+def test_a_two_rank_nccl_job_sharing_one_gpu_pauses_and_resumes_as_a_whole(model: str, transport: str) -> None:
+    # Both ranks on cuda:0 (ddp_job.py --ranks-share-gpu): every stage of the protocol with real
+    # communicators, suspended and resumed, on one GPU; "ipc" with NCCL's buffers shared between
+    # the ranks as CUDA IPC, as on GPUs of their own.
     nccl = nccl_with_suspend()
-    common = ("--model", model, "--steps", "40", "--ballast-gb", "0.5", "--ranks-share-gpu")
+    common = ("--model", model, "--steps", "40", "--ballast-gb", "0.5", "--ranks-share-gpu", transport)
     reference = torchrun(*common, nccl=nccl)
     assert reference.returncode == 0, reference.stderr[-4000:]
     heartbeat = {"TORCH_NCCL_ENABLE_MONITORING": "1", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(SHORT_HEARTBEAT_S)}
@@ -151,7 +152,7 @@ def _server_case(case: str, host_gpus: list[Any]) -> tuple[tuple[str, ...], dict
     if case == "gloo-one-gpu":
         return ("--backend", "gloo", "--ballast-gb", "0.5"), {"GPU_DEVICE": "cuda:0"}, None
     if case == "nccl-one-gpu":
-        return ("--backend", "nccl", "--ballast-gb", "2", "--ranks-share-gpu"), {}, nccl_with_suspend()
+        return ("--backend", "nccl", "--ballast-gb", "2", "--ranks-share-gpu", "ipc"), {}, nccl_with_suspend()
     need_gpus(host_gpus, 2)
     return ("--backend", "nccl", "--ballast-gb", "2"), {}, nccl_with_suspend()
 
