@@ -59,27 +59,31 @@ def _refused_and_trained_on(job: TorchrunJob, problem: str, error: str) -> None:
         caps = job.of(rank, "capabilities")[0]
         assert caps["job_operations"] is False
         assert any(problem in p for p in caps["problems"]), caps
-        for op in job.of(rank, "op"):
+        ops = job.of(rank, "op")
+        assert len(ops) == 2, ops
+        for op in ops:
             assert not op["ok"] and op["error"].startswith(f"cannot {op['kind']} the job: {error}")
         assert len(job.losses(rank)) == 30 and job.of(rank, "done")[0]["ballast_intact"]
 
 
 @pytest.fixture
-def placement(host_gpus: list[Any]) -> tuple[str, ...]:
-    """A refusal needs no second GPU: each rank on a GPU of its own where there are two, both on
-    cuda:0 (ddp_job.py --ranks-share-gpu) where there is one."""
-    return () if len(host_gpus) >= 2 else ("--ranks-share-gpu", "sockets")
+def refused_plan(host_gpus: list[Any]) -> tuple[str, ...]:
+    """A refusal needs no second GPU: a pause and a swap with each rank on a GPU of its own where
+    there are two; with both on cuda:0 (ddp_job.py --ranks-share-gpu) where there is one, a pause
+    and a resume."""
+    if len(host_gpus) >= 2:
+        return ("--plan", "5:pause", "--plan", "8:migrate:0=1,1=0")
+    return ("--ranks-share-gpu", "sockets", "--plan", "5:pause", "--plan", "8:resume")
 
 
-def test_a_job_whose_nccl_cannot_suspend_is_refused_and_trains_on(placement: tuple[str, ...]) -> None:
-    plan = ("--plan", "5:pause", "--plan", "8:migrate:0=1,1=0")
-    job = torchrun("--model", "ddp", "--steps", "30", *placement, *plan, nccl=None)
+def test_a_job_whose_nccl_cannot_suspend_is_refused_and_trains_on(refused_plan: tuple[str, ...]) -> None:
+    job = torchrun("--model", "ddp", "--steps", "30", *refused_plan, nccl=None)
     _refused_and_trained_on(job, "which cannot suspend its communicators", "this job's NCCL is 2.28.9")
 
 
-def test_a_job_holding_a_cuda_graph_of_an_all_reduce_is_refused_and_trains_on(placement: tuple[str, ...]) -> None:
-    plan = ("--plan", "5:pause", "--plan", "8:migrate:0=1,1=0")
-    job = torchrun("--model", "ddp", "--steps", "30", "--graph-all-reduce", *placement, *plan, nccl=nccl_with_suspend())
+def test_a_job_holding_a_cuda_graph_of_an_all_reduce_is_refused_and_trains_on(refused_plan: tuple[str, ...]) -> None:
+    args = ("--model", "ddp", "--steps", "30", "--graph-all-reduce", *refused_plan)
+    job = torchrun(*args, nccl=nccl_with_suspend(), timeout=150)
     _refused_and_trained_on(
         job, "a CUDA graph captured while its NCCL process group existed", "this rank holds a CUDA graph"
     )

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from typing import Any, Optional
+
+import pytest
 
 from conftest import HERE, _keep_log
 
@@ -39,16 +42,31 @@ def torchrun(
     full_env.pop("LD_PRELOAD", None)
     if nccl is not None:
         full_env["LD_PRELOAD"] = nccl
-    proc = subprocess.run(torchrun_argv(ranks, *args), capture_output=True, text=True, timeout=timeout, env=full_env)
-    events = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-    _keep_log(
-        ("ddp_job.py", f"{ranks} ranks", *args),
-        {"LD_PRELOAD": nccl or "", **(env or {})},
-        proc.returncode,
-        proc.stdout,
-        proc.stderr,
+    proc = subprocess.Popen(
+        torchrun_argv(ranks, *args),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=full_env,
+        start_new_session=True,  # its own process group: a hung job's ranks are killed with torchrun
     )
-    return TorchrunJob(proc.returncode, events, proc.stderr, ranks)
+    hung = False
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        hung = True
+        os.killpg(proc.pid, signal.SIGABRT)  # PYTHONFAULTHANDLER: each rank writes its stacks
+        try:
+            stdout, stderr = proc.communicate(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+    described = ("ddp_job.py", f"{ranks} ranks", *args)
+    _keep_log(described, {"LD_PRELOAD": nccl or "", **(env or {})}, proc.returncode, stdout, stderr)
+    if hung:
+        pytest.fail(f"the job did not end within {timeout:g} s ({' '.join(described)}): {stderr[-3000:]}")
+    events = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    return TorchrunJob(proc.returncode, events, stderr, ranks)
 
 
 def check_ops(job: TorchrunJob, kinds: list[str]) -> None:
