@@ -96,7 +96,7 @@ def _keep_log(args: tuple[str, ...], env: Optional[dict[str, str]], code: int, s
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / "jobs.log", "a") as log:
         log.write(
-            f"\n===== job {' '.join(args)} env={env or {}} exit={code}\n{stdout}\n----- stderr\n{stderr[-6000:]}\n"
+            f"\n===== job {' '.join(args)} env={env or {}} exit={code}\n{stdout}\n----- stderr\n{stderr[-40000:]}\n"
         )
 
 

@@ -41,6 +41,11 @@ log = logging.getLogger("flexium")
 # before the stop step.
 STOP_MARGIN_STEPS = 3
 STOPPED_AT = "the job stopped at optimizer step"  # a result's note; bench/job_moves.py reads it
+# torch's NCCL watchdog retires finished collectives at its next look, every 100 ms. One still
+# listed when the rank locks for a checkpoint makes the watchdog's event query block for as long
+# as the rank stays locked: its heartbeat stops, and torch's heartbeat monitor kills the rank
+# (TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC) in a long pause. Two looks after the drain none is listed.
+WATCHDOG_LOOKS_S = 0.25
 
 
 @dataclass(frozen=True)
@@ -257,6 +262,7 @@ def migrate_or_pause(
     except JobAborted as exc:
         return untouched(kind, actions, f"the job's ranks did not meet, nothing changed: {exc}", "meet")
     torch_bridge.synchronize()
+    drained_at = time.monotonic()
     try:
         communicators = find_communicators()
         suspended = str(timeline.timed("suspend_nccl", lambda: _suspend(communicators)))
@@ -273,6 +279,8 @@ def migrate_or_pause(
             error += f"; then {resumed}: the job's collectives may fail, restart it"
         return untouched(kind, actions, error, "suspend_nccl")
 
+    if communicators and (kind == OperationKind.PAUSE or actions.move is not None):
+        timeline.timed("watchdog", lambda: _let_watchdog_look(drained_at))
     if kind == OperationKind.PAUSE:
         assert actions.pause is not None and actions.resume_in_place is not None
         own = actions.pause()
@@ -338,6 +346,14 @@ def _gather_outcome(rv: Rendezvous, stage: str, own: OperationResult, deadlines:
         return rv.gather(stage, _word(own), deadline_s=deadlines.move_s, what=what)
     except JobAborted as exc:
         return Gathered({rv.rank: f"{exc}"})
+
+
+def _let_watchdog_look(drained_at: float) -> None:
+    """Waits, before this rank locks, until torch's NCCL watchdog has looked at its collectives
+    twice since the GPU drained (WATCHDOG_LOOKS_S): suspending NCCL usually takes longer."""
+    left = WATCHDOG_LOOKS_S - (time.monotonic() - drained_at)
+    if left > 0:
+        time.sleep(left)
 
 
 def _attach(
