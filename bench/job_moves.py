@@ -14,7 +14,8 @@ FSDP2 job: a pause, its resume, ranks 1 and 2 swapped.
 A job's downtime is its slowest rank's: for a migration on the ranks' step clock (the stop step's
 length minus the median normal step), for a pause and a resume the time each rank spent in the
 operation (a pause's step also holds the time it stayed paused). Stages: the ranks meeting at
-the stop step, NCCL suspend, the rank's own transaction, meeting again, NCCL resume and the
+the stop step, NCCL suspend, the wait for torch's NCCL watchdog before a rank locks (what the
+suspend left of 0.25 s after the drain), the rank's own transaction, meeting again, NCCL resume and the
 check all-reduce. Floors: pause S/D2H + checkpoint, resume S/H2D + restore, migrate S/peer +
 checkpoint + restore, for S the rank's reserved bytes (all ranks' where they share a GPU). Goal: each at most 1.5 s.
 """
@@ -38,7 +39,7 @@ from tables import print_table
 
 JOB = Path(__file__).resolve().parent / "rank_job.py"
 GOAL_S = 1.5
-PROTOCOL_STAGES = ("meet", "suspend_nccl", "meet_again", "resume_nccl", "check_nccl")
+PROTOCOL_STAGES = ("meet", "suspend_nccl", "watchdog", "meet_again", "resume_nccl", "check_nccl")
 STOPPED = re.compile(r"the job stopped at optimizer step (\d+)")
 COLUMNS = (
     "GiB/rank",
@@ -48,6 +49,7 @@ COLUMNS = (
     "downtime s",
     "meet s",
     "suspend s",
+    "watchdog s",
     "own op s",
     "meet again s",
     "resume s",
@@ -235,7 +237,7 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
                 r["op"],
                 r["path"],
                 _fmt(r["downtime"]),
-                *(_fmt(r[s]) for s in ("meet", "suspend_nccl")),
+                *(_fmt(r[s]) for s in ("meet", "suspend_nccl", "watchdog")),
                 _fmt(r["own"]),
                 *(_fmt(r[s]) for s in ("meet_again", "resume_nccl", "check_nccl")),
                 _fmt(r["floor"]),

@@ -41,6 +41,11 @@ if compgen -G ".whl/*.whl" >/dev/null; then
   fi
   export PYTHONPATH="/tmp/flexium-wheels${PYTHONPATH:+:$PYTHONPATH}"
 fi
+# The build installs with --no-deps: a job reporting to a server (and every test job's control
+# thread) needs flexium's runtime dependencies, which a machine without network gets from .whl.
+if ! python3 -c 'import pydantic, requests, yaml' 2>>"$out/build.log"; then
+  tail -3 "$out/build.log"; echo "FLEXIUM'S RUNTIME DEPENDENCIES ARE MISSING: run ci/server-wheels.sh here and carry .whl"; exit 1
+fi
 
 # NCCL with suspend/resume for tests/gpu/test_distributed_jobs.py and bench/migrate.py --job-sizes
 # (torch 2.11 ships NCCL 2.28.9,

@@ -5,6 +5,7 @@ protocol's meetings, and what every failure on any rank does to every rank."""
 from __future__ import annotations
 
 import json
+import time
 from typing import Any, Optional
 
 import pytest
@@ -149,7 +150,8 @@ def test_a_whole_job_pause_and_resume_stop_every_rank_at_one_step(tmp_path: Any,
     for out in outs:
         pause, resume = out["results"]
         assert pause["ok"] and resume["ok"], out["results"]
-        assert pause["steps"][:2] == ["meet", "suspend_nccl"] and "checkpoint" in pause["steps"]
+        # the rank locks (checkpoint) only after torch's NCCL watchdog has looked at its collectives
+        assert pause["steps"][:3] == ["meet", "suspend_nccl", "watchdog"] and "checkpoint" in pause["steps"]
         assert resume["steps"][0] == "meet" and resume["steps"][-3:] == ["meet_again", "resume_nccl", "check_nccl"]
         assert out["comm"] == ["suspend", "resume"]
         assert [c for c in out["calls"] if c in ("Checkpoint", "Restore")] == ["Checkpoint", "Restore"]
@@ -174,6 +176,8 @@ def test_both_ranks_move_and_one_rank_can_move_alone(tmp_path: Any, reference: A
     assert zero["placement"] == [1, 0]  # swapped, stayed
     assert one["placement"] == [0, 1]  # swapped, then back alone
     assert zero["results"][1]["path"] == "stayed" and one["results"][1]["path"] == "driver"
+    assert "watchdog" not in zero["results"][1]["steps"]  # a rank that stays never locks
+    assert one["results"][1]["steps"][:3] == ["meet", "suspend_nccl", "watchdog"]
     for out in outs:
         assert out["comm"] == ["suspend", "resume"] * 2
         assert out["losses"] == reference[out["rank"]]
@@ -284,3 +288,16 @@ def test_a_gather_that_times_out_gives_up_for_every_rank() -> None:
         "at", "late", deadline_s=1, what="meet", abortable=False
     )
     assert late is not None and late.failures() == {1: "late"}
+
+
+def test_a_rank_locks_no_sooner_than_two_nccl_watchdog_looks_after_the_drain() -> None:
+    from flexium.engine.distributed import job_operation
+
+    drained = time.monotonic()
+    job_operation._let_watchdog_look(drained)
+    assert time.monotonic() - drained >= job_operation.WATCHDOG_LOOKS_S
+    # a suspend that took longer than that already gave the watchdog its looks: no wait
+    long_ago = time.monotonic() - 1.0
+    before = time.monotonic()
+    job_operation._let_watchdog_look(long_ago)
+    assert time.monotonic() - before < 0.05

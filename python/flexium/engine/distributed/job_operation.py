@@ -44,7 +44,8 @@ STOPPED_AT = "the job stopped at optimizer step"  # a result's note; bench/job_m
 # torch's NCCL watchdog retires finished collectives at its next look, every 100 ms. One still
 # listed when the rank locks for a checkpoint makes the watchdog's event query block for as long
 # as the rank stays locked: its heartbeat stops, and torch's heartbeat monitor kills the rank
-# (TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC) in a long pause. Two looks after the drain none is listed.
+# (TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC) in a long pause. Two looks after the drain none is listed
+# (docs/facts.md fact 25).
 WATCHDOG_LOOKS_S = 0.25
 
 
