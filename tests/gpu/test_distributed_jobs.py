@@ -70,10 +70,10 @@ def _refused_and_trained_on(job: TorchrunJob, problem: str, error: str) -> None:
 def refused_plan(host_gpus: list[Any]) -> tuple[str, ...]:
     """A refusal needs no second GPU: a pause and a swap with each rank on a GPU of its own where
     there are two; with both on cuda:0 (ddp_job.py --ranks-share-gpu) where there is one, a pause
-    and a resume."""
+    and a migration to cuda:0 (refused for the job's NCCL before its target is looked at)."""
     if len(host_gpus) >= 2:
         return ("--plan", "5:pause", "--plan", "8:migrate:0=1,1=0")
-    return ("--ranks-share-gpu", "sockets", "--plan", "5:pause", "--plan", "8:resume")
+    return ("--ranks-share-gpu", "sockets", "--plan", "5:pause", "--plan", "8:migrate:0=0,1=0")
 
 
 def test_a_job_whose_nccl_cannot_suspend_is_refused_and_trains_on(refused_plan: tuple[str, ...]) -> None:
@@ -120,7 +120,11 @@ def test_a_two_rank_nccl_job_sharing_one_gpu_pauses_and_resumes_as_a_whole(model
     common = ("--model", model, "--steps", "40", "--ballast-gb", "0.5", "--ranks-share-gpu", transport)
     reference = torchrun(*common, nccl=nccl)
     assert reference.returncode == 0, reference.stderr[-4000:]
-    heartbeat = {"TORCH_NCCL_ENABLE_MONITORING": "1", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(SHORT_HEARTBEAT_S)}
+    heartbeat = {
+        "TORCH_NCCL_ENABLE_MONITORING": "1",
+        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(SHORT_HEARTBEAT_S),
+        "NCCL_DEBUG": "WARN",  # NCCL's own word on a failure, in the job's kept stderr
+    }
     plan = ("--plan", "10:pause", "--plan", "10:resume", "--hold", str(SHORT_HEARTBEAT_S * 3))
     paused = torchrun(*common, *plan, nccl=nccl, env=heartbeat)
     check_ops(paused, ["pause", "resume"])
