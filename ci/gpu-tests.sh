@@ -5,12 +5,13 @@
 # counted as passed; any other skip fails the run). With one GPU bench/migrate.py measures pause /
 # resume in place only (it says so); the other benchmarks and probes use one GPU.
 #   bash ci/gpu-tests.sh [--tests-only | --bench-only] [pytest args...]
-# Environment: GPU_TESTS (what pytest runs, default tests/gpu), FLEXIUM_NCCL_SOURCE (an NCCL
-# 2.29.7+ source tarball, built for the distributed tests), BENCH_SIZES (GB, default
-# 2,16,64), BENCH_ARGS (more bench/migrate.py options), BENCH_OVERHEAD=0 skips the step-time
-# benchmark, BENCH_CONTEXT=0 the context cost probe, BENCH_STAGING=1 adds the pause staging probe
-# (BENCH_STAGING_EXPERIMENTS picks its experiments, e.g. memfd_fill; the probes and
-# bench/nvml_read.py write bench-probes.txt: the device tool brings back at most 8 files).
+# Environment: GPU_TESTS (what pytest runs, default tests/gpu), FLEXIUM_NCCL_LIB (a libnccl.so.2
+# of NCCL 2.29.7+ for the distributed tests) or FLEXIUM_NCCL_SOURCE (its source tarball, built
+# here), BENCH_SIZES (GB, default 2,16,64), BENCH_ARGS (more bench/migrate.py options),
+# BENCH_OVERHEAD=0 skips the step-time benchmark, BENCH_CONTEXT=0 the context cost probe,
+# BENCH_STAGING=1 adds the pause staging probe (BENCH_STAGING_EXPERIMENTS picks its experiments,
+# e.g. memfd_fill; the probes and bench/nvml_read.py write bench-probes.txt: the device tool
+# brings back at most 8 files).
 # tests/gpu/test_server_end_to_end.py needs the server extra: installed, or its wheels in .whl/
 # (ci/server-wheels.sh fetches them for a machine without network; ci/framework-wheels.sh fastai's).
 set -uo pipefail
@@ -48,19 +49,16 @@ if ! python3 -c 'import pydantic, requests, yaml' 2>>"$out/build.log"; then
 fi
 
 # NCCL with suspend/resume for tests/gpu/test_distributed_jobs.py and bench/migrate.py --job-sizes
-# (torch 2.11 ships NCCL 2.28.9,
-# which lacks it): FLEXIUM_NCCL_SOURCE names its source tarball; built once per machine.
-if [ -n "${FLEXIUM_NCCL_SOURCE:-}" ]; then
-  nccl_root=/tmp/flexium-nccl
-  if [ ! -e "$nccl_root/nccl/build/lib/libnccl.so.2" ]; then
-    echo "== build NCCL from $FLEXIUM_NCCL_SOURCE (about 2 minutes)"
-    mkdir -p "$nccl_root" && tar -xzf "$FLEXIUM_NCCL_SOURCE" -C "$nccl_root" || { echo "NCCL SOURCE UNREADABLE"; exit 1; }
-    if ! (cd "$nccl_root/nccl" && make -j"$(nproc)" src.build CUDA_HOME="${CUDA_HOME:-/usr/local/cuda}" \
-        NVCC_GENCODE="${NCCL_GENCODE:--gencode=arch=compute_90,code=sm_90}") >"$out/nccl-build.log" 2>&1; then
-      tail -30 "$out/nccl-build.log"; echo "NCCL BUILD FAILED"; exit 1
-    fi
-  fi
-  export FLEXIUM_TEST_NCCL_LIB="$nccl_root/nccl/build/lib/libnccl.so.2"
+# (torch 2.11 ships NCCL 2.28.9, which lacks it): FLEXIUM_NCCL_LIB names a libnccl.so.2 built
+# ahead of time (ci/build-nccl.sh on any machine with nvcc), else FLEXIUM_NCCL_SOURCE its source
+# tarball, built here once per machine.
+if [ -n "${FLEXIUM_NCCL_LIB:-}" ]; then
+  [ -e "$FLEXIUM_NCCL_LIB" ] || { echo "FLEXIUM_NCCL_LIB names no file: $FLEXIUM_NCCL_LIB"; exit 1; }
+  FLEXIUM_TEST_NCCL_LIB="$(realpath "$FLEXIUM_NCCL_LIB")"
+  export FLEXIUM_TEST_NCCL_LIB
+elif [ -n "${FLEXIUM_NCCL_SOURCE:-}" ]; then
+  bash ci/build-nccl.sh "$FLEXIUM_NCCL_SOURCE" /tmp/flexium-nccl "$out/nccl-build.log" || exit 1
+  export FLEXIUM_TEST_NCCL_LIB=/tmp/flexium-nccl/nccl/build/lib/libnccl.so.2
 fi
 
 status=0

@@ -77,7 +77,8 @@ def nccl_with_suspend() -> str:
     if not os.path.exists(path):
         pytest.fail(
             "FLEXIUM_TEST_NCCL_LIB does not name a libnccl.so.2 with ncclCommSuspend (NCCL 2.29.7+): run through "
-            "ci/gpu-tests.sh with FLEXIUM_NCCL_SOURCE set to the NCCL source tarball"
+            "ci/gpu-tests.sh with FLEXIUM_NCCL_LIB naming one (ci/build-nccl.sh) or FLEXIUM_NCCL_SOURCE its "
+            "source tarball"
         )
     return path
 

@@ -3,7 +3,8 @@ undisturbed runs, with nothing left on any GPU while paused; and the refusal of 
 NCCL cannot suspend its communicators, which trains on unaffected.
 
 The NCCL with suspend/resume (2.29.7+) comes from FLEXIUM_TEST_NCCL_LIB (ci/gpu-tests.sh builds
-it from FLEXIUM_NCCL_SOURCE and sets it): torch 2.11's own NCCL 2.28.9 lacks it."""
+it from FLEXIUM_NCCL_SOURCE, or takes FLEXIUM_NCCL_LIB, and sets it): torch 2.11's own NCCL 2.28.9
+lacks it."""
 
 from __future__ import annotations
 
