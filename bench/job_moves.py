@@ -15,9 +15,10 @@ A job's downtime is its slowest rank's: for a migration on the ranks' step clock
 length minus the median normal step), for a pause and a resume the time each rank spent in the
 operation (a pause's step also holds the time it stayed paused). Stages: the ranks meeting at
 the stop step, NCCL suspend, the wait for torch's NCCL watchdog before a rank locks (what the
-suspend left of 0.25 s after the drain), the rank's own transaction, meeting again, NCCL resume and the
-check all-reduce. Floors: pause S/D2H + checkpoint, resume S/H2D + restore, migrate S/peer +
-checkpoint + restore, for S the rank's reserved bytes (all ranks' where they share a GPU). Goal: each at most 1.5 s.
+suspend left of 0.25 s after the drain), the rank's own transaction, meeting again, NCCL resume
+and the check all-reduce. Floors: pause S/D2H + checkpoint, resume S/H2D + restore, migrate S/peer +
+checkpoint + restore, for S the rank's reserved bytes (all ranks' where they share a GPU).
+Goal: each at most 1.5 s.
 """
 
 from __future__ import annotations
