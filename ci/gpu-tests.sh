@@ -60,6 +60,13 @@ elif [ -n "${FLEXIUM_NCCL_SOURCE:-}" ]; then
   bash ci/build-nccl.sh "$FLEXIUM_NCCL_SOURCE" /tmp/flexium-nccl "$out/nccl-build.log" || exit 1
   export FLEXIUM_TEST_NCCL_LIB=/tmp/flexium-nccl/nccl/build/lib/libnccl.so.2
 fi
+if [ -n "${FLEXIUM_TEST_NCCL_LIB:-}" ]; then
+  # Loaded once here, so that a library this machine cannot load fails in a second, not in every test.
+  if ! python3 -c 'import ctypes, sys; v = ctypes.c_int(); ctypes.CDLL(sys.argv[1]).ncclGetVersion(ctypes.byref(v)); print("NCCL", v.value, sys.argv[1])' \
+      "$FLEXIUM_TEST_NCCL_LIB" | tee -a "$out/gpus.csv"; then
+    echo "THIS MACHINE CANNOT LOAD $FLEXIUM_TEST_NCCL_LIB: build it here (FLEXIUM_NCCL_SOURCE)"; exit 1
+  fi
+fi
 
 status=0
 # A skipped test fails the run (tests/conftest.py), except one that needs more GPUs than NVML sees.
