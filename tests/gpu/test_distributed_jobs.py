@@ -19,6 +19,14 @@ from torchrun_jobs import ServedJob, TorchrunJob, check_ops, steps_at_ops, torch
 # The NCCL watchdog's heartbeat monitor kills a rank whose watchdog is stuck this long; a paused
 # job's must not be (issue: a pause may last hours).
 SHORT_HEARTBEAT_S = 8
+# The monitor on with that timeout, for pauses held three times as long; NCCL's own word on a
+# failure in the job's kept stderr.
+SHORT_HEARTBEAT = {
+    "TORCH_NCCL_ENABLE_MONITORING": "1",
+    "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(SHORT_HEARTBEAT_S),
+    "NCCL_DEBUG": "WARN",
+}
+LONG_HOLD = ("--hold", str(SHORT_HEARTBEAT_S * 3))
 
 
 @pytest.mark.parametrize("model", ["ddp", "fsdp2"])
@@ -28,10 +36,7 @@ def test_a_whole_job_pauses_resumes_and_swaps_bit_identical(two_gpus: list[Any],
     reference = torchrun(*common, nccl=nccl)
     assert reference.returncode == 0, reference.stderr[-4000:]
     plan = ("--plan", "10:pause", "--plan", "10:resume", "--plan", "25:migrate:0=1,1=0", "--plan", "40:migrate:0=0,1=1")
-    # A pause longer than the heartbeat monitor's timeout, with the monitor on.
-    hold = str(SHORT_HEARTBEAT_S * 3)
-    heartbeat = {"TORCH_NCCL_ENABLE_MONITORING": "1", "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(SHORT_HEARTBEAT_S)}
-    moved = torchrun(*common, *plan, "--hold", hold, nccl=nccl, env=heartbeat)
+    moved = torchrun(*common, *plan, *LONG_HOLD, nccl=nccl, env=SHORT_HEARTBEAT)
     check_ops(moved, ["pause", "resume", "migrate", "migrate"])
     for rank in (0, 1):
         assert moved.losses(rank) == reference.losses(rank), f"rank {rank}'s loss trace differs"
@@ -121,13 +126,7 @@ def test_a_two_rank_nccl_job_sharing_one_gpu_pauses_and_resumes_as_a_whole(model
     common = ("--model", model, "--steps", "40", "--ballast-gb", "0.5", "--ranks-share-gpu", transport)
     reference = torchrun(*common, nccl=nccl)
     assert reference.returncode == 0, reference.stderr[-4000:]
-    heartbeat = {
-        "TORCH_NCCL_ENABLE_MONITORING": "1",
-        "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(SHORT_HEARTBEAT_S),
-        "NCCL_DEBUG": "WARN",  # NCCL's own word on a failure, in the job's kept stderr
-    }
-    plan = ("--plan", "10:pause", "--plan", "10:resume", "--hold", str(SHORT_HEARTBEAT_S * 3))
-    paused = torchrun(*common, *plan, nccl=nccl, env=heartbeat)
+    paused = torchrun(*common, "--plan", "10:pause", "--plan", "10:resume", *LONG_HOLD, nccl=nccl, env=SHORT_HEARTBEAT)
     check_ops(paused, ["pause", "resume"])
     for rank in (0, 1):
         assert paused.losses(rank) == reference.losses(rank), f"rank {rank}'s loss trace differs"
