@@ -162,10 +162,11 @@ def _server_case(case: str, host_gpus: list[Any]) -> tuple[tuple[str, ...], dict
     """(job arguments, environment, LD_PRELOAD) of a case."""
     if case == "gloo-one-gpu":
         return ("--backend", "gloo", "--ballast-gb", "0.5"), {"GPU_DEVICE": "cuda:0"}, None
+    warnings = {"NCCL_DEBUG": "WARN"}  # NCCL's own word on a failure, in the job's output
     if case == "nccl-one-gpu":
-        return ("--backend", "nccl", "--ballast-gb", "2", "--ranks-share-gpu", "ipc"), {}, nccl_with_suspend()
+        return ("--backend", "nccl", "--ballast-gb", "2", "--ranks-share-gpu", "sockets"), warnings, nccl_with_suspend()
     need_gpus(host_gpus, 2)
-    return ("--backend", "nccl", "--ballast-gb", "2"), {}, nccl_with_suspend()
+    return ("--backend", "nccl", "--ballast-gb", "2"), warnings, nccl_with_suspend()
 
 
 @pytest.mark.parametrize("case", ["gloo-one-gpu", "nccl-one-gpu", "nccl-two-gpus"])
