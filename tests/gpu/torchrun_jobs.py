@@ -9,11 +9,13 @@ import os
 import signal
 import subprocess
 import sys
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 import pytest
 
 from conftest import HERE, _keep_log
+
+T = TypeVar("T")
 
 
 class TorchrunJob:
@@ -55,18 +57,29 @@ def torchrun(
         stdout, stderr = proc.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
         hung = True
-        os.killpg(proc.pid, signal.SIGABRT)  # PYTHONFAULTHANDLER: each rank writes its stacks
-        try:
-            stdout, stderr = proc.communicate(timeout=20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            stdout, stderr = proc.communicate()
+        ended = _end_group(proc, lambda seconds: proc.communicate(timeout=seconds))
+        stdout, stderr = ended if ended is not None else proc.communicate()
     described = ("ddp_job.py", f"{ranks} ranks", *args)
     _keep_log(described, {"LD_PRELOAD": nccl or "", **(env or {})}, proc.returncode, stdout, stderr)
     if hung:
         pytest.fail(f"the job did not end within {timeout:g} s ({' '.join(described)}): {stderr[-3000:]}")
     events = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
     return TorchrunJob(proc.returncode, events, stderr, ranks)
+
+
+def _end_group(proc: subprocess.Popen[str], settle: Callable[[float], T]) -> Optional[T]:
+    """Ends a job started in its own process group, torchrun and every rank: SIGABRT first (with
+    PYTHONFAULTHANDLER each rank writes its stacks), SIGKILL if ``settle`` (which waits for it,
+    draining its output) times out after 20 s. ``settle``'s result; None if it was killed."""
+    try:
+        os.killpg(proc.pid, signal.SIGABRT)
+        try:
+            return settle(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # every process of the group has ended already
+        pass
+    return None
 
 
 def check_ops(job: TorchrunJob, kinds: list[str]) -> None:
@@ -127,23 +140,33 @@ class ServedJob:
         if nccl:
             job_env["LD_PRELOAD"] = nccl
         self.job = subprocess.Popen(
-            torchrun_argv(ranks, *job_args), env=job_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            torchrun_argv(ranks, *job_args),
+            env=job_env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            start_new_session=True,  # as torchrun(): a job that fails a test ends with every rank
         )
         self.output = ProcessOutput(self.job)
 
     def __enter__(self) -> "ServedJob":
         from live_server import wait_until
 
-        for rank in range(self.world):
-            self.output.wait_for(rf'^\{{"event": "ready", "rank": {rank}', 180)
-        found = wait_until(self._movable, 120, f"{self.world} ranks registered as movable with their job")
+        try:
+            for rank in range(self.world):
+                self.output.wait_for(rf'^\{{"event": "ready", "rank": {rank}', 180)
+            found = wait_until(self._movable, 120, f"{self.world} ranks registered as movable with their job")
+        except BaseException:
+            self.__exit__()  # a job that never became movable ends too: __exit__ only follows a return
+            raise
         self.rank0 = found[0]["process_id"]
         self.pids = [p["pid"] for p in found]
         return self
 
     def __exit__(self, *exc: object) -> None:
         if self.job.poll() is None:
-            self.job.kill()
+            _end_group(self.job, lambda seconds: self.job.wait(timeout=seconds))
+            self.job.wait()
         self.server.stop()
 
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
