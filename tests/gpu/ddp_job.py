@@ -62,6 +62,19 @@ def held_by(pids: list[int]) -> dict[str, int]:
     return {gpu.uuid: sum(gpu.used_by(pid) or 0 for pid in pids) for gpu in nvml.host_gpus()}
 
 
+def unretired_collectives() -> Optional[dict[str, int]]:
+    """How many collectives of each process group torch's NCCL watchdog still lists (enqueued,
+    not yet seen completed), from its flight recorder's status (host memory only, so it can be
+    read while the rank is checkpointed); None where the recorder is off
+    (TORCH_NCCL_TRACE_BUFFER_SIZE unset)."""
+    c10d = torch._C._distributed_c10d
+    dump = getattr(c10d, "_dump_nccl_trace_json", None) or getattr(c10d, "_dump_fr_trace_json", None)
+    if dump is None or not os.environ.get("TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        return None
+    status = json.loads(dump(includeCollectives=False))["pg_status"]
+    return {pg: int(s["last_enqueued_collective"]) - int(s["last_completed_collective"]) for pg, s in status.items()}
+
+
 def stopped_at(notes: tuple[str, ...]) -> Optional[int]:
     """The optimizer step the job stopped at for a pause or a migration (the result says it)."""
     from flexium.engine.distributed.job_operation import STOPPED_AT
@@ -138,7 +151,7 @@ def control(plan: list[tuple[int, str, dict[int, int]]], progress: Progress, hol
         )
         if kind == "pause":
             time.sleep(hold / 2)
-            emit("paused", held=held_by([os.getpid()]))
+            emit("paused", held=held_by([os.getpid()]), unretired=unretired_collectives())
             time.sleep(hold / 2)
 
 

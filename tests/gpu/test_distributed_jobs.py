@@ -19,12 +19,15 @@ from torchrun_jobs import ServedJob, TorchrunJob, check_ops, steps_at_ops, torch
 # The NCCL watchdog's heartbeat monitor kills a rank whose watchdog is stuck this long; a paused
 # job's must not be (issue: a pause may last hours).
 SHORT_HEARTBEAT_S = 8
-# The monitor on with that timeout, for pauses held three times as long; NCCL's own word on a
-# failure in the job's kept stderr.
+# The monitor on with that timeout, for pauses held three times as long; torch's flight recorder
+# on, so that a paused rank can say which collectives its watchdog still lists (ddp_job.py); NCCL's
+# and torch's own word on a failure (with the monitor's C++ stacks) in the job's kept stderr.
 SHORT_HEARTBEAT = {
     "TORCH_NCCL_ENABLE_MONITORING": "1",
     "TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC": str(SHORT_HEARTBEAT_S),
+    "TORCH_NCCL_TRACE_BUFFER_SIZE": "64",
     "NCCL_DEBUG": "WARN",
+    "TORCH_CPP_LOG_LEVEL": "INFO",
 }
 LONG_HOLD = ("--hold", str(SHORT_HEARTBEAT_S * 3))
 
@@ -43,6 +46,7 @@ def test_a_whole_job_pauses_resumes_and_swaps_bit_identical(two_gpus: list[Any],
         pause, resume, swap, back = moved.of(rank, "op")
         paused = moved.of(rank, "paused")[0]
         assert sum(paused["held"].values()) == 0, f"rank {rank} held {paused['held']} while paused"
+        assert paused["unretired"] and not any(paused["unretired"].values()), paused  # the watchdog is not stuck
         other = 1 - rank
         # after the swap rank r holds memory only on the GPU rank 1-r started on
         start = moved.of(rank, "done")[0]
@@ -130,7 +134,10 @@ def test_a_two_rank_nccl_job_sharing_one_gpu_pauses_and_resumes_as_a_whole(model
     check_ops(paused, ["pause", "resume"])
     for rank in (0, 1):
         assert paused.losses(rank) == reference.losses(rank), f"rank {rank}'s loss trace differs"
-        assert sum(paused.of(rank, "paused")[0]["held"].values()) == 0, paused.of(rank, "paused")
+        held = paused.of(rank, "paused")[0]
+        assert sum(held["held"].values()) == 0, held
+        # the watchdog had retired every collective before the rank locked, so it is not stuck
+        assert held["unretired"] and not any(held["unretired"].values()), held
         pause, resume = paused.of(rank, "op")
         assert "suspend_nccl" in pause["steps"] and "resume_nccl" in resume["steps"], (pause, resume)
     zero, one = steps_at_ops(paused)
