@@ -1,14 +1,12 @@
 """Downtime of whole-job operations of a torchrun job (NCCL), per stage, beside the floor
 (bench/migrate.py --job-sizes runs it with its own bandwidth and fixed-cost readings).
 
-    python bench/job_moves.py --sizes 16 [--scenarios swap,shared-gpu,four-gpus,four-ranks]
+    python bench/job_moves.py --sizes 16 [--scenarios swap,four-gpus,four-ranks]
         [--nccl /path/libnccl.so.2] [--json out.json]
 
 One job per size (GiB of training state per rank, bench/rank_job.py) and scenario (SCENARIOS):
 "swap", a 2-rank DDP job: a whole-job pause held --hold seconds and its resume in place, a swap of
-the two ranks' GPUs, the swap back; "shared-gpu", the same job with both ranks on GPU 0 (NCCL over
-its socket transport, as one GPU allows): the pause and its resume, the two ranks' copies sharing
-that GPU's link to the host; on four GPUs, "four-gpus", a 2-rank DDP job: rank 1 alone to
+the two ranks' GPUs, the swap back; on four GPUs, "four-gpus", a 2-rank DDP job: rank 1 alone to
 GPU 2, the whole job to GPUs 2 and 3, a pause, its resume on GPUs 0 and 1; "four-ranks", a 4-rank
 FSDP2 job: a pause, its resume, ranks 1 and 2 swapped.
 A job's downtime is its slowest rank's: for a migration on the ranks' step clock (the stop step's
@@ -17,8 +15,7 @@ operation (a pause's step also holds the time it stayed paused). Stages: the ran
 the stop step, NCCL suspend, the wait for torch's NCCL watchdog before a rank locks (what the
 suspend left of 0.25 s after the drain), the rank's own transaction, meeting again, NCCL resume
 and the check all-reduce. Floors: pause S/D2H + checkpoint, resume S/H2D + restore, migrate S/peer +
-checkpoint + restore, for S the rank's reserved bytes (all ranks' where they share a GPU).
-Goal: each at most 1.5 s.
+checkpoint + restore, for S the rank's reserved bytes. Goal: each at most 1.5 s.
 """
 
 from __future__ import annotations
@@ -70,17 +67,16 @@ class Scenario:
     model: str
     plan: tuple[str, ...]
     ops: tuple[str, ...]
-    share_gpu: bool = False  # every rank on GPU 0 (rank_job.py --ranks-share-gpu)
 
     @property
     def gpus(self) -> int:
-        """The GPUs it needs: one per rank (one for all if they share it), and every GPU its plan names."""
+        """The GPUs it needs: one per rank, and every GPU its plan names."""
         named = [int(pair.split("=")[1]) for item in self.plan for pair in _targets(item)]
-        return max([1 if self.share_gpu else self.ranks, *(g + 1 for g in named)])
+        return max([self.ranks, *(g + 1 for g in named)])
 
     @property
     def job(self) -> str:
-        return f"{self.ranks} ranks {self.model.upper()}" + (" on GPU 0" if self.share_gpu else "")
+        return f"{self.ranks} ranks {self.model.upper()}"
 
     def kind(self, index: int) -> str:
         return self.plan[index].split(":")[1]
@@ -99,7 +95,6 @@ SCENARIOS = {
         ("20:pause", "20:resume", "40:migrate:0=1,1=0", "60:migrate:0=0,1=1"),
         ("pause", "resume", "swap", "swap back"),
     ),
-    "shared-gpu": Scenario(2, "ddp", ("20:pause", "20:resume"), ("pause", "resume"), share_gpu=True),
     "four-gpus": Scenario(
         2,
         "ddp",
@@ -129,8 +124,6 @@ def run_job(size: float, name: str, *, nccl: Optional[str], hold: float, timeout
     out = tempfile.mkdtemp(prefix="flexium-job-moves-")
     argv += ["--gb", str(size), "--hold", str(hold), "--out", out, "--model", scenario.model]
     argv += [a for item in scenario.plan for a in ("--plan", item)]
-    if scenario.share_gpu:
-        argv.append("--ranks-share-gpu")
     started = time.perf_counter()
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
@@ -191,8 +184,7 @@ def rows_of(job: dict[str, Any], bandwidth: Optional[dict[str, Any]], fixed: Opt
             downtime = max(op.get("seconds", 0.0) for op in ops)
         if not all(op["ok"] for op in ops):
             downtime = None  # a failed operation's time is no downtime of a move
-        # Ranks sharing a GPU share its link to the host: the floor carries all of their bytes.
-        size_bytes = sum(r["reserved"] for r in ranks) if scenario.share_gpu else max(r["reserved"] for r in ranks)
+        size_bytes = max(r["reserved"] for r in ranks)
         rows.append(
             {
                 "size": job["size"],

@@ -76,25 +76,17 @@ def main() -> None:
     parser.add_argument("--hold", type=float, default=1.0, help="seconds each pause lasts")
     parser.add_argument("--out", required=True, help="folder for each rank's rank-N.json")
     parser.add_argument("--model", choices=("ddp", "fsdp2"), default="ddp", help="DDP, or FSDP2's fully_shard")
-    parser.add_argument(
-        "--ranks-share-gpu",
-        action="store_true",
-        help="every rank on cuda:0, each naming a host of its own to NCCL (NCCL_HOSTID), which then connects "
-        "them by its socket transport: NCCL refuses two ranks of one host on one GPU",
-    )
     args = parser.parse_args()
-    if args.ranks_share_gpu:
-        os.environ.update(GPU_DEVICE="cuda:0", NCCL_HOSTID=f"flexium-bench-rank-{RANK}", NCCL_SOCKET_IFNAME="lo")
 
     flexium.init()
-    device = torch.cuda.current_device()
-    dist.init_process_group("nccl", device_id=torch.device("cuda", device))
+    local_rank = int(os.environ["LOCAL_RANK"])
+    dist.init_process_group("nccl", device_id=torch.device(f"cuda:{local_rank}"))
     world = dist.get_world_size()
     torch.manual_seed(0)
     layers = [torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]
     model = torch.nn.Sequential(*layers).cuda()
     if args.model == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device])
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank])
     else:
         from torch.distributed.fsdp import fully_shard
 

@@ -34,6 +34,12 @@ engine = runtime.current().engine
 fake.set_process_memory(0, 1 << 30)
 dist.init_process_group("gloo", init_method=os.environ["TEST_RENDEZVOUS"], rank=rank, world_size=2)
 
+if os.environ.get("TEST_CLAIM_NCCL"):  # a job on NCCL, as the engine sees it
+    from flexium.engine.distributed import cuda_graphs, membership
+    membership.DistributedJob.uses_nccl = property(lambda self: True)
+    nccl.suspend_problem = lambda *args, **kwargs: None
+    cuda_graphs.problem = lambda *args, **kwargs: None
+
 comm_calls = []
 class RecordingComm:
     name = "recording"
@@ -181,6 +187,32 @@ def test_both_ranks_move_and_one_rank_can_move_alone(tmp_path: Any, reference: A
     for out in outs:
         assert out["comm"] == ["suspend", "resume"] * 2
         assert out["losses"] == reference[out["rank"]]
+
+
+def test_an_nccl_job_is_refused_any_operation_that_restores_a_rank_on_a_gpu_it_shares(
+    tmp_path: Any, reference: Any
+) -> None:
+    # Both ranks start on the same GPU (the fake driver's GPU 0 has one UUID in every rank).
+    plan = [
+        {"id": 1, "kind": "pause", "after_step": 5},
+        {"id": 2, "kind": "migrate", "after_step": 10, "targets": BOTH_MOVE},
+        {"id": 3, "kind": "migrate", "after_step": 15, "targets": {"1": 1}},  # rank 1 alone: allowed
+    ]
+    outs = _run_job(tmp_path, plan, TEST_CLAIM_NCCL={0: "1", 1: "1"})
+    zero, one = outs
+    for out in outs:
+        pause, swap, alone = out["results"]
+        for refused, kind in ((pause, "pause"), (swap, "migrate")):
+            assert not refused["ok"] and refused["type"] == "CapabilityError", refused
+            assert refused["error"].startswith(
+                f"cannot {kind} the job: ranks 0 and 1 of this NCCL job would be on one GPU"
+            )
+            assert "a GPU of its own for each rank" in refused["error"]
+        assert alone["ok"], alone
+        assert out["comm"] == ["suspend", "resume"]  # NCCL was never touched by the refused ones
+        assert out["losses"] == reference[out["rank"]]
+    assert zero["results"][2]["path"] == "stayed" and zero["placement"] == [0, 1] and "Checkpoint" not in zero["calls"]
+    assert one["placement"] == [1, 0] and [c for c in one["calls"] if c == "Checkpoint"] == ["Checkpoint"]
 
 
 def test_a_failed_checkpoint_on_one_rank_resumes_the_rank_that_paused(tmp_path: Any, reference: Any) -> None:

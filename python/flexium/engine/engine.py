@@ -318,13 +318,31 @@ class Engine:
         limits = deadlines or Deadlines()
         allowed = (EngineState.PAUSED,) if op.kind == OperationKind.RESUME else (EngineState.RUNNING,)
         with self._operation(op.kind, allowed=allowed):
-            problem = job_operation.refusal(membership.describe(), op)
+            job = membership.describe()
+            problem = job_operation.refusal(job, op)
             if problem is not None:
                 raise CapabilityError(f"cannot {op.kind.value} the job: {problem}")
             rv = Rendezvous(job_store(), op.operation_id, rank=op.rank, world_size=op.world_size)
             try:
-                actions = self._rank_actions(op, path)
+                lands_on = self._lands_on(op)
             except Exception as exc:  # this rank refuses its part: the others need not wait for it
+                rv.abort(f"refused: {exc}")
+                raise
+            if job.uses_nccl:
+                try:
+                    problem = job_operation.shared_gpu_problem(rv, self._source(), lands_on, deadline_s=limits.agree_s)
+                except JobAborted as exc:
+                    untouched = RankActions(source=self._source(), logical_device=self.logical_device)
+                    return self._finish(
+                        job_operation.untouched(
+                            op.kind, untouched, f"the job's ranks did not meet, nothing changed: {exc}", "placement"
+                        )
+                    )
+                if problem is not None:  # every rank reads the same placements, so every rank refuses
+                    raise CapabilityError(f"cannot {op.kind.value} the job: {problem}")
+            try:
+                actions = self._rank_actions(op, path, lands_on)
+            except Exception as exc:
                 rv.abort(f"refused: {exc}")
                 raise
             if op.kind == OperationKind.RESUME:
@@ -361,7 +379,15 @@ class Engine:
                 )
             return self._finish(result)
 
-    def _rank_actions(self, op: JobOperation, path: PathChoice) -> RankActions:
+    def _lands_on(self, op: JobOperation) -> Optional[GpuIdentity]:
+        """The GPU the driver restores this rank on in `op`: where it is (a pause), its target (a
+        resume or a move), where it paused (a resume in place); None for a rank a migration
+        leaves where it is, which is never checkpointed."""
+        if op.kind == OperationKind.PAUSE or (op.kind == OperationKind.RESUME and op.target is None):
+            return self._source()
+        return None if op.target is None else self._ctx.identity.resolve(op.target)
+
+    def _rank_actions(self, op: JobOperation, path: PathChoice, lands_on: Optional[GpuIdentity]) -> RankActions:
         """This rank's checks before the operation (as for one process) and what it will do."""
         if op.kind in (OperationKind.PAUSE, OperationKind.RESUME):
             self._require(self.capabilities.pause_resume, op.kind.value)
@@ -370,14 +396,15 @@ class Engine:
         source = self._source()
         actions = RankActions(source=source, logical_device=self.logical_device)
         if op.kind == OperationKind.RESUME:
-            dest = source if op.target is None else self._ctx.identity.resolve(op.target)
+            assert lands_on is not None
+            dest = lands_on
             self._check_resume_target(source, dest, in_place=op.target is None)
             actions.resume = lambda: resume(self._ctx, self._plan(dest))
             actions.pause_again = lambda: pause_by_driver(
                 self._ctx, self._source(), ("paused again: the job's other ranks could not resume",), at_safe_point=True
             )
-        elif op.kind == OperationKind.MIGRATE and op.target is not None:
-            dest = self._ctx.identity.resolve(op.target)
+        elif op.kind == OperationKind.MIGRATE and lands_on is not None:
+            dest = lands_on
             notes = self._validate_target(source, dest, needed=self._bytes_on(source))
             self._copier_off_gpu()
             actions.move = lambda: self._migrate_now(self._plan(dest), path, notes, at_safe_point=True)

@@ -206,6 +206,34 @@ def _stayed(actions: RankActions) -> OperationResult:
     )
 
 
+def shared_gpu_problem(
+    rv: Rendezvous, source: GpuIdentity, lands_on: Optional[GpuIdentity], *, deadline_s: float
+) -> Optional[str]:
+    """Why the operation would leave a rank that the driver restores (`lands_on`: where; None: this
+    rank stays on `source`, never checkpointed) on one GPU with another rank of its NCCL job, with
+    what to do; None when each such rank has its GPU to itself. NCCL's next collective fails in a
+    rank restored on a GPU it shares with another rank of its job (docs/facts.md fact 25). Every
+    rank posts where it will be, so every rank reaches the same verdict before anything changes."""
+    own = f"restored {lands_on.uuid}" if lands_on is not None else f"stays {source.uuid}"
+    words = rv.gather("placement", own, deadline_s=deadline_s, what="say which GPU it will be on").words
+    ranks_on: dict[str, list[int]] = {}
+    restored: set[str] = set()
+    for rank, word in sorted(words.items()):
+        how, _, uuid = word.partition(" ")
+        ranks_on.setdefault(uuid, []).append(rank)
+        if how == "restored":
+            restored.add(uuid)
+    for uuid, ranks in ranks_on.items():
+        if len(ranks) > 1 and uuid in restored:
+            together = ", ".join(str(rank) for rank in ranks[:-1]) + f" and {ranks[-1]}"
+            return (
+                f"ranks {together} of this NCCL job would be on one GPU ({uuid}) when the driver restores them, "
+                "and NCCL's next collective fails in a rank restored on a GPU it shares with another rank "
+                "(docs/facts.md fact 25); run the job with a GPU of its own for each rank to make it movable"
+            )
+    return None
+
+
 def _word(result: OperationResult) -> str:
     return OK if result.ok else f"{result.failed_step or 'failed'}: {result.error}"
 
