@@ -3,6 +3,8 @@
 
 The server gives every rank of the job its own command with the operation's id. Each rank:
 
+0. **checks the placement** (NCCL jobs): every rank posts the GPU it will be on, and all refuse
+   alike when a rank the driver restores would share its GPU with another rank;
 1. **agrees on a step**: at its next optimizer step it posts the step it is at and trains on;
    once every rank has posted, each computes the same stop step, the highest posted plus a
    margin (ranks in lockstep are at most a step apart, so every rank is still before it);
