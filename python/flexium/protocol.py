@@ -61,6 +61,18 @@ class TargetText:
 TARGET_SYNTAX = "cuda:N (the job's own numbering), N (nvidia-smi's index) or a GPU UUID (GPU-...)"
 
 
+def nccl_ranks_on_one_gpu(ranks: list[int], uuid: str) -> str:
+    """Why an NCCL job's operation is refused when it would leave ranks the driver restores on
+    one GPU with each other, and what to do (docs/facts.md fact 25): the words of the server's
+    refusal and of the ranks' own."""
+    together = ", ".join(str(rank) for rank in ranks[:-1]) + f" and {ranks[-1]}"
+    return (
+        f"ranks {together} of this NCCL job would be on one GPU ({uuid}) when the driver restores them, and "
+        "NCCL's next collective fails in a rank restored on a GPU it shares with another rank (docs/facts.md "
+        "fact 25); give each rank a GPU of its own (launch the job with one per rank) to make it movable"
+    )
+
+
 def read_target(text: str) -> TargetText:
     """The one reading of a target's syntax (the CLI checks with it before sending, the server
     resolves by it); ValueError names what is wrong and suggests what was probably meant."""

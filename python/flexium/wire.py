@@ -624,6 +624,13 @@ class ProcessCapabilities(_BoundedJson):
             "whole (its problems say why not); None: a single-process job"
         ),
     )
+    nccl: Optional[bool] = Field(
+        default=None,
+        description=(
+            "a rank of a multi-process job: whether its process group runs on NCCL, whose ranks the driver "
+            "restores each need a GPU of their own; None: a single-process job, or not known yet"
+        ),
+    )
 
 
 class OperationGpu(WireIn):

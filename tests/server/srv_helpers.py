@@ -144,6 +144,7 @@ def rank_body(
     placement: dict[int, int] | None = None,
     job_operations: bool = True,
     problems: list[str] | None = None,
+    nccl: bool | None = None,
     **fields: Any,
 ) -> dict[str, Any]:
     """A rank of a torchrun job as its client registers it: rank r on GPU r unless told, every
@@ -159,6 +160,7 @@ def rank_body(
         "driver_version": "580.159.04",
         "job_operations": job_operations,
         "problems": problems or [],
+        "nccl": nccl,
     }
     body = process_body(
         f"rank-{rank}",

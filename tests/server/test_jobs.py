@@ -295,6 +295,24 @@ def test_no_two_ranks_on_one_gpu_after_the_move(db: Database) -> None:
     _refused(db, ws, errors.TargetRefused, "would share GPU GPU-0002", "migrate", ranks={"0": 2, "1": 2})
 
 
+def test_ranks_of_an_nccl_job_on_one_gpu_are_refused_a_pause_and_a_resume_in_place(db: Database) -> None:
+    ws = _workspace(db)
+    both_on_gpu_0 = {"gpu_index": 0, "placement": {0: 20 * GIB}}
+    _job(db, ws, nccl=True, **both_on_gpu_0)
+    message = _refused(
+        db, ws, errors.TargetRefused, r"^ranks 0 and 1 of this NCCL job would be on one GPU \(GPU-0000\)", "pause"
+    )
+    assert "docs/facts.md fact 25" in message and "give each rank a GPU of its own" in message
+    _job(db, ws, nccl=True, state="PAUSED", **both_on_gpu_0)
+    _refused(db, ws, errors.TargetRefused, "would be on one GPU", "resume")
+    apart = _create(db, ws, "resume", ranks={"1": "cuda:1"})  # each on a GPU of its own: allowed
+    assert {c.process_id: c.target_uuid for c in apart} == {"rank-0": None, "rank-1": "GPU-0001"}
+    record, _token = db.run(storage.create_workspace, write=True, name="gloo-team", now=NOW)
+    gloo = int(record.id)
+    _job(db, gloo, nccl=False, **both_on_gpu_0)
+    assert len(_create(db, gloo, "pause")) == 2  # gloo ranks may share a GPU
+
+
 def test_nothing_to_move_is_refused(db: Database) -> None:
     ws = _workspace(db)
     _job(db, ws)

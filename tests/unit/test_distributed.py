@@ -160,6 +160,7 @@ def test_a_rank_before_its_process_group_reports_itself_not_movable(monkeypatch:
     _torchrun(monkeypatch, RANK=1, WORLD_SIZE=2)  # read when the report is built, not at init
     rank = reporter.capabilities()
     assert not rank.pause_resume and not rank.migration and rank.job_operations is False
+    assert rank.nccl is None  # not known before the process group exists
     assert rank.problems == [
         "this process is rank 1 of 2 of a torch.distributed job (launched by torchrun, process group not "
         "initialized yet), and the job cannot be paused or moved as a whole: the job has not started its "
@@ -239,6 +240,7 @@ def test_rank_0_of_a_gloo_job_is_refused_and_both_ranks_train_on(tmp_path: Any) 
         assert rank["before"]["pause_resume"] and rank["before"]["migration"]
         # as a rank of a gloo job it moves with its job (test_job_operations.py)
         assert rank["before"]["job_operations"] is None and rank["after"]["job_operations"] is True
+        assert rank["before"]["nccl"] is None and rank["after"]["nccl"] is False  # gloo: its ranks may share a GPU
         assert rank["after"]["pause_resume"] and rank["after"]["migration"]
         assert rank["after"]["problems"] == rank["before"]["problems"]
 

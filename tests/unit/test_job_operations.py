@@ -207,7 +207,7 @@ def test_an_nccl_job_is_refused_any_operation_that_restores_a_rank_on_a_gpu_it_s
             assert refused["error"].startswith(
                 f"cannot {kind} the job: ranks 0 and 1 of this NCCL job would be on one GPU"
             )
-            assert "a GPU of its own for each rank" in refused["error"]
+            assert "give each rank a GPU of its own" in refused["error"]
         assert alone["ok"], alone
         assert out["comm"] == ["suspend", "resume"]  # NCCL was never touched by the refused ones
         assert out["losses"] == reference[out["rank"]]

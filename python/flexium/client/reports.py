@@ -173,6 +173,7 @@ class ProcessReporter:
             # Read now, not at init: the job may start its process group after flexium.init().
             # A paused job keeps what it had: the server refuses a resume without pause_resume.
             problem = job_operation.job_problem(job)
+            report.nccl = job.uses_nccl if job.initialized else None
             report.job_operations = problem is None or self.state() == "PAUSED"
             if not report.job_operations:
                 report.pause_resume = False

@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from flexium import protocol
 from flexium.engine import torch_bridge
 from flexium.engine.distributed import cuda_graphs, nccl
 from flexium.engine.distributed.membership import DistributedJob
@@ -227,12 +228,7 @@ def shared_gpu_problem(
             restored.add(uuid)
     for uuid, ranks in ranks_on.items():
         if len(ranks) > 1 and uuid in restored:
-            together = ", ".join(str(rank) for rank in ranks[:-1]) + f" and {ranks[-1]}"
-            return (
-                f"ranks {together} of this NCCL job would be on one GPU ({uuid}) when the driver restores them, "
-                "and NCCL's next collective fails in a rank restored on a GPU it shares with another rank "
-                "(docs/facts.md fact 25); run the job with a GPU of its own for each rank to make it movable"
-            )
+            return protocol.nccl_ranks_on_one_gpu(ranks, uuid)
     return None
 
 

@@ -7,8 +7,9 @@ Refused before anything is written, each with what is wrong and what to do: a ra
 silent, a rank busy, FAILED, or in a state the operation does not start from, a rank whose
 flexium cannot take part (``capabilities.job_operations``), and a placement the job cannot
 have: a target the rank does not see (docs/facts.md fact 15), two ranks on one GPU after the
-move, nothing that moves. Each target is judged by ``target_refusal`` for the rank that goes
-there, counting the memory the operation's other ranks take off it (a swap)."""
+move, ranks of an NCCL job on one GPU for a pause or a resume (fact 25), nothing that moves.
+Each target is judged by ``target_refusal`` for the rank that goes there, counting the memory
+the operation's other ranks take off it (a swap)."""
 
 from __future__ import annotations
 
@@ -260,6 +261,16 @@ def _check_placement(
     stale_after: float,
 ) -> None:
     after = {rank: moves.get(rank, proc.gpu_uuid) for rank, proc in ranks.items()}
+    if kind != "migrate" and any(stored_capabilities(proc).nccl for proc in ranks.values()):
+        # A pause or a resume restores every rank: none may share its GPU (a move onto another
+        # rank's GPU is refused below, whatever the backend).
+        by_gpu: dict[str, list[int]] = {}
+        for rank, uuid in sorted(after.items()):
+            if uuid is not None:
+                by_gpu.setdefault(uuid, []).append(rank)
+        for uuid, together in by_gpu.items():
+            if len(together) > 1:
+                raise TargetRefused(protocol.nccl_ranks_on_one_gpu(together, uuid))
     for rank, uuid in sorted(moves.items()):
         proc = ranks[rank]
         if proc.host != host:
