@@ -268,12 +268,22 @@ def test_a_failed_nccl_suspend_on_one_rank_moves_nothing(tmp_path: Any, referenc
         assert out["losses"] == reference[out["rank"]]
 
 
-def test_a_rank_that_never_takes_the_operation_up_changes_nothing(tmp_path: Any, reference: Any) -> None:
+@pytest.mark.parametrize(
+    "backend, stage, late",
+    [
+        ("gloo", "agree", "take the operation up"),
+        ("nccl", "placement", "say which GPU it will be on"),  # NCCL jobs meet first to check the placement
+    ],
+)
+def test_a_rank_that_never_takes_the_operation_up_changes_nothing(
+    tmp_path: Any, reference: Any, backend: str, stage: str, late: str
+) -> None:
     plan = [{"id": 1, "kind": "pause", "after_step": 5, "ranks": [0], "deadlines": {"agree_s": 0.1}}]
-    outs = _run_job(tmp_path, plan)
+    claim = {"TEST_CLAIM_NCCL": {0: "1", 1: "1"}} if backend == "nccl" else {}
+    outs = _run_job(tmp_path, plan, **claim)
     zero, one = outs
-    assert zero["results"][0]["failed_step"] == "agree"
-    assert "rank(s) 1 did not take the operation up within 0.1 s" in zero["results"][0]["error"]
+    assert zero["results"][0]["failed_step"] == stage
+    assert f"rank(s) 1 did not {late} within 0.1 s" in zero["results"][0]["error"]
     assert one["results"] == []
     for out in outs:
         assert out["calls"] == [] and out["comm"] == [] and out["state"] == "RUNNING"
