@@ -141,6 +141,7 @@ class SimJob:
         steps: Optional[int] = None,
         loss: Optional[float] = None,
         shares: Optional[dict[int, int]] = None,
+        nccl: Optional[bool] = None,
     ) -> None:
         self.api = api
         self.host = host
@@ -158,6 +159,7 @@ class SimJob:
         self.job = job  # a rank of a job of several: its wire.JobMembership
         if job is not None:
             self.capabilities["job_operations"] = migration and pause_resume
+            self.capabilities["nccl"] = nccl
         self.state = state
         # Training progress its beats report (None: like a client that reports none); each beat
         # is 5 more optimizer steps.

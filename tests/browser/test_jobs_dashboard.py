@@ -100,3 +100,15 @@ def test_job_refusals_show_in_the_dialog_and_disabled_buttons_say_why(dash: Dash
     pause = dash.job_row("ddp-run-45").find_element(By.CSS_SELECTOR, '[data-action="job-pause"]')
     assert not pause.is_enabled() and pause.get_attribute("title") == why
     assert dash.job_row("ddp-run-44").find_element(By.CSS_SELECTOR, '[data-action="job-pause"]').is_enabled()
+
+    # an NCCL job whose ranks share a GPU: its pause would break it (docs/facts.md fact 25); a move apart would not
+    host4 = FakeHost("ddp-node4")
+    for rank in (0, 1):
+        member = {"key": "ddp-run-46", "rank": rank, "world_size": 2}
+        jobs(host4, f"ddp-run-46-r{rank}", gpu=0, job=member, nccl=True)
+    dash.wait(lambda: dash.has_row("ddp-run-46-r1"), "the NCCL job sharing a GPU")
+    row = dash.job_row("ddp-run-46")
+    pause = row.find_element(By.CSS_SELECTOR, '[data-action="job-pause"]')
+    assert not pause.is_enabled()
+    assert pause.get_attribute("title").startswith("ranks 0 and 1 of this NCCL job would be on one GPU")
+    assert row.find_element(By.CSS_SELECTOR, '[data-action="job-migrate"]').is_enabled()

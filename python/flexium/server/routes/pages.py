@@ -30,6 +30,7 @@ from flexium.server.auth import resolve_session, resolve_token, role_refusal
 from flexium.server.context import Ctx, ServerContext
 from flexium.server.errors import NotFound
 from flexium.server.storage import AuthInfo
+from flexium.server.storage.jobs import nccl_ranks_sharing_a_gpu
 
 _TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
 _CARRIAGE_RETURN = Markup("&#13;")
@@ -223,6 +224,15 @@ def refusal(process: wire.ProcessInfo, kind: str, actions_refused: str) -> str:
     return "; ".join(caps.problems) or f"This job's driver cannot {kind} (needs {needs})"
 
 
+def job_pause_refusal(job: wire.JobSummary) -> Optional[str]:
+    """Why the job's Pause button is greyed beyond its ranks' own problems: ranks of an NCCL job
+    sharing a GPU (the server's rule, ``storage.jobs.nccl_ranks_sharing_a_gpu``)."""
+    return nccl_ranks_sharing_a_gpu(
+        nccl=any(rank.capabilities.nccl for rank in job.ranks),
+        placement={rank.job.rank: rank.gpu_uuid for rank in job.ranks if rank.job is not None},
+    )
+
+
 def sparkline(values: Sequence[Optional[float]], times: Sequence[float], *, since: float, until: float) -> str:
     """SVG polyline points of ``values`` (0..1, None: a gap skipped) over [since, until], in a
     240 x 40 box (the charts' viewBox)."""
@@ -280,6 +290,7 @@ TEMPLATES.env.globals.update(
     membar=membar,
     command_seconds=command_seconds,
     refusal=refusal,
+    job_pause_refusal=job_pause_refusal,
     DISPLAY_STATES=protocol.DISPLAY_STATES,
     TARGETABLE_HEALTH=protocol.TARGETABLE_HEALTH,
 )
