@@ -61,16 +61,26 @@ class TargetText:
 TARGET_SYNTAX = "cuda:N (the job's own numbering), N (nvidia-smi's index) or a GPU UUID (GPU-...)"
 
 
-def nccl_ranks_on_one_gpu(ranks: list[int], uuid: str) -> str:
-    """Why an NCCL job's operation is refused when it would leave ranks the driver restores on
-    one GPU with each other, and what to do (docs/facts.md fact 25): the words of the server's
-    refusal and of the ranks' own."""
-    together = ", ".join(str(rank) for rank in ranks[:-1]) + f" and {ranks[-1]}"
-    return (
-        f"ranks {together} of this NCCL job would be on one GPU ({uuid}) when the driver restores them, and "
-        "NCCL's next collective fails in a rank restored on a GPU it shares with another rank (docs/facts.md "
-        "fact 25); give each rank a GPU of its own (launch the job with one per rank) to make it movable"
-    )
+def nccl_ranks_on_one_gpu(placement: dict[int, Optional[str]], restored: set[int]) -> Optional[str]:
+    """Why an operation of an NCCL job is refused when it would leave a rank the driver restores
+    (``restored``) on one GPU with another rank (``placement``: rank -> the GPU's UUID after the
+    operation), and what to do; None when each restored rank has its GPU to itself. NCCL's next
+    collective fails in such a rank (docs/facts.md fact 25). The one rule of the ranks, the
+    server and the dashboard."""
+    by_gpu: dict[str, list[int]] = {}
+    for rank, uuid in sorted(placement.items()):
+        if uuid is not None:
+            by_gpu.setdefault(uuid, []).append(rank)
+    for uuid, ranks in by_gpu.items():
+        if len(ranks) > 1 and restored.intersection(ranks):
+            together = ", ".join(str(rank) for rank in ranks[:-1]) + f" and {ranks[-1]}"
+            return (
+                f"ranks {together} of this NCCL job would be on one GPU ({uuid}) when the driver restores them, "
+                "and NCCL's next collective fails in a rank restored on a GPU it shares with another rank "
+                "(docs/facts.md fact 25); give each rank a GPU of its own (launch the job with one per rank) "
+                "to make it movable"
+            )
+    return None
 
 
 def read_target(text: str) -> TargetText:

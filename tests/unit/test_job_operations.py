@@ -343,3 +343,16 @@ def test_a_rank_locks_no_sooner_than_two_nccl_watchdog_looks_after_the_drain() -
     before = time.monotonic()
     job_operation._let_watchdog_look(long_ago)
     assert time.monotonic() - before < 0.05
+
+
+def test_only_a_rank_restored_onto_a_gpu_it_shares_makes_the_placement_refused() -> None:
+    from flexium import protocol
+
+    apart = {0: "GPU-a", 1: "GPU-b", 2: "GPU-b"}
+    # ranks 1 and 2 share GPU-b, but only rank 0 moves (to its own GPU): nobody restored there
+    assert protocol.nccl_ranks_on_one_gpu(apart, restored={0}) is None
+    refusal = protocol.nccl_ranks_on_one_gpu(apart, restored={2})
+    assert refusal is not None and refusal.startswith("ranks 1 and 2 of this NCCL job would be on one GPU (GPU-b)")
+    three = protocol.nccl_ranks_on_one_gpu({0: "GPU-a", 1: "GPU-a", 2: "GPU-a"}, restored={0, 1, 2})
+    assert three is not None and three.startswith("ranks 0, 1 and 2 of this NCCL job")
+    assert protocol.nccl_ranks_on_one_gpu({0: "GPU-a", 1: None}, restored={0, 1}) is None  # a rank on no GPU

@@ -219,17 +219,14 @@ def shared_gpu_problem(
     rank posts where it will be, so every rank reaches the same verdict before anything changes."""
     own = f"restored {lands_on.uuid}" if lands_on is not None else f"stays {source.uuid}"
     words = rv.gather("placement", own, deadline_s=deadline_s, what="say which GPU it will be on").words
-    ranks_on: dict[str, list[int]] = {}
-    restored: set[str] = set()
-    for rank, word in sorted(words.items()):
+    placement: dict[int, Optional[str]] = {}
+    restored: set[int] = set()
+    for rank, word in words.items():
         how, _, uuid = word.partition(" ")
-        ranks_on.setdefault(uuid, []).append(rank)
+        placement[rank] = uuid
         if how == "restored":
-            restored.add(uuid)
-    for uuid, ranks in ranks_on.items():
-        if len(ranks) > 1 and uuid in restored:
-            return protocol.nccl_ranks_on_one_gpu(ranks, uuid)
-    return None
+            restored.add(rank)
+    return protocol.nccl_ranks_on_one_gpu(placement, restored)
 
 
 def _word(result: OperationResult) -> str:

@@ -30,7 +30,6 @@ from flexium.server.auth import resolve_session, resolve_token, role_refusal
 from flexium.server.context import Ctx, ServerContext
 from flexium.server.errors import NotFound
 from flexium.server.storage import AuthInfo
-from flexium.server.storage.jobs import nccl_ranks_sharing_a_gpu
 
 _TEMPLATE_DIR = Path(__file__).resolve().parent.parent / "templates"
 _CARRIAGE_RETURN = Markup("&#13;")
@@ -226,11 +225,11 @@ def refusal(process: wire.ProcessInfo, kind: str, actions_refused: str) -> str:
 
 def job_pause_refusal(job: wire.JobSummary) -> Optional[str]:
     """Why the job's Pause button is greyed beyond its ranks' own problems: ranks of an NCCL job
-    sharing a GPU (the server's rule, ``storage.jobs.nccl_ranks_sharing_a_gpu``)."""
-    return nccl_ranks_sharing_a_gpu(
-        nccl=any(rank.capabilities.nccl for rank in job.ranks),
-        placement={rank.job.rank: rank.gpu_uuid for rank in job.ranks if rank.job is not None},
-    )
+    sharing a GPU (``protocol.nccl_ranks_on_one_gpu``, as the server refuses the pause)."""
+    if not any(rank.capabilities.nccl for rank in job.ranks):
+        return None
+    placement = {rank.job.rank: rank.gpu_uuid for rank in job.ranks if rank.job is not None}
+    return protocol.nccl_ranks_on_one_gpu(placement, restored=set(placement))
 
 
 def sparkline(values: Sequence[Optional[float]], times: Sequence[float], *, since: float, until: float) -> str:

@@ -240,21 +240,6 @@ def _check_ranks(
     return chosen
 
 
-def nccl_ranks_sharing_a_gpu(*, nccl: bool, placement: dict[int, Optional[str]]) -> Optional[str]:
-    """Why a pause or resume of a job whose ranks run on NCCL and are on these GPUs (rank -> UUID)
-    is refused, and what to do; None when they may be restored there. Both restore every rank,
-    and NCCL's next collective fails in a rank restored on a GPU shared with another rank
-    (docs/facts.md fact 25). The dashboard greys its Pause button by the same rule."""
-    if not nccl:
-        return None
-    by_gpu: dict[str, list[int]] = {}
-    for rank, uuid in sorted(placement.items()):
-        if uuid is not None:
-            by_gpu.setdefault(uuid, []).append(rank)
-    together = next(((uuid, ranks) for uuid, ranks in by_gpu.items() if len(ranks) > 1), None)
-    return None if together is None else protocol.nccl_ranks_on_one_gpu(together[1], together[0])
-
-
 def _moves(*, members: dict[int, Process], devices: dict[int, Device], kind: str, job: str) -> dict[int, str]:
     """Rank -> target GPU UUID for every rank whose GPU changes."""
     moves = {r: dev.uuid for r, dev in devices.items() if dev.uuid != members[r].gpu_uuid}
@@ -276,9 +261,10 @@ def _check_placement(
     stale_after: float,
 ) -> None:
     after = {rank: moves.get(rank, proc.gpu_uuid) for rank, proc in ranks.items()}
-    if kind != "migrate":  # a move onto another rank's GPU is refused below, whatever the backend
-        nccl = any(stored_capabilities(proc).nccl for proc in ranks.values())
-        refusal = nccl_ranks_sharing_a_gpu(nccl=nccl, placement=after)
+    # A pause or a resume restores every rank (a move onto another rank's GPU is refused below,
+    # whatever the backend).
+    if kind != "migrate" and any(stored_capabilities(proc).nccl for proc in ranks.values()):
+        refusal = protocol.nccl_ranks_on_one_gpu(after, restored=set(after))
         if refusal is not None:
             raise TargetRefused(refusal)
     for rank, uuid in sorted(moves.items()):
