@@ -1,6 +1,7 @@
 """Whole torchrun jobs (2 ranks, NCCL) paused, resumed and swapped on 2 GPUs, bit-identical to
-undisturbed runs, with nothing left on any GPU while paused; and the refusal of a job whose
-NCCL cannot suspend its communicators, which trains on unaffected.
+undisturbed runs, with nothing left on any GPU while paused; and the refusals, each job training
+on unaffected, of a job whose NCCL cannot suspend its communicators and of a job whose ranks share
+a GPU (docs/facts.md fact 25: the only NCCL case one GPU can show).
 
 The NCCL with suspend/resume (2.29.7+) comes from FLEXIUM_TEST_NCCL_LIB (ci/gpu-tests.sh builds
 it from FLEXIUM_NCCL_SOURCE, or takes FLEXIUM_NCCL_LIB, and sets it): torch 2.11's own NCCL 2.28.9
