@@ -211,6 +211,7 @@ class SimJob:
             if self.loss is not None:
                 progress["loss"] = self.loss
             return {
+                "seq": time.monotonic_ns(),  # as the client: a beat built before a report never undoes it
                 "state": self.state,
                 "memory_bytes": 0 if self.state == "PAUSED" else self.memory,
                 "footprint_bytes": self.footprint,
@@ -326,7 +327,13 @@ class SimJob:
             with self._lock:
                 self.state = before
             self._report(
-                cmd["id"], {"state": "failed", "result": result, "error": self.fail_with, "process": {"state": before}}
+                cmd["id"],
+                {
+                    "state": "failed",
+                    "result": result,
+                    "error": self.fail_with,
+                    "process": {"state": before, "seq": time.monotonic_ns()},
+                },
             )
             return
         with self._lock:
@@ -338,6 +345,7 @@ class SimJob:
                 moves = cmd.get("gpu_moves") or {}
                 self.shares = {moves.get(uuid, uuid): held for uuid, held in self.shares.items()}
             update = {
+                "seq": time.monotonic_ns(),
                 "state": self.state,
                 "gpu_uuid": self.gpu_uuid,
                 "memory_bytes": 0 if self.state == "PAUSED" else self.memory,

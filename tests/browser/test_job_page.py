@@ -184,7 +184,9 @@ def test_greyed_buttons_say_why_beside_them_on_a_phone_too(dash: Dashboard, jobs
     finally:
         dash.reset_viewport()
     dash.open("jobs/gpu-refu0001")
-    assert [li.text for li in dash.d.find_elements(By.CSS_SELECTOR, "#why-not li")] == problems  # all of it here
+    # read in one go: the page's live refresh may replace the list between two WebDriver calls
+    reasons = dash.js("return [...document.querySelectorAll('#why-not li')].map(li => li.innerText.trim())")
+    assert reasons == problems  # all of it here
 
 
 def _add_history(server: LiveServer, host: FakeHost, now: float) -> None:
