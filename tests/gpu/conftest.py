@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, TypeVar
 
 import pytest
 
@@ -19,6 +20,7 @@ HERE = Path(__file__).parent
 GIB = 1 << 30
 # Memory a GPU may show beyond its idle reading once the job has left it (driver bookkeeping).
 RESIDUE_SLACK = 64 << 20
+T = TypeVar("T")
 
 
 def uuid_of(host_gpus: list[Any], index: int) -> str:
@@ -99,6 +101,22 @@ def _keep_log(args: tuple[str, ...], env: Optional[dict[str, str]], code: int, s
         log.write(
             f"\n===== job {' '.join(args)} env={env or {}} exit={code}\n{stdout}\n----- stderr\n{stderr[-40000:]}\n"
         )
+
+
+def end_process_group(proc: subprocess.Popen[str], settle: Callable[[float], T]) -> Optional[T]:
+    """Ends a job started in its own process group (``start_new_session``), its launcher and every
+    process: SIGABRT first (with PYTHONFAULTHANDLER each writes its Python stacks), SIGKILL if
+    ``settle`` (which waits for it, draining its output) times out after 20 s. ``settle``'s result;
+    None if it was killed."""
+    try:
+        os.killpg(proc.pid, signal.SIGABRT)
+        try:
+            return settle(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # every process of the group has ended already
+        pass
+    return None
 
 
 @pytest.fixture

@@ -15,7 +15,8 @@ from typing import Any, Optional
 import pytest
 
 from conftest import nccl_with_suspend, need_gpus, run_job
-from torchrun_jobs import ServedJob, TorchrunJob, check_ops, steps_at_ops, torchrun
+from served_job import ServedJob
+from torchrun_jobs import TorchrunJob, check_ops, check_traces, steps_at_ops, torchrun, torchrun_argv
 
 # The NCCL watchdog's heartbeat monitor kills a rank whose watchdog is stuck this long; a paused
 # job's must not be (issue: a pause may last hours).
@@ -183,20 +184,20 @@ def test_the_server_and_cli_move_a_whole_torchrun_job_or_refuse_it(
     steps = ("--model", "ddp", "--steps", "600", "--step-sleep", "0.03")
     reference = torchrun(*job_args, *steps[:4], "--step-sleep", "0", nccl=preload, env=job_env)
     assert reference.returncode == 0, reference.stderr[-4000:]
-    with ServedJob(tmp_path, 2, (*job_args, *steps), env=job_env, nccl=preload) as job:
+    with ServedJob(tmp_path, torchrun_argv(2, *job_args, *steps), 2, env=job_env, nccl=preload) as job:
         if case == "nccl-one-gpu":  # its ranks share the GPU: refused, and the job trains on
-            refused = job.cli("pause", job.rank0, "--json")
+            refused = job.cli("pause", job.process_id, "--json")
             assert refused.returncode != 0 and SHARED_GPU_REFUSAL in refused.stdout + refused.stderr, refused
-            job.finish(reference, 600)
+            check_traces(job.finish(), reference, 600)
             return
-        paused = job.command("pause", job.rank0)
-        assert {c["result"]["path"] for c in paused["commands"]} == {"fast"}, paused
+        paused = job.command("pause", job.process_id)
+        assert {result["path"] for result in paused} == {"fast"}, paused
         assert job.held() == [[], []], "a rank holds GPU memory while paused"
-        job.command("resume", job.rank0)
+        job.command("resume", job.process_id)
         if case == "nccl-two-gpus":
             before = job.held()
-            job.command("migrate", job.rank0, "--ranks", "0=cuda:1,1=cuda:0")
+            job.command("migrate", job.process_id, "--ranks", "0=cuda:1,1=cuda:0")
             after = job.held()
             assert all(len(on) == 1 for on in before + after) and after == before[::-1], (before, after)
-            job.command("migrate", job.rank0, "--ranks", "0=cuda:0,1=cuda:1")
-        job.finish(reference, 600)
+            job.command("migrate", job.process_id, "--ranks", "0=cuda:0,1=cuda:1")
+        check_traces(job.finish(), reference, 600)

@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 
 from conftest import nccl_with_suspend
-from torchrun_jobs import ServedJob, check_ops, check_placements, steps_at_ops, torchrun
+from served_job import ServedJob
+from torchrun_jobs import check_ops, check_placements, check_traces, steps_at_ops, torchrun, torchrun_argv
 
 # GPU index of each rank after each operation (None: paused, nothing on any GPU).
 ALONE_THEN_WHOLE = {
@@ -88,10 +89,11 @@ def test_the_server_and_cli_move_ranks_among_four_gpus(four_gpus: list[Any], tmp
     job_args = ("--backend", "nccl", "--ballast-gb", "2", "--model", model, "--steps", "800")
     reference = torchrun(*job_args, "--step-sleep", "0", nccl=nccl, ranks=ranks)
     assert reference.returncode == 0, reference.stderr[-4000:]
-    with ServedJob(tmp_path, ranks, (*job_args, "--step-sleep", "0.03"), env={}, nccl=nccl) as job:
+    argv = torchrun_argv(ranks, *job_args, "--step-sleep", "0.03")
+    with ServedJob(tmp_path, argv, ranks, env={}, nccl=nccl) as job:
         assert job.held() == [[uuid[rank]] for rank in range(ranks)]
-        processes = [p["process_id"] for p in job.ranks()]
+        processes = [p["process_id"] for p in job.processes()]
         for (kind, rank, *rest), where in steps:
             job.command(str(kind), processes[int(rank)], *map(str, rest))
             assert job.held() == [[uuid[i] for i in on] for on in where], f"after {kind} {rest}"
-        job.finish(reference, 800)
+        check_traces(job.finish(), reference, 800)

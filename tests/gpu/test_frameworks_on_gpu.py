@@ -6,15 +6,15 @@ a whole. Each loss trace, every rank's, must match an undisturbed run of the sam
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
-from conftest import HERE, _keep_log, nccl_with_suspend
+from conftest import HERE, _event, _keep_log, nccl_with_suspend
+from served_job import ServedJob
 
 pytest.importorskip("fastapi", reason="the server extra is not installed (ci/gpu-tests.sh installs .whl)")
 
@@ -48,12 +48,11 @@ def _command(job: str) -> list[str]:
     return [sys.executable, script, job]  # lightning-ddp: Lightning starts its rank 1 itself
 
 
-def _losses(lines: list[str]) -> dict[int, list[str]]:
-    """Each rank's loss trace from a job's output."""
+def _losses(events: list[dict[str, Any]]) -> dict[int, list[str]]:
+    """Each rank's loss trace from a job's events."""
     traces: dict[int, list[str]] = {}
-    for line in lines:
-        if line.startswith('{"event": "loss"'):
-            event = json.loads(line)
+    for event in events:
+        if event["event"] == "loss":
             traces.setdefault(event["rank"], []).append(event["loss"])
     return traces
 
@@ -61,77 +60,38 @@ def _losses(lines: list[str]) -> dict[int, list[str]]:
 def _moved_while_training(
     job: str, tmp_path: Path, moves: list[tuple[str, ...]], path: str = "fast", steps: str = STEPS
 ) -> None:
-    from flexium.engine import nvml
-    from live_server import ProcessOutput, ServerProcess, clean_env, flexium_command, wait_until
+    from live_server import clean_env, wait_until
 
     ranks = 2 if job in TWO_PROCESSES else 1
     # Both runs of a job of several processes load the same NCCL: one with ncclCommSuspend.
-    preload = {"LD_PRELOAD": nccl_with_suspend()} if ranks > 1 else {}
-    home = tmp_path / "home"
+    nccl = nccl_with_suspend() if ranks > 1 else None
+    home = tmp_path / "undisturbed"
     home.mkdir()
-    env = clean_env(home)
+    preload = {"LD_PRELOAD": nccl} if nccl else {}
     reference = subprocess.run(
-        [*_command(job), "--steps", steps], env={**env, **preload}, capture_output=True, text=True, timeout=600
+        [*_command(job), "--steps", steps],
+        env={**clean_env(home), **preload},
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     _keep_log((job, "(undisturbed)"), preload, reference.returncode, reference.stdout, reference.stderr)
     assert reference.returncode == 0, reference.stderr[-4000:]
-    expected = _losses(reference.stdout.splitlines())
+    expected = _losses([e for e in map(_event, reference.stdout.splitlines()) if e is not None])
     assert sorted(expected) == list(range(ranks)) and all(len(t) >= int(steps) for t in expected.values())
 
-    server = ServerProcess(tmp_path / "server").start()
-    process: Optional[subprocess.Popen[str]] = None
-    output: Optional[ProcessOutput] = None
-    try:
-        env.update(FLEXIUM_SERVER=f"127.0.0.1:{server.port}/default", FLEXIUM_TOKEN=server.token or "")
-        process = subprocess.Popen(
-            [*_command(job), "--steps", steps, "--pace", PACE_S],
-            env={**env, **preload, "FLEXIUM_TOKEN": server.issue_job_token()},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-        )
-        output = ProcessOutput(process)
-        ready = [json.loads(output.wait_for(rf'^\{{"event": "ready", "rank": {r},', 300).string) for r in range(ranks)]
-        process_id, pids = ready[0]["process_id"], [event["pid"] for event in ready]
-
-        def cli(*args: str) -> subprocess.CompletedProcess[str]:
-            return subprocess.run([*flexium_command(), *args], env=env, capture_output=True, text=True, timeout=360)
-
-        def registered() -> Optional[list[dict[str, Any]]]:
-            listed = json.loads(cli("ps", "--json").stdout or "[]")
-            ours = [p for p in listed if p["pid"] in pids]
-            movable = "job_operations" if ranks > 1 else "pause_resume"
-            ok = len(ours) == ranks and all(p["capabilities"].get(movable) for p in ours)
-            if ok and ranks > 1:  # one job, whatever launched its ranks
-                ok = len({p["job"]["key"] for p in ours}) == 1
-            return ours if ok else None
-
-        wait_until(registered, 120, f"{job}: {ranks} process(es) registered and movable")
+    argv = [*_command(job), "--steps", steps, "--pace", PACE_S]
+    with ServedJob(tmp_path, argv, ranks, env={}, nccl=nccl, ready_s=300) as served:
         wait_until(  # training has begun: the commands meet optimizer steps
-            lambda: sum(line.startswith('{"event": "loss"') for line in output.lines) >= 10, 180, f"{job} trains"
+            lambda: sum(line.startswith('{"event": "loss"') for line in served.output.lines) >= 10, 180, f"{job} trains"
         )
         for planned in moves:
-            move = tuple(word.format(id=process_id) for word in planned)
-            done = cli(*move, "--json")
-            assert done.returncode == 0, (
-                f"flexium {' '.join(move)}: {done.stdout}\n{done.stderr}\n{output.text[-3000:]}"
-            )
-            outcome = json.loads(done.stdout)
-            assert outcome["state"] == "succeeded", outcome
-            results = [c["result"] for c in outcome["commands"]] if ranks > 1 else [outcome["result"]]
-            assert len(results) == ranks and {r["path"] for r in results} == {path}, outcome
-            if move[0] == "pause":
-                held = {gpu.uuid: sum(gpu.used_by(pid) or 0 for pid in pids) for gpu in nvml.host_gpus()}
-                assert sum(held.values()) == 0, f"the paused {job} job holds {held}"
-        assert process.wait(timeout=600) == 0, output.text[-4000:]
-        assert _losses(output.lines) == expected, f"{job}: a loss trace differs from the undisturbed run"
-    finally:
-        if process is not None and process.poll() is None:
-            process.kill()
-        if output is not None:
-            code = process.returncode if process is not None and process.returncode is not None else -1
-            _keep_log(("framework_job.py", job, "(attached to a server)"), None, code, output.text, "")
-        server.stop()
+            results = served.command(*(word.format(id=served.process_id) for word in planned))
+            assert {r["path"] for r in results} == {path}, results
+            if planned[0] == "pause":
+                assert served.held() == [[]] * ranks, f"the paused {job} job holds GPU memory"
+        traces = _losses(served.finish(timeout=600))
+    assert traces == expected, f"{job}: a loss trace differs from the undisturbed run"
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
