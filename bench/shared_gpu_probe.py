@@ -8,10 +8,17 @@ communicator (ncclCommSuspend, NCCL_SUSPEND_MEM), checkpoints and restores the r
 names (none, pause0, pause1, both) by the driver's calls from a thread of their own, resumes NCCL
 (ncclCommResume) and checks it with a one-element all-reduce. NCCL refuses two ranks of one host
 on one GPU unless told: "sockets", each rank names a host of its own (NCCL_HOSTID) and NCCL
-connects them by its socket transport; "ipc", NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL 2.30+). Then a
-control without NCCL: a process restored (or not) by the driver runs two 2-second kernels while
-another process keeps the GPU busy (or not). One table row per case. Needs a GPU and an NCCL with
-ncclCommSuspend (2.29.7+), which the job loads by LD_PRELOAD.
+connects them by its socket transport; "ipc", NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL 2.30+). A case
+may set NCCL's settings in its ranks: "sockets+NCCL_CUMEM_HOST_ENABLE=0:both" (NCCL then makes
+its host memory by cudaHostAlloc, not as cuMem allocations on the host).
+
+Then controls without NCCL, each a process restored (or not) by the driver: two 2-second kernels
+while another process keeps the GPU busy (or not); and host memory that kernels reach (what
+NCCL's transports and its work queue use): pinned by cudaHostAlloc, shared memory registered
+with the driver, and a cuMem allocation on the host NUMA node mapped for the GPU and the CPU (as
+NCCL 2.30 makes its host memory on driver 12.6+), each written by a kernel before the checkpoint
+and after the restore and read back by the CPU. One table row per case. Needs a GPU and an NCCL
+with ncclCommSuspend (2.29.7+), which the job loads by LD_PRELOAD.
 """
 
 from __future__ import annotations
@@ -19,6 +26,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
+import mmap
 import os
 import subprocess
 import sys
@@ -31,8 +39,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tables.py beside thi
 
 from tables import print_table  # noqa: E402
 
-CASES = ("sockets:none", "sockets:pause0", "sockets:pause1", "sockets:both", "ipc:both")
+CASES = (
+    "sockets:none",
+    "sockets:pause0",
+    "sockets:pause1",
+    "sockets:both",
+    "ipc:both",
+    "sockets+NCCL_CUMEM_HOST_ENABLE=0:both",
+    "ipc+NCCL_CUMEM_HOST_ENABLE=0:both",
+)
 CONTROLS = ("plain:shared", "restored:alone", "restored:shared")
+MAPPED = tuple(f"{kind}:{mode}" for kind in ("pinned", "registered", "cumem-host") for mode in ("plain", "restored"))
+MAPPED_FLOATS = 1 << 20
 SUSPEND_AT_STEP = 20
 NCCL_SUSPEND_MEM = 0x01
 LONG_KERNEL_CYCLES = 4_000_000_000  # about 2 s on an H200
@@ -68,7 +86,9 @@ def _checkpoint_and_restore() -> list[str]:
 
 def rank_main(case: str) -> None:
     """In each rank (under torchrun): prints one JSON line with what its check all-reduce did."""
-    transport, who = case.split(":")
+    spec, who = case.rsplit(":", 1)
+    transport, *settings = spec.split("+")
+    os.environ.update(dict(setting.split("=", 1) for setting in settings))  # NCCL reads them at its init
     rank = int(os.environ["RANK"])
     if transport == "sockets":
         os.environ.update(NCCL_HOSTID=f"probe-rank-{rank}", NCCL_SOCKET_IFNAME="lo")
@@ -179,6 +199,132 @@ def busy_main(seconds: float) -> None:
     print(f"{launches} matmuls", flush=True)
 
 
+class _DeviceView:
+    """float32s the GPU reaches at ``pointer``, for torch.as_tensor (CUDA array interface)."""
+
+    def __init__(self, pointer: int, count: int) -> None:
+        self.__cuda_array_interface__ = {"shape": (count,), "typestr": "<f4", "data": (pointer, False), "version": 3}
+
+
+def _driver_call(cuda: ctypes.CDLL, name: str, *args: Any) -> None:
+    result = getattr(cuda, name)(*args)
+    if result != 0:
+        raise RuntimeError(f"{name} returned CUresult {result}")
+
+
+def _mapped_host_memory(kind: str, size: int) -> tuple[int, int, Any]:
+    """Host memory of ``size`` bytes that kernels reach: (the GPU's pointer, the CPU's pointer,
+    what keeps it alive)."""
+    import torch
+
+    if kind == "pinned":  # cudaHostAlloc: mapped for the GPU at the same address (UVA)
+        tensor = torch.empty(size // 4, dtype=torch.float32, pin_memory=True)
+        return tensor.data_ptr(), tensor.data_ptr(), tensor
+    cuda = ctypes.CDLL("libcuda.so.1")
+    if kind == "registered":  # shared memory registered with the driver, as NCCL's /dev/shm fallback
+        fd = os.memfd_create("shared-gpu-probe")
+        os.ftruncate(fd, size)
+        shared = mmap.mmap(fd, size, mmap.MAP_SHARED)
+        host = ctypes.addressof(ctypes.c_char.from_buffer(shared))
+        _driver_call(cuda, "cuMemHostRegister_v2", ctypes.c_void_p(host), ctypes.c_size_t(size), 0x01 | 0x02)
+        device = ctypes.c_uint64()
+        _driver_call(cuda, "cuMemHostGetDevicePointer_v2", ctypes.byref(device), ctypes.c_void_p(host), 0)
+        return device.value, host, (shared, fd)
+    if kind != "cumem-host":
+        raise ValueError(kind)
+
+    class Location(ctypes.Structure):
+        _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+    class Prop(ctypes.Structure):
+        _fields_ = [
+            ("type", ctypes.c_int),
+            ("requested_handle_types", ctypes.c_int),
+            ("location", Location),
+            ("win32_handle_meta_data", ctypes.c_void_p),
+            ("alloc_flags", ctypes.c_ubyte * 8),
+        ]
+
+    class Access(ctypes.Structure):
+        _fields_ = [("location", Location), ("flags", ctypes.c_int)]
+
+    # NCCL's ncclCuMemHostAlloc: pinned memory on the GPU's host NUMA node, exportable as an fd,
+    # mapped read-write for the GPU and for the CPU.
+    device_handle, numa = ctypes.c_int(), ctypes.c_int()
+    _driver_call(cuda, "cuDeviceGet", ctypes.byref(device_handle), torch.cuda.current_device())
+    _driver_call(cuda, "cuDeviceGetAttribute", ctypes.byref(numa), 134, device_handle)  # HOST_NUMA_ID
+    node = max(numa.value, 0)
+    prop = Prop(type=1, requested_handle_types=1, location=Location(type=3, id=node))  # PINNED, POSIX fd, HOST_NUMA
+    granularity = ctypes.c_size_t()
+    _driver_call(cuda, "cuMemGetAllocationGranularity", ctypes.byref(granularity), ctypes.byref(prop), 0)
+    size = -(-size // granularity.value) * granularity.value
+    handle, pointer = ctypes.c_uint64(), ctypes.c_uint64()
+    _driver_call(
+        cuda, "cuMemCreate", ctypes.byref(handle), ctypes.c_size_t(size), ctypes.byref(prop), ctypes.c_uint64(0)
+    )
+    _driver_call(
+        cuda,
+        "cuMemAddressReserve",
+        ctypes.byref(pointer),
+        ctypes.c_size_t(size),
+        granularity,
+        ctypes.c_uint64(0),
+        ctypes.c_uint64(0),
+    )
+    _driver_call(cuda, "cuMemMap", pointer, ctypes.c_size_t(size), ctypes.c_size_t(0), handle, ctypes.c_uint64(0))
+    for where in (Location(type=1, id=torch.cuda.current_device()), Location(type=3, id=node)):
+        _driver_call(
+            cuda, "cuMemSetAccess", pointer, ctypes.c_size_t(size), ctypes.byref(Access(where, 3)), ctypes.c_size_t(1)
+        )
+    return pointer.value, pointer.value, handle
+
+
+def mapped_main(kind: str, mode: str) -> None:
+    """In a child: host memory of ``kind`` filled by a kernel, optionally checkpointed and
+    restored by the driver, then added to by a kernel and read by the CPU; prints one JSON line."""
+    import torch
+
+    torch.ones(1, device="cuda").sum().item()
+    seen: dict[str, Any] = {}
+    try:
+        device, host, keep = _mapped_host_memory(kind, MAPPED_FLOATS * 4)
+        view = torch.as_tensor(_DeviceView(device, MAPPED_FLOATS), device="cuda")
+        view.fill_(1.0)
+        seen["before"] = f"{view.sum().item():g}"
+    except Exception as exc:
+        print(json.dumps({"after": f"set-up failed: {exc}".splitlines()[0]}), flush=True)
+        return
+    if mode == "restored":
+        seen["driver"] = _checkpoint_and_restore()
+    try:
+        view.add_(1.0)
+        total = view.sum().item()
+        last = ctypes.cast(host, ctypes.POINTER(ctypes.c_float))[MAPPED_FLOATS - 1]
+        seen["after"] = f"{total:g}, the CPU reads {last:g}"
+    except Exception as exc:
+        seen["after"] = f"{exc}".splitlines()[0]
+    del keep
+    print(json.dumps(seen), flush=True)
+
+
+def run_mapped(case: str, timeout: float) -> dict[str, Any]:
+    kind, mode = case.split(":")
+    argv = [sys.executable, __file__, "--mapped", case]
+    try:
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        seen = json.loads(lines[-1]) if lines else {"after": f"died: {proc.stderr.strip()[-200:]}"}
+    except subprocess.TimeoutExpired:
+        seen = {"after": "timeout"}
+    expected = f"a kernel filled {MAPPED_FLOATS} ones, then adds 1: sum {2 * MAPPED_FLOATS}, the CPU reads 2"
+    return {
+        "case": f"no NCCL, host memory {kind}, {'restored' if mode == 'restored' else 'not checkpointed'}",
+        "exit": "",
+        "rank 0": f"before {seen.get('before', '-')}; after {seen['after']}",
+        "rank 1": expected if mode == "plain" else ", ".join(seen.get("driver", [])),
+    }
+
+
 def run_control(control: str, timeout: float) -> dict[str, Any]:
     mode, company = control.split(":")
     argv = [sys.executable, __file__, "--control", control]
@@ -204,6 +350,7 @@ def main() -> int:
     parser.add_argument("--rank-case", help=argparse.SUPPRESS)
     parser.add_argument("--control", help=argparse.SUPPRESS)
     parser.add_argument("--busy", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--mapped", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_case:
         rank_main(args.rank_case)
@@ -214,6 +361,9 @@ def main() -> int:
     if args.busy is not None:
         busy_main(args.busy)
         return 0
+    if args.mapped:
+        mapped_main(*args.mapped.split(":"))
+        return 0
     if not args.nccl:
         parser.error("--nccl names the libnccl.so.2 to preload (ci/build-nccl.sh builds one)")
     rows: list[dict[str, Any]] = []
@@ -223,6 +373,9 @@ def main() -> int:
     for control in CONTROLS:
         print(f"-- control {control}", file=sys.stderr, flush=True)
         rows.append(run_control(control, args.timeout))
+    for case in MAPPED:
+        print(f"-- control {case}", file=sys.stderr, flush=True)
+        rows.append(run_mapped(case, args.timeout))
     columns = ("case", "exit", "rank 0: check all-reduce (control: kernels)", "rank 1 (control: the busy one)")
     print_table(columns, [[str(row[key]) for key in ("case", "exit", "rank 0", "rank 1")] for row in rows])
     return 0
