@@ -139,6 +139,7 @@ def run_case(case: str, nccl: str, timeout: float) -> dict[str, Any]:
         "LD_PRELOAD": nccl,
         "NCCL_NVLS_ENABLE": "0",
         "TORCH_NCCL_ENABLE_MONITORING": "0",
+        "NCCL_DEBUG": "WARN",
     }
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     argv += [__file__, "--rank-case", case]
@@ -150,6 +151,9 @@ def run_case(case: str, nccl: str, timeout: float) -> dict[str, Any]:
     ranks = {int(s["rank"]): s for s in (json.loads(line) for line in out.splitlines() if line.startswith("{"))}
     failure = next((line.strip() for line in err.splitlines() if "CUDA error" in line), None)
     row: dict[str, Any] = {"case": case, "exit": "timeout" if code is None else code}
+    warning = next((line.strip() for line in err.splitlines() if "NCCL WARN" in line), None)
+    if warning:
+        row["first NCCL warning"] = warning  # in the row's JSON line, not the table
     for rank in (0, 1):
         seen = ranks.get(rank)
         row[f"rank {rank}"] = seen["check"] if seen else f"died: {failure or 'see its stderr'}"
@@ -367,15 +371,20 @@ def main() -> int:
     if not args.nccl:
         parser.error("--nccl names the libnccl.so.2 to preload (ci/build-nccl.sh builds one)")
     rows: list[dict[str, Any]] = []
+
+    def measured(row: dict[str, Any]) -> None:
+        rows.append(row)
+        print(json.dumps(row), file=sys.stderr, flush=True)  # each row as it comes: a run cut short keeps them
+
     for case in (c.strip() for c in args.cases.split(",") if c.strip()):
         print(f"-- {case}", file=sys.stderr, flush=True)
-        rows.append(run_case(case, os.path.realpath(args.nccl), args.timeout))
+        measured(run_case(case, os.path.realpath(args.nccl), args.timeout))
     for control in CONTROLS:
         print(f"-- control {control}", file=sys.stderr, flush=True)
-        rows.append(run_control(control, args.timeout))
+        measured(run_control(control, args.timeout))
     for case in MAPPED:
         print(f"-- control {case}", file=sys.stderr, flush=True)
-        rows.append(run_mapped(case, args.timeout))
+        measured(run_mapped(case, args.timeout))
     columns = ("case", "exit", "rank 0: check all-reduce (control: kernels)", "rank 1 (control: the busy one)")
     print_table(columns, [[str(row[key]) for key in ("case", "exit", "rank 0", "rank 1")] for row in rows])
     return 0
