@@ -2,6 +2,7 @@
 both, without flexium's engine: the measurement behind docs/facts.md fact 25.
 
     python bench/shared_gpu_probe.py --nccl /path/libnccl.so.2 [--cases sockets:none,sockets:pause0,...]
+        [--controls kernels,mapped]
 
 Each case is a 2-rank torchrun job (DDP, both ranks on cuda:0) that trains 20 steps, suspends its
 communicator (ncclCommSuspend, NCCL_SUSPEND_MEM), checkpoints and restores the ranks the case
@@ -351,6 +352,9 @@ def main() -> int:
     parser.add_argument("--nccl", help="a libnccl.so.2 with ncclCommSuspend, LD_PRELOADed into the ranks")
     parser.add_argument("--cases", default=",".join(CASES), help="TRANSPORT:WHO, comma-separated")
     parser.add_argument("--timeout", type=float, default=90.0, help="seconds each case may take")
+    parser.add_argument(
+        "--controls", default="kernels,mapped", help='the controls without NCCL: kernels, mapped, both or none ("")'
+    )
     parser.add_argument("--rank-case", help=argparse.SUPPRESS)
     parser.add_argument("--control", help=argparse.SUPPRESS)
     parser.add_argument("--busy", type=float, help=argparse.SUPPRESS)
@@ -379,10 +383,11 @@ def main() -> int:
     for case in (c.strip() for c in args.cases.split(",") if c.strip()):
         print(f"-- {case}", file=sys.stderr, flush=True)
         measured(run_case(case, os.path.realpath(args.nccl), args.timeout))
-    for control in CONTROLS:
+    controls = set(args.controls.split(","))
+    for control in CONTROLS if "kernels" in controls else ():
         print(f"-- control {control}", file=sys.stderr, flush=True)
         measured(run_control(control, args.timeout))
-    for case in MAPPED:
+    for case in MAPPED if "mapped" in controls else ():
         print(f"-- control {case}", file=sys.stderr, flush=True)
         measured(run_mapped(case, args.timeout))
     columns = ("case", "exit", "rank 0: check all-reduce (control: kernels)", "rank 1 (control: the busy one)")
