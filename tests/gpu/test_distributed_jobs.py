@@ -34,14 +34,20 @@ SHORT_HEARTBEAT = {
 LONG_HOLD = ("--hold", str(SHORT_HEARTBEAT_S * 3))
 
 
-@pytest.mark.parametrize("model", ["ddp", "fsdp2"])
-def test_a_whole_job_pauses_resumes_and_swaps_bit_identical(two_gpus: list[Any], model: str) -> None:
+# NCCL's transport between the ranks' GPUs: peer access (P2P over NVLink, the H200 machines'), or
+# its shared-memory transport as on GPUs without peer access (host memory both ranks map, made
+# as /dev/shm files registered with the driver under flexium's NCCL_CUMEM_HOST_ENABLE=0, fact 26).
+TRANSPORTS = {"p2p": {}, "shm": {"NCCL_P2P_DISABLE": "1"}}
+
+
+@pytest.mark.parametrize(("model", "transport"), [("ddp", "p2p"), ("fsdp2", "p2p"), ("ddp", "shm")])
+def test_a_whole_job_pauses_resumes_and_swaps_bit_identical(two_gpus: list[Any], model: str, transport: str) -> None:
     nccl = nccl_with_suspend()
     common = ("--model", model, "--steps", "60")
-    reference = torchrun(*common, nccl=nccl)
+    reference = torchrun(*common, nccl=nccl, env=TRANSPORTS[transport])
     assert reference.returncode == 0, reference.stderr[-4000:]
     plan = ("--plan", "10:pause", "--plan", "10:resume", "--plan", "25:migrate:0=1,1=0", "--plan", "40:migrate:0=0,1=1")
-    moved = torchrun(*common, *plan, *LONG_HOLD, nccl=nccl, env=SHORT_HEARTBEAT)
+    moved = torchrun(*common, *plan, *LONG_HOLD, nccl=nccl, env={**SHORT_HEARTBEAT, **TRANSPORTS[transport]})
     check_ops(moved, ["pause", "resume", "migrate", "migrate"])
     for rank in (0, 1):
         assert moved.losses(rank) == reference.losses(rank), f"rank {rank}'s loss trace differs"
@@ -109,14 +115,16 @@ def test_a_job_holding_a_cuda_graph_of_an_all_reduce_is_refused_and_trains_on(
 
 def test_an_nccl_communicator_is_suspended_around_a_pause_and_works_after() -> None:
     nccl = nccl_with_suspend()
-    env = {"LD_PRELOAD": nccl, "NCCL_NVLS_ENABLE": "0"}
+    # One rank outside torchrun: flexium.init() leaves its NCCL settings alone, so the job makes them.
+    movable = {"NCCL_NVLS_ENABLE": "0", "NCCL_CUMEM_HOST_ENABLE": "0"}
+    env = {"LD_PRELOAD": nccl, **movable}
     with_suspend = run_job(script="nccl_suspend_job.py", env=env)
     assert with_suspend.returncode == 0, with_suspend.stderr[-4000:]
     seen = with_suspend.one("seen")
     assert seen["library"] == os.path.realpath(nccl) and seen["can_suspend"] and seen["problem"] is None, seen
     assert seen["communicators"] == ["RawCommunicator"] and seen["suspended"] and seen["resumed"]
     assert seen["held_while_paused"] == 0 and seen["all_reduce_after"] == 3.0
-    bundled = run_job(script="nccl_suspend_job.py", env={"LD_PRELOAD": "", "NCCL_NVLS_ENABLE": "0"})
+    bundled = run_job(script="nccl_suspend_job.py", env={"LD_PRELOAD": "", **movable})
     assert bundled.returncode == 0, bundled.stderr[-4000:]
     seen = bundled.one("seen")
     assert seen["can_suspend"] is False and seen["version"] == "2.28.9"

@@ -351,11 +351,13 @@ def test_doctor_says_whether_torchrun_jobs_can_move(
     old = nccl.NcclLibrary(path="/site/nvidia/nccl/lib/libnccl.so.2", version=22809, can_suspend=False, handle=None)
     monkeypatch.setattr(nccl, "loaded_library", lambda: old)
     monkeypatch.delenv(nccl.NVLS_ENV, raising=False)
+    monkeypatch.delenv(nccl.CUMEM_HOST_ENV, raising=False)
     assert doctor.run(as_json=False) == 0
     shown = capsys.readouterr().out
     assert re.search(r"^NCCL +2\.28\.9 \(/site/nvidia/nccl/lib/libnccl\.so\.2\)$", shown, re.M)
     assert re.search(r"^torchrun jobs +not movable: this job's NCCL is 2\.28\.9 ", shown, re.M)
-    assert nccl.NVLS_ENV not in os.environ  # doctor judged a job's environment without changing its own
+    # doctor judged a job's environment without changing its own
+    assert nccl.NVLS_ENV not in os.environ and nccl.CUMEM_HOST_ENV not in os.environ
     monkeypatch.setattr(nccl, "loaded_library", lambda: dataclasses.replace(old, version=23007, can_suspend=True))
     assert doctor.run(as_json=False) == 0
     assert re.search(r"^torchrun jobs +movable as a whole$", capsys.readouterr().out, re.M)

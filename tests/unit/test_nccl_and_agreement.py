@@ -17,6 +17,8 @@ from flexium.engine.distributed.rendezvous import JobAborted, Rendezvous
 def fresh_library(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(nccl, "_library", None)
     monkeypatch.setenv(nccl.NVLS_ENV, "0")
+    monkeypatch.setenv(nccl.CUMEM_HOST_ENV, "0")
+    monkeypatch.delenv(nccl.SHM_DISABLE_ENV, raising=False)
     monkeypatch.delenv(nccl.REGISTER_HOOK_ENV, raising=False)
 
 
@@ -46,6 +48,20 @@ def test_nvls_left_on_and_buffer_registration_are_refused(monkeypatch: pytest.Mo
     monkeypatch.setenv(nccl.NVLS_ENV, "0")
     monkeypatch.setenv(nccl.REGISTER_HOOK_ENV, "1")
     assert "user-buffer registrations" in str(nccl.suspend_problem())
+
+
+def test_nccl_host_memory_the_driver_cannot_restore_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nccl, "loaded_library", lambda: _library(23007, True))
+    for unsafe in ("1", None):  # unset: NCCL's default on driver 580 is on
+        if unsafe is None:
+            monkeypatch.delenv(nccl.CUMEM_HOST_ENV)
+        else:
+            monkeypatch.setenv(nccl.CUMEM_HOST_ENV, unsafe)
+        problem = str(nccl.suspend_problem())
+        assert problem.startswith("NCCL_CUMEM_HOST_ENABLE is not 0 in this job: NCCL's shared-memory transport")
+        assert "start the job with NCCL_CUMEM_HOST_ENABLE=0" in problem
+    monkeypatch.setenv(nccl.SHM_DISABLE_ENV, "1")  # no shared-memory transport: nothing of it to restore
+    assert nccl.suspend_problem() is None
 
 
 class StandInGraph:
@@ -96,9 +112,13 @@ def test_a_cuda_graph_captured_while_nccl_was_live_refuses_whole_job_operations(
 
 def test_the_environment_is_prepared_only_where_the_user_said_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv(nccl.NVLS_ENV)
-    assert nccl.prepare_environment() == ["NCCL_NVLS_ENABLE=0"] and os.environ[nccl.NVLS_ENV] == "0"
+    monkeypatch.delenv(nccl.CUMEM_HOST_ENV)
+    assert nccl.prepare_environment() == ["NCCL_NVLS_ENABLE=0", "NCCL_CUMEM_HOST_ENABLE=0"]
+    assert os.environ[nccl.NVLS_ENV] == "0" and os.environ[nccl.CUMEM_HOST_ENV] == "0"
     monkeypatch.setenv(nccl.NVLS_ENV, "1")
+    monkeypatch.setenv(nccl.CUMEM_HOST_ENV, "1")
     assert nccl.prepare_environment() == [] and os.environ[nccl.NVLS_ENV] == "1"
+    assert os.environ[nccl.CUMEM_HOST_ENV] == "1"
 
 
 def test_a_process_without_nccl_finds_no_library() -> None:
