@@ -189,6 +189,7 @@ from flexium.errors import CapabilityError
 fake = fake_driver.FakeDriver(os.environ["FLEXIUM_LIBCUDA"])
 rank = int(os.environ["TEST_RANK"])
 flexium.init()  # before the process group, as many scripts do
+nccl_settings = {name: os.environ.get(name) for name in ("NCCL_NVLS_ENABLE", "NCCL_CUMEM_HOST_ENABLE")}
 current = runtime.current()
 engine = current.engine
 fake.set_process_memory(0, 1 << 30)
@@ -212,14 +213,16 @@ for step in range(20):
 dist.barrier()
 dist.destroy_process_group()
 out(rank=rank, refusals=refusals, calls=fake.checkpoint_calls(), state=engine.state.value,
-    placement=fake.placement(), total=total, before=before.model_dump(), after=after.model_dump())
+    placement=fake.placement(), total=total, before=before.model_dump(), after=after.model_dump(),
+    nccl_settings=nccl_settings)
 """
 
 
 def test_rank_0_of_a_gloo_job_is_refused_and_both_ranks_train_on(tmp_path: Any) -> None:
     rendezvous = f"file://{tmp_path / 'rendezvous'}"
+    env = {k: v for k, v in script_env().items() if k not in ("NCCL_NVLS_ENABLE", "NCCL_CUMEM_HOST_ENABLE")}
     ranks = [
-        Script(RANK_SCRIPT, {**script_env(), "TEST_RANK": str(rank), "TEST_RENDEZVOUS": rendezvous}, torch=True)
+        Script(RANK_SCRIPT, {**env, "TEST_RANK": str(rank), "TEST_RENDEZVOUS": rendezvous}, torch=True)
         for rank in (0, 1)
     ]
     try:
@@ -243,6 +246,8 @@ def test_rank_0_of_a_gloo_job_is_refused_and_both_ranks_train_on(tmp_path: Any) 
         assert rank["before"]["nccl"] is None and rank["after"]["nccl"] is False  # gloo: its ranks may share a GPU
         assert rank["after"]["pause_resume"] and rank["after"]["migration"]
         assert rank["after"]["problems"] == rank["before"]["problems"]
+        # launched without torchrun's environment, as PyTorch Lightning's ranks: NCCL would start movable
+        assert rank["nccl_settings"] == {"NCCL_NVLS_ENABLE": "0", "NCCL_CUMEM_HOST_ENABLE": "0"}
 
 
 # Rank 0 is the user's process and starts rank 1 itself, as PyTorch Lightning's launcher does:

@@ -115,14 +115,15 @@ def _start(config: FlexiumConfig) -> Runtime:
 
 
 def _prepare_job_environment() -> None:
-    """A rank of a multi-process job whose NCCL has not started yet gets the settings that let
-    the job be paused and moved as a whole (engine/distributed/nccl.py)."""
+    """A process whose NCCL has not started yet gets the settings that let its job be paused and
+    moved as a whole (engine/distributed/nccl.py): a rank that torchrun launched, and a process
+    that starts its other ranks itself (PyTorch Lightning's rank 0, docs/facts.md fact 24), which
+    they inherit. NCCL reads them only if the job starts it."""
     from flexium.engine.distributed import membership, nccl
 
-    job = membership.describe()
-    if job.multi_process and not job.initialized:
+    if not membership.describe().initialized:
         for setting in nccl.prepare_environment():
-            log.debug("set %s for this rank so that its job can be paused and moved as a whole", setting)
+            log.debug("set %s so that this job can be paused and moved as a whole if it starts NCCL", setting)
 
 
 def _claim_device(device: str, capabilities: Capabilities) -> str:
