@@ -75,6 +75,7 @@ def _checkpoint_and_restore() -> list[str]:
             try:
                 call()
                 done.append(name)
+                print(f"driver: {name} done", file=sys.stderr, flush=True)  # a run that hangs says where
             except Exception as exc:
                 done.append(f"{name}: {exc}")
                 return
@@ -304,6 +305,7 @@ def mapped_main(kind: str, mode: str) -> None:
     try:
         view.add_(1.0)
         total = view.sum().item()
+        print("a kernel ran after the restore", file=sys.stderr, flush=True)
         last = ctypes.cast(host, ctypes.POINTER(ctypes.c_float))[MAPPED_FLOATS - 1]
         seen["after"] = f"{total:g}, the CPU reads {last:g}"
     except Exception as exc:
@@ -319,8 +321,9 @@ def run_mapped(case: str, timeout: float) -> dict[str, Any]:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
         lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
         seen = json.loads(lines[-1]) if lines else {"after": f"died: {proc.stderr.strip()[-200:]}"}
-    except subprocess.TimeoutExpired:
-        seen = {"after": "timeout"}
+    except subprocess.TimeoutExpired as exc:
+        said = (exc.stderr.decode() if isinstance(exc.stderr, bytes) else exc.stderr or "").strip().splitlines()
+        seen = {"after": f"timeout, {said[-1] if said else 'before the first driver step'}"}
     expected = f"a kernel filled {MAPPED_FLOATS} ones, then adds 1: sum {2 * MAPPED_FLOATS}, the CPU reads 2"
     return {
         "case": f"no NCCL, host memory {kind}, {'restored' if mode == 'restored' else 'not checkpointed'}",
