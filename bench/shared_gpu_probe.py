@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tables.py beside this file
 
@@ -314,16 +314,24 @@ def mapped_main(kind: str, mode: str) -> None:
     print(json.dumps(seen), flush=True)
 
 
-def run_mapped(case: str, timeout: float) -> dict[str, Any]:
-    kind, mode = case.split(":")
-    argv = [sys.executable, __file__, "--mapped", case]
+def _child(argv: list[str], timeout: float) -> tuple[Optional[dict[str, Any]], str]:
+    """A control's child run: the JSON line it printed last, or None and how it ended (its last
+    line on stderr says how far it came)."""
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-        seen = json.loads(lines[-1]) if lines else {"after": f"died: {proc.stderr.strip()[-200:]}"}
     except subprocess.TimeoutExpired as exc:
         said = (exc.stderr.decode() if isinstance(exc.stderr, bytes) else exc.stderr or "").strip().splitlines()
-        seen = {"after": f"timeout, {said[-1] if said else 'before the first driver step'}"}
+        return None, f"timeout, {said[-1] if said else 'nothing said'}"
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    if lines:
+        return json.loads(lines[-1]), ""
+    return None, f"died: {proc.stderr.strip()[-200:]}"
+
+
+def run_mapped(case: str, timeout: float) -> dict[str, Any]:
+    kind, mode = case.split(":")
+    seen, failure = _child([sys.executable, __file__, "--mapped", case], timeout)
+    seen = seen or {"after": failure}
     expected = f"a kernel filled {MAPPED_FLOATS} ones, then adds 1: sum {2 * MAPPED_FLOATS}, the CPU reads 2"
     return {
         "case": f"no NCCL, host memory {kind}, {'restored' if mode == 'restored' else 'not checkpointed'}",
@@ -335,13 +343,8 @@ def run_mapped(case: str, timeout: float) -> dict[str, Any]:
 
 def run_control(control: str, timeout: float) -> dict[str, Any]:
     mode, company = control.split(":")
-    argv = [sys.executable, __file__, "--control", control]
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
-        seen = json.loads(lines[-1]) if lines else {"kernels": [f"died: {proc.stderr.strip()[-200:]}"]}
-    except subprocess.TimeoutExpired:
-        seen = {"kernels": ["timeout"]}
+    seen, failure = _child([sys.executable, __file__, "--control", control], timeout)
+    seen = seen or {"kernels": [failure]}
     return {
         "case": f"no NCCL, {mode}, {'beside a busy process' if company == 'shared' else 'alone'}",
         "exit": "",
