@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds NCCL's libnccl.so.2 from a source tarball into DEST/nccl/build/lib (kept if already
 # there), for sm_90 unless NCCL_GENCODE says otherwise. Needs nvcc (CUDA_HOME), no GPU: on the
-# GPU machine ci/gpu-tests.sh runs it (2 to 6 minutes of device time on 16 cores: 340 s on 2026-12-02), or run it
-# ahead of time on any machine with nvcc and carry the library (FLEXIUM_NCCL_LIB).
+# GPU machine ci/gpu-tests.sh runs it (2 to 6 minutes of device time on 16 cores: 340 s on
+# 2026-12-02), or run it ahead of time on any machine with nvcc and carry the library
+# (FLEXIUM_NCCL_LIB; `strip --strip-debug` halves it, to about 33 MB).
 #   bash ci/build-nccl.sh SOURCE.tar.gz DEST [LOG]
 set -uo pipefail
 source="$1" dest="$2" log="${3:-/dev/stderr}"
