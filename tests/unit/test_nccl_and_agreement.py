@@ -18,7 +18,6 @@ def fresh_library(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(nccl, "_library", None)
     monkeypatch.setenv(nccl.NVLS_ENV, "0")
     monkeypatch.setenv(nccl.CUMEM_HOST_ENV, "0")
-    monkeypatch.delenv(nccl.SHM_DISABLE_ENV, raising=False)
     monkeypatch.delenv(nccl.REGISTER_HOOK_ENV, raising=False)
 
 
@@ -58,9 +57,9 @@ def test_nccl_host_memory_the_driver_cannot_restore_is_refused(monkeypatch: pyte
         else:
             monkeypatch.setenv(nccl.CUMEM_HOST_ENV, unsafe)
         problem = str(nccl.suspend_problem())
-        assert problem.startswith("NCCL_CUMEM_HOST_ENABLE is not 0 in this job: NCCL's shared-memory transport")
+        assert problem.startswith("NCCL_CUMEM_HOST_ENABLE is not 0 in this job: NCCL would make the host memory")
         assert "start the job with NCCL_CUMEM_HOST_ENABLE=0" in problem
-    monkeypatch.setenv(nccl.SHM_DISABLE_ENV, "1")  # no shared-memory transport: nothing of it to restore
+    monkeypatch.setenv(nccl.CUMEM_HOST_ENV, "0")
     assert nccl.suspend_problem() is None
 
 

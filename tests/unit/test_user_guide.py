@@ -34,7 +34,7 @@ SOURCE = ROOT / "python" / "flexium"
 FENCE = re.compile(r"^```([\w-]*)\n(.*?)^```", re.M | re.S)
 INLINE_CODE = re.compile(r"`([^`\n]+)`")
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)|<img [^>]*src=\"([^\"]+)\"")
-ENV_NAME = re.compile(r"\b(FLEXIUM_[A-Z_]+|GPU_DEVICE|NCCL_NVLS_ENABLE|NCCL_CUMEM_HOST_ENABLE|NCCL_SHM_DISABLE)\b")
+ENV_NAME = re.compile(r"\b(FLEXIUM_[A-Z_]+|GPU_DEVICE|NCCL_NVLS_ENABLE|NCCL_CUMEM_HOST_ENABLE)\b")
 PLACEHOLDER = "\x00"
 # A %-format field (logging's) or an f-string's field: either may stand for any text.
 PERCENT_FIELD = re.compile(r"%(?:\([^)]*\))?[-#0 +]*\d*(?:\.\d+)?[sdifrxXeEgGc]")

@@ -8,9 +8,10 @@ checkpoint and restore, ``ncclCommResume`` re-creates them and exchanges the han
 from NCCL 2.29.7; torch 2.12 and later expose them as ``backend.suspend()`` / ``resume()``.
 
 NVLS (NVLink SHARP) buffers are not released by a suspend, so a job that may move runs with
-``NCCL_NVLS_ENABLE=0``; and with ``NCCL_CUMEM_HOST_ENABLE=0``: NCCL's shared-memory transport
-(ranks on GPUs without peer access) otherwise keeps its buffers in cuMem allocations on the host,
-and the driver's restore of a process holding one does not return (docs/facts.md fact 26).
+``NCCL_NVLS_ENABLE=0``; and with ``NCCL_CUMEM_HOST_ENABLE=0``: NCCL otherwise makes the host
+memory it shares between ranks (its shared-memory transport, on GPUs without peer access; also
+its P2P copy-engine and network proxy buffers) as cuMem allocations on the host, and the
+driver's restore of a process holding one does not return (docs/facts.md fact 26).
 ``flexium.init()`` sets both when the job has not started NCCL yet.
 """
 
@@ -30,7 +31,6 @@ NCCL_SUSPEND_MEM = 0x01
 NCCL_STAT_GPU_MEM_SUSPENDED = 1  # ncclCommMemStat_t
 NVLS_ENV = "NCCL_NVLS_ENABLE"
 CUMEM_HOST_ENV = "NCCL_CUMEM_HOST_ENABLE"
-SHM_DISABLE_ENV = "NCCL_SHM_DISABLE"  # no shared-memory transport: no cuMem host memory either
 # Torch registers its allocator's memory with NCCL on this hook: registered buffers are not
 # released by a suspend either.
 REGISTER_HOOK_ENV = "TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK"
@@ -153,10 +153,10 @@ def suspend_problem(environ: Optional[Mapping[str, str]] = None) -> Optional[str
             f"{NVLS_ENV} is not 0 in this job: NVLink SHARP buffers cannot be suspended; start the job with "
             f"{NVLS_ENV}=0 (flexium.init() sets it when it runs before init_process_group)"
         )
-    if env.get(CUMEM_HOST_ENV) != "0" and env.get(SHM_DISABLE_ENV) != "1":
+    if env.get(CUMEM_HOST_ENV) != "0":
         return (
-            f"{CUMEM_HOST_ENV} is not 0 in this job: NCCL's shared-memory transport would keep its buffers in "
-            "cuMem host memory, which the driver cannot restore (the restore does not return); start the job "
+            f"{CUMEM_HOST_ENV} is not 0 in this job: NCCL would make the host memory its ranks share as cuMem "
+            "host memory, which the driver cannot restore (the restore does not return); start the job "
             f"with {CUMEM_HOST_ENV}=0 (flexium.init() sets it when it runs before init_process_group)"
         )
     if env.get(REGISTER_HOOK_ENV, "0") not in ("0", ""):
