@@ -36,8 +36,19 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # tables.py beside this file
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # children.py, staging_probe.py, tables.py beside it
 
+from children import run_child  # noqa: E402
+from staging_probe import (  # noqa: E402
+    CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID,
+    CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+    CU_MEM_LOCATION_TYPE_HOST_NUMA,
+    CU_MEMHOSTREGISTER_DEVICEMAP,
+    CU_MEMHOSTREGISTER_PORTABLE,
+    CUmemAccessDesc,
+    Driver,
+    round_up,
+)
 from tables import print_table  # noqa: E402
 
 CASES = (
@@ -145,11 +156,8 @@ def run_case(case: str, nccl: str, timeout: float) -> dict[str, Any]:
     }
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     argv += [__file__, "--rank-case", case]
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
-        out, err, code = proc.stdout, proc.stderr, proc.returncode
-    except subprocess.TimeoutExpired as exc:
-        out, err, code = str(exc.stdout or ""), str(exc.stderr or ""), None
+    child = run_child(argv, env, timeout)  # past the timeout torchrun and both ranks are killed
+    out, err, code = child.stdout, child.stderr, None if child.timed_out else child.returncode
     ranks = {int(s["rank"]): s for s in (json.loads(line) for line in out.splitlines() if line.startswith("{"))}
     failure = next((line.strip() for line in err.splitlines() if "CUDA error" in line), None)
     row: dict[str, Any] = {"case": case, "exit": "timeout" if code is None else code}
@@ -212,12 +220,6 @@ class _DeviceView:
         self.__cuda_array_interface__ = {"shape": (count,), "typestr": "<f4", "data": (pointer, False), "version": 3}
 
 
-def _driver_call(cuda: ctypes.CDLL, name: str, *args: Any) -> None:
-    result = getattr(cuda, name)(*args)
-    if result != 0:
-        raise RuntimeError(f"{name} returned CUresult {result}")
-
-
 def _mapped_host_memory(kind: str, size: int) -> tuple[int, int, Any]:
     """Host memory of ``size`` bytes that kernels reach: (the GPU's pointer, the CPU's pointer,
     what keeps it alive)."""
@@ -226,63 +228,32 @@ def _mapped_host_memory(kind: str, size: int) -> tuple[int, int, Any]:
     if kind == "pinned":  # cudaHostAlloc: mapped for the GPU at the same address (UVA)
         tensor = torch.empty(size // 4, dtype=torch.float32, pin_memory=True)
         return tensor.data_ptr(), tensor.data_ptr(), tensor
-    cuda = ctypes.CDLL("libcuda.so.1")
+    driver, gpu = Driver(), torch.cuda.current_device()  # torch's context is current on this thread
     if kind == "registered":  # shared memory registered with the driver, as NCCL's /dev/shm fallback
         fd = os.memfd_create("shared-gpu-probe")
         os.ftruncate(fd, size)
         shared = mmap.mmap(fd, size, mmap.MAP_SHARED)
         host = ctypes.addressof(ctypes.c_char.from_buffer(shared))
-        _driver_call(cuda, "cuMemHostRegister_v2", ctypes.c_void_p(host), ctypes.c_size_t(size), 0x01 | 0x02)
+        driver.call("cuMemHostRegister", host, size, CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP)
         device = ctypes.c_uint64()
-        _driver_call(cuda, "cuMemHostGetDevicePointer_v2", ctypes.byref(device), ctypes.c_void_p(host), 0)
+        driver.call("cuMemHostGetDevicePointer", ctypes.byref(device), host, 0)
         return device.value, host, (shared, fd)
     if kind != "cumem-host":
         raise ValueError(kind)
-
-    class Location(ctypes.Structure):
-        _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-    class Prop(ctypes.Structure):
-        _fields_ = [
-            ("type", ctypes.c_int),
-            ("requested_handle_types", ctypes.c_int),
-            ("location", Location),
-            ("win32_handle_meta_data", ctypes.c_void_p),
-            ("alloc_flags", ctypes.c_ubyte * 8),
-        ]
-
-    class Access(ctypes.Structure):
-        _fields_ = [("location", Location), ("flags", ctypes.c_int)]
-
     # NCCL's ncclCuMemHostAlloc: pinned memory on the GPU's host NUMA node, exportable as an fd,
     # mapped read-write for the GPU and for the CPU.
-    device_handle, numa = ctypes.c_int(), ctypes.c_int()
-    _driver_call(cuda, "cuDeviceGet", ctypes.byref(device_handle), torch.cuda.current_device())
-    _driver_call(cuda, "cuDeviceGetAttribute", ctypes.byref(numa), 134, device_handle)  # HOST_NUMA_ID
-    node = max(numa.value, 0)
-    prop = Prop(type=1, requested_handle_types=1, location=Location(type=3, id=node))  # PINNED, POSIX fd, HOST_NUMA
-    granularity = ctypes.c_size_t()
-    _driver_call(cuda, "cuMemGetAllocationGranularity", ctypes.byref(granularity), ctypes.byref(prop), 0)
-    size = -(-size // granularity.value) * granularity.value
-    handle, pointer = ctypes.c_uint64(), ctypes.c_uint64()
-    _driver_call(
-        cuda, "cuMemCreate", ctypes.byref(handle), ctypes.c_size_t(size), ctypes.byref(prop), ctypes.c_uint64(0)
-    )
-    _driver_call(
-        cuda,
-        "cuMemAddressReserve",
-        ctypes.byref(pointer),
-        ctypes.c_size_t(size),
-        granularity,
-        ctypes.c_uint64(0),
-        ctypes.c_uint64(0),
-    )
-    _driver_call(cuda, "cuMemMap", pointer, ctypes.c_size_t(size), ctypes.c_size_t(0), handle, ctypes.c_uint64(0))
-    for where in (Location(type=1, id=torch.cuda.current_device()), Location(type=3, id=node)):
-        _driver_call(
-            cuda, "cuMemSetAccess", pointer, ctypes.c_size_t(size), ctypes.byref(Access(where, 3)), ctypes.c_size_t(1)
-        )
-    return pointer.value, pointer.value, handle
+    numa = ctypes.c_int()
+    driver.call("cuDeviceGetAttribute", ctypes.byref(numa), CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID, gpu)
+    prop = driver.prop(gpu)
+    prop.location.type, prop.location.id = CU_MEM_LOCATION_TYPE_HOST_NUMA, max(numa.value, 0)
+    size = round_up(size, driver.granularity(prop))
+    handle = driver.create(size, prop)
+    pointer = driver.reserve(size)
+    driver.map(pointer, size, handle)
+    driver.set_access(pointer, size, gpu)
+    for_cpu = CUmemAccessDesc(location=prop.location, flags=CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
+    driver.call("cuMemSetAccess", pointer, size, ctypes.byref(for_cpu), 1)
+    return pointer, pointer, handle
 
 
 def mapped_main(kind: str, mode: str) -> None:
@@ -317,15 +288,14 @@ def mapped_main(kind: str, mode: str) -> None:
 def _child(argv: list[str], timeout: float) -> tuple[Optional[dict[str, Any]], str]:
     """A control's child run: the JSON line it printed last, or None and how it ended (its last
     line on stderr says how far it came)."""
-    try:
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired as exc:
-        said = (exc.stderr.decode() if isinstance(exc.stderr, bytes) else exc.stderr or "").strip().splitlines()
+    child = run_child(argv, dict(os.environ), timeout)
+    if child.timed_out:
+        said = child.stderr.strip().splitlines()
         return None, f"timeout, {said[-1] if said else 'nothing said'}"
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+    lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
     if lines:
         return json.loads(lines[-1]), ""
-    return None, f"died: {proc.stderr.strip()[-200:]}"
+    return None, f"died: {child.stderr.strip()[-200:]}"
 
 
 def run_mapped(case: str, timeout: float) -> dict[str, Any]:

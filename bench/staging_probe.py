@@ -116,10 +116,13 @@ RESUME_GOAL_S = 1.0
 # cuda.h values (CUDA 13.0)
 CU_MEMHOSTALLOC_PORTABLE = 0x01
 CU_MEMHOSTREGISTER_PORTABLE = 0x01
+CU_MEMHOSTREGISTER_DEVICEMAP = 0x02
+CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID = 134
 CU_STREAM_NON_BLOCKING = 0x1
 CU_MEM_ALLOCATION_TYPE_PINNED = 1
 CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1
 CU_MEM_LOCATION_TYPE_DEVICE = 1
+CU_MEM_LOCATION_TYPE_HOST_NUMA = 3
 CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3
 CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 1
 # Linux (x86_64 and aarch64 share these)
@@ -199,6 +202,7 @@ SIGNATURES: dict[str, tuple[str, list[Any]]] = {
     "cuInit": ("cuInit", [_uint]),
     "cuGetErrorName": ("cuGetErrorName", [_int, _P(ctypes.c_char_p)]),
     "cuDeviceGet": ("cuDeviceGet", [_P(_int), _int]),
+    "cuDeviceGetAttribute": ("cuDeviceGetAttribute", [_P(_int), _int, _int]),
     "cuDevicePrimaryCtxRetain": ("cuDevicePrimaryCtxRetain", [_P(_vp), _int]),
     "cuCtxSetCurrent": ("cuCtxSetCurrent", [_vp]),
     "cuDevicePrimaryCtxReset": ("cuDevicePrimaryCtxReset_v2", [_int]),
@@ -218,6 +222,7 @@ SIGNATURES: dict[str, tuple[str, list[Any]]] = {
     "cuMemFreeHost": ("cuMemFreeHost", [_vp]),
     "cuMemHostRegister": ("cuMemHostRegister_v2", [_vp, _size, _uint]),
     "cuMemHostUnregister": ("cuMemHostUnregister", [_vp]),
+    "cuMemHostGetDevicePointer": ("cuMemHostGetDevicePointer_v2", [_P(_u64), _vp, _uint]),
     "cuMemGetAllocationGranularity": ("cuMemGetAllocationGranularity", [_P(_size), _P(CUmemAllocationProp), _int]),
     "cuMemAddressReserve": ("cuMemAddressReserve", [_P(_u64), _size, _size, _u64, _ull]),
     "cuMemAddressFree": ("cuMemAddressFree", [_u64, _size]),
