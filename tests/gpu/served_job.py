@@ -95,7 +95,7 @@ class ServedJob:
         capability = "job_operations" if self.world > 1 else "pause_resume"
         ok = len(found) == self.world and all(p["capabilities"].get(capability) for p in found)
         if ok and self.world > 1:  # one job, whatever launched its ranks
-            ok = len({p["job"]["key"] for p in found if p.get("job")}) == 1 and all(p.get("job") for p in found)
+            ok = all(p.get("job") for p in found) and len({p["job"]["key"] for p in found}) == 1
         return found if ok else None
 
     def command(self, *args: str) -> list[dict[str, Any]]:
