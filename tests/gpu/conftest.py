@@ -12,7 +12,7 @@ import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, TypeVar
+from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
 
 import pytest
 
@@ -66,7 +66,7 @@ def run_job(
         timeout=timeout,
         env=full_env,
     )
-    events = [e for e in map(_event, proc.stdout.splitlines()) if e is not None]
+    events = job_events(proc.stdout.splitlines())
     run = JobRun(proc.returncode, events, proc.stderr, [e for e in events if e["event"] == "op"])
     _keep_log((script, *args) if script != "train_job.py" else args, env, proc.returncode, proc.stdout, proc.stderr)
     return run
@@ -85,12 +85,10 @@ def nccl_with_suspend() -> str:
     return path
 
 
-def _event(line: str) -> Optional[dict[str, Any]]:
-    """A job's JSON event line; None for other output (a framework may print dicts of its own)."""
-    if not line.startswith('{"event"'):
-        return None
-    event: dict[str, Any] = json.loads(line)
-    return event
+def job_events(lines: Iterable[str]) -> list[dict[str, Any]]:
+    """A job's JSON event lines, parsed; other output is skipped (a framework may print dicts of
+    its own)."""
+    return [json.loads(line) for line in lines if line.startswith('{"event"')]
 
 
 def _keep_log(args: tuple[str, ...], env: Optional[dict[str, str]], code: int, stdout: str, stderr: str) -> None:

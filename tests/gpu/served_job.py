@@ -8,7 +8,7 @@ import json
 import subprocess
 from typing import Any, Optional
 
-from conftest import _event, _keep_log, end_process_group
+from conftest import _keep_log, end_process_group, job_events
 
 # Longer than the CLI's own wait for an outcome (cli/remote.py, 300 s): its output is kept.
 CLI_TIMEOUT_S = 360
@@ -121,4 +121,4 @@ class ServedJob:
     def finish(self, timeout: float = 300) -> list[dict[str, Any]]:
         """The job ended well: the JSON events it printed."""
         assert self.job.wait(timeout=timeout) == 0, self.output.text[-4000:]
-        return [event for event in map(_event, self.output.lines) if event is not None]
+        return job_events(self.output.lines)

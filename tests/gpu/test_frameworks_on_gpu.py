@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from conftest import HERE, _event, _keep_log, nccl_with_suspend
+from conftest import HERE, _keep_log, job_events, nccl_with_suspend
 from served_job import ServedJob
 
 pytest.importorskip("fastapi", reason="the server extra is not installed (ci/gpu-tests.sh installs .whl)")
@@ -77,7 +77,7 @@ def _moved_while_training(
     )
     _keep_log((job, "(undisturbed)"), preload, reference.returncode, reference.stdout, reference.stderr)
     assert reference.returncode == 0, reference.stderr[-4000:]
-    expected = _losses([e for e in map(_event, reference.stdout.splitlines()) if e is not None])
+    expected = _losses(job_events(reference.stdout.splitlines()))
     assert sorted(expected) == list(range(ranks)) and all(len(t) >= int(steps) for t in expected.values())
 
     argv = [*_command(job), "--steps", steps, "--pace", PACE_S]
