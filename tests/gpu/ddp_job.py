@@ -39,7 +39,7 @@ import torch.distributed as dist  # noqa: E402
 
 import flexium  # noqa: E402
 from flexium.api import runtime as flexium_runtime  # noqa: E402
-from flexium.engine import nvml  # noqa: E402
+from flexium.engine import nvml, pinned_budget  # noqa: E402
 
 RANK = int(os.environ["RANK"])
 WIDTH = 2048
@@ -253,6 +253,10 @@ def main() -> None:
         ballast_intact=intact,
         uuid=str(torch.cuda.get_device_properties(device).uuid),
         held=held_by([os.getpid()]),
+        # What the keeper of a kept-ready pause did last, and the host memory this rank keeps pinned
+        # for one in flexium's budget (what `flexium doctor` lists).
+        keeper_note=keeper.note if (keeper := flexium_runtime.current().engine._keeper) is not None else None,
+        kept_pinned=sum(h.bytes for h in pinned_budget.holders() if h.pid == os.getpid()),
     )
     dist.destroy_process_group()
     flexium.shutdown()

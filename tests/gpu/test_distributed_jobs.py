@@ -69,9 +69,14 @@ def test_a_whole_job_pauses_resumes_and_swaps_bit_identical(two_gpus: list[Any],
     assert zero == one
 
 
+# Long enough (30 steps) for the keeper of a kept-ready pause to look twice (every 2 s).
+KEEPER_LOOKS = ("--step-sleep", "0.15")
+
+
 def _refused_and_trained_on(job: TorchrunJob, problem: str, error: str) -> None:
     """Every rank reported itself not movable for `problem`, each planned operation was refused
-    with `error` after "cannot KIND the job: ", and the job trained to the end, its ballast intact."""
+    with `error` after "cannot KIND the job: ", kept no host memory pinned for a pause it would
+    refuse, and trained to the end, its ballast intact."""
     assert job.returncode == 0, job.stderr[-4000:]
     for rank in (0, 1):
         caps = job.of(rank, "capabilities")[0]
@@ -81,7 +86,11 @@ def _refused_and_trained_on(job: TorchrunJob, problem: str, error: str) -> None:
         assert len(ops) == 2, ops
         for op in ops:
             assert not op["ok"] and op["error"].startswith(f"cannot {op['kind']} the job: {error}")
-        assert len(job.losses(rank)) == 30 and job.of(rank, "done")[0]["ballast_intact"]
+        done = job.of(rank, "done")[0]
+        assert len(job.losses(rank)) == 30 and done["ballast_intact"]
+        assert done["kept_pinned"] == 0, done
+        assert done["keeper_note"].startswith("nothing is kept pinned between pauses: a pause of this job is refused")
+        assert problem in done["keeper_note"], done
 
 
 @pytest.fixture
@@ -95,7 +104,7 @@ def refused_plan(host_gpus: list[Any]) -> tuple[str, ...]:
 
 
 def test_a_job_whose_nccl_cannot_suspend_is_refused_and_trains_on(refused_plan: tuple[str, ...]) -> None:
-    job = torchrun("--model", "ddp", "--steps", "30", *refused_plan, nccl=None)
+    job = torchrun("--model", "ddp", "--steps", "30", *KEEPER_LOOKS, *refused_plan, nccl=None)
     _refused_and_trained_on(job, "which cannot suspend its communicators", "this job's NCCL is 2.28.9")
 
 
@@ -103,7 +112,7 @@ def test_a_job_holding_a_cuda_graph_of_an_all_reduce_is_refused_and_trains_on(
     two_gpus: list[Any], refused_plan: tuple[str, ...]
 ) -> None:
     # Not with both ranks on one GPU: that job did not end in 350 s (docs/facts.md fact 25).
-    args = ("--model", "ddp", "--steps", "30", "--graph-all-reduce", *refused_plan)
+    args = ("--model", "ddp", "--steps", "30", *KEEPER_LOOKS, "--graph-all-reduce", *refused_plan)
     job = torchrun(*args, nccl=nccl_with_suspend(), timeout=150)
     _refused_and_trained_on(
         job, "a CUDA graph captured while its NCCL process group existed", "this rank holds a CUDA graph"

@@ -172,6 +172,49 @@ def test_the_keeper_prepares_the_first_pause_ahead(job: Job, budget: Callable[[s
     job.assert_home(physical=0)
 
 
+def test_a_job_whose_pause_would_be_refused_keeps_nothing_pinned_until_it_could_pause(
+    job: Job, budget: Callable[[str], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every rank of a job whose pause is refused (in the field: its NCCL cannot suspend, a CUDA
+    graph holds NCCL calls; here: a rank whose process group has not started) would pin its staging
+    for nothing: the keeper keeps none, gives back what it kept when such a refusal comes, and keeps
+    it again when the refusal goes."""
+    budget("1GiB")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    engine = job.training([2 * MiB, 4 * MiB])
+    keeper = engine._keeper
+    assert keeper is not None and job.fast is not None
+    refused = (
+        "nothing is kept pinned between pauses: a pause of this job is refused now: the job has not started "
+        "its process group yet (init_process_group): wait until it trains"
+    )
+    wait_until(lambda: keeper.note is not None, what="the keeper to look")
+    assert keeper.note == refused
+    time.sleep(0.3)  # six looks more
+    assert not job.fast.keeping and _C.host_staging_pool_bytes() == 0 and ledger() == {}
+
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    wait_until(lambda: job.fast is not None and job.fast.keeping, what="the keeper to keep the staging")
+    kept = _C.host_staging_pool_bytes()
+    assert kept >= 6 * MiB and ledger()[os.getpid()]["bytes"] >= 6 * MiB
+
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    wait_until(lambda: _C.host_staging_pool_bytes() == 0, what="the kept staging to be given back")
+    assert keeper.note == refused and not job.fast.keeping and ledger() == {}
+    assert copier_processes() != []  # the copier stays, asleep, for a pause once the job can take one
+
+    monkeypatch.delenv("RANK")
+    monkeypatch.delenv("WORLD_SIZE")
+    wait_until(lambda: job.fast is not None and job.fast.keeping, what="the keeper to keep the staging again")
+    paused = engine.pause()
+    assert paused.ok and "(0.00 GiB of it newly mapped and touched, 0.00 GiB newly pinned; " in paused.notes[0]
+    assert engine.resume().ok
+    job.assert_home(physical=0)
+
+
 def test_a_pause_that_does_not_fit_the_budget_prepares_its_own_and_gives_it_back(
     job: Job, budget: Callable[[str], None]
 ) -> None:

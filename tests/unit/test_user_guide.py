@@ -50,10 +50,11 @@ COMPOSED_HEADS = (
     re.compile(r"^flexium: (?:migrate|pause|resume) (?:job )?\S+(?: to \S+)? (?:failed|expired): "),
     re.compile(r"^cannot (?:migrate|pause|resume): "),
     re.compile(r"^flexium: GPU \S+ cannot take process '[^']+': "),
-    # engine/fast_path.py keep_ready, as the keeper logs it: pinned_budget's refusal, copier_room_problem's reason
+    # engine/fast_path.py keep_ready, as the keeper logs it: pinned_budget's refusal, copier_room_problem's
+    # reason; engine/kept_staging.py: a job's refusal (job_operation.job_problem)
     re.compile(
         r"^(?:\[flexium\] )?(?:the staging for a pause is prepared when one is asked for|nothing is kept pinned "
-        r"for a pause for now): "
+        r"for a pause for now|nothing is kept pinned between pauses: a pause of this job is refused now): "
     ),
 )
 # Log messages that are a fixed head and one other message ("...: %s"), after flexium's prefix.

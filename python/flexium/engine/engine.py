@@ -141,6 +141,7 @@ class Engine:
                     and not self._operation_lock.locked()
                     and self._safe_points.steps_seen > 0
                 ),
+                refused=self._job_refusal,
             )
             self._keeper.start()
 
@@ -223,6 +224,12 @@ class Engine:
         if self._ctx.fast is None:
             return "the memory pool is not in use"
         return self._ctx.fast.blocker(self._ctx.logical) or self._memory_on_other_gpus()
+
+    def _job_refusal(self) -> Optional[str]:
+        """Why a pause of this process's multi-process job would be refused whenever it came, by the
+        rule its operations apply (job_operation.job_problem); None for one process or a job that can."""
+        job = membership.describe()
+        return job_operation.job_problem(job) if job.multi_process else None
 
     def _memory_on_other_gpus(self) -> Optional[str]:
         """The pool is on the job's own GPU only; memory the process holds on another (PyTorch's own

@@ -443,6 +443,12 @@ class FastPath:
                 f"(took {reserved.seconds:.2f} s)"
             )
 
+    def give_back_kept(self) -> None:
+        """The staging kept between pauses goes back (nothing of a pause is under way)."""
+        with self._host_lock:
+            if self.keeping and self.host_waiting() == 0:
+                self.release_host_later()
+
     def kept_on(self, uuid: str) -> bool:
         """Whether a staging is kept pinned by a live copier on the GPU `uuid` now."""
         return self.keeping and self._copier_awake_on(uuid)

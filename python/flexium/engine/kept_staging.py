@@ -24,12 +24,21 @@ CHECK_S = 2.0  # how often it looks; a pool must stay the same size between two 
 
 
 class StagingKeeper:
-    def __init__(self, fast: FastPath, *, placement: Callable[[], tuple[int, str]], ready: Callable[[], bool]) -> None:
+    def __init__(
+        self,
+        fast: FastPath,
+        *,
+        placement: Callable[[], tuple[int, str]],
+        ready: Callable[[], bool],
+        refused: Callable[[], Optional[str]],
+    ) -> None:
         """`placement`: the job's logical ordinal and its GPU's UUID now; `ready`: the job runs,
-        has trained a step and no operation is under way."""
+        has trained a step and no operation is under way; `refused`: why a pause of the job would
+        be refused now, whenever it came (None: it could run)."""
         self._fast = fast
         self._placement = placement
         self._ready = ready
+        self._refused = refused
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
         self._last_pool = 0
@@ -65,6 +74,15 @@ class StagingKeeper:
     def check(self) -> None:
         if not self._ready():
             return
+        refused = self._refused()
+        if refused is not None:
+            # Host memory pinned for a pause that would be refused is taken from other jobs for
+            # nothing (e.g. every rank of a job whose NCCL cannot suspend); it comes back when the
+            # refusal goes (a CUDA graph freed).
+            self._fast.give_back_kept()
+            self._kept_for_pool = 0
+            self._say(f"nothing is kept pinned between pauses: a pause of this job is refused now: {refused}")
+            return
         logical, uuid = self._placement()
         if self._fast.blocker(logical) is not None:
             return
@@ -90,11 +108,11 @@ class StagingKeeper:
             return
         note = self._fast.keep_ready(logical, uuid)
         if note is not None:
-            self._say(note, logging.INFO)
+            self._say(note)
         if self._fast.kept_on(uuid):
             self._kept_for_pool = pool
 
-    def _say(self, note: str, level: int) -> None:
+    def _say(self, note: str, level: int = logging.INFO) -> None:
         if note != self.note:
             log.log(level, "%s", note)
         self.note = note
