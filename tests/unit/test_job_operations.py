@@ -39,6 +39,8 @@ if os.environ.get("TEST_CLAIM_NCCL"):  # a job on NCCL, as the engine sees it
     membership.DistributedJob.uses_nccl = property(lambda self: True)
     nccl.suspend_problem = lambda *args, **kwargs: None
     cuda_graphs.problem = lambda *args, **kwargs: None
+    if os.environ.get("TEST_GRAPH_RANK") == str(rank):  # this rank holds a CUDA graph of NCCL calls
+        cuda_graphs.problem = lambda *args, **kwargs: "this rank holds a CUDA graph (test)"
 
 comm_calls = []
 class RecordingComm:
@@ -286,6 +288,21 @@ def test_a_rank_that_never_takes_the_operation_up_changes_nothing(
     assert f"rank(s) 1 did not {late} within 0.1 s" in zero["results"][0]["error"]
     assert one["results"] == []
     for out in outs:
+        assert out["calls"] == [] and out["comm"] == [] and out["state"] == "RUNNING"
+        assert out["losses"] == reference[out["rank"]]
+
+
+def test_a_rank_that_refuses_its_part_at_once_lets_the_others_go_at_once(tmp_path: Any, reference: Any) -> None:
+    """A rank whose own state refuses the operation (a CUDA graph of an NCCL job, on that rank
+    alone) gives it up for every rank: the others are not left waiting out their deadline (60 s)
+    for a rank that will never come, and are told why."""
+    plan = [{"id": 1, "kind": "pause", "after_step": 5, "deadlines": {"agree_s": 60}}]
+    zero, one = _run_job(tmp_path, plan, TEST_CLAIM_NCCL={0: "1", 1: "1"}, TEST_GRAPH_RANK={0: "1", 1: "1"})
+    assert one["results"][0]["error"] == "cannot pause the job: this rank holds a CUDA graph (test)"
+    waited = zero["results"][0]
+    assert not waited["ok"] and waited["failed_step"] == "placement", waited
+    assert "rank 1: refused: this rank holds a CUDA graph (test)" in waited["error"], waited
+    for out in (zero, one):
         assert out["calls"] == [] and out["comm"] == [] and out["state"] == "RUNNING"
         assert out["losses"] == reference[out["rank"]]
 

@@ -328,6 +328,8 @@ class Engine:
             job = membership.describe()
             problem = job_operation.refusal(job, op)
             if problem is not None:
+                if job.initialized:  # the other ranks need not wait out their deadline for this one
+                    _give_up_for_all(op, f"refused: {problem}")
                 raise CapabilityError(f"cannot {op.kind.value} the job: {problem}")
             rv = Rendezvous(job_store(), op.operation_id, rank=op.rank, world_size=op.world_size)
             try:
@@ -664,6 +666,15 @@ class Engine:
 def _check_path(path: str) -> None:
     if path not in PATHS:
         raise ValueError(f"path must be one of {', '.join(PATHS)}, not {path!r}")
+
+
+def _give_up_for_all(op: JobOperation, reason: str) -> None:
+    """Aborts `op` for every rank of the job (Rendezvous.abort); a store that cannot be reached
+    leaves them to their deadline, as before."""
+    try:
+        Rendezvous(job_store(), op.operation_id, rank=op.rank, world_size=op.world_size).abort(reason)
+    except Exception as exc:  # the refusal stands whatever the store does
+        log.debug("could not tell the job's other ranks that this one refused: %s: %s", type(exc).__name__, exc)
 
 
 def _refuse_one_rank(kind: OperationKind) -> None:
