@@ -7,7 +7,10 @@
   the job left (NVML, read from this process), and the loss trace must match an undisturbed run
   bit for bit.
 * The README's first command, `flexium demo`: its job lands on GPU 0 and the command line moves,
-  pauses and resumes it; Ctrl-C stops everything."""
+  pauses and resumes it; Ctrl-C stops everything.
+
+Each runs two ways: paused and resumed in place (any machine with a GPU), and migrated to GPU 1,
+paused and resumed on GPU 0 (two GPUs)."""
 
 from __future__ import annotations
 
@@ -29,7 +32,21 @@ pytest.importorskip(
     "(ci/gpu-tests.sh installs the wheels carried in .whl)",
 )
 
-pytestmark = pytest.mark.usefixtures("two_gpus")
+# What the command line does, in order: (command, the job's GPU after it; None: paused).
+MOVES = {
+    "in-place": (("pause", None), ("resume", 0)),
+    "across-gpus": (("migrate", 1), ("pause", None), ("resume", 0)),
+}
+
+
+@pytest.fixture(params=list(MOVES))
+def moves(request: pytest.FixtureRequest, host_gpus: list[Any]) -> tuple[tuple[str, int | None], ...]:
+    """The commands of one way; "across-gpus" needs two GPUs (skipped, and listed, with fewer)."""
+    sequence = MOVES[request.param]
+    if any(gpu == 1 for _command, gpu in sequence):
+        request.getfixturevalue("two_gpus")
+    return sequence
+
 
 BALLAST_GB = 2.0
 # Long enough for three commands and their checks; the job's step sleep paces it.
@@ -37,10 +54,13 @@ JOB_ARGS = ("--ballast-gb", str(BALLAST_GB), "--steps", "600")
 STEP_SLEEP_S = "0.05"
 
 
-def test_commands_from_the_server_move_a_gpu_job(host_gpus: list[Any], tmp_path: Path) -> None:
+def test_commands_from_the_server_move_a_gpu_job(
+    host_gpus: list[Any], moves: tuple[tuple[str, int | None], ...], tmp_path: Path
+) -> None:
     from flexium.engine import nvml
 
-    gpu0, gpu1 = uuid_of(host_gpus, 0), uuid_of(host_gpus, 1)
+    uuids = [uuid_of(host_gpus, index) for index in range(min(2, len(host_gpus)))]
+    gpu0 = uuids[0]
     idle = {gpu.uuid: gpu.memory_used for gpu in host_gpus}
     reference = run_job(*JOB_ARGS, "--step-sleep", "0")
     assert reference.returncode == 0, reference.stderr[-3000:]
@@ -100,31 +120,36 @@ def test_commands_from_the_server_move_a_gpu_job(host_gpus: list[Any], tmp_path:
         assert done.returncode == 0, done.stderr
         hosts = json.loads(done.stdout)["hosts"]
         devices = {d["uuid"]: d for host in hosts for d in host["devices"]}
-        assert {gpu0, gpu1} <= set(devices), devices
+        assert set(uuids) <= set(devices), devices
         assert process_id in devices[gpu0]["processes"] and devices[gpu0]["memory_total"] > 100 * GIB
 
         ballast = int(BALLAST_GB * GIB)
         # Training has begun: a command before the first optimizer step takes the driver path at once.
         output.wait_for(r'^\{"event": "first_step"', 120)
-        migrated = command("migrate", process_id, "cuda:1")
-        assert migrated["result"]["bytes_moved"] >= ballast
-        job_memory(lambda ours: ours[gpu1] >= ballast and ours[gpu0] == 0, "the job's memory to be all on GPU 1")
-        p = listed()
-        assert p["physical_device"] == "cuda:1" and p["gpu_uuid"] == gpu1 and p["state"] == "RUNNING", p
+        for name, index in moves:
+            if index is None:
+                command(name, process_id)
+                job_memory(lambda ours: not any(ours.values()), "the paused job to hold nothing on any GPU")
+                above_idle = {
+                    gpu.uuid: f"{gpu.memory_used >> 20} MiB used, idle was {idle[gpu.uuid] >> 20} MiB"
+                    for gpu in nvml.host_gpus()
+                    if gpu.memory_used > idle[gpu.uuid] + RESIDUE_SLACK
+                }
+                assert not above_idle, f"paused: {above_idle}"
+                p = listed()
+                assert p["state"] == "PAUSED" and p["memory_bytes"] == 0, p
+                continue
+            done_by = command(name, process_id, f"cuda:{index}")
+            if name == "migrate":
+                assert done_by["result"]["bytes_moved"] >= ballast
+            there = uuids[index]
 
-        command("pause", process_id)
-        job_memory(lambda ours: ours[gpu0] == 0 and ours[gpu1] == 0, "the paused job to hold nothing on any GPU")
-        for gpu in nvml.host_gpus():
-            assert gpu.memory_used <= idle[gpu.uuid] + RESIDUE_SLACK, (
-                f"paused: {gpu.uuid} shows {gpu.memory_used >> 20} MiB used, idle was {idle[gpu.uuid] >> 20} MiB"
-            )
-        p = listed()
-        assert p["state"] == "PAUSED" and p["memory_bytes"] == 0, p
+            def all_there(ours: dict[str, int], there: str = there) -> bool:
+                return ours[there] >= ballast and not any(held for uuid, held in ours.items() if uuid != there)
 
-        command("resume", process_id, "cuda:0")
-        job_memory(lambda ours: ours[gpu0] >= ballast and ours[gpu1] == 0, "the resumed job's memory on GPU 0")
-        p = listed()
-        assert p["state"] == "RUNNING" and p["physical_device"] == "cuda:0" and p["gpu_uuid"] == gpu0, p
+            job_memory(all_there, f"the job's memory to be all on GPU {index} after {name}")
+            p = listed()
+            assert p["state"] == "RUNNING" and p["physical_device"] == f"cuda:{index}" and p["gpu_uuid"] == there, p
 
         assert job.wait(300) == 0, output.text[-3000:]
         done_line = output.wait_for(r'^\{"event": "done"', 10).string
@@ -141,7 +166,9 @@ def test_commands_from_the_server_move_a_gpu_job(host_gpus: list[Any], tmp_path:
         server.stop()
 
 
-def test_flexium_demo_trains_on_a_gpu_and_the_command_line_moves_it(tmp_path: Path) -> None:
+def test_flexium_demo_trains_on_a_gpu_and_the_command_line_moves_it(
+    moves: tuple[tuple[str, int | None], ...], tmp_path: Path
+) -> None:
     home = tmp_path / "home"
     demo, out, port, env = start_demo(home)
     try:
@@ -154,11 +181,9 @@ def test_flexium_demo_trains_on_a_gpu_and_the_command_line_moves_it(tmp_path: Pa
         # Training has begun: a command before the first optimizer step takes the driver path at once.
         out.wait_for(r"\[demo job\] step +1 +loss \S+ +on cuda:0$", 120)
         cli_env = {**env, "FLEXIUM_SERVER": f"127.0.0.1:{port}/default", "FLEXIUM_TOKEN": token}
-        for args, lands_on in (
-            (("migrate", process_id, "cuda:1"), "cuda:1"),
-            (("pause", process_id), None),
-            (("resume", process_id, "cuda:0"), "cuda:0"),
-        ):
+        for name, index in moves:
+            lands_on = None if index is None else f"cuda:{index}"
+            args = (name, process_id) if lands_on is None else (name, process_id, lands_on)
             start = len(out.lines)
             done = subprocess.run([*flexium_command(), *args], env=cli_env, capture_output=True, text=True, timeout=180)
             assert done.returncode == 0, f"flexium {' '.join(args)}:\n{done.stdout}\n{done.stderr}\n{out.text[-3000:]}"
