@@ -5,6 +5,7 @@
 
 #include "driver_error.h"
 #include "driver_table.h"
+#include "slow_call_report.h"
 #include "uuid.h"
 
 namespace flexium {
@@ -71,12 +72,26 @@ CUresult call_step(const DriverTable &d, int pid, const Step &step) {
   return CUDA_ERROR_INVALID_VALUE;
 }
 
+const char *driver_call_name(StepKind kind) {
+  switch (kind) {
+    case StepKind::Lock: return "cuCheckpointProcessLock";
+    case StepKind::Checkpoint: return "cuCheckpointProcessCheckpoint";
+    case StepKind::Restore: return "cuCheckpointProcessRestore";
+    case StepKind::Unlock: return "cuCheckpointProcessUnlock";
+    case StepKind::Recover: break;
+  }
+  return "a checkpoint call";
+}
+
 StepOutcome timed_step(const DriverTable &d, int pid, const Step &step, bool rollback) {
   StepOutcome outcome;
   outcome.step = step_name(step.kind);
   outcome.rollback = rollback;
   const auto start = std::chrono::steady_clock::now();
-  outcome.code = call_step(d, pid, step);
+  {
+    SlowCallReport report(driver_call_name(step.kind), pid);
+    outcome.code = call_step(d, pid, step);
+  }
   outcome.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (outcome.code != CUDA_SUCCESS) {
     outcome.error_name = error_name(outcome.code);

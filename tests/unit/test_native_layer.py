@@ -579,6 +579,30 @@ def test_run_steps_migrates_the_process(fake: FakeDriver) -> None:
     assert len({c.tid for c in calls}) == 1  # the whole locked section in one native call
 
 
+def test_a_driver_call_that_does_not_return_is_reported_while_it_runs(
+    fake: FakeDriver, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """A restore that never returns (docs/facts.md fact 26) would stop the job without a word: every
+    FLEXIUM_DRIVER_CALL_REPORT_S seconds (60 by default) the call still running is named on stderr,
+    with what to do. Here a restore takes 2.5 s and the reports come every second."""
+    monkeypatch.setenv("FLEXIUM_DRIVER_CALL_REPORT_S", "1")
+    fake.set_delay_ms("cuCheckpointProcessRestore", 2500)
+    steps, rollbacks = migrate_plan(swap_pairs(fake))
+    outcomes = _C.run_steps(PID, steps, rollbacks)
+    assert [o.code for o in outcomes] == [0, 0, 0, 0] and fake.state() == ProcessState.RUNNING
+    reports = [line for line in capfd.readouterr().err.splitlines() if "has not returned" in line]
+    assert reports == [
+        f"[flexium] cuCheckpointProcessRestore (process {PID}) has not returned after {seconds} s: a driver call "
+        "that never returns leaves the process stuck (docs/facts.md fact 26); if it goes on, end the job "
+        f"(kill {PID}) and start it again from its last checkpoint"
+        for seconds in (1, 2)
+    ]
+    monkeypatch.setenv("FLEXIUM_DRIVER_CALL_REPORT_S", "a minute")  # not a number: the default, 60 s
+    fake.set_delay_ms("cuCheckpointProcessRestore", 1200)
+    assert [o.code for o in _C.run_steps(PID, *migrate_plan(swap_pairs(fake)))] == [0, 0, 0, 0]
+    assert "has not returned" not in capfd.readouterr().err
+
+
 @pytest.mark.parametrize("why", ["target-full", "injected"])
 def test_run_steps_failed_remap_rolls_back_to_the_source(fake: FakeDriver, why: str) -> None:
     fake.set_process_memory(0, 8 * GiB)

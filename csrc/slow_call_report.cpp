@@ -1,0 +1,44 @@
+#include "slow_call_report.h"
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+
+namespace flexium {
+
+int slow_call_report_seconds() {
+  const char *text = std::getenv("FLEXIUM_DRIVER_CALL_REPORT_S");
+  if (text == nullptr || *text == '\0') return 60;
+  char *end = nullptr;
+  const long seconds = std::strtol(text, &end, 10);
+  if (*end != '\0' || seconds < 1 || seconds > 86400) return 60;
+  return static_cast<int>(seconds);
+}
+
+SlowCallReport::SlowCallReport(const char *call, int pid)
+    : watcher_([this, call, pid, every_s = slow_call_report_seconds()] { watch(call, pid, every_s); }) {}
+
+SlowCallReport::~SlowCallReport() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    done_ = true;
+  }
+  returned_.notify_one();
+  watcher_.join();
+}
+
+void SlowCallReport::watch(const char *call, int pid, int every_s) {
+  std::unique_lock<std::mutex> lock(mutex_);
+  for (long waited = every_s;; waited += every_s) {
+    if (returned_.wait_for(lock, std::chrono::seconds(every_s), [this] { return done_; })) return;
+    // Plain stderr, not Python's logging: the caller may hold the GIL for the whole call.
+    std::fprintf(stderr,
+                 "[flexium] %s (process %d) has not returned after %ld s: a driver call that never returns "
+                 "leaves the process stuck (docs/facts.md fact 26); if it goes on, end the job (kill %d) and "
+                 "start it again from its last checkpoint\n",
+                 call, pid, waited, pid);
+    std::fflush(stderr);
+  }
+}
+
+}  // namespace flexium
