@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from typing import Any
 
 import pytest
 
-from conftest import GIB, HERE
+from conftest import GIB, HERE, _keep_log, end_process_group
+from live_server import ProcessOutput
 
 
 def run_native() -> dict[str, dict[str, Any]]:
@@ -54,3 +56,32 @@ def test_importing_flexium_before_torch_leaves_torch_working() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, f"exit {proc.returncode}: {proc.stderr[-3000:]}"
     assert proc.stdout.strip().splitlines()[-1] == "2.0"
+
+
+def test_a_restore_that_does_not_return_is_said_while_it_waits() -> None:
+    """The driver's restore of a process holding cuMem host memory does not return (docs/facts.md
+    fact 26); the job must not stop without a word: the native layer names the call on stderr,
+    here every 2 s (FLEXIUM_DRIVER_CALL_REPORT_S), with what to do."""
+    env = {**os.environ, "FLEXIUM_DRIVER_CALL_REPORT_S": "2", "PYTHONUNBUFFERED": "1"}
+    job = subprocess.Popen(
+        [sys.executable, str(HERE / "stuck_restore_job.py")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    output = ProcessOutput(job)
+    try:
+        pid = json.loads(output.wait_for(r'^\{"event": "ready"', 120).string)["pid"]
+        # The second report: it goes on saying so while the call waits.
+        report = r"^\[flexium\] cuCheckpointProcessRestore \(process (\d+)\) has not returned after 4 s"
+        said = output.wait_for(report, 60)
+        assert int(said.group(1)) == pid
+        what_to_do = f"end the job (kill {pid}) and start it again from its last checkpoint"
+        assert said.string.endswith(what_to_do), said.string
+        assert not any(line.startswith('{"event": "returned"') for line in output.lines), output.text
+    finally:
+        end_process_group(job, lambda seconds: job.wait(seconds))
+        job.wait(30)  # reaped after a SIGKILL too; a process the kill cannot end fails here
+        _keep_log(("stuck_restore_job.py",), {"FLEXIUM_DRIVER_CALL_REPORT_S": "2"}, job.returncode, output.text, "")
