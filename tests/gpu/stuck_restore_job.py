@@ -1,8 +1,9 @@
 """A process the driver cannot restore (docs/facts.md fact 26): it holds a cuMem allocation on the
 host NUMA node mapped for the GPU and the CPU (as NCCL makes its shared host memory unless
-NCCL_CUMEM_HOST_ENABLE=0), and runs flexium's locked section on itself from a thread. The restore
-does not return; flexium's native layer must say so on stderr while it waits. Prints
-{"event": "ready"} before the locked section and {"event": "returned", ...} should it end."""
+NCCL_CUMEM_HOST_ENABLE=0), reached by a kernel, and runs flexium's locked section on itself from a
+thread. Prints {"event": "ready"} before the locked section and {"event": "returned", "steps":
+[[step, CUresult], ...]} should it end; while the restore has not returned, flexium's native layer
+says so on stderr."""
 
 from __future__ import annotations
 
@@ -18,12 +19,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # the pr
 import torch  # noqa: E402
 
 from flexium import _C  # noqa: E402
-from shared_gpu_probe import _mapped_host_memory  # noqa: E402
+from shared_gpu_probe import _DeviceView, _mapped_host_memory  # noqa: E402
 
 
 def main() -> None:
     torch.ones(1, device="cuda").sum().item()
-    keep = _mapped_host_memory("cumem-host", 4 << 20)
+    device, _host, keep = _mapped_host_memory("cumem-host", 4 << 20)
+    view = torch.as_tensor(_DeviceView(device, 1 << 20), device="cuda")
+    view.fill_(1.0)  # a kernel has reached it, as NCCL's do (fact 26's probe)
+    assert view.sum().item() == 1 << 20
     pid = os.getpid()
     steps = [
         _C.Step(_C.StepKind.LOCK, timeout_ms=10_000),
