@@ -109,5 +109,6 @@ def test_a_gpu_without_room_for_its_share_is_refused_in_the_dialog(dash: Dashboa
 
     dash.open(f"jobs/{proc}")  # its page: both GPUs, and a card for each
     dash.wait(lambda: "GPU 0 + GPU 2" in _text(dash, "job-gpu"), "the job page names both GPUs")
-    cards = dash.d.find_elements(By.CSS_SELECTOR, "#job-gpus article.gpu")
-    assert sorted(card.get_attribute("data-uuid") for card in cards) == [u[0], u[2]]
+    # Read in one script call: the page refreshes itself, and a card found before a refresh is stale after it.
+    cards = dash.js('return [...document.querySelectorAll("#job-gpus article.gpu")].map(c => c.dataset.uuid)')
+    assert sorted(cards) == [u[0], u[2]]
