@@ -3,6 +3,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
 
 namespace flexium {
 
@@ -15,8 +16,13 @@ int slow_call_report_seconds() {
   return static_cast<int>(seconds);
 }
 
-SlowCallReport::SlowCallReport(const char *call, int pid)
-    : watcher_([this, call, pid, every_s = slow_call_report_seconds()] { watch(call, pid, every_s); }) {}
+SlowCallReport::SlowCallReport(const char *call, int pid) {
+  try {
+    watcher_ = std::thread([this, call, pid, every_s = slow_call_report_seconds()] { watch(call, pid, every_s); });
+  } catch (const std::exception &) {  // std::system_error, std::bad_alloc
+    // No thread to spare: the call runs unwatched. A locked section must never stop half way.
+  }
+}
 
 SlowCallReport::~SlowCallReport() {
   {
@@ -24,7 +30,7 @@ SlowCallReport::~SlowCallReport() {
     done_ = true;
   }
   returned_.notify_one();
-  watcher_.join();
+  if (watcher_.joinable()) watcher_.join();
 }
 
 void SlowCallReport::watch(const char *call, int pid, int every_s) {

@@ -25,7 +25,7 @@ class SlowCallReport {
   std::mutex mutex_;
   std::condition_variable returned_;
   bool done_ = false;
-  std::thread watcher_;  // last: starts once the members it uses exist
+  std::thread watcher_;  // none when the thread could not be made
 };
 
 }  // namespace flexium
