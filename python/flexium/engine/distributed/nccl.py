@@ -156,7 +156,7 @@ def suspend_problem(environ: Optional[Mapping[str, str]] = None) -> Optional[str
     if env.get(CUMEM_HOST_ENV) != "0":
         return (
             f"{CUMEM_HOST_ENV} is not 0 in this job: NCCL would make the host memory its ranks share as cuMem "
-            "host memory, which the driver cannot restore (the restore does not return); start the job "
+            "host memory, which the driver cannot restore (the restore fails or does not return); start the job "
             f"with {CUMEM_HOST_ENV}=0 (flexium.init() sets it when it runs before init_process_group)"
         )
     if env.get(REGISTER_HOOK_ENV, "0") not in ("0", ""):
