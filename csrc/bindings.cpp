@@ -12,6 +12,7 @@
 #include "driver_table.h"
 #include "gpu_memory_yield.h"
 #include "host_copier.h"
+#include "slow_call_report.h"
 #include "vmm_allocator.h"
 #include "vmm_driver.h"
 #include "vmm_host_staging.h"
@@ -102,6 +103,9 @@ void bind_checkpoint(py::module_ &m) {
   m.def("checkpoint", &checkpoint_process, py::arg("pid"), release_gil());
   m.def("restore", &restore_process, py::arg("pid"), py::arg("pairs") = std::vector<GpuPair>{}, release_gil());
   m.def("unlock", &unlock_process, py::arg("pid"), release_gil());
+  m.def("driver_call_report_setting", &driver_call_report_setting,
+        "FLEXIUM_DRIVER_CALL_REPORT_S: seconds between reports of a checkpoint call that has not returned "
+        "(60 when unset); 0 when it is not a whole number of seconds from 1 to 86400.");
 
   py::enum_<StepKind>(m, "StepKind")
       .value("LOCK", StepKind::Lock)

@@ -7,18 +7,24 @@
 
 namespace flexium {
 
-int slow_call_report_seconds() {
+namespace {
+constexpr int kDefaultReportSeconds = 60;
+}
+
+int driver_call_report_setting() {
   const char *text = std::getenv("FLEXIUM_DRIVER_CALL_REPORT_S");
-  if (text == nullptr || *text == '\0') return 60;
+  if (text == nullptr || *text == '\0') return kDefaultReportSeconds;
   char *end = nullptr;
   const long seconds = std::strtol(text, &end, 10);
-  if (*end != '\0' || seconds < 1 || seconds > 86400) return 60;
+  if (*end != '\0' || seconds < 1 || seconds > 86400) return 0;
   return static_cast<int>(seconds);
 }
 
 SlowCallReport::SlowCallReport(const char *call, int pid) {
+  const int setting = driver_call_report_setting();
+  const int every_s = setting > 0 ? setting : kDefaultReportSeconds;
   try {
-    watcher_ = std::thread([this, call, pid, every_s = slow_call_report_seconds()] { watch(call, pid, every_s); });
+    watcher_ = std::thread([this, call, pid, every_s] { watch(call, pid, every_s); });
   } catch (const std::exception &) {  // std::system_error, std::bad_alloc
     // No thread to spare: the call runs unwatched. A locked section must never stop half way.
   }

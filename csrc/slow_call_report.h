@@ -8,10 +8,11 @@
 
 namespace flexium {
 
-// Seconds between reports: FLEXIUM_DRIVER_CALL_REPORT_S (a whole number of seconds, at least 1), else 60.
-int slow_call_report_seconds();
+// FLEXIUM_DRIVER_CALL_REPORT_S: the seconds between reports, 60 when unset; 0 when it is not a whole
+// number of seconds from 1 to 86400 (flexium.init() refuses that; a report then comes every 60 s).
+int driver_call_report_setting();
 
-// Reports `call` (on process `pid`) every slow_call_report_seconds() until destroyed.
+// Reports `call` (on process `pid`) every driver_call_report_setting() seconds until destroyed.
 class SlowCallReport {
  public:
   SlowCallReport(const char *call, int pid);

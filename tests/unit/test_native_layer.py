@@ -21,6 +21,7 @@ import pytest
 import fake_driver
 from fake_driver import CUDA_ERRORS, FakeDriver, ProcessState
 from flexium import _C
+from flexium.errors import ConfigError
 
 PID = os.getpid()
 GiB = 1 << 30
@@ -597,10 +598,40 @@ def test_a_driver_call_that_does_not_return_is_reported_while_it_runs(
         f"(kill {PID}) and start it again from its last checkpoint"
         for seconds in (1, 2)
     ]
-    monkeypatch.setenv("FLEXIUM_DRIVER_CALL_REPORT_S", "a minute")  # not a number: the default, 60 s
+    # Not a number: flexium.init() refuses it (below); a call made anyway is reported every 60 s.
+    monkeypatch.setenv("FLEXIUM_DRIVER_CALL_REPORT_S", "a minute")
     fake.set_delay_ms("cuCheckpointProcessRestore", 1200)
     assert [o.code for o in _C.run_steps(PID, *migrate_plan(swap_pairs(fake)))] == [0, 0, 0, 0]
     assert "has not returned" not in capfd.readouterr().err
+
+
+@pytest.mark.parametrize(("setting", "read"), [(None, 60), ("", 60), ("1", 1), ("86400", 86400)])
+def test_the_report_setting_is_read_in_whole_seconds(
+    monkeypatch: pytest.MonkeyPatch, setting: str | None, read: int
+) -> None:
+    if setting is None:
+        monkeypatch.delenv("FLEXIUM_DRIVER_CALL_REPORT_S", raising=False)
+    else:
+        monkeypatch.setenv("FLEXIUM_DRIVER_CALL_REPORT_S", setting)
+    assert _C.driver_call_report_setting() == read
+
+
+@pytest.mark.parametrize("setting", ["a minute", "0", "-5", "1.5", "60s", "86401"])
+def test_a_report_setting_that_is_not_whole_seconds_is_refused_when_the_job_starts(
+    monkeypatch: pytest.MonkeyPatch, setting: str
+) -> None:
+    from flexium.api import runtime
+
+    monkeypatch.setenv("FLEXIUM_DRIVER_CALL_REPORT_S", setting)
+    assert _C.driver_call_report_setting() == 0
+    expected = (
+        f"FLEXIUM_DRIVER_CALL_REPORT_S={setting!r} (from the environment) is not a whole number of seconds from 1 "
+        "to 86400: give how often a checkpoint call that has not returned is reported, e.g. 60, or unset it"
+    )
+    with pytest.raises(ConfigError) as refused:
+        runtime._start(None)  # type: ignore[arg-type]  (refused before the config is read)
+    assert str(refused.value) == expected
+    assert runtime.current() is None
 
 
 @pytest.mark.parametrize("why", ["target-full", "injected"])

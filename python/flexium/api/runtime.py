@@ -84,8 +84,11 @@ def start(server: Optional[str], device: Optional[str], disabled: bool, *, serve
 
 def _start(config: FlexiumConfig) -> Runtime:
     from flexium.engine import pinned_budget
+    from flexium.engine.transactions import locked_section
 
-    pinned_budget.budget()  # a FLEXIUM_PINNED_HOST_MEMORY that is not an amount is refused before anything starts
+    # Settings that are not what they must be are refused before anything starts.
+    pinned_budget.budget()
+    locked_section.check_report_setting()
     # A driver named explicitly (the simulated host, the tests' fake) runs the engine without
     # torch CUDA, so a CPU-only torch is no problem to warn about there.
     capabilities = detect(check_torch=not _driver_selected_by_env())

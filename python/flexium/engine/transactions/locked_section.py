@@ -4,6 +4,7 @@ its step lists, and the preparation before it."""
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 from flexium import _C
@@ -11,14 +12,27 @@ from flexium.engine import nvml, pinning_gate, torch_bridge
 from flexium.engine.identity import MovePlan
 from flexium.engine.operations import EngineState, OperationKind, StepTiming
 from flexium.engine.transactions.context import OperationContext
-from flexium.errors import OperationFailedError
+from flexium.errors import ConfigError, OperationFailedError
 
 log = logging.getLogger("flexium")
 
 # Pinning one batch takes milliseconds; a pin still under way after this is stuck elsewhere.
 PIN_WAIT_S = 10.0
+# How often the native layer names a checkpoint call that has not returned (csrc/slow_call_report.h).
+REPORT_ENV = "FLEXIUM_DRIVER_CALL_REPORT_S"
 
 Steps = tuple[list[_C.Step], list[list[_C.Step]]]  # the steps and each one's rollback
+
+
+def check_report_setting() -> None:
+    """Refuses a FLEXIUM_DRIVER_CALL_REPORT_S the native layer cannot read (it would report every
+    60 s instead, unasked), naming what to give."""
+    if _C.driver_call_report_setting() == 0:
+        raise ConfigError(
+            f"{REPORT_ENV}={os.environ.get(REPORT_ENV, '')!r} (from the environment) is not a whole number of "
+            "seconds from 1 to 86400: give how often a checkpoint call that has not returned is reported, "
+            "e.g. 60, or unset it"
+        )
 
 
 def prepare(ctx: OperationContext, kind: OperationKind) -> tuple[StepTiming, int, dict[str, int]]:
