@@ -222,7 +222,7 @@ class _DeviceView:
 
 def _mapped_host_memory(kind: str, size: int) -> tuple[int, int, Any]:
     """Host memory of ``size`` bytes that kernels reach: (the GPU's pointer, the CPU's pointer,
-    what keeps it alive)."""
+    what keeps it alive; for cumem-host its handle and mapped size, for free_cumem_host)."""
     import torch
 
     if kind == "pinned":  # cudaHostAlloc: mapped for the GPU at the same address (UVA)
@@ -253,7 +253,16 @@ def _mapped_host_memory(kind: str, size: int) -> tuple[int, int, Any]:
     driver.set_access(pointer, size, gpu)
     for_cpu = CUmemAccessDesc(location=prop.location, flags=CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
     driver.call("cuMemSetAccess", pointer, size, ctypes.byref(for_cpu), 1)
-    return pointer, pointer, handle
+    return pointer, pointer, (handle, size)
+
+
+def free_cumem_host(pointer: int, keep: tuple[int, int]) -> None:
+    """Gives back what _mapped_host_memory("cumem-host", ...) made (torch's context current)."""
+    handle, size = keep
+    driver = Driver()
+    driver.call("cuMemUnmap", pointer, size)
+    driver.call("cuMemRelease", handle)
+    driver.call("cuMemAddressFree", pointer, size)
 
 
 def mapped_main(kind: str, mode: str) -> None:

@@ -12,6 +12,7 @@
 #include "driver_table.h"
 #include "gpu_memory_yield.h"
 #include "host_copier.h"
+#include "host_cumem_scan.h"
 #include "slow_call_report.h"
 #include "vmm_allocator.h"
 #include "vmm_driver.h"
@@ -106,6 +107,14 @@ void bind_checkpoint(py::module_ &m) {
   m.def("driver_call_report_setting", &driver_call_report_setting,
         "FLEXIUM_DRIVER_CALL_REPORT_S: seconds between reports of a checkpoint call that has not returned "
         "(60 when unset); 0 when it is not a whole number of seconds from 1 to 86400.");
+
+  py::class_<HostCuMemMapping>(m, "HostCuMemMapping")
+      .def_readonly("address", &HostCuMemMapping::address)
+      .def_readonly("size", &HostCuMemMapping::size)
+      .def_readonly("location", &HostCuMemMapping::location)
+      .def("__repr__", &record_repr);
+  m.def("host_cumem_mappings", py::overload_cast<>(&host_cumem_mappings), release_gil(),
+        "This process's mappings of cuMem allocations located on the host: memory the driver cannot restore.");
 
   py::enum_<StepKind>(m, "StepKind")
       .value("LOCK", StepKind::Lock)

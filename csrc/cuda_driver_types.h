@@ -100,6 +100,9 @@ typedef enum CUmemAllocationHandleType_enum {
 typedef enum CUmemLocationType_enum {
   CU_MEM_LOCATION_TYPE_INVALID = 0,
   CU_MEM_LOCATION_TYPE_DEVICE = 1,
+  CU_MEM_LOCATION_TYPE_HOST = 2,
+  CU_MEM_LOCATION_TYPE_HOST_NUMA = 3,
+  CU_MEM_LOCATION_TYPE_HOST_NUMA_CURRENT = 4,
 } CUmemLocationType;
 
 typedef enum CUmemAccess_flags_enum {
@@ -184,6 +187,9 @@ typedef CUresult (*PFN_cuMemAddressFree)(CUdeviceptr ptr, size_t size);
 typedef CUresult (*PFN_cuMemCreate)(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
                                     unsigned long long flags);
 typedef CUresult (*PFN_cuMemRelease)(CUmemGenericAllocationHandle handle);
+typedef CUresult (*PFN_cuMemRetainAllocationHandle)(CUmemGenericAllocationHandle *handle, void *addr);
+typedef CUresult (*PFN_cuMemGetAllocationPropertiesFromHandle)(CUmemAllocationProp *prop,
+                                                               CUmemGenericAllocationHandle handle);
 typedef CUresult (*PFN_cuMemMap)(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
                                  unsigned long long flags);
 typedef CUresult (*PFN_cuMemUnmap)(CUdeviceptr ptr, size_t size);

@@ -36,40 +36,43 @@ constexpr int kCheckpointApiVersion = 12080;
   X(cuCheckpointProcessRestore, kCheckpointApiVersion, false)            \
   X(cuCheckpointProcessUnlock, kCheckpointApiVersion, false)
 
-// The fast path's allocator and relocation (vmm_*.cpp). Versions are those of each function's
+// The fast path's allocator and relocation (vmm_*.cpp), and the look for memory a restore cannot
+// bring back (host_cumem_scan.cpp). Versions are those of each function's
 // current ABI in cudaTypedefs.h (cuDevicePrimaryCtxRelease_v2 11000, cuStreamDestroy_v2 and
 // cuEventDestroy_v2 4000, cuMemHostRegister_v2 6050, the 64-bit cuMemcpy*_v2 3020); all
 // optional: without them only the driver path is offered.
-#define FLEXIUM_VMM_FUNCTIONS(X)                  \
-  X(cuCtxGetCurrent, 4000, false)                 \
-  X(cuCtxSetCurrent, 4000, false)                 \
-  X(cuCtxGetDevice, 2000, false)                  \
-  X(cuCtxSynchronize, 2000, false)                \
-  X(cuDevicePrimaryCtxRetain, 7000, false)        \
-  X(cuDevicePrimaryCtxRelease, 11000, false)      \
-  X(cuDevicePrimaryCtxGetState, 7000, false)      \
-  X(cuDeviceCanAccessPeer, 4000, false)           \
-  X(cuMemGetAllocationGranularity, 10020, false)  \
-  X(cuMemAddressReserve, 10020, false)            \
-  X(cuMemAddressFree, 10020, false)               \
-  X(cuMemCreate, 10020, false)                    \
-  X(cuMemRelease, 10020, false)                   \
-  X(cuMemMap, 10020, false)                       \
-  X(cuMemUnmap, 10020, false)                     \
-  X(cuMemSetAccess, 10020, false)                 \
-  X(cuMemExportToShareableHandle, 10020, false)   \
-  X(cuMemImportFromShareableHandle, 10020, false) \
-  X(cuMemcpyDtoDAsync, 3020, false)               \
-  X(cuMemcpyDtoHAsync, 3020, false)               \
-  X(cuMemcpyHtoDAsync, 3020, false)               \
-  X(cuMemHostRegister, 6050, false)               \
-  X(cuMemHostUnregister, 4000, false)             \
-  X(cuStreamCreate, 2000, false)                  \
-  X(cuStreamSynchronize, 2000, false)             \
-  X(cuStreamDestroy, 4000, false)                 \
-  X(cuEventCreate, 2000, false)                   \
-  X(cuEventRecord, 2000, false)                   \
-  X(cuEventSynchronize, 2000, false)              \
+#define FLEXIUM_VMM_FUNCTIONS(X)                          \
+  X(cuCtxGetCurrent, 4000, false)                         \
+  X(cuCtxSetCurrent, 4000, false)                         \
+  X(cuCtxGetDevice, 2000, false)                          \
+  X(cuCtxSynchronize, 2000, false)                        \
+  X(cuDevicePrimaryCtxRetain, 7000, false)                \
+  X(cuDevicePrimaryCtxRelease, 11000, false)              \
+  X(cuDevicePrimaryCtxGetState, 7000, false)              \
+  X(cuDeviceCanAccessPeer, 4000, false)                   \
+  X(cuMemGetAllocationGranularity, 10020, false)          \
+  X(cuMemAddressReserve, 10020, false)                    \
+  X(cuMemAddressFree, 10020, false)                       \
+  X(cuMemCreate, 10020, false)                            \
+  X(cuMemRelease, 10020, false)                           \
+  X(cuMemRetainAllocationHandle, 11000, false)            \
+  X(cuMemGetAllocationPropertiesFromHandle, 10020, false) \
+  X(cuMemMap, 10020, false)                               \
+  X(cuMemUnmap, 10020, false)                             \
+  X(cuMemSetAccess, 10020, false)                         \
+  X(cuMemExportToShareableHandle, 10020, false)           \
+  X(cuMemImportFromShareableHandle, 10020, false)         \
+  X(cuMemcpyDtoDAsync, 3020, false)                       \
+  X(cuMemcpyDtoHAsync, 3020, false)                       \
+  X(cuMemcpyHtoDAsync, 3020, false)                       \
+  X(cuMemHostRegister, 6050, false)                       \
+  X(cuMemHostUnregister, 4000, false)                     \
+  X(cuStreamCreate, 2000, false)                          \
+  X(cuStreamSynchronize, 2000, false)                     \
+  X(cuStreamDestroy, 4000, false)                         \
+  X(cuEventCreate, 2000, false)                           \
+  X(cuEventRecord, 2000, false)                           \
+  X(cuEventSynchronize, 2000, false)                      \
   X(cuEventDestroy, 4000, false)
 
 struct DriverTable {

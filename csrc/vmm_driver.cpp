@@ -71,6 +71,23 @@ void grant_access(const DriverTable &d, CUdeviceptr address, std::size_t size, c
   FLEXIUM_CU_CALL(d, cuMemSetAccess, address, size, access.data(), access.size());
 }
 
+bool primary_context_active(const DriverTable &d, int ordinal) {
+  CUdevice device = 0;
+  unsigned int flags = 0;
+  int active = 0;
+  return d.cuDeviceGet(&device, ordinal) == CUDA_SUCCESS &&
+         d.cuDevicePrimaryCtxGetState(device, &flags, &active) == CUDA_SUCCESS && active != 0;
+}
+
+int first_device_in_use(const DriverTable &d) {
+  int count = 0;
+  if (d.cuDeviceGetCount(&count) != CUDA_SUCCESS) return -1;
+  for (int ordinal = 0; ordinal < count; ++ordinal) {
+    if (primary_context_active(d, ordinal)) return ordinal;
+  }
+  return -1;
+}
+
 ScopedContext::ScopedContext(const DriverTable &d, int device) : d_(d) {
   FLEXIUM_CU_CALL(d_, cuDeviceGet, &device_, device);
   FLEXIUM_CU_CALL(d_, cuCtxGetCurrent, &previous_);

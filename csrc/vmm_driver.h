@@ -26,6 +26,12 @@ std::size_t round_up(std::size_t size, std::size_t step);
 // Read/write access for each of `devices`; a new mapping has none until this is called.
 void grant_access(const DriverTable &d, CUdeviceptr address, std::size_t size, const std::vector<int> &devices);
 
+// The first GPU whose primary context is active in this process (one it uses), -1 for none.
+int first_device_in_use(const DriverTable &d);
+
+// Whether `ordinal`'s primary context is active in this process (false where it cannot be read).
+bool primary_context_active(const DriverTable &d, int ordinal);
+
 // Makes `device`'s primary context current on this thread for the scope, retained so that it
 // cannot go away meanwhile; the previous current context (maybe none) comes back at the end and
 // the retain is released, so a context we created is destroyed again (docs/facts.md fact 9: no

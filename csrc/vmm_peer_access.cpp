@@ -64,11 +64,7 @@ std::set<int> pool_users(const DriverTable &d, const SegmentMap &segments) {
   if (d.cuDeviceGetCount(&count) != CUDA_SUCCESS) return users;
   const std::set<int> in_pool = pool_devices(segments);
   for (int ordinal = 0; ordinal < count; ++ordinal) {
-    CUdevice device = 0;
-    unsigned int flags = 0;
-    int active = 0;
-    if (in_pool.count(ordinal) != 0 || d.cuDeviceGet(&device, ordinal) != CUDA_SUCCESS) continue;
-    if (d.cuDevicePrimaryCtxGetState(device, &flags, &active) == CUDA_SUCCESS && active != 0) users.insert(ordinal);
+    if (in_pool.count(ordinal) == 0 && primary_context_active(d, ordinal)) users.insert(ordinal);
   }
   return users;
 }

@@ -115,7 +115,7 @@ typedef struct CUctx_st *CUcontext;
 typedef struct CUstream_st *CUstream;
 typedef struct CUevent_st *CUevent;
 
-enum { CU_MEM_ALLOCATION_TYPE_PINNED = 1, CU_MEM_LOCATION_TYPE_DEVICE = 1,
+enum { CU_MEM_ALLOCATION_TYPE_PINNED = 1, CU_MEM_LOCATION_TYPE_DEVICE = 1, CU_MEM_LOCATION_TYPE_HOST_NUMA = 3,
        CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1 };
 
 typedef struct {
@@ -619,12 +619,14 @@ struct vmm_alloc {
   dev_t st_dev;
   ino_t st_ino;
   size_t size;
-  int physical;      /* GPU holding the bytes */
+  int physical;      /* GPU holding the bytes; -1: host memory (its NUMA node is location_id) */
   int riding;        /* logical device it rides the checkpoint with; -1: not in the image */
   int exportable;    /* created with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR */
   int handles;
   int mappings;
   int foreign; /* imported from an fd another process exported: its bytes count for that process */
+  int location_type; /* as cuMemCreate was asked */
+  int location_id;
 };
 
 struct vmm_handle {
@@ -844,6 +846,8 @@ CUresult cuMemAddressFree(CUdeviceptr ptr, size_t size);
 CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
                      unsigned long long flags);
 CUresult cuMemRelease(CUmemGenericAllocationHandle handle);
+CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr);
+CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop, CUmemGenericAllocationHandle handle);
 CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
                   unsigned long long flags);
 CUresult cuMemUnmap(CUdeviceptr ptr, size_t size);
@@ -909,6 +913,8 @@ static const struct symbol symbols[] = {
     {"cuMemAddressFree", 10020, FEATURE_VMM, (void *)cuMemAddressFree},
     {"cuMemCreate", 10020, FEATURE_VMM, (void *)cuMemCreate},
     {"cuMemRelease", 10020, FEATURE_VMM, (void *)cuMemRelease},
+    {"cuMemRetainAllocationHandle", 11000, FEATURE_VMM, (void *)cuMemRetainAllocationHandle},
+    {"cuMemGetAllocationPropertiesFromHandle", 10020, FEATURE_VMM, (void *)cuMemGetAllocationPropertiesFromHandle},
     {"cuMemMap", 10020, FEATURE_VMM, (void *)cuMemMap},
     {"cuMemUnmap", 10020, FEATURE_VMM, (void *)cuMemUnmap},
     {"cuMemSetAccess", 10020, FEATURE_VMM, (void *)cuMemSetAccess},
@@ -1361,10 +1367,12 @@ CUresult cuDevicePrimaryCtxGetState(CUdevice dev, unsigned int *flags, int *acti
 
 /* ------------------------------------------------------------------ libcuda: VMM */
 
+/* Device memory, or host memory on a NUMA node (as NCCL makes its shared host memory). */
 static int prop_valid(const CUmemAllocationProp *prop) {
   return prop != NULL && prop->type == CU_MEM_ALLOCATION_TYPE_PINNED &&
-         prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE && prop->location.id >= 0 &&
-         prop->location.id < fake.gpu_count &&
+         ((prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE && prop->location.id >= 0 &&
+           prop->location.id < fake.gpu_count) ||
+          (prop->location.type == CU_MEM_LOCATION_TYPE_HOST_NUMA && prop->location.id >= 0)) &&
          (prop->requestedHandleTypes == 0 ||
           prop->requestedHandleTypes == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) &&
          prop->win32HandleMetaData == NULL && prop->allocFlags.compressionType == 0 &&
@@ -1472,10 +1480,13 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CU
   }
   rc = context_ready(fn, NULL);
   if (rc != CUDA_SUCCESS) return leave(fn, rc, -1);
-  const int physical = fake.placement[prop->location.id];
-  const struct gpu *g = &fake.gpus[physical];
-  const unsigned long long used = g->other_bytes + process_bytes_on(physical);
-  if (used >= g->total || size > g->total - used) return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, -1);
+  const int on_host = prop->location.type == CU_MEM_LOCATION_TYPE_HOST_NUMA;
+  const int physical = on_host ? -1 : fake.placement[prop->location.id];
+  if (!on_host) {
+    const struct gpu *g = &fake.gpus[physical];
+    const unsigned long long used = g->other_bytes + process_bytes_on(physical);
+    if (used >= g->total || size > g->total - used) return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, -1);
+  }
   const int slot = FREE_SLOT(vmm.allocs);
   if (slot < 0) return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, -1);
   const int fd = memfd_create("fake_cuda_vmm", MFD_CLOEXEC);
@@ -1487,7 +1498,8 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CU
   }
   struct vmm_alloc *a = &vmm.allocs[slot];
   *a = (struct vmm_alloc){1, fd, st.st_dev, st.st_ino, size, physical, -1,
-                          prop->requestedHandleTypes == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0, 0, 0};
+                          prop->requestedHandleTypes == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0, 0, 0,
+                          prop->location.type, prop->location.id};
   const int h = new_handle(slot);
   if (h < 0) {
     close(fd);
@@ -1495,6 +1507,40 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CU
     return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, -1);
   }
   *handle = vmm.handles[h].value;
+  return leave(fn, CUDA_SUCCESS, -1);
+}
+
+/* A new handle to the allocation mapped at `addr` (the start of a mapping or inside one), as the
+ * driver's; nothing else is a cuMem allocation. Needs no current context. */
+CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr) {
+  static const char fn[] = "cuMemRetainAllocationHandle";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (handle == NULL) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  const uintptr_t at = (uintptr_t)addr;
+  for (int i = 0; i < MAX_VMM; ++i) {
+    const struct vmm_range *m = &vmm.mappings[i];
+    if (!m->used || at < m->base || at >= m->base + m->size) continue;
+    const int h = new_handle(m->alloc);
+    if (h < 0) return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, -1);
+    *handle = vmm.handles[h].value;
+    return leave(fn, CUDA_SUCCESS, -1);
+  }
+  return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+}
+
+CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop, CUmemGenericAllocationHandle handle) {
+  static const char fn[] = "cuMemGetAllocationPropertiesFromHandle";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  const int h = find_handle(handle);
+  if (prop == NULL || h < 0) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  const struct vmm_alloc *a = &vmm.allocs[vmm.handles[h].alloc];
+  memset(prop, 0, sizeof(*prop));
+  prop->type = CU_MEM_ALLOCATION_TYPE_PINNED;
+  prop->requestedHandleTypes = a->exportable ? CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR : 0;
+  prop->location.type = a->location_type;
+  prop->location.id = a->location_id;
   return leave(fn, CUDA_SUCCESS, -1);
 }
 
@@ -1640,7 +1686,8 @@ static int adopt_foreign(int fd) {
   const int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
   if (own < 0) return -1;
   struct vmm_alloc *a = &vmm.allocs[slot];
-  *a = (struct vmm_alloc){1, own, st.st_dev, st.st_ino, (size_t)st.st_size, fake.placement[current_context], -1, 1, 0, 0, 1};
+  *a = (struct vmm_alloc){1, own, st.st_dev, st.st_ino, (size_t)st.st_size, fake.placement[current_context], -1, 1, 0, 0, 1,
+                          CU_MEM_LOCATION_TYPE_DEVICE, current_context};
   return slot;
 }
 

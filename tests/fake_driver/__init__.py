@@ -71,6 +71,11 @@ read and write the bytes behind a device address with ctypes:
   there (``MAP_SHARED|MAP_FIXED``) without access until ``cuMemSetAccess`` grants read/write to
   a device (then ``PROT_READ|PROT_WRITE``); ``cuMemUnmap`` takes exactly one mapped range back to
   a bare reservation; ``cuMemAddressFree`` wants the range as reserved, with nothing mapped in it.
+* ``cuMemCreate`` on a host NUMA node (``CUmemLocation`` type ``HOST_NUMA``, as NCCL makes its
+  shared host memory): counted on no GPU. ``cuMemRetainAllocationHandle(addr)``: a new handle on the
+  allocation mapped at ``addr`` (``CUDA_ERROR_INVALID_VALUE`` for any other address; needs no
+  context); ``cuMemGetAllocationPropertiesFromHandle``: its type, handle types and location.
+  ``cumem_mapping(size)`` makes such memory.
 * ``cuMemExportToShareableHandle``: a dup of the memfd (only for memory created with
   ``requestedHandleTypes = POSIX_FILE_DESCRIPTOR``); ``cuMemImportFromShareableHandle``: a new
   handle on the allocation the fd refers to. An allocation lives while a handle, a mapping or an
@@ -123,7 +128,7 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 REPO_ROOT = TESTS_DIR.parent
@@ -251,6 +256,27 @@ def subprocess_env(library: Optional[Path] = None, **fake_vars: Any) -> dict[str
     tests_dir = str(TESTS_DIR)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (tests_dir, env.get("PYTHONPATH", "")) if p)
     return env
+
+
+CU_MEM_LOCATION_TYPE_HOST_NUMA = 3
+
+
+class _Location(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _AllocationProp(ctypes.Structure):  # CUmemAllocationProp, as csrc/cuda_driver_types.h lays it out
+    _fields_ = [
+        ("type", ctypes.c_int),
+        ("requestedHandleTypes", ctypes.c_int),
+        ("location", _Location),
+        ("win32HandleMetaData", ctypes.c_void_p),
+        ("allocFlags", ctypes.c_ubyte * 8),
+    ]
+
+
+class _AccessDesc(ctypes.Structure):
+    _fields_ = [("location", _Location), ("flags", ctypes.c_int)]
 
 
 class FakeDriver:
@@ -555,6 +581,47 @@ class FakeDriver:
         finally:
             lib.cuCtxSetCurrent(previous)
             lib.cuDevicePrimaryCtxRelease(device)
+
+    def cumem_mapping(self, size: int, *, on_host: bool = True) -> Callable[[], None]:
+        """``size`` bytes (a multiple of ``granularity``) of cuMem memory on host NUMA node 0 (or,
+        ``on_host=False``, on device 0), mapped and open to device 0: on the host, as NCCL makes its
+        shared host memory unless NCCL_CUMEM_HOST_ENABLE=0 (docs/facts.md fact 26). Returns what
+        frees it again (unmap, release, give the range back); its ``address`` is where it is mapped."""
+        lib = self.library
+        u64 = ctypes.c_uint64
+        where = _Location(type=CU_MEM_LOCATION_TYPE_HOST_NUMA if on_host else 1, id=0)
+        prop = _AllocationProp(type=1, location=where)
+        access = _AccessDesc(location=_Location(type=1, id=0), flags=3)  # device 0, read/write
+        ctx = ctypes.c_void_p()
+        self._check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0), "device 0")
+        previous = ctypes.c_void_p()
+        lib.cuCtxGetCurrent(ctypes.byref(previous))
+        lib.cuCtxSetCurrent(ctx)
+        handle, address, length, zero = ctypes.c_ulonglong(), u64(), ctypes.c_size_t(size), ctypes.c_size_t(0)
+
+        def call(name: str, *args: Any) -> None:
+            self._check(getattr(lib, name)(*args), name)
+
+        try:
+            call("cuMemCreate", ctypes.byref(handle), length, ctypes.byref(prop), u64(0))
+            call("cuMemAddressReserve", ctypes.byref(address), length, zero, u64(0), u64(0))
+            call("cuMemMap", address, length, zero, handle, u64(0))
+            call("cuMemSetAccess", address, length, ctypes.byref(access), ctypes.c_size_t(1))
+        finally:
+            lib.cuCtxSetCurrent(previous)
+
+        def free() -> None:
+            lib.cuCtxSetCurrent(ctx)
+            try:
+                call("cuMemUnmap", address, length)
+                call("cuMemRelease", handle)
+                call("cuMemAddressFree", address, length)
+            finally:
+                lib.cuCtxSetCurrent(previous)
+                lib.cuDevicePrimaryCtxRelease(0)
+
+        free.address = address.value  # type: ignore[attr-defined]
+        return free
 
     def current_context(self) -> int:
         """The calling thread's current context as a device ordinal, -1 for none."""

@@ -25,6 +25,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable, Optional
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -154,6 +155,34 @@ class Progress:
     def wait_for(self, step: int) -> None:
         with self._cond:
             self._cond.wait_for(lambda: self.step >= step)
+
+
+class HostCuMem:
+    """4 MiB of cuMem memory on the host, mapped for the GPU and the CPU and written by a kernel:
+    memory the driver's restore cannot bring back (docs/facts.md fact 26), which flexium refuses to
+    checkpoint. The allocation is the one bench/shared_gpu_probe.py measured."""
+
+    FLOATS = 1 << 20
+
+    def __init__(self) -> None:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+        from shared_gpu_probe import _DeviceView, _mapped_host_memory
+
+        self.pointer, _host, self.keep = _mapped_host_memory("cumem-host", self.FLOATS * 4)
+        self.view = torch.as_tensor(_DeviceView(self.pointer, self.FLOATS), device="cuda")
+        self.view.fill_(1.0)
+        torch.cuda.synchronize()
+        emit("host_cumem_held", address=self.pointer)
+
+    def free(self) -> bool:
+        """Frees it; whether it still held what the kernel wrote."""
+        from shared_gpu_probe import free_cumem_host
+
+        intact = self.view.sum().item() == self.FLOATS
+        del self.view
+        torch.cuda.synchronize()
+        free_cumem_host(self.pointer, self.keep)
+        return intact
 
 
 def parse_plan(items: list[str]) -> list[PlanItem]:
@@ -323,6 +352,13 @@ def main() -> int:
     parser.add_argument("--stall-at", type=int, default=-1, help="this step sleeps before its optimizer step")
     parser.add_argument("--stall-seconds", type=float, default=0.0)
     parser.add_argument(
+        "--host-cumem-until",
+        type=int,
+        default=-1,
+        metavar="STEP",
+        help="hold 4 MiB of cuMem host memory a kernel wrote (as NCCL makes it; facts.md fact 26) until this step",
+    )
+    parser.add_argument(
         "--alloc-before-init",
         type=float,
         default=0.0,
@@ -385,6 +421,7 @@ def main() -> int:
         **pool_status(),
     )
 
+    host_cumem = HostCuMem() if args.host_cumem_until >= 0 else None
     progress = Progress()
     control = Control(parse_plan(args.plan), args.pause_seconds, progress, args.path)
     if args.plan:
@@ -424,6 +461,9 @@ def main() -> int:
         now = time.perf_counter()
         max_gap = max(max_gap, now - last)
         last = now
+        if host_cumem is not None and step == args.host_cumem_until:
+            emit("host_cumem_freed", step=step, intact=host_cumem.free())
+            host_cumem = None
         progress.advance(step)
         if step == 0:
             emit("first_step")  # a command from now on finds its safe point

@@ -32,6 +32,8 @@ fake = fake_driver.FakeDriver(os.environ["FLEXIUM_LIBCUDA"])
 flexium.init()
 engine = runtime.current().engine
 fake.set_process_memory(0, 1 << 30)
+if os.environ.get("TEST_HOST_CUMEM_RANK") == str(rank):  # memory the driver cannot restore (fact 26)
+    free_host_cumem = fake.cumem_mapping(2 << 20)
 dist.init_process_group("gloo", init_method=os.environ["TEST_RENDEZVOUS"], rank=rank, world_size=2)
 
 if os.environ.get("TEST_CLAIM_NCCL"):  # a job on NCCL, as the engine sees it
@@ -305,6 +307,31 @@ def test_a_rank_that_refuses_its_part_at_once_lets_the_others_go_at_once(tmp_pat
     for out in (zero, one):
         assert out["calls"] == [] and out["comm"] == [] and out["state"] == "RUNNING"
         assert out["losses"] == reference[out["rank"]]
+
+
+def test_a_rank_holding_memory_the_driver_cannot_restore_refuses_for_the_job_and_may_only_stay(
+    tmp_path: Any, reference: Any
+) -> None:
+    plan = [
+        {"id": 1, "kind": "pause", "after_step": 5, "deadlines": {"agree_s": 60}},
+        {"id": 2, "kind": "migrate", "after_step": 10, "targets": {"0": 1}},  # rank 1 stays: allowed
+        {"id": 3, "kind": "migrate", "after_step": 15, "targets": {"1": 1}, "deadlines": {"agree_s": 60}},
+    ]
+    zero, one = _run_job(tmp_path, plan, TEST_HOST_CUMEM_RANK={1: "1"})
+    holds = "this process holds cuMem memory located on the host (1 mapping, 2.0 MiB on host NUMA node 0"
+    for index, kind in ((0, "pause"), (2, "migrate")):
+        own, waited = one["results"][index], zero["results"][index]
+        assert not own["ok"] and own["type"] == "CapabilityError", own
+        assert own["error"].startswith(f"cannot {kind}: {holds}"), own
+        # Given up for every rank at once: the other did not wait out its 60 s agreement.
+        assert not waited["ok"] and f"rank 1: refused: cannot {kind}: {holds}" in waited["error"], waited
+        assert waited["stop"] < plan[index]["after_step"] + 5, waited
+    assert zero["results"][1]["ok"] and one["results"][1]["ok"], (zero["results"][1], one["results"][1])
+    assert one["results"][1]["path"] == "stayed"
+    assert zero["placement"] == [1, 0] and one["placement"] == [0, 1]
+    assert "Lock" not in one["calls"]  # the rank holding it was never checkpointed
+    for out in (zero, one):
+        assert out["state"] == "RUNNING" and out["losses"] == reference[out["rank"]]
 
 
 def test_a_rank_that_dies_while_paused_never_leaves_the_other_checkpointed(tmp_path: Any) -> None:

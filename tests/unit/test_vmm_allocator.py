@@ -43,6 +43,8 @@ VMM_SYMBOLS = [
     "cuMemAddressFree",
     "cuMemCreate",
     "cuMemRelease",
+    "cuMemRetainAllocationHandle",
+    "cuMemGetAllocationPropertiesFromHandle",
     "cuMemMap",
     "cuMemUnmap",
     "cuMemSetAccess",
