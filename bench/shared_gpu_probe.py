@@ -89,6 +89,8 @@ def _checkpoint_and_restore() -> list[str]:
                 print(f"driver: {name} done", file=sys.stderr, flush=True)  # a run that hangs says where
             except Exception as exc:
                 done.append(f"{name}: {exc}")
+                # A failed restore leaves the process checkpointed: the next CUDA call waits for good.
+                print(f"driver: {name} failed: {exc}", file=sys.stderr, flush=True)
                 return
 
     thread = threading.Thread(target=drive)

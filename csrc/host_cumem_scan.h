@@ -1,6 +1,7 @@
 // The process's cuMem allocations that live in host memory and are mapped for the CPU, as NCCL makes
 // its shared host memory unless NCCL_CUMEM_HOST_ENABLE=0: the driver's restore of a process holding
-// one fails or never returns (docs/facts.md fact 26), so flexium refuses to pause or move it.
+// one fails, and the process never runs CUDA again (docs/facts.md fact 26), so flexium refuses to
+// pause or move it.
 // Such memory is a shared mapping of /proc/self/maps (of /dev/nvidiactl), among the driver's own
 // mappings of that file; the driver tells them apart, for it retains a handle only from an address
 // of a cuMem allocation, and that handle's properties say where the memory lives.

@@ -46,8 +46,8 @@ void SlowCallReport::watch(const char *call, int pid, int every_s) {
     // Plain stderr, not Python's logging: the caller may hold the GIL for the whole call.
     std::fprintf(stderr,
                  "[flexium] %s (process %d) has not returned after %ld s: a driver call that never returns "
-                 "leaves the process stuck (docs/facts.md fact 26); if it goes on, end the job (kill %d) and "
-                 "start it again from its last checkpoint\n",
+                 "leaves the process stuck; if it goes on, end the job (kill %d) and start it again from its "
+                 "last checkpoint\n",
                  call, pid, waited, pid);
     std::fflush(stderr);
   }

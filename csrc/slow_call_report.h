@@ -1,5 +1,6 @@
-// Says on stderr that a driver call has not returned, while it runs: a restore of memory the driver
-// cannot restore never returns (docs/facts.md fact 26), and the job then stops with no word of why.
+// Says on stderr that a driver call has not returned, while it runs: a checkpoint call that never
+// returned would stop the job with no word of why (none is known to today; a failed restore of
+// memory the driver cannot restore looked like one at first, docs/facts.md fact 26).
 #pragma once
 
 #include <condition_variable>

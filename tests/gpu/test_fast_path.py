@@ -260,41 +260,27 @@ def test_fast_pause_and_resume_in_place_all_features(host_gpus: list[Any]) -> No
 
 
 def test_memory_the_driver_cannot_restore_is_refused_until_the_job_frees_it(host_gpus: list[Any]) -> None:
-    """One GPU: the job holds cuMem host memory a kernel wrote (as NCCL makes it; docs/facts.md fact
-    26, whose restore fails and leaves the process unable to use CUDA again, or never returns). Its
-    pause and its migration are refused before anything is touched, the job trains on, and once it
-    freed that memory the pause and resume run; the loss trace is the undisturbed one."""
+    """The job holds cuMem host memory a kernel wrote (as NCCL makes it; docs/facts.md fact 26, whose
+    restore fails and leaves the process unable to use CUDA again). Its pause (and,
+    with two GPUs, its migration) is refused before anything is touched, the job trains on, and once
+    it freed that memory the pause and resume run; the loss trace is the undisturbed one."""
     gpu0 = uuid_of(host_gpus, 0)
     idle = idle_used()
     common = (*PLAIN, "--step-sleep", "0.1", "--pause-seconds", "0.5")
     expected = reference(*common)
-    run = ok_run(
-        run_job(
-            *common,
-            "--host-cumem-until",
-            "12",
-            "--plan",
-            "4:pause",
-            "--plan",
-            "4:migrate:cuda:0",
-            "--plan",
-            "16:pause",
-            "--plan",
-            "16:resume",
-            timeout=JOB_TIMEOUT,
-        )
-    )
+    refused = ["4:pause", *(["4:migrate:cuda:1"] if len(host_gpus) >= 2 else [])]
+    plan = [arg for item in (*refused, "16:pause", "16:resume") for arg in ("--plan", item)]
+    run = ok_run(run_job(*common, "--host-cumem-until", "12", *plan, timeout=JOB_TIMEOUT))
     held = run.one("host_cumem_held")["address"]
-    refused_pause, refused_move, pause, resume = run.ops
-    assert [op["ok"] for op in run.ops] == [False, False, True, True], summary(run.ops)
-    for op in (refused_pause, refused_move):
+    assert [op["ok"] for op in run.ops] == [False] * len(refused) + [True, True], summary(run.ops)
+    for op in run.ops[: len(refused)]:
         assert op["error_type"] == "CapabilityError", summary(run.ops)
-        assert f"the first at {held:#x}" in op["error"] and "docs/facts.md fact 26" in op["error"], op["error"]
         assert op["error"].startswith(f"cannot {op['op']}: this process holds cuMem memory located on the host")
+        assert f"the first at {held:#x}" in op["error"] and "docs/facts.md fact 26" in op["error"], op["error"]
         assert op["state"] == "RUNNING" and op["result"] is None  # refused before any step ran
         assert_holds(op, gpu0, BALLAST_GB)
-    freed = run.one("host_cumem_freed")
-    assert freed["intact"] is True  # what the kernel wrote was never touched
+    assert run.one("host_cumem_freed")["intact"] is True  # what the kernel wrote was never touched
+    pause, resume = run.ops[len(refused) :]
     assert pause["result"]["path"] == "fast", summary(run.ops)
     assert_left(pause, gpu0, idle)
     assert_holds(resume, gpu0, BALLAST_GB)

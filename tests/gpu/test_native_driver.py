@@ -58,36 +58,30 @@ def test_importing_flexium_before_torch_leaves_torch_working() -> None:
     assert proc.stdout.strip().splitlines()[-1] == "2.0"
 
 
-def test_a_restore_of_memory_the_driver_cannot_restore_fails_or_is_said_while_it_waits() -> None:
-    """The driver cannot restore a process holding cuMem host memory (docs/facts.md fact 26): its
-    restore either never returns (the probe's runs) or fails (flexium's locked section, 2026-12-02).
-    Either way the job must not stop without a word: a failed restore is an outcome the engine sees
-    and rolls back from, and one still waiting is named on stderr by the native layer, here every
-    2 s (FLEXIUM_DRIVER_CALL_REPORT_S), with what to do."""
-    env = {**os.environ, "FLEXIUM_DRIVER_CALL_REPORT_S": "2", "PYTHONUNBUFFERED": "1"}
+def test_the_driver_cannot_restore_host_cumem_memory_and_the_process_is_lost() -> None:
+    """Why flexium never checkpoints a process holding cuMem host memory (docs/facts.md fact 26,
+    engine/unrestorable_memory.py): the driver's restore of it fails, a second restore and the
+    unlock fail too, the process stays checkpointed and its CUDA calls never return. Should a
+    driver restore it one day, this test says so (and the refusal can go)."""
     job = subprocess.Popen(
-        [sys.executable, str(HERE / "stuck_restore_job.py")],
+        [sys.executable, str(HERE / "unrestorable_job.py")],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=env,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
         start_new_session=True,
     )
     output = ProcessOutput(job)
     try:
-        pid = json.loads(output.wait_for(r'^\{"event": "ready"', 120).string)["pid"]
-        # Returned, or said twice: it goes on saying so while the call waits.
-        report = r"^\[flexium\] cuCheckpointProcessRestore \(process (\d+)\) has not returned after 4 s"
-        seen = output.wait_for(rf'^\{{"event": "returned"|{report}', 60)
-        if seen.string.startswith("{"):
-            steps = json.loads(seen.string)["steps"]
-            assert steps[:2] == [["lock", 0], ["checkpoint", 0]] and steps[2][0] == "restore", steps
-            assert steps[2][1] != 0, f"the driver restored memory it could not before (fact 26): {steps}"
-        else:
-            assert int(seen.group(1)) == pid
-            what_to_do = f"end the job (kill {pid}) and start it again from its last checkpoint"
-            assert seen.string.endswith(what_to_do), seen.string
+        output.wait_for(r'^\{"event": "ready"', 120)
+        seen = json.loads(output.wait_for(r'^\{"event": "outcome"', 120).string)
+        assert seen["first"][:2] == [["lock", 0], ["checkpoint", 0]], seen
+        restore, code = seen["first"][2]
+        assert restore == "restore" and code != 0, f"the driver restored memory it could not before (fact 26): {seen}"
+        assert seen["again"][0][1] != 0 and seen["unlock"][0][1] != 0, seen
+        assert seen["state"] == "CHECKPOINTED", seen
+        assert seen["cuda_call"].startswith("no return in"), seen
     finally:
         end_process_group(job, lambda seconds: job.wait(seconds))
         job.wait(30)  # reaped after a SIGKILL too; a process the kill cannot end fails here
-        _keep_log(("stuck_restore_job.py",), {"FLEXIUM_DRIVER_CALL_REPORT_S": "2"}, job.returncode, output.text, "")
+        _keep_log(("unrestorable_job.py",), None, job.returncode, output.text, "")

@@ -583,7 +583,7 @@ def test_run_steps_migrates_the_process(fake: FakeDriver) -> None:
 def test_a_driver_call_that_does_not_return_is_reported_while_it_runs(
     fake: FakeDriver, monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
 ) -> None:
-    """A restore that never returns (docs/facts.md fact 26) would stop the job without a word: every
+    """A checkpoint call that never returns would stop the job without a word: every
     FLEXIUM_DRIVER_CALL_REPORT_S seconds (60 by default) the call still running is named on stderr,
     with what to do. Here a restore takes 2.5 s and the reports come every second."""
     monkeypatch.setenv("FLEXIUM_DRIVER_CALL_REPORT_S", "1")
@@ -594,7 +594,7 @@ def test_a_driver_call_that_does_not_return_is_reported_while_it_runs(
     reports = [line for line in capfd.readouterr().err.splitlines() if "has not returned" in line]
     assert reports == [
         f"[flexium] cuCheckpointProcessRestore (process {PID}) has not returned after {seconds} s: a driver call "
-        "that never returns leaves the process stuck (docs/facts.md fact 26); if it goes on, end the job "
+        "that never returns leaves the process stuck; if it goes on, end the job "
         f"(kill {PID}) and start it again from its last checkpoint"
         for seconds in (1, 2)
     ]

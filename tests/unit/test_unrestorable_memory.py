@@ -48,7 +48,7 @@ def test_a_pause_or_move_of_a_process_holding_it_is_refused_before_anything_is_t
             message = str(caught.value)
             assert "holds cuMem memory located on the host (1 mapping, 4.0 MiB on host NUMA node 0" in message
             assert f"the first at {free.address:#x}" in message  # type: ignore[attr-defined]
-            assert "fails and leaves the process unable to use CUDA again, or never returns" in message
+            assert "fails and leaves the process unable to use CUDA again (docs/facts.md fact 26)" in message
             assert "NCCL_CUMEM_HOST_ENABLE=0" in message and "cudaHostAlloc" in message
             assert checkpoint_ops(fake) == []
             assert engine.state == EngineState.RUNNING and fake.physical_of(0) == 0

@@ -1,6 +1,5 @@
 """Memory the driver's checkpoint cannot bring back: a process holding some is refused a pause or a
-move, for its restore would fail and leave it unable to run CUDA again, or never return
-(docs/facts.md fact 26).
+move, for its restore would fail and leave it unable to run CUDA again (docs/facts.md fact 26).
 
 That memory is a cuMem allocation located on the host and mapped for the CPU: what NCCL makes for
 the host memory its ranks share unless NCCL_CUMEM_HOST_ENABLE=0 (flexium.init() sets it), and
@@ -33,7 +32,7 @@ def problem() -> Optional[str]:
     return (
         f"this process holds cuMem memory located on the host ({count}, {total / MIB:.1f} MiB on "
         f"{', '.join(places)}, the first at {found[0].address:#x}): the driver's restore of such memory fails "
-        "and leaves the process unable to use CUDA again, or never returns (docs/facts.md fact 26), so the job "
+        "and leaves the process unable to use CUDA again (docs/facts.md fact 26), so the job "
         "cannot be paused or moved while it holds it. NCCL makes its shared host memory so unless "
         "NCCL_CUMEM_HOST_ENABLE=0 (flexium.init() sets it when the job has not set it: unset it or set it to 0); "
         "memory of another library: have it allocate with cudaHostAlloc (pinned memory), or free it first"

@@ -11,7 +11,8 @@ NVLS (NVLink SHARP) buffers are not released by a suspend, so a job that may mov
 ``NCCL_NVLS_ENABLE=0``; and with ``NCCL_CUMEM_HOST_ENABLE=0``: NCCL otherwise makes the host
 memory it shares between ranks (its shared-memory transport, on GPUs without peer access; also
 its P2P copy-engine and network proxy buffers) as cuMem allocations on the host, and the
-driver's restore of a process holding one does not return (docs/facts.md fact 26).
+driver's restore of a process holding one fails, and the process never runs CUDA again
+(docs/facts.md fact 26).
 ``flexium.init()`` sets both when the job has not started NCCL yet.
 """
 
@@ -156,7 +157,8 @@ def suspend_problem(environ: Optional[Mapping[str, str]] = None) -> Optional[str
     if env.get(CUMEM_HOST_ENV) != "0":
         return (
             f"{CUMEM_HOST_ENV} is not 0 in this job: NCCL would make the host memory its ranks share as cuMem "
-            "host memory, which the driver cannot restore (the restore fails or does not return); start the job "
+            "host memory, which the driver cannot restore (the restore fails and the process never runs CUDA "
+            "again); start the job "
             f"with {CUMEM_HOST_ENV}=0 (flexium.init() sets it when it runs before init_process_group)"
         )
     if env.get(REGISTER_HOOK_ENV, "0") not in ("0", ""):
