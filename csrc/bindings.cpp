@@ -12,8 +12,8 @@
 #include "driver_table.h"
 #include "gpu_memory_yield.h"
 #include "host_copier.h"
-#include "host_cumem_scan.h"
 #include "slow_call_report.h"
+#include "uncheckpointable_memory.h"
 #include "vmm_allocator.h"
 #include "vmm_driver.h"
 #include "vmm_host_staging.h"
@@ -108,13 +108,14 @@ void bind_checkpoint(py::module_ &m) {
         "FLEXIUM_DRIVER_CALL_REPORT_S: seconds between reports of a checkpoint call that has not returned "
         "(60 when unset); 0 when it is not a whole number of seconds from 1 to 86400.");
 
-  py::class_<HostCuMemMapping>(m, "HostCuMemMapping")
-      .def_readonly("address", &HostCuMemMapping::address)
-      .def_readonly("size", &HostCuMemMapping::size)
-      .def_readonly("location", &HostCuMemMapping::location)
+  py::class_<UncheckpointableMapping>(m, "UncheckpointableMapping")
+      .def_readonly("address", &UncheckpointableMapping::address)
+      .def_readonly("size", &UncheckpointableMapping::size)
+      .def_readonly("kind", &UncheckpointableMapping::kind)
+      .def_readonly("location", &UncheckpointableMapping::location)
       .def("__repr__", &record_repr);
-  m.def("host_cumem_mappings", py::overload_cast<>(&host_cumem_mappings), release_gil(),
-        "This process's mappings of cuMem allocations located on the host: memory the driver cannot restore.");
+  m.def("uncheckpointable_mappings", py::overload_cast<>(&uncheckpointable_mappings), release_gil(),
+        "This process's mappings of memory the driver's checkpoint cannot carry: managed, and host cuMem.");
 
   py::enum_<StepKind>(m, "StepKind")
       .value("LOCK", StepKind::Lock)

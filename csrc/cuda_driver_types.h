@@ -187,6 +187,8 @@ typedef CUresult (*PFN_cuMemAddressFree)(CUdeviceptr ptr, size_t size);
 typedef CUresult (*PFN_cuMemCreate)(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
                                     unsigned long long flags);
 typedef CUresult (*PFN_cuMemRelease)(CUmemGenericAllocationHandle handle);
+enum : int { CU_POINTER_ATTRIBUTE_IS_MANAGED = 8 };  // CUpointer_attribute
+typedef CUresult (*PFN_cuPointerGetAttribute)(void *data, int attribute, CUdeviceptr ptr);
 typedef CUresult (*PFN_cuMemRetainAllocationHandle)(CUmemGenericAllocationHandle *handle, void *addr);
 typedef CUresult (*PFN_cuMemGetAllocationPropertiesFromHandle)(CUmemAllocationProp *prop,
                                                                CUmemGenericAllocationHandle handle);

@@ -36,8 +36,8 @@ constexpr int kCheckpointApiVersion = 12080;
   X(cuCheckpointProcessRestore, kCheckpointApiVersion, false)            \
   X(cuCheckpointProcessUnlock, kCheckpointApiVersion, false)
 
-// The fast path's allocator and relocation (vmm_*.cpp), and the look for memory a restore cannot
-// bring back (host_cumem_scan.cpp). Versions are those of each function's
+// The fast path's allocator and relocation (vmm_*.cpp), and the look for memory the checkpoint cannot
+// carry (uncheckpointable_memory.cpp). Versions are those of each function's
 // current ABI in cudaTypedefs.h (cuDevicePrimaryCtxRelease_v2 11000, cuStreamDestroy_v2 and
 // cuEventDestroy_v2 4000, cuMemHostRegister_v2 6050, the 64-bit cuMemcpy*_v2 3020); all
 // optional: without them only the driver path is offered.
@@ -55,6 +55,7 @@ constexpr int kCheckpointApiVersion = 12080;
   X(cuMemAddressFree, 10020, false)                       \
   X(cuMemCreate, 10020, false)                            \
   X(cuMemRelease, 10020, false)                           \
+  X(cuPointerGetAttribute, 4000, false)                   \
   X(cuMemRetainAllocationHandle, 11000, false)            \
   X(cuMemGetAllocationPropertiesFromHandle, 10020, false) \
   X(cuMemMap, 10020, false)                               \

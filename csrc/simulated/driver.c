@@ -651,6 +651,14 @@ struct host_block {
   size_t size;
 };
 
+/* Managed (UVM) memory, cuMemAllocManaged: a shared mapping of a memfd, as the real driver's is of
+ * /dev/nvidia-uvm. The checkpoint refuses a process holding any (docs/facts.md fact 27). */
+struct managed_block {
+  int used;
+  uintptr_t base;
+  size_t size;
+};
+
 struct fake_stream {
   struct fake_stream *next;
   int device;
@@ -666,6 +674,7 @@ static struct {
   struct vmm_range reservations[MAX_VMM];
   struct vmm_range mappings[MAX_VMM];
   struct host_block host[MAX_VMM];
+  struct managed_block managed[MAX_VMM];
   struct fake_stream *streams;
   int stream_count;
   struct fake_event *events;
@@ -847,6 +856,9 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CU
                      unsigned long long flags);
 CUresult cuMemRelease(CUmemGenericAllocationHandle handle);
 CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void *addr);
+CUresult cuPointerGetAttribute(void *data, int attribute, CUdeviceptr ptr);
+CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags);
+CUresult cuMemFree(CUdeviceptr dptr);
 CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop, CUmemGenericAllocationHandle handle);
 CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
                   unsigned long long flags);
@@ -914,6 +926,9 @@ static const struct symbol symbols[] = {
     {"cuMemCreate", 10020, FEATURE_VMM, (void *)cuMemCreate},
     {"cuMemRelease", 10020, FEATURE_VMM, (void *)cuMemRelease},
     {"cuMemRetainAllocationHandle", 11000, FEATURE_VMM, (void *)cuMemRetainAllocationHandle},
+    {"cuPointerGetAttribute", 4000, FEATURE_VMM, (void *)cuPointerGetAttribute},
+    {"cuMemAllocManaged", 6000, FEATURE_VMM, (void *)cuMemAllocManaged},
+    {"cuMemFree", 3020, FEATURE_VMM, (void *)cuMemFree},
     {"cuMemGetAllocationPropertiesFromHandle", 10020, FEATURE_VMM, (void *)cuMemGetAllocationPropertiesFromHandle},
     {"cuMemMap", 10020, FEATURE_VMM, (void *)cuMemMap},
     {"cuMemUnmap", 10020, FEATURE_VMM, (void *)cuMemUnmap},
@@ -1170,6 +1185,10 @@ CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args
   if (!is_own_pid(pid)) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
   if (args != NULL && !all_zero(args, sizeof(*args))) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
   if (fake.state != CU_PROCESS_STATE_LOCKED) return leave(fn, CUDA_ERROR_ILLEGAL_STATE, -1);
+  /* docs/facts.md fact 27: refused, the process stays LOCKED and an unlock brings it back. */
+  for (int i = 0; i < MAX_VMM; ++i) {
+    if (vmm.managed[i].used) return leave(fn, CUDA_ERROR_NOT_SUPPORTED, -1);
+  }
   vmm_collect();
   vmm_checkpoint();
   fake.image_has_imported = 0;
@@ -1527,6 +1546,70 @@ CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void 
     return leave(fn, CUDA_SUCCESS, -1);
   }
   return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+}
+
+enum { CU_POINTER_ATTRIBUTE_IS_MANAGED = 8 };
+
+static int managed_at(uintptr_t at) {
+  for (int i = 0; i < MAX_VMM; ++i) {
+    const struct managed_block *m = &vmm.managed[i];
+    if (m->used && at >= m->base && at < m->base + m->size) return i;
+  }
+  return -1;
+}
+
+/* Only CU_POINTER_ATTRIBUTE_IS_MANAGED: 1 in managed memory, 0 in VMM memory, and
+ * CUDA_ERROR_INVALID_VALUE for an address the driver does not know, as the real one. */
+CUresult cuPointerGetAttribute(void *data, int attribute, CUdeviceptr ptr) {
+  static const char fn[] = "cuPointerGetAttribute";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (data == NULL || attribute != CU_POINTER_ATTRIBUTE_IS_MANAGED) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  const uintptr_t at = (uintptr_t)ptr;
+  int known = managed_at(at) >= 0;
+  for (int i = 0; i < MAX_VMM && !known; ++i) {
+    const struct vmm_range *m = &vmm.mappings[i];
+    known = m->used && at >= m->base && at < m->base + m->size;
+  }
+  if (!known) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  *(unsigned int *)data = managed_at(at) >= 0;
+  return leave(fn, CUDA_SUCCESS, -1);
+}
+
+CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned int flags) {
+  static const char fn[] = "cuMemAllocManaged";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (dptr == NULL || bytesize == 0 || flags != 1 /* CU_MEM_ATTACH_GLOBAL */) {
+    return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  }
+  rc = context_ready(fn, NULL);
+  if (rc != CUDA_SUCCESS) return leave(fn, rc, -1);
+  const int slot = FREE_SLOT(vmm.managed);
+  const int fd = slot < 0 ? -1 : memfd_create("fake_cuda_uvm", MFD_CLOEXEC);
+  if (fd < 0) return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, -1);
+  void *p = ftruncate(fd, (off_t)bytesize) == 0
+                ? mmap(NULL, bytesize, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+                : MAP_FAILED;
+  close(fd); /* the mapping keeps the memory */
+  if (p == MAP_FAILED) return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, -1);
+  vmm.managed[slot] = (struct managed_block){1, (uintptr_t)p, bytesize};
+  *dptr = (CUdeviceptr)(uintptr_t)p;
+  return leave(fn, CUDA_SUCCESS, -1);
+}
+
+/* Frees what cuMemAllocManaged made (the fake has no other cuMemAlloc memory). */
+CUresult cuMemFree(CUdeviceptr dptr) {
+  static const char fn[] = "cuMemFree";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  rc = context_ready(fn, NULL);
+  if (rc != CUDA_SUCCESS) return leave(fn, rc, -1);
+  const int i = managed_at((uintptr_t)dptr);
+  if (i < 0 || vmm.managed[i].base != (uintptr_t)dptr) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  munmap((void *)vmm.managed[i].base, vmm.managed[i].size);
+  memset(&vmm.managed[i], 0, sizeof(vmm.managed[i]));
+  return leave(fn, CUDA_SUCCESS, -1);
 }
 
 CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop, CUmemGenericAllocationHandle handle) {

@@ -76,6 +76,11 @@ read and write the bytes behind a device address with ctypes:
   allocation mapped at ``addr`` (``CUDA_ERROR_INVALID_VALUE`` for any other address; needs no
   context); ``cuMemGetAllocationPropertiesFromHandle``: its type, handle types and location.
   ``cumem_mapping(size)`` makes such memory.
+* ``cuMemAllocManaged`` (``managed_memory(size)``): a shared mapping of a memfd, freed by
+  ``cuMemFree``; the checkpoint of a process holding some fails with ``CUDA_ERROR_NOT_SUPPORTED``
+  and leaves it LOCKED (docs/facts.md fact 27). ``cuPointerGetAttribute`` answers
+  ``CU_POINTER_ATTRIBUTE_IS_MANAGED`` only: 1 there, 0 in VMM memory, ``CUDA_ERROR_INVALID_VALUE``
+  elsewhere.
 * ``cuMemExportToShareableHandle``: a dup of the memfd (only for memory created with
   ``requestedHandleTypes = POSIX_FILE_DESCRIPTOR``); ``cuMemImportFromShareableHandle``: a new
   handle on the allocation the fd refers to. An allocation lives while a handle, a mapping or an
@@ -616,6 +621,32 @@ class FakeDriver:
                 call("cuMemUnmap", address, length)
                 call("cuMemRelease", handle)
                 call("cuMemAddressFree", address, length)
+            finally:
+                lib.cuCtxSetCurrent(previous)
+                lib.cuDevicePrimaryCtxRelease(0)
+
+        free.address = address.value  # type: ignore[attr-defined]
+        return free
+
+    def managed_memory(self, size: int) -> Callable[[], None]:
+        """``size`` bytes of managed memory (``cuMemAllocManaged``, as bitsandbytes' paged optimizers
+        make it), which the checkpoint refuses (docs/facts.md fact 27). Returns what frees it; its
+        ``address`` is where it is."""
+        lib = self.library
+        ctx, previous, address = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_uint64()
+        self._check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0), "device 0")
+        lib.cuCtxGetCurrent(ctypes.byref(previous))
+        lib.cuCtxSetCurrent(ctx)
+        try:
+            made = lib.cuMemAllocManaged(ctypes.byref(address), ctypes.c_size_t(size), ctypes.c_uint(1))
+            self._check(made, "cuMemAllocManaged")
+        finally:
+            lib.cuCtxSetCurrent(previous)
+
+        def free() -> None:
+            lib.cuCtxSetCurrent(ctx)
+            try:
+                self._check(lib.cuMemFree(address), "cuMemFree")
             finally:
                 lib.cuCtxSetCurrent(previous)
                 lib.cuDevicePrimaryCtxRelease(0)

@@ -259,27 +259,31 @@ def test_fast_pause_and_resume_in_place_all_features(host_gpus: list[Any]) -> No
     assert tuple(done["losses"]) == expected, "loss trace differs from the undisturbed run"
 
 
-def test_memory_the_driver_cannot_restore_is_refused_until_the_job_frees_it(host_gpus: list[Any]) -> None:
-    """The job holds cuMem host memory a kernel wrote (as NCCL makes it; docs/facts.md fact 26, whose
-    restore fails and leaves the process unable to use CUDA again). Its pause (and,
-    with two GPUs, its migration) is refused before anything is touched, the job trains on, and once
-    it freed that memory the pause and resume run; the loss trace is the undisturbed one."""
+@pytest.mark.parametrize("kind", ["host-cumem", "managed"])
+def test_memory_the_driver_cannot_checkpoint_is_refused_until_the_job_frees_it(host_gpus: list[Any], kind: str) -> None:
+    """The job holds 4 MiB a kernel wrote that the driver's checkpoint cannot carry: cuMem host memory
+    (as NCCL makes it; docs/facts.md fact 26: the restore fails and the process never runs CUDA
+    again) or managed memory (as bitsandbytes' paged optimizers make it; fact 27: the checkpoint
+    refuses it). Its pause (and, with two GPUs, its migration) is refused before anything is
+    touched, the job trains on, and once it freed that memory the pause and resume run; the loss
+    trace is the undisturbed one."""
     gpu0 = uuid_of(host_gpus, 0)
     idle = idle_used()
     common = (*PLAIN, "--step-sleep", "0.1", "--pause-seconds", "0.5")
     expected = reference(*common)
     refused = ["4:pause", *(["4:migrate:cuda:1"] if len(host_gpus) >= 2 else [])]
     plan = [arg for item in (*refused, "16:pause", "16:resume") for arg in ("--plan", item)]
-    run = ok_run(run_job(*common, "--host-cumem-until", "12", *plan, timeout=JOB_TIMEOUT))
-    held = run.one("host_cumem_held")["address"]
+    run = ok_run(run_job(*common, "--hold-memory", f"{kind}:12", *plan, timeout=JOB_TIMEOUT))
+    held = run.one("memory_held")["address"]
+    said = "managed memory" if kind == "managed" else "cuMem memory located on the host"
     assert [op["ok"] for op in run.ops] == [False] * len(refused) + [True, True], summary(run.ops)
     for op in run.ops[: len(refused)]:
         assert op["error_type"] == "CapabilityError", summary(run.ops)
-        assert op["error"].startswith(f"cannot {op['op']}: this process holds cuMem memory located on the host")
-        assert f"the first at {held:#x}" in op["error"] and "docs/facts.md fact 26" in op["error"], op["error"]
+        assert op["error"].startswith(f"cannot {op['op']}: this process holds {said} (1 mapping, 4.0 MiB, "), op
+        assert f"the first at {held:#x}" in op["error"], op["error"]
         assert op["state"] == "RUNNING" and op["result"] is None  # refused before any step ran
         assert_holds(op, gpu0, BALLAST_GB)
-    assert run.one("host_cumem_freed")["intact"] is True  # what the kernel wrote was never touched
+    assert run.one("memory_freed")["intact"] is True  # what the kernel wrote was never touched
     pause, resume = run.ops[len(refused) :]
     assert pause["result"]["path"] == "fast", summary(run.ops)
     assert_left(pause, gpu0, idle)

@@ -60,7 +60,7 @@ def test_importing_flexium_before_torch_leaves_torch_working() -> None:
 
 def test_the_driver_cannot_restore_host_cumem_memory_and_the_process_is_lost() -> None:
     """Why flexium never checkpoints a process holding cuMem host memory (docs/facts.md fact 26,
-    engine/unrestorable_memory.py): the driver's restore of it fails, a second restore and the
+    engine/uncheckpointable_memory.py): the driver's restore of it fails, a second restore and the
     unlock fail too, the process stays checkpointed and its CUDA calls never return. Should a
     driver restore it one day, this test says so (and the refusal can go)."""
     job = subprocess.Popen(

@@ -19,6 +19,7 @@ step (the safe point) for S seconds.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import faulthandler
 import json
 import os
@@ -157,31 +158,45 @@ class Progress:
             self._cond.wait_for(lambda: self.step >= step)
 
 
-class HostCuMem:
-    """4 MiB of cuMem memory on the host, mapped for the GPU and the CPU and written by a kernel:
-    memory the driver's restore cannot bring back (docs/facts.md fact 26), which flexium refuses to
-    checkpoint. The allocation is the one bench/shared_gpu_probe.py measured."""
+class HeldMemory:
+    """4 MiB that the driver's checkpoint cannot carry, written by a kernel: "host-cumem", cuMem
+    memory on the host mapped for the GPU and the CPU (as NCCL makes it; docs/facts.md fact 26, the
+    allocation bench/shared_gpu_probe.py measured), or "managed", cuMemAllocManaged (as bitsandbytes'
+    paged optimizers make it; fact 27). flexium refuses to checkpoint a process holding either."""
 
     FLOATS = 1 << 20
 
-    def __init__(self) -> None:
+    def __init__(self, kind: str) -> None:
         sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
         from shared_gpu_probe import _DeviceView, _mapped_host_memory
+        from staging_probe import Driver
 
-        self.pointer, _host, self.keep = _mapped_host_memory("cumem-host", self.FLOATS * 4)
+        self.kind = kind
+        if kind == "host-cumem":
+            self.pointer, _host, self.keep = _mapped_host_memory("cumem-host", self.FLOATS * 4)
+        else:
+            address = ctypes.c_uint64()
+            allocate = Driver().lib.cuMemAllocManaged
+            allocate.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t, ctypes.c_uint]
+            assert allocate(ctypes.byref(address), self.FLOATS * 4, 1) == 0  # CU_MEM_ATTACH_GLOBAL
+            self.pointer = address.value
         self.view = torch.as_tensor(_DeviceView(self.pointer, self.FLOATS), device="cuda")
         self.view.fill_(1.0)
         torch.cuda.synchronize()
-        emit("host_cumem_held", address=self.pointer)
+        emit("memory_held", kind=kind, address=self.pointer)
 
     def free(self) -> bool:
         """Frees it; whether it still held what the kernel wrote."""
         from shared_gpu_probe import free_cumem_host
+        from staging_probe import Driver
 
         intact = self.view.sum().item() == self.FLOATS
         del self.view
         torch.cuda.synchronize()
-        free_cumem_host(self.pointer, self.keep)
+        if self.kind == "host-cumem":
+            free_cumem_host(self.pointer, self.keep)
+        else:
+            Driver().call("cuMemFree", self.pointer)
         return intact
 
 
@@ -352,11 +367,10 @@ def main() -> int:
     parser.add_argument("--stall-at", type=int, default=-1, help="this step sleeps before its optimizer step")
     parser.add_argument("--stall-seconds", type=float, default=0.0)
     parser.add_argument(
-        "--host-cumem-until",
-        type=int,
-        default=-1,
-        metavar="STEP",
-        help="hold 4 MiB of cuMem host memory a kernel wrote (as NCCL makes it; facts.md fact 26) until this step",
+        "--hold-memory",
+        metavar="KIND:STEP",
+        help="hold 4 MiB that the checkpoint cannot carry (host-cumem or managed; facts.md facts 26 and 27) "
+        "from before training until this step",
     )
     parser.add_argument(
         "--alloc-before-init",
@@ -421,7 +435,8 @@ def main() -> int:
         **pool_status(),
     )
 
-    host_cumem = HostCuMem() if args.host_cumem_until >= 0 else None
+    held_kind, _, held_until = (args.hold_memory or "").partition(":")
+    held = HeldMemory(held_kind) if held_kind else None
     progress = Progress()
     control = Control(parse_plan(args.plan), args.pause_seconds, progress, args.path)
     if args.plan:
@@ -461,9 +476,9 @@ def main() -> int:
         now = time.perf_counter()
         max_gap = max(max_gap, now - last)
         last = now
-        if host_cumem is not None and step == args.host_cumem_until:
-            emit("host_cumem_freed", step=step, intact=host_cumem.free())
-            host_cumem = None
+        if held is not None and step == int(held_until):
+            emit("memory_freed", step=step, intact=held.free())
+            held = None
         progress.advance(step)
         if step == 0:
             emit("first_step")  # a command from now on finds its safe point

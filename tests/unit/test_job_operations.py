@@ -318,7 +318,7 @@ def test_a_rank_holding_memory_the_driver_cannot_restore_refuses_for_the_job_and
         {"id": 3, "kind": "migrate", "after_step": 15, "targets": {"1": 1}, "deadlines": {"agree_s": 60}},
     ]
     zero, one = _run_job(tmp_path, plan, TEST_HOST_CUMEM_RANK={1: "1"})
-    holds = "this process holds cuMem memory located on the host (1 mapping, 2.0 MiB on host NUMA node 0"
+    holds = "this process holds cuMem memory located on the host (1 mapping, 2.0 MiB, the first at 0x"
     for index, kind in ((0, "pause"), (2, "migrate")):
         own, waited = one["results"][index], zero["results"][index]
         assert not own["ok"] and own["type"] == "CapabilityError", own

@@ -43,6 +43,7 @@ VMM_SYMBOLS = [
     "cuMemAddressFree",
     "cuMemCreate",
     "cuMemRelease",
+    "cuPointerGetAttribute",
     "cuMemRetainAllocationHandle",
     "cuMemGetAllocationPropertiesFromHandle",
     "cuMemMap",

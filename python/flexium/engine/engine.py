@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Iterator, Literal, Mapping, Optional, Sequence, get_args
 
 from flexium import _C
-from flexium.engine import nvml, pinning_gate, unrestorable_memory
+from flexium.engine import nvml, pinning_gate, uncheckpointable_memory
 from flexium.engine.capabilities import Capabilities
 from flexium.engine.distributed import cuda_graphs, job_operation, membership, nccl
 from flexium.engine.distributed.job_operation import Deadlines, JobOperation, RankActions
@@ -268,7 +268,7 @@ class Engine:
                 raise TargetRefusedError(
                     "migrate takes a target GPU, or moves (the GPU each device is on -> where it goes): one of the two"
                 )
-            _refuse_unrestorable_memory(OperationKind.MIGRATE)
+            _refuse_uncheckpointable_memory(OperationKind.MIGRATE)
             self._copier_off_gpu()
 
             def work(at_safe_point: bool) -> OperationResult:
@@ -287,7 +287,7 @@ class Engine:
                     "pause() was called from the training thread: it would block at its next CUDA call "
                     "until resume(); call pause() from another thread (the flexium control thread does)"
                 )
-            _refuse_unrestorable_memory(OperationKind.PAUSE)
+            _refuse_uncheckpointable_memory(OperationKind.PAUSE)
             source = self._source()
             pinned = self._prepare_host_staging(path, source)
 
@@ -401,7 +401,7 @@ class Engine:
     def _rank_actions(self, op: JobOperation, path: PathChoice, lands_on: Optional[GpuIdentity]) -> RankActions:
         """This rank's checks before the operation (as for one process) and what it will do."""
         if op.kind == OperationKind.PAUSE or (op.kind == OperationKind.MIGRATE and lands_on is not None):
-            _refuse_unrestorable_memory(op.kind)  # only a rank the driver checkpoints
+            _refuse_uncheckpointable_memory(op.kind)  # only a rank the driver checkpoints
         if op.kind in (OperationKind.PAUSE, OperationKind.RESUME):
             self._require(self.capabilities.pause_resume, op.kind.value)
         if op.target is not None or op.kind == OperationKind.MIGRATE:
@@ -689,10 +689,10 @@ def _refuse_one_rank(kind: OperationKind) -> None:
         raise CapabilityError(f"cannot {kind.value}: {reason}")
 
 
-def _refuse_unrestorable_memory(kind: OperationKind) -> None:
-    """A process holding memory the driver cannot restore is never checkpointed (unrestorable_memory.py);
+def _refuse_uncheckpointable_memory(kind: OperationKind) -> None:
+    """A process holding memory the driver cannot checkpoint is never checkpointed (uncheckpointable_memory.py);
     prepare() looks again at the safe point."""
-    reason = unrestorable_memory.problem()
+    reason = uncheckpointable_memory.problem()
     if reason is not None:
         raise CapabilityError(f"cannot {kind.value}: {reason}")
 

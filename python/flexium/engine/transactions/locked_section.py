@@ -8,7 +8,7 @@ import os
 import time
 
 from flexium import _C
-from flexium.engine import nvml, pinning_gate, torch_bridge, unrestorable_memory
+from flexium.engine import nvml, pinning_gate, torch_bridge, uncheckpointable_memory
 from flexium.engine.identity import MovePlan
 from flexium.engine.operations import EngineState, OperationKind, StepTiming
 from flexium.engine.transactions.context import OperationContext
@@ -37,14 +37,14 @@ def check_report_setting() -> None:
 
 def prepare(ctx: OperationContext, kind: OperationKind) -> tuple[StepTiming, int, dict[str, int]]:
     """Before the lock; a failure here (a sticky CUDA error surfacing in synchronize, NVML
-    gone, memory the driver cannot restore made since the operation was taken up) touched nothing,
+    gone, memory the driver cannot checkpoint made since the operation was taken up) touched nothing,
     so the job simply stays RUNNING. Returns the step and the bytes the operation moves, in all and
     by GPU UUID (OperationContext.held_now)."""
     started = time.perf_counter()
     try:
         torch_bridge.synchronize()
         torch_bridge.release_cached_memory()
-        unrestorable = unrestorable_memory.problem()  # the last look, with the training thread stopped
+        uncheckpointable = uncheckpointable_memory.problem()  # the last look, with the training thread stopped
         moved, by_gpu = ctx.held_now()
     except Exception as exc:
         ctx.set_state(EngineState.RUNNING)
@@ -52,10 +52,10 @@ def prepare(ctx: OperationContext, kind: OperationKind) -> tuple[StepTiming, int
             f"{kind.value} failed at step 'prepare' before anything was locked: {type(exc).__name__}: {exc}",
             step="prepare",
         ) from exc
-    if unrestorable is not None:
+    if uncheckpointable is not None:
         ctx.set_state(EngineState.RUNNING)
         raise OperationFailedError(
-            f"{kind.value} refused at step 'prepare' before anything was locked: {unrestorable}", step="prepare"
+            f"{kind.value} refused at step 'prepare' before anything was locked: {uncheckpointable}", step="prepare"
         )
     return StepTiming("prepare", time.perf_counter() - started, ok=True), moved, by_gpu
 

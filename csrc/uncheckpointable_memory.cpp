@@ -1,4 +1,4 @@
-#include "host_cumem_scan.h"
+#include "uncheckpointable_memory.h"
 
 #include <exception>
 #include <fstream>
@@ -43,29 +43,40 @@ std::string host_location(const DriverTable &d, CUmemGenericAllocationHandle han
   }
 }
 
+bool is_managed(const DriverTable &d, std::uint64_t address) {
+  unsigned int managed = 0;
+  return d.cuPointerGetAttribute(&managed, CU_POINTER_ATTRIBUTE_IS_MANAGED, address) == CUDA_SUCCESS && managed != 0;
+}
+
 }  // namespace
 
-std::vector<HostCuMemMapping> host_cumem_mappings(const DriverTable &d, std::istream &maps) {
+std::vector<UncheckpointableMapping> uncheckpointable_mappings(const DriverTable &d, std::istream &maps) {
+  FLEXIUM_REQUIRE_FUNCTION(d, cuPointerGetAttribute);
   FLEXIUM_REQUIRE_FUNCTION(d, cuMemRetainAllocationHandle);
   FLEXIUM_REQUIRE_FUNCTION(d, cuMemGetAllocationPropertiesFromHandle);
   FLEXIUM_REQUIRE_FUNCTION(d, cuMemRelease);
-  std::vector<HostCuMemMapping> found;
+  std::vector<UncheckpointableMapping> found;
   std::string line;
   while (std::getline(maps, line)) {
     std::uint64_t start = 0, end = 0;
     bool shared = false;
     if (!parse_mapping(line, start, end, shared) || !shared) continue;
+    const auto size = static_cast<std::size_t>(end - start);
+    if (is_managed(d, start)) {
+      found.push_back({start, size, "managed", ""});
+      continue;
+    }
     CUmemGenericAllocationHandle handle = 0;
     // Fails (CUDA_ERROR_INVALID_VALUE) for every mapping that is not a cuMem allocation's.
     if (d.cuMemRetainAllocationHandle(&handle, reinterpret_cast<void *>(start)) != CUDA_SUCCESS) continue;
     std::string location = host_location(d, handle);
     d.cuMemRelease(handle);
-    if (!location.empty()) found.push_back({start, static_cast<std::size_t>(end - start), std::move(location)});
+    if (!location.empty()) found.push_back({start, size, "host cuMem", std::move(location)});
   }
   return found;
 }
 
-std::vector<HostCuMemMapping> host_cumem_mappings() {
+std::vector<UncheckpointableMapping> uncheckpointable_mappings() {
   // A driver without the VMM API (older than CUDA 11) made no such memory, and cannot checkpoint.
   if (!has_vmm_api()) return {};
   const DriverTable &d = require_vmm_driver();
@@ -74,11 +85,11 @@ std::vector<HostCuMemMapping> host_cumem_mappings() {
   // cuMemRelease of the retained handles wants a current context: the caller's, else that of a GPU
   // the process uses already (never a new one: a context puts state on its GPU, facts.md fact 2).
   CUcontext current = nullptr;
-  if (d.cuCtxGetCurrent(&current) == CUDA_SUCCESS && current != nullptr) return host_cumem_mappings(d, maps);
+  if (d.cuCtxGetCurrent(&current) == CUDA_SUCCESS && current != nullptr) return uncheckpointable_mappings(d, maps);
   const int device = first_device_in_use(d);
   if (device < 0) return {};  // no CUDA state in the process, so no such memory either
   ScopedContext context(d, device);
-  return host_cumem_mappings(d, maps);
+  return uncheckpointable_mappings(d, maps);
 }
 
 }  // namespace flexium

@@ -1,0 +1,129 @@
+"""Memory the driver's checkpoint cannot carry: managed memory (docs/facts.md fact 27) and cuMem
+memory located on the host (fact 26). The native layer finds it (csrc/uncheckpointable_memory.cpp),
+and a pause or move of a process holding some is refused before anything is touched, at the
+operation's start and again at its safe point. The fake driver makes both as the real one does;
+the GPU tests make them on an H200."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Callable
+
+import pytest
+
+from engine_fixtures import GiB, MiB, checkpoint_ops, driver, fake, make_engine  # noqa: F401  (fixtures)
+from fake_driver import FakeDriver
+from flexium import _C
+from flexium.engine import EngineState
+from flexium.errors import CapabilityError, OperationFailedError
+
+SIZE = 4 * MiB
+HOST_CUMEM = "this process holds cuMem memory located on the host (1 mapping, 4.0 MiB, the first at"
+MANAGED = "this process holds managed memory (1 mapping, 4.0 MiB, the first at"
+
+
+def found() -> list[tuple[int, int, str, str]]:
+    return sorted((m.address, m.size, m.kind, m.location) for m in _C.uncheckpointable_mappings())
+
+
+def test_the_scan_finds_managed_and_host_cumem_memory_and_nothing_else(fake: FakeDriver) -> None:
+    assert found() == []
+    # The fake maps device memory into the process too (the real driver does not): the scan must ask
+    # where each allocation lives, not take every cuMem mapping for host memory.
+    frees = [fake.cumem_mapping(SIZE, on_host=False), fake.cumem_mapping(SIZE), fake.cumem_mapping(2 * SIZE)]
+    frees.append(fake.managed_memory(SIZE))
+    try:
+        addresses = [f.address for f in frees]  # type: ignore[attr-defined]
+        assert found() == sorted(
+            [
+                (addresses[1], SIZE, "host cuMem", "host NUMA node 0"),
+                (addresses[2], 2 * SIZE, "host cuMem", "host NUMA node 0"),
+                (addresses[3], SIZE, "managed", ""),
+            ]
+        )
+    finally:
+        for free in frees:
+            free()
+    assert found() == []
+    assert fake.vmm_leaks()["handles"] == 0  # every handle the scan retained was released
+
+
+def test_the_fake_checkpoint_refuses_managed_memory_as_the_driver_does(fake: FakeDriver) -> None:
+    """docs/facts.md fact 27, as the fake models it: what the refusal below keeps jobs from."""
+    free = fake.managed_memory(SIZE)
+    try:
+        steps = [_C.Step(_C.StepKind.LOCK, timeout_ms=1000), _C.Step(_C.StepKind.CHECKPOINT)]
+        outcomes = _C.run_steps(os.getpid(), steps, [[], [_C.Step(_C.StepKind.RECOVER)]])
+        assert [(o.step, o.error_name, o.rollback) for o in outcomes] == [
+            ("lock", "", False),
+            ("checkpoint", "CUDA_ERROR_NOT_SUPPORTED", False),
+            ("unlock", "", True),
+        ]
+        assert fake.state().name == "RUNNING"
+    finally:
+        free()
+
+
+@pytest.mark.parametrize("kind", ["host cuMem", "managed"])
+def test_a_pause_or_move_of_a_process_holding_it_is_refused_before_anything_is_touched(
+    fake: FakeDriver, make_engine: Callable[..., Any], kind: str
+) -> None:
+    fake.set_process_memory(0, GiB)
+    engine = make_engine()
+    free = fake.cumem_mapping(SIZE) if kind == "host cuMem" else fake.managed_memory(SIZE)
+    said = HOST_CUMEM if kind == "host cuMem" else MANAGED
+    what_to_do = ("NCCL_CUMEM_HOST_ENABLE=0", "cudaHostAlloc") if kind == "host cuMem" else ("paged_adamw_8bit",)
+    try:
+        for name, operation in (("pause", engine.pause), ("migrate", lambda: engine.migrate(engine.gpus[1]))):
+            with pytest.raises(CapabilityError) as caught:
+                operation()
+            message = str(caught.value)
+            assert message.startswith(f"cannot {name}: {said} {free.address:#x}"), message  # type: ignore[attr-defined]
+            assert all(words in message for words in what_to_do), message
+            assert checkpoint_ops(fake) == []
+            assert engine.state == EngineState.RUNNING and fake.physical_of(0) == 0
+    finally:
+        free()
+    assert engine.pause().ok  # once it is freed, the job pauses and resumes as any other
+    assert engine.resume().ok
+    assert checkpoint_ops(fake) == ["Lock", "Checkpoint", "Restore", "Unlock"]
+
+
+def test_a_process_holding_both_is_told_of_both(fake: FakeDriver, make_engine: Callable[..., Any]) -> None:
+    engine = make_engine()
+    frees = [fake.managed_memory(SIZE), fake.cumem_mapping(SIZE)]
+    try:
+        with pytest.raises(CapabilityError) as caught:
+            engine.pause()
+        message = str(caught.value)
+        assert message.startswith(f"cannot pause: {MANAGED}") and f"; and {HOST_CUMEM}" in message, message
+    finally:
+        for free in frees:
+            free()
+
+
+@pytest.mark.parametrize("operation", ["pause", "migrate"])
+def test_memory_made_while_the_operation_waited_is_refused_at_its_safe_point(
+    fake: FakeDriver, make_engine: Callable[..., Any], operation: str
+) -> None:
+    fake.set_process_memory(0, GiB)
+    engine = make_engine()
+    made: list[Callable[[], None]] = []
+
+    def made_now(state: EngineState) -> None:  # after the operation's first look, before prepare's
+        if state in (EngineState.PAUSING, EngineState.MIGRATING) and not made:
+            made.append(fake.cumem_mapping(SIZE))
+
+    engine.add_state_listener(made_now)
+    run = engine.pause if operation == "pause" else (lambda: engine.migrate(engine.gpus[1]))
+    try:
+        with pytest.raises(OperationFailedError) as caught:
+            run()
+        assert caught.value.step == "prepare"
+        assert f"{operation} refused at step 'prepare' before anything was locked: {HOST_CUMEM}" in str(caught.value)
+        assert checkpoint_ops(fake) == []
+        assert engine.state == EngineState.RUNNING and not engine.is_busy()
+    finally:
+        for free in made:
+            free()
+    assert run().ok
