@@ -286,7 +286,12 @@ def test_memory_the_driver_cannot_checkpoint_is_refused_until_the_job_frees_it(h
     assert run.one("memory_freed")["intact"] is True  # what the kernel wrote was never touched
     pause, resume = run.ops[len(refused) :]
     assert pause["result"]["path"] == "fast", summary(run.ops)
-    assert_left(pause, gpu0, idle)
+    if kind == "managed":
+        # A process that used managed memory leaves memory on its GPU that NVML counts for no
+        # process, freed or not (127 MiB over idle, docs/facts.md fact 27): only its own is checked.
+        assert pause["nvml"][gpu0]["ours"] == 0, pause["nvml"]
+    else:
+        assert_left(pause, gpu0, idle)
     assert_holds(resume, gpu0, BALLAST_GB)
     done = run.one("done")
     assert done["ballast_ok"] is True
