@@ -781,6 +781,39 @@ def test_failed_resume_stays_paused_and_can_be_retried(fake: FakeDriver, make_en
     on_gpu(fake, engine, 1)
 
 
+def test_a_resume_the_driver_refuses_for_good_says_the_job_is_lost(
+    fake: FakeDriver, make_engine: Callable[..., Any]
+) -> None:
+    """After a failed restore the driver refuses every later one with CUDA_ERROR_OPERATING_SYSTEM
+    (docs/facts.md fact 26; here the fake's model of cuda-checkpoint issue 44): the job is not
+    "still paused and can be resumed again" but lost, and the engine says so."""
+    fake.set_process_memory(0, 30 * GiB)
+    fake.set_oom_poisons_restore(True)
+    engine = make_engine()
+    engine.pause()
+    armed = [True]
+
+    def fill_target(state: EngineState) -> None:  # GPU 1 fills up after the engine's own check
+        if state == EngineState.RESUMING and armed[0]:
+            armed[0] = False
+            fake.set_other_memory(1, H200_BYTES - GiB)
+
+    engine.add_state_listener(fill_target)
+    with pytest.raises(OperationFailedError, match="the job is still paused and can be resumed again"):
+        engine.resume(engine.gpus[1])
+    fake.set_other_memory(1, 0)
+    with pytest.raises(RollbackFailedError) as caught:
+        engine.resume(engine.gpus[1])
+    message = str(caught.value)
+    assert "cuCheckpointProcessRestore returned CUDA_ERROR_OPERATING_SYSTEM" in message
+    assert message.endswith(
+        "ROLLBACK FAILED: the process is CHECKPOINTED: the driver refuses every restore of a process after one "
+        "failed (docs/facts.md fact 26), so it can never run CUDA again; end the job and start it again from its "
+        "last checkpoint"
+    )
+    assert engine.state == EngineState.FAILED and fake.state() == ProcessState.CHECKPOINTED
+
+
 def test_resume_unlock_failing_once_still_resumes(fake: FakeDriver, make_engine: Callable[..., Any]) -> None:
     engine = make_engine()
     engine.pause()

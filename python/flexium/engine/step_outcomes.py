@@ -17,6 +17,17 @@ def timing_of(outcome: _C.StepOutcome) -> StepTiming:
     )
 
 
+# After a restore failed, the driver answers every later restore of the process with this: it stays
+# checkpointed and never runs CUDA again (docs/facts.md fact 26; NVIDIA/cuda-checkpoint issue 44
+# after a restore that failed for memory).
+RESTORE_REFUSED_FOR_GOOD = "CUDA_ERROR_OPERATING_SYSTEM"
+
+
+def restore_refused_for_good(outcomes: Sequence[_C.StepOutcome]) -> bool:
+    """Whether a restore among the outcomes was refused in the way that leaves no way back."""
+    return any(o.step == "restore" and o.error_name == RESTORE_REFUSED_FOR_GOOD for o in outcomes)
+
+
 def own_restore_succeeded(outcomes: Sequence[_C.StepOutcome]) -> bool:
     """Whether the operation's own restore (not a rollback's) succeeded."""
     return any(o.step == "restore" and not o.rollback and o.code == 0 for o in outcomes)

@@ -10,10 +10,15 @@ from flexium import _C
 from flexium.engine.fast_path import FastPath, RelocationError
 from flexium.engine.identity import MovePlan
 from flexium.engine.operations import EngineState, OperationKind, OperationResult
-from flexium.engine.step_outcomes import own_restore_succeeded, timing_of
+from flexium.engine.step_outcomes import own_restore_succeeded, restore_refused_for_good, timing_of
 from flexium.engine.transactions import locked_section
 from flexium.engine.transactions.context import OperationContext
 from flexium.engine.transactions.results import ResultDraft, copier_notes, settle
+
+LOST = (
+    ": the driver refuses every restore of a process after one failed (docs/facts.md fact 26), so it can "
+    "never run CUDA again; end the job and start it again from its last checkpoint"
+)
 
 
 def resume(ctx: OperationContext, plan: MovePlan) -> OperationResult:
@@ -42,6 +47,9 @@ def resume(ctx: OperationContext, plan: MovePlan) -> OperationResult:
     )
     if succeeded and fast is not None:
         return _bring_back_from_host(ctx, fast, draft)
+    # A restore the driver refused for good leaves nothing to resume: saying "can be resumed again"
+    # would be untrue.
+    lost = restore_refused_for_good(outcomes)
     return settle(
         ctx,
         draft,
@@ -49,9 +57,10 @@ def resume(ctx: OperationContext, plan: MovePlan) -> OperationResult:
         final,
         succeeded=succeeded,
         on_success=EngineState.RUNNING,
-        rolled_back={
-            _C.ProcessState.CHECKPOINTED: (EngineState.PAUSED, "the job is still paused and can be resumed again")
-        },
+        rolled_back={}
+        if lost
+        else {_C.ProcessState.CHECKPOINTED: (EngineState.PAUSED, "the job is still paused and can be resumed again")},
+        stuck=LOST if lost else "",
     )
 
 
