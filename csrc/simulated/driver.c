@@ -1450,6 +1450,15 @@ static int find_range(struct vmm_range *table, uintptr_t base, size_t size) {
   return -1;
 }
 
+/* The mapping holding address `at`, or -1. */
+static int mapping_at(uintptr_t at) {
+  for (int i = 0; i < MAX_VMM; ++i) {
+    const struct vmm_range *m = &vmm.mappings[i];
+    if (m->used && at >= m->base && at < m->base + m->size) return i;
+  }
+  return -1;
+}
+
 static int overlaps_mapping(uintptr_t base, size_t size) {
   for (int i = 0; i < MAX_VMM; ++i) {
     const struct vmm_range *m = &vmm.mappings[i];
@@ -1535,17 +1544,12 @@ CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *handle, void 
   static const char fn[] = "cuMemRetainAllocationHandle";
   int rc;
   if (enter(fn, &rc)) return leave(fn, rc, -1);
-  if (handle == NULL) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
-  const uintptr_t at = (uintptr_t)addr;
-  for (int i = 0; i < MAX_VMM; ++i) {
-    const struct vmm_range *m = &vmm.mappings[i];
-    if (!m->used || at < m->base || at >= m->base + m->size) continue;
-    const int h = new_handle(m->alloc);
-    if (h < 0) return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, -1);
-    *handle = vmm.handles[h].value;
-    return leave(fn, CUDA_SUCCESS, -1);
-  }
-  return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  const int m = mapping_at((uintptr_t)addr);
+  if (handle == NULL || m < 0) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  const int h = new_handle(vmm.mappings[m].alloc);
+  if (h < 0) return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, -1);
+  *handle = vmm.handles[h].value;
+  return leave(fn, CUDA_SUCCESS, -1);
 }
 
 enum { CU_POINTER_ATTRIBUTE_IS_MANAGED = 8 };
@@ -1565,14 +1569,9 @@ CUresult cuPointerGetAttribute(void *data, int attribute, CUdeviceptr ptr) {
   int rc;
   if (enter(fn, &rc)) return leave(fn, rc, -1);
   if (data == NULL || attribute != CU_POINTER_ATTRIBUTE_IS_MANAGED) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
-  const uintptr_t at = (uintptr_t)ptr;
-  int known = managed_at(at) >= 0;
-  for (int i = 0; i < MAX_VMM && !known; ++i) {
-    const struct vmm_range *m = &vmm.mappings[i];
-    known = m->used && at >= m->base && at < m->base + m->size;
-  }
-  if (!known) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
-  *(unsigned int *)data = managed_at(at) >= 0;
+  const int managed = managed_at((uintptr_t)ptr) >= 0;
+  if (!managed && mapping_at((uintptr_t)ptr) < 0) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  *(unsigned int *)data = (unsigned int)managed;
   return leave(fn, CUDA_SUCCESS, -1);
 }
 

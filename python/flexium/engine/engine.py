@@ -333,7 +333,7 @@ class Engine:
                 if job.initialized:  # the other ranks need not wait out their deadline for this one
                     _give_up_for_all(op, f"refused: {problem}")
                 raise CapabilityError(f"cannot {op.kind.value} the job: {problem}")
-            rv = Rendezvous(job_store(), op.operation_id, rank=op.rank, world_size=op.world_size)
+            rv = _rendezvous(op)
             try:
                 lands_on = self._lands_on(op)
             except Exception as exc:  # this rank refuses its part: the others need not wait for it
@@ -672,11 +672,16 @@ def _check_path(path: str) -> None:
         raise ValueError(f"path must be one of {', '.join(PATHS)}, not {path!r}")
 
 
+def _rendezvous(op: JobOperation) -> Rendezvous:
+    """The meetings of `op` in the job's store, as this rank."""
+    return Rendezvous(job_store(), op.operation_id, rank=op.rank, world_size=op.world_size)
+
+
 def _give_up_for_all(op: JobOperation, reason: str) -> None:
     """Aborts `op` for every rank of the job (Rendezvous.abort); a store that cannot be reached
     leaves them to their deadline, as before."""
     try:
-        Rendezvous(job_store(), op.operation_id, rank=op.rank, world_size=op.world_size).abort(reason)
+        _rendezvous(op).abort(reason)
     except Exception as exc:  # the refusal stands whatever the store does
         log.debug("could not tell the job's other ranks that this one refused: %s: %s", type(exc).__name__, exc)
 
