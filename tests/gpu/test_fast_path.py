@@ -299,6 +299,36 @@ def test_memory_the_driver_cannot_checkpoint_is_refused_until_the_job_frees_it(h
 
 
 @pytest.mark.parametrize("path", ["fast", "driver"])
+def test_a_resume_onto_a_gpu_taken_meanwhile_is_refused_and_the_job_stays_paused(
+    host_gpus: list[Any], path: str
+) -> None:
+    """Paused to hand its GPU to another job, the job is resumed while that job still holds the GPU:
+    the resume is refused before the driver is asked (a restore without room would fail), the job
+    stays paused with nothing on the GPU, and once the GPU is free again the resume runs and the loss
+    trace is the undisturbed one."""
+    common = (*PLAIN, "--step-sleep", "0.1", "--pause-seconds", "0.5")
+    expected = reference(*common)
+    plan = ["8:pause@" + path, "8:occupy:1", "8:resume", "8:vacate", "8:resume"]
+    run = ok_run(run_job(*common, *[arg for item in plan for arg in ("--plan", item)], timeout=JOB_TIMEOUT))
+    assert [op["ok"] for op in run.ops] == [True, False, True], summary(run.ops)
+    pause, refused, resume = run.ops
+    assert pause["result"]["path"] == path, summary(run.ops)
+    gpu = uuid_of(host_gpus, 0)
+    occupied = run.one("occupied")
+    assert occupied["free_after"] < 1.5 * GIB, occupied
+    assert refused["error_type"] == "TargetRefusedError", summary(run.ops)
+    assert " free; the paused job needs " in refused["error"], refused["error"]
+    assert "it stays paused; free memory there" in refused["error"], refused["error"]
+    assert refused["state"] == "PAUSED" and refused["result"] is None  # refused before any step ran
+    assert refused["nvml"][gpu]["ours"] == 0, refused["nvml"]
+    assert run.one("vacated")["exit"] == 0
+    assert_holds(resume, gpu, BALLAST_GB)
+    done = run.one("done")
+    assert done["ballast_ok"] is True
+    assert tuple(done["losses"]) == expected, "loss trace differs from the undisturbed run"
+
+
+@pytest.mark.parametrize("path", ["fast", "driver"])
 def test_batches_delivered_while_paused_are_pinned_after_the_resume(path: str) -> None:
     """A DataLoader whose workers take longer per batch than a step: batches keep arriving while
     the job is paused, and its pin-memory thread would pin them then, which kills a checkpointed

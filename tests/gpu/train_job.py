@@ -23,6 +23,7 @@ import ctypes
 import faulthandler
 import json
 import os
+import subprocess
 import sys
 import threading
 import time
@@ -78,12 +79,19 @@ class Control(threading.Thread):
         self.pause_seconds = pause_seconds
         self.progress = progress
         self.path = path
+        self.filler: Optional[subprocess.Popen[bytes]] = None
 
     def run(self) -> None:
         engine = flexium_runtime.current().engine
         for at_step, op, target, path in self.plan:
             path = path or self.path
             self.progress.wait_for(at_step)
+            if op == "occupy":
+                self.occupy(float(target or 0))
+                continue
+            if op == "vacate":
+                self.vacate()
+                continue
             started = time.perf_counter()
             emit("op_start", op=op, target=target, at_step=at_step, step=self.progress.step, requested_path=path)
             try:
@@ -128,7 +136,29 @@ class Control(threading.Thread):
                     nvml=placement_snapshot(),
                     physical=flexium.auto.get_physical_device(),
                 )
+        self.vacate()
         emit("control_done")
+
+    def occupy(self, leave_gib: float) -> None:
+        """Another process takes the job's GPU (where it is now) up to ``leave_gib`` GiB free, as a
+        job handed the GPU of a paused one would: tests/gpu/fill_gpu.py, until vacate()."""
+        here = flexium_runtime.current().engine.placement()[1].uuid
+        filler = Path(__file__).with_name("fill_gpu.py")
+        self.filler = subprocess.Popen(
+            [sys.executable, str(filler), "0", str(leave_gib)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": here},
+        )
+        assert self.filler.stdout is not None
+        emit("occupied", **json.loads(self.filler.stdout.readline()), nvml=placement_snapshot())
+
+    def vacate(self) -> None:
+        filler, self.filler = self.filler, None
+        if filler is not None:
+            assert filler.stdin is not None
+            filler.stdin.close()
+            emit("vacated", exit=filler.wait(timeout=60), nvml=placement_snapshot())
 
 
 def wait_for_own_memory(timeout: float) -> Optional[float]:
@@ -201,7 +231,8 @@ class HeldMemory:
 
 
 def parse_plan(items: list[str]) -> list[PlanItem]:
-    """ "STEP:OP[:TARGET][@PATH]", e.g. "10:migrate:cuda:1@fast", "20:pause", "20:resume:cuda:0"."""
+    """ "STEP:OP[:TARGET][@PATH]", e.g. "10:migrate:cuda:1@fast", "20:pause", "20:resume:cuda:0";
+    "20:occupy:1" (another process takes the job's GPU, leaving 1 GiB free) and "20:vacate"."""
     plan: list[PlanItem] = []
     for item in items:
         path = None
