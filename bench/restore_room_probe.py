@@ -37,6 +37,10 @@ def _emit(event: str, **data: object) -> None:
     print(json.dumps({"event": event, **data}), flush=True)
 
 
+def _progress(what: str) -> None:
+    print(what, file=sys.stderr, flush=True)  # the last line says how far a killed case came
+
+
 def filler_main(leave: int) -> None:
     """Takes the GPU until stdin closes, leaving `leave` bytes free."""
     import torch
@@ -77,6 +81,9 @@ def case_main(gb: float, leave_gib: float) -> None:
             return [["no return in 60 s"]]
         return [[o.step, o.error_name if o.code else "ok", round(float(o.seconds), 3)] for o in outcomes]
 
+    # NVML calls of a locked or checkpointed process wait until it runs again: read from a child.
+    nvml.set_frozen(True)
+    _progress("lock and checkpoint")
     result["checkpoint"] = steps(_C.StepKind.LOCK, _C.StepKind.CHECKPOINT)
     result["held_checkpointed"] = held()
     leave = int(leave_gib * GIB) if leave_gib >= 0 else max(0, result["held_before"] + int(leave_gib * GIB))
@@ -85,16 +92,21 @@ def case_main(gb: float, leave_gib: float) -> None:
     )
     assert filler.stdout is not None and filler.stdin is not None
     result["filled"] = json.loads(filler.stdout.readline())
+    _progress(f"restore with {result['filled']['free_after'] / GIB:.2f} GiB free")
     result["restore_without_room"] = steps(_C.StepKind.RESTORE)
     result["state_after"] = _C.process_state(pid).name
     result["held_after"] = held()
     filler.stdin.close()
     filler.wait(timeout=60)
+    _progress("restore with the GPU free")
     result["restore_with_room"] = steps(_C.StepKind.RESTORE)
     result["state_then"] = _C.process_state(pid).name
     if result["state_then"] != "RUNNING":
         result["unlock"] = steps(_C.StepKind.UNLOCK)
     result["state_end"] = _C.process_state(pid).name
+    if result["state_end"] == "RUNNING":
+        nvml.set_frozen(False)
+    _progress(f"{result['state_end']}; a CUDA call")
     summed: list[float] = []
     call = threading.Thread(target=lambda: summed.append(float(data[:: 1 << 20].sum().item())), daemon=True)
     started = time.perf_counter()
