@@ -444,6 +444,8 @@ static void reset_locked(void) {
   fake.state = CU_PROCESS_STATE_RUNNING;
   fake.last_pairs_count = -1;
   fake.block_timeout_ms = 5000;
+  /* A restore that failed for memory leaves the process unrestorable, as on driver 580 (docs/facts.md fact 28). */
+  fake.oom_poisons_restore = 1;
   configure_from_environment();
   for (int i = 0; i < MAX_GPUS; ++i) fake.placement[i] = i;
   pthread_cond_broadcast(&state_changed);

@@ -259,12 +259,13 @@ def test_fast_pause_and_resume_in_place_all_features(host_gpus: list[Any]) -> No
     assert tuple(done["losses"]) == expected, "loss trace differs from the undisturbed run"
 
 
-@pytest.mark.parametrize("kind", ["host-cumem", "managed"])
+@pytest.mark.parametrize("kind", ["host-cumem", "managed", "cuda-ipc"])
 def test_memory_the_driver_cannot_checkpoint_is_refused_until_the_job_frees_it(host_gpus: list[Any], kind: str) -> None:
     """The job holds 4 MiB a kernel wrote that the driver's checkpoint cannot carry: cuMem host memory
     (as NCCL makes it; docs/facts.md fact 26: the restore fails and the process never runs CUDA
-    again) or managed memory (as bitsandbytes' paged optimizers make it; fact 27: the checkpoint
-    refuses it). Its pause (and, with two GPUs, its migration) is refused before anything is
+    again), managed memory (as bitsandbytes' paged optimizers make it; fact 27: the checkpoint
+    refuses it) or a CUDA tensor another process sent through torch.multiprocessing (fact 29: the
+    restore fails as for host memory). Its pause (and, with two GPUs, its migration) is refused before anything is
     touched, the job trains on, and once it freed that memory the pause and resume run; the loss
     trace is the undisturbed one."""
     gpu0 = uuid_of(host_gpus, 0)
@@ -275,11 +276,15 @@ def test_memory_the_driver_cannot_checkpoint_is_refused_until_the_job_frees_it(h
     plan = [arg for item in (*refused, "16:pause", "16:resume") for arg in ("--plan", item)]
     run = ok_run(run_job(*common, "--hold-memory", f"{kind}:12", *plan, timeout=JOB_TIMEOUT))
     held = run.one("memory_held")["address"]
-    said = "managed memory" if kind == "managed" else "cuMem memory located on the host"
+    said = {
+        "managed": "managed memory (1 mapping",
+        "host-cumem": "cuMem memory located on the host (1 mapping",
+        "cuda-ipc": "CUDA memory imported from another process (1 storage",
+    }[kind]
     assert [op["ok"] for op in run.ops] == [False] * len(refused) + [True, True], summary(run.ops)
     for op in run.ops[: len(refused)]:
         assert op["error_type"] == "CapabilityError", summary(run.ops)
-        assert op["error"].startswith(f"cannot {op['op']}: this process holds {said} (1 mapping, 4.0 MiB, "), op
+        assert op["error"].startswith(f"cannot {op['op']}: this process holds {said}, 4.0 MiB, "), op
         assert f"the first at {held:#x}" in op["error"], op["error"]
         assert op["state"] == "RUNNING" and op["result"] is None  # refused before any step ran
         assert_holds(op, gpu0, BALLAST_GB)
@@ -323,6 +328,30 @@ def test_a_resume_onto_a_gpu_taken_meanwhile_is_refused_and_the_job_stays_paused
     assert refused["nvml"][gpu]["ours"] == 0, refused["nvml"]
     assert run.one("vacated")["exit"] == 0
     assert_holds(resume, gpu, BALLAST_GB)
+    done = run.one("done")
+    assert done["ballast_ok"] is True
+    assert tuple(done["losses"]) == expected, "loss trace differs from the undisturbed run"
+
+
+def test_a_resume_with_room_for_the_job_but_not_the_copier_copies_back_in_this_process(host_gpus: list[Any]) -> None:
+    """After a fast pause another process leaves the GPU only 0.2 GiB more than the job held: the
+    copier's context (about 0.5 GiB) would leave the restore or the copy back without room (a
+    restore without room loses the job, docs/facts.md fact 28), so it sleeps on and the job's own
+    process copies back; the loss trace is the undisturbed one."""
+    common = (*PLAIN, "--step-sleep", "0.1", "--pause-seconds", "0.5")
+    expected = reference(*common)
+    plan = ["8:pause@fast", "8:occupy:+0.2", "8:resume", "8:vacate"]
+    run = ok_run(run_job(*common, *[arg for item in plan for arg in ("--plan", item)], timeout=JOB_TIMEOUT))
+    assert [op["ok"] for op in run.ops] == [True, True], summary(run.ops)
+    pause, resume = run.ops
+    assert pause["result"]["path"] == "fast" and resume["result"]["path"] == "fast", summary(run.ops)
+    occupied = run.one("occupied")
+    assert occupied["free_after"] < pause["result"]["bytes_moved"] + 0.3 * GIB, occupied
+    assert any(
+        note.startswith("the copies to and from host memory ran in this process: the GPU has ")
+        for note in resume["result"]["notes"]
+    ), summary(run.ops)
+    assert_holds(resume, uuid_of(host_gpus, 0), BALLAST_GB)
     done = run.one("done")
     assert done["ballast_ok"] is True
     assert tuple(done["losses"]) == expected, "loss trace differs from the undisturbed run"

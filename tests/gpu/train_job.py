@@ -80,6 +80,7 @@ class Control(threading.Thread):
         self.progress = progress
         self.path = path
         self.filler: Optional[subprocess.Popen[bytes]] = None
+        self.last_paused_bytes = 0
 
     def run(self) -> None:
         engine = flexium_runtime.current().engine
@@ -87,7 +88,7 @@ class Control(threading.Thread):
             path = path or self.path
             self.progress.wait_for(at_step)
             if op == "occupy":
-                self.occupy(float(target or 0))
+                self.occupy(target or "0")
                 continue
             if op == "vacate":
                 self.vacate()
@@ -119,6 +120,7 @@ class Control(threading.Thread):
                     logical=flexium.auto.get_device(),
                 )
                 if op == "pause":
+                    self.last_paused_bytes = result.bytes_moved
                     time.sleep(self.pause_seconds)
             except Exception as exc:  # reported, and training must go on
                 failed = getattr(exc, "result", None)
@@ -139,9 +141,11 @@ class Control(threading.Thread):
         self.vacate()
         emit("control_done")
 
-    def occupy(self, leave_gib: float) -> None:
-        """Another process takes the job's GPU (where it is now) up to ``leave_gib`` GiB free, as a
-        job handed the GPU of a paused one would: tests/gpu/fill_gpu.py, until vacate()."""
+    def occupy(self, leave: str) -> None:
+        """Another process takes the job's GPU (where it is now), leaving ``leave`` GiB free ("+G":
+        what the last pause took off the GPU plus G GiB), as a job handed the GPU of a paused one
+        would: tests/gpu/fill_gpu.py, until vacate()."""
+        leave_gib = float(leave) + (self.last_paused_bytes / (1 << 30) if leave.startswith("+") else 0.0)
         here = flexium_runtime.current().engine.placement()[1].uuid
         filler = Path(__file__).with_name("fill_gpu.py")
         self.filler = subprocess.Popen(
@@ -188,11 +192,20 @@ class Progress:
             self._cond.wait_for(lambda: self.step >= step)
 
 
+def send_cuda_tensor(queue: Any, done: Any, floats: int) -> None:
+    """A spawned process that sends a CUDA tensor through torch.multiprocessing and keeps it (the
+    sender must outlive the receiver's use) until `done` is set."""
+    tensor = torch.zeros(floats, device="cuda")
+    queue.put(tensor)
+    done.wait(600)
+
+
 class HeldMemory:
     """4 MiB that the driver's checkpoint cannot carry, written by a kernel: "host-cumem", cuMem
     memory on the host mapped for the GPU and the CPU (as NCCL makes it; docs/facts.md fact 26, the
-    allocation bench/shared_gpu_probe.py measured), or "managed", cuMemAllocManaged (as bitsandbytes'
-    paged optimizers make it; fact 27). flexium refuses to checkpoint a process holding either."""
+    allocation bench/shared_gpu_probe.py measured), "managed", cuMemAllocManaged (as bitsandbytes'
+    paged optimizers make it; fact 27), or "cuda-ipc", a CUDA tensor another process sent through
+    torch.multiprocessing (fact 29). flexium refuses to checkpoint a process holding any of them."""
 
     FLOATS = 1 << 20
 
@@ -204,13 +217,26 @@ class HeldMemory:
         self.kind = kind
         if kind == "host-cumem":
             self.pointer, _host, self.keep = _mapped_host_memory("cumem-host", self.FLOATS * 4)
+        elif kind == "cuda-ipc":
+            import torch.multiprocessing as mp
+
+            context = mp.get_context("spawn")
+            queue, self.done = context.Queue(), context.Event()
+            self.sender = context.Process(target=send_cuda_tensor, args=(queue, self.done, self.FLOATS))
+            self.sender.start()
+            self.received = queue.get(timeout=120)
+            self.pointer = self.received.data_ptr()
         else:
             address = ctypes.c_uint64()
             allocate = Driver().lib.cuMemAllocManaged
             allocate.argtypes = [ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t, ctypes.c_uint]
             assert allocate(ctypes.byref(address), self.FLOATS * 4, 1) == 0  # CU_MEM_ATTACH_GLOBAL
             self.pointer = address.value
-        self.view = torch.as_tensor(_DeviceView(self.pointer, self.FLOATS), device="cuda")
+        self.view = (
+            self.received
+            if kind == "cuda-ipc"
+            else torch.as_tensor(_DeviceView(self.pointer, self.FLOATS), device="cuda")
+        )
         self.view.fill_(1.0)
         torch.cuda.synchronize()
         emit("memory_held", kind=kind, address=self.pointer)
@@ -225,6 +251,10 @@ class HeldMemory:
         torch.cuda.synchronize()
         if self.kind == "host-cumem":
             free_cumem_host(self.pointer, self.keep)
+        elif self.kind == "cuda-ipc":
+            del self.received  # the last reference: torch closes the import
+            self.done.set()
+            self.sender.join(60)
         else:
             Driver().call("cuMemFree", self.pointer)
         return intact
@@ -232,7 +262,8 @@ class HeldMemory:
 
 def parse_plan(items: list[str]) -> list[PlanItem]:
     """ "STEP:OP[:TARGET][@PATH]", e.g. "10:migrate:cuda:1@fast", "20:pause", "20:resume:cuda:0";
-    "20:occupy:1" (another process takes the job's GPU, leaving 1 GiB free) and "20:vacate"."""
+    "20:occupy:1" (another process takes the job's GPU, leaving 1 GiB free; "20:occupy:+0.2": what
+    the last pause took off it plus 0.2 GiB) and "20:vacate"."""
     plan: list[PlanItem] = []
     for item in items:
         path = None

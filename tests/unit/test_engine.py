@@ -22,6 +22,7 @@ from engine_fixtures import (  # noqa: F401  (fixtures)
     ChildReads,
     GiB,
     HostMemory,
+    MiB,
     checkpoint_ops,
     driver,
     fake,
@@ -479,10 +480,19 @@ def test_failed_remapped_restore_is_recovered_in_place(fake: FakeDriver, make_en
     on_gpu(fake, engine, 1)
 
 
-def test_target_filled_after_validation_fails_the_restore_then_rolls_back(
+LOST_FOR_MEMORY = (
+    "ROLLBACK FAILED: the process is CHECKPOINTED: the GPU had too little free memory for the restore, and after a "
+    "restore failed the driver refuses every later one (docs/facts.md fact 28), so it can never run CUDA again; end "
+    "the job and start it again from its last checkpoint"
+)
+
+
+def test_a_target_filled_after_validation_loses_the_job_and_says_so(
     fake: FakeDriver, make_engine: Callable[..., Any]
 ) -> None:
-    """Another job takes the target's memory between the check and the restore."""
+    """Another job takes the target's memory between the check and the restore: the restore fails for
+    memory, and the in-place restore that would roll back is refused for good, as on driver 580
+    (docs/facts.md fact 28, which the fake models). The error says the job is lost and what to do."""
     fake.set_process_memory(0, 40 * GiB)
     engine = make_engine()
 
@@ -491,12 +501,17 @@ def test_target_filled_after_validation_fails_the_restore_then_rolls_back(
             fake.set_other_memory(1, H200_BYTES - 10 * GiB)
 
     engine.add_state_listener(someone_fills_gpu1)
-    with pytest.raises(OperationFailedError) as caught:
+    with pytest.raises(RollbackFailedError) as caught:
         engine.migrate(engine.gpus[1])
-    assert caught.value.step == "restore"
-    assert "CUDA_ERROR_OUT_OF_MEMORY" in str(caught.value) and "rolled back" in str(caught.value)
-    assert engine.state == EngineState.RUNNING
-    on_gpu(fake, engine, 0)
+    steps = caught.value.result.steps
+    assert [(s.step, s.rollback) for s in steps if not s.ok] == [
+        ("restore", False),
+        ("restore", True),
+        ("unlock", True),
+    ]
+    assert "CUDA_ERROR_OUT_OF_MEMORY" in steps[3].error and "CUDA_ERROR_OPERATING_SYSTEM" in steps[4].error
+    assert caught.value.step == "restore" and str(caught.value).endswith(LOST_FOR_MEMORY)
+    assert engine.state == EngineState.FAILED and fake.state() == ProcessState.CHECKPOINTED
 
 
 def test_rollback_failure_is_loud_and_the_engine_refuses_everything_after(
@@ -521,27 +536,6 @@ def test_rollback_failure_is_loud_and_the_engine_refuses_everything_after(
             attempt()
         assert "an earlier rollback failed and the process may be stuck; restart the job" in str(refused_.value)
     assert fake.calls("cu") == []
-
-
-def test_oom_poisoned_restore_fails_the_rollback(fake: FakeDriver, make_engine: Callable[..., Any]) -> None:
-    """cuda-checkpoint issue 44: after a restore fails for memory, the in-place restore fails too."""
-    fake.set_process_memory(0, 40 * GiB)
-    fake.set_oom_poisons_restore(True)
-    engine = make_engine()
-    engine.add_state_listener(
-        lambda state: fake.set_other_memory(1, H200_BYTES - GiB) if state == EngineState.MIGRATING else None
-    )
-    with pytest.raises(RollbackFailedError) as caught:
-        engine.migrate(engine.gpus[1])
-    steps = caught.value.result.steps
-    assert [(s.step, s.rollback) for s in steps if not s.ok] == [
-        ("restore", False),
-        ("restore", True),
-        ("unlock", True),
-    ]
-    assert "CUDA_ERROR_OUT_OF_MEMORY" in steps[3].error and "CUDA_ERROR_OPERATING_SYSTEM" in steps[4].error
-    assert caught.value.step == "restore"
-    assert engine.state == EngineState.FAILED
 
 
 def test_unlock_failure_after_a_successful_restore_is_retried(
@@ -685,7 +679,8 @@ def test_resume_without_a_target_stays_on_its_gpu_when_that_filled_up(
     with pytest.raises(TargetRefusedError) as caught:
         engine.resume()
     assert str(caught.value) == (
-        "cuda:0 has 10.00 GiB free; the paused job needs 30.00 GiB: it stays paused; " + IN_PLACE_ADVICE
+        "cuda:0 has 10.00 GiB free; the paused job needs 30.00 GiB plus 0.50 GiB headroom: it stays paused; "
+        + IN_PLACE_ADVICE
     )
     assert fake.calls("cu") == []
     assert engine.state == EngineState.PAUSED and fake.state() == ProcessState.CHECKPOINTED
@@ -718,7 +713,8 @@ def test_resume_without_room_anywhere_stays_paused(fake: FakeDriver, make_engine
     with pytest.raises(TargetRefusedError) as caught:
         engine.resume()
     assert str(caught.value) == (
-        "cuda:0 has 10.00 GiB free; the paused job needs 30.00 GiB: it stays paused; " + IN_PLACE_ADVICE
+        "cuda:0 has 10.00 GiB free; the paused job needs 30.00 GiB plus 0.50 GiB headroom: it stays paused; "
+        + IN_PLACE_ADVICE
     )
     with pytest.raises(TargetRefusedError) as caught:
         engine.resume(engine.gpus[1])
@@ -732,8 +728,23 @@ def test_resume_without_room_anywhere_stays_paused(fake: FakeDriver, make_engine
     with pytest.raises(TargetRefusedError, match="it stays paused"):
         engine.resume()  # room elsewhere is the server's to find: in place is still refused
     assert fake.calls("cu") == [] and engine.state == EngineState.PAUSED
-    # Back where it was, a job needs only what it held there: no headroom (it may have filled its GPU).
+    # Back where it was beside another process, what the driver restores needs headroom: that process
+    # may take more before the restore, and a restore without room loses the job (docs/facts.md fact 28).
     fake.set_other_memory(0, H200_BYTES - 30 * GiB)
+    with pytest.raises(TargetRefusedError, match="needs 30.00 GiB plus 0.50 GiB headroom: it stays paused"):
+        engine.resume()
+    assert fake.calls("cu") == [] and engine.state == EngineState.PAUSED
+    fake.set_other_memory(0, H200_BYTES - 30 * GiB - 512 * MiB)
+    assert engine.resume().target.device == "cuda:0"
+    on_gpu(fake, engine, 0)
+
+
+def test_a_job_that_filled_its_gpu_resumes_back_on_it_alone(fake: FakeDriver, make_engine: Callable[..., Any]) -> None:
+    """Back where it was, on a GPU no other process uses, a job needs only what it held there: no
+    headroom, or a job that filled its GPU could never come back to it."""
+    engine = make_engine()
+    fake.set_process_memory(0, H200_BYTES - 100 * MiB)
+    assert engine.pause().ok
     assert engine.resume().target.device == "cuda:0"
     on_gpu(fake, engine, 0)
 
@@ -765,10 +776,11 @@ def test_resume_on_a_device_name_is_refused_and_the_job_stays_paused(
 
 
 def test_failed_resume_stays_paused_and_can_be_retried(fake: FakeDriver, make_engine: Callable[..., Any]) -> None:
+    """A restore refused for its arguments leaves the process restorable (docs/facts.md fact 3)."""
     fake.set_process_memory(0, 2 * GiB)
     engine = make_engine()
     engine.pause()
-    fake.fail("cuCheckpointProcessRestore", "CUDA_ERROR_OUT_OF_MEMORY")
+    fake.fail("cuCheckpointProcessRestore", "CUDA_ERROR_INVALID_VALUE")
     with pytest.raises(OperationFailedError) as caught:
         engine.resume(engine.gpus[1])
     err = caught.value
@@ -781,37 +793,29 @@ def test_failed_resume_stays_paused_and_can_be_retried(fake: FakeDriver, make_en
     on_gpu(fake, engine, 1)
 
 
-def test_a_resume_the_driver_refuses_for_good_says_the_job_is_lost(
+def test_a_resume_that_found_too_little_room_says_the_job_is_lost(
     fake: FakeDriver, make_engine: Callable[..., Any]
 ) -> None:
-    """After a failed restore the driver refuses every later one with CUDA_ERROR_OPERATING_SYSTEM
-    (docs/facts.md fact 26; here the fake's model of cuda-checkpoint issue 44): the job is not
-    "still paused and can be resumed again" but lost, and the engine says so."""
+    """The target fills up after the engine's room check: the restore fails for memory, after which
+    the driver refuses every restore of the process (docs/facts.md fact 28). The job is not "still
+    paused and can be resumed again" but lost, and the engine says so at once."""
     fake.set_process_memory(0, 30 * GiB)
-    fake.set_oom_poisons_restore(True)
     engine = make_engine()
     engine.pause()
-    armed = [True]
 
     def fill_target(state: EngineState) -> None:  # GPU 1 fills up after the engine's own check
-        if state == EngineState.RESUMING and armed[0]:
-            armed[0] = False
+        if state == EngineState.RESUMING:
             fake.set_other_memory(1, H200_BYTES - GiB)
 
     engine.add_state_listener(fill_target)
-    with pytest.raises(OperationFailedError, match="the job is still paused and can be resumed again"):
-        engine.resume(engine.gpus[1])
-    fake.set_other_memory(1, 0)
     with pytest.raises(RollbackFailedError) as caught:
         engine.resume(engine.gpus[1])
     message = str(caught.value)
-    assert "cuCheckpointProcessRestore returned CUDA_ERROR_OPERATING_SYSTEM" in message
-    assert message.endswith(
-        "ROLLBACK FAILED: the process is CHECKPOINTED: the driver refuses every restore of a process after one "
-        "failed (docs/facts.md fact 26), so it can never run CUDA again; end the job and start it again from its "
-        "last checkpoint"
-    )
+    assert "cuCheckpointProcessRestore returned CUDA_ERROR_OUT_OF_MEMORY" in message
+    assert message.endswith(LOST_FOR_MEMORY)
     assert engine.state == EngineState.FAILED and fake.state() == ProcessState.CHECKPOINTED
+    with pytest.raises(InvalidStateError, match="restart the job"):
+        engine.resume()
 
 
 def test_resume_unlock_failing_once_still_resumes(fake: FakeDriver, make_engine: Callable[..., Any]) -> None:

@@ -697,11 +697,6 @@ LOCKED_FAILURES = {
         "cuCheckpointProcessRestore returned CUDA_ERROR_UNKNOWN",
         [("checkpoint", True, False), ("restore", False, False), ("restore", True, True), ("unlock", True, True)],
     ),
-    "restore_out_of_memory": (
-        fill_target_meanwhile,
-        "cuCheckpointProcessRestore returned CUDA_ERROR_OUT_OF_MEMORY",
-        [("checkpoint", True, False), ("restore", False, False), ("restore", True, True), ("unlock", True, True)],
-    ),
 }
 
 
@@ -730,6 +725,20 @@ def test_a_failure_in_the_locked_section_recovers_and_brings_the_segments_home(j
     job.fake.set_other_memory(1, 0)
     assert engine.migrate(engine.gpus[1]).ok
     job.assert_home(physical=1)
+
+
+def test_a_target_filled_during_a_fast_move_loses_the_job_and_says_so(job: Job) -> None:
+    """The copies still fit on GPU 1, the rest of the process does not: its restore fails for memory,
+    after which the driver refuses every restore (docs/facts.md fact 28), the rollback's too."""
+    job.segments([2 * MiB, 4 * MiB, 6 * MiB])
+    job.fake.set_process_memory(0, 8 * MiB)
+    engine = job.engine()
+    job.train()
+    fill_target_meanwhile(job, engine)
+    error = failure(lambda: engine.migrate(engine.gpus[1]), RollbackFailedError)
+    assert error.step == "restore" and "cuCheckpointProcessRestore returned CUDA_ERROR_OUT_OF_MEMORY" in str(error)
+    assert "(docs/facts.md fact 28), so it can never run CUDA again" in str(error)
+    assert engine.state == EngineState.FAILED and job.fake.state() == ProcessState.CHECKPOINTED
 
 
 def test_a_map_failure_after_the_restore_is_retried(job: Job) -> None:
@@ -810,6 +819,53 @@ def test_fast_pause_and_resume_in_place_and_on_another_gpu(job: Job) -> None:
     assert elsewhere.ok and elsewhere.path == "fast" and elsewhere.target.device == "cuda:1"
     assert names(elsewhere) == ["restore", "unlock", "copy_back"]
     assert fake.placement() == [1, 0] and engine.placement()[1].device == "cuda:1"
+    job.assert_home(physical=1)
+
+
+def test_a_resume_with_room_for_the_job_but_not_the_copier_copies_back_in_this_process(job: Job) -> None:
+    """The copier's context would take room the restore needs (a restore without room loses the job,
+    docs/facts.md fact 28): it sleeps on, and this process copies back."""
+    fake = job.fake
+    fake.set_process_memory(0, 256 * MiB)  # what the driver restores; the pool comes back by copies
+    engine = job.training([2 * MiB, 4 * MiB, 6 * MiB])
+    paused = engine.pause()
+    assert paused.ok and paused.path == "fast"
+    # Beside another process the restore's 256 MiB get 512 MiB of headroom: 600 MiB more than the job
+    # held are enough, but not with the copier's context as well.
+    fake.set_other_memory(0, H200_BYTES - paused.bytes_moved - 600 * MiB)
+    resumed = engine.resume()
+    assert resumed.ok and resumed.path == "fast" and names(resumed) == ["restore", "unlock", "copy_back"]
+    coming = paused.bytes_moved >> 20
+    assert resumed.notes[-1] == (
+        f"the copies to and from host memory ran in this process: the GPU has {coming + 600} MiB free, less than "
+        f"the {coming + 1030} MiB the copier's context needs beside the {coming} MiB the job comes back with"
+    )
+    job.assert_home(physical=0)
+    assert len(copier_processes()) == 1  # asleep, for the next pause
+
+
+def test_a_copy_back_that_finds_no_room_pauses_the_job_again(job: Job) -> None:
+    """Another process takes the GPU after the room check: the restore (a small image after a fast
+    pause) fits, the pool's memory does not. The driver checkpoints the job again and it stays
+    paused, on the GPU it was resumed on, its memory in host memory; later it resumes."""
+    fake = job.fake
+    engine = job.training([2 * MiB, 4 * MiB, 6 * MiB])
+    assert engine.pause().ok
+    fake.fail("cuMemCreate", "CUDA_ERROR_OUT_OF_MEMORY", nth=0)
+    error = failure(lambda: engine.resume(target=engine.gpus[1]))
+    assert not isinstance(error, RollbackFailedError) and error.step == "copy_back"
+    assert names(error.result) == ["restore", "unlock", "copy_back", "lock", "checkpoint", "copier_sleep"]
+    assert "CUDA_ERROR_OUT_OF_MEMORY" in str(error)
+    assert str(error).endswith(
+        "another process took memory on cuda:1 after the room check; the job is paused again, its memory in host "
+        f"memory: free {error.result.bytes_moved / GiB:.2f} GiB there and resume it, or resume it on another GPU"
+    )
+    assert engine.state == EngineState.PAUSED and fake.state() == ProcessState.CHECKPOINTED
+    assert _C.host_staged_segments() == 3 and fake.vmm_bytes_on(1) == 0
+    assert engine.placement()[1].device == "cuda:1"
+    fake.clear_failures()
+    resumed = engine.resume()
+    assert resumed.ok and resumed.path == "fast"
     job.assert_home(physical=1)
 
 

@@ -1,5 +1,6 @@
-"""Memory the driver's checkpoint cannot carry: managed memory (docs/facts.md fact 27) and cuMem
-memory located on the host (fact 26). The native layer finds it (csrc/uncheckpointable_memory.cpp),
+"""Memory the driver's checkpoint cannot carry: managed memory (docs/facts.md fact 27), cuMem
+memory located on the host (fact 26) and CUDA memory imported from another process (fact 29). The
+native layer finds the first two (csrc/uncheckpointable_memory.cpp), PyTorch's record the third,
 and a pause or move of a process holding some is refused before anything is touched, at the
 operation's start and again at its safe point. The fake driver makes both as the real one does;
 the GPU tests make them on an H200."""
@@ -11,10 +12,10 @@ from typing import Any, Callable
 
 import pytest
 
-from engine_fixtures import GiB, MiB, checkpoint_ops, driver, fake, make_engine  # noqa: F401  (fixtures)
+from engine_fixtures import GiB, MiB, checkpoint_ops, driver, fake, make_engine, wait_until  # noqa: F401  (fixtures)
 from fake_driver import FakeDriver
 from flexium import _C
-from flexium.engine import EngineState
+from flexium.engine import EngineState, imported_memory
 from flexium.errors import CapabilityError, OperationFailedError
 
 SIZE = 4 * MiB
@@ -127,3 +128,60 @@ def test_memory_made_while_the_operation_waited_is_refused_at_its_safe_point(
         for free in made:
             free()
     assert run().ok
+
+
+# ---- CUDA memory imported from another process (docs/facts.md fact 29) ---------------------------
+
+IMPORTED = "this process holds CUDA memory imported from another process (2 storages, 6.0 MiB, the first at 0x7f00"
+
+
+def test_a_process_holding_imported_cuda_memory_is_refused_before_anything_is_touched(
+    fake: FakeDriver, make_engine: Callable[..., Any], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What PyTorch says the process holds (imported_memory.held_now, read from torch on the H200 by
+    tests/gpu/test_fast_path.py) refuses the pause and the move, naming what to do."""
+    fake.set_process_memory(0, GiB)
+    engine = make_engine()
+    monkeypatch.setattr(imported_memory, "held_now", lambda: imported_memory.Imports(2, 6 * MiB, 0x7F00_0000_0000))
+    for name, operation in (("pause", engine.pause), ("migrate", lambda: engine.migrate(engine.gpus[1]))):
+        with pytest.raises(CapabilityError) as caught:
+            operation()
+        message = str(caught.value)
+        assert message.startswith(f"cannot {name}: {IMPORTED}"), message
+        assert "tensor.clone()" in message and "fact 29" in message, message
+        assert checkpoint_ops(fake) == []
+        assert engine.state == EngineState.RUNNING and fake.physical_of(0) == 0
+    monkeypatch.undo()
+    assert engine.pause().ok
+    assert engine.resume().ok
+
+
+def _send_back(queue: Any) -> None:  # a spawned process: sends a CPU tensor through shared memory
+    import torch
+
+    queue.put(torch.arange(1024, dtype=torch.float32))
+    queue.get()  # holds it until told
+
+
+def test_cpu_tensors_received_or_sent_through_torch_multiprocessing_are_no_cuda_imports() -> None:
+    """Real torch.multiprocessing on the CPU: a tensor received from another process and one sent to
+    it both land in torch's shared_cache, neither keyed as a CUDA import."""
+    import torch
+    import torch.multiprocessing as mp
+    from torch.multiprocessing import reductions
+
+    context = mp.get_context("spawn")
+    queue = context.Queue()
+    child = context.Process(target=_send_back, args=(queue,))
+    child.start()
+    try:
+        received = queue.get(timeout=120)
+        assert received.sum().item() == sum(range(1024))
+        sent = torch.ones(1024)
+        queue.put(sent)  # shared with the child by the queue's feeder thread: cached as an export
+        wait_until(lambda: len(reductions.shared_cache) >= 2, what="the sent tensor to be shared")
+        assert imported_memory.held_now() is None
+    finally:
+        child.join(timeout=60)
+        if child.is_alive():
+            child.kill()

@@ -591,20 +591,31 @@ class Engine:
         """Same model, and room on every GPU the resume puts the job's memory on for what it held
         when it was paused (a paused job holds nothing on any GPU, so the free memory NVML reports
         is what it can have). A process on several GPUs needs each GPU's share on the GPU where
-        the restore puts it; back where it was, a share needs no headroom (a job that filled its
-        GPU comes back to it)."""
+        the restore puts it. Back where it was, on a GPU no other process uses, a share needs no
+        headroom (a job that filled its GPU comes back to it); beside other processes it does, as
+        they may take more before the restore, and a restore without room loses the job
+        (docs/facts.md fact 28)."""
         if dest.name != source.name:
             raise TargetRefusedError(
                 f"{dest.device} is a {dest.name}, the job was paused on a {source.name}: resume needs the same model"
             )
         goes_to = dict(self._plan(dest).pairs)  # empty in place: every GPU maps to itself
         held = self._ctx.paused_by_gpu or {source.uuid: self._ctx.paused_bytes}
+        # After a fast pause the pool comes back by flexium's own copies, which pause the job again
+        # when they find no room: the headroom guards only what the driver restores.
+        in_host = self._ctx.fast.waiting_bytes() if self._ctx.fast is not None else 0
         for old_uuid, needed in held.items():
             uuid = goes_to.get(old_uuid, old_uuid)
             host = nvml.gpu_by_uuid(uuid)
-            margin = 0 if uuid == old_uuid else self.memory_margin_bytes
-            if needed == 0 or host is None or host.memory_free >= needed + margin:
+            if needed == 0 or host is None:
                 continue
+            moved = uuid != old_uuid
+            shared = any(p.pid != self._ctx.pid for p in host.processes)
+            guarded = needed if moved else max(0, needed - in_host)
+            required = max(needed, guarded + self.memory_margin_bytes) if moved or shared else needed
+            if host.memory_free >= required:
+                continue
+            margin = required - needed
             if uuid != dest.uuid:
                 gpu = next((g for g in self.gpus if g.uuid == uuid), None)
                 name = gpu.device if gpu is not None else uuid

@@ -92,6 +92,8 @@ class FastPath:
         self._starting: Optional[threading.Thread] = None
         # Why the last host move ran in this process instead of the copier ("" if it did not).
         self.copier_fallback = ""
+        # Why the coming copy back runs in this process (wake_for_restore found too little room).
+        self._copy_back_here: Optional[str] = None
         # One preparation of the staging at a time: a pause's, or the keeper's between pauses.
         self._host_lock = threading.RLock()
         # The staging stays (pinned by the copier) between pauses: claimed in pinned_budget.
@@ -274,10 +276,16 @@ class FastPath:
 
         return timed("copy", work)
 
-    def wake_for_restore(self, uuid: str) -> None:
+    def wake_for_restore(self, uuid: str, coming: int = 0) -> None:
         """Before the restore that ends a fast pause: the copier takes a context on the GPU the
-        job resumes on and pins the staging while the restore runs."""
+        job resumes on and pins the staging while the restore runs. Where that context would leave
+        too little room for the `coming` bytes of the job, the copier sleeps on and this process
+        copies back: a restore without room loses the job (docs/facts.md fact 28)."""
         if self._copier is None:
+            return
+        crowded = copier_room_problem(uuid, coming) if coming else None
+        if crowded is not None:
+            self._copy_back_here = crowded
             return
         try:
             self._copier.wake(uuid, wait=False)
@@ -286,6 +294,10 @@ class FastPath:
 
     def restore_from_host(self, logical: int, uuid: str, step: str = "copy_back") -> tuple[int, StepTiming]:
         def work() -> int:
+            crowded, self._copy_back_here = self._copy_back_here, None
+            if crowded is not None:
+                self.copier_fallback = crowded
+                return int(_C.restore_segments_from_host(logical))
             if self._copier is not None and self._copier.awake_on != uuid:
                 self.wake_for_restore(uuid)
             return self._by_copier(
@@ -480,6 +492,12 @@ class FastPath:
     def host_waiting(self) -> int:
         return int(_C.host_staged_segments())
 
+    def waiting_bytes(self) -> int:
+        """Bytes of the pool's segments that wait in host staging (after a fast pause)."""
+        if self.host_waiting() == 0:
+            return 0
+        return sum(int(s.size) for s in _C.vmm_segments() if not s.mapped)
+
     @staticmethod
     def _unbacked() -> set[int]:
         return {s.address for s in _C.vmm_segments() if not s.mapped}
@@ -489,21 +507,23 @@ DISABLE_NOTE = "the copier process is off: FLEXIUM_HOST_COPIER=0"
 BY_COPIER = "by the copier process"  # where the staging was pinned, as reserve_host says it
 
 
-def copier_room_problem(uuid: str) -> Optional[str]:
+def copier_room_problem(uuid: str, coming: int = 0) -> Optional[str]:
     """Why the copier should not take a context on the GPU `uuid` now (None: it has room, or
-    NVML cannot tell)."""
+    NVML cannot tell). `coming`: bytes the job is about to take there (a resume's), which the
+    copier's context must leave room for."""
     from flexium.engine import nvml
 
     try:
         gpu = nvml.gpu_by_uuid(uuid)
     except Exception:  # NVML unreadable: the copier tries, and fails over to this process
         return None
-    needed = COPIER_CONTEXT_BYTES + COPIER_ROOM_MARGIN
+    needed = COPIER_CONTEXT_BYTES + COPIER_ROOM_MARGIN + coming
     if gpu is None or gpu.memory_free >= needed:
         return None
+    beside = f"beside the {coming >> 20} MiB the job comes back with" if coming else "beside the job"
     return (
         f"the GPU has {gpu.memory_free >> 20} MiB free, less than the {needed >> 20} MiB the copier's context "
-        "needs beside the job"
+        f"needs {beside}"
     )
 
 

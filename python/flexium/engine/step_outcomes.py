@@ -4,7 +4,7 @@ words that name the driver call."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 from flexium import _C
 from flexium.engine.operations import StepTiming
@@ -17,15 +17,26 @@ def timing_of(outcome: _C.StepOutcome) -> StepTiming:
     )
 
 
-# After a restore failed, the driver answers every later restore of the process with this: it stays
-# checkpointed and never runs CUDA again (docs/facts.md fact 26; NVIDIA/cuda-checkpoint issue 44
-# after a restore that failed for memory).
-RESTORE_REFUSED_FOR_GOOD = "CUDA_ERROR_OPERATING_SYSTEM"
+# A restore that failed with one of these leaves the process checkpointed for good: the driver
+# refuses every later restore (CUDA_ERROR_OPERATING_SYSTEM) and the unlock, and a CUDA call of the
+# process never returns. Each was measured on driver 580; a restore refused for its arguments (e.g.
+# a GPU pair, CUDA_ERROR_INVALID_VALUE) leaves it restorable (docs/facts.md fact 3).
+_LOSING_RESTORE_FAILURES = {
+    "CUDA_ERROR_OUT_OF_MEMORY": "the GPU had too little free memory for the restore, and after a restore "
+    "failed the driver refuses every later one (docs/facts.md fact 28)",
+    "CUDA_ERROR_OPERATING_SYSTEM": "the driver refuses every restore of a process after one failed "
+    "(docs/facts.md fact 26)",
+}
 
 
-def restore_refused_for_good(outcomes: Sequence[_C.StepOutcome]) -> bool:
-    """Whether a restore among the outcomes was refused in the way that leaves no way back."""
-    return any(o.step == "restore" and o.error_name == RESTORE_REFUSED_FOR_GOOD for o in outcomes)
+def process_lost(outcomes: Sequence[_C.StepOutcome]) -> Optional[str]:
+    """Why a failed restore among the outcomes left the process unable ever to run CUDA again, with
+    what to do; None when none did."""
+    for outcome in outcomes:
+        why = _LOSING_RESTORE_FAILURES.get(outcome.error_name) if outcome.step == "restore" else None
+        if why is not None:
+            return f"{why}, so it can never run CUDA again; end the job and start it again from its last checkpoint"
+    return None
 
 
 def own_restore_succeeded(outcomes: Sequence[_C.StepOutcome]) -> bool:

@@ -6,9 +6,12 @@ move before anything is touched, naming what it holds and what to do.
   would have copied all its memory out and back for nothing (docs/facts.md fact 27);
 * cuMem memory located on the host, what NCCL makes for the host memory its ranks share unless
   NCCL_CUMEM_HOST_ENABLE=0 (flexium.init() sets it), or another library the same way: the restore
-  fails and the process never runs CUDA again, which loses the job (docs/facts.md fact 26).
+  fails and the process never runs CUDA again, which loses the job (docs/facts.md fact 26);
+* CUDA memory imported from another process (torch.multiprocessing receiving a CUDA tensor): the
+  restore fails the same way (docs/facts.md fact 29).
 
-The native layer finds both (csrc/uncheckpointable_memory.h).
+The native layer finds the first two (csrc/uncheckpointable_memory.h), PyTorch's own record the
+third (imported_memory.py).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from flexium import _C
+from flexium.engine import imported_memory
 
 MIB = 1 << 20
 
@@ -24,6 +28,7 @@ def problem() -> Optional[str]:
     """Why this process cannot be checkpointed for the memory it holds, with what to do; None: it can."""
     try:
         found = _C.uncheckpointable_mappings()
+        imports = imported_memory.held_now()
     except Exception as exc:  # what cannot be looked at cannot be called safe
         return (
             f"flexium could not look for memory the driver cannot checkpoint ({type(exc).__name__}: {exc}); "
@@ -48,6 +53,16 @@ def problem() -> Optional[str]:
             "shared host memory so unless NCCL_CUMEM_HOST_ENABLE=0 (flexium.init() sets it when the job has not "
             "set it: unset it or set it to 0); memory of another library: have it allocate with cudaHostAlloc "
             "(pinned memory), or free it first"
+        )
+    if imports is not None:
+        storages = "1 storage" if imports.storages == 1 else f"{imports.storages} storages"
+        reasons.append(
+            f"this process holds CUDA memory imported from another process ({storages}, "
+            f"{imports.bytes / MIB:.1f} MiB, the first at {imports.first_address:#x}): the driver's restore of "
+            "such a process fails and leaves it unable to use CUDA again (docs/facts.md fact 29), so the job "
+            "cannot be paused or moved while it holds it. torch.multiprocessing imports so the CUDA tensors "
+            "another process sends: keep a copy of your own (tensor.clone()) and let the received tensors go "
+            "(del), or free them first"
         )
     return "; and ".join(reasons) or None
 

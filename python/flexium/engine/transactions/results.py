@@ -10,7 +10,7 @@ from typing import Mapping, Optional, Sequence
 from flexium import _C
 from flexium.engine.fast_path import FastPath, Staged
 from flexium.engine.operations import EngineState, GpuIdentity, OperationKind, OperationResult, StepTiming
-from flexium.engine.step_outcomes import describe_failure, first_failure
+from flexium.engine.step_outcomes import describe_failure, first_failure, process_lost
 from flexium.engine.transactions.context import OperationContext
 
 GIB = 1 << 30
@@ -73,7 +73,10 @@ def settle(
         ctx.set_state(on_success)
         return draft.build(ok=True)
     failure = first_failure(outcomes)
-    if final in rolled_back:
+    lost = process_lost(outcomes) if final != _C.ProcessState.RUNNING else None
+    if lost is not None:  # nothing to roll back to, whatever the state says
+        stuck = f": {lost}"
+    elif final in rolled_back:
         state, outcome = rolled_back[final]
         ctx.set_state(state)
         return draft.build(failed_step=failure.step, error=f"{describe_failure(failure)}; {outcome}")

@@ -10,15 +10,13 @@ from flexium import _C
 from flexium.engine.fast_path import FastPath, RelocationError
 from flexium.engine.identity import MovePlan
 from flexium.engine.operations import EngineState, OperationKind, OperationResult
-from flexium.engine.step_outcomes import own_restore_succeeded, restore_refused_for_good, timing_of
+from flexium.engine.step_outcomes import describe_failure, first_failure, own_restore_succeeded, timing_of
 from flexium.engine.transactions import locked_section
 from flexium.engine.transactions.context import OperationContext
-from flexium.engine.transactions.results import ResultDraft, copier_notes, settle
+from flexium.engine.transactions.results import GIB, ResultDraft, copier_notes, settle
+from flexium.errors import DriverError
 
-LOST = (
-    ": the driver refuses every restore of a process after one failed (docs/facts.md fact 26), so it can "
-    "never run CUDA again; end the job and start it again from its last checkpoint"
-)
+STILL_PAUSED = "the job is still paused and can be resumed again"
 
 
 def resume(ctx: OperationContext, plan: MovePlan) -> OperationResult:
@@ -29,7 +27,7 @@ def resume(ctx: OperationContext, plan: MovePlan) -> OperationResult:
     # thread may touch them before they are back.
     fast = ctx.fast if ctx.fast is not None and ctx.fast.host_waiting() > 0 else None
     if fast is not None:
-        fast.wake_for_restore(dest.uuid)  # pins while the restore runs
+        fast.wake_for_restore(dest.uuid, coming=ctx.paused_bytes)  # pins while the restore runs
     outcomes = locked_section.run(ctx, locked_section.resume_steps(plan), hold_gil=fast is not None)
     final = locked_section.process_state(ctx)
     succeeded = final == _C.ProcessState.RUNNING and own_restore_succeeded(outcomes)
@@ -47,9 +45,8 @@ def resume(ctx: OperationContext, plan: MovePlan) -> OperationResult:
     )
     if succeeded and fast is not None:
         return _bring_back_from_host(ctx, fast, draft)
-    # A restore the driver refused for good leaves nothing to resume: saying "can be resumed again"
-    # would be untrue.
-    lost = restore_refused_for_good(outcomes)
+    # A restore that failed for its arguments leaves the job paused; one the driver will never redo
+    # leaves it lost, which settle() says (step_outcomes.process_lost).
     return settle(
         ctx,
         draft,
@@ -57,16 +54,14 @@ def resume(ctx: OperationContext, plan: MovePlan) -> OperationResult:
         final,
         succeeded=succeeded,
         on_success=EngineState.RUNNING,
-        rolled_back={}
-        if lost
-        else {_C.ProcessState.CHECKPOINTED: (EngineState.PAUSED, "the job is still paused and can be resumed again")},
-        stuck=LOST if lost else "",
+        rolled_back={_C.ProcessState.CHECKPOINTED: (EngineState.PAUSED, STILL_PAUSED)},
     )
 
 
 def _bring_back_from_host(ctx: OperationContext, fast: FastPath, draft: ResultDraft) -> OperationResult:
     """After a restore that ended a fast pause: the segments come back from host memory, whose
-    staging is then kept or given back. A copy that fails is tried once more."""
+    staging is then kept or given back. A copy that fails is tried once more; one that found too
+    little room on the GPU (another process took it after the room check) pauses the job again."""
     assert draft.target is not None
     for attempt in range(2):
         try:
@@ -75,6 +70,8 @@ def _bring_back_from_host(ctx: OperationContext, fast: FastPath, draft: ResultDr
             break
         except RelocationError as exc:
             draft.steps.append(exc.timing)
+            if _out_of_memory(exc):
+                return _pause_again(ctx, fast, draft, str(exc))
             if attempt == 1:
                 ctx.set_state(EngineState.FAILED)
                 return draft.build(
@@ -86,3 +83,36 @@ def _bring_back_from_host(ctx: OperationContext, fast: FastPath, draft: ResultDr
     fast.done_with_host()
     ctx.set_state(EngineState.RUNNING)
     return draft.build(ok=True, notes=notes)
+
+
+def _out_of_memory(exc: RelocationError) -> bool:
+    cause = exc.__cause__
+    return isinstance(cause, DriverError) and cause.error_name == "CUDA_ERROR_OUT_OF_MEMORY"
+
+
+def _pause_again(ctx: OperationContext, fast: FastPath, draft: ResultDraft, error: str) -> OperationResult:
+    """The restore brought the job back without its pool, which is still in host memory: the
+    driver checkpoints the rest again (a small image), and the job is paused as before, on the
+    GPU it was resumed on."""
+    assert draft.target is not None
+    outcomes = locked_section.run(ctx, locked_section.pause_steps(ctx), hold_gil=True)
+    draft.steps.extend(map(timing_of, outcomes))
+    final = locked_section.process_state(ctx)
+    if final == _C.ProcessState.CHECKPOINTED and not any(o.code for o in outcomes):
+        draft.steps.append(fast.copier_asleep())
+        ctx.paused_by_gpu = {draft.target.uuid: ctx.paused_bytes}
+        ctx.set_state(EngineState.PAUSED)
+        return draft.build(
+            failed_step="copy_back",
+            error=f"{error}: another process took memory on {draft.target.device} after the room check; the job is "
+            f"paused again, its memory in host memory: free {ctx.paused_bytes / GIB:.2f} GiB there and resume it, "
+            "or resume it on another GPU",
+        )
+    ctx.set_state(EngineState.FAILED)
+    failure = first_failure(outcomes) if any(o.code for o in outcomes) else None
+    why = describe_failure(failure) if failure is not None else f"the process is {final.name}"
+    return draft.build(
+        failed_step="copy_back",
+        error=f"{error}; pausing the job again failed ({why}); ROLLBACK FAILED: part of its memory is still in host "
+        "memory; restart the job",
+    )
