@@ -7,7 +7,9 @@ the GPU tests make them on an H200."""
 
 from __future__ import annotations
 
+import inspect
 import os
+import re
 from typing import Any, Callable
 
 import pytest
@@ -185,3 +187,17 @@ def test_cpu_tensors_received_or_sent_through_torch_multiprocessing_are_no_cuda_
         child.join(timeout=60)
         if child.is_alive():
             child.kill()
+
+
+def test_torch_still_records_its_cuda_imports_where_flexium_reads_them() -> None:
+    """imported_memory.held_now reads PyTorch's own record of the CUDA storages a process imported;
+    a PyTorch that kept it elsewhere would leave such jobs unguarded (fact 29) without a sound, so
+    this fails first."""
+    import torch
+    from torch.multiprocessing import reductions
+
+    rebuild = re.sub(r"\s+", "", inspect.getsource(reductions.rebuild_cuda_tensor))
+    assert "shared_cache[(storage_handle,storage_offset_bytes)]=StorageWeakRef(storage)" in rebuild
+    assert "storage=storage_cls._new_shared_cuda(" in rebuild
+    assert isinstance(reductions.shared_cache, dict) and hasattr(reductions.shared_cache, "lock")
+    assert callable(reductions.StorageWeakRef.expired) and callable(torch.UntypedStorage._new_with_weak_ptr)
