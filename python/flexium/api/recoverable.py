@@ -37,6 +37,7 @@ from flexium.errors import (
     OperationInProgressError,
     RollbackFailedError,
 )
+from flexium.units import gib
 
 if TYPE_CHECKING:
     from flexium.engine.operations import GpuIdentity, OperationResult
@@ -174,10 +175,6 @@ def _summary(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
-
-
 def _gpu(g: GpuIdentity) -> str:
     return f"GPU {g.ordinal} ({g.name}, {g.uuid})"
 
@@ -265,7 +262,7 @@ def _no_candidate(
     kind: CudaErrorKind, exc: BaseException, engine: _Engine, logical: str, source: GpuIdentity
 ) -> RuntimeError:
     needed = _job_bytes(engine, logical)
-    room = f"{_gib(needed)} free" if needed else "enough free memory for this job"
+    room = f"{gib(needed)} free" if needed else "enough free memory for this job"
     reason = (
         f"no other {source.name} GPU has {room} "
         f"(only GPUs of the same model can take the job; it runs on {_gpu(source)})"
@@ -373,7 +370,7 @@ def _recover(kind: CudaErrorKind, exc: BaseException, *, seen_generation: int, o
         logical,
         _gpu(source),
         _gpu(chosen.gpu),
-        _gib(chosen.free_bytes),
+        gib(chosen.free_bytes),
         seconds,
         _timings(result),
         outcome,

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ValidationError
 from flexium import protocol, wire
 from flexium.client import ApiClient, NotFound, ServerError, Unauthorized, Unreachable
 from flexium.errors import ConfigError
+from flexium.units import gib
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -229,9 +230,9 @@ def _ps(api: ApiClient, args: argparse.Namespace) -> int:
         if p.physical_device and p.physical_device != p.logical_device:
             device += f" (on {p.physical_device})"
         gpu = _gpu_cell(p)
-        memory = _gib(p.memory_bytes)
+        memory = gib(p.memory_bytes or 0)
         if p.state == "PAUSED" and p.footprint_bytes:
-            memory += f" ({_gib(p.footprint_bytes)} paused)"
+            memory += f" ({gib(p.footprint_bytes or 0)} paused)"
         active = p.active_command
         doing = f"{active.kind} {active.state}" if active else "-"
         started = p.started_at or p.registered_at
@@ -319,8 +320,8 @@ def _devices(api: ApiClient, args: argparse.Namespace) -> int:
                     "-" if d.index is None else str(d.index),
                     d.name or "-",
                     f"{d.memory_used / GIB:.1f} / {d.memory_total / GIB:.1f} GiB",
-                    _gib(d.memory_flexium),
-                    _gib(d.memory_other),
+                    gib(d.memory_flexium or 0),
+                    gib(d.memory_other or 0),
                     "-" if d.utilization is None else f"{d.utilization}%",
                     "-" if d.temperature is None else f"{d.temperature}C",
                     d.health,
@@ -651,7 +652,7 @@ def _print_outcome(api: ApiClient, title: str, command: wire.CommandInfo) -> Non
         seconds = result.seconds or 0.0
         speed = f", {moved / 1e9 / seconds:.1f} GB/s" if moved and seconds else ""
         path = f"{result.path} path, " if result.path else ""
-        print(f"  operation {_ms(seconds)}, {path}({line}); {_gib(moved)} moved{speed}")
+        print(f"  operation {_ms(seconds)}, {path}({line}); {gib(moved or 0)} moved{speed}")
         for note in result.notes:
             print(f"  note: {note}")
     if command.state != "succeeded":
@@ -663,7 +664,7 @@ def _print_outcome(api: ApiClient, title: str, command: wire.CommandInfo) -> Non
     where = process.physical_device or process.logical_device
     gpu = f" ({process.gpu_uuid}, nvidia-smi index {process.gpu_index})" if process.gpu_uuid else ""
     if process.state == "PAUSED":
-        print(f"  the process is PAUSED on {where}{gpu}; it needs {_gib(process.footprint_bytes)} to resume")
+        print(f"  the process is PAUSED on {where}{gpu}; it needs {gib(process.footprint_bytes or 0)} to resume")
     elif process.state == protocol.FAILED:
         print("  the process is FAILED: an earlier rollback failed and it may be stuck; restart the job")
     else:
@@ -671,10 +672,6 @@ def _print_outcome(api: ApiClient, title: str, command: wire.CommandInfo) -> Non
 
 
 # ---- formatting ----------------------------------------------------------------------------
-
-
-def _gib(n: Optional[int]) -> str:
-    return f"{(n or 0) / GIB:.1f} GiB"
 
 
 def _ms(seconds: float) -> str:

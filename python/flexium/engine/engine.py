@@ -41,7 +41,6 @@ from flexium.engine.transactions.driver_pause import pause_by_driver
 from flexium.engine.transactions.fast_migrate import migrate_fast
 from flexium.engine.transactions.fast_pause import pause_fast
 from flexium.engine.transactions.own_memory import own_in_slices
-from flexium.engine.transactions.results import GIB
 from flexium.engine.transactions.resume import resume
 from flexium.errors import (
     CapabilityError,
@@ -51,6 +50,7 @@ from flexium.errors import (
     RollbackFailedError,
     TargetRefusedError,
 )
+from flexium.units import gib
 
 log = logging.getLogger("flexium")
 
@@ -69,10 +69,6 @@ PATHS: tuple[str, ...] = get_args(PathChoice)
 class TargetCandidate:
     gpu: GpuIdentity
     free_bytes: int
-
-
-def _gib(n: int) -> str:
-    return f"{n / GIB:.2f} GiB"
 
 
 def snapshot_gpus() -> list[GpuIdentity]:
@@ -524,8 +520,8 @@ class Engine:
             return ()
         phases = f"; {reserved.phases}" if reserved.phases else ""
         return (
-            f"pinned {_gib(reserved.pinned)} of host staging {reserved.where} in {reserved.seconds:.2f} s before "
-            f"the safe point ({_gib(to_map)} of it newly mapped and touched, {_gib(reserved.newly_pinned)} newly "
+            f"pinned {gib(reserved.pinned, 2)} of host staging {reserved.where} in {reserved.seconds:.2f} s before "
+            f"the safe point ({gib(to_map, 2)} of it newly mapped and touched, {gib(reserved.newly_pinned, 2)} newly "
             f"pinned{phases})",
         )
 
@@ -536,7 +532,7 @@ class Engine:
         if available is not None and available < wanted:
             what = "host memory to stage the job's pool" if fast else "host memory to hold the job's GPU memory"
             raise TargetRefusedError(
-                f"pausing needs {_gib(wanted)} of {what} and this machine has {_gib(available)} available: "
+                f"pausing needs {gib(wanted, 2)} of {what} and this machine has {gib(available, 2)} available: "
                 "free host memory, or migrate the job instead"
             )
 
@@ -581,8 +577,8 @@ class Engine:
         available = host.memory_free + (host.used_by(self._ctx.pid) or 0)
         if available < needed + self.memory_margin_bytes:
             raise TargetRefusedError(
-                f"{dest.device} ({dest.name}, nvidia-smi index {host.index}) has {_gib(available)} free; "
-                f"the job needs {_gib(needed)} plus {_gib(self.memory_margin_bytes)} headroom: "
+                f"{dest.device} ({dest.name}, nvidia-smi index {host.index}) has {gib(available, 2)} free; "
+                f"the job needs {gib(needed, 2)} plus {gib(self.memory_margin_bytes, 2)} headroom: "
                 "free memory there or choose another GPU"
             )
         return ()
@@ -620,8 +616,8 @@ class Engine:
                 gpu = next((g for g in self.gpus if g.uuid == uuid), None)
                 name = gpu.device if gpu is not None else uuid
                 raise TargetRefusedError(
-                    f"{name} has {_gib(host.memory_free)} free; the paused job held {_gib(needed)} there"
-                    f"{f' plus {_gib(margin)} headroom' if margin else ''} (it uses several GPUs): it stays paused; "
+                    f"{name} has {gib(host.memory_free, 2)} free; the paused job held {gib(needed, 2)} there"
+                    f"{f' plus {gib(margin, 2)} headroom' if margin else ''} (it uses several GPUs): it stays paused; "
                     "free memory there"
                 )
             if not in_place:
@@ -633,9 +629,9 @@ class Engine:
                 )
             else:
                 advice = "free memory there (this machine cannot resume it on another GPU)"
-            headroom = f" plus {_gib(margin)} headroom" if margin else ""
+            headroom = f" plus {gib(margin, 2)} headroom" if margin else ""
             raise TargetRefusedError(
-                f"{dest.device} has {_gib(host.memory_free)} free; the paused job needs {_gib(needed)}{headroom}: "
+                f"{dest.device} has {gib(host.memory_free, 2)} free; the paused job needs {gib(needed, 2)}{headroom}: "
                 f"it stays paused; {advice}"
             )
 

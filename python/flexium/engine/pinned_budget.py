@@ -22,6 +22,7 @@ from typing import Iterator, Optional
 
 from flexium.engine.host_memory import host_memory_total
 from flexium.errors import ConfigError
+from flexium.units import gib_or_mib
 
 ENV = "FLEXIUM_PINNED_HOST_MEMORY"
 # A quarter of the machine: room to keep a large job's pause ready, while three quarters stay for
@@ -40,7 +41,7 @@ class Budget:
     source: str  # where the setting came from, for messages
 
     def describe(self) -> str:
-        return f"{_gib(self.bytes)} ({ENV}={self.setting}, {self.source})"
+        return f"{gib_or_mib(self.bytes)} ({ENV}={self.setting}, {self.source})"
 
 
 @dataclass(frozen=True)
@@ -97,7 +98,7 @@ def claim(nbytes: int, gpu: str) -> Optional[str]:
     when the budget has room, else why not (nothing is recorded then)."""
     limit = budget()
     if nbytes > limit.bytes:
-        return f"its {_gib(nbytes)} exceed flexium's pinned host memory budget of {limit.describe()}"
+        return f"its {gib_or_mib(nbytes)} exceed flexium's pinned host memory budget of {limit.describe()}"
     try:
         with _locked():
             return _claim_locked(nbytes, gpu, limit)
@@ -111,8 +112,8 @@ def _claim_locked(nbytes: int, gpu: str, limit: Budget) -> Optional[str]:
     if held + nbytes > limit.bytes:
         pids = ", ".join(str(h.pid) for h in others)
         return (
-            f"its {_gib(nbytes)} do not fit in the {_gib(max(0, limit.bytes - held))} left of flexium's pinned "
-            f"host memory budget of {limit.describe()}; processes {pids} keep {_gib(held)}"
+            f"its {gib_or_mib(nbytes)} do not fit in the {gib_or_mib(max(0, limit.bytes - held))} left of flexium's "
+            f"pinned host memory budget of {limit.describe()}; processes {pids} keep {gib_or_mib(held)}"
         )
     record = {"bytes": nbytes, "gpu": gpu, "start": _start_time(os.getpid())}
     (LEDGER_DIR / str(os.getpid())).write_text(json.dumps(record))
@@ -185,7 +186,3 @@ def _start_time(pid: int) -> Optional[int]:
 def _alive(pid: int, start: Optional[int]) -> bool:
     now = _start_time(pid)
     return now is not None and (start is None or now == start)
-
-
-def _gib(n: int) -> str:
-    return f"{n / (1 << 30):.1f} GiB" if n >= 1 << 30 or n == 0 else f"{n / (1 << 20):.0f} MiB"

@@ -13,12 +13,9 @@ from flexium.server.errors import CapabilityMissing, InvalidRequest, TargetRefus
 from flexium.server.models import Device, Process
 from flexium.server.storage.devices import find_device_hosts, held_by_gpu, host_devices
 from flexium.server.storage.views import stored_capabilities
+from flexium.units import gib
 
 _GIB = float(1 << 30)
-
-
-def _gib(n: int) -> str:
-    return f"{n / _GIB:.1f} GiB"
 
 
 def require_capability(proc: Process, key: str, what: str) -> None:
@@ -130,7 +127,7 @@ def target_refusal(
         need = max(proc.footprint_bytes, proc.memory_bytes)
     free = max(0, dev.memory_total - dev.memory_used + freed)
     if free < need:
-        return f"{_gib(free)} free, the job needs {_gib(need)}"
+        return f"{gib(free)} free, the job needs {gib(need)}"
     if kind == "resume" and proc.gpu_uuid and dev.uuid != proc.gpu_uuid and not stored_capabilities(proc).migration:
         return _RESUME_ELSEWHERE
     return None
