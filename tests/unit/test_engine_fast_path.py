@@ -842,6 +842,12 @@ def test_a_resume_with_room_for_the_job_but_not_the_copier_copies_back_in_this_p
     )
     job.assert_home(physical=0)
     assert len(copier_processes()) == 1  # asleep, for the next pause
+    # With room again, the copier copies back as before.
+    fake.set_other_memory(0, 0)
+    assert engine.pause().ok
+    again = engine.resume()
+    assert again.ok and not any(n.startswith("the copies to and from host memory ran in this") for n in again.notes)
+    job.assert_home(physical=0)
 
 
 def test_a_copy_back_that_finds_no_room_pauses_the_job_again(job: Job) -> None:

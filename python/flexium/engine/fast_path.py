@@ -283,9 +283,8 @@ class FastPath:
         copies back: a restore without room loses the job (docs/facts.md fact 28)."""
         if self._copier is None:
             return
-        crowded = copier_room_problem(uuid, coming) if coming else None
-        if crowded is not None:
-            self._copy_back_here = crowded
+        self._copy_back_here = copier_room_problem(uuid, coming) if coming else None
+        if self._copy_back_here is not None:
             return
         try:
             self._copier.wake(uuid, wait=False)
