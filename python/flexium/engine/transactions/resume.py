@@ -13,8 +13,9 @@ from flexium.engine.operations import EngineState, OperationKind, OperationResul
 from flexium.engine.step_outcomes import describe_failure, first_failure, own_restore_succeeded, timing_of
 from flexium.engine.transactions import locked_section
 from flexium.engine.transactions.context import OperationContext
-from flexium.engine.transactions.results import GIB, ResultDraft, copier_notes, settle
+from flexium.engine.transactions.results import ResultDraft, copier_notes, settle
 from flexium.errors import DriverError
+from flexium.units import gib
 
 STILL_PAUSED = "the job is still paused and can be resumed again"
 
@@ -105,7 +106,7 @@ def _pause_again(ctx: OperationContext, fast: FastPath, draft: ResultDraft, erro
         return draft.build(
             failed_step="copy_back",
             error=f"{error}: another process took memory on {draft.target.device} after the room check; the job is "
-            f"paused again, its memory in host memory: free {ctx.paused_bytes / GIB:.2f} GiB there and resume it, "
+            f"paused again, its memory in host memory: free {gib(ctx.paused_bytes, 2)} there and resume it, "
             "or resume it on another GPU",
         )
     ctx.set_state(EngineState.FAILED)
