@@ -43,7 +43,10 @@ TRANSPORTS = {"p2p": {}, "shm": {"NCCL_P2P_DISABLE": "1"}}
 @pytest.mark.parametrize(("model", "transport"), [("ddp", "p2p"), ("fsdp2", "p2p"), ("ddp", "shm")])
 def test_a_whole_job_pauses_resumes_and_swaps_bit_identical(two_gpus: list[Any], model: str, transport: str) -> None:
     nccl = nccl_with_suspend()
-    common = ("--model", model, "--steps", "60")
+    # Steps enough for the pause's host staging, prepared while the ranks train on, to come before
+    # the last operation's agreed step (every operation waits for its step; a job that ended first
+    # would leave it waiting out its deadline).
+    common = ("--model", model, "--steps", "120")
     reference = torchrun(*common, nccl=nccl, env=TRANSPORTS[transport])
     assert reference.returncode == 0, reference.stderr[-4000:]
     plan = ("--plan", "10:pause", "--plan", "10:resume", "--plan", "25:migrate:0=1,1=0", "--plan", "40:migrate:0=0,1=1")
@@ -198,14 +201,16 @@ def test_the_server_and_cli_move_a_whole_torchrun_job_or_refuse_it(
 ) -> None:
     pytest.importorskip("fastapi", reason="the server extra is not installed (ci/gpu-tests.sh installs .whl)")
     job_args, job_env, preload = _server_case(case, host_gpus)
-    steps = ("--model", "ddp", "--steps", "600", "--step-sleep", "0.03")
+    # Long enough for every command to land while the job trains (two more, the migrations, on two GPUs).
+    count = 1500 if case == "nccl-two-gpus" else 600
+    steps = ("--model", "ddp", "--steps", str(count), "--step-sleep", "0.03")
     reference = torchrun(*job_args, *steps[:4], "--step-sleep", "0", nccl=preload, env=job_env)
     assert reference.returncode == 0, reference.stderr[-4000:]
     with ServedJob(tmp_path, torchrun_argv(2, *job_args, *steps), 2, env=job_env, nccl=preload) as job:
         if case == "nccl-one-gpu":  # its ranks share the GPU: refused, and the job trains on
             refused = job.cli("pause", job.process_id, "--json")
             assert refused.returncode != 0 and SHARED_GPU_REFUSAL in refused.stdout + refused.stderr, refused
-            check_traces(job.finish(), reference, 600)
+            check_traces(job.finish(), reference, count)
             return
         paused = job.command("pause", job.process_id)
         assert {result["path"] for result in paused} == {"fast"}, paused
@@ -217,4 +222,4 @@ def test_the_server_and_cli_move_a_whole_torchrun_job_or_refuse_it(
             after = job.held()
             assert all(len(on) == 1 for on in before + after) and after == before[::-1], (before, after)
             job.command("migrate", job.process_id, "--ranks", "0=cuda:0,1=cuda:1")
-        check_traces(job.finish(), reference, 600)
+        check_traces(job.finish(), reference, count)

@@ -61,7 +61,7 @@ def torchrun(
     _keep_log(described, {"LD_PRELOAD": nccl or "", **(env or {})}, proc.returncode, stdout, stderr)
     if hung:
         pytest.fail(f"the job did not end within {timeout:g} s ({' '.join(described)}): {stderr[-3000:]}")
-    events = [json.loads(line) for line in stdout.splitlines() if line.startswith("{")]
+    events = [json.loads(line) for line in stdout.splitlines() if line.startswith('{"event"')]
     return TorchrunJob(proc.returncode, events, stderr, ranks)
 
 
