@@ -122,12 +122,27 @@ void bind_checkpoint(py::module_ &m) {
       .value("CHECKPOINT", StepKind::Checkpoint)
       .value("RESTORE", StepKind::Restore)
       .value("UNLOCK", StepKind::Unlock)
-      .value("RECOVER", StepKind::Recover);
+      .value("RECOVER", StepKind::Recover)
+      .value("ROOM_CHECK", StepKind::RoomCheck);
   py::class_<Step>(m, "Step")
       .def(py::init(&make_step), py::arg("kind"), py::arg("timeout_ms") = 0, py::arg("pairs") = std::vector<GpuPair>{})
       .def_property_readonly("kind", [](const Step &s) { return s.kind; })
       .def_property_readonly("pair_count", [](const Step &s) { return s.pairs.size(); })
       .def("__repr__", &record_repr);
+  m.def(
+      "room_check_step",
+      [](int request_fd, int reply_fd, const std::string &uuid, unsigned long long needed, unsigned timeout_ms) {
+        RoomQuery room;
+        room.request_fd = request_fd;
+        room.reply_fd = reply_fd;
+        room.uuid = uuid;
+        room.needed = needed;
+        room.timeout_ms = timeout_ms;
+        return make_room_step(room);
+      },
+      py::arg("request_fd"), py::arg("reply_fd"), py::arg("uuid"), py::arg("needed"), py::arg("timeout_ms") = 2000,
+      "A step that asks the NVML reader (its pipes' fds) for the GPU's free memory and fails when it is less than "
+      "`needed`; an answer it cannot get passes, as before the check (csrc/room_check.h).");
   py::class_<StepOutcome>(m, "StepOutcome")
       .def_readonly("step", &StepOutcome::step)
       .def_readonly("rollback", &StepOutcome::rollback)

@@ -67,7 +67,8 @@ CUresult call_step(const DriverTable &d, int pid, const Step &step) {
       CUcheckpointUnlockArgs args{};
       return d.cuCheckpointProcessUnlock(pid, &args);
     }
-    case StepKind::Recover: break;  // expanded by run_step into the calls it needs
+    case StepKind::Recover: break;    // expanded by run_step into the calls it needs
+    case StepKind::RoomCheck: break;  // no driver call: room_outcome
   }
   return CUDA_ERROR_INVALID_VALUE;
 }
@@ -79,6 +80,7 @@ const char *driver_call_name(StepKind kind) {
     case StepKind::Restore: return "cuCheckpointProcessRestore";
     case StepKind::Unlock: return "cuCheckpointProcessUnlock";
     case StepKind::Recover: break;
+    case StepKind::RoomCheck: break;
   }
   return "a checkpoint call";
 }
@@ -100,8 +102,30 @@ StepOutcome timed_step(const DriverTable &d, int pid, const Step &step, bool rol
   return outcome;
 }
 
+StepOutcome room_outcome(const Step &step, bool rollback) {
+  StepOutcome outcome;
+  outcome.step = step_name(step.kind);
+  outcome.rollback = rollback;
+  const auto start = std::chrono::steady_clock::now();
+  const RoomAnswer answer = ask_free_memory(step.room);
+  outcome.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (!answer.known) {
+    outcome.error_text = "not checked: " + answer.why_unknown;  // as before this check existed
+  } else if (answer.free_bytes < step.room.needed) {
+    outcome.code = CUDA_ERROR_OUT_OF_MEMORY;
+    outcome.error_name = error_name(outcome.code);
+    outcome.error_text = step.room.uuid + " has " + std::to_string(answer.free_bytes >> 20) +
+                         " MiB free, the restore needs " + std::to_string(step.room.needed >> 20) + " MiB";
+  }
+  return outcome;
+}
+
 // Appends the outcome of `step` (or, for Recover, of each call it makes); returns false on failure.
 bool run_step(const DriverTable &d, int pid, const Step &step, bool rollback, std::vector<StepOutcome> &out) {
+  if (step.kind == StepKind::RoomCheck) {
+    out.push_back(room_outcome(step, rollback));
+    return out.back().code == CUDA_SUCCESS;
+  }
   if (step.kind != StepKind::Recover) {
     out.push_back(timed_step(d, pid, step, rollback));
     return out.back().code == CUDA_SUCCESS;
@@ -137,6 +161,7 @@ const char *step_name(StepKind kind) {
     case StepKind::Restore: return "restore";
     case StepKind::Unlock: return "unlock";
     case StepKind::Recover: return "recover";
+    case StepKind::RoomCheck: return "room";
   }
   return "unknown";
 }
@@ -149,6 +174,13 @@ Step make_step(StepKind kind, unsigned timeout_ms, const std::vector<GpuPair> &p
   step.kind = kind;
   step.timeout_ms = timeout_ms;
   step.pairs = parse_pairs(pairs);
+  return step;
+}
+
+Step make_room_step(const RoomQuery &room) {
+  Step step;
+  step.kind = StepKind::RoomCheck;
+  step.room = room;
   return step;
 }
 

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "cuda_driver_types.h"
+#include "room_check.h"
 
 namespace flexium {
 
@@ -25,15 +26,19 @@ void unlock_process(int pid);
 // CHECKPOINTED -> restore in place + unlock, LOCKED -> unlock, RUNNING -> nothing.
 // A failed remapped restore leaves the process CHECKPOINTED and a plain restore brings it
 // back on the source GPU (docs/facts.md fact 3).
-enum class StepKind { Lock, Checkpoint, Restore, Unlock, Recover };
+// RoomCheck: no driver call; fails (CUDA_ERROR_OUT_OF_MEMORY) when the GPU it asks about has less
+// free memory than the restore after it needs (room_check.h).
+enum class StepKind { Lock, Checkpoint, Restore, Unlock, Recover, RoomCheck };
 const char *step_name(StepKind kind);
 
 struct Step {
   StepKind kind = StepKind::Lock;
   unsigned timeout_ms = 0;                  // Lock only
   std::vector<CUcheckpointGpuPair> pairs;   // Restore only; empty restores in place
+  RoomQuery room;                           // RoomCheck only
 };
 Step make_step(StepKind kind, unsigned timeout_ms, const std::vector<GpuPair> &pairs);
+Step make_room_step(const RoomQuery &room);
 
 struct StepOutcome {
   std::string step;

@@ -96,6 +96,7 @@ class StepKind:
     RESTORE: ClassVar[StepKind]
     UNLOCK: ClassVar[StepKind]
     RECOVER: ClassVar[StepKind]
+    ROOM_CHECK: ClassVar[StepKind]
     def __init__(self, value: int) -> None: ...
     @property
     def name(self) -> str: ...
@@ -108,6 +109,8 @@ class Step:
     def kind(self) -> StepKind: ...
     @property
     def pair_count(self) -> int: ...
+
+def room_check_step(request_fd: int, reply_fd: int, uuid: str, needed: int, timeout_ms: int = 2000) -> Step: ...
 
 class StepOutcome:
     @property

@@ -81,6 +81,7 @@ class Control(threading.Thread):
         self.path = path
         self.filler: Optional[subprocess.Popen[bytes]] = None
         self.last_paused_bytes = 0
+        self.armed = False
 
     def run(self) -> None:
         engine = flexium_runtime.current().engine
@@ -92,6 +93,9 @@ class Control(threading.Thread):
                 continue
             if op == "vacate":
                 self.vacate()
+                continue
+            if op == "arm":
+                self.arm(engine, engine_target(engine, target))
                 continue
             started = time.perf_counter()
             emit("op_start", op=op, target=target, at_step=at_step, step=self.progress.step, requested_path=path)
@@ -157,12 +161,42 @@ class Control(threading.Thread):
         assert self.filler.stdout is not None
         emit("occupied", **json.loads(self.filler.stdout.readline()), nvml=placement_snapshot())
 
+    def arm(self, engine: Any, gpu: Any) -> None:
+        """Another process, its context made on `gpu`, takes all but 1 GiB of it the moment the next
+        operation starts (MIGRATING): while the job is being checkpointed, after the target check."""
+        filler = Path(__file__).with_name("fill_gpu.py")
+        self.filler = subprocess.Popen(
+            [sys.executable, str(filler), "0", "1", "armed"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": gpu.uuid},
+        )
+        assert self.filler.stdin is not None and self.filler.stdout is not None
+        json.loads(self.filler.stdout.readline())  # its context is made
+        stdin, fired = self.filler.stdin, threading.Event()
+
+        def fire(state: Any) -> None:
+            if state.value == "MIGRATING" and not fired.is_set():
+                fired.set()
+                stdin.write(b"\n")
+                stdin.flush()
+
+        engine.add_state_listener(fire)
+        self.armed = True
+        emit("armed", gpu=gpu.uuid)
+
     def vacate(self) -> None:
         filler, self.filler = self.filler, None
         if filler is not None:
-            assert filler.stdin is not None
+            assert filler.stdin is not None and filler.stdout is not None
+            # An armed filler says what it took once it has fired; one that filled at once said it then.
+            if self.armed:  # fired already or not: a line makes it fill (again harmless) and say so
+                filler.stdin.write(b"\n")
+                filler.stdin.flush()
+            filled = filler.stdout.readline() if self.armed else ""
+            self.armed = False
             filler.stdin.close()
-            emit("vacated", exit=filler.wait(timeout=60), nvml=placement_snapshot())
+            emit("vacated", exit=filler.wait(timeout=60), filled=json.loads(filled) if filled else None)
 
 
 def wait_for_own_memory(timeout: float) -> Optional[float]:
@@ -263,7 +297,8 @@ class HeldMemory:
 def parse_plan(items: list[str]) -> list[PlanItem]:
     """ "STEP:OP[:TARGET][@PATH]", e.g. "10:migrate:cuda:1@fast", "20:pause", "20:resume:cuda:0";
     "20:occupy:1" (another process takes the job's GPU, leaving 1 GiB free; "20:occupy:+0.2": what
-    the last pause took off it plus 0.2 GiB) and "20:vacate"."""
+    the last pause took off it plus 0.2 GiB), "20:arm:cuda:1" (another process takes all but 1 GiB of
+    that GPU the moment the next operation starts) and "20:vacate"."""
     plan: list[PlanItem] = []
     for item in items:
         path = None

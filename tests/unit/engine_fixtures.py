@@ -134,6 +134,42 @@ def nvml_in_parent(fake: FakeDriver, monkeypatch: pytest.MonkeyPatch) -> ChildRe
     return reads
 
 
+@pytest.fixture
+def reader_in_parent(fake: FakeDriver, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The NVML reader's pipes as a room check inside the locked section uses them (csrc/room_check.h),
+    answered by a thread of this process from its fake (see the module docstring: the reader child
+    cannot see the memory a test configured here). The requests it answered, in order."""
+    import contextlib
+
+    from flexium.engine import nvml
+
+    asked: list[str] = []
+
+    @contextlib.contextmanager
+    def pipes() -> Iterator[tuple[int, int]]:
+        request_read, request_write = os.pipe()
+        reply_read, reply_write = os.pipe()
+
+        def serve() -> None:
+            with os.fdopen(request_read) as requests, os.fdopen(reply_write, "w") as replies:
+                for request in requests:
+                    asked.append(request.strip())
+                    replies.write(nvml._free_line(request) + "\n")
+                    replies.flush()
+
+        server = threading.Thread(target=serve, daemon=True)
+        server.start()
+        try:
+            yield request_write, reply_read
+        finally:
+            os.close(request_write)
+            server.join(5)
+            os.close(reply_read)
+
+    monkeypatch.setattr(nvml, "reader_pipes", pipes)
+    return asked
+
+
 # --------------------------------------------------------------------------------- engines
 
 

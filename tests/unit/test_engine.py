@@ -29,6 +29,7 @@ from engine_fixtures import (  # noqa: F401  (fixtures)
     host_memory,
     make_engine,
     nvml_in_parent,
+    reader_in_parent,
     step_summary,
     wait_until,
 )
@@ -48,10 +49,12 @@ from flexium.errors import (
 
 pytestmark = pytest.mark.usefixtures("nvml_in_parent")
 
+# The room check before the restore asks the NVML reader (csrc/room_check.h).
 MIGRATION_STEPS = [
     ("prepare", True, False),
     ("lock", True, False),
     ("checkpoint", True, False),
+    ("room", True, False),
     ("restore", True, False),
     ("unlock", True, False),
 ]
@@ -143,7 +146,7 @@ def test_the_result_is_json_friendly(fake: FakeDriver, make_engine: Callable[...
     data = json.loads(json.dumps(result.to_dict()))
     assert data["kind"] == "migrate" and data["ok"] is True
     assert data["source"]["uuid"] == fake.uuid(0) and data["target"]["uuid"] == fake.uuid(1)
-    assert [s["step"] for s in data["steps"]] == ["prepare", "lock", "checkpoint", "restore", "unlock"]
+    assert [s["step"] for s in data["steps"]] == ["prepare", "lock", "checkpoint", "room", "restore", "unlock"]
     assert data["bytes_moved"] == GiB
 
 
@@ -276,10 +279,11 @@ def test_a_transaction_runs_over_its_context_and_plan_alone(fake: FakeDriver) ->
     seen: list[EngineState] = []
     ctx.add_state_listener(seen.append)
     fake.clear_log()
-    result = migrate_by_driver(ctx, identity.plan({0: identity.gpus[1]}), ("a note",), at_safe_point=False)
+    result = migrate_by_driver(ctx, identity.plan({0: identity.gpus[1]}), ("a note",), at_safe_point=False, headroom=0)
     assert result.ok and result.path == "driver" and result.notes == ("a note",)
     assert result.source == identity.gpus[0] and result.target == identity.gpus[1]
-    assert [(s.step, s.ok) for s in result.steps] == [(step, ok) for step, ok, _ in MIGRATION_STEPS]
+    # No engine started an NVML reader: no room check before the restore.
+    assert [(s.step, s.ok) for s in result.steps] == [(step, ok) for step, ok, _ in MIGRATION_STEPS if step != "room"]
     assert checkpoint_ops(fake) == ["Lock", "Checkpoint", "Restore", "Unlock"] and fake.placement() == [1, 0]
     assert identity.physical_of(0) == identity.gpus[1] and result.bytes_moved == 2 * GiB
     assert seen == [EngineState.MIGRATING, EngineState.RUNNING] and ctx.state == EngineState.RUNNING
@@ -467,6 +471,7 @@ def test_failed_remapped_restore_is_recovered_in_place(fake: FakeDriver, make_en
         ("prepare", True, False),
         ("lock", True, False),
         ("checkpoint", True, False),
+        ("room", True, False),
         ("restore", False, False),
         ("restore", True, True),
         ("unlock", True, True),
@@ -487,11 +492,56 @@ LOST_FOR_MEMORY = (
 )
 
 
-def test_a_target_filled_after_validation_loses_the_job_and_says_so(
+def test_a_target_filled_while_the_job_is_checkpointed_is_caught_before_the_restore(
+    fake: FakeDriver, make_engine: Callable[..., Any], reader_in_parent: list[str]
+) -> None:
+    """Another job takes the target's memory after the target check: the room check inside the locked
+    section (the NVML reader asked over its pipes, csrc/room_check.h) sees it before the restore is
+    tried, and the job is restored where it was. A restore without room would have lost it
+    (docs/facts.md fact 28)."""
+    fake.set_process_memory(0, 40 * GiB)
+    engine = make_engine()
+
+    filled: list[bool] = []
+
+    def someone_fills_gpu1(state: EngineState) -> None:  # once, after the target check
+        if state == EngineState.MIGRATING and not filled:
+            filled.append(True)
+            fake.set_other_memory(1, H200_BYTES - 10 * GiB)
+
+    engine.add_state_listener(someone_fills_gpu1)
+    with pytest.raises(OperationFailedError) as caught:
+        engine.migrate(engine.gpus[1], path="driver")
+    error = caught.value
+    assert not isinstance(error, RollbackFailedError) and error.step == "room"
+    gpu1 = engine.gpus[1].uuid
+    assert reader_in_parent == [f"free {gpu1}"]
+    assert str(error) == (
+        f"migrate failed: step 'room' failed: {gpu1} has 10240 MiB free, the restore needs {40 * 1024 + 512} MiB: "
+        "another process took memory there while the job was checkpointed, so the restore was not tried (it "
+        f"would have lost the job, docs/facts.md fact 28); rolled back: the job runs on cuda:0 ({engine.gpus[0].uuid}) "
+        "as before"
+    )
+    assert [(s.step, s.ok, s.rollback) for s in error.result.steps][-5:] == [
+        ("lock", True, False),
+        ("checkpoint", True, False),
+        ("room", False, False),
+        ("restore", True, True),
+        ("unlock", True, True),
+    ]
+    assert engine.state == EngineState.RUNNING
+    on_gpu(fake, engine, 0)
+    fake.set_other_memory(1, 0)
+    assert engine.migrate(engine.gpus[1], path="driver").ok  # with room again the move runs
+    on_gpu(fake, engine, 1)
+
+
+def test_a_target_filled_after_the_last_room_check_loses_the_job_and_says_so(
     fake: FakeDriver, make_engine: Callable[..., Any]
 ) -> None:
-    """Another job takes the target's memory between the check and the restore: the restore fails for
-    memory, and the in-place restore that would roll back is refused for good, as on driver 580
+    """The target fills between the last room check and the restore (here: the NVML reader, a child
+    process with a fake of its own, sees room that this process's fake does not): the restore fails
+    for memory, and the in-place restore that would roll back is refused for good, as on driver 580
     (docs/facts.md fact 28, which the fake models). The error says the job is lost and what to do."""
     fake.set_process_memory(0, 40 * GiB)
     engine = make_engine()
@@ -502,14 +552,12 @@ def test_a_target_filled_after_validation_loses_the_job_and_says_so(
 
     engine.add_state_listener(someone_fills_gpu1)
     with pytest.raises(RollbackFailedError) as caught:
-        engine.migrate(engine.gpus[1])
+        engine.migrate(engine.gpus[1], path="driver")
     steps = caught.value.result.steps
-    assert [(s.step, s.rollback) for s in steps if not s.ok] == [
-        ("restore", False),
-        ("restore", True),
-        ("unlock", True),
-    ]
-    assert "CUDA_ERROR_OUT_OF_MEMORY" in steps[3].error and "CUDA_ERROR_OPERATING_SYSTEM" in steps[4].error
+    failed = [s for s in steps if not s.ok]
+    assert [(s.step, s.rollback) for s in failed] == [("restore", False), ("restore", True), ("unlock", True)]
+    assert "CUDA_ERROR_OUT_OF_MEMORY" in str(failed[0].error) and "CUDA_ERROR_OPERATING_SYSTEM" in str(failed[1].error)
+    assert ("room", True) in [(s.step, s.ok) for s in steps]  # the reader saw room
     assert caught.value.step == "restore" and str(caught.value).endswith(LOST_FOR_MEMORY)
     assert engine.state == EngineState.FAILED and fake.state() == ProcessState.CHECKPOINTED
 

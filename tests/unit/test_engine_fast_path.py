@@ -334,7 +334,7 @@ def test_fast_migration_there_and_back(job: Job) -> None:
     # Nothing imported is left for a driver checkpoint to trip over.
     driver = engine.migrate(engine.gpus[1], path="driver")
     assert driver.ok and driver.path == "driver" and fake.placement() == [1, 0]
-    assert names(driver) == ["prepare", "lock", "checkpoint", "restore", "unlock"]
+    assert names(driver) == ["prepare", "lock", "checkpoint", "room", "restore", "unlock"]
     job.assert_home(physical=1)
 
 
@@ -489,7 +489,7 @@ def test_the_driver_path_when_asked_or_without_a_safe_point(job: Job) -> None:
     result = engine.migrate(engine.gpus[1])
     assert result.ok and result.path == "driver"
     assert result.notes == ("driver path: no optimizer step has run yet (training has not started)",)
-    assert names(result) == ["prepare", "lock", "checkpoint", "restore", "unlock"]
+    assert names(result) == ["prepare", "lock", "checkpoint", "room", "restore", "unlock"]
     assert job.fast is not None and job.fast.staged == [] and job.pool.asked == []
     job.assert_home(physical=1)  # the checkpoint carried the segments
 

@@ -443,7 +443,9 @@ class Engine:
         fast, why = self._choose_path(path, at_safe_point)
         if fast is not None:
             return migrate_fast(self._ctx, fast, plan, notes)
-        return migrate_by_driver(self._ctx, plan, (*notes, *why), at_safe_point=at_safe_point)
+        return migrate_by_driver(
+            self._ctx, plan, (*notes, *why), at_safe_point=at_safe_point, headroom=self.memory_margin_bytes
+        )
 
     def _pause_now(
         self, source: GpuIdentity, path: PathChoice, pinned: tuple[str, ...], *, at_safe_point: bool

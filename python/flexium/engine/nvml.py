@@ -12,6 +12,7 @@ most of its time). A resume's room check runs while the job is still checkpointe
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import logging
@@ -21,7 +22,7 @@ import subprocess
 import sys
 import threading
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 log = logging.getLogger("flexium")
 
@@ -261,6 +262,29 @@ def _from_reader(timeout: float) -> Optional[list[dict[str, Any]]]:
     return None
 
 
+@contextlib.contextmanager
+def reader_pipes() -> Iterator[Optional[tuple[int, int]]]:
+    """The reader process's (stdin, stdout) fds for a native caller that asks it "free UUID" while
+    this process is locked (csrc/room_check.h), held for it alone until the block ends; None when
+    there is no reader."""
+    with _reader_lock:
+        reader = _reader
+        if reader is None or reader.proc.stdin is None or reader.proc.stdout is None:
+            yield None
+            return
+        yield reader.proc.stdin.fileno(), reader.proc.stdout.fileno()
+
+
+def _free_line(request: str) -> str:
+    """The reader's answer to "free UUID": the GPU's free bytes, or -1 where NVML cannot tell."""
+    wanted = request.split(None, 1)[1].strip().lower() if " " in request.strip() else ""
+    try:
+        found = [gpu.memory_free for gpu in _read_here() if gpu.uuid.lower() == wanted]
+    except Exception:  # any NVML failure: cannot tell
+        found = []
+    return str(found[0] if found else -1)
+
+
 def _read_in_child(timeout: float = 30.0) -> list[HostGpu]:
     raw = _from_reader(timeout)
     if raw is not None:
@@ -296,7 +320,10 @@ def gpu_by_uuid(uuid: str) -> Optional[HostGpu]:
 
 if __name__ == "__main__":
     if sys.argv[1:] == ["--serve"]:
-        for _request in sys.stdin:  # until the job closes the pipe
-            print(json.dumps([asdict(gpu) for gpu in _read_here()]), flush=True)
+        for request in sys.stdin:  # until the job closes the pipe
+            if request.startswith("free "):
+                print(_free_line(request), flush=True)
+            else:
+                print(json.dumps([asdict(gpu) for gpu in _read_here()]), flush=True)
     else:
         print(json.dumps([asdict(gpu) for gpu in _read_here()]))

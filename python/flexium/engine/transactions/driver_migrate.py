@@ -16,15 +16,19 @@ from flexium.engine.transactions.results import ResultDraft, settle
 
 
 def migrate_by_driver(
-    ctx: OperationContext, plan: MovePlan, notes: tuple[str, ...], *, at_safe_point: bool
+    ctx: OperationContext, plan: MovePlan, notes: tuple[str, ...], *, at_safe_point: bool, headroom: int
 ) -> OperationResult:
     started = time.perf_counter()
     own = plan.of(ctx.logical)  # the job's device: the result names its move
     source, dest = own.source, own.target
     owned = own_before_driver_checkpoint(ctx, OperationKind.MIGRATE, at_safe_point)
     ctx.set_state(EngineState.MIGRATING)
-    prepare, moved, _by_gpu = locked_section.prepare(ctx, OperationKind.MIGRATE)
-    outcomes = locked_section.run(ctx, locked_section.migration_steps(ctx, plan))
+    prepare, moved, by_gpu = locked_section.prepare(ctx, OperationKind.MIGRATE)
+    # The checkpoint of a large job takes seconds, in which another process may take a target's
+    # memory; a restore without room would lose the job (docs/facts.md fact 28). So each target is
+    # looked at again just before the restore, by the rule the target check applied.
+    room = {new: by_gpu[old] + headroom for old, new in plan.pairs if old != new and by_gpu.get(old, 0) > 0}
+    outcomes = locked_section.run(ctx, locked_section.migration_steps(ctx, plan), room=room)
     final = locked_section.process_state(ctx)
     restored = own_restore_succeeded(outcomes)
     if restored:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from typing import Mapping, Optional
 
 from flexium import _C
 from flexium.engine import nvml, pinning_gate, torch_bridge, uncheckpointable_memory
@@ -89,14 +90,21 @@ def resume_steps(plan: MovePlan) -> Steps:
     return [restore_step(plan), _C.Step(_C.StepKind.UNLOCK)], [[], [_C.Step(_C.StepKind.UNLOCK)]]
 
 
-def run(ctx: OperationContext, steps: Steps, *, hold_gil: bool = False) -> list[_C.StepOutcome]:
+def run(
+    ctx: OperationContext, steps: Steps, *, hold_gil: bool = False, room: Optional[Mapping[str, int]] = None
+) -> list[_C.StepOutcome]:
     """Runs a locked section; NVML queries go elsewhere and batches wait to be pinned until the
-    process runs again."""
+    process runs again. `room`: free bytes each GPU (by UUID) must still have just before the
+    restore, asked of the NVML reader from inside the section (csrc/room_check.h); a GPU without
+    them fails the section there, before the restore, with the restore's rollback."""
     if not pinning_gate.GATE.close(PIN_WAIT_S):
         log.warning("a DataLoader thread was still pinning a batch after %.0f s; locking anyway", PIN_WAIT_S)
     nvml.set_frozen(True)
     try:
-        outcomes = list(_C.run_steps(ctx.pid, *steps, hold_gil=hold_gil))
+        with nvml.reader_pipes() as pipes:
+            if room and pipes is not None:
+                steps = _with_room_checks(steps, room, pipes)
+            outcomes = list(_C.run_steps(ctx.pid, *steps, hold_gil=hold_gil))
     finally:
         running = _C.process_state(ctx.pid) == _C.ProcessState.RUNNING
         nvml.set_frozen(not running)
@@ -106,6 +114,15 @@ def run(ctx: OperationContext, steps: Steps, *, hold_gil: bool = False) -> list[
         # What the driver carried through its checkpoint comes back unexportable (docs/fast-path.md fact 11).
         _C.vmm_mark_restored_by_driver()
     return outcomes
+
+
+def _with_room_checks(steps: Steps, room: Mapping[str, int], pipes: tuple[int, int]) -> Steps:
+    """The steps with a room check per GPU inserted before the restore, each undone as the restore is."""
+    calls, rollbacks = steps
+    at = next(i for i, step in enumerate(calls) if step.kind == _C.StepKind.RESTORE)
+    checks = [_C.room_check_step(pipes[0], pipes[1], uuid, needed) for uuid, needed in room.items()]
+    undo = rollbacks[at] if at < len(rollbacks) else []
+    return [*calls[:at], *checks, *calls[at:]], [*rollbacks[:at], *([undo] * len(checks)), *rollbacks[at:]]
 
 
 def process_state(ctx: OperationContext) -> _C.ProcessState:
