@@ -74,7 +74,7 @@ def test_migrate_from_the_command_line(server: Server, job: Job) -> None:
     assert re.search(r"delivered [\d.]+ ms after it was queued", out), out
     assert re.search(
         r"operation [\d.]+ ms, driver path, \(prepare [\d.]+ ms, lock [\d.]+ ms, checkpoint [\d.]+ ms, "
-        r"restore [\d.]+ ms, unlock [\d.]+ ms\); 2\.0 GiB moved",
+        r"room [\d.]+ ms, restore [\d.]+ ms, unlock [\d.]+ ms\); 2\.0 GiB moved",
         out,
     ), out
     assert "RUNNING on cuda:1" in out and "nvidia-smi index 1" in out
