@@ -276,13 +276,17 @@ def reader_pipes() -> Iterator[Optional[tuple[int, int]]]:
 
 
 def _free_line(request: str) -> str:
-    """The reader's answer to "free UUID": the GPU's free bytes, or -1 where NVML cannot tell."""
-    wanted = request.split(None, 1)[1].strip().lower() if " " in request.strip() else ""
+    """The reader's answer to "free UUID": the GPU's free bytes, or -1 where NVML cannot tell. One
+    GPU's memory reading only: it runs inside a move's locked section."""
+    parts = request.split()
+    if len(parts) != 2 or not _ensure_initialized():
+        return "-1"
+    pynvml = _pynvml()
     try:
-        found = [gpu.memory_free for gpu in _read_here() if gpu.uuid.lower() == wanted]
-    except Exception:  # any NVML failure: cannot tell
-        found = []
-    return str(found[0] if found else -1)
+        handle = pynvml.nvmlDeviceGetHandleByUUID(parts[1])
+        return str(int(pynvml.nvmlDeviceGetMemoryInfo(handle).free))
+    except Exception:  # any NVML failure (an unknown GPU included): cannot tell
+        return "-1"
 
 
 def _read_in_child(timeout: float = 30.0) -> list[HostGpu]:
