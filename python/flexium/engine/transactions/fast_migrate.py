@@ -12,11 +12,11 @@ from flexium import _C
 from flexium.engine.fast_path import FastPath, RelocationError, Staged
 from flexium.engine.identity import MovePlan
 from flexium.engine.operations import EngineState, GpuIdentity, OperationKind, OperationResult
-from flexium.engine.step_outcomes import describe_failure, first_failure, own_restore_succeeded, process_lost, timing_of
+from flexium.engine.step_outcomes import describe_failure, first_failure, own_restore_succeeded, timing_of
 from flexium.engine.transactions import locked_section
 from flexium.engine.transactions.context import OperationContext
 from flexium.engine.transactions.own_memory import OWN_SLICE_BYTES
-from flexium.engine.transactions.results import GIB, ResultDraft, note_copied
+from flexium.engine.transactions.results import GIB, ResultDraft, note_copied, settle
 
 
 def migrate_fast(ctx: OperationContext, fast: FastPath, plan: MovePlan, notes: tuple[str, ...]) -> OperationResult:
@@ -78,12 +78,15 @@ def migrate_fast(ctx: OperationContext, fast: FastPath, plan: MovePlan, notes: t
     failure = first_failure(outcomes)
     if final == _C.ProcessState.RUNNING:
         return _bring_home(ctx, fast, draft, failure.step, describe_failure(failure), staged, source)
-    ctx.set_state(EngineState.FAILED)
-    lost = process_lost(outcomes)
-    where = f": {lost}" if lost else f", not RUNNING; its pool memory waits on {dest.device}"
-    return draft.build(
-        failed_step=failure.step,
-        error=f"{describe_failure(failure)}; ROLLBACK FAILED: the process is {final.name}{where}",
+    return settle(
+        ctx,
+        draft,
+        outcomes,
+        final,
+        succeeded=False,
+        on_success=EngineState.RUNNING,
+        rolled_back={},
+        stuck=f", not RUNNING; its pool memory waits on {dest.device}",
     )
 
 

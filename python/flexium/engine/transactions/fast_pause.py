@@ -59,14 +59,8 @@ def pause_fast(ctx: OperationContext, fast: FastPath, source: GpuIdentity, notes
     except RelocationError as exc:
         draft.steps.append(exc.timing)
         return undo(exc.step, str(exc))
-    outcomes = locked_section.run(ctx, locked_section.pause_steps(ctx), hold_gil=True)
-    draft.steps.extend(map(timing_of, outcomes))
-    final = locked_section.process_state(ctx)
-    if final == _C.ProcessState.CHECKPOINTED and not any(o.code for o in outcomes):
-        draft.steps.append(fast.copier_asleep())
-        ctx.paused_bytes = moved
-        ctx.paused_by_gpu = by_gpu
-        ctx.set_state(EngineState.PAUSED)
+    outcomes, final = checkpoint_the_rest(ctx, fast, draft, moved, by_gpu)
+    if ctx.state == EngineState.PAUSED:
         return draft.build(ok=True, notes=copier_notes(fast))
     failure = first_failure(outcomes)
     if final == _C.ProcessState.RUNNING:
@@ -77,3 +71,20 @@ def pause_fast(ctx: OperationContext, fast: FastPath, source: GpuIdentity, notes
         error=f"{describe_failure(failure)}; ROLLBACK FAILED: the process is {final.name}; "
         "its pool memory is in host memory",
     )
+
+
+def checkpoint_the_rest(
+    ctx: OperationContext, fast: FastPath, draft: ResultDraft, held: int, by_gpu: dict[str, int]
+) -> tuple[list[_C.StepOutcome], _C.ProcessState]:
+    """With the pool's segments in host memory: the driver checkpoints the rest of the process and
+    the copier lets go of the GPU; once CHECKPOINTED the job is PAUSED, holding `held` bytes (by
+    GPU UUID `by_gpu`) for its resume. The outcomes and the process state, for a caller's failure."""
+    outcomes = locked_section.run(ctx, locked_section.pause_steps(ctx), hold_gil=True)
+    draft.steps.extend(map(timing_of, outcomes))
+    final = locked_section.process_state(ctx)
+    if final == _C.ProcessState.CHECKPOINTED and not any(o.code for o in outcomes):
+        draft.steps.append(fast.copier_asleep())
+        ctx.paused_bytes = held
+        ctx.paused_by_gpu = by_gpu
+        ctx.set_state(EngineState.PAUSED)
+    return outcomes, final

@@ -13,6 +13,7 @@ from flexium.engine.operations import EngineState, OperationKind, OperationResul
 from flexium.engine.step_outcomes import describe_failure, first_failure, own_restore_succeeded, timing_of
 from flexium.engine.transactions import locked_section
 from flexium.engine.transactions.context import OperationContext
+from flexium.engine.transactions.fast_pause import checkpoint_the_rest
 from flexium.engine.transactions.results import ResultDraft, copier_notes, settle
 from flexium.errors import DriverError
 from flexium.units import gib
@@ -96,13 +97,8 @@ def _pause_again(ctx: OperationContext, fast: FastPath, draft: ResultDraft, erro
     driver checkpoints the rest again (a small image), and the job is paused as before, on the
     GPU it was resumed on."""
     assert draft.target is not None
-    outcomes = locked_section.run(ctx, locked_section.pause_steps(ctx), hold_gil=True)
-    draft.steps.extend(map(timing_of, outcomes))
-    final = locked_section.process_state(ctx)
-    if final == _C.ProcessState.CHECKPOINTED and not any(o.code for o in outcomes):
-        draft.steps.append(fast.copier_asleep())
-        ctx.paused_by_gpu = {draft.target.uuid: ctx.paused_bytes}
-        ctx.set_state(EngineState.PAUSED)
+    outcomes, final = checkpoint_the_rest(ctx, fast, draft, ctx.paused_bytes, {draft.target.uuid: ctx.paused_bytes})
+    if ctx.state == EngineState.PAUSED:
         return draft.build(
             failed_step="copy_back",
             error=f"{error}: another process took memory on {draft.target.device} after the room check; the job is "
