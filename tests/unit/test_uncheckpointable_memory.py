@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import os
 import re
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import pytest
 
@@ -67,6 +67,19 @@ def test_the_fake_checkpoint_refuses_managed_memory_as_the_driver_does(fake: Fak
         free()
 
 
+def refused_untouched(fake: FakeDriver, engine: Any, starts: str, what_to_do: Sequence[str]) -> None:
+    """The pause and the migration are each refused with a message that starts "cannot OP: `starts`"
+    and names what to do, before any checkpoint call; the job runs on where it was."""
+    for name, operation in (("pause", engine.pause), ("migrate", lambda: engine.migrate(engine.gpus[1]))):
+        with pytest.raises(CapabilityError) as caught:
+            operation()
+        message = str(caught.value)
+        assert message.startswith(f"cannot {name}: {starts}"), message
+        assert all(words in message for words in what_to_do), message
+        assert checkpoint_ops(fake) == []
+        assert engine.state == EngineState.RUNNING and fake.physical_of(0) == 0
+
+
 @pytest.mark.parametrize("kind", ["host cuMem", "managed"])
 def test_a_pause_or_move_of_a_process_holding_it_is_refused_before_anything_is_touched(
     fake: FakeDriver, make_engine: Callable[..., Any], kind: str
@@ -77,14 +90,7 @@ def test_a_pause_or_move_of_a_process_holding_it_is_refused_before_anything_is_t
     said = HOST_CUMEM if kind == "host cuMem" else MANAGED
     what_to_do = ("NCCL_CUMEM_HOST_ENABLE=0", "cudaHostAlloc") if kind == "host cuMem" else ("paged_adamw_8bit",)
     try:
-        for name, operation in (("pause", engine.pause), ("migrate", lambda: engine.migrate(engine.gpus[1]))):
-            with pytest.raises(CapabilityError) as caught:
-                operation()
-            message = str(caught.value)
-            assert message.startswith(f"cannot {name}: {said} {free.address:#x}"), message  # type: ignore[attr-defined]
-            assert all(words in message for words in what_to_do), message
-            assert checkpoint_ops(fake) == []
-            assert engine.state == EngineState.RUNNING and fake.physical_of(0) == 0
+        refused_untouched(fake, engine, f"{said} {free.address:#x}", what_to_do)  # type: ignore[attr-defined]
     finally:
         free()
     assert engine.pause().ok  # once it is freed, the job pauses and resumes as any other
@@ -145,14 +151,7 @@ def test_a_process_holding_imported_cuda_memory_is_refused_before_anything_is_to
     fake.set_process_memory(0, GiB)
     engine = make_engine()
     monkeypatch.setattr(imported_memory, "held_now", lambda: imported_memory.Imports(2, 6 * MiB, 0x7F00_0000_0000))
-    for name, operation in (("pause", engine.pause), ("migrate", lambda: engine.migrate(engine.gpus[1]))):
-        with pytest.raises(CapabilityError) as caught:
-            operation()
-        message = str(caught.value)
-        assert message.startswith(f"cannot {name}: {IMPORTED}"), message
-        assert "tensor.clone()" in message and "fact 29" in message, message
-        assert checkpoint_ops(fake) == []
-        assert engine.state == EngineState.RUNNING and fake.physical_of(0) == 0
+    refused_untouched(fake, engine, IMPORTED, ("tensor.clone()", "fact 29"))
     monkeypatch.undo()
     assert engine.pause().ok
     assert engine.resume().ok
