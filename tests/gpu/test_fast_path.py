@@ -270,11 +270,12 @@ def test_memory_the_driver_cannot_checkpoint_is_refused_until_the_job_frees_it(h
     trace is the undisturbed one."""
     gpu0 = uuid_of(host_gpus, 0)
     idle = idle_used()
-    common = (*PLAIN, "--step-sleep", "0.1", "--pause-seconds", "0.5")
+    common = (*PLAIN, "--steps", "50", "--step-sleep", "0.1", "--pause-seconds", "0.5")
     expected = reference(*common)
     refused = ["4:pause", *(["4:migrate:cuda:1"] if len(host_gpus) >= 2 else [])]
-    plan = [arg for item in (*refused, "16:pause", "16:resume") for arg in ("--plan", item)]
-    run = ok_run(run_job(*common, "--hold-memory", f"{kind}:12", *plan, timeout=JOB_TIMEOUT))
+    plan = [arg for item in (*refused, "40:pause", "40:resume") for arg in ("--plan", item)]
+    # Held 36 steps (3.6 s): the keeper of a kept-ready pause looks every 2 s.
+    run = ok_run(run_job(*common, "--hold-memory", f"{kind}:36", *plan, timeout=JOB_TIMEOUT))
     held = run.one("memory_held")["address"]
     said = {
         "managed": "managed memory (1 mapping",
@@ -288,7 +289,13 @@ def test_memory_the_driver_cannot_checkpoint_is_refused_until_the_job_frees_it(h
         assert f"the first at {held:#x}" in op["error"], op["error"]
         assert op["state"] == "RUNNING" and op["result"] is None  # refused before any step ran
         assert_holds(op, gpu0, BALLAST_GB)
-    assert run.one("memory_freed")["intact"] is True  # what the kernel wrote was never touched
+    freed = run.one("memory_freed")
+    assert freed["intact"] is True  # what the kernel wrote was never touched
+    # no host memory was kept pinned for a pause that would have been refused
+    assert freed["kept_pinned"] == 0, freed
+    assert freed["keeper_note"].startswith(
+        f"nothing is kept pinned between pauses: a pause of this job is refused now: this process holds {said}"
+    ), freed
     pause, resume = run.ops[len(refused) :]
     assert pause["result"]["path"] == "fast", summary(run.ops)
     if kind == "managed":

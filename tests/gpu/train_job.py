@@ -38,7 +38,7 @@ import torch.utils.data  # noqa: E402
 
 import flexium  # noqa: E402
 from flexium.api import runtime as flexium_runtime  # noqa: E402
-from flexium.engine import nvml  # noqa: E402
+from flexium.engine import nvml, pinned_budget  # noqa: E402
 
 BATCH = 1024
 PATHS = ("auto", "fast", "driver")
@@ -574,7 +574,12 @@ def main() -> int:
         max_gap = max(max_gap, now - last)
         last = now
         if held is not None and step == int(held_until):
-            emit("memory_freed", step=step, intact=held.free())
+            # What the keeper of a kept-ready pause did while the job held it, and the host memory
+            # this process kept pinned for a pause meanwhile (none: its pause would be refused).
+            keeper = flexium_runtime.current().engine._keeper
+            keeper_note = keeper.note if keeper is not None else None
+            kept_pinned = sum(h.bytes for h in pinned_budget.holders() if h.pid == os.getpid())
+            emit("memory_freed", step=step, intact=held.free(), keeper_note=keeper_note, kept_pinned=kept_pinned)
             held = None
         progress.advance(step)
         if step == 0:

@@ -215,6 +215,38 @@ def test_a_job_whose_pause_would_be_refused_keeps_nothing_pinned_until_it_could_
     job.assert_home(physical=0)
 
 
+def test_a_process_holding_memory_the_driver_cannot_checkpoint_keeps_nothing_pinned_until_it_frees_it(
+    job: Job, budget: Callable[[str], None]
+) -> None:
+    """Its pause would be refused (engine/uncheckpointable_memory.py; here managed memory, as
+    bitsandbytes' paged optimizers make it), so the keeper gives back what it kept and keeps it
+    again once the memory is freed."""
+    budget("1GiB")
+    engine = job.training([2 * MiB, 4 * MiB])
+    keeper = engine._keeper
+    assert keeper is not None and job.fast is not None
+    wait_until(lambda: job.fast is not None and job.fast.keeping, what="the keeper to keep the staging")
+
+    free = job.fake.managed_memory(4 * MiB)
+    try:
+        wait_until(lambda: _C.host_staging_pool_bytes() == 0, what="the kept staging to be given back")
+        assert keeper.note == (
+            "nothing is kept pinned between pauses: a pause of this job is refused now: this process holds "
+            f"managed memory (1 mapping, 4.0 MiB, the first at {free.address:#x}): "  # type: ignore[attr-defined]
+            "the driver's checkpoint refuses it (docs/facts.md fact 27), so the job cannot be paused or moved "
+            "while it holds it. It is made by cudaMallocManaged, e.g. bitsandbytes' paged optimizers: use one "
+            "without paging (adamw_8bit for paged_adamw_8bit), or free it first"
+        )
+        assert not job.fast.keeping and ledger() == {}
+    finally:
+        free()
+    wait_until(lambda: job.fast is not None and job.fast.keeping, what="the keeper to keep the staging again")
+    paused = engine.pause()
+    assert paused.ok and "(0.00 GiB of it newly mapped and touched, 0.00 GiB newly pinned; " in paused.notes[0]
+    assert engine.resume().ok
+    job.assert_home(physical=0)
+
+
 def test_a_pause_that_does_not_fit_the_budget_prepares_its_own_and_gives_it_back(
     job: Job, budget: Callable[[str], None]
 ) -> None:

@@ -137,7 +137,7 @@ class Engine:
                     and not self._operation_lock.locked()
                     and self._safe_points.steps_seen > 0
                 ),
-                refused=self._job_refusal,
+                refused=self._pause_refusal,
             )
             self._keeper.start()
 
@@ -221,11 +221,16 @@ class Engine:
             return "the memory pool is not in use"
         return self._ctx.fast.blocker(self._ctx.logical) or self._memory_on_other_gpus()
 
-    def _job_refusal(self) -> Optional[str]:
-        """Why a pause of this process's multi-process job would be refused whenever it came, by the
-        rule its operations apply (job_operation.job_problem); None for one process or a job that can."""
+    def _pause_refusal(self) -> Optional[str]:
+        """Why a pause of this job would be refused whenever it came, by the rules its pause applies:
+        its multi-process job's (job_operation.job_problem), then memory of this process the driver
+        cannot checkpoint (uncheckpointable_memory.problem); None: it could run. The keeper asks
+        from its own thread between operations: a look that meets a checkpoint waits in the driver
+        until the restore, holding nothing the operation needs (the scan releases the GIL)."""
         job = membership.describe()
-        return job_operation.job_problem(job) if job.multi_process else None
+        if job.multi_process and (refusal := job_operation.job_problem(job)) is not None:
+            return refusal
+        return uncheckpointable_memory.problem()
 
     def _memory_on_other_gpus(self) -> Optional[str]:
         """The pool is on the job's own GPU only; memory the process holds on another (PyTorch's own
