@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from typing import Any
@@ -85,3 +86,44 @@ def test_the_driver_cannot_restore_host_cumem_memory_and_the_process_is_lost() -
         end_process_group(job, lambda seconds: job.wait(seconds))
         job.wait(30)  # reaped after a SIGKILL too; a process the kill cannot end fails here
         _keep_log(("unrestorable_job.py",), None, job.returncode, output.text, "")
+
+
+def test_the_room_check_before_a_restore_asks_nvml_and_a_refusal_rolls_back_in_place() -> None:
+    """csrc/room_check.h on one GPU, against the real driver and NVML: the process checkpoints
+    itself and asks its NVML reader process (engine/nvml.py --serve) over its pipes how much the GPU
+    has free. Needing more than the GPU has, the restore is not tried and the rollback restores the
+    process in place, its memory intact (docs/facts.md fact 28: a restore without room loses the
+    job); needing what it holds, the restore runs."""
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "room_check_job.py")], capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cases = {c["case"]: c for c in (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{"))}
+    uuid, total = cases["gpu"]["uuid"], cases["gpu"]["total"]
+
+    refused = cases["refused"]
+    steps = [(o["step"], o["rollback"], o["error"]) for o in refused["outcomes"]]
+    assert steps == [
+        ("lock", False, ""),
+        ("checkpoint", False, ""),
+        ("room", False, "CUDA_ERROR_OUT_OF_MEMORY"),
+        ("restore", True, ""),
+        ("unlock", True, ""),
+    ], refused["outcomes"]
+    said = re.fullmatch(rf"{uuid} has (\d+) MiB free, the restore needs (\d+) MiB", refused["outcomes"][2]["text"])
+    assert said is not None, refused["outcomes"][2]
+    # checkpointed, the process holds nothing there: nearly the whole GPU is free
+    assert total // 2 < int(said[1]) << 20 <= total and int(said[2]) << 20 == refused["needed"], said.groups()
+    assert refused["outcomes"][2]["seconds"] < 0.5, refused["outcomes"][2]
+    assert refused["state"] == "RUNNING" and refused["intact"], refused
+
+    passed = cases["passed"]
+    assert [(o["step"], o["code"]) for o in passed["outcomes"]] == [
+        ("lock", 0),
+        ("checkpoint", 0),
+        ("room", 0),
+        ("restore", 0),
+        ("unlock", 0),
+    ], passed["outcomes"]
+    assert passed["outcomes"][2]["text"] == "", passed["outcomes"][2]  # answered, not "not checked"
+    assert passed["state"] == "RUNNING" and passed["intact"], passed
