@@ -299,8 +299,8 @@ def test_memory_the_driver_cannot_checkpoint_is_refused_until_the_job_frees_it(h
     pause, resume = run.ops[len(refused) :]
     assert pause["result"]["path"] == "fast", summary(run.ops)
     if kind == "managed":
-        # A process that used managed memory leaves memory on its GPU that NVML counts for no
-        # process, freed or not (127 MiB over idle, docs/facts.md fact 27): only its own is checked.
+        # A job that used managed memory leaves 124-128 MiB on its GPU while paused, counted for
+        # no process, beside its copier process (docs/facts.md fact 27): only its own is checked.
         assert pause["nvml"][gpu0]["ours"] == 0, pause["nvml"]
     else:
         assert_left(pause, gpu0, idle)
