@@ -19,6 +19,13 @@ from flexium.errors import DriverError
 from flexium.units import gib
 
 STILL_PAUSED = "the job is still paused and can be resumed again"
+# The one case a restore refused for its arguments does not cover: memory imported from another
+# process that flexium cannot see (uncheckpointable_memory.py finds PyTorch's imports only).
+UNLESS_IMPORTED = (
+    ", unless this process holds CUDA memory imported from another process outside PyTorch (CuPy, "
+    "cuIpcOpenMemHandle): the driver cannot restore such a process (docs/facts.md fact 29), the next resume "
+    "then fails with CUDA_ERROR_OPERATING_SYSTEM, and the job must be started again from its last checkpoint"
+)
 
 
 def resume(ctx: OperationContext, plan: MovePlan) -> OperationResult:
@@ -56,8 +63,16 @@ def resume(ctx: OperationContext, plan: MovePlan) -> OperationResult:
         final,
         succeeded=succeeded,
         on_success=EngineState.RUNNING,
-        rolled_back={_C.ProcessState.CHECKPOINTED: (EngineState.PAUSED, STILL_PAUSED)},
+        rolled_back={_C.ProcessState.CHECKPOINTED: (EngineState.PAUSED, _still_paused(outcomes))},
     )
+
+
+def _still_paused(outcomes: list[_C.StepOutcome]) -> str:
+    """What a failed restore that left the process checkpointed means for the job."""
+    refused = [o for o in outcomes if o.step == "restore" and not o.rollback and o.code != 0]
+    if refused and refused[0].error_name == "CUDA_ERROR_INVALID_VALUE":
+        return STILL_PAUSED + UNLESS_IMPORTED
+    return STILL_PAUSED
 
 
 def _bring_back_from_host(ctx: OperationContext, fast: FastPath, draft: ResultDraft) -> OperationResult:
