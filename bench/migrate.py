@@ -32,11 +32,13 @@ path maps, touches and pins its host staging then, unless it was kept from befor
 "prep s" from the request to the start of the pause at the safe point, and the longest and the
 median step of the steps that ended in that time (bench_job.preparation).
 
-"free s" (pause rows): the time to a free GPU, from the request to the first NVML reading that
-shows no memory of the job or of its children (the copier) on any GPU, read every 5 ms by this
-process (the clocks of both processes are CLOCK_MONOTONIC). Each pool job pauses twice: the first
-pause may find its staging still being prepared ("staging": made at the pause), the second finds
-it kept from the first ("kept"). Goals: FREE_GOALS.
+"free s": the time to a free GPU, from the request to the first NVML reading that shows no memory
+of the job or of its children (the copier) on any GPU (pause rows) or on the GPU it left (migrate
+rows: parking the job on another GPU with room frees its GPU without any pinned host memory), read
+every 5 ms by this process (the clocks of both processes are CLOCK_MONOTONIC). Each pool job pauses
+twice: the first pause may find its staging still being prepared ("staging": made at the pause),
+the second finds it kept from the first ("kept"). Goals: FREE_GOALS, for the pauses; the fast
+migrations' are shown beside them.
 """
 
 from __future__ import annotations
@@ -69,6 +71,8 @@ GOALS = (  # (size GiB, op, seconds): downtime minus one step of the fast path, 
 PAUSE_GOAL_SIZES = {size for size, op, _limit in GOALS if op in ("pause", "resume")}
 FREE_GOALS = ((16.0, 1.5), (64.0, 4.0))  # (size GiB, seconds from a pause's request to a free GPU)
 NVML_EVERY_S = 0.005
+# A reading: when (perf_counter), and the bytes the job's family held on each GPU (by UUID) then.
+GpuUse = tuple[float, dict[str, int]]
 COLUMNS = (
     "size GiB",
     "op",
@@ -114,7 +118,7 @@ class JobRun:
         self.timed_out = False
         self.stderr = ""
         self.seconds = 0.0
-        self.gpu_use: list[tuple[float, int]] = []  # (perf_counter, bytes of the job's family on the GPUs)
+        self.gpu_use: list[GpuUse] = []
 
     def first(self, name: str) -> Optional[dict[str, Any]]:
         return next((e for e in self.events if e.get("event") == name), None)
@@ -203,12 +207,12 @@ def run_job(
 
 
 class GpuUseWatcher(threading.Thread):
-    """Reads NVML every NVML_EVERY_S: the GPU memory of a process and of its descendants."""
+    """Reads NVML every NVML_EVERY_S: the GPU memory of a process and of its descendants, per GPU."""
 
     def __init__(self, pid: int) -> None:
         super().__init__(daemon=True, name="gpu-use")
         self.pid = pid
-        self.samples: list[tuple[float, int]] = []
+        self.samples: list[GpuUse] = []
         self._halt = threading.Event()
 
     def run(self) -> None:
@@ -216,19 +220,23 @@ class GpuUseWatcher(threading.Thread):
             import pynvml
 
             pynvml.nvmlInit()
-            handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+            handles = {}
+            for index in range(pynvml.nvmlDeviceGetCount()):
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                uuid = pynvml.nvmlDeviceGetUUID(handle)
+                handles[uuid.decode() if isinstance(uuid, bytes) else str(uuid)] = handle
         except Exception as exc:  # no NVML: the "free s" column stays empty
             log(f"   (NVML unavailable, no time to a free GPU: {type(exc).__name__}: {exc})")
             return
         while not self._halt.wait(NVML_EVERY_S):
             family = self._family()
-            used = 0
-            for handle in handles:
+            used: dict[str, int] = {}
+            for uuid, handle in handles.items():
                 try:
                     processes = pynvml.nvmlDeviceGetComputeRunningProcesses(handle)
                 except pynvml.NVMLError:
                     continue
-                used += sum(p.usedGpuMemory or 0 for p in processes if p.pid in family)
+                used[uuid] = sum(p.usedGpuMemory or 0 for p in processes if p.pid in family)
             self.samples.append((time.perf_counter(), used))
 
     def _family(self) -> set[int]:
@@ -246,20 +254,31 @@ class GpuUseWatcher(threading.Thread):
                 continue
         return found
 
-    def finish(self) -> list[tuple[float, int]]:
+    def finish(self) -> list[GpuUse]:
         self._halt.set()
         self.join(timeout=5)
         return self.samples
 
 
-def time_to_free(samples: list[tuple[float, int]], request: Optional[float]) -> Optional[float]:
-    """From `request` to the first reading after it with no memory of the job's family on any GPU."""
+def time_to_free(samples: list[GpuUse], request: Optional[float], gpu: Optional[str] = None) -> Optional[float]:
+    """From `request` to the first reading after it with no memory of the job's family on `gpu`
+    (a UUID), or on any GPU."""
     if request is None:
         return None
-    after = [(t, used) for t, used in samples if t >= request]
+    after = [(t, used.get(gpu, 0) if gpu is not None else sum(used.values())) for t, used in samples if t >= request]
     if not after or after[0][1] == 0:
         return None  # nothing held when asked, or no readings: not a measurement
-    return next((t - request for t, used in after if used == 0), None)
+    return next((t - request for t, held in after if held == 0), None)
+
+
+def freed(op: dict[str, Any], result: dict[str, Any], samples: list[GpuUse]) -> Optional[float]:
+    """A row's "free s": a pause frees every GPU, a migration the GPU it left."""
+    if op["op"] == "pause":
+        return time_to_free(samples, op.get("t0"))
+    source = (result.get("source") or {}).get("uuid")
+    if op["op"] == "migrate" and source is not None:
+        return time_to_free(samples, op.get("t0"), gpu=source)
+    return None
 
 
 def report_failure(run: JobRun) -> None:
@@ -464,7 +483,7 @@ def rows_of(size: float, run: JobRun) -> list[dict[str, Any]]:
                 "prep_steps": timing.get("prep_steps"),
                 "prep_max_step": timing.get("prep_max_step"),
                 "prep_median_step": timing.get("prep_median_step"),
-                "free": time_to_free(run.gpu_use, op.get("t0")) if op["op"] == "pause" else None,
+                "free": freed(op, result, run.gpu_use),
                 "staging": staging_of(result) if op["op"] == "pause" and path == "fast" else None,
                 "newly_pinned": newly_pinned_of(result) if op["op"] == "pause" and path == "fast" else None,
                 "notes": result.get("notes", []),
@@ -614,21 +633,28 @@ def print_goals(checked: list[dict[str, Any]]) -> None:
         print(f"  {mark} {goal['op']} {goal['size_gb']:g} GiB <= {goal['limit']:g} s: {measured}")
 
 
+# How a GPU is freed, as the "Time to a free GPU" lines name it: a fast pause that found its
+# staging kept or made it, or a fast migration to another GPU with room (the job parked there).
+FREEING = {"kept": "pause, staging kept", "made": "pause, staging made", "parked": "migrate (parked elsewhere)"}
+
+
 def free_goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Time to a free GPU per size and staging (kept / made), the median of its fast pauses."""
+    """Time to a free GPU per size and way (FREEING), the median of its fast operations."""
+
+    def way(row: dict[str, Any]) -> Optional[str]:
+        if row["op"] == "migrate":
+            return "parked"
+        return row.get("staging") if row["op"] == "pause" else None
+
     checked = []
     for size, limit in FREE_GOALS:
-        for staging in ("kept", "made"):
-            runs = [
-                r["free"]
-                for r in rows
-                if r["size_gb"] == size and r["op"] == "pause" and r["path"] == "fast" and r.get("staging") == staging
-            ]
+        for freeing in FREEING:
+            runs = [r["free"] for r in rows if r["size_gb"] == size and r["path"] == "fast" and way(r) == freeing]
             runs = [f for f in runs if f is not None]
             median = statistics.median(runs) if runs else None
             met = None if median is None else median <= limit
             checked.append(
-                {"size_gb": size, "staging": staging, "limit": limit, "runs": runs, "median": median, "met": met}
+                {"size_gb": size, "freeing": freeing, "limit": limit, "runs": runs, "median": median, "met": met}
             )
     return checked
 
@@ -636,7 +662,8 @@ def free_goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def print_free_goals(checked: list[dict[str, Any]]) -> None:
     budget = os.environ.get("FLEXIUM_PINNED_HOST_MEMORY") or "the default, 25% of the host's memory"
     print(
-        f"\nTime to a free GPU (pause request to no memory of the job on any GPU; pinned host memory budget: {budget}):"
+        "\nTime to a free GPU (request to no memory of the job on any GPU, or for a migration on the GPU it left; "
+        f"pinned host memory budget: {budget}):"
     )
     for goal in checked:
         mark = {True: "[x]", False: "[ ]", None: "[?]"}[goal["met"]]
@@ -644,7 +671,7 @@ def print_free_goals(checked: list[dict[str, Any]]) -> None:
         measured = "not measured" if goal["median"] is None else f"{goal['median']:.3f} s"
         if len(runs) > 1:
             measured += f" (median of {', '.join(f'{r:.3f}' for r in runs)})"
-        print(f"  {mark} pause {goal['size_gb']:g} GiB, staging {goal['staging']}: <= {goal['limit']:g} s: {measured}")
+        print(f"  {mark} {FREEING[goal['freeing']]} {goal['size_gb']:g} GiB: <= {goal['limit']:g} s: {measured}")
 
 
 def print_machine(bandwidth: Optional[dict[str, Any]], fixed: Optional[dict[str, Any]]) -> None:
@@ -869,6 +896,8 @@ def main() -> int:
         " move's copies become the job's own there, outside the downtime)."
         f"\n{IN_PROCESS_PATH}: the fast path with its host copies in the job's process (FLEXIUM_HOST_COPIER=0);"
         " fast: in the copier process (the default)."
+        "\nfree s: request -> no memory of the job (its copier included) on any GPU (pause rows), or on the GPU it"
+        " left (migrate rows)."
     )
     print(
         "prep (pause rows): request -> the pause's start at the safe point (the fast path pins its host staging"
@@ -889,8 +918,8 @@ def main() -> int:
     print_machine(bandwidth, fixed)
     checked = goals(rows, migrate_measured=migrate)
     print_goals(checked)
-    freed = free_goals(rows)
-    print_free_goals(freed)
+    free_checked = free_goals(rows)
+    print_free_goals(free_checked)
     elapsed = time.perf_counter() - started
     print(f"\n{len(jobs)} jobs in {elapsed:.0f} s" + (f"; FAILED: {', '.join(failures)}" if failures else ""))
     if args.json:
@@ -905,7 +934,7 @@ def main() -> int:
                     "fixed": fixed,
                     "rows": rows,
                     "goals": checked,
-                    "free_goals": freed,
+                    "free_goals": free_checked,
                     "failures": failures,
                     "seconds": elapsed,
                     "jobs": [job.to_dict() for job in jobs],
