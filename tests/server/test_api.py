@@ -656,3 +656,19 @@ def test_heartbeat_pending_devices_throttled(api: Api) -> None:
     api.ctx.device_writes.clear()
     assert api.post("/processes/gpu-1/heartbeat", hb).status_code == 200
     assert api.get("/devices").json()["hosts"][0]["devices"][0]["memory_used"] == 50 * GIB
+
+
+def test_the_heartbeat_after_a_command_ends_writes_its_gpus_at_once(api: Api) -> None:
+    """A pause or move changes where the job's memory is: the job's heartbeat right after it ends
+    is stored with its GPUs, within device_write_interval_s of the last report or not."""
+    api.register()
+    moved = {"devices": [gpu(0), gpu(1), gpu(2, used=10 * GIB), gpu(3)]}
+    cmd = api.command("migrate", target="GPU-0002").json()
+    assert api.get("/processes/gpu-1/commands/next?wait=0").status_code == 200
+    assert api.post(f"/commands/{cmd['id']}/report", {"state": "running"}).status_code == 200
+    assert api.post("/processes/gpu-1/heartbeat", moved).status_code == 200  # still running: throttled
+    assert [d["memory_used"] for d in api.get("/devices").json()["hosts"][0]["devices"]][:3] == [10 * GIB, 0, 0]
+    result = {"kind": "migrate", "path": "fast", "ok": True, "seconds": 0.8}
+    assert api.post(f"/commands/{cmd['id']}/report", {"state": "succeeded", "result": result}).status_code == 200
+    assert api.post("/processes/gpu-1/heartbeat", moved).status_code == 200
+    assert [d["memory_used"] for d in api.get("/devices").json()["hosts"][0]["devices"]][:3] == [0, 0, 10 * GIB]

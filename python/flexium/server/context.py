@@ -128,6 +128,14 @@ class ServerContext:
     def devices_written(self, workspace_id: int, host: str, now: float) -> None:
         self.device_writes[(workspace_id, host)] = now
 
+    def devices_due(self, workspace_id: int, process_id: str) -> None:
+        """The next GPU report of the process's host is written whenever it comes: a command just
+        ended there, and the job's heartbeat right after it shows where its memory went (the GPU
+        cards would otherwise show the job on the GPU it left for up to device_write_interval_s)."""
+        host = self.process_hosts.get((workspace_id, process_id))
+        if host is not None:
+            self.device_writes.pop((workspace_id, host), None)
+
     def forget_process(self, workspace_id: int, process_id: str) -> None:
         self.process_hosts.pop((workspace_id, process_id), None)
         self.snapshots.pop((workspace_id, process_id), None)

@@ -334,6 +334,7 @@ async def report_command(
         ctx.publish(workspace_id, protocol.EVENT_PROCESS, {"action": "updated", "process": process})
     _command_changed(ctx, workspace_id, command)
     if command.state in protocol.FINAL_COMMAND_STATES:
+        ctx.devices_due(workspace_id, command.process_id)
         ctx.metrics.commands_finished.labels(kind=command.kind, outcome=command.state).inc()
         seconds = command.result.seconds if command.result is not None else None
         if seconds is None or seconds < 0:
