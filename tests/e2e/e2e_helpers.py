@@ -39,7 +39,9 @@ class Server:
     """``python -m flexium.server`` (what ``flexium server`` runs) on a SQLite file; restartable
     on the same port and database."""
 
-    def __init__(self, tmp: Path, *, port: Optional[int] = None) -> None:
+    def __init__(
+        self, tmp: Path, *, port: Optional[int] = None, options: Sequence[str] = ("--stale-after", "20")
+    ) -> None:
         self.tmp = tmp
         self.home = tmp / "home"
         self.home.mkdir(parents=True, exist_ok=True)
@@ -48,8 +50,7 @@ class Server:
             self.home,
             "--heartbeat-interval",
             str(HEARTBEAT_S),
-            "--stale-after",
-            "20",
+            *options,
             database=self.database,
             port=port,
             env=clean_env(self.home),

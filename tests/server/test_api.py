@@ -669,6 +669,12 @@ def test_the_heartbeat_after_a_command_ends_writes_its_gpus_at_once(api: Api) ->
     assert api.post("/processes/gpu-1/heartbeat", moved).status_code == 200  # still running: throttled
     assert [d["memory_used"] for d in api.get("/devices").json()["hosts"][0]["devices"]][:3] == [10 * GIB, 0, 0]
     result = {"kind": "migrate", "path": "fast", "ok": True, "seconds": 0.8}
-    assert api.post(f"/commands/{cmd['id']}/report", {"state": "succeeded", "result": result}).status_code == 200
-    assert api.post("/processes/gpu-1/heartbeat", moved).status_code == 200
+    final = {"state": "succeeded", "result": result, "process": {"state": "RUNNING", "seq": 2000}}
+    assert api.post(f"/commands/{cmd['id']}/report", final).status_code == 200
+    # A beat older than the final report (its GPUs read while the job was checkpointed: its memory
+    # nowhere) is not stored, and leaves the write due for the next.
+    during = {"devices": [gpu(0), gpu(1), gpu(2), gpu(3)], "seq": 1999}
+    assert api.post("/processes/gpu-1/heartbeat", during).status_code == 200
+    assert [d["memory_used"] for d in api.get("/devices").json()["hosts"][0]["devices"]][:3] == [10 * GIB, 0, 0]
+    assert api.post("/processes/gpu-1/heartbeat", {**moved, "seq": 2001}).status_code == 200
     assert [d["memory_used"] for d in api.get("/devices").json()["hosts"][0]["devices"]][:3] == [0, 0, 10 * GIB]

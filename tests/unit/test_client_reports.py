@@ -8,9 +8,14 @@ from dataclasses import replace
 
 import pytest
 
-from flexium.client.reports import gpu_reports
+from flexium.client.reports import GpuReading, body_seq, gpu_reports
 from flexium.engine.nvml import HostGpu
 from flexium.engine.operations import GpuIdentity, OperationKind, OperationResult, StepTiming
+
+
+def no_gpus() -> GpuReading:
+    """A reading of a host where NVML sees no GPU, taken now."""
+    return GpuReading(body_seq(), [])
 
 
 def _gpu(health: str) -> HostGpu:
@@ -67,12 +72,26 @@ def test_every_body_carries_a_growing_seq() -> None:
     session = SimpleNamespace(engine=None, logical_device="cpu", capabilities=None, process_id="cpu-1")
     reporter = ProcessReporter(session)  # type: ignore[arg-type]
     seqs = [
-        reporter.register_body([]).seq,
-        reporter.heartbeat_body([]).seq,
+        reporter.register_body(no_gpus()).seq,
+        reporter.heartbeat_body(no_gpus()).seq,
         reporter.process_update().seq,
-        reporter.heartbeat_body([]).seq,
+        reporter.heartbeat_body(no_gpus()).seq,
     ]
     assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+
+
+def test_a_body_is_no_newer_than_the_gpus_it_reports() -> None:
+    """GPUs read during an operation (the job's memory nowhere while checkpointed) and sent after its
+    final report are older than that report: the server keeps what the report said."""
+    from types import SimpleNamespace
+
+    from flexium.client.reports import ProcessReporter
+
+    session = SimpleNamespace(engine=None, logical_device="cpu", capabilities=None, process_id="cpu-1")
+    reporter = ProcessReporter(session)  # type: ignore[arg-type]
+    during = no_gpus()
+    final = reporter.process_update()
+    assert reporter.heartbeat_body(during).seq < final.seq < reporter.heartbeat_body(no_gpus()).seq
 
 
 def test_the_fast_path_status_goes_out_with_the_capabilities() -> None:
@@ -108,7 +127,7 @@ def test_a_process_without_an_engine_says_it_is_on_no_gpu() -> None:
     from flexium.client.reports import ProcessReporter
 
     session = SimpleNamespace(engine=None, logical_device="cpu", capabilities=None, process_id="cpu-1")
-    sent = _body(ProcessReporter(session).heartbeat_body([]))  # type: ignore[arg-type]
+    sent = _body(ProcessReporter(session).heartbeat_body(no_gpus()))  # type: ignore[arg-type]
     assert sent["gpu_uuid"] is None and "gpu_index" not in sent and "physical_device" not in sent
     assert "footprint_bytes" in sent and "gpu_model" not in sent
 
@@ -128,9 +147,9 @@ def test_a_paused_process_names_the_gpu_it_paused_on() -> None:
     )
     session = SimpleNamespace(engine=engine, logical_device="cuda:0", capabilities=None, process_id="gpu-1")
     reporter = ProcessReporter(session)  # type: ignore[arg-type]
-    beat = _body(reporter.heartbeat_body([]))
+    beat = _body(reporter.heartbeat_body(no_gpus()))
     assert beat["state"] == "PAUSED" and beat["gpu_uuid"] == "GPU-1" and "physical_device" not in beat
-    registered = reporter.register_body([])
+    registered = reporter.register_body(no_gpus())
     assert registered.gpu_uuid == "GPU-1" and registered.visible_gpus == ["GPU-0", "GPU-1"]
 
 
@@ -162,7 +181,7 @@ def test_the_capabilities_go_out_as_the_keys_they_always_had() -> None:
     assert json.dumps(sent) == json.dumps(before)
 
     cpu = SimpleNamespace(engine=None, logical_device="cpu", capabilities=None, process_id="cpu-1")
-    body = _body(ProcessReporter(cpu).register_body([]))  # type: ignore[arg-type]
+    body = _body(ProcessReporter(cpu).register_body(no_gpus()))  # type: ignore[arg-type]
     assert list(body["capabilities"]) == ["pause_resume", "migration", "problems", "fast_path", "fast_path_problem"]
     assert body["capabilities"]["pause_resume"] is False and body["capabilities"]["fast_path"] is False
     assert "engine is not running" in body["capabilities"]["problems"][0]
@@ -228,7 +247,7 @@ def test_a_job_started_with_an_argument_that_is_not_utf8_registers_with_it_clean
 
     monkeypatch.setattr(sys, "orig_argv", ["python", "train.py", "donn\udce9es.csv"])
     session = SimpleNamespace(engine=None, logical_device="cpu", capabilities=None, process_id="cpu-1")
-    body = ProcessReporter(session).register_body([])  # type: ignore[arg-type]
+    body = ProcessReporter(session).register_body(no_gpus())  # type: ignore[arg-type]
     assert body.cmdline == "python train.py 'donn\ufffdes.csv'"
     wire.RegisterRequest.model_validate_json(body.model_dump_json())  # the server reads it
 
@@ -244,7 +263,7 @@ def test_heartbeats_carry_the_steps_counted_and_the_loss_reported() -> None:
     progress = TrainingProgress()
     session = SimpleNamespace(engine=None, logical_device="cpu", capabilities=None, process_id="cpu-1")
     reporter = ProcessReporter(session, progress)  # type: ignore[arg-type]
-    body = reporter.heartbeat_body([])
+    body = reporter.heartbeat_body(no_gpus())
     assert "steps" not in body.model_fields_set and "loss" not in body.model_fields_set  # nothing known: nothing said
     assert progress.install()
     try:
@@ -254,13 +273,14 @@ def test_heartbeats_carry_the_steps_counted_and_the_loss_reported() -> None:
             weight.sum().backward()
             optimizer.step()
         progress.record(loss=0.75)
-        body = reporter.heartbeat_body([])
+        body = reporter.heartbeat_body(no_gpus())
         assert (body.steps, body.loss) == (3, 0.75)
-        assert (reporter.register_body([]).steps, reporter.register_body([]).loss) == (3, 0.75)
+        registered = reporter.register_body(no_gpus())
+        assert (registered.steps, registered.loss) == (3, 0.75)
         progress.record(loss=float("nan"))  # the wire carries finite numbers only: not sent
-        assert "loss" not in reporter.heartbeat_body([]).model_fields_set
+        assert "loss" not in reporter.heartbeat_body(no_gpus()).model_fields_set
         progress.record(step=1000)  # a loop without torch.optim states its own count
-        assert reporter.heartbeat_body([]).steps == 1000
+        assert reporter.heartbeat_body(no_gpus()).steps == 1000
         with pytest.raises(ValueError, match="count of steps"):
             progress.record(step=-1)
     finally:

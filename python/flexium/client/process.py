@@ -25,8 +25,7 @@ from flexium import protocol, wire
 from flexium.api.progress import PROGRESS
 from flexium.client.contracts import TrainingProcess
 from flexium.client.http import ApiClient, Backoff, NotFound, Refused, ServerError, Unauthorized, UnreadableCommand
-from flexium.client.reports import ProcessReporter, operation_report, visible_gpus
-from flexium.engine import nvml
+from flexium.client.reports import GpuReading, ProcessReporter, operation_report, visible_gpus
 from flexium.engine.distributed.job_operation import JobOperation
 from flexium.engine.operations import EngineState, OperationKind, OperationResult
 from flexium.errors import (
@@ -153,9 +152,9 @@ class ProcessClient:
 
     def _register(self) -> bool:
         try:
-            gpus = nvml.host_gpus()
+            reading = GpuReading.take()
             with self._send_lock:
-                body = self.reporter.register_body(gpus)
+                body = self.reporter.register_body(reading)
                 answer = self.api.register(body, timeout=REGISTER_TIMEOUT_S)
         except Unauthorized as exc:
             self._lost(
@@ -202,10 +201,10 @@ class ProcessClient:
             self._registered.clear()
             return
         try:
-            gpus = nvml.host_gpus()
+            reading = GpuReading.take()  # outside the lock: a frozen process's read takes a child process
             with self._send_lock:
                 answer = self.api.heartbeat(
-                    self.process_id, self.reporter.heartbeat_body(gpus), timeout=HEARTBEAT_TIMEOUT_S
+                    self.process_id, self.reporter.heartbeat_body(reading), timeout=HEARTBEAT_TIMEOUT_S
                 )
         except (NotFound, Unauthorized) as exc:
             log.info("the server does not know this process any more (%s): registering again", exc.message)

@@ -16,6 +16,7 @@ import shlex
 import socket
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from pydantic import ValidationError
@@ -83,6 +84,22 @@ def body_seq() -> int:
     monotonic clock grows across every client this process (or host, until a reboot, when
     the job registers afresh anyway) ever runs, where a counter would restart with a new one."""
     return time.monotonic_ns()
+
+
+@dataclass(frozen=True)
+class GpuReading:
+    """The host's GPUs as NVML read them, with the ``seq`` taken just before the read, which a
+    body built from them carries. An operation may end between the read (during it, with the
+    process checkpointed: none of its memory anywhere) and the body: the server must then take
+    the body for what it is, older than the operation's final report (``wire.HeartbeatRequest``)."""
+
+    seq: int
+    gpus: list[nvml.HostGpu]
+
+    @classmethod
+    def take(cls) -> "GpuReading":
+        seq = body_seq()
+        return cls(seq, nvml.host_gpus())
 
 
 def visible_gpus(engine: EngineControl) -> list[str]:
@@ -225,11 +242,10 @@ class ProcessReporter:
 
     # ---- bodies -----------------------------------------------------------------------------
 
-    def register_body(self, gpus: list[nvml.HostGpu]) -> wire.RegisterRequest:
+    def register_body(self, reading: GpuReading) -> wire.RegisterRequest:
         from flexium import __version__
 
-        seq = body_seq()
-        memory, footprint = self.memory(gpus)
+        memory, footprint = self.memory(reading.gpus)
         placement = self.placement()
         engine = self.engine
         caps = self.training.capabilities
@@ -253,20 +269,19 @@ class ProcessReporter:
             cmdline=_short(
                 " ".join(shlex.quote(a) for a in getattr(sys, "orig_argv", sys.argv)), protocol.MAX_LONG_TEXT
             ),
-            devices=gpu_reports(gpus, self.pid),
-            seq=seq,
+            devices=gpu_reports(reading.gpus, self.pid),
+            seq=reading.seq,
             job=job_membership(),
             **self._progress(),
         )
 
-    def heartbeat_body(self, gpus: list[nvml.HostGpu]) -> wire.HeartbeatRequest:
-        seq = body_seq()
-        memory, footprint = self.memory(gpus)
+    def heartbeat_body(self, reading: GpuReading) -> wire.HeartbeatRequest:
+        memory, footprint = self.memory(reading.gpus)
         body = wire.HeartbeatRequest(
             state=self.state(),
             memory_bytes=memory,
-            devices=gpu_reports(gpus, self.pid),
-            seq=seq,
+            devices=gpu_reports(reading.gpus, self.pid),
+            seq=reading.seq,
             **_stated(self.placement()),
             **self._progress(),
         )

@@ -108,7 +108,7 @@ async def heartbeat(
     ctx.snapshots[key] = outcome.snapshot
     ctx.command_pending(workspace_id, process_id, outcome.pending_command)
     ctx.process_hosts[key] = outcome.host
-    if write_devices:
+    if outcome.devices_written:  # not a beat older than what the server knows: the next one is due
         ctx.devices_written(workspace_id, outcome.host, now)
         ctx.publish(workspace_id, protocol.EVENT_DEVICES, {"host": outcome.host})
     if outcome.changed is not None:

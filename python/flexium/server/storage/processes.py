@@ -125,6 +125,7 @@ class HeartbeatOutcome:
     pending_command: Optional[int]
     changed: Optional[wire.ProcessInfo]  # the process, when a watched field changed
     snapshot: ProcessSnapshot
+    devices_written: bool = False  # its GPU report was stored (not when older than what is known)
 
 
 def find_process(*, session: Session, workspace_id: int, process_id: str, for_update: bool = False) -> Process:
@@ -309,7 +310,8 @@ def heartbeat(
     apply_process_update(row, report)
     _apply_footprint(row, footprint=report.footprint_bytes)
     row.last_seen = now
-    if write_devices and report.devices:
+    devices_written = write_devices and bool(report.devices)
+    if devices_written:
         _apply_held_by_gpu(row, report.devices)
         upsert_devices(session=session, workspace_id=workspace_id, host=row.host, devices=report.devices, now=now)
     pending = session.scalar(
@@ -326,7 +328,13 @@ def heartbeat(
             stale_after=stale_after,
             active=active_command(session=session, process_pk=row.pk),
         )
-    return HeartbeatOutcome(host=row.host, pending_command=pending, changed=changed, snapshot=ProcessSnapshot.of(row))
+    return HeartbeatOutcome(
+        host=row.host,
+        pending_command=pending,
+        changed=changed,
+        snapshot=ProcessSnapshot.of(row),
+        devices_written=devices_written,
+    )
 
 
 def record_beats(*, session: Session, beats: dict[int, float], progress: Optional[dict[int, Progress]] = None) -> int:

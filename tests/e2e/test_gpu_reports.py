@@ -1,0 +1,71 @@
+"""The GPUs the server shows follow a move or a pause at once: a host's GPU report is stored at
+most every --device-write-interval (here 30 s, longer than the test), except the one a job sends
+right after its command ended. A training process on the fake driver (two H200s, its own NVML)
+attached to a real server, moved by the command line."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from e2e_helpers import Job, Server, wait_until
+
+pytestmark = pytest.mark.timeout(180)
+
+JOB_MIB = 2048
+SHOWN_WITHIN_S = 3.0  # the job beats right after its final report; the rest is this machine's load
+
+
+@pytest.fixture(scope="module")
+def server(module_tmp: Path) -> Iterator[Server]:
+    srv = Server(module_tmp, options=("--stale-after", "60", "--device-write-interval", "30"))
+    srv.create_workspace()
+    srv.start()
+    yield srv
+    srv.stop()
+
+
+def memory_by_gpu(server: Server) -> dict[str, int]:
+    (host,) = server.get("/devices").json()["hosts"]
+    return {d["uuid"]: d["memory_used"] for d in host["devices"]}
+
+
+def shown(server: Server, expected: dict[str, int], what: str) -> None:
+    """The server shows `expected` (bytes used by GPU UUID) within SHOWN_WITHIN_S of now."""
+    seen: list[dict[str, int]] = []
+
+    def as_expected() -> bool:
+        seen[:] = [memory_by_gpu(server)]
+        return seen[0] == expected
+
+    try:
+        wait_until(as_expected, SHOWN_WITHIN_S, what)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: the server shows {seen[0]}, expected {expected}") from None
+
+
+def test_the_gpus_shown_follow_a_move_and_a_pause_at_once(server: Server) -> None:
+    job = Job(server, fake=True, memory_mib=JOB_MIB)
+    try:
+        registered = job.wait_registered()
+        gpu0, gpu1 = registered["visible_gpus"][:2]
+        held = JOB_MIB << 20
+        shown(server, {gpu0: held, gpu1: 0}, "the GPUs of the registration")
+        time.sleep(1.0)  # a few heartbeats, none of them stored: the interval is 30 s
+
+        done = server.cli("migrate", job.process_id, "cuda:1")
+        assert done.returncode == 0, done.stdout + done.stderr
+        shown(server, {gpu0: 0, gpu1: held}, "the job's memory on the GPU it moved to")
+
+        done = server.cli("pause", job.process_id)
+        assert done.returncode == 0, done.stdout + done.stderr
+        shown(server, {gpu0: 0, gpu1: 0}, "no memory of the paused job on any GPU")
+
+        done = server.cli("resume", job.process_id, "cuda:0")
+        assert done.returncode == 0, done.stdout + done.stderr
+        shown(server, {gpu0: held, gpu1: 0}, "the job's memory on the GPU it resumed on")
+    finally:
+        job.stop()
