@@ -268,10 +268,11 @@ class RegisterRequest(WireIn):
 
 class HeartbeatRequest(WireIn):
     """``seq`` grows with every body the process builds (the client sends
-    ``time.monotonic_ns()``, taken before it reads what the body says, its GPUs included). The server ignores what a heartbeat says (state, placement,
-    memory, devices) when its seq is older than the last applied register, heartbeat or
-    command report's ``process``: a beat built during a pause (PAUSING) and delivered after
-    the final report (PAUSED) changes nothing. A body without it is applied as it comes."""
+    ``time.monotonic_ns()``, taken before it reads what the body says, its GPUs included). The
+    server ignores what a heartbeat says (state, placement, memory, devices) when its seq is
+    older than the last applied register, heartbeat or command report's ``process``: a beat
+    built during a pause (PAUSING) and delivered after the final report (PAUSED) changes
+    nothing. A body without it is applied as it comes."""
 
     state: Optional[ProcessState] = None
     memory_bytes: Optional[Bytes] = None
