@@ -108,7 +108,7 @@ async def heartbeat(
     ctx.snapshots[key] = outcome.snapshot
     ctx.command_pending(workspace_id, process_id, outcome.pending_command)
     ctx.process_hosts[key] = outcome.host
-    if outcome.devices_written:  # not a beat older than what the server knows: the next one is due
+    if outcome.devices_written:  # an older beat's GPUs are not stored, nor do they delay the next write
         ctx.devices_written(workspace_id, outcome.host, now)
         ctx.publish(workspace_id, protocol.EVENT_DEVICES, {"host": outcome.host})
     if outcome.changed is not None:
