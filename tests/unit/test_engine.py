@@ -522,7 +522,7 @@ def test_a_target_filled_while_the_job_is_checkpointed_is_caught_before_the_rest
         f"would have lost the job, docs/facts.md fact 28); rolled back: the job runs on cuda:0 ({engine.gpus[0].uuid}) "
         "as before"
     )
-    assert [(s.step, s.ok, s.rollback) for s in error.result.steps][-5:] == [
+    assert step_summary(error.result)[-5:] == [
         ("lock", True, False),
         ("checkpoint", True, False),
         ("room", False, False),
