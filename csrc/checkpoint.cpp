@@ -85,39 +85,41 @@ const char *driver_call_name(StepKind kind) {
   return "a checkpoint call";
 }
 
-StepOutcome timed_step(const DriverTable &d, int pid, const Step &step, bool rollback) {
+// The outcome of `step`, named and timed around `body`, which sets its code (and may say more);
+// a failure without words of its own gets the driver's.
+template <typename Body>
+StepOutcome timed(const Step &step, bool rollback, Body body) {
   StepOutcome outcome;
   outcome.step = step_name(step.kind);
   outcome.rollback = rollback;
   const auto start = std::chrono::steady_clock::now();
-  {
-    SlowCallReport report(driver_call_name(step.kind), pid);
-    outcome.code = call_step(d, pid, step);
-  }
+  body(outcome);
   outcome.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (outcome.code != CUDA_SUCCESS) {
     outcome.error_name = error_name(outcome.code);
-    outcome.error_text = error_text(outcome.code);
+    if (outcome.error_text.empty()) outcome.error_text = error_text(outcome.code);
   }
   return outcome;
 }
 
+StepOutcome timed_step(const DriverTable &d, int pid, const Step &step, bool rollback) {
+  return timed(step, rollback, [&](StepOutcome &outcome) {
+    SlowCallReport report(driver_call_name(step.kind), pid);
+    outcome.code = call_step(d, pid, step);
+  });
+}
+
 StepOutcome room_outcome(const Step &step, bool rollback) {
-  StepOutcome outcome;
-  outcome.step = step_name(step.kind);
-  outcome.rollback = rollback;
-  const auto start = std::chrono::steady_clock::now();
-  const RoomAnswer answer = ask_free_memory(step.room);
-  outcome.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  if (!answer.known) {
-    outcome.error_text = "not checked: " + answer.why_unknown;  // as before this check existed
-  } else if (answer.free_bytes < step.room.needed) {
-    outcome.code = CUDA_ERROR_OUT_OF_MEMORY;
-    outcome.error_name = error_name(outcome.code);
-    outcome.error_text = step.room.uuid + " has " + std::to_string(answer.free_bytes >> 20) +
-                         " MiB free, the restore needs " + std::to_string(step.room.needed >> 20) + " MiB";
-  }
-  return outcome;
+  return timed(step, rollback, [&](StepOutcome &outcome) {
+    const RoomAnswer answer = ask_free_memory(step.room);
+    if (!answer.known) {
+      outcome.error_text = "not checked: " + answer.why_unknown;  // as before this check existed
+    } else if (answer.free_bytes < step.room.needed) {
+      outcome.code = CUDA_ERROR_OUT_OF_MEMORY;
+      outcome.error_text = step.room.uuid + " has " + std::to_string(answer.free_bytes >> 20) +
+                           " MiB free, the restore needs " + std::to_string(step.room.needed >> 20) + " MiB";
+    }
+  });
 }
 
 // Appends the outcome of `step` (or, for Recover, of each call it makes); returns false on failure.

@@ -30,7 +30,7 @@ import re
 import sys
 import threading
 import time
-from typing import Optional
+from typing import Any, Optional
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
@@ -107,6 +107,14 @@ class Progress:
             self.cond.wait_for(lambda: self.step >= step)
 
 
+def one_process_operation(engine: Any, op: Any) -> Any:
+    if op.kind == "pause":
+        return engine.pause()
+    if op.kind == "resume":
+        return engine.resume(op.target)
+    return engine.migrate(op.target)
+
+
 def control(plan: list[tuple[int, str, dict[int, int]]], progress: Progress, hold: float, world: int) -> None:
     from flexium.client.reports import ProcessReporter
     from flexium.engine.distributed.job_operation import JobOperation
@@ -127,7 +135,8 @@ def control(plan: list[tuple[int, str, dict[int, int]]], progress: Progress, hol
             target=None if gpu is None else next(g.uuid for g in engine.gpus if g.nvml_index == gpu),
         )
         try:
-            result = engine.run_job_operation(op)
+            # A job of one rank is one process to the server, which sends it the one-process commands.
+            result = engine.run_job_operation(op) if world > 1 else one_process_operation(engine, op)
         except FlexiumError as exc:
             result = getattr(exc, "result", None)
             emit(

@@ -143,6 +143,32 @@ def test_an_nccl_communicator_is_suspended_around_a_pause_and_works_after() -> N
     assert seen["problem"].startswith("this job's NCCL is 2.28.9 (") and "torch 2.12 or newer" in seen["problem"]
 
 
+# A torchrun job of one rank (--nproc-per-node 1) is one process to flexium and to the server: its
+# pause is the one-process pause, with its NCCL communicator of one rank in the driver's checkpoint.
+ONE_RANK_CASES = {
+    "bundled-nccl-fast": (None, {}),
+    "bundled-nccl-driver": (None, {"FLEXIUM_FAST_PATH": "0"}),
+    "nccl-with-suspend": ("suspend", {}),
+    "graph-of-an-all-reduce": (None, {}),
+}
+
+
+@pytest.mark.parametrize("case", ONE_RANK_CASES)
+def test_a_one_rank_nccl_job_pauses_and_resumes_like_one_process(case: str) -> None:
+    preload, env = ONE_RANK_CASES[case]
+    nccl = nccl_with_suspend() if preload else None
+    common = ("--model", "ddp", "--steps", "40", *(("--graph-all-reduce",) if case.startswith("graph") else ()))
+    reference = torchrun(*common, nccl=nccl, env=env, ranks=1)
+    assert reference.returncode == 0, reference.stderr[-4000:]
+    paused = torchrun(*common, "--plan", "10:pause", "--plan", "10:resume", "--hold", "2", nccl=nccl, env=env, ranks=1)
+    check_ops(paused, ["pause", "resume"])
+    assert paused.of(0, "capabilities")[0]["job_operations"] is None  # no ranks to agree with
+    assert paused.losses(0) == reference.losses(0), "the loss trace differs"
+    assert sum(paused.of(0, "paused")[0]["held"].values()) == 0, paused.of(0, "paused")
+    pause = paused.of(0, "op")[0]
+    assert pause["path"] == ("driver" if env else "fast"), pause
+
+
 SHARED_GPU_REFUSAL = "ranks 0 and 1 of this NCCL job would be on one GPU"
 
 
