@@ -34,6 +34,10 @@ Parts:
                 fresh staging per load running beside it in other processes: none, nvml (NVML's
                 process list read every 5 ms, as bench/migrate.py does), train (a matmul loop on
                 cuda:0), both; and memfd16 (16 files and threads) with none.
+  threads:S     How a resume could pin a kept staging faster: SIZE GiB of memfd8 (and of memfd16)
+                touched, then registered per 256 MiB from 1 thread and from one thread per file
+                (8, 16), each after the context was reset (as the copier's wake finds it: its
+                context let go at the pause, the pages still touched), unregistered in between.
   kill          A keeper holding 0.25 GiB pinned with its context on cuda:0, killed (SIGKILL):
                 when its /proc entry says zombie, when it can be reaped (waitpid), and when NVML
                 no longer shows its memory (read every millisecond): what the allocator, short of
@@ -293,6 +297,58 @@ def part_beside(gib: float, result: dict[str, Any]) -> None:
     result["ok"] = True
 
 
+def per_file(staging: Staging) -> list[list[tuple[int, int]]]:
+    """The staging's chunks, grouped by the file (mapping) they are in."""
+    return [[(a, n) for a, n in staging.chunks if base <= a < base + length] for base, length in staging.maps]
+
+
+def part_threads(gib: float, result: dict[str, Any]) -> None:
+    drv = Driver()
+    libc = Libc()
+    size = round_up(int(gib * GIB), HUGE)
+
+    def register_from(groups: list[list[tuple[int, int]]]) -> float:
+        """Seconds to register every group's chunks, one thread per group, in a fresh context."""
+        drv.call("cuDevicePrimaryCtxReset", drv.device)
+        context = drv.primary_context(0)
+        errors: list[BaseException] = []
+
+        def pin(chunks: list[tuple[int, int]]) -> None:
+            try:
+                drv.call("cuCtxSetCurrent", ctypes.c_void_p(context))
+                for a, n in chunks:
+                    drv.call("cuMemHostRegister", a, n, CU_MEMHOSTREGISTER_PORTABLE)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=pin, args=(g,)) for g in groups]
+        started = now()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        seconds = now() - started
+        if errors:
+            raise errors[0]
+        for group in groups:
+            for a, _n in group:
+                drv.call("cuMemHostUnregister", a)
+        return seconds
+
+    drv.primary_context(0)
+    result["rates"] = {}
+    for kind in ("memfd8", "memfd16"):
+        staging = Staging(libc, kind, size)
+        staging.touch()
+        files = per_file(staging)
+        for label, groups in (("1 thread", [staging.chunks]), (f"{len(files)} threads", files)):
+            result["rates"][f"{kind} {label}"] = gbps(size, register_from(groups))
+        staging.unmap()
+        for fd in staging.fds:
+            os.close(fd)
+    result["ok"] = True
+
+
 def keeper_main(gib: float) -> int:
     """The idle part's other process: a context on cuda:0, SIZE GiB of memfd touched and pinned,
     then held until stdin closes. Says 'preparing', 'holding' on stdout."""
@@ -411,6 +467,8 @@ def worker(part: str) -> int:
             part_idle(float(arg), result)
         elif name == "beside":
             part_beside(float(arg), result)
+        elif name == "threads":
+            part_threads(float(arg), result)
         elif name == "kill":
             part_kill(result)
         else:
@@ -440,7 +498,7 @@ def main() -> int:
     print("host:", json.dumps(host_settings()), flush=True)
     parts = [f"pin:{kind}@{gib:g}" for gib in sizes for kind in KINDS]
     parts += [f"checkpoint:{gib:g}" for gib in sizes] + [f"beside:{gib:g}" for gib in sizes]
-    parts += [f"idle:{args.idle_gib:g}", "kill"]
+    parts += [f"threads:{gib:g}" for gib in sizes] + [f"idle:{args.idle_gib:g}", "kill"]
     only = {name.strip() for name in args.only.split(",") if name.strip()}
     parts = [p for p in parts if not only or p.partition(":")[0] in only]
     results = []
@@ -504,6 +562,10 @@ def main() -> int:
             for load, rates in r["loads"].items():
                 touch, pin = fmt(rates.get("touch_gbps"), 1), fmt(rates.get("pin_gbps"), 1)
                 print(f"{r['part'][7:]} GiB {load:18s}: touch {touch} GB/s, pin {pin} GB/s")
+    for r in results:
+        if r["part"].startswith("threads:") and r.get("ok"):
+            for label, rate in r["rates"].items():
+                print(f"{r['part'][8:]} GiB {label:18s}: pin again in a fresh context {fmt(rate, 1)} GB/s")
     for r in results:
         if r["part"] == "kill" and r.get("ok"):
             zombie, reaped, freed = (fmt(r.get(k), 3) for k in ("zombie_s", "reaped_s", "freed_s"))

@@ -210,29 +210,36 @@ def test_a_two_rank_gloo_job_on_one_gpu_pauses_and_resumes_as_a_whole() -> None:
 # ------------------------------------------------------------------ through the server and the CLI
 
 
-def _server_case(case: str, host_gpus: list[Any]) -> tuple[tuple[str, ...], dict[str, str], Optional[str]]:
-    """(job arguments, environment, LD_PRELOAD) of a case."""
+def _server_case(case: str, host_gpus: list[Any]) -> tuple[tuple[str, ...], dict[str, str], Optional[str], int]:
+    """(job arguments, environment, LD_PRELOAD, ranks) of a case."""
     if case == "gloo-one-gpu":
-        return ("--backend", "gloo", "--ballast-gb", "0.5"), {"GPU_DEVICE": "cuda:0"}, None
+        return ("--backend", "gloo", "--ballast-gb", "0.5"), {"GPU_DEVICE": "cuda:0"}, None, 2
     warnings = {"NCCL_DEBUG": "WARN"}  # NCCL's own word on a failure, in the job's output
+    if case == "nccl-one-rank":  # one process to the server; torch's own NCCL
+        return ("--backend", "nccl", "--ballast-gb", "2"), warnings, None, 1
     if case == "nccl-one-gpu":
-        return ("--backend", "nccl", "--ballast-gb", "2", "--ranks-share-gpu", "sockets"), warnings, nccl_with_suspend()
+        return (
+            ("--backend", "nccl", "--ballast-gb", "2", "--ranks-share-gpu", "sockets"),
+            warnings,
+            nccl_with_suspend(),
+            2,
+        )
     need_gpus(host_gpus, 2)
-    return ("--backend", "nccl", "--ballast-gb", "2"), warnings, nccl_with_suspend()
+    return ("--backend", "nccl", "--ballast-gb", "2"), warnings, nccl_with_suspend(), 2
 
 
-@pytest.mark.parametrize("case", ["gloo-one-gpu", "nccl-one-gpu", "nccl-two-gpus"])
+@pytest.mark.parametrize("case", ["gloo-one-gpu", "nccl-one-rank", "nccl-one-gpu", "nccl-two-gpus"])
 def test_the_server_and_cli_move_a_whole_torchrun_job_or_refuse_it(
     host_gpus: list[Any], tmp_path: Any, case: str
 ) -> None:
     pytest.importorskip("fastapi", reason="the server extra is not installed (ci/gpu-tests.sh installs .whl)")
-    job_args, job_env, preload = _server_case(case, host_gpus)
+    job_args, job_env, preload, ranks = _server_case(case, host_gpus)
     # Long enough for every command to land while the job trains (two more, the migrations, on two GPUs).
     count = 1500 if case == "nccl-two-gpus" else 600
     steps = ("--model", "ddp", "--steps", str(count), "--step-sleep", "0.03")
-    reference = torchrun(*job_args, *steps[:4], "--step-sleep", "0", nccl=preload, env=job_env)
+    reference = torchrun(*job_args, *steps[:4], "--step-sleep", "0", nccl=preload, env=job_env, ranks=ranks)
     assert reference.returncode == 0, reference.stderr[-4000:]
-    with ServedJob(tmp_path, torchrun_argv(2, *job_args, *steps), 2, env=job_env, nccl=preload) as job:
+    with ServedJob(tmp_path, torchrun_argv(ranks, *job_args, *steps), ranks, env=job_env, nccl=preload) as job:
         if case == "nccl-one-gpu":  # its ranks share the GPU: refused, and the job trains on
             refused = job.cli("pause", job.process_id, "--json")
             assert refused.returncode != 0 and SHARED_GPU_REFUSAL in refused.stdout + refused.stderr, refused
@@ -240,7 +247,7 @@ def test_the_server_and_cli_move_a_whole_torchrun_job_or_refuse_it(
             return
         paused = job.command("pause", job.process_id)
         assert {result["path"] for result in paused} == {"fast"}, paused
-        assert job.held() == [[], []], "a rank holds GPU memory while paused"
+        assert job.held() == [[]] * ranks, "a rank holds GPU memory while paused"
         job.command("resume", job.process_id)
         if case == "nccl-two-gpus":
             before = job.held()
