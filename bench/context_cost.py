@@ -745,11 +745,12 @@ def analysis(results: list[dict[str, Any]]) -> list[str]:
     best = [n for n in ("matmul_released", "matmul_small_stack") if n in ok]
     if best and "torch_matmul" in ok:
         name = min(best, key=lambda n: total_of(ok[n]))  # type: ignore[arg-type,return-value]
-        saved = total_of(ok["torch_matmul"]) - total_of(ok[name])  # type: ignore[operator]
+        whole = total_of(ok["torch_matmul"])
+        saved = whole - total_of(ok[name])  # type: ignore[operator]
         lines.append(
             f"best release found: {name} saves {saved:.3f} s of torch_matmul's checkpoint + restore "
-            f"({saved / total_of(ok['torch_matmul']):.0%})"
-        )  # type: ignore[operator]
+            f"({saved / whole:.0%})"  # type: ignore[operator]
+        )
     if noise:
         lines.append(
             f"largest spread of checkpoint + restore over the rounds of one variant: {noise:.3f} s; smaller "

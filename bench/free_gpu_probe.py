@@ -538,12 +538,12 @@ def main() -> int:
         rows,
     )
     print()
-    rows = []
+    checkpoints = []
     for r in results:
         if r["part"].startswith("checkpoint:") and r.get("ok"):
             for state, s in r["states"].items():
-                rows.append((r["part"][11:], state, fmt(s.get("checkpoint_s"), 3), fmt(s.get("restore_s"), 3)))
-    print_table(("GiB", "job's staging", "checkpoint s", "restore s"), rows)
+                checkpoints.append((r["part"][11:], state, fmt(s.get("checkpoint_s"), 3), fmt(s.get("restore_s"), 3)))
+    print_table(("GiB", "job's staging", "checkpoint s", "restore s"), checkpoints)
     for r in results:
         if r["part"].startswith("checkpoint:") and r.get("ok"):
             before, after = fmt(r.get("pinned_h2d_gbps_before"), 1), fmt(r.get("pinned_h2d_gbps_after"), 1)

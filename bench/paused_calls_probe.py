@@ -53,7 +53,8 @@ def one_kind(kind: str) -> None:
     from flexium.api import runtime
 
     flexium.init()
-    engine = runtime.current().engine
+    current = runtime.current()
+    engine = None if current is None else current.engine
     assert engine is not None, "flexium did not start its engine (no GPU?)"
     x = torch.randn(1 << 20, device="cuda")
     cached = torch.empty(1 << 20, pin_memory=True)

@@ -33,7 +33,8 @@ def control(plan: list[str], done_steps: list[float], hold: float, world: int, o
     from flexium.engine.operations import OperationKind
     from flexium.errors import FlexiumError
 
-    engine = flexium_runtime.current().engine
+    current = flexium_runtime.current()
+    engine = None if current is None else current.engine
     assert engine is not None, "flexium's engine is not running in this rank"
     for index, item in enumerate(plan):
         step, kind, *rest = item.split(":", 2)
@@ -84,7 +85,7 @@ def main() -> None:
     world = dist.get_world_size()
     torch.manual_seed(0)
     layers = [torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]
-    model = torch.nn.Sequential(*layers).cuda()
+    model: torch.nn.Module = torch.nn.Sequential(*layers).cuda()
     if args.model == "ddp":
         model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank])
     else:

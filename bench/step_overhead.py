@@ -46,7 +46,7 @@ def build_cnn(torch: Any, device: str, amp: bool) -> Callable[[], None]:
     def conv_bn(cin: int, cout: int, k: int, stride: int) -> list[Any]:
         return [nn.Conv2d(cin, cout, k, stride, k // 2, bias=False), nn.BatchNorm2d(cout)]
 
-    class Basic(nn.Module):  # type: ignore[misc,name-defined]
+    class Basic(nn.Module):  # type: ignore[name-defined]
         def __init__(self, cin: int, cout: int, stride: int) -> None:
             super().__init__()
             self.body = nn.Sequential(*conv_bn(cin, cout, 3, stride), nn.ReLU(inplace=True), *conv_bn(cout, cout, 3, 1))

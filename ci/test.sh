@@ -65,6 +65,8 @@ python -m pip install -q --no-build-isolation ".[server,test]"
 echo "== mypy"
 python -m pip install -q "mypy==2.4.1" "types-PyYAML==6.0.12.20261122" "types-requests==2.33.0.20261030"
 python -m mypy python/flexium --ignore-missing-imports
+# The benchmarks too: they are what the speed goals are measured by.
+python -m mypy bench --ignore-missing-imports
 
 echo "== CPU tests"
 python -m pytest -q tests/unit "$@"
