@@ -38,6 +38,13 @@ Parts:
                 touched, then registered per 256 MiB from 1 thread and from one thread per file
                 (8, 16), each after the context was reset (as the copier's wake finds it: its
                 context let go at the pause, the pages still touched), unregistered in between.
+  copy_back:S   What paces a resume's copy back (fact 19 of docs/fast-path.md: pinning), and whether
+                copies from memory not yet pinned could run beside it: SIZE GiB of memfd8 touched,
+                then copied to the GPU in a fresh context (into 1 GiB device buffers, over and
+                over) three ways: each chunk pinned then copied (the copier's way), copied
+                unpinned (the driver stages pageable memory itself), and both at once: one thread
+                pinning and copying chunks from the front, another copying chunks unpinned from
+                the back, until they meet.
   kill          A keeper holding 0.25 GiB pinned with its context on cuda:0, killed (SIGKILL):
                 when its /proc entry says zombie, when it can be reaped (waitpid), and when NVML
                 no longer shows its memory (read every millisecond): what the allocator, short of
@@ -297,6 +304,27 @@ def part_beside(gib: float, result: dict[str, Any]) -> None:
     result["ok"] = True
 
 
+def in_threads(works: list[Callable[[], None]]) -> float:
+    """Seconds to run every work in a thread of its own, all at once; a failure in any is raised."""
+    errors: list[BaseException] = []
+
+    def run(work: Callable[[], None]) -> None:
+        try:
+            work()
+        except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(work,)) for work in works]
+    started = now()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return now() - started
+
+
 def per_file(staging: Staging) -> list[list[tuple[int, int]]]:
     """The staging's chunks, grouped by the file (mapping) they are in."""
     return [[(a, n) for a, n in staging.chunks if base <= a < base + length] for base, length in staging.maps]
@@ -310,26 +338,17 @@ def part_threads(gib: float, result: dict[str, Any]) -> None:
     def register_from(groups: list[list[tuple[int, int]]]) -> float:
         """Seconds to register every group's chunks, one thread per group, in a fresh context."""
         drv.call("cuDevicePrimaryCtxReset", drv.device)
-        context = drv.primary_context(0)
-        errors: list[BaseException] = []
+        context = ctypes.c_void_p(drv.primary_context(0))
 
-        def pin(chunks: list[tuple[int, int]]) -> None:
-            try:
-                drv.call("cuCtxSetCurrent", ctypes.c_void_p(context))
+        def pinner(chunks: list[tuple[int, int]]) -> Callable[[], None]:
+            def pin() -> None:
+                drv.call("cuCtxSetCurrent", context)
                 for a, n in chunks:
                     drv.call("cuMemHostRegister", a, n, CU_MEMHOSTREGISTER_PORTABLE)
-            except BaseException as exc:  # noqa: BLE001 - reported below
-                errors.append(exc)
 
-        threads = [threading.Thread(target=pin, args=(g,)) for g in groups]
-        started = now()
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        seconds = now() - started
-        if errors:
-            raise errors[0]
+            return pin
+
+        seconds = in_threads([pinner(g) for g in groups])
         for group in groups:
             for a, _n in group:
                 drv.call("cuMemHostUnregister", a)
@@ -346,6 +365,93 @@ def part_threads(gib: float, result: dict[str, Any]) -> None:
         staging.unmap()
         for fd in staging.fds:
             os.close(fd)
+    result["ok"] = True
+
+
+class ChunkQueue:
+    """Chunks taken from either end by threads, each once."""
+
+    def __init__(self, chunks: list[tuple[int, int]]) -> None:
+        self.chunks = list(chunks)
+        self.lock = threading.Lock()
+
+    def front(self) -> Any:
+        with self.lock:
+            return self.chunks.pop(0) if self.chunks else None
+
+    def back(self) -> Any:
+        with self.lock:
+            return self.chunks.pop() if self.chunks else None
+
+
+def part_copy_back(gib: float, result: dict[str, Any]) -> None:
+    drv = Driver()
+    libc = Libc()
+    size = round_up(int(gib * GIB), HUGE)
+    drv.primary_context(0)
+    staging = Staging(libc, "memfd8", size)
+    staging.touch()
+    chunks = staging.chunks
+
+    def fresh_context() -> tuple[Any, list[int], list[int]]:
+        """The copier's wake: a new context, two streams and two 1 GiB device buffers."""
+        drv.call("cuDevicePrimaryCtxReset", drv.device)
+        context = ctypes.c_void_p(drv.primary_context(0))
+        buffers = []
+        for _ in range(2):
+            device = ctypes.c_uint64()
+            drv.call("cuMemAlloc", ctypes.byref(device), GIB)
+            buffers.append(int(device.value))
+        return context, [drv.stream(), drv.stream()], buffers
+
+    def copy_in(host: int, n: int, buffer: int, stream: int, offset: list[int]) -> None:
+        if offset[0] + n > GIB:
+            offset[0] = 0
+        drv.call("cuMemcpyHtoDAsync", buffer + offset[0], host, n, stream)
+        offset[0] += n
+
+    def pinned_way(take: Callable[[], Any], context: Any, buffer: int, stream: int, done: list[int]) -> None:
+        drv.call("cuCtxSetCurrent", context)
+        offset = [0]
+        while (chunk := take()) is not None:
+            drv.call("cuMemHostRegister", chunk[0], chunk[1], CU_MEMHOSTREGISTER_PORTABLE)
+            copy_in(chunk[0], chunk[1], buffer, stream, offset)
+            done.append(chunk[0])
+        drv.stream_sync(stream)
+
+    def unpinned_way(take: Callable[[], Any], context: Any, buffer: int, stream: int, done: list[int]) -> None:
+        drv.call("cuCtxSetCurrent", context)
+        offset = [0]
+        while (chunk := take()) is not None:
+            copy_in(chunk[0], chunk[1], buffer, stream, offset)
+            drv.stream_sync(stream)  # pageable: the driver stages the copy; wait for it, as a copier would
+            done.append(chunk[0])
+
+    result["ways"] = {}
+    sizes = dict(chunks)
+    # Pinned twice, first and last: the first registration of the pages may cost more.
+    for way in ("pinned", "unpinned", "both", "pinned again"):
+        context, streams, buffers = fresh_context()
+        queue = ChunkQueue(chunks)
+        pinned: list[int] = []
+        unpinned: list[int] = []
+        works: list[Callable[[], None]] = []
+        if way in ("pinned", "both", "pinned again"):
+            works.append(lambda: pinned_way(queue.front, context, buffers[0], streams[0], pinned))  # noqa: B023
+        if way in ("unpinned", "both"):
+            take = queue.back if way == "both" else queue.front
+            works.append(lambda: unpinned_way(take, context, buffers[1], streams[1], unpinned))  # noqa: B023
+        seconds = in_threads(works)
+        result["ways"][way] = {
+            "gbps": gbps(size, seconds),
+            "seconds": seconds,
+            "pinned_gib": sum(sizes[a] for a in pinned) / GIB,
+            "unpinned_gib": sum(sizes[a] for a in unpinned) / GIB,
+        }
+        drv.call("cuCtxSetCurrent", context)
+        for a in pinned:
+            drv.call("cuMemHostUnregister", a)
+    staging.unmap()
     result["ok"] = True
 
 
@@ -467,6 +573,8 @@ def worker(part: str) -> int:
             part_idle(float(arg), result)
         elif name == "beside":
             part_beside(float(arg), result)
+        elif name == "copy_back":
+            part_copy_back(float(arg), result)
         elif name == "threads":
             part_threads(float(arg), result)
         elif name == "kill":
@@ -498,7 +606,11 @@ def main() -> int:
     print("host:", json.dumps(host_settings()), flush=True)
     parts = [f"pin:{kind}@{gib:g}" for gib in sizes for kind in KINDS]
     parts += [f"checkpoint:{gib:g}" for gib in sizes] + [f"beside:{gib:g}" for gib in sizes]
-    parts += [f"threads:{gib:g}" for gib in sizes] + [f"idle:{args.idle_gib:g}", "kill"]
+    parts += (
+        [f"threads:{gib:g}" for gib in sizes]
+        + [f"copy_back:{gib:g}" for gib in sizes]
+        + [f"idle:{args.idle_gib:g}", "kill"]
+    )
     only = {name.strip() for name in args.only.split(",") if name.strip()}
     parts = [p for p in parts if not only or p.partition(":")[0] in only]
     results = []
@@ -566,6 +678,13 @@ def main() -> int:
         if r["part"].startswith("threads:") and r.get("ok"):
             for label, rate in r["rates"].items():
                 print(f"{r['part'][8:]} GiB {label:18s}: pin again in a fresh context {fmt(rate, 1)} GB/s")
+    for r in results:
+        if r["part"].startswith("copy_back:") and r.get("ok"):
+            for way, w in r["ways"].items():
+                print(
+                    f"{r['part'][10:]} GiB copy back {way:12s}: {fmt(w['gbps'], 1)} GB/s ({fmt(w['seconds'], 3)} s; "
+                    f"{fmt(w['pinned_gib'], 2)} GiB pinned, {fmt(w['unpinned_gib'], 2)} GiB unpinned)"
+                )
     for r in results:
         if r["part"] == "kill" and r.get("ok"):
             zombie, reaped, freed = (fmt(r.get(k), 3) for k in ("zombie_s", "reaped_s", "freed_s"))
