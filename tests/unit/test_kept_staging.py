@@ -202,8 +202,11 @@ def test_a_job_whose_pause_would_be_refused_keeps_nothing_pinned_until_it_could_
 
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    wait_until(lambda: _C.host_staging_pool_bytes() == 0, what="the kept staging to be given back")
-    assert keeper.note == refused and not job.fast.keeping and ledger() == {}
+    # The keeper gives the staging back, then says so.
+    wait_until(
+        lambda: _C.host_staging_pool_bytes() == 0 and keeper.note == refused, what="the kept staging to be given back"
+    )
+    assert not job.fast.keeping and ledger() == {}
     assert copier_processes() != []  # the copier stays, asleep, for a pause once the job can take one
 
     monkeypatch.delenv("RANK")
@@ -229,7 +232,11 @@ def test_a_process_holding_memory_the_driver_cannot_checkpoint_keeps_nothing_pin
 
     free = job.fake.managed_memory(4 * MiB)
     try:
-        wait_until(lambda: _C.host_staging_pool_bytes() == 0, what="the kept staging to be given back")
+        # The keeper gives the staging back, then says so.
+        wait_until(
+            lambda: _C.host_staging_pool_bytes() == 0 and (keeper.note or "").startswith("nothing is kept"),
+            what="the kept staging to be given back",
+        )
         assert keeper.note == (
             "nothing is kept pinned between pauses: a pause of this job is refused now: this process holds "
             f"managed memory (1 mapping, 4.0 MiB, the first at {free.address:#x}): "  # type: ignore[attr-defined]
