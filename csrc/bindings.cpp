@@ -289,8 +289,7 @@ void bind_copier(py::module_ &m) {
         return std::map<std::string, double>{{"import_s", t.import_s},
                                              {"pin_s", t.pin_s},
                                              {"pinned_in_copy", static_cast<double>(t.pinned_in_copy)},
-                                             {"copy_s", t.copy_s},
-                                             {"unpinned_bytes", static_cast<double>(t.unpinned_bytes)}};
+                                             {"copy_s", t.copy_s}};
       });
 }
 

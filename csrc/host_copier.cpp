@@ -34,22 +34,6 @@ int ordinal_of(const std::string &uuid) {
   throw std::invalid_argument("no GPU with UUID " + uuid + " is visible to the copier (CUDA_VISIBLE_DEVICES?)");
 }
 
-// The pieces of one chunk: [begin, end) of an order's pieces.
-struct PieceRun {
-  std::size_t chunk = 0;
-  std::size_t begin = 0;
-  std::size_t end = 0;
-};
-
-std::vector<PieceRun> piece_runs(const std::vector<CopierPiece> &pieces) {
-  std::vector<PieceRun> runs;
-  for (std::size_t i = 0; i < pieces.size(); ++i) {
-    if (runs.empty() || runs.back().chunk != pieces[i].chunk) runs.push_back({pieces[i].chunk, i, i});
-    runs.back().end = i + 1;
-  }
-  return runs;
-}
-
 }  // namespace
 
 HostCopier::HostCopier(const std::vector<std::pair<int, std::size_t>> &extents,
@@ -248,98 +232,39 @@ std::size_t HostCopier::copy(bool to_host, const std::vector<std::pair<int, std:
   }
   times_.import_s = seconds_since(import_start);
   const Clock::time_point copy_start = Clock::now();
-  const auto queue_copy = [&](const CopierPiece &piece, CUstream stream) {
-    const CopierChunk &chunk = chunks_[piece.chunk];
-    char *host = extents_[chunk.extent].base + chunk.offset + piece.chunk_offset;
-    const CUdeviceptr device = imports[piece.segment]->address + piece.segment_offset;
-    if (to_host) {
-      FLEXIUM_CU_CALL(d, cuMemcpyDtoHAsync, host, device, piece.length, stream);
-    } else {
-      FLEXIUM_CU_CALL(d, cuMemcpyHtoDAsync, device, host, piece.length, stream);
-    }
-  };
-  // Each chunk's pieces, in order: what either end takes. This thread takes them from the front,
-  // pinning each chunk not pinned yet before its copies (those of the chunk before run meanwhile);
-  // another copies chunks not pinned from the back, unpinned, until the two meet: pinning paces
-  // a copy back, and copies from memory not pinned run beside it (docs/fast-path.md fact 22).
-  const std::vector<PieceRun> runs = piece_runs(pieces);
-  std::mutex ends_mutex;
-  std::size_t front = 0, back = runs.size();
-  std::size_t back_bytes = 0;
-  std::string back_error;
-  // Declared after the imports, so that it ends first on unwind: no copy may still run into
-  // memory that is unmapped next.
-  struct OtherEnd {
-    std::atomic<bool> stop{false};
-    std::thread thread;
-    ~OtherEnd() {
-      stop = true;
-      if (thread.joinable()) thread.join();
-    }
-  } other_end;
-  const auto take_back = [&](PieceRun &run) {
-    std::lock_guard<std::mutex> ends(ends_mutex);
-    if (front >= back || is_pinned(runs[back - 1].chunk)) return false;
-    run = runs[--back];
-    return true;
-  };
-  PieceRun first_back;
-  if (take_back(first_back)) {  // taken here, so that this thread cannot take it while that one starts
-    other_end.thread = std::thread([&, first_back] {
-      CUstream side = nullptr;
-      try {
-        FLEXIUM_CU_CALL(d, cuCtxSetCurrent, context_);
-        FLEXIUM_CU_CALL(d, cuStreamCreate, &side, CU_STREAM_NON_BLOCKING);
-        PieceRun run = first_back;
-        do {
-          for (std::size_t i = run.begin; i < run.end; ++i) queue_copy(pieces[i], side);
-          FLEXIUM_CU_CALL(d, cuStreamSynchronize, side);
-          for (std::size_t i = run.begin; i < run.end; ++i) back_bytes += pieces[i].length;
-        } while (!other_end.stop && take_back(run));
-      } catch (const std::exception &e) {
-        back_error = e.what();
-      }
-      if (side != nullptr) {
-        d.cuStreamSynchronize(side);
-        d.cuStreamDestroy(side);
-      }
-    });
-  }
+  // Declared after the imports, so it runs first on unwind: no copy may still run into memory
+  // that is unmapped next.
   struct Drain {
     const DriverTable &d;
     CUstream stream;
     ~Drain() { d.cuStreamSynchronize(stream); }
   } drain{d, stream_};
   std::size_t copied = 0;
-  while (true) {
-    PieceRun run;
+  for (const CopierPiece &piece : pieces) {
+    bool pinned = false;
     {
-      std::lock_guard<std::mutex> ends(ends_mutex);
-      if (front >= back) break;
-      run = runs[front++];
+      std::lock_guard<std::mutex> guard(mutex_);
+      pinned = pinned_[piece.chunk] != 0;
     }
-    if (!is_pinned(run.chunk)) {
+    if (!pinned) {
       const Clock::time_point pin_start = Clock::now();
-      pin_chunk(run.chunk);
+      pin_chunk(piece.chunk);
       times_.pin_s += seconds_since(pin_start);
-      times_.pinned_in_copy += chunks_[run.chunk].size;
+      times_.pinned_in_copy += chunks_[piece.chunk].size;
     }
-    for (std::size_t i = run.begin; i < run.end; ++i) {
-      queue_copy(pieces[i], stream_);
-      copied += pieces[i].length;
+    const CopierChunk &chunk = chunks_[piece.chunk];
+    char *host = extents_[chunk.extent].base + chunk.offset + piece.chunk_offset;
+    const CUdeviceptr device = imports[piece.segment]->address + piece.segment_offset;
+    if (to_host) {
+      FLEXIUM_CU_CALL(d, cuMemcpyDtoHAsync, host, device, piece.length, stream_);
+    } else {
+      FLEXIUM_CU_CALL(d, cuMemcpyHtoDAsync, device, host, piece.length, stream_);
     }
+    copied += piece.length;
   }
   FLEXIUM_CU_CALL(d, cuStreamSynchronize, stream_);
-  if (other_end.thread.joinable()) other_end.thread.join();
-  if (!back_error.empty()) throw std::runtime_error("the copies of chunks not pinned failed: " + back_error);
   times_.copy_s = seconds_since(copy_start);
-  times_.unpinned_bytes = back_bytes;
-  return copied + back_bytes;
-}
-
-bool HostCopier::is_pinned(std::size_t chunk) const {
-  std::lock_guard<std::mutex> guard(mutex_);
-  return pinned_[chunk] != 0;
+  return copied;
 }
 
 void HostCopier::sleep() {

@@ -43,7 +43,6 @@ struct CopyTimes {
   double pin_s = 0;                // pinning the chunks the pinner thread had not reached
   std::size_t pinned_in_copy = 0;  // their bytes
   double copy_s = 0;               // from the first copy queued until the last one ended
-  std::size_t unpinned_bytes = 0;  // copied from chunks not pinned, from the other end
 };
 
 class HostCopier {
@@ -65,8 +64,7 @@ class HostCopier {
   std::string wake(const std::string &uuid, bool wait, int pause_ms);
 
   // Copies the pieces between the chunks and the segments (fd, size) in chunk order, pinning the
-  // chunks not yet pinned just before their copies (the copies of the chunk before run meanwhile),
-  // while another thread copies chunks not pinned from the other end, unpinned, until the two meet.
+  // chunks not yet pinned just before their copies (the copies of the chunk before run meanwhile).
   // Returns the bytes copied. The fds stay the caller's; the imports are gone when it returns.
   std::size_t copy(bool to_host, const std::vector<std::pair<int, std::size_t>> &segments,
                    const std::vector<CopierPiece> &pieces);
@@ -91,7 +89,6 @@ class HostCopier {
   void start_pinner(int pause_ms);
   void stop_pinner();
   void pin_chunk(std::size_t index);
-  bool is_pinned(std::size_t chunk) const;
   void require_awake(const char *what) const;
 
   struct Extent {

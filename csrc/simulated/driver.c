@@ -374,34 +374,6 @@ static void list_item(const char *list, int index, char *out, size_t size) {
 }
 
 static int add_rule(const char *function, int nth, int code);
-static int set_delay_locked(const char *function, unsigned int ms);
-
-/* Calls apply(name, rest) for each "name:rest" item of a comma-separated list (rest: after the
- * first colon; items without one are skipped). */
-static void for_each_item(const char *list, void (*apply)(char *name, char *rest)) {
-  while (list != NULL && *list != '\0') {
-    char item[128];
-    size_t length = strcspn(list, ",");
-    if (length >= sizeof(item)) length = sizeof(item) - 1;
-    memcpy(item, list, length);
-    item[length] = '\0';
-    char *rest = strchr(item, ':');
-    if (rest != NULL) {
-      *rest++ = '\0';
-      apply(item, rest);
-    }
-    list += strcspn(list, ",");
-    if (*list == ',') ++list;
-  }
-}
-
-static void arm_failure(char *function, char *rest) {
-  char *nth_text = strchr(rest, ':');
-  if (nth_text != NULL) *nth_text++ = '\0';
-  add_rule(function, nth_text != NULL ? atoi(nth_text) : 0, atoi(rest));
-}
-
-static void arm_delay(char *function, char *rest) { set_delay_locked(function, (unsigned int)atoi(rest)); }
 
 static void configure_from_environment(void) {
   fake.cuda_version = env_int("FAKE_CUDA_VERSION", 13000);
@@ -439,11 +411,25 @@ static void configure_from_environment(void) {
     g->temperature_c = 35;
   }
 
-  /* FAKE_CUDA_FAIL="function:code[:nth],..." and FAKE_CUDA_DELAY="function:ms,...": failures and
-   * slow calls armed before the library is used, for subprocesses that cannot call fake_fail or
-   * fake_set_delay_ms before flexium._C loads the driver. */
-  for_each_item(getenv("FAKE_CUDA_FAIL"), arm_failure);
-  for_each_item(getenv("FAKE_CUDA_DELAY"), arm_delay);
+  /* FAKE_CUDA_FAIL="function:code[:nth],...": failures armed before the library is used, for
+   * subprocesses that cannot call fake_fail before flexium._C loads the driver. */
+  const char *fail = getenv("FAKE_CUDA_FAIL");
+  while (fail != NULL && *fail != '\0') {
+    char item[128];
+    size_t length = strcspn(fail, ",");
+    if (length >= sizeof(item)) length = sizeof(item) - 1;
+    memcpy(item, fail, length);
+    item[length] = '\0';
+    char *code_text = strchr(item, ':');
+    if (code_text != NULL) {
+      *code_text++ = '\0';
+      char *nth_text = strchr(code_text, ':');
+      if (nth_text != NULL) *nth_text++ = '\0';
+      add_rule(item, nth_text != NULL ? atoi(nth_text) : 0, atoi(code_text));
+    }
+    fail += strcspn(fail, ",");
+    if (*fail == ',') ++fail;
+  }
 }
 
 static void reset_locked(void) {
@@ -2441,12 +2427,6 @@ int fake_pending_failures(void) {
 int fake_set_delay_ms(const char *function, unsigned int ms) {
   if (function == NULL || *function == '\0') return -1;
   pthread_mutex_lock(&mutex);
-  const int rc = set_delay_locked(function, ms);
-  pthread_mutex_unlock(&mutex);
-  return rc;
-}
-
-static int set_delay_locked(const char *function, unsigned int ms) {
   int rc = 0;
   int i = 0;
   while (i < fake.delay_count && strcmp(fake.delays[i].function, function) != 0) ++i;
@@ -2459,6 +2439,7 @@ static int set_delay_locked(const char *function, unsigned int ms) {
     }
   }
   if (rc == 0) fake.delays[i].ms = ms;
+  pthread_mutex_unlock(&mutex);
   return rc;
 }
 

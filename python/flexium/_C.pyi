@@ -248,4 +248,4 @@ class HostCopier:
     @property
     def last_pinner(self) -> str: ...  # how the last background pinning ended ("" before any)
     @property
-    def last_copy_times(self) -> dict[str, float]: ...  # import_s, pin_s, pinned_in_copy, copy_s, unpinned_bytes
+    def last_copy_times(self) -> dict[str, float]: ...  # import_s, pin_s, pinned_in_copy (bytes), copy_s

@@ -113,12 +113,11 @@ version ``FAKE_NVML_DRIVER`` (default ``580.159.04``).
 Failure injection: ``fail(function, code, nth=1)`` makes the nth next call of ``function`` (any
 exported cu*/nvml* name) return ``code`` without doing anything; ``nth=0``: every call, until
 ``clear_failures()``. ``FAKE_CUDA_FAIL="function:code[:nth],..."`` arms the same at load (nth
-defaults to 0 there), for subprocesses. ``set_delay_ms(function, ms)`` makes calls slow;
-``FAKE_CUDA_DELAY="function:ms,..."`` does the same at load, for subprocesses.
+defaults to 0 there), for subprocesses. ``set_delay_ms(function, ms)`` makes calls slow.
 
 Environment, read at load and by ``reset()``: FAKE_CUDA_GPUS, FAKE_CUDA_VERSION,
 FAKE_CUDA_NO_CHECKPOINT, FAKE_CUDA_NO_VMM, FAKE_CUDA_MODELS, FAKE_CUDA_TOTAL_MIB, FAKE_NVML_DRIVER,
-FAKE_CUDA_FAIL, FAKE_CUDA_DELAY. ``_C`` resolves symbols and reads the CUDA version once, so FAKE_CUDA_VERSION,
+FAKE_CUDA_FAIL. ``_C`` resolves symbols and reads the CUDA version once, so FAKE_CUDA_VERSION,
 FAKE_CUDA_NO_CHECKPOINT and FAKE_CUDA_NO_VMM only matter for a process that has not loaded the
 driver yet.
 """
@@ -153,7 +152,6 @@ FAKE_ENV_VARS = (
     "FAKE_CUDA_TOTAL_MIB",
     "FAKE_NVML_DRIVER",
     "FAKE_CUDA_FAIL",
-    "FAKE_CUDA_DELAY",
 )
 
 CUDA_ERRORS = {

@@ -11,7 +11,6 @@ Every test gives back all it made: no segment, host stash, pinned pool or fd sta
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import random
 import re
@@ -994,29 +993,6 @@ def test_a_failing_copier_is_replaced_by_copies_in_this_process(
     job.assert_home(physical=1)
     # The failed copier was killed (its socket closed); a later pause starts another.
     wait_until(lambda: open_fds() == fds - 1 and copier_processes() == [], what="the copier and the staging to go")
-
-
-def test_a_copy_back_runs_from_both_ends_while_pinning_lags(
-    job: Job, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
-) -> None:
-    """Pinning paces a copy back (docs/fast-path.md fact 19): while the copier pins chunks and
-    copies them from the front, another of its threads copies the chunks not pinned yet from the
-    back, unpinned (fact 22). Here every registration takes 300 ms in the copier."""
-    monkeypatch.setenv("FAKE_CUDA_DELAY", "cuMemHostRegister:300")  # read by the copier's fake at its start
-    engine = job.training([128 * MiB, 128 * MiB, 128 * MiB])
-    assert engine.pause().ok
-    caplog.set_level(logging.DEBUG, logger="flexium")
-    resumed = engine.resume()
-    assert resumed.ok and resumed.path == "fast" and names(resumed) == ["restore", "unlock", "copy_back"]
-    job.assert_home(physical=0)
-    (back,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("copier back ")]
-    unpinned = re.search(r"(\d+\.\d\d) GiB copied unpinned from the other end", back)
-    assert unpinned is not None and float(unpinned.group(1)) > 0, back
-    # Those chunks are pinned after the copy, for the next pause, which finds its staging whole.
-    again = engine.pause()
-    assert again.ok and again.path == "fast"
-    assert engine.resume().ok
-    job.assert_home(physical=0)
 
 
 def fake_state_paused(job: Job) -> bool:

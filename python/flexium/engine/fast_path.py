@@ -341,15 +341,13 @@ class FastPath:
             reply = copier.copy(to_host, order, then_sleep=then_sleep, pin_rest_pause_ms=PIN_PAUSE_MS)
             log.debug(
                 "copier %s %.2f GiB: order %.0f ms here, then in the copier: import %.0f ms, "
-                "pinning %.2f GiB it had not reached %.0f ms, %.2f GiB copied unpinned from the other end, "
-                "copies %.0f ms (%.0f ms with the exchange)",
+                "pinning %.2f GiB it had not reached %.0f ms, copies %.0f ms (%.0f ms with the exchange)",
                 "to host" if to_host else "back",
                 order.bytes / (1 << 30),
                 begin_s * 1e3,
                 reply.get("import_s", 0.0) * 1e3,
                 reply.get("pinned_in_copy", 0) / (1 << 30),
                 reply.get("pin_s", 0.0) * 1e3,
-                reply.get("unpinned_bytes", 0) / (1 << 30),
                 reply.get("copy_s", 0.0) * 1e3,
                 (time.perf_counter() - began - begin_s) * 1e3,
             )
