@@ -84,6 +84,7 @@ from staging_probe import (  # noqa: E402
     copy_host_device,
     fmt,
     gbps,
+    in_threads,
     now,
     nvml_used_mib,
     populate,
@@ -302,27 +303,6 @@ def part_beside(gib: float, result: dict[str, Any]) -> None:
                 child.wait()
         result["loads"][f"{kind} {load}"] = {"touch_gbps": gbps(size, touch_s), "pin_gbps": gbps(size, register_s)}
     result["ok"] = True
-
-
-def in_threads(works: list[Callable[[], None]]) -> float:
-    """Seconds to run every work in a thread of its own, all at once; a failure in any is raised."""
-    errors: list[BaseException] = []
-
-    def run(work: Callable[[], None]) -> None:
-        try:
-            work()
-        except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
-            errors.append(exc)
-
-    threads = [threading.Thread(target=run, args=(work,)) for work in works]
-    started = now()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if errors:
-        raise errors[0]
-    return now() - started
 
 
 def per_file(staging: Staging) -> list[list[tuple[int, int]]]:

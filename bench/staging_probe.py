@@ -1250,29 +1250,41 @@ def part_memfd_fill(part: str, args: argparse.Namespace, result: dict[str, Any],
 # ---- experiment: pin_threads -----------------------------------------------------------------------------
 
 
+def in_threads(works: list[Callable[[], None]]) -> float:
+    """Seconds to run every work in a thread of its own, all at once; a failure in any is raised."""
+    errors: list[BaseException] = []
+
+    def run(work: Callable[[], None]) -> None:
+        try:
+            work()
+        except BaseException as exc:  # noqa: BLE001 - raised below, in the caller's thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(work,)) for work in works]
+    started = now()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return now() - started
+
+
 def across_threads(
     ctx: int, drv: Driver, threads: int, chunks: list[tuple[int, int]], call: Callable[[int, int], None]
 ) -> float:
     """Runs call(address, size) for every chunk from `threads` threads (round robin); seconds."""
-    errors: list[BaseException] = []
 
-    def work(mine: list[tuple[int, int]]) -> None:
-        try:
+    def work(mine: list[tuple[int, int]]) -> Callable[[], None]:
+        def run() -> None:
             drv.call("cuCtxSetCurrent", ctx)
             for a, n in mine:
                 call(a, n)
-        except BaseException as exc:  # reported by the caller
-            errors.append(exc)
 
-    workers = [threading.Thread(target=work, args=(chunks[i::threads],)) for i in range(threads)]
-    t = now()
-    for w in workers:
-        w.start()
-    for w in workers:
-        w.join()
-    if errors:
-        raise errors[0]
-    return now() - t
+        return run
+
+    return in_threads([work(chunks[i::threads]) for i in range(threads)])
 
 
 def part_pin_threads(part: str, args: argparse.Namespace, result: dict[str, Any], state: dict[str, Any]) -> None:
