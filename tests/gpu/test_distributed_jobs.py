@@ -1,7 +1,8 @@
 """Whole torchrun jobs (2 ranks, NCCL) paused, resumed and swapped on 2 GPUs, bit-identical to
 undisturbed runs, with nothing left on any GPU while paused; and the refusals, each job training
 on unaffected, of a job whose NCCL cannot suspend its communicators and of a job whose ranks share
-a GPU (docs/facts.md fact 25: the only NCCL case one GPU can show).
+a GPU (docs/facts.md fact 25). On one GPU: those refusals, and torchrun jobs of one rank, which
+pause and resume as one process.
 
 The NCCL with suspend/resume (2.29.7+) comes from FLEXIUM_TEST_NCCL_LIB (ci/gpu-tests.sh builds
 it from FLEXIUM_NCCL_SOURCE, or takes FLEXIUM_NCCL_LIB, and sets it): torch 2.11's own NCCL 2.28.9
