@@ -17,7 +17,7 @@ import pytest
 
 from conftest import nccl_with_suspend, need_gpus, run_job
 from served_job import ServedJob
-from torchrun_jobs import TorchrunJob, check_ops, check_traces, steps_at_ops, torchrun, torchrun_argv
+from torchrun_jobs import TorchrunJob, check_ops, check_placements, check_traces, steps_at_ops, torchrun, torchrun_argv
 
 # The NCCL watchdog's heartbeat monitor kills a rank whose watchdog is stuck this long; a paused
 # job's must not be (issue: a pause may last hours).
@@ -168,6 +168,18 @@ def test_a_one_rank_nccl_job_pauses_and_resumes_like_one_process(case: str) -> N
     assert sum(paused.of(0, "paused")[0]["held"].values()) == 0, paused.of(0, "paused")
     pause = paused.of(0, "op")[0]
     assert pause["path"] == ("driver" if env else "fast"), pause
+
+
+@pytest.mark.parametrize("nccl_kind", ["bundled", "with-suspend"])
+def test_a_one_rank_nccl_job_moves_to_another_gpu_and_back(two_gpus: list[Any], nccl_kind: str) -> None:
+    nccl = nccl_with_suspend() if nccl_kind == "with-suspend" else None
+    common = ("--model", "ddp", "--steps", "40")
+    reference = torchrun(*common, nccl=nccl, ranks=1)
+    assert reference.returncode == 0, reference.stderr[-4000:]
+    moved = torchrun(*common, "--plan", "10:migrate:0=1", "--plan", "20:migrate:0=0", nccl=nccl, ranks=1)
+    check_ops(moved, ["migrate", "migrate"])
+    assert moved.losses(0) == reference.losses(0), "the loss trace differs"
+    check_placements(moved, [gpu.uuid for gpu in two_gpus], {0: [1, 0]})
 
 
 SHARED_GPU_REFUSAL = "ranks 0 and 1 of this NCCL job would be on one GPU"
