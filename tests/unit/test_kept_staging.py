@@ -109,6 +109,23 @@ def test_claims_share_the_budget_and_a_finished_process_no_longer_counts(monkeyp
 # ----------------------------------------------------------------------------- the engine
 
 
+def pauses_on_the_kept_staging(job: Job, engine: Any) -> None:
+    """The next pause finds its staging kept (nothing newly touched or pinned), and the job
+    comes back home whole."""
+    paused = engine.pause()
+    assert paused.ok and "(0.00 GiB of it newly mapped and touched, 0.00 GiB newly pinned; " in paused.notes[0]
+    assert engine.resume().ok
+    job.assert_home(physical=0)
+
+
+def given_back(keeper: Any, said: Callable[[str], bool]) -> None:
+    """Waits until the keeper has given its staging back and said so (in that order: the note
+    comes after)."""
+    wait_until(
+        lambda: _C.host_staging_pool_bytes() == 0 and said(keeper.note or ""), what="the kept staging to be given back"
+    )
+
+
 def test_a_resumed_job_keeps_its_staging_pinned_for_the_next_pause(job: Job, budget: Callable[[str], None]) -> None:
     budget("1GiB")
     engine = job.training([2 * MiB, 4 * MiB, 6 * MiB])
@@ -166,10 +183,7 @@ def test_the_keeper_prepares_the_first_pause_ahead(job: Job, budget: Callable[[s
     assert keeper.note is not None and keeper.note.startswith("keeps 0.01 GiB of host staging pinned by the copier")
     assert job.fast is not None and job.fast.keeping
     assert _C.host_staging_pool_bytes() == 14 * MiB and ledger()[os.getpid()]["gpu"] == engine.gpus[0].uuid
-    paused = engine.pause()
-    assert paused.ok and "(0.00 GiB of it newly mapped and touched, 0.00 GiB newly pinned; " in paused.notes[0]
-    assert engine.resume().ok
-    job.assert_home(physical=0)
+    pauses_on_the_kept_staging(job, engine)
 
 
 def test_a_job_whose_pause_would_be_refused_keeps_nothing_pinned_until_it_could_pause(
@@ -202,20 +216,14 @@ def test_a_job_whose_pause_would_be_refused_keeps_nothing_pinned_until_it_could_
 
     monkeypatch.setenv("RANK", "1")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    # The keeper gives the staging back, then says so.
-    wait_until(
-        lambda: _C.host_staging_pool_bytes() == 0 and keeper.note == refused, what="the kept staging to be given back"
-    )
+    given_back(keeper, lambda note: note == refused)
     assert not job.fast.keeping and ledger() == {}
     assert copier_processes() != []  # the copier stays, asleep, for a pause once the job can take one
 
     monkeypatch.delenv("RANK")
     monkeypatch.delenv("WORLD_SIZE")
     wait_until(lambda: job.fast is not None and job.fast.keeping, what="the keeper to keep the staging again")
-    paused = engine.pause()
-    assert paused.ok and "(0.00 GiB of it newly mapped and touched, 0.00 GiB newly pinned; " in paused.notes[0]
-    assert engine.resume().ok
-    job.assert_home(physical=0)
+    pauses_on_the_kept_staging(job, engine)
 
 
 def test_a_process_holding_memory_the_driver_cannot_checkpoint_keeps_nothing_pinned_until_it_frees_it(
@@ -232,11 +240,7 @@ def test_a_process_holding_memory_the_driver_cannot_checkpoint_keeps_nothing_pin
 
     free = job.fake.managed_memory(4 * MiB)
     try:
-        # The keeper gives the staging back, then says so.
-        wait_until(
-            lambda: _C.host_staging_pool_bytes() == 0 and (keeper.note or "").startswith("nothing is kept"),
-            what="the kept staging to be given back",
-        )
+        given_back(keeper, lambda note: note.startswith("nothing is kept"))
         assert keeper.note == (
             "nothing is kept pinned between pauses: a pause of this job is refused now: this process holds "
             f"managed memory (1 mapping, 4.0 MiB, the first at {free.address:#x}): "  # type: ignore[attr-defined]
@@ -248,10 +252,7 @@ def test_a_process_holding_memory_the_driver_cannot_checkpoint_keeps_nothing_pin
     finally:
         free()
     wait_until(lambda: job.fast is not None and job.fast.keeping, what="the keeper to keep the staging again")
-    paused = engine.pause()
-    assert paused.ok and "(0.00 GiB of it newly mapped and touched, 0.00 GiB newly pinned; " in paused.notes[0]
-    assert engine.resume().ok
-    job.assert_home(physical=0)
+    pauses_on_the_kept_staging(job, engine)
 
 
 def test_a_pause_that_does_not_fit_the_budget_prepares_its_own_and_gives_it_back(
