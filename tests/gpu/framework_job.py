@@ -8,7 +8,8 @@ float.hex, "done"). Deterministic: two runs give the same loss trace bit for bit
 split and data-parallel are plain PyTorch jobs of one process on two GPUs: a model whose second
 half is on cuda:1, and torch.nn.DataParallel over cuda:0 and cuda:1. lightning-ddp is Lightning's
 Trainer with strategy="ddp" on two GPUs: this process is rank 0 and Lightning starts rank 1 by
-running this script again. accelerate runs as two processes under `accelerate launch
+running this script again; lightning-ddp-one-rank is the same on one GPU, a process group of one
+rank. accelerate runs as two processes under `accelerate launch
 --multi_gpu --num_processes 2`. In a job of several processes every event says its rank.
 
 --pace sleeps after each optimizer step (a hook, the same for every framework), so that a
@@ -41,6 +42,7 @@ FRAMEWORKS = (
     "split",
     "data-parallel",
     "lightning-ddp",
+    "lightning-ddp-one-rank",
 )
 
 
@@ -287,6 +289,7 @@ RUNS: dict[str, Callable[[int], None]] = {
     "split": split_model,
     "data-parallel": data_parallel,
     "lightning-ddp": lambda steps: lightning(steps, devices=2, strategy="ddp"),
+    "lightning-ddp-one-rank": lambda steps: lightning(steps, devices=1, strategy="ddp"),
 }
 
 

@@ -146,19 +146,22 @@ def test_an_nccl_communicator_is_suspended_around_a_pause_and_works_after() -> N
 
 # A torchrun job of one rank (--nproc-per-node 1) is one process to flexium and to the server: its
 # pause is the one-process pause, with its NCCL communicator of one rank in the driver's checkpoint.
-ONE_RANK_CASES = {
-    "bundled-nccl-fast": (None, {}),
-    "bundled-nccl-driver": (None, {"FLEXIUM_FAST_PATH": "0"}),
-    "nccl-with-suspend": ("suspend", {}),
-    "graph-of-an-all-reduce": (None, {}),
+# Each case: (NCCL preloaded, environment, job arguments).
+ONE_RANK_CASES: dict[str, tuple[Optional[str], dict[str, str], tuple[str, ...]]] = {
+    "bundled-nccl-fast": (None, {}, ("--model", "ddp")),
+    "bundled-nccl-driver": (None, {"FLEXIUM_FAST_PATH": "0"}, ("--model", "ddp")),
+    "nccl-with-suspend": ("suspend", {}, ("--model", "ddp")),
+    "graph-of-an-all-reduce": (None, {}, ("--model", "ddp", "--graph-all-reduce")),
+    "fsdp2-fast": (None, {}, ("--model", "fsdp2")),
+    "fsdp2-driver": (None, {"FLEXIUM_FAST_PATH": "0"}, ("--model", "fsdp2")),
 }
 
 
 @pytest.mark.parametrize("case", ONE_RANK_CASES)
 def test_a_one_rank_nccl_job_pauses_and_resumes_like_one_process(case: str) -> None:
-    preload, env = ONE_RANK_CASES[case]
+    preload, env, job = ONE_RANK_CASES[case]
     nccl = nccl_with_suspend() if preload else None
-    common = ("--model", "ddp", "--steps", "40", *(("--graph-all-reduce",) if case.startswith("graph") else ()))
+    common = (*job, "--steps", "40")
     reference = torchrun(*common, nccl=nccl, env=env, ranks=1)
     assert reference.returncode == 0, reference.stderr[-4000:]
     paused = torchrun(*common, "--plan", "10:pause", "--plan", "10:resume", "--hold", "2", nccl=nccl, env=env, ranks=1)

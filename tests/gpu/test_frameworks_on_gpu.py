@@ -94,7 +94,9 @@ def _moved_while_training(
     assert traces == expected, f"{job}: a loss trace differs from the undisturbed run"
 
 
-@pytest.mark.parametrize("framework", FRAMEWORKS)
+# Lightning's strategy="ddp" on one GPU: an NCCL process group of one rank (torch's own NCCL), one
+# process to flexium and the server.
+@pytest.mark.parametrize("framework", [*FRAMEWORKS, "lightning-ddp-one-rank"])
 def test_a_framework_job_is_paused_and_resumed_bit_identical(framework: str, tmp_path: Path) -> None:
     _moved_while_training(framework, tmp_path, [("pause", "{id}"), ("resume", "{id}")])
 
