@@ -1,14 +1,16 @@
-"""Downtime of whole-job operations of a torchrun job (NCCL), per stage, beside the floor
+"""Downtime of whole-job operations of a torchrun job, per stage, beside the floor
 (bench/migrate.py --job-sizes runs it with its own bandwidth and fixed-cost readings).
 
-    python bench/job_moves.py --sizes 16 [--scenarios swap,four-gpus,four-ranks]
+    python bench/job_moves.py --sizes 16 [--scenarios gloo-one-gpu,swap,four-gpus,four-ranks]
         [--nccl /path/libnccl.so.2] [--json out.json]
 
 One job per size (GiB of training state per rank, bench/rank_job.py) and scenario (SCENARIOS):
 "swap", a 2-rank DDP job: a whole-job pause held --hold seconds and its resume in place, a swap of
 the two ranks' GPUs, the swap back; on four GPUs, "four-gpus", a 2-rank DDP job: rank 1 alone to
 GPU 2, the whole job to GPUs 2 and 3, a pause, its resume on GPUs 0 and 1; "four-ranks", a 4-rank
-FSDP2 job: a pause, its resume, ranks 1 and 2 swapped.
+FSDP2 job: a pause, its resume, ranks 1 and 2 swapped; on one GPU, "gloo-one-gpu", a 2-rank DDP
+job over gloo with both ranks on cuda:0 (NCCL refuses that): a whole-job pause and its resume, the
+protocol and the real driver without NCCL, its ranks sharing the GPU's copies (its floor counts both).
 A job's downtime is its slowest rank's: for a migration on the ranks' step clock (the stop step's
 length minus the median normal step), for a pause and a resume the time each rank spent in the
 operation (a pause's step also holds the time it stayed paused). Stages: the ranks meeting at
@@ -67,16 +69,21 @@ class Scenario:
     model: str
     plan: tuple[str, ...]
     ops: tuple[str, ...]
+    backend: str = "nccl"  # gloo: every rank on cuda:0
+
+    @property
+    def ranks_per_gpu(self) -> int:
+        return self.ranks if self.backend == "gloo" else 1
 
     @property
     def gpus(self) -> int:
-        """The GPUs it needs: one per rank, and every GPU its plan names."""
+        """The GPUs it needs: one per rank (one in all over gloo), and every GPU its plan names."""
         named = [int(pair.split("=")[1]) for item in self.plan for pair in _targets(item)]
-        return max([self.ranks, *(g + 1 for g in named)])
+        return max([self.ranks // self.ranks_per_gpu, *(g + 1 for g in named)])
 
     @property
     def job(self) -> str:
-        return f"{self.ranks} ranks {self.model.upper()}"
+        return f"{self.ranks} ranks {self.model.upper()}" + (" gloo, 1 GPU" if self.backend == "gloo" else "")
 
     def kind(self, index: int) -> str:
         return self.plan[index].split(":")[1]
@@ -89,6 +96,7 @@ def _targets(item: str) -> list[str]:
 
 
 SCENARIOS = {
+    "gloo-one-gpu": Scenario(2, "ddp", ("30:pause", "30:resume"), ("pause", "resume"), backend="gloo"),
     "swap": Scenario(
         2,
         "ddp",
@@ -123,6 +131,7 @@ def run_job(size: float, name: str, *, nccl: Optional[str], hold: float, timeout
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", nproc, str(JOB)]
     out = tempfile.mkdtemp(prefix="flexium-job-moves-")
     argv += ["--gb", str(size), "--hold", str(hold), "--out", out, "--model", scenario.model]
+    argv += ["--backend", scenario.backend]
     argv += [a for item in scenario.plan for a in ("--plan", item)]
     started = time.perf_counter()
     try:
@@ -195,7 +204,7 @@ def rows_of(job: dict[str, Any], bandwidth: Optional[dict[str, Any]], fixed: Opt
                 "downtime": downtime,
                 **{stage: max(_stage(op, stage) for op in ops) for stage in PROTOCOL_STAGES},
                 "own": max(_own(op) for op in ops),
-                "floor": floor(kind, size_bytes, bandwidth, fixed),
+                "floor": floor(kind, size_bytes * scenario.ranks_per_gpu, bandwidth, fixed),
                 "errors": [op.get("error") for op in ops if not op["ok"]],
             }
         )
@@ -240,8 +249,9 @@ def print_rows(rows: list[dict[str, Any]]) -> None:
         )
     print_table(COLUMNS, table)
     print(
-        "whole-job operations of torchrun jobs (NCCL): the slowest rank's downtime; migrations on the"
-        " ranks' step clock minus a normal step, pause / resume: each rank's time in the operation."
+        "whole-job operations of torchrun jobs: the slowest rank's downtime; migrations on the"
+        " ranks' step clock minus a normal step, pause / resume: each rank's time in the operation;"
+        " floor: for the bytes of every rank on one GPU."
     )
     for r in rows:
         if not r["ok"]:
@@ -279,9 +289,11 @@ def measure(
 
 
 def scenarios_for(names: str, gpus: int) -> list[str]:
-    """The scenarios named (comma-separated; "" for those this many GPUs allow); ValueError for an
-    unknown one or one that needs more GPUs."""
-    chosen = [n.strip() for n in names.split(",") if n.strip()] or [n for n, s in SCENARIOS.items() if s.gpus <= gpus]
+    """The scenarios named (comma-separated; "" for those this many GPUs allow, the gloo one only on
+    one GPU, where no NCCL job fits); ValueError for an unknown one or one that needs more GPUs."""
+    chosen = [n.strip() for n in names.split(",") if n.strip()] or [
+        n for n, s in SCENARIOS.items() if s.gpus <= gpus and (s.backend == "nccl" or gpus == 1)
+    ]
     for name in chosen:
         if name not in SCENARIOS:
             raise ValueError(f"unknown scenario {name!r}: choose from {', '.join(SCENARIOS)}")

@@ -753,7 +753,7 @@ def main() -> int:
         "--job-scenarios",
         default="",
         help="for --job-sizes: bench/job_moves.py's scenarios, comma-separated (default: those the GPUs allow: "
-        "swap on 2, also four-gpus and four-ranks on 4)",
+        "gloo-one-gpu on 1, swap on 2, also four-gpus and four-ranks on 4)",
     )
     parser.add_argument(
         "--nccl",
@@ -785,7 +785,7 @@ def main() -> int:
         log(f"-- one GPU: {MIGRATE_NEEDS}; measuring pause and resume in place only")
     job_sizes = [float(s) for s in args.job_sizes.split(",") if s.strip()]
     job_scenarios: list[str] = []
-    if job_sizes and migrate:
+    if job_sizes:
         import job_moves
 
         try:
@@ -870,7 +870,7 @@ def main() -> int:
 
     job_rows: list[dict[str, Any]] = []
     job_runs: list[dict[str, Any]] = []
-    if job_sizes and migrate:
+    if job_sizes:
         job_rows, job_runs, job_failures = job_moves.measure(
             job_sizes,
             job_scenarios,
@@ -881,9 +881,6 @@ def main() -> int:
             fixed=fixed,
         )
         failures += job_failures
-    elif job_sizes:
-        log("-- whole-job operations need 2 GPUs: not measured")
-        failures.append("whole-job operations (one GPU)")
 
     add_ratios(rows, bandwidth, fixed)
     print_table(COLUMNS, [table_row(r) for r in rows])

@@ -1,8 +1,9 @@
 """One rank of the benchmark's torchrun job (bench/job_moves.py runs it): DDP (or FSDP2's
-fully_shard, --model fsdp2) over NCCL with AdamW and a ballast that brings the rank's training
-state to --gb GiB, training on data of its own seed; a control thread per rank gives the engine
-its share of each planned whole-job operation, as the server's commands would. At the end every
-rank writes its step end times, its operations' results and its reserved memory to --out/rank-N.json.
+fully_shard, --model fsdp2) over NCCL (or gloo, every rank on cuda:0) with AdamW and a ballast
+that brings the rank's training state to --gb GiB, training on data of its own seed; a control
+thread per rank gives the engine its share of each planned whole-job operation, as the server's
+commands would. At the end every rank writes its step end times, its operations' results and its
+reserved memory to --out/rank-N.json.
 
     torchrun --standalone --nproc-per-node 2 bench/rank_job.py --gb 16 --plan 20:pause --plan 20:resume --out /tmp/ranks
 """
@@ -77,17 +78,28 @@ def main() -> None:
     parser.add_argument("--hold", type=float, default=1.0, help="seconds each pause lasts")
     parser.add_argument("--out", required=True, help="folder for each rank's rank-N.json")
     parser.add_argument("--model", choices=("ddp", "fsdp2"), default="ddp", help="DDP, or FSDP2's fully_shard")
+    parser.add_argument(
+        "--backend",
+        choices=("nccl", "gloo"),
+        default="nccl",
+        help="gloo: every rank on cuda:0 (gloo allows it, NCCL does not), for a machine with one GPU",
+    )
     args = parser.parse_args()
 
+    if args.backend == "gloo":
+        os.environ["GPU_DEVICE"] = "cuda:0"
     flexium.init()
-    local_rank = int(os.environ["LOCAL_RANK"])
-    dist.init_process_group("nccl", device_id=torch.device(f"cuda:{local_rank}"))
+    device = torch.cuda.current_device()
+    if args.backend == "nccl":
+        dist.init_process_group("nccl", device_id=torch.device("cuda", device))
+    else:
+        dist.init_process_group("gloo")
     world = dist.get_world_size()
     torch.manual_seed(0)
     layers = [torch.nn.Linear(WIDTH, WIDTH) for _ in range(LAYERS)]
     model: torch.nn.Module = torch.nn.Sequential(*layers).cuda()
     if args.model == "ddp":
-        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[local_rank])
+        model = torch.nn.parallel.DistributedDataParallel(model, device_ids=[device])
     else:
         from torch.distributed.fsdp import fully_shard
 
