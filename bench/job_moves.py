@@ -140,8 +140,8 @@ def run_job(size: float, name: str, *, nccl: Optional[str], hold: float, timeout
     except subprocess.TimeoutExpired as exc:
         code, stderr = None, str(exc.stderr or "")
     ranks = {}
-    for name in os.listdir(out):
-        with open(os.path.join(out, name)) as f:
+    for file in os.listdir(out):
+        with open(os.path.join(out, file)) as f:
             found = json.load(f)
         ranks[found["rank"]] = found
     return {
