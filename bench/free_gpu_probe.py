@@ -45,6 +45,11 @@ Parts:
                 unpinned (the driver stages pageable memory itself), and both at once: one thread
                 pinning and copying chunks from the front, another copying chunks unpinned from
                 the back, until they meet.
+  processes:S   Whether two copiers pinning at once (the ranks of a job resumed as a whole) share
+                the host's pinning rate: SIZE GiB of memfd8 touched in each of 1, then 2 processes
+                (a context of its own on cuda:0 each), registered per 256 MiB by all of them at
+                once after a barrier, then again in a fresh context (as a copier's wake pins a
+                kept staging); the rate of all of them together, and each one's seconds.
   kill          A keeper holding 0.25 GiB pinned with its context on cuda:0, killed (SIGKILL):
                 when its /proc entry says zombie, when it can be reaped (waitpid), and when NVML
                 no longer shows its memory (read every millisecond): what the allocator, short of
@@ -452,6 +457,61 @@ def keeper_main(gib: float) -> int:
     return 0
 
 
+def pinner_main(gib: float) -> int:
+    """The processes part's other processes: a context on cuda:0 and SIZE GiB of memfd8 touched;
+    then, at each 'go' on stdin, every chunk registered and one line of the seconds it took:
+    first on touched pages, then, after unregistering and a fresh context, on the same pages."""
+    drv = Driver()
+    drv.primary_context(0)
+    staging = Staging(Libc(), "memfd8", round_up(int(gib * GIB), HUGE))
+    staging.touch()
+    for again in (False, True):
+        if again:
+            for a, _n in staging.chunks:
+                drv.call("cuMemHostUnregister", a)
+            drv.call("cuDevicePrimaryCtxReset", drv.device)
+            drv.primary_context(0)
+        print("ready", flush=True)
+        sys.stdin.readline()
+        seconds = timed_each(
+            staging.chunks, lambda a, n: drv.call("cuMemHostRegister", a, n, CU_MEMHOSTREGISTER_PORTABLE)
+        )
+        print(json.dumps({"seconds": seconds}), flush=True)
+    return 0
+
+
+def part_processes(gib: float, result: dict[str, Any]) -> None:
+    size = round_up(int(gib * GIB), HUGE)
+    result["counts"] = {}
+    for count in (1, 2):
+        pinners = [
+            subprocess.Popen(
+                [sys.executable, str(THIS), "--pinner", str(gib)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for _ in range(count)
+        ]
+        rounds: dict[str, Any] = {}
+        try:
+            for label in ("touched", "again"):
+                for p in pinners:
+                    assert p.stdout is not None and p.stdout.readline().strip() == "ready", "a pinner failed"
+                for p in pinners:
+                    assert p.stdin is not None
+                    p.stdin.write("go\n")
+                    p.stdin.flush()
+                each = [float(json.loads(p.stdout.readline())["seconds"]) for p in pinners if p.stdout is not None]
+                rounds[label] = {"each_s": each, "gbps_all": gbps(count * size, max(each))}
+        finally:
+            for p in pinners:
+                p.kill()
+                p.wait()
+        result["counts"][str(count)] = rounds
+    result["ok"] = True
+
+
 def part_idle(gib: float, result: dict[str, Any]) -> None:
     torch = torch_context()
     a = torch.randn(4096, 4096, device="cuda:0")
@@ -557,6 +617,8 @@ def worker(part: str) -> int:
             part_copy_back(float(arg), result)
         elif name == "threads":
             part_threads(float(arg), result)
+        elif name == "processes":
+            part_processes(float(arg), result)
         elif name == "kill":
             part_kill(result)
         else:
@@ -577,9 +639,12 @@ def main() -> int:
     parser.add_argument("--only", default="", help="run only these parts, by name, comma-separated: checkpoint,kill")
     parser.add_argument("--part", help=argparse.SUPPRESS)
     parser.add_argument("--keeper", type=float, help=argparse.SUPPRESS)
+    parser.add_argument("--pinner", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.keeper is not None:
         return keeper_main(args.keeper)
+    if args.pinner is not None:
+        return pinner_main(args.pinner)
     if args.part:
         return worker(args.part)
     sizes = [float(s) for s in args.sizes.split(",") if s]
@@ -589,6 +654,7 @@ def main() -> int:
     parts += (
         [f"threads:{gib:g}" for gib in sizes]
         + [f"copy_back:{gib:g}" for gib in sizes]
+        + [f"processes:{gib:g}" for gib in sizes]
         + [f"idle:{args.idle_gib:g}", "kill"]
     )
     only = {name.strip() for name in args.only.split(",") if name.strip()}
@@ -665,6 +731,15 @@ def main() -> int:
                     f"{r['part'][10:]} GiB copy back {way:12s}: {fmt(w['gbps'], 1)} GB/s ({fmt(w['seconds'], 3)} s; "
                     f"{fmt(w['pinned_gib'], 2)} GiB pinned, {fmt(w['unpinned_gib'], 2)} GiB unpinned)"
                 )
+    for r in results:
+        if r["part"].startswith("processes:") and r.get("ok"):
+            for count, rounds in r["counts"].items():
+                for label, w in rounds.items():
+                    each = ", ".join(fmt(x, 3) for x in w["each_s"])
+                    print(
+                        f"{r['part'][10:]} GiB each, {count} process(es) pinning at once, {label:7s}: "
+                        f"{fmt(w['gbps_all'], 1)} GB/s in all (each {each} s)"
+                    )
     for r in results:
         if r["part"] == "kill" and r.get("ok"):
             zombie, reaped, freed = (fmt(r.get(k), 3) for k in ("zombie_s", "reaped_s", "freed_s"))
