@@ -597,6 +597,17 @@ def part_kill(result: dict[str, Any]) -> None:
     result["ok"] = len(seen) == 3
 
 
+# The parts that take one argument, SIZE GiB (NAME:SIZE).
+SIZED_PARTS: dict[str, Callable[[float, dict[str, Any]], None]] = {
+    "checkpoint": part_checkpoint,
+    "idle": part_idle,
+    "beside": part_beside,
+    "copy_back": part_copy_back,
+    "threads": part_threads,
+    "processes": part_processes,
+}
+
+
 def worker(part: str) -> int:
     import faulthandler
 
@@ -607,20 +618,10 @@ def worker(part: str) -> int:
         if name == "pin":
             kind, _, gib = arg.partition("@")
             part_pin(kind, float(gib), result)
-        elif name == "checkpoint":
-            part_checkpoint(float(arg), result)
-        elif name == "idle":
-            part_idle(float(arg), result)
-        elif name == "beside":
-            part_beside(float(arg), result)
-        elif name == "copy_back":
-            part_copy_back(float(arg), result)
-        elif name == "threads":
-            part_threads(float(arg), result)
-        elif name == "processes":
-            part_processes(float(arg), result)
         elif name == "kill":
             part_kill(result)
+        elif name in SIZED_PARTS:
+            SIZED_PARTS[name](float(arg), result)
         else:
             raise ValueError(f"unknown part {part}")
     except BaseException as exc:
