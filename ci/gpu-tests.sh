@@ -47,6 +47,11 @@ fi
 if ! python3 -c 'import pydantic, requests, yaml' 2>>"$out/build.log"; then
   tail -3 "$out/build.log"; echo "FLEXIUM'S RUNTIME DEPENDENCIES ARE MISSING: run ci/server-wheels.sh here and carry .whl"; exit 1
 fi
+# The server end to end and the framework tests drive jobs through a real server: without the server
+# extra their modules would be skipped at collection, which tests/conftest.py fails anyway; say why here.
+if ! python3 -c 'import fastapi, uvicorn, sqlalchemy, alembic, jinja2' 2>>"$out/build.log"; then
+  tail -3 "$out/build.log"; echo "THE SERVER EXTRA IS MISSING: install \".[server]\", or run ci/server-wheels.sh elsewhere and carry .whl"; exit 1
+fi
 
 # NCCL with suspend/resume for tests/gpu/test_distributed_jobs.py and bench/migrate.py --job-sizes
 # (torch 2.11 ships NCCL 2.28.9, which lacks it): FLEXIUM_NCCL_LIB names a libnccl.so.2 built

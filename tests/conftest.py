@@ -1,14 +1,17 @@
 """Puts tests/ on sys.path so that test modules can `import fake_driver`, and fails a run in
-which a test was skipped: a skipped test never passed, so CI and ci/gpu-tests.sh must not count
-it. ``FLEXIUM_ALLOW_SKIPS=1`` lets a run pass with skips, listed.
+which a test was skipped or nothing passed: a skipped test never passed, so CI and
+ci/gpu-tests.sh must not count it. A skip at collection (a module's `pytest.importorskip`, a
+module-level `pytest.skip`) counts like a test's own: it hides every test of the module.
+``FLEXIUM_ALLOW_SKIPS=1`` lets a run pass with skips, listed.
 ``FLEXIUM_ALLOW_SKIPS_FOR_GPUS=1`` (ci/gpu-tests.sh) lets it pass with the tests skipped for want
 of GPUs alone ("needs 4 GPUs, NVML sees 2", ``tests/gpu/conftest.py``), listed; any other skip
-still fails it."""
+still fails it. Neither lets a run in which no test passed be green."""
 
 import os
 import re
 import sys
 from pathlib import Path
+from typing import Union
 
 import pytest
 
@@ -20,30 +23,58 @@ ALLOW_SKIPS_ENV = "FLEXIUM_ALLOW_SKIPS"
 ALLOW_SKIPS_FOR_GPUS_ENV = "FLEXIUM_ALLOW_SKIPS_FOR_GPUS"
 FEWER_GPUS = re.compile(r"needs (\d+) GPUs, NVML sees (\d+)")
 _skipped: list[str] = []
+_passed = 0
+_verdict = ""  # why the run fails though every test that ran passed
 
 
-def _for_want_of_gpus(report: pytest.TestReport) -> bool:
-    reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-    found = FEWER_GPUS.search(reason)
+def _reason(report: Union[pytest.TestReport, pytest.CollectReport]) -> str:
+    return report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+
+
+def _for_want_of_gpus(report: Union[pytest.TestReport, pytest.CollectReport]) -> bool:
+    found = FEWER_GPUS.search(_reason(report))
     return found is not None and int(found.group(2)) < int(found.group(1))
 
 
+def _note_skip(report: Union[pytest.TestReport, pytest.CollectReport]) -> None:
+    if os.environ.get(ALLOW_SKIPS_FOR_GPUS_ENV) == "1" and _for_want_of_gpus(report):
+        return
+    _skipped.append(f"{report.nodeid} ({_reason(report).removeprefix('Skipped: ')})")
+
+
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    global _passed
     if report.skipped and not hasattr(report, "wasxfail"):
-        if os.environ.get(ALLOW_SKIPS_FOR_GPUS_ENV) == "1" and _for_want_of_gpus(report):
-            return
-        _skipped.append(report.nodeid)
+        _note_skip(report)
+    elif report.when == "call" and report.passed:
+        _passed += 1
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    if report.skipped:
+        _note_skip(report)
+
+
+def _problem(session: pytest.Session) -> str:
+    if session.config.option.collectonly:
+        return ""
+    if _skipped and os.environ.get(ALLOW_SKIPS_ENV) != "1":
+        return (
+            f"{len(_skipped)} test(s) or module(s) skipped, and a skipped test never passed "
+            f"(set {ALLOW_SKIPS_ENV}=1 only where they cannot run): " + ", ".join(_skipped[:10])
+        )
+    if _passed == 0:
+        return "no test passed: a run in which nothing ran is not green"
+    return ""
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
-    if _skipped and os.environ.get(ALLOW_SKIPS_ENV) != "1" and exitstatus == 0:
+    global _verdict
+    _verdict = _problem(session)
+    if exitstatus == 0 and _verdict:
         session.exitstatus = 1
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
-    if _skipped and os.environ.get(ALLOW_SKIPS_ENV) != "1":
-        terminalreporter.write_line(
-            f"FAILED: {len(_skipped)} test(s) skipped, and a skipped test never passed "
-            f"(set {ALLOW_SKIPS_ENV}=1 only where they cannot run): " + ", ".join(_skipped[:10]),
-            red=True,
-        )
+    if _verdict:
+        terminalreporter.write_line(f"FAILED: {_verdict}", red=True)

@@ -1,49 +1,82 @@
-"""The rule that fails a run with a skipped test (tests/conftest.py): a test skipped for want of
-GPUs is let through where FLEXIUM_ALLOW_SKIPS_FOR_GPUS=1 says so (ci/gpu-tests.sh), and nothing
-else is."""
+"""The rule that fails a run with a skipped test (tests/conftest.py), checked on real pytest runs
+of small test folders that use the root conftest itself: a test or a whole module skipped for want
+of GPUs is let through where FLEXIUM_ALLOW_SKIPS_FOR_GPUS=1 says so (ci/gpu-tests.sh), nothing else
+is, and a run in which no test passed is never green."""
 
 from __future__ import annotations
 
-import importlib.util
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
-from typing import Any
 
 import pytest
 
+ROOT_CONFTEST = Path(__file__).parents[1] / "conftest.py"
+PASSES = "def test_passes():\n    assert 1 + 1 == 2\n"
+HIDDEN = "\n\ndef test_hidden():\n    pass\n"
+MISSING_EXTRA = (
+    'import pytest\npytest.importorskip("no_such_module", reason="the server extra is not installed")\n' + HIDDEN
+)
+MODULE_NEEDS_GPUS = 'import pytest\npytest.skip("needs 2 GPUs, NVML sees 1", allow_module_level=True)\n' + HIDDEN
+TEST_NEEDS_GPUS = 'import pytest\n\n\ndef test_moves():\n    pytest.skip("needs 4 GPUs, NVML sees 2")\n'
+TEST_NEEDS_NOTHING_MORE = 'import pytest\n\n\ndef test_moves():\n    pytest.skip("needs 2 GPUs, NVML sees 4")\n'
 
-def _rule() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("root_conftest", Path(__file__).parents[1] / "conftest.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
-
-def _skipped(reason: str) -> Any:
-    return SimpleNamespace(skipped=True, longrepr=("tests/gpu/test_x.py", 3, f"Skipped: {reason}"), nodeid=reason)
+def _run(tmp_path: Path, modules: dict[str, str], *, allow_for_gpus: bool) -> subprocess.CompletedProcess[str]:
+    shutil.copy(ROOT_CONFTEST, tmp_path / "conftest.py")
+    for name, text in modules.items():
+        (tmp_path / name).write_text(text)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEXIUM_ALLOW_SKIPS")}
+    if allow_for_gpus:
+        env["FLEXIUM_ALLOW_SKIPS_FOR_GPUS"] = "1"
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-o",
+            "addopts=",
+            "--rootdir",
+            str(tmp_path),
+            str(tmp_path),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
 
 
 @pytest.mark.parametrize(
-    "reason, let_through",
+    "modules, allow_for_gpus, green",
     [
-        ("needs 4 GPUs, NVML sees 2", True),
-        ("needs 2 GPUs, NVML sees 1", True),
-        ("needs 2 GPUs, NVML sees 4", False),  # a machine that has them: a skip then is a fault
-        ("the server extra is not installed", False),
+        pytest.param({"test_a.py": PASSES}, False, True, id="all-passed"),
+        pytest.param({"test_a.py": PASSES, "test_b.py": MISSING_EXTRA}, False, False, id="module-skipped"),
+        pytest.param({"test_a.py": PASSES, "test_b.py": MISSING_EXTRA}, True, False, id="module-skipped-not-for-gpus"),
+        pytest.param({"test_a.py": PASSES, "test_b.py": MODULE_NEEDS_GPUS}, True, True, id="module-needs-gpus"),
+        pytest.param(
+            {"test_a.py": PASSES, "test_b.py": MODULE_NEEDS_GPUS}, False, False, id="module-needs-gpus-not-allowed"
+        ),
+        pytest.param({"test_a.py": PASSES, "test_b.py": TEST_NEEDS_GPUS}, True, True, id="test-needs-gpus"),
+        pytest.param({"test_a.py": PASSES, "test_b.py": TEST_NEEDS_NOTHING_MORE}, True, False, id="gpus-were-there"),
+        pytest.param({"test_b.py": TEST_NEEDS_GPUS, "test_c.py": MODULE_NEEDS_GPUS}, True, False, id="nothing-ran"),
     ],
 )
-def test_only_a_skip_for_want_of_gpus_is_let_through(
-    monkeypatch: pytest.MonkeyPatch, reason: str, let_through: bool
+def test_a_run_is_green_only_when_what_it_was_meant_to_run_passed(
+    tmp_path: Path, modules: dict[str, str], allow_for_gpus: bool, green: bool
 ) -> None:
-    rule = _rule()
-    monkeypatch.setenv(rule.ALLOW_SKIPS_FOR_GPUS_ENV, "1")
-    rule.pytest_runtest_logreport(_skipped(reason))
-    assert rule._skipped == ([] if let_through else [reason])
+    done = _run(tmp_path, modules, allow_for_gpus=allow_for_gpus)
+    assert (done.returncode == 0) == green, done.stdout + done.stderr
+    if not green:
+        assert "FAILED" in done.stdout, done.stdout
 
 
-def test_without_the_setting_every_skip_counts(monkeypatch: pytest.MonkeyPatch) -> None:
-    rule = _rule()
-    monkeypatch.delenv(rule.ALLOW_SKIPS_FOR_GPUS_ENV, raising=False)
-    rule.pytest_runtest_logreport(_skipped("needs 4 GPUs, NVML sees 2"))
-    assert rule._skipped == ["needs 4 GPUs, NVML sees 2"]
+def test_the_failure_names_the_hidden_module(tmp_path: Path) -> None:
+    done = _run(tmp_path, {"test_a.py": PASSES, "test_b.py": MISSING_EXTRA}, allow_for_gpus=False)
+    assert "test_b.py" in done.stdout and "the server extra is not installed" in done.stdout, done.stdout
