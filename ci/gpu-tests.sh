@@ -3,15 +3,15 @@
 # benchmark in one go. Results land in $OUT (the device tool's folder) or ./gpu-results.
 # Tests that need more GPUs than the machine has are skipped (listed with their reason, not
 # counted as passed; any other skip fails the run). With one GPU bench/migrate.py measures pause /
-# resume in place only (it says so); the other benchmarks and probes use one GPU.
+# resume in place only (it says so); the other benchmarks use one GPU.
 #   bash ci/gpu-tests.sh [--tests-only | --bench-only] [pytest args...]
 # Environment: GPU_TESTS (what pytest runs, default tests/gpu), FLEXIUM_NCCL_LIB (a libnccl.so.2
 # of NCCL 2.29.7+ for the distributed tests) or FLEXIUM_NCCL_SOURCE (its source tarball, built
 # here), BENCH_SIZES (GB, default 2,16,64), BENCH_ARGS (more bench/migrate.py options),
-# BENCH_OVERHEAD=0 skips the step-time benchmark, BENCH_CONTEXT=0 the context cost probe,
-# BENCH_STAGING=1 adds the pause staging probe (BENCH_STAGING_EXPERIMENTS picks its experiments,
-# e.g. memfd_fill; the probes and bench/nvml_read.py write bench-probes.txt: the device tool
-# brings back at most 8 files).
+# BENCH_OVERHEAD=0 skips the step-time benchmark, BENCH_PROBES adds probes of bench/probes/
+# (";"-separated, each its file name without .py and its options, e.g. "host_memory_pinning
+# --sizes 16;restore_without_room"; they write bench-probes.txt: the device tool brings back at
+# most 8 files).
 # tests/gpu/test_server_end_to_end.py needs the server extra: installed, or its wheels in .whl/
 # (ci/server-wheels.sh fetches them for a machine without network; ci/framework-wheels.sh fastai's).
 set -uo pipefail
@@ -88,24 +88,18 @@ if [ "$mode" != "--tests-only" ]; then
   python3 bench/migrate.py --sizes "${BENCH_SIZES:-2,16,64}" ${BENCH_ARGS:-} --json "$out/bench-migrate.json" \
     --job-logs "$out/jobs.log" 2>&1 | tee "$out/bench-migrate.txt"
   [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  echo "== benchmark: bench/nvml_read.py"
-  timeout -k 10 120 python3 bench/nvml_read.py 2>&1 | tee -a "$out/bench-probes.txt"
-  [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   if [ "${BENCH_OVERHEAD:-1}" != "0" ]; then
     echo "== benchmark: bench/step_overhead.py"
     timeout -k 10 "${BENCH_OVERHEAD_TIMEOUT:-240}" python3 bench/step_overhead.py 2>&1 | tee "$out/bench-step-overhead.txt"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
   fi
-  if [ "${BENCH_CONTEXT:-1}" != "0" ]; then
-    echo "== benchmark: bench/context_cost.py"
-    timeout -k 10 "${BENCH_CONTEXT_TIMEOUT:-240}" python3 bench/context_cost.py --repeats "${BENCH_CONTEXT_REPEATS:-3}" 2>&1 | tee -a "$out/bench-probes.txt"
+  IFS=';' read -ra probes <<<"${BENCH_PROBES:-}"
+  for probe in "${probes[@]}"; do
+    read -ra words <<<"$probe"
+    [ "${#words[@]}" -gt 0 ] || continue
+    echo "== probe: bench/probes/${words[0]}.py"
+    timeout -k 10 "${BENCH_PROBE_TIMEOUT:-600}" python3 "bench/probes/${words[0]}.py" "${words[@]:1}" 2>&1 | tee -a "$out/bench-probes.txt"
     [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  fi
-  if [ "${BENCH_STAGING:-0}" != "0" ]; then
-    echo "== probe: bench/staging_probe.py"
-    timeout -k 10 "${BENCH_STAGING_TIMEOUT:-300}" python3 bench/staging_probe.py --gb "${BENCH_STAGING_GB:-8}" \
-      ${BENCH_STAGING_EXPERIMENTS:+--experiments "$BENCH_STAGING_EXPERIMENTS"} 2>&1 | tee -a "$out/bench-probes.txt"
-    [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-  fi
+  done
 fi
 exit "$status"

@@ -237,20 +237,20 @@ def send_cuda_tensor(queue: Any, done: Any, floats: int) -> None:
 class HeldMemory:
     """4 MiB that the driver's checkpoint cannot carry, written by a kernel: "host-cumem", cuMem
     memory on the host mapped for the GPU and the CPU (as NCCL makes it; docs/facts.md fact 26, the
-    allocation bench/shared_gpu_probe.py measured), "managed", cuMemAllocManaged (as bitsandbytes'
+    allocation bench/probes/host_memory_restore.py measured), "managed", cuMemAllocManaged (as bitsandbytes'
     paged optimizers make it; fact 27), or "cuda-ipc", a CUDA tensor another process sent through
     torch.multiprocessing (fact 29). flexium refuses to checkpoint a process holding any of them."""
 
     FLOATS = 1 << 20
 
     def __init__(self, kind: str) -> None:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-        from shared_gpu_probe import _DeviceView, _mapped_host_memory
-        from staging_probe import Driver
+        sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "probes"))
+        from cuda_driver import Driver
+        from host_memory_restore import DeviceView, mapped_host_memory
 
         self.kind = kind
         if kind == "host-cumem":
-            self.pointer, _host, self.keep = _mapped_host_memory("cumem-host", self.FLOATS * 4)
+            self.pointer, _host, self.keep = mapped_host_memory("cumem-host", self.FLOATS * 4)
         elif kind == "cuda-ipc":
             import torch.multiprocessing as mp
 
@@ -269,7 +269,7 @@ class HeldMemory:
         self.view = (
             self.received
             if kind == "cuda-ipc"
-            else torch.as_tensor(_DeviceView(self.pointer, self.FLOATS), device="cuda")
+            else torch.as_tensor(DeviceView(self.pointer, self.FLOATS), device="cuda")
         )
         self.view.fill_(1.0)
         torch.cuda.synchronize()
@@ -277,8 +277,8 @@ class HeldMemory:
 
     def free(self) -> bool:
         """Frees it; whether it still held what the kernel wrote."""
-        from shared_gpu_probe import free_cumem_host
-        from staging_probe import Driver
+        from cuda_driver import Driver
+        from host_memory_restore import free_cumem_host
 
         intact = self.view.sum().item() == self.FLOATS
         del self.view

@@ -14,12 +14,12 @@ import threading
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))  # the probe that measured fact 26
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench" / "probes"))  # the probe of fact 26
 
 import torch  # noqa: E402
 
 from flexium import _C  # noqa: E402
-from shared_gpu_probe import _DeviceView, _mapped_host_memory  # noqa: E402
+from host_memory_restore import DeviceView, mapped_host_memory  # noqa: E402
 
 CUDA_CALL_WAIT_S = 10.0
 
@@ -30,8 +30,8 @@ def codes(outcomes: list[_C.StepOutcome]) -> list[list[object]]:
 
 def main() -> None:
     torch.ones(1, device="cuda").sum().item()
-    device, _host, keep = _mapped_host_memory("cumem-host", 4 << 20)
-    view = torch.as_tensor(_DeviceView(device, 1 << 20), device="cuda")
+    device, _host, keep = mapped_host_memory("cumem-host", 4 << 20)
+    view = torch.as_tensor(DeviceView(device, 1 << 20), device="cuda")
     view.fill_(1.0)  # a kernel has reached it, as NCCL's do (fact 26's probe)
     assert view.sum().item() == 1 << 20
     pid = os.getpid()

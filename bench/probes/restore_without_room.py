@@ -1,7 +1,8 @@
-"""What the driver does when a restore finds too little room on the GPU: the measurement behind
-docs/facts.md fact 28.
+"""What the driver does when a restore finds too little room on the GPU: docs/facts.md fact 28
+(the process is lost: out of memory, then CUDA_ERROR_OPERATING_SYSTEM for good), to run again on
+a new driver (NVIDIA's cuda-checkpoint issue 44).
 
-    python bench/restore_room_probe.py [--gb 8] [--cases 2,-0.25] [--timeout 120]
+    python bench/probes/restore_without_room.py [--gb 8] [--cases 2,-0.25] [--timeout 120]
 
 Each case is a fresh process that holds --gb GiB of device memory written by a kernel, and runs
 the driver's steps on itself from a thread of its own (no CUDA call on the thread that locks):
@@ -24,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # children.py, tables.py beside it
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tables.py in bench/
 
 from children import run_child  # noqa: E402
 from tables import print_table  # noqa: E402

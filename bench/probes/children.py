@@ -3,14 +3,17 @@ test one thing per process (a checkpoint is process-wide)."""
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
+import traceback
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 
 @dataclass
@@ -71,3 +74,30 @@ def run_child(argv: list[str], env: dict[str, str], timeout: float) -> Child:
             timed_out,
             time.perf_counter() - started,
         )
+
+
+def run_parts(script: str, parts: list[str], timeout: float) -> list[dict[str, Any]]:
+    """Runs `script --part PART` for each part, each in a fresh process; their results, each also
+    printed as it comes (a run cut short keeps them)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "CUDA_MODULE_LOADING": "LAZY"}
+    results = []
+    for part in parts:
+        child = run_child([sys.executable, script, "--part", part], env, timeout)
+        result = child.result(failed={"part": part}, timeout=timeout)
+        results.append(result)
+        print(json.dumps(result, default=str)[:1500], flush=True)
+    return results
+
+
+def report_part(part: str, measure: Callable[[dict[str, Any]], None]) -> int:
+    """In a part's process: runs `measure` on its result and prints the result line run_parts
+    reads, its failure included; the exit status says whether it went well."""
+    faulthandler.enable()
+    result: dict[str, Any] = {"part": part, "ok": False}
+    try:
+        measure(result)
+    except BaseException as exc:  # reported in the result line, which the parent reads
+        result["error"] = f"{type(exc).__name__}: {exc}"
+        traceback.print_exc()
+    print(json.dumps({"event": "result", **result}, default=str), flush=True)
+    return 0 if result.get("ok") else 1

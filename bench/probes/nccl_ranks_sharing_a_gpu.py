@@ -1,8 +1,10 @@
 """Two NCCL ranks on one GPU, NCCL suspended around a driver checkpoint and restore of one rank or
-both, without flexium's engine: the measurement behind docs/facts.md fact 25.
+both, without flexium's engine: docs/facts.md fact 25 (a rank the driver restored there fails its
+next collective). Why is not known; run it again on a new driver or NCCL: while it fails, flexium
+refuses to move NCCL ranks that share a GPU.
 
-    python bench/shared_gpu_probe.py --nccl /path/libnccl.so.2 [--cases sockets:none,sockets:pause0,...]
-        [--controls kernels,mapped]
+    python bench/probes/nccl_ranks_sharing_a_gpu.py --nccl /path/libnccl.so.2 [--cases sockets:none,...]
+        [--no-controls]
 
 Each case is a 2-rank torchrun job (DDP, both ranks on cuda:0) that trains 20 steps, suspends its
 communicator (ncclCommSuspend, NCCL_SUSPEND_MEM), checkpoints and restores the ranks the case
@@ -13,13 +15,10 @@ connects them by its socket transport; "ipc", NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL
 may set NCCL's settings in its ranks: "sockets+NCCL_CUMEM_HOST_ENABLE=0:both" (NCCL then makes
 its host memory by cudaHostAlloc, not as cuMem allocations on the host).
 
-Then controls without NCCL, each a process restored (or not) by the driver: two 2-second kernels
-while another process keeps the GPU busy (or not); and host memory that kernels reach (what
-NCCL's transports and its work queue use): pinned by cudaHostAlloc, shared memory registered
-with the driver, and a cuMem allocation on the host NUMA node mapped for the GPU and the CPU (as
-NCCL 2.30 makes its host memory on driver 12.6+), each written by a kernel before the checkpoint
-and after the restore and read back by the CPU. One table row per case. Needs a GPU and an NCCL
-with ncclCommSuspend (2.29.7+), which the job loads by LD_PRELOAD.
+Then controls without NCCL (--no-controls skips them), each a process restored (or not) by the
+driver: two 2-second kernels while another process keeps the GPU busy (or not). One table row per
+case, each also printed as a JSON line as it is measured. Needs a GPU and an NCCL with
+ncclCommSuspend (2.29.7+), which the job loads by LD_PRELOAD (ci/build-nccl.sh builds one).
 """
 
 from __future__ import annotations
@@ -27,28 +26,17 @@ from __future__ import annotations
 import argparse
 import ctypes
 import json
-import mmap
 import os
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # children.py, staging_probe.py, tables.py beside it
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tables.py in bench/
 
 from children import run_child  # noqa: E402
-from staging_probe import (  # noqa: E402
-    CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID,
-    CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
-    CU_MEM_LOCATION_TYPE_HOST_NUMA,
-    CU_MEMHOSTREGISTER_DEVICEMAP,
-    CU_MEMHOSTREGISTER_PORTABLE,
-    CUmemAccessDesc,
-    Driver,
-    round_up,
-)
+from cuda_driver import checkpoint_and_restore_self  # noqa: E402
 from tables import print_table  # noqa: E402
 
 CASES = (
@@ -61,42 +49,9 @@ CASES = (
     "ipc+NCCL_CUMEM_HOST_ENABLE=0:both",
 )
 CONTROLS = ("plain:shared", "restored:alone", "restored:shared")
-MAPPED = tuple(f"{kind}:{mode}" for kind in ("pinned", "registered", "cumem-host") for mode in ("plain", "restored"))
-MAPPED_FLOATS = 1 << 20
 SUSPEND_AT_STEP = 20
 NCCL_SUSPEND_MEM = 0x01
 LONG_KERNEL_CYCLES = 4_000_000_000  # about 2 s on an H200
-
-
-def _checkpoint_and_restore() -> list[str]:
-    """Lock, checkpoint, restore and unlock this process from another thread (the locking
-    thread's own CUDA calls would block); each step's result."""
-    from flexium import _C
-
-    done: list[str] = []
-
-    def drive() -> None:
-        pid = os.getpid()
-        for name, call in (
-            ("lock", lambda: _C.lock(pid, 20_000)),
-            ("checkpoint", lambda: _C.checkpoint(pid)),
-            ("restore", lambda: _C.restore(pid)),
-            ("unlock", lambda: _C.unlock(pid)),
-        ):
-            try:
-                call()
-                done.append(name)
-                print(f"driver: {name} done", file=sys.stderr, flush=True)  # a run that hangs says where
-            except Exception as exc:
-                done.append(f"{name}: {exc}")
-                # A failed restore leaves the process checkpointed: the next CUDA call waits for good.
-                print(f"driver: {name} failed: {exc}", file=sys.stderr, flush=True)
-                return
-
-    thread = threading.Thread(target=drive)
-    thread.start()
-    thread.join()
-    return done
 
 
 def rank_main(case: str) -> None:
@@ -132,7 +87,7 @@ def rank_main(case: str) -> None:
         comm = ctypes.c_void_p(backend._comm_ptr())  # type: ignore[attr-defined]  # NCCL backend only
         seen["suspend"] = int(nccl.ncclCommSuspend(comm, NCCL_SUSPEND_MEM))
         if who in ("both", f"pause{rank}"):
-            seen["driver"] = _checkpoint_and_restore()
+            seen["driver"] = checkpoint_and_restore_self()
         store = dist.distributed_c10d._get_default_store()
         store.set(f"restored/{rank}", "1")
         store.wait([f"restored/{r}" for r in range(dist.get_world_size())])
@@ -180,7 +135,7 @@ def control_main(mode: str, company: str) -> None:
     torch.ones(1, device="cuda").sum().item()
     seen: dict[str, Any] = {}
     if mode == "restored":
-        seen["driver"] = _checkpoint_and_restore()
+        seen["driver"] = checkpoint_and_restore_self()
     busy = None
     if company == "shared":
         busy = subprocess.Popen([sys.executable, __file__, "--busy", "12"], stdout=subprocess.PIPE, text=True)
@@ -215,87 +170,6 @@ def busy_main(seconds: float) -> None:
     print(f"{launches} matmuls", flush=True)
 
 
-class _DeviceView:
-    """float32s the GPU reaches at ``pointer``, for torch.as_tensor (CUDA array interface)."""
-
-    def __init__(self, pointer: int, count: int) -> None:
-        self.__cuda_array_interface__ = {"shape": (count,), "typestr": "<f4", "data": (pointer, False), "version": 3}
-
-
-def _mapped_host_memory(kind: str, size: int) -> tuple[int, int, Any]:
-    """Host memory of ``size`` bytes that kernels reach: (the GPU's pointer, the CPU's pointer,
-    what keeps it alive; for cumem-host its handle and mapped size, for free_cumem_host)."""
-    import torch
-
-    if kind == "pinned":  # cudaHostAlloc: mapped for the GPU at the same address (UVA)
-        tensor = torch.empty(size // 4, dtype=torch.float32, pin_memory=True)
-        return tensor.data_ptr(), tensor.data_ptr(), tensor
-    driver, gpu = Driver(), torch.cuda.current_device()  # torch's context is current on this thread
-    if kind == "registered":  # shared memory registered with the driver, as NCCL's /dev/shm fallback
-        fd = os.memfd_create("shared-gpu-probe")
-        os.ftruncate(fd, size)
-        shared = mmap.mmap(fd, size, mmap.MAP_SHARED)
-        host = ctypes.addressof(ctypes.c_char.from_buffer(shared))
-        driver.call("cuMemHostRegister", host, size, CU_MEMHOSTREGISTER_PORTABLE | CU_MEMHOSTREGISTER_DEVICEMAP)
-        device = ctypes.c_uint64()
-        driver.call("cuMemHostGetDevicePointer", ctypes.byref(device), host, 0)
-        return device.value, host, (shared, fd)
-    if kind != "cumem-host":
-        raise ValueError(kind)
-    # NCCL's ncclCuMemHostAlloc: pinned memory on the GPU's host NUMA node, exportable as an fd,
-    # mapped read-write for the GPU and for the CPU.
-    numa = ctypes.c_int()
-    driver.call("cuDeviceGetAttribute", ctypes.byref(numa), CU_DEVICE_ATTRIBUTE_HOST_NUMA_ID, gpu)
-    prop = driver.prop(gpu)
-    prop.location.type, prop.location.id = CU_MEM_LOCATION_TYPE_HOST_NUMA, max(numa.value, 0)
-    size = round_up(size, driver.granularity(prop))
-    handle = driver.create(size, prop)
-    pointer = driver.reserve(size)
-    driver.map(pointer, size, handle)
-    driver.set_access(pointer, size, gpu)
-    for_cpu = CUmemAccessDesc(location=prop.location, flags=CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
-    driver.call("cuMemSetAccess", pointer, size, ctypes.byref(for_cpu), 1)
-    return pointer, pointer, (handle, size)
-
-
-def free_cumem_host(pointer: int, keep: tuple[int, int]) -> None:
-    """Gives back what _mapped_host_memory("cumem-host", ...) made (torch's context current)."""
-    handle, size = keep
-    driver = Driver()
-    driver.call("cuMemUnmap", pointer, size)
-    driver.call("cuMemRelease", handle)
-    driver.call("cuMemAddressFree", pointer, size)
-
-
-def mapped_main(kind: str, mode: str) -> None:
-    """In a child: host memory of ``kind`` filled by a kernel, optionally checkpointed and
-    restored by the driver, then added to by a kernel and read by the CPU; prints one JSON line."""
-    import torch
-
-    torch.ones(1, device="cuda").sum().item()
-    seen: dict[str, Any] = {}
-    try:
-        device, host, keep = _mapped_host_memory(kind, MAPPED_FLOATS * 4)
-        view = torch.as_tensor(_DeviceView(device, MAPPED_FLOATS), device="cuda")
-        view.fill_(1.0)
-        seen["before"] = f"{view.sum().item():g}"
-    except Exception as exc:
-        print(json.dumps({"after": f"set-up failed: {exc}".splitlines()[0]}), flush=True)
-        return
-    if mode == "restored":
-        seen["driver"] = _checkpoint_and_restore()
-    try:
-        view.add_(1.0)
-        total = view.sum().item()
-        print("a kernel ran after the restore", file=sys.stderr, flush=True)
-        last = ctypes.cast(host, ctypes.POINTER(ctypes.c_float))[MAPPED_FLOATS - 1]
-        seen["after"] = f"{total:g}, the CPU reads {last:g}"
-    except Exception as exc:
-        seen["after"] = f"{exc}".splitlines()[0]
-    del keep
-    print(json.dumps(seen), flush=True)
-
-
 def _child(argv: list[str], timeout: float) -> tuple[Optional[dict[str, Any]], str]:
     """A control's child run: the JSON line it printed last, or None and how it ended (its last
     line on stderr says how far it came)."""
@@ -307,19 +181,6 @@ def _child(argv: list[str], timeout: float) -> tuple[Optional[dict[str, Any]], s
     if lines:
         return json.loads(lines[-1]), ""
     return None, f"died: {child.stderr.strip()[-200:]}"
-
-
-def run_mapped(case: str, timeout: float) -> dict[str, Any]:
-    kind, mode = case.split(":")
-    seen, failure = _child([sys.executable, __file__, "--mapped", case], timeout)
-    seen = seen or {"after": failure}
-    expected = f"a kernel filled {MAPPED_FLOATS} ones, then adds 1: sum {2 * MAPPED_FLOATS}, the CPU reads 2"
-    return {
-        "case": f"no NCCL, host memory {kind}, {'restored' if mode == 'restored' else 'not checkpointed'}",
-        "exit": "",
-        "rank 0": f"before {seen.get('before', '-')}; after {seen['after']}",
-        "rank 1": expected if mode == "plain" else ", ".join(seen.get("driver", [])),
-    }
 
 
 def run_control(control: str, timeout: float) -> dict[str, Any]:
@@ -339,13 +200,10 @@ def main() -> int:
     parser.add_argument("--nccl", help="a libnccl.so.2 with ncclCommSuspend, LD_PRELOADed into the ranks")
     parser.add_argument("--cases", default=",".join(CASES), help="TRANSPORT:WHO, comma-separated")
     parser.add_argument("--timeout", type=float, default=90.0, help="seconds each case may take")
-    parser.add_argument(
-        "--controls", default="kernels,mapped", help='the controls without NCCL: kernels, mapped, both or none ("")'
-    )
+    parser.add_argument("--no-controls", action="store_true", help="skip the controls without NCCL")
     parser.add_argument("--rank-case", help=argparse.SUPPRESS)
     parser.add_argument("--control", help=argparse.SUPPRESS)
     parser.add_argument("--busy", type=float, help=argparse.SUPPRESS)
-    parser.add_argument("--mapped", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.rank_case:
         rank_main(args.rank_case)
@@ -355,9 +213,6 @@ def main() -> int:
         return 0
     if args.busy is not None:
         busy_main(args.busy)
-        return 0
-    if args.mapped:
-        mapped_main(*args.mapped.split(":"))
         return 0
     if not args.nccl:
         parser.error("--nccl names the libnccl.so.2 to preload (ci/build-nccl.sh builds one)")
@@ -370,13 +225,9 @@ def main() -> int:
     for case in (c.strip() for c in args.cases.split(",") if c.strip()):
         print(f"-- {case}", file=sys.stderr, flush=True)
         measured(run_case(case, os.path.realpath(args.nccl), args.timeout))
-    controls = set(args.controls.split(","))
-    for control in CONTROLS if "kernels" in controls else ():
+    for control in () if args.no_controls else CONTROLS:
         print(f"-- control {control}", file=sys.stderr, flush=True)
         measured(run_control(control, args.timeout))
-    for case in MAPPED if "mapped" in controls else ():
-        print(f"-- control {case}", file=sys.stderr, flush=True)
-        measured(run_mapped(case, args.timeout))
     columns = ("case", "exit", "rank 0: check all-reduce (control: kernels)", "rank 1 (control: the busy one)")
     print_table(columns, [[str(row[key]) for key in ("case", "exit", "rank 0", "rank 1")] for row in rows])
     return 0
