@@ -1,4 +1,4 @@
-// The copier process's native side (python/flexium/engine/host_copier_process.py runs it): it
+// The copier process's native side (python/flexium/engine/fast/host_copier_process.py runs it): it
 // maps the job's host staging (memfd extents the job shares with it), pins it with a context of
 // its own and copies between it and the job's segments, imported through their fds.
 //

@@ -39,7 +39,8 @@ import torch.distributed as dist  # noqa: E402
 
 import flexium  # noqa: E402
 from flexium.api import runtime as flexium_runtime  # noqa: E402
-from flexium.engine import nvml, pinned_budget  # noqa: E402
+from flexium.engine import nvml  # noqa: E402
+from flexium.engine.fast import pinned_budget  # noqa: E402
 
 RANK = int(os.environ["RANK"])
 WIDTH = 2048

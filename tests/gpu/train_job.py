@@ -38,7 +38,8 @@ import torch.utils.data  # noqa: E402
 
 import flexium  # noqa: E402
 from flexium.api import runtime as flexium_runtime  # noqa: E402
-from flexium.engine import nvml, pinned_budget  # noqa: E402
+from flexium.engine import nvml  # noqa: E402
+from flexium.engine.fast import pinned_budget  # noqa: E402
 
 BATCH = 1024
 PATHS = ("auto", "fast", "driver")

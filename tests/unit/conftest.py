@@ -8,7 +8,7 @@ from typing import Iterator
 
 import pytest
 
-from flexium.engine import pinned_budget
+from flexium.engine.fast import pinned_budget
 
 
 @pytest.fixture(autouse=True)

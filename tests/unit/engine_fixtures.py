@@ -43,7 +43,7 @@ GiB = 1 << 30
 MiB = 1 << 20
 H200_BYTES = 143771 * MiB
 PID = os.getpid()
-MARGIN = 512 << 20  # engine.DEFAULT_MEMORY_MARGIN_BYTES, restated so a silent change shows up
+MARGIN = 512 << 20  # target_rules.DEFAULT_MEMORY_MARGIN_BYTES, restated so a silent change shows up
 
 # The checkpoint API calls that change state (GetState / GetRestoreThreadId only read it).
 STATE_CHANGING = ("Lock", "Checkpoint", "Restore", "Unlock")
@@ -95,11 +95,10 @@ def host_memory(fake: FakeDriver) -> HostMemory:
 
 @pytest.fixture
 def fake(driver: FakeDriver, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeDriver]:
-    from flexium.engine import engine as engine_module
-    from flexium.engine import nvml
+    from flexium.engine import nvml, target_rules
 
     _host.available = HOST_AVAILABLE
-    monkeypatch.setattr(engine_module, "host_memory_available", lambda: _host.available)
+    monkeypatch.setattr(target_rules, "host_memory_available", lambda: _host.available)
     for name in fake_driver.FAKE_ENV_VARS:
         monkeypatch.delenv(name, raising=False)
     driver.reset()

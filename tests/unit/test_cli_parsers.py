@@ -14,7 +14,7 @@ from flexium.cli.main import build_parser
 
 PACKAGE = Path(__file__).resolve().parents[2] / "python" / "flexium"
 # The host copier's child process reads a fixed argv that the engine itself writes: not a user's command line.
-INTERNAL_ARGV = {"engine/host_copier_process.py"}
+INTERNAL_ARGV = {"engine/fast/host_copier_process.py"}
 
 
 def _imports_argparse(path: Path) -> bool:

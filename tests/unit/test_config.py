@@ -459,7 +459,7 @@ def test_a_bad_safe_point_wait_names_its_source(home: Path, monkeypatch: pytest.
 
 
 def test_the_host_copier_switch_reads_like_the_others(monkeypatch: pytest.MonkeyPatch) -> None:
-    from flexium.engine.host_copier import copier_enabled
+    from flexium.engine.fast.host_copier import copier_enabled
 
     monkeypatch.delenv("FLEXIUM_HOST_COPIER", raising=False)
     assert copier_enabled() is True

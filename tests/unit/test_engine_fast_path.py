@@ -1,5 +1,5 @@
 """The engine's fast path over the fake driver: migrate / pause / resume moving the memory pool's
-segments themselves at a safe point (flexium.engine.fast_path), and every failure's rollback.
+segments themselves at a safe point (flexium.engine.fast.path), and every failure's rollback.
 
 The segments come from the real allocator functions (flexium_vmm_alloc/free through ctypes, as
 PyTorch calls them); the fake backs them with host memory, so their bytes are read and compared
@@ -41,7 +41,7 @@ from engine_fixtures import (  # noqa: E402,F401  (fixtures)
 from fake_driver import FakeDriver, ProcessState  # noqa: E402
 from flexium import _C  # noqa: E402
 from flexium.engine import EngineState  # noqa: E402
-from flexium.engine.fast_path import FastPath, Staged  # noqa: E402
+from flexium.engine.fast.path import FastPath, Staged  # noqa: E402
 from flexium.engine.operations import GpuIdentity  # noqa: E402
 from flexium.errors import (  # noqa: E402
     CapabilityError,
@@ -252,7 +252,7 @@ def copier_processes() -> list[int]:
                 command = cmdline.read()
         except (OSError, ValueError, IndexError):
             continue
-        if ppid == os.getpid() and b"flexium.engine.host_copier_process" in command:
+        if ppid == os.getpid() and b"flexium.engine.fast.host_copier_process" in command:
             found.append(int(entry))
     return found
 

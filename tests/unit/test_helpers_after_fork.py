@@ -18,7 +18,7 @@ from fake_driver import FakeDriver
 SCRIPT = textwrap.dedent("""
     import json, os, signal, sys, time
     from flexium.engine import nvml
-    from flexium.engine.host_copier import Copier, CopierError
+    from flexium.engine.fast.host_copier import Copier, CopierError
 
     copier = Copier.start()
     nvml.start_reader()

@@ -1,4 +1,4 @@
-"""A pause kept ready between pauses (flexium.engine.kept_staging, pinned_budget, and the allocator
+"""A pause kept ready between pauses (flexium.engine.fast.kept_staging, pinned_budget, and the allocator
 giving way: csrc/gpu_memory_yield.cpp), over the fake driver with the real copier process.
 
 The budget is this machine's for all flexium jobs: a ledger of one file per process (here in a
@@ -25,7 +25,8 @@ torch = pytest.importorskip("torch")
 from engine_fixtures import H200_BYTES, MiB, driver, fake, make_engine, nvml_in_parent, wait_until  # noqa: E402,F401
 from fake_driver import FakeDriver  # noqa: E402
 from flexium import _C  # noqa: E402
-from flexium.engine import EngineState, host_memory, kept_staging, pinned_budget  # noqa: E402
+from flexium.engine import EngineState, host_memory  # noqa: E402
+from flexium.engine.fast import kept_staging, pinned_budget  # noqa: E402
 from flexium.errors import ConfigError  # noqa: E402
 from test_engine_fast_path import Job, copier_processes, job, zombie  # noqa: E402,F401  (fixture)
 
@@ -229,7 +230,7 @@ def test_a_job_whose_pause_would_be_refused_keeps_nothing_pinned_until_it_could_
 def test_a_process_holding_memory_the_driver_cannot_checkpoint_keeps_nothing_pinned_until_it_frees_it(
     job: Job, budget: Callable[[str], None]
 ) -> None:
-    """Its pause would be refused (engine/uncheckpointable_memory.py; here managed memory, as
+    """Its pause would be refused (engine/guards/uncheckpointable_memory.py; here managed memory, as
     bitsandbytes' paged optimizers make it), so the keeper gives back what it kept and keeps it
     again once the memory is freed."""
     budget("1GiB")

@@ -1,4 +1,4 @@
-"""flexium.engine.memory_pool without a GPU: how PyTorch's snapshot becomes the live ranges the
+"""flexium.engine.fast.memory_pool without a GPU: how PyTorch's snapshot becomes the live ranges the
 fast path copies, and the order of PyTorch calls that route, pause and end the routing.
 
 This machine's torch has no CUDA, so the few torch.cuda functions the hook calls are replaced by
@@ -18,8 +18,8 @@ torch = pytest.importorskip("torch")
 
 from engine_fixtures import driver, fake  # noqa: E402,F401  (fixtures)
 from fake_driver import FakeDriver  # noqa: E402
-from flexium.engine import memory_pool  # noqa: E402
-from flexium.engine.memory_pool import MemoryPool, _active_blocks, _merge  # noqa: E402
+from flexium.engine.fast import memory_pool  # noqa: E402
+from flexium.engine.fast.memory_pool import MemoryPool, _active_blocks, _merge  # noqa: E402
 
 MiB = 1 << 20
 

@@ -1,5 +1,5 @@
 """The gate that keeps DataLoader pin-memory threads out of CUDA while the process is locked or
-checkpointed (flexium.engine.pinning_gate; docs/facts.md fact 22): on its own with threads, and
+checkpointed (flexium.engine.guards.pinning_gate; docs/facts.md fact 22): on its own with threads, and
 closed by the engine over the fake driver from a pause until the resume. tests/gpu/
 test_paused_dataloader.py checks on a GPU that a job pinning batches while paused survives."""
 
@@ -21,7 +21,7 @@ from engine_fixtures import (  # noqa: F401  (fixtures)
 )
 from fake_driver import FakeDriver
 from flexium.engine import EngineState
-from flexium.engine.pinning_gate import PinningGate
+from flexium.engine.guards.pinning_gate import PinningGate
 from flexium.errors import OperationFailedError
 
 PIN_MODULE = "torch.utils.data._utils.pin_memory"

@@ -17,7 +17,8 @@ import pytest
 from engine_fixtures import GiB, MiB, checkpoint_ops, driver, fake, make_engine, wait_until  # noqa: F401  (fixtures)
 from fake_driver import FakeDriver
 from flexium import _C
-from flexium.engine import EngineState, imported_memory
+from flexium.engine import EngineState
+from flexium.engine.guards import imported_memory
 from flexium.errors import CapabilityError, OperationFailedError
 
 SIZE = 4 * MiB

@@ -26,7 +26,7 @@ import time
 import traceback
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, Protocol, Sequence, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, TypeVar
 
 from flexium._logging import get_logger
 from flexium.errors import (
@@ -40,7 +40,7 @@ from flexium.errors import (
 from flexium.units import gib
 
 if TYPE_CHECKING:
-    from flexium.engine.operations import GpuIdentity, OperationResult
+    from flexium.engine import Engine, GpuIdentity, OperationResult
 
 __all__ = ["recoverable", "Attempt", "CudaErrorKind", "Recovery", "classify_error"]
 
@@ -123,30 +123,6 @@ def classify_error(exc: BaseException) -> Optional[CudaErrorKind]:
     return None
 
 
-class _Capabilities(Protocol):
-    @property
-    def migration(self) -> bool: ...
-
-
-class _Candidate(Protocol):
-    @property
-    def gpu(self) -> GpuIdentity: ...
-
-    @property
-    def free_bytes(self) -> int: ...
-
-
-class _Engine(Protocol):
-    @property
-    def capabilities(self) -> _Capabilities: ...
-
-    def candidate_targets(self) -> Sequence[_Candidate]: ...
-
-    def migrate(self, target: GpuIdentity) -> OperationResult: ...
-
-    def placement(self) -> tuple[str, GpuIdentity]: ...
-
-
 @dataclass(frozen=True)
 class Recovery:
     """One handled error: where the job was, where it went, how long it took."""
@@ -197,7 +173,7 @@ def _free_memory(exc: BaseException) -> None:
         _log.debug("torch.cuda.empty_cache() failed before recovery: %s", cache_exc)
 
 
-def _job_bytes(engine: _Engine, logical_device: str) -> Optional[int]:
+def _job_bytes(engine: Engine, logical_device: str) -> Optional[int]:
     # The engine counts what the driver would move (NVML); PyTorch's reserved bytes are the
     # fallback and miss the CUDA context itself.
     process_bytes = getattr(engine, "process_bytes", None)
@@ -221,7 +197,7 @@ def _cannot(kind: CudaErrorKind, exc: BaseException, reason: str, advice: str) -
     return RuntimeError(f"cannot recover from {kind.label} ({_summary(exc)}): {reason}. {advice}")
 
 
-def _engine_for(kind: CudaErrorKind, exc: BaseException) -> _Engine:
+def _engine_for(kind: CudaErrorKind, exc: BaseException) -> Engine:
     try:
         runtime_module = importlib.import_module("flexium.api.runtime")
     except ModuleNotFoundError as missing:
@@ -236,7 +212,7 @@ def _engine_for(kind: CudaErrorKind, exc: BaseException) -> _Engine:
             "flexium is not initialised in this process",
             "Call flexium.init() at the start of the script, before the model is moved to the GPU.",
         ) from exc
-    engine: Optional[_Engine] = getattr(runtime, "engine", None)
+    engine: Optional[Engine] = getattr(runtime, "engine", None)
     if engine is None:
         raise _cannot(
             kind,
@@ -259,7 +235,7 @@ def _engine_for(kind: CudaErrorKind, exc: BaseException) -> _Engine:
 
 
 def _no_candidate(
-    kind: CudaErrorKind, exc: BaseException, engine: _Engine, logical: str, source: GpuIdentity
+    kind: CudaErrorKind, exc: BaseException, engine: Engine, logical: str, source: GpuIdentity
 ) -> RuntimeError:
     needed = _job_bytes(engine, logical)
     room = f"{gib(needed)} free" if needed else "enough free memory for this job"

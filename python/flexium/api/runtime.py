@@ -17,7 +17,7 @@ from flexium.errors import ConfigError
 if TYPE_CHECKING:  # imported when used: they load the native extension, torch or an HTTP client
     from flexium.client.process import ProcessClient
     from flexium.engine.engine import Engine
-    from flexium.engine.memory_pool import MemoryPool
+    from flexium.engine.fast.memory_pool import MemoryPool
 
 log = logging.getLogger("flexium")
 
@@ -83,7 +83,7 @@ def start(server: Optional[str], device: Optional[str], disabled: bool, *, serve
 
 
 def _start(config: FlexiumConfig) -> Runtime:
-    from flexium.engine import pinned_budget
+    from flexium.engine.fast import pinned_budget
     from flexium.engine.transactions import locked_section
 
     # Settings that are not what they must be are refused before anything starts.
@@ -161,7 +161,7 @@ def _start_memory_pool(config: FlexiumConfig, logical_device: str, capabilities:
     """Routes PyTorch's CUDA memory into our pool before the job allocates any (docs/facts.md fact 11)."""
     if logical_device == "cpu" or not capabilities.torch_cuda or not capabilities.pause_resume:
         return None
-    from flexium.engine.memory_pool import MemoryPool
+    from flexium.engine.fast.memory_pool import MemoryPool
 
     pool = MemoryPool()
     if not config.fast_path:
@@ -182,7 +182,7 @@ def _start_engine(
     if not (capabilities.torch_cuda or _driver_selected_by_env()):
         return None
     from flexium.engine import Engine, snapshot_gpus
-    from flexium.engine.fast_path import FastPath
+    from flexium.engine.fast.path import FastPath
 
     engine = Engine(
         logical_ordinal=_ordinal(logical_device),

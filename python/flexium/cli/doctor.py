@@ -51,8 +51,8 @@ def _distributed_jobs() -> tuple[str, str | None]:
 
 
 def _pinned_host_memory() -> dict[str, Any]:
-    """The pinned host memory budget (engine/pinned_budget.py) and who keeps what of it now."""
-    from flexium.engine import pinned_budget
+    """The pinned host memory budget (engine/fast/pinned_budget.py) and who keeps what of it now."""
+    from flexium.engine.fast import pinned_budget
     from flexium.errors import ConfigError
 
     try:

@@ -8,6 +8,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
 from flexium.engine import nvml
+from flexium.errors import CapabilityError
 
 PAUSE_RESUME_MIN_DRIVER = 550
 MIGRATION_MIN_DRIVER = 580
@@ -27,6 +28,13 @@ class Capabilities:
     pause_resume: bool
     migration: bool
     problems: tuple[str, ...]  # each: what is missing and what to do
+
+    def require(self, available: bool, feature: str) -> None:
+        """Refuses `feature` when this machine lacks it (`available`: the flag that says so), with
+        what is missing."""
+        if not available:
+            why = "; ".join(self.problems) or "the driver does not support it"
+            raise CapabilityError(f"{feature} is not available on this machine: {why}")
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)

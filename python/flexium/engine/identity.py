@@ -13,6 +13,7 @@ import threading
 from dataclasses import dataclass
 from typing import Mapping, Optional, Sequence, Union
 
+from flexium import _C
 from flexium.engine import nvml
 from flexium.engine.operations import GpuIdentity
 from flexium.errors import TargetRefusedError
@@ -64,6 +65,22 @@ class MovePlan:
         displaced = [gpu.uuid for _, gpu in self.placement if gpu.uuid in taken and gpu.uuid not in moving]
         goes_to = {**moving, **dict(zip(displaced, left, strict=True))}
         return tuple((gpu.uuid, goes_to.get(gpu.uuid, gpu.uuid)) for _, gpu in self.placement)
+
+
+def snapshot_gpus() -> list[GpuIdentity]:
+    """The visible GPUs as the driver reports them now: call before any migration."""
+    nvml_index = {gpu.uuid: gpu.index for gpu in nvml.host_gpus()}
+    return [
+        GpuIdentity(
+            ordinal=d.ordinal,
+            uuid=d.uuid,
+            name=d.name,
+            total_memory=int(d.total_memory),
+            pci_bus_id=d.pci_bus_id,
+            nvml_index=nvml_index.get(d.uuid),
+        )
+        for d in _C.list_devices()
+    ]
 
 
 class IdentityMap:

@@ -1,10 +1,15 @@
-"""What an operation reports: states, placements, per-step timings. Frozen, JSON-friendly."""
+"""What an operation is asked and reports: the path, states, placements, per-step timings.
+Frozen, JSON-friendly."""
 
 from __future__ import annotations
 
 import enum
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, Literal, Optional, get_args
+
+# "auto": fast when possible; "fast": refuse otherwise; "driver": the checkpoint carries everything.
+PathChoice = Literal["auto", "fast", "driver"]
+PATHS: tuple[str, ...] = get_args(PathChoice)
 
 
 class EngineState(str, enum.Enum):

@@ -7,9 +7,10 @@ import threading
 from typing import Callable, Optional
 
 from flexium.engine import nvml, torch_bridge
-from flexium.engine.fast_path import FastPath
-from flexium.engine.identity import IdentityMap
-from flexium.engine.operations import EngineState
+from flexium.engine.distributed.nccl import Communicator
+from flexium.engine.fast.path import FastPath
+from flexium.engine.identity import IdentityMap, MovePlan
+from flexium.engine.operations import EngineState, GpuIdentity
 from flexium.engine.safe_point import SafePoints
 
 log = logging.getLogger("flexium")
@@ -18,8 +19,9 @@ StateListener = Callable[[EngineState], None]
 
 
 class OperationContext:
-    """One process's engine state shared by its transactions: where its devices are, the fast
-    path, the safe points, the engine's state with its listeners, and what a pause left behind."""
+    """One process's engine state shared by its transactions and by its part in a whole-job
+    operation: where its devices are, the fast path, the safe points, the engine's state with its
+    listeners, and what a pause left behind."""
 
     def __init__(
         self,
@@ -40,6 +42,8 @@ class OperationContext:
         self.paused_bytes = 0  # what the job held on its GPUs when it was paused
         # The same by GPU UUID (a process may use several); empty where NVML cannot see processes.
         self.paused_by_gpu: dict[str, int] = {}
+        # The communicators a whole-job pause suspended, for its resume.
+        self.suspended_communicators: list[Communicator] = []
         self._state = EngineState.RUNNING
         self._state_lock = threading.Lock()
         self._listeners: list[StateListener] = []
@@ -47,6 +51,15 @@ class OperationContext:
     @property
     def logical_device(self) -> str:
         return f"cuda:{self.logical}"
+
+    @property
+    def source(self) -> GpuIdentity:
+        """The GPU the training code's device is on now."""
+        return self.identity.physical_of(self.logical)
+
+    def plan_to(self, dest: GpuIdentity) -> MovePlan:
+        """The plan that puts the training code's device on `dest`."""
+        return self.identity.plan({self.logical: dest})
 
     @property
     def state(self) -> EngineState:

@@ -9,7 +9,7 @@ import time
 from dataclasses import replace
 
 from flexium import _C
-from flexium.engine.fast_path import FastPath, RelocationError, Staged
+from flexium.engine.fast.path import FastPath, RelocationError, Staged
 from flexium.engine.identity import MovePlan
 from flexium.engine.operations import EngineState, GpuIdentity, OperationKind, OperationResult
 from flexium.engine.step_outcomes import describe_failure, first_failure, own_restore_succeeded, timing_of

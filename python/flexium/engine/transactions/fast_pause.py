@@ -1,7 +1,7 @@
 """A pause on the fast path: at a safe point, holding the GIL, the pool's segments are copied to
-host staging (pinned before the safe point, engine.py) and their GPU memory released; the
-driver's checkpoint carries only the rest. A failure at any step copies them back and names the
-step."""
+host staging (pinned before the safe point, prepare_host_staging) and their GPU memory released;
+the driver's checkpoint carries only the rest. A failure at any step copies them back and names
+the step."""
 
 from __future__ import annotations
 
@@ -9,12 +9,42 @@ import time
 from dataclasses import replace
 
 from flexium import _C
-from flexium.engine.fast_path import FastPath, RelocationError
+from flexium.engine.fast.path import FastPath, RelocationError
 from flexium.engine.operations import EngineState, GpuIdentity, OperationKind, OperationResult
 from flexium.engine.step_outcomes import describe_failure, first_failure, timing_of
+from flexium.engine.target_rules import check_host_room
 from flexium.engine.transactions import locked_section
 from flexium.engine.transactions.context import OperationContext
 from flexium.engine.transactions.results import GIB, ResultDraft, copier_notes
+from flexium.errors import OperationFailedError
+from flexium.units import gib
+
+
+def prepare_host_staging(ctx: OperationContext, fast: FastPath, source: GpuIdentity) -> tuple[str, ...]:
+    """Before a pause that can take the fast path, while the job trains: refuses it when the host
+    cannot hold the pool's live bytes, and touches and pins the staging before the safe point.
+    The note of what it pinned."""
+    logical = ctx.logical
+    wanted = fast.host_bytes_wanted(logical)
+    to_map = fast.host_bytes_to_map(wanted)
+    check_host_room(to_map, fast=True)
+    try:
+        reserved = fast.reserve_host(logical, wanted, source.uuid)
+    except Exception as exc:
+        fast.release_host_later()
+        raise OperationFailedError(
+            f"pause failed at step 'pin' before anything was touched: could not prepare host staging "
+            f"({type(exc).__name__}: {exc}); the job keeps training",
+            step="pin",
+        ) from exc
+    if reserved.pinned == 0:
+        return ()
+    phases = f"; {reserved.phases}" if reserved.phases else ""
+    return (
+        f"pinned {gib(reserved.pinned, 2)} of host staging {reserved.where} in {reserved.seconds:.2f} s before "
+        f"the safe point ({gib(to_map, 2)} of it newly mapped and touched, {gib(reserved.newly_pinned, 2)} newly "
+        f"pinned{phases})",
+    )
 
 
 def pause_fast(ctx: OperationContext, fast: FastPath, source: GpuIdentity, notes: tuple[str, ...]) -> OperationResult:

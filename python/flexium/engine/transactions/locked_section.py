@@ -9,7 +9,8 @@ import time
 from typing import Mapping, Optional
 
 from flexium import _C
-from flexium.engine import nvml, pinning_gate, torch_bridge, uncheckpointable_memory
+from flexium.engine import nvml, torch_bridge
+from flexium.engine.guards import pinning_gate, uncheckpointable_memory
 from flexium.engine.identity import MovePlan
 from flexium.engine.operations import EngineState, OperationKind, StepTiming
 from flexium.engine.transactions.context import OperationContext

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence
 
 from flexium import _C
-from flexium.engine.fast_path import FastPath, Staged
+from flexium.engine.fast.path import FastPath, Staged
 from flexium.engine.operations import EngineState, GpuIdentity, OperationKind, OperationResult, StepTiming
 from flexium.engine.step_outcomes import describe_failure, first_failure, process_lost
 from flexium.engine.transactions.context import OperationContext

@@ -1,13 +1,13 @@
 """A resume: the restore brings the job back, on its GPU or another of the same model; after a
 fast pause the pool's segments then come back from host staging, which is kept for the next pause
-when the pinned host memory budget allows (fast_path.py done_with_host), else given back."""
+when the pinned host memory budget allows (fast/path.py done_with_host), else given back."""
 
 from __future__ import annotations
 
 import time
 
 from flexium import _C
-from flexium.engine.fast_path import FastPath, RelocationError
+from flexium.engine.fast.path import FastPath, RelocationError
 from flexium.engine.identity import MovePlan
 from flexium.engine.operations import EngineState, OperationKind, OperationResult
 from flexium.engine.step_outcomes import describe_failure, first_failure, own_restore_succeeded, timing_of

@@ -122,7 +122,7 @@ class Copier:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH", "")) if p)
         try:
             process = subprocess.Popen(
-                [sys.executable, "-m", "flexium.engine.host_copier_process", "--socket", str(theirs.fileno())]
+                [sys.executable, "-m", "flexium.engine.fast.host_copier_process", "--socket", str(theirs.fileno())]
                 + (["--trace"] if log.isEnabledFor(logging.DEBUG) else []),
                 pass_fds=[theirs.fileno()],
                 env=env,

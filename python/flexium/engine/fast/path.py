@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from typing import Callable, Iterable, Optional, TypeVar
 
 from flexium import _C
-from flexium.engine import pinned_budget
-from flexium.engine.host_copier import Copier, CopierError, copier_enabled
-from flexium.engine.memory_pool import MemoryPool, open_file_headroom
+from flexium.engine.fast import pinned_budget
+from flexium.engine.fast.host_copier import Copier, CopierError, copier_enabled
+from flexium.engine.fast.memory_pool import MemoryPool, open_file_headroom
 from flexium.engine.operations import StepTiming
 
 T = TypeVar("T")

@@ -1,7 +1,7 @@
 """The copier process (host_copier.py says why it exists): serves one job over the socket it was
 given, one request at a time, until the job says quit or goes away.
 
-    python -m flexium.engine.host_copier_process --socket FD [--trace]
+    python -m flexium.engine.fast.host_copier_process --socket FD [--trace]
 
 (--trace: each request and reply on stderr, the job's; the job asks for it when its log is at DEBUG.)
 
@@ -24,7 +24,7 @@ import traceback
 from typing import Any, Callable, Optional, Sequence
 
 from flexium import _C
-from flexium.engine.host_copier import CHUNK_FIELDS, PIECE_FIELDS, close_all, receive, send
+from flexium.engine.fast.host_copier import CHUNK_FIELDS, PIECE_FIELDS, close_all, receive, send
 
 
 class Server:
@@ -126,7 +126,7 @@ def staging_chunks(message: dict[str, Any]) -> list[_C.CopierChunk]:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m flexium.engine.host_copier_process")
+    parser = argparse.ArgumentParser(prog="python -m flexium.engine.fast.host_copier_process")
     parser.add_argument("--socket", type=int, required=True, help="fd of the seqpacket socket to the job")
     parser.add_argument("--trace", action="store_true", help="each request and reply on stderr")
     args = parser.parse_args(argv)

@@ -19,7 +19,9 @@ from __future__ import annotations
 from typing import Optional, Sequence
 
 from flexium import _C
-from flexium.engine import imported_memory
+from flexium.engine.guards import imported_memory
+from flexium.engine.operations import OperationKind
+from flexium.errors import CapabilityError
 
 MIB = 1 << 20
 
@@ -65,6 +67,14 @@ def problem() -> Optional[str]:
             "(del), or free them first"
         )
     return "; and ".join(reasons) or None
+
+
+def refuse(kind: OperationKind) -> None:
+    """Refuses an operation that checkpoints this process while it holds such memory;
+    locked_section.prepare looks again at the safe point."""
+    reason = problem()
+    if reason is not None:
+        raise CapabilityError(f"cannot {kind.value}: {reason}")
 
 
 def _amount(mappings: Sequence[_C.UncheckpointableMapping]) -> str:

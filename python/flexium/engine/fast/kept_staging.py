@@ -15,9 +15,9 @@ import threading
 from typing import Callable, Optional
 
 from flexium import _C
-from flexium.engine import pinned_budget
-from flexium.engine.fast_path import FastPath
-from flexium.engine.host_copier import copier_enabled
+from flexium.engine.fast import pinned_budget
+from flexium.engine.fast.host_copier import copier_enabled
+from flexium.engine.fast.path import FastPath
 
 log = logging.getLogger("flexium")
 CHECK_S = 2.0  # how often it looks; a pool must stay the same size between two looks
