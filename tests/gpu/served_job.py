@@ -10,7 +10,7 @@ from typing import Any, Optional
 
 from conftest import _keep_log, end_process_group, job_events
 
-# Longer than the CLI's own wait for an outcome (cli/remote.py, 300 s): its output is kept.
+# Longer than the CLI's own wait for an outcome (cli/waiting.py, 300 s): its output is kept.
 CLI_TIMEOUT_S = 360
 
 

@@ -482,7 +482,7 @@ def test_a_rank_that_cannot_move_with_its_job_is_refused_at_creation(
     (client/reports.py) make the server refuse its pause and migrate with the process's own reason."""
     from types import SimpleNamespace
 
-    from flexium.cli.remote import _moves
+    from flexium.cli.processes import _moves
     from flexium.client.reports import ProcessReporter
     from flexium.engine.capabilities import Capabilities
     from flexium.engine.operations import EngineState

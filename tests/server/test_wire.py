@@ -159,7 +159,7 @@ def test_the_client_side_imports_without_server_packages() -> None:
         "        if name.split('.')[0] in ('fastapi', 'sqlalchemy', 'starlette', 'alembic', 'uvicorn'):\n"
         "            raise ImportError('blocked ' + name)\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import flexium.protocol as p, flexium.wire, flexium.client, flexium.cli.remote\n"
+        "import flexium.protocol as p, flexium.wire, flexium.client, flexium.cli.main\n"
         "print(p.parse_server_address('h:1/w').port)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

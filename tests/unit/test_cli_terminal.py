@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from flexium.cli import remote
+from flexium.cli.printing import print_table
 from flexium.cli.terminal import terminal_safe_output, terminal_text
 
 
@@ -29,7 +29,7 @@ def test_control_characters_are_written_out(text: str, shown: str) -> None:
 
 def test_every_print_of_a_command_goes_through_it(capsys: pytest.CaptureFixture[str]) -> None:
     with terminal_safe_output():
-        remote._print_table([("HOST", "GPU"), ("\x1b]0;owned\x07node", "\u202eH200")])
+        print_table([("HOST", "GPU"), ("\x1b]0;owned\x07node", "\u202eH200")])
         print("reason: \x1b[8mhidden", file=sys.stderr)
     out, err = capsys.readouterr()
     assert "\x1b" not in out + err and "\u202e" not in out

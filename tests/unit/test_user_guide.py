@@ -43,7 +43,7 @@ PREFIXES = re.compile(
 )
 MIN_LITERAL = 14  # a template with less fixed text than this says nothing about the wording
 # Messages that put a head before another message, whose wording must then be a message too: the
-# command line's outcome (`flexium: {title} {state}: {reason}`, cli/remote.py), the engine's
+# command line's outcome (`flexium: {title} {state}: {reason}`, cli/moves.py, cli/jobs.py), the engine's
 # refusal of one rank (`cannot {kind}: {reason}`, engine/engine.py) and the server's target
 # refusal (`GPU {uuid} cannot take process {id!r}: {reason}`, server/storage/targets.py).
 COMPOSED_HEADS = (

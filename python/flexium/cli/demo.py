@@ -138,7 +138,7 @@ def run(
         print(f"flexium demo: cannot use the database: {exc}", file=sys.stderr)
         return 1
 
-    from flexium.cli.remote import connect
+    from flexium.cli.connection import connect
     from flexium.client import ServerError
     from flexium.wire import ProcessInfo
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any, Optional, Sequence
 
-from flexium.cli import remote, server, workspaces
+from flexium.cli import connection, moves, processes, server, workspaces
 from flexium.cli.terminal import terminal_safe_output
 
 DISTRIBUTION = "flexium"  # pyproject.toml's [project] name
@@ -24,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = commands.add_parser("doctor", help="check what this machine allows (driver, torch, GPUs)")
     doctor.add_argument("--json", action="store_true", help="machine-readable output")
 
-    remote.add_commands(commands)
+    processes.add_commands(commands)
+    moves.add_commands(commands)
 
     demo = commands.add_parser("demo", help="start a local server and a small training job attached to it")
     demo.add_argument("--port", type=int, default=None, help="server port (default 8080)")
@@ -100,7 +101,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     with terminal_safe_output():
         if args.command in ("workspace", "token"):
             return workspaces.run(args)
-        return remote.run(args)
+        return connection.run(args)
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from flexium import protocol
-from flexium.cli.remote import EXIT_USAGE
+from flexium.cli.exit_status import EXIT_USAGE
 from flexium.cli.server_extra import server_module
 from flexium.server.settings import SWEEP_INTERVAL_S, Settings, load_settings
 

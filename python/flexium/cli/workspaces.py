@@ -9,7 +9,7 @@ import sys
 from typing import Any
 
 from flexium import protocol
-from flexium.cli.remote import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from flexium.cli.exit_status import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from flexium.cli.server_extra import server_module
 
 

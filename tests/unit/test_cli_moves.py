@@ -1,7 +1,7 @@
-"""The `flexium` command's remote parts that no end-to-end job on the CPU reaches: progress while
-a command is under way (a line on stderr at each change of state and every PROGRESS_EVERY_S while
-it stays the same; nothing with --json), and the MOVES column of `flexium ps` for every kind of
-process."""
+"""A command for one process followed until it ends, as `flexium migrate | pause | resume` print
+it, which no end-to-end job on the CPU reaches: progress while it is under way (a line on stderr at
+each change of state and every PROGRESS_EVERY_S while it stays the same; nothing with --json), and
+the outcome as the process measured it; and a job operation's progress, rank by rank."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from flexium import wire
-from flexium.cli import remote
+from flexium.cli import moves, waiting
 from flexium.client import ServerError
 
 
@@ -53,11 +53,11 @@ def command(state: str) -> wire.CommandInfo:
 def test_each_change_and_every_interval_between_are_said(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    monkeypatch.setattr(remote, "PROGRESS_EVERY_S", 0.3)
+    monkeypatch.setattr(waiting, "PROGRESS_EVERY_S", 0.3)
     polls = LongPolls(["delivered", "running", "running", "running", "succeeded"])
     queued = command("queued")
     title = "pause gpu-1a2b3c4d"
-    final = remote._wait(polls, queued, 30.0, progress=remote._progress_printer(title, queued))  # type: ignore[arg-type]
+    final = waiting.wait_command(polls, queued, 30.0, progress=waiting.command_progress(title, queued))  # type: ignore[arg-type]
     assert final.state == "succeeded"
     lines = capsys.readouterr().err.splitlines()
     said = [line.split("command 7 ")[1].split()[0].rstrip(";") for line in lines]
@@ -71,35 +71,45 @@ def test_each_change_and_every_interval_between_are_said(
 
 def test_without_progress_the_wait_is_one_long_poll(capsys: pytest.CaptureFixture[str]) -> None:
     polls = LongPolls(["succeeded"])
-    final = remote._wait(polls, command("queued"), 30.0)  # type: ignore[arg-type]
+    final = waiting.wait_command(polls, command("queued"), 30.0)  # type: ignore[arg-type]
     assert final.state == "succeeded" and polls.waits == [30.0]
     assert capsys.readouterr().err == ""
 
 
-@pytest.mark.parametrize(
-    "capabilities, moves",
-    [
-        ({"pause_resume": True, "migration": True, "fast_path": True}, "fast"),
-        ({"pause_resume": True, "migration": True, "fast_path": False, "fast_path_problem": "no pool"}, "driver"),
-        ({"pause_resume": True, "migration": False, "fast_path": True}, "pause"),
-        ({"pause_resume": False, "migration": False, "problems": ["no driver"]}, "-"),
-        ({}, "-"),
-    ],
-)
-def test_ps_says_how_a_process_can_move(capabilities: dict[str, Any], moves: str) -> None:
-    assert remote._moves(wire.ProcessCapabilities.model_validate(capabilities)) == moves
+def test_a_job_operation_says_each_rank_at_each_change(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(waiting, "PROGRESS_EVERY_S", 60.0)
 
+    def operation(*states: str) -> wire.JobOperationInfo:
+        ranks = [
+            command(state).model_copy(
+                update={
+                    "job": wire.JobCommandInfo(operation_id=3, job_key="run-7f3a", rank=rank, world_size=2, moves={})
+                }
+            )
+            for rank, state in enumerate(states)
+        ]
+        return wire.JobOperationInfo(
+            id=3,
+            job_key="run-7f3a",
+            kind="pause",
+            world_size=2,
+            moves={},
+            created_at=0.0,
+            state="running",
+            finished_at=None,
+            commands=ranks,
+        )
 
-def test_ps_counts_the_other_gpus_of_a_process_on_several() -> None:
-    from types import SimpleNamespace
-
-    def cell(index: Any, others: list[str]) -> str:
-        return remote._gpu_cell(SimpleNamespace(gpu_index=index, gpu_model="NVIDIA H200", other_gpus=others))  # type: ignore[arg-type]
-
-    assert cell(0, []) == "0 NVIDIA H200"
-    assert cell(0, ["GPU-b"]) == "0 NVIDIA H200 (+1 GPU)"
-    assert cell(2, ["GPU-a", "GPU-b", "GPU-d"]) == "2 NVIDIA H200 (+3 GPUs)"
-    assert remote._gpu_cell(SimpleNamespace(gpu_index=None, gpu_model="", other_gpus=[])) == "-"  # type: ignore[arg-type]
+    show = waiting.job_progress("pause job run-7f3a (2 ranks)")
+    for states in (("queued", "queued"), ("running", "queued"), ("running", "queued"), ("running", "running")):
+        show(operation(*states))
+    assert capsys.readouterr().err.splitlines() == [
+        "pause job run-7f3a (2 ranks): rank 0 queued, rank 1 queued (0 s)",
+        "pause job run-7f3a (2 ranks): rank 0 running, rank 1 queued (0 s)",
+        "pause job run-7f3a (2 ranks): rank 0 running, rank 1 running (0 s)",
+    ]
 
 
 class NoProcess:
@@ -127,7 +137,7 @@ def test_the_outcome_shows_the_operation_as_the_process_measured_it(capsys: pyte
             ),
         }
     )
-    remote._print_outcome(NoProcess(), "pause gpu-1a2b3c4d", done)  # type: ignore[arg-type]
+    moves._print_outcome(NoProcess(), "pause gpu-1a2b3c4d", done)  # type: ignore[arg-type]
     out = capsys.readouterr().out
     assert "  operation 500 ms, fast path, (copy 250 ms, restore 1.0 ms FAILED); 1.9 GiB moved, 4.0 GB/s\n" in out
     assert "  note: driver path: not this time\n" in out and "rollback_copy" not in out

@@ -1,0 +1,88 @@
+"""The commands that talk to a server (`flexium ps | devices | migrate | pause | resume`): their
+connection options, the connection (``flexium.client.ApiClient``, through which every request
+goes), and what a failure of the server or of the request ends with (cli/exit_status.py).
+
+Each such command's module sets its function on its parser (``on_server``); ``run`` connects and
+calls it."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable, Optional
+
+from pydantic import ValidationError
+
+from flexium import protocol
+from flexium.cli.exit_status import EXIT_FAILED, EXIT_UNREACHABLE, EXIT_USAGE, UsageError, fail
+from flexium.client import ApiClient, ServerError, Unauthorized, Unreachable
+from flexium.errors import ConfigError
+
+OnServer = Callable[[ApiClient, argparse.Namespace], int]
+
+
+def add_connection_options(parser: argparse.ArgumentParser, on_server: OnServer) -> None:
+    parser.add_argument(
+        "--server",
+        metavar="ADDRESS",
+        help=f"host[:port]/workspace (default ${protocol.SERVER_ENV}, else 'server:' in .flexiumrc)",
+    )
+    parser.add_argument("--token", help=f"workspace token (default ${protocol.TOKEN_ENV}, else 'token:' in .flexiumrc)")
+    parser.add_argument("--json", action="store_true", help="print JSON (the server's objects) for scripts")
+    parser.set_defaults(on_server=on_server)
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        api = connect(args.server, args.token)
+    except ConfigError as exc:
+        return fail(str(exc), EXIT_USAGE, as_json=args.json, code="bad_settings")
+    try:
+        on_server: OnServer = args.on_server
+        return on_server(api, args)
+    except Unreachable as exc:
+        return fail(
+            f"{exc.message} (is `flexium server` running there?)", EXIT_UNREACHABLE, as_json=args.json, code=exc.code
+        )
+    except Unauthorized as exc:
+        return fail(_token_problem(api, exc), EXIT_FAILED, as_json=args.json, code=exc.code)
+    except ServerError as exc:
+        return fail(exc.message, EXIT_FAILED, as_json=args.json, code=exc.code)
+    except UsageError as exc:
+        return fail(str(exc), EXIT_USAGE, as_json=args.json, code="bad_usage")
+    except ValidationError as exc:  # what the server would refuse as invalid_request
+        first = exc.errors()[0]
+        message = f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
+        return fail(message, EXIT_FAILED, as_json=args.json, code="invalid_request")
+    finally:
+        api.close()
+
+
+def _token_problem(api: ApiClient, refused: Unauthorized) -> str:
+    """A refused token, said in the CLI's terms (where a token comes from), not HTTP's."""
+    where = f"{protocol.TOKEN_ENV}, --token or 'token:' in .flexiumrc"
+    if refused.status == 403:
+        return f"the token is not allowed to do this in workspace '{api.workspace}': {refused.message}"
+    if not api.token:
+        return (
+            f"no token for workspace '{api.workspace}': set {where} (`flexium server` prints the first token "
+            "when it creates a workspace; `flexium token issue WORKSPACE` makes another)"
+        )
+    return (
+        f"the server at {api.base_url} does not accept this token for workspace '{api.workspace}' "
+        f"(wrong, revoked, or of another workspace): set {where} to a token of workspace '{api.workspace}'"
+    )
+
+
+def connect(server: Optional[str], token: Optional[str]) -> ApiClient:
+    from flexium import __version__
+    from flexium.config import load_config, parse_server_address
+
+    if server is not None:
+        parse_server_address(server, where="(from --server)")
+    config = load_config(orchestrator=server, token=token)
+    if config.address is None:
+        raise ConfigError(
+            f"no server configured: set {protocol.SERVER_ENV}=host[:port]/workspace "
+            "(e.g. 127.0.0.1:8080/default), 'server:' in .flexiumrc, or pass --server"
+        )
+    return ApiClient(config.address, config.token or None, user_agent=f"flexium/{__version__} (cli)")

@@ -1,0 +1,119 @@
+"""Following a command, or a job operation, until it ends: the server's long-poll asked again
+until the end or ``--timeout``, and while it is under way a line on stderr at each change and
+every PROGRESS_EVERY_S between (nothing under ``--json``)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Callable, Optional, TypeVar
+
+from flexium import protocol, wire
+from flexium.cli.printing import rank
+from flexium.client import ApiClient
+
+DEFAULT_WAIT_S = 300.0
+PROGRESS_EVERY_S = 10.0
+# A command or a job operation, long-polled until it ends.
+_Polled = TypeVar("_Polled", wire.CommandInfo, wire.JobOperationInfo)
+
+_UNDER_WAY = {
+    "queued": "queued; the process takes it at its next poll",
+    "delivered": "delivered to the process",
+    "running": "running in the process (a migrate or pause acts at its next optimizer step, its safe point)",
+}
+
+
+def add_wait_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--timeout",
+        type=float,
+        default=DEFAULT_WAIT_S,
+        metavar="SECONDS",
+        help=f"how long to wait for the outcome (default {DEFAULT_WAIT_S:.0f})",
+    )
+    parser.add_argument("--no-wait", action="store_true", help="print the queued command and return")
+
+
+def wait_command(
+    api: ApiClient,
+    command: wire.CommandInfo,
+    timeout: float,
+    progress: Optional[Callable[[wire.CommandInfo], None]] = None,
+) -> wire.CommandInfo:
+    """Long-polls the command until it ends or `timeout` passes; `progress(command)` is called
+    with each answer while it is under way (each change, and every PROGRESS_EVERY_S between)."""
+    return _poll_until(
+        command,
+        ended=lambda c: c.state in protocol.FINAL_COMMAND_STATES,
+        ask=lambda wait, deadline: api.wait_command(command.id, wait=wait, deadline=deadline),
+        timeout=timeout,
+        progress=progress,
+    )
+
+
+def wait_operation(
+    api: ApiClient,
+    operation: wire.JobOperationInfo,
+    timeout: float,
+    progress: Optional[Callable[[wire.JobOperationInfo], None]] = None,
+) -> wire.JobOperationInfo:
+    """As ``wait_command``, for every rank's command of a job operation."""
+    return _poll_until(
+        operation,
+        ended=lambda o: o.finished_at is not None,
+        ask=lambda wait, deadline: api.wait_operation(operation.id, wait=wait, deadline=deadline),
+        timeout=timeout,
+        progress=progress,
+    )
+
+
+def _poll_until(
+    first: _Polled,
+    *,
+    ended: Callable[[_Polled], bool],
+    ask: Callable[[float, float], _Polled],
+    timeout: float,
+    progress: Optional[Callable[[_Polled], None]],
+) -> _Polled:
+    """`ask(wait, deadline)` the server's long-poll again until `ended` or `timeout` passes."""
+    deadline = time.monotonic() + timeout
+    current = first
+    while not ended(current):
+        if progress is not None:
+            progress(current)
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            break
+        wait = min(remaining, protocol.MAX_POLL_TIMEOUT_S, PROGRESS_EVERY_S if progress is not None else remaining)
+        current = ask(round(wait, 3), deadline)
+    return current
+
+
+def command_progress(title: str, queued: wire.CommandInfo) -> Callable[[wire.CommandInfo], None]:
+    """Where a command stands (a 64 GiB pause prepares for half a minute)."""
+    return _progress(title, lambda command: f"command {queued.id} {_UNDER_WAY.get(command.state, command.state)}")
+
+
+def job_progress(title: str) -> Callable[[wire.JobOperationInfo], None]:
+    """Where each rank's command stands."""
+    return _progress(title, lambda operation: ", ".join(f"rank {rank(c)} {c.state}" for c in operation.commands))
+
+
+def _progress(title: str, describe: Callable[[_Polled], str]) -> Callable[[_Polled], None]:
+    """Prints `describe(answer)` on stderr at each change, and every PROGRESS_EVERY_S while it
+    stays the same."""
+    started = time.monotonic()
+    said, said_at = "", started
+
+    def show(current: _Polled) -> None:
+        nonlocal said, said_at
+        now = time.monotonic()
+        where = describe(current)
+        if where == said and now - said_at < 0.9 * PROGRESS_EVERY_S:
+            return
+        said, said_at = where, now
+        print(f"{title}: {where} ({now - started:.0f} s)", file=sys.stderr, flush=True)
+
+    return show
