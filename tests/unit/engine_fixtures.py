@@ -37,7 +37,7 @@ from typing import Any, Callable, Iterator, Optional
 import pytest
 
 import fake_driver
-from fake_driver import FakeDriver
+from fake_driver import FakeDriver, ProcessState
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -200,6 +200,24 @@ def make_engine(fake: FakeDriver) -> Iterator[Callable[..., Any]]:
             engine.stop()  # unhooks the optimizer hook; resumes a paused job
         except Exception:
             pass
+
+
+def on_gpu(fake: FakeDriver, engine: Any, physical: int) -> None:
+    """The engine and the driver agree that the job (its logical device) is on `physical`."""
+    logical_device, where = engine.placement()
+    assert where.uuid == fake.uuid(physical)
+    assert where.device == f"cuda:{physical}"
+    assert fake.physical_of(int(logical_device.split(":")[1])) == physical
+    assert fake.state() == ProcessState.RUNNING
+
+
+def assert_untouched(fake: FakeDriver, engine: Any, physical: int = 0) -> None:
+    """Refused before anything was touched: no CUDA call at all, state and placement as before."""
+    from flexium.engine import EngineState
+
+    assert fake.calls("cu") == []
+    assert engine.state == EngineState.RUNNING
+    on_gpu(fake, engine, physical)
 
 
 def checkpoint_ops(fake: FakeDriver) -> list[str]:

@@ -1,0 +1,211 @@
+"""The orders for the copier process (csrc/vmm_host_orders.cpp) and the copier's native side
+(csrc/host_copier.cpp) against the fake driver."""
+
+from __future__ import annotations
+
+import re
+import time
+from typing import Any
+
+import pytest
+
+from fake_driver import FakeDriver
+from flexium import _C
+from vmm_fixtures import (  # noqa: F401  (fixtures)
+    NO_LEAKS,
+    PID,
+    Allocator,
+    MiB,
+    allocator,
+    assert_contents,
+    driver,
+    fake,
+    is_open,
+    make_segments,
+    segments,
+)
+
+# ----------------------------------------------------------------------------- orders for the copier process
+# The copier (csrc/host_copier.cpp) runs in its own process in flexium; here it runs in this one,
+# which the fake allows: the orders and the copier meet only through fds and the staging's memfds.
+
+
+def copier_for_staging() -> Any:
+    layout = _C.host_staging_layout()
+    return _C.HostCopier(layout.extents, layout.chunks)
+
+
+def test_copier_orders_round_trip_across_a_pause(fake: FakeDriver, allocator: Allocator) -> None:
+    contents = make_segments(allocator, [2 * MiB, 4 * MiB, 6 * MiB])
+    assert _C.reserve_host_staging(12 * MiB, 0, chunk_bytes=4 * MiB, pin_here=False) == 0
+    assert fake.pinned_bytes() == 0 and _C.host_staging_pool_bytes() == 12 * MiB
+    copier = copier_for_staging()
+    copier.wake(fake.uuid(0), True, 0)
+    assert copier.awake and copier.pinned_bytes == 12 * MiB
+
+    order = _C.begin_stage_order()
+    assert order.bytes == 12 * MiB and len(order.segments) == 3 and sum(p.length for p in order.pieces) == order.bytes
+    with pytest.raises(RuntimeError, match="already open"):
+        _C.begin_stage_order()
+    assert copier.copy(True, order.segments, order.pieces) == 12 * MiB
+    assert _C.finish_host_order() == 12 * MiB
+    assert not any(is_open(fd) for fd, _size in order.segments)  # the order closed its exported fds
+    assert _C.host_staged_segments() == 3
+    copier.sleep()
+    assert not copier.awake and fake.pinned_bytes() == 0 and fake.primary_ctx_refcount(0) == 0
+
+    assert _C.release_source_backing() == 3
+    _C.lock(PID, 0)
+    _C.checkpoint(PID)
+    assert fake.used_bytes(0) == fake.used_bytes(1) == 0
+    _C.restore(PID)
+    _C.unlock(PID)
+
+    order = _C.begin_restore_order(1)
+    assert order.bytes == 12 * MiB
+    copier.wake(fake.uuid(1), False, 0)  # pins while this thread goes on; the copy pins the rest
+    assert copier.copy(False, order.segments, order.pieces) == 12 * MiB
+    assert _C.finish_host_order() == 12 * MiB
+    assert_contents(contents)
+    assert _C.host_staged_segments() == 0 and fake.vmm_bytes_on(1) == 12 * MiB and fake.vmm_bytes_on(0) == 0
+    copier.sleep()
+    del copier
+    assert _C.release_host_staging() == 12 * MiB
+    for address in contents:
+        allocator.free(address)
+    assert fake.vmm_leaks() == NO_LEAKS
+
+
+def test_a_grown_staging_extends_the_copier_whose_pins_stay(fake: FakeDriver, allocator: Allocator) -> None:
+    make_segments(allocator, [4 * MiB])
+    _C.reserve_host_staging(4 * MiB, 0, chunk_bytes=2 * MiB, pin_here=False)
+    before = _C.host_staging_layout()
+    copier = copier_for_staging()
+    copier.wake(fake.uuid(0), True, 0)
+    assert copier.pinned_bytes == 4 * MiB and fake.call_count("cuMemHostRegister") == 2
+
+    make_segments(allocator, [2 * MiB])
+    _C.reserve_host_staging(6 * MiB, 0, chunk_bytes=2 * MiB, pin_here=False)  # grows: extents and chunks added
+    after = _C.host_staging_layout()
+    assert len(after.extents) > len(before.extents) and len(after.chunks) == 3
+    copier.extend(after.extents[len(before.extents) :], after.chunks[len(before.chunks) :])
+    assert copier.awake and copier.pinned_bytes == 4 * MiB  # nothing unpinned
+    copier.wake(fake.uuid(0), True, 0)  # awake already: pins only the new chunk
+    assert copier.pinned_bytes == 6 * MiB and fake.call_count("cuMemHostRegister") == 3
+    assert fake.call_count("cuMemHostUnregister") == 0
+    order = _C.begin_stage_order()
+    assert copier.copy(True, order.segments, order.pieces) == 6 * MiB
+    _C.finish_host_order()
+    with pytest.raises(ValueError, match="lies outside the staging's extents"):
+        copier.extend([], [_C.CopierChunk(extent=len(after.extents), offset=0, size=2 * MiB)])
+    copier.sleep()
+    assert fake.pinned_bytes() == 0
+
+
+def test_after_a_copy_the_copier_pins_the_chunks_it_did_not_use(fake: FakeDriver, allocator: Allocator) -> None:
+    """A copy pins only the chunks it uses; a kept staging must be whole for the next pause."""
+    contents = make_segments(allocator, [2 * MiB])
+    _C.reserve_host_staging(6 * MiB, 0, chunk_bytes=2 * MiB, pin_here=False)  # 3 chunks, 1 used
+    copier = copier_for_staging()
+    assert copier.last_pinner == ""
+    copier.wake(fake.uuid(0), False, 200)  # pins one chunk, then waits: the copy stops it there
+    deadline = time.monotonic() + 10
+    while copier.pinned_bytes < 2 * MiB and time.monotonic() < deadline:
+        time.sleep(0.01)
+    order = _C.begin_stage_order()
+    assert copier.copy(True, order.segments, order.pieces) == 2 * MiB
+    _C.finish_host_order()
+    assert copier.pinned_bytes == 2 * MiB
+    assert re.fullmatch(
+        r"pinned 1 chunks \(0\.00 GiB\) in \d+\.\d\d s \(the slowest \d+ ms\), stopped", copier.last_pinner
+    )
+    copier.pin_rest(0)
+    deadline = time.monotonic() + 10
+    while copier.pinned_bytes < 6 * MiB and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert copier.pinned_bytes == 6 * MiB
+    deadline = time.monotonic() + 10
+    while not copier.last_pinner.endswith("all pinned") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert re.fullmatch(
+        r"pinned 2 chunks \(0\.00 GiB\) in \d+\.\d\d s \(the slowest \d+ ms\), all pinned", copier.last_pinner
+    )
+    copier.sleep()
+    with pytest.raises(RuntimeError, match="asleep"):
+        copier.pin_rest(0)
+    assert fake.pinned_bytes() == 0
+    assert_contents(contents)
+
+
+def test_an_aborted_order_leaves_everything_as_it_was(fake: FakeDriver, allocator: Allocator) -> None:
+    contents = make_segments(allocator, [2 * MiB, 4 * MiB])
+    _C.reserve_host_staging(6 * MiB, 0, pin_here=False)
+    order = _C.begin_stage_order()
+    _C.abort_host_order()
+    assert not any(is_open(fd) for fd, _size in order.segments) and _C.host_staged_segments() == 0
+    extra = allocator.must_alloc(2 * MiB)  # the segment lock is free again
+    allocator.free(extra)
+
+    assert _C.stage_segments_to_host() == 6 * MiB
+    _C.release_source_backing()
+    _C.begin_restore_order(0)
+    assert fake.vmm_bytes_on(0) == 6 * MiB  # the new memory, not yet the segments'
+    _C.abort_host_order()
+    assert fake.vmm_bytes_on(0) == 0 and [s.mapped for s in _C.vmm_segments()] == [False, False]
+    assert _C.restore_segments_from_host() == 6 * MiB  # in this process instead
+    assert_contents(contents)
+    _C.abort_host_order()  # none open: nothing to do
+
+
+def test_a_stage_order_does_not_grow_the_staging(fake: FakeDriver, allocator: Allocator) -> None:
+    contents = make_segments(allocator, [2 * MiB, 8 * MiB])
+    _C.reserve_host_staging(2 * MiB, 0, chunk_bytes=2 * MiB, pin_here=False)
+    with pytest.raises(ValueError, match="outgrew the host staging prepared for them"):
+        _C.begin_stage_order()
+    assert _C.host_staging_pool_bytes() == 2 * MiB
+    assert _C.stage_segments_to_host(chunk_bytes=2 * MiB) == 10 * MiB  # this process's stage grows it
+    _C.release_source_backing()
+    assert _C.restore_segments_from_host() == 10 * MiB
+    assert_contents(contents)
+
+
+def test_memory_a_driver_restore_left_unexportable_is_owned_again(fake: FakeDriver, allocator: Allocator) -> None:
+    contents = make_segments(allocator, [2 * MiB, 4 * MiB])
+    _C.reserve_host_staging(6 * MiB, 0, pin_here=False)
+    assert _C.vmm_mark_restored_by_driver() == 2 and _C.vmm_segments_to_own() == 2
+    with pytest.raises(ValueError, match="came back from a driver checkpoint"):
+        _C.begin_stage_order()
+    assert _C.own_imported(0) == 6 * MiB and _C.vmm_segments_to_own() == 0
+    assert_contents(contents)
+    order = _C.begin_stage_order()
+    assert order.bytes == 6 * MiB and len(order.segments) == 2
+    _C.abort_host_order()
+    # Memory a pause gives back is fresh too: nothing is left to own after a round trip in this process.
+    _C.vmm_mark_restored_by_driver()
+    assert _C.stage_segments_to_host() == 6 * MiB
+    _C.release_source_backing()
+    assert _C.restore_segments_from_host() == 6 * MiB
+    assert _C.vmm_segments_to_own() == 0
+    assert_contents(contents)
+
+
+def test_the_copier_refuses_bad_orders(fake: FakeDriver, allocator: Allocator) -> None:
+    make_segments(allocator, [2 * MiB])
+    _C.reserve_host_staging(2 * MiB, 0, pin_here=False)
+    copier = copier_for_staging()
+    with pytest.raises(RuntimeError, match="asleep"):
+        copier.copy(True, [], [])
+    with pytest.raises(ValueError, match="no GPU with UUID GPU-00000000"):
+        copier.wake("GPU-00000000-0000-0000-0000-000000000000", True, 0)
+    copier.wake(fake.uuid(0), True, 0)
+    order = _C.begin_stage_order()
+    try:
+        bad = [_C.CopierPiece(segment=0, segment_offset=0, chunk=0, chunk_offset=0, length=4 * MiB)]  # too long
+        with pytest.raises(ValueError, match="lies outside its segment or chunk"):
+            copier.copy(True, order.segments, bad)
+    finally:
+        _C.abort_host_order()
+    with pytest.raises(ValueError, match="lies outside the staging's extents"):
+        _C.HostCopier(_C.host_staging_layout().extents, [_C.CopierChunk(extent=0, offset=0, size=4 * MiB)])
+    copier.sleep()
+    assert fake.pinned_bytes() == 0
