@@ -50,8 +50,8 @@ COMPOSED_HEADS = (
     re.compile(r"^flexium: (?:migrate|pause|resume) (?:job )?\S+(?: to \S+)? (?:failed|expired): "),
     re.compile(r"^cannot (?:migrate|pause|resume): "),
     re.compile(r"^flexium: GPU \S+ cannot take process '[^']+': "),
-    # engine/fast_path.py keep_ready, as the keeper logs it: pinned_budget's refusal, copier_room_problem's
-    # reason; engine/kept_staging.py: a job's refusal (job_operation.job_problem)
+    # engine/fast/path.py keep_ready, as the keeper logs it: pinned_budget's refusal, copier_room_problem's
+    # reason; engine/fast/kept_staging.py: a job's refusal (job_operation.job_problem)
     re.compile(
         r"^(?:\[flexium\] )?(?:the staging for a pause is prepared when one is asked for|nothing is kept pinned "
         r"for a pause for now|nothing is kept pinned between pauses: a pause of this job is refused now): "
