@@ -4,7 +4,7 @@
     python bench/job_moves.py --sizes 16 [--scenarios gloo-one-gpu,swap,four-gpus,four-ranks]
         [--nccl /path/libnccl.so.2] [--json out.json]
 
-One job per size (GiB of training state per rank, bench/rank_job.py) and scenario (SCENARIOS):
+One job per size (GiB of training state per rank, bench/jobs/rank_job.py) and scenario (SCENARIOS):
 "swap", a 2-rank DDP job: a whole-job pause held --hold seconds and its resume in place, a swap of
 the two ranks' GPUs, the swap back; on four GPUs, "four-gpus", a 2-rank DDP job: rank 1 alone to
 GPU 2, the whole job to GPUs 2 and 3, a pause, its resume on GPUs 0 and 1; "four-ranks", a 4-rank
@@ -29,7 +29,6 @@ import re
 import statistics
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +36,15 @@ from typing import Any, Optional
 
 from tables import print_table
 
-JOB = Path(__file__).resolve().parent / "rank_job.py"
+JOBS = Path(__file__).resolve().parent / "jobs"
+sys.path.insert(0, str(JOBS))
+
+from job_plan import parse_rank_plan, rank_map  # noqa: E402
+
+JOB = JOBS / "rank_job.py"
+# How the benchmark runs the job: its ranks' model 4096 wide, batches of 256, no autocast, 80 steps
+# and no sleep between steps (it would count in the downtime).
+MEASURING = ("--width", "4096", "--batch", "256", "--no-amp", "--steps", "80", "--step-sleep", "0")
 GOAL_S = 1.5
 PROTOCOL_STAGES = ("meet", "suspend_nccl", "watchdog", "meet_again", "resume_nccl", "check_nccl")
 STOPPED = re.compile(r"the job stopped at optimizer step (\d+)")
@@ -63,7 +70,7 @@ COLUMNS = (
 @dataclass(frozen=True)
 class Scenario:
     """A job (its ranks, rank_job.py's --model) and what is done to it: the ranks' plan (STEP:KIND
-    or STEP:KIND:RANK=GPU,...) and a row name for each operation."""
+    or STEP:KIND:RANK=GPU,..., bench/jobs/job_plan.py) and a row name for each operation."""
 
     ranks: int
     model: str
@@ -78,7 +85,7 @@ class Scenario:
     @property
     def gpus(self) -> int:
         """The GPUs it needs: one per rank (one in all over gloo), and every GPU its plan names."""
-        named = [int(pair.split("=")[1]) for item in self.plan for pair in _targets(item)]
+        named = [gpu for item in parse_rank_plan(list(self.plan)) for gpu in rank_map(item).values()]
         return max([self.ranks // self.ranks_per_gpu, *(g + 1 for g in named)])
 
     @property
@@ -86,13 +93,7 @@ class Scenario:
         return f"{self.ranks} ranks {self.model.upper()}" + (" gloo, 1 GPU" if self.backend == "gloo" else "")
 
     def kind(self, index: int) -> str:
-        return self.plan[index].split(":")[1]
-
-
-def _targets(item: str) -> list[str]:
-    """The RANK=GPU pairs of one plan item."""
-    parts = item.split(":", 2)
-    return parts[2].split(",") if len(parts) > 2 else []
+        return parse_rank_plan([self.plan[index]])[0].op
 
 
 SCENARIOS = {
@@ -129,37 +130,52 @@ def run_job(size: float, name: str, *, nccl: Optional[str], hold: float, timeout
         env["LD_PRELOAD"] = nccl
     nproc = str(scenario.ranks)
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", nproc, str(JOB)]
-    out = tempfile.mkdtemp(prefix="flexium-job-moves-")
-    argv += ["--gb", str(size), "--hold", str(hold), "--out", out, "--model", scenario.model]
+    argv += [*MEASURING, "--gb", str(size), "--hold", str(hold), "--model", scenario.model]
     argv += ["--backend", scenario.backend]
     argv += [a for item in scenario.plan for a in ("--plan", item)]
     started = time.perf_counter()
     try:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
-        code, stderr = proc.returncode, proc.stderr
+        code, stdout, stderr = proc.returncode, proc.stdout, proc.stderr
     except subprocess.TimeoutExpired as exc:
-        code, stderr = None, str(exc.stderr or "")
-    ranks = {}
-    for file in os.listdir(out):
-        with open(os.path.join(out, file)) as f:
-            found = json.load(f)
-        ranks[found["rank"]] = found
+        code, stdout, stderr = None, _text(exc.stdout), _text(exc.stderr)
     return {
         "size": size,
         "scenario": name,
         "returncode": code,
-        "ranks": ranks,
+        "ranks": ranks_of(stdout.splitlines()),
         "stderr_tail": stderr[-4000:],
         "seconds": time.perf_counter() - started,
     }
 
 
+def _text(output: Any) -> str:
+    return output.decode(errors="replace") if isinstance(output, bytes) else str(output or "")
+
+
+def ranks_of(lines: list[str]) -> dict[int, dict[str, Any]]:
+    """Each rank's step end times, operations, reserved bytes and whether its ballast came through,
+    from the JSON events the ranks printed (a rank that never finished has no entry)."""
+    events = [json.loads(line) for line in lines if line.startswith('{"event"')]
+    ranks = {}
+    for done in (e for e in events if e["event"] == "done"):
+        rank = done["rank"]
+        ranks[rank] = {
+            "rank": rank,
+            "ends": [e["end"] for e in events if e["event"] == "step" and e["rank"] == rank],
+            "ops": [e for e in events if e["event"] == "op" and e["rank"] == rank],
+            "reserved": done["reserved"],
+            "ballast_ok": done["ballast_intact"],
+        }
+    return ranks
+
+
 def _stage(op: dict[str, Any], name: str) -> float:
-    return sum(seconds for step, seconds in op.get("steps", []) if step == name)
+    return float(op.get("steps", {}).get(name, 0.0))
 
 
 def _own(op: dict[str, Any]) -> float:
-    return sum(seconds for step, seconds in op.get("steps", []) if step not in PROTOCOL_STAGES)
+    return sum(seconds for step, seconds in op.get("steps", {}).items() if step not in PROTOCOL_STAGES)
 
 
 def _step_clock(rank: dict[str, Any], op: dict[str, Any]) -> Optional[float]:

@@ -6,7 +6,7 @@ against a hand-written .to() move and against the floor set by this machine's co
 Once per run: copy bandwidths (GPU0 -> GPU1 peer, pinned D2H / H2D; plain torch, best of 3) and
 the fixed cost of the driver checkpoint (a job of 0.1 GiB migrated by the driver path: its
 checkpoint + restore seconds are what a bare torch context costs). Per size (GiB of training
-state, bench/bench_job.py): one job with the memory pool on doing fast migrate cuda:0 -> cuda:1,
+state, bench/jobs/train_job.py): one job with the memory pool on doing fast migrate cuda:0 -> cuda:1,
 driver migrate back, fast pause + resume and driver pause + resume (in place); one job with
 flexium disabled doing the move by hand (model, AdamW state and ballast .to("cuda:1")).
 With --repeat-pause N: N-1 more pool jobs doing the fast pause + resume only, for each size that
@@ -21,7 +21,7 @@ that the migrate rows were not measured: bandwidth pinned D2H / H2D only; the fi
 pause, restore seconds of the resume, the better pair); per size the pool job's fast and driver
 pause + resume in place; no hand-move job.
 
-Downtime is read from the job's own step end times (bench_job.analyse): for a migrate at the
+Downtime is read from the job's own step end times (bench/jobs/step_analysis.py): for a migrate at the
 safe point of step k it is end(k) - end(k-1). Every downtime holds one normal step of compute,
 so "extra" (downtime minus the median normal step) is what the move cost; "vs floor" and
 "vs driver" and the goals use it. Floors: migrate S/peer + checkpoint + restore, pause
@@ -30,7 +30,7 @@ S/D2H + checkpoint, resume S/H2D + restore (S: the job's reserved bytes, fixed c
 Pause rows also show how training went while the pause prepared before its safe point (the fast
 path maps, touches and pins its host staging then, unless it was kept from before):
 "prep s" from the request to the start of the pause at the safe point, and the longest and the
-median step of the steps that ended in that time (bench_job.preparation).
+median step of the steps that ended in that time (step_analysis.preparation).
 
 "free s": the time to a free GPU, from the request to the first NVML reading that shows no memory
 of the job or of its children (the copier) on any GPU (pause rows) or on the GPU it left (migrate
@@ -59,7 +59,16 @@ from typing import Any, Optional
 
 from tables import print_table
 
-JOB = Path(__file__).resolve().parent / "bench_job.py"
+JOBS = Path(__file__).resolve().parent / "jobs"
+JOB = JOBS / "train_job.py"
+BANDWIDTH = JOBS / "bandwidth.py"
+# How the benchmark runs the job: 5 warm-up steps before the plan, then at least 20 steps and 5 after
+# the plan; 3 steps after an operation before the next; no sleep between steps (it would count in the
+# downtime); the ballast in tensors of 1 GiB; a pause held 0.5 s unless --pause-seconds says otherwise.
+MEASURING = (
+    *("--warmup", "5", "--steps", "20", "--tail-steps", "5", "--settle-steps", "3", "--step-sleep", "0"),
+    *("--chunk-mb", "1024", "--pause-seconds", "0.5"),
+)
 GIB = 1 << 30
 FIXED_COST_GB = 0.1
 GOALS = (  # (size GiB, op, seconds): downtime minus one step of the fast path, shown, not asserted
@@ -134,12 +143,14 @@ class JobRun:
             found.append(f"exit status {self.returncode}")
         for op in self.all("op"):
             if not op.get("ok"):
-                found.append(f"{op.get('requested_path')} {op['op']}: {op.get('error')}")
+                found.append(f"{op.get('requested_path')} {op['op']}: {op_error(op)}")
         done = self.first("done")
         if done is None and not self.timed_out:
             found.append("no 'done' event")
         elif done is not None and not done.get("ballast_ok", True):
             found.append("the ballast changed (data not intact after the moves)")
+        if done is not None and not done.get("losses_finite", True):
+            found.append("a loss was not finite")
         return found
 
     def to_dict(self) -> dict[str, Any]:
@@ -154,11 +165,22 @@ class JobRun:
         }
 
 
+def op_error(op: dict[str, Any]) -> str:
+    return f"{op.get('error_type')}: {op.get('error')}"
+
+
 def run_job(
-    label: str, job_args: list[str], timeout: float, on_event: Any = None, env_extra: Optional[dict[str, str]] = None
+    label: str,
+    job_args: list[str],
+    timeout: float,
+    on_event: Any = None,
+    env_extra: Optional[dict[str, str]] = None,
+    script: Path = JOB,
 ) -> JobRun:
+    """Runs the training job (``script``: another of bench/jobs/) with ``job_args``."""
     # The job dumps every thread's stack and exits shortly before it would be killed.
-    argv = [sys.executable, str(JOB), "--hang-seconds", str(max(5.0, timeout - 10)), *job_args]
+    argv = [sys.executable, str(script), "--hang-seconds", str(max(5.0, timeout - 10))]
+    argv += [*MEASURING, *job_args] if script == JOB else job_args
     run = JobRun(label, argv)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env_extra or {})}
     env.pop("FLEXIUM_SERVER", None)
@@ -315,15 +337,15 @@ def progress_printer(size_label: str) -> Any:
 
 
 def pool_plan(with_driver: bool, with_migrate: bool = True) -> list[str]:
-    plan = ["10:migrate:fast:cuda:1"] if with_migrate else []
+    plan = ["10:migrate:cuda:1@fast"] if with_migrate else []
     if with_driver and with_migrate:
-        plan.append("20:migrate:driver:cuda:0")
+        plan.append("20:migrate:cuda:0@driver")
     # The second pause comes 100 steps (0.5-1 s) after the first resume, whenever that came (a pause
     # that makes its staging reaches its safe point seconds after step 30): the copier pins what the
     # copy back left unpinned in the background meanwhile, as it would before any pause a person sends.
-    plan += ["30:pause:fast", "+0:resume", "+100:pause:fast", "+0:resume"]
+    plan += ["30:pause@fast", "+0:resume", "+100:pause@fast", "+0:resume"]
     if with_driver:
-        plan += ["+10:pause:driver", "+0:resume"]
+        plan += ["+10:pause@driver", "+0:resume"]
     return plan
 
 
@@ -373,7 +395,7 @@ def measure_bandwidth(timeout: float, gpus: int) -> tuple[JobRun, Optional[dict[
         log("-- bandwidth: GPU0 -> GPU1 peer copy of 4 GiB, pinned D2H / H2D of 2 GiB, best of 3")
     else:
         log("-- bandwidth: pinned D2H / H2D of 2 GiB, best of 3 (one GPU: no peer copy)")
-    run = run_job("bandwidth", ["--measure-bandwidth"], timeout)
+    run = run_job("bandwidth", [], timeout, script=BANDWIDTH)
     event = run.first("bandwidth")
     if event is None or run.returncode != 0:
         report_failure(run)
@@ -388,10 +410,10 @@ def measure_fixed_cost(timeout: float, gpus: int) -> tuple[JobRun, Optional[dict
     else a pause and a resume in place, twice (the pause's checkpoint, the resume's restore)."""
     if gpus >= 2:
         log(f"-- fixed cost: a {FIXED_COST_GB:g} GiB job, driver migrate cuda:0 -> cuda:1 and back")
-        plan = ["10:migrate:driver:cuda:1", "20:migrate:driver:cuda:0"]
+        plan = ["10:migrate:cuda:1@driver", "20:migrate:cuda:0@driver"]
     else:
         log(f"-- fixed cost: a {FIXED_COST_GB:g} GiB job, driver pause + resume in place, twice (one GPU)")
-        plan = ["10:pause:driver", "10:resume", "20:pause:driver", "20:resume"]
+        plan = ["10:pause@driver", "10:resume", "20:pause@driver", "20:resume"]
     run = run_job(
         "fixed cost",
         ["--gb", str(FIXED_COST_GB), *plan_args(plan)],
@@ -464,7 +486,7 @@ def rows_of(size: float, run: JobRun) -> list[dict[str, Any]]:
                 "path": "hand .to()" if path == "hand" else path,
                 "requested_path": op.get("requested_path"),
                 "ok": bool(op.get("ok")),
-                "error": op.get("error"),
+                "error": op_error(op),
                 "downtime": timing.get("downtime"),
                 "extra": timing.get("extra"),
                 "next_step_extra": timing.get("next_step_extra"),

@@ -1,26 +1,33 @@
 """GPU tests: run by ci/gpu-tests.sh on a machine with 1+ NVIDIA GPUs. Tests that move a job to
 another GPU (or fill GPU 1) request the `two_gpus` fixture (those among four GPUs `four_gpus`)
-and are skipped, reported as not run, where NVML sees fewer. Every job runs in a fresh process (checkpoint state is
-process-wide); this pytest process only reads NVML."""
+and are skipped, reported as not run, where NVML sees fewer. Every job runs in a fresh process
+(checkpoint state is process-wide): the training jobs of bench/jobs/ (run_job, torchrun_jobs.py),
+and a test's own checks through fresh_process.run_in_fresh_process; this pytest process only
+reads NVML."""
 
 from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional, TypeVar
+from typing import Any, Iterable, Iterator, Optional
 
 import pytest
 
+from fresh_process import keep_log
+
 HERE = Path(__file__).parent
+# The jobs the benchmark runs too: the training job, the torchrun ranks', another process filling a GPU.
+JOBS = HERE.resolve().parents[1] / "bench" / "jobs"
+TRAIN_JOB = JOBS / "train_job.py"
+RANK_JOB = JOBS / "rank_job.py"
+FILL_GPU = JOBS / "fill_gpu.py"
 GIB = 1 << 30
 # Memory a GPU may show beyond its idle reading once the job has left it (driver bookkeeping).
 RESIDUE_SLACK = 64 << 20
-T = TypeVar("T")
 
 
 def uuid_of(host_gpus: list[Any], index: int) -> str:
@@ -54,13 +61,11 @@ class JobRun:
         return found[-1]
 
 
-def run_job(
-    *args: str, env: Optional[dict[str, str]] = None, timeout: float = 480, script: str = "train_job.py"
-) -> JobRun:
-    """Runs tests/gpu/<script> (train_job.py unless named) in a fresh process."""
+def run_job(*args: str, env: Optional[dict[str, str]] = None, timeout: float = 480) -> JobRun:
+    """Runs the training job (bench/jobs/train_job.py) in a fresh process."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.run(
-        [sys.executable, str(HERE / script), *args],
+        [sys.executable, str(TRAIN_JOB), *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -68,7 +73,7 @@ def run_job(
     )
     events = job_events(proc.stdout.splitlines())
     run = JobRun(proc.returncode, events, proc.stderr, [e for e in events if e["event"] == "op"])
-    _keep_log((script, *args) if script != "train_job.py" else args, env, proc.returncode, proc.stdout, proc.stderr)
+    keep_log(args, env, proc.returncode, proc.stdout, proc.stderr)
     return run
 
 
@@ -91,39 +96,13 @@ def job_events(lines: Iterable[str]) -> list[dict[str, Any]]:
     return [json.loads(line) for line in lines if line.startswith('{"event"')]
 
 
-def _keep_log(args: tuple[str, ...], env: Optional[dict[str, str]], code: int, stdout: str, stderr: str) -> None:
-    """Every job's output, appended to one file in $OUT, survives a run that is cut short."""
-    folder = Path(os.environ.get("OUT") or HERE.parent.parent / "gpu-results")
-    folder.mkdir(parents=True, exist_ok=True)
-    with open(folder / "jobs.log", "a") as log:
-        log.write(
-            f"\n===== job {' '.join(args)} env={env or {}} exit={code}\n{stdout}\n----- stderr\n{stderr[-40000:]}\n"
-        )
-
-
-def end_process_group(proc: subprocess.Popen[str], settle: Callable[[float], T]) -> Optional[T]:
-    """Ends a job started in its own process group (``start_new_session``), its launcher and every
-    process: SIGABRT first (with PYTHONFAULTHANDLER each writes its Python stacks), SIGKILL if
-    ``settle`` (which waits for it, draining its output) times out after 20 s. ``settle``'s result;
-    None if it was killed."""
-    try:
-        os.killpg(proc.pid, signal.SIGABRT)
-        try:
-            return settle(20)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:  # every process of the group has ended already
-        pass
-    return None
-
-
 @pytest.fixture
 def gpu_filler() -> Iterator[Any]:
     procs: list[subprocess.Popen[str]] = []
 
     def fill(index: int, leave_free_gib: float) -> dict[str, Any]:
         proc = subprocess.Popen(
-            [sys.executable, str(HERE / "fill_gpu.py"), str(index), str(leave_free_gib)],
+            [sys.executable, str(FILL_GPU), str(index), str(leave_free_gib)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,

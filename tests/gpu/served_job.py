@@ -8,7 +8,8 @@ import json
 import subprocess
 from typing import Any, Optional
 
-from conftest import _keep_log, end_process_group, job_events
+from conftest import job_events
+from fresh_process import end_process_group, keep_log
 
 # Longer than the CLI's own wait for an outcome (cli/waiting.py, 300 s): its output is kept.
 CLI_TIMEOUT_S = 360
@@ -73,7 +74,7 @@ class ServedJob:
         if self.job.poll() is None:
             end_process_group(self.job, lambda seconds: self.job.wait(timeout=seconds))
             self.job.wait()
-        _keep_log((*self.argv[1:], "(attached to a server)"), None, self.job.returncode, self.output.text, "")
+        keep_log((*self.argv[1:], "(attached to a server)"), None, self.job.returncode, self.output.text, "")
         self.server.stop()
 
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:

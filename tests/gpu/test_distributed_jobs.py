@@ -15,7 +15,8 @@ from typing import Any, Optional
 
 import pytest
 
-from conftest import nccl_with_suspend, need_gpus, run_job
+from conftest import nccl_with_suspend, need_gpus
+from fresh_process import run_in_fresh_process
 from served_job import ServedJob
 from torchrun_jobs import TorchrunJob, check_ops, check_placements, check_traces, steps_at_ops, torchrun, torchrun_argv
 
@@ -23,7 +24,7 @@ from torchrun_jobs import TorchrunJob, check_ops, check_placements, check_traces
 # job's must not be (issue: a pause may last hours).
 SHORT_HEARTBEAT_S = 8
 # The monitor on with that timeout, for pauses held three times as long; torch's flight recorder
-# on, so that a paused rank can say which collectives its watchdog still lists (ddp_job.py); NCCL's
+# on, so that a paused rank can say which collectives its watchdog still lists (rank_job.py); NCCL's
 # and torch's own word on a failure (with the monitor's C++ stacks) in the job's kept stderr.
 SHORT_HEARTBEAT = {
     "TORCH_NCCL_ENABLE_MONITORING": "1",
@@ -100,7 +101,7 @@ def _refused_and_trained_on(job: TorchrunJob, problem: str, error: str) -> None:
 @pytest.fixture
 def refused_plan(host_gpus: list[Any]) -> tuple[str, ...]:
     """A refusal needs no second GPU: a pause and a swap with each rank on a GPU of its own where
-    there are two; with both on cuda:0 (ddp_job.py --ranks-share-gpu) where there is one, a pause
+    there are two; with both on cuda:0 (rank_job.py --ranks-share-gpu) where there is one, a pause
     and a migration to cuda:0 (refused for the job's NCCL before its target is looked at)."""
     if len(host_gpus) >= 2:
         return ("--plan", "5:pause", "--plan", "8:migrate:0=1,1=0")
@@ -126,20 +127,70 @@ def test_a_job_holding_a_cuda_graph_of_an_all_reduce_is_refused_and_trains_on(
 # ------------------------------------------------------------------ what one GPU can show
 
 
+def nccl_suspended_around_a_pause() -> dict[str, Any]:
+    """A one-rank NCCL job that suspends its communicator around a flexium pause, as a whole-job
+    pause does on every rank (run in a fresh process, with and without an LD_PRELOADed NCCL that
+    has ncclCommSuspend): what it saw."""
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    import flexium
+    from flexium.api import runtime
+    from flexium.engine import nvml
+    from flexium.engine.distributed import nccl
+
+    def held() -> int:
+        return sum(gpu.used_by(os.getpid()) or 0 for gpu in nvml.host_gpus())
+
+    flexium.init()
+    current = runtime.current()
+    assert current is not None and current.engine is not None
+    engine = current.engine
+    rendezvous = os.path.join(tempfile.mkdtemp(), "rendezvous")
+    dist.init_process_group("nccl", init_method=f"file://{rendezvous}", rank=0, world_size=1)
+    probe = torch.ones(1, device="cuda")
+    dist.all_reduce(probe)
+    library = nccl.loaded_library()
+    seen: dict[str, Any] = {
+        "library": None if library is None else library.path,
+        "version": None if library is None else library.version_name,
+        "can_suspend": None if library is None else library.can_suspend,
+        "problem": nccl.suspend_problem(),
+    }
+    if library is not None and library.can_suspend:
+        comms = nccl.communicators()
+        seen["communicators"] = [type(c).__name__ for c in comms]
+        torch.cuda.synchronize()
+        for comm in comms:
+            comm.suspend()
+        seen["suspended"] = all(comm.is_suspended() for comm in comms)
+        pause = engine.pause()
+        seen["pause_path"] = pause.path
+        seen["held_while_paused"] = held()
+        engine.resume()
+        for comm in comms:
+            comm.resume()
+        seen["resumed"] = not any(comm.is_suspended() for comm in comms)
+        after = torch.full((1,), 3.0, device="cuda")
+        dist.all_reduce(after)
+        seen["all_reduce_after"] = float(after.item())
+    dist.destroy_process_group()
+    flexium.shutdown()
+    return seen
+
+
 def test_an_nccl_communicator_is_suspended_around_a_pause_and_works_after() -> None:
     nccl = nccl_with_suspend()
     # One rank outside torchrun: flexium.init() leaves its NCCL settings alone, so the job makes them.
     movable = {"NCCL_NVLS_ENABLE": "0", "NCCL_CUMEM_HOST_ENABLE": "0"}
     env = {"LD_PRELOAD": nccl, **movable}
-    with_suspend = run_job(script="nccl_suspend_job.py", env=env)
-    assert with_suspend.returncode == 0, with_suspend.stderr[-4000:]
-    seen = with_suspend.one("seen")
+    seen = run_in_fresh_process(nccl_suspended_around_a_pause, env=env)
     assert seen["library"] == os.path.realpath(nccl) and seen["can_suspend"] and seen["problem"] is None, seen
     assert seen["communicators"] == ["RawCommunicator"] and seen["suspended"] and seen["resumed"]
     assert seen["held_while_paused"] == 0 and seen["all_reduce_after"] == 3.0
-    bundled = run_job(script="nccl_suspend_job.py", env={"LD_PRELOAD": "", **movable})
-    assert bundled.returncode == 0, bundled.stderr[-4000:]
-    seen = bundled.one("seen")
+    seen = run_in_fresh_process(nccl_suspended_around_a_pause, env={"LD_PRELOAD": "", **movable})
     assert seen["can_suspend"] is False and seen["version"] == "2.28.9"
     assert seen["problem"].startswith("this job's NCCL is 2.28.9 (") and "torch 2.12 or newer" in seen["problem"]
 
@@ -190,7 +241,7 @@ SHARED_GPU_REFUSAL = "ranks 0 and 1 of this NCCL job would be on one GPU"
 
 @pytest.mark.parametrize("transport", ["sockets", "ipc"])
 def test_a_two_rank_nccl_job_sharing_one_gpu_is_refused_and_trains_on(transport: str) -> None:
-    # Both ranks on cuda:0 (ddp_job.py --ranks-share-gpu): NCCL's next collective fails in a rank
+    # Both ranks on cuda:0 (rank_job.py --ranks-share-gpu): NCCL's next collective fails in a rank
     # the driver restored on a GPU it shares with another rank (docs/facts.md fact 25), so every
     # rank refuses the pause and an in-place migration before anything changes, and trains on.
     plan = ("--plan", "5:pause", "--plan", "8:migrate:0=0,1=0")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import _keep_log
+from fresh_process import keep_log
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 
@@ -19,7 +19,7 @@ def _run(args: list[str], tmp_path: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FLEXIUM_")}
     env.update(HOME=str(tmp_path), PYTHONUNBUFFERED="1")
     done = subprocess.run(args, env=env, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    _keep_log(tuple(args[1:]), None, done.returncode, done.stdout, done.stderr)
+    keep_log(tuple(args[1:]), None, done.returncode, done.stdout, done.stderr)
     return done
 
 

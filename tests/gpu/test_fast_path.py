@@ -1,6 +1,7 @@
 """The fast path on real GPUs: PyTorch's memory in flexium's pool, moved at a safe point.
 
-Each job runs in a fresh process (tests/gpu/train_job.py, tests/gpu/oom_job.py). Every moved
+Each job runs in a fresh process (bench/jobs/train_job.py; the out-of-memory check through
+fresh_process.run_in_fresh_process). Every moved
 run is compared bit for bit (float.hex loss traces) with an undisturbed run of the same flags.
 Jobs are small (2 GiB ballast or less, at most 40 steps) so the file runs in a few minutes.
 Tests that move the job to GPU 1 (or fill it) use the `two_gpus` fixture and are skipped on a
@@ -15,6 +16,7 @@ from typing import Any
 import pytest
 
 from conftest import GIB, JobRun, assert_left, run_job, uuid_of
+from fresh_process import run_in_fresh_process
 
 BALLAST_GB = "2"
 JOB_TIMEOUT = 360  # past train_job.py's own hang dump (300 s), which then lands in the log
@@ -60,6 +62,71 @@ def summary(ops: list[dict[str, Any]]) -> str:
             f"error={op.get('error_type')}: {op.get('error') or result.get('error')}"
         )
     return "\n".join(lines)
+
+
+def out_of_memory_retry(first_fraction: float, second_fraction: float) -> dict[str, Any]:
+    """Out-of-memory retry inside flexium's memory pool (run in a fresh process): after
+    flexium.init() a tensor of ``first_fraction`` of the GPU's free memory is made and deleted, so
+    its block stays cached in the pool; then one of ``second_fraction`` is asked for. Both do not
+    fit at once: the allocation succeeds only if PyTorch frees the cached block (oversize, thanks
+    to max_split_size_mb) and retries."""
+    import torch
+
+    import flexium
+    from flexium import _C
+    from flexium.api import runtime
+
+    flexium.init()
+    device = flexium.auto.get_device()
+    current = runtime.current()
+    pool = current.memory_pool if current is not None else None
+    free, total = torch.cuda.mem_get_info(device)  # after the context exists
+    first, second = int(free * first_fraction), int(free * second_fraction)
+
+    held = torch.empty(first, dtype=torch.uint8, device=device)
+    held.fill_(1)
+    torch.cuda.synchronize()
+    del held
+    reserved_cached = torch.cuda.memory_reserved(device)
+    error = None
+    first_attempt_ok = True
+    big = None
+    for attempt in range(2):
+        try:
+            big = torch.empty(second, dtype=torch.uint8, device=device)
+            break
+        except torch.cuda.OutOfMemoryError as exc:
+            # PyTorch's retry inside a routed pool frees oversize cached blocks, but retries only
+            # when they cover the request; a second attempt then finds the memory free.
+            first_attempt_ok = False
+            error = f"attempt {attempt + 1}: {type(exc).__name__}: {str(exc)[:1500]}"
+    success = False
+    if big is not None:
+        big.fill_(7)
+        torch.cuda.synchronize()
+        success = bool(big[:: 1 << 20].eq(7).all().item())
+    pool_bytes = None
+    try:
+        pool_bytes = int(_C.vmm_bytes_on(int(str(device).split(":")[1])))
+    except Exception:  # informative only
+        pass
+    result = {
+        "success": success,
+        "first_attempt_ok": first_attempt_ok,
+        "error": error,
+        "free": free,
+        "total": total,
+        "first": first,
+        "second": second,
+        "reserved_cached": reserved_cached,
+        "reserved_after": torch.cuda.memory_reserved(device),
+        "pool_bytes": pool_bytes,
+        "pool_active": bool(pool is not None and pool.active),
+        "pool_reason": pool.reason_off if pool is not None else "no memory pool in the session",
+    }
+    del big
+    flexium.shutdown()
+    return result
 
 
 def ok_run(run: JobRun) -> JobRun:
@@ -547,8 +614,7 @@ def test_out_of_memory_retry_frees_pool_cache(host_gpus: list[Any], first: str, 
     set by flexium) and retries. When the cached block is smaller than the request, PyTorch
     frees it but does not retry while a pool is routed (the caller's retry then succeeds;
     without the setting nothing would be freed and it would fail again)."""
-    run = ok_run(run_job(first, second, script="oom_job.py", timeout=JOB_TIMEOUT))
-    result = run.one("result")
+    result = run_in_fresh_process(out_of_memory_retry, float(first), float(second), timeout=JOB_TIMEOUT)
     assert result["pool_active"] is True, result["pool_reason"]
     assert result["first"] + result["second"] > result["free"]
     assert result["reserved_cached"] >= result["first"], result  # the first block was cached, not freed

@@ -3,8 +3,8 @@ job on GPUs 0 and 1 whose rank 1 moves alone to GPU 2 (rank 0 stays), then the w
 2 and 3, then a pause and a resume on GPUs 0 and 1; a 4-rank FSDP2 job paused and resumed as a
 whole and two of its ranks swapped. Every loss trace bit-identical to an undisturbed run, and
 after each operation every rank holds memory on the one GPU it was sent to and on none it left
-(NVML). Run by each rank's control thread (ddp_job.py --plan) and through a real server and the
-`flexium` command. Skipped, and listed as not run, where NVML sees fewer than four GPUs."""
+(NVML). Run by each rank's control thread (bench/jobs/rank_job.py --plan) and through a real server
+and the `flexium` command. Skipped, and listed as not run, where NVML sees fewer than four GPUs."""
 
 from __future__ import annotations
 

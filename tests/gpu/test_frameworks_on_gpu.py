@@ -13,7 +13,8 @@ from typing import Any
 
 import pytest
 
-from conftest import HERE, _keep_log, job_events, nccl_with_suspend
+from conftest import HERE, job_events, nccl_with_suspend
+from fresh_process import keep_log
 from served_job import ServedJob
 
 pytest.importorskip("fastapi", reason="the server extra is not installed (ci/gpu-tests.sh installs .whl)")
@@ -75,7 +76,7 @@ def _moved_while_training(
         text=True,
         timeout=600,
     )
-    _keep_log((job, "(undisturbed)"), preload, reference.returncode, reference.stdout, reference.stderr)
+    keep_log((job, "(undisturbed)"), preload, reference.returncode, reference.stdout, reference.stderr)
     assert reference.returncode == 0, reference.stderr[-4000:]
     expected = _losses(job_events(reference.stdout.splitlines()))
     assert sorted(expected) == list(range(ranks)) and all(len(t) >= int(steps) for t in expected.values())

@@ -23,7 +23,8 @@ from typing import Any, Callable
 
 import pytest
 
-from conftest import GIB, HERE, RESIDUE_SLACK, _keep_log, run_job, uuid_of
+from conftest import GIB, RESIDUE_SLACK, TRAIN_JOB, run_job, uuid_of
+from fresh_process import keep_log
 from live_server import ProcessOutput, ServerProcess, clean_env, flexium_command, start_demo, wait_until
 
 pytest.importorskip(
@@ -74,7 +75,7 @@ def test_commands_from_the_server_move_a_gpu_job(
         env = clean_env(home)
         env.update(FLEXIUM_SERVER=f"127.0.0.1:{server.port}/default", FLEXIUM_TOKEN=server.token)
         job = subprocess.Popen(
-            [sys.executable, str(HERE / "train_job.py"), *JOB_ARGS, "--step-sleep", STEP_SLEEP_S],
+            [sys.executable, str(TRAIN_JOB), *JOB_ARGS, "--step-sleep", STEP_SLEEP_S],
             env={**env, "FLEXIUM_TOKEN": server.issue_job_token()},
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -162,7 +163,7 @@ def test_commands_from_the_server_move_a_gpu_job(
             if job.poll() is None:
                 job.kill()
                 job.wait()
-            _keep_log(("(attached to a server)", *JOB_ARGS), None, job.returncode, output.text, "")
+            keep_log(("(attached to a server)", *JOB_ARGS), None, job.returncode, output.text, "")
         server.stop()
 
 

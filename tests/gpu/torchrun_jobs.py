@@ -1,4 +1,4 @@
-"""ddp_job.py under torchrun for the GPU tests of distributed jobs: run it (its ranks' events
+"""bench/jobs/rank_job.py under torchrun for the GPU tests of distributed jobs: run it (its ranks' events
 parsed), check the operations its control thread ran (--plan), and where each rank held memory
 after each; and whether the same job attached to a server (served_job.py) trained as an undisturbed
 run did."""
@@ -13,7 +13,8 @@ from typing import Any, Optional
 
 import pytest
 
-from conftest import HERE, _keep_log, end_process_group
+from conftest import RANK_JOB
+from fresh_process import end_process_group, keep_log
 
 
 class TorchrunJob:
@@ -32,7 +33,7 @@ class TorchrunJob:
 
 def torchrun_argv(ranks: int, *args: str) -> list[str]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
-    return [*command, str(HERE / "ddp_job.py"), *args]
+    return [*command, str(RANK_JOB), *args]
 
 
 def torchrun(
@@ -57,8 +58,8 @@ def torchrun(
         hung = True
         ended = end_process_group(proc, lambda seconds: proc.communicate(timeout=seconds))
         stdout, stderr = ended if ended is not None else proc.communicate()
-    described = ("ddp_job.py", f"{ranks} ranks", *args)
-    _keep_log(described, {"LD_PRELOAD": nccl or "", **(env or {})}, proc.returncode, stdout, stderr)
+    described = ("rank_job.py", f"{ranks} ranks", *args)
+    keep_log(described, {"LD_PRELOAD": nccl or "", **(env or {})}, proc.returncode, stdout, stderr)
     if hung:
         pytest.fail(f"the job did not end within {timeout:g} s ({' '.join(described)}): {stderr[-3000:]}")
     events = [json.loads(line) for line in stdout.splitlines() if line.startswith('{"event"')]
