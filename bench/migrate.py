@@ -520,7 +520,7 @@ def staging_of(result: dict[str, Any]) -> str:
     for note in result.get("notes", []):
         match = re.search(r"pinned ([0-9.]+) GiB of host staging .*\(([0-9.]+) GiB of it newly mapped", note)
         if match:
-            # A kept staging may have grown a little with the pool since (docs/fast-path.md fact 20).
+            # A kept staging may have grown a little with the pool since (fact `growing-staging-keeps-pins`).
             return "made" if float(match.group(2)) > float(match.group(1)) / 2 else "kept"
     return "kept"
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds flexium on a machine with NVIDIA GPUs and runs every GPU test and the migration
-# benchmark in one go. Results land in $OUT (the device tool's folder) or ./gpu-results.
+# benchmark in one go. Results land in $OUT (when the caller sets it: a folder it keeps) or ./gpu-results.
 # Tests that need more GPUs than the machine has are skipped (listed with their reason, not
 # counted as passed; any other skip fails the run). With one GPU bench/migrate.py measures pause /
 # resume in place only (it says so); the other benchmarks use one GPU.
@@ -10,8 +10,8 @@
 # here), BENCH_SIZES (GB, default 2,16,64), BENCH_ARGS (more bench/migrate.py options),
 # BENCH_OVERHEAD=0 skips the step-time benchmark, BENCH_PROBES adds probes of bench/probes/
 # (";"-separated, each its file name without .py and its options, e.g. "host_memory_pinning
-# --sizes 16;restore_without_room"; they write bench-probes.txt: the device tool brings back at
-# most 8 files).
+# --sizes 16;restore_without_room"; they all write one file, bench-probes.txt, so that a caller that
+# keeps only a few files of $OUT gets them).
 # tests/gpu/test_server_end_to_end.py needs the server extra: installed, or its wheels in .whl/
 # (ci/server-wheels.sh fetches them for a machine without network; ci/framework-wheels.sh fastai's).
 set -uo pipefail
@@ -23,7 +23,8 @@ case "${1:-}" in --tests-only|--bench-only) mode="$1"; shift ;; esac
 export PYTHONUNBUFFERED=1
 # A job that dies of a signal leaves its Python stacks in jobs.log.
 export PYTHONFAULTHANDLER=1
-# Never use NVLink multicast on shared hosts (device README).
+# Never use NVLink multicast on shared hosts: a program that uses it can put the host's GPUs, which
+# others share, out of service for a day or more.
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 nvidia-smi --query-gpu=index,name,uuid,driver_version,memory.used,memory.total --format=csv | tee "$out/gpus.csv"

@@ -85,7 +85,7 @@ void bind_devices(py::module_ &m) {
 
 void bind_checkpoint(py::module_ &m) {
   // py::enum_, not py::native_enum: a native_enum of pybind11 3.1 loaded before torch 2.11 makes
-  // `import torch` crash (docs/facts.md fact 20).
+  // `import torch` crash (fact `extension-loads-before-torch`).
   py::enum_<CUprocessState>(m, "ProcessState")
       .value("RUNNING", CU_PROCESS_STATE_RUNNING)
       .value("LOCKED", CU_PROCESS_STATE_LOCKED)

@@ -58,7 +58,7 @@ CUresult call_step(const DriverTable &d, int pid, const Step &step) {
     case StepKind::Restore: {
       if (step.pairs.empty()) return d.cuCheckpointProcessRestore(pid, nullptr);
       CUcheckpointRestoreArgs args{};
-      // The driver wants every visible GPU in gpuPairs, a permutation (docs/facts.md fact 2).
+      // The driver wants every visible GPU in gpuPairs, a permutation (fact `restore-pairs-every-gpu`).
       args.gpuPairs = const_cast<CUcheckpointGpuPair *>(step.pairs.data());
       args.gpuPairsCount = static_cast<unsigned int>(step.pairs.size());
       return d.cuCheckpointProcessRestore(pid, &args);

@@ -25,7 +25,7 @@ void unlock_process(int pid);
 // Recover: whatever brings the process back to RUNNING where it was, read from its state:
 // CHECKPOINTED -> restore in place + unlock, LOCKED -> unlock, RUNNING -> nothing.
 // A failed remapped restore leaves the process CHECKPOINTED and a plain restore brings it
-// back on the source GPU (docs/facts.md fact 3).
+// back on the source GPU (fact `failed-restore-stays-checkpointed`).
 // RoomCheck: no driver call; fails (CUDA_ERROR_OUT_OF_MEMORY) when the GPU it asks about has less
 // free memory than the restore after it needs (room_check.h).
 enum class StepKind { Lock, Checkpoint, Restore, Unlock, Recover, RoomCheck };
@@ -51,7 +51,7 @@ struct StepOutcome {
 
 // Runs `steps` in order. When step i fails, runs rollbacks[i] (all of it, whatever fails) and stops.
 // The whole locked section runs in one call on purpose: while the process is locked every CUDA
-// call of any thread blocks (docs/facts.md fact 4), so re-taking the GIL between lock and unlock can
+// call of any thread blocks (fact `locked-process-blocks-cuda`), so re-taking the GIL between lock and unlock can
 // deadlock against a thread that holds the GIL inside a CUDA call. The caller releases the GIL.
 std::vector<StepOutcome> run_steps(int pid, const std::vector<Step> &steps,
                                    const std::vector<std::vector<Step>> &rollbacks);

@@ -16,7 +16,7 @@ struct DeviceInfo {
 };
 
 // Note: after a remapped restore the driver keeps reporting the pre-migration identity
-// (docs/facts.md fact 5), so callers snapshot this before the first migration.
+// (fact `remap-keeps-old-identity`), so callers snapshot this before the first migration.
 std::vector<DeviceInfo> list_devices();
 
 }  // namespace flexium

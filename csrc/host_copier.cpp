@@ -1,9 +1,9 @@
 // Vendor rules relied on:
 //  - memory pinned here and mapped shared by the job is ordinary memory to the job's checkpoint
-//    (docs/fast-path.md fact 10).
-//  - registering a chunk does not hold up copies already queued (docs/fast-path.md fact 10).
+//    (fact `staging-pinned-by-copier`).
+//  - registering a chunk does not hold up copies already queued (fact `staging-pinned-by-copier`).
 //  - releasing the last reference to the primary context destroys it (a bare one costs 518 MiB:
-//    docs/fast-path.md fact 10).
+//    fact `staging-pinned-by-copier`).
 #include "host_copier.h"
 
 #include <strings.h>

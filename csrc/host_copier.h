@@ -2,11 +2,11 @@
 // maps the job's host staging (memfd extents the job shares with it), pins it with a context of
 // its own and copies between it and the job's segments, imported through their fds.
 //
-// Why a second process: pinned memory in the checkpointed process slows its checkpoint and
-// restore, and unpinning in the job does not overlap its copies; pinned here, the staging costs
-// the job's checkpoint nothing, and pinning overlaps the job's restore (docs/fast-path.md facts 5,
-// 6 and 10).
-// The copier holds no GPU memory while the job is paused: sleep() unpins and drops its context.
+// Why a second process: pinned memory in the checkpointed process slows its checkpoint and restore,
+// and unpinning in the job does not overlap its copies; pinned here, the staging costs the job's
+// checkpoint nothing, and pinning overlaps the job's restore (facts
+// `pinned-memory-slows-checkpoint`, `pinning-holds-job-calls` and `staging-pinned-by-copier`). The
+// copier holds no GPU memory while the job is paused: sleep() unpins and drops its context.
 #pragma once
 
 #include <atomic>

@@ -1,8 +1,9 @@
-// The last look at a GPU's free memory before a restore, from inside the locked section. A
-// restore that finds too little room fails and leaves the process unrestorable for good
-// (docs/facts.md fact 28), and another process may take the memory while a large job is being
-// checkpointed (seconds). No NVML or CUDA call of a locked process returns (fact 4), so the job's
-// NVML reader process (python/flexium/engine/nvml.py --serve) is asked over its pipes.
+// The last look at a GPU's free memory before a restore, from inside the locked section. A restore
+// that finds too little room fails and leaves the process unrestorable for good (fact
+// `restore-without-room-loses-process`), and another process may take the memory while a large job
+// is being checkpointed (seconds). No NVML or CUDA call of a locked process returns (fact
+// `locked-process-blocks-cuda`), so the job's NVML reader process (python/flexium/engine/nvml.py
+// --serve) is asked over its pipes.
 #pragma once
 
 #include <string>

@@ -1,6 +1,6 @@
 // Says on stderr that a driver call has not returned, while it runs: a checkpoint call that never
 // returned would stop the job with no word of why (none is known to today; a failed restore of
-// memory the driver cannot restore looked like one at first, docs/facts.md fact 26).
+// memory the driver cannot restore looked like one at first, fact `cumem-host-memory-unrestorable`).
 #pragma once
 
 #include <condition_variable>

@@ -83,7 +83,7 @@ std::vector<UncheckpointableMapping> uncheckpointable_mappings() {
   std::ifstream maps("/proc/self/maps");
   if (!maps) throw std::runtime_error("cannot read /proc/self/maps");
   // cuMemRelease of the retained handles wants a current context: the caller's, else that of a GPU
-  // the process uses already (never a new one: a context puts state on its GPU, facts.md fact 2).
+  // the process uses already (never a new one: a context puts state on its GPU, fact `pool-on-job-gpu-only`).
   CUcontext current = nullptr;
   if (d.cuCtxGetCurrent(&current) == CUDA_SUCCESS && current != nullptr) return uncheckpointable_mappings(d, maps);
   const int device = first_device_in_use(d);

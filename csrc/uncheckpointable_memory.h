@@ -1,12 +1,12 @@
 // Memory the driver's checkpoint cannot carry, found in the process: managed (UVM) memory, which
-// the checkpoint refuses (docs/facts.md fact 27), and cuMem allocations located on the host and
-// mapped for the CPU, as NCCL makes its shared host memory unless NCCL_CUMEM_HOST_ENABLE=0, whose
-// restore fails and leaves the process never running CUDA again (fact 26). flexium refuses to
-// pause or move a process holding either.
+// the checkpoint refuses (fact `managed-memory-refused`), and cuMem allocations located on the host
+// and mapped for the CPU, as NCCL makes its shared host memory unless NCCL_CUMEM_HOST_ENABLE=0,
+// whose restore fails and leaves the process never running CUDA again (fact
+// `cumem-host-memory-unrestorable`). flexium refuses to pause or move a process holding either.
 // Both are shared mappings of /proc/self/maps (of /dev/nvidia-uvm and /dev/nvidiactl), among the
 // driver's own mappings of those files; the driver tells them apart: it says which address is
-// managed, and it retains a handle only from an address of a cuMem allocation, whose properties
-// say where the memory lives.
+// managed, and it retains a handle only from an address of a cuMem allocation, whose properties say
+// where the memory lives.
 #pragma once
 
 #include <cstddef>

@@ -14,10 +14,11 @@ namespace flexium {
 const DriverTable &require_vmm_driver();
 
 // Device memory on `device`, exportable as a POSIX fd: the fast path hands that fd across the
-// checkpoint (docs/facts.md fact 9).
+// checkpoint (fact `exported-fd-survives-checkpoint`).
 CUmemAllocationProp device_allocation_prop(int device);
 
-// The recommended granularity of `device` (the probe of docs/facts.md fact 9 rounded to it), cached per device.
+// The recommended granularity of `device` (the probe of fact `exported-fd-survives-checkpoint`
+// rounded to it), cached per device.
 std::size_t granularity(const DriverTable &d, int device);
 
 // Rounds up to a multiple of `step`; throws std::overflow_error past SIZE_MAX.
@@ -34,7 +35,7 @@ bool primary_context_active(const DriverTable &d, int ordinal);
 
 // Makes `device`'s primary context current on this thread for the scope, retained so that it
 // cannot go away meanwhile; the previous current context (maybe none) comes back at the end and
-// the retain is released, so a context we created is destroyed again (docs/facts.md fact 9: no
+// the retain is released, so a context we created is destroyed again (fact `exported-fd-survives-checkpoint`: no
 // context of ours needs to stay on the target).
 class ScopedContext {
  public:

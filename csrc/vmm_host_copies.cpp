@@ -3,8 +3,8 @@
 // both ways of copying share.
 //
 // Vendor rule relied on, with evidence: a segment's address range stays reserved across the
-// checkpoint and a new allocation can be mapped there after the restore (docs/facts.md fact 9 maps the
-// imported fd at the same address).
+// checkpoint and a new allocation can be mapped there after the restore (fact
+// `exported-fd-survives-checkpoint` maps the imported fd at the same address).
 #include <algorithm>
 #include <map>
 #include <memory>

@@ -3,13 +3,13 @@
 //
 // Vendor rules relied on:
 //  - copies from pinned host memory are far faster than from pageable memory: the staging is pinned
-//    (docs/facts.md fact 10).
+//    (fact `copy-ceilings`).
 //  - pinned memory in the process slows its checkpoint and restore, unpinned it costs nothing: pinned only while
-//    copies run (docs/fast-path.md fact 5).
+//    copies run (fact `pinned-memory-slows-checkpoint`).
 //  - registering touched memory pins far faster than cuMemHostAlloc, about the copy speed: the staging is touched
-//    ahead of the pause and registered (docs/fast-path.md fact 6).
+//    ahead of the pause and registered (fact `pinning-holds-job-calls`).
 //  - a memfd mapped shared lets the copier process (host_copier.h) pin the same pages; pinned there, they cost
-//    this process's checkpoint nothing (docs/fast-path.md facts 10, 14).
+//    this process's checkpoint nothing (facts `staging-pinned-by-copier` and `pinning-does-not-scale`).
 //  - CU_MEMHOSTREGISTER_PORTABLE makes a registration count for every context, so a chunk pinned
 //    with one GPU's context serves a restore onto another.
 #include "vmm_host_staging.h"
@@ -180,7 +180,7 @@ using namespace host_staging;
 
 // One thread per range (memfd): the kernel zeroes new pages at memory speed per thread, and threads
 // faulting one shared file wait on each other (one file from 8 threads: 4.3 GB/s to touch; 8 files:
-// 11 GB/s, docs/fast-path.md fact 18).
+// 11 GB/s, fact `staging-kept-pinned-ahead`).
 void populate_host_pages(const std::vector<std::pair<char *, std::size_t>> &ranges) {
   if (ranges.empty()) return;
   std::vector<std::thread> workers;
@@ -210,7 +210,7 @@ std::size_t reserve_host_staging(std::size_t bytes, int device, std::size_t chun
       Chunk &chunk = staging.chunks[i];
       covered += chunk.size;
       if (chunk.pinned) continue;
-      // A break between chunks lets the job's CUDA calls through while we pin (docs/fast-path.md fact 6).
+      // A break between chunks lets the job's CUDA calls through while we pin (fact `pinning-holds-job-calls`).
       if (pinned > 0) std::this_thread::sleep_for(kPinBreak);
       pin(d, chunk);
       pinned += chunk.size;
@@ -243,7 +243,7 @@ std::size_t release_host_staging() {
   }
   // munmap takes the mmap lock for writing, which the job's page faults wait for. Dropped chunk by chunk
   // (MADV_DONTNEED takes the lock for reading only), so munmap finds nothing left to hold the job up
-  // (docs/fast-path.md fact 15).
+  // (fact `staging-unmapped-in-chunks`).
   for (std::size_t i = 0; i < staging.chunks.size(); ++i) {
     if (i > 0) std::this_thread::sleep_for(kUnmapBreak);
     ::madvise(staging.chunks[i].host, staging.chunks[i].size, MADV_DONTNEED);

@@ -5,7 +5,7 @@
 //
 // The staging is host memory (memfds the copier process maps too), touched ahead of a pause and
 // pinned (cuMemHostRegister) only while copies run through it: pinned memory in the process slows
-// the driver's checkpoint and restore, unpinned memory does not (docs/fast-path.md fact 5).
+// the driver's checkpoint and restore, unpinned memory does not (fact `pinned-memory-slows-checkpoint`).
 // Implemented in vmm_host_staging.cpp (the memory), vmm_host_copies.cpp (copies in this process)
 // and vmm_host_orders.cpp (copies by the copier).
 #pragma once
@@ -22,8 +22,9 @@ namespace flexium {
 constexpr std::size_t kDefaultHostChunkBytes = std::size_t{256} << 20;
 
 // Faults the pages of each range in (allocating them where the memfd has none yet), one thread per
-// range. Registering memory whose pages are not mapped in the registering process runs at about
-// 4 GB/s, mapped at about 30 GB/s (docs/fast-path.md facts 13 and 18): whoever pins, touches first.
+// range. Registering memory whose pages are not mapped in the registering process runs at about 4
+// GB/s, mapped at about 30 GB/s (facts `fallocate-no-faster` and `staging-kept-pinned-ahead`):
+// whoever pins, touches first.
 void populate_host_pages(const std::vector<std::pair<char *, std::size_t>> &ranges);
 
 // Makes the staging hold at least `bytes`, all of it pinned, ahead of a pause: maps and touches

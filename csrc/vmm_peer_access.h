@@ -4,7 +4,7 @@
 // VMM memory is reachable only from the devices cuMemSetAccess names (cudaDeviceEnablePeerAccess,
 // which PyTorch calls, covers only memory of cudaMalloc), so every segment is opened to every GPU
 // the process uses and that can reach it, and to no other: access for a GPU the process does not
-// use would put state there (docs/fast-path.md fact 2). The pool is on the job's own GPU only, so
+// use would put state there (fact `pool-on-job-gpu-only`). The pool is on the job's own GPU only, so
 // the other GPUs a process uses are those whose primary context is active (PyTorch's own allocator
 // there); while a move is in flight only the GPUs with pool memory count (the target's context is
 // active then, and the old GPU must not stay mapped).

@@ -23,11 +23,11 @@ struct Segment {
   bool mapped = false;       // physical memory mapped at `address`
   bool has_handle = false;   // `handle` is held and ours to release
   // The memory came in through an fd (map_imported). The driver's checkpoint cannot restore
-  // imported memory (its restore fails with CUDA_ERROR_NOT_SUPPORTED: docs/fast-path.md fact 1),
+  // imported memory (its restore fails with CUDA_ERROR_NOT_SUPPORTED: fact `imported-memory-cannot-ride-checkpoint`),
   // so it must be replaced by memory of our own (own_imported) before any checkpoint that carries it.
   bool imported = false;
   // False once a driver checkpoint carried the memory: the allocation it restores refuses
-  // cuMemExportToShareableHandle (docs/fast-path.md fact 11), so the copier process cannot import
+  // cuMemExportToShareableHandle (fact `restored-memory-unexportable`), so the copier process cannot import
   // it until own_imported() gives the segment fresh memory.
   bool exportable = true;
   CUmemGenericAllocationHandle handle = 0;

@@ -1,12 +1,12 @@
 // Vendor rules relied on:
 //  - memory held only by an exported fd of a cuMemCreate allocation survives the checkpoint and maps back at its
-//    address (docs/facts.md fact 9).
+//    address (fact `exported-fd-survives-checkpoint`).
 //  - an allocation lives until every mapping and handle, exported fds included, is gone (cuMemRelease docs):
 //    the fd alone keeps the copy alive, and closing it frees the memory.
 //  - access for both GPUs on one mapping lets the source context copy into target memory, no peer access call
-//    (docs/facts.md fact 9).
+//    (fact `exported-fd-survives-checkpoint`).
 //  - a new mapping has no access until cuMemSetAccess (cuMemMap docs).
-//  - no context of ours stays on the target to ride the checkpoint (docs/facts.md fact 9).
+//  - no context of ours stays on the target to ride the checkpoint (fact `exported-fd-survives-checkpoint`).
 #include "vmm_relocate.h"
 
 #include <unistd.h>
@@ -159,7 +159,7 @@ std::vector<StagedSegment> stage_segments_to_device(int target, int source, cons
       }
     }
   }
-  // First without a context on the target (docs/fast-path.md fact 4): memory can be created on, and copied into,
+  // First without a context on the target (fact `no-target-context-needed`): memory can be created on, and copied into,
   // a GPU from another GPU's context. A driver that wants one gets it on the retry.
   try {
     return stage_groups(d, groups, target, live, false);

@@ -1,7 +1,8 @@
 // The fast path's moves of the allocator's segments from one GPU to another, around a driver
-// checkpoint (docs/fast-path.md; docs/facts.md fact 9). Run with the process RUNNING, never
-// while it is locked: every call here is a CUDA call and would block (docs/facts.md fact 4). Each takes the
-// segment registry's lock for its whole run and throws DriverError naming the failed call.
+// checkpoint (docs/fast-path.md; fact `exported-fd-survives-checkpoint`). Run with the process
+// RUNNING, never while it is locked: every call here is a CUDA call and would block (fact
+// `locked-process-blocks-cuda`). Each takes the segment registry's lock for its whole run and
+// throws DriverError naming the failed call.
 #pragma once
 
 #include <cstddef>

@@ -24,10 +24,10 @@ def send_cuda_tensor(queue: Any, done: Any, floats: int) -> None:
 
 
 class HeldMemory:
-    """4 MiB written by a kernel: "host-cumem", cuMem memory on the host mapped for the GPU and the
-    CPU (as NCCL makes it; docs/facts.md fact 26, the allocation bench/probes/host_memory_restore.py
-    measured), "managed", cuMemAllocManaged (as bitsandbytes' paged optimizers make it; fact 27), or
-    "cuda-ipc", a CUDA tensor another process sent through torch.multiprocessing (fact 29)."""
+    """4 MiB written by a kernel: "host-cumem", cuMem memory on the host mapped for the GPU and the CPU (as NCCL makes
+    it; fact `cumem-host-memory-unrestorable`, the allocation bench/probes/host_memory_restore.py measured), "managed",
+    cuMemAllocManaged (as bitsandbytes' paged optimizers make it; fact `managed-memory-refused`), or "cuda-ipc", a CUDA
+    tensor another process sent through torch.multiprocessing (fact `ipc-import-unrestorable`)."""
 
     FLOATS = 1 << 20
 

@@ -24,7 +24,7 @@ ranks of one host on one GPU unless told: "sockets", each rank names a host of i
 (NCCL_HOSTID) and NCCL connects them by its socket transport over the loopback (any NCCL); "ipc",
 NCCL_MULTI_RANK_GPU_ENABLE=1 (NCCL 2.30+), and NCCL shares its buffers between the ranks as CUDA
 IPC, as between ranks on GPUs of their own (what a checkpoint cannot restore unless NCCL is
-suspended, docs/facts.md fact 13).
+suspended, fact `nccl-buffers-not-restorable`).
 
 Events: capabilities (what the rank reports to a server), ready, step (its loss, and when it ended
 on the perf_counter clock), op (each operation: its path, seconds, the optimizer step the job

@@ -88,8 +88,9 @@ def arguments() -> tuple[argparse.Namespace, list[PlanItem]]:
     parser.add_argument(
         "--hold-memory",
         metavar="KIND:STEP",
-        help="hold 4 MiB that the checkpoint cannot carry (host-cumem, managed or cuda-ipc; docs/facts.md "
-        "facts 26, 27 and 29) from before training until this step",
+        help="hold 4 MiB that the checkpoint cannot carry (host-cumem, managed or cuda-ipc; facts "
+        "`cumem-host-memory-unrestorable`, `managed-memory-refused` and `ipc-import-unrestorable` in docs/facts.md) "
+        "from before training until this step",
     )
     parser.add_argument(
         "--alloc-before-init",

@@ -1,4 +1,4 @@
-"""Which host memory pins fastest on this host: docs/fast-path.md fact 18, to run again on a host
+"""Which host memory pins fastest on this host: fact `staging-kept-pinned-ahead`, to run again on a host
 whose settings differ (shmem huge pages allowed, huge pages reserved).
 
     python bench/probes/host_memory_pinning.py [--sizes 16,64] [--kinds memfd,memfd8,...] [--timeout 240]

@@ -1,5 +1,5 @@
 """Which host memory that kernels reach comes through the driver's checkpoint and restore:
-docs/facts.md fact 26 (cuMem memory on the host does not: the restore fails and the process never
+fact `cumem-host-memory-unrestorable` (cuMem memory on the host does not: the restore fails and the process never
 runs CUDA again), to run again on a new driver. tests/gpu's jobs make such memory with
 `mapped_host_memory` from here.
 

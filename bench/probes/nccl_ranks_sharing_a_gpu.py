@@ -1,5 +1,5 @@
 """Two NCCL ranks on one GPU, NCCL suspended around a driver checkpoint and restore of one rank or
-both, without flexium's engine: docs/facts.md fact 25 (a rank the driver restored there fails its
+both, without flexium's engine: fact `nccl-ranks-sharing-gpu-fail` (a rank the driver restored there fails its
 next collective). Why is not known; run it again on a new driver or NCCL: while it fails, flexium
 refuses to move NCCL ranks that share a GPU.
 

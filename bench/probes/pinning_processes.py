@@ -1,5 +1,5 @@
 """Whether copiers pinning at once (the ranks of a job resumed as a whole) share the host's pinning
-rate: docs/fast-path.md fact 14 (on one GPU they do), open for copiers on GPUs of their own.
+rate: fact `pinning-does-not-scale` (on one GPU they do), open for copiers on GPUs of their own.
 
     python bench/probes/pinning_processes.py [--sizes 16,8] [--devices 0,1] [--timeout 240] [--json out.json]
 

@@ -1,4 +1,4 @@
-"""What the driver does when a restore finds too little room on the GPU: docs/facts.md fact 28
+"""What the driver does when a restore finds too little room on the GPU: fact `restore-without-room-loses-process`
 (the process is lost: out of memory, then CUDA_ERROR_OPERATING_SYSTEM for good), to run again on
 a new driver (NVIDIA's cuda-checkpoint issue 44).
 

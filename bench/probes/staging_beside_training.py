@@ -1,5 +1,5 @@
 """How fast a pause prepared at its command touches and pins its staging with the job training
-beside it: docs/fast-path.md fact 21, and its "Open" question whether 16 touching files and
+beside it: fact `training-slows-staging-prep`, and its "Open" question whether 16 touching files and
 threads instead of 8 help with training beside (alone they touched 22% faster).
 
     python bench/probes/staging_beside_training.py [--sizes 16,64] [--timeout 240] [--json out.json]

@@ -9,12 +9,12 @@
  *  - one CUDA process (getpid()) with a checkpoint state machine
  *      RUNNING -lock-> LOCKED -checkpoint-> CHECKPOINTED -restore-> LOCKED -unlock-> RUNNING;
  *    any other transition is CUDA_ERROR_ILLEGAL_STATE and changes nothing;
- *  - a restore with GPU pairs must name every visible GPU once as old and once as new (docs/facts.md fact 2),
- *    and a failed restore leaves the process CHECKPOINTED (docs/facts.md fact 3);
- *  - after a remap the process keeps reporting its original device identity (docs/facts.md fact 5), while
- *    NVML reports physical GPUs and where the process's memory really is (docs/facts.md fact 6);
+ *  - a restore with GPU pairs must name every visible GPU once as old and once as new (fact `restore-pairs-every-gpu`),
+ *    and a failed restore leaves the process CHECKPOINTED (fact `failed-restore-stays-checkpointed`);
+ *  - after a remap the process keeps reporting its original device identity (fact `remap-keeps-old-identity`), while
+ *    NVML reports physical GPUs and where the process's memory really is (fact `zero-residue`);
  *  - while the process is not RUNNING, every other CUDA call blocks, including on the thread
- *    that took the lock (docs/facts.md fact 4).
+ *    that took the lock (fact `locked-process-blocks-cuda`).
  * Control functions (fake_*) let tests set memory, inject failures and read a call log.
  * See tests/fake_driver/__init__.py for the full description.
  */
@@ -286,10 +286,10 @@ static struct {
   int oom_poisons_restore;
   /* Measured on H200s (driver 580): a checkpoint taken while the process held imported VMM memory
    * cannot be restored: the restore, remapped or in place, fails with CUDA_ERROR_NOT_SUPPORTED and
-   * the process stays CHECKPOINTED (docs/fast-path.md fact 1). */
+   * the process stays CHECKPOINTED (fact `imported-memory-cannot-ride-checkpoint`). */
   int image_has_imported;
   /* Pinned host bytes when the last checkpoint was taken: on H200s pinned memory slows the
-   * checkpoint and restore (docs/fast-path.md fact 5), so the fast pause unpins before it. */
+   * checkpoint and restore (fact `pinned-memory-slows-checkpoint`), so the fast pause unpins before it. */
   unsigned long long pinned_at_checkpoint;
 
   /* behaviour and failure injection */
@@ -444,7 +444,8 @@ static void reset_locked(void) {
   fake.state = CU_PROCESS_STATE_RUNNING;
   fake.last_pairs_count = -1;
   fake.block_timeout_ms = 5000;
-  /* A restore that failed for memory leaves the process unrestorable, as on driver 580 (docs/facts.md fact 28). */
+  /* A restore that failed for memory leaves the process unrestorable, as on driver 580
+   * (fact `restore-without-room-loses-process`). */
   fake.oom_poisons_restore = 1;
   configure_from_environment();
   for (int i = 0; i < MAX_GPUS; ++i) fake.placement[i] = i;
@@ -540,8 +541,8 @@ static int leave(const char *function, int result, int pairs) {
   return result;
 }
 
-/* docs/facts.md fact 4: while the process is locked or checkpointed, its other CUDA calls block until it is
- * RUNNING again. On the thread that holds the lock that never happens: the real driver hangs;
+/* fact `locked-process-blocks-cuda`: while the process is locked or checkpointed, its other CUDA calls block until
+ * it is RUNNING again. On the thread that holds the lock that never happens: the real driver hangs;
  * the fake fails the call at once (and says so on stderr) so a test sees the bug instead of
  * hanging. Called with the mutex held. */
 static CUresult wait_until_running(const char *function) {
@@ -550,7 +551,7 @@ static CUresult wait_until_running(const char *function) {
   if (current_tid() == fake.lock_tid) {
     ++fake.deadlocks;
     fprintf(stderr, "fake_cuda: %s called by the thread holding the checkpoint lock: "
-                    "the real driver hangs here forever (docs/facts.md fact 4)\n", function);
+                    "the real driver hangs here forever (fact `locked-process-blocks-cuda`)\n", function);
     return CUDA_ERROR_ILLEGAL_STATE;
   }
   struct timespec deadline;
@@ -566,7 +567,7 @@ static CUresult wait_until_running(const char *function) {
         fake.state != CU_PROCESS_STATE_RUNNING) {
       ++fake.deadlocks;
       fprintf(stderr, "fake_cuda: %s blocked %u ms while the process was not RUNNING: "
-                      "the real driver would still be waiting (docs/facts.md fact 4)\n",
+                      "the real driver would still be waiting (fact `locked-process-blocks-cuda`)\n",
               function, fake.block_timeout_ms);
       return CUDA_ERROR_ILLEGAL_STATE;
     }
@@ -654,7 +655,7 @@ struct host_block {
 };
 
 /* Managed (UVM) memory, cuMemAllocManaged: a shared mapping of a memfd, as the real driver's is of
- * /dev/nvidia-uvm. The checkpoint refuses a process holding any (docs/facts.md fact 27). */
+ * /dev/nvidia-uvm. The checkpoint refuses a process holding any (fact `managed-memory-refused`). */
 struct managed_block {
   int used;
   uintptr_t base;
@@ -721,7 +722,7 @@ static void vmm_collect(void) {
 static int in_process(const struct vmm_alloc *a) { return a->handles > 0 || a->mappings > 0; }
 
 /* Bytes of VMM memory on a physical GPU now: while checkpointed, what rides the checkpoint image
- * is off the GPUs; memory held only by exported fds stays where it is (docs/facts.md fact 9). */
+ * is off the GPUs; memory held only by exported fds stays where it is (fact `exported-fd-survives-checkpoint`). */
 static unsigned long long vmm_bytes_on(int physical, int fd_only) {
   unsigned long long bytes = 0;
   for (int i = 0; i < MAX_VMM; ++i) {
@@ -773,7 +774,7 @@ static void vmm_restored(const int target[MAX_GPUS]) {
     if (!a->used || a->riding < 0) continue;
     a->physical = target[a->riding];
     a->riding = -1;
-    a->exportable = 0; /* the restored allocation refuses export (docs/fast-path.md fact 11) */
+    a->exportable = 0; /* the restored allocation refuses export (fact `restored-memory-unexportable`) */
   }
 }
 
@@ -1059,7 +1060,7 @@ CUresult cuDeviceGet(CUdevice *device, int ordinal) {
   return leave(fn, CUDA_SUCCESS, -1);
 }
 
-/* docs/facts.md fact 5: the identity of a device stays that of the GPU it was before any remap, so the
+/* fact `remap-keeps-old-identity`: the identity of a device stays that of the GPU it was before any remap, so the
  * properties below come from the logical device's original GPU, not from placement[]. */
 static CUresult device_ready(const char *function, CUdevice dev) {
   const CUresult rc = device_call_ready(function);
@@ -1187,7 +1188,7 @@ CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args
   if (!is_own_pid(pid)) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
   if (args != NULL && !all_zero(args, sizeof(*args))) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
   if (fake.state != CU_PROCESS_STATE_LOCKED) return leave(fn, CUDA_ERROR_ILLEGAL_STATE, -1);
-  /* docs/facts.md fact 27: refused, the process stays LOCKED and an unlock brings it back. */
+  /* fact `managed-memory-refused`: refused, the process stays LOCKED and an unlock brings it back. */
   for (int i = 0; i < MAX_VMM; ++i) {
     if (vmm.managed[i].used) return leave(fn, CUDA_ERROR_NOT_SUPPORTED, -1);
   }
@@ -1213,7 +1214,7 @@ static CUresult plan_restore(const CUcheckpointRestoreArgs *args, int target[MAX
   if (args->gpuPairs == NULL || args->gpuPairsCount == 0) return CUDA_ERROR_INVALID_VALUE;
   /* GPU pairs came with driver 580 (CUDA 13.0); an older driver sees non-zero reserved bytes. */
   if (fake.cuda_version < 13000) return CUDA_ERROR_INVALID_VALUE;
-  /* docs/facts.md fact 2: every visible GPU exactly once on each side, a permutation. */
+  /* fact `restore-pairs-every-gpu`: every visible GPU exactly once on each side, a permutation. */
   if (args->gpuPairsCount != (unsigned int)fake.gpu_count) return CUDA_ERROR_INVALID_VALUE;
   int seen_old[MAX_GPUS] = {0};
   int seen_new[MAX_GPUS] = {0};
@@ -1255,7 +1256,8 @@ CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args) {
   if (rc != CUDA_SUCCESS) return leave(fn, rc, pairs);
   vmm_collect();
   for (int p = 0; p < fake.gpu_count; ++p) {
-    /* VMM memory in the image lands with its device; memory held only by fds stays put (docs/facts.md fact 9). */
+    /* VMM memory in the image lands with its device; memory held only by fds stays put
+     * (fact `exported-fd-survives-checkpoint`). */
     unsigned long long need = vmm_riding_bytes_to(p, target);
     for (int l = 0; l < fake.gpu_count; ++l) {
       if (target[l] == p) need += fake.process_bytes[l];

@@ -1,4 +1,4 @@
-"""flexium.auto: explicit scope control, device queries and error recovery (spec sections 3-7)."""
+"""flexium.auto: explicit scope control, device queries and error recovery (docs/guide/api.md)."""
 
 from __future__ import annotations
 

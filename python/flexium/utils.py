@@ -1,4 +1,4 @@
-"""flexium.utils: the capability check of spec section "Check Capabilities"."""
+"""flexium.utils: the capability check (docs/guide/api.md, "`flexium.utils`: what this machine allows")."""
 
 from __future__ import annotations
 

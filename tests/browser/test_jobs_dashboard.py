@@ -101,7 +101,8 @@ def test_job_refusals_show_in_the_dialog_and_disabled_buttons_say_why(dash: Dash
     assert not pause.is_enabled() and pause.get_attribute("title") == why
     assert dash.job_row("ddp-run-44").find_element(By.CSS_SELECTOR, '[data-action="job-pause"]').is_enabled()
 
-    # an NCCL job whose ranks share a GPU: its pause would break it (docs/facts.md fact 25); a move apart would not
+    # an NCCL job whose ranks share a GPU: its pause would break it (fact `nccl-ranks-sharing-gpu-fail`); a move apart
+    # would not
     host4 = FakeHost("ddp-node4")
     for rank in (0, 1):
         member = {"key": "ddp-run-46", "rank": rank, "world_size": 2}

@@ -35,22 +35,23 @@ Any other transition: ``CUDA_ERROR_ILLEGAL_STATE``, nothing changes. FAILED is r
 * lock: ``set_lock_delay_ms(ms)`` makes the process take ``ms`` to drain; a lock whose
   ``timeoutMs`` (0: no timeout) is shorter sleeps ``timeoutMs`` and returns ``CUDA_ERROR_TIMEOUT``.
 * restore with GPU pairs (``old`` = the physical GPU a logical device is on NOW, ``new`` = where it
-  goes) must list every GPU once as old and once as new (docs/facts.md fact 2), name GPUs of this
+  goes) must list every GPU once as old and once as new (fact `restore-pairs-every-gpu`), name GPUs of this
   machine, of the same model, and needs CUDA >= 13000; else ``CUDA_ERROR_INVALID_VALUE``. Each
   destination needs free memory (total - other processes) for what lands on it, else
-  ``CUDA_ERROR_OUT_OF_MEMORY``. Any failure leaves the process CHECKPOINTED where it was (docs/facts.md fact 3).
+  ``CUDA_ERROR_OUT_OF_MEMORY``. Any failure leaves the process CHECKPOINTED where it was
+  (fact `failed-restore-stays-checkpointed`).
   A restore without pairs (NULL args, or no pairs) restores in place, with the same memory check.
   ``set_oom_poisons_restore(True)`` models NVIDIA/cuda-checkpoint issue 44 (driver 580.95): after
   a restore failed for memory, every later restore fails with ``CUDA_ERROR_OPERATING_SYSTEM``.
-* while CHECKPOINTED the process holds no GPU memory (NVML shows none; docs/facts.md fact 6), but for VMM
+* while CHECKPOINTED the process holds no GPU memory (NVML shows none; fact `zero-residue`), but for VMM
   memory held only by exported fds (below).
-* after a remap, ``cuDeviceGet*`` still report each logical device's ORIGINAL GPU (docs/facts.md fact 5);
+* after a remap, ``cuDeviceGet*`` still report each logical device's ORIGINAL GPU (fact `remap-keeps-old-identity`);
   ``physical_of`` and NVML say where it really is.
 * reserved fields of the argument structs must be zero, else ``CUDA_ERROR_INVALID_VALUE``.
 * any pid other than ``getpid()``: ``CUDA_ERROR_INVALID_VALUE`` from every checkpoint function
   (what tools see from the real driver for a pid with no CUDA state; not measured here).
-* docs/facts.md fact 4: while the process is not RUNNING, its other CUDA calls (cuInit, cuDevice*) block until
-  it runs again. From the thread that took the lock that never happens (the real driver hangs):
+* fact `locked-process-blocks-cuda`: while the process is not RUNNING, its other CUDA calls (cuInit,
+  cuDevice*) block until it runs again. From the thread that took the lock that never happens (the real driver hangs):
   the fake returns ``CUDA_ERROR_ILLEGAL_STATE`` at once, counts a deadlock and says so on stderr.
   Another thread waits up to ``set_block_timeout_ms`` (default 5000) and then does the same.
   ``blocked_calls()`` / ``deadlocks()`` count them. cuGetErrorName/String never block.
@@ -78,7 +79,7 @@ read and write the bytes behind a device address with ctypes:
   ``cumem_mapping(size)`` makes such memory.
 * ``cuMemAllocManaged`` (``managed_memory(size)``): a shared mapping of a memfd, freed by
   ``cuMemFree``; the checkpoint of a process holding some fails with ``CUDA_ERROR_NOT_SUPPORTED``
-  and leaves it LOCKED (docs/facts.md fact 27). ``cuPointerGetAttribute`` answers
+  and leaves it LOCKED (fact `managed-memory-refused`). ``cuPointerGetAttribute`` answers
   ``CU_POINTER_ATTRIBUTE_IS_MANAGED`` only: 1 there, 0 in VMM memory, ``CUDA_ERROR_INVALID_VALUE``
   elsewhere.
 * ``cuMemExportToShareableHandle``: a dup of the memfd (only for memory created with
@@ -91,7 +92,7 @@ read and write the bytes behind a device address with ctypes:
   (``CUDA_ERROR_INVALID_VALUE``), as on the H200s with driver 580.
 * checkpoint: what the process holds a handle or mapping of rides the image (off every GPU while
   CHECKPOINTED, then onto where its device lands); what only an fd holds stays on its GPU and
-  counts there, also against the restore's free memory (docs/facts.md fact 9).
+  counts there, also against the restore's free memory (fact `exported-fd-survives-checkpoint`).
 * copies (``cuMemcpy{DtoD,DtoH,HtoD}Async``) are memcpy, finished when they return; device
   ranges must lie in one mapping that grants the current context's device access
   (``CUDA_ERROR_ILLEGAL_ADDRESS`` otherwise, ``CUDA_ERROR_INVALID_VALUE`` for no mapping).
@@ -516,7 +517,8 @@ class FakeDriver:
         self._lib.fake_clear_log()
 
     def blocked_calls(self) -> int:
-        """CUDA calls made while the process was not RUNNING (docs/facts.md fact 4: the real driver blocks them)."""
+        """CUDA calls made while the process was not RUNNING (the real driver blocks them: fact
+        `locked-process-blocks-cuda`)."""
         return int(self._lib.fake_blocked_calls())
 
     def deadlocks(self) -> int:
@@ -590,7 +592,7 @@ class FakeDriver:
     def cumem_mapping(self, size: int, *, on_host: bool = True) -> Callable[[], None]:
         """``size`` bytes (a multiple of ``granularity``) of cuMem memory on host NUMA node 0 (or,
         ``on_host=False``, on device 0), mapped and open to device 0: on the host, as NCCL makes its
-        shared host memory unless NCCL_CUMEM_HOST_ENABLE=0 (docs/facts.md fact 26). Returns what
+        shared host memory unless NCCL_CUMEM_HOST_ENABLE=0 (fact `cumem-host-memory-unrestorable`). Returns what
         frees it again (unmap, release, give the range back); its ``address`` is where it is mapped."""
         lib = self.library
         u64 = ctypes.c_uint64
@@ -630,7 +632,7 @@ class FakeDriver:
 
     def managed_memory(self, size: int) -> Callable[[], None]:
         """``size`` bytes of managed memory (``cuMemAllocManaged``, as bitsandbytes' paged optimizers
-        make it), which the checkpoint refuses (docs/facts.md fact 27). Returns what frees it; its
+        make it), which the checkpoint refuses (fact `managed-memory-refused`). Returns what frees it; its
         ``address`` is where it is."""
         lib = self.library
         ctx, previous, address = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_uint64()

@@ -1,4 +1,4 @@
-"""The spec promises full support for the training frameworks. Here PyTorch Lightning's Trainer,
+"""flexium supports the training frameworks (README.md, "Frameworks"). Here PyTorch Lightning's Trainer,
 Hugging Face's Trainer (over Accelerate) and fastai's Learner (with fastai's own optimizer, not a
 torch.optim one) each train after a bare `flexium.init()`, while a
 control thread migrates the job 0 -> 1 -> 0 and pauses and resumes it: every operation runs at

@@ -1,7 +1,7 @@
 """Whole torchrun jobs (2 ranks, NCCL) paused, resumed and swapped on 2 GPUs, bit-identical to
 undisturbed runs, with nothing left on any GPU while paused; and the refusals, each job training
 on unaffected, of a job whose NCCL cannot suspend its communicators and of a job whose ranks share
-a GPU (docs/facts.md fact 25). On one GPU: those refusals, and torchrun jobs of one rank, which
+a GPU (fact `nccl-ranks-sharing-gpu-fail`). On one GPU: those refusals, and torchrun jobs of one rank, which
 pause and resume as one process.
 
 The NCCL with suspend/resume (2.29.7+) comes from FLEXIUM_TEST_NCCL_LIB (ci/gpu-tests.sh builds
@@ -36,9 +36,9 @@ SHORT_HEARTBEAT = {
 LONG_HOLD = ("--hold", str(SHORT_HEARTBEAT_S * 3))
 
 
-# NCCL's transport between the ranks' GPUs: peer access (P2P over NVLink, the H200 machines'), or
-# its shared-memory transport as on GPUs without peer access (host memory both ranks map, made
-# as /dev/shm files registered with the driver under flexium's NCCL_CUMEM_HOST_ENABLE=0, fact 26).
+# NCCL's transport between the ranks' GPUs: peer access (P2P over NVLink, the H200 machines'), or its shared-memory
+# transport as on GPUs without peer access (host memory both ranks map, made as /dev/shm files registered with the
+# driver under flexium's NCCL_CUMEM_HOST_ENABLE=0, fact `cumem-host-memory-unrestorable`).
 TRANSPORTS = {"p2p": {}, "shm": {"NCCL_P2P_DISABLE": "1"}}
 
 
@@ -116,7 +116,7 @@ def test_a_job_whose_nccl_cannot_suspend_is_refused_and_trains_on(refused_plan: 
 def test_a_job_holding_a_cuda_graph_of_an_all_reduce_is_refused_and_trains_on(
     two_gpus: list[Any], refused_plan: tuple[str, ...]
 ) -> None:
-    # Not with both ranks on one GPU: that job did not end in 350 s (docs/facts.md fact 25).
+    # Not with both ranks on one GPU: that job did not end in 350 s (fact `nccl-ranks-sharing-gpu-fail`).
     args = ("--model", "ddp", "--steps", "30", *KEEPER_LOOKS, "--graph-all-reduce", *refused_plan)
     job = torchrun(*args, nccl=nccl_with_suspend(), timeout=150)
     _refused_and_trained_on(
@@ -242,7 +242,7 @@ SHARED_GPU_REFUSAL = "ranks 0 and 1 of this NCCL job would be on one GPU"
 @pytest.mark.parametrize("transport", ["sockets", "ipc"])
 def test_a_two_rank_nccl_job_sharing_one_gpu_is_refused_and_trains_on(transport: str) -> None:
     # Both ranks on cuda:0 (rank_job.py --ranks-share-gpu): NCCL's next collective fails in a rank
-    # the driver restored on a GPU it shares with another rank (docs/facts.md fact 25), so every
+    # the driver restored on a GPU it shares with another rank (fact `nccl-ranks-sharing-gpu-fail`), so every
     # rank refuses the pause and an in-place migration before anything changes, and trains on.
     plan = ("--plan", "5:pause", "--plan", "8:migrate:0=0,1=0")
     job = torchrun("--model", "ddp", "--steps", "30", "--ranks-share-gpu", transport, *plan, nccl=nccl_with_suspend())

@@ -329,9 +329,9 @@ def test_fast_pause_and_resume_in_place_all_features(host_gpus: list[Any]) -> No
 @pytest.mark.parametrize("kind", ["host-cumem", "managed", "cuda-ipc"])
 def test_memory_the_driver_cannot_checkpoint_is_refused_until_the_job_frees_it(host_gpus: list[Any], kind: str) -> None:
     """The job holds 4 MiB a kernel wrote that the driver's checkpoint cannot carry: cuMem host memory
-    (as NCCL makes it; docs/facts.md fact 26: the restore fails and the process never runs CUDA
-    again), managed memory (as bitsandbytes' paged optimizers make it; fact 27: the checkpoint
-    refuses it) or a CUDA tensor another process sent through torch.multiprocessing (fact 29: the
+    (as NCCL makes it; fact `cumem-host-memory-unrestorable`: the restore fails and the process never runs CUDA
+    again), managed memory (as bitsandbytes' paged optimizers make it; fact `managed-memory-refused`: the checkpoint
+    refuses it) or a CUDA tensor another process sent through torch.multiprocessing (fact `ipc-import-unrestorable`: the
     restore fails as for host memory). Its pause (and, with two GPUs, its migration) is refused before anything is
     touched, the job trains on, and once it freed that memory the pause and resume run; the loss
     trace is the undisturbed one."""
@@ -367,7 +367,7 @@ def test_memory_the_driver_cannot_checkpoint_is_refused_until_the_job_frees_it(h
     assert pause["result"]["path"] == "fast", summary(run.ops)
     if kind == "managed":
         # A job that used managed memory leaves 124-128 MiB on its GPU while paused, counted for
-        # no process, beside its copier process (docs/facts.md fact 27): only its own is checked.
+        # no process, beside its copier process (fact `managed-memory-refused`): only its own is checked.
         assert pause["nvml"][gpu0]["ours"] == 0, pause["nvml"]
     else:
         assert_left(pause, gpu0, idle)
@@ -410,7 +410,7 @@ def test_a_resume_onto_a_gpu_taken_meanwhile_is_refused_and_the_job_stays_paused
 def test_a_resume_with_room_for_the_job_but_not_the_copier_copies_back_in_this_process(host_gpus: list[Any]) -> None:
     """After a fast pause another process leaves the GPU only 0.2 GiB more than the job held: the
     copier's context (about 0.5 GiB) would leave the restore or the copy back without room (a
-    restore without room loses the job, docs/facts.md fact 28), so it sleeps on and the job's own
+    restore without room loses the job, fact `restore-without-room-loses-process`), so it sleeps on and the job's own
     process copies back; the loss trace is the undisturbed one."""
     common = (*PLAIN, "--step-sleep", "0.1", "--pause-seconds", "0.5")
     expected = reference(*common)
@@ -435,7 +435,7 @@ def test_a_resume_with_room_for_the_job_but_not_the_copier_copies_back_in_this_p
 def test_batches_delivered_while_paused_are_pinned_after_the_resume(path: str) -> None:
     """A DataLoader whose workers take longer per batch than a step: batches keep arriving while
     the job is paused, and its pin-memory thread would pin them then, which kills a checkpointed
-    process (docs/facts.md fact 22). flexium holds that thread until the resume: the job lives
+    process (fact `pinning-while-paused-kills`). flexium holds that thread until the resume: the job lives
     through two pauses of 2 s and its loss trace is unchanged."""
     common = ("--ballast-gb", "1", "--steps", "40", "--step-sleep", "0", "--dataloader", "--batch-delay", "0.2")
     expected = reference(*common)

@@ -1,4 +1,4 @@
-"""Freeing a GPU fast on real GPUs (docs/fast-path.md fact 18): a job's pause kept ready between
+"""Freeing a GPU fast on real GPUs (fact `staging-kept-pinned-ahead`): a job's pause kept ready between
 pauses (the host staging pinned by the copier ahead of time, within the pinned host memory
 budget) only copies and checkpoints, and the job's own memory comes first.
 

@@ -86,7 +86,7 @@ def test_a_target_taken_while_the_job_is_checkpointed_is_caught_before_the_resto
     target check, while the job is being checkpointed: the room check just before the restore
     (csrc/room_check.h, the NVML reader asked from inside the locked section) fails the move there,
     the job is restored on GPU 0 and trains on, and once GPU 1 is free the move runs. A restore
-    without room would have lost the job (docs/facts.md fact 28)."""
+    without room would have lost the job (fact `restore-without-room-loses-process`)."""
     args = ("--ballast-gb", BALLAST_GB, "--steps", "40", "--step-sleep", "0.1")
     reference = run_job(*args)
     plan = ["10:arm:cuda:1", "10:migrate:cuda:1@driver", "10:vacate", "25:migrate:cuda:1@driver"]

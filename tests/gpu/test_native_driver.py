@@ -14,7 +14,8 @@ import pytest
 from conftest import GIB
 from fresh_process import run_in_fresh_process
 
-PROBES = Path(__file__).resolve().parents[2] / "bench" / "probes"  # the probe that measured fact 26
+# The probe that measured fact `cumem-host-memory-unrestorable`.
+PROBES = Path(__file__).resolve().parents[2] / "bench" / "probes"
 CUDA_CALL_WAIT_S = 10.0
 
 
@@ -121,7 +122,7 @@ def unrestorable_outcome() -> dict[str, Any]:
     torch.ones(1, device="cuda").sum().item()
     device, _host, _keep = mapped_host_memory("cumem-host", 4 << 20)
     view = torch.as_tensor(DeviceView(device, 1 << 20), device="cuda")
-    view.fill_(1.0)  # a kernel has reached it, as NCCL's do (fact 26's probe)
+    view.fill_(1.0)  # a kernel has reached it, as NCCL's do (fact `cumem-host-memory-unrestorable`'s probe)
     assert view.sum().item() == 1 << 20
     pid = os.getpid()
     outcome: dict[str, Any] = {}
@@ -215,8 +216,8 @@ def test_native_layer_on_the_real_driver() -> None:
     assert unlock["raised"] and unlock["call"] == "cuCheckpointProcessUnlock"
     assert unlock["name"] in unlock["message"]
 
-    # One pair is refused (docs/facts.md fact 2); the recover rollback brings the job back in place
-    # (docs/facts.md fact 3).
+    # One pair is refused (fact `restore-pairs-every-gpu`); the recover rollback brings the job back in place
+    # (fact `failed-restore-stays-checkpointed`).
     single = checks["single_pair"]
     failed = [o for o in single["outcomes"] if o["code"] != 0]
     assert failed[0]["step"] == "restore" and not failed[0]["rollback"]
@@ -228,12 +229,13 @@ def test_native_layer_on_the_real_driver() -> None:
     assert all(o["code"] == 0 for o in full["outcomes"]), full["outcomes"]
     assert full["state"] == "RUNNING" and full["intact"]
     assert full["ours"][devices["uuids"][1]] >= GIB and full["ours"][devices["uuids"][0]] == 0
-    # The driver API names the new GPU after the move (PyTorch's cached properties do not: docs/facts.md fact 5).
+    # The driver API names the new GPU after the move (PyTorch's cached properties do not: fact
+    # `remap-keeps-old-identity`).
     assert full["reported_uuid"] == devices["uuids"][1]
 
 
 def test_importing_flexium_before_torch_leaves_torch_working() -> None:
-    # docs/facts.md fact 20: a job that imports flexium first (python -m flexium.cli.demo_job does)
+    # fact `extension-loads-before-torch`: a job that imports flexium first (python -m flexium.cli.demo_job does)
     # once crashed inside `import torch`.
     code = "import flexium._C; import torch; print(torch.ones(2, device='cuda').sum().item())"
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -242,14 +244,16 @@ def test_importing_flexium_before_torch_leaves_torch_working() -> None:
 
 
 def test_the_driver_cannot_restore_host_cumem_memory_and_the_process_is_lost() -> None:
-    """Why flexium never checkpoints a process holding cuMem host memory (docs/facts.md fact 26,
+    """Why flexium never checkpoints a process holding cuMem host memory (fact `cumem-host-memory-unrestorable`,
     engine/uncheckpointable_memory.py): the driver's restore of it fails, a second restore and the
     unlock fail too, the process stays checkpointed and its CUDA calls never return. Should a
     driver restore it one day, this test says so (and the refusal can go)."""
     seen = run_in_fresh_process(unrestorable_outcome, exit_at_once=True)
     assert seen["first"][:2] == [["lock", 0], ["checkpoint", 0]], seen
     restore, code = seen["first"][2]
-    assert restore == "restore" and code != 0, f"the driver restored memory it could not before (fact 26): {seen}"
+    assert restore == "restore" and code != 0, (
+        f"the driver restored memory it could not before (fact `cumem-host-memory-unrestorable`): {seen}"
+    )
     assert seen["again"][0][1] != 0 and seen["unlock"][0][1] != 0, seen
     assert seen["state"] == "CHECKPOINTED", seen
     assert seen["cuda_call"].startswith("no return in"), seen
@@ -259,7 +263,7 @@ def test_the_room_check_before_a_restore_asks_nvml_and_a_refusal_rolls_back_in_p
     """csrc/room_check.h on one GPU, against the real driver and NVML: the process checkpoints
     itself and asks its NVML reader process (engine/nvml.py --serve) over its pipes how much the GPU
     has free. Needing more than the GPU has, the restore is not tried and the rollback restores the
-    process in place, its memory intact (docs/facts.md fact 28: a restore without room loses the
+    process in place, its memory intact (fact `restore-without-room-loses-process`: a restore without room loses the
     job); needing what it holds, the restore runs."""
     cases = run_in_fresh_process(room_check_cases)
     uuid, total = cases["gpu"]["uuid"], cases["gpu"]["total"]

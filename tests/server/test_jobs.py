@@ -282,7 +282,7 @@ def test_a_rank_moves_only_to_a_gpu_it_sees(db: Database) -> None:
     _register(db, ws, rank_body(0))
     _register(db, ws, rank_body(1, visible_gpus=["GPU-0000", "GPU-0001"]))
     message = _refused(db, ws, errors.TargetRefused, "rank 1 .* cannot see GPU GPU-0003", "migrate", ranks={"1": 3})
-    assert "docs/facts.md fact 15" in message and "CUDA_VISIBLE_DEVICES" in message
+    assert "fact `target-must-be-visible` in docs/facts.md" in message and "CUDA_VISIBLE_DEVICES" in message
 
 
 def test_no_two_ranks_on_one_gpu_after_the_move(db: Database) -> None:

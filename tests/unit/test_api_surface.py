@@ -1,4 +1,4 @@
-"""The public API of the spec (flexium.init / shutdown / is_initialized, flexium.auto.*,
+"""The public API (docs/guide/api.md: flexium.init / shutdown / is_initialized, flexium.auto.*,
 flexium.utils.*) over the real engine and the fake driver: in this process where the fake
 driver serves, in subprocesses for process exit (atexit) and for a machine without a driver."""
 

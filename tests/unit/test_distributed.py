@@ -1,4 +1,4 @@
-"""One rank of a multi-process job is never paused or migrated alone (docs/facts.md fact 13):
+"""One rank of a multi-process job is never paused or migrated alone (fact `nccl-buffers-not-restorable`):
 engine/distributed.py describes the job, the engine refuses before anything is touched, and the
 process reports itself as not movable."""
 

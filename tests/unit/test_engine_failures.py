@@ -83,8 +83,8 @@ def test_checkpoint_failure_is_rolled_back(fake: FakeDriver, make_engine: Callab
 
 
 def test_failed_remapped_restore_is_recovered_in_place(fake: FakeDriver, make_engine: Callable[..., Any]) -> None:
-    """docs/facts.md fact 3: the failed restore leaves the process CHECKPOINTED; the engine's recover step
-    restores it in place (no pairs) and unlocks."""
+    """fact `failed-restore-stays-checkpointed`: the failed restore leaves the process CHECKPOINTED; the engine's
+    recover step restores it in place (no pairs) and unlocks."""
     fake.set_process_memory(0, 5 * GiB)
     engine = make_engine()
     fake.fail("cuCheckpointProcessRestore", "CUDA_ERROR_INVALID_VALUE")
@@ -118,8 +118,8 @@ def test_failed_remapped_restore_is_recovered_in_place(fake: FakeDriver, make_en
 
 LOST_FOR_MEMORY = (
     "ROLLBACK FAILED: the process is CHECKPOINTED: the GPU had too little free memory for the restore, and after a "
-    "restore failed the driver refuses every later one (docs/facts.md fact 28), so it can never run CUDA again; end "
-    "the job and start it again from its last checkpoint"
+    "restore failed the driver refuses every later one (fact `restore-without-room-loses-process` in docs/facts.md), "
+    "so it can never run CUDA again; end the job and start it again from its last checkpoint"
 )
 
 
@@ -129,7 +129,7 @@ def test_a_target_filled_while_the_job_is_checkpointed_is_caught_before_the_rest
     """Another job takes the target's memory after the target check: the room check inside the locked
     section (the NVML reader asked over its pipes, csrc/room_check.h) sees it before the restore is
     tried, and the job is restored where it was. A restore without room would have lost it
-    (docs/facts.md fact 28)."""
+    (fact `restore-without-room-loses-process`)."""
     fake.set_process_memory(0, 40 * GiB)
     engine = make_engine()
 
@@ -149,9 +149,9 @@ def test_a_target_filled_while_the_job_is_checkpointed_is_caught_before_the_rest
     assert reader_in_parent == [f"free {gpu1}"]
     assert str(error) == (
         f"migrate failed: step 'room' failed: {gpu1} has 10240 MiB free, the restore needs {40 * 1024 + 512} MiB: "
-        "another process took memory there while the job was checkpointed, so the restore was not tried (it "
-        f"would have lost the job, docs/facts.md fact 28); rolled back: the job runs on cuda:0 ({engine.gpus[0].uuid}) "
-        "as before"
+        "another process took memory there while the job was checkpointed, so the restore was not tried (it would have "
+        "lost the job, fact `restore-without-room-loses-process` in docs/facts.md); rolled back: the job runs on "
+        f"cuda:0 ({engine.gpus[0].uuid}) as before"
     )
     assert step_summary(error.result)[-5:] == [
         ("lock", True, False),
@@ -170,10 +170,10 @@ def test_a_target_filled_while_the_job_is_checkpointed_is_caught_before_the_rest
 def test_a_target_filled_after_the_last_room_check_loses_the_job_and_says_so(
     fake: FakeDriver, make_engine: Callable[..., Any]
 ) -> None:
-    """The target fills between the last room check and the restore (here: the NVML reader, a child
-    process with a fake of its own, sees room that this process's fake does not): the restore fails
-    for memory, and the in-place restore that would roll back is refused for good, as on driver 580
-    (docs/facts.md fact 28, which the fake models). The error says the job is lost and what to do."""
+    """The target fills between the last room check and the restore (here: the NVML reader, a child process with a fake
+    of its own, sees room that this process's fake does not): the restore fails for memory, and the in-place restore
+    that would roll back is refused for good, as on driver 580 (fact `restore-without-room-loses-process`, which the
+    fake models). The error says the job is lost and what to do."""
     fake.set_process_memory(0, 40 * GiB)
     engine = make_engine()
 
@@ -282,7 +282,7 @@ def test_a_failing_state_listener_does_not_break_an_operation(
 
 
 def test_failed_resume_stays_paused_and_can_be_retried(fake: FakeDriver, make_engine: Callable[..., Any]) -> None:
-    """A restore refused for its arguments leaves the process restorable (docs/facts.md fact 3)."""
+    """A restore refused for its arguments leaves the process restorable (fact `failed-restore-stays-checkpointed`)."""
     fake.set_process_memory(0, 2 * GiB)
     engine = make_engine()
     engine.pause()
@@ -293,12 +293,12 @@ def test_failed_resume_stays_paused_and_can_be_retried(fake: FakeDriver, make_en
     assert not isinstance(err, RollbackFailedError)
     assert err.step == "restore"
     # An import of another process's CUDA memory outside PyTorch, which flexium cannot see, fails
-    # the restore with the same error and loses the job (docs/facts.md fact 29): the error says so.
+    # the restore with the same error and loses the job (fact `ipc-import-unrestorable`): the error says so.
     assert str(err).endswith(
         "; the job is still paused and can be resumed again, unless this process holds CUDA memory imported from "
-        "another process outside PyTorch (CuPy, cuIpcOpenMemHandle): the driver cannot restore such a process "
-        "(docs/facts.md fact 29), the next resume then fails with CUDA_ERROR_OPERATING_SYSTEM, and the job must be "
-        "started again from its last checkpoint"
+        "another process outside PyTorch (CuPy, cuIpcOpenMemHandle): the driver cannot restore such a process (fact "
+        "`ipc-import-unrestorable` in docs/facts.md), the next resume then fails with CUDA_ERROR_OPERATING_SYSTEM, and "
+        "the job must be started again from its last checkpoint"
     )
     assert engine.state == EngineState.PAUSED and fake.state() == ProcessState.CHECKPOINTED
     assert nvml._frozen.is_set()
@@ -310,7 +310,7 @@ def test_a_resume_that_found_too_little_room_says_the_job_is_lost(
     fake: FakeDriver, make_engine: Callable[..., Any]
 ) -> None:
     """The target fills up after the engine's room check: the restore fails for memory, after which
-    the driver refuses every restore of the process (docs/facts.md fact 28). The job is not "still
+    the driver refuses every restore of the process (fact `restore-without-room-loses-process`). The job is not "still
     paused and can be resumed again" but lost, and the engine says so at once."""
     fake.set_process_memory(0, 30 * GiB)
     engine = make_engine()

@@ -90,11 +90,12 @@ def test_migrate_moves_the_job_and_reports_it(fake: FakeDriver, make_engine: Cal
     on_gpu(fake, engine, 1)
     assert engine.state == EngineState.RUNNING
     assert seen == [EngineState.MIGRATING, EngineState.RUNNING]
-    # The driver saw one transaction with every GPU paired (docs/facts.md fact 2).
+    # The driver saw one transaction with every GPU paired (fact `restore-pairs-every-gpu`).
     assert checkpoint_ops(fake) == ["Lock", "Checkpoint", "Restore", "Unlock"]
     assert fake.last_pairs() == [(0, 1), (1, 0)]
-    assert fake.blocked_calls() == 0 and fake.deadlocks() == 0  # docs/facts.md fact 4: no other CUDA call while locked
-    # Bytes from NVML; zero residue on the source (docs/facts.md fact 6).
+    # No other CUDA call while locked (fact `locked-process-blocks-cuda`).
+    assert fake.blocked_calls() == 0 and fake.deadlocks() == 0
+    # Bytes from NVML; zero residue on the source (fact `zero-residue`).
     assert result.bytes_moved == 3 * GiB
     assert fake.process_bytes_on(1) == 3 * GiB and fake.process_bytes_on(0) == 0
     assert fake.used_bytes(0) == 0 and fake.used_bytes(1) == 13 * GiB
@@ -106,7 +107,7 @@ def test_migrate_moves_the_job_and_reports_it(fake: FakeDriver, make_engine: Cal
     assert result.seconds >= result.step_seconds("checkpoint") + result.step_seconds("restore")
     assert result.gb_per_second == pytest.approx(3 * GiB / 1e9 / result.seconds)
     assert engine.last_result is result
-    # The process still sees its old identity (docs/facts.md fact 5); the engine knows better.
+    # The process still sees its old identity (fact `remap-keeps-old-identity`); the engine knows better.
     assert [d.uuid for d in _C.list_devices()] == fake.uuids()
     assert nvml.gpu_by_uuid(fake.uuid(1)).used_by(PID) == 3 * GiB
 
@@ -220,7 +221,7 @@ def test_repeated_migrations_keep_the_identity_right(
         assert fake.process_bytes_on(placement[0]) == 4 * GiB and fake.process_bytes_on(where) == 0
         assert result.bytes_moved == 4 * GiB
         where = placement[0]
-    # The driver still reports the identities of init (docs/facts.md fact 5).
+    # The driver still reports the identities of init (fact `remap-keeps-old-identity`).
     assert [d.uuid for d in _C.list_devices()] == fake.uuids()
 
 

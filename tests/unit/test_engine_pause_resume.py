@@ -38,7 +38,7 @@ def test_pause_frees_every_gpu_and_resume_in_place(
     assert step_summary(paused) == [("prepare", True, False), ("lock", True, False), ("checkpoint", True, False)]
     assert paused.bytes_moved == 6 * GiB
     assert engine.state == EngineState.PAUSED and fake.state() == ProcessState.CHECKPOINTED
-    assert fake.used_bytes(0) == 0 and fake.used_bytes(1) == 0  # docs/facts.md fact 6: nothing left anywhere
+    assert fake.used_bytes(0) == 0 and fake.used_bytes(1) == 0  # fact `zero-residue`: nothing left anywhere
     assert checkpoint_ops(fake) == ["Lock", "Checkpoint"]
     # While frozen the job holds nothing anywhere: answered without any NVML query (or torch call).
     assert nvml._frozen.is_set()

@@ -175,7 +175,7 @@ def test_a_failure_in_the_locked_section_recovers_and_brings_the_segments_home(j
 
 def test_a_target_filled_during_a_fast_move_loses_the_job_and_says_so(job: Job) -> None:
     """The copies still fit on GPU 1, the rest of the process does not: its restore fails for memory,
-    after which the driver refuses every restore (docs/facts.md fact 28), the rollback's too."""
+    after which the driver refuses every restore (fact `restore-without-room-loses-process`), the rollback's too."""
     job.segments([2 * MiB, 4 * MiB, 6 * MiB])
     job.fake.set_process_memory(0, 8 * MiB)
     engine = job.engine()
@@ -183,7 +183,7 @@ def test_a_target_filled_during_a_fast_move_loses_the_job_and_says_so(job: Job) 
     fill_target_meanwhile(job, engine)
     error = failure(lambda: engine.migrate(engine.gpus[1]), RollbackFailedError)
     assert error.step == "restore" and "cuCheckpointProcessRestore returned CUDA_ERROR_OUT_OF_MEMORY" in str(error)
-    assert "(docs/facts.md fact 28), so it can never run CUDA again" in str(error)
+    assert "(fact `restore-without-room-loses-process` in docs/facts.md), so it can never run CUDA again" in str(error)
     assert engine.state == EngineState.FAILED and job.fake.state() == ProcessState.CHECKPOINTED
 
 

@@ -91,7 +91,7 @@ def test_fast_pause_and_resume_in_place_and_on_another_gpu(job: Job) -> None:
 
 def test_a_resume_with_room_for_the_job_but_not_the_copier_copies_back_in_this_process(job: Job) -> None:
     """The copier's context would take room the restore needs (a restore without room loses the job,
-    docs/facts.md fact 28): it sleeps on, and this process copies back."""
+    fact `restore-without-room-loses-process`): it sleeps on, and this process copies back."""
     fake = job.fake
     fake.set_process_memory(0, 256 * MiB)  # what the driver restores; the pool comes back by copies
     engine = job.training([2 * MiB, 4 * MiB, 6 * MiB])

@@ -1,7 +1,7 @@
-"""The identity map (flexium.engine.identity): which physical GPU each CUDA ordinal is on, how
-targets are named, and the move plans whose pairs are the full GPU permutation a remapped restore
-needs (docs/facts.md facts 2, 5). Pair lists are checked against the fake driver's restore,
-which enforces docs/facts.md fact 2 and tracks where every logical device really is."""
+"""The identity map (flexium.engine.identity): which physical GPU each CUDA ordinal is on, how targets are named, and
+the move plans whose pairs are the full GPU permutation a remapped restore needs (facts `restore-pairs-every-gpu` and
+`remap-keeps-old-identity`). Pair lists are checked against the fake driver's restore, which enforces fact
+`restore-pairs-every-gpu` and tracks where every logical device really is."""
 
 from __future__ import annotations
 
@@ -190,7 +190,7 @@ def test_pairs_drive_the_driver_to_the_placement_the_map_records(
     fake: FakeDriver, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A random walk of plans moving one or two logical devices: every pair list is a full
-    permutation the fake driver accepts (docs/facts.md fact 2), and after each restore the map and the driver
+    permutation the fake driver accepts (fact `restore-pairs-every-gpu`), and after each restore the map and the driver
     agree on where every logical device is."""
     from flexium import _C
 

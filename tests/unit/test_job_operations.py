@@ -32,7 +32,8 @@ fake = fake_driver.FakeDriver(os.environ["FLEXIUM_LIBCUDA"])
 flexium.init()
 engine = runtime.current().engine
 fake.set_process_memory(0, 1 << 30)
-if os.environ.get("TEST_HOST_CUMEM_RANK") == str(rank):  # memory the driver cannot restore (fact 26)
+# Memory the driver cannot restore (fact `cumem-host-memory-unrestorable`).
+if os.environ.get("TEST_HOST_CUMEM_RANK") == str(rank):
     free_host_cumem = fake.cumem_mapping(2 << 20)
 dist.init_process_group("gloo", init_method=os.environ["TEST_RENDEZVOUS"], rank=rank, world_size=2)
 

@@ -245,9 +245,9 @@ def test_a_process_holding_memory_the_driver_cannot_checkpoint_keeps_nothing_pin
         assert keeper.note == (
             "nothing is kept pinned between pauses: a pause of this job is refused now: this process holds "
             f"managed memory (1 mapping, 4.0 MiB, the first at {free.address:#x}): "  # type: ignore[attr-defined]
-            "the driver's checkpoint refuses it (docs/facts.md fact 27), so the job cannot be paused or moved "
-            "while it holds it. It is made by cudaMallocManaged, e.g. bitsandbytes' paged optimizers: use one "
-            "without paging (adamw_8bit for paged_adamw_8bit), or free it first"
+            "the driver's checkpoint refuses it (fact `managed-memory-refused` in docs/facts.md), so the job cannot be "
+            "paused or moved while it holds it. It is made by cudaMallocManaged, e.g. bitsandbytes' paged optimizers: "
+            "use one without paging (adamw_8bit for paged_adamw_8bit), or free it first"
         )
         assert not job.fast.keeping and ledger() == {}
     finally:
@@ -429,9 +429,9 @@ def staging_rss(pid: int) -> int:
 
 
 def test_the_copier_touches_the_staging_it_pins_and_the_job_never_does(job: Job) -> None:
-    """Registering pages the registering process has not mapped runs at 4 GB/s, mapped at about
-    30 GB/s (docs/fast-path.md facts 13, 18): the copier, which pins, touches; the job only makes
-    the files."""
+    """Registering pages the registering process has not mapped runs at 4 GB/s, mapped at about 30 GB/s (facts
+    `fallocate-no-faster` and `staging-kept-pinned-ahead`): the copier, which pins, touches; the job only makes the
+    files."""
     engine = job.training([2 * MiB, 4 * MiB, 6 * MiB])
     paused = engine.pause()
     assert paused.ok and "by the copier process" in paused.notes[0]

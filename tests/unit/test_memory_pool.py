@@ -238,7 +238,7 @@ def test_live_ranges_read_the_pools_snapshot(
 def test_the_pool_opens_to_the_gpus_in_use_at_each_step_and_before_a_data_parallel_gather(
     cuda: FakeTorchCuda, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """docs/facts.md fact 18: another GPU the job uses copies into the pool; the pool looks for
+    """fact `jobs-use-every-visible-gpu`: another GPU the job uses copies into the pool; the pool looks for
     such GPUs at every optimizer step and before DataParallel's gather, and a failure there never
     reaches training."""
     looked: list[str] = []

@@ -304,7 +304,7 @@ def test_restore_with_every_gpu_paired_moves_the_process_but_not_its_identity(fa
     assert fake.placement() == [1, 0]
     assert fake.process_bytes_on(1) == 5 * GiB and fake.process_bytes_on(0) == 0
     assert fake.last_pairs_count() == 2 and fake.last_pairs() == [(0, 1), (1, 0)]
-    assert [d.uuid for d in _C.list_devices()] == before  # docs/facts.md fact 5
+    assert [d.uuid for d in _C.list_devices()] == before  # fact `remap-keeps-old-identity`
     # Pairs are relative to where the process is now: the same swap brings it back.
     _C.lock(PID, 0)
     _C.checkpoint(PID)
@@ -444,7 +444,8 @@ def test_a_single_pair_is_refused_and_the_process_stays_checkpointed(fake: FakeD
     _checkpointed(fake)
     err = driver_error(_C.restore, PID, [_C.GpuPair(u[0], u[1])])
     assert err.error_name == "CUDA_ERROR_INVALID_VALUE"
-    assert fake.state() == ProcessState.CHECKPOINTED  # docs/facts.md facts 2 and 3
+    # facts `restore-pairs-every-gpu` and `failed-restore-stays-checkpointed`
+    assert fake.state() == ProcessState.CHECKPOINTED
     assert fake.last_pairs_count() == 1
     _C.restore(PID)  # a plain restore brings it back on the source
     _C.unlock(PID)
@@ -478,7 +479,7 @@ def test_restore_onto_a_full_gpu_is_out_of_memory(fake: FakeDriver) -> None:
 
 def test_cuda_calls_on_the_locking_thread_would_hang(fake: FakeDriver) -> None:
     _C.lock(PID, 0)
-    err = driver_error(_C.list_devices)  # the real driver never returns here (docs/facts.md fact 4)
+    err = driver_error(_C.list_devices)  # the real driver never returns here (fact `locked-process-blocks-cuda`)
     assert err.error_name == "CUDA_ERROR_ILLEGAL_STATE"
     assert fake.deadlocks() == 1 and fake.blocked_calls() == 1
     _C.unlock(PID)
@@ -635,8 +636,9 @@ def test_a_report_setting_that_is_not_whole_seconds_is_refused_when_the_job_star
 
 
 def test_run_steps_failed_remap_rolls_back_to_the_source(fake: FakeDriver) -> None:
-    """A restore refused for its arguments leaves the process restorable in place (docs/facts.md
-    fact 3); one that found too little room does not (fact 28, the test below)."""
+    """A restore refused for its arguments leaves the process restorable in place (fact
+    `failed-restore-stays-checkpointed`); one that found too little room does not (fact
+    `restore-without-room-loses-process`, the test below)."""
     fake.set_process_memory(0, 8 * GiB)
     fake.fail("cuCheckpointProcessRestore", "CUDA_ERROR_INVALID_VALUE")
     expected = "CUDA_ERROR_INVALID_VALUE"
@@ -694,7 +696,8 @@ def test_run_steps_recover_of_a_locked_process_only_unlocks(fake: FakeDriver) ->
 
 
 def test_run_steps_runs_every_rollback_step_even_when_they_fail(fake: FakeDriver) -> None:
-    # After a restore that found too little room, later restores fail for good (docs/facts.md fact 28).
+    # After a restore that found too little room, later restores fail for good (fact
+    # `restore-without-room-loses-process`).
     fake.set_process_memory(0, 8 * GiB)
     fake.set_other_memory(1, H200_BYTES - 1 * GiB)
     outcomes = _C.run_steps(PID, *migrate_plan(swap_pairs(fake)))

@@ -1,5 +1,5 @@
 """The gate that keeps DataLoader pin-memory threads out of CUDA while the process is locked or
-checkpointed (flexium.engine.guards.pinning_gate; docs/facts.md fact 22): on its own with threads, and
+checkpointed (flexium.engine.guards.pinning_gate; fact `pinning-while-paused-kills`): on its own with threads, and
 closed by the engine over the fake driver from a pause until the resume. tests/gpu/
 test_paused_dataloader.py checks on a GPU that a job pinning batches while paused survives."""
 

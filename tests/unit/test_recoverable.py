@@ -176,7 +176,7 @@ def test_classify_any_exception_type_by_message() -> None:
         RuntimeError("Expected all tensors to be on the same device"),
         MemoryError("DefaultCPUAllocator: can't allocate memory"),
         KeyboardInterrupt(),
-        RuntimeError("Out Of Memory"),  # the spec's texts are matched exactly
+        RuntimeError("Out Of Memory"),  # CudaErrorKind's texts are matched exactly, case included
     ],
 )
 def test_classify_non_cuda_errors(exc: BaseException) -> None:

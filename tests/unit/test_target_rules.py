@@ -222,8 +222,8 @@ def test_resume_without_room_anywhere_stays_paused(fake: FakeDriver, make_engine
     with pytest.raises(TargetRefusedError, match="it stays paused"):
         engine.resume()  # room elsewhere is the server's to find: in place is still refused
     assert fake.calls("cu") == [] and engine.state == EngineState.PAUSED
-    # Back where it was beside another process, what the driver restores needs headroom: that process
-    # may take more before the restore, and a restore without room loses the job (docs/facts.md fact 28).
+    # Back where it was beside another process, what the driver restores needs headroom: that process may take more
+    # before the restore, and a restore without room loses the job (fact `restore-without-room-loses-process`).
     fake.set_other_memory(0, H200_BYTES - 30 * GiB)
     with pytest.raises(TargetRefusedError, match="needs 30.00 GiB plus 0.50 GiB headroom: it stays paused"):
         engine.resume()

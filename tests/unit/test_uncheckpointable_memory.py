@@ -1,9 +1,8 @@
-"""Memory the driver's checkpoint cannot carry: managed memory (docs/facts.md fact 27), cuMem
-memory located on the host (fact 26) and CUDA memory imported from another process (fact 29). The
-native layer finds the first two (csrc/uncheckpointable_memory.cpp), PyTorch's record the third,
-and a pause or move of a process holding some is refused before anything is touched, at the
-operation's start and again at its safe point. The fake driver makes both as the real one does;
-the GPU tests make them on an H200."""
+"""Memory the driver's checkpoint cannot carry: managed memory (fact `managed-memory-refused`), cuMem memory located on
+the host (fact `cumem-host-memory-unrestorable`) and CUDA memory imported from another process (fact
+`ipc-import-unrestorable`). The native layer finds the first two (csrc/uncheckpointable_memory.cpp), PyTorch's record
+the third, and a pause or move of a process holding some is refused before anything is touched, at the operation's start
+and again at its safe point. The fake driver makes both as the real one does; the GPU tests make them on an H200."""
 
 from __future__ import annotations
 
@@ -53,7 +52,7 @@ def test_the_scan_finds_managed_and_host_cumem_memory_and_nothing_else(fake: Fak
 
 
 def test_the_fake_checkpoint_refuses_managed_memory_as_the_driver_does(fake: FakeDriver) -> None:
-    """docs/facts.md fact 27, as the fake models it: what the refusal below keeps jobs from."""
+    """fact `managed-memory-refused`, as the fake models it: what the refusal below keeps jobs from."""
     free = fake.managed_memory(SIZE)
     try:
         steps = [_C.Step(_C.StepKind.LOCK, timeout_ms=1000), _C.Step(_C.StepKind.CHECKPOINT)]
@@ -139,7 +138,7 @@ def test_memory_made_while_the_operation_waited_is_refused_at_its_safe_point(
     assert run().ok
 
 
-# ---- CUDA memory imported from another process (docs/facts.md fact 29) ---------------------------
+# ---- CUDA memory imported from another process (fact `ipc-import-unrestorable`) ---------------------------
 
 IMPORTED = "this process holds CUDA memory imported from another process (2 storages, 6.0 MiB, the first at 0x7f00"
 
@@ -152,7 +151,7 @@ def test_a_process_holding_imported_cuda_memory_is_refused_before_anything_is_to
     fake.set_process_memory(0, GiB)
     engine = make_engine()
     monkeypatch.setattr(imported_memory, "held_now", lambda: imported_memory.Imports(2, 6 * MiB, 0x7F00_0000_0000))
-    refused_untouched(fake, engine, IMPORTED, ("tensor.clone()", "fact 29"))
+    refused_untouched(fake, engine, IMPORTED, ("tensor.clone()", "fact `ipc-import-unrestorable`"))
     monkeypatch.undo()
     assert engine.pause().ok
     assert engine.resume().ok
@@ -190,9 +189,9 @@ def test_cpu_tensors_received_or_sent_through_torch_multiprocessing_are_no_cuda_
 
 
 def test_torch_still_records_its_cuda_imports_where_flexium_reads_them() -> None:
-    """imported_memory.held_now reads PyTorch's own record of the CUDA storages a process imported;
-    a PyTorch that kept it elsewhere would leave such jobs unguarded (fact 29) without a sound, so
-    this fails first."""
+    """imported_memory.held_now reads PyTorch's own record of the CUDA storages a process imported; a PyTorch that kept
+    it elsewhere would leave such jobs unguarded (fact `ipc-import-unrestorable`) without a sound, so this fails
+    first."""
     import torch
     from torch.multiprocessing import reductions
 

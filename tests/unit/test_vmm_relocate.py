@@ -51,7 +51,8 @@ def test_stage_release_map_imported_across_a_migration(fake: FakeDriver, allocat
     outcomes = _C.run_steps(PID, *swap_plan(fake))
     assert all(o.code == 0 for o in outcomes), [(o.step, o.error_name) for o in outcomes]
     assert fake.placement() == [1, 0]
-    assert fake.vmm_bytes_on(1) == 12 * MiB  # skipped by the checkpoint, still on GPU 1 (docs/facts.md fact 9)
+    # Skipped by the checkpoint, still on GPU 1 (fact `exported-fd-survives-checkpoint`).
+    assert fake.vmm_bytes_on(1) == 12 * MiB
 
     _C.map_imported(staged, 0)  # logical device 0 is on GPU 1 now
     assert_contents(contents)
@@ -93,7 +94,7 @@ def test_fd_held_memory_counts_against_the_restore(fake: FakeDriver, allocator: 
     fake.set_process_memory(0, 8 * MiB)  # the rest of the process, carried by the checkpoint
     fake.set_other_memory(1, H200_BYTES - 10 * MiB)  # 10 MiB free on GPU 1, 6 held by our fd
     # What is checked is where the memory counts. The real driver would then refuse the rollback's
-    # restore too (docs/facts.md fact 28), which the fake models unless told not to.
+    # restore too (fact `restore-without-room-loses-process`), which the fake models unless told not to.
     fake.set_oom_poisons_restore(False)
     outcomes = _C.run_steps(PID, *swap_plan(fake))
     assert [(o.step, o.rollback, o.error_name or "ok") for o in outcomes][2:] == [
@@ -112,7 +113,8 @@ def test_primitives_refuse_to_run_while_the_process_is_locked(fake: FakeDriver, 
     _C.lock(PID, 0)
     try:
         err = driver_error(_C.stage_segments_to_device, 1)
-        assert err.error_name == "CUDA_ERROR_ILLEGAL_STATE"  # the real driver hangs here (docs/facts.md fact 4)
+        # The real driver hangs here (fact `locked-process-blocks-cuda`).
+        assert err.error_name == "CUDA_ERROR_ILLEGAL_STATE"
         assert fake.deadlocks() >= 1
     finally:
         _C.unlock(PID)

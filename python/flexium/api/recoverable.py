@@ -8,7 +8,7 @@ Three forms share one recovery path:
         with attempt: ...
 
 `retries` counts re-runs after the first try: retries=3 allows 4 tries and up to 3 moves.
-Errors that are not in the spec's table are re-raised untouched, never retried.
+Errors that are not a `CudaErrorKind` (matched by their message text) are re-raised untouched, never retried.
 
 Torch is never imported here: an exception can only be torch's if torch is already loaded.
 """

@@ -120,7 +120,7 @@ def _start(config: FlexiumConfig) -> Runtime:
 def _prepare_job_environment() -> None:
     """A process whose NCCL has not started yet gets the settings that let its job be paused and
     moved as a whole (engine/distributed/nccl.py): a rank that torchrun launched, and a process
-    that starts its other ranks itself (PyTorch Lightning's rank 0, docs/facts.md fact 24), which
+    that starts its other ranks itself (PyTorch Lightning's rank 0, fact `lightning-ranks-different-parents`), which
     they inherit. NCCL reads them only if the job starts it."""
     from flexium.engine.distributed import membership, nccl
 
@@ -158,7 +158,7 @@ def _driver_selected_by_env() -> bool:
 
 
 def _start_memory_pool(config: FlexiumConfig, logical_device: str, capabilities: Capabilities) -> Optional[MemoryPool]:
-    """Routes PyTorch's CUDA memory into our pool before the job allocates any (docs/facts.md fact 11)."""
+    """Routes PyTorch's CUDA memory into our pool before the job allocates any (fact `allocator-routed-to-pool`)."""
     if logical_device == "cpu" or not capabilities.torch_cuda or not capabilities.pause_resume:
         return None
     from flexium.engine.fast.memory_pool import MemoryPool
@@ -168,7 +168,7 @@ def _start_memory_pool(config: FlexiumConfig, logical_device: str, capabilities:
         source = config.sources.get("fast_path", "default")
         pool.reason_off = f"switched off (fast_path false, from {source})"
         return pool
-    # The job's own GPU only (docs/fast-path.md fact 2).
+    # The job's own GPU only (fact `pool-on-job-gpu-only`).
     if not pool.install([_ordinal(logical_device)]):
         log.warning("fast path off, migrations and pauses use the driver path: %s", pool.reason_off)
     return pool

@@ -1,6 +1,6 @@
-"""What this machine allows: pause/resume needs the driver checkpoint API (driver 550+ per the
-spec; the cuCheckpointProcess* functions themselves arrive with CUDA 12.8), migration needs
-GPU remapping on restore (driver 580+)."""
+"""What this machine allows: pause/resume needs the driver checkpoint API (driver 550+, as
+docs/guide/limits.md says; the cuCheckpointProcess* functions themselves arrive with CUDA 12.8),
+migration needs GPU remapping on restore (driver 580+)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Which physical GPU each CUDA ordinal of this process is on now, and the plans that move them.
 
 After a remapped restore the driver still reports the pre-migration UUIDs and ordinals
-(docs/facts.md fact 5), so this map is the only record of where the process really is. A target
+(fact `remap-keeps-old-identity`), so this map is the only record of where the process really is. A target
 is a GPU UUID or a GpuIdentity: the server turns what a person typed into a UUID, so the engine
 parses no device names.
 """
@@ -32,7 +32,7 @@ class Move:
 @dataclass(frozen=True)
 class MovePlan:
     """Where a migrate or resume puts this process's logical devices, planned from where every
-    one of them is now (the driver remaps all visible GPUs at once, docs/facts.md fact 2)."""
+    one of them is now (the driver remaps all visible GPUs at once, fact `restore-pairs-every-gpu`)."""
 
     moves: tuple[Move, ...]
     placement: tuple[tuple[int, GpuIdentity], ...]  # every logical ordinal's GPU when planned

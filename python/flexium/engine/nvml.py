@@ -7,7 +7,7 @@ engine has the process frozen, queries therefore go to a reader process the engi
 the job (this file run by its path with --serve: NVML initialised once, a read per line of its
 stdin), else to a short-lived child run by path, not as a package module (importing flexium was
 most of its time). A resume's room check runs while the job is still checkpointed
-(docs/fast-path.md fact 12 has the timings).
+(fact `nvml-reader-process` has the timings).
 """
 
 from __future__ import annotations

@@ -20,12 +20,12 @@ def timing_of(outcome: _C.StepOutcome) -> StepTiming:
 # A restore that failed with one of these leaves the process checkpointed for good: the driver
 # refuses every later restore (CUDA_ERROR_OPERATING_SYSTEM) and the unlock, and a CUDA call of the
 # process never returns. Each was measured on driver 580; a restore refused for its arguments (e.g.
-# a GPU pair, CUDA_ERROR_INVALID_VALUE) leaves it restorable (docs/facts.md fact 3).
+# a GPU pair, CUDA_ERROR_INVALID_VALUE) leaves it restorable (fact `failed-restore-stays-checkpointed`).
 _LOSING_RESTORE_FAILURES = {
     "CUDA_ERROR_OUT_OF_MEMORY": "the GPU had too little free memory for the restore, and after a restore "
-    "failed the driver refuses every later one (docs/facts.md fact 28)",
+    "failed the driver refuses every later one (fact `restore-without-room-loses-process` in docs/facts.md)",
     "CUDA_ERROR_OPERATING_SYSTEM": "the driver refuses every restore of a process after one failed "
-    "(docs/facts.md fact 26)",
+    "(fact `cumem-host-memory-unrestorable` in docs/facts.md)",
 }
 
 
@@ -64,7 +64,8 @@ def describe_failure(outcome: _C.StepOutcome) -> str:
     if step == "room":
         return (
             f"step 'room' failed: {outcome.error_text}: another process took memory there while the job was "
-            "checkpointed, so the restore was not tried (it would have lost the job, docs/facts.md fact 28)"
+            "checkpointed, so the restore was not tried (it would have lost the job, fact "
+            "`restore-without-room-loses-process` in docs/facts.md)"
         )
     text = f"step '{step}' failed: {_STEP_CALLS.get(step, step)} returned {name} ({outcome.error_text})"
     if step == "lock" and name == "CUDA_ERROR_TIMEOUT":

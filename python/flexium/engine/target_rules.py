@@ -138,7 +138,7 @@ def check_resume(
     the restore puts it. Back where it was, on a GPU no other process uses, a share needs no
     headroom (a job that filled its GPU comes back to it); beside other processes it does, as
     they may take more before the restore, and a restore without room loses the job
-    (docs/facts.md fact 28). `can_migrate`: whether the advice may offer another GPU."""
+    (fact `restore-without-room-loses-process`). `can_migrate`: whether the advice may offer another GPU."""
     if dest.name != source.name:
         raise TargetRefusedError(
             f"{dest.device} is a {dest.name}, the job was paused on a {source.name}: resume needs the same model"

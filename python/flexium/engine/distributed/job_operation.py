@@ -48,7 +48,7 @@ STOPPED_AT = "the job stopped at optimizer step"  # a result's note; bench/job_m
 # listed when the rank locks for a checkpoint makes the watchdog's event query block for as long
 # as the rank stays locked: its heartbeat stops, and torch's heartbeat monitor kills the rank
 # (TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC) in a long pause. Two looks after the drain none is listed
-# (docs/facts.md fact 25).
+# (fact `nccl-ranks-sharing-gpu-fail`).
 WATCHDOG_LOOKS_S = 0.25
 
 
@@ -215,7 +215,7 @@ def shared_gpu_problem(
     """Why the operation would leave a rank that the driver restores (`lands_on`: where; None: this
     rank stays on `source`, never checkpointed) on one GPU with another rank of its NCCL job, with
     what to do; None when each such rank has its GPU to itself. NCCL's next collective fails in a
-    rank restored on a GPU it shares with another rank of its job (docs/facts.md fact 25). Every
+    rank restored on a GPU it shares with another rank of its job (fact `nccl-ranks-sharing-gpu-fail`). Every
     rank posts where it will be, so every rank reaches the same verdict before anything changes."""
     own = f"restored {lands_on.uuid}" if lands_on is not None else f"stays {source.uuid}"
     words = rv.gather("placement", own, deadline_s=deadline_s, what="say which GPU it will be on").words

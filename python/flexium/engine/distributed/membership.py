@@ -2,7 +2,7 @@
 
 Pausing or migrating one rank of a multi-process job on its own breaks the whole job: its other
 ranks block in their next collective, and NCCL's buffers shared between ranks as CUDA IPC
-cannot be restored (docs/facts.md fact 13). So the engine refuses it, and the job's ranks are
+cannot be restored (fact `nccl-buffers-not-restorable`). So the engine refuses it, and the job's ranks are
 moved together instead (job_operation.py).
 
 Reading this touches no CUDA and imports nothing: the engine asks before every migrate and
@@ -92,10 +92,10 @@ def describe() -> DistributedJob:
 
 
 def job_key() -> str:
-    """The same text in every rank of one run and in no other run. Once the process group exists
-    its ranks agree on it through the group's store, whatever launched them (torchrun, whose ranks
-    share a parent, or PyTorch Lightning and others, whose rank 0 is the user's process and starts
-    the other ranks itself: docs/facts.md fact 24); before, the launch environment says it (launch_key)."""
+    """The same text in every rank of one run and in no other run. Once the process group exists its ranks agree on it
+    through the group's store, whatever launched them (torchrun, whose ranks share a parent, or PyTorch Lightning and
+    others, whose rank 0 is the user's process and starts the other ranks itself: fact
+    `lightning-ranks-different-parents`); before, the launch environment says it (launch_key)."""
     agreed = _agreed_key()
     return agreed if agreed is not None else launch_key()
 

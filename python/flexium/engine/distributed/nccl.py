@@ -1,10 +1,10 @@
 """The NCCL communicators of this process and how to suspend and resume them.
 
 NCCL shares its buffers between the ranks of a job as CUDA IPC memory, which the 580 driver's
-checkpoint cannot restore (docs/facts.md fact 13). ``ncclCommSuspend(comm, NCCL_SUSPEND_MEM)``
+checkpoint cannot restore (fact `nccl-buffers-not-restorable`). ``ncclCommSuspend(comm, NCCL_SUSPEND_MEM)``
 unmaps the peers' buffers and releases NCCL's own, keeping the communicator; after the
 checkpoint and restore, ``ncclCommResume`` re-creates them and exchanges the handles again
-(fact 14). Both are collective: every rank of a communicator calls them together. They exist
+(fact `nccl-suspend-makes-movable`). Both are collective: every rank of a communicator calls them together. They exist
 from NCCL 2.29.7; torch 2.12 and later expose them as ``backend.suspend()`` / ``resume()``.
 
 NVLS (NVLink SHARP) buffers are not released by a suspend, so a job that may move runs with
@@ -12,7 +12,7 @@ NVLS (NVLink SHARP) buffers are not released by a suspend, so a job that may mov
 memory it shares between ranks (its shared-memory transport, on GPUs without peer access; also
 its P2P copy-engine and network proxy buffers) as cuMem allocations on the host, and the
 driver's restore of a process holding one fails, and the process never runs CUDA again
-(docs/facts.md fact 26).
+(fact `cumem-host-memory-unrestorable`).
 ``flexium.init()`` sets both when the job has not started NCCL yet.
 """
 

@@ -1,11 +1,11 @@
 """The job's side of the copier process, which runs a fast pause's copies to and from host memory.
 
-Pinned memory in the checkpointed process slows its checkpoint and restore, and unpinning it
-there does not overlap the copies (docs/fast-path.md facts 5, 6 and 10). So the copies run in a
-second process (``host_copier_process.py``, csrc/host_copier.cpp): it maps the job's host staging
-(memfds the job keeps mapped too), pins it with a context of its own and copies between it and
-the job's segments, passed to it as fds. While the job is paused it holds no GPU memory (it unpins and
-drops its context after the copy to host); on resume it pins again while the job's restore runs.
+Pinned memory in the checkpointed process slows its checkpoint and restore, and unpinning it there does not overlap the
+copies (facts `pinned-memory-slows-checkpoint`, `pinning-holds-job-calls` and `staging-pinned-by-copier`). So the copies
+run in a second process (``host_copier_process.py``, csrc/host_copier.cpp): it maps the job's host staging (memfds the
+job keeps mapped too), pins it with a context of its own and copies between it and the job's segments, passed to it as
+fds. While the job is paused it holds no GPU memory (it unpins and drops its context after the copy to host); on resume
+it pins again while the job's restore runs.
 
 The copier is disposable: the staged bytes live in the job's own memfds, so when the copier fails
 or dies the job kills it and runs the copies itself. Every exchange has a time limit.
@@ -42,7 +42,8 @@ DISABLE_ENV = "FLEXIUM_HOST_COPIER"  # false: copies run in the job's process
 FRAME_BYTES = 48 << 10
 FDS_PER_FRAME = 200
 START_TIMEOUT_S = 60.0
-# Time limits grow with the bytes at this pace, far below the copy and pinning speeds (docs/facts.md facts 10, 16).
+# Time limits grow with the bytes at this pace, far below the copy and pinning speeds (facts `copy-ceilings` and
+# `pinning-rate`).
 SLOWEST_BYTES_PER_S = 1 << 30
 EXIT_TIMEOUT_S = 10.0
 # The wire carries a chunk or a piece (csrc/host_copier.h) as the list of these fields' values;

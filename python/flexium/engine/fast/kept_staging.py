@@ -1,6 +1,6 @@
 """Keeps a fast pause ready between pauses: the host staging holds what a pause of the job needs
 and the copier process keeps it pinned, so that a pause frees the GPU after one copy and the
-checkpoint instead of seconds of touching and pinning first (docs/fast-path.md fact 18).
+checkpoint instead of seconds of touching and pinning first (fact `staging-kept-pinned-ahead`).
 
 It costs host memory (the staging, within the machine's pinned host memory budget:
 pinned_budget.py) and the copier's context on the job's GPU (518 MiB), not training speed. The

@@ -1,13 +1,13 @@
 """PyTorch's tensor memory in our VMM allocator: what lets the fast path move it itself.
 
 A `torch.cuda.MemPool` on flexium._C's pluggable allocator for the job's GPU, and every
-thread's allocations on that GPU routed to it (docs/facts.md fact 11). Other GPUs keep PyTorch's
+thread's allocations on that GPU routed to it (fact `allocator-routed-to-pool`). Other GPUs keep PyTorch's
 allocator: a pool made for another GPU creates a CUDA context there, which every swap would carry
-(docs/fast-path.md fact 2). PyTorch keeps caching, streams, statistics and `record_stream` on top;
+(fact `pool-on-job-gpu-only`). PyTorch keeps caching, streams, statistics and `record_stream` on top;
 only the segments come from us, each a cuMemCreate allocation the fast path can copy to another
 GPU or to pinned host memory and map back at the same address.
 
-Rules from docs/facts.md fact 11 this module keeps: the routing starts before the job's first CUDA allocation
+Rules from fact `allocator-routed-to-pool` this module keeps: the routing starts before the job's first CUDA allocation
 (memory allocated earlier stays outside the pool, so the job then uses the driver path); it
 ends before exit and before any MemPool is destroyed (destroying one while routed aborts the
 process); PyTorch's free-cache-and-retry on out-of-memory is off while routed, so oversize
@@ -82,7 +82,7 @@ class MemoryPool:
             try:
                 for device in devices:
                     # A MemPool belongs to the device current when it is made. flexium pools the
-                    # job's own GPU only, which init already made current (docs/fast-path.md fact 2).
+                    # job's own GPU only, which init already made current (fact `pool-on-job-gpu-only`).
                     previous = torch.cuda._maybe_exchange_device(device)
                     try:
                         pool = torch.cuda.MemPool(allocator.allocator())
@@ -123,7 +123,7 @@ class MemoryPool:
     # ---- other MemPools -------------------------------------------------------------------
 
     def _guard_other_pools(self, torch: Any) -> None:
-        """Destroying any MemPool while ours is routed aborts the process (docs/facts.md fact 11), and jobs or
+        """Destroying any MemPool while ours is routed aborts the process (fact `allocator-routed-to-pool`), and jobs or
         libraries may make and drop their own. So the routing ends just before another pool is
         destroyed and starts again at the next optimizer step; allocations in between come
         from PyTorch's own allocator and ride the driver checkpoint."""
@@ -152,7 +152,7 @@ class MemoryPool:
 
     def open_to_gpus_in_use(self) -> None:
         """Opens the pool to the GPUs the process has begun to use since it last looked (their
-        context active: PyTorch's own allocator there), which copy into it (docs/facts.md fact 18):
+        context active: PyTorch's own allocator there), which copy into it (fact `jobs-use-every-visible-gpu`):
         at each optimizer step and before DataParallel's gather. Never breaks training."""
         if not self._routed:
             return

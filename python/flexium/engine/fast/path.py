@@ -32,7 +32,7 @@ HOST_STAGING_SLACK = 256 << 20
 POOL_GROWTH_ROOM = 8  # the staging may exceed the pool by 1/8
 # Between the copier's chunks while it pins ahead of a pause: the job's CUDA calls get through.
 PIN_PAUSE_MS = 2
-# The copier's context on the job's GPU (docs/fast-path.md fact 10: 518 MiB), and what must stay
+# The copier's context on the job's GPU (fact `staging-pinned-by-copier`: 518 MiB), and what must stay
 # free beside it: a context made on a GPU without room fails or stalls the driver.
 COPIER_CONTEXT_BYTES = 518 << 20
 COPIER_ROOM_MARGIN = 512 << 20
@@ -198,7 +198,7 @@ class FastPath:
     def host_bytes_wanted(self, logical: int) -> int:
         """Host staging a pause of `logical` would fill: the pool's live bytes now, with room for
         what the job may allocate before the safe point, never more than an eighth over what the
-        pool holds now (the pool grows meanwhile: docs/fast-path.md fact 16). Should it need more at
+        pool holds now (the pool grows meanwhile: fact `pool-grows-before-safe-point`). Should it need more at
         the safe point, the copies run in this process, which maps the rest there."""
         live = self.pool.live_ranges(logical)
         segments = [(s.address, s.size) for s in _C.vmm_segments() if s.device == logical]
@@ -280,7 +280,7 @@ class FastPath:
         """Before the restore that ends a fast pause: the copier takes a context on the GPU the
         job resumes on and pins the staging while the restore runs. Where that context would leave
         too little room for the `coming` bytes of the job, the copier sleeps on and this process
-        copies back: a restore without room loses the job (docs/facts.md fact 28)."""
+        copies back: a restore without room loses the job (fact `restore-without-room-loses-process`)."""
         if self._copier is None:
             return
         self._copy_back_here = copier_room_problem(uuid, coming) if coming else None

@@ -2,7 +2,7 @@
 
 A job whose host staging stays pinned between pauses frees its GPU in about a second when paused;
 one whose staging is prepared at the pause's command takes seconds more (touching and pinning:
-docs/fast-path.md fact 18). Kept staging is host memory the machine cannot use for anything
+fact `staging-kept-pinned-ahead`). Kept staging is host memory the machine cannot use for anything
 else, so it has a budget: FLEXIUM_PINNED_HOST_MEMORY, "25%" of the machine's memory by default
 (a share of it, "32GiB", a byte count, or 0 for none). The jobs of one machine share it through a
 ledger of one file per process in LEDGER_DIR; a process that is gone no longer counts.

@@ -1,6 +1,6 @@
 """CUDA memory this process imported from another process (CUDA IPC), as torch.multiprocessing does
 with a CUDA tensor another process sends it. The driver checkpoints such a process, but its restore
-fails and every later restore too: the process never runs CUDA again (docs/facts.md fact 29).
+fails and every later restore too: the process never runs CUDA again (fact `ipc-import-unrestorable`).
 
 An import changes nothing in /proc/self/maps, and the driver lists no imports, so the native scan
 (csrc/uncheckpointable_memory.h) cannot find it. PyTorch keeps every storage it imported in

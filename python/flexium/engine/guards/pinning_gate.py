@@ -1,7 +1,7 @@
 """Keeps DataLoader pin-memory threads out of CUDA while the process is locked or checkpointed.
 
 A kernel launch from another thread then simply waits for the unlock, but allocating pinned
-host memory kills the process (docs/facts.md fact 22), and a DataLoader with workers and
+host memory kills the process (fact `pinning-while-paused-kills`), and a DataLoader with workers and
 ``pin_memory=True`` pins every batch its workers deliver from a thread of its own, paused job or
 not. The gate wraps the function that thread calls; the locked section closes it (waiting for a
 batch being pinned to finish) and opens it once the process runs again.

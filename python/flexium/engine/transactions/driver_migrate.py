@@ -25,7 +25,7 @@ def migrate_by_driver(
     ctx.set_state(EngineState.MIGRATING)
     prepare, moved, by_gpu = locked_section.prepare(ctx, OperationKind.MIGRATE)
     # The checkpoint of a large job takes seconds, in which another process may take a target's
-    # memory; a restore without room would lose the job (docs/facts.md fact 28). So each target is
+    # memory; a restore without room would lose the job (fact `restore-without-room-loses-process`). So each target is
     # looked at again just before the restore, by the rule the target check applied.
     room = {new: by_gpu[old] + headroom for old, new in plan.pairs if old != new and by_gpu.get(old, 0) > 0}
     outcomes = locked_section.run(ctx, locked_section.migration_steps(ctx, plan), room=room)

@@ -68,7 +68,7 @@ def restore_step(plan: MovePlan) -> _C.Step:
 
 def migration_steps(ctx: OperationContext, plan: MovePlan) -> Steps:
     """A migration's locked section: a failed checkpoint or restore is recovered in place
-    (docs/facts.md fact 3), a failed unlock is tried again."""
+    (fact `failed-restore-stays-checkpointed`), a failed unlock is tried again."""
     steps = [
         _C.Step(_C.StepKind.LOCK, timeout_ms=ctx.lock_timeout_ms),
         _C.Step(_C.StepKind.CHECKPOINT),
@@ -86,7 +86,7 @@ def pause_steps(ctx: OperationContext) -> Steps:
 
 
 def resume_steps(plan: MovePlan) -> Steps:
-    """A resume's: a failed restore leaves the process checkpointed (docs/facts.md fact 3), still
+    """A resume's: a failed restore leaves the process checkpointed (fact `failed-restore-stays-checkpointed`), still
     paused with nothing to undo; a failed unlock is tried again."""
     return [restore_step(plan), _C.Step(_C.StepKind.UNLOCK)], [[], [_C.Step(_C.StepKind.UNLOCK)]]
 
@@ -112,7 +112,7 @@ def run(
         if running:
             pinning_gate.GATE.open()
     if ctx.fast is not None and any(o.step == "restore" and o.code == 0 for o in outcomes):
-        # What the driver carried through its checkpoint comes back unexportable (docs/fast-path.md fact 11).
+        # What the driver carried through its checkpoint comes back unexportable (fact `restored-memory-unexportable`).
         _C.vmm_mark_restored_by_driver()
     return outcomes
 

@@ -10,15 +10,15 @@ from flexium.engine.operations import OperationKind, StepTiming
 from flexium.engine.transactions.context import OperationContext
 from flexium.errors import OperationFailedError
 
-# Memory made the job's own per optimizer step after a fast move (docs/fast-path.md fact 17).
+# Memory made the job's own per optimizer step after a fast move (fact `owning-memory-cost`).
 OWN_SLICE_BYTES = 4 << 30
 
 
 def own_in_slices(ctx: OperationContext) -> None:
-    """The segments get fresh memory of the job's own a slice at a time at the next optimizer
-    steps, outside the operation's downtime (docs/fast-path.md facts 1, 9, 11 and 17). Should a
-    slice fail, the rest waits: the driver path owns imported memory before its checkpoint, and a
-    pause copies unexportable memory in this process."""
+    """The segments get fresh memory of the job's own a slice at a time at the next optimizer steps, outside the
+    operation's downtime (facts `imported-memory-cannot-ride-checkpoint`, `nvml-skips-imported-memory`,
+    `restored-memory-unexportable` and `owning-memory-cost`). Should a slice fail, the rest waits: the driver path owns
+    imported memory before its checkpoint, and a pause copies unexportable memory in this process."""
     fast = ctx.fast
     if fast is None or _C.vmm_segments_to_own() == 0:
         return
@@ -37,7 +37,7 @@ def own_before_driver_checkpoint(
     ctx: OperationContext, kind: OperationKind, at_safe_point: bool
 ) -> tuple[StepTiming, ...]:
     """Imported memory left by a fast move whose own step failed cannot be restored by a driver
-    checkpoint (docs/fast-path.md fact 1): it is made the job's own here, before a driver-path
+    checkpoint (fact `imported-memory-cannot-ride-checkpoint`): it is made the job's own here, before a driver-path
     checkpoint, and only where no kernel can be launched on a segment while its memory is
     swapped: at a safe point or on the training thread."""
     if ctx.fast is None or _C.vmm_imported_count() == 0:

@@ -22,9 +22,9 @@ STILL_PAUSED = "the job is still paused and can be resumed again"
 # The one case a restore refused for its arguments does not cover: memory imported from another
 # process that flexium cannot see (uncheckpointable_memory.py finds PyTorch's imports only).
 UNLESS_IMPORTED = (
-    ", unless this process holds CUDA memory imported from another process outside PyTorch (CuPy, "
-    "cuIpcOpenMemHandle): the driver cannot restore such a process (docs/facts.md fact 29), the next resume "
-    "then fails with CUDA_ERROR_OPERATING_SYSTEM, and the job must be started again from its last checkpoint"
+    ", unless this process holds CUDA memory imported from another process outside PyTorch (CuPy, cuIpcOpenMemHandle): "
+    "the driver cannot restore such a process (fact `ipc-import-unrestorable` in docs/facts.md), the next resume then "
+    "fails with CUDA_ERROR_OPERATING_SYSTEM, and the job must be started again from its last checkpoint"
 )
 
 

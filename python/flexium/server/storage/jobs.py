@@ -6,8 +6,8 @@ together or not at all, so that every rank stops at the same step (docs/design.m
 Refused before anything is written, each with what is wrong and what to do: a rank missing or
 silent, a rank busy, FAILED, or in a state the operation does not start from, a rank whose
 flexium cannot take part (``capabilities.job_operations``), and a placement the job cannot
-have: a target the rank does not see (docs/facts.md fact 15), two ranks on one GPU after the
-move, ranks of an NCCL job on one GPU for a pause or a resume (fact 25), nothing that moves.
+have: a target the rank does not see (fact `target-must-be-visible`), two ranks on one GPU after the
+move, ranks of an NCCL job on one GPU for a pause or a resume (fact `nccl-ranks-sharing-gpu-fail`), nothing that moves.
 Each target is judged by ``target_refusal`` for the rank that goes there, counting the memory
 the operation's other ranks take off it (a swap)."""
 
@@ -277,7 +277,8 @@ def _check_placement(
         if uuid not in (proc.visible_gpus or []):
             raise TargetRefused(
                 f"rank {rank} (process {proc.process_id!r}) cannot see GPU {uuid}: a job moves only to GPUs it "
-                "sees (docs/facts.md fact 15); launch it with CUDA_VISIBLE_DEVICES naming every GPU it may use"
+                "sees (fact `target-must-be-visible` in docs/facts.md); launch it with CUDA_VISIBLE_DEVICES naming "
+                "every GPU it may use"
             )
         shared = sorted(other for other, there in after.items() if other != rank and there == uuid)
         if shared:
