@@ -562,6 +562,8 @@ class AuditEntry(WireOut):
     target: str = Field(description="what it was done to: a command, process or token")
     outcome: str = Field(description="ok, refused, or a command's final state")
     detail: str
+    process_id: Optional[str] = Field(None, description="the process a command (or a refused one) was for")
+    command_id: Optional[int] = Field(None, description="the command created or finished; None for a refused one")
 
 
 class WorkspaceInfo(WireOut):

@@ -79,10 +79,14 @@ class LoginCode(Base):
 
 class AuditRecord(Base):
     """One entry of a workspace's audit log (wire.AuditEntry). Who is copied in (token name
-    and role), so an entry still says who after its token is gone."""
+    and role), so an entry still says who after its token is gone. An entry about a command
+    names its process and command, so a job's page reads its own entries."""
 
     __tablename__ = "audit_log"
-    __table_args__ = (Index("ix_audit_log_workspace_id", "workspace_id", "id"),)
+    __table_args__ = (
+        Index("ix_audit_log_workspace_id", "workspace_id", "id"),
+        Index("ix_audit_log_process", "workspace_id", "process_id", "id"),
+    )
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     workspace_id: Mapped[int] = mapped_column(ForeignKey("workspaces.id", ondelete="CASCADE"))
     at: Mapped[float] = mapped_column(Double)
@@ -93,6 +97,9 @@ class AuditRecord(Base):
     target: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT), default="")
     outcome: Mapped[str] = mapped_column(String(32), default="")
     detail: Mapped[str] = mapped_column(Text, default="")
+    # No foreign keys: entries outlive their process and command.
+    process_id: Mapped[Optional[str]] = mapped_column(String(protocol.MAX_SHORT_TEXT), nullable=True)
+    command_id: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
 
 
 class Process(Base):

@@ -11,23 +11,24 @@ admin commands read, as a ``WorkspaceRecord``), and they raise
 
 from flexium.server.storage.audit import (
     AUDIT_KEEP,
-    create_commands_audited,
+    command_senders,
     list_audit,
     record_command_refused,
     record_commands_finished,
-    report_command_audited,
+    refused_commands,
 )
 from flexium.server.storage.commands import (
     count_commands,
     count_finished,
     create_commands,
+    create_commands_audited,
     get_command,
-    judge_targets,
     list_commands,
     next_command,
     peek_command,
     pending_commands,
     report_command,
+    report_command_audited,
 )
 from flexium.server.storage.devices import device_indexes, list_devices, upsert_devices
 from flexium.server.storage.history import HISTORY_EVERY_S, HISTORY_KEEP_S, Sample, gpu_history, prune_history
@@ -61,7 +62,7 @@ from flexium.server.storage.sessions import (
     touch_session,
 )
 from flexium.server.storage.sweep import SweepResult, sweep
-from flexium.server.storage.targets import resolve_target, target_refusal
+from flexium.server.storage.targets import judge_targets, resolve_target, target_refusal
 from flexium.server.storage.workspaces import (
     AuthInfo,
     WorkspaceRecord,
@@ -91,6 +92,7 @@ __all__ = [
     "SESSION_IDLE_S",
     "SESSION_MAX_S",
     "AuthInfo",
+    "command_senders",
     "create_commands_audited",
     "end_session",
     "issue_login_code",
@@ -101,6 +103,7 @@ __all__ = [
     "record_command_refused",
     "record_commands_finished",
     "redeem_login_code",
+    "refused_commands",
     "report_command_audited",
     "session_auth",
     "touch_session",

@@ -4,18 +4,20 @@ an entry exists exactly when the change does; a refused command is written on it
 transaction rolled back).
 
 Bounded by count: the newest ``AUDIT_KEEP`` entries of each workspace are kept (older ones go
-as new ones are written, a few at a time)."""
+as new ones are written, a few at a time).
+
+An entry about a command names its process and the command (None for a refused one, never
+created), so a job's page reads its own entries (``command_senders``, ``refused_commands``)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Collection, Optional
 
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from flexium import protocol, wire
 from flexium.server.models import AuditRecord
-from flexium.server.storage.commands import create_commands, report_command
 
 if TYPE_CHECKING:  # workspaces imports this module
     from flexium.server.storage.workspaces import AuthInfo
@@ -24,6 +26,8 @@ AUDIT_KEEP = 10_000  # entries per workspace
 _PRUNE_EVERY = 20  # entries written between two prunes
 SERVER_ACTOR = "server"  # who did what no token did: a command expired, the command line
 COMMAND_LINE_ACTOR = "command line"
+_CREATED = "command.created"
+_REFUSED = "refused"
 
 
 def record_audit(
@@ -37,6 +41,8 @@ def record_audit(
     detail: str = "",
     now: float,
     anonymous: str = COMMAND_LINE_ACTOR,
+    process_id: Optional[str] = None,
+    command_id: Optional[int] = None,
 ) -> None:
     """``actor`` None: the command line on the database, or the server itself (``anonymous``
     names which)."""
@@ -50,6 +56,8 @@ def record_audit(
         target=target[: protocol.MAX_SHORT_TEXT],
         outcome=outcome[:32],
         detail=detail[: protocol.MAX_LONG_TEXT],
+        process_id=process_id,
+        command_id=command_id,
     )
     session.add(row)
     session.flush()
@@ -78,21 +86,59 @@ def list_audit(
     query = select(AuditRecord).where(AuditRecord.workspace_id == workspace_id)
     if before_id is not None:
         query = query.where(AuditRecord.id < before_id)
-    rows = session.scalars(query.order_by(AuditRecord.id.desc()).limit(limit))
-    return [
-        wire.AuditEntry(
-            id=r.id,
-            at=r.at,
-            token_id=r.token_id,
-            token_name=r.token_name,
-            role=r.role,
-            action=r.action,
-            target=r.target,
-            outcome=r.outcome,
-            detail=r.detail,
+    return [_entry(r) for r in session.scalars(query.order_by(AuditRecord.id.desc()).limit(limit))]
+
+
+def command_senders(
+    *, session: Session, workspace_id: int, process_ids: Collection[str], command_ids: Collection[int]
+) -> dict[int, wire.AuditEntry]:
+    """Command id -> the entry of its creation (who sent it), for these commands of these
+    processes."""
+    if not command_ids:
+        return {}
+    rows = session.scalars(
+        select(AuditRecord).where(
+            AuditRecord.workspace_id == workspace_id,
+            AuditRecord.process_id.in_(process_ids),
+            AuditRecord.command_id.in_(command_ids),
+            AuditRecord.action == _CREATED,
         )
-        for r in rows
-    ]
+    )
+    return {r.command_id: _entry(r) for r in rows if r.command_id is not None}
+
+
+def refused_commands(
+    *, session: Session, workspace_id: int, process_ids: Collection[str], limit: int
+) -> list[wire.AuditEntry]:
+    """The commands for these processes that the server refused (never created), newest first."""
+    rows = session.scalars(
+        select(AuditRecord)
+        .where(
+            AuditRecord.workspace_id == workspace_id,
+            AuditRecord.process_id.in_(process_ids),
+            AuditRecord.action == _CREATED,
+            AuditRecord.outcome == _REFUSED,
+        )
+        .order_by(AuditRecord.id.desc())
+        .limit(limit)
+    )
+    return [_entry(r) for r in rows]
+
+
+def _entry(row: AuditRecord) -> wire.AuditEntry:
+    return wire.AuditEntry(
+        id=row.id,
+        at=row.at,
+        token_id=row.token_id,
+        token_name=row.token_name,
+        role=row.role,
+        action=row.action,
+        target=row.target,
+        outcome=row.outcome,
+        detail=row.detail,
+        process_id=row.process_id,
+        command_id=row.command_id,
+    )
 
 
 def _command_label(command: wire.CommandInfo) -> str:
@@ -120,11 +166,13 @@ def record_commands_created(
             session=session,
             workspace_id=workspace_id,
             actor=actor,
-            action="command.created",
+            action=_CREATED,
             target=_command_label(command),
             outcome="ok",
             detail=_command_detail(command),
             now=now,
+            process_id=command.process_id,
+            command_id=command.id,
         )
 
 
@@ -138,11 +186,12 @@ def record_command_refused(
         session=session,
         workspace_id=workspace_id,
         actor=actor,
-        action="command.created",
+        action=_CREATED,
         target=f"{request.kind} {request.process_id}{target}",
-        outcome="refused",
+        outcome=_REFUSED,
         detail=reason,
         now=now,
+        process_id=request.process_id,
     )
 
 
@@ -161,6 +210,8 @@ def record_command_finished(
         detail=_command_detail(command),
         now=now,
         anonymous=SERVER_ACTOR,
+        process_id=command.process_id,
+        command_id=command.id,
     )
 
 
@@ -168,23 +219,3 @@ def record_commands_finished(*, session: Session, finished: list[tuple[int, wire
     """What the sweep ended: (workspace id, command) each."""
     for workspace_id, command in finished:
         record_command_finished(session=session, workspace_id=workspace_id, actor=None, command=command, now=now)
-
-
-def create_commands_audited(
-    *, session: Session, workspace_id: int, actor: "AuthInfo", now: float, **request: Any
-) -> list[wire.CommandInfo]:
-    """``storage.create_commands``, and their audit entries in the same transaction."""
-    commands = create_commands(session=session, workspace_id=workspace_id, now=now, **request)
-    record_commands_created(session=session, workspace_id=workspace_id, actor=actor, commands=commands, now=now)
-    return commands
-
-
-def report_command_audited(
-    *, session: Session, workspace_id: int, actor: "AuthInfo", now: float, **report: Any
-) -> tuple[wire.CommandInfo, Optional[wire.ProcessInfo], bool]:
-    """``storage.report_command``, and the command's outcome in the audit log when this
-    report ended it."""
-    command, process, changed = report_command(session=session, workspace_id=workspace_id, now=now, **report)
-    if changed and command.state in protocol.FINAL_COMMAND_STATES:
-        record_command_finished(session=session, workspace_id=workspace_id, actor=actor, command=command, now=now)
-    return command, process, changed

@@ -6,7 +6,9 @@ alive, it has no active command, its state allows the operation, its capabilitie
 it, and the target GPU is on its host, of its model, visible to it, healthy and has room.
 The unique partial index ``uq_commands_one_active`` backs the one-active-command rule against
 races. A rank of a job of several gets its command as a share of a job operation, with the
-job's own checks (``storage.jobs``); the target rules are ``storage.targets``'.
+job's own checks (``storage.jobs``); the target rules are ``storage.targets``'. A request's
+commands and a report that ends one are written with their audit entries, in one transaction
+(``create_commands_audited``, ``report_command_audited``).
 
 A long-poll hands out the oldest queued *or delivered* command: a command whose delivery was
 never acknowledged (the answer was lost, the server restarted) goes out again on the next
@@ -25,35 +27,21 @@ from flexium import protocol, wire
 from flexium.server.errors import Busy, InvalidRequest, InvalidState, NotFound, Stale, TargetRefused
 from flexium.server.models import Command, Device, Process, table_of
 from flexium.server.storage import quotas
-from flexium.server.storage.devices import held_by_gpu, host_devices, list_devices
+from flexium.server.storage.audit import record_command_finished, record_commands_created
+from flexium.server.storage.devices import host_devices
 from flexium.server.storage.jobs import create_job_commands, is_job_rank
 from flexium.server.storage.processes import active_command, apply_process_update, find_process, is_older, shown_process
-from flexium.server.storage.targets import check_target, require_capability, resolve_target, target_refusal
+from flexium.server.storage.targets import (
+    check_target,
+    require_capability,
+    resolve_gpu_moves,
+    resolve_target,
+    target_refusal,
+)
 from flexium.server.storage.views import command_view, is_stale, stored_capabilities
+from flexium.server.storage.workspaces import AuthInfo
 
 _RUNNING_STATE = {"migrate": "MIGRATING", "pause": "PAUSING", "resume": "RESUMING"}
-
-
-def judge_targets(
-    *, session: Session, workspace_id: int, process_id: str, kind: str, now: float, stale_after: float
-) -> list[wire.TargetInfo]:
-    """Every GPU of the process's host (by index) with ``refusal``: why a ``kind`` command
-    (migrate or resume) to it would be refused, or None when it fits. The server still has
-    the last word: the picture may change before a command is sent."""
-    if kind not in ("migrate", "resume"):
-        raise InvalidRequest(f"targets are judged for migrate or resume, not {kind!r}")
-    proc = find_process(session=session, workspace_id=workspace_id, process_id=process_id)
-    rows = host_devices(session=session, workspace_id=workspace_id, host=proc.host)
-    return [
-        wire.TargetInfo(
-            device=device,
-            refusal=target_refusal(proc=proc, dev=rows[device.uuid], kind=kind, now=now, stale_after=stale_after),
-        )
-        for entry in list_devices(
-            session=session, workspace_id=workspace_id, now=now, stale_after=stale_after, host=proc.host
-        ).hosts
-        for device in entry.devices
-    ]
 
 
 def _choose_resume_target(*, session: Session, proc: Process, now: float, stale_after: float) -> Optional[Device]:
@@ -139,7 +127,7 @@ def create_commands(
             raise InvalidState(f"cannot migrate process {process_id!r}: it is {proc.state}{hint}")
         require_capability(proc, protocol.CAP_MIGRATION, "migrate")
         if gpus is not None:
-            goes_to = _gpu_moves(session=session, proc=proc, gpus=gpus, now=now, stale_after=stale_after)
+            goes_to = resolve_gpu_moves(session=session, proc=proc, gpus=gpus, now=now, stale_after=stale_after)
             gpu_moves = {uuid: dest.uuid for uuid, dest in goes_to.items()}
             device = goes_to.get(proc.gpu_uuid or "")  # where its own device goes, if named
         elif target is None or target == "":
@@ -180,31 +168,34 @@ def create_commands(
     return [command_view(row, process_id)]
 
 
-def _gpu_moves(
-    *, session: Session, proc: Process, gpus: dict[str, Union[str, int]], now: float, stale_after: float
-) -> dict[str, Device]:
-    """A migrate of a process on several GPUs named GPU by GPU, resolved (UUID now -> the GPU it
-    goes to) and checked move by move as the target rules check one device's share."""
-    held = held_by_gpu(proc.gpu_uuid, proc.memory_bytes, proc.gpu_bytes)
-    if not gpus:
-        raise InvalidRequest("gpus names no GPU: give GPU-now=GPU-after for each GPU that moves")
-    moves: dict[str, Device] = {}
-    for now_text, after in gpus.items():
-        source = resolve_target(session=session, proc=proc, target=now_text)
-        dest = resolve_target(session=session, proc=proc, target=after)
-        if source.uuid not in held:
-            uses = ", ".join(sorted(held)) or "none reported"
-            raise TargetRefused(
-                f"process {proc.process_id!r} holds nothing on GPU {source.uuid} ({now_text}): gpus name the GPUs "
-                f"it uses ({uses})"
-            )
-        if source.uuid in moves:
-            raise InvalidRequest(f"GPU {source.uuid} is named twice in gpus")
-        if any(taken.uuid == dest.uuid for taken in moves.values()):
-            raise TargetRefused(f"two GPUs of process {proc.process_id!r} cannot both go to GPU {dest.uuid}")
-        check_target(proc, dest, kind="migrate", now=now, stale_after=stale_after, source=source.uuid)
-        moves[source.uuid] = dest
-    return moves
+def create_commands_audited(
+    *,
+    session: Session,
+    workspace_id: int,
+    actor: AuthInfo,
+    kind: str,
+    process_id: str,
+    target: Union[str, int, None] = None,
+    ranks: Optional[dict[str, Union[str, int]]] = None,
+    gpus: Optional[dict[str, Union[str, int]]] = None,
+    now: float,
+    stale_after: float,
+) -> list[wire.CommandInfo]:
+    """``create_commands``, and the audit entry of each command in the same transaction (a
+    refused one is written on its own: ``storage.audit.record_command_refused``)."""
+    commands = create_commands(
+        session=session,
+        workspace_id=workspace_id,
+        kind=kind,
+        process_id=process_id,
+        target=target,
+        ranks=ranks,
+        gpus=gpus,
+        now=now,
+        stale_after=stale_after,
+    )
+    record_commands_created(session=session, workspace_id=workspace_id, actor=actor, commands=commands, now=now)
+    return commands
 
 
 def _find_command(
@@ -376,6 +367,30 @@ def report_command(
         shown_process(session=session, row=proc, now=now, stale_after=stale_after, active=active),
         True,
     )
+
+
+def report_command_audited(
+    *,
+    session: Session,
+    workspace_id: int,
+    actor: AuthInfo,
+    command_id: int,
+    report: wire.CommandReport,
+    now: float,
+    stale_after: float,
+) -> tuple[wire.CommandInfo, Optional[wire.ProcessInfo], bool]:
+    """``report_command``, and the command's outcome in the audit log when this report ended it."""
+    command, process, changed = report_command(
+        session=session,
+        workspace_id=workspace_id,
+        command_id=command_id,
+        report=report,
+        now=now,
+        stale_after=stale_after,
+    )
+    if changed and command.state in protocol.FINAL_COMMAND_STATES:
+        record_command_finished(session=session, workspace_id=workspace_id, actor=actor, command=command, now=now)
+    return command, process, changed
 
 
 def _settle_process(proc: Process, cmd: Command, *, succeeded: bool) -> None:

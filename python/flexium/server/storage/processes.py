@@ -405,14 +405,17 @@ def list_processes(
     state: Optional[str] = None,
     host: Optional[str] = None,
     gpu: Optional[str] = None,
+    job_key: Optional[str] = None,
 ) -> list[wire.ProcessInfo]:
     """Every process of the workspace, oldest first; ``state`` filters on the shown state
-    (STALE included), ``gpu`` on the GPU UUID."""
+    (STALE included), ``gpu`` on the GPU UUID, ``job_key`` on the job's key (its ranks)."""
     query = select(Process).where(Process.workspace_id == workspace_id)
     if host:
         query = query.where(Process.host == host)
     if gpu:
         query = query.where(Process.gpu_uuid == gpu)
+    if job_key is not None:
+        query = query.where(Process.job_key == job_key)
     cutoff = now - stale_after
     if state == protocol.STALE:
         query = query.where(Process.last_seen < cutoff)

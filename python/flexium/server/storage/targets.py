@@ -1,6 +1,7 @@
 """Targets of moves: how a person's target text names a GPU (``resolve_target``) and whether
-that GPU can take a process (``target_refusal``), and whether the process can be moved at all
-(``require_capability``). Single commands and job operations both judge by these."""
+that GPU can take a process (``target_refusal``; every GPU of its host at once:
+``judge_targets``), and whether the process can be moved at all (``require_capability``).
+Single commands and job operations both judge by these."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ from typing import Iterable, Optional, Union
 
 from sqlalchemy.orm import Session
 
-from flexium import protocol
+from flexium import protocol, wire
 from flexium.server.errors import CapabilityMissing, InvalidRequest, TargetRefused
 from flexium.server.models import Device, Process
-from flexium.server.storage.devices import find_device_hosts, held_by_gpu, host_devices
+from flexium.server.storage.devices import find_device_hosts, held_by_gpu, host_devices, list_devices
+from flexium.server.storage.processes import find_process
 from flexium.server.storage.views import stored_capabilities
 from flexium.units import gib
 
@@ -133,6 +135,33 @@ def target_refusal(
     return None
 
 
+def resolve_gpu_moves(
+    *, session: Session, proc: Process, gpus: dict[str, Union[str, int]], now: float, stale_after: float
+) -> dict[str, Device]:
+    """A migrate of a process on several GPUs named GPU by GPU, resolved (UUID now -> the GPU it
+    goes to) and checked move by move as the target rules check one device's share."""
+    held = held_by_gpu(proc.gpu_uuid, proc.memory_bytes, proc.gpu_bytes)
+    if not gpus:
+        raise InvalidRequest("gpus names no GPU: give GPU-now=GPU-after for each GPU that moves")
+    moves: dict[str, Device] = {}
+    for now_text, after in gpus.items():
+        source = resolve_target(session=session, proc=proc, target=now_text)
+        dest = resolve_target(session=session, proc=proc, target=after)
+        if source.uuid not in held:
+            uses = ", ".join(sorted(held)) or "none reported"
+            raise TargetRefused(
+                f"process {proc.process_id!r} holds nothing on GPU {source.uuid} ({now_text}): gpus name the GPUs "
+                f"it uses ({uses})"
+            )
+        if source.uuid in moves:
+            raise InvalidRequest(f"GPU {source.uuid} is named twice in gpus")
+        if any(taken.uuid == dest.uuid for taken in moves.values()):
+            raise TargetRefused(f"two GPUs of process {proc.process_id!r} cannot both go to GPU {dest.uuid}")
+        check_target(proc, dest, kind="migrate", now=now, stale_after=stale_after, source=source.uuid)
+        moves[source.uuid] = dest
+    return moves
+
+
 def check_target(
     proc: Process,
     dev: Device,
@@ -148,3 +177,25 @@ def check_target(
         require_capability(proc, protocol.CAP_MIGRATION, "resume on another GPU")
     if reason is not None:
         raise TargetRefused(f"GPU {dev.uuid} cannot take process {proc.process_id!r}: {reason}")
+
+
+def judge_targets(
+    *, session: Session, workspace_id: int, process_id: str, kind: str, now: float, stale_after: float
+) -> list[wire.TargetInfo]:
+    """Every GPU of the process's host (by index) with ``refusal``: why a ``kind`` command
+    (migrate or resume) to it would be refused, or None when it fits. The server still has
+    the last word: the picture may change before a command is sent."""
+    if kind not in ("migrate", "resume"):
+        raise InvalidRequest(f"targets are judged for migrate or resume, not {kind!r}")
+    proc = find_process(session=session, workspace_id=workspace_id, process_id=process_id)
+    rows = host_devices(session=session, workspace_id=workspace_id, host=proc.host)
+    return [
+        wire.TargetInfo(
+            device=device,
+            refusal=target_refusal(proc=proc, dev=rows[device.uuid], kind=kind, now=now, stale_after=stale_after),
+        )
+        for entry in list_devices(
+            session=session, workspace_id=workspace_id, now=now, stale_after=stale_after, host=proc.host
+        ).hosts
+        for device in entry.devices
+    ]
