@@ -297,6 +297,8 @@ EVENT_PROCESS = (
     "process"  # {"action": "registered"|"updated"|"removed"|"stale", "process": wire.ProcessInfo | {"process_id"}}
 )
 EVENT_COMMAND = "command"  # {"action": "created"|"updated", "command": wire.CommandInfo}
+EVENT_COMMAND_REFUSED = "command_refused"  # {"request": wire.CommandRequest, "reason": text}: none was created
+EVENT_PROGRESS = "progress"  # {"processes": [{"process_id", "steps", "steps_at", "steps_per_s", "loss"}]}: stored
 EVENT_DEVICES = "devices"  # {"host": name}: that host's GPUs changed; GET .../devices?host=name
 EVENT_RESYNC = "resync"  # events were missed: reload the lists, then keep listening
 

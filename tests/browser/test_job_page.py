@@ -72,7 +72,7 @@ def test_clicking_a_job_opens_its_page_with_progress_and_a_timeline(
     assert _text(dash, "job-title") == "train_gpt.py"
     assert "python train_gpt.py --lr 3e-4" in _text(dash, "job-cmdline")
     assert "GPU 0" in _text(dash, "job-gpu") and "12.0 GiB" in _text(dash, "job-memory")
-    # progress comes with the heartbeats, and the page follows it without an event
+    # progress comes with the heartbeats, and the page follows it by progress events
     first = dash.wait(lambda: _text(dash, "job-steps") not in ("None", "—") and _text(dash, "job-steps"), "steps shown")
     dash.wait(lambda: _text(dash, "job-steps") != first, "the step count moves", timeout=15)
     dash.wait(lambda: "steps/s" in _text(dash, "job-rate"), "steps/s shown", timeout=15)
@@ -114,6 +114,25 @@ def test_clicking_a_job_opens_its_page_with_progress_and_a_timeline(
     _click(dash, '#job-actions button[data-action="pause"]')
     dash.wait(lambda: _text(dash, "job-state") == "PAUSED", "paused, on the job page", timeout=15)
     assert dash.js("return document.querySelectorAll('#job-timeline li.event').length") == 2
+
+
+def test_progress_reaches_the_job_page_by_events_not_a_poll(dash: Dashboard, jobs: Jobs) -> None:
+    """The job's beats (every 0.5 s here) are stored in batches and announced: the page shows
+    each new count within a second or two, three in a row, where a 5 s poll could show one."""
+    host = FakeHost("jobpage-progress")
+    jobs(host, "gpu-progr3ss", gpu=0, steps=0, loss=1.5)
+    dash.open("jobs/gpu-progr3ss")
+    dash.wait(lambda: "live-on" in dash.d.find_element(By.ID, "live").get_attribute("class"), "live")
+    shown = [dash.wait(lambda: _text(dash, "job-steps") not in ("None", "—") and _text(dash, "job-steps"), "steps")]
+    for _ in range(3):
+        moved = dash.wait(
+            lambda: _text(dash, "job-steps") not in shown and _text(dash, "job-steps"), "the steps move", timeout=2.5
+        )
+        shown.append(moved)
+    assert len(set(shown)) == 4 and _text(dash, "job-loss") == "1.5"
+    assert dash.js("return document.querySelectorAll('#job-progress').length") == 1  # swapped, not added
+    fetched = dash.js("return performance.getEntriesByType('resource').map(function (e) { return e.name; })")
+    assert any(url.endswith("/ui/jobs/gpu-progr3ss/progress") for url in fetched)  # its training sections alone
 
 
 def test_a_job_of_several_ranks_shows_its_ranks(dash: Dashboard, jobs: Jobs) -> None:

@@ -8,10 +8,12 @@ import time
 from typing import Any
 from urllib.parse import quote
 
+import pytest
 from markupsafe import escape
 
 from flexium import protocol
-from flexium.server.routes.pages import SHORT_REASON_MAX, short_reason
+from flexium.server import storage
+from flexium.server.dashboard.refusals import SHORT_REASON_MAX, short_reason
 from srv_helpers import GIB, Api, rank_body
 
 
@@ -70,6 +72,29 @@ def test_a_job_page_shows_its_command_progress_and_every_command(api: Api) -> No
     assert 'href="/jobs/gpu-1"' in main  # the job's name in the table opens it
     [missing] = api.pages("/jobs/gpu-none")
     assert "No job gpu-none" in missing
+
+
+def test_a_job_page_asks_for_its_own_audit_entries(api: Api, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Who sent each command and what was refused come from the entries naming the job's
+    processes, never from a scan of the workspace's log."""
+    for process_id in ("gpu-1", "gpu-2"):
+        api.register(process_id)
+    assert api.command("pause", "gpu-1").status_code == 201
+    assert api.command("resume", "gpu-1").status_code == 409  # refused: on gpu-1's timeline
+    assert api.command("resume", "gpu-2").status_code == 409  # another process's
+    assert api.command("pause", "gpu-2").status_code == 201
+
+    def no_scan(**_kw: Any) -> None:
+        raise AssertionError("the job page read the whole audit log")
+
+    monkeypatch.setattr(storage, "list_audit", no_scan)
+    page, panel = api.pages("/jobs/gpu-1", "/ui/jobs/gpu-1/panel")
+    for html in (page, panel):
+        timeline = html.split('id="job-timeline"')[1]
+        assert timeline.count('class="event ') == 2
+        assert timeline.count("event-refused") == 1 and "pause" in timeline
+        sender = api.get("/tokens").json()[0]
+        assert f"by {escape(sender['name'] or 'token ' + str(sender['id']))}</span>" in timeline
 
 
 def test_a_viewer_sees_the_job_page_without_buttons(api: Api) -> None:

@@ -11,14 +11,12 @@ import logging
 import ssl
 import sys
 import time
-from pathlib import Path
 from typing import Any, AsyncIterator, Callable, Optional, Sequence
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response
-from fastapi.staticfiles import StaticFiles
+from fastapi.responses import JSONResponse
 from sqlalchemy.exc import DataError, IntegrityError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
@@ -26,10 +24,11 @@ from flexium import protocol
 from flexium.server import services, storage
 from flexium.server.connections import bounded_protocol, connection_limit, raise_open_file_limit
 from flexium.server.context import ServerContext
+from flexium.server.dashboard import install_dashboard
 from flexium.server.db import Database, DatabaseUnavailable, SchemaTooNew
 from flexium.server.errors import ApiError
 from flexium.server.heartbeat_shortcut import HeartbeatShortcut
-from flexium.server.routes import api, pages, system
+from flexium.server.routes import api, system
 from flexium.server.routes.docs import install_docs
 from flexium.server.settings import Settings, load_settings, option_and_env
 from flexium.server.storage import quotas
@@ -170,10 +169,6 @@ def install_error_handlers(app: FastAPI) -> None:
             {"error": code, "message": message}, status_code=exc.status_code, headers=getattr(exc, "headers", None)
         )
 
-    @app.exception_handler(pages.SignedOut)
-    async def _signed_out(_request: Request, exc: pages.SignedOut) -> Response:
-        return exc.response
-
     @app.exception_handler(DatabaseUnavailable)
     async def _db_down(_request: Request, exc: DatabaseUnavailable) -> JSONResponse:
         log.warning("database unavailable: %s", exc)
@@ -252,9 +247,8 @@ def create_app(
     install_error_handlers(app)
     app.include_router(system.router)
     app.include_router(api.router)
-    app.include_router(pages.router)
+    install_dashboard(app)
     install_docs(app)
-    app.mount("/static", StaticFiles(directory=str(Path(__file__).resolve().parent / "static")), name="static")
     app.add_middleware(HeartbeatShortcut, ctx=ctx)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestLimit, max_requests=settings.max_requests)  # outermost

@@ -10,11 +10,11 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Iterable, Optional
 
 from fastapi import Depends, Request
 
-from flexium import wire
+from flexium import protocol, wire
 from flexium.server import storage
 from flexium.server.db import Database, DatabaseUnavailable
 from flexium.server.live import EventBus, Notifier
@@ -62,6 +62,21 @@ class TokenCache:
             del self._entries[key]
 
 
+@dataclass(frozen=True)
+class ReportedProgress:
+    """A process's training progress as its heartbeats reported it, with where it belongs."""
+
+    workspace_id: int
+    process_id: str
+    progress: storage.Progress
+
+
+def progress_event(reported: Iterable[ReportedProgress]) -> dict[str, Any]:
+    """The data of a ``progress`` event (``protocol.EVENT_PROGRESS``), sent once it is stored:
+    a job's page re-reads what it shows then."""
+    return {"processes": [{"process_id": r.process_id, **dataclasses.asdict(r.progress)} for r in reported]}
+
+
 @dataclass
 class ServerContext:
     settings: Settings
@@ -78,7 +93,7 @@ class ServerContext:
     # would keep SQLite's single writer busy in front of the commands that matter.
     snapshots: dict[tuple[int, str], ProcessSnapshot] = field(default_factory=dict)
     beats: dict[int, float] = field(default_factory=dict)
-    progress: dict[int, storage.Progress] = field(default_factory=dict)  # what those beats said of training
+    progress: dict[int, ReportedProgress] = field(default_factory=dict)  # process pk -> what they said of training
     # Hint for heartbeat answers only; delivery always reads the database.
     pending: dict[tuple[int, str], int] = field(default_factory=dict)
     token_lookups: dict[str, "asyncio.Future[Optional[AuthInfo]]"] = field(default_factory=dict)
@@ -152,24 +167,36 @@ class ServerContext:
         progress = snap.progress
         if report.steps is not None or report.loss is not None:
             progress = progress.after(steps=report.steps, loss=report.loss, now=now)
-            self.progress[snap.pk] = progress
+            self.progress[snap.pk] = ReportedProgress(workspace_id, process_id, progress)
         self.snapshots[key] = dataclasses.replace(snap, last_seen=now, progress=progress)
         self.beats[snap.pk] = now
         return True
 
     async def flush_beats(self) -> None:
+        """Write the buffered beats, then tell dashboards the progress they carried: one event
+        per workspace for the whole batch, not one per beat."""
         if not self.beats and not self.progress:
             return
         beats, self.beats = self.beats, {}
         progress, self.progress = self.progress, {}
         try:
-            await self.db.call(storage.record_beats, write=True, beats=beats, progress=progress)
+            await self.db.call(
+                storage.record_beats,
+                write=True,
+                beats=beats,
+                progress={pk: reported.progress for pk, reported in progress.items()},
+            )
         except Exception:
             for pk, seen in beats.items():  # keep them for the next try
                 self.beats[pk] = max(seen, self.beats.get(pk, 0.0))
             for pk, kept in progress.items():
                 self.progress.setdefault(pk, kept)
             raise
+        by_workspace: dict[int, list[ReportedProgress]] = {}
+        for reported in progress.values():
+            by_workspace.setdefault(reported.workspace_id, []).append(reported)
+        for workspace_id, written in by_workspace.items():
+            self.publish(workspace_id, protocol.EVENT_PROGRESS, progress_event(written))
 
     async def flush_forever(self) -> None:
         while not self.stopping:

@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, Hashable, Optional
 
 from flexium import protocol, wire
 from flexium.server import storage
-from flexium.server.context import ServerContext
+from flexium.server.context import ReportedProgress, ServerContext, progress_event
 from flexium.server.db import DatabaseUnavailable
 from flexium.server.errors import ApiError, Unauthorized
 from flexium.server.storage import AuthInfo
@@ -113,6 +113,9 @@ async def heartbeat(
         ctx.publish(workspace_id, protocol.EVENT_DEVICES, {"host": outcome.host})
     if outcome.changed is not None:
         ctx.publish(workspace_id, protocol.EVENT_PROCESS, {"action": "updated", "process": outcome.changed})
+    if body.steps is not None or body.loss is not None:
+        reported = ReportedProgress(workspace_id, process_id, outcome.snapshot.progress)
+        ctx.publish(workspace_id, protocol.EVENT_PROGRESS, progress_event([reported]))
     return wire.HeartbeatResponse(
         ok=True,
         pending_command=outcome.pending_command,
@@ -207,7 +210,7 @@ async def _next_command(
 async def create_command(ctx: ServerContext, *, auth: AuthInfo, body: wire.CommandRequest) -> wire.CommandInfo:
     """The addressed process's command; for a rank of a job of several, every rank gets its
     share of the job operation (``command.job.operation_id``) at once. Created or refused, it
-    goes to the audit log."""
+    goes to the audit log and to dashboards (a ``command`` or ``command_refused`` event)."""
     workspace_id = auth.workspace_id
     try:
         commands = await ctx.db.call(
@@ -237,6 +240,7 @@ async def create_command(ctx: ServerContext, *, auth: AuthInfo, body: wire.Comma
             )
         except Exception:  # the caller is owed the refusal, not this
             log.exception("writing the audit entry of a refused command failed")
+        ctx.publish(workspace_id, protocol.EVENT_COMMAND_REFUSED, {"request": body, "reason": exc.message})
         raise
     for command in commands:
         ctx.command_pending(workspace_id, command.process_id, command.id)

@@ -1,5 +1,5 @@
 // What the dashboard's pages share (dashboard.js, job.js): the server's clock, the time formats
-// (the same as pages.py), fetching a server-rendered fragment, the notices, the buttons and the
+// (the same as formatters.py), fetching a server-rendered fragment, the notices, the buttons and the
 // dialog that send commands (and the notices that follow each one), and the event stream.
 // Loaded before either. Text from the API goes in through textContent only.
 (function () {
@@ -13,7 +13,7 @@
 
   function serverNow() { return Date.now() / 1000 + skew; }
 
-  // --- times (the same formats as pages.py) --------------------------------------------------
+  // --- times (the same formats as formatters.py) ---------------------------------------------
 
   function fmtDuration(seconds, precise) {
     var s = Math.max(0, seconds);

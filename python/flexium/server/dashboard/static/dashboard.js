@@ -1,4 +1,4 @@
-// The dashboard's live part. The server renders every row, card and list (routes/pages.py);
+// The dashboard's live part. The server renders every row, card and list (server/dashboard/);
 // this script swaps in fresh server-rendered fragments when the event stream says something
 // changed, filters rows in place, and posts commands to the API. It never builds markup from
 // data: text that came from the API goes in through textContent only.

@@ -1,0 +1,29 @@
+"""The audit log's page: the newest entries of the workspace."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy.orm import Session
+
+from flexium import wire
+from flexium.server import storage
+
+AUDIT_SHOWN = 200
+
+
+@dataclass(frozen=True)
+class AuditPage:
+    """audit.html."""
+
+    now: float
+    keep: int  # how many entries the workspace keeps
+    entries: tuple[wire.AuditEntry, ...]
+
+
+def audit_page(*, session: Session, workspace_id: int, now: float) -> AuditPage:
+    return AuditPage(
+        now=now,
+        keep=storage.AUDIT_KEEP,
+        entries=tuple(storage.list_audit(session=session, workspace_id=workspace_id, limit=AUDIT_SHOWN)),
+    )

@@ -1,0 +1,30 @@
+"""The main page's recent commands, newest first."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from sqlalchemy.orm import Session
+
+from flexium import wire
+from flexium.server import storage
+
+RECENT_COMMANDS = 15
+
+
+@dataclass(frozen=True)
+class RecentCommands:
+    """fragments/commands.html."""
+
+    now: float
+    gpu_indexes: dict[str, Optional[int]]
+    commands: tuple[wire.CommandInfo, ...]
+
+
+def recent_commands(*, session: Session, workspace_id: int, now: float) -> RecentCommands:
+    return RecentCommands(
+        now=now,
+        gpu_indexes=storage.device_indexes(session=session, workspace_id=workspace_id),
+        commands=tuple(storage.list_commands(session=session, workspace_id=workspace_id, limit=RECENT_COMMANDS)),
+    )

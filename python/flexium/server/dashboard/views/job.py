@@ -1,0 +1,141 @@
+"""A job's page: the process, or the job of several ranks it is a rank of, its GPUs, and its
+timeline: every command its ranks received, who sent each, and the commands refused for them,
+from the audit entries that name its processes (``storage.command_senders``,
+``storage.refused_commands``)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar, Optional, Sequence, Union
+
+from sqlalchemy.orm import Session
+
+from flexium import wire
+from flexium.server import storage
+from flexium.server.dashboard.views.devices import GpuKey, HistoryChart, charts_of, hosts_of
+
+TIMELINE = 200  # commands shown on a job page, newest first; as many refused ones at most
+
+
+@dataclass(frozen=True)
+class SentCommand:
+    """A command one of its ranks received; ``sent_by``: the token that sent it, when an audit
+    entry says so."""
+
+    refused: ClassVar[bool] = False
+    command: wire.CommandInfo
+    sent_by: Optional[str]
+
+    @property
+    def at(self) -> float:
+        return self.command.created_at
+
+
+@dataclass(frozen=True)
+class RefusedCommand:
+    """A command the server refused, never created: what was asked (``kind``, ``to`` the target
+    named, if any) as its audit entry records it."""
+
+    refused: ClassVar[bool] = True
+    entry: wire.AuditEntry
+    kind: str
+    to: Optional[str]
+
+    @property
+    def at(self) -> float:
+        return self.entry.at
+
+
+TimelineItem = Union[SentCommand, RefusedCommand]
+
+
+@dataclass(frozen=True)
+class JobProgress:
+    """fragments/job_progress.html: what a job's page shows of its training, again once a
+    ``progress`` event says its ranks reported more (a few reads, not the whole page's)."""
+
+    now: float
+    process: wire.ProcessInfo
+    job: Optional[wire.JobSummary]
+    ranks: tuple[wire.ProcessInfo, ...]
+
+
+def job_progress(
+    *, session: Session, workspace_id: int, process_id: str, now: float, stale_after: float
+) -> JobProgress:
+    """The process, and the job of several ranks it is a rank of; ``NotFound`` when it is gone."""
+    process = storage.get_process(
+        session=session, workspace_id=workspace_id, process_id=process_id, now=now, stale_after=stale_after
+    )
+    if process.job is not None and process.job.world_size > 1:
+        members = storage.list_processes(
+            session=session, workspace_id=workspace_id, now=now, stale_after=stale_after, job_key=process.job.key
+        )
+        job = next(iter(storage.summarize_jobs(members)), None)
+        if job is not None:
+            return JobProgress(now=now, process=process, job=job, ranks=tuple(job.ranks))
+    return JobProgress(now=now, process=process, job=None, ranks=(process,))
+
+
+@dataclass(frozen=True)
+class JobPage:
+    """job.html and fragments/job_panel.html."""
+
+    now: float
+    process: wire.ProcessInfo  # the one the page is for
+    job: Optional[wire.JobSummary]
+    ranks: tuple[wire.ProcessInfo, ...]  # the job's ranks, or the process alone
+    gpu_indexes: dict[str, Optional[int]]
+    hosts: tuple[wire.HostInfo, ...]  # its ranks' hosts
+    history: dict[GpuKey, HistoryChart]
+    timeline: tuple[TimelineItem, ...]
+
+
+def job_page(*, session: Session, workspace_id: int, process_id: str, now: float, stale_after: float) -> JobPage:
+    """``NotFound`` when the process is gone."""
+    training = job_progress(
+        session=session, workspace_id=workspace_id, process_id=process_id, now=now, stale_after=stale_after
+    )
+    ranks = training.ranks
+    hosts = sorted({r.host for r in ranks})
+    return JobPage(
+        now=now,
+        process=training.process,
+        job=training.job,
+        ranks=ranks,
+        gpu_indexes=storage.device_indexes(session=session, workspace_id=workspace_id),
+        hosts=hosts_of(session=session, workspace_id=workspace_id, now=now, stale_after=stale_after, hosts=hosts),
+        history=charts_of(session=session, workspace_id=workspace_id, now=now, hosts=hosts),
+        timeline=timeline(session=session, workspace_id=workspace_id, process_ids=[r.process_id for r in ranks]),
+    )
+
+
+def timeline(*, session: Session, workspace_id: int, process_ids: Sequence[str]) -> tuple[TimelineItem, ...]:
+    """The commands of these processes and those refused for them, newest first."""
+    commands: list[wire.CommandInfo] = []
+    for process_id in process_ids:
+        commands += storage.list_commands(
+            session=session, workspace_id=workspace_id, process_id=process_id, limit=TIMELINE
+        )
+    commands = sorted(commands, key=lambda c: c.id, reverse=True)[:TIMELINE]
+    senders = storage.command_senders(
+        session=session, workspace_id=workspace_id, process_ids=process_ids, command_ids=[c.id for c in commands]
+    )
+    refusals = storage.refused_commands(
+        session=session, workspace_id=workspace_id, process_ids=process_ids, limit=TIMELINE
+    )
+    items: list[TimelineItem] = [SentCommand(command=c, sent_by=_sender(senders.get(c.id))) for c in commands]
+    items += [_refused(e) for e in refusals]
+    return tuple(sorted(items, key=lambda item: item.at, reverse=True))
+
+
+def _sender(entry: Optional[wire.AuditEntry]) -> Optional[str]:
+    if entry is None:
+        return None
+    return entry.token_name or f"token {entry.token_id}"
+
+
+def _refused(entry: wire.AuditEntry) -> RefusedCommand:
+    """Its entry's target reads "pause gpu-1", "migrate gpu-1 to 2" (``storage.audit``)."""
+    asked, to, target = entry.target.partition(" to ")
+    return RefusedCommand(entry=entry, kind=asked.split(" ")[0], to=target if to else None)

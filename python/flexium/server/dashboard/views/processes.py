@@ -1,0 +1,108 @@
+"""The main page's process table: a row for each job of its own, a row for each job of several
+ranks with its ranks under it, and each process's last finished command."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+from sqlalchemy.orm import Session
+
+from flexium import protocol, wire
+from flexium.server import storage
+from flexium.server.errors import NotFound
+
+# How far back the table looks for each process's last finished command (``last_finished``):
+# every process, or one named process.
+COMMAND_SCAN = 500
+_COMMAND_SCAN_ONE = 20
+
+
+@dataclass(frozen=True)
+class TableEntry:
+    """A row of the table: a job of several ranks (its ranks rendered under it), else a process."""
+
+    process: Optional[wire.ProcessInfo] = None
+    job: Optional[wire.JobSummary] = None
+
+    @property
+    def state(self) -> str:
+        return self.job.state if self.job is not None else self.process.state if self.process is not None else ""
+
+
+def last_finished(commands: Sequence[wire.CommandInfo]) -> dict[str, wire.CommandInfo]:
+    """process id -> its newest finished command, from commands listed newest first."""
+    last: dict[str, wire.CommandInfo] = {}
+    for command in commands:
+        if command.state in protocol.FINAL_COMMAND_STATES:
+            last.setdefault(command.process_id, command)
+    return last
+
+
+def table_entries(processes: Sequence[wire.ProcessInfo]) -> tuple[TableEntry, ...]:
+    """The table's rows in order: a process for a job of its own, a job of several ranks where
+    its first rank would be."""
+    jobs = {job.key: job for job in storage.summarize_jobs(list(processes))}
+    entries: list[TableEntry] = []
+    for process in processes:
+        job = jobs.pop(process.job.key, None) if process.job is not None and process.job.world_size > 1 else None
+        if job is not None:
+            entries.append(TableEntry(job=job))
+        elif process.job is None or process.job.world_size <= 1:
+            entries.append(TableEntry(process=process))
+    return tuple(entries)
+
+
+@dataclass(frozen=True)
+class ProcessRows:
+    """fragments/rows.html: rows of the table, and what they show of GPUs and commands."""
+
+    now: float
+    gpu_indexes: dict[str, Optional[int]]
+    entries: tuple[TableEntry, ...]
+    last: dict[str, wire.CommandInfo]
+
+
+def process_rows(
+    *,
+    session: Session,
+    workspace_id: int,
+    now: float,
+    stale_after: float,
+    process_ids: Optional[Sequence[str]] = None,
+) -> ProcessRows:
+    """Rows of the processes named (those gone are left out), else of every process."""
+    if process_ids is None:
+        processes = storage.list_processes(session=session, workspace_id=workspace_id, now=now, stale_after=stale_after)
+        scanned = storage.list_commands(session=session, workspace_id=workspace_id, limit=COMMAND_SCAN)
+        return _rows(session=session, workspace_id=workspace_id, now=now, processes=processes, scanned=scanned)
+    processes, scanned = [], []
+    for process_id in process_ids:
+        try:
+            processes.append(
+                storage.get_process(
+                    session=session, workspace_id=workspace_id, process_id=process_id, now=now, stale_after=stale_after
+                )
+            )
+        except NotFound:
+            continue
+        scanned += storage.list_commands(
+            session=session, workspace_id=workspace_id, process_id=process_id, limit=_COMMAND_SCAN_ONE
+        )
+    return _rows(session=session, workspace_id=workspace_id, now=now, processes=processes, scanned=scanned)
+
+
+def _rows(
+    *,
+    session: Session,
+    workspace_id: int,
+    now: float,
+    processes: Sequence[wire.ProcessInfo],
+    scanned: Sequence[wire.CommandInfo],
+) -> ProcessRows:
+    return ProcessRows(
+        now=now,
+        gpu_indexes=storage.device_indexes(session=session, workspace_id=workspace_id),
+        entries=table_entries(processes),
+        last=last_finished(scanned),
+    )
