@@ -65,7 +65,7 @@ def nccl_ranks_on_one_gpu(placement: dict[int, Optional[str]], restored: set[int
     """Why an operation of an NCCL job is refused when it would leave a rank the driver restores
     (``restored``) on one GPU with another rank (``placement``: rank -> the GPU's UUID after the
     operation), and what to do; None when each restored rank has its GPU to itself. NCCL's next
-    collective fails in such a rank (docs/facts.md fact 25). The one rule of the ranks, the
+    collective fails in such a rank (fact `nccl-ranks-sharing-gpu-fail`). The one rule of the ranks, the
     server and the dashboard."""
     by_gpu: dict[str, list[int]] = {}
     for rank, uuid in sorted(placement.items()):
@@ -75,10 +75,10 @@ def nccl_ranks_on_one_gpu(placement: dict[int, Optional[str]], restored: set[int
         if len(ranks) > 1 and restored.intersection(ranks):
             together = ", ".join(str(rank) for rank in ranks[:-1]) + f" and {ranks[-1]}"
             return (
-                f"ranks {together} of this NCCL job would be on one GPU ({uuid}) when the driver restores them, "
-                "and NCCL's next collective fails in a rank restored on a GPU it shares with another rank "
-                "(docs/facts.md fact 25); give each rank a GPU of its own (launch the job with one per rank) "
-                "to make it movable"
+                f"ranks {together} of this NCCL job would be on one GPU ({uuid}) when the driver restores them, and "
+                "NCCL's next collective fails in a rank restored on a GPU it shares with another rank (fact "
+                "`nccl-ranks-sharing-gpu-fail` in docs/facts.md); give each rank a GPU of its own (launch the job with "
+                "one per rank) to make it movable"
             )
     return None
 
@@ -125,7 +125,7 @@ class ServerAddress:
 
 
 def parse_server_address(address: str) -> ServerAddress:
-    """``host[:port]/workspace`` (the spec's format) -> parts. ``http://`` or ``https://`` may
+    """``host[:port]/workspace`` (what ``--server`` and FLEXIUM_SERVER take) -> parts. ``http://`` or ``https://`` may
     prefix it; without a scheme, http is used. Raises ValueError with the reason."""
     text = (address or "").strip()
     scheme = "http"

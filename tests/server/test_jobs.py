@@ -302,7 +302,10 @@ def test_ranks_of_an_nccl_job_on_one_gpu_are_refused_a_pause_and_a_resume_in_pla
     message = _refused(
         db, ws, errors.TargetRefused, r"^ranks 0 and 1 of this NCCL job would be on one GPU \(GPU-0000\)", "pause"
     )
-    assert "docs/facts.md fact 25" in message and "give each rank a GPU of its own" in message
+    assert (
+        "fact `nccl-ranks-sharing-gpu-fail` in docs/facts.md" in message
+        and "give each rank a GPU of its own" in message
+    )
     _job(db, ws, nccl=True, state="PAUSED", **both_on_gpu_0)
     _refused(db, ws, errors.TargetRefused, "would be on one GPU", "resume")
     apart = _create(db, ws, "resume", ranks={"1": "cuda:1"})  # each on a GPU of its own: allowed
