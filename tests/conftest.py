@@ -1,7 +1,8 @@
-"""Puts tests/ on sys.path so that test modules can `import fake_driver`, and fails a run in
-which a test was skipped or nothing passed: a skipped test never passed, so CI and
-ci/gpu-tests.sh must not count it. A skip at collection (a module's `pytest.importorskip`, a
-module-level `pytest.skip`) counts like a test's own: it hides every test of the module.
+"""Puts tests/ on sys.path so that tests import the helpers they share from tests/support
+(`from support.fake_driver import FakeDriver`), and fails a run in which a test was skipped or
+nothing passed: a skipped test never passed, so CI and ci/gpu-tests.sh must not count it. A skip
+at collection (a module's `pytest.importorskip`, a module-level `pytest.skip`) counts like a
+test's own: it hides every test of the module.
 ``FLEXIUM_ALLOW_SKIPS=1`` lets a run pass with skips, listed.
 ``FLEXIUM_ALLOW_SKIPS_FOR_GPUS=1`` (ci/gpu-tests.sh) lets it pass with the tests skipped for want
 of GPUs alone ("needs 4 GPUs, NVML sees 2", ``tests/gpu/conftest.py``), listed; any other skip

@@ -109,7 +109,7 @@ class Driver:
         self.lib = ctypes.CDLL(os.environ.get("FLEXIUM_LIBCUDA", "libcuda.so.1"))  # FLEXIUM_LIBCUDA as flexium reads it
         self.fns: dict[str, Any] = {}
         for name, (symbol, argtypes) in SIGNATURES.items():
-            # The fake driver (tests/fake_driver) exports the plain names flexium resolves.
+            # The fake driver (tests/support/fake_driver.py) exports the plain names flexium resolves.
             found = [getattr(self.lib, s) for s in (symbol, name) if hasattr(self.lib, s)]
             if not found:
                 continue

@@ -8,16 +8,13 @@ test-artifacts/browser/."""
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from dash_helpers import Api, FakeHost, Jobs, LiveServer, SimJob  # noqa: E402
-from dash_page import Dashboard  # noqa: E402
+from support.dashboard import Api, FakeHost, Jobs, LiveServer, SimJob
+from support.dashboard_page import Dashboard
 
 ARTIFACTS = Path(__file__).resolve().parents[2] / "test-artifacts" / "browser"
 CHROMIUM = "/usr/bin/chromium"

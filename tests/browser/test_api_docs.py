@@ -9,7 +9,7 @@ import pytest
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
-from dash_helpers import LiveServer
+from support.dashboard import LiveServer
 
 pytestmark = pytest.mark.timeout(120)
 

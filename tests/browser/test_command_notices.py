@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from dash_helpers import GIB, FakeHost, Jobs, two_rank_job
-from dash_page import Dashboard
+from support.dashboard import GIB, FakeHost, Jobs, two_rank_job
+from support.dashboard_page import Dashboard
 
 pytestmark = pytest.mark.timeout(120)
 

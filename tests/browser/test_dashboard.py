@@ -11,8 +11,8 @@ from selenium.common.exceptions import NoAlertPresentException
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 
-from dash_helpers import GIB, Api, FakeHost, Gpu, Jobs, LiveServer, SimJob
-from dash_page import Dashboard
+from support.dashboard import GIB, Api, FakeHost, Gpu, Jobs, LiveServer, SimJob
+from support.dashboard_page import Dashboard
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -15,8 +15,8 @@ from typing import Any, Iterator
 import pytest
 from selenium.webdriver.common.by import By
 
-from dash_helpers import GIB, Api, FakeHost, Gpu, LiveServer, SimJob
-from dash_page import Dashboard
+from support.dashboard import GIB, Api, FakeHost, Gpu, LiveServer, SimJob
+from support.dashboard_page import Dashboard
 
 pytestmark = pytest.mark.timeout(180)
 

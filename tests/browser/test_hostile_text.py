@@ -1,4 +1,4 @@
-"""Hostile text (tests/hostile_text.py) as the job keys, hosts, users, command lines, GPU names
+"""Hostile text (tests/support/hostile_text.py) as the job keys, hosts, users, command lines, GPU names
 and errors of jobs of two ranks, on the dashboard in headless Chromium: every job row is there
 with its text as sent, its migrate form opens (the form's URL carries the key), a pause goes
 through and its notice quotes the key, and nothing runs: no alert, no injected image, no script
@@ -12,9 +12,9 @@ import pytest
 from selenium.common.exceptions import NoAlertPresentException
 from selenium.webdriver.common.by import By
 
-from dash_helpers import FakeHost, Jobs, SimJob
-from dash_page import Dashboard
-from hostile_text import ACCEPTED
+from support.dashboard import FakeHost, Jobs, SimJob
+from support.dashboard_page import Dashboard
+from support.hostile_text import ACCEPTED
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 from selenium.webdriver.common.by import By
 
-from dash_helpers import GIB, Api, FakeHost, Jobs, LiveServer
-from dash_page import Dashboard
+from support.dashboard import GIB, Api, FakeHost, Jobs, LiveServer
+from support.dashboard_page import Dashboard
 
 pytestmark = pytest.mark.timeout(120)
 

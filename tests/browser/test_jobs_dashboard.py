@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 from selenium.webdriver.common.by import By
 
-from dash_helpers import Api, FakeHost, Jobs, SimJob, two_rank_job
-from dash_page import Dashboard
+from support.dashboard import Api, FakeHost, Jobs, SimJob, two_rank_job
+from support.dashboard_page import Dashboard
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from dash_helpers import GIB, FakeHost, Jobs
-from dash_page import Dashboard
+from support.dashboard import GIB, FakeHost, Jobs
+from support.dashboard_page import Dashboard
 
 pytestmark = pytest.mark.timeout(120)
 

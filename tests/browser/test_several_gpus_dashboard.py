@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from selenium.webdriver.common.by import By
 
-from dash_helpers import GIB, Api, FakeHost, Jobs
-from dash_page import Dashboard
+from support.dashboard import GIB, Api, FakeHost, Jobs
+from support.dashboard_page import Dashboard
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -1,4 +1,4 @@
-"""Fixtures of the end-to-end tests (helpers in e2e_helpers.py)."""
+"""Fixtures of the end-to-end tests (helpers in tests/support/e2e.py)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("fastapi", reason='the server extra is not installed: pip install ".[server]"')
 pytest.importorskip("torch", reason="the training processes need torch (a CPU build)")
 
-from e2e_helpers import Server  # noqa: E402
+from support.e2e import Server  # noqa: E402
 
 
 @pytest.fixture(scope="module")

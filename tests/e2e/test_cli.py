@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from e2e_helpers import WORKSPACE, Server, clean_env, flexium_command, free_port, wait_until
+from support.e2e import WORKSPACE, Server, clean_env, flexium_command, free_port, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 

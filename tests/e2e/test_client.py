@@ -11,7 +11,6 @@ from typing import Any, Iterator, Optional
 
 import pytest
 
-from e2e_helpers import Server, wait_until
 from flexium import wire
 from flexium.client import ApiClient, ProcessClient, start_client
 from flexium.config import parse_server_address
@@ -23,6 +22,7 @@ from flexium.errors import (
     OperationInProgressError,
     TargetRefusedError,
 )
+from support.e2e import Server, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 

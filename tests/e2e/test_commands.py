@@ -13,7 +13,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from e2e_helpers import Job, Server, ps_row, wait_until
+from support.e2e import Job, Server, ps_row, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -11,7 +11,8 @@ from typing import Iterator
 import pytest
 import requests
 
-from e2e_helpers import WORKSPACE, Job, Server, ps_row, wait_until
+from support.e2e import WORKSPACE, Job, Server, ps_row, wait_until
+from support.fake_driver import FakeDriver
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,7 +57,7 @@ def test_heartbeats_keep_it_fresh(server: Server, job: Job) -> None:
 
 
 def test_devices_of_the_host_are_reported(server: Server, job: Job) -> None:
-    fake = __import__("fake_driver").FakeDriver()
+    fake = FakeDriver()
     expected = {fake.uuid(i) for i in range(2)}
     done = server.cli("devices", "--json")
     assert done.returncode == 0, done.stderr

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from e2e_helpers import clean_env, flexium_command, wait_until
-from live_server import start_demo
+from support.e2e import clean_env, flexium_command, wait_until
+from support.live_server import start_demo
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -19,22 +19,22 @@ from typing import Any, Optional
 
 import pytest
 
-import fake_driver
-from e2e_helpers import HERE, Server, clean_env, wait_until
-from live_server import ProcessOutput
+from support import fake_driver
+from support.e2e import JOBS, Server, clean_env, wait_until
+from support.live_server import ProcessOutput
 
 pytestmark = pytest.mark.timeout(480)
 
 
 def _torchrun(ranks: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)] + [
-        str(HERE / "torchrun_job.py")
+        str(JOBS / "torchrun_job.py")
     ]
 
 
 LAUNCHES = {
     "torchrun": _torchrun(2),
-    "lightning-ddp": [sys.executable, str(HERE / "lightning_ddp_job.py")],
+    "lightning-ddp": [sys.executable, str(JOBS / "lightning_ddp_job.py")],
 }
 
 

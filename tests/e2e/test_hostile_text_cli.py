@@ -1,4 +1,4 @@
-"""The `flexium` command reading what jobs sent: hostile text (tests/hostile_text.py) in hosts,
+"""The `flexium` command reading what jobs sent: hostile text (tests/support/hostile_text.py) in hosts,
 command lines, GPU names and token names is listed by `flexium ps`, `flexium devices` and
 `flexium token list`, and no control character of it reaches the terminal (cli/terminal.py)."""
 
@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from e2e_helpers import Server
-from hostile_text import ACCEPTED
+from support.e2e import Server
+from support.hostile_text import ACCEPTED
 
 pytestmark = pytest.mark.timeout(120)
 

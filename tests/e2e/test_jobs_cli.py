@@ -10,7 +10,7 @@ from typing import Iterator
 
 import pytest
 
-from e2e_helpers import FakeRank, Server, ps_row, wait_until
+from support.e2e import FakeRank, Server, ps_row, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 

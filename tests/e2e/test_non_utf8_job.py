@@ -14,7 +14,7 @@ from typing import Iterator
 import pytest
 import requests
 
-from e2e_helpers import TRAIN_JOB, Job, Server, wait_until
+from support.e2e import TRAIN_JOB, Job, Server, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from e2e_helpers import Job, Server, wait_until
+from support.e2e import Job, Server, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -10,7 +10,7 @@ from typing import Any, Iterator
 
 import pytest
 
-from e2e_helpers import Job, Server, wait_until
+from support.e2e import Job, Server, wait_until
 
 pytestmark = pytest.mark.timeout(180)
 

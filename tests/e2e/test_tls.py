@@ -13,9 +13,9 @@ from typing import Iterator
 import pytest
 import requests
 
-from e2e_helpers import ServerProcess, clean_env, flexium_command
 from flexium import protocol
 from flexium.client.http import ApiClient, Unreachable
+from support.e2e import ServerProcess, clean_env, flexium_command
 
 pytestmark = pytest.mark.timeout(180)
 

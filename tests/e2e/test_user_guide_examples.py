@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from live_server import clean_env
+from support.live_server import clean_env
 
 pytestmark = pytest.mark.timeout(300)
 

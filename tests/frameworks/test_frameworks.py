@@ -5,7 +5,7 @@ control thread migrates the job 0 -> 1 -> 0 and pauses and resumes it: every ope
 the framework's own optimizer step on its training thread, no step runs while paused, and the
 losses are bit-identical to an undisturbed run of the same script.
 
-Each runs in a fresh interpreter on the fake NVIDIA driver (tests/fake_driver) with CPU torch:
+Each runs in a fresh interpreter on the fake NVIDIA driver (tests/support/fake_driver.py) with CPU torch:
 the frameworks' real training loops, flexium's real engine, only libcuda replaced. CI installs the
 frameworks (ci/test.sh); a run without them fails and says what to install."""
 
@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-import fake_driver
+from support import fake_driver
 
 FRAMEWORKS = {
     "lightning": "lightning==2.6.6",

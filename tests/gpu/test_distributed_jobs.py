@@ -15,10 +15,18 @@ from typing import Any, Optional
 
 import pytest
 
-from conftest import nccl_with_suspend, need_gpus
-from fresh_process import run_in_fresh_process
-from served_job import ServedJob
-from torchrun_jobs import TorchrunJob, check_ops, check_placements, check_traces, steps_at_ops, torchrun, torchrun_argv
+from support.fresh_process import run_in_fresh_process
+from support.gpu import nccl_with_suspend, need_gpus
+from support.served_job import ServedJob
+from support.torchrun import (
+    TorchrunJob,
+    check_ops,
+    check_placements,
+    check_traces,
+    steps_at_ops,
+    torchrun,
+    torchrun_argv,
+)
 
 # The NCCL watchdog's heartbeat monitor kills a rank whose watchdog is stuck this long; a paused
 # job's must not be (issue: a pause may last hours).

@@ -11,7 +11,7 @@ import subprocess
 import sys
 from typing import Any, Optional
 
-from conftest import nccl_with_suspend
+from support.gpu import nccl_with_suspend
 
 
 def doctor(env: Optional[dict[str, str]] = None) -> dict[str, Any]:

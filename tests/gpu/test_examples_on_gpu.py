@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from fresh_process import keep_log
+from support.fresh_process import keep_log
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 

@@ -1,7 +1,7 @@
 """The fast path on real GPUs: PyTorch's memory in flexium's pool, moved at a safe point.
 
 Each job runs in a fresh process (bench/jobs/train_job.py; the out-of-memory check through
-fresh_process.run_in_fresh_process). Every moved
+support/fresh_process.py's run_in_fresh_process). Every moved
 run is compared bit for bit (float.hex loss traces) with an undisturbed run of the same flags.
 Jobs are small (2 GiB ballast or less, at most 40 steps) so the file runs in a few minutes.
 Tests that move the job to GPU 1 (or fill it) use the `two_gpus` fixture and are skipped on a
@@ -10,16 +10,24 @@ one-GPU machine; the in-place pause / resume tests and the out-of-memory test ne
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import pytest
 
-from conftest import GIB, JobRun, assert_left, run_job, uuid_of
-from fresh_process import run_in_fresh_process
+from support.fresh_process import run_in_fresh_process
+from support.gpu import (
+    GIB,
+    JOB_TIMEOUT,
+    assert_left,
+    idle_used,
+    ok_run,
+    reference,
+    run_job,
+    summary,
+    uuid_of,
+)
 
 BALLAST_GB = "2"
-JOB_TIMEOUT = 360  # past train_job.py's own hang dump (300 s), which then lands in the log
 ALL_FEATURES = ("--amp", "--checkpointing", "--side-stream", "--dataloader", "--cuda-graph")
 # A plain AdamW MLP job; the plain reference run is shared by the tests that use these flags.
 PLAIN = ("--ballast-gb", BALLAST_GB, "--steps", "30")
@@ -32,13 +40,6 @@ LOCKED_STEPS = {"lock", "checkpoint", "restore", "unlock"}
 # ---- helpers -----------------------------------------------------------------------------------
 
 
-def idle_used() -> dict[str, int]:
-    """Each GPU's used memory now, with no job of ours running."""
-    from flexium.engine import nvml
-
-    return {gpu.uuid: gpu.memory_used for gpu in nvml.host_gpus()}
-
-
 def assert_holds(op: dict[str, Any], uuid: str, ballast_gb: str) -> None:
     ours = op["nvml"][uuid]["ours"]
     assert ours >= float(ballast_gb) * GIB, f"after {op['op']} the job holds only {ours >> 20} MiB on {uuid}"
@@ -49,19 +50,6 @@ def assert_copier_ran(pause: dict[str, Any], resume: dict[str, Any]) -> None:
     notes = [*pause["result"]["notes"], *resume["result"]["notes"]]
     assert any("of host staging by the copier process" in n for n in notes), notes
     assert not any("ran in this process" in n for n in notes), notes
-
-
-def summary(ops: list[dict[str, Any]]) -> str:
-    """What went wrong, short: each op's outcome, path, notes and error."""
-    lines = []
-    for op in ops:
-        result = op.get("result") or {}
-        lines.append(
-            f"{op['op']} {op.get('target')}: ok={op['ok']} path={op.get('path', result.get('path'))} "
-            f"requested={op.get('requested_path')} notes={result.get('notes')} "
-            f"error={op.get('error_type')}: {op.get('error') or result.get('error')}"
-        )
-    return "\n".join(lines)
 
 
 def out_of_memory_retry(first_fraction: float, second_fraction: float) -> dict[str, Any]:
@@ -129,11 +117,6 @@ def out_of_memory_retry(first_fraction: float, second_fraction: float) -> dict[s
     return result
 
 
-def ok_run(run: JobRun) -> JobRun:
-    assert run.returncode == 0, f"exit {run.returncode}; stderr tail:\n{run.stderr[-3000:]}"
-    return run
-
-
 def step_names(op: dict[str, Any]) -> set[str]:
     return {s["step"] for s in op["result"]["steps"] if not s["rollback"]}
 
@@ -142,14 +125,6 @@ def driver_note(op: dict[str, Any]) -> str:
     notes = [n for n in op["result"]["notes"] if n.startswith("driver path: ")]
     assert notes, f"a driver-path {op['op']} in auto mode has no 'driver path: ' note: {op['result']['notes']}"
     return notes[0]
-
-
-@functools.lru_cache(maxsize=None)
-def reference(*args: str) -> tuple[str, ...]:
-    """The loss trace of an undisturbed run with these flags (one run per flag set per session)."""
-    run = ok_run(run_job(*args, timeout=JOB_TIMEOUT))
-    assert run.one("ready")["pool_active"] is True, run.one("ready")["pool_reason"]
-    return tuple(run.one("done")["losses"])
 
 
 # ---- tests -------------------------------------------------------------------------------------

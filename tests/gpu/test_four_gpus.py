@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from conftest import nccl_with_suspend
-from served_job import ServedJob
-from torchrun_jobs import check_ops, check_placements, check_traces, steps_at_ops, torchrun, torchrun_argv
+from support.gpu import nccl_with_suspend
+from support.served_job import ServedJob
+from support.torchrun import check_ops, check_placements, check_traces, steps_at_ops, torchrun, torchrun_argv
 
 # GPU index of each rank after each operation (None: paused, nothing on any GPU).
 ALONE_THEN_WHOLE = {

@@ -1,4 +1,4 @@
-"""Jobs written with the frameworks people train with (tests/gpu/framework_job.py), each attached
+"""Jobs written with the frameworks people train with (tests/support/jobs/framework_job.py), each attached
 to a real server by `flexium.init()` alone and moved by the `flexium` command while it trains:
 paused and resumed (one GPU), migrated there and back (two GPUs); jobs of two processes (Lightning's
 strategy="ddp", `accelerate launch` with two processes) paused, resumed and their ranks swapped as
@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from conftest import HERE, job_events, nccl_with_suspend
-from fresh_process import keep_log
-from served_job import ServedJob
+from support.fresh_process import keep_log
+from support.gpu import FRAMEWORK_JOB, job_events, nccl_with_suspend
+from support.served_job import ServedJob
 
 pytest.importorskip("fastapi", reason="the server extra is not installed (ci/gpu-tests.sh installs .whl)")
 
@@ -42,7 +42,7 @@ UNSWAP = ("--ranks", "0=cuda:0,1=cuda:1")
 
 
 def _command(job: str) -> list[str]:
-    script = str(HERE / "framework_job.py")
+    script = str(FRAMEWORK_JOB)
     if job == "accelerate-ddp":
         launch = ["-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1"]
         return [sys.executable, *launch, "--mixed_precision", "no", "--dynamo_backend", "no", script, "accelerate"]
@@ -61,7 +61,7 @@ def _losses(events: list[dict[str, Any]]) -> dict[int, list[str]]:
 def _moved_while_training(
     job: str, tmp_path: Path, moves: list[tuple[str, ...]], path: str = "fast", steps: str = STEPS
 ) -> None:
-    from live_server import clean_env, wait_until
+    from support.live_server import clean_env, wait_until
 
     ranks = 2 if job in TWO_PROCESSES else 1
     # Both runs of a job of several processes load the same NCCL: one with ncclCommSuspend.

@@ -18,9 +18,8 @@ from typing import Any
 
 import pytest
 
-from conftest import assert_left, run_job, uuid_of
-from fresh_process import run_in_fresh_process
-from test_fast_path import JOB_TIMEOUT, idle_used, ok_run, reference, summary
+from support.fresh_process import run_in_fresh_process
+from support.gpu import JOB_TIMEOUT, assert_left, idle_used, ok_run, reference, run_job, summary, uuid_of
 
 COMMON = ("--ballast-gb", "2", "--steps", "80", "--step-sleep", "0.1", "--pause-seconds", "0.5")
 # The keeper looks every 2 s and waits for the pool to stay the same size between two looks: by

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from conftest import GIB, assert_left, run_job, uuid_of
+from support.gpu import GIB, assert_left, run_job, uuid_of
 
 # Every test here moves the job to GPU 1 or fills it.
 pytestmark = pytest.mark.usefixtures("two_gpus")

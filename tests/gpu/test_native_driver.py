@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from conftest import GIB
-from fresh_process import run_in_fresh_process
+from support.fresh_process import run_in_fresh_process
+from support.gpu import GIB
 
 # The probe that measured fact `cumem-host-memory-unrestorable`.
 PROBES = Path(__file__).resolve().parents[2] / "bench" / "probes"

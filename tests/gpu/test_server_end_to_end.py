@@ -23,9 +23,9 @@ from typing import Any, Callable
 
 import pytest
 
-from conftest import GIB, RESIDUE_SLACK, TRAIN_JOB, run_job, uuid_of
-from fresh_process import keep_log
-from live_server import ProcessOutput, ServerProcess, clean_env, flexium_command, start_demo, wait_until
+from support.fresh_process import keep_log
+from support.gpu import GIB, RESIDUE_SLACK, TRAIN_JOB, run_job, uuid_of
+from support.live_server import ProcessOutput, ServerProcess, clean_env, flexium_command, start_demo, wait_until
 
 pytest.importorskip(
     "fastapi",

@@ -23,7 +23,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from flexium.server.app import bootstrap, create_app  # noqa: E402
 from flexium.server.db import Database  # noqa: E402
 from flexium.server.settings import Settings, normalize_database_url  # noqa: E402
-from srv_helpers import Api, make_settings  # noqa: E402
+from support.server import Api, make_settings  # noqa: E402
 
 PG_ENV = "FLEXIUM_TEST_POSTGRES_URL"
 

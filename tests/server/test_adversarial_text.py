@@ -25,8 +25,8 @@ import pytest
 import requests
 
 from flexium import protocol
-from hostile_text import ACCEPTED, REFUSED
-from srv_helpers import LiveServer, gpu, process_body, rank_body, report_figures
+from support.hostile_text import ACCEPTED, REFUSED
+from support.server import LiveServer, gpu, process_body, rank_body, report_figures
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from flexium import protocol, wire
-from srv_helpers import GIB, Api, gpu, process_body, table_snapshot
+from support.server import GIB, Api, gpu, process_body, table_snapshot
 
 
 def _error(r: Any, status: int, code: str | None = None) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from fastapi.testclient import TestClient
 from flexium.server.app import create_app
 from flexium.server.routes import docs
 from flexium.server.settings import Settings
-from srv_helpers import Api
+from support.server import Api
 
 TITLE = "flexium server API"
 LOCAL_PAGES = {

@@ -16,8 +16,8 @@ from typing import Any, Iterator
 import pytest
 import requests
 
-from live_server import ServerProcess, clean_env, wait_until
-from srv_helpers import LiveServer, process_body
+from support.live_server import ServerProcess, clean_env, wait_until
+from support.server import LiveServer, process_body
 
 pytestmark = pytest.mark.timeout(240)
 

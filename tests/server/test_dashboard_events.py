@@ -10,7 +10,7 @@ from typing import Any
 
 from flexium import protocol, wire
 from flexium.server import services, storage
-from srv_helpers import GIB, Api
+from support.server import GIB, Api
 
 
 def _events(api: Api, after: int, *, on_loop: bool = False) -> list[tuple[str, Any]]:

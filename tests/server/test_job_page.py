@@ -14,7 +14,7 @@ from markupsafe import escape
 from flexium import protocol
 from flexium.server import storage
 from flexium.server.dashboard.refusals import SHORT_REASON_MAX, short_reason
-from srv_helpers import GIB, Api, rank_body
+from support.server import GIB, Api, rank_body
 
 
 def _finish(api: Api, command: dict[str, Any], result: dict[str, Any]) -> None:

@@ -14,7 +14,7 @@ from flexium import wire
 from flexium.server import errors, storage
 from flexium.server.db import Database
 from flexium.server.settings import normalize_database_url
-from srv_helpers import GIB, Api, columns, migrate_to, rank_body, register, table_snapshot
+from support.server import GIB, Api, columns, migrate_to, rank_body, register, table_snapshot
 
 NOW = 1_800_000_000.0
 STALE = 30.0

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import requests
 
-from srv_helpers import LiveServer, SimJob, process_body
+from support.server import LiveServer, SimJob, process_body
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from srv_helpers import GIB, Api, rank_body
+from support.server import GIB, Api, rank_body
 
 
 def _samples(api: Api) -> dict[str, list[Any]]:

@@ -44,7 +44,7 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
     status_code_conformance,
 )
 
-from srv_helpers import LiveServer, process_body, rank_body, report_figures  # noqa: E402
+from support.server import LiveServer, process_body, rank_body, report_figures  # noqa: E402
 
 EXAMPLES = int(os.environ.get("FLEXIUM_FUZZ_EXAMPLES", "50"))
 WORKSPACE = "default"

@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from srv_helpers import GIB, Api, gpu
+from support.server import GIB, Api, gpu
 
 
 def _card(page: str, uuid: str) -> str:

@@ -11,7 +11,7 @@ from flexium.server import storage
 from flexium.server.db import Database
 from flexium.server.models import Process
 from flexium.server.storage import Progress
-from srv_helpers import GIB, Api, gpu, process_body, register
+from support.server import GIB, Api, gpu, process_body, register
 
 NOW = 1_800_000_000.0
 STALE = 30.0
@@ -129,7 +129,7 @@ def test_0007_goes_back_to_0006_keeping_processes_and_their_commands(db: Databas
     from alembic import command
     from sqlalchemy import inspect, text
 
-    from srv_helpers import columns, migrate_to
+    from support.server import columns, migrate_to
 
     ws = _workspace(db)
     register(db, ws, {**process_body("gpu-1"), "steps": 5}, now=NOW, stale_after=STALE)

@@ -10,7 +10,7 @@ from typing import Any, Iterator
 import pytest
 import requests
 
-from srv_helpers import LiveServer, process_body
+from support.server import LiveServer, process_body
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, Optional
 import pytest
 import requests
 
-from srv_helpers import LiveServer, process_body, rank_body
+from support.server import LiveServer, process_body, rank_body
 
 pytestmark = pytest.mark.timeout(180)
 

@@ -13,8 +13,8 @@ from flexium import wire
 from flexium.server import errors, models, storage
 from flexium.server.db import Database
 from flexium.server.settings import normalize_database_url
-from srv_helpers import GIB, columns, gpu, migrate_to
-from storage_helpers import (
+from support.server import GIB, columns, gpu, migrate_to
+from support.storage import (
     NOW,
     STALE,
     add_process,

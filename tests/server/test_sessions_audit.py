@@ -16,7 +16,7 @@ from flexium import protocol
 from flexium.server import storage
 from flexium.server.db import Database
 from flexium.server.storage import audit
-from srv_helpers import Api, LiveServer, columns, migrate_to, process_body, register
+from support.server import Api, LiveServer, columns, migrate_to, process_body, register
 
 FORM = {"Content-Type": "application/x-www-form-urlencoded"}
 NOW = 1_800_000_000.0

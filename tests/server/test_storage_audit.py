@@ -6,8 +6,8 @@ from __future__ import annotations
 from flexium import wire
 from flexium.server import storage
 from flexium.server.db import Database
-from srv_helpers import rank_body, register
-from storage_helpers import NOW, STALE, add_process, make_workspace, next_for, sweep_at
+from support.server import rank_body, register
+from support.storage import NOW, STALE, add_process, make_workspace, next_for, sweep_at
 
 
 def _admin(db: Database, token: str) -> storage.AuthInfo:

@@ -13,8 +13,8 @@ from sqlalchemy import select
 from flexium import wire
 from flexium.server import errors, models, storage
 from flexium.server.db import Database
-from srv_helpers import GIB, gpu
-from storage_helpers import (
+from support.server import GIB, gpu
+from support.storage import (
     NOW,
     STALE,
     add_process,

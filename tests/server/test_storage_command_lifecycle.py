@@ -8,8 +8,8 @@ import pytest
 from flexium import wire
 from flexium.server import errors, storage
 from flexium.server.db import Database
-from srv_helpers import GIB
-from storage_helpers import (
+from support.server import GIB
+from support.storage import (
     NOW,
     STALE,
     add_process,

@@ -19,8 +19,8 @@ from typing import Iterator
 import pytest
 import requests
 
-from live_server import free_port, wait_until
-from srv_helpers import LiveServer, process_body
+from support.live_server import free_port, wait_until
+from support.server import LiveServer, process_body
 
 pytestmark = pytest.mark.timeout(180)
 

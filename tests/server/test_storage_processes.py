@@ -13,8 +13,8 @@ from sqlalchemy import text
 from flexium import wire
 from flexium.server import errors, storage
 from flexium.server.db import Database
-from srv_helpers import GIB, gpu, process_body
-from storage_helpers import (
+from support.server import GIB, gpu, process_body
+from support.storage import (
     NOW,
     STALE,
     add_process,

@@ -8,7 +8,7 @@ from sqlalchemy import text
 
 from flexium.server import errors, storage
 from flexium.server.db import Database
-from storage_helpers import (
+from support.storage import (
     NOW,
     make_workspace,
 )

@@ -16,7 +16,11 @@ torch = pytest.importorskip("torch")
 import flexium  # noqa: E402
 import flexium.auto  # noqa: E402
 import flexium.utils  # noqa: E402
-from engine_fixtures import (  # noqa: E402,F401  (fixtures)
+from flexium.api import device_routing  # noqa: E402
+from flexium.api import runtime as runtime_module  # noqa: E402
+from flexium.engine import Engine, EngineState  # noqa: E402
+from flexium.errors import ConfigError  # noqa: E402
+from support.engine import (  # noqa: E402,F401  (fixtures)
     FLEXIUM_ENV,
     Background,
     GiB,
@@ -27,11 +31,7 @@ from engine_fixtures import (  # noqa: E402,F401  (fixtures)
     script_env,
     wait_until,
 )
-from fake_driver import FakeDriver, ProcessState  # noqa: E402
-from flexium.api import device_routing  # noqa: E402
-from flexium.api import runtime as runtime_module  # noqa: E402
-from flexium.engine import Engine, EngineState  # noqa: E402
-from flexium.errors import ConfigError  # noqa: E402
+from support.fake_driver import FakeDriver, ProcessState  # noqa: E402
 
 PROCESS_ID = re.compile(r"^gpu-[0-9a-f]{8}$")
 
@@ -39,7 +39,7 @@ PROCESS_ID = re.compile(r"^gpu-[0-9a-f]{8}$")
 
 ATEXIT_SCRIPT = """
 import atexit
-import fake_driver
+from support import fake_driver
 fake = fake_driver.FakeDriver(os.environ["FLEXIUM_LIBCUDA"])
 
 def after_flexium():  # registered before init(): runs after flexium's own exit handler

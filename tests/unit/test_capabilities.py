@@ -13,14 +13,14 @@ from typing import Any, Iterator
 
 import pytest
 
-from engine_fixtures import Script, driver, fake, script_env  # noqa: F401  (fixtures)
-from fake_driver import FakeDriver
 from flexium.engine import capabilities as capabilities_module
 from flexium.engine.capabilities import Capabilities, detect
+from support.engine import Script, driver, fake, script_env  # noqa: F401  (fixtures)
+from support.fake_driver import FakeDriver
 
 # Engine-level checks shared by the subprocess scripts: what pause / resume / migrate do.
 ENGINE_PROBE = """
-import fake_driver
+from support import fake_driver
 from flexium import _C
 from flexium.engine import Engine, snapshot_gpus
 from flexium.engine.capabilities import detect

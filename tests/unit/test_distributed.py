@@ -10,8 +10,8 @@ from typing import Any, Callable, Iterator
 
 import pytest
 
-from engine_fixtures import Script, driver, fake, make_engine, script_env  # noqa: F401
-from fake_driver import FakeDriver
+from support.engine import Script, driver, fake, make_engine, script_env  # noqa: F401
+from support.fake_driver import FakeDriver
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK")
 
@@ -179,7 +179,8 @@ def test_a_paused_rank_keeps_what_lets_it_resume(monkeypatch: pytest.MonkeyPatch
 # --------------------------------------------------------------------------------- a real 2-rank job
 
 RANK_SCRIPT = """
-import fake_driver, torch
+import torch
+from support import fake_driver
 import torch.distributed as dist
 import flexium
 from flexium.api import runtime

@@ -10,7 +10,13 @@ from typing import Any, Callable
 
 import pytest
 
-from engine_fixtures import (  # noqa: F401  (fixtures)
+from flexium.engine import EngineState, nvml
+from flexium.errors import (
+    InvalidStateError,
+    OperationFailedError,
+    RollbackFailedError,
+)
+from support.engine import (  # noqa: F401  (fixtures)
     H200_BYTES,
     GiB,
     MiB,
@@ -23,13 +29,7 @@ from engine_fixtures import (  # noqa: F401  (fixtures)
     reader_in_parent,
     step_summary,
 )
-from fake_driver import FakeDriver, ProcessState
-from flexium.engine import EngineState, nvml
-from flexium.errors import (
-    InvalidStateError,
-    OperationFailedError,
-    RollbackFailedError,
-)
+from support.fake_driver import FakeDriver, ProcessState
 
 pytestmark = pytest.mark.usefixtures("nvml_in_parent")
 

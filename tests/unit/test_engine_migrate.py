@@ -1,4 +1,4 @@
-"""A migration that succeeds: flexium.engine.Engine over the fake driver (tests/fake_driver), in
+"""A migration that succeeds: flexium.engine.Engine over the fake driver (tests/support/fake_driver.py), in
 this process, checked through what the fake saw (the checkpoint calls, the pairs, where each
 logical device is, what NVML reports) and what the engine says (state, placement, result); other
 GPU counts and a machine without NVML in fresh processes. The refusals of a target are in
@@ -13,7 +13,12 @@ from typing import Any, Callable
 
 import pytest
 
-from engine_fixtures import (  # noqa: F401  (fixtures)
+from flexium import _C
+from flexium.engine import EngineState, OperationKind, nvml
+from flexium.errors import (
+    TargetRefusedError,
+)
+from support.engine import (  # noqa: F401  (fixtures)
     H200_BYTES,
     PID,
     GiB,
@@ -26,12 +31,7 @@ from engine_fixtures import (  # noqa: F401  (fixtures)
     on_gpu,
     step_summary,
 )
-from fake_driver import FakeDriver
-from flexium import _C
-from flexium.engine import EngineState, OperationKind, nvml
-from flexium.errors import (
-    TargetRefusedError,
-)
+from support.fake_driver import FakeDriver
 
 pytestmark = pytest.mark.usefixtures("nvml_in_parent")
 
@@ -264,7 +264,7 @@ def test_a_transaction_runs_over_its_context_and_plan_alone(fake: FakeDriver) ->
 # ----------------------------------------------------------------------------- in fresh processes
 
 FOUR_GPUS_SCRIPT = """
-import fake_driver
+from support import fake_driver
 from flexium.engine import Engine, snapshot_gpus
 from flexium.engine.capabilities import detect
 
@@ -285,7 +285,7 @@ engine.stop()
 """
 
 NO_NVML_SCRIPT = """
-import fake_driver
+from support import fake_driver
 from flexium.engine import Engine, snapshot_gpus
 from flexium.engine.capabilities import detect
 
@@ -305,7 +305,7 @@ out(caps=caps.to_dict(), nvml_index=[g.nvml_index for g in engine.gpus], ok=migr
 
 @pytest.fixture(scope="module")
 def fresh_processes() -> Any:
-    from engine_fixtures import Script, script_env
+    from support.engine import Script, script_env
 
     started = {
         "four_gpus": Script(FOUR_GPUS_SCRIPT, script_env(FAKE_CUDA_GPUS=4)),

@@ -7,7 +7,8 @@ from typing import Any, Callable
 
 import pytest
 
-from engine_fixtures import (  # noqa: F401  (fixtures)
+from flexium.engine import EngineState, OperationKind, nvml
+from support.engine import (  # noqa: F401  (fixtures)
     H200_BYTES,
     ChildReads,
     GiB,
@@ -19,8 +20,7 @@ from engine_fixtures import (  # noqa: F401  (fixtures)
     on_gpu,
     step_summary,
 )
-from fake_driver import FakeDriver, ProcessState
-from flexium.engine import EngineState, OperationKind, nvml
+from support.fake_driver import FakeDriver, ProcessState
 
 pytestmark = pytest.mark.usefixtures("nvml_in_parent")
 

@@ -14,7 +14,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from engine_fixtures import (  # noqa: E402,F401  (fixtures)
+from flexium.engine import EngineState, nvml  # noqa: E402
+from flexium.errors import InvalidStateError, OperationFailedError, OperationInProgressError  # noqa: E402
+from support.engine import (  # noqa: E402,F401  (fixtures)
     Background,
     ChildReads,
     GiB,
@@ -25,9 +27,7 @@ from engine_fixtures import (  # noqa: E402,F401  (fixtures)
     nvml_in_parent,
     wait_until,
 )
-from fake_driver import FakeDriver, ProcessState  # noqa: E402
-from flexium.engine import EngineState, nvml  # noqa: E402
-from flexium.errors import InvalidStateError, OperationFailedError, OperationInProgressError  # noqa: E402
+from support.fake_driver import FakeDriver, ProcessState  # noqa: E402
 
 
 class Trainer(threading.Thread):

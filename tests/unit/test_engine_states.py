@@ -9,7 +9,15 @@ from typing import Any, Callable
 
 import pytest
 
-from engine_fixtures import (  # noqa: F401  (fixtures)
+from flexium.engine import EngineState, nvml, target_rules
+from flexium.engine import engine as engine_module
+from flexium.errors import (
+    CapabilityError,
+    InvalidStateError,
+    OperationInProgressError,
+    TargetRefusedError,
+)
+from support.engine import (  # noqa: F401  (fixtures)
     H200_BYTES,
     MARGIN,
     Background,
@@ -24,15 +32,7 @@ from engine_fixtures import (  # noqa: F401  (fixtures)
     on_gpu,
     wait_until,
 )
-from fake_driver import FakeDriver, ProcessState
-from flexium.engine import EngineState, nvml, target_rules
-from flexium.engine import engine as engine_module
-from flexium.errors import (
-    CapabilityError,
-    InvalidStateError,
-    OperationInProgressError,
-    TargetRefusedError,
-)
+from support.fake_driver import FakeDriver, ProcessState
 
 pytestmark = pytest.mark.usefixtures("nvml_in_parent")
 

@@ -11,7 +11,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from engine_fixtures import (  # noqa: E402,F401  (fixtures)
+from flexium import _C  # noqa: E402
+from support.engine import (  # noqa: E402,F401  (fixtures)
     GiB,
     MiB,
     driver,
@@ -20,8 +21,8 @@ from engine_fixtures import (  # noqa: E402,F401  (fixtures)
     nvml_in_parent,
     wait_until,
 )
-from fake_driver import ProcessState  # noqa: E402
-from fast_path_fixtures import (  # noqa: E402,F401  (fixtures)
+from support.fake_driver import ProcessState  # noqa: E402
+from support.fast_path import (  # noqa: E402,F401  (fixtures)
     CUDA_ERROR_UNKNOWN,
     FAST_PAUSE,
     Job,
@@ -31,7 +32,6 @@ from fast_path_fixtures import (  # noqa: E402,F401  (fixtures)
     open_fds,
     zombie,
 )
-from flexium import _C  # noqa: E402
 
 # ----------------------------------------------------------------------------- the copier process
 

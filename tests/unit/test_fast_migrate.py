@@ -13,7 +13,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from engine_fixtures import (  # noqa: E402,F401  (fixtures)
+from flexium import _C  # noqa: E402
+from flexium.engine import EngineState  # noqa: E402
+from flexium.engine.operations import GpuIdentity  # noqa: E402
+from flexium.errors import (  # noqa: E402
+    OperationFailedError,
+)
+from support.engine import (  # noqa: E402,F401  (fixtures)
     PID,
     GiB,
     MiB,
@@ -25,8 +31,8 @@ from engine_fixtures import (  # noqa: E402,F401  (fixtures)
     step_summary,
     wait_until,
 )
-from fake_driver import ProcessState  # noqa: E402
-from fast_path_fixtures import (  # noqa: E402,F401  (fixtures)
+from support.fake_driver import ProcessState  # noqa: E402
+from support.fast_path import (  # noqa: E402,F401  (fixtures)
     FAST_MIGRATION,
     OWNING_NOTE,
     Job,
@@ -36,12 +42,6 @@ from fast_path_fixtures import (  # noqa: E402,F401  (fixtures)
     names,
     open_fds,
     rolled_back,
-)
-from flexium import _C  # noqa: E402
-from flexium.engine import EngineState  # noqa: E402
-from flexium.engine.operations import GpuIdentity  # noqa: E402
-from flexium.errors import (  # noqa: E402
-    OperationFailedError,
 )
 
 # ----------------------------------------------------------------------------- migrate

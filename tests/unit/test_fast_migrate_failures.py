@@ -10,7 +10,12 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from engine_fixtures import (  # noqa: E402,F401  (fixtures)
+from flexium.engine import EngineState  # noqa: E402
+from flexium.errors import (  # noqa: E402
+    InvalidStateError,
+    RollbackFailedError,
+)
+from support.engine import (  # noqa: E402,F401  (fixtures)
     H200_BYTES,
     MiB,
     checkpoint_ops,
@@ -20,8 +25,8 @@ from engine_fixtures import (  # noqa: E402,F401  (fixtures)
     nvml_in_parent,
     step_summary,
 )
-from fake_driver import ProcessState  # noqa: E402
-from fast_path_fixtures import (  # noqa: E402,F401  (fixtures)
+from support.fake_driver import ProcessState  # noqa: E402
+from support.fast_path import (  # noqa: E402,F401  (fixtures)
     CUDA_ERROR_UNKNOWN,
     FAST_MIGRATION,
     Job,
@@ -29,11 +34,6 @@ from fast_path_fixtures import (  # noqa: E402,F401  (fixtures)
     job,
     open_fds,
     rolled_back,
-)
-from flexium.engine import EngineState  # noqa: E402
-from flexium.errors import (  # noqa: E402
-    InvalidStateError,
-    RollbackFailedError,
 )
 
 # ----------------------------------------------------------------------------- failures, rolled back

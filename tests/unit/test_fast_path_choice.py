@@ -8,7 +8,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from engine_fixtures import (  # noqa: E402,F401  (fixtures)
+from flexium import _C  # noqa: E402
+from flexium.engine import EngineState  # noqa: E402
+from flexium.errors import (  # noqa: E402
+    CapabilityError,
+    TargetRefusedError,
+)
+from support.engine import (  # noqa: E402,F401  (fixtures)
     H200_BYTES,
     GiB,
     MiB,
@@ -18,19 +24,13 @@ from engine_fixtures import (  # noqa: E402,F401  (fixtures)
     make_engine,
     nvml_in_parent,
 )
-from fake_driver import FakeDriver  # noqa: E402
-from fast_path_fixtures import (  # noqa: E402,F401  (fixtures)
+from support.fake_driver import FakeDriver  # noqa: E402
+from support.fast_path import (  # noqa: E402,F401  (fixtures)
     Job,
     failure,
     job,
     locking_threads,
     names,
-)
-from flexium import _C  # noqa: E402
-from flexium.engine import EngineState  # noqa: E402
-from flexium.errors import (  # noqa: E402
-    CapabilityError,
-    TargetRefusedError,
 )
 
 # ----------------------------------------------------------------------------- which path

@@ -10,7 +10,14 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from engine_fixtures import (  # noqa: E402,F401  (fixtures)
+from flexium import _C  # noqa: E402
+from flexium.engine import EngineState  # noqa: E402
+from flexium.errors import (  # noqa: E402
+    OperationFailedError,
+    RollbackFailedError,
+    TargetRefusedError,
+)
+from support.engine import (  # noqa: E402,F401  (fixtures)
     H200_BYTES,
     GiB,
     HostMemory,
@@ -23,8 +30,8 @@ from engine_fixtures import (  # noqa: E402,F401  (fixtures)
     step_summary,
     wait_until,
 )
-from fake_driver import ProcessState  # noqa: E402
-from fast_path_fixtures import (  # noqa: E402,F401  (fixtures)
+from support.fake_driver import ProcessState  # noqa: E402
+from support.fast_path import (  # noqa: E402,F401  (fixtures)
     CUDA_ERROR_UNKNOWN,
     FAST_PAUSE,
     Job,
@@ -34,13 +41,6 @@ from fast_path_fixtures import (  # noqa: E402,F401  (fixtures)
     names,
     open_fds,
     rolled_back,
-)
-from flexium import _C  # noqa: E402
-from flexium.engine import EngineState  # noqa: E402
-from flexium.errors import (  # noqa: E402
-    OperationFailedError,
-    RollbackFailedError,
-    TargetRefusedError,
 )
 
 # ----------------------------------------------------------------------------- pause / resume

@@ -1,4 +1,4 @@
-"""tests/gpu's one helper for running a check in a fresh process (tests/gpu/fresh_process.py), on the
+"""tests/gpu's one helper for running a check in a fresh process (tests/support/fresh_process.py), on the
 CPU: a body runs in a process of its own, started with the environment given, and hands back what
 it returned; a body that fails, dies of a signal or outlives its time fails the test, and what it
 printed shows."""
@@ -15,9 +15,7 @@ from typing import Any
 
 import pytest
 
-sys.path.append(str(Path(__file__).resolve().parents[1] / "gpu"))
-
-from fresh_process import run_in_fresh_process  # noqa: E402
+from support.fresh_process import run_in_fresh_process
 
 
 def passes(value: int, name: str) -> dict[str, Any]:

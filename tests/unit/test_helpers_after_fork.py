@@ -12,8 +12,8 @@ import subprocess
 import sys
 import textwrap
 
-from engine_fixtures import driver  # noqa: F401  (fixture)
-from fake_driver import FakeDriver
+from support.engine import driver  # noqa: F401  (fixture)
+from support.fake_driver import FakeDriver
 
 SCRIPT = textwrap.dedent("""
     import json, os, signal, sys, time

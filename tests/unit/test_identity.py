@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from engine_fixtures import PID, driver, fake  # noqa: F401  (fixtures)
-from fake_driver import FakeDriver
 from flexium.engine.identity import IdentityMap, Move
 from flexium.engine.operations import GpuIdentity
 from flexium.errors import TargetRefusedError
+from support.engine import PID, driver, fake  # noqa: F401  (fixtures)
+from support.fake_driver import FakeDriver
 
 
 def gpu(ordinal: int, uuid: str = "", name: str = "NVIDIA H200") -> GpuIdentity:

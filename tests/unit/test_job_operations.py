@@ -10,14 +10,15 @@ from typing import Any, Optional
 
 import pytest
 
-from engine_fixtures import DictStore, Script, script_env
 from flexium.engine.distributed.rendezvous import OK, Gathered, JobAborted, Rendezvous
+from support.engine import DictStore, Script, script_env
 
 STEPS = 40
 CUDA_ERROR_UNKNOWN = 999
 
 RANK_SCRIPT = """
-import fake_driver, torch
+import torch
+from support import fake_driver
 import torch.distributed as dist
 import flexium
 from flexium.api import runtime

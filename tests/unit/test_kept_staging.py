@@ -22,13 +22,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from engine_fixtures import H200_BYTES, MiB, driver, fake, make_engine, nvml_in_parent, wait_until  # noqa: E402,F401
-from fake_driver import FakeDriver  # noqa: E402
-from fast_path_fixtures import Job, copier_processes, job, zombie  # noqa: E402,F401  (fixture)
 from flexium import _C  # noqa: E402
 from flexium.engine import EngineState, host_memory  # noqa: E402
 from flexium.engine.fast import kept_staging, pinned_budget  # noqa: E402
 from flexium.errors import ConfigError  # noqa: E402
+from support.engine import H200_BYTES, MiB, driver, fake, make_engine, nvml_in_parent, wait_until  # noqa: E402,F401
+from support.fake_driver import FakeDriver  # noqa: E402
+from support.fast_path import Job, copier_processes, job, zombie  # noqa: E402,F401  (fixture)
 
 GiB = 1 << 30
 

@@ -3,7 +3,7 @@ fast path copies, and the order of PyTorch calls that route, pause and end the r
 
 This machine's torch has no CUDA, so the few torch.cuda functions the hook calls are replaced by
 recorders (``FakeTorchCuda``); what they must do on a real GPU is checked by tests/gpu. The
-driver side is the fake driver (tests/fake_driver), which has the VMM API."""
+driver side is the fake driver (tests/support/fake_driver.py), which has the VMM API."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from engine_fixtures import driver, fake  # noqa: E402,F401  (fixtures)
-from fake_driver import FakeDriver  # noqa: E402
 from flexium.engine.fast import memory_pool  # noqa: E402
 from flexium.engine.fast.memory_pool import MemoryPool, _active_blocks, _merge  # noqa: E402
+from support.engine import driver, fake  # noqa: E402,F401  (fixtures)
+from support.fake_driver import FakeDriver  # noqa: E402
 
 MiB = 1 << 20
 

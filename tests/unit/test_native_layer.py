@@ -1,4 +1,4 @@
-"""flexium._C against the fake NVIDIA driver (tests/fake_driver): how it loads (or fails to),
+"""flexium._C against the fake NVIDIA driver (tests/support/fake_driver.py): how it loads (or fails to),
 the device list, every checkpoint primitive and its failure paths, and run_steps plans with
 their rollbacks. _C loads the driver once per process, so each other driver configuration runs
 in a subprocess; the rest shares this process's instance of the fake."""
@@ -18,10 +18,10 @@ from typing import Any
 
 import pytest
 
-import fake_driver
-from fake_driver import CUDA_ERRORS, FakeDriver, ProcessState
 from flexium import _C
 from flexium.errors import ConfigError
+from support import fake_driver
+from support.fake_driver import CUDA_ERRORS, FakeDriver, ProcessState
 
 PID = os.getpid()
 GiB = 1 << 30
@@ -748,7 +748,8 @@ def test_cuGetProcAddress_reports_missing_and_too_old_symbols(fake: FakeDriver) 
 def test_pynvml_sees_the_physical_gpus_through_a_migration_and_a_pause(driver: FakeDriver) -> None:
     out = run_python(
         """
-        import ctypes, pynvml, fake_driver
+        import ctypes, pynvml
+        from support import fake_driver
         fake = fake_driver.FakeDriver(os.environ["FLEXIUM_LIBCUDA"])
         pynvml.nvmlLib = ctypes.CDLL(os.environ["FLEXIUM_LIBNVML"])  # what flexium does
         pynvml.nvmlInit()

@@ -7,10 +7,10 @@ import os
 
 import pytest
 
-from engine_fixtures import DictStore
 from flexium.engine.distributed import nccl
 from flexium.engine.distributed.job_operation import STOP_MARGIN_STEPS, StepAgreement
 from flexium.engine.distributed.rendezvous import JobAborted, Rendezvous
+from support.engine import DictStore
 
 
 @pytest.fixture(autouse=True)

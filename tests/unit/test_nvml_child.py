@@ -4,9 +4,9 @@ report the same GPUs."""
 
 from __future__ import annotations
 
-from engine_fixtures import driver, fake  # noqa: F401  (fixtures)
-from fake_driver import FakeDriver
 from flexium.engine import nvml
+from support.engine import driver, fake  # noqa: F401  (fixtures)
+from support.fake_driver import FakeDriver
 
 
 def test_a_read_in_a_child_sees_the_gpus_the_parent_sees(fake: FakeDriver) -> None:  # noqa: F811

@@ -12,17 +12,17 @@ from typing import Any, Callable
 
 import pytest
 
-from engine_fixtures import (  # noqa: F401  (fixtures)
+from flexium.engine import EngineState
+from flexium.engine.guards.pinning_gate import PinningGate
+from flexium.errors import OperationFailedError
+from support.engine import (  # noqa: F401  (fixtures)
     Background,
     driver,
     fake,
     make_engine,
     nvml_in_parent,
 )
-from fake_driver import FakeDriver
-from flexium.engine import EngineState
-from flexium.engine.guards.pinning_gate import PinningGate
-from flexium.errors import OperationFailedError
+from support.fake_driver import FakeDriver
 
 PIN_MODULE = "torch.utils.data._utils.pin_memory"
 

@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from engine_fixtures import wait_until
 from flexium.engine.safe_point import SafePoints
+from support.engine import wait_until
 
 
 def test_a_chore_runs_at_each_step_until_it_says_it_is_done() -> None:

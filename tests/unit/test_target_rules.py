@@ -11,7 +11,12 @@ from typing import Any, Callable
 
 import pytest
 
-from engine_fixtures import (  # noqa: F401  (fixtures)
+from flexium.engine import EngineState
+from flexium.errors import (
+    FlexiumError,
+    TargetRefusedError,
+)
+from support.engine import (  # noqa: F401  (fixtures)
     H200_BYTES,
     MARGIN,
     GiB,
@@ -26,12 +31,7 @@ from engine_fixtures import (  # noqa: F401  (fixtures)
     nvml_in_parent,
     on_gpu,
 )
-from fake_driver import FakeDriver, ProcessState
-from flexium.engine import EngineState
-from flexium.errors import (
-    FlexiumError,
-    TargetRefusedError,
-)
+from support.fake_driver import FakeDriver, ProcessState
 
 pytestmark = pytest.mark.usefixtures("nvml_in_parent")
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-import fake_driver
+from support import fake_driver
 
 JOBS = Path(__file__).resolve().parents[2] / "bench" / "jobs"
 sys.path.append(str(JOBS))

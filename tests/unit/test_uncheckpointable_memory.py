@@ -13,12 +13,12 @@ from typing import Any, Callable, Sequence
 
 import pytest
 
-from engine_fixtures import GiB, MiB, checkpoint_ops, driver, fake, make_engine, wait_until  # noqa: F401  (fixtures)
-from fake_driver import FakeDriver
 from flexium import _C
 from flexium.engine import EngineState
 from flexium.engine.guards import imported_memory
 from flexium.errors import CapabilityError, OperationFailedError
+from support.engine import GiB, MiB, checkpoint_ops, driver, fake, make_engine, wait_until  # noqa: F401  (fixtures)
+from support.fake_driver import FakeDriver
 
 SIZE = 4 * MiB
 HOST_CUMEM = "this process holds cuMem memory located on the host (1 mapping, 4.0 MiB, the first at"

@@ -15,9 +15,9 @@ from typing import Any
 
 import pytest
 
-from fake_driver import CUDA_ERRORS, FakeDriver
 from flexium import _C
-from vmm_fixtures import (  # noqa: F401  (fixtures)
+from support.fake_driver import CUDA_ERRORS, FakeDriver
+from support.vmm import (  # noqa: F401  (fixtures)
     H200_BYTES,
     NO_LEAKS,
     Allocator,

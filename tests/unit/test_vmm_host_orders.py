@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from fake_driver import FakeDriver
 from flexium import _C
-from vmm_fixtures import (  # noqa: F401  (fixtures)
+from support.fake_driver import FakeDriver
+from support.vmm import (  # noqa: F401  (fixtures)
     NO_LEAKS,
     PID,
     Allocator,

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
-from fake_driver import FakeDriver
 from flexium import _C
-from vmm_fixtures import (  # noqa: F401  (fixtures)
+from support.fake_driver import FakeDriver
+from support.vmm import (  # noqa: F401  (fixtures)
     NO_LEAKS,
     PID,
     Allocator,

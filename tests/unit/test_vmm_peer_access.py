@@ -7,10 +7,10 @@ import ctypes
 
 import pytest
 
-import fake_driver
-from fake_driver import FakeDriver
 from flexium import _C
-from vmm_fixtures import (  # noqa: F401  (fixtures)
+from support import fake_driver
+from support.fake_driver import FakeDriver
+from support.vmm import (  # noqa: F401  (fixtures)
     NO_LEAKS,
     Allocator,
     MiB,

@@ -8,9 +8,9 @@ import os
 
 import pytest
 
-from fake_driver import FakeDriver, ProcessState
 from flexium import _C
-from vmm_fixtures import (  # noqa: F401  (fixtures)
+from support.fake_driver import FakeDriver, ProcessState
+from support.vmm import (  # noqa: F401  (fixtures)
     H200_BYTES,
     NO_LEAKS,
     PID,

@@ -1,7 +1,6 @@
 """A real flexium server in a child process, for the server, end-to-end and browser tests:
 ``python -m flexium.server`` (what ``flexium server`` runs) on 127.0.0.1 and a free port, its
-output collected line by line, restartable on the same port and database. Every wait is bounded.
-(tests/ is on sys.path: tests/conftest.py.)"""
+output collected line by line, restartable on the same port and database. Every wait is bounded."""
 
 from __future__ import annotations
 

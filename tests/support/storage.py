@@ -9,7 +9,7 @@ from typing import Any, Callable, Optional
 from flexium import wire
 from flexium.server import storage
 from flexium.server.db import Database
-from srv_helpers import process_body, register
+from support.server import process_body, register
 
 NOW = 1_800_000_000.0
 STALE = 30.0

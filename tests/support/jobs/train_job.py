@@ -22,7 +22,7 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     fake = None
     if os.environ.get("FLEXIUM_LIBCUDA"):
-        from fake_driver import FakeDriver
+        from support.fake_driver import FakeDriver
 
         fake = FakeDriver(Path(os.environ["FLEXIUM_LIBCUDA"]))
         fake.set_process_memory(0, int(os.environ.get("E2E_JOB_MEMORY_MIB", "1024")) << 20)

@@ -13,8 +13,8 @@ from typing import Any, Optional
 
 import pytest
 
-from conftest import RANK_JOB
-from fresh_process import end_process_group, keep_log
+from support.fresh_process import end_process_group, keep_log
+from support.gpu import RANK_JOB
 
 
 class TorchrunJob:

@@ -1,6 +1,6 @@
 """Fixtures and helpers shared by the engine, identity, safe-point, API and capability tests.
 
-Everything here drives the real flexium engine over the fake NVIDIA driver (tests/fake_driver):
+Everything here drives the real flexium engine over the fake NVIDIA driver (support/fake_driver.py):
 no part of the engine is replaced. Two things are adapted to the fake, each said where it is done:
 
 * ``flexium._C`` loads its driver once per process. ``driver`` points it at the fake (the same
@@ -18,7 +18,7 @@ no part of the engine is replaced. Two things are adapted to the fake, each said
   so tests still see *that* the engine went through the child path. Tests in
   test_engine_safe_points.py run the real child path.
 
-Test modules import what they use: ``from engine_fixtures import driver, fake, make_engine``.
+Test modules import what they use: ``from support.engine import driver, fake, make_engine``.
 """
 
 from __future__ import annotations
@@ -36,8 +36,8 @@ from typing import Any, Callable, Iterator, Optional
 
 import pytest
 
-import fake_driver
-from fake_driver import FakeDriver, ProcessState
+from support import fake_driver
+from support.fake_driver import FakeDriver, ProcessState
 
 GiB = 1 << 30
 MiB = 1 << 20

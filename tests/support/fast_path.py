@@ -5,8 +5,8 @@ MemoryPool, which CPU torch cannot install, with the attributes FastPath reads (
 live_ranges); a real CPU torch training thread, whose optimizer.step() hook gives the safe points.
 Every test gives back all it made: no segment, host stash, pinned pool or fd stays behind.
 
-Test modules import what they use: ``from fast_path_fixtures import Job, job`` beside
-engine_fixtures' ``driver, fake, make_engine, nvml_in_parent``, which the job fixture asks for."""
+Test modules import what they use: ``from support.fast_path import Job, job`` beside
+support.engine's ``driver, fake, make_engine, nvml_in_parent``, which the job fixture asks for."""
 
 from __future__ import annotations
 
@@ -20,12 +20,12 @@ from typing import Any, Callable, Iterator, Optional
 import pytest
 import torch
 
-from engine_fixtures import wait_until
-from fake_driver import FakeDriver, ProcessState
 from flexium import _C
 from flexium.engine import EngineState
 from flexium.engine.fast.path import FastPath, Staged
 from flexium.errors import OperationFailedError
+from support.engine import wait_until
+from support.fake_driver import FakeDriver, ProcessState
 
 FAST_MIGRATION = ["prepare", "copy", "release", "lock", "checkpoint", "restore", "unlock", "map"]
 OWNING_NOTE = "the moved memory becomes the job's own over the next optimizer steps (4.00 GiB each)"

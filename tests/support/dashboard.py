@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 
 import requests
 
-from live_server import ServerProcess
+from support.live_server import ServerProcess
 
 GIB = 1 << 30
 H200 = "NVIDIA H200"

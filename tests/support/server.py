@@ -1,14 +1,19 @@
-"""Helpers shared by the server tests (imported by name: pytest puts this folder on sys.path)."""
+"""Helpers shared by the server tests: settings, a TestClient bound to a workspace, request bodies,
+the schema at a migration, a real server process with simulated jobs over HTTP, and the figures
+docs/reliability.md quotes."""
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
+import requests
 from fastapi.testclient import TestClient
 
 from flexium.server.db import Database
 from flexium.server.settings import Settings, normalize_database_url
+from support.live_server import ServerProcess
 
 
 def make_settings(database_url: str, **overrides: Any) -> Settings:
@@ -224,12 +229,6 @@ def table_snapshot(db: Database) -> dict[str, list[tuple[Any, ...]]]:
 
 
 # --- a real server process and simulated jobs speaking the protocol over HTTP -----------------
-
-import threading  # noqa: E402
-
-import requests  # noqa: E402
-
-from live_server import ServerProcess  # noqa: E402  (tests/ is on sys.path)
 
 
 class LiveServer(ServerProcess):

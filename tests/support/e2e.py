@@ -1,7 +1,6 @@
 """Helpers of the end-to-end tests: a real ``flexium server`` process, real training processes
-(``train_job.py``: CPU torch + ``flexium.init()``, optionally on the fake driver) and the
-real ``flexium`` command. Everything listens on 127.0.0.1 only; every wait is bounded.
-(Imported by name: pytest puts this folder on sys.path.)"""
+(``jobs/train_job.py``: CPU torch + ``flexium.init()``, optionally on the fake driver) and the
+real ``flexium`` command. Everything listens on 127.0.0.1 only; every wait is bounded."""
 
 from __future__ import annotations
 
@@ -16,8 +15,8 @@ from typing import Any, Optional, Sequence, Union
 
 import requests
 
-import fake_driver  # tests/ is on sys.path: tests/conftest.py
-from live_server import (  # noqa: F401  (free_port: for the tests)
+from support import fake_driver
+from support.live_server import (  # noqa: F401  (free_port: for the tests)
     ProcessOutput,
     ServerProcess,
     clean_env,
@@ -26,8 +25,8 @@ from live_server import (  # noqa: F401  (free_port: for the tests)
     wait_until,
 )
 
-HERE = Path(__file__).resolve().parent
-TRAIN_JOB = HERE / "train_job.py"
+JOBS = Path(__file__).resolve().parent / "jobs"
+TRAIN_JOB = JOBS / "train_job.py"
 WORKSPACE = "e2e"
 HEARTBEAT_S = 0.5
 
@@ -143,7 +142,7 @@ def ps_row(table: str, process_id: str) -> dict[str, str]:
 
 
 class Job:
-    """A training process (tests/e2e/train_job.py)."""
+    """A training process (tests/support/jobs/train_job.py)."""
 
     def __init__(
         self,

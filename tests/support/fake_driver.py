@@ -250,7 +250,7 @@ def build(force: bool = False) -> Path:
 def subprocess_env(library: Optional[Path] = None, **fake_vars: Any) -> dict[str, str]:
     """The environment for a Python subprocess that should run on the fake: this environment
     without FAKE_* settings, plus FLEXIUM_LIBCUDA / FLEXIUM_LIBNVML, the given FAKE_* variables
-    (``FAKE_CUDA_GPUS=4``) and tests/ on PYTHONPATH so that it can import fake_driver."""
+    (``FAKE_CUDA_GPUS=4``) and tests/ on PYTHONPATH so that it can import support.fake_driver."""
     env = {k: v for k, v in os.environ.items() if k not in FAKE_ENV_VARS}
     path = str(library if library is not None else build())
     env["FLEXIUM_LIBCUDA"] = path

@@ -5,7 +5,7 @@ as PyTorch's CUDAPluggableAllocator calls them, and a `fake` that leaves an empt
 after every test. Configurations that need a fresh driver load run in a subprocess; the rest
 shares this process's instance of the fake (and of _C's registry).
 
-Test modules import what they use: ``from vmm_fixtures import Allocator, allocator, driver, fake``."""
+Test modules import what they use: ``from support.vmm import Allocator, allocator, driver, fake``."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from typing import Any, Iterator, Optional
 
 import pytest
 
-import fake_driver
-from fake_driver import FakeDriver
 from flexium import _C
+from support import fake_driver
+from support.fake_driver import FakeDriver
 
 PID = os.getpid()
 MiB = 1 << 20

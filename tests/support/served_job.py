@@ -8,8 +8,8 @@ import json
 import subprocess
 from typing import Any, Optional
 
-from conftest import job_events
-from fresh_process import end_process_group, keep_log
+from support.fresh_process import end_process_group, keep_log
+from support.gpu import job_events
 
 # Longer than the CLI's own wait for an outcome (cli/waiting.py, 300 s): its output is kept.
 CLI_TIMEOUT_S = 360
@@ -31,7 +31,7 @@ class ServedJob:
         nccl: Optional[str],
         ready_s: float = 180,
     ) -> None:
-        from live_server import ProcessOutput, ServerProcess, clean_env
+        from support.live_server import ProcessOutput, ServerProcess, clean_env
 
         self.argv, self.world, self.ready_s = argv, world, ready_s
         self.server = ServerProcess(tmp / "server").start()
@@ -55,7 +55,7 @@ class ServedJob:
         self.output = ProcessOutput(self.job)
 
     def __enter__(self) -> "ServedJob":
-        from live_server import wait_until
+        from support.live_server import wait_until
 
         try:
             ready = [
@@ -78,7 +78,7 @@ class ServedJob:
         self.server.stop()
 
     def cli(self, *args: str) -> subprocess.CompletedProcess[str]:
-        from live_server import flexium_command
+        from support.live_server import flexium_command
 
         return subprocess.run(
             [*flexium_command(), *args], env=self.cli_env, capture_output=True, text=True, timeout=CLI_TIMEOUT_S

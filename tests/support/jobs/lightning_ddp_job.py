@@ -26,7 +26,7 @@ def say(line: str) -> None:
 def main() -> None:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if os.environ.get("FLEXIUM_LIBCUDA"):
-        from fake_driver import FakeDriver
+        from support.fake_driver import FakeDriver
 
         FakeDriver(Path(os.environ["FLEXIUM_LIBCUDA"])).set_process_memory(local_rank, 256 << 20)
 

@@ -10,7 +10,7 @@ from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support.select import Select
 from selenium.webdriver.support.ui import WebDriverWait
 
-from dash_helpers import LiveServer
+from support.dashboard import LiveServer
 
 
 class Dashboard:

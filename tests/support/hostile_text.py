@@ -1,6 +1,5 @@
 """Text that a careless server, database, page or script mishandles, for the tests that send it
-in every field (tests/server/test_adversarial_text.py, tests/browser/test_hostile_text.py).
-(tests/ is on sys.path: tests/conftest.py.)"""
+in every field (tests/server/test_adversarial_text.py, tests/browser/test_hostile_text.py)."""
 
 # Valid Unicode: every text field takes it and gives it back as sent.
 ACCEPTED = {

@@ -74,7 +74,7 @@ def run_in_fresh_process(
     with tempfile.TemporaryDirectory(prefix="flexium-fresh-process-") as folder:
         result = Path(folder) / "result.pickle"
         request = {
-            # the body's folder first: its module's `import conftest` finds its own
+            # the body's folder first: its module is imported by the bare name pytest gave it
             "path": [str(Path(inspect.getfile(body)).parent), *sys.path],
             "module": body.__module__,
             "name": body.__qualname__,

@@ -1,0 +1,133 @@
+"""What the GPU tests (tests/gpu) share: the training job of bench/jobs/ run in a fresh process and
+its events (run_job, reference), the host's GPUs as NVML reads them, and the NCCL that jobs of
+several processes preload. Fixtures (host_gpus, two_gpus, four_gpus, gpu_filler) are in
+tests/gpu/conftest.py."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional
+
+import pytest
+
+from support.fresh_process import keep_log
+
+# The jobs the benchmark runs too: the training job, the torchrun ranks', another process filling a GPU.
+JOBS = Path(__file__).resolve().parents[2] / "bench" / "jobs"
+TRAIN_JOB = JOBS / "train_job.py"
+RANK_JOB = JOBS / "rank_job.py"
+FILL_GPU = JOBS / "fill_gpu.py"
+# A job written with one framework (the GPU tests' own).
+FRAMEWORK_JOB = Path(__file__).resolve().parent / "jobs" / "framework_job.py"
+GIB = 1 << 30
+# Memory a GPU may show beyond its idle reading once the job has left it (driver bookkeeping).
+RESIDUE_SLACK = 64 << 20
+JOB_TIMEOUT = 360  # past train_job.py's own hang dump (300 s), which then lands in the log
+
+
+def uuid_of(host_gpus: list[Any], index: int) -> str:
+    return next(gpu.uuid for gpu in host_gpus if gpu.index == index)
+
+
+def idle_used() -> dict[str, int]:
+    """Each GPU's used memory now, with no job of ours running."""
+    from flexium.engine import nvml
+
+    return {gpu.uuid: gpu.memory_used for gpu in nvml.host_gpus()}
+
+
+def assert_left(op: dict[str, Any], uuid: str, idle: dict[str, int]) -> None:
+    """After `op` the job holds nothing on `uuid`, which is back to its idle reading."""
+    reading = op["nvml"][uuid]
+    assert reading["ours"] == 0, f"after {op['op']} the job still holds {reading['ours']} bytes on {uuid}"
+    assert reading["used"] <= idle[uuid] + RESIDUE_SLACK, (
+        f"after {op['op']} {uuid} shows {reading['used'] >> 20} MiB used, idle was {idle[uuid] >> 20} MiB"
+    )
+
+
+def need_gpus(host_gpus: list[Any], count: int) -> list[Any]:
+    """The host's GPUs; the test is skipped (not run, never passed: listed as such, see
+    tests/conftest.py) where NVML sees fewer than ``count``."""
+    if len(host_gpus) < count:
+        pytest.skip(f"needs {count} GPUs, NVML sees {len(host_gpus)}")
+    return host_gpus
+
+
+@dataclass
+class JobRun:
+    returncode: int
+    events: list[dict[str, Any]]
+    stderr: str
+    ops: list[dict[str, Any]] = field(default_factory=list)
+
+    def one(self, name: str) -> dict[str, Any]:
+        found = [e for e in self.events if e["event"] == name]
+        assert found, f"job printed no '{name}' event; stderr tail:\n{self.stderr[-3000:]}"
+        return found[-1]
+
+
+def run_job(*args: str, env: Optional[dict[str, str]] = None, timeout: float = 480) -> JobRun:
+    """Runs the training job (bench/jobs/train_job.py) in a fresh process."""
+    full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    proc = subprocess.run(
+        [sys.executable, str(TRAIN_JOB), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+    )
+    events = job_events(proc.stdout.splitlines())
+    run = JobRun(proc.returncode, events, proc.stderr, [e for e in events if e["event"] == "op"])
+    keep_log(args, env, proc.returncode, proc.stdout, proc.stderr)
+    return run
+
+
+def ok_run(run: JobRun) -> JobRun:
+    assert run.returncode == 0, f"exit {run.returncode}; stderr tail:\n{run.stderr[-3000:]}"
+    return run
+
+
+@functools.lru_cache(maxsize=None)
+def reference(*args: str) -> tuple[str, ...]:
+    """The loss trace of an undisturbed run with these flags (one run per flag set per session)."""
+    run = ok_run(run_job(*args, timeout=JOB_TIMEOUT))
+    assert run.one("ready")["pool_active"] is True, run.one("ready")["pool_reason"]
+    return tuple(run.one("done")["losses"])
+
+
+def summary(ops: list[dict[str, Any]]) -> str:
+    """What went wrong, short: each op's outcome, path, notes and error."""
+    lines = []
+    for op in ops:
+        result = op.get("result") or {}
+        lines.append(
+            f"{op['op']} {op.get('target')}: ok={op['ok']} path={op.get('path', result.get('path'))} "
+            f"requested={op.get('requested_path')} notes={result.get('notes')} "
+            f"error={op.get('error_type')}: {op.get('error') or result.get('error')}"
+        )
+    return "\n".join(lines)
+
+
+def nccl_with_suspend() -> str:
+    """The libnccl.so.2 with ncclCommSuspend (NCCL 2.29.7+) that jobs of several processes preload:
+    torch 2.11's own NCCL 2.28.9 has none."""
+    path = os.environ.get("FLEXIUM_TEST_NCCL_LIB", "")
+    if not os.path.exists(path):
+        pytest.fail(
+            "FLEXIUM_TEST_NCCL_LIB does not name a libnccl.so.2 with ncclCommSuspend (NCCL 2.29.7+): run through "
+            "ci/gpu-tests.sh with FLEXIUM_NCCL_LIB naming one (ci/build-nccl.sh) or FLEXIUM_NCCL_SOURCE its "
+            "source tarball"
+        )
+    return path
+
+
+def job_events(lines: Iterable[str]) -> list[dict[str, Any]]:
+    """A job's JSON event lines, parsed; other output is skipped (a framework may print dicts of
+    its own)."""
+    return [json.loads(line) for line in lines if line.startswith('{"event"')]
