@@ -32,7 +32,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from tables import print_table
 
@@ -123,7 +123,7 @@ def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
 
 
-def run_job(size: float, name: str, *, nccl: Optional[str], hold: float, timeout: float) -> dict[str, Any]:
+def run_job(size: float, name: str, *, nccl: str | None, hold: float, timeout: float) -> dict[str, Any]:
     scenario = SCENARIOS[name]
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "NCCL_NVLS_ENABLE": "0"}
     if nccl:
@@ -178,7 +178,7 @@ def _own(op: dict[str, Any]) -> float:
     return sum(seconds for step, seconds in op.get("steps", {}).items() if step not in PROTOCOL_STAGES)
 
 
-def _step_clock(rank: dict[str, Any], op: dict[str, Any]) -> Optional[float]:
+def _step_clock(rank: dict[str, Any], op: dict[str, Any]) -> float | None:
     """The stop step's length minus the median normal step, by this rank's clock."""
     found = next((STOPPED.search(note) for note in op.get("notes", []) if STOPPED.search(note)), None)
     ends = rank["ends"]
@@ -191,7 +191,7 @@ def _step_clock(rank: dict[str, Any], op: dict[str, Any]) -> Optional[float]:
     return ends[k] - ends[k - 1] - normal
 
 
-def rows_of(job: dict[str, Any], bandwidth: Optional[dict[str, Any]], fixed: Optional[dict[str, Any]]):
+def rows_of(job: dict[str, Any], bandwidth: dict[str, Any] | None, fixed: dict[str, Any] | None):
     rows: list[dict[str, Any]] = []
     scenario = SCENARIOS[job["scenario"]]
     ranks = [job["ranks"].get(r) for r in range(scenario.ranks)]
@@ -227,7 +227,7 @@ def rows_of(job: dict[str, Any], bandwidth: Optional[dict[str, Any]], fixed: Opt
     return rows
 
 
-def floor(kind: str, size: int, bandwidth: Optional[dict[str, Any]], fixed: Optional[dict[str, Any]]):
+def floor(kind: str, size: int, bandwidth: dict[str, Any] | None, fixed: dict[str, Any] | None):
     if not bandwidth or not fixed:
         return None
     gb = size / 1e9
@@ -239,7 +239,7 @@ def floor(kind: str, size: int, bandwidth: Optional[dict[str, Any]], fixed: Opti
     return gb / peer + fixed["checkpoint"] + fixed["restore"] if peer else None
 
 
-def _fmt(value: Optional[float]) -> str:
+def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
@@ -278,11 +278,11 @@ def measure(
     sizes: list[float],
     scenarios: list[str],
     *,
-    nccl: Optional[str],
+    nccl: str | None,
     hold: float,
     timeout: float,
-    bandwidth: Optional[dict[str, Any]] = None,
-    fixed: Optional[dict[str, Any]] = None,
+    bandwidth: dict[str, Any] | None = None,
+    fixed: dict[str, Any] | None = None,
 ):
     """(rows, jobs, failures)."""
     rows: list[dict[str, Any]] = []

@@ -55,7 +55,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from tables import print_table
 
@@ -107,7 +107,7 @@ COLUMNS = (
     "prep med step ms",
 )
 MIGRATE_NEEDS = "migrate rows need 2 GPUs and were not measured"
-JOB_LOGS: Optional[Path] = None  # --job-logs
+JOB_LOGS: Path | None = None  # --job-logs
 IN_PROCESS_PATH = "fast-here"  # fast pause / resume rows with FLEXIUM_HOST_COPIER=0
 
 
@@ -123,13 +123,13 @@ class JobRun:
         self.label = label
         self.argv = argv
         self.events: list[dict[str, Any]] = []
-        self.returncode: Optional[int] = None
+        self.returncode: int | None = None
         self.timed_out = False
         self.stderr = ""
         self.seconds = 0.0
         self.gpu_use: list[GpuUse] = []
 
-    def first(self, name: str) -> Optional[dict[str, Any]]:
+    def first(self, name: str) -> dict[str, Any] | None:
         return next((e for e in self.events if e.get("event") == name), None)
 
     def all(self, name: str) -> list[dict[str, Any]]:
@@ -174,7 +174,7 @@ def run_job(
     job_args: list[str],
     timeout: float,
     on_event: Any = None,
-    env_extra: Optional[dict[str, str]] = None,
+    env_extra: dict[str, str] | None = None,
     script: Path = JOB,
 ) -> JobRun:
     """Runs the training job (``script``: another of bench/jobs/) with ``job_args``."""
@@ -282,7 +282,7 @@ class GpuUseWatcher(threading.Thread):
         return self.samples
 
 
-def time_to_free(samples: list[GpuUse], request: Optional[float], gpu: Optional[str] = None) -> Optional[float]:
+def time_to_free(samples: list[GpuUse], request: float | None, gpu: str | None = None) -> float | None:
     """From `request` to the first reading after it with no memory of the job's family on `gpu`
     (a UUID), or on any GPU."""
     if request is None:
@@ -293,7 +293,7 @@ def time_to_free(samples: list[GpuUse], request: Optional[float], gpu: Optional[
     return next((t - request for t, held in after if held == 0), None)
 
 
-def freed(op: dict[str, Any], result: dict[str, Any], samples: list[GpuUse]) -> Optional[float]:
+def freed(op: dict[str, Any], result: dict[str, Any], samples: list[GpuUse]) -> float | None:
     """A row's "free s": a pause frees every GPU, a migration the GPU it left."""
     if op["op"] == "pause":
         return time_to_free(samples, op.get("t0"))
@@ -349,9 +349,7 @@ def pool_plan(with_driver: bool, with_migrate: bool = True) -> list[str]:
     return plan
 
 
-def run_pause_job(
-    label: str, size: float, args: argparse.Namespace, env_extra: Optional[dict[str, str]] = None
-) -> JobRun:
+def run_pause_job(label: str, size: float, args: argparse.Namespace, env_extra: dict[str, str] | None = None) -> JobRun:
     """A pool job that only pauses on the fast path and resumes, in place."""
     return run_job(
         label,
@@ -372,7 +370,7 @@ def plan_args(plan: list[str]) -> list[str]:
     return [arg for item in plan for arg in ("--plan", item)]
 
 
-def count_gpus(timeout: float) -> Optional[int]:
+def count_gpus(timeout: float) -> int | None:
     """The GPUs a job sees (torch.cuda.device_count() in a child process, as the jobs count them)."""
     env = {**os.environ}
     env.pop("FLEXIUM_SERVER", None)
@@ -390,7 +388,7 @@ def count_gpus(timeout: float) -> Optional[int]:
         return None
 
 
-def measure_bandwidth(timeout: float, gpus: int) -> tuple[JobRun, Optional[dict[str, Any]]]:
+def measure_bandwidth(timeout: float, gpus: int) -> tuple[JobRun, dict[str, Any] | None]:
     if gpus >= 2:
         log("-- bandwidth: GPU0 -> GPU1 peer copy of 4 GiB, pinned D2H / H2D of 2 GiB, best of 3")
     else:
@@ -405,7 +403,7 @@ def measure_bandwidth(timeout: float, gpus: int) -> tuple[JobRun, Optional[dict[
     return run, event
 
 
-def measure_fixed_cost(timeout: float, gpus: int) -> tuple[JobRun, Optional[dict[str, Any]]]:
+def measure_fixed_cost(timeout: float, gpus: int) -> tuple[JobRun, dict[str, Any] | None]:
     """Checkpoint + restore of a tiny job on the driver path: a migrate there and back (2+ GPUs),
     else a pause and a resume in place, twice (the pause's checkpoint, the resume's restore)."""
     if gpus >= 2:
@@ -420,8 +418,8 @@ def measure_fixed_cost(timeout: float, gpus: int) -> tuple[JobRun, Optional[dict
         timeout,
         progress_printer(f"{FIXED_COST_GB:g} GiB"),
     )
-    pairs: list[tuple[Optional[float], Optional[float]]] = []
-    checkpoint: Optional[float] = None  # the last pause's, for the resume that follows it
+    pairs: list[tuple[float | None, float | None]] = []
+    checkpoint: float | None = None  # the last pause's, for the resume that follows it
     for op in run.all("op"):
         result = op.get("result")
         if not (op.get("ok") and result):
@@ -453,12 +451,12 @@ def measure_fixed_cost(timeout: float, gpus: int) -> tuple[JobRun, Optional[dict
 # ---- rows -------------------------------------------------------------------------------------
 
 
-def step_seconds(result: dict[str, Any], *names: str) -> Optional[float]:
+def step_seconds(result: dict[str, Any], *names: str) -> float | None:
     steps = [s for s in result.get("steps", []) if s["step"] in names and not s.get("rollback")]
     return sum(s["seconds"] for s in steps) if steps else None
 
 
-def copied_bytes(result: dict[str, Any]) -> Optional[int]:
+def copied_bytes(result: dict[str, Any]) -> int | None:
     """The fast path's copied bytes (from its note), else what the result says it moved."""
     for note in result.get("notes", []):
         match = re.search(r"copied ([0-9.]+) GiB", note)
@@ -534,9 +532,7 @@ def newly_pinned_of(result: dict[str, Any]) -> float:
     return 0.0
 
 
-def add_ratios(
-    rows: list[dict[str, Any]], bandwidth: Optional[dict[str, Any]], fixed: Optional[dict[str, Any]]
-) -> None:
+def add_ratios(rows: list[dict[str, Any]], bandwidth: dict[str, Any] | None, fixed: dict[str, Any] | None) -> None:
     for row in rows:
         row["floor"] = floor_seconds(row, bandwidth, fixed)
         extra = row["extra"]
@@ -555,9 +551,7 @@ def add_ratios(
                 row["vs_driver"] = extra / driver["extra"]
 
 
-def floor_seconds(
-    row: dict[str, Any], bandwidth: Optional[dict[str, Any]], fixed: Optional[dict[str, Any]]
-) -> Optional[float]:
+def floor_seconds(row: dict[str, Any], bandwidth: dict[str, Any] | None, fixed: dict[str, Any] | None) -> float | None:
     size = row.get("state_bytes") or row["size_gb"] * GIB
     if bandwidth is None or fixed is None:
         return None
@@ -573,11 +567,11 @@ def floor_seconds(
 # ---- printing ---------------------------------------------------------------------------------
 
 
-def fmt(value: Optional[float], digits: int = 3, suffix: str = "") -> str:
+def fmt(value: float | None, digits: int = 3, suffix: str = "") -> str:
     return "-" if value is None else f"{value:.{digits}f}{suffix}"
 
 
-def ms(seconds: Optional[float]) -> str:
+def ms(seconds: float | None) -> str:
     return fmt(seconds * 1e3 if seconds is not None else None, 1)
 
 
@@ -663,7 +657,7 @@ FREEING = {"kept": "pause, staging kept", "made": "pause, staging made", "parked
 def free_goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Time to a free GPU per size and way (FREEING), the median of its fast operations."""
 
-    def way(row: dict[str, Any]) -> Optional[str]:
+    def way(row: dict[str, Any]) -> str | None:
         if row["op"] == "migrate":
             return "parked"
         return row.get("staging") if row["op"] == "pause" else None
@@ -696,7 +690,7 @@ def print_free_goals(checked: list[dict[str, Any]]) -> None:
         print(f"  {mark} {FREEING[goal['freeing']]} {goal['size_gb']:g} GiB: <= {goal['limit']:g} s: {measured}")
 
 
-def print_machine(bandwidth: Optional[dict[str, Any]], fixed: Optional[dict[str, Any]]) -> None:
+def print_machine(bandwidth: dict[str, Any] | None, fixed: dict[str, Any] | None) -> None:
     b = bandwidth or {}
     f = fixed or {}
     total = f["checkpoint"] + f["restore"] if fixed else None

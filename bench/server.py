@@ -39,7 +39,7 @@ import time
 import urllib.request
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 GIB = 1 << 30
 
@@ -57,8 +57,8 @@ class Conn:
     def __init__(self, port: int, token: str) -> None:
         self.port = port
         self.auth = f"Authorization: Bearer {token}\r\n"
-        self.reader: Optional[asyncio.StreamReader] = None
-        self.writer: Optional[asyncio.StreamWriter] = None
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
         self.lock = asyncio.Lock()
 
     async def _connect(self) -> None:
@@ -575,7 +575,7 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     )
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", default="100,1000,2000")
     parser.add_argument("--backends", default="sqlite,postgresql")
@@ -599,7 +599,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     gc.freeze()  # the client's own collections must not show as latency
     gc.set_threshold(50_000, 20, 100)
     rows = []
-    pg: Optional[ThrowawayPostgres] = None
+    pg: ThrowawayPostgres | None = None
     work = tempfile.mkdtemp(prefix="flexium-bench.")
     try:
         for backend in args.backends.split(","):

@@ -12,7 +12,6 @@ import os
 import re
 import sys
 from pathlib import Path
-from typing import Union
 
 import pytest
 
@@ -28,16 +27,16 @@ _passed = 0
 _verdict = ""  # why the run fails though every test that ran passed
 
 
-def _reason(report: Union[pytest.TestReport, pytest.CollectReport]) -> str:
+def _reason(report: pytest.TestReport | pytest.CollectReport) -> str:
     return report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
 
 
-def _for_want_of_gpus(report: Union[pytest.TestReport, pytest.CollectReport]) -> bool:
+def _for_want_of_gpus(report: pytest.TestReport | pytest.CollectReport) -> bool:
     found = FEWER_GPUS.search(_reason(report))
     return found is not None and int(found.group(2)) < int(found.group(1))
 
 
-def _note_skip(report: Union[pytest.TestReport, pytest.CollectReport]) -> None:
+def _note_skip(report: pytest.TestReport | pytest.CollectReport) -> None:
     if os.environ.get(ALLOW_SKIPS_FOR_GPUS_ENV) == "1" and _for_want_of_gpus(report):
         return
     _skipped.append(f"{report.nodeid} ({_reason(report).removeprefix('Skipped: ')})")

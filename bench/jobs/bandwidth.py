@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from job_events import emit
 

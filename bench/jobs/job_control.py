@@ -12,7 +12,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from job_events import emit, physical_device, placement_snapshot
 from job_plan import PlanItem, Progress
@@ -23,7 +23,7 @@ FILL_GPU = Path(__file__).with_name("fill_gpu.py")
 OWN_MEMORY_WAIT_S = 60.0
 
 
-def engine_target(engine: Any, name: Optional[str]) -> Any:
+def engine_target(engine: Any, name: str | None) -> Any:
     """The engine takes a GPU UUID or a GpuIdentity; a plan names GPUs as a person would tell the
     server, "cuda:N" in the job's own numbering at init, which the server resolves the same way."""
     if name is None or not name.startswith("cuda:"):
@@ -31,7 +31,7 @@ def engine_target(engine: Any, name: Optional[str]) -> Any:
     return engine.gpus[int(name[len("cuda:") :])]
 
 
-def wait_for_own_memory(timeout: float) -> Optional[float]:
+def wait_for_own_memory(timeout: float) -> float | None:
     """Seconds until no imported memory is left (None: still some after `timeout`)."""
     from flexium import _C
 
@@ -59,8 +59,8 @@ class Control(threading.Thread):
         self.settle_steps = settle_steps
         self.records: list[dict[str, Any]] = []
         self.finished = threading.Event()
-        self.engine_state: Optional[str] = None
-        self.filler: Optional[subprocess.Popen[bytes]] = None
+        self.engine_state: str | None = None
+        self.filler: subprocess.Popen[bytes] | None = None
         self.armed = False
         self.last_paused_bytes = 0
 

@@ -6,7 +6,8 @@ import json
 import os
 import sys
 import threading
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 _emit_lock = threading.Lock()
 
@@ -31,7 +32,7 @@ def placement_snapshot() -> dict[str, dict[str, int]]:
     }
 
 
-def physical_device() -> Optional[str]:
+def physical_device() -> str | None:
     """Where the job is now (None: flexium cannot say, disabled)."""
     try:
         import flexium
@@ -48,7 +49,7 @@ def pool_status() -> dict[str, object]:
     session = runtime.current()
     pool = getattr(session, "memory_pool", None) if session is not None else None
     engine = getattr(session, "engine", None) if session is not None else None
-    blocker_of: Optional[Callable[[], Optional[str]]] = getattr(engine, "fast_path_blocker", None)
+    blocker_of: Callable[[], str | None] | None = getattr(engine, "fast_path_blocker", None)
     try:
         blocker = blocker_of() if blocker_of is not None else "no flexium engine in this process"
     except Exception as exc:  # reported, not fatal

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Optional
 
 PATHS = ("auto", "fast", "driver")
 ENGINE_OPS = ("pause", "resume", "migrate")
@@ -39,8 +38,8 @@ TAKES_PATH = ("migrate", "pause")
 class PlanItem:
     step: int
     op: str
-    arg: Optional[str] = None
-    path: Optional[str] = None  # None: the job's --path
+    arg: str | None = None
+    path: str | None = None  # None: the job's --path
     relative: bool = False  # step counts from the end of the operation before
 
     def __str__(self) -> str:

@@ -40,7 +40,7 @@ import os
 import re
 import threading
 import time
-from typing import Any, Optional
+from typing import Any
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
@@ -70,7 +70,7 @@ def held_by(pids: list[int]) -> dict[str, int]:
     return {gpu.uuid: sum(gpu.used_by(pid) or 0 for pid in pids) for gpu in nvml.host_gpus()}
 
 
-def unretired_collectives() -> Optional[dict[str, int]]:
+def unretired_collectives() -> dict[str, int] | None:
     """How many collectives of each process group torch's NCCL watchdog still lists (enqueued,
     not yet seen completed), from its flight recorder's status (host memory only, so it can be
     read while the rank is checkpointed); None where the recorder is off
@@ -247,7 +247,7 @@ def main() -> None:
     graph = capture_all_reduce() if args.graph_all_reduce else None
 
     progress = Progress()
-    thread: Optional[threading.Thread] = None
+    thread: threading.Thread | None = None
     if plan and not os.environ.get("FLEXIUM_SERVER"):
         thread = threading.Thread(target=control, args=(plan, progress, args.hold, rank, world), daemon=True)
         thread.start()

@@ -4,12 +4,12 @@ bench/migrate.py's rows are made of), from the step start and end times and the 
 from __future__ import annotations
 
 import statistics
-from typing import Any, Optional
+from typing import Any
 
 AFTER_STEPS = 20  # steps after a move whose extra time counts as the move's (after_extra)
 
 
-def _step_of(record: dict[str, Any], starts: list[float], ends: list[float]) -> Optional[int]:
+def _step_of(record: dict[str, Any], starts: list[float], ends: list[float]) -> int | None:
     """The step an engine operation ran in: the one whose [start, end] holds the middle of its
     execution. The op's own clock (result seconds) dates its execution; t1 (when the control
     thread woke) can come after the training thread has already ended that step."""
@@ -26,7 +26,7 @@ def _step_of(record: dict[str, Any], starts: list[float], ends: list[float]) -> 
     return None
 
 
-def _work_started(record: dict[str, Any]) -> Optional[float]:
+def _work_started(record: dict[str, Any]) -> float | None:
     """When the operation's work began (at the safe point, or on the caller's thread after the
     bounded wait): t1 minus the op's own seconds, which the engine counts from there."""
     seconds = (record.get("result") or {}).get("seconds")
@@ -105,7 +105,7 @@ def analyse(records: list[dict[str, Any]], starts: list[float], ends: list[float
         op = record["op"]
         if op == "pause":
             entry.update(preparation(record, ends))
-        downtime: Optional[float] = None
+        downtime: float | None = None
         if k is not None and k >= 1:
             if op in ("migrate", "handmove") and k < len(ends):
                 downtime, entry["method"] = ends[k] - ends[k - 1], "end(k) - end(k-1)"

@@ -36,7 +36,7 @@ import math
 import os
 import sys
 import time
-from typing import Any, Optional
+from typing import Any
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
@@ -116,7 +116,7 @@ def main() -> int:
     args, plan = arguments()
     faulthandler.dump_traceback_later(args.hang_seconds, exit=True)
     torch.use_deterministic_algorithms(True)
-    early: Optional[torch.Tensor] = None
+    early: torch.Tensor | None = None
     if args.alloc_before_init > 0:
         early = torch.full((int(args.alloc_before_init * (1 << 20)) // 4,), 1.5, dtype=torch.float32, device="cuda:0")
         torch.cuda.synchronize()
@@ -159,7 +159,7 @@ def main() -> int:
         settle_steps=args.settle_steps,
     )
 
-    def start_plan(step_seconds: Optional[float]) -> None:
+    def start_plan(step_seconds: float | None) -> None:
         if on_cuda:
             torch.cuda.synchronize()
         state_bytes, allocated_bytes = training.held_bytes()
@@ -203,7 +203,7 @@ def main() -> int:
     last = time.perf_counter()
     max_gap = 0.0
     last_planned = max((item.step for item in plan if not item.relative), default=-1)
-    tail_from: Optional[int] = None
+    tail_from: int | None = None
     step = 0
     while True:
         if args.tail_steps is None and step >= args.steps:

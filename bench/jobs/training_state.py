@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
 
 import torch
 
@@ -46,7 +45,7 @@ class Training:
 
 
 def build(
-    device: str, *, gb: Optional[float], ballast_gb: float, width: Optional[int], chunk_mb: float, seed: int
+    device: str, *, gb: float | None, ballast_gb: float, width: int | None, chunk_mb: float, seed: int
 ) -> Training:
     """The state of a job of ``gb`` GiB in all (the ballast makes up what the model does not), or
     of a ``ballast_gb`` GiB ballast beside the model; the ballast in tensors of ``chunk_mb`` MiB

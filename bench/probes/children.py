@@ -12,8 +12,9 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 
 @dataclass
@@ -55,7 +56,7 @@ def run_child(argv: list[str], env: dict[str, str], timeout: float) -> Child:
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
         proc = subprocess.Popen(argv, stdout=out, stderr=err, env=env, start_new_session=True)
         try:
-            returncode: Optional[int] = proc.wait(timeout=timeout)
+            returncode: int | None = proc.wait(timeout=timeout)
         except subprocess.TimeoutExpired:
             timed_out = True
             returncode = None

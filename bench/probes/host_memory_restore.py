@@ -24,7 +24,7 @@ import mmap
 import os
 import sys
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tables.py in bench/
 
@@ -131,7 +131,7 @@ def run_case(case: str, timeout: float) -> tuple[str, ...]:
     kind, mode = case.split(":")
     child = run_child([sys.executable, __file__, "--case", case], dict(os.environ), timeout)
     lines = [line for line in child.stdout.splitlines() if line.startswith("{")]
-    seen: Optional[dict[str, Any]] = json.loads(lines[-1]) if lines else None
+    seen: dict[str, Any] | None = json.loads(lines[-1]) if lines else None
     if seen is None:  # its last line on stderr says how far it came
         said = child.stderr.strip().splitlines()
         died = f"died: {child.stderr.strip()[-200:]}"

@@ -8,8 +8,9 @@ import ctypes
 import os
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 GIB = 1 << 30
 HUGE = 2 << 20
@@ -27,7 +28,7 @@ def now() -> float:
     return time.perf_counter()
 
 
-def gbps(nbytes: float, seconds: Optional[float]) -> Optional[float]:
+def gbps(nbytes: float, seconds: float | None) -> float | None:
     return nbytes / seconds / 1e9 if seconds else None
 
 

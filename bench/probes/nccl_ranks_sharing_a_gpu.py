@@ -31,7 +31,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tables.py in bench/
 
@@ -170,7 +170,7 @@ def busy_main(seconds: float) -> None:
     print(f"{launches} matmuls", flush=True)
 
 
-def _child(argv: list[str], timeout: float) -> tuple[Optional[dict[str, Any]], str]:
+def _child(argv: list[str], timeout: float) -> tuple[dict[str, Any] | None, str]:
     """A control's child run: the JSON line it printed last, or None and how it ended (its last
     line on stderr says how far it came)."""
     child = run_child(argv, dict(os.environ), timeout)

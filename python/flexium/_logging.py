@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING, Optional, TextIO, Union
+from typing import TYPE_CHECKING, TextIO
 
 __all__ = [
     "LOGGER_NAME",
@@ -43,7 +43,7 @@ LEVEL_NAMES: dict[str, str] = {
 logger = logging.getLogger(LOGGER_NAME)
 
 
-def normalize_level(name: str) -> Optional[str]:
+def normalize_level(name: str) -> str | None:
     """The canonical level name for `name` (any case, surrounding blanks ignored), or None."""
     return LEVEL_NAMES.get(name.strip().upper())
 
@@ -84,13 +84,13 @@ def _ensure_handler() -> None:
         logger.propagate = False
 
 
-def get_logger(name: Optional[str] = None) -> logging.Logger:
+def get_logger(name: str | None = None) -> logging.Logger:
     """The package logger, or its child "flexium.<name>"."""
     _ensure_handler()
     return logger if not name else logger.getChild(name)
 
 
-def configure_logging(level: Union[str, int, None] = None) -> logging.Logger:
+def configure_logging(level: str | int | None = None) -> logging.Logger:
     """Set the package log level (a Python level name in any case, or a number).
 
     None keeps the level already set (FLEXIUM_LOG_LEVEL at import, else INFO). flexium.init()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 from flexium.api import runtime as _runtime
 from flexium.api.progress import PROGRESS as _PROGRESS
@@ -27,7 +27,7 @@ __all__ = [
 
 
 @contextlib.contextmanager
-def run(orchestrator: Optional[str] = None, device: Optional[str] = None, disabled: bool = False) -> Iterator[None]:
+def run(orchestrator: str | None = None, device: str | None = None, disabled: bool = False) -> Iterator[None]:
     """Flexium is active inside the block; a session this block started ends with it. Inside a
     running session (flexium.init()), the session's settings stay: a warning names any argument
     that asked for others."""
@@ -47,9 +47,7 @@ def run(orchestrator: Optional[str] = None, device: Optional[str] = None, disabl
             _runtime.shutdown()
 
 
-def _warn_ignored(
-    current: _runtime.Runtime, *, orchestrator: Optional[str], device: Optional[str], disabled: bool
-) -> None:
+def _warn_ignored(current: _runtime.Runtime, *, orchestrator: str | None, device: str | None, disabled: bool) -> None:
     ignored = []
     server = current.config.orchestrator if current.config is not None else None
     if orchestrator is not None and orchestrator.strip() != server:
@@ -112,7 +110,7 @@ def is_migration_enabled() -> bool:
     )
 
 
-def report(*, loss: Optional[float] = None, step: Optional[int] = None) -> None:
+def report(*, loss: float | None = None, step: int | None = None) -> None:
     """Tell the dashboard how training goes: ``loss`` (a number; its last value is shown) and,
     for a loop without torch.optim steps, ``step`` (otherwise flexium counts optimizer steps).
     It only records the values: the next heartbeat carries them, so it never waits for the

@@ -14,10 +14,11 @@ import ipaddress
 import os
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping, Optional
+from typing import Any
 
 import yaml
 
@@ -90,20 +91,20 @@ class FlexiumConfig:
     """The resolved settings. `sources[field]` says where each value came from: "parameter",
     an environment variable name, the config file's path, or "default"."""
 
-    orchestrator: Optional[str] = None
+    orchestrator: str | None = None
     device: str = DEFAULT_DEVICE
-    token: Optional[str] = field(default=None, repr=False)  # never printed
+    token: str | None = field(default=None, repr=False)  # never printed
     log_level: str = DEFAULT_LEVEL
     # Our memory pool and the fast path it enables; false keeps PyTorch's own allocator.
     fast_path: bool = True
     # Seconds a command waits for the next optimizer step (safe point) before the driver path runs.
     safe_point_wait: float = DEFAULT_SAFE_POINT_WAIT
-    address: Optional[ServerAddress] = None
-    config_file: Optional[str] = None  # the rc file that was read, if any
+    address: ServerAddress | None = None
+    config_file: str | None = None  # the rc file that was read, if any
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
 
     @property
-    def server(self) -> Optional[str]:
+    def server(self) -> str | None:
         """Alias of `orchestrator`, the name flexium.init() uses."""
         return self.orchestrator
 
@@ -252,7 +253,7 @@ def _validate_wait(value: Any, where: str) -> float:
     return seconds
 
 
-def find_config_file() -> Optional[Path]:
+def find_config_file() -> Path | None:
     """./.flexiumrc if it exists, else ~/.flexiumrc if it exists, else None."""
     candidates = [Path.cwd() / RC_FILENAME]
     try:
@@ -315,8 +316,8 @@ def _read_rc(path: Path) -> dict[str, tuple[Any, int]]:
 
 
 def _setting(
-    name: str, param: Any, rc: dict[str, tuple[Any, int]], rc_path: Optional[Path], parameter: str
-) -> Optional[_Raw]:
+    name: str, param: Any, rc: dict[str, tuple[Any, int]], rc_path: Path | None, parameter: str
+) -> _Raw | None:
     """One setting from the first source that has it: the parameter, its variable, the rc file."""
     rc_key, env_name, _label = _FIELDS[name]
     env_value = os.environ.get(env_name, "")
@@ -332,10 +333,10 @@ def _setting(
 
 
 def load_config(
-    orchestrator: Optional[str] = None,
-    device: Optional[str] = None,
+    orchestrator: str | None = None,
+    device: str | None = None,
     *,
-    token: Optional[str] = None,
+    token: str | None = None,
     server_parameter: str = "orchestrator",
 ) -> FlexiumConfig:
     """Resolve and validate flexium's settings. Raises ConfigError naming the bad value's source.
@@ -353,8 +354,8 @@ def load_config(
         entry = raw[name]
         sources[name] = entry.source if entry is not None else SOURCE_DEFAULT
 
-    orchestrator_value: Optional[str] = None
-    address: Optional[ServerAddress] = None
+    orchestrator_value: str | None = None
+    address: ServerAddress | None = None
     entry = raw["orchestrator"]
     if entry is not None:
         address = parse_server_address(entry.value, where=entry.where)
@@ -395,7 +396,7 @@ def default_device() -> str:
     return f"cuda:{int(local_rank)}" if local_rank.isdigit() else DEFAULT_DEVICE
 
 
-def resolve_device(device: Optional[str] = None) -> str:
+def resolve_device(device: str | None = None) -> str:
     """The device alone, from the same sources in the same order as load_config (a disabled
     runtime reads no other setting)."""
     rc_path = find_config_file()

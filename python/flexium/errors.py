@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from flexium.engine.operations import OperationResult
@@ -50,7 +50,7 @@ class OperationFailedError(FlexiumError):
     resume, stays paused) exactly as before. `step` names the failing step: a StepTiming step, or
     pin / validate / own / prepare for a refusal before the locked section; `result` has timings."""
 
-    def __init__(self, message: str, *, step: str, result: Optional["OperationResult"] = None) -> None:
+    def __init__(self, message: str, *, step: str, result: OperationResult | None = None) -> None:
         super().__init__(message)
         self.step = step
         self.result = result

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Literal, Optional, get_args
+from typing import Literal, get_args
 
 PROTOCOL_VERSION = 1
 
@@ -34,7 +34,7 @@ PROCESS_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:-]{0,127}$")
 _ASCII_DIGITS = re.compile(r"[0-9]+")
 
 
-def ascii_number(text: str) -> Optional[int]:
+def ascii_number(text: str) -> int | None:
     """`text` as a non-negative integer when it is ASCII digits alone, else None: the one way a
     number is read from text on this wire. str.isdigit() also takes '²', which int() refuses,
     and '١', which int() reads as 1."""
@@ -53,15 +53,15 @@ class TargetText:
     from the process's reports): ``cuda:N`` the job's own CUDA numbering (``ordinal``), digits
     nvidia-smi's index on the job's host (``index``), ``GPU-...`` a GPU UUID (``uuid``)."""
 
-    ordinal: Optional[int] = None
-    index: Optional[int] = None
-    uuid: Optional[str] = None
+    ordinal: int | None = None
+    index: int | None = None
+    uuid: str | None = None
 
 
 TARGET_SYNTAX = "cuda:N (the job's own numbering), N (nvidia-smi's index) or a GPU UUID (GPU-...)"
 
 
-def nccl_ranks_on_one_gpu(placement: dict[int, Optional[str]], restored: set[int]) -> Optional[str]:
+def nccl_ranks_on_one_gpu(placement: dict[int, str | None], restored: set[int]) -> str | None:
     """Why an operation of an NCCL job is refused when it would leave a rank the driver restores
     (``restored``) on one GPU with another rank (``placement``: rank -> the GPU's UUID after the
     operation), and what to do; None when each restored rank has its GPU to itself. NCCL's next

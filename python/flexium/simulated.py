@@ -3,7 +3,7 @@ training job on it, so that a newcomer can migrate, pause and resume from the da
 CLI and see what happens.
 
 It is flexium's own test double of the NVIDIA driver (libcuda and NVML in one library, built with
-the package from ``csrc/simulated/driver.c``; the tests drive it as ``tests/fake_driver``),
+the package from ``csrc/simulated/driver.c``; the tests drive it as ``tests/support/fake_driver.py``),
 loaded by the job's process alone through ``FLEXIUM_LIBCUDA`` / ``FLEXIUM_LIBNVML``. It models
 the driver's checkpoint state machine and GPU memory; the job itself computes on the CPU.
 Nothing that happens there ran on a GPU, so every GPU it shows is named ``SIMULATED_MODEL`` and
@@ -15,7 +15,6 @@ from __future__ import annotations
 import ctypes
 import os
 from pathlib import Path
-from typing import Optional
 
 LIBRARY_NAME = "libflexium_simulated_driver.so"
 SIMULATED_MODEL = "SIMULATED GPU (flexium demo)"
@@ -25,7 +24,7 @@ GPU_MIB = 80 * 1024
 JOB_BYTES = 6 << 30
 
 
-def library_path() -> Optional[Path]:
+def library_path() -> Path | None:
     """The simulated driver built with this package, or None (a build without it)."""
     path = Path(__file__).resolve().with_name(LIBRARY_NAME)
     return path if path.exists() else None

@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import math
 import shlex
-from typing import Annotated, Any, Literal, NoReturn, Optional, Sequence, Union
+from collections.abc import Sequence
+from typing import Annotated, Any, Literal, NoReturn
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StringConstraints, model_validator
 
@@ -148,7 +149,7 @@ WorldSize = Annotated[int, Field(ge=1, le=protocol.MAX_RANKS)]
 TargetKind = Literal["migrate", "resume"]
 
 
-def cuda_ordinal(visible_gpus: Sequence[str], gpu_uuid: Optional[str]) -> Optional[str]:
+def cuda_ordinal(visible_gpus: Sequence[str], gpu_uuid: str | None) -> str | None:
     """``cuda:N`` of GPU ``gpu_uuid`` in a job's own CUDA numbering (``visible_gpus``: its GPU
     UUIDs in ordinal order, as it registered them), or None when the job does not see it.
     The one derivation: the server's ``ProcessInfo.physical_device``, the CLI and the client
@@ -201,17 +202,17 @@ class GpuReport(WireIn):
     """One GPU of the reporting host, read through NVML (every GPU, not only the job's)."""
 
     uuid: NonEmptyText
-    index: Optional[GpuIndex] = Field(default=None, description="nvidia-smi's index on that host")
+    index: GpuIndex | None = Field(default=None, description="nvidia-smi's index on that host")
     name: ShortText = Field(default="", description="model, e.g. 'NVIDIA H200'")
     memory_total: Bytes = 0
     memory_used: Bytes = Field(default=0, description="everything on it, ours and others'")
-    process_bytes: Optional[Bytes] = Field(
+    process_bytes: Bytes | None = Field(
         default=None,
         description="what the reporting process holds on it (NVML); none when NVML cannot say (a process may use "
         "several GPUs)",
     )
-    utilization: Optional[Annotated[int, Field(ge=0, le=100)]] = None
-    temperature: Optional[Annotated[int, Field(ge=-100, le=300)]] = None
+    utilization: Annotated[int, Field(ge=0, le=100)] | None = None
+    temperature: Annotated[int, Field(ge=-100, le=300)] | None = None
     health: ShortText = Field(
         default=protocol.HEALTH_OK,
         description=(
@@ -228,9 +229,9 @@ class JobMembership(WireIn):
     key: NonEmptyText = Field(description="the same for every rank of one run, unique to that run")
     rank: Rank
     world_size: WorldSize
-    local_rank: Optional[Rank] = None
-    local_world_size: Optional[WorldSize] = Field(default=None, description="ranks on this host")
-    node_rank: Optional[Rank] = Field(default=None, description="this host's rank in a multi-node job")
+    local_rank: Rank | None = None
+    local_world_size: WorldSize | None = Field(default=None, description="ranks on this host")
+    node_rank: Rank | None = Field(default=None, description="this host's rank in a multi-node job")
 
 
 class RegisterRequest(WireIn):
@@ -238,7 +239,7 @@ class RegisterRequest(WireIn):
     host: HostName
     user: ShortText = ""
     pid: Pid = 0
-    gpu_uuid: Optional[ShortText] = Field(
+    gpu_uuid: ShortText | None = Field(
         default=None, description="the GPU it is on, or paused from; None: no engine, no GPU of its own"
     )
     gpu_model: ShortText = ""
@@ -255,15 +256,15 @@ class RegisterRequest(WireIn):
     flexium_version: ShortText = ""
     capabilities: ProcessCapabilities = Field(default_factory=lambda: ProcessCapabilities())
     memory_bytes: Bytes = Field(default=0, description="held on its GPU now")
-    footprint_bytes: Optional[Bytes] = Field(default=None, description="needed on a GPU (kept while paused)")
+    footprint_bytes: Bytes | None = Field(default=None, description="needed on a GPU (kept while paused)")
     state: ProcessState = "RUNNING"
-    started_at: Optional[Epoch] = None
+    started_at: Epoch | None = None
     cmdline: LongText = ""
     devices: Annotated[list[GpuReport], Field(max_length=protocol.MAX_DEVICES)] = []
-    seq: Optional[Seq] = None
-    job: Optional[JobMembership] = Field(default=None, description="None: a single-process job")
-    steps: Optional[Bytes] = Field(default=None, description="optimizer steps taken so far; None: not counted")
-    loss: Optional[float] = Field(default=None, description="the last loss the job reported (flexium.auto.report)")
+    seq: Seq | None = None
+    job: JobMembership | None = Field(default=None, description="None: a single-process job")
+    steps: Bytes | None = Field(default=None, description="optimizer steps taken so far; None: not counted")
+    loss: float | None = Field(default=None, description="the last loss the job reported (flexium.auto.report)")
 
 
 class HeartbeatRequest(WireIn):
@@ -274,22 +275,22 @@ class HeartbeatRequest(WireIn):
     built during a pause (PAUSING) and delivered after the final report (PAUSED) changes
     nothing. A body without it is applied as it comes."""
 
-    state: Optional[ProcessState] = None
-    memory_bytes: Optional[Bytes] = None
-    footprint_bytes: Optional[Bytes] = None
-    gpu_uuid: Optional[ShortText] = None
+    state: ProcessState | None = None
+    memory_bytes: Bytes | None = None
+    footprint_bytes: Bytes | None = None
+    gpu_uuid: ShortText | None = None
     devices: Annotated[list[GpuReport], Field(max_length=protocol.MAX_DEVICES)] = []
-    seq: Optional[Seq] = None
-    steps: Optional[Bytes] = Field(
+    seq: Seq | None = None
+    steps: Bytes | None = Field(
         default=None, description="optimizer steps taken so far (the server derives steps/s from two beats)"
     )
-    loss: Optional[float] = Field(default=None, description="the last loss the job reported (flexium.auto.report)")
+    loss: float | None = Field(default=None, description="the last loss the job reported (flexium.auto.report)")
 
 
 class CommandRequest(WireIn):
     kind: CommandKind
     process_id: ProcessId
-    target: Union[StrictInt, ShortText, None] = Field(
+    target: StrictInt | ShortText | None = Field(
         default=None,
         description=(
             "the GPU: 'cuda:N' = entry N of the process's visible_gpus (the job's own CUDA "
@@ -298,7 +299,7 @@ class CommandRequest(WireIn):
             "rank of a multi-process job: where this rank goes (the others stay)"
         ),
     )
-    ranks: Optional[dict[NonEmptyText, Union[StrictInt, ShortText]]] = Field(
+    ranks: dict[NonEmptyText, StrictInt | ShortText] | None = Field(
         default=None,
         max_length=protocol.MAX_RANKS,
         description=(
@@ -306,7 +307,7 @@ class CommandRequest(WireIn):
             "migrate and resume of several ranks at once (a swap); ranks left out stay where they are"
         ),
     )
-    gpus: Optional[dict[NonEmptyText, Union[StrictInt, ShortText]]] = Field(
+    gpus: dict[NonEmptyText, StrictInt | ShortText] | None = Field(
         default=None,
         max_length=protocol.MAX_RANKS,
         description=(
@@ -320,17 +321,17 @@ class CommandRequest(WireIn):
 class ProcessUpdate(WireIn):
     """Where the process is after an operation, in its own word."""
 
-    state: Optional[ProcessState] = None
-    gpu_uuid: Optional[ShortText] = None
-    memory_bytes: Optional[Bytes] = None
-    seq: Optional[Seq] = None
+    state: ProcessState | None = None
+    gpu_uuid: ShortText | None = None
+    memory_bytes: Bytes | None = None
+    seq: Seq | None = None
 
 
 class CommandReport(WireIn):
     state: ReportState
-    result: Optional[OperationReport] = None
-    error: Optional[LongText] = None
-    process: Optional[ProcessUpdate] = None
+    result: OperationReport | None = None
+    error: LongText | None = None
+    process: ProcessUpdate | None = None
 
 
 class TokenRequest(WireIn):
@@ -370,9 +371,9 @@ class JobInfo(WireOut):
     key: str
     rank: int
     world_size: int
-    local_rank: Optional[int] = None
-    local_world_size: Optional[int] = None
-    node_rank: Optional[int] = None
+    local_rank: int | None = None
+    local_world_size: int | None = None
+    node_rank: int | None = None
 
 
 class CommandInfo(WireOut):
@@ -380,20 +381,20 @@ class CommandInfo(WireOut):
     kind: CommandKind
     process_id: str
     state: CommandState
-    target_uuid: Optional[str] = Field(description="the GPU the server resolved the target to")
-    gpu_moves: Optional[dict[str, str]] = Field(
+    target_uuid: str | None = Field(description="the GPU the server resolved the target to")
+    gpu_moves: dict[str, str] | None = Field(
         default=None,
         description="a migrate GPU by GPU (a process on several GPUs): GPU UUID now -> GPU UUID after; "
         "target_uuid is then where the process's own device goes",
     )
     created_at: float
-    delivered_at: Optional[float]
-    started_at: Optional[float]
-    finished_at: Optional[float]
+    delivered_at: float | None
+    started_at: float | None
+    finished_at: float | None
     deliveries: int
-    result: Optional[OperationReport]
-    error: Optional[str]
-    job: Optional[JobCommandInfo] = Field(default=None, description="None: a command for this process alone")
+    result: OperationReport | None
+    error: str | None
+    job: JobCommandInfo | None = Field(default=None, description="None: a command for this process alone")
 
 
 class ProcessInfo(WireOut):
@@ -404,9 +405,9 @@ class ProcessInfo(WireOut):
     state: DisplayState = Field(description="the reported state, or STALE when heartbeats stopped")
     reported_state: ProcessState
     stale: bool
-    gpu_uuid: Optional[str] = Field(description="the GPU it is on, or paused from; None: no engine, no GPU of its own")
+    gpu_uuid: str | None = Field(description="the GPU it is on, or paused from; None: no engine, no GPU of its own")
     gpu_model: str
-    gpu_index: Optional[int] = Field(description="nvidia-smi index of gpu_uuid, from its host's device reports")
+    gpu_index: int | None = Field(description="nvidia-smi index of gpu_uuid, from its host's device reports")
     other_gpus: list[str] = Field(
         default_factory=list,
         description="the other GPUs it holds memory on, by UUID (one process on several GPUs: DataParallel, a model "
@@ -423,17 +424,17 @@ class ProcessInfo(WireOut):
     capabilities: ProcessCapabilities
     memory_bytes: int
     footprint_bytes: int
-    started_at: Optional[float]
+    started_at: float | None
     registered_at: float
     last_seen: float
     cmdline: str
     name: str = Field(default="", description="a short name from cmdline: the script or module (wire.job_name)")
-    active_command: Optional[CommandInfo]
-    job: Optional[JobInfo] = Field(default=None, description="None: a single-process job")
-    steps: Optional[int] = Field(default=None, description="optimizer steps taken, as last reported; None: unknown")
-    steps_per_s: Optional[float] = Field(default=None, description="between the last two reports of steps")
-    steps_at: Optional[float] = Field(default=None, description="when steps was last reported")
-    loss: Optional[float] = Field(default=None, description="the last loss the job reported")
+    active_command: CommandInfo | None
+    job: JobInfo | None = Field(default=None, description="None: a single-process job")
+    steps: int | None = Field(default=None, description="optimizer steps taken, as last reported; None: unknown")
+    steps_per_s: float | None = Field(default=None, description="between the last two reports of steps")
+    steps_at: float | None = Field(default=None, description="when steps was last reported")
+    loss: float | None = Field(default=None, description="the last loss the job reported")
 
 
 OperationState = Literal["queued", "running", "succeeded", "failed"]
@@ -456,7 +457,7 @@ class JobOperationInfo(WireOut):
             "succeeded: every rank's did; failed: every rank's ended and one failed or expired"
         )
     )
-    finished_at: Optional[float] = Field(description="when the last rank's command ended; None while any is under way")
+    finished_at: float | None = Field(description="when the last rank's command ended; None while any is under way")
     commands: list[CommandInfo] = Field(description="one per rank, by rank")
 
 
@@ -473,7 +474,7 @@ class JobSummary(WireOut):
     )
     ranks: list[ProcessInfo] = Field(description="by rank")
     missing_ranks: list[int] = Field(description="ranks of 0..world_size-1 that did not register")
-    active_operation_id: Optional[int] = Field(description="the job operation under way, if any")
+    active_operation_id: int | None = Field(description="the job operation under way, if any")
 
 
 class RegisterResponse(WireOut):
@@ -486,22 +487,22 @@ class RegisterResponse(WireOut):
 
 class HeartbeatResponse(WireOut):
     ok: bool
-    pending_command: Optional[int] = Field(description="a command waits: the long-poll will hand it out")
+    pending_command: int | None = Field(description="a command waits: the long-poll will hand it out")
     heartbeat_interval_s: float
     server_time: float
 
 
 class DeviceInfo(WireOut):
     uuid: str
-    index: Optional[int]
+    index: int | None
     name: str
     memory_total: int
     memory_used: int
     memory_flexium: int = Field(description="held by this workspace's flexium jobs on it")
     memory_other: int = Field(description="memory_used - memory_flexium, never negative")
     memory_free: int
-    utilization: Optional[int]
-    temperature: Optional[int]
+    utilization: int | None
+    temperature: int | None
     health: str
     updated_at: float
     processes: list[str] = Field(description="process ids on it")
@@ -522,7 +523,7 @@ class TargetInfo(WireOut):
     """One GPU of a process's host, judged as the target of a migrate or resume."""
 
     device: DeviceInfo
-    refusal: Optional[str] = Field(description="why a command to it would be refused; None: it fits")
+    refusal: str | None = Field(description="why a command to it would be refused; None: it fits")
 
 
 class TokenInfo(WireOut):
@@ -530,11 +531,11 @@ class TokenInfo(WireOut):
     name: str
     prefix: str
     role: protocol.TokenRole
-    minted_by: Optional[int] = Field(
+    minted_by: int | None = Field(
         default=None, description="the token that issued this one (revoking it revokes this); None: the command line"
     )
     created_at: float
-    revoked_at: Optional[float]
+    revoked_at: float | None
     revoked: bool
 
 
@@ -555,15 +556,15 @@ class AuditEntry(WireOut):
 
     id: int
     at: float
-    token_id: Optional[int]
+    token_id: int | None
     token_name: str
     role: str
     action: str = Field(description="e.g. command.created, command.finished, token.issued, token.revoked, login")
     target: str = Field(description="what it was done to: a command, process or token")
     outcome: str = Field(description="ok, refused, or a command's final state")
     detail: str
-    process_id: Optional[str] = Field(None, description="the process a command (or a refused one) was for")
-    command_id: Optional[int] = Field(None, description="the command created or finished; None for a refused one")
+    process_id: str | None = Field(None, description="the process a command (or a refused one) was for")
+    command_id: int | None = Field(None, description="the command created or finished; None for a refused one")
 
 
 class WorkspaceInfo(WireOut):
@@ -605,29 +606,29 @@ class ProcessCapabilities(_BoundedJson):
     moves) plus whether its memory can take the fast path. A field left out is unknown; the
     server reads a missing pause_resume or migration as "cannot"."""
 
-    driver_version: Optional[LongText] = Field(default=None, description="NVIDIA driver, e.g. '580.159.04'")
-    driver_major: Optional[Bytes] = None
-    cuda_version: Optional[Bytes] = Field(default=None, description="cuDriverGetVersion, e.g. 13000; 0: no driver")
-    checkpoint_api: Optional[bool] = None
-    torch_cuda: Optional[bool] = None
-    gpu_count: Optional[Bytes] = None
+    driver_version: LongText | None = Field(default=None, description="NVIDIA driver, e.g. '580.159.04'")
+    driver_major: Bytes | None = None
+    cuda_version: Bytes | None = Field(default=None, description="cuDriverGetVersion, e.g. 13000; 0: no driver")
+    checkpoint_api: bool | None = None
+    torch_cuda: bool | None = None
+    gpu_count: Bytes | None = None
     pause_resume: bool = False
     migration: bool = False
     problems: Annotated[
         list[LongText], Field(max_length=protocol.MAX_JSON_ITEMS, description="each: what is missing and what to do")
     ] = []
-    fast_path: Optional[bool] = Field(
+    fast_path: bool | None = Field(
         default=None, description="the job's memory is in flexium's pool: moves may take the fast path"
     )
-    fast_path_problem: Optional[LongText] = Field(default=None, description="why fast_path is false")
-    job_operations: Optional[bool] = Field(
+    fast_path_problem: LongText | None = Field(default=None, description="why fast_path is false")
+    job_operations: bool | None = Field(
         default=None,
         description=(
             "a rank of a multi-process job: whether the job can be paused, resumed and migrated as a "
             "whole (its problems say why not); None: a single-process job"
         ),
     )
-    nccl: Optional[bool] = Field(
+    nccl: bool | None = Field(
         default=None,
         description=(
             "a rank of a multi-process job: whether its process group runs on NCCL, whose ranks the driver "
@@ -639,12 +640,12 @@ class ProcessCapabilities(_BoundedJson):
 class OperationGpu(WireIn):
     """One GPU of an operation (``flexium.engine.operations.GpuIdentity``)."""
 
-    ordinal: Optional[GpuIndex] = Field(default=None, description="its CUDA ordinal in the process at init")
+    ordinal: GpuIndex | None = Field(default=None, description="its CUDA ordinal in the process at init")
     uuid: LongText = ""
     name: LongText = ""
     total_memory: Bytes = 0
     pci_bus_id: LongText = ""
-    nvml_index: Optional[GpuIndex] = Field(default=None, description="nvidia-smi's index")
+    nvml_index: GpuIndex | None = Field(default=None, description="nvidia-smi's index")
 
 
 class StepReport(WireIn):
@@ -654,26 +655,26 @@ class StepReport(WireIn):
     seconds: float = 0.0
     ok: bool = True
     rollback: bool = Field(default=False, description="part of the rollback after a failure")
-    error: Optional[LongText] = None
+    error: LongText | None = None
 
 
 class OperationReport(_BoundedJson):
     """What a migrate, pause or resume did, as the process measured it
     (``flexium.engine.operations.OperationResult``)."""
 
-    kind: Optional[CommandKind] = None
-    path: Optional[LongText] = Field(
+    kind: CommandKind | None = None
+    path: LongText | None = Field(
         default=None, description="'fast' (flexium moved the pool's memory) or 'driver' (the checkpoint carried all)"
     )
-    ok: Optional[bool] = None
+    ok: bool | None = None
     logical_device: LongText = Field(default="", description="what the training code uses, 'cuda:0'")
-    source: Optional[OperationGpu] = None
-    target: Optional[OperationGpu] = Field(default=None, description="None for pause")
+    source: OperationGpu | None = None
+    target: OperationGpu | None = Field(default=None, description="None for pause")
     steps: Annotated[list[StepReport], Field(max_length=protocol.MAX_JSON_ITEMS)] = []
     bytes_moved: Bytes = 0
-    seconds: Optional[float] = Field(default=None, description="the whole operation, by the process's clock")
-    failed_step: Optional[LongText] = None
-    error: Optional[LongText] = None
+    seconds: float | None = Field(default=None, description="the whole operation, by the process's clock")
+    failed_step: LongText | None = None
+    error: LongText | None = None
     notes: Annotated[list[LongText], Field(max_length=protocol.MAX_JSON_ITEMS)] = []
 
 

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import socket
 import time
+from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import pytest
 
@@ -109,7 +110,7 @@ class ScriptedReporter:
         return wire.ProcessCapabilities(pause_resume=True, migration=True, problems=[])
 
 
-def _session(process_id: str, engine: Optional[ScriptedEngine], address: str, token: Optional[str]) -> Any:
+def _session(process_id: str, engine: ScriptedEngine | None, address: str, token: str | None) -> Any:
     from flexium.config import FlexiumConfig
 
     config = FlexiumConfig(orchestrator=address, token=token, address=parse_server_address(address))
@@ -130,7 +131,7 @@ def scripted(server: Server) -> Iterator[tuple[ProcessClient, ScriptedEngine]]:
     client.stop()
 
 
-def _command(server: Server, kind: str, target: Optional[str] = None) -> dict[str, Any]:
+def _command(server: Server, kind: str, target: str | None = None) -> dict[str, Any]:
     body: dict[str, Any] = {"kind": kind, "process_id": "gpu-scripted"}
     if target:
         body["target"] = target

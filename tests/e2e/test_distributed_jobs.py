@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
@@ -72,9 +72,9 @@ class MovedJob:
         env = _env(server, FLEXIUM_SERVER=server.address, FLEXIUM_TOKEN=server.job_token or "", **extra)
         self.job = _launch(argv, {**env, "E2E_STOP": str(self.stop)})
         self.output = ProcessOutput(self.job)
-        self.reference: Optional[subprocess.Popen[str]] = None
+        self.reference: subprocess.Popen[str] | None = None
 
-    def __enter__(self) -> "MovedJob":
+    def __enter__(self) -> MovedJob:
         try:
             for rank in range(self.world):
                 self.output.wait_for(rf"^ready {rank} gpu-", 240)
@@ -99,7 +99,7 @@ class MovedJob:
         found = [p for p in listed if p.get("job") and p["job"]["world_size"] == self.world and not p["stale"]]
         return sorted(found, key=lambda p: p["job"]["rank"])
 
-    def _movable(self) -> Optional[list[dict[str, Any]]]:
+    def _movable(self) -> list[dict[str, Any]] | None:
         found = self.ranks()
         ok = len(found) == self.world and all(p["capabilities"].get("job_operations") for p in found)
         return found if ok else None

@@ -6,8 +6,8 @@ attached to a real server, moved by the command line."""
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 

@@ -6,7 +6,7 @@ answer their commands over HTTP as the training processes would."""
 from __future__ import annotations
 
 import json
-from typing import Iterator
+from collections.abc import Iterator
 
 import pytest
 

@@ -6,7 +6,8 @@ process on its new GPUs, and a move that names a GPU it does not use is refused.
 from __future__ import annotations
 
 import json
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 

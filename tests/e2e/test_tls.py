@@ -7,8 +7,8 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import requests

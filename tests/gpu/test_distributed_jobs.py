@@ -11,7 +11,7 @@ lacks it."""
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
@@ -206,7 +206,7 @@ def test_an_nccl_communicator_is_suspended_around_a_pause_and_works_after() -> N
 # A torchrun job of one rank (--nproc-per-node 1) is one process to flexium and to the server: its
 # pause is the one-process pause, with its NCCL communicator of one rank in the driver's checkpoint.
 # Each case: (NCCL preloaded, environment, job arguments).
-ONE_RANK_CASES: dict[str, tuple[Optional[str], dict[str, str], tuple[str, ...]]] = {
+ONE_RANK_CASES: dict[str, tuple[str | None, dict[str, str], tuple[str, ...]]] = {
     "bundled-nccl-fast": (None, {}, ("--model", "ddp")),
     "bundled-nccl-driver": (None, {"FLEXIUM_FAST_PATH": "0"}, ("--model", "ddp")),
     "nccl-with-suspend": ("suspend", {}, ("--model", "ddp")),
@@ -285,7 +285,7 @@ def test_a_two_rank_gloo_job_on_one_gpu_pauses_and_resumes_as_a_whole() -> None:
 # ------------------------------------------------------------------ through the server and the CLI
 
 
-def _server_case(case: str, host_gpus: list[Any]) -> tuple[tuple[str, ...], dict[str, str], Optional[str], int]:
+def _server_case(case: str, host_gpus: list[Any]) -> tuple[tuple[str, ...], dict[str, str], str | None, int]:
     """(job arguments, environment, LD_PRELOAD, ranks) of a case."""
     if case == "gloo-one-gpu":
         return ("--backend", "gloo", "--ballast-gb", "0.5"), {"GPU_DEVICE": "cuda:0"}, None, 2

@@ -9,12 +9,12 @@ import json
 import os
 import subprocess
 import sys
-from typing import Any, Optional
+from typing import Any
 
 from support.gpu import nccl_with_suspend
 
 
-def doctor(env: Optional[dict[str, str]] = None) -> dict[str, Any]:
+def doctor(env: dict[str, str] | None = None) -> dict[str, Any]:
     proc = subprocess.run(
         [sys.executable, "-m", "flexium.cli.main", "doctor", "--json"],
         capture_output=True,

@@ -15,9 +15,10 @@ from __future__ import annotations
 import html.parser
 import json
 import signal
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 from urllib.parse import quote
 
 import markupsafe
@@ -139,7 +140,7 @@ class Client:
         self.session = requests.Session()
         self.session.headers["Authorization"] = f"Bearer {token}"
         self.token = token
-        self.browser: Optional[requests.Session] = None
+        self.browser: requests.Session | None = None
 
     def post(self, path: str, body: Any) -> requests.Response:
         return self.session.post(self.base + path, json=body, timeout=30)
@@ -179,7 +180,7 @@ class MarkupCheck(html.parser.HTMLParser):
         self.scripts = (origin + "/static/", "/static/")
         self.problems: list[str] = []
 
-    def handle_starttag(self, tag: str, attrs: list[tuple[str, Optional[str]]]) -> None:
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         for name, value in attrs:
             if name.startswith("on"):
                 self.problems.append(f"<{tag} {name}={value!r}>")

@@ -10,8 +10,9 @@ import signal
 import socket
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import requests

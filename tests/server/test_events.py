@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from typing import Optional
 
 from flexium import protocol
 from flexium.server.live import EventBus
@@ -67,7 +66,7 @@ def test_the_history_is_bounded_in_bytes_and_what_fell_out_asks_for_a_resync() -
 
 
 def test_a_stream_too_slow_for_the_bytes_it_is_sent_is_cut_off_with_a_resync() -> None:
-    async def run() -> tuple[list[Optional[str]], bool, int]:
+    async def run() -> tuple[list[str | None], bool, int]:
         bus = EventBus(first_id=1, queue_size=1000, queue_bytes=64 << 10)
         sub, _ = bus.subscribe(1)
         for _ in range(10):  # 200 KiB for a client that reads nothing

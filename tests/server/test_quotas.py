@@ -4,8 +4,9 @@ refusal is a 4xx that names the limit and the option that raises it, and nothing
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import requests

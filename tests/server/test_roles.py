@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 import pytest
 import requests
@@ -227,7 +228,7 @@ def _poll(live: Workspace, token: str, process_id: str, out: dict[str, Any]) -> 
     out["status"], out["ended"], out["took"] = r.status_code, time.monotonic(), time.monotonic() - started
 
 
-def _stream(live: Workspace, out: dict[str, Any], *, token: Optional[str] = None, cookies: Any = None) -> None:
+def _stream(live: Workspace, out: dict[str, Any], *, token: str | None = None, cookies: Any = None) -> None:
     headers = {"Authorization": f"Bearer {token}"} if token else {}
     with requests.get(live.base + "/events", headers=headers, cookies=cookies, stream=True, timeout=40) as r:
         out["status"] = r.status_code

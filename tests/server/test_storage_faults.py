@@ -13,8 +13,8 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 import requests
@@ -181,14 +181,14 @@ class OwnPostgres:
         runner = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
         subprocess.run([*runner, *cmd], check=True, stdout=subprocess.DEVNULL, timeout=120)
 
-    def init(self) -> "OwnPostgres":
+    def init(self) -> OwnPostgres:
         self.root.mkdir(parents=True, exist_ok=True)
         if os.geteuid() == 0:
             shutil.chown(self.root, "postgres", "postgres")
         self._as_postgres(str(self.bin / "initdb"), "-D", str(self.root / "data"), "-A", "trust", "-U", "postgres")
         return self.start()
 
-    def start(self) -> "OwnPostgres":
+    def start(self) -> OwnPostgres:
         options = f"-p {self.port} -k {self.root} -c listen_addresses=127.0.0.1 -c fsync=off"
         self._as_postgres(
             str(self.bin / "pg_ctl"), "-D", str(self.root / "data"), "-l", str(self.root / "log"), "-w", "-o", options,
@@ -196,7 +196,7 @@ class OwnPostgres:
         )  # fmt: skip
         return self
 
-    def standby(self, root: Path) -> "OwnPostgres":
+    def standby(self, root: Path) -> OwnPostgres:
         """A streaming standby of this server (read-only, in recovery), started."""
         standby = OwnPostgres(root)
         standby.root.mkdir(parents=True, exist_ok=True)

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import requests
 
@@ -24,9 +25,9 @@ class LiveServer(ServerProcess):
 
     def __init__(self, home: Path, *args: str) -> None:
         super().__init__(home, *args, database=f"sqlite:///{Path(home) / 'server.db'}")
-        self._first: Optional[tuple[Optional[str], Optional[str]]] = None
+        self._first: tuple[str | None, str | None] | None = None
 
-    def start(self, timeout: float = 30.0) -> "LiveServer":
+    def start(self, timeout: float = 30.0) -> LiveServer:
         super().start(timeout)
         if self._first is None:
             assert self.output is not None
@@ -36,11 +37,11 @@ class LiveServer(ServerProcess):
         return self
 
     @property
-    def token(self) -> Optional[str]:
+    def token(self) -> str | None:
         return self._first[0] if self._first is not None else None
 
     @property
-    def login_link(self) -> Optional[str]:
+    def login_link(self) -> str | None:
         return self._first[1] if self._first is not None else None
 
 
@@ -88,12 +89,12 @@ class FakeHost:
 
     name: str
     gpus: list[Gpu] = field(default_factory=lambda: [Gpu(i) for i in range(4)])
-    jobs: list["SimJob"] = field(default_factory=list)
+    jobs: list[SimJob] = field(default_factory=list)
 
     def uuid(self, index: int) -> str:
         return self.gpus[index].uuid(self.name)
 
-    def report(self, by: Optional["SimJob"] = None) -> list[dict[str, Any]]:
+    def report(self, by: SimJob | None = None) -> list[dict[str, Any]]:
         """The GPUs as job ``by`` reports them: with what it holds on each when it is on several."""
         out = []
         for gpu in self.gpus:
@@ -136,18 +137,18 @@ class SimJob:
         pause_resume: bool = True,
         state: str = "RUNNING",
         op_seconds: float = 1.23,
-        job: Optional[dict[str, Any]] = None,
-        problems: Optional[list[str]] = None,
-        steps: Optional[int] = None,
-        loss: Optional[float] = None,
-        shares: Optional[dict[int, int]] = None,
-        nccl: Optional[bool] = None,
+        job: dict[str, Any] | None = None,
+        problems: list[str] | None = None,
+        steps: int | None = None,
+        loss: float | None = None,
+        shares: dict[int, int] | None = None,
+        nccl: bool | None = None,
     ) -> None:
         self.api = api
         self.host = host
         self.process_id = process_id
-        self.gpu_uuid: Optional[str] = host.uuid(gpu)
-        self.gpu_index: Optional[int] = gpu
+        self.gpu_uuid: str | None = host.uuid(gpu)
+        self.gpu_index: int | None = gpu
         self.shares = {host.uuid(index): held for index, held in (shares or {}).items()}
         self.memory = sum(self.shares.values()) if self.shares else memory
         self.footprint = self.memory
@@ -168,7 +169,7 @@ class SimJob:
         self.op_seconds = op_seconds
         self.hold = threading.Event()
         self.hold.set()
-        self.fail_with: Optional[str] = None
+        self.fail_with: str | None = None
         self.received: list[dict[str, Any]] = []
         self.errors: list[str] = []
         self._alive = threading.Event()
@@ -229,7 +230,7 @@ class SimJob:
 
     # --- life -----------------------------------------------------------------------------
 
-    def start(self) -> "SimJob":
+    def start(self) -> SimJob:
         r = self.api.post("/processes", self.registration())
         assert r.status_code in (200, 201), r.text
         self._alive.set()

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
 from selenium.webdriver.common.by import By
@@ -21,7 +22,7 @@ class Dashboard:
 
     # --- navigation -----------------------------------------------------------------------
 
-    def open(self, query: str = "", token: Optional[str] = None) -> "Dashboard":
+    def open(self, query: str = "", token: str | None = None) -> Dashboard:
         """The dashboard, logged in (with the login form: the server's login link works once)
         with `token`, else the workspace's admin token."""
         self.d.get(f"{self.server.url}/{query}")
@@ -57,7 +58,7 @@ class Dashboard:
     def js(self, script: str, *args: Any) -> Any:
         return self.d.execute_script(script, *args)
 
-    def viewport(self, width: int, height: int, mobile: Optional[bool] = None) -> None:
+    def viewport(self, width: int, height: int, mobile: bool | None = None) -> None:
         """Emulate a screen of `width` x `height` CSS pixels (a phone's below 600 unless said),
         until reset_viewport()."""
         self.d.execute_cdp_cmd(

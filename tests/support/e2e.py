@@ -10,8 +10,9 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence, Union
+from typing import Any
 
 import requests
 
@@ -38,9 +39,7 @@ class Server:
     """``python -m flexium.server`` (what ``flexium server`` runs) on a SQLite file; restartable
     on the same port and database."""
 
-    def __init__(
-        self, tmp: Path, *, port: Optional[int] = None, options: Sequence[str] = ("--stale-after", "20")
-    ) -> None:
+    def __init__(self, tmp: Path, *, port: int | None = None, options: Sequence[str] = ("--stale-after", "20")) -> None:
         self.tmp = tmp
         self.home = tmp / "home"
         self.home.mkdir(parents=True, exist_ok=True)
@@ -54,8 +53,8 @@ class Server:
             port=port,
             env=clean_env(self.home),
         )
-        self.token: Optional[str] = None  # the workspace's first token: an admin token, for the CLI
-        self.job_token: Optional[str] = None  # what training jobs are handed (as the README says)
+        self.token: str | None = None  # the workspace's first token: an admin token, for the CLI
+        self.job_token: str | None = None  # what training jobs are handed (as the README says)
 
     @property
     def port(self) -> int:
@@ -93,14 +92,14 @@ class Server:
         assert line.startswith("flx_"), done.stdout
         return line
 
-    def start(self, timeout: float = 60.0) -> "Server":
+    def start(self, timeout: float = 60.0) -> Server:
         self.child.start(timeout)
         return self
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> None:
         self.child.stop(sig, timeout)
 
-    def headers(self, token: Optional[str] = None) -> dict[str, str]:
+    def headers(self, token: str | None = None) -> dict[str, str]:
         return {"Authorization": f"Bearer {token or self.token}"}
 
     def get(self, path: str, **kw: Any) -> requests.Response:
@@ -111,12 +110,12 @@ class Server:
     def post(self, path: str, json: Any = None, **kw: Any) -> requests.Response:
         return requests.post(self.api + path, json=json, headers=kw.pop("headers", self.headers()), timeout=10, **kw)
 
-    def process(self, process_id: str) -> Optional[dict[str, Any]]:
+    def process(self, process_id: str) -> dict[str, Any] | None:
         r = self.get(f"/processes/{process_id}")
         return r.json() if r.status_code == 200 else None
 
     def cli(
-        self, *args: str, timeout: float = 60.0, env: Optional[dict[str, str]] = None
+        self, *args: str, timeout: float = 60.0, env: dict[str, str] | None = None
     ) -> subprocess.CompletedProcess[str]:
         run_env = clean_env(self.home)
         run_env["FLEXIUM_SERVER"] = self.address
@@ -137,7 +136,7 @@ def ps_row(table: str, process_id: str) -> dict[str, str]:
     starts: list[int] = []
     for name in names:
         starts.append(header.index(name, starts[-1] + 1 if starts else 0))
-    ends: list[Optional[int]] = [*starts[1:], None]
+    ends: list[int | None] = [*starts[1:], None]
     return {name: row[start:end].strip() for name, start, end in zip(names, starts, ends, strict=True)}
 
 
@@ -150,10 +149,10 @@ class Job:
         *,
         fake: bool,
         memory_mib: int = 1024,
-        address: Optional[str] = None,
-        extra_env: Optional[dict[str, str]] = None,
+        address: str | None = None,
+        extra_env: dict[str, str] | None = None,
         script: Path = TRAIN_JOB,
-        args: Sequence[Union[str, bytes]] = (),
+        args: Sequence[str | bytes] = (),
     ) -> None:
         self.server = server
         self.control = server.tmp / f"control-{time.monotonic_ns()}"
@@ -230,7 +229,7 @@ class FakeRank:
         key: str = "run-e2e-7f3a",
         gpus: int = 4,
         job_operations: bool = True,
-        problems: Optional[list[str]] = None,
+        problems: list[str] | None = None,
     ) -> None:
         import threading
 
@@ -240,7 +239,7 @@ class FakeRank:
         self.gpu = f"GPU-e2e-{rank}"
         self.state = "RUNNING"
         self.visible = [f"GPU-e2e-{i}" for i in range(gpus)]
-        self.fail_next: Optional[str] = None
+        self.fail_next: str | None = None
         self.received: list[dict[str, Any]] = []
         self.errors: list[str] = []
         self.stop = threading.Event()
@@ -272,7 +271,7 @@ class FakeRank:
             for i, uuid in enumerate(self.visible)
         ]
 
-    def start(self) -> "FakeRank":
+    def start(self) -> FakeRank:
         body = {**self.body, "gpu_uuid": self.gpu, "state": self.state, "memory_bytes": 8 << 30}
         r = self.server.post("/processes", {**body, "devices": self.devices()})
         assert r.status_code in (200, 201), r.text

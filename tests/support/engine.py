@@ -31,8 +31,9 @@ import tempfile
 import textwrap
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 import pytest
 
@@ -82,7 +83,7 @@ HOST_AVAILABLE = 2048 * GiB
 
 @dataclass
 class HostMemory:
-    available: Optional[int] = HOST_AVAILABLE
+    available: int | None = HOST_AVAILABLE
 
 
 _host = HostMemory()
@@ -245,7 +246,7 @@ class Background(threading.Thread):
         super().__init__(daemon=True)
         self._fn = fn
         self.result: Any = None
-        self.error: Optional[BaseException] = None
+        self.error: BaseException | None = None
 
     def run(self) -> None:
         try:
@@ -273,7 +274,7 @@ def out(**values):
 BLOCK_TORCH = "sys.modules['torch'] = None  # not needed here; keeps the subprocess fast"
 
 
-def script_env(*, libcuda: Optional[str] = None, libnvml: Optional[str] = None, **fake_vars: Any) -> dict[str, str]:
+def script_env(*, libcuda: str | None = None, libnvml: str | None = None, **fake_vars: Any) -> dict[str, str]:
     """Environment for a fresh Python on the fake (or on `libcuda` / `libnvml` paths instead),
     without any flexium settings of this environment, HOME in an empty directory."""
     env = fake_driver.subprocess_env(**fake_vars)
@@ -328,7 +329,7 @@ class Script:
             stderr=subprocess.PIPE,
             text=True,
         )
-        self._run: Optional[ScriptRun] = None
+        self._run: ScriptRun | None = None
 
     def wait(self) -> ScriptRun:
         if self._run is None:

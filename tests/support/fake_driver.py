@@ -132,9 +132,10 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Union
+from typing import Any
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 REPO_ROOT = TESTS_DIR.parent
@@ -214,7 +215,7 @@ class Call:
     tid: int
 
 
-def _error_code(code: Union[int, str]) -> int:
+def _error_code(code: int | str) -> int:
     if isinstance(code, int):
         return code
     if code in CUDA_ERRORS:
@@ -247,7 +248,7 @@ def build(force: bool = False) -> Path:
     return target
 
 
-def subprocess_env(library: Optional[Path] = None, **fake_vars: Any) -> dict[str, str]:
+def subprocess_env(library: Path | None = None, **fake_vars: Any) -> dict[str, str]:
     """The environment for a Python subprocess that should run on the fake: this environment
     without FAKE_* settings, plus FLEXIUM_LIBCUDA / FLEXIUM_LIBNVML, the given FAKE_* variables
     (``FAKE_CUDA_GPUS=4``) and tests/ on PYTHONPATH so that it can import support.fake_driver."""
@@ -289,7 +290,7 @@ class FakeDriver:
     """ctypes handle on the fake driver's control functions. Every method acts on the one
     instance of the library in this process, the one flexium._C and pynvml use."""
 
-    def __init__(self, path: Optional[Path] = None) -> None:
+    def __init__(self, path: Path | None = None) -> None:
         self.path = Path(path) if path is not None else build()
         self._lib = ctypes.CDLL(str(self.path))
         self._declare()
@@ -398,7 +399,7 @@ class FakeDriver:
         rc = self._lib.fake_set_gpu_activity(physical, utilization, memory_utilization, temperature_c, ecc_uncorrected)
         self._check(rc, f"GPU {physical}")
 
-    def fail(self, function: str, code: Union[int, str], nth: int = 1) -> None:
+    def fail(self, function: str, code: int | str, nth: int = 1) -> None:
         """The ``nth`` next call of ``function`` returns ``code`` (an int or a CUDA_ERROR_* /
         NVML_ERROR_* name) and does nothing else; ``nth=0``: every call until clear_failures()."""
         self._check(self._lib.fake_fail(function.encode(), nth, _error_code(code)), f"fail({function!r}, nth={nth})")
@@ -427,7 +428,7 @@ class FakeDriver:
         """Model cuda-checkpoint issue 44: after an OOM restore, restores fail for good."""
         self._lib.fake_set_oom_poisons_restore(1 if on else 0)
 
-    def force_state(self, state: Union[ProcessState, int]) -> None:
+    def force_state(self, state: ProcessState | int) -> None:
         """Puts the process in ``state`` at once, bypassing the checkpoint API's rules."""
         self._check(self._lib.fake_force_state(int(state)), f"state {state}")
 

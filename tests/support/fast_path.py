@@ -15,7 +15,8 @@ import os
 import random
 import threading
 import time
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -36,9 +37,9 @@ CUDA_ERROR_UNKNOWN = 999
 class StandInPool:
     """What FastPath reads of a MemoryPool; `ranges` answers live_ranges ({}: whole segments)."""
 
-    def __init__(self, ranges: Optional[dict[int, list[tuple[int, int]]]] = None) -> None:
+    def __init__(self, ranges: dict[int, list[tuple[int, int]]] | None = None) -> None:
         self.active = True
-        self.reason_off: Optional[str] = None
+        self.reason_off: str | None = None
         self.ranges = ranges or {}
         self.asked: list[int] = []
 
@@ -82,7 +83,7 @@ class Trainer(threading.Thread):
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
         self.data = torch.randn(16, 4)
         self.steps = 0
-        self.error: Optional[BaseException] = None
+        self.error: BaseException | None = None
         self.stopping = threading.Event()
         self.tid = 0
 
@@ -116,7 +117,7 @@ class Job:
         self.contents: dict[int, bytes] = {}
         self.engines: list[Any] = []
         self.trainers: list[Trainer] = []
-        self.fast: Optional[RecordingFastPath] = None
+        self.fast: RecordingFastPath | None = None
 
     def segments(self, sizes: list[int], device: int = 0) -> list[int]:
         addresses = []
@@ -137,7 +138,7 @@ class Job:
         for address, data in self.contents.items():
             assert ctypes.string_at(address, len(data)) == data, f"segment {address:#x} changed"
 
-    def engine(self, ranges: Optional[dict[int, list[tuple[int, int]]]] = None, **kwargs: Any) -> Any:
+    def engine(self, ranges: dict[int, list[tuple[int, int]]] | None = None, **kwargs: Any) -> Any:
         """An engine on cuda:0 with the fast path (one per test: close() recovers its copies)."""
         self.pool = StandInPool(ranges)
         self.fast = RecordingFastPath(self.pool)

@@ -24,8 +24,9 @@ import subprocess
 import sys
 import tempfile
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional, TypeVar
+from typing import Any, TypeVar
 
 import pytest
 
@@ -33,9 +34,7 @@ HERE = Path(__file__).resolve().parent
 T = TypeVar("T")
 
 
-def keep_log(
-    args: tuple[str, ...], env: Optional[dict[str, str]], code: Optional[int], stdout: str, stderr: str
-) -> None:
+def keep_log(args: tuple[str, ...], env: dict[str, str] | None, code: int | None, stdout: str, stderr: str) -> None:
     """Every job's output, appended to one file in $OUT, survives a run that is cut short."""
     folder = Path(os.environ.get("OUT") or HERE.parent.parent / "gpu-results")
     folder.mkdir(parents=True, exist_ok=True)
@@ -45,7 +44,7 @@ def keep_log(
         )
 
 
-def end_process_group(proc: subprocess.Popen[Any], settle: Callable[[float], T]) -> Optional[T]:
+def end_process_group(proc: subprocess.Popen[Any], settle: Callable[[float], T]) -> T | None:
     """Ends a job started in its own process group (``start_new_session``), its launcher and every
     process: SIGABRT first (with PYTHONFAULTHANDLER each writes its Python stacks), SIGKILL if
     ``settle`` (which waits for it, draining its output) times out after 20 s. ``settle``'s result;
@@ -64,7 +63,7 @@ def end_process_group(proc: subprocess.Popen[Any], settle: Callable[[float], T])
 def run_in_fresh_process(
     body: Callable[..., T],
     *args: Any,
-    env: Optional[dict[str, str]] = None,
+    env: dict[str, str] | None = None,
     timeout: float = 300,
     exit_at_once: bool = False,
 ) -> T:

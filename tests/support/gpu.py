@@ -10,9 +10,10 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any
 
 import pytest
 
@@ -72,7 +73,7 @@ class JobRun:
         return found[-1]
 
 
-def run_job(*args: str, env: Optional[dict[str, str]] = None, timeout: float = 480) -> JobRun:
+def run_job(*args: str, env: dict[str, str] | None = None, timeout: float = 480) -> JobRun:
     """Runs the training job (bench/jobs/train_job.py) in a fresh process."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     proc = subprocess.run(
@@ -93,7 +94,7 @@ def ok_run(run: JobRun) -> JobRun:
     return run
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def reference(*args: str) -> tuple[str, ...]:
     """The loss trace of an undisturbed run with these flags (one run per flag set per session)."""
     run = ok_run(run_job(*args, timeout=JOB_TIMEOUT))

@@ -12,8 +12,9 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import requests
 
@@ -79,7 +80,7 @@ class ProcessOutput:
     def wait_for(self, pattern: str, timeout: float, start: int = 0) -> re.Match[str]:
         regex = re.compile(pattern)
 
-        def find() -> Optional[re.Match[str]]:
+        def find() -> re.Match[str] | None:
             for line in self.lines[start:]:
                 match = regex.search(line)
                 if match:
@@ -120,9 +121,9 @@ class ServerProcess:
         self,
         home: Path | str,
         *args: str,
-        database: Optional[str] = None,
-        port: Optional[int] = None,
-        env: Optional[dict[str, str]] = None,
+        database: str | None = None,
+        port: int | None = None,
+        env: dict[str, str] | None = None,
         prefix: tuple[str, ...] = (),
     ) -> None:
         self.home = Path(home)
@@ -131,8 +132,8 @@ class ServerProcess:
         self.database = database
         self.port = port or free_port()
         self.env = env
-        self.proc: Optional[subprocess.Popen[str]] = None
-        self.output: Optional[ProcessOutput] = None
+        self.proc: subprocess.Popen[str] | None = None
+        self.output: ProcessOutput | None = None
 
     @property
     def url(self) -> str:
@@ -145,7 +146,7 @@ class ServerProcess:
         return self.output.lines if self.output is not None else []
 
     @property
-    def token(self) -> Optional[str]:
+    def token(self) -> str | None:
         """The workspace token this run printed (a restart on the same database prints none)."""
         tokens = [line.strip() for line in self.lines if _TOKEN_LINE.fullmatch(line.strip())]
         return tokens[-1] if tokens else None
@@ -164,11 +165,11 @@ class ServerProcess:
         return str(answer.json()["token"])
 
     @property
-    def login_link(self) -> Optional[str]:
+    def login_link(self) -> str | None:
         links = [m.group(1) for line in self.lines if (m := _LOGIN_LINK.search(line))]
         return links[-1] if links else None
 
-    def start(self, timeout: float = 60.0, *, healthy: bool = True) -> "ServerProcess":
+    def start(self, timeout: float = 60.0, *, healthy: bool = True) -> ServerProcess:
         """Starts the server and waits until /healthz answers 200 (``healthy=False``: answers at
         all, for a server whose database is meant to fail the check)."""
         self.home.mkdir(parents=True, exist_ok=True)
@@ -221,6 +222,6 @@ class ServerProcess:
                 raise AssertionError(f"the server did not exit within {timeout:.0f} s of signal {sig}") from None
         return time.monotonic() - started
 
-    def restart(self) -> "ServerProcess":
+    def restart(self) -> ServerProcess:
         self.stop()
         return self.start()

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-from typing import Any, Optional
+from typing import Any
 
 from support.fresh_process import end_process_group, keep_log
 from support.gpu import job_events
@@ -28,7 +28,7 @@ class ServedJob:
         world: int,
         *,
         env: dict[str, str],
-        nccl: Optional[str],
+        nccl: str | None,
         ready_s: float = 180,
     ) -> None:
         from support.live_server import ProcessOutput, ServerProcess, clean_env
@@ -54,7 +54,7 @@ class ServedJob:
         )
         self.output = ProcessOutput(self.job)
 
-    def __enter__(self) -> "ServedJob":
+    def __enter__(self) -> ServedJob:
         from support.live_server import wait_until
 
         try:
@@ -91,7 +91,7 @@ class ServedJob:
         ours = [p for p in json.loads(done.stdout) if p["pid"] in self.pids]
         return sorted(ours, key=lambda p: (p.get("job") or {}).get("rank", 0))
 
-    def _movable(self) -> Optional[list[dict[str, Any]]]:
+    def _movable(self) -> list[dict[str, Any]] | None:
         found = self.processes()
         capability = "job_operations" if self.world > 1 else "pause_resume"
         ok = len(found) == self.world and all(p["capabilities"].get(capability) for p in found)

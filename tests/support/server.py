@@ -264,7 +264,7 @@ class SimJob:
             threading.Thread(target=self._poll, daemon=True),
         ]
 
-    def start(self) -> "SimJob":
+    def start(self) -> SimJob:
         self._register()
         for t in self.threads:
             t.start()

@@ -4,7 +4,8 @@ its delivery and reports, a sweep, and work released on many threads at once."""
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from flexium import wire
 from flexium.server import storage
@@ -34,7 +35,7 @@ def make_command(
     process_id: str = "gpu-1",
     target: Any = None,
     now: float = NOW,
-    gpus: Optional[dict[str, Any]] = None,
+    gpus: dict[str, Any] | None = None,
 ) -> wire.CommandInfo:
     created: list[wire.CommandInfo] = db.run(
         storage.create_commands,

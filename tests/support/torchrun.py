@@ -9,7 +9,7 @@ import json
 import os
 import subprocess
 import sys
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
@@ -37,7 +37,7 @@ def torchrun_argv(ranks: int, *args: str) -> list[str]:
 
 
 def torchrun(
-    *args: str, nccl: Optional[str], env: Optional[dict[str, str]] = None, timeout: float = 420, ranks: int = 2
+    *args: str, nccl: str | None, env: dict[str, str] | None = None, timeout: float = 420, ranks: int = 2
 ) -> TorchrunJob:
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     full_env.pop("LD_PRELOAD", None)
@@ -92,7 +92,7 @@ def held_on(op: dict[str, Any]) -> list[str]:
     return sorted(uuid for uuid, held in op["held"].items() if held > 0)
 
 
-def check_placements(job: TorchrunJob, uuids: list[str], expected: dict[int, list[Optional[int]]]) -> None:
+def check_placements(job: TorchrunJob, uuids: list[str], expected: dict[int, list[int | None]]) -> None:
     """After each operation every rank held memory on the one GPU ``expected`` says (an index of
     ``uuids``, NVML's order), or on none (None: paused), and on no GPU it left."""
     for rank, where in expected.items():

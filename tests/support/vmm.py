@@ -12,7 +12,8 @@ from __future__ import annotations
 import ctypes
 import os
 import random
-from typing import Any, Iterator, Optional
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
@@ -50,7 +51,7 @@ class Allocator:
         self.last_error_fn.restype = ctypes.c_char_p
         self.last_error_fn.argtypes = []
 
-    def alloc(self, size: int, device: int = 0) -> Optional[int]:
+    def alloc(self, size: int, device: int = 0) -> int | None:
         return self.alloc_fn(size, device, None)
 
     def must_alloc(self, size: int, device: int = 0) -> int:
@@ -58,7 +59,7 @@ class Allocator:
         assert address is not None, self.last_error()
         return address
 
-    def free(self, address: Optional[int], size: int = 0, device: int = 0) -> None:
+    def free(self, address: int | None, size: int = 0, device: int = 0) -> None:
         self.free_fn(address, size, device, None)
 
     def last_error(self) -> str:

@@ -3,8 +3,8 @@ test_kept_staging.py does), and never write the machine's pinned-memory ledger."
 
 import os
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 

@@ -9,9 +9,10 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import SimpleNamespace
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import pytest
 
@@ -106,7 +107,7 @@ class StubServer:
         with self.changed:
             return [body for cid, body in self.reports if cid == command_id]
 
-    def next_command(self, wait: float) -> Optional[dict[str, Any]]:
+    def next_command(self, wait: float) -> dict[str, Any] | None:
         deadline = time.monotonic() + min(wait, 0.5)
         with self.changed:
             self.polls += 1
@@ -122,7 +123,7 @@ class StubServer:
                     return None
                 self.changed.wait(left)
 
-    def report(self, command_id: int, body: dict[str, Any]) -> Optional[dict[str, Any]]:
+    def report(self, command_id: int, body: dict[str, Any]) -> dict[str, Any] | None:
         with self.changed:
             command = next((c for c in self.commands if c.get("id") == command_id), None)
             if command is None:
@@ -218,7 +219,7 @@ class PausingEngine:
         self.state = EngineState.PAUSED
         return self._done(OperationKind.PAUSE)
 
-    def resume(self, target: Optional[str] = None) -> OperationResult:
+    def resume(self, target: str | None = None) -> OperationResult:
         self.state = EngineState.RUNNING
         return self._done(OperationKind.RESUME)
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import inspect
 import threading
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 

@@ -5,8 +5,9 @@ process reports itself as not movable."""
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 

@@ -9,7 +9,7 @@ The user guide's own links are tests/unit/test_user_guide.py's."""
 from __future__ import annotations
 
 import re
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -73,7 +73,7 @@ def _slug(heading: str) -> str:
     return re.sub(r"\s", "-", re.sub(r"[^\w\s-]", "", text))
 
 
-@lru_cache(maxsize=None)
+@cache
 def _anchors(page: Path) -> frozenset[str]:
     text = FENCE.sub("", page.read_text())
     return frozenset(_slug(m.group(1)) for m in re.finditer(r"^#+ (.+)$", text, re.M))

@@ -6,7 +6,8 @@ and stays paused, or says the job is lost."""
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 

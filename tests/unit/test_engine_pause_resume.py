@@ -3,7 +3,8 @@ stop() resuming a paused job in place, or saying why it cannot."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 

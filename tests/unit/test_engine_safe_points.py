@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Iterator, Optional
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -33,7 +34,7 @@ from support.fake_driver import FakeDriver, ProcessState  # noqa: E402
 class Trainer(threading.Thread):
     """A plain training loop on CPU tensors. `gate`, when given, must be set for each step."""
 
-    def __init__(self, max_steps: Optional[int] = None, gate: Optional[threading.Event] = None) -> None:
+    def __init__(self, max_steps: int | None = None, gate: threading.Event | None = None) -> None:
         super().__init__(daemon=True, name="trainer")
         torch.manual_seed(0)
         self.model = torch.nn.Linear(8, 1)
@@ -45,7 +46,7 @@ class Trainer(threading.Thread):
         self.steps = 0
         self.losses: list[float] = []
         self.tid = 0
-        self.error: Optional[BaseException] = None
+        self.error: BaseException | None = None
         self.stopping = threading.Event()
 
     def run(self) -> None:

@@ -5,7 +5,8 @@ without migration or without the checkpoint API allows, and the default settings
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 

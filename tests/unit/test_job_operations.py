@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import time
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
@@ -372,7 +372,7 @@ def test_a_gather_that_times_out_gives_up_for_every_rank() -> None:
     two = Rendezvous(store, 7, rank=2, world_size=3)
     with pytest.raises(JobAborted, match="rank 0: rank"):
         two.gather("next", OK, deadline_s=60, what="meet")
-    late: Optional[Gathered] = Rendezvous(store, 7, rank=1, world_size=3).gather(
+    late: Gathered | None = Rendezvous(store, 7, rank=1, world_size=3).gather(
         "at", "late", deadline_s=1, what="meet", abortable=False
     )
     assert late is not None and late.failures() == {1: "late"}

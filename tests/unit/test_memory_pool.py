@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import gc
 import resource
+from collections.abc import Iterator
 from types import SimpleNamespace
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
@@ -55,7 +56,7 @@ def test_active_blocks_keep_what_is_allocated_or_waits_for_a_stream() -> None:
 
 
 class FakeMemPool:
-    made: list["FakeMemPool"] = []
+    made: list[FakeMemPool] = []
 
     def __init__(self, allocator: Any) -> None:
         self.allocator = allocator

@@ -8,7 +8,7 @@ from __future__ import annotations
 import ast
 import re
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 
@@ -26,11 +26,11 @@ IGNORED_MEMBERS = {"__repr__", "_pybind11_conduit_v1_"}
 
 
 class Signature:
-    def __init__(self, params: list[tuple[str, str, Optional[str]]], returns: str) -> None:
+    def __init__(self, params: list[tuple[str, str, str | None]], returns: str) -> None:
         self.params = params  # (name, type, default text; "..." where the stub leaves it out; None: no default)
         self.returns = returns
 
-    def differences(self, runtime: "Signature") -> list[str]:
+    def differences(self, runtime: Signature) -> list[str]:
         found = []
         if [p[0] for p in self.params] != [p[0] for p in runtime.params]:
             found.append(f"parameters {[p[0] for p in self.params]} != {[p[0] for p in runtime.params]}")
@@ -87,7 +87,7 @@ def runtime_signature(obj: Any, *, method: bool) -> Signature:
 
 def stub_signature(node: ast.FunctionDef, *, method: bool) -> Signature:
     args = node.args.args[1:] if method else node.args.args
-    defaults: list[Optional[ast.expr]] = [None] * (len(args) - len(node.args.defaults)) + list(node.args.defaults)
+    defaults: list[ast.expr | None] = [None] * (len(args) - len(node.args.defaults)) + list(node.args.defaults)
     params = []
     for arg, default in zip(args, defaults, strict=True):
         assert arg.annotation is not None, f"{node.name}: {arg.arg} has no type"

@@ -13,8 +13,9 @@ import threading
 import time
 import types
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import pytest
 
@@ -65,7 +66,7 @@ class FakeEngine:
         self.free = dict(free)
         self.current = self.gpus[0]
         self.migrations: list[GpuIdentity] = []
-        self.fail_with: Optional[BaseException] = None
+        self.fail_with: BaseException | None = None
         self.report_failure = False
         self.migrate_delay = 0.0
         self.min_free = 1 * GiB

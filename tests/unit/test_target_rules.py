@@ -7,7 +7,8 @@ refused before anything is touched, with what to do."""
 from __future__ import annotations
 
 import re
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 

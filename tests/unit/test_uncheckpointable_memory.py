@@ -9,7 +9,8 @@ from __future__ import annotations
 import inspect
 import os
 import re
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 from flexium._logging import get_logger
 
@@ -36,10 +37,10 @@ class _Saved:
 
 
 _saved: list[_Saved] = []
-_get_device: Optional[Callable[[], str]] = None
+_get_device: Callable[[], str] | None = None
 
 
-def managed_device() -> Optional[str]:
+def managed_device() -> str | None:
     """The device bare `.cuda()` calls go to now, or None when routing is off."""
     provider = _get_device
     return provider() if provider is not None else None

@@ -12,17 +12,17 @@ from __future__ import annotations
 import math
 import sys
 import threading
-from typing import Any, Optional
+from typing import Any
 
 
 class TrainingProgress:
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._handle: Optional[Any] = None  # torch's RemovableHandle
+        self._handle: Any | None = None  # torch's RemovableHandle
         self._users = 0
         self.counted_steps = 0
-        self._stated_step: Optional[int] = None
-        self.loss: Optional[float] = None
+        self._stated_step: int | None = None
+        self.loss: float | None = None
 
     def install(self) -> bool:
         """Count optimizer steps from now (until as many ``uninstall`` calls). Never imports
@@ -55,7 +55,7 @@ class TrainingProgress:
     def _on_step(self, *_: Any) -> None:
         self.counted_steps += 1  # one int under the GIL: no lock on the training thread's path
 
-    def record(self, *, loss: Optional[float] = None, step: Optional[int] = None) -> None:
+    def record(self, *, loss: float | None = None, step: int | None = None) -> None:
         """A loss that is not a finite number is not sent (the wire carries finite numbers only)."""
         if loss is not None:
             value = float(loss)
@@ -66,7 +66,7 @@ class TrainingProgress:
             self._stated_step = int(step)
 
     @property
-    def steps(self) -> Optional[int]:
+    def steps(self) -> int | None:
         """The step the job last stated, else the optimizer steps counted; None when neither
         (no torch.optim steps, no ``report(step=...)``)."""
         if self._stated_step is not None:

@@ -24,9 +24,10 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Callable, Iterator, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from flexium._logging import get_logger
 from flexium.errors import (
@@ -105,7 +106,7 @@ _MESSAGE_ORDER = (
 )
 
 
-def classify_error(exc: BaseException) -> Optional[CudaErrorKind]:
+def classify_error(exc: BaseException) -> CudaErrorKind | None:
     """The kind of recoverable CUDA error `exc` is, or None (then it must be re-raised as is)."""
     if not isinstance(exc, Exception):
         return None
@@ -133,7 +134,7 @@ class Recovery:
     source: GpuIdentity
     target: GpuIdentity
     seconds: float  # whole recovery, freeing memory included
-    result: Optional[OperationResult]  # None: another thread had just moved the job
+    result: OperationResult | None  # None: another thread had just moved the job
 
 
 # Bumped after every successful move, so that threads failing together move the job once.
@@ -173,7 +174,7 @@ def _free_memory(exc: BaseException) -> None:
         _log.debug("torch.cuda.empty_cache() failed before recovery: %s", cache_exc)
 
 
-def _job_bytes(engine: Engine, logical_device: str) -> Optional[int]:
+def _job_bytes(engine: Engine, logical_device: str) -> int | None:
     # The engine counts what the driver would move (NVML); PyTorch's reserved bytes are the
     # fallback and miss the CUDA context itself.
     process_bytes = getattr(engine, "process_bytes", None)
@@ -212,7 +213,7 @@ def _engine_for(kind: CudaErrorKind, exc: BaseException) -> Engine:
             "flexium is not initialised in this process",
             "Call flexium.init() at the start of the script, before the model is moved to the GPU.",
         ) from exc
-    engine: Optional[Engine] = getattr(runtime, "engine", None)
+    engine: Engine | None = getattr(runtime, "engine", None)
     if engine is None:
         raise _cannot(
             kind,
@@ -365,7 +366,7 @@ def _exhausted(kind: CudaErrorKind, exc: BaseException, what: str, attempts: int
 class Attempt:
     """One try of the iterator form; use it as `with attempt:`."""
 
-    def __init__(self, owner: "recoverable", number: int, attempts: int) -> None:
+    def __init__(self, owner: recoverable, number: int, attempts: int) -> None:
         self.number = number  # 1-based
         self.attempts = attempts  # retries + 1
         self._owner = owner
@@ -376,11 +377,11 @@ class Attempt:
         """True when this try failed with a recoverable error and the job was moved."""
         return self._recovered
 
-    def __enter__(self) -> "Attempt":
+    def __enter__(self) -> Attempt:
         return self
 
     def __exit__(
-        self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> bool:
         if exc is None:
             return False
@@ -414,7 +415,7 @@ class recoverable:
         if isinstance(retries, bool) or not isinstance(retries, int) or retries < 0:
             raise ConfigError(f"recoverable(retries={retries!r}): retries must be a whole number >= 0, e.g. retries=3")
         self.retries = retries
-        self.last_recovery: Optional[Recovery] = None
+        self.last_recovery: Recovery | None = None
 
     def _handle(self, kind: CudaErrorKind, exc: BaseException, seen_generation: int, outcome: str) -> Recovery:
         recovery = _recover(kind, exc, seen_generation=seen_generation, outcome=outcome)
@@ -422,11 +423,11 @@ class recoverable:
         return recovery
 
     # Form 1: context manager, the operation is lost.
-    def __enter__(self) -> "recoverable":
+    def __enter__(self) -> recoverable:
         return self
 
     def __exit__(
-        self, exc_type: Optional[type[BaseException]], exc: Optional[BaseException], tb: Optional[TracebackType]
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> bool:
         if exc is None:
             return False

@@ -8,7 +8,7 @@ import os
 import secrets
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 from flexium.config import FlexiumConfig, load_config, print_local_mode_warning, resolve_device
 from flexium.engine.capabilities import Capabilities, detect
@@ -24,24 +24,24 @@ log = logging.getLogger("flexium")
 
 @dataclass
 class Runtime:
-    config: Optional[FlexiumConfig]
+    config: FlexiumConfig | None
     process_id: str
     logical_device: str  # what the training code uses: "cuda:N", or "cpu" without CUDA
     disabled: bool = False
-    capabilities: Optional[Capabilities] = None
-    engine: Optional[Engine] = None  # when pause/resume is possible here
-    memory_pool: Optional[MemoryPool] = None  # when torch has CUDA
-    client: Optional[ProcessClient] = None  # the server connection, when a server is configured
+    capabilities: Capabilities | None = None
+    engine: Engine | None = None  # when pause/resume is possible here
+    memory_pool: MemoryPool | None = None  # when torch has CUDA
+    client: ProcessClient | None = None  # the server connection, when a server is configured
     scopes: int = 0  # open flexium.auto.run() blocks
 
 
 _lock = threading.RLock()
-_runtime: Optional[Runtime] = None
+_runtime: Runtime | None = None
 _process_id = f"gpu-{secrets.token_hex(4)}"
 _atexit_registered = False
 
 
-def current() -> Optional[Runtime]:
+def current() -> Runtime | None:
     return _runtime
 
 
@@ -53,7 +53,7 @@ def is_initialized() -> bool:
     return _runtime is not None
 
 
-def init(server: Optional[str] = None, device: Optional[str] = None, disabled: bool = False) -> None:
+def init(server: str | None = None, device: str | None = None, disabled: bool = False) -> None:
     with _lock:
         if _runtime is not None:
             log.warning("flexium.init() was already called; this call changes nothing (call shutdown() first)")
@@ -61,7 +61,7 @@ def init(server: Optional[str] = None, device: Optional[str] = None, disabled: b
         start(server, device, disabled, server_parameter="server")
 
 
-def start(server: Optional[str], device: Optional[str], disabled: bool, *, server_parameter: str) -> None:
+def start(server: str | None, device: str | None, disabled: bool, *, server_parameter: str) -> None:
     """Starts the runtime (none may be running); `server_parameter` names `server` in errors as
     the caller's API spells it."""
     global _runtime
@@ -157,7 +157,7 @@ def _driver_selected_by_env() -> bool:
     return bool(os.environ.get("FLEXIUM_LIBCUDA"))
 
 
-def _start_memory_pool(config: FlexiumConfig, logical_device: str, capabilities: Capabilities) -> Optional[MemoryPool]:
+def _start_memory_pool(config: FlexiumConfig, logical_device: str, capabilities: Capabilities) -> MemoryPool | None:
     """Routes PyTorch's CUDA memory into our pool before the job allocates any (fact `allocator-routed-to-pool`)."""
     if logical_device == "cpu" or not capabilities.torch_cuda or not capabilities.pause_resume:
         return None
@@ -175,8 +175,8 @@ def _start_memory_pool(config: FlexiumConfig, logical_device: str, capabilities:
 
 
 def _start_engine(
-    logical_device: str, capabilities: Capabilities, config: FlexiumConfig, memory_pool: Optional[MemoryPool]
-) -> Optional[Engine]:
+    logical_device: str, capabilities: Capabilities, config: FlexiumConfig, memory_pool: MemoryPool | None
+) -> Engine | None:
     if logical_device == "cpu" or not capabilities.pause_resume:
         return None
     if not (capabilities.torch_cuda or _driver_selected_by_env()):
@@ -195,7 +195,7 @@ def _start_engine(
     return engine
 
 
-def _start_client(runtime: Runtime) -> Optional[ProcessClient]:
+def _start_client(runtime: Runtime) -> ProcessClient | None:
     try:
         from flexium.client import start_client
     except ImportError:

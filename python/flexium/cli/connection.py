@@ -8,7 +8,7 @@ calls it."""
 from __future__ import annotations
 
 import argparse
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from pydantic import ValidationError
 
@@ -73,7 +73,7 @@ def _token_problem(api: ApiClient, refused: Unauthorized) -> str:
     )
 
 
-def connect(server: Optional[str], token: Optional[str]) -> ApiClient:
+def connect(server: str | None, token: str | None) -> ApiClient:
     from flexium import __version__
     from flexium.config import load_config, parse_server_address
 

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from flexium import protocol
 from flexium.cli.server_extra import server_module
@@ -65,7 +65,7 @@ def _demo_token(database_url: str) -> tuple[str, bool]:
         return database_admin.create_workspace(protocol.DEFAULT_WORKSPACE, database_url=database_url), False
 
 
-def _stop(proc: Optional[subprocess.Popen[Any]], sig: int) -> Optional[int]:
+def _stop(proc: subprocess.Popen[Any] | None, sig: int) -> int | None:
     if proc is None:
         return None
     if proc.poll() is None:
@@ -82,7 +82,7 @@ def _raise_interrupt(*_: Any) -> None:
     raise KeyboardInterrupt
 
 
-def _simulated_host(requested: bool) -> Optional[dict[str, str]]:
+def _simulated_host(requested: bool) -> dict[str, str] | None:
     """The environment that puts the demo's job on the simulated host, or None for this host's
     own GPUs: the simulation is used where NVML sees no NVIDIA GPU, or when asked for."""
     from flexium import simulated
@@ -98,7 +98,7 @@ def _simulated_host(requested: bool) -> Optional[dict[str, str]]:
 
 
 def run(
-    *, port: Optional[int] = None, host: str = "127.0.0.1", database: Optional[str] = None, simulated: bool = False
+    *, port: int | None = None, host: str = "127.0.0.1", database: str | None = None, simulated: bool = False
 ) -> int:
     if importlib.util.find_spec("torch") is None:
         print(
@@ -148,8 +148,8 @@ def run(
     link_host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
     address = f"[{link_host}]:{port}" if ":" in link_host else f"{link_host}:{port}"
     api = connect(f"{address}/{protocol.DEFAULT_WORKSPACE}", token)
-    server: Optional[subprocess.Popen[Any]] = None
-    job: Optional[subprocess.Popen[Any]] = None
+    server: subprocess.Popen[Any] | None = None
+    job: subprocess.Popen[Any] | None = None
     previous = signal.signal(signal.SIGTERM, _raise_interrupt)
     status = 0
     try:
@@ -210,7 +210,7 @@ def run(
         )
         _say(f"demo training job started (pid {job.pid}); waiting for it to register")
         deadline = time.monotonic() + JOB_REGISTER_S
-        registered: Optional[ProcessInfo] = None
+        registered: ProcessInfo | None = None
         while registered is None and job.poll() is None and time.monotonic() < deadline:
             try:
                 processes = api.list_processes(retries=0, timeout=5.0)

@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flexium.cli.demo_job")
     parser.add_argument("--steps", type=int, default=0, help="stop after this many steps (default: never)")
     parser.add_argument("--step-seconds", type=float, default=0.1, help="pause between steps, to stay light")
@@ -53,7 +53,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             x, y = features[index].to(device), labels[index].to(device)
             loss = torch.nn.functional.cross_entropy(model(x), y)
             optimizer.zero_grad()
-            loss.backward()
+            torch.autograd.backward(loss)
             optimizer.step()
             step += 1
             if step % args.print_every == 0 or step == 1:

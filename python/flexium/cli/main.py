@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from flexium.cli import connection, moves, processes, server, workspaces
 from flexium.cli.terminal import terminal_safe_output
@@ -80,7 +81,7 @@ def _describe_commands(commands: Any) -> None:
                 _describe_commands(action)
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, unrecognized = parser.parse_known_args(argv)
     if unrecognized:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Any, Union
+from typing import Any
 
 from flexium import protocol, wire
 from flexium.cli.connection import add_connection_options
@@ -124,9 +124,9 @@ def _check_target(text: str) -> None:
         raise UsageError(str(exc)) from None
 
 
-def _parse_pairs(option: str, text: str, form: str) -> dict[str, Union[int, str]]:
+def _parse_pairs(option: str, text: str, form: str) -> dict[str, int | str]:
     """``0=cuda:1,1=cuda:0`` -> {"0": "cuda:1", "1": "cuda:0"} (the server judges the rest)."""
-    pairs: dict[str, Union[int, str]] = {}
+    pairs: dict[str, int | str] = {}
     for part in text.split(","):
         key, sep, gpu = part.partition("=")
         if not sep or not key.strip() or not gpu.strip():

@@ -4,7 +4,7 @@ aligned tables, durations and ages, and a command's rank and reason in words."""
 from __future__ import annotations
 
 import json
-from typing import Sequence
+from collections.abc import Sequence
 
 from pydantic import BaseModel
 

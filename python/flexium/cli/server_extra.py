@@ -7,14 +7,13 @@ from __future__ import annotations
 import importlib
 import sys
 from types import ModuleType
-from typing import Optional
 
 SERVER_EXTRA_HINT = (
     'install its extra: pip install ".[server]" in a flexium checkout, or pip install "FLEXIUM_WHEEL[server]"'
 )
 
 
-def server_module(name: str) -> Optional[ModuleType]:
+def server_module(name: str) -> ModuleType | None:
     """The server package's module, or None (and a message) when the server extra is missing."""
     try:
         return importlib.import_module(name)

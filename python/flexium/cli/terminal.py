@@ -13,7 +13,8 @@ import contextlib
 import io
 import re
 import sys
-from typing import Iterator, TextIO
+from collections.abc import Iterator
+from typing import TextIO
 
 # C0 controls but tab and newline, DEL, C1 controls, and the bidirectional overrides and isolates.
 _CONTROLS = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")

@@ -7,7 +7,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import Callable, Optional, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 from flexium import protocol, wire
 from flexium.cli.printing import rank
@@ -40,7 +41,7 @@ def wait_command(
     api: ApiClient,
     command: wire.CommandInfo,
     timeout: float,
-    progress: Optional[Callable[[wire.CommandInfo], None]] = None,
+    progress: Callable[[wire.CommandInfo], None] | None = None,
 ) -> wire.CommandInfo:
     """Long-polls the command until it ends or `timeout` passes; `progress(command)` is called
     with each answer while it is under way (each change, and every PROGRESS_EVERY_S between)."""
@@ -57,7 +58,7 @@ def wait_operation(
     api: ApiClient,
     operation: wire.JobOperationInfo,
     timeout: float,
-    progress: Optional[Callable[[wire.JobOperationInfo], None]] = None,
+    progress: Callable[[wire.JobOperationInfo], None] | None = None,
 ) -> wire.JobOperationInfo:
     """As ``wait_command``, for every rank's command of a job operation."""
     return _poll_until(
@@ -75,7 +76,7 @@ def _poll_until(
     ended: Callable[[_Polled], bool],
     ask: Callable[[float, float], _Polled],
     timeout: float,
-    progress: Optional[Callable[[_Polled], None]],
+    progress: Callable[[_Polled], None] | None,
 ) -> _Polled:
     """`ask(wait, deadline)` the server's long-poll again until `ended` or `timeout` passes."""
     deadline = time.monotonic() + timeout

@@ -8,7 +8,6 @@ and ``ProcessClient`` (the training process's reporter and control threads, star
 from __future__ import annotations
 
 import logging
-from typing import Optional
 
 from flexium import protocol
 from flexium.client.contracts import EngineControl, TrainingProcess
@@ -42,7 +41,7 @@ __all__ = [
 log = logging.getLogger("flexium.client")
 
 
-def start_client(training: TrainingProcess) -> Optional[ProcessClient]:
+def start_client(training: TrainingProcess) -> ProcessClient | None:
     """Starts the threads and returns at once: registration happens in the background, and
     an unreachable server only delays it."""
     config = training.config

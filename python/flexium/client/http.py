@@ -14,7 +14,7 @@ import random
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Optional, TypeVar, Union, get_args
+from typing import Any, TypeVar, get_args
 
 import requests
 from pydantic import BaseModel, TypeAdapter, ValidationError
@@ -34,7 +34,7 @@ class ServerError(FlexiumError):
     """The server answered with an error, or could not be reached. ``code`` is the server's
     error code (``protocol.ERROR_STATUS``), ``status`` the HTTP status (None: no answer)."""
 
-    def __init__(self, message: str, *, code: str, status: Optional[int] = None, detail: Any = None) -> None:
+    def __init__(self, message: str, *, code: str, status: int | None = None, detail: Any = None) -> None:
         super().__init__(message)
         self.message = message
         self.code = code
@@ -111,15 +111,15 @@ class ApiClient:
     def __init__(
         self,
         address: protocol.ServerAddress,
-        token: Optional[str],
+        token: str | None,
         *,
         user_agent: str = "flexium",
-        ca_bundle: Optional[str] = None,
+        ca_bundle: str | None = None,
     ) -> None:
         """``ca_bundle``: a PEM file of the CAs to trust for an https:// server (default:
         $FLEXIUM_CA_BUNDLE; without either, the system's CAs, or $REQUESTS_CA_BUNDLE)."""
         self.address = address
-        self.verify: Union[bool, str] = ca_bundle or os.environ.get(protocol.CA_BUNDLE_ENV) or True
+        self.verify: bool | str = ca_bundle or os.environ.get(protocol.CA_BUNDLE_ENV) or True
         self.token = token
         self.user_agent = user_agent
         self._local = threading.local()
@@ -140,7 +140,7 @@ class ApiClient:
 
     def _pool(self) -> requests.Session:
         """This thread's connections (a ``requests.Session``: a pool and default headers)."""
-        pool: Optional[requests.Session] = getattr(self._local, "pool", None)
+        pool: requests.Session | None = getattr(self._local, "pool", None)
         if pool is None:
             pool = requests.Session()
             pool.headers["User-Agent"] = self.user_agent
@@ -157,12 +157,12 @@ class ApiClient:
         path: str,
         *,
         json: Any = None,
-        params: Optional[dict[str, Any]] = None,
+        params: dict[str, Any] | None = None,
         timeout: float = DEFAULT_TIMEOUT_S,
-        retries: Optional[int] = 0,
-        deadline: Optional[float] = None,
-        stop: Optional[threading.Event] = None,
-        backoff: Optional[Backoff] = None,
+        retries: int | None = 0,
+        deadline: float | None = None,
+        stop: threading.Event | None = None,
+        backoff: Backoff | None = None,
         workspace: bool = True,
     ) -> Any:
         """Sends one request; returns the decoded JSON body, or None for 204.
@@ -195,7 +195,7 @@ class ApiClient:
                     time.sleep(delay)
 
     def _once(
-        self, method: str, path: str, *, json: Any, params: Optional[dict[str, Any]], timeout: float, workspace: bool
+        self, method: str, path: str, *, json: Any, params: dict[str, Any] | None, timeout: float, workspace: bool
     ) -> Any:
         url = self.url(path, workspace=workspace)
         try:
@@ -262,7 +262,7 @@ class ApiClient:
 
     def next_command(
         self, process_id: str, *, wait: float, stop: threading.Event, backoff: Backoff
-    ) -> Union[wire.CommandInfo, UnreadableCommand, None]:
+    ) -> wire.CommandInfo | UnreadableCommand | None:
         """The long-poll; None when nothing came within ``wait`` seconds. Retried until
         ``stop`` is set while the server cannot be reached. A command this client cannot read
         but can name comes back as an ``UnreadableCommand``, for the caller to answer."""
@@ -277,7 +277,7 @@ class ApiClient:
         )
         return None if answer is None else self._read_command(answer)
 
-    def _read_command(self, answer: object) -> Union[wire.CommandInfo, UnreadableCommand]:
+    def _read_command(self, answer: object) -> wire.CommandInfo | UnreadableCommand:
         """The long-poll's answer as a command. The wire model stays exact (its ``kind`` is
         the server's schema); a command that fails it is still answered, by its id, so that
         it neither blocks the process's later commands nor comes back on every poll until it
@@ -299,8 +299,8 @@ class ApiClient:
         body: wire.CommandReport,
         *,
         timeout: float,
-        retries: Optional[int],
-        stop: Optional[threading.Event] = None,
+        retries: int | None,
+        stop: threading.Event | None = None,
     ) -> None:
         """The server's answer (the command as it stored it) is left unread: a 2xx means it
         took the report, and a command this client could not read (``UnreadableCommand``)
@@ -321,7 +321,7 @@ class ApiClient:
         return self._read(wire.HealthInfo, answer, "the health check")
 
     def list_processes(
-        self, *, state: Optional[str] = None, retries: int = 2, timeout: float = DEFAULT_TIMEOUT_S
+        self, *, state: str | None = None, retries: int = 2, timeout: float = DEFAULT_TIMEOUT_S
     ) -> list[wire.ProcessInfo]:
         answer = self.request(
             "GET",
@@ -342,7 +342,7 @@ class ApiClient:
         )
         return self._read_list(wire.TargetInfo, answer, "the targets")
 
-    def devices(self, *, host: Optional[str] = None, retries: int = 2) -> wire.DevicesResponse:
+    def devices(self, *, host: str | None = None, retries: int = 2) -> wire.DevicesResponse:
         answer = self.request("GET", protocol.PATH_DEVICES, params={"host": host} if host else None, retries=retries)
         return self._read(wire.DevicesResponse, answer, "the devices")
 
@@ -359,7 +359,7 @@ class ApiClient:
         answer = self.request("GET", protocol.PATH_COMMAND.format(command_id=command_id), retries=retries)
         return self._read(wire.CommandInfo, answer, "a command")
 
-    def wait_command(self, command_id: int, *, wait: float, deadline: Optional[float] = None) -> wire.CommandInfo:
+    def wait_command(self, command_id: int, *, wait: float, deadline: float | None = None) -> wire.CommandInfo:
         """The command once it ends, or after ``wait`` seconds (the server's long-poll);
         retried while the server cannot be reached until ``deadline`` (``time.monotonic()``)."""
         answer = self._long_poll(protocol.PATH_COMMAND.format(command_id=command_id), wait, deadline)
@@ -371,15 +371,13 @@ class ApiClient:
         answer = self.request("GET", protocol.PATH_OPERATION.format(operation_id=operation_id), retries=retries)
         return self._read(wire.JobOperationInfo, answer, "a job operation")
 
-    def wait_operation(
-        self, operation_id: int, *, wait: float, deadline: Optional[float] = None
-    ) -> wire.JobOperationInfo:
+    def wait_operation(self, operation_id: int, *, wait: float, deadline: float | None = None) -> wire.JobOperationInfo:
         """The job operation once every rank's command ended, or after ``wait`` seconds (as
         ``wait_command``)."""
         answer = self._long_poll(protocol.PATH_OPERATION.format(operation_id=operation_id), wait, deadline)
         return self._read(wire.JobOperationInfo, answer, "a job operation")
 
-    def _long_poll(self, path: str, wait: float, deadline: Optional[float]) -> Any:
+    def _long_poll(self, path: str, wait: float, deadline: float | None) -> Any:
         """GET `path` answered when what it names ends or after `wait` seconds (the server's
         long-poll), retried while the server cannot be reached until `deadline`."""
         return self.request(
@@ -430,7 +428,7 @@ class UnreadableCommand:
     failed report that answers it."""
 
     id: int
-    created_at: Optional[float]
+    created_at: float | None
     problem: str
 
 
@@ -449,11 +447,11 @@ def _unreadable(fields: dict[str, Any], exc: ValidationError) -> str:
     )
 
 
-def _integer(value: object) -> Optional[int]:
+def _integer(value: object) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _epoch(value: object) -> Optional[float]:
+def _epoch(value: object) -> float | None:
     if not isinstance(value, (int, float)) or isinstance(value, bool):
         return None
     try:

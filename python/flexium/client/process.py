@@ -19,7 +19,6 @@ import collections
 import logging
 import threading
 import time
-from typing import Optional, Union
 
 from flexium import protocol, wire
 from flexium.api.progress import PROGRESS
@@ -50,15 +49,13 @@ REMEMBERED_COMMANDS = 64
 
 # A command is known by (id, created_at): on SQLite the server may hand a deleted command's
 # id to a new one. created_at is None when a command this client cannot read lacks it.
-_CommandKey = tuple[int, Optional[float]]
+_CommandKey = tuple[int, float | None]
 
 _REFUSALS = (TargetRefusedError, InvalidStateError, CapabilityError, OperationInProgressError)
 
 
 class ProcessClient:
-    def __init__(
-        self, training: TrainingProcess, api: ApiClient, *, reporter: Optional[ProcessReporter] = None
-    ) -> None:
+    def __init__(self, training: TrainingProcess, api: ApiClient, *, reporter: ProcessReporter | None = None) -> None:
         self.training = training
         self.api = api
         self.engine = training.engine
@@ -69,16 +66,16 @@ class ProcessClient:
         self.heartbeat_interval_s = protocol.HEARTBEAT_INTERVAL_S
         self.poll_timeout_s = protocol.POLL_TIMEOUT_S
         self.registrations = 0
-        self.last_delivery_s: Optional[float] = None  # created -> received, of the last command
+        self.last_delivery_s: float | None = None  # created -> received, of the last command
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._registered = threading.Event()
         self._connected = True  # what the log last said, so a long outage is logged once
-        self._last_bad_answer: Optional[str] = None  # see _poll_failed
-        self._last_refusal: Optional[str] = None  # see _register
+        self._last_bad_answer: str | None = None  # see _poll_failed
+        self._last_refusal: str | None = None  # see _register
         # What the server was last told the process can do: a rank's changes as its job starts
         # its process group, and only a registration carries it.
-        self._registered_capabilities: Optional[wire.ProcessCapabilities] = None
+        self._registered_capabilities: wire.ProcessCapabilities | None = None
         self._finished: collections.OrderedDict[_CommandKey, wire.CommandReport] = collections.OrderedDict()
         # Held while a body that says where the process is gets built and sent: a heartbeat
         # built during an operation (PAUSING) must not reach the server after the outcome
@@ -88,7 +85,7 @@ class ProcessClient:
 
     # ---- lifecycle --------------------------------------------------------------------------
 
-    def start(self) -> "ProcessClient":
+    def start(self) -> ProcessClient:
         self.progress.install()
         if self.engine is not None:
             self.engine.add_state_listener(self._on_engine_state)
@@ -281,7 +278,7 @@ class ProcessClient:
         else:
             log.debug("long-poll failed: %s", exc)
 
-    def _execute(self, command: Union[wire.CommandInfo, UnreadableCommand]) -> None:
+    def _execute(self, command: wire.CommandInfo | UnreadableCommand) -> None:
         received = time.time()
         key = (command.id, command.created_at)
         done = self._finished.get(key)
@@ -315,7 +312,7 @@ class ProcessClient:
         self._send_report(key[0], report, final=True)
         self._wake.set()
 
-    def _shown(self, uuid: Optional[str]) -> Optional[str]:
+    def _shown(self, uuid: str | None) -> str | None:
         """A GPU as this job numbers it (``cuda:N``), else its UUID."""
         if uuid is None or self.engine is None:
             return uuid
@@ -355,7 +352,7 @@ class ProcessClient:
             wire.CommandReport(state="succeeded", process=self.reporter.process_update()), operation_report(result)
         )
 
-    def _failed(self, error: str, *, result: Optional[wire.OperationReport] = None) -> wire.CommandReport:
+    def _failed(self, error: str, *, result: wire.OperationReport | None = None) -> wire.CommandReport:
         report = wire.CommandReport(
             state="failed",
             error=wire.clean_text(error)[: protocol.MAX_LONG_TEXT],
@@ -390,7 +387,7 @@ def job_operation_of(command: wire.CommandInfo, job: wire.JobCommandInfo) -> Job
     )
 
 
-def _with_result(report: wire.CommandReport, result: Optional[wire.OperationReport]) -> wire.CommandReport:
+def _with_result(report: wire.CommandReport, result: wire.OperationReport | None) -> wire.CommandReport:
     """A report without a result leaves the key out, as clients always have."""
     if result is not None:
         report.result = result

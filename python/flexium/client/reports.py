@@ -17,7 +17,7 @@ import socket
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -46,7 +46,7 @@ def _short(text: object, limit: int = protocol.MAX_SHORT_TEXT) -> str:
     return wire.clean_text(str(text or ""))[:limit]
 
 
-def _process_started_at() -> Optional[float]:
+def _process_started_at() -> float | None:
     """When this process started (Linux: /proc), so the dashboard shows the job's age, not
     the age of its flexium connection."""
     try:
@@ -97,7 +97,7 @@ class GpuReading:
     gpus: list[nvml.HostGpu]
 
     @classmethod
-    def take(cls) -> "GpuReading":
+    def take(cls) -> GpuReading:
         seq = body_seq()
         return cls(seq, nvml.host_gpus())
 
@@ -108,7 +108,7 @@ def visible_gpus(engine: EngineControl) -> list[str]:
     return [gpu.uuid for gpu in sorted(engine.gpus, key=lambda gpu: gpu.ordinal)]
 
 
-def gpu_reports(gpus: list[nvml.HostGpu], pid: Optional[int] = None) -> list[wire.GpuReport]:
+def gpu_reports(gpus: list[nvml.HostGpu], pid: int | None = None) -> list[wire.GpuReport]:
     """Every GPU of the host; with `pid`, what that process holds on each."""
     reports: list[wire.GpuReport] = []
     for gpu in gpus[: protocol.MAX_DEVICES]:
@@ -214,7 +214,7 @@ class ProcessReporter:
 
     # ---- measurements -----------------------------------------------------------------------
 
-    def memory(self, gpus: Optional[list[nvml.HostGpu]] = None) -> tuple[int, Optional[int]]:
+    def memory(self, gpus: list[nvml.HostGpu] | None = None) -> tuple[int, int | None]:
         """(bytes held on GPUs now, bytes needed on a GPU). The second is None while an
         operation runs: asking would mean touching the frozen process."""
         engine = self.engine
@@ -232,7 +232,7 @@ class ProcessReporter:
             return 0, int(engine.footprint_bytes())
         return self._last_memory, None
 
-    def _held_by_pid(self, gpus: Optional[list[nvml.HostGpu]]) -> Optional[int]:
+    def _held_by_pid(self, gpus: list[nvml.HostGpu] | None) -> int | None:
         found = None
         for gpu in gpus if gpus is not None else nvml.host_gpus():
             used = gpu.used_by(self.pid)
@@ -307,7 +307,7 @@ class ProcessReporter:
         return wire.ProcessUpdate(state=self.state(), memory_bytes=memory, seq=seq, **_stated(self.placement()))
 
 
-def job_membership() -> Optional[wire.JobMembership]:
+def job_membership() -> wire.JobMembership | None:
     """This process's job and rank for the server, None for a single-process job."""
     job = membership.describe()
     if not job.multi_process or job.rank is None or job.world_size is None:
@@ -322,7 +322,7 @@ def job_membership() -> Optional[wire.JobMembership]:
     )
 
 
-def operation_report(result: OperationResult) -> Optional[wire.OperationReport]:
+def operation_report(result: OperationResult) -> wire.OperationReport | None:
     """The one conversion of the engine's result to the wire; None (with a warning) when it
     does not fit the wire's limits: the outcome itself must reach the server whatever its
     details hold."""

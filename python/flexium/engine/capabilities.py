@@ -5,7 +5,7 @@ migration needs GPU remapping on restore (driver 580+)."""
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, Optional
+from typing import Any
 
 from flexium.engine import nvml
 from flexium.errors import CapabilityError
@@ -19,8 +19,8 @@ _MIN_DRIVER_FOR_CUDA = ((13000, 580), (12090, 575), (12080, 570), (12060, 560), 
 
 @dataclass(frozen=True)
 class Capabilities:
-    driver_version: Optional[str]  # NVIDIA driver, e.g. "580.159.04"
-    driver_major: Optional[int]
+    driver_version: str | None  # NVIDIA driver, e.g. "580.159.04"
+    driver_major: int | None
     cuda_version: int  # cuDriverGetVersion, e.g. 13000; 0 without a driver
     checkpoint_api: bool
     torch_cuda: bool
@@ -47,7 +47,7 @@ def cuda_text(version: int) -> str:
     return f"{version // 1000}.{version % 1000 // 10}"
 
 
-def _driver_major(version: Optional[str], cuda_version: int) -> Optional[int]:
+def _driver_major(version: str | None, cuda_version: int) -> int | None:
     if version:
         try:
             return int(version.split(".")[0])
@@ -59,7 +59,7 @@ def _driver_major(version: Optional[str], cuda_version: int) -> Optional[int]:
     return None
 
 
-def _torch_cuda() -> tuple[bool, Optional[str]]:
+def _torch_cuda() -> tuple[bool, str | None]:
     try:
         import torch
     except ImportError:

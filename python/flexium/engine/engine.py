@@ -21,7 +21,7 @@ import contextlib
 import logging
 import os
 import threading
-from typing import Callable, Iterator, Mapping, Optional, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 from flexium.engine import nvml, target_rules
 from flexium.engine.capabilities import Capabilities
@@ -67,7 +67,7 @@ class Engine:
         lock_timeout_ms: int = DEFAULT_LOCK_TIMEOUT_MS,
         safe_point_wait_seconds: float = DEFAULT_SAFE_POINT_WAIT_SECONDS,
         memory_margin_bytes: int = DEFAULT_MEMORY_MARGIN_BYTES,
-        fast_path: Optional[FastPath] = None,
+        fast_path: FastPath | None = None,
     ) -> None:
         if not 0 <= logical_ordinal < len(gpus):
             raise ValueError(f"device cuda:{logical_ordinal} is not among the {len(gpus)} visible GPU(s)")
@@ -84,8 +84,8 @@ class Engine:
             fast=fast_path,
             lock_timeout_ms=lock_timeout_ms,
         )
-        self.last_result: Optional[OperationResult] = None
-        self._keeper: Optional[StagingKeeper] = None
+        self.last_result: OperationResult | None = None
+        self._keeper: StagingKeeper | None = None
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -166,13 +166,13 @@ class Engine:
         """GPUs this job could move to now: same model, room for it; most free memory first."""
         return target_rules.candidates(self._ctx, margin=self.memory_margin_bytes)
 
-    def fast_path_blocker(self) -> Optional[str]:
+    def fast_path_blocker(self) -> str | None:
         """Why a move now would take the driver path (None: the fast path can run at a safe point)."""
         if self._ctx.fast is None:
             return "the memory pool is not in use"
         return self._ctx.fast.blocker(self._ctx.logical) or self._memory_on_other_gpus()
 
-    def _pause_refusal(self) -> Optional[str]:
+    def _pause_refusal(self) -> str | None:
         """Why a pause of this job would be refused whenever it came, by the rules its pause applies:
         its multi-process job's (job_operation.job_problem), then memory of this process the driver
         cannot checkpoint (uncheckpointable_memory.problem); None: it could run. The keeper asks
@@ -183,7 +183,7 @@ class Engine:
             return refusal
         return uncheckpointable_memory.problem()
 
-    def _memory_on_other_gpus(self) -> Optional[str]:
+    def _memory_on_other_gpus(self) -> str | None:
         """The pool is on the job's own GPU only; memory the process holds on another (PyTorch's own
         allocator there: DataParallel, a model split over devices) only the driver path carries,
         all its GPUs at once. NVML says where it holds memory (nothing where it cannot see processes)."""
@@ -196,10 +196,10 @@ class Engine:
 
     def migrate(
         self,
-        target: Optional[Target] = None,
+        target: Target | None = None,
         *,
         path: PathChoice = "auto",
-        moves: Optional[Mapping[str, Target]] = None,
+        moves: Mapping[str, Target] | None = None,
     ) -> OperationResult:
         """Moves the job to `target`, a GPU UUID or a GpuIdentity of `gpus`. A process on several
         GPUs may name `moves` instead: the GPU (UUID) each of its devices is on now -> the GPU it goes
@@ -253,7 +253,7 @@ class Engine:
                 log.info("paused outside a safe point: the training thread waits in its next CUDA call")
             return self._finish(result)
 
-    def resume(self, target: Optional[Target] = None) -> OperationResult:
+    def resume(self, target: Target | None = None) -> OperationResult:
         """Resumes the paused job on `target` (a GPU UUID or a GpuIdentity of `gpus`), or without
         one on the GPU it paused on. The engine never picks another GPU: the server chooses one
         (docs/design.md), and here it only has the last word on the one it is given."""
@@ -274,7 +274,7 @@ class Engine:
             return self._finish(self.run_where_parked(lambda: resume(self._ctx, plan)))
 
     def run_job_operation(
-        self, op: JobOperation, *, path: PathChoice = "auto", deadlines: Optional[Deadlines] = None
+        self, op: JobOperation, *, path: PathChoice = "auto", deadlines: Deadlines | None = None
     ) -> OperationResult:
         """This rank's part in a pause, resume or migration of its whole multi-process job
         (engine/distributed/rank_part.py). Blocks until every rank is done; the result
@@ -329,7 +329,7 @@ class Engine:
         """Runs `work` on the training thread a pause parked, or here when none is parked."""
         return self._parking.submit(work) if self._parking.occupied else work()
 
-    def _choose_path(self, requested: PathChoice, at_safe_point: bool) -> tuple[Optional[FastPath], tuple[str, ...]]:
+    def _choose_path(self, requested: PathChoice, at_safe_point: bool) -> tuple[FastPath | None, tuple[str, ...]]:
         """The fast path to take, else None and the note saying why the driver path runs."""
         fast = self._ctx.fast
         if requested == "driver":

@@ -15,16 +15,17 @@ import importlib.abc
 import importlib.machinery
 import sys
 import threading
+from collections.abc import Callable, Sequence
 from types import ModuleType
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 # (module, class) whose instances' step() ends an optimizer step.
 STEPPERS: tuple[tuple[str, str], ...] = (("fastai.optimizer", "Optimizer"),)
 _MARK = "_flexium_reports_step"
 
 _lock = threading.Lock()
-_on_step: Optional[Callable[[Any], None]] = None
-_finder: Optional["_PatchOnImport"] = None
+_on_step: Callable[[Any], None] | None = None
+_finder: _PatchOnImport | None = None
 
 
 def watch(on_step: Callable[[Any], None]) -> None:
@@ -80,8 +81,8 @@ class _PatchOnImport(importlib.abc.MetaPathFinder):
         self._names = names
 
     def find_spec(
-        self, fullname: str, path: Optional[Sequence[str]], target: Optional[ModuleType] = None
-    ) -> Optional[importlib.machinery.ModuleSpec]:
+        self, fullname: str, path: Sequence[str] | None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
         if fullname not in self._names:
             return None
         spec = None

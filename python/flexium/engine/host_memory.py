@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Optional
 
-
-def meminfo_bytes(field: str) -> Optional[int]:
+def meminfo_bytes(field: str) -> int | None:
     """A /proc/meminfo field ("MemTotal", "MemAvailable", ...) in bytes; None where it cannot be read."""
     try:
         with open("/proc/meminfo") as meminfo:
@@ -17,9 +15,9 @@ def meminfo_bytes(field: str) -> Optional[int]:
     return None
 
 
-def host_memory_available() -> Optional[int]:
+def host_memory_available() -> int | None:
     return meminfo_bytes("MemAvailable")
 
 
-def host_memory_total() -> Optional[int]:
+def host_memory_total() -> int | None:
     return meminfo_bytes("MemTotal")

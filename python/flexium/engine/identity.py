@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence, Union
 
 from flexium import _C
 from flexium.engine import nvml
@@ -19,7 +19,7 @@ from flexium.engine.operations import GpuIdentity
 from flexium.errors import TargetRefusedError
 
 # A GPU UUID ("GPU-...", as nvidia-smi -L prints it) or a GpuIdentity of this process's snapshot.
-Target = Union[str, GpuIdentity]
+Target = str | GpuIdentity
 
 
 @dataclass(frozen=True)
@@ -99,7 +99,7 @@ class IdentityMap:
         with self._lock:
             return self._physical[logical]
 
-    def logical_on(self, uuid: str) -> Optional[int]:
+    def logical_on(self, uuid: str) -> int | None:
         with self._lock:
             for logical, gpu in self._physical.items():
                 if gpu.uuid == uuid:

@@ -21,8 +21,9 @@ import select
 import subprocess
 import sys
 import threading
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass
-from typing import Any, Iterator, Optional
+from typing import Any
 
 log = logging.getLogger("flexium")
 
@@ -46,7 +47,7 @@ def set_frozen(frozen: bool) -> None:
 @dataclass(frozen=True)
 class GpuProcess:
     pid: int
-    used_bytes: Optional[int]
+    used_bytes: int | None
 
 
 @dataclass(frozen=True)
@@ -57,12 +58,12 @@ class HostGpu:
     memory_total: int
     memory_used: int
     memory_free: int
-    utilization_percent: Optional[int]
-    temperature_c: Optional[int]
+    utilization_percent: int | None
+    temperature_c: int | None
     health: str  # "ok", "ecc_errors", or "unknown" where NVML cannot tell
     processes: tuple[GpuProcess, ...]
 
-    def used_by(self, pid: int) -> Optional[int]:
+    def used_by(self, pid: int) -> int | None:
         for process in self.processes:
             if process.pid == pid:
                 return process.used_bytes
@@ -100,9 +101,9 @@ def available() -> bool:
     return _ensure_initialized()
 
 
-def unavailable_reason() -> Optional[str]:
+def unavailable_reason() -> str | None:
     _ensure_initialized()
-    error: Optional[str] = _state["error"]
+    error: str | None = _state["error"]
     return error
 
 
@@ -110,7 +111,7 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def driver_version() -> Optional[str]:
+def driver_version() -> str | None:
     """The NVIDIA driver version, e.g. "580.159.04", or None without NVML."""
     if not _ensure_initialized():
         return None
@@ -202,7 +203,7 @@ class _Reader:
 
 
 _reader_lock = threading.Lock()
-_reader: Optional[_Reader] = None
+_reader: _Reader | None = None
 
 
 def start_reader() -> None:
@@ -247,7 +248,7 @@ def _let_go_after_fork() -> None:
 os.register_at_fork(after_in_child=_let_go_after_fork)
 
 
-def _from_reader(timeout: float) -> Optional[list[dict[str, Any]]]:
+def _from_reader(timeout: float) -> list[dict[str, Any]] | None:
     global _reader
     with _reader_lock:
         if _reader is None:
@@ -263,7 +264,7 @@ def _from_reader(timeout: float) -> Optional[list[dict[str, Any]]]:
 
 
 @contextlib.contextmanager
-def reader_pipes() -> Iterator[Optional[tuple[int, int]]]:
+def reader_pipes() -> Iterator[tuple[int, int] | None]:
     """The reader process's (stdin, stdout) fds for a native caller that asks it "free UUID" while
     this process is locked (csrc/room_check.h), held for it alone until the block ends; None when
     there is no reader."""
@@ -315,7 +316,7 @@ def host_gpus() -> list[HostGpu]:
     return _read_in_child() if _frozen.is_set() else _read_here()
 
 
-def gpu_by_uuid(uuid: str) -> Optional[HostGpu]:
+def gpu_by_uuid(uuid: str) -> HostGpu | None:
     for gpu in host_gpus():
         if gpu.uuid.lower() == uuid.lower():
             return gpu

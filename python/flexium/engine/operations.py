@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal, Optional, get_args
+from typing import Any, Literal, get_args
 
 # "auto": fast when possible; "fast": refuse otherwise; "driver": the checkpoint carries everything.
 PathChoice = Literal["auto", "fast", "driver"]
@@ -36,7 +36,7 @@ class GpuIdentity:
     name: str  # model, e.g. "NVIDIA H200"
     total_memory: int  # bytes
     pci_bus_id: str
-    nvml_index: Optional[int]  # nvidia-smi's index, None where NVML is unavailable
+    nvml_index: int | None  # nvidia-smi's index, None where NVML is unavailable
 
     @property
     def device(self) -> str:
@@ -52,7 +52,7 @@ class StepTiming:
     seconds: float
     ok: bool
     rollback: bool = False  # part of the rollback after a failure
-    error: Optional[str] = None
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -64,20 +64,20 @@ class OperationResult:
     ok: bool
     logical_device: str  # what the training code uses, e.g. "cuda:0"
     source: GpuIdentity
-    target: Optional[GpuIdentity]  # None for pause
+    target: GpuIdentity | None  # None for pause
     steps: tuple[StepTiming, ...] = ()
     bytes_moved: int = 0
     seconds: float = 0.0
     # a StepTiming step, or pin / validate / own / prepare for a refusal before the locked section
-    failed_step: Optional[str] = None
-    error: Optional[str] = None
+    failed_step: str | None = None
+    error: str | None = None
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def step_seconds(self, step: str) -> float:
         return sum(s.seconds for s in self.steps if s.step == step and not s.rollback)
 
     @property
-    def gb_per_second(self) -> Optional[float]:
+    def gb_per_second(self) -> float | None:
         return self.bytes_moved / 1e9 / self.seconds if self.seconds > 0 and self.bytes_moved else None
 
     def to_dict(self) -> dict[str, Any]:

@@ -7,7 +7,8 @@ resume command; the resume itself then runs on this thread, which owns the step 
 from __future__ import annotations
 
 import threading
-from typing import Callable, Optional, TypeVar, cast
+from collections.abc import Callable
+from typing import TypeVar, cast
 
 T = TypeVar("T")
 
@@ -15,8 +16,8 @@ T = TypeVar("T")
 class Parking:
     def __init__(self) -> None:
         self._cond = threading.Condition()
-        self._work: Optional[Callable[[], object]] = None
-        self._outcome: Optional[tuple[object, Optional[BaseException]]] = None
+        self._work: Callable[[], object] | None = None
+        self._outcome: tuple[object, BaseException | None] | None = None
         self._released = False
         self.occupied = False
 
@@ -34,7 +35,7 @@ class Parking:
                         return
                     work, self._work = self._work, None
                 try:
-                    outcome: tuple[object, Optional[BaseException]] = (work(), None)
+                    outcome: tuple[object, BaseException | None] = (work(), None)
                 except BaseException as exc:  # given to the submitter
                     outcome = (None, exc)
                 with self._cond:

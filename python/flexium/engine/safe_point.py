@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Callable, Generic, Optional, TypeVar, cast
+from collections.abc import Callable
+from typing import Any, Generic, TypeVar, cast
 
 from flexium.engine import foreign_steps
 
@@ -28,27 +29,27 @@ class _Request(Generic[T]):
     def __init__(
         self,
         work: Callable[[bool], T],
-        then: Optional[Callable[[T], None]],
-        ready: Optional[Callable[[int], bool]] = None,
+        then: Callable[[T], None] | None,
+        ready: Callable[[int], bool] | None = None,
     ) -> None:
         self.work = work
         self.then = then
         self.ready = ready  # None: the first safe point takes it
         self.taken = False
         self.done = threading.Event()
-        self.result: Optional[T] = None
-        self.error: Optional[BaseException] = None
+        self.result: T | None = None
+        self.error: BaseException | None = None
 
 
 class SafePoints:
     def __init__(self, wait_seconds: float) -> None:
         self.wait_seconds = wait_seconds
         self._lock = threading.Lock()
-        self._pending: Optional[_Request[Any]] = None
-        self._handle: Optional[Any] = None  # torch's RemovableHandle
-        self._training_thread: Optional[int] = None
+        self._pending: _Request[Any] | None = None
+        self._handle: Any | None = None  # torch's RemovableHandle
+        self._training_thread: int | None = None
         self._in_hook = threading.local()
-        self._between: Optional[Callable[[], bool]] = None
+        self._between: Callable[[], bool] | None = None
         self.steps_seen = 0
 
     def install(self) -> bool:
@@ -67,7 +68,7 @@ class SafePoints:
             self._handle = None
             foreign_steps.unwatch(self._on_step)
 
-    def between_operations(self, work: Optional[Callable[[], bool]]) -> None:
+    def between_operations(self, work: Callable[[], bool] | None) -> None:
         """`work()` runs at each safe point no operation takes, until it returns False or raises
         (logged); None stops it. For bounded chores an operation leaves behind."""
         with self._lock:
@@ -89,7 +90,7 @@ class SafePoints:
             return "no optimizer step has run yet (training has not started)"
         return f"no optimizer step (safe point) came within {self.wait_seconds:g} s"
 
-    def run(self, work: Callable[[bool], T], *, then: Optional[Callable[[T], None]] = None) -> tuple[T, bool]:
+    def run(self, work: Callable[[bool], T], *, then: Callable[[T], None] | None = None) -> tuple[T, bool]:
         """Runs `work(at_safe_point)` at the next safe point, or here after the bounded wait.
         Returns its result and whether it ran at a safe point. `then(result)` runs on the
         training thread after the caller has been given the result, and only when the work ran
@@ -116,7 +117,7 @@ class SafePoints:
         *,
         ready: Callable[[int], bool],
         deadline_s: float,
-        then: Optional[Callable[[T], None]] = None,
+        then: Callable[[T], None] | None = None,
     ) -> T:
         """Runs `work()` on the training thread at the first safe point where `ready(step)`
         (step: the safe points seen so far, this one included) says True; `ready` runs at each
@@ -145,7 +146,7 @@ class SafePoints:
             raise request.error
         return cast(T, request.result)
 
-    def _take(self) -> tuple[Optional[_Request[Any]], Optional[Callable[[], bool]]]:
+    def _take(self) -> tuple[_Request[Any] | None, Callable[[], bool] | None]:
         """The request this safe point runs, else the chore it runs."""
         with self._lock:
             request = self._pending

@@ -4,7 +4,7 @@ words that name the driver call."""
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from flexium import _C
 from flexium.engine.operations import StepTiming
@@ -29,7 +29,7 @@ _LOSING_RESTORE_FAILURES = {
 }
 
 
-def process_lost(outcomes: Sequence[_C.StepOutcome]) -> Optional[str]:
+def process_lost(outcomes: Sequence[_C.StepOutcome]) -> str | None:
     """Why a failed restore among the outcomes left the process unable ever to run CUDA again, with
     what to do; None when none did."""
     for outcome in outcomes:

@@ -12,8 +12,8 @@ stages (`check_host_room`).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping, Optional
 
 from flexium.engine import nvml
 from flexium.engine.host_memory import host_memory_available
@@ -73,7 +73,7 @@ def candidates(ctx: OperationContext, *, margin: int) -> list[TargetCandidate]:
     return sorted(found, key=lambda c: -c.free_bytes)
 
 
-def bytes_on(ctx: OperationContext, gpu: GpuIdentity) -> Optional[int]:
+def bytes_on(ctx: OperationContext, gpu: GpuIdentity) -> int | None:
     """What this process holds on `gpu`; None where NVML cannot tell."""
     host = nvml.gpu_by_uuid(gpu.uuid)
     if host is None:
@@ -82,7 +82,7 @@ def bytes_on(ctx: OperationContext, gpu: GpuIdentity) -> Optional[int]:
 
 
 def check_move(
-    ctx: OperationContext, source: GpuIdentity, dest: GpuIdentity, *, needed: Optional[int], margin: int
+    ctx: OperationContext, source: GpuIdentity, dest: GpuIdentity, *, needed: int | None, margin: int
 ) -> tuple[str, ...]:
     """Refuses a move of `needed` bytes from `source` to `dest` that breaks the rules; the notes of
     what could not be checked."""
@@ -195,7 +195,7 @@ def check_host_room(needed: int, *, fast: bool) -> None:
         )
 
 
-def _model_refusal(source: GpuIdentity, dest: GpuIdentity) -> Optional[str]:
+def _model_refusal(source: GpuIdentity, dest: GpuIdentity) -> str | None:
     """Why a move from `source` cannot go to `dest` whatever its memory; None: it can."""
     if dest.uuid == source.uuid:
         return f"the job is already on {dest.device} ({dest.uuid})"

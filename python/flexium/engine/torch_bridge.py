@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 
-def _torch_cuda() -> Optional[Any]:
+def _torch_cuda() -> Any | None:
     try:
         import torch
     except ImportError:

@@ -11,7 +11,8 @@ import logging
 import ssl
 import sys
 import time
-from typing import Any, AsyncIterator, Callable, Optional, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -195,9 +196,7 @@ def install_error_handlers(app: FastAPI) -> None:
         return _error(500, "internal", f"internal error ({type(exc).__name__}); see the server log")
 
 
-def create_app(
-    settings: Optional[Settings] = None, *, database: Optional[Database] = None, upgrade: bool = True
-) -> FastAPI:
+def create_app(settings: Settings | None = None, *, database: Database | None = None, upgrade: bool = True) -> FastAPI:
     """The ASGI app. Upgrades the schema first (unless ``upgrade=False``)."""
     settings = settings or load_settings()
     db = database or Database(
@@ -265,7 +264,7 @@ def tune_gc() -> None:
     gc.set_threshold(50_000, 20, 100)
 
 
-def bootstrap(db: Database) -> Optional[str]:
+def bootstrap(db: Database) -> str | None:
     """On a database without workspaces, create ``default``; its token, or None."""
     return db.run(storage.ensure_default_workspace, write=True, now=time.time())
 
@@ -278,7 +277,7 @@ def _redact(url: str) -> str:
     return url
 
 
-def _tls_problem(settings: Settings) -> Optional[str]:
+def _tls_problem(settings: Settings) -> str | None:
     """Why the certificate and key cannot serve HTTPS (found at start, not at the first client)."""
     if settings.certfile is None or settings.keyfile is None:
         return None

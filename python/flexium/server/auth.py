@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from typing import Annotated, Awaitable, Callable, Optional
+from collections.abc import Awaitable, Callable
+from typing import Annotated
 
 from fastapi import Depends, Path, Request
 
@@ -29,7 +30,7 @@ _SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 _MAX_TOKEN_LEN = 256
 
 
-def bearer_token(request: Request) -> Optional[str]:
+def bearer_token(request: Request) -> str | None:
     header = request.headers.get(protocol.TOKEN_HEADER)
     if header is None:
         return None
@@ -39,12 +40,12 @@ def bearer_token(request: Request) -> Optional[str]:
     return value.strip()
 
 
-def _lookup(ctx: ServerContext, token: str, token_hash: str) -> "asyncio.Future[Optional[AuthInfo]]":
+def _lookup(ctx: ServerContext, token: str, token_hash: str) -> asyncio.Future[AuthInfo | None]:
     """One database lookup per token at a time, shared by every request that needs it."""
     inflight = ctx.token_lookups.get(token_hash)
     if inflight is None:
 
-        async def run() -> Optional[AuthInfo]:
+        async def run() -> AuthInfo | None:
             auth = await ctx.db.call(storage.authenticate, write=False, token=token)
             ctx.tokens.put(token_hash, auth, time.time())
             return auth
@@ -55,14 +56,14 @@ def _lookup(ctx: ServerContext, token: str, token_hash: str) -> "asyncio.Future[
     return inflight
 
 
-def _finished(ctx: ServerContext, token_hash: str, done: "asyncio.Future[Optional[AuthInfo]]") -> None:
+def _finished(ctx: ServerContext, token_hash: str, done: asyncio.Future[AuthInfo | None]) -> None:
     if ctx.token_lookups.get(token_hash) is done:
         del ctx.token_lookups[token_hash]
     if not done.cancelled():
         done.exception()  # retrieved: a failed background refresh is not an error here
 
 
-def cached_token(ctx: ServerContext, token: str, now: float) -> Optional[AuthInfo]:
+def cached_token(ctx: ServerContext, token: str, now: float) -> AuthInfo | None:
     """The cached auth of a token, starting a background refresh when it is due; None when
     not cached (the caller looks it up)."""
     token_hash = storage.hash_token(token)
@@ -72,7 +73,7 @@ def cached_token(ctx: ServerContext, token: str, now: float) -> Optional[AuthInf
     return auth
 
 
-async def resolve_token(ctx: ServerContext, token: str) -> Optional[AuthInfo]:
+async def resolve_token(ctx: ServerContext, token: str) -> AuthInfo | None:
     if len(token) > _MAX_TOKEN_LEN or not token.isascii():
         return None
     auth = cached_token(ctx, token, time.time())
@@ -81,7 +82,7 @@ async def resolve_token(ctx: ServerContext, token: str) -> Optional[AuthInfo]:
     return await asyncio.shield(_lookup(ctx, token, storage.hash_token(token)))
 
 
-async def resolve_session(ctx: ServerContext, secret: str) -> Optional[AuthInfo]:
+async def resolve_session(ctx: ServerContext, secret: str) -> AuthInfo | None:
     """Who a dashboard session cookie stands for (None: unknown, expired, or its token revoked).
     Read on every request, so a logout or revocation is seen at once."""
     if len(secret) > _MAX_TOKEN_LEN or not secret.isascii():
@@ -152,7 +153,7 @@ def _not_yours(auth: AuthInfo, what: str) -> Forbidden:
     )
 
 
-async def _owner(ctx: ServerContext, auth: AuthInfo, process_id: str) -> tuple[bool, Optional[int]]:
+async def _owner(ctx: ServerContext, auth: AuthInfo, process_id: str) -> tuple[bool, int | None]:
     """(whether the process exists, the token that registered it), from memory when it can."""
     snapshot = ctx.snapshots.get((auth.workspace_id, process_id))
     if snapshot is not None:

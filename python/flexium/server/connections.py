@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import resource
 import time
-from typing import Any, Optional
+from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
@@ -68,7 +68,7 @@ def bounded_protocol(*, request_timeout_s: float, max_connections: int) -> type[
             log.warning(message, *args)
 
     class BoundedHttpProtocol(HttpToolsProtocol):
-        _request_timer: Optional[Any] = None
+        _request_timer: Any | None = None
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -76,7 +76,7 @@ def bounded_protocol(*, request_timeout_s: float, max_connections: int) -> type[
             if len(self.connections) > max_connections:
                 self._make_room()
 
-        def connection_lost(self, exc: Optional[Exception]) -> None:
+        def connection_lost(self, exc: Exception | None) -> None:
             self._request_arrived()
             idle.pop(self, None)
             super().connection_lost(exc)

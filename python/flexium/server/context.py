@@ -9,8 +9,9 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Iterable, Optional
+from typing import Annotated, Any
 
 from fastapi import Depends, Request
 
@@ -38,7 +39,7 @@ class TokenCache:
         self.max_stale = max_stale
         self._entries: dict[str, tuple[AuthInfo, float]] = {}
 
-    def get(self, token_hash: str, now: float) -> tuple[Optional[AuthInfo], bool]:
+    def get(self, token_hash: str, now: float) -> tuple[AuthInfo | None, bool]:
         """(auth or None, whether it needs a refresh)."""
         entry = self._entries.get(token_hash)
         if entry is None:
@@ -49,7 +50,7 @@ class TokenCache:
             return None, True
         return auth, age > self.ttl
 
-    def put(self, token_hash: str, auth: Optional[AuthInfo], now: float) -> None:
+    def put(self, token_hash: str, auth: AuthInfo | None, now: float) -> None:
         if auth is None:
             self._entries.pop(token_hash, None)
             return
@@ -96,12 +97,12 @@ class ServerContext:
     progress: dict[int, ReportedProgress] = field(default_factory=dict)  # process pk -> what they said of training
     # Hint for heartbeat answers only; delivery always reads the database.
     pending: dict[tuple[int, str], int] = field(default_factory=dict)
-    token_lookups: dict[str, "asyncio.Future[Optional[AuthInfo]]"] = field(default_factory=dict)
+    token_lookups: dict[str, asyncio.Future[AuthInfo | None]] = field(default_factory=dict)
     # Revoked through this server since it started (ids only: a few bytes each), for a request
     # admitted just before its token's revocation and waiting just after it.
     revoked_tokens: set[int] = field(default_factory=set)
     stopping: bool = False
-    loop: Optional[asyncio.AbstractEventLoop] = None
+    loop: asyncio.AbstractEventLoop | None = None
 
     def __post_init__(self) -> None:
         self.tokens = TokenCache(self.settings.token_cache_s)
@@ -208,7 +209,7 @@ class ServerContext:
             except Exception:
                 log.exception("writing heartbeats failed; retrying")
 
-    def command_pending(self, workspace_id: int, process_id: str, command_id: Optional[int]) -> None:
+    def command_pending(self, workspace_id: int, process_id: str, command_id: int | None) -> None:
         key = (workspace_id, process_id)
         if command_id is None:
             self.pending.pop(key, None)

@@ -16,7 +16,6 @@ else the default SQLite file):
 from __future__ import annotations
 
 import time
-from typing import Optional, Union
 
 from pydantic import ValidationError
 
@@ -28,7 +27,7 @@ from flexium.server.settings import load_settings
 from flexium.server.storage import quotas
 
 
-def open_database(database_url: Optional[str] = None) -> Database:
+def open_database(database_url: str | None = None) -> Database:
     settings = load_settings(database_url=database_url)
     db = Database(settings.database_url, threads=2)
     db.session_info[quotas.SESSION_KEY] = quotas.Quotas.of(settings)  # FLEXIUM_MAX_TOKENS, as the server
@@ -40,7 +39,7 @@ def _workspace_id(db: Database, workspace: str) -> int:
     return db.run(storage.get_workspace, write=False, name=workspace).id
 
 
-def create_workspace(name: str, *, database_url: Optional[str] = None) -> str:
+def create_workspace(name: str, *, database_url: str | None = None) -> str:
     db = open_database(database_url)
     try:
         _record, token = db.run(storage.create_workspace, write=True, name=name, now=time.time())
@@ -50,7 +49,7 @@ def create_workspace(name: str, *, database_url: Optional[str] = None) -> str:
 
 
 def issue_token(
-    workspace: str, *, name: str = "", role: str = protocol.DEFAULT_ISSUED_ROLE, database_url: Optional[str] = None
+    workspace: str, *, name: str = "", role: str = protocol.DEFAULT_ISSUED_ROLE, database_url: str | None = None
 ) -> str:
     """Issued by the command line (its audit entry says so; no token minted it, so only its
     own revocation revokes it)."""
@@ -66,7 +65,7 @@ def issue_token(
         db.dispose()
 
 
-def login_code(token: str, *, database_url: Optional[str] = None) -> str:
+def login_code(token: str, *, database_url: str | None = None) -> str:
     db = open_database(database_url)
     try:
         return db.run(storage.login_code_for, write=True, token=token, now=time.time())
@@ -74,9 +73,7 @@ def login_code(token: str, *, database_url: Optional[str] = None) -> str:
         db.dispose()
 
 
-def revoke_token(
-    workspace: str, token_or_id: Union[str, int], *, database_url: Optional[str] = None
-) -> wire.TokenRevoked:
+def revoke_token(workspace: str, token_or_id: str | int, *, database_url: str | None = None) -> wire.TokenRevoked:
     """Revoke by the token itself or by its id (``list_tokens`` shows ids), and every token it
     minted. A running server stops accepting them within its token cache time (5 s), and
     their dashboard sessions at once; revoking through the server's API ends their open
@@ -92,7 +89,7 @@ def revoke_token(
         db.dispose()
 
 
-def list_tokens(workspace: str, *, database_url: Optional[str] = None) -> list[wire.TokenInfo]:
+def list_tokens(workspace: str, *, database_url: str | None = None) -> list[wire.TokenInfo]:
     db = open_database(database_url)
     try:
         return db.run(storage.list_tokens, write=False, workspace_id=_workspace_id(db, workspace))
@@ -100,7 +97,7 @@ def list_tokens(workspace: str, *, database_url: Optional[str] = None) -> list[w
         db.dispose()
 
 
-def list_workspaces(*, database_url: Optional[str] = None) -> list[storage.WorkspaceRecord]:
+def list_workspaces(*, database_url: str | None = None) -> list[storage.WorkspaceRecord]:
     db = open_database(database_url)
     try:
         return db.run(storage.list_workspaces, write=False)

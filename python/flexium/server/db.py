@@ -29,8 +29,9 @@ import functools
 import os
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -53,7 +54,7 @@ _WRITE_CHECK_EVERY_S = 1.0  # how often writes look at the SQLite file (write_pr
 HEALTH_TIMEOUT_S = 1.0  # the health check answers within about this, whatever the database does
 
 
-def _sqlite_file(url: str) -> Optional[str]:
+def _sqlite_file(url: str) -> str | None:
     path = url.split(":///", 1)[1] if ":///" in url else ""
     return None if path in ("", ":memory:") else os.path.abspath(path)
 
@@ -79,12 +80,12 @@ class Database:
         self.url = url
         self.lock_timeout_s = lock_timeout_s
         self.dialect = "sqlite" if url.startswith("sqlite") else "postgresql"
-        self._write_lock: Optional[threading.Lock] = threading.Lock() if self.is_sqlite else None
+        self._write_lock: threading.Lock | None = threading.Lock() if self.is_sqlite else None
         self._limiter = anyio.CapacityLimiter(threads)
         self._health_limiter = anyio.CapacityLimiter(1)  # a hung check holds no worker of the requests
         self._locked_out = False  # a write found the SQLite file locked: writes go to threads
         self._write_checked_at = 0.0
-        self._write_problem: Optional[str] = None
+        self._write_problem: str | None = None
         # What every transaction carries in Session.info (the server's quotas: storage/quotas.py).
         self.session_info: dict[str, Any] = {}
         self.engine = self._create_engine(url, threads=threads, echo=echo)
@@ -95,13 +96,13 @@ class Database:
             **{_WRITE_OPTION: True, _LOCK_WAIT_OPTION: int(min(self.lock_timeout_s, INLINE_LOCK_WAIT_S) * 1000)}
         )
         self.inline = self.is_sqlite
-        self._checkpointer: Optional[threading.Thread] = None
+        self._checkpointer: threading.Thread | None = None
         # The SQLite file and the file it was when first used: open connections keep writing to
         # a file deleted or replaced under them, and every write is then lost at the restart.
         self._file = _sqlite_file(url) if self.is_sqlite else None
-        self._file_identity: Optional[tuple[int, int]] = None
+        self._file_identity: tuple[int, int] | None = None
         self._stop_checkpoints = threading.Event()
-        self.migration_seconds: Optional[float] = None
+        self.migration_seconds: float | None = None
 
     @property
     def is_sqlite(self) -> bool:
@@ -258,7 +259,7 @@ class Database:
             "--db-lock-timeout): writes are refused until it lets go"
         )
 
-    def write_problem(self, *, fresh: bool = False) -> Optional[str]:
+    def write_problem(self, *, fresh: bool = False) -> str | None:
         """Why a write now would be lost or refused (SQLite: the file is gone, replaced or
         read-only); looked at once a second at most, unless ``fresh``."""
         if self._file is None:
@@ -269,7 +270,7 @@ class Database:
             self._write_problem = self.file_problem() or self._read_only_problem()
         return self._write_problem
 
-    def _read_only_problem(self) -> Optional[str]:
+    def _read_only_problem(self) -> str | None:
         assert self._file is not None
         if not os.access(self._file, os.W_OK):
             return f"the database file {self._file} is read-only: writes are refused until it is writable again"
@@ -281,7 +282,7 @@ class Database:
             )
         return None
 
-    def file_problem(self) -> Optional[str]:
+    def file_problem(self) -> str | None:
         """Why the SQLite file on disk is not the database this server writes to; None when it
         is (or the database is not a file)."""
         if self._file is None:
@@ -399,7 +400,7 @@ def _select_one(*, session: Session) -> None:
     session.execute(text("SELECT 1"))
 
 
-def _pg_read_only(*, session: Session) -> Optional[str]:
+def _pg_read_only(*, session: Session) -> str | None:
     in_recovery, read_only = session.execute(
         text("SELECT pg_is_in_recovery(), current_setting('transaction_read_only')")
     ).one()

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from flexium import protocol
 
@@ -11,7 +11,7 @@ from flexium import protocol
 class ApiError(Exception):
     code = "internal"
 
-    def __init__(self, message: str, *, detail: Optional[Any] = None) -> None:
+    def __init__(self, message: str, *, detail: Any | None = None) -> None:
         super().__init__(message)
         self.message = message
         self.detail = detail

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 from pydantic import ValidationError
 
@@ -70,7 +71,7 @@ class HeartbeatShortcut:
 
         await self.app(scope, replay, send)
 
-    def _answer(self, scope: Any, workspace: str, process_id: str, body_bytes: bytes) -> Optional[bytes]:
+    def _answer(self, scope: Any, workspace: str, process_id: str, body_bytes: bytes) -> bytes | None:
         ctx = self.ctx
         token = None
         for name, value in scope.get("headers", ()):

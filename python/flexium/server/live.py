@@ -19,8 +19,9 @@ import collections
 import itertools
 import json
 import time
+from collections.abc import Hashable
 from dataclasses import dataclass
-from typing import Any, Hashable, Optional
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -80,13 +81,13 @@ class Subscriber:
     either is cut off with a resync instead of holding the server's memory."""
 
     workspace_id: int
-    queue: asyncio.Queue[Optional[str]]
+    queue: asyncio.Queue[str | None]
     max_bytes: int = 4 << 20
     overflowed: bool = False
     queued_bytes: int = 0
     # Who opened it: revoking the token, or ending the dashboard session, ends the stream.
-    token_id: Optional[int] = None
-    session_id: Optional[int] = None
+    token_id: int | None = None
+    session_id: int | None = None
     ended: bool = False
 
     def end(self) -> None:
@@ -97,7 +98,7 @@ class Subscriber:
         except asyncio.QueueFull:
             pass  # the reader is behind, so it reads soon and sees ``ended``
 
-    def offer(self, text: Optional[str]) -> None:
+    def offer(self, text: str | None) -> None:
         """Queues `text` (None: the stream ends), or marks the subscriber overflowed."""
         size = len(text) if text else 0
         if self.overflowed or self.queued_bytes + size > self.max_bytes:
@@ -110,7 +111,7 @@ class Subscriber:
             return
         self.queued_bytes += size
 
-    async def take(self, timeout: float) -> Optional[str]:
+    async def take(self, timeout: float) -> str | None:
         """The next queued text; asyncio.TimeoutError after `timeout` seconds without one."""
         text = await asyncio.wait_for(self.queue.get(), timeout)
         self.queued_bytes -= len(text) if text else 0
@@ -132,7 +133,7 @@ class EventBus:
         history_bytes: int = 4 << 20,
         queue_size: int = 1000,
         queue_bytes: int = 4 << 20,
-        first_id: Optional[int] = None,
+        first_id: int | None = None,
     ) -> None:
         start = int(time.time() * 1000) if first_id is None else first_id - 1
         self._ids = itertools.count(start + 1)
@@ -177,9 +178,9 @@ class EventBus:
         self,
         workspace_id: int,
         *,
-        last_event_id: Optional[int] = None,
-        token_id: Optional[int] = None,
-        session_id: Optional[int] = None,
+        last_event_id: int | None = None,
+        token_id: int | None = None,
+        session_id: int | None = None,
     ) -> tuple[Subscriber, list[str]]:
         """A new subscriber and what it missed since ``last_event_id`` (a single ``resync``
         event when that is no longer in the history, or is not an id of this server's: larger
@@ -215,7 +216,7 @@ class EventBus:
             for sub in subs:
                 sub.offer(None)
 
-    def end_streams(self, *, token_ids: frozenset[int] = frozenset(), session_id: Optional[int] = None) -> int:
+    def end_streams(self, *, token_ids: frozenset[int] = frozenset(), session_id: int | None = None) -> int:
         """Ends the streams opened with these tokens (revoked) or this dashboard session
         (logged out); how many."""
         ended = 0

@@ -6,7 +6,7 @@ database at scrape time; rates and latencies are counted in this process.
 
 from __future__ import annotations
 
-from typing import Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -80,7 +80,7 @@ class ClusterSeries(Collector):
                 for d in host.devices:
                     labels = [ws.workspace, host.host, d.uuid, "" if d.index is None else str(d.index), d.name]
                     for field, family in gpu.items():
-                        value: Optional[float] = getattr(d, field)
+                        value: float | None = getattr(d, field)
                         if value is not None:
                             family.add_metric(labels, float(value))
             for p in ws.processes:
@@ -104,7 +104,8 @@ class ClusterSeries(Collector):
 
 class Metrics:
     def __init__(self) -> None:
-        prometheus_client.disable_created_metrics()  # '_created' series only add noise here
+        # '_created' series only add noise here; prometheus_client leaves this function untyped.
+        prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.processes = Gauge(

@@ -7,7 +7,7 @@ no time zone handling, and what the wire format uses.
 
 from __future__ import annotations
 
-from typing import Any, Optional, cast
+from typing import Any, cast
 
 from sqlalchemy import JSON, BigInteger, Double, ForeignKey, Index, Integer, String, Table, Text, UniqueConstraint, text
 from sqlalchemy.dialects.postgresql import JSONB
@@ -43,13 +43,13 @@ class Token(Base):
     token_hash: Mapped[str] = mapped_column(String(64))  # sha256 hex of the token
     prefix: Mapped[str] = mapped_column(String(16))  # shown in lists
     created_at: Mapped[float] = mapped_column(Double)
-    revoked_at: Mapped[Optional[float]] = mapped_column(Double, nullable=True)
+    revoked_at: Mapped[float | None] = mapped_column(Double, nullable=True)
     # protocol.TOKEN_ROLES; tokens made before roles existed could do everything, so they are admin.
     role: Mapped[str] = mapped_column(String(16), server_default=protocol.ROLE_ADMIN)
     # The token that issued this one (None: the command line, or the workspace's first):
     # revoking a token revokes what it minted, and theirs. No foreign key: tokens are revoked,
     # never deleted (but with their workspace), and SQLite could add one only by copying the table.
-    minted_by: Mapped[Optional[int]] = mapped_column(Integer, nullable=True, index=True)
+    minted_by: Mapped[int | None] = mapped_column(Integer, nullable=True, index=True)
 
 
 class DashboardSession(Base):
@@ -90,7 +90,7 @@ class AuditRecord(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     workspace_id: Mapped[int] = mapped_column(ForeignKey("workspaces.id", ondelete="CASCADE"))
     at: Mapped[float] = mapped_column(Double)
-    token_id: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)  # no FK: entries outlive tokens
+    token_id: Mapped[int | None] = mapped_column(Integer, nullable=True)  # no FK: entries outlive tokens
     token_name: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT), default="")
     role: Mapped[str] = mapped_column(String(16), default="")
     action: Mapped[str] = mapped_column(String(32))
@@ -98,8 +98,8 @@ class AuditRecord(Base):
     outcome: Mapped[str] = mapped_column(String(32), default="")
     detail: Mapped[str] = mapped_column(Text, default="")
     # No foreign keys: entries outlive their process and command.
-    process_id: Mapped[Optional[str]] = mapped_column(String(protocol.MAX_SHORT_TEXT), nullable=True)
-    command_id: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
+    process_id: Mapped[str | None] = mapped_column(String(protocol.MAX_SHORT_TEXT), nullable=True)
+    command_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class Process(Base):
@@ -118,7 +118,7 @@ class Process(Base):
     # Where it is (or paused from): the one stored fact of its location. Its nvidia-smi index
     # and its cuda:N are derived when shown (wire.ProcessInfo), from the host's device reports
     # and from visible_gpus, the job's GPU UUIDs in CUDA ordinal order.
-    gpu_uuid: Mapped[Optional[str]] = mapped_column(String(protocol.MAX_SHORT_TEXT), nullable=True)
+    gpu_uuid: Mapped[str | None] = mapped_column(String(protocol.MAX_SHORT_TEXT), nullable=True)
     gpu_model: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT), default="")
     logical_device: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT), default="")
     visible_gpus: Mapped[Any] = mapped_column(JsonType, default=list)
@@ -129,33 +129,33 @@ class Process(Base):
     memory_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     # What it held on each GPU (UUID -> bytes) when it last held anything, from its device
     # reports: a process may use several GPUs. None from a client that does not say.
-    gpu_bytes: Mapped[Optional[Any]] = mapped_column(JsonType, nullable=True)
+    gpu_bytes: Mapped[Any | None] = mapped_column(JsonType, nullable=True)
     footprint_bytes: Mapped[int] = mapped_column(BigInteger, default=0)
     state: Mapped[str] = mapped_column(String(16))
-    started_at: Mapped[Optional[float]] = mapped_column(Double, nullable=True)
+    started_at: Mapped[float | None] = mapped_column(Double, nullable=True)
     registered_at: Mapped[float] = mapped_column(Double)
     last_seen: Mapped[float] = mapped_column(Double)
     cmdline: Mapped[str] = mapped_column(Text, default="")
     # The ``seq`` of the last body whose state was applied: an older heartbeat (built before
     # a command's final report, delivered after it) must not undo that report.
-    state_seq: Mapped[Optional[int]] = mapped_column(BigInteger, nullable=True)
+    state_seq: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
     # Its place in a multi-process job (wire.JobMembership), None for a single-process job:
     # the ranks of one run share job_key, and are shown and moved together.
-    job_key: Mapped[Optional[str]] = mapped_column(String(protocol.MAX_SHORT_TEXT), nullable=True)
-    job_rank: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
-    job_world_size: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
-    job_local_rank: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
-    job_local_world_size: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
-    job_node_rank: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
+    job_key: Mapped[str | None] = mapped_column(String(protocol.MAX_SHORT_TEXT), nullable=True)
+    job_rank: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    job_world_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    job_local_rank: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    job_local_world_size: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    job_node_rank: Mapped[int | None] = mapped_column(Integer, nullable=True)
     # The token that registered it: a job token acts only on the processes it registered.
     # No foreign key, as for Token.minted_by.
-    token_id: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
+    token_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     # Training progress as the process last reported it (None: it never did): steps_per_s is
     # derived from the two last reports of steps, so the dashboard needs no history for it.
-    steps: Mapped[Optional[int]] = mapped_column(BigInteger, nullable=True)
-    steps_at: Mapped[Optional[float]] = mapped_column(Double, nullable=True)
-    steps_per_s: Mapped[Optional[float]] = mapped_column(Double, nullable=True)
-    loss: Mapped[Optional[float]] = mapped_column(Double, nullable=True)
+    steps: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    steps_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    steps_per_s: Mapped[float | None] = mapped_column(Double, nullable=True)
+    loss: Mapped[float | None] = mapped_column(Double, nullable=True)
 
 
 class Device(Base):
@@ -165,12 +165,12 @@ class Device(Base):
     workspace_id: Mapped[int] = mapped_column(ForeignKey("workspaces.id", ondelete="CASCADE"))
     host: Mapped[str] = mapped_column(String(protocol.MAX_HOST_LEN))
     uuid: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT))
-    index: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
+    index: Mapped[int | None] = mapped_column(Integer, nullable=True)
     name: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT), default="")
     memory_total: Mapped[int] = mapped_column(BigInteger, default=0)
     memory_used: Mapped[int] = mapped_column(BigInteger, default=0)
-    utilization: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
-    temperature: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
+    utilization: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    temperature: Mapped[int | None] = mapped_column(Integer, nullable=True)
     health: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT), default="ok")
     updated_at: Mapped[float] = mapped_column(Double)
 
@@ -191,7 +191,7 @@ class GpuSample(Base):
     at: Mapped[float] = mapped_column(Double)
     memory_used: Mapped[int] = mapped_column(BigInteger)
     memory_total: Mapped[int] = mapped_column(BigInteger)
-    utilization: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
+    utilization: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class JobOperation(Base):
@@ -234,23 +234,23 @@ class Command(Base):
     state: Mapped[str] = mapped_column(String(16))
     # The GPU the server resolved the target to; its index and the job's cuda:N are derived
     # when shown (an index is the host's, an ordinal the job's: neither names the GPU).
-    target_uuid: Mapped[Optional[str]] = mapped_column(String(protocol.MAX_SHORT_TEXT), nullable=True)
+    target_uuid: Mapped[str | None] = mapped_column(String(protocol.MAX_SHORT_TEXT), nullable=True)
     # A migrate GPU by GPU (one process on several GPUs): GPU UUID now -> GPU UUID after.
-    gpu_moves: Mapped[Optional[Any]] = mapped_column(JsonType, nullable=True)
+    gpu_moves: Mapped[Any | None] = mapped_column(JsonType, nullable=True)
     created_at: Mapped[float] = mapped_column(Double)
-    delivered_at: Mapped[Optional[float]] = mapped_column(Double, nullable=True)
-    started_at: Mapped[Optional[float]] = mapped_column(Double, nullable=True)
-    finished_at: Mapped[Optional[float]] = mapped_column(Double, nullable=True)
+    delivered_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    started_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    finished_at: Mapped[float | None] = mapped_column(Double, nullable=True)
     deliveries: Mapped[int] = mapped_column(Integer, default=0)
-    result: Mapped[Optional[Any]] = mapped_column(JsonType, nullable=True)
-    error: Mapped[Optional[str]] = mapped_column(Text, nullable=True)
+    result: Mapped[Any | None] = mapped_column(JsonType, nullable=True)
+    error: Mapped[str | None] = mapped_column(Text, nullable=True)
     # A rank's share of a job operation: ``operation_id`` finds the operation's commands, and
     # ``job`` is what the rank is handed (wire.JobCommandInfo), kept whole in the row so every
     # reader of a command (the long-poll's single statement included) shows it without a join.
-    operation_id: Mapped[Optional[int]] = mapped_column(
+    operation_id: Mapped[int | None] = mapped_column(
         ForeignKey("job_operations.id", ondelete="CASCADE", name="fk_commands_operation_id"), nullable=True, index=True
     )
-    job: Mapped[Optional[Any]] = mapped_column(JsonType, nullable=True)
+    job: Mapped[Any | None] = mapped_column(JsonType, nullable=True)
 
 
 def table_of(model: type[Base]) -> Table:

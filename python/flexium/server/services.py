@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, AsyncIterator, Awaitable, Callable, Hashable, Optional
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
+from typing import Any
 
 from flexium import protocol, wire
 from flexium.server import storage
@@ -69,7 +70,7 @@ async def unregister_process(ctx: ServerContext, *, workspace_id: int, process_i
 
 def heartbeat_from_memory(
     ctx: ServerContext, *, workspace_id: int, process_id: str, body: wire.HeartbeatRequest, now: float
-) -> Optional[wire.HeartbeatResponse]:
+) -> wire.HeartbeatResponse | None:
     """The answer to a plain heartbeat (nothing changed but the time, no devices due for a
     write), from memory; None when it must go to the database (``heartbeat``)."""
     if body.devices and ctx.should_write_devices(workspace_id, process_id, now):
@@ -124,7 +125,7 @@ async def heartbeat(
     )
 
 
-def revocation_waiter(ctx: ServerContext, auth: AuthInfo) -> "asyncio.Future[None]":
+def revocation_waiter(ctx: ServerContext, auth: AuthInfo) -> asyncio.Future[None]:
     """Done when ``auth``'s token is revoked through this server (``ServerContext.tokens_revoked``),
     or was since the request was admitted; unregister it with the key ("token", id)."""
     revoked = ctx.notifier.register(("token", auth.token_id))
@@ -134,7 +135,7 @@ def revocation_waiter(ctx: ServerContext, auth: AuthInfo) -> "asyncio.Future[Non
 
 
 async def _wait(
-    ctx: ServerContext, waiter: "asyncio.Future[None]", revoked: "asyncio.Future[None]", timeout: float
+    ctx: ServerContext, waiter: asyncio.Future[None], revoked: asyncio.Future[None], timeout: float
 ) -> bool:
     """True when woken, False on timeout; Unauthorized when the caller's token was revoked
     meanwhile: a revoked token's poll ends at once."""
@@ -147,8 +148,8 @@ async def _wait(
 
 
 async def next_command(
-    ctx: ServerContext, *, auth: AuthInfo, process_id: str, wait: Optional[float]
-) -> Optional[wire.CommandInfo]:
+    ctx: ServerContext, *, auth: AuthInfo, process_id: str, wait: float | None
+) -> wire.CommandInfo | None:
     """The long-poll: the next command for the process, or None when there is none within
     the wait (or the server is stopping)."""
     workspace_id = auth.workspace_id
@@ -163,8 +164,8 @@ async def next_command(
 
 
 async def _next_command(
-    ctx: ServerContext, key: tuple[int, str], deadline: float, revoked: "asyncio.Future[None]"
-) -> Optional[wire.CommandInfo]:
+    ctx: ServerContext, key: tuple[int, str], deadline: float, revoked: asyncio.Future[None]
+) -> wire.CommandInfo | None:
     workspace_id, process_id = key
     loop = asyncio.get_running_loop()
     woken = False
@@ -250,9 +251,7 @@ async def create_command(ctx: ServerContext, *, auth: AuthInfo, body: wire.Comma
     return commands[0]
 
 
-async def wait_command(
-    ctx: ServerContext, *, auth: AuthInfo, command_id: int, wait: Optional[float]
-) -> wire.CommandInfo:
+async def wait_command(ctx: ServerContext, *, auth: AuthInfo, command_id: int, wait: float | None) -> wire.CommandInfo:
     """The command, once it ends or after ``wait`` seconds, whichever comes first."""
     command: wire.CommandInfo = await _wait_until(
         ctx,
@@ -266,7 +265,7 @@ async def wait_command(
 
 
 async def wait_operation(
-    ctx: ServerContext, *, auth: AuthInfo, operation_id: int, wait: Optional[float]
+    ctx: ServerContext, *, auth: AuthInfo, operation_id: int, wait: float | None
 ) -> wire.JobOperationInfo:
     """The job operation, once every rank's command ended or after ``wait`` seconds."""
     operation: wire.JobOperationInfo = await _wait_until(
@@ -286,7 +285,7 @@ async def _wait_until(
     ctx: ServerContext,
     auth: AuthInfo,
     key: Hashable,
-    wait: Optional[float],
+    wait: float | None,
     read: Callable[[], Awaitable[Any]],
     ended: Callable[[Any], bool],
 ) -> Any:
@@ -446,7 +445,7 @@ async def log_out(ctx: ServerContext, *, secret: str) -> None:
         ctx.bus.end_streams(session_id=auth.session_id)
 
 
-def open_event_stream(ctx: ServerContext, *, auth: AuthInfo, last_event_id: Optional[str]) -> AsyncIterator[str]:
+def open_event_stream(ctx: ServerContext, *, auth: AuthInfo, last_event_id: str | None) -> AsyncIterator[str]:
     """Subscribes now (so nothing published from here on is missed) and returns the
     server-sent event frames for the workspace from ``last_event_id`` on, with keepalives,
     and a resync when this subscriber fell behind."""
@@ -472,7 +471,7 @@ def open_event_stream(ctx: ServerContext, *, auth: AuthInfo, last_event_id: Opti
                     yield ctx.bus.frame(ctx.bus.last_id, protocol.EVENT_RESYNC, {})
                     continue
                 try:
-                    frame: Optional[str] = await sub.take(keepalive)
+                    frame: str | None = await sub.take(keepalive)
                 except asyncio.TimeoutError:
                     yield ": keepalive\n\n"
                     continue

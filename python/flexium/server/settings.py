@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from flexium import protocol
 
@@ -29,7 +29,7 @@ class Settings:
     new_database: bool = False  # an empty database where a used SQLite file is gone (Database.upgrade)
     host: str = DEFAULT_HOST
     port: int = protocol.DEFAULT_PORT
-    public_url: Optional[str] = None  # what links printed on start point at
+    public_url: str | None = None  # what links printed on start point at
 
     heartbeat_interval_s: float = protocol.HEARTBEAT_INTERVAL_S
     poll_timeout_s: float = protocol.POLL_TIMEOUT_S
@@ -60,10 +60,10 @@ class Settings:
     max_payload_bytes: int = 64 << 10  # a process's capabilities, a command's result (as JSON)
 
     # HTTPS: both files or neither.
-    certfile: Optional[str] = None
-    keyfile: Optional[str] = None
+    certfile: str | None = None
+    keyfile: str | None = None
 
-    db_threads: Optional[int] = None  # worker threads for database calls (default: 8 on
+    db_threads: int | None = None  # worker threads for database calls (default: 8 on
     # SQLite, where writes take turns and more threads
     # only fight over the GIL; 16 on PostgreSQL)
     access_log: bool = False
@@ -134,7 +134,7 @@ class Settings:
             host = f"[{host}]"
         return f"{self.scheme}://{host}:{self.port}"
 
-    def with_(self, **changes: Any) -> "Settings":
+    def with_(self, **changes: Any) -> Settings:
         return replace(self, **changes)
 
 

@@ -17,16 +17,17 @@ import functools
 import sys
 import threading
 import weakref
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 _MARK = "__wrapped_by_flexium__"
 
 _lock = threading.Lock()
-_alive: "weakref.WeakSet[Any]" = weakref.WeakSet()
+_alive: weakref.WeakSet[Any] = weakref.WeakSet()
 _unreferenced = 0  # graphs that cannot be referenced weakly: counted as alive for good
 
 
-def install(graph_class: Any = None, nccl_live: Optional[Callable[[], bool]] = None) -> None:
+def install(graph_class: Any = None, nccl_live: Callable[[], bool] | None = None) -> None:
     """Wraps `graph_class.capture_begin` (torch.cuda.CUDAGraph unless given) once. `nccl_live`
     (default: an NCCL process group exists) decides whether a capture may hold NCCL calls."""
     cls: Any = graph_class if graph_class is not None else _torch_graph_class()
@@ -42,7 +43,7 @@ def uninstall(graph_class: Any = None) -> None:
         cls.capture_begin = original
 
 
-def problem() -> Optional[str]:
+def problem() -> str | None:
     """Why the job cannot be paused or moved for its CUDA graphs, with what to do; None: it can."""
     with _lock:
         alive = len(_alive) + _unreferenced

@@ -27,8 +27,8 @@ import dataclasses
 import logging
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Optional
 
 from flexium import protocol
 from flexium.engine import torch_bridge
@@ -58,7 +58,7 @@ class JobOperation:
     kind: OperationKind
     rank: int
     world_size: int
-    target: Optional[str] = None  # this rank's GPU UUID; None: it stays (migrate), resumes where it paused
+    target: str | None = None  # this rank's GPU UUID; None: it stays (migrate), resumes where it paused
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class Deadlines:
     move_s: float = 600.0  # the slowest rank's move, pause or resume
 
 
-def refusal(job: DistributedJob, op: JobOperation) -> Optional[str]:
+def refusal(job: DistributedJob, op: JobOperation) -> str | None:
     """Why this process cannot take its part in `op`, with what to do; None: it can."""
     if not job.multi_process:
         return "this process is not a rank of a multi-process job"
@@ -80,7 +80,7 @@ def refusal(job: DistributedJob, op: JobOperation) -> Optional[str]:
     return job_problem(job)
 
 
-def job_problem(job: DistributedJob) -> Optional[str]:
+def job_problem(job: DistributedJob) -> str | None:
     """Why this rank's job cannot be paused, resumed or migrated as a whole; None: it can."""
     if job.multi_node:
         return (
@@ -101,8 +101,8 @@ class StepAgreement:
         self.rendezvous = rendezvous
         self.deadline_s = deadline_s
         self.clock = clock
-        self.started: Optional[float] = None
-        self.stop_at: Optional[int] = None
+        self.started: float | None = None
+        self.stop_at: int | None = None
 
     def ready(self, step: int) -> bool:
         rv = self.rendezvous
@@ -136,12 +136,12 @@ class RankActions:
 
     source: GpuIdentity
     logical_device: str
-    move: Optional[Callable[[], OperationResult]] = None  # migrate: None when this rank stays
-    move_back: Optional[Callable[[], OperationResult]] = None  # after its move, to where it was
-    pause: Optional[Callable[[], OperationResult]] = None
-    resume: Optional[Callable[[], OperationResult]] = None  # from a pause: to its target or in place
-    resume_in_place: Optional[Callable[[], OperationResult]] = None  # undo this rank's pause
-    pause_again: Optional[Callable[[], OperationResult]] = None  # undo this rank's resume
+    move: Callable[[], OperationResult] | None = None  # migrate: None when this rank stays
+    move_back: Callable[[], OperationResult] | None = None  # after its move, to where it was
+    pause: Callable[[], OperationResult] | None = None
+    resume: Callable[[], OperationResult] | None = None  # from a pause: to its target or in place
+    resume_in_place: Callable[[], OperationResult] | None = None  # undo this rank's pause
+    pause_again: Callable[[], OperationResult] | None = None  # undo this rank's resume
 
 
 class _Timeline:
@@ -167,7 +167,7 @@ class _Timeline:
         return value
 
     def result(
-        self, base: OperationResult, *, ok: bool, error: Optional[str] = None, step: Optional[str] = None
+        self, base: OperationResult, *, ok: bool, error: str | None = None, step: str | None = None
     ) -> OperationResult:
         """`base` (the rank's transaction) with the protocol's steps and notes around it; its
         clock runs from the meeting at the stop step."""
@@ -210,8 +210,8 @@ def _stayed(actions: RankActions) -> OperationResult:
 
 
 def shared_gpu_problem(
-    rv: Rendezvous, source: GpuIdentity, lands_on: Optional[GpuIdentity], *, deadline_s: float
-) -> Optional[str]:
+    rv: Rendezvous, source: GpuIdentity, lands_on: GpuIdentity | None, *, deadline_s: float
+) -> str | None:
     """Why the operation would leave a rank that the driver restores (`lands_on`: where; None: this
     rank stays on `source`, never checkpointed) on one GPU with another rank of its NCCL job, with
     what to do; None when each such rank has its GPU to itself. NCCL's next collective fails in a
@@ -219,7 +219,7 @@ def shared_gpu_problem(
     rank posts where it will be, so every rank reaches the same verdict before anything changes."""
     own = f"restored {lands_on.uuid}" if lands_on is not None else f"stays {source.uuid}"
     words = rv.gather("placement", own, deadline_s=deadline_s, what="say which GPU it will be on").words
-    placement: dict[int, Optional[str]] = {}
+    placement: dict[int, str | None] = {}
     restored: set[int] = set()
     for rank, word in words.items():
         how, _, uuid = word.partition(" ")
@@ -273,7 +273,7 @@ def migrate_or_pause(
     *,
     find_communicators: Callable[[], list[nccl.Communicator]] = nccl.communicators,
     check: Callable[[int], str] = check_collective,
-    stop_step: Optional[int] = None,
+    stop_step: int | None = None,
 ) -> OperationResult:
     """Steps 2-5 at the stop step, on the training thread. A pause that succeeds on every rank
     returns with NCCL still suspended (the resume resumes it)."""
@@ -389,7 +389,7 @@ def _attach(
     deadlines: Deadlines,
     check: Callable[[int], str],
     *,
-    failure: Optional[tuple[str, str]] = None,
+    failure: tuple[str, str] | None = None,
 ) -> OperationResult:
     """Step 5 on every rank: NCCL resumed (collective) and checked, whatever happened before."""
     try:

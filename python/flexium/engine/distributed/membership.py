@@ -18,19 +18,19 @@ import socket
 import sys
 import uuid
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 
 @dataclass(frozen=True)
 class DistributedJob:
     available: bool  # torch is imported and built with torch.distributed
     initialized: bool  # the default process group exists
-    backend: Optional[str]  # the default group's, e.g. "nccl", "gloo", "cpu:gloo,cuda:nccl"
-    rank: Optional[int]  # in the default group, else RANK of the environment
-    world_size: Optional[int]  # of the default group, else WORLD_SIZE of the environment
-    local_rank: Optional[int]  # LOCAL_RANK (torchrun)
-    local_world_size: Optional[int]  # LOCAL_WORLD_SIZE (torchrun): ranks on this node
-    group_rank: Optional[int]  # GROUP_RANK (torchrun): this node's rank
+    backend: str | None  # the default group's, e.g. "nccl", "gloo", "cpu:gloo,cuda:nccl"
+    rank: int | None  # in the default group, else RANK of the environment
+    world_size: int | None  # of the default group, else WORLD_SIZE of the environment
+    local_rank: int | None  # LOCAL_RANK (torchrun)
+    local_world_size: int | None  # LOCAL_WORLD_SIZE (torchrun): ranks on this node
+    group_rank: int | None  # GROUP_RANK (torchrun): this node's rank
 
     @property
     def multi_process(self) -> bool:
@@ -55,7 +55,7 @@ class DistributedJob:
             how += f", node {'?' if self.group_rank is None else self.group_rank} of a multi-node job"
         return f"rank {rank} of {self.world_size} of a torch.distributed job ({how})"
 
-    def refusal(self) -> Optional[str]:
+    def refusal(self) -> str | None:
         """Why this process cannot be paused or migrated on its own, with what to do; None for
         a single-process job."""
         if not self.multi_process:
@@ -72,7 +72,7 @@ def describe() -> DistributedJob:
     initialized = False
     rank = _env_int("RANK")
     world_size = _env_int("WORLD_SIZE")
-    backend: Optional[str] = None
+    backend: str | None = None
     if dist is not None and dist.is_initialized():
         try:
             backend, rank, world_size = str(dist.get_backend()), int(dist.get_rank()), int(dist.get_world_size())
@@ -102,11 +102,11 @@ def job_key() -> str:
 
 # The store of the process group whose ranks agreed on a key, and that key: asked for once per
 # group (holding the store, a group made after this one cannot be taken for it).
-_agreed: Optional[tuple[Any, str]] = None
+_agreed: tuple[Any, str] | None = None
 _AGREED_STORE_KEY = "flexium/job_key"
 
 
-def _agreed_key() -> Optional[str]:
+def _agreed_key() -> str | None:
     dist = _torch_distributed()
     if dist is None or not dist.is_initialized():
         return None
@@ -142,7 +142,7 @@ def launch_key() -> str:
     return ":".join(parts)
 
 
-def _torch_distributed() -> Optional[Any]:
+def _torch_distributed() -> Any | None:
     """torch.distributed when the job imported torch (a job that did not has no process group)."""
     torch = sys.modules.get("torch")
     if torch is None:
@@ -153,7 +153,7 @@ def _torch_distributed() -> Optional[Any]:
     return dist
 
 
-def _env_int(name: str) -> Optional[int]:
+def _env_int(name: str) -> int | None:
     try:
         return int(os.environ[name])
     except (KeyError, ValueError):

@@ -22,8 +22,9 @@ import ctypes
 import logging
 import os
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Mapping, Optional, Protocol
+from typing import Any, Protocol
 
 log = logging.getLogger("flexium")
 
@@ -66,10 +67,10 @@ class NcclLibrary:
             raise NcclError(f"{name} failed: {text or 'error'} (ncclResult_t {code})")
 
 
-_library: Optional[NcclLibrary] = None
+_library: NcclLibrary | None = None
 
 
-def loaded_library() -> Optional[NcclLibrary]:
+def loaded_library() -> NcclLibrary | None:
     """The libnccl this process's communicators run on, or None. A job may have two mapped:
     torch loads its own wheel's by path, and an LD_PRELOADed newer one comes first in the
     global scope, where torch's calls resolve."""
@@ -100,7 +101,7 @@ class _DlInfo(ctypes.Structure):
     ]
 
 
-def _global_symbol_path(symbol: str) -> Optional[str]:
+def _global_symbol_path(symbol: str) -> str | None:
     """The file that defines `symbol` first in the process's global scope (dlsym(RTLD_DEFAULT)),
     or None when no object loaded globally defines it."""
     try:
@@ -115,7 +116,7 @@ def _global_symbol_path(symbol: str) -> Optional[str]:
         return None
 
 
-def _mapped_path(name: str) -> Optional[str]:
+def _mapped_path(name: str) -> str | None:
     try:
         with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
             for line in maps:
@@ -127,7 +128,7 @@ def _mapped_path(name: str) -> Optional[str]:
     return None
 
 
-def suspend_problem(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+def suspend_problem(environ: Mapping[str, str] | None = None) -> str | None:
     """Why this process's NCCL communicators cannot be suspended, with what to do; None: they
     can. `environ`: the job's environment (default: this process's)."""
     env = os.environ if environ is None else environ

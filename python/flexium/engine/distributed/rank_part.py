@@ -13,7 +13,8 @@ things of the engine a rank's part uses (Engine implements it).
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional, Protocol
+from collections.abc import Callable
+from typing import Protocol
 
 from flexium.engine import target_rules
 from flexium.engine.capabilities import Capabilities
@@ -97,7 +98,7 @@ def run_job_operation(
     return _at_stop_step(ctx, engine, op, rv, actions, limits)
 
 
-def _lands_on(ctx: OperationContext, op: JobOperation) -> Optional[GpuIdentity]:
+def _lands_on(ctx: OperationContext, op: JobOperation) -> GpuIdentity | None:
     """The GPU the driver restores this rank on in `op`: where it is (a pause), its target (a
     resume or a move), where it paused (a resume in place); None for a rank a migration
     leaves where it is, which is never checkpointed."""
@@ -107,7 +108,7 @@ def _lands_on(ctx: OperationContext, op: JobOperation) -> Optional[GpuIdentity]:
 
 
 def _rank_actions(
-    ctx: OperationContext, engine: RankEngine, op: JobOperation, path: PathChoice, lands_on: Optional[GpuIdentity]
+    ctx: OperationContext, engine: RankEngine, op: JobOperation, path: PathChoice, lands_on: GpuIdentity | None
 ) -> RankActions:
     """This rank's checks before the operation (as for one process) and what it will do."""
     if op.kind == OperationKind.PAUSE or (op.kind == OperationKind.MIGRATE and lands_on is not None):

@@ -10,8 +10,9 @@ that will never come.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 OK = "ok"
 POLL_SECONDS = 0.001
@@ -74,7 +75,7 @@ class Rendezvous:
         if not self.store.check([key]):
             self.store.set(key, f"rank {self.rank}: {reason}")
 
-    def aborted(self) -> Optional[str]:
+    def aborted(self) -> str | None:
         key = self.prefix + "abort"
         if self.store.check([key]):
             return _text(self.store.get(key))

@@ -28,8 +28,9 @@ import subprocess
 import sys
 import time
 import weakref
+from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any
 
 from flexium.config import switch_from_env
 
@@ -110,13 +111,13 @@ class Copier:
         self._sock = sock
         self._unread: list[str] = []  # replies owed for requests sent without waiting
         # What the copier maps: the staging's extents (inode, size) and its chunks, as sent.
-        self._attached: Optional[tuple[tuple[tuple[int, int], ...], list[list[int]]]] = None
-        self._awake_on: Optional[str] = None
-        self._parent_pid: Optional[int] = None  # set in a forked child: the copier is its parent's
+        self._attached: tuple[tuple[tuple[int, int], ...], list[list[int]]] | None = None
+        self._awake_on: str | None = None
+        self._parent_pid: int | None = None  # set in a forked child: the copier is its parent's
         _copiers.add(self)
 
     @classmethod
-    def start(cls) -> "Copier":
+    def start(cls) -> Copier:
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         env = dict(os.environ)
         package_root = str(Path(__file__).resolve().parents[2])  # the copier imports this flexium
@@ -144,12 +145,12 @@ class Copier:
         return self._process.pid
 
     @property
-    def awake_on(self) -> Optional[str]:
+    def awake_on(self) -> str | None:
         """The GPU it holds a context on (woken there), None while asleep."""
         return self._awake_on
 
     @awake_on.setter
-    def awake_on(self, uuid: Optional[str]) -> None:
+    def awake_on(self, uuid: str | None) -> None:
         # Awake, its context may sit on the job's GPU: should the job run out of GPU memory, the
         # allocator kills it (csrc/gpu_memory_yield.h); the staged bytes are the job's memfds.
         from flexium import _C
@@ -163,7 +164,7 @@ class Copier:
     def alive(self) -> bool:
         return self._parent_pid is None and self._process.poll() is None
 
-    def attach(self, layout: "_C.HostStagingLayout") -> None:
+    def attach(self, layout: _C.HostStagingLayout) -> None:
         """Maps the staging's extents (memfd, size) and touches their pages; again only when they
         changed. A staging the job grew (extents and chunks added after those it had) is extended:
         what the copier pinned stays pinned, so a pause after a growth pins only what is new."""
@@ -196,7 +197,7 @@ class Copier:
         return self._exchange(message, timeout=START_TIMEOUT_S + bytes_to_pin / SLOWEST_BYTES_PER_S)
 
     def copy(
-        self, to_host: bool, order: "_C.HostOrder", *, then_sleep: bool = True, pin_rest_pause_ms: int = 0
+        self, to_host: bool, order: _C.HostOrder, *, then_sleep: bool = True, pin_rest_pause_ms: int = 0
     ) -> dict[str, Any]:
         """Runs one order; with `then_sleep` the copier goes to sleep right after it (its reply read
         by slept()), else it stays awake with the staging pinned (kept for the next pause), and
@@ -307,7 +308,7 @@ class Copier:
         return reply
 
 
-_copiers: "weakref.WeakSet[Copier]" = weakref.WeakSet()
+_copiers: weakref.WeakSet[Copier] = weakref.WeakSet()
 
 
 def _let_go_after_fork() -> None:

@@ -21,7 +21,8 @@ import socket
 import sys
 import time
 import traceback
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from flexium import _C
 from flexium.engine.fast.host_copier import CHUNK_FIELDS, PIECE_FIELDS, close_all, receive, send
@@ -30,7 +31,7 @@ from flexium.engine.fast.host_copier import CHUNK_FIELDS, PIECE_FIELDS, close_al
 class Server:
     def __init__(self, sock: socket.socket, trace: bool = False) -> None:
         self.sock = sock
-        self.copier: Optional[_C.HostCopier] = None
+        self.copier: _C.HostCopier | None = None
         self.trace = trace  # each request and its reply on stderr (the job's log at DEBUG)
 
     def serve(self) -> int:
@@ -125,7 +126,7 @@ def staging_chunks(message: dict[str, Any]) -> list[_C.CopierChunk]:
     return [_C.CopierChunk(**dict(zip(CHUNK_FIELDS, row, strict=True))) for row in message["chunks"]]
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m flexium.engine.fast.host_copier_process")
     parser.add_argument("--socket", type=int, required=True, help="fd of the seqpacket socket to the job")
     parser.add_argument("--trace", action="store_true", help="each request and reply on stderr")

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from flexium import _C
 from flexium.engine.fast import pinned_budget
@@ -30,7 +30,7 @@ class StagingKeeper:
         *,
         placement: Callable[[], tuple[int, str]],
         ready: Callable[[], bool],
-        refused: Callable[[], Optional[str]],
+        refused: Callable[[], str | None],
     ) -> None:
         """`placement`: the job's logical ordinal and its GPU's UUID now; `ready`: the job runs,
         has trained a step and no operation is under way; `refused`: why a pause of the job would
@@ -40,12 +40,12 @@ class StagingKeeper:
         self._ready = ready
         self._refused = refused
         self._stop = threading.Event()
-        self._thread: Optional[threading.Thread] = None
+        self._thread: threading.Thread | None = None
         self._last_pool = 0
         self._kept_for_pool = 0  # the pool's size when the staging was last made to fit it
         self._yields_seen = _C.gpu_memory_yields()
-        self._gave_way_on: Optional[str] = None  # the GPU where the job needed the copier's memory
-        self.note: Optional[str] = None  # what it did last, or why it keeps nothing
+        self._gave_way_on: str | None = None  # the GPU where the job needed the copier's memory
+        self.note: str | None = None  # what it did last, or why it keeps nothing
 
     def start(self) -> None:
         limit = pinned_budget.budget()

@@ -21,7 +21,8 @@ import logging
 import os
 import resource
 import threading
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from flexium import _C
 
@@ -36,7 +37,7 @@ WANTED_OPEN_FILES = 1 << 20
 
 
 # The pool whose routing a destroyed MemPool must pause (one per process; a new init replaces it).
-_installed: Optional["MemoryPool"] = None
+_installed: MemoryPool | None = None
 
 
 class MemoryPool:
@@ -47,11 +48,11 @@ class MemoryPool:
         self._lock = threading.RLock()
         self._pools: dict[int, Any] = {}  # device -> torch.cuda.MemPool, kept alive on purpose
         self._routed: list[int] = []
-        self._allocator: Optional[Any] = None
+        self._allocator: Any | None = None
         self._suspended = False  # routing ended while some other MemPool is destroyed
-        self._step_hook: Optional[Any] = None
+        self._step_hook: Any | None = None
         self._open_failed = False  # said once: open_to_gpus_in_use runs at every step
-        self.reason_off: Optional[str] = "not installed"
+        self.reason_off: str | None = "not installed"
 
     @property
     def active(self) -> bool:
@@ -200,7 +201,7 @@ class MemoryPool:
             except Exception as exc:  # exiting anyway: say so, keep ending the others
                 log.error("could not end the memory pool routing on cuda:%d: %s", device, exc)
 
-    def _refusal(self, devices: Sequence[int]) -> Optional[str]:
+    def _refusal(self, devices: Sequence[int]) -> str | None:
         try:
             import torch
         except ImportError:

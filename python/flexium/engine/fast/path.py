@@ -14,8 +14,9 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable, Optional, TypeVar
+from typing import TypeVar
 
 from flexium import _C
 from flexium.engine.fast import pinned_budget
@@ -87,13 +88,13 @@ def memory_elsewhere(devices: list[str]) -> str:
 class FastPath:
     def __init__(self, pool: MemoryPool) -> None:
         self.pool = pool
-        self._releasing: Optional[threading.Thread] = None
-        self._copier: Optional[Copier] = None
-        self._starting: Optional[threading.Thread] = None
+        self._releasing: threading.Thread | None = None
+        self._copier: Copier | None = None
+        self._starting: threading.Thread | None = None
         # Why the last host move ran in this process instead of the copier ("" if it did not).
         self.copier_fallback = ""
         # Why the coming copy back runs in this process (wake_for_restore found too little room).
-        self._copy_back_here: Optional[str] = None
+        self._copy_back_here: str | None = None
         # One preparation of the staging at a time: a pause's, or the keeper's between pauses.
         self._host_lock = threading.RLock()
         # The staging stays (pinned by the copier) between pauses: claimed in pinned_budget.
@@ -128,7 +129,7 @@ class FastPath:
             self._starting.join()
             self._starting = None
 
-    def blocker(self, logical: int) -> Optional[str]:
+    def blocker(self, logical: int) -> str | None:
         """Why the fast path cannot move this job now (None: it can)."""
         if not self.pool.active:
             return f"the memory pool is off: {self.pool.reason_off}"
@@ -211,14 +212,14 @@ class FastPath:
         self._wait_for_release()
         return max(0, wanted - int(_C.host_staging_pool_bytes()))
 
-    def reserve_host(self, logical: int, wanted: int, uuid: str) -> "Reserved":
+    def reserve_host(self, logical: int, wanted: int, uuid: str) -> Reserved:
         """Touches `wanted` bytes of staging and pins them before the safe point, while the job
         trains: in the copier process (GPU `uuid`), or here if the copier is off or fails (the
         stage then unpins each chunk once copied, so the checkpoint sees no pinned memory)."""
         with self._host_lock:
             return self._reserve_host(logical, wanted, uuid)
 
-    def _reserve_host(self, logical: int, wanted: int, uuid: str) -> "Reserved":
+    def _reserve_host(self, logical: int, wanted: int, uuid: str) -> Reserved:
         self._wait_for_release()
         self._wait_for_start()
         started = time.perf_counter()
@@ -416,7 +417,7 @@ class FastPath:
 
         return timed("copier_sleep", work)[1]
 
-    def keep_ready(self, logical: int, uuid: str) -> Optional[str]:
+    def keep_ready(self, logical: int, uuid: str) -> str | None:
         """Between pauses: the staging holds what a pause of `logical` needs and the copier keeps
         it pinned on the job's GPU `uuid`, so that a pause only copies. Returns what it did, or
         why it could not (the pinned host memory budget); None when nothing was needed."""
@@ -472,7 +473,7 @@ class FastPath:
         pinned_budget.release()
         self.keeping = False
 
-    def _release_host(self, copier: Optional[Copier]) -> None:
+    def _release_host(self, copier: Copier | None) -> None:
         if copier is not None:
             try:
                 copier.detach()
@@ -506,7 +507,7 @@ DISABLE_NOTE = "the copier process is off: FLEXIUM_HOST_COPIER=0"
 BY_COPIER = "by the copier process"  # where the staging was pinned, as reserve_host says it
 
 
-def copier_room_problem(uuid: str, coming: int = 0) -> Optional[str]:
+def copier_room_problem(uuid: str, coming: int = 0) -> str | None:
     """Why the copier should not take a context on the GPU `uuid` now (None: it has room, or
     NVML cannot tell). `coming`: bytes the job is about to take there (a resume's), which the
     copier's context must leave room for."""

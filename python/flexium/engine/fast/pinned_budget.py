@@ -16,9 +16,9 @@ import os
 import re
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional
 
 from flexium.engine.host_memory import host_memory_total
 from flexium.errors import ConfigError
@@ -93,7 +93,7 @@ def holders() -> list[Holder]:
     return found
 
 
-def claim(nbytes: int, gpu: str) -> Optional[str]:
+def claim(nbytes: int, gpu: str) -> str | None:
     """Records that this process keeps `nbytes` pinned (replacing what it claimed before); None
     when the budget has room, else why not (nothing is recorded then)."""
     limit = budget()
@@ -106,7 +106,7 @@ def claim(nbytes: int, gpu: str) -> Optional[str]:
         return f"its pinned host memory ledger could not be written ({exc})"
 
 
-def _claim_locked(nbytes: int, gpu: str, limit: Budget) -> Optional[str]:
+def _claim_locked(nbytes: int, gpu: str, limit: Budget) -> str | None:
     others = [h for h in holders() if h.pid != os.getpid()]
     held = sum(h.bytes for h in others)
     if held + nbytes > limit.bytes:
@@ -174,7 +174,7 @@ class _locked:
         os.close(self._fd)
 
 
-def _start_time(pid: int) -> Optional[int]:
+def _start_time(pid: int) -> int | None:
     """The process's start time in clock ticks since boot: a pid reused later has another one."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -183,6 +183,6 @@ def _start_time(pid: int) -> Optional[int]:
         return None
 
 
-def _alive(pid: int, start: Optional[int]) -> bool:
+def _alive(pid: int, start: int | None) -> bool:
     now = _start_time(pid)
     return now is not None and (start is None or now == start)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,7 @@ class Imports:
     first_address: int
 
 
-def held_now() -> Optional[Imports]:
+def held_now() -> Imports | None:
     """The CUDA storages this process imported through PyTorch and still holds; None: none."""
     reductions = sys.modules.get("torch.multiprocessing.reductions")
     cache = getattr(reductions, "shared_cache", None)

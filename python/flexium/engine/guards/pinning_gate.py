@@ -12,7 +12,8 @@ from __future__ import annotations
 import functools
 import sys
 import threading
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 _PIN_MODULE = "torch.utils.data._utils.pin_memory"
 
@@ -81,7 +82,7 @@ def uninstall() -> None:
     GATE.open()
 
 
-def _pin_module() -> Optional[Any]:
+def _pin_module() -> Any | None:
     module = sys.modules.get(_PIN_MODULE)
     if module is None:
         try:

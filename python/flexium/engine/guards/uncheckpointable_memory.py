@@ -16,7 +16,7 @@ third (imported_memory.py).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 from flexium import _C
 from flexium.engine.guards import imported_memory
@@ -26,7 +26,7 @@ from flexium.errors import CapabilityError
 MIB = 1 << 20
 
 
-def problem() -> Optional[str]:
+def problem() -> str | None:
     """Why this process cannot be checkpointed for the memory it holds, with what to do; None: it can."""
     try:
         found = _C.uncheckpointable_mappings()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Callable, Optional
+from collections.abc import Callable
 
 from flexium.engine import nvml, torch_bridge
 from flexium.engine.distributed.nccl import Communicator
@@ -30,7 +30,7 @@ class OperationContext:
         logical: int,
         identity: IdentityMap,
         safe_points: SafePoints,
-        fast: Optional[FastPath],
+        fast: FastPath | None,
         lock_timeout_ms: int,
     ) -> None:
         self.pid = pid

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 from flexium import _C
 from flexium.engine import nvml, torch_bridge
@@ -92,7 +92,7 @@ def resume_steps(plan: MovePlan) -> Steps:
 
 
 def run(
-    ctx: OperationContext, steps: Steps, *, hold_gil: bool = False, room: Optional[Mapping[str, int]] = None
+    ctx: OperationContext, steps: Steps, *, hold_gil: bool = False, room: Mapping[str, int] | None = None
 ) -> list[_C.StepOutcome]:
     """Runs a locked section; NVML queries go elsewhere and batches wait to be pinned until the
     process runs again. `room`: free bytes each GPU (by UUID) must still have just before the

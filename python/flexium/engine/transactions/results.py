@@ -4,8 +4,8 @@ state from the way its locked section left the process."""
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Optional, Sequence
 
 from flexium import _C
 from flexium.engine.fast.path import FastPath, Staged
@@ -25,7 +25,7 @@ class ResultDraft:
     path: str  # "fast" or "driver"
     logical_device: str
     source: GpuIdentity
-    target: Optional[GpuIdentity]
+    target: GpuIdentity | None
     moved: int
     started: float
     notes: tuple[str, ...] = ()
@@ -35,8 +35,8 @@ class ResultDraft:
         self,
         *,
         ok: bool = False,
-        failed_step: Optional[str] = None,
-        error: Optional[str] = None,
+        failed_step: str | None = None,
+        error: str | None = None,
         notes: tuple[str, ...] = (),
     ) -> OperationResult:
         """The result now, with `notes` after the draft's own."""

@@ -6,15 +6,15 @@ from __future__ import annotations
 import math
 import re
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 from markupsafe import Markup, escape
 
 from flexium import wire
 
 
-def fmt_bytes(n: Optional[int]) -> str:
+def fmt_bytes(n: int | None) -> str:
     if not n:
         return "0 B"
     value = float(n)
@@ -25,7 +25,7 @@ def fmt_bytes(n: Optional[int]) -> str:
     return f"{n} B"
 
 
-def fmt_duration(seconds: Optional[float], precise: bool = True) -> str:
+def fmt_duration(seconds: float | None, precise: bool = True) -> str:
     """``precise``: hundredths under 10 s (how long an operation took); else whole seconds
     (how long a job has run)."""
     if seconds is None or not math.isfinite(seconds):
@@ -45,7 +45,7 @@ def fmt_duration(seconds: Optional[float], precise: bool = True) -> str:
     return f"{d} d {h} h" if h else f"{d} d"
 
 
-def fmt_ago(ts: Optional[float], now: float) -> str:
+def fmt_ago(ts: float | None, now: float) -> str:
     if ts is None:
         return "—"
     age = max(0.0, now - ts)
@@ -62,13 +62,13 @@ def fmt_utc(ts: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(ts))
 
 
-def fmt_rate(per_s: Optional[float]) -> str:
+def fmt_rate(per_s: float | None) -> str:
     if per_s is None:
         return "—"
     return f"{per_s:.2f} steps/s" if per_s < 10 else f"{per_s:.0f} steps/s"
 
 
-def fmt_loss(loss: Optional[float]) -> str:
+def fmt_loss(loss: float | None) -> str:
     return "—" if loss is None else f"{loss:.4g}"
 
 
@@ -89,7 +89,7 @@ def word_breaks(text: str) -> Markup:
     return _WRAP_HERE.join(escape(part) for part in _WORD_BOUNDARY.split(text))
 
 
-def gpu_label(index: Optional[int], uuid: Optional[str]) -> str:
+def gpu_label(index: int | None, uuid: str | None) -> str:
     if index is not None:
         return f"GPU {index}"
     return f"GPU {uuid[:12]}" if uuid else "no GPU"
@@ -115,7 +115,7 @@ def membar(device: wire.DeviceInfo) -> MemoryBar:
     return MemoryBar(flexium=f, other=o, free=max(0, 1000 - f - o))
 
 
-def command_seconds(command: wire.CommandInfo) -> Optional[float]:
+def command_seconds(command: wire.CommandInfo) -> float | None:
     """The operation's own measure when the process sent one, else the server's clock."""
     seconds = command.result.seconds if command.result is not None else None
     if seconds is not None and seconds >= 0:
@@ -125,7 +125,7 @@ def command_seconds(command: wire.CommandInfo) -> Optional[float]:
     return None
 
 
-def sparkline(values: Sequence[Optional[float]], times: Sequence[float], *, since: float, until: float) -> str:
+def sparkline(values: Sequence[float | None], times: Sequence[float], *, since: float, until: float) -> str:
     """SVG polyline points of ``values`` (0..1, None: a gap skipped) over [since, until], in a
     240 x 40 box (the charts' viewBox)."""
     span = max(until - since, 1.0)

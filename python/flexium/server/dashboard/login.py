@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Optional
 from urllib.parse import parse_qs, urlsplit
 
 from fastapi import APIRouter, Request
@@ -23,7 +22,7 @@ router = APIRouter(include_in_schema=False)
 class LoginForm:
     """login.html; ``error``: why the last attempt was refused."""
 
-    error: Optional[str] = None
+    error: str | None = None
 
 
 def cross_site(request: Request) -> bool:

@@ -4,8 +4,6 @@
 
 from __future__ import annotations
 
-from typing import Optional
-
 from flexium import protocol, wire
 
 # Known reasons a process cannot be moved, as the few words shown beside a greyed button. First
@@ -50,7 +48,7 @@ def refusal(process: wire.ProcessInfo, kind: str, actions_refused: str) -> str:
     return "; ".join(caps.problems) or f"This job's driver cannot {kind} (needs {needs})"
 
 
-def job_pause_refusal(job: wire.JobSummary) -> Optional[str]:
+def job_pause_refusal(job: wire.JobSummary) -> str | None:
     """Why the job's Pause button is greyed beyond its ranks' own problems: ranks of an NCCL job
     sharing a GPU (``protocol.nccl_ranks_on_one_gpu``, as the server refuses the pause)."""
     if not any(rank.capabilities.nccl for rank in job.ranks):

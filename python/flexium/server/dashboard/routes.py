@@ -5,7 +5,7 @@ the view's template."""
 from __future__ import annotations
 
 import time
-from typing import Annotated, Optional
+from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, Response
@@ -129,7 +129,7 @@ async def processes_fragment(
     request: Request,
     ctx: Ctx,
     auth: FragmentAuth,
-    ids: Annotated[Optional[list[wire.ProcessId]], Query(alias="id")] = None,
+    ids: Annotated[list[wire.ProcessId] | None, Query(alias="id")] = None,
 ) -> Response:
     """Rows of the processes named by ``id`` (repeated; those gone are left out), else all."""
     view = await ctx.db.call(
@@ -190,7 +190,7 @@ async def devices_fragment(
     request: Request,
     ctx: Ctx,
     auth: FragmentAuth,
-    hosts: Annotated[Optional[list[wire.HostName]], Query(alias="host")] = None,
+    hosts: Annotated[list[wire.HostName] | None, Query(alias="host")] = None,
 ) -> Response:
     """GPU cards of the hosts named by ``host`` (repeated), else of all hosts."""
     view = await ctx.db.call(

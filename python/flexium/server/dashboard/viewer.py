@@ -4,8 +4,9 @@ logged in (``Viewer``)."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Annotated, Awaitable, Callable
+from typing import Annotated
 
 from fastapi import Depends, Request
 from fastapi.responses import RedirectResponse, Response
@@ -59,7 +60,7 @@ class Viewer:
     api_base: str
 
     @classmethod
-    def of(cls, auth: AuthInfo) -> "Viewer":
+    def of(cls, auth: AuthInfo) -> Viewer:
         refused = (
             ""
             if auth.role == protocol.ROLE_ADMIN

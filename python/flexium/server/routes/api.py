@@ -7,7 +7,7 @@ processes by ``require_own_*``."""
 from __future__ import annotations
 
 import time
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 from fastapi import APIRouter, Header, Path, Query, Response
 from fastapi.responses import StreamingResponse
@@ -35,7 +35,7 @@ _NO_NUL = r"^[^\x00]*$"
 ProcessIdPath = Annotated[str, Path(max_length=protocol.MAX_SHORT_TEXT, pattern=protocol.PROCESS_ID_RE.pattern)]
 CommandIdPath = Annotated[int, Path(ge=1, le=2**31 - 1)]
 WaitQuery = Annotated[
-    Optional[float], Query(ge=0, le=protocol.MAX_POLL_TIMEOUT_S, description="seconds to wait (long-poll)")
+    float | None, Query(ge=0, le=protocol.MAX_POLL_TIMEOUT_S, description="seconds to wait (long-poll)")
 ]
 
 
@@ -64,10 +64,10 @@ async def register_process(body: wire.RegisterRequest, auth: Worker, ctx: Ctx, r
 async def list_processes(
     auth: Reader,
     ctx: Ctx,
-    state: Optional[wire.DisplayState] = None,
-    host: Annotated[Optional[str], Query(max_length=protocol.MAX_HOST_LEN, pattern=_NO_NUL)] = None,
+    state: wire.DisplayState | None = None,
+    host: Annotated[str | None, Query(max_length=protocol.MAX_HOST_LEN, pattern=_NO_NUL)] = None,
     gpu: Annotated[
-        Optional[str], Query(max_length=protocol.MAX_SHORT_TEXT, pattern=_NO_NUL, description="GPU UUID")
+        str | None, Query(max_length=protocol.MAX_SHORT_TEXT, pattern=_NO_NUL, description="GPU UUID")
     ] = None,
 ) -> Any:
     return await ctx.db.call(
@@ -169,10 +169,10 @@ async def create_command(body: wire.CommandRequest, auth: Admin, ctx: Ctx) -> An
 async def list_commands(
     auth: Reader,
     ctx: Ctx,
-    process_id: Annotated[Optional[str], Query(max_length=protocol.MAX_SHORT_TEXT, pattern=_NO_NUL)] = None,
-    state: Optional[wire.CommandState] = None,
+    process_id: Annotated[str | None, Query(max_length=protocol.MAX_SHORT_TEXT, pattern=_NO_NUL)] = None,
+    state: wire.CommandState | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    before_id: Annotated[Optional[int], Query(ge=1, le=2**31 - 1)] = None,
+    before_id: Annotated[int | None, Query(ge=1, le=2**31 - 1)] = None,
 ) -> Any:
     return await ctx.db.call(
         storage.list_commands,
@@ -238,7 +238,7 @@ async def list_jobs(auth: Reader, ctx: Ctx) -> Any:
 async def list_devices(
     auth: Reader,
     ctx: Ctx,
-    host: Annotated[Optional[str], Query(max_length=protocol.MAX_HOST_LEN, pattern=_NO_NUL)] = None,
+    host: Annotated[str | None, Query(max_length=protocol.MAX_HOST_LEN, pattern=_NO_NUL)] = None,
 ) -> Any:
     return await ctx.db.call(
         storage.list_devices,
@@ -291,7 +291,7 @@ async def list_audit(
     auth: Reader,
     ctx: Ctx,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    before_id: Annotated[Optional[int], Query(ge=1, le=2**31 - 1)] = None,
+    before_id: Annotated[int | None, Query(ge=1, le=2**31 - 1)] = None,
 ) -> Any:
     return await ctx.db.call(
         storage.list_audit, write=False, workspace_id=auth.workspace_id, limit=limit, before_id=before_id
@@ -305,7 +305,7 @@ async def list_audit(
     summary="Live events (server-sent events); resumes after Last-Event-ID",
 )
 async def events(
-    auth: Reader, ctx: Ctx, last_event_id: Annotated[Optional[str], Header(max_length=32)] = None
+    auth: Reader, ctx: Ctx, last_event_id: Annotated[str | None, Header(max_length=32)] = None
 ) -> StreamingResponse:
     return StreamingResponse(
         services.open_event_stream(ctx, auth=auth, last_event_id=last_event_id),

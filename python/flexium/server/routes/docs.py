@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import importlib.resources
 import logging
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Optional
+from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
@@ -23,7 +24,7 @@ _TITLE = "flexium server API"
 router = APIRouter(include_in_schema=False)
 
 
-def asset_dir() -> Optional[Path]:
+def asset_dir() -> Path | None:
     """Where the Swagger UI and ReDoc files are, None when the package that ships them is missing."""
     try:
         folder = Path(str(importlib.resources.files("fastapi_offline") / "static"))

@@ -11,7 +11,8 @@ created), so a job's page reads its own entries (``command_senders``, ``refused_
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Collection, Optional
+from collections.abc import Collection
+from typing import TYPE_CHECKING
 
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
@@ -34,15 +35,15 @@ def record_audit(
     *,
     session: Session,
     workspace_id: int,
-    actor: Optional["AuthInfo"],
+    actor: AuthInfo | None,
     action: str,
     target: str,
     outcome: str,
     detail: str = "",
     now: float,
     anonymous: str = COMMAND_LINE_ACTOR,
-    process_id: Optional[str] = None,
-    command_id: Optional[int] = None,
+    process_id: str | None = None,
+    command_id: int | None = None,
 ) -> None:
     """``actor`` None: the command line on the database, or the server itself (``anonymous``
     names which)."""
@@ -80,7 +81,7 @@ def _prune(*, session: Session, workspace_id: int) -> None:
 
 
 def list_audit(
-    *, session: Session, workspace_id: int, limit: int = 100, before_id: Optional[int] = None
+    *, session: Session, workspace_id: int, limit: int = 100, before_id: int | None = None
 ) -> list[wire.AuditEntry]:
     """Newest first; ``before_id`` pages back."""
     query = select(AuditRecord).where(AuditRecord.workspace_id == workspace_id)
@@ -159,7 +160,7 @@ def _command_detail(command: wire.CommandInfo) -> str:
 
 
 def record_commands_created(
-    *, session: Session, workspace_id: int, actor: "AuthInfo", commands: list[wire.CommandInfo], now: float
+    *, session: Session, workspace_id: int, actor: AuthInfo, commands: list[wire.CommandInfo], now: float
 ) -> None:
     for command in commands:
         record_audit(
@@ -177,7 +178,7 @@ def record_commands_created(
 
 
 def record_command_refused(
-    *, session: Session, workspace_id: int, actor: "AuthInfo", request: wire.CommandRequest, reason: str, now: float
+    *, session: Session, workspace_id: int, actor: AuthInfo, request: wire.CommandRequest, reason: str, now: float
 ) -> None:
     target = "" if request.target is None else f" to {request.target}"
     if request.gpus:
@@ -196,7 +197,7 @@ def record_command_refused(
 
 
 def record_command_finished(
-    *, session: Session, workspace_id: int, actor: Optional["AuthInfo"], command: wire.CommandInfo, now: float
+    *, session: Session, workspace_id: int, actor: AuthInfo | None, command: wire.CommandInfo, now: float
 ) -> None:
     """A command's end: reported by its process (``actor``), or decided by the server (None:
     expired, or failed because its process went silent)."""

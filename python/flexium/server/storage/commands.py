@@ -17,8 +17,6 @@ poll, so a process may see one command twice and must ignore an id it already ra
 
 from __future__ import annotations
 
-from typing import Optional, Union
-
 from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -44,7 +42,7 @@ from flexium.server.storage.workspaces import AuthInfo
 _RUNNING_STATE = {"migrate": "MIGRATING", "pause": "PAUSING", "resume": "RESUMING"}
 
 
-def _choose_resume_target(*, session: Session, proc: Process, now: float, stale_after: float) -> Optional[Device]:
+def _choose_resume_target(*, session: Session, proc: Process, now: float, stale_after: float) -> Device | None:
     """Resume where it paused when that GPU has room; else the GPU ``target_refusal`` allows
     with the most free memory (another GPU only for a job that can migrate); None lets the
     process resume on its source (no device reports to judge by)."""
@@ -52,7 +50,7 @@ def _choose_resume_target(*, session: Session, proc: Process, now: float, stale_
     if not devices:
         return None
     home = devices.get(proc.gpu_uuid or "")
-    home_refusal: Optional[str] = None
+    home_refusal: str | None = None
     if home is not None:
         home_refusal = target_refusal(proc=proc, dev=home, kind="resume", now=now, stale_after=stale_after)
         if home_refusal is None:
@@ -77,9 +75,9 @@ def create_commands(
     workspace_id: int,
     kind: str,
     process_id: str,
-    target: Union[str, int, None] = None,
-    ranks: Optional[dict[str, Union[str, int]]] = None,
-    gpus: Optional[dict[str, Union[str, int]]] = None,
+    target: str | int | None = None,
+    ranks: dict[str, str | int] | None = None,
+    gpus: dict[str, str | int] | None = None,
     now: float,
     stale_after: float,
 ) -> list[wire.CommandInfo]:
@@ -119,8 +117,8 @@ def create_commands(
         )
     if proc.state == protocol.FAILED:
         raise InvalidState(f"cannot {kind} process {process_id!r}: an earlier rollback failed; restart the job")
-    device: Optional[Device] = None
-    gpu_moves: Optional[dict[str, str]] = None
+    device: Device | None = None
+    gpu_moves: dict[str, str] | None = None
     if kind == "migrate":
         if proc.state != "RUNNING":
             hint = "; resume it with a target instead" if proc.state == "PAUSED" else ""
@@ -175,9 +173,9 @@ def create_commands_audited(
     actor: AuthInfo,
     kind: str,
     process_id: str,
-    target: Union[str, int, None] = None,
-    ranks: Optional[dict[str, Union[str, int]]] = None,
-    gpus: Optional[dict[str, Union[str, int]]] = None,
+    target: str | int | None = None,
+    ranks: dict[str, str | int] | None = None,
+    gpus: dict[str, str | int] | None = None,
     now: float,
     stale_after: float,
 ) -> list[wire.CommandInfo]:
@@ -223,10 +221,10 @@ def list_commands(
     *,
     session: Session,
     workspace_id: int,
-    process_id: Optional[str] = None,
-    state: Optional[str] = None,
+    process_id: str | None = None,
+    state: str | None = None,
     limit: int = 100,
-    before_id: Optional[int] = None,
+    before_id: int | None = None,
 ) -> list[wire.CommandInfo]:
     """Newest first; page with ``before_id`` (the smallest id of the previous page)."""
     query = (
@@ -244,7 +242,7 @@ def list_commands(
     return [command_view(cmd, pid) for cmd, pid in rows]
 
 
-def peek_command(*, session: Session, workspace_id: int, process_id: str) -> tuple[str, Optional[int]]:
+def peek_command(*, session: Session, workspace_id: int, process_id: str) -> tuple[str, int | None]:
     """(the process's host, the id of the command a long-poll would hand out) without writing
     (most polls find none, and a read does not queue behind SQLite's one writer)."""
     row = session.execute(_PEEK, {"ws": workspace_id, "pid": process_id}).first()
@@ -279,7 +277,7 @@ def pending_commands(*, session: Session) -> list[tuple[int, str, int]]:
 
 def next_command(
     *, session: Session, workspace_id: int, process_id: str, now: float
-) -> tuple[Optional[wire.CommandInfo], bool]:
+) -> tuple[wire.CommandInfo | None, bool]:
     """The command a long-poll hands out, marked delivered, in one statement; (command or
     None, whether this is its first delivery). None also when the process is unknown: the
     route's ``peek_command`` tells those apart."""
@@ -317,7 +315,7 @@ _DELIVER = (
 
 def report_command(
     *, session: Session, workspace_id: int, command_id: int, report: wire.CommandReport, now: float, stale_after: float
-) -> tuple[wire.CommandInfo, Optional[wire.ProcessInfo], bool]:
+) -> tuple[wire.CommandInfo, wire.ProcessInfo | None, bool]:
     """Apply a process's report; returns (command, process after it, changed).
 
     Repeating a report is harmless (the client retries until the server answers). A report
@@ -378,7 +376,7 @@ def report_command_audited(
     report: wire.CommandReport,
     now: float,
     stale_after: float,
-) -> tuple[wire.CommandInfo, Optional[wire.ProcessInfo], bool]:
+) -> tuple[wire.CommandInfo, wire.ProcessInfo | None, bool]:
     """``report_command``, and the command's outcome in the audit log when this report ended it."""
     command, process, changed = report_command(
         session=session,

@@ -4,7 +4,8 @@ reports, so the dashboard can tell ours from others'."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 from sqlalchemy import select
 from sqlalchemy.dialects.postgresql import insert as pg_insert
@@ -102,7 +103,7 @@ def list_devices(
     return wire.DevicesResponse(hosts=list(hosts.values()))
 
 
-def held_by_gpu(gpu_uuid: Optional[str], memory_bytes: int, gpu_bytes: Optional[dict[str, int]]) -> dict[str, int]:
+def held_by_gpu(gpu_uuid: str | None, memory_bytes: int, gpu_bytes: dict[str, int] | None) -> dict[str, int]:
     """What a process holds on each GPU: for a process on several, its own report by GPU; else
     (one GPU, an older client, a report from before it moved off those GPUs) all of its memory,
     as of its last heartbeat, on the GPU it is on."""
@@ -118,7 +119,7 @@ def host_devices(*, session: Session, workspace_id: int, host: str) -> dict[str,
     }
 
 
-def device_indexes(*, session: Session, workspace_id: int, host: Optional[str] = None) -> dict[str, Optional[int]]:
+def device_indexes(*, session: Session, workspace_id: int, host: str | None = None) -> dict[str, int | None]:
     """GPU UUID -> nvidia-smi index on its host (of ``host`` only, when given), for showing a
     GPU that processes and commands name by UUID only. A UUID names one GPU, so one map
     serves every host of a workspace."""

@@ -4,8 +4,8 @@ reports the server writes anyway (``upsert_devices``), so history costs no extra
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable, Optional
 
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
@@ -22,7 +22,7 @@ class Sample:
     at: float
     memory_used: int
     memory_total: int
-    utilization: Optional[int]
+    utilization: int | None
 
 
 def record_samples(
@@ -65,7 +65,7 @@ def record_samples(
 
 
 def gpu_history(
-    *, session: Session, workspace_id: int, since: float, host: Optional[str] = None
+    *, session: Session, workspace_id: int, since: float, host: str | None = None
 ) -> dict[tuple[str, str], list[Sample]]:
     """(host, GPU UUID) -> its samples since ``since``, oldest first."""
     query = select(GpuSample).where(GpuSample.workspace_id == workspace_id, GpuSample.at >= since)

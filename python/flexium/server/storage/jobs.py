@@ -13,8 +13,6 @@ the operation's other ranks take off it (a swap)."""
 
 from __future__ import annotations
 
-from typing import Optional, Union
-
 from sqlalchemy import select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
@@ -36,7 +34,7 @@ from flexium.server.storage.processes import active_command, list_processes
 from flexium.server.storage.targets import check_target, require_capability, resolve_target, target_refusal
 from flexium.server.storage.views import command_view, is_stale, stored_capabilities
 
-Target = Union[str, int]
+Target = str | int
 
 
 def is_job_rank(proc: Process) -> bool:
@@ -50,8 +48,8 @@ def create_job_commands(
     workspace_id: int,
     addressed: Process,
     kind: str,
-    target: Optional[Target],
-    ranks: Optional[dict[str, Target]],
+    target: Target | None,
+    ranks: dict[str, Target] | None,
     now: float,
     stale_after: float,
 ) -> list[wire.CommandInfo]:
@@ -315,7 +313,7 @@ def _check_placement(
 def operation_view(row: JobOperation, commands: list[wire.CommandInfo]) -> wire.JobOperationInfo:
     commands = sorted(commands, key=lambda c: c.job.rank if c.job is not None else 0)
     states = [c.state for c in commands]
-    finished_at: Optional[float] = None
+    finished_at: float | None = None
     if any(s in protocol.ACTIVE_COMMAND_STATES for s in states):
         state = "queued" if all(s == "queued" for s in states) else "running"
     else:

@@ -4,7 +4,7 @@ network cut), heartbeat, unregister, read."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Optional, Union
+from typing import Any
 
 from sqlalchemy import bindparam, case, func, or_, select, update
 from sqlalchemy.orm import Session
@@ -43,16 +43,16 @@ class Progress:
     """A process's training progress as stored (``Process.steps`` ...); all None until it
     reports steps."""
 
-    steps: Optional[int] = None
-    steps_at: Optional[float] = None
-    steps_per_s: Optional[float] = None
-    loss: Optional[float] = None
+    steps: int | None = None
+    steps_at: float | None = None
+    steps_per_s: float | None = None
+    loss: float | None = None
 
     @classmethod
-    def of(cls, row: Process) -> "Progress":
+    def of(cls, row: Process) -> Progress:
         return cls(steps=row.steps, steps_at=row.steps_at, steps_per_s=row.steps_per_s, loss=row.loss)
 
-    def after(self, *, steps: Optional[int], loss: Optional[float], now: float) -> "Progress":
+    def after(self, *, steps: int | None, loss: float | None, now: float) -> Progress:
         """The progress once a body saying ``steps`` and ``loss`` (None: not said) arrives.
         steps/s is measured between two reports of steps: a count that went back (a new
         process under the same id) or no time between them starts it afresh."""
@@ -85,13 +85,13 @@ class ProcessSnapshot:
     state: str
     memory_bytes: int
     footprint_bytes: int
-    gpu_uuid: Optional[str]
+    gpu_uuid: str | None
     last_seen: float
-    token_id: Optional[int] = None  # the token that registered it (a job token acts on its own alone)
+    token_id: int | None = None  # the token that registered it (a job token acts on its own alone)
     progress: Progress = Progress()
 
     @classmethod
-    def of(cls, row: Process) -> "ProcessSnapshot":
+    def of(cls, row: Process) -> ProcessSnapshot:
         return cls(
             pk=row.pk,
             host=row.host,
@@ -122,8 +122,8 @@ class ProcessSnapshot:
 @dataclass(frozen=True)
 class HeartbeatOutcome:
     host: str
-    pending_command: Optional[int]
-    changed: Optional[wire.ProcessInfo]  # the process, when a watched field changed
+    pending_command: int | None
+    changed: wire.ProcessInfo | None  # the process, when a watched field changed
     snapshot: ProcessSnapshot
     devices_written: bool = False  # its GPU report was stored (not when older than what is known)
 
@@ -138,7 +138,7 @@ def find_process(*, session: Session, workspace_id: int, process_id: str, for_up
     return row
 
 
-def active_command(*, session: Session, process_pk: int) -> Optional[Command]:
+def active_command(*, session: Session, process_pk: int) -> Command | None:
     return session.scalar(
         select(Command)
         .where(Command.process_pk == process_pk, Command.state.in_(protocol.ACTIVE_COMMAND_STATES))
@@ -147,14 +147,14 @@ def active_command(*, session: Session, process_pk: int) -> Optional[Command]:
     )
 
 
-def _apply_footprint(row: Process, *, footprint: Optional[int]) -> None:
+def _apply_footprint(row: Process, *, footprint: int | None) -> None:
     if footprint is not None:
         row.footprint_bytes = footprint
     elif row.memory_bytes:
         row.footprint_bytes = row.memory_bytes
 
 
-def apply_process_update(row: Process, update: Union[wire.ProcessUpdate, wire.HeartbeatRequest]) -> None:
+def apply_process_update(row: Process, update: wire.ProcessUpdate | wire.HeartbeatRequest) -> None:
     """The one writer of what a process says of its state and location after it registered
     (heartbeats, command reports): a field it states is taken, None only where None means
     "none" (a gpu_uuid of None: no engine, no GPU of its own)."""
@@ -166,7 +166,7 @@ def apply_process_update(row: Process, update: Union[wire.ProcessUpdate, wire.He
 
 
 def shown_process(
-    *, session: Session, row: Process, now: float, stale_after: float, active: Optional[Command]
+    *, session: Session, row: Process, now: float, stale_after: float, active: Command | None
 ) -> wire.ProcessInfo:
     """One process as the API shows it, its GPU's index read from its host's device reports."""
     indexes = device_indexes(session=session, workspace_id=row.workspace_id, host=row.host)
@@ -189,7 +189,7 @@ def register_process_snapshot(
     report: wire.RegisterRequest,
     now: float,
     stale_after: float,
-    token_id: Optional[int] = None,
+    token_id: int | None = None,
     own_only: bool = False,
 ) -> tuple[wire.ProcessInfo, bool, ProcessSnapshot]:
     """Create or refresh a process from its registration (every field is replaced; missing
@@ -244,7 +244,7 @@ def _apply_held_by_gpu(row: Process, devices: list[wire.GpuReport]) -> None:
         row.gpu_bytes = held
 
 
-def _set_job(row: Process, job: Optional[wire.JobMembership]) -> None:
+def _set_job(row: Process, job: wire.JobMembership | None) -> None:
     """A registration says the whole of the process's job membership: None clears it."""
     row.job_key = job.key if job else None
     row.job_rank = job.rank if job else None
@@ -254,7 +254,7 @@ def _set_job(row: Process, job: Optional[wire.JobMembership]) -> None:
     row.job_node_rank = job.node_rank if job else None
 
 
-def process_owner(*, session: Session, workspace_id: int, process_id: str) -> tuple[bool, Optional[int]]:
+def process_owner(*, session: Session, workspace_id: int, process_id: str) -> tuple[bool, int | None]:
     """(whether the process exists, the token that registered it)."""
     found = session.execute(
         select(Process.token_id).where(Process.workspace_id == workspace_id, Process.process_id == process_id)
@@ -268,7 +268,7 @@ def load_snapshots(*, session: Session) -> list[tuple[int, str, ProcessSnapshot]
     return [(row.workspace_id, row.process_id, ProcessSnapshot.of(row)) for row in session.scalars(select(Process))]
 
 
-def is_older(seq: Optional[int], applied: Optional[int]) -> bool:
+def is_older(seq: int | None, applied: int | None) -> bool:
     """True when a body numbered ``seq`` was built before the last applied one (bodies
     without a number are never older: clients that send none keep working)."""
     return seq is not None and applied is not None and seq < applied
@@ -337,7 +337,7 @@ def heartbeat(
     )
 
 
-def record_beats(*, session: Session, beats: dict[int, float], progress: Optional[dict[int, Progress]] = None) -> int:
+def record_beats(*, session: Session, beats: dict[int, float], progress: dict[int, Progress] | None = None) -> int:
     """Write buffered plain heartbeats (process pk -> time) in one statement, and the progress
     they carried (process pk -> progress) in another. Never moves last_seen backwards (a
     heartbeat written directly may be newer)."""
@@ -402,10 +402,10 @@ def list_processes(
     workspace_id: int,
     now: float,
     stale_after: float,
-    state: Optional[str] = None,
-    host: Optional[str] = None,
-    gpu: Optional[str] = None,
-    job_key: Optional[str] = None,
+    state: str | None = None,
+    host: str | None = None,
+    gpu: str | None = None,
+    job_key: str | None = None,
 ) -> list[wire.ProcessInfo]:
     """Every process of the workspace, oldest first; ``state`` filters on the shown state
     (STALE included), ``gpu`` on the GPU UUID, ``job_key`` on the job's key (its ranks)."""

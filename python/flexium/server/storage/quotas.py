@@ -30,7 +30,7 @@ class Quotas:
     max_payload_bytes: int = Settings.max_payload_bytes
 
     @classmethod
-    def of(cls, settings: Settings) -> "Quotas":
+    def of(cls, settings: Settings) -> Quotas:
         return cls(
             max_processes=settings.max_processes,
             max_tokens=settings.max_tokens,

@@ -13,7 +13,6 @@ opens nothing later."""
 from __future__ import annotations
 
 import secrets
-from typing import Optional
 
 from sqlalchemy import ColumnElement, delete, or_, select, update
 from sqlalchemy.orm import Session
@@ -66,7 +65,7 @@ def open_session(*, session: Session, auth: AuthInfo, how: str, now: float) -> t
     )
 
 
-def session_auth(*, session: Session, secret: str, now: float) -> tuple[Optional[AuthInfo], bool]:
+def session_auth(*, session: Session, secret: str, now: float) -> tuple[AuthInfo | None, bool]:
     """(who a session cookie stands for, whether its last use is due to be written:
     ``touch_session``); None when it is unknown, expired or its token revoked (expired rows go
     at the next login)."""
@@ -95,7 +94,7 @@ def touch_session(*, session: Session, session_id: int, now: float) -> None:
     session.execute(update(DashboardSession).where(DashboardSession.id == session_id).values(last_used=now))
 
 
-def end_session(*, session: Session, secret: str, now: float) -> Optional[AuthInfo]:
+def end_session(*, session: Session, secret: str, now: float) -> AuthInfo | None:
     """Logout: the session is deleted; who it was (None: no such session)."""
     auth, _touch = session_auth(session=session, secret=secret, now=now)
     if auth is None:
@@ -129,7 +128,7 @@ def login_code_for(*, session: Session, token: str, now: float) -> str:
     return issue_login_code(session=session, token_id=auth.token_id, now=now)
 
 
-def redeem_login_code(*, session: Session, code: str, now: float) -> Optional[AuthInfo]:
+def redeem_login_code(*, session: Session, code: str, now: float) -> AuthInfo | None:
     """The token a login code stands for, once: the code is deleted whatever the outcome.
     None when it is unknown, used, expired or its token revoked."""
     row = session.scalar(select(LoginCode).where(LoginCode.code_hash == hash_token(code)).with_for_update())

@@ -5,7 +5,7 @@ Single commands and job operations both judge by these."""
 
 from __future__ import annotations
 
-from typing import Iterable, Optional, Union
+from collections.abc import Iterable
 
 from sqlalchemy.orm import Session
 
@@ -44,7 +44,7 @@ def _by_index(devices: Iterable[Device], index: int, host: str) -> Device:
     raise TargetRefused(f"host {host!r} reported no GPU with index {index}")
 
 
-def resolve_target(*, session: Session, proc: Process, target: Union[str, int]) -> Device:
+def resolve_target(*, session: Session, proc: Process, target: str | int) -> Device:
     """The one reading of a person's target text (the CLI's help and ``wire.CommandRequest``
     say the same; ``protocol.read_target`` reads its syntax): ``cuda:N`` is entry N of the
     process's ``visible_gpus`` (the job's own CUDA numbering, as it registered), a bare integer
@@ -98,8 +98,8 @@ def target_refusal(
     now: float,
     stale_after: float,
     freed: int = 0,
-    source: Optional[str] = None,
-) -> Optional[str]:
+    source: str | None = None,
+) -> str | None:
     """Why GPU ``dev`` cannot take ``proc`` for a ``kind`` command, in a few words; None when
     it can. The one statement of the target rules: command creation raises it, the resume
     choice picks by it, the dashboard's dialog and ``GET .../targets`` show it. ``freed``: the
@@ -136,7 +136,7 @@ def target_refusal(
 
 
 def resolve_gpu_moves(
-    *, session: Session, proc: Process, gpus: dict[str, Union[str, int]], now: float, stale_after: float
+    *, session: Session, proc: Process, gpus: dict[str, str | int], now: float, stale_after: float
 ) -> dict[str, Device]:
     """A migrate of a process on several GPUs named GPU by GPU, resolved (UUID now -> the GPU it
     goes to) and checked move by move as the target rules check one device's share."""
@@ -170,7 +170,7 @@ def check_target(
     now: float,
     stale_after: float,
     freed: int = 0,
-    source: Optional[str] = None,
+    source: str | None = None,
 ) -> None:
     reason = target_refusal(proc=proc, dev=dev, kind=kind, now=now, stale_after=stale_after, freed=freed, source=source)
     if reason == _RESUME_ELSEWHERE:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import Mapping, Optional
+from collections.abc import Mapping
 
 from pydantic import ValidationError
 
@@ -14,7 +14,7 @@ from flexium.server.storage.devices import held_by_gpu
 log = logging.getLogger("flexium.server")
 
 
-def stored_result(row: Command) -> Optional[wire.OperationReport]:
+def stored_result(row: Command) -> wire.OperationReport | None:
     """The command's result as stored. A row from an older server kept what its client sent,
     any keys: they read through the model's leniency, and one that does not read at all is
     shown as no result rather than failing every page that lists the command."""
@@ -69,8 +69,8 @@ def process_view(
     *,
     now: float,
     stale_after: float,
-    gpu_indexes: Mapping[str, Optional[int]],
-    active: Optional[Command] = None,
+    gpu_indexes: Mapping[str, int | None],
+    active: Command | None = None,
 ) -> wire.ProcessInfo:
     """``gpu_indexes``: GPU UUID -> nvidia-smi index from the device reports (``device_indexes``).
     The row holds one fact of where the process is, ``gpu_uuid``; how it is shown comes from it."""
@@ -114,7 +114,7 @@ def process_view(
     )
 
 
-def job_view(row: Process) -> Optional[wire.JobInfo]:
+def job_view(row: Process) -> wire.JobInfo | None:
     if row.job_key is None or row.job_rank is None or row.job_world_size is None:
         return None
     return wire.JobInfo(

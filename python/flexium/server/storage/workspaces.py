@@ -12,7 +12,7 @@ from __future__ import annotations
 import hashlib
 import secrets
 from dataclasses import dataclass
-from typing import Optional, cast
+from typing import cast
 
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
@@ -34,7 +34,7 @@ class AuthInfo:
     token_id: int
     role: str  # no default: what a caller may do is always read from its token
     token_name: str = ""
-    session_id: Optional[int] = None
+    session_id: int | None = None
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def create_workspace(
     return _workspace_record(row), created.token
 
 
-def ensure_default_workspace(*, session: Session, now: float) -> Optional[str]:
+def ensure_default_workspace(*, session: Session, now: float) -> str | None:
     """On a database with no workspace at all, create ``default``; returns its token, or None
     when there was nothing to do."""
     if session.scalar(select(func.count()).select_from(Workspace)):
@@ -142,7 +142,7 @@ def issue_token(
     workspace_id: int,
     name: str = "",
     role: str = protocol.DEFAULT_ISSUED_ROLE,
-    minted_by: Optional[AuthInfo] = None,
+    minted_by: AuthInfo | None = None,
     now: float,
 ) -> wire.TokenCreated:
     """The new token in clear (``.token``) is in this answer only: only its hash is kept.
@@ -190,9 +190,9 @@ def revoke_token(
     *,
     session: Session,
     workspace_id: int,
-    token_id: Optional[int] = None,
-    token: Optional[str] = None,
-    revoked_by: Optional[AuthInfo] = None,
+    token_id: int | None = None,
+    token: str | None = None,
+    revoked_by: AuthInfo | None = None,
     now: float,
 ) -> wire.TokenRevoked:
     """Revoke by id or by the token itself, and with it every token it minted, transitively
@@ -244,7 +244,7 @@ def revoke_token(
     return wire.TokenRevoked(**_token_info(row).model_dump(), cascade=[t.id for t in cascade])
 
 
-def authenticate(*, session: Session, token: str) -> Optional[AuthInfo]:
+def authenticate(*, session: Session, token: str) -> AuthInfo | None:
     row = session.execute(
         select(Token.id, Token.workspace_id, Token.role, Token.name, Workspace.name.label("workspace"))
         .join(Workspace, Workspace.id == Token.workspace_id)

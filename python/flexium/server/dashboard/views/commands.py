@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from sqlalchemy.orm import Session
 
@@ -18,7 +17,7 @@ class RecentCommands:
     """fragments/commands.html."""
 
     now: float
-    gpu_indexes: dict[str, Optional[int]]
+    gpu_indexes: dict[str, int | None]
     commands: tuple[wire.CommandInfo, ...]
 
 

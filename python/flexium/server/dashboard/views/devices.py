@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 from sqlalchemy.orm import Session
 
@@ -22,7 +22,7 @@ class HistoryChart:
     utilization: str
     samples: int
     peak_memory: int
-    peak_util: Optional[int]
+    peak_util: int | None
     span: str
 
 
@@ -44,7 +44,7 @@ def history_chart(samples: Sequence[storage.Sample], now: float) -> HistoryChart
 
 
 def hosts_of(
-    *, session: Session, workspace_id: int, now: float, stale_after: float, hosts: Optional[Sequence[str]] = None
+    *, session: Session, workspace_id: int, now: float, stale_after: float, hosts: Sequence[str] | None = None
 ) -> tuple[wire.HostInfo, ...]:
     """The hosts named (those that report no GPU left out), else every host."""
     if hosts is None:
@@ -61,7 +61,7 @@ def hosts_of(
 
 
 def charts_of(
-    *, session: Session, workspace_id: int, now: float, hosts: Optional[Sequence[str]] = None
+    *, session: Session, workspace_id: int, now: float, hosts: Sequence[str] | None = None
 ) -> dict[GpuKey, HistoryChart]:
     """The history chart of every GPU of the hosts named, else of every host."""
     since = now - storage.HISTORY_KEEP_S
@@ -81,7 +81,7 @@ class HostCards:
 
 
 def host_cards(
-    *, session: Session, workspace_id: int, now: float, stale_after: float, hosts: Optional[Sequence[str]] = None
+    *, session: Session, workspace_id: int, now: float, stale_after: float, hosts: Sequence[str] | None = None
 ) -> HostCards:
     return HostCards(
         now=now,

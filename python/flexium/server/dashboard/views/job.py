@@ -5,8 +5,9 @@ from the audit entries that name its processes (``storage.command_senders``,
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import ClassVar, Optional, Sequence, Union
+from typing import ClassVar
 
 from sqlalchemy.orm import Session
 
@@ -24,7 +25,7 @@ class SentCommand:
 
     refused: ClassVar[bool] = False
     command: wire.CommandInfo
-    sent_by: Optional[str]
+    sent_by: str | None
 
     @property
     def at(self) -> float:
@@ -39,14 +40,14 @@ class RefusedCommand:
     refused: ClassVar[bool] = True
     entry: wire.AuditEntry
     kind: str
-    to: Optional[str]
+    to: str | None
 
     @property
     def at(self) -> float:
         return self.entry.at
 
 
-TimelineItem = Union[SentCommand, RefusedCommand]
+TimelineItem = SentCommand | RefusedCommand
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class JobProgress:
 
     now: float
     process: wire.ProcessInfo
-    job: Optional[wire.JobSummary]
+    job: wire.JobSummary | None
     ranks: tuple[wire.ProcessInfo, ...]
 
 
@@ -83,9 +84,9 @@ class JobPage:
 
     now: float
     process: wire.ProcessInfo  # the one the page is for
-    job: Optional[wire.JobSummary]
+    job: wire.JobSummary | None
     ranks: tuple[wire.ProcessInfo, ...]  # the job's ranks, or the process alone
-    gpu_indexes: dict[str, Optional[int]]
+    gpu_indexes: dict[str, int | None]
     hosts: tuple[wire.HostInfo, ...]  # its ranks' hosts
     history: dict[GpuKey, HistoryChart]
     timeline: tuple[TimelineItem, ...]
@@ -129,7 +130,7 @@ def timeline(*, session: Session, workspace_id: int, process_ids: Sequence[str])
     return tuple(sorted(items, key=lambda item: item.at, reverse=True))
 
 
-def _sender(entry: Optional[wire.AuditEntry]) -> Optional[str]:
+def _sender(entry: wire.AuditEntry | None) -> str | None:
     if entry is None:
         return None
     return entry.token_name or f"token {entry.token_id}"

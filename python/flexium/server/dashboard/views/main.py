@@ -3,8 +3,8 @@ commands, read in one transaction so the parts agree with each other."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from sqlalchemy.orm import Session
 

@@ -3,8 +3,8 @@ ranks with its ranks under it, and each process's last finished command."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 from sqlalchemy.orm import Session
 
@@ -22,8 +22,8 @@ _COMMAND_SCAN_ONE = 20
 class TableEntry:
     """A row of the table: a job of several ranks (its ranks rendered under it), else a process."""
 
-    process: Optional[wire.ProcessInfo] = None
-    job: Optional[wire.JobSummary] = None
+    process: wire.ProcessInfo | None = None
+    job: wire.JobSummary | None = None
 
     @property
     def state(self) -> str:
@@ -58,7 +58,7 @@ class ProcessRows:
     """fragments/rows.html: rows of the table, and what they show of GPUs and commands."""
 
     now: float
-    gpu_indexes: dict[str, Optional[int]]
+    gpu_indexes: dict[str, int | None]
     entries: tuple[TableEntry, ...]
     last: dict[str, wire.CommandInfo]
 
@@ -69,7 +69,7 @@ def process_rows(
     workspace_id: int,
     now: float,
     stale_after: float,
-    process_ids: Optional[Sequence[str]] = None,
+    process_ids: Sequence[str] | None = None,
 ) -> ProcessRows:
     """Rows of the processes named (those gone are left out), else of every process."""
     if process_ids is None:

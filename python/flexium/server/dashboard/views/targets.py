@@ -5,7 +5,6 @@ each of its GPUs; for a job of several ranks, a GPU for each rank."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
 
 from sqlalchemy.orm import Session
 
@@ -23,7 +22,7 @@ class TargetForm:
     kind: str
     fits: tuple[wire.DeviceInfo, ...]
     refused: tuple[wire.TargetInfo, ...]  # each with why not
-    gpu_indexes: dict[str, Optional[int]]
+    gpu_indexes: dict[str, int | None]
 
 
 @dataclass(frozen=True)
@@ -41,12 +40,12 @@ class GpusForm:
 
     process: wire.ProcessInfo
     gpu_targets: tuple[ShareTarget, ...]
-    gpu_indexes: dict[str, Optional[int]]
+    gpu_indexes: dict[str, int | None]
 
 
 def target_form(
     *, session: Session, workspace_id: int, process_id: str, kind: str, now: float, stale_after: float
-) -> Union[TargetForm, GpusForm, None]:
+) -> TargetForm | GpusForm | None:
     """None: the process is gone."""
     try:
         process = storage.get_process(
@@ -89,12 +88,12 @@ class JobMigrateForm:
 
     job: wire.JobSummary
     rank_targets: tuple[RankTarget, ...]
-    gpu_indexes: dict[str, Optional[int]]
+    gpu_indexes: dict[str, int | None]
 
 
 def job_migrate_form(
     *, session: Session, workspace_id: int, job_key: str, now: float, stale_after: float
-) -> Optional[JobMigrateForm]:
+) -> JobMigrateForm | None:
     """None: no job of several ranks has this key."""
     ranks = storage.list_processes(
         session=session, workspace_id=workspace_id, now=now, stale_after=stale_after, job_key=job_key

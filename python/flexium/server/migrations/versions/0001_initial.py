@@ -5,6 +5,8 @@ Revises:
 Create Date: 2026-11-30
 """
 
+from typing import Any
+
 import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import postgresql
@@ -19,7 +21,7 @@ HOST = 255
 ACTIVE_SQL = "state IN ('queued', 'delivered', 'running')"
 
 
-def _json() -> sa.types.TypeEngine:
+def _json() -> sa.types.TypeEngine[Any]:
     return sa.JSON().with_variant(postgresql.JSONB(), "postgresql")
 
 

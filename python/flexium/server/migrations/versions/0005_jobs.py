@@ -5,6 +5,8 @@ Revises: 0004
 Create Date: 2026-12-01
 """
 
+from typing import Any
+
 import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.dialects import postgresql
@@ -19,7 +21,7 @@ _ACTIVE = "state IN ('queued', 'delivered', 'running')"
 _JOB_COLUMNS = ("job_key", "job_rank", "job_world_size", "job_local_rank", "job_local_world_size", "job_node_rank")
 
 
-def _json() -> sa.types.TypeEngine:
+def _json() -> sa.types.TypeEngine[Any]:
     return sa.JSON().with_variant(postgresql.JSONB(), "postgresql")
 
 
