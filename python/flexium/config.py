@@ -122,7 +122,7 @@ class _Raw:
 
 
 _HOST_RE = re.compile(r"^[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?(\.[A-Za-z0-9_]([A-Za-z0-9_-]*[A-Za-z0-9_])?)*$")
-_DEVICE_RE = re.compile(r"^cuda:(-?\d+)$")
+_DEVICE_RE = re.compile(r"^(?:cuda:)?(-?\d+)$")
 _TOKEN_RE = re.compile(r"^[\x21-\x7e]+$")  # sent in an HTTP header: printable ASCII, no blanks
 
 
@@ -175,11 +175,14 @@ def parse_server_address(text: str, *, where: str = "") -> ServerAddress:
 
 
 def validate_device(value: Any, *, where: str = "") -> str:
-    """Return the canonical form of a device string: "cuda:N" (N >= 0) or "cpu"."""
+    """Return the canonical form of a device: "cuda:N" (N >= 0) or "cpu". A bare index N (as
+    torch.cuda.set_device takes it, or `GPU_DEVICE=0`) means cuda:N."""
     origin = f" {where}" if where else ""
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.device):
         value = str(value)
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return f"cuda:{value}"
     if not isinstance(value, str):
         raise ConfigError(
             f"device{origin} must be a string like 'cuda:0' or 'cpu', not {value!r} ({type(value).__name__})"
@@ -192,7 +195,7 @@ def validate_device(value: Any, *, where: str = "") -> str:
         return f"cuda:{int(match.group(1))}"
     hint = " (name the GPU: 'cuda:0')" if text == "cuda" else ""
     raise ConfigError(
-        f"device {value!r}{origin} is not valid{hint}; expected 'cuda:N' with N >= 0 (e.g. 'cuda:1') or 'cpu'"
+        f"device {value!r}{origin} is not valid{hint}; expected 'cuda:N' or N with N >= 0 (e.g. 'cuda:1' or 1) or 'cpu'"
     )
 
 

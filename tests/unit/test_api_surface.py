@@ -169,6 +169,20 @@ def test_the_device_comes_from_gpu_device_or_the_parameter(clean: FakeDriver, mo
     assert flexium.auto.get_device() == "cuda:0"
 
 
+def test_a_device_choice_never_ends_the_job(
+    clean: FakeDriver, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """GPU_DEVICE=1 is cuda:1; a GPU this process does not see trains on cuda:0 with a warning."""
+    monkeypatch.setenv("GPU_DEVICE", "1")
+    flexium.init()
+    assert flexium.auto.get_device() == "cuda:1" and engine().logical_device == "cuda:1"
+    flexium.shutdown()
+    monkeypatch.setenv("GPU_DEVICE", "cuda:5")
+    flexium.init()
+    assert flexium.auto.get_device() == "cuda:0" and engine().logical_device == "cuda:0"
+    assert "device cuda:5 (from environment variable GPU_DEVICE) does not exist: this process sees 2 GPUs" in capsys.readouterr().err
+
+
 def test_get_device_without_init_uses_the_configuration(clean: FakeDriver, monkeypatch: pytest.MonkeyPatch) -> None:
     assert flexium.auto.get_device() == "cuda:0"
     monkeypatch.setenv("GPU_DEVICE", "cuda:1")

@@ -248,15 +248,24 @@ def test_empty_server_parameter_is_an_error(home: Path) -> None:
 
 @pytest.mark.parametrize(
     ("text", "canonical"),
-    [("cuda:0", "cuda:0"), ("cuda:7", "cuda:7"), (" CUDA:01 ", "cuda:1"), ("cpu", "cpu"), ("CPU", "cpu")],
+    [
+        ("cuda:0", "cuda:0"),
+        ("cuda:7", "cuda:7"),
+        (" CUDA:01 ", "cuda:1"),
+        ("cpu", "cpu"),
+        ("CPU", "cpu"),
+        ("0", "cuda:0"),  # GPU_DEVICE=0: a bare index, as torch.cuda.set_device takes it
+        (" 3 ", "cuda:3"),
+        (2, "cuda:2"),  # `device: 2` in .flexiumrc
+    ],
 )
-def test_validate_device(text: str, canonical: str) -> None:
+def test_validate_device(text: str | int, canonical: str) -> None:
     assert validate_device(text) == canonical
 
 
-@pytest.mark.parametrize("text", ["cuda", "cuda:-1", "gpu:0", "cuda:x", "0", "", "mps"])
+@pytest.mark.parametrize("text", ["cuda", "cuda:-1", "gpu:0", "cuda:x", "-1", "", "mps"])
 def test_validate_device_rejects(text: str) -> None:
-    with pytest.raises(ConfigError, match=r"expected 'cuda:N' with N >= 0 \(e.g. 'cuda:1'\) or 'cpu'"):
+    with pytest.raises(ConfigError, match=r"expected 'cuda:N' or N with N >= 0 \(e.g. 'cuda:1' or 1\) or 'cpu'"):
         validate_device(text)
 
 
@@ -277,8 +286,8 @@ def test_bad_device_from_env_names_the_variable(home: Path, monkeypatch: pytest.
 
 
 def test_device_wrong_type_parameter(home: Path) -> None:
-    with pytest.raises(ConfigError, match=r"must be a string like 'cuda:0' or 'cpu', not 1 \(int\)"):
-        load_config(device=1)  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"must be a string like 'cuda:0' or 'cpu', not 1.5 \(float\)"):
+        load_config(device=1.5)  # type: ignore[arg-type]
 
 
 def test_bad_log_level(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -330,12 +339,14 @@ def test_top_level_must_be_a_mapping(home: Path, text: str, kind: str) -> None:
 
 
 def test_wrong_value_type_in_rc_names_file_line_and_key(home: Path) -> None:
-    rc = write_rc(home, "server: host/ws\ndevice: 0\n")
+    rc = write_rc(home, "server: host/ws\ndevice: [0]\n")
     with pytest.raises(ConfigError) as info:
         load_config()
     message = str(info.value)
     assert f"(from {rc}, line 2, key 'device')" in message
-    assert "not 0 (int)" in message
+    assert "not [0] (list)" in message
+    write_rc(home, "device: 1\n")  # a bare index is cuda:N
+    assert load_config().device == "cuda:1"
 
 
 def test_numeric_token_in_rc_says_quote_it(home: Path) -> None:

@@ -10,9 +10,16 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from flexium.config import FlexiumConfig, load_config, print_local_mode_warning, resolve_device
+from flexium.config import (
+    ENV_DEVICE,
+    SOURCE_DEFAULT,
+    SOURCE_PARAMETER,
+    FlexiumConfig,
+    load_config,
+    print_local_mode_warning,
+    resolve_device,
+)
 from flexium.engine.capabilities import Capabilities, detect
-from flexium.errors import ConfigError
 
 if TYPE_CHECKING:  # imported when used: they load the native extension, torch or an HTTP client
     from flexium.client.process import ProcessClient
@@ -95,7 +102,7 @@ def _start(config: FlexiumConfig) -> Runtime:
     _prepare_job_environment()
     for problem in capabilities.problems:
         log.warning("migration and pause are limited: %s", problem)
-    logical_device = _claim_device(config.device, capabilities)
+    logical_device = _claim_device(config, capabilities)
     runtime = Runtime(config=config, process_id=_process_id, logical_device=logical_device, capabilities=capabilities)
     runtime.memory_pool = _start_memory_pool(config, logical_device, capabilities)
     runtime.engine = _start_engine(logical_device, capabilities, config, runtime.memory_pool)
@@ -129,22 +136,46 @@ def _prepare_job_environment() -> None:
             log.debug("set %s so that this job can be paused and moved as a whole if it starts NCCL", setting)
 
 
-def _claim_device(device: str, capabilities: Capabilities) -> str:
-    if device == "cpu":
-        return "cpu"
-    ordinal = _ordinal(device)
-    if not capabilities.torch_cuda:
-        return device if _driver_selected_by_env() and capabilities.gpu_count > ordinal else "cpu"
-    import torch
+def _claim_device(config: FlexiumConfig, capabilities: Capabilities) -> str:
+    """The device this process trains on (api/device_choice.py), made torch's current device."""
+    from flexium.api.device_choice import choose_device
 
-    count = torch.cuda.device_count()
-    if ordinal >= count:
-        raise ConfigError(
-            f"device {device} does not exist: this process sees {count} GPU(s) (cuda:0..cuda:{count - 1}); "
-            "set GPU_DEVICE or init(device=...) to one of them"
-        )
-    torch.cuda.set_device(ordinal)
-    return device
+    if config.device == "cpu":
+        return "cpu"
+    torch_cuda = capabilities.torch_cuda
+    if not torch_cuda and not _driver_selected_by_env():
+        return "cpu"
+    source = config.sources.get("device", SOURCE_DEFAULT)
+    local_rank = os.environ.get("LOCAL_RANK", "")
+    if torch_cuda:
+        import torch
+
+        visible = torch.cuda.device_count()
+        # set_device and any CUDA use initialize CUDA; before that the script has chosen nothing.
+        initialized = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]  # torch leaves it untyped
+        script_device = torch.cuda.current_device() if initialized else None
+    else:
+        visible, script_device = capabilities.gpu_count, None
+    choice = choose_device(
+        setting=config.device,
+        where=_device_origin(source),
+        visible=visible,
+        script_device=script_device,
+        local_rank=int(local_rank) if source == SOURCE_DEFAULT and local_rank.isdigit() else None,
+    )
+    if choice.warning is not None:
+        log.warning("%s", choice.warning)
+    if torch_cuda and choice.device != "cpu":
+        torch.cuda.set_device(_ordinal(choice.device))
+    return choice.device
+
+
+def _device_origin(source: str) -> str:
+    if source == SOURCE_DEFAULT:
+        return "the default"
+    if source == SOURCE_PARAMETER:
+        return "passed in code as device="
+    return f"from environment variable {source}" if source == ENV_DEVICE else f"from {source}"
 
 
 def _ordinal(device: str) -> int:
