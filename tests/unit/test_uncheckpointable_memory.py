@@ -6,6 +6,8 @@ and again at its safe point. The fake driver makes both as the real one does; th
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import inspect
 import os
 import re
@@ -187,6 +189,39 @@ def test_cpu_tensors_received_or_sent_through_torch_multiprocessing_are_no_cuda_
         child.join(timeout=60)
         if child.is_alive():
             child.kill()
+
+
+def test_the_detector_reads_a_cuda_import_from_torchs_own_cache_until_it_is_let_go() -> None:
+    """held_now on its real input: torch.multiprocessing's shared_cache holding an entry as
+    rebuild_cuda_tensor writes one, (IPC handle, offset) -> StorageWeakRef of a storage on cuda:0.
+    CPU torch makes that storage over host bytes it never touches (_construct_storage_from_data_pointer);
+    beside it, what the detector must pass over: a CPU storage under a key of the same shape, and a CUDA
+    storage keyed by its handle alone (one this process exported)."""
+    import torch
+    from torch.multiprocessing import reductions
+
+    backing = ctypes.create_string_buffer(3 * MiB)
+    address = ctypes.addressof(backing)
+    imported = torch._C._construct_storage_from_data_pointer(address, torch.device("cuda", 0), 3 * MiB)
+    assert imported.device.type == "cuda"
+    cpu = torch.UntypedStorage(4096)
+    entries = {
+        (b"\x01" * 64, 2 * MiB): imported,  # (IPC handle, offset in bytes): an import
+        (b"\x02" * 64, 0): cpu,
+        b"\x03" * 64: imported,  # the handle alone: an export
+    }
+    try:
+        for key, storage in entries.items():
+            reductions.shared_cache[key] = reductions.StorageWeakRef(storage)
+        assert imported_memory.held_now() == imported_memory.Imports(storages=1, bytes=3 * MiB, first_address=address)
+        del storage, imported
+        entries.clear()
+        gc.collect()
+        assert imported_memory.held_now() is None  # let go: the weak reference expired
+    finally:
+        with reductions.shared_cache.lock:
+            for key in [(b"\x01" * 64, 2 * MiB), (b"\x02" * 64, 0), b"\x03" * 64]:
+                dict.pop(reductions.shared_cache, key, None)
 
 
 def test_torch_still_records_its_cuda_imports_where_flexium_reads_them() -> None:
