@@ -5,10 +5,13 @@
 # counted as passed; any other skip fails the run). With one GPU bench/migrate.py measures pause /
 # resume in place only (it says so); the other benchmarks use one GPU.
 #   bash ci/gpu-tests.sh [--tests-only | --bench-only] [pytest args...]
-# Environment: GPU_TESTS (what pytest runs, default tests/gpu), FLEXIUM_NCCL_LIB (a libnccl.so.2
-# of NCCL 2.29.7+ for the distributed tests) or FLEXIUM_NCCL_SOURCE (its source tarball, built
-# here), BENCH_SIZES (GB, default 2,16,64), BENCH_ARGS (more bench/migrate.py options),
-# BENCH_OVERHEAD=0 skips the step-time benchmark, BENCH_PROBES adds probes of bench/probes/
+# Environment: FLEXIUM_EXPECT_GPUS (the GPUs the caller expects this machine to show: a machine
+# showing another number fails at once, naming both, here and in tests/gpu/conftest.py, which also
+# checks NVML's count against nvidia-smi -L), GPU_TESTS (what pytest runs, default tests/gpu),
+# FLEXIUM_NCCL_LIB (a libnccl.so.2 of NCCL 2.29.7+ for the distributed tests) or
+# FLEXIUM_NCCL_SOURCE (its source tarball, built here), BENCH_SIZES (GB, default 2,16,64),
+# BENCH_ARGS (more bench/migrate.py options), BENCH_OVERHEAD=0 skips the step-time benchmark,
+# BENCH_PROBES adds probes of bench/probes/
 # (";"-separated, each its file name without .py and its options, e.g. "host_memory_pinning
 # --sizes 16;restore_without_room"; they all write one file, bench-probes.txt, so that a caller that
 # keeps only a few files of $OUT gets them).
@@ -28,6 +31,10 @@ export PYTHONFAULTHANDLER=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 
 nvidia-smi --query-gpu=index,name,uuid,driver_version,memory.used,memory.total --format=csv | tee "$out/gpus.csv"
+listed="$(nvidia-smi -L | grep -c '^GPU ')"
+if [ -n "${FLEXIUM_EXPECT_GPUS:-}" ] && [ "$FLEXIUM_EXPECT_GPUS" != "$listed" ]; then
+  echo "FLEXIUM_EXPECT_GPUS=$FLEXIUM_EXPECT_GPUS, but nvidia-smi -L lists $listed GPU(s)"; exit 1
+fi
 python3 -c 'import torch; print("torch", torch.__version__, "gpus", torch.cuda.device_count())' | tee -a "$out/gpus.csv"
 
 echo "== build"

@@ -1,7 +1,7 @@
 """What the GPU tests (tests/gpu) share: the training job of bench/jobs/ run in a fresh process and
-its events (run_job, reference), the host's GPUs as NVML reads them, and the NCCL that jobs of
-several processes preload. Fixtures (host_gpus, two_gpus, four_gpus, gpu_filler) are in
-tests/gpu/conftest.py."""
+its events (run_job, reference), the host's GPUs as NVML reads them (their count checked against
+nvidia-smi and FLEXIUM_EXPECT_GPUS), and the NCCL that jobs of several processes preload. Fixtures
+(host_gpus, two_gpus, four_gpus, gpu_filler) are in tests/gpu/conftest.py."""
 
 from __future__ import annotations
 
@@ -30,6 +30,8 @@ GIB = 1 << 30
 # Memory a GPU may show beyond its idle reading once the job has left it (driver bookkeeping).
 RESIDUE_SLACK = 64 << 20
 JOB_TIMEOUT = 360  # past train_job.py's own hang dump (300 s), which then lands in the log
+# The number of GPUs the caller expects the machine to show (ci/gpu-tests.sh passes it through).
+EXPECT_GPUS_ENV = "FLEXIUM_EXPECT_GPUS"
 
 
 def uuid_of(host_gpus: list[Any], index: int) -> str:
@@ -50,6 +52,37 @@ def assert_left(op: dict[str, Any], uuid: str, idle: dict[str, int]) -> None:
     assert reading["used"] <= idle[uuid] + RESIDUE_SLACK, (
         f"after {op['op']} {uuid} shows {reading['used'] >> 20} MiB used, idle was {idle[uuid] >> 20} MiB"
     )
+
+
+def listed_by_nvidia_smi() -> int | str:
+    """The GPUs `nvidia-smi -L` lists (a "GPU N: ..." line each; a MIG device's line is indented), or
+    why it could not tell."""
+    try:
+        done = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"nvidia-smi -L did not run ({exc})"
+    if done.returncode != 0:
+        return f"nvidia-smi -L failed (exit {done.returncode}): {(done.stderr or done.stdout).strip()[-300:]}"
+    return sum(1 for line in done.stdout.splitlines() if line.startswith("GPU "))
+
+
+def gpu_count_problem(nvml_count: int) -> str | None:
+    """Why the count of GPUs that excuses skipped tests ("needs 2 GPUs, NVML sees 1") cannot be
+    trusted, or None. It comes from flexium's own NVML reading (engine/nvml.py), code under test: a
+    regression that under-counted would turn every test that needs more GPUs into an excused skip.
+    So nvidia-smi must list as many, and FLEXIUM_EXPECT_GPUS, where the caller sets it, must name
+    that count."""
+    listed = listed_by_nvidia_smi()
+    if isinstance(listed, str):
+        return f"{listed}: the GPU count NVML gives ({nvml_count}) cannot be checked against it"
+    if listed != nvml_count:
+        return f"flexium's NVML reading sees {nvml_count} GPU(s), nvidia-smi -L lists {listed}"
+    expected = os.environ.get(EXPECT_GPUS_ENV, "")
+    if expected and not expected.isdigit():
+        return f"{EXPECT_GPUS_ENV}={expected!r} is not a number of GPUs"
+    if expected and int(expected) != listed:
+        return f"{EXPECT_GPUS_ENV}={expected}, but this machine shows {listed} GPU(s) (NVML and nvidia-smi -L agree)"
+    return None
 
 
 def need_gpus(host_gpus: list[Any], count: int) -> list[Any]:
