@@ -36,14 +36,12 @@ __all__ = [
     "ENV_SAFE_POINT_WAIT",
     "RC_FILENAME",
     "DEFAULT_DEVICE",
-    "LOCAL_MODE_WARNING",
     "FlexiumConfig",
     "ServerAddress",
     "load_config",
     "find_config_file",
     "parse_server_address",
     "validate_device",
-    "print_local_mode_warning",
 ]
 
 ENV_SERVER = "FLEXIUM_SERVER"
@@ -72,16 +70,6 @@ _FIELDS: dict[str, tuple[str, str, str]] = {
     "safe_point_wait": ("safe_point_wait", ENV_SAFE_POINT_WAIT, "safe point wait"),
 }
 _RC_KEYS = {rc_key: name for name, (rc_key, _, _) in _FIELDS.items()}
-
-LOCAL_MODE_WARNING = (
-    "============================================================\n"
-    "[flexium] WARNING: No server configured!\n"
-    "[flexium] Running in local mode (no migration support)\n"
-    "[flexium]\n"
-    "[flexium] To enable Flexium, set FLEXIUM_SERVER:\n"
-    "[flexium]   export FLEXIUM_SERVER=localhost:8080/default  (the address `flexium server` prints)\n"
-    "============================================================\n"
-)
 
 _log = get_logger("config")
 
@@ -406,9 +394,3 @@ def resolve_device(device: str | None = None) -> str:
     rc = _read_rc(rc_path) if rc_path is not None else {}
     entry = _setting("device", device, rc, rc_path, "device")
     return validate_device(entry.value, where=entry.where) if entry is not None else default_device()
-
-
-def print_local_mode_warning() -> None:
-    """Print the local-mode box to stderr exactly as documented (no logging prefix or level)."""
-    sys.stderr.write(LOCAL_MODE_WARNING)
-    sys.stderr.flush()

@@ -12,8 +12,8 @@ import pytest
 from markupsafe import escape
 
 from flexium import protocol
+from flexium.reasons import SHORT_REASON_MAX, short_reason
 from flexium.server import storage
-from flexium.server.dashboard.refusals import SHORT_REASON_MAX, short_reason
 from support.server import GIB, Api, rank_body
 
 

@@ -275,7 +275,8 @@ def test_without_the_checkpoint_api_nothing_is_offered(scripts: dict[str, Script
     session = out["session"]
     assert session["has_engine"] is False
     assert session["migration_enabled"] is False and session["supports_migration"] is False
-    assert "WARNING: migration and pause are limited: NVIDIA driver 580.159.04 lacks the checkpoint API" in run.stderr
+    assert "WARNING: flexium in degraded mode on cuda:0 (process gpu-" in run.stderr
+    assert "): NVIDIA driver 580.159.04 lacks the checkpoint API" in run.stderr
     engine = out["engine"]
     for operation in ("migrate", "pause"):
         assert engine[operation]["error"] == "CapabilityError"

@@ -10,12 +10,10 @@ import pytest
 
 from flexium import _logging
 from flexium.config import (
-    LOCAL_MODE_WARNING,
     FlexiumConfig,
     ServerAddress,
     load_config,
     parse_server_address,
-    print_local_mode_warning,
     validate_device,
 )
 from flexium.errors import ConfigError
@@ -398,24 +396,7 @@ def test_unknown_key_warning_shows_even_without_any_logging_setup(
     assert "unknown key 'colour'" in capsys.readouterr().err
 
 
-# -- local-mode warning and logging ---------------------------------------------------------------
-
-
-def test_local_mode_warning_is_exactly_the_spec_box(capsys: pytest.CaptureFixture[str]) -> None:
-    print_local_mode_warning()
-    captured = capsys.readouterr()
-    assert captured.out == ""
-    expected_lines = [
-        "=" * 60,
-        "[flexium] WARNING: No server configured!",
-        "[flexium] Running in local mode (no migration support)",
-        "[flexium]",
-        "[flexium] To enable Flexium, set FLEXIUM_SERVER:",
-        "[flexium]   export FLEXIUM_SERVER=localhost:8080/default  (the address `flexium server` prints)",
-        "=" * 60,
-    ]
-    assert captured.err == "\n".join(expected_lines) + "\n"
-    assert captured.err == LOCAL_MODE_WARNING
+# -- logging ---------------------------------------------------------------
 
 
 def test_configure_logging_levels(capsys: pytest.CaptureFixture[str]) -> None:

@@ -45,8 +45,8 @@ def choose_device(
             f"training on {chosen}, the GPU the script chose before flexium.init() (torch.cuda.set_device); "
             f"device {setting} ({where}) is not used",
         )
-    if visible <= 0:
-        return DeviceChoice("cpu", f"device {setting} ({where}): this process sees no GPU; training on the CPU")
+    if visible <= 0:  # the start-up line says why there is no GPU
+        return DeviceChoice("cpu")
     if ordinal < visible:
         return DeviceChoice(setting)
     warning = f"device {setting} ({where}) does not exist: this process sees {_gpus(visible)}; training on cuda:0"

@@ -10,16 +10,17 @@ import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from flexium import reasons
 from flexium.config import (
     ENV_DEVICE,
     SOURCE_DEFAULT,
     SOURCE_PARAMETER,
     FlexiumConfig,
     load_config,
-    print_local_mode_warning,
     resolve_device,
 )
 from flexium.engine.capabilities import Capabilities, detect
+from flexium.torch_import import import_torch
 
 if TYPE_CHECKING:  # imported when used: they load the native extension, torch or an HTTP client
     from flexium.client.process import ProcessClient
@@ -83,8 +84,7 @@ def start(server: str | None, device: str | None, disabled: bool, *, server_para
         from flexium._logging import configure_logging
 
         configure_logging(config.log_level)
-        if config.local_mode:
-            print_local_mode_warning()
+        import_torch()
         _runtime = _start(config)
         _register_atexit()
 
@@ -100,8 +100,6 @@ def _start(config: FlexiumConfig) -> Runtime:
     # torch CUDA, so a CPU-only torch is no problem to warn about there.
     capabilities = detect(check_torch=not _driver_selected_by_env())
     _prepare_job_environment()
-    for problem in capabilities.problems:
-        log.warning("migration and pause are limited: %s", problem)
     logical_device = _claim_device(config, capabilities)
     runtime = Runtime(config=config, process_id=_process_id, logical_device=logical_device, capabilities=capabilities)
     runtime.memory_pool = _start_memory_pool(config, logical_device, capabilities)
@@ -112,16 +110,41 @@ def _start(config: FlexiumConfig) -> Runtime:
     device_routing.install(lambda: runtime.logical_device)
     if not config.local_mode:
         runtime.client = _start_client(runtime)
-    pool = runtime.memory_pool
-    log.info(
-        "flexium %s on %s (process %s, migration %s, fast path %s)",
-        "ready" if runtime.engine is not None else "in degraded mode",
-        logical_device,
-        _process_id,
-        "on" if runtime.engine is not None and capabilities.migration else "off",
-        "on" if pool is not None and pool.active else f"off: {pool.reason_off if pool is not None else 'no CUDA'}",
-    )
+    _log_start(runtime, capabilities, config)
     return runtime
+
+
+def _log_start(runtime: Runtime, capabilities: Capabilities, config: FlexiumConfig) -> None:
+    """One line says what this job can do. A job that cannot be moved at all (no engine: a CPU
+    job, no driver) says the reason that matters most; its other reasons are at DEBUG. A job
+    with an engine is told each limit (pause only, no fast path): they are few and each matters."""
+    local = ", local mode: no FLEXIUM_SERVER" if config.local_mode else ""
+    if runtime.engine is None:
+        problems = reasons.most_important_first(capabilities.problems)
+        for problem in problems[1:]:
+            log.debug("migration and pause are limited: %s", problem)
+        more = f" ({len(problems) - 1} more at FLEXIUM_LOG_LEVEL=DEBUG)" if len(problems) > 1 else ""
+        log.warning(
+            "flexium in degraded mode on %s (process %s%s): %s%s",
+            runtime.logical_device,
+            _process_id,
+            local,
+            problems[0] if problems else "migrate and pause are off",
+            more,
+        )
+        return
+    for problem in capabilities.problems:
+        log.warning("migration and pause are limited: %s", problem)
+    pool = runtime.memory_pool
+    log.log(
+        logging.WARNING if config.local_mode else logging.INFO,
+        "flexium ready on %s (process %s, migration %s, fast path %s%s)",
+        runtime.logical_device,
+        _process_id,
+        "on" if capabilities.migration else "off",
+        "on" if pool is not None and pool.active else f"off: {pool.reason_off if pool is not None else 'no CUDA'}",
+        local,
+    )
 
 
 def _prepare_job_environment() -> None:

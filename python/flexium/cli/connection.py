@@ -8,14 +8,17 @@ calls it."""
 from __future__ import annotations
 
 import argparse
+import re
 from collections.abc import Callable
 
 from pydantic import ValidationError
 
-from flexium import protocol
+from flexium import protocol, reasons
 from flexium.cli.exit_status import EXIT_FAILED, EXIT_UNREACHABLE, EXIT_USAGE, UsageError, fail
 from flexium.client import ApiClient, ServerError, Unauthorized, Unreachable
 from flexium.errors import ConfigError
+
+_TOKEN_TEXT = re.compile(r"[\x21-\x7e]+")  # sent in an HTTP header: printable ASCII, no blanks
 
 OnServer = Callable[[ApiClient, argparse.Namespace], int]
 
@@ -28,6 +31,9 @@ def add_connection_options(parser: argparse.ArgumentParser, on_server: OnServer)
     )
     parser.add_argument("--token", help=f"workspace token (default ${protocol.TOKEN_ENV}, else 'token:' in .flexiumrc)")
     parser.add_argument("--json", action="store_true", help="print JSON (the server's objects) for scripts")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="a refusal with every reason, not only the one that matters"
+    )
     parser.set_defaults(on_server=on_server)
 
 
@@ -46,7 +52,8 @@ def run(args: argparse.Namespace) -> int:
     except Unauthorized as exc:
         return fail(_token_problem(api, exc), EXIT_FAILED, as_json=args.json, code=exc.code)
     except ServerError as exc:
-        return fail(exc.message, EXIT_FAILED, as_json=args.json, code=exc.code)
+        short = None if args.verbose else _one_reason(exc)
+        return fail(exc.message, EXIT_FAILED, as_json=args.json, code=exc.code, short=short)
     except UsageError as exc:
         return fail(str(exc), EXIT_USAGE, as_json=args.json, code="bad_usage")
     except ValidationError as exc:  # what the server would refuse as invalid_request
@@ -55,6 +62,19 @@ def run(args: argparse.Namespace) -> int:
         return fail(message, EXIT_FAILED, as_json=args.json, code="invalid_request")
     finally:
         api.close()
+
+
+def _one_reason(refused: ServerError) -> str | None:
+    """A process that cannot be moved, said by the one reason that matters (the server's message
+    lists every problem the process reports: a CPU job's is hundreds of characters); None when
+    no reason is known to matter most."""
+    if refused.code != "capability":
+        return None
+    known = reasons.known_reason(refused.message)
+    if known is None:
+        return None
+    head, said, _ = refused.message.partition(": ")
+    return f"{head if said else 'refused'}: {known} (--verbose: every reason)"
 
 
 def _token_problem(api: ApiClient, refused: Unauthorized) -> str:
@@ -79,6 +99,11 @@ def connect(server: str | None, token: str | None) -> ApiClient:
 
     if server is not None:
         parse_server_address(server, where="(from --server)")
+    if token is not None and not _TOKEN_TEXT.fullmatch(token.strip()):
+        raise ConfigError(
+            "--token is empty or holds blanks or non-ASCII characters: give a token of the workspace (flx_...) as "
+            f"`flexium server` or `flexium token issue` printed it, or leave --token out to use ${protocol.TOKEN_ENV}"
+        )
     config = load_config(orchestrator=server, token=token)
     if config.address is None:
         raise ConfigError(

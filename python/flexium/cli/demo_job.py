@@ -20,9 +20,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--step-seconds", type=float, default=0.1, help="pause between steps, to stay light")
     parser.add_argument("--print-every", type=int, default=50)
     args = parser.parse_args(argv)
-    try:
-        import torch
-    except ImportError:
+    from flexium.torch_import import import_torch
+
+    torch = import_torch()
+    if torch is None:
         print(
             "flexium demo: the demo training job needs PyTorch: pip install torch (a CPU build is enough)",
             file=sys.stderr,

@@ -7,9 +7,11 @@ import os
 from typing import Any
 
 from flexium.engine import nvml
-from flexium.engine.capabilities import detect
+from flexium.engine.capabilities import Capabilities, cuda_text, detect
+from flexium.torch_import import import_torch
 
 GIB = 1 << 30
+LABEL_WIDTH = 20  # the longest label, "pinned host memory", and two blanks
 
 
 def _fast_path_problem() -> str | None:
@@ -69,9 +71,9 @@ def _pinned_host_memory() -> dict[str, Any]:
     }
 
 
-def _describe_pinned(pinned: dict[str, Any]) -> list[str]:
+def _describe_pinned(pinned: dict[str, Any]) -> list[tuple[str, str]]:
     if "problem" in pinned:
-        return [f"pinned host memory ! {pinned['problem']}"]
+        return [("pinned host memory", f"! {pinned['problem']}")]
     budget, kept = pinned["budget_bytes"], pinned["kept_bytes"]
     if budget == 0:
         head = "none kept between pauses: each pause prepares its own staging (FLEXIUM_PINNED_HOST_MEMORY=0)"
@@ -80,15 +82,27 @@ def _describe_pinned(pinned: dict[str, Any]) -> list[str]:
             f"{budget / GIB:.1f} GiB for pauses kept ready (FLEXIUM_PINNED_HOST_MEMORY={pinned['setting']}, "
             f"{pinned['source']}); {kept / GIB:.1f} GiB kept now"
         )
-    lines = [f"pinned host memory {head}"]
+    rows = [("pinned host memory", head)]
     for holder in pinned["kept_by"]:
-        lines.append(f"  process {holder['pid']}  {holder['bytes'] / GIB:.1f} GiB  for GPU {holder['gpu']}")
+        rows.append(("", f"process {holder['pid']}  {holder['bytes'] / GIB:.1f} GiB  for GPU {holder['gpu']}"))
     if budget:
-        lines.append("  (a job whose pause does not fit prepares its staging when paused: seconds more per 16 GiB)")
-    return lines
+        rows.append(("", "(a job whose pause does not fit prepares its staging when paused: seconds more per 16 GiB)"))
+    return rows
+
+
+def _torchrun_jobs(caps: Capabilities, nccl_found: str, jobs_problem: str | None) -> str:
+    """Whether a torchrun job here moves as a whole: claimed only where a rank could be paused."""
+    if not caps.pause_resume:
+        return "not movable: pause / resume is not available"
+    if jobs_problem is not None:
+        return f"not movable: {jobs_problem}"
+    if nccl_found.startswith("none"):
+        return "gloo jobs movable as a whole (no NCCL)"
+    return "movable as a whole"
 
 
 def run(*, as_json: bool) -> int:
+    import_torch()
     caps = detect()
     gpus = nvml.host_gpus()
     fast_problem = _fast_path_problem() if caps.pause_resume else "pause / resume is not available"
@@ -100,7 +114,11 @@ def run(*, as_json: bool) -> int:
                 {
                     "capabilities": caps.to_dict(),
                     "fast_path": {"available": fast_problem is None, "problem": fast_problem},
-                    "distributed_jobs": {"nccl": nccl_found, "movable": jobs_problem is None, "problem": jobs_problem},
+                    "distributed_jobs": {
+                        "nccl": nccl_found,
+                        "movable": caps.pause_resume and jobs_problem is None,
+                        "problem": jobs_problem if caps.pause_resume else "pause / resume is not available",
+                    },
                     "pinned_host_memory": pinned,
                     "gpus": [g.__dict__ | {"processes": len(g.processes)} for g in gpus],
                 }
@@ -108,17 +126,22 @@ def run(*, as_json: bool) -> int:
         )
         return 0
     yes_no = {True: "yes", False: "no"}
-    cuda = f"{caps.cuda_version // 1000}.{caps.cuda_version % 1000 // 10}"
-    print(f"NVIDIA driver     {caps.driver_version or 'not found'}  (CUDA {cuda})")
-    print(f"checkpoint API    {yes_no[caps.checkpoint_api]}")
-    print(f"torch with CUDA   {yes_no[caps.torch_cuda]}")
-    print(f"pause / resume    {yes_no[caps.pause_resume]}")
-    print(f"GPU migration     {yes_no[caps.migration]}")
-    print(f"fast path         {'yes' if fast_problem is None else 'no: ' + fast_problem}")
-    print(f"NCCL              {nccl_found}")
-    print(f"torchrun jobs     {'movable as a whole' if jobs_problem is None else 'not movable: ' + jobs_problem}")
-    for line in _describe_pinned(pinned):
-        print(line)
+    driver = "not found" if caps.driver_version is None and not caps.cuda_version else caps.driver_version or "?"
+    if caps.cuda_version:
+        driver += f"  (CUDA {cuda_text(caps.cuda_version)})"
+    rows = [
+        ("NVIDIA driver", driver),
+        ("checkpoint API", yes_no[caps.checkpoint_api]),
+        ("torch with CUDA", yes_no[caps.torch_cuda]),
+        ("pause / resume", yes_no[caps.pause_resume]),
+        ("GPU migration", yes_no[caps.migration]),
+        ("fast path", "yes" if fast_problem is None else "no: " + fast_problem),
+        ("NCCL", nccl_found),
+        ("torchrun jobs", _torchrun_jobs(caps, nccl_found, jobs_problem)),
+        *_describe_pinned(pinned),
+    ]
+    for label, value in rows:
+        print(f"{label:<{LABEL_WIDTH}}{value}")
     for gpu in gpus:
         memory = f"{gpu.memory_used >> 20} / {gpu.memory_total >> 20} MiB"
         print(f"  GPU {gpu.index}  {gpu.name}  {gpu.uuid}  {memory}  {gpu.health}")

@@ -20,10 +20,14 @@ class UsageError(ValueError):
     """A command line that parsed but asks for something that cannot be (exit status 2)."""
 
 
-def fail(message: str, status: int, *, as_json: bool = False, code: str = "failed") -> int:
-    """The reason on stderr; under --json also a JSON object on stdout, so that a script reading
-    stdout sees why nothing else came."""
+def fail(message: str, status: int, *, as_json: bool = False, code: str = "failed", short: str | None = None) -> int:
+    """The reason on stderr (``short`` where given: the one reason that matters, ``message``
+    being all of them); under --json also a JSON object on stdout with the whole message, so
+    that a script reading stdout sees why nothing else came."""
     if as_json:
-        print(json.dumps({"error": code, "message": message, "exit_status": status}, indent=2, sort_keys=True))
-    print(f"flexium: {message}", file=sys.stderr)
+        answer = {"error": code, "message": message, "exit_status": status}
+        if short is not None:
+            answer["short"] = short
+        print(json.dumps(answer, indent=2, sort_keys=True))
+    print(f"flexium: {short or message}", file=sys.stderr)
     return status

@@ -1,38 +1,10 @@
 """Why a button is greyed: the same rules as the API's refusals, judged before anything is sent
-(template globals, ``templating.py``), and a refusal in the few words shown beside the button
-(the full reason is its tooltip and is on the job page)."""
+(template globals, ``templating.py``); the few words shown beside the button are
+``flexium.reasons.short_reason`` (the full reason is its tooltip and is on the job page)."""
 
 from __future__ import annotations
 
 from flexium import protocol, wire
-
-# Known reasons a process cannot be moved, as the few words shown beside a greyed button. First
-# match wins; order: most specific.
-_SHORT_REASONS = (
-    ("needs a token with role", "read-only login: an admin token can"),
-    ("CPU-only build", "CPU-only torch: no GPU memory to move"),
-    ("no usable GPU", "torch sees no usable GPU"),
-    ("engine is not running", "flexium's engine is off in this job"),
-    ("install the NVIDIA driver", "no NVIDIA driver"),
-    ("no NVIDIA driver", "no NVIDIA driver"),
-    ("failed to initialise", "the NVIDIA driver failed to start"),
-    ("is too old", "NVIDIA driver too old (550+ / 580+)"),
-    ("lacks the checkpoint API", "driver lacks the checkpoint API (580+)"),
-    ("migration to another GPU needs 580+", "this driver pauses only; moving needs 580+"),
-    ("cannot be paused or moved as a whole", "its job cannot be moved as a whole"),
-    ("cannot take part in a job operation", "a rank cannot take part"),
-    ("GPU remapping on restore", "mixed driver versions"),
-)
-SHORT_REASON_MAX = 60
-
-
-def short_reason(full: str) -> str:
-    """A refusal in at most ``SHORT_REASON_MAX`` characters, for beside a greyed button."""
-    for needle, short in _SHORT_REASONS:
-        if needle in full:
-            return short
-    first = full.split(";")[0].split(": ")[0].strip()
-    return first if len(first) <= SHORT_REASON_MAX else first[: SHORT_REASON_MAX - 1].rstrip() + "…"
 
 
 def refusal(process: wire.ProcessInfo, kind: str, actions_refused: str) -> str:

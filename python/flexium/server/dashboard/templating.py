@@ -15,7 +15,7 @@ from markupsafe import Markup, escape
 from starlette.requests import Request
 from starlette.responses import Response
 
-from flexium import protocol
+from flexium import protocol, reasons
 from flexium.server.dashboard import formatters, refusals
 
 TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
@@ -48,7 +48,7 @@ TEMPLATES.env.filters.update(
     utc=formatters.fmt_utc,
     rate=formatters.fmt_rate,
     loss=formatters.fmt_loss,
-    short_reason=refusals.short_reason,
+    short_reason=reasons.short_reason,
     word_breaks=formatters.word_breaks,
 )
 TEMPLATES.env.globals.update(

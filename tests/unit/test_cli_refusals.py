@@ -1,0 +1,78 @@
+"""A refused command as the command line says it (issue 38): the one reason that matters first,
+every reason under --verbose and in --json; a bad --token in the command line's own terms."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from flexium.cli import connection
+from flexium.cli.main import main
+from flexium.client import Refused
+
+CPU_JOB_REFUSAL = (
+    "process 'gpu-0e1e8143' cannot migrate: it reports no 'migration' capability: no NVIDIA driver: could not "
+    "load libcuda.so.1 (libcuda.so.1: cannot open shared object file: No such file or directory); install the "
+    "NVIDIA driver (550+ for pause/resume, 580+ for migration); torch 2.13.0+cpu is a CPU-only build: training "
+    "runs, migration and pause are off; flexium's engine is not running in this process (training on cpu): "
+    "migrate, pause and resume are off"
+)
+
+
+class RefusingServer:
+    workspace = "default"
+    base_url = "http://127.0.0.1:8080"
+    token = "flx_test"
+
+    def __init__(self, message: str) -> None:
+        self.message = message
+
+    def create_command(self, _request: Any) -> Any:
+        raise Refused(self.message, code="capability", status=409)
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture
+def refusing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(connection, "connect", lambda _server, _token: RefusingServer(CPU_JOB_REFUSAL))
+
+
+def test_the_one_reason_that_matters_first(refusing: None, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["migrate", "gpu-0e1e8143", "cuda:1"]) == 1
+    said = capsys.readouterr()
+    assert said.out == ""
+    assert said.err == (
+        "flexium: process 'gpu-0e1e8143' cannot migrate: CPU-only torch: no GPU memory to move "
+        "(--verbose: every reason)\n"
+    )
+
+
+def test_every_reason_under_verbose_and_in_json(refusing: None, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["migrate", "gpu-0e1e8143", "cuda:1", "--verbose"]) == 1
+    assert capsys.readouterr().err == f"flexium: {CPU_JOB_REFUSAL}\n"
+    assert main(["migrate", "gpu-0e1e8143", "cuda:1", "--json"]) == 1
+    answer = json.loads(capsys.readouterr().out)
+    assert answer["message"] == CPU_JOB_REFUSAL and answer["error"] == "capability"
+    assert "CPU-only torch: no GPU memory to move" in answer["short"]
+
+
+def test_an_unknown_reason_is_said_whole(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    odd = "process 'gpu-1' cannot pause: it reports no 'pause_resume' capability: something new"
+    monkeypatch.setattr(connection, "connect", lambda _server, _token: RefusingServer(odd))
+    assert main(["pause", "gpu-1"]) == 1
+    assert capsys.readouterr().err == f"flexium: {odd}\n"
+
+
+@pytest.mark.parametrize("token", ["", "  ", "flx_a b"])
+def test_a_bad_token_option_is_said_in_the_command_lines_terms(
+    token: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.delenv("FLEXIUM_TOKEN", raising=False)
+    assert main(["ps", "--server", "127.0.0.1:9/default", "--token", token]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("flexium: --token is empty or holds blanks or non-ASCII characters: give a token")
+    assert "passed in code" not in err and "dashboard" not in err
