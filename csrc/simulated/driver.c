@@ -11,12 +11,14 @@
  *    any other transition is CUDA_ERROR_ILLEGAL_STATE and changes nothing;
  *  - a restore with GPU pairs must name every visible GPU once as old and once as new (fact `restore-pairs-every-gpu`),
  *    and a failed restore leaves the process CHECKPOINTED (fact `failed-restore-stays-checkpointed`);
- *  - after a remap the process keeps reporting its original device identity (fact `remap-keeps-old-identity`), while
- *    NVML reports physical GPUs and where the process's memory really is (fact `zero-residue`);
- *  - while the process is not RUNNING, every other CUDA call blocks, including on the thread
- *    that took the lock (fact `locked-process-blocks-cuda`).
+ *  - after a remap cuDeviceGetUuid names the GPU a device is on now while its PCI bus id stays the
+ *    old one (fact `remap-keeps-old-identity`), and NVML reports physical GPUs and where the
+ *    process's memory really is (fact `zero-residue`), but for memory the process holds only
+ *    through an import of its own export (fact `nvml-skips-imported-memory`);
+ *  - while the process is not RUNNING, every other CUDA and NVML call blocks, including on the
+ *    thread that took the lock (facts `locked-process-blocks-cuda`, `nvml-reader-process`).
  * Control functions (fake_*) let tests set memory, inject failures and read a call log.
- * See tests/fake_driver/__init__.py for the full description.
+ * See tests/support/fake_driver.py for the full description.
  */
 #define _GNU_SOURCE
 #include <dirent.h>
@@ -628,6 +630,10 @@ struct vmm_alloc {
   int handles;
   int mappings;
   int foreign; /* imported from an fd another process exported: its bytes count for that process */
+  /* Reached again only through an import of its own export (a fast move's target memory, its handle
+   * dropped before the checkpoint): on the GPU, but NVML does not count it for the process (fact
+   * `nvml-skips-imported-memory`). */
+  int imported;
   int location_type; /* as cuMemCreate was asked */
   int location_id;
 };
@@ -741,6 +747,19 @@ static unsigned long long process_bytes_on(int physical) {
   if (fake.state == CU_PROCESS_STATE_CHECKPOINTED) return bytes;
   for (int l = 0; l < fake.gpu_count; ++l) {
     if (fake.placement[l] == physical) bytes += fake.process_bytes[l];
+  }
+  return bytes;
+}
+
+/* What NVML counts for the process on a GPU: all of process_bytes_on() but the memory it holds only
+ * through an import of its own export, which still takes room there (fact `nvml-skips-imported-memory`). */
+static unsigned long long nvml_process_bytes_on(int physical) {
+  unsigned long long bytes = process_bytes_on(physical);
+  for (int i = 0; i < MAX_VMM; ++i) {
+    const struct vmm_alloc *a = &vmm.allocs[i];
+    if (!a->used || !a->imported || a->foreign || a->physical != physical) continue;
+    if (fake.state == CU_PROCESS_STATE_CHECKPOINTED && a->riding >= 0) continue;
+    bytes -= a->size;
   }
   return bytes;
 }
@@ -1060,8 +1079,9 @@ CUresult cuDeviceGet(CUdevice *device, int ordinal) {
   return leave(fn, CUDA_SUCCESS, -1);
 }
 
-/* fact `remap-keeps-old-identity`: the identity of a device stays that of the GPU it was before any remap, so the
- * properties below come from the logical device's original GPU, not from placement[]. */
+/* fact `remap-keeps-old-identity`: after a remap the driver's cuDeviceGetUuid names the GPU a device is on now
+ * (placement[]), while its PCI bus id stays that of the GPU it was on at first, as do torch's cached
+ * properties; name and memory are the same model's on both. */
 static CUresult device_ready(const char *function, CUdevice dev) {
   const CUresult rc = device_call_ready(function);
   if (rc != CUDA_SUCCESS) return rc;
@@ -1092,7 +1112,7 @@ CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev) {
   if (enter(fn, &rc)) return leave(fn, rc, -1);
   if (uuid == NULL) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
   rc = device_ready(fn, dev);
-  if (rc == CUDA_SUCCESS) *uuid = fake.gpus[dev].uuid;
+  if (rc == CUDA_SUCCESS) *uuid = fake.gpus[fake.placement[dev]].uuid;
   return leave(fn, rc, -1);
 }
 
@@ -1530,7 +1550,7 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CU
   }
   struct vmm_alloc *a = &vmm.allocs[slot];
   *a = (struct vmm_alloc){1, fd, st.st_dev, st.st_ino, size, physical, -1,
-                          prop->requestedHandleTypes == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0, 0, 0,
+                          prop->requestedHandleTypes == CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0, 0, 0, 0,
                           prop->location.type, prop->location.id};
   const int h = new_handle(slot);
   if (h < 0) {
@@ -1773,7 +1793,7 @@ static int adopt_foreign(int fd) {
   if (own < 0) return -1;
   struct vmm_alloc *a = &vmm.allocs[slot];
   *a = (struct vmm_alloc){1, own, st.st_dev, st.st_ino, (size_t)st.st_size, fake.placement[current_context], -1, 1, 0, 0, 1,
-                          CU_MEM_LOCATION_TYPE_DEVICE, current_context};
+                          0, CU_MEM_LOCATION_TYPE_DEVICE, current_context};
   return slot;
 }
 
@@ -1793,6 +1813,8 @@ CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, vo
   }
   if (alloc < 0) alloc = adopt_foreign(fd);
   if (alloc < 0) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  struct vmm_alloc *a = &vmm.allocs[alloc];
+  if (!a->foreign && a->handles == 0 && a->mappings == 0) a->imported = 1;
   const int h = new_handle(alloc);
   if (h < 0) return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, -1);
   vmm.handles[h].imported = 1;
@@ -2027,10 +2049,27 @@ static const struct error_text nvml_errors[] = {
     {NVML_ERROR_UNKNOWN, "NVML_ERROR_UNKNOWN", "Unknown Error"},
 };
 
-static nvmlReturn_t nvml_ready(void) { return fake.nvml_refcount > 0 ? NVML_SUCCESS : NVML_ERROR_UNINITIALIZED; }
+/* A thread whose NVML calls stand for another process's (fake_set_nvml_for_another_process): the engine's
+ * NVML reader, which tests answer from this process because only here is the machine they set up. */
+static __thread int nvml_for_another_process;
 
-static nvmlReturn_t nvml_device(nvmlDevice_t device, int *index) {
-  if (fake.nvml_refcount == 0) return NVML_ERROR_UNINITIALIZED;
+/* NVML calls of a process that is not RUNNING block as its CUDA calls do (fact `locked-process-blocks-cuda`;
+ * engine/nvml.py reads through another process meanwhile, fact `nvml-reader-process`), with the same
+ * timeout and deadlock report; what the real NVML never returns is NVML_ERROR_TIMEOUT here. */
+static nvmlReturn_t nvml_wait_until_running(const char *function) {
+  if (nvml_for_another_process) return NVML_SUCCESS;
+  return wait_until_running(function) == CUDA_SUCCESS ? NVML_SUCCESS : NVML_ERROR_TIMEOUT;
+}
+
+static nvmlReturn_t nvml_ready(const char *function) {
+  const nvmlReturn_t blocked = nvml_wait_until_running(function);
+  if (blocked != NVML_SUCCESS) return blocked;
+  return fake.nvml_refcount > 0 ? NVML_SUCCESS : NVML_ERROR_UNINITIALIZED;
+}
+
+static nvmlReturn_t nvml_device(const char *function, nvmlDevice_t device, int *index) {
+  const nvmlReturn_t ready = nvml_ready(function);
+  if (ready != NVML_SUCCESS) return ready;
   if (device < &fake.gpus[0] || device >= &fake.gpus[fake.gpu_count]) return NVML_ERROR_INVALID_ARGUMENT;
   *index = (int)(device - &fake.gpus[0]);
   return NVML_SUCCESS;
@@ -2048,8 +2087,9 @@ nvmlReturn_t nvmlInitWithFlags(unsigned int flags) {
   int rc;
   (void)flags;
   if (enter(fn, &rc)) return leave(fn, rc, -1);
-  ++fake.nvml_refcount;
-  return leave(fn, NVML_SUCCESS, -1);
+  rc = nvml_wait_until_running(fn);
+  if (rc == NVML_SUCCESS) ++fake.nvml_refcount;
+  return leave(fn, rc, -1);
 }
 
 nvmlReturn_t nvmlInit_v2(void) { return nvmlInitWithFlags(0); }
@@ -2059,9 +2099,9 @@ nvmlReturn_t nvmlShutdown(void) {
   static const char fn[] = "nvmlShutdown";
   int rc;
   if (enter(fn, &rc)) return leave(fn, rc, -1);
-  if (fake.nvml_refcount == 0) return leave(fn, NVML_ERROR_UNINITIALIZED, -1);
-  --fake.nvml_refcount;
-  return leave(fn, NVML_SUCCESS, -1);
+  rc = nvml_ready(fn);
+  if (rc == NVML_SUCCESS) --fake.nvml_refcount;
+  return leave(fn, rc, -1);
 }
 
 const char *nvmlErrorString(nvmlReturn_t result) {
@@ -2075,7 +2115,7 @@ nvmlReturn_t nvmlSystemGetDriverVersion(char *version, unsigned int length) {
   static const char fn[] = "nvmlSystemGetDriverVersion";
   int rc;
   if (enter(fn, &rc)) return leave(fn, rc, -1);
-  rc = nvml_ready();
+  rc = nvml_ready(fn);
   if (rc == NVML_SUCCESS) rc = copy_text(version, length, fake.nvml_driver);
   return leave(fn, rc, -1);
 }
@@ -2086,7 +2126,7 @@ nvmlReturn_t nvmlSystemGetNVMLVersion(char *version, unsigned int length) {
   if (enter(fn, &rc)) return leave(fn, rc, -1);
   char text[96];
   snprintf(text, sizeof(text), "%d.%s", fake.cuda_version / 1000, fake.nvml_driver);
-  rc = nvml_ready();
+  rc = nvml_ready(fn);
   if (rc == NVML_SUCCESS) rc = copy_text(version, length, text);
   return leave(fn, rc, -1);
 }
@@ -2095,7 +2135,7 @@ nvmlReturn_t nvmlSystemGetCudaDriverVersion_v2(int *version) {
   static const char fn[] = "nvmlSystemGetCudaDriverVersion_v2";
   int rc;
   if (enter(fn, &rc)) return leave(fn, rc, -1);
-  rc = nvml_ready();
+  rc = nvml_ready(fn);
   if (rc == NVML_SUCCESS && version == NULL) rc = NVML_ERROR_INVALID_ARGUMENT;
   if (rc == NVML_SUCCESS) *version = fake.cuda_version;
   return leave(fn, rc, -1);
@@ -2107,7 +2147,7 @@ nvmlReturn_t nvmlDeviceGetCount_v2(unsigned int *count) {
   static const char fn[] = "nvmlDeviceGetCount_v2";
   int rc;
   if (enter(fn, &rc)) return leave(fn, rc, -1);
-  rc = nvml_ready();
+  rc = nvml_ready(fn);
   if (rc == NVML_SUCCESS && count == NULL) rc = NVML_ERROR_INVALID_ARGUMENT;
   if (rc == NVML_SUCCESS) *count = (unsigned int)fake.gpu_count;
   return leave(fn, rc, -1);
@@ -2119,7 +2159,7 @@ nvmlReturn_t nvmlDeviceGetHandleByIndex_v2(unsigned int index, nvmlDevice_t *dev
   static const char fn[] = "nvmlDeviceGetHandleByIndex_v2";
   int rc;
   if (enter(fn, &rc)) return leave(fn, rc, -1);
-  rc = nvml_ready();
+  rc = nvml_ready(fn);
   if (rc == NVML_SUCCESS && (device == NULL || index >= (unsigned int)fake.gpu_count)) {
     rc = NVML_ERROR_INVALID_ARGUMENT;
   }
@@ -2135,7 +2175,7 @@ nvmlReturn_t nvmlDeviceGetHandleByUUID(const char *uuid, nvmlDevice_t *device) {
   static const char fn[] = "nvmlDeviceGetHandleByUUID";
   int rc;
   if (enter(fn, &rc)) return leave(fn, rc, -1);
-  rc = nvml_ready();
+  rc = nvml_ready(fn);
   if (rc == NVML_SUCCESS && (uuid == NULL || device == NULL)) rc = NVML_ERROR_INVALID_ARGUMENT;
   if (rc == NVML_SUCCESS) {
     rc = NVML_ERROR_NOT_FOUND;
@@ -2153,7 +2193,7 @@ nvmlReturn_t nvmlDeviceGetIndex(nvmlDevice_t device, unsigned int *index) {
   static const char fn[] = "nvmlDeviceGetIndex";
   int rc, i = 0;
   if (enter(fn, &rc)) return leave(fn, rc, -1);
-  rc = nvml_device(device, &i);
+  rc = nvml_device(fn, device, &i);
   if (rc == NVML_SUCCESS && index == NULL) rc = NVML_ERROR_INVALID_ARGUMENT;
   if (rc == NVML_SUCCESS) *index = (unsigned int)i;
   return leave(fn, rc, -1);
@@ -2163,7 +2203,7 @@ nvmlReturn_t nvmlDeviceGetUUID(nvmlDevice_t device, char *uuid, unsigned int len
   static const char fn[] = "nvmlDeviceGetUUID";
   int rc, i = 0;
   if (enter(fn, &rc)) return leave(fn, rc, -1);
-  rc = nvml_device(device, &i);
+  rc = nvml_device(fn, device, &i);
   if (rc == NVML_SUCCESS) rc = copy_text(uuid, length, fake.gpus[i].uuid_text);
   return leave(fn, rc, -1);
 }
@@ -2172,7 +2212,7 @@ nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int len
   static const char fn[] = "nvmlDeviceGetName";
   int rc, i = 0;
   if (enter(fn, &rc)) return leave(fn, rc, -1);
-  rc = nvml_device(device, &i);
+  rc = nvml_device(fn, device, &i);
   if (rc == NVML_SUCCESS) rc = copy_text(name, length, fake.gpus[i].name);
   return leave(fn, rc, -1);
 }
@@ -2190,7 +2230,7 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo(nvmlDevice_t device, nvmlMemory_t *memory) 
   static const char fn[] = "nvmlDeviceGetMemoryInfo";
   int rc, i = 0;
   if (enter(fn, &rc)) return leave(fn, rc, -1);
-  rc = nvml_device(device, &i);
+  rc = nvml_device(fn, device, &i);
   if (rc == NVML_SUCCESS && memory == NULL) rc = NVML_ERROR_INVALID_ARGUMENT;
   if (rc == NVML_SUCCESS) memory_of(i, &memory->total, &memory->used, &memory->free);
   return leave(fn, rc, -1);
@@ -2200,7 +2240,7 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *me
   static const char fn[] = "nvmlDeviceGetMemoryInfo_v2";
   int rc, i = 0;
   if (enter(fn, &rc)) return leave(fn, rc, -1);
-  rc = nvml_device(device, &i);
+  rc = nvml_device(fn, device, &i);
   if (rc == NVML_SUCCESS && memory == NULL) rc = NVML_ERROR_INVALID_ARGUMENT;
   if (rc == NVML_SUCCESS && memory->version != NVML_MEMORY_V2_VERSION) rc = NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
   if (rc == NVML_SUCCESS) {
@@ -2215,7 +2255,7 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *me
 static nvmlReturn_t running_processes(int physical, unsigned int *count, nvmlProcessInfo_t *infos) {
   nvmlProcessInfo_t found[2];
   unsigned int n = 0;
-  const unsigned long long ours = process_bytes_on(physical);
+  const unsigned long long ours = nvml_process_bytes_on(physical);
   if (ours > 0) {
     found[n].pid = (unsigned int)getpid();
     found[n].usedGpuMemory = ours;
@@ -2245,7 +2285,7 @@ nvmlReturn_t nvmlDeviceGetComputeRunningProcesses_v3(nvmlDevice_t device, unsign
   static const char fn[] = "nvmlDeviceGetComputeRunningProcesses_v3";
   int rc, i = 0;
   if (enter(fn, &rc)) return leave(fn, rc, -1);
-  rc = nvml_device(device, &i);
+  rc = nvml_device(fn, device, &i);
   if (rc == NVML_SUCCESS && count == NULL) rc = NVML_ERROR_INVALID_ARGUMENT;
   if (rc == NVML_SUCCESS) rc = running_processes(i, count, infos);
   return leave(fn, rc, -1);
@@ -2262,7 +2302,7 @@ nvmlReturn_t nvmlDeviceGetGraphicsRunningProcesses_v3(nvmlDevice_t device, unsig
   int rc, i = 0;
   (void)infos;
   if (enter(fn, &rc)) return leave(fn, rc, -1);
-  rc = nvml_device(device, &i);
+  rc = nvml_device(fn, device, &i);
   if (rc == NVML_SUCCESS && count == NULL) rc = NVML_ERROR_INVALID_ARGUMENT;
   if (rc == NVML_SUCCESS) *count = 0;
   return leave(fn, rc, -1);
@@ -2272,7 +2312,7 @@ nvmlReturn_t nvmlDeviceGetUtilizationRates(nvmlDevice_t device, nvmlUtilization_
   static const char fn[] = "nvmlDeviceGetUtilizationRates";
   int rc, i = 0;
   if (enter(fn, &rc)) return leave(fn, rc, -1);
-  rc = nvml_device(device, &i);
+  rc = nvml_device(fn, device, &i);
   if (rc == NVML_SUCCESS && utilization == NULL) rc = NVML_ERROR_INVALID_ARGUMENT;
   if (rc == NVML_SUCCESS) {
     utilization->gpu = fake.gpus[i].util_gpu;
@@ -2285,7 +2325,7 @@ nvmlReturn_t nvmlDeviceGetTemperature(nvmlDevice_t device, int sensor, unsigned 
   static const char fn[] = "nvmlDeviceGetTemperature";
   int rc, i = 0;
   if (enter(fn, &rc)) return leave(fn, rc, -1);
-  rc = nvml_device(device, &i);
+  rc = nvml_device(fn, device, &i);
   if (rc == NVML_SUCCESS && (temperature == NULL || sensor != 0)) rc = NVML_ERROR_INVALID_ARGUMENT;
   if (rc == NVML_SUCCESS) *temperature = fake.gpus[i].temperature_c;
   return leave(fn, rc, -1);
@@ -2295,7 +2335,7 @@ nvmlReturn_t nvmlDeviceGetTemperatureV(nvmlDevice_t device, nvmlTemperature_t *t
   static const char fn[] = "nvmlDeviceGetTemperatureV";
   int rc, i = 0;
   if (enter(fn, &rc)) return leave(fn, rc, -1);
-  rc = nvml_device(device, &i);
+  rc = nvml_device(fn, device, &i);
   if (rc == NVML_SUCCESS && (temperature == NULL || temperature->sensorType != 0)) rc = NVML_ERROR_INVALID_ARGUMENT;
   if (rc == NVML_SUCCESS && temperature->version != NVML_TEMPERATURE_V1_VERSION) rc = NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
   if (rc == NVML_SUCCESS) temperature->temperature = (int)fake.gpus[i].temperature_c;
@@ -2306,7 +2346,7 @@ nvmlReturn_t nvmlDeviceGetPciInfo_v3(nvmlDevice_t device, nvmlPciInfo_t *pci) {
   static const char fn[] = "nvmlDeviceGetPciInfo_v3";
   int rc, i = 0;
   if (enter(fn, &rc)) return leave(fn, rc, -1);
-  rc = nvml_device(device, &i);
+  rc = nvml_device(fn, device, &i);
   if (rc == NVML_SUCCESS && pci == NULL) rc = NVML_ERROR_INVALID_ARGUMENT;
   if (rc == NVML_SUCCESS) {
     memset(pci, 0, sizeof(*pci));
@@ -2324,7 +2364,7 @@ nvmlReturn_t nvmlDeviceGetEccMode(nvmlDevice_t device, int *current, int *pendin
   static const char fn[] = "nvmlDeviceGetEccMode";
   int rc, i = 0;
   if (enter(fn, &rc)) return leave(fn, rc, -1);
-  rc = nvml_device(device, &i);
+  rc = nvml_device(fn, device, &i);
   if (rc == NVML_SUCCESS && (current == NULL || pending == NULL)) rc = NVML_ERROR_INVALID_ARGUMENT;
   if (rc == NVML_SUCCESS) *current = *pending = 1;
   return leave(fn, rc, -1);
@@ -2335,7 +2375,7 @@ nvmlReturn_t nvmlDeviceGetTotalEccErrors(nvmlDevice_t device, int errorType, int
   static const char fn[] = "nvmlDeviceGetTotalEccErrors";
   int rc, i = 0;
   if (enter(fn, &rc)) return leave(fn, rc, -1);
-  rc = nvml_device(device, &i);
+  rc = nvml_device(fn, device, &i);
   if (rc == NVML_SUCCESS && (count == NULL || errorType < 0 || errorType > 1 || counterType < 0 || counterType > 1)) {
     rc = NVML_ERROR_INVALID_ARGUMENT;
   }
@@ -2494,6 +2534,10 @@ unsigned long long fake_process_bytes_on(int physical) {
   pthread_mutex_unlock(&mutex);
   return bytes;
 }
+
+/* The calling thread's NVML calls stand for another process's (on) or this one's (off): another
+ * process's do not block while this one is frozen. */
+void fake_set_nvml_for_another_process(int on) { nvml_for_another_process = on != 0; }
 
 unsigned long long fake_used_bytes(int physical) {
   unsigned long long total = 0, used = 0, free_bytes = 0;

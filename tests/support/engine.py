@@ -14,9 +14,10 @@ no part of the engine is replaced. Two things are adapted to the fake, each said
   flexium.engine.nvml). On a real machine that child sees the same GPUs as its parent; with the
   fake, every process has its own modelled machine, so the child cannot see the memory a test
   configured in the parent. ``nvml_in_parent`` therefore answers those child reads from this
-  process's fake (whose NVML, unlike the real one, does not block while frozen) and counts them,
-  so tests still see *that* the engine went through the child path. Tests in
-  test_engine_safe_points.py run the real child path.
+  process's fake, as another process's reads (``FakeDriver.nvml_of_another_process``: the fake's
+  NVML blocks a frozen process's own calls, as the real one does), and counts them, so tests still
+  see *that* the engine went through the child path; ``reader_in_parent`` does the same for the
+  reader's "free UUID" answers. Tests in test_engine_safe_points.py run the real child path.
 
 Test modules import what they use: ``from support.engine import driver, fake, make_engine``.
 """
@@ -128,7 +129,8 @@ def nvml_in_parent(fake: FakeDriver, monkeypatch: pytest.MonkeyPatch) -> ChildRe
     def read_in_child(timeout: float = 30.0) -> list[Any]:
         reads.count += 1
         reads.threads.append(threading.get_ident())
-        return nvml._read_here()
+        with fake.nvml_of_another_process():
+            return nvml._read_here()
 
     monkeypatch.setattr(nvml, "_read_in_child", read_in_child)
     return reads
@@ -151,7 +153,11 @@ def reader_in_parent(fake: FakeDriver, monkeypatch: pytest.MonkeyPatch) -> list[
         reply_read, reply_write = os.pipe()
 
         def serve() -> None:
-            with os.fdopen(request_read) as requests, os.fdopen(reply_write, "w") as replies:
+            with (
+                fake.nvml_of_another_process(),
+                os.fdopen(request_read) as requests,
+                os.fdopen(reply_write, "w") as replies,
+            ):
                 for request in requests:
                     asked.append(request.strip())
                     replies.write(nvml._free_line(request) + "\n")

@@ -45,16 +45,19 @@ Any other transition: ``CUDA_ERROR_ILLEGAL_STATE``, nothing changes. FAILED is r
   a restore failed for memory, every later restore fails with ``CUDA_ERROR_OPERATING_SYSTEM``.
 * while CHECKPOINTED the process holds no GPU memory (NVML shows none; fact `zero-residue`), but for VMM
   memory held only by exported fds (below).
-* after a remap, ``cuDeviceGet*`` still report each logical device's ORIGINAL GPU (fact `remap-keeps-old-identity`);
-  ``physical_of`` and NVML say where it really is.
+* after a remap ``cuDeviceGetUuid`` names the GPU a logical device is on now, as the driver does, while
+  ``cuDeviceGetPCIBusId`` keeps naming the GPU it was on at first, as torch's cached properties do
+  (fact `remap-keeps-old-identity`); ``physical_of`` and NVML say where it is.
 * reserved fields of the argument structs must be zero, else ``CUDA_ERROR_INVALID_VALUE``.
 * any pid other than ``getpid()``: ``CUDA_ERROR_INVALID_VALUE`` from every checkpoint function
   (what tools see from the real driver for a pid with no CUDA state; not measured here).
 * fact `locked-process-blocks-cuda`: while the process is not RUNNING, its other CUDA calls (cuInit,
-  cuDevice*) block until it runs again. From the thread that took the lock that never happens (the real driver hangs):
-  the fake returns ``CUDA_ERROR_ILLEGAL_STATE`` at once, counts a deadlock and says so on stderr.
-  Another thread waits up to ``set_block_timeout_ms`` (default 5000) and then does the same.
-  ``blocked_calls()`` / ``deadlocks()`` count them. cuGetErrorName/String never block.
+  cuDevice*) and its NVML calls block until it runs again. From the thread that took the lock that never happens (the
+  real driver hangs): the fake returns ``CUDA_ERROR_ILLEGAL_STATE`` (NVML: ``NVML_ERROR_TIMEOUT``) at once, counts a
+  deadlock and says so on stderr. Another thread waits up to ``set_block_timeout_ms`` (default 5000) and then does the
+  same. ``blocked_calls()`` / ``deadlocks()`` count them. cuGetErrorName/String and nvmlErrorString never block, nor
+  do the fake's own control functions (``used_bytes`` and the like) and the NVML calls of a thread inside
+  ``nvml_of_another_process()``: both stand for NVML read from another process (fact `nvml-reader-process`).
 * ``cuGetProcAddress[_v2]`` knows only the functions flexium uses, each from the CUDA version
   of its current ABI; an older version asked: ``VERSION_NOT_SUFFICIENT``; an unknown name, a
   function newer than ``FAKE_CUDA_VERSION`` (default 13000; checkpoint needs 12080), a checkpoint
@@ -108,8 +111,10 @@ read and write the bytes behind a device address with ctypes:
 
 NVML (physical view): memory used = other processes + this process's bytes on that GPU now;
 compute processes = this pid (when it holds memory there) and, for other memory, one process
-with pid ``OTHER_PID_BASE + physical`` (above the kernel's pid limit, so never real). Driver
-version ``FAKE_NVML_DRIVER`` (default ``580.159.04``).
+with pid ``OTHER_PID_BASE + physical`` (above the kernel's pid limit, so never real). This pid's
+count leaves out VMM memory it holds only through an import of its own export (a fast move's
+target memory until it is the job's own again; fact `nvml-skips-imported-memory`), which memory
+used still counts. Driver version ``FAKE_NVML_DRIVER`` (default ``580.159.04``).
 
 Failure injection: ``fail(function, code, nth=1)`` makes the nth next call of ``function`` (any
 exported cu*/nvml* name) return ``code`` without doing anything; ``nth=0``: every call, until
@@ -318,6 +323,7 @@ class FakeDriver:
             "fake_physical_of": (c_int, [c_int]),
             "fake_process_bytes_on": (c_ull, [c_int]),
             "fake_used_bytes": (c_ull, [c_int]),
+            "fake_set_nvml_for_another_process": (None, [c_int]),
             "fake_call_count": (c_int, [ctypes.c_char_p]),
             "fake_last_pairs_count": (c_int, []),
             "fake_last_pair": (c_int, [c_int, ctypes.POINTER(c_int), ctypes.POINTER(c_int)]),
@@ -443,7 +449,7 @@ class FakeDriver:
         return int(self._lib.fake_cuda_version())
 
     def uuid(self, physical: int) -> str:
-        """The "GPU-..." UUID of a physical GPU, as NVML and (before a remap) CUDA report it."""
+        """The "GPU-..." UUID of a physical GPU, as NVML and CUDA report it."""
         buf = ctypes.create_string_buffer(64)
         self._check(self._lib.fake_uuid(physical, buf, len(buf)), f"GPU {physical}")
         return buf.value.decode()
@@ -462,12 +468,24 @@ class FakeDriver:
         return [self.physical_of(i) for i in range(self.gpu_count)]
 
     def process_bytes_on(self, physical: int) -> int:
-        """This process's bytes on a physical GPU now (0 while checkpointed)."""
+        """This process's bytes on a physical GPU now (0 while checkpointed): where its memory is,
+        memory NVML leaves out of its count for the process included."""
         return int(self._lib.fake_process_bytes_on(physical))
 
     def used_bytes(self, physical: int) -> int:
         """NVML's memory used of a physical GPU: other processes + this process."""
         return int(self._lib.fake_used_bytes(physical))
+
+    @contextlib.contextmanager
+    def nvml_of_another_process(self) -> Iterator[None]:
+        """Within the block this thread's NVML calls stand for another process's, the engine's NVML
+        reader (fact `nvml-reader-process`), whose reads a test answers here because no other process
+        sees the machine it set up: they do not block while this process is frozen."""
+        self._lib.fake_set_nvml_for_another_process(1)
+        try:
+            yield
+        finally:
+            self._lib.fake_set_nvml_for_another_process(0)
 
     def call_count(self, function: str) -> int:
         """Calls of an exported cu*/nvml* function since the last reset()/clear_log()."""

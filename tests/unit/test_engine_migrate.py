@@ -108,8 +108,11 @@ def test_migrate_moves_the_job_and_reports_it(fake: FakeDriver, make_engine: Cal
     assert result.seconds >= result.step_seconds("checkpoint") + result.step_seconds("restore")
     assert result.gb_per_second == pytest.approx(3 * GiB / 1e9 / result.seconds)
     assert engine.last_result is result
-    # The process still sees its old identity (fact `remap-keeps-old-identity`); the engine knows better.
-    assert [d.uuid for d in _C.list_devices()] == fake.uuids()
+    # The driver names each device's GPU now, its PCI bus id the one of init (fact `remap-keeps-old-identity`); the
+    # engine tracks the GPU itself and reads neither.
+    devices = _C.list_devices()
+    assert [d.uuid for d in devices] == [fake.uuid(physical) for physical in fake.placement()]
+    assert [d.pci_bus_id for d in devices] == [gpu.pci_bus_id for gpu in engine.gpus]
     assert nvml.gpu_by_uuid(fake.uuid(1)).used_by(PID) == 3 * GiB
 
 
@@ -222,8 +225,9 @@ def test_repeated_migrations_keep_the_identity_right(
         assert fake.process_bytes_on(placement[0]) == 4 * GiB and fake.process_bytes_on(where) == 0
         assert result.bytes_moved == 4 * GiB
         where = placement[0]
-    # The driver still reports the identities of init (fact `remap-keeps-old-identity`).
-    assert [d.uuid for d in _C.list_devices()] == fake.uuids()
+    # The driver names the GPU each device is on now, whatever the identities of init (fact `remap-keeps-old-identity`).
+    assert [d.uuid for d in _C.list_devices()] == [fake.uuid(physical) for physical in placement]
+    assert [gpu.uuid for gpu in engine.gpus] == fake.uuids()
 
 
 def test_a_job_on_cuda_1_migrates_to_cuda_0(fake: FakeDriver, make_engine: Callable[..., Any]) -> None:

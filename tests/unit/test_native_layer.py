@@ -294,9 +294,9 @@ def test_primitives_walk_the_state_machine(fake: FakeDriver) -> None:
     ]
 
 
-def test_restore_with_every_gpu_paired_moves_the_process_but_not_its_identity(fake: FakeDriver) -> None:
+def test_restore_with_every_gpu_paired_moves_the_process_and_its_uuid_but_not_its_bus_id(fake: FakeDriver) -> None:
     fake.set_process_memory(0, 5 * GiB)
-    before = [d.uuid for d in _C.list_devices()]
+    before = [(d.uuid, d.pci_bus_id) for d in _C.list_devices()]
     _C.lock(PID, 0)
     _C.checkpoint(PID)
     _C.restore(PID, swap_pairs(fake))
@@ -304,7 +304,11 @@ def test_restore_with_every_gpu_paired_moves_the_process_but_not_its_identity(fa
     assert fake.placement() == [1, 0]
     assert fake.process_bytes_on(1) == 5 * GiB and fake.process_bytes_on(0) == 0
     assert fake.last_pairs_count() == 2 and fake.last_pairs() == [(0, 1), (1, 0)]
-    assert [d.uuid for d in _C.list_devices()] == before  # fact `remap-keeps-old-identity`
+    # Each device's UUID names the GPU it is on now; its PCI bus id the one it was on (fact `remap-keeps-old-identity`).
+    assert [(d.uuid, d.pci_bus_id) for d in _C.list_devices()] == [
+        (before[1][0], before[0][1]),
+        (before[0][0], before[1][1]),
+    ]
     # Pairs are relative to where the process is now: the same swap brings it back.
     _C.lock(PID, 0)
     _C.checkpoint(PID)
@@ -746,6 +750,9 @@ def test_cuGetProcAddress_reports_missing_and_too_old_symbols(fake: FakeDriver) 
 
 
 def test_pynvml_sees_the_physical_gpus_through_a_migration_and_a_pause(driver: FakeDriver) -> None:
+    """NVML's view is the physical one; while the process is checkpointed its own NVML calls do not
+    return (the fake gives up at once on the thread that holds the lock), so what a pause leaves is
+    read as another process reads it (the fake's control functions)."""
     out = run_python(
         """
         import ctypes, pynvml
@@ -777,12 +784,19 @@ def test_pynvml_sees_the_physical_gpus_through_a_migration_and_a_pause(driver: F
         ok = all(o.code == 0 for o in _C.run_steps(pid, steps, []))
         migrated = view()
         _C.lock(pid, 0); _C.checkpoint(pid)
-        paused = view()
+        try:
+            pynvml.nvmlDeviceGetCount()
+            nvml_while_paused = "returned"
+        except pynvml.NVMLError as exc:
+            nvml_while_paused = str(exc)
+        paused = [{"used": fake.used_bytes(i), "ours": fake.process_bytes_on(i)} for i in range(2)]
+        deadlocks = fake.deadlocks()
         _C.restore(pid); _C.unlock(pid)
         h1 = pynvml.nvmlDeviceGetHandleByIndex(1)
         print(json.dumps({
             "driver": pynvml.nvmlSystemGetDriverVersion(), "cuda_uuids": u, "migrated_ok": ok,
             "cuda_uuids_after": [d.uuid for d in _C.list_devices()],
+            "nvml_while_paused": nvml_while_paused, "deadlocks": deadlocks,
             "before": before, "migrated": migrated, "paused": paused, "resumed": view(),
             "index_by_uuid": pynvml.nvmlDeviceGetIndex(pynvml.nvmlDeviceGetHandleByUUID(u[1])),
             "name": pynvml.nvmlDeviceGetName(h1), "temperature": pynvml.nvmlDeviceGetTemperature(h1, 0),
@@ -799,7 +813,8 @@ def test_pynvml_sees_the_physical_gpus_through_a_migration_and_a_pause(driver: F
     )
     assert out["driver"] == "580.159.04"
     assert out["migrated_ok"]
-    assert [g["uuid"] for g in out["before"]] == out["cuda_uuids"] == out["cuda_uuids_after"]
+    assert [g["uuid"] for g in out["before"]] == out["cuda_uuids"]
+    assert out["cuda_uuids_after"] == out["cuda_uuids"][::-1]  # each device names the GPU it is on now
     other_pid = {str(fake_driver.OTHER_PID_BASE + 1): 2 * GiB}
     before, migrated, paused, resumed = out["before"], out["migrated"], out["paused"], out["resumed"]
     assert [g["ours"] for g in before] == [6 * GiB, None]
@@ -809,7 +824,8 @@ def test_pynvml_sees_the_physical_gpus_through_a_migration_and_a_pause(driver: F
     assert [g["used"] for g in migrated] == [0, 8 * GiB]
     assert [g["used_v2"] for g in migrated] == [0, 8 * GiB]
     assert all(g["used"] + g["free"] == g["total"] == H200_BYTES for g in migrated)
-    assert [g["ours"] for g in paused] == [None, None]  # a pause leaves nothing of ours
+    assert out["nvml_while_paused"] == "Timeout" and out["deadlocks"] == 1  # fact `locked-process-blocks-cuda`
+    assert [g["ours"] for g in paused] == [0, 0]  # a pause leaves nothing of ours
     assert [g["used"] for g in paused] == [0, 2 * GiB]
     assert resumed == migrated
     assert out["index_by_uuid"] == 1
