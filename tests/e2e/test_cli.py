@@ -154,7 +154,7 @@ def test_tokens_issued_and_revoked_from_the_command_line(server: Server) -> None
     # A token revoked on the database directly stops working within the server's cache time.
     started = time.monotonic()
     wait_until(lambda: server.cli("ps", "--token", token).returncode == 1, 20, "the revoked token to be refused")
-    assert time.monotonic() - started < 15
+    assert time.monotonic() - started < 15  # the 5 s cache (token_cache_s), three times over on a loaded machine
     assert server.cli("ps").returncode == 0
 
 

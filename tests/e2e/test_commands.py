@@ -184,4 +184,4 @@ def test_refused_before_anything_moves(server: Server, job: Job) -> None:
     ), busy.stderr
     wait_until(lambda: server.process(job.process_id)["state"] == "PAUSED", 10, "the pause")
     assert server.cli("resume", job.process_id).returncode == 0
-    assert time.monotonic() - started < 30
+    assert time.monotonic() - started < 30  # a few seconds: a bound on a hang, not on speed

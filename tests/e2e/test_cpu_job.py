@@ -26,7 +26,8 @@ def job(server: Server) -> Iterator[Job]:
 
 
 def test_registers_with_capabilities_saying_no_migration(server: Server, job: Job) -> None:
-    assert job.init_seconds < 1.0, "flexium.init() must not wait for the server"
+    # Under a second on an idle machine; five leaves room for one shared with other work.
+    assert job.init_seconds < 5.0, "flexium.init() must not wait for the server"
     done = server.cli("ps", "--json")
     assert done.returncode == 0, done.stderr
     processes = {p["process_id"]: p for p in json.loads(done.stdout)}

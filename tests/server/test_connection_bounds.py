@@ -23,6 +23,11 @@ from support.server import LiveServer, process_body
 pytestmark = pytest.mark.timeout(240)
 
 REQUEST_TIMEOUT_S = 8.0
+# A request answered at once, on a machine shared with other work (CI's has two cores): the failures
+# looked for here (a request queued behind the flood until --request-timeout closes it, refused, cut)
+# show as errors or as waits of REQUEST_TIMEOUT_S or more, so half of it leaves room for a slow
+# machine without letting them through. A 1 s long-poll takes its second more.
+AT_ONCE_S = REQUEST_TIMEOUT_S / 2
 IDLE_CONNECTIONS = 1000
 HALF_HEADER_CONNECTIONS = 200
 
@@ -137,9 +142,9 @@ def test_jobs_are_served_through_a_flood_of_idle_and_half_header_connections(
         rss_during = _rss_mib(pid)
         served_within = time.monotonic() - opened
         assert served_within < REQUEST_TIMEOUT_S, "the flood was closed before the job was measured inside it"
-        assert register_s < 2.0
-        assert max(during) < 1.0, during
-        assert 0.9 < poll_s < 3.0
+        assert register_s < AT_ONCE_S
+        assert max(during) < AT_ONCE_S, during
+        assert 0.9 < poll_s < 1 + AT_ONCE_S
 
         # Past the bound every flood connection is closed (408 and EOF), none is left holding.
         deadline = opened + REQUEST_TIMEOUT_S + 30
@@ -151,7 +156,7 @@ def test_jobs_are_served_through_a_flood_of_idle_and_half_header_connections(
         assert not remaining, f"{len(remaining)} flood connections still open {closed_after:.0f} s after opening"
         assert closed_after >= REQUEST_TIMEOUT_S - 0.5
         after = job.beats(5)
-        assert max(after) < 1.0
+        assert max(after) < AT_ONCE_S
     finally:
         for sock in flood:
             sock.close()
@@ -200,7 +205,7 @@ def test_a_flood_past_the_open_file_limit_leaves_room_for_jobs(
             poll_s = job.poll(1)
             held = _open_connections(srv.proc.pid)
             assert held <= 1024
-            assert register_s < 2.0 and max(beats) < 1.0 and 0.9 < poll_s < 3.0
+            assert register_s < AT_ONCE_S and max(beats) < AT_ONCE_S and 0.9 < poll_s < 1 + AT_ONCE_S
         finally:
             for sock in flood:
                 sock.close()
@@ -245,7 +250,7 @@ def test_past_max_connections_the_oldest_idle_one_makes_room(tmp_path: Path) -> 
         try:
             job = _Job(srv.url, srv.token, "room-job")
             job.register()  # its connection evicts the oldest idle one, not itself
-            assert max(job.beats(5)) < 1.0
+            assert max(job.beats(5)) < AT_ONCE_S
             time.sleep(1)
             closed = sum(1 for s in flood if _closed_by_server(s))
             assert closed >= 50  # 150 opened against a limit of 100
@@ -300,9 +305,9 @@ def test_a_body_that_never_arrives_is_cut_at_the_bound(tmp_path: Path) -> None:
             received += chunk
         closed_after = time.monotonic() - started
         sock.close()
-        assert 1.5 < closed_after < 8.0
+        assert 1.5 < closed_after < 4 * 2  # no sooner than the 2 s bound; four times it on a slow machine
         assert not received.startswith(b"HTTP/1.1 2")
-        assert _Job(srv.url, srv.token, "fine-job").register() < 2.0
+        assert _Job(srv.url, srv.token, "fine-job").register() < AT_ONCE_S
         listed = requests.get(
             f"{srv.url}/api/w/default/processes", headers={"Authorization": f"Bearer {srv.token}"}, timeout=10
         )

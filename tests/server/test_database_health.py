@@ -85,7 +85,8 @@ def test_a_postgresql_server_that_does_not_answer_fails_the_health_check_within_
         started = time.monotonic()
         with pytest.raises(DatabaseUnavailable):
             asyncio.run(db.ping(timeout_s=1.0))
-        assert time.monotonic() - started < 2.0
+        # Its own 1 s, with room for a machine shared with other work; not the connection's 5 s.
+        assert time.monotonic() - started < 4.0
     finally:
         db.dispose()
 
@@ -100,7 +101,9 @@ def test_a_sqlite_file_locked_by_another_connection_is_reported_not_waited_for(t
         started = time.monotonic()
         with pytest.raises(DatabaseLocked, match=r"locked by another process \(waited 0.3 s; --db-lock-timeout\)"):
             db.run(_select_one, write=True)
-        assert time.monotonic() - started < 1.5
+        # The 0.3 s it waited, ten times over on a loaded machine; a write that waited for the lock
+        # itself would wait as long as the holder holds it.
+        assert time.monotonic() - started < 10 * 0.3
         with pytest.raises(DatabaseUnavailable, match="locked by another process"):
             asyncio.run(db.ping())
         holder.execute("ROLLBACK")
