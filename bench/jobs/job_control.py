@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import subprocess
 import sys
 import threading
@@ -21,6 +22,8 @@ FILL_GPU = Path(__file__).with_name("fill_gpu.py")
 # A fast move's copies become the job's own over the next optimizer steps (NVML counts them for
 # this process from then on): the next operation waits for that, this long at most.
 OWN_MEMORY_WAIT_S = 60.0
+# What an armed filler may take to fill its GPU once fired (it fills within milliseconds).
+FILL_WAIT_S = 60.0
 
 
 def engine_target(engine: Any, name: str | None) -> Any:
@@ -62,6 +65,7 @@ class Control(threading.Thread):
         self.engine_state: str | None = None
         self.filler: subprocess.Popen[bytes] | None = None
         self.armed = False
+        self.fired: dict[str, Any] | None = None  # what an armed filler took when it fired
         self.last_paused_bytes = 0
 
     def run(self) -> None:
@@ -161,7 +165,10 @@ class Control(threading.Thread):
 
     def arm(self, engine: Any, gpu: Any) -> None:
         """Another process, its context made on `gpu`, takes all but 1 GiB of it the moment the next
-        operation starts (MIGRATING): while the job is being checkpointed, after the target check."""
+        operation starts (MIGRATING), after the target check; the operation goes on to lock and
+        checkpoint the job only once the filler says it has (its state listener waits for that), so
+        the memory is gone before the restore however the two processes are scheduled. A filler that
+        says nothing within FILL_WAIT_S lets it go on: the "filled" event then says so."""
         self.filler = subprocess.Popen(
             [sys.executable, str(FILL_GPU), "0", "1", "--armed"],
             stdin=subprocess.PIPE,
@@ -170,13 +177,17 @@ class Control(threading.Thread):
         )
         assert self.filler.stdin is not None and self.filler.stdout is not None
         json.loads(self.filler.stdout.readline())  # its context is made
-        stdin, fired = self.filler.stdin, threading.Event()
+        stdin, stdout, fired = self.filler.stdin, self.filler.stdout, threading.Event()
 
         def fire(state: Any) -> None:
             if state.value == "MIGRATING" and not fired.is_set():
                 fired.set()
                 stdin.write(b"\n")
                 stdin.flush()
+                ready, _, _ = select.select([stdout], [], [], FILL_WAIT_S)
+                line = stdout.readline() if ready else b""
+                self.fired = json.loads(line) if line else None
+                emit("filled", filled=self.fired, within_s=FILL_WAIT_S)
 
         engine.add_state_listener(fire)
         self.armed = True
@@ -187,10 +198,12 @@ class Control(threading.Thread):
         if filler is not None:
             assert filler.stdin is not None and filler.stdout is not None
             # An armed filler says what it took once it has fired; one that filled at once said it then.
-            if self.armed:  # fired already or not: a line makes it fill (again harmless) and say so
+            filled = self.fired
+            if self.armed and filled is None:  # not fired: a line makes it fill and say so
                 filler.stdin.write(b"\n")
                 filler.stdin.flush()
-            filled = filler.stdout.readline() if self.armed else ""
-            self.armed = False
+                line = filler.stdout.readline()
+                filled = json.loads(line) if line else None
+            self.armed, self.fired = False, None
             filler.stdin.close()
-            emit("vacated", exit=filler.wait(timeout=60), filled=json.loads(filled) if filled else None)
+            emit("vacated", exit=filler.wait(timeout=60), filled=filled)

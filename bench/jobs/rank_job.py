@@ -28,8 +28,9 @@ suspended, fact `nccl-buffers-not-restorable`).
 
 Events: capabilities (what the rank reports to a server), ready, step (its loss, and when it ended
 on the perf_counter clock), op (each operation: its path, seconds, the optimizer step the job
-stopped at, each of its steps' seconds, its notes, what the rank holds on each GPU by NVML), paused,
-done (whether the ballast came through intact, what the rank holds and PyTorch reserves).
+stopped at, each of its steps' seconds, its notes, what the rank holds on each GPU and what every
+process uses there, by NVML), paused (the same readings while paused), done (whether the ballast
+came through intact, what the rank holds and PyTorch reserves).
 """
 
 from __future__ import annotations
@@ -68,6 +69,14 @@ def held_by(pids: list[int]) -> dict[str, int]:
     from flexium.engine import nvml
 
     return {gpu.uuid: sum(gpu.used_by(pid) or 0 for pid in pids) for gpu in nvml.host_gpus()}
+
+
+def used_now() -> dict[str, int]:
+    """Each GPU's memory used by every process, by UUID: a GPU the job left must be back to its
+    idle reading (no copier context, no NCCL buffer left there)."""
+    from flexium.engine import nvml
+
+    return {gpu.uuid: gpu.memory_used for gpu in nvml.host_gpus()}
 
 
 def unretired_collectives() -> dict[str, int] | None:
@@ -139,10 +148,10 @@ def control(plan: list[PlanItem], progress: Progress, hold: float, rank: int, wo
             failed = getattr(exc, "result", None)
             emit("op", rank=rank, kind=item.op, ok=False, error=str(exc), **(described(failed) if failed else {}))
             continue
-        emit("op", rank=rank, kind=item.op, ok=True, **described(result), held=held_by([os.getpid()]))
+        emit("op", rank=rank, kind=item.op, ok=True, **described(result), held=held_by([os.getpid()]), used=used_now())
         if item.op == "pause":
             time.sleep(hold / 2)
-            emit("paused", rank=rank, held=held_by([os.getpid()]), unretired=unretired_collectives())
+            emit("paused", rank=rank, held=held_by([os.getpid()]), used=used_now(), unretired=unretired_collectives())
             time.sleep(hold / 2)
 
 

@@ -2,9 +2,10 @@
 job on GPUs 0 and 1 whose rank 1 moves alone to GPU 2 (rank 0 stays), then the whole job to GPUs
 2 and 3, then a pause and a resume on GPUs 0 and 1; a 4-rank FSDP2 job paused and resumed as a
 whole and two of its ranks swapped. Every loss trace bit-identical to an undisturbed run, and
-after each operation every rank holds memory on the one GPU it was sent to and on none it left
-(NVML). Run by each rank's control thread (bench/jobs/rank_job.py --plan) and through a real server
-and the `flexium` command. Skipped, and listed as not run, where NVML sees fewer than four GPUs."""
+after each operation, rank by rank, every rank holds memory on the one GPU it was sent to and on
+none it left, and every GPU no rank is on is back to its idle reading (NVML). Run by each rank's
+control thread (bench/jobs/rank_job.py --plan) and through a real server and the `flexium` command.
+Skipped, and listed as not run, where NVML sees fewer than four GPUs."""
 
 from __future__ import annotations
 
@@ -12,9 +13,24 @@ from typing import Any
 
 import pytest
 
-from support.gpu import nccl_with_suspend
+from support.gpu import assert_back_to_idle, idle_used, nccl_with_suspend
 from support.served_job import ServedJob
-from support.torchrun import check_ops, check_placements, check_traces, steps_at_ops, torchrun, torchrun_argv
+from support.torchrun import (
+    check_left_idle,
+    check_ops,
+    check_placements,
+    check_traces,
+    steps_at_ops,
+    torchrun,
+    torchrun_argv,
+)
+
+# Steps enough for a pause's host staging, prepared while the ranks train on, to come before the
+# last operation's agreed step (as tests/gpu/test_distributed_jobs.py found on two GPUs: a job that
+# ended first would leave that operation waiting out its deadline).
+STEPS = "120"
+# Through the server: long enough for every command to land while the job trains.
+SERVED_STEPS = 1500
 
 # GPU index of each rank after each operation (None: paused, nothing on any GPU).
 ALONE_THEN_WHOLE = {
@@ -38,9 +54,10 @@ def test_ranks_move_among_four_gpus_bit_identical(
     four_gpus: list[Any], ranks: int, model: str, case: dict[str, Any]
 ) -> None:
     nccl = nccl_with_suspend()
-    common = ("--model", model, "--steps", "60")
+    common = ("--model", model, "--steps", STEPS)
     reference = torchrun(*common, nccl=nccl, ranks=ranks)
     assert reference.returncode == 0, reference.stderr[-4000:]
+    idle = idle_used()
     plan = [arg for item in case["plan"] for arg in ("--plan", item)]
     moved = torchrun(*common, *plan, "--hold", "4", nccl=nccl, ranks=ranks)
     check_ops(moved, case["kinds"])
@@ -50,7 +67,9 @@ def test_ranks_move_among_four_gpus_bit_identical(
         for op in moved.of(rank, "op"):
             if op["kind"] == "migrate":
                 assert "suspend_nccl" in op["steps"] and "resume_nccl" in op["steps"], op
-    check_placements(moved, [gpu.uuid for gpu in four_gpus], case["where"])
+    uuids = [gpu.uuid for gpu in four_gpus]
+    check_placements(moved, uuids, case["where"])
+    check_left_idle(moved, uuids, case["where"], idle)
     stops = steps_at_ops(moved)
     assert all(stop == stops[0] for stop in stops), stops  # every rank stopped at the same step
 
@@ -86,9 +105,10 @@ def test_the_server_and_cli_move_ranks_among_four_gpus(four_gpus: list[Any], tmp
     ranks, model, steps = SERVED[case]
     nccl = nccl_with_suspend()
     uuid = [gpu.uuid for gpu in four_gpus]
-    job_args = ("--backend", "nccl", "--ballast-gb", "2", "--model", model, "--steps", "800")
+    job_args = ("--backend", "nccl", "--ballast-gb", "2", "--model", model, "--steps", str(SERVED_STEPS))
     reference = torchrun(*job_args, "--step-sleep", "0", nccl=nccl, ranks=ranks)
     assert reference.returncode == 0, reference.stderr[-4000:]
+    idle = idle_used()
     argv = torchrun_argv(ranks, *job_args, "--step-sleep", "0.03")
     with ServedJob(tmp_path, argv, ranks, env={}, nccl=nccl) as job:
         assert job.held() == [[uuid[rank]] for rank in range(ranks)]
@@ -96,4 +116,5 @@ def test_the_server_and_cli_move_ranks_among_four_gpus(four_gpus: list[Any], tmp
         for (kind, rank, *rest), where in steps:
             job.command(str(kind), processes[int(rank)], *map(str, rest))
             assert job.held() == [[uuid[i] for i in on] for on in where], f"after {kind} {rest}"
-        check_traces(job.finish(), reference, 800)
+            assert_back_to_idle(idle, {uuid[i] for on in where for i in on}, f"{kind} {' '.join(map(str, rest))}")
+        check_traces(job.finish(), reference, SERVED_STEPS)

@@ -2,7 +2,9 @@
 to a real server by `flexium.init()` alone and moved by the `flexium` command while it trains:
 paused and resumed (one GPU), migrated there and back (two GPUs); jobs of two processes (Lightning's
 strategy="ddp", `accelerate launch` with two processes) paused, resumed and their ranks swapped as
-a whole. Each loss trace, every rank's, must match an undisturbed run of the same job bit for bit."""
+a whole. Each loss trace, every rank's, must match an undisturbed run of the same job bit for bit;
+after each command every process holds memory on the GPUs it was sent to (NVML), and every GPU it
+left is back to its idle reading."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from typing import Any
 import pytest
 
 from support.fresh_process import keep_log
-from support.gpu import FRAMEWORK_JOB, job_events, nccl_with_suspend
+from support.gpu import FRAMEWORK_JOB, assert_back_to_idle, idle_used, job_events, nccl_with_suspend
 from support.served_job import ServedJob
 
 pytest.importorskip("fastapi", reason="the server extra is not installed (ci/gpu-tests.sh installs .whl)")
@@ -39,6 +41,8 @@ ON_TWO_GPUS = ["split", "data-parallel"]
 TWO_PROCESSES = ["lightning-ddp", "accelerate-ddp"]
 SWAP = ("--ranks", "0=cuda:1,1=cuda:0")
 UNSWAP = ("--ranks", "0=cuda:0,1=cuda:1")
+# A command ({id}: the job's process) and the GPUs (indexes) each process is on after it.
+Move = tuple[tuple[str, ...], list[list[int]]]
 
 
 def _command(job: str) -> list[str]:
@@ -59,7 +63,7 @@ def _losses(events: list[dict[str, Any]]) -> dict[int, list[str]]:
 
 
 def _moved_while_training(
-    job: str, tmp_path: Path, moves: list[tuple[str, ...]], path: str = "fast", steps: str = STEPS
+    job: str, tmp_path: Path, host_gpus: list[Any], moves: list[Move], path: str = "fast", steps: str = STEPS
 ) -> None:
     from support.live_server import clean_env, wait_until
 
@@ -81,16 +85,18 @@ def _moved_while_training(
     expected = _losses(job_events(reference.stdout.splitlines()))
     assert sorted(expected) == list(range(ranks)) and all(len(t) >= int(steps) for t in expected.values())
 
+    uuid = [gpu.uuid for gpu in host_gpus]
+    idle = idle_used()
     argv = [*_command(job), "--steps", steps, "--pace", PACE_S]
     with ServedJob(tmp_path, argv, ranks, env={}, nccl=nccl, ready_s=300) as served:
         wait_until(  # training has begun: the commands meet optimizer steps
             lambda: sum(line.startswith('{"event": "loss"') for line in served.output.lines) >= 10, 180, f"{job} trains"
         )
-        for planned in moves:
+        for planned, where in moves:
             results = served.command(*(word.format(id=served.process_id) for word in planned))
             assert {r["path"] for r in results} == {path}, results
-            if planned[0] == "pause":
-                assert served.held() == [[]] * ranks, f"the paused {job} job holds GPU memory"
+            assert served.held() == [[uuid[i] for i in on] for on in where], f"{job} after {' '.join(planned)}"
+            assert_back_to_idle(idle, {uuid[i] for on in where for i in on}, f"{job}'s {' '.join(planned)}")
         traces = _losses(served.finish(timeout=600))
     assert traces == expected, f"{job}: a loss trace differs from the undisturbed run"
 
@@ -98,31 +104,36 @@ def _moved_while_training(
 # Lightning's strategy="ddp" on one GPU: an NCCL process group of one rank (torch's own NCCL), one
 # process to flexium and the server.
 @pytest.mark.parametrize("framework", [*FRAMEWORKS, "lightning-ddp-one-rank"])
-def test_a_framework_job_is_paused_and_resumed_bit_identical(framework: str, tmp_path: Path) -> None:
-    _moved_while_training(framework, tmp_path, [("pause", "{id}"), ("resume", "{id}")])
+def test_a_framework_job_is_paused_and_resumed_bit_identical(
+    framework: str, tmp_path: Path, host_gpus: list[Any]
+) -> None:
+    _moved_while_training(framework, tmp_path, host_gpus, [(("pause", "{id}"), [[]]), (("resume", "{id}"), [[0]])])
 
 
 @pytest.mark.parametrize("framework", FRAMEWORKS)
 def test_a_framework_job_is_migrated_there_and_back_bit_identical(
     framework: str, tmp_path: Path, two_gpus: list[Any]
 ) -> None:
-    _moved_while_training(framework, tmp_path, [("migrate", "{id}", "cuda:1"), ("migrate", "{id}", "cuda:0")])
+    there_and_back: list[Move] = [(("migrate", "{id}", "cuda:1"), [[1]]), (("migrate", "{id}", "cuda:0"), [[0]])]
+    _moved_while_training(framework, tmp_path, two_gpus, there_and_back)
 
 
 @pytest.mark.parametrize("job", ON_TWO_GPUS)
 def test_a_job_on_two_gpus_is_paused_resumed_and_swapped_bit_identical(
     job: str, tmp_path: Path, two_gpus: list[Any]
 ) -> None:
+    both = [[0, 1]]  # one process on both GPUs, whichever way round
     _moved_while_training(
         job,
         tmp_path,
+        two_gpus,
         [
-            ("pause", "{id}"),
-            ("resume", "{id}"),
-            ("migrate", "{id}", "cuda:1"),
-            ("migrate", "{id}", "cuda:0"),
-            ("migrate", "{id}", "--gpus", "cuda:0=cuda:1,cuda:1=cuda:0"),  # GPU by GPU
-            ("migrate", "{id}", "--gpus", "cuda:1=cuda:0,cuda:0=cuda:1"),
+            (("pause", "{id}"), [[]]),
+            (("resume", "{id}"), both),
+            (("migrate", "{id}", "cuda:1"), both),
+            (("migrate", "{id}", "cuda:0"), both),
+            (("migrate", "{id}", "--gpus", "cuda:0=cuda:1,cuda:1=cuda:0"), both),  # GPU by GPU
+            (("migrate", "{id}", "--gpus", "cuda:1=cuda:0,cuda:0=cuda:1"), both),
         ],
         path="driver",
         steps=MANY_MOVES_STEPS,
@@ -136,6 +147,12 @@ def test_a_job_of_two_processes_is_paused_resumed_and_swapped_as_a_whole_bit_ide
     _moved_while_training(
         job,
         tmp_path,
-        [("pause", "{id}"), ("resume", "{id}"), ("migrate", "{id}", *SWAP), ("migrate", "{id}", *UNSWAP)],
+        two_gpus,
+        [
+            (("pause", "{id}"), [[], []]),
+            (("resume", "{id}"), [[0], [1]]),
+            (("migrate", "{id}", *SWAP), [[1], [0]]),
+            (("migrate", "{id}", *UNSWAP), [[0], [1]]),
+        ],
         steps=MANY_MOVES_STEPS,
     )

@@ -83,22 +83,28 @@ def test_target_without_room_is_refused_and_training_continues(host_gpus: list[A
 
 def test_a_target_taken_while_the_job_is_checkpointed_is_caught_before_the_restore(host_gpus: list[Any]) -> None:
     """Another process takes all but 1 GiB of GPU 1 the moment a driver-path move starts, after the
-    target check, while the job is being checkpointed: the room check just before the restore
-    (csrc/room_check.h, the NVML reader asked from inside the locked section) fails the move there,
-    the job is restored on GPU 0 and trains on, and once GPU 1 is free the move runs. A restore
-    without room would have lost the job (fact `restore-without-room-loses-process`)."""
+    target check (the move locks and checkpoints the job only once it has: job_control.py's arm, so
+    the race cannot be lost): the room check just before the restore (csrc/room_check.h, the NVML
+    reader asked from inside the locked section) fails the move there, the job is restored on GPU 0
+    and trains on, and once GPU 1 is free the move runs. A restore without room would have lost the
+    job (fact `restore-without-room-loses-process`)."""
     args = ("--ballast-gb", BALLAST_GB, "--steps", "40", "--step-sleep", "0.1")
     reference = run_job(*args)
     plan = ["10:arm:cuda:1", "10:migrate:cuda:1@driver", "10:vacate", "25:migrate:cuda:1@driver"]
     run = run_job(*args, *[a for item in plan for a in ("--plan", item)])
     assert run.returncode == 0, run.stderr[-3000:]
+    filled = run.one("filled")
+    assert filled["filled"] is not None, f"the filler did not fill GPU 1 within {filled['within_s']} s"
+    assert filled["filled"]["free_after"] < 2 * GIB, filled
+    order = [e["event"] for e in run.events if e["event"] in ("filled", "op")]
+    assert order[:2] == ["filled", "op"], order  # GPU 1 was full before the move reached its restore
     caught, moved = run.ops
     assert caught["ok"] is False and caught["step"] == "room", caught
     assert "another process took memory there while the job was checkpointed" in caught["error"], caught["error"]
     assert caught["state"] == "RUNNING" and caught["physical"] == "cuda:0"
     steps = [(s["step"], s["ok"], s["rollback"]) for s in caught["result"]["steps"]]
     assert ("room", False, False) in steps and ("restore", True, True) in steps, steps
-    assert run.one("vacated")["filled"]["free_after"] < 2 * GIB
+    assert run.one("vacated")["filled"] == filled["filled"]
     assert moved["ok"] is True and moved["physical"] == "cuda:1"
     done = run.one("done")
     assert done["ballast_ok"] is True

@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,39 @@ def assert_left(op: dict[str, Any], uuid: str, idle: dict[str, int]) -> None:
     assert reading["used"] <= idle[uuid] + RESIDUE_SLACK, (
         f"after {op['op']} {uuid} shows {reading['used'] >> 20} MiB used, idle was {idle[uuid] >> 20} MiB"
     )
+
+
+def beyond_idle(idle: dict[str, int], occupied: Iterable[str]) -> dict[str, int]:
+    """The GPUs outside ``occupied`` that show more memory used now than at their idle reading, by
+    NVML: UUID -> MiB used."""
+    from flexium.engine import nvml
+
+    taken = set(occupied)
+    return {
+        gpu.uuid: gpu.memory_used >> 20
+        for gpu in nvml.host_gpus()
+        if gpu.uuid not in taken and gpu.memory_used > idle[gpu.uuid] + RESIDUE_SLACK
+    }
+
+
+def assert_back_to_idle(idle: dict[str, int], occupied: Iterable[str], after: str, within_s: float = 10.0) -> None:
+    """Within ``within_s`` of ``after``, every GPU outside ``occupied`` (the GPUs a job is on) is
+    back to its idle reading: nothing left where the job was (a copier's context, NCCL's buffers, a
+    process's memory)."""
+    deadline = time.monotonic() + within_s
+    while (left := beyond_idle(idle, occupied)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    idle_mib = {uuid: idle[uuid] >> 20 for uuid in left}
+    assert not left, f"after {after} GPUs the job is not on show MiB used {left}, idle {idle_mib}"
+
+
+def torch_nccl_version() -> str:
+    """The NCCL torch ships, as flexium names it ("2.28.9" in torch 2.11), read by torch in a fresh
+    process: this one only reads NVML."""
+    code = "import torch; print('.'.join(map(str, torch.cuda.nccl.version()[:3])))"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout.strip()
 
 
 def listed_by_nvidia_smi() -> int | str:

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from support.fresh_process import end_process_group, keep_log
-from support.gpu import RANK_JOB
+from support.gpu import RANK_JOB, RESIDUE_SLACK
 
 
 class TorchrunJob:
@@ -100,6 +100,25 @@ def check_placements(job: TorchrunJob, uuids: list[str], expected: dict[int, lis
         assert len(ops) == len(where), ops
         for op, index in zip(ops, where, strict=True):
             assert held_on(op) == ([] if index is None else [uuids[index]]), (rank, op["kind"], op["held"])
+
+
+def check_left_idle(
+    job: TorchrunJob, uuids: list[str], expected: dict[int, list[int | None]], idle: dict[str, int]
+) -> None:
+    """After each operation every GPU no rank is on (``expected``, as check_placements reads it)
+    shows its idle reading in every rank's NVML reading, a pause's taken while paused: nothing left
+    where a rank was (a copier's context, NCCL's buffers, its memory)."""
+    for rank in range(job.world):
+        paused = iter(job.of(rank, "paused"))
+        for index, op in enumerate(job.of(rank, "op")):
+            occupied = {uuids[where[index]] for where in expected.values() if where[index] is not None}
+            reading = next(paused) if op["kind"] == "pause" else op
+            left = {
+                uuid: reading["used"][uuid] >> 20
+                for uuid in uuids
+                if uuid not in occupied and reading["used"][uuid] > idle[uuid] + RESIDUE_SLACK
+            }
+            assert not left, f"rank {rank} after {op['kind']} #{index + 1}: MiB used where no rank is: {left}"
 
 
 def check_traces(events: list[dict[str, Any]], reference: TorchrunJob, steps: int) -> None:
