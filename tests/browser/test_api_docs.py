@@ -45,3 +45,13 @@ def test_the_api_reference_renders_offline(server: LiveServer, browser: Any, pat
         assert any("/docs-assets/" in url for url in loaded), loaded
     finally:
         browser.execute_cdp_cmd("Network.setBlockedURLs", {"urls": []})
+
+
+def test_swagger_offers_authorize_and_shows_the_token_placeholder(server: LiveServer, browser: Any) -> None:
+    browser.get(server.url + "/docs")
+    WebDriverWait(browser, 20).until(lambda d: d.find_elements(By.CSS_SELECTOR, ".swagger-ui .opblock"), "renders")
+    assert browser.find_elements(By.CSS_SELECTOR, ".swagger-ui .auth-wrapper .authorize"), "no Authorize button"
+    description = browser.find_element(By.CSS_SELECTOR, ".swagger-ui .info .description").text
+    assert "Authorization: Bearer <workspace token>" in description, description
+    # each /api operation shows the lock that says it sends the token
+    assert browser.find_elements(By.CSS_SELECTOR, ".swagger-ui .opblock .authorization__btn")

@@ -68,3 +68,23 @@ def test_without_fastapi_offline_the_pages_load_from_the_cdn(
             page = client.get(path)
             assert page.status_code == 200 and page.text == expected.body.decode(), path
         assert client.get("/docs-assets/swagger-ui-bundle.js").status_code == 404
+
+
+def test_the_schema_declares_the_workspace_token_on_every_api_operation(api: Api) -> None:
+    """Swagger UI draws its Authorize button from the bearer scheme, and shows the description's
+    `<workspace token>` as text only in code (bare, it is read as an HTML tag and vanishes)."""
+    schema = api.client.get("/openapi.json").json()
+    assert schema["components"]["securitySchemes"][docs.BEARER_SCHEME] == {
+        "type": "http",
+        "scheme": "bearer",
+        "description": "a workspace token (flx_...), as `flexium server` or `flexium token issue` printed it",
+    }
+    secured = {
+        (path, method): operation.get("security")
+        for path, operations in schema["paths"].items()
+        for method, operation in operations.items()
+    }
+    assert secured[("/api/w/{workspace}/processes", "get")] == [{docs.BEARER_SCHEME: []}]
+    assert all(s == [{docs.BEARER_SCHEME: []}] for (path, _), s in secured.items() if path.startswith("/api/"))
+    assert secured[("/healthz", "get")] is None
+    assert "`Authorization: Bearer <workspace token>`" in schema["info"]["description"]

@@ -18,10 +18,13 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flexium import protocol
 from flexium.cli.server_extra import server_module
+
+if TYPE_CHECKING:
+    from flexium.client import ApiClient
 
 SERVER_START_S = 60.0
 JOB_REGISTER_S = 120.0
@@ -34,6 +37,8 @@ def _say(text: str) -> None:
 
 def _port_free(host: str, port: int) -> bool:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        # As the server binds (uvicorn sets it): a port left in TIME_WAIT by the last demo is free.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError as exc:
@@ -150,7 +155,10 @@ def run(
     api = connect(f"{address}/{protocol.DEFAULT_WORKSPACE}", token)
     server: subprocess.Popen[Any] | None = None
     job: subprocess.Popen[Any] | None = None
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    registered: ProcessInfo | None = None
+    # Set before the children start, so that they begin with the default actions: a demo started
+    # in the background (`flexium demo &`) inherits SIGINT ignored, and so would they.
+    previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     status = 0
     try:
         with open(log_path, "ab") as log:
@@ -210,7 +218,6 @@ def run(
         )
         _say(f"demo training job started (pid {job.pid}); waiting for it to register")
         deadline = time.monotonic() + JOB_REGISTER_S
-        registered: ProcessInfo | None = None
         while registered is None and job.poll() is None and time.monotonic() < deadline:
             try:
                 processes = api.list_processes(retries=0, timeout=5.0)
@@ -249,9 +256,9 @@ def run(
         print(flush=True)
         _say("stopping")
     finally:
-        signal.signal(signal.SIGTERM, _raise_interrupt)
         try:
-            _stop(job, signal.SIGINT)
+            if _stop(job, signal.SIGINT) == -signal.SIGKILL and registered is not None:
+                _forget(api, registered.process_id)  # it could not unregister: no STALE row for the next demo
             _stop(server, signal.SIGTERM)
             _revoke(job_token, settings.database_url)
             if revoke:
@@ -261,10 +268,20 @@ def run(
                 if proc is not None and proc.poll() is None:
                     proc.kill()
         finally:
-            signal.signal(signal.SIGTERM, previous)
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
             api.close()
     _say("stopped")
     return status
+
+
+def _forget(api: ApiClient, process_id: str) -> None:
+    from flexium.client import ServerError
+
+    try:
+        api.unregister(process_id, timeout=5.0)
+    except ServerError as exc:
+        print(f"flexium demo: could not remove the demo job from the server: {exc}", file=sys.stderr)
 
 
 def _revoke(token: str, database_url: str) -> None:

@@ -8,8 +8,9 @@ import argparse
 import sys
 from typing import Any
 
-from flexium import protocol
+from flexium import protocol, wire
 from flexium.cli.exit_status import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from flexium.cli.printing import print_table
 from flexium.cli.server_extra import server_module
 
 
@@ -61,11 +62,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.command == "workspace" and args.action == "create":
             token = database_admin.create_workspace(args.name, database_url=url)
-            print(
-                f"created workspace '{args.name}'. Its admin token (shown once; give training jobs a job "
-                f"token: flexium token issue {args.name} --role job):"
-            )
-            print(token)
+            _print_created(args.name, token, url)
         elif args.command == "workspace":
             for record in database_admin.list_workspaces(database_url=url):
                 print(record.name)
@@ -79,10 +76,7 @@ def run(args: argparse.Namespace) -> int:
             also = f", and the tokens it minted: {', '.join(map(str, revoked.cascade))}" if revoked.cascade else ""
             print(f"revoked token {revoked.id} ({revoked.prefix}...) of workspace '{args.workspace}'{also}")
         else:
-            for info in database_admin.list_tokens(args.workspace, database_url=url):
-                state = "revoked" if info.revoked else "active"
-                minted_by = "-" if info.minted_by is None else str(info.minted_by)
-                print(f"{info.id}\t{info.prefix}...\t{state}\t{info.role}\t{minted_by}\t{info.name}")
+            _print_tokens(database_admin.list_tokens(args.workspace, database_url=url))
     except ApiError as exc:
         print(f"flexium: {exc.message}", file=sys.stderr)
         return EXIT_FAILED
@@ -90,3 +84,38 @@ def run(args: argparse.Namespace) -> int:
         print(f"flexium: {exc}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
+
+
+def _print_created(workspace: str, token: str, database_url: str | None) -> None:
+    """A login link to the new workspace's dashboard (a one-time code: the token itself never
+    goes in a URL), how training jobs get a token, and the admin token alone on the last line."""
+    from flexium.server import database_admin, storage
+    from flexium.server.settings import load_settings
+
+    link = load_settings(database_url=database_url).link_base
+    code = database_admin.login_code(token, database_url=database_url)
+    print(f"created workspace '{workspace}'")
+    print(
+        f"dashboard: {link}/login#code={code}  (works once, within {storage.LOGIN_CODE_TTL_S / 60:.0f} min; "
+        "a server at another address: that address before /login)"
+    )
+    print(f"training jobs: give them a job token: flexium token issue {workspace} --role job")
+    print("its admin token, for the command line and the dashboard (shown once):")
+    print(token)
+
+
+def _print_tokens(tokens: list[wire.TokenInfo]) -> None:
+    rows = [("ID", "PREFIX", "STATE", "ROLE", "MINTED BY", "LABEL")]
+    for info in tokens:
+        minted_by = "-" if info.minted_by is None else str(info.minted_by)
+        rows.append(
+            (
+                str(info.id),
+                f"{info.prefix}...",
+                "revoked" if info.revoked else "active",
+                info.role,
+                minted_by,
+                info.name,
+            )
+        )
+    print_table(rows)

@@ -237,7 +237,7 @@ def create_app(settings: Settings | None = None, *, database: Database | None = 
         title="flexium server",
         version=str(protocol.PROTOCOL_VERSION),
         description="Processes, GPUs and commands of flexium training jobs. "
-        "Every /api call carries 'Authorization: Bearer <workspace token>'.",
+        "Every /api call carries `Authorization: Bearer <workspace token>` (Authorize, above, sends it).",
         lifespan=lifespan,
         docs_url=None,  # served by routes.docs, with local assets
         redoc_url=None,
@@ -292,6 +292,42 @@ def _tls_problem(settings: Settings) -> str | None:
     return None
 
 
+def _print_first_tokens(db: Database, settings: Settings, admin_token: str) -> None:
+    """A new database's first start: a login link, a job token for training jobs (it registers
+    and reports its own processes, and cannot command or mint) and the admin token, alone on
+    the last line for scripts."""
+    link = settings.link_base
+    now = time.time()
+    code = db.run(storage.login_code_for, write=True, token=admin_token, now=now)
+    workspace = db.run(storage.get_workspace, write=False, name=protocol.DEFAULT_WORKSPACE)
+    job_token = db.run(
+        storage.issue_token,
+        write=True,
+        workspace_id=workspace.id,
+        name="training jobs",
+        role=protocol.ROLE_JOB,
+        now=now,
+    ).token
+    print(
+        f"flexium server: created workspace '{protocol.DEFAULT_WORKSPACE}'. Log in to the dashboard: "
+        f"{link}/login#code={code} (works once, within {storage.LOGIN_CODE_TTL_S / 60:.0f} min; "
+        "else paste the admin token below)"
+    )
+    job_host = settings.host if settings.host not in ("0.0.0.0", "::") else "<this host>"
+    scheme = "https://" if settings.certfile else ""  # plain host:port means http
+    address = f"{scheme}{job_host}:{settings.port}/{protocol.DEFAULT_WORKSPACE}"
+    print(
+        f"flexium server: training jobs: {protocol.SERVER_ENV}={address} {protocol.TOKEN_ENV}={job_token}  "
+        "(a job token, shown once; "
+        f"`flexium token issue {protocol.DEFAULT_WORKSPACE} --role job` makes another)"
+    )
+    print(
+        f"flexium server: admin token of workspace '{protocol.DEFAULT_WORKSPACE}', for the command line and the "
+        "dashboard (shown once):"
+    )
+    print(admin_token)
+
+
 def serve(settings: Settings) -> int:
     """Upgrade the schema, create the default workspace on an empty database, print where the
     dashboard is, and serve until a stop signal; returns the exit status."""
@@ -310,22 +346,9 @@ def serve(settings: Settings) -> int:
     app.state.ctx.metrics.schema_migration.observe(seconds)
     link = settings.link_base
     print(f"flexium server: database {_redact(settings.database_url)} (schema ready in {seconds:.2f} s)")
-    print(f"flexium server: dashboard {link}/  API {link}{protocol.API_PREFIX}/  docs {link}/docs")
+    print(f"flexium server: dashboard {link}/  API {link}{protocol.API_PREFIX}/w/<workspace>/  docs {link}/docs")
     if token is not None:
-        code = db.run(storage.login_code_for, write=True, token=token, now=time.time())
-        print(
-            f"flexium server: created workspace '{protocol.DEFAULT_WORKSPACE}'. Log in to the dashboard: "
-            f"{link}/login#code={code} (works once, within {storage.LOGIN_CODE_TTL_S / 60:.0f} min; "
-            "else paste the token below)"
-        )
-        job_host = settings.host if settings.host not in ("0.0.0.0", "::") else "<this host>"
-        scheme = "https://" if settings.certfile else ""  # plain host:port means http
-        print(
-            f"flexium server: training jobs: FLEXIUM_SERVER={scheme}{job_host}:"
-            f"{settings.port}/{protocol.DEFAULT_WORKSPACE} {protocol.TOKEN_ENV}=<token below>"
-        )
-        print(f"flexium server: token of workspace '{protocol.DEFAULT_WORKSPACE}' (shown once):")
-        print(token)
+        _print_first_tokens(db, settings, token)
     sys.stdout.flush()
 
     open_files = raise_open_file_limit()
@@ -365,6 +388,10 @@ def serve(settings: Settings) -> int:
     tune_gc()
     try:
         server.run()
+    except KeyboardInterrupt:
+        # uvicorn shut down gracefully, then raised the Ctrl-C again for whoever called it: here
+        # that is the person at the terminal, who asked for the stop and needs no traceback.
+        print("flexium server: stopped", flush=True)
     finally:
         db.dispose()
     return 0 if server.started else 1

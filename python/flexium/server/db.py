@@ -113,7 +113,7 @@ class Database:
             path = url.split(":///", 1)[1] if ":///" in url else ""
             in_memory = path in ("", ":memory:")
             if not in_memory:
-                Path(path).parent.mkdir(parents=True, exist_ok=True)
+                Path(path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             kwargs: dict[str, Any] = {"connect_args": {"check_same_thread": False, "timeout": self.lock_timeout_s}}
             if in_memory:
                 kwargs["poolclass"] = StaticPool
@@ -311,6 +311,7 @@ class Database:
         file this server used before and that is gone now is not created again empty unless
         `new_database`: DatabaseUnavailable says where it was and what to do."""
         self._check_not_lost(new_database=new_database)
+        self._keep_file_private()
         from alembic import command
         from alembic.config import Config
         from alembic.runtime.migration import MigrationContext
@@ -357,6 +358,25 @@ class Database:
                 "back (with its -wal file, if any); to begin with an empty one instead, start `flexium server` with "
                 f"--new-database, or delete {mark}"
             )
+
+    def _keep_file_private(self) -> None:
+        """SQLite: the database holds token hashes, login codes and every job's command line, so
+        its file is its owner's alone (0600). SQLite makes the -wal and -shm files with the
+        database file's mode, so a file made here 0600 keeps them so; files an earlier server
+        left readable to others are made 0600."""
+        if self._file is None:
+            return
+        if not os.path.exists(self._file):
+            with contextlib.suppress(OSError):  # a folder it cannot write to: SQLite says so below
+                os.close(os.open(self._file, os.O_CREAT | os.O_WRONLY, 0o600))
+        for path in (self._file, self._file + "-wal", self._file + "-shm"):
+            try:
+                if os.stat(path).st_mode & 0o077:
+                    os.chmod(path, 0o600)
+            except FileNotFoundError:
+                pass
+            except PermissionError:  # another user's file: theirs to restrict
+                pass
 
     def start_checkpoints(self, interval: float = 1.0) -> None:
         """SQLite: move the WAL into the database file from a thread of its own. Serving

@@ -16,6 +16,8 @@ from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
 from fastapi.responses import HTMLResponse
 from fastapi.staticfiles import StaticFiles
 
+from flexium import protocol
+
 log = logging.getLogger("flexium.server")
 
 ASSETS_PATH = "/docs-assets"
@@ -68,8 +70,37 @@ router.add_api_route(
 )
 
 
+BEARER_SCHEME = "workspaceToken"
+
+
+def declare_bearer_scheme(app: FastAPI) -> None:
+    """The schema says how /api calls authenticate: a bearer token (the workspace token) on
+    every /api operation, so that Swagger UI offers its Authorize button and sends the token.
+    The routes check the header themselves (auth.py); this only describes it."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is not None:
+            return app.openapi_schema
+        schema = build()
+        schemes = schema.setdefault("components", {}).setdefault("securitySchemes", {})
+        schemes[BEARER_SCHEME] = {
+            "type": "http",
+            "scheme": "bearer",
+            "description": "a workspace token (flx_...), as `flexium server` or `flexium token issue` printed it",
+        }
+        for path, operations in schema["paths"].items():
+            if path.startswith(f"{protocol.API_PREFIX}/"):
+                for operation in operations.values():
+                    operation["security"] = [{BEARER_SCHEME: []}]
+        return schema
+
+    app.openapi = openapi  # type: ignore[method-assign]  # FastAPI's documented way to extend its schema
+
+
 def install_docs(app: FastAPI) -> None:
     """For an app made with ``docs_url=None, redoc_url=None``."""
+    declare_bearer_scheme(app)
     folder = asset_dir()
     app.state.docs_assets_local = folder is not None
     if folder is None:
