@@ -396,15 +396,17 @@ def test_doctor_shows_the_budget_and_who_keeps_what(
         assert doctor.run(as_json=False) == 0
         out = capsys.readouterr().out
         assert (
-            "pinned host memory 24.0 GiB for pauses kept ready (FLEXIUM_PINNED_HOST_MEMORY=24GiB, from the "
+            "pinned host memory  24.0 GiB for pauses kept ready (FLEXIUM_PINNED_HOST_MEMORY=24GiB, from the "
             "environment); 3.0 GiB kept now\n" in out
         )
-        assert f"  process {os.getpid()}  3.0 GiB  for GPU GPU-1234\n" in out
+        assert f"\n{' ' * doctor.LABEL_WIDTH}process {os.getpid()}  3.0 GiB  for GPU GPU-1234\n" in out
     finally:
         pinned_budget.release()
     monkeypatch.setenv(pinned_budget.ENV, "0")
     assert doctor.run(as_json=False) == 0
-    assert "pinned host memory none kept between pauses: each pause prepares its own staging" in capsys.readouterr().out
+    assert (
+        "pinned host memory  none kept between pauses: each pause prepares its own staging" in capsys.readouterr().out
+    )
 
 
 def test_a_bad_setting_is_refused_when_the_job_starts(monkeypatch: pytest.MonkeyPatch) -> None:
