@@ -6,8 +6,8 @@ It is flexium's own test double of the NVIDIA driver (libcuda and NVML in one li
 the package from ``csrc/simulated/driver.c``; the tests drive it as ``tests/support/fake_driver.py``),
 loaded by the job's process alone through ``FLEXIUM_LIBCUDA`` / ``FLEXIUM_LIBNVML``. It models
 the driver's checkpoint state machine and GPU memory; the job itself computes on the CPU.
-Nothing that happens there ran on a GPU, so every GPU it shows is named ``SIMULATED_MODEL`` and
-every move it makes takes the driver path with simulated timings.
+Nothing that happens there ran on a GPU, so every GPU it shows is named ``SIMULATED_MODEL``, its
+driver ``SIMULATED_DRIVER``, and every move it makes takes the driver path with simulated timings.
 """
 
 from __future__ import annotations
@@ -18,6 +18,8 @@ from pathlib import Path
 
 LIBRARY_NAME = "libflexium_simulated_driver.so"
 SIMULATED_MODEL = "SIMULATED GPU (flexium demo)"
+# What its NVML calls the driver: a real version (580: migration) that says it is none.
+SIMULATED_DRIVER = "580.159.04 (simulated)"
 GPUS = 2
 GPU_MIB = 80 * 1024
 # What the demo job holds on its simulated GPU, so that a move shows memory leaving one GPU.
@@ -37,6 +39,7 @@ def environment(library: Path) -> dict[str, str]:
         "FLEXIUM_LIBNVML": str(library),
         "FAKE_CUDA_GPUS": str(GPUS),
         "FAKE_CUDA_MODELS": SIMULATED_MODEL,
+        "FAKE_NVML_DRIVER": SIMULATED_DRIVER,
         "FAKE_CUDA_TOTAL_MIB": str(GPU_MIB),
     }
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +19,24 @@ from support.e2e import clean_env, flexium_command, wait_until
 from support.live_server import start_demo
 
 pytestmark = pytest.mark.timeout(180)
+
+# As the quick start says to write it: tensors on the CPU where the GPUs are simulated.
+OWN_SCRIPT = """
+import time
+
+import torch
+
+import flexium
+import flexium.simulated
+
+flexium.init()
+device = "cpu" if flexium.simulated.active() else flexium.auto.get_device()
+model = torch.nn.Linear(8, 1).to(device)
+model(torch.randn(4, 8, device=device)).sum().backward()
+print("trained a step on", device, flush=True)
+while True:
+    time.sleep(0.1)
+"""
 
 
 def _gone(pid: int) -> bool:
@@ -60,7 +80,7 @@ def test_demo_starts_server_and_job_and_stops_both(tmp_path: Path) -> None:
         ).json()
         [job_token] = [t for t in tokens if t["name"] == "flexium demo job" and not t["revoked"]]
         assert job_token["role"] == "job"
-        handed = out.wait_for(r"a job of yours: FLEXIUM_SERVER=\S+ FLEXIUM_TOKEN=(flx_\S+) python train\.py", 10)
+        handed = out.wait_for(r"a job of yours.*: FLEXIUM_SERVER=\S+ FLEXIUM_TOKEN=(flx_\S+) .*python train\.py", 10)
         assert handed.group(1) != token and handed.group(1).startswith(job_token["prefix"])
         out.wait_for(r"\[demo job\] step", 30)
 
@@ -127,9 +147,32 @@ def test_without_a_gpu_the_demo_job_runs_on_a_simulated_host_that_says_so(tmp_pa
         [job] = [p for p in json.loads(cli("ps", "--json").stdout) if p["process_id"] == process_id]
         assert job["physical_device"] == "cuda:1" and job["gpu_model"] == "SIMULATED GPU (flexium demo)"
         assert job["memory_bytes"] == 6 << 30  # the simulated memory it holds moved with it
+        assert job["driver_version"] == job["capabilities"]["driver_version"] == "580.159.04 (simulated)"
         assert cli("pause", process_id).returncode == 0
         assert cli("resume", process_id, "cuda:0").returncode == 0
         out.wait_for(r"\[demo job\] step .* on cuda:0 \(simulated\)$", 30)
+
+        # The line the demo prints runs a script of one's own on the simulated host.
+        line = out.wait_for(r"a job of yours on the simulated host: (.*) python train\.py  \(a job token", 10)
+        own_env = dict(assignment.split("=", 1) for assignment in shlex.split(line.group(1)))
+        script = home / "train.py"
+        script.write_text(OWN_SCRIPT)
+        own = subprocess.Popen(
+            [sys.executable, str(script)], env={**env, **own_env}, cwd=home, stdout=subprocess.PIPE, text=True
+        )
+        try:
+            assert own.stdout is not None and own.stdout.readline().strip() == "trained a step on cpu"
+            wait_until(
+                lambda: any(
+                    p["pid"] == own.pid and p["gpu_model"] == "SIMULATED GPU (flexium demo)"
+                    for p in json.loads(cli("ps", "--json").stdout)
+                ),
+                30,
+                "the script of one's own to register on the simulated host",
+            )
+        finally:
+            own.send_signal(signal.SIGINT)
+            own.wait(30)
     finally:
         if demo.poll() is None:
             demo.send_signal(signal.SIGINT)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import importlib.util
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -240,7 +241,15 @@ def run(
         server_env = f"{protocol.SERVER_ENV}={address}/{protocol.DEFAULT_WORKSPACE}"
         _say(f"admin token (for the CLI and the dashboard): {token}")
         _say(f"try: {server_env} {protocol.TOKEN_ENV}={token} flexium ps")
-        _say(f"a job of yours: {server_env} {protocol.TOKEN_ENV}={job_token} python train.py  (a job token)")
+        job_env = f"{server_env} {protocol.TOKEN_ENV}={job_token}"
+        if simulation is None:
+            _say(f"a job of yours: {job_env} python train.py  (a job token)")
+        else:
+            on_host = " ".join(f"{name}={shlex.quote(value)}" for name, value in simulation.items())
+            _say(
+                f"a job of yours on the simulated host: {job_env} {on_host} python train.py  (a job token; its "
+                "tensors stay on the CPU: the simulated GPUs hold none, see flexium.simulated)"
+            )
         _say("Ctrl-C stops the job and the server")
         while True:
             if job.poll() is not None:
