@@ -166,4 +166,15 @@ def test_the_main_page_sums_up_the_cluster(api: Api) -> None:
     assert totals["running"] == "2"  # gpu-1 and the job of two ranks, once
     assert totals["paused"] == "1"
     assert totals["moves"] == "1"
+    labels = re.findall(r'<span class="total-label">([^<]*)', main)
+    assert labels == ["GPUs", "GPU memory used", "jobs running", "job paused", "move today "]  # 1 job, not 1 jobs
     assert re.search(r'id="total-memory">[\d.]+ \w?i?B <small class="muted">of 560 GiB</small>', main)
+
+
+def test_a_cpu_job_reads_cpu_in_the_table(api: Api) -> None:
+    """One word for a job without a GPU wherever it shows: `cpu`, as `flexium ps` says it."""
+    api.register("cpu-job", gpu_uuid=None, logical_device="cpu", visible_gpus=[], devices=[])
+    [main] = api.pages("/")
+    row = main.split('id="proc-cpu-job"')[1].split("</tr>")[0]
+    device = row.split('class="col-device">')[1].split("</td>")[0]
+    assert re.sub(r"\s+", " ", re.sub(r"<[^>]+>", "", device)).strip() == "cpu"
