@@ -74,7 +74,10 @@ def test_devices_of_the_host_are_reported(server: Server, job: Job) -> None:
 def test_commands_to_a_cpu_job_are_refused_with_a_reason(server: Server, job: Job) -> None:
     done = server.cli("migrate", job.process_id, "cuda:1")
     assert done.returncode == 1
-    assert "cannot migrate" in done.stderr and "capability" in done.stderr
+    # One short reason first; every cause only when asked (--verbose).
+    assert "cannot migrate: CPU-only torch: no GPU memory to move" in done.stderr, done.stderr
+    verbose = server.cli("migrate", job.process_id, "cuda:1", "--verbose")
+    assert verbose.returncode == 1 and "capability" in verbose.stderr, verbose.stderr
     done = server.cli("pause", job.process_id)
     assert done.returncode == 1 and "cannot pause" in done.stderr
     r = server.post("/commands", {"kind": "migrate", "process_id": job.process_id, "target": "cuda:1"})
