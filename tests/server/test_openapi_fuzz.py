@@ -38,6 +38,7 @@ from hypothesis import HealthCheck, Phase  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from schemathesis import GenerationMode  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
+from schemathesis.core.parameters import ParameterLocation  # noqa: E402
 from schemathesis.specs.openapi.checks import (  # noqa: E402
     content_type_conformance,
     negative_data_rejection,
@@ -189,6 +190,15 @@ def _bounded(case: Any, seeded: Seeded) -> None:
         case.path_parameters["token_id"] = seeded.spare_token_id
 
 
+def _own_headers(case: Any, headers: dict[str, str]) -> dict[str, str]:
+    """The token the fuzz sends, except where a negative case's invalid part is its headers:
+    the description declares the bearer scheme, so that case leaves out or spoils Authorization
+    on purpose, and the server must refuse it as sent."""
+    components = case._meta.components if case._meta is not None else {}
+    header = components.get(ParameterLocation.HEADER)
+    return {} if header is not None and header.mode is GenerationMode.NEGATIVE else headers
+
+
 def _call_event_stream(case: Any, url: str, headers: dict[str, str], figures: Figures) -> None:
     """The event stream never ends: its status and first frame are checked, then it is closed."""
     label = f"{case.method} {case.path}"
@@ -234,19 +244,20 @@ def _fuzz_operation(
     )
     def run(case: Any) -> None:
         _bounded(case, seeded)
+        sent = _own_headers(case, headers)
         if streams:
-            _call_event_stream(case, url, headers, figures)
+            _call_event_stream(case, url, sent, figures)
             return
         try:
-            response = case.call(base_url=url, session=session, headers=headers, timeout=30)
+            response = case.call(base_url=url, session=session, headers=sent, timeout=30)
         except requests.RequestException as exc:
-            figures.failures.append(f"{label}: no answer: {exc!r}\n{case.as_curl_command(headers=headers)}")
+            figures.failures.append(f"{label}: no answer: {exc!r}\n{case.as_curl_command(headers=sent)}")
             return
         figures.count(label, response.status_code)
         if token != seeded.token and label.split(" ", 1)[1].startswith("/api/") and response.status_code < 300:
             figures.failures.append(f"{label}: an invalid token got {response.status_code}")
         try:
-            case.validate_response(response, checks=checks, headers=headers)
+            case.validate_response(response, checks=checks, headers=sent)
         except BaseException as exc:  # schemathesis reports every failed check at once, as an exception group
             figures.failures.append(f"{label} ({mode.value}): {exc}"[:3000])
 

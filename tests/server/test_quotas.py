@@ -24,7 +24,7 @@ def server(database_url: str, tmp_path: Path) -> Iterator[LiveServer]:
         "--max-processes",
         "2",
         "--max-tokens",
-        "2",
+        "3",
         "--max-payload-bytes",
         "2000",
     ).start()
@@ -70,14 +70,16 @@ def test_processes_per_workspace(server: LiveServer) -> None:
 def test_tokens_per_workspace(server: LiveServer) -> None:
     assert server.token
     s = _session(server.token)
-    second = s.post(f"{_api(server)}/tokens", json={"name": "second"}, timeout=10)
-    assert second.status_code == 201, second.text
-    r = s.post(f"{_api(server)}/tokens", json={"name": "third"}, timeout=10)
+    first_start = s.get(f"{_api(server)}/tokens", timeout=10).json()
+    assert len(first_start) == 2  # the admin token and the job token the first start printed
+    third = s.post(f"{_api(server)}/tokens", json={"name": "third"}, timeout=10)
+    assert third.status_code == 201, third.text
+    r = s.post(f"{_api(server)}/tokens", json={"name": "fourth"}, timeout=10)
     body = _refusal(r, 409, "quota_exceeded", "--max-tokens or FLEXIUM_MAX_TOKENS")
-    assert "2 tokens not revoked" in body["message"]
-    assert len(s.get(f"{_api(server)}/tokens", timeout=10).json()) == 2
-    assert s.delete(f"{_api(server)}/tokens/{second.json()['id']}", timeout=10).status_code in (200, 204)
-    assert s.post(f"{_api(server)}/tokens", json={"name": "third"}, timeout=10).status_code == 201
+    assert "3 tokens not revoked" in body["message"]
+    assert len(s.get(f"{_api(server)}/tokens", timeout=10).json()) == 3
+    assert s.delete(f"{_api(server)}/tokens/{third.json()['id']}", timeout=10).status_code in (200, 204)
+    assert s.post(f"{_api(server)}/tokens", json={"name": "fourth"}, timeout=10).status_code == 201
 
 
 def test_payload_bytes_of_capabilities_and_results(server: LiveServer) -> None:
