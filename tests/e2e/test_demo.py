@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any, cast
 
 import pytest
 import requests
@@ -136,6 +137,12 @@ def test_without_a_gpu_the_demo_job_runs_on_a_simulated_host_that_says_so(tmp_pa
                 [*flexium_command(), *args], env=cli_env, capture_output=True, text=True, timeout=120, cwd=home
             )
 
+        def job() -> dict[str, Any]:
+            [shown] = [p for p in json.loads(cli("ps", "--json").stdout) if p["process_id"] == process_id]
+            return cast(dict[str, Any], shown)
+
+        # the demo job reports its loss (flexium.auto.report): its page draws the curve
+        wait_until(lambda: job()["loss"] is not None, 30, "the demo job's loss to reach the server")
         devices = cli("devices", "--json")
         assert devices.returncode == 0, devices.stderr
         [host] = json.loads(devices.stdout)["hosts"]
@@ -144,10 +151,10 @@ def test_without_a_gpu_the_demo_job_runs_on_a_simulated_host_that_says_so(tmp_pa
         assert moved.returncode == 0, moved.stderr
         assert json.loads(moved.stdout)["state"] == "succeeded"
         out.wait_for(r"\[demo job\] step .* on cuda:1 \(simulated\)$", 30)
-        [job] = [p for p in json.loads(cli("ps", "--json").stdout) if p["process_id"] == process_id]
-        assert job["physical_device"] == "cuda:1" and job["gpu_model"] == "SIMULATED GPU (flexium demo)"
-        assert job["memory_bytes"] == 6 << 30  # the simulated memory it holds moved with it
-        assert job["driver_version"] == job["capabilities"]["driver_version"] == "580.159.04 (simulated)"
+        moved_job = job()
+        assert moved_job["physical_device"] == "cuda:1" and moved_job["gpu_model"] == "SIMULATED GPU (flexium demo)"
+        assert moved_job["memory_bytes"] == 6 << 30  # the simulated memory it holds moved with it
+        assert moved_job["driver_version"] == moved_job["capabilities"]["driver_version"] == "580.159.04 (simulated)"
         assert cli("pause", process_id).returncode == 0
         assert cli("resume", process_id, "cuda:0").returncode == 0
         out.wait_for(r"\[demo job\] step .* on cuda:0 \(simulated\)$", 30)
