@@ -92,10 +92,15 @@ def test_clicking_a_job_opens_its_page_with_progress_and_a_timeline(
     assert "migrate → GPU 2" in event and "driver path" in event and "training stopped 1.23 s" in event
     assert "20.0 GiB moved" not in event and "12.0 GiB moved" in event
     dash.wait(lambda: "GPU 2" in _text(dash, "job-gpu"), "the page shows the job on GPU 2")
+    # an operation's parts are its phases, never "steps" beside the training's steps
+    summary = dash.wait(
+        lambda: dash.d.find_element(By.CSS_SELECTOR, "#job-timeline details.event-steps summary").text, "phases"
+    )
+    assert re.fullmatch(r"\d+ phases", summary), summary
     _click(dash, "#job-timeline details.event-steps summary")
     dash.wait(
         lambda: "checkpoint" in dash.d.find_element(By.CSS_SELECTOR, "#job-timeline details.event-steps").text,
-        "the operation's steps unfold (and stay open across re-renders)",
+        "the operation's phases unfold (and stay open across re-renders)",
     )
 
     try:

@@ -186,10 +186,10 @@ def test_a_failed_operation_reports_its_timings(server: Server, scripted: tuple[
         target=GPUS[1],
         seconds=0.25,
         failed_step="restore",
-        error="step 'restore' failed; rolled back",
+        error="phase 'restore' failed; rolled back",
     )
     engine.outcomes.append(
-        OperationFailedError("migrate failed: step 'restore' failed; rolled back", step="restore", result=result)
+        OperationFailedError("migrate failed: phase 'restore' failed; rolled back", step="restore", result=result)
     )
     done = _command(server, "migrate", "cuda:1")
     assert done["state"] == "failed" and "rolled back" in done["error"]

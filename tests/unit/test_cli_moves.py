@@ -139,5 +139,6 @@ def test_the_outcome_shows_the_operation_as_the_process_measured_it(capsys: pyte
     )
     moves._print_outcome(NoProcess(), "pause gpu-1a2b3c4d", done)  # type: ignore[arg-type]
     out = capsys.readouterr().out
-    assert "  operation 500 ms, fast path, (copy 250 ms, restore 1.0 ms FAILED); 1.9 GiB moved, 4.0 GB/s\n" in out
+    line = "  operation 500 ms, fast path, phases (copy 250 ms, restore 1.0 ms FAILED); 1.9 GiB moved, 4.0 GB/s\n"
+    assert line in out
     assert "  note: driver path: not this time\n" in out and "rollback_copy" not in out

@@ -74,7 +74,7 @@ def test_checkpoint_failure_is_rolled_back(fake: FakeDriver, make_engine: Callab
     err = caught.value
     assert not isinstance(err, RollbackFailedError)
     assert err.step == "checkpoint"
-    assert "step 'checkpoint' failed: cuCheckpointProcessCheckpoint returned CUDA_ERROR_UNKNOWN" in str(err)
+    assert "phase 'checkpoint' failed: cuCheckpointProcessCheckpoint returned CUDA_ERROR_UNKNOWN" in str(err)
     assert f"rolled back: the job runs on cuda:0 ({fake.uuid(0)}) as before" in str(err)
     assert checkpoint_ops(fake) == ["Lock", "Checkpoint", "Unlock"]
     assert step_summary(err.result)[-1] == ("unlock", True, True)
@@ -94,7 +94,7 @@ def test_failed_remapped_restore_is_recovered_in_place(fake: FakeDriver, make_en
     err = caught.value
     assert not isinstance(err, RollbackFailedError)
     assert err.step == "restore"
-    assert "step 'restore' failed: cuCheckpointProcessRestore returned CUDA_ERROR_INVALID_VALUE" in str(err)
+    assert "phase 'restore' failed: cuCheckpointProcessRestore returned CUDA_ERROR_INVALID_VALUE" in str(err)
     assert "rolled back" in str(err)
     assert checkpoint_ops(fake) == ["Lock", "Checkpoint", "Restore", "Restore", "Unlock"]
     restores = [c for c in fake.calls("cuCheckpointProcessRestore")]
@@ -149,7 +149,7 @@ def test_a_target_filled_while_the_job_is_checkpointed_is_caught_before_the_rest
     gpu1 = engine.gpus[1].uuid
     assert reader_in_parent == [f"free {gpu1}"]
     assert str(error) == (
-        f"migrate failed: step 'room' failed: {gpu1} has 10240 MiB free, the restore needs {40 * 1024 + 512} MiB: "
+        f"migrate failed: phase 'room' failed: {gpu1} has 10240 MiB free, the restore needs {40 * 1024 + 512} MiB: "
         "another process took memory there while the job was checkpointed, so the restore was not tried (it would have "
         "lost the job, fact `restore-without-room-loses-process` in docs/facts.md); rolled back: the job runs on "
         f"cuda:0 ({engine.gpus[0].uuid}) as before"
@@ -258,7 +258,7 @@ def test_an_error_in_prepare_leaves_the_engine_usable(
 
     engine.add_state_listener(nvml_breaks)
     run = (lambda: engine.migrate(engine.gpus[1])) if operation == "migrate" else engine.pause
-    with pytest.raises(OperationFailedError, match="at step 'prepare'"):
+    with pytest.raises(OperationFailedError, match="at phase 'prepare'"):
         run()
     assert checkpoint_ops(fake) == []
     on_gpu(fake, engine, 0)

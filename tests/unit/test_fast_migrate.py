@@ -119,7 +119,7 @@ def test_imported_memory_keeps_a_driver_checkpoint_out_until_it_is_our_own(job: 
     # At a safe point, making it our own fails (no memory left): still refused untouched.
     job.train()
     fake.fail("cuMemCreate", "CUDA_ERROR_OUT_OF_MEMORY", nth=1)
-    with pytest.raises(OperationFailedError, match="failed at step 'own' before anything was locked") as failed:
+    with pytest.raises(OperationFailedError, match="failed at phase 'own' before anything was locked") as failed:
         engine.migrate(engine.gpus[0], path="driver")
     assert failed.value.step == "own" and checkpoint_ops(fake) == []
     assert engine.state == EngineState.RUNNING
@@ -221,7 +221,7 @@ def test_a_live_range_outside_its_segment_fails_the_copy(job: Job) -> None:
     error = failure(lambda: engine.migrate(engine.gpus[1]))
     result = rolled_back(job, engine, error, "copy", fds)
     assert result.error == (
-        f"step 'copy' failed: ValueError: live range ({MiB}, {2 * MiB}) lies outside segment {second:#x} "
+        f"phase 'copy' failed: ValueError: live range ({MiB}, {2 * MiB}) lies outside segment {second:#x} "
         f"({2 * MiB} bytes, device 0); nothing moved: the job runs on cuda:0 as before"
     )
     assert checkpoint_ops(job.fake) == []

@@ -47,7 +47,7 @@ def test_a_failed_copy_moves_nothing(job: Job, code: str) -> None:
     error = failure(lambda: engine.migrate(engine.gpus[1]))
     result = rolled_back(job, engine, error, "copy", fds)
     assert step_summary(result) == [("prepare", True, False), ("copy", False, False)]
-    assert result.error.startswith(f"step 'copy' failed: DriverError: cuMemcpyDtoDAsync failed: {code}")
+    assert result.error.startswith(f"phase 'copy' failed: DriverError: cuMemcpyDtoDAsync failed: {code}")
     assert result.error.endswith("; nothing moved: the job runs on cuda:0 as before")
     assert checkpoint_ops(job.fake) == []
     assert engine.migrate(engine.gpus[1]).ok  # nothing left behind blocks the next try
@@ -86,7 +86,8 @@ def test_a_rollback_that_cannot_map_the_copies_fails_the_job(job: Job) -> None:
     result = error.result
     assert error.step == "lock" and engine.state == EngineState.FAILED
     assert step_summary(result)[-2:] == [("lock", False, False), ("rollback_copy", False, True)]
-    assert "; ROLLBACK FAILED: step 'rollback_copy' failed: DriverError: cuMemImportFromShareableHandle" in result.error
+    rollback = "; ROLLBACK FAILED: phase 'rollback_copy' failed: DriverError: cuMemImportFromShareableHandle"
+    assert rollback in result.error
     assert result.error.endswith("; restart the job")
     job.assert_copies_map_back(fds, physical=1)
     assert fake.placement() == [0, 1]

@@ -512,7 +512,7 @@ def test_driver_refuses_to_move_away_from_faulty_gpu(engine: FakeEngine, kind: C
     message = str(info.value)
     assert "CUDA context is likely unusable" in message
     assert "driver refused to move it" in message
-    assert "rolled back at step 'checkpoint'" in message
+    assert "rolled back at phase 'checkpoint'" in message
     assert "last checkpoint" in message
     assert info.value.__cause__ is refusal
 
@@ -535,7 +535,7 @@ def test_device_assert_advice_names_launch_blocking(engine: FakeEngine) -> None:
     ("failure", "expected"),
     [
         (TargetRefusedError("GPU 2 has only 1 GiB free"), "the job is still on GPU 0"),
-        (OperationFailedError("restore failed", step="restore"), "rolled back at step 'restore'"),
+        (OperationFailedError("restore failed", step="restore"), "rolled back at phase 'restore'"),
         (RollbackFailedError("restore and rollback failed", step="restore"), "may be stuck"),
         (OperationInProgressError("a pause is running"), "Retry the step once that operation has finished"),
     ],
@@ -585,7 +585,7 @@ def test_migrate_reporting_failure_is_not_success(engine: FakeEngine) -> None:
     engine.report_failure = True
     with pytest.raises(
         RuntimeError,
-        match=r"failed \(OperationFailedError: CUDA_ERROR_INVALID_VALUE\); it was rolled back at step 'restore'",
+        match=r"failed \(OperationFailedError: CUDA_ERROR_INVALID_VALUE\); it was rolled back at phase 'restore'",
     ):
         with recoverable():
             raise RuntimeError(ERRORS[CudaErrorKind.OOM])

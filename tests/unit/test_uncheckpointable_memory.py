@@ -132,7 +132,7 @@ def test_memory_made_while_the_operation_waited_is_refused_at_its_safe_point(
         with pytest.raises(OperationFailedError) as caught:
             run()
         assert caught.value.step == "prepare"
-        assert f"{operation} refused at step 'prepare' before anything was locked: {HOST_CUMEM}" in str(caught.value)
+        assert f"{operation} refused at phase 'prepare' before anything was locked: {HOST_CUMEM}" in str(caught.value)
         assert checkpoint_ops(fake) == []
         assert engine.state == EngineState.RUNNING and not engine.is_busy()
     finally:

@@ -268,7 +268,7 @@ def _move_failed(
     if isinstance(move_exc, RollbackFailedError):
         state = f"the job may be stuck on {_gpu(source)}"
     elif isinstance(move_exc, OperationFailedError):
-        state = f"it was rolled back at step '{move_exc.step}', the job is still on {_gpu(source)}"
+        state = f"it was rolled back at phase '{move_exc.step}', the job is still on {_gpu(source)}"
     elif isinstance(move_exc, OperationInProgressError):
         state = "another migrate/pause/resume was running (from the dashboard?)"
     else:

@@ -194,7 +194,7 @@ def _print_outcome(api: ApiClient, title: str, command: wire.CommandInfo) -> Non
         seconds = result.seconds or 0.0
         speed = f", {moved / 1e9 / seconds:.1f} GB/s" if moved and seconds else ""
         path = f"{result.path} path, " if result.path else ""
-        print(f"  operation {ms(seconds)}, {path}({line}); {gib(moved or 0)} moved{speed}")
+        print(f"  operation {ms(seconds)}, {path}phases ({line}); {gib(moved or 0)} moved{speed}")
         for note in result.notes:
             print(f"  note: {note}")
     if command.state != "succeeded":

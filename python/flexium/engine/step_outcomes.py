@@ -63,11 +63,11 @@ def describe_failure(outcome: _C.StepOutcome) -> str:
     step, name = outcome.step, outcome.error_name
     if step == "room":
         return (
-            f"step 'room' failed: {outcome.error_text}: another process took memory there while the job was "
+            f"phase 'room' failed: {outcome.error_text}: another process took memory there while the job was "
             "checkpointed, so the restore was not tried (it would have lost the job, fact "
             "`restore-without-room-loses-process` in docs/facts.md)"
         )
-    text = f"step '{step}' failed: {_STEP_CALLS.get(step, step)} returned {name} ({outcome.error_text})"
+    text = f"phase '{step}' failed: {_STEP_CALLS.get(step, step)} returned {name} ({outcome.error_text})"
     if step == "lock" and name == "CUDA_ERROR_TIMEOUT":
         text += " (the process stayed busy in CUDA work past the lock timeout; try again)"
     return text

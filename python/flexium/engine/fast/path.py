@@ -76,7 +76,7 @@ def timed(step: str, work: Callable[[], T]) -> tuple[T, StepTiming]:
         value = work()
     except Exception as exc:
         timing = StepTiming(step, time.perf_counter() - started, ok=False, error=f"{type(exc).__name__}: {exc}")
-        raise RelocationError(step, f"step '{step}' failed: {type(exc).__name__}: {exc}", timing) from exc
+        raise RelocationError(step, f"phase '{step}' failed: {type(exc).__name__}: {exc}", timing) from exc
     return value, StepTiming(step, time.perf_counter() - started, ok=True)
 
 

@@ -33,7 +33,7 @@ def prepare_host_staging(ctx: OperationContext, fast: FastPath, source: GpuIdent
     except Exception as exc:
         fast.release_host_later()
         raise OperationFailedError(
-            f"pause failed at step 'pin' before anything was touched: could not prepare host staging "
+            f"pause failed at phase 'pin' before anything was touched: could not prepare host staging "
             f"({type(exc).__name__}: {exc}); the job keeps training",
             step="pin",
         ) from exc

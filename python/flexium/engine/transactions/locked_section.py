@@ -51,13 +51,13 @@ def prepare(ctx: OperationContext, kind: OperationKind) -> tuple[StepTiming, int
     except Exception as exc:
         ctx.set_state(EngineState.RUNNING)
         raise OperationFailedError(
-            f"{kind.value} failed at step 'prepare' before anything was locked: {type(exc).__name__}: {exc}",
+            f"{kind.value} failed at phase 'prepare' before anything was locked: {type(exc).__name__}: {exc}",
             step="prepare",
         ) from exc
     if uncheckpointable is not None:
         ctx.set_state(EngineState.RUNNING)
         raise OperationFailedError(
-            f"{kind.value} refused at step 'prepare' before anything was locked: {uncheckpointable}", step="prepare"
+            f"{kind.value} refused at phase 'prepare' before anything was locked: {uncheckpointable}", step="prepare"
         )
     return StepTiming("prepare", time.perf_counter() - started, ok=True), moved, by_gpu
 

@@ -54,7 +54,7 @@ def own_before_driver_checkpoint(
         return (ctx.fast.own(ctx.logical),)
     except RelocationError as exc:
         raise OperationFailedError(
-            f"{kind.value} failed at step 'own' before anything was locked: {exc}; the job keeps running "
+            f"{kind.value} failed at phase 'own' before anything was locked: {exc}; the job keeps running "
             "on its GPU (the fast path can still move it)",
             step="own",
         ) from exc
