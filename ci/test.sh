@@ -1,8 +1,53 @@
 #!/usr/bin/env bash
 # The test command (README): on a fresh Linux machine, installs everything the CPU tests need,
-# builds flexium, and runs them. CI (.ci/run) calls exactly this.
+# builds flexium, and runs them. CI (.ci/run) calls exactly this. It ends with the time each stage
+# took. Arguments go to every pytest run (e.g. -x).
+#
+#   bash ci/test.sh            everything: lint, build, mypy, unit, frameworks, examples, server,
+#                              end-to-end and browser tests
+#   bash ci/test.sh --quick    lint and the unit tests (tests/unit, -x) on the flexium already
+#                              installed in the venv (built here when there is none): a few minutes
 set -euo pipefail
 cd "$(dirname "$0")/.."
+
+quick=0
+if [ "${1:-}" = "--quick" ]; then
+  quick=1
+  shift
+fi
+
+# Each stage's name and seconds, printed at the end (also after a failure: what ran until then).
+stage_names=()
+stage_seconds=()
+stage_name=""
+stage_start=$SECONDS
+end_stage() {
+  if [ -n "$stage_name" ]; then
+    stage_names+=("$stage_name")
+    stage_seconds+=($((SECONDS - stage_start)))
+    stage_name=""
+  fi
+}
+stage() {
+  end_stage
+  stage_name="$1"
+  stage_start=$SECONDS
+  echo "== $1"
+}
+on_exit() {
+  local status=$?
+  if declare -F stop_postgres >/dev/null; then
+    stop_postgres
+  fi
+  end_stage
+  echo "== time per stage"
+  for i in "${!stage_names[@]}"; do
+    printf '%6d s  %s\n' "${stage_seconds[$i]}" "${stage_names[$i]}"
+  done
+  printf '%6d s  total\n' "$SECONDS"
+  exit "$status"
+}
+trap on_exit EXIT
 
 venv="${FLEXIUM_TEST_VENV:-.venv}"
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
@@ -13,7 +58,7 @@ python -m pip install -q --upgrade pip
 
 # Lint first: it needs no build and fails in seconds. The versions are pinned here and in
 # .pre-commit-config.yaml (pyproject.toml's [tool.ruff] refuses any other ruff).
-echo "== lint: ruff check, ruff format --check, clang-format"
+stage "lint: ruff check, ruff format --check, clang-format"
 python -m pip install -q "ruff==0.17.5" "clang-format==23.1.3"
 ruff check .
 ruff format --check .
@@ -54,27 +99,35 @@ if missing:
 PY
 }
 
-echo "== installing build tools, torch (CPU) and test dependencies"
+stage "installing build tools, torch (CPU) and test dependencies"
 python -m pip install -q "torch==2.13.0"
 python -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12"
-echo "== building flexium"
-python -m pip install -q --no-build-isolation ".[server,test]"
+if [ "$quick" = 0 ] || ! python -c "import flexium._C" 2>/dev/null; then
+  stage "building flexium"
+  python -m pip install -q --no-build-isolation ".[server,test]"
+fi
+
+if [ "$quick" = 1 ]; then
+  stage "unit tests (quick: -x)"
+  python -m pytest -q -x tests/unit "$@"
+  exit 0
+fi
 
 # The whole package type-checks (server included: its extra is installed for mypy to read);
 # strictly: pyproject.toml's [tool.mypy] turns on everything --strict does.
-echo "== mypy"
+stage "mypy"
 python -m pip install -q "mypy==2.4.1" "types-PyYAML==6.0.12.20261122" "types-requests==2.33.0.20261030"
 python -m mypy python/flexium --ignore-missing-imports
 # The benchmarks too: they are what the speed goals are measured by.
 python -m mypy bench --ignore-missing-imports --config-file bench/mypy.ini
 
-echo "== CPU tests"
+stage "unit tests"
 python -m pytest -q tests/unit "$@"
 
 # Framework tests (tests/frameworks): PyTorch Lightning's and Hugging Face's Trainers and fastai's
 # Learner train after flexium.init() while the job is migrated, paused and resumed (the fake
 # driver, CPU torch).
-echo "== framework tests (PyTorch Lightning, Hugging Face Trainer, fastai)"
+stage "framework tests (PyTorch Lightning, Hugging Face Trainer, fastai)"
 python -m pip install -q "lightning==2.6.6" "transformers==5.24.0" "accelerate==1.15.0"
 python -m pip install -q "fastai==2.8.12" "torch==2.13.0"  # torch pinned: fastai would upgrade it
 # fastai pulls in torchvision, whose PyPI wheels need torch's CUDA libraries: with the CPU torch it
@@ -87,10 +140,10 @@ python -m pytest -q tests/frameworks "$@"
 # Server tests (tests/server): the API and storage on SQLite and on a real PostgreSQL, which this
 # section installs from Debian's packages (when missing), starts as the postgres user on a free
 # port in a temporary folder, and stops at the end.
-echo "== examples (a few steps each on the CPU; the framework tests installed what they import)"
+stage "examples (a few steps each on the CPU; the framework tests installed what they import)"
 python -m pytest -q tests/examples "$@"
 
-echo "== server: PostgreSQL and the server extra"
+stage "server: PostgreSQL and the server extra"
 pg_bin="$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1 || true)"
 if [ -z "$pg_bin" ] || [ ! -x "$pg_bin/initdb" ] || ! id postgres >/dev/null 2>&1; then
   export DEBIAN_FRONTEND=noninteractive
@@ -98,7 +151,8 @@ if [ -z "$pg_bin" ] || [ ! -x "$pg_bin/initdb" ] || ! id postgres >/dev/null 2>&
   apt-get install -y -qq postgresql >/dev/null
   pg_bin="$(ls -d /usr/lib/postgresql/*/bin | sort -V | tail -n 1)"
 fi
-python -m pip install -q --no-build-isolation ".[server,test]"
+# Built above; built again only where a stage since replaced one of its requirements.
+extras_installed || python -m pip install -q --no-build-isolation ".[server,test]"
 python -m pip install -q "httpx>=0.27"
 # The HTTPS test (tests/e2e/test_tls.py) makes its certificates with openssl; the storage-fault
 # tests make a file read-only for root with chattr (e2fsprogs).
@@ -115,7 +169,6 @@ stop_postgres() {
   runuser -u postgres -- "$pg_bin/pg_ctl" -D "$pg_dir/data" -m immediate stop >/dev/null 2>&1 || true
   rm -rf "$pg_dir"
 }
-trap stop_postgres EXIT
 runuser -u postgres -- "$pg_bin/initdb" -D "$pg_dir/data" -A trust -U postgres -E UTF8 >/dev/null
 runuser -u postgres -- "$pg_bin/pg_ctl" -D "$pg_dir/data" -l "$pg_dir/server.log" -w -t 60 \
   -o "-p $pg_port -k $pg_dir -c listen_addresses=127.0.0.1 -c fsync=off -c max_connections=200" start >/dev/null
@@ -124,14 +177,14 @@ export FLEXIUM_TEST_POSTGRES_URL="postgresql://postgres@127.0.0.1:$pg_port/postg
 # They include the property-based fuzz of every OpenAPI operation (schemathesis, from the test
 # extra) and hostile text read back through every list and page (docs/reliability.md); their
 # figures print with the results, and FLEXIUM_RELIABILITY_FIGURES=DIR writes them there as JSON.
-echo "== server tests (SQLite and PostgreSQL $("$pg_bin/postgres" --version | awk '{print $3}'))"
+stage "server tests (SQLite and PostgreSQL $("$pg_bin/postgres" --version | awk '{print $3}'))"
 python -m pytest -q tests/server "$@"
 
 # -----------------------------------------------------------------------------------------------
 # End-to-end tests (tests/e2e): a real `flexium server` process on SQLite, real training
 # processes (CPU torch; the fake driver library for migrate / pause / resume) and the `flexium`
 # command line, all on 127.0.0.1. They need the server extra, installed above when missing.
-echo "== end-to-end tests"
+stage "end-to-end tests"
 extras_installed || python -m pip install -q --no-build-isolation ".[server,test]"
 python -m pytest -q tests/e2e "$@"
 
@@ -139,7 +192,7 @@ python -m pytest -q tests/e2e "$@"
 # Dashboard tests (tests/browser): the dashboard of a real server process in headless Chromium,
 # driven by Selenium (from the test extra) through Debian's chromium-driver. Chromium and its
 # driver come from Debian's packages, installed here when missing.
-echo "== dashboard tests (headless Chromium)"
+stage "dashboard tests (headless Chromium)"
 if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
