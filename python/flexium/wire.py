@@ -28,7 +28,16 @@ import shlex
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal, NoReturn
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, StrictInt, StringConstraints, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictInt,
+    StringConstraints,
+    computed_field,
+    model_validator,
+)
 
 from flexium import protocol
 from flexium.protocol import CommandKind as CommandKind
@@ -36,6 +45,7 @@ from flexium.protocol import CommandState as CommandState
 from flexium.protocol import DisplayState as DisplayState
 from flexium.protocol import ProcessState as ProcessState
 from flexium.protocol import ReportState as ReportState
+from flexium.simulated import SIMULATED_DRIVER
 
 
 def _no_nul(value: str) -> str:
@@ -435,6 +445,14 @@ class ProcessInfo(WireOut):
     steps_per_s: float | None = Field(default=None, description="between the last two reports of steps")
     steps_at: float | None = Field(default=None, description="when steps was last reported")
     loss: float | None = Field(default=None, description="the last loss the job reported")
+
+    @computed_field(  # type: ignore[prop-decorator]
+        description="its host's GPUs are flexium's simulated ones (flexium demo without a GPU): its memory, driver "
+        "and the timings of its moves are the simulation's, not measurements"
+    )
+    @property
+    def simulated(self) -> bool:
+        return self.driver_version == SIMULATED_DRIVER
 
 
 OperationState = Literal["queued", "running", "succeeded", "failed"]

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from flexium import wire
+from flexium import simulated, wire
 from flexium.cli import moves, waiting
 from flexium.client import ServerError
 
@@ -142,3 +142,61 @@ def test_the_outcome_shows_the_operation_as_the_process_measured_it(capsys: pyte
     line = "  operation 500 ms, fast path, phases (copy 250 ms, restore 1.0 ms FAILED); 1.9 GiB moved, 4.0 GB/s\n"
     assert line in out
     assert "  note: driver path: not this time\n" in out and "rollback_copy" not in out
+
+
+class SimulatedProcess:
+    def get_process(self, process_id: str) -> wire.ProcessInfo:
+        return wire.ProcessInfo.model_validate(
+            {
+                "process_id": process_id,
+                "host": "demo",
+                "user": "ann",
+                "pid": 4242,
+                "state": "RUNNING",
+                "reported_state": "RUNNING",
+                "stale": False,
+                "gpu_uuid": "GPU-bbbb",
+                "gpu_model": simulated.SIMULATED_MODEL,
+                "gpu_index": 1,
+                "logical_device": "cuda:0",
+                "physical_device": "cuda:1",
+                "visible_gpus": ["GPU-aaaa", "GPU-bbbb"],
+                "torch_version": "2.13.0",
+                "driver_version": simulated.SIMULATED_DRIVER,
+                "flexium_version": "0.4.0",
+                "capabilities": {"pause_resume": True, "migration": True},
+                "memory_bytes": simulated.JOB_BYTES,
+                "footprint_bytes": 0,
+                "started_at": 0.0,
+                "registered_at": 0.0,
+                "last_seen": 1.0,
+                "cmdline": "python -m flexium.cli.demo_job",
+                "active_command": None,
+            }
+        )
+
+
+def test_an_outcome_on_simulated_gpus_says_so_and_gives_no_rate(capsys: pytest.CaptureFixture[str]) -> None:
+    done = command("succeeded").model_copy(
+        update={
+            "kind": "migrate",
+            "started_at": 0.5,
+            "finished_at": 1.0,
+            "result": wire.OperationReport(
+                kind="migrate",
+                path="driver",
+                ok=True,
+                steps=[wire.StepReport(step="checkpoint", seconds=0.0004)],
+                bytes_moved=simulated.JOB_BYTES,
+                seconds=0.0009,
+            ),
+        }
+    )
+    moves._print_outcome(SimulatedProcess(), "migrate gpu-1a2b3c4d to cuda:1", done)  # type: ignore[arg-type]
+    out = capsys.readouterr().out
+    assert out.startswith("migrate gpu-1a2b3c4d to cuda:1: succeeded in 1.00 s on simulated GPUs\n"), out
+    assert (
+        "  simulated operation 0.9 ms, driver path, phases (checkpoint 0.4 ms); 6.0 GiB of simulated memory moved\n"
+        in out
+    )
+    assert "GB/s" not in out and "the process is RUNNING on cuda:1" in out

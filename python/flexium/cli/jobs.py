@@ -11,7 +11,7 @@ import time
 
 from flexium import wire
 from flexium.cli.exit_status import EXIT_FAILED, EXIT_OK, fail
-from flexium.cli.printing import ms, print_json, print_table, rank, reason
+from flexium.cli.printing import count, ms, print_json, print_table, rank, reason
 from flexium.cli.waiting import job_progress, wait_operation
 from flexium.client import ApiClient, ServerError
 
@@ -58,7 +58,7 @@ def follow_job_operation(api: ApiClient, args: argparse.Namespace, operation_id:
 def _job_title(api: ApiClient, operation: wire.JobOperationInfo) -> str:
     """ "migrate job run-7f3a (2 ranks): rank 0 to cuda:1, rank 1 to cuda:0": each target in the
     moving rank's own numbering where it sees the GPU."""
-    title = f"{operation.kind} job {operation.job_key} ({operation.world_size} ranks)"
+    title = f"{operation.kind} job {operation.job_key} ({count(operation.world_size, 'rank')})"
     if not operation.moves:
         return title
     visible = {c.job.rank: c.process_id for c in operation.commands if c.job is not None}
@@ -73,8 +73,10 @@ def _job_title(api: ApiClient, operation: wire.JobOperationInfo) -> str:
 
 def _print_job_outcome(api: ApiClient, title: str, operation: wire.JobOperationInfo) -> None:
     total = (operation.finished_at or time.time()) - operation.created_at
-    print(f"{title}: {operation.state} in {total:.2f} s (job operation {operation.id})")
     processes = _processes_by_id(api)
+    simulated = {p.process_id for p in processes.values() if p.simulated}
+    on = " on simulated GPUs" if any(c.process_id in simulated for c in operation.commands) else ""
+    print(f"{title}: {operation.state} in {total:.2f} s{on} (job operation {operation.id})")
     rows = [("RANK", "PROCESS", "COMMAND", "STATE", "GPU", "PATH", "TIME", "ERROR")]
     for command in operation.commands:
         process = processes.get(command.process_id)
@@ -92,7 +94,7 @@ def _print_job_outcome(api: ApiClient, title: str, operation: wire.JobOperationI
                 process.state if process is not None else "-",
                 gpu,
                 (result.path if result is not None else None) or "-",
-                "-" if seconds is None else ms(seconds),
+                "-" if seconds is None else ms(seconds) + (" simulated" if command.process_id in simulated else ""),
                 reason(command) if command.state != "succeeded" else "",
             )
         )

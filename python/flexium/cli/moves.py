@@ -173,10 +173,15 @@ def _title(api: ApiClient, command: wire.CommandInfo) -> str:
 
 
 def _print_outcome(api: ApiClient, title: str, command: wire.CommandInfo) -> None:
+    try:
+        process: wire.ProcessInfo | None = api.get_process(command.process_id)
+    except ServerError:
+        process = None
+    simulated = process is not None and process.simulated
     created, delivered = command.created_at, command.delivered_at
     started, finished = command.started_at, command.finished_at
     total = (finished or time.time()) - created
-    print(f"{title}: {command.state} in {total:.2f} s")
+    print(f"{title}: {command.state} in {total:.2f} s{' on simulated GPUs' if simulated else ''}")
     parts = []
     if delivered is not None:
         parts.append(f"delivered {ms(delivered - created)} after it was queued")
@@ -192,16 +197,19 @@ def _print_outcome(api: ApiClient, title: str, command: wire.CommandInfo) -> Non
         line = ", ".join(f"{s.step} {ms(s.seconds)}" + ("" if s.ok else " FAILED") for s in steps)
         moved = result.bytes_moved
         seconds = result.seconds or 0.0
-        speed = f", {moved / 1e9 / seconds:.1f} GB/s" if moved and seconds else ""
         path = f"{result.path} path, " if result.path else ""
-        print(f"  operation {ms(seconds)}, {path}phases ({line}); {gib(moved or 0)} moved{speed}")
+        if simulated:
+            # The simulated driver's memory and timings: a rate from them would read as a measurement.
+            memory = f"{gib(moved or 0)} of simulated memory moved"
+            print(f"  simulated operation {ms(seconds)}, {path}phases ({line}); {memory}")
+        else:
+            speed = f", {moved / 1e9 / seconds:.1f} GB/s" if moved and seconds else ""
+            print(f"  operation {ms(seconds)}, {path}phases ({line}); {gib(moved or 0)} moved{speed}")
         for note in result.notes:
             print(f"  note: {note}")
     if command.state != "succeeded":
         print(f"  reason: {reason(command)}", file=sys.stderr)
-    try:
-        process = api.get_process(command.process_id)
-    except ServerError:
+    if process is None:
         return
     where = process.physical_device or process.logical_device
     gpu = f" ({process.gpu_uuid}, nvidia-smi index {process.gpu_index})" if process.gpu_uuid else ""

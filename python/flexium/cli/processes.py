@@ -3,23 +3,38 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from flexium import protocol, wire
 from flexium.cli.connection import add_connection_options
 from flexium.cli.exit_status import EXIT_OK
-from flexium.cli.printing import age, print_json, print_table
+from flexium.cli.printing import Column, age, clip, count, fit_columns, print_columns, print_json, print_table
+from flexium.cli.terminal import terminal_width
 from flexium.client import ApiClient
 from flexium.units import GIB, gib
 
 KEY_WIDTH = 16  # of a job's key in `flexium ps`
 COMMAND_WIDTH = 80  # of a job's command line in `flexium ps` (--json has all of it)
+PS_LEGEND = (
+    "Columns: STEPS = optimizer steps taken, as last reported (flexium.auto.report's step where the loop "
+    "counts its own); SPEED = steps per second between its last two reports, while it runs; MOVES: fast = "
+    "migrate and pause on the fast path, driver = on the driver path only, pause = pause and resume only "
+    "(driver below 580), - = none (`flexium ps --json` gives the reasons); MEMORY: the GPU memory it holds, or "
+    "a paused one's, that it needs to resume; "
+    "DOING: the command under way; "
+    "JOB, RANK: the ranks of one job of several move together: pause or resume one of them acts on all; "
+    "HOST: shown when processes of more than one host are listed. The table fits the terminal ($COLUMNS, else "
+    "its width) by shortening, then leaving out, the columns that tell least; to a file or a pipe it prints "
+    "whole lines (--json has every field)."
+)
 
 
 def add_commands(commands: Any) -> None:
     """``commands``: the ``flexium`` parser's subparsers."""
-    p = commands.add_parser("ps", help="list the workspace's training processes")
+    p = commands.add_parser("ps", help="list the workspace's training processes", epilog=PS_LEGEND)
     p.add_argument("--state", choices=protocol.DISPLAY_STATES, help="only processes in this state")
     add_connection_options(p, _ps)
     p = commands.add_parser("devices", help="list the GPUs the workspace's processes report, by host")
@@ -35,63 +50,72 @@ def _ps(api: ApiClient, args: argparse.Namespace) -> int:
     if not processes:
         print(f"no processes in workspace '{api.workspace}' at {api.base_url}")
         return EXIT_OK
-    now = time.time()
-    rows = [
-        (
-            "PROCESS",
-            "NAME",
-            "JOB",
-            "RANK",
-            "STATE",
-            "HOST",
-            "PID",
-            "DEVICE",
-            "GPU",
-            "MEMORY",
-            "UP",
-            "MOVES",
-            "DOING",
-            "COMMAND",
+    print_columns(fit_columns(_columns(processes, time.time()), terminal_width()))
+    simulated = [p.process_id for p in processes if p.simulated]
+    if simulated:
+        sys.stdout.flush()  # the table before the note where both go to one terminal or file
+        print(
+            f"note: {', '.join(simulated)} {'runs' if len(simulated) == 1 else 'run'} on flexium's simulated host "
+            "(flexium demo): its GPUs, their memory and the timings of moves are simulated, not measured",
+            file=sys.stderr,
         )
-    ]
-    for p in processes:
-        device = p.logical_device or "-"
-        if p.physical_device and p.physical_device != p.logical_device:
-            device += f" (on {p.physical_device})"
-        gpu = _gpu_cell(p)
-        memory = gib(p.memory_bytes or 0)
-        if p.state == "PAUSED" and p.footprint_bytes:
-            memory += f" ({gib(p.footprint_bytes or 0)} paused)"
-        active = p.active_command
-        doing = f"{active.kind} {active.state}" if active else "-"
-        started = p.started_at or p.registered_at
-        rows.append(
-            (
-                p.process_id,
-                p.name or "-",
-                _short_key(p.job.key) if p.job else "-",
-                f"{p.job.rank}/{p.job.world_size}" if p.job else "-",
-                p.state,
-                p.host,
-                str(p.pid),
-                device,
-                gpu,
-                memory,
-                age(now - started),
-                _moves(p.capabilities),
-                doing,
-                _clip(_command_line(p.cmdline), COMMAND_WIDTH) or "-",
-            )
-        )
-    print_table(rows)
-    if any(p.job is not None and p.job.world_size > 1 for p in processes):
-        print("JOB, RANK: the ranks of one job of several move together: pause or resume one of them acts on all")
-    print(
-        "MOVES: fast = migrate and pause on the fast path, driver = on the driver path only, pause = "
-        "pause and resume only (driver below 580), - = none (`flexium ps --json` gives the reasons). "
-        "DOING: the command under way."
-    )
     return EXIT_OK
+
+
+def _columns(processes: Sequence[wire.ProcessInfo], now: float) -> list[Column]:
+    """Every column of `flexium ps`, in order; ``keep``: which go last where the terminal is too
+    narrow (the id that commands take and the state first, the full command line last)."""
+
+    def column(header: str, cell: Callable[[wire.ProcessInfo], str], keep: int, **fit: Any) -> Column:
+        return Column(header, [cell(p) for p in processes], keep=keep, **fit)
+
+    columns = [
+        column("PROCESS", lambda p: p.process_id, keep=100),
+        column("NAME", lambda p: p.name or "-", keep=90, shrink_to=12),
+        column("JOB", lambda p: _short_key(p.job.key) if p.job else "-", keep=55, shrink_to=8, optional=True),
+        column("RANK", lambda p: f"{p.job.rank}/{p.job.world_size}" if p.job else "-", keep=56, optional=True),
+        column("STATE", lambda p: p.state, keep=95),
+        column("HOST", lambda p: p.host, keep=70, shrink_to=12),
+        column("PID", lambda p: str(p.pid), keep=20),
+        column("DEVICE", _device, keep=80),
+        column("GPU", _gpu_cell, keep=45, shrink_to=12),
+        column("MEMORY", _memory, keep=60),
+        column("UP", lambda p: age(now - (p.started_at or p.registered_at)), keep=30),
+        column("STEPS", lambda p: "-" if p.steps is None else f"{p.steps:,}", keep=75),
+        column("SPEED", _speed, keep=72),
+        column("MOVES", lambda p: _moves(p.capabilities), keep=40),
+        column("DOING", _doing, keep=85, optional=True),
+        column("COMMAND", lambda p: clip(_command_line(p.cmdline), COMMAND_WIDTH) or "-", keep=10, shrink_to=20),
+    ]
+    if len({p.host for p in processes}) == 1:
+        columns = [c for c in columns if c.header != "HOST"]
+    return columns
+
+
+def _device(p: wire.ProcessInfo) -> str:
+    device = p.logical_device or "-"
+    if p.physical_device and p.physical_device != p.logical_device:
+        device += f" (on {p.physical_device})"
+    return device
+
+
+def _memory(p: wire.ProcessInfo) -> str:
+    if p.state == "PAUSED" and p.footprint_bytes:
+        return f"{gib(p.footprint_bytes)} paused"
+    return gib(p.memory_bytes or 0)
+
+
+def _speed(p: wire.ProcessInfo) -> str:
+    """Steps per second while it trains (a paused or silent process's last rate is no speed)."""
+    per_s = p.steps_per_s
+    if per_s is None or p.state != "RUNNING":
+        return "-"
+    return f"{per_s:.2f}/s" if per_s < 10 else f"{per_s:.1f}/s" if per_s < 100 else f"{per_s:.0f}/s"
+
+
+def _doing(p: wire.ProcessInfo) -> str:
+    active = p.active_command
+    return f"{active.kind} {active.state}" if active else "-"
 
 
 def _command_line(cmdline: str) -> str:
@@ -99,10 +123,6 @@ def _command_line(cmdline: str) -> str:
     interpreter's full path), so that the part that tells jobs apart fits the column."""
     program, _, rest = cmdline.partition(" ")
     return f"{program.rsplit('/', 1)[-1]} {rest}".strip()
-
-
-def _clip(text: str, width: int) -> str:
-    return text if len(text) <= width else text[: width - 1] + "~"
 
 
 def _short_key(key: str) -> str:
@@ -116,7 +136,7 @@ def _gpu_cell(p: wire.ProcessInfo) -> str:
         return "-"
     cell = f"{'' if p.gpu_index is None else p.gpu_index} {p.gpu_model}".strip()
     more = len(p.other_gpus)
-    return f"{cell} (+{more} GPU{'s' if more > 1 else ''})" if more else cell
+    return f"{cell} (+{count(more, 'GPU')})" if more else cell
 
 
 def _moves(capabilities: wire.ProcessCapabilities) -> str:

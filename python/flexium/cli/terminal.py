@@ -5,13 +5,16 @@ window title, write the clipboard (OSC 52), move the cursor or hide what follows
 right-to-left override reorders what is shown. ``terminal_safe_output`` writes every such
 character out as its escape (``\\x1b``, ``\\u202e``) on the way to stdout and stderr: one place
 for every command, whatever prints. Newlines and tabs are the command's own layout and stay;
-``--json`` output is unchanged (JSON already escapes control characters)."""
+``--json`` output is unchanged (JSON already escapes control characters). ``terminal_width`` is how
+wide the terminal lets a table be."""
 
 from __future__ import annotations
 
 import contextlib
 import io
+import os
 import re
+import shutil
 import sys
 from collections.abc import Iterator
 from typing import TextIO
@@ -44,3 +47,15 @@ class _TerminalSafe(io.TextIOBase):
 def terminal_safe_output() -> Iterator[None]:
     with contextlib.redirect_stdout(_TerminalSafe(sys.stdout)), contextlib.redirect_stderr(_TerminalSafe(sys.stderr)):
         yield
+
+
+def terminal_width() -> int | None:
+    """How many characters a line of a table may take: COLUMNS when set (as ls and kubectl read
+    it), else the terminal's width; None when the output goes to a file or a pipe (whole lines,
+    for grep and awk; --json is for scripts)."""
+    columns = os.environ.get("COLUMNS", "")
+    if columns.isdigit() and int(columns) > 0:
+        return int(columns)
+    if not sys.stdout.isatty():
+        return None
+    return shutil.get_terminal_size().columns
