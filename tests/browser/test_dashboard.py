@@ -197,7 +197,7 @@ def test_migrate_offers_only_gpus_that_fit_and_shows_the_outcome(dash: Dashboard
     job.hold.set()
     dash.wait_cell("gpu-mig-0001", "Status", "RUNNING")
     dash.wait_cell("gpu-mig-0001", "Device", "GPU 5")
-    last = dash.wait_cell("gpu-mig-0001", "Last migration", "migrate → GPU 5", "1.87 s", "driver path", "succeeded")
+    last = dash.wait_cell("gpu-mig-0001", "Last command", "migrate → GPU 5", "1.87 s", "driver path", "succeeded")
     assert "succeeded · " in last and ("just now" in last or "ago" in last)
     assert api.get(f"/commands/{command['id']}").json()["state"] == "succeeded"
     dash.wait(
@@ -238,7 +238,7 @@ def test_pause_and_resume_follow_the_state(dash: Dashboard, jobs: Jobs, api: Api
     dash.wait_buttons("gpu-pause-01", {"Resume": True})
     assert "paused from GPU 0" in dash.cell("gpu-pause-01", "Device")
     assert "0 B" in dash.cell("gpu-pause-01", "Memory") and "needs 16.0 GiB" in dash.cell("gpu-pause-01", "Memory")
-    dash.wait_cell("gpu-pause-01", "Last migration", "pause", "0.42 s")
+    dash.wait_cell("gpu-pause-01", "Last command", "pause", "0.42 s")
 
     dash.click("gpu-pause-01", "resume")
     dash.wait(dash.dialog_open, "the Resume dialog opens")
@@ -252,7 +252,7 @@ def test_pause_and_resume_follow_the_state(dash: Dashboard, jobs: Jobs, api: Api
     dash.wait_buttons("gpu-pause-01", {"Migrate": True, "Pause": True})
     resume = api.commands("gpu-pause-01")[0]
     assert resume["kind"] == "resume" and resume["target_uuid"] == host.uuid(2) and resume["state"] == "succeeded"
-    dash.wait_cell("gpu-pause-01", "Last migration", "resume → GPU 2", "succeeded")
+    dash.wait_cell("gpu-pause-01", "Last command", "resume → GPU 2", "succeeded")
     dash.wait(lambda: _total(dash, "paused") == paused_before, "the totals follow the resume")
 
 
@@ -282,7 +282,7 @@ def test_keyboard_alone_can_migrate(dash: Dashboard, jobs: Jobs, api: Api) -> No
     dash.d.switch_to.active_element.send_keys(Keys.ARROW_DOWN)  # radio group: next GPU
     assert dash.d.switch_to.active_element.get_attribute("value") == host.uuid(2)
     dash.d.switch_to.active_element.send_keys(Keys.ENTER)  # submits the form
-    dash.wait_cell("gpu-keys-001", "Last migration", "migrate → GPU 2", "succeeded")
+    dash.wait_cell("gpu-keys-001", "Last command", "migrate → GPU 2", "succeeded")
     assert api.commands("gpu-keys-001")[0]["target_uuid"] == host.uuid(2)
     labels = dash.js(
         "return Array.from(document.querySelectorAll('#filters input, #filters select'))"
@@ -318,7 +318,7 @@ def test_refused_and_failed_commands_are_visible(dash: Dashboard, jobs: Jobs, ap
     dash.click("gpu-err-0001", "resume")
     dash.wait(dash.dialog_open, "the Resume dialog opens")
     dash.submit_dialog()
-    last = dash.wait_cell("gpu-err-0001", "Last migration", "failed", "CUDA_ERROR_INVALID_VALUE")
+    last = dash.wait_cell("gpu-err-0001", "Last command", "failed", "CUDA_ERROR_INVALID_VALUE")
     assert "resume" in last
     dash.wait_cell("gpu-err-0001", "Status", "PAUSED")
     dash.wait_buttons("gpu-err-0001", {"Resume": True})
@@ -364,7 +364,7 @@ def test_client_text_is_escaped(dash: Dashboard, jobs: Jobs) -> None:
     dash.wait(lambda: dash.has_row("gpu-xss-0002"), "the rows are there")
     job.fail_with = XSS
     dash.click("gpu-xss-0001", "pause")
-    dash.wait_cell("gpu-xss-0001", "Last migration", "failed", XSS)
+    dash.wait_cell("gpu-xss-0001", "Last command", "failed", XSS)
     assert XSS in dash.cell("gpu-xss-0001", "User") and XSS in dash.cell("gpu-xss-0001", "Host")
     assert XSS in dash.cell("gpu-xss-0002", "Process")
     assert XSS in dash.host_section(f"{XSS}-node").text

@@ -97,13 +97,13 @@ def test_guide_screenshots_of_the_dashboard_and_the_migrate_dialog(
         for job in guide_jobs:
             dash.wait(lambda: dash.has_row(job.process_id), f"{job.process_id}'s row")  # noqa: B023 (waited on here)
         dash.wait_cell(MOVED_JOB, "Status", "RUNNING")
-        # One job already moved, so that the page shows a last migration and a recent command.
+        # One job already moved, so that the table shows a last command and the list a recent one.
         moved = Api(guide_server).post(
             "/commands", {"process_id": "gpu-0b91e4d7", "kind": "migrate", "target": "cuda:3"}
         )
         assert moved.status_code in (200, 201), moved.text
         dash.wait_cell("gpu-0b91e4d7", "Device", "GPU 3")
-        dash.wait_cell("gpu-0b91e4d7", "Last migration", "succeeded")
+        dash.wait_cell("gpu-0b91e4d7", "Last command", "succeeded")
         source = guide_jobs[1].host.uuid(1)  # a host's GPU report is stored at most every 5 s
         dash.wait(lambda: dash.bar(source) == {"flexium": 0, "other": 0}, "GPU 1 shows empty again", timeout=20)
         dash.wait_cell("gpu-c4d2aa90", "Status", "PAUSED")

@@ -71,7 +71,7 @@ def test_a_process_on_two_gpus_is_swapped_and_moved_gpu_by_gpu(dash: Dashboard, 
         "the notice names both moves",
     )
     dash.wait_cell(proc, "Device", "GPU 1", "+ GPU 0")
-    dash.wait_cell(proc, "Last migration", "migrate GPU 0 → GPU 1, GPU 1 → GPU 0", "succeeded")
+    dash.wait_cell(proc, "Last command", "migrate GPU 0 → GPU 1, GPU 1 → GPU 0", "succeeded")
 
     _open_migrate(dash, proc)
     assert _choices(dash) == {u[1]: (u[1], u[1]), u[0]: (u[0], u[0])}

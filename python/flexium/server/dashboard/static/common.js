@@ -155,6 +155,11 @@
     return gpuTexts.get(c.id);
   }
 
+  // A process on flexium's simulated host (its row or its page says so): its timings are no measurements.
+  function onSimulatedGpus(processId) {
+    return document.querySelector('[data-process-id="' + CSS.escape(processId) + '"][data-simulated]') !== null;
+  }
+
   function commandNotice(c) {
     if (!tracked.has(c.id)) { return; }
     var what = c.kind + " " + c.process_id + gpuText(c) + " (command " + c.id + "): ";
@@ -162,7 +167,9 @@
       : (c.finished_at && c.started_at ? c.finished_at - c.started_at : null);
     if (c.state === "succeeded") {
       var path = c.result && c.result.path ? " (" + c.result.path + " path)" : "";
-      notify(what + "succeeded" + (seconds !== null ? " in " + fmtDuration(seconds, true) : "") + path, "ok", c.id);
+      var simulated = onSimulatedGpus(c.process_id) ? " on simulated GPUs" : "";
+      notify(what + "succeeded" + (seconds !== null ? " in " + fmtDuration(seconds, true) : "") + simulated + path,
+             "ok", c.id);
     } else if (c.state === "failed" || c.state === "expired") {
       notify(what + c.state + (c.error ? ": " + c.error : ""), "error", c.id);
     } else {
