@@ -74,7 +74,7 @@ def test_migrate_from_the_command_line(server: Server, job: Job) -> None:
     assert re.search(rf"^migrate {job.process_id} to cuda:1: succeeded in [\d.]+ s$", out, re.M), out
     assert re.search(r"delivered [\d.]+ ms after it was queued", out), out
     assert re.search(
-        r"operation [\d.]+ ms, driver path, \(prepare [\d.]+ ms, lock [\d.]+ ms, checkpoint [\d.]+ ms, "
+        r"operation [\d.]+ ms, driver path, phases \(prepare [\d.]+ ms, lock [\d.]+ ms, checkpoint [\d.]+ ms, "
         r"room [\d.]+ ms, restore [\d.]+ ms, unlock [\d.]+ ms\); 2\.0 GiB moved",
         out,
     ), out
