@@ -1,6 +1,6 @@
 """A job on flexium's simulated host (flexium demo without a GPU) in headless Chromium: its memory,
-the time of its last command, the notice of a command's outcome and its page's timeline say
-simulated, where a job on a real driver's host says none of it."""
+the time of its last command (in the table and the recent commands), the notice of a command's
+outcome and its page's timeline say simulated, where a job on a real driver's host says none of it."""
 
 from __future__ import annotations
 
@@ -24,6 +24,16 @@ class SimulatedHostJob(SimJob):
         return super().registration() | {"driver_version": SIMULATED_DRIVER}
 
 
+def _recent_commands(dash: Dashboard) -> list[str]:
+    """The recent commands' texts, read in one call (a live update may replace the list)."""
+    return list(
+        dash.js(
+            "return Array.from(document.querySelectorAll('#commands li'))"
+            ".map(function (li) { return li.textContent.replace(/\\s+/g, ' ').trim(); })"
+        )
+    )
+
+
 def test_simulated_figures_say_so_and_real_ones_do_not(dash: Dashboard, api: Api) -> None:
     demo = SimulatedHostJob(api, FakeHost("demo-host"), "gpu-s1mu1ate", memory=6 * GIB, op_seconds=0.42).start()
     real = SimJob(api, FakeHost("real-host"), "gpu-rea1h0st", memory=6 * GIB, op_seconds=0.42).start()
@@ -44,6 +54,12 @@ def test_simulated_figures_say_so_and_real_ones_do_not(dash: Dashboard, api: Api
         )
         notices = [text for _role, text in dash.notices() if f"pause {real.process_id}" in text]
         assert notices and not any("simulated" in text for text in notices), notices
+        dash.wait(
+            lambda: any(demo.process_id in item and "0.42 s simulated" in item for item in _recent_commands(dash)),
+            "recent commands say the simulated pause's time is simulated",
+        )
+        items = [item for item in _recent_commands(dash) if real.process_id in item]
+        assert items and not any("simulated" in item for item in items), items
 
         for job in (demo, real):
             dash.click(job.process_id, "resume")
