@@ -155,7 +155,14 @@ def test_without_a_gpu_the_demo_job_runs_on_a_simulated_host_that_says_so(tmp_pa
         assert moved_job["physical_device"] == "cuda:1" and moved_job["gpu_model"] == "SIMULATED GPU (flexium demo)"
         assert moved_job["memory_bytes"] == 6 << 30  # the simulated memory it holds moved with it
         assert moved_job["driver_version"] == moved_job["capabilities"]["driver_version"] == "580.159.04 (simulated)"
-        assert cli("pause", process_id).returncode == 0
+        assert moved_job["simulated"] is True  # the field that marks its figures as simulated
+        listed = cli("ps")
+        assert f"{process_id} runs on flexium's simulated host" in listed.stderr, listed.stderr
+        paused = cli("pause", process_id)
+        assert paused.returncode == 0, paused.stderr
+        # Its timings and memory are the simulation's: said so, and no rate is made of them.
+        assert "succeeded in " in paused.stdout and " s on simulated GPUs" in paused.stdout, paused.stdout
+        assert "simulated operation" in paused.stdout and "GB/s" not in paused.stdout, paused.stdout
         assert cli("resume", process_id, "cuda:0").returncode == 0
         out.wait_for(r"\[demo job\] step .* on cuda:0 \(simulated\)$", 30)
 
