@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from flexium import simulated, wire
-from flexium.cli import moves, waiting
+from flexium.cli import jobs, moves, waiting
 from flexium.client import ServerError
 
 
@@ -200,3 +200,33 @@ def test_an_outcome_on_simulated_gpus_says_so_and_gives_no_rate(capsys: pytest.C
         in out
     )
     assert "GB/s" not in out and "the process is RUNNING on cuda:1" in out
+
+
+def test_a_job_operation_on_simulated_gpus_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    class Listing(SimulatedProcess):
+        def list_processes(self, state: str | None = None) -> list[wire.ProcessInfo]:
+            return [self.get_process("gpu-rank0000")]
+
+    rank_command = command("succeeded").model_copy(
+        update={
+            "process_id": "gpu-rank0000",
+            "job": wire.JobCommandInfo(operation_id=3, job_key="run-7f3a", rank=0, world_size=1, moves={}),
+            "result": wire.OperationReport(kind="pause", path="driver", ok=True, seconds=0.5),
+        }
+    )
+    operation = wire.JobOperationInfo(
+        id=3,
+        job_key="run-7f3a",
+        kind="pause",
+        world_size=1,
+        moves={},
+        created_at=0.0,
+        state="succeeded",
+        finished_at=1.0,
+        commands=[rank_command],
+    )
+    api = Listing()
+    jobs._print_job_outcome(api, jobs._job_title(api, operation), operation)  # type: ignore[arg-type]
+    out = capsys.readouterr().out
+    assert out.startswith("pause job run-7f3a (1 rank): succeeded in 1.00 s on simulated GPUs (job operation 3)\n")
+    assert "500 ms simulated" in out, out
