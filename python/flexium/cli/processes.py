@@ -27,8 +27,9 @@ PS_LEGEND = (
     "DOING: the command under way; "
     "JOB, RANK: the ranks of one job of several move together: pause or resume one of them acts on all; "
     "HOST: shown when processes of more than one host are listed. The table fits the terminal ($COLUMNS, else "
-    "its width) by shortening, then leaving out, the columns that tell least; to a file or a pipe it prints "
-    "whole lines (--json has every field)."
+    "its width): it shortens long columns and leaves out those that tell least; to a file or a pipe it prints "
+    "whole lines (--json has every field). A note on stderr names the processes on flexium's simulated host "
+    "(flexium demo): their GPUs, memory and timings are not measured."
 )
 
 
