@@ -276,6 +276,10 @@ static struct {
   char nvml_driver[80];
   int gpu_count;
   struct gpu gpus[MAX_GPUS];
+  /* FAKE_CUDA_HOST_FILE: what other processes hold on each GPU of a simulated host, one
+   * "PHYSICAL BYTES" line each, read at each use: every process of the host (a job, its NVML reader
+   * process, a neighbour a test starts and ends) sees the same GPUs. */
+  char host_file[4096];
 
   /* the process */
   int initialized;       /* cuInit succeeded */
@@ -318,6 +322,22 @@ static struct {
 } fake;
 
 static long current_tid(void) { return (long)syscall(SYS_gettid); }
+
+/* Memory other processes hold on a GPU: what this process was told (fake_set_other_memory) and what
+ * the host file says. */
+static unsigned long long others_on(int physical) {
+  unsigned long long bytes = fake.gpus[physical].other_bytes;
+  if (fake.host_file[0] == '\0') return bytes;
+  FILE *file = fopen(fake.host_file, "r");
+  if (file == NULL) return bytes;
+  int index = 0;
+  unsigned long long held = 0;
+  while (fscanf(file, "%d %llu", &index, &held) == 2) {
+    if (index == physical) bytes += held;
+  }
+  fclose(file);
+  return bytes;
+}
 
 static void sleep_ms(unsigned int ms) {
   struct timespec ts = {(time_t)(ms / 1000u), (long)(ms % 1000u) * 1000000L};
@@ -383,6 +403,8 @@ static void configure_from_environment(void) {
   fake.no_vmm = env_int("FAKE_CUDA_NO_VMM", 0) != 0;
   const char *driver = getenv("FAKE_NVML_DRIVER");
   snprintf(fake.nvml_driver, sizeof(fake.nvml_driver), "%s", driver != NULL && *driver ? driver : "580.159.04");
+  const char *host_file = getenv("FAKE_CUDA_HOST_FILE");
+  snprintf(fake.host_file, sizeof(fake.host_file), "%s", host_file != NULL ? host_file : "");
 
   int count = env_int("FAKE_CUDA_GPUS", 2);
   if (count < 0) count = 0;
@@ -1283,7 +1305,7 @@ CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args) {
       if (target[l] == p) need += fake.process_bytes[l];
     }
     const struct gpu *g = &fake.gpus[p];
-    const unsigned long long held = g->other_bytes + vmm_bytes_on(p, 1);
+    const unsigned long long held = others_on(p) + vmm_bytes_on(p, 1);
     const unsigned long long free_bytes = held >= g->total ? 0 : g->total - held;
     if (need > free_bytes) {
       if (fake.oom_poisons_restore) fake.restore_poisoned = 1;
@@ -1536,7 +1558,7 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CU
   const int physical = on_host ? -1 : fake.placement[prop->location.id];
   if (!on_host) {
     const struct gpu *g = &fake.gpus[physical];
-    const unsigned long long used = g->other_bytes + process_bytes_on(physical);
+    const unsigned long long used = others_on(physical) + process_bytes_on(physical);
     if (used >= g->total || size > g->total - used) return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, -1);
   }
   const int slot = FREE_SLOT(vmm.allocs);
@@ -2219,7 +2241,7 @@ nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int len
 
 static void memory_of(int physical, unsigned long long *total, unsigned long long *used, unsigned long long *free_bytes) {
   const struct gpu *g = &fake.gpus[physical];
-  unsigned long long in_use = g->other_bytes + process_bytes_on(physical);
+  unsigned long long in_use = others_on(physical) + process_bytes_on(physical);
   if (in_use > g->total) in_use = g->total;
   *total = g->total;
   *used = in_use;
@@ -2261,9 +2283,10 @@ static nvmlReturn_t running_processes(int physical, unsigned int *count, nvmlPro
     found[n].usedGpuMemory = ours;
     ++n;
   }
-  if (fake.gpus[physical].other_bytes > 0) {
+  const unsigned long long others = others_on(physical);
+  if (others > 0) {
     found[n].pid = OTHER_PID_BASE + (unsigned int)physical;
-    found[n].usedGpuMemory = fake.gpus[physical].other_bytes;
+    found[n].usedGpuMemory = others;
     ++n;
   }
   for (unsigned int k = 0; k < n; ++k) found[k].gpuInstanceId = found[k].computeInstanceId = 0xffffffffu;

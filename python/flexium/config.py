@@ -1,7 +1,7 @@
 """Where flexium's settings come from, validated once.
 
 Priority, highest first: parameters, environment variables (FLEXIUM_SERVER, GPU_DEVICE,
-FLEXIUM_TOKEN, FLEXIUM_LOG_LEVEL, FLEXIUM_FAST_PATH, FLEXIUM_SAFE_POINT_WAIT), the config file
+FLEXIUM_TOKEN, FLEXIUM_LOG_LEVEL, FLEXIUM_FAST_PATH, FLEXIUM_SAFE_POINT_WAIT, FLEXIUM_PRIORITY), the config file
 (./.flexiumrc if it exists, else ~/.flexiumrc; only one is read), defaults (local mode,
 "cuda:0"). Every rejected value is reported with where it came from and what a good value
 looks like.
@@ -34,6 +34,7 @@ __all__ = [
     "ENV_LOG_LEVEL",
     "ENV_FAST_PATH",
     "ENV_SAFE_POINT_WAIT",
+    "ENV_PRIORITY",
     "RC_FILENAME",
     "DEFAULT_DEVICE",
     "FlexiumConfig",
@@ -50,6 +51,7 @@ ENV_TOKEN = "FLEXIUM_TOKEN"
 ENV_LOG_LEVEL = "FLEXIUM_LOG_LEVEL"
 ENV_FAST_PATH = "FLEXIUM_FAST_PATH"
 ENV_SAFE_POINT_WAIT = "FLEXIUM_SAFE_POINT_WAIT"
+ENV_PRIORITY = "FLEXIUM_PRIORITY"
 DEFAULT_SAFE_POINT_WAIT = 5.0
 MAX_SAFE_POINT_WAIT = 3600.0
 RC_FILENAME = ".flexiumrc"
@@ -68,6 +70,7 @@ _FIELDS: dict[str, tuple[str, str, str]] = {
     "log_level": ("log_level", ENV_LOG_LEVEL, "log level"),
     "fast_path": ("fast_path", ENV_FAST_PATH, "fast path switch"),
     "safe_point_wait": ("safe_point_wait", ENV_SAFE_POINT_WAIT, "safe point wait"),
+    "priority": ("priority", ENV_PRIORITY, "priority"),
 }
 _RC_KEYS = {rc_key: name for name, (rc_key, _, _) in _FIELDS.items()}
 
@@ -87,6 +90,8 @@ class FlexiumConfig:
     fast_path: bool = True
     # Seconds a command waits for the next optimizer step (safe point) before the driver path runs.
     safe_point_wait: float = DEFAULT_SAFE_POINT_WAIT
+    # In the server's queue and when it makes room (protocol.PRIORITIES): told when the job registers.
+    priority: int = protocol.DEFAULT_PRIORITY
     address: ServerAddress | None = None
     config_file: str | None = None  # the rc file that was read, if any
     sources: Mapping[str, str] = field(default_factory=dict, compare=False, hash=False)
@@ -231,6 +236,13 @@ def switch_from_env(name: str, default: bool, what: str) -> bool:
     return _validate_switch(value, f"(from environment variable {name})", what)
 
 
+def _validate_priority(value: Any, where: str) -> int:
+    try:
+        return protocol.read_priority(value if isinstance(value, (int, str)) else str(value))
+    except ValueError:
+        raise ConfigError(f"priority {value!r} {where} is not valid; give {protocol.PRIORITY_SYNTAX}") from None
+
+
 def _validate_wait(value: Any, where: str) -> float:
     try:
         seconds = float(value) if not isinstance(value, bool) else float("nan")
@@ -328,13 +340,14 @@ def load_config(
     device: str | None = None,
     *,
     token: str | None = None,
+    priority: str | int | None = None,
     server_parameter: str = "orchestrator",
 ) -> FlexiumConfig:
     """Resolve and validate flexium's settings. Raises ConfigError naming the bad value's source.
     `server_parameter`: what the caller's API calls the server address (init's is `server`)."""
     rc_path = find_config_file()
     rc = _read_rc(rc_path) if rc_path is not None else {}
-    params: dict[str, Any] = {"orchestrator": orchestrator, "device": device, "token": token}
+    params: dict[str, Any] = {"orchestrator": orchestrator, "device": device, "token": token, "priority": priority}
     raw = {
         name: _setting(name, params.get(name), rc, rc_path, server_parameter if name == "orchestrator" else name)
         for name in _FIELDS
@@ -367,6 +380,9 @@ def load_config(
     entry = raw["safe_point_wait"]
     safe_point_wait = _validate_wait(entry.value, entry.where) if entry is not None else DEFAULT_SAFE_POINT_WAIT
 
+    entry = raw["priority"]
+    priority_value = _validate_priority(entry.value, entry.where) if entry is not None else protocol.DEFAULT_PRIORITY
+
     return FlexiumConfig(
         orchestrator=orchestrator_value,
         device=device_value,
@@ -374,6 +390,7 @@ def load_config(
         log_level=log_level,
         fast_path=fast_path,
         safe_point_wait=safe_point_wait,
+        priority=priority_value,
         address=address,
         config_file=str(rc_path) if rc_path is not None else None,
         sources=MappingProxyType(sources),

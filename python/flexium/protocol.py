@@ -194,6 +194,9 @@ PATH_EVENTS = "/events"  # text/event-stream
 PATH_TOKENS = "/tokens"
 PATH_TOKEN = "/tokens/{token_id}"
 PATH_AUDIT = "/audit"  # newest first
+PATH_WAITS = "/waits"  # the resume-when-free queue: POST queues a paused job, GET lists
+PATH_WAIT = "/waits/{wait_id}"  # DELETE cancels
+PATH_PRIORITY = "/processes/{process_id}/priority"  # PUT: a job's priority (admin)
 
 # --- timing defaults (the server sends its own values in wire.RegisterResponse) ------------------
 
@@ -203,6 +206,14 @@ MAX_POLL_TIMEOUT_S = 60.0
 STALE_AFTER_S = 30.0  # no heartbeat for this long: shown STALE
 REMOVE_AFTER_S = 900.0  # no heartbeat for this long: removed
 COMMAND_TTL_S = 300.0  # queued/delivered but never started for this long: expired
+# A paused job waiting in the queue reads its GPUs this often (through its NVML reader process)
+# and reports at once when one it may use has the room it needs: resumed within about a second
+# of a neighbour's exit, where device reports ride heartbeats every HEARTBEAT_INTERVAL_S.
+ROOM_WATCH_INTERVAL_S = 0.15
+RESERVATION_TTL_S = 300.0  # room made for a job is held for it this long at most
+# The headroom a job's own room check asks beside other processes or on another GPU
+# (engine/target_rules.py's DEFAULT_MEMORY_MARGIN_BYTES): the server's queue asks the same.
+ROOM_MARGIN_BYTES = 512 << 20
 
 # --- limits the server enforces (4xx, never 5xx) --------------------------------------------
 
@@ -255,6 +266,46 @@ HEALTH_OK = "ok"
 HEALTH_UNKNOWN = "unknown"
 TARGETABLE_HEALTH = (HEALTH_OK, HEALTH_UNKNOWN)
 
+# --- priorities and the queue ----------------------------------------------------------------
+
+# A job's priority is a number: the resume-when-free queue resumes a higher one first (first come,
+# first served within one), and making room pauses only jobs of a lower one. The names people
+# type stand for these numbers, here only.
+PRIORITIES: dict[str, int] = {"low": 10, "normal": 50, "high": 90}
+DEFAULT_PRIORITY = PRIORITIES["normal"]
+MAX_PRIORITY = 100
+PRIORITY_SYNTAX = f"low, normal, high or a number 0-{MAX_PRIORITY} (higher goes first)"
+
+
+def read_priority(text: str | int) -> int:
+    """A priority as people give it (a name of PRIORITIES or a number 0..MAX_PRIORITY); ValueError
+    says what is accepted. The one reading: flexium.init(priority=), FLEXIUM_PRIORITY, the CLI
+    and the API."""
+    if isinstance(text, bool):
+        raise ValueError(f"priority {text!r} is not {PRIORITY_SYNTAX}")
+    value = text if isinstance(text, int) else PRIORITIES.get(text.strip().lower(), ascii_number(text.strip()))
+    if value is None or not 0 <= value <= MAX_PRIORITY:
+        raise ValueError(f"priority {text!r} is not {PRIORITY_SYNTAX}")
+    return value
+
+
+def priority_name(value: int) -> str:
+    """``high`` for 90, ``70`` for 70."""
+    return next((name for name, number in PRIORITIES.items() if number == value), str(value))
+
+
+# waiting: in the queue; dispatched: its resume command was created; done: that resume succeeded;
+# cancelled: by a person, a plain pause or resume, or because the job cannot resume any more.
+WaitState = Literal["waiting", "dispatched", "done", "cancelled"]
+WAIT_STATES: tuple[str, ...] = get_args(WaitState)
+LIVE_WAIT_STATES: tuple[str, ...] = ("waiting", "dispatched")
+
+# What a drain did to one job on the GPUs it drains: moved it to another GPU of its host (migrate),
+# paused it to resume when free (pause: it fits nowhere, or its move failed), or nothing it could
+# (refused: the note says why; the drain goes on with the others).
+DrainAction = Literal["migrate", "pause", "refused"]
+DRAIN_ACTIONS: tuple[str, ...] = get_args(DrainAction)
+
 # --- roles of tokens -------------------------------------------------------------------------
 
 # admin: everything. job: what a training job does, and only to the processes it registered
@@ -299,6 +350,7 @@ EVENT_PROCESS = (
 EVENT_COMMAND = "command"  # {"action": "created"|"updated", "command": wire.CommandInfo}
 EVENT_COMMAND_REFUSED = "command_refused"  # {"request": wire.CommandRequest, "reason": text}: none was created
 EVENT_PROGRESS = "progress"  # {"processes": [{"process_id", "steps", "steps_at", "steps_per_s", "loss"}]}: stored
+EVENT_WAIT = "wait"  # {"action": "created"|"updated", "wait": wire.WaitInfo}: the queue changed
 EVENT_DEVICES = "devices"  # {"host": name}: that host's GPUs changed; GET .../devices?host=name
 EVENT_RESYNC = "resync"  # events were missed: reload the lists, then keep listening
 

@@ -36,6 +36,7 @@ from pydantic import (
     StrictInt,
     StringConstraints,
     computed_field,
+    field_validator,
     model_validator,
 )
 
@@ -45,6 +46,7 @@ from flexium.protocol import CommandState as CommandState
 from flexium.protocol import DisplayState as DisplayState
 from flexium.protocol import ProcessState as ProcessState
 from flexium.protocol import ReportState as ReportState
+from flexium.protocol import WaitState as WaitState
 from flexium.simulated import SIMULATED_DRIVER
 
 
@@ -155,6 +157,9 @@ GpuIndex = Annotated[int, Field(ge=0, le=4095)]
 Epoch = Annotated[float, Field(ge=0, le=1e11)]
 Rank = Annotated[int, Field(ge=0, le=protocol.MAX_RANKS - 1)]
 WorldSize = Annotated[int, Field(ge=1, le=protocol.MAX_RANKS)]
+Priority = Annotated[
+    int, Field(ge=0, le=protocol.MAX_PRIORITY, description=f"a job's priority: {protocol.PRIORITY_SYNTAX}")
+]
 
 TargetKind = Literal["migrate", "resume"]
 
@@ -275,6 +280,11 @@ class RegisterRequest(WireIn):
     job: JobMembership | None = Field(default=None, description="None: a single-process job")
     steps: Bytes | None = Field(default=None, description="optimizer steps taken so far; None: not counted")
     loss: float | None = Field(default=None, description="the last loss the job reported (flexium.auto.report)")
+    priority: Priority | None = Field(
+        default=None,
+        description="its priority as the job was started with (FLEXIUM_PRIORITY); taken when the process is new "
+        "(an admin's change outlives a registration again); None: normal",
+    )
 
 
 class HeartbeatRequest(WireIn):
@@ -295,6 +305,11 @@ class HeartbeatRequest(WireIn):
         default=None, description="optimizer steps taken so far (the server derives steps/s from two beats)"
     )
     loss: float | None = Field(default=None, description="the last loss the job reported (flexium.auto.report)")
+    room_seen: bool = Field(
+        default=False,
+        description="a paused job waiting in the queue saw the room it needs appear on a GPU it watches "
+        "(HeartbeatResponse.watch): its devices are stored at once and the queue decides",
+    )
 
 
 class CommandRequest(WireIn):
@@ -342,6 +357,35 @@ class CommandReport(WireIn):
     result: OperationReport | None = None
     error: LongText | None = None
     process: ProcessUpdate | None = None
+
+
+class WaitRequest(WireIn):
+    """Queue a paused job to be resumed when room appears (``flexium resume JOB --when-free``), or make
+    room for it at once by pausing jobs of a lower priority (``--make-room``)."""
+
+    process_id: ProcessId = Field(description="the paused process; a rank of a job of several stands for its job")
+    gpu: StrictInt | ShortText | None = Field(
+        default=None,
+        description="the GPU it waits for, named as a command's target is; None or 'any': the first GPU of its host "
+        "with room (where it paused first)",
+    )
+    host: HostName | None = Field(
+        default=None, description="the host it resumes on, which must be its own (a job resumes on its host's GPUs)"
+    )
+    make_room: bool = Field(
+        default=False,
+        description="pause the fewest jobs of lower priority on one GPU to free what it needs, hold that room for "
+        "it and resume it there; the jobs paused wait in the queue to resume when free",
+    )
+
+
+class PriorityRequest(WireIn):
+    priority: Priority
+
+    @field_validator("priority", mode="before")
+    @classmethod
+    def _named(cls, value: object) -> object:
+        return protocol.read_priority(value) if isinstance(value, str) else value
 
 
 class TokenRequest(WireIn):
@@ -405,6 +449,9 @@ class CommandInfo(WireOut):
     result: OperationReport | None
     error: str | None
     job: JobCommandInfo | None = Field(default=None, description="None: a command for this process alone")
+    reason: str | None = Field(
+        default=None, description="why it was sent, when the server's own policy sent it (resume when free, make room)"
+    )
 
 
 class ProcessInfo(WireOut):
@@ -445,6 +492,8 @@ class ProcessInfo(WireOut):
     steps_per_s: float | None = Field(default=None, description="between the last two reports of steps")
     steps_at: float | None = Field(default=None, description="when steps was last reported")
     loss: float | None = Field(default=None, description="the last loss the job reported")
+    priority: int = Field(default=protocol.DEFAULT_PRIORITY, description=protocol.PRIORITY_SYNTAX)
+    wait_id: int | None = Field(default=None, description="its wait in the resume-when-free queue, while it waits")
 
     @computed_field(  # type: ignore[prop-decorator]
         description="its host's GPUs are flexium's simulated ones (flexium demo without a GPU): its memory, driver "
@@ -495,12 +544,23 @@ class JobSummary(WireOut):
     active_operation_id: int | None = Field(description="the job operation under way, if any")
 
 
+class RoomWatch(WireOut):
+    """What a paused job waiting in the queue watches: the GPUs it may resume on and the room it
+    needs there. It reads them every ``protocol.ROOM_WATCH_INTERVAL_S`` and sends a heartbeat with
+    ``room_seen`` when one has that room free."""
+
+    wait_id: int
+    gpus: list[str] = Field(description="GPU UUIDs")
+    need_bytes: int
+
+
 class RegisterResponse(WireOut):
     process: ProcessInfo
     heartbeat_interval_s: float
     poll_timeout_s: float
     stale_after_s: float
     server_time: float
+    watch: RoomWatch | None = Field(default=None, description="it waits in the queue: what to watch")
 
 
 class HeartbeatResponse(WireOut):
@@ -508,6 +568,7 @@ class HeartbeatResponse(WireOut):
     pending_command: int | None = Field(description="a command waits: the long-poll will hand it out")
     heartbeat_interval_s: float
     server_time: float
+    watch: RoomWatch | None = Field(default=None, description="it waits in the queue: what to watch")
 
 
 class DeviceInfo(WireOut):
@@ -591,6 +652,51 @@ class WorkspaceInfo(WireOut):
     created_at: float
     processes: int
     active_commands: int
+
+
+class ReservationInfo(WireOut):
+    """Room held on a GPU for one job (made for it by pausing others): the queue's other waits
+    cannot take it until it is used, released or expires."""
+
+    id: int
+    host: str
+    gpu_uuid: str
+    bytes: int
+    holder: str = Field(description="who it is held for, in words")
+    created_at: float
+    expires_at: float
+
+
+class WaitInfo(WireOut):
+    """A paused job in the resume-when-free queue: resumed on the first GPU of its host with room,
+    a higher priority first, first come first served within one."""
+
+    id: int
+    process_id: str = Field(description="the process (for a job of several ranks: the rank that stands for it)")
+    job_key: str | None = Field(description="a job of several ranks: every rank resumes together")
+    host: str
+    gpu_uuid: str | None = Field(description="the GPU it waits for; None: any GPU of its host it may use")
+    priority: int
+    state: WaitState
+    position: int | None = Field(
+        default=None, description="its place among its host's waiting jobs (1: next); None once it is not waiting"
+    )
+    need_bytes: int = Field(description="the room it needs (for a job: its largest rank's)")
+    created_at: float
+    finished_at: float | None
+    command_id: int | None = Field(description="the resume command it dispatched last")
+    dispatches: int = Field(description="resumes dispatched for it (a resume the job refuses puts it back)")
+    requested_by: str = Field(description="who queued it: a token's name, or the server's policy")
+    reason: str = Field(description="why it waits")
+    note: str | None = Field(description="the latest thing that happened to it: a refusal, why it was cancelled")
+    reservation: ReservationInfo | None = Field(default=None, description="room held for it")
+
+
+class WaitCreated(WireOut):
+    wait: WaitInfo
+    commands: list[CommandInfo] = Field(
+        description="what it set going at once: the pauses that make room, its resume when there is room now"
+    )
 
 
 class HealthInfo(WireOut):

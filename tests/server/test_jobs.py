@@ -328,14 +328,17 @@ def test_nothing_to_move_is_refused(db: Database) -> None:
 def test_each_target_is_judged_for_the_rank_that_goes_there(db: Database) -> None:
     ws = _workspace(db)
     _job(db, ws, memory=100 * GIB, placement={0: 100 * GIB, 1: 100 * GIB, 2: 130 * GIB})
-    _refused(
-        db,
-        ws,
-        errors.TargetRefused,
-        "cannot take process 'rank-1': 10.0 GiB free, the job needs 100.0 GiB",
-        "migrate",
-        ranks={"0": 3, "1": 2},
+    # Room is judged for the rank that would go there; a command leaves it to that rank's own check.
+    judged = db.run(
+        storage.judge_targets,
+        write=False,
+        workspace_id=ws,
+        process_id="rank-1",
+        kind="migrate",
+        now=NOW,
+        stale_after=STALE,
     )
+    assert judged[2].refusal == "10.0 GiB free, the job needs 100.0 GiB"
     _refused(db, ws, errors.TargetRefused, "unknown GPU 'GPU-9999'", "migrate", ranks={"1": "GPU-9999"})
     _refused(db, ws, errors.TargetRefused, "reported no GPU with index 7", "migrate", target=7)
     body = rank_body(1, memory=100 * GIB, placement={0: 100 * GIB, 1: 100 * GIB, 2: 130 * GIB})
@@ -344,12 +347,12 @@ def test_each_target_is_judged_for_the_rank_that_goes_there(db: Database) -> Non
     _refused(db, ws, errors.CapabilityMissing, "process 'rank-1' cannot migrate", "migrate", ranks={"1": 3})
 
 
-def test_resume_refuses_a_rank_whose_gpu_filled_up_while_paused(db: Database) -> None:
+def test_resume_leaves_a_rank_whose_gpu_filled_up_while_paused_to_its_own_check(db: Database) -> None:
+    """The last report says its GPU filled up, but that report is older than the command: the
+    rank's own room check decides (and the whole job stays paused if it refuses)."""
     ws = _workspace(db)
     _job(db, ws, state="PAUSED", memory=0, footprint_bytes=100 * GIB, placement={1: 130 * GIB})
-    message = _refused(db, ws, errors.TargetRefused, "rank 1 .* cannot resume where it paused, GPU GPU-0001", "resume")
-    assert "give it another GPU with ranks" in message
-    assert len(_create(db, ws, "resume", ranks={"1": 3})) == 2
+    assert len(_create(db, ws, "resume")) == 2
 
 
 def test_creation_is_all_or_nothing(db: Database, monkeypatch: pytest.MonkeyPatch) -> None:

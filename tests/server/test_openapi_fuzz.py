@@ -46,13 +46,14 @@ from schemathesis.specs.openapi.checks import (  # noqa: E402
     status_code_conformance,
 )
 
-from support.server import LiveServer, process_body, rank_body, report_figures  # noqa: E402
+from support.server import LiveServer, gpu, process_body, rank_body, report_figures  # noqa: E402
 
 EXAMPLES = int(os.environ.get("FLEXIUM_FUZZ_EXAMPLES", "50"))
 WORKSPACE = "default"
 INVALID_TOKEN = "flx_" + "0" * 43
 CHECKS = [not_a_server_error, status_code_conformance, response_schema_conformance, content_type_conformance]
 MAX_WAIT_S = 0.01  # what a generated long-poll may wait
+PAUSED_HOST = "full-node"
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -68,6 +69,8 @@ class Seeded:
     spare_token_id: int = 0
     process_id: str = ""
     idle_process_id: str = ""  # a process with no command yet, for the bodies of new commands
+    paused_process_id: str = ""  # a paused one on a full host, for the bodies of new waits
+    wait_id: int = 0
     command_id: int = 0
     operation_id: int = 0
     rounds: int = 0
@@ -116,7 +119,8 @@ def _own_token(base: str, token: str) -> Seeded:
 
 def _seed(base: str, seeded: Seeded) -> None:
     """A new round of rows: processes on one host (one with a queued migrate, one idle), a
-    torchrun job of two ranks being paused, a spare token."""
+    torchrun job of two ranks being paused, a paused process waiting in the queue on a full host,
+    a spare token."""
     session = requests.Session()
     session.headers.update(_headers(seeded.token))
 
@@ -129,13 +133,23 @@ def _seed(base: str, seeded: Seeded) -> None:
     # token stays while the fuzz has not revoked it.
     if seeded.rounds:
         last = seeded.rounds
-        for process_id in (seeded.process_id, seeded.idle_process_id, f"run-{last}-rank-0", f"run-{last}-rank-1"):
+        for process_id in (
+            seeded.process_id,
+            seeded.idle_process_id,
+            seeded.paused_process_id,
+            f"run-{last}-rank-0",
+            f"run-{last}-rank-1",
+        ):
             assert session.delete(f"{base}/processes/{process_id}", timeout=10).status_code in (204, 404)
     seeded.rounds += 1
     n = seeded.rounds
-    seeded.process_id, seeded.idle_process_id = f"gpu-{n}", f"idle-{n}"
+    seeded.process_id, seeded.idle_process_id, seeded.paused_process_id = f"gpu-{n}", f"idle-{n}", f"paused-{n}"
     post("/processes", process_body(seeded.process_id))
     post("/processes", process_body(seeded.idle_process_id, gpu_index=2))
+    full = [gpu(i, used=140 << 30) for i in range(2)]  # no room: its wait stays waiting
+    paused = process_body(seeded.paused_process_id, host=PAUSED_HOST, state="PAUSED", memory=0, devices=full)
+    post("/processes", {**paused, "footprint_bytes": 1 << 30})
+    seeded.wait_id = post("/waits", {"process_id": seeded.paused_process_id})["wait"]["id"]
     for rank in (0, 1):
         post("/processes", rank_body(rank, key=f"run-{n}", process_id=f"run-{n}-rank-{rank}"))
     seeded.command_id = post("/commands", {"kind": "migrate", "process_id": seeded.process_id, "target": "cuda:1"})[
@@ -155,14 +169,19 @@ def _real_rows(seeded: Seeded, names: set[str]) -> dict[str, Any]:
         "command_id": seeded.command_id,
         "operation_id": seeded.operation_id,
         "token_id": seeded.spare_token_id,
+        "wait_id": seeded.wait_id,
     }
     return {name: value for name, value in rows.items() if name in names}
 
 
 def _naming_real_rows(case: Any, seeded: Seeded) -> Any:
-    """A generated body names the idle process where it names one (a new command's)."""
+    """A generated body names the idle process where it names one (a new command's), or the paused
+    one and its host (a new wait's)."""
     if isinstance(case.body, dict) and isinstance(case.body.get("process_id"), str):
-        case.body["process_id"] = seeded.idle_process_id
+        waits = case.path.endswith("/waits")
+        case.body["process_id"] = seeded.paused_process_id if waits else seeded.idle_process_id
+        if waits and case.body.get("host") is not None:
+            case.body["host"] = PAUSED_HOST
     return case
 
 

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import requests
 
-from support.server import LiveServer, process_body, rank_body
+from support.server import GIB, LiveServer, gpu, process_body, rank_body
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -48,6 +48,11 @@ ALLOWED: dict[tuple[str, str], frozenset[str]] = {
     ("DELETE", W + "/tokens/{token_id}"): frozenset((ADMIN,)),
     ("GET", W + "/audit"): READERS,
     ("GET", W + "/events"): READERS,
+    ("POST", W + "/waits"): frozenset((ADMIN,)),
+    ("GET", W + "/waits"): READERS,
+    ("GET", W + "/waits/{wait_id}"): READERS,
+    ("DELETE", W + "/waits/{wait_id}"): frozenset((ADMIN,)),
+    ("PUT", W + "/processes/{process_id}/priority"): frozenset((ADMIN,)),
 }
 
 
@@ -127,6 +132,22 @@ def test_every_operation_admits_the_roles_it_should(live: Workspace) -> None:
     def throwaway_token(_role: str) -> int:
         return int(live.mint(ADMIN, VIEWER)["id"])
 
+    def paused(role: str, prefix: str) -> str:
+        process_id = f"{prefix}-{role}"
+        full = [gpu(i, used=140 * GIB) for i in range(2)]  # no room: it stays waiting
+        body = process_body(
+            process_id, host=f"host-{prefix}-{role}", state="PAUSED", memory=0, footprint_bytes=GIB, devices=full
+        )
+        live.register(JOB, body)
+        return process_id
+
+    def waiting(role: str) -> int:
+        r = live.call(ADMIN, "POST", "/waits", {"process_id": paused(role, "waiting")})
+        assert r.status_code == 201, r.text
+        return int(r.json()["wait"]["id"])
+
+    wait_id = waiting("seen")
+
     def events(role: str) -> requests.Response:
         with live.call(role, "GET", "/events", stream=True, timeout=5) as r:
             if r.status_code != 200:
@@ -166,6 +187,13 @@ def test_every_operation_admits_the_roles_it_should(live: Workspace) -> None:
         ),
         ("GET", W + "/audit"): lambda role: live.call(role, "GET", "/audit"),
         ("GET", W + "/events"): events,
+        ("POST", W + "/waits"): lambda role: live.call(role, "POST", "/waits", {"process_id": paused(role, "queued")}),
+        ("GET", W + "/waits"): lambda role: live.call(role, "GET", "/waits"),
+        ("GET", W + "/waits/{wait_id}"): lambda role: live.call(role, "GET", f"/waits/{wait_id}"),
+        ("DELETE", W + "/waits/{wait_id}"): lambda role: live.call(role, "DELETE", f"/waits/{waiting(role)}"),
+        ("PUT", W + "/processes/{process_id}/priority"): lambda role: live.call(
+            role, "PUT", "/processes/gpu-1/priority", {"priority": "high"}
+        ),
     }
     assert set(calls) == set(ALLOWED)
     seen: dict[tuple[str, str, str], int] = {}

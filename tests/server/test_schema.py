@@ -38,7 +38,7 @@ def test_upgrade_is_idempotent(db: Database) -> None:
     db.upgrade()
     db.upgrade()
     with db.session(write=False) as s:
-        assert s.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0010"
+        assert s.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0011"
 
 
 def test_schema_newer_than_code_is_refused(db: Database) -> None:
@@ -227,4 +227,35 @@ def test_sqlite_pragmas(tmp_path: Any) -> None:
         assert s.execute(text("PRAGMA journal_mode")).scalar() == "wal"
         assert s.execute(text("PRAGMA foreign_keys")).scalar() == 1
         assert s.execute(text("PRAGMA busy_timeout")).scalar() == 30000
+    db.dispose()
+
+
+def test_0011_downgrade_drops_the_queue_and_keeps_the_commands(database_url: str) -> None:
+    """The queue's tables and a job's priority go and come back; the commands stay, and with them
+    the one-active-command rule (batch mode copies tables on SQLite)."""
+    from alembic import command
+
+    db = Database(normalize_database_url(database_url))
+    db.upgrade()
+    ws, _ = make_workspace(db)
+    add_process(db, ws, "gpu-1", state="PAUSED", memory=0, footprint_bytes=GIB, priority=90)
+    make_command(db, ws, "resume", "gpu-1")
+    migrate_to(db, command.downgrade, "0010")
+    assert "priority" not in columns(db, "processes") and "reason" not in columns(db, "commands")
+    with db.session(write=False) as s:
+        assert s.execute(text("SELECT count(*) FROM commands")).scalar() == 1
+    with pytest.raises(IntegrityError), db.session(write=True) as s:
+        s.execute(
+            text(
+                "INSERT INTO commands (workspace_id, process_pk, kind, state, created_at, deliveries)"
+                " SELECT workspace_id, process_pk, 'pause', 'queued', 0, 0 FROM commands"
+            )
+        )
+    db.upgrade()
+    assert (
+        db.run(
+            storage.get_process, write=False, workspace_id=ws, process_id="gpu-1", now=NOW, stale_after=STALE
+        ).priority
+        == 50
+    )
     db.dispose()

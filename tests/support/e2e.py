@@ -36,14 +36,21 @@ Output = ProcessOutput  # the e2e tests' name for it
 
 
 class Server:
-    """``python -m flexium.server`` (what ``flexium server`` runs) on a SQLite file; restartable
-    on the same port and database."""
+    """``python -m flexium.server`` (what ``flexium server`` runs) on a SQLite file (or the database
+    given: several servers may share one); restartable on the same port and database."""
 
-    def __init__(self, tmp: Path, *, port: int | None = None, options: Sequence[str] = ("--stale-after", "20")) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        *,
+        port: int | None = None,
+        options: Sequence[str] = ("--stale-after", "20"),
+        database: str | None = None,
+    ) -> None:
         self.tmp = tmp
         self.home = tmp / "home"
         self.home.mkdir(parents=True, exist_ok=True)
-        self.database = f"sqlite:///{tmp / 'server.db'}"
+        self.database = database or f"sqlite:///{tmp / 'server.db'}"
         self.child = ServerProcess(
             self.home,
             "--heartbeat-interval",

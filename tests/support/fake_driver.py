@@ -109,7 +109,10 @@ read and write the bytes behind a device address with ctypes:
 * ``FAKE_CUDA_NO_VMM=1``: none of these symbols resolve. VMM objects, registrations, streams, events and
   context counts survive ``reset()`` (they are the process's own); ``vmm_leaks()`` sums them up.
 
-NVML (physical view): memory used = other processes + this process's bytes on that GPU now;
+NVML (physical view): memory used = other processes + this process's bytes on that GPU now; other
+processes are those ``set_other_memory`` names, plus those of ``FAKE_CUDA_HOST_FILE``: a file of
+lines ``PHYSICAL BYTES`` read at each use, which every process of one simulated host shares (a job,
+its NVML reader process, a neighbour a test starts and ends: ``write_host_file``);
 compute processes = this pid (when it holds memory there) and, for other memory, one process
 with pid ``OTHER_PID_BASE + physical`` (above the kernel's pid limit, so never real). This pid's
 count leaves out VMM memory it holds only through an import of its own export (a fast move's
@@ -123,7 +126,7 @@ defaults to 0 there), for subprocesses. ``set_delay_ms(function, ms)`` makes cal
 
 Environment, read at load and by ``reset()``: FAKE_CUDA_GPUS, FAKE_CUDA_VERSION,
 FAKE_CUDA_NO_CHECKPOINT, FAKE_CUDA_NO_VMM, FAKE_CUDA_MODELS, FAKE_CUDA_TOTAL_MIB, FAKE_NVML_DRIVER,
-FAKE_CUDA_FAIL. ``_C`` resolves symbols and reads the CUDA version once, so FAKE_CUDA_VERSION,
+FAKE_CUDA_FAIL, FAKE_CUDA_HOST_FILE. ``_C`` resolves symbols and reads the CUDA version once, so FAKE_CUDA_VERSION,
 FAKE_CUDA_NO_CHECKPOINT and FAKE_CUDA_NO_VMM only matter for a process that has not loaded the
 driver yet.
 """
@@ -159,6 +162,7 @@ FAKE_ENV_VARS = (
     "FAKE_CUDA_TOTAL_MIB",
     "FAKE_NVML_DRIVER",
     "FAKE_CUDA_FAIL",
+    "FAKE_CUDA_HOST_FILE",
 )
 
 CUDA_ERRORS = {
@@ -271,6 +275,14 @@ def subprocess_env(library: Path | None = None, **fake_vars: Any) -> dict[str, s
 
 
 CU_MEM_LOCATION_TYPE_HOST_NUMA = 3
+
+
+def write_host_file(path: Path, others: dict[int, int]) -> None:
+    """What other processes hold on each GPU of a simulated host (physical index -> bytes), for every
+    process whose FAKE_CUDA_HOST_FILE is ``path`` to see at its next read; written whole, at once."""
+    staged = path.with_name(path.name + ".tmp")
+    staged.write_text("".join(f"{physical} {held}\n" for physical, held in sorted(others.items())))
+    os.replace(staged, path)
 
 
 class _Location(ctypes.Structure):

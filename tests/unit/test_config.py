@@ -69,6 +69,7 @@ def test_defaults_are_local_mode(home: Path) -> None:
         "log_level": "default",
         "fast_path": "default",
         "safe_point_wait": "default",
+        "priority": "default",
     }
 
 
@@ -93,12 +94,13 @@ def test_env_vars_used_when_no_parameters(home: Path, monkeypatch: pytest.Monkey
     monkeypatch.setenv("FLEXIUM_LOG_LEVEL", "debug")
     monkeypatch.setenv("FLEXIUM_FAST_PATH", "off")
     monkeypatch.setenv("FLEXIUM_SAFE_POINT_WAIT", "0.5")
+    monkeypatch.setenv("FLEXIUM_PRIORITY", "high")
     config = load_config()
     assert config.orchestrator == "localhost:8080/team"
     assert config.device == "cuda:1"
     assert config.token == "tok_abc123"
     assert config.log_level == "DEBUG"
-    assert config.fast_path is False and config.safe_point_wait == 0.5
+    assert config.fast_path is False and config.safe_point_wait == 0.5 and config.priority == 90
     assert dict(config.sources) == {
         "orchestrator": "FLEXIUM_SERVER",
         "device": "GPU_DEVICE",
@@ -106,6 +108,7 @@ def test_env_vars_used_when_no_parameters(home: Path, monkeypatch: pytest.Monkey
         "log_level": "FLEXIUM_LOG_LEVEL",
         "fast_path": "FLEXIUM_FAST_PATH",
         "safe_point_wait": "FLEXIUM_SAFE_POINT_WAIT",
+        "priority": "FLEXIUM_PRIORITY",
     }
 
 
@@ -476,3 +479,19 @@ def test_a_torchrun_rank_defaults_to_its_local_rank_gpu(monkeypatch: pytest.Monk
     assert resolve_device("cuda:0") == "cuda:0"  # a setting wins
     monkeypatch.delenv("LOCAL_RANK")
     assert resolve_device() == "cuda:0"
+
+
+def test_a_priority_by_name_or_number_and_a_bad_one_named_by_its_source(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert load_config().priority == 50
+    assert load_config(priority="low").priority == 10 and load_config(priority=70).priority == 70
+    (Path.cwd() / ".flexiumrc").write_text("priority: 20\n")
+    assert load_config().priority == 20
+    monkeypatch.setenv("FLEXIUM_PRIORITY", "urgent")
+    with pytest.raises(
+        ConfigError, match=r"priority 'urgent' \(from environment variable FLEXIUM_PRIORITY\) is not valid"
+    ):
+        load_config()
+    with pytest.raises(ConfigError, match="low, normal, high or a number 0-100"):
+        load_config(priority=101)

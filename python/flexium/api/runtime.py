@@ -61,17 +61,26 @@ def is_initialized() -> bool:
     return _runtime is not None
 
 
-def init(server: str | None = None, device: str | None = None, disabled: bool = False) -> None:
+def init(
+    server: str | None = None, device: str | None = None, disabled: bool = False, *, priority: str | int | None = None
+) -> None:
     with _lock:
         if _runtime is not None:
             log.warning("flexium.init() was already called; this call changes nothing (call shutdown() first)")
             return
-        start(server, device, disabled, server_parameter="server")
+        start(server, device, disabled, server_parameter="server", priority=priority)
 
 
-def start(server: str | None, device: str | None, disabled: bool, *, server_parameter: str) -> None:
+def start(
+    server: str | None,
+    device: str | None,
+    disabled: bool,
+    *,
+    server_parameter: str,
+    priority: str | int | None = None,
+) -> None:
     """Starts the runtime (none may be running); `server_parameter` names `server` in errors as
-    the caller's API spells it."""
+    the caller's API spells it. `priority`: the job's in the server's queue (protocol.PRIORITIES)."""
     global _runtime
     with _lock:
         assert _runtime is None, "a flexium runtime is already running"
@@ -80,7 +89,7 @@ def start(server: str | None, device: str | None, disabled: bool, *, server_para
                 config=None, process_id=_process_id, logical_device=resolve_device(device), disabled=True
             )
             return
-        config = load_config(orchestrator=server, device=device, server_parameter=server_parameter)
+        config = load_config(orchestrator=server, device=device, priority=priority, server_parameter=server_parameter)
         from flexium._logging import configure_logging
 
         configure_logging(config.log_level)

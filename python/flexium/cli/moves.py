@@ -13,13 +13,14 @@ from flexium import protocol, wire
 from flexium.cli.connection import add_connection_options
 from flexium.cli.exit_status import EXIT_FAILED, EXIT_OK, UsageError, fail
 from flexium.cli.jobs import add_ranks_option, follow_job_operation
+from flexium.cli.naming import PROCESS_HELP, resolve_process
 from flexium.cli.printing import ms, print_json, reason
+from flexium.cli.queue import add_resume_options, resume_later
 from flexium.cli.waiting import add_wait_options, command_progress, wait_command
-from flexium.client import ApiClient, NotFound, ServerError
+from flexium.client import ApiClient, NotFound, Refused, ServerError
 from flexium.units import gib
 
 # The server reads a target this way, and only the server (it resolves it to a GPU UUID).
-PROCESS_HELP = "process id (gpu-...), a unique prefix of one, or its pid; a rank of a job of several stands for its job"
 TARGET_HELP = (
     "the GPU: cuda:N = the job's own CUDA numbering (entry N of the GPUs it sees), a bare "
     "number N = nvidia-smi's index N on the job's host, GPU-... = a GPU UUID"
@@ -50,13 +51,16 @@ def add_commands(commands: Any) -> None:
     p.add_argument("process", help=PROCESS_HELP)
     _add_wait_and_connection_options(p)
     p = commands.add_parser(
-        "resume", help="resume a paused process, on its GPU or the one given (a rank: its whole job)"
+        "resume",
+        help="resume a paused process, on its GPU or the one given (a rank: its whole job); or queue it to resume "
+        "when free, or make room for it",
     )
     p.add_argument("process", help=PROCESS_HELP)
     p.add_argument(
         "target", nargs="?", help=TARGET_HELP + " (default: where it paused if there is room, else the server picks)"
     )
     add_ranks_option(p)
+    add_resume_options(p)
     _add_wait_and_connection_options(p)
 
 
@@ -66,6 +70,11 @@ def _add_wait_and_connection_options(parser: argparse.ArgumentParser) -> None:
 
 
 def _move(api: ApiClient, args: argparse.Namespace) -> int:
+    if args.command == "resume" and (args.when_free or args.make_room or args.cancel):
+        later = resume_later(api, args)
+        return later if isinstance(later, int) else _follow(api, args, later)
+    if args.command == "resume" and (args.gpu is not None or args.host is not None):
+        raise UsageError("--gpu and --host go with --when-free or --make-room; a plain resume takes a TARGET")
     target = getattr(args, "target", None)
     ranks_text, gpus_text = getattr(args, "ranks", None), getattr(args, "gpus", None)
     ranks = _parse_pairs("--ranks", ranks_text, "RANK=GPU, e.g. 0=cuda:1,1=cuda:0") if ranks_text is not None else None
@@ -87,10 +96,20 @@ def _move(api: ApiClient, args: argparse.Namespace) -> int:
         kind=args.command, process_id=args.process, target=target or None, ranks=ranks, gpus=gpus
     )
     try:
-        command = api.create_command(request)
-    except NotFound:
-        request.process_id = _resolve_process(api, args.process)
-        command = api.create_command(request)
+        try:
+            command = api.create_command(request)
+        except NotFound:
+            request.process_id = resolve_process(api, args.process)
+            command = api.create_command(request)
+    except Refused as exc:
+        if args.command == "resume" and exc.code == "target_refused":
+            exc.message += f"; queue it? flexium resume {args.process} --when-free"
+        raise
+    return _follow(api, args, command)
+
+
+def _follow(api: ApiClient, args: argparse.Namespace, command: wire.CommandInfo) -> int:
+    """The command followed until it ends (or --timeout), and its outcome printed."""
     if command.job is not None:
         return follow_job_operation(api, args, command.job.operation_id)
     title = _title(api, command)
@@ -113,6 +132,8 @@ def _move(api: ApiClient, args: argparse.Namespace) -> int:
     if final.state != "succeeded":
         if args.json:
             print(f"flexium: {title} {final.state}: {reason(final)}", file=sys.stderr)
+        if final.kind == "resume":
+            print(f"  queue it? flexium resume {final.process_id} --when-free", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
 
@@ -133,24 +154,6 @@ def _parse_pairs(option: str, text: str, form: str) -> dict[str, int | str]:
             raise UsageError(f"{option} {text!r}: each entry is {form}")
         pairs[key.strip()] = gpu.strip()
     return pairs
-
-
-def _resolve_process(api: ApiClient, text: str) -> str:
-    """A unique id prefix or a pid stands for the process (ids are long to type)."""
-    matches = [
-        p.process_id
-        for p in api.list_processes()
-        if p.process_id.startswith(text) or p.process_id == f"gpu-{text}" or (text.isdigit() and str(p.pid) == text)
-    ]
-    if len(matches) == 1:
-        return matches[0]
-    if not matches:
-        raise NotFound(
-            f"no process {text!r} in workspace '{api.workspace}' (`flexium ps` lists them)",
-            code="not_found",
-            status=404,
-        )
-    raise NotFound(f"{text!r} matches several processes: {', '.join(sorted(matches))}", code="not_found", status=404)
 
 
 def _title(api: ApiClient, command: wire.CommandInfo) -> str:

@@ -24,7 +24,7 @@ PS_LEGEND = (
     "migrate and pause on the fast path, driver = on the driver path only, pause = pause and resume only "
     "(driver below 580), - = none (`flexium ps --json` gives the reasons); MEMORY: the GPU memory it holds, or "
     "a paused one's, that it needs to resume; "
-    "DOING: the command under way; "
+    "DOING: the command under way, or waiting for room to resume (`flexium queue`); "
     "JOB, RANK: the ranks of one job of several move together: pause or resume one of them acts on all; "
     "HOST: shown when processes of more than one host are listed. The table fits the terminal ($COLUMNS, else "
     "its width): it shortens long columns and leaves out those that tell least; to a file or a pipe it prints "
@@ -116,7 +116,7 @@ def _speed(p: wire.ProcessInfo) -> str:
 
 def _doing(p: wire.ProcessInfo) -> str:
     active = p.active_command
-    return f"{active.kind} {active.state}" if active else "-"
+    return f"{active.kind} {active.state}" if active else ("waiting for room" if p.wait_id else "-")
 
 
 def _command_line(cmdline: str) -> str:

@@ -394,6 +394,36 @@ class ApiClient:
         answer = self.request("GET", protocol.PATH_JOBS, retries=retries)
         return self._read_list(wire.JobSummary, answer, "the job list")
 
+    def create_wait(self, body: wire.WaitRequest) -> wire.WaitCreated:
+        """Queue a paused job to be resumed when free (or make room for it); not retried, as
+        ``create_command``: a second request would replace the wait the first stored."""
+        answer = self.request("POST", protocol.PATH_WAITS, json=_body(body))
+        return self._read(wire.WaitCreated, answer, "the new wait")
+
+    def list_waits(
+        self, *, process_id: str | None = None, ended: bool = False, retries: int = 2
+    ) -> list[wire.WaitInfo]:
+        """The queue's live waits in its order (``ended``: every wait, newest first)."""
+        params: dict[str, Any] = {"all": "true"} if ended else {}
+        if process_id is not None:
+            params["process_id"] = process_id
+        answer = self.request("GET", protocol.PATH_WAITS, params=params or None, retries=retries)
+        return self._read_list(wire.WaitInfo, answer, "the queue")
+
+    def get_wait(self, wait_id: int, *, retries: int = 2) -> wire.WaitInfo:
+        answer = self.request("GET", protocol.PATH_WAIT.format(wait_id=wait_id), retries=retries)
+        return self._read(wire.WaitInfo, answer, "a wait")
+
+    def cancel_wait(self, wait_id: int) -> wire.WaitInfo:
+        answer = self.request("DELETE", protocol.PATH_WAIT.format(wait_id=wait_id))
+        return self._read(wire.WaitInfo, answer, "the cancelled wait")
+
+    def set_priority(self, process_id: str, priority: int) -> wire.ProcessInfo:
+        answer = self.request(
+            "PUT", protocol.PATH_PRIORITY.format(process_id=process_id), json={"priority": priority}, retries=1
+        )
+        return self._read(wire.ProcessInfo, answer, "the process")
+
     def close(self) -> None:
         with self._pools_lock:
             pools, self._pools = self._pools, []

@@ -4,7 +4,8 @@
   backoff while the server is away), then sends a heartbeat every ``heartbeat_interval_s``
   and at once when the engine changes state. A 404 or 401 means the server forgot the process
   (a restart on a new database, a removal): it registers again with its current state, so a
-  paused job comes back as PAUSED.
+  paused job comes back as PAUSED. While the job is paused and waits in the server's queue, it
+  also watches the GPUs the server names and says at once when the room appears (``RoomWatch``).
 * The control thread waits on the server's long-poll for the next command, reports it
   running, runs it through the engine (which waits for a safe point itself) and reports the
   outcome with the operation's timings and where the process is now.
@@ -25,6 +26,7 @@ from flexium.api.progress import PROGRESS
 from flexium.client.contracts import TrainingProcess
 from flexium.client.http import ApiClient, Backoff, NotFound, Refused, ServerError, Unauthorized, UnreadableCommand
 from flexium.client.reports import GpuReading, ProcessReporter, operation_report, visible_gpus
+from flexium.client.room_watch import RoomWatch
 from flexium.engine.distributed.job_operation import JobOperation
 from flexium.engine.operations import EngineState, OperationKind, OperationResult
 from flexium.errors import (
@@ -77,6 +79,7 @@ class ProcessClient:
         # its process group, and only a registration carries it.
         self._registered_capabilities: wire.ProcessCapabilities | None = None
         self._finished: collections.OrderedDict[_CommandKey, wire.CommandReport] = collections.OrderedDict()
+        self.room_watch = RoomWatch()
         # Held while a body that says where the process is gets built and sent: a heartbeat
         # built during an operation (PAUSING) must not reach the server after the outcome
         # (PAUSED) and overwrite it.
@@ -133,19 +136,44 @@ class ProcessClient:
 
     def _report_loop(self) -> None:
         backoff = Backoff()
+        next_beat = 0.0
         while not self._stop.is_set():
             if not self._registered.is_set():
                 if self._register():
                     backoff.reset()
+                    next_beat = time.monotonic() + self.heartbeat_interval_s
                 else:
                     self._stop.wait(backoff.next())
                 continue
-            self._wake.wait(self.heartbeat_interval_s)
+            watching = self._watching()
+            wait = max(0.0, next_beat - time.monotonic())
+            woken = self._wake.wait(min(wait, protocol.ROOM_WATCH_INTERVAL_S) if watching else wait)
             self._wake.clear()
             if self._stop.is_set():
                 return
-            if self._registered.is_set():
-                self._heartbeat()
+            if not self._registered.is_set():
+                continue
+            room_seen = watching and not woken and self._room_appeared()
+            if woken or room_seen or time.monotonic() >= next_beat:
+                if not self._heartbeat(room_seen=room_seen) and room_seen:
+                    self.room_watch.tell_again()  # the server did not hear it
+                next_beat = time.monotonic() + self.heartbeat_interval_s
+
+    def _watching(self) -> bool:
+        """Whether the job is paused and waits in the queue: its GPUs are watched."""
+        engine = self.engine
+        return self.room_watch.watching is not None and engine is not None and engine.state == EngineState.PAUSED
+
+    def _room_appeared(self) -> bool:
+        try:
+            reading = GpuReading.take()  # through the NVML reader process: the job is checkpointed
+        except Exception:  # a reading that fails is only a watch missed; heartbeats go on
+            log.debug("reading the GPUs this paused job waits for failed", exc_info=True)
+            return False
+        appeared = self.room_watch.room_appeared(reading.gpus)
+        if appeared:
+            log.info("room appeared on a GPU this paused job waits for: telling the server now")
+        return appeared
 
     def _register(self) -> bool:
         try:
@@ -177,6 +205,7 @@ class ProcessClient:
             log.exception("registering with the server failed")
             return False
         self._registered_capabilities = body.capabilities
+        self.room_watch.follow(answer.watch)
         self.heartbeat_interval_s = answer.heartbeat_interval_s or self.heartbeat_interval_s
         self.poll_timeout_s = answer.poll_timeout_s or self.poll_timeout_s
         self.registrations += 1
@@ -192,32 +221,37 @@ class ProcessClient:
         )
         return True
 
-    def _heartbeat(self) -> None:
+    def _heartbeat(self, *, room_seen: bool = False) -> bool:
+        """Whether the server answered. ``room_seen``: the room the job waits for appeared; its
+        devices are stored at once."""
         if self.reporter.capabilities() != self._registered_capabilities:
             log.info("what this process can do changed: registering again to tell the server")
             self._registered.clear()
-            return
+            return False
         try:
             reading = GpuReading.take()  # outside the lock: a frozen process's read takes a child process
             with self._send_lock:
-                answer = self.api.heartbeat(
-                    self.process_id, self.reporter.heartbeat_body(reading), timeout=HEARTBEAT_TIMEOUT_S
-                )
+                body = self.reporter.heartbeat_body(reading)
+                if room_seen:
+                    body.room_seen = True
+                answer = self.api.heartbeat(self.process_id, body, timeout=HEARTBEAT_TIMEOUT_S)
         except (NotFound, Unauthorized) as exc:
             log.info("the server does not know this process any more (%s): registering again", exc.message)
             self._registered.clear()
-            return
+            return False
         except ServerError as exc:
             self._lost(f"{exc.message}; training continues")
-            return
+            return False
         except Exception:
             log.exception("heartbeat failed")
-            return
+            return False
         if not self._connected:
             log.info("the server %s answers again", self.api.base_url)
             self._connected = True
+        self.room_watch.follow(answer.watch)
         if answer.heartbeat_interval_s:
             self.heartbeat_interval_s = answer.heartbeat_interval_s
+        return True
 
     def _lost(self, message: str) -> None:
         if self._connected:

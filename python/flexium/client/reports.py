@@ -272,6 +272,7 @@ class ProcessReporter:
             devices=gpu_reports(reading.gpus, self.pid),
             seq=reading.seq,
             job=job_membership(),
+            priority=self.training.config.priority if self.training.config is not None else None,
             **self._progress(),
         )
 

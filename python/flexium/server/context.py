@@ -97,6 +97,10 @@ class ServerContext:
     progress: dict[int, ReportedProgress] = field(default_factory=dict)  # process pk -> what they said of training
     # Hint for heartbeat answers only; delivery always reads the database.
     pending: dict[tuple[int, str], int] = field(default_factory=dict)
+    # The queue as heartbeats answer it (what each waiting job watches) and the hosts whose GPU
+    # reports it runs on: changed with each wait here, re-read at each sweep (another server's).
+    watches: dict[tuple[int, str], wire.RoomWatch] = field(default_factory=dict)
+    queue_hosts: set[tuple[int, str]] = field(default_factory=set)
     token_lookups: dict[str, asyncio.Future[AuthInfo | None]] = field(default_factory=dict)
     # Revoked through this server since it started (ids only: a few bytes each), for a request
     # admitted just before its token's revocation and waiting just after it.
@@ -156,6 +160,7 @@ class ServerContext:
         self.process_hosts.pop((workspace_id, process_id), None)
         self.snapshots.pop((workspace_id, process_id), None)
         self.pending.pop((workspace_id, process_id), None)
+        self.watches.pop((workspace_id, process_id), None)
 
     def beat(self, workspace_id: int, process_id: str, report: wire.HeartbeatRequest, now: float) -> bool:
         """Take a heartbeat from memory when it changes nothing but the time (its devices, if

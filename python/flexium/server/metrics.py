@@ -135,6 +135,15 @@ class Metrics:
             buckets=_DELIVERY_BUCKETS,
             registry=r,
         )
+        self.queue_decision = Histogram(
+            "flexium_queue_decision_seconds",
+            "One pass of the resume-when-free queue over a host (or all hosts, at the sweep): its transaction.",
+            buckets=_DELIVERY_BUCKETS,
+            registry=r,
+        )
+        self.queue_resumes = Counter(
+            "flexium_queue_resumes", "Resumes the queue sent for jobs waiting for room.", registry=r
+        )
         self.schema_migration = Histogram(
             "flexium_schema_migration_duration_seconds",
             "Database schema upgrade at start.",

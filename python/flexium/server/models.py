@@ -20,6 +20,11 @@ JsonType = JSON().with_variant(JSONB(), "postgresql")
 # One active command per process, enforced by the database so two racing requests cannot
 # both pass the check.
 ACTIVE_SQL = "state IN ('queued', 'delivered', 'running')"
+# One live wait per process (a job's wait is its lowest rank's): two racing requests cannot queue
+# one job twice.
+LIVE_WAIT_SQL = "state IN ('waiting', 'dispatched')"
+# One live drain of a GPU (or of a whole host).
+LIVE_DRAIN_SQL = "ended_at IS NULL"
 
 
 class Base(DeclarativeBase):
@@ -156,6 +161,8 @@ class Process(Base):
     steps_at: Mapped[float | None] = mapped_column(Double, nullable=True)
     steps_per_s: Mapped[float | None] = mapped_column(Double, nullable=True)
     loss: Mapped[float | None] = mapped_column(Double, nullable=True)
+    # protocol.PRIORITIES: the queue resumes a higher one first; making room pauses only lower ones.
+    priority: Mapped[int] = mapped_column(Integer, server_default=str(protocol.DEFAULT_PRIORITY))
 
 
 class Device(Base):
@@ -251,6 +258,113 @@ class Command(Base):
         ForeignKey("job_operations.id", ondelete="CASCADE", name="fk_commands_operation_id"), nullable=True, index=True
     )
     job: Mapped[Any | None] = mapped_column(JsonType, nullable=True)
+    # Why it was sent, when a policy of the server sent it (the job's timeline shows it).
+    reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+class Wait(Base):
+    """A paused job in the resume-when-free queue (``server/policies/resume_when_free.py``), its
+    process (a job of several ranks: its lowest rank) and what it waits for; the queue turns it into
+    an ordinary resume command when its host has room."""
+
+    __tablename__ = "waits"
+    __table_args__ = (
+        Index("ix_waits_queue", "workspace_id", "host", "state"),
+        Index(
+            "uq_waits_one_live",
+            "process_pk",
+            unique=True,
+            sqlite_where=text(LIVE_WAIT_SQL),
+            postgresql_where=text(LIVE_WAIT_SQL),
+        ),
+        {"sqlite_autoincrement": True},
+    )
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    workspace_id: Mapped[int] = mapped_column(ForeignKey("workspaces.id", ondelete="CASCADE"))
+    process_pk: Mapped[int] = mapped_column(ForeignKey("processes.pk", ondelete="CASCADE"), index=True)
+    job_key: Mapped[str | None] = mapped_column(String(protocol.MAX_SHORT_TEXT), nullable=True)
+    host: Mapped[str] = mapped_column(String(protocol.MAX_HOST_LEN))
+    gpu_uuid: Mapped[str | None] = mapped_column(String(protocol.MAX_SHORT_TEXT), nullable=True)  # None: any
+    priority: Mapped[int] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(16))  # protocol.WAIT_STATES
+    created_at: Mapped[float] = mapped_column(Double)
+    finished_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    # The resume it dispatched last (no foreign key: the command may be forgotten first).
+    command_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    dispatches: Mapped[int] = mapped_column(Integer, default=0)
+    # When the job last refused a resume it dispatched: only GPU reports newer than this count.
+    refused_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    requested_by: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT), default="")
+    token_id: Mapped[int | None] = mapped_column(Integer, nullable=True)  # no FK, as for AuditRecord
+    reason: Mapped[str] = mapped_column(Text, default="")
+    note: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
+class Reservation(Base):
+    """Room held on a GPU for one job until it resumes there (``policies/make_room.py``): the
+    queue counts it as taken for every other wait."""
+
+    __tablename__ = "reservations"
+    __table_args__ = (Index("ix_reservations_gpu", "workspace_id", "host", "gpu_uuid"),)
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    workspace_id: Mapped[int] = mapped_column(ForeignKey("workspaces.id", ondelete="CASCADE"))
+    host: Mapped[str] = mapped_column(String(protocol.MAX_HOST_LEN))
+    gpu_uuid: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    # Who it is for: a wait (a paused job), or only named (a job not started yet: ``holder``).
+    wait_id: Mapped[int | None] = mapped_column(ForeignKey("waits.id", ondelete="CASCADE"), nullable=True, index=True)
+    holder: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT), default="")
+    created_at: Mapped[float] = mapped_column(Double)
+    expires_at: Mapped[float] = mapped_column(Double)
+
+
+class Drain(Base):
+    """A GPU (or every GPU of a host: ``gpu_uuid`` "") taken out of use by an admin
+    (``policies/drain.py``): its jobs are moved off, and nothing is placed, resumed or migrated there
+    until it is undrained (``ended_at``)."""
+
+    __tablename__ = "drains"
+    __table_args__ = (
+        Index(
+            "uq_drains_one_live",
+            "workspace_id",
+            "host",
+            "gpu_uuid",
+            unique=True,
+            sqlite_where=text(LIVE_DRAIN_SQL),
+            postgresql_where=text(LIVE_DRAIN_SQL),
+        ),
+        {"sqlite_autoincrement": True},
+    )
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    workspace_id: Mapped[int] = mapped_column(ForeignKey("workspaces.id", ondelete="CASCADE"))
+    host: Mapped[str] = mapped_column(String(protocol.MAX_HOST_LEN))
+    gpu_uuid: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT))  # "": every GPU of the host
+    gpu_index: Mapped[int | None] = mapped_column(Integer, nullable=True)  # as it was named, for people
+    created_at: Mapped[float] = mapped_column(Double)
+    ended_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    requested_by: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT), default="")
+    token_id: Mapped[int | None] = mapped_column(Integer, nullable=True)  # no FK, as for AuditRecord
+    ended_by: Mapped[str | None] = mapped_column(String(protocol.MAX_SHORT_TEXT), nullable=True)
+    reason: Mapped[str] = mapped_column(Text, default="")
+
+
+class DrainMove(Base):
+    """What a drain did to one job on its GPUs: a migrate, a pause (queued to resume when free), or
+    nothing, with why (``note``); the command's own row tells how it went."""
+
+    __tablename__ = "drain_moves"
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    drain_id: Mapped[int] = mapped_column(ForeignKey("drains.id", ondelete="CASCADE"), index=True)
+    # The job as it was named (no FK: the drain's record outlives a forgotten process).
+    process_pk: Mapped[int] = mapped_column(Integer)
+    process_id: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT))
+    job_key: Mapped[str | None] = mapped_column(String(protocol.MAX_SHORT_TEXT), nullable=True)
+    action: Mapped[str] = mapped_column(String(16))  # protocol.DRAIN_ACTIONS
+    command_id: Mapped[int | None] = mapped_column(Integer, nullable=True)  # no FK, as Wait.command_id
+    target_uuid: Mapped[str | None] = mapped_column(String(protocol.MAX_SHORT_TEXT), nullable=True)
+    created_at: Mapped[float] = mapped_column(Double)
+    note: Mapped[str] = mapped_column(Text, default="")
 
 
 def table_of(model: type[Base]) -> Table:

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 from typing import Any
 
 from flexium import protocol, wire
-from flexium.server import storage
+from flexium.server import queue, storage
 from flexium.server.context import ReportedProgress, ServerContext, progress_event
 from flexium.server.db import DatabaseUnavailable
 from flexium.server.errors import ApiError, Unauthorized
@@ -46,34 +46,39 @@ async def register_process(
     key = (workspace_id, body.process_id)
     ctx.process_hosts[key] = process.host
     ctx.snapshots[key] = snapshot
-    if body.devices:
-        ctx.devices_written(workspace_id, process.host, now)
-        ctx.publish(workspace_id, protocol.EVENT_DEVICES, {"host": process.host})
     ctx.publish(
         workspace_id, protocol.EVENT_PROCESS, {"action": "registered" if created else "updated", "process": process}
     )
+    if body.devices:
+        ctx.devices_written(workspace_id, process.host, now)
+        ctx.publish(workspace_id, protocol.EVENT_DEVICES, {"host": process.host})
+        await queue.room_changed(ctx, workspace_id, process.host)
     return wire.RegisterResponse(
         process=process,
         heartbeat_interval_s=settings.heartbeat_interval_s,
         poll_timeout_s=settings.poll_timeout_s,
         stale_after_s=settings.stale_after_s,
         server_time=now,
+        watch=queue.watch_of(ctx, workspace_id, body.process_id),
     ), created
 
 
 async def unregister_process(ctx: ServerContext, *, workspace_id: int, process_id: str) -> None:
     await ctx.db.call(storage.unregister_process, write=True, workspace_id=workspace_id, process_id=process_id)
+    host = ctx.process_hosts.get((workspace_id, process_id))
     ctx.forget_process(workspace_id, process_id)
     ctx.publish(workspace_id, protocol.EVENT_PROCESS, {"action": "removed", "process": {"process_id": process_id}})
     ctx.notifier.notify((workspace_id, process_id))
+    await queue.room_changed(ctx, workspace_id, host)
 
 
 def heartbeat_from_memory(
     ctx: ServerContext, *, workspace_id: int, process_id: str, body: wire.HeartbeatRequest, now: float
 ) -> wire.HeartbeatResponse | None:
     """The answer to a plain heartbeat (nothing changed but the time, no devices due for a
-    write), from memory; None when it must go to the database (``heartbeat``)."""
-    if body.devices and ctx.should_write_devices(workspace_id, process_id, now):
+    write), from memory; None when it must go to the database (``heartbeat``): a job that saw
+    room it waits for goes there at once."""
+    if body.room_seen or (body.devices and ctx.should_write_devices(workspace_id, process_id, now)):
         return None
     if not ctx.beat(workspace_id, process_id, body, now):
         return None
@@ -83,6 +88,7 @@ def heartbeat_from_memory(
         pending_command=ctx.pending.get((workspace_id, process_id)),
         heartbeat_interval_s=ctx.settings.heartbeat_interval_s,
         server_time=now,
+        watch=queue.watch_of(ctx, workspace_id, process_id),
     )
 
 
@@ -94,7 +100,7 @@ async def heartbeat(
     if answer is not None:
         return answer
     ctx.metrics.heartbeats.inc()
-    write_devices = bool(body.devices) and ctx.should_write_devices(workspace_id, process_id, now)
+    write_devices = bool(body.devices) and (body.room_seen or ctx.should_write_devices(workspace_id, process_id, now))
     outcome = await ctx.db.call(
         storage.heartbeat,
         write=True,
@@ -117,11 +123,16 @@ async def heartbeat(
     if body.steps is not None or body.loss is not None:
         reported = ReportedProgress(workspace_id, process_id, outcome.snapshot.progress)
         ctx.publish(workspace_id, protocol.EVENT_PROGRESS, progress_event([reported]))
+    pending = outcome.pending_command
+    if outcome.devices_written:
+        await queue.room_changed(ctx, workspace_id, outcome.host)
+        pending = ctx.pending.get(key, pending)  # its own resume, if the queue sent it now
     return wire.HeartbeatResponse(
         ok=True,
-        pending_command=outcome.pending_command,
+        pending_command=pending,
         heartbeat_interval_s=ctx.settings.heartbeat_interval_s,
         server_time=now,
+        watch=queue.watch_of(ctx, workspace_id, process_id),
     )
 
 
@@ -243,11 +254,9 @@ async def create_command(ctx: ServerContext, *, auth: AuthInfo, body: wire.Comma
             log.exception("writing the audit entry of a refused command failed")
         ctx.publish(workspace_id, protocol.EVENT_COMMAND_REFUSED, {"request": body, "reason": exc.message})
         raise
-    for command in commands:
-        ctx.command_pending(workspace_id, command.process_id, command.id)
-        ctx.notifier.notify((workspace_id, command.process_id))
-        ctx.metrics.commands_created.labels(kind=body.kind).inc()
-        ctx.publish(workspace_id, protocol.EVENT_COMMAND, {"action": "created", "command": command})
+    queue.announce_commands(ctx, workspace_id, commands)
+    if body.kind != "migrate" and ctx.watches:  # a person's pause or resume takes its job out of the queue
+        await queue.refresh(ctx)
     return commands[0]
 
 
@@ -337,6 +346,7 @@ async def report_command(
         ctx.publish(workspace_id, protocol.EVENT_PROCESS, {"action": "updated", "process": process})
     _command_changed(ctx, workspace_id, command)
     if command.state in protocol.FINAL_COMMAND_STATES:
+        await queue.command_ended(ctx, workspace_id, command)
         ctx.devices_due(workspace_id, command.process_id)
         ctx.metrics.commands_finished.labels(kind=command.kind, outcome=command.state).inc()
         seconds = command.result.seconds if command.result is not None else None
@@ -399,6 +409,9 @@ async def sweep_forever(ctx: ServerContext) -> None:
             ctx.publish(ws, protocol.EVENT_PROCESS, {"action": "removed", "process": {"process_id": process_id}})
         for ws, proc in result.newly_stale:
             ctx.publish(ws, protocol.EVENT_PROCESS, {"action": "stale", "process": proc})
+        # The backstop: every waiting job judged again (what another server queued included).
+        await queue.run(ctx)
+        await queue.refresh(ctx)
 
 
 async def metrics_text(ctx: ServerContext) -> bytes:

@@ -38,6 +38,7 @@ class Settings:
     command_ttl_s: float = protocol.COMMAND_TTL_S
     sweep_interval_s: float = SWEEP_INTERVAL_S
     device_write_interval_s: float = 5.0  # one host's GPU report is written at most this often
+    reservation_ttl_s: float = protocol.RESERVATION_TTL_S  # room made for a job is held this long at most
     beat_flush_interval_s: float = 0.5  # plain heartbeats are written in batches this often
     token_cache_s: float = 5.0  # a token revoked outside this server stops working within this
     max_body_bytes: int = protocol.MAX_BODY_BYTES
@@ -79,6 +80,7 @@ class Settings:
             "command_ttl_s",
             "sweep_interval_s",
             "device_write_interval_s",
+            "reservation_ttl_s",
             "beat_flush_interval_s",
             "sse_keepalive_s",
             "request_timeout_s",

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Header, Path, Query, Response
 from fastapi.responses import StreamingResponse
 
 from flexium import protocol, wire
-from flexium.server import services, storage
+from flexium.server import queue, services, storage
 from flexium.server.auth import (
     Admin,
     Member,
@@ -229,6 +229,70 @@ async def list_jobs(auth: Reader, ctx: Ctx) -> Any:
         now=time.time(),
         stale_after=ctx.settings.stale_after_s,
     )
+
+
+# --- the resume-when-free queue, priorities ----------------------------------------------------
+
+
+@router.post(
+    "/waits",
+    response_model=wire.WaitCreated,
+    status_code=201,
+    summary=(
+        "Queue a paused job to be resumed when room appears on its host (make_room: pause jobs of lower priority "
+        "for it now); resumed at once when it fits"
+    ),
+)
+async def create_wait(body: wire.WaitRequest, auth: Admin, ctx: Ctx) -> Any:
+    return await queue.create_wait(ctx, auth=auth, body=body)
+
+
+@router.get(
+    "/waits",
+    response_model=list[wire.WaitInfo],
+    summary="The queue: live waits by host in queue order; with all=true every wait, newest first",
+)
+async def list_waits(
+    auth: Reader,
+    ctx: Ctx,
+    process_id: Annotated[str | None, Query(max_length=protocol.MAX_SHORT_TEXT, pattern=_NO_NUL)] = None,
+    all: Annotated[bool, Query(description="ended waits too")] = False,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> Any:
+    return await ctx.db.call(
+        storage.list_waits,
+        write=False,
+        workspace_id=auth.workspace_id,
+        now=time.time(),
+        process_id=process_id,
+        live=not all,
+        limit=limit,
+    )
+
+
+@router.get("/waits/{wait_id}", response_model=wire.WaitInfo, summary="One wait")
+async def get_wait(wait_id: Annotated[int, Path(ge=1, le=2**31 - 1)], auth: Reader, ctx: Ctx) -> Any:
+    return await ctx.db.call(
+        storage.get_wait, write=False, workspace_id=auth.workspace_id, wait_id=wait_id, now=time.time()
+    )
+
+
+@router.delete(
+    "/waits/{wait_id}",
+    response_model=wire.WaitInfo,
+    summary="Cancel a waiting job's wait (a plain pause or resume of the job cancels it too)",
+)
+async def cancel_wait(wait_id: Annotated[int, Path(ge=1, le=2**31 - 1)], auth: Admin, ctx: Ctx) -> Any:
+    return await queue.cancel_wait(ctx, auth=auth, wait_id=wait_id)
+
+
+@router.put(
+    "/processes/{process_id}/priority",
+    response_model=wire.ProcessInfo,
+    summary="Set a job's priority (every rank of a job of several); the queue and make-room follow it",
+)
+async def set_priority(process_id: ProcessIdPath, body: wire.PriorityRequest, auth: Admin, ctx: Ctx) -> Any:
+    return await queue.set_priority(ctx, auth=auth, process_id=process_id, body=body)
 
 
 # --- devices, tokens, events ----------------------------------------------------------------

@@ -33,6 +33,7 @@ from flexium.server.storage.commands import (
 from flexium.server.storage.devices import device_indexes, list_devices, upsert_devices
 from flexium.server.storage.history import HISTORY_EVERY_S, HISTORY_KEEP_S, Sample, gpu_history, prune_history
 from flexium.server.storage.jobs import get_operation, list_jobs, summarize_jobs
+from flexium.server.storage.priorities import set_priority
 from flexium.server.storage.processes import (
     HeartbeatOutcome,
     ProcessSnapshot,
@@ -63,6 +64,7 @@ from flexium.server.storage.sessions import (
 )
 from flexium.server.storage.sweep import SweepResult, sweep
 from flexium.server.storage.targets import judge_targets, resolve_target, target_refusal
+from flexium.server.storage.waits import QueueView, cancel_wait, get_wait, list_waits, queue_view, wait_of_command
 from flexium.server.storage.workspaces import (
     AuthInfo,
     WorkspaceRecord,
@@ -80,6 +82,13 @@ from flexium.server.storage.workspaces import (
 )
 
 __all__ = [
+    "QueueView",
+    "cancel_wait",
+    "get_wait",
+    "list_waits",
+    "queue_view",
+    "set_priority",
+    "wait_of_command",
     "WorkspaceSeries",
     "metric_series",
     "HISTORY_EVERY_S",

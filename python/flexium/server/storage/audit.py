@@ -12,6 +12,7 @@ created), so a job's page reads its own entries (``command_senders``, ``refused_
 from __future__ import annotations
 
 from collections.abc import Collection
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from sqlalchemy import delete, select
@@ -29,13 +30,26 @@ SERVER_ACTOR = "server"  # who did what no token did: a command expired, the com
 COMMAND_LINE_ACTOR = "command line"
 _CREATED = "command.created"
 _REFUSED = "refused"
+POLICY_ROLE = "policy"
+
+
+@dataclass(frozen=True)
+class PolicyActor:
+    """The server acting on its own, by one of its policies (``server/policies/``): entries name the
+    policy where others name a token."""
+
+    name: str  # "resume when free", "make room"
+
+    @property
+    def label(self) -> str:
+        return f"policy: {self.name}"
 
 
 def record_audit(
     *,
     session: Session,
     workspace_id: int,
-    actor: AuthInfo | None,
+    actor: AuthInfo | PolicyActor | None,
     action: str,
     target: str,
     outcome: str,
@@ -47,12 +61,18 @@ def record_audit(
 ) -> None:
     """``actor`` None: the command line on the database, or the server itself (``anonymous``
     names which)."""
+    if isinstance(actor, PolicyActor):
+        token_id, token_name, role = None, actor.label, POLICY_ROLE
+    elif actor is not None:
+        token_id, token_name, role = actor.token_id, actor.token_name, actor.role
+    else:
+        token_id, token_name, role = None, anonymous, ""
     row = AuditRecord(
         workspace_id=workspace_id,
         at=now,
-        token_id=actor.token_id if actor is not None else None,
-        token_name=(actor.token_name if actor is not None else anonymous)[: protocol.MAX_SHORT_TEXT],
-        role=actor.role if actor is not None else "",
+        token_id=token_id,
+        token_name=token_name[: protocol.MAX_SHORT_TEXT],
+        role=role,
         action=action,
         target=target[: protocol.MAX_SHORT_TEXT],
         outcome=outcome[:32],
@@ -156,11 +176,13 @@ def _command_detail(command: wire.CommandInfo) -> str:
         parts.append(f"rank {command.job.rank} of job operation {command.job.operation_id}")
     if command.error:
         parts.append(command.error)
+    if command.reason:
+        parts.append(command.reason)
     return "; ".join(parts)
 
 
 def record_commands_created(
-    *, session: Session, workspace_id: int, actor: AuthInfo, commands: list[wire.CommandInfo], now: float
+    *, session: Session, workspace_id: int, actor: AuthInfo | PolicyActor, commands: list[wire.CommandInfo], now: float
 ) -> None:
     for command in commands:
         record_audit(
@@ -220,3 +242,30 @@ def record_commands_finished(*, session: Session, finished: list[tuple[int, wire
     """What the sweep ended: (workspace id, command) each."""
     for workspace_id, command in finished:
         record_command_finished(session=session, workspace_id=workspace_id, actor=None, command=command, now=now)
+
+
+def record_wait(
+    *,
+    session: Session,
+    workspace_id: int,
+    actor: AuthInfo | PolicyActor | None,
+    action: str,
+    wait: wire.WaitInfo,
+    detail: str,
+    now: float,
+) -> None:
+    """A wait of the queue queued (``wait.created``) or cancelled (``wait.cancelled``); ``actor``
+    None: the server, on its own (the job is gone, or cannot resume any more)."""
+    gpu = f" on {wait.gpu_uuid}" if wait.gpu_uuid else ""
+    record_audit(
+        session=session,
+        workspace_id=workspace_id,
+        actor=actor,
+        action=action,
+        target=f"wait {wait.id} (resume {wait.process_id}{gpu} when free)",
+        outcome="ok",
+        detail=detail,
+        now=now,
+        anonymous=SERVER_ACTOR,
+        process_id=wait.process_id,
+    )

@@ -25,7 +25,7 @@ from flexium import protocol, wire
 from flexium.server.errors import Busy, InvalidRequest, InvalidState, NotFound, Stale, TargetRefused
 from flexium.server.models import Command, Device, Process, table_of
 from flexium.server.storage import quotas
-from flexium.server.storage.audit import record_command_finished, record_commands_created
+from flexium.server.storage.audit import PolicyActor, record_command_finished, record_commands_created
 from flexium.server.storage.devices import host_devices
 from flexium.server.storage.jobs import create_job_commands, is_job_rank
 from flexium.server.storage.processes import active_command, apply_process_update, find_process, is_older, shown_process
@@ -37,31 +37,33 @@ from flexium.server.storage.targets import (
     target_refusal,
 )
 from flexium.server.storage.views import command_view, is_stale, stored_capabilities
+from flexium.server.storage.waits import cancel_live_wait, command_ended
 from flexium.server.storage.workspaces import AuthInfo
 
 _RUNNING_STATE = {"migrate": "MIGRATING", "pause": "PAUSING", "resume": "RESUMING"}
 
 
 def _choose_resume_target(*, session: Session, proc: Process, now: float, stale_after: float) -> Device | None:
-    """Resume where it paused when that GPU has room; else the GPU ``target_refusal`` allows
-    with the most free memory (another GPU only for a job that can migrate); None lets the
-    process resume on its source (no device reports to judge by)."""
+    """Resume where it paused when that GPU has room by the last report; else the GPU with the
+    most free memory that has (another GPU only for a job that can migrate); else where it paused,
+    the job judging the room there (the report is older than this command). None lets the process
+    resume on its source (no device reports to judge by)."""
     devices = host_devices(session=session, workspace_id=proc.workspace_id, host=proc.host)
     if not devices:
         return None
+
+    def refusal(dev: Device, *, room: bool) -> str | None:
+        return target_refusal(proc=proc, dev=dev, kind="resume", now=now, stale_after=stale_after, room=room)
+
     home = devices.get(proc.gpu_uuid or "")
-    home_refusal: str | None = None
-    if home is not None:
-        home_refusal = target_refusal(proc=proc, dev=home, kind="resume", now=now, stale_after=stale_after)
-        if home_refusal is None:
-            return home
-    candidates = [
-        dev
-        for dev in devices.values()
-        if target_refusal(proc=proc, dev=dev, kind="resume", now=now, stale_after=stale_after) is None
-    ]
+    if home is not None and refusal(home, room=True) is None:
+        return home
+    candidates = [dev for dev in devices.values() if refusal(dev, room=True) is None]
     if candidates and stored_capabilities(proc).migration:
         return max(candidates, key=lambda d: (d.memory_total - d.memory_used, -(d.index or 0)))
+    home_refusal = None if home is None else refusal(home, room=False)
+    if home is not None and home_refusal is None:
+        return home
     if home_refusal is not None:
         raise TargetRefused(f"no GPU can take process {proc.process_id!r}: its own GPU {proc.gpu_uuid}: {home_refusal}")
     if proc.gpu_uuid is None:
@@ -80,9 +82,11 @@ def create_commands(
     gpus: dict[str, str | int] | None = None,
     now: float,
     stale_after: float,
+    reason: str | None = None,
 ) -> list[wire.CommandInfo]:
     """The commands one request creates, the addressed process's first: its own alone, or, for
-    a rank of a job of several, one per rank (``storage.jobs``)."""
+    a rank of a job of several, one per rank (``storage.jobs``). ``reason``: why a policy of the
+    server sends them (the job's timeline shows it)."""
     if kind not in protocol.COMMAND_KINDS:
         raise InvalidRequest(f"unknown command kind {kind!r}: use migrate, pause or resume")
     proc = find_process(session=session, workspace_id=workspace_id, process_id=process_id, for_update=True)
@@ -102,6 +106,7 @@ def create_commands(
             ranks=ranks,
             now=now,
             stale_after=stale_after,
+            reason=reason,
         )
     if ranks is not None:
         raise InvalidRequest(
@@ -157,6 +162,7 @@ def create_commands(
         gpu_moves=gpu_moves,
         created_at=now,
         deliveries=0,
+        reason=reason,
     )
     session.add(row)
     try:
@@ -170,7 +176,7 @@ def create_commands_audited(
     *,
     session: Session,
     workspace_id: int,
-    actor: AuthInfo,
+    actor: AuthInfo | PolicyActor,
     kind: str,
     process_id: str,
     target: str | int | None = None,
@@ -178,9 +184,11 @@ def create_commands_audited(
     gpus: dict[str, str | int] | None = None,
     now: float,
     stale_after: float,
+    reason: str | None = None,
 ) -> list[wire.CommandInfo]:
     """``create_commands``, and the audit entry of each command in the same transaction (a
-    refused one is written on its own: ``storage.audit.record_command_refused``)."""
+    refused one is written on its own: ``storage.audit.record_command_refused``). A person's
+    pause or resume takes the job out of the resume-when-free queue: they said what it does now."""
     commands = create_commands(
         session=session,
         workspace_id=workspace_id,
@@ -191,7 +199,18 @@ def create_commands_audited(
         gpus=gpus,
         now=now,
         stale_after=stale_after,
+        reason=reason,
     )
+    if isinstance(actor, AuthInfo) and kind != "migrate":
+        proc = find_process(session=session, workspace_id=workspace_id, process_id=process_id)
+        cancel_live_wait(
+            session=session,
+            workspace_id=workspace_id,
+            actor=actor,
+            proc=proc,
+            why=f"replaced by a {kind} sent by {actor.token_name or 'token ' + str(actor.token_id)}",
+            now=now,
+        )
     record_commands_created(session=session, workspace_id=workspace_id, actor=actor, commands=commands, now=now)
     return commands
 
@@ -359,6 +378,8 @@ def report_command(
         session.flush()
     except IntegrityError:
         raise Busy(f"process {proc.process_id!r} got another command after {command_id} expired") from None
+    if cmd.state in protocol.FINAL_COMMAND_STATES:
+        command_ended(session=session, cmd=cmd, proc=proc, now=now)
     active = cmd if cmd.state in protocol.ACTIVE_COMMAND_STATES else None
     return (
         command_view(cmd, proc.process_id),

@@ -52,10 +52,12 @@ def create_job_commands(
     ranks: dict[str, Target] | None,
     now: float,
     stale_after: float,
+    reason: str | None = None,
 ) -> list[wire.CommandInfo]:
     """The commands of a job operation on ``addressed``'s job, the addressed rank's first.
     ``target`` moves the addressed rank alone, ``ranks`` maps ranks (as text) to targets; both
-    are read in the addressed rank's numbering (``resolve_target``)."""
+    are read in the addressed rank's numbering (``resolve_target``). ``reason``: why a policy of
+    the server sends them."""
     key = addressed.job_key or ""
     world = addressed.job_world_size or 1
     job = f"job {key!r}"
@@ -75,9 +77,8 @@ def create_job_commands(
             f"migrate needs a target GPU (for rank {addressed.job_rank} alone) or ranks, a GPU for each rank that "
             'moves (a swap of two: {"0": "cuda:1", "1": "cuda:0"})'
         )
-    registered = _registered(session=session, workspace_id=workspace_id, key=key, world=world, kind=kind)
-    members = _check_ranks(
-        session=session, registered=registered, world=world, kind=kind, job=job, now=now, stale_after=stale_after
+    members = job_ranks(
+        session=session, workspace_id=workspace_id, addressed=addressed, kind=kind, now=now, stale_after=stale_after
     )
     devices = {r: _resolve_rank_target(session, addressed, r, t, named=bool(ranks)) for r, t in wanted.items()}
     moves = _moves(members=members, devices=devices, kind=kind, job=job)
@@ -116,6 +117,7 @@ def create_job_commands(
             deliveries=0,
             operation_id=operation.id,
             job=share.model_dump(mode="json"),
+            reason=reason,
         )
         session.add(row)
         rows.append((row, proc))
@@ -125,6 +127,24 @@ def create_job_commands(
         raise Busy(f"a rank of {job} got another command meanwhile; one at a time") from None
     rows.sort(key=lambda pair: pair[1].pk != addressed.pk)
     return [command_view(row, proc.process_id) for row, proc in rows]
+
+
+def job_ranks(
+    *, session: Session, workspace_id: int, addressed: Process, kind: str, now: float, stale_after: float
+) -> dict[int, Process]:
+    """Rank -> its one live process of ``addressed``'s job, read locked, once every rank is
+    registered and alive, free, able to take part, and in the state ``kind`` starts from."""
+    key, world = addressed.job_key or "", addressed.job_world_size or 1
+    registered = _registered(session=session, workspace_id=workspace_id, key=key, world=world, kind=kind)
+    return _check_ranks(
+        session=session,
+        registered=registered,
+        world=world,
+        kind=kind,
+        job=f"job {key!r}",
+        now=now,
+        stale_after=stale_after,
+    )
 
 
 def _resolve_rank_target(session: Session, addressed: Process, rank: int, target: Target, *, named: bool) -> Device:
@@ -298,7 +318,7 @@ def _check_placement(
         reason = (
             None
             if home is None
-            else target_refusal(proc=proc, dev=home, kind="resume", now=now, stale_after=stale_after)
+            else target_refusal(proc=proc, dev=home, kind="resume", now=now, stale_after=stale_after, room=False)
         )
         if reason is not None:
             raise TargetRefused(

@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 
 from flexium import protocol, wire
 from flexium.server.errors import Forbidden, InvalidRequest, NotFound
-from flexium.server.models import Command, Process, table_of
+from flexium.server.models import Command, Process, Wait, table_of
 from flexium.server.storage import quotas
 from flexium.server.storage.devices import device_indexes, held_by_gpu, upsert_devices
 from flexium.server.storage.views import process_view
@@ -109,7 +109,7 @@ class ProcessSnapshot:
         would change nothing but last_seen."""
         for name in report.model_fields_set:
             value = getattr(report, name)
-            if name in ("seq", "devices", *_PROGRESS_FIELDS):
+            if name in ("seq", "devices", "room_seen", *_PROGRESS_FIELDS):
                 continue  # plain beats need not move seq (see ``heartbeat``); progress: see _PROGRESS_FIELDS
             if name == "footprint_bytes":
                 if value is not None and value != self.footprint_bytes:
@@ -170,7 +170,24 @@ def shown_process(
 ) -> wire.ProcessInfo:
     """One process as the API shows it, its GPU's index read from its host's device reports."""
     indexes = device_indexes(session=session, workspace_id=row.workspace_id, host=row.host)
-    return process_view(row, now=now, stale_after=stale_after, gpu_indexes=indexes, active=active)
+    by_process, by_job = live_wait_ids(session=session, workspace_id=row.workspace_id)
+    wait_id = by_process.get(row.pk) or (by_job.get(row.job_key) if row.job_key else None)
+    return process_view(row, now=now, stale_after=stale_after, gpu_indexes=indexes, active=active, wait_id=wait_id)
+
+
+def live_wait_ids(*, session: Session, workspace_id: int) -> tuple[dict[int, int], dict[str, int]]:
+    """The live waits of the queue: (process pk -> wait id, job key -> wait id): a job's wait,
+    held by one rank, is every rank's."""
+    query = select(Wait.id, Wait.process_pk, Wait.job_key).where(
+        Wait.workspace_id == workspace_id, Wait.state.in_(protocol.LIVE_WAIT_STATES)
+    )
+    by_process: dict[int, int] = {}
+    by_job: dict[str, int] = {}
+    for wait_id, process_pk, key in session.execute(query):
+        by_process[process_pk] = wait_id
+        if key is not None:
+            by_job[key] = wait_id
+    return by_process, by_job
 
 
 def register_process(
@@ -212,6 +229,8 @@ def register_process_snapshot(
             registered_at=now,
             footprint_bytes=0,
             token_id=token_id,
+            # Only a new process takes the job's own word: an admin's change outlives a registration again.
+            priority=protocol.DEFAULT_PRIORITY if report.priority is None else report.priority,
         )
         session.add(row)
     elif own_only and row.token_id != token_id:
@@ -431,8 +450,17 @@ def list_processes(
         )
     }
     indexes = device_indexes(session=session, workspace_id=workspace_id)
+    by_process, by_job = live_wait_ids(session=session, workspace_id=workspace_id)
     return [
-        process_view(r, now=now, stale_after=stale_after, gpu_indexes=indexes, active=active.get(r.pk)) for r in rows
+        process_view(
+            r,
+            now=now,
+            stale_after=stale_after,
+            gpu_indexes=indexes,
+            active=active.get(r.pk),
+            wait_id=by_process.get(r.pk) or (by_job.get(r.job_key) if r.job_key else None),
+        )
+        for r in rows
     ]
 
 

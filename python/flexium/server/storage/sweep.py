@@ -1,5 +1,6 @@
 """Housekeeping the server runs every few seconds: expire commands nobody picked up, fail
-commands whose process died mid-operation, forget processes and GPUs silent for too long.
+commands whose process died mid-operation (what either means to the queue's waits included),
+forget processes and GPUs silent for too long, drop room held past its time.
 
 ``alive_since`` is when this server started: a process cannot heartbeat while the server is
 down, so silence is only counted from then (a restart must not delete attached jobs)."""
@@ -15,7 +16,9 @@ from flexium import protocol, wire
 from flexium.server.models import Command, Device, JobOperation, Process
 from flexium.server.storage.history import prune_history
 from flexium.server.storage.processes import shown_process
+from flexium.server.storage.reservations import expire_reservations
 from flexium.server.storage.views import command_view
+from flexium.server.storage.waits import command_ended
 
 
 @dataclass
@@ -24,6 +27,7 @@ class SweepResult:
     failed: list[tuple[int, wire.CommandInfo]] = field(default_factory=list)
     removed: list[tuple[int, str]] = field(default_factory=list)  # (workspace, process id)
     newly_stale: list[tuple[int, wire.ProcessInfo]] = field(default_factory=list)  # (workspace, process)
+    released: list[tuple[int, str]] = field(default_factory=list)  # (workspace, host) of expired reservations
 
 
 def sweep(
@@ -48,6 +52,7 @@ def sweep(
         cmd.state = "expired"
         cmd.finished_at = now
         cmd.error = f"not started within {command_ttl:.0f} s"
+        command_ended(session=session, cmd=cmd, proc=proc, now=now)
         result.expired.append((cmd.workspace_id, command_view(cmd, proc.process_id)))
     if alive_since < now - stale_after:  # silence is counted only while we were up
         for cmd, proc in session.execute(
@@ -63,6 +68,7 @@ def sweep(
             cmd.state = "failed"
             cmd.finished_at = now
             cmd.error = "the process stopped reporting during the operation"
+            command_ended(session=session, cmd=cmd, proc=proc, now=now)
             result.failed.append((cmd.workspace_id, command_view(cmd, proc.process_id)))
     if alive_since <= now - remove_after:
         doomed = list(
@@ -80,6 +86,7 @@ def sweep(
             session.execute(delete(JobOperation).where(~exists().where(Command.operation_id == JobOperation.id)))
             result.removed = [(d.workspace_id, d.process_id) for d in doomed]
         session.execute(delete(Device).where(Device.updated_at < now - remove_after))
+    result.released = expire_reservations(session=session, now=now)
     prune_history(session=session, now=now)
     for proc in session.scalars(
         select(Process).where(Process.last_seen < now - stale_after, Process.last_seen >= stale_since - stale_after)

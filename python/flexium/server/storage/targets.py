@@ -1,7 +1,12 @@
 """Targets of moves: how a person's target text names a GPU (``resolve_target``) and whether
 that GPU can take a process (``target_refusal``; every GPU of its host at once:
 ``judge_targets``), and whether the process can be moved at all (``require_capability``).
-Single commands and job operations both judge by these."""
+Single commands and job operations both judge by these.
+
+Room is judged on the host's last GPU report, which is older than any command: a person's command
+is never refused for room (``room=False``), the job's own room check has the last word (it refuses
+before anything changes); the queue judges room on a report that came after the room appeared
+(``policies/``), and a dialog shows what the last report says."""
 
 from __future__ import annotations
 
@@ -99,13 +104,15 @@ def target_refusal(
     stale_after: float,
     freed: int = 0,
     source: str | None = None,
+    room: bool = True,
 ) -> str | None:
     """Why GPU ``dev`` cannot take ``proc`` for a ``kind`` command, in a few words; None when
     it can. The one statement of the target rules: command creation raises it, the resume
     choice picks by it, the dashboard's dialog and ``GET .../targets`` show it. ``freed``: the
     bytes other ranks of the same job operation take off ``dev`` as ``proc`` arrives (a swap).
     ``source``: for a process on several GPUs moved GPU by GPU, the GPU whose share goes to
-    ``dev`` (default: its own device's)."""
+    ``dev`` (default: its own device's). ``room``: whether the last report's free memory counts
+    (not for a person's command: see the module's docstring)."""
     visible = list(proc.visible_gpus or [])
     moving_from = source or proc.gpu_uuid
     if kind == "migrate" and dev.uuid == moving_from:
@@ -128,7 +135,7 @@ def target_refusal(
     else:
         need = max(proc.footprint_bytes, proc.memory_bytes)
     free = max(0, dev.memory_total - dev.memory_used + freed)
-    if free < need:
+    if room and free < need:
         return f"{gib(free)} free, the job needs {gib(need)}"
     if kind == "resume" and proc.gpu_uuid and dev.uuid != proc.gpu_uuid and not stored_capabilities(proc).migration:
         return _RESUME_ELSEWHERE
@@ -172,7 +179,10 @@ def check_target(
     freed: int = 0,
     source: str | None = None,
 ) -> None:
-    reason = target_refusal(proc=proc, dev=dev, kind=kind, now=now, stale_after=stale_after, freed=freed, source=source)
+    """``target_refusal`` as a command's refusal: room is the job's to judge."""
+    reason = target_refusal(
+        proc=proc, dev=dev, kind=kind, now=now, stale_after=stale_after, freed=freed, source=source, room=False
+    )
     if reason == _RESUME_ELSEWHERE:
         require_capability(proc, protocol.CAP_MIGRATION, "resume on another GPU")
     if reason is not None:

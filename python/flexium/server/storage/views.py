@@ -56,6 +56,7 @@ def command_view(row: Command, process_id: str) -> wire.CommandInfo:
             "result": stored_result(row),
             "error": row.error,
             "job": row.job,
+            "reason": row.reason,
         }
     )
 
@@ -71,8 +72,10 @@ def process_view(
     stale_after: float,
     gpu_indexes: Mapping[str, int | None],
     active: Command | None = None,
+    wait_id: int | None = None,
 ) -> wire.ProcessInfo:
-    """``gpu_indexes``: GPU UUID -> nvidia-smi index from the device reports (``device_indexes``).
+    """``gpu_indexes``: GPU UUID -> nvidia-smi index from the device reports (``device_indexes``);
+    ``wait_id``: its live wait in the queue (its job's, for a rank of a job of several).
     The row holds one fact of where the process is, ``gpu_uuid``; how it is shown comes from it."""
     stale = is_stale(row, now=now, stale_after=stale_after)
     visible = list(row.visible_gpus or [])
@@ -110,6 +113,8 @@ def process_view(
             "steps_per_s": row.steps_per_s,
             "steps_at": row.steps_at,
             "loss": row.loss,
+            "priority": row.priority,
+            "wait_id": wait_id,
         }
     )
 

@@ -1,0 +1,199 @@
+"""The server's resume-when-free queue on the command line: `flexium queue` (the jobs waiting for
+room, in the order they resume), `flexium priority JOB [P]`, and what `flexium resume JOB` does with
+``--when-free`` (queue it), ``--make-room`` (pause jobs of lower priority for it now) and
+``--cancel`` (take it out of the queue)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from flexium import protocol, wire
+from flexium.cli.connection import add_connection_options
+from flexium.cli.exit_status import EXIT_FAILED, EXIT_OK, UsageError, fail
+from flexium.cli.naming import PROCESS_HELP, resolve_process
+from flexium.cli.printing import age, print_json, print_table
+from flexium.client import ApiClient, NotFound
+from flexium.units import gib
+
+FOLLOW_EVERY_S = 0.5  # how often `resume --make-room` reads its wait while the room is made
+NOTE_WIDTH = 60
+
+
+def add_commands(commands: Any) -> None:
+    """``commands``: the ``flexium`` parser's subparsers."""
+    p = commands.add_parser(
+        "queue", help="list the paused jobs waiting to resume when free, by host, in the order they resume"
+    )
+    p.add_argument("--all", action="store_true", help="every wait, those that ended too, newest first")
+    add_connection_options(p, _queue)
+    p = commands.add_parser(
+        "priority",
+        help="show a job's priority, or set it (admin): a higher one resumes first from the queue, and making room "
+        "pauses only jobs of a lower one",
+    )
+    p.add_argument("process", help=PROCESS_HELP)
+    p.add_argument("priority", nargs="?", help=protocol.PRIORITY_SYNTAX)
+    add_connection_options(p, _priority)
+
+
+def add_resume_options(parser: argparse.ArgumentParser) -> None:
+    """`flexium resume`'s options for the queue."""
+    later = parser.add_mutually_exclusive_group()
+    later.add_argument(
+        "--when-free",
+        action="store_true",
+        help="queue it: resumed by the server as soon as a GPU of its host has room (a higher priority first, first "
+        "come first served within one); returns once queued",
+    )
+    later.add_argument(
+        "--make-room",
+        action="store_true",
+        help="pause the fewest jobs of lower priority on one GPU to free what it needs (they wait to resume when "
+        "free), and resume it there; never pauses a job of its priority or higher",
+    )
+    later.add_argument("--cancel", action="store_true", help="take it out of the queue")
+    parser.add_argument(
+        "--gpu", metavar="GPU", help="with --when-free or --make-room: the GPU it waits for, cuda:N, N, GPU-... or any"
+    )
+    parser.add_argument("--host", help="with --when-free: the host it resumes on (its own; said to make sure)")
+
+
+def resume_later(api: ApiClient, args: argparse.Namespace) -> wire.CommandInfo | int:
+    """`flexium resume` with a queue option: an exit status, or the resume command to follow (room
+    was free at once, or made)."""
+    if args.target or args.ranks is not None:
+        raise UsageError("--when-free, --make-room and --cancel take no TARGET or --ranks: name the GPU with --gpu")
+    if args.cancel:
+        if args.gpu is not None or args.host is not None:
+            raise UsageError("--cancel takes no --gpu or --host")
+        return _cancel(api, args)
+    if args.host is not None and args.make_room:
+        raise UsageError("--host goes with --when-free: room is made on the job's own host")
+    request = wire.WaitRequest(process_id=args.process, gpu=args.gpu, host=args.host, make_room=args.make_room)
+    try:
+        created = api.create_wait(request)
+    except NotFound:
+        request.process_id = resolve_process(api, args.process)
+        created = api.create_wait(request)
+    wait = created.wait
+    title = f"resume {wait.process_id}" if wait.job_key is None else f"resume job {wait.job_key}"
+    for pause in created.commands:
+        if pause.kind == "pause" and not args.json:
+            print(f"{title}: making room: pausing {pause.process_id} (command {pause.id})", file=sys.stderr)
+    resume = next((c for c in created.commands if c.kind == "resume"), None)
+    if resume is not None:
+        return resume
+    if args.no_wait or not args.make_room:
+        if args.json:
+            print_json(created)
+        else:
+            print(f"{title}: {_queued(wait)}")
+        return EXIT_OK
+    return _until_resumed(api, args, wait, title)
+
+
+def _queued(wait: wire.WaitInfo) -> str:
+    where = "a GPU of its host" if wait.gpu_uuid is None else wait.gpu_uuid
+    place = f", number {wait.position} in host {wait.host}'s queue" if wait.position else ""
+    return (
+        f"queued as wait {wait.id}{place}: it resumes when {where} has {gib(wait.need_bytes)} free "
+        f"(`flexium queue` lists the queue; `flexium resume {wait.process_id} --cancel` takes it out)"
+    )
+
+
+def _until_resumed(api: ApiClient, args: argparse.Namespace, wait: wire.WaitInfo, title: str) -> wire.CommandInfo | int:
+    """The room is being made: the wait read until the queue sends its resume."""
+    if not args.json:
+        print(f"{title}: room held for it on {wait.gpu_uuid}; waiting for the pauses to free it", file=sys.stderr)
+    deadline = time.monotonic() + args.timeout
+    while wait.state == "waiting" and time.monotonic() < deadline:
+        time.sleep(FOLLOW_EVERY_S)
+        wait = api.get_wait(wait.id)
+    if wait.command_id is not None and wait.state in ("dispatched", "done"):
+        return api.get_command(wait.command_id)
+    if wait.state == "waiting":
+        return fail(
+            f"{title}: still waiting after {args.timeout:.0f} s (wait {wait.id}); it resumes when the room shows "
+            "(`flexium queue`)",
+            EXIT_FAILED,
+            as_json=args.json,
+        )
+    return fail(
+        f"{title}: wait {wait.id} {wait.state}: {wait.note or 'no reason given'}", EXIT_FAILED, as_json=args.json
+    )
+
+
+def _cancel(api: ApiClient, args: argparse.Namespace) -> int:
+    try:
+        waits = api.list_waits(process_id=args.process)
+    except NotFound:
+        waits = api.list_waits(process_id=resolve_process(api, args.process))
+    waiting = [w for w in waits if w.state == "waiting"]
+    if not waiting:
+        under_way = f": its resume, command {waits[0].command_id}, is under way" if waits else ""
+        return fail(f"{args.process} is not waiting in the queue{under_way}", EXIT_FAILED, as_json=args.json)
+    cancelled = api.cancel_wait(waiting[0].id)
+    if args.json:
+        print_json(cancelled)
+    else:
+        print(f"resume {cancelled.process_id} when free: cancelled (wait {cancelled.id}); it stays paused")
+    return EXIT_OK
+
+
+def _queue(api: ApiClient, args: argparse.Namespace) -> int:
+    waits = api.list_waits(ended=args.all)
+    if args.json:
+        print_json(waits)
+        return EXIT_OK
+    if not waits:
+        print(f"no job waits to resume in workspace '{api.workspace}'" if not args.all else "no wait yet")
+        return EXIT_OK
+    now = time.time()
+    rows = [("WAIT", "PROCESS", "PRIORITY", "PLACE", "STATE", "HOST", "GPU", "NEEDS", "WAITING", "BY", "NOTE")]
+    for w in waits:
+        rows.append(
+            (
+                str(w.id),
+                w.process_id if w.job_key is None else f"{w.process_id} (job)",
+                protocol.priority_name(w.priority),
+                "-" if w.position is None else str(w.position),
+                w.state,
+                w.host,
+                w.gpu_uuid or "any",
+                gib(w.need_bytes),
+                age((w.finished_at or now) - w.created_at),
+                w.requested_by,
+                _clip(w.note or w.reason),
+            )
+        )
+    print_table(rows)
+    print("PLACE: in its host's queue (a higher priority first, first come first served within one).")
+    return EXIT_OK
+
+
+def _clip(text: str) -> str:
+    return text if len(text) <= NOTE_WIDTH else text[: NOTE_WIDTH - 1] + "~"
+
+
+def _priority(api: ApiClient, args: argparse.Namespace) -> int:
+    try:
+        process_id = api.get_process(args.process).process_id
+    except NotFound:
+        process_id = resolve_process(api, args.process)
+    if args.priority is None:
+        process = api.get_process(process_id)
+    else:
+        try:
+            priority = protocol.read_priority(args.priority)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
+        process = api.set_priority(process_id, priority)
+    if args.json:
+        print_json(process)
+        return EXIT_OK
+    whole = f" (every rank of job {process.job.key})" if process.job is not None and process.job.world_size > 1 else ""
+    print(f"{process.process_id}: priority {protocol.priority_name(process.priority)}{whole}")
+    return EXIT_OK

@@ -1,0 +1,12 @@
+"""The server's policies: what it does by itself for a team sharing GPU hosts, each a function
+run inside one database transaction that decides and then acts only through the durable commands
+that exist (``storage.create_commands``), audited under the policy's name (``PolicyActor``) with
+its reason, which the job's timeline shows. Nothing runs beside the requests but the sweep: a
+policy runs when what it decides on can change (``server/queue.py`` says when), and two servers on
+one database never act twice on one job (the rows a policy acts on are read locked; one active
+command per process is a unique index).
+
+- ``resume_when_free``: the queue of paused jobs waiting for room.
+- ``make_room``: pause the fewest jobs of lower priority on one GPU for a job, and hold the room.
+- ``room``: a host's GPUs as the policies count their room (reservations, resumes under way).
+"""

@@ -1,0 +1,355 @@
+"""Making room on one GPU for a job of a higher priority: pause the fewest running jobs of lower
+priority there that free what it needs (the lowest priorities among equally few), hold that room
+for it (a reservation the queue's other waits cannot take, until it resumes or the reservation
+expires), and queue the jobs paused to resume when free. A job of equal or higher priority is never
+paused for it; when no GPU can be made room on, the refusal says why, GPU by GPU, and nothing
+changes.
+
+``plan_room`` and ``make_room`` take "bytes on a GPU for someone" (``Beneficiary``): a paused job
+(``resume_making_room``, ``flexium resume JOB --make-room``) or a job that is not started yet."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from flexium import protocol, wire
+from flexium.server.errors import InvalidRequest, TargetRefused
+from flexium.server.models import Device, Process, Wait
+from flexium.server.policies.room import HostRoom
+from flexium.server.storage.audit import PolicyActor, record_commands_created
+from flexium.server.storage.commands import create_commands
+from flexium.server.storage.devices import held_by_gpu
+from flexium.server.storage.jobs import is_job_rank
+from flexium.server.storage.processes import active_command, find_process
+from flexium.server.storage.reservations import hold_room
+from flexium.server.storage.targets import target_refusal
+from flexium.server.storage.views import is_stale, stored_capabilities
+from flexium.server.storage.waits import cancel_live_wait, may_resume_on, paused_job, queue_wait, wanted_gpu
+from flexium.server.storage.workspaces import AuthInfo
+from flexium.units import gib
+
+ACTOR = PolicyActor("make room")
+# Choices of victims are tried exhaustively up to this many candidates on one GPU, greedily past it.
+_EXHAUSTIVE = 12
+
+
+@dataclass(frozen=True)
+class Beneficiary:
+    """Whom room is made for: ``label`` in words, its ``priority``, the bytes it ``needs``, the
+    processes that are its own (never paused for it), the GPU it paused on (no headroom back on an
+    empty one) and its wait (None: a job not started yet)."""
+
+    label: str
+    priority: int
+    need: int
+    own: frozenset[int] = frozenset()
+    home: str | None = None
+    wait_id: int | None = None
+
+
+@dataclass(frozen=True)
+class Victim:
+    """A running job whose pause frees ``frees`` bytes on the GPU: one process, or a job of several
+    ranks (every rank pauses), addressed through ``addressed``."""
+
+    addressed: Process
+    processes: tuple[Process, ...]
+    priority: int
+    frees: int
+
+    @property
+    def label(self) -> str:
+        if is_job_rank(self.addressed):
+            return f"job {self.addressed.job_key!r}"
+        return f"process {self.addressed.process_id!r}"
+
+
+@dataclass(frozen=True)
+class RoomPlan:
+    device: Device
+    victims: tuple[Victim, ...]
+    required: int  # what the beneficiary takes there, headroom included
+
+
+def plan_room(
+    *,
+    session: Session,
+    workspace_id: int,
+    host: str,
+    gpus: Mapping[str, str | None],
+    beneficiary: Beneficiary,
+    room: HostRoom,
+    now: float,
+    stale_after: float,
+) -> RoomPlan:
+    """The GPU to make room on and whom to pause there. ``gpus``: UUID -> why the beneficiary cannot
+    go there but for room (None: it can). TargetRefused says why no GPU will do, GPU by GPU."""
+    units = _running_jobs(session=session, workspace_id=workspace_id, host=host, now=now, stale_after=stale_after)
+    plans: list[RoomPlan] = []
+    why_not: list[str] = []
+    for uuid, refusal in gpus.items():
+        gpu = room.gpus.get(uuid)
+        if gpu is None:
+            continue
+        name = f"GPU {gpu.device.index if gpu.device.index is not None else uuid}"
+        if refusal is not None:
+            why_not.append(f"{name}: {refusal}")
+            continue
+        required = room.required(uuid, beneficiary.need, home=beneficiary.home)
+        free = room.free_for(uuid, beneficiary.wait_id)
+        holders = _holders(units, uuid, beneficiary)
+        victims = _fewest(holders.lower, required - free)
+        if victims is None:
+            why_not.append(_why_not(name, free, required, holders))
+        else:
+            plans.append(RoomPlan(gpu.device, victims, required))
+    if not plans:
+        reasons = "; ".join(why_not) or "it reported no GPU"
+        raise TargetRefused(
+            f"cannot make room for {beneficiary.label} (priority {protocol.priority_name(beneficiary.priority)}) on "
+            f"host {host!r}: {reasons}. Jobs of its priority or higher are never paused for it"
+        )
+    return min(plans, key=lambda plan: _cost(plan, beneficiary, room))
+
+
+def _cost(plan: RoomPlan, beneficiary: Beneficiary, room: HostRoom) -> tuple[object, ...]:
+    """Fewest paused, then the lowest priorities, then where it paused, then the most room."""
+    priorities = tuple(sorted((victim.priority for victim in plan.victims), reverse=True))
+    uuid = plan.device.uuid
+    return len(plan.victims), priorities, uuid != beneficiary.home, -room.free_for(uuid, beneficiary.wait_id)
+
+
+def _running_jobs(
+    *, session: Session, workspace_id: int, host: str, now: float, stale_after: float
+) -> list[tuple[Victim, bool]]:
+    """Every job of the host that holds GPU memory, as one unit each (a job of several ranks: all of
+    them), with whether it can be paused now; ``frees`` is left 0 (``_holders`` reads it GPU by GPU)."""
+    rows = list(
+        session.scalars(
+            select(Process)
+            .where(Process.workspace_id == workspace_id, Process.host == host)
+            .order_by(Process.job_rank, Process.pk)
+        )
+    )
+    grouped: dict[str, list[Process]] = {}
+    for row in rows:
+        grouped.setdefault(f"job {row.job_key}" if is_job_rank(row) else f"pk {row.pk}", []).append(row)
+    units = []
+    for members in grouped.values():
+        if any(p.state == "PAUSED" or is_stale(p, now=now, stale_after=stale_after) for p in members):
+            continue  # holds nothing, or nothing known
+        unit = Victim(
+            addressed=members[0], processes=tuple(members), priority=max(p.priority for p in members), frees=0
+        )
+        units.append((unit, _pausable(session, unit)))
+    return units
+
+
+def _pausable(session: Session, unit: Victim) -> bool:
+    """Whether a pause of it would be taken now: running, free, able."""
+    for proc in unit.processes:
+        caps = stored_capabilities(proc)
+        if proc.state != "RUNNING" or active_command(session=session, process_pk=proc.pk) is not None:
+            return False
+        if not caps.pause_resume or (is_job_rank(proc) and caps.job_operations is not True):
+            return False
+    return True
+
+
+@dataclass(frozen=True)
+class _Holders:
+    """Who holds memory on one GPU, as making room sees them."""
+
+    lower: list[Victim]  # of lower priority and pausable now, each with what it frees there
+    busy: int  # held by jobs of lower priority that cannot be paused now
+    above: int  # held by jobs of its priority or higher (or its own)
+
+
+def _holders(units: list[tuple[Victim, bool]], uuid: str, beneficiary: Beneficiary) -> _Holders:
+    lower: list[Victim] = []
+    busy = above = 0
+    for unit, pausable in units:
+        frees = sum(held_by_gpu(p.gpu_uuid, p.memory_bytes, p.gpu_bytes).get(uuid, 0) for p in unit.processes)
+        if frees == 0:
+            continue
+        if any(proc.pk in beneficiary.own for proc in unit.processes) or unit.priority >= beneficiary.priority:
+            above += frees
+        elif not pausable:
+            busy += frees
+        else:
+            lower.append(Victim(unit.addressed, unit.processes, unit.priority, frees))
+    return _Holders(lower, busy, above)
+
+
+def _fewest(candidates: list[Victim], deficit: int) -> tuple[Victim, ...] | None:
+    """The fewest candidates freeing ``deficit``, the lowest priorities among equally few (then the
+    least memory paused); None when all of them together do not."""
+    if deficit <= 0:
+        return ()
+    if sum(victim.frees for victim in candidates) < deficit:
+        return None
+    if len(candidates) > _EXHAUSTIVE:
+        chosen: list[Victim] = []
+        for victim in sorted(candidates, key=lambda v: (v.priority, -v.frees)):
+            chosen.append(victim)
+            if sum(v.frees for v in chosen) >= deficit:
+                return tuple(chosen)
+        return None
+    largest = sorted((victim.frees for victim in candidates), reverse=True)
+    count = next(k for k in range(1, len(largest) + 1) if sum(largest[:k]) >= deficit)
+    enough = [combo for combo in itertools.combinations(candidates, count) if sum(v.frees for v in combo) >= deficit]
+    return min(
+        enough,
+        key=lambda combo: (tuple(sorted((v.priority for v in combo), reverse=True)), sum(v.frees for v in combo)),
+    )
+
+
+def _why_not(name: str, free: int, required: int, holders: _Holders) -> str:
+    pausable = sum(victim.frees for victim in holders.lower)
+    parts = [f"{gib(free)} free of the {gib(required)} it needs"]
+    if holders.lower:
+        parts.append(f"pausing every job of lower priority there frees {gib(pausable)}")
+    else:
+        parts.append("no job of lower priority to pause there")
+    if holders.busy:
+        parts.append(f"jobs of lower priority that cannot be paused now hold {gib(holders.busy)}")
+    if holders.above:
+        parts.append(f"jobs of its priority or higher hold {gib(holders.above)}")
+    return f"{name}: " + ", ".join(parts)
+
+
+def make_room(
+    *,
+    session: Session,
+    workspace_id: int,
+    plan: RoomPlan,
+    beneficiary: Beneficiary,
+    now: float,
+    stale_after: float,
+    ttl: float,
+) -> list[wire.CommandInfo]:
+    """Pauses the plan's victims (each queued to resume when free) and holds the room for the
+    beneficiary; the pause commands. A pause refused now refuses it all (nothing changes)."""
+    gpu = f"GPU {plan.device.index if plan.device.index is not None else plan.device.uuid}"
+    pauses: list[wire.CommandInfo] = []
+    for victim in plan.victims:
+        why = (
+            f"make room: {beneficiary.label} (priority {protocol.priority_name(beneficiary.priority)}) needs "
+            f"{gib(plan.required)} on {gpu}; this job's priority is {protocol.priority_name(victim.priority)}"
+        )
+        commands = create_commands(
+            session=session,
+            workspace_id=workspace_id,
+            kind="pause",
+            process_id=victim.addressed.process_id,
+            now=now,
+            stale_after=stale_after,
+            reason=why,
+        )
+        record_commands_created(session=session, workspace_id=workspace_id, actor=ACTOR, commands=commands, now=now)
+        pauses += commands
+        cancel_live_wait(
+            session=session,
+            workspace_id=workspace_id,
+            actor=ACTOR,
+            proc=victim.addressed,
+            why="paused to make room",
+            now=now,
+        )
+        queue_wait(
+            session=session,
+            workspace_id=workspace_id,
+            actor=ACTOR,
+            holder=victim.addressed,
+            gpu_uuid=None,
+            priority=victim.priority,
+            reason=f"paused to make room for {beneficiary.label} on {gpu}: resumes when free",
+            now=now,
+        )
+    hold_room(
+        session=session,
+        workspace_id=workspace_id,
+        host=plan.device.host,
+        gpu_uuid=plan.device.uuid,
+        nbytes=plan.required,
+        wait_id=beneficiary.wait_id,
+        holder=beneficiary.label,
+        now=now,
+        ttl=ttl,
+    )
+    return pauses
+
+
+def resume_making_room(
+    *,
+    session: Session,
+    workspace_id: int,
+    actor: AuthInfo,
+    request: wire.WaitRequest,
+    now: float,
+    stale_after: float,
+    ttl: float,
+) -> tuple[Wait, list[wire.CommandInfo]]:
+    """``flexium resume JOB --make-room``: the paused job's wait, on the GPU room is made on, and the
+    pauses that make it; the queue resumes it there once their room shows."""
+    proc = find_process(session=session, workspace_id=workspace_id, process_id=request.process_id, for_update=True)
+    if is_job_rank(proc) or len(held_by_gpu(proc.gpu_uuid, proc.footprint_bytes, proc.gpu_bytes)) > 1:
+        raise InvalidRequest(
+            f"room is made on one GPU, for a job on one GPU; process {proc.process_id!r} is part of a job on several: "
+            f"queue it instead (flexium resume {proc.process_id} --when-free)"
+        )
+    holder, priority = paused_job(session=session, proc=proc, now=now, stale_after=stale_after)
+    named = wanted_gpu(session=session, proc=proc, request=request, now=now, stale_after=stale_after)
+    room = HostRoom.read(session=session, workspace_id=workspace_id, host=proc.host, now=now)
+    uuids = [named.uuid] if named is not None else may_resume_on(proc, {u: g.device for u, g in room.gpus.items()})
+    gpus = {
+        uuid: target_refusal(
+            proc=proc, dev=room.gpus[uuid].device, kind="resume", now=now, stale_after=stale_after, room=False
+        )
+        for uuid in uuids
+        if uuid in room.gpus
+    }
+    label = f"process {proc.process_id!r}"
+    need = max(proc.footprint_bytes, proc.memory_bytes)
+    beneficiary = Beneficiary(label=label, priority=priority, need=need, own=frozenset({proc.pk}), home=proc.gpu_uuid)
+    plan = plan_room(
+        session=session,
+        workspace_id=workspace_id,
+        host=proc.host,
+        gpus=gpus,
+        beneficiary=beneficiary,
+        room=room,
+        now=now,
+        stale_after=stale_after,
+    )
+    who = actor.token_name or f"token {actor.token_id}"
+    cancel_live_wait(
+        session=session, workspace_id=workspace_id, actor=actor, proc=proc, why=f"room made by {who}", now=now
+    )
+    paused = ", ".join(victim.label for victim in plan.victims) or "no job: the room is free"
+    wait = queue_wait(
+        session=session,
+        workspace_id=workspace_id,
+        actor=actor,
+        holder=holder,
+        gpu_uuid=plan.device.uuid,
+        priority=priority,
+        reason=f"room made by {who} on GPU {plan.device.index}, pausing {paused}",
+        now=now,
+    )
+    pauses = make_room(
+        session=session,
+        workspace_id=workspace_id,
+        plan=plan,
+        beneficiary=dataclasses.replace(beneficiary, wait_id=wait.id),
+        now=now,
+        stale_after=stale_after,
+        ttl=ttl,
+    )
+    return wait, pauses

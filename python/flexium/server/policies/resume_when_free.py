@@ -1,0 +1,231 @@
+"""The resume-when-free queue: paused jobs waiting for room on their host (``storage.waits``), each
+resumed by an ordinary resume command once a GPU report shows the room it needs, a higher
+priority first and first come first served within one. A wait that does not fit stops every later
+wait of its host from taking the GPUs it waits for (no one passes it in the queue), except on a GPU
+where room is held for that later one (``make_room``). A GPU's room counts only in a report newer
+than the job's last refusal of a resume the queue sent, so a refused resume is not sent again on
+the report it was refused on.
+
+``run_queue`` reads the waits it acts on locked and skips those another server holds
+(``FOR UPDATE SKIP LOCKED`` on PostgreSQL; SQLite has one writer), and a job has one active
+command at most (a unique index): two servers on one database never resume a job twice."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from flexium import wire
+from flexium.server.errors import ApiError, CapabilityMissing, InvalidState
+from flexium.server.models import Process, Wait
+from flexium.server.policies.make_room import resume_making_room
+from flexium.server.policies.room import HostRoom
+from flexium.server.storage.audit import PolicyActor, record_commands_created
+from flexium.server.storage.commands import create_commands
+from flexium.server.storage.processes import active_command
+from flexium.server.storage.targets import target_refusal
+from flexium.server.storage.views import is_stale, stored_capabilities
+from flexium.server.storage.waits import Need, create_wait, end_wait, needs_of, queue_order, wait_view
+from flexium.server.storage.workspaces import AuthInfo
+from flexium.units import gib
+
+ACTOR = PolicyActor("resume when free")
+
+
+@dataclass(frozen=True)
+class Dispatched:
+    """A wait the queue sent a resume for."""
+
+    workspace_id: int
+    wait: wire.WaitInfo
+    commands: tuple[wire.CommandInfo, ...]
+
+
+@dataclass(frozen=True)
+class QueueOutcome:
+    dispatched: tuple[Dispatched, ...] = ()
+    cancelled: tuple[tuple[int, wire.WaitInfo], ...] = ()  # (workspace id, wait): the job cannot wait any more
+
+
+@dataclass(frozen=True)
+class Queued:
+    """A person's request answered (the wait, and what it set going at once) and the queue's pass
+    over its host that followed in the same transaction."""
+
+    answer: wire.WaitCreated
+    outcome: QueueOutcome
+
+
+def queue_resume(
+    *,
+    session: Session,
+    workspace_id: int,
+    actor: AuthInfo,
+    request: wire.WaitRequest,
+    now: float,
+    stale_after: float,
+    reservation_ttl: float,
+) -> Queued:
+    """``flexium resume JOB --when-free`` (or ``--make-room``): the job's wait, then the queue's
+    pass over its host, which resumes it at once when it fits now."""
+    if request.make_room:
+        row, pauses = resume_making_room(
+            session=session,
+            workspace_id=workspace_id,
+            actor=actor,
+            request=request,
+            now=now,
+            stale_after=stale_after,
+            ttl=reservation_ttl,
+        )
+    else:
+        row = create_wait(
+            session=session, workspace_id=workspace_id, actor=actor, request=request, now=now, stale_after=stale_after
+        )
+        pauses = []
+    outcome = run_queue(session=session, now=now, stale_after=stale_after, workspace_id=workspace_id, host=row.host)
+    resumed = [command for done in outcome.dispatched if done.wait.id == row.id for command in done.commands]
+    holder = session.get(Process, row.process_pk)
+    wait = wait_view(session=session, row=row, holder=holder, now=now)
+    return Queued(answer=wire.WaitCreated(wait=wait, commands=[*pauses, *resumed]), outcome=outcome)
+
+
+def run_queue(
+    *, session: Session, now: float, stale_after: float, workspace_id: int | None = None, host: str | None = None
+) -> QueueOutcome:
+    """Sends a resume for every waiting job that fits now, in queue order, host by host (all hosts
+    of all workspaces by default: the sweep's pass)."""
+    query = select(Wait, Process).join(Process, Process.pk == Wait.process_pk).where(Wait.state == "waiting")
+    if workspace_id is not None:
+        query = query.where(Wait.workspace_id == workspace_id)
+    if host is not None:
+        query = query.where(Wait.host == host)
+    rows = session.execute(query.order_by(*queue_order()).with_for_update(of=Wait, skip_locked=True)).all()
+    dispatched: list[Dispatched] = []
+    cancelled: list[tuple[int, wire.WaitInfo]] = []
+    for (ws, on_host), group in itertools.groupby(rows, key=lambda row: (row[0].workspace_id, row[0].host)):
+        room = HostRoom.read(session=session, workspace_id=ws, host=on_host, now=now)
+        blocked: set[str] = set()
+        for wait, holder in group:
+            outcome = _consider(
+                session=session, wait=wait, holder=holder, room=room, blocked=blocked, now=now, stale_after=stale_after
+            )
+            if isinstance(outcome, Dispatched):
+                dispatched.append(outcome)
+            elif outcome is not None:
+                cancelled.append((ws, outcome))
+    return QueueOutcome(dispatched=tuple(dispatched), cancelled=tuple(cancelled))
+
+
+def _consider(
+    *,
+    session: Session,
+    wait: Wait,
+    holder: Process,
+    room: HostRoom,
+    blocked: set[str],
+    now: float,
+    stale_after: float,
+) -> Dispatched | wire.WaitInfo | None:
+    """The wait resumed (Dispatched), cancelled (its view), or left waiting (None)."""
+    needs = needs_of(session=session, wait=wait, holder=holder)
+    for proc in {holder.pk: holder, **{need.process.pk: need.process for need in needs}}.values():
+        busy = active_command(session=session, process_pk=proc.pk) is not None
+        if proc.state != "PAUSED" and not busy:
+            why = f"process {proc.process_id!r} is {proc.state}: it does not wait to resume any more"
+            return end_wait(session=session, row=wait, state="cancelled", note=why, actor=None, now=now)
+        if busy or is_stale(proc, now=now, stale_after=stale_after):
+            return None  # its pause is under way (room made), a person's command, or it is silent
+    placement = _place(wait=wait, needs=needs, room=room, blocked=blocked, now=now, stale_after=stale_after)
+    if placement is None:
+        return None
+    single = wait.job_key is None and len(needs) == 1
+    try:
+        with session.begin_nested():
+            commands = create_commands(
+                session=session,
+                workspace_id=wait.workspace_id,
+                kind="resume",
+                process_id=holder.process_id,
+                target=placement[0][1] if single else None,
+                now=now,
+                stale_after=stale_after,
+                reason=_reason(wait, placement, room, now),
+            )
+    except (InvalidState, CapabilityMissing) as exc:
+        return end_wait(session=session, row=wait, state="cancelled", note=exc.message, actor=None, now=now)
+    except ApiError as exc:  # busy, stale, a target refused for now: it waits on
+        wait.note = exc.message
+        return None
+    record_commands_created(session=session, workspace_id=wait.workspace_id, actor=ACTOR, commands=commands, now=now)
+    wait.state = "dispatched"
+    wait.command_id = commands[0].id
+    wait.dispatches += 1
+    wait.note = None
+    for need, uuid in placement:
+        room.take(uuid, need.nbytes, wait.id)
+    shown = wait_view(session=session, row=wait, holder=holder, now=now)
+    return Dispatched(workspace_id=wait.workspace_id, wait=shown, commands=tuple(commands))
+
+
+def _place(
+    *, wait: Wait, needs: list[Need], room: HostRoom, blocked: set[str], now: float, stale_after: float
+) -> list[tuple[Need, str]] | None:
+    """A GPU for each need, all fitting together; None leaves the GPUs it could use blocked for the
+    waits after it."""
+    placement: list[tuple[Need, str]] = []
+    claimed: dict[str, int] = {}
+    wanted: list[str] = []
+    for need in needs:
+        candidates = _candidates(wait=wait, need=need, room=room, now=now, stale_after=stale_after)
+        wanted += candidates
+        for uuid in candidates:
+            if uuid in blocked and not room.holds_for(uuid, wait.id):
+                continue
+            required = room.required(uuid, need.nbytes, home=need.process.gpu_uuid) + claimed.get(uuid, 0)
+            if room.free_for(uuid, wait.id) >= required:
+                placement.append((need, uuid))
+                claimed[uuid] = claimed.get(uuid, 0) + need.nbytes
+                break
+    if len(placement) < len(needs) or not needs:
+        blocked.update(wanted)
+        return None
+    return placement
+
+
+def _candidates(*, wait: Wait, need: Need, room: HostRoom, now: float, stale_after: float) -> list[str]:
+    """The GPUs ``need`` may go to, the one it paused on first, then by free memory: the target
+    rules but room, on a report newer than the job's last refusal."""
+    proc = need.process
+    if need.gpu is not None:
+        names = [need.gpu]
+    else:
+        names = [proc.gpu_uuid or ""]
+        if stored_capabilities(proc).migration:
+            others = [uuid for uuid in room.gpus if uuid != proc.gpu_uuid]
+            names += sorted(others, key=lambda uuid: -room.gpus[uuid].free)
+    fitting = []
+    for uuid in names:
+        gpu = room.gpus.get(uuid)
+        if gpu is None or (wait.refused_at is not None and gpu.device.updated_at <= wait.refused_at):
+            continue
+        refusal = target_refusal(proc=proc, dev=gpu.device, kind="resume", now=now, stale_after=stale_after, room=False)
+        if refusal is None:
+            fitting.append(uuid)
+    return fitting
+
+
+def _reason(wait: Wait, placement: list[tuple[Need, str]], room: HostRoom, now: float) -> str:
+    where = "; ".join(
+        f"GPU {_label(room, uuid)} had {gib(room.free_for(uuid, wait.id))} free for {gib(need.nbytes)}"
+        for need, uuid in placement
+    )
+    return f"resume when free: {where}; waited {now - wait.created_at:.0f} s, queued by {wait.requested_by}"
+
+
+def _label(room: HostRoom, uuid: str) -> str:
+    index = room.gpus[uuid].device.index
+    return uuid if index is None else str(index)

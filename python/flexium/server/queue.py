@@ -1,0 +1,151 @@
+"""The resume-when-free queue as the server runs it, beside the requests (``services`` calls in
+here): a person's waits, cancellations and priorities; the queue's pass (``policies``) after each
+event that can give a waiting job room (a GPU report of its host stored, a command ended, a
+process gone, a wait created, room held past its time) and at every sweep as a backstop; and
+what a pass set going, told as a person's command is (long-polls woken, dashboards told). The
+in-memory view heartbeats answer with (``ServerContext.watches``) follows each change made here
+and is re-read at each sweep, for the changes another server made."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+
+from flexium import protocol, wire
+from flexium.server import storage
+from flexium.server.context import ServerContext
+from flexium.server.db import DatabaseUnavailable
+from flexium.server.policies.resume_when_free import Queued, QueueOutcome, queue_resume, run_queue
+from flexium.server.storage import AuthInfo
+
+log = logging.getLogger("flexium.server")
+
+
+def announce_commands(ctx: ServerContext, workspace_id: int, commands: Iterable[wire.CommandInfo]) -> None:
+    """Commands just created: their processes' long-polls woken, dashboards told."""
+    for command in commands:
+        ctx.command_pending(workspace_id, command.process_id, command.id)
+        ctx.notifier.notify((workspace_id, command.process_id))
+        ctx.metrics.commands_created.labels(kind=command.kind).inc()
+        ctx.publish(workspace_id, protocol.EVENT_COMMAND, {"action": "created", "command": command})
+
+
+def watch_of(ctx: ServerContext, workspace_id: int, process_id: str) -> wire.RoomWatch | None:
+    """What a heartbeat's answer tells the process to watch (it waits in the queue), from memory."""
+    return ctx.watches.get((workspace_id, process_id))
+
+
+async def create_wait(ctx: ServerContext, *, auth: AuthInfo, body: wire.WaitRequest) -> wire.WaitCreated:
+    queued: Queued = await ctx.db.call(
+        queue_resume,
+        write=True,
+        workspace_id=auth.workspace_id,
+        actor=auth,
+        request=body,
+        now=time.time(),
+        stale_after=ctx.settings.stale_after_s,
+        reservation_ttl=ctx.settings.reservation_ttl_s,
+    )
+    answer = queued.answer
+    announce_commands(ctx, auth.workspace_id, [c for c in answer.commands if c.kind == "pause"])
+    ctx.publish(auth.workspace_id, protocol.EVENT_WAIT, {"action": "created", "wait": answer.wait})
+    await _told(ctx, queued.outcome, queue_changed=True)
+    return answer
+
+
+async def cancel_wait(ctx: ServerContext, *, auth: AuthInfo, wait_id: int) -> wire.WaitInfo:
+    wait: wire.WaitInfo = await ctx.db.call(
+        storage.cancel_wait, write=True, workspace_id=auth.workspace_id, actor=auth, wait_id=wait_id, now=time.time()
+    )
+    ctx.publish(auth.workspace_id, protocol.EVENT_WAIT, {"action": "updated", "wait": wait})
+    await refresh(ctx)
+    return wait
+
+
+async def set_priority(
+    ctx: ServerContext, *, auth: AuthInfo, process_id: str, body: wire.PriorityRequest
+) -> wire.ProcessInfo:
+    process: wire.ProcessInfo = await ctx.db.call(
+        storage.set_priority,
+        write=True,
+        workspace_id=auth.workspace_id,
+        actor=auth,
+        process_id=process_id,
+        priority=body.priority,
+        now=time.time(),
+        stale_after=ctx.settings.stale_after_s,
+    )
+    ctx.publish(auth.workspace_id, protocol.EVENT_PROCESS, {"action": "updated", "process": process})
+    if process.wait_id is not None:  # its place in the queue changed: it may go first now
+        await run(ctx, workspace_id=auth.workspace_id, host=process.host)
+    return process
+
+
+async def room_changed(ctx: ServerContext, workspace_id: int, host: str | None) -> None:
+    """Something that can give room on ``host`` happened: the queue's pass over it, when a job
+    waits there (as this server knows; another server's waits are known from its next sweep)."""
+    if host is not None and (workspace_id, host) in ctx.queue_hosts:
+        await run(ctx, workspace_id=workspace_id, host=host)
+
+
+async def command_ended(ctx: ServerContext, workspace_id: int, command: wire.CommandInfo) -> None:
+    """A command ended: the wait whose resume it was (done, or waiting again) is shown anew, and
+    the room a pause freed goes to the queue."""
+    if command.reason is not None:  # only the queue's resumes are a wait's
+        wait = await ctx.db.call(
+            storage.wait_of_command, write=False, workspace_id=workspace_id, command_id=command.id, now=time.time()
+        )
+        if wait is not None:
+            ctx.publish(workspace_id, protocol.EVENT_WAIT, {"action": "updated", "wait": wait})
+    host = ctx.process_hosts.get((workspace_id, command.process_id))
+    await refresh(ctx)
+    if host is not None:
+        await run(ctx, workspace_id=workspace_id, host=host)
+
+
+async def run(ctx: ServerContext, *, workspace_id: int | None = None, host: str | None = None) -> None:
+    """One pass of the queue (over one host, or every host); never raises: a failed pass is
+    retried at the next event or sweep."""
+    started = time.perf_counter()
+    try:
+        outcome: QueueOutcome = await ctx.db.call(
+            run_queue,
+            write=True,
+            now=time.time(),
+            stale_after=ctx.settings.stale_after_s,
+            workspace_id=workspace_id,
+            host=host,
+        )
+    except DatabaseUnavailable as exc:
+        log.warning("the queue's pass failed, retrying at the next event: %s", exc)
+        return
+    except Exception:
+        log.exception("the queue's pass failed; retrying at the next event")
+        return
+    ctx.metrics.queue_decision.observe(time.perf_counter() - started)
+    await _told(ctx, outcome)
+
+
+async def _told(ctx: ServerContext, outcome: QueueOutcome, *, queue_changed: bool = False) -> None:
+    """What a pass did, told: the resumes it sent announced, the waits it changed shown, the view
+    read again when the queue changed (``queue_changed``: before the pass)."""
+    for done in outcome.dispatched:
+        announce_commands(ctx, done.workspace_id, done.commands)
+        ctx.metrics.queue_resumes.inc()
+        ctx.publish(done.workspace_id, protocol.EVENT_WAIT, {"action": "updated", "wait": done.wait})
+    for workspace_id, wait in outcome.cancelled:
+        ctx.publish(workspace_id, protocol.EVENT_WAIT, {"action": "updated", "wait": wait})
+    if queue_changed or outcome.dispatched or outcome.cancelled:
+        await refresh(ctx)
+
+
+async def refresh(ctx: ServerContext) -> None:
+    """The in-memory view of the queue read again."""
+    try:
+        view: storage.QueueView = await ctx.db.call(storage.queue_view, write=False)
+    except Exception:  # the sweep reads it again
+        log.debug("reading the queue's view failed", exc_info=True)
+        return
+    ctx.watches = view.watches
+    ctx.queue_hosts = set(view.hosts)

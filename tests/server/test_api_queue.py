@@ -1,0 +1,92 @@
+"""The queue over HTTP: POST, GET and DELETE /waits and PUT .../priority with the roles of the other
+routes; a waiting job told what to watch in its heartbeat's answer; a heartbeat saying it saw room
+resumes it and its long-poll hands the command over at once. On SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from support.server import GIB, Api, gpu
+
+FULL = [gpu(0, used=139 * GIB), gpu(1, used=139 * GIB)]
+
+
+def register_paused(api: Api, process_id: str = "p", **fields: Any) -> None:
+    api.register(process_id, state="PAUSED", memory=0, footprint_bytes=30 * GIB, devices=FULL, **fields)
+
+
+def issue(api: Api, role: str) -> str:
+    r = api.post("/tokens", {"name": role, "role": role})
+    assert r.status_code == 201, r.text
+    token: str = r.json()["token"]
+    return token
+
+
+def test_a_wait_is_queued_listed_and_cancelled(api: Api) -> None:
+    register_paused(api)
+    created = api.post("/waits", {"process_id": "p"})
+    assert created.status_code == 201, created.text
+    wait = created.json()["wait"]
+    assert wait["state"] == "waiting" and wait["position"] == 1 and wait["need_bytes"] == 30 * GIB
+    assert created.json()["commands"] == []
+    listed = api.get("/waits").json()
+    assert [w["id"] for w in listed] == [wait["id"]]
+    assert api.get("/processes/p").json()["wait_id"] == wait["id"]
+    cancelled = api.delete(f"/waits/{wait['id']}")
+    assert cancelled.status_code == 200 and cancelled.json()["state"] == "cancelled"
+    assert api.get("/waits").json() == []
+    assert [w["state"] for w in api.get("/waits", params={"all": "true"}).json()] == ["cancelled"]
+    again = api.delete(f"/waits/{wait['id']}")
+    assert again.status_code == 409 and again.json()["error"] == "invalid_state"
+
+
+def test_queueing_and_priorities_are_an_admins_reading_anyones(api: Api) -> None:
+    register_paused(api)
+    job, viewer = issue(api, "job"), issue(api, "viewer")
+    for token in (job, viewer):
+        assert api.post("/waits", {"process_id": "p"}, headers=api.headers(token)).status_code == 403
+        assert (
+            api.client.put(
+                f"{api.base}/processes/p/priority", json={"priority": "high"}, headers=api.headers(token)
+            ).status_code
+            == 403
+        )
+    assert api.get("/waits", headers=api.headers(viewer)).status_code == 200
+    r = api.client.put(f"{api.base}/processes/p/priority", json={"priority": "high"}, headers=api.headers())
+    assert r.status_code == 200 and r.json()["priority"] == 90
+    bad = api.client.put(f"{api.base}/processes/p/priority", json={"priority": "urgent"}, headers=api.headers())
+    assert bad.status_code == 422 and "low, normal, high or a number 0-100" in bad.text
+    assert api.post("/waits", {"process_id": "p", "gpu": "cuda:x"}).status_code == 422
+
+
+def test_a_waiting_job_watches_its_gpus_and_is_resumed_when_it_sees_room(api: Api) -> None:
+    register_paused(api)
+    wait = api.post("/waits", {"process_id": "p"}).json()["wait"]
+    beat = api.post("/processes/p/heartbeat", {"state": "PAUSED"})
+    assert beat.json()["watch"] == {"wait_id": wait["id"], "gpus": ["GPU-0000", "GPU-0001"], "need_bytes": 30 * GIB}
+    assert api.get("/processes/p/commands/next", params={"wait": 0}).status_code == 204
+
+    seen = api.post(
+        "/processes/p/heartbeat",
+        {"state": "PAUSED", "room_seen": True, "devices": [gpu(0, used=139 * GIB), gpu(1, used=10 * GIB)]},
+    )
+    assert seen.status_code == 200 and seen.json()["watch"] is None
+    command = api.get("/processes/p/commands/next", params={"wait": 1})
+    assert command.status_code == 200, command.text
+    body = command.json()
+    assert body["kind"] == "resume" and body["target_uuid"] == "GPU-0001"
+    assert body["reason"].startswith("resume when free: GPU 1 had 130.0 GiB free for 30.0 GiB")
+    assert seen.json()["pending_command"] == body["id"]
+    assert api.get(f"/waits/{wait['id']}").json()["state"] == "dispatched"
+    [panel] = api.pages("/ui/jobs/p/panel")  # the job's timeline says who sent it, and why
+    assert "by policy: resume when free" in panel and "resume when free: GPU 1 had 130.0 GiB free" in panel
+
+
+def test_a_refused_resume_is_queued_and_a_plain_one_is_sent_however_full_the_report(api: Api) -> None:
+    """A person's resume is not refused on the last report's room (the job judges it); making room
+    where nothing of lower priority runs is refused with why."""
+    register_paused(api)
+    refused = api.post("/waits", {"process_id": "p", "make_room": True})
+    assert refused.status_code == 422 and "cannot make room for process 'p'" in refused.json()["message"]
+    sent = api.command("resume", "p")
+    assert sent.status_code == 201 and sent.json()["target_uuid"] == "GPU-0000"

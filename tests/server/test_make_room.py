@@ -1,0 +1,119 @@
+"""Making room for a paused job (``flexium resume JOB --make-room``): the fewest jobs of lower
+priority on one GPU are paused (the lowest priorities among equally few), never one of equal or
+higher priority; the room is held for the job, which the queue resumes there first, and the jobs
+paused wait to resume when free; a refusal says why, GPU by GPU, and changes nothing. On SQLite
+and PostgreSQL."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from flexium import protocol, wire
+from flexium.server import errors, storage
+from flexium.server.db import Database
+from support.queue import gpus_report, paused, queue, resumed, run, waits
+from support.server import GIB
+from support.storage import NOW, add_process, make_workspace, next_for, report
+
+LOW, NORMAL, HIGH = (protocol.PRIORITIES[name] for name in ("low", "normal", "high"))
+
+
+def running(db: Database, ws: int, process_id: str, *, memory: int, priority: int, gpu: int = 0, **fields: Any) -> None:
+    add_process(db, ws, process_id, memory=memory, gpu_index=gpu, devices=[], priority=priority, **fields)
+
+
+def pauses(created: wire.WaitCreated) -> list[str]:
+    return sorted(c.process_id for c in created.commands if c.kind == "pause")
+
+
+def test_the_fewest_jobs_of_the_lowest_priorities_are_paused(db: Database) -> None:
+    ws, _ = make_workspace(db)
+    running(db, ws, "low-20", memory=20 * GIB, priority=LOW)
+    running(db, ws, "low-30", memory=30 * GIB, priority=LOW)
+    running(db, ws, "normal-40", memory=40 * GIB, priority=NORMAL)
+    running(db, ws, "high-45", memory=45 * GIB, priority=HIGH)
+    gpus_report(db, ws, NOW, 138 * GIB, 138 * GIB)
+    paused(db, ws, "urgent", footprint=45 * GIB, priority=HIGH)
+    # 2 GiB free, 45.5 needed: two of the three lower jobs; the two low ones free 50.
+    created = queue(db, ws, "urgent", make_room=True)
+    assert pauses(created) == ["low-20", "low-30"]
+    wait = created.wait
+    assert wait.state == "waiting" and wait.gpu_uuid == "GPU-0000" and wait.reservation is not None
+    assert wait.reservation.bytes == 45 * GIB + protocol.ROOM_MARGIN_BYTES
+    for command in created.commands:
+        assert command.reason is not None and "make room: process 'urgent' (priority high)" in command.reason
+    queued = waits(db, ws)
+    assert queued["low-20"].reason.startswith("paused to make room for process 'urgent'")
+    assert queued["low-20"].gpu_uuid is None and queued["low-20"].priority == LOW
+
+    # The pauses end; the next report shows their room: the job resumes there before anyone else.
+    for command in created.commands:
+        next_for(db, ws, command.process_id)
+        report(db, ws, command.id, "succeeded", process={"state": "PAUSED", "memory_bytes": 0})
+    gpus_report(db, ws, NOW + 5, 88 * GIB, 138 * GIB)
+    assert resumed(run(db, NOW + 5)) == ["urgent"]
+    assert waits(db, ws)["low-20"].state == "waiting"
+
+
+def test_one_job_of_a_higher_priority_goes_before_two_of_lower(db: Database) -> None:
+    ws, _ = make_workspace(db)
+    running(db, ws, "low-20", memory=20 * GIB, priority=LOW)
+    running(db, ws, "low-30", memory=30 * GIB, priority=LOW)
+    running(db, ws, "normal-60", memory=60 * GIB, priority=NORMAL)
+    gpus_report(db, ws, NOW, 138 * GIB, 138 * GIB)
+    paused(db, ws, "urgent", footprint=45 * GIB, priority=HIGH)
+    assert pauses(queue(db, ws, "urgent", make_room=True)) == ["normal-60"]
+
+
+def test_a_job_of_equal_or_higher_priority_is_never_paused(db: Database) -> None:
+    ws, _ = make_workspace(db)
+    running(db, ws, "normal-60", memory=60 * GIB, priority=NORMAL)
+    running(db, ws, "high-70", memory=70 * GIB, priority=HIGH)
+    running(db, ws, "low-5", memory=5 * GIB, priority=LOW, gpu=1)
+    gpus_report(db, ws, NOW, 138 * GIB, 138 * GIB)
+    paused(db, ws, "mine", footprint=40 * GIB, priority=NORMAL)
+    with pytest.raises(errors.TargetRefused) as refused:
+        queue(db, ws, "mine", make_room=True)
+    message = refused.value.message
+    assert message.startswith("cannot make room for process 'mine' (priority normal) on host 'node1': ")
+    assert "GPU 0: 2.0 GiB free of the 40.5 GiB it needs, no job of lower priority to pause there" in message
+    assert "jobs of its priority or higher hold 130.0 GiB" in message
+    assert (
+        "GPU 1: 2.0 GiB free of the 40.5 GiB it needs, pausing every job of lower priority there frees 5.0" in message
+    )
+    assert message.endswith("Jobs of its priority or higher are never paused for it")
+    assert waits(db, ws) == {}
+    assert db.run(storage.list_commands, write=False, workspace_id=ws) == []
+
+
+def test_room_already_free_resumes_at_once(db: Database) -> None:
+    ws, _ = make_workspace(db)
+    gpus_report(db, ws, NOW, 138 * GIB, 20 * GIB)
+    paused(db, ws, "mine", footprint=40 * GIB)
+    created = queue(db, ws, "mine", make_room=True)
+    [resume] = created.commands
+    assert resume.kind == "resume" and resume.target_uuid == "GPU-0001" and created.wait.state == "dispatched"
+
+
+def test_a_job_of_several_ranks_is_paused_whole_for_room(db: Database) -> None:
+    ws, _ = make_workspace(db)
+    caps = {"pause_resume": True, "migration": True, "job_operations": True}
+    for rank in (0, 1):
+        running(
+            db,
+            ws,
+            f"rank-{rank}",
+            memory=50 * GIB,
+            priority=LOW,
+            gpu=rank,
+            capabilities=caps,
+            job={"key": "run-1", "rank": rank, "world_size": 2},
+        )
+    gpus_report(db, ws, NOW, 138 * GIB, 138 * GIB)
+    paused(db, ws, "urgent", footprint=40 * GIB, priority=HIGH)
+    created = queue(db, ws, "urgent", make_room=True, gpu="1")
+    assert pauses(created) == ["rank-0", "rank-1"]
+    assert {c.job.operation_id for c in created.commands if c.job} != set()
+    assert waits(db, ws)["rank-0"].job_key == "run-1"

@@ -1,0 +1,261 @@
+"""The resume-when-free queue in storage: waits resumed a higher priority first and first come first
+served within one, cancelled by a person or by a plain pause or resume, a refused resume back in
+the queue, one resume per job however many passes race, room held for a job respected; on SQLite
+and PostgreSQL."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from flexium import protocol
+from flexium.server import errors, storage
+from flexium.server.db import Database
+from flexium.server.policies.resume_when_free import QueueOutcome
+from flexium.server.storage.reservations import hold_room
+from support.queue import HOST, admin, gpus_report, paused, queue, resumed, run, waits
+from support.server import GIB
+from support.storage import NOW, STALE, add_process, all_at_once, make_workspace, next_for, report
+
+
+def test_a_higher_priority_first_and_first_come_first_served_within_one(db: Database) -> None:
+    ws, _ = make_workspace(db)
+    gpus_report(db, ws, NOW, 139 * GIB, 139 * GIB)
+    paused(db, ws, "early")
+    paused(db, ws, "urgent", priority=protocol.PRIORITIES["high"])
+    paused(db, ws, "late")
+    for t, process_id in enumerate(("early", "urgent", "late")):
+        created = queue(db, ws, process_id, now=NOW + t)
+        assert created.wait.state == "waiting" and created.commands == []
+    order = waits(db, ws)
+    assert [order[p].position for p in ("urgent", "early", "late")] == [1, 2, 3]
+    assert resumed(run(db, NOW + 5)) == []
+
+    gpus_report(db, ws, NOW + 6, 100 * GIB, 139 * GIB)  # room for one (30 GiB and the headroom)
+    assert resumed(run(db, NOW + 6)) == ["urgent"]
+    gpus_report(db, ws, NOW + 7, 100 * GIB, 70 * GIB)  # GPU 1 frees room for two more
+    assert resumed(run(db, NOW + 7)) == ["early", "late"]
+    commands = {c.process_id: c for c in db.run(storage.list_commands, write=False, workspace_id=ws)}
+    assert commands["urgent"].target_uuid == "GPU-0000" and commands["early"].target_uuid == "GPU-0001"
+    assert commands["early"].reason is not None and commands["early"].reason.startswith("resume when free: GPU 1 had")
+    senders = db.run(
+        storage.command_senders,
+        write=False,
+        workspace_id=ws,
+        process_ids=["early"],
+        command_ids=[commands["early"].id],
+    )
+    assert senders[commands["early"].id].token_name == "policy: resume when free"
+
+
+def test_no_wait_passes_one_before_it_on_a_gpu_both_could_use(db: Database) -> None:
+    """A small job behind a big one does not take the room the big one waits for."""
+    ws, _ = make_workspace(db)
+    gpus_report(db, ws, NOW, 139 * GIB)
+    paused(db, ws, "big", footprint=60 * GIB)
+    paused(db, ws, "small", footprint=10 * GIB)
+    queue(db, ws, "big", now=NOW)
+    queue(db, ws, "small", now=NOW + 1)
+    gpus_report(db, ws, NOW + 2, 100 * GIB)
+    assert resumed(run(db, NOW + 2)) == []
+    gpus_report(db, ws, NOW + 3, 40 * GIB)
+    assert resumed(run(db, NOW + 3)) == ["big", "small"]
+
+
+def test_a_person_cancels_a_wait_and_a_plain_resume_takes_the_job_out(db: Database) -> None:
+    ws, _ = make_workspace(db)
+    gpus_report(db, ws, NOW, 139 * GIB)
+    paused(db, ws, "a")
+    paused(db, ws, "b")
+    wait_a = queue(db, ws, "a").wait
+    queue(db, ws, "b")
+    cancelled = db.run(storage.cancel_wait, write=True, workspace_id=ws, actor=admin(ws), wait_id=wait_a.id, now=NOW)
+    assert cancelled.state == "cancelled" and cancelled.note == "cancelled by alice"
+    with pytest.raises(errors.InvalidState, match="only a waiting one"):
+        db.run(storage.cancel_wait, write=True, workspace_id=ws, actor=admin(ws), wait_id=wait_a.id, now=NOW)
+
+    db.run(
+        storage.create_commands_audited,
+        write=True,
+        workspace_id=ws,
+        actor=admin(ws),
+        kind="resume",
+        process_id="b",
+        now=NOW + 1,
+        stale_after=STALE,
+    )
+    assert waits(db, ws) == {}
+    ended = {w.process_id: w for w in db.run(storage.list_waits, write=False, workspace_id=ws, now=NOW, live=False)}
+    assert ended["b"].state == "cancelled" and ended["b"].note == "replaced by a resume sent by alice"
+    actions = [(e.action, e.process_id) for e in db.run(storage.list_audit, write=False, workspace_id=ws)]
+    assert ("wait.cancelled", "a") in actions and ("wait.cancelled", "b") in actions
+    assert actions.count(("wait.created", "a")) == 1
+
+
+def test_queued_again_replaces_the_earlier_wait(db: Database) -> None:
+    ws, _ = make_workspace(db)
+    gpus_report(db, ws, NOW, 139 * GIB, 139 * GIB)
+    paused(db, ws, "a")
+    first = queue(db, ws, "a").wait
+    second = queue(db, ws, "a", gpu="cuda:1").wait
+    assert second.id != first.id and second.gpu_uuid == "GPU-0001"
+    assert list(waits(db, ws)) == ["a"]
+
+
+def test_what_cannot_be_queued_is_refused_before_anything_changes(db: Database) -> None:
+    ws, _ = make_workspace(db)
+    gpus_report(db, ws, NOW, 0, 0)
+    add_process(db, ws, "running")
+    paused(db, ws, "a")
+    refusals: list[tuple[str, dict[str, Any], type[errors.ApiError], str]] = [
+        ("running", {}, errors.InvalidState, "it is RUNNING; pause it first"),
+        ("nope", {}, errors.NotFound, "not found"),
+        ("a", {"host": "elsewhere"}, errors.TargetRefused, "resumes only on GPUs of its own host"),
+        ("a", {"gpu": "cuda:9"}, errors.TargetRefused, "sees 2 GPU"),
+        ("a", {"gpu": "cuda:x"}, errors.InvalidRequest, "not cuda:N"),
+    ]
+    for process_id, request, error, message in refusals:
+        with pytest.raises(error, match=message):
+            queue(db, ws, process_id, **request)
+    assert waits(db, ws) == {}
+    with pytest.raises(errors.Stale):
+        queue(db, ws, "a", now=NOW + STALE + 1)
+
+
+def test_a_refused_resume_waits_again_for_a_newer_report(db: Database) -> None:
+    """The job's room check refused (a neighbour came back between the report and the resume):
+    the job waits again, and the report it was refused on does not send it again."""
+    ws, _ = make_workspace(db)
+    gpus_report(db, ws, NOW, 139 * GIB)
+    paused(db, ws, "a")
+    queue(db, ws, "a")
+    gpus_report(db, ws, NOW + 1, 0)
+    [resume] = [c for done in run(db, NOW + 1).dispatched for c in done.commands]
+    next_for(db, ws, "a", now=NOW + 1.1)
+    report(db, ws, resume.id, "running", now=NOW + 1.2)
+    refusal = "cuda:0 has 4.00 GiB free; the paused job needs 30.00 GiB: it stays paused"
+    report(db, ws, resume.id, "failed", now=NOW + 1.3, error=refusal, process={"state": "PAUSED"})
+    wait = waits(db, ws)["a"]
+    assert wait.state == "waiting" and wait.dispatches == 1 and wait.note is not None and refusal in wait.note
+    assert resumed(run(db, NOW + 1.4)) == []  # the report it was refused on
+    gpus_report(db, ws, NOW + 2, 0)
+    assert resumed(run(db, NOW + 2)) == ["a"]
+    assert waits(db, ws)["a"].dispatches == 2
+
+
+def test_a_resume_that_succeeds_ends_the_wait(db: Database) -> None:
+    ws, _ = make_workspace(db)
+    gpus_report(db, ws, NOW, 0)
+    paused(db, ws, "a")
+    created = queue(db, ws, "a")
+    [resume] = created.commands  # room now: resumed at once
+    assert created.wait.state == "dispatched" and created.wait.command_id == resume.id
+    next_for(db, ws, "a")
+    report(db, ws, resume.id, "succeeded", process={"state": "RUNNING"})
+    wait = db.run(storage.get_wait, write=False, workspace_id=ws, wait_id=created.wait.id, now=NOW)
+    assert wait.state == "done" and wait.finished_at == NOW
+
+
+def test_one_resume_however_many_passes_race(db: Database) -> None:
+    ws, _ = make_workspace(db)
+    gpus_report(db, ws, NOW, 139 * GIB)
+    for i in range(3):
+        paused(db, ws, f"job-{i}", footprint=10 * GIB)
+        queue(db, ws, f"job-{i}")
+    gpus_report(db, ws, NOW + 1, 0)
+    outcomes: list[QueueOutcome] = []
+    failures = all_at_once(6, lambda _i: outcomes.append(run(db, NOW + 1)))
+    assert failures == []
+    assert sorted(p for outcome in outcomes for p in resumed(outcome)) == ["job-0", "job-1", "job-2"]
+    commands = db.run(storage.list_commands, write=False, workspace_id=ws)
+    assert sorted(c.process_id for c in commands) == ["job-0", "job-1", "job-2"]
+
+
+def test_room_held_for_a_job_is_not_taken_by_the_others(db: Database) -> None:
+    ws, _ = make_workspace(db)
+    gpus_report(db, ws, NOW, 139 * GIB)
+    paused(db, ws, "holder")
+    paused(db, ws, "urgent", priority=protocol.PRIORITIES["high"])
+    held = queue(db, ws, "holder", gpu="0").wait
+    queue(db, ws, "urgent", now=NOW + 1)
+    db.run(
+        hold_room,
+        write=True,
+        workspace_id=ws,
+        host=HOST,
+        gpu_uuid="GPU-0000",
+        nbytes=31 * GIB,
+        wait_id=held.id,
+        holder="process 'holder'",
+        now=NOW,
+        ttl=60.0,
+    )
+    gpus_report(db, ws, NOW + 2, 100 * GIB)  # 40 GiB free: the 31 GiB held leave 9
+    assert resumed(run(db, NOW + 2)) == ["holder"]
+    assert waits(db, ws)["urgent"].state == "waiting"
+    gpus_report(db, ws, NOW + 3, 60 * GIB)
+    assert resumed(run(db, NOW + 3)) == ["urgent"]
+
+
+def test_a_priority_set_by_an_admin_moves_the_job_in_the_queue(db: Database) -> None:
+    ws, _ = make_workspace(db)
+    gpus_report(db, ws, NOW, 139 * GIB)
+    paused(db, ws, "a")
+    paused(db, ws, "b")
+    queue(db, ws, "a")
+    queue(db, ws, "b", now=NOW + 1)
+    shown = db.run(
+        storage.set_priority,
+        write=True,
+        workspace_id=ws,
+        actor=admin(ws),
+        process_id="b",
+        priority=protocol.PRIORITIES["high"],
+        now=NOW,
+        stale_after=STALE,
+    )
+    assert shown.priority == 90 and shown.wait_id is not None
+    assert [w.process_id for w in waits(db, ws).values()] == ["b", "a"]
+    gpus_report(db, ws, NOW + 2, 100 * GIB)
+    assert resumed(run(db, NOW + 2)) == ["b"]
+    # The job's own word at a registration again does not undo the admin's.
+    add_process(db, ws, "b", state="PAUSED", memory=0, footprint_bytes=30 * GIB, devices=[], priority=10)
+    assert (
+        db.run(storage.get_process, write=False, workspace_id=ws, process_id="b", now=NOW, stale_after=STALE).priority
+        == 90
+    )
+
+
+def test_a_job_of_several_ranks_resumes_when_each_rank_has_room_at_home(db: Database) -> None:
+    ws, _ = make_workspace(db)
+    gpus_report(db, ws, NOW, 139 * GIB, 0)
+    caps = {"pause_resume": True, "migration": True, "job_operations": True}
+    for rank in (1, 0):
+        paused(
+            db,
+            ws,
+            f"rank-{rank}",
+            home=rank,
+            capabilities=caps,
+            job={"key": "run-1", "rank": rank, "world_size": 2},
+        )
+    created = queue(db, ws, "rank-1")
+    assert created.wait.process_id == "rank-0" and created.wait.job_key == "run-1" and not created.commands
+    with pytest.raises(errors.InvalidRequest, match="resumes where its ranks paused"):
+        queue(db, ws, "rank-0", gpu="1")
+    gpus_report(db, ws, NOW + 1, 0, 0)
+    outcome = run(db, NOW + 1)
+    assert sorted(resumed(outcome)) == ["rank-0", "rank-1"]
+    assert {c.job.operation_id for done in outcome.dispatched for c in done.commands if c.job} != set()
+
+
+def test_a_job_that_runs_again_without_the_queue_leaves_it(db: Database) -> None:
+    ws, _ = make_workspace(db)
+    gpus_report(db, ws, NOW, 139 * GIB)
+    paused(db, ws, "a")
+    queue(db, ws, "a")
+    add_process(db, ws, "a", devices=[])  # registers again RUNNING (resumed by its own code)
+    outcome = run(db, NOW + 1)
+    [(_ws, wait)] = outcome.cancelled
+    assert wait.state == "cancelled" and "RUNNING" in (wait.note or "")
