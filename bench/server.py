@@ -24,104 +24,25 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import glob
-import json
 import os
 import random
-import re
 import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
-import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-GIB = 1 << 30
-
-
-# --- a small HTTP/1.1 client ----------------------------------------------------------------
-
-
-class HttpError(Exception):
-    pass
-
-
-class Conn:
-    """One keep-alive connection; one request at a time (callers hold ``lock``)."""
-
-    def __init__(self, port: int, token: str) -> None:
-        self.port = port
-        self.auth = f"Authorization: Bearer {token}\r\n"
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
-        self.lock = asyncio.Lock()
-
-    async def _connect(self) -> None:
-        self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-        self.reader = self.writer = None
-
-    async def request(self, method: str, path: str, body: Any = None, *, timeout: float = 60.0) -> tuple[int, Any]:
-        payload = b"" if body is None else json.dumps(body).encode()
-        head = (
-            f"{method} {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{self.auth}"
-            f"Content-Type: application/json\r\nContent-Length: {len(payload)}\r\n\r\n"
-        ).encode()
-        for attempt in (0, 1):
-            if self.writer is None:
-                await self._connect()
-            assert self.reader is not None and self.writer is not None
-            try:
-                self.writer.write(head + payload)
-                return await asyncio.wait_for(self._read(), timeout)
-            except (ConnectionError, asyncio.IncompleteReadError, OSError):
-                self.close()
-                if attempt:
-                    raise
-            except asyncio.TimeoutError:
-                self.close()
-                raise
-        raise HttpError("unreachable")
-
-    async def _read(self) -> tuple[int, Any]:
-        assert self.reader is not None
-        raw = await self.reader.readuntil(b"\r\n\r\n")
-        lines = raw.decode("latin-1").split("\r\n")
-        status = int(lines[0].split(" ", 2)[1])
-        length, close = 0, False
-        for line in lines[1:]:
-            name, _, value = line.partition(":")
-            name = name.strip().lower()
-            if name == "content-length":
-                length = int(value)
-            elif name == "connection" and value.strip().lower() == "close":
-                close = True
-        data = await self.reader.readexactly(length) if length else b""
-        if close:
-            self.close()
-        return status, (json.loads(data) if data else None)
-
+from http_client import Conn, HttpError, tune_client
+from live_server import Databases, Server
+from simulated_job import BASE, GIB, Observer, SimulatedHost, SimulatedJob
+from tables import pct
 
 # --- measurements ---------------------------------------------------------------------------
 
 
-def pct(values: list[float], q: float) -> float:
-    if not values:
-        return float("nan")
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 @dataclass
-class Stats:
+class Stats(Observer):
     hb_latency: list[float] = field(default_factory=list)
     post_latency: list[float] = field(default_factory=list)
     delivery: list[float] = field(default_factory=list)
@@ -132,119 +53,23 @@ class Stats:
     errors: int = 0
     refused: int = 0
 
+    def heartbeat(self, job: SimulatedJob, seconds: float) -> None:
+        self.hb_latency.append(seconds)
 
-@dataclass
-class Job:
-    index: int
-    process_id: str
-    control: Conn
-    poll: Conn
-    state: str = "RUNNING"
-    busy: bool = False
+    def command(self, job: SimulatedJob, command: dict[str, Any], received: float, received_wall: float) -> None:
+        self.received.setdefault(command["id"], (received, received_wall))
+        self.created_wall[command["id"]] = command["created_at"]
 
-
-def job_body(job: Job, gpus_per_host: int) -> dict[str, Any]:
-    host = f"host-{job.index // gpus_per_host:04d}"
-    mine = job.index % gpus_per_host
-    devices = [
-        {
-            "uuid": f"GPU-{host}-{g}",
-            "index": g,
-            "name": "NVIDIA H200",
-            "memory_total": 141 * GIB,
-            "memory_used": 10 * GIB,
-            "utilization": 90,
-            "temperature": 60,
-            "health": "ok",
-        }
-        for g in range(gpus_per_host)
-    ]
-    return {
-        "process_id": job.process_id,
-        "host": host,
-        "user": "bench",
-        "pid": 10000 + job.index,
-        "gpu_uuid": devices[mine]["uuid"],
-        "gpu_model": "NVIDIA H200",
-        "logical_device": "cuda:0",
-        "visible_gpus": [d["uuid"] for d in devices],
-        "torch_version": "2.11.0",
-        "driver_version": "580.159.04",
-        "flexium_version": "0.1.0",
-        "capabilities": {"pause_resume": True, "migration": True},
-        "memory_bytes": 10 * GIB,
-        "state": "RUNNING",
-        "started_at": time.time(),
-        "cmdline": "python train.py",
-        "devices": devices,
-    }
-
-
-async def run_job(job: Job, base: str, stats: Stats, stop: asyncio.Event, interval: float, poll_wait: float) -> None:
-    async def heartbeats() -> None:
-        await asyncio.sleep(random.uniform(0, interval))
-        while not stop.is_set():
-            start = time.perf_counter()
-            try:
-                async with job.control.lock:
-                    status, _ = await job.control.request(
-                        "POST",
-                        f"{base}/processes/{job.process_id}/heartbeat",
-                        {"state": job.state, "memory_bytes": 0 if job.state == "PAUSED" else 10 * GIB},
-                    )
-                if status == 200:
-                    stats.hb_latency.append(time.perf_counter() - start)
-                else:
-                    stats.errors += 1
-            except Exception:
-                stats.errors += 1
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(stop.wait(), interval)
-
-    async def polls() -> None:
-        while not stop.is_set():
-            wait = round(random.uniform(0.5, 1.0) * poll_wait, 2)  # real jobs are not in step
-            try:
-                status, cmd = await job.poll.request(
-                    "GET", f"{base}/processes/{job.process_id}/commands/next?wait={wait}", timeout=wait + 30
-                )
-            except Exception:
-                stats.errors += 1
-                await asyncio.sleep(0.1)
-                continue
-            if status != 200:
-                if status != 204:
-                    stats.errors += 1
-                continue
-            stats.received.setdefault(cmd["id"], (time.perf_counter(), time.time()))
-            stats.created_wall[cmd["id"]] = cmd["created_at"]
-            new_state = "PAUSED" if cmd["kind"] == "pause" else "RUNNING"
-            try:
-                async with job.control.lock:
-                    await job.control.request("POST", f"{base}/commands/{cmd['id']}/report", {"state": "running"})
-                    await job.control.request(
-                        "POST",
-                        f"{base}/commands/{cmd['id']}/report",
-                        {
-                            "state": "succeeded",
-                            "process": {"state": new_state},
-                            "result": {"kind": cmd["kind"], "path": "driver", "ok": True, "seconds": 0.001},
-                        },
-                    )
-            except Exception:
-                stats.errors += 1
-            job.state = new_state
-            job.busy = False
-
-    await asyncio.gather(heartbeats(), polls())
+    def error(self, job: SimulatedJob, what: str) -> None:
+        self.errors += 1
 
 
 async def controller(
-    jobs: list[Job], conns: list[Conn], base: str, stats: Stats, stop: asyncio.Event, rate: float
+    jobs: list[SimulatedJob], conns: list[Conn], base: str, stats: Stats, stop: asyncio.Event, rate: float
 ) -> None:
     """Commands at ``rate`` per second, each to a job without one in flight."""
 
-    async def send(job: Job, conn: Conn) -> None:
+    async def send(job: SimulatedJob, conn: Conn) -> None:
         kind = "pause" if job.state == "RUNNING" else "resume"
         async with conn.lock:
             start = time.perf_counter()
@@ -283,7 +108,7 @@ async def controller(
         await asyncio.wait(tasks, timeout=30)
 
 
-async def burst(jobs: list[Job], base: str, seconds: float, concurrency: int) -> tuple[float, list[float]]:
+async def burst(jobs: list[SimulatedJob], base: str, seconds: float, concurrency: int) -> tuple[float, list[float]]:
     """Heartbeats back-to-back from ``concurrency`` connections: the most the server takes."""
     conns = [Conn(jobs[0].control.port, "") for _ in range(concurrency)]
     for c in conns:
@@ -312,25 +137,39 @@ async def burst(jobs: list[Job], base: str, seconds: float, concurrency: int) ->
 
 
 async def bench_once(port: int, token: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
-    base = "/api/w/default"
+    base = BASE
     stats = Stats()
-    jobs = [Job(i, f"bench-{i:05d}", Conn(port, token), Conn(port, token)) for i in range(n)]
+    hosts = [SimulatedHost.make(f"host-{h:04d}", args.gpus_per_host) for h in range(-(-n // args.gpus_per_host))]
+    jobs = [
+        SimulatedJob(
+            index=i,
+            process_id=f"bench-{i:05d}",
+            host=hosts[i // args.gpus_per_host],
+            gpu=hosts[i // args.gpus_per_host].gpus[i % args.gpus_per_host],
+            memory=10 * GIB,
+            control=Conn(port, token),
+            poll=Conn(port, token),
+            observer=stats,
+            heartbeat_interval=args.heartbeat_interval,
+            poll_wait=args.poll_wait,
+        )
+        for i in range(n)
+    ]
     sem = asyncio.Semaphore(32)
 
-    async def register(job: Job) -> None:
+    async def register(job: SimulatedJob) -> None:
         async with sem:
-            status, _ = await job.control.request("POST", f"{base}/processes", job_body(job, args.gpus_per_host))
-            if status not in (200, 201):
-                raise HttpError(f"register: {status}")
+            try:
+                await job.register()
+            except RuntimeError as exc:
+                raise HttpError(str(exc)) from None
 
     t0 = time.perf_counter()
     await asyncio.gather(*(register(j) for j in jobs))
     register_s = time.perf_counter() - t0
 
     stop = asyncio.Event()
-    runners = [
-        asyncio.create_task(run_job(j, base, stats, stop, args.heartbeat_interval, args.poll_wait)) for j in jobs
-    ]
+    runners = [asyncio.create_task(j.live(stop)) for j in jobs]
     # warm-up: every job has heartbeated and the server answers promptly again (2000 jobs
     # starting at the same instant is a storm no real cluster makes); bounded
     probe = Conn(port, token)
@@ -395,123 +234,6 @@ async def bench_once(port: int, token: str, n: int, args: argparse.Namespace) ->
         "errors": stats.errors,
         "refused": stats.refused,
     }
-
-
-# --- servers --------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Server:
-    def __init__(self, database_url: str, home: str) -> None:
-        self.port = free_port()
-        env = {k: v for k, v in os.environ.items() if not k.startswith("FLEXIUM_")}
-        env["FLEXIUM_HOME"] = home
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "flexium.server",
-                "--port",
-                str(self.port),
-                "--database",
-                database_url,
-                "--log-level",
-                "warning",
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        self.token = ""
-        deadline = time.monotonic() + 60
-        assert self.proc.stdout is not None
-        while time.monotonic() < deadline:
-            line = self.proc.stdout.readline()
-            if not line:
-                raise RuntimeError("server exited before printing its token")
-            if re.fullmatch(r"flx_[A-Za-z0-9_-]+", line.strip()):
-                self.token = line.strip()
-                break
-        while time.monotonic() < deadline:
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=1):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("server did not start")
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            self.proc.wait(20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
-
-
-class ThrowawayPostgres:
-    """A PostgreSQL cluster in a temp folder, run as the postgres user (as ci/test.sh does)."""
-
-    def __init__(self) -> None:
-        bins = sorted(glob.glob("/usr/lib/postgresql/*/bin"))
-        if not bins or os.geteuid() != 0:
-            raise RuntimeError("no PostgreSQL: give --postgres-url, or run as root with Debian's postgresql")
-        self.bin = bins[-1]
-        self.dir = tempfile.mkdtemp(prefix="flexium-bench-pg.")
-        shutil.chown(self.dir, "postgres", "postgres")
-        self.port = free_port()
-        run = ["runuser", "-u", "postgres", "--"]
-        subprocess.run(
-            run + [f"{self.bin}/initdb", "-D", f"{self.dir}/data", "-A", "trust", "-U", "postgres", "-E", "UTF8"],
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
-        subprocess.run(
-            run
-            + [
-                f"{self.bin}/pg_ctl",
-                "-D",
-                f"{self.dir}/data",
-                "-l",
-                f"{self.dir}/log",
-                "-w",
-                "-o",
-                f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 "
-                "-c max_connections=300 -c shared_buffers=256MB",
-                "start",
-            ],
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
-        self.url = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
-
-    def stop(self) -> None:
-        subprocess.run(
-            ["runuser", "-u", "postgres", "--", f"{self.bin}/pg_ctl", "-D", f"{self.dir}/data", "-m", "fast", "stop"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
-def fresh_pg_database(admin_url: str) -> tuple[str, Any]:
-    import psycopg
-
-    name = "flexium_bench_" + uuid.uuid4().hex[:8]
-    with psycopg.connect(admin_url, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-
-    def drop() -> None:
-        with psycopg.connect(admin_url, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
-
-    return admin_url.rsplit("/", 1)[0] + "/" + name, drop
 
 
 # --- main -----------------------------------------------------------------------------------
@@ -588,54 +310,33 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--gpus-per-host", type=int, default=8)
     parser.add_argument("--postgres-url", default=os.environ.get("FLEXIUM_TEST_POSTGRES_URL"))
     args = parser.parse_args(argv)
-    try:
-        import uvloop
-
-        uvloop.install()
-    except ImportError:
-        pass
-    import gc
-
-    gc.freeze()  # the client's own collections must not show as latency
-    gc.set_threshold(50_000, 20, 100)
+    tune_client()
     rows = []
-    pg: ThrowawayPostgres | None = None
     work = tempfile.mkdtemp(prefix="flexium-bench.")
+    databases = Databases(work, args.postgres_url)
     try:
         for backend in args.backends.split(","):
             for n in [int(x) for x in args.jobs.split(",")]:
-                drop = None
-                if backend == "sqlite":
-                    url = f"sqlite:///{work}/bench-{n}.db"
-                else:
-                    admin = args.postgres_url
-                    if not admin:
-                        if pg is None:
-                            pg = ThrowawayPostgres()
-                        admin = pg.url
-                    url, drop = fresh_pg_database(admin)
-                server = Server(url, work)
-                try:
-                    print(f"== {backend}, {n} jobs", flush=True)
-                    row = asyncio.run(bench_once(server.port, server.token, n, args))
-                    row["backend"] = backend
-                    rows.append(row)
-                    print(
-                        f"   registered in {row['register_s']:.1f} s, warm-up {row['warmup_s']:.1f} s; "
-                        f"{row['commands']} commands, "
-                        f"delivery p90/p95/p99 {fmt_ms(row['del_p90'])}/{fmt_ms(row['del_p95'])}/"
-                        f"{fmt_ms(row['del_p99'])} ms "
-                        f"(from the server's commit: p99 {fmt_ms(row['srv_del_p99'])} ms), "
-                        f"heartbeat p99 {fmt_ms(row['hb_p99'])} ms, errors {row['errors']}",
-                        flush=True,
-                    )
-                finally:
-                    server.stop()
-                    if drop is not None:
-                        drop()
+                with databases.fresh(backend, f"bench-{n}") as url:
+                    server = Server(url, work)
+                    try:
+                        print(f"== {backend}, {n} jobs", flush=True)
+                        row = asyncio.run(bench_once(server.port, server.token, n, args))
+                        row["backend"] = backend
+                        rows.append(row)
+                        print(
+                            f"   registered in {row['register_s']:.1f} s, warm-up {row['warmup_s']:.1f} s; "
+                            f"{row['commands']} commands, "
+                            f"delivery p90/p95/p99 {fmt_ms(row['del_p90'])}/{fmt_ms(row['del_p95'])}/"
+                            f"{fmt_ms(row['del_p99'])} ms "
+                            f"(from the server's commit: p99 {fmt_ms(row['srv_del_p99'])} ms), "
+                            f"heartbeat p99 {fmt_ms(row['hb_p99'])} ms, errors {row['errors']}",
+                            flush=True,
+                        )
+                    finally:
+                        server.stop()
     finally:
-        if pg is not None:
-            pg.stop()
+        databases.close()
         shutil.rmtree(work, ignore_errors=True)
     print_table(rows, args)
     return 0

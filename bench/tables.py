@@ -1,4 +1,5 @@
-"""The one way the benchmarks print a table: right-aligned columns under a ruled header."""
+"""The one way the benchmarks print a table (right-aligned columns under a ruled header) and the
+quantiles they print."""
 
 from __future__ import annotations
 
@@ -12,3 +13,11 @@ def print_table(columns: Sequence[str], rows: Sequence[Sequence[str]], separator
     print("-" * len(line))
     for r in rows:
         print(separator.join(v.rjust(w) for v, w in zip(r, widths, strict=False)))
+
+
+def pct(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0..1) of ``values`` as the nearest rank below; nan when there are none."""
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]

@@ -1,0 +1,186 @@
+"""A real ``flexium server`` process on this machine (127.0.0.1 only) for the benchmarks, on a
+fresh database: a SQLite file, or a new PostgreSQL database (``--postgres-url``, an admin URL;
+else $FLEXIUM_TEST_POSTGRES_URL; else a throwaway cluster started when running as root with
+Debian's postgresql installed)."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import glob
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Server:
+    """The server on a free port; ``token`` is the admin token its first start prints, ``output``
+    the lines it printed after it (read on a thread: a full pipe would stop the server)."""
+
+    def __init__(self, database_url: str, home: str) -> None:
+        self.port = free_port()
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FLEXIUM_")}
+        env["FLEXIUM_HOME"] = home
+        self.proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "flexium.server",
+                "--port",
+                str(self.port),
+                "--database",
+                database_url,
+                "--log-level",
+                "warning",
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        self.token = ""
+        deadline = time.monotonic() + 60
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                raise RuntimeError("server exited before printing its token")
+            if re.fullmatch(r"flx_[A-Za-z0-9_-]+", line.strip()):
+                self.token = line.strip()
+                break
+        self.output: collections.deque[str] = collections.deque(maxlen=50)
+        threading.Thread(target=self._read_output, daemon=True).start()
+        while time.monotonic() < deadline:
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/healthz", timeout=1):
+                    return
+            except OSError:
+                time.sleep(0.05)
+        raise RuntimeError("server did not start")
+
+    def cpu_seconds(self) -> float:
+        """The CPU time the server process has used (user and system)."""
+        with open(f"/proc/{self.proc.pid}/stat") as stat:
+            fields = stat.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def _read_output(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.output.append(line.rstrip())
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(20)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+class ThrowawayPostgres:
+    """A PostgreSQL cluster in a temp folder, run as the postgres user (as ci/test.sh does)."""
+
+    def __init__(self) -> None:
+        bins = sorted(glob.glob("/usr/lib/postgresql/*/bin"))
+        if not bins or os.geteuid() != 0:
+            raise RuntimeError("no PostgreSQL: give --postgres-url, or run as root with Debian's postgresql")
+        self.bin = bins[-1]
+        self.dir = tempfile.mkdtemp(prefix="flexium-bench-pg.")
+        shutil.chown(self.dir, "postgres", "postgres")
+        self.port = free_port()
+        run = ["runuser", "-u", "postgres", "--"]
+        subprocess.run(
+            run + [f"{self.bin}/initdb", "-D", f"{self.dir}/data", "-A", "trust", "-U", "postgres", "-E", "UTF8"],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        subprocess.run(
+            run
+            + [
+                f"{self.bin}/pg_ctl",
+                "-D",
+                f"{self.dir}/data",
+                "-l",
+                f"{self.dir}/log",
+                "-w",
+                "-o",
+                f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 "
+                "-c max_connections=300 -c shared_buffers=256MB",
+                "start",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+        )
+        self.url = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
+
+    def stop(self) -> None:
+        subprocess.run(
+            ["runuser", "-u", "postgres", "--", f"{self.bin}/pg_ctl", "-D", f"{self.dir}/data", "-m", "fast", "stop"],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+def fresh_pg_database(admin_url: str) -> tuple[str, Any]:
+    import psycopg
+
+    name = "flexium_bench_" + uuid.uuid4().hex[:8]
+    with psycopg.connect(admin_url, autocommit=True) as conn:
+        conn.execute(f'CREATE DATABASE "{name}"')
+
+    def drop() -> None:
+        with psycopg.connect(admin_url, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    return admin_url.rsplit("/", 1)[0] + "/" + name, drop
+
+
+class Databases:
+    """Fresh databases for one run of a benchmark, by backend (``sqlite`` or ``postgresql``)."""
+
+    def __init__(self, work: str, postgres_url: str | None) -> None:
+        self.work = work
+        self.postgres_url = postgres_url
+        self.cluster: ThrowawayPostgres | None = None
+
+    @contextlib.contextmanager
+    def fresh(self, backend: str, name: str) -> Iterator[str]:
+        """The URL of a new, empty database, dropped afterwards."""
+        if backend == "sqlite":
+            yield f"sqlite:///{self.work}/{name}.db"
+            return
+        if backend != "postgresql":
+            raise ValueError(f"backend {backend!r} is not sqlite or postgresql")
+        admin = self.postgres_url
+        if not admin:
+            if self.cluster is None:
+                self.cluster = ThrowawayPostgres()
+            admin = self.cluster.url
+        url, drop = fresh_pg_database(admin)
+        try:
+            yield url
+        finally:
+            drop()
+
+    def close(self) -> None:
+        if self.cluster is not None:
+            self.cluster.stop()
