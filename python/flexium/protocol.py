@@ -59,6 +59,8 @@ class TargetText:
 
 
 TARGET_SYNTAX = "cuda:N (the job's own numbering), N (nvidia-smi's index) or a GPU UUID (GPU-...)"
+# A migrate's target that lets the server pick: the GPU of the job's host with the most room it can use.
+AUTO_TARGET = "auto"
 
 
 def nccl_ranks_on_one_gpu(placement: dict[int, str | None], restored: set[int]) -> str | None:
@@ -196,6 +198,8 @@ PATH_TOKEN = "/tokens/{token_id}"
 PATH_AUDIT = "/audit"  # newest first
 PATH_WAITS = "/waits"  # the resume-when-free queue: POST queues a paused job, GET lists
 PATH_WAIT = "/waits/{wait_id}"  # DELETE cancels
+PATH_DRAINS = "/drains"  # POST drains a GPU of a host (or all of them), GET lists the drains
+PATH_DRAIN = "/drains/{drain_id}"  # GET: its progress, job by job; DELETE undrains
 PATH_PRIORITY = "/processes/{process_id}/priority"  # PUT: a job's priority (admin)
 
 # --- timing defaults (the server sends its own values in wire.RegisterResponse) ------------------
@@ -305,6 +309,8 @@ LIVE_WAIT_STATES: tuple[str, ...] = ("waiting", "dispatched")
 # (refused: the note says why; the drain goes on with the others).
 DrainAction = Literal["migrate", "pause", "refused"]
 DRAIN_ACTIONS: tuple[str, ...] = get_args(DrainAction)
+# draining: moves under way (or jobs on its GPUs still to move); drained: done; ended: undrained.
+DrainState = Literal["draining", "drained", "ended"]
 
 # --- roles of tokens -------------------------------------------------------------------------
 
@@ -351,6 +357,7 @@ EVENT_COMMAND = "command"  # {"action": "created"|"updated", "command": wire.Com
 EVENT_COMMAND_REFUSED = "command_refused"  # {"request": wire.CommandRequest, "reason": text}: none was created
 EVENT_PROGRESS = "progress"  # {"processes": [{"process_id", "steps", "steps_at", "steps_per_s", "loss"}]}: stored
 EVENT_WAIT = "wait"  # {"action": "created"|"updated", "wait": wire.WaitInfo}: the queue changed
+EVENT_DRAIN = "drain"  # {"action": "created"|"updated"|"ended", "drain": wire.DrainInfo}: a drain acted
 EVENT_DEVICES = "devices"  # {"host": name}: that host's GPUs changed; GET .../devices?host=name
 EVENT_RESYNC = "resync"  # events were missed: reload the lists, then keep listening
 

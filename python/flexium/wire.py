@@ -320,7 +320,9 @@ class CommandRequest(WireIn):
         description=(
             "the GPU: 'cuda:N' = entry N of the process's visible_gpus (the job's own CUDA "
             "numbering), a bare integer (or digits) = the nvidia-smi index on the process's host, "
-            "'GPU-...' = a GPU UUID. The server resolves it to a UUID once; resume: optional. For a "
+            "'GPU-...' = a GPU UUID; migrate: 'auto' = the GPU of its host with the most room it can use, not "
+            "drained (refused with each GPU's reason when none fits). The server resolves it to a UUID once; resume: "
+            "optional. For a "
             "rank of a multi-process job: where this rank goes (the others stay)"
         ),
     )
@@ -690,6 +692,58 @@ class WaitInfo(WireOut):
     reason: str = Field(description="why it waits")
     note: str | None = Field(description="the latest thing that happened to it: a refusal, why it was cancelled")
     reservation: ReservationInfo | None = Field(default=None, description="room held for it")
+
+
+class DrainMoveInfo(WireOut):
+    """What a drain did to one job on the GPUs it drains."""
+
+    process_id: str = Field(description="the process (for a job of several ranks: the rank that stands for it)")
+    job_key: str | None
+    action: protocol.DrainAction = Field(
+        description="migrate: moved to another GPU of its host; pause: paused to resume when free (it fit nowhere, "
+        "or its move failed); refused: it could not be moved or paused (note says why), the drain went on"
+    )
+    command_id: int | None = Field(description="the command it sent (for a job of several ranks: the addressed rank's)")
+    command_state: CommandState | None = Field(description="that command's state now (None: none, or forgotten)")
+    target_uuid: str | None = Field(description="where a migrate sends it")
+    created_at: float
+    note: str = Field(description="why this, in words")
+
+
+class DrainInfo(WireOut):
+    """A GPU, or every GPU of a host, taken out of use: its jobs moved off, and nothing placed,
+    resumed or migrated there until it is undrained."""
+
+    id: int
+    host: str
+    gpu_uuid: str | None = Field(description="the GPU drained; None: every GPU of the host")
+    gpu_index: int | None = Field(description="its nvidia-smi index when it was drained")
+    state: protocol.DrainState = Field(
+        description="draining: moves under way, or jobs still on its GPUs that it will move; drained: done (the jobs "
+        "it could not move are named in moves); ended: undrained"
+    )
+    created_at: float
+    ended_at: float | None
+    requested_by: str
+    ended_by: str | None
+    reason: str
+    moves: list[DrainMoveInfo] = Field(description="what it did, job by job, in order")
+    remaining: list[str] = Field(
+        description="processes still holding memory on its GPUs that it has not acted on yet (busy with a command)"
+    )
+
+
+class DrainRequest(WireIn):
+    """Drain a GPU of a host, or all of them: every job on it is migrated to another GPU of the host
+    with room, or paused to resume when free where none has; nothing is placed, resumed or migrated
+    there until it is undrained."""
+
+    host: HostName
+    gpu: StrictInt | ShortText | None = Field(
+        default=None,
+        description="the GPU: its nvidia-smi index on the host, or its UUID (GPU-...); None: every GPU of the host",
+    )
+    reason: LongText = Field(default="", description="why, for the audit log and the jobs' timelines")
 
 
 class WaitCreated(WireOut):

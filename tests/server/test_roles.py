@@ -53,6 +53,10 @@ ALLOWED: dict[tuple[str, str], frozenset[str]] = {
     ("GET", W + "/waits/{wait_id}"): READERS,
     ("DELETE", W + "/waits/{wait_id}"): frozenset((ADMIN,)),
     ("PUT", W + "/processes/{process_id}/priority"): frozenset((ADMIN,)),
+    ("POST", W + "/drains"): frozenset((ADMIN,)),
+    ("GET", W + "/drains"): READERS,
+    ("GET", W + "/drains/{drain_id}"): READERS,
+    ("DELETE", W + "/drains/{drain_id}"): frozenset((ADMIN,)),
 }
 
 
@@ -148,6 +152,14 @@ def test_every_operation_admits_the_roles_it_should(live: Workspace) -> None:
 
     wait_id = waiting("seen")
 
+    def drained(role: str) -> int:
+        paused(role, "undrain")
+        r = live.call(ADMIN, "POST", "/drains", {"host": f"host-undrain-{role}", "gpu": 1})
+        assert r.status_code == 201, r.text
+        return int(r.json()["id"])
+
+    drain_id = drained("seen")
+
     def events(role: str) -> requests.Response:
         with live.call(role, "GET", "/events", stream=True, timeout=5) as r:
             if r.status_code != 200:
@@ -194,6 +206,12 @@ def test_every_operation_admits_the_roles_it_should(live: Workspace) -> None:
         ("PUT", W + "/processes/{process_id}/priority"): lambda role: live.call(
             role, "PUT", "/processes/gpu-1/priority", {"priority": "high"}
         ),
+        ("POST", W + "/drains"): lambda role: live.call(
+            role, "POST", "/drains", {"host": f"host-drain-{role}"} if paused(role, "drain") else {}
+        ),
+        ("GET", W + "/drains"): lambda role: live.call(role, "GET", "/drains"),
+        ("GET", W + "/drains/{drain_id}"): lambda role: live.call(role, "GET", f"/drains/{drain_id}"),
+        ("DELETE", W + "/drains/{drain_id}"): lambda role: live.call(role, "DELETE", f"/drains/{drained(role)}"),
     }
     assert set(calls) == set(ALLOWED)
     seen: dict[tuple[str, str, str], int] = {}

@@ -34,7 +34,12 @@ def add_commands(commands: Any) -> None:
         help="move a running process to another GPU and wait for the outcome (a rank of a job: that rank, or --ranks)",
     )
     p.add_argument("process", help=PROCESS_HELP)
-    p.add_argument("target", nargs="?", help=TARGET_HELP + " (a rank of a job: where that rank goes)")
+    p.add_argument(
+        "target",
+        nargs="?",
+        help=TARGET_HELP + ", or auto = the GPU of its host with the most room it can use, not drained (a rank of a "
+        "job: where that rank goes)",
+    )
     add_ranks_option(p)
     p.add_argument(
         "--gpus",
@@ -90,7 +95,7 @@ def _move(api: ApiClient, args: argparse.Namespace) -> int:
             "for a process on several GPUs"
         )
     for named in [target, *(ranks or {}).values(), *(gpus or {}), *(gpus or {}).values()]:
-        if named:
+        if named and not (named == target and args.command == "migrate" and named == protocol.AUTO_TARGET):
             _check_target(str(named))
     request = wire.CommandRequest(
         kind=args.command, process_id=args.process, target=target or None, ranks=ranks, gpus=gpus

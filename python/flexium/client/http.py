@@ -321,12 +321,18 @@ class ApiClient:
         return self._read(wire.HealthInfo, answer, "the health check")
 
     def list_processes(
-        self, *, state: str | None = None, retries: int = 2, timeout: float = DEFAULT_TIMEOUT_S
+        self,
+        *,
+        state: str | None = None,
+        host: str | None = None,
+        retries: int = 2,
+        timeout: float = DEFAULT_TIMEOUT_S,
     ) -> list[wire.ProcessInfo]:
+        params = {name: value for name, value in (("state", state), ("host", host)) if value}
         answer = self.request(
             "GET",
             protocol.PATH_PROCESSES,
-            params={"state": state} if state else None,
+            params=params or None,
             timeout=timeout,
             retries=retries,
         )
@@ -423,6 +429,26 @@ class ApiClient:
             "PUT", protocol.PATH_PRIORITY.format(process_id=process_id), json={"priority": priority}, retries=1
         )
         return self._read(wire.ProcessInfo, answer, "the process")
+
+    def create_drain(self, body: wire.DrainRequest) -> wire.DrainInfo:
+        """Drain a GPU of a host, or all of them; not retried: a second request is refused (drained already)."""
+        answer = self.request("POST", protocol.PATH_DRAINS, json=_body(body))
+        return self._read(wire.DrainInfo, answer, "the new drain")
+
+    def list_drains(self, *, host: str | None = None, ended: bool = False, retries: int = 2) -> list[wire.DrainInfo]:
+        params: dict[str, Any] = {"all": "true"} if ended else {}
+        if host is not None:
+            params["host"] = host
+        answer = self.request("GET", protocol.PATH_DRAINS, params=params or None, retries=retries)
+        return self._read_list(wire.DrainInfo, answer, "the drains")
+
+    def get_drain(self, drain_id: int, *, retries: int = 2) -> wire.DrainInfo:
+        answer = self.request("GET", protocol.PATH_DRAIN.format(drain_id=drain_id), retries=retries)
+        return self._read(wire.DrainInfo, answer, "a drain")
+
+    def undrain(self, drain_id: int) -> wire.DrainInfo:
+        answer = self.request("DELETE", protocol.PATH_DRAIN.format(drain_id=drain_id))
+        return self._read(wire.DrainInfo, answer, "the ended drain")
 
     def close(self) -> None:
         with self._pools_lock:

@@ -101,6 +101,7 @@ class ServerContext:
     # reports it runs on: changed with each wait here, re-read at each sweep (another server's).
     watches: dict[tuple[int, str], wire.RoomWatch] = field(default_factory=dict)
     queue_hosts: set[tuple[int, str]] = field(default_factory=set)
+    drain_hosts: set[tuple[int, str]] = field(default_factory=set)  # (workspace, host) with a live drain
     token_lookups: dict[str, asyncio.Future[AuthInfo | None]] = field(default_factory=dict)
     # Revoked through this server since it started (ids only: a few bytes each), for a request
     # admitted just before its token's revocation and waiting just after it.

@@ -13,10 +13,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 from typing import Any
 
 from flexium import protocol, wire
-from flexium.server import queue, storage
+from flexium.server import drains, queue, storage
 from flexium.server.context import ReportedProgress, ServerContext, progress_event
 from flexium.server.db import DatabaseUnavailable
 from flexium.server.errors import ApiError, Unauthorized
+from flexium.server.policies.migrate_auto import migrate_auto
 from flexium.server.storage import AuthInfo
 
 log = logging.getLogger("flexium.server")
@@ -225,19 +226,30 @@ async def create_command(ctx: ServerContext, *, auth: AuthInfo, body: wire.Comma
     goes to the audit log and to dashboards (a ``command`` or ``command_refused`` event)."""
     workspace_id = auth.workspace_id
     try:
-        commands = await ctx.db.call(
-            storage.create_commands_audited,
-            write=True,
-            workspace_id=workspace_id,
-            actor=auth,
-            kind=body.kind,
-            process_id=body.process_id,
-            target=body.target,
-            ranks=body.ranks,
-            gpus=body.gpus,
-            now=time.time(),
-            stale_after=ctx.settings.stale_after_s,
-        )
+        if body.kind == "migrate" and body.target == protocol.AUTO_TARGET:
+            commands = await ctx.db.call(
+                migrate_auto,
+                write=True,
+                workspace_id=workspace_id,
+                actor=auth,
+                process_id=body.process_id,
+                now=time.time(),
+                stale_after=ctx.settings.stale_after_s,
+            )
+        else:
+            commands = await ctx.db.call(
+                storage.create_commands_audited,
+                write=True,
+                workspace_id=workspace_id,
+                actor=auth,
+                kind=body.kind,
+                process_id=body.process_id,
+                target=body.target,
+                ranks=body.ranks,
+                gpus=body.gpus,
+                now=time.time(),
+                stale_after=ctx.settings.stale_after_s,
+            )
     except ApiError as exc:
         ctx.metrics.commands_refused.labels(error=exc.code).inc()
         try:
@@ -347,6 +359,7 @@ async def report_command(
     _command_changed(ctx, workspace_id, command)
     if command.state in protocol.FINAL_COMMAND_STATES:
         await queue.command_ended(ctx, workspace_id, command)
+        await drains.command_ended(ctx, workspace_id, command)
         ctx.devices_due(workspace_id, command.process_id)
         ctx.metrics.commands_finished.labels(kind=command.kind, outcome=command.state).inc()
         seconds = command.result.seconds if command.result is not None else None
@@ -412,6 +425,9 @@ async def sweep_forever(ctx: ServerContext) -> None:
         # The backstop: every waiting job judged again (what another server queued included).
         await queue.run(ctx)
         await queue.refresh(ctx)
+        await drains.refresh(ctx)
+        if ctx.drain_hosts:
+            await drains.run(ctx)
 
 
 async def metrics_text(ctx: ServerContext) -> bytes:

@@ -72,6 +72,11 @@ class HostRoom:
         room = self.gpus[uuid]
         return max(0, room.free - sum(held for holder, held in room.held.items() if holder != wait_id))
 
+    def unheld(self, uuid: str) -> int:
+        """What a move that no room is held for may count on."""
+        room = self.gpus[uuid]
+        return max(0, room.free - sum(room.held.values()))
+
     def holds_for(self, uuid: str, wait_id: int) -> bool:
         return wait_id in self.gpus[uuid].held
 
@@ -82,6 +87,10 @@ class HostRoom:
 
     def take(self, uuid: str, nbytes: int, wait_id: int | None) -> None:
         """A resume sent there: its memory is on its way, and what was held for it is used."""
+        self.arriving(uuid, nbytes)
+        self.gpus[uuid].held.pop(wait_id, None)
+
+    def arriving(self, uuid: str, nbytes: int) -> None:
+        """A move sent there: its memory is on its way."""
         room = self.gpus[uuid]
         room.free = max(0, room.free - nbytes)
-        room.held.pop(wait_id, None)

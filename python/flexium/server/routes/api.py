@@ -13,7 +13,7 @@ from fastapi import APIRouter, Header, Path, Query, Response
 from fastapi.responses import StreamingResponse
 
 from flexium import protocol, wire
-from flexium.server import queue, services, storage
+from flexium.server import drains, queue, services, storage
 from flexium.server.auth import (
     Admin,
     Member,
@@ -293,6 +293,67 @@ async def cancel_wait(wait_id: Annotated[int, Path(ge=1, le=2**31 - 1)], auth: A
 )
 async def set_priority(process_id: ProcessIdPath, body: wire.PriorityRequest, auth: Admin, ctx: Ctx) -> Any:
     return await queue.set_priority(ctx, auth=auth, process_id=process_id, body=body)
+
+
+# --- drains ------------------------------------------------------------------------------------
+
+
+@router.post(
+    "/drains",
+    response_model=wire.DrainInfo,
+    status_code=201,
+    summary=(
+        "Drain a GPU of a host, or all of them: each job on it migrated to the GPU of its host with the most room, "
+        "or paused to resume when free; nothing placed, resumed or migrated there until it is undrained"
+    ),
+)
+async def create_drain(body: wire.DrainRequest, auth: Admin, ctx: Ctx) -> Any:
+    return await drains.create_drain(ctx, auth=auth, body=body)
+
+
+@router.get(
+    "/drains",
+    response_model=list[wire.DrainInfo],
+    summary="Live drains, oldest first (with all=true every drain, newest first), each with its moves job by job",
+)
+async def list_drains(
+    auth: Reader,
+    ctx: Ctx,
+    host: Annotated[str | None, Query(max_length=protocol.MAX_HOST_LEN, pattern=_NO_NUL)] = None,
+    all: Annotated[bool, Query(description="ended drains too")] = False,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> Any:
+    return await ctx.db.call(
+        storage.list_drains,
+        write=False,
+        workspace_id=auth.workspace_id,
+        now=time.time(),
+        stale_after=ctx.settings.stale_after_s,
+        host=host,
+        live=not all,
+        limit=limit,
+    )
+
+
+@router.get("/drains/{drain_id}", response_model=wire.DrainInfo, summary="One drain and its progress, job by job")
+async def get_drain(drain_id: Annotated[int, Path(ge=1, le=2**31 - 1)], auth: Reader, ctx: Ctx) -> Any:
+    return await ctx.db.call(
+        storage.get_drain,
+        write=False,
+        workspace_id=auth.workspace_id,
+        drain_id=drain_id,
+        now=time.time(),
+        stale_after=ctx.settings.stale_after_s,
+    )
+
+
+@router.delete(
+    "/drains/{drain_id}",
+    response_model=wire.DrainInfo,
+    summary="Undrain: its GPUs take jobs again (moves it sent that are under way go on)",
+)
+async def undrain(drain_id: Annotated[int, Path(ge=1, le=2**31 - 1)], auth: Admin, ctx: Ctx) -> Any:
+    return await drains.undrain(ctx, auth=auth, drain_id=drain_id)
 
 
 # --- devices, tokens, events ----------------------------------------------------------------

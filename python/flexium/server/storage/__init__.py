@@ -31,6 +31,7 @@ from flexium.server.storage.commands import (
     report_command_audited,
 )
 from flexium.server.storage.devices import device_indexes, list_devices, upsert_devices
+from flexium.server.storage.drains import drained_gpus, get_drain, list_drains
 from flexium.server.storage.history import HISTORY_EVERY_S, HISTORY_KEEP_S, Sample, gpu_history, prune_history
 from flexium.server.storage.jobs import get_operation, list_jobs, summarize_jobs
 from flexium.server.storage.priorities import set_priority
@@ -86,6 +87,9 @@ __all__ = [
     "cancel_wait",
     "get_wait",
     "list_waits",
+    "drained_gpus",
+    "get_drain",
+    "list_drains",
     "queue_view",
     "set_priority",
     "wait_of_command",

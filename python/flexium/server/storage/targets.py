@@ -12,12 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, object_session
 
 from flexium import protocol, wire
 from flexium.server.errors import CapabilityMissing, InvalidRequest, TargetRefused
 from flexium.server.models import Device, Process
 from flexium.server.storage.devices import find_device_hosts, held_by_gpu, host_devices, list_devices
+from flexium.server.storage.drains import drain_refusal
 from flexium.server.storage.processes import find_process
 from flexium.server.storage.views import stored_capabilities
 from flexium.units import gib
@@ -86,7 +87,10 @@ def resolve_target(*, session: Session, proc: Process, target: str | int) -> Dev
         h for h in find_device_hosts(session=session, workspace_id=proc.workspace_id, uuid=text) if h != proc.host
     ]
     if elsewhere:
-        raise TargetRefused(f"GPU {text} is on host {elsewhere[0]!r}, not on the process's host {proc.host!r}")
+        raise TargetRefused(
+            f"GPU {text} is on host {elsewhere[0]!r} and process {proc.process_id!r} on host {proc.host!r}: a job "
+            f"moves only to a GPU of its own host (flexium devices --host {proc.host} lists them)"
+        )
     raise TargetRefused(f"unknown GPU {text!r} on host {proc.host!r}")
 
 
@@ -124,6 +128,9 @@ def target_refusal(
         return f"{dev.name}; the job runs on {proc.gpu_model} (jobs move only between GPUs of one model)"
     if dev.health and dev.health not in protocol.TARGETABLE_HEALTH:
         return f"health: {dev.health}"
+    drained = _drained(dev)
+    if drained is not None:
+        return drained
     if dev.updated_at < now - stale_after:
         return "no fresh report from its host"
     held = held_by_gpu(proc.gpu_uuid, proc.memory_bytes, proc.gpu_bytes)
@@ -140,6 +147,13 @@ def target_refusal(
     if kind == "resume" and proc.gpu_uuid and dev.uuid != proc.gpu_uuid and not stored_capabilities(proc).migration:
         return _RESUME_ELSEWHERE
     return None
+
+
+def _drained(dev: Device) -> str | None:
+    """A drain refuses its GPUs to every kind of target, read in the session the GPU's row was: no
+    judge of a target can leave it out."""
+    session = object_session(dev)
+    return None if session is None else drain_refusal(session=session, dev=dev)
 
 
 def resolve_gpu_moves(
