@@ -418,6 +418,10 @@ static void configure_from_environment(void) {
   static const unsigned int buses[8] = {0x18, 0x2a, 0x3a, 0x5d, 0x9a, 0xab, 0xba, 0xdb};
 
   uint64_t seed = 0x466c6578696d2d31ull; /* fixed: the same UUIDs in every run */
+  /* FLEXIUM_SIMULATED_HOST: each simulated host has GPUs of its own, their UUIDs drawn from its name
+   * (FNV-1a), the same in every run; unset, the GPUs of the one simulated host as before. */
+  const char *host = getenv("FLEXIUM_SIMULATED_HOST");
+  for (const char *c = host; c != NULL && *c != '\0'; ++c) seed = (seed ^ (unsigned char)*c) * 0x100000001b3ull;
   for (int i = 0; i < MAX_GPUS; ++i) {
     struct gpu *g = &fake.gpus[i];
     memset(g, 0, sizeof(*g));

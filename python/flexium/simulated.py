@@ -8,11 +8,17 @@ loaded by the job's process alone through ``FLEXIUM_LIBCUDA`` / ``FLEXIUM_LIBNVM
 the driver's checkpoint state machine and GPU memory; the job itself computes on the CPU.
 Nothing that happens there ran on a GPU, so every GPU it shows is named ``SIMULATED_MODEL``, its
 driver ``SIMULATED_DRIVER``, and every move it makes takes the driver path with simulated timings.
+
+Several simulated hosts on one machine (``HOST_ENV``, ``host_name``): a job on the simulated driver
+reports the host it is told to, and the driver gives each simulated host GPUs of their own (UUIDs
+drawn from the host's name), so that a server sees a fleet where there is one machine. Never on a
+real driver: a real GPU is on the host it is on.
 """
 
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 from pathlib import Path
 
@@ -24,6 +30,12 @@ GPUS = 2
 GPU_MIB = 80 * 1024
 # What the demo job holds on its simulated GPU, so that a move shows memory leaving one GPU.
 JOB_BYTES = 6 << 30
+# The simulated host a job on the simulated driver reports (and whose GPUs the driver shows).
+HOST_ENV = "FLEXIUM_SIMULATED_HOST"
+# A function only flexium's simulated driver exports: how a library is known to be it.
+_SIMULATED_SYMBOL = "fake_set_process_memory"
+
+log = logging.getLogger("flexium")
 
 
 def library_path() -> Path | None:
@@ -48,6 +60,39 @@ def active() -> bool:
     """Whether this process runs on the simulated driver."""
     library = library_path()
     return library is not None and os.environ.get("FLEXIUM_LIBCUDA") == str(library)
+
+
+def drivers_simulated() -> bool:
+    """Whether both drivers this process loads (``FLEXIUM_LIBCUDA`` and ``FLEXIUM_LIBNVML``) are a
+    build of flexium's simulated driver (the package's, or the tests' ``libfake_cuda.so``)."""
+    paths = [os.environ.get("FLEXIUM_LIBCUDA"), os.environ.get("FLEXIUM_LIBNVML")]
+    return all(path and _is_simulated(path) for path in paths)
+
+
+def _is_simulated(path: str) -> bool:
+    try:
+        return hasattr(ctypes.CDLL(path), _SIMULATED_SYMBOL)
+    except OSError:
+        return False
+
+
+def host_name() -> str | None:
+    """The simulated host this process reports (``FLEXIUM_SIMULATED_HOST``), None when unset. A
+    real driver's process reports its own host whatever the setting says: the setting is ignored
+    with a warning, as a GPU cannot be moved to another host by naming one."""
+    name = os.environ.get(HOST_ENV, "").strip()
+    if not name:
+        return None
+    if not drivers_simulated():
+        log.warning(
+            "%s=%s is ignored: it names a simulated host, and this process does not run on flexium's simulated "
+            "driver (FLEXIUM_LIBCUDA and FLEXIUM_LIBNVML naming %s); it reports its own host",
+            HOST_ENV,
+            name,
+            LIBRARY_NAME,
+        )
+        return None
+    return name
 
 
 def hold_job_memory(nbytes: int = JOB_BYTES) -> None:

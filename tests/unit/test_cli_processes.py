@@ -113,12 +113,12 @@ class Listing:
     def __init__(self, listed: list[wire.ProcessInfo]) -> None:
         self.listed = listed
 
-    def list_processes(self, state: str | None = None) -> list[wire.ProcessInfo]:
+    def list_processes(self, state: str | None = None, host: str | None = None) -> list[wire.ProcessInfo]:
         return self.listed
 
 
 def _ps(capsys: pytest.CaptureFixture[str], listed: list[wire.ProcessInfo], as_json: bool = False) -> tuple[str, str]:
-    assert processes._ps(Listing(listed), argparse.Namespace(state=None, json=as_json)) == 0  # type: ignore[arg-type]
+    assert processes._ps(Listing(listed), argparse.Namespace(state=None, host=None, json=as_json)) == 0  # type: ignore[arg-type]
     done = capsys.readouterr()
     return done.out, done.err
 

@@ -37,6 +37,7 @@ def add_commands(commands: Any) -> None:
     """``commands``: the ``flexium`` parser's subparsers."""
     p = commands.add_parser("ps", help="list the workspace's training processes", epilog=PS_LEGEND)
     p.add_argument("--state", choices=protocol.DISPLAY_STATES, help="only processes in this state")
+    p.add_argument("--host", help="only the processes of this host")
     add_connection_options(p, _ps)
     p = commands.add_parser("devices", help="list the GPUs the workspace's processes report, by host")
     p.add_argument("--host", help="only this host")
@@ -44,7 +45,7 @@ def add_commands(commands: Any) -> None:
 
 
 def _ps(api: ApiClient, args: argparse.Namespace) -> int:
-    processes = api.list_processes(state=args.state)
+    processes = api.list_processes(state=args.state, host=args.host)
     if args.json:
         print_json(processes)
         return EXIT_OK

@@ -13,7 +13,6 @@ import getpass
 import logging
 import os
 import shlex
-import socket
 import sys
 import time
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from pydantic import ValidationError
 from flexium import protocol, wire
 from flexium.api.progress import PROGRESS, TrainingProgress
 from flexium.client.contracts import EngineControl, TrainingProcess
+from flexium.client.host import reported_host
 from flexium.engine import nvml, torch_bridge
 from flexium.engine.distributed import job_operation, membership
 from flexium.engine.operations import EngineState, GpuIdentity, OperationResult
@@ -140,7 +140,7 @@ class ProcessReporter:
         self.progress = progress
         self.engine = training.engine
         self.pid = os.getpid()
-        self.host = _short(socket.gethostname(), protocol.MAX_HOST_LEN) or "localhost"
+        self.host = reported_host()
         self.started_at = _process_started_at() or time.time()
         self._last_memory = 0
 

@@ -426,7 +426,7 @@ def list_processes(
     gpu: str | None = None,
     job_key: str | None = None,
 ) -> list[wire.ProcessInfo]:
-    """Every process of the workspace, oldest first; ``state`` filters on the shown state
+    """Every process of the workspace by host, oldest first on each; ``state`` filters on the shown state
     (STALE included), ``gpu`` on the GPU UUID, ``job_key`` on the job's key (its ranks)."""
     query = select(Process).where(Process.workspace_id == workspace_id)
     if host:
@@ -440,7 +440,7 @@ def list_processes(
         query = query.where(Process.last_seen < cutoff)
     elif state:
         query = query.where(Process.state == state, Process.last_seen >= cutoff)
-    rows = list(session.scalars(query.order_by(Process.registered_at, Process.pk)))
+    rows = list(session.scalars(query.order_by(Process.host, Process.registered_at, Process.pk)))
     active = {
         c.process_pk: c
         for c in session.scalars(

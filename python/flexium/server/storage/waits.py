@@ -185,7 +185,8 @@ def wanted_gpu(
     """The GPU a wait asks for (None: any), checked by the target rules but for room."""
     if request.host is not None and request.host != proc.host:
         raise TargetRefused(
-            f"process {proc.process_id!r} is on host {proc.host!r}: a job resumes only on GPUs of its own host"
+            f"process {proc.process_id!r} is on host {proc.host!r}, not on host {request.host!r}: a job resumes only "
+            f"on GPUs of its own host (leave --host out, or give --host {proc.host})"
         )
     if request.gpu is None or request.gpu in ("", "any"):
         return None
