@@ -225,6 +225,7 @@ MAX_BODY_BYTES = 1 << 20
 MAX_SHORT_TEXT = 128
 MAX_HOST_LEN = 255
 MAX_LONG_TEXT = 4096
+MAX_REASON_LEN = 200  # a command's reason: one line a colleague reads on the timeline
 MAX_DEVICES = 64
 MAX_RANKS = 1 << 16  # of one multi-process job
 MAX_JSON_DEPTH = 8
@@ -325,6 +326,15 @@ ROLE_VIEWER: TokenRole = "viewer"
 # What `flexium token issue` and POST /tokens give when no role is named: most tokens handed
 # out go to training jobs, and a token that can do less is the safer one to hand out by mistake.
 DEFAULT_ISSUED_ROLE: TokenRole = ROLE_JOB
+
+# --- doors: how a command came in ------------------------------------------------------------
+
+# Who acted is a token's name and the door it came through: flexium's command line (its
+# User-Agent ends with CLI_AGENT_MARK), the dashboard (a session), one of the server's own
+# policies, or any other client of the API.
+Door = Literal["cli", "dashboard", "policy", "api"]
+DOORS: tuple[str, ...] = get_args(Door)
+CLI_AGENT_MARK = "(cli)"
 
 # --- errors ---------------------------------------------------------------------------------
 

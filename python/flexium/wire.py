@@ -24,6 +24,7 @@ All times are Unix epoch seconds (float); all sizes are bytes (int).
 from __future__ import annotations
 
 import math
+import re
 import shlex
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal, NoReturn
@@ -150,6 +151,24 @@ HostName = Annotated[
 ]
 LongText = Annotated[str, StringConstraints(max_length=protocol.MAX_LONG_TEXT), AfterValidator(_no_nul)]
 ProcessId = Annotated[str, StringConstraints(pattern=protocol.PROCESS_ID_RE.pattern)]
+# C0 and C1 controls (newlines and tabs too) and the bidirectional overrides and isolates: what
+# would break the line it is shown on, in a terminal or on a page, or reorder what is read.
+_UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+
+
+def _one_line(value: str) -> str:
+    found = _UNPRINTABLE.search(value)
+    if found is not None:
+        raise ValueError(
+            f"must be one line of printable text: U+{ord(found.group()):04X} at position {found.start()} is a "
+            "control character"
+        )
+    return value
+
+
+Reason = Annotated[
+    str, StringConstraints(max_length=protocol.MAX_REASON_LEN, strip_whitespace=True), AfterValidator(_one_line)
+]
 Bytes = Annotated[int, Field(ge=0, le=protocol.MAX_INT)]
 Seq = Annotated[int, Field(ge=0, le=protocol.MAX_INT, description="grows with every body the process builds")]
 Pid = Annotated[int, Field(ge=0, le=1 << 40)]
@@ -343,6 +362,11 @@ class CommandRequest(WireIn):
             "one moves onto theirs (then they swap)"
         ),
     )
+    reason: Reason | None = Field(
+        default=None,
+        description=f"why, in one line of at most {protocol.MAX_REASON_LEN} characters: the job's timeline and "
+        "the audit show it beside who sent the command (empty: none given)",
+    )
 
 
 class ProcessUpdate(WireIn):
@@ -452,7 +476,17 @@ class CommandInfo(WireOut):
     error: str | None
     job: JobCommandInfo | None = Field(default=None, description="None: a command for this process alone")
     reason: str | None = Field(
-        default=None, description="why it was sent, when the server's own policy sent it (resume when free, make room)"
+        default=None,
+        description="why it was sent: the sender's reason (CommandRequest.reason), or the server's when its own "
+        "policy sent it (resume when free, make room)",
+    )
+    sent_by: str | None = Field(
+        default=None, description="who sent it: the token's name, or the server's policy ('policy: make room')"
+    )
+    door: protocol.Door | None = Field(
+        default=None,
+        description="how it came in: 'cli' (flexium's command line), 'dashboard', 'policy' (the server on its own) "
+        "or 'api' (any other client); None: sent before the server recorded it",
     )
 
 
@@ -646,6 +680,10 @@ class AuditEntry(WireOut):
     detail: str
     process_id: str | None = Field(None, description="the process a command (or a refused one) was for")
     command_id: int | None = Field(None, description="the command created or finished; None for a refused one")
+    door: protocol.Door | None = Field(
+        None,
+        description="how it came in (CommandInfo.door); None: the server itself or the command line on the database",
+    )
 
 
 class WorkspaceInfo(WireOut):

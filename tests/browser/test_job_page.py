@@ -140,6 +140,89 @@ def test_progress_reaches_the_job_page_by_events_not_a_poll(dash: Dashboard, job
     assert any(url.endswith("/ui/jobs/gpu-progr3ss/progress") for url in fetched)  # its training sections alone
 
 
+def _curve_texts(dash: Dashboard, figure_id: str) -> dict[str, str]:
+    """The labels an SVG curve of the job page draws, by their class (curve-last, ...)."""
+    return dict(
+        dash.js(
+            "var f = document.getElementById(arguments[0]); if (!f) { return {}; }"
+            "var texts = {}; f.querySelectorAll('svg text').forEach(function (t) {"
+            " texts[t.getAttribute('class')] = t.textContent.trim(); });"
+            "texts.points = String(f.querySelector('svg polyline').getAttribute('points').split(' ').length);"
+            "return texts;",
+            figure_id,
+        )
+    )
+
+
+def test_the_job_page_draws_loss_and_speed_curves_with_their_values(dash: Dashboard, jobs: Jobs) -> None:
+    """The sweep samples the progress the beats store; the curves end at the last report, say
+    their lowest, highest and last values in the SVG, and follow the progress events."""
+    host = FakeHost("jobpage-curves")
+    job = jobs(host, "gpu-curv3s", gpu=0, steps=0, loss=2.0)
+    dash.open("jobs/gpu-curv3s")
+    dash.wait(lambda: "live-on" in dash.d.find_element(By.ID, "live").get_attribute("class"), "live")
+    dash.wait(lambda: _curve_texts(dash, "job-loss-curve").get("curve-last") == "last 2", "the loss curve", timeout=15)
+    with job._lock:
+        job.loss = 0.5
+    dash.wait(
+        lambda: _curve_texts(dash, "job-loss-curve").get("curve-last") == "last 0.5", "the curve follows", timeout=15
+    )
+    loss = _curve_texts(dash, "job-loss-curve")
+    assert loss["curve-name"] == "loss" and loss["curve-highest"] == "2" and loss["curve-lowest"] == "0.5", loss
+    assert loss["curve-now"] == "now" and loss["curve-since"].endswith(" s ago") and int(loss["points"]) >= 2, loss
+    speed = dash.wait(lambda: _curve_texts(dash, "job-speed-curve") or None, "the steps/s curve", timeout=15)
+    assert speed["curve-name"] == "steps/s", speed
+    # 5 steps a beat, a beat every 0.5 s: about 10 steps/s, whatever the machine's load
+    assert 1 < float(speed["curve-last"].removeprefix("last ")) < 20, speed
+    assert float(speed["curve-lowest"]) <= float(speed["curve-highest"]), speed
+    assert dash.js("return document.querySelectorAll('#job-progress').length") == 1
+
+
+def _event(dash: Dashboard, kind: str) -> str:
+    """The text of the newest timeline entry of this kind."""
+    return str(
+        dash.js(
+            "var kind = arguments[0];"
+            "var e = Array.from(document.querySelectorAll('#job-timeline li.event')).find(function (li) {"
+            " return li.querySelector('.event-what').textContent.trim().startsWith(kind); });"
+            "return e ? e.textContent.replace(/\\s+/g, ' ').trim() : '';",
+            kind,
+        )
+    )
+
+
+def test_a_reason_typed_on_the_job_page_shows_on_its_timeline_with_who_and_the_door(
+    dash: Dashboard, jobs: Jobs, api: Api
+) -> None:
+    """Pause with the page's reason field, resume with the dialog's: each timeline entry says why,
+    who sent it and that it came through the dashboard; a reason is text, never markup."""
+    host = FakeHost("jobpage-reasons")
+    jobs(host, "gpu-r3asons", gpu=0, steps=0, loss=1.0)
+    dash.open("jobs/gpu-r3asons")
+    dash.wait(lambda: "live-on" in dash.d.find_element(By.ID, "live").get_attribute("class"), "live")
+    # the panel re-renders on every report of the job's GPUs; what is typed there stays
+    assert dash.js("return document.getElementById('job-reason').maxLength") == 200
+    dash.js("document.getElementById('job-reason').value = arguments[0]", "<b>free</b> GPU 0 for the eval run")
+    _click(dash, '#job-actions button[data-action="pause"]')
+    dash.wait(lambda: "succeeded" in _event(dash, "pause"), "the pause on the timeline", timeout=15)
+    paused = _event(dash, "pause")
+    assert "why: <b>free</b> GPU 0 for the eval run" in paused and "via the dashboard" in paused, paused
+    assert not dash.d.find_elements(By.CSS_SELECTOR, "#job-timeline .event-reason b")
+    [admin] = [t for t in api.get("/tokens").json() if t["role"] == "admin" and not t["revoked"]]
+    assert f"by {admin['name'] or 'token ' + str(admin['id'])} via the dashboard" in paused, paused
+    assert dash.js("return document.getElementById('job-reason').value") == ""  # said once, with its command
+
+    _click(dash, '#job-actions button[data-action="resume"]')
+    dash.wait(dash.dialog_open, "the Resume dialog opens")
+    dash.d.find_element(By.CSS_SELECTOR, "#target-dialog input[name=reason]").send_keys("eval done")
+    dash.submit_dialog()
+    dash.wait(lambda: "succeeded" in _event(dash, "resume"), "the resume on the timeline", timeout=15)
+    resumed = _event(dash, "resume")
+    assert "why: eval done" in resumed and "via the dashboard" in resumed, resumed
+    [stored] = [c for c in api.get("/commands", params={"process_id": "gpu-r3asons"}).json() if c["kind"] == "resume"]
+    assert (stored["reason"], stored["door"]) == ("eval done", "dashboard")
+
+
 def test_a_job_of_several_ranks_shows_its_ranks(dash: Dashboard, jobs: Jobs) -> None:
     host = FakeHost("jobpage-ddp")
     for rank in (0, 1):

@@ -147,6 +147,23 @@ def test_pause_and_resume_from_the_command_line(server: Server, job: Job) -> Non
     _steps_advance(job)
 
 
+def test_a_reason_goes_with_the_command_beside_who_sent_it_and_by_which_door(server: Server, job: Job) -> None:
+    """--reason is stored with the command (over real HTTP, the CLI named by its User-Agent) and
+    said in its outcome; one the server would refuse is refused before anything is sent."""
+    for reason, says in (("x" * 201, "at most 200 characters"), ("two\nlines", "must be one line")):
+        refused = server.cli("pause", job.process_id, "--reason", reason)
+        assert refused.returncode == 2 and "--reason: " in refused.stderr and says in refused.stderr, refused.stderr
+    assert _ps(server, job)["state"] == "RUNNING" and _ps(server, job)["active_command"] is None
+    done = server.cli("pause", job.process_id, "--reason", "free GPU 1 for the eval run")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "\n  why: free GPU 1 for the eval run\n" in done.stdout, done.stdout
+    done = server.cli("resume", job.process_id, "--reason", "eval done", "--json")
+    assert done.returncode == 0, done.stdout + done.stderr
+    command = json.loads(done.stdout)
+    assert (command["reason"], command["door"], command["state"]) == ("eval done", "cli", "succeeded"), command
+    assert command["sent_by"], command  # the token's name, or its id where it has none
+
+
 def test_engine_failure_is_a_failed_command_with_its_reason(server: Server, job: Job) -> None:
     before = _ps(server, job)
     job.arm_failure("cuCheckpointProcessLock", "CUDA_ERROR_TIMEOUT")

@@ -110,4 +110,6 @@ def connect(server: str | None, token: str | None) -> ApiClient:
             f"no server configured: set {protocol.SERVER_ENV}=host[:port]/workspace "
             "(e.g. 127.0.0.1:8080/default), 'server:' in .flexiumrc, or pass --server"
         )
-    return ApiClient(config.address, config.token or None, user_agent=f"flexium/{__version__} (cli)")
+    return ApiClient(
+        config.address, config.token or None, user_agent=f"flexium/{__version__} {protocol.CLI_AGENT_MARK}"
+    )

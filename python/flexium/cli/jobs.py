@@ -77,6 +77,9 @@ def _print_job_outcome(api: ApiClient, title: str, operation: wire.JobOperationI
     simulated = {p.process_id for p in processes.values() if p.simulated}
     on = " on simulated GPUs" if any(c.process_id in simulated for c in operation.commands) else ""
     print(f"{title}: {operation.state} in {total:.2f} s{on} (job operation {operation.id})")
+    why = next((c.reason for c in operation.commands if c.reason), None)
+    if why:
+        print(f"  why: {why}")
     rows = [("RANK", "PROCESS", "COMMAND", "STATE", "GPU", "PATH", "TIME", "ERROR")]
     for command in operation.commands:
         process = processes.get(command.process_id)

@@ -9,6 +9,8 @@ import sys
 import time
 from typing import Any
 
+from pydantic import ValidationError
+
 from flexium import protocol, wire
 from flexium.cli.connection import add_connection_options
 from flexium.cli.exit_status import EXIT_FAILED, EXIT_OK, UsageError, fail
@@ -70,11 +72,19 @@ def add_commands(commands: Any) -> None:
 
 
 def _add_wait_and_connection_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--reason",
+        metavar="TEXT",
+        help=f"why, in one line (at most {protocol.MAX_REASON_LEN} characters): the job's timeline shows it beside "
+        "who sent the command, so a colleague sees why their job moved",
+    )
     add_wait_options(parser)
     add_connection_options(parser, _move)
 
 
 def _move(api: ApiClient, args: argparse.Namespace) -> int:
+    if args.reason is not None and args.command == "resume" and (args.when_free or args.make_room or args.cancel):
+        raise UsageError("--reason goes with a command sent now, not with --when-free, --make-room or --cancel")
     if args.command == "resume" and (args.when_free or args.make_room or args.cancel):
         later = resume_later(api, args)
         return later if isinstance(later, int) else _follow(api, args, later)
@@ -97,9 +107,7 @@ def _move(api: ApiClient, args: argparse.Namespace) -> int:
     for named in [target, *(ranks or {}).values(), *(gpus or {}), *(gpus or {}).values()]:
         if named and not (named == target and args.command == "migrate" and named == protocol.AUTO_TARGET):
             _check_target(str(named))
-    request = wire.CommandRequest(
-        kind=args.command, process_id=args.process, target=target or None, ranks=ranks, gpus=gpus
-    )
+    request = _request(args, target=target or None, ranks=ranks, gpus=gpus)
     try:
         try:
             command = api.create_command(request)
@@ -141,6 +149,25 @@ def _follow(api: ApiClient, args: argparse.Namespace, command: wire.CommandInfo)
             print(f"  queue it? flexium resume {final.process_id} --when-free", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
+
+
+def _request(
+    args: argparse.Namespace,
+    *,
+    target: str | None,
+    ranks: dict[str, int | str] | None,
+    gpus: dict[str, int | str] | None,
+) -> wire.CommandRequest:
+    """The command's body; a --reason the server would refuse is refused here, in its terms."""
+    try:
+        return wire.CommandRequest(
+            kind=args.command, process_id=args.process, target=target, ranks=ranks, gpus=gpus, reason=args.reason
+        )
+    except ValidationError as exc:
+        for error in exc.errors():
+            if error["loc"][:1] == ("reason",):
+                raise UsageError(f"--reason: {error['msg'].removeprefix('Value error, ')}") from None
+        raise
 
 
 def _check_target(text: str) -> None:
@@ -190,6 +217,8 @@ def _print_outcome(api: ApiClient, title: str, command: wire.CommandInfo) -> Non
     started, finished = command.started_at, command.finished_at
     total = (finished or time.time()) - created
     print(f"{title}: {command.state} in {total:.2f} s{' on simulated GPUs' if simulated else ''}")
+    if command.reason:
+        print(f"  why: {command.reason}")
     parts = []
     if delivered is not None:
         parts.append(f"delivered {ms(delivered - created)} after it was queued")

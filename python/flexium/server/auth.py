@@ -14,6 +14,7 @@ cannot set it, and a cross-site script cannot send it without a CORS preflight w
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Awaitable, Callable
 from typing import Annotated
@@ -116,7 +117,18 @@ async def require_auth(
             raise Forbidden(f"requests authenticated by cookie must send the {protocol.CSRF_HEADER} header")
     if auth.workspace != workspace:
         raise NotFound(f"workspace {workspace!r} not found")
-    return auth
+    return dataclasses.replace(auth, door=_door(request, auth))
+
+
+def _door(request: Request, auth: AuthInfo) -> protocol.Door:
+    """How this request came in. The User-Agent is the client's word, enough to say which tool
+    a person used; what they may do is still their token's role alone."""
+    if auth.session_id is not None:
+        return "dashboard"
+    agent = request.headers.get("user-agent", "")
+    if agent.startswith("flexium/") and agent.endswith(protocol.CLI_AGENT_MARK):
+        return "cli"
+    return "api"
 
 
 def role_refusal(auth: AuthInfo, roles: tuple[str, ...], doing: str) -> str:

@@ -105,6 +105,7 @@ class AuditRecord(Base):
     # No foreign keys: entries outlive their process and command.
     process_id: Mapped[str | None] = mapped_column(String(protocol.MAX_SHORT_TEXT), nullable=True)
     command_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    door: Mapped[str | None] = mapped_column(String(16), nullable=True)  # protocol.DOORS; None: no request's
 
 
 class Process(Base):
@@ -201,6 +202,25 @@ class GpuSample(Base):
     utilization: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
+class ProgressSample(Base):
+    """One process's training progress at one time, at most one every
+    ``storage.PROGRESS_EVERY_S`` per process, kept ``storage.PROGRESS_KEEP_S`` and no longer
+    than its process: the job page's curves. (A migration that copies processes on SQLite loses
+    them, as it would lose commands: a chart's history, nothing more.)"""
+
+    __tablename__ = "progress_samples"
+    __table_args__ = (
+        Index("ix_progress_samples_process_at", "process_pk", "at"),
+        Index("ix_progress_samples_at", "at"),
+    )
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    process_pk: Mapped[int] = mapped_column(ForeignKey("processes.pk", ondelete="CASCADE"))
+    at: Mapped[float] = mapped_column(Double)
+    steps: Mapped[int | None] = mapped_column(BigInteger, nullable=True)
+    steps_per_s: Mapped[float | None] = mapped_column(Double, nullable=True)
+    loss: Mapped[float | None] = mapped_column(Double, nullable=True)
+
+
 class JobOperation(Base):
     """One pause, resume or migrate of a whole multi-process job; its commands (one per rank)
     point to it."""
@@ -258,8 +278,12 @@ class Command(Base):
         ForeignKey("job_operations.id", ondelete="CASCADE", name="fk_commands_operation_id"), nullable=True, index=True
     )
     job: Mapped[Any | None] = mapped_column(JsonType, nullable=True)
-    # Why it was sent, when a policy of the server sent it (the job's timeline shows it).
+    # Why it was sent: its sender's reason, or a policy's (the job's timeline shows it).
     reason: Mapped[str | None] = mapped_column(Text, nullable=True)
+    # Who sent it: the token's name then (or the policy's), and its door (protocol.DOORS); None
+    # for the commands stored before 0013.
+    sent_by: Mapped[str | None] = mapped_column(String(protocol.MAX_SHORT_TEXT), nullable=True)
+    door: Mapped[str | None] = mapped_column(String(16), nullable=True)
 
 
 class Wait(Base):

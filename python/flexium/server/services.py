@@ -249,6 +249,7 @@ async def create_command(ctx: ServerContext, *, auth: AuthInfo, body: wire.Comma
                 gpus=body.gpus,
                 now=time.time(),
                 stale_after=ctx.settings.stale_after_s,
+                reason=body.reason or None,
             )
     except ApiError as exc:
         ctx.metrics.commands_refused.labels(error=exc.code).inc()

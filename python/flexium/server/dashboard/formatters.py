@@ -68,6 +68,14 @@ def fmt_rate(per_s: float | None) -> str:
     return f"{per_s:.2f} steps/s" if per_s < 10 else f"{per_s:.0f} steps/s"
 
 
+DOOR_NAMES = {"cli": "the CLI", "dashboard": "the dashboard", "policy": "a policy of the server", "api": "the API"}
+
+
+def fmt_door(door: str) -> str:
+    """How a command came in (``protocol.DOORS``), as the timeline says it after "via"."""
+    return DOOR_NAMES.get(door, door)
+
+
 def fmt_loss(loss: float | None) -> str:
     return "—" if loss is None else f"{loss:.4g}"
 

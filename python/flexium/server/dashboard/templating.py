@@ -48,6 +48,7 @@ TEMPLATES.env.filters.update(
     utc=formatters.fmt_utc,
     rate=formatters.fmt_rate,
     loss=formatters.fmt_loss,
+    door=formatters.fmt_door,
     short_reason=reasons.short_reason,
     word_breaks=formatters.word_breaks,
 )
@@ -61,6 +62,7 @@ TEMPLATES.env.globals.update(
     job_pause_refusal=refusals.job_pause_refusal,
     DISPLAY_STATES=protocol.DISPLAY_STATES,
     TARGETABLE_HEALTH=protocol.TARGETABLE_HEALTH,
+    MAX_REASON_LEN=protocol.MAX_REASON_LEN,
 )
 
 _CSP = (

@@ -50,6 +50,14 @@ from flexium.server.storage.processes import (
     register_process_snapshot,
     unregister_process,
 )
+from flexium.server.storage.progress_history import (
+    PROGRESS_EVERY_S,
+    PROGRESS_KEEP_S,
+    ProgressPoint,
+    progress_history,
+    prune_progress,
+    sample_progress,
+)
 from flexium.server.storage.series import WorkspaceSeries, metric_series
 from flexium.server.storage.sessions import (
     LOGIN_CODE_TTL_S,
@@ -100,6 +108,12 @@ __all__ = [
     "Sample",
     "gpu_history",
     "prune_history",
+    "PROGRESS_EVERY_S",
+    "PROGRESS_KEEP_S",
+    "ProgressPoint",
+    "progress_history",
+    "prune_progress",
+    "sample_progress",
     "AUDIT_KEEP",
     "LOGIN_CODE_TTL_S",
     "SESSION_IDLE_S",

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
@@ -45,6 +45,14 @@ class PolicyActor:
         return f"policy: {self.name}"
 
 
+def sender_of(actor: AuthInfo | PolicyActor) -> tuple[str, protocol.Door]:
+    """Who sent a command as its row, its audit entry and the job's timeline say it: a token's
+    name (its id when unnamed) and the door of its request, or the policy."""
+    if isinstance(actor, PolicyActor):
+        return actor.label[: protocol.MAX_SHORT_TEXT], "policy"
+    return (actor.token_name or f"token {actor.token_id}")[: protocol.MAX_SHORT_TEXT], actor.door
+
+
 def record_audit(
     *,
     session: Session,
@@ -61,10 +69,11 @@ def record_audit(
 ) -> None:
     """``actor`` None: the command line on the database, or the server itself (``anonymous``
     names which)."""
+    door: protocol.Door | None = None
     if isinstance(actor, PolicyActor):
-        token_id, token_name, role = None, actor.label, POLICY_ROLE
+        token_id, token_name, role, door = None, actor.label, POLICY_ROLE, "policy"
     elif actor is not None:
-        token_id, token_name, role = actor.token_id, actor.token_name, actor.role
+        token_id, token_name, role, door = actor.token_id, actor.token_name, actor.role, actor.door
     else:
         token_id, token_name, role = None, anonymous, ""
     row = AuditRecord(
@@ -73,6 +82,7 @@ def record_audit(
         token_id=token_id,
         token_name=token_name[: protocol.MAX_SHORT_TEXT],
         role=role,
+        door=door,
         action=action,
         target=target[: protocol.MAX_SHORT_TEXT],
         outcome=outcome[:32],
@@ -159,6 +169,7 @@ def _entry(row: AuditRecord) -> wire.AuditEntry:
         detail=row.detail,
         process_id=row.process_id,
         command_id=row.command_id,
+        door=cast(protocol.Door | None, row.door),
     )
 
 

@@ -16,6 +16,7 @@ from flexium import protocol, wire
 from flexium.server.models import Command, Device, JobOperation, Process
 from flexium.server.storage.history import prune_history
 from flexium.server.storage.processes import shown_process
+from flexium.server.storage.progress_history import prune_progress, sample_progress
 from flexium.server.storage.reservations import expire_reservations
 from flexium.server.storage.views import command_view
 from flexium.server.storage.waits import command_ended
@@ -88,6 +89,8 @@ def sweep(
         session.execute(delete(Device).where(Device.updated_at < now - remove_after))
     result.released = expire_reservations(session=session, now=now)
     prune_history(session=session, now=now)
+    sample_progress(session=session, now=now)
+    prune_progress(session=session, now=now)
     for proc in session.scalars(
         select(Process).where(Process.last_seen < now - stale_after, Process.last_seen >= stale_since - stale_after)
     ):

@@ -57,6 +57,8 @@ def command_view(row: Command, process_id: str) -> wire.CommandInfo:
             "error": row.error,
             "job": row.job,
             "reason": row.reason,
+            "sent_by": row.sent_by,
+            "door": row.door,
         }
     )
 

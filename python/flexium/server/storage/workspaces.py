@@ -26,8 +26,8 @@ from flexium.server.storage.audit import record_audit
 
 @dataclass(frozen=True)
 class AuthInfo:
-    """Who is calling: a token (``role``, ``protocol.TOKEN_ROLES``), and the dashboard session
-    it came through, if any."""
+    """Who is calling: a token (``role``, ``protocol.TOKEN_ROLES``), the dashboard session it
+    came through, if any, and the door of this request (``auth.require_auth`` says which)."""
 
     workspace_id: int
     workspace: str
@@ -35,6 +35,7 @@ class AuthInfo:
     role: str  # no default: what a caller may do is always read from its token
     token_name: str = ""
     session_id: int | None = None
+    door: protocol.Door = "api"
 
 
 @dataclass(frozen=True)

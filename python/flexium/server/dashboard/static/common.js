@@ -261,6 +261,13 @@
     return choice && choice.value ? {target: choice.value} : {};
   }
 
+  // `body` with the reason typed in `scope` (a dialog's form, the job page's actions), if any.
+  function withReason(scope, body) {
+    var input = scope ? scope.querySelector("input[name=reason]") : null;
+    var reason = input ? input.value.trim() : "";
+    return reason ? Object.assign({reason: reason}, body) : body;
+  }
+
   // The buttons (data-action) in `container` and the page's #target-dialog. hooks.sent(command)
   // after a command went out, hooks.forgotten(processId) after a forget, hooks.refocus(opener)
   // when the dialog closes and the button that opened it was re-rendered meanwhile.
@@ -297,7 +304,10 @@
             button, "process " + processId);
         } else if (action === "pause" || action === "job-pause" || action === "job-resume") {
           button.disabled = true;
-          await send(action.replace("job-", ""), processId);
+          var beside = button.closest("#job-actions");
+          await send(action.replace("job-", ""), processId, withReason(beside, {}));
+          var used = beside ? document.getElementById("job-reason") : null;   // said once, with this command
+          if (used) { used.value = ""; }
         } else if (action === "job-migrate") {
           await openDialog("/ui/jobs/" + encodeURIComponent(button.dataset.jobKey) + "/migrate",
             button, "job " + button.dataset.jobKey);
@@ -320,7 +330,7 @@
       error.hidden = true;
       submit.disabled = true;
       try {
-        await send(form.dataset.kind, form.dataset.processId, formChoice(form));
+        await send(form.dataset.kind, form.dataset.processId, withReason(form, formChoice(form)));
         dialog.close();
       } catch (err) {
         error.textContent = err.message;

@@ -50,6 +50,21 @@
     };
   }
 
+  // The reason being typed beside the actions survives a render, caret and all; returns what
+  // puts it back.
+  function keptReason() {
+    var field = document.getElementById("job-reason");
+    if (!field || !field.value) { return function () {}; }
+    var value = field.value, typing = document.activeElement === field;
+    var start = field.selectionStart, end = field.selectionEnd;
+    return function () {
+      var again = document.getElementById("job-reason");
+      if (!again) { return; }
+      again.value = value;
+      if (typing) { again.focus(); again.setSelectionRange(start, end); }
+    };
+  }
+
   var refresh = coalesced(async function () {
     var html = await fetchFragment("/ui/jobs/" + encodeURIComponent(PROCESS) + "/panel");
     if (html === null) { window.location.reload(); return; }   // gone: the page says so
@@ -57,7 +72,9 @@
     var action = focused && panel.contains(focused) && focused.dataset ? focused.dataset.action : null;
     var details = new Set();
     panel.querySelectorAll("details[open][data-keep]").forEach(function (d) { details.add(d.dataset.keep); });
+    var typed = keptReason();
     panel.replaceChildren(fragment(html));
+    typed();
     panel.querySelectorAll("details[data-keep]").forEach(function (d) { if (details.has(d.dataset.keep)) { d.open = true; } });
     readPanel();
     if (action) { focusAction(action); }

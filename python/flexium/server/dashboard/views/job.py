@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 from flexium import wire
 from flexium.server import storage
 from flexium.server.dashboard.views.devices import GpuKey, HistoryChart, charts_of, hosts_of
+from flexium.server.dashboard.views.training import TrainingCharts, training_charts
 
 TIMELINE = 200  # commands shown on a job page, newest first; as many refused ones at most
 
@@ -59,6 +60,7 @@ class JobProgress:
     process: wire.ProcessInfo
     job: wire.JobSummary | None
     ranks: tuple[wire.ProcessInfo, ...]
+    charts: TrainingCharts  # its lead's: the process, or rank 0 of its job
 
 
 def job_progress(
@@ -74,8 +76,10 @@ def job_progress(
         )
         job = next(iter(storage.summarize_jobs(members)), None)
         if job is not None:
-            return JobProgress(now=now, process=process, job=job, ranks=tuple(job.ranks))
-    return JobProgress(now=now, process=process, job=None, ranks=(process,))
+            charts = training_charts(session=session, workspace_id=workspace_id, process=job.ranks[0], now=now)
+            return JobProgress(now=now, process=process, job=job, ranks=tuple(job.ranks), charts=charts)
+    charts = training_charts(session=session, workspace_id=workspace_id, process=process, now=now)
+    return JobProgress(now=now, process=process, job=None, ranks=(process,), charts=charts)
 
 
 @dataclass(frozen=True)
@@ -89,6 +93,7 @@ class JobPage:
     gpu_indexes: dict[str, int | None]
     hosts: tuple[wire.HostInfo, ...]  # its ranks' hosts
     history: dict[GpuKey, HistoryChart]
+    charts: TrainingCharts
     timeline: tuple[TimelineItem, ...]
 
 
@@ -107,6 +112,7 @@ def job_page(*, session: Session, workspace_id: int, process_id: str, now: float
         gpu_indexes=storage.device_indexes(session=session, workspace_id=workspace_id),
         hosts=hosts_of(session=session, workspace_id=workspace_id, now=now, stale_after=stale_after, hosts=hosts),
         history=charts_of(session=session, workspace_id=workspace_id, now=now, hosts=hosts),
+        charts=training.charts,
         timeline=timeline(session=session, workspace_id=workspace_id, process_ids=[r.process_id for r in ranks]),
     )
 
