@@ -15,7 +15,8 @@
 # (";"-separated, each its file name without .py and its options, e.g. "host_memory_pinning
 # --sizes 16;restore_without_room"; they all write one file, bench-probes.txt, so that a caller that
 # keeps only a few files of $OUT gets them).
-# tests/gpu/test_server_end_to_end.py needs the server extra: installed, or its wheels in .whl/
+# tests/gpu/test_server_end_to_end.py and tests/gpu/test_sharing_one_gpu.py need the server extra: installed, or
+# its wheels in .whl/
 # (ci/server-wheels.sh fetches them for a machine without network; ci/framework-wheels.sh fastai's).
 set -uo pipefail
 cd "$(dirname "$0")/.."
