@@ -53,7 +53,9 @@ def drain(
 class Server:
     """The drains API as the CLI calls it: the drain made, then one scripted answer per read."""
 
-    def __init__(self, made: wire.DrainInfo, reads: list[wire.DrainInfo], listed: list[wire.DrainInfo] = ()) -> None:  # type: ignore[assignment]
+    def __init__(
+        self, made: wire.DrainInfo, reads: list[wire.DrainInfo], listed: tuple[wire.DrainInfo, ...] = ()
+    ) -> None:
         self.made, self.reads, self.listed = made, reads, list(listed)
         self.requests: list[wire.DrainRequest] = []
         self.ended: list[int] = []
