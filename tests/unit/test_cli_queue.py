@@ -1,0 +1,247 @@
+"""`flexium resume --when-free | --make-room | --cancel`, `flexium queue` and `flexium priority` on a
+scripted server: the option combinations refused before anything is sent, what queuing a job says
+(its wait, its place, what it waits for, how to list and cancel), making room followed until the
+queue sends the resume (or the wait ends, or the timeout), a cancel that finds nothing waiting, the
+queue's table, and a priority read, set and refused."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections.abc import Sequence
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from flexium import wire
+from flexium.cli import queue as queue_cli
+from flexium.cli.exit_status import EXIT_FAILED, EXIT_OK, UsageError
+from flexium.cli.main import build_parser
+
+GIB = 1 << 30
+
+
+def wait(**fields: Any) -> wire.WaitInfo:
+    values: dict[str, Any] = {
+        "id": 3,
+        "process_id": "gpu-7f3a",
+        "job_key": None,
+        "host": "node1",
+        "gpu_uuid": None,
+        "priority": 50,
+        "state": "waiting",
+        "position": 2,
+        "need_bytes": 30 * GIB,
+        "created_at": time.time() - 30,
+        "finished_at": None,
+        "command_id": None,
+        "dispatches": 0,
+        "requested_by": "alice",
+        "reason": "queued by alice",
+        "note": None,
+    }
+    return wire.WaitInfo(**{**values, **fields})
+
+
+def command(kind: str, command_id: int, process_id: str = "gpu-7f3a") -> wire.CommandInfo:
+    return wire.CommandInfo(
+        id=command_id,
+        kind=kind,  # type: ignore[arg-type]
+        process_id=process_id,
+        state="queued",
+        target_uuid=None,
+        created_at=0.0,
+        delivered_at=None,
+        started_at=None,
+        finished_at=None,
+        deliveries=0,
+        result=None,
+        error=None,
+    )
+
+
+class Server:
+    """The queue's API as the CLI calls it, with scripted answers."""
+
+    workspace = "team"
+
+    def __init__(
+        self,
+        created: wire.WaitCreated | None = None,
+        reads: Sequence[wire.WaitInfo] = (),
+        waits: Sequence[wire.WaitInfo] = (),
+    ) -> None:
+        self.created, self.reads, self.waits = created, list(reads), list(waits)
+        self.requests: list[wire.WaitRequest] = []
+        self.cancelled: list[int] = []
+        self.priorities: list[tuple[str, int]] = []
+
+    def create_wait(self, request: wire.WaitRequest) -> wire.WaitCreated:
+        self.requests.append(request.model_copy())
+        assert self.created is not None
+        return self.created
+
+    def get_wait(self, wait_id: int) -> wire.WaitInfo:
+        return self.reads.pop(0)
+
+    def get_command(self, command_id: int) -> wire.CommandInfo:
+        return command("resume", command_id)
+
+    def list_waits(self, *, process_id: str | None = None, ended: bool = False) -> list[wire.WaitInfo]:
+        return [w for w in self.waits if process_id in (None, w.process_id)]
+
+    def cancel_wait(self, wait_id: int) -> wire.WaitInfo:
+        self.cancelled.append(wait_id)
+        return wait(id=wait_id, state="cancelled")
+
+    def get_process(self, process_id: str) -> Any:
+        return SimpleNamespace(process_id=process_id, priority=50, job=None)
+
+    def set_priority(self, process_id: str, priority: int) -> Any:
+        self.priorities.append((process_id, priority))
+        job = SimpleNamespace(key="run-7", world_size=2)
+        return SimpleNamespace(process_id=process_id, priority=priority, job=job)
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    args: argparse.Namespace = build_parser().parse_args(list(argv))
+    return args
+
+
+def run(server: Server, *argv: str) -> int:
+    args = parse(*argv)
+    status: int = args.on_server(server, args)
+    return status
+
+
+@pytest.fixture(autouse=True)
+def no_pause_between_reads(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(queue_cli, "FOLLOW_EVERY_S", 0.0)
+
+
+@pytest.mark.parametrize(
+    ("argv", "said"),
+    [
+        (("gpu-7f3a", "cuda:1", "--when-free"), "take no TARGET or --ranks: name the GPU with --gpu"),
+        (("gpu-7f3a", "--make-room", "--ranks", "0=cuda:1"), "take no TARGET or --ranks"),
+        (("gpu-7f3a", "--cancel", "--gpu", "cuda:1"), "--cancel takes no --gpu or --host"),
+        (("gpu-7f3a", "--make-room", "--host", "node2"), "--host goes with --when-free"),
+        (("gpu-7f3a", "--when-free", "--reason", "later"), "--reason goes with a command sent now"),
+        (("gpu-7f3a", "--gpu", "cuda:1"), "--gpu and --host go with --when-free or --make-room"),
+    ],
+)
+def test_option_combinations_that_cannot_be_are_refused_before_anything_is_sent(
+    argv: tuple[str, ...], said: str
+) -> None:
+    server = Server()
+    with pytest.raises(UsageError, match=said.replace("(", r"\(")):
+        run(server, "resume", *argv)
+    assert server.requests == []
+
+
+def test_when_free_and_make_room_are_one_or_the_other() -> None:
+    with pytest.raises(SystemExit):
+        parse("resume", "gpu-7f3a", "--when-free", "--make-room")
+
+
+def test_queuing_says_its_wait_its_place_and_how_to_list_and_cancel_it(capsys: pytest.CaptureFixture[str]) -> None:
+    server = Server(wire.WaitCreated(wait=wait(), commands=[]))
+    assert run(server, "resume", "gpu-7f3a", "--when-free", "--gpu", "cuda:1", "--host", "node1") == EXIT_OK
+    assert server.requests == [wire.WaitRequest(process_id="gpu-7f3a", gpu="cuda:1", host="node1", make_room=False)]
+    assert capsys.readouterr().out == (
+        "resume gpu-7f3a: queued as wait 3, number 2 in host node1's queue: it resumes when a GPU of its host has "
+        "30.0 GiB free (`flexium queue` lists the queue; `flexium resume gpu-7f3a --cancel` takes it out)\n"
+    )
+
+
+def test_making_room_is_followed_until_the_queue_sends_the_resume(capsys: pytest.CaptureFixture[str]) -> None:
+    held = wait(gpu_uuid="GPU-0001")
+    created = wire.WaitCreated(wait=held, commands=[command("pause", 5, "gpu-low")])
+    server = Server(created, reads=[held, held.model_copy(update={"state": "dispatched", "command_id": 9})])
+    args = parse("resume", "gpu-7f3a", "--make-room")
+    resume = queue_cli.resume_later(server, args)  # type: ignore[arg-type]
+    assert isinstance(resume, wire.CommandInfo) and (resume.id, resume.kind) == (9, "resume")
+    assert server.requests[0].make_room is True and server.reads == []
+    err = capsys.readouterr().err
+    assert "resume gpu-7f3a: making room: pausing gpu-low (command 5)" in err
+    assert "room held for it on GPU-0001; waiting for the pauses to free it" in err
+
+
+def test_making_room_fails_when_the_wait_ends_without_a_resume_or_outlives_the_timeout(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    held = wait(gpu_uuid="GPU-0001")
+    gone = held.model_copy(update={"state": "cancelled", "note": "the job left"})
+    server = Server(wire.WaitCreated(wait=held, commands=[]), reads=[gone])
+    assert queue_cli.resume_later(server, parse("resume", "gpu-7f3a", "--make-room")) == EXIT_FAILED  # type: ignore[arg-type]
+    assert "resume gpu-7f3a: wait 3 cancelled: the job left" in capsys.readouterr().err
+
+    late = Server(wire.WaitCreated(wait=held, commands=[]), reads=[held] * 3)
+    args = parse("resume", "gpu-7f3a", "--make-room", "--timeout", "0")
+    assert queue_cli.resume_later(late, args) == EXIT_FAILED  # type: ignore[arg-type]
+    assert "still waiting after 0 s (wait 3); it resumes when the room shows" in capsys.readouterr().err
+
+
+def test_a_room_free_at_once_gives_the_resume_to_follow(capsys: pytest.CaptureFixture[str]) -> None:
+    server = Server(wire.WaitCreated(wait=wait(state="dispatched"), commands=[command("resume", 8)]))
+    resume = queue_cli.resume_later(server, parse("resume", "gpu-7f3a", "--when-free"))  # type: ignore[arg-type]
+    assert isinstance(resume, wire.CommandInfo) and resume.id == 8
+    assert capsys.readouterr().out == ""
+
+
+def test_cancel_takes_the_waiting_wait_out_or_says_nothing_waits(capsys: pytest.CaptureFixture[str]) -> None:
+    server = Server(waits=[wait(id=2, state="dispatched", command_id=11), wait(id=3)])
+    assert run(server, "resume", "gpu-7f3a", "--cancel") == EXIT_OK
+    assert server.cancelled == [3]
+    assert "resume gpu-7f3a when free: cancelled (wait 3); it stays paused" in capsys.readouterr().out
+
+    under_way = Server(waits=[wait(id=2, state="dispatched", command_id=11)])
+    assert run(under_way, "resume", "gpu-7f3a", "--cancel") == EXIT_FAILED
+    assert under_way.cancelled == []
+    assert "gpu-7f3a is not waiting in the queue: its resume, command 11, is under way" in capsys.readouterr().err
+
+
+def test_the_queue_lists_each_wait_with_its_priority_place_and_a_clipped_note(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    long_note = "resume refused by the job: " + "x" * 80
+    server = Server(
+        waits=[
+            wait(priority=90, position=1),
+            wait(id=4, process_id="run-7-rank-0", job_key="run-7", gpu_uuid="GPU-0001", priority=70, note=long_note),
+        ]
+    )
+    assert run(server, "queue") == EXIT_OK
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == [
+        "WAIT", "PROCESS", "PRIORITY", "PLACE", "STATE", "HOST", "GPU", "NEEDS", "WAITING", "BY", "NOTE",
+    ]  # fmt: skip
+    assert lines[1].split()[:9] == ["3", "gpu-7f3a", "high", "1", "waiting", "node1", "any", "30.0", "GiB"]
+    assert lines[2].split()[:5] == ["4", "run-7-rank-0", "(job)", "70", "2"]
+    assert lines[2].endswith("x~") and len(lines[2].split("alice  ")[1]) == queue_cli.NOTE_WIDTH
+    assert lines[-1].startswith("PLACE: in its host's queue")
+
+    assert run(Server(), "queue") == EXIT_OK
+    assert capsys.readouterr().out == "no job waits to resume in workspace 'team'\n"
+    assert run(Server(), "queue", "--all") == EXIT_OK
+    assert capsys.readouterr().out == "no wait yet\n"
+
+
+def test_a_priority_is_shown_set_by_name_or_number_and_refused_outside_the_scale(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    server = Server()
+    assert run(server, "priority", "gpu-7f3a") == EXIT_OK
+    assert capsys.readouterr().out == "gpu-7f3a: priority normal\n"
+    assert run(server, "priority", "gpu-7f3a", "HIGH") == EXIT_OK
+    assert run(server, "priority", "gpu-7f3a", "70") == EXIT_OK
+    assert server.priorities == [("gpu-7f3a", 90), ("gpu-7f3a", 70)]
+    assert capsys.readouterr().out.splitlines() == [
+        "gpu-7f3a: priority high (every rank of job run-7)",
+        "gpu-7f3a: priority 70 (every rank of job run-7)",
+    ]
+    for wrong in ("urgent", "101", "-1"):
+        with pytest.raises(UsageError, match="is not low, normal, high or a number 0-100"):
+            run(server, "priority", "gpu-7f3a", wrong)
+    assert len(server.priorities) == 2
