@@ -178,6 +178,14 @@ def test_json_prints_the_drain_as_it_ended_and_nothing_else(capsys: pytest.Captu
     assert err == ""
 
 
+def test_json_after_the_timeout_is_the_drain_alone_the_failure_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
+    under_way = drain(moves=[move("gpu-a", "migrate", "running", 1)])
+    assert run(Server(under_way, [under_way]), "drain", "node1:2", "--json", "--timeout", "0") == EXIT_FAILED
+    out, err = capsys.readouterr()
+    assert json.loads(out)["state"] == "draining"  # one JSON document: a script reads what is under way
+    assert "moves still under way after 0 s" in err
+
+
 def test_undrain_ends_every_drain_a_host_or_gpu_names(capsys: pytest.CaptureFixture[str]) -> None:
     whole = drain(id=5, gpu_uuid=None, gpu_index=None)
     by_index, by_uuid = drain(id=6), drain(id=7, gpu_uuid="GPU-0003", gpu_index=3)

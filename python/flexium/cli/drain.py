@@ -69,8 +69,7 @@ def _drain(api: Any, args: argparse.Namespace) -> int:
             f"drain {drain.id}: moves still under way after {args.timeout:.0f} s (`flexium drain` again shows them; "
             f"GET {protocol.PATH_DRAIN.format(drain_id=drain.id)})",
             EXIT_FAILED,
-            as_json=args.json,
-        )
+        )  # under --json the drain printed above is stdout's one document: it says what is under way
     return EXIT_OK
 
 
