@@ -201,6 +201,9 @@ PATH_WAIT = "/waits/{wait_id}"  # DELETE cancels
 PATH_DRAINS = "/drains"  # POST drains a GPU of a host (or all of them), GET lists the drains
 PATH_DRAIN = "/drains/{drain_id}"  # GET: its progress, job by job; DELETE undrains
 PATH_PRIORITY = "/processes/{process_id}/priority"  # PUT: a job's priority (admin)
+PATH_PLACEMENTS = "/placements"  # flexium run: POST places a job not started yet, GET lists
+PATH_PLACEMENT = "/placements/{placement_id}"  # DELETE: flexium run is done with it
+PATH_PLACEMENT_REPORT = "/placements/{placement_id}/report"  # POST: asked again, with the host's GPUs now
 
 # --- timing defaults (the server sends its own values in wire.RegisterResponse) ------------------
 
@@ -304,6 +307,15 @@ def priority_name(value: int) -> str:
 WaitState = Literal["waiting", "dispatched", "done", "cancelled"]
 WAIT_STATES: tuple[str, ...] = get_args(WaitState)
 LIVE_WAIT_STATES: tuple[str, ...] = ("waiting", "dispatched")
+
+# flexium run's placements. waiting: for room on its host; placed: a GPU chosen and its room held;
+# started: its job registered and took that room; ended: placed, but its flexium run ended first;
+# cancelled: never placed (Ctrl-C, its flexium run stopped asking).
+PlacementState = Literal["waiting", "placed", "started", "ended", "cancelled"]
+PLACEMENT_STATES: tuple[str, ...] = get_args(PlacementState)
+LIVE_PLACEMENT_STATES: tuple[str, ...] = ("waiting", "placed")
+# What flexium run hands its job: the placement whose held room its registration takes.
+PLACEMENT_ENV = "FLEXIUM_PLACEMENT"
 
 # What a drain did to one job on the GPUs it drains: moved it to another GPU of its host (migrate),
 # paused it to resume when free (pause: it fits nowhere, or its move failed), or nothing it could

@@ -304,6 +304,9 @@ class RegisterRequest(WireIn):
         description="its priority as the job was started with (FLEXIUM_PRIORITY); taken when the process is new "
         "(an admin's change outlives a registration again); None: normal",
     )
+    placement_id: Annotated[int, Field(ge=1, le=2**31 - 1)] | None = Field(
+        default=None, description="the placement flexium run started it with: its registration takes the room held"
+    )
 
 
 class HeartbeatRequest(WireIn):
@@ -403,6 +406,35 @@ class WaitRequest(WireIn):
         description="pause the fewest jobs of lower priority on one GPU to free what it needs, hold that room for "
         "it and resume it there; the jobs paused wait in the queue to resume when free",
     )
+
+
+class PlacementRequest(WireIn):
+    """``flexium run``: start a job on a GPU of its host once that GPU has the room it needs."""
+
+    host: HostName = Field(description="the host the job runs on, as its processes report it")
+    gpu_uuid: ShortText | None = Field(default=None, description="the GPU it must run on; None: the one with most room")
+    memory_bytes: Bytes = Field(default=0, description="the GPU memory it needs (0: a GPU with the most room, now)")
+    priority: Priority = protocol.DEFAULT_PRIORITY
+    make_room: bool = Field(
+        default=False,
+        description="pause the fewest jobs of lower priority on one GPU to free what it needs and hold that room "
+        "for it (admin); the jobs paused wait in the queue to resume when free",
+    )
+    command: LongText = Field(default="", description="its command line, as people see it in the queue")
+    devices: Annotated[list[GpuReport], Field(max_length=protocol.MAX_DEVICES)] = Field(
+        default_factory=list, description="the host's GPUs as flexium run reads them now"
+    )
+
+    @field_validator("priority", mode="before")
+    @classmethod
+    def _named(cls, value: object) -> object:
+        return protocol.read_priority(value) if isinstance(value, str) else value
+
+
+class PlacementReport(WireIn):
+    """``flexium run`` asks again while it waits (and until its job registers): its host's GPUs now."""
+
+    devices: Annotated[list[GpuReport], Field(max_length=protocol.MAX_DEVICES)] = []
 
 
 class PriorityRequest(WireIn):
@@ -789,6 +821,37 @@ class WaitCreated(WireOut):
     commands: list[CommandInfo] = Field(
         description="what it set going at once: the pauses that make room, its resume when there is room now"
     )
+
+
+class PlacementInfo(WireOut):
+    """A job ``flexium run`` starts once its host has room: placed on the GPU with the most room (or
+    the one it names), after the jobs before it in the queue's order, its room then held until its
+    job registers."""
+
+    id: int
+    host: str
+    state: protocol.PlacementState
+    gpu_uuid: str | None = Field(description="the GPU it asked for, or room was made on; None: the one with most room")
+    need_bytes: int
+    priority: int
+    position: int | None = Field(
+        default=None, description="its place among its host's waiting placements (1: next); None once placed"
+    )
+    placed_uuid: str | None = Field(description="the GPU it was placed on")
+    placed_index: int | None = Field(description="that GPU's nvidia-smi index on its host")
+    process_id: str | None = Field(description="the process that registered with it")
+    created_at: float
+    placed_at: float | None
+    finished_at: float | None
+    requested_by: str
+    command: str
+    note: str | None = Field(description="why it waits, or where it was placed and why")
+    reservation: ReservationInfo | None = Field(default=None, description="the room held for it")
+
+
+class PlacementCreated(WireOut):
+    placement: PlacementInfo
+    commands: list[CommandInfo] = Field(description="the pauses that make room for it (make_room)")
 
 
 class HealthInfo(WireOut):

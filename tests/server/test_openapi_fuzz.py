@@ -71,6 +71,7 @@ class Seeded:
     idle_process_id: str = ""  # a process with no command yet, for the bodies of new commands
     paused_process_id: str = ""  # a paused one on a full host, for the bodies of new waits
     wait_id: int = 0
+    placement_id: int = 0
     command_id: int = 0
     operation_id: int = 0
     rounds: int = 0
@@ -150,6 +151,7 @@ def _seed(base: str, seeded: Seeded) -> None:
     paused = process_body(seeded.paused_process_id, host=PAUSED_HOST, state="PAUSED", memory=0, devices=full)
     post("/processes", {**paused, "footprint_bytes": 1 << 30})
     seeded.wait_id = post("/waits", {"process_id": seeded.paused_process_id})["wait"]["id"]
+    seeded.placement_id = post("/placements", {"host": f"placed-{n}", "devices": [gpu(0)]})["placement"]["id"]
     for rank in (0, 1):
         post("/processes", rank_body(rank, key=f"run-{n}", process_id=f"run-{n}-rank-{rank}"))
     seeded.command_id = post("/commands", {"kind": "migrate", "process_id": seeded.process_id, "target": "cuda:1"})[
@@ -170,6 +172,7 @@ def _real_rows(seeded: Seeded, names: set[str]) -> dict[str, Any]:
         "operation_id": seeded.operation_id,
         "token_id": seeded.spare_token_id,
         "wait_id": seeded.wait_id,
+        "placement_id": seeded.placement_id,
     }
     return {name: value for name, value in rows.items() if name in names}
 

@@ -53,6 +53,11 @@ ALLOWED: dict[tuple[str, str], frozenset[str]] = {
     ("GET", W + "/waits/{wait_id}"): READERS,
     ("DELETE", W + "/waits/{wait_id}"): frozenset((ADMIN,)),
     ("PUT", W + "/processes/{process_id}/priority"): frozenset((ADMIN,)),
+    ("POST", W + "/placements"): WORKERS,
+    ("GET", W + "/placements"): EVERYONE,
+    ("GET", W + "/placements/{placement_id}"): EVERYONE,
+    ("POST", W + "/placements/{placement_id}/report"): WORKERS,
+    ("DELETE", W + "/placements/{placement_id}"): WORKERS,
     ("POST", W + "/drains"): frozenset((ADMIN,)),
     ("GET", W + "/drains"): READERS,
     ("GET", W + "/drains/{drain_id}"): READERS,
@@ -152,6 +157,17 @@ def test_every_operation_admits_the_roles_it_should(live: Workspace) -> None:
 
     wait_id = waiting("seen")
 
+    def placement(role: str) -> dict[str, object]:
+        return {"host": f"host-placed-{role}", "devices": [gpu(0)], "command": "python train.py"}
+
+    def placed_by_job(_role: str) -> int:
+        """A placement of the job token's (a job token reads and ends only its own)."""
+        r = live.call(JOB, "POST", "/placements", placement("job"))
+        assert r.status_code == 201, r.text
+        return int(r.json()["placement"]["id"])
+
+    placement_id = placed_by_job("seen")
+
     def drained(role: str) -> int:
         paused(role, "undrain")
         r = live.call(ADMIN, "POST", "/drains", {"host": f"host-undrain-{role}", "gpu": 1})
@@ -212,6 +228,15 @@ def test_every_operation_admits_the_roles_it_should(live: Workspace) -> None:
         ("GET", W + "/drains"): lambda role: live.call(role, "GET", "/drains"),
         ("GET", W + "/drains/{drain_id}"): lambda role: live.call(role, "GET", f"/drains/{drain_id}"),
         ("DELETE", W + "/drains/{drain_id}"): lambda role: live.call(role, "DELETE", f"/drains/{drained(role)}"),
+        ("POST", W + "/placements"): lambda role: live.call(role, "POST", "/placements", placement(role)),
+        ("GET", W + "/placements"): lambda role: live.call(role, "GET", "/placements"),
+        ("GET", W + "/placements/{placement_id}"): lambda role: live.call(role, "GET", f"/placements/{placement_id}"),
+        ("POST", W + "/placements/{placement_id}/report"): lambda role: live.call(
+            role, "POST", f"/placements/{placement_id}/report", {"devices": [gpu(0)]}
+        ),
+        ("DELETE", W + "/placements/{placement_id}"): lambda role: live.call(
+            role, "DELETE", f"/placements/{placed_by_job(role)}"
+        ),
     }
     assert set(calls) == set(ALLOWED)
     seen: dict[tuple[str, str, str], int] = {}

@@ -7,7 +7,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from flexium.cli import connection, drain, moves, processes, queue, server, workspaces
+from flexium.cli import connection, drain, moves, processes, queue, run, server, workspaces
 from flexium.cli.terminal import terminal_safe_output
 
 DISTRIBUTION = "flexium"  # pyproject.toml's [project] name
@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     moves.add_commands(commands)
     queue.add_commands(commands)
     drain.add_commands(commands)
+    run.add_commands(commands)
 
     demo = commands.add_parser("demo", help="start a local server and a small training job attached to it")
     demo.add_argument("--port", type=int, default=None, help="server port (default 8080)")

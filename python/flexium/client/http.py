@@ -424,6 +424,29 @@ class ApiClient:
         answer = self.request("DELETE", protocol.PATH_WAIT.format(wait_id=wait_id))
         return self._read(wire.WaitInfo, answer, "the cancelled wait")
 
+    def create_placement(self, body: wire.PlacementRequest) -> wire.PlacementCreated:
+        """flexium run's job placed, or queued for room; not retried, as ``create_wait``."""
+        answer = self.request("POST", protocol.PATH_PLACEMENTS, json=_body(body))
+        return self._read(wire.PlacementCreated, answer, "the new placement")
+
+    def report_placement(self, placement_id: int, body: wire.PlacementReport) -> wire.PlacementInfo:
+        answer = self.request(
+            "POST", protocol.PATH_PLACEMENT_REPORT.format(placement_id=placement_id), json=_body(body), retries=2
+        )
+        return self._read(wire.PlacementInfo, answer, "the placement")
+
+    def close_placement(self, placement_id: int) -> wire.PlacementInfo:
+        answer = self.request("DELETE", protocol.PATH_PLACEMENT.format(placement_id=placement_id), retries=2)
+        return self._read(wire.PlacementInfo, answer, "the placement")
+
+    def issue_token(self, body: wire.TokenRequest) -> wire.TokenCreated:
+        answer = self.request("POST", protocol.PATH_TOKENS, json=_body(body))
+        return self._read(wire.TokenCreated, answer, "the new token")
+
+    def revoke_token(self, token_id: int) -> wire.TokenRevoked:
+        answer = self.request("DELETE", protocol.PATH_TOKEN.format(token_id=token_id), retries=2)
+        return self._read(wire.TokenRevoked, answer, "the revoked token")
+
     def set_priority(self, process_id: str, priority: int) -> wire.ProcessInfo:
         answer = self.request(
             "PUT", protocol.PATH_PRIORITY.format(process_id=process_id), json={"priority": priority}, retries=1

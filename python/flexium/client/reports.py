@@ -46,6 +46,12 @@ def _short(text: object, limit: int = protocol.MAX_SHORT_TEXT) -> str:
     return wire.clean_text(str(text or ""))[:limit]
 
 
+def _placement_id() -> int | None:
+    """The placement ``flexium run`` started this job with, whose held room it takes."""
+    text = os.environ.get(protocol.PLACEMENT_ENV, "")
+    return int(text) if text.isdigit() and 0 < int(text) < 2**31 else None
+
+
 def _process_started_at() -> float | None:
     """When this process started (Linux: /proc), so the dashboard shows the job's age, not
     the age of its flexium connection."""
@@ -273,6 +279,7 @@ class ProcessReporter:
             seq=reading.seq,
             job=job_membership(),
             priority=self.training.config.priority if self.training.config is not None else None,
+            placement_id=_placement_id(),
             **self._progress(),
         )
 

@@ -391,6 +391,35 @@ class DrainMove(Base):
     note: Mapped[str] = mapped_column(Text, default="")
 
 
+class Placement(Base):
+    """A job ``flexium run`` starts once its host has room (``server/policies/placement.py``): the
+    GPU it asks for (None: the one with the most room) and the room it needs; placed, its room is
+    held (``reservation_id``) until the job registers and takes it."""
+
+    __tablename__ = "placements"
+    __table_args__ = (Index("ix_placements_queue", "workspace_id", "host", "state"), {"sqlite_autoincrement": True})
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    workspace_id: Mapped[int] = mapped_column(ForeignKey("workspaces.id", ondelete="CASCADE"))
+    host: Mapped[str] = mapped_column(String(protocol.MAX_HOST_LEN))
+    gpu_uuid: Mapped[str | None] = mapped_column(String(protocol.MAX_SHORT_TEXT), nullable=True)  # None: auto
+    need_bytes: Mapped[int] = mapped_column(BigInteger)
+    priority: Mapped[int] = mapped_column(Integer)
+    state: Mapped[str] = mapped_column(String(16))  # protocol.PLACEMENT_STATES
+    created_at: Mapped[float] = mapped_column(Double)
+    # When its flexium run last asked: one that stopped asking waits no more.
+    asked_at: Mapped[float] = mapped_column(Double)
+    placed_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    finished_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    placed_uuid: Mapped[str | None] = mapped_column(String(protocol.MAX_SHORT_TEXT), nullable=True)
+    # No foreign key: a reservation expires by itself (the sweep drops it).
+    reservation_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    process_id: Mapped[str | None] = mapped_column(String(protocol.MAX_SHORT_TEXT), nullable=True)
+    requested_by: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT))
+    token_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
+    command: Mapped[str] = mapped_column(Text)
+    note: Mapped[str | None] = mapped_column(Text, nullable=True)
+
+
 def table_of(model: type[Base]) -> Table:
     """A model's Core table, typed as one (``__table__`` is typed as any FROM clause), for
     the statements written in Core: bulk updates, upserts, single-statement deliveries."""

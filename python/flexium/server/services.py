@@ -44,6 +44,15 @@ async def register_process(
         token_id=auth.token_id,
         own_only=auth.role == protocol.ROLE_JOB,
     )
+    if body.placement_id is not None:
+        await ctx.db.call(
+            storage.take_placement,
+            write=True,
+            workspace_id=workspace_id,
+            placement_id=body.placement_id,
+            process_id=body.process_id,
+            now=now,
+        )
     key = (workspace_id, body.process_id)
     ctx.process_hosts[key] = process.host
     ctx.snapshots[key] = snapshot

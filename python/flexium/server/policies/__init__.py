@@ -8,5 +8,7 @@ command per process is a unique index).
 
 - ``resume_when_free``: the queue of paused jobs waiting for room.
 - ``make_room``: pause the fewest jobs of lower priority on one GPU for a job, and hold the room.
+- ``placement``: flexium run's jobs not started yet, placed where there is room (``server/placing.py``
+  runs it).
 - ``room``: a host's GPUs as the policies count their room (reservations, resumes under way).
 """

@@ -13,7 +13,7 @@ from fastapi import APIRouter, Header, Path, Query, Response
 from fastapi.responses import StreamingResponse
 
 from flexium import protocol, wire
-from flexium.server import drains, queue, services, storage
+from flexium.server import drains, placing, queue, services, storage
 from flexium.server.auth import (
     Admin,
     Member,
@@ -293,6 +293,85 @@ async def cancel_wait(wait_id: Annotated[int, Path(ge=1, le=2**31 - 1)], auth: A
 )
 async def set_priority(process_id: ProcessIdPath, body: wire.PriorityRequest, auth: Admin, ctx: Ctx) -> Any:
     return await queue.set_priority(ctx, auth=auth, process_id=process_id, body=body)
+
+
+# --- flexium run's placements ------------------------------------------------------------------
+
+PlacementIdPath = Annotated[int, Path(ge=1, le=2**31 - 1)]
+
+
+@router.post(
+    "/placements",
+    response_model=wire.PlacementCreated,
+    status_code=201,
+    summary=(
+        "Place a job not started yet (flexium run) on the GPU of its host with the most room, or wait for room "
+        "(make_room, admin: pause jobs of lower priority for it now); placed at once when it fits"
+    ),
+)
+async def create_placement(body: wire.PlacementRequest, auth: Worker, ctx: Ctx) -> Any:
+    return await placing.create_placement(ctx, auth=auth, body=body)
+
+
+@router.get(
+    "/placements",
+    response_model=list[wire.PlacementInfo],
+    summary="Placements: live ones by host in queue order; with all=true every one, newest first",
+)
+async def list_placements(
+    auth: Member,
+    ctx: Ctx,
+    host: Annotated[str | None, Query(max_length=protocol.MAX_HOST_LEN, pattern=_NO_NUL)] = None,
+    all: Annotated[bool, Query(description="ended placements too")] = False,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> Any:
+    return await ctx.db.call(
+        storage.list_placements,
+        write=False,
+        workspace_id=auth.workspace_id,
+        actor=auth,
+        now=time.time(),
+        host=host,
+        live=not all,
+        limit=limit,
+    )
+
+
+@router.get("/placements/{placement_id}", response_model=wire.PlacementInfo, summary="One placement")
+async def get_placement(placement_id: PlacementIdPath, auth: Member, ctx: Ctx) -> Any:
+    return await ctx.db.call(
+        storage.get_placement,
+        write=False,
+        workspace_id=auth.workspace_id,
+        actor=auth,
+        placement_id=placement_id,
+        now=time.time(),
+    )
+
+
+@router.post(
+    "/placements/{placement_id}/report",
+    response_model=wire.PlacementInfo,
+    summary="flexium run asks again with its host's GPUs now; placed when it fits",
+)
+async def report_placement(placement_id: PlacementIdPath, body: wire.PlacementReport, auth: Worker, ctx: Ctx) -> Any:
+    return await placing.ask_again(ctx, auth=auth, placement_id=placement_id, body=body)
+
+
+@router.delete(
+    "/placements/{placement_id}",
+    response_model=wire.PlacementInfo,
+    summary="flexium run is done with it: a waiting one is cancelled, a placed one ends and its room goes",
+)
+async def close_placement(placement_id: PlacementIdPath, auth: Worker, ctx: Ctx) -> Any:
+    return await ctx.db.call(
+        storage.close_placement,
+        write=True,
+        workspace_id=auth.workspace_id,
+        actor=auth,
+        placement_id=placement_id,
+        now=time.time(),
+    )
 
 
 # --- drains ------------------------------------------------------------------------------------

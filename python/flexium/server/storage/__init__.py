@@ -34,6 +34,7 @@ from flexium.server.storage.devices import device_indexes, list_devices, upsert_
 from flexium.server.storage.drains import drained_gpus, get_drain, list_drains
 from flexium.server.storage.history import HISTORY_EVERY_S, HISTORY_KEEP_S, Sample, gpu_history, prune_history
 from flexium.server.storage.jobs import get_operation, list_jobs, summarize_jobs
+from flexium.server.storage.placements import close_placement, get_placement, list_placements, take_placement
 from flexium.server.storage.priorities import set_priority
 from flexium.server.storage.processes import (
     HeartbeatOutcome,
@@ -91,6 +92,10 @@ from flexium.server.storage.workspaces import (
 )
 
 __all__ = [
+    "close_placement",
+    "get_placement",
+    "list_placements",
+    "take_placement",
     "QueueView",
     "cancel_wait",
     "get_wait",

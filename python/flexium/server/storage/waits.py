@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 
 from flexium import protocol, wire
 from flexium.server.errors import Busy, InvalidRequest, InvalidState, NotFound, Stale, TargetRefused
-from flexium.server.models import Command, Device, Process, Wait
+from flexium.server.models import Command, Device, Placement, Process, Wait
 from flexium.server.storage.audit import PolicyActor, record_wait
 from flexium.server.storage.devices import held_by_gpu, host_devices
 from flexium.server.storage.jobs import is_job_rank, job_ranks
@@ -357,14 +357,15 @@ def _position(session: Session, row: Wait) -> int:
     return int(ahead or 0) + 1
 
 
-def queue_order() -> tuple[ColumnElement[Any], ...]:
-    """The queue's one order: by host, a higher priority first, first come first served within one."""
+def queue_order(row: type[Wait] | type[Placement] = Wait) -> tuple[ColumnElement[Any], ...]:
+    """The queue's one order, of waits and of flexium run's placements: by host, a higher priority
+    first, first come first served within one."""
     return (
-        Wait.workspace_id.expression,
-        Wait.host.expression,
-        Wait.priority.desc(),
-        Wait.created_at.expression,
-        Wait.id.expression,
+        row.workspace_id.expression,
+        row.host.expression,
+        row.priority.desc(),
+        row.created_at.expression,
+        row.id.expression,
     )
 
 

@@ -1,0 +1,262 @@
+"""`flexium run -- python train.py`: a job started on the GPU of this host with the most room, or
+once room appears (the server's placement queue, ``server/policies/placement.py``), or once room is
+made for it (``--make-room``: jobs of lower priority paused). The job sees every GPU of its host
+(CUDA_VISIBLE_DEVICES is left as it is: a job cannot move to a GPU it cannot see) and is told its
+GPU through flexium's device setting, its priority, the server, a token (a job token minted for it
+where the caller's token is an admin's, revoked when it ends) and its placement, whose held room
+its registration takes. Its exit status is flexium run's; Ctrl-C reaches it."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from types import FrameType
+from typing import Any
+
+from flexium import protocol, simulated, wire
+from flexium.cli.connection import add_connection_options
+from flexium.cli.exit_status import EXIT_FAILED, UsageError, fail
+from flexium.client import ApiClient, ServerError, Unauthorized
+from flexium.client.host import reported_host
+from flexium.config import ENV_DEVICE
+from flexium.units import read_size
+
+ASK_EVERY_S = 0.5  # while it waits: how soon room that appears is seen
+KEEP_ASKING_S = 2.0  # once started, until its job registers: the placement stays alive
+
+
+def add_commands(commands: Any) -> None:
+    """``commands``: the ``flexium`` parser's subparsers."""
+    p = commands.add_parser(
+        "run",
+        help="start a job on the GPU of this host with the most room, or wait for room: flexium run -- python train.py",
+    )
+    p.add_argument(
+        "--gpu",
+        default="auto",
+        help="auto (the GPU with the most room), cuda:N (the job's CUDA numbering), N (nvidia-smi's index) or "
+        "GPU-<uuid> (default: auto)",
+    )
+    p.add_argument("--memory", help="the GPU memory the job needs, e.g. 40GiB: it starts where that much is free")
+    p.add_argument("--priority", help=f"the job's priority: {protocol.PRIORITY_SYNTAX} (default: normal)")
+    p.add_argument(
+        "--make-room",
+        action="store_true",
+        help="pause the fewest jobs of lower priority on one GPU to free --memory (an admin token)",
+    )
+    p.add_argument(
+        "--host",
+        help="the host to run on, which is this one (on flexium's simulated driver: the simulated host to run on)",
+    )
+    p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the job's command line")
+    add_connection_options(p, _run)
+
+
+@dataclass(frozen=True)
+class HostGpus:
+    """This host's GPUs as the job will see them: its CUDA ordinal of each UUID, nvidia-smi's index,
+    and the report the server places by."""
+
+    ordinals: dict[str, int]
+    indexes: dict[int, str]
+    reports: list[wire.GpuReport]
+
+    @classmethod
+    def read(cls) -> HostGpus:
+        from flexium.engine import identity
+
+        gpus = identity.snapshot_gpus()
+        return cls(
+            ordinals={gpu.uuid: gpu.ordinal for gpu in gpus},
+            indexes={gpu.nvml_index: gpu.uuid for gpu in gpus if gpu.nvml_index is not None},
+            reports=read_reports(),
+        )
+
+    def uuid_of(self, text: str) -> str | None:
+        """The GPU ``--gpu`` names (None: auto)."""
+        if text == "auto":
+            return None
+        try:
+            named = protocol.read_target(text)
+        except ValueError as exc:
+            raise UsageError(f"--gpu: {exc}; or auto") from None
+        if named.ordinal is not None:
+            by_ordinal = {ordinal: uuid for uuid, ordinal in self.ordinals.items()}
+            if named.ordinal not in by_ordinal:
+                raise UsageError(f"--gpu {text}: the job would see {len(by_ordinal)} GPU(s) (cuda:0..)")
+            return by_ordinal[named.ordinal]
+        if named.index is not None:
+            if named.index not in self.indexes:
+                raise UsageError(f"--gpu {text}: this host has no GPU with nvidia-smi index {named.index}")
+            return self.indexes[named.index]
+        if named.uuid not in self.ordinals:
+            raise UsageError(f"--gpu {text}: not a GPU this host's jobs see")
+        return named.uuid
+
+
+def read_reports() -> list[wire.GpuReport]:
+    """This host's GPUs now, as a job reports them (NVML)."""
+    from flexium.client.reports import gpu_reports
+    from flexium.engine import nvml
+
+    return gpu_reports(nvml.host_gpus())
+
+
+def _say(text: str) -> None:
+    print(f"flexium run: {text}", file=sys.stderr, flush=True)
+
+
+def _run(api: ApiClient, args: argparse.Namespace) -> int:
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    if not command:
+        raise UsageError("no command to run: flexium run [options] -- python train.py")
+    _choose_host(args.host)
+    host = reported_host()
+    try:
+        gpus = HostGpus.read()
+    except Exception as exc:  # no driver, no GPU: nothing to place on
+        return fail(f"cannot read this host's GPUs, so there is nothing to place the job on: {exc}", EXIT_FAILED)
+    try:
+        priority = protocol.DEFAULT_PRIORITY if args.priority is None else protocol.read_priority(args.priority)
+    except ValueError as exc:
+        raise UsageError(f"--priority: {exc}") from None
+    request = wire.PlacementRequest(
+        host=host,
+        gpu_uuid=gpus.uuid_of(args.gpu),
+        memory_bytes=0 if args.memory is None else _memory(args.memory),
+        priority=priority,
+        make_room=args.make_room,
+        command=wire.clean_text(" ".join(command))[: protocol.MAX_LONG_TEXT],
+        devices=gpus.reports,
+    )
+    created = api.create_placement(request)
+    placement = created.placement
+    for pause in created.commands:
+        _say(f"making room: pausing {pause.process_id} (command {pause.id})")
+    try:
+        placement = _wait_until_placed(api, placement)
+    except KeyboardInterrupt:
+        api.close_placement(placement.id)
+        _say(f"placement {placement.id} cancelled")
+        return 128 + signal.SIGINT
+    if placement.state != "placed" or placement.placed_uuid is None:
+        return fail(
+            f"placement {placement.id} is {placement.state}: {placement.note or 'no reason given'}", EXIT_FAILED
+        )
+    _say(f"placement {placement.id}: {placement.note}")
+    token, minted = _job_token(api, placement.id)
+    env = dict(os.environ)
+    env[ENV_DEVICE] = f"cuda:{gpus.ordinals[placement.placed_uuid]}"
+    env[protocol.PLACEMENT_ENV] = str(placement.id)
+    env["FLEXIUM_PRIORITY"] = str(priority)
+    if args.server is not None:
+        env[protocol.SERVER_ENV] = args.server
+    if token is not None:
+        env[protocol.TOKEN_ENV] = token
+    try:
+        return _run_child(api, command, env, placement.id)
+    finally:
+        _close(api, placement.id, minted)
+
+
+def _memory(text: str) -> int:
+    try:
+        return read_size(text)
+    except ValueError as exc:
+        raise UsageError(f"--memory: {exc}") from None
+
+
+def _choose_host(host: str | None) -> None:
+    """``--host``: this host by name, or the simulated host to run on (flexium's simulated driver)."""
+    if host is None:
+        return
+    if simulated.drivers_simulated():
+        os.environ[simulated.HOST_ENV] = host
+        return
+    here = reported_host()
+    if host != here:
+        raise UsageError(
+            f"--host {host}: flexium run starts the job here, on host {here!r}; run it on {host!r} to place a job there"
+        )
+
+
+def _wait_until_placed(api: ApiClient, placement: wire.PlacementInfo) -> wire.PlacementInfo:
+    said = None
+    while placement.state == "waiting":
+        if placement.note != said:
+            place = f" (place {placement.position} in line)" if placement.position else ""
+            _say(f"placement {placement.id} waits{place}: {placement.note}")
+            said = placement.note
+        time.sleep(ASK_EVERY_S)
+        placement = api.report_placement(placement.id, wire.PlacementReport(devices=read_reports()))
+    return placement
+
+
+def _job_token(api: ApiClient, placement_id: int) -> tuple[str | None, int | None]:
+    """(the token the job is given, the id of one minted for it): a job token minted with the
+    caller's admin token; the caller's own where it cannot mint (a job token, say)."""
+    try:
+        minted = api.issue_token(wire.TokenRequest(name=f"flexium run, placement {placement_id}", role="job"))
+    except Unauthorized:
+        return api.token, None
+    return minted.token, minted.id
+
+
+def _run_child(api: ApiClient, command: list[str], env: dict[str, str], placement_id: int) -> int:
+    try:
+        child = subprocess.Popen(command, env=env)
+    except OSError as exc:
+        return fail(f"cannot start {command[0]!r}: {exc}", EXIT_FAILED)
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        # Ctrl-C at a terminal reaches the job by itself (one process group); said to flexium
+        # run alone (kill -INT), it is passed on.
+        if signum != signal.SIGINT or not _terminal_sent_it():
+            child.send_signal(signum)
+
+    previous = {sig: signal.signal(sig, forward) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        started = False
+        while True:
+            try:
+                code = child.wait(KEEP_ASKING_S)
+                break
+            except subprocess.TimeoutExpired:
+                pass
+            if not started:
+                started = _still_placed(api, placement_id)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 128 - code if code < 0 else code
+
+
+def _terminal_sent_it() -> bool:
+    """Whether flexium run is in the terminal's foreground process group, where its job is too."""
+    try:
+        return os.tcgetpgrp(sys.stdin.fileno()) == os.getpgrp()
+    except (OSError, ValueError):
+        return False
+
+
+def _still_placed(api: ApiClient, placement_id: int) -> bool:
+    """Asks again so that the placement stays alive until its job registers; whether it did."""
+    try:
+        placement = api.report_placement(placement_id, wire.PlacementReport(devices=read_reports()))
+    except ServerError:
+        return False
+    return placement.state != "placed"
+
+
+def _close(api: ApiClient, placement_id: int, minted: int | None) -> None:
+    try:
+        api.close_placement(placement_id)
+        if minted is not None:
+            api.revoke_token(minted)
+    except ServerError as exc:
+        _say(f"could not tidy up after the job: {exc}")

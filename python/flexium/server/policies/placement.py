@@ -1,0 +1,289 @@
+"""Placing a job that is not started yet (``flexium run``): on the GPU of its host with the most room
+(or the one it names) once that GPU has the room it needs, in the queue's order (a higher priority
+first, first come first served within one) and after the paused jobs waiting ahead of it
+(``resume_when_free``): a placement takes no GPU that a wait or a placement before it waits for.
+Placed, the room is held for it (a reservation, which the queue's waits cannot take) until its job
+registers and takes it (``storage.placements.take_placement``) or the reservation expires. With
+``make_room`` (an admin's), room is made at once as for a paused job (``make_room``): the fewest jobs
+of lower priority on one GPU paused, the room held, the placement waiting for that GPU. Nothing is
+placed on a drained GPU.
+
+Rows are read locked (``SKIP LOCKED`` on PostgreSQL), so two servers never place one job twice."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from flexium import protocol, wire
+from flexium.server.errors import Forbidden
+from flexium.server.models import Placement, Process, Reservation, Wait
+from flexium.server.policies.make_room import Beneficiary, make_room, plan_room
+from flexium.server.policies.room import HostRoom
+from flexium.server.storage.devices import host_devices, upsert_devices
+from flexium.server.storage.drains import drain_refusal
+from flexium.server.storage.placements import (
+    create_placement,
+    end_placement,
+    find_placement,
+    live_placements,
+    placement_view,
+    release_placement_room,
+)
+from flexium.server.storage.reservations import hold_room
+from flexium.server.storage.waits import may_resume_on, needs_of, queue_order
+from flexium.server.storage.workspaces import AuthInfo
+from flexium.units import gib
+
+
+@dataclass(frozen=True)
+class PlacementOutcome:
+    """A request answered: the placement as it is now, and the pauses that make room for it."""
+
+    placement: wire.PlacementInfo
+    pauses: tuple[wire.CommandInfo, ...] = ()
+
+
+def place_job(
+    *,
+    session: Session,
+    workspace_id: int,
+    actor: AuthInfo,
+    request: wire.PlacementRequest,
+    now: float,
+    stale_after: float,
+    reservation_ttl: float,
+) -> PlacementOutcome:
+    """``flexium run``'s request: its host's GPUs stored as it read them, the placement written (room
+    made for it when asked), and the placement pass over its host, which places it at once when it
+    fits now."""
+    if request.make_room and actor.role != protocol.ROLE_ADMIN:
+        raise Forbidden("making room pauses other jobs: it takes an admin token (flexium run --make-room)")
+    upsert_devices(session=session, workspace_id=workspace_id, host=request.host, devices=request.devices, now=now)
+    row = create_placement(session=session, workspace_id=workspace_id, actor=actor, request=request, now=now)
+    pauses: list[wire.CommandInfo] = []
+    if request.make_room:
+        pauses = _make_room(session=session, row=row, now=now, stale_after=stale_after, ttl=reservation_ttl)
+    run_placements(
+        session=session,
+        workspace_id=workspace_id,
+        host=row.host,
+        now=now,
+        stale_after=stale_after,
+        reservation_ttl=reservation_ttl,
+    )
+    return PlacementOutcome(placement_view(session=session, row=row, now=now), tuple(pauses))
+
+
+def report_placement(
+    *,
+    session: Session,
+    workspace_id: int,
+    actor: AuthInfo,
+    placement_id: int,
+    report: wire.PlacementReport,
+    now: float,
+    stale_after: float,
+    reservation_ttl: float,
+) -> wire.PlacementInfo:
+    """``flexium run`` asks again, with its host's GPUs as it reads them now: stored, then the
+    placement pass over the host."""
+    row = find_placement(session=session, workspace_id=workspace_id, placement_id=placement_id, actor=actor)
+    upsert_devices(session=session, workspace_id=workspace_id, host=row.host, devices=report.devices, now=now)
+    if row.state in protocol.LIVE_PLACEMENT_STATES:
+        row.asked_at = now
+    run_placements(
+        session=session,
+        workspace_id=workspace_id,
+        host=row.host,
+        now=now,
+        stale_after=stale_after,
+        reservation_ttl=reservation_ttl,
+    )
+    return placement_view(session=session, row=row, now=now)
+
+
+def _make_room(
+    *, session: Session, row: Placement, now: float, stale_after: float, ttl: float
+) -> list[wire.CommandInfo]:
+    room = HostRoom.read(session=session, workspace_id=row.workspace_id, host=row.host, now=now)
+    uuids = [row.gpu_uuid] if row.gpu_uuid is not None else list(room.gpus)
+    gpus = {uuid: _gpu_refusal(session, room, uuid, now=now, stale_after=stale_after) for uuid in uuids}
+    beneficiary = Beneficiary(label=_label(row), priority=row.priority, need=row.need_bytes)
+    plan = plan_room(
+        session=session,
+        workspace_id=row.workspace_id,
+        host=row.host,
+        gpus=gpus,
+        beneficiary=beneficiary,
+        room=room,
+        now=now,
+        stale_after=stale_after,
+    )
+    pauses = make_room(
+        session=session,
+        workspace_id=row.workspace_id,
+        plan=plan,
+        beneficiary=beneficiary,
+        now=now,
+        stale_after=stale_after,
+        ttl=ttl,
+    )
+    row.gpu_uuid = plan.device.uuid
+    row.reservation_id = session.scalar(
+        select(Reservation.id)
+        .where(Reservation.workspace_id == row.workspace_id, Reservation.wait_id.is_(None))
+        .where(Reservation.holder == beneficiary.label)
+        .order_by(Reservation.id.desc())
+        .limit(1)
+    )
+    paused = ", ".join(victim.label for victim in plan.victims) or "no job: the room is free"
+    row.note = f"room made on GPU {plan.device.index}, pausing {paused}"
+    return pauses
+
+
+def _label(row: Placement) -> str:
+    return f"placement {row.id} ({row.command or 'a job not started yet'})"[: protocol.MAX_SHORT_TEXT]
+
+
+def _gpu_refusal(session: Session, room: HostRoom, uuid: str, *, now: float, stale_after: float) -> str | None:
+    """Why a job cannot be placed on the GPU but for room, in a few words; None when it can."""
+    gpu = room.gpus.get(uuid)
+    if gpu is None:
+        return "not reported by its host"
+    drained = drain_refusal(session=session, dev=gpu.device)
+    if drained is not None:
+        return drained
+    if gpu.device.health and gpu.device.health not in protocol.TARGETABLE_HEALTH:
+        return f"health: {gpu.device.health}"
+    if gpu.device.updated_at < now - stale_after:
+        return "no fresh report from its host"
+    return None
+
+
+def run_placements(
+    *, session: Session, workspace_id: int, host: str, now: float, stale_after: float, reservation_ttl: float
+) -> None:
+    """Places every live placement of the host that fits now, in the queue's order; those whose
+    flexium run stopped asking end."""
+    rows = live_placements(session=session, workspace_id=workspace_id, host=host)
+    room = HostRoom.read(session=session, workspace_id=workspace_id, host=host, now=now)
+    waits = _waits_ahead(session=session, workspace_id=workspace_id, host=host)
+    blocked: dict[str, tuple[int, float]] = {}  # GPU -> (priority, created_at) of the first that waits for it
+    for row in rows:
+        if row.asked_at < now - stale_after:
+            state = "cancelled" if row.state == "waiting" else "ended"
+            why = f"its flexium run stopped asking {now - row.asked_at:.0f} s ago"
+            end_placement(session=session, row=row, state=state, note=why, now=now)
+            continue
+        if row.state == "placed":  # its room is held: the room counts it already
+            continue
+        place = (-row.priority, row.created_at)
+        ahead = {uuid for uuid, (p, at) in [*waits.items(), *blocked.items()] if (-p, at) <= place}
+        gpu = _fitting_gpu(session=session, row=row, room=room, ahead=ahead, now=now, stale_after=stale_after)
+        if gpu is None:
+            for uuid in [row.gpu_uuid] if row.gpu_uuid is not None else list(room.gpus):
+                blocked.setdefault(uuid, (row.priority, row.created_at))
+            continue
+        _place(session=session, row=row, uuid=gpu, room=room, now=now, ttl=reservation_ttl)
+
+
+def _waits_ahead(*, session: Session, workspace_id: int, host: str) -> dict[str, tuple[int, float]]:
+    """The GPUs the host's waiting paused jobs wait for, each with the first of them (priority,
+    queued at): a placement after it in the queue's order does not take that GPU."""
+    devices = host_devices(session=session, workspace_id=workspace_id, host=host)
+    first: dict[str, tuple[int, float]] = {}
+    query = (
+        select(Wait, Process)
+        .join(Process, Process.pk == Wait.process_pk)
+        .where(Wait.workspace_id == workspace_id, Wait.host == host, Wait.state == "waiting")
+        .order_by(*queue_order())
+    )
+    for wait, holder in session.execute(query):
+        for need in needs_of(session=session, wait=wait, holder=holder):
+            for uuid in [need.gpu] if need.gpu is not None else may_resume_on(need.process, devices):
+                first.setdefault(uuid, (wait.priority, wait.created_at))
+    return first
+
+
+def _own_held(session: Session, row: Placement, now: float) -> Reservation | None:
+    if row.reservation_id is None:
+        return None
+    reservation = session.get(Reservation, row.reservation_id)
+    return reservation if reservation is not None and reservation.expires_at > now else None
+
+
+def _free(room: HostRoom, uuid: str, own: Reservation | None) -> int:
+    """What the placement may count on there: free, less what is held for others."""
+    gpu = room.gpus[uuid]
+    held = sum(gpu.held.values()) - (own.bytes if own is not None and own.gpu_uuid == uuid else 0)
+    return max(0, gpu.free - held)
+
+
+def _fitting_gpu(
+    *, session: Session, row: Placement, room: HostRoom, ahead: set[str], now: float, stale_after: float
+) -> str | None:
+    """The GPU to place it on now (the one it names, else the one with the most room), or None
+    with why in its note."""
+    own = _own_held(session, row, now)
+    names = [row.gpu_uuid] if row.gpu_uuid is not None else sorted(room.gpus, key=lambda uuid: _index(room, uuid))
+    required = row.need_bytes + protocol.ROOM_MARGIN_BYTES if row.need_bytes else 0
+    why: list[str] = []
+    fitting: list[tuple[int, str]] = []
+    for uuid in names:
+        gpu = room.gpus.get(uuid)
+        label = f"GPU {uuid if gpu is None or gpu.device.index is None else gpu.device.index}"
+        refusal = _gpu_refusal(session, room, uuid, now=now, stale_after=stale_after)
+        if refusal is not None:
+            why.append(f"{label}: {refusal}")
+            continue
+        if uuid in ahead and not (own is not None and own.gpu_uuid == uuid):
+            why.append(f"{label}: a job before it in the queue waits for it")
+            continue
+        free = _free(room, uuid, own)
+        if free < required:
+            why.append(f"{label}: {gib(free)} free")
+            continue
+        fitting.append((free, uuid))
+    if fitting:
+        return max(fitting)[1]
+    need = f"{gib(required)} (its {gib(row.need_bytes)} and headroom)" if row.need_bytes else "a GPU"
+    row.note = f"waits for {need}: " + ("; ".join(why) or f"host {row.host!r} reported no GPU")
+    return None
+
+
+def _index(room: HostRoom, uuid: str) -> int:
+    index = room.gpus[uuid].device.index
+    return -1 if index is None else index
+
+
+def _place(*, session: Session, row: Placement, uuid: str, room: HostRoom, now: float, ttl: float) -> None:
+    """Placed on ``uuid``: the room held for it there until its job registers."""
+    own = _own_held(session, row, now)
+    required = row.need_bytes + protocol.ROOM_MARGIN_BYTES if row.need_bytes else 0
+    free = _free(room, uuid, own)
+    if own is None or own.gpu_uuid != uuid:
+        release_placement_room(session=session, row=row)
+        if required:
+            held = hold_room(
+                session=session,
+                workspace_id=row.workspace_id,
+                host=row.host,
+                gpu_uuid=uuid,
+                nbytes=required,
+                wait_id=None,
+                holder=_label(row),
+                now=now,
+                ttl=ttl,
+            )
+            row.reservation_id = held.id
+            room.gpus[uuid].held[None] = room.gpus[uuid].held.get(None, 0) + required
+    row.state = "placed"
+    row.placed_uuid = uuid
+    row.placed_at = now
+    index = room.gpus[uuid].device.index
+    row.note = f"placed on GPU {uuid if index is None else index}: {gib(free)} free" + (
+        f" for {gib(row.need_bytes)}" if row.need_bytes else ", the most room of its host"
+    )

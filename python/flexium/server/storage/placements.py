@@ -1,0 +1,211 @@
+"""flexium run's placements: a job not started yet that waits for room on a GPU of its host, a row
+beside the queue's waits (``storage.waits``) and in the same order (``waits.queue_order``). Asked
+for by ``flexium run`` (``create_placement``), which asks again while it waits, each time with its
+host's GPUs as it reads them; placed by the placement policy (``server/policies/placement.py``)
+with its room held (a reservation), which the job takes when it registers with the placement's id
+(``take_placement``); ended by its flexium run, or when that stops asking. A person's changes are
+audited in the transaction that makes them."""
+
+from __future__ import annotations
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from flexium import protocol, wire
+from flexium.server.errors import NotFound, TargetRefused
+from flexium.server.models import Placement, Reservation
+from flexium.server.storage.audit import record_audit
+from flexium.server.storage.devices import host_devices
+from flexium.server.storage.reservations import reservation_view
+from flexium.server.storage.waits import queue_order
+from flexium.server.storage.workspaces import AuthInfo
+from flexium.units import gib
+
+
+def create_placement(
+    *, session: Session, workspace_id: int, actor: AuthInfo, request: wire.PlacementRequest, now: float
+) -> Placement:
+    """The row as asked; the GPU it names must be one its host reported (the request's devices)."""
+    if request.gpu_uuid is not None:
+        devices = host_devices(session=session, workspace_id=workspace_id, host=request.host)
+        if request.gpu_uuid not in devices:
+            raise TargetRefused(f"GPU {request.gpu_uuid} is not a GPU of host {request.host!r}")
+    row = Placement(
+        workspace_id=workspace_id,
+        host=request.host,
+        gpu_uuid=request.gpu_uuid,
+        need_bytes=request.memory_bytes,
+        priority=request.priority,
+        state="waiting",
+        created_at=now,
+        asked_at=now,
+        requested_by=(actor.token_name or f"token {actor.token_id}")[: protocol.MAX_SHORT_TEXT],
+        token_id=actor.token_id,
+        command=request.command,
+    )
+    session.add(row)
+    session.flush()
+    record_audit(
+        session=session,
+        workspace_id=workspace_id,
+        actor=actor,
+        action="placement.created",
+        target=f"placement {row.id} on host {row.host}",
+        outcome="ok",
+        detail=f"{row.command or 'a job'}: {_asked(row)}",
+        now=now,
+    )
+    return row
+
+
+def _asked(row: Placement) -> str:
+    gpu = row.gpu_uuid or "the GPU with the most room"
+    need = f"{gib(row.need_bytes)}" if row.need_bytes else "no memory said"
+    return f"{gpu}, {need}, priority {protocol.priority_name(row.priority)}"
+
+
+def find_placement(
+    *, session: Session, workspace_id: int, placement_id: int, actor: AuthInfo | None = None, for_update: bool = False
+) -> Placement:
+    """The row; a job token sees only the placements it asked for (others: not found)."""
+    query = select(Placement).where(Placement.workspace_id == workspace_id, Placement.id == placement_id)
+    if for_update:
+        query = query.with_for_update()
+    row = session.scalar(query)
+    if row is None or (actor is not None and actor.role == protocol.ROLE_JOB and row.token_id != actor.token_id):
+        raise NotFound(f"placement {placement_id} not found")
+    return row
+
+
+def end_placement(*, session: Session, row: Placement, state: str, note: str, now: float) -> None:
+    """Waits no more (``cancelled``: never placed; ``ended``: placed, its job never took the room;
+    ``started``: its job registered): the room held for it released."""
+    row.state = state
+    row.finished_at = now
+    row.note = note[: protocol.MAX_LONG_TEXT]
+    release_placement_room(session=session, row=row)
+
+
+def release_placement_room(*, session: Session, row: Placement) -> None:
+    if row.reservation_id is not None:
+        reservation = session.get(Reservation, row.reservation_id)
+        if reservation is not None:
+            session.delete(reservation)
+        row.reservation_id = None
+
+
+def close_placement(
+    *, session: Session, workspace_id: int, actor: AuthInfo, placement_id: int, now: float
+) -> wire.PlacementInfo:
+    """``flexium run`` is done with it (its job ended, or Ctrl-C while it waited): a live one ends
+    and its room goes; a started one stays as it is."""
+    row = find_placement(
+        session=session, workspace_id=workspace_id, placement_id=placement_id, actor=actor, for_update=True
+    )
+    if row.state in protocol.LIVE_PLACEMENT_STATES:
+        who = actor.token_name or f"token {actor.token_id}"
+        state = "cancelled" if row.state == "waiting" else "ended"
+        end_placement(session=session, row=row, state=state, note=f"{state} by {who}", now=now)
+        record_audit(
+            session=session,
+            workspace_id=workspace_id,
+            actor=actor,
+            action=f"placement.{state}",
+            target=f"placement {row.id} on host {row.host}",
+            outcome="ok",
+            detail=row.command,
+            now=now,
+        )
+    return placement_view(session=session, row=row, now=now)
+
+
+def take_placement(*, session: Session, workspace_id: int, placement_id: int, process_id: str, now: float) -> None:
+    """A job registered with the placement ``flexium run`` handed it: the room held for it is its
+    own now (its memory shows in its GPU's reports). A placement that is not live any more (ended,
+    or of another workspace) is left as it is: the job runs, only without held room."""
+    row = session.scalar(
+        select(Placement).where(Placement.workspace_id == workspace_id, Placement.id == placement_id).with_for_update()
+    )
+    if row is None or row.state not in protocol.LIVE_PLACEMENT_STATES:
+        return
+    row.process_id = process_id
+    end_placement(session=session, row=row, state="started", note=f"process {process_id} registered", now=now)
+
+
+def get_placement(
+    *, session: Session, workspace_id: int, actor: AuthInfo, placement_id: int, now: float
+) -> wire.PlacementInfo:
+    row = find_placement(session=session, workspace_id=workspace_id, placement_id=placement_id, actor=actor)
+    return placement_view(session=session, row=row, now=now)
+
+
+def list_placements(
+    *,
+    session: Session,
+    workspace_id: int,
+    actor: AuthInfo,
+    now: float,
+    host: str | None = None,
+    live: bool = True,
+    limit: int = 100,
+) -> list[wire.PlacementInfo]:
+    """Live placements by host in the queue's order, or with ``live=False`` every one, newest
+    first; a job token's own only."""
+    query = select(Placement).where(Placement.workspace_id == workspace_id)
+    if host is not None:
+        query = query.where(Placement.host == host)
+    if actor.role == protocol.ROLE_JOB:
+        query = query.where(Placement.token_id == actor.token_id)
+    if live:
+        query = query.where(Placement.state.in_(protocol.LIVE_PLACEMENT_STATES)).order_by(*queue_order(Placement))
+    else:
+        query = query.order_by(Placement.id.desc())
+    return [placement_view(session=session, row=row, now=now) for row in session.scalars(query.limit(limit))]
+
+
+def live_placements(*, session: Session, workspace_id: int, host: str) -> list[Placement]:
+    """The host's live placements in the queue's order, read locked (another server's pass skips
+    them)."""
+    query = select(Placement).where(
+        Placement.workspace_id == workspace_id,
+        Placement.host == host,
+        Placement.state.in_(protocol.LIVE_PLACEMENT_STATES),
+    )
+    return list(session.scalars(query.order_by(*queue_order(Placement)).with_for_update(skip_locked=True)))
+
+
+def _position(session: Session, row: Placement) -> int:
+    """Its place among its host's waiting placements (1: next), in the queue's order."""
+    waiting = session.scalars(
+        select(Placement.id)
+        .where(Placement.workspace_id == row.workspace_id, Placement.host == row.host, Placement.state == "waiting")
+        .order_by(*queue_order(Placement))
+    )
+    return list(waiting).index(row.id) + 1
+
+
+def placement_view(*, session: Session, row: Placement, now: float) -> wire.PlacementInfo:
+    reservation = None if row.reservation_id is None else session.get(Reservation, row.reservation_id)
+    index = None
+    if row.placed_uuid is not None:
+        placed = host_devices(session=session, workspace_id=row.workspace_id, host=row.host).get(row.placed_uuid)
+        index = None if placed is None else placed.index
+    return wire.PlacementInfo(
+        id=row.id,
+        host=row.host,
+        state=row.state,  # type: ignore[arg-type]  # one of protocol.PLACEMENT_STATES, written here only
+        gpu_uuid=row.gpu_uuid,
+        need_bytes=row.need_bytes,
+        priority=row.priority,
+        position=_position(session, row) if row.state == "waiting" else None,
+        placed_uuid=row.placed_uuid,
+        placed_index=index,
+        process_id=row.process_id,
+        created_at=row.created_at,
+        placed_at=row.placed_at,
+        finished_at=row.finished_at,
+        requested_by=row.requested_by,
+        command=row.command,
+        note=row.note,
+        reservation=None if reservation is None or reservation.expires_at <= now else reservation_view(reservation),
+    )

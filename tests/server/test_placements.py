@@ -1,0 +1,176 @@
+"""flexium run's placements: a job not started yet is placed on the GPU of its host with the most
+room (or the one it names), or waits in the queue's order, after the paused jobs waiting before it,
+until a report shows the room; placed, its room is held until its job registers and takes it; with
+make-room, jobs of lower priority are paused for it; one whose flexium run stopped asking ends. On
+SQLite and PostgreSQL."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from flexium import protocol, wire
+from flexium.server import errors, storage
+from flexium.server.db import Database
+from flexium.server.policies.placement import PlacementOutcome, place_job, report_placement
+from flexium.server.storage.drains import create_drain
+from support.queue import HOST, admin, gpus_report, paused, queue
+from support.server import GIB, gpu
+from support.storage import NOW, STALE, add_process, make_workspace
+
+LOW, NORMAL, HIGH = (protocol.PRIORITIES[name] for name in ("low", "normal", "high"))
+TTL = protocol.RESERVATION_TTL_S
+
+
+def _devices(*used: int) -> list[wire.GpuReport]:
+    return [wire.GpuReport.model_validate(gpu(i, used=u)) for i, u in enumerate(used)]
+
+
+def place(db: Database, ws: int, *used: int, now: float = NOW, role: str = "admin", **request: Any) -> PlacementOutcome:
+    actor = admin(ws)
+    if role != "admin":
+        actor = storage.AuthInfo(workspace_id=ws, workspace="team", token_id=2, role=role, token_name="job")
+    request.setdefault("host", HOST)
+    outcome: PlacementOutcome = db.run(
+        place_job,
+        write=True,
+        workspace_id=ws,
+        actor=actor,
+        request=wire.PlacementRequest(devices=_devices(*used), **request),
+        now=now,
+        stale_after=STALE,
+        reservation_ttl=TTL,
+    )
+    return outcome
+
+
+def ask(db: Database, ws: int, placement_id: int, *used: int, now: float) -> wire.PlacementInfo:
+    info: wire.PlacementInfo = db.run(
+        report_placement,
+        write=True,
+        workspace_id=ws,
+        actor=admin(ws),
+        placement_id=placement_id,
+        report=wire.PlacementReport(devices=_devices(*used)),
+        now=now,
+        stale_after=STALE,
+        reservation_ttl=TTL,
+    )
+    return info
+
+
+def test_a_job_goes_to_the_gpu_with_the_most_room_and_its_room_is_held(db: Database) -> None:
+    ws, _ = make_workspace(db)
+    placed = place(db, ws, 100 * GIB, 20 * GIB, 60 * GIB, memory_bytes=40 * GIB).placement
+    assert placed.state == "placed" and placed.placed_uuid == "GPU-0001" and placed.placed_index == 1
+    assert placed.reservation is not None
+    assert placed.reservation.bytes == 40 * GIB + protocol.ROOM_MARGIN_BYTES
+    assert placed.note is not None and placed.note.startswith("placed on GPU 1: 120.0 GiB free for 40.0 GiB")
+    # The next one does not count on the room held for the first.
+    second = place(db, ws, 100 * GIB, 20 * GIB, 60 * GIB, memory_bytes=70 * GIB, now=NOW + 1).placement
+    assert second.placed_uuid == "GPU-0002"
+
+
+def test_the_gpu_it_names_or_nothing(db: Database) -> None:
+    ws, _ = make_workspace(db)
+    named = place(db, ws, 0, 130 * GIB, memory_bytes=20 * GIB, gpu_uuid="GPU-0001").placement
+    assert named.state == "waiting" and named.placed_uuid is None
+    assert named.note is not None and "GPU 1: 10.0 GiB free" in named.note
+    with pytest.raises(errors.TargetRefused, match="not a GPU of host 'node1'"):
+        place(db, ws, 0, 0, gpu_uuid="GPU-0009")
+
+
+def test_a_job_waits_until_a_report_shows_the_room(db: Database) -> None:
+    ws, _ = make_workspace(db)
+    waiting = place(db, ws, 130 * GIB, 130 * GIB, memory_bytes=40 * GIB).placement
+    assert waiting.state == "waiting" and waiting.position == 1
+    assert waiting.note is not None and waiting.note.startswith("waits for 40.5 GiB")
+    assert ask(db, ws, waiting.id, 130 * GIB, 130 * GIB, now=NOW + 1).state == "waiting"
+    placed = ask(db, ws, waiting.id, 130 * GIB, 10 * GIB, now=NOW + 2)
+    assert placed.state == "placed" and placed.placed_uuid == "GPU-0001"
+
+
+def test_first_come_first_served_within_a_priority_and_higher_first(db: Database) -> None:
+    ws, _ = make_workspace(db)
+    first = place(db, ws, 130 * GIB, memory_bytes=40 * GIB).placement
+    second = place(db, ws, 130 * GIB, memory_bytes=1 * GIB, now=NOW + 1).placement
+    assert second.state == "waiting" and second.position == 2  # room for it, but the first waits for that GPU
+    urgent = place(db, ws, 130 * GIB, memory_bytes=1 * GIB, priority=HIGH, now=NOW + 2).placement
+    assert urgent.state == "placed"
+    listed = db.run(storage.list_placements, write=False, workspace_id=ws, actor=admin(ws), now=NOW + 3)
+    assert [(p.id, p.state) for p in listed] == [(urgent.id, "placed"), (first.id, "waiting"), (second.id, "waiting")]
+
+
+def test_a_paused_job_waiting_before_it_goes_first(db: Database) -> None:
+    ws, _ = make_workspace(db)
+    gpus_report(db, ws, NOW, 130 * GIB, 130 * GIB)
+    paused(db, ws, "earlier", footprint=20 * GIB)
+    queue(db, ws, "earlier")
+    later = place(db, ws, 130 * GIB, 100 * GIB, memory_bytes=5 * GIB, now=NOW + 1).placement
+    assert later.state == "waiting"
+    assert later.note is not None and "a job before it in the queue waits for it" in later.note
+    urgent = place(db, ws, 130 * GIB, 100 * GIB, memory_bytes=5 * GIB, priority=HIGH, now=NOW + 2).placement
+    assert urgent.state == "placed" and urgent.placed_uuid == "GPU-0001"
+
+
+def test_its_job_registering_takes_the_room(db: Database) -> None:
+    ws, _ = make_workspace(db)
+    placed = place(db, ws, 0, memory_bytes=10 * GIB).placement
+    add_process(db, ws, "gpu-run")
+    db.run(storage.take_placement, write=True, workspace_id=ws, placement_id=placed.id, process_id="gpu-run", now=NOW)
+    taken = db.run(
+        storage.get_placement, write=False, workspace_id=ws, actor=admin(ws), placement_id=placed.id, now=NOW
+    )
+    assert taken.state == "started" and taken.process_id == "gpu-run" and taken.reservation is None
+
+
+def test_one_whose_flexium_run_stopped_asking_ends(db: Database) -> None:
+    ws, _ = make_workspace(db)
+    gone = place(db, ws, 130 * GIB, memory_bytes=40 * GIB).placement
+    later = place(db, ws, 130 * GIB, memory_bytes=1 * GIB, now=NOW + STALE + 1).placement
+    assert later.state == "placed"
+    ended = db.run(storage.get_placement, write=False, workspace_id=ws, actor=admin(ws), placement_id=gone.id, now=NOW)
+    assert ended.state == "cancelled" and ended.note is not None and "stopped asking" in ended.note
+
+
+def test_closing_it_cancels_a_waiting_one_and_releases_a_placed_ones_room(db: Database) -> None:
+    ws, _ = make_workspace(db)
+    placed = place(db, ws, 0, memory_bytes=10 * GIB).placement
+    waiting = place(db, ws, 0, gpu_uuid="GPU-0000", memory_bytes=200 * GIB).placement
+    for placement, state in ((placed, "ended"), (waiting, "cancelled")):
+        closed = db.run(
+            storage.close_placement, write=True, workspace_id=ws, actor=admin(ws), placement_id=placement.id, now=NOW
+        )
+        assert closed.state == state and closed.reservation is None
+
+
+def test_making_room_pauses_jobs_of_lower_priority_for_it(db: Database) -> None:
+    ws, _ = make_workspace(db)
+    add_process(db, ws, "low-50", memory=50 * GIB, gpu_index=0, devices=[], priority=LOW)
+    add_process(db, ws, "high-60", memory=60 * GIB, gpu_index=1, devices=[], priority=HIGH)
+    outcome = place(db, ws, 130 * GIB, 130 * GIB, memory_bytes=40 * GIB, priority=NORMAL, make_room=True)
+    assert [c.process_id for c in outcome.pauses] == ["low-50"]
+    placement = outcome.placement
+    assert placement.state == "waiting" and placement.gpu_uuid == "GPU-0000" and placement.reservation is not None
+    # Another job's placement does not take the room made for it.
+    other = place(db, ws, 80 * GIB, 130 * GIB, memory_bytes=40 * GIB, priority=HIGH, now=NOW + 1).placement
+    assert other.state == "waiting"
+    assert ask(db, ws, placement.id, 80 * GIB, 130 * GIB, now=NOW + 2).state == "placed"
+
+
+def test_making_room_takes_an_admin(db: Database) -> None:
+    ws, _ = make_workspace(db)
+    with pytest.raises(errors.Forbidden, match="admin"):
+        place(db, ws, 0, memory_bytes=1 * GIB, make_room=True, role="job")
+
+
+def test_nothing_is_placed_on_a_drained_gpu(db: Database) -> None:
+    ws, _ = make_workspace(db)
+    gpus_report(db, ws, NOW, 0, 100 * GIB)
+    drain = wire.DrainRequest(host=HOST, gpu=0)
+    db.run(create_drain, write=True, workspace_id=ws, actor=admin(ws), request=drain, now=NOW)
+    placed = place(db, ws, 0, 100 * GIB, memory_bytes=10 * GIB).placement
+    assert placed.state == "placed" and placed.placed_uuid == "GPU-0001"
+    named = place(db, ws, 0, 100 * GIB, gpu_uuid="GPU-0000").placement
+    assert named.state == "waiting" and named.note is not None and "drained by alice" in named.note

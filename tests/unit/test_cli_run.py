@@ -1,0 +1,39 @@
+"""flexium run's command line: its amounts of memory, the GPU it names as the job will see it, and
+the host it runs on."""
+
+from __future__ import annotations
+
+import pytest
+
+from flexium import units, wire
+from flexium.cli.exit_status import UsageError
+from flexium.cli.main import build_parser
+from flexium.cli.run import HostGpus
+
+
+def test_memory_reads_as_people_write_it() -> None:
+    assert units.read_size("40GiB") == units.read_size("40g") == 40 << 30
+    assert units.read_size("512MiB") == 512 << 20 and units.read_size("1.5GB") == 1_500_000_000
+    assert units.read_size("1000") == 1000
+    with pytest.raises(ValueError, match="not an amount of memory"):
+        units.read_size("forty gigs")
+
+
+def test_the_gpu_it_names_is_one_the_job_sees() -> None:
+    gpus = HostGpus(
+        ordinals={"GPU-b": 0, "GPU-a": 1},
+        indexes={0: "GPU-a", 1: "GPU-b"},
+        reports=[wire.GpuReport(uuid="GPU-a", index=0), wire.GpuReport(uuid="GPU-b", index=1)],
+    )
+    assert gpus.uuid_of("auto") is None
+    assert gpus.uuid_of("cuda:0") == "GPU-b"  # the job's CUDA numbering
+    assert gpus.uuid_of("0") == "GPU-a"  # nvidia-smi's index
+    assert gpus.uuid_of("GPU-b") == "GPU-b"
+    for wrong in ("cuda:2", "7", "GPU-c", "gpu0"):
+        with pytest.raises(UsageError):
+            gpus.uuid_of(wrong)
+
+
+def test_the_command_follows_its_options() -> None:
+    args = build_parser().parse_args(["run", "--memory", "40GiB", "--priority", "high", "--", "python", "-u", "t.py"])
+    assert args.command == ["--", "python", "-u", "t.py"] and args.memory == "40GiB" and args.priority == "high"
