@@ -267,6 +267,21 @@
     refocus: function (opener) { restoreFocus({id: opener.dataset.processId, action: opener.dataset.action}); },
   });
 
+  // Training progress comes with beats, not with a process event: each row's progress line is set
+  // in place, worded as the row renders it (formatters.fmt_rate).
+  function onProgress(data) {
+    (data.processes || []).forEach(function (p) {
+      var row = rowOf(p.process_id);
+      var line = row && row.querySelector(".progress-line");
+      if (!line || typeof p.steps !== "number") { return; }
+      var text = p.steps.toLocaleString("en-US") + " steps";
+      if (row.dataset.state === "RUNNING" && typeof p.steps_per_s === "number") {
+        text += " · " + p.steps_per_s.toFixed(p.steps_per_s < 10 ? 2 : 0) + " steps/s";
+      }
+      line.textContent = text;
+    });
+  }
+
   var hellos = 0;
 
   function onProcess(data) {
@@ -322,5 +337,5 @@
   setInterval(tick, 1000);
   // Time alone changes things no event announces (a host going silent): a slow full refresh.
   setInterval(refreshAll, 60000);
-  page.listen({hello: onHello, process: onProcess, command: onCommand, devices: onDevices, resync: refreshAll});
+  page.listen({hello: onHello, process: onProcess, command: onCommand, devices: onDevices, progress: onProgress, resync: refreshAll});
 })();
