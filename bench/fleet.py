@@ -15,7 +15,7 @@ after the warm-up: the fleet's mean GPU memory in use, each priority's wait to s
 the high-priority time-to-start, and the server's decision latency (from the report that lets it
 decide to the command it creates, by the server's own timestamp).
 
-Usage: python bench/fleet.py [--hosts 50] [--gpus-per-host 8] [--rate 10] [--backends sqlite]
+Usage: python bench/fleet.py [--hosts 50] [--gpus-per-host 8] [--rate 3] [--backends sqlite]
 PostgreSQL as bench/server.py finds it (--postgres-url, $FLEXIUM_TEST_POSTGRES_URL, or a throwaway
 cluster when root). Every loop is bounded in time; the run stops by itself.
 """
@@ -106,9 +106,12 @@ class Fleet(Observer):
         return freed[k - 1] if k else None
 
 
-async def run_job(job: SimulatedJob, arrival: Arrival, fleet: Fleet, waits: dict[str, float]) -> None:
+async def run_job(
+    job: SimulatedJob, arrival: Arrival, fleet: Fleet, waits: dict[str, float], stop: asyncio.Event
+) -> None:
     """One job from its arrival to its end: registered paused, queued (room made for a high
-    priority), carrying out the server's commands until it has trained its time, then gone."""
+    priority), carrying out the server's commands until it has trained its time, then gone.
+    ``stop`` ends its loops even where a cancellation is lost (``asyncio.wait_for`` can lose one)."""
     await job.register()
     admin = job.control  # the bench's one token is the admin's: the job queues itself
     async with admin.lock:
@@ -127,7 +130,7 @@ async def run_job(job: SimulatedJob, arrival: Arrival, fleet: Fleet, waits: dict
         fleet.errors.append(f"{job.process_id}: POST /waits {status} {answer}")
         return
     waits[job.process_id] = sent
-    life = asyncio.create_task(job.live(asyncio.Event()))
+    life = asyncio.create_task(job.live(stop))
     try:
         await job.heartbeat()  # what to watch, at once rather than at its next heartbeat
         left = arrival.running_s
@@ -141,8 +144,9 @@ async def run_job(job: SimulatedJob, arrival: Arrival, fleet: Fleet, waits: dict
         while job.executing:
             await job.changed().wait()
     finally:
+        stop.set()
         life.cancel()
-        await asyncio.wait([life])
+        await asyncio.wait([life], timeout=job.poll_wait + 5)
     job.poll.close()
     await job.leave()
     job.control.close()
@@ -157,6 +161,7 @@ async def policy_run(server: Server, arrivals: list[Arrival], args: argparse.Nam
     waits: dict[str, float] = {}
     tasks: list[asyncio.Task[None]] = []
     jobs: list[SimulatedJob] = []
+    stops: list[asyncio.Event] = []
     watching = asyncio.Event()
     watches = [asyncio.create_task(host.watch_rooms(watching)) for host in hosts]
     cpu = (server.cpu_seconds(), time.process_time())
@@ -185,7 +190,8 @@ async def policy_run(server: Server, arrivals: list[Arrival], args: argparse.Nam
         )
         fleet.records[job.process_id] = JobRecord(arrival, t0 + arrival.at)
         jobs.append(job)
-        tasks.append(asyncio.create_task(run_job(job, arrival, fleet, waits)))
+        stops.append(asyncio.Event())
+        tasks.append(asyncio.create_task(run_job(job, arrival, fleet, waits, stops[-1])))
         if time.time() >= shown + 30:
             shown = progress(fleet, t0, server)
     end = t0 + args.duration + args.drain
@@ -195,8 +201,12 @@ async def policy_run(server: Server, arrivals: list[Arrival], args: argparse.Nam
     cpu = (server.cpu_seconds() - cpu[0], time.process_time() - cpu[1])
     wall = time.time() - t0
     watching.set()
+    for stop in stops:
+        stop.set()
     for task in tasks:
         task.cancel()
+    for job in jobs:
+        job.stop_telling()
     await asyncio.wait(tasks + watches, timeout=30)
     metrics = await asyncio.to_thread(read_metrics, port)
     for conn in [c for job in jobs for c in (job.control, job.poll)]:
@@ -290,12 +300,12 @@ def options(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--hosts", type=int, default=50)
     parser.add_argument("--gpus-per-host", type=int, default=8)
     parser.add_argument("--gpu-memory", type=float, default=141.0, help="GiB per GPU")
-    parser.add_argument("--rate", type=float, default=10.0, help="jobs arriving per second, on the whole fleet")
-    parser.add_argument("--running-s", type=float, default=60.0, help="a job's mean running time (0.5..1.5 x)")
+    parser.add_argument("--rate", type=float, default=3.0, help="jobs arriving per second, on the whole fleet")
+    parser.add_argument("--running-s", type=float, default=150.0, help="a job's mean running time (0.5..1.5 x)")
     parser.add_argument("--sizes", default="16:0.4,40:0.3,80:0.2,130:0.1", help="GiB:weight,...")
     parser.add_argument("--priorities", default="low:0.3,normal:0.5,high:0.2", help="low|normal|high:weight,...")
-    parser.add_argument("--duration", type=float, default=150.0, help="seconds of arrivals")
-    parser.add_argument("--warmup", type=float, default=60.0, help="seconds before the measured window")
+    parser.add_argument("--duration", type=float, default=360.0, help="seconds of arrivals")
+    parser.add_argument("--warmup", type=float, default=150.0, help="seconds before the measured window")
     parser.add_argument("--drain", type=float, default=10.0, help="seconds after the arrivals, to start late jobs")
     parser.add_argument("--operation-s", type=float, default=0.5, help="a pause, resume or move of a started job")
     parser.add_argument("--seed", type=int, default=1)

@@ -48,8 +48,8 @@ class Conn:
                 self.close()
                 if attempt:
                     raise
-            except asyncio.TimeoutError:
-                self.close()
+            except (asyncio.TimeoutError, asyncio.CancelledError):
+                self.close()  # its answer must not be read as the next request's
                 raise
         raise HttpError("unreachable")
 

@@ -189,6 +189,8 @@ class SimulatedJob:
         self.watch = answer.get("watch")
 
     async def heartbeat(self, room_seen: bool = False) -> None:
+        if self.state == "EXITED":
+            return  # a room-seen heartbeat set going just before the job ended
         start, sent = time.perf_counter(), time.time()
         try:
             async with self.control.lock:
@@ -243,6 +245,11 @@ class SimulatedJob:
             await self.heartbeat()
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), self.heartbeat_interval)
+
+    def stop_telling(self) -> None:
+        """The run ends: a room-seen heartbeat under way is not waited for."""
+        if self._telling is not None:
+            self._telling.cancel()
 
     def look_for_room(self) -> None:
         """One reading of the GPUs it waits for (``SimulatedHost.watch_rooms``): a heartbeat with
