@@ -370,7 +370,9 @@ def test_the_spec_signatures() -> None:
     def params(fn: Any) -> list[tuple[str, Any]]:
         return [(p.name, p.default) for p in inspect.signature(fn).parameters.values()]
 
-    assert params(flexium.init) == [("server", None), ("device", None), ("disabled", False)]
+    # The promised parameters, in their order; what flexium adds comes after them, keyword-only.
+    assert params(flexium.init) == [("server", None), ("device", None), ("disabled", False), ("priority", None)]
+    assert inspect.signature(flexium.init).parameters["priority"].kind is inspect.Parameter.KEYWORD_ONLY
     assert params(flexium.auto.run) == [("orchestrator", None), ("device", None), ("disabled", False)]
     for name in (
         "get_device",

@@ -412,7 +412,7 @@ def test_a_registration_the_server_refuses_is_said_at_error_once(caplog: pytest.
             RefusingApi.tries += 1
             raise Refused("request: cmdline: Input should be a valid string", code="invalid_request", status=422)
 
-    training = SimpleNamespace(engine=None, process_id="cpu-1", logical_device="cpu", capabilities=None)
+    training = SimpleNamespace(engine=None, process_id="cpu-1", logical_device="cpu", capabilities=None, config=None)
     client = ProcessClient(training, RefusingApi())  # type: ignore[arg-type]
     with caplog.at_level(logging.DEBUG, logger="flexium.client"):
         assert not client._register() and not client._register()

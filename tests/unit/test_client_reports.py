@@ -69,7 +69,7 @@ def test_every_body_carries_a_growing_seq() -> None:
 
     from flexium.client.reports import ProcessReporter
 
-    session = SimpleNamespace(engine=None, logical_device="cpu", capabilities=None, process_id="cpu-1")
+    session = SimpleNamespace(engine=None, logical_device="cpu", capabilities=None, process_id="cpu-1", config=None)
     reporter = ProcessReporter(session)  # type: ignore[arg-type]
     seqs = [
         reporter.register_body(no_gpus()).seq,
@@ -87,7 +87,7 @@ def test_a_body_is_no_newer_than_the_gpus_it_reports() -> None:
 
     from flexium.client.reports import ProcessReporter
 
-    session = SimpleNamespace(engine=None, logical_device="cpu", capabilities=None, process_id="cpu-1")
+    session = SimpleNamespace(engine=None, logical_device="cpu", capabilities=None, process_id="cpu-1", config=None)
     reporter = ProcessReporter(session)  # type: ignore[arg-type]
     during = no_gpus()
     final = reporter.process_update()
@@ -126,7 +126,7 @@ def test_a_process_without_an_engine_says_it_is_on_no_gpu() -> None:
     from flexium.client.http import _body
     from flexium.client.reports import ProcessReporter
 
-    session = SimpleNamespace(engine=None, logical_device="cpu", capabilities=None, process_id="cpu-1")
+    session = SimpleNamespace(engine=None, logical_device="cpu", capabilities=None, process_id="cpu-1", config=None)
     sent = _body(ProcessReporter(session).heartbeat_body(no_gpus()))  # type: ignore[arg-type]
     assert sent["gpu_uuid"] is None and "gpu_index" not in sent and "physical_device" not in sent
     assert "footprint_bytes" in sent and "gpu_model" not in sent
@@ -145,7 +145,9 @@ def test_a_paused_process_names_the_gpu_it_paused_on() -> None:
     engine = SimpleNamespace(
         state=EngineState.PAUSED, gpus=gpus, placement=lambda: ("cuda:0", gpus[0]), footprint_bytes=lambda: 1 << 20
     )
-    session = SimpleNamespace(engine=engine, logical_device="cuda:0", capabilities=None, process_id="gpu-1")
+    session = SimpleNamespace(
+        engine=engine, logical_device="cuda:0", capabilities=None, process_id="gpu-1", config=None
+    )
     reporter = ProcessReporter(session)  # type: ignore[arg-type]
     beat = _body(reporter.heartbeat_body(no_gpus()))
     assert beat["state"] == "PAUSED" and beat["gpu_uuid"] == "GPU-1" and "physical_device" not in beat
@@ -180,7 +182,7 @@ def test_the_capabilities_go_out_as_the_keys_they_always_had() -> None:
     before = {**caps.to_dict(), "fast_path": True, "fast_path_problem": None}
     assert json.dumps(sent) == json.dumps(before)
 
-    cpu = SimpleNamespace(engine=None, logical_device="cpu", capabilities=None, process_id="cpu-1")
+    cpu = SimpleNamespace(engine=None, logical_device="cpu", capabilities=None, process_id="cpu-1", config=None)
     body = _body(ProcessReporter(cpu).register_body(no_gpus()))  # type: ignore[arg-type]
     assert list(body["capabilities"]) == ["pause_resume", "migration", "problems", "fast_path", "fast_path_problem"]
     assert body["capabilities"]["pause_resume"] is False and body["capabilities"]["fast_path"] is False
@@ -246,7 +248,7 @@ def test_a_job_started_with_an_argument_that_is_not_utf8_registers_with_it_clean
     from flexium.client.reports import ProcessReporter
 
     monkeypatch.setattr(sys, "orig_argv", ["python", "train.py", "donn\udce9es.csv"])
-    session = SimpleNamespace(engine=None, logical_device="cpu", capabilities=None, process_id="cpu-1")
+    session = SimpleNamespace(engine=None, logical_device="cpu", capabilities=None, process_id="cpu-1", config=None)
     body = ProcessReporter(session).register_body(no_gpus())  # type: ignore[arg-type]
     assert body.cmdline == "python train.py 'donn\ufffdes.csv'"
     wire.RegisterRequest.model_validate_json(body.model_dump_json())  # the server reads it
@@ -261,7 +263,7 @@ def test_heartbeats_carry_the_steps_counted_and_the_loss_reported() -> None:
     from flexium.client.reports import ProcessReporter
 
     progress = TrainingProgress()
-    session = SimpleNamespace(engine=None, logical_device="cpu", capabilities=None, process_id="cpu-1")
+    session = SimpleNamespace(engine=None, logical_device="cpu", capabilities=None, process_id="cpu-1", config=None)
     reporter = ProcessReporter(session, progress)  # type: ignore[arg-type]
     body = reporter.heartbeat_body(no_gpus())
     assert "steps" not in body.model_fields_set and "loss" not in body.model_fields_set  # nothing known: nothing said
