@@ -11,7 +11,7 @@ import pytest
 
 from flexium import protocol
 from flexium.server import storage
-from flexium.server.storage.audit import PolicyActor
+from flexium.server.storage.audit import PolicyActor, record_commands_created
 from support.server import Api
 
 CLI = {"User-Agent": f"flexium/0.1.0 {protocol.CLI_AGENT_MARK}"}
@@ -122,3 +122,27 @@ def test_a_policy_is_its_own_door(api: Api) -> None:
     )
     entry = _created_entry(api, command.id)
     assert entry["door"] == "policy" and entry["token_name"] == "policy: make room"
+
+
+def test_a_command_a_policy_creates_on_its_own_is_stamped_with_its_audit_entry(api: Api) -> None:
+    """The queue's policies create their commands and then their audit entries (not through
+    create_commands_audited): the entry stamps who and which door on the command all the same."""
+    api.register()
+
+    def as_a_policy(*, session: Any) -> list[Any]:
+        commands = storage.create_commands(
+            session=session,
+            workspace_id=1,
+            kind="pause",
+            process_id="gpu-1",
+            now=api.ctx.started_at + 1,
+            stale_after=30.0,
+            reason="make room: a job of a higher priority needs 8.0 GiB on GPU 0",
+        )
+        actor = PolicyActor("make room")
+        return record_commands_created(session=session, workspace_id=1, actor=actor, commands=commands, now=1.0)
+
+    [command] = api.db.run(as_a_policy, write=True)
+    assert (command.sent_by, command.door) == ("policy: make room", "policy")
+    stored = api.get(f"/commands/{command.id}").json()
+    assert (stored["sent_by"], stored["door"]) == ("policy: make room", "policy"), stored

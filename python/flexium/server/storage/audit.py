@@ -15,11 +15,11 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
-from sqlalchemy import delete, select
+from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from flexium import protocol, wire
-from flexium.server.models import AuditRecord
+from flexium.server.models import AuditRecord, Command
 
 if TYPE_CHECKING:  # workspaces imports this module
     from flexium.server.storage.workspaces import AuthInfo
@@ -194,7 +194,13 @@ def _command_detail(command: wire.CommandInfo) -> str:
 
 def record_commands_created(
     *, session: Session, workspace_id: int, actor: AuthInfo | PolicyActor, commands: list[wire.CommandInfo], now: float
-) -> None:
+) -> list[wire.CommandInfo]:
+    """The entry of each command, and the commands stamped with who sent them and by which door
+    (their rows keep it: ``sender_of``), whichever way they were created (a request, a policy)."""
+    sent_by, door = sender_of(actor)
+    ids = [c.id for c in commands]
+    session.execute(update(Command).where(Command.id.in_(ids)).values(sent_by=sent_by, door=door))
+    commands = [c.model_copy(update={"sent_by": sent_by, "door": door}) for c in commands]
     for command in commands:
         record_audit(
             session=session,
@@ -208,6 +214,7 @@ def record_commands_created(
             process_id=command.process_id,
             command_id=command.id,
         )
+    return commands
 
 
 def record_command_refused(

@@ -25,7 +25,7 @@ from flexium import protocol, wire
 from flexium.server.errors import Busy, InvalidRequest, InvalidState, NotFound, Stale, TargetRefused
 from flexium.server.models import Command, Device, Process, table_of
 from flexium.server.storage import quotas
-from flexium.server.storage.audit import PolicyActor, record_command_finished, record_commands_created, sender_of
+from flexium.server.storage.audit import PolicyActor, record_command_finished, record_commands_created
 from flexium.server.storage.devices import host_devices
 from flexium.server.storage.jobs import create_job_commands, is_job_rank
 from flexium.server.storage.processes import active_command, apply_process_update, find_process, is_older, shown_process
@@ -211,19 +211,7 @@ def create_commands_audited(
             why=f"replaced by a {kind} sent by {actor.token_name or 'token ' + str(actor.token_id)}",
             now=now,
         )
-    commands = _sent_by(session, commands, actor)
-    record_commands_created(session=session, workspace_id=workspace_id, actor=actor, commands=commands, now=now)
-    return commands
-
-
-def _sent_by(
-    session: Session, commands: list[wire.CommandInfo], actor: AuthInfo | PolicyActor
-) -> list[wire.CommandInfo]:
-    """The commands, each stamped with who sent them and by which door (the row keeps it)."""
-    sent_by, door = sender_of(actor)
-    ids = [c.id for c in commands]
-    session.execute(update(Command).where(Command.id.in_(ids)).values(sent_by=sent_by, door=door))
-    return [c.model_copy(update={"sent_by": sent_by, "door": door}) for c in commands]
+    return record_commands_created(session=session, workspace_id=workspace_id, actor=actor, commands=commands, now=now)
 
 
 def _find_command(
