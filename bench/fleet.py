@@ -197,7 +197,9 @@ async def policy_run(server: Server, arrivals: list[Arrival], args: argparse.Nam
     end = t0 + args.duration + args.drain
     while time.time() < end:
         await asyncio.sleep(min(30.0, max(0.0, end - time.time())))
-        progress(fleet, t0, server)
+        if time.time() >= shown + 30:
+            shown = progress(fleet, t0, server)
+    progress(fleet, t0, server)
     cpu = (server.cpu_seconds() - cpu[0], time.process_time() - cpu[1])
     wall = time.time() - t0
     watching.set()
