@@ -235,7 +235,7 @@ def test_pause_and_resume_follow_the_state(dash: Dashboard, jobs: Jobs, api: Api
     dash.wait(lambda: _total(dash, "paused") == paused_before + 1, "the totals count the paused job live")
     [pause] = api.commands("gpu-pause-01")
     assert pause["kind"] == "pause" and pause["target_uuid"] is None
-    dash.wait_buttons("gpu-pause-01", {"Resume": True})
+    dash.wait_buttons("gpu-pause-01", {"Resume": True, "Resume when free": True})
     assert "paused from GPU 0" in dash.cell("gpu-pause-01", "Device")
     assert "0 B" in dash.cell("gpu-pause-01", "Memory") and "needs 16.0 GiB" in dash.cell("gpu-pause-01", "Memory")
     dash.wait_cell("gpu-pause-01", "Last command", "pause", "0.42 s")
@@ -313,7 +313,7 @@ def test_refused_and_failed_commands_are_visible(dash: Dashboard, jobs: Jobs, ap
     dash.wait(lambda: not dash.dialog_open(), "the dialog closes")
 
     job.hold.set()
-    dash.wait_buttons("gpu-err-0001", {"Resume": True})
+    dash.wait_buttons("gpu-err-0001", {"Resume": True, "Resume when free": True})
     job.fail_with = "cuCheckpointProcessRestore failed: CUDA_ERROR_INVALID_VALUE"
     dash.click("gpu-err-0001", "resume")
     dash.wait(dash.dialog_open, "the Resume dialog opens")
@@ -321,7 +321,7 @@ def test_refused_and_failed_commands_are_visible(dash: Dashboard, jobs: Jobs, ap
     last = dash.wait_cell("gpu-err-0001", "Last command", "failed", "CUDA_ERROR_INVALID_VALUE")
     assert "resume" in last
     dash.wait_cell("gpu-err-0001", "Status", "PAUSED")
-    dash.wait_buttons("gpu-err-0001", {"Resume": True})
+    dash.wait_buttons("gpu-err-0001", {"Resume": True, "Resume when free": True})
     dash.wait(
         lambda: any(role == "alert" and "failed: cuCheckpointProcessRestore" in text for role, text in dash.notices()),
         "a notice tells the failure",
@@ -367,7 +367,7 @@ def test_client_text_is_escaped(dash: Dashboard, jobs: Jobs) -> None:
     dash.wait_cell("gpu-xss-0001", "Last command", "failed", XSS)
     assert XSS in dash.cell("gpu-xss-0001", "User") and XSS in dash.cell("gpu-xss-0001", "Host")
     assert XSS in dash.cell("gpu-xss-0002", "Process")
-    assert XSS in dash.host_section(f"{XSS}-node").text
+    dash.wait(lambda: XSS in dash.host_section(f"{XSS}-node").text, "the host's name, as text")  # re-rendered live
     dash.click("gpu-xss-0001", "migrate")
     dash.wait(dash.dialog_open, "the Migrate dialog opens")
     dash.d.find_element(By.CSS_SELECTOR, "#target-dialog details.refused summary").click()

@@ -97,9 +97,15 @@ def test_job_refusals_show_in_the_dialog_and_disabled_buttons_say_why(dash: Dash
     )
     jobs(host3, "ddp-run-45-r0", gpu=3, job={"key": "ddp-run-45", "rank": 0, "world_size": 2})
     dash.wait(lambda: dash.has_row("ddp-run-45-r0") and dash.has_row("ddp-run-44-r1"), "the other jobs' rows")
-    pause = dash.job_row("ddp-run-45").find_element(By.CSS_SELECTOR, '[data-action="job-pause"]')
-    assert not pause.is_enabled() and pause.get_attribute("title") == why
-    assert dash.job_row("ddp-run-44").find_element(By.CSS_SELECTOR, '[data-action="job-pause"]').is_enabled()
+
+    def pause_of(key: str) -> Any:
+        return dash.job_row(key).find_element(By.CSS_SELECTOR, '[data-action="job-pause"]')
+
+    dash.wait(  # read again if a rank's registration re-renders the rows meanwhile
+        lambda: not pause_of("ddp-run-45").is_enabled() and pause_of("ddp-run-45").get_attribute("title") == why,
+        "the job with a rank that cannot pause has its Pause greyed, saying why",
+    )
+    dash.wait(lambda: pause_of("ddp-run-44").is_enabled(), "the other job's Pause is not")
 
     # an NCCL job whose ranks share a GPU: its pause would break it (fact `nccl-ranks-sharing-gpu-fail`); a move apart
     # would not
@@ -108,8 +114,14 @@ def test_job_refusals_show_in_the_dialog_and_disabled_buttons_say_why(dash: Dash
         member = {"key": "ddp-run-46", "rank": rank, "world_size": 2}
         jobs(host4, f"ddp-run-46-r{rank}", gpu=0, job=member, nccl=True)
     dash.wait(lambda: dash.has_row("ddp-run-46-r1"), "the NCCL job sharing a GPU")
-    row = dash.job_row("ddp-run-46")
-    pause = row.find_element(By.CSS_SELECTOR, '[data-action="job-pause"]')
-    assert not pause.is_enabled()
-    assert pause.get_attribute("title").startswith("ranks 0 and 1 of this NCCL job would be on one GPU")
-    assert row.find_element(By.CSS_SELECTOR, '[data-action="job-migrate"]').is_enabled()
+
+    def greyed_pause_only() -> bool:  # read again if a rank's registration re-renders the rows meanwhile
+        row = dash.job_row("ddp-run-46")
+        pause = row.find_element(By.CSS_SELECTOR, '[data-action="job-pause"]')
+        return (
+            not pause.is_enabled()
+            and pause.get_attribute("title").startswith("ranks 0 and 1 of this NCCL job would be on one GPU")
+            and row.find_element(By.CSS_SELECTOR, '[data-action="job-migrate"]').is_enabled()
+        )
+
+    dash.wait(greyed_pause_only, "its Pause greyed with why, its Migrate not")

@@ -113,13 +113,24 @@ class Dashboard:
         self.wait(lambda: self.buttons(process_id) == expected, f"{process_id}: buttons {expected}")
 
     def click(self, process_id: str, action: str) -> None:
-        self.row(process_id).find_element(By.CSS_SELECTOR, f'button[data-action="{action}"]').click()
+        """Click a row's button; a live update that re-renders the row meanwhile is waited out."""
+        self.wait(
+            lambda: (
+                self.row(process_id).find_element(By.CSS_SELECTOR, f'button[data-action="{action}"]').click() or True
+            ),
+            f"clicked {action} of {process_id}",
+        )
 
     def job_row(self, key: str) -> WebElement:
         return self.d.find_element(By.ID, f"job-{key}")
 
     def click_job(self, key: str, action: str) -> None:
-        self.job_row(key).find_element(By.CSS_SELECTOR, f'button[data-action="job-{action}"]').click()
+        self.wait(
+            lambda: (
+                self.job_row(key).find_element(By.CSS_SELECTOR, f'button[data-action="job-{action}"]').click() or True
+            ),
+            f"clicked {action} of job {key}",
+        )
 
     def job_text(self, key: str, label: str) -> str:
         return str(

@@ -21,6 +21,7 @@ from flexium.server.dashboard.views.devices import host_cards
 from flexium.server.dashboard.views.job import job_page, job_progress
 from flexium.server.dashboard.views.main import main_page, totals
 from flexium.server.dashboard.views.processes import process_rows
+from flexium.server.dashboard.views.queue import queue_panel
 from flexium.server.dashboard.views.targets import GpusForm, job_migrate_form, target_form
 from flexium.server.errors import NotFound
 
@@ -51,6 +52,7 @@ async def index(request: Request, ctx: Ctx, auth: PageAuth) -> Response:
         "index.html",
         view.rows,
         view.cards,
+        view.queue,
         view.recent,
         Viewer.of(auth),
         totals=view.totals,
@@ -202,6 +204,19 @@ async def devices_fragment(
         hosts=hosts[:_MAX_BATCH] if hosts else None,
     )
     return render(request, "fragments/hosts.html", view, Viewer.of(auth))
+
+
+@router.get("/ui/queue", response_class=HTMLResponse)
+async def queue_fragment(request: Request, ctx: Ctx, auth: FragmentAuth) -> Response:
+    """The queue again, for the page's script once a ``wait`` event said it changed."""
+    view = await ctx.db.call(
+        queue_panel,
+        write=False,
+        workspace_id=auth.workspace_id,
+        now=time.time(),
+        stale_after=ctx.settings.stale_after_s,
+    )
+    return render(request, "fragments/queue.html", view, Viewer.of(auth))
 
 
 @router.get("/ui/commands", response_class=HTMLResponse)

@@ -51,6 +51,7 @@ TEMPLATES.env.filters.update(
     door=formatters.fmt_door,
     short_reason=reasons.short_reason,
     word_breaks=formatters.word_breaks,
+    priority=protocol.priority_name,
 )
 TEMPLATES.env.globals.update(
     fmt_ago=formatters.fmt_ago,
@@ -62,6 +63,8 @@ TEMPLATES.env.globals.update(
     job_pause_refusal=refusals.job_pause_refusal,
     DISPLAY_STATES=protocol.DISPLAY_STATES,
     TARGETABLE_HEALTH=protocol.TARGETABLE_HEALTH,
+    PRIORITIES=protocol.PRIORITIES,
+    MAX_PRIORITY=protocol.MAX_PRIORITY,
     MAX_REASON_LEN=protocol.MAX_REASON_LEN,
 )
 

@@ -71,7 +71,9 @@
   // key -> its notice: a command's (or a job operation's) next state replaces the last one.
   var tracked = new Map();
 
-  function notify(text, kind, key) {
+  // offer: a button the notice holds, {label, run} (run() gets the button), e.g. "Queue it?" on a
+  // refused resume.
+  function notify(text, kind, key, offer) {
     var el = key !== undefined ? tracked.get(key) : null;
     if (!el || !document.contains(el)) {        // none yet, or dismissed by hand
       el = document.createElement("div");
@@ -90,6 +92,16 @@
     el.className = "notice notice-" + kind;
     el.setAttribute("role", kind === "error" ? "alert" : "status");
     el.querySelector(".notice-text").textContent = text;
+    var shown = el.querySelector(".notice-action");
+    if (shown && (!offer || shown.textContent !== offer.label)) { shown.remove(); shown = null; }
+    if (offer && !shown) {
+      var button = document.createElement("button");
+      button.type = "button";
+      button.className = "btn notice-action";
+      button.textContent = offer.label;
+      button.addEventListener("click", function () { button.disabled = true; offer.run(button); });
+      el.insertBefore(button, el.querySelector(".notice-close"));
+    }
     clearTimeout(el.dismissTimer);
     if (kind === "ok") {
       el.dismissTimer = setTimeout(function () { el.remove(); tracked.delete(key); }, 12000);
@@ -131,7 +143,8 @@
     if (!active && succeeded === c.job.world_size) {
       notify(what + "succeeded on every rank", "ok", key);
     } else if (!active && op.ranks.size === c.job.world_size) {
-      notify(what + "failed: " + failed.join("; "), "error", key);
+      notify(what + "failed: " + failed.join("; "), "error", key,
+        op.kind === "resume" ? queueOffer(c.process_id) : undefined);
     } else {
       notify(what + parts.join(", ") + "…", "progress", key);
     }
@@ -171,7 +184,8 @@
       notify(what + "succeeded" + (seconds !== null ? " in " + fmtDuration(seconds, true) : "") + simulated + path,
              "ok", c.id);
     } else if (c.state === "failed" || c.state === "expired") {
-      notify(what + c.state + (c.error ? ": " + c.error : ""), "error", c.id);
+      notify(what + c.state + (c.error ? ": " + c.error : ""), "error", c.id,
+        c.kind === "resume" ? queueOffer(c.process_id) : undefined);
     } else {
       var phase = {queued: "queued", delivered: "delivered, waiting for a safe point", running: "running"}[c.state];
       notify(what + (phase || c.state) + "…", "progress", c.id);
@@ -238,6 +252,61 @@
     follow(now);
     show(now);
     return command;
+  }
+
+  // --- the resume-when-free queue and priorities ---------------------------------------------
+
+  function gpuOf(uuid) { return uuid ? gpuName(uuid) : "any GPU it may use"; }
+
+  // A paused job into the queue (POST /waits, as flexium resume --when-free), or room made for it
+  // by pausing jobs of lower priority (makeRoom); what the server did is told in a notice.
+  async function queueResume(processId, makeRoom) {
+    var answer = await api("POST", "/waits", {process_id: processId, make_room: Boolean(makeRoom)});
+    var w = answer.wait;
+    var paused = answer.commands.filter(function (c) { return c.kind === "pause"; })
+      .map(function (c) { return c.process_id; });
+    var resumed = answer.commands.some(function (c) { return c.kind === "resume"; });
+    var text = resumed ? "resume " + processId + ": there is room now, resuming on " + gpuOf(w.gpu_uuid)
+      : makeRoom ? "making room for " + processId + " on " + gpuOf(w.gpu_uuid) + ": pausing "
+        + (paused.length ? paused.join(", ") : "no job (the room is free)") + "; it resumes there once the room shows"
+      : processId + " waits to resume when free: #" + w.position + " in the queue of " + w.host
+        + " (wait " + w.id + ")";
+    notify(text, "ok", "wait-" + w.id);
+    return answer;
+  }
+
+  // What a notice of a refused resume offers: the same job queued to resume when free.
+  function queueOffer(processId) {
+    return {
+      label: "Queue it?",
+      run: function (button) {
+        queueResume(processId, false).then(function () {
+          var notice = button.closest(".notice");
+          if (notice) { notice.remove(); }
+        }, function (err) {
+          button.disabled = false;
+          notify("queue " + processId + " refused: " + err.message, "error");
+        });
+      },
+    };
+  }
+
+  // A refusal to make room says why GPU by GPU ("...: GPU 0: ...; GPU 1: ..."): a line each.
+  function byGpu(message) { return message.replace(/: (?=GPU )/, ":\n").replace(/; (?=GPU )/g, "\n"); }
+
+  async function cancelWait(waitId, processId) {
+    var w = await api("DELETE", "/waits/" + encodeURIComponent(waitId));
+    notify(processId + " left the queue of " + w.host + " (wait " + w.id + " cancelled)", "ok", "wait-" + w.id);
+  }
+
+  async function setPriority(form) {
+    var number = form.querySelector("input[name=number]").value.trim();
+    var priority = number || form.querySelector("select[name=priority]").value;
+    // As text, a name or a number: the server's one reading of a priority says what it refuses.
+    var p = await api("PUT", "/processes/" + encodeURIComponent(form.dataset.processId) + "/priority",
+      {priority: priority});
+    delete form.dataset.dirty;
+    notify("priority of " + p.process_id + " set to " + priority, "ok", "priority-" + p.process_id);
   }
 
   // --- the buttons and the dialog that send commands -----------------------------------------
@@ -315,10 +384,36 @@
           button.disabled = true;
           await api("DELETE", "/processes/" + encodeURIComponent(processId));
           hooks.forgotten(processId);
+        } else if (action === "queue" || action === "make-room") {
+          button.disabled = true;
+          await queueResume(processId, action === "make-room");
+        } else if (action === "cancel-wait") {
+          button.disabled = true;
+          await cancelWait(button.dataset.waitId, processId);
         }
       } catch (err) {
         button.disabled = false;
-        notify(action + " " + processId + " refused: " + err.message, "error");
+        if (action === "make-room") {
+          notify("make room for " + processId + " refused: " + byGpu(err.message), "error");
+        } else {
+          notify(action + " " + processId + " refused: " + err.message, "error", undefined,
+            action === "job-resume" ? queueOffer(processId) : undefined);
+        }
+      }
+    });
+
+    container.addEventListener("submit", async function (ev) {
+      var form = ev.target.closest("form.priority-form");
+      if (!form) { return; }
+      ev.preventDefault();
+      var submit = form.querySelector("button[type=submit]");
+      submit.disabled = true;
+      try {
+        await setPriority(form);
+      } catch (err) {
+        notify("priority of " + form.dataset.processId + " refused: " + err.message, "error");
+      } finally {
+        submit.disabled = false;
       }
     });
 
@@ -335,7 +430,8 @@
       } catch (err) {
         error.textContent = err.message;
         error.hidden = false;
-        notify(form.dataset.kind + " " + form.dataset.processId + " refused: " + err.message, "error");
+        notify(form.dataset.kind + " " + form.dataset.processId + " refused: " + err.message, "error", undefined,
+          form.dataset.kind === "resume" ? queueOffer(form.dataset.processId) : undefined);
       } finally {
         submit.disabled = false;
       }

@@ -9,6 +9,7 @@
   var rows = document.getElementById("process-rows");
   var hosts = document.getElementById("hosts");
   var commands = document.getElementById("commands");
+  var queue = document.getElementById("queue");
   var filterQ = document.getElementById("filter-q");
   var filterDevice = document.getElementById("filter-device");
   var filterStatus = document.getElementById("filter-status");
@@ -103,20 +104,63 @@
     got.querySelectorAll("tr.proc").forEach(function (row) {
       fresh.set(row.dataset.processId, row);
     });
+    // A row of a host the table does not list yet, or the last row of its host gone: the
+    // headings per host are the whole table's to say.
+    if (!all && ids.some(function (id) {
+      var row = fresh.get(id), old = rowOf(id);
+      return row && !old ? !hostRows(row.dataset.host).length : !row && old && hostRows(old.dataset.host).length === 1;
+    })) {
+      ids.forEach(function (id) { stale.rows.add(id); });
+      stale.allRows = true;
+      schedule("rows", flushRows);
+      return;
+    }
     var focus = focusedAction();
     if (all) {
-      rows.replaceChildren.apply(rows, Array.from(got.querySelectorAll("tr.proc, tr.job")));
+      rows.replaceChildren.apply(rows, Array.from(got.querySelectorAll("tr.host-heading, tr.proc, tr.job")));
     } else {
       ids.forEach(function (id) {
         var old = rowOf(id), row = fresh.get(id);
         if (row && old) { old.replaceWith(row); }
-        else if (row) { rows.appendChild(row); }
+        else if (row) { hostRows(row.dataset.host).pop().after(row); }   // the last of its host's rows
         else if (old) { old.remove(); }
       });
     }
     restoreFocus(focus);
     applyFilters();
     tick();
+  }
+
+  // The table has a heading per host (it lists more than one).
+  function grouped() { return rows.querySelector("tr.host-heading") !== null; }
+
+  function hostRows(host) {
+    return Array.prototype.filter.call(rows.querySelectorAll("tr.proc, tr.job"), function (r) {
+      return r.dataset.host === host;
+    });
+  }
+
+  async function refreshQueue() {
+    var html = await fetchFragment("/ui/queue");
+    queue.replaceChildren(fragment(html || ""));
+    document.getElementById("no-waits").hidden = queue.querySelector(".queue-host") !== null;
+    marksFollowQueue();
+    tick();
+  }
+
+  // A wait that moves in the queue (another left, or went first) sends no event of its own job:
+  // the rows whose mark ("queued #2") the queue just read differently are rendered again.
+  function marksFollowQueue() {
+    var places = new Map();
+    queue.querySelectorAll("li.wait").forEach(function (li) { places.set(li.dataset.waitId, li); });
+    rows.querySelectorAll(".queued-tag").forEach(function (tag) {
+      var li = places.get(tag.dataset.waitId), row = tag.closest("tr");
+      places.delete(tag.dataset.waitId);
+      if (row && (!li || li.dataset.position !== tag.dataset.position)) {
+        rowChanged(row.dataset.processId, Boolean(row.dataset.jobKey));
+      }
+    });
+    places.forEach(function (li) { rowChanged(li.dataset.processId, Boolean(li.dataset.jobKey)); });
   }
 
   function hostSection(name) {
@@ -187,6 +231,7 @@
     schedule("rows", flushRows);
     schedule("hosts", flushHosts);
     schedule("commands", refreshCommands);
+    schedule("queue", refreshQueue);
     schedule("totals", refreshTotals);
   }
 
@@ -230,6 +275,12 @@
         return r.dataset.jobKey === key && !r.hidden;
       });
     });
+    rows.querySelectorAll("tr.host-heading").forEach(function (heading) {
+      var host = heading.dataset.host;
+      heading.hidden = !Array.prototype.some.call(rows.querySelectorAll("tr.proc, tr.job"), function (r) {
+        return r.dataset.host === host && !r.hidden;
+      });
+    });
     var count = document.getElementById("shown-count");
     count.textContent = total === 0 ? "" : shown === total
       ? total + (total === 1 ? " process" : " processes") : shown + " of " + total + " shown";
@@ -258,7 +309,7 @@
 
   // --- commands and live events --------------------------------------------------------------
 
-  page.wireCommands(rows, {
+  page.wireCommands(document.getElementById("main"), {   // the table's buttons and the queue's
     sent: function (command) { rowChanged(command.process_id, Boolean(command.job)); },
     forgotten: function (processId) {
       var row = rowOf(processId);
@@ -291,10 +342,12 @@
     var row = rowOf(id);
     var host = p.host || (row ? row.dataset.host : null);
     if (data.action === "removed") {
-      if (row && row.dataset.jobKey) { rowChanged(id, true); }
+      var lastOfHost = row && grouped() && hostRows(row.dataset.host).length === 1;   // its heading goes too
+      if (row && (row.dataset.jobKey || lastOfHost)) { rowChanged(id, true); }
       else if (row) { row.remove(); applyFilters(); }
     } else {
       rowChanged(id, Boolean(p.job && p.job.world_size > 1));
+      if (p.wait_id !== null && p.wait_id !== undefined) { schedule("queue", refreshQueue); }   // its priority
     }
     if (host) { hostChanged(host); }
     schedule("totals", refreshTotals);
@@ -307,6 +360,14 @@
     rowChanged(c.process_id, Boolean(c.job));
     schedule("commands", refreshCommands);
     schedule("totals", refreshTotals);
+  }
+
+  // The queue changed: its list, and the row of the job that waits (its mark, its buttons).
+  function onWait(data) {
+    var w = data.wait;
+    if (!w) { return; }
+    schedule("queue", refreshQueue);
+    rowChanged(w.process_id, Boolean(w.job_key));
   }
 
   function onDevices(data) {
@@ -337,5 +398,7 @@
   setInterval(tick, 1000);
   // Time alone changes things no event announces (a host going silent): a slow full refresh.
   setInterval(refreshAll, 60000);
-  page.listen({hello: onHello, process: onProcess, command: onCommand, devices: onDevices, progress: onProgress, resync: refreshAll});
+  page.listen({
+    hello: onHello, process: onProcess, command: onCommand, wait: onWait, devices: onDevices, progress: onProgress, resync: refreshAll,
+  });
 })();

@@ -1,9 +1,9 @@
 // A job's page. The server renders its whole content (fragments/job_panel.html); this script
 // swaps in a fresh render when the event stream says something the page shows changed: one of
-// its processes (a new rank of its job too), a command for them, sent or refused, or the GPUs of
-// their hosts; when their stored training progress changed, only the training sections. No
-// timer re-reads it: every change it shows comes with an event, and a reconnected stream starts
-// with "hello", which re-reads it too.
+// its processes (a new rank of its job too), a command for them, sent or refused, its wait in the
+// queue, or the GPUs of their hosts; when their stored training progress changed, only the
+// training sections. No timer re-reads it: every change it shows comes with an event, and a
+// reconnected stream starts with "hello", which re-reads it too.
 // Its buttons, dialog and notices are common.js's, as on the dashboard.
 (function () {
   "use strict";
@@ -72,10 +72,18 @@
     var action = focused && panel.contains(focused) && focused.dataset ? focused.dataset.action : null;
     var details = new Set();
     panel.querySelectorAll("details[open][data-keep]").forEach(function (d) { details.add(d.dataset.keep); });
+    var choosing = panel.querySelector("form.priority-form[data-dirty]");   // a priority being chosen stays chosen
+    var chosen = choosing ? {priority: choosing.elements.priority.value, number: choosing.elements.number.value} : null;
     var typed = keptReason();
     panel.replaceChildren(fragment(html));
     typed();
     panel.querySelectorAll("details[data-keep]").forEach(function (d) { if (details.has(d.dataset.keep)) { d.open = true; } });
+    var form = panel.querySelector("form.priority-form");
+    if (chosen && form) {
+      form.elements.priority.value = chosen.priority;
+      form.elements.number.value = chosen.number;
+      form.dataset.dirty = "1";
+    }
     readPanel();
     if (action) { focusAction(action); }
     tick();
@@ -100,6 +108,13 @@
     refocus: function (opener) { focusAction(opener.dataset.action); },
   });
 
+  ["input", "change"].forEach(function (type) {
+    panel.addEventListener(type, function (ev) {
+      var form = ev.target.closest("form.priority-form");
+      if (form) { form.dataset.dirty = "1"; }
+    });
+  });
+
   function concerns(processId) { return ours.has(processId); }
 
   page.listen({
@@ -116,6 +131,10 @@
     },
     command_refused: function (data) {
       if (concerns((data.request || {}).process_id)) { refresh(); }   // on its timeline
+    },
+    wait: function (data) {
+      var w = data.wait || {};
+      if (hosts.has(w.host)) { refresh(); }   // its place in its host's queue, or its own wait
     },
     progress: function (data) {
       if ((data.processes || []).some(function (p) { return concerns(p.process_id); })) { refreshProgress(); }

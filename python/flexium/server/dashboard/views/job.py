@@ -15,6 +15,8 @@ from flexium import wire
 from flexium.server import storage
 from flexium.server.dashboard.views.devices import GpuKey, HistoryChart, charts_of, hosts_of
 from flexium.server.dashboard.views.training import TrainingCharts, training_charts
+from flexium.server.errors import NotFound
+from flexium.server.storage.audit import POLICY_ROLE
 
 TIMELINE = 200  # commands shown on a job page, newest first; as many refused ones at most
 
@@ -22,11 +24,13 @@ TIMELINE = 200  # commands shown on a job page, newest first; as many refused on
 @dataclass(frozen=True)
 class SentCommand:
     """A command one of its ranks received; ``sent_by``: the token that sent it, when an audit
-    entry says so."""
+    entry says so; ``policy``: the server's policy that sent it instead (its reason is the
+    command's)."""
 
     refused: ClassVar[bool] = False
     command: wire.CommandInfo
     sent_by: str | None
+    policy: str | None = None
 
     @property
     def at(self) -> float:
@@ -95,6 +99,7 @@ class JobPage:
     history: dict[GpuKey, HistoryChart]
     charts: TrainingCharts
     timeline: tuple[TimelineItem, ...]
+    wait: wire.WaitInfo | None  # its place in the resume-when-free queue, while it waits
 
 
 def job_page(*, session: Session, workspace_id: int, process_id: str, now: float, stale_after: float) -> JobPage:
@@ -114,7 +119,17 @@ def job_page(*, session: Session, workspace_id: int, process_id: str, now: float
         history=charts_of(session=session, workspace_id=workspace_id, now=now, hosts=hosts),
         charts=training.charts,
         timeline=timeline(session=session, workspace_id=workspace_id, process_ids=[r.process_id for r in ranks]),
+        wait=_wait(session=session, workspace_id=workspace_id, wait_id=training.process.wait_id, now=now),
     )
+
+
+def _wait(*, session: Session, workspace_id: int, wait_id: int | None, now: float) -> wire.WaitInfo | None:
+    if wait_id is None:
+        return None
+    try:
+        return storage.get_wait(session=session, workspace_id=workspace_id, wait_id=wait_id, now=now)
+    except NotFound:  # ended between the two reads
+        return None
 
 
 def timeline(*, session: Session, workspace_id: int, process_ids: Sequence[str]) -> tuple[TimelineItem, ...]:
@@ -131,15 +146,19 @@ def timeline(*, session: Session, workspace_id: int, process_ids: Sequence[str])
     refusals = storage.refused_commands(
         session=session, workspace_id=workspace_id, process_ids=process_ids, limit=TIMELINE
     )
-    items: list[TimelineItem] = [SentCommand(command=c, sent_by=_sender(senders.get(c.id))) for c in commands]
+    items: list[TimelineItem] = [_sent(c, senders.get(c.id)) for c in commands]
     items += [_refused(e) for e in refusals]
     return tuple(sorted(items, key=lambda item: item.at, reverse=True))
 
 
-def _sender(entry: wire.AuditEntry | None) -> str | None:
+def _sent(command: wire.CommandInfo, entry: wire.AuditEntry | None) -> SentCommand:
+    """Who sent it: a token, or one of the server's policies (its entry's name reads
+    "policy: resume when free")."""
     if entry is None:
-        return None
-    return entry.token_name or f"token {entry.token_id}"
+        return SentCommand(command=command, sent_by=None)
+    if entry.role == POLICY_ROLE:
+        return SentCommand(command=command, sent_by=None, policy=entry.token_name.removeprefix(f"{POLICY_ROLE}: "))
+    return SentCommand(command=command, sent_by=entry.token_name or f"token {entry.token_id}")
 
 
 def _refused(entry: wire.AuditEntry) -> RefusedCommand:

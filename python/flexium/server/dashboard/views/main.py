@@ -1,5 +1,5 @@
-"""The main page: the cluster's totals, the GPU cards, the process table and the recent
-commands, read in one transaction so the parts agree with each other."""
+"""The main page: the cluster's totals, the GPU cards, the process table, the queue and the
+recent commands, read in one transaction so the parts agree with each other."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from flexium.server import storage
 from flexium.server.dashboard.views.commands import RecentCommands, recent_commands
 from flexium.server.dashboard.views.devices import HostCards, host_cards, hosts_of
 from flexium.server.dashboard.views.processes import ProcessRows, TableEntry, process_rows, table_entries
+from flexium.server.dashboard.views.queue import QueuePanel, queue_panel
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class MainPage:
 
     rows: ProcessRows
     cards: HostCards
+    queue: QueuePanel
     recent: RecentCommands
     totals: Totals
 
@@ -77,6 +79,7 @@ def main_page(*, session: Session, workspace_id: int, now: float, stale_after: f
     return MainPage(
         rows=rows,
         cards=cards,
+        queue=queue_panel(session=session, workspace_id=workspace_id, now=now, stale_after=stale_after),
         recent=recent_commands(session=session, workspace_id=workspace_id, now=now),
         totals=cluster_totals(
             session=session, workspace_id=workspace_id, now=now, hosts=cards.hosts, entries=rows.entries

@@ -10,6 +10,7 @@ from sqlalchemy.orm import Session
 
 from flexium import protocol, wire
 from flexium.server import storage
+from flexium.server.dashboard.views.queue import waits_by_id
 from flexium.server.errors import NotFound
 
 # How far back the table looks for each process's last finished command (``last_finished``):
@@ -28,6 +29,11 @@ class TableEntry:
     @property
     def state(self) -> str:
         return self.job.state if self.job is not None else self.process.state if self.process is not None else ""
+
+    @property
+    def host(self) -> str:
+        """Where the table lists it: a job of several ranks under its first rank's host."""
+        return self.job.ranks[0].host if self.job is not None else self.process.host if self.process is not None else ""
 
 
 def last_finished(commands: Sequence[wire.CommandInfo]) -> dict[str, wire.CommandInfo]:
@@ -55,12 +61,15 @@ def table_entries(processes: Sequence[wire.ProcessInfo]) -> tuple[TableEntry, ..
 
 @dataclass(frozen=True)
 class ProcessRows:
-    """fragments/rows.html: rows of the table, and what they show of GPUs and commands."""
+    """fragments/rows.html: rows of the table, and what they show of GPUs, commands and the queue.
+    ``grouped``: the whole table, of more than one host: a heading per host, its rows under it."""
 
     now: float
     gpu_indexes: dict[str, int | None]
     entries: tuple[TableEntry, ...]
     last: dict[str, wire.CommandInfo]
+    waits: dict[int, wire.WaitInfo]  # wait id -> the live wait a process's wait_id names
+    grouped: bool
 
 
 def process_rows(
@@ -75,7 +84,9 @@ def process_rows(
     if process_ids is None:
         processes = storage.list_processes(session=session, workspace_id=workspace_id, now=now, stale_after=stale_after)
         scanned = storage.list_commands(session=session, workspace_id=workspace_id, limit=COMMAND_SCAN)
-        return _rows(session=session, workspace_id=workspace_id, now=now, processes=processes, scanned=scanned)
+        return _rows(
+            session=session, workspace_id=workspace_id, now=now, processes=processes, scanned=scanned, whole=True
+        )
     processes, scanned = [], []
     for process_id in process_ids:
         try:
@@ -89,7 +100,7 @@ def process_rows(
         scanned += storage.list_commands(
             session=session, workspace_id=workspace_id, process_id=process_id, limit=_COMMAND_SCAN_ONE
         )
-    return _rows(session=session, workspace_id=workspace_id, now=now, processes=processes, scanned=scanned)
+    return _rows(session=session, workspace_id=workspace_id, now=now, processes=processes, scanned=scanned, whole=False)
 
 
 def _rows(
@@ -99,10 +110,16 @@ def _rows(
     now: float,
     processes: Sequence[wire.ProcessInfo],
     scanned: Sequence[wire.CommandInfo],
+    whole: bool,
 ) -> ProcessRows:
+    """``whole``: the whole table (rows of some processes are swapped in where theirs were)."""
+    entries = table_entries(processes)
+    grouped = whole and len({entry.host for entry in entries}) > 1
     return ProcessRows(
         now=now,
         gpu_indexes=storage.device_indexes(session=session, workspace_id=workspace_id),
-        entries=table_entries(processes),
+        entries=tuple(sorted(entries, key=lambda entry: entry.host)) if grouped else entries,
         last=last_finished(scanned),
+        waits=waits_by_id(session=session, workspace_id=workspace_id, now=now),
+        grouped=grouped,
     )
