@@ -339,10 +339,17 @@ def test_a_silent_job_is_shown_stale(dash: Dashboard, jobs: Jobs, api: Api) -> N
     dash.wait_cell("gpu-stale-01", "Status", "RUNNING")
     job.die()
     dash.wait_cell("gpu-stale-01", "Status", "STALE", "silent since", timeout=20)
-    assert dash.buttons("gpu-stale-01") == {"Forget": True}
-    section = dash.host_section("stale-node")  # its host went silent too: folded
-    assert section.get_attribute("data-stale") == "1" and section.get_attribute("open") is None
-    assert "silent" in section.text
+    dash.wait_buttons("gpu-stale-01", {"Forget": True})
+
+    def folded() -> bool:  # read again when a live update re-renders the section meanwhile
+        section = dash.host_section("stale-node")
+        return bool(
+            section.get_attribute("data-stale") == "1"
+            and section.get_attribute("open") is None
+            and "silent" in section.text
+        )
+
+    dash.wait(folded, "its host went silent too: folded")
     dash.choose("filter-status", "STALE")
     assert "gpu-stale-01" in dash.visible_rows()
     dash.click("gpu-stale-01", "forget")

@@ -276,6 +276,8 @@ def test_priority_by_number_and_a_viewer_sees_it_without_controls(
     viewer.wait_buttons(job.process_id, {"Resume": False})
     viewer.wait(lambda: _queue_items(viewer, "prio-node") == [job.process_id], "the viewer sees the queue")
     assert not browser.find_elements(By.CSS_SELECTOR, "#queue button")
+    viewer.wait(lambda: viewer.host_section("prio-node"), "the host's GPU cards")
+    assert not browser.find_elements(By.CSS_SELECTOR, '#hosts [data-action="drain"]')
     viewer.d.get(f"{server.url}/jobs/{job.process_id}")
     viewer.wait(lambda: viewer.d.find_element(By.ID, "job-priority").text.startswith("70"), "priority, read-only")
     assert not browser.find_elements(By.CSS_SELECTOR, "form.priority-form")

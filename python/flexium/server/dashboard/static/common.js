@@ -299,6 +299,18 @@
     notify(processId + " left the queue of " + w.host + " (wait " + w.id + " cancelled)", "ok", "wait-" + w.id);
   }
 
+  // A GPU taken out of use (its jobs moved off, nothing placed there) until it is undrained.
+  async function drainGpu(button) {
+    var gpu = button.dataset.index !== "" ? "GPU " + button.dataset.index : button.dataset.uuid;
+    var d = await api("POST", "/drains", {host: button.dataset.host, gpu: button.dataset.uuid});
+    notify("draining " + gpu + " of " + d.host + " (drain " + d.id + "): its jobs move off", "ok", "drain-" + d.id);
+  }
+
+  async function undrain(button) {
+    var d = await api("DELETE", "/drains/" + encodeURIComponent(button.dataset.drainId));
+    notify("drain " + d.id + " of " + d.host + " ended: its GPUs take jobs again", "ok", "drain-" + d.id);
+  }
+
   async function setPriority(form) {
     var number = form.querySelector("input[name=number]").value.trim();
     var priority = number || form.querySelector("select[name=priority]").value;
@@ -390,11 +402,16 @@
         } else if (action === "cancel-wait") {
           button.disabled = true;
           await cancelWait(button.dataset.waitId, processId);
+        } else if (action === "drain" || action === "undrain") {
+          button.disabled = true;
+          await (action === "drain" ? drainGpu(button) : undrain(button));
         }
       } catch (err) {
         button.disabled = false;
         if (action === "make-room") {
           notify("make room for " + processId + " refused: " + byGpu(err.message), "error");
+        } else if (action === "drain" || action === "undrain") {
+          notify(action + " " + (button.dataset.host || "") + " refused: " + byGpu(err.message), "error");
         } else {
           notify(action + " " + processId + " refused: " + err.message, "error", undefined,
             action === "job-resume" ? queueOffer(processId) : undefined);

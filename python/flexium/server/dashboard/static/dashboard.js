@@ -370,6 +370,12 @@
     rowChanged(w.process_id, Boolean(w.job_key));
   }
 
+  // A drain began, acted or ended: its host's cards say so.
+  function onDrain(data) {
+    var d = data.drain;
+    if (d && d.host) { hostChanged(d.host); }
+  }
+
   function onDevices(data) {
     if (data.host) { hostChanged(data.host); }
     schedule("totals", refreshTotals);
@@ -399,6 +405,7 @@
   // Time alone changes things no event announces (a host going silent): a slow full refresh.
   setInterval(refreshAll, 60000);
   page.listen({
-    hello: onHello, process: onProcess, command: onCommand, wait: onWait, devices: onDevices, progress: onProgress, resync: refreshAll,
+    hello: onHello, process: onProcess, command: onCommand, wait: onWait, drain: onDrain, devices: onDevices,
+    progress: onProgress, resync: refreshAll,
   });
 })();

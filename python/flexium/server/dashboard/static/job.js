@@ -132,6 +132,9 @@
     command_refused: function (data) {
       if (concerns((data.request || {}).process_id)) { refresh(); }   // on its timeline
     },
+    drain: function (data) {
+      if (hosts.has((data.drain || {}).host)) { refresh(); }   // its GPU cards
+    },
     wait: function (data) {
       var w = data.wait || {};
       if (hosts.has(w.host)) { refresh(); }   // its place in its host's queue, or its own wait

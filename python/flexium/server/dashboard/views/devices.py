@@ -1,4 +1,5 @@
-"""The GPU cards: each host's GPUs as its jobs report them, and each GPU's history charts."""
+"""The GPU cards: each host's GPUs as its jobs report them, each GPU's history charts, and the
+drains that take GPUs out of use."""
 
 from __future__ import annotations
 
@@ -71,20 +72,38 @@ def charts_of(
     return {key: history_chart(samples, now) for key, samples in kept.items()}
 
 
+def drains_of(
+    *, session: Session, workspace_id: int, now: float, stale_after: float, hosts: Sequence[wire.HostInfo]
+) -> dict[GpuKey, wire.DrainInfo]:
+    """The live drain of each GPU of these hosts that has one (a drain of a whole host is each of its GPUs')."""
+    drained: dict[GpuKey, wire.DrainInfo] = {}
+    for host in hosts:
+        for drain in storage.list_drains(
+            session=session, workspace_id=workspace_id, now=now, stale_after=stale_after, host=host.host
+        ):
+            for device in host.devices:
+                if drain.gpu_uuid in (None, device.uuid):
+                    drained[(host.host, device.uuid)] = drain
+    return drained
+
+
 @dataclass(frozen=True)
 class HostCards:
-    """fragments/hosts.html: the GPU cards of some hosts, or of all."""
+    """fragments/hosts.html: the GPU cards of some hosts, or of all, and the drains of their GPUs."""
 
     now: float
     hosts: tuple[wire.HostInfo, ...]
     history: dict[GpuKey, HistoryChart]
+    drains: dict[GpuKey, wire.DrainInfo]
 
 
 def host_cards(
     *, session: Session, workspace_id: int, now: float, stale_after: float, hosts: Sequence[str] | None = None
 ) -> HostCards:
+    shown = hosts_of(session=session, workspace_id=workspace_id, now=now, stale_after=stale_after, hosts=hosts)
     return HostCards(
         now=now,
-        hosts=hosts_of(session=session, workspace_id=workspace_id, now=now, stale_after=stale_after, hosts=hosts),
+        hosts=shown,
         history=charts_of(session=session, workspace_id=workspace_id, now=now, hosts=hosts),
+        drains=drains_of(session=session, workspace_id=workspace_id, now=now, stale_after=stale_after, hosts=shown),
     )

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from flexium import wire
 from flexium.server import storage
-from flexium.server.dashboard.views.devices import GpuKey, HistoryChart, charts_of, hosts_of
+from flexium.server.dashboard.views.devices import GpuKey, HistoryChart, charts_of, drains_of, hosts_of
 from flexium.server.dashboard.views.training import TrainingCharts, training_charts
 from flexium.server.errors import NotFound
 from flexium.server.storage.audit import POLICY_ROLE
@@ -97,6 +97,7 @@ class JobPage:
     gpu_indexes: dict[str, int | None]
     hosts: tuple[wire.HostInfo, ...]  # its ranks' hosts
     history: dict[GpuKey, HistoryChart]
+    drains: dict[GpuKey, wire.DrainInfo]  # of its GPUs' hosts
     charts: TrainingCharts
     timeline: tuple[TimelineItem, ...]
     wait: wire.WaitInfo | None  # its place in the resume-when-free queue, while it waits
@@ -109,14 +110,16 @@ def job_page(*, session: Session, workspace_id: int, process_id: str, now: float
     )
     ranks = training.ranks
     hosts = sorted({r.host for r in ranks})
+    shown = hosts_of(session=session, workspace_id=workspace_id, now=now, stale_after=stale_after, hosts=hosts)
     return JobPage(
         now=now,
         process=training.process,
         job=training.job,
         ranks=ranks,
         gpu_indexes=storage.device_indexes(session=session, workspace_id=workspace_id),
-        hosts=hosts_of(session=session, workspace_id=workspace_id, now=now, stale_after=stale_after, hosts=hosts),
+        hosts=shown,
         history=charts_of(session=session, workspace_id=workspace_id, now=now, hosts=hosts),
+        drains=drains_of(session=session, workspace_id=workspace_id, now=now, stale_after=stale_after, hosts=shown),
         charts=training.charts,
         timeline=timeline(session=session, workspace_id=workspace_id, process_ids=[r.process_id for r in ranks]),
         wait=_wait(session=session, workspace_id=workspace_id, wait_id=training.process.wait_id, now=now),
