@@ -34,6 +34,11 @@ def _recent_commands(dash: Dashboard) -> list[str]:
     )
 
 
+def _text(dash: Dashboard, by: str, value: str) -> str:
+    """An element's text, read again where a live redraw replaced the element in between."""
+    return str(dash.wait(lambda: dash.d.find_element(by, value).text, f"the text of {value}"))
+
+
 def test_simulated_figures_say_so_and_real_ones_do_not(dash: Dashboard, api: Api) -> None:
     demo = SimulatedHostJob(api, FakeHost("demo-host"), "gpu-s1mu1ate", memory=6 * GIB, op_seconds=0.42).start()
     real = SimJob(api, FakeHost("real-host"), "gpu-rea1h0st", memory=6 * GIB, op_seconds=0.42).start()
@@ -83,19 +88,19 @@ def test_simulated_figures_say_so_and_real_ones_do_not(dash: Dashboard, api: Api
         )
         for event in events:
             assert "training stopped 0.42 s simulated" in event and "6.0 GiB of simulated memory moved" in event, event
-        phases = dash.d.find_element(By.CSS_SELECTOR, "#job-timeline details.event-steps summary").text
+        phases = _text(dash, By.CSS_SELECTOR, "#job-timeline details.event-steps summary")
         assert phases == "2 phases simulated timings", phases
-        assert "simulated" in dash.d.find_element(By.ID, "job-memory").text
-        assert "GB/s" not in dash.d.find_element(By.TAG_NAME, "main").text
+        assert "simulated" in _text(dash, By.ID, "job-memory")
+        assert "GB/s" not in _text(dash, By.TAG_NAME, "main")
 
         dash.d.get(f"{dash.server.url}/jobs/{real.process_id}")
         dash.wait(
             lambda: len(dash.d.find_elements(By.CSS_SELECTOR, '#job-timeline li.event[data-state="succeeded"]')) == 2,
             "the real job's timeline lists its pause and resume",
         )
-        timeline = dash.d.find_element(By.ID, "job-timeline").text
+        timeline = _text(dash, By.ID, "job-timeline")
         assert "training stopped 0.42 s" in timeline and "6.0 GiB moved" in timeline
-        assert "simulated" not in timeline and "simulated" not in dash.d.find_element(By.ID, "job-memory").text
+        assert "simulated" not in timeline and "simulated" not in _text(dash, By.ID, "job-memory")
     finally:
         for job in (demo, real):
             job.die()
