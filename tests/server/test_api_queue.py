@@ -79,7 +79,8 @@ def test_a_waiting_job_watches_its_gpus_and_is_resumed_when_it_sees_room(api: Ap
     assert seen.json()["pending_command"] == body["id"]
     assert api.get(f"/waits/{wait['id']}").json()["state"] == "dispatched"
     [panel] = api.pages("/ui/jobs/p/panel")  # the job's timeline says who sent it, and why
-    assert "by policy: resume when free" in panel and "resume when free: GPU 1 had 130.0 GiB free" in panel
+    assert 'by the server on its own: <b class="event-policy">resume when free</b>' in panel
+    assert "resume when free: GPU 1 had 130.0 GiB free" in panel
 
 
 def test_a_refused_resume_is_queued_and_a_plain_one_is_sent_however_full_the_report(api: Api) -> None:
