@@ -72,6 +72,8 @@ class Seeded:
     paused_process_id: str = ""  # a paused one on a full host, for the bodies of new waits
     wait_id: int = 0
     placement_id: int = 0
+    drain_id: int = 0
+    drain_host: str = ""  # a host of its own with a drained GPU (0) and free ones, for new drains
     command_id: int = 0
     operation_id: int = 0
     rounds: int = 0
@@ -121,7 +123,7 @@ def _own_token(base: str, token: str) -> Seeded:
 def _seed(base: str, seeded: Seeded) -> None:
     """A new round of rows: processes on one host (one with a queued migrate, one idle), a
     torchrun job of two ranks being paused, a paused process waiting in the queue on a full host,
-    a spare token."""
+    a placement, a drained GPU on a host of its own, a spare token."""
     session = requests.Session()
     session.headers.update(_headers(seeded.token))
 
@@ -138,6 +140,7 @@ def _seed(base: str, seeded: Seeded) -> None:
             seeded.process_id,
             seeded.idle_process_id,
             seeded.paused_process_id,
+            f"drained-{last}",
             f"run-{last}-rank-0",
             f"run-{last}-rank-1",
         ):
@@ -151,6 +154,9 @@ def _seed(base: str, seeded: Seeded) -> None:
     paused = process_body(seeded.paused_process_id, host=PAUSED_HOST, state="PAUSED", memory=0, devices=full)
     post("/processes", {**paused, "footprint_bytes": 1 << 30})
     seeded.wait_id = post("/waits", {"process_id": seeded.paused_process_id})["wait"]["id"]
+    seeded.drain_host = f"drain-node-{n}"
+    post("/processes", process_body(f"drained-{n}", host=seeded.drain_host, gpu_index=1))
+    seeded.drain_id = post("/drains", {"host": seeded.drain_host, "gpu": 0, "reason": "fuzz"})["id"]
     seeded.placement_id = post("/placements", {"host": f"placed-{n}", "devices": [gpu(0)]})["placement"]["id"]
     for rank in (0, 1):
         post("/processes", rank_body(rank, key=f"run-{n}", process_id=f"run-{n}-rank-{rank}"))
@@ -173,13 +179,17 @@ def _real_rows(seeded: Seeded, names: set[str]) -> dict[str, Any]:
         "token_id": seeded.spare_token_id,
         "wait_id": seeded.wait_id,
         "placement_id": seeded.placement_id,
+        "drain_id": seeded.drain_id,
     }
     return {name: value for name, value in rows.items() if name in names}
 
 
 def _naming_real_rows(case: Any, seeded: Seeded) -> Any:
     """A generated body names the idle process where it names one (a new command's), or the paused
-    one and its host (a new wait's)."""
+    one and its host (a new wait's); a new drain's names the drain host and one of its free GPUs."""
+    if isinstance(case.body, dict) and case.path.endswith("/drains") and isinstance(case.body.get("host"), str):
+        case.body["host"] = seeded.drain_host
+        case.body["gpu"] = 2
     if isinstance(case.body, dict) and isinstance(case.body.get("process_id"), str):
         waits = case.path.endswith("/waits")
         case.body["process_id"] = seeded.paused_process_id if waits else seeded.idle_process_id
