@@ -13,8 +13,8 @@ import time
 from flexium import protocol, wire
 from flexium.server import queue
 from flexium.server.context import ServerContext
-from flexium.server.db import DatabaseUnavailable
 from flexium.server.policies.drain import DrainOutcome, run_drains, start_drain
+from flexium.server.policy_pass import run_policy_pass
 from flexium.server.storage import AuthInfo
 from flexium.server.storage.drains import end_drain, live_drains
 
@@ -66,20 +66,8 @@ async def command_ended(ctx: ServerContext, workspace_id: int, command: wire.Com
 async def run(ctx: ServerContext, *, workspace_id: int | None = None, host: str | None = None) -> None:
     """One pass of the live drains (of one host, or all); never raises: a failed pass is retried at
     the next event or sweep."""
-    try:
-        outcome: DrainOutcome = await ctx.db.call(
-            run_drains,
-            write=True,
-            now=time.time(),
-            stale_after=ctx.settings.stale_after_s,
-            workspace_id=workspace_id,
-            host=host,
-        )
-    except DatabaseUnavailable as exc:
-        log.warning("the drains' pass failed, retrying at the next event: %s", exc)
-        return
-    except Exception:
-        log.exception("the drains' pass failed; retrying at the next event")
+    outcome = await run_policy_pass(ctx, run_drains, what="the drains'", workspace_id=workspace_id, host=host)
+    if outcome is None:
         return
     await _told(ctx, outcome)
 

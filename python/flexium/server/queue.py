@@ -15,8 +15,8 @@ from collections.abc import Iterable
 from flexium import protocol, wire
 from flexium.server import storage
 from flexium.server.context import ServerContext
-from flexium.server.db import DatabaseUnavailable
 from flexium.server.policies.resume_when_free import Queued, QueueOutcome, queue_resume, run_queue
+from flexium.server.policy_pass import run_policy_pass
 from flexium.server.storage import AuthInfo
 
 log = logging.getLogger("flexium.server")
@@ -108,20 +108,8 @@ async def run(ctx: ServerContext, *, workspace_id: int | None = None, host: str 
     """One pass of the queue (over one host, or every host); never raises: a failed pass is
     retried at the next event or sweep."""
     started = time.perf_counter()
-    try:
-        outcome: QueueOutcome = await ctx.db.call(
-            run_queue,
-            write=True,
-            now=time.time(),
-            stale_after=ctx.settings.stale_after_s,
-            workspace_id=workspace_id,
-            host=host,
-        )
-    except DatabaseUnavailable as exc:
-        log.warning("the queue's pass failed, retrying at the next event: %s", exc)
-        return
-    except Exception:
-        log.exception("the queue's pass failed; retrying at the next event")
+    outcome = await run_policy_pass(ctx, run_queue, what="the queue's", workspace_id=workspace_id, host=host)
+    if outcome is None:
         return
     ctx.metrics.queue_decision.observe(time.perf_counter() - started)
     await _told(ctx, outcome)
