@@ -1,7 +1,7 @@
 // What the dashboard's pages share (dashboard.js, job.js): the server's clock, the time formats
-// (the same as formatters.py), fetching a server-rendered fragment, the notices, the buttons and the
-// dialog that send commands (and the notices that follow each one), and the event stream.
-// Loaded before either. Text from the API goes in through textContent only.
+// (the same as formatters.py), fetching a server-rendered fragment, the notices, the API, the buttons
+// and the dialog that send commands (and the notices that follow each one), and the event stream.
+// Loaded first; allocator.js (the queue, priorities and drains) after it. Text from the API goes in through textContent only.
 (function () {
   "use strict";
 
@@ -109,6 +109,10 @@
     return el;
   }
 
+  // What the notice of a refused resume offers (allocator.js: "Queue it?"), {label, run} or undefined.
+  var refusedResumeOffer = function () { return undefined; };
+  function resumeOffer(processId) { return refusedResumeOffer(processId); }
+
   // The newest state of each command seen. The answer to the POST that sent a command and the
   // command's events come in either order (a job may be done before the answer arrives): an
   // older state never replaces a newer one, and events before the answer are not lost.
@@ -144,7 +148,7 @@
       notify(what + "succeeded on every rank", "ok", key);
     } else if (!active && op.ranks.size === c.job.world_size) {
       notify(what + "failed: " + failed.join("; "), "error", key,
-        op.kind === "resume" ? queueOffer(c.process_id) : undefined);
+        op.kind === "resume" ? resumeOffer(c.process_id) : undefined);
     } else {
       notify(what + parts.join(", ") + "…", "progress", key);
     }
@@ -185,7 +189,7 @@
              "ok", c.id);
     } else if (c.state === "failed" || c.state === "expired") {
       notify(what + c.state + (c.error ? ": " + c.error : ""), "error", c.id,
-        c.kind === "resume" ? queueOffer(c.process_id) : undefined);
+        c.kind === "resume" ? resumeOffer(c.process_id) : undefined);
     } else {
       var phase = {queued: "queued", delivered: "delivered, waiting for a safe point", running: "running"}[c.state];
       notify(what + (phase || c.state) + "…", "progress", c.id);
@@ -252,73 +256,6 @@
     follow(now);
     show(now);
     return command;
-  }
-
-  // --- the resume-when-free queue and priorities ---------------------------------------------
-
-  function gpuOf(uuid) { return uuid ? gpuName(uuid) : "any GPU it may use"; }
-
-  // A paused job into the queue (POST /waits, as flexium resume --when-free), or room made for it
-  // by pausing jobs of lower priority (makeRoom); what the server did is told in a notice.
-  async function queueResume(processId, makeRoom) {
-    var answer = await api("POST", "/waits", {process_id: processId, make_room: Boolean(makeRoom)});
-    var w = answer.wait;
-    var paused = answer.commands.filter(function (c) { return c.kind === "pause"; })
-      .map(function (c) { return c.process_id; });
-    var resumed = answer.commands.some(function (c) { return c.kind === "resume"; });
-    var text = resumed ? "resume " + processId + ": there is room now, resuming on " + gpuOf(w.gpu_uuid)
-      : makeRoom ? "making room for " + processId + " on " + gpuOf(w.gpu_uuid) + ": pausing "
-        + (paused.length ? paused.join(", ") : "no job (the room is free)") + "; it resumes there once the room shows"
-      : processId + " waits to resume when free: #" + w.position + " in the queue of " + w.host
-        + " (wait " + w.id + ")";
-    notify(text, "ok", "wait-" + w.id);
-    return answer;
-  }
-
-  // What a notice of a refused resume offers: the same job queued to resume when free.
-  function queueOffer(processId) {
-    return {
-      label: "Queue it?",
-      run: function (button) {
-        queueResume(processId, false).then(function () {
-          var notice = button.closest(".notice");
-          if (notice) { notice.remove(); }
-        }, function (err) {
-          button.disabled = false;
-          notify("queue " + processId + " refused: " + err.message, "error");
-        });
-      },
-    };
-  }
-
-  // A refusal to make room says why GPU by GPU ("...: GPU 0: ...; GPU 1: ..."): a line each.
-  function byGpu(message) { return message.replace(/: (?=GPU )/, ":\n").replace(/; (?=GPU )/g, "\n"); }
-
-  async function cancelWait(waitId, processId) {
-    var w = await api("DELETE", "/waits/" + encodeURIComponent(waitId));
-    notify(processId + " left the queue of " + w.host + " (wait " + w.id + " cancelled)", "ok", "wait-" + w.id);
-  }
-
-  // A GPU taken out of use (its jobs moved off, nothing placed there) until it is undrained.
-  async function drainGpu(button) {
-    var gpu = button.dataset.index !== "" ? "GPU " + button.dataset.index : button.dataset.uuid;
-    var d = await api("POST", "/drains", {host: button.dataset.host, gpu: button.dataset.uuid});
-    notify("draining " + gpu + " of " + d.host + " (drain " + d.id + "): its jobs move off", "ok", "drain-" + d.id);
-  }
-
-  async function undrain(button) {
-    var d = await api("DELETE", "/drains/" + encodeURIComponent(button.dataset.drainId));
-    notify("drain " + d.id + " of " + d.host + " ended: its GPUs take jobs again", "ok", "drain-" + d.id);
-  }
-
-  async function setPriority(form) {
-    var number = form.querySelector("input[name=number]").value.trim();
-    var priority = number || form.querySelector("select[name=priority]").value;
-    // As text, a name or a number: the server's one reading of a priority says what it refuses.
-    var p = await api("PUT", "/processes/" + encodeURIComponent(form.dataset.processId) + "/priority",
-      {priority: priority});
-    delete form.dataset.dirty;
-    notify("priority of " + p.process_id + " set to " + priority, "ok", "priority-" + p.process_id);
   }
 
   // --- the buttons and the dialog that send commands -----------------------------------------
@@ -396,41 +333,11 @@
           button.disabled = true;
           await api("DELETE", "/processes/" + encodeURIComponent(processId));
           hooks.forgotten(processId);
-        } else if (action === "queue" || action === "make-room") {
-          button.disabled = true;
-          await queueResume(processId, action === "make-room");
-        } else if (action === "cancel-wait") {
-          button.disabled = true;
-          await cancelWait(button.dataset.waitId, processId);
-        } else if (action === "drain" || action === "undrain") {
-          button.disabled = true;
-          await (action === "drain" ? drainGpu(button) : undrain(button));
         }
       } catch (err) {
         button.disabled = false;
-        if (action === "make-room") {
-          notify("make room for " + processId + " refused: " + byGpu(err.message), "error");
-        } else if (action === "drain" || action === "undrain") {
-          notify(action + " " + (button.dataset.host || "") + " refused: " + byGpu(err.message), "error");
-        } else {
-          notify(action + " " + processId + " refused: " + err.message, "error", undefined,
-            action === "job-resume" ? queueOffer(processId) : undefined);
-        }
-      }
-    });
-
-    container.addEventListener("submit", async function (ev) {
-      var form = ev.target.closest("form.priority-form");
-      if (!form) { return; }
-      ev.preventDefault();
-      var submit = form.querySelector("button[type=submit]");
-      submit.disabled = true;
-      try {
-        await setPriority(form);
-      } catch (err) {
-        notify("priority of " + form.dataset.processId + " refused: " + err.message, "error");
-      } finally {
-        submit.disabled = false;
+        notify(action + " " + processId + " refused: " + err.message, "error", undefined,
+          action === "job-resume" ? resumeOffer(processId) : undefined);
       }
     });
 
@@ -448,7 +355,7 @@
         error.textContent = err.message;
         error.hidden = false;
         notify(form.dataset.kind + " " + form.dataset.processId + " refused: " + err.message, "error", undefined,
-          form.dataset.kind === "resume" ? queueOffer(form.dataset.processId) : undefined);
+          form.dataset.kind === "resume" ? resumeOffer(form.dataset.processId) : undefined);
       } finally {
         submit.disabled = false;
       }
@@ -511,7 +418,10 @@
     fragment: fragment,
     fetchFragment: fetchFragment,
     notify: notify,
+    offerAfterRefusedResume: function (offer) { refusedResumeOffer = offer; },
     commandEvent: commandEvent,
+    api: api,
+    gpuName: gpuName,
     wireCommands: wireCommands,
     listen: listen,
   };

@@ -317,6 +317,7 @@
     },
     refocus: function (opener) { restoreFocus({id: opener.dataset.processId, action: opener.dataset.action}); },
   });
+  page.wireAllocator(document.getElementById("main"));
 
   // Training progress comes with beats, not with a process event: each row's progress line is set
   // in place, worded as the row renders it (formatters.fmt_rate).

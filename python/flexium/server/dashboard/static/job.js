@@ -4,7 +4,7 @@
 // queue, or the GPUs of their hosts; when their stored training progress changed, only the
 // training sections. No timer re-reads it: every change it shows comes with an event, and a
 // reconnected stream starts with "hello", which re-reads it too.
-// Its buttons, dialog and notices are common.js's, as on the dashboard.
+// Its buttons, dialog and notices are common.js's and allocator.js's, as on the dashboard.
 (function () {
   "use strict";
 
@@ -107,6 +107,7 @@
     forgotten: function () { window.location.assign("/"); },
     refocus: function (opener) { focusAction(opener.dataset.action); },
   });
+  page.wireAllocator(panel);
 
   ["input", "change"].forEach(function (type) {
     panel.addEventListener(type, function (ev) {
