@@ -6,6 +6,8 @@ and PostgreSQL."""
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -13,9 +15,10 @@ import pytest
 from flexium import protocol, wire
 from flexium.server import errors, storage
 from flexium.server.db import Database
-from support.queue import gpus_report, paused, queue, resumed, run, waits
+from flexium.server.policies.resume_when_free import queue_resume
+from support.queue import admin, gpus_report, paused, queue, resumed, run, waits
 from support.server import GIB
-from support.storage import NOW, add_process, make_workspace, next_for, report
+from support.storage import NOW, STALE, add_process, make_workspace, next_for, report
 
 LOW, NORMAL, HIGH = (protocol.PRIORITIES[name] for name in ("low", "normal", "high"))
 
@@ -117,3 +120,39 @@ def test_a_job_of_several_ranks_is_paused_whole_for_room(db: Database) -> None:
     assert pauses(created) == ["rank-0", "rank-1"]
     assert {c.job.operation_id for c in created.commands if c.job} != set()
     assert waits(db, ws)["rank-0"].job_key == "run-1"
+
+
+def test_two_make_rooms_at_once_on_one_gpu_hold_its_room_once(db: Database) -> None:
+    """Two servers making room on one GPU at the same moment: the second waits for the first's
+    transaction and counts the room it held (on PostgreSQL the host's GPU rows are read locked;
+    SQLite has one writer)."""
+    ws, _ = make_workspace(db)
+    gpus_report(db, ws, NOW, 80 * GIB)
+    for name in ("first", "second"):
+        paused(db, ws, name, footprint=40 * GIB, priority=HIGH, visible_gpus=["GPU-0000"])
+    second: list[BaseException | wire.WaitCreated] = []
+
+    def make_room_for_the_second() -> None:
+        try:
+            second.append(queue(db, ws, "second", now=NOW + 1, make_room=True))
+        except errors.ApiError as exc:
+            second.append(exc)
+
+    with db.session(write=True) as session:
+        first = queue_resume(
+            session=session,
+            workspace_id=ws,
+            actor=admin(ws),
+            request=wire.WaitRequest(process_id="first", make_room=True),
+            now=NOW + 1,
+            stale_after=STALE,
+            reservation_ttl=protocol.RESERVATION_TTL_S,
+        )
+        racing = threading.Thread(target=make_room_for_the_second)
+        racing.start()
+        time.sleep(1.0)  # the second's make-room is under way, its room read as the database has it
+    racing.join(30)
+    assert first.answer.wait.reservation is not None
+    [refused] = second
+    assert isinstance(refused, errors.TargetRefused), refused
+    assert "GPU 0: 20.0 GiB free of the 40.5 GiB it needs" in refused.message  # the first resumes there

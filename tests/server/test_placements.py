@@ -13,7 +13,7 @@ import pytest
 from flexium import protocol, wire
 from flexium.server import errors, storage
 from flexium.server.db import Database
-from flexium.server.policies.placement import PlacementOutcome, place_job, report_placement
+from flexium.server.policies.placement import PlacementOutcome, place_job, report_placement, run_placement_pass
 from flexium.server.storage.drains import create_drain
 from support.queue import HOST, admin, gpus_report, paused, queue
 from support.server import GIB, gpu
@@ -114,15 +114,64 @@ def test_a_paused_job_waiting_before_it_goes_first(db: Database) -> None:
     assert urgent.state == "placed" and urgent.placed_uuid == "GPU-0001"
 
 
+def _job_token(db: Database, ws: int, minted_by: storage.AuthInfo | None) -> storage.AuthInfo:
+    token = db.run(storage.issue_token, write=True, workspace_id=ws, role="job", minted_by=minted_by, now=NOW)
+    return storage.AuthInfo(workspace_id=ws, workspace="team", token_id=token.id, role="job", token_name="")
+
+
+def _take(db: Database, ws: int, actor: storage.AuthInfo, placement_id: int) -> wire.PlacementInfo:
+    db.run(
+        storage.take_placement,
+        write=True,
+        workspace_id=ws,
+        actor=actor,
+        placement_id=placement_id,
+        process_id="gpu-run",
+        now=NOW,
+    )
+    info: wire.PlacementInfo = db.run(
+        storage.get_placement, write=False, workspace_id=ws, actor=admin(ws), placement_id=placement_id, now=NOW
+    )
+    return info
+
+
 def test_its_job_registering_takes_the_room(db: Database) -> None:
     ws, _ = make_workspace(db)
     placed = place(db, ws, 0, memory_bytes=10 * GIB).placement
     add_process(db, ws, "gpu-run")
-    db.run(storage.take_placement, write=True, workspace_id=ws, placement_id=placed.id, process_id="gpu-run", now=NOW)
-    taken = db.run(
-        storage.get_placement, write=False, workspace_id=ws, actor=admin(ws), placement_id=placed.id, now=NOW
-    )
+    taken = _take(db, ws, admin(ws), placed.id)
     assert taken.state == "started" and taken.process_id == "gpu-run" and taken.reservation is None
+
+
+def test_only_the_token_it_was_made_for_takes_it(db: Database) -> None:
+    """flexium run hands its job a job token minted with the token that asked for the placement."""
+    ws, _ = make_workspace(db)
+    placed = place(db, ws, 0, memory_bytes=10 * GIB).placement
+    add_process(db, ws, "gpu-run")
+    stranger = _job_token(db, ws, minted_by=None)
+    left = _take(db, ws, stranger, placed.id)
+    assert left.state == "placed" and left.process_id is None and left.reservation is not None
+    refused = db.run(storage.list_audit, write=False, workspace_id=ws)[0]
+    assert (refused.action, refused.outcome, refused.token_id) == ("placement.taken", "refused", stranger.token_id)
+    taken = _take(db, ws, _job_token(db, ws, minted_by=admin(ws)), placed.id)
+    assert taken.state == "started" and taken.process_id == "gpu-run"
+
+
+def test_the_sweep_places_a_job_whose_room_a_report_showed(db: Database) -> None:
+    """Room that a job's heartbeat shows is taken at the next sweep, not only when flexium run asks
+    again; a placement whose flexium run stopped asking ends there too."""
+    ws, _ = make_workspace(db)
+    waiting = place(db, ws, 130 * GIB, 130 * GIB, memory_bytes=40 * GIB).placement
+    gone = place(db, ws, 130 * GIB, 130 * GIB, memory_bytes=40 * GIB, host="node2").placement
+    gpus_report(db, ws, NOW + 1, 130 * GIB, 10 * GIB)
+    db.run(run_placement_pass, write=True, now=NOW + 1, stale_after=STALE, reservation_ttl=TTL)
+    placed = db.run(
+        storage.get_placement, write=False, workspace_id=ws, actor=admin(ws), placement_id=waiting.id, now=NOW + 1
+    )
+    assert placed.state == "placed" and placed.placed_uuid == "GPU-0001"
+    db.run(run_placement_pass, write=True, now=NOW + STALE + 1, stale_after=STALE, reservation_ttl=TTL)
+    ended = db.run(storage.get_placement, write=False, workspace_id=ws, actor=admin(ws), placement_id=gone.id, now=NOW)
+    assert ended.state == "cancelled" and ended.note is not None and "stopped asking" in ended.note
 
 
 def test_one_whose_flexium_run_stopped_asking_ends(db: Database) -> None:
@@ -157,6 +206,19 @@ def test_making_room_pauses_jobs_of_lower_priority_for_it(db: Database) -> None:
     other = place(db, ws, 80 * GIB, 130 * GIB, memory_bytes=40 * GIB, priority=HIGH, now=NOW + 1).placement
     assert other.state == "waiting"
     assert ask(db, ws, placement.id, 80 * GIB, 130 * GIB, now=NOW + 2).state == "placed"
+
+
+def test_making_room_counts_the_room_already_held_for_another(db: Database) -> None:
+    """Two make-rooms on one GPU: the second counts the room the first holds, for a job not started
+    or a paused one, and is refused where only that room is free."""
+    ws, _ = make_workspace(db)
+    first = place(db, ws, 80 * GIB, memory_bytes=40 * GIB, priority=HIGH, make_room=True)
+    assert first.pauses == () and first.placement.reservation is not None
+    with pytest.raises(errors.TargetRefused, match="GPU 0: 19.5 GiB free of the 40.5 GiB it needs"):
+        place(db, ws, 80 * GIB, memory_bytes=40 * GIB, priority=HIGH, make_room=True, now=NOW + 1)
+    paused(db, ws, "paused-40", footprint=40 * GIB, priority=HIGH, visible_gpus=["GPU-0000"])
+    with pytest.raises(errors.TargetRefused, match="GPU 0: 19.5 GiB free"):
+        queue(db, ws, "paused-40", now=NOW + 2, make_room=True)
 
 
 def test_making_room_takes_an_admin(db: Database) -> None:

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
 from typing import Any
 
 from flexium import protocol, wire
-from flexium.server import drains, queue, storage
+from flexium.server import drains, placing, queue, storage
 from flexium.server.context import ReportedProgress, ServerContext, progress_event
 from flexium.server.db import DatabaseUnavailable
 from flexium.server.errors import ApiError, Unauthorized
@@ -49,6 +49,7 @@ async def register_process(
             storage.take_placement,
             write=True,
             workspace_id=workspace_id,
+            actor=auth,
             placement_id=body.placement_id,
             process_id=body.process_id,
             now=now,
@@ -434,6 +435,7 @@ async def sweep_forever(ctx: ServerContext) -> None:
             ctx.publish(ws, protocol.EVENT_PROCESS, {"action": "stale", "process": proc})
         # The backstop: every waiting job judged again (what another server queued included).
         await queue.run(ctx)
+        await placing.run(ctx)
         await queue.refresh(ctx)
         await drains.refresh(ctx)
         if ctx.drain_hosts:

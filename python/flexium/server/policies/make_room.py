@@ -27,7 +27,7 @@ from flexium.server.storage.commands import create_commands
 from flexium.server.storage.devices import held_by_gpu
 from flexium.server.storage.jobs import is_job_rank
 from flexium.server.storage.processes import active_command, find_process
-from flexium.server.storage.reservations import hold_room
+from flexium.server.storage.reservations import hold_room, lock_host_room
 from flexium.server.storage.targets import target_refusal
 from flexium.server.storage.views import is_stale, stored_capabilities
 from flexium.server.storage.waits import cancel_live_wait, may_resume_on, paused_job, queue_wait, wanted_gpu
@@ -306,6 +306,7 @@ def resume_making_room(
         )
     holder, priority = paused_job(session=session, proc=proc, now=now, stale_after=stale_after)
     named = wanted_gpu(session=session, proc=proc, request=request, now=now, stale_after=stale_after)
+    lock_host_room(session=session, workspace_id=workspace_id, host=proc.host)
     room = HostRoom.read(session=session, workspace_id=workspace_id, host=proc.host, now=now)
     uuids = [named.uuid] if named is not None else may_resume_on(proc, {u: g.device for u, g in room.gpus.items()})
     gpus = {

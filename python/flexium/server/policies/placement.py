@@ -29,10 +29,11 @@ from flexium.server.storage.placements import (
     end_placement,
     find_placement,
     live_placements,
+    placement_hosts,
     placement_view,
     release_placement_room,
 )
-from flexium.server.storage.reservations import hold_room
+from flexium.server.storage.reservations import hold_room, lock_host_room
 from flexium.server.storage.waits import may_resume_on, needs_of, queue_order
 from flexium.server.storage.workspaces import AuthInfo
 from flexium.units import gib
@@ -108,6 +109,7 @@ def report_placement(
 def _make_room(
     *, session: Session, row: Placement, now: float, stale_after: float, ttl: float
 ) -> list[wire.CommandInfo]:
+    lock_host_room(session=session, workspace_id=row.workspace_id, host=row.host)
     room = HostRoom.read(session=session, workspace_id=row.workspace_id, host=row.host, now=now)
     uuids = [row.gpu_uuid] if row.gpu_uuid is not None else list(room.gpus)
     gpus = {uuid: _gpu_refusal(session, room, uuid, now=now, stale_after=stale_after) for uuid in uuids}
@@ -188,6 +190,30 @@ def run_placements(
                 blocked.setdefault(uuid, (row.priority, row.created_at))
             continue
         _place(session=session, row=row, uuid=gpu, room=room, now=now, ttl=reservation_ttl)
+
+
+def run_placement_pass(
+    *,
+    session: Session,
+    now: float,
+    stale_after: float,
+    reservation_ttl: float,
+    workspace_id: int | None = None,
+    host: str | None = None,
+) -> None:
+    """``run_placements`` over every host with a live placement (or the one given): the sweep's
+    pass, which places a job whose room a job's report showed while its flexium run had not asked
+    again, and ends those whose flexium run stopped asking."""
+    for ws, on_host in placement_hosts(session=session):
+        if (workspace_id is None or ws == workspace_id) and (host is None or on_host == host):
+            run_placements(
+                session=session,
+                workspace_id=ws,
+                host=on_host,
+                now=now,
+                stale_after=stale_after,
+                reservation_ttl=reservation_ttl,
+            )
 
 
 def _waits_ahead(*, session: Session, workspace_id: int, host: str) -> dict[str, tuple[int, float]]:

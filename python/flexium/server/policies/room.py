@@ -68,9 +68,12 @@ class HostRoom:
         return cls(gpus)
 
     def free_for(self, uuid: str, wait_id: int | None) -> int:
-        """What a resume of wait ``wait_id`` may count on: what is free less what is held for others."""
+        """What a resume of wait ``wait_id`` may count on: what is free less what is held for others.
+        ``wait_id`` None (no wait yet, or a job not started): everything held is someone else's, the
+        room held for jobs not started (keyed None) included."""
         room = self.gpus[uuid]
-        return max(0, room.free - sum(held for holder, held in room.held.items() if holder != wait_id))
+        others = (held for holder, held in room.held.items() if holder is None or holder != wait_id)
+        return max(0, room.free - sum(others))
 
     def unheld(self, uuid: str) -> int:
         """What a move that no room is held for may count on."""

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from flexium import protocol, wire
 from flexium.server.errors import NotFound, TargetRefused
-from flexium.server.models import Placement, Reservation
+from flexium.server.models import Placement, Reservation, Token
 from flexium.server.storage.audit import record_audit
 from flexium.server.storage.devices import host_devices
 from flexium.server.storage.reservations import reservation_view
@@ -119,17 +119,39 @@ def close_placement(
     return placement_view(session=session, row=row, now=now)
 
 
-def take_placement(*, session: Session, workspace_id: int, placement_id: int, process_id: str, now: float) -> None:
+def take_placement(
+    *, session: Session, workspace_id: int, actor: AuthInfo, placement_id: int, process_id: str, now: float
+) -> None:
     """A job registered with the placement ``flexium run`` handed it: the room held for it is its
-    own now (its memory shows in its GPU's reports). A placement that is not live any more (ended,
-    or of another workspace) is left as it is: the job runs, only without held room."""
+    own now (its memory shows in its GPU's reports). Only the token the placement was asked with,
+    or the job token flexium run minted with it, takes it; another is refused in the audit log. A
+    placement that is not live any more (ended, or of another workspace) is left as it is: the job
+    runs, only without held room."""
     row = session.scalar(
         select(Placement).where(Placement.workspace_id == workspace_id, Placement.id == placement_id).with_for_update()
     )
     if row is None or row.state not in protocol.LIVE_PLACEMENT_STATES:
         return
+    if row.token_id is None or row.token_id not in (actor.token_id, _minted_by(session, actor.token_id)):
+        record_audit(
+            session=session,
+            workspace_id=workspace_id,
+            actor=actor,
+            action="placement.taken",
+            target=f"placement {row.id} on host {row.host}",
+            outcome="refused",
+            detail=f"process {process_id} registered with a token the placement was not made for",
+            now=now,
+            process_id=process_id,
+        )
+        return
     row.process_id = process_id
     end_placement(session=session, row=row, state="started", note=f"process {process_id} registered", now=now)
+
+
+def _minted_by(session: Session, token_id: int) -> int | None:
+    """The token that issued this one (flexium run mints its job's token with the caller's)."""
+    return session.scalar(select(Token.minted_by).where(Token.id == token_id))
 
 
 def get_placement(
@@ -161,6 +183,12 @@ def list_placements(
     else:
         query = query.order_by(Placement.id.desc())
     return [placement_view(session=session, row=row, now=now) for row in session.scalars(query.limit(limit))]
+
+
+def placement_hosts(*, session: Session) -> list[tuple[int, str]]:
+    """(workspace id, host) of every host with a live placement: the sweep's placement pass."""
+    query = select(Placement.workspace_id, Placement.host).where(Placement.state.in_(protocol.LIVE_PLACEMENT_STATES))
+    return sorted((ws, host) for ws, host in session.execute(query.distinct()))
 
 
 def live_placements(*, session: Session, workspace_id: int, host: str) -> list[Placement]:

@@ -8,7 +8,7 @@ from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
 from flexium import wire
-from flexium.server.models import Reservation, Wait
+from flexium.server.models import Device, Reservation, Wait
 
 
 def hold_room(
@@ -36,6 +36,15 @@ def hold_room(
     session.add(row)
     session.flush()
     return row
+
+
+def lock_host_room(*, session: Session, workspace_id: int, host: str) -> None:
+    """The host's GPU rows read locked before its room is counted for a reservation: two
+    make-rooms on one host (two servers on PostgreSQL) run one after the other, the second
+    counting the room the first held (SQLite has one writer)."""
+    session.execute(
+        select(Device.id).where(Device.workspace_id == workspace_id, Device.host == host).with_for_update()
+    ).all()
 
 
 def release_room(*, session: Session, wait_id: int) -> None:
