@@ -22,16 +22,17 @@ from sqlalchemy.exc import DataError, IntegrityError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flexium import protocol
-from flexium.server import services, storage
+from flexium.server import services, sole_server, storage
 from flexium.server.connections import bounded_protocol, connection_limit, raise_open_file_limit
 from flexium.server.context import ServerContext
 from flexium.server.dashboard import install_dashboard
-from flexium.server.db import Database, DatabaseUnavailable, SchemaTooNew
+from flexium.server.db import Database, DatabaseUnavailable, SchemaTooNew, sqlite_file
 from flexium.server.errors import ApiError
 from flexium.server.heartbeat_shortcut import HeartbeatShortcut
 from flexium.server.routes import api, system
 from flexium.server.routes.docs import install_docs
 from flexium.server.settings import Settings, load_settings, option_and_env
+from flexium.server.sole_server import ServedElsewhere
 from flexium.server.storage import quotas
 
 log = logging.getLogger("flexium.server")
@@ -335,6 +336,14 @@ def serve(settings: Settings) -> int:
     if tls_problem is not None:
         print(f"flexium server: {tls_problem}", file=sys.stderr)
         return 1
+    database_file = sqlite_file(settings.database_url)
+    if database_file is not None:
+        try:
+            # kept open while this process lives: the lock is the file descriptor's
+            sole_server.claim(database_file, address=f"{settings.host}:{settings.port}")
+        except (ServedElsewhere, OSError) as exc:
+            print(f"flexium server: {exc}", file=sys.stderr)
+            return 1
     db = Database(settings.database_url, threads=settings.threads, lock_timeout_s=settings.db_lock_timeout_s)
     try:
         seconds = db.upgrade(new_database=settings.new_database)

@@ -54,7 +54,10 @@ _WRITE_CHECK_EVERY_S = 1.0  # how often writes look at the SQLite file (write_pr
 HEALTH_TIMEOUT_S = 1.0  # the health check answers within about this, whatever the database does
 
 
-def _sqlite_file(url: str) -> str | None:
+def sqlite_file(url: str) -> str | None:
+    """The absolute path of a SQLite database URL's file; None for PostgreSQL or in memory."""
+    if not url.startswith("sqlite"):
+        return None
     path = url.split(":///", 1)[1] if ":///" in url else ""
     return None if path in ("", ":memory:") else os.path.abspath(path)
 
@@ -99,7 +102,7 @@ class Database:
         self._checkpointer: threading.Thread | None = None
         # The SQLite file and the file it was when first used: open connections keep writing to
         # a file deleted or replaced under them, and every write is then lost at the restart.
-        self._file = _sqlite_file(url) if self.is_sqlite else None
+        self._file = sqlite_file(url)
         self._file_identity: tuple[int, int] | None = None
         self._stop_checkpoints = threading.Event()
         self.migration_seconds: float | None = None

@@ -1,0 +1,52 @@
+"""SQLite takes one server at a time. A server keeps in memory what spares the database most
+heartbeats and polls (``ServerContext``): a second server on the same file would answer from views
+the first one changes under it, and both would queue on one write lock. Several servers run on
+PostgreSQL instead (docs/guide/server.md).
+
+The server holds an exclusive ``flock`` on a file beside the database for as long as it runs; the
+kernel drops it when the process ends, however it ends (a SIGKILLed server's successor starts at
+once). What the file says of its holder names it in the refusal."""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import time
+
+
+class ServedElsewhere(Exception):
+    """Another server process serves this SQLite database."""
+
+
+def lock_path(database_file: str) -> str:
+    return database_file + ".server-lock"
+
+
+def claim(database_file: str, *, address: str) -> int:
+    """Take the database file for this process (until it ends); returns the open lock's file
+    descriptor, kept open by the caller. Raises ServedElsewhere naming the server that holds it."""
+    path = lock_path(database_file)
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = _holder(fd)
+        os.close(fd)
+        raise ServedElsewhere(
+            f"another flexium server{holder} serves {database_file}: a SQLite database takes one server at a "
+            "time. Stop that server first (or use it), give this one another database (--database "
+            "sqlite:///other.db), or run several servers on one PostgreSQL database (--database postgresql://...)"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, json.dumps({"pid": os.getpid(), "address": address, "since": time.time()}).encode(), 0)
+    return fd
+
+
+def _holder(fd: int) -> str:
+    try:
+        said = json.loads(os.pread(fd, 4096, 0) or b"{}")
+        return f" (process {int(said['pid'])}, {said['address']})"
+    except (OSError, ValueError, KeyError, TypeError):
+        return ""
