@@ -464,8 +464,9 @@ def read_pages(client: Client, shows: list[Showcase]) -> int:
             client.page(f"/ui/processes/{pid}/targets?kind=resume"),
             client.page(f"/ui/jobs/{quote(show.value.strip(), safe='')}/migrate"),
             client.page(f"/ui/devices?host={quote(show.host.strip(), safe='')}"),
+            client.page(f"/ui/drain-host?host={quote(show.host.strip(), safe='')}"),
         ]
-        assert escaped_host in narrowed[0] and escaped_host in narrowed[4], show.name
+        assert escaped_host in narrowed[0] and escaped_host in narrowed[4] and escaped_host in narrowed[5], show.name
         assert as_html(show.value) in narrowed[1], show.name  # the GPU names
         reads += len(narrowed)
     return reads
@@ -625,6 +626,7 @@ def test_hostile_text_in_the_parameters_of_lists_and_fragments(api: Any) -> None
         "/ui/processes?id={v}",
         "/ui/processes?id=gpu-1&id={v}",
         "/ui/devices?host={v}",
+        "/ui/drain-host?host={v}",
         "/ui/processes/{v}/targets?kind=migrate",
         "/ui/jobs/{v}/migrate",
         "/api/w/default/processes?host={v}",

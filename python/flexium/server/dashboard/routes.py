@@ -17,7 +17,7 @@ from flexium.server.dashboard.templating import nothing, render
 from flexium.server.dashboard.viewer import FragmentAuth, PageAuth, Viewer
 from flexium.server.dashboard.views.audit import audit_page
 from flexium.server.dashboard.views.commands import recent_commands
-from flexium.server.dashboard.views.devices import host_cards
+from flexium.server.dashboard.views.devices import host_cards, host_drain_form
 from flexium.server.dashboard.views.job import job_page, job_progress
 from flexium.server.dashboard.views.main import main_page, totals
 from flexium.server.dashboard.views.processes import process_rows
@@ -204,6 +204,22 @@ async def devices_fragment(
         hosts=hosts[:_MAX_BATCH] if hosts else None,
     )
     return render(request, "fragments/hosts.html", view, Viewer.of(auth))
+
+
+@router.get("/ui/drain-host", response_class=HTMLResponse)
+async def drain_host_fragment(request: Request, ctx: Ctx, auth: FragmentAuth, host: wire.HostName) -> Response:
+    """The Drain host dialog's form: what draining every GPU of ``host`` does to its jobs."""
+    view = await ctx.db.call(
+        host_drain_form,
+        write=False,
+        workspace_id=auth.workspace_id,
+        host=host,
+        now=time.time(),
+        stale_after=ctx.settings.stale_after_s,
+    )
+    if view is None:
+        return nothing(404)
+    return render(request, "fragments/drain_host.html", view, Viewer.of(auth))
 
 
 @router.get("/ui/queue", response_class=HTMLResponse)

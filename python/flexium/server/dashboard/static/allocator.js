@@ -1,6 +1,6 @@
 // The dashboard as the team's GPU allocator (dashboard.js, job.js): a paused job queued to resume
-// when free, or room made for it; a wait cancelled; a job's priority set; a GPU drained and
-// undrained. Loaded after common.js, whose notices and API calls it uses; the notice of a refused
+// when free, or room made for it; a wait cancelled; a job's priority set; a GPU or a whole host
+// drained (the host once confirmed in its dialog) and undrained. Loaded after common.js, whose notices and API calls it uses; the notice of a refused
 // resume offers "Queue it?" from here. Text from the API goes in through textContent only.
 (function () {
   "use strict";
@@ -62,6 +62,62 @@
     notify("draining " + gpu + " of " + d.host + " (drain " + d.id + "): its jobs move off", "ok", "drain-" + d.id);
   }
 
+  // Every GPU of a host (POST /drains without a GPU), once the admin confirmed it in the dialog
+  // that says what it does to each job there.
+  var drainDialog = document.getElementById("drain-dialog");
+
+  async function openDrainHost(button) {
+    var host = button.dataset.host;
+    var html = await page.fetchFragment("/ui/drain-host?host=" + encodeURIComponent(host));
+    button.disabled = false;
+    if (html === null) {
+      notify("host " + host + " reports no GPU now", "error");
+      return;
+    }
+    var body = document.getElementById("drain-dialog-body");
+    body.replaceChildren(page.fragment(html));
+    drainDialog.opener = button;
+    drainDialog.showModal();
+    body.querySelector("button[type=submit]").focus();
+  }
+
+  async function drainHost(form) {
+    var host = form.dataset.host;
+    var input = form.querySelector("input[name=reason]");
+    var reason = input ? input.value.trim() : "";
+    var d = await api("POST", "/drains", reason ? {host: host, reason: reason} : {host: host});
+    notify("draining every GPU of " + d.host + " (drain " + d.id + "): its jobs are paused and queued to resume when free",
+      "ok", "drain-" + d.id);
+  }
+
+  function wireDrainDialog() {
+    drainDialog.addEventListener("submit", async function (ev) {
+      ev.preventDefault();
+      var form = ev.target;
+      var error = form.querySelector(".form-error");
+      var submit = form.querySelector("button[type=submit]");
+      error.hidden = true;
+      submit.disabled = true;
+      try {
+        await drainHost(form);
+        drainDialog.close();
+      } catch (err) {
+        error.textContent = byGpu(err.message);
+        error.hidden = false;
+      } finally {
+        submit.disabled = false;
+      }
+    });
+    drainDialog.addEventListener("click", function (ev) {
+      if (ev.target === drainDialog || ev.target.closest("[data-close]")) { drainDialog.close(); }
+    });
+    drainDialog.addEventListener("close", function () {
+      var opener = drainDialog.opener;
+      document.getElementById("drain-dialog-body").replaceChildren();
+      if (opener && document.contains(opener)) { opener.focus(); }
+    });
+  }
+
   async function undrain(button) {
     var d = await api("DELETE", "/drains/" + encodeURIComponent(button.dataset.drainId));
     notify("drain " + d.id + " of " + d.host + " ended: its GPUs take jobs again", "ok", "drain-" + d.id);
@@ -87,19 +143,22 @@
     "make-room": function (b) { return queueResume(b.dataset.processId, true); },
     "cancel-wait": function (b) { return cancelWait(b.dataset.waitId, b.dataset.processId); },
     "drain": drainGpu,
+    "drain-host": openDrainHost,
     "undrain": undrain,
   };
 
   function refusal(action, button, err) {
     if (action === "make-room") { return "make room for " + button.dataset.processId + " refused: " + byGpu(err.message); }
-    if (action === "drain" || action === "undrain") {
+    if (action === "drain" || action === "drain-host" || action === "undrain") {
       return action + " " + (button.dataset.host || "") + " refused: " + byGpu(err.message);
     }
     return action + " " + button.dataset.processId + " refused: " + err.message;
   }
 
-  // The allocator's buttons (data-action) and priority forms in `container`.
+  // The allocator's buttons (data-action) and priority forms in `container`, and the Drain host
+  // dialog where the page has one (the main page's host headings).
   function wireAllocator(container) {
+    if (drainDialog) { wireDrainDialog(); }
     container.addEventListener("click", async function (ev) {
       var button = ev.target.closest("button[data-action]");
       if (!button || button.disabled || !ACTIONS[button.dataset.action]) { return; }

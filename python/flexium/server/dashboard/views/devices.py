@@ -72,19 +72,33 @@ def charts_of(
     return {key: history_chart(samples, now) for key, samples in kept.items()}
 
 
+@dataclass(frozen=True)
+class Drains:
+    """The live drains of some hosts: a GPU's own, and a whole host's (each of its GPUs is drained
+    by it too)."""
+
+    gpus: dict[GpuKey, wire.DrainInfo]
+    hosts: dict[str, wire.DrainInfo]
+
+    def of(self, host: str, uuid: str) -> wire.DrainInfo | None:
+        """What drains this GPU: its own drain, else its host's."""
+        return self.gpus.get((host, uuid)) or self.hosts.get(host)
+
+
 def drains_of(
     *, session: Session, workspace_id: int, now: float, stale_after: float, hosts: Sequence[wire.HostInfo]
-) -> dict[GpuKey, wire.DrainInfo]:
-    """The live drain of each GPU of these hosts that has one (a drain of a whole host is each of its GPUs')."""
-    drained: dict[GpuKey, wire.DrainInfo] = {}
+) -> Drains:
+    gpus: dict[GpuKey, wire.DrainInfo] = {}
+    whole: dict[str, wire.DrainInfo] = {}
     for host in hosts:
         for drain in storage.list_drains(
             session=session, workspace_id=workspace_id, now=now, stale_after=stale_after, host=host.host
         ):
-            for device in host.devices:
-                if drain.gpu_uuid in (None, device.uuid):
-                    drained[(host.host, device.uuid)] = drain
-    return drained
+            if drain.gpu_uuid is None:
+                whole[host.host] = drain
+            else:
+                gpus[(host.host, drain.gpu_uuid)] = drain
+    return Drains(gpus=gpus, hosts=whole)
 
 
 @dataclass(frozen=True)
@@ -94,7 +108,7 @@ class HostCards:
     now: float
     hosts: tuple[wire.HostInfo, ...]
     history: dict[GpuKey, HistoryChart]
-    drains: dict[GpuKey, wire.DrainInfo]
+    drains: Drains
 
 
 def host_cards(
@@ -105,5 +119,34 @@ def host_cards(
         now=now,
         hosts=shown,
         history=charts_of(session=session, workspace_id=workspace_id, now=now, hosts=hosts),
+        drains=drains_of(session=session, workspace_id=workspace_id, now=now, stale_after=stale_after, hosts=shown),
+    )
+
+
+@dataclass(frozen=True)
+class HostDrainForm:
+    """fragments/drain_host.html: what draining every GPU of a host does, for an admin to confirm:
+    the jobs on its GPUs (paused and queued: no GPU of their host is left to move them to) and the
+    GPUs drained on their own already."""
+
+    host: wire.HostInfo
+    jobs: tuple[wire.ProcessInfo, ...]
+    drains: Drains
+
+
+def host_drain_form(
+    *, session: Session, workspace_id: int, host: str, now: float, stale_after: float
+) -> HostDrainForm | None:
+    """None when the host reports no GPU."""
+    shown = hosts_of(session=session, workspace_id=workspace_id, now=now, stale_after=stale_after, hosts=[host])
+    if not shown:
+        return None
+    processes = storage.list_processes(
+        session=session, workspace_id=workspace_id, now=now, stale_after=stale_after, host=host
+    )
+    on_its_gpus = {pid for d in shown[0].devices for pid in d.processes}
+    return HostDrainForm(
+        host=shown[0],
+        jobs=tuple(p for p in processes if p.process_id in on_its_gpus),
         drains=drains_of(session=session, workspace_id=workspace_id, now=now, stale_after=stale_after, hosts=shown),
     )

@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from flexium import wire
 from flexium.server import storage
-from flexium.server.dashboard.views.devices import GpuKey, HistoryChart, charts_of, drains_of, hosts_of
+from flexium.server.dashboard.views.devices import Drains, GpuKey, HistoryChart, charts_of, drains_of, hosts_of
 from flexium.server.dashboard.views.training import TrainingCharts, training_charts
 from flexium.server.errors import NotFound
 from flexium.server.storage.audit import POLICY_ROLE
@@ -97,7 +97,7 @@ class JobPage:
     gpu_indexes: dict[str, int | None]
     hosts: tuple[wire.HostInfo, ...]  # its ranks' hosts
     history: dict[GpuKey, HistoryChart]
-    drains: dict[GpuKey, wire.DrainInfo]  # of its GPUs' hosts
+    drains: Drains  # of its GPUs' hosts
     charts: TrainingCharts
     timeline: tuple[TimelineItem, ...]
     wait: wire.WaitInfo | None  # its place in the resume-when-free queue, while it waits
