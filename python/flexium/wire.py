@@ -406,6 +406,11 @@ class WaitRequest(WireIn):
         description="pause the fewest jobs of lower priority on one GPU to free what it needs, hold that room for "
         "it and resume it there; the jobs paused wait in the queue to resume when free",
     )
+    reason: Reason | None = Field(
+        default=None,
+        description=f"why, in one line of at most {protocol.MAX_REASON_LEN} characters: kept on the wait, shown in "
+        "the queue and the job's timeline, and carried by the commands the server sends for it (empty: none given)",
+    )
 
 
 class PlacementRequest(WireIn):
@@ -423,6 +428,11 @@ class PlacementRequest(WireIn):
     command: LongText = Field(default="", description="its command line, as people see it in the queue")
     devices: Annotated[list[GpuReport], Field(max_length=protocol.MAX_DEVICES)] = Field(
         default_factory=list, description="the host's GPUs as flexium run reads them now"
+    )
+    reason: Reason | None = Field(
+        default=None,
+        description=f"why, in one line of at most {protocol.MAX_REASON_LEN} characters: kept on the placement, in "
+        "the audit log, and carried by the commands the server sends for it (empty: none given)",
     )
 
     @field_validator("priority", mode="before")
@@ -760,6 +770,7 @@ class WaitInfo(WireOut):
     dispatches: int = Field(description="resumes dispatched for it (a resume the job refuses puts it back)")
     requested_by: str = Field(description="who queued it: a token's name, or the server's policy")
     reason: str = Field(description="why it waits")
+    why: str | None = Field(default=None, description="the reason its requester gave (WaitRequest.reason)")
     note: str | None = Field(description="the latest thing that happened to it: a refusal, why it was cancelled")
     reservation: ReservationInfo | None = Field(default=None, description="room held for it")
 
@@ -846,6 +857,7 @@ class PlacementInfo(WireOut):
     requested_by: str
     command: str
     note: str | None = Field(description="why it waits, or where it was placed and why")
+    why: str | None = Field(default=None, description="the reason its requester gave (PlacementRequest.reason)")
     reservation: ReservationInfo | None = Field(default=None, description="the room held for it")
 
 

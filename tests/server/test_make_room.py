@@ -156,3 +156,22 @@ def test_two_make_rooms_at_once_on_one_gpu_hold_its_room_once(db: Database) -> N
     [refused] = second
     assert isinstance(refused, errors.TargetRefused), refused
     assert "GPU 0: 20.0 GiB free of the 40.5 GiB it needs" in refused.message  # the first resumes there
+
+
+def test_the_reason_given_is_kept_on_the_wait_and_carried_by_the_commands_sent_for_it(db: Database) -> None:
+    ws, _ = make_workspace(db)
+    running(db, ws, "low-50", memory=50 * GIB, priority=LOW)
+    gpus_report(db, ws, NOW, 138 * GIB)
+    paused(db, ws, "urgent", footprint=40 * GIB, priority=HIGH, visible_gpus=["GPU-0000"])
+    created = queue(db, ws, "urgent", make_room=True, reason="the demo at 3")
+    assert created.wait.why == "the demo at 3" and waits(db, ws)["low-50"].why is None
+    [pause] = created.commands
+    assert pause.reason is not None and pause.reason.endswith("; why: the demo at 3")
+    next_for(db, ws, "low-50")
+    report(db, ws, pause.id, "succeeded", process={"state": "PAUSED", "memory_bytes": 0})
+    gpus_report(db, ws, NOW + 5, 88 * GIB)
+    [resumed_now] = run(db, NOW + 5).dispatched
+    [resume] = resumed_now.commands
+    assert resume.reason is not None and resume.reason.endswith("queued by alice; why: the demo at 3")
+    queued = db.run(storage.list_audit, write=False, workspace_id=ws)
+    assert any(e.action == "wait.created" and e.detail.endswith("; why: the demo at 3") for e in queued)

@@ -198,8 +198,12 @@ def test_making_room_pauses_jobs_of_lower_priority_for_it(db: Database) -> None:
     ws, _ = make_workspace(db)
     add_process(db, ws, "low-50", memory=50 * GIB, gpu_index=0, devices=[], priority=LOW)
     add_process(db, ws, "high-60", memory=60 * GIB, gpu_index=1, devices=[], priority=HIGH)
-    outcome = place(db, ws, 130 * GIB, 130 * GIB, memory_bytes=40 * GIB, priority=NORMAL, make_room=True)
+    outcome = place(
+        db, ws, 130 * GIB, 130 * GIB, memory_bytes=40 * GIB, priority=NORMAL, make_room=True, reason="a deadline"
+    )
     assert [c.process_id for c in outcome.pauses] == ["low-50"]
+    assert outcome.pauses[0].reason is not None and outcome.pauses[0].reason.endswith("; why: a deadline")
+    assert outcome.placement.why == "a deadline"
     placement = outcome.placement
     assert placement.state == "waiting" and placement.gpu_uuid == "GPU-0000" and placement.reservation is not None
     # Another job's placement does not take the room made for it.

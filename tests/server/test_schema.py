@@ -38,7 +38,7 @@ def test_upgrade_is_idempotent(db: Database) -> None:
     db.upgrade()
     db.upgrade()
     with db.session(write=False) as s:
-        assert s.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0014"
+        assert s.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0015"
 
 
 def test_schema_newer_than_code_is_refused(db: Database) -> None:
@@ -258,4 +258,36 @@ def test_0011_downgrade_drops_the_queue_and_keeps_the_commands(database_url: str
         ).priority
         == 50
     )
+    db.dispose()
+
+
+def test_0015_downgrade_drops_the_reasons_and_keeps_the_waits_and_their_room(database_url: str) -> None:
+    """The columns go in place, on SQLite too: a table copy would take the reservations that refer to
+    the waits with it."""
+    from alembic import command
+
+    db = Database(normalize_database_url(database_url))
+    db.upgrade()
+    ws, _ = make_workspace(db)
+    add_process(db, ws, "gpu-1", state="PAUSED", memory=0, footprint_bytes=GIB)
+    with db.session(write=True) as s:
+        s.execute(
+            text(
+                "INSERT INTO waits (workspace_id, process_pk, host, priority, state, created_at, dispatches,"
+                " requested_by, reason, why) SELECT workspace_id, pk, host, 50, 'waiting', 0, 0, 'alice', '', 'a demo'"
+                " FROM processes"
+            )
+        )
+        s.execute(
+            text(
+                "INSERT INTO reservations (workspace_id, host, gpu_uuid, bytes, wait_id, holder, created_at, expires_at)"
+                " SELECT workspace_id, host, 'GPU-0000', 1, id, 'alice', 0, 1 FROM waits"
+            )
+        )
+    migrate_to(db, command.downgrade, "0014")
+    assert "why" not in columns(db, "waits") and "why" not in columns(db, "placements")
+    with db.session(write=False) as s:
+        assert s.execute(text("SELECT count(*) FROM reservations")).scalar() == 1
+    db.upgrade()
+    assert "why" in columns(db, "waits")
     db.dispose()

@@ -127,7 +127,8 @@ def no_pause_between_reads(monkeypatch: pytest.MonkeyPatch) -> None:
         (("gpu-7f3a", "--make-room", "--ranks", "0=cuda:1"), "take no TARGET or --ranks"),
         (("gpu-7f3a", "--cancel", "--gpu", "cuda:1"), "--cancel takes no --gpu or --host"),
         (("gpu-7f3a", "--make-room", "--host", "node2"), "--host goes with --when-free"),
-        (("gpu-7f3a", "--when-free", "--reason", "later"), "--reason goes with a command sent now"),
+        (("gpu-7f3a", "--cancel", "--reason", "later"), "--reason goes with a command or a wait, not with --cancel"),
+        (("gpu-7f3a", "--when-free", "--reason", "two\nlines"), "--reason: "),
         (("gpu-7f3a", "--gpu", "cuda:1"), "--gpu and --host go with --when-free or --make-room"),
     ],
 )
@@ -153,6 +154,16 @@ def test_queuing_says_its_wait_its_place_and_how_to_list_and_cancel_it(capsys: p
         "resume gpu-7f3a: queued as wait 3, number 2 in host node1's queue: it resumes when a GPU of its host has "
         "30.0 GiB free (`flexium queue` lists the queue; `flexium resume gpu-7f3a --cancel` takes it out)\n"
     )
+
+
+def test_a_reason_goes_with_the_wait_and_the_queue_shows_it(capsys: pytest.CaptureFixture[str]) -> None:
+    server = Server(wire.WaitCreated(wait=wait(), commands=[]))
+    for option in ("--when-free", "--make-room"):
+        assert run(server, "resume", "gpu-7f3a", option, "--reason", "the demo at 3", "--no-wait") == EXIT_OK
+    assert [(r.make_room, r.reason) for r in server.requests] == [(False, "the demo at 3"), (True, "the demo at 3")]
+    capsys.readouterr()
+    assert run(Server(waits=[wait(why="the demo at 3")]), "queue") == EXIT_OK
+    assert capsys.readouterr().out.splitlines()[1].endswith("alice  why: the demo at 3")
 
 
 def test_making_room_is_followed_until_the_queue_sends_the_resume(capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,6 +9,11 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+
+Body = TypeVar("Body", bound=BaseModel)
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -18,6 +23,18 @@ EXIT_UNREACHABLE = 3
 
 class UsageError(ValueError):
     """A command line that parsed but asks for something that cannot be (exit status 2)."""
+
+
+def request_body(model: type[Body], **fields: Any) -> Body:
+    """A request's body from the command line; a --reason the server would refuse is a usage
+    error, said in its terms."""
+    try:
+        return model(**fields)
+    except ValidationError as exc:
+        for error in exc.errors():
+            if error["loc"][:1] == ("reason",):
+                raise UsageError(f"--reason: {error['msg'].removeprefix('Value error, ')}") from None
+        raise
 
 
 def fail(message: str, status: int, *, as_json: bool = False, code: str = "failed", short: str | None = None) -> int:

@@ -9,11 +9,9 @@ import sys
 import time
 from typing import Any
 
-from pydantic import ValidationError
-
 from flexium import protocol, wire
 from flexium.cli.connection import add_connection_options
-from flexium.cli.exit_status import EXIT_FAILED, EXIT_OK, UsageError, fail
+from flexium.cli.exit_status import EXIT_FAILED, EXIT_OK, UsageError, fail, request_body
 from flexium.cli.jobs import add_ranks_option, follow_job_operation
 from flexium.cli.naming import PROCESS_HELP, resolve_process
 from flexium.cli.printing import ms, print_json, reason
@@ -76,15 +74,16 @@ def _add_wait_and_connection_options(parser: argparse.ArgumentParser) -> None:
         "--reason",
         metavar="TEXT",
         help=f"why, in one line (at most {protocol.MAX_REASON_LEN} characters): the job's timeline shows it beside "
-        "who sent the command, so a colleague sees why their job moved",
+        "who sent the command, so a colleague sees why their job moved; with --when-free or --make-room it is kept "
+        "on the wait (flexium queue shows it) and the commands sent for it carry it",
     )
     add_wait_options(parser)
     add_connection_options(parser, _move)
 
 
 def _move(api: ApiClient, args: argparse.Namespace) -> int:
-    if args.reason is not None and args.command == "resume" and (args.when_free or args.make_room or args.cancel):
-        raise UsageError("--reason goes with a command sent now, not with --when-free, --make-room or --cancel")
+    if args.reason is not None and args.command == "resume" and args.cancel:
+        raise UsageError("--reason goes with a command or a wait, not with --cancel")
     if args.command == "resume" and (args.when_free or args.make_room or args.cancel):
         later = resume_later(api, args)
         return later if isinstance(later, int) else _follow(api, args, later)
@@ -158,16 +157,15 @@ def _request(
     ranks: dict[str, int | str] | None,
     gpus: dict[str, int | str] | None,
 ) -> wire.CommandRequest:
-    """The command's body; a --reason the server would refuse is refused here, in its terms."""
-    try:
-        return wire.CommandRequest(
-            kind=args.command, process_id=args.process, target=target, ranks=ranks, gpus=gpus, reason=args.reason
-        )
-    except ValidationError as exc:
-        for error in exc.errors():
-            if error["loc"][:1] == ("reason",):
-                raise UsageError(f"--reason: {error['msg'].removeprefix('Value error, ')}") from None
-        raise
+    return request_body(
+        wire.CommandRequest,
+        kind=args.command,
+        process_id=args.process,
+        target=target,
+        ranks=ranks,
+        gpus=gpus,
+        reason=args.reason,
+    )
 
 
 def _check_target(text: str) -> None:

@@ -12,7 +12,7 @@ from typing import Any
 
 from flexium import protocol, wire
 from flexium.cli.connection import add_connection_options
-from flexium.cli.exit_status import EXIT_FAILED, EXIT_OK, UsageError, fail
+from flexium.cli.exit_status import EXIT_FAILED, EXIT_OK, UsageError, fail, request_body
 from flexium.cli.naming import PROCESS_HELP, resolve_process
 from flexium.cli.printing import age, print_json, print_table
 from flexium.client import ApiClient, NotFound
@@ -72,7 +72,14 @@ def resume_later(api: ApiClient, args: argparse.Namespace) -> wire.CommandInfo |
         return _cancel(api, args)
     if args.host is not None and args.make_room:
         raise UsageError("--host goes with --when-free: room is made on the job's own host")
-    request = wire.WaitRequest(process_id=args.process, gpu=args.gpu, host=args.host, make_room=args.make_room)
+    request = request_body(
+        wire.WaitRequest,
+        process_id=args.process,
+        gpu=args.gpu,
+        host=args.host,
+        make_room=args.make_room,
+        reason=args.reason,
+    )
     try:
         created = api.create_wait(request)
     except NotFound:
@@ -166,7 +173,7 @@ def _queue(api: ApiClient, args: argparse.Namespace) -> int:
                 gib(w.need_bytes),
                 age((w.finished_at or now) - w.created_at),
                 w.requested_by,
-                _clip(w.note or w.reason),
+                _clip(w.note or (f"why: {w.why}" if w.why else w.reason)),
             )
         )
     print_table(rows)

@@ -20,7 +20,7 @@ from typing import Any
 
 from flexium import protocol, simulated, wire
 from flexium.cli.connection import add_connection_options
-from flexium.cli.exit_status import EXIT_FAILED, UsageError, fail
+from flexium.cli.exit_status import EXIT_FAILED, UsageError, fail, request_body
 from flexium.client import ApiClient, ServerError, Unauthorized
 from flexium.client.host import reported_host
 from flexium.config import ENV_DEVICE
@@ -48,6 +48,12 @@ def add_commands(commands: Any) -> None:
         "--make-room",
         action="store_true",
         help="pause the fewest jobs of lower priority on one GPU to free --memory (an admin token)",
+    )
+    p.add_argument(
+        "--reason",
+        metavar="TEXT",
+        help=f"why, in one line (at most {protocol.MAX_REASON_LEN} characters): kept on the placement and carried by "
+        "the pauses --make-room sends, so the colleagues whose jobs pause see why",
     )
     p.add_argument(
         "--host",
@@ -125,12 +131,14 @@ def _run(api: ApiClient, args: argparse.Namespace) -> int:
         priority = protocol.DEFAULT_PRIORITY if args.priority is None else protocol.read_priority(args.priority)
     except ValueError as exc:
         raise UsageError(f"--priority: {exc}") from None
-    request = wire.PlacementRequest(
+    request = request_body(
+        wire.PlacementRequest,
         host=host,
         gpu_uuid=gpus.uuid_of(args.gpu),
         memory_bytes=0 if args.memory is None else _memory(args.memory),
         priority=priority,
         make_room=args.make_room,
+        reason=args.reason,
         command=wire.clean_text(" ".join(command))[: protocol.MAX_LONG_TEXT],
         devices=gpus.reports,
     )

@@ -321,6 +321,7 @@ class Wait(Base):
     requested_by: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT), default="")
     token_id: Mapped[int | None] = mapped_column(Integer, nullable=True)  # no FK, as for AuditRecord
     reason: Mapped[str] = mapped_column(Text, default="")
+    why: Mapped[str | None] = mapped_column(Text, nullable=True)  # the reason its requester gave
     note: Mapped[str | None] = mapped_column(Text, nullable=True)
 
 
@@ -418,6 +419,7 @@ class Placement(Base):
     token_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     command: Mapped[str] = mapped_column(Text)
     note: Mapped[str | None] = mapped_column(Text, nullable=True)
+    why: Mapped[str | None] = mapped_column(Text, nullable=True)  # the reason its requester gave
 
 
 def table_of(model: type[Base]) -> Table:

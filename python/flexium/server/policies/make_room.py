@@ -43,7 +43,8 @@ _EXHAUSTIVE = 12
 class Beneficiary:
     """Whom room is made for: ``label`` in words, its ``priority``, the bytes it ``needs``, the
     processes that are its own (never paused for it), the GPU it paused on (no headroom back on an
-    empty one) and its wait (None: a job not started yet)."""
+    empty one), its wait (None: a job not started yet) and the reason its requester gave (``why``,
+    which the pauses carry)."""
 
     label: str
     priority: int
@@ -51,6 +52,7 @@ class Beneficiary:
     own: frozenset[int] = frozenset()
     home: str | None = None
     wait_id: int | None = None
+    why: str | None = None
 
 
 @dataclass(frozen=True)
@@ -242,7 +244,7 @@ def make_room(
         why = (
             f"make room: {beneficiary.label} (priority {protocol.priority_name(beneficiary.priority)}) needs "
             f"{gib(plan.required)} on {gpu}; this job's priority is {protocol.priority_name(victim.priority)}"
-        )
+        ) + (f"; why: {beneficiary.why}" if beneficiary.why else "")
         commands = create_commands(
             session=session,
             workspace_id=workspace_id,
@@ -318,7 +320,9 @@ def resume_making_room(
     }
     label = f"process {proc.process_id!r}"
     need = max(proc.footprint_bytes, proc.memory_bytes)
-    beneficiary = Beneficiary(label=label, priority=priority, need=need, own=frozenset({proc.pk}), home=proc.gpu_uuid)
+    beneficiary = Beneficiary(
+        label=label, priority=priority, need=need, own=frozenset({proc.pk}), home=proc.gpu_uuid, why=request.reason
+    )
     plan = plan_room(
         session=session,
         workspace_id=workspace_id,
@@ -343,6 +347,7 @@ def resume_making_room(
         priority=priority,
         reason=f"room made by {who} on GPU {plan.device.index}, pausing {paused}",
         now=now,
+        why=request.reason,
     )
     pauses = make_room(
         session=session,

@@ -113,7 +113,7 @@ def _make_room(
     room = HostRoom.read(session=session, workspace_id=row.workspace_id, host=row.host, now=now)
     uuids = [row.gpu_uuid] if row.gpu_uuid is not None else list(room.gpus)
     gpus = {uuid: _gpu_refusal(session, room, uuid, now=now, stale_after=stale_after) for uuid in uuids}
-    beneficiary = Beneficiary(label=_label(row), priority=row.priority, need=row.need_bytes)
+    beneficiary = Beneficiary(label=_label(row), priority=row.priority, need=row.need_bytes, why=row.why)
     plan = plan_room(
         session=session,
         workspace_id=row.workspace_id,

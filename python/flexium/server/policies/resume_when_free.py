@@ -223,7 +223,8 @@ def _reason(wait: Wait, placement: list[tuple[Need, str]], room: HostRoom, now: 
         f"GPU {_label(room, uuid)} had {gib(room.free_for(uuid, wait.id))} free for {gib(need.nbytes)}"
         for need, uuid in placement
     )
-    return f"resume when free: {where}; waited {now - wait.created_at:.0f} s, queued by {wait.requested_by}"
+    why = f"; why: {wait.why}" if wait.why else ""
+    return f"resume when free: {where}; waited {now - wait.created_at:.0f} s, queued by {wait.requested_by}{why}"
 
 
 def _label(room: HostRoom, uuid: str) -> str:

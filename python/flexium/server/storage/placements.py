@@ -42,6 +42,7 @@ def create_placement(
         requested_by=(actor.token_name or f"token {actor.token_id}")[: protocol.MAX_SHORT_TEXT],
         token_id=actor.token_id,
         command=request.command,
+        why=request.reason or None,
     )
     session.add(row)
     session.flush()
@@ -52,7 +53,7 @@ def create_placement(
         action="placement.created",
         target=f"placement {row.id} on host {row.host}",
         outcome="ok",
-        detail=f"{row.command or 'a job'}: {_asked(row)}",
+        detail=f"{row.command or 'a job'}: {_asked(row)}" + (f"; why: {row.why}" if row.why else ""),
         now=now,
     )
     return row
@@ -234,6 +235,7 @@ def placement_view(*, session: Session, row: Placement, now: float) -> wire.Plac
         finished_at=row.finished_at,
         requested_by=row.requested_by,
         command=row.command,
+        why=row.why,
         note=row.note,
         reservation=None if reservation is None or reservation.expires_at <= now else reservation_view(reservation),
     )

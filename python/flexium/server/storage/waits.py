@@ -85,8 +85,10 @@ def queue_wait(
     priority: int,
     reason: str,
     now: float,
+    why: str | None = None,
 ) -> Wait:
-    """A wait written as it is asked (the caller checked the job): audited, one live wait per job."""
+    """A wait written as it is asked (the caller checked the job): audited, one live wait per job;
+    ``why``: the reason its requester gave."""
     row = Wait(
         workspace_id=workspace_id,
         process_pk=holder.pk,
@@ -100,6 +102,7 @@ def queue_wait(
         requested_by=(actor.label if isinstance(actor, PolicyActor) else actor.token_name)[: protocol.MAX_SHORT_TEXT],
         token_id=None if isinstance(actor, PolicyActor) else actor.token_id,
         reason=reason[: protocol.MAX_LONG_TEXT],
+        why=why or None,
     )
     session.add(row)
     try:
@@ -113,7 +116,7 @@ def queue_wait(
         actor=actor,
         action="wait.created",
         wait=shown,
-        detail=row.reason,
+        detail=row.reason + (f"; why: {row.why}" if row.why else ""),
         now=now,
     )
     return row
@@ -145,6 +148,7 @@ def create_wait(
         priority=priority,
         reason=f"queued by {actor.token_name or 'token ' + str(actor.token_id)} to resume on {where} when free",
         now=now,
+        why=request.reason,
     )
 
 
@@ -392,6 +396,7 @@ def wait_view(
         dispatches=row.dispatches,
         requested_by=row.requested_by,
         reason=row.reason,
+        why=row.why,
         note=row.note,
         reservation=None if reservation is None else reservation_view(reservation),
     )
