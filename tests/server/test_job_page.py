@@ -14,7 +14,7 @@ from markupsafe import escape
 from flexium import protocol
 from flexium.reasons import SHORT_REASON_MAX, short_reason
 from flexium.server import storage
-from support.server import GIB, Api, rank_body
+from support.server import GIB, Api, gpu, rank_body
 
 
 def _finish(api: Api, command: dict[str, Any], result: dict[str, Any]) -> None:
@@ -178,3 +178,26 @@ def test_a_cpu_job_reads_cpu_in_the_table(api: Api) -> None:
     row = main.split('id="proc-cpu-job"')[1].split("</tr>")[0]
     device = row.split('class="col-device">')[1].split("</td>")[0]
     assert re.sub(r"\s+", " ", re.sub(r"<[^>]+>", "", device)).strip() == "cpu"
+
+
+def test_a_job_timeline_says_what_the_queue_did_to_it(api: Api) -> None:
+    """Queued (by whom, on which GPU, why), taken out of the queue, and its priority set from one to
+    another, each by whom, beside its commands."""
+    full = [gpu(0, used=139 * GIB), gpu(1, used=139 * GIB)]
+    api.register("gpu-1", state="PAUSED", memory=0, footprint_bytes=30 * GIB, devices=full)
+    created = api.post("/waits", {"process_id": "gpu-1", "gpu": "1", "reason": "back after the demo"})
+    assert created.status_code == 201, created.text
+    assert api.delete(f"/waits/{created.json()['wait']['id']}").status_code == 200
+    r = api.client.put(f"{api.base}/processes/gpu-1/priority", json={"priority": "high"}, headers=api.headers())
+    assert r.status_code == 200, r.text
+    sender = api.get("/tokens").json()[0]
+    who = str(escape(sender["name"] or f"token {sender['id']}"))
+    for html in api.pages("/jobs/gpu-1", "/ui/jobs/gpu-1/panel"):
+        timeline = html.split('id="job-timeline"')[1]
+        events = timeline.split('class="event ')[1:]
+        assert [e.split('"')[0] for e in events] == ["event-queue"] * 3
+        priority, cancelled, queued = events
+        assert "priority normal → high" in priority and f"by {who}" in priority
+        assert "taken out of the queue" in cancelled and f"cancelled by {who}" in cancelled
+        assert "queued to resume when free" in queued and f"by {who}" in queued
+        assert f"queued by {who} to resume on GPU 1 when free; why: back after the demo" in queued

@@ -15,7 +15,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import ColumnElement, delete, select, update
 from sqlalchemy.orm import Session
 
 from flexium import protocol, wire
@@ -30,6 +30,8 @@ SERVER_ACTOR = "server"  # who did what no token did: a command expired, the com
 COMMAND_LINE_ACTOR = "command line"
 _CREATED = "command.created"
 _REFUSED = "refused"
+# What the queue did to a job, beside its commands: a job's timeline shows these entries too.
+QUEUE_ACTIONS = ("wait.created", "wait.cancelled", "priority.set")
 POLICY_ROLE = "policy"
 
 
@@ -142,14 +144,23 @@ def refused_commands(
     *, session: Session, workspace_id: int, process_ids: Collection[str], limit: int
 ) -> list[wire.AuditEntry]:
     """The commands for these processes that the server refused (never created), newest first."""
+    refused = (AuditRecord.action == _CREATED, AuditRecord.outcome == _REFUSED)
+    return _entries_of(session, workspace_id, process_ids, limit, *refused)
+
+
+def queue_entries(
+    *, session: Session, workspace_id: int, process_ids: Collection[str], limit: int
+) -> list[wire.AuditEntry]:
+    """These processes' waits queued and cancelled and their priorities set, newest first."""
+    return _entries_of(session, workspace_id, process_ids, limit, AuditRecord.action.in_(QUEUE_ACTIONS))
+
+
+def _entries_of(
+    session: Session, workspace_id: int, process_ids: Collection[str], limit: int, *where: ColumnElement[bool]
+) -> list[wire.AuditEntry]:
     rows = session.scalars(
         select(AuditRecord)
-        .where(
-            AuditRecord.workspace_id == workspace_id,
-            AuditRecord.process_id.in_(process_ids),
-            AuditRecord.action == _CREATED,
-            AuditRecord.outcome == _REFUSED,
-        )
+        .where(AuditRecord.workspace_id == workspace_id, AuditRecord.process_id.in_(process_ids), *where)
         .order_by(AuditRecord.id.desc())
         .limit(limit)
     )

@@ -1,7 +1,7 @@
 """A job's page: the process, or the job of several ranks it is a rank of, its GPUs, and its
-timeline: every command its ranks received, who sent each, and the commands refused for them,
-from the audit entries that name its processes (``storage.command_senders``,
-``storage.refused_commands``)."""
+timeline: every command its ranks received, who sent each, the commands refused for them, and
+what the queue did to it (queued, taken out, its priority set), from the audit entries that name
+its processes (``storage.command_senders``, ``storage.refused_commands``, ``queue_entries``)."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from flexium.server import storage
 from flexium.server.dashboard.views.devices import Drains, GpuKey, HistoryChart, charts_of, drains_of, hosts_of
 from flexium.server.dashboard.views.training import TrainingCharts, training_charts
 from flexium.server.errors import NotFound
-from flexium.server.storage.audit import POLICY_ROLE
+from flexium.server.storage.audit import POLICY_ROLE, SERVER_ACTOR, queue_entries
 
 TIMELINE = 200  # commands shown on a job page, newest first; as many refused ones at most
 
@@ -28,6 +28,7 @@ class SentCommand:
     command's)."""
 
     refused: ClassVar[bool] = False
+    queue_event: ClassVar[bool] = False
     command: wire.CommandInfo
     sent_by: str | None
     policy: str | None = None
@@ -43,6 +44,7 @@ class RefusedCommand:
     named, if any) as its audit entry records it."""
 
     refused: ClassVar[bool] = True
+    queue_event: ClassVar[bool] = False
     entry: wire.AuditEntry
     kind: str
     to: str | None
@@ -52,7 +54,42 @@ class RefusedCommand:
         return self.entry.at
 
 
-TimelineItem = SentCommand | RefusedCommand
+@dataclass(frozen=True)
+class QueueEvent:
+    """A wait queued or taken out of the queue, or a priority set, as its audit entry says: by a
+    token (``by``) or by one of the server's policies (``policy``); ``why``: the wait's reason
+    (who queued it, for which GPU, and the reason they gave) or why it left."""
+
+    refused: ClassVar[bool] = False
+    queue_event: ClassVar[bool] = True
+    entry: wire.AuditEntry
+
+    @property
+    def at(self) -> float:
+        return self.entry.at
+
+    @property
+    def what(self) -> str:
+        if self.entry.action == "priority.set":  # its detail reads "normal -> high"
+            return "priority " + self.entry.detail.replace(" -> ", " → ")
+        return "queued to resume when free" if self.entry.action == "wait.created" else "taken out of the queue"
+
+    @property
+    def why(self) -> str | None:
+        return None if self.entry.action == "priority.set" else self.entry.detail or None
+
+    @property
+    def policy(self) -> str | None:
+        return self.entry.token_name.removeprefix(f"{POLICY_ROLE}: ") if self.entry.role == POLICY_ROLE else None
+
+    @property
+    def by(self) -> str:
+        if self.entry.token_id is None and self.entry.token_name == SERVER_ACTOR:
+            return "the server"  # the job left, or cannot resume any more
+        return self.entry.token_name or f"token {self.entry.token_id}"
+
+
+TimelineItem = SentCommand | RefusedCommand | QueueEvent
 
 
 @dataclass(frozen=True)
@@ -136,7 +173,8 @@ def _wait(*, session: Session, workspace_id: int, wait_id: int | None, now: floa
 
 
 def timeline(*, session: Session, workspace_id: int, process_ids: Sequence[str]) -> tuple[TimelineItem, ...]:
-    """The commands of these processes and those refused for them, newest first."""
+    """The commands of these processes, those refused for them and what the queue did to them,
+    newest first."""
     commands: list[wire.CommandInfo] = []
     for process_id in process_ids:
         commands += storage.list_commands(
@@ -151,6 +189,8 @@ def timeline(*, session: Session, workspace_id: int, process_ids: Sequence[str])
     )
     items: list[TimelineItem] = [_sent(c, senders.get(c.id)) for c in commands]
     items += [_refused(e) for e in refusals]
+    queued = queue_entries(session=session, workspace_id=workspace_id, process_ids=process_ids, limit=TIMELINE)
+    items += [QueueEvent(entry=e) for e in queued]
     return tuple(sorted(items, key=lambda item: item.at, reverse=True))
 
 
