@@ -138,6 +138,7 @@ class SimulatedJob:
         self._told = False  # the room it waits for is there, and the server was told
         self._telling: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
+        self._outcomes: dict[int, dict[str, Any]] = {}  # command id -> the report that ended it
         self._changed = asyncio.Event()
         if gpu is not None:
             gpu.memory_used += memory
@@ -278,6 +279,12 @@ class SimulatedJob:
                 if status != 204:
                     self.observer.error(self, f"poll: {status} {command}")
                 continue
+            done = self._outcomes.get(command["id"])
+            if done is not None:  # delivered again (its answer was lost): told again, never run twice
+                with contextlib.suppress(Exception):
+                    async with self.control.lock:
+                        await self.control.request("POST", f"{BASE}/commands/{command['id']}/report", done)
+                continue
             self.observer.command(self, command, time.perf_counter(), time.time())
             await self._carry_out(command)
 
@@ -298,6 +305,7 @@ class SimulatedJob:
                 }
             else:
                 outcome = {"state": "failed", "error": refusal, "process": self._placement()}
+            self._outcomes[command["id"]] = outcome
             sent = time.time()
             async with self.control.lock:
                 await self.control.request("POST", report, outcome)

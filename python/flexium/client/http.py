@@ -46,6 +46,11 @@ class Unreachable(ServerError):
     """No answer: connection refused, timed out, or cut."""
 
 
+class LateAnswer(Unreachable):
+    """The request was sent and no answer came within the timeout: the server is alive but behind.
+    A long-poll asks again at once (the server hands out a command whose answer was lost again)."""
+
+
 class Unavailable(ServerError):
     """The server answered 5xx (its database is down, it is restarting, a bug)."""
 
@@ -176,6 +181,7 @@ class ApiClient:
         """
         backoff = backoff or Backoff()
         attempt = 0
+        late_again = False
         while True:
             try:
                 return self._once(method, path, json=json, params=params, timeout=timeout, workspace=workspace)
@@ -183,6 +189,10 @@ class ApiClient:
                 attempt += 1
                 if retries is not None and attempt > retries:
                     raise
+                if isinstance(exc, LateAnswer) and not late_again and not (stop is not None and stop.is_set()):
+                    late_again = True  # the first of late answers in a row is asked again at once
+                    continue
+                late_again = isinstance(exc, LateAnswer)
                 delay = backoff.next()
                 if deadline is not None and time.monotonic() + delay > deadline:
                     raise
@@ -211,6 +221,11 @@ class ApiClient:
             raise Unreachable(
                 f"cannot reach the flexium server at {self.base_url}: TLS failed ({_short(exc)}); a server with a "
                 f"certificate of its own CA needs that CA's PEM file in ${protocol.CA_BUNDLE_ENV}",
+                code="unreachable",
+            ) from None
+        except requests.ReadTimeout:
+            raise LateAnswer(
+                f"cannot reach the flexium server at {self.base_url}: no answer within the timeout",
                 code="unreachable",
             ) from None
         except requests.RequestException as exc:
@@ -543,8 +558,6 @@ def _short(exc: BaseException) -> str:
     """requests' messages nest the whole urllib3 chain; the innermost reason is what helps."""
     if isinstance(exc, requests.ConnectTimeout):
         return "connection timed out"
-    if isinstance(exc, requests.ReadTimeout):
-        return "no answer within the timeout"
     text = str(exc)
     verify = text.find("certificate verify failed")
     if verify >= 0:

@@ -10,6 +10,7 @@ thousand of them used to leave no descriptor for the jobs' heartbeats and polls.
 - past ``max_connections`` open connections, the oldest one that is not inside a request (it
   has not sent one yet, or is idle between two) is closed to make room; when every connection is
   busy with a request, the new one is closed instead.
+Each request is stamped with the time it began to arrive (``received_at``).
 Under HTTPS a connection reaches this protocol once its TLS handshake is done; one that never
 finishes it is closed by the event loop after its own handshake timeout (60 s in asyncio and
 uvloop; uvicorn does not expose it).
@@ -31,6 +32,15 @@ _TIMEOUT_ANSWER = (
     b"content-length: 46\r\nconnection: close\r\n\r\nthe request did not arrive in time; reconnect\n"
 )
 _WARN_EVERY_S = 10.0
+_RECEIVED_AT = "flexium_received_at"
+
+
+def received_at(scope: Any) -> float | None:
+    """When the request began to arrive (``time.monotonic()``), as stamped below; None for a request
+    that came another way (tests call the app directly). A server that is behind runs a handler
+    well after its request arrived, and a long-poll's wait is counted from the arrival."""
+    state = scope.get("state")
+    return None if state is None else state.get(_RECEIVED_AT)
 
 
 def raise_open_file_limit() -> int:
@@ -83,6 +93,7 @@ def bounded_protocol(*, request_timeout_s: float, max_connections: int) -> type[
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
+            self.scope["state"][_RECEIVED_AT] = time.monotonic()
             self._await_request()
 
         def on_headers_complete(self) -> None:

@@ -19,7 +19,7 @@ import collections
 import itertools
 import json
 import time
-from collections.abc import Hashable
+from collections.abc import Awaitable, Callable, Hashable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +73,17 @@ class Notifier:
     @property
     def waiting(self) -> int:
         return sum(len(w) for w in self._waiters.values())
+
+
+def client_gone(receive: Callable[[], Awaitable[MutableMapping[str, Any]]]) -> asyncio.Task[None]:
+    """Done when the client of a request whose body was read (or that has none) goes away: the
+    connection closed, for a long-poll given up by its client. Cancel it once the answer is sent."""
+
+    async def watch() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    return asyncio.ensure_future(watch())
 
 
 @dataclass(eq=False)  # identity, so it can live in a set

@@ -9,11 +9,11 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Hashable
+from collections.abc import AsyncIterator, Awaitable, Callable, Hashable, MutableMapping
 from typing import Any
 
 from flexium import protocol, wire
-from flexium.server import drains, placing, queue, storage
+from flexium.server import drains, live, placing, queue, storage
 from flexium.server.context import ReportedProgress, ServerContext, progress_event
 from flexium.server.db import DatabaseUnavailable
 from flexium.server.errors import ApiError, Unauthorized
@@ -157,36 +157,60 @@ def revocation_waiter(ctx: ServerContext, auth: AuthInfo) -> asyncio.Future[None
 
 
 async def _wait(
-    ctx: ServerContext, waiter: asyncio.Future[None], revoked: asyncio.Future[None], timeout: float
+    ctx: ServerContext,
+    waiter: asyncio.Future[None],
+    revoked: asyncio.Future[None],
+    timeout: float,
+    gone: asyncio.Future[None] | None = None,
 ) -> bool:
-    """True when woken, False on timeout; Unauthorized when the caller's token was revoked
-    meanwhile: a revoked token's poll ends at once."""
+    """True when woken, False on timeout or when the client went away (``gone``); Unauthorized
+    when the caller's token was revoked meanwhile: a revoked token's poll ends at once."""
     done, _pending = await asyncio.wait(
-        {waiter, revoked}, timeout=max(0.0, timeout), return_when=asyncio.FIRST_COMPLETED
+        {waiter, revoked} if gone is None else {waiter, revoked, gone},
+        timeout=max(0.0, timeout),
+        return_when=asyncio.FIRST_COMPLETED,
     )
     if revoked in done and not ctx.stopping:  # stopping wakes every waiter, this one too
         raise Unauthorized("token revoked")
-    return bool(done)
+    return bool(done) and gone not in done
 
 
 async def next_command(
-    ctx: ServerContext, *, auth: AuthInfo, process_id: str, wait: float | None
+    ctx: ServerContext,
+    *,
+    auth: AuthInfo,
+    process_id: str,
+    wait: float | None,
+    receive: Callable[[], Awaitable[MutableMapping[str, Any]]] | None = None,
+    received_at: float | None = None,
 ) -> wire.CommandInfo | None:
     """The long-poll: the next command for the process, or None when there is none within
-    the wait (or the server is stopping)."""
+    the wait (or the server is stopping). The wait counts from the request's arrival
+    (``received_at``, ``time.monotonic()``): a server that is behind answers an empty poll when its
+    client stops waiting, not a wait later. A poll whose client went away (``receive`` says so: it
+    gave up on a late answer) hands nothing out, and a delivery made as it went is undone, so the
+    command goes to the process's next poll instead of to a closed connection."""
     workspace_id = auth.workspace_id
     key = (workspace_id, process_id)
     loop = asyncio.get_running_loop()
-    deadline = loop.time() + (ctx.settings.poll_timeout_s if wait is None else wait)
+    late = 0.0 if received_at is None else max(0.0, time.monotonic() - received_at)
+    deadline = loop.time() + (ctx.settings.poll_timeout_s if wait is None else wait) - late
     revoked = revocation_waiter(ctx, auth)
+    gone = None if receive is None else live.client_gone(receive)
     try:
-        return await _next_command(ctx, key, deadline, revoked)
+        return await _next_command(ctx, key, deadline, revoked, gone)
     finally:
         ctx.notifier.unregister(("token", auth.token_id), revoked)
+        if gone is not None:
+            gone.cancel()
 
 
 async def _next_command(
-    ctx: ServerContext, key: tuple[int, str], deadline: float, revoked: asyncio.Future[None]
+    ctx: ServerContext,
+    key: tuple[int, str],
+    deadline: float,
+    revoked: asyncio.Future[None],
+    gone: asyncio.Future[None] | None,
 ) -> wire.CommandInfo | None:
     workspace_id, process_id = key
     loop = asyncio.get_running_loop()
@@ -197,7 +221,7 @@ async def _next_command(
             # Most polls find nothing; the in-memory view of pending commands (exact: every
             # command is created and settled in this process, and the sweep re-reads the
             # database) spares them any database work.
-            if ctx.stopping:
+            if ctx.stopping or (gone is not None and gone.done()):
                 return None
             pending = woken or key in ctx.pending
             if not pending and key not in ctx.process_hosts:
@@ -210,6 +234,9 @@ async def _next_command(
                 command, first = await ctx.db.call(
                     storage.next_command, write=True, workspace_id=workspace_id, process_id=process_id, now=time.time()
                 )
+                if command is not None and gone is not None and gone.done():
+                    await ctx.db.call(storage.undo_delivery, write=True, command=command)
+                    return None
                 if command is not None:
                     ctx.command_pending(workspace_id, process_id, command.id)
                     if first:
@@ -220,7 +247,7 @@ async def _next_command(
                     return command
                 ctx.command_pending(workspace_id, process_id, None)
             remaining = deadline - loop.time()
-            if ctx.stopping or remaining <= 0 or not await _wait(ctx, waiter, revoked, remaining):
+            if ctx.stopping or remaining <= 0 or not await _wait(ctx, waiter, revoked, remaining, gone):
                 return None
             woken = True
         finally:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Path, Query, Response
+from fastapi import APIRouter, Header, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from flexium import protocol, wire
@@ -23,6 +23,7 @@ from flexium.server.auth import (
     require_own_operation,
     require_own_process,
 )
+from flexium.server.connections import received_at
 from flexium.server.context import Ctx
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -143,9 +144,18 @@ async def heartbeat(process_id: ProcessIdPath, body: wire.HeartbeatRequest, auth
     responses={204: {"description": "nothing to do within the wait; poll again"}},
     summary="Long-poll: the next command for this process",
 )
-async def next_command(process_id: ProcessIdPath, auth: Worker, ctx: Ctx, wait: WaitQuery = None) -> Any:
+async def next_command(
+    process_id: ProcessIdPath, auth: Worker, ctx: Ctx, request: Request, wait: WaitQuery = None
+) -> Any:
     await require_own_process(ctx, auth, process_id)
-    command = await services.next_command(ctx, auth=auth, process_id=process_id, wait=wait)
+    command = await services.next_command(
+        ctx,
+        auth=auth,
+        process_id=process_id,
+        wait=wait,
+        receive=request.receive,
+        received_at=received_at(request.scope),
+    )
     return Response(status_code=204) if command is None else command
 
 

@@ -29,6 +29,7 @@ from flexium.server.storage.commands import (
     pending_commands,
     report_command,
     report_command_audited,
+    undo_delivery,
 )
 from flexium.server.storage.devices import device_indexes, list_devices, upsert_devices
 from flexium.server.storage.drains import drained_gpus, get_drain, list_drains
@@ -180,6 +181,7 @@ __all__ = [
     "revoke_token",
     "summarize_jobs",
     "sweep",
+    "undo_delivery",
     "unregister_process",
     "upsert_devices",
     "workspace_summary",

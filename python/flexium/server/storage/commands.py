@@ -331,6 +331,22 @@ _DELIVER = (
 )
 
 
+def undo_delivery(*, session: Session, command: wire.CommandInfo) -> None:
+    """A delivery whose long-poll's client went away before the answer was sent: as if it had not
+    been made (a first delivery leaves the command queued), so the process's next poll hands it out
+    as the one it receives. A command the process reported on meanwhile is left as it is."""
+    first = command.deliveries == 1
+    session.execute(
+        update(_C)
+        .where(_C.c.id == command.id, _C.c.state == "delivered", _C.c.deliveries == command.deliveries)
+        .values(
+            state="queued" if first else "delivered",
+            deliveries=command.deliveries - 1,
+            delivered_at=None if first else _C.c.delivered_at,
+        )
+    )
+
+
 def report_command(
     *, session: Session, workspace_id: int, command_id: int, report: wire.CommandReport, now: float, stale_after: float
 ) -> tuple[wire.CommandInfo, wire.ProcessInfo | None, bool]:
