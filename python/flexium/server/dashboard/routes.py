@@ -43,7 +43,7 @@ register_url_convertor("job_key", JobKeyConvertor())
 @router.get("/", response_class=HTMLResponse)
 async def index(request: Request, ctx: Ctx, auth: PageAuth) -> Response:
     view = await ctx.db.call(
-        main_page, write=False, workspace_id=auth.workspace_id, now=time.time(), stale_after=ctx.settings.stale_after_s
+        main_page, write=False, actor=auth, now=time.time(), stale_after=ctx.settings.stale_after_s
     )
     host = request.url.hostname or "localhost"
     port = request.url.port or (443 if request.url.scheme == "https" else 80)
@@ -224,11 +224,12 @@ async def drain_host_fragment(request: Request, ctx: Ctx, auth: FragmentAuth, ho
 
 @router.get("/ui/queue", response_class=HTMLResponse)
 async def queue_fragment(request: Request, ctx: Ctx, auth: FragmentAuth) -> Response:
-    """The queue again, for the page's script once a ``wait`` event said it changed."""
+    """The queue again, for the page's script once an event said it changed (a ``wait`` event, or
+    a ``devices`` event: flexium run's placements tell no event of their own)."""
     view = await ctx.db.call(
         queue_panel,
         write=False,
-        workspace_id=auth.workspace_id,
+        actor=auth,
         now=time.time(),
         stale_after=ctx.settings.stale_after_s,
     )

@@ -1,5 +1,5 @@
 // The dashboard as the team's GPU allocator (dashboard.js, job.js): a paused job queued to resume
-// when free, or room made for it; a wait cancelled; a job's priority set; a GPU or a whole host
+// when free, or room made for it; a wait or a placement (flexium run's job not started) cancelled; a job's priority set; a GPU or a whole host
 // drained (the host once confirmed in its dialog) and undrained. Loaded after common.js, whose notices and API calls it uses; the notice of a refused
 // resume offers "Queue it?" from here. Text from the API goes in through textContent only.
 (function () {
@@ -51,6 +51,15 @@
   async function cancelWait(waitId, processId) {
     var w = await api("DELETE", "/waits/" + encodeURIComponent(waitId));
     notify(processId + " left the queue of " + w.host + " (wait " + w.id + " cancelled)", "ok", "wait-" + w.id);
+  }
+
+  // A job flexium run waits to start (DELETE /placements/{id}): its flexium run stops waiting and
+  // starts nothing. No event says so: `changed` re-reads what shows it.
+  async function cancelPlacement(button, changed) {
+    var pl = await api("DELETE", "/placements/" + encodeURIComponent(button.dataset.placementId));
+    notify("placement " + pl.id + " on " + pl.host + " " + pl.state + ": its flexium run starts nothing",
+      "ok", "placement-" + pl.id);
+    changed();
   }
 
   // --- drains --------------------------------------------------------------------------------
@@ -142,12 +151,14 @@
     "queue": function (b) { return queueResume(b.dataset.processId, false); },
     "make-room": function (b) { return queueResume(b.dataset.processId, true); },
     "cancel-wait": function (b) { return cancelWait(b.dataset.waitId, b.dataset.processId); },
+    "cancel-placement": cancelPlacement,
     "drain": drainGpu,
     "drain-host": openDrainHost,
     "undrain": undrain,
   };
 
   function refusal(action, button, err) {
+    if (action === "cancel-placement") { return "cancel placement " + button.dataset.placementId + " refused: " + err.message; }
     if (action === "make-room") { return "make room for " + button.dataset.processId + " refused: " + byGpu(err.message); }
     if (action === "drain" || action === "drain-host" || action === "undrain") {
       return action + " " + (button.dataset.host || "") + " refused: " + byGpu(err.message);
@@ -156,8 +167,9 @@
   }
 
   // The allocator's buttons (data-action) and priority forms in `container`, and the Drain host
-  // dialog where the page has one (the main page's host headings).
-  function wireAllocator(container) {
+  // dialog where the page has one (the main page's host headings). placementsChanged(): a
+  // placement was cancelled from here (the main page's queue reads itself again).
+  function wireAllocator(container, placementsChanged) {
     if (drainDialog) { wireDrainDialog(); }
     container.addEventListener("click", async function (ev) {
       var button = ev.target.closest("button[data-action]");
@@ -165,7 +177,7 @@
       var action = button.dataset.action;
       button.disabled = true;
       try {
-        await ACTIONS[action](button);
+        await ACTIONS[action](button, placementsChanged);
       } catch (err) {
         button.disabled = false;
         notify(refusal(action, button, err), "error");

@@ -14,6 +14,7 @@ from flexium.server.dashboard.views.commands import RecentCommands, recent_comma
 from flexium.server.dashboard.views.devices import HostCards, host_cards, hosts_of
 from flexium.server.dashboard.views.processes import ProcessRows, TableEntry, process_rows, table_entries
 from flexium.server.dashboard.views.queue import QueuePanel, queue_panel
+from flexium.server.storage import AuthInfo
 
 
 @dataclass(frozen=True)
@@ -73,13 +74,15 @@ class MainPage:
     totals: Totals
 
 
-def main_page(*, session: Session, workspace_id: int, now: float, stale_after: float) -> MainPage:
+def main_page(*, session: Session, actor: AuthInfo, now: float, stale_after: float) -> MainPage:
+    """As ``actor`` may see it (a job token's placements are its own)."""
+    workspace_id = actor.workspace_id
     rows = process_rows(session=session, workspace_id=workspace_id, now=now, stale_after=stale_after)
     cards = host_cards(session=session, workspace_id=workspace_id, now=now, stale_after=stale_after)
     return MainPage(
         rows=rows,
         cards=cards,
-        queue=queue_panel(session=session, workspace_id=workspace_id, now=now, stale_after=stale_after),
+        queue=queue_panel(session=session, actor=actor, now=now, stale_after=stale_after),
         recent=recent_commands(session=session, workspace_id=workspace_id, now=now),
         totals=cluster_totals(
             session=session, workspace_id=workspace_id, now=now, hosts=cards.hosts, entries=rows.entries
