@@ -26,12 +26,10 @@ def _full(host: FakeHost) -> FakeHost:
     return host
 
 
-def _place(api: Api, host: FakeHost, *, memory: int, priority: str, command: str) -> dict[str, Any]:
+def _place(api: Api, host: FakeHost, *, memory: int, priority: str, command: str, reason: str = "") -> dict[str, Any]:
     """What flexium run asks for (POST /placements) with the host's GPUs as it reads them."""
-    r = api.post(
-        "/placements",
-        {"host": host.name, "memory_bytes": memory, "priority": priority, "command": command, "devices": host.report()},
-    )
+    asked = {"host": host.name, "memory_bytes": memory, "priority": priority, "command": command, "reason": reason}
+    r = api.post("/placements", {**asked, "devices": host.report()})
     assert r.status_code == 201, r.text
     return dict(r.json()["placement"])
 
@@ -96,7 +94,9 @@ def test_placements_wait_in_the_queue_order_and_cancel_and_placing_show_live(
     dash.open()
     dash.wait(lambda: _entries(dash, host.name) == [f"wait {paused.process_id}"], "the paused job's wait")
 
-    big = _place(api, host, memory=40 * GIB, priority="high", command="python train_big.py --epochs 3")
+    big = _place(
+        api, host, memory=40 * GIB, priority="high", command="python train_big.py --epochs 3", reason="paper deadline"
+    )
     small = _place(api, host, memory=30 * GIB, priority="normal", command="python eval.py")
     assert big["state"] == small["state"] == "waiting"
     with _asking(api, host, big, small):
@@ -111,6 +111,7 @@ def test_placements_wait_in_the_queue_order_and_cancel_and_placing_show_live(
         assert text.startswith("waiting: start #1") and "python train_big.py --epochs 3" in text
         assert "priority high" in text and "the GPU with the most room" in text and "needs 40.0 GiB" in text
         assert f"flexium run by {big['requested_by']}" in text and "waiting" in text and big["note"] in text
+        assert "why: paper deadline" in text and "why:" not in _placement_text(dash, small["id"])
         assert "start #2" in _placement_text(dash, small["id"])
 
         css = f'#queue li.placement[data-placement-id="{small["id"]}"] button[data-action="cancel-placement"]'

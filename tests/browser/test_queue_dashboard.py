@@ -315,3 +315,29 @@ def test_the_table_is_grouped_by_host_when_it_lists_several(dash: Dashboard, job
     dash.search("group-node-b")
     dash.wait(lambda: layout() == ["host group-node-b", "gpu-group-b1"], "a host with no row shown hides its heading")
     dash.search("")
+
+
+def test_a_wait_queued_on_the_job_page_keeps_the_reason_typed_there(dash: Dashboard, api: Api, jobs: Jobs) -> None:
+    host = _full(FakeHost("why-node"))
+    job = jobs(host, "gpu-why-0001", state="PAUSED", memory=20 * GIB)
+    dash.open(f"jobs/{job.process_id}")
+    _type(dash, "#job-reason", "back after the demo")
+    _click(dash, '#job-actions button[data-action="queue"]')
+    dash.wait(lambda: _waits(api, job.process_id), "the server queued it")
+    [wait] = _waits(api, job.process_id)
+    assert wait["why"] == "back after the demo"
+    dash.wait(lambda: "why: back after the demo" in dash.d.find_element(By.ID, "job-wait").text, "its page says why")
+    assert dash.d.find_element(By.ID, "job-reason").get_attribute("value") == ""  # said once, with this wait
+
+    dash.open()
+    dash.wait(lambda: "why: back after the demo" in _wait_text(dash, job.process_id), "the queue panel says why")
+    host.gpus[1].other = 0
+    dash.wait(lambda: job.state == "RUNNING", "the queue resumes it", timeout=ROOM_SHOWS_S)
+    resume = next(c for c in api.commands(job.process_id) if c["kind"] == "resume")
+    assert "back after the demo" in resume["reason"]
+    dash.d.get(f"{dash.server.url}/jobs/{job.process_id}")
+    event = dash.wait(
+        lambda: dash.d.find_element(By.CSS_SELECTOR, '#job-timeline li.event[data-state="succeeded"]').text,
+        "the resume on its timeline",
+    )
+    assert "by the server on its own: resume when free" in event and "back after the demo" in event

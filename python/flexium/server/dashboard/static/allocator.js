@@ -13,9 +13,14 @@
   // --- the resume-when-free queue ------------------------------------------------------------
 
   // A paused job into the queue (POST /waits, as flexium resume --when-free), or room made for it
-  // by pausing jobs of lower priority (makeRoom); what the server did is told in a notice.
-  async function queueResume(processId, makeRoom) {
-    var answer = await api("POST", "/waits", {process_id: processId, make_room: Boolean(makeRoom)});
+  // by pausing jobs of lower priority (makeRoom); what the server did is told in a notice. A button
+  // among the job page's actions sends the reason typed there (said once, as a command's is).
+  async function queueResume(processId, makeRoom, button) {
+    var field = button && button.closest("#job-actions") ? document.getElementById("job-reason") : null;
+    var reason = field ? field.value.trim() : "";
+    var request = {process_id: processId, make_room: Boolean(makeRoom)};
+    var answer = await api("POST", "/waits", reason ? Object.assign({reason: reason}, request) : request);
+    if (field) { field.value = ""; }
     var w = answer.wait;
     var paused = answer.commands.filter(function (c) { return c.kind === "pause"; })
       .map(function (c) { return c.process_id; });
@@ -148,8 +153,8 @@
 
   // button -> what it does; the refusal's notice says it in the server's words.
   var ACTIONS = {
-    "queue": function (b) { return queueResume(b.dataset.processId, false); },
-    "make-room": function (b) { return queueResume(b.dataset.processId, true); },
+    "queue": function (b) { return queueResume(b.dataset.processId, false, b); },
+    "make-room": function (b) { return queueResume(b.dataset.processId, true, b); },
     "cancel-wait": function (b) { return cancelWait(b.dataset.waitId, b.dataset.processId); },
     "cancel-placement": cancelPlacement,
     "drain": drainGpu,
