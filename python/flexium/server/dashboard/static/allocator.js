@@ -1,6 +1,7 @@
 // The dashboard as the team's GPU allocator (dashboard.js, job.js): a paused job queued to resume
-// when free, or room made for it; a wait or a placement (flexium run's job not started) cancelled; a job's priority set; a GPU or a whole host
-// drained (the host once confirmed in its dialog) and undrained. Loaded after common.js, whose notices and API calls it uses; the notice of a refused
+// when free, or room made for it; a wait or a placement (flexium run's job not started) cancelled;
+// a job's priority set; a GPU or a whole host drained (a host once confirmed in its dialog) and
+// undrained. Loaded after common.js, whose notices and API calls it uses; the notice of a refused
 // resume offers "Queue it?" from here. Text from the API goes in through textContent only.
 (function () {
   "use strict";
