@@ -130,9 +130,9 @@ async def run_job(
         fleet.errors.append(f"{job.process_id}: POST /waits {status} {answer}")
         return
     waits[job.process_id] = sent
+    job.watch = answer.get("watch")  # what to watch, at once rather than at its next heartbeat
     life = asyncio.create_task(job.live(stop))
     try:
-        await job.heartbeat()  # what to watch, at once rather than at its next heartbeat
         left = arrival.running_s
         while left > 0:
             while job.state != "RUNNING":

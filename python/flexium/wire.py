@@ -832,6 +832,9 @@ class WaitCreated(WireOut):
     commands: list[CommandInfo] = Field(
         description="what it set going at once: the pauses that make room, its resume when there is room now"
     )
+    watch: RoomWatch | None = Field(
+        default=None, description="it waits: what the queued process watches (as its heartbeats' answers say)"
+    )
 
 
 class PlacementInfo(WireOut):

@@ -61,9 +61,12 @@ def test_queueing_and_priorities_are_an_admins_reading_anyones(api: Api) -> None
 
 def test_a_waiting_job_watches_its_gpus_and_is_resumed_when_it_sees_room(api: Api) -> None:
     register_paused(api)
-    wait = api.post("/waits", {"process_id": "p"}).json()["wait"]
+    created = api.post("/waits", {"process_id": "p"}).json()
+    wait = created["wait"]
+    watch = {"wait_id": wait["id"], "gpus": ["GPU-0000", "GPU-0001"], "need_bytes": 30 * GIB}
+    assert created["watch"] == watch  # what to watch at once, not at its next heartbeat
     beat = api.post("/processes/p/heartbeat", {"state": "PAUSED"})
-    assert beat.json()["watch"] == {"wait_id": wait["id"], "gpus": ["GPU-0000", "GPU-0001"], "need_bytes": 30 * GIB}
+    assert beat.json()["watch"] == watch
     assert api.get("/processes/p/commands/next", params={"wait": 0}).status_code == 204
 
     seen = api.post(

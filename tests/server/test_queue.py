@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from sqlalchemy import event
 
 from flexium import protocol
 from flexium.server import errors, storage
@@ -259,3 +260,34 @@ def test_a_job_that_runs_again_without_the_queue_leaves_it(db: Database) -> None
     outcome = run(db, NOW + 1)
     [(_ws, wait)] = outcome.cancelled
     assert wait.state == "cancelled" and "RUNNING" in (wait.note or "")
+
+
+def test_the_queues_view_is_three_reads_however_long_the_queue(db: Database) -> None:
+    ws, _ = make_workspace(db)
+    gpus_report(db, ws, NOW, 139 * GIB, 139 * GIB)
+    for n in range(12):
+        paused(db, ws, f"job-{n}")
+        queue(db, ws, f"job-{n}", gpu="1" if n == 3 else None)
+    caps = {"pause_resume": True, "migration": True, "job_operations": True}
+    for rank in (0, 1):
+        paused(
+            db, ws, f"rank-{rank}", home=rank, capabilities=caps, job={"key": "run-1", "rank": rank, "world_size": 2}
+        )
+    queue(db, ws, "rank-0")
+    statements: list[str] = []
+
+    def count(*args: Any) -> None:
+        statements.append(args[2])
+
+    event.listen(db.engine, "before_cursor_execute", count)
+    try:
+        view = db.run(storage.queue_view, write=False)
+    finally:
+        event.remove(db.engine, "before_cursor_execute", count)
+    assert len([s for s in statements if s.lstrip().upper().startswith("SELECT")]) == 3
+    assert view.hosts == frozenset({(ws, HOST)})
+    assert len(view.watches) == 14
+    assert view.watches[(ws, "job-0")].gpus == ["GPU-0000", "GPU-0001"]
+    assert view.watches[(ws, "job-3")].gpus == ["GPU-0001"]
+    assert view.watches[(ws, "rank-1")].gpus == ["GPU-0001"]
+    assert view.watches[(ws, "rank-0")].wait_id == view.watches[(ws, "rank-1")].wait_id

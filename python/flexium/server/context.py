@@ -102,6 +102,11 @@ class ServerContext:
     watches: dict[tuple[int, str], wire.RoomWatch] = field(default_factory=dict)
     queue_hosts: set[tuple[int, str]] = field(default_factory=set)
     drain_hosts: set[tuple[int, str]] = field(default_factory=set)  # (workspace, host) with a live drain
+    # The queue's passes over one host not started yet, each shared by every event that asks for it
+    # meanwhile, and the queue's view read again at most every QUEUE_VIEW_EVERY_S (server/queue.py).
+    queue_passes: dict[tuple[int, str], asyncio.Future[None]] = field(default_factory=dict)
+    queue_view_read: asyncio.Future[None] | None = None
+    queue_view_read_at: float = 0.0  # time.monotonic() of the last read's start
     token_lookups: dict[str, asyncio.Future[AuthInfo | None]] = field(default_factory=dict)
     # Revoked through this server since it started (ids only: a few bytes each), for a request
     # admitted just before its token's revocation and waiting just after it.

@@ -8,9 +8,11 @@ and is re-read at each sweep, for the changes another server made."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Coroutine, Iterable
+from typing import Any
 
 from flexium import protocol, wire
 from flexium.server import storage
@@ -20,6 +22,8 @@ from flexium.server.policy_pass import run_policy_pass
 from flexium.server.storage import AuthInfo
 
 log = logging.getLogger("flexium.server")
+
+QUEUE_VIEW_EVERY_S = 0.25
 
 
 def announce_commands(ctx: ServerContext, workspace_id: int, commands: Iterable[wire.CommandInfo]) -> None:
@@ -48,9 +52,12 @@ async def create_wait(ctx: ServerContext, *, auth: AuthInfo, body: wire.WaitRequ
         reservation_ttl=ctx.settings.reservation_ttl_s,
     )
     answer = queued.answer
+    if queued.watches:  # its job watches from now on (the view read again follows)
+        ctx.watches.update(queued.watches)
+        ctx.queue_hosts.add((auth.workspace_id, answer.wait.host))
     announce_commands(ctx, auth.workspace_id, [c for c in answer.commands if c.kind == "pause"])
     ctx.publish(auth.workspace_id, protocol.EVENT_WAIT, {"action": "created", "wait": answer.wait})
-    await _told(ctx, queued.outcome, queue_changed=True)
+    _told(ctx, queued.outcome, queue_changed=True)
     return answer
 
 
@@ -86,7 +93,7 @@ async def room_changed(ctx: ServerContext, workspace_id: int, host: str | None) 
     """Something that can give room on ``host`` happened: the queue's pass over it, when a job
     waits there (as this server knows; another server's waits are known from its next sweep)."""
     if host is not None and (workspace_id, host) in ctx.queue_hosts:
-        await run(ctx, workspace_id=workspace_id, host=host)
+        await _host_pass(ctx, workspace_id, host)
 
 
 async def command_ended(ctx: ServerContext, workspace_id: int, command: wire.CommandInfo) -> None:
@@ -99,9 +106,9 @@ async def command_ended(ctx: ServerContext, workspace_id: int, command: wire.Com
         if wait is not None:
             ctx.publish(workspace_id, protocol.EVENT_WAIT, {"action": "updated", "wait": wait})
     host = ctx.process_hosts.get((workspace_id, command.process_id))
-    await refresh(ctx)
     if host is not None:
-        await run(ctx, workspace_id=workspace_id, host=host)
+        await _host_pass(ctx, workspace_id, host)
+    refresh_soon(ctx)
 
 
 async def run(ctx: ServerContext, *, workspace_id: int | None = None, host: str | None = None) -> None:
@@ -112,24 +119,62 @@ async def run(ctx: ServerContext, *, workspace_id: int | None = None, host: str 
     if outcome is None:
         return
     ctx.metrics.queue_decision.observe(time.perf_counter() - started)
-    await _told(ctx, outcome)
+    _told(ctx, outcome)
 
 
-async def _told(ctx: ServerContext, outcome: QueueOutcome, *, queue_changed: bool = False) -> None:
+def _host_pass(ctx: ServerContext, workspace_id: int, host: str) -> asyncio.Future[None]:
+    """A pass of the queue over ``host`` that starts after this call. Every event that asks for one
+    before it starts shares it: a server that is behind runs one pass for the many GPU reports and
+    command ends of a host that came in meanwhile, not one each."""
+    key = (workspace_id, host)
+    scheduled = ctx.queue_passes.get(key)
+    if scheduled is None:
+
+        async def one_pass() -> None:
+            del ctx.queue_passes[key]  # an event from here on asks for the next pass
+            await run(ctx, workspace_id=workspace_id, host=host)
+
+        scheduled = ctx.queue_passes[key] = _in_background(one_pass())
+    return asyncio.shield(scheduled)
+
+
+def _told(ctx: ServerContext, outcome: QueueOutcome, *, queue_changed: bool = False) -> None:
     """What a pass did, told: the resumes it sent announced, the waits it changed shown, the view
-    read again when the queue changed (``queue_changed``: before the pass)."""
+    read again soon when the queue changed (``queue_changed``: before the pass)."""
     for done in outcome.dispatched:
         announce_commands(ctx, done.workspace_id, done.commands)
         ctx.metrics.queue_resumes.inc()
         ctx.publish(done.workspace_id, protocol.EVENT_WAIT, {"action": "updated", "wait": done.wait})
     for workspace_id, wait in outcome.cancelled:
         ctx.publish(workspace_id, protocol.EVENT_WAIT, {"action": "updated", "wait": wait})
-    if queue_changed or outcome.dispatched or outcome.cancelled:
-        await refresh(ctx)
+    ended = {done.wait.id for done in outcome.dispatched} | {wait.id for _ws, wait in outcome.cancelled}
+    if ended:  # their jobs watch no more from now on (the view read again follows)
+        ctx.watches = {key: watch for key, watch in ctx.watches.items() if watch.wait_id not in ended}
+    if queue_changed or ended:
+        refresh_soon(ctx)
 
 
 async def refresh(ctx: ServerContext) -> None:
-    """The in-memory view of the queue read again."""
+    """The in-memory view of the queue read again (a read that starts after this call)."""
+    await asyncio.shield(refresh_soon(ctx))
+
+
+def refresh_soon(ctx: ServerContext) -> asyncio.Future[None]:
+    """The in-memory view of the queue read again, at most every ``QUEUE_VIEW_EVERY_S``: every change
+    asks for it, and a queue of hundreds of waits changes many times a second under load. A read not
+    started yet is shared by every change that asks for it meanwhile."""
+    scheduled = ctx.queue_view_read
+    if scheduled is None:
+        delay = ctx.queue_view_read_at + QUEUE_VIEW_EVERY_S - time.monotonic()
+        scheduled = ctx.queue_view_read = _in_background(_read_view(ctx, delay))
+    return scheduled
+
+
+async def _read_view(ctx: ServerContext, delay: float) -> None:
+    if delay > 0:
+        await asyncio.sleep(delay)
+    ctx.queue_view_read = None  # a change from here on asks for the next read
+    ctx.queue_view_read_at = time.monotonic()
     try:
         view: storage.QueueView = await ctx.db.call(storage.queue_view, write=False)
     except Exception:  # the sweep reads it again
@@ -137,3 +182,13 @@ async def refresh(ctx: ServerContext) -> None:
         return
     ctx.watches = view.watches
     ctx.queue_hosts = set(view.hosts)
+
+
+_running: set[asyncio.Task[None]] = set()  # a task the loop holds only weakly is kept here until it ends
+
+
+def _in_background(work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    task = asyncio.ensure_future(work)
+    _running.add(task)
+    task.add_done_callback(_running.discard)
+    return task

@@ -25,10 +25,19 @@ from flexium.server.policies.make_room import resume_making_room
 from flexium.server.policies.room import HostRoom
 from flexium.server.storage.audit import PolicyActor, record_commands_created
 from flexium.server.storage.commands import create_commands
+from flexium.server.storage.devices import host_devices
 from flexium.server.storage.processes import active_command
 from flexium.server.storage.targets import target_refusal
 from flexium.server.storage.views import is_stale, stored_capabilities
-from flexium.server.storage.waits import Need, create_wait, end_wait, needs_of, queue_order, wait_view
+from flexium.server.storage.waits import (
+    Need,
+    create_wait,
+    end_wait,
+    needs_of,
+    queue_order,
+    room_watches,
+    wait_view,
+)
 from flexium.server.storage.workspaces import AuthInfo
 from flexium.units import gib
 
@@ -52,11 +61,13 @@ class QueueOutcome:
 
 @dataclass(frozen=True)
 class Queued:
-    """A person's request answered (the wait, and what it set going at once) and the queue's pass
-    over its host that followed in the same transaction."""
+    """A person's request answered (the wait, and what it set going at once, and what its job
+    watches while it waits) and the queue's pass over its host that followed in the same
+    transaction; ``watches``: what each process of the job watches, for the server's view."""
 
     answer: wire.WaitCreated
     outcome: QueueOutcome
+    watches: dict[tuple[int, str], wire.RoomWatch]
 
 
 def queue_resume(
@@ -90,7 +101,14 @@ def queue_resume(
     resumed = [command for done in outcome.dispatched if done.wait.id == row.id for command in done.commands]
     holder = session.get(Process, row.process_pk)
     wait = wait_view(session=session, row=row, holder=holder, now=now)
-    return Queued(answer=wire.WaitCreated(wait=wait, commands=[*pauses, *resumed]), outcome=outcome)
+    watches = {}
+    if row.state == "waiting" and holder is not None:
+        host_gpus = host_devices(session=session, workspace_id=workspace_id, host=row.host)
+        watches = room_watches(row, needs_of(session=session, wait=row, holder=holder), host_gpus)
+    answer = wire.WaitCreated(
+        wait=wait, commands=[*pauses, *resumed], watch=watches.get((workspace_id, request.process_id))
+    )
+    return Queued(answer=answer, outcome=outcome, watches=watches)
 
 
 def run_queue(

@@ -37,20 +37,27 @@ def upsert_devices(
         rows[row["uuid"]] = row  # a GPU listed twice: the last one wins
     if not rows:
         return
-    dialect = session.get_bind().dialect.name
-    insert = sqlite_insert if dialect == "sqlite" else pg_insert
     # In one order (by UUID) whatever order a job lists them in: two jobs' upserts then lock
     # the rows in the same order and cannot deadlock on PostgreSQL.
-    stmt = insert(table_of(Device)).values([rows[uuid] for uuid in sorted(rows)])
-    stmt = stmt.on_conflict_do_update(
-        index_elements=["workspace_id", "host", "uuid"],
-        set_={name: stmt.excluded[name] for name in (*_FIELDS, "updated_at")},
-    )
-    session.execute(stmt)
+    session.execute(_upsert(session.get_bind().dialect.name), [rows[uuid] for uuid in sorted(rows)])
     record_samples(session=session, workspace_id=workspace_id, host=host, devices=devices, now=now)
 
 
 _NOT_NULL: dict[str, Any] = {"name": "", "memory_total": 0, "memory_used": 0, "health": "ok"}
+_UPSERTS: dict[str, Any] = {}
+
+
+def _upsert(dialect: str) -> Any:
+    """The upsert of a host's GPUs, built once per dialect: built and compiled for each report, it was
+    most of the time the server spent storing GPU reports."""
+    stmt = _UPSERTS.get(dialect)
+    if stmt is None:
+        insert = (sqlite_insert if dialect == "sqlite" else pg_insert)(table_of(Device))
+        stmt = _UPSERTS[dialect] = insert.on_conflict_do_update(
+            index_elements=["workspace_id", "host", "uuid"],
+            set_={name: insert.excluded[name] for name in (*_FIELDS, "updated_at")},
+        )
+    return stmt
 
 
 def device_view(row: Device, *, flexium_bytes: int, processes: list[str]) -> wire.DeviceInfo:

@@ -8,6 +8,7 @@ transaction that makes it."""
 
 from __future__ import annotations
 
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,7 +20,7 @@ from flexium import protocol, wire
 from flexium.server.errors import Busy, InvalidRequest, InvalidState, NotFound, Stale, TargetRefused
 from flexium.server.models import Command, Device, Placement, Process, Wait
 from flexium.server.storage.audit import PolicyActor, record_wait
-from flexium.server.storage.devices import held_by_gpu, host_devices
+from flexium.server.storage.devices import held_by_gpu
 from flexium.server.storage.jobs import is_job_rank, job_ranks
 from flexium.server.storage.processes import active_command, find_process
 from flexium.server.storage.reservations import release_room, reservation_of, reservation_view
@@ -44,13 +45,22 @@ def needs_of(*, session: Session, wait: Wait, holder: Process) -> list[Need]:
     """What the wait's job needs to resume: a process on one GPU, its memory on the GPU it waits
     for (or any); a process on several, each GPU's share back where it was; a job of several
     ranks, each rank's memory back on its own GPU."""
+    ranks = None
     if wait.job_key is not None:
-        ranks = session.scalars(
-            select(Process)
-            .where(Process.workspace_id == wait.workspace_id, Process.job_key == wait.job_key)
-            .order_by(Process.job_rank, Process.pk)
+        ranks = list(
+            session.scalars(
+                select(Process)
+                .where(Process.workspace_id == wait.workspace_id, Process.job_key == wait.job_key)
+                .order_by(Process.job_rank, Process.pk)
+            )
         )
-        return [Need(rank, rank.gpu_uuid, _need_bytes(rank)) for rank in ranks if rank.gpu_uuid is not None]
+    return _needs(wait, holder, ranks)
+
+
+def _needs(wait: Wait, holder: Process, ranks: list[Process] | None) -> list[Need]:
+    """``needs_of`` on the ranks of the wait's job, read (None for a wait of one process)."""
+    if wait.job_key is not None:
+        return [Need(rank, rank.gpu_uuid, _need_bytes(rank)) for rank in ranks or () if rank.gpu_uuid is not None]
     shares = held_by_gpu(holder.gpu_uuid, max(holder.footprint_bytes, holder.memory_bytes), holder.gpu_bytes)
     if len(shares) > 1:
         return [Need(holder, uuid, held) for uuid, held in shares.items()]
@@ -413,20 +423,46 @@ class QueueView:
 
 
 def queue_view(*, session: Session) -> QueueView:
-    query = select(Wait, Process).join(Process, Process.pk == Wait.process_pk).where(Wait.state == "waiting")
+    """Read in three queries, however long the queue: the waits with their processes, the GPUs of
+    their hosts, the ranks of the jobs of several among them."""
+    waits = session.execute(
+        select(Wait, Process).join(Process, Process.pk == Wait.process_pk).where(Wait.state == "waiting")
+    ).all()
+    hosts = frozenset((wait.workspace_id, wait.host) for wait, _holder in waits)
+    gpus: dict[tuple[int, str], set[str]] = {key: set() for key in hosts}
+    if hosts:
+        for workspace_id, host, uuid in session.execute(
+            select(Device.workspace_id, Device.host, Device.uuid).where(Device.host.in_({host for _ws, host in hosts}))
+        ):
+            gpus.get((workspace_id, host), set()).add(uuid)
+    ranks: dict[tuple[int, str], list[Process]] = {}
+    job_keys = {wait.job_key for wait, _holder in waits if wait.job_key is not None}
+    if job_keys:
+        for rank in session.scalars(
+            select(Process).where(Process.job_key.in_(job_keys)).order_by(Process.job_rank, Process.pk)
+        ):
+            ranks.setdefault((rank.workspace_id, rank.job_key or ""), []).append(rank)
     watches: dict[tuple[int, str], wire.RoomWatch] = {}
-    hosts: set[tuple[int, str]] = set()
-    for wait, holder in session.execute(query):
-        hosts.add((wait.workspace_id, wait.host))
-        devices = host_devices(session=session, workspace_id=wait.workspace_id, host=wait.host)
-        for need in needs_of(session=session, wait=wait, holder=holder):
-            gpus = [need.gpu] if need.gpu is not None else may_resume_on(need.process, devices)
-            key = (wait.workspace_id, need.process.process_id)
-            watches[key] = wire.RoomWatch(wait_id=wait.id, gpus=gpus, need_bytes=need.nbytes)
-    return QueueView(watches=watches, hosts=frozenset(hosts))
+    for wait, holder in waits:
+        job_ranks = None if wait.job_key is None else ranks.get((wait.workspace_id, wait.job_key), [])
+        needs = _needs(wait, holder, job_ranks)
+        watches.update(room_watches(wait, needs, gpus[(wait.workspace_id, wait.host)]))
+    return QueueView(watches=watches, hosts=hosts)
 
 
-def may_resume_on(proc: Process, devices: dict[str, Device]) -> list[str]:
+def room_watches(wait: Wait, needs: list[Need], host_gpus: Container[str]) -> dict[tuple[int, str], wire.RoomWatch]:
+    """What each process of a waiting job watches: (workspace id, process id) -> the GPUs of its host
+    (``host_gpus``: their UUIDs) it may resume on and the room it needs there."""
+    watches = {}
+    for need in needs:
+        uuids = [need.gpu] if need.gpu is not None else may_resume_on(need.process, host_gpus)
+        watches[(wait.workspace_id, need.process.process_id)] = wire.RoomWatch(
+            wait_id=wait.id, gpus=uuids, need_bytes=need.nbytes
+        )
+    return watches
+
+
+def may_resume_on(proc: Process, devices: Container[str]) -> list[str]:
     """The GPUs of its host a paused process may resume on: those it sees, or its own alone when it
     cannot migrate."""
     if not stored_capabilities(proc).migration:
