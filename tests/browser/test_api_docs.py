@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import requests
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
 
@@ -36,6 +37,7 @@ def test_the_api_reference_renders_offline(server: LiveServer, browser: Any, pat
     browser.execute_cdp_cmd(
         "Network.setBlockedURLs", {"urls": ["https://*", "*jsdelivr*", "*googleapis*", "*tiangolo*"]}
     )
+    watch = browser.execute_cdp_cmd("Page.addScriptToEvaluateOnNewDocument", {"source": _RECORD_VIOLATIONS})
     try:
         browser.get(server.url + path)
         WebDriverWait(browser, 20).until(lambda d: d.find_elements(By.CSS_SELECTOR, rendered), f"{path} renders")
@@ -43,8 +45,23 @@ def test_the_api_reference_renders_offline(server: LiveServer, browser: Any, pat
         loaded = _code_and_styles(browser)
         assert loaded and all(url.startswith(server.url) for url in loaded), loaded
         assert any("/docs-assets/" in url for url in loaded), loaded
+        # drawn under its Content-Security-Policy, which refused nothing it needs
+        policy = requests.get(server.url + path, timeout=10).headers["Content-Security-Policy"]
+        assert "script-src 'self' 'sha256-" in policy or path == "/redoc", policy
+        refused = [v for v in browser.execute_script("return window.flexiumViolations") if not v.startswith("img-src")]
+        assert refused == [], refused
     finally:
+        browser.execute_cdp_cmd("Page.removeScriptToEvaluateOnNewDocument", {"identifier": watch["identifier"]})
         browser.execute_cdp_cmd("Network.setBlockedURLs", {"urls": []})
+
+
+# What the page's Content-Security-Policy refused, recorded from before its first script runs.
+_RECORD_VIOLATIONS = """
+window.flexiumViolations = [];
+document.addEventListener("securitypolicyviolation", (e) => {
+  window.flexiumViolations.push(e.violatedDirective + " " + e.blockedURI);
+});
+"""
 
 
 def test_swagger_offers_authorize_and_shows_the_token_placeholder(server: LiveServer, browser: Any) -> None:

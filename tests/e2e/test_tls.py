@@ -87,7 +87,9 @@ def test_https_links_cli_and_client(https_server: ServerProcess, certificates: P
     assert re.search(rf"{re.escape(srv.url)}/login#code=\S+", out), out  # a one-time login code, never the token
     assert srv.token not in out.split("(shown once)")[0]
     assert f"FLEXIUM_SERVER=https://127.0.0.1:{srv.port}/default" in out
-    assert requests.get(f"{srv.url}/healthz", timeout=10).json()["status"] == "ok"
+    answer = requests.get(f"{srv.url}/healthz", timeout=10)
+    assert answer.json()["status"] == "ok"
+    assert answer.headers["Strict-Transport-Security"] == "max-age=31536000"  # no plain HTTP to it for a year
     with pytest.raises(requests.exceptions.ConnectionError):  # plain HTTP is not served on that port
         requests.get(f"http://127.0.0.1:{srv.port}/healthz", timeout=10)
 

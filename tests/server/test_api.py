@@ -99,16 +99,19 @@ def test_every_endpoint_needs_a_token(api: Api, method: str, path: str) -> None:
     assert cmd["id"] == 1
     before = table_snapshot(api.db)
     body = {"kind": "pause", "process_id": "gpu-1"} if method == "POST" else None
-    for headers in (
-        {},
-        {"Authorization": "Bearer flx_wrong"},
-        {"Authorization": "Basic abc"},
-        {"Authorization": "Bearer " + "x" * 5000},
-        {"Authorization": "Bearer"},
+    for headers, challenge in (
+        ({}, 'Bearer realm="flexium"'),
+        ({"Authorization": "Bearer flx_wrong"}, 'Bearer realm="flexium", error="invalid_token"'),
+        ({"Authorization": "Basic abc"}, 'Bearer realm="flexium", error="invalid_request"'),
+        ({"Authorization": "Bearer " + "x" * 5000}, 'Bearer realm="flexium", error="invalid_token"'),
+        ({"Authorization": "Bearer"}, 'Bearer realm="flexium", error="invalid_request"'),
     ):
         r = api.client.request(method, api.base + path, headers=headers, json=body)
         err = _error(r, 401, "unauthorized")
         assert "gpu-1" not in r.text and "node1" not in r.text, err
+        # RFC 6750: the scheme to use, and what was wrong with a token that was sent
+        said = r.headers["WWW-Authenticate"]
+        assert said == challenge or said.startswith(challenge + ", error_description="), (headers, said)
     assert table_snapshot(api.db) == before
 
 

@@ -27,13 +27,14 @@ from flexium.server.connections import bounded_protocol, connection_limit, raise
 from flexium.server.context import ServerContext
 from flexium.server.dashboard import install_dashboard
 from flexium.server.db import Database, DatabaseUnavailable, SchemaTooNew, sqlite_file
-from flexium.server.errors import ApiError
+from flexium.server.errors import ApiError, Unauthorized
 from flexium.server.heartbeat_shortcut import HeartbeatShortcut
 from flexium.server.routes import api, system
 from flexium.server.routes.docs import install_docs
 from flexium.server.settings import Settings, load_settings, option_and_env
 from flexium.server.sole_server import ServedElsewhere
 from flexium.server.storage import quotas
+from flexium.server.transport_security import StrictTransportSecurity
 
 log = logging.getLogger("flexium.server")
 
@@ -154,7 +155,10 @@ def _validation_message(errors: Sequence[Any]) -> tuple[int, str, str, list[dict
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
-        return _error(exc.status, exc.code, exc.message, exc.detail)
+        answer = _error(exc.status, exc.code, exc.message, exc.detail)
+        if isinstance(exc, Unauthorized):
+            answer.headers["WWW-Authenticate"] = exc.challenge
+        return answer
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -250,6 +254,7 @@ def create_app(settings: Settings | None = None, *, database: Database | None = 
     install_dashboard(app)
     install_docs(app)
     app.add_middleware(HeartbeatShortcut, ctx=ctx)
+    app.add_middleware(StrictTransportSecurity)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(RequestLimit, max_requests=settings.max_requests)  # outermost
     return app

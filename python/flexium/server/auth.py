@@ -37,7 +37,7 @@ def bearer_token(request: Request) -> str | None:
         return None
     scheme, _, value = header.strip().partition(" ")
     if scheme.lower() != "bearer" or not value.strip():
-        raise Unauthorized("malformed Authorization header: expected 'Bearer <token>'")
+        raise Unauthorized("malformed Authorization header: expected 'Bearer <token>'", error="invalid_request")
     return value.strip()
 
 
@@ -102,7 +102,7 @@ async def require_auth(
     if token is not None:
         auth = await resolve_token(ctx, token)
         if auth is None:
-            raise Unauthorized("invalid or revoked token")
+            raise Unauthorized("invalid or revoked token", error="invalid_token")
     else:
         secret = request.cookies.get(protocol.SESSION_COOKIE)
         if not secret:

@@ -32,7 +32,21 @@ class BadRequest(ApiError):
 
 
 class Unauthorized(ApiError):
+    """401 with the challenge RFC 6750 asks for: which scheme to use and, when a token was sent,
+    what was wrong with it (``invalid_token``, ``invalid_request``)."""
+
     code = "unauthorized"
+
+    def __init__(self, message: str, *, error: str | None = None) -> None:
+        super().__init__(message)
+        self.error = error
+
+    @property
+    def challenge(self) -> str:
+        if self.error is None:
+            return 'Bearer realm="flexium"'
+        description = self.message.replace("\\", "").replace('"', "'")
+        return f'Bearer realm="flexium", error="{self.error}", error_description="{description}"'
 
 
 class Forbidden(ApiError):

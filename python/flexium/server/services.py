@@ -171,7 +171,7 @@ async def _wait(
         return_when=asyncio.FIRST_COMPLETED,
     )
     if revoked in done and not ctx.stopping:  # stopping wakes every waiter, this one too
-        raise Unauthorized("token revoked")
+        raise Unauthorized("token revoked", error="invalid_token")
     return bool(done) and gone not in done
 
 
