@@ -12,6 +12,7 @@
 #include "driver_table.h"
 #include "gpu_memory_yield.h"
 #include "host_copier.h"
+#include "move_checksum.h"
 #include "slow_call_report.h"
 #include "uncheckpointable_memory.h"
 #include "vmm_allocator.h"
@@ -66,6 +67,7 @@ void bind_driver(py::module_ &m) {
       .def_readonly("init_error", &DriverStatus::init_error)
       .def_readonly("checkpoint_api", &DriverStatus::checkpoint_api)
       .def_readonly("vmm_api", &DriverStatus::vmm_api)
+      .def_readonly("checksum_api", &DriverStatus::checksum_api)
       .def_readonly("missing_optional", &DriverStatus::missing_optional)
       .def("__repr__", &record_repr);
   m.def("driver_status", &driver_status, "Whether the driver loaded, its CUDA version and missing features.");
@@ -201,19 +203,37 @@ void bind_relocation(py::module_ &m) {
       .def_readonly("address", &StagedSegment::address)
       .def_readonly("size", &StagedSegment::size)
       .def_readonly("fd", &StagedSegment::fd)
+      .def_readonly("checksum", &StagedSegment::checksum)
       .def("__repr__", &record_repr);
 
   m.def("stage_segments_to_device", &stage_segments_to_device, py::arg("target"), py::arg("source") = -1,
-        py::arg("live") = LiveRanges{}, py::arg("only") = SegmentFilter{},
+        py::arg("live") = LiveRanges{}, py::arg("only") = SegmentFilter{}, py::arg("checksum_copies") = false,
         "Copies the segments to the target device (only the live ranges of those listed in `live`); the "
-        "returned fds are the caller's.");
+        "returned fds are the caller's. With checksum_copies, each copy's checksum where it landed.");
   m.def("last_staged_copy_bytes", &last_staged_copy_bytes, "Bytes the last stage_segments_to_device copied.");
+  m.def("last_staged_checksum_seconds", &last_staged_checksum_seconds,
+        "Seconds the last stage_segments_to_device spent on its copies' checksums.");
   m.def("release_source_backing", &release_source_backing, py::arg("source") = -1, py::arg("only") = SegmentFilter{});
   m.def("map_imported", &map_imported, py::arg("staged"), py::arg("device"));
   m.def("own_imported", &own_imported, py::arg("device"), py::arg("live") = LiveRanges{},
         py::arg("max_bytes") = SIZE_MAX,
         "Replaces imported segment memory with memory of our own (a checkpoint cannot restore imported memory), "
         "stopping once max_bytes are replaced; returns the bytes replaced.");
+}
+
+// The moves' checksum (move_checksum.h), with the GIL held like the moves it checks.
+void bind_checksum(py::module_ &m) {
+  py::class_<ChecksumRange>(m, "ChecksumRange")
+      .def(py::init<CUdeviceptr, std::size_t, std::uint64_t>(), py::arg("address"), py::arg("length"),
+           py::arg("first_word"))
+      .def_readonly("address", &ChecksumRange::address)
+      .def_readonly("length", &ChecksumRange::length)
+      .def_readonly("first_word", &ChecksumRange::first_word)
+      .def("__repr__", &record_repr);
+  m.def("checksum_ranges", &checksum_ranges, py::arg("device"), py::arg("ranges"),
+        "The checksum of each range's bytes, computed on `device` by the PTX kernel.");
+  m.def("segment_checksums", &segment_checksums, py::arg("device"), py::arg("live") = LiveRanges{},
+        "The checksum of each backed segment of `device` over its live ranges (whole segments where not listed).");
 }
 
 void bind_host_staging(py::module_ &m) {
@@ -225,6 +245,8 @@ void bind_host_staging(py::module_ &m) {
         py::arg("chunk_bytes") = kDefaultHostChunkBytes,
         "Copies the segments (only the live ranges of those listed) into host staging; returns the bytes copied.");
   m.def("restore_segments_from_host", &restore_segments_from_host, py::arg("device") = -1);
+  m.def("restage_released_segments", &restage_released_segments,
+        "Segments brought back from the staging and released again wait in it again; returns how many.");
   m.def("release_host_staging", &release_host_staging, release_gil());
   m.def("host_staging_pool_bytes", &host_staging_pool_bytes, release_gil());
   m.def("host_staging_pinned_bytes", &host_staging_pinned_bytes, release_gil());
@@ -304,6 +326,7 @@ PYBIND11_MODULE(_C, m) {
   bind_checkpoint(m);
   bind_allocator(m);
   bind_relocation(m);
+  bind_checksum(m);
   bind_host_staging(m);
   bind_copier(m);
 }

@@ -16,6 +16,8 @@ typedef unsigned long long CUmemGenericAllocationHandle;
 typedef struct CUctx_st *CUcontext;
 typedef struct CUstream_st *CUstream;
 typedef struct CUevent_st *CUevent;
+typedef struct CUmod_st *CUmodule;
+typedef struct CUfunc_st *CUfunction;
 
 enum : CUresult {
   CUDA_SUCCESS = 0,
@@ -214,5 +216,16 @@ typedef CUresult (*PFN_cuEventCreate)(CUevent *phEvent, unsigned int Flags);
 typedef CUresult (*PFN_cuEventRecord)(CUevent hEvent, CUstream hStream);
 typedef CUresult (*PFN_cuEventSynchronize)(CUevent hEvent);
 typedef CUresult (*PFN_cuEventDestroy)(CUevent hEvent);
+typedef CUresult (*PFN_cuModuleLoadData)(CUmodule *module, const void *image);
+typedef CUresult (*PFN_cuModuleGetFunction)(CUfunction *hfunc, CUmodule hmod, const char *name);
+typedef CUresult (*PFN_cuModuleUnload)(CUmodule hmod);
+typedef CUresult (*PFN_cuMemAlloc)(CUdeviceptr *dptr, size_t bytesize);
+typedef CUresult (*PFN_cuMemFree)(CUdeviceptr dptr);
+typedef CUresult (*PFN_cuMemsetD8)(CUdeviceptr dstDevice, unsigned char uc, size_t N);
+typedef CUresult (*PFN_cuMemcpyDtoH)(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount);
+typedef CUresult (*PFN_cuLaunchKernel)(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                                       unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
+                                       unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
+                                       void **kernelParams, void **extra);
 
 }  // extern "C"

@@ -98,6 +98,11 @@ bool has_vmm_api() {
   return d.loaded FLEXIUM_VMM_FUNCTIONS(FLEXIUM_AND_RESOLVED);
 }
 
+bool has_checksum_api() {
+  const DriverTable &d = driver();
+  return d.loaded FLEXIUM_CHECKSUM_FUNCTIONS(FLEXIUM_AND_RESOLVED);
+}
+
 #undef FLEXIUM_AND_RESOLVED
 
 DriverStatus driver_status() {
@@ -110,6 +115,7 @@ DriverStatus driver_status() {
   if (d.loaded && d.init_result != CUDA_SUCCESS) status.init_error = error_name(d.init_result);
   status.checkpoint_api = has_checkpoint_api();
   status.vmm_api = has_vmm_api();
+  status.checksum_api = has_checksum_api();
   status.missing_optional = d.missing_optional;
   return status;
 }

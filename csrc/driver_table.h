@@ -23,7 +23,8 @@ namespace flexium {
   X(cuDeviceTotalMem, 3020, true)    \
   X(cuDeviceGetPCIBusId, 4010, true) \
   FLEXIUM_CHECKPOINT_FUNCTIONS(X)    \
-  FLEXIUM_VMM_FUNCTIONS(X)
+  FLEXIUM_VMM_FUNCTIONS(X)           \
+  FLEXIUM_CHECKSUM_FUNCTIONS(X)
 
 // The process checkpoint API (checkpoint.cpp): every function arrived with CUDA 12.8; all
 // optional, without them flexium only trains.
@@ -76,6 +77,21 @@ constexpr int kCheckpointApiVersion = 12080;
   X(cuEventSynchronize, 2000, false)                      \
   X(cuEventDestroy, 4000, false)
 
+// The moves' checksum kernel (move_checksum.cpp), loaded from PTX text: in every driver since CUDA
+// 2.x (cuLaunchKernel 4.0); cuLibraryLoadData would need 12.0. Its few sums live in memory of
+// cuMemAlloc, set and read by synchronous calls (the 64-bit _v2 ABIs, 3020), apart from the
+// moves' own VMM memory and asynchronous copies.
+// Optional: without them moves run unchecked, and say so.
+#define FLEXIUM_CHECKSUM_FUNCTIONS(X) \
+  X(cuModuleLoadData, 2000, false)    \
+  X(cuModuleGetFunction, 2000, false) \
+  X(cuModuleUnload, 2000, false)      \
+  X(cuLaunchKernel, 4000, false)      \
+  X(cuMemAlloc, 3020, false)          \
+  X(cuMemFree, 3020, false)           \
+  X(cuMemsetD8, 3020, false)          \
+  X(cuMemcpyDtoH, 3020, false)
+
 struct DriverTable {
   bool loaded = false;          // library opened and every required symbol resolved
   std::string library;          // path or soname that was opened
@@ -105,6 +121,9 @@ FLEXIUM_DRIVER_FUNCTIONS(FLEXIUM_DECLARE_VERSION)
 #undef FLEXIUM_DECLARE_VERSION
 }  // namespace driver_versions
 
+// Whether every FLEXIUM_CHECKSUM_FUNCTIONS symbol resolved (moves can be checksummed on the GPU).
+bool has_checksum_api();
+
 // What Python's driver_status() reports: whether the driver loaded, and which features it has.
 struct DriverStatus {
   bool loaded = false;
@@ -114,6 +133,7 @@ struct DriverStatus {
   std::optional<std::string> init_error;  // cuInit's error name, when it failed
   bool checkpoint_api = false;
   bool vmm_api = false;
+  bool checksum_api = false;
   std::vector<std::string> missing_optional;
 };
 DriverStatus driver_status();

@@ -187,10 +187,7 @@ void adopt_backings(const DriverTable &d, SegmentMap &segments, const std::vecto
     made[k]->release_to_caller();
     stashed.done = true;
   }
-  if (waiting_segments() == 0) {
-    staging.stashed.clear();
-    staging.pieces.clear();
-  }
+  // The layout stays until the next stage or the release: restage_released_segments() may need it.
 }
 
 }  // namespace host_staging
@@ -249,6 +246,23 @@ std::size_t stage_segments_to_host(const LiveRanges &live, std::size_t chunk_byt
   staging.stashed = std::move(layout.stashed);
   staging.pieces = std::move(layout.pieces);
   return bytes;
+}
+
+std::size_t restage_released_segments() {
+  RegistryLock lock(kRelocationLockTimeout);
+  std::lock_guard<std::mutex> guard(staging.mutex);
+  refuse_second_order();
+  const SegmentMap &segments = lock.segments();
+  std::size_t waiting = 0;
+  for (Stashed &stashed : staging.stashed) {
+    const auto found = segments.find(stashed.address);
+    if (!stashed.done || found == segments.end() || found->second.serial != stashed.serial) continue;
+    if (found->second.mapped || found->second.has_handle) continue;
+    stashed.done = false;
+    stashed.device = found->second.device;
+    ++waiting;
+  }
+  return waiting;
 }
 
 std::size_t restore_segments_from_host(int device) {

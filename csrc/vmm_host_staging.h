@@ -50,6 +50,11 @@ std::size_t stage_segments_to_host(const LiveRanges &live = {}, std::size_t chun
 // stays mapped (unpinned) until release_host_staging().
 std::size_t restore_segments_from_host(int device = -1);
 
+// After a copy back whose bytes did not check out (move_checksum.h) and whose memory was released
+// again (release_source_backing): the restored segments wait in the staging again, which still
+// holds their bytes, for the next restore_segments_from_host or restore order. Returns how many.
+std::size_t restage_released_segments();
+
 // Unpins and unmaps the staging; returns the bytes given back. Throws std::runtime_error while
 // it holds segments not restored.
 std::size_t release_host_staging();

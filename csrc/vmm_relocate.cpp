@@ -11,6 +11,7 @@
 
 #include <unistd.h>
 
+#include <chrono>
 #include <cstdint>
 #include <map>
 #include <memory>
@@ -20,6 +21,7 @@
 #include <string>
 
 #include "driver_error.h"
+#include "move_checksum.h"
 #include "vmm_driver.h"
 #include "vmm_peer_access.h"
 #include "vmm_registry.h"
@@ -44,9 +46,11 @@ struct Copy {
   CUdeviceptr source_address = 0;
   Backing temporary;
   OwnedFd fd;
+  std::uint64_t checksum = 0;
 };
 
 thread_local std::size_t copied_bytes = 0;
+thread_local double checksum_seconds = 0;
 
 // Queues copies of the segment's live ranges (all of it when `live` does not list it) to the
 // same offsets at `destination`; returns the bytes queued.
@@ -98,8 +102,18 @@ bool wants_context(CUresult code) {
          code == CUDA_ERROR_NOT_PERMITTED || code == CUDA_ERROR_CONTEXT_IS_DESTROYED;
 }
 
+// The checksum of a copy's live bytes where it landed, read in the current context.
+std::uint64_t checksum_of_copy(const DriverTable &d, const Segment &segment, const Copy &copy, const LiveRanges &live) {
+  std::uint64_t sum = 0;
+  for (const std::uint64_t part : checksum_ranges_here(d, segment_ranges(segment, copy.temporary.address, live))) {
+    sum += part;
+  }
+  return sum;
+}
+
 std::vector<StagedSegment> stage_groups(const DriverTable &d, const std::map<int, std::vector<Segment *>> &groups,
-                                        int target, const LiveRanges &live, bool with_target_context) {
+                                        int target, const LiveRanges &live, bool with_target_context,
+                                        bool checksum_copies) {
   // Declared before the copies, so that on failure they are freed while a context is current:
   // the target's when asked for, else the first source's.
   std::optional<ScopedContext> context;
@@ -114,16 +128,24 @@ std::vector<StagedSegment> stage_groups(const DriverTable &d, const std::map<int
     // The copy stream is ordered after nothing: wait for every write already queued.
     FLEXIUM_CU_CALL(d, cuCtxSynchronize);
     ScopedStream stream(d);
+    const std::size_t first = copies.size();
     for (const Segment *segment : group.second) {
       copies.push_back(std::make_unique<Copy>(d));
       start_copy(d, *segment, target, stream.get(), live, *copies.back());
     }
     stream.synchronize();
+    if (checksum_copies) {
+      const auto started = std::chrono::steady_clock::now();
+      for (std::size_t k = 0; k < group.second.size(); ++k) {
+        copies[first + k]->checksum = checksum_of_copy(d, *group.second[k], *copies[first + k], live);
+      }
+      checksum_seconds += std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+    }
   }
   for (auto &copy : copies) drop_temporary(d, copy->temporary);
   std::vector<StagedSegment> staged;
   staged.reserve(copies.size());
-  for (auto &copy : copies) staged.push_back({copy->source_address, copy->temporary.size, copy->fd.fd});
+  for (auto &copy : copies) staged.push_back({copy->source_address, copy->temporary.size, copy->fd.fd, copy->checksum});
   for (auto &copy : copies) copy->fd.release();
   return staged;
 }
@@ -131,6 +153,8 @@ std::vector<StagedSegment> stage_groups(const DriverTable &d, const std::map<int
 }  // namespace
 
 std::size_t last_staged_copy_bytes() { return copied_bytes; }
+
+double last_staged_checksum_seconds() { return checksum_seconds; }
 
 std::vector<std::pair<std::size_t, std::size_t>> live_ranges_of(const Segment &segment, const LiveRanges &live) {
   const auto listed = live.find(segment.address);
@@ -147,9 +171,10 @@ std::vector<std::pair<std::size_t, std::size_t>> live_ranges_of(const Segment &s
 }
 
 std::vector<StagedSegment> stage_segments_to_device(int target, int source, const LiveRanges &live,
-                                                    const SegmentFilter &only) {
+                                                    const SegmentFilter &only, bool checksum_copies) {
   const DriverTable &d = require_vmm_driver();
   copied_bytes = 0;
+  checksum_seconds = 0;
   RegistryLock lock(kRelocationLockTimeout);
   auto groups = by_device(lock.segments(), source, only);
   for (const auto &group : groups) {
@@ -162,11 +187,12 @@ std::vector<StagedSegment> stage_segments_to_device(int target, int source, cons
   // First without a context on the target (fact `no-target-context-needed`): memory can be created on, and copied into,
   // a GPU from another GPU's context. A driver that wants one gets it on the retry.
   try {
-    return stage_groups(d, groups, target, live, false);
+    return stage_groups(d, groups, target, live, false, checksum_copies);
   } catch (const DriverError &e) {
     if (!wants_context(e.code())) throw;
     copied_bytes = 0;
-    return stage_groups(d, groups, target, live, true);
+    checksum_seconds = 0;
+    return stage_groups(d, groups, target, live, true, checksum_copies);
   }
 }
 

@@ -21,6 +21,7 @@ struct StagedSegment {
   CUdeviceptr address = 0;
   std::size_t size = 0;
   int fd = -1;
+  std::uint64_t checksum = 0;  // of the copy's live bytes (move_checksum.h), when asked for
 };
 
 // Byte ranges (offset, length) of a segment that hold live data; a segment listed with no
@@ -38,12 +39,16 @@ std::vector<std::pair<std::size_t, std::size_t>> live_ranges_of(const Segment &s
 // memory is left as it comes. The segments themselves are untouched. All or nothing: on failure
 // every copy made so far is freed.
 // `only` (if not empty) limits the work to those segments, here and in release_source_backing.
+// With `checksum_copies`, each copy's checksum is computed where it landed, before it is handed
+// over (read by the source GPU: the target has no context of ours), into StagedSegment::checksum.
 using SegmentFilter = std::set<CUdeviceptr>;
 std::vector<StagedSegment> stage_segments_to_device(int target, int source = -1, const LiveRanges &live = {},
-                                                    const SegmentFilter &only = {});
+                                                    const SegmentFilter &only = {}, bool checksum_copies = false);
 
-// Bytes stage_segments_to_device copied in this thread's last call.
+// Bytes stage_segments_to_device copied in this thread's last call, and the seconds it spent on
+// the copies' checksums.
 std::size_t last_staged_copy_bytes();
+double last_staged_checksum_seconds();
 
 // Unmaps every segment (of `source`; -1: all) and releases its memory; the address ranges stay
 // reserved. Returns how many segments lost their backing. On failure the registry still says

@@ -49,6 +49,7 @@ enum {
   CUDA_ERROR_NOT_INITIALIZED = 3,
   CUDA_ERROR_DEINITIALIZED = 4,
   CUDA_ERROR_NO_DEVICE = 100,
+  CUDA_ERROR_INVALID_IMAGE = 200,
   CUDA_ERROR_INVALID_DEVICE = 101,
   CUDA_ERROR_INVALID_CONTEXT = 201,
   CUDA_ERROR_OPERATING_SYSTEM = 304,
@@ -116,6 +117,8 @@ typedef unsigned long long CUmemGenericAllocationHandle;
 typedef struct CUctx_st *CUcontext;
 typedef struct CUstream_st *CUstream;
 typedef struct CUevent_st *CUevent;
+typedef struct CUmod_st *CUmodule;
+typedef struct CUfunc_st *CUfunction;
 
 enum { CU_MEM_ALLOCATION_TYPE_PINNED = 1, CU_MEM_LOCATION_TYPE_DEVICE = 1, CU_MEM_LOCATION_TYPE_HOST_NUMA = 3,
        CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1 };
@@ -273,6 +276,7 @@ static struct {
   int cuda_version;
   int no_checkpoint;
   int no_vmm;
+  int no_checksum; /* FAKE_CUDA_NO_CHECKSUM: a driver without the functions the moves' checksum needs */
   char nvml_driver[80];
   int gpu_count;
   struct gpu gpus[MAX_GPUS];
@@ -304,6 +308,10 @@ static struct {
   unsigned int block_timeout_ms;
   struct rule rules[MAX_RULES];
   int rule_count;
+  /* Copies whose destination gets one bit flipped after the copy (fake_corrupt_copy,
+   * FAKE_CUDA_CORRUPT): the fault the moves' checksum must catch. */
+  struct rule corruptions[MAX_RULES];
+  int corruption_count;
   struct delay delays[MAX_DELAYS];
   int delay_count;
 
@@ -396,11 +404,13 @@ static void list_item(const char *list, int index, char *out, size_t size) {
 }
 
 static int add_rule(const char *function, int nth, int code);
+static int add_corruption(const char *function, int nth);
 
 static void configure_from_environment(void) {
   fake.cuda_version = env_int("FAKE_CUDA_VERSION", 13000);
   fake.no_checkpoint = env_int("FAKE_CUDA_NO_CHECKPOINT", 0) != 0;
   fake.no_vmm = env_int("FAKE_CUDA_NO_VMM", 0) != 0;
+  fake.no_checksum = env_int("FAKE_CUDA_NO_CHECKSUM", 0) != 0;
   const char *driver = getenv("FAKE_NVML_DRIVER");
   snprintf(fake.nvml_driver, sizeof(fake.nvml_driver), "%s", driver != NULL && *driver ? driver : "580.159.04");
   const char *host_file = getenv("FAKE_CUDA_HOST_FILE");
@@ -457,6 +467,23 @@ static void configure_from_environment(void) {
     }
     fail += strcspn(fail, ",");
     if (*fail == ',') ++fail;
+  }
+
+  /* FAKE_CUDA_CORRUPT="function:nth,...": corruptions armed the same way (the copier process's copies). */
+  const char *corrupt = getenv("FAKE_CUDA_CORRUPT");
+  while (corrupt != NULL && *corrupt != '\0') {
+    char item[128];
+    size_t length = strcspn(corrupt, ",");
+    if (length >= sizeof(item)) length = sizeof(item) - 1;
+    memcpy(item, corrupt, length);
+    item[length] = '\0';
+    char *nth_text = strchr(item, ':');
+    if (nth_text != NULL) {
+      *nth_text++ = '\0';
+      add_corruption(item, atoi(nth_text));
+    }
+    corrupt += strcspn(corrupt, ",");
+    if (*corrupt == ',') ++corrupt;
   }
 }
 
@@ -532,6 +559,31 @@ static int injected_failure(const char *function, int *code) {
   }
   fake.rule_count = kept;
   return fired;
+}
+
+/* The nth next call of a copy function (counted from now, 1 is the next) corrupts what it wrote. */
+static int add_corruption(const char *function, int nth) {
+  if (function == NULL || *function == '\0' || nth < 1 || fake.corruption_count == MAX_RULES) return -1;
+  struct rule *r = &fake.corruptions[fake.corruption_count++];
+  snprintf(r->function, sizeof(r->function), "%s", function);
+  r->countdown = nth;
+  return 0;
+}
+
+/* After a copy of `function` wrote `size` bytes at `destination`: flips the lowest bit of its first
+ * byte when a corruption is due, as a bad link or memory would. */
+static void corrupt_if_due(const char *function, void *destination, size_t size) {
+  int kept = 0, due = 0;
+  for (int i = 0; i < fake.corruption_count; ++i) {
+    struct rule r = fake.corruptions[i];
+    if (strcmp(r.function, function) == 0 && --r.countdown == 0) {
+      due = 1;
+      continue;
+    }
+    fake.corruptions[kept++] = r;
+  }
+  fake.corruption_count = kept;
+  if (due && size > 0) ((unsigned char *)destination)[0] ^= 1u;
 }
 
 static unsigned int delay_for(const char *function) {
@@ -694,6 +746,16 @@ struct managed_block {
   size_t size;
 };
 
+/* Device memory of cuMemAlloc (the checksum's few sums): host memory readable and writable by the
+ * device whose context allocated it. Not counted in any GPU's memory: a few bytes. */
+#define MAX_PLAIN 64
+struct plain_block {
+  int used;
+  uintptr_t base;
+  size_t size;
+  int device;
+};
+
 struct fake_stream {
   struct fake_stream *next;
   int device;
@@ -710,6 +772,7 @@ static struct {
   struct vmm_range mappings[MAX_VMM];
   struct host_block host[MAX_VMM];
   struct managed_block managed[MAX_VMM];
+  struct plain_block plain[MAX_PLAIN];
   struct fake_stream *streams;
   int stream_count;
   struct fake_event *events;
@@ -838,6 +901,7 @@ static const struct error_text cuda_errors[] = {
     {CUDA_ERROR_NOT_INITIALIZED, "CUDA_ERROR_NOT_INITIALIZED", "initialization error"},
     {CUDA_ERROR_DEINITIALIZED, "CUDA_ERROR_DEINITIALIZED", "driver shutting down"},
     {CUDA_ERROR_NO_DEVICE, "CUDA_ERROR_NO_DEVICE", "no CUDA-capable device is detected"},
+    {CUDA_ERROR_INVALID_IMAGE, "CUDA_ERROR_INVALID_IMAGE", "device kernel image is invalid"},
     {CUDA_ERROR_INVALID_DEVICE, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
     {CUDA_ERROR_INVALID_CONTEXT, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},
     {CUDA_ERROR_OPERATING_SYSTEM, "CUDA_ERROR_OPERATING_SYSTEM",
@@ -927,9 +991,18 @@ CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags);
 CUresult cuEventRecord(CUevent hEvent, CUstream hStream);
 CUresult cuEventSynchronize(CUevent hEvent);
 CUresult cuEventDestroy(CUevent hEvent);
+CUresult cuModuleLoadData(CUmodule *module, const void *image);
+CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name);
+CUresult cuModuleUnload(CUmodule hmod);
+CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,
+                        unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,
+                        unsigned int sharedMemBytes, CUstream hStream, void **kernelParams, void **extra);
+CUresult cuMemAlloc(CUdeviceptr *dptr, size_t bytesize);
+CUresult cuMemsetD8(CUdeviceptr dstDevice, unsigned char uc, size_t N);
+CUresult cuMemcpyDtoH(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount);
 
 /* Feature groups a driver may lack: FAKE_CUDA_NO_CHECKPOINT / FAKE_CUDA_NO_VMM hide them. */
-enum { FEATURE_BASE = 0, FEATURE_CHECKPOINT = 1, FEATURE_VMM = 2 };
+enum { FEATURE_BASE = 0, FEATURE_CHECKPOINT = 1, FEATURE_VMM = 2, FEATURE_CHECKSUM = 3 };
 
 struct symbol {
   const char *name;
@@ -976,7 +1049,7 @@ static const struct symbol symbols[] = {
     {"cuMemRetainAllocationHandle", 11000, FEATURE_VMM, (void *)cuMemRetainAllocationHandle},
     {"cuPointerGetAttribute", 4000, FEATURE_VMM, (void *)cuPointerGetAttribute},
     {"cuMemAllocManaged", 6000, FEATURE_VMM, (void *)cuMemAllocManaged},
-    {"cuMemFree", 3020, FEATURE_VMM, (void *)cuMemFree},
+    {"cuMemFree", 3020, FEATURE_CHECKSUM, (void *)cuMemFree},
     {"cuMemGetAllocationPropertiesFromHandle", 10020, FEATURE_VMM, (void *)cuMemGetAllocationPropertiesFromHandle},
     {"cuMemMap", 10020, FEATURE_VMM, (void *)cuMemMap},
     {"cuMemUnmap", 10020, FEATURE_VMM, (void *)cuMemUnmap},
@@ -995,6 +1068,13 @@ static const struct symbol symbols[] = {
     {"cuEventRecord", 2000, FEATURE_VMM, (void *)cuEventRecord},
     {"cuEventSynchronize", 2000, FEATURE_VMM, (void *)cuEventSynchronize},
     {"cuEventDestroy", 4000, FEATURE_VMM, (void *)cuEventDestroy},
+    {"cuModuleLoadData", 2000, FEATURE_CHECKSUM, (void *)cuModuleLoadData},
+    {"cuModuleGetFunction", 2000, FEATURE_CHECKSUM, (void *)cuModuleGetFunction},
+    {"cuModuleUnload", 2000, FEATURE_CHECKSUM, (void *)cuModuleUnload},
+    {"cuLaunchKernel", 4000, FEATURE_CHECKSUM, (void *)cuLaunchKernel},
+    {"cuMemAlloc", 3020, FEATURE_CHECKSUM, (void *)cuMemAlloc},
+    {"cuMemsetD8", 3020, FEATURE_CHECKSUM, (void *)cuMemsetD8},
+    {"cuMemcpyDtoH", 3020, FEATURE_CHECKSUM, (void *)cuMemcpyDtoH},
 };
 
 static CUresult lookup(const char *symbol, void **pfn, int cudaVersion, cuuint64_t flags, int *status) {
@@ -1005,7 +1085,7 @@ static CUresult lookup(const char *symbol, void **pfn, int cudaVersion, cuuint64
     if (strcmp(s->name, symbol) != 0) continue;
     /* A driver older than the function, or one built without the checkpoint API, lacks it. */
     if (s->since > fake.cuda_version || (s->feature == FEATURE_CHECKPOINT && fake.no_checkpoint) ||
-        (s->feature == FEATURE_VMM && fake.no_vmm)) {
+        (s->feature == FEATURE_VMM && fake.no_vmm) || (s->feature == FEATURE_CHECKSUM && fake.no_checksum)) {
       break;
     }
     if (cudaVersion < s->since) {
@@ -1654,6 +1734,13 @@ CUresult cuMemFree(CUdeviceptr dptr) {
   if (enter(fn, &rc)) return leave(fn, rc, -1);
   rc = context_ready(fn, NULL);
   if (rc != CUDA_SUCCESS) return leave(fn, rc, -1);
+  for (int k = 0; k < MAX_PLAIN; ++k) {
+    if (vmm.plain[k].used && vmm.plain[k].base == (uintptr_t)dptr) {
+      free((void *)vmm.plain[k].base);
+      memset(&vmm.plain[k], 0, sizeof(vmm.plain[k]));
+      return leave(fn, CUDA_SUCCESS, -1);
+    }
+  }
   const int i = managed_at((uintptr_t)dptr);
   if (i < 0 || vmm.managed[i].base != (uintptr_t)dptr) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
   munmap((void *)vmm.managed[i].base, vmm.managed[i].size);
@@ -1867,6 +1954,11 @@ static CUresult device_range(CUdeviceptr ptr, size_t size, int device, int write
     const unsigned int mask = write ? m->writers : m->readers;
     return (mask & (1u << device)) ? CUDA_SUCCESS : CUDA_ERROR_ILLEGAL_ADDRESS;
   }
+  for (int i = 0; i < MAX_PLAIN; ++i) {
+    const struct plain_block *b = &vmm.plain[i];
+    if (!b->used || (uintptr_t)ptr < b->base || (uintptr_t)ptr + size > b->base + b->size) continue;
+    return b->device == device ? CUDA_SUCCESS : CUDA_ERROR_ILLEGAL_ADDRESS;
+  }
   return CUDA_ERROR_INVALID_VALUE;
 }
 
@@ -1884,7 +1976,10 @@ CUresult cuMemcpyDtoDAsync(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t 
   rc = copy_ready(fn, hStream, &device);
   if (rc == CUDA_SUCCESS) rc = device_range(srcDevice, ByteCount, device, 0);
   if (rc == CUDA_SUCCESS) rc = device_range(dstDevice, ByteCount, device, 1);
-  if (rc == CUDA_SUCCESS) memmove((void *)(uintptr_t)dstDevice, (const void *)(uintptr_t)srcDevice, ByteCount);
+  if (rc == CUDA_SUCCESS) {
+    memmove((void *)(uintptr_t)dstDevice, (const void *)(uintptr_t)srcDevice, ByteCount);
+    corrupt_if_due(fn, (void *)(uintptr_t)dstDevice, ByteCount);
+  }
   return leave(fn, rc, -1);
 }
 
@@ -1895,7 +1990,10 @@ CUresult cuMemcpyDtoHAsync(void *dstHost, CUdeviceptr srcDevice, size_t ByteCoun
   if (dstHost == NULL) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
   rc = copy_ready(fn, hStream, &device);
   if (rc == CUDA_SUCCESS) rc = device_range(srcDevice, ByteCount, device, 0);
-  if (rc == CUDA_SUCCESS) memcpy(dstHost, (const void *)(uintptr_t)srcDevice, ByteCount);
+  if (rc == CUDA_SUCCESS) {
+    memcpy(dstHost, (const void *)(uintptr_t)srcDevice, ByteCount);
+    corrupt_if_due(fn, dstHost, ByteCount);
+  }
   return leave(fn, rc, -1);
 }
 
@@ -1906,7 +2004,10 @@ CUresult cuMemcpyHtoDAsync(CUdeviceptr dstDevice, const void *srcHost, size_t By
   if (srcHost == NULL) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
   rc = copy_ready(fn, hStream, &device);
   if (rc == CUDA_SUCCESS) rc = device_range(dstDevice, ByteCount, device, 1);
-  if (rc == CUDA_SUCCESS) memcpy((void *)(uintptr_t)dstDevice, srcHost, ByteCount);
+  if (rc == CUDA_SUCCESS) {
+    memcpy((void *)(uintptr_t)dstDevice, srcHost, ByteCount);
+    corrupt_if_due(fn, (void *)(uintptr_t)dstDevice, ByteCount);
+  }
   return leave(fn, rc, -1);
 }
 
@@ -2048,6 +2149,135 @@ CUresult cuEventDestroy(CUevent hEvent) {
     }
   }
   return leave(fn, CUDA_ERROR_INVALID_HANDLE, -1);
+}
+
+/* ------------------------------------------------------------------ libcuda: the moves' checksum kernel */
+
+/* flexium loads one kernel from PTX (csrc/move_checksum.cpp): a module per context, its one
+ * function, launched with (words, pairs, first_word, out). Here the launch computes the same
+ * function on the host, bit for bit: out += sum over k < 2 * pairs of mix(words[k], first_word + k). */
+#define CHECKSUM_KERNEL "flexium_move_checksum"
+static char module_tokens[MAX_GPUS];
+static char function_tokens[MAX_GPUS];
+
+static uint64_t checksum_mix(uint64_t word, uint64_t number) {
+  uint64_t x = word ^ (number * 0x9E3779B97F4A7C15ull);
+  x = (x ^ (x >> 31)) * 0xBF58476D1CE4E5B9ull;
+  return x ^ (x >> 29);
+}
+
+CUresult cuModuleLoadData(CUmodule *module, const void *image) {
+  static const char fn[] = "cuModuleLoadData";
+  int rc, device = 0;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (module == NULL || image == NULL) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  rc = context_ready(fn, &device);
+  /* Only flexium's PTX is understood; the real driver's JIT would refuse text that is not PTX. */
+  if (rc == CUDA_SUCCESS && strstr((const char *)image, ".entry " CHECKSUM_KERNEL "(") == NULL) {
+    rc = CUDA_ERROR_INVALID_IMAGE;
+  }
+  if (rc == CUDA_SUCCESS) *module = (CUmodule)&module_tokens[device];
+  return leave(fn, rc, -1);
+}
+
+static int device_of_module(CUmodule module) {
+  const char *p = (const char *)module;
+  return p >= module_tokens && p < module_tokens + MAX_GPUS ? (int)(p - module_tokens) : -1;
+}
+
+CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name) {
+  static const char fn[] = "cuModuleGetFunction";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (hfunc == NULL || name == NULL) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  rc = device_call_ready(fn);
+  const int device = device_of_module(hmod);
+  if (rc == CUDA_SUCCESS && device < 0) rc = CUDA_ERROR_INVALID_HANDLE;
+  if (rc == CUDA_SUCCESS && strcmp(name, CHECKSUM_KERNEL) != 0) rc = CUDA_ERROR_NOT_FOUND;
+  if (rc == CUDA_SUCCESS) *hfunc = (CUfunction)&function_tokens[device];
+  return leave(fn, rc, -1);
+}
+
+CUresult cuModuleUnload(CUmodule hmod) {
+  static const char fn[] = "cuModuleUnload";
+  int rc;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  rc = device_call_ready(fn);
+  if (rc == CUDA_SUCCESS && device_of_module(hmod) < 0) rc = CUDA_ERROR_INVALID_HANDLE;
+  return leave(fn, rc, -1);
+}
+
+CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,
+                        unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,
+                        unsigned int sharedMemBytes, CUstream hStream, void **kernelParams, void **extra) {
+  static const char fn[] = "cuLaunchKernel";
+  int rc, device = 0;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (kernelParams == NULL || extra != NULL || gridDimX == 0 || gridDimY == 0 || gridDimZ == 0 || blockDimX == 0 ||
+      blockDimY == 0 || blockDimZ == 0 || blockDimX * blockDimY * blockDimZ > 1024 || sharedMemBytes > 0) {
+    return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  }
+  rc = copy_ready(fn, hStream, &device);
+  /* A function runs only in the context whose module it came from. */
+  if (rc == CUDA_SUCCESS && (const char *)f != &function_tokens[device]) rc = CUDA_ERROR_INVALID_HANDLE;
+  if (rc != CUDA_SUCCESS) return leave(fn, rc, -1);
+  const CUdeviceptr words = *(const CUdeviceptr *)kernelParams[0];
+  const uint64_t pairs = *(const uint64_t *)kernelParams[1];
+  const uint64_t first_word = *(const uint64_t *)kernelParams[2];
+  const CUdeviceptr out = *(const CUdeviceptr *)kernelParams[3];
+  /* A misaligned load or one outside the memory faults the kernel, as on a GPU. */
+  if (words % 16 != 0 || out % 8 != 0 || pairs > SIZE_MAX / 16) return leave(fn, CUDA_ERROR_ILLEGAL_ADDRESS, -1);
+  if (pairs > 0) rc = device_range(words, (size_t)pairs * 16, device, 0);
+  if (rc == CUDA_SUCCESS) rc = device_range(out, 8, device, 1);
+  if (rc != CUDA_SUCCESS) return leave(fn, CUDA_ERROR_ILLEGAL_ADDRESS, -1);
+  uint64_t sum = 0;
+  const unsigned char *bytes = (const unsigned char *)(uintptr_t)words;
+  for (uint64_t k = 0; k < 2 * pairs; ++k) {
+    uint64_t word;
+    memcpy(&word, bytes + k * 8, 8); /* little-endian, as the GPU reads it */
+    sum += checksum_mix(word, first_word + k);
+  }
+  *(uint64_t *)(uintptr_t)out += sum;
+  return leave(fn, CUDA_SUCCESS, -1);
+}
+
+CUresult cuMemAlloc(CUdeviceptr *dptr, size_t bytesize) {
+  static const char fn[] = "cuMemAlloc";
+  int rc, device = 0;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (dptr == NULL || bytesize == 0) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  rc = context_ready(fn, &device);
+  if (rc != CUDA_SUCCESS) return leave(fn, rc, -1);
+  for (int i = 0; i < MAX_PLAIN; ++i) {
+    if (vmm.plain[i].used) continue;
+    void *memory = NULL;
+    if (posix_memalign(&memory, 256, bytesize) != 0) return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, -1);
+    vmm.plain[i] = (struct plain_block){1, (uintptr_t)memory, bytesize, device};
+    *dptr = (CUdeviceptr)(uintptr_t)memory;
+    return leave(fn, CUDA_SUCCESS, -1);
+  }
+  return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, -1);
+}
+
+CUresult cuMemsetD8(CUdeviceptr dstDevice, unsigned char uc, size_t N) {
+  static const char fn[] = "cuMemsetD8";
+  int rc, device = 0;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  rc = context_ready(fn, &device);
+  if (rc == CUDA_SUCCESS) rc = device_range(dstDevice, N, device, 1);
+  if (rc == CUDA_SUCCESS) memset((void *)(uintptr_t)dstDevice, uc, N);
+  return leave(fn, rc, -1);
+}
+
+CUresult cuMemcpyDtoH(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount) {
+  static const char fn[] = "cuMemcpyDtoH";
+  int rc, device = 0;
+  if (enter(fn, &rc)) return leave(fn, rc, -1);
+  if (dstHost == NULL) return leave(fn, CUDA_ERROR_INVALID_VALUE, -1);
+  rc = context_ready(fn, &device);
+  if (rc == CUDA_SUCCESS) rc = device_range(srcDevice, ByteCount, device, 0);
+  if (rc == CUDA_SUCCESS) memcpy(dstHost, (const void *)(uintptr_t)srcDevice, ByteCount);
+  return leave(fn, rc, -1);
 }
 
 /* ------------------------------------------------------------------ NVML */
@@ -2480,9 +2710,19 @@ int fake_fail(const char *function, int nth, int code) {
   return rc;
 }
 
+/* The nth next call of a copy function (cuMemcpyDtoDAsync, cuMemcpyDtoHAsync, cuMemcpyHtoDAsync)
+ * flips one bit of what it wrote. */
+int fake_corrupt_copy(const char *function, int nth) {
+  pthread_mutex_lock(&mutex);
+  const int rc = add_corruption(function, nth);
+  pthread_mutex_unlock(&mutex);
+  return rc;
+}
+
 void fake_clear_failures(void) {
   pthread_mutex_lock(&mutex);
   fake.rule_count = 0;
+  fake.corruption_count = 0;
   pthread_mutex_unlock(&mutex);
 }
 

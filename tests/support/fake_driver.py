@@ -123,12 +123,21 @@ Failure injection: ``fail(function, code, nth=1)`` makes the nth next call of ``
 exported cu*/nvml* name) return ``code`` without doing anything; ``nth=0``: every call, until
 ``clear_failures()``. ``FAKE_CUDA_FAIL="function:code[:nth],..."`` arms the same at load (nth
 defaults to 0 there), for subprocesses. ``set_delay_ms(function, ms)`` makes calls slow.
+``corrupt_copy(function, nth=1)`` makes the nth next copy of ``function`` (``cuMemcpyDtoDAsync``,
+``cuMemcpyDtoHAsync``, ``cuMemcpyHtoDAsync``) flip one bit of what it wrote, the fault a move's
+checksum must catch; ``FAKE_CUDA_CORRUPT="function:nth,..."`` arms the same at load (the copier
+process's copies).
+
+The moves' checksum kernel (csrc/move_checksum.cpp): ``cuModuleLoadData`` takes flexium's PTX only
+(one module per context), ``cuLaunchKernel`` of its function computes the same function on the
+host, bit for bit; ``FAKE_CUDA_NO_CHECKSUM=1`` hides these functions (and ``cuMemsetD8``,
+``cuMemcpyDtoH``).
 
 Environment, read at load and by ``reset()``: FAKE_CUDA_GPUS, FAKE_CUDA_VERSION,
-FAKE_CUDA_NO_CHECKPOINT, FAKE_CUDA_NO_VMM, FAKE_CUDA_MODELS, FAKE_CUDA_TOTAL_MIB, FAKE_NVML_DRIVER,
-FAKE_CUDA_FAIL, FAKE_CUDA_HOST_FILE. ``_C`` resolves symbols and reads the CUDA version once, so FAKE_CUDA_VERSION,
-FAKE_CUDA_NO_CHECKPOINT and FAKE_CUDA_NO_VMM only matter for a process that has not loaded the
-driver yet.
+FAKE_CUDA_NO_CHECKPOINT, FAKE_CUDA_NO_VMM, FAKE_CUDA_NO_CHECKSUM, FAKE_CUDA_MODELS, FAKE_CUDA_TOTAL_MIB,
+FAKE_NVML_DRIVER, FAKE_CUDA_FAIL, FAKE_CUDA_CORRUPT, FAKE_CUDA_HOST_FILE. ``_C`` resolves symbols and
+reads the CUDA version once, so FAKE_CUDA_VERSION, FAKE_CUDA_NO_CHECKPOINT, FAKE_CUDA_NO_VMM and
+FAKE_CUDA_NO_CHECKSUM only matter for a process that has not loaded the driver yet.
 """
 
 from __future__ import annotations
@@ -158,10 +167,12 @@ FAKE_ENV_VARS = (
     "FAKE_CUDA_VERSION",
     "FAKE_CUDA_NO_CHECKPOINT",
     "FAKE_CUDA_NO_VMM",
+    "FAKE_CUDA_NO_CHECKSUM",
     "FAKE_CUDA_MODELS",
     "FAKE_CUDA_TOTAL_MIB",
     "FAKE_NVML_DRIVER",
     "FAKE_CUDA_FAIL",
+    "FAKE_CUDA_CORRUPT",
     "FAKE_CUDA_HOST_FILE",
 )
 
@@ -324,6 +335,7 @@ class FakeDriver:
             "fake_set_other_memory": (c_int, [c_int, c_ull]),
             "fake_set_gpu_activity": (c_int, [c_int, c_uint, c_uint, c_uint, c_ull]),
             "fake_fail": (c_int, [ctypes.c_char_p, c_int, c_int]),
+            "fake_corrupt_copy": (c_int, [ctypes.c_char_p, c_int]),
             "fake_clear_failures": (None, []),
             "fake_pending_failures": (c_int, []),
             "fake_set_delay_ms": (c_int, [ctypes.c_char_p, c_uint]),
@@ -421,6 +433,11 @@ class FakeDriver:
         """The ``nth`` next call of ``function`` returns ``code`` (an int or a CUDA_ERROR_* /
         NVML_ERROR_* name) and does nothing else; ``nth=0``: every call until clear_failures()."""
         self._check(self._lib.fake_fail(function.encode(), nth, _error_code(code)), f"fail({function!r}, nth={nth})")
+
+    def corrupt_copy(self, function: str, nth: int = 1) -> None:
+        """The ``nth`` next call of the copy ``function`` (cuMemcpyDtoDAsync, cuMemcpyDtoHAsync,
+        cuMemcpyHtoDAsync) flips one bit of what it wrote; clear_failures() disarms it."""
+        self._check(self._lib.fake_corrupt_copy(function.encode(), nth), f"corrupt_copy({function!r}, nth={nth})")
 
     def clear_failures(self) -> None:
         self._lib.fake_clear_failures()

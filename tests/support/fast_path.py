@@ -28,9 +28,10 @@ from flexium.errors import OperationFailedError
 from support.engine import wait_until
 from support.fake_driver import FakeDriver, ProcessState
 
-FAST_MIGRATION = ["prepare", "copy", "release", "lock", "checkpoint", "restore", "unlock", "map"]
+FAST_MIGRATION = ["prepare", "checksum", "copy", "verify", "release", "lock", "checkpoint", "restore", "unlock", "map"]
 OWNING_NOTE = "the moved memory becomes the job's own over the next optimizer steps (4.00 GiB each)"
-FAST_PAUSE = ["prepare", "copy", "release", "lock", "checkpoint", "copier_sleep"]
+FAST_PAUSE = ["prepare", "checksum", "copy", "release", "lock", "checkpoint", "copier_sleep"]
+FAST_RESUME = ["restore", "unlock", "copy_back", "verify"]
 CUDA_ERROR_UNKNOWN = 999
 
 
@@ -57,8 +58,8 @@ class RecordingFastPath(FastPath):
         self.staged: list[Staged] = []
         self._inodes: dict[int, int] = {}
 
-    def stage_to_device(self, logical: int, target_ordinal: int) -> Any:
-        staged, timing = super().stage_to_device(logical, target_ordinal)
+    def stage_to_device(self, logical: int, target_ordinal: int, *args: Any, **kwargs: Any) -> Any:
+        staged, timing = super().stage_to_device(logical, target_ordinal, *args, **kwargs)
         self.staged.append(staged)
         self._inodes.update((s.fd, os.fstat(s.fd).st_ino) for s in staged.entries)
         return staged, timing

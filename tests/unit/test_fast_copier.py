@@ -67,7 +67,7 @@ def test_a_failing_copier_is_replaced_by_copies_in_this_process(
     assert job.fake.pinned_at_last_checkpoint() == 0  # pinned here, but unpinned before the checkpoint
 
     resumed = engine.resume(target=engine.gpus[1])
-    assert resumed.ok and resumed.path == "fast" and names(resumed) == ["restore", "unlock", "copy_back"]
+    assert resumed.ok and resumed.path == "fast" and names(resumed) == ["restore", "unlock", "copy_back", "verify"]
     fell_back = [n for n in resumed.notes if n.startswith("the copies to and from host memory ran in this process")]
     assert len(fell_back) == (1 if op == "resume" else 0) and (op != "resume" or call in fell_back[0])
     job.assert_home(physical=1)

@@ -46,7 +46,7 @@ def test_a_failed_copy_moves_nothing(job: Job, code: str) -> None:
     job.fake.fail("cuMemcpyDtoDAsync", code, nth=2)
     error = failure(lambda: engine.migrate(engine.gpus[1]))
     result = rolled_back(job, engine, error, "copy", fds)
-    assert step_summary(result) == [("prepare", True, False), ("copy", False, False)]
+    assert step_summary(result) == [("prepare", True, False), ("checksum", True, False), ("copy", False, False)]
     assert result.error.startswith(f"phase 'copy' failed: DriverError: cuMemcpyDtoDAsync failed: {code}")
     assert result.error.endswith("; nothing moved: the job runs on cuda:0 as before")
     assert checkpoint_ops(job.fake) == []
@@ -66,7 +66,9 @@ def test_a_failed_release_brings_the_released_segments_home(job: Job, call: str,
     result = rolled_back(job, engine, error, "release", fds)
     assert step_summary(result) == [
         ("prepare", True, False),
+        ("checksum", True, False),
         ("copy", True, False),
+        ("verify", True, False),
         ("release", False, False),
         ("rollback_copy", True, True),
     ]
@@ -103,7 +105,9 @@ def test_a_lock_timeout_is_rolled_back(job: Job) -> None:
     result = rolled_back(job, engine, error, "lock", fds)
     assert step_summary(result) == [
         ("prepare", True, False),
+        ("checksum", True, False),
         ("copy", True, False),
+        ("verify", True, False),
         ("release", True, False),
         ("lock", False, False),
         ("rollback_copy", True, True),
@@ -161,7 +165,9 @@ def test_a_failure_in_the_locked_section_recovers_and_brings_the_segments_home(j
     result = rolled_back(job, engine, error, step, fds)
     assert step_summary(result) == [
         ("prepare", True, False),
+        ("checksum", True, False),
         ("copy", True, False),
+        ("verify", True, False),
         ("release", True, False),
         ("lock", True, False),
         *summary,

@@ -66,7 +66,7 @@ def test_fast_pause_and_resume_in_place_and_on_another_gpu(job: Job) -> None:
     assert [s.mapped for s in _C.vmm_segments()] == [False] * 3
 
     resumed = engine.resume()
-    assert resumed.ok and resumed.path == "fast" and names(resumed) == ["restore", "unlock", "copy_back"]
+    assert resumed.ok and resumed.path == "fast" and names(resumed) == ["restore", "unlock", "copy_back", "verify"]
     assert engine.state == EngineState.RUNNING and fake.placement() == [0, 1]
     job.assert_home(physical=0)
     assert _C.host_staged_segments() == 0
@@ -84,7 +84,7 @@ def test_fast_pause_and_resume_in_place_and_on_another_gpu(job: Job) -> None:
     assert fake.pinned_bytes() == 0 and fake.pinned_at_last_checkpoint() == 0
     elsewhere = engine.resume(target=engine.gpus[1])
     assert elsewhere.ok and elsewhere.path == "fast" and elsewhere.target.device == "cuda:1"
-    assert names(elsewhere) == ["restore", "unlock", "copy_back"]
+    assert names(elsewhere) == ["restore", "unlock", "copy_back", "verify"]
     assert fake.placement() == [1, 0] and engine.placement()[1].device == "cuda:1"
     job.assert_home(physical=1)
 
@@ -101,7 +101,7 @@ def test_a_resume_with_room_for_the_job_but_not_the_copier_copies_back_in_this_p
     # held are enough, but not with the copier's context as well.
     fake.set_other_memory(0, H200_BYTES - paused.bytes_moved - 600 * MiB)
     resumed = engine.resume()
-    assert resumed.ok and resumed.path == "fast" and names(resumed) == ["restore", "unlock", "copy_back"]
+    assert resumed.ok and resumed.path == "fast" and names(resumed) == ["restore", "unlock", "copy_back", "verify"]
     coming = paused.bytes_moved >> 20
     assert resumed.notes[-1] == (
         f"the copies to and from host memory ran in this process: the GPU has {coming + 600} MiB free, less than "
@@ -177,6 +177,7 @@ def test_a_failed_fast_pause_is_rolled_back(job: Job, step: str) -> None:
     result = rolled_back(job, engine, error, step, fds)
     assert step_summary(result) == [
         ("prepare", True, False),
+        ("checksum", True, False),
         ("copy", True, False),
         *summary,
         ("rollback_copy", True, True),

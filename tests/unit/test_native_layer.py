@@ -745,7 +745,7 @@ def test_cuGetProcAddress_reports_missing_and_too_old_symbols(fake: FakeDriver) 
     lock_address = ctypes.cast(fake.library.cuCheckpointProcessLock, ctypes.c_void_p).value
     assert ask("cuCheckpointProcessLock", 12080) == (0, fake_driver.SYMBOL_FOUND, lock_address)
     assert ask("cuCheckpointProcessLock", 12000) == (500, fake_driver.VERSION_NOT_SUFFICIENT, 0)
-    assert ask("cuMemAlloc", 13000) == (500, fake_driver.SYMBOL_NOT_FOUND, 0)
+    assert ask("cuMemAllocPitch", 13000) == (500, fake_driver.SYMBOL_NOT_FOUND, 0)
     assert ask("cuDeviceTotalMem", 2000)[1] == fake_driver.VERSION_NOT_SUFFICIENT
 
 
@@ -840,7 +840,7 @@ def test_bound_structs_are_built_by_name_and_read_back() -> None:
     piece = _C.CopierPiece(segment=1, segment_offset=2, chunk=3, chunk_offset=4, length=5)
     assert (piece.segment, piece.segment_offset, piece.chunk, piece.chunk_offset, piece.length) == (1, 2, 3, 4, 5)
     assert repr(_C.StagedSegment(address=0x7F00C0000000, size=2 * MiB, fd=7)) == (
-        f"StagedSegment(address={0x7F00C0000000}, size={2 * MiB}, fd=7)"
+        f"StagedSegment(address={0x7F00C0000000}, size={2 * MiB}, fd=7, checksum=0)"
     )
     assert repr(_C.CopierChunk(0, 4096, 8192)) == "CopierChunk(extent=0, offset=4096, size=8192)"
     with pytest.raises(AttributeError):

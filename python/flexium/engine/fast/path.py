@@ -15,7 +15,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from flexium import _C
@@ -25,6 +25,7 @@ from flexium.engine.fast.memory_pool import MemoryPool, open_file_headroom
 from flexium.engine.operations import StepTiming
 
 T = TypeVar("T")
+LiveRanges = dict[int, list[tuple[int, int]]]
 log = logging.getLogger("flexium")
 # Files kept free besides one per segment (sockets, logs, the NVML helper's pipes).
 FD_RESERVE = 256
@@ -64,6 +65,7 @@ class Staged:
 
     entries: list[_C.StagedSegment]
     copied_bytes: int
+    checksum_s: float = 0.0  # spent on the copies' checksums (stage_to_device's checksum_copies)
 
     @property
     def segment_bytes(self) -> int:
@@ -149,12 +151,19 @@ class FastPath:
 
     # ---- GPU to GPU ------------------------------------------------------------------------
 
-    def stage_to_device(self, logical: int, target_ordinal: int) -> tuple[Staged, StepTiming]:
-        def work() -> Staged:
-            live = self.pool.live_ranges(logical)
-            return Staged(_C.stage_segments_to_device(target_ordinal, logical, live), _C.last_staged_copy_bytes())
+    def stage_to_device(
+        self, logical: int, target_ordinal: int, live: LiveRanges | None = None, checksum_copies: bool = False
+    ) -> tuple[Staged, StepTiming]:
+        """The `copy` step; with `checksum_copies`, each copy's checksum where it landed is in its
+        entry and the seconds spent on them in `Staged.checksum_s`, left out of the step's."""
 
-        return timed("copy", work)
+        def work() -> Staged:
+            ranges = self.pool.live_ranges(logical) if live is None else live
+            entries = _C.stage_segments_to_device(target_ordinal, logical, ranges, checksum_copies=checksum_copies)
+            return Staged(entries, _C.last_staged_copy_bytes(), _C.last_staged_checksum_seconds())
+
+        staged, timing = timed("copy", work)
+        return staged, replace(timing, seconds=max(0.0, timing.seconds - staged.checksum_s))
 
     def release(self, logical: int) -> StepTiming:
         return timed("release", lambda: _C.release_source_backing(logical))[1]
@@ -268,11 +277,11 @@ class FastPath:
             self._drop_copier(f"{exc}")
             return here(f"the copier failed: {exc}")
 
-    def stage_to_host(self, logical: int) -> tuple[int, StepTiming]:
+    def stage_to_host(self, logical: int, live: LiveRanges | None = None) -> tuple[int, StepTiming]:
         def work() -> int:
-            live = self.pool.live_ranges(logical)
+            ranges = self.pool.live_ranges(logical) if live is None else live
             return self._by_copier(
-                lambda: _C.begin_stage_order(live), to_host=True, here=lambda: int(_C.stage_segments_to_host(live))
+                lambda: _C.begin_stage_order(ranges), to_host=True, here=lambda: int(_C.stage_segments_to_host(ranges))
             )
 
         return timed("copy", work)

@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 from flexium.engine import nvml, torch_bridge
 from flexium.engine.distributed.nccl import Communicator
+from flexium.engine.fast.checksum import Before
 from flexium.engine.fast.path import FastPath
 from flexium.engine.identity import IdentityMap, MovePlan
 from flexium.engine.operations import EngineState, GpuIdentity
@@ -42,6 +43,8 @@ class OperationContext:
         self.paused_bytes = 0  # what the job held on its GPUs when it was paused
         # The same by GPU UUID (a process may use several); empty where NVML cannot see processes.
         self.paused_by_gpu: dict[str, int] = {}
+        # The checksums of what a fast pause moved to host memory, which its resume verifies.
+        self.paused_checksums: Before | None = None
         # The communicators a whole-job pause suspended, for its resume.
         self.suspended_communicators: list[Communicator] = []
         self._state = EngineState.RUNNING

@@ -9,7 +9,8 @@ import time
 from dataclasses import replace
 
 from flexium import _C
-from flexium.engine.fast.path import FastPath, RelocationError, Staged
+from flexium.engine.fast import checksum
+from flexium.engine.fast.path import FastPath, RelocationError, Staged, close_fds
 from flexium.engine.identity import MovePlan
 from flexium.engine.operations import EngineState, GpuIdentity, OperationKind, OperationResult
 from flexium.engine.step_outcomes import describe_failure, first_failure, own_restore_succeeded, timing_of
@@ -30,8 +31,13 @@ def migrate_fast(ctx: OperationContext, fast: FastPath, plan: MovePlan, notes: t
         OperationKind.MIGRATE, "fast", ctx.logical_device, source, dest, moved, started, notes, steps=[prepare]
     )
 
+    before, timing, unchecked = checksum.before_the_move(ctx.logical, fast.pool.live_ranges(ctx.logical))
+    draft.steps.extend([timing] if timing is not None else [])
+    draft.notes = (*draft.notes, *([unchecked] if unchecked else []))
     try:
-        staged, timing = fast.stage_to_device(ctx.logical, target_ordinal)
+        staged, timing = fast.stage_to_device(
+            ctx.logical, target_ordinal, before.live if before else None, checksum_copies=before is not None
+        )
         draft.steps.append(timing)
     except RelocationError as exc:
         draft.steps.append(exc.timing)
@@ -40,6 +46,19 @@ def migrate_fast(ctx: OperationContext, fast: FastPath, plan: MovePlan, notes: t
             failed_step=exc.step, error=f"{exc}; nothing moved: the job runs on {source.device} as before"
         )
     draft.notes = (*draft.notes, note_copied(staged))
+    if before is not None:
+        try:
+            draft.steps.append(
+                checksum.verify(before, lambda: {e.address: e.checksum for e in staged.entries}, staged.checksum_s)
+            )
+        except RelocationError as exc:
+            draft.steps.append(exc.timing)
+            close_fds(staged.entries)
+            ctx.set_state(EngineState.RUNNING)
+            return draft.build(
+                failed_step=exc.step,
+                error=f"{exc}; nothing moved: the job runs on {source.device} as before. {checksum.ADVICE}",
+            )
     try:
         draft.steps.append(fast.release(ctx.logical))
     except RelocationError as exc:

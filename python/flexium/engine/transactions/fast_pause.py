@@ -9,6 +9,7 @@ import time
 from dataclasses import replace
 
 from flexium import _C
+from flexium.engine.fast import checksum
 from flexium.engine.fast.path import FastPath, RelocationError
 from flexium.engine.operations import EngineState, GpuIdentity, OperationKind, OperationResult
 from flexium.engine.step_outcomes import describe_failure, first_failure, timing_of
@@ -69,8 +70,11 @@ def pause_fast(ctx: OperationContext, fast: FastPath, source: GpuIdentity, notes
             failed_step=failed_step, error=f"{error}; rolled back: the job runs on {source.device} as before"
         )
 
+    before, timing, unchecked = checksum.before_the_move(ctx.logical, fast.pool.live_ranges(ctx.logical))
+    draft.steps.extend([timing] if timing is not None else [])
+    draft.notes = (*draft.notes, *([unchecked] if unchecked else []))
     try:
-        copied, timing = fast.stage_to_host(ctx.logical)
+        copied, timing = fast.stage_to_host(ctx.logical, before.live if before else None)
         draft.steps.append(timing)
     except RelocationError as exc:
         draft.steps.append(exc.timing)
@@ -91,6 +95,7 @@ def pause_fast(ctx: OperationContext, fast: FastPath, source: GpuIdentity, notes
         return undo(exc.step, str(exc))
     outcomes, final = checkpoint_the_rest(ctx, fast, draft, moved, by_gpu)
     if ctx.state == EngineState.PAUSED:
+        ctx.paused_checksums = before  # verified where the bytes land again, at the resume
         return draft.build(ok=True, notes=copier_notes(fast))
     failure = first_failure(outcomes)
     if final == _C.ProcessState.RUNNING:

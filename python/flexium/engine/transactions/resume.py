@@ -5,8 +5,10 @@ when the pinned host memory budget allows (fast/path.py done_with_host), else gi
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from flexium import _C
+from flexium.engine.fast import checksum
 from flexium.engine.fast.path import FastPath, RelocationError
 from flexium.engine.identity import MovePlan
 from flexium.engine.operations import EngineState, OperationKind, OperationResult
@@ -77,18 +79,20 @@ def _still_paused(outcomes: list[_C.StepOutcome]) -> str:
 
 def _bring_back_from_host(ctx: OperationContext, fast: FastPath, draft: ResultDraft) -> OperationResult:
     """After a restore that ended a fast pause: the segments come back from host memory, whose
-    staging is then kept or given back. A copy that fails is tried once more; one that found too
-    little room on the GPU (another process took it after the room check) pauses the job again."""
+    staging is then kept or given back. A copy that fails, or whose bytes do not match those the
+    job paused with (the staging still holds them), is tried once more; one that found too little
+    room on the GPU (another process took it after the room check), or a second mismatch, pauses
+    the job again."""
     assert draft.target is not None
+    before = ctx.paused_checksums
     for attempt in range(2):
         try:
             _, timing = fast.restore_from_host(ctx.logical, draft.target.uuid)
             draft.steps.append(timing)
-            break
         except RelocationError as exc:
             draft.steps.append(exc.timing)
             if _out_of_memory(exc):
-                return _pause_again(ctx, fast, draft, str(exc))
+                return _pause_again(ctx, fast, draft, str(exc), _taken_after_room_check(draft, ctx.paused_bytes))
             if attempt == 1:
                 ctx.set_state(EngineState.FAILED)
                 return draft.build(
@@ -96,10 +100,54 @@ def _bring_back_from_host(ctx: OperationContext, fast: FastPath, draft: ResultDr
                     error=f"{exc}; ROLLBACK FAILED: the job runs on {draft.target.device} but part of its memory is "
                     "still in host memory; restart the job",
                 )
+            continue
+        if before is None:
+            break
+        try:
+            draft.steps.append(checksum.verify(before, lambda: checksum.of_segments(ctx.logical, before.live)))
+            break
+        except RelocationError as exc:
+            draft.steps.append(exc.timing)
+            failed = _back_to_staging(ctx, fast, draft, str(exc))
+            if failed is not None:
+                return failed
+            if attempt == 1:
+                return _pause_again(ctx, fast, draft, str(exc), TWICE_MISMATCHED, failed_step="verify")
+    ctx.paused_checksums = None
     notes = copier_notes(fast)
     fast.done_with_host()
     ctx.set_state(EngineState.RUNNING)
     return draft.build(ok=True, notes=notes)
+
+
+def _back_to_staging(ctx: OperationContext, fast: FastPath, draft: ResultDraft, error: str) -> OperationResult | None:
+    """After a copy back whose bytes did not check out: its memory goes and the segments wait in
+    the staging again, which still holds what the job paused with. A result only if that failed."""
+    try:
+        draft.steps.append(replace(fast.release(ctx.logical), rollback=True))
+        _C.restage_released_segments()
+    except (RelocationError, RuntimeError) as exc:
+        ctx.set_state(EngineState.FAILED)
+        return draft.build(
+            failed_step="verify",
+            error=f"{error}; ROLLBACK FAILED: the copy back could not be undone ({exc}); restart the job",
+        )
+    return None
+
+
+TWICE_MISMATCHED = (
+    "; the bytes copied back from host memory differed twice from those the job paused with: the job is paused again, "
+    "its memory still in host memory. Resume it again (on another GPU too); if it fails the same way, the host's "
+    "memory no longer holds what the job paused with: restart the job from its last checkpoint"
+)
+
+
+def _taken_after_room_check(draft: ResultDraft, paused_bytes: int) -> str:
+    assert draft.target is not None
+    return (
+        f": another process took memory on {draft.target.device} after the room check; the job is paused again, its "
+        f"memory in host memory: free {gib(paused_bytes, 2)} there and resume it, or resume it on another GPU"
+    )
 
 
 def _out_of_memory(exc: RelocationError) -> bool:
@@ -107,24 +155,21 @@ def _out_of_memory(exc: RelocationError) -> bool:
     return isinstance(cause, DriverError) and cause.error_name == "CUDA_ERROR_OUT_OF_MEMORY"
 
 
-def _pause_again(ctx: OperationContext, fast: FastPath, draft: ResultDraft, error: str) -> OperationResult:
+def _pause_again(
+    ctx: OperationContext, fast: FastPath, draft: ResultDraft, error: str, then: str, failed_step: str = "copy_back"
+) -> OperationResult:
     """The restore brought the job back without its pool, which is still in host memory: the
     driver checkpoints the rest again (a small image), and the job is paused as before, on the
-    GPU it was resumed on."""
+    GPU it was resumed on. `error` says what went wrong, `then` what it means once paused again."""
     assert draft.target is not None
     outcomes, final = checkpoint_the_rest(ctx, fast, draft, ctx.paused_bytes, {draft.target.uuid: ctx.paused_bytes})
     if ctx.state == EngineState.PAUSED:
-        return draft.build(
-            failed_step="copy_back",
-            error=f"{error}: another process took memory on {draft.target.device} after the room check; the job is "
-            f"paused again, its memory in host memory: free {gib(ctx.paused_bytes, 2)} there and resume it, "
-            "or resume it on another GPU",
-        )
+        return draft.build(failed_step=failed_step, error=f"{error}{then}")
     ctx.set_state(EngineState.FAILED)
     failure = first_failure(outcomes) if any(o.code for o in outcomes) else None
     why = describe_failure(failure) if failure is not None else f"the process is {final.name}"
     return draft.build(
-        failed_step="copy_back",
+        failed_step=failed_step,
         error=f"{error}; pausing the job again failed ({why}); ROLLBACK FAILED: part of its memory is still in host "
         "memory; restart the job",
     )
