@@ -18,7 +18,7 @@ from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
 from flexium import protocol, wire
-from flexium.server.errors import Conflict, InvalidRequest, NotFound
+from flexium.server.errors import Conflict, InvalidRequest, NotFound, Unauthorized
 from flexium.server.models import Command, DashboardSession, LoginCode, Process, Token, Workspace
 from flexium.server.storage import quotas
 from flexium.server.storage.audit import record_audit
@@ -152,6 +152,8 @@ def issue_token(
     route's rule (admins only)."""
     if role not in protocol.TOKEN_ROLES:
         raise InvalidRequest(f"unknown role {role!r}: use one of {', '.join(protocol.TOKEN_ROLES)}")
+    if minted_by is not None:
+        _check_minter_unrevoked(session=session, minter=minted_by)
     quotas.check_new_token(session=session, workspace_id=workspace_id)
     token = new_token()
     row = Token(
@@ -176,6 +178,20 @@ def issue_token(
         now=now,
     )
     return wire.TokenCreated(**_token_info(row).model_dump(), token=token)
+
+
+def _check_minter_unrevoked(*, session: Session, minter: AuthInfo) -> None:
+    """A server trusts a token's cached auth for a few seconds (``Settings.token_cache_s``), so a
+    revocation made elsewhere (the command line, another server) would let a leaked admin token
+    mint children the revocation never saw. The minter's row is read locked: a revocation that
+    commits first is seen here, one that commits after finds the child in its cascade."""
+    found = session.execute(
+        select(Token.revoked_at)
+        .where(Token.id == minter.token_id, Token.workspace_id == minter.workspace_id)
+        .with_for_update()
+    ).first()
+    if found is None or found.revoked_at is not None:
+        raise Unauthorized("invalid or revoked token", error="invalid_token")
 
 
 def _token_label(row: Token) -> str:
