@@ -87,7 +87,10 @@ async def login(request: Request, ctx: Ctx) -> Response:
 
 @router.post("/logout")
 async def logout(request: Request, ctx: Ctx) -> Response:
-    """Ends the session on the server (its event stream too), not only in this browser."""
+    """Ends the session on the server (its event stream too), not only in this browser. Another
+    site may not end it: SameSite keeps the cookie from its form, not from a sibling subdomain."""
+    if cross_site(request):
+        return _refused(request, "refused: logging out must be asked from this server's own page", 403)
     secret = request.cookies.get(protocol.SESSION_COOKIE)
     if secret:
         await services.log_out(ctx, secret=secret)
