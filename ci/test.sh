@@ -7,6 +7,11 @@
 #                              end-to-end and browser tests
 #   bash ci/test.sh --quick    lint and the unit tests (tests/unit, -x) on the flexium already
 #                              installed in the venv (built here when there is none): a few minutes
+#
+# Each suite is spread over FLEXIUM_TEST_WORKERS pytest processes (pytest-xdist; default: one per
+# core), a test file at a time (--dist loadfile: a module's tests run in their order in one process
+# and share its module fixtures); the end-to-end tests, which mostly wait for servers, training
+# processes and heartbeats, over twice as many.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -48,6 +53,9 @@ on_exit() {
   exit "$status"
 }
 trap on_exit EXIT
+
+workers="${FLEXIUM_TEST_WORKERS:-$(nproc)}"
+in_parallel=(-n "$workers" --dist loadfile)
 
 venv="${FLEXIUM_TEST_VENV:-.venv}"
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
@@ -102,14 +110,14 @@ PY
 stage "installing build tools, torch (CPU) and test dependencies"
 python -m pip install -q "torch==2.13.0"
 python -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12"
-if [ "$quick" = 0 ] || ! python -c "import flexium._C" 2>/dev/null; then
+if [ "$quick" = 0 ] || ! python -c "import flexium._C, xdist" 2>/dev/null; then
   stage "building flexium"
   python -m pip install -q --no-build-isolation ".[server,test]"
 fi
 
 if [ "$quick" = 1 ]; then
   stage "unit tests (quick: -x)"
-  python -m pytest -q -x tests/unit "$@"
+  python -m pytest -q -x "${in_parallel[@]}" tests/unit "$@"
   exit 0
 fi
 
@@ -122,26 +130,27 @@ python -m mypy python/flexium --ignore-missing-imports
 python -m mypy bench --ignore-missing-imports --config-file bench/mypy.ini
 
 stage "unit tests"
-python -m pytest -q tests/unit "$@"
+python -m pytest -q "${in_parallel[@]}" tests/unit "$@"
 
 # Framework tests (tests/frameworks): PyTorch Lightning's and Hugging Face's Trainers and fastai's
 # Learner train after flexium.init() while the job is migrated, paused and resumed (the fake
 # driver, CPU torch).
 stage "framework tests (PyTorch Lightning, Hugging Face Trainer, fastai)"
-python -m pip install -q "lightning==2.6.6" "transformers==5.24.0" "accelerate==1.15.0"
-python -m pip install -q "fastai==2.8.12" "torch==2.13.0"  # torch pinned: fastai would upgrade it
+# torch pinned: fastai would upgrade it
+python -m pip install -q "lightning==2.6.6" "transformers==5.24.0" "accelerate==1.15.0" "fastai==2.8.12" "torch==2.13.0"
 # fastai pulls in torchvision, whose PyPI wheels need torch's CUDA libraries: with the CPU torch it
 # cannot load, and lightning and transformers import it when it is installed. The examples that
 # need it (timm, torchvision) run on the GPU machine (tests/gpu/test_examples_on_gpu.py).
 python -m pip uninstall -y -q torchvision
-python -m pytest -q tests/frameworks "$@"
+# Their few tests are each a training process of its own: one test at a time per worker.
+python -m pytest -q -n "$workers" --dist load tests/frameworks "$@"
 
 # -----------------------------------------------------------------------------------------------
 # Server tests (tests/server): the API and storage on SQLite and on a real PostgreSQL, which this
 # section installs from Debian's packages (when missing), starts as the postgres user on a free
 # port in a temporary folder, and stops at the end.
 stage "examples (a few steps each on the CPU; the framework tests installed what they import)"
-python -m pytest -q tests/examples "$@"
+python -m pytest -q -n "$workers" --dist load tests/examples "$@"
 
 stage "server: PostgreSQL and the server extra"
 pg_bin="$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1 || true)"
@@ -178,7 +187,7 @@ export FLEXIUM_TEST_POSTGRES_URL="postgresql://postgres@127.0.0.1:$pg_port/postg
 # extra) and hostile text read back through every list and page (docs/reliability.md); their
 # figures print with the results, and FLEXIUM_RELIABILITY_FIGURES=DIR writes them there as JSON.
 stage "server tests (SQLite and PostgreSQL $("$pg_bin/postgres" --version | awk '{print $3}'))"
-python -m pytest -q tests/server "$@"
+python -m pytest -q "${in_parallel[@]}" tests/server "$@"
 
 # -----------------------------------------------------------------------------------------------
 # End-to-end tests (tests/e2e): a real `flexium server` process on SQLite, real training
@@ -186,7 +195,7 @@ python -m pytest -q tests/server "$@"
 # command line, all on 127.0.0.1. They need the server extra, installed above when missing.
 stage "end-to-end tests"
 extras_installed || python -m pip install -q --no-build-isolation ".[server,test]"
-python -m pytest -q tests/e2e "$@"
+python -m pytest -q -n "$((2 * workers))" --dist loadfile tests/e2e "$@"
 
 # -----------------------------------------------------------------------------------------------
 # Dashboard tests (tests/browser): the dashboard of a real server process in headless Chromium,
@@ -199,4 +208,4 @@ if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
   apt-get install -y -qq chromium chromium-driver >/dev/null
 fi
 extras_installed || python -m pip install -q --no-build-isolation ".[server,test]"
-python -m pytest -q tests/browser "$@"
+python -m pytest -q "${in_parallel[@]}" tests/browser "$@"

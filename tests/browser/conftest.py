@@ -80,12 +80,18 @@ def api(server: LiveServer) -> Api:
     return Api(server)
 
 
-@pytest.fixture(scope="session")
-def artifacts() -> Path:
-    if ARTIFACTS.exists():
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """The last run's screenshots go before this run's tests start, by the one process that runs
+    them or (pytest-xdist) by the controller, never by a worker: it would delete those of the
+    others' failures."""
+    if ARTIFACTS.exists() and not hasattr(session.config, "workerinput"):
         for old in ARTIFACTS.iterdir():
             if old.is_file():
                 old.unlink()
+
+
+@pytest.fixture(scope="session")
+def artifacts() -> Path:
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     return ARTIFACTS
 

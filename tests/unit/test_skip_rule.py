@@ -1,7 +1,8 @@
 """The rule that fails a run with a skipped test (tests/conftest.py), checked on real pytest runs
 of small test folders that use the root conftest itself: a test or a whole module skipped for want
 of GPUs is let through where FLEXIUM_ALLOW_SKIPS_FOR_GPUS=1 says so (ci/gpu-tests.sh), nothing else
-is, and a run in which no test passed is never green."""
+is, and a run in which no test passed is never green; the same when the run is spread over
+pytest-xdist's workers, as ci/test.sh runs the suites."""
 
 from __future__ import annotations
 
@@ -24,7 +25,9 @@ TEST_NEEDS_GPUS = 'import pytest\n\n\ndef test_moves():\n    pytest.skip("needs 
 TEST_NEEDS_NOTHING_MORE = 'import pytest\n\n\ndef test_moves():\n    pytest.skip("needs 2 GPUs, NVML sees 4")\n'
 
 
-def _run(tmp_path: Path, modules: dict[str, str], *, allow_for_gpus: bool) -> subprocess.CompletedProcess[str]:
+def _run(
+    tmp_path: Path, modules: dict[str, str], *, allow_for_gpus: bool, workers: int = 0
+) -> subprocess.CompletedProcess[str]:
     shutil.copy(ROOT_CONFTEST, tmp_path / "conftest.py")
     for name, text in modules.items():
         (tmp_path / name).write_text(text)
@@ -43,6 +46,7 @@ def _run(tmp_path: Path, modules: dict[str, str], *, allow_for_gpus: bool) -> su
             "addopts=",
             "--rootdir",
             str(tmp_path),
+            *(["-n", str(workers)] if workers else []),
             str(tmp_path),
         ],
         cwd=tmp_path,
@@ -75,6 +79,28 @@ def test_a_run_is_green_only_when_what_it_was_meant_to_run_passed(
     assert (done.returncode == 0) == green, done.stdout + done.stderr
     if not green:
         assert "FAILED" in done.stdout, done.stdout
+
+
+@pytest.mark.parametrize(
+    "modules, green",
+    [
+        pytest.param({"test_a.py": PASSES, "test_b.py": PASSES, "test_c.py": PASSES}, True, id="all-passed"),
+        pytest.param(
+            {"test_a.py": PASSES, "test_b.py": PASSES, "test_c.py": MISSING_EXTRA}, False, id="module-skipped"
+        ),
+        pytest.param(
+            {"test_a.py": PASSES, "test_b.py": PASSES, "test_c.py": TEST_NEEDS_GPUS}, False, id="test-skipped"
+        ),
+    ],
+)
+def test_spread_over_workers_a_skip_on_any_of_them_fails_the_run(
+    tmp_path: Path, modules: dict[str, str], green: bool
+) -> None:
+    done = _run(tmp_path, modules, allow_for_gpus=False, workers=2)
+    assert "bringing up nodes" in done.stdout, done.stdout + done.stderr  # xdist ran it
+    assert (done.returncode == 0) == green, done.stdout + done.stderr
+    if not green:
+        assert "FAILED" in done.stdout and "test_c.py" in done.stdout, done.stdout
 
 
 def test_the_failure_names_the_hidden_module(tmp_path: Path) -> None:
