@@ -6,13 +6,14 @@ paused for it; when no GPU can be made room on, the refusal says why, GPU by GPU
 changes.
 
 ``plan_room`` and ``make_room`` take "bytes on a GPU for someone" (``Beneficiary``): a paused job
-(``resume_making_room``, ``flexium resume JOB --make-room``) or a job that is not started yet."""
+(``resume_making_room``, ``flexium resume JOB --make-room``) or a job that is not started yet
+(``policies/placement.py``)."""
 
 from __future__ import annotations
 
 import dataclasses
 import itertools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from sqlalchemy import select
@@ -20,7 +21,7 @@ from sqlalchemy.orm import Session
 
 from flexium import protocol, wire
 from flexium.server.errors import InvalidRequest, TargetRefused
-from flexium.server.models import Device, Process, Wait
+from flexium.server.models import Device, Process, Reservation, Wait
 from flexium.server.policies.room import HostRoom
 from flexium.server.storage.audit import PolicyActor, record_commands_created
 from flexium.server.storage.commands import create_commands
@@ -78,20 +79,37 @@ class RoomPlan:
     victims: tuple[Victim, ...]
     required: int  # what the beneficiary takes there, headroom included
 
+    @property
+    def paused(self) -> str:
+        """Whom it pauses, in words."""
+        return ", ".join(victim.label for victim in self.victims) or "no job: the room is free"
+
+
+@dataclass(frozen=True)
+class RoomMade:
+    """A plan carried out: the pauses sent, and the room held for the beneficiary."""
+
+    pauses: list[wire.CommandInfo]
+    reservation: Reservation
+
 
 def plan_room(
     *,
     session: Session,
     workspace_id: int,
     host: str,
-    gpus: Mapping[str, str | None],
+    candidates: Callable[[HostRoom], Mapping[str, str | None]],
     beneficiary: Beneficiary,
-    room: HostRoom,
     now: float,
     stale_after: float,
 ) -> RoomPlan:
-    """The GPU to make room on and whom to pause there. ``gpus``: UUID -> why the beneficiary cannot
-    go there but for room (None: it can). TargetRefused says why no GPU will do, GPU by GPU."""
+    """The GPU to make room on and whom to pause there, counted on the host's room read locked (two
+    make-rooms on one host count one after the other). ``candidates``: of the host's GPUs, UUID ->
+    why the beneficiary cannot go there but for room (None: it can). TargetRefused says why no GPU
+    will do, GPU by GPU."""
+    lock_host_room(session=session, workspace_id=workspace_id, host=host)
+    room = HostRoom.read(session=session, workspace_id=workspace_id, host=host, now=now)
+    gpus = candidates(room)
     units = _running_jobs(session=session, workspace_id=workspace_id, host=host, now=now, stale_after=stale_after)
     plans: list[RoomPlan] = []
     why_not: list[str] = []
@@ -235,9 +253,9 @@ def make_room(
     now: float,
     stale_after: float,
     ttl: float,
-) -> list[wire.CommandInfo]:
+) -> RoomMade:
     """Pauses the plan's victims (each queued to resume when free) and holds the room for the
-    beneficiary; the pause commands. A pause refused now refuses it all (nothing changes)."""
+    beneficiary. A pause refused now refuses it all (nothing changes)."""
     gpu = f"GPU {plan.device.index if plan.device.index is not None else plan.device.uuid}"
     pauses: list[wire.CommandInfo] = []
     for victim in plan.victims:
@@ -274,7 +292,7 @@ def make_room(
             reason=f"paused to make room for {beneficiary.label} on {gpu}: resumes when free",
             now=now,
         )
-    hold_room(
+    held = hold_room(
         session=session,
         workspace_id=workspace_id,
         host=plan.device.host,
@@ -285,7 +303,7 @@ def make_room(
         now=now,
         ttl=ttl,
     )
-    return pauses
+    return RoomMade(pauses, held)
 
 
 def resume_making_room(
@@ -308,16 +326,18 @@ def resume_making_room(
         )
     holder, priority = paused_job(session=session, proc=proc, now=now, stale_after=stale_after)
     named = wanted_gpu(session=session, proc=proc, request=request, now=now, stale_after=stale_after)
-    lock_host_room(session=session, workspace_id=workspace_id, host=proc.host)
-    room = HostRoom.read(session=session, workspace_id=workspace_id, host=proc.host, now=now)
-    uuids = [named.uuid] if named is not None else may_resume_on(proc, {u: g.device for u, g in room.gpus.items()})
-    gpus = {
-        uuid: target_refusal(
-            proc=proc, dev=room.gpus[uuid].device, kind="resume", now=now, stale_after=stale_after, room=False
-        )
-        for uuid in uuids
-        if uuid in room.gpus
-    }
+
+    def candidates(room: HostRoom) -> dict[str, str | None]:
+        devices = {uuid: gpu.device for uuid, gpu in room.gpus.items()}
+        uuids = [named.uuid] if named is not None else may_resume_on(proc, devices)
+        return {
+            uuid: target_refusal(
+                proc=proc, dev=devices[uuid], kind="resume", now=now, stale_after=stale_after, room=False
+            )
+            for uuid in uuids
+            if uuid in devices
+        }
+
     label = f"process {proc.process_id!r}"
     need = max(proc.footprint_bytes, proc.memory_bytes)
     beneficiary = Beneficiary(
@@ -327,9 +347,8 @@ def resume_making_room(
         session=session,
         workspace_id=workspace_id,
         host=proc.host,
-        gpus=gpus,
+        candidates=candidates,
         beneficiary=beneficiary,
-        room=room,
         now=now,
         stale_after=stale_after,
     )
@@ -337,7 +356,6 @@ def resume_making_room(
     cancel_live_wait(
         session=session, workspace_id=workspace_id, actor=actor, proc=proc, why=f"room made by {who}", now=now
     )
-    paused = ", ".join(victim.label for victim in plan.victims) or "no job: the room is free"
     wait = queue_wait(
         session=session,
         workspace_id=workspace_id,
@@ -345,11 +363,11 @@ def resume_making_room(
         holder=holder,
         gpu_uuid=plan.device.uuid,
         priority=priority,
-        reason=f"room made by {who} on GPU {plan.device.index}, pausing {paused}",
+        reason=f"room made by {who} on GPU {plan.device.index}, pausing {plan.paused}",
         now=now,
         why=request.reason,
     )
-    pauses = make_room(
+    made = make_room(
         session=session,
         workspace_id=workspace_id,
         plan=plan,
@@ -358,4 +376,4 @@ def resume_making_room(
         stale_after=stale_after,
         ttl=ttl,
     )
-    return wait, pauses
+    return wait, made.pauses

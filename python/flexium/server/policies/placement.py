@@ -33,7 +33,7 @@ from flexium.server.storage.placements import (
     placement_view,
     release_placement_room,
 )
-from flexium.server.storage.reservations import hold_room, lock_host_room
+from flexium.server.storage.reservations import hold_room
 from flexium.server.storage.waits import may_resume_on, needs_of, queue_order
 from flexium.server.storage.workspaces import AuthInfo
 from flexium.units import gib
@@ -109,22 +109,22 @@ def report_placement(
 def _make_room(
     *, session: Session, row: Placement, now: float, stale_after: float, ttl: float
 ) -> list[wire.CommandInfo]:
-    lock_host_room(session=session, workspace_id=row.workspace_id, host=row.host)
-    room = HostRoom.read(session=session, workspace_id=row.workspace_id, host=row.host, now=now)
-    uuids = [row.gpu_uuid] if row.gpu_uuid is not None else list(room.gpus)
-    gpus = {uuid: _gpu_refusal(session, room, uuid, now=now, stale_after=stale_after) for uuid in uuids}
+
+    def candidates(room: HostRoom) -> dict[str, str | None]:
+        uuids = [row.gpu_uuid] if row.gpu_uuid is not None else list(room.gpus)
+        return {uuid: _gpu_refusal(session, room, uuid, now=now, stale_after=stale_after) for uuid in uuids}
+
     beneficiary = Beneficiary(label=_label(row), priority=row.priority, need=row.need_bytes, why=row.why)
     plan = plan_room(
         session=session,
         workspace_id=row.workspace_id,
         host=row.host,
-        gpus=gpus,
+        candidates=candidates,
         beneficiary=beneficiary,
-        room=room,
         now=now,
         stale_after=stale_after,
     )
-    pauses = make_room(
+    made = make_room(
         session=session,
         workspace_id=row.workspace_id,
         plan=plan,
@@ -134,16 +134,9 @@ def _make_room(
         ttl=ttl,
     )
     row.gpu_uuid = plan.device.uuid
-    row.reservation_id = session.scalar(
-        select(Reservation.id)
-        .where(Reservation.workspace_id == row.workspace_id, Reservation.wait_id.is_(None))
-        .where(Reservation.holder == beneficiary.label)
-        .order_by(Reservation.id.desc())
-        .limit(1)
-    )
-    paused = ", ".join(victim.label for victim in plan.victims) or "no job: the room is free"
-    row.note = f"room made on GPU {plan.device.index}, pausing {paused}"
-    return pauses
+    row.reservation_id = made.reservation.id
+    row.note = f"room made on GPU {plan.device.index}, pausing {plan.paused}"
+    return made.pauses
 
 
 def _label(row: Placement) -> str:

@@ -7,9 +7,11 @@ processes by ``require_own_*``."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Header, Path, Query, Request, Response
+from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from flexium import protocol, wire
@@ -25,6 +27,7 @@ from flexium.server.auth import (
 )
 from flexium.server.connections import received_at
 from flexium.server.context import Ctx
+from flexium.server.storage import AuthInfo
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
     code: {"model": wire.ErrorBody} for code in (400, 401, 403, 404, 409, 413, 422, 503)
@@ -243,6 +246,32 @@ async def list_jobs(auth: Reader, ctx: Ctx) -> Any:
 
 # --- the resume-when-free queue, priorities ----------------------------------------------------
 
+RowIdPath = Annotated[int, Path(ge=1, le=2**31 - 1)]  # a wait's, a placement's or a drain's
+HostQuery = Annotated[str | None, Query(max_length=protocol.MAX_HOST_LEN, pattern=_NO_NUL)]
+
+
+@dataclass(frozen=True)
+class Listing:
+    """The query of a list of waits, placements or drains: the live ones, or every one (``all``)."""
+
+    live: bool
+    limit: int
+
+
+def _listing(
+    all: Annotated[bool, Query(description="ended ones too, newest first")] = False,
+    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+) -> Listing:
+    return Listing(live=not all, limit=limit)
+
+
+ListingQuery = Annotated[Listing, Depends(_listing)]
+
+
+async def _read(ctx: Ctx, auth: AuthInfo, read: Callable[..., Any], **query: Any) -> Any:
+    """A storage read of the waits, placements or drains of the caller's workspace, as of now."""
+    return await ctx.db.call(read, write=False, workspace_id=auth.workspace_id, now=time.time(), **query)
+
 
 @router.post(
     "/waits",
@@ -265,26 +294,15 @@ async def create_wait(body: wire.WaitRequest, auth: Admin, ctx: Ctx) -> Any:
 async def list_waits(
     auth: Reader,
     ctx: Ctx,
+    listing: ListingQuery,
     process_id: Annotated[str | None, Query(max_length=protocol.MAX_SHORT_TEXT, pattern=_NO_NUL)] = None,
-    all: Annotated[bool, Query(description="ended waits too")] = False,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
 ) -> Any:
-    return await ctx.db.call(
-        storage.list_waits,
-        write=False,
-        workspace_id=auth.workspace_id,
-        now=time.time(),
-        process_id=process_id,
-        live=not all,
-        limit=limit,
-    )
+    return await _read(ctx, auth, storage.list_waits, process_id=process_id, live=listing.live, limit=listing.limit)
 
 
 @router.get("/waits/{wait_id}", response_model=wire.WaitInfo, summary="One wait")
-async def get_wait(wait_id: Annotated[int, Path(ge=1, le=2**31 - 1)], auth: Reader, ctx: Ctx) -> Any:
-    return await ctx.db.call(
-        storage.get_wait, write=False, workspace_id=auth.workspace_id, wait_id=wait_id, now=time.time()
-    )
+async def get_wait(wait_id: RowIdPath, auth: Reader, ctx: Ctx) -> Any:
+    return await _read(ctx, auth, storage.get_wait, wait_id=wait_id)
 
 
 @router.delete(
@@ -292,7 +310,7 @@ async def get_wait(wait_id: Annotated[int, Path(ge=1, le=2**31 - 1)], auth: Read
     response_model=wire.WaitInfo,
     summary="Cancel a waiting job's wait (a plain pause or resume of the job cancels it too)",
 )
-async def cancel_wait(wait_id: Annotated[int, Path(ge=1, le=2**31 - 1)], auth: Admin, ctx: Ctx) -> Any:
+async def cancel_wait(wait_id: RowIdPath, auth: Admin, ctx: Ctx) -> Any:
     return await queue.cancel_wait(ctx, auth=auth, wait_id=wait_id)
 
 
@@ -306,8 +324,6 @@ async def set_priority(process_id: ProcessIdPath, body: wire.PriorityRequest, au
 
 
 # --- flexium run's placements ------------------------------------------------------------------
-
-PlacementIdPath = Annotated[int, Path(ge=1, le=2**31 - 1)]
 
 
 @router.post(
@@ -328,35 +344,15 @@ async def create_placement(body: wire.PlacementRequest, auth: Worker, ctx: Ctx) 
     response_model=list[wire.PlacementInfo],
     summary="Placements: live ones by host in queue order; with all=true every one, newest first",
 )
-async def list_placements(
-    auth: Member,
-    ctx: Ctx,
-    host: Annotated[str | None, Query(max_length=protocol.MAX_HOST_LEN, pattern=_NO_NUL)] = None,
-    all: Annotated[bool, Query(description="ended placements too")] = False,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-) -> Any:
-    return await ctx.db.call(
-        storage.list_placements,
-        write=False,
-        workspace_id=auth.workspace_id,
-        actor=auth,
-        now=time.time(),
-        host=host,
-        live=not all,
-        limit=limit,
+async def list_placements(auth: Member, ctx: Ctx, listing: ListingQuery, host: HostQuery = None) -> Any:
+    return await _read(
+        ctx, auth, storage.list_placements, actor=auth, host=host, live=listing.live, limit=listing.limit
     )
 
 
 @router.get("/placements/{placement_id}", response_model=wire.PlacementInfo, summary="One placement")
-async def get_placement(placement_id: PlacementIdPath, auth: Member, ctx: Ctx) -> Any:
-    return await ctx.db.call(
-        storage.get_placement,
-        write=False,
-        workspace_id=auth.workspace_id,
-        actor=auth,
-        placement_id=placement_id,
-        now=time.time(),
-    )
+async def get_placement(placement_id: RowIdPath, auth: Member, ctx: Ctx) -> Any:
+    return await _read(ctx, auth, storage.get_placement, actor=auth, placement_id=placement_id)
 
 
 @router.post(
@@ -364,7 +360,7 @@ async def get_placement(placement_id: PlacementIdPath, auth: Member, ctx: Ctx) -
     response_model=wire.PlacementInfo,
     summary="flexium run asks again with its host's GPUs now; placed when it fits",
 )
-async def report_placement(placement_id: PlacementIdPath, body: wire.PlacementReport, auth: Worker, ctx: Ctx) -> Any:
+async def report_placement(placement_id: RowIdPath, body: wire.PlacementReport, auth: Worker, ctx: Ctx) -> Any:
     return await placing.ask_again(ctx, auth=auth, placement_id=placement_id, body=body)
 
 
@@ -373,7 +369,7 @@ async def report_placement(placement_id: PlacementIdPath, body: wire.PlacementRe
     response_model=wire.PlacementInfo,
     summary="flexium run is done with it: a waiting one is cancelled, a placed one ends and its room goes",
 )
-async def close_placement(placement_id: PlacementIdPath, auth: Worker, ctx: Ctx) -> Any:
+async def close_placement(placement_id: RowIdPath, auth: Worker, ctx: Ctx) -> Any:
     return await ctx.db.call(
         storage.close_placement,
         write=True,
@@ -405,35 +401,16 @@ async def create_drain(body: wire.DrainRequest, auth: Admin, ctx: Ctx) -> Any:
     response_model=list[wire.DrainInfo],
     summary="Live drains, oldest first (with all=true every drain, newest first), each with its moves job by job",
 )
-async def list_drains(
-    auth: Reader,
-    ctx: Ctx,
-    host: Annotated[str | None, Query(max_length=protocol.MAX_HOST_LEN, pattern=_NO_NUL)] = None,
-    all: Annotated[bool, Query(description="ended drains too")] = False,
-    limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-) -> Any:
-    return await ctx.db.call(
-        storage.list_drains,
-        write=False,
-        workspace_id=auth.workspace_id,
-        now=time.time(),
-        stale_after=ctx.settings.stale_after_s,
-        host=host,
-        live=not all,
-        limit=limit,
+async def list_drains(auth: Reader, ctx: Ctx, listing: ListingQuery, host: HostQuery = None) -> Any:
+    stale_after = ctx.settings.stale_after_s
+    return await _read(
+        ctx, auth, storage.list_drains, stale_after=stale_after, host=host, live=listing.live, limit=listing.limit
     )
 
 
 @router.get("/drains/{drain_id}", response_model=wire.DrainInfo, summary="One drain and its progress, job by job")
-async def get_drain(drain_id: Annotated[int, Path(ge=1, le=2**31 - 1)], auth: Reader, ctx: Ctx) -> Any:
-    return await ctx.db.call(
-        storage.get_drain,
-        write=False,
-        workspace_id=auth.workspace_id,
-        drain_id=drain_id,
-        now=time.time(),
-        stale_after=ctx.settings.stale_after_s,
-    )
+async def get_drain(drain_id: RowIdPath, auth: Reader, ctx: Ctx) -> Any:
+    return await _read(ctx, auth, storage.get_drain, drain_id=drain_id, stale_after=ctx.settings.stale_after_s)
 
 
 @router.delete(
@@ -441,7 +418,7 @@ async def get_drain(drain_id: Annotated[int, Path(ge=1, le=2**31 - 1)], auth: Re
     response_model=wire.DrainInfo,
     summary="Undrain: its GPUs take jobs again (moves it sent that are under way go on)",
 )
-async def undrain(drain_id: Annotated[int, Path(ge=1, le=2**31 - 1)], auth: Admin, ctx: Ctx) -> Any:
+async def undrain(drain_id: RowIdPath, auth: Admin, ctx: Ctx) -> Any:
     return await drains.undrain(ctx, auth=auth, drain_id=drain_id)
 
 

@@ -15,6 +15,7 @@ from flexium.server.errors import InvalidRequest, InvalidState, NotFound
 from flexium.server.models import Command, Device, Drain, DrainMove, Process
 from flexium.server.storage.audit import record_audit
 from flexium.server.storage.devices import held_by_gpu, host_devices
+from flexium.server.storage.listing import listed
 from flexium.server.storage.views import is_stale
 from flexium.server.storage.workspaces import AuthInfo
 
@@ -279,11 +280,14 @@ def list_drains(
     limit: int = 100,
 ) -> list[wire.DrainInfo]:
     """Live drains oldest first, or with ``live=False`` every drain, newest first."""
-    query = select(Drain).where(Drain.workspace_id == workspace_id)
-    if host is not None:
-        query = query.where(Drain.host == host)
-    query = query.where(Drain.ended_at.is_(None)).order_by(Drain.id) if live else query.order_by(Drain.id.desc())
-    return [
-        drain_view(session=session, row=row, now=now, stale_after=stale_after)
-        for row in session.scalars(query.limit(limit))
-    ]
+    rows = listed(
+        Drain,
+        session=session,
+        workspace_id=workspace_id,
+        host=host,
+        live=live,
+        limit=limit,
+        live_where=Drain.ended_at.is_(None),
+        live_order=[Drain.id.expression],
+    )
+    return [drain_view(session=session, row=row, now=now, stale_after=stale_after) for row in rows]

@@ -16,6 +16,7 @@ from flexium.server.errors import NotFound, TargetRefused
 from flexium.server.models import Placement, Reservation, Token
 from flexium.server.storage.audit import record_audit
 from flexium.server.storage.devices import host_devices
+from flexium.server.storage.listing import listed
 from flexium.server.storage.reservations import reservation_view
 from flexium.server.storage.waits import queue_order
 from flexium.server.storage.workspaces import AuthInfo
@@ -174,16 +175,18 @@ def list_placements(
 ) -> list[wire.PlacementInfo]:
     """Live placements by host in the queue's order, or with ``live=False`` every one, newest
     first; a job token's own only."""
-    query = select(Placement).where(Placement.workspace_id == workspace_id)
-    if host is not None:
-        query = query.where(Placement.host == host)
-    if actor.role == protocol.ROLE_JOB:
-        query = query.where(Placement.token_id == actor.token_id)
-    if live:
-        query = query.where(Placement.state.in_(protocol.LIVE_PLACEMENT_STATES)).order_by(*queue_order(Placement))
-    else:
-        query = query.order_by(Placement.id.desc())
-    return [placement_view(session=session, row=row, now=now) for row in session.scalars(query.limit(limit))]
+    rows = listed(
+        Placement,
+        session=session,
+        workspace_id=workspace_id,
+        host=host,
+        live=live,
+        limit=limit,
+        live_where=Placement.state.in_(protocol.LIVE_PLACEMENT_STATES),
+        live_order=queue_order(Placement),
+        where=[Placement.token_id == actor.token_id] if actor.role == protocol.ROLE_JOB else [],
+    )
+    return [placement_view(session=session, row=row, now=now) for row in rows]
 
 
 def placement_hosts(*, session: Session) -> list[tuple[int, str]]:
