@@ -193,13 +193,13 @@ async def policy_run(server: Server, arrivals: list[Arrival], args: argparse.Nam
         stops.append(asyncio.Event())
         tasks.append(asyncio.create_task(run_job(job, arrival, fleet, waits, stops[-1])))
         if time.time() >= shown + 30:
-            shown = progress(fleet, t0, server)
+            shown = progress(fleet, t0, server, cpu[0])
     end = t0 + args.duration + args.drain
     while time.time() < end:
         await asyncio.sleep(min(30.0, max(0.0, end - time.time())))
         if time.time() >= shown + 30:
-            shown = progress(fleet, t0, server)
-    progress(fleet, t0, server)
+            shown = progress(fleet, t0, server, cpu[0])
+    progress(fleet, t0, server, cpu[0])
     cpu = (server.cpu_seconds() - cpu[0], time.process_time() - cpu[1])
     wall = time.time() - t0
     watching.set()
@@ -217,14 +217,16 @@ async def policy_run(server: Server, arrivals: list[Arrival], args: argparse.Nam
     return dataclasses.replace(run, server_cpu_s=cpu[0], client_cpu_s=cpu[1], wall_s=wall)
 
 
-def progress(fleet: Fleet, t0: float, server: Server) -> float:
-    """A line of how the run goes (the server's CPU share tells when it cannot keep up); the time."""
+def progress(fleet: Fleet, t0: float, server: Server, cpu0: float) -> float:
+    """A line of how the run goes (the server's CPU share tells when it cannot keep up: a share well
+    under a whole core, with the server behind, is the machine's limit); the time."""
     states = [record.on[0] for record in fleet.records.values()]
-    now, cpu = time.time(), server.cpu_seconds()
+    now, cpu = time.time(), server.cpu_seconds() - cpu0
     print(
         f"   {now - t0:5.0f} s: {len(states)} arrived, {states.count('RUNNING')} running, "
         f"{sum(r.started is None for r in fleet.records.values())} not started, "
-        f"{states.count('EXITED')} ended, {len(fleet.errors)} errors; server CPU {cpu:.0f} s",
+        f"{states.count('EXITED')} ended, {len(fleet.errors)} errors; server CPU {cpu:.0f} s "
+        f"({cpu / max(1e-9, now - t0):.0%} of a core)",
         flush=True,
     )
     return now
@@ -298,23 +300,41 @@ def read_metrics(port: int) -> dict[str, float]:
 
 
 def options(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--hosts", type=int, default=50)
-    parser.add_argument("--gpus-per-host", type=int, default=8)
-    parser.add_argument("--gpu-memory", type=float, default=141.0, help="GiB per GPU")
-    parser.add_argument("--rate", type=float, default=3.0, help="jobs arriving per second, on the whole fleet")
-    parser.add_argument("--running-s", type=float, default=150.0, help="a job's mean running time (0.5..1.5 x)")
-    parser.add_argument("--sizes", default="16:0.4,40:0.3,80:0.2,130:0.1", help="GiB:weight,...")
-    parser.add_argument("--priorities", default="low:0.3,normal:0.5,high:0.2", help="low|normal|high:weight,...")
-    parser.add_argument("--duration", type=float, default=360.0, help="seconds of arrivals")
-    parser.add_argument("--warmup", type=float, default=150.0, help="seconds before the measured window")
-    parser.add_argument("--drain", type=float, default=10.0, help="seconds after the arrivals, to start late jobs")
-    parser.add_argument("--operation-s", type=float, default=0.5, help="a pause, resume or move of a started job")
-    parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--backends", default="sqlite")
-    parser.add_argument("--heartbeat-interval", type=float, default=5.0)
-    parser.add_argument("--poll-wait", type=float, default=25.0)
-    parser.add_argument("--postgres-url", default=os.environ.get("FLEXIUM_TEST_POSTGRES_URL"))
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog=(
+            "The defaults are the documented 400-GPU run (docs/measurements.md, bench/README.md): about 7 minutes. "
+            "It needs flexium with the server extra (pip install '.[server]'), no GPU and no network: the server "
+            "listens on 127.0.0.1 and its database is a SQLite file in a temporary folder (PostgreSQL with "
+            "--backends postgresql). The server's share of a core is printed every 30 s and at the end: on a "
+            "machine where it stays well under one core, the figures say what the machine allows. The exit "
+            "status is 1 when a job saw an error."
+        ),
+    )
+    fleet = parser.add_argument_group("the fleet")
+    fleet.add_argument("--hosts", type=int, default=50, help="simulated hosts")
+    fleet.add_argument("--gpus-per-host", type=int, default=8, help="simulated GPUs per host")
+    fleet.add_argument("--gpu-memory", type=float, default=141.0, help="GiB per GPU")
+    jobs = parser.add_argument_group("the jobs (drawn from --seed)")
+    jobs.add_argument("--rate", type=float, default=3.0, help="jobs arriving per second, on the whole fleet")
+    jobs.add_argument("--running-s", type=float, default=150.0, help="a job's mean training time (0.5..1.5 x)")
+    jobs.add_argument("--sizes", default="16:0.4,40:0.3,80:0.2,130:0.1", help="a job's memory: GiB:weight,...")
+    jobs.add_argument("--priorities", default="low:0.3,normal:0.5,high:0.2", help="low|normal|high:weight,...")
+    jobs.add_argument("--operation-s", type=float, default=0.5, help="a pause, resume or move of a started job")
+    jobs.add_argument("--seed", type=int, default=1, help="the arrivals' random seed")
+    jobs.add_argument("--heartbeat-interval", type=float, default=5.0, help="seconds between a job's heartbeats")
+    jobs.add_argument("--poll-wait", type=float, default=25.0, help="a long-poll's wait (each 0.5..1 x)")
+    run = parser.add_argument_group("the run")
+    run.add_argument("--duration", type=float, default=360.0, help="seconds of arrivals")
+    run.add_argument("--warmup", type=float, default=150.0, help="seconds before the measured window")
+    run.add_argument("--drain", type=float, default=10.0, help="seconds after the arrivals, to start late jobs")
+    run.add_argument("--backends", default="sqlite", help="sqlite, postgresql or both (sqlite,postgresql)")
+    run.add_argument(
+        "--postgres-url",
+        default=os.environ.get("FLEXIUM_TEST_POSTGRES_URL"),
+        help="an admin URL for --backends postgresql ($FLEXIUM_TEST_POSTGRES_URL; else a throwaway cluster when root)",
+    )
     return parser.parse_args(argv)
 
 

@@ -4,11 +4,14 @@ resumes it and its long-poll hands the command over at once. On SQLite and Postg
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 from support.server import GIB, Api, gpu
 
 FULL = [gpu(0, used=139 * GIB), gpu(1, used=139 * GIB)]
+POLL_WAIT_S = 20.0
 
 
 def register_paused(api: Api, process_id: str = "p", **fields: Any) -> None:
@@ -86,6 +89,30 @@ def test_a_waiting_job_watches_its_gpus_and_is_resumed_when_it_sees_room(api: Ap
     assert "resume when free: GPU 1 had 130.0 GiB free" in panel
 
 
+def test_a_wait_created_ends_its_jobs_long_poll_so_it_asks_what_to_watch_at_once(api: Api) -> None:
+    """A job is queued by someone else (the CLI, the dashboard): its long-poll, the one way the
+    server reaches it, ends empty at once, and the job's heartbeat right after (the client's rule
+    for an empty poll answered early) gets what to watch, not a heartbeat interval later."""
+    register_paused(api)
+    answered: list[tuple[int, float]] = []
+
+    def poll() -> None:
+        asked = time.monotonic()
+        r = api.get("/processes/p/commands/next", params={"wait": POLL_WAIT_S})
+        answered.append((r.status_code, time.monotonic() - asked))
+
+    polling = threading.Thread(target=poll)
+    polling.start()
+    time.sleep(0.5)
+    assert answered == []  # it waits: nothing to hand out
+    created = api.post("/waits", {"process_id": "p"}).json()
+    polling.join(POLL_WAIT_S)
+    [(status, seconds)] = answered
+    assert status == 204 and seconds < POLL_WAIT_S / 2, answered
+    beat = api.post("/processes/p/heartbeat", {"state": "PAUSED"})
+    assert beat.json()["watch"] == created["watch"] and created["watch"]["wait_id"] == created["wait"]["id"]
+
+
 def test_a_refused_resume_is_queued_and_a_plain_one_is_sent_however_full_the_report(api: Api) -> None:
     """A person's resume is not refused on the last report's room (the job judges it); making room
     where nothing of lower priority runs is refused with why."""
@@ -94,3 +121,19 @@ def test_a_refused_resume_is_queued_and_a_plain_one_is_sent_however_full_the_rep
     assert refused.status_code == 422 and "cannot make room for process 'p'" in refused.json()["message"]
     sent = api.command("resume", "p")
     assert sent.status_code == 201 and sent.json()["target_uuid"] == "GPU-0000"
+
+
+def test_the_jobs_of_a_host_that_see_the_same_room_store_it_once(api: Api) -> None:
+    for process_id in ("p", "q"):
+        register_paused(api, process_id)
+        assert api.post("/waits", {"process_id": process_id, "gpu": "0"}).status_code == 201
+    seen = {"state": "PAUSED", "room_seen": True, "devices": [gpu(0, used=139 * GIB), gpu(1, used=100 * GIB)]}
+    stored = api.post("/processes/p/heartbeat", seen).json()
+    assert stored["watch"] is not None  # room on GPU 1; it waits for GPU 0
+    written = api.get("/devices").json()["hosts"][0]["updated_at"]
+    time.sleep(0.05)
+    same = api.post("/processes/q/heartbeat", seen).json()
+    assert same["watch"] is not None and api.get("/devices").json()["hosts"][0]["updated_at"] == written
+    more = {**seen, "devices": [gpu(0, used=139 * GIB), gpu(1, used=90 * GIB)]}
+    api.post("/processes/q/heartbeat", more)
+    assert api.get("/devices").json()["hosts"][0]["updated_at"] > written

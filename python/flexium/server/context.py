@@ -89,6 +89,7 @@ class ServerContext:
     tokens: TokenCache = field(init=False)
     process_hosts: dict[tuple[int, str], str] = field(default_factory=dict)
     device_writes: dict[tuple[int, str], float] = field(default_factory=dict)
+    device_rooms: dict[tuple[int, str], tuple[Any, ...]] = field(default_factory=dict)  # the room it stored
     # Plain heartbeats (nothing changed but the time) are answered from memory and written in
     # batches: at thousands of jobs they are most of the traffic, and one transaction each
     # would keep SQLite's single writer busy in front of the commands that matter.
@@ -151,8 +152,18 @@ class ServerContext:
             return True
         return now - self.device_writes.get((workspace_id, host), 0.0) >= self.settings.device_write_interval_s
 
-    def devices_written(self, workspace_id: int, host: str, now: float) -> None:
+    def devices_written(self, workspace_id: int, host: str, now: float, room: tuple[Any, ...] | None = None) -> None:
+        """``room``: the room that report showed (``services.room_shown``), when known."""
         self.device_writes[(workspace_id, host)] = now
+        if room is None:
+            self.device_rooms.pop((workspace_id, host), None)
+        else:
+            self.device_rooms[(workspace_id, host)] = room
+
+    def same_room(self, workspace_id: int, process_id: str, room: tuple[Any, ...]) -> bool:
+        """The process's host's last report stored showed this room, and nothing since made one due."""
+        host = self.process_hosts.get((workspace_id, process_id))
+        return host is not None and self.device_rooms.get((workspace_id, host)) == room
 
     def devices_due(self, workspace_id: int, process_id: str) -> None:
         """The next GPU report of the process's host is written whenever it comes: a command just
@@ -161,6 +172,7 @@ class ServerContext:
         host = self.process_hosts.get((workspace_id, process_id))
         if host is not None:
             self.device_writes.pop((workspace_id, host), None)
+            self.device_rooms.pop((workspace_id, host), None)
 
     def forget_process(self, workspace_id: int, process_id: str) -> None:
         self.process_hosts.pop((workspace_id, process_id), None)
@@ -242,7 +254,9 @@ class ServerContext:
             del self.pending[key]
 
 
-def get_context(request: Request) -> ServerContext:
+async def get_context(request: Request) -> ServerContext:
+    """A coroutine: FastAPI runs a plain function dependency on a worker thread, a thread hand-off
+    for every request that a server under load spent a twentieth of its time on."""
     ctx: ServerContext = request.app.state.ctx
     return ctx
 

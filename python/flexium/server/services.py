@@ -88,8 +88,8 @@ def heartbeat_from_memory(
 ) -> wire.HeartbeatResponse | None:
     """The answer to a plain heartbeat (nothing changed but the time, no devices due for a
     write), from memory; None when it must go to the database (``heartbeat``): a job that saw
-    room it waits for goes there at once."""
-    if body.room_seen or (body.devices and ctx.should_write_devices(workspace_id, process_id, now)):
+    room it waits for goes there at once, unless its host's last report stored showed that room."""
+    if _devices_to_write(ctx, workspace_id, process_id, body, now) or (body.room_seen and not body.devices):
         return None
     if not ctx.beat(workspace_id, process_id, body, now):
         return None
@@ -111,7 +111,7 @@ async def heartbeat(
     if answer is not None:
         return answer
     ctx.metrics.heartbeats.inc()
-    write_devices = bool(body.devices) and (body.room_seen or ctx.should_write_devices(workspace_id, process_id, now))
+    write_devices = _devices_to_write(ctx, workspace_id, process_id, body, now)
     outcome = await ctx.db.call(
         storage.heartbeat,
         write=True,
@@ -127,7 +127,7 @@ async def heartbeat(
     ctx.command_pending(workspace_id, process_id, outcome.pending_command)
     ctx.process_hosts[key] = outcome.host
     if outcome.devices_written:  # an older beat's GPUs are not stored, nor do they delay the next write
-        ctx.devices_written(workspace_id, outcome.host, now)
+        ctx.devices_written(workspace_id, outcome.host, now, room_shown(body.devices))
         ctx.publish(workspace_id, protocol.EVENT_DEVICES, {"host": outcome.host})
     if outcome.changed is not None:
         ctx.publish(workspace_id, protocol.EVENT_PROCESS, {"action": "updated", "process": outcome.changed})
@@ -147,6 +147,25 @@ async def heartbeat(
     )
 
 
+def _devices_to_write(
+    ctx: ServerContext, workspace_id: int, process_id: str, body: wire.HeartbeatRequest, now: float
+) -> bool:
+    """Whether the heartbeat's GPU report is stored: when one is due for its host, or at once when the
+    job saw room it waits for, unless its host's last report stored showed the same room. The jobs
+    of a host report the same GPUs, each waiting one the moment it sees room: one report is stored
+    and one queue pass runs for them, not one each."""
+    if not body.devices:
+        return False
+    if ctx.should_write_devices(workspace_id, process_id, now):
+        return True
+    return body.room_seen and not ctx.same_room(workspace_id, process_id, room_shown(body.devices))
+
+
+def room_shown(devices: list[wire.GpuReport]) -> tuple[tuple[Any, ...], ...]:
+    """What a GPU report says of room (each GPU's memory and health), in one order."""
+    return tuple(sorted((gpu.uuid, gpu.memory_total, gpu.memory_used, gpu.health) for gpu in devices))
+
+
 def revocation_waiter(ctx: ServerContext, auth: AuthInfo) -> asyncio.Future[None]:
     """Done when ``auth``'s token is revoked through this server (``ServerContext.tokens_revoked``),
     or was since the request was admitted; unregister it with the key ("token", id)."""
@@ -161,18 +180,17 @@ async def _wait(
     waiter: asyncio.Future[None],
     revoked: asyncio.Future[None],
     timeout: float,
-    gone: asyncio.Future[None] | None = None,
+    *ends: asyncio.Future[None],
 ) -> bool:
-    """True when woken, False on timeout or when the client went away (``gone``); Unauthorized
-    when the caller's token was revoked meanwhile: a revoked token's poll ends at once."""
+    """True when woken, False on timeout or when one of ``ends`` is done (the client went away,
+    the process has news to fetch); Unauthorized when the caller's token was revoked meanwhile: a
+    revoked token's poll ends at once."""
     done, _pending = await asyncio.wait(
-        {waiter, revoked} if gone is None else {waiter, revoked, gone},
-        timeout=max(0.0, timeout),
-        return_when=asyncio.FIRST_COMPLETED,
+        {waiter, revoked, *ends}, timeout=max(0.0, timeout), return_when=asyncio.FIRST_COMPLETED
     )
     if revoked in done and not ctx.stopping:  # stopping wakes every waiter, this one too
         raise Unauthorized("token revoked", error="invalid_token")
-    return bool(done) and gone not in done
+    return bool(done) and not any(end in done for end in ends)
 
 
 async def next_command(
@@ -189,18 +207,22 @@ async def next_command(
     (``received_at``, ``time.monotonic()``): a server that is behind answers an empty poll when its
     client stops waiting, not a wait later. A poll whose client went away (``receive`` says so: it
     gave up on a late answer) hands nothing out, and a delivery made as it went is undone, so the
-    command goes to the process's next poll instead of to a closed connection."""
+    command goes to the process's next poll instead of to a closed connection. A wait created for
+    the process ends its poll empty at once (``queue.watch_news``): the process then heartbeats, and the
+    answer says what to watch, at once rather than a heartbeat interval later."""
     workspace_id = auth.workspace_id
     key = (workspace_id, process_id)
     loop = asyncio.get_running_loop()
     late = 0.0 if received_at is None else max(0.0, time.monotonic() - received_at)
     deadline = loop.time() + (ctx.settings.poll_timeout_s if wait is None else wait) - late
     revoked = revocation_waiter(ctx, auth)
+    news = ctx.notifier.register(queue.watch_news(workspace_id, process_id))
     gone = None if receive is None else live.client_gone(receive)
     try:
-        return await _next_command(ctx, key, deadline, revoked, gone)
+        return await _next_command(ctx, key, deadline, revoked, news, gone)
     finally:
         ctx.notifier.unregister(("token", auth.token_id), revoked)
+        ctx.notifier.unregister(queue.watch_news(workspace_id, process_id), news)
         if gone is not None:
             gone.cancel()
 
@@ -210,6 +232,7 @@ async def _next_command(
     key: tuple[int, str],
     deadline: float,
     revoked: asyncio.Future[None],
+    news: asyncio.Future[None],
     gone: asyncio.Future[None] | None,
 ) -> wire.CommandInfo | None:
     workspace_id, process_id = key
@@ -221,7 +244,7 @@ async def _next_command(
             # Most polls find nothing; the in-memory view of pending commands (exact: every
             # command is created and settled in this process, and the sweep re-reads the
             # database) spares them any database work.
-            if ctx.stopping or (gone is not None and gone.done()):
+            if ctx.stopping or news.done() or (gone is not None and gone.done()):
                 return None
             pending = woken or key in ctx.pending
             if not pending and key not in ctx.process_hosts:
@@ -247,7 +270,8 @@ async def _next_command(
                     return command
                 ctx.command_pending(workspace_id, process_id, None)
             remaining = deadline - loop.time()
-            if ctx.stopping or remaining <= 0 or not await _wait(ctx, waiter, revoked, remaining, gone):
+            ends = (news,) if gone is None else (news, gone)
+            if ctx.stopping or remaining <= 0 or not await _wait(ctx, waiter, revoked, remaining, *ends):
                 return None
             woken = True
         finally:
