@@ -8,7 +8,6 @@ import asyncio
 import contextlib
 import gc
 import logging
-import ssl
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -34,6 +33,7 @@ from flexium.server.routes.docs import install_docs
 from flexium.server.settings import Settings, load_settings, option_and_env
 from flexium.server.sole_server import ServedElsewhere
 from flexium.server.storage import quotas
+from flexium.server.tls_certificate import check_certificate
 from flexium.server.transport_security import StrictTransportSecurity
 
 log = logging.getLogger("flexium.server")
@@ -283,21 +283,6 @@ def _redact(url: str) -> str:
     return url
 
 
-def _tls_problem(settings: Settings) -> str | None:
-    """Why the certificate and key cannot serve HTTPS (found at start, not at the first client)."""
-    if settings.certfile is None or settings.keyfile is None:
-        return None
-    context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    try:
-        context.load_cert_chain(settings.certfile, settings.keyfile)
-    except (ssl.SSLError, OSError) as exc:
-        return (
-            f"cannot serve HTTPS with --certfile {settings.certfile} --keyfile {settings.keyfile}: {exc} "
-            "(both must be PEM files, the key the certificate's, unencrypted)"
-        )
-    return None
-
-
 def _print_first_tokens(db: Database, settings: Settings, admin_token: str) -> None:
     """A new database's first start: a login link, a job token for training jobs (it registers
     and reports its own processes, and cannot command or mint) and the admin token, alone on
@@ -337,10 +322,12 @@ def _print_first_tokens(db: Database, settings: Settings, admin_token: str) -> N
 def serve(settings: Settings) -> int:
     """Upgrade the schema, create the default workspace on an empty database, print where the
     dashboard is, and serve until a stop signal; returns the exit status."""
-    tls_problem = _tls_problem(settings)
-    if tls_problem is not None:
-        print(f"flexium server: {tls_problem}", file=sys.stderr)
+    tls = check_certificate(settings.certfile, settings.keyfile, now=time.time())
+    if tls.problem is not None:
+        print(f"flexium server: {tls.problem}", file=sys.stderr)
         return 1
+    if tls.warning is not None:
+        print(f"flexium server: {tls.warning}", file=sys.stderr)
     database_file = sqlite_file(settings.database_url)
     if database_file is not None:
         try:
