@@ -21,7 +21,7 @@ from typing import Any
 from flexium import protocol, simulated, wire
 from flexium.cli.connection import add_connection_options
 from flexium.cli.exit_status import EXIT_FAILED, UsageError, fail, request_body
-from flexium.client import ApiClient, ServerError, Unauthorized
+from flexium.client import ApiClient, ServerError, Unauthorized, Unavailable, Unreachable
 from flexium.client.host import reported_host
 from flexium.config import ENV_DEVICE
 from flexium.units import read_size
@@ -194,6 +194,8 @@ def _choose_host(host: str | None) -> None:
 
 
 def _wait_until_placed(api: ApiClient, placement: wire.PlacementInfo) -> wire.PlacementInfo:
+    """Asks until placed; a server that cannot be reached for a while (restarted) is asked again:
+    the placement is a row, waiting for it in the queue as before."""
     said = None
     while placement.state == "waiting":
         if placement.note != said:
@@ -201,7 +203,12 @@ def _wait_until_placed(api: ApiClient, placement: wire.PlacementInfo) -> wire.Pl
             _say(f"placement {placement.id} waits{place}: {placement.note}")
             said = placement.note
         time.sleep(ASK_EVERY_S)
-        placement = api.report_placement(placement.id, wire.PlacementReport(devices=read_reports()))
+        try:
+            placement = api.report_placement(placement.id, wire.PlacementReport(devices=read_reports()))
+        except (Unreachable, Unavailable) as exc:
+            if said != exc.message:
+                _say(f"placement {placement.id}: {exc.message}; asking again")
+                said = exc.message
     return placement
 
 
