@@ -22,6 +22,7 @@ from flexium.client.http import (
     Unreachable,
 )
 from flexium.client.process import ProcessClient
+from flexium.errors import ConfigError
 
 __all__ = [
     "ApiClient",
@@ -55,5 +56,9 @@ def start_client(training: TrainingProcess) -> ProcessClient | None:
             config.address,
             protocol.TOKEN_ENV,
         )
-    api = ApiClient(config.address, config.token, user_agent=f"flexium/{__version__} (process)")
+    try:
+        api = ApiClient(config.address, config.token, user_agent=f"flexium/{__version__} (process)")
+    except ConfigError as exc:  # the job trains on, as without a server, saying why once
+        log.error("%s; this process trains without the server %s", exc, config.address)
+        return None
     return ProcessClient(training, api).start()

@@ -20,7 +20,7 @@ import requests
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from flexium import protocol, wire
-from flexium.errors import FlexiumError
+from flexium.errors import ConfigError, FlexiumError
 
 _Model = TypeVar("_Model", bound=BaseModel)
 
@@ -109,6 +109,22 @@ class Backoff:
         self.attempt = 0
 
 
+def _trusted_cas(address: protocol.ServerAddress, ca_bundle: str | None) -> bool | str:
+    """What to verify an https:// server's certificate against. A bundle that cannot be read is
+    refused here, by name: requests would raise it from deep inside the first request."""
+    path = ca_bundle or os.environ.get(protocol.CA_BUNDLE_ENV)
+    if not path:
+        return True
+    if address.scheme == "https" and not os.access(path, os.R_OK):
+        named = "the CA bundle" if ca_bundle else f"${protocol.CA_BUNDLE_ENV}"
+        why = "does not exist" if not os.path.exists(path) else "cannot be read by this user"
+        raise ConfigError(
+            f"{named} names {path}, which {why}: name the PEM file of the CA that signed the server's "
+            f"certificate, or unset {protocol.CA_BUNDLE_ENV} to trust the system's CAs"
+        )
+    return path
+
+
 class ApiClient:
     """Requests to one workspace of one server. Safe to share between threads: each thread
     gets its own connection pool, so a thread waiting in a long-poll never holds up another."""
@@ -124,7 +140,7 @@ class ApiClient:
         """``ca_bundle``: a PEM file of the CAs to trust for an https:// server (default:
         $FLEXIUM_CA_BUNDLE; without either, the system's CAs, or $REQUESTS_CA_BUNDLE)."""
         self.address = address
-        self.verify: bool | str = ca_bundle or os.environ.get(protocol.CA_BUNDLE_ENV) or True
+        self.verify: bool | str = _trusted_cas(address, ca_bundle)
         self.token = token
         self.user_agent = user_agent
         self._local = threading.local()
