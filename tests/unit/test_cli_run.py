@@ -6,9 +6,11 @@ from __future__ import annotations
 import pytest
 
 from flexium import units, wire
+from flexium.cli import run as run_cli
 from flexium.cli.exit_status import UsageError
 from flexium.cli.main import build_parser
 from flexium.cli.run import HostGpus
+from flexium.client import Unreachable
 
 
 def test_memory_reads_as_people_write_it() -> None:
@@ -37,3 +39,31 @@ def test_the_gpu_it_names_is_one_the_job_sees() -> None:
 def test_the_command_follows_its_options() -> None:
     args = build_parser().parse_args(["run", "--memory", "40GiB", "--priority", "high", "--", "python", "-u", "t.py"])
     assert args.command == ["--", "python", "-u", "t.py"] and args.memory == "40GiB" and args.priority == "high"
+
+
+def test_it_asks_again_while_the_server_cannot_be_reached(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A restarted server: the placement is a row, so flexium run waits on, saying so once."""
+    placement = wire.PlacementInfo(
+        id=7, host="node1", state="waiting", gpu_uuid=None, need_bytes=0, priority=50, position=1, placed_uuid=None,
+        placed_index=None, process_id=None, created_at=0.0, placed_at=None, finished_at=None, requested_by="alice",
+        command="python t.py", note="waits for a GPU", reservation=None,
+    )  # fmt: skip
+    down = Unreachable("cannot reach the flexium server at http://s: refused", code="unreachable")
+    answers: list[wire.PlacementInfo | Exception] = [down, down, placement.model_copy(update={"state": "placed"})]
+
+    class Api:
+        def report_placement(self, placement_id: int, body: wire.PlacementReport) -> wire.PlacementInfo:
+            answer = answers.pop(0)
+            if isinstance(answer, Exception):
+                raise answer
+            return answer
+
+    said: list[str] = []
+    monkeypatch.setattr(run_cli, "ASK_EVERY_S", 0.0)
+    monkeypatch.setattr(run_cli, "read_reports", list)
+    monkeypatch.setattr(run_cli, "_say", said.append)
+    assert run_cli._wait_until_placed(Api(), placement).state == "placed"  # type: ignore[arg-type]
+    assert said == [
+        "placement 7 waits (place 1 in line): waits for a GPU",
+        f"placement 7: {down.message}; asking again",
+    ]

@@ -197,6 +197,7 @@ def _wait_until_placed(api: ApiClient, placement: wire.PlacementInfo) -> wire.Pl
     """Asks until placed; a server that cannot be reached for a while (restarted) is asked again:
     the placement is a row, waiting for it in the queue as before."""
     said = None
+    unreachable = False  # said once an outage
     while placement.state == "waiting":
         if placement.note != said:
             place = f" (place {placement.position} in line)" if placement.position else ""
@@ -206,9 +207,11 @@ def _wait_until_placed(api: ApiClient, placement: wire.PlacementInfo) -> wire.Pl
         try:
             placement = api.report_placement(placement.id, wire.PlacementReport(devices=read_reports()))
         except (Unreachable, Unavailable) as exc:
-            if said != exc.message:
+            if not unreachable:
                 _say(f"placement {placement.id}: {exc.message}; asking again")
-                said = exc.message
+            unreachable = True
+        else:
+            unreachable = False
     return placement
 
 
