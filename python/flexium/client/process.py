@@ -46,6 +46,7 @@ UNREGISTER_TIMEOUT_S = 1.0
 # A long-poll that ends this early without a command means the server is answering at once
 # (it is shutting down): wait before asking again instead of spinning.
 EARLY_POLL_END_S = 0.5
+POLL_NEWS_BEFORE = 0.9  # an empty long-poll answered before this share of its wait: heartbeat now
 # The final outcome of a command is kept to answer a repeated delivery without running it again.
 REMEMBERED_COMMANDS = 64
 
@@ -291,7 +292,12 @@ class ProcessClient:
                 # command to it; the server hands an unacknowledged command out again.
                 return
             if command is None:
-                if time.monotonic() - asked < EARLY_POLL_END_S:
+                answered_in = time.monotonic() - asked
+                if answered_in < wait * POLL_NEWS_BEFORE:
+                    # An empty answer well before its wait: the server has news for this process
+                    # (it was queued: what to watch), which its heartbeat's answer carries.
+                    self._wake.set()
+                if answered_in < EARLY_POLL_END_S:
                     self._stop.wait(backoff.next())
                 else:
                     backoff.reset()

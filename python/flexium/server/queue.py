@@ -35,6 +35,12 @@ def announce_commands(ctx: ServerContext, workspace_id: int, commands: Iterable[
         ctx.publish(workspace_id, protocol.EVENT_COMMAND, {"action": "created", "command": command})
 
 
+def watch_news(workspace_id: int, process_id: str) -> tuple[str, int, str]:
+    """The notifier key that ends a process's long-poll empty: what it should watch changed, and
+    its heartbeat's answer says so (``services.next_command``)."""
+    return ("watch", workspace_id, process_id)
+
+
 def watch_of(ctx: ServerContext, workspace_id: int, process_id: str) -> wire.RoomWatch | None:
     """What a heartbeat's answer tells the process to watch (it waits in the queue), from memory."""
     return ctx.watches.get((workspace_id, process_id))
@@ -55,6 +61,8 @@ async def create_wait(ctx: ServerContext, *, auth: AuthInfo, body: wire.WaitRequ
     if queued.watches:  # its job watches from now on (the view read again follows)
         ctx.watches.update(queued.watches)
         ctx.queue_hosts.add((auth.workspace_id, answer.wait.host))
+        for workspace_id, process_id in queued.watches:  # told at once, not at its next heartbeat
+            ctx.notifier.notify(watch_news(workspace_id, process_id))
     announce_commands(ctx, auth.workspace_id, [c for c in answer.commands if c.kind == "pause"])
     ctx.publish(auth.workspace_id, protocol.EVENT_WAIT, {"action": "created", "wait": answer.wait})
     _told(ctx, queued.outcome, queue_changed=True)
