@@ -17,7 +17,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from flexium.server.errors import PayloadTooLarge, QuotaExceeded
-from flexium.server.models import Process, Token
+from flexium.server.models import Process, Token, Workspace
 from flexium.server.settings import Settings
 
 SESSION_KEY = "flexium_quotas"
@@ -49,9 +49,18 @@ def _setting(name: str) -> str:
     return option_and_env(name)
 
 
+def _counting_alone(session: Session, workspace_id: int) -> None:
+    """Hold the workspace's row until this transaction ends, so that two adds counted at once
+    (PostgreSQL; SQLite's writes take turns already) cannot both see room for one more: the
+    second counts again once the first has committed. ``NO KEY UPDATE``: the rows that merely
+    reference the workspace (every insert's foreign key) are not held up by it."""
+    session.execute(select(Workspace.id).where(Workspace.id == workspace_id).with_for_update(key_share=True))
+
+
 def check_new_process(*, session: Session, workspace_id: int) -> None:
     """Before a process is added to the workspace."""
     limit = _quotas(session).max_processes
+    _counting_alone(session, workspace_id)
     count = session.scalar(select(func.count()).select_from(Process).where(Process.workspace_id == workspace_id)) or 0
     if count >= limit:
         raise QuotaExceeded(
@@ -64,6 +73,7 @@ def check_new_process(*, session: Session, workspace_id: int) -> None:
 def check_new_token(*, session: Session, workspace_id: int) -> None:
     """Before a token is issued in the workspace (revoked ones do not count)."""
     limit = _quotas(session).max_tokens
+    _counting_alone(session, workspace_id)
     count = (
         session.scalar(
             select(func.count())
