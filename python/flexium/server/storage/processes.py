@@ -212,9 +212,11 @@ def register_process_snapshot(
     """Create or refresh a process from its registration (every field is replaced; missing
     ones take their defaults); returns (process, created). ``token_id``: the registering token,
     kept as the new process's owner; ``own_only`` (a job token): an existing process must be
-    that token's."""
+    that token's, and so must the ranks already registered under its job's key."""
     if report.job is not None and report.job.rank >= report.job.world_size:
         raise InvalidRequest(f"job.rank {report.job.rank} is not a rank of a job of world_size {report.job.world_size}")
+    if own_only and report.job is not None:
+        _check_own_job(session=session, workspace_id=workspace_id, key=report.job.key, token_id=token_id)
     row = session.scalar(
         select(Process)
         .where(Process.workspace_id == workspace_id, Process.process_id == report.process_id)
@@ -253,6 +255,24 @@ def register_process_snapshot(
     active = None if created else active_command(session=session, process_pk=row.pk)
     shown = shown_process(session=session, row=row, now=now, stale_after=stale_after, active=active)
     return shown, created, ProcessSnapshot.of(row)
+
+
+def _check_own_job(*, session: Session, workspace_id: int, key: str, token_id: int | None) -> None:
+    """A rank joins its job by key alone, and a job's ranks are moved and paused as one: a job
+    token that could join another token's job would take part in (and see the commands of)
+    a job it did not start."""
+    other = session.scalar(
+        select(Process.process_id)
+        .where(
+            Process.workspace_id == workspace_id, Process.job_key == key, Process.token_id.is_distinct_from(token_id)
+        )
+        .limit(1)
+    )
+    if other is not None:
+        raise Forbidden(
+            f"job {key!r} has ranks registered by another token ({other!r} among them): a job token registers "
+            "ranks only under the keys of its own jobs (every rank of one run uses the same token)"
+        )
 
 
 def _apply_held_by_gpu(row: Process, devices: list[wire.GpuReport]) -> None:
