@@ -9,12 +9,17 @@ from typing import Any
 
 import pytest
 from sqlalchemy import event
+from sqlalchemy.orm import Session
 
-from flexium import protocol
+from flexium import protocol, wire
 from flexium.server import errors, storage
 from flexium.server.db import Database
 from flexium.server.policies.resume_when_free import QueueOutcome
+from flexium.server.storage.devices import host_devices
+from flexium.server.storage.drains import create_drain
+from flexium.server.storage.processes import find_process
 from flexium.server.storage.reservations import hold_room
+from flexium.server.storage.targets import target_refusal
 from support.queue import HOST, admin, gpus_report, paused, queue, resumed, run, waits
 from support.server import GIB
 from support.storage import NOW, STALE, add_process, all_at_once, make_workspace, next_for, report
@@ -291,3 +296,21 @@ def test_the_queues_view_is_three_reads_however_long_the_queue(db: Database) -> 
     assert view.watches[(ws, "job-3")].gpus == ["GPU-0001"]
     assert view.watches[(ws, "rank-1")].gpus == ["GPU-0001"]
     assert view.watches[(ws, "rank-0")].wait_id == view.watches[(ws, "rank-1")].wait_id
+
+
+def test_a_drain_written_in_a_session_is_seen_by_the_drains_it_read_before(db: Database) -> None:
+    ws, _ = make_workspace(db)
+    gpus_report(db, ws, NOW, 0, 0)
+    paused(db, ws, "p")
+
+    def judged_before_and_after_a_drain(*, session: Session) -> list[str | None]:
+        proc = find_process(session=session, workspace_id=ws, process_id="p")
+        gpu0 = host_devices(session=session, workspace_id=ws, host=HOST)["GPU-0000"]
+        before = target_refusal(proc=proc, dev=gpu0, kind="resume", now=NOW, stale_after=STALE)
+        create_drain(
+            session=session, workspace_id=ws, actor=admin(ws), request=wire.DrainRequest(host=HOST, gpu="0"), now=NOW
+        )
+        return [before, target_refusal(proc=proc, dev=gpu0, kind="resume", now=NOW, stale_after=STALE)]
+
+    before, after = db.run(judged_before_and_after_a_drain, write=True)
+    assert before is None and after is not None and after.startswith("drained by alice")

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from sqlalchemy import event
 from sqlalchemy.orm import Session, object_session
 
 from flexium import protocol, wire
@@ -151,9 +152,26 @@ def target_refusal(
 
 def _drained(dev: Device) -> str | None:
     """A drain refuses its GPUs to every kind of target, read in the session the GPU's row was: no
-    judge of a target can leave it out."""
+    judge of a target can leave it out. Read once per GPU until the session next writes (the queue's
+    pass judges every GPU of a host for each waiting job: a query each was a fifth of a loaded
+    server's time)."""
     session = object_session(dev)
-    return None if session is None else drain_refusal(session=session, dev=dev)
+    if session is None:
+        return None
+    read: dict[tuple[int, str, str], str | None] = session.info.setdefault(_DRAINS_READ, {})
+    key = (dev.workspace_id, dev.host, dev.uuid)
+    if key not in read:
+        read[key] = drain_refusal(session=session, dev=dev)
+    return read[key]
+
+
+_DRAINS_READ = "flexium_drains_read"
+
+
+@event.listens_for(Session, "after_flush")
+def _forget_drains_read(session: Session, _flush_context: object) -> None:
+    """What a session read of drains holds until it writes: a query sees what was flushed, so must this."""
+    session.info.pop(_DRAINS_READ, None)
 
 
 def resolve_gpu_moves(
