@@ -101,6 +101,10 @@ def add_command(commands: Any) -> None:
         metavar="N",
         help="a process's capabilities, a command's result, as JSON (65536)",
     )
+    bounds.add_argument(
+        "--max-gpus-per-host", type=int, default=None, metavar="N", help="GPUs stored for one host (16)"
+    )
+    bounds.add_argument("--max-hosts", type=int, default=None, metavar="N", help="hosts with GPUs per workspace (256)")
     parser.set_defaults(usage_parser=parser)
 
 
@@ -129,6 +133,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         max_processes=args.max_processes,
         max_tokens=args.max_tokens,
         max_payload_bytes=args.max_payload_bytes,
+        max_gpus_per_host=args.max_gpus_per_host,
+        max_hosts=args.max_hosts,
     )
 
 

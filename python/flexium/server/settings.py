@@ -59,6 +59,8 @@ class Settings:
     max_processes: int = 1000  # processes registered in one workspace
     max_tokens: int = 200  # tokens of one workspace not revoked
     max_payload_bytes: int = 64 << 10  # a process's capabilities, a command's result (as JSON)
+    max_gpus_per_host: int = 16  # GPUs stored for one host (a GPU stays ~remove_after_s after it left)
+    max_hosts: int = 256  # hosts with GPUs stored in one workspace
 
     # HTTPS: both files or neither.
     certfile: str | None = None
@@ -97,7 +99,15 @@ class Settings:
                 f"{_option('device_write_interval_s')} ({self.device_write_interval_s:g} s), "
                 "how often a host's GPU report is stored; else fresh GPUs look silent"
             )
-        for name in ("max_connections", "max_requests", "max_processes", "max_tokens", "max_payload_bytes"):
+        for name in (
+            "max_connections",
+            "max_requests",
+            "max_processes",
+            "max_tokens",
+            "max_payload_bytes",
+            "max_gpus_per_host",
+            "max_hosts",
+        ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_option(name)} must be at least 1, not {getattr(self, name)}")
         if (self.certfile is None) != (self.keyfile is None):
@@ -167,6 +177,8 @@ _ENV_SETTINGS: dict[str, tuple[str, type]] = {
     "FLEXIUM_MAX_PROCESSES": ("max_processes", int),
     "FLEXIUM_MAX_TOKENS": ("max_tokens", int),
     "FLEXIUM_MAX_PAYLOAD_BYTES": ("max_payload_bytes", int),
+    "FLEXIUM_MAX_GPUS_PER_HOST": ("max_gpus_per_host", int),
+    "FLEXIUM_MAX_HOSTS": ("max_hosts", int),
     "FLEXIUM_CERTFILE": ("certfile", str),
     "FLEXIUM_KEYFILE": ("keyfile", str),
 }

@@ -1,6 +1,7 @@
 """GPUs, as the processes of each host report them through NVML. A host's report replaces
 its previous one; memory held by this workspace's flexium jobs is computed from their own
-reports, so the dashboard can tell ours from others'."""
+reports, so the dashboard can tell ours from others'. A report that would store more GPUs for a
+host, or more hosts, than the workspace's quotas allow is refused (``quotas.check_new_gpus``)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from sqlalchemy.orm import Session
 
 from flexium import wire
 from flexium.server.models import Device, Process, table_of
+from flexium.server.storage import quotas
 from flexium.server.storage.history import record_samples
 
 _FIELDS = ("index", "name", "memory_total", "memory_used", "utilization", "temperature", "health")
@@ -37,6 +39,7 @@ def upsert_devices(
         rows[row["uuid"]] = row  # a GPU listed twice: the last one wins
     if not rows:
         return
+    quotas.check_new_gpus(session=session, workspace_id=workspace_id, host=host, uuids=rows.keys())
     # In one order (by UUID) whatever order a job lists them in: two jobs' upserts then lock
     # the rows in the same order and cannot deadlock on PostgreSQL.
     session.execute(_upsert(session.get_bind().dialect.name), [rows[uuid] for uuid in sorted(rows)])

@@ -9,15 +9,16 @@ server's settings) so that storage functions keep their signatures; a session wi
 from __future__ import annotations
 
 import json
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel
-from sqlalchemy import func, select
+from sqlalchemy import distinct, func, select
 from sqlalchemy.orm import Session
 
 from flexium.server.errors import PayloadTooLarge, QuotaExceeded
-from flexium.server.models import Process, Token, Workspace
+from flexium.server.models import Device, Process, Token, Workspace
 from flexium.server.settings import Settings
 
 SESSION_KEY = "flexium_quotas"
@@ -28,6 +29,8 @@ class Quotas:
     max_processes: int = Settings.max_processes
     max_tokens: int = Settings.max_tokens
     max_payload_bytes: int = Settings.max_payload_bytes
+    max_gpus_per_host: int = Settings.max_gpus_per_host
+    max_hosts: int = Settings.max_hosts
 
     @classmethod
     def of(cls, settings: Settings) -> Quotas:
@@ -35,6 +38,8 @@ class Quotas:
             max_processes=settings.max_processes,
             max_tokens=settings.max_tokens,
             max_payload_bytes=settings.max_payload_bytes,
+            max_gpus_per_host=settings.max_gpus_per_host,
+            max_hosts=settings.max_hosts,
         )
 
 
@@ -88,6 +93,40 @@ def check_new_token(*, session: Session, workspace_id: int) -> None:
             f"(`flexium token revoke`), or start the server with a higher {_setting('max_tokens')}",
             detail={"limit": "max_tokens", "value": limit},
         )
+
+
+def check_new_gpus(*, session: Session, workspace_id: int, host: str, uuids: Collection[str]) -> None:
+    """Before a device report stores GPUs its host had none of. A report carries at most
+    ``protocol.MAX_DEVICES`` GPUs, but a new UUID in each (or a new host name) would add rows and
+    history samples without end, each sent to every dashboard."""
+    known = _host_gpus(session, workspace_id, host)
+    if known.issuperset(uuids):
+        return
+    _counting_alone(session, workspace_id)
+    known = _host_gpus(session, workspace_id, host)  # again: another report may have added some meanwhile
+    limits = _quotas(session)
+    count = len(known.union(uuids))
+    if count > limits.max_gpus_per_host:
+        raise QuotaExceeded(
+            f"host {host!r} would have {count} GPUs, over the limit of {limits.max_gpus_per_host}: a GPU no longer "
+            f"reported goes {_setting('remove_after_s')} after its last report, or start the server with a higher "
+            f"{_setting('max_gpus_per_host')}",
+            detail={"limit": "max_gpus_per_host", "value": limits.max_gpus_per_host},
+        )
+    if known:
+        return
+    hosts = session.scalar(select(func.count(distinct(Device.host))).where(Device.workspace_id == workspace_id)) or 0
+    if hosts >= limits.max_hosts:
+        raise QuotaExceeded(
+            f"the workspace has GPUs of {hosts} hosts, its limit: a host no longer reported goes "
+            f"{_setting('remove_after_s')} after its last report, or start the server with a higher "
+            f"{_setting('max_hosts')}",
+            detail={"limit": "max_hosts", "value": limits.max_hosts},
+        )
+
+
+def _host_gpus(session: Session, workspace_id: int, host: str) -> set[str]:
+    return set(session.scalars(select(Device.uuid).where(Device.workspace_id == workspace_id, Device.host == host)))
 
 
 def stored_json(*, session: Session, value: BaseModel, what: str) -> Any:
