@@ -31,13 +31,12 @@ def migrate_fast(ctx: OperationContext, fast: FastPath, plan: MovePlan, notes: t
         OperationKind.MIGRATE, "fast", ctx.logical_device, source, dest, moved, started, notes, steps=[prepare]
     )
 
-    before, timing, unchecked = checksum.before_the_move(ctx.logical, fast.pool.live_ranges(ctx.logical))
+    live = fast.pool.live_ranges(ctx.logical)  # one snapshot of PyTorch's allocator for both steps
+    before, timing, unchecked = checksum.before_the_move(ctx.logical, live)
     draft.steps.extend([timing] if timing is not None else [])
     draft.notes = (*draft.notes, *([unchecked] if unchecked else []))
     try:
-        staged, timing = fast.stage_to_device(
-            ctx.logical, target_ordinal, before.live if before else None, checksum_copies=before is not None
-        )
+        staged, timing = fast.stage_to_device(ctx.logical, target_ordinal, live, checksum_copies=before is not None)
         draft.steps.append(timing)
     except RelocationError as exc:
         draft.steps.append(exc.timing)

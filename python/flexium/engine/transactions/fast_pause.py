@@ -70,11 +70,12 @@ def pause_fast(ctx: OperationContext, fast: FastPath, source: GpuIdentity, notes
             failed_step=failed_step, error=f"{error}; rolled back: the job runs on {source.device} as before"
         )
 
-    before, timing, unchecked = checksum.before_the_move(ctx.logical, fast.pool.live_ranges(ctx.logical))
+    live = fast.pool.live_ranges(ctx.logical)  # one snapshot of PyTorch's allocator for both steps
+    before, timing, unchecked = checksum.before_the_move(ctx.logical, live)
     draft.steps.extend([timing] if timing is not None else [])
     draft.notes = (*draft.notes, *([unchecked] if unchecked else []))
     try:
-        copied, timing = fast.stage_to_host(ctx.logical, before.live if before else None)
+        copied, timing = fast.stage_to_host(ctx.logical, live)
         draft.steps.append(timing)
     except RelocationError as exc:
         draft.steps.append(exc.timing)
