@@ -18,6 +18,7 @@ from flexium.client.reports import GpuReading
 from flexium.client.room_watch import RoomWatch
 from flexium.engine import nvml
 from flexium.engine.operations import EngineState
+from support.engine import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 GIB = 1 << 30
@@ -82,8 +83,8 @@ class _Api:
             ok=True, pending_command=None, heartbeat_interval_s=30.0, server_time=0.0, watch=WATCH
         )
 
-    def next_command(self, *_args: Any, stop: threading.Event, **_kw: Any) -> None:
-        stop.wait(0.2)
+    def next_command(self, *_args: Any, wait: float, stop: threading.Event, **_kw: Any) -> None:
+        stop.wait(wait)  # nothing to hand out within the wait (an early empty answer would be news)
 
     def unregister(self, *_args: Any, **_kw: Any) -> None:
         pass
@@ -148,5 +149,38 @@ def test_a_running_job_reads_nothing(gpus: list[nvml.HostGpu], monkeypatch: pyte
         reads.clear()
         time.sleep(5 * protocol.ROOM_WATCH_INTERVAL_S)
         assert reads == []
+    finally:
+        client.stop()
+
+
+class _QueuedLater(_Api):
+    """A job registered before anyone queued it; queued 0.3 s into its first long-poll, which the
+    server then answers empty (what it should watch changed): only a heartbeat's answer says what."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.polls = 0
+
+    def register(self, body: wire.RegisterRequest, *, timeout: float) -> wire.RegisterResponse:
+        return wire.RegisterResponse.model_construct(
+            heartbeat_interval_s=30.0, poll_timeout_s=25.0, stale_after_s=60.0, server_time=0.0, watch=None
+        )
+
+    def next_command(self, *_args: Any, wait: float, stop: threading.Event, **_kw: Any) -> None:
+        self.polls += 1
+        stop.wait(0.3 if self.polls == 1 else wait)
+
+
+def test_a_job_queued_after_it_registered_asks_what_to_watch_when_its_poll_ends_early(
+    gpus: list[nvml.HostGpu],
+) -> None:
+    api = _QueuedLater()
+    client = _client(EngineState.PAUSED, api).start()
+    try:
+        assert client.wait_registered(5)
+        wait_until(lambda: api.beats != [], 5, "a heartbeat after the poll's early end")
+        assert client.room_watch.watching == WATCH  # its answer named the wait: watched from now on
+        gpus[1] = _gpu("GPU-1", 40 * GIB)
+        assert api.seen.wait(5)  # and the room, when it came, was told at once
     finally:
         client.stop()
