@@ -181,6 +181,9 @@ class Device(Base):
     temperature: Mapped[int | None] = mapped_column(Integer, nullable=True)
     health: Mapped[str] = mapped_column(String(protocol.MAX_SHORT_TEXT), default="ok")
     updated_at: Mapped[float] = mapped_column(Double)
+    # The token whose report this is (None: one without a token's process, flexium run's); no
+    # foreign key, as Token.minted_by.
+    reported_by: Mapped[int | None] = mapped_column(Integer, nullable=True)
 
 
 class GpuSample(Base):

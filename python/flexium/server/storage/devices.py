@@ -13,7 +13,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from sqlalchemy.dialects.sqlite import insert as sqlite_insert
 from sqlalchemy.orm import Session
 
-from flexium import wire
+from flexium import protocol, wire
 from flexium.server.models import Device, Process, table_of
 from flexium.server.storage import quotas
 from flexium.server.storage.history import record_samples
@@ -22,15 +22,36 @@ _FIELDS = ("index", "name", "memory_total", "memory_used", "utilization", "tempe
 
 
 def upsert_devices(
-    *, session: Session, workspace_id: int, host: str, devices: Iterable[wire.GpuReport], now: float
+    *,
+    session: Session,
+    workspace_id: int,
+    host: str,
+    devices: Iterable[wire.GpuReport],
+    now: float,
+    reporter: int | None = None,
+    fresh_for: float = protocol.STALE_AFTER_S,
 ) -> None:
     """Insert or update a host's GPUs in one statement (and take the GPU history's samples). The
     jobs of one host report the same GPUs, often at the same moment: ON CONFLICT makes that race
-    harmless on both databases."""
-    devices = list(devices)
+    harmless on both databases.
+
+    ``reporter``: the token of the process that reports. A GPU whose row holds another token's
+    report, younger than ``fresh_for``, keeps it when this one calls the GPU less healthy: a
+    token's job could otherwise make every GPU of a host look sick (refused as a target) while
+    the jobs there report it well. A GPU really gone bad is said by those jobs too, and their
+    report (or ours, once theirs is old) is taken."""
+    devices = _not_sicker_than_others(
+        session, workspace_id=workspace_id, host=host, devices=devices, reporter=reporter, since=now - fresh_for
+    )
     rows = {}
     for report in devices:
-        row: dict[str, Any] = {"workspace_id": workspace_id, "host": host, "uuid": report.uuid, "updated_at": now}
+        row: dict[str, Any] = {
+            "workspace_id": workspace_id,
+            "host": host,
+            "uuid": report.uuid,
+            "updated_at": now,
+            "reported_by": reporter,
+        }
         for name in _FIELDS:
             value = getattr(report, name)
             if value is None and name in _NOT_NULL:
@@ -46,6 +67,44 @@ def upsert_devices(
     record_samples(session=session, workspace_id=workspace_id, host=host, devices=devices, now=now)
 
 
+def _not_sicker_than_others(
+    session: Session,
+    *,
+    workspace_id: int,
+    host: str,
+    devices: Iterable[wire.GpuReport],
+    reporter: int | None,
+    since: float,
+) -> list[wire.GpuReport]:
+    devices = list(devices)
+    if reporter is None or not devices:
+        return devices
+    kept = {
+        row.uuid: row.health
+        for row in session.execute(
+            select(Device.uuid, Device.health).where(
+                Device.workspace_id == workspace_id,
+                Device.host == host,
+                Device.uuid.in_([report.uuid for report in devices]),
+                Device.reported_by.is_not(None),
+                Device.reported_by != reporter,
+                Device.updated_at >= since,
+            )
+        )
+    }
+    return [
+        report
+        for report in devices
+        if report.uuid not in kept or _sickness(report.health) <= _sickness(kept[report.uuid])
+    ]
+
+
+def _sickness(health: str | None) -> int:
+    if health in (None, protocol.HEALTH_OK):
+        return 0
+    return 1 if health == protocol.HEALTH_UNKNOWN else 2
+
+
 _NOT_NULL: dict[str, Any] = {"name": "", "memory_total": 0, "memory_used": 0, "health": "ok"}
 _UPSERTS: dict[str, Any] = {}
 
@@ -58,7 +117,7 @@ def _upsert(dialect: str) -> Any:
         insert = (sqlite_insert if dialect == "sqlite" else pg_insert)(table_of(Device))
         stmt = _UPSERTS[dialect] = insert.on_conflict_do_update(
             index_elements=["workspace_id", "host", "uuid"],
-            set_={name: insert.excluded[name] for name in (*_FIELDS, "updated_at")},
+            set_={name: insert.excluded[name] for name in (*_FIELDS, "updated_at", "reported_by")},
         )
     return stmt
 

@@ -251,7 +251,15 @@ def register_process_snapshot(
     _apply_held_by_gpu(row, report.devices)
     session.flush()
     if report.devices:
-        upsert_devices(session=session, workspace_id=workspace_id, host=row.host, devices=report.devices, now=now)
+        upsert_devices(
+            session=session,
+            workspace_id=workspace_id,
+            host=row.host,
+            devices=report.devices,
+            now=now,
+            reporter=row.token_id,
+            fresh_for=stale_after,
+        )
     active = None if created else active_command(session=session, process_pk=row.pk)
     shown = shown_process(session=session, row=row, now=now, stale_after=stale_after, active=active)
     return shown, created, ProcessSnapshot.of(row)
@@ -352,7 +360,15 @@ def heartbeat(
     devices_written = write_devices and bool(report.devices)
     if devices_written:
         _apply_held_by_gpu(row, report.devices)
-        upsert_devices(session=session, workspace_id=workspace_id, host=row.host, devices=report.devices, now=now)
+        upsert_devices(
+            session=session,
+            workspace_id=workspace_id,
+            host=row.host,
+            devices=report.devices,
+            now=now,
+            reporter=row.token_id,
+            fresh_for=stale_after,
+        )
     pending = session.scalar(
         select(Command.id)
         .where(Command.process_pk == row.pk, Command.state.in_(protocol.PENDING_COMMAND_STATES))
