@@ -1,6 +1,6 @@
 """ci/test.sh's own behaviour, on stub commands (the real ones take half an hour): `--quick` runs
-the lint and the unit tests alone, and every run ends with the time each stage took, a failed
-one too."""
+the lint and the unit tests alone, spread over FLEXIUM_TEST_WORKERS pytest processes, and every
+run ends with the time each stage took, a failed one too."""
 
 from __future__ import annotations
 
@@ -27,7 +27,12 @@ def _stub_venv(tmp: Path, failing: str = "") -> Path:
 
 def _run(tmp: Path, *args: str, failing: str = "") -> tuple[subprocess.CompletedProcess[str], list[str]]:
     calls = tmp / "calls.txt"
-    env = {**os.environ, "FLEXIUM_TEST_VENV": str(_stub_venv(tmp, failing)), "CALLS": str(calls)}
+    env = {
+        **os.environ,
+        "FLEXIUM_TEST_VENV": str(_stub_venv(tmp, failing)),
+        "CALLS": str(calls),
+        "FLEXIUM_TEST_WORKERS": "3",
+    }
     done = subprocess.run(["bash", str(SCRIPT), *args], env=env, capture_output=True, text=True, timeout=60)
     return done, calls.read_text().splitlines() if calls.exists() else []
 
@@ -35,7 +40,7 @@ def _run(tmp: Path, *args: str, failing: str = "") -> tuple[subprocess.Completed
 def test_quick_runs_the_lint_and_the_unit_tests_and_says_how_long_each_took(tmp_path: Path) -> None:
     done, calls = _run(tmp_path, "--quick", "-k", "config")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "ruff check ." in calls and "python -m pytest -q -x tests/unit -k config" in calls
+    assert "ruff check ." in calls and "python -m pytest -q -x -n 3 --dist loadfile tests/unit -k config" in calls
     assert not any("mypy" in call or "tests/server" in call or "tests/e2e" in call for call in calls), calls
     # flexium is importable here (the stub says so): --quick does not build it again
     assert not any("--no-build-isolation" in call for call in calls), calls
