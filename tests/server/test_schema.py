@@ -280,8 +280,8 @@ def test_0015_downgrade_drops_the_reasons_and_keeps_the_waits_and_their_room(dat
         )
         s.execute(
             text(
-                "INSERT INTO reservations (workspace_id, host, gpu_uuid, bytes, wait_id, holder, created_at, expires_at)"
-                " SELECT workspace_id, host, 'GPU-0000', 1, id, 'alice', 0, 1 FROM waits"
+                "INSERT INTO reservations (workspace_id, host, gpu_uuid, bytes, wait_id, holder, created_at,"
+                " expires_at) SELECT workspace_id, host, 'GPU-0000', 1, id, 'alice', 0, 1 FROM waits"
             )
         )
     migrate_to(db, command.downgrade, "0014")
