@@ -36,11 +36,14 @@ def flexium_command() -> list[str]:
 
 def clean_env(home: Path) -> dict[str, str]:
     """This environment without flexium's or the fake driver's settings, with a home of its own
-    (no ~/.flexiumrc of the machine applies)."""
+    (no ~/.flexiumrc of the machine applies), and without a terminal's size: pytest-xdist's
+    workers set COLUMNS, which the command line's tables would fit instead of printing whole lines
+    to a pipe."""
     env = {
         k: v
         for k, v in os.environ.items()
-        if not k.startswith(("FLEXIUM_", "FAKE_CUDA_", "FAKE_NVML_")) and k not in ("GPU_DEVICE", "CI_FLEXIUM")
+        if not k.startswith(("FLEXIUM_", "FAKE_CUDA_", "FAKE_NVML_"))
+        and k not in ("GPU_DEVICE", "CI_FLEXIUM", "COLUMNS", "LINES")
     }
     env["HOME"] = str(home)
     env["FLEXIUM_HOME"] = str(home / ".flexium")
