@@ -16,7 +16,7 @@ import pytest
 from flexium.server.replica_link import CHANNEL, MAX_PAYLOAD_BYTES, Message, ReplicaLink, conninfo
 from flexium.server.settings import normalize_database_url
 
-pytestmark = [pytest.mark.timeout(60), pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)]
+pytestmark = [pytest.mark.timeout(60), pytest.mark.parametrize("database_kind", ["postgresql"], indirect=True)]
 
 
 class Replica:
