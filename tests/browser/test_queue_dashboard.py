@@ -341,5 +341,11 @@ def test_a_wait_queued_on_the_job_page_keeps_the_reason_typed_there(dash: Dashbo
         "the resume on its timeline",
     )
     assert "by the server on its own: resume when free" in event and "back after the demo" in event
-    queued = dash.d.find_elements(By.CSS_SELECTOR, "#job-timeline li.event-queue")
-    assert any("back after the demo" in e.text for e in queued), [e.text for e in queued]  # queued, and why
+    # the timeline redraws as events arrive: its entries are read again until one says why
+    dash.wait(
+        lambda: any(
+            "back after the demo" in e.text
+            for e in dash.d.find_elements(By.CSS_SELECTOR, "#job-timeline li.event-queue")
+        ),
+        "the queueing on its timeline, and why",
+    )
