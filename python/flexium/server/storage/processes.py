@@ -248,18 +248,8 @@ def register_process_snapshot(
     row.last_seen = now
     row.state_seq = report.seq
     _apply_footprint(row, footprint=report.footprint_bytes)
-    _apply_held_by_gpu(row, report.devices)
     session.flush()
-    if report.devices:
-        upsert_devices(
-            session=session,
-            workspace_id=workspace_id,
-            host=row.host,
-            devices=report.devices,
-            now=now,
-            reporter=row.token_id,
-            fresh_for=stale_after,
-        )
+    _store_devices(session, row, report.devices, now=now, stale_after=stale_after)
     active = None if created else active_command(session=session, process_pk=row.pk)
     shown = shown_process(session=session, row=row, now=now, stale_after=stale_after, active=active)
     return shown, created, ProcessSnapshot.of(row)
@@ -283,12 +273,26 @@ def _check_own_job(*, session: Session, workspace_id: int, key: str, token_id: i
         )
 
 
-def _apply_held_by_gpu(row: Process, devices: list[wire.GpuReport]) -> None:
-    """What the process holds on each GPU, from a device report that says (an older client sends
-    no process_bytes); kept while it holds nothing (paused: it comes back to those GPUs)."""
+def _store_devices(
+    session: Session, row: Process, devices: list[wire.GpuReport], *, now: float, stale_after: float
+) -> None:
+    """A process's GPU report (a registration's or a heartbeat's): what it holds on each GPU,
+    from a report that says (an older client sends no process_bytes; kept while it holds
+    nothing: paused, it comes back to those GPUs), and its host's GPUs, filed under its token."""
+    if not devices:
+        return
     held = {report.uuid: report.process_bytes for report in devices if report.process_bytes}
     if held:
         row.gpu_bytes = held
+    upsert_devices(
+        session=session,
+        workspace_id=row.workspace_id,
+        host=row.host,
+        devices=devices,
+        now=now,
+        reporter=row.token_id,
+        fresh_for=stale_after,
+    )
 
 
 def _set_job(row: Process, job: wire.JobMembership | None) -> None:
@@ -359,16 +363,7 @@ def heartbeat(
     row.last_seen = now
     devices_written = write_devices and bool(report.devices)
     if devices_written:
-        _apply_held_by_gpu(row, report.devices)
-        upsert_devices(
-            session=session,
-            workspace_id=workspace_id,
-            host=row.host,
-            devices=report.devices,
-            now=now,
-            reporter=row.token_id,
-            fresh_for=stale_after,
-        )
+        _store_devices(session, row, report.devices, now=now, stale_after=stale_after)
     pending = session.scalar(
         select(Command.id)
         .where(Command.process_pk == row.pk, Command.state.in_(protocol.PENDING_COMMAND_STATES))
