@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 
@@ -85,3 +86,51 @@ def tune_client() -> None:
 
     gc.freeze()
     gc.set_threshold(50_000, 20, 100)
+
+
+async def read_events(
+    port: int, token: str, path: str, on_event: Callable[[str, Any], None], opened: asyncio.Event
+) -> None:
+    """A dashboard's live events (server-sent events at ``path``): ``on_event(name, data)`` for
+    each as it arrives, until the connection closes or the task is cancelled."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(
+            f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {token}\r\n"
+            "Accept: text/event-stream\r\n\r\n".encode()
+        )
+        head = (await reader.readuntil(b"\r\n\r\n")).decode("latin-1").lower()
+        if not head.startswith(("http/1.1 200", "http/1.0 200")):
+            raise HttpError(f"event stream {path}: {head.splitlines()[0]}")
+        opened.set()
+        buffer = b""
+        async for piece in _body(reader, chunked="transfer-encoding: chunked" in head):
+            buffer += piece
+            *events, buffer = buffer.split(b"\n\n")
+            for event in events:
+                name, data = "message", ""
+                for line in event.decode().splitlines():
+                    if line.startswith("event:"):
+                        name = line[6:].strip()
+                    elif line.startswith("data:"):
+                        data += line[5:].strip()
+                if data:
+                    on_event(name, json.loads(data))
+    finally:
+        writer.close()
+
+
+async def _body(reader: asyncio.StreamReader, *, chunked: bool) -> AsyncIterator[bytes]:
+    """A response body as it arrives, its chunked framing undone."""
+    while True:
+        if not chunked:
+            data = await reader.read(65536)
+            if not data:
+                return
+            yield data
+            continue
+        size = int((await reader.readline()).split(b";")[0].strip() or b"0", 16)
+        if size == 0:
+            return
+        yield await reader.readexactly(size)
+        await reader.readexactly(2)

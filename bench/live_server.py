@@ -1,7 +1,9 @@
 """A real ``flexium server`` process on this machine (127.0.0.1 only) for the benchmarks, on a
 fresh database: a SQLite file, or a new PostgreSQL database (``--postgres-url``, an admin URL;
 else $FLEXIUM_TEST_POSTGRES_URL; else a throwaway cluster started when running as root with
-Debian's postgresql installed)."""
+Debian's postgresql installed); or several (``Replicas``) on one PostgreSQL database behind
+Debian's nginx, configured as docs/guide/server.md says (tests/support/nginx.py, which the tests
+run too)."""
 
 from __future__ import annotations
 
@@ -20,8 +22,12 @@ import threading
 import time
 import urllib.request
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from support.nginx import NginxFront  # noqa: E402
 
 
 def free_port() -> int:
@@ -31,10 +37,12 @@ def free_port() -> int:
 
 
 class Server:
-    """The server on a free port; ``token`` is the admin token its first start prints, ``output``
-    the lines it printed after it (read on a thread: a full pipe would stop the server)."""
+    """The server on a free port; ``token`` is the admin token its first start on an empty
+    database prints (empty for a server on a database another one set up), ``output`` the lines
+    it printed after it (read on a thread: a full pipe would stop the server). ``options`` go to
+    ``flexium server`` (the benchmark's quotas)."""
 
-    def __init__(self, database_url: str, home: str) -> None:
+    def __init__(self, database_url: str, home: str, options: Sequence[str] = ()) -> None:
         self.port = free_port()
         env = {k: v for k, v in os.environ.items() if not k.startswith("FLEXIUM_")}
         env["FLEXIUM_HOME"] = home
@@ -49,6 +57,7 @@ class Server:
                 database_url,
                 "--log-level",
                 "warning",
+                *options,
             ],
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -58,12 +67,15 @@ class Server:
         self.token = ""
         deadline = time.monotonic() + 60
         assert self.proc.stdout is not None
+        said: list[str] = []
         while time.monotonic() < deadline:
             line = self.proc.stdout.readline()
             if not line:
-                raise RuntimeError("server exited before printing its token")
+                raise RuntimeError("server exited at start:\n" + "".join(said[-20:]))
+            said.append(line)
             if re.fullmatch(r"flx_[A-Za-z0-9_-]+", line.strip()):
                 self.token = line.strip()
+            if line.startswith("flexium server: open file limit"):  # its last line before serving
                 break
         self.output: collections.deque[str] = collections.deque(maxlen=50)
         threading.Thread(target=self._read_output, daemon=True).start()
@@ -93,6 +105,40 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+class Replicas:
+    """``count`` servers on one database (the first sets it up and prints the token) and nginx
+    in front of them: ``port`` is nginx's."""
+
+    def __init__(self, database_url: str, work: str, count: int, options: Sequence[str] = ()) -> None:
+        self.servers: list[Server] = []
+        try:
+            for i in range(count):
+                self.servers.append(Server(database_url, f"{work}/replica-{i}", options))
+            # every job holds two connections to nginx, and nginx one to a replica for each
+            self.front = NginxFront(Path(work) / "nginx", [s.port for s in self.servers], worker_connections=40000)
+            self.front.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    @property
+    def port(self) -> int:
+        return self.front.port
+
+    @property
+    def token(self) -> str:
+        return self.servers[0].token
+
+    def cpu_seconds(self) -> list[float]:
+        return [s.cpu_seconds() for s in self.servers]
+
+    def stop(self) -> None:
+        if hasattr(self, "front"):
+            self.front.stop()
+        for server in self.servers:
+            server.stop()
 
 
 class ThrowawayPostgres:

@@ -9,9 +9,15 @@ seconds and keeps a long-poll open; a controller creates pause/resume commands a
 - heartbeats: latency (request -> response) p50/p99 and throughput during the steady phase,
   and the most heartbeats per second the server takes (``--burst-concurrency`` back-to-back);
 - command delivery: from the controller sending POST /commands to the job receiving the
-  command on its long-poll, p50/p99 (both ends in this process, one monotonic clock).
+  command on its long-poll, p50/p99 (both ends in this process, one monotonic clock);
+- dashboard events: from the same POST to its ``command`` event on each of ``--dashboards``
+  open event streams, p50/p99.
 
 Usage: python bench/server.py [--jobs 100,1000,2000] [--backends sqlite,postgresql]
+       python bench/server.py --replicas 1,3 --jobs 5000 --hosts 200
+``--replicas``: that many servers on one PostgreSQL database behind Debian's nginx, configured as
+docs/guide/server.md says, a row each, with the ratio of each row to the first. The server's
+quotas (processes, hosts) are raised to the run's size.
 PostgreSQL: --postgres-url (an admin URL; a fresh database is made), else
 $FLEXIUM_TEST_POSTGRES_URL, else a throwaway cluster is started when running as root with
 Debian's postgresql installed. Every loop is bounded in time; the run stops by itself.
@@ -33,8 +39,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from http_client import Conn, HttpError, tune_client
-from live_server import Databases, Server
+from http_client import Conn, HttpError, read_events, tune_client
+from live_server import Databases, Replicas, Server
 from simulated_job import BASE, GIB, Observer, SimulatedHost, SimulatedJob
 from tables import pct
 
@@ -50,6 +56,8 @@ class Stats(Observer):
     sent: dict[int, float] = field(default_factory=dict)  # command id -> controller send time
     received: dict[int, tuple[float, float]] = field(default_factory=dict)  # id -> (monotonic, wall)
     created_wall: dict[int, float] = field(default_factory=dict)
+    event_arrivals: list[tuple[int, float]] = field(default_factory=list)  # (command id, monotonic)
+    event_latency: list[float] = field(default_factory=list)
     errors: int = 0
     refused: int = 0
 
@@ -136,16 +144,49 @@ async def burst(jobs: list[SimulatedJob], base: str, seconds: float, concurrency
     return len(latencies) / elapsed, latencies
 
 
+def host_count(n: int, args: argparse.Namespace) -> int:
+    return args.hosts or -(-n // args.gpus_per_host)
+
+
+def quota_options(n: int, args: argparse.Namespace) -> list[str]:
+    """The server's quotas raised to the run's size (its defaults stop registration at 1000
+    processes and 256 hosts, with a 409)."""
+    return [
+        "--max-processes",
+        str(max(n, 1000)),
+        "--max-hosts",
+        str(max(host_count(n, args), 256)),
+        "--max-gpus-per-host",
+        str(max(args.gpus_per_host, 16)),
+    ]
+
+
+async def dashboards(port: int, token: str, count: int, stats: Stats) -> list[asyncio.Task[None]]:
+    """``count`` event streams open, as that many dashboards; each command's ``created`` event
+    on each is recorded with its arrival."""
+
+    def on_event(name: str, data: Any) -> None:
+        if name == "command" and data.get("action") == "created":
+            stats.event_arrivals.append((data["command"]["id"], time.perf_counter()))
+
+    tasks = []
+    for _ in range(count):
+        opened = asyncio.Event()
+        tasks.append(asyncio.create_task(read_events(port, token, f"{BASE}/events", on_event, opened)))
+        await asyncio.wait_for(opened.wait(), 30)
+    return tasks
+
+
 async def bench_once(port: int, token: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
     base = BASE
     stats = Stats()
-    hosts = [SimulatedHost.make(f"host-{h:04d}", args.gpus_per_host) for h in range(-(-n // args.gpus_per_host))]
+    hosts = [SimulatedHost.make(f"host-{h:04d}", args.gpus_per_host) for h in range(host_count(n, args))]
     jobs = [
         SimulatedJob(
             index=i,
             process_id=f"bench-{i:05d}",
-            host=hosts[i // args.gpus_per_host],
-            gpu=hosts[i // args.gpus_per_host].gpus[i % args.gpus_per_host],
+            host=hosts[i % len(hosts)],
+            gpu=hosts[i % len(hosts)].gpus[(i // len(hosts)) % args.gpus_per_host],
             memory=10 * GIB,
             control=Conn(port, token),
             poll=Conn(port, token),
@@ -184,6 +225,7 @@ async def bench_once(port: int, token: str, n: int, args: argparse.Namespace) ->
     probe.close()
     warmup_s = time.perf_counter() - t0 - register_s
     stats.hb_latency.clear()
+    streams = await dashboards(port, token, args.dashboards, stats)
     cmd_conns = [Conn(port, token) for _ in range(8)]
     ctl_stop = asyncio.Event()
     ctl = asyncio.create_task(controller(jobs, cmd_conns, base, stats, ctl_stop, args.command_rate))
@@ -197,7 +239,7 @@ async def bench_once(port: int, token: str, n: int, args: argparse.Namespace) ->
     stop.set()
     # polls end by their own wait; don't hold the run for them
     await asyncio.wait(runners, timeout=args.poll_wait + 5)
-    for task in runners:
+    for task in [*runners, *streams]:
         task.cancel()
     for j in jobs:
         j.control.close()
@@ -210,6 +252,9 @@ async def bench_once(port: int, token: str, n: int, args: argparse.Namespace) ->
         if cid in stats.received:
             stats.delivery.append(stats.received[cid][0] - sent)
             stats.server_delivery.append(stats.received[cid][1] - stats.created_wall[cid])
+    for cid, arrived in stats.event_arrivals:
+        if cid in stats.sent:
+            stats.event_latency.append(arrived - stats.sent[cid])
     lost = [cid for cid in stats.sent if cid not in stats.received]
     return {
         "n": n,
@@ -229,6 +274,9 @@ async def bench_once(port: int, token: str, n: int, args: argparse.Namespace) ->
         "del_p95": pct(stats.delivery, 0.95),
         "del_max": max(stats.delivery) if stats.delivery else float("nan"),
         "srv_del_p99": pct(stats.server_delivery, 0.99),
+        "events": len(stats.event_latency),
+        "ev_p50": pct(stats.event_latency, 0.5),
+        "ev_p99": pct(stats.event_latency, 0.99),
         "post_p50": pct(stats.post_latency, 0.5),
         "post_p99": pct(stats.post_latency, 0.99),
         "errors": stats.errors,
@@ -237,6 +285,10 @@ async def bench_once(port: int, token: str, n: int, args: argparse.Namespace) ->
 
 
 # --- main -----------------------------------------------------------------------------------
+
+
+def _listed(cpu: float | list[float]) -> list[float]:
+    return cpu if isinstance(cpu, list) else [cpu]
 
 
 def fmt_ms(seconds: float) -> str:
@@ -262,6 +314,8 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         "deliv p50 ms",
         "deliv p99 ms",
         "deliv max ms",
+        "event p50 ms",
+        "event p99 ms",
         "POST p99 ms",
         "lost",
         "errors",
@@ -281,6 +335,8 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
                 fmt_ms(r["del_p50"]),
                 fmt_ms(r["del_p99"]),
                 fmt_ms(r["del_max"]),
+                fmt_ms(r["ev_p50"]),
+                fmt_ms(r["ev_p99"]),
                 fmt_ms(r["post_p99"]),
                 str(r["undelivered"]),
                 str(r["errors"]),
@@ -292,9 +348,26 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
         if k == 0:
             print("-+-".join("-" * w for w in widths))
     print(
-        "deliv: controller sends POST /commands -> the job's open long-poll returns it. "
+        "deliv: controller sends POST /commands -> the job's open long-poll returns it. event: the same POST -> "
+        f"its 'created' event on each of {args.dashboards} open event streams. "
         "lost: created but not received within the run."
     )
+    print(
+        "load: the machine's 1-minute load average at the start and the end of the run; server CPU: the share "
+        "of one core each server process used over the run"
+    )
+    for r in rows:
+        print(f"  {r['backend']}, {r['n']} jobs: load {r['load']}; server CPU {r['cpu']}")
+    if len(rows) > 1 and args.replicas:
+        first = rows[0]
+        print(f"ratio to {first['backend']}:")
+        for r in rows[1:]:
+            print(
+                f"  {r['backend']}: burst hb/s x{r['burst_rate'] / first['burst_rate']:.2f}, "
+                f"steady hb p99 x{r['hb_p99'] / first['hb_p99']:.2f}, "
+                f"deliv p99 x{r['del_p99'] / first['del_p99']:.2f}, "
+                f"event p99 x{r['ev_p99'] / first['ev_p99']:.2f}"
+            )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -308,6 +381,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--burst-seconds", type=float, default=5.0)
     parser.add_argument("--burst-concurrency", type=int, default=32)
     parser.add_argument("--gpus-per-host", type=int, default=8)
+    parser.add_argument("--hosts", type=int, default=0, help="hosts the jobs are spread over (jobs / --gpus-per-host)")
+    parser.add_argument("--dashboards", type=int, default=2, help="event streams open, as dashboards")
+    parser.add_argument(
+        "--replicas",
+        default="",
+        help="e.g. 1,3: that many servers on one PostgreSQL behind nginx, a row each (--backends is then ignored)",
+    )
     parser.add_argument("--postgres-url", default=os.environ.get("FLEXIUM_TEST_POSTGRES_URL"))
     args = parser.parse_args(argv)
     tune_client()
@@ -315,14 +395,25 @@ def main(argv: list[str] | None = None) -> int:
     work = tempfile.mkdtemp(prefix="flexium-bench.")
     databases = Databases(work, args.postgres_url)
     try:
-        for backend in args.backends.split(","):
+        runs = [("postgresql", int(k)) for k in args.replicas.split(",")] if args.replicas else []
+        runs = runs or [(backend, 0) for backend in args.backends.split(",")]
+        for backend, replicas in runs:
             for n in [int(x) for x in args.jobs.split(",")]:
                 with databases.fresh(backend, f"bench-{n}") as url:
-                    server = Server(url, work)
+                    options = quota_options(n, args)
+                    server = Replicas(url, work, replicas, options) if replicas else Server(url, work, options)
+                    label = f"{backend} x{replicas} (nginx)" if replicas else backend
                     try:
-                        print(f"== {backend}, {n} jobs", flush=True)
+                        print(f"== {label}, {n} jobs on {host_count(n, args)} hosts", flush=True)
+                        load = os.getloadavg()[0]
+                        cpu = server.cpu_seconds()
+                        started = time.perf_counter()
                         row = asyncio.run(bench_once(server.port, server.token, n, args))
-                        row["backend"] = backend
+                        used = [b - a for a, b in zip(_listed(cpu), _listed(server.cpu_seconds()), strict=True)]
+                        wall = time.perf_counter() - started
+                        row["backend"] = label
+                        row["load"] = f"{load:.1f} -> {os.getloadavg()[0]:.1f}"
+                        row["cpu"] = " + ".join(f"{u / wall:.0%}" for u in used)
                         rows.append(row)
                         print(
                             f"   registered in {row['register_s']:.1f} s, warm-up {row['warmup_s']:.1f} s; "
@@ -330,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
                             f"delivery p90/p95/p99 {fmt_ms(row['del_p90'])}/{fmt_ms(row['del_p95'])}/"
                             f"{fmt_ms(row['del_p99'])} ms "
                             f"(from the server's commit: p99 {fmt_ms(row['srv_del_p99'])} ms), "
+                            f"events p99 {fmt_ms(row['ev_p99'])} ms, "
                             f"heartbeat p99 {fmt_ms(row['hb_p99'])} ms, errors {row['errors']}",
                             flush=True,
                         )

@@ -195,6 +195,13 @@ python -m pytest -q "${in_parallel[@]}" tests/server "$@"
 # command line, all on 127.0.0.1. They need the server extra, installed above when missing.
 stage "end-to-end tests"
 extras_installed || python -m pip install -q --no-build-isolation ".[server,test]"
+# The replica tests (tests/e2e/test_replicas*.py) put Debian's nginx in front of several servers on
+# one PostgreSQL, configured as docs/guide/server.md says; installed here when missing.
+if [ ! -x /usr/sbin/nginx ]; then
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq nginx-light >/dev/null || apt-get install -y -qq nginx >/dev/null
+fi
 python -m pytest -q -n "$((2 * workers))" --dist loadfile tests/e2e "$@"
 
 # -----------------------------------------------------------------------------------------------
