@@ -210,7 +210,7 @@ async def policy_run(server: Server, arrivals: list[Arrival], args: argparse.Nam
     for job in jobs:
         job.stop_telling()
     await asyncio.wait(tasks + watches, timeout=30)
-    metrics = await asyncio.to_thread(read_metrics, port)
+    metrics = await asyncio.to_thread(read_metrics, port, token)
     for conn in [c for job in jobs for c in (job.control, job.poll)]:
         conn.close()
     run = measured(fleet, waits, t0, args, lateness, metrics)
@@ -283,12 +283,13 @@ def measured(
     )
 
 
-def read_metrics(port: int) -> dict[str, float]:
+def read_metrics(port: int, token: str) -> dict[str, float]:
     """The server's own count and time of its queue passes (Prometheus text, GET /metrics); none
     when a server still catching up does not answer within a minute."""
     found: dict[str, float] = {}
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=60) as answer:
+        asked = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(asked, timeout=60) as answer:
             text = answer.read().decode()
     except OSError:
         return found

@@ -30,7 +30,7 @@ def test_healthz_metrics_openapi(api: Api) -> None:
     assert r.status_code == 200 and r.json()["status"] == "ok"
     api.register()
     assert api.command("pause").status_code == 201
-    text = api.client.get("/metrics").text
+    text = api.client.get("/metrics", headers=api.headers()).text
     for series in (
         'flexium_processes{state="RUNNING"} 1.0',
         'flexium_processes{state="STALE"} 0.0',
@@ -259,7 +259,7 @@ def test_command_lifecycle_over_http(api: Api) -> None:
     assert '<span class="outcome-path muted">driver path</span>' in row  # which path the move took
     assert '<span class="cmd-path muted">driver path</span>' in listed
     assert "migrate → GPU 2" in listed  # the index shown is derived from the UUID the command holds
-    metrics = api.client.get("/metrics").text
+    metrics = api.client.get("/metrics", headers=api.headers()).text
     assert 'flexium_commands_finished_total{kind="migrate",outcome="succeeded"} 1.0' in metrics
     assert 'flexium_migration_duration_seconds_count{kind="migrate",outcome="succeeded"} 1.0' in metrics
 

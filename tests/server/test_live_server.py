@@ -54,7 +54,7 @@ def test_start_prints_links_and_token(server: LiveServer) -> None:
     r = requests.get(f"{server.url}/api/w/default/processes", timeout=5)
     assert r.status_code == 401 and r.json()["error"] == "unauthorized"
     assert requests.get(f"{server.url}/openapi.json", timeout=5).json()["info"]["title"] == "flexium server"
-    assert "flexium_processes" in requests.get(f"{server.url}/metrics", timeout=5).text
+    assert "flexium_processes" in requests.get(f"{server.url}/metrics", headers=_auth(server.token), timeout=5).text
 
 
 def test_default_sqlite_under_home_in_wal_mode(tmp_path: Path) -> None:

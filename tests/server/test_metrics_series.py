@@ -12,7 +12,7 @@ from support.server import GIB, Api, rank_body
 
 def _samples(api: Api) -> dict[str, list[Any]]:
     by_name: dict[str, list[Any]] = {}
-    for family in text_string_to_metric_families(api.client.get("/metrics").text):
+    for family in text_string_to_metric_families(api.client.get("/metrics", headers=api.headers()).text):
         for sample in family.samples:
             by_name.setdefault(sample.name, []).append(sample)
     return by_name
@@ -60,7 +60,7 @@ def test_the_grafana_dashboard_uses_series_the_server_exports(api: Api) -> None:
 
     dashboard = json.loads((Path(__file__).resolve().parents[2] / "docs" / "grafana-dashboard.json").read_text())
     api.register("gpu-1", steps=1, loss=1.0)
-    families = list(text_string_to_metric_families(api.client.get("/metrics").text))
+    families = list(text_string_to_metric_families(api.client.get("/metrics", headers=api.headers()).text))
     # a family is exported (HELP, TYPE) even before it has a sample (no steps/s before two reports)
     exported = {f.name for f in families} | {s.name for f in families for s in f.samples}
     used = {

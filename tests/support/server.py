@@ -18,7 +18,10 @@ from support.live_server import ServerProcess
 
 def make_settings(database_url: str, **overrides: Any) -> Settings:
     values: dict[str, Any] = dict(
-        database_url=normalize_database_url(database_url), sweep_interval_s=3600.0, token_cache_s=0.0
+        database_url=normalize_database_url(database_url),
+        sweep_interval_s=3600.0,
+        token_cache_s=0.0,
+        metrics_refresh_s=0.0,  # each scrape reads what the test just did
     )
     values.update(overrides)
     return Settings(**values)

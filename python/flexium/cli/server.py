@@ -105,6 +105,20 @@ def add_command(commands: Any) -> None:
         "--max-gpus-per-host", type=int, default=None, metavar="N", help="GPUs stored for one host (16)"
     )
     bounds.add_argument("--max-hosts", type=int, default=None, metavar="N", help="hosts with GPUs per workspace (256)")
+    metrics = parser.add_argument_group("metrics (GET /metrics takes a viewer or admin token)")
+    metrics.add_argument(
+        "--metrics-refresh",
+        type=float,
+        default=None,
+        dest="metrics_refresh_s",
+        metavar="S",
+        help="read the database for /metrics at most every S seconds, however often it is scraped (5)",
+    )
+    metrics.add_argument(
+        "--public-metrics",
+        action="store_true",
+        help="serve the totals (no workspace's GPUs or jobs) to scrapes without a token",
+    )
     parser.set_defaults(usage_parser=parser)
 
 
@@ -135,6 +149,8 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         max_payload_bytes=args.max_payload_bytes,
         max_gpus_per_host=args.max_gpus_per_host,
         max_hosts=args.max_hosts,
+        metrics_refresh_s=args.metrics_refresh_s,
+        public_metrics=args.public_metrics or None,
     )
 
 

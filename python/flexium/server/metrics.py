@@ -1,12 +1,17 @@
 """Prometheus metrics (``GET /metrics``), each series named ``flexium_...``.
 
-Counts that must survive a restart (processes by state, commands by state) are read from the
-database at scrape time; rates and latencies are counted in this process.
+The server's totals (``Metrics``): counts that must survive a restart (processes by state,
+commands by state) are read from the database, rates and latencies counted in this process. A
+workspace's GPUs and jobs (``ClusterSeries``) are rendered apart, for that workspace's scrapes
+alone. Both are read and rendered at most once every ``metrics_refresh_s`` (``ScrapeCache``):
+see ``server/metrics_scrape.py``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+import asyncio
+from collections.abc import Awaitable, Callable, Hashable, Iterator
+from dataclasses import dataclass
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -28,11 +33,11 @@ _JOB_LABELS = ["workspace", "process_id", "name", "host", "job", "rank"]
 
 
 class ClusterSeries(Collector):
-    """Per-GPU and per-job gauges of the scrape's snapshot: a GPU or a job that is gone has no
+    """Per-GPU and per-job gauges of one workspace as read: a GPU or a job that is gone has no
     series at all (labelled Gauges would keep its last value until the server restarts)."""
 
-    def __init__(self) -> None:
-        self.snapshot: Sequence[WorkspaceSeries] = ()
+    def __init__(self, snapshot: WorkspaceSeries) -> None:
+        self.snapshot = snapshot
 
     def describe(self) -> list[Metric]:
         return []  # dynamic: no fixed series to check at registration
@@ -75,28 +80,28 @@ class ClusterSeries(Collector):
                 "flexium_job_loss", "The last loss the job reported (flexium.auto.report).", labels=_JOB_LABELS
             ),
         }
-        for ws in self.snapshot:
-            for host in ws.hosts:
-                for d in host.devices:
-                    labels = [ws.workspace, host.host, d.uuid, "" if d.index is None else str(d.index), d.name]
-                    for field, family in gpu.items():
-                        value: float | None = getattr(d, field)
-                        if value is not None:
-                            family.add_metric(labels, float(value))
-            for p in ws.processes:
-                labels = [
-                    ws.workspace,
-                    p.process_id,
-                    p.name,
-                    p.host,
-                    p.job.key if p.job is not None else "",
-                    str(p.job.rank) if p.job is not None else "",
-                ]
-                job_state.add_metric([*labels, p.state], 1.0)
-                for field, family in job.items():
-                    value = getattr(p, field)
+        ws = self.snapshot
+        for host in ws.hosts:
+            for d in host.devices:
+                labels = [ws.workspace, host.host, d.uuid, "" if d.index is None else str(d.index), d.name]
+                for field, family in gpu.items():
+                    value: float | None = getattr(d, field)
                     if value is not None:
                         family.add_metric(labels, float(value))
+        for p in ws.processes:
+            labels = [
+                ws.workspace,
+                p.process_id,
+                p.name,
+                p.host,
+                p.job.key if p.job is not None else "",
+                str(p.job.rank) if p.job is not None else "",
+            ]
+            job_state.add_metric([*labels, p.state], 1.0)
+            for field, family in job.items():
+                value = getattr(p, field)
+                if value is not None:
+                    family.add_metric(labels, float(value))
         yield from gpu.values()
         yield job_state
         yield from job.values()
@@ -155,8 +160,7 @@ class Metrics:
         self.sse_subscribers = Gauge("flexium_sse_subscribers", "Open live event streams.", registry=r)
         self.db_waiting = Gauge("flexium_db_calls_waiting", "Database calls queued for a worker thread.", registry=r)
         self.up_since = Gauge("flexium_server_start_time_seconds", "When this server started (epoch).", registry=r)
-        self.cluster = ClusterSeries()
-        r.register(self.cluster)
+        self.pages = ScrapeCache()
         for state in protocol.DISPLAY_STATES:
             self.processes.labels(state=state)
         for state in protocol.COMMAND_STATES:
@@ -176,10 +180,9 @@ class Metrics:
         long_polls: int,
         sse_subscribers: int,
         db_waiting: int = 0,
-        series: Sequence[WorkspaceSeries] = (),
     ) -> bytes:
+        """The server's totals: these counts, and what this process counted."""
         self.db_waiting.set(db_waiting)
-        self.cluster.snapshot = series
         for state, n in processes.items():
             self.processes.labels(state=state).set(n)
         for state, n in commands.items():
@@ -187,3 +190,47 @@ class Metrics:
         self.long_polls.set(long_polls)
         self.sse_subscribers.set(sse_subscribers)
         return generate_latest(self.registry)
+
+
+def render_workspace(series: WorkspaceSeries) -> bytes:
+    """One workspace's GPUs and jobs, in the text format (thousands of lines at the quotas'
+    limits: rendered on a worker thread)."""
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(ClusterSeries(series))
+    return generate_latest(registry)
+
+
+@dataclass(frozen=True)
+class _Page:
+    made_at: float
+    text: bytes
+
+
+class ScrapeCache:
+    """Pages of metrics by key (the totals, a workspace's series), each made at most once per
+    ``fresh_for`` seconds and shared by every scrape meanwhile, those that arrive while it is
+    being made included: a flood of scrapes reads the database no more often than one scraper."""
+
+    def __init__(self) -> None:
+        self._pages: dict[Hashable, _Page] = {}
+        self._making: dict[Hashable, asyncio.Future[bytes]] = {}
+
+    async def page(self, key: Hashable, make: Callable[[], Awaitable[bytes]], *, now: float, fresh_for: float) -> bytes:
+        page = self._pages.get(key)
+        if page is not None and now - page.made_at < fresh_for:
+            return page.text
+        making = self._making.get(key)
+        if making is None:
+            making = asyncio.ensure_future(make())
+            self._making[key] = making
+            making.add_done_callback(lambda done: self._made(key, done, now, fresh_for))
+        return await asyncio.shield(making)
+
+    def _made(self, key: Hashable, done: asyncio.Future[bytes], made_at: float, fresh_for: float) -> None:
+        del self._making[key]
+        if done.cancelled() or done.exception() is not None:
+            return
+        # Pages past their time go as new ones come, so a workspace no longer scraped (or gone)
+        # holds no memory.
+        self._pages = {k: p for k, p in self._pages.items() if made_at - p.made_at < fresh_for}
+        self._pages[key] = _Page(made_at, done.result())

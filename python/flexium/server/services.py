@@ -493,25 +493,6 @@ async def sweep_forever(ctx: ServerContext) -> None:
             await drains.run(ctx)
 
 
-async def metrics_text(ctx: ServerContext) -> bytes:
-    """The Prometheus page: the counters kept in memory and the counts read now."""
-    processes = await ctx.db.call(
-        storage.count_processes, write=False, now=time.time(), stale_after=ctx.settings.stale_after_s
-    )
-    commands = await ctx.db.call(storage.count_commands, write=False)
-    series = await ctx.db.call(
-        storage.metric_series, write=False, now=time.time(), stale_after=ctx.settings.stale_after_s
-    )
-    return ctx.metrics.render(
-        processes=processes,
-        commands=commands,
-        series=series,
-        long_polls=ctx.notifier.waiting,
-        sse_subscribers=ctx.bus.subscribers,
-        db_waiting=ctx.db.calls_waiting,
-    )
-
-
 # --- tokens, events -------------------------------------------------------------------------
 
 

@@ -62,6 +62,10 @@ class Settings:
     max_gpus_per_host: int = 16  # GPUs stored for one host (a GPU stays ~remove_after_s after it left)
     max_hosts: int = 256  # hosts with GPUs stored in one workspace
 
+    # /metrics (server/metrics_scrape.py): read at most this often, the totals without a token.
+    metrics_refresh_s: float = 5.0
+    public_metrics: bool = False
+
     # HTTPS: both files or neither.
     certfile: str | None = None
     keyfile: str | None = None
@@ -117,6 +121,8 @@ class Settings:
             path = getattr(self, name)
             if path is not None and not os.access(path, os.R_OK):
                 raise ValueError(f"--{name} {path}: {_unreadable(path)}")
+        if not 0 <= self.metrics_refresh_s < float("inf"):
+            raise ValueError(f"{_option('metrics_refresh_s')} must be 0 or more seconds, not {self.metrics_refresh_s}")
         if self.remove_after_s < self.stale_after_s:
             raise ValueError(
                 f"{_option('remove_after_s')} ({self.remove_after_s:g} s) must not be shorter "

@@ -60,7 +60,7 @@ from flexium.server.storage.progress_history import (
     prune_progress,
     sample_progress,
 )
-from flexium.server.storage.series import WorkspaceSeries, metric_series
+from flexium.server.storage.series import WorkspaceSeries, workspace_series
 from flexium.server.storage.sessions import (
     LOGIN_CODE_TTL_S,
     SESSION_IDLE_S,
@@ -108,7 +108,7 @@ __all__ = [
     "set_priority",
     "wait_of_command",
     "WorkspaceSeries",
-    "metric_series",
+    "workspace_series",
     "HISTORY_EVERY_S",
     "HISTORY_KEEP_S",
     "Sample",
