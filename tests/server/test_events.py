@@ -1,10 +1,9 @@
-"""Event ids and Last-Event-ID across a server restart (the EventBus without HTTP)."""
+"""Event ids and Last-Event-ID across a server restart and across replicas (the EventBus without HTTP)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
-import time
 
 from flexium import protocol
 from flexium.server.live import EventBus
@@ -34,20 +33,21 @@ def test_an_id_larger_than_the_last_gets_resync() -> None:
     assert _subscribe(bus, 3) == []
 
 
-def test_ids_keep_growing_across_a_restart() -> None:
-    before = EventBus()
+def test_an_id_of_another_bus_gets_resync() -> None:
+    """Another replica numbers the same events in its own order, and a restarted server has an empty
+    history: an id either gave, however close its number, is answered with a resync, not a replay."""
+    other = EventBus(first_id=1)  # another replica, or this server before a restart
+    bus = EventBus(first_id=1)
     for _ in range(5):
-        before.publish(1, protocol.EVENT_DEVICES, {"host": "h"})
-    seen = before.last_id
-    time.sleep(0.02)  # a restart takes longer than 5 events' milliseconds
-    after = EventBus()  # the restarted server: empty history
-    assert after.last_id >= seen
-    after.publish(1, protocol.EVENT_DEVICES, {"host": "h"})
-    assert after.last_id > seen
-    backlog = _subscribe(after, seen)
-    assert _events(backlog) == [protocol.EVENT_RESYNC]  # what it missed is gone: reload
-    frame = before.frame(after.last_id, protocol.EVENT_HELLO, {"last_event_id": after.last_id})
-    assert json.loads(frame.split("data: ", 1)[1])["last_event_id"] == after.last_id
+        other.publish(1, protocol.EVENT_DEVICES, {"host": "h"})
+        bus.publish(1, protocol.EVENT_DEVICES, {"host": "h"})
+    assert other.last_id == bus.last_id and other.last_event_id != bus.last_event_id
+    for foreign in (other.event_id(3), str(3), "", "not-an-id"):
+        assert _events(_subscribe(bus, bus.resume_point(foreign))) == [protocol.EVENT_RESYNC], foreign
+    assert _events(_subscribe(bus, bus.resume_point(bus.event_id(3)))) == [protocol.EVENT_DEVICES] * 2
+    frame = bus.frame(bus.last_id, protocol.EVENT_HELLO, {"last_event_id": bus.last_event_id})
+    assert frame.startswith(f"id: {bus.last_event_id}\n")
+    assert json.loads(frame.split("data: ", 1)[1])["last_event_id"] == bus.last_event_id
 
 
 def test_the_history_is_bounded_in_bytes_and_what_fell_out_asks_for_a_resync() -> None:

@@ -21,7 +21,7 @@ from sqlalchemy.exc import DataError, IntegrityError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flexium import protocol
-from flexium.server import services, sole_server, storage
+from flexium.server import replicas, services, sole_server, storage
 from flexium.server.connections import bounded_protocol, connection_limit, raise_open_file_limit
 from flexium.server.context import ServerContext
 from flexium.server.dashboard import install_dashboard
@@ -223,6 +223,8 @@ def create_app(settings: Settings | None = None, *, database: Database | None = 
             ctx.snapshots[(ws, process_id)] = snapshot
             ctx.process_hosts[(ws, process_id)] = snapshot.host
         db.start_checkpoints()
+        if not db.is_sqlite:  # several servers may share the database: each tells the others
+            await replicas.start_link(ctx)
         tasks = [asyncio.create_task(services.sweep_forever(ctx)), asyncio.create_task(ctx.flush_forever())]
         try:
             yield
@@ -234,6 +236,7 @@ def create_app(settings: Settings | None = None, *, database: Database | None = 
                     await task
             with contextlib.suppress(Exception):
                 await ctx.flush_beats()
+            await asyncio.to_thread(replicas.stop_link, ctx)
             db.stop_checkpoints()
             if database is None:
                 db.dispose()

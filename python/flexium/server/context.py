@@ -1,7 +1,12 @@
 """What one running server holds in memory, beside the database: settings, the database
 handle, the notifier and event bus, metrics, the token cache, and the in-memory views that
 spare the database most heartbeats and polls. Routes get it through ``get_context``; what a
-request changes in it is done by ``flexium.server.services``."""
+request changes in it is done by ``flexium.server.services``.
+
+On PostgreSQL several servers (replicas) share one database, each with its own context. What
+one changes here that the others keep too is told to them through the replica link (``link``;
+``server/replicas.py`` applies it there through the ``*_here`` methods); docs/design.md's table
+says, field by field, what is told, what is re-read and what needs neither."""
 
 from __future__ import annotations
 
@@ -20,8 +25,12 @@ from flexium.server import storage
 from flexium.server.db import Database, DatabaseUnavailable
 from flexium.server.live import EventBus, Notifier
 from flexium.server.metrics import Metrics
+from flexium.server.replica_link import Message, ReplicaLink
 from flexium.server.settings import Settings
 from flexium.server.storage import AuthInfo, ProcessSnapshot
+
+# How long a revocation waits for the other replicas to have it before its request is answered.
+REVOCATION_HEARD_S = 1.0
 
 log = logging.getLogger("flexium.server")
 
@@ -57,6 +66,9 @@ class TokenCache:
         if len(self._entries) >= self.max_entries:
             self._entries.clear()
         self._entries[token_hash] = (auth, now)
+
+    def clear(self) -> None:
+        self._entries.clear()
 
     def forget(self, token_ids: frozenset[int]) -> None:
         for key in [k for k, (a, _t) in self._entries.items() if a.token_id in token_ids]:
@@ -114,6 +126,7 @@ class ServerContext:
     revoked_tokens: set[int] = field(default_factory=set)
     stopping: bool = False
     loop: asyncio.AbstractEventLoop | None = None
+    link: ReplicaLink | None = None  # the other replicas (PostgreSQL), from start-up to shutdown
 
     def __post_init__(self) -> None:
         self.tokens = TokenCache(self.settings.token_cache_s)
@@ -134,17 +147,63 @@ class ServerContext:
         self.notifier.close()
         self.bus.close()
 
-    def tokens_revoked(self, token_ids: frozenset[int]) -> None:
-        """Revoked through this server: no request is admitted with them from now on, and their
-        event streams and waiting long-polls end now (``services.revocation_waiter``)."""
+    def _tell(self, message: Message) -> None:
+        """Tells the other replicas (none on SQLite)."""
+        if self.link is not None:
+            self.link.send(message)
+
+    async def tokens_revoked(self, token_ids: frozenset[int]) -> None:
+        """Revoked through this server: no request is admitted with them from now on, here and on
+        every replica (this returns once they have it, or after ``REVOCATION_HEARD_S`` when the link
+        is down), and their event streams and waiting long-polls end now."""
+        self.tokens_revoked_here(token_ids)
+        if self.link is not None:
+            await self.link.send_heard({"kind": "revoked", "tokens": sorted(token_ids)}, REVOCATION_HEARD_S)
+
+    def tokens_revoked_here(self, token_ids: frozenset[int]) -> None:
+        """``long_poll.revocation_waiter`` ends the long-polls."""
         self.tokens.forget(token_ids)
         self.revoked_tokens.update(token_ids)
         self.bus.end_streams(token_ids=token_ids)
         for token_id in token_ids:
-            self.notifier.notify(("token", token_id))
+            self.notifier.wake(("token", token_id))
+
+    def session_ended(self, session_id: int) -> None:
+        """A dashboard session logged out: its event streams end, here and on every replica."""
+        self.bus.end_streams(session_id=session_id)
+        self._tell({"kind": "session_ended", "session": session_id})
 
     def publish(self, workspace_id: int, event: str, data: Any) -> None:
+        """A live event for the workspace's dashboards, here and on every replica."""
+        payload = self.bus.payload(data)
+        self.bus.publish_payload(workspace_id, event, payload)
+        self._tell({"kind": "event", "workspace": workspace_id, "event": event, "payload": payload})
+
+    def publish_here(self, workspace_id: int, event: str, data: Any) -> None:
+        """A live event every replica finds by itself (the sweep's), for this one's dashboards."""
         self.bus.publish(workspace_id, event, data)
+
+    def process_seen(self, workspace_id: int, process_id: str, snapshot: ProcessSnapshot | None) -> None:
+        """The process's row was written here: ``snapshot`` is what it stores now (None: not known
+        without reading it). Every replica keeps it, so none answers a heartbeat from a view an
+        other replica's write made stale."""
+        self.process_seen_here(workspace_id, process_id, snapshot)
+        self._tell(
+            {
+                "kind": "snapshot",
+                "workspace": workspace_id,
+                "process": process_id,
+                "snapshot": None if snapshot is None else dataclasses.asdict(snapshot),
+            }
+        )
+
+    def process_seen_here(self, workspace_id: int, process_id: str, snapshot: ProcessSnapshot | None) -> None:
+        key = (workspace_id, process_id)
+        if snapshot is None:
+            self.snapshots.pop(key, None)
+        else:
+            self.snapshots[key] = snapshot
+            self.process_hosts[key] = snapshot.host
 
     def should_write_devices(self, workspace_id: int, process_id: str, now: float) -> bool:
         host = self.process_hosts.get((workspace_id, process_id))
@@ -153,7 +212,15 @@ class ServerContext:
         return now - self.device_writes.get((workspace_id, host), 0.0) >= self.settings.device_write_interval_s
 
     def devices_written(self, workspace_id: int, host: str, now: float, room: tuple[Any, ...] | None = None) -> None:
-        """``room``: the room that report showed (``services.room_shown``), when known."""
+        """``room``: the room that report showed (``services.room_shown``), when known. Every
+        replica counts the write, so a host's report is stored once per interval, not once per
+        replica, and none skips a report on the word of a room another's write replaced."""
+        self.devices_written_here(workspace_id, host, now, room)
+        self._tell({"kind": "devices", "workspace": workspace_id, "host": host, "room": room})
+
+    def devices_written_here(
+        self, workspace_id: int, host: str, now: float, room: tuple[Any, ...] | None = None
+    ) -> None:
         self.device_writes[(workspace_id, host)] = now
         if room is None:
             self.device_rooms.pop((workspace_id, host), None)
@@ -171,10 +238,19 @@ class ServerContext:
         cards would otherwise show the job on the GPU it left for up to device_write_interval_s)."""
         host = self.process_hosts.get((workspace_id, process_id))
         if host is not None:
-            self.device_writes.pop((workspace_id, host), None)
-            self.device_rooms.pop((workspace_id, host), None)
+            self.devices_due_here(workspace_id, host)
+            self._tell({"kind": "devices_due", "workspace": workspace_id, "host": host})
+
+    def devices_due_here(self, workspace_id: int, host: str) -> None:
+        self.device_writes.pop((workspace_id, host), None)
+        self.device_rooms.pop((workspace_id, host), None)
 
     def forget_process(self, workspace_id: int, process_id: str) -> None:
+        """The process is gone (unregistered, or removed by this replica's sweep), on every replica."""
+        self.forget_process_here(workspace_id, process_id)
+        self._tell({"kind": "forget", "workspace": workspace_id, "process": process_id})
+
+    def forget_process_here(self, workspace_id: int, process_id: str) -> None:
         self.process_hosts.pop((workspace_id, process_id), None)
         self.snapshots.pop((workspace_id, process_id), None)
         self.pending.pop((workspace_id, process_id), None)
@@ -233,11 +309,15 @@ class ServerContext:
                 log.exception("writing heartbeats failed; retrying")
 
     def command_pending(self, workspace_id: int, process_id: str, command_id: int | None) -> None:
+        """A command newly pending is told to every replica (whichever takes the process's next
+        poll hands it out); that none is, only here: a replica's stale entry costs its next poll
+        one read, and a clear read before a new command's commit must not erase it elsewhere."""
         key = (workspace_id, process_id)
         if command_id is None:
             self.pending.pop(key, None)
-        else:
+        elif self.pending.get(key) != command_id:
             self.pending[key] = command_id
+            self._tell({"kind": "pending", "workspace": workspace_id, "process": process_id, "command": command_id})
 
     async def reconcile_pending(self) -> None:
         """Add any queued/delivered command the in-memory view lacks (it never should) and wake
@@ -246,12 +326,47 @@ class ServerContext:
             key = (ws, process_id)
             if key not in self.pending:
                 self.pending[key] = command_id
-                self.notifier.notify(key)
+                self.notifier.wake(key)  # every replica reconciles its own
 
     def command_settled(self, workspace_id: int, process_id: str, command_id: int) -> None:
+        """The command ended, on every replica."""
+        self.command_settled_here(workspace_id, process_id, command_id)
+        self._tell({"kind": "settled", "workspace": workspace_id, "process": process_id, "command": command_id})
+
+    def command_settled_here(self, workspace_id: int, process_id: str, command_id: int) -> None:
         key = (workspace_id, process_id)
         if self.pending.get(key) == command_id:
             del self.pending[key]
+
+    def jobs_wait(self, watches: dict[tuple[int, str], wire.RoomWatch], host: tuple[int, str]) -> None:
+        """Jobs queued on ``host`` watch these (``queue.create_wait``), on every replica: a job's
+        heartbeat to any answers what it watches, and a GPU report of that host to any runs the
+        queue's pass."""
+        self.jobs_wait_here(watches, host)
+        self._tell(
+            {
+                "kind": "waits",
+                "watches": [[ws, pid, watch.model_dump(mode="json")] for (ws, pid), watch in watches.items()],
+                "host": list(host),
+            }
+        )
+
+    def jobs_wait_here(self, watches: dict[tuple[int, str], wire.RoomWatch], host: tuple[int, str]) -> None:
+        self.watches.update(watches)
+        self.queue_hosts.add(host)
+
+    def waits_ended(self, wait_ids: set[int]) -> None:
+        """Their jobs watch no more (resumed or cancelled), on every replica."""
+        self.waits_ended_here(wait_ids)
+        self._tell({"kind": "waits_ended", "waits": sorted(wait_ids)})
+
+    def waits_ended_here(self, wait_ids: set[int]) -> None:
+        self.watches = {key: watch for key, watch in self.watches.items() if watch.wait_id not in wait_ids}
+
+    def drain_started(self, workspace_id: int, host: str) -> None:
+        """A drain began on ``host``: every replica runs its pass when a command there ends."""
+        self.drain_hosts.add((workspace_id, host))
+        self._tell({"kind": "drain", "workspace": workspace_id, "host": host})
 
 
 async def get_context(request: Request) -> ServerContext:

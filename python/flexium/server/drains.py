@@ -33,7 +33,7 @@ async def create_drain(ctx: ServerContext, *, auth: AuthInfo, body: wire.DrainRe
         now=time.time(),
         stale_after=ctx.settings.stale_after_s,
     )
-    ctx.drain_hosts.add((auth.workspace_id, drain.host))
+    ctx.drain_started(auth.workspace_id, drain.host)
     ctx.publish(auth.workspace_id, protocol.EVENT_DRAIN, {"action": "created", "drain": drain})
     await _told(ctx, outcome)
     return drain

@@ -6,10 +6,14 @@ Notifier: a long-poll registers a waiter for its key *before* reading the databa
 command committed between the read and the wait still wakes it.
 
 EventBus: per-workspace fan-out to server-sent-event subscribers, with a numbered history for
-``Last-Event-ID`` replay. A subscriber too slow to keep up is cut off with a ``resync``. Ids
-start from the clock (milliseconds) so that a restarted server numbers past the ids browsers
-kept from the one before; an id this server never gave (larger than its last) gets a
-``resync`` too, in case the clock went back.
+``Last-Event-ID`` replay. A subscriber too slow to keep up is cut off with a ``resync``. An id
+names the bus that gave it (``<tag>-<number>``, the tag random per process): replicas number the
+same events each in its own order, and a restarted server has an empty history, so an id of
+another replica, of a server before a restart or of no server gets a ``resync`` too, never a
+replay of another numbering's events.
+
+On PostgreSQL several server processes (replicas) serve one database: both forward what they
+do to the others (``Notifier.forward``, ``ServerContext.publish``; ``server/replicas.py``).
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import asyncio
 import collections
 import itertools
 import json
-import time
+import secrets
 from collections.abc import Awaitable, Callable, Hashable, MutableMapping
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +36,8 @@ class Notifier:
     def __init__(self) -> None:
         self._waiters: dict[Hashable, set[asyncio.Future[None]]] = {}
         self.closed = False
+        # The other replicas' notifiers, woken with this one's keys (set when there are replicas).
+        self.forward: Callable[[Hashable], None] | None = None
 
     def register(self, key: Hashable) -> asyncio.Future[None]:
         fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -55,6 +61,13 @@ class Notifier:
         return bool(done)
 
     def notify(self, key: Hashable) -> int:
+        """Wakes the key's waiters here and on the other replicas; how many here."""
+        if self.forward is not None:
+            self.forward(key)
+        return self.wake(key)
+
+    def wake(self, key: Hashable) -> int:
+        """Wakes the key's waiters in this process only (a replica's wake-up, forwarded)."""
         woken = 0
         for fut in self._waiters.get(key, ()):
             if not fut.done():
@@ -144,10 +157,11 @@ class EventBus:
         history_bytes: int = 4 << 20,
         queue_size: int = 1000,
         queue_bytes: int = 4 << 20,
-        first_id: int | None = None,
+        first_id: int = 1,
     ) -> None:
-        start = int(time.time() * 1000) if first_id is None else first_id - 1
-        self._ids = itertools.count(start + 1)
+        self.tag = secrets.token_hex(4)
+        start = first_id - 1
+        self._ids = itertools.count(first_id)
         self._subs: dict[int, set[Subscriber]] = {}
         # Per workspace: the last events, at most `history` of them and `history_bytes` of text
         # (a command's result rides in its event: a count alone let one client grow the server
@@ -162,14 +176,39 @@ class EventBus:
         self.closed = False
 
     @staticmethod
-    def frame(event_id: int, event: str, data: Any) -> str:
-        payload = json.dumps(data, separators=(",", ":"), allow_nan=False, default=_jsonable)
-        return f"id: {event_id}\nevent: {event}\ndata: {payload}\n\n"
+    def payload(data: Any) -> str:
+        """An event's data as it is sent (and forwarded to the other replicas)."""
+        return json.dumps(data, separators=(",", ":"), allow_nan=False, default=_jsonable)
+
+    def event_id(self, number: int) -> str:
+        return f"{self.tag}-{number}"
+
+    @property
+    def last_event_id(self) -> str:
+        return self.event_id(self.last_id)
+
+    def resume_point(self, event_id: str) -> int:
+        """The number after which a stream resumes from ``event_id``, the Last-Event-ID a client
+        sent: its number when this bus gave it; for any other text (another replica's id, a server's
+        before a restart, not an id at all) one past the last, which ``subscribe`` answers with a
+        ``resync``."""
+        tag, _, number = event_id.partition("-")
+        given = protocol.ascii_number(number) if tag == self.tag else None
+        return self.last_id + 1 if given is None else given
+
+    def frame(self, number: int, event: str, data: Any) -> str:
+        return self.frame_of_payload(number, event, self.payload(data))
+
+    def frame_of_payload(self, number: int, event: str, payload: str) -> str:
+        return f"id: {self.event_id(number)}\nevent: {event}\ndata: {payload}\n\n"
 
     def publish(self, workspace_id: int, event: str, data: Any) -> None:
+        self.publish_payload(workspace_id, event, self.payload(data))
+
+    def publish_payload(self, workspace_id: int, event: str, payload: str) -> None:
         event_id = next(self._ids)
         self.last_id = event_id
-        text = self.frame(event_id, event, data)
+        text = self.frame_of_payload(event_id, event, payload)
         self._remember(workspace_id, event_id, text)
         for sub in list(self._subs.get(workspace_id, ())):
             sub.offer(text)
@@ -194,8 +233,8 @@ class EventBus:
         session_id: int | None = None,
     ) -> tuple[Subscriber, list[str]]:
         """A new subscriber and what it missed since ``last_event_id`` (a single ``resync``
-        event when that is no longer in the history, or is not an id of this server's: larger
-        than its last)."""
+        event when that is no longer in the history, or is not one of this bus's: larger than
+        its last, see ``resume_point``)."""
         sub = Subscriber(
             workspace_id,
             asyncio.Queue(self._queue_size),
@@ -237,6 +276,11 @@ class EventBus:
                     sub.end()
                     ended += 1
         return ended
+
+    @property
+    def workspaces(self) -> list[int]:
+        """The workspaces with an open stream here."""
+        return list(self._subs)
 
     @property
     def subscribers(self) -> int:

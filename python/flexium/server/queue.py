@@ -37,7 +37,7 @@ def announce_commands(ctx: ServerContext, workspace_id: int, commands: Iterable[
 
 def watch_news(workspace_id: int, process_id: str) -> tuple[str, int, str]:
     """The notifier key that ends a process's long-poll empty: what it should watch changed, and
-    its heartbeat's answer says so (``services.next_command``)."""
+    its heartbeat's answer says so (``long_poll.next_command``)."""
     return ("watch", workspace_id, process_id)
 
 
@@ -59,8 +59,7 @@ async def create_wait(ctx: ServerContext, *, auth: AuthInfo, body: wire.WaitRequ
     )
     answer = queued.answer
     if queued.watches:  # its job watches from now on (the view read again follows)
-        ctx.watches.update(queued.watches)
-        ctx.queue_hosts.add((auth.workspace_id, answer.wait.host))
+        ctx.jobs_wait(queued.watches, (auth.workspace_id, answer.wait.host))
         for workspace_id, process_id in queued.watches:  # told at once, not at its next heartbeat
             ctx.notifier.notify(watch_news(workspace_id, process_id))
     announce_commands(ctx, auth.workspace_id, [c for c in answer.commands if c.kind == "pause"])
@@ -157,7 +156,7 @@ def _told(ctx: ServerContext, outcome: QueueOutcome, *, queue_changed: bool = Fa
         ctx.publish(workspace_id, protocol.EVENT_WAIT, {"action": "updated", "wait": wait})
     ended = {done.wait.id for done in outcome.dispatched} | {wait.id for _ws, wait in outcome.cancelled}
     if ended:  # their jobs watch no more from now on (the view read again follows)
-        ctx.watches = {key: watch for key, watch in ctx.watches.items() if watch.wait_id not in ended}
+        ctx.waits_ended(ended)
     if queue_changed or ended:
         refresh_soon(ctx)
 

@@ -10,11 +10,14 @@ the periodic sweep then finds, and ``on_reconnect`` tells the owner to re-read w
 One thread listens on a connection of its own and hands each message to the event loop; one
 thread sends, batching what was queued while it sent the last batch into as few ``NOTIFY``
 payloads as fit PostgreSQL's 8000-byte limit (thousands of heartbeats a second must not be
-thousands of round trips). A replica skips its own messages."""
+thousands of round trips). A replica skips its own messages, but for hearing them back when its
+sender asked (``send_heard``: PostgreSQL delivers a notification to every listener at once, so a
+replica that hears its own has had it delivered to the others too)."""
 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import logging
 import queue
@@ -34,6 +37,7 @@ CHANNEL = "flexium_replicas"
 MAX_PAYLOAD_BYTES = 7900
 RECONNECT_S = (0.1, 0.5, 1.0, 2.0)  # the waits between tries to reconnect, the last repeated
 LISTEN_TICK_S = 0.5  # how often the listener looks whether it should stop
+ECHO = "echo"  # the key of a message whose sender waits to hear it back (``send_heard``)
 
 Message = dict[str, Any]
 
@@ -66,6 +70,8 @@ class ReplicaLink:
         self.sent = 0
         self.received = 0
         self.dropped = 0  # messages too large for one payload: the sweep finds what they said
+        self._echoes = itertools.count(1)
+        self._awaited: dict[int, asyncio.Future[None]] = {}  # echo number -> its sender's wait (on loop)
         self._threads = [
             threading.Thread(target=self._listen, name="flexium-replica-listen", daemon=True),
             threading.Thread(target=self._send_forever, name="flexium-replica-send", daemon=True),
@@ -84,13 +90,39 @@ class ReplicaLink:
     def send(self, message: Message) -> None:
         self._outbox.put(message)
 
+    async def send_heard(self, message: Message, timeout: float) -> bool:
+        """Sends ``message`` and waits (on ``loop``) until this replica hears it back, delivered by
+        PostgreSQL to every replica listening; False when that took longer than ``timeout`` (the
+        link is down: the others re-read at their reconnect)."""
+        echo = next(self._echoes)
+        heard = self._loop.create_future()
+        self._awaited[echo] = heard
+        self.send({**message, ECHO: echo})
+        try:
+            await asyncio.wait_for(heard, timeout)
+            return True
+        except asyncio.TimeoutError:
+            return False
+        finally:
+            self._awaited.pop(echo, None)
+
+    def _connect(self, role: str) -> psycopg.Connection[Any]:
+        """Named in pg_stat_activity, so an operator sees each replica's two connections."""
+        return psycopg.connect(
+            self._conninfo, autocommit=True, connect_timeout=5, application_name=self.connection_name(role)
+        )
+
+    def connection_name(self, role: str) -> str:
+        """``role``: listen or send."""
+        return f"flexium replica {self.replica_id} {role}"
+
     # --- listening ----------------------------------------------------------------------------
 
     def _listen(self) -> None:
         tries = 0
         while not self._stopping.is_set():
             try:
-                with psycopg.connect(self._conninfo, autocommit=True, connect_timeout=5) as conn:
+                with self._connect("listen") as conn:
                     conn.execute(f"LISTEN {CHANNEL}")
                     self.listening.set()
                     if tries:
@@ -118,10 +150,18 @@ class ReplicaLink:
             log.warning("replica link: a payload that is not ours on %s, ignored", CHANNEL)
             return
         if sender == self.replica_id:
+            for message in messages:
+                if ECHO in message:
+                    self._loop.call_soon_threadsafe(self._heard, message[ECHO])
             return
         for message in messages:
             self.received += 1
             self._loop.call_soon_threadsafe(self._deliver, message)
+
+    def _heard(self, echo: int) -> None:
+        heard = self._awaited.get(echo)
+        if heard is not None and not heard.done():
+            heard.set_result(None)
 
     def _deliver(self, message: Message) -> None:
         try:
@@ -142,7 +182,7 @@ class ReplicaLink:
             while payloads:
                 try:
                     if conn is None or conn.closed:
-                        conn = psycopg.connect(self._conninfo, autocommit=True, connect_timeout=5)
+                        conn = self._connect("send")
                     # Sent again whole after a failure: a message is a hint, hearing it twice is harmless.
                     for payload in payloads:
                         conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, payload))

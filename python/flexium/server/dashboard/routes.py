@@ -61,7 +61,7 @@ async def index(request: Request, ctx: Ctx, auth: PageAuth) -> Response:
         server_env=protocol.SERVER_ENV,
         # Events published between this read and the script's subscription are not replayed to
         # it; the script compares this with the stream's first id and reloads the lists if they differ.
-        event_id=ctx.bus.last_id,
+        event_id=ctx.bus.last_event_id,
     )
 
 
@@ -89,7 +89,7 @@ async def job(request: Request, ctx: Ctx, auth: PageAuth, process_id: str) -> Re
         )
     except NotFound:
         return render(request, "job.html", Viewer.of(auth), now=time.time(), missing=process_id, status_code=404)
-    return render(request, "job.html", view, Viewer.of(auth), event_id=ctx.bus.last_id)
+    return render(request, "job.html", view, Viewer.of(auth), event_id=ctx.bus.last_event_id)
 
 
 @router.get("/ui/jobs/{process_id}/panel", response_class=HTMLResponse)

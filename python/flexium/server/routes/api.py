@@ -15,7 +15,7 @@ from fastapi import APIRouter, Depends, Header, Path, Query, Request, Response
 from fastapi.responses import StreamingResponse
 
 from flexium import protocol, wire
-from flexium.server import drains, placing, queue, services, storage
+from flexium.server import drains, long_poll, placing, queue, services, storage
 from flexium.server.auth import (
     Admin,
     Member,
@@ -151,7 +151,7 @@ async def next_command(
     process_id: ProcessIdPath, auth: Worker, ctx: Ctx, request: Request, wait: WaitQuery = None
 ) -> Any:
     await require_own_process(ctx, auth, process_id)
-    command = await services.next_command(
+    command = await long_poll.next_command(
         ctx,
         auth=auth,
         process_id=process_id,
@@ -205,7 +205,7 @@ async def list_commands(
 )
 async def get_command(command_id: CommandIdPath, auth: Member, ctx: Ctx, wait: WaitQuery = None) -> Any:
     await require_own_command(ctx, auth, command_id)
-    return await services.wait_command(ctx, auth=auth, command_id=command_id, wait=wait)
+    return await long_poll.wait_command(ctx, auth=auth, command_id=command_id, wait=wait)
 
 
 @router.post(
@@ -230,7 +230,7 @@ async def get_operation(
     operation_id: Annotated[int, Path(ge=1, le=2**31 - 1)], auth: Member, ctx: Ctx, wait: WaitQuery = None
 ) -> Any:
     await require_own_operation(ctx, auth, operation_id)
-    return await services.wait_operation(ctx, auth=auth, operation_id=operation_id, wait=wait)
+    return await long_poll.wait_operation(ctx, auth=auth, operation_id=operation_id, wait=wait)
 
 
 @router.get("/jobs", response_model=list[wire.JobSummary], summary="Jobs of several ranks, each with its ranks")

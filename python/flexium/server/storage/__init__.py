@@ -89,6 +89,7 @@ from flexium.server.storage.workspaces import (
     list_workspaces,
     new_token,
     revoke_token,
+    revoked_since,
     workspace_summary,
 )
 
@@ -179,6 +180,7 @@ __all__ = [
     "register_process_snapshot",
     "report_command",
     "revoke_token",
+    "revoked_since",
     "summarize_jobs",
     "sweep",
     "undo_delivery",

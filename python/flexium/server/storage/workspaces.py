@@ -261,6 +261,12 @@ def revoke_token(
     return wire.TokenRevoked(**_token_info(row).model_dump(), cascade=[t.id for t in cascade])
 
 
+def revoked_since(*, session: Session, since: float) -> list[int]:
+    """The ids of the tokens revoked at ``since`` or later (a replica that may have missed hearing
+    of them ends what they hold)."""
+    return list(session.scalars(select(Token.id).where(Token.revoked_at >= since).order_by(Token.id)))
+
+
 def authenticate(*, session: Session, token: str) -> AuthInfo | None:
     row = session.execute(
         select(Token.id, Token.workspace_id, Token.role, Token.name, Workspace.name.label("workspace"))

@@ -1,0 +1,177 @@
+"""Several server processes (replicas) on one PostgreSQL database, behind a load balancer, act as
+one service: each keeps its own ``ServerContext``, and what one changes there that the others keep
+too travels through the replica link (``replica_link.py``: PostgreSQL's LISTEN/NOTIFY, no broker).
+A replica tells (``ServerContext``'s methods and ``Notifier.forward``) and this module applies what
+it hears, through the ``*_here`` methods, which tell no one.
+
+The database stays the source of truth: a message only spares a replica a wait or a read. What a
+replica could not hear (its link was down) it reads again when the link is back (``reread``);
+dashboards it serves get a ``resync`` then, since the events of that time are lost to them.
+SQLite takes one server (``sole_server.py``) and has no link."""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import logging
+import time
+from collections.abc import Callable, Hashable
+from typing import Any
+
+from flexium import protocol, wire
+from flexium.server import drains, queue, storage
+from flexium.server.context import ServerContext
+from flexium.server.replica_link import Message, ReplicaLink
+from flexium.server.storage import ProcessSnapshot
+from flexium.server.storage.processes import Progress
+
+log = logging.getLogger("flexium.server")
+
+LISTEN_FIRST_S = 10.0
+# A token revoked this long before this replica started may still have been in a cache it filled.
+REVOKED_CLOCK_SKEW_S = 60.0
+
+
+async def start_link(ctx: ServerContext) -> None:
+    """The link to the other replicas, started; every wake-up and event here is told to them from
+    now on. Waits (``LISTEN_FIRST_S`` at most) until it listens: a replica that serves before it
+    hears the others would hand a command created on one of them to its polls only at its sweep."""
+    link = ReplicaLink(
+        ctx.db.url,
+        loop=asyncio.get_running_loop(),
+        on_message=functools.partial(take, ctx),
+        on_reconnect=functools.partial(_reread_soon, ctx),
+    )
+    ctx.link = link
+    ctx.notifier.forward = lambda key: link.send({"kind": "wake", "key": list(_tuple(key))})
+    link.start()
+    if not await asyncio.to_thread(link.listening.wait, LISTEN_FIRST_S):
+        log.warning("replica link: not listening %g s after start; serving, and listening when it can", LISTEN_FIRST_S)
+
+
+def stop_link(ctx: ServerContext) -> None:
+    link, ctx.link = ctx.link, None
+    ctx.notifier.forward = None
+    if link is not None:
+        link.stop()
+
+
+def _tuple(key: Hashable) -> tuple[Any, ...]:
+    assert isinstance(key, tuple), f"a notifier key travels as a tuple, not {key!r}"
+    return key
+
+
+def take(ctx: ServerContext, message: Message) -> None:
+    """Applies what another replica told (on the event loop)."""
+    apply = _APPLY.get(message.get("kind", ""))
+    if apply is None:  # a newer replica's, during a rolling upgrade: the sweep finds what it said
+        log.debug("replica link: a message of unknown kind %r, ignored", message.get("kind"))
+        return
+    apply(ctx, message)
+
+
+def _wake(ctx: ServerContext, m: Message) -> None:
+    ctx.notifier.wake(tuple(m["key"]))
+
+
+def _event(ctx: ServerContext, m: Message) -> None:
+    ctx.bus.publish_payload(m["workspace"], m["event"], m["payload"])
+
+
+def _revoked(ctx: ServerContext, m: Message) -> None:
+    ctx.tokens_revoked_here(frozenset(m["tokens"]))
+
+
+def _session_ended(ctx: ServerContext, m: Message) -> None:
+    ctx.bus.end_streams(session_id=m["session"])
+
+
+def _snapshot(ctx: ServerContext, m: Message) -> None:
+    said = m["snapshot"]
+    snapshot = None if said is None else ProcessSnapshot(**{**said, "progress": Progress(**said["progress"])})
+    ctx.process_seen_here(m["workspace"], m["process"], snapshot)
+
+
+def _devices(ctx: ServerContext, m: Message) -> None:
+    room = None if m["room"] is None else tuple(tuple(gpu) for gpu in m["room"])
+    ctx.devices_written_here(m["workspace"], m["host"], time.time(), room)
+
+
+def _devices_due(ctx: ServerContext, m: Message) -> None:
+    ctx.devices_due_here(m["workspace"], m["host"])
+
+
+def _forget(ctx: ServerContext, m: Message) -> None:
+    ctx.forget_process_here(m["workspace"], m["process"])
+
+
+def _pending(ctx: ServerContext, m: Message) -> None:
+    ctx.pending[(m["workspace"], m["process"])] = m["command"]
+
+
+def _settled(ctx: ServerContext, m: Message) -> None:
+    ctx.command_settled_here(m["workspace"], m["process"], m["command"])
+
+
+def _waits(ctx: ServerContext, m: Message) -> None:
+    watches = {(ws, pid): wire.RoomWatch.model_validate(watch) for ws, pid, watch in m["watches"]}
+    workspace_id, host = m["host"]
+    ctx.jobs_wait_here(watches, (workspace_id, host))
+
+
+def _waits_ended(ctx: ServerContext, m: Message) -> None:
+    ctx.waits_ended_here(set(m["waits"]))
+
+
+def _drain(ctx: ServerContext, m: Message) -> None:
+    ctx.drain_hosts.add((m["workspace"], m["host"]))
+
+
+_APPLY: dict[str, Callable[[ServerContext, Message], None]] = {
+    "wake": _wake,
+    "event": _event,
+    "revoked": _revoked,
+    "session_ended": _session_ended,
+    "snapshot": _snapshot,
+    "devices": _devices,
+    "devices_due": _devices_due,
+    "forget": _forget,
+    "pending": _pending,
+    "settled": _settled,
+    "waits": _waits,
+    "waits_ended": _waits_ended,
+    "drain": _drain,
+}
+
+
+_rereads: set[asyncio.Task[None]] = set()  # held until done: the loop keeps a task only weakly
+
+
+def _reread_soon(ctx: ServerContext) -> None:
+    task = asyncio.ensure_future(reread(ctx))
+    _rereads.add(task)
+    task.add_done_callback(_rereads.discard)
+
+
+async def reread(ctx: ServerContext) -> None:
+    """The link (re)connected: what this replica keeps from the others' messages, read again from
+    the database, since what was sent while it did not listen is lost. Tokens revoked since it
+    started end here; the token cache is emptied (read again at the next request); heartbeat views,
+    pending commands, the queue's view and the live drains are read again; GPU reports are written
+    at their next arrival; dashboards get a ``resync``."""
+    try:
+        revoked = await ctx.db.call(storage.revoked_since, write=False, since=ctx.started_at - REVOKED_CLOCK_SKEW_S)
+        ctx.tokens.clear()
+        ctx.tokens_revoked_here(frozenset(revoked) - ctx.revoked_tokens)
+        for ws, process_id, snapshot in await ctx.db.call(storage.load_snapshots, write=False):
+            ctx.process_seen_here(ws, process_id, snapshot)
+        await ctx.reconcile_pending()
+        ctx.device_writes.clear()
+        ctx.device_rooms.clear()
+        await queue.refresh(ctx)
+        await drains.refresh(ctx)
+    except Exception:  # the sweep reads most of it again; the next reconnect retries the rest
+        log.exception("replica link: reading again what the link may have missed failed")
+    for workspace_id in ctx.bus.workspaces:
+        ctx.bus.publish(workspace_id, protocol.EVENT_RESYNC, {})
+    log.info("replica link: listening; what it may have missed read again")
