@@ -381,6 +381,7 @@ EVENT_PROGRESS = "progress"  # {"processes": [{"process_id", "steps", "steps_at"
 EVENT_WAIT = "wait"  # {"action": "created"|"updated", "wait": wire.WaitInfo}: the queue changed
 EVENT_DRAIN = "drain"  # {"action": "created"|"updated"|"ended", "drain": wire.DrainInfo}: a drain acted
 EVENT_DEVICES = "devices"  # {"host": name}: that host's GPUs changed; GET .../devices?host=name
+EVENT_PLACEMENT = "placement"  # {"action": "created"|"updated", "placement": wire.PlacementInfo}: asked, placed, ended
 EVENT_RESYNC = "resync"  # events were missed: reload the lists, then keep listening
 
 

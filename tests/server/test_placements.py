@@ -14,6 +14,7 @@ from flexium import protocol, wire
 from flexium.server import errors, storage
 from flexium.server.db import Database
 from flexium.server.policies.placement import PlacementOutcome, place_job, report_placement, run_placement_pass
+from flexium.server.policies.waited_for import BACKFILL_PATIENCE_S
 from flexium.server.storage.drains import create_drain
 from support.queue import HOST, admin, gpus_report, paused, queue
 from support.server import GIB, gpu
@@ -21,6 +22,7 @@ from support.storage import NOW, STALE, add_process, make_workspace
 
 LOW, NORMAL, HIGH = (protocol.PRIORITIES[name] for name in ("low", "normal", "high"))
 TTL = protocol.RESERVATION_TTL_S
+SINCE = NOW - 3600  # the server has answered for an hour
 
 
 def _devices(*used: int) -> list[wire.GpuReport]:
@@ -41,12 +43,13 @@ def place(db: Database, ws: int, *used: int, now: float = NOW, role: str = "admi
         now=now,
         stale_after=STALE,
         reservation_ttl=TTL,
+        answering_since=SINCE,
     )
     return outcome
 
 
 def ask(db: Database, ws: int, placement_id: int, *used: int, now: float) -> wire.PlacementInfo:
-    info: wire.PlacementInfo = db.run(
+    outcome: PlacementOutcome = db.run(
         report_placement,
         write=True,
         workspace_id=ws,
@@ -56,8 +59,9 @@ def ask(db: Database, ws: int, placement_id: int, *used: int, now: float) -> wir
         now=now,
         stale_after=STALE,
         reservation_ttl=TTL,
+        answering_since=SINCE,
     )
-    return info
+    return outcome.placement
 
 
 def test_a_job_goes_to_the_gpu_with_the_most_room_and_its_room_is_held(db: Database) -> None:
@@ -91,26 +95,40 @@ def test_a_job_waits_until_a_report_shows_the_room(db: Database) -> None:
     assert placed.state == "placed" and placed.placed_uuid == "GPU-0001"
 
 
-def test_first_come_first_served_within_a_priority_and_higher_first(db: Database) -> None:
+def test_a_job_that_fits_goes_ahead_of_an_earlier_one_until_that_one_waited_its_patience(db: Database) -> None:
+    """Within a priority, a job that fits now is placed ahead of an earlier one that fits nowhere
+    yet, until that one has waited BACKFILL_PATIENCE_S; a higher priority always goes first."""
     ws, _ = make_workspace(db)
     first = place(db, ws, 130 * GIB, memory_bytes=40 * GIB).placement
     second = place(db, ws, 130 * GIB, memory_bytes=1 * GIB, now=NOW + 1).placement
-    assert second.state == "waiting" and second.position == 2  # room for it, but the first waits for that GPU
-    urgent = place(db, ws, 130 * GIB, memory_bytes=1 * GIB, priority=HIGH, now=NOW + 2).placement
+    assert second.state == "placed"  # not held up by the big one
+    patient = NOW + BACKFILL_PATIENCE_S
+    assert ask(db, ws, first.id, 130 * GIB, now=patient).state == "waiting"
+    third = place(db, ws, 130 * GIB, memory_bytes=1 * GIB, now=patient).placement
+    assert (
+        third.state == "waiting"
+        and third.note is not None
+        and "a job before it in the queue waits for it" in third.note
+    )
+    urgent = place(db, ws, 130 * GIB, memory_bytes=1 * GIB, priority=HIGH, now=patient + 1).placement
     assert urgent.state == "placed"
-    listed = db.run(storage.list_placements, write=False, workspace_id=ws, actor=admin(ws), now=NOW + 3)
-    assert [(p.id, p.state) for p in listed] == [(urgent.id, "placed"), (first.id, "waiting"), (second.id, "waiting")]
+    listed = db.run(storage.list_placements, write=False, workspace_id=ws, actor=admin(ws), now=patient + 2)
+    # (the second ended meanwhile: its flexium run stopped asking)
+    assert [(p.id, p.state) for p in listed] == [(urgent.id, "placed"), (first.id, "waiting"), (third.id, "waiting")]
 
 
-def test_a_paused_job_waiting_before_it_goes_first(db: Database) -> None:
+def test_a_paused_job_waiting_before_it_goes_first_once_it_waited_its_patience(db: Database) -> None:
     ws, _ = make_workspace(db)
     gpus_report(db, ws, NOW, 130 * GIB, 130 * GIB)
     paused(db, ws, "earlier", footprint=20 * GIB)
     queue(db, ws, "earlier")
-    later = place(db, ws, 130 * GIB, 100 * GIB, memory_bytes=5 * GIB, now=NOW + 1).placement
+    backfilled = place(db, ws, 130 * GIB, 100 * GIB, memory_bytes=5 * GIB, now=NOW + 1).placement
+    assert backfilled.state == "placed"  # it fits now; the paused job fits nowhere yet
+    patient = NOW + BACKFILL_PATIENCE_S
+    later = place(db, ws, 130 * GIB, 100 * GIB, memory_bytes=5 * GIB, now=patient).placement
     assert later.state == "waiting"
     assert later.note is not None and "a job before it in the queue waits for it" in later.note
-    urgent = place(db, ws, 130 * GIB, 100 * GIB, memory_bytes=5 * GIB, priority=HIGH, now=NOW + 2).placement
+    urgent = place(db, ws, 130 * GIB, 100 * GIB, memory_bytes=5 * GIB, priority=HIGH, now=patient + 1).placement
     assert urgent.state == "placed" and urgent.placed_uuid == "GPU-0001"
 
 
@@ -164,12 +182,19 @@ def test_the_sweep_places_a_job_whose_room_a_report_showed(db: Database) -> None
     waiting = place(db, ws, 130 * GIB, 130 * GIB, memory_bytes=40 * GIB).placement
     gone = place(db, ws, 130 * GIB, 130 * GIB, memory_bytes=40 * GIB, host="node2").placement
     gpus_report(db, ws, NOW + 1, 130 * GIB, 10 * GIB)
-    db.run(run_placement_pass, write=True, now=NOW + 1, stale_after=STALE, reservation_ttl=TTL)
+    db.run(run_placement_pass, write=True, now=NOW + 1, stale_after=STALE, reservation_ttl=TTL, answering_since=SINCE)
     placed = db.run(
         storage.get_placement, write=False, workspace_id=ws, actor=admin(ws), placement_id=waiting.id, now=NOW + 1
     )
     assert placed.state == "placed" and placed.placed_uuid == "GPU-0001"
-    db.run(run_placement_pass, write=True, now=NOW + STALE + 1, stale_after=STALE, reservation_ttl=TTL)
+    db.run(
+        run_placement_pass,
+        write=True,
+        now=NOW + STALE + 1,
+        stale_after=STALE,
+        reservation_ttl=TTL,
+        answering_since=SINCE,
+    )
     ended = db.run(storage.get_placement, write=False, workspace_id=ws, actor=admin(ws), placement_id=gone.id, now=NOW)
     assert ended.state == "cancelled" and ended.note is not None and "stopped asking" in ended.note
 

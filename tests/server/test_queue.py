@@ -14,6 +14,7 @@ from sqlalchemy.orm import Session
 from flexium import protocol, wire
 from flexium.server import errors, storage
 from flexium.server.db import Database
+from flexium.server.policies import waited_for
 from flexium.server.policies.resume_when_free import QueueOutcome
 from flexium.server.storage.devices import host_devices
 from flexium.server.storage.drains import create_drain
@@ -55,18 +56,45 @@ def test_a_higher_priority_first_and_first_come_first_served_within_one(db: Data
     assert senders[commands["early"].id].token_name == "policy: resume when free"
 
 
-def test_no_wait_passes_one_before_it_on_a_gpu_both_could_use(db: Database) -> None:
-    """A small job behind a big one does not take the room the big one waits for."""
+def test_a_job_that_fits_now_goes_ahead_of_an_earlier_one_of_its_priority_that_fits_nowhere(db: Database) -> None:
+    """No head-of-line blocking: a small job does not wait behind a big one of its priority; it never
+    goes ahead of one of a higher priority."""
+    ws, _ = make_workspace(db)
+    gpus_report(db, ws, NOW, 139 * GIB)
+    paused(db, ws, "big", footprint=60 * GIB)
+    paused(db, ws, "small", footprint=10 * GIB)
+    paused(db, ws, "urgent-big", footprint=60 * GIB, priority=protocol.PRIORITIES["high"])
+    paused(db, ws, "low-small", footprint=10 * GIB, priority=protocol.PRIORITIES["low"])
+    for t, process_id in enumerate(("big", "small", "urgent-big", "low-small")):
+        queue(db, ws, process_id, now=NOW + t)
+    gpus_report(db, ws, NOW + 5, 100 * GIB)  # 40 GiB free: room for a small one, not for a big one
+    assert resumed(run(db, NOW + 5)) == []  # the high-priority big one waits for it: nobody passes it
+    db.run(
+        storage.cancel_wait,
+        write=True,
+        workspace_id=ws,
+        actor=admin(ws),
+        wait_id=waits(db, ws)["urgent-big"].id,
+        now=NOW + 6,
+    )
+    assert resumed(run(db, NOW + 6)) == ["small"]  # ahead of the big one of its priority
+    assert waits(db, ws)["big"].state == "waiting" and waits(db, ws)["low-small"].state == "waiting"
+
+
+def test_a_job_passed_over_for_its_patience_is_passed_no_more(db: Database, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No starvation: once the big job has waited BACKFILL_PATIENCE_S, the room freed on the GPUs it
+    waits for collects for it, and the small job queued after it waits its turn."""
+    monkeypatch.setattr(waited_for, "BACKFILL_PATIENCE_S", 10.0)
     ws, _ = make_workspace(db)
     gpus_report(db, ws, NOW, 139 * GIB)
     paused(db, ws, "big", footprint=60 * GIB)
     paused(db, ws, "small", footprint=10 * GIB)
     queue(db, ws, "big", now=NOW)
     queue(db, ws, "small", now=NOW + 1)
-    gpus_report(db, ws, NOW + 2, 100 * GIB)
-    assert resumed(run(db, NOW + 2)) == []
-    gpus_report(db, ws, NOW + 3, 40 * GIB)
-    assert resumed(run(db, NOW + 3)) == ["big", "small"]
+    gpus_report(db, ws, NOW + 10, 100 * GIB)
+    assert resumed(run(db, NOW + 10)) == []
+    gpus_report(db, ws, NOW + 11, 40 * GIB)
+    assert resumed(run(db, NOW + 11)) == ["big", "small"]
 
 
 def test_a_person_cancels_a_wait_and_a_plain_resume_takes_the_job_out(db: Database) -> None:
@@ -267,7 +295,7 @@ def test_a_job_that_runs_again_without_the_queue_leaves_it(db: Database) -> None
     assert wait.state == "cancelled" and "RUNNING" in (wait.note or "")
 
 
-def test_the_queues_view_is_three_reads_however_long_the_queue(db: Database) -> None:
+def test_the_queues_view_is_four_reads_however_long_the_queue(db: Database) -> None:
     ws, _ = make_workspace(db)
     gpus_report(db, ws, NOW, 139 * GIB, 139 * GIB)
     for n in range(12):
@@ -289,7 +317,7 @@ def test_the_queues_view_is_three_reads_however_long_the_queue(db: Database) -> 
         view = db.run(storage.queue_view, write=False)
     finally:
         event.remove(db.engine, "before_cursor_execute", count)
-    assert len([s for s in statements if s.lstrip().upper().startswith("SELECT")]) == 3
+    assert len([s for s in statements if s.lstrip().upper().startswith("SELECT")]) == 4
     assert view.hosts == frozenset({(ws, HOST)})
     assert len(view.watches) == 14
     assert view.watches[(ws, "job-0")].gpus == ["GPU-0000", "GPU-0001"]

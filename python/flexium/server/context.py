@@ -121,6 +121,9 @@ class ServerContext:
     queue_view_read: asyncio.Future[None] | None = None
     queue_view_read_at: float = 0.0  # time.monotonic() of the last read's start
     token_lookups: dict[str, asyncio.Future[AuthInfo | None]] = field(default_factory=dict)
+    # Since when the policies' passes have reached the database without a gap (its start, or the
+    # end of an outage; math.inf during one): flexium run's silence counts from then (policy_pass.py).
+    answering_since: float = field(default_factory=time.time)
     # Revoked through this server since it started (ids only: a few bytes each), for a request
     # admitted just before its token's revocation and waiting just after it.
     revoked_tokens: set[int] = field(default_factory=set)

@@ -1,14 +1,17 @@
 """The resume-when-free queue as the server runs it, beside the requests (``services`` calls in
 here): a person's waits, cancellations and priorities; the queue's pass (``policies``) after each
 event that can give a waiting job room (a GPU report of its host stored, a command ended, a
-process gone, a wait created, room held past its time) and at every sweep as a backstop; and
-what a pass set going, told as a person's command is (long-polls woken, dashboards told). The
-in-memory view heartbeats answer with (``ServerContext.watches``) follows each change made here
-and is re-read at each sweep, for the changes another server made."""
+process gone, a wait created, room held past its time) and at every sweep as a backstop, each
+followed by the placement pass over the same host (flexium run's jobs not started yet wait in the
+same queue, after the paused jobs: ``placing``); and what a pass set going, told as a person's
+command is (long-polls woken, dashboards told). The in-memory view heartbeats answer with
+(``ServerContext.watches``, and the hosts with a job waiting, ``queue_hosts``) follows each change
+made here and is re-read at each sweep, for the changes another server made."""
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import Coroutine, Iterable
@@ -17,8 +20,9 @@ from typing import Any
 from flexium import protocol, wire
 from flexium.server import storage
 from flexium.server.context import ServerContext
+from flexium.server.policies.placement import run_placement_pass
 from flexium.server.policies.resume_when_free import Queued, QueueOutcome, queue_resume, run_queue
-from flexium.server.policy_pass import run_policy_pass
+from flexium.server.policy_pass import answering_since, run_policy_pass
 from flexium.server.storage import AuthInfo
 
 log = logging.getLogger("flexium.server")
@@ -97,8 +101,9 @@ async def set_priority(
 
 
 async def room_changed(ctx: ServerContext, workspace_id: int, host: str | None) -> None:
-    """Something that can give room on ``host`` happened: the queue's pass over it, when a job
-    waits there (as this server knows; another server's waits are known from its next sweep)."""
+    """Something that can give room on ``host`` happened: the queue's pass over it, and the
+    placements' after it, when a job waits there (as this server knows; another server's waits
+    are known from its next sweep)."""
     if host is not None and (workspace_id, host) in ctx.queue_hosts:
         await _host_pass(ctx, workspace_id, host)
 
@@ -129,10 +134,27 @@ async def run(ctx: ServerContext, *, workspace_id: int | None = None, host: str 
     _told(ctx, outcome)
 
 
+async def place(ctx: ServerContext, *, workspace_id: int | None = None, host: str | None = None) -> None:
+    """The placement pass over one host, or every host (the sweep's); never raises: a failed pass
+    is retried at the next event or sweep."""
+    decide = functools.partial(
+        run_placement_pass, reservation_ttl=ctx.settings.reservation_ttl_s, answering_since=answering_since(ctx)
+    )
+    changed = await run_policy_pass(ctx, decide, what="the placements'", workspace_id=workspace_id, host=host)
+    for ws, placement in changed or ():
+        placements_told(ctx, ws, [placement])
+
+
+def placements_told(ctx: ServerContext, workspace_id: int, placements: Iterable[wire.PlacementInfo]) -> None:
+    """Placements asked for, placed, taken or ended: dashboards told."""
+    for placement in placements:
+        ctx.publish(workspace_id, protocol.EVENT_PLACEMENT, {"action": "updated", "placement": placement})
+
+
 def _host_pass(ctx: ServerContext, workspace_id: int, host: str) -> asyncio.Future[None]:
-    """A pass of the queue over ``host`` that starts after this call. Every event that asks for one
-    before it starts shares it: a server that is behind runs one pass for the many GPU reports and
-    command ends of a host that came in meanwhile, not one each."""
+    """A pass of the queue, and of the placements, over ``host`` that starts after this call. Every
+    event that asks for one before it starts shares it: a server that is behind runs one pass for
+    the many GPU reports and command ends of a host that came in meanwhile, not one each."""
     key = (workspace_id, host)
     scheduled = ctx.queue_passes.get(key)
     if scheduled is None:
@@ -140,6 +162,7 @@ def _host_pass(ctx: ServerContext, workspace_id: int, host: str) -> asyncio.Futu
         async def one_pass() -> None:
             del ctx.queue_passes[key]  # an event from here on asks for the next pass
             await run(ctx, workspace_id=workspace_id, host=host)
+            await place(ctx, workspace_id=workspace_id, host=host)
 
         scheduled = ctx.queue_passes[key] = _in_background(one_pass())
     return asyncio.shield(scheduled)

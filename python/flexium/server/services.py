@@ -46,15 +46,7 @@ async def register_process(
         own_only=auth.role == protocol.ROLE_JOB,
     )
     if body.placement_id is not None:
-        await ctx.db.call(
-            storage.take_placement,
-            write=True,
-            workspace_id=workspace_id,
-            actor=auth,
-            placement_id=body.placement_id,
-            process_id=body.process_id,
-            now=now,
-        )
+        await placing.take_placement(ctx, auth=auth, placement_id=body.placement_id, process_id=body.process_id)
     ctx.process_seen(workspace_id, body.process_id, snapshot)
     ctx.publish(
         workspace_id, protocol.EVENT_PROCESS, {"action": "registered" if created else "updated", "process": process}
@@ -316,7 +308,7 @@ async def sweep_forever(ctx: ServerContext) -> None:
             ctx.publish_here(ws, protocol.EVENT_PROCESS, {"action": "stale", "process": proc})
         # The backstop: every waiting job judged again (what another server queued included).
         await queue.run(ctx)
-        await placing.run(ctx)
+        await queue.place(ctx)
         await queue.refresh(ctx)
         await drains.refresh(ctx)
         if ctx.drain_hosts:

@@ -38,6 +38,7 @@ from flexium.server.storage.drains import (
 )
 from flexium.server.storage.jobs import is_job_rank
 from flexium.server.storage.processes import active_command
+from flexium.server.storage.reservations import lock_hosts
 from flexium.server.storage.views import is_stale
 from flexium.server.storage.waits import cancel_live_wait, queue_wait
 from flexium.server.storage.workspaces import AuthInfo
@@ -65,6 +66,8 @@ def run_drains(
     *, session: Session, now: float, stale_after: float, workspace_id: int | None = None, host: str | None = None
 ) -> DrainOutcome:
     """Acts on every job on a live drain's GPUs whose last move ended (all hosts by default)."""
+    unlocked = live_drains(session=session, workspace_id=workspace_id, host=host)
+    lock_hosts(session=session, hosts=[(d.workspace_id, d.host) for d in unlocked])
     drains = live_drains(session=session, workspace_id=workspace_id, host=host, for_update=True)
     commands: list[tuple[int, wire.CommandInfo]] = []
     acted: list[tuple[int, wire.DrainInfo]] = []

@@ -28,7 +28,7 @@ from flexium.server.storage.commands import create_commands
 from flexium.server.storage.devices import held_by_gpu
 from flexium.server.storage.jobs import is_job_rank
 from flexium.server.storage.processes import active_command, find_process
-from flexium.server.storage.reservations import hold_room, lock_host_room
+from flexium.server.storage.reservations import hold_room, lock_hosts
 from flexium.server.storage.targets import target_refusal
 from flexium.server.storage.views import is_stale, stored_capabilities
 from flexium.server.storage.waits import cancel_live_wait, may_resume_on, paused_job, queue_wait, wanted_gpu
@@ -107,7 +107,7 @@ def plan_room(
     make-rooms on one host count one after the other). ``candidates``: of the host's GPUs, UUID ->
     why the beneficiary cannot go there but for room (None: it can). TargetRefused says why no GPU
     will do, GPU by GPU."""
-    lock_host_room(session=session, workspace_id=workspace_id, host=host)
+    lock_hosts(session=session, hosts=[(workspace_id, host)])
     room = HostRoom.read(session=session, workspace_id=workspace_id, host=host, now=now)
     gpus = candidates(room)
     units = _running_jobs(session=session, workspace_id=workspace_id, host=host, now=now, stale_after=stale_after)

@@ -22,6 +22,7 @@ from flexium.server.errors import Forbidden
 from flexium.server.models import Placement, Process, Reservation, Wait
 from flexium.server.policies.make_room import Beneficiary, make_room, plan_room
 from flexium.server.policies.room import HostRoom
+from flexium.server.policies.waited_for import WaitedFor
 from flexium.server.storage.devices import host_devices, upsert_devices
 from flexium.server.storage.drains import drain_refusal
 from flexium.server.storage.placements import (
@@ -33,7 +34,7 @@ from flexium.server.storage.placements import (
     placement_view,
     release_placement_room,
 )
-from flexium.server.storage.reservations import hold_room
+from flexium.server.storage.reservations import hold_room, lock_hosts
 from flexium.server.storage.waits import may_resume_on, needs_of, queue_order
 from flexium.server.storage.workspaces import AuthInfo
 from flexium.units import gib
@@ -41,10 +42,13 @@ from flexium.units import gib
 
 @dataclass(frozen=True)
 class PlacementOutcome:
-    """A request answered: the placement as it is now, and the pauses that make room for it."""
+    """A request answered: the placement as it is now, the pauses that make room for it, and every
+    placement of its host the request changed (placed, ended, or told why it waits anew), it
+    included, as they are now."""
 
     placement: wire.PlacementInfo
     pauses: tuple[wire.CommandInfo, ...] = ()
+    changed: tuple[wire.PlacementInfo, ...] = ()
 
 
 def place_job(
@@ -56,6 +60,7 @@ def place_job(
     now: float,
     stale_after: float,
     reservation_ttl: float,
+    answering_since: float,
 ) -> PlacementOutcome:
     """``flexium run``'s request: its host's GPUs stored as it read them, the placement written (room
     made for it when asked), and the placement pass over its host, which places it at once when it
@@ -67,15 +72,17 @@ def place_job(
     pauses: list[wire.CommandInfo] = []
     if request.make_room:
         pauses = _make_room(session=session, row=row, now=now, stale_after=stale_after, ttl=reservation_ttl)
-    run_placements(
+    changed = run_placements(
         session=session,
         workspace_id=workspace_id,
         host=row.host,
         now=now,
         stale_after=stale_after,
         reservation_ttl=reservation_ttl,
+        answering_since=answering_since,
     )
-    return PlacementOutcome(placement_view(session=session, row=row, now=now), tuple(pauses))
+    shown = placement_view(session=session, row=row, now=now)
+    return PlacementOutcome(shown, tuple(pauses), _with(changed, shown))
 
 
 def report_placement(
@@ -88,22 +95,34 @@ def report_placement(
     now: float,
     stale_after: float,
     reservation_ttl: float,
-) -> wire.PlacementInfo:
+    answering_since: float,
+) -> PlacementOutcome:
     """``flexium run`` asks again, with its host's GPUs as it reads them now: stored, then the
-    placement pass over the host."""
+    placement pass over the host. Asking after a silence longer than would end it (the server, or
+    its database, could not hear it: ``answering_since``), a placed one's room is held a full
+    ``reservation_ttl`` again: the hold's time ran on while its job could not start."""
     row = find_placement(session=session, workspace_id=workspace_id, placement_id=placement_id, actor=actor)
     upsert_devices(session=session, workspace_id=workspace_id, host=row.host, devices=report.devices, now=now)
+    before = (row.state, row.note)
     if row.state in protocol.LIVE_PLACEMENT_STATES:
+        if row.state == "placed" and row.asked_at < now - stale_after:
+            _hold(session=session, row=row, now=now, ttl=reservation_ttl)
         row.asked_at = now
-    run_placements(
+    changed = run_placements(
         session=session,
         workspace_id=workspace_id,
         host=row.host,
         now=now,
         stale_after=stale_after,
         reservation_ttl=reservation_ttl,
+        answering_since=answering_since,
     )
-    return placement_view(session=session, row=row, now=now)
+    shown = placement_view(session=session, row=row, now=now)
+    return PlacementOutcome(shown, (), _with(changed, shown) if (row.state, row.note) != before else tuple(changed))
+
+
+def _with(changed: list[wire.PlacementInfo], shown: wire.PlacementInfo) -> tuple[wire.PlacementInfo, ...]:
+    return (shown, *(placement for placement in changed if placement.id != shown.id))
 
 
 def _make_room(
@@ -159,30 +178,45 @@ def _gpu_refusal(session: Session, room: HostRoom, uuid: str, *, now: float, sta
 
 
 def run_placements(
-    *, session: Session, workspace_id: int, host: str, now: float, stale_after: float, reservation_ttl: float
-) -> None:
+    *,
+    session: Session,
+    workspace_id: int,
+    host: str,
+    now: float,
+    stale_after: float,
+    reservation_ttl: float,
+    answering_since: float,
+) -> list[wire.PlacementInfo]:
     """Places every live placement of the host that fits now, in the queue's order; those whose
-    flexium run stopped asking end."""
+    flexium run stopped asking end. ``answering_since``: since when the server has answered without
+    a gap (it started, or its database came back): flexium run's silence counts from then only, as
+    it could not be heard before. The placements it changed, as they are now."""
+    lock_hosts(session=session, hosts=[(workspace_id, host)])
     rows = live_placements(session=session, workspace_id=workspace_id, host=host)
+    if not rows:
+        return []
     room = HostRoom.read(session=session, workspace_id=workspace_id, host=host, now=now)
-    waits = _waits_ahead(session=session, workspace_id=workspace_id, host=host)
-    blocked: dict[str, tuple[int, float]] = {}  # GPU -> (priority, created_at) of the first that waits for it
+    waited_for = _waits_ahead(session=session, workspace_id=workspace_id, host=host)
+    changed: list[Placement] = []
     for row in rows:
-        if row.asked_at < now - stale_after:
+        silent_since = max(row.asked_at, answering_since)
+        if silent_since < now - stale_after:
             state = "cancelled" if row.state == "waiting" else "ended"
-            why = f"its flexium run stopped asking {now - row.asked_at:.0f} s ago"
+            why = f"its flexium run stopped asking {now - silent_since:.0f} s ago"
             end_placement(session=session, row=row, state=state, note=why, now=now)
+            changed.append(row)
             continue
         if row.state == "placed":  # its room is held: the room counts it already
             continue
-        place = (-row.priority, row.created_at)
-        ahead = {uuid for uuid, (p, at) in [*waits.items(), *blocked.items()] if (-p, at) <= place}
+        ahead = waited_for.closed(priority=row.priority, queued_at=row.created_at, now=now)
         gpu = _fitting_gpu(session=session, row=row, room=room, ahead=ahead, now=now, stale_after=stale_after)
         if gpu is None:
-            for uuid in [row.gpu_uuid] if row.gpu_uuid is not None else list(room.gpus):
-                blocked.setdefault(uuid, (row.priority, row.created_at))
+            uuids = [row.gpu_uuid] if row.gpu_uuid is not None else list(room.gpus)
+            waited_for.add(uuids, priority=row.priority, queued_at=row.created_at)
             continue
         _place(session=session, row=row, uuid=gpu, room=room, now=now, ttl=reservation_ttl)
+        changed.append(row)
+    return [placement_view(session=session, row=row, now=now) for row in changed]
 
 
 def run_placement_pass(
@@ -191,29 +225,36 @@ def run_placement_pass(
     now: float,
     stale_after: float,
     reservation_ttl: float,
+    answering_since: float,
     workspace_id: int | None = None,
     host: str | None = None,
-) -> None:
+) -> list[tuple[int, wire.PlacementInfo]]:
     """``run_placements`` over every host with a live placement (or the one given): the sweep's
     pass, which places a job whose room a job's report showed while its flexium run had not asked
-    again, and ends those whose flexium run stopped asking."""
-    for ws, on_host in placement_hosts(session=session):
+    again, and ends those whose flexium run stopped asking; (workspace id, placement) of each it
+    changed."""
+    changed = []
+    one = [(workspace_id, host)] if workspace_id is not None and host is not None else None
+    for ws, on_host in one or placement_hosts(session=session):
         if (workspace_id is None or ws == workspace_id) and (host is None or on_host == host):
-            run_placements(
+            placements = run_placements(
                 session=session,
                 workspace_id=ws,
                 host=on_host,
                 now=now,
                 stale_after=stale_after,
                 reservation_ttl=reservation_ttl,
+                answering_since=answering_since,
             )
+            changed += [(ws, placement) for placement in placements]
+    return changed
 
 
-def _waits_ahead(*, session: Session, workspace_id: int, host: str) -> dict[str, tuple[int, float]]:
-    """The GPUs the host's waiting paused jobs wait for, each with the first of them (priority,
-    queued at): a placement after it in the queue's order does not take that GPU."""
+def _waits_ahead(*, session: Session, workspace_id: int, host: str) -> WaitedFor:
+    """The GPUs the host's waiting paused jobs wait for: a placement after one in the queue's order
+    takes such a GPU only as ``waited_for`` allows."""
     devices = host_devices(session=session, workspace_id=workspace_id, host=host)
-    first: dict[str, tuple[int, float]] = {}
+    waited_for = WaitedFor()
     query = (
         select(Wait, Process)
         .join(Process, Process.pk == Wait.process_pk)
@@ -222,9 +263,9 @@ def _waits_ahead(*, session: Session, workspace_id: int, host: str) -> dict[str,
     )
     for wait, holder in session.execute(query):
         for need in needs_of(session=session, wait=wait, holder=holder):
-            for uuid in [need.gpu] if need.gpu is not None else may_resume_on(need.process, devices):
-                first.setdefault(uuid, (wait.priority, wait.created_at))
-    return first
+            uuids = [need.gpu] if need.gpu is not None else may_resume_on(need.process, devices)
+            waited_for.add(uuids, priority=wait.priority, queued_at=wait.created_at)
+    return waited_for
 
 
 def _own_held(session: Session, row: Placement, now: float) -> Reservation | None:
@@ -281,28 +322,40 @@ def _index(room: HostRoom, uuid: str) -> int:
 def _place(*, session: Session, row: Placement, uuid: str, room: HostRoom, now: float, ttl: float) -> None:
     """Placed on ``uuid``: the room held for it there until its job registers."""
     own = _own_held(session, row, now)
-    required = row.need_bytes + protocol.ROOM_MARGIN_BYTES if row.need_bytes else 0
     free = _free(room, uuid, own)
-    if own is None or own.gpu_uuid != uuid:
-        release_placement_room(session=session, row=row)
-        if required:
-            held = hold_room(
-                session=session,
-                workspace_id=row.workspace_id,
-                host=row.host,
-                gpu_uuid=uuid,
-                nbytes=required,
-                wait_id=None,
-                holder=_label(row),
-                now=now,
-                ttl=ttl,
-            )
-            row.reservation_id = held.id
-            room.gpus[uuid].held[None] = room.gpus[uuid].held.get(None, 0) + required
     row.state = "placed"
     row.placed_uuid = uuid
     row.placed_at = now
+    if own is None or own.gpu_uuid != uuid:
+        release_placement_room(session=session, row=row)
+        held = _hold(session=session, row=row, now=now, ttl=ttl)
+        if held is not None:
+            room.gpus[uuid].held[None] = room.gpus[uuid].held.get(None, 0) + held.bytes
     index = room.gpus[uuid].device.index
     row.note = f"placed on GPU {uuid if index is None else index}: {gib(free)} free" + (
         f" for {gib(row.need_bytes)}" if row.need_bytes else ", the most room of its host"
     )
+
+
+def _hold(*, session: Session, row: Placement, now: float, ttl: float) -> Reservation | None:
+    """The room of a placed job held on its GPU for ``ttl`` from now (its hold renewed where it has
+    one); None for a job that said no memory."""
+    if not row.need_bytes or row.placed_uuid is None:
+        return None
+    held = None if row.reservation_id is None else session.get(Reservation, row.reservation_id)
+    if held is not None and held.gpu_uuid == row.placed_uuid:
+        held.expires_at = max(held.expires_at, now + ttl)
+        return held
+    held = hold_room(
+        session=session,
+        workspace_id=row.workspace_id,
+        host=row.host,
+        gpu_uuid=row.placed_uuid,
+        nbytes=row.need_bytes + protocol.ROOM_MARGIN_BYTES,
+        wait_id=None,
+        holder=_label(row),
+        now=now,
+        ttl=ttl,
+    )
+    row.reservation_id = held.id
+    return held

@@ -1,14 +1,16 @@
 """The resume-when-free queue: paused jobs waiting for room on their host (``storage.waits``), each
 resumed by an ordinary resume command once a GPU report shows the room it needs, a higher
-priority first and first come first served within one. A wait that does not fit stops every later
-wait of its host from taking the GPUs it waits for (no one passes it in the queue), except on a GPU
-where room is held for that later one (``make_room``). A GPU's room counts only in a report newer
-than the job's last refusal of a resume the queue sent, so a refused resume is not sent again on
-the report it was refused on.
+priority first and first come first served within one. A later wait goes ahead of one that fits
+nowhere yet only as ``waited_for`` allows (one of the same priority that fits now, until the
+earlier has waited ``BACKFILL_PATIENCE_S``), or on a GPU where room is held for that later one
+(``make_room``). A GPU's room counts only in a report newer than the job's last refusal of a
+resume the queue sent, so a refused resume is not sent again on the report it was refused on.
 
-``run_queue`` reads the waits it acts on locked and skips those another server holds
-(``FOR UPDATE SKIP LOCKED`` on PostgreSQL; SQLite has one writer), and a job has one active
-command at most (a unique index): two servers on one database never resume a job twice."""
+``run_queue`` takes its hosts' lock first (``reservations.lock_hosts``, as every policy that counts a
+host's room does), so two passes over one host, or a pass and a drain or a make-room, run one after
+the other; it reads the waits it acts on locked and skips those another server holds (``FOR UPDATE
+SKIP LOCKED`` on PostgreSQL; SQLite has one writer), and a job has one active command at most (a
+unique index): two servers on one database never resume a job twice."""
 
 from __future__ import annotations
 
@@ -23,10 +25,12 @@ from flexium.server.errors import ApiError, CapabilityMissing, InvalidState
 from flexium.server.models import Process, Wait
 from flexium.server.policies.make_room import resume_making_room
 from flexium.server.policies.room import HostRoom
+from flexium.server.policies.waited_for import WaitedFor
 from flexium.server.storage.audit import PolicyActor, record_commands_created
 from flexium.server.storage.commands import create_commands
 from flexium.server.storage.devices import host_devices
 from flexium.server.storage.processes import active_command
+from flexium.server.storage.reservations import lock_hosts
 from flexium.server.storage.targets import target_refusal
 from flexium.server.storage.views import is_stale, stored_capabilities
 from flexium.server.storage.waits import (
@@ -116,20 +120,33 @@ def run_queue(
 ) -> QueueOutcome:
     """Sends a resume for every waiting job that fits now, in queue order, host by host (all hosts
     of all workspaces by default: the sweep's pass)."""
-    query = select(Wait, Process).join(Process, Process.pk == Wait.process_pk).where(Wait.state == "waiting")
+    where = [Wait.state == "waiting"]
     if workspace_id is not None:
-        query = query.where(Wait.workspace_id == workspace_id)
+        where.append(Wait.workspace_id == workspace_id)
     if host is not None:
-        query = query.where(Wait.host == host)
+        where.append(Wait.host == host)
+    if workspace_id is not None and host is not None:
+        hosts = [(workspace_id, host)]
+    else:
+        waiting = select(Wait.workspace_id, Wait.host).where(*where).distinct()
+        hosts = [(ws, on_host) for ws, on_host in session.execute(waiting)]
+    lock_hosts(session=session, hosts=hosts)
+    query = select(Wait, Process).join(Process, Process.pk == Wait.process_pk).where(*where)
     rows = session.execute(query.order_by(*queue_order()).with_for_update(of=Wait, skip_locked=True)).all()
     dispatched: list[Dispatched] = []
     cancelled: list[tuple[int, wire.WaitInfo]] = []
     for (ws, on_host), group in itertools.groupby(rows, key=lambda row: (row[0].workspace_id, row[0].host)):
         room = HostRoom.read(session=session, workspace_id=ws, host=on_host, now=now)
-        blocked: set[str] = set()
+        waited_for = WaitedFor()
         for wait, holder in group:
             outcome = _consider(
-                session=session, wait=wait, holder=holder, room=room, blocked=blocked, now=now, stale_after=stale_after
+                session=session,
+                wait=wait,
+                holder=holder,
+                room=room,
+                waited_for=waited_for,
+                now=now,
+                stale_after=stale_after,
             )
             if isinstance(outcome, Dispatched):
                 dispatched.append(outcome)
@@ -144,7 +161,7 @@ def _consider(
     wait: Wait,
     holder: Process,
     room: HostRoom,
-    blocked: set[str],
+    waited_for: WaitedFor,
     now: float,
     stale_after: float,
 ) -> Dispatched | wire.WaitInfo | None:
@@ -157,7 +174,7 @@ def _consider(
             return end_wait(session=session, row=wait, state="cancelled", note=why, actor=None, now=now)
         if busy or is_stale(proc, now=now, stale_after=stale_after):
             return None  # its pause is under way (room made), a person's command, or it is silent
-    placement = _place(wait=wait, needs=needs, room=room, blocked=blocked, now=now, stale_after=stale_after)
+    placement = _place(wait=wait, needs=needs, room=room, waited_for=waited_for, now=now, stale_after=stale_after)
     if placement is None:
         return None
     single = wait.job_key is None and len(needs) == 1
@@ -190,10 +207,10 @@ def _consider(
 
 
 def _place(
-    *, wait: Wait, needs: list[Need], room: HostRoom, blocked: set[str], now: float, stale_after: float
+    *, wait: Wait, needs: list[Need], room: HostRoom, waited_for: WaitedFor, now: float, stale_after: float
 ) -> list[tuple[Need, str]] | None:
-    """A GPU for each need, all fitting together; None leaves the GPUs it could use blocked for the
-    waits after it."""
+    """A GPU for each need, all fitting together; None: the GPUs it could use are waited for by it
+    (``waited_for``: those after it may take them only as its rule allows)."""
     placement: list[tuple[Need, str]] = []
     claimed: dict[str, int] = {}
     wanted: list[str] = []
@@ -201,7 +218,8 @@ def _place(
         candidates = _candidates(wait=wait, need=need, room=room, now=now, stale_after=stale_after)
         wanted += candidates
         for uuid in candidates:
-            if uuid in blocked and not room.holds_for(uuid, wait.id):
+            closed = waited_for.closed_to(uuid, priority=wait.priority, queued_at=wait.created_at, now=now)
+            if closed and not room.holds_for(uuid, wait.id):
                 continue
             required = room.required(uuid, need.nbytes, home=need.process.gpu_uuid) + claimed.get(uuid, 0)
             if room.free_for(uuid, wait.id) >= required:
@@ -209,7 +227,7 @@ def _place(
                 claimed[uuid] = claimed.get(uuid, 0) + need.nbytes
                 break
     if len(placement) < len(needs) or not needs:
-        blocked.update(wanted)
+        waited_for.add(wanted, priority=wait.priority, queued_at=wait.created_at)
         return None
     return placement
 

@@ -370,14 +370,7 @@ async def report_placement(placement_id: RowIdPath, body: wire.PlacementReport, 
     summary="flexium run is done with it: a waiting one is cancelled, a placed one ends and its room goes",
 )
 async def close_placement(placement_id: RowIdPath, auth: Worker, ctx: Ctx) -> Any:
-    return await ctx.db.call(
-        storage.close_placement,
-        write=True,
-        workspace_id=auth.workspace_id,
-        actor=auth,
-        placement_id=placement_id,
-        now=time.time(),
-    )
+    return await placing.close_placement(ctx, auth=auth, placement_id=placement_id)
 
 
 # --- drains ------------------------------------------------------------------------------------

@@ -123,17 +123,17 @@ def close_placement(
 
 def take_placement(
     *, session: Session, workspace_id: int, actor: AuthInfo, placement_id: int, process_id: str, now: float
-) -> None:
+) -> wire.PlacementInfo | None:
     """A job registered with the placement ``flexium run`` handed it: the room held for it is its
     own now (its memory shows in its GPU's reports). Only the token the placement was asked with,
     or the job token flexium run minted with it, takes it; another is refused in the audit log. A
     placement that is not live any more (ended, or of another workspace) is left as it is: the job
-    runs, only without held room."""
+    runs, only without held room. The placement taken, as it is now (None: not taken)."""
     row = session.scalar(
         select(Placement).where(Placement.workspace_id == workspace_id, Placement.id == placement_id).with_for_update()
     )
     if row is None or row.state not in protocol.LIVE_PLACEMENT_STATES:
-        return
+        return None
     if row.token_id is None or row.token_id not in (actor.token_id, _minted_by(session, actor.token_id)):
         record_audit(
             session=session,
@@ -146,9 +146,10 @@ def take_placement(
             now=now,
             process_id=process_id,
         )
-        return
+        return None
     row.process_id = process_id
     end_placement(session=session, row=row, state="started", note=f"process {process_id} registered", now=now)
+    return placement_view(session=session, row=row, now=now)
 
 
 def _minted_by(session: Session, token_id: int) -> int | None:

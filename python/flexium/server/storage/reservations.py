@@ -4,7 +4,9 @@ counts a reservation as taken for every wait but its own (``policies/room.py``).
 
 from __future__ import annotations
 
-from sqlalchemy import delete, select
+from collections.abc import Iterable
+
+from sqlalchemy import and_, delete, or_, select
 from sqlalchemy.orm import Session
 
 from flexium import wire
@@ -38,13 +40,18 @@ def hold_room(
     return row
 
 
-def lock_host_room(*, session: Session, workspace_id: int, host: str) -> None:
-    """The host's GPU rows read locked before its room is counted for a reservation: two
-    make-rooms on one host (two servers on PostgreSQL) run one after the other, the second
-    counting the room the first held (SQLite has one writer)."""
-    session.execute(
-        select(Device.id).where(Device.workspace_id == workspace_id, Device.host == host).with_for_update()
-    ).all()
+def lock_hosts(*, session: Session, hosts: Iterable[tuple[int, str]]) -> None:
+    """The GPU rows of each (workspace id, host) read locked before a policy counts its room and acts
+    on it: the queue's pass, the placements', a drain's, a make-room; two of them on one host (two
+    servers on PostgreSQL) run one after the other, the second counting what the first did (SQLite
+    has one writer). Taken first in its transaction, in one order (by host, then UUID, as a GPU
+    report writes them; a pass over several hosts locks them in this order too): two transactions
+    never each hold a row the other waits for."""
+    wanted = sorted(set(hosts))
+    if not wanted:
+        return
+    query = select(Device.id).where(or_(*(and_(Device.workspace_id == ws, Device.host == host) for ws, host in wanted)))
+    session.execute(query.order_by(Device.workspace_id, Device.host, Device.uuid).with_for_update()).all()
 
 
 def release_room(*, session: Session, wait_id: int) -> None:

@@ -416,19 +416,23 @@ def wait_view(
 class QueueView:
     """The queue as a server keeps it in memory: what each waiting job's processes watch
     ((workspace id, process id) -> the GPUs it may resume on and the room it needs there), and the
-    hosts (workspace id, host) with a job waiting, whose GPU reports the queue runs on."""
+    hosts (workspace id, host) with a job waiting (paused, or not started yet: flexium run's
+    placements), whose GPU reports the queue runs on."""
 
     watches: dict[tuple[int, str], wire.RoomWatch]
     hosts: frozenset[tuple[int, str]]
 
 
 def queue_view(*, session: Session) -> QueueView:
-    """Read in three queries, however long the queue: the waits with their processes, the GPUs of
-    their hosts, the ranks of the jobs of several among them."""
+    """Read in four queries, however long the queue: the waits with their processes, the hosts with
+    a placement, the GPUs of their hosts, the ranks of the jobs of several among them."""
     waits = session.execute(
         select(Wait, Process).join(Process, Process.pk == Wait.process_pk).where(Wait.state == "waiting")
     ).all()
-    hosts = frozenset((wait.workspace_id, wait.host) for wait, _holder in waits)
+    placing = select(Placement.workspace_id, Placement.host).where(Placement.state.in_(protocol.LIVE_PLACEMENT_STATES))
+    hosts = frozenset((wait.workspace_id, wait.host) for wait, _holder in waits) | frozenset(
+        (ws, host) for ws, host in session.execute(placing.distinct())
+    )
     gpus: dict[tuple[int, str], set[str]] = {key: set() for key in hosts}
     if hosts:
         for workspace_id, host, uuid in session.execute(
