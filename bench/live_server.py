@@ -1,6 +1,6 @@
 """A real ``flexium server`` process on this machine (127.0.0.1 only) for the benchmarks, on a
 fresh database: a SQLite file, or a new PostgreSQL database (``--postgres-url``, an admin URL;
-else $FLEXIUM_TEST_POSTGRES_URL; else a throwaway cluster started when running as root with
+else $FLEXIUM_TEST_POSTGRES_URL; else a throwaway cluster, tests/support/postgres_cluster.py, with
 Debian's postgresql installed); or several (``Replicas``) on one PostgreSQL database behind
 Debian's nginx, configured as docs/guide/server.md says (tests/support/nginx.py, which the tests
 run too)."""
@@ -9,15 +9,12 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import glob
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -28,6 +25,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 from support.nginx import NginxFront  # noqa: E402
+from support.postgres_cluster import PostgresCluster  # noqa: E402
 
 
 def free_port() -> int:
@@ -141,51 +139,6 @@ class Replicas:
             server.stop()
 
 
-class ThrowawayPostgres:
-    """A PostgreSQL cluster in a temp folder, run as the postgres user (as ci/test.sh does)."""
-
-    def __init__(self) -> None:
-        bins = sorted(glob.glob("/usr/lib/postgresql/*/bin"))
-        if not bins or os.geteuid() != 0:
-            raise RuntimeError("no PostgreSQL: give --postgres-url, or run as root with Debian's postgresql")
-        self.bin = bins[-1]
-        self.dir = tempfile.mkdtemp(prefix="flexium-bench-pg.")
-        shutil.chown(self.dir, "postgres", "postgres")
-        self.port = free_port()
-        run = ["runuser", "-u", "postgres", "--"]
-        subprocess.run(
-            run + [f"{self.bin}/initdb", "-D", f"{self.dir}/data", "-A", "trust", "-U", "postgres", "-E", "UTF8"],
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
-        subprocess.run(
-            run
-            + [
-                f"{self.bin}/pg_ctl",
-                "-D",
-                f"{self.dir}/data",
-                "-l",
-                f"{self.dir}/log",
-                "-w",
-                "-o",
-                f"-p {self.port} -k {self.dir} -c listen_addresses=127.0.0.1 "
-                "-c max_connections=300 -c shared_buffers=256MB",
-                "start",
-            ],
-            check=True,
-            stdout=subprocess.DEVNULL,
-        )
-        self.url = f"postgresql://postgres@127.0.0.1:{self.port}/postgres"
-
-    def stop(self) -> None:
-        subprocess.run(
-            ["runuser", "-u", "postgres", "--", f"{self.bin}/pg_ctl", "-D", f"{self.dir}/data", "-m", "fast", "stop"],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-
 def fresh_pg_database(admin_url: str) -> tuple[str, Any]:
     import psycopg
 
@@ -206,7 +159,7 @@ class Databases:
     def __init__(self, work: str, postgres_url: str | None) -> None:
         self.work = work
         self.postgres_url = postgres_url
-        self.cluster: ThrowawayPostgres | None = None
+        self.cluster: PostgresCluster | None = None
 
     @contextlib.contextmanager
     def fresh(self, backend: str, name: str) -> Iterator[str]:
@@ -219,7 +172,7 @@ class Databases:
         admin = self.postgres_url
         if not admin:
             if self.cluster is None:
-                self.cluster = ThrowawayPostgres()
+                self.cluster = PostgresCluster(max_connections=300, settings=("shared_buffers=256MB",)).start()
             admin = self.cluster.url
         url, drop = fresh_pg_database(admin)
         try:
@@ -229,4 +182,4 @@ class Databases:
 
     def close(self) -> None:
         if self.cluster is not None:
-            self.cluster.stop()
+            self.cluster.remove()

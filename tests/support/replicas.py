@@ -67,7 +67,23 @@ class Replicas:
         first.create_workspace()
         for server in self.servers:
             server.token, server.job_token = first.token, first.job_token
-            server.start()
+        failures: list[BaseException] = []
+
+        def start(server: Server) -> None:
+            try:
+                server.start()
+            except BaseException as exc:  # said by the caller's thread
+                failures.append(exc)
+
+        # at once: each start is mostly imports, which a loaded machine makes slow
+        threads = [threading.Thread(target=start, args=(server,)) for server in self.servers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if failures:
+            self.stop()
+            raise failures[0]
         self.front.start()
         return self
 
