@@ -180,7 +180,11 @@ class ServerContext:
         """A live event for the workspace's dashboards, here and on every replica."""
         payload = self.bus.payload(data)
         self.bus.publish_payload(workspace_id, event, payload)
-        self._tell({"kind": "event", "workspace": workspace_id, "event": event, "payload": payload})
+        if self.link is None:
+            return
+        message = {"kind": "event", "workspace": workspace_id, "event": event, "payload": payload}
+        # Too large for a notification (a command's long result): the others' dashboards reload.
+        self._tell(message if self.link.fits(message) else {"kind": "resync", "workspace": workspace_id})
 
     def publish_here(self, workspace_id: int, event: str, data: Any) -> None:
         """A live event every replica finds by itself (the sweep's), for this one's dashboards."""
