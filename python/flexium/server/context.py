@@ -25,6 +25,7 @@ from flexium.server import storage
 from flexium.server.db import Database, DatabaseUnavailable
 from flexium.server.live import EventBus, Notifier
 from flexium.server.metrics import Metrics
+from flexium.server.refusals import RefusalBook
 from flexium.server.replica_link import Message, ReplicaLink
 from flexium.server.settings import Settings
 from flexium.server.storage import AuthInfo, ProcessSnapshot
@@ -127,6 +128,7 @@ class ServerContext:
     # Revoked through this server since it started (ids only: a few bytes each), for a request
     # admitted just before its token's revocation and waiting just after it.
     revoked_tokens: set[int] = field(default_factory=set)
+    refusals: RefusalBook = field(default_factory=RefusalBook)  # refused writes, on their way to the audit log
     stopping: bool = False
     loop: asyncio.AbstractEventLoop | None = None
     link: ReplicaLink | None = None  # the other replicas (PostgreSQL), from start-up to shutdown

@@ -427,12 +427,6 @@ _PROGRESS_UPDATE = (
 )
 
 
-def unregister_process(*, session: Session, workspace_id: int, process_id: str) -> None:
-    """Forget a process and its commands (it exited, or a person removed a stale entry)."""
-    row = find_process(session=session, workspace_id=workspace_id, process_id=process_id, for_update=True)
-    session.delete(row)
-
-
 def get_process(
     *, session: Session, workspace_id: int, process_id: str, now: float, stale_after: float
 ) -> wire.ProcessInfo:
