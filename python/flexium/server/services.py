@@ -108,7 +108,7 @@ def heartbeat_from_memory(
 
 
 async def heartbeat(
-    ctx: ServerContext, *, workspace_id: int, process_id: str, body: wire.HeartbeatRequest
+    ctx: ServerContext, *, workspace_id: int, process_id: str, body: wire.HeartbeatRequest, reporter: int
 ) -> wire.HeartbeatResponse:
     now = time.time()
     answer = heartbeat_from_memory(ctx, workspace_id=workspace_id, process_id=process_id, body=body, now=now)
@@ -125,6 +125,7 @@ async def heartbeat(
         now=now,
         stale_after=ctx.settings.stale_after_s,
         write_devices=write_devices,
+        reporter=reporter,
     )
     key = (workspace_id, process_id)
     ctx.process_seen(workspace_id, process_id, outcome.snapshot)

@@ -138,7 +138,9 @@ async def unregister_process(process_id: ProcessIdPath, auth: Worker, ctx: Ctx) 
 )
 async def heartbeat(process_id: ProcessIdPath, body: wire.HeartbeatRequest, auth: Worker, ctx: Ctx) -> Any:
     await require_own_process(ctx, auth, process_id)
-    return await services.heartbeat(ctx, workspace_id=auth.workspace_id, process_id=process_id, body=body)
+    return await services.heartbeat(
+        ctx, workspace_id=auth.workspace_id, process_id=process_id, body=body, reporter=auth.token_id
+    )
 
 
 @router.get(
