@@ -163,3 +163,55 @@ def test_drain_host_pauses_every_job_once_confirmed_and_undrain_host_resumes_the
     dash.wait(lambda: first.state == second.state == "RUNNING", "the queue resumes both jobs", timeout=30)
     dash.wait(lambda: _heading(dash, host.name).get("buttons") == ["Drain host"], "the heading offers Drain host again")
     assert not _heading(dash, host.name)["drained"]
+
+
+def _table_heading(dash: Dashboard, host: str) -> dict[str, Any]:
+    """A host's heading in the process table (one per host once it lists several), read in one call."""
+    return dict(
+        dash.js(
+            "var h = document.querySelector('#process-rows tr.host-heading[data-host=\"' + arguments[0] + '\"]');"
+            "if (!h) { return {}; }"
+            "var d = h.querySelector('.gpu-drain');"
+            "return {drained: h.classList.contains('host-drained'), state: d ? d.dataset.state : null,"
+            " text: d ? d.textContent.replace(/\\s+/g, ' ').trim() : '',"
+            " buttons: Array.from(h.querySelectorAll('button[data-action]'))"
+            ".map(function (b) { return b.textContent; })};",
+            host,
+        )
+        or {}
+    )
+
+
+def _click_in_table_heading(dash: Dashboard, host: str, action: str) -> None:
+    css = f'#process-rows tr.host-heading[data-host="{host}"] button[data-action="{action}"]'
+    dash.wait(lambda: dash.d.find_element(By.CSS_SELECTOR, css).click() or True, f"clicked {action} of {host}")
+
+
+def test_drain_host_and_undrain_from_the_process_tables_host_heading(dash: Dashboard, api: Api, jobs: Jobs) -> None:
+    drained, other = FakeHost("table-drain-node"), FakeHost("table-other-node")
+    job = jobs(drained, "table-drain-a1", gpu=0, memory=20 * GIB, op_seconds=0.3)
+    jobs(other, "table-other-b1", gpu=0, memory=20 * GIB)
+    dash.open()
+    dash.wait(lambda: _table_heading(dash, drained.name).get("buttons") == ["Drain host"], "the table's heading")
+
+    _click_in_table_heading(dash, drained.name, "drain-host")
+    text = dash.wait(lambda: _drain_dialog(dash), "the Drain host dialog")
+    assert "Drain every GPU of table-drain-node?" in text and "table-drain-a1" in text
+    dash.d.find_element(By.ID, "reason-drain-host").send_keys("new cooling")
+    dash.d.find_element(By.CSS_SELECTOR, "#drain-dialog button[type=submit]").click()
+    dash.wait(lambda: _drains(api, drained.name), "the server drains the host")
+    [drain] = _drains(api, drained.name)
+    assert drain["gpu_uuid"] is None and drain["reason"] == "new cooling"
+    dash.wait(lambda: job.state == "PAUSED", "its job is paused", timeout=20)
+    dash.wait(
+        lambda: _table_heading(dash, drained.name).get("state") == "drained", "the heading says drained", timeout=20
+    )
+    shown = _table_heading(dash, drained.name)
+    assert shown["drained"] and shown["buttons"] == ["Undrain host"]
+    assert "table-drain-a1 pause: succeeded" in shown["text"] and "new cooling" in shown["text"]
+    assert _table_heading(dash, other.name)["buttons"] == ["Drain host"]
+
+    _click_in_table_heading(dash, drained.name, "undrain")
+    dash.wait(lambda: not _drains(api, drained.name), "the drain ends on the server")
+    dash.wait(lambda: job.state == "RUNNING", "the queue resumes its job", timeout=30)
+    dash.wait(lambda: _table_heading(dash, drained.name).get("buttons") == ["Drain host"], "Drain host again")

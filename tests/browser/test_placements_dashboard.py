@@ -144,7 +144,7 @@ def test_placements_wait_in_the_queue_order_and_cancel_and_placing_show_live(
             dash.open()
             dash.wait(lambda: f"placement {waiting['id']}" in _entries(dash, host.name), "listed")
 
-    # their flexium runs end them (the job ended, or Ctrl-C) and stop asking: no event says so
+    # their flexium runs end them (the job ended, or Ctrl-C) and stop asking
     for placement in (big, waiting):
         assert api.delete(f"/placements/{placement['id']}").status_code == 200
     dash.wait(
@@ -152,3 +152,20 @@ def test_placements_wait_in_the_queue_order_and_cancel_and_placing_show_live(
         "the panel drops both",
         timeout=15,
     )
+
+
+# The panel reads itself again on a placement event; before there were any, it polled every 5 s
+# while it listed a placement.
+SHOWN_WITHIN_S = 3.0
+
+
+def test_the_panel_follows_placement_events_without_polling(dash: Dashboard, api: Api) -> None:
+    """A placement asked for, placed by a GPU report, and given up by its flexium run: each shown
+    within a few seconds, though nothing else on the page changes (no devices event after the ask)."""
+    host = _full(FakeHost("place-events-node"))
+    dash.open()
+    waiting = _place(api, host, memory=40 * GIB, priority="normal", command="python waits.py")
+    dash.wait(lambda: _entries(dash, host.name) == [f"placement {waiting['id']}"], "listed", timeout=SHOWN_WITHIN_S)
+    dash.wait(lambda: _placement_text(dash, waiting["id"]).startswith("waiting"), "shown waiting")
+    assert api.delete(f"/placements/{waiting['id']}").status_code == 200
+    dash.wait(lambda: _entries(dash, host.name) == [], "dropped once given up", timeout=SHOWN_WITHIN_S)

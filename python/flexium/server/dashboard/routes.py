@@ -5,6 +5,7 @@ the view's template."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Annotated
 
 from fastapi import APIRouter, Query, Request
@@ -12,7 +13,7 @@ from fastapi.responses import HTMLResponse, Response
 from starlette.convertors import PathConvertor, register_url_convertor
 
 from flexium import protocol, wire
-from flexium.server.context import Ctx
+from flexium.server.context import Ctx, ServerContext
 from flexium.server.dashboard.templating import nothing, render
 from flexium.server.dashboard.viewer import FragmentAuth, PageAuth, Viewer
 from flexium.server.dashboard.views.audit import audit_page
@@ -24,6 +25,7 @@ from flexium.server.dashboard.views.processes import process_rows
 from flexium.server.dashboard.views.queue import queue_panel
 from flexium.server.dashboard.views.targets import GpusForm, job_migrate_form, target_form
 from flexium.server.errors import NotFound
+from flexium.server.storage import AuthInfo
 
 router = APIRouter(include_in_schema=False)
 
@@ -155,36 +157,18 @@ async def targets_fragment(
 ) -> Response:
     """The Migrate / Resume dialog's form: the GPUs of the process's host judged as targets; to
     migrate a process on several GPUs, a GPU for each of its GPUs."""
-    view = await ctx.db.call(
-        target_form,
-        write=False,
-        workspace_id=auth.workspace_id,
-        process_id=process_id,
-        kind=kind,
-        now=time.time(),
-        stale_after=ctx.settings.stale_after_s,
-    )
-    if view is None:
-        return nothing(404)
-    template = "fragments/gpus_migrate.html" if isinstance(view, GpusForm) else "fragments/targets.html"
-    return render(request, template, view, Viewer.of(auth))
+
+    def template(view: object) -> str:
+        return "fragments/gpus_migrate.html" if isinstance(view, GpusForm) else "fragments/targets.html"
+
+    return await _dialog_form(request, ctx, auth, target_form, template, process_id=process_id, kind=kind)
 
 
 @router.get("/ui/jobs/{job_key:job_key}/migrate", response_class=HTMLResponse)
 async def job_migrate_fragment(request: Request, ctx: Ctx, auth: FragmentAuth, job_key: wire.NonEmptyText) -> Response:
     """The migrate form of a job of several ranks: a GPU for each rank, where it is by default
     (``job_key`` checked as its ranks' was, before it reaches the database)."""
-    view = await ctx.db.call(
-        job_migrate_form,
-        write=False,
-        workspace_id=auth.workspace_id,
-        job_key=job_key,
-        now=time.time(),
-        stale_after=ctx.settings.stale_after_s,
-    )
-    if view is None:
-        return nothing(404)
-    return render(request, "fragments/job_migrate.html", view, Viewer.of(auth))
+    return await _dialog_form(request, ctx, auth, job_migrate_form, "fragments/job_migrate.html", job_key=job_key)
 
 
 @router.get("/ui/devices", response_class=HTMLResponse)
@@ -209,17 +193,30 @@ async def devices_fragment(
 @router.get("/ui/drain-host", response_class=HTMLResponse)
 async def drain_host_fragment(request: Request, ctx: Ctx, auth: FragmentAuth, host: wire.HostName) -> Response:
     """The Drain host dialog's form: what draining every GPU of ``host`` does to its jobs."""
+    return await _dialog_form(request, ctx, auth, host_drain_form, "fragments/drain_host.html", host=host)
+
+
+async def _dialog_form(
+    request: Request,
+    ctx: ServerContext,
+    auth: AuthInfo,
+    read: Callable[..., object | None],
+    template: str | Callable[[object], str],
+    **asked: str,
+) -> Response:
+    """A dialog's form: its view read in one transaction and rendered in ``template`` (or the one
+    ``template(view)`` names); 404 where what it is about is gone (``read`` gave None)."""
     view = await ctx.db.call(
-        host_drain_form,
+        read,
         write=False,
         workspace_id=auth.workspace_id,
-        host=host,
         now=time.time(),
         stale_after=ctx.settings.stale_after_s,
+        **asked,
     )
     if view is None:
         return nothing(404)
-    return render(request, "fragments/drain_host.html", view, Viewer.of(auth))
+    return render(request, template if isinstance(template, str) else template(view), view, Viewer.of(auth))
 
 
 @router.get("/ui/queue", response_class=HTMLResponse)

@@ -60,12 +60,11 @@
   }
 
   // A job flexium run waits to start (DELETE /placements/{id}): its flexium run stops waiting and
-  // starts nothing. No event says so: `changed` re-reads what shows it.
-  async function cancelPlacement(button, changed) {
+  // starts nothing (its placement event redraws the queue).
+  async function cancelPlacement(button) {
     var pl = await api("DELETE", "/placements/" + encodeURIComponent(button.dataset.placementId));
     notify("placement " + pl.id + " on " + pl.host + " " + pl.state + ": its flexium run starts nothing",
       "ok", "placement-" + pl.id);
-    changed();
   }
 
   // --- drains --------------------------------------------------------------------------------
@@ -78,8 +77,9 @@
   }
 
   // Every GPU of a host (POST /drains without a GPU), once the admin confirmed it in the dialog
-  // that says what it does to each job there.
-  var drainDialog = document.getElementById("drain-dialog");
+  // that says what it does to each job there (from the host's heading among the GPU cards, or in
+  // the process table).
+  var drainDialog = null;
 
   async function openDrainHost(button) {
     var host = button.dataset.host;
@@ -89,48 +89,13 @@
       notify("host " + host + " reports no GPU now", "error");
       return;
     }
-    var body = document.getElementById("drain-dialog-body");
-    body.replaceChildren(page.fragment(html));
-    drainDialog.opener = button;
-    drainDialog.showModal();
-    body.querySelector("button[type=submit]").focus();
+    drainDialog.open(html, button);
   }
 
   async function drainHost(form) {
-    var host = form.dataset.host;
-    var input = form.querySelector("input[name=reason]");
-    var reason = input ? input.value.trim() : "";
-    var d = await api("POST", "/drains", reason ? {host: host, reason: reason} : {host: host});
+    var d = await api("POST", "/drains", page.withReason(form, {host: form.dataset.host}));
     notify("draining every GPU of " + d.host + " (drain " + d.id + "): its jobs are paused and queued to resume when free",
       "ok", "drain-" + d.id);
-  }
-
-  function wireDrainDialog() {
-    drainDialog.addEventListener("submit", async function (ev) {
-      ev.preventDefault();
-      var form = ev.target;
-      var error = form.querySelector(".form-error");
-      var submit = form.querySelector("button[type=submit]");
-      error.hidden = true;
-      submit.disabled = true;
-      try {
-        await drainHost(form);
-        drainDialog.close();
-      } catch (err) {
-        error.textContent = byGpu(err.message);
-        error.hidden = false;
-      } finally {
-        submit.disabled = false;
-      }
-    });
-    drainDialog.addEventListener("click", function (ev) {
-      if (ev.target === drainDialog || ev.target.closest("[data-close]")) { drainDialog.close(); }
-    });
-    drainDialog.addEventListener("close", function () {
-      var opener = drainDialog.opener;
-      document.getElementById("drain-dialog-body").replaceChildren();
-      if (opener && document.contains(opener)) { opener.focus(); }
-    });
   }
 
   async function undrain(button) {
@@ -173,17 +138,22 @@
   }
 
   // The allocator's buttons (data-action) and priority forms in `container`, and the Drain host
-  // dialog where the page has one (the main page's host headings). placementsChanged(): a
-  // placement was cancelled from here (the main page's queue reads itself again).
-  function wireAllocator(container, placementsChanged) {
-    if (drainDialog) { wireDrainDialog(); }
+  // dialog where the page has one (the main page's host headings).
+  function wireAllocator(container) {
+    var dialog = document.getElementById("drain-dialog");
+    if (dialog) {
+      drainDialog = page.formDialog(dialog, document.getElementById("drain-dialog-body"), {
+        send: drainHost,
+        refusal: function (err) { return byGpu(err.message); },
+      });
+    }
     container.addEventListener("click", async function (ev) {
       var button = ev.target.closest("button[data-action]");
       if (!button || button.disabled || !ACTIONS[button.dataset.action]) { return; }
       var action = button.dataset.action;
       button.disabled = true;
       try {
-        await ACTIONS[action](button, placementsChanged);
+        await ACTIONS[action](button);
       } catch (err) {
         button.disabled = false;
         notify(refusal(action, button, err), "error");

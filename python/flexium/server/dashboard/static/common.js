@@ -286,12 +286,77 @@
     return reason ? Object.assign({reason: reason}, body) : body;
   }
 
+  // A <dialog> whose `body` a fetched form fills (.open(html, opener)): a submit runs
+  // how.send(form) and closes it, or shows the refusal in the form's .form-error (in the words of
+  // how.refusal(err), else the server's) and tells how.refused(form, err); a click on the backdrop
+  // or on [data-close] closes it, unless how.click(ev) took it; closed, the focus goes back to its
+  // opener, or to how.refocus(opener) where that was re-rendered meanwhile.
+  function formDialog(dialog, body, how) {
+    dialog.addEventListener("submit", async function (ev) {
+      ev.preventDefault();
+      var form = ev.target;
+      var error = form.querySelector(".form-error");
+      var submit = form.querySelector("button[type=submit]");
+      error.hidden = true;
+      submit.disabled = true;
+      try {
+        await how.send(form);
+        dialog.close();
+      } catch (err) {
+        error.textContent = how.refusal ? how.refusal(err) : err.message;
+        error.hidden = false;
+        if (how.refused) { how.refused(form, err); }
+      } finally {
+        submit.disabled = false;
+      }
+    });
+    dialog.addEventListener("click", function (ev) {
+      if (how.click && how.click(ev)) { return; }
+      if (ev.target === dialog || ev.target.closest("[data-close]")) { dialog.close(); }
+    });
+    dialog.addEventListener("close", function () {
+      var opener = dialog.opener;
+      body.replaceChildren();
+      if (!opener) { return; }
+      if (document.contains(opener)) { opener.focus(); } else if (how.refocus) { how.refocus(opener); }
+    });
+    return {
+      open: function (html, opener) {
+        body.replaceChildren(fragment(html));
+        dialog.opener = opener;
+        dialog.showModal();
+        var first = body.querySelector("input[name=target]:checked") || body.querySelector("select")
+          || body.querySelector("button[type=submit]");
+        if (first) { first.focus(); }
+      },
+    };
+  }
+
   // The buttons (data-action) in `container` and the page's #target-dialog. hooks.sent(command)
   // after a command went out, hooks.forgotten(processId) after a forget, hooks.refocus(opener)
   // when the dialog closes and the button that opened it was re-rendered meanwhile.
   function wireCommands(container, hooks) {
-    var dialog = document.getElementById("target-dialog");
     var dialogBody = document.getElementById("dialog-body");
+    var dialog = formDialog(document.getElementById("target-dialog"), dialogBody, {
+      send: function (form) {
+        return send(form.dataset.kind, form.dataset.processId, withReason(form, formChoice(form)));
+      },
+      refused: function (form, err) {
+        notify(form.dataset.kind + " " + form.dataset.processId + " refused: " + err.message, "error", undefined,
+          form.dataset.kind === "resume" ? resumeOffer(form.dataset.processId) : undefined);
+      },
+      click: function (ev) {  // two ranks or GPUs: each takes the other's GPU
+        if (!ev.target.closest("[data-swap]")) { return false; }
+        var selects = dialogBody.querySelectorAll("select[data-current]");
+        if (selects.length === 2) {
+          var first = selects[0].dataset.current, second = selects[1].dataset.current;
+          selects[0].value = second;
+          selects[1].value = first;
+        }
+        return true;
+      },
+      refocus: function (opener) { hooks.refocus(opener); },
+    });
 
     async function openDialog(url, opener, what) {
       var html = await fetchFragment(url);
@@ -299,12 +364,7 @@
         notify(what + " is gone", "error");
         return;
       }
-      dialogBody.replaceChildren(fragment(html));
-      dialog.opener = opener;
-      dialog.showModal();
-      var first = dialogBody.querySelector("input[name=target]:checked") || dialogBody.querySelector("select")
-        || dialogBody.querySelector("button[type=submit]");
-      if (first) { first.focus(); }
+      dialog.open(html, opener);
     }
 
     async function send(kind, processId, extra) {
@@ -339,46 +399,6 @@
         notify(action + " " + processId + " refused: " + err.message, "error", undefined,
           action === "job-resume" ? resumeOffer(processId) : undefined);
       }
-    });
-
-    dialog.addEventListener("submit", async function (ev) {
-      ev.preventDefault();
-      var form = ev.target;
-      var error = form.querySelector(".form-error");
-      var submit = form.querySelector("button[type=submit]");
-      error.hidden = true;
-      submit.disabled = true;
-      try {
-        await send(form.dataset.kind, form.dataset.processId, withReason(form, formChoice(form)));
-        dialog.close();
-      } catch (err) {
-        error.textContent = err.message;
-        error.hidden = false;
-        notify(form.dataset.kind + " " + form.dataset.processId + " refused: " + err.message, "error", undefined,
-          form.dataset.kind === "resume" ? resumeOffer(form.dataset.processId) : undefined);
-      } finally {
-        submit.disabled = false;
-      }
-    });
-
-    dialog.addEventListener("click", function (ev) {
-      if (ev.target.closest("[data-swap]")) {            // two ranks or GPUs: each takes the other's GPU
-        var selects = dialogBody.querySelectorAll("select[data-current]");
-        if (selects.length === 2) {
-          var first = selects[0].dataset.current, second = selects[1].dataset.current;
-          selects[0].value = second;
-          selects[1].value = first;
-        }
-        return;
-      }
-      if (ev.target === dialog || ev.target.closest("[data-close]")) { dialog.close(); }
-    });
-
-    dialog.addEventListener("close", function () {
-      var opener = dialog.opener;
-      dialogBody.replaceChildren();
-      if (!opener) { return; }
-      if (document.contains(opener)) { opener.focus(); } else { hooks.refocus(opener); }
     });
   }
 
@@ -423,6 +443,8 @@
     api: api,
     gpuName: gpuName,
     wireCommands: wireCommands,
+    formDialog: formDialog,
+    withReason: withReason,
     listen: listen,
   };
 })();

@@ -141,30 +141,11 @@
   }
 
   async function refreshQueue() {
-    placementsRead = Date.now();
     var html = await fetchFragment("/ui/queue");
     queue.replaceChildren(fragment(html || ""));
     document.getElementById("no-waits").hidden = queue.querySelector(".queue-host") !== null;
-    if (queue.querySelector("li.placement")) { readPlacementsIn(PLACEMENTS_LISTED_MS); }
     marksFollowQueue();
     tick();
-  }
-
-  // flexium run's placements send no event of their own. Its asks store its host's GPUs (a
-  // devices event, every 0.5 s while it waits), so the queue is read again after a devices event,
-  // at most every PLACEMENTS_EVERY_MS; and while it lists a placement, every PLACEMENTS_LISTED_MS
-  // (one ended by its flexium run, Ctrl-C, or placed at a sweep says nothing at all).
-  var PLACEMENTS_EVERY_MS = 2000, PLACEMENTS_LISTED_MS = 5000;
-  var placementsTimer = null, placementsDue = 0, placementsRead = 0;
-  function readPlacementsIn(ms) {
-    var due = Math.max(Date.now() + ms, placementsRead + PLACEMENTS_EVERY_MS);
-    if (placementsTimer !== null && placementsDue <= due) { return; }
-    clearTimeout(placementsTimer);
-    placementsDue = due;
-    placementsTimer = setTimeout(function () {
-      placementsTimer = null;
-      schedule("queue", refreshQueue);
-    }, due - Date.now());
   }
 
   // A wait that moves in the queue (another left, or went first) sends no event of its own job:
@@ -336,7 +317,7 @@
     },
     refocus: function (opener) { restoreFocus({id: opener.dataset.processId, action: opener.dataset.action}); },
   });
-  page.wireAllocator(document.getElementById("main"), function () { schedule("queue", refreshQueue); });
+  page.wireAllocator(document.getElementById("main"));
 
   // Training progress comes with beats, not with a process event: each row's progress line is set
   // in place, worded as the row renders it (formatters.fmt_rate).
@@ -390,15 +371,24 @@
     rowChanged(w.process_id, Boolean(w.job_key));
   }
 
-  // A drain began, acted or ended: its host's cards say so.
+  // A drain began, acted or ended: its host's cards say so, and its heading in the table.
   function onDrain(data) {
     var d = data.drain;
-    if (d && d.host) { hostChanged(d.host); }
+    if (!d || !d.host) { return; }
+    hostChanged(d.host);
+    if (grouped()) {
+      stale.allRows = true;
+      schedule("rows", flushRows);
+    }
+  }
+
+  // flexium run's placement was asked for, placed, taken by its job, given up or ended.
+  function onPlacement(data) {
+    if (data.placement) { schedule("queue", refreshQueue); }
   }
 
   function onDevices(data) {
     if (data.host) { hostChanged(data.host); }
-    readPlacementsIn(0);
     schedule("totals", refreshTotals);
   }
 
@@ -426,7 +416,7 @@
   // Time alone changes things no event announces (a host going silent): a slow full refresh.
   setInterval(refreshAll, 60000);
   page.listen({
-    hello: onHello, process: onProcess, command: onCommand, wait: onWait, drain: onDrain, devices: onDevices,
-    progress: onProgress, resync: refreshAll,
+    hello: onHello, process: onProcess, command: onCommand, wait: onWait, drain: onDrain, placement: onPlacement,
+    devices: onDevices, progress: onProgress, resync: refreshAll,
   });
 })();

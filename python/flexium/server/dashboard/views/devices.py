@@ -3,7 +3,7 @@ drains that take GPUs out of use."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from sqlalchemy.orm import Session
@@ -85,19 +85,18 @@ class Drains:
         return self.gpus.get((host, uuid)) or self.hosts.get(host)
 
 
-def drains_of(
-    *, session: Session, workspace_id: int, now: float, stale_after: float, hosts: Sequence[wire.HostInfo]
-) -> Drains:
+def drains_of(*, session: Session, workspace_id: int, now: float, stale_after: float, hosts: Iterable[str]) -> Drains:
+    """The live drains of the hosts named."""
     gpus: dict[GpuKey, wire.DrainInfo] = {}
     whole: dict[str, wire.DrainInfo] = {}
     for host in hosts:
         for drain in storage.list_drains(
-            session=session, workspace_id=workspace_id, now=now, stale_after=stale_after, host=host.host
+            session=session, workspace_id=workspace_id, now=now, stale_after=stale_after, host=host
         ):
             if drain.gpu_uuid is None:
-                whole[host.host] = drain
+                whole[host] = drain
             else:
-                gpus[(host.host, drain.gpu_uuid)] = drain
+                gpus[(host, drain.gpu_uuid)] = drain
     return Drains(gpus=gpus, hosts=whole)
 
 
@@ -119,7 +118,9 @@ def host_cards(
         now=now,
         hosts=shown,
         history=charts_of(session=session, workspace_id=workspace_id, now=now, hosts=hosts),
-        drains=drains_of(session=session, workspace_id=workspace_id, now=now, stale_after=stale_after, hosts=shown),
+        drains=drains_of(
+            session=session, workspace_id=workspace_id, now=now, stale_after=stale_after, hosts=(h.host for h in shown)
+        ),
     )
 
 
@@ -148,5 +149,7 @@ def host_drain_form(
     return HostDrainForm(
         host=shown[0],
         jobs=tuple(p for p in processes if p.process_id in on_its_gpus),
-        drains=drains_of(session=session, workspace_id=workspace_id, now=now, stale_after=stale_after, hosts=shown),
+        drains=drains_of(
+            session=session, workspace_id=workspace_id, now=now, stale_after=stale_after, hosts=(h.host for h in shown)
+        ),
     )

@@ -156,7 +156,9 @@ def job_page(*, session: Session, workspace_id: int, process_id: str, now: float
         gpu_indexes=storage.device_indexes(session=session, workspace_id=workspace_id),
         hosts=shown,
         history=charts_of(session=session, workspace_id=workspace_id, now=now, hosts=hosts),
-        drains=drains_of(session=session, workspace_id=workspace_id, now=now, stale_after=stale_after, hosts=shown),
+        drains=drains_of(
+            session=session, workspace_id=workspace_id, now=now, stale_after=stale_after, hosts=(h.host for h in shown)
+        ),
         charts=training.charts,
         timeline=timeline(session=session, workspace_id=workspace_id, process_ids=[r.process_id for r in ranks]),
         wait=_wait(session=session, workspace_id=workspace_id, wait_id=training.process.wait_id, now=now),

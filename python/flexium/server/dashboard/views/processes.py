@@ -10,6 +10,7 @@ from sqlalchemy.orm import Session
 
 from flexium import protocol, wire
 from flexium.server import storage
+from flexium.server.dashboard.views.devices import drains_of
 from flexium.server.dashboard.views.queue import waits_by_id
 from flexium.server.errors import NotFound
 
@@ -70,6 +71,7 @@ class ProcessRows:
     last: dict[str, wire.CommandInfo]
     waits: dict[int, wire.WaitInfo]  # wait id -> the live wait a process's wait_id names
     grouped: bool
+    host_drains: dict[str, wire.DrainInfo]  # host -> the live drain of every GPU of it, for its heading
 
 
 def process_rows(
@@ -85,7 +87,13 @@ def process_rows(
         processes = storage.list_processes(session=session, workspace_id=workspace_id, now=now, stale_after=stale_after)
         scanned = storage.list_commands(session=session, workspace_id=workspace_id, limit=COMMAND_SCAN)
         return _rows(
-            session=session, workspace_id=workspace_id, now=now, processes=processes, scanned=scanned, whole=True
+            session=session,
+            workspace_id=workspace_id,
+            now=now,
+            stale_after=stale_after,
+            processes=processes,
+            scanned=scanned,
+            whole=True,
         )
     processes, scanned = [], []
     for process_id in process_ids:
@@ -100,7 +108,15 @@ def process_rows(
         scanned += storage.list_commands(
             session=session, workspace_id=workspace_id, process_id=process_id, limit=_COMMAND_SCAN_ONE
         )
-    return _rows(session=session, workspace_id=workspace_id, now=now, processes=processes, scanned=scanned, whole=False)
+    return _rows(
+        session=session,
+        workspace_id=workspace_id,
+        now=now,
+        stale_after=stale_after,
+        processes=processes,
+        scanned=scanned,
+        whole=False,
+    )
 
 
 def _rows(
@@ -108,6 +124,7 @@ def _rows(
     session: Session,
     workspace_id: int,
     now: float,
+    stale_after: float,
     processes: Sequence[wire.ProcessInfo],
     scanned: Sequence[wire.CommandInfo],
     whole: bool,
@@ -122,4 +139,13 @@ def _rows(
         last=last_finished(scanned),
         waits=waits_by_id(session=session, workspace_id=workspace_id, now=now),
         grouped=grouped,
+        host_drains=drains_of(
+            session=session,
+            workspace_id=workspace_id,
+            now=now,
+            stale_after=stale_after,
+            hosts={entry.host for entry in entries},
+        ).hosts
+        if grouped
+        else {},
     )
