@@ -25,7 +25,10 @@ Downtime is read from the job's own step end times (bench/jobs/step_analysis.py)
 safe point of step k it is end(k) - end(k-1). Every downtime holds one normal step of compute,
 so "extra" (downtime minus the median normal step) is what the move cost; "vs floor" and
 "vs driver" and the goals use it. Floors: migrate S/peer + checkpoint + restore, pause
-S/D2H + checkpoint, resume S/H2D + restore (S: the job's reserved bytes, fixed costs above).
+S/D2H + checkpoint, resume S/H2D + restore, or the larger of the two where the copier copied back
+beside the restore (S: the job's reserved bytes, fixed costs above). "beside restore s" of a fast
+resume: the copier's fill and the part of it that ran while the job restored ("after": copied back
+after the restore, the note says why).
 
 Pause rows also show how training went while the pause prepared before its safe point (the fast
 path maps, touches and pins its host staging then, unless it was kept from before):
@@ -97,6 +100,7 @@ COLUMNS = (
     "checkpoint s",
     "restore s",
     "map/back s",
+    "beside restore s",
     "checksum ms",
     "copied GiB",
     "floor s",
@@ -498,6 +502,7 @@ def rows_of(size: float, run: JobRun) -> list[dict[str, Any]]:
                 "checkpoint": step_seconds(result, "checkpoint"),
                 "restore": step_seconds(result, "restore"),
                 "map_back": step_seconds(result, "map", "copy_back"),
+                "beside": beside_restore(result) if op["op"] == "resume" and path == "fast" else None,
                 # The move's proof: its bytes summed before the copy and where they landed.
                 "checksum": step_seconds(result, "checksum", "verify"),
                 "copied": copied_bytes(result),
@@ -513,6 +518,19 @@ def rows_of(size: float, run: JobRun) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def beside_restore(result: dict[str, Any]) -> str:
+    """A fast resume's copy back made by the copier beside the restore (engine/fast/resume_overlap.py):
+    "FILL/BESIDE" (the copier's seconds, and those of them while the job restored), or "after" when
+    it was copied back after the restore."""
+    for note in result.get("notes", []):
+        match = re.search(r"filled [0-9.]+ GiB of new memory in ([0-9.]+) s .*?, ([0-9.]+) s of it beside", note)
+        if match:
+            return f"{match.group(1)}/{match.group(2)}"
+        if note.startswith(("copied back after the restore", "copied back beside the restore")):
+            return "after" if note.startswith("copied back after") else "0"
+    return "after"
 
 
 def staging_of(result: dict[str, Any]) -> str:
@@ -562,6 +580,8 @@ def floor_seconds(row: dict[str, Any], bandwidth: dict[str, Any] | None, fixed: 
         return size / (bandwidth["peer_gbps"] * 1e9) + fixed["checkpoint"] + fixed["restore"]
     if row["op"] == "pause":
         return size / (bandwidth["d2h_gbps"] * 1e9) + fixed["checkpoint"]
+    if row["op"] == "resume" and "/" in (row.get("beside") or ""):  # copied back beside the restore
+        return max(size / (bandwidth["h2d_gbps"] * 1e9), fixed["restore"])
     if row["op"] == "resume":
         return size / (bandwidth["h2d_gbps"] * 1e9) + fixed["restore"]
     return None
@@ -598,6 +618,7 @@ def table_row(row: dict[str, Any]) -> tuple[str, ...]:
         fmt(row["checkpoint"]),
         fmt(row["restore"]),
         fmt(row["map_back"]),
+        row.get("beside") or "-",
         ms(row.get("checksum")),
         fmt(copied / GIB if copied else None, 2),
         fmt(row["floor"]),

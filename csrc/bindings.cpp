@@ -234,6 +234,8 @@ void bind_checksum(py::module_ &m) {
         "The checksum of each range's bytes, computed on `device` by the PTX kernel.");
   m.def("segment_checksums", &segment_checksums, py::arg("device"), py::arg("live") = LiveRanges{},
         "The checksum of each backed segment of `device` over its live ranges (whole segments where not listed).");
+  m.def("load_checksum_kernel", &load_checksum_kernel, py::arg("device"), release_gil(),
+        "Loads the kernel into `device`'s context ahead of a move (the driver compiles it then).");
 }
 
 void bind_host_staging(py::module_ &m) {
@@ -294,12 +296,31 @@ void bind_copier(py::module_ &m) {
   m.def("finish_host_order", &finish_host_order);
   m.def("abort_host_order", &abort_host_order);
 
+  py::class_<FillSegment>(m, "FillSegment")
+      .def_readonly("address", &FillSegment::address)
+      .def_readonly("size", &FillSegment::size)
+      .def_readonly("serial", &FillSegment::serial)
+      .def("__repr__", &record_repr);
+
+  py::class_<FillOrder>(m, "FillOrder")
+      .def_readonly("segments", &FillOrder::segments)
+      .def_readonly("pieces", &FillOrder::pieces)
+      .def_readonly("bytes", &FillOrder::bytes)
+      .def("__repr__", &record_repr);
+
+  m.def("plan_fill_order", &plan_fill_order,
+        "The staged segments and their pieces, for the copier to fill new memory with while the driver restores.");
+  m.def("adopt_filled_segments", &adopt_filled_segments, py::arg("order"), py::arg("fds"), py::arg("device"),
+        "Maps the copier's filled memory (one fd per segment of the order, all closed) at the segments' addresses "
+        "for `device`; returns the bytes of the segments mapped.");
+
   py::class_<HostCopier>(m, "HostCopier")
       .def(py::init<const std::vector<std::pair<int, std::size_t>> &, const std::vector<CopierChunk> &>(),
            py::arg("extents"), py::arg("chunks"))
       .def("extend", &HostCopier::extend, py::arg("extents"), py::arg("chunks"), release_gil())
       .def("wake", &HostCopier::wake, py::arg("uuid"), py::arg("wait"), py::arg("pause_ms") = 0, release_gil())
       .def("copy", &HostCopier::copy, py::arg("to_host"), py::arg("segments"), py::arg("pieces"), release_gil())
+      .def("fill", &HostCopier::fill, py::arg("sizes"), py::arg("pieces"), release_gil())
       .def("pin_rest", &HostCopier::pin_rest, py::arg("pause_ms"), release_gil())
       .def("sleep", &HostCopier::sleep, release_gil())
       .def_property_readonly("awake", &HostCopier::awake)

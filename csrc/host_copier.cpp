@@ -190,15 +190,10 @@ void HostCopier::require_awake(const char *what) const {
   if (context_ == nullptr) throw std::runtime_error(std::string(what) + ": the copier is asleep: wake it first");
 }
 
-std::size_t HostCopier::copy(bool to_host, const std::vector<std::pair<int, std::size_t>> &segments,
-                             const std::vector<CopierPiece> &pieces) {
-  require_awake("cannot copy");
-  const DriverTable &d = require_vmm_driver();
+void HostCopier::check_pieces(const std::vector<std::size_t> &sizes, const std::vector<CopierPiece> &pieces) const {
   for (const CopierPiece &piece : pieces) {
-    if (piece.segment >= segments.size() || piece.chunk >= chunks_.size() ||
-        piece.segment_offset > segments[piece.segment].second ||
-        piece.length > segments[piece.segment].second - piece.segment_offset ||
-        piece.chunk_offset > chunks_[piece.chunk].size ||
+    if (piece.segment >= sizes.size() || piece.chunk >= chunks_.size() || piece.segment_offset > sizes[piece.segment] ||
+        piece.length > sizes[piece.segment] - piece.segment_offset || piece.chunk_offset > chunks_[piece.chunk].size ||
         piece.length > chunks_[piece.chunk].size - piece.chunk_offset) {
       throw std::invalid_argument("piece of " + std::to_string(piece.length) + " bytes (segment " +
                                   std::to_string(piece.segment) + " + " + std::to_string(piece.segment_offset) +
@@ -206,15 +201,21 @@ std::size_t HostCopier::copy(bool to_host, const std::vector<std::pair<int, std:
                                   std::to_string(piece.chunk_offset) + ") lies outside its segment or chunk");
     }
   }
-  using Clock = std::chrono::steady_clock;
-  const auto seconds_since = [](Clock::time_point start) {
-    return std::chrono::duration<double>(Clock::now() - start).count();
-  };
+}
+
+std::size_t HostCopier::copy(bool to_host, const std::vector<std::pair<int, std::size_t>> &segments,
+                             const std::vector<CopierPiece> &pieces) {
+  require_awake("cannot copy");
+  const DriverTable &d = require_vmm_driver();
+  std::vector<std::size_t> sizes;
+  for (const auto &segment : segments) sizes.push_back(segment.second);
+  check_pieces(sizes, pieces);
   times_ = CopyTimes{};
   stop_pinner();  // this thread pins what is left, between the copies
   FLEXIUM_CU_CALL(d, cuCtxSetCurrent, context_);
-  const Clock::time_point import_start = Clock::now();
+  const auto import_start = std::chrono::steady_clock::now();
   std::vector<std::unique_ptr<Backing>> imports;
+  std::vector<CUdeviceptr> addresses;
   imports.reserve(segments.size());
   for (const auto &segment : segments) {
     imports.push_back(std::make_unique<Backing>(d));
@@ -229,11 +230,21 @@ std::size_t HostCopier::copy(bool to_host, const std::vector<std::pair<int, std:
     FLEXIUM_CU_CALL(d, cuMemMap, b.address, b.size, 0, b.handle, 0);
     b.mapped = true;
     grant_access(d, b.address, b.size, {ordinal_});
+    addresses.push_back(b.address);
   }
-  times_.import_s = seconds_since(import_start);
+  times_.import_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - import_start).count();
+  return copy_pieces(to_host, addresses, pieces);
+}
+
+std::size_t HostCopier::copy_pieces(bool to_host, const std::vector<CUdeviceptr> &addresses,
+                                    const std::vector<CopierPiece> &pieces) {
+  const DriverTable &d = require_vmm_driver();
+  using Clock = std::chrono::steady_clock;
+  const auto seconds_since = [](Clock::time_point start) {
+    return std::chrono::duration<double>(Clock::now() - start).count();
+  };
   const Clock::time_point copy_start = Clock::now();
-  // Declared after the imports, so it runs first on unwind: no copy may still run into memory
-  // that is unmapped next.
+  // No copy may still run into memory the caller unmaps next, also when one fails half way.
   struct Drain {
     const DriverTable &d;
     CUstream stream;
@@ -254,7 +265,7 @@ std::size_t HostCopier::copy(bool to_host, const std::vector<std::pair<int, std:
     }
     const CopierChunk &chunk = chunks_[piece.chunk];
     char *host = extents_[chunk.extent].base + chunk.offset + piece.chunk_offset;
-    const CUdeviceptr device = imports[piece.segment]->address + piece.segment_offset;
+    const CUdeviceptr device = addresses[piece.segment] + piece.segment_offset;
     if (to_host) {
       FLEXIUM_CU_CALL(d, cuMemcpyDtoHAsync, host, device, piece.length, stream_);
     } else {

@@ -69,6 +69,13 @@ class HostCopier {
   std::size_t copy(bool to_host, const std::vector<std::pair<int, std::size_t>> &segments,
                    const std::vector<CopierPiece> &pieces);
 
+  // A resume's copy back made while the driver restores the job (host_copier_fill.cpp): new memory
+  // of each size on the GPU it is awake on (exportable as POSIX fds), the pieces copied into it from
+  // the chunks as copy() does, and one exported fd per segment, the caller's to hand to the job.
+  // The copier keeps no reference besides those fds: the memory lives while they or the job's
+  // import do. On failure nothing of it is left.
+  std::vector<int> fill(const std::vector<std::size_t> &sizes, const std::vector<CopierPiece> &pieces);
+
   // Awake: pins the chunks not pinned yet in the pinner thread, `pause_ms` between chunks, and
   // returns at once (after a copy back that keeps the staging: the copies pinned only what they used).
   void pin_rest(int pause_ms);
@@ -90,6 +97,12 @@ class HostCopier {
   void stop_pinner();
   void pin_chunk(std::size_t index);
   void require_awake(const char *what) const;
+  // Checks the pieces against the segments' sizes and the chunks (std::invalid_argument).
+  void check_pieces(const std::vector<std::size_t> &sizes, const std::vector<CopierPiece> &pieces) const;
+  // Copies the pieces between the chunks and the segments mapped here at `addresses`, pinning each
+  // chunk not pinned yet just before its copies, and waits for them; fills times_'s pin and copy.
+  std::size_t copy_pieces(bool to_host, const std::vector<CUdeviceptr> &addresses,
+                          const std::vector<CopierPiece> &pieces);
 
   struct Extent {
     char *base = nullptr;

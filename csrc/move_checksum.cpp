@@ -254,6 +254,13 @@ std::vector<std::uint64_t> checksum_ranges(int device, const std::vector<Checksu
   return checksum_ranges_here(d, ranges);
 }
 
+void load_checksum_kernel(int device) {
+  const DriverTable &d = require_vmm_driver();
+  require_checksum_driver(d);
+  ScopedContext context(d, device);
+  kernel_here(d);
+}
+
 std::vector<ChecksumRange> segment_ranges(const Segment &segment, CUdeviceptr base, const LiveRanges &live) {
   std::vector<ChecksumRange> ranges;
   for (const auto &range : live_ranges_of(segment, live)) {

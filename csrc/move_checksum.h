@@ -36,6 +36,11 @@ std::vector<std::uint64_t> checksum_ranges_here(const DriverTable &d, const std:
 // The same in `device`'s primary context.
 std::vector<std::uint64_t> checksum_ranges(int device, const std::vector<ChecksumRange> &ranges);
 
+// Loads the kernel into `device`'s primary context now, if it is not loaded there yet: the driver compiles
+// the PTX as it loads it (107 ms on an H200, fact `move-checksum-cost`), which a move's downtime should not
+// carry. The context must be the job's own (active), as a module lives as long as its context.
+void load_checksum_kernel(int device);
+
 // The ranges of a segment's live bytes at `base` (the segment's address, or a copy's), each
 // numbered from its offset in the segment.
 std::vector<ChecksumRange> segment_ranges(const Segment &segment, CUdeviceptr base, const LiveRanges &live);

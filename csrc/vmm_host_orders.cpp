@@ -68,8 +68,8 @@ HostOrder begin_stage_order(const LiveRanges &live, std::size_t chunk_bytes) {
   for (const auto &entry : segments) {
     if (!entry.second.exportable) {
       throw std::invalid_argument(describe(entry.second) +
-                                  " came back from a driver checkpoint and cannot be exported until it is made the "
-                                  "job's own again");
+                                  " came back from a driver checkpoint, or from the copier process at a resume, and "
+                                  "cannot be exported until it is made the job's own again");
     }
   }
   HostOrder out;

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <utility>
 #include <vector>
 
@@ -87,6 +88,34 @@ HostOrder begin_restore_order(int device = -1);
 
 std::size_t finish_host_order();  // returns the order's bytes
 void abort_host_order();          // undoes what begin did; the staging is as before it
+
+// ---- The resume's copy back made by the copier while the driver restores (host_copier_fill.cpp) --------
+// The copier makes the segments' new memory in its own context and fills it; the job plans the order
+// before its restore (no CUDA call: it may run while the process is checkpointed) and adopts the
+// memory after it, through the fds the copier exported.
+struct FillSegment {
+  CUdeviceptr address = 0;
+  std::size_t size = 0;
+  std::uint64_t serial = 0;
+};
+
+struct FillOrder {
+  std::vector<FillSegment> segments;  // the staged segments waiting for memory, in the pieces' numbering
+  std::vector<CopierPiece> pieces;    // in chunk order, as for a restore order
+  std::size_t bytes = 0;
+};
+
+// The segments waiting in the staging and their pieces. Takes the registry lock and the staging's mutex
+// only while it reads them.
+FillOrder plan_fill_order();
+
+// Maps the memory of each fd (one per segment of `order`, from the copier's fill) at its segment's
+// address for `device`, as memory imported from another process: the segment is marked imported and not
+// exportable (an imported allocation cannot be exported again: fact `exported-fd-survives-checkpoint`,
+// its holder mode) until own_imported() gives it memory of the job's own. A segment freed or brought back
+// meanwhile is skipped. Every fd is closed when it returns, also when it throws; the segments it did not
+// map wait in the staging as before. Returns the bytes of the pieces of the segments it mapped.
+std::size_t adopt_filled_segments(const FillOrder &order, const std::vector<int> &fds, int device);
 
 std::size_t host_staging_pool_bytes();     // host bytes the staging holds (mapped)
 std::size_t host_staging_pinned_bytes();   // of those, pinned now

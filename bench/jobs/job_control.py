@@ -125,7 +125,7 @@ class Control(threading.Thread):
             record.update(ok=True, path=result.path, result=result.to_dict())
             if item.op == "pause":
                 self.last_paused_bytes = result.bytes_moved
-            if item.op == "migrate":
+            if item.op in ("migrate", "resume"):  # a fast resume's memory comes from the copier, imported too
                 record["own_wait"] = wait_for_own_memory(OWN_MEMORY_WAIT_S)
         except Exception as exc:  # reported; the job goes on with the rest of the plan
             record["t1"] = time.perf_counter()

@@ -707,7 +707,10 @@ struct vmm_alloc {
   int exportable;    /* created with CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR */
   int handles;
   int mappings;
-  int foreign; /* imported from an fd another process exported: its bytes count for that process */
+  /* Imported from an fd another process exported. Its bytes count for that process while this one only
+   * has a handle (the copier's import of the job's segments), and for this one once it maps them (the
+   * job's import of the memory the copier made at a resume, which the copier lets go of). */
+  int foreign;
   /* Reached again only through an import of its own export (a fast move's target memory, its handle
    * dropped before the checkpoint): on the GPU, but NVML does not count it for the process (fact
    * `nvml-skips-imported-memory`). */
@@ -822,7 +825,7 @@ static unsigned long long vmm_bytes_on(int physical, int fd_only) {
   unsigned long long bytes = 0;
   for (int i = 0; i < MAX_VMM; ++i) {
     const struct vmm_alloc *a = &vmm.allocs[i];
-    if (!a->used || a->physical != physical || a->foreign) continue;
+    if (!a->used || a->physical != physical || (a->foreign && a->mappings == 0)) continue;
     if (fd_only && in_process(a)) continue;
     if (fake.state == CU_PROCESS_STATE_CHECKPOINTED && a->riding >= 0) continue;
     bytes += a->size;
@@ -841,12 +844,14 @@ static unsigned long long process_bytes_on(int physical) {
 }
 
 /* What NVML counts for the process on a GPU: all of process_bytes_on() but the memory it holds only
- * through an import of its own export, which still takes room there (fact `nvml-skips-imported-memory`). */
+ * through an import, of its own export or of another process's, which still takes room there (fact
+ * `nvml-skips-imported-memory`; for another process's, assumed alike: not measured). */
 static unsigned long long nvml_process_bytes_on(int physical) {
   unsigned long long bytes = process_bytes_on(physical);
   for (int i = 0; i < MAX_VMM; ++i) {
     const struct vmm_alloc *a = &vmm.allocs[i];
-    if (!a->used || !a->imported || a->foreign || a->physical != physical) continue;
+    if (!a->used || a->physical != physical) continue;
+    if (a->foreign ? a->mappings == 0 : !a->imported) continue;
     if (fake.state == CU_PROCESS_STATE_CHECKPOINTED && a->riding >= 0) continue;
     bytes -= a->size;
   }
@@ -1905,7 +1910,9 @@ static int adopt_foreign(int fd) {
   const int own = fcntl(fd, F_DUPFD_CLOEXEC, 0);
   if (own < 0) return -1;
   struct vmm_alloc *a = &vmm.allocs[slot];
-  *a = (struct vmm_alloc){1, own, st.st_dev, st.st_ino, (size_t)st.st_size, fake.placement[current_context], -1, 1, 0, 0, 1,
+  /* Not exportable: an allocation imported from another process cannot be exported again (fact
+   * `exported-fd-survives-checkpoint`, its holder mode: CUDA_ERROR_INVALID_VALUE). */
+  *a = (struct vmm_alloc){1, own, st.st_dev, st.st_ino, (size_t)st.st_size, fake.placement[current_context], -1, 0, 0, 0, 1,
                           0, CU_MEM_LOCATION_TYPE_DEVICE, current_context};
   return slot;
 }

@@ -726,6 +726,8 @@ class AuditEntry(WireOut):
         None,
         description="how it came in (CommandInfo.door); None: the server itself or the command line on the database",
     )
+    repeats: int = Field(1, description="how often it happened: a login or refusal again within the hour counts here")
+    last_at: float | None = Field(None, description="when it last happened, where it repeated")
 
 
 class WorkspaceInfo(WireOut):

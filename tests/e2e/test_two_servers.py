@@ -5,11 +5,9 @@ exactly once."""
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,6 +15,7 @@ from typing import Any
 import pytest
 
 from support.e2e import Server, wait_until
+from support.replicas import postgres_database
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -27,21 +26,8 @@ ROUNDS = 3
 
 @pytest.fixture
 def database() -> Iterator[str]:
-    admin = os.environ.get("FLEXIUM_TEST_POSTGRES_URL")
-    if not admin:
-        if os.environ.get("CI"):
-            raise RuntimeError("FLEXIUM_TEST_POSTGRES_URL is not set: ci/test.sh starts PostgreSQL and sets it")
-        pytest.skip("two servers share a PostgreSQL database: set FLEXIUM_TEST_POSTGRES_URL")
-    import psycopg
-
-    name = "flx_" + uuid.uuid4().hex[:12]
-    with psycopg.connect(admin, autocommit=True) as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    try:
-        yield f"{admin.rsplit('/', 1)[0]}/{name}"
-    finally:
-        with psycopg.connect(admin, autocommit=True) as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+    with postgres_database() as url:
+        yield url
 
 
 def _devices(used: int) -> list[dict[str, Any]]:

@@ -22,6 +22,7 @@ import requests
 import uvicorn
 
 from flexium import protocol
+from flexium.server import database_admin
 from flexium.server.app import bootstrap, create_app
 from flexium.server.replica_link import CHANNEL, conninfo
 from flexium.server.settings import Settings
@@ -185,6 +186,12 @@ def test_a_dashboard_stream_on_one_replica_gets_the_events_of_changes_made_throu
         command = a.post("/commands", {"kind": "pause", "process_id": "gpu-7"}).json()
         created = stream.wait_for(lambda e: e[1] == protocol.EVENT_COMMAND, "b's event of a's command")
         assert created[2]["action"] == "created" and created[2]["command"]["id"] == command["id"]
+        # An event too large for a notification (a command's long result) reaches b as a resync.
+        assert a.ctx.loop is not None
+        workspace_id = a.ctx.db.run(get_workspace, write=False, name="default").id
+        big = {"result": "x" * 10_000}
+        a.ctx.loop.call_soon_threadsafe(a.ctx.publish, workspace_id, protocol.EVENT_COMMAND, big)
+        stream.wait_for(lambda e: e[1] == protocol.EVENT_RESYNC, "b's resync for a's event too large to tell")
     finally:
         stream.close()
 
@@ -222,16 +229,24 @@ def test_an_event_id_of_the_other_replica_gets_a_resync_and_one_of_its_own_a_rep
 def test_a_token_revoked_through_one_replica_is_refused_by_the_other_at_once(
     replicas: tuple[Replica, Replica],
 ) -> None:
+    """Through a's API, and by the command line (``flexium token revoke``) on the database."""
     a, b = replicas
-    for n in range(3):
+    for n, by_command_line in enumerate((False, False, True)):
         issued = a.post("/tokens", {"name": f"viewer {n}", "role": protocol.ROLE_VIEWER}).json()
         token, token_id = issued["token"], issued["id"]
         assert b.get("/processes", token=token).status_code == 200  # cached by b from now on
         stream = EventStream(b, token)
         try:
-            assert requests.delete(f"{a.api}/tokens/{token_id}", headers=_auth(a.token), timeout=10).status_code == 200
+            if by_command_line:
+                database_admin.revoke_token("default", token_id, database_url=a.ctx.db.url)
+            else:
+                revoked = requests.delete(f"{a.api}/tokens/{token_id}", headers=_auth(a.token), timeout=10)
+                assert revoked.status_code == 200, revoked.text
             refused = b.get("/processes", token=token)
-            assert refused.status_code == 401 and refused.json()["error"] == "unauthorized", refused.text
+            assert refused.status_code == 401 and refused.json()["error"] == "unauthorized", (
+                by_command_line,
+                refused.text,
+            )
             assert stream.ended.wait(5), "b kept the revoked token's event stream open"
         finally:
             stream.close()
@@ -246,7 +261,7 @@ def test_a_replica_whose_link_the_database_cut_listens_again_and_reads_again(
     assert b.get("/processes", token=issued["token"]).status_code == 200  # cached by b
     stream = EventStream(b, b.token)
     try:
-        # Revoked on the database directly, as `flexium token revoke` does: no replica is told.
+        # Revoked on the database without a word to the replicas (as if the word were lost).
         workspace = a.ctx.db.run(get_workspace, write=False, name="default")
         a.ctx.db.run(revoke_token, write=True, workspace_id=workspace.id, token_id=issued["id"], now=time.time())
         assert b.get("/processes", token=issued["token"]).status_code == 200  # b's cache still trusts it

@@ -38,7 +38,7 @@ def test_upgrade_is_idempotent(db: Database) -> None:
     db.upgrade()
     db.upgrade()
     with db.session(write=False) as s:
-        assert s.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0016"
+        assert s.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0017"
 
 
 def test_schema_newer_than_code_is_refused(db: Database) -> None:
@@ -149,6 +149,41 @@ def test_0010_names_the_process_and_command_of_the_entries_written_before_it(db:
         assert s.execute(text("SELECT count(*) FROM audit_log")).scalar() == len(entries) + 1  # the workspace's
     db.upgrade()
     assert {"process_id", "command_id"} <= columns(db, "audit_log")
+
+
+def test_0017_keeps_the_entries_written_before_it_by_their_class(db: Database) -> None:
+    """Entries from before the audit log was kept by age keep theirs from when they were written:
+    a login 90 days, a change a year; each counts once; a downgrade keeps them."""
+    from alembic import command
+
+    from flexium.server.storage import audit
+
+    ws, _ = make_workspace(db)
+    migrate_to(db, command.downgrade, "0016")
+    assert not {"repeats", "last_at", "kept_until"} & columns(db, "audit_log")
+    with db.session(write=True) as s:
+        for action in ("login", "request.refused", "token.issued"):
+            s.execute(
+                text(
+                    "INSERT INTO audit_log (workspace_id, at, token_id, token_name, role, action, target, outcome,"
+                    " detail) VALUES (:ws, :now, NULL, 'alice', 'admin', :action, 'x', 'ok', '')"
+                ),
+                {"ws": ws, "now": NOW, "action": action},
+            )
+    db.upgrade()
+    with db.session(write=False) as s:
+        kept = dict(s.execute(text("SELECT action, kept_until - at FROM audit_log WHERE target = 'x'")).all())
+        repeats = {r for (r,) in s.execute(text("SELECT repeats FROM audit_log"))}
+    assert kept == {
+        "login": audit.ACCESS_KEEP_S,
+        "request.refused": audit.ACCESS_KEEP_S,
+        "token.issued": audit.CHANGE_KEEP_S,
+    }
+    assert repeats == {1}
+    migrate_to(db, command.downgrade, "0016")
+    with db.session(write=False) as s:
+        assert s.execute(text("SELECT count(*) FROM audit_log")).scalar() == 4  # the workspace's token too
+    db.upgrade()
 
 
 def test_0009_goes_back_to_0008_keeping_the_commands(db: Database) -> None:

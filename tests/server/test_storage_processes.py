@@ -201,11 +201,11 @@ def test_unregister_removes_commands(db: Database) -> None:
     ws, _ = make_workspace(db)
     add_process(db, ws)
     make_command(db, ws, "pause")
-    db.run(storage.unregister_process, write=True, workspace_id=ws, process_id="gpu-1")
+    db.run(storage.unregister_process, write=True, workspace_id=ws, process_id="gpu-1", now=NOW)
     with db.session(write=False) as s:
         assert s.execute(text("SELECT count(*) FROM commands")).scalar() == 0
     with pytest.raises(errors.NotFound):
-        db.run(storage.unregister_process, write=True, workspace_id=ws, process_id="gpu-1")
+        db.run(storage.unregister_process, write=True, workspace_id=ws, process_id="gpu-1", now=NOW)
 
 
 def test_jobs_of_one_host_register_at_once(db: Database) -> None:

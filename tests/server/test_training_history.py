@@ -59,6 +59,6 @@ def test_samples_are_pruned_after_a_day_and_go_with_their_process(db: Database) 
     _beat(db, ws, last - 1, steps=3, loss=1.0)
     sweep_at(db, last, alive_since=later)
     assert [p.loss for p in _history(db, ws)] == [2.0, 1.0]
-    db.run(storage.unregister_process, write=True, workspace_id=ws, process_id="gpu-1")
+    db.run(storage.unregister_process, write=True, workspace_id=ws, process_id="gpu-1", now=NOW)
     add_process(db, ws)  # the same id again: a new process, no history
     assert _history(db, ws) == []

@@ -117,11 +117,13 @@ def test_a_resume_with_room_for_the_job_but_not_the_copier_copies_back_in_this_p
     job.assert_home(physical=0)
 
 
-def test_a_copy_back_that_finds_no_room_pauses_the_job_again(job: Job) -> None:
+def test_a_copy_back_that_finds_no_room_pauses_the_job_again(job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
     """Another process takes the GPU after the room check: the restore (a small image after a fast
-    pause) fits, the pool's memory does not. The driver checkpoints the job again and it stays
-    paused, on the GPU it was resumed on, its memory in host memory; later it resumes."""
+    pause) fits, the pool's memory does not, neither where the copier makes it beside the restore nor
+    here after it. The driver checkpoints the job again and it stays paused, on the GPU it was resumed
+    on, its memory in host memory; later it resumes."""
     fake = job.fake
+    monkeypatch.setenv("FAKE_CUDA_FAIL", "cuMemCreate:2")  # CUDA_ERROR_OUT_OF_MEMORY in the copier's, from its start
     engine = job.training([2 * MiB, 4 * MiB, 6 * MiB])
     assert engine.pause().ok
     fake.fail("cuMemCreate", "CUDA_ERROR_OUT_OF_MEMORY", nth=0)

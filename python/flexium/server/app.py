@@ -28,6 +28,7 @@ from flexium.server.dashboard import install_dashboard
 from flexium.server.db import Database, DatabaseUnavailable, SchemaTooNew, sqlite_file
 from flexium.server.errors import ApiError, Unauthorized
 from flexium.server.heartbeat_shortcut import HeartbeatShortcut
+from flexium.server.refusals import request_refused
 from flexium.server.routes import api, system
 from flexium.server.routes.docs import install_docs
 from flexium.server.settings import Settings, load_settings, option_and_env
@@ -155,6 +156,7 @@ def _validation_message(errors: Sequence[Any]) -> tuple[int, str, str, list[dict
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ApiError)
     async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+        request_refused(_request, exc)
         answer = _error(exc.status, exc.code, exc.message, exc.detail)
         if isinstance(exc, Unauthorized):
             answer.headers["WWW-Authenticate"] = exc.challenge

@@ -117,7 +117,9 @@ async def require_auth(
             raise Forbidden(f"requests authenticated by cookie must send the {protocol.CSRF_HEADER} header")
     if auth.workspace != workspace:
         raise NotFound(f"workspace {workspace!r} not found")
-    return dataclasses.replace(auth, door=_door(request, auth))
+    auth = dataclasses.replace(auth, door=_door(request, auth))
+    request.state.auth = auth  # whom a refusal after this names (server/refusals.py)
+    return auth
 
 
 def _door(request: Request, auth: AuthInfo) -> protocol.Door:

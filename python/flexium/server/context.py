@@ -25,6 +25,7 @@ from flexium.server import storage
 from flexium.server.db import Database, DatabaseUnavailable
 from flexium.server.live import EventBus, Notifier
 from flexium.server.metrics import Metrics
+from flexium.server.refusals import RefusalBook
 from flexium.server.replica_link import Message, ReplicaLink
 from flexium.server.settings import Settings
 from flexium.server.storage import AuthInfo, ProcessSnapshot
@@ -127,6 +128,7 @@ class ServerContext:
     # Revoked through this server since it started (ids only: a few bytes each), for a request
     # admitted just before its token's revocation and waiting just after it.
     revoked_tokens: set[int] = field(default_factory=set)
+    refusals: RefusalBook = field(default_factory=RefusalBook)  # refused writes, on their way to the audit log
     stopping: bool = False
     loop: asyncio.AbstractEventLoop | None = None
     link: ReplicaLink | None = None  # the other replicas (PostgreSQL), from start-up to shutdown
@@ -180,7 +182,11 @@ class ServerContext:
         """A live event for the workspace's dashboards, here and on every replica."""
         payload = self.bus.payload(data)
         self.bus.publish_payload(workspace_id, event, payload)
-        self._tell({"kind": "event", "workspace": workspace_id, "event": event, "payload": payload})
+        if self.link is None:
+            return
+        message = {"kind": "event", "workspace": workspace_id, "event": event, "payload": payload}
+        # Too large for a notification (a command's long result): the others' dashboards reload.
+        self._tell(message if self.link.fits(message) else {"kind": "resync", "workspace": workspace_id})
 
     def publish_here(self, workspace_id: int, event: str, data: Any) -> None:
         """A live event every replica finds by itself (the sweep's), for this one's dashboards."""

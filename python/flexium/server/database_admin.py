@@ -17,12 +17,14 @@ from __future__ import annotations
 
 import time
 
+import psycopg
 from pydantic import ValidationError
 
 from flexium import protocol, wire
 from flexium.server import storage
 from flexium.server.db import Database
 from flexium.server.errors import InvalidRequest
+from flexium.server.replica_link import tell_replicas
 from flexium.server.settings import load_settings
 from flexium.server.storage import quotas
 
@@ -75,16 +77,25 @@ def login_code(token: str, *, database_url: str | None = None) -> str:
 
 def revoke_token(workspace: str, token_or_id: str | int, *, database_url: str | None = None) -> wire.TokenRevoked:
     """Revoke by the token itself or by its id (``list_tokens`` shows ids), and every token it
-    minted. A running server stops accepting them within its token cache time (5 s), and
-    their dashboard sessions at once; revoking through the server's API ends their open
-    event streams and long-polls at once too."""
+    minted. Their dashboard sessions end at once. On PostgreSQL the running servers are told (their
+    replica link): they refuse the tokens and end their event streams and long-polls at once; a
+    server on SQLite stops accepting them within its token cache time (5 s), as does a server on
+    PostgreSQL that could not hear it (it reads revocations again when its link reconnects)."""
     db = open_database(database_url)
     try:
         ws = _workspace_id(db, workspace)
         token_id = protocol.ascii_number(str(token_or_id))
         if token_id is not None:
-            return db.run(storage.revoke_token, write=True, workspace_id=ws, token_id=token_id, now=time.time())
-        return db.run(storage.revoke_token, write=True, workspace_id=ws, token=str(token_or_id), now=time.time())
+            revoked = db.run(storage.revoke_token, write=True, workspace_id=ws, token_id=token_id, now=time.time())
+        else:
+            revoked = db.run(storage.revoke_token, write=True, workspace_id=ws, token=str(token_or_id), now=time.time())
+        if not db.is_sqlite:
+            message = {"kind": "revoked", "tokens": [revoked.id, *revoked.cascade]}
+            try:
+                tell_replicas(db.url, "command line", message)
+            except psycopg.Error:  # revoked all the same: the servers' caches forget it within 5 s
+                pass
+        return revoked
     finally:
         db.dispose()
 

@@ -91,6 +91,8 @@ class AuditRecord(Base):
     __table_args__ = (
         Index("ix_audit_log_workspace_id", "workspace_id", "id"),
         Index("ix_audit_log_process", "workspace_id", "process_id", "id"),
+        Index("ix_audit_log_kept_until", "workspace_id", "kept_until"),
+        Index("ix_audit_log_repeated", "workspace_id", "action", "token_id", "id"),
     )
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     workspace_id: Mapped[int] = mapped_column(ForeignKey("workspaces.id", ondelete="CASCADE"))
@@ -106,6 +108,10 @@ class AuditRecord(Base):
     process_id: Mapped[str | None] = mapped_column(String(protocol.MAX_SHORT_TEXT), nullable=True)
     command_id: Mapped[int | None] = mapped_column(Integer, nullable=True)
     door: Mapped[str | None] = mapped_column(String(16), nullable=True)  # protocol.DOORS; None: no request's
+    # The same thing again within the hour (a login, a refusal) counts here instead of taking a row.
+    repeats: Mapped[int] = mapped_column(Integer, default=1, server_default="1")
+    last_at: Mapped[float | None] = mapped_column(Double, nullable=True)  # the last repeat's time
+    kept_until: Mapped[float] = mapped_column(Double, server_default="0")  # by its class (storage/audit.py)
 
 
 class Process(Base):

@@ -47,6 +47,21 @@ def conninfo(database_url: str) -> str:
     return make_url(database_url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
+def tell_replicas(database_url: str, sender: str, message: Message, timeout: float = 1.0) -> bool:
+    """One message to every replica listening, from outside them (the command line's revocations);
+    returns once it is heard back (delivered to every listener, as ``send_heard``), or False after
+    ``timeout``."""
+    payload = f'["{sender}",[{json.dumps(message, separators=(",", ":"))}]]'
+    with psycopg.connect(conninfo(database_url), autocommit=True, connect_timeout=5) as conn:
+        conn.execute(f"LISTEN {CHANNEL}")
+        conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, payload))
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            if any(note.payload == payload for note in conn.notifies(timeout=left, stop_after=1)):
+                return True
+    return False
+
+
 class ReplicaLink:
     """This replica's end: ``send`` from any thread; ``on_message`` and ``on_reconnect`` are
     called on ``loop``."""
@@ -89,6 +104,10 @@ class ReplicaLink:
 
     def send(self, message: Message) -> None:
         self._outbox.put(message)
+
+    def fits(self, message: Message) -> bool:
+        """Whether ``message`` fits one payload (one that does not is dropped)."""
+        return len(self._payload([json.dumps(message, separators=(",", ":"))]).encode()) <= MAX_PAYLOAD_BYTES
 
     async def send_heard(self, message: Message, timeout: float) -> bool:
         """Sends ``message`` and waits (on ``loop``) until this replica hears it back, delivered by

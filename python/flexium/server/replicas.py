@@ -78,6 +78,10 @@ def _event(ctx: ServerContext, m: Message) -> None:
     ctx.bus.publish_payload(m["workspace"], m["event"], m["payload"])
 
 
+def _resync(ctx: ServerContext, m: Message) -> None:
+    ctx.bus.publish(m["workspace"], protocol.EVENT_RESYNC, {})
+
+
 def _revoked(ctx: ServerContext, m: Message) -> None:
     ctx.tokens_revoked_here(frozenset(m["tokens"]))
 
@@ -130,6 +134,7 @@ def _drain(ctx: ServerContext, m: Message) -> None:
 _APPLY: dict[str, Callable[[ServerContext, Message], None]] = {
     "wake": _wake,
     "event": _event,
+    "resync": _resync,
     "revoked": _revoked,
     "session_ended": _session_ended,
     "snapshot": _snapshot,

@@ -65,8 +65,21 @@ async def register_process(
     ), created
 
 
-async def unregister_process(ctx: ServerContext, *, workspace_id: int, process_id: str) -> None:
-    await ctx.db.call(storage.unregister_process, write=True, workspace_id=workspace_id, process_id=process_id)
+async def unregister_process(ctx: ServerContext, *, auth: AuthInfo, process_id: str) -> None:
+    workspace_id = auth.workspace_id
+    ended = await ctx.db.call(
+        storage.unregister_process,
+        write=True,
+        workspace_id=workspace_id,
+        process_id=process_id,
+        now=time.time(),
+        actor=auth,
+    )
+    for command in ended:  # what a person waiting for it learns
+        ctx.command_settled(workspace_id, process_id, command.id)
+        ctx.publish(workspace_id, protocol.EVENT_COMMAND, {"action": "updated", "command": command})
+        _command_changed(ctx, workspace_id, command)
+        ctx.metrics.commands_finished.labels(kind=command.kind, outcome=command.state).inc()
     host = ctx.process_hosts.get((workspace_id, process_id))
     ctx.forget_process(workspace_id, process_id)
     ctx.publish(workspace_id, protocol.EVENT_PROCESS, {"action": "removed", "process": {"process_id": process_id}})
@@ -95,7 +108,7 @@ def heartbeat_from_memory(
 
 
 async def heartbeat(
-    ctx: ServerContext, *, workspace_id: int, process_id: str, body: wire.HeartbeatRequest
+    ctx: ServerContext, *, workspace_id: int, process_id: str, body: wire.HeartbeatRequest, reporter: int
 ) -> wire.HeartbeatResponse:
     now = time.time()
     answer = heartbeat_from_memory(ctx, workspace_id=workspace_id, process_id=process_id, body=body, now=now)
@@ -112,6 +125,7 @@ async def heartbeat(
         now=now,
         stale_after=ctx.settings.stale_after_s,
         write_devices=write_devices,
+        reporter=reporter,
     )
     key = (workspace_id, process_id)
     ctx.process_seen(workspace_id, process_id, outcome.snapshot)

@@ -29,6 +29,7 @@ import sys
 import time
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("flexium")
 
 DISABLE_ENV = "FLEXIUM_HOST_COPIER"  # false: copies run in the job's process
+OVERLAP_ENV = "FLEXIUM_RESUME_OVERLAP"  # false: the copy back waits for the restore (fast/resume_overlap.py)
 FRAME_BYTES = 48 << 10
 FDS_PER_FRAME = 200
 START_TIMEOUT_S = 60.0
@@ -57,8 +59,27 @@ class CopierError(Exception):
     """The copier failed or did not answer in time: the caller kills it and copies itself."""
 
 
+class CopierRefused(CopierError):
+    """The copier answered that a request failed (it still serves the next)."""
+
+
+@dataclass(frozen=True)
+class Filled:
+    """The copier's answer to a fill: its reply (bytes, times, its clock's start and end of the fill)
+    and one fd per segment of the order, the receiver's to import and close."""
+
+    reply: dict[str, Any]
+    fds: list[int]
+
+
 def copier_enabled() -> bool:
     return switch_from_env(DISABLE_ENV, True, "host copier switch")
+
+
+def overlap_enabled() -> bool:
+    """Whether the copier makes a resume's memory while the job restores (read in the copier, whose
+    environment is the job's): off, it refuses, and the copy back runs after the restore."""
+    return switch_from_env(OVERLAP_ENV, True, "resume overlap switch")
 
 
 def send(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
@@ -219,6 +240,48 @@ class Copier:
             self.awake_on = None
         return reply
 
+    def fill(self, order: _C.FillOrder, *, then_sleep: bool, pin_rest_pause_ms: int = 0) -> None:
+        """Orders the resume's copy back made by the copier while the job restores: new memory on the
+        GPU it is awake on, filled from the staging; returns at once (filled() reads the reply).
+        `then_sleep` and `pin_rest_pause_ms` as for copy()."""
+        message = {
+            "op": "fill",
+            "sizes": [int(segment.size) for segment in order.segments],
+            "pieces": [as_row(piece, PIECE_FIELDS) for piece in order.pieces],
+            "then_sleep": then_sleep,
+            "pin_rest_pause_ms": None if then_sleep else pin_rest_pause_ms,
+        }
+        self._send(message)
+        self._unread.append("fill")
+        if then_sleep:
+            self._unread.append("sleep")
+
+    def filled(self, order: _C.FillOrder) -> Filled:
+        """The reply to the fill ordered last, with its fds (one per segment of `order`, the caller's).
+        Raises CopierError when the fill failed or no answer came in time; its fds are closed then."""
+        timeout = START_TIMEOUT_S + 2 * order.bytes / SLOWEST_BYTES_PER_S
+        refused: CopierRefused | None = None  # a request before it (the wake) failed: the fill's reply still comes
+        while self._unread and self._unread[0] != "fill":
+            try:
+                self._read_unread(timeout)
+            except CopierRefused as exc:
+                refused = refused or exc
+        if not self._unread:
+            raise refused or CopierError("no fill was ordered")
+        self._unread.pop(0)
+        if self._unread[:1] == ["sleep"]:
+            self.awake_on = None  # it sleeps right after the fill, whether it worked or not
+        try:
+            reply, fds = self._reply_with_fds("fill", timeout)
+        except CopierRefused as exc:
+            if refused is None:
+                raise
+            raise refused from exc  # the first failure says why
+        if refused is not None:
+            close_all(fds)
+            raise refused
+        return Filled(reply, fds)
+
     def sleep(self) -> None:
         """Unpins the staging and lets go of its GPU context now (the staging stays mapped)."""
         self._exchange({"op": "sleep"}, timeout=START_TIMEOUT_S)
@@ -294,6 +357,11 @@ class Copier:
         return self._reply(what, timeout)
 
     def _reply(self, what: str, timeout: float) -> dict[str, Any]:
+        reply, fds = self._reply_with_fds(what, timeout)
+        close_all(fds)
+        return reply
+
+    def _reply_with_fds(self, what: str, timeout: float) -> tuple[dict[str, Any], list[int]]:
         deadline = time.monotonic() + timeout
         try:
             self._sock.settimeout(max(0.001, deadline - time.monotonic()))
@@ -302,10 +370,10 @@ class Copier:
             code = self._process.poll()
             state = f"it exited with status {code}" if code is not None else f"no answer within {timeout:.0f} s"
             raise CopierError(f"the copier failed at '{what}': {type(exc).__name__}: {exc} ({state})") from exc
-        close_all(fds)
         if not reply.get("ok"):
-            raise CopierError(f"the copier failed at '{what}': {reply.get('error', 'no reason given')}")
-        return reply
+            close_all(fds)
+            raise CopierRefused(f"the copier failed at '{what}': {reply.get('error', 'no reason given')}")
+        return reply, fds
 
 
 _copiers: weakref.WeakSet[Copier] = weakref.WeakSet()

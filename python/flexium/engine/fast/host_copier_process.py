@@ -9,8 +9,10 @@ Requests: hello (loads the driver); attach (the staging's extents as fds, sizes,
 (the extents and chunks the job added to its staging since); wake (uuid, wait, pause_ms; says how
 the background pinning before it ended); copy
 (to_host, the segments as fds, sizes, pieces, then_sleep: a second reply follows once asleep;
-pin_rest_pause_ms: then pins the chunks the copies did not use); sleep; detach (unmaps the
-staging); quit. Each gets {"ok": true, ...}
+pin_rest_pause_ms: then pins the chunks the copies did not use); fill (sizes, pieces,
+then_sleep, pin_rest_pause_ms: new memory made and filled from the staging while the job restores,
+its fds sent with the reply, refused while FLEXIUM_RESUME_OVERLAP is false); sleep; detach (unmaps
+the staging); quit. Each gets {"ok": true, ...}
 or {"ok": false, "error": "..."}. Only flexium._C is loaded: no torch.
 """
 
@@ -25,7 +27,17 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from flexium import _C
-from flexium.engine.fast.host_copier import CHUNK_FIELDS, PIECE_FIELDS, close_all, receive, send
+from flexium.engine.fast.host_copier import (
+    CHUNK_FIELDS,
+    OVERLAP_ENV,
+    PIECE_FIELDS,
+    close_all,
+    overlap_enabled,
+    receive,
+    send,
+)
+
+HANDED_FDS = "handed_fds"  # a reply's fds to send with it (not a field of the reply)
 
 
 class Server:
@@ -48,15 +60,18 @@ class Server:
                 close_all(fds)
                 return 0
             self.answer(lambda: self.handle(str(op), message, fds), fds)  # noqa: B023  (runs at once, in this pass)
-            if op == "copy" and message.get("then_sleep") and self.copier is not None:
+            if op in ("copy", "fill") and message.get("then_sleep") and self.copier is not None:
                 self.answer(self.sleep)
 
     def answer(self, work: Callable[[], dict[str, Any]], fds: Sequence[int] = ()) -> None:
         """Runs one request and sends its reply. The fds it came with are closed before the reply:
-        a segment's fd kept here would keep its memory alive past the job's release."""
+        a segment's fd kept here would keep its memory alive past the job's release. The fds a
+        reply hands over (HANDED_FDS) ride it and are closed here once sent."""
         started = time.perf_counter()
+        handed: list[int] = []
         try:
             reply = work()
+            handed = reply.pop(HANDED_FDS, [])
             reply.update(ok=True, seconds=time.perf_counter() - started)
         except Exception as exc:
             traceback.print_exc(file=sys.stderr)
@@ -65,7 +80,10 @@ class Server:
             close_all(fds)
         if self.trace:
             print(f"[flexium copier] {time.monotonic():.3f} reply {reply}", file=sys.stderr, flush=True)
-        send(self.sock, reply)
+        try:
+            send(self.sock, reply, handed)
+        finally:
+            close_all(handed)
 
     def sleep(self) -> dict[str, Any]:
         self.require_attached("sleep").sleep()
@@ -104,9 +122,25 @@ class Server:
             if message.get("pin_rest_pause_ms") is not None:
                 copier.pin_rest(int(message["pin_rest_pause_ms"]))
             return {"bytes": copied, **times}
+        if op == "fill":
+            return self.fill(copier, message)
         if op == "sleep":
             return self.sleep()
         raise ValueError(f"unknown request {op!r}")
+
+    def fill(self, copier: _C.HostCopier, message: dict[str, Any]) -> dict[str, Any]:
+        """New memory filled from the staging while the job restores; its fds go with the reply.
+        `started` and `ended` are time.monotonic(), which the job's clock shares."""
+        if not overlap_enabled():
+            raise RuntimeError(f"the copy back beside the restore is off: {OVERLAP_ENV}=0")
+        started = time.monotonic()
+        pieces = [_C.CopierPiece(**dict(zip(PIECE_FIELDS, row, strict=True))) for row in message["pieces"]]
+        fds = copier.fill([int(size) for size in message["sizes"]], pieces)
+        ended = time.monotonic()
+        times = copier.last_copy_times  # before the pinner runs again
+        if message.get("pin_rest_pause_ms") is not None:
+            copier.pin_rest(int(message["pin_rest_pause_ms"]))
+        return {"bytes": sum(p.length for p in pieces), **times, "started": started, "ended": ended, HANDED_FDS: fds}
 
     def require_attached(self, op: str) -> _C.HostCopier:
         if self.copier is None:

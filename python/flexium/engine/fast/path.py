@@ -19,10 +19,11 @@ from dataclasses import dataclass, replace
 from typing import TypeVar
 
 from flexium import _C
-from flexium.engine.fast import pinned_budget
-from flexium.engine.fast.host_copier import Copier, CopierError, copier_enabled
+from flexium.engine.fast import pinned_budget, resume_overlap
+from flexium.engine.fast.host_copier import Copier, CopierError, CopierRefused, close_all, copier_enabled
 from flexium.engine.fast.memory_pool import MemoryPool, open_file_headroom
 from flexium.engine.operations import StepTiming
+from flexium.errors import DriverError
 
 T = TypeVar("T")
 LiveRanges = dict[int, list[tuple[int, int]]]
@@ -97,10 +98,16 @@ class FastPath:
         self.copier_fallback = ""
         # Why the coming copy back runs in this process (wake_for_restore found too little room).
         self._copy_back_here: str | None = None
+        # The copy back the copier makes while the job restores (resume_overlap.py), what the last
+        # one did, and why the last resume's could not be made so ("": it was, or none was tried).
+        self._filling: resume_overlap.Filling | None = None
+        self.overlap: resume_overlap.Overlap | None = None
+        self.overlap_fallback = ""
         # One preparation of the staging at a time: a pause's, or the keeper's between pauses.
         self._host_lock = threading.RLock()
         # The staging stays (pinned by the copier) between pauses: claimed in pinned_budget.
         self.keeping = False
+        self._kernel_loaded: set[int] = set()  # devices whose context has the checksum kernel
 
     def warm_up(self) -> None:
         """Starts the copier process in the background: it loads the driver and waits, holding
@@ -231,6 +238,7 @@ class FastPath:
     def _reserve_host(self, logical: int, wanted: int, uuid: str) -> Reserved:
         self._wait_for_release()
         self._wait_for_start()
+        self._load_checksum_kernel(logical)
         started = time.perf_counter()
 
         def here(why: str) -> Reserved:
@@ -277,6 +285,20 @@ class FastPath:
             self._drop_copier(f"{exc}")
             return here(f"the copier failed: {exc}")
 
+    def _load_checksum_kernel(self, logical: int) -> None:
+        """The moves' checksum kernel loaded into the job's context while it trains, before a
+        pause's safe point: the driver compiles it as it loads it (107 ms on an H200, fact
+        `move-checksum-cost`), which would otherwise fall in the first move's downtime."""
+        from flexium.engine.fast import checksum  # it imports this module
+
+        if logical in self._kernel_loaded or checksum.unavailable() is not None:
+            return
+        try:
+            _C.load_checksum_kernel(logical)
+            self._kernel_loaded.add(logical)
+        except DriverError as exc:  # the move's checksum loads it, or says why it cannot
+            log.debug("the checksum kernel was not loaded ahead: %s", exc)
+
     def stage_to_host(self, logical: int, live: LiveRanges | None = None) -> tuple[int, StepTiming]:
         def work() -> int:
             ranges = self.pool.live_ranges(logical) if live is None else live
@@ -286,11 +308,15 @@ class FastPath:
 
         return timed("copy", work)
 
-    def wake_for_restore(self, uuid: str, coming: int = 0) -> None:
+    def wake_for_restore(self, uuid: str, coming: int = 0, fill_for: int | None = None) -> None:
         """Before the restore that ends a fast pause: the copier takes a context on the GPU the
-        job resumes on and pins the staging while the restore runs. Where that context would leave
-        too little room for the `coming` bytes of the job, the copier sleeps on and this process
-        copies back: a restore without room loses the job (fact `restore-without-room-loses-process`)."""
+        job resumes on and pins the staging while the restore runs; with `fill_for` (the job's
+        logical device) it also makes and fills the segments' new memory meanwhile
+        (resume_overlap.py). Where that context would leave too little room for the `coming` bytes
+        of the job, the copier sleeps on and this process copies back: a restore without room loses
+        the job (fact `restore-without-room-loses-process`)."""
+        if fill_for is not None:
+            self.overlap, self.overlap_fallback = None, ""
         if self._copier is None:
             return
         self._copy_back_here = copier_room_problem(uuid, coming) if coming else None
@@ -298,11 +324,59 @@ class FastPath:
             return
         try:
             self._copier.wake(uuid, wait=False)
+            if fill_for is not None:
+                keep = self._try_keep(uuid)
+                self._filling = resume_overlap.start(self._copier, then_sleep=not keep, pin_rest_pause_ms=PIN_PAUSE_MS)
+        except CopierError as exc:
+            self._drop_copier(str(exc))
+        except (RuntimeError, ValueError) as exc:  # the order could not be planned: copied back after the restore
+            self.overlap_fallback = f"{type(exc).__name__}: {exc}"
+
+    def _finish_fill(self, logical: int) -> int:
+        """The copy back the copier made beside the restore, mapped; the live bytes mapped. On a
+        failure the segments not mapped still wait in the staging, for the copy back after it."""
+        filling, self._filling = self._filling, None
+        copier = self._copier
+        if filling is None or copier is None:
+            return 0
+        try:
+            self.overlap = resume_overlap.finish(copier, filling, logical)
+            return self.overlap.mapped_bytes
+        except CopierRefused as exc:  # it still serves: the copy back after the restore asks it again
+            self.overlap_fallback = str(exc)
+        except CopierError as exc:
+            self.overlap_fallback = str(exc)
+            self._drop_copier(str(exc))
+        except (DriverError, RuntimeError, ValueError) as exc:  # mapping failed half way
+            self.overlap_fallback = f"mapping the copier's memory failed: {type(exc).__name__}: {exc}"
+        return 0
+
+    def call_off_fill(self) -> None:
+        """After a restore that failed (the job stays paused): the copier's memory goes with its fds,
+        and the copier lets go of the GPU, as a paused job holds nothing on any."""
+        filling, self._filling = self._filling, None
+        copier = self._copier
+        if copier is None:
+            return
+        try:
+            if filling is not None:
+                try:
+                    close_all(copier.filled(filling.order).fds)
+                except CopierRefused:
+                    pass
+            if copier.awake_on is not None:
+                copier.sleep()
         except CopierError as exc:
             self._drop_copier(str(exc))
 
     def restore_from_host(self, logical: int, uuid: str, step: str = "copy_back") -> tuple[int, StepTiming]:
         def work() -> int:
+            filled = self._finish_fill(logical)
+            if filled and self.host_waiting() == 0:
+                return filled
+            return filled + rest()
+
+        def rest() -> int:
             crowded, self._copy_back_here = self._copy_back_here, None
             if crowded is not None:
                 self.copier_fallback = crowded

@@ -93,6 +93,15 @@ def copier_notes(fast: FastPath) -> tuple[str, ...]:
     return (f"the copies to and from host memory ran in this process: {why}",) if why else ()
 
 
+def overlap_notes(fast: FastPath) -> tuple[str, ...]:
+    """What the copy back beside the restore did, or why it was not made so, once."""
+    overlap, why = fast.overlap, fast.overlap_fallback
+    fast.overlap, fast.overlap_fallback = None, ""
+    if why:
+        return (f"copied back after the restore: the copier could not make the memory beside it ({why})",)
+    return (overlap.note(),) if overlap is not None else ()
+
+
 def note_copied(staged: Staged) -> str:
     return (
         f"fast path: copied {staged.copied_bytes / GIB:.2f} GiB in use of {staged.segment_bytes / GIB:.2f} GiB "

@@ -16,7 +16,7 @@ from flexium.engine.step_outcomes import describe_failure, first_failure, own_re
 from flexium.engine.transactions import locked_section
 from flexium.engine.transactions.context import OperationContext
 from flexium.engine.transactions.fast_pause import checkpoint_the_rest
-from flexium.engine.transactions.results import ResultDraft, copier_notes, settle
+from flexium.engine.transactions.results import ResultDraft, copier_notes, overlap_notes, settle
 from flexium.errors import DriverError
 from flexium.units import gib
 
@@ -37,11 +37,13 @@ def resume(ctx: OperationContext, plan: MovePlan) -> OperationResult:
     # Paused by the fast path: the pool's segments wait in pinned host memory, and no other
     # thread may touch them before they are back.
     fast = ctx.fast if ctx.fast is not None and ctx.fast.host_waiting() > 0 else None
-    if fast is not None:
-        fast.wake_for_restore(dest.uuid, coming=ctx.paused_bytes)  # pins while the restore runs
+    if fast is not None:  # pins, and makes the pool's memory, while the restore runs
+        fast.wake_for_restore(dest.uuid, coming=ctx.paused_bytes, fill_for=ctx.logical)
     outcomes = locked_section.run(ctx, locked_section.resume_steps(plan), hold_gil=fast is not None)
     final = locked_section.process_state(ctx)
     succeeded = final == _C.ProcessState.RUNNING and own_restore_succeeded(outcomes)
+    if fast is not None and not succeeded:
+        fast.call_off_fill()
     if succeeded:
         ctx.identity.apply(plan)
     draft = ResultDraft(
@@ -114,7 +116,7 @@ def _bring_back_from_host(ctx: OperationContext, fast: FastPath, draft: ResultDr
             if attempt == 1:
                 return _pause_again(ctx, fast, draft, str(exc), TWICE_MISMATCHED, failed_step="verify")
     ctx.paused_checksums = None
-    notes = copier_notes(fast)
+    notes = (*overlap_notes(fast), *copier_notes(fast))
     fast.done_with_host()
     ctx.set_state(EngineState.RUNNING)
     return draft.build(ok=True, notes=notes)

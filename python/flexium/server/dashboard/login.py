@@ -12,8 +12,9 @@ from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from flexium import protocol
 from flexium.server import services, storage
 from flexium.server.auth import resolve_token
-from flexium.server.context import Ctx
+from flexium.server.context import Ctx, ServerContext
 from flexium.server.dashboard.templating import render
+from flexium.server.storage import AuthInfo
 
 router = APIRouter(include_in_schema=False)
 
@@ -36,6 +37,19 @@ def cross_site(request: Request) -> bool:
     if origin is None:
         return False
     return origin == "null" or urlsplit(origin).netloc.lower() != request.headers.get("host", "").lower()
+
+
+def _note_refused(request: Request, ctx: ServerContext, auth: AuthInfo | None, why: str) -> None:
+    """A refused login goes to its token's workspace's audit log; one whose token or code named
+    no workspace, to the server's log (``server/refusals.py``)."""
+    ctx.refusals.note(
+        ctx,
+        workspace=auth.workspace if auth else None,
+        auth=auth,
+        address=request.client.host if request.client else "an unknown address",
+        action="login.refused",
+        detail=why,
+    )
 
 
 def _refused(request: Request, error: str, status_code: int) -> Response:
@@ -66,8 +80,10 @@ async def login(request: Request, ctx: Ctx) -> Response:
         auth = await resolve_token(ctx, token) if token else None
         refused = "invalid or revoked token"
     if auth is None:
+        _note_refused(request, ctx, None, f"with a {how}: {refused}")
         return _refused(request, refused, 401)
     if auth.role == protocol.ROLE_JOB:
+        _note_refused(request, ctx, auth, "with a job token")
         return _refused(request, "a job token cannot open the dashboard: log in with a viewer or admin token", 403)
     previous = request.cookies.get(protocol.SESSION_COOKIE)
     if previous:

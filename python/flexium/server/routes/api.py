@@ -127,7 +127,7 @@ async def process_targets(
 )
 async def unregister_process(process_id: ProcessIdPath, auth: Worker, ctx: Ctx) -> Response:
     await require_own_process(ctx, auth, process_id)
-    await services.unregister_process(ctx, workspace_id=auth.workspace_id, process_id=process_id)
+    await services.unregister_process(ctx, auth=auth, process_id=process_id)
     return Response(status_code=204)
 
 
@@ -138,7 +138,9 @@ async def unregister_process(process_id: ProcessIdPath, auth: Worker, ctx: Ctx) 
 )
 async def heartbeat(process_id: ProcessIdPath, body: wire.HeartbeatRequest, auth: Worker, ctx: Ctx) -> Any:
     await require_own_process(ctx, auth, process_id)
-    return await services.heartbeat(ctx, workspace_id=auth.workspace_id, process_id=process_id, body=body)
+    return await services.heartbeat(
+        ctx, workspace_id=auth.workspace_id, process_id=process_id, body=body, reporter=auth.token_id
+    )
 
 
 @router.get(
@@ -469,7 +471,7 @@ async def revoke_token(token_id: Annotated[int, Path(ge=1, le=2**31 - 1)], auth:
 @router.get(
     "/audit",
     response_model=list[wire.AuditEntry],
-    summary=f"The audit log, newest first: commands, tokens, logins (the newest {storage.AUDIT_KEEP} are kept)",
+    summary="The audit log, newest first: commands, tokens, logins, refusals (changes kept a year, others 90 days)",
 )
 async def list_audit(
     auth: Reader,

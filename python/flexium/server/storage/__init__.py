@@ -10,11 +10,14 @@ admin commands read, as a ``WorkspaceRecord``), and they raise
 """
 
 from flexium.server.storage.audit import (
-    AUDIT_KEEP,
+    ACCESS_KEEP_S,
+    CHANGE_KEEP_S,
+    Refusal,
     command_senders,
     list_audit,
     record_command_refused,
     record_commands_finished,
+    record_refusals,
     refused_commands,
 )
 from flexium.server.storage.commands import (
@@ -33,6 +36,7 @@ from flexium.server.storage.commands import (
 )
 from flexium.server.storage.devices import device_indexes, list_devices, upsert_devices
 from flexium.server.storage.drains import drained_gpus, get_drain, list_drains
+from flexium.server.storage.forget import unregister_process
 from flexium.server.storage.history import HISTORY_EVERY_S, HISTORY_KEEP_S, Sample, gpu_history, prune_history
 from flexium.server.storage.jobs import get_operation, list_jobs, summarize_jobs
 from flexium.server.storage.placements import close_placement, get_placement, list_placements, take_placement
@@ -50,7 +54,6 @@ from flexium.server.storage.processes import (
     record_beats,
     register_process,
     register_process_snapshot,
-    unregister_process,
 )
 from flexium.server.storage.progress_history import (
     PROGRESS_EVERY_S,
@@ -65,6 +68,7 @@ from flexium.server.storage.sessions import (
     LOGIN_CODE_TTL_S,
     SESSION_IDLE_S,
     SESSION_MAX_S,
+    SESSIONS_PER_TOKEN,
     end_session,
     issue_login_code,
     login_code_for,
@@ -121,10 +125,14 @@ __all__ = [
     "progress_history",
     "prune_progress",
     "sample_progress",
-    "AUDIT_KEEP",
+    "ACCESS_KEEP_S",
+    "CHANGE_KEEP_S",
+    "Refusal",
+    "record_refusals",
     "LOGIN_CODE_TTL_S",
     "SESSION_IDLE_S",
     "SESSION_MAX_S",
+    "SESSIONS_PER_TOKEN",
     "AuthInfo",
     "command_senders",
     "create_commands_audited",

@@ -3,8 +3,13 @@ what to what, when, and the outcome. Written in the transaction of the change it
 an entry exists exactly when the change does; a refused command is written on its own (its
 transaction rolled back).
 
-Bounded by count: the newest ``AUDIT_KEEP`` entries of each workspace are kept (older ones go
-as new ones are written, a few at a time).
+Kept by age and class, never by count (a count is one any reader could fill by logging in
+again and again, pushing out what admins did): an access entry (a login, a logout, a refused
+login or request) for ``ACCESS_KEEP_S``, every other one (a change) for ``CHANGE_KEEP_S``; older
+ones go as new ones are written, a few at a time. Access entries are what a viewer, or anyone
+with a wrong token, can cause without end: one repeated within ``REPEAT_WITHIN_S`` (same
+workspace, action, token and target) counts its repeats in the entry before instead of taking a
+row, so a flood of them is a few rows an hour.
 
 An entry about a command names its process and the command (None for a refused one, never
 created), so a job's page reads its own entries (``command_senders``, ``refused_commands``)."""
@@ -19,15 +24,20 @@ from sqlalchemy import ColumnElement, delete, select, update
 from sqlalchemy.orm import Session
 
 from flexium import protocol, wire
-from flexium.server.models import AuditRecord, Command
+from flexium.server.models import AuditRecord, Command, Workspace
 
 if TYPE_CHECKING:  # workspaces imports this module
     from flexium.server.storage.workspaces import AuthInfo
 
-AUDIT_KEEP = 10_000  # entries per workspace
+_DAY = 86400.0
+CHANGE_KEEP_S = 365 * _DAY  # commands, tokens, waits, priorities, processes forgotten
+ACCESS_KEEP_S = 90 * _DAY  # logins, logouts, refusals
+ACCESS_ACTIONS = ("login", "logout", "login.refused", "request.refused")  # as migration 0017 has them
+REPEAT_WITHIN_S = 3600.0
 _PRUNE_EVERY = 20  # entries written between two prunes
 SERVER_ACTOR = "server"  # who did what no token did: a command expired, the command line
 COMMAND_LINE_ACTOR = "command line"
+NO_TOKEN_ACTOR = "no valid token"  # a request refused before any token was known
 _CREATED = "command.created"
 _REFUSED = "refused"
 # What the queue did to a job, beside its commands: a job's timeline shows these entries too.
@@ -47,12 +57,55 @@ class PolicyActor:
         return f"policy: {self.name}"
 
 
+def is_reserved_actor(name: str) -> bool:
+    """Whether a token named ``name`` would pass in the audit log, a command's sender or a job's
+    timeline for the server, the command line or one of its policies."""
+    spoken = " ".join(name.split()).casefold()
+    return spoken in (SERVER_ACTOR, COMMAND_LINE_ACTOR, NO_TOKEN_ACTOR) or spoken.startswith(POLICY_ROLE + ":")
+
+
 def sender_of(actor: AuthInfo | PolicyActor) -> tuple[str, protocol.Door]:
     """Who sent a command as its row, its audit entry and the job's timeline say it: a token's
     name (its id when unnamed) and the door of its request, or the policy."""
     if isinstance(actor, PolicyActor):
         return actor.label[: protocol.MAX_SHORT_TEXT], "policy"
     return (actor.token_name or f"token {actor.token_id}")[: protocol.MAX_SHORT_TEXT], actor.door
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Requests refused (``server/refusals.py``), counted by sender: a workspace's name (it may
+    name none of this server's), the token when one was known, and where they came from."""
+
+    workspace: str
+    auth: AuthInfo | None
+    address: str
+    action: str
+    times: int
+    detail: str
+
+
+def record_refusals(*, session: Session, refusals: list[Refusal], now: float) -> None:
+    """Each as an access entry of its workspace (a workspace named that does not exist: none)."""
+    names = {r.workspace for r in refusals}
+    named = session.execute(select(Workspace.name, Workspace.id).where(Workspace.name.in_(names)))
+    ids = {name: workspace_id for name, workspace_id in named}
+    for refusal in refusals:
+        workspace_id = ids.get(refusal.workspace)
+        if workspace_id is None or (refusal.auth is not None and refusal.auth.workspace_id != workspace_id):
+            continue
+        record_audit(
+            session=session,
+            workspace_id=workspace_id,
+            actor=refusal.auth,
+            action=refusal.action,
+            target=f"from {refusal.address}",
+            outcome=_REFUSED,
+            detail=refusal.detail,
+            now=now,
+            anonymous=NO_TOKEN_ACTOR,
+            repeats=refusal.times,
+        )
 
 
 def record_audit(
@@ -68,9 +121,21 @@ def record_audit(
     anonymous: str = COMMAND_LINE_ACTOR,
     process_id: str | None = None,
     command_id: int | None = None,
+    repeats: int = 1,
 ) -> None:
     """``actor`` None: the command line on the database, or the server itself (``anonymous``
-    names which)."""
+    names which); ``repeats``: how many times it happened (refusals counted in memory)."""
+    if action in ACCESS_ACTIONS and _repeated(
+        session,
+        workspace_id=workspace_id,
+        actor=actor,
+        action=action,
+        target=target,
+        detail=detail,
+        now=now,
+        repeats=repeats,
+    ):
+        return
     door: protocol.Door | None = None
     if isinstance(actor, PolicyActor):
         token_id, token_name, role, door = None, actor.label, POLICY_ROLE, "policy"
@@ -91,25 +156,58 @@ def record_audit(
         detail=detail[: protocol.MAX_LONG_TEXT],
         process_id=process_id,
         command_id=command_id,
+        kept_until=now + (ACCESS_KEEP_S if action in ACCESS_ACTIONS else CHANGE_KEEP_S),
+        repeats=repeats,
+        last_at=now if repeats > 1 else None,
     )
     session.add(row)
     session.flush()
     if row.id % _PRUNE_EVERY == 0:
-        _prune(session=session, workspace_id=workspace_id)
+        session.execute(
+            delete(AuditRecord).where(AuditRecord.workspace_id == workspace_id, AuditRecord.kept_until < now)
+        )
 
 
-def _prune(*, session: Session, workspace_id: int) -> None:
-    oldest_kept = session.scalar(
+def _repeated(
+    session: Session,
+    *,
+    workspace_id: int,
+    actor: AuthInfo | PolicyActor | None,
+    action: str,
+    target: str,
+    detail: str,
+    now: float,
+    repeats: int,
+) -> bool:
+    """Whether this access entry was counted as a repeat of the same one begun within
+    ``REPEAT_WITHIN_S`` (its detail then says the last one's)."""
+    token_id = actor.token_id if actor is not None and not isinstance(actor, PolicyActor) else None
+    target = target[: protocol.MAX_SHORT_TEXT]
+    found = session.scalar(
         select(AuditRecord.id)
-        .where(AuditRecord.workspace_id == workspace_id)
+        .where(
+            AuditRecord.workspace_id == workspace_id,
+            AuditRecord.action == action,
+            AuditRecord.token_id.is_(None) if token_id is None else AuditRecord.token_id == token_id,
+            AuditRecord.target == target,
+            AuditRecord.at >= now - REPEAT_WITHIN_S,
+        )
         .order_by(AuditRecord.id.desc())
-        .offset(AUDIT_KEEP - 1)
         .limit(1)
     )
-    if oldest_kept is not None:
-        session.execute(
-            delete(AuditRecord).where(AuditRecord.workspace_id == workspace_id, AuditRecord.id < oldest_kept)
+    if found is None:
+        return False
+    session.execute(
+        update(AuditRecord)
+        .where(AuditRecord.id == found)
+        .values(
+            repeats=AuditRecord.repeats + repeats,
+            last_at=now,
+            detail=detail[: protocol.MAX_LONG_TEXT],
+            kept_until=now + ACCESS_KEEP_S,
         )
+    )
+    return True
 
 
 def list_audit(
@@ -181,6 +279,8 @@ def _entry(row: AuditRecord) -> wire.AuditEntry:
         process_id=row.process_id,
         command_id=row.command_id,
         door=cast(protocol.Door | None, row.door),
+        repeats=row.repeats,
+        last_at=row.last_at,
     )
 
 

@@ -17,12 +17,14 @@ poll, so a process may see one command twice and must ignore an id it already ra
 
 from __future__ import annotations
 
+from typing import Any
+
 from sqlalchemy import bindparam, func, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from flexium import protocol, wire
-from flexium.server.errors import Busy, InvalidRequest, InvalidState, NotFound, Stale, TargetRefused
+from flexium.server.errors import Busy, InvalidRequest, InvalidState, NotFound, PayloadTooLarge, Stale, TargetRefused
 from flexium.server.models import Command, Device, Process, table_of
 from flexium.server.storage import quotas
 from flexium.server.storage.audit import PolicyActor, record_command_finished, record_commands_created
@@ -347,6 +349,18 @@ def undo_delivery(*, session: Session, command: wire.CommandInfo) -> None:
     )
 
 
+def _stored_result(session: Session, result: wire.OperationReport) -> Any:
+    """A command's final result as stored. Its state is taken whatever the result's size: a
+    final report refused for its size left the job busy for good (the process has moved on and
+    never sends it again), so one over the payload bound keeps its summary (where from, where to,
+    how long, the error) without its steps and notes, and says it was cut."""
+    try:
+        return quotas.stored_json(session=session, value=result, what="the command's result")
+    except PayloadTooLarge as exc:
+        cut = result.model_copy(update={"steps": [], "notes": [f"cut by the server: {exc.message}"]})
+        return quotas.stored_json(session=session, value=cut, what="the command's result, cut")
+
+
 def report_command(
     *, session: Session, workspace_id: int, command_id: int, report: wire.CommandReport, now: float, stale_after: float
 ) -> tuple[wire.CommandInfo, wire.ProcessInfo | None, bool]:
@@ -373,11 +387,7 @@ def report_command(
     else:
         cmd.finished_at = now
         cmd.started_at = cmd.started_at or now
-        cmd.result = (
-            None
-            if report.result is None
-            else quotas.stored_json(session=session, value=report.result, what="the command's result")
-        )
+        cmd.result = None if report.result is None else _stored_result(session, report.result)
         cmd.error = report.error
         _settle_process(proc, cmd, succeeded=state == "succeeded")
         if state == "succeeded":

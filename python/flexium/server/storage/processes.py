@@ -240,6 +240,8 @@ def register_process_snapshot(
             f"process {report.process_id!r} was registered by another token: a job token acts only on the "
             "processes it registered (register under a new process id, or use that process's token)"
         )
+    else:
+        _check_reporter(row, token_id, report.devices)
     for name in _REGISTER_FIELDS:
         setattr(row, name, getattr(report, name))
     row.capabilities = quotas.stored_json(session=session, value=report.capabilities, what="the process's capabilities")
@@ -270,6 +272,17 @@ def _check_own_job(*, session: Session, workspace_id: int, key: str, token_id: i
         raise Forbidden(
             f"job {key!r} has ranks registered by another token ({other!r} among them): a job token registers "
             "ranks only under the keys of its own jobs (every rank of one run uses the same token)"
+        )
+
+
+def _check_reporter(row: Process, reporter: int | None, devices: list[wire.GpuReport]) -> None:
+    """A host's GPUs are reported by the token with a live process there, the one whose report
+    this is: another token (an admin's, speaking for the process) has no process on that host,
+    and its report would be filed under the process's token (``upsert_devices``)."""
+    if devices and reporter is not None and row.token_id is not None and reporter != row.token_id:
+        raise Forbidden(
+            f"a GPU report of host {row.host!r} is taken from the token whose process runs there, and process "
+            f"{row.process_id!r} is another token's: send it without devices, or from that process's own token"
         )
 
 
@@ -340,6 +353,7 @@ def heartbeat(
     now: float,
     stale_after: float,
     write_devices: bool = True,
+    reporter: int | None = None,
 ) -> HeartbeatOutcome:
     """Apply a heartbeat. One older (``seq``) than the last applied body only proves the
     process alive: what it says was true before what the server already knows.
@@ -348,8 +362,12 @@ def heartbeat(
     is safe because they changed nothing, so what they said is what ``state_seq`` stands for.
 
     The row is read locked: on PostgreSQL a report may commit between an unlocked read and
-    this write, and the beat would then write back the state (and ``seq``) it replaced."""
+    this write, and the beat would then write back the state (and ``seq``) it replaced.
+
+    ``reporter``: the token that sent it (None: trusted, a test's or the command line's)."""
     row = find_process(session=session, workspace_id=workspace_id, process_id=process_id, for_update=True)
+    if write_devices:
+        _check_reporter(row, reporter, report.devices)
     was_stale = row.last_seen < now - stale_after
     before = _shown_placement(row)
     # Progress only grows and is not a placement: an older beat's still counts.
@@ -425,12 +443,6 @@ _PROGRESS_UPDATE = (
         loss=bindparam("b_loss"),
     )
 )
-
-
-def unregister_process(*, session: Session, workspace_id: int, process_id: str) -> None:
-    """Forget a process and its commands (it exited, or a person removed a stale entry)."""
-    row = find_process(session=session, workspace_id=workspace_id, process_id=process_id, for_update=True)
-    session.delete(row)
 
 
 def get_process(

@@ -3,8 +3,11 @@
 A browser logs in by handing over a token (the login form) or a login code (a login link),
 and gets a session: a random id in an HttpOnly cookie, stored here as its SHA-256 like a
 token. A session ends at logout, after ``SESSION_IDLE_S`` without a request, after
-``SESSION_MAX_S`` whatever its use, and when its token is revoked (the rows go with the
-token's revocation, ``revoke_token``). It may do what its token may.
+``SESSION_MAX_S`` whatever its use, when its token is revoked (the rows go with the
+token's revocation, ``revoke_token``), and when its token opens its ``SESSIONS_PER_TOKEN``-th
+newer one (a token logging in without end keeps that many rows, not one per login). It may do
+what its token may. Logins and logouts are audited as access entries: one repeated within the
+hour counts in the entry before (``storage.audit``).
 
 A login code stands in for a token in a link (``/login#code=...``): used once, within
 ``LOGIN_CODE_TTL_S``, so a link left in a terminal's scrollback, a chat or a browser history
@@ -26,6 +29,8 @@ SESSION_IDLE_S = 12 * 3600.0  # a working day's pause ends it
 SESSION_MAX_S = 7 * 86400.0  # log in again once a week, however often it is used
 LOGIN_CODE_TTL_S = 600.0
 _TOUCH_EVERY_S = 60.0  # last_used is written at most this often (a page polls fragments)
+SESSIONS_PER_TOKEN = 20  # a person's browsers and devices; past it the oldest session ends
+DASHBOARD = "the dashboard"  # what a login or logout entry is about
 
 
 def _secret() -> str:
@@ -45,14 +50,18 @@ def open_session(*, session: Session, auth: AuthInfo, how: str, now: float) -> t
     row = DashboardSession(token_id=auth.token_id, session_hash=hash_token(secret), created_at=now, last_used=now)
     session.add(row)
     session.flush()
+    oldest = select(DashboardSession.id).where(DashboardSession.token_id == auth.token_id)
+    ended = list(session.scalars(oldest.order_by(DashboardSession.id.desc()).offset(SESSIONS_PER_TOKEN)))
+    if ended:
+        session.execute(delete(DashboardSession).where(DashboardSession.id.in_(ended)))
     record_audit(
         session=session,
         workspace_id=auth.workspace_id,
         actor=auth,
         action="login",
-        target=f"dashboard session {row.id}",
+        target=DASHBOARD,
         outcome="ok",
-        detail=f"with a {how}",
+        detail=f"with a {how} (session {row.id})",
         now=now,
     )
     return secret, AuthInfo(
@@ -105,8 +114,9 @@ def end_session(*, session: Session, secret: str, now: float) -> AuthInfo | None
         workspace_id=auth.workspace_id,
         actor=auth,
         action="logout",
-        target=f"dashboard session {auth.session_id}",
+        target=DASHBOARD,
         outcome="ok",
+        detail=f"session {auth.session_id}",
         now=now,
     )
     return auth

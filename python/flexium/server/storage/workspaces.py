@@ -21,7 +21,7 @@ from flexium import protocol, wire
 from flexium.server.errors import Conflict, InvalidRequest, NotFound, Unauthorized
 from flexium.server.models import Command, DashboardSession, LoginCode, Process, Token, Workspace
 from flexium.server.storage import quotas
-from flexium.server.storage.audit import record_audit
+from flexium.server.storage.audit import is_reserved_actor, record_audit
 
 
 @dataclass(frozen=True)
@@ -152,6 +152,11 @@ def issue_token(
     route's rule (admins only)."""
     if role not in protocol.TOKEN_ROLES:
         raise InvalidRequest(f"unknown role {role!r}: use one of {', '.join(protocol.TOKEN_ROLES)}")
+    if is_reserved_actor(name):
+        raise InvalidRequest(
+            f"a token may not be named {name!r}: the audit log names the server, the command line and its "
+            "policies so; choose another name"
+        )
     if minted_by is not None:
         _check_minter_unrevoked(session=session, minter=minted_by)
     quotas.check_new_token(session=session, workspace_id=workspace_id)

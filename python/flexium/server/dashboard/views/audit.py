@@ -17,13 +17,16 @@ class AuditPage:
     """audit.html."""
 
     now: float
-    keep: int  # how many entries the workspace keeps
+    keep: str  # how long the workspace keeps its entries
     entries: tuple[wire.AuditEntry, ...]
 
 
 def audit_page(*, session: Session, workspace_id: int, now: float) -> AuditPage:
     return AuditPage(
         now=now,
-        keep=storage.AUDIT_KEEP,
+        keep=(
+            f"changes are kept {storage.CHANGE_KEEP_S / 86400:.0f} days, logins and refusals "
+            f"{storage.ACCESS_KEEP_S / 86400:.0f}"
+        ),
         entries=tuple(storage.list_audit(session=session, workspace_id=workspace_id, limit=AUDIT_SHOWN)),
     )
