@@ -97,7 +97,8 @@ async def _next_command(
             # database) spares them any database work.
             if ctx.stopping or news.done() or (gone is not None and gone.done()):
                 return None
-            pending = woken or key in ctx.pending
+            # Woken for a process forgotten meanwhile (DELETE): the read below answers 404 at once.
+            pending = (woken and key in ctx.process_hosts) or key in ctx.pending
             if not pending and key not in ctx.process_hosts:
                 host, command_id = await ctx.db.call(
                     storage.peek_command, write=False, workspace_id=workspace_id, process_id=process_id
