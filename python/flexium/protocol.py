@@ -364,6 +364,7 @@ ERROR_STATUS: dict[str, int] = {
     "invalid_request": 422,  # wrong types, out-of-range values
     "target_refused": 422,  # unknown GPU, other host, other model, no room, same GPU
     "capability": 422,  # the process lacks the feature (driver too old)
+    "too_many_requests": 429,  # the client holds its share of a bound (event streams per token)
     "unavailable": 503,  # database unreachable
     "internal": 500,
 }

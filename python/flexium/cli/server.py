@@ -74,13 +74,45 @@ def add_command(commands: Any) -> None:
         metavar="S",
         help="close a connection whose request has not fully arrived within S seconds (10)",
     )
+    bounds.add_argument(
+        "--body-timeout",
+        type=float,
+        default=None,
+        dest="body_timeout_s",
+        metavar="S",
+        help="close a connection whose request body has not arrived within S seconds of its headers (5)",
+    )
     bounds.add_argument("--max-connections", type=int, default=None, metavar="N", help="open connections (8192)")
+    bounds.add_argument(
+        "--max-connections-per-client",
+        type=int,
+        default=None,
+        metavar="N",
+        help="open connections from one address, a trusted proxy's aside (256)",
+    )
     bounds.add_argument(
         "--max-requests",
         type=int,
         default=None,
         metavar="N",
         help="requests in progress, long-polls included; then 503 (4096)",
+    )
+    bounds.add_argument(
+        "--job-request-share",
+        type=float,
+        default=None,
+        metavar="F",
+        help="the share of --max-requests kept for registered jobs' heartbeats and polls (0.25)",
+    )
+    bounds.add_argument(
+        "--max-requests-per-client",
+        type=int,
+        default=None,
+        metavar="N",
+        help="requests in progress from one address, jobs' heartbeats and polls aside (256)",
+    )
+    bounds.add_argument(
+        "--max-streams-per-token", type=int, default=None, metavar="N", help="event streams one token holds (32)"
     )
     bounds.add_argument(
         "--db-lock-timeout",
@@ -141,8 +173,13 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         certfile=args.certfile,
         keyfile=args.keyfile,
         request_timeout_s=args.request_timeout_s,
+        body_timeout_s=args.body_timeout_s,
         max_connections=args.max_connections,
+        max_connections_per_client=args.max_connections_per_client,
         max_requests=args.max_requests,
+        job_request_share=args.job_request_share,
+        max_requests_per_client=args.max_requests_per_client,
+        max_streams_per_token=args.max_streams_per_token,
         db_lock_timeout_s=args.db_lock_timeout_s,
         max_processes=args.max_processes,
         max_tokens=args.max_tokens,

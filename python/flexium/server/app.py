@@ -22,16 +22,18 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from flexium import protocol
 from flexium.server import replicas, services, sole_server, storage
-from flexium.server.connections import bounded_protocol, connection_limit, raise_open_file_limit
+from flexium.server.connection_book import ConnectionBook, TrustedProxies
+from flexium.server.connections import bounded_protocol, connection_limit, raise_open_file_limit, tls_context
 from flexium.server.context import ServerContext
 from flexium.server.dashboard import install_dashboard
 from flexium.server.db import Database, DatabaseUnavailable, SchemaTooNew, sqlite_file
-from flexium.server.errors import ApiError, Unauthorized
+from flexium.server.errors import ApiError, TooManyRequests, Unauthorized
+from flexium.server.fair_share import FairShare
 from flexium.server.heartbeat_shortcut import HeartbeatShortcut
 from flexium.server.refusals import request_refused
 from flexium.server.routes import api, system
 from flexium.server.routes.docs import install_docs
-from flexium.server.settings import Settings, load_settings, option_and_env
+from flexium.server.settings import Settings, load_settings
 from flexium.server.sole_server import ServedElsewhere
 from flexium.server.storage import quotas
 from flexium.server.tls_certificate import check_certificate
@@ -49,6 +51,7 @@ _STATUS_CODES = {
     413: "payload_too_large",
     415: "bad_request",
     422: "invalid_request",
+    429: "too_many_requests",
 }
 
 
@@ -110,36 +113,6 @@ class BodyLimit:
         await self.app(scope, replay, send)
 
 
-class RequestLimit:
-    """At most ``max_requests`` requests in progress; more are answered 503 with Retry-After
-    (clients retry 503s). Long-polls and event streams count: the limit is sized for them."""
-
-    def __init__(self, app: Any, max_requests: int) -> None:
-        self.app = app
-        self.max_requests = max_requests
-        self.in_progress = 0
-
-    async def __call__(self, scope: Any, receive: Callable[..., Any], send: Callable[..., Any]) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        if self.in_progress >= self.max_requests:
-            busy = _error(
-                503,
-                "unavailable",
-                f"the server is busy: {self.in_progress} requests in progress, its limit "
-                f"({option_and_env('max_requests')} raises it); retry shortly",
-            )
-            busy.headers["Retry-After"] = "1"
-            await busy(scope, receive, send)
-            return
-        self.in_progress += 1
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.in_progress -= 1
-
-
 def _validation_message(errors: Sequence[Any]) -> tuple[int, str, str, list[dict[str, Any]]]:
     detail = []
     for err in errors[:20]:
@@ -160,6 +133,8 @@ def install_error_handlers(app: FastAPI) -> None:
         answer = _error(exc.status, exc.code, exc.message, exc.detail)
         if isinstance(exc, Unauthorized):
             answer.headers["WWW-Authenticate"] = exc.challenge
+        if isinstance(exc, TooManyRequests):
+            answer.headers["Retry-After"] = str(exc.retry_after_s)
         return answer
 
     @app.exception_handler(RequestValidationError)
@@ -261,7 +236,14 @@ def create_app(settings: Settings | None = None, *, database: Database | None = 
     app.add_middleware(HeartbeatShortcut, ctx=ctx)
     app.add_middleware(StrictTransportSecurity)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
-    app.add_middleware(RequestLimit, max_requests=settings.max_requests)  # outermost
+    app.add_middleware(
+        FairShare,
+        ctx=ctx,
+        max_requests=settings.max_requests,
+        job_request_share=settings.job_request_share,
+        max_requests_per_client=settings.max_requests_per_client,
+        max_streams_per_token=settings.max_streams_per_token,
+    )  # outermost
     return app
 
 
@@ -360,15 +342,15 @@ def serve(settings: Settings) -> int:
     open_files = raise_open_file_limit()
     max_connections = connection_limit(settings.max_connections, open_files)
     print(
-        f"flexium server: open file limit {open_files}: up to {max_connections} connections, "
-        f"{settings.max_requests} requests in progress; a request must arrive within {settings.request_timeout_s:g} s"
+        f"flexium server: open file limit {open_files}: up to {max_connections} connections "
+        f"({settings.max_connections_per_client} from one address), {settings.max_requests} requests in progress; "
+        f"a request must arrive within {settings.request_timeout_s:g} s of its connection"
     )
     sys.stdout.flush()
     config = uvicorn.Config(
         app,
         host=settings.host,
         port=settings.port,
-        http=bounded_protocol(request_timeout_s=settings.request_timeout_s, max_connections=max_connections),
         ws="none",  # no WebSocket routes: an Upgrade request is plain HTTP, under the request bound
         log_level=settings.log_level,
         access_log=settings.access_log,
@@ -376,8 +358,19 @@ def serve(settings: Settings) -> int:
         timeout_graceful_shutdown=3,
         backlog=4096,
         lifespan="on",
-        ssl_certfile=settings.certfile,
-        ssl_keyfile=settings.keyfile,
+    )
+    # TLS is ours, not the event loop's: connections.py counts and times a connection from its
+    # accept, its handshake included. Trusted proxies are uvicorn's (FORWARDED_ALLOW_IPS).
+    book = ConnectionBook(
+        max_connections=max_connections,
+        max_per_client=settings.max_connections_per_client,
+        trusted_proxies=TrustedProxies(config.forwarded_allow_ips),
+    )
+    config.http = bounded_protocol(
+        request_timeout_s=settings.request_timeout_s,
+        body_timeout_s=settings.body_timeout_s,
+        book=book,
+        tls=tls_context(settings.certfile, settings.keyfile) if settings.certfile and settings.keyfile else None,
     )
     ctx = app.state.ctx
 

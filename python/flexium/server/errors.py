@@ -95,6 +95,17 @@ class Unavailable(ApiError):
     code = "unavailable"
 
 
+class TooManyRequests(ApiError):
+    """A client over its own share of a bound (``fair_share.py``): it may retry after
+    ``retry_after_s``, once something it holds has ended."""
+
+    code = "too_many_requests"
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class Conflict(ApiError):
     """A name that must be unique is taken (workspace create)."""
 

@@ -48,11 +48,18 @@ class Settings:
     event_history: int = 2000  # events kept for Last-Event-ID replay, per workspace
     event_history_bytes: int = 4 << 20  # and at most this much of them (events carry whole results)
 
-    # Bounds on connections (server/connections.py) and requests (app.RequestLimit). A job holds
+    # Bounds on connections (server/connections.py) and requests (server/fair_share.py). A job holds
     # one long-poll and now and then a heartbeat; a dashboard one event stream.
+    # Each is counted from a connection's accept (its TLS handshake included) and, past the
+    # per-client bounds, by client address (fair_share.py, connection_book.py).
     request_timeout_s: float = 10.0  # a connection's whole request must arrive within this
+    body_timeout_s: float = 5.0  # and a request's body within this of its headers
     max_connections: int = 8192  # past it, the oldest connection outside a request is closed
+    max_connections_per_client: int = 256  # the same, for one client address (proxies excepted)
     max_requests: int = 4096  # requests in progress (long-polls and streams included); then 503
+    job_request_share: float = 0.25  # of max_requests, kept for registered jobs' heartbeats and polls
+    max_requests_per_client: int = 256  # requests in progress from one client address, jobs' aside
+    max_streams_per_token: int = 32  # event streams one token holds (a dashboard tab holds one)
     db_lock_timeout_s: float = 1.0  # SQLite: wait this long for another process's write lock
 
     # Per-workspace quotas (server/storage/quotas.py), answered 4xx naming the setting.
@@ -90,6 +97,7 @@ class Settings:
             "beat_flush_interval_s",
             "sse_keepalive_s",
             "request_timeout_s",
+            "body_timeout_s",
             "db_lock_timeout_s",
         ):
             value = getattr(self, name)
@@ -105,7 +113,10 @@ class Settings:
             )
         for name in (
             "max_connections",
+            "max_connections_per_client",
             "max_requests",
+            "max_requests_per_client",
+            "max_streams_per_token",
             "max_processes",
             "max_tokens",
             "max_payload_bytes",
@@ -114,6 +125,11 @@ class Settings:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_option(name)} must be at least 1, not {getattr(self, name)}")
+        if not 0 <= self.job_request_share < 1:
+            raise ValueError(
+                f"{_option('job_request_share')} must be at least 0 and below 1 (a share of "
+                f"{_option('max_requests')}), not {self.job_request_share}"
+            )
         if (self.certfile is None) != (self.keyfile is None):
             given, missing = ("--certfile", "--keyfile") if self.certfile else ("--keyfile", "--certfile")
             raise ValueError(f"{given} needs {missing} too: HTTPS takes the certificate and its private key")
@@ -178,7 +194,12 @@ def _unreadable(path: str) -> str:
 _ENV_SETTINGS: dict[str, tuple[str, type]] = {
     "FLEXIUM_REQUEST_TIMEOUT": ("request_timeout_s", float),
     "FLEXIUM_MAX_CONNECTIONS": ("max_connections", int),
+    "FLEXIUM_BODY_TIMEOUT": ("body_timeout_s", float),
+    "FLEXIUM_MAX_CONNECTIONS_PER_CLIENT": ("max_connections_per_client", int),
     "FLEXIUM_MAX_REQUESTS": ("max_requests", int),
+    "FLEXIUM_JOB_REQUEST_SHARE": ("job_request_share", float),
+    "FLEXIUM_MAX_REQUESTS_PER_CLIENT": ("max_requests_per_client", int),
+    "FLEXIUM_MAX_STREAMS_PER_TOKEN": ("max_streams_per_token", int),
     "FLEXIUM_DB_LOCK_TIMEOUT": ("db_lock_timeout_s", float),
     "FLEXIUM_MAX_PROCESSES": ("max_processes", int),
     "FLEXIUM_MAX_TOKENS": ("max_tokens", int),

@@ -27,6 +27,7 @@ from flexium.server.auth import (
 )
 from flexium.server.connections import received_at
 from flexium.server.context import Ctx
+from flexium.server.fair_share import StreamReader
 from flexium.server.storage import AuthInfo
 
 _ERRORS: dict[int | str, dict[str, Any]] = {
@@ -491,7 +492,7 @@ async def list_audit(
     summary="Live events (server-sent events); resumes after Last-Event-ID",
 )
 async def events(
-    auth: Reader, ctx: Ctx, last_event_id: Annotated[str | None, Header(max_length=32)] = None
+    auth: StreamReader, ctx: Ctx, last_event_id: Annotated[str | None, Header(max_length=32)] = None
 ) -> StreamingResponse:
     return StreamingResponse(
         services.open_event_stream(ctx, auth=auth, last_event_id=last_event_id),

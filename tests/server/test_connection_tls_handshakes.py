@@ -1,0 +1,141 @@
+"""HTTPS connections are counted and timed from their accept, their TLS handshake included: a
+flood of connections that never start a handshake neither holds every descriptor of a server
+whose limit is low (the oldest handshakes make room) nor outlives --request-timeout."""
+
+from __future__ import annotations
+
+import resource
+import signal
+import socket
+import statistics
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+import requests
+
+from support.live_server import ServerProcess, clean_env, wait_until
+
+pytestmark = pytest.mark.timeout(180)
+
+OPEN_FILES = 256  # the server's descriptor limit: it holds up to 256 - 64 connections
+STALLED = 300
+SERVED_WITHIN_S = 1.0
+
+
+@pytest.fixture(autouse=True)
+def _enough_file_descriptors() -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = 4096 if hard == resource.RLIM_INFINITY else min(hard, 4096)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+
+
+@pytest.fixture
+def certificate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+    """A self-signed certificate for 127.0.0.1 and its key, which this test's requests trust."""
+    folder = tmp_path / "tls"
+    folder.mkdir()
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
+         "-keyout", "key.pem", "-out", "cert.pem", "-days", "2", "-subj", "/CN=127.0.0.1",
+         "-addext", "subjectAltName=IP:127.0.0.1"],
+        cwd=folder, check=True, capture_output=True, timeout=60,
+    )  # fmt: skip
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(folder / "cert.pem"))
+    return folder / "cert.pem", folder / "key.pem"
+
+
+def _https_server(home: Path, certificate: tuple[Path, Path], *args: str, open_files: int | None) -> ServerProcess:
+    cert, key = certificate
+    prefix = ("prlimit", f"--nofile={open_files}:{open_files}", "--") if open_files else ()
+    return ServerProcess(
+        home, "--certfile", str(cert), "--keyfile", str(key), *args, env=clean_env(home), prefix=prefix
+    ).start()
+
+
+def _stall(port: int, count: int) -> list[socket.socket]:
+    """Connections that never send a byte, so never begin a TLS handshake."""
+    return [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(count)]
+
+
+def _closed(sock: socket.socket) -> bool:
+    sock.settimeout(0)
+    try:
+        return sock.recv(1) == b""
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def _socket_count(pid: int) -> int:
+    count = 0
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            count += "socket" in str(fd.readlink())
+        except FileNotFoundError:  # closed since the listing
+            continue
+    return count
+
+
+def test_stalled_handshakes_past_the_descriptor_limit_leave_room_for_an_honest_client(
+    tmp_path: Path, certificate: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The issue's failure, scaled down: the server's descriptors all held by connections that
+    never start their handshake left new clients failing for about 50 s."""
+    srv = _https_server(tmp_path / "home", certificate, "--request-timeout", "60", open_files=OPEN_FILES)
+    try:
+        assert srv.proc is not None
+        bound = OPEN_FILES - 64
+        assert any(f"open file limit {OPEN_FILES}: up to {bound} connections" in line for line in srv.lines)
+        stalled = _stall(srv.port, STALLED)
+        try:
+            pid = srv.proc.pid
+            wait_until(lambda: _socket_count(pid) >= bound, 30, "the server to accept the stalled connections")
+            took = []
+            for _ in range(5):
+                started = time.perf_counter()
+                answer = requests.get(f"{srv.url}/healthz", timeout=10)
+                took.append(time.perf_counter() - started)
+                assert answer.status_code == 200, answer.text
+            held = _socket_count(pid)
+            closed = sum(1 for s in stalled if _closed(s))
+            assert closed >= STALLED - bound
+            assert held <= OPEN_FILES
+            assert statistics.median(took) < SERVED_WITHIN_S, took
+            assert any("closed the oldest connection in its TLS handshake" in line for line in srv.lines)
+        finally:
+            for sock in stalled:
+                sock.close()
+    finally:
+        srv.stop(signal.SIGKILL)
+    with capsys.disabled():
+        print(
+            f"\nFIGURES stalled TLS handshakes: {STALLED} opened against {OPEN_FILES} descriptors, {closed} closed "
+            f"to make room, the server held {held} sockets; /healthz over HTTPS answered in "
+            f"{statistics.median(took) * 1000:.0f} ms (median of 5, max {max(took) * 1000:.0f} ms)"
+        )
+
+
+def test_a_handshake_not_finished_within_the_request_timeout_is_closed(
+    tmp_path: Path, certificate: tuple[Path, Path]
+) -> None:
+    """The event loop's own TLS would keep it 60 s."""
+    srv = _https_server(tmp_path / "home", certificate, "--request-timeout", "2", open_files=None)
+    try:
+        stalled = _stall(srv.port, 20)
+        opened = time.monotonic()
+        try:
+            wait_until(lambda: all(_closed(s) for s in stalled), 20, "the stalled handshakes to be closed")
+            closed_after = time.monotonic() - opened
+        finally:
+            for sock in stalled:
+                sock.close()
+        assert 1.5 < closed_after < 2 * 4  # no sooner than the bound; four times it on a slow machine
+        answer = requests.get(f"{srv.url}/healthz", timeout=10)
+        assert answer.status_code == 200
+        assert answer.headers["strict-transport-security"] == "max-age=31536000"  # the scheme is https
+    finally:
+        srv.stop(signal.SIGKILL)
