@@ -3,7 +3,8 @@ process with its own replica link, over real HTTP: a command created through one
 long-polling on the other within 100 ms; a dashboard's event stream on one gets the events of
 changes made through the other; a token revoked through one is refused by the other at once, its
 streams there ended; an event id of the other replica gets a resync; a replica whose link the
-database cut (pg_terminate_backend) listens again and reads again what it may have missed."""
+database cut (pg_terminate_backend) listens again and reads again what it may have missed; a job
+queued through one is told what to watch, and resumed, by the other."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ from flexium.server.replica_link import CHANNEL, conninfo
 from flexium.server.settings import Settings
 from flexium.server.storage import get_workspace, revoke_token
 from support.live_server import free_port, wait_until
-from support.server import LiveServer, make_settings, process_body
+from support.server import GIB, LiveServer, gpu, make_settings, process_body
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.parametrize("database_kind", ["postgresql"], indirect=True)]
 
@@ -285,3 +286,25 @@ def test_a_replica_whose_link_the_database_cut_listens_again_and_reads_again(
         stream.wait_for(lambda e: e[2].get("process", {}).get("process_id") == "gpu-9", "a's registration after")
     finally:
         stream.close()
+
+
+def test_a_job_queued_through_one_replica_is_answered_and_resumed_by_the_other(
+    replicas: tuple[Replica, Replica],
+) -> None:
+    """The queue's view is the other replica's too: its heartbeat there says what to watch, and the
+    room it then sees, reported there, resumes it (no sweep runs in the test's time)."""
+    a, b = replicas
+    full = [gpu(0, used=139 * GIB)]
+    body = process_body("paused-1", state="PAUSED", memory=0, footprint_bytes=30 * GIB, devices=full)
+    assert a.post("/processes", body).status_code == 201
+    wait = a.post("/waits", {"process_id": "paused-1"}).json()["wait"]
+    assert wait["state"] == "waiting", wait
+    beat = b.post("/processes/paused-1/heartbeat", {"state": "PAUSED"}).json()
+    assert beat["watch"] is not None and beat["watch"]["wait_id"] == wait["id"], beat
+    room = {"state": "PAUSED", "room_seen": True, "devices": [gpu(0, used=0)]}
+    assert b.post("/processes/paused-1/heartbeat", room).status_code == 200
+    wait_until(
+        lambda: [c["kind"] for c in a.get("/commands", params={"process_id": "paused-1"}).json()] == ["resume"],
+        10,
+        "the resume the other replica's pass sent",
+    )

@@ -32,6 +32,7 @@ from flexium.server.storage import AuthInfo, ProcessSnapshot
 
 # How long a revocation waits for the other replicas to have it before its request is answered.
 REVOCATION_HEARD_S = 1.0
+REVOKED_PER_MESSAGE = 500  # token ids in one notification (PostgreSQL's limit is 8000 bytes)
 
 log = logging.getLogger("flexium.server")
 
@@ -162,8 +163,12 @@ class ServerContext:
         every replica (this returns once they have it, or after ``REVOCATION_HEARD_S`` when the link
         is down), and their event streams and waiting long-polls end now."""
         self.tokens_revoked_here(token_ids)
-        if self.link is not None:
-            await self.link.send_heard({"kind": "revoked", "tokens": sorted(token_ids)}, REVOCATION_HEARD_S)
+        if self.link is None:
+            return
+        ids = sorted(token_ids)
+        for start in range(0, len(ids), REVOKED_PER_MESSAGE):  # a long cascade in notifications that fit
+            message = {"kind": "revoked", "tokens": ids[start : start + REVOKED_PER_MESSAGE]}
+            await self.link.send_heard(message, REVOCATION_HEARD_S)
 
     def tokens_revoked_here(self, token_ids: frozenset[int]) -> None:
         """``long_poll.revocation_waiter`` ends the long-polls."""
@@ -352,13 +357,15 @@ class ServerContext:
         heartbeat to any answers what it watches, and a GPU report of that host to any runs the
         queue's pass."""
         self.jobs_wait_here(watches, host)
-        self._tell(
-            {
-                "kind": "waits",
-                "watches": [[ws, pid, watch.model_dump(mode="json")] for (ws, pid), watch in watches.items()],
-                "host": list(host),
-            }
-        )
+        if self.link is None:
+            return
+        message = {
+            "kind": "waits",
+            "watches": [[ws, pid, watch.model_dump(mode="json")] for (ws, pid), watch in watches.items()],
+            "host": list(host),
+        }
+        # A job of many ranks may not fit a notification: the others read the queue's view again.
+        self._tell(message if self.link.fits(message) else {"kind": "queue_changed"})
 
     def jobs_wait_here(self, watches: dict[tuple[int, str], wire.RoomWatch], host: tuple[int, str]) -> None:
         self.watches.update(watches)

@@ -93,8 +93,8 @@ async def _next_command(
         waiter = ctx.notifier.register(key)
         try:
             # Most polls find nothing; the in-memory view of pending commands (exact: every
-            # command is created and settled in this process, and the sweep re-reads the
-            # database) spares them any database work.
+            # command is created and settled in this process or told by the replica that did,
+            # and the sweep re-reads the database) spares them any database work.
             if ctx.stopping or news.done() or (gone is not None and gone.done()):
                 return None
             # Woken for a process forgotten meanwhile (DELETE): the read below answers 404 at once.

@@ -123,6 +123,10 @@ def _waits(ctx: ServerContext, m: Message) -> None:
     ctx.jobs_wait_here(watches, (workspace_id, host))
 
 
+def _queue_changed(ctx: ServerContext, _m: Message) -> None:
+    queue.refresh_soon(ctx)
+
+
 def _waits_ended(ctx: ServerContext, m: Message) -> None:
     ctx.waits_ended_here(set(m["waits"]))
 
@@ -144,6 +148,7 @@ _APPLY: dict[str, Callable[[ServerContext, Message], None]] = {
     "pending": _pending,
     "settled": _settled,
     "waits": _waits,
+    "queue_changed": _queue_changed,
     "waits_ended": _waits_ended,
     "drain": _drain,
 }
