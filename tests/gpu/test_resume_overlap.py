@@ -17,7 +17,9 @@ from typing import Any
 from support.gpu import GIB, JOB_TIMEOUT, assert_left, idle_used, ok_run, reference, run_job, summary, uuid_of
 
 BALLAST_GB = "16"
-COMMON = ("--ballast-gb", BALLAST_GB, "--steps", "60", "--step-sleep", "0.1", "--pause-seconds", "0.5")
+# Steps enough for the first pause's staging to be made while the job trains (16 GiB: 4-5 s, fact
+# `training-slows-staging-prep`) and for both operations and the owning after each to end before the job does.
+COMMON = ("--ballast-gb", BALLAST_GB, "--steps", "150", "--step-sleep", "0.1", "--pause-seconds", "0.5")
 PLAN = ("8:pause@fast", "8:resume", "24:pause@fast", "24:resume")
 BESIDE = "copied back beside the restore: the copier made and filled "
 AFTER = "copied back after the restore: the copier could not make the memory beside it ("

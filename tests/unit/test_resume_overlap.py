@@ -9,7 +9,9 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +19,7 @@ torch = pytest.importorskip("torch")
 
 from flexium import _C  # noqa: E402
 from flexium.engine import EngineState  # noqa: E402
+from flexium.engine.fast.resume_overlap import Overlap  # noqa: E402
 from support.engine import (  # noqa: E402,F401  (fixtures)
     MiB,
     driver,
@@ -270,3 +273,14 @@ def test_the_checksum_kernel_is_loaded_while_the_job_trains(fake: object) -> Non
     assert run.returncode == 0, run.stderr
     counts = json.loads(run.stdout.strip().splitlines()[-1])
     assert counts == {"before": 0, "ahead": 1, "at_the_safe_point": 0}
+
+
+def test_the_benchmark_reads_the_overlap_from_the_note() -> None:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import migrate
+
+    beside = Overlap(16 << 30, fill_s=0.58, pin_s=0.2, beside_s=0.42, restore_s=0.45, waited_s=0.13, map_s=0.01)
+    assert migrate.beside_restore({"notes": [beside.note()]}) == "0.58/0.42"
+    apart = Overlap(16 << 30, fill_s=0.58, pin_s=0.2, beside_s=0.0, restore_s=0.45, waited_s=0.6, map_s=0.01)
+    assert not apart.overlapped and migrate.beside_restore({"notes": [apart.note()]}) == "0"
+    assert migrate.beside_restore({"notes": [AFTER + "the copier failed at 'fill': ...)"]}) == "after"
