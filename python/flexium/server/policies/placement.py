@@ -1,14 +1,16 @@
 """Placing a job that is not started yet (``flexium run``): on the GPU of its host with the most room
 (or the one it names) once that GPU has the room it needs, in the queue's order (a higher priority
 first, first come first served within one) and after the paused jobs waiting ahead of it
-(``resume_when_free``): a placement takes no GPU that a wait or a placement before it waits for.
-Placed, the room is held for it (a reservation, which the queue's waits cannot take) until its job
-registers and takes it (``storage.placements.take_placement``) or the reservation expires. With
+(``resume_when_free``): a placement takes a GPU that a wait or a placement before it waits for only
+as ``waited_for`` allows. Placed, the room is held for it (a reservation, which the queue's waits
+cannot take) until its job registers and takes it (``storage.placements.take_placement``) or the
+reservation expires (held again when its flexium run is heard after an outage). With
 ``make_room`` (an admin's), room is made at once as for a paused job (``make_room``): the fewest jobs
 of lower priority on one GPU paused, the room held, the placement waiting for that GPU. Nothing is
 placed on a drained GPU.
 
-Rows are read locked (``SKIP LOCKED`` on PostgreSQL), so two servers never place one job twice."""
+The host's lock is taken first (``reservations.lock_hosts``) and rows are read locked (``SKIP
+LOCKED`` on PostgreSQL), so two servers never place one job twice, nor give one room twice."""
 
 from __future__ import annotations
 
