@@ -11,7 +11,8 @@
 # Each suite is spread over FLEXIUM_TEST_WORKERS pytest processes (pytest-xdist; default: one per
 # core), a test file at a time (--dist loadfile: a module's tests run in their order in one process
 # and share its module fixtures); the end-to-end tests, which mostly wait for servers, training
-# processes and heartbeats, over twice as many.
+# processes and heartbeats, over twice as many, while the dashboard tests and mypy run beside them.
+# Each suite lists its ten slowest tests, so the next person sees where the time goes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -41,10 +42,16 @@ stage() {
 }
 on_exit() {
   local status=$?
+  if [ "$BASHPID" != "$$" ]; then
+    return # a stage beside (below) stopped before it set its own trap
+  fi
   if declare -F stop_postgres >/dev/null; then
     stop_postgres
   fi
   end_stage
+  for pid in "${beside_pids[@]}"; do
+    kill -- "-$pid" 2>/dev/null || true
+  done
   echo "== time per stage"
   for i in "${!stage_names[@]}"; do
     printf '%6d s  %s\n' "${stage_seconds[$i]}" "${stage_names[$i]}"
@@ -54,8 +61,59 @@ on_exit() {
 }
 trap on_exit EXIT
 
+# Stages that run beside the next ones (in the background, in a process group of their own): each
+# keeps its output in a file, shown with its time and status when join_stages_beside waits for it;
+# one that failed fails the run there.
+beside_names=()
+beside_pids=()
+beside_logs=()
+beside_starts=()
+beside() {
+  local log
+  log="$(mktemp /tmp/flexium-stage.XXXXXX)"
+  echo "== $1 (beside the next stages: its output follows when it ends)"
+  beside_names+=("$1")
+  beside_logs+=("$log")
+  beside_starts+=("$SECONDS")
+  shift
+  set -m
+  {
+    trap 'echo "$SECONDS" >"$log.end"' EXIT
+    "$@"
+  } </dev/null >"$log" 2>&1 &
+  beside_pids+=("$!")
+  set +m
+}
+join_stages_beside() {
+  local failed=0 status ended
+  for i in "${!beside_pids[@]}"; do
+    status=0
+    wait "${beside_pids[$i]}" || status=$?
+    echo "== ${beside_names[$i]} (ran beside the stages above)"
+    cat "${beside_logs[$i]}"
+    stage_names+=("${beside_names[$i]} (beside)")
+    ended="$(cat "${beside_logs[$i]}.end" 2>/dev/null || echo "$SECONDS")"
+    stage_seconds+=($((ended - beside_starts[i])))
+    rm -f "${beside_logs[$i]}" "${beside_logs[$i]}.end"
+    if [ "$status" != 0 ]; then
+      echo "== ${beside_names[$i]} failed (exit status $status)"
+      failed=1
+    fi
+  done
+  beside_pids=()
+  return "$failed"
+}
+
 workers="${FLEXIUM_TEST_WORKERS:-$(nproc)}"
 in_parallel=(-n "$workers" --dist loadfile)
+slowest=(--durations=10)
+
+# pytest rewrites the asserts of every test module and of its plugins' packages (schemathesis's
+# and hypothesis's hundreds of modules) in each process it starts, every pytest-xdist worker of
+# every stage, and keeps the result in __pycache__ only where Python may write bytecode: an
+# environment that says not to (PYTHONDONTWRITEBYTECODE, as some container images set) made each
+# process redo it: collecting tests/server/test_api.py took 10.5 CPU-seconds with it, 5.9 without.
+unset PYTHONDONTWRITEBYTECODE
 
 venv="${FLEXIUM_TEST_VENV:-.venv}"
 [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
@@ -109,7 +167,8 @@ PY
 
 stage "installing build tools, torch (CPU) and test dependencies"
 python -m pip install -q "torch==2.13.0"
-python -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12"
+# ninja: the extension's C++ files compile on every core (CMake's make fallback compiles one at a time)
+python -m pip install -q "scikit-build-core>=0.10" "pybind11>=2.12" "ninja>=1.11"
 if [ "$quick" = 0 ] || ! python -c "import flexium._C, xdist" 2>/dev/null; then
   stage "building flexium"
   python -m pip install -q --no-build-isolation ".[server,test]"
@@ -117,20 +176,12 @@ fi
 
 if [ "$quick" = 1 ]; then
   stage "unit tests (quick: -x)"
-  python -m pytest -q -x "${in_parallel[@]}" tests/unit "$@"
+  python -m pytest -q -x "${in_parallel[@]}" "${slowest[@]}" tests/unit "$@"
   exit 0
 fi
 
-# The whole package type-checks (server included: its extra is installed for mypy to read);
-# strictly: pyproject.toml's [tool.mypy] turns on everything --strict does.
-stage "mypy"
-python -m pip install -q "mypy==2.4.1" "types-PyYAML==6.0.12.20261122" "types-requests==2.33.0.20261030"
-python -m mypy python/flexium --ignore-missing-imports
-# The benchmarks too: they are what the speed goals are measured by.
-python -m mypy bench --ignore-missing-imports --config-file bench/mypy.ini
-
 stage "unit tests"
-python -m pytest -q "${in_parallel[@]}" tests/unit "$@"
+python -m pytest -q "${in_parallel[@]}" "${slowest[@]}" tests/unit "$@"
 
 # Framework tests (tests/frameworks): PyTorch Lightning's and Hugging Face's Trainers and fastai's
 # Learner train after flexium.init() while the job is migrated, paused and resumed (the fake
@@ -143,14 +194,14 @@ python -m pip install -q "lightning==2.6.6" "transformers==5.24.0" "accelerate==
 # need it (timm, torchvision) run on the GPU machine (tests/gpu/test_examples_on_gpu.py).
 python -m pip uninstall -y -q torchvision
 # Their few tests are each a training process of its own: one test at a time per worker.
-python -m pytest -q -n "$workers" --dist load tests/frameworks "$@"
+python -m pytest -q -n "$workers" --dist load "${slowest[@]}" tests/frameworks "$@"
 
 # -----------------------------------------------------------------------------------------------
 # Server tests (tests/server): the API and storage on SQLite and on a real PostgreSQL, which this
 # section installs from Debian's packages (when missing), starts as the postgres user on a free
 # port in a temporary folder, and stops at the end.
 stage "examples (a few steps each on the CPU; the framework tests installed what they import)"
-python -m pytest -q -n "$workers" --dist load tests/examples "$@"
+python -m pytest -q -n "$workers" --dist load "${slowest[@]}" tests/examples "$@"
 
 stage "server: PostgreSQL and the server extra"
 pg_bin="$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1 || true)"
@@ -187,32 +238,41 @@ export FLEXIUM_TEST_POSTGRES_URL="postgresql://postgres@127.0.0.1:$pg_port/postg
 # extra) and hostile text read back through every list and page (docs/reliability.md); their
 # figures print with the results, and FLEXIUM_RELIABILITY_FIGURES=DIR writes them there as JSON.
 stage "server tests (SQLite and PostgreSQL $("$pg_bin/postgres" --version | awk '{print $3}'))"
-python -m pytest -q "${in_parallel[@]}" tests/server "$@"
+python -m pytest -q "${in_parallel[@]}" "${slowest[@]}" tests/server "$@"
 
 # -----------------------------------------------------------------------------------------------
 # End-to-end tests (tests/e2e): a real `flexium server` process on SQLite, real training
 # processes (CPU torch; the fake driver library for migrate / pause / resume) and the `flexium`
-# command line, all on 127.0.0.1. They need the server extra, installed above when missing.
-stage "end-to-end tests"
+# command line, all on 127.0.0.1. Dashboard tests (tests/browser): the dashboard of a real server
+# process in headless Chromium, driven by Selenium (from the test extra) through Debian's
+# chromium-driver. Both mostly wait (for servers, training processes, heartbeats, pages), so the
+# dashboard tests and mypy run beside the end-to-end tests, on the cores they leave idle; nothing
+# is installed while they run.
+stage "nginx, Chromium and mypy for the last stages"
 extras_installed || python -m pip install -q --no-build-isolation ".[server,test]"
 # The replica tests (tests/e2e/test_replicas*.py) put Debian's nginx in front of several servers on
-# one PostgreSQL, configured as docs/guide/server.md says; installed here when missing.
-if [ ! -x /usr/sbin/nginx ]; then
+# one PostgreSQL, configured as docs/guide/server.md says; Chromium and its driver for the
+# dashboard tests: Debian's packages, installed here when missing.
+if [ ! -x /usr/sbin/nginx ] || [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq nginx-light >/dev/null || apt-get install -y -qq nginx >/dev/null
-fi
-python -m pytest -q -n "$((2 * workers))" --dist loadfile tests/e2e "$@"
-
-# -----------------------------------------------------------------------------------------------
-# Dashboard tests (tests/browser): the dashboard of a real server process in headless Chromium,
-# driven by Selenium (from the test extra) through Debian's chromium-driver. Chromium and its
-# driver come from Debian's packages, installed here when missing.
-stage "dashboard tests (headless Chromium)"
-if [ ! -x /usr/bin/chromium ] || [ ! -x /usr/bin/chromedriver ]; then
-  export DEBIAN_FRONTEND=noninteractive
-  apt-get update -qq
   apt-get install -y -qq chromium chromium-driver >/dev/null
 fi
-extras_installed || python -m pip install -q --no-build-isolation ".[server,test]"
-python -m pytest -q "${in_parallel[@]}" tests/browser "$@"
+python -m pip install -q "mypy==2.4.1" "types-PyYAML==6.0.12.20261122" "types-requests==2.33.0.20261030"
+
+# The whole package type-checks (server included: its extra is installed for mypy to read);
+# strictly: pyproject.toml's [tool.mypy] turns on everything --strict does. The benchmarks too:
+# they are what the speed goals are measured by.
+type_check() {
+  python -m mypy python/flexium --ignore-missing-imports
+  python -m mypy bench --ignore-missing-imports --config-file bench/mypy.ini
+}
+beside "mypy" type_check
+beside "dashboard tests (headless Chromium)" python -m pytest -q "${in_parallel[@]}" "${slowest[@]}" tests/browser "$@"
+stage "end-to-end tests"
+e2e_status=0
+python -m pytest -q -n "$((2 * workers))" --dist loadfile "${slowest[@]}" tests/e2e "$@" || e2e_status=$?
+end_stage
+join_stages_beside || e2e_status=1
+exit "$e2e_status"
