@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from sqlalchemy import and_, delete, or_, select
+from sqlalchemy import Integer, cast, delete, func, select
 from sqlalchemy.orm import Session
 
 from flexium import wire
-from flexium.server.models import Device, Reservation, Wait
+from flexium.server.models import Reservation, Wait
 
 
 def hold_room(
@@ -41,17 +41,18 @@ def hold_room(
 
 
 def lock_hosts(*, session: Session, hosts: Iterable[tuple[int, str]]) -> None:
-    """The GPU rows of each (workspace id, host) read locked before a policy counts its room and acts
+    """The lock of each (workspace id, host), taken before a policy counts the host's room and acts
     on it: the queue's pass, the placements', a drain's, a make-room; two of them on one host (two
-    servers on PostgreSQL) run one after the other, the second counting what the first did (SQLite
-    has one writer). Taken first in its transaction, in one order (by host, then UUID, as a GPU
-    report writes them; a pass over several hosts locks them in this order too): two transactions
-    never each hold a row the other waits for."""
-    wanted = sorted(set(hosts))
-    if not wanted:
+    servers on PostgreSQL) run one after the other, the second counting what the first did. A
+    transaction-scoped advisory lock that only the policies take: a GPU report, which locks its
+    process's row and then its host's GPU rows, never waits for a pass, and a pass (which locks
+    a process's row when it sends it a command) never waits for a report while holding a lock the
+    report waits for. Taken first in its transaction, hosts in one order. SQLite has one writer:
+    a writing transaction runs alone."""
+    if session.get_bind().dialect.name != "postgresql":
         return
-    query = select(Device.id).where(or_(*(and_(Device.workspace_id == ws, Device.host == host) for ws, host in wanted)))
-    session.execute(query.order_by(Device.workspace_id, Device.host, Device.uuid).with_for_update()).all()
+    for workspace_id, host in sorted(set(hosts)):
+        session.execute(select(func.pg_advisory_xact_lock(cast(workspace_id, Integer), func.hashtext(host))))
 
 
 def release_room(*, session: Session, wait_id: int) -> None:
