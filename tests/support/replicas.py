@@ -22,6 +22,8 @@ import requests
 from support.e2e import WORKSPACE, Server, wait_until
 from support.nginx import NginxFront
 
+START_S = 120.0  # a server's start is mostly imports, which several at once on a loaded machine slow
+
 
 @contextlib.contextmanager
 def postgres_database() -> Iterator[str]:
@@ -71,7 +73,7 @@ class Replicas:
 
         def start(server: Server) -> None:
             try:
-                server.start()
+                server.start(START_S)
             except BaseException as exc:  # said by the caller's thread
                 failures.append(exc)
 
