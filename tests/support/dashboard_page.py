@@ -5,7 +5,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+from selenium.common.exceptions import (
+    ElementNotInteractableException,
+    NoSuchElementException,
+    StaleElementReferenceException,
+)
 from selenium.webdriver.common.by import By
 from selenium.webdriver.remote.webelement import WebElement
 from selenium.webdriver.support.select import Select
@@ -52,8 +56,19 @@ class Dashboard:
             self.d,
             timeout,
             poll_frequency=0.1,
-            ignored_exceptions=(NoSuchElementException, StaleElementReferenceException),
+            # a live update may replace an element, or hold a form field out of reach for the
+            # moment it redraws it: a person waits for it, and so does the test, up to its timeout
+            ignored_exceptions=(
+                NoSuchElementException,
+                StaleElementReferenceException,
+                ElementNotInteractableException,
+            ),
         ).until(lambda _d: condition(), message)
+
+    def fresh(self, read: Callable[[], Any], what: str) -> Any:
+        """What ``read`` returns, read again from the start when a live update redraws the page
+        while it reads (an element it holds goes stale), even when the answer is empty."""
+        return self.wait(lambda: (read(),), f"read {what}")[0]
 
     def js(self, script: str, *args: Any) -> Any:
         return self.d.execute_script(script, *args)
@@ -200,10 +215,15 @@ class Dashboard:
 
     def notices(self) -> list[tuple[str, str]]:
         """(role, text) of each notice shown."""
-        return [
-            (n.get_attribute("role") or "", n.find_element(By.CSS_SELECTOR, ".notice-text").text)
-            for n in self.d.find_elements(By.CSS_SELECTOR, "#notices .notice")
-        ]
+        return list(
+            self.fresh(
+                lambda: [
+                    (n.get_attribute("role") or "", n.find_element(By.CSS_SELECTOR, ".notice-text").text)
+                    for n in self.d.find_elements(By.CSS_SELECTOR, "#notices .notice")
+                ],
+                "the notices",
+            )
+        )
 
     def host_section(self, host: str) -> WebElement:
         for section in self.d.find_elements(By.CSS_SELECTOR, "#hosts .host"):
