@@ -155,7 +155,7 @@ def test_a_command_created_through_one_replica_reaches_a_poll_on_the_other_withi
 
             poller = threading.Thread(target=poll)
             poller.start()
-            time.sleep(0.3)  # the poll waits on b
+            time.sleep(0.5)  # the poll waits on b (without the link it would wait its 10 s out)
             body = {"kind": "pause", "process_id": "gpu-1"}
             command = requests.post(on_a + "/commands", json=body, headers=_auth(token), timeout=10).json()
             poller.join(15)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import itertools
 import logging
 import time
 from collections.abc import Callable, Hashable
@@ -36,11 +37,12 @@ async def start_link(ctx: ServerContext) -> None:
     """The link to the other replicas, started; every wake-up and event here is told to them from
     now on. Waits (``LISTEN_FIRST_S`` at most) until it listens: a replica that serves before it
     hears the others would hand a command created on one of them to its polls only at its sweep."""
+    connects = itertools.count()  # the first: no dashboard was served before it, none missed an event
     link = ReplicaLink(
         ctx.db.url,
         loop=asyncio.get_running_loop(),
         on_message=functools.partial(take, ctx),
-        on_reconnect=functools.partial(_reread_soon, ctx),
+        on_reconnect=lambda: _reread_soon(ctx, dashboards=next(connects) > 0),
     )
     ctx.link = link
     ctx.notifier.forward = lambda key: link.send({"kind": "wake", "key": list(_tuple(key))})
@@ -157,18 +159,19 @@ _APPLY: dict[str, Callable[[ServerContext, Message], None]] = {
 _rereads: set[asyncio.Task[None]] = set()  # held until done: the loop keeps a task only weakly
 
 
-def _reread_soon(ctx: ServerContext) -> None:
-    task = asyncio.ensure_future(reread(ctx))
+def _reread_soon(ctx: ServerContext, *, dashboards: bool) -> None:
+    task = asyncio.ensure_future(reread(ctx, dashboards=dashboards))
     _rereads.add(task)
     task.add_done_callback(_rereads.discard)
 
 
-async def reread(ctx: ServerContext) -> None:
+async def reread(ctx: ServerContext, *, dashboards: bool) -> None:
     """The link (re)connected: what this replica keeps from the others' messages, read again from
     the database, since what was sent while it did not listen is lost. Tokens revoked since it
     started end here; the token cache is emptied (read again at the next request); heartbeat views,
     pending commands, the queue's view and the live drains are read again; GPU reports are written
-    at their next arrival; dashboards get a ``resync``."""
+    at their next arrival; dashboards get a ``resync`` (``dashboards``: at a reconnect, not at the
+    first connection, made before the replica served)."""
     try:
         revoked = await ctx.db.call(storage.revoked_since, write=False, since=ctx.started_at - REVOKED_CLOCK_SKEW_S)
         ctx.tokens.clear()
@@ -182,6 +185,6 @@ async def reread(ctx: ServerContext) -> None:
         await drains.refresh(ctx)
     except Exception:  # the sweep reads most of it again; the next reconnect retries the rest
         log.exception("replica link: reading again what the link may have missed failed")
-    for workspace_id in ctx.bus.workspaces:
+    for workspace_id in ctx.bus.workspaces if dashboards else ():
         ctx.bus.publish(workspace_id, protocol.EVENT_RESYNC, {})
     log.info("replica link: listening; what it may have missed read again")
