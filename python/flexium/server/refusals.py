@@ -67,6 +67,7 @@ class RefusalBook:
     def __init__(self) -> None:
         self._counted: dict[RefusalKey, _Counted] = {}
         self._writing: asyncio.TimerHandle | None = None
+        self._writes: set[asyncio.Future[None]] = set()  # held: the loop keeps only weak references
 
     def note(
         self,
@@ -86,7 +87,12 @@ class RefusalBook:
         counted.detail = detail
         if self._writing is None:
             loop = asyncio.get_running_loop()
-            self._writing = loop.call_later(FLUSH_S, lambda: asyncio.ensure_future(self.write(ctx)))
+            self._writing = loop.call_later(FLUSH_S, self._start_write, ctx)
+
+    def _start_write(self, ctx: ServerContext) -> None:
+        write = asyncio.ensure_future(self.write(ctx))
+        self._writes.add(write)
+        write.add_done_callback(self._writes.discard)
 
     async def write(self, ctx: ServerContext) -> None:
         self._writing = None
