@@ -437,6 +437,16 @@ def report_command_audited(
     return command, process, changed
 
 
+def end_command(
+    *, session: Session, cmd: Command, proc: Process, state: str, error: str, now: float
+) -> wire.CommandInfo:
+    """Ends a command nothing will report any more (expired, or failed: its process went silent or
+    was forgotten), with what that means to the queue's waits; the command as it is now."""
+    cmd.state, cmd.finished_at, cmd.error = state, now, error
+    command_ended(session=session, cmd=cmd, proc=proc, now=now)
+    return command_view(cmd, proc.process_id)
+
+
 def _settle_process(proc: Process, cmd: Command, *, succeeded: bool) -> None:
     """The state an operation's outcome leaves the process in (its location is
     ``_location_after``'s)."""

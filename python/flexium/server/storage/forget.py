@@ -11,9 +11,8 @@ from sqlalchemy.orm import Session
 from flexium import protocol, wire
 from flexium.server.models import Command
 from flexium.server.storage.audit import record_audit, record_command_finished
+from flexium.server.storage.commands import end_command
 from flexium.server.storage.processes import find_process
-from flexium.server.storage.views import command_view
-from flexium.server.storage.waits import command_ended
 from flexium.server.storage.workspaces import AuthInfo
 
 UNREGISTERED_ERROR = "its process was unregistered (it exited, or was forgotten) before the command finished"
@@ -32,9 +31,7 @@ def unregister_process(
         .order_by(Command.id)
         .with_for_update()
     ):
-        cmd.state, cmd.finished_at, cmd.error = "failed", now, UNREGISTERED_ERROR
-        command_ended(session=session, cmd=cmd, proc=row, now=now)
-        command = command_view(cmd, row.process_id)
+        command = end_command(session=session, cmd=cmd, proc=row, state="failed", error=UNREGISTERED_ERROR, now=now)
         record_command_finished(session=session, workspace_id=workspace_id, actor=actor, command=command, now=now)
         ended.append(command)
     under_way = f"; {', '.join(f'command {c.id} ({c.kind})' for c in ended)} ended failed" if ended else ""

@@ -14,12 +14,11 @@ from sqlalchemy.orm import Session
 
 from flexium import protocol, wire
 from flexium.server.models import Command, Device, JobOperation, Process
+from flexium.server.storage.commands import end_command
 from flexium.server.storage.history import prune_history
 from flexium.server.storage.processes import shown_process
 from flexium.server.storage.progress_history import prune_progress, sample_progress
 from flexium.server.storage.reservations import expire_reservations
-from flexium.server.storage.views import command_view
-from flexium.server.storage.waits import command_ended
 
 
 @dataclass
@@ -50,11 +49,9 @@ def sweep(
         .where(Command.state.in_(protocol.PENDING_COMMAND_STATES), Command.created_at < now - command_ttl)
         .with_for_update()
     ):
-        cmd.state = "expired"
-        cmd.finished_at = now
-        cmd.error = f"not started within {command_ttl:.0f} s"
-        command_ended(session=session, cmd=cmd, proc=proc, now=now)
-        result.expired.append((cmd.workspace_id, command_view(cmd, proc.process_id)))
+        error = f"not started within {command_ttl:.0f} s"
+        command = end_command(session=session, cmd=cmd, proc=proc, state="expired", error=error, now=now)
+        result.expired.append((cmd.workspace_id, command))
     if alive_since < now - stale_after:  # silence is counted only while we were up
         for cmd, proc in session.execute(
             select(Command, Process)
@@ -66,11 +63,9 @@ def sweep(
             )
             .with_for_update()
         ):
-            cmd.state = "failed"
-            cmd.finished_at = now
-            cmd.error = "the process stopped reporting during the operation"
-            command_ended(session=session, cmd=cmd, proc=proc, now=now)
-            result.failed.append((cmd.workspace_id, command_view(cmd, proc.process_id)))
+            error = "the process stopped reporting during the operation"
+            command = end_command(session=session, cmd=cmd, proc=proc, state="failed", error=error, now=now)
+            result.failed.append((cmd.workspace_id, command))
     if alive_since <= now - remove_after:
         doomed = list(
             session.execute(
