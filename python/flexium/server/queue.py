@@ -6,7 +6,8 @@ followed by the placement pass over the same host (flexium run's jobs not starte
 same queue, after the paused jobs: ``placing``); and what a pass set going, told as a person's
 command is (long-polls woken, dashboards told). The in-memory view heartbeats answer with
 (``ServerContext.watches``, and the hosts with a job waiting, ``queue_hosts``) follows each change
-made here and is re-read at each sweep, for the changes another server made."""
+made here or told by another replica (``server/replicas.py``), and is re-read at each sweep as a
+backstop."""
 
 from __future__ import annotations
 
@@ -102,8 +103,8 @@ async def set_priority(
 
 async def room_changed(ctx: ServerContext, workspace_id: int, host: str | None) -> None:
     """Something that can give room on ``host`` happened: the queue's pass over it, and the
-    placements' after it, when a job waits there (as this server knows; another server's waits
-    are known from its next sweep)."""
+    placements' after it, when a job waits there (``ctx.queue_hosts``: a wait made through another
+    replica is told to this one at once through the replica link, ``ServerContext.jobs_wait``)."""
     if host is not None and (workspace_id, host) in ctx.queue_hosts:
         await _host_pass(ctx, workspace_id, host)
 
