@@ -10,7 +10,6 @@ import time
 from typing import Any
 
 from sqlalchemy import update
-from test_dashboard_events import _events
 
 from flexium import protocol
 from flexium.server import queue
@@ -33,7 +32,7 @@ def _ask(api: Api, used: int, **request: Any) -> dict[str, Any]:
 def _placement_events(api: Api, after: int) -> list[tuple[str, int, str]]:
     return [
         (data["action"], data["placement"]["id"], data["placement"]["state"])
-        for kind, data in _events(api, after)
+        for kind, data in api.events(after)
         if kind == protocol.EVENT_PLACEMENT
     ]
 

@@ -4,30 +4,12 @@ refused; against SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
-import json
 import time
 from typing import Any
 
 from flexium import protocol, wire
 from flexium.server import services, storage
 from support.server import GIB, Api
-
-
-def _events(api: Api, after: int, *, on_loop: bool = False) -> list[tuple[str, Any]]:
-    """(type, data) of each event published after the id ``after``, as a stream resumed there
-    gets them; read on the server's event loop, where the bus lives (``on_loop``: this runs there)."""
-    workspace_id = api.db.run(storage.authenticate, write=False, token=api.token).workspace_id
-
-    def replay() -> list[str]:
-        sub, backlog = api.ctx.bus.subscribe(workspace_id, last_event_id=after)
-        api.ctx.bus.unsubscribe(sub)
-        return backlog
-
-    events = []
-    for frame in replay() if on_loop else api.client.portal.call(replay):
-        fields = dict(line.split(": ", 1) for line in frame.strip().split("\n"))
-        events.append((fields["event"], json.loads(fields["data"])))
-    return events
 
 
 def _until(condition: Any, timeout: float = 5.0) -> Any:
@@ -38,7 +20,7 @@ def _until(condition: Any, timeout: float = 5.0) -> Any:
 
 
 def _progress(api: Api, after: int, *, on_loop: bool = False) -> list[dict[str, Any]]:
-    return [data for kind, data in _events(api, after, on_loop=on_loop) if kind == protocol.EVENT_PROGRESS]
+    return [data for kind, data in api.events(after, on_loop=on_loop) if kind == protocol.EVENT_PROGRESS]
 
 
 def test_progress_is_announced_once_stored_one_event_for_a_batch_of_beats(api: Api) -> None:
@@ -88,6 +70,6 @@ def test_a_refused_command_is_announced_with_its_reason(api: Api) -> None:
     before = api.ctx.bus.last_id
     refused = api.command("resume", "gpu-1", target=2)
     assert refused.status_code == 409
-    [(kind, data)] = [(k, d) for k, d in _events(api, before) if k == protocol.EVENT_COMMAND_REFUSED]
+    [(kind, data)] = [(k, d) for k, d in api.events(before) if k == protocol.EVENT_COMMAND_REFUSED]
     assert data["request"]["kind"] == "resume" and data["request"]["process_id"] == "gpu-1"
     assert data["reason"] == refused.json()["message"]

@@ -4,6 +4,7 @@ docs/reliability.md quotes."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 import requests
 from fastapi.testclient import TestClient
 
+from flexium.server import storage
 from flexium.server.db import Database
 from flexium.server.settings import Settings, normalize_database_url
 from support.live_server import ServerProcess
@@ -84,6 +86,22 @@ class Api:
         if ranks is not None:
             body["ranks"] = ranks
         return self.post("/commands", body)
+
+    def events(self, after: int, *, on_loop: bool = False) -> list[tuple[str, Any]]:
+        """(type, data) of each event published after the id ``after``, as a stream resumed there
+        gets them; read on the server's event loop, where the bus lives (``on_loop``: this runs there)."""
+        workspace_id = self.db.run(storage.authenticate, write=False, token=self.token).workspace_id
+
+        def replay() -> list[str]:
+            sub, backlog = self.ctx.bus.subscribe(workspace_id, last_event_id=after)
+            self.ctx.bus.unsubscribe(sub)
+            return backlog
+
+        events = []
+        for frame in replay() if on_loop else self.client.portal.call(replay):
+            fields = dict(line.split(": ", 1) for line in frame.strip().split("\n"))
+            events.append((fields["event"], json.loads(fields["data"])))
+        return events
 
 
 GIB = 1 << 30
