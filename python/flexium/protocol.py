@@ -360,6 +360,7 @@ ERROR_STATUS: dict[str, int] = {
     "busy": 409,  # the process already has an active command
     "stale": 409,  # the process stopped sending heartbeats
     "payload_too_large": 413,
+    "header_fields_too_large": 431,  # a header block past --max-header-bytes or --max-header-lines
     "quota_exceeded": 409,  # the workspace holds all the processes or tokens its quota allows
     "invalid_request": 422,  # wrong types, out-of-range values
     "target_refused": 422,  # unknown GPU, other host, other model, no room, same GPU

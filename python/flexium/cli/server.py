@@ -11,7 +11,7 @@ from typing import Any
 from flexium import protocol
 from flexium.cli.exit_status import EXIT_USAGE
 from flexium.cli.server_extra import server_module
-from flexium.server.settings import BACKFILL_PATIENCE_S, SWEEP_INTERVAL_S, Settings, load_settings
+from flexium.server.settings import SWEEP_INTERVAL_S, Settings, load_settings
 
 DESCRIPTION = "Run the flexium server: API, dashboard and live events in one process."
 
@@ -60,15 +60,6 @@ def add_command(commands: Any) -> None:
         dest="device_write_interval_s",
         help="store a host's GPU report at most this often (5); --stale-after must be longer",
     )
-    timing.add_argument(
-        "--backfill-patience",
-        type=float,
-        default=None,
-        dest="backfill_patience_s",
-        metavar="SECONDS",
-        help="a queued job that fits goes ahead of an earlier one of its priority that fits nowhere until that "
-        f"one has waited this long; 0: never (default {BACKFILL_PATIENCE_S:g}; also $FLEXIUM_BACKFILL_PATIENCE)",
-    )
     tls = parser.add_argument_group("HTTPS (both or neither; also $FLEXIUM_CERTFILE, $FLEXIUM_KEYFILE)")
     tls.add_argument("--certfile", default=None, metavar="PEM", help="the server's certificate (chain)")
     tls.add_argument("--keyfile", default=None, metavar="PEM", help="its private key (unencrypted)")
@@ -90,6 +81,20 @@ def add_command(commands: Any) -> None:
         dest="body_timeout_s",
         metavar="S",
         help="close a connection whose request body has not arrived within S seconds of its headers (5)",
+    )
+    bounds.add_argument(
+        "--max-header-bytes",
+        type=int,
+        default=None,
+        metavar="N",
+        help="answer 431 to a request whose header block is over N bytes (65536)",
+    )
+    bounds.add_argument(
+        "--max-header-lines",
+        type=int,
+        default=None,
+        metavar="N",
+        help="answer 431 to a request with over N header lines (200)",
     )
     bounds.add_argument("--max-connections", type=int, default=None, metavar="N", help="open connections (8192)")
     bounds.add_argument(
@@ -179,11 +184,12 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         command_ttl_s=args.command_ttl_s,
         sweep_interval_s=args.sweep_interval_s,
         device_write_interval_s=args.device_write_interval_s,
-        backfill_patience_s=args.backfill_patience_s,
         certfile=args.certfile,
         keyfile=args.keyfile,
         request_timeout_s=args.request_timeout_s,
         body_timeout_s=args.body_timeout_s,
+        max_header_bytes=args.max_header_bytes,
+        max_header_lines=args.max_header_lines,
         max_connections=args.max_connections,
         max_connections_per_client=args.max_connections_per_client,
         max_requests=args.max_requests,

@@ -369,6 +369,8 @@ def serve(settings: Settings) -> int:
     config.http = bounded_protocol(
         request_timeout_s=settings.request_timeout_s,
         body_timeout_s=settings.body_timeout_s,
+        max_header_bytes=settings.max_header_bytes,
+        max_header_lines=settings.max_header_lines,
         book=book,
         tls=tls_context(settings.certfile, settings.keyfile) if settings.certfile and settings.keyfile else None,
     )

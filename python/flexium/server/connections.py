@@ -12,6 +12,13 @@ net/http and nginx do, a connection is counted and timed from the moment it is a
   affected: their request is complete at once, only the answer takes long.
 - past ``max_connections`` open connections, or a client address's bound, one that owes no
   answer makes room (``connection_book.py``), a handshake before an idle one.
+- a request's header block may take at most ``max_header_bytes`` and ``max_header_lines``, as
+  nginx's ``large_client_header_buffers`` and Go's ``MaxHeaderBytes`` bound it (httptools has no
+  bound: it gathers a header line whole, however long): past either it is answered 431 and the
+  connection closed. Bytes are counted as they are read and the parser is fed at most what is
+  left of the bound, so a block is never gathered past it. Where a request pipelined behind
+  another began within one read is not known: it is charged that whole read, and a block that
+  ends within that read is taken (so at most one read, 256 KiB, is parsed for it).
 Each request is stamped with the time it began to arrive (``received_at``).
 
 HTTPS is done by ``TlsAccepted``, asyncio's TLS protocol (``asyncio.sslproto``, which the event
@@ -24,6 +31,7 @@ handshake 60 s; uvicorn does not let that be set).
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import math
 import resource
@@ -32,9 +40,12 @@ import time
 from asyncio.sslproto import SSLProtocol
 from typing import Any
 
+import httptools
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from flexium.server.connection_book import Connection, ConnectionBook, Phase
+from flexium.server.errors import HeaderFieldsTooLarge
+from flexium.server.settings import option_and_env
 
 log = logging.getLogger("flexium.server")
 
@@ -43,6 +54,15 @@ _TIMEOUT_ANSWER = (
     b"content-length: 46\r\nconnection: close\r\n\r\nthe request did not arrive in time; reconnect\n"
 )
 _RECEIVED_AT = "flexium_received_at"
+# After a 431 the client may still be sending its header block: closing with unread bytes would
+# send a reset that can destroy the answer before the client reads it (RFC 9112 section 9.6), so
+# what still comes is read and dropped until the client is quiet this long, or at most the second.
+_LINGER_QUIET_S = 0.5
+_LINGER_MAX_S = 2.0
+
+
+class _HeaderBlockTooLarge(Exception):
+    """Raised from the parser's header callback, which stops the parse at once."""
 
 
 def received_at(scope: Any) -> float | None:
@@ -83,14 +103,37 @@ def tls_context(certfile: str, keyfile: str) -> ssl.SSLContext:
 
 
 def bounded_protocol(
-    *, request_timeout_s: float, body_timeout_s: float, book: ConnectionBook, tls: ssl.SSLContext | None
+    *,
+    request_timeout_s: float,
+    body_timeout_s: float,
+    max_header_bytes: int,
+    max_header_lines: int,
+    book: ConnectionBook,
+    tls: ssl.SSLContext | None,
 ) -> type[asyncio.Protocol]:
     """The protocol uvicorn makes for each accepted connection (its ``http`` class): uvicorn's
     httptools protocol with the bounds above, under ``TlsAccepted`` when ``tls`` is given."""
+    too_many_bytes = (
+        f"the request's header block is over {max_header_bytes} bytes, this server's bound "
+        f"({option_and_env('max_header_bytes')} raises it): send fewer or shorter headers or cookies"
+    )
+    too_many_lines = (
+        f"the request has over {max_header_lines} header lines, this server's bound "
+        f"({option_and_env('max_header_lines')} raises it): send fewer headers or cookies"
+    )
 
     class BoundedHttpProtocol(HttpToolsProtocol):
         connection: Connection | None = None  # set by TlsAccepted before its handshake
         _request_timer: asyncio.TimerHandle | None = None
+        # What is read next belongs to a header block (no request begun, or its headers incomplete);
+        # that block's bytes read so far, and its lines.
+        _in_header_block = True
+        _header_bytes = 0
+        _header_lines = 0
+        _piece_bytes = 0  # what the parser is being fed now
+        _message_ended_in_piece = False
+        _lingering: asyncio.TimerHandle | None = None  # refused: the client's bytes are dropped
+        _refused_at = 0.0
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
@@ -102,20 +145,59 @@ def bounded_protocol(
             since_accept = time.monotonic() - self.connection.accepted_at
             self._start_timer(request_timeout_s - since_accept)
 
-        def connection_lost(self, exc: Exception | None) -> None:
-            self._stop_timer()
-            if self.connection is not None and not tls:
-                book.closed(self.connection)
-            super().connection_lost(exc)
+        def data_received(self, data: bytes) -> None:
+            """uvicorn's, fed to the parser in pieces that keep a header block within its bound."""
+            if self._lingering is not None:
+                self._linger()
+                return
+            self._unset_keepalive_if_required()
+            while data and not self.transport.is_closing():
+                if self._in_header_block:
+                    room = max_header_bytes - self._header_bytes
+                    piece, data = data[:room], data[room:]
+                    self._header_bytes += len(piece)
+                else:
+                    piece, data = data, b""
+                self._piece_bytes, self._message_ended_in_piece = len(piece), False
+                try:
+                    self.parser.feed_data(piece)
+                except httptools.HttpParserCallbackError as exc:
+                    if isinstance(exc.__context__, _HeaderBlockTooLarge):
+                        self._refuse_header_block(too_many_lines)
+                        return
+                    self._invalid_request()
+                    return
+                except httptools.HttpParserError:
+                    self._invalid_request()
+                    return
+                except httptools.HttpParserUpgrade:
+                    if self._should_upgrade():
+                        self.handle_websocket_upgrade()
+                    else:
+                        self._unsupported_upgrade_warning()
+                    return
+                if self._in_header_block and self._header_bytes >= max_header_bytes:
+                    self._refuse_header_block(too_many_bytes)
+                    return
 
         def on_message_begin(self) -> None:
             super().on_message_begin()
             self.scope["state"][_RECEIVED_AT] = time.monotonic()
+            self._header_lines = 0
+            if self._message_ended_in_piece:  # pipelined: it may hold any of this piece's bytes
+                self._header_bytes = self._piece_bytes
             if self._request_timer is None:  # a later request on a kept-alive connection
                 self._start_timer(request_timeout_s)
 
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._header_lines += 1
+            if self._header_lines > max_header_lines:
+                raise _HeaderBlockTooLarge
+            super().on_header(name, value)
+
         def on_headers_complete(self) -> None:
             assert self.connection is not None
+            self._in_header_block = False
             book.enter(self.connection, Phase.BUSY)  # owed an answer: not closed to make room
             if self._request_timer is not None:
                 left = self._request_timer.when() - self.loop.time()
@@ -126,12 +208,47 @@ def bounded_protocol(
 
         def on_message_complete(self) -> None:
             self._stop_timer()
+            self._in_header_block, self._header_bytes, self._message_ended_in_piece = True, 0, True
             super().on_message_complete()
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
             if self.connection is not None and not self.transport.is_closing() and not self.pipeline:
                 book.enter(self.connection, Phase.IDLE)  # kept alive, waiting for the next request
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._lingering is not None:
+                self._lingering.cancel()
+            self._stop_timer()
+            if self.connection is not None and not tls:
+                book.closed(self.connection)
+            super().connection_lost(exc)
+
+        def _invalid_request(self) -> None:
+            message = "Invalid HTTP request received."  # uvicorn's words, in its log and its answer
+            self.logger.warning(message)
+            self.send_400_response(message)
+
+        def _refuse_header_block(self, why: str) -> None:
+            """431, then the connection closed once the client has stopped sending."""
+            self._stop_timer()
+            refusal = HeaderFieldsTooLarge(why)
+            body = json.dumps(refusal.body()).encode()
+            self.transport.write(
+                b"HTTP/1.1 %d Request Header Fields Too Large\r\ncontent-type: application/json\r\n"
+                b"content-length: %d\r\nconnection: close\r\n\r\n%s" % (refusal.status, len(body), body)
+            )
+            if self.transport.can_write_eof():  # plain TCP: the client sees the end after the answer
+                self.transport.write_eof()
+            book.warn("refused a request from %s: %s", self.connection.address if self.connection else "?", why)
+            self._refused_at = self.loop.time()
+            self._linger()
+
+        def _linger(self) -> None:
+            if self._lingering is not None:
+                self._lingering.cancel()
+            close_at = min(self.loop.time() + _LINGER_QUIET_S, self._refused_at + _LINGER_MAX_S)
+            self._lingering = self.loop.call_at(close_at, self.transport.close)
 
         def _start_timer(self, seconds: float) -> None:
             self._request_timer = self.loop.call_later(max(seconds, 0.0), self._request_too_slow)

@@ -85,6 +85,12 @@ class PayloadTooLarge(ApiError):
     code = "payload_too_large"
 
 
+class HeaderFieldsTooLarge(ApiError):
+    """A request's header block past the server's bound (answered by ``connections.py``)."""
+
+    code = "header_fields_too_large"
+
+
 class QuotaExceeded(ApiError):
     """The workspace holds as much of something as its quota allows (storage/quotas.py)."""
 

@@ -13,7 +13,10 @@ from flexium import protocol
 
 DEFAULT_HOST = "127.0.0.1"
 SWEEP_INTERVAL_S = 2.0  # stale marking, removal, expiry
-BACKFILL_PATIENCE_S = 60.0  # policies/waited_for.py
+# The least the header-block bounds take: below them a browser's ordinary request, its cookies
+# included, could be refused, and with it the dashboard.
+MIN_HEADER_BYTES = 8 << 10
+MIN_HEADER_LINES = 40
 
 
 def default_data_dir() -> Path:
@@ -40,8 +43,6 @@ class Settings:
     sweep_interval_s: float = SWEEP_INTERVAL_S
     device_write_interval_s: float = 5.0  # one host's GPU report is written at most this often
     reservation_ttl_s: float = protocol.RESERVATION_TTL_S  # room made for a job is held this long at most
-    # An earlier job of equal priority that fits nowhere lets later ones that fit go first this long.
-    backfill_patience_s: float = BACKFILL_PATIENCE_S
     beat_flush_interval_s: float = 0.5  # plain heartbeats are written in batches this often
     token_cache_s: float = 5.0  # a token revoked outside this server stops working within this
     max_body_bytes: int = protocol.MAX_BODY_BYTES
@@ -57,6 +58,8 @@ class Settings:
     # per-client bounds, by client address (fair_share.py, connection_book.py).
     request_timeout_s: float = 10.0  # a connection's whole request must arrive within this
     body_timeout_s: float = 5.0  # and a request's body within this of its headers
+    max_header_bytes: int = 64 << 10  # a request's header block (Go allows 1 MiB, nginx 32 KiB)
+    max_header_lines: int = 200  # and its header lines
     max_connections: int = 8192  # past it, the oldest connection outside a request is closed
     max_connections_per_client: int = 256  # the same, for one client address (proxies excepted)
     max_requests: int = 4096  # requests in progress (long-polls and streams included); then 503
@@ -128,6 +131,15 @@ class Settings:
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_option(name)} must be at least 1, not {getattr(self, name)}")
+        for name, least, why in (
+            ("max_header_bytes", MIN_HEADER_BYTES, "bytes"),
+            ("max_header_lines", MIN_HEADER_LINES, "lines"),
+        ):
+            if getattr(self, name) < least:
+                raise ValueError(
+                    f"{_option(name)} must be at least {least} {why}, not {getattr(self, name)}: "
+                    "below it a browser's ordinary requests could be refused"
+                )
         if not 0 <= self.job_request_share < 1:
             raise ValueError(
                 f"{_option('job_request_share')} must be at least 0 and below 1 (a share of "
@@ -140,11 +152,6 @@ class Settings:
             path = getattr(self, name)
             if path is not None and not os.access(path, os.R_OK):
                 raise ValueError(f"--{name} {path}: {_unreadable(path)}")
-        if not 0 <= self.backfill_patience_s < float("inf"):
-            raise ValueError(
-                f"{_option('backfill_patience_s')} must be 0 or more seconds (0: no job passes an "
-                f"earlier one of its priority), not {self.backfill_patience_s}"
-            )
         if not 0 <= self.metrics_refresh_s < float("inf"):
             raise ValueError(f"{_option('metrics_refresh_s')} must be 0 or more seconds, not {self.metrics_refresh_s}")
         if self.remove_after_s < self.stale_after_s:
@@ -203,6 +210,8 @@ _ENV_SETTINGS: dict[str, tuple[str, type]] = {
     "FLEXIUM_REQUEST_TIMEOUT": ("request_timeout_s", float),
     "FLEXIUM_MAX_CONNECTIONS": ("max_connections", int),
     "FLEXIUM_BODY_TIMEOUT": ("body_timeout_s", float),
+    "FLEXIUM_MAX_HEADER_BYTES": ("max_header_bytes", int),
+    "FLEXIUM_MAX_HEADER_LINES": ("max_header_lines", int),
     "FLEXIUM_MAX_CONNECTIONS_PER_CLIENT": ("max_connections_per_client", int),
     "FLEXIUM_MAX_REQUESTS": ("max_requests", int),
     "FLEXIUM_JOB_REQUEST_SHARE": ("job_request_share", float),
@@ -216,7 +225,6 @@ _ENV_SETTINGS: dict[str, tuple[str, type]] = {
     "FLEXIUM_MAX_HOSTS": ("max_hosts", int),
     "FLEXIUM_CERTFILE": ("certfile", str),
     "FLEXIUM_KEYFILE": ("keyfile", str),
-    "FLEXIUM_BACKFILL_PATIENCE": ("backfill_patience_s", float),
 }
 
 
