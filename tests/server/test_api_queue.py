@@ -8,7 +8,10 @@ import threading
 import time
 from typing import Any
 
-from support.server import GIB, Api, gpu
+import pytest
+
+from flexium.server.settings import BACKFILL_PATIENCE_S
+from support.server import GIB, Api, gpu, make_settings, serving
 
 FULL = [gpu(0, used=139 * GIB), gpu(1, used=139 * GIB)]
 POLL_WAIT_S = 20.0
@@ -137,3 +140,41 @@ def test_the_jobs_of_a_host_that_see_the_same_room_store_it_once(api: Api) -> No
     more = {**seen, "devices": [gpu(0, used=139 * GIB), gpu(1, used=90 * GIB)]}
     api.post("/processes/q/heartbeat", more)
     assert api.get("/devices").json()["hosts"][0]["updated_at"] > written
+
+
+def _room_seen(api: Api, process_id: str, *, used: int) -> None:
+    """The paused job's heartbeat says it saw room: GPU 0 of its host with ``used`` in use."""
+    beat = api.post(
+        f"/processes/{process_id}/heartbeat", {"state": "PAUSED", "room_seen": True, "devices": [gpu(0, used=used)]}
+    )
+    assert beat.status_code == 200, beat.text
+
+
+def _wait_states(api: Api) -> dict[str, str]:
+    return {w["process_id"]: w["state"] for w in api.get("/waits", params={"all": "true"}).json()}
+
+
+@pytest.mark.parametrize(
+    "patience,after_a_second",
+    [
+        (1.0, {"big": "waiting", "small": "waiting"}),  # the room freed collects for the big job
+        (BACKFILL_PATIENCE_S, {"big": "waiting", "small": "dispatched"}),  # the small job still goes first
+    ],
+)
+def test_a_short_backfill_patience_collects_room_for_an_earlier_job_sooner(
+    database_url_at_head: str, patience: float, after_a_second: dict[str, str]
+) -> None:
+    """--backfill-patience: a small job that fits goes ahead of an earlier big one of its priority
+    that fits nowhere, until the big one has waited that long. Set to 1 s, the room freed a second
+    after both were queued is kept for the big one; at the default (60 s) the small one takes it."""
+    with serving(make_settings(database_url_at_head, backfill_patience_s=patience)) as api:
+        for process_id, footprint in (("big", 60 * GIB), ("small", 10 * GIB)):
+            api.register(
+                process_id, state="PAUSED", memory=0, footprint_bytes=footprint, devices=[gpu(0, used=139 * GIB)]
+            )
+            assert api.post("/waits", {"process_id": process_id}).status_code == 201
+        time.sleep(1.2)  # past the short patience, well within the default
+        _room_seen(api, "small", used=100 * GIB)  # 40 GiB free: room for the small job, not for the big
+        assert _wait_states(api) == after_a_second
+        _room_seen(api, "big", used=40 * GIB)  # 100 GiB free: room for the big job
+        assert _wait_states(api)["big"] == "dispatched"

@@ -14,7 +14,7 @@ from flexium import protocol, wire
 from flexium.server.db import Database
 from flexium.server.policies.placement import place_job
 from flexium.server.policies.resume_when_free import QueueOutcome, run_queue
-from flexium.server.settings import normalize_database_url
+from flexium.server.settings import BACKFILL_PATIENCE_S, normalize_database_url
 from support.queue import HOST, admin, gpus_report, paused, queue, resumed, waits
 from support.server import GIB, gpu
 from support.storage import NOW, STALE, make_workspace
@@ -46,7 +46,15 @@ def test_a_queue_pass_waits_for_a_placement_on_its_host_and_counts_the_room_it_h
     passed: list[QueueOutcome] = []
     second_pass = threading.Thread(
         target=lambda: passed.append(
-            second_server.run(run_queue, write=True, now=NOW + 1, stale_after=STALE, workspace_id=ws, host=HOST)
+            second_server.run(
+                run_queue,
+                write=True,
+                now=NOW + 1,
+                stale_after=STALE,
+                backfill_patience=BACKFILL_PATIENCE_S,
+                workspace_id=ws,
+                host=HOST,
+            )
         )
     )
     with db.session(write=True) as session:  # the first server places a job; not committed yet
@@ -59,6 +67,7 @@ def test_a_queue_pass_waits_for_a_placement_on_its_host_and_counts_the_room_it_h
             stale_after=STALE,
             reservation_ttl=protocol.RESERVATION_TTL_S,
             answering_since=NOW - 3600,
+            backfill_patience=BACKFILL_PATIENCE_S,
         )
         assert placed.placement.state == "placed"
         second_pass.start()

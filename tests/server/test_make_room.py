@@ -16,6 +16,7 @@ from flexium import protocol, wire
 from flexium.server import errors, storage
 from flexium.server.db import Database
 from flexium.server.policies.resume_when_free import queue_resume
+from flexium.server.settings import BACKFILL_PATIENCE_S
 from support.queue import admin, gpus_report, paused, queue, resumed, run, waits
 from support.server import GIB
 from support.storage import NOW, STALE, add_process, make_workspace, next_for, report
@@ -147,6 +148,7 @@ def test_two_make_rooms_at_once_on_one_gpu_hold_its_room_once(db: Database) -> N
             now=NOW + 1,
             stale_after=STALE,
             reservation_ttl=protocol.RESERVATION_TTL_S,
+            backfill_patience=BACKFILL_PATIENCE_S,
         )
         racing = threading.Thread(target=make_room_for_the_second)
         racing.start()

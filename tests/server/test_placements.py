@@ -14,7 +14,7 @@ from flexium import protocol, wire
 from flexium.server import errors, storage
 from flexium.server.db import Database
 from flexium.server.policies.placement import PlacementOutcome, place_job, report_placement, run_placement_pass
-from flexium.server.policies.waited_for import BACKFILL_PATIENCE_S
+from flexium.server.settings import BACKFILL_PATIENCE_S
 from flexium.server.storage.drains import create_drain
 from support.queue import HOST, admin, gpus_report, paused, queue
 from support.server import GIB, gpu
@@ -44,6 +44,7 @@ def place(db: Database, ws: int, *used: int, now: float = NOW, role: str = "admi
         stale_after=STALE,
         reservation_ttl=TTL,
         answering_since=SINCE,
+        backfill_patience=BACKFILL_PATIENCE_S,
     )
     return outcome
 
@@ -60,6 +61,7 @@ def ask(db: Database, ws: int, placement_id: int, *used: int, now: float) -> wir
         stale_after=STALE,
         reservation_ttl=TTL,
         answering_since=SINCE,
+        backfill_patience=BACKFILL_PATIENCE_S,
     )
     return outcome.placement
 
@@ -182,7 +184,15 @@ def test_the_sweep_places_a_job_whose_room_a_report_showed(db: Database) -> None
     waiting = place(db, ws, 130 * GIB, 130 * GIB, memory_bytes=40 * GIB).placement
     gone = place(db, ws, 130 * GIB, 130 * GIB, memory_bytes=40 * GIB, host="node2").placement
     gpus_report(db, ws, NOW + 1, 130 * GIB, 10 * GIB)
-    db.run(run_placement_pass, write=True, now=NOW + 1, stale_after=STALE, reservation_ttl=TTL, answering_since=SINCE)
+    db.run(
+        run_placement_pass,
+        write=True,
+        now=NOW + 1,
+        stale_after=STALE,
+        reservation_ttl=TTL,
+        answering_since=SINCE,
+        backfill_patience=BACKFILL_PATIENCE_S,
+    )
     placed = db.run(
         storage.get_placement, write=False, workspace_id=ws, actor=admin(ws), placement_id=waiting.id, now=NOW + 1
     )
@@ -194,6 +204,7 @@ def test_the_sweep_places_a_job_whose_room_a_report_showed(db: Database) -> None
         stale_after=STALE,
         reservation_ttl=TTL,
         answering_since=SINCE,
+        backfill_patience=BACKFILL_PATIENCE_S,
     )
     ended = db.run(storage.get_placement, write=False, workspace_id=ws, actor=admin(ws), placement_id=gone.id, now=NOW)
     assert ended.state == "cancelled" and ended.note is not None and "stopped asking" in ended.note

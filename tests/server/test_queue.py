@@ -14,7 +14,6 @@ from sqlalchemy.orm import Session
 from flexium import protocol, wire
 from flexium.server import errors, storage
 from flexium.server.db import Database
-from flexium.server.policies import waited_for
 from flexium.server.policies.resume_when_free import QueueOutcome
 from flexium.server.storage.devices import host_devices
 from flexium.server.storage.drains import create_drain
@@ -81,10 +80,9 @@ def test_a_job_that_fits_now_goes_ahead_of_an_earlier_one_of_its_priority_that_f
     assert waits(db, ws)["big"].state == "waiting" and waits(db, ws)["low-small"].state == "waiting"
 
 
-def test_a_job_passed_over_for_its_patience_is_passed_no_more(db: Database, monkeypatch: pytest.MonkeyPatch) -> None:
-    """No starvation: once the big job has waited BACKFILL_PATIENCE_S, the room freed on the GPUs it
-    waits for collects for it, and the small job queued after it waits its turn."""
-    monkeypatch.setattr(waited_for, "BACKFILL_PATIENCE_S", 10.0)
+def test_a_job_passed_over_for_its_patience_is_passed_no_more(db: Database) -> None:
+    """No starvation: once the big job has waited the backfill patience (10 s here), the room freed
+    on the GPUs it waits for collects for it, and the small job queued after it waits its turn."""
     ws, _ = make_workspace(db)
     gpus_report(db, ws, NOW, 139 * GIB)
     paused(db, ws, "big", footprint=60 * GIB)
@@ -92,9 +90,9 @@ def test_a_job_passed_over_for_its_patience_is_passed_no_more(db: Database, monk
     queue(db, ws, "big", now=NOW)
     queue(db, ws, "small", now=NOW + 1)
     gpus_report(db, ws, NOW + 10, 100 * GIB)
-    assert resumed(run(db, NOW + 10)) == []
+    assert resumed(run(db, NOW + 10, patience=10.0)) == []
     gpus_report(db, ws, NOW + 11, 40 * GIB)
-    assert resumed(run(db, NOW + 11)) == ["big", "small"]
+    assert resumed(run(db, NOW + 11, patience=10.0)) == ["big", "small"]
 
 
 def test_a_person_cancels_a_wait_and_a_plain_resume_takes_the_job_out(db: Database) -> None:

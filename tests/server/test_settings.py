@@ -18,6 +18,7 @@ from flexium.server.settings import Settings, load_settings
         ({"stale_after_s": 2.0, "device_write_interval_s": 3.0}, "fresh GPUs look silent"),
         ({"heartbeat_interval_s": 0.0}, "--heartbeat-interval must be a positive"),
         ({"remove_after_s": 10.0}, "--remove-after"),
+        ({"backfill_patience_s": -1.0}, "--backfill-patience must be 0 or more seconds"),
     ],
 )
 def test_bad_timings_refused(values: dict[str, Any], message: str) -> None:
@@ -39,8 +40,9 @@ def test_command_line_says_what_is_wrong(capsys: pytest.CaptureFixture[str], tmp
 def test_bounds_and_quotas_come_from_options_then_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FLEXIUM_MAX_PROCESSES", "7")
     monkeypatch.setenv("FLEXIUM_REQUEST_TIMEOUT", "2.5")
+    monkeypatch.setenv("FLEXIUM_BACKFILL_PATIENCE", "0")
     s = load_settings(database_url="sqlite:///x.db", max_processes=None, max_tokens=3)
-    assert (s.max_processes, s.request_timeout_s, s.max_tokens) == (7, 2.5, 3)
+    assert (s.max_processes, s.request_timeout_s, s.max_tokens, s.backfill_patience_s) == (7, 2.5, 3, 0.0)
     assert load_settings(database_url="sqlite:///x.db", max_processes=9).max_processes == 9
     monkeypatch.setenv("FLEXIUM_MAX_TOKENS", "many")
     with pytest.raises(ValueError, match=r"FLEXIUM_MAX_TOKENS='many' is not a valid int"):

@@ -9,6 +9,7 @@ from flexium import protocol, wire
 from flexium.server import storage
 from flexium.server.db import Database
 from flexium.server.policies.resume_when_free import Queued, QueueOutcome, queue_resume, run_queue
+from flexium.server.settings import BACKFILL_PATIENCE_S
 from flexium.server.storage.workspaces import AuthInfo
 from support.server import GIB, gpu
 from support.storage import NOW, STALE, add_process
@@ -33,7 +34,9 @@ def gpus_report(db: Database, ws: int, now: float, *used: int, host: str = HOST)
     db.run(storage.upsert_devices, write=True, workspace_id=ws, host=host, devices=reports, now=now)
 
 
-def queue(db: Database, ws: int, process_id: str, now: float = NOW, **request: Any) -> wire.WaitCreated:
+def queue(
+    db: Database, ws: int, process_id: str, now: float = NOW, *, patience: float = BACKFILL_PATIENCE_S, **request: Any
+) -> wire.WaitCreated:
     queued: Queued = db.run(
         queue_resume,
         write=True,
@@ -43,12 +46,15 @@ def queue(db: Database, ws: int, process_id: str, now: float = NOW, **request: A
         now=now,
         stale_after=STALE,
         reservation_ttl=protocol.RESERVATION_TTL_S,
+        backfill_patience=patience,
     )
     return queued.answer
 
 
-def run(db: Database, now: float) -> QueueOutcome:
-    outcome: QueueOutcome = db.run(run_queue, write=True, now=now, stale_after=STALE)
+def run(db: Database, now: float, *, patience: float = BACKFILL_PATIENCE_S) -> QueueOutcome:
+    """The queue's pass over every host at ``now``, with the server's default backfill patience unless
+    told."""
+    outcome: QueueOutcome = db.run(run_queue, write=True, now=now, stale_after=STALE, backfill_patience=patience)
     return outcome
 
 

@@ -11,7 +11,7 @@ from typing import Any
 from flexium import protocol
 from flexium.cli.exit_status import EXIT_USAGE
 from flexium.cli.server_extra import server_module
-from flexium.server.settings import SWEEP_INTERVAL_S, Settings, load_settings
+from flexium.server.settings import BACKFILL_PATIENCE_S, SWEEP_INTERVAL_S, Settings, load_settings
 
 DESCRIPTION = "Run the flexium server: API, dashboard and live events in one process."
 
@@ -59,6 +59,15 @@ def add_command(commands: Any) -> None:
         default=None,
         dest="device_write_interval_s",
         help="store a host's GPU report at most this often (5); --stale-after must be longer",
+    )
+    timing.add_argument(
+        "--backfill-patience",
+        type=float,
+        default=None,
+        dest="backfill_patience_s",
+        metavar="SECONDS",
+        help="a queued job that fits goes ahead of an earlier one of its priority that fits nowhere until that "
+        f"one has waited this long; 0: never (default {BACKFILL_PATIENCE_S:g}; also $FLEXIUM_BACKFILL_PATIENCE)",
     )
     tls = parser.add_argument_group("HTTPS (both or neither; also $FLEXIUM_CERTFILE, $FLEXIUM_KEYFILE)")
     tls.add_argument("--certfile", default=None, metavar="PEM", help="the server's certificate (chain)")
@@ -184,6 +193,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         command_ttl_s=args.command_ttl_s,
         sweep_interval_s=args.sweep_interval_s,
         device_write_interval_s=args.device_write_interval_s,
+        backfill_patience_s=args.backfill_patience_s,
         certfile=args.certfile,
         keyfile=args.keyfile,
         request_timeout_s=args.request_timeout_s,

@@ -31,6 +31,7 @@ async def create_placement(ctx: ServerContext, *, auth: AuthInfo, body: wire.Pla
         stale_after=ctx.settings.stale_after_s,
         reservation_ttl=ctx.settings.reservation_ttl_s,
         answering_since=answering_since(ctx),
+        backfill_patience=ctx.settings.backfill_patience_s,
     )
     queue.announce_commands(ctx, auth.workspace_id, outcome.pauses)
     ctx.publish(auth.workspace_id, protocol.EVENT_PLACEMENT, {"action": "created", "placement": outcome.placement})
@@ -58,6 +59,7 @@ async def ask_again(
         stale_after=ctx.settings.stale_after_s,
         reservation_ttl=ctx.settings.reservation_ttl_s,
         answering_since=answering_since(ctx),
+        backfill_patience=ctx.settings.backfill_patience_s,
     )
     queue.placements_told(ctx, auth.workspace_id, outcome.changed)
     if body.devices:

@@ -61,6 +61,7 @@ async def create_wait(ctx: ServerContext, *, auth: AuthInfo, body: wire.WaitRequ
         now=time.time(),
         stale_after=ctx.settings.stale_after_s,
         reservation_ttl=ctx.settings.reservation_ttl_s,
+        backfill_patience=ctx.settings.backfill_patience_s,
     )
     answer = queued.answer
     if queued.watches:  # its job watches from now on (the view read again follows)
@@ -128,7 +129,8 @@ async def run(ctx: ServerContext, *, workspace_id: int | None = None, host: str 
     """One pass of the queue (over one host, or every host); never raises: a failed pass is
     retried at the next event or sweep."""
     started = time.perf_counter()
-    outcome = await run_policy_pass(ctx, run_queue, what="the queue's", workspace_id=workspace_id, host=host)
+    decide = functools.partial(run_queue, backfill_patience=ctx.settings.backfill_patience_s)
+    outcome = await run_policy_pass(ctx, decide, what="the queue's", workspace_id=workspace_id, host=host)
     if outcome is None:
         return
     ctx.metrics.queue_decision.observe(time.perf_counter() - started)
@@ -139,7 +141,10 @@ async def place(ctx: ServerContext, *, workspace_id: int | None = None, host: st
     """The placement pass over one host, or every host (the sweep's); never raises: a failed pass
     is retried at the next event or sweep."""
     decide = functools.partial(
-        run_placement_pass, reservation_ttl=ctx.settings.reservation_ttl_s, answering_since=answering_since(ctx)
+        run_placement_pass,
+        reservation_ttl=ctx.settings.reservation_ttl_s,
+        answering_since=answering_since(ctx),
+        backfill_patience=ctx.settings.backfill_patience_s,
     )
     changed = await run_policy_pass(ctx, decide, what="the placements'", workspace_id=workspace_id, host=host)
     for ws, placement in changed or ():

@@ -13,6 +13,7 @@ from flexium import protocol
 
 DEFAULT_HOST = "127.0.0.1"
 SWEEP_INTERVAL_S = 2.0  # stale marking, removal, expiry
+BACKFILL_PATIENCE_S = 60.0  # policies/waited_for.py
 # The least the header-block bounds take: below them a browser's ordinary request, its cookies
 # included, could be refused, and with it the dashboard.
 MIN_HEADER_BYTES = 8 << 10
@@ -43,6 +44,8 @@ class Settings:
     sweep_interval_s: float = SWEEP_INTERVAL_S
     device_write_interval_s: float = 5.0  # one host's GPU report is written at most this often
     reservation_ttl_s: float = protocol.RESERVATION_TTL_S  # room made for a job is held this long at most
+    # An earlier job of equal priority that fits nowhere lets later ones that fit go first this long.
+    backfill_patience_s: float = BACKFILL_PATIENCE_S
     beat_flush_interval_s: float = 0.5  # plain heartbeats are written in batches this often
     token_cache_s: float = 5.0  # a token revoked outside this server stops working within this
     max_body_bytes: int = protocol.MAX_BODY_BYTES
@@ -152,6 +155,11 @@ class Settings:
             path = getattr(self, name)
             if path is not None and not os.access(path, os.R_OK):
                 raise ValueError(f"--{name} {path}: {_unreadable(path)}")
+        if not 0 <= self.backfill_patience_s < float("inf"):
+            raise ValueError(
+                f"{_option('backfill_patience_s')} must be 0 or more seconds (0: no job passes an "
+                f"earlier one of its priority), not {self.backfill_patience_s}"
+            )
         if not 0 <= self.metrics_refresh_s < float("inf"):
             raise ValueError(f"{_option('metrics_refresh_s')} must be 0 or more seconds, not {self.metrics_refresh_s}")
         if self.remove_after_s < self.stale_after_s:
@@ -225,6 +233,7 @@ _ENV_SETTINGS: dict[str, tuple[str, type]] = {
     "FLEXIUM_MAX_HOSTS": ("max_hosts", int),
     "FLEXIUM_CERTFILE": ("certfile", str),
     "FLEXIUM_KEYFILE": ("keyfile", str),
+    "FLEXIUM_BACKFILL_PATIENCE": ("backfill_patience_s", float),
 }
 
 

@@ -63,6 +63,7 @@ def place_job(
     stale_after: float,
     reservation_ttl: float,
     answering_since: float,
+    backfill_patience: float,
 ) -> PlacementOutcome:
     """``flexium run``'s request: its host's GPUs stored as it read them, the placement written (room
     made for it when asked), and the placement pass over its host, which places it at once when it
@@ -82,6 +83,7 @@ def place_job(
         stale_after=stale_after,
         reservation_ttl=reservation_ttl,
         answering_since=answering_since,
+        backfill_patience=backfill_patience,
     )
     shown = placement_view(session=session, row=row, now=now)
     return PlacementOutcome(shown, tuple(pauses), _with(changed, shown))
@@ -98,6 +100,7 @@ def report_placement(
     stale_after: float,
     reservation_ttl: float,
     answering_since: float,
+    backfill_patience: float,
 ) -> PlacementOutcome:
     """``flexium run`` asks again, with its host's GPUs as it reads them now: stored, then the
     placement pass over the host. Asking after a silence longer than would end it (the server, or
@@ -118,6 +121,7 @@ def report_placement(
         stale_after=stale_after,
         reservation_ttl=reservation_ttl,
         answering_since=answering_since,
+        backfill_patience=backfill_patience,
     )
     shown = placement_view(session=session, row=row, now=now)
     return PlacementOutcome(shown, (), _with(changed, shown) if (row.state, row.note) != before else tuple(changed))
@@ -188,6 +192,7 @@ def run_placements(
     stale_after: float,
     reservation_ttl: float,
     answering_since: float,
+    backfill_patience: float,
 ) -> list[wire.PlacementInfo]:
     """Places every live placement of the host that fits now, in the queue's order; those whose
     flexium run stopped asking end. ``answering_since``: since when the server has answered without
@@ -198,7 +203,7 @@ def run_placements(
     if not rows:
         return []
     room = HostRoom.read(session=session, workspace_id=workspace_id, host=host, now=now)
-    waited_for = _waits_ahead(session=session, workspace_id=workspace_id, host=host)
+    waited_for = _waits_ahead(session=session, workspace_id=workspace_id, host=host, patience=backfill_patience)
     changed: list[Placement] = []
     for row in rows:
         silent_since = max(row.asked_at, answering_since)
@@ -228,6 +233,7 @@ def run_placement_pass(
     stale_after: float,
     reservation_ttl: float,
     answering_since: float,
+    backfill_patience: float,
     workspace_id: int | None = None,
     host: str | None = None,
 ) -> list[tuple[int, wire.PlacementInfo]]:
@@ -247,16 +253,17 @@ def run_placement_pass(
                 stale_after=stale_after,
                 reservation_ttl=reservation_ttl,
                 answering_since=answering_since,
+                backfill_patience=backfill_patience,
             )
             changed += [(ws, placement) for placement in placements]
     return changed
 
 
-def _waits_ahead(*, session: Session, workspace_id: int, host: str) -> WaitedFor:
+def _waits_ahead(*, session: Session, workspace_id: int, host: str, patience: float) -> WaitedFor:
     """The GPUs the host's waiting paused jobs wait for: a placement after one in the queue's order
     takes such a GPU only as ``waited_for`` allows."""
     devices = host_devices(session=session, workspace_id=workspace_id, host=host)
-    waited_for = WaitedFor()
+    waited_for = WaitedFor(patience=patience)
     query = (
         select(Wait, Process)
         .join(Process, Process.pk == Wait.process_pk)

@@ -2,7 +2,7 @@
 resumed by an ordinary resume command once a GPU report shows the room it needs, a higher
 priority first and first come first served within one. A later wait goes ahead of one that fits
 nowhere yet only as ``waited_for`` allows (one of the same priority that fits now, until the
-earlier has waited ``BACKFILL_PATIENCE_S``), or on a GPU where room is held for that later one
+earlier has waited the server's backfill patience), or on a GPU where room is held for that later one
 (``make_room``). A GPU's room counts only in a report newer than the job's last refusal of a
 resume the queue sent, so a refused resume is not sent again on the report it was refused on.
 
@@ -83,6 +83,7 @@ def queue_resume(
     now: float,
     stale_after: float,
     reservation_ttl: float,
+    backfill_patience: float,
 ) -> Queued:
     """``flexium resume JOB --when-free`` (or ``--make-room``): the job's wait, then the queue's
     pass over its host, which resumes it at once when it fits now."""
@@ -101,7 +102,14 @@ def queue_resume(
             session=session, workspace_id=workspace_id, actor=actor, request=request, now=now, stale_after=stale_after
         )
         pauses = []
-    outcome = run_queue(session=session, now=now, stale_after=stale_after, workspace_id=workspace_id, host=row.host)
+    outcome = run_queue(
+        session=session,
+        now=now,
+        stale_after=stale_after,
+        backfill_patience=backfill_patience,
+        workspace_id=workspace_id,
+        host=row.host,
+    )
     resumed = [command for done in outcome.dispatched if done.wait.id == row.id for command in done.commands]
     holder = session.get(Process, row.process_pk)
     wait = wait_view(session=session, row=row, holder=holder, now=now)
@@ -116,7 +124,13 @@ def queue_resume(
 
 
 def run_queue(
-    *, session: Session, now: float, stale_after: float, workspace_id: int | None = None, host: str | None = None
+    *,
+    session: Session,
+    now: float,
+    stale_after: float,
+    backfill_patience: float,
+    workspace_id: int | None = None,
+    host: str | None = None,
 ) -> QueueOutcome:
     """Sends a resume for every waiting job that fits now, in queue order, host by host (all hosts
     of all workspaces by default: the sweep's pass)."""
@@ -137,7 +151,7 @@ def run_queue(
     cancelled: list[tuple[int, wire.WaitInfo]] = []
     for (ws, on_host), group in itertools.groupby(rows, key=lambda row: (row[0].workspace_id, row[0].host)):
         room = HostRoom.read(session=session, workspace_id=ws, host=on_host, now=now)
-        waited_for = WaitedFor()
+        waited_for = WaitedFor(patience=backfill_patience)
         for wait, holder in group:
             outcome = _consider(
                 session=session,
