@@ -5,22 +5,21 @@ into docs/ under the reliability heading)."""
 
 from __future__ import annotations
 
-import resource
 import signal
 import socket
 import statistics
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import requests
 
+from support.connection_clients import TimedJob, closed_by_server, open_sockets
 from support.live_server import ServerProcess, clean_env, wait_until
-from support.server import LiveServer, process_body
+from support.server import LiveServer
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("enough_file_descriptors")]
 
 REQUEST_TIMEOUT_S = 8.0
 # A request answered at once, on a machine shared with other work (CI's has two cores): the failures
@@ -30,14 +29,6 @@ REQUEST_TIMEOUT_S = 8.0
 AT_ONCE_S = REQUEST_TIMEOUT_S / 2
 IDLE_CONNECTIONS = 1000
 HALF_HEADER_CONNECTIONS = 200
-
-
-@pytest.fixture(autouse=True)
-def _enough_file_descriptors() -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = min(hard, 8192) if hard != resource.RLIM_INFINITY else 8192
-    if soft != resource.RLIM_INFINITY and soft < wanted:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
 @pytest.fixture
@@ -54,10 +45,6 @@ def _rss_mib(pid: int) -> float:
     raise AssertionError("no VmRSS")
 
 
-def _open_connections(pid: int) -> int:
-    return sum(1 for fd in Path(f"/proc/{pid}/fd").iterdir() if "socket" in str(fd.readlink()))
-
-
 def _flood(port: int, idle: int, half: int) -> list[socket.socket]:
     held = []
     for i in range(idle + half):
@@ -68,62 +55,12 @@ def _flood(port: int, idle: int, half: int) -> list[socket.socket]:
     return held
 
 
-def _closed_by_server(sock: socket.socket) -> bool:
-    sock.settimeout(0)
-    try:
-        data = sock.recv(4096)
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
-    if data.startswith(b"HTTP/1.1 408"):
-        sock.settimeout(1)
-        try:
-            return sock.recv(4096) == b""
-        except OSError:
-            return True
-    return data == b""
-
-
-class _Job:
-    def __init__(self, base: str, token: str, process_id: str) -> None:
-        self.base = f"{base}/api/w/default"
-        self.process_id = process_id
-        self.session = requests.Session()
-        self.session.headers["Authorization"] = f"Bearer {token}"
-
-    def timed(self, method: str, path: str, **kw: Any) -> tuple[float, requests.Response]:
-        start = time.perf_counter()
-        r = self.session.request(method, self.base + path, timeout=30, **kw)
-        return time.perf_counter() - start, r
-
-    def register(self) -> float:
-        seconds, r = self.timed("POST", "/processes", json=process_body(self.process_id))
-        assert r.status_code in (200, 201), r.text
-        return seconds
-
-    def beats(self, n: int) -> list[float]:
-        out = []
-        for i in range(n):
-            seconds, r = self.timed(
-                "POST", f"/processes/{self.process_id}/heartbeat", json={"state": "RUNNING", "seq": i + 1}
-            )
-            assert r.status_code == 200, r.text
-            out.append(seconds)
-        return out
-
-    def poll(self, wait: float) -> float:
-        seconds, r = self.timed("GET", f"/processes/{self.process_id}/commands/next", params={"wait": wait})
-        assert r.status_code == 204, r.text
-        return seconds
-
-
 def test_jobs_are_served_through_a_flood_of_idle_and_half_header_connections(
     server: LiveServer, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert server.proc is not None and server.token
     pid = server.proc.pid
-    job = _Job(server.url, server.token, "flood-job")
+    job = TimedJob(server.url, server.token, "flood-job")
     job.register()
     before = job.beats(20)
     rss_before = _rss_mib(pid)
@@ -132,11 +69,11 @@ def test_jobs_are_served_through_a_flood_of_idle_and_half_header_connections(
     flood = _flood(server.port, IDLE_CONNECTIONS, HALF_HEADER_CONNECTIONS)
     try:
         held = wait_until(
-            lambda: (n := _open_connections(pid)) >= IDLE_CONNECTIONS + HALF_HEADER_CONNECTIONS and n,
+            lambda: (n := open_sockets(pid)) >= IDLE_CONNECTIONS + HALF_HEADER_CONNECTIONS and n,
             REQUEST_TIMEOUT_S / 2,
             "the server to accept the flood",
         )
-        register_s = _Job(server.url, server.token, "late-job").register()
+        register_s = TimedJob(server.url, server.token, "late-job").register()
         during = job.beats(20)
         poll_s = job.poll(1)
         rss_during = _rss_mib(pid)
@@ -150,7 +87,7 @@ def test_jobs_are_served_through_a_flood_of_idle_and_half_header_connections(
         deadline = opened + REQUEST_TIMEOUT_S + 30
         remaining = list(flood)
         while remaining and time.monotonic() < deadline:
-            remaining = [s for s in remaining if not _closed_by_server(s)]
+            remaining = [s for s in remaining if not closed_by_server(s)]
             time.sleep(0.5)
         closed_after = time.monotonic() - opened
         assert not remaining, f"{len(remaining)} flood connections still open {closed_after:.0f} s after opening"
@@ -190,20 +127,20 @@ def test_a_flood_past_the_open_file_limit_leaves_room_for_jobs(
     try:
         assert srv.proc is not None and srv.token
         assert any("open file limit 1024: up to 960 connections" in line for line in srv.lines), srv.lines
-        job = _Job(srv.url, srv.token, "crowded-job")
+        job = TimedJob(srv.url, srv.token, "crowded-job")
         job.register()
         flood = _flood(srv.port, IDLE_CONNECTIONS, HALF_HEADER_CONNECTIONS)
         try:
             wait_until(
                 # the job's own idle connections are among the oldest: some of the room is theirs
-                lambda: sum(1 for s in flood if _closed_by_server(s)) >= len(flood) - 960 - 4,
+                lambda: sum(1 for s in flood if closed_by_server(s)) >= len(flood) - 960 - 4,
                 30,
                 "the oldest flood connections to be closed",
             )
-            register_s = _Job(srv.url, srv.token, "late-job").register()
+            register_s = TimedJob(srv.url, srv.token, "late-job").register()
             beats = job.beats(20)
             poll_s = job.poll(1)
-            held = _open_connections(srv.proc.pid)
+            held = open_sockets(srv.proc.pid)
             assert held <= 1024
             assert register_s < AT_ONCE_S and max(beats) < AT_ONCE_S and 0.9 < poll_s < 1 + AT_ONCE_S
         finally:
@@ -222,7 +159,7 @@ def test_a_flood_past_the_open_file_limit_leaves_room_for_jobs(
 def test_long_polls_and_event_streams_outlive_the_request_timeout(server: LiveServer) -> None:
     """Their request arrives at once; only the answer takes long, which the bound does not cover."""
     assert server.token
-    job = _Job(server.url, server.token, "patient-job")
+    job = TimedJob(server.url, server.token, "patient-job")
     job.register()
     assert job.poll(REQUEST_TIMEOUT_S + 2) >= REQUEST_TIMEOUT_S + 1.5
     with requests.get(
@@ -248,11 +185,11 @@ def test_past_max_connections_the_oldest_idle_one_makes_room(tmp_path: Path) -> 
         assert srv.proc is not None and srv.token
         flood = _flood(srv.port, 150, 0)
         try:
-            job = _Job(srv.url, srv.token, "room-job")
+            job = TimedJob(srv.url, srv.token, "room-job")
             job.register()  # its connection evicts the oldest idle one, not itself
             assert max(job.beats(5)) < AT_ONCE_S
             time.sleep(1)
-            closed = sum(1 for s in flood if _closed_by_server(s))
+            closed = sum(1 for s in flood if closed_by_server(s))
             assert closed >= 50  # 150 opened against a limit of 100
             assert closed < 150
             assert any("closed the oldest connection outside a request" in line for line in srv.lines)
@@ -267,7 +204,7 @@ def test_requests_past_max_requests_are_answered_503_with_retry_after(tmp_path: 
     srv = LiveServer("", str(tmp_path / "home"), "--max-requests", "2").start()
     try:
         assert srv.token
-        waiting = [_Job(srv.url, srv.token, f"waiter-{i}") for i in range(2)]
+        waiting = [TimedJob(srv.url, srv.token, f"waiter-{i}") for i in range(2)]
         for job in waiting:
             job.register()
         import threading
@@ -307,7 +244,7 @@ def test_a_body_that_never_arrives_is_cut_at_the_bound(tmp_path: Path) -> None:
         sock.close()
         assert 1.5 < closed_after < 4 * 2  # no sooner than the 2 s bound; four times it on a slow machine
         assert not received.startswith(b"HTTP/1.1 2")
-        assert _Job(srv.url, srv.token, "fine-job").register() < AT_ONCE_S
+        assert TimedJob(srv.url, srv.token, "fine-job").register() < AT_ONCE_S
         listed = requests.get(
             f"{srv.url}/api/w/default/processes", headers={"Authorization": f"Bearer {srv.token}"}, timeout=10
         )

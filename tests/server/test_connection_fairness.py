@@ -6,7 +6,6 @@ connection bound leaves aside); honest clients use 127.0.0.1."""
 
 from __future__ import annotations
 
-import resource
 import signal
 import socket
 import statistics
@@ -17,22 +16,14 @@ from pathlib import Path
 import pytest
 import requests
 
+from support.connection_clients import TimedJob, answer_status, connect
 from support.live_server import ServerProcess, clean_env, wait_until
-from support.server import process_body
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("enough_file_descriptors")]
 
 SERVED_WITHIN_S = 1.0
 BODY_TIMEOUT_S = 5.0  # the defaults
 REQUEST_TIMEOUT_S = 10.0
-
-
-@pytest.fixture(autouse=True)
-def _enough_file_descriptors() -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = 4096 if hard == resource.RLIM_INFINITY else min(hard, 4096)
-    if soft != resource.RLIM_INFINITY and soft < wanted:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
 
 
 def _server(home: Path, *args: str, open_files: int) -> ServerProcess:
@@ -49,44 +40,6 @@ def crowded(tmp_path: Path) -> Iterator[ServerProcess]:
     srv.stop(signal.SIGKILL)
 
 
-def _connect(port: int, source: str) -> socket.socket:
-    sock = socket.create_connection(("127.0.0.1", port), timeout=10, source_address=(source, 0))
-    return sock
-
-
-def _status(sock: socket.socket) -> int | None:
-    """The status of the answer on ``sock``; None when the server closed it without one."""
-    sock.settimeout(10)
-    try:
-        head = sock.recv(4096)
-    except OSError:
-        return None
-    return int(head.split()[1]) if head.startswith(b"HTTP/1.1 ") else None
-
-
-class _Job:
-    def __init__(self, base: str, token: str, process_id: str) -> None:
-        self.base = f"{base}/api/w/default"
-        self.process_id = process_id
-        self.session = requests.Session()
-        self.session.headers["Authorization"] = f"Bearer {token}"
-
-    def timed(self, method: str, path: str, **kw: object) -> float:
-        started = time.perf_counter()
-        answer = self.session.request(method, self.base + path, timeout=30, **kw)  # type: ignore[arg-type]
-        assert answer.status_code in (200, 201, 204), answer.text
-        return time.perf_counter() - started
-
-    def register(self) -> float:
-        return self.timed("POST", "/processes", json=process_body(self.process_id))
-
-    def beat(self, seq: int) -> float:
-        return self.timed("POST", f"/processes/{self.process_id}/heartbeat", json={"state": "RUNNING", "seq": seq})
-
-    def poll(self, wait: float) -> float:
-        return self.timed("GET", f"/processes/{self.process_id}/commands/next", params={"wait": wait})
-
-
 def test_a_login_flood_without_a_token_takes_one_address_share(
     crowded: ServerProcess, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -95,20 +48,20 @@ def test_a_login_flood_without_a_token_takes_one_address_share(
     --max-connections-per-client (256), others are served at once, and each flood request is
     cut --body-timeout (5 s) after its headers, not --request-timeout (10 s) after it began."""
     assert crowded.token and crowded.proc is not None
-    job = _Job(crowded.url, crowded.token, "login-flood-job")
+    job = TimedJob(crowded.url, crowded.token, "login-flood-job")
     job.register()
     flood = []
     opened = time.monotonic()
     try:
         for _ in range(500):
-            sock = _connect(crowded.port, "127.0.0.2")
+            sock = connect(crowded.port, source="127.0.0.2")
             sock.sendall(
                 b"POST /login HTTP/1.1\r\nHost: flood\r\nContent-Type: application/x-www-form-urlencoded\r\n"
                 b"Content-Length: 100\r\n\r\n"
             )
             flood.append(sock)
         took = [job.beat(i + 1) for i in range(5)]
-        late_job = _Job(crowded.url, crowded.token, "late-job")
+        late_job = TimedJob(crowded.url, crowded.token, "late-job")
         register_s = late_job.register()
         viewer_s = time.perf_counter()
         assert requests.get(f"{crowded.url}/healthz", timeout=10).status_code == 200
@@ -117,10 +70,10 @@ def test_a_login_flood_without_a_token_takes_one_address_share(
         # a registration writes and runs the queue's pass (1.1 s on the loaded 2-core machine with
         # no flood): what the flood would cost it is a wait until the flood is cut (5 s)
         assert register_s < BODY_TIMEOUT_S
-        assert _status(flood[0]) is None  # closed, with no answer made up for the missing body
+        assert answer_status(flood[0]) is None  # closed, with no answer made up for the missing body
         cut_after = time.monotonic() - opened
         assert cut_after < REQUEST_TIMEOUT_S - 1  # the body's bound, not the whole request's
-        assert all(_status(s) is None for s in flood), "a flood connection was left open past --body-timeout"
+        assert all(answer_status(s) is None for s in flood), "a flood connection was left open past --body-timeout"
     finally:
         for sock in flood:
             sock.close()
@@ -142,19 +95,19 @@ def test_a_viewer_token_holds_its_share_of_event_streams(crowded: ServerProcess)
     )
     assert issued.status_code == 201, issued.text
     viewer = issued.json()["token"]
-    job = _Job(crowded.url, crowded.token, "stream-flood-job")
+    job = TimedJob(crowded.url, crowded.token, "stream-flood-job")
     job.register()
     streams, statuses = [], []
     try:
         for i in range(500):
-            sock = _connect(crowded.port, f"127.0.0.{2 + i % 10}")
+            sock = connect(crowded.port, source=f"127.0.0.{2 + i % 10}")
             sock.sendall(
                 b"GET /api/w/default/events HTTP/1.1\r\nHost: flood\r\nAuthorization: Bearer "
                 + viewer.encode()
                 + b"\r\n\r\n"
             )
             streams.append(sock)
-        statuses = [_status(s) for s in streams]
+        statuses = [answer_status(s) for s in streams]
         took = [job.beat(i + 1) for i in range(5)] + [job.register()]
         assert statuses.count(200) == 32  # --max-streams-per-token
         assert statuses.count(429) == 500 - 32
@@ -179,11 +132,11 @@ def test_registered_jobs_keep_their_share_of_requests_in_progress(tmp_path: Path
     srv = _server(tmp_path / "home", "--max-requests", "20", open_files=1024)
     try:
         assert srv.token
-        job = _Job(srv.url, srv.token, "reserved-job")
+        job = TimedJob(srv.url, srv.token, "reserved-job")
         job.register()
         held, statuses = [], []
         for i in range(20):
-            sock = _connect(srv.port, f"127.0.0.{2 + i % 4}")
+            sock = connect(srv.port, source=f"127.0.0.{2 + i % 4}")
             sock.sendall(
                 b"GET /api/w/default/events HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
                 + srv.token.encode()
@@ -191,7 +144,7 @@ def test_registered_jobs_keep_their_share_of_requests_in_progress(tmp_path: Path
             )
             held.append(sock)
         try:
-            statuses = [_status(s) for s in held]
+            statuses = [answer_status(s) for s in held]
             assert statuses.count(200) == 20 - 5
             assert statuses.count(503) == 5
             assert job.beat(1) < SERVED_WITHIN_S
@@ -215,17 +168,17 @@ def test_behind_a_trusted_proxy_each_forwarded_address_has_its_share(tmp_path: P
     streams: list[socket.socket] = []
 
     def stream(forwarded_for: str) -> int | None:
-        sock = _connect(srv.port, "127.0.0.1")
+        sock = connect(srv.port, source="127.0.0.1")
         sock.sendall(
             b"GET /api/w/default/events HTTP/1.1\r\nHost: x\r\nX-Forwarded-For: " + forwarded_for.encode()
             + b"\r\nAuthorization: Bearer " + (srv.token or "").encode() + b"\r\n\r\n"
         )  # fmt: skip
         streams.append(sock)
-        return _status(sock)
+        return answer_status(sock)
 
     try:
         assert [stream("10.0.0.1") for _ in range(3)] == [200, 200, 200]
-        sock = _connect(srv.port, "127.0.0.1")
+        sock = connect(srv.port, source="127.0.0.1")
         streams.append(sock)
         sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Forwarded-For: 10.0.0.1\r\n\r\n")
         sock.settimeout(10)

@@ -4,47 +4,31 @@ whose limit is low (the oldest handshakes make room) nor outlives --request-time
 
 from __future__ import annotations
 
-import resource
 import signal
 import socket
 import statistics
-import subprocess
 import time
 from pathlib import Path
 
 import pytest
 import requests
 
+from support.connection_clients import closed_by_server, open_sockets, self_signed_certificate
 from support.live_server import ServerProcess, clean_env, wait_until
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("enough_file_descriptors")]
 
 OPEN_FILES = 256  # the server's descriptor limit: it holds up to 256 - 64 connections
 STALLED = 300
 SERVED_WITHIN_S = 1.0
 
 
-@pytest.fixture(autouse=True)
-def _enough_file_descriptors() -> None:
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    wanted = 4096 if hard == resource.RLIM_INFINITY else min(hard, 4096)
-    if soft != resource.RLIM_INFINITY and soft < wanted:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
-
-
 @pytest.fixture
 def certificate(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
     """A self-signed certificate for 127.0.0.1 and its key, which this test's requests trust."""
-    folder = tmp_path / "tls"
-    folder.mkdir()
-    subprocess.run(
-        ["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-         "-keyout", "key.pem", "-out", "cert.pem", "-days", "2", "-subj", "/CN=127.0.0.1",
-         "-addext", "subjectAltName=IP:127.0.0.1"],
-        cwd=folder, check=True, capture_output=True, timeout=60,
-    )  # fmt: skip
-    monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(folder / "cert.pem"))
-    return folder / "cert.pem", folder / "key.pem"
+    cert, key = self_signed_certificate(tmp_path / "tls")
+    monkeypatch.setenv("REQUESTS_CA_BUNDLE", str(cert))
+    return cert, key
 
 
 def _https_server(home: Path, certificate: tuple[Path, Path], *args: str, open_files: int | None) -> ServerProcess:
@@ -60,26 +44,6 @@ def _stall(port: int, count: int) -> list[socket.socket]:
     return [socket.create_connection(("127.0.0.1", port), timeout=10) for _ in range(count)]
 
 
-def _closed(sock: socket.socket) -> bool:
-    sock.settimeout(0)
-    try:
-        return sock.recv(1) == b""
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
-
-
-def _socket_count(pid: int) -> int:
-    count = 0
-    for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
-            count += "socket" in str(fd.readlink())
-        except FileNotFoundError:  # closed since the listing
-            continue
-    return count
-
-
 def test_stalled_handshakes_past_the_descriptor_limit_leave_room_for_an_honest_client(
     tmp_path: Path, certificate: tuple[Path, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -93,15 +57,15 @@ def test_stalled_handshakes_past_the_descriptor_limit_leave_room_for_an_honest_c
         stalled = _stall(srv.port, STALLED)
         try:
             pid = srv.proc.pid
-            wait_until(lambda: _socket_count(pid) >= bound, 30, "the server to accept the stalled connections")
+            wait_until(lambda: open_sockets(pid) >= bound, 30, "the server to accept the stalled connections")
             took = []
             for _ in range(5):
                 started = time.perf_counter()
                 answer = requests.get(f"{srv.url}/healthz", timeout=10)
                 took.append(time.perf_counter() - started)
                 assert answer.status_code == 200, answer.text
-            held = _socket_count(pid)
-            closed = sum(1 for s in stalled if _closed(s))
+            held = open_sockets(pid)
+            closed = sum(1 for s in stalled if closed_by_server(s))
             assert closed >= STALLED - bound
             assert held <= OPEN_FILES
             assert statistics.median(took) < SERVED_WITHIN_S, took
@@ -119,7 +83,7 @@ def test_stalled_handshakes_past_the_descriptor_limit_leave_room_for_an_honest_c
         )
 
 
-def test_a_handshake_not_finished_within_the_request_timeout_is_closed(
+def test_a_handshake_not_finished_within_the_request_timeout_isclosed_by_server(
     tmp_path: Path, certificate: tuple[Path, Path]
 ) -> None:
     """The event loop's own TLS would keep it 60 s."""
@@ -128,7 +92,7 @@ def test_a_handshake_not_finished_within_the_request_timeout_is_closed(
         stalled = _stall(srv.port, 20)
         opened = time.monotonic()
         try:
-            wait_until(lambda: all(_closed(s) for s in stalled), 20, "the stalled handshakes to be closed")
+            wait_until(lambda: all(closed_by_server(s) for s in stalled), 20, "the stalled handshakes to be closed")
             closed_after = time.monotonic() - opened
         finally:
             for sock in stalled:
