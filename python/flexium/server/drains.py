@@ -11,7 +11,7 @@ import logging
 import time
 
 from flexium import protocol, wire
-from flexium.server import queue
+from flexium.server import announce, queue
 from flexium.server.context import ServerContext
 from flexium.server.policies.drain import DrainOutcome, run_drains, start_drain
 from flexium.server.policy_pass import run_policy_pass
@@ -74,7 +74,7 @@ async def run(ctx: ServerContext, *, workspace_id: int | None = None, host: str 
 
 async def _told(ctx: ServerContext, outcome: DrainOutcome) -> None:
     for workspace_id, command in outcome.commands:
-        queue.announce_commands(ctx, workspace_id, [command])
+        announce.commands_created(ctx, workspace_id, [command])
     for workspace_id, drain in outcome.drains:
         ctx.publish(workspace_id, protocol.EVENT_DRAIN, {"action": "updated", "drain": drain})
     if outcome.commands:

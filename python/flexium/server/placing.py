@@ -5,14 +5,14 @@ reported are stored and told as a job's are, and the resume-when-free queue's pa
 follows (a placement takes no GPU that a paused job waiting before it waits for, but as
 ``policies/waited_for.py`` allows). The placement pass over a host runs after each of its GPU
 reports too, and over every host at every sweep (``queue.place``). Every placement a request or a
-pass changed is a ``placement`` event for the dashboards (``queue.placements_told``)."""
+pass changed is a ``placement`` event for the dashboards (``announce.placements_changed``)."""
 
 from __future__ import annotations
 
 import time
 
 from flexium import protocol, wire
-from flexium.server import queue, storage
+from flexium.server import announce, queue, storage
 from flexium.server.context import ServerContext
 from flexium.server.policies.placement import PlacementOutcome, place_job, report_placement
 from flexium.server.policy_pass import answering_since
@@ -33,14 +33,14 @@ async def create_placement(ctx: ServerContext, *, auth: AuthInfo, body: wire.Pla
         answering_since=answering_since(ctx),
         backfill_patience=ctx.settings.backfill_patience_s,
     )
-    queue.announce_commands(ctx, auth.workspace_id, outcome.pauses)
+    announce.commands_created(ctx, auth.workspace_id, outcome.pauses)
     ctx.publish(auth.workspace_id, protocol.EVENT_PLACEMENT, {"action": "created", "placement": outcome.placement})
-    queue.placements_told(ctx, auth.workspace_id, [p for p in outcome.changed if p.id != outcome.placement.id])
+    announce.placements_changed(ctx, auth.workspace_id, [p for p in outcome.changed if p.id != outcome.placement.id])
     if outcome.placement.state in protocol.LIVE_PLACEMENT_STATES:  # its host's reports place it from now on
         ctx.jobs_wait({}, (auth.workspace_id, body.host))
     if outcome.pauses:
         await queue.refresh(ctx)
-    await _devices_stored(ctx, auth.workspace_id, body.host, now)
+    await queue.devices_stored(ctx, auth.workspace_id, body.host, now)
     return wire.PlacementCreated(placement=outcome.placement, commands=list(outcome.pauses))
 
 
@@ -61,9 +61,9 @@ async def ask_again(
         answering_since=answering_since(ctx),
         backfill_patience=ctx.settings.backfill_patience_s,
     )
-    queue.placements_told(ctx, auth.workspace_id, outcome.changed)
+    announce.placements_changed(ctx, auth.workspace_id, outcome.changed)
     if body.devices:
-        await _devices_stored(ctx, auth.workspace_id, outcome.placement.host, now)
+        await queue.devices_stored(ctx, auth.workspace_id, outcome.placement.host, now)
     return outcome.placement
 
 
@@ -77,7 +77,7 @@ async def close_placement(ctx: ServerContext, *, auth: AuthInfo, placement_id: i
         placement_id=placement_id,
         now=time.time(),
     )
-    queue.placements_told(ctx, auth.workspace_id, [placement])
+    announce.placements_changed(ctx, auth.workspace_id, [placement])
     await queue.room_changed(ctx, auth.workspace_id, placement.host)  # the room it held, free
     return placement
 
@@ -94,10 +94,4 @@ async def take_placement(ctx: ServerContext, *, auth: AuthInfo, placement_id: in
         now=time.time(),
     )
     if taken is not None:
-        queue.placements_told(ctx, auth.workspace_id, [taken])
-
-
-async def _devices_stored(ctx: ServerContext, workspace_id: int, host: str, now: float) -> None:
-    ctx.devices_written(workspace_id, host, now)
-    ctx.publish(workspace_id, protocol.EVENT_DEVICES, {"host": host})
-    await queue.room_changed(ctx, workspace_id, host)
+        announce.placements_changed(ctx, auth.workspace_id, [taken])

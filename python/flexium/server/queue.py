@@ -15,11 +15,11 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Coroutine, Iterable
+from collections.abc import Coroutine
 from typing import Any
 
 from flexium import protocol, wire
-from flexium.server import storage
+from flexium.server import announce, storage
 from flexium.server.context import ServerContext
 from flexium.server.policies.placement import run_placement_pass
 from flexium.server.policies.resume_when_free import Queued, QueueOutcome, queue_resume, run_queue
@@ -29,15 +29,6 @@ from flexium.server.storage import AuthInfo
 log = logging.getLogger("flexium.server")
 
 QUEUE_VIEW_EVERY_S = 0.25
-
-
-def announce_commands(ctx: ServerContext, workspace_id: int, commands: Iterable[wire.CommandInfo]) -> None:
-    """Commands just created: their processes' long-polls woken, dashboards told."""
-    for command in commands:
-        ctx.command_pending(workspace_id, command.process_id, command.id)
-        ctx.notifier.notify((workspace_id, command.process_id))
-        ctx.metrics.commands_created.labels(kind=command.kind).inc()
-        ctx.publish(workspace_id, protocol.EVENT_COMMAND, {"action": "created", "command": command})
 
 
 def watch_news(workspace_id: int, process_id: str) -> tuple[str, int, str]:
@@ -68,7 +59,7 @@ async def create_wait(ctx: ServerContext, *, auth: AuthInfo, body: wire.WaitRequ
         ctx.jobs_wait(queued.watches, (auth.workspace_id, answer.wait.host))
         for workspace_id, process_id in queued.watches:  # told at once, not at its next heartbeat
             ctx.notifier.notify(watch_news(workspace_id, process_id))
-    announce_commands(ctx, auth.workspace_id, [c for c in answer.commands if c.kind == "pause"])
+    announce.commands_created(ctx, auth.workspace_id, [c for c in answer.commands if c.kind == "pause"])
     ctx.publish(auth.workspace_id, protocol.EVENT_WAIT, {"action": "created", "wait": answer.wait})
     _told(ctx, queued.outcome, queue_changed=True)
     return answer
@@ -110,6 +101,15 @@ async def room_changed(ctx: ServerContext, workspace_id: int, host: str | None) 
         await _host_pass(ctx, workspace_id, host)
 
 
+async def devices_stored(ctx: ServerContext, workspace_id: int, host: str, now: float) -> None:
+    """A GPU report of ``host`` stored with a job's registration or flexium run's placement (a
+    heartbeat's is told as it is stored, with the room it showed): its write counted on every
+    replica, dashboards told, and the passes over the host."""
+    ctx.devices_written(workspace_id, host, now)
+    ctx.publish(workspace_id, protocol.EVENT_DEVICES, {"host": host})
+    await room_changed(ctx, workspace_id, host)
+
+
 async def command_ended(ctx: ServerContext, workspace_id: int, command: wire.CommandInfo) -> None:
     """A command ended: the wait whose resume it was (done, or waiting again) is shown anew, and
     the room a pause freed goes to the queue."""
@@ -148,13 +148,7 @@ async def place(ctx: ServerContext, *, workspace_id: int | None = None, host: st
     )
     changed = await run_policy_pass(ctx, decide, what="the placements'", workspace_id=workspace_id, host=host)
     for ws, placement in changed or ():
-        placements_told(ctx, ws, [placement])
-
-
-def placements_told(ctx: ServerContext, workspace_id: int, placements: Iterable[wire.PlacementInfo]) -> None:
-    """Placements asked for, placed, taken or ended: dashboards told."""
-    for placement in placements:
-        ctx.publish(workspace_id, protocol.EVENT_PLACEMENT, {"action": "updated", "placement": placement})
+        announce.placements_changed(ctx, ws, [placement])
 
 
 def _host_pass(ctx: ServerContext, workspace_id: int, host: str) -> asyncio.Future[None]:
@@ -178,7 +172,7 @@ def _told(ctx: ServerContext, outcome: QueueOutcome, *, queue_changed: bool = Fa
     """What a pass did, told: the resumes it sent announced, the waits it changed shown, the view
     read again soon when the queue changed (``queue_changed``: before the pass)."""
     for done in outcome.dispatched:
-        announce_commands(ctx, done.workspace_id, done.commands)
+        announce.commands_created(ctx, done.workspace_id, done.commands)
         ctx.metrics.queue_resumes.inc()
         ctx.publish(done.workspace_id, protocol.EVENT_WAIT, {"action": "updated", "wait": done.wait})
     for workspace_id, wait in outcome.cancelled:

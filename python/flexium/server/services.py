@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from flexium import protocol, wire
-from flexium.server import drains, placing, queue, storage
+from flexium.server import announce, drains, placing, queue, storage
 from flexium.server.context import ReportedProgress, ServerContext, progress_event
 from flexium.server.db import DatabaseUnavailable
 from flexium.server.errors import ApiError
@@ -52,9 +52,7 @@ async def register_process(
         workspace_id, protocol.EVENT_PROCESS, {"action": "registered" if created else "updated", "process": process}
     )
     if body.devices:
-        ctx.devices_written(workspace_id, process.host, now)
-        ctx.publish(workspace_id, protocol.EVENT_DEVICES, {"host": process.host})
-        await queue.room_changed(ctx, workspace_id, process.host)
+        await queue.devices_stored(ctx, workspace_id, process.host, now)
     return wire.RegisterResponse(
         process=process,
         heartbeat_interval_s=settings.heartbeat_interval_s,
@@ -76,10 +74,7 @@ async def unregister_process(ctx: ServerContext, *, auth: AuthInfo, process_id: 
         actor=auth,
     )
     for command in ended:  # what a person waiting for it learns
-        ctx.command_settled(workspace_id, process_id, command.id)
-        ctx.publish(workspace_id, protocol.EVENT_COMMAND, {"action": "updated", "command": command})
-        _command_changed(ctx, workspace_id, command)
-        ctx.metrics.commands_finished.labels(kind=command.kind, outcome=command.state).inc()
+        announce.command_changed(ctx, workspace_id, command)
     host = ctx.process_hosts.get((workspace_id, process_id))
     ctx.forget_process(workspace_id, process_id)
     ctx.publish(workspace_id, protocol.EVENT_PROCESS, {"action": "removed", "process": {"process_id": process_id}})
@@ -220,17 +215,10 @@ async def create_command(ctx: ServerContext, *, auth: AuthInfo, body: wire.Comma
             log.exception("writing the audit entry of a refused command failed")
         ctx.publish(workspace_id, protocol.EVENT_COMMAND_REFUSED, {"request": body, "reason": exc.message})
         raise
-    queue.announce_commands(ctx, workspace_id, commands)
+    announce.commands_created(ctx, workspace_id, commands)
     if body.kind != "migrate" and ctx.watches:  # a person's pause or resume takes its job out of the queue
         await queue.refresh(ctx)
     return commands[0]
-
-
-def _command_changed(ctx: ServerContext, workspace_id: int, command: wire.CommandInfo) -> None:
-    """Wakes whoever waits on the command, and on its job operation."""
-    ctx.notifier.notify(("cmd", workspace_id, command.id))
-    if command.job is not None:
-        ctx.notifier.notify(("op", workspace_id, command.job.operation_id))
 
 
 async def report_command(
@@ -249,17 +237,14 @@ async def report_command(
     )
     if not changed:
         return command
-    ctx.command_settled(workspace_id, command.process_id, command_id)
     ctx.process_seen(workspace_id, command.process_id, None)
-    ctx.publish(workspace_id, protocol.EVENT_COMMAND, {"action": "updated", "command": command})
+    announce.command_changed(ctx, workspace_id, command)
     if process is not None:
         ctx.publish(workspace_id, protocol.EVENT_PROCESS, {"action": "updated", "process": process})
-    _command_changed(ctx, workspace_id, command)
     if command.state in protocol.FINAL_COMMAND_STATES:
         await queue.command_ended(ctx, workspace_id, command)
         await drains.command_ended(ctx, workspace_id, command)
         ctx.devices_due(workspace_id, command.process_id)
-        ctx.metrics.commands_finished.labels(kind=command.kind, outcome=command.state).inc()
         seconds = command.result.seconds if command.result is not None else None
         if seconds is None or seconds < 0:
             finished = command.finished_at or time.time()
@@ -306,15 +291,8 @@ async def sweep_forever(ctx: ServerContext) -> None:
                 )
             except Exception:
                 log.exception("writing the audit entries of ended commands failed")
-        for ws, cmd in result.expired:
-            ctx.command_settled(ws, cmd.process_id, cmd.id)
-            ctx.metrics.commands_finished.labels(kind=cmd.kind, outcome="expired").inc()
-            ctx.publish(ws, protocol.EVENT_COMMAND, {"action": "updated", "command": cmd})
-            _command_changed(ctx, ws, cmd)
-        for ws, cmd in result.failed:
-            ctx.metrics.commands_finished.labels(kind=cmd.kind, outcome="failed").inc()
-            ctx.publish(ws, protocol.EVENT_COMMAND, {"action": "updated", "command": cmd})
-            _command_changed(ctx, ws, cmd)
+        for ws, cmd in [*result.expired, *result.failed]:
+            announce.command_changed(ctx, ws, cmd)
         for ws, process_id in result.removed:
             ctx.forget_process(ws, process_id)
             ctx.publish(ws, protocol.EVENT_PROCESS, {"action": "removed", "process": {"process_id": process_id}})
