@@ -17,7 +17,7 @@ import asyncio
 import dataclasses
 import time
 from collections.abc import Awaitable, Callable
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import Depends, Path, Request
 
@@ -29,16 +29,35 @@ from flexium.server.storage import AuthInfo
 
 _SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 _MAX_TOKEN_LEN = 256
+_TOKEN_HEADER = protocol.TOKEN_HEADER.lower().encode()  # as ASGI servers give header names
 
 
 def bearer_token(request: Request) -> str | None:
     header = request.headers.get(protocol.TOKEN_HEADER)
     if header is None:
         return None
-    scheme, _, value = header.strip().partition(" ")
-    if scheme.lower() != "bearer" or not value.strip():
+    token = _bearer_value(header)
+    if token is None:
         raise Unauthorized("malformed Authorization header: expected 'Bearer <token>'", error="invalid_request")
-    return value.strip()
+    return token
+
+
+def scope_bearer_token(scope: Any) -> str | None:
+    """The bearer token of a raw ASGI request, for the layers in front of FastAPI that answer from
+    the token cache; None where it has none, or none a token could be (too long): they then leave
+    the request to FastAPI, whose ``bearer_token`` answers it in full."""
+    for name, value in scope.get("headers", ()):
+        if name == _TOKEN_HEADER:
+            token = _bearer_value(value.decode("latin-1"))
+            return token if token is not None and len(token) <= _MAX_TOKEN_LEN else None
+    return None
+
+
+def _bearer_value(header: str) -> str | None:
+    """The token of an ``Authorization`` value ``Bearer <token>``; None when it is not one."""
+    scheme, _, value = header.strip().partition(" ")
+    token = value.strip()
+    return token if scheme.lower() == "bearer" and token else None
 
 
 def _lookup(ctx: ServerContext, token: str, token_hash: str) -> asyncio.Future[AuthInfo | None]:

@@ -27,7 +27,7 @@ from fastapi import Depends, Request
 from fastapi.responses import JSONResponse
 
 from flexium import protocol
-from flexium.server.auth import Reader, cached_token
+from flexium.server.auth import Reader, cached_token, scope_bearer_token
 from flexium.server.context import ServerContext
 from flexium.server.errors import TooManyRequests
 from flexium.server.settings import option_and_env
@@ -126,7 +126,7 @@ class FairShare:
         match = _JOB_REQUEST.match(scope.get("path", ""))
         if match is None:
             return False
-        token = _bearer(scope)
+        token = scope_bearer_token(scope)
         if token is None:
             return False
         auth = cached_token(self.ctx, token, time.time())
@@ -163,15 +163,6 @@ class _Hold:
             if self.share.streams[self.stream_of] <= 0:
                 del self.share.streams[self.stream_of]
             self.stream_of = None
-
-
-def _bearer(scope: Any) -> str | None:
-    for name, value in scope.get("headers", ()):
-        if name == b"authorization":
-            scheme, _, rest = value.decode("latin-1").strip().partition(" ")
-            token = rest.strip()
-            return token if scheme.lower() == "bearer" and 0 < len(token) <= 256 else None
-    return None
 
 
 async def _stream_reader(request: Request, auth: Reader) -> AuthInfo:

@@ -21,7 +21,7 @@ from pydantic import ValidationError
 
 from flexium import protocol, wire
 from flexium.server import services
-from flexium.server.auth import cached_token, may_beat_from_memory
+from flexium.server.auth import cached_token, may_beat_from_memory, scope_bearer_token
 from flexium.server.context import ServerContext
 
 _HEARTBEAT = re.compile(r"^/api/w/([^/]+)/processes/([^/]+)/heartbeat$")
@@ -73,14 +73,8 @@ class HeartbeatShortcut:
 
     def _answer(self, scope: Any, workspace: str, process_id: str, body_bytes: bytes) -> bytes | None:
         ctx = self.ctx
-        token = None
-        for name, value in scope.get("headers", ()):
-            if name == b"authorization":
-                scheme, _, rest = value.decode("latin-1").strip().partition(" ")
-                if scheme.lower() == "bearer":
-                    token = rest.strip()
-                break
-        if not token or len(token) > 256 or not protocol.PROCESS_ID_RE.fullmatch(process_id):
+        token = scope_bearer_token(scope)
+        if token is None or not protocol.PROCESS_ID_RE.fullmatch(process_id):
             return None
         now = time.time()
         auth = cached_token(ctx, token, now)
