@@ -27,11 +27,21 @@ def command_changed(ctx: ServerContext, workspace_id: int, command: wire.Command
     woken, and counted once it ended."""
     ctx.command_settled(workspace_id, command.process_id, command.id)
     ctx.publish(workspace_id, protocol.EVENT_COMMAND, {"action": "updated", "command": command})
-    ctx.notifier.notify(("cmd", workspace_id, command.id))
+    ctx.notifier.notify(command_news(workspace_id, command.id))
     if command.job is not None:
-        ctx.notifier.notify(("op", workspace_id, command.job.operation_id))
+        ctx.notifier.notify(operation_news(workspace_id, command.job.operation_id))
     if command.state in protocol.FINAL_COMMAND_STATES:
         ctx.metrics.commands_finished.labels(kind=command.kind, outcome=command.state).inc()
+
+
+def command_news(workspace_id: int, command_id: int) -> tuple[str, int, int]:
+    """The notifier key that wakes a wait for the command (``long_poll.wait_command``)."""
+    return ("cmd", workspace_id, command_id)
+
+
+def operation_news(workspace_id: int, operation_id: int) -> tuple[str, int, int]:
+    """The notifier key that wakes a wait for the job operation (``long_poll.wait_operation``)."""
+    return ("op", workspace_id, operation_id)
 
 
 def placements_changed(ctx: ServerContext, workspace_id: int, placements: Iterable[wire.PlacementInfo]) -> None:

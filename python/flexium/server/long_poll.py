@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable, Hashable, MutableMapping
 from typing import Any
 
 from flexium import protocol, wire
-from flexium.server import live, queue, storage
+from flexium.server import announce, live, queue, storage
 from flexium.server.context import ServerContext
 from flexium.server.errors import Unauthorized
 from flexium.server.storage import AuthInfo
@@ -135,7 +135,7 @@ async def wait_command(ctx: ServerContext, *, auth: AuthInfo, command_id: int, w
     command: wire.CommandInfo = await _wait_until(
         ctx,
         auth,
-        ("cmd", auth.workspace_id, command_id),
+        announce.command_news(auth.workspace_id, command_id),
         wait,
         lambda: ctx.db.call(storage.get_command, write=False, workspace_id=auth.workspace_id, command_id=command_id),
         lambda command: command.state in protocol.FINAL_COMMAND_STATES,
@@ -150,7 +150,7 @@ async def wait_operation(
     operation: wire.JobOperationInfo = await _wait_until(
         ctx,
         auth,
-        ("op", auth.workspace_id, operation_id),
+        announce.operation_news(auth.workspace_id, operation_id),
         wait,
         lambda: ctx.db.call(
             storage.get_operation, write=False, workspace_id=auth.workspace_id, operation_id=operation_id
