@@ -10,11 +10,17 @@ from typing import Any
 
 import pytest
 
-from flexium.server.settings import BACKFILL_PATIENCE_S
-from support.server import GIB, Api, gpu, make_settings, serving
+from flexium.server.settings import BACKFILL_PATIENCE_S, Settings
+from support.server import GIB, Api, gpu, make_settings
 
 FULL = [gpu(0, used=139 * GIB), gpu(1, used=139 * GIB)]
 POLL_WAIT_S = 20.0
+
+
+@pytest.fixture
+def app_settings(database_url_at_head: str, request: pytest.FixtureRequest) -> Settings:
+    """The server's settings; a test parametrized over ``app_settings`` gives its backfill patience."""
+    return make_settings(database_url_at_head, backfill_patience_s=getattr(request, "param", BACKFILL_PATIENCE_S))
 
 
 def register_paused(api: Api, process_id: str = "p", **fields: Any) -> None:
@@ -155,26 +161,24 @@ def _wait_states(api: Api) -> dict[str, str]:
 
 
 @pytest.mark.parametrize(
-    "patience,after_a_second",
+    "app_settings,after_a_second",
     [
         (1.0, {"big": "waiting", "small": "waiting"}),  # the room freed collects for the big job
         (BACKFILL_PATIENCE_S, {"big": "waiting", "small": "dispatched"}),  # the small job still goes first
     ],
+    indirect=["app_settings"],
 )
 def test_a_short_backfill_patience_collects_room_for_an_earlier_job_sooner(
-    database_url_at_head: str, patience: float, after_a_second: dict[str, str]
+    api: Api, after_a_second: dict[str, str]
 ) -> None:
     """--backfill-patience: a small job that fits goes ahead of an earlier big one of its priority
     that fits nowhere, until the big one has waited that long. Set to 1 s, the room freed a second
     after both were queued is kept for the big one; at the default (60 s) the small one takes it."""
-    with serving(make_settings(database_url_at_head, backfill_patience_s=patience)) as api:
-        for process_id, footprint in (("big", 60 * GIB), ("small", 10 * GIB)):
-            api.register(
-                process_id, state="PAUSED", memory=0, footprint_bytes=footprint, devices=[gpu(0, used=139 * GIB)]
-            )
-            assert api.post("/waits", {"process_id": process_id}).status_code == 201
-        time.sleep(1.2)  # past the short patience, well within the default
-        _room_seen(api, "small", used=100 * GIB)  # 40 GiB free: room for the small job, not for the big
-        assert _wait_states(api) == after_a_second
-        _room_seen(api, "big", used=40 * GIB)  # 100 GiB free: room for the big job
-        assert _wait_states(api)["big"] == "dispatched"
+    for process_id, footprint in (("big", 60 * GIB), ("small", 10 * GIB)):
+        api.register(process_id, state="PAUSED", memory=0, footprint_bytes=footprint, devices=[gpu(0, used=139 * GIB)])
+        assert api.post("/waits", {"process_id": process_id}).status_code == 201
+    time.sleep(1.2)  # past the short patience, well within the default
+    _room_seen(api, "small", used=100 * GIB)  # 40 GiB free: room for the small job, not for the big
+    assert _wait_states(api) == after_a_second
+    _room_seen(api, "big", used=40 * GIB)  # 100 GiB free: room for the big job
+    assert _wait_states(api)["big"] == "dispatched"

@@ -7,15 +7,12 @@ from __future__ import annotations
 import json
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import requests
 from fastapi.testclient import TestClient
 
 from flexium.server import storage
-from flexium.server.app import bootstrap, create_app
 from flexium.server.db import Database
 from flexium.server.settings import Settings, normalize_database_url
 from support.live_server import ServerProcess
@@ -105,20 +102,6 @@ class Api:
             fields = dict(line.split(": ", 1) for line in frame.strip().split("\n"))
             events.append((fields["event"], json.loads(fields["data"])))
         return events
-
-
-@contextmanager
-def serving(settings: Settings) -> Iterator[Api]:
-    """A server on ``settings`` with its first admin's token, as the ``api`` fixture starts one, for a
-    test whose server needs a setting of its own."""
-    app = create_app(settings)
-    token = bootstrap(app.state.ctx.db)
-    assert token
-    with TestClient(app) as client:
-        bound = Api(client, token)
-        bound.ctx = app.state.ctx
-        bound.db = app.state.ctx.db
-        yield bound
 
 
 GIB = 1 << 30
