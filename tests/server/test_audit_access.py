@@ -38,7 +38,7 @@ def _refusals_written(api: Api) -> None:
 def test_a_viewer_logging_in_again_and_again_fills_neither_the_log_nor_the_sessions(api: Api) -> None:
     issued = _entries(api, "token.issued")
     viewer = _mint(api, "viewer", "alice")
-    logins = storage.SESSIONS_PER_TOKEN + 30
+    logins = storage.Retention().sessions_per_token + 30
     for _ in range(logins):
         assert _login(api, viewer["token"]).status_code == 303
         api.client.cookies.clear()
@@ -47,7 +47,7 @@ def test_a_viewer_logging_in_again_and_again_fills_neither_the_log_nor_the_sessi
     assert _entries(api, "token.issued")[-len(issued) :] == issued  # the admin's entries are all there
     with api.db.session(write=False) as s:
         sessions = s.execute(text("SELECT count(*) FROM dashboard_sessions WHERE token_id = :t"), {"t": viewer["id"]})
-        assert sessions.scalar() == storage.SESSIONS_PER_TOKEN
+        assert sessions.scalar() == storage.Retention().sessions_per_token
 
 
 def test_refused_writes_are_recorded_once_per_sender(api: Api) -> None:

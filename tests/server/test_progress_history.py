@@ -110,14 +110,14 @@ def test_gpu_history_keeps_one_sample_a_minute_for_a_day(db: Database) -> None:
     assert [(s.at, s.memory_used, s.utilization) for s in samples] == [(NOW, 1 * GIB, 10), (NOW + 61, 3 * GIB, 90)]
     assert samples[0].memory_total == 140 * GIB
     # the sweep keeps a day
-    later = NOW + storage.HISTORY_KEEP_S + 30
+    later = NOW + storage.Retention().history_keep_s + 30
     db.run(
         storage.sweep,
         write=True,
         now=later,
         alive_since=NOW,
         stale_after=STALE,
-        remove_after=10 * storage.HISTORY_KEEP_S,
+        remove_after=10 * storage.Retention().history_keep_s,
         command_ttl=60.0,
         stale_since=later,
     )

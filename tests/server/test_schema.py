@@ -156,8 +156,6 @@ def test_0017_keeps_the_entries_written_before_it_by_their_class(db: Database) -
     a login 90 days, a change a year; each counts once; a downgrade keeps them."""
     from alembic import command
 
-    from flexium.server.storage import audit
-
     ws, _ = make_workspace(db)
     migrate_to(db, command.downgrade, "0016")
     assert not {"repeats", "last_at", "kept_until"} & columns(db, "audit_log")
@@ -175,9 +173,9 @@ def test_0017_keeps_the_entries_written_before_it_by_their_class(db: Database) -
         kept = dict(s.execute(text("SELECT action, kept_until - at FROM audit_log WHERE target = 'x'")).all())
         repeats = {r for (r,) in s.execute(text("SELECT repeats FROM audit_log"))}
     assert kept == {
-        "login": audit.ACCESS_KEEP_S,
-        "request.refused": audit.ACCESS_KEEP_S,
-        "token.issued": audit.CHANGE_KEEP_S,
+        "login": storage.Retention().access_keep_s,
+        "request.refused": storage.Retention().access_keep_s,
+        "token.issued": storage.Retention().change_keep_s,
     }
     assert repeats == {1}
     migrate_to(db, command.downgrade, "0016")

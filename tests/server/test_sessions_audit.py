@@ -313,16 +313,16 @@ def test_logins_and_logouts_are_audited(api: Api) -> None:
 
 
 def test_the_audit_log_keeps_entries_by_age_and_class(db: Database) -> None:
-    """A login or refusal goes after ACCESS_KEEP_S, a change after CHANGE_KEEP_S, however many
+    """A login or refusal goes after its access keep, a change after its change keep (storage.Retention), however many
     entries there are; another workspace's are its own."""
     record, _token = db.run(storage.create_workspace, write=True, name="team", now=NOW)
     other, _token = db.run(storage.create_workspace, write=True, name="other", now=NOW)
     day = 86400.0
     old = {
-        "an old login": ("login", NOW - audit.ACCESS_KEEP_S - day),
-        "a login within its keep": ("login", NOW - audit.ACCESS_KEEP_S + day),
-        "an old change": ("token.issued", NOW - audit.CHANGE_KEEP_S - day),
-        "a change older than any login kept": ("token.issued", NOW - audit.ACCESS_KEEP_S - day),
+        "an old login": ("login", NOW - storage.Retention().access_keep_s - day),
+        "a login within its keep": ("login", NOW - storage.Retention().access_keep_s + day),
+        "an old change": ("token.issued", NOW - storage.Retention().change_keep_s - day),
+        "a change older than any login kept": ("token.issued", NOW - storage.Retention().access_keep_s - day),
     }
     for target, (action, at) in old.items():
         db.run(

@@ -51,11 +51,11 @@ def test_samples_are_pruned_after_a_day_and_go_with_their_process(db: Database) 
     add_process(db, ws)
     _beat(db, ws, NOW + 1, steps=1, loss=3.0)
     sweep_at(db, NOW + 2)
-    later = NOW + storage.PROGRESS_KEEP_S / 2
+    later = NOW + storage.Retention().progress_keep_s / 2
     _beat(db, ws, later, steps=2, loss=2.0)
     sweep_at(db, later + 1, alive_since=later)
     assert len(_history(db, ws)) == 2
-    last = NOW + storage.PROGRESS_KEEP_S + 10
+    last = NOW + storage.Retention().progress_keep_s + 10
     _beat(db, ws, last - 1, steps=3, loss=1.0)
     sweep_at(db, last, alive_since=later)
     assert [p.loss for p in _history(db, ws)] == [2.0, 1.0]

@@ -160,6 +160,23 @@ def add_command(commands: Any) -> None:
         "--max-gpus-per-host", type=int, default=None, metavar="N", help="GPUs stored for one host (16)"
     )
     bounds.add_argument("--max-hosts", type=int, default=None, metavar="N", help="hosts with GPUs per workspace (256)")
+    kept = parser.add_argument_group("what the server keeps (also $FLEXIUM_<NAME>, e.g. FLEXIUM_HISTORY_KEEP_DAYS)")
+    for flag, dest, what in (
+        ("--audit-access-keep-days", "audit_access_keep_days", "audit entries of logins, logouts and refusals"),
+        ("--audit-change-keep-days", "audit_change_keep_days", "other audit entries: commands, tokens, the queue"),
+        ("--history-keep-days", "history_keep_days", "GPU history, the dashboard's charts"),
+        ("--progress-keep-days", "progress_keep_days", "training history, a job page's curves"),
+    ):
+        kept.add_argument(
+            flag, type=float, default=None, dest=dest, metavar="DAYS", help=f"{what} ({getattr(Settings, dest):g})"
+        )
+    kept.add_argument(
+        "--max-sessions-per-token",
+        type=int,
+        default=None,
+        metavar="N",
+        help=f"dashboard sessions one token holds; a login past it ends the oldest ({Settings.max_sessions_per_token})",
+    )
     metrics = parser.add_argument_group("metrics (GET /metrics takes a viewer or admin token)")
     metrics.add_argument(
         "--metrics-refresh",
@@ -212,6 +229,11 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         max_payload_bytes=args.max_payload_bytes,
         max_gpus_per_host=args.max_gpus_per_host,
         max_hosts=args.max_hosts,
+        audit_access_keep_days=args.audit_access_keep_days,
+        audit_change_keep_days=args.audit_change_keep_days,
+        history_keep_days=args.history_keep_days,
+        progress_keep_days=args.progress_keep_days,
+        max_sessions_per_token=args.max_sessions_per_token,
         metrics_refresh_s=args.metrics_refresh_s,
         public_metrics=args.public_metrics or None,
     )

@@ -35,7 +35,7 @@ from flexium.server.routes import api, system
 from flexium.server.routes.docs import install_docs
 from flexium.server.settings import Settings, load_settings
 from flexium.server.sole_server import ServedElsewhere
-from flexium.server.storage import quotas
+from flexium.server.storage import quotas, retention
 from flexium.server.tls_certificate import check_certificate
 from flexium.server.transport_security import StrictTransportSecurity
 
@@ -185,6 +185,7 @@ def create_app(settings: Settings | None = None, *, database: Database | None = 
         settings.database_url, threads=settings.threads, lock_timeout_s=settings.db_lock_timeout_s
     )
     db.session_info[quotas.SESSION_KEY] = quotas.Quotas.of(settings)
+    db.session_info[retention.SESSION_KEY] = retention.Retention.of(settings)
     if upgrade:
         db.upgrade(new_database=settings.new_database)
     ctx = ServerContext(settings=settings, db=db)

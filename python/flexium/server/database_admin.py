@@ -26,13 +26,14 @@ from flexium.server.db import Database
 from flexium.server.errors import InvalidRequest
 from flexium.server.replica_link import tell_replicas
 from flexium.server.settings import load_settings
-from flexium.server.storage import quotas
+from flexium.server.storage import quotas, retention
 
 
 def open_database(database_url: str | None = None) -> Database:
     settings = load_settings(database_url=database_url)
     db = Database(settings.database_url, threads=2)
     db.session_info[quotas.SESSION_KEY] = quotas.Quotas.of(settings)  # FLEXIUM_MAX_TOKENS, as the server
+    db.session_info[retention.SESSION_KEY] = retention.Retention.of(settings)  # the audit entries' keep
     db.upgrade()
     return db
 

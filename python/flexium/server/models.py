@@ -194,7 +194,7 @@ class Device(Base):
 
 class GpuSample(Base):
     """One GPU's memory and utilization at one time, at most one a minute per GPU, kept for
-    ``storage.HISTORY_KEEP_S`` (the sweep prunes older ones): the dashboard's history charts."""
+    ``storage.Retention.history_keep_s`` (the sweep prunes older ones): the dashboard's history charts."""
 
     __tablename__ = "gpu_samples"
     __table_args__ = (
@@ -213,7 +213,7 @@ class GpuSample(Base):
 
 class ProgressSample(Base):
     """One process's training progress at one time, at most one every
-    ``storage.PROGRESS_EVERY_S`` per process, kept ``storage.PROGRESS_KEEP_S`` and no longer
+    ``storage.PROGRESS_EVERY_S`` per process, kept ``storage.Retention.progress_keep_s`` and no longer
     than its process: the job page's curves. (A migration that copies processes on SQLite loses
     them, as it would lose commands: a chart's history, nothing more.)"""
 

@@ -78,6 +78,13 @@ class Settings:
     max_gpus_per_host: int = 16  # GPUs stored for one host (a GPU stays ~remove_after_s after it left)
     max_hosts: int = 256  # hosts with GPUs stored in one workspace
 
+    # What the server keeps, and how long (server/storage/retention.py).
+    audit_access_keep_days: float = 90.0  # logins, logouts, refused logins and requests
+    audit_change_keep_days: float = 365.0  # every other audit entry: commands, tokens, the queue
+    history_keep_days: float = 1.0  # GPU samples, the dashboard's history charts
+    progress_keep_days: float = 1.0  # training samples, a job page's curves
+    max_sessions_per_token: int = 20  # a person's browsers and devices; past it a login ends the oldest
+
     # /metrics (server/metrics_scrape.py): read at most this often, the totals without a token.
     metrics_refresh_s: float = 5.0
     public_metrics: bool = False
@@ -131,6 +138,7 @@ class Settings:
             "max_payload_bytes",
             "max_gpus_per_host",
             "max_hosts",
+            "max_sessions_per_token",
         ):
             if getattr(self, name) < 1:
                 raise ValueError(f"{_option(name)} must be at least 1, not {getattr(self, name)}")
@@ -143,6 +151,10 @@ class Settings:
                     f"{_option(name)} must be at least {least} {why}, not {getattr(self, name)}: "
                     "below it a browser's ordinary requests could be refused"
                 )
+        for name in ("audit_access_keep_days", "audit_change_keep_days", "history_keep_days", "progress_keep_days"):
+            value = getattr(self, name)
+            if not 0 < value < float("inf"):
+                raise ValueError(f"{_option(name)} must be a positive number of days, not {value}")
         if not 0 <= self.job_request_share < 1:
             raise ValueError(
                 f"{_option('job_request_share')} must be at least 0 and below 1 (a share of "
@@ -231,6 +243,11 @@ _ENV_SETTINGS: dict[str, tuple[str, type]] = {
     "FLEXIUM_MAX_PAYLOAD_BYTES": ("max_payload_bytes", int),
     "FLEXIUM_MAX_GPUS_PER_HOST": ("max_gpus_per_host", int),
     "FLEXIUM_MAX_HOSTS": ("max_hosts", int),
+    "FLEXIUM_AUDIT_ACCESS_KEEP_DAYS": ("audit_access_keep_days", float),
+    "FLEXIUM_AUDIT_CHANGE_KEEP_DAYS": ("audit_change_keep_days", float),
+    "FLEXIUM_HISTORY_KEEP_DAYS": ("history_keep_days", float),
+    "FLEXIUM_PROGRESS_KEEP_DAYS": ("progress_keep_days", float),
+    "FLEXIUM_MAX_SESSIONS_PER_TOKEN": ("max_sessions_per_token", int),
     "FLEXIUM_CERTFILE": ("certfile", str),
     "FLEXIUM_KEYFILE": ("keyfile", str),
     "FLEXIUM_BACKFILL_PATIENCE": ("backfill_patience_s", float),

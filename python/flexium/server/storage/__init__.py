@@ -10,8 +10,6 @@ admin commands read, as a ``WorkspaceRecord``), and they raise
 """
 
 from flexium.server.storage.audit import (
-    ACCESS_KEEP_S,
-    CHANGE_KEEP_S,
     Refusal,
     command_senders,
     list_audit,
@@ -37,7 +35,7 @@ from flexium.server.storage.commands import (
 from flexium.server.storage.devices import device_indexes, list_devices, upsert_devices
 from flexium.server.storage.drains import drained_gpus, get_drain, list_drains
 from flexium.server.storage.forget import unregister_process
-from flexium.server.storage.history import HISTORY_EVERY_S, HISTORY_KEEP_S, Sample, gpu_history, prune_history
+from flexium.server.storage.history import HISTORY_EVERY_S, Sample, gpu_history, prune_history
 from flexium.server.storage.jobs import get_operation, list_jobs, summarize_jobs
 from flexium.server.storage.placements import close_placement, get_placement, list_placements, take_placement
 from flexium.server.storage.priorities import set_priority
@@ -57,18 +55,17 @@ from flexium.server.storage.processes import (
 )
 from flexium.server.storage.progress_history import (
     PROGRESS_EVERY_S,
-    PROGRESS_KEEP_S,
     ProgressPoint,
     progress_history,
     prune_progress,
     sample_progress,
 )
+from flexium.server.storage.retention import Retention, retention_of
 from flexium.server.storage.series import WorkspaceSeries, workspace_series
 from flexium.server.storage.sessions import (
     LOGIN_CODE_TTL_S,
     SESSION_IDLE_S,
     SESSION_MAX_S,
-    SESSIONS_PER_TOKEN,
     end_session,
     issue_login_code,
     login_code_for,
@@ -115,24 +112,21 @@ __all__ = [
     "WorkspaceSeries",
     "workspace_series",
     "HISTORY_EVERY_S",
-    "HISTORY_KEEP_S",
     "Sample",
     "gpu_history",
     "prune_history",
     "PROGRESS_EVERY_S",
-    "PROGRESS_KEEP_S",
     "ProgressPoint",
     "progress_history",
     "prune_progress",
     "sample_progress",
-    "ACCESS_KEEP_S",
-    "CHANGE_KEEP_S",
+    "Retention",
+    "retention_of",
     "Refusal",
     "record_refusals",
     "LOGIN_CODE_TTL_S",
     "SESSION_IDLE_S",
     "SESSION_MAX_S",
-    "SESSIONS_PER_TOKEN",
     "AuthInfo",
     "command_senders",
     "create_commands_audited",

@@ -5,7 +5,8 @@ transaction rolled back).
 
 Kept by age and class, never by count (a count is one any reader could fill by logging in
 again and again, pushing out what admins did): an access entry (a login, a logout, a refused
-login or request) for ``ACCESS_KEEP_S``, every other one (a change) for ``CHANGE_KEEP_S``; older
+login or request) for ``Retention.access_keep_s``, every other one (a change) for its
+``change_keep_s`` (the server's settings, ``retention.py``); older
 ones go as new ones are written, a few at a time. Access entries are what a viewer, or anyone
 with a wrong token, can cause without end: one repeated within ``REPEAT_WITHIN_S`` (same
 workspace, action, token and target) counts its repeats in the entry before instead of taking a
@@ -20,18 +21,16 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
-from sqlalchemy import ColumnElement, delete, select, update
+from sqlalchemy import ColumnElement, and_, delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from flexium import protocol, wire
 from flexium.server.models import AuditRecord, Command, Workspace
+from flexium.server.storage.retention import retention_of
 
 if TYPE_CHECKING:  # workspaces imports this module
     from flexium.server.storage.workspaces import AuthInfo
 
-_DAY = 86400.0
-CHANGE_KEEP_S = 365 * _DAY  # commands, tokens, waits, priorities, processes forgotten
-ACCESS_KEEP_S = 90 * _DAY  # logins, logouts, refusals
 ACCESS_ACTIONS = ("login", "logout", "login.refused", "request.refused")  # as migration 0017 has them
 REPEAT_WITHIN_S = 3600.0
 _PRUNE_EVERY = 20  # entries written between two prunes
@@ -156,16 +155,37 @@ def record_audit(
         detail=detail[: protocol.MAX_LONG_TEXT],
         process_id=process_id,
         command_id=command_id,
-        kept_until=now + (ACCESS_KEEP_S if action in ACCESS_ACTIONS else CHANGE_KEEP_S),
+        kept_until=now + _keep_s(session, action),
         repeats=repeats,
         last_at=now if repeats > 1 else None,
     )
     session.add(row)
     session.flush()
     if row.id % _PRUNE_EVERY == 0:
-        session.execute(
-            delete(AuditRecord).where(AuditRecord.workspace_id == workspace_id, AuditRecord.kept_until < now)
+        _prune(session, workspace_id, now)
+
+
+def _prune(session: Session, workspace_id: int, now: float) -> None:
+    """An entry goes at its ``kept_until``, or sooner where the keep of its class is now shorter
+    than when it was written: a keep shortened applies to every entry at once, one lengthened to
+    entries written from then on."""
+    kept = retention_of(session)
+    access = AuditRecord.action.in_(ACCESS_ACTIONS)
+    session.execute(
+        delete(AuditRecord).where(
+            AuditRecord.workspace_id == workspace_id,
+            or_(
+                AuditRecord.kept_until < now,
+                and_(access, func.coalesce(AuditRecord.last_at, AuditRecord.at) < now - kept.access_keep_s),
+                and_(~access, AuditRecord.at < now - kept.change_keep_s),
+            ),
         )
+    )
+
+
+def _keep_s(session: Session, action: str) -> float:
+    kept = retention_of(session)
+    return kept.access_keep_s if action in ACCESS_ACTIONS else kept.change_keep_s
 
 
 def _repeated(
@@ -204,7 +224,7 @@ def _repeated(
             repeats=AuditRecord.repeats + repeats,
             last_at=now,
             detail=detail[: protocol.MAX_LONG_TEXT],
-            kept_until=now + ACCESS_KEEP_S,
+            kept_until=now + retention_of(session).access_keep_s,
         )
     )
     return True

@@ -1,6 +1,7 @@
-"""GPU history: each GPU's memory and utilization, one sample a minute at most, kept a day
-(the sweep prunes older ones), for the dashboard's charts. Samples are taken from the device
-reports the server writes anyway (``upsert_devices``), so history costs no extra traffic."""
+"""GPU history: each GPU's memory and utilization, one sample a minute at most, kept
+``Retention.history_keep_s`` (``--history-keep-days``; the sweep prunes older ones), for the
+dashboard's charts. Samples are taken from the device reports the server writes anyway
+(``upsert_devices``), so history costs no extra traffic."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ from sqlalchemy.orm import Session
 
 from flexium import wire
 from flexium.server.models import GpuSample
+from flexium.server.storage.retention import retention_of
 
 HISTORY_EVERY_S = 60.0
-HISTORY_KEEP_S = 24 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -79,5 +80,5 @@ def gpu_history(
     return history
 
 
-def prune_history(*, session: Session, now: float, keep_s: float = HISTORY_KEEP_S) -> None:
-    session.execute(delete(GpuSample).where(GpuSample.at < now - keep_s))
+def prune_history(*, session: Session, now: float) -> None:
+    session.execute(delete(GpuSample).where(GpuSample.at < now - retention_of(session).history_keep_s))

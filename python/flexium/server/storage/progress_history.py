@@ -1,5 +1,5 @@
 """Training history: each process's steps, steps/s and loss, one sample every
-``PROGRESS_EVERY_S`` at most, kept ``PROGRESS_KEEP_S``, for the job page's curves. Samples are
+``PROGRESS_EVERY_S`` at most, kept ``Retention.progress_keep_s``, for the job page's curves. Samples are
 copied by the sweep from the progress the heartbeats already store (``Process.steps`` ...), so
 history costs no extra traffic and no write on the heartbeat's path."""
 
@@ -11,9 +11,9 @@ from sqlalchemy import and_, delete, exists, insert, select
 from sqlalchemy.orm import Session, aliased
 
 from flexium.server.models import Process, ProgressSample
+from flexium.server.storage.retention import retention_of
 
 PROGRESS_EVERY_S = 10.0  # a first curve within a minute of the job's start
-PROGRESS_KEEP_S = 24 * 3600.0
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ def sample_progress(*, session: Session, now: float) -> None:
     kept = aliased(ProgressSample)
     recent = exists().where(and_(kept.process_pk == Process.pk, kept.at > Process.steps_at - PROGRESS_EVERY_S))
     reported = select(Process.pk, Process.steps_at, Process.steps, Process.steps_per_s, Process.loss).where(
-        Process.steps_at.is_not(None), Process.steps_at > now - PROGRESS_KEEP_S, ~recent
+        Process.steps_at.is_not(None), Process.steps_at > now - retention_of(session).progress_keep_s, ~recent
     )
     session.execute(insert(ProgressSample).from_select(["process_pk", "at", "steps", "steps_per_s", "loss"], reported))
 
@@ -49,5 +49,5 @@ def progress_history(*, session: Session, workspace_id: int, process_id: str, si
     ]
 
 
-def prune_progress(*, session: Session, now: float, keep_s: float = PROGRESS_KEEP_S) -> None:
-    session.execute(delete(ProgressSample).where(ProgressSample.at < now - keep_s))
+def prune_progress(*, session: Session, now: float) -> None:
+    session.execute(delete(ProgressSample).where(ProgressSample.at < now - retention_of(session).progress_keep_s))

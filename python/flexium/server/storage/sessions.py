@@ -4,8 +4,8 @@ A browser logs in by handing over a token (the login form) or a login code (a lo
 and gets a session: a random id in an HttpOnly cookie, stored here as its SHA-256 like a
 token. A session ends at logout, after ``SESSION_IDLE_S`` without a request, after
 ``SESSION_MAX_S`` whatever its use, when its token is revoked (the rows go with the
-token's revocation, ``revoke_token``), and when its token opens its ``SESSIONS_PER_TOKEN``-th
-newer one (a token logging in without end keeps that many rows, not one per login). It may do
+token's revocation, ``revoke_token``), and when its token opens its ``sessions_per_token``-th
+newer one (``retention.py``; a token logging in without end keeps that many rows, not one per login). It may do
 what its token may. Logins and logouts are audited as access entries: one repeated within the
 hour counts in the entry before (``storage.audit``).
 
@@ -23,13 +23,13 @@ from sqlalchemy.orm import Session
 from flexium.server.errors import NotFound
 from flexium.server.models import DashboardSession, LoginCode, Token, Workspace
 from flexium.server.storage.audit import record_audit
+from flexium.server.storage.retention import retention_of
 from flexium.server.storage.workspaces import AuthInfo, authenticate, hash_token
 
 SESSION_IDLE_S = 12 * 3600.0  # a working day's pause ends it
 SESSION_MAX_S = 7 * 86400.0  # log in again once a week, however often it is used
 LOGIN_CODE_TTL_S = 600.0
 _TOUCH_EVERY_S = 60.0  # last_used is written at most this often (a page polls fragments)
-SESSIONS_PER_TOKEN = 20  # a person's browsers and devices; past it the oldest session ends
 DASHBOARD = "the dashboard"  # what a login or logout entry is about
 
 
@@ -51,7 +51,8 @@ def open_session(*, session: Session, auth: AuthInfo, how: str, now: float) -> t
     session.add(row)
     session.flush()
     oldest = select(DashboardSession.id).where(DashboardSession.token_id == auth.token_id)
-    ended = list(session.scalars(oldest.order_by(DashboardSession.id.desc()).offset(SESSIONS_PER_TOKEN)))
+    newest_first = oldest.order_by(DashboardSession.id.desc())
+    ended = list(session.scalars(newest_first.offset(retention_of(session).sessions_per_token)))
     if ended:
         session.execute(delete(DashboardSession).where(DashboardSession.id.in_(ended)))
     record_audit(

@@ -22,11 +22,11 @@ class AuditPage:
 
 
 def audit_page(*, session: Session, workspace_id: int, now: float) -> AuditPage:
+    kept = storage.retention_of(session)
     return AuditPage(
         now=now,
         keep=(
-            f"changes are kept {storage.CHANGE_KEEP_S / 86400:.0f} days, logins and refusals "
-            f"{storage.ACCESS_KEEP_S / 86400:.0f}"
+            f"changes are kept {kept.change_keep_s / 86400:g} days, logins and refusals {kept.access_keep_s / 86400:g}"
         ),
         entries=tuple(storage.list_audit(session=session, workspace_id=workspace_id, limit=AUDIT_SHOWN)),
     )

@@ -27,10 +27,10 @@ class HistoryChart:
     span: str
 
 
-def history_chart(samples: Sequence[storage.Sample], now: float) -> HistoryChart:
-    """From the GPU's first kept sample to now (at most the retention: a GPU seen for an hour
-    fills the chart)."""
-    since = max(now - storage.HISTORY_KEEP_S, min((s.at for s in samples), default=now))
+def history_chart(samples: Sequence[storage.Sample], now: float, keep_s: float) -> HistoryChart:
+    """From the GPU's first kept sample to now (at most ``keep_s``, the retention: a GPU seen for
+    an hour fills the chart)."""
+    since = max(now - keep_s, min((s.at for s in samples), default=now))
     times = [s.at for s in samples]
     memory = [s.memory_used / s.memory_total if s.memory_total else None for s in samples]
     util = [None if s.utilization is None else s.utilization / 100 for s in samples]
@@ -65,11 +65,12 @@ def charts_of(
     *, session: Session, workspace_id: int, now: float, hosts: Sequence[str] | None = None
 ) -> dict[GpuKey, HistoryChart]:
     """The history chart of every GPU of the hosts named, else of every host."""
-    since = now - storage.HISTORY_KEEP_S
+    keep_s = storage.retention_of(session).history_keep_s
+    since = now - keep_s
     kept: dict[GpuKey, list[storage.Sample]] = {}
     for host in [None] if hosts is None else hosts:
         kept.update(storage.gpu_history(session=session, workspace_id=workspace_id, since=since, host=host))
-    return {key: history_chart(samples, now) for key, samples in kept.items()}
+    return {key: history_chart(samples, now, keep_s) for key, samples in kept.items()}
 
 
 @dataclass(frozen=True)

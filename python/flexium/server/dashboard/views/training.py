@@ -47,7 +47,7 @@ def training_charts(*, session: Session, workspace_id: int, process: wire.Proces
         session=session,
         workspace_id=workspace_id,
         process_id=process.process_id,
-        since=now - storage.PROGRESS_KEEP_S,
+        since=now - storage.retention_of(session).progress_keep_s,
     )
     if process.steps_at is not None and (not points or process.steps_at > points[-1].at):
         points.append(
