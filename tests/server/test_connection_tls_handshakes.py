@@ -103,3 +103,14 @@ def test_a_handshake_not_finished_within_the_request_timeout_isclosed_by_server(
         assert answer.headers["strict-transport-security"] == "max-age=31536000"  # the scheme is https
     finally:
         srv.stop(signal.SIGKILL)
+
+
+def test_what_the_server_prints_about_its_address_says_https(tmp_path: Path, certificate: tuple[Path, Path]) -> None:
+    """uvicorn's own start line said http:// under --certfile (the TLS is not uvicorn's)."""
+    srv = _https_server(tmp_path / "home", certificate, open_files=None)
+    try:
+        running = [line for line in srv.lines if "running on" in line]
+        assert running and all(f"running on https://127.0.0.1:{srv.port}" in line for line in running), srv.lines
+        assert not [line for line in srv.lines if "http://" in line], srv.lines
+    finally:
+        srv.stop(signal.SIGKILL)

@@ -386,6 +386,15 @@ def serve(settings: Settings) -> int:
                 ctx.loop.call_soon_threadsafe(ctx.begin_shutdown)
             super().handle_exit(sig, frame)
 
+        def _log_started_message(self, listeners: Sequence[Any]) -> None:
+            """uvicorn's start line, with the scheme served: uvicorn would say http under
+            --certfile, since the TLS is ours (connections.py), not its own."""
+            host = f"[{settings.host}]" if ":" in settings.host else settings.host
+            port = settings.port or listeners[0].getsockname()[1]
+            logging.getLogger("uvicorn.error").info(
+                "Uvicorn running on %s://%s:%d (Press CTRL+C to quit)", settings.scheme, host, port
+            )
+
     server = Server(config)
     tune_gc()
     try:
