@@ -7,6 +7,7 @@ leaves an honest client on another connection served."""
 from __future__ import annotations
 
 import json
+import re
 import signal
 import statistics
 import threading
@@ -114,6 +115,18 @@ def test_a_header_block_at_the_bounds_is_served_and_one_past_them_is_not(server:
     assert server.exchange(_head_of(MAX_BYTES + 1))[0] == 431
     assert server.exchange(_lines(MAX_LINES))[0] == 200
     assert server.exchange(_lines(MAX_LINES + 1))[0] == 431
+
+
+def test_requests_pipelined_in_one_write_are_each_answered_in_turn(server: Server) -> None:
+    """The parser is fed a connection's bytes in pieces; requests sent back to back, large header
+    blocks among them, each get their answer, and one past the bound its 431 after theirs."""
+    large = _head_of(MAX_BYTES // 2).replace(b"Connection: close\r\n", b"")
+    small = b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n"
+    with connect(server.process.port, certificate=server.certificate) as sock:
+        sock.sendall(large + small + large + _head(b"Cookie: " + b"c" * MAX_BYTES + b"\r\n"))
+        received, _ = read_to_end(sock)
+    statuses = [int(status) for status in re.findall(rb"HTTP/1\.1 (\d{3}) ", received)]
+    assert statuses == [200, 200, 200, 431], received[-400:]
 
 
 def test_a_flood_of_oversized_header_blocks_leaves_an_honest_client_served(

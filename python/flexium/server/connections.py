@@ -16,9 +16,10 @@ net/http and nginx do, a connection is counted and timed from the moment it is a
   nginx's ``large_client_header_buffers`` and Go's ``MaxHeaderBytes`` bound it (httptools has no
   bound: it gathers a header line whole, however long): past either it is answered 431 and the
   connection closed. Bytes are counted as they are read and the parser is fed at most what is
-  left of the bound, so a block is never gathered past it. Where a request pipelined behind
-  another began within one read is not known: it is charged that whole read, and a block that
-  ends within that read is taken (so at most one read, 256 KiB, is parsed for it).
+  left of the bound, so a block is never gathered past it. The parser is fed ``_PIECE`` bytes at
+  a time: where a request pipelined behind another began within a piece is not known, so it is
+  charged that whole piece, at most ``_PIECE`` bytes more than its block. A refused request
+  pipelined behind others is answered after them, in its turn.
 Each request is stamped with the time it began to arrive (``received_at``).
 
 HTTPS is done by ``TlsAccepted``, asyncio's TLS protocol (``asyncio.sslproto``, which the event
@@ -59,6 +60,7 @@ _RECEIVED_AT = "flexium_received_at"
 # what still comes is read and dropped until the client is quiet this long, or at most the second.
 _LINGER_QUIET_S = 0.5
 _LINGER_MAX_S = 2.0
+_PIECE = 8 << 10
 
 
 class _HeaderBlockTooLarge(Exception):
@@ -132,7 +134,8 @@ def bounded_protocol(
         _header_lines = 0
         _piece_bytes = 0  # what the parser is being fed now
         _message_ended_in_piece = False
-        _lingering: asyncio.TimerHandle | None = None  # refused: the client's bytes are dropped
+        _refusal_due: str | None = None  # refused, its answer after those owed before it
+        _lingering: asyncio.TimerHandle | None = None  # refused and answered: the client's bytes are dropped
         _refused_at = 0.0
 
         def connection_made(self, transport: Any) -> None:
@@ -150,14 +153,15 @@ def bounded_protocol(
             if self._lingering is not None:
                 self._linger()
                 return
+            if self._refusal_due is not None:
+                return
             self._unset_keepalive_if_required()
-            while data and not self.transport.is_closing():
+            unread = memoryview(data)  # pieces of it, not copies
+            while unread and not self.transport.is_closing():
+                size = min(_PIECE, max_header_bytes - self._header_bytes) if self._in_header_block else _PIECE
+                piece, unread = unread[:size], unread[size:]
                 if self._in_header_block:
-                    room = max_header_bytes - self._header_bytes
-                    piece, data = data[:room], data[room:]
                     self._header_bytes += len(piece)
-                else:
-                    piece, data = data, b""
                 self._piece_bytes, self._message_ended_in_piece = len(piece), False
                 try:
                     self.parser.feed_data(piece)
@@ -213,7 +217,12 @@ def bounded_protocol(
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if self.connection is not None and not self.transport.is_closing() and not self.pipeline:
+            if self.transport.is_closing() or self._answer_owed():
+                return
+            if self._refusal_due is not None:  # the answers owed before the refusal are sent
+                self._unset_keepalive_if_required()
+                self._answer_refusal(self._refusal_due)
+            elif self.connection is not None:
                 book.enter(self.connection, Phase.IDLE)  # kept alive, waiting for the next request
 
         def connection_lost(self, exc: Exception | None) -> None:
@@ -230,8 +239,21 @@ def bounded_protocol(
             self.send_400_response(message)
 
         def _refuse_header_block(self, why: str) -> None:
-            """431, then the connection closed once the client has stopped sending."""
+            """431, after the answers still owed to requests pipelined before it; then the
+            connection closed once the client has stopped sending."""
             self._stop_timer()
+            book.warn("refused a request from %s: %s", self.connection.address if self.connection else "?", why)
+            if self._answer_owed():
+                self._refusal_due = why
+                return
+            self._answer_refusal(why)
+
+        def _answer_owed(self) -> bool:
+            """Whether a request read before is still to be answered (pipelined requests are
+            answered in turn; ``cycle`` is the last one read)."""
+            return bool(self.pipeline) or (self.cycle is not None and not self.cycle.response_complete)
+
+        def _answer_refusal(self, why: str) -> None:
             refusal = HeaderFieldsTooLarge(why)
             body = json.dumps(refusal.body()).encode()
             self.transport.write(
@@ -240,7 +262,6 @@ def bounded_protocol(
             )
             if self.transport.can_write_eof():  # plain TCP: the client sees the end after the answer
                 self.transport.write_eof()
-            book.warn("refused a request from %s: %s", self.connection.address if self.connection else "?", why)
             self._refused_at = self.loop.time()
             self._linger()
 
