@@ -52,6 +52,11 @@ on_exit() {
   for pid in "${beside_pids[@]}"; do
     kill -- "-$pid" 2>/dev/null || true
   done
+  if [ -n "${suite_output:-}" ] && grep -qE '^(FAILED|ERROR) ' "$suite_output"; then
+    echo "== what failed (each suite's summary, above, gathered here)"
+    grep -E '^(FAILED|ERROR) ' "$suite_output"
+  fi
+  rm -f "${suite_output:-}"
   echo "== time per stage"
   for i in "${!stage_names[@]}"; do
     printf '%6d s  %s\n' "${stage_seconds[$i]}" "${stage_names[$i]}"
@@ -91,6 +96,7 @@ join_stages_beside() {
     wait "${beside_pids[$i]}" || status=$?
     echo "== ${beside_names[$i]} (ran beside the stages above)"
     cat "${beside_logs[$i]}"
+    cat "${beside_logs[$i]}" >>"$suite_output"
     stage_names+=("${beside_names[$i]} (beside)")
     ended="$(cat "${beside_logs[$i]}.end" 2>/dev/null || echo "$SECONDS")"
     stage_seconds+=($((ended - beside_starts[i])))
@@ -107,6 +113,13 @@ join_stages_beside() {
 workers="${FLEXIUM_TEST_WORKERS:-$(nproc)}"
 in_parallel=(-n "$workers" --dist loadfile)
 slowest=(--durations=10)
+
+# Every suite's output is also kept, so that the end of the run repeats what failed where one
+# reads first; tracebacks are short (the test's lines, not a library's source).
+suite_output="$(mktemp /tmp/flexium-suites.XXXXXX)"
+pytest_suite() {
+  PYTHONUNBUFFERED=1 python -m pytest -q --tb=short "$@" 2>&1 | tee -a "$suite_output"
+}
 
 # pytest rewrites the asserts of every test module and of its plugins' packages (schemathesis's
 # and hypothesis's hundreds of modules) in each process it starts, every pytest-xdist worker of
@@ -177,12 +190,12 @@ fi
 
 if [ "$quick" = 1 ]; then
   stage "unit tests (quick: -x)"
-  python -m pytest -q -x "${in_parallel[@]}" "${slowest[@]}" tests/unit "$@"
+  pytest_suite -x "${in_parallel[@]}" "${slowest[@]}" tests/unit "$@"
   exit 0
 fi
 
 stage "unit tests"
-python -m pytest -q "${in_parallel[@]}" "${slowest[@]}" tests/unit "$@"
+pytest_suite "${in_parallel[@]}" "${slowest[@]}" tests/unit "$@"
 
 # Framework tests (tests/frameworks): PyTorch Lightning's and Hugging Face's Trainers and fastai's
 # Learner train after flexium.init() while the job is migrated, paused and resumed (the fake
@@ -195,14 +208,14 @@ python -m pip install -q "lightning==2.6.6" "transformers==5.24.0" "accelerate==
 # need it (timm, torchvision) run on the GPU machine (tests/gpu/test_examples_on_gpu.py).
 python -m pip uninstall -y -q torchvision
 # Their few tests are each a training process of its own: one test at a time per worker.
-python -m pytest -q -n "$workers" --dist load "${slowest[@]}" tests/frameworks "$@"
+pytest_suite -n "$workers" --dist load "${slowest[@]}" tests/frameworks "$@"
 
 # -----------------------------------------------------------------------------------------------
 # Server tests (tests/server): the API and storage on SQLite and on a real PostgreSQL, which this
 # section installs from Debian's packages (when missing), starts as the postgres user on a free
 # port in a temporary folder, and stops at the end.
 stage "examples (a few steps each on the CPU; the framework tests installed what they import)"
-python -m pytest -q -n "$workers" --dist load "${slowest[@]}" tests/examples "$@"
+pytest_suite -n "$workers" --dist load "${slowest[@]}" tests/examples "$@"
 
 stage "server: PostgreSQL and the server extra"
 pg_bin="$(ls -d /usr/lib/postgresql/*/bin 2>/dev/null | sort -V | tail -n 1 || true)"
@@ -239,7 +252,7 @@ export FLEXIUM_TEST_POSTGRES_URL="postgresql://postgres@127.0.0.1:$pg_port/postg
 # extra) and hostile text read back through every list and page (docs/reliability.md); their
 # figures print with the results, and FLEXIUM_RELIABILITY_FIGURES=DIR writes them there as JSON.
 stage "server tests (SQLite and PostgreSQL $("$pg_bin/postgres" --version | awk '{print $3}'))"
-python -m pytest -q "${in_parallel[@]}" "${slowest[@]}" tests/server "$@"
+pytest_suite "${in_parallel[@]}" "${slowest[@]}" tests/server "$@"
 
 # -----------------------------------------------------------------------------------------------
 # End-to-end tests (tests/e2e): a real `flexium server` process on SQLite, real training
@@ -270,10 +283,10 @@ type_check() {
   python -m mypy bench --ignore-missing-imports --config-file bench/mypy.ini
 }
 beside "mypy" type_check
-beside "dashboard tests (headless Chromium)" python -m pytest -q "${in_parallel[@]}" "${slowest[@]}" tests/browser "$@"
+beside "dashboard tests (headless Chromium)" python -m pytest -q --tb=short "${in_parallel[@]}" "${slowest[@]}" tests/browser "$@"
 stage "end-to-end tests"
 e2e_status=0
-python -m pytest -q -n "$((2 * workers))" --dist loadfile "${slowest[@]}" tests/e2e "$@" || e2e_status=$?
+pytest_suite -n "$((2 * workers))" --dist loadfile "${slowest[@]}" tests/e2e "$@" || e2e_status=$?
 end_stage
 join_stages_beside || e2e_status=1
 exit "$e2e_status"

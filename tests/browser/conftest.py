@@ -72,7 +72,10 @@ def pytest_runtest_makereport(item: Any, call: Any) -> Iterator[None]:
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     srv = LiveServer(tmp_path_factory.mktemp("server"), *SERVER_ARGS).start()
     yield srv
-    srv.stop()
+    try:
+        srv.check_alive()
+    finally:
+        srv.stop()
 
 
 @pytest.fixture(scope="session")

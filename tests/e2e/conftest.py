@@ -25,4 +25,4 @@ def server(module_tmp: Path) -> Iterator[Server]:
     srv.create_workspace()
     srv.start()
     yield srv
-    srv.stop(signal.SIGKILL)
+    srv.stop_checked(signal.SIGKILL)

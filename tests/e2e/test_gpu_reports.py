@@ -25,7 +25,7 @@ def server(module_tmp: Path) -> Iterator[Server]:
     srv.create_workspace()
     srv.start()
     yield srv
-    srv.stop()
+    srv.stop_checked()
 
 
 def memory_by_gpu(server: Server) -> dict[str, int]:

@@ -317,3 +317,43 @@ def test_stale_then_event(server: LiveServer) -> None:
     assert r.status_code == 409 and r.json()["error"] == "stale"
     requests.post(base + "/processes/gpu-1/heartbeat", json={}, headers=headers, timeout=5)
     assert requests.get(base + "/processes/gpu-1", headers=headers, timeout=5).json()["state"] == "RUNNING"
+
+
+def test_the_harness_starts_its_server_on_another_port_when_the_one_it_chose_is_taken(tmp_path: Path) -> None:
+    """tests/support/live_server.py: a port found free can be taken by any process before the
+    server binds it. An answer from that process must not pass for the server's, and a port the
+    harness chose is chosen again, so a test never talks to a server that is not its own."""
+    import http.server
+
+    from support.live_server import ServerProcess, listens_on
+
+    class Healthy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ServerProcess(tmp_path / "home")
+    taken = server.port
+    squatter = http.server.HTTPServer(("127.0.0.1", taken), Healthy)
+    threading.Thread(target=squatter.serve_forever, daemon=True).start()
+    try:
+        assert requests.get(f"http://127.0.0.1:{taken}/healthz", timeout=5).status_code == 200
+        assert not listens_on(os.getpid() + 10**7, taken)  # no such process
+        server.start()
+        try:
+            assert server.port != taken and listens_on(server.proc.pid, server.port)  # type: ignore[union-attr]
+            assert requests.get(f"{server.url}/healthz", timeout=5).json()["status"] == "ok"
+            server.check_alive()
+            server.proc.kill()  # type: ignore[union-attr]  (as the OOM killer would)
+            server.proc.wait()  # type: ignore[union-attr]
+            with pytest.raises(AssertionError, match="exited .* by itself"):
+                server.check_alive()
+        finally:
+            server.stop()
+        server.check_alive()  # stopped by the test: nothing to say
+    finally:
+        squatter.shutdown()
+        squatter.server_close()

@@ -106,6 +106,13 @@ class Server:
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> None:
         self.child.stop(sig, timeout)
 
+    def stop_checked(self, sig: int = signal.SIGTERM) -> None:
+        """Stops the server, failing (with what it printed) where it had exited by itself."""
+        try:
+            self.child.check_alive()
+        finally:
+            self.stop(sig)
+
     def headers(self, token: str | None = None) -> dict[str, str]:
         return {"Authorization": f"Bearer {token or self.token}"}
 

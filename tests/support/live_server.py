@@ -28,6 +28,35 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def listens_on(pid: int, port: int) -> bool:
+    """Whether process `pid` holds a listening TCP socket on `port` (Linux's /proc)."""
+    inodes = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            rows = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            fields = row.split()
+            if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(f"socket:[{fields[9]}]")
+    try:
+        fds = list(Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(fd) in inodes:
+                return True
+        except OSError:
+            continue
+    return False
+
+
+class _PortTaken(Exception):
+    """The server could not bind the port chosen for it: another process took it meanwhile."""
+
+
 def flexium_command() -> list[str]:
     """The `flexium` command of this interpreter's environment."""
     script = Path(sys.executable).with_name("flexium")
@@ -79,6 +108,10 @@ class ProcessOutput:
     @property
     def text(self) -> str:
         return "\n".join(self.lines)
+
+    def wait_closed(self, timeout: float = 5.0) -> None:
+        """Until the child's output has been read to its end (after the child exited)."""
+        self._thread.join(timeout)
 
     def wait_for(self, pattern: str, timeout: float, start: int = 0) -> re.Match[str]:
         regex = re.compile(pattern)
@@ -134,6 +167,10 @@ class ServerProcess:
         self.args = list(args)
         self.database = database
         self.port = port or free_port()
+        # A port found free may be taken before the server binds it (by any process on the
+        # machine): a port of our choosing is chosen again until the server first starts.
+        self._port_is_ours_to_choose = port is None
+        self._stopped = False  # by stop(), since the last start
         self.env = env
         self.proc: subprocess.Popen[str] | None = None
         self.output: ProcessOutput | None = None
@@ -174,7 +211,26 @@ class ServerProcess:
 
     def start(self, timeout: float = 60.0, *, healthy: bool = True) -> ServerProcess:
         """Starts the server and waits until /healthz answers 200 (``healthy=False``: answers at
-        all, for a server whose database is meant to fail the check)."""
+        all, for a server whose database is meant to fail the check) from this very process: an
+        answer from another process that holds the port does not count."""
+        for _attempt in range(3):
+            try:
+                self._start_once(timeout, healthy)
+            except _PortTaken:
+                self.port = free_port()
+                continue
+            self._port_is_ours_to_choose = False
+            return self
+        raise AssertionError("three free ports were taken before the server could bind them:\n" + "\n".join(self.lines))
+
+    def check_alive(self) -> None:
+        """Fails, with what the server printed, where it exited without being stopped."""
+        if self.proc is not None and self.proc.poll() is not None and not self._stopped:
+            assert self.output is not None
+            self.output.wait_closed()
+            raise AssertionError(f"the server exited ({self.proc.returncode}) by itself:\n{self.output.text[-6000:]}")
+
+    def _start_once(self, timeout: float, healthy: bool) -> None:
         self.home.mkdir(parents=True, exist_ok=True)
         if self.env is not None:
             env = dict(self.env)
@@ -197,24 +253,28 @@ class ServerProcess:
             cmd += ["--database", self.database]
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
         self.output = ProcessOutput(self.proc)
+        self._stopped = False
+        proc, output = self.proc, self.output
 
         def answers() -> bool:
-            assert self.proc is not None and self.output is not None
-            if self.proc.poll() is not None:
-                raise AssertionError("server exited:\n" + self.output.text)
+            if proc.poll() is not None:
+                output.wait_closed()
+                if self._port_is_ours_to_choose and "address already in use" in output.text:
+                    raise _PortTaken()
+                raise AssertionError("server exited:\n" + output.text)
             try:
                 status = requests.get(self.url + "/healthz", timeout=1).status_code
             except requests.RequestException:
                 return False
-            return status == 200 or not healthy
+            return (status == 200 or not healthy) and listens_on(proc.pid, self.port)
 
         wait_until(answers, timeout, "the server to answer /healthz")
-        return self
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> float:
         """Sends `sig` and waits; returns the seconds until the process exited. A server that
         does not exit in time is killed and the test fails."""
         started = time.monotonic()
+        self._stopped = True
         if self.proc is not None and self.proc.poll() is None:
             self.proc.send_signal(sig)
             try:
