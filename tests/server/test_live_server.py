@@ -341,10 +341,11 @@ def test_the_harness_starts_its_server_on_another_port_when_the_one_it_chose_is_
     threading.Thread(target=squatter.serve_forever, daemon=True).start()
     try:
         assert requests.get(f"http://127.0.0.1:{taken}/healthz", timeout=5).status_code == 200
-        assert not listens_on(os.getpid() + 10**7, taken)  # no such process
+        assert listens_on(os.getpid(), taken)  # the squatter is this process
         server.start()
         try:
-            assert server.port != taken and listens_on(server.proc.pid, server.port)  # type: ignore[union-attr]
+            pid = server.proc.pid  # type: ignore[union-attr]
+            assert server.port != taken and listens_on(pid, server.port) and not listens_on(pid, taken)
             assert requests.get(f"{server.url}/healthz", timeout=5).json()["status"] == "ok"
             server.check_alive()
             server.proc.kill()  # type: ignore[union-attr]  (as the OOM killer would)
