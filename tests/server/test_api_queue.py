@@ -8,8 +8,11 @@ import threading
 import time
 from typing import Any
 
+import anyio.from_thread
 import pytest
 
+from flexium import wire
+from flexium.server import queue, storage
 from flexium.server.settings import BACKFILL_PATIENCE_S, Settings
 from support.server import GIB, Api, gpu, make_settings
 
@@ -96,6 +99,39 @@ def test_a_waiting_job_watches_its_gpus_and_is_resumed_when_it_sees_room(api: Ap
     [panel] = api.pages("/ui/jobs/p/panel")  # the job's timeline says who sent it, and why
     assert 'by the server on its own: <b class="event-policy">resume when free</b>' in panel
     assert "resume when free: GPU 1 had 130.0 GiB free" in panel
+
+
+def test_a_read_of_the_queues_view_keeps_what_changed_here_while_it_read(
+    api: Api, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A read of the queue's view may see the database from before a wait made or ended here while it
+    read (CI saw a job told to watch again after the queue had sent its resume, from a read begun just
+    before): what changed here meanwhile is made again over what it found."""
+    register_paused(api)
+    ended = api.post("/waits", {"process_id": "p"}).json()["wait"]
+    [(workspace_id, _)] = api.ctx.watches
+    made = wire.RoomWatch(wait_id=ended["id"] + 1, gpus=["GPU-0001"], need_bytes=GIB)
+    real_read = storage.queue_view
+    reads: list[storage.QueueView] = []
+
+    def changes_while_reading() -> None:
+        api.ctx.waits_ended_here({ended["id"]})
+        api.ctx.jobs_wait_here({(workspace_id, "q"): made}, (workspace_id, "host-q"))
+
+    def read_then_changed_here(**kwargs: Any) -> storage.QueueView:
+        view = real_read(**kwargs)
+        if not reads and api.db.inline:  # the first read found the database before what happens here now
+            changes_while_reading()
+        elif not reads:  # on a worker thread: the change is made on the server's loop, as a request's is
+            anyio.from_thread.run_sync(changes_while_reading)
+        reads.append(view)
+        return view
+
+    monkeypatch.setattr(storage, "queue_view", read_then_changed_here)
+    api.client.portal.call(queue.refresh, api.ctx)
+    assert reads and (workspace_id, "p") in reads[0].watches  # it read the wait as waiting
+    assert (workspace_id, "p") not in api.ctx.watches
+    assert api.ctx.watches[(workspace_id, "q")] == made and (workspace_id, "host-q") in api.ctx.queue_hosts
 
 
 def test_a_wait_created_ends_its_jobs_long_poll_so_it_asks_what_to_watch_at_once(api: Api) -> None:

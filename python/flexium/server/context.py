@@ -14,7 +14,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Annotated, Any
 
@@ -122,6 +122,9 @@ class ServerContext:
     queue_passes: dict[tuple[int, str], asyncio.Future[None]] = field(default_factory=dict)
     queue_view_read: asyncio.Future[None] | None = None
     queue_view_read_at: float = 0.0  # time.monotonic() of the last read's start
+    # Each read of the queue's view under way, with the changes made to it here since the read began:
+    # the read may have seen the database before them, so they are made again over what it found.
+    queue_view_reads: list[list[Callable[[], None]]] = field(default_factory=list)
     token_lookups: dict[str, asyncio.Future[AuthInfo | None]] = field(default_factory=dict)
     # Since when the policies' passes have reached the database without a gap (its start, or the
     # end of an outage; math.inf during one): flexium run's silence counts from then (policy_pass.py).
@@ -268,7 +271,11 @@ class ServerContext:
         self.process_hosts.pop((workspace_id, process_id), None)
         self.snapshots.pop((workspace_id, process_id), None)
         self.pending.pop((workspace_id, process_id), None)
-        self.watches.pop((workspace_id, process_id), None)
+
+        def change() -> None:
+            self.watches.pop((workspace_id, process_id), None)
+
+        self._queue_view_changed(change)
 
     def beat(self, workspace_id: int, process_id: str, report: wire.HeartbeatRequest, now: float) -> bool:
         """Take a heartbeat from memory when it changes nothing but the time (its devices, if
@@ -368,8 +375,11 @@ class ServerContext:
         self._tell(message if self.link.fits(message) else {"kind": "queue_changed"})
 
     def jobs_wait_here(self, watches: dict[tuple[int, str], wire.RoomWatch], host: tuple[int, str]) -> None:
-        self.watches.update(watches)
-        self.queue_hosts.add(host)
+        def change() -> None:
+            self.watches.update(watches)
+            self.queue_hosts.add(host)
+
+        self._queue_view_changed(change)
 
     def waits_ended(self, wait_ids: set[int]) -> None:
         """Their jobs watch no more (resumed or cancelled), on every replica."""
@@ -377,7 +387,16 @@ class ServerContext:
         self._tell({"kind": "waits_ended", "waits": sorted(wait_ids)})
 
     def waits_ended_here(self, wait_ids: set[int]) -> None:
-        self.watches = {key: watch for key, watch in self.watches.items() if watch.wait_id not in wait_ids}
+        def change() -> None:
+            self.watches = {key: watch for key, watch in self.watches.items() if watch.wait_id not in wait_ids}
+
+        self._queue_view_changed(change)
+
+    def _queue_view_changed(self, change: Callable[[], None]) -> None:
+        """``change`` made to the queue's view now, and again over what each read under way finds."""
+        change()
+        for changes in self.queue_view_reads:
+            changes.append(change)
 
     def drain_started(self, workspace_id: int, host: str) -> None:
         """A drain began on ``host``: every replica runs its pass when a command there ends."""

@@ -15,7 +15,7 @@ import asyncio
 import functools
 import logging
 import time
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from flexium import protocol, wire
@@ -205,13 +205,19 @@ async def _read_view(ctx: ServerContext, delay: float) -> None:
         await asyncio.sleep(delay)
     ctx.queue_view_read = None  # a change from here on asks for the next read
     ctx.queue_view_read_at = time.monotonic()
+    changes: list[Callable[[], None]] = []
+    ctx.queue_view_reads.append(changes)
     try:
         view: storage.QueueView = await ctx.db.call(storage.queue_view, write=False)
     except Exception:  # the sweep reads it again
         log.debug("reading the queue's view failed", exc_info=True)
         return
+    finally:
+        ctx.queue_view_reads[:] = [other for other in ctx.queue_view_reads if other is not changes]
     ctx.watches = view.watches
     ctx.queue_hosts = set(view.hosts)
+    for change in changes:  # a wait made or ended here meanwhile: the read may not have seen it
+        change()
 
 
 _running: set[asyncio.Task[None]] = set()  # a task the loop holds only weakly is kept here until it ends
