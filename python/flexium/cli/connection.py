@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from flexium import protocol, reasons
 from flexium.cli.exit_status import EXIT_FAILED, EXIT_UNREACHABLE, EXIT_USAGE, UsageError, fail
-from flexium.client import ApiClient, ServerError, Unauthorized, Unreachable
+from flexium.client.http import ApiClient, ServerError, Unauthorized, Unreachable
 from flexium.errors import ConfigError
 
 _TOKEN_TEXT = re.compile(r"[\x21-\x7e]+")  # sent in an HTTP header: printable ASCII, no blanks

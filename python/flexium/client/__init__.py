@@ -7,10 +7,11 @@ and ``ProcessClient`` (the training process's reporter and control threads, star
 
 from __future__ import annotations
 
+import importlib
 import logging
+from typing import TYPE_CHECKING, Any
 
 from flexium import protocol
-from flexium.client.contracts import EngineControl, TrainingProcess
 from flexium.client.http import (
     ApiClient,
     Backoff,
@@ -21,8 +22,11 @@ from flexium.client.http import (
     Unavailable,
     Unreachable,
 )
-from flexium.client.process import ProcessClient
 from flexium.errors import ConfigError
+
+if TYPE_CHECKING:
+    from flexium.client.contracts import EngineControl, TrainingProcess
+    from flexium.client.process import ProcessClient
 
 __all__ = [
     "ApiClient",
@@ -41,6 +45,18 @@ __all__ = [
 
 log = logging.getLogger("flexium.client")
 
+# What only a training process uses is imported when first used (PEP 562): the `flexium` command
+# needs ApiClient alone, and the process's side imports the engine (0.1 s a call).
+_TRAINING_SIDE = {"EngineControl": "contracts", "TrainingProcess": "contracts", "ProcessClient": "process"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _TRAINING_SIDE:
+        raise AttributeError(f"module 'flexium.client' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"flexium.client.{_TRAINING_SIDE[name]}"), name)
+    globals()[name] = value
+    return value
+
 
 def start_client(training: TrainingProcess) -> ProcessClient | None:
     """Starts the threads and returns at once: registration happens in the background, and
@@ -49,6 +65,7 @@ def start_client(training: TrainingProcess) -> ProcessClient | None:
     if config is None or config.address is None:
         return None
     from flexium import __version__
+    from flexium.client.process import ProcessClient
 
     if not config.token:
         log.warning(
