@@ -31,7 +31,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
 import anyio.to_thread
@@ -41,12 +41,15 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import StaticPool
 
+if TYPE_CHECKING:
+    from alembic.config import Config as AlembicConfig
+
 T = TypeVar("T")
 
 _WRITE_OPTION = "flexium_write"
 _LOCK_WAIT_OPTION = "flexium_lock_wait_ms"  # SQLite's busy_timeout for this write
 INLINE_LOCK_WAIT_S = 0.05  # what a write on the event loop waits for SQLite's write lock
-_PG_MIGRATION_LOCK = 0x666C6578  # any constant; serialises schema upgrades of several servers
+MIGRATION_LOCK_KEY = 0x666C6578  # PostgreSQL advisory lock: one schema upgrade at a time, whatever the servers
 # SQLSTATE of a write refused because the transaction is read-only (default_transaction_read_only,
 # or a standby in recovery).
 _PG_READ_ONLY = "25006"
@@ -316,12 +319,10 @@ class Database:
         self._check_not_lost(new_database=new_database)
         self._keep_file_private()
         from alembic import command
-        from alembic.config import Config
         from alembic.runtime.migration import MigrationContext
         from alembic.script import ScriptDirectory
 
-        config = Config()
-        config.set_main_option("script_location", "flexium.server:migrations")
+        config = migration_config()
         script = ScriptDirectory.from_config(config)
         known = {rev.revision for rev in script.walk_revisions()}
         start = time.perf_counter()
@@ -331,7 +332,7 @@ class Database:
         try:
             with self._write_engine.begin() as conn:
                 if not self.is_sqlite:
-                    conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": _PG_MIGRATION_LOCK})
+                    conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": MIGRATION_LOCK_KEY})
                 unknown = set(MigrationContext.configure(conn).get_current_heads()) - known
                 if unknown:
                     raise SchemaTooNew(
@@ -417,6 +418,15 @@ class Database:
     def dispose(self) -> None:
         self.stop_checkpoints()
         self.engine.dispose()
+
+
+def migration_config() -> AlembicConfig:
+    """Alembic's configuration of this version's schema changes (``migrations/versions``)."""
+    from alembic.config import Config
+
+    config = Config()
+    config.set_main_option("script_location", "flexium.server:migrations")
+    return config
 
 
 def _select_one(*, session: Session) -> None:
