@@ -30,8 +30,9 @@ beside the restore (S: the job's reserved bytes, fixed costs above). "beside res
 resume: the copier's fill and the part of it that ran while the job restored ("after": copied back
 after the restore, the note says why).
 
-Pause rows also show how training went while the pause prepared before its safe point (the fast
-path maps, touches and pins its host staging then, unless it was kept from before):
+Pause rows also show how training went between the request and the pause's safe point (the fast
+path tops up a staging kept pinned from before then; one not kept is made at the safe point, with
+the job stopped, and its note says where the copy step's time went):
 "prep s" from the request to the start of the pause at the safe point, and the longest and the
 median step of the steps that ended in that time (step_analysis.preparation).
 
@@ -81,7 +82,7 @@ GOALS = (  # (size GiB, op, seconds): downtime minus one step of the fast path, 
     (16.0, "resume", 1.0),
 )
 PAUSE_GOAL_SIZES = {size for size, op, _limit in GOALS if op in ("pause", "resume")}
-FREE_GOALS = ((16.0, 1.5), (64.0, 4.0))  # (size GiB, seconds from a pause's request to a free GPU)
+FREE_GOALS = ((16.0, 1.5), (64.0, 6.0))  # (size GiB, seconds from a pause's request to a free GPU)
 NVML_EVERY_S = 0.005
 # A reading: when (perf_counter), and the bytes the job's family held on each GPU (by UUID) then.
 GpuUse = tuple[float, dict[str, int]]
@@ -534,9 +535,11 @@ def beside_restore(result: dict[str, Any]) -> str:
 
 
 def staging_of(result: dict[str, Any]) -> str:
-    """Whether a fast pause found its staging kept from before or made it after the request (a
-    pause that found all of it kept and pinned has no note on it)."""
+    """Whether a fast pause found its staging kept from before or made it after the request (at
+    its safe point when none was kept; a pause that found all of it kept and pinned has no note on it)."""
     for note in result.get("notes", []):
+        if note.startswith("made the host staging "):
+            return "made"
         match = re.search(r"pinned ([0-9.]+) GiB of host staging .*\(([0-9.]+) GiB of it newly mapped", note)
         if match:
             # A kept staging may have grown a little with the pool since (fact `growing-staging-keeps-pins`).
@@ -938,8 +941,9 @@ def main() -> int:
         " left (migrate rows)."
     )
     print(
-        "prep (pause rows): request -> the pause's start at the safe point (the fast path pins its host staging"
-        " meanwhile); prep max / med step: the longest / median step that ended in that time (-: none did)."
+        "prep (pause rows): request -> the pause's start at the safe point (the fast path tops up a kept staging"
+        " meanwhile, and makes one not kept at the safe point); prep max / med step: the longest / median step"
+        " that ended in that time (-: none did)."
     )
     print(
         "staging (fast pause rows): made at the pause, or kept from an earlier one; pinned GiB: what the pause"

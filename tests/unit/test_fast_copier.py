@@ -55,11 +55,9 @@ def test_a_failing_copier_is_replaced_by_copies_in_this_process(
 
     paused = engine.pause()
     assert paused.ok and paused.path == "fast" and names(paused) == FAST_PAUSE
-    if where == "pin":
-        assert paused.notes[0].startswith("pinned 0.01 GiB of host staging in this process (the copier failed: ")
-        assert call in paused.notes[0]
-    if where == "copy_to_host":
-        assert paused.notes[0].startswith("pinned 0.01 GiB of host staging by the copier process")
+    if op == "pause":  # the copier made the staging at the safe point; its pinning or copies failed
+        assert paused.notes[0].startswith("made the host staging by the copier process")
+        assert "then pinned and copied in this process" in paused.notes[0]
         assert paused.notes[-1].startswith("the copies to and from host memory ran in this process: ")
         assert call in paused.notes[-1]
     assert fake_state_paused(job)
@@ -92,7 +90,7 @@ def test_a_copier_killed_while_the_job_is_paused_loses_nothing(job: Job) -> None
     assert any(n.startswith("the copies to and from host memory ran in this process: ") for n in resumed.notes)
     job.assert_home(physical=0)
     again = engine.pause()  # a new copier serves the next pause
-    assert again.ok and again.notes[0].startswith("pinned 0.01 GiB of host staging by the copier process")
+    assert again.ok and again.notes[0].startswith("made the host staging by the copier process")
     assert engine.resume().ok
     job.assert_home(physical=0)
 
@@ -132,8 +130,8 @@ def test_copier_off_pins_and_copies_in_this_process(job: Job, monkeypatch: pytes
     engine = job.training([2 * MiB, 4 * MiB])
     paused = engine.pause()
     assert paused.ok and paused.path == "fast" and copier_processes() == []
-    assert paused.notes[0].startswith("pinned 0.01 GiB of host staging in this process (the copier process is off")
-    # Pinned here ahead of the safe point, unpinned chunk by chunk as the copies finished.
+    assert paused.notes[0].startswith("made the host staging in this process (the copier process is off")
+    # Pinned here at the safe point, unpinned chunk by chunk as the copies finished.
     assert job.fake.call_count("cuMemHostRegister") > 0
     assert job.fake.pinned_at_last_checkpoint() == 0 and job.fake.pinned_bytes() == 0
     assert engine.resume().ok

@@ -270,8 +270,13 @@ def test_a_pause_that_does_not_fit_the_budget_prepares_its_own_and_gives_it_back
         "memory budget of 4 MiB (FLEXIUM_PINNED_HOST_MEMORY=4MiB, from the environment)"
     )
     assert _C.host_staging_pool_bytes() == 0 and ledger() == {}
-    paused = engine.pause()
-    assert paused.ok and "(0.01 GiB of it newly mapped and touched, 0.01 GiB newly pinned; " in paused.notes[0]
+    paused = engine.pause()  # made at its safe point, pinned as the copier's copies reach it
+    assert paused.ok and re.match(
+        r"made the host staging by the copier process \d+ at the safe point in \d+\.\d\d s \(0\.01 GiB of it newly "
+        r"mapped and touched, 0\.00 GiB newly pinned; files \d+\.\d\d s, touching \d+\.\d\d s\), then pinned "
+        r"\d+\.\d\d GiB in \d+\.\d\d s as the copies reached it",
+        paused.notes[0],
+    ), paused.notes
     assert engine.resume().ok
     wait_until(lambda: _C.host_staging_pool_bytes() == 0, what="the staging to be given back")
     assert ledger() == {} and job.fast is not None and not job.fast.keeping
@@ -342,7 +347,7 @@ def test_a_gpu_without_room_for_the_copiers_context_gets_none(job: Job, budget: 
         assert copier_processes() == [] or not job.fast or job.fast._copier is None or job.fast._copier.awake_on is None
         paused = engine.pause()
         assert paused.ok and paused.path == "fast"
-        assert re.search(r"of host staging in this process \(the GPU has \d+ MiB free", paused.notes[0]), paused.notes
+        assert re.search(r"host staging in this process \(the GPU has \d+ MiB free", paused.notes[0]), paused.notes
         assert engine.resume().ok
         job.assert_home(physical=0)
     finally:

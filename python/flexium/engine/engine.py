@@ -39,7 +39,7 @@ from flexium.engine.transactions.context import OperationContext, StateListener
 from flexium.engine.transactions.driver_migrate import migrate_by_driver
 from flexium.engine.transactions.driver_pause import pause_by_driver
 from flexium.engine.transactions.fast_migrate import migrate_fast
-from flexium.engine.transactions.fast_pause import pause_fast, prepare_host_staging
+from flexium.engine.transactions.fast_pause import StagingPlan, pause_fast, prepare_host_staging
 from flexium.engine.transactions.own_memory import own_in_slices
 from flexium.engine.transactions.resume import resume
 from flexium.errors import (
@@ -243,10 +243,10 @@ class Engine:
                 )
             uncheckpointable_memory.refuse(OperationKind.PAUSE)
             source = self._ctx.source
-            pinned = self.prepare_host_staging(path, source)
+            staging = self.prepare_host_staging(path, source)
 
             def work(at_safe_point: bool) -> OperationResult:
-                return self.pause_now(source, path, pinned, at_safe_point=at_safe_point)
+                return self.pause_now(source, path, staging, at_safe_point=at_safe_point)
 
             result, at_safe_point = self._safe_points.run(work, then=self.park_while_paused)
             if not at_safe_point and result.ok:
@@ -298,22 +298,22 @@ class Engine:
         )
 
     def pause_now(
-        self, source: GpuIdentity, path: PathChoice, pinned: tuple[str, ...], *, at_safe_point: bool
+        self, source: GpuIdentity, path: PathChoice, staging: StagingPlan, *, at_safe_point: bool
     ) -> OperationResult:
         fast, why = self._choose_path(path, at_safe_point)
         if fast is not None:
-            return pause_fast(self._ctx, fast, source, pinned)
+            return pause_fast(self._ctx, fast, source, staging)
         if self._ctx.fast is not None:
             self._ctx.fast.release_host_now()  # pinned staging would slow the driver's checkpoint
         target_rules.check_host_room(self.process_bytes(), fast=False)
         return pause_by_driver(self._ctx, source, why, at_safe_point=at_safe_point)
 
-    def prepare_host_staging(self, path: PathChoice, source: GpuIdentity) -> tuple[str, ...]:
-        """Before a pause that can take the fast path, its staging pinned while the job trains
-        (fast_pause.prepare_host_staging); a pause on the driver path is checked for host memory
-        at its safe point."""
+    def prepare_host_staging(self, path: PathChoice, source: GpuIdentity) -> StagingPlan:
+        """Before a pause that can take the fast path, its staging checked for host room and, kept
+        pinned, topped up while the job trains (fast_pause.prepare_host_staging); a pause on the
+        driver path is checked for host memory at its safe point."""
         fast = self._ctx.fast if path != "driver" and self.fast_path_blocker() is None else None
-        return prepare_host_staging(self._ctx, fast, source) if fast is not None else ()
+        return prepare_host_staging(self._ctx, fast, source) if fast is not None else StagingPlan()
 
     def copier_off_gpu(self) -> None:
         """Before a migration, outside its downtime: the copier keeping the staging pinned holds a

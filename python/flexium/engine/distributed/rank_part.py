@@ -27,6 +27,7 @@ from flexium.engine.operations import GpuIdentity, OperationKind, OperationResul
 from flexium.engine.safe_point import SafePointMissed
 from flexium.engine.transactions.context import OperationContext
 from flexium.engine.transactions.driver_pause import pause_by_driver
+from flexium.engine.transactions.fast_pause import StagingPlan
 from flexium.engine.transactions.resume import resume
 from flexium.errors import CapabilityError
 
@@ -48,10 +49,10 @@ class RankEngine(Protocol):
     ) -> OperationResult: ...
 
     def pause_now(
-        self, source: GpuIdentity, path: PathChoice, pinned: tuple[str, ...], *, at_safe_point: bool
+        self, source: GpuIdentity, path: PathChoice, staging: StagingPlan, *, at_safe_point: bool
     ) -> OperationResult: ...
 
-    def prepare_host_staging(self, path: PathChoice, source: GpuIdentity) -> tuple[str, ...]: ...
+    def prepare_host_staging(self, path: PathChoice, source: GpuIdentity) -> StagingPlan: ...
 
     def copier_off_gpu(self) -> None: ...
 
@@ -138,8 +139,8 @@ def _rank_actions(
         actions.move = lambda: engine.migrate_now(ctx.plan_to(dest), path, notes, at_safe_point=True)
         actions.move_back = lambda: engine.migrate_now(ctx.plan_to(source), path, ("moving back",), at_safe_point=True)
     elif op.kind == OperationKind.PAUSE:
-        pinned = engine.prepare_host_staging(path, source)
-        actions.pause = lambda: engine.pause_now(source, path, pinned, at_safe_point=True)
+        staging = engine.prepare_host_staging(path, source)
+        actions.pause = lambda: engine.pause_now(source, path, staging, at_safe_point=True)
         actions.resume_in_place = lambda: resume(ctx, ctx.plan_to(source))
     return actions
 

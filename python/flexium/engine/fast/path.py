@@ -60,6 +60,28 @@ class Reserved:
     phases: str = ""  # where the seconds went, e.g. "touching 1.50 s, pinning 3.21 s"
 
 
+@dataclass(frozen=True)
+class CopierCopy:
+    """What the copier's order did: the bytes it pinned as its copies reached them and the seconds
+    of that pinning, and the seconds from its first copy to its last one's end (pinning included)."""
+
+    pinned: int
+    pin_s: float
+    copy_s: float
+
+
+@dataclass(frozen=True)
+class HostCopy:
+    """A pause's copy step: the live bytes copied, the staging made in the step (None: it was
+    ready before the safe point), the seconds of the copies (pinning what was not pinned
+    included), and what the copier said of them (None: they ran in this process)."""
+
+    copied: int
+    made: Reserved | None
+    copy_s: float
+    by_copier: CopierCopy | None
+
+
 @dataclass
 class Staged:
     """Copies of the segments on the target GPU, held only by these fds until mapped back."""
@@ -108,6 +130,7 @@ class FastPath:
         # The staging stays (pinned by the copier) between pauses: claimed in pinned_budget.
         self.keeping = False
         self._kernel_loaded: set[int] = set()  # devices whose context has the checksum kernel
+        self.last_copy: CopierCopy | None = None  # what the copier's last order did (None: it ran here)
 
     def warm_up(self) -> None:
         """Starts the copier process in the background: it loads the driver and waits, holding
@@ -235,10 +258,14 @@ class FastPath:
         with self._host_lock:
             return self._reserve_host(logical, wanted, uuid)
 
-    def _reserve_host(self, logical: int, wanted: int, uuid: str) -> Reserved:
+    def _reserve_host(self, logical: int, wanted: int, uuid: str, *, job_stopped: bool = False) -> Reserved:
+        """With `job_stopped` (at a pause's safe point) the copier only touches the staging and
+        takes its context: its copies pin each chunk as they reach it, so that pinning and copying
+        overlap, and nothing waits between chunks for the job's CUDA calls."""
         self._wait_for_release()
         self._wait_for_start()
-        self._load_checksum_kernel(logical)
+        if not job_stopped:  # at the safe point the move's checksum loads it
+            self._load_checksum_kernel(logical)
         started = time.perf_counter()
 
         def here(why: str) -> Reserved:
@@ -270,6 +297,9 @@ class FastPath:
             copier = self._copier
             copier.attach(_C.host_staging_layout())
             mark = phase("touching", mark)
+            if job_stopped:
+                copier.wake(uuid, wait=False)
+                return Reserved(0, 0, time.perf_counter() - started, f"{BY_COPIER} {copier.pid}", ", ".join(phases))
             reply = copier.wake(uuid, wait=True, pause_ms=PIN_PAUSE_MS, bytes_to_pin=wanted)
             phase("pinning", mark)
             if reply.get("pinner_before"):
@@ -299,12 +329,24 @@ class FastPath:
         except DriverError as exc:  # the move's checksum loads it, or says why it cannot
             log.debug("the checksum kernel was not loaded ahead: %s", exc)
 
-    def stage_to_host(self, logical: int, live: LiveRanges | None = None) -> tuple[int, StepTiming]:
-        def work() -> int:
+    def stage_to_host(
+        self, logical: int, live: LiveRanges | None = None, *, make_for: str | None = None
+    ) -> tuple[HostCopy, StepTiming]:
+        """The `copy` step of a pause. With `make_for` (the job's GPU UUID) the staging was not
+        ready before the safe point and is made in this step, with the job stopped (stop first,
+        then stream: docs/fast-path.md); the rest of the step then pins and copies."""
+
+        def work() -> HostCopy:
             ranges = self.pool.live_ranges(logical) if live is None else live
-            return self._by_copier(
+            made = None
+            if make_for is not None:
+                with self._host_lock:
+                    made = self._reserve_host(logical, self.host_bytes_wanted(logical), make_for, job_stopped=True)
+            began = time.perf_counter()
+            copied = self._by_copier(
                 lambda: _C.begin_stage_order(ranges), to_host=True, here=lambda: int(_C.stage_segments_to_host(ranges))
             )
+            return HostCopy(copied, made, time.perf_counter() - began, self.last_copy)
 
         return timed("copy", work)
 
@@ -412,6 +454,7 @@ class FastPath:
         """One order run by the copier; in this process instead when there is none or it fails
         (the staging's bytes are this process's memfds, so nothing is lost with it)."""
         copier = self._copier
+        self.last_copy = None
         if copier is None:
             return here()
         began = time.perf_counter()
@@ -423,6 +466,9 @@ class FastPath:
         begin_s = time.perf_counter() - began
         try:
             reply = copier.copy(to_host, order, then_sleep=then_sleep, pin_rest_pause_ms=PIN_PAUSE_MS)
+            self.last_copy = CopierCopy(
+                int(reply.get("pinned_in_copy", 0)), float(reply.get("pin_s", 0.0)), float(reply.get("copy_s", 0.0))
+            )
             log.debug(
                 "copier %s %.2f GiB: order %.0f ms here, then in the copier: import %.0f ms, "
                 "pinning %.2f GiB it had not reached %.0f ms, copies %.0f ms (%.0f ms with the exchange)",

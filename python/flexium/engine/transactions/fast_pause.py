@@ -1,16 +1,16 @@
 """A pause on the fast path: at a safe point, holding the GIL, the pool's segments are copied to
-host staging (pinned before the safe point, prepare_host_staging) and their GPU memory released;
+host staging (kept pinned before the safe point, or made there: prepare_host_staging) and their GPU memory released;
 the driver's checkpoint carries only the rest. A failure at any step copies them back and names
 the step."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from flexium import _C
 from flexium.engine.fast import checksum
-from flexium.engine.fast.path import FastPath, RelocationError
+from flexium.engine.fast.path import FastPath, HostCopy, RelocationError
 from flexium.engine.operations import EngineState, GpuIdentity, OperationKind, OperationResult
 from flexium.engine.step_outcomes import describe_failure, first_failure, timing_of
 from flexium.engine.target_rules import check_host_room
@@ -21,14 +21,27 @@ from flexium.errors import OperationFailedError
 from flexium.units import gib
 
 
-def prepare_host_staging(ctx: OperationContext, fast: FastPath, source: GpuIdentity) -> tuple[str, ...]:
+@dataclass(frozen=True)
+class StagingPlan:
+    """How a pause gets its host staging: `notes` of what was pinned before its safe point, or,
+    `at_safe_point`, made there with the job stopped (stop first, then stream)."""
+
+    notes: tuple[str, ...] = ()
+    at_safe_point: bool = False
+
+
+def prepare_host_staging(ctx: OperationContext, fast: FastPath, source: GpuIdentity) -> StagingPlan:
     """Before a pause that can take the fast path, while the job trains: refuses it when the host
-    cannot hold the pool's live bytes, and touches and pins the staging before the safe point.
-    The note of what it pinned."""
+    cannot hold the pool's live bytes. A staging kept pinned for the pause is topped up here;
+    one not kept is made at the safe point: touching beside training runs at half the speed
+    (fact `training-slows-staging-prep`) and a paused job's downtime does not matter, the time to
+    a free GPU does (docs/fast-path.md)."""
     logical = ctx.logical
     wanted = fast.host_bytes_wanted(logical)
     to_map = fast.host_bytes_to_map(wanted)
     check_host_room(to_map, fast=True)
+    if not fast.kept_on(source.uuid):
+        return StagingPlan(at_safe_point=True)
     try:
         reserved = fast.reserve_host(logical, wanted, source.uuid)
     except Exception as exc:
@@ -39,21 +52,41 @@ def prepare_host_staging(ctx: OperationContext, fast: FastPath, source: GpuIdent
             step="pin",
         ) from exc
     if reserved.pinned == 0:
-        return ()
+        return StagingPlan()
     phases = f"; {reserved.phases}" if reserved.phases else ""
-    return (
-        f"pinned {gib(reserved.pinned, 2)} of host staging {reserved.where} in {reserved.seconds:.2f} s before "
-        f"the safe point ({gib(to_map, 2)} of it newly mapped and touched, {gib(reserved.newly_pinned, 2)} newly "
-        f"pinned{phases})",
+    return StagingPlan(
+        (
+            f"pinned {gib(reserved.pinned, 2)} of host staging {reserved.where} in {reserved.seconds:.2f} s before "
+            f"the safe point ({gib(to_map, 2)} of it newly mapped and touched, {gib(reserved.newly_pinned, 2)} newly "
+            f"pinned{phases})",
+        )
     )
 
 
-def pause_fast(ctx: OperationContext, fast: FastPath, source: GpuIdentity, notes: tuple[str, ...]) -> OperationResult:
+def note_made(host: HostCopy, mapped: int) -> tuple[str, ...]:
+    """Where a copy step that made its staging spent its time, for the benchmark and the log."""
+    made = host.made
+    if made is None:
+        return ()
+    phases = f"; {made.phases}" if made.phases else ""
+    pinned = (
+        f"then pinned {gib(host.by_copier.pinned, 2)} in {host.by_copier.pin_s:.2f} s as the copies reached it"
+        if host.by_copier is not None
+        else "then pinned and copied in this process"
+    )
+    return (
+        f"made the host staging {made.where} at the safe point in {made.seconds:.2f} s "
+        f"({gib(mapped, 2)} of it newly mapped and touched, {gib(made.newly_pinned, 2)} newly pinned{phases}), "
+        f"{pinned}, copies {host.copy_s:.2f} s",
+    )
+
+
+def pause_fast(ctx: OperationContext, fast: FastPath, source: GpuIdentity, staging: StagingPlan) -> OperationResult:
     started = time.perf_counter()
     ctx.set_state(EngineState.PAUSING)
     prepare, moved, by_gpu = locked_section.prepare(ctx, OperationKind.PAUSE)
     draft = ResultDraft(
-        OperationKind.PAUSE, "fast", ctx.logical_device, source, None, moved, started, notes, steps=[prepare]
+        OperationKind.PAUSE, "fast", ctx.logical_device, source, None, moved, started, staging.notes, steps=[prepare]
     )
 
     def undo(failed_step: str, error: str) -> OperationResult:
@@ -74,8 +107,9 @@ def pause_fast(ctx: OperationContext, fast: FastPath, source: GpuIdentity, notes
     before, timing, unchecked = checksum.before_the_move(ctx.logical, live)
     draft.steps.extend([timing] if timing is not None else [])
     draft.notes = (*draft.notes, *([unchecked] if unchecked else []))
+    to_map = fast.host_bytes_to_map(fast.host_bytes_wanted(ctx.logical)) if staging.at_safe_point else 0
     try:
-        copied, timing = fast.stage_to_host(ctx.logical, live)
+        host, timing = fast.stage_to_host(ctx.logical, live, make_for=source.uuid if staging.at_safe_point else None)
         draft.steps.append(timing)
     except RelocationError as exc:
         draft.steps.append(exc.timing)
@@ -86,7 +120,8 @@ def pause_fast(ctx: OperationContext, fast: FastPath, source: GpuIdentity, notes
         )
     draft.notes = (
         *draft.notes,
-        f"fast path: copied {copied / GIB:.2f} GiB in use of "
+        *note_made(host, to_map),
+        f"fast path: copied {host.copied / GIB:.2f} GiB in use of "
         f"{fast.pool_bytes(ctx.logical) / GIB:.2f} GiB of pool segments to host memory",
     )
     try:
