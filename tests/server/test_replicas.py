@@ -8,105 +8,30 @@ queued through one is told what to watch, and resumed, by the other."""
 
 from __future__ import annotations
 
-import json
 import signal
 import statistics
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import psycopg
 import pytest
 import requests
-import uvicorn
 
 from flexium import protocol
 from flexium.server import database_admin
-from flexium.server.app import bootstrap, create_app
+from flexium.server.app import bootstrap
 from flexium.server.replica_link import CHANNEL, conninfo
-from flexium.server.settings import Settings
 from flexium.server.storage import get_workspace, revoke_token
-from support.live_server import free_port, wait_until
+from support.live_server import wait_until
+from support.replica_apps import EventStream, Replica, auth
 from support.server import GIB, LiveServer, gpu, make_settings, process_body
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.parametrize("database_kind", ["postgresql"], indirect=True)]
 
 DELIVERY_LIMIT_S = 0.100
-
-
-class Replica:
-    """``create_app`` served by uvicorn on a thread of its own, as ``flexium server`` serves it."""
-
-    def __init__(self, settings: Settings) -> None:
-        self.app = create_app(settings)
-        self.ctx = self.app.state.ctx
-        self.port = free_port()
-        config = uvicorn.Config(self.app, host="127.0.0.1", port=self.port, log_level="warning", lifespan="on")
-        self.server = uvicorn.Server(config)
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.token = ""
-
-    @property
-    def api(self) -> str:
-        return f"http://127.0.0.1:{self.port}/api/w/default"
-
-    def start(self) -> Replica:
-        self.thread.start()
-        wait_until(lambda: self.server.started, 30, "the replica to serve")
-        wait_until(lambda: self.ctx.link is not None and self.ctx.link.listening.is_set(), 30, "its link to listen")
-        return self
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(20)
-
-    def get(self, path: str, token: str | None = None, **kw: Any) -> requests.Response:
-        return requests.get(self.api + path, headers=_auth(token or self.token), timeout=kw.pop("timeout", 10), **kw)
-
-    def post(self, path: str, body: Any = None, token: str | None = None) -> requests.Response:
-        return requests.post(self.api + path, json=body, headers=_auth(token or self.token), timeout=10)
-
-
-def _auth(token: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {token}"}
-
-
-class EventStream:
-    """``GET /events`` read on a thread: (id, event, data) as they come."""
-
-    def __init__(self, replica: Replica, token: str, last_event_id: str | None = None) -> None:
-        headers = _auth(token)
-        if last_event_id is not None:
-            headers["Last-Event-ID"] = last_event_id
-        self.events: list[tuple[str, str, Any]] = []
-        self.ended = threading.Event()
-        self._response = requests.get(replica.api + "/events", headers=headers, stream=True, timeout=30)
-        assert self._response.status_code == 200, self._response.text
-        threading.Thread(target=self._read, daemon=True).start()
-        self.wait_for(lambda e: e[1] == protocol.EVENT_HELLO, "the hello")
-
-    def _read(self) -> None:
-        event_id, event = "", ""
-        try:
-            for line in self._response.iter_lines(decode_unicode=True):
-                if line.startswith("id: "):
-                    event_id = line[4:]
-                elif line.startswith("event: "):
-                    event = line[7:]
-                elif line.startswith("data: "):
-                    self.events.append((event_id, event, json.loads(line[6:])))
-        except (requests.RequestException, AttributeError):  # closed by ``close`` (AttributeError: mid-read)
-            pass
-        finally:
-            self.ended.set()
-
-    def wait_for(self, match: Callable[[tuple[str, str, Any]], bool], what: str, timeout: float = 10) -> Any:
-        return wait_until(lambda: next((e for e in self.events if match(e)), None), timeout, what, interval=0.01)
-
-    def close(self) -> None:
-        self._response.close()
 
 
 @pytest.fixture
@@ -142,14 +67,14 @@ def test_a_command_created_through_one_replica_reaches_a_poll_on_the_other_withi
         b.start()
         token = a.token or ""
         on_a, on_b = f"{a.url}/api/w/default", f"{b.url}/api/w/default"
-        assert requests.post(on_a + "/processes", json=process_body(), headers=_auth(token), timeout=10).ok
+        assert requests.post(on_a + "/processes", json=process_body(), headers=auth(token), timeout=10).ok
         latencies = []
         for _ in range(7):
             got: dict[str, Any] = {}
 
             def poll(got: dict[str, Any] = got) -> None:
                 url = on_b + "/processes/gpu-1/commands/next?wait=10"
-                answer = requests.get(url, headers=_auth(token), timeout=15)
+                answer = requests.get(url, headers=auth(token), timeout=15)
                 got["at"] = time.time()
                 got["command"] = answer.json()
 
@@ -157,13 +82,13 @@ def test_a_command_created_through_one_replica_reaches_a_poll_on_the_other_withi
             poller.start()
             time.sleep(0.5)  # the poll waits on b (without the link it would wait its 10 s out)
             body = {"kind": "pause", "process_id": "gpu-1"}
-            command = requests.post(on_a + "/commands", json=body, headers=_auth(token), timeout=10).json()
+            command = requests.post(on_a + "/commands", json=body, headers=auth(token), timeout=10).json()
             poller.join(15)
             assert got["command"]["id"] == command["id"], got
             latencies.append(got["at"] - command["created_at"])
             report = {"state": "failed", "error": "test"}
             url = f"{on_a}/commands/{command['id']}/report"
-            assert requests.post(url, json=report, headers=_auth(token), timeout=10).ok
+            assert requests.post(url, json=report, headers=auth(token), timeout=10).ok
     finally:
         for server in (a, b):
             server.stop(signal.SIGKILL)
@@ -241,7 +166,7 @@ def test_a_token_revoked_through_one_replica_is_refused_by_the_other_at_once(
             if by_command_line:
                 database_admin.revoke_token("default", token_id, database_url=a.ctx.db.url)
             else:
-                revoked = requests.delete(f"{a.api}/tokens/{token_id}", headers=_auth(a.token), timeout=10)
+                revoked = requests.delete(f"{a.api}/tokens/{token_id}", headers=auth(a.token), timeout=10)
                 assert revoked.status_code == 200, revoked.text
             refused = b.get("/processes", token=token)
             assert refused.status_code == 401 and refused.json()["error"] == "unauthorized", (

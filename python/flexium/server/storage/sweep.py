@@ -77,10 +77,14 @@ def sweep(
         if doomed:
             pks = [d.pk for d in doomed]
             session.execute(delete(Command).where(Command.process_pk.in_(pks)))
-            session.execute(delete(Process).where(Process.pk.in_(pks)))
+            # What this sweep deleted, not what it found: another replica's sweep, or an unregister,
+            # may have deleted some first, and said so (one `removed` event each).
+            removed = session.execute(
+                delete(Process).where(Process.pk.in_(pks)).returning(Process.workspace_id, Process.process_id)
+            )
+            result.removed = [(ws, process_id) for ws, process_id in removed]
             # A job operation is its ranks' commands: once none is left, nothing shows it.
             session.execute(delete(JobOperation).where(~exists().where(Command.operation_id == JobOperation.id)))
-            result.removed = [(d.workspace_id, d.process_id) for d in doomed]
         session.execute(delete(Device).where(Device.updated_at < now - remove_after))
     result.released = expire_reservations(session=session, now=now)
     prune_history(session=session, now=now)
