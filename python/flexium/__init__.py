@@ -9,6 +9,10 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+# The "flexium" logger's handler and level (FLEXIUM_LOG_LEVEL) are set on import, before any
+# flexium module logs: the other modules log through it without importing it.
+from flexium import _logging  # noqa: F401
+
 __version__ = "0.1.0"
 __all__ = ["init", "shutdown", "is_initialized", "auto", "config", "utils", "__version__"]
 
