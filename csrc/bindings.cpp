@@ -331,6 +331,7 @@ void bind_copier(py::module_ &m) {
         const CopyTimes t = c.last_copy_times();
         return std::map<std::string, double>{{"import_s", t.import_s},
                                              {"pin_s", t.pin_s},
+                                             {"touch_wait_s", t.touch_wait_s},
                                              {"pinned_in_copy", static_cast<double>(t.pinned_in_copy)},
                                              {"copy_s", t.copy_s}};
       });

@@ -10,6 +10,7 @@
 #pragma once
 
 #include <atomic>
+#include <condition_variable>
 #include <cstddef>
 #include <mutex>
 #include <string>
@@ -41,6 +42,7 @@ struct CopierPiece {
 struct CopyTimes {
   double import_s = 0;             // importing and mapping the segments
   double pin_s = 0;                // pinning the chunks the pinner thread had not reached
+  double touch_wait_s = 0;         // of which waiting for the touching threads to reach them
   std::size_t pinned_in_copy = 0;  // their bytes
   double copy_s = 0;               // from the first copy queued until the last one ended
 };
@@ -54,7 +56,9 @@ class HostCopier {
   HostCopier &operator=(const HostCopier &) = delete;
 
   // Adds extents (fd, size) and chunks (whose extent indexes count the extents mapped before
-  // first) to the staging grown by the job; the chunks pinned already stay pinned.
+  // first) to the staging grown by the job; the chunks pinned already stay pinned. Returns at once:
+  // a thread per new extent touches its chunks in the background, from its start, and each pin
+  // waits for its chunk (touching, pinning and copying make one pipeline).
   void extend(const std::vector<std::pair<int, std::size_t>> &extents, const std::vector<CopierChunk> &chunks);
 
   // Takes the primary context of the GPU with `uuid` (unless it holds it already) and pins the
@@ -95,7 +99,13 @@ class HostCopier {
  private:
   void start_pinner(int pause_ms);
   void stop_pinner();
-  void pin_chunk(std::size_t index);
+  // Pins chunk `index` once touched; the seconds it waited for that.
+  double pin_chunk(std::size_t index);
+  void start_touching(std::size_t first_added, std::size_t first_chunk);
+  void touch_extent(std::vector<std::size_t> chunks) noexcept;
+  void stop_touching() noexcept;
+  // Waits until the touching threads reached chunk `index`; the seconds waited.
+  double wait_touched(std::size_t index);
   void require_awake(const char *what) const;
   // Checks the pieces against the segments' sizes and the chunks (std::invalid_argument).
   void check_pieces(const std::vector<std::size_t> &sizes, const std::vector<CopierPiece> &pieces) const;
@@ -111,13 +121,17 @@ class HostCopier {
   std::vector<Extent> extents_;
   std::vector<CopierChunk> chunks_;
   std::vector<char> pinned_;
+  std::vector<char> touched_;  // under mutex_
+  std::condition_variable touched_cv_;
+  std::vector<std::thread> touchers_;
+  std::atomic<bool> stop_touching_{false};
   CUdevice device_ = 0;
   int ordinal_ = -1;
   CUcontext context_ = nullptr;
   CUstream stream_ = nullptr;
   std::thread pinner_;
   std::atomic<bool> stop_{false};
-  mutable std::mutex mutex_;  // pinned_, pinned_since_wake_, pin_error_ and last_pinner_
+  mutable std::mutex mutex_;  // pinned_, touched_, pinned_since_wake_, pin_error_ and last_pinner_
   std::size_t pinned_since_wake_ = 0;
   std::string pin_error_;
   std::string last_pinner_;

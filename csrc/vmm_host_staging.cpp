@@ -141,11 +141,16 @@ void map_extent(std::size_t bytes, std::size_t chunk_bytes, bool touch_here) {
     for (const Extent &file : made) ranges.emplace_back(file.base, file.size);
     populate_host_pages(ranges);
   }
-  for (const Extent &file : made) {
-    const std::size_t extent = staging.extents.size();
-    staging.extents.push_back(file);
-    for (std::size_t offset = 0; offset < file.size; offset += chunk_bytes) {
-      staging.chunks.push_back({file.base + offset, std::min(chunk_bytes, file.size - offset), false, extent, offset});
+  const std::size_t first = staging.extents.size();
+  staging.extents.insert(staging.extents.end(), made.begin(), made.end());
+  // Chunks taken in turn from each file: the copies fill the chunks in this order, so that a copier
+  // touching each file in a thread of its own, from its start, has the next chunk ready soonest.
+  for (std::size_t offset = 0; offset < made.front().size; offset += chunk_bytes) {
+    for (std::size_t k = 0; k < made.size(); ++k) {
+      const Extent &file = made[k];
+      if (offset >= file.size) continue;
+      staging.chunks.push_back(
+          {file.base + offset, std::min(chunk_bytes, file.size - offset), false, first + k, offset});
     }
   }
 }

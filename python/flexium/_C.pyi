@@ -291,4 +291,4 @@ class HostCopier:
     @property
     def last_pinner(self) -> str: ...  # how the last background pinning ended ("" before any)
     @property
-    def last_copy_times(self) -> dict[str, float]: ...  # import_s, pin_s, pinned_in_copy (bytes), copy_s
+    def last_copy_times(self) -> dict[str, float]: ...  # import_s, pin_s, touch_wait_s, pinned_in_copy (bytes), copy_s

@@ -148,7 +148,7 @@ def test_a_resumed_job_keeps_its_staging_pinned_for_the_next_pause(job: Job, bud
     assert again.notes[0].startswith("pinned 0.01 GiB of host staging by the copier process")
     assert re.search(
         r"\(0\.00 GiB of it newly mapped and touched, 0\.00 GiB newly pinned; "
-        r"files \d+\.\d\d s, touching \d+\.\d\d s, pinning \d+\.\d\d s\)$",
+        r"files \d+\.\d\d s, attach \d+\.\d\d s, touching and pinning \d+\.\d\d s\)$",
         again.notes[0],
     ), again.notes[0]
     assert _C.gpu_memory_yielder() == 0  # asleep while the job is paused: nothing of it on any GPU
@@ -273,7 +273,7 @@ def test_a_pause_that_does_not_fit_the_budget_prepares_its_own_and_gives_it_back
     paused = engine.pause()  # made at its safe point, pinned as the copier's copies reach it
     assert paused.ok and re.match(
         r"made the host staging by the copier process \d+ at the safe point in \d+\.\d\d s \(0\.01 GiB of it newly "
-        r"mapped and touched, 0\.00 GiB newly pinned; files \d+\.\d\d s, touching \d+\.\d\d s\), then pinned "
+        r"mapped and touched, 0\.00 GiB newly pinned; files \d+\.\d\d s, attach \d+\.\d\d s\), then pinned "
         r"\d+\.\d\d GiB in \d+\.\d\d s as the copies reached it",
         paused.notes[0],
     ), paused.notes

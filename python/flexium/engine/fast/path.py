@@ -63,10 +63,12 @@ class Reserved:
 @dataclass(frozen=True)
 class CopierCopy:
     """What the copier's order did: the bytes it pinned as its copies reached them and the seconds
-    of that pinning, and the seconds from its first copy to its last one's end (pinning included)."""
+    of that pinning, of which waiting for its touching threads to reach them, and the seconds from
+    its first copy to its last one's end (pinning included)."""
 
     pinned: int
     pin_s: float
+    touch_wait_s: float
     copy_s: float
 
 
@@ -259,9 +261,10 @@ class FastPath:
             return self._reserve_host(logical, wanted, uuid)
 
     def _reserve_host(self, logical: int, wanted: int, uuid: str, *, job_stopped: bool = False) -> Reserved:
-        """With `job_stopped` (at a pause's safe point) the copier only touches the staging and
-        takes its context: its copies pin each chunk as they reach it, so that pinning and copying
-        overlap, and nothing waits between chunks for the job's CUDA calls."""
+        """With `job_stopped` (at a pause's safe point) the copier takes its context while it
+        touches the staging in the background; its copies pin each chunk as they reach it, once
+        touched, so that touching, pinning and copying overlap, and nothing waits between chunks
+        for the job's CUDA calls."""
         self._wait_for_release()
         self._wait_for_start()
         if not job_stopped:  # at the safe point the move's checksum loads it
@@ -295,13 +298,13 @@ class FastPath:
                 self._copier = Copier.start()
                 mark = phase("copier start", mark)
             copier = self._copier
-            copier.attach(_C.host_staging_layout())
-            mark = phase("touching", mark)
+            copier.attach(_C.host_staging_layout())  # it touches the staging in the background
+            mark = phase("attach", mark)
             if job_stopped:
                 copier.wake(uuid, wait=False)
                 return Reserved(0, 0, time.perf_counter() - started, f"{BY_COPIER} {copier.pid}", ", ".join(phases))
             reply = copier.wake(uuid, wait=True, pause_ms=PIN_PAUSE_MS, bytes_to_pin=wanted)
-            phase("pinning", mark)
+            phase("touching and pinning", mark)
             if reply.get("pinner_before"):
                 log.debug("copier: its background pinning before this one: %s", reply["pinner_before"])
             return Reserved(
@@ -467,7 +470,10 @@ class FastPath:
         try:
             reply = copier.copy(to_host, order, then_sleep=then_sleep, pin_rest_pause_ms=PIN_PAUSE_MS)
             self.last_copy = CopierCopy(
-                int(reply.get("pinned_in_copy", 0)), float(reply.get("pin_s", 0.0)), float(reply.get("copy_s", 0.0))
+                int(reply.get("pinned_in_copy", 0)),
+                float(reply.get("pin_s", 0.0)),
+                float(reply.get("touch_wait_s", 0.0)),
+                float(reply.get("copy_s", 0.0)),
             )
             log.debug(
                 "copier %s %.2f GiB: order %.0f ms here, then in the copier: import %.0f ms, "

@@ -69,9 +69,11 @@ def note_made(host: HostCopy, mapped: int) -> tuple[str, ...]:
     if made is None:
         return ()
     phases = f"; {made.phases}" if made.phases else ""
+    by_copier = host.by_copier
     pinned = (
-        f"then pinned {gib(host.by_copier.pinned, 2)} in {host.by_copier.pin_s:.2f} s as the copies reached it"
-        if host.by_copier is not None
+        f"then pinned {gib(by_copier.pinned, 2)} in {by_copier.pin_s:.2f} s as the copies reached it (of which "
+        f"{by_copier.touch_wait_s:.2f} s waiting for the touching)"
+        if by_copier is not None
         else "then pinned and copied in this process"
     )
     return (
