@@ -22,11 +22,10 @@ import requests
 
 from flexium import protocol
 from flexium.server import database_admin
-from flexium.server.app import bootstrap
 from flexium.server.replica_link import CHANNEL, conninfo
 from flexium.server.storage import get_workspace, revoke_token
 from support.live_server import wait_until
-from support.replica_apps import EventStream, Replica, auth
+from support.replica_apps import EventStream, Replica, auth, two_replicas
 from support.server import GIB, LiveServer, gpu, make_settings, process_body
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.parametrize("database_kind", ["postgresql"], indirect=True)]
@@ -39,19 +38,8 @@ def replicas(database_url_at_head: str) -> Iterator[tuple[Replica, Replica]]:
     # No sweep in the test's time, and tokens trusted from the cache for a minute: what a replica
     # learns of the other's work, it learns from the link alone.
     settings = make_settings(database_url_at_head, token_cache_s=60.0, sweep_interval_s=3600.0)
-    a = Replica(settings)
-    token = bootstrap(a.ctx.db)
-    assert token
-    b = Replica(settings)
-    a.token = b.token = token
-    started: list[Replica] = []
-    try:
-        for replica in (a, b):
-            started.append(replica.start())
-        yield a, b
-    finally:
-        for replica in started:
-            replica.stop()
+    with two_replicas(settings) as pair:
+        yield pair
 
 
 def test_a_command_created_through_one_replica_reaches_a_poll_on_the_other_within_100_ms(

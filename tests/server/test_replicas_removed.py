@@ -17,9 +17,8 @@ import pytest
 import requests
 
 from flexium import protocol
-from flexium.server.app import bootstrap
 from support.live_server import wait_until
-from support.replica_apps import EventStream, Replica, auth
+from support.replica_apps import EventStream, Replica, auth, two_replicas
 from support.server import make_settings, process_body
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.parametrize("database_kind", ["postgresql"], indirect=True)]
@@ -41,19 +40,8 @@ def replicas(database_url_at_head: str) -> Iterator[tuple[Replica, Replica]]:
         stale_after_s=2.0,
         remove_after_s=REMOVE_AFTER_S,
     )
-    a = Replica(settings)
-    token = bootstrap(a.ctx.db)
-    assert token
-    b = Replica(settings)
-    a.token = b.token = token
-    started: list[Replica] = []
-    try:
-        for replica in (a, b):
-            started.append(replica.start())
-        yield a, b
-    finally:
-        for replica in started:
-            replica.stop()
+    with two_replicas(settings) as pair:
+        yield pair
 
 
 def _waiting_on_processes(conn: psycopg.Connection) -> tuple[int, int]:

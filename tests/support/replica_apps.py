@@ -4,16 +4,17 @@ a thread."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import requests
 import uvicorn
 
 from flexium import protocol
-from flexium.server.app import create_app
+from flexium.server.app import bootstrap, create_app
 from flexium.server.settings import Settings
 from support.live_server import free_port, wait_until
 
@@ -31,8 +32,12 @@ class Replica:
         self.token = ""
 
     @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
     def api(self) -> str:
-        return f"http://127.0.0.1:{self.port}/api/w/default"
+        return f"{self.url}/api/w/default"
 
     def start(self) -> Replica:
         self.thread.start()
@@ -58,13 +63,23 @@ def auth(token: str) -> dict[str, str]:
 class EventStream:
     """``GET /events`` read on a thread: (id, event, data) as they come."""
 
-    def __init__(self, replica: Replica, token: str, last_event_id: str | None = None) -> None:
-        headers = auth(token)
+    def __init__(
+        self,
+        replica: Replica,
+        token: str | None,
+        last_event_id: str | None = None,
+        *,
+        cookies: dict[str, str] | None = None,
+    ) -> None:
+        """``token`` None: as the dashboard's page subscribes, with its session's ``cookies``."""
+        headers = {} if token is None else auth(token)
         if last_event_id is not None:
             headers["Last-Event-ID"] = last_event_id
         self.events: list[tuple[str, str, Any]] = []
         self.ended = threading.Event()
-        self._response = requests.get(replica.api + "/events", headers=headers, stream=True, timeout=30)
+        self._response = requests.get(
+            replica.api + "/events", headers=headers, cookies=cookies, stream=True, timeout=30
+        )
         assert self._response.status_code == 200, self._response.text
         threading.Thread(target=self._read, daemon=True).start()
         self.wait_for(lambda e: e[1] == protocol.EVENT_HELLO, "the hello")
@@ -89,3 +104,22 @@ class EventStream:
 
     def close(self) -> None:
         self._response.close()
+
+
+@contextlib.contextmanager
+def two_replicas(settings: Settings) -> Iterator[tuple[Replica, Replica]]:
+    """Two replicas on ``settings``' database (at head), started, sharing the default workspace's
+    admin token (``token``)."""
+    a = Replica(settings)
+    token = bootstrap(a.ctx.db)
+    assert token
+    b = Replica(settings)
+    a.token = b.token = token
+    started: list[Replica] = []
+    try:
+        for replica in (a, b):
+            started.append(replica.start())
+        yield a, b
+    finally:
+        for replica in started:
+            replica.stop()
