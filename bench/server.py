@@ -7,7 +7,9 @@ seconds and keeps a long-poll open; a controller creates pause/resume commands a
 (running) and reports it done, then polls again. Measured:
 
 - heartbeats: latency (request -> response) p50/p99 and throughput during the steady phase,
-  and the most heartbeats per second the server takes (``--burst-concurrency`` back-to-back);
+  and the most heartbeats per second the server takes (``--burst-concurrency`` back-to-back),
+  with what bounded it: the machine's cores, one server process's core, or this client
+  (``cpu_use.py``);
 - command delivery: from the controller sending POST /commands to the job receiving the
   command on its long-poll, p50/p99 (both ends in this process, one monotonic clock);
 - dashboard events: from the same POST to its ``command`` event on each of ``--dashboards``
@@ -30,15 +32,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import os
 import random
 import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from cpu_use import CpuWindow
 from http_client import Conn, HttpError, read_events, tune_client
 from live_server import Databases, Replicas, Server
 from simulated_job import BASE, GIB, Observer, SimulatedHost, SimulatedJob
@@ -177,7 +182,11 @@ async def dashboards(port: int, token: str, count: int, stats: Stats) -> list[as
     return tasks
 
 
-async def bench_once(port: int, token: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
+async def bench_once(
+    port: int, token: str, n: int, args: argparse.Namespace, server_cpu: Callable[[], list[float]]
+) -> dict[str, Any]:
+    """One run; ``server_cpu``: the CPU seconds each server process has used (what bounded the
+    burst is said from it)."""
     base = BASE
     stats = Stats()
     hosts = [SimulatedHost.make(f"host-{h:04d}", args.gpus_per_host) for h in range(host_count(n, args))]
@@ -247,7 +256,9 @@ async def bench_once(port: int, token: str, n: int, args: argparse.Namespace) ->
     for c in cmd_conns:
         c.close()
 
+    cpu = CpuWindow(server_cpu)
     burst_rate, burst_lat = await burst(jobs, base, args.burst_seconds, args.burst_concurrency)
+    burst_cpu = cpu.end()
     for cid, sent in stats.sent.items():
         if cid in stats.received:
             stats.delivery.append(stats.received[cid][0] - sent)
@@ -266,6 +277,7 @@ async def bench_once(port: int, token: str, n: int, args: argparse.Namespace) ->
         "burst_rate": burst_rate,
         "burst_p50": pct(burst_lat, 0.5),
         "burst_p99": pct(burst_lat, 0.99),
+        "burst_cpu": burst_cpu,
         "commands": len(stats.delivery),
         "undelivered": len(lost),
         "del_p50": pct(stats.delivery, 0.5),
@@ -285,6 +297,10 @@ async def bench_once(port: int, token: str, n: int, args: argparse.Namespace) ->
 
 
 # --- main -----------------------------------------------------------------------------------
+
+
+def _server_cpu(server: Server | Replicas) -> list[float]:
+    return _listed(server.cpu_seconds())
 
 
 def _listed(cpu: float | list[float]) -> list[float]:
@@ -358,6 +374,9 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
     )
     for r in rows:
         print(f"  {r['backend']}, {r['n']} jobs: load {r['load']}; server CPU {r['cpu']}")
+    print("burst hb/s, what bounded it (cores used on average during the burst; 1.00 is one core):")
+    for r in rows:
+        print(f"  {r['backend']}, {r['n']} jobs: {r['burst_cpu'].said()}")
     if len(rows) > 1 and args.replicas:
         first = rows[0]
         print(f"ratio to {first['backend']}:")
@@ -408,7 +427,9 @@ def main(argv: list[str] | None = None) -> int:
                         load = os.getloadavg()[0]
                         cpu = server.cpu_seconds()
                         started = time.perf_counter()
-                        row = asyncio.run(bench_once(server.port, server.token, n, args))
+                        row = asyncio.run(
+                            bench_once(server.port, server.token, n, args, functools.partial(_server_cpu, server))
+                        )
                         used = [b - a for a, b in zip(_listed(cpu), _listed(server.cpu_seconds()), strict=True)]
                         wall = time.perf_counter() - started
                         row["backend"] = label
