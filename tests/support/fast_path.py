@@ -23,7 +23,8 @@ import torch
 
 from flexium import _C
 from flexium.engine import EngineState
-from flexium.engine.fast.path import FastPath, Staged
+from flexium.engine.fast.device_moves import Staged
+from flexium.engine.fast.path import FastPath
 from flexium.errors import OperationFailedError
 from support.engine import wait_until
 from support.fake_driver import FakeDriver, ProcessState

@@ -20,7 +20,7 @@ from dataclasses import dataclass, replace
 
 from flexium import _C
 from flexium.config import switch_from_env
-from flexium.engine.fast.path import RelocationError, timed
+from flexium.engine.fast.steps import RelocationError, timed
 from flexium.engine.operations import StepTiming
 
 DISABLE_ENV = "FLEXIUM_MOVE_CHECKSUM"

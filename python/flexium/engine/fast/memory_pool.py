@@ -27,6 +27,8 @@ from typing import Any
 from flexium import _C
 
 log = logging.getLogger("flexium")
+# A segment's address -> its live (offset, length) ranges, as PyTorch's allocator reports them.
+LiveRanges = dict[int, list[tuple[int, int]]]
 
 MIB = 1 << 20
 # Cached blocks at least this large can be freed by PyTorch's OOM retry inside our pool.
@@ -225,7 +227,7 @@ class MemoryPool:
 
     # ---- what the fast path reads ----------------------------------------------------------
 
-    def live_ranges(self, device: int) -> dict[int, list[tuple[int, int]]]:
+    def live_ranges(self, device: int) -> LiveRanges:
         """For each of our segments on `device` that PyTorch knows, the byte ranges of its blocks
         that hold tensors (or wait for a stream to finish with them). What is left out is free
         cache by PyTorch's own books, so copying it would move garbage. Call with the device

@@ -1,7 +1,9 @@
-"""The fast path's moves of our pool's segments, each a timed step that names itself on failure.
+"""The fast path: what a move of our pool's segments needs and does, each step timed and named on
+failure; the GPU-to-GPU steps are device_moves.py's, this file the pause's host staging and the
+copier process that pins it and runs its copies.
 
 docs/fast-path.md: at a safe point, holding the GIL, the segments are copied to the target
-GPU over NVLink (or to host memory, pinned only while copies run, for a pause) and their source
+GPU over NVLink (or to host memory, pinned by the copier process, for a pause) and their source
 memory released, so the driver checkpoint only carries the rest (context, library workspaces,
 anything outside the pool); after the restore they are mapped back at their own addresses. The
 engine orders these steps around the locked section and decides what a failure means.
@@ -10,101 +12,34 @@ engine orders these steps around the locked section and decides what a failure m
 from __future__ import annotations
 
 import logging
-import os
-import sys
 import threading
 import time
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
-from typing import TypeVar
+from collections.abc import Callable
 
 from flexium import _C
-from flexium.engine.fast import pinned_budget, resume_overlap
+from flexium.engine.fast import checksum, pinned_budget, resume_overlap
+from flexium.engine.fast.device_moves import DeviceMoves
 from flexium.engine.fast.host_copier import Copier, CopierError, CopierRefused, close_all, copier_enabled
-from flexium.engine.fast.memory_pool import MemoryPool, open_file_headroom
+from flexium.engine.fast.host_staging import (
+    BY_COPIER,
+    DISABLE_NOTE,
+    HOST_STAGING_SLACK,
+    PIN_PAUSE_MS,
+    POOL_GROWTH_ROOM,
+    CopierCopy,
+    HostCopy,
+    Reserved,
+    copier_room_problem,
+    release_host_staging,
+)
+from flexium.engine.fast.memory_pool import LiveRanges, MemoryPool, open_file_headroom
+from flexium.engine.fast.steps import timed
 from flexium.engine.operations import StepTiming
 from flexium.errors import DriverError
 
-T = TypeVar("T")
-LiveRanges = dict[int, list[tuple[int, int]]]
 log = logging.getLogger("flexium")
 # Files kept free besides one per segment (sockets, logs, the NVML helper's pipes).
 FD_RESERVE = 256
-# Host staging a pause prepares beyond the pool's live bytes (one chunk of csrc's staging).
-HOST_STAGING_SLACK = 256 << 20
-POOL_GROWTH_ROOM = 8  # the staging may exceed the pool by 1/8
-# Between the copier's chunks while it pins ahead of a pause: the job's CUDA calls get through.
-PIN_PAUSE_MS = 2
-# The copier's context on the job's GPU (fact `staging-pinned-by-copier`: 518 MiB), and what must stay
-# free beside it: a context made on a GPU without room fails or stalls the driver.
-COPIER_CONTEXT_BYTES = 518 << 20
-COPIER_ROOM_MARGIN = 512 << 20
-
-
-class RelocationError(Exception):
-    def __init__(self, step: str, message: str, timing: StepTiming) -> None:
-        super().__init__(message)
-        self.step = step
-        self.timing = timing
-
-
-@dataclass(frozen=True)
-class Reserved:
-    """What reserve_host did: the staging's bytes pinned for the pause, those of them it pinned
-    now (the rest stayed pinned from before), the seconds it took and where it pinned them."""
-
-    pinned: int
-    newly_pinned: int
-    seconds: float
-    where: str
-    phases: str = ""  # where the seconds went, e.g. "touching 1.50 s, pinning 3.21 s"
-
-
-@dataclass(frozen=True)
-class CopierCopy:
-    """What the copier's order did: the bytes it pinned as its copies reached them and the seconds
-    of that pinning, of which waiting for its touching threads to reach them, and the seconds from
-    its first copy to its last one's end (pinning included)."""
-
-    pinned: int
-    pin_s: float
-    touch_wait_s: float
-    copy_s: float
-
-
-@dataclass(frozen=True)
-class HostCopy:
-    """A pause's copy step: the live bytes copied, the staging made in the step (None: it was
-    ready before the safe point), the seconds of the copies (pinning what was not pinned
-    included), and what the copier said of them (None: they ran in this process)."""
-
-    copied: int
-    made: Reserved | None
-    copy_s: float
-    by_copier: CopierCopy | None
-
-
-@dataclass
-class Staged:
-    """Copies of the segments on the target GPU, held only by these fds until mapped back."""
-
-    entries: list[_C.StagedSegment]
-    copied_bytes: int
-    checksum_s: float = 0.0  # spent on the copies' checksums (stage_to_device's checksum_copies)
-
-    @property
-    def segment_bytes(self) -> int:
-        return sum(entry.size for entry in self.entries)
-
-
-def timed(step: str, work: Callable[[], T]) -> tuple[T, StepTiming]:
-    started = time.perf_counter()
-    try:
-        value = work()
-    except Exception as exc:
-        timing = StepTiming(step, time.perf_counter() - started, ok=False, error=f"{type(exc).__name__}: {exc}")
-        raise RelocationError(step, f"phase '{step}' failed: {type(exc).__name__}: {exc}", timing) from exc
-    return value, StepTiming(step, time.perf_counter() - started, ok=True)
 
 
 def memory_elsewhere(devices: list[str]) -> str:
@@ -112,7 +47,7 @@ def memory_elsewhere(devices: list[str]) -> str:
     return f"the job also holds memory on {', '.join(devices)}; the fast path moves one GPU's memory"
 
 
-class FastPath:
+class FastPath(DeviceMoves):
     def __init__(self, pool: MemoryPool) -> None:
         self.pool = pool
         self._releasing: threading.Thread | None = None
@@ -180,60 +115,6 @@ class FastPath:
 
     def pool_bytes(self, logical: int) -> int:
         return int(_C.vmm_bytes_on(logical))
-
-    # ---- GPU to GPU ------------------------------------------------------------------------
-
-    def stage_to_device(
-        self, logical: int, target_ordinal: int, live: LiveRanges | None = None, checksum_copies: bool = False
-    ) -> tuple[Staged, StepTiming]:
-        """The `copy` step; with `checksum_copies`, each copy's checksum where it landed is in its
-        entry and the seconds spent on them in `Staged.checksum_s`, left out of the step's."""
-
-        def work() -> Staged:
-            ranges = self.pool.live_ranges(logical) if live is None else live
-            entries = _C.stage_segments_to_device(target_ordinal, logical, ranges, checksum_copies=checksum_copies)
-            return Staged(entries, _C.last_staged_copy_bytes(), _C.last_staged_checksum_seconds())
-
-        staged, timing = timed("copy", work)
-        return staged, replace(timing, seconds=max(0.0, timing.seconds - staged.checksum_s))
-
-    def release(self, logical: int) -> StepTiming:
-        return timed("release", lambda: _C.release_source_backing(logical))[1]
-
-    def map_back(self, staged: Staged, logical: int) -> StepTiming:
-        """Maps the copies at their addresses for `logical` (now on the target GPU)."""
-        return timed("map", lambda: self._map(staged, logical))[1]
-
-    def own(self, logical: int, max_bytes: int = sys.maxsize) -> StepTiming:
-        """Replaces the memory that came in through fds with memory of our own (whole segments
-        until `max_bytes` are replaced): a driver checkpoint cannot restore imported memory (its
-        restore fails, CUDA_ERROR_NOT_SUPPORTED, and leaves the process stuck), and NVML does not
-        count it for the process."""
-        return timed("own", lambda: _C.own_imported(logical, self.pool.live_ranges(logical), max_bytes))[1]
-
-    def bring_home(self, staged: Staged, logical: int) -> StepTiming:
-        """Rollback after a release: the released segments' data lives only in the copies on the
-        target; map them for `logical` (read over NVLink), then copy them into memory of its own
-        GPU in place (own_imported). Copies of segments that kept their memory are dropped."""
-
-        def work() -> None:
-            self._map(staged, logical)
-            _C.own_imported(logical, {})
-
-        return timed("rollback_copy", work)[1]
-
-    def _map(self, staged: Staged, logical: int) -> None:
-        """Maps the copies of the segments without memory; closes the copies of the others.
-        Afterwards `staged` holds only the copies still waiting (map_imported closed the fds of
-        those it mapped), also when it failed half way."""
-        waiting = self._unbacked()
-        close_fds([e for e in staged.entries if e.address not in waiting])
-        staged.entries = [e for e in staged.entries if e.address in waiting]
-        try:
-            _C.map_imported(staged.entries, logical)
-        finally:
-            still = self._unbacked()
-            staged.entries = [e for e in staged.entries if e.address in still]
 
     # ---- GPU to host memory ----------------------------------------------------------------
 
@@ -322,8 +203,6 @@ class FastPath:
         """The moves' checksum kernel loaded into the job's context while it trains, before a
         pause's safe point: the driver compiles it as it loads it (107 ms on an H200, fact
         `move-checksum-cost`), which would otherwise fall in the first move's downtime."""
-        from flexium.engine.fast import checksum  # it imports this module
-
         if logical in self._kernel_loaded or checksum.unavailable() is not None:
             return
         try:
@@ -632,46 +511,3 @@ class FastPath:
         if self.host_waiting() == 0:
             return 0
         return sum(int(s.size) for s in _C.vmm_segments() if not s.mapped)
-
-    @staticmethod
-    def _unbacked() -> set[int]:
-        return {s.address for s in _C.vmm_segments() if not s.mapped}
-
-
-DISABLE_NOTE = "the copier process is off: FLEXIUM_HOST_COPIER=0"
-BY_COPIER = "by the copier process"  # where the staging was pinned, as reserve_host says it
-
-
-def copier_room_problem(uuid: str, coming: int = 0) -> str | None:
-    """Why the copier should not take a context on the GPU `uuid` now (None: it has room, or
-    NVML cannot tell). `coming`: bytes the job is about to take there (a resume's), which the
-    copier's context must leave room for."""
-    from flexium.engine import nvml
-
-    try:
-        gpu = nvml.gpu_by_uuid(uuid)
-    except Exception:  # NVML unreadable: the copier tries, and fails over to this process
-        return None
-    needed = COPIER_CONTEXT_BYTES + COPIER_ROOM_MARGIN + coming
-    if gpu is None or gpu.memory_free >= needed:
-        return None
-    beside = f"beside the {coming >> 20} MiB the job comes back with" if coming else "beside the job"
-    return (
-        f"the GPU has {gpu.memory_free >> 20} MiB free, less than the {needed >> 20} MiB the copier's context "
-        f"needs {beside}"
-    )
-
-
-def release_host_staging() -> None:
-    try:
-        _C.release_host_staging()
-    except Exception as exc:  # the next pause reuses what is left; nothing is lost
-        log.warning("could not give the host staging back: %s: %s", type(exc).__name__, exc)
-
-
-def close_fds(entries: Iterable[_C.StagedSegment]) -> None:
-    for entry in entries:
-        try:
-            os.close(entry.fd)
-        except OSError:
-            pass

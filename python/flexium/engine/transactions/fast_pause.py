@@ -10,7 +10,9 @@ from dataclasses import dataclass, replace
 
 from flexium import _C
 from flexium.engine.fast import checksum
-from flexium.engine.fast.path import FastPath, HostCopy, RelocationError
+from flexium.engine.fast.host_staging import HostCopy
+from flexium.engine.fast.path import FastPath
+from flexium.engine.fast.steps import RelocationError
 from flexium.engine.operations import EngineState, GpuIdentity, OperationKind, OperationResult
 from flexium.engine.step_outcomes import describe_failure, first_failure, timing_of
 from flexium.engine.target_rules import check_host_room

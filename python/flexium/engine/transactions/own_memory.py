@@ -5,7 +5,7 @@ After a driver restore the pool's memory cannot be exported to the copier proces
 from __future__ import annotations
 
 from flexium import _C
-from flexium.engine.fast.path import RelocationError
+from flexium.engine.fast.steps import RelocationError
 from flexium.engine.operations import OperationKind, StepTiming
 from flexium.engine.transactions.context import OperationContext
 from flexium.errors import OperationFailedError

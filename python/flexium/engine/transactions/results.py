@@ -8,7 +8,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from flexium import _C
-from flexium.engine.fast.path import FastPath, Staged
+from flexium.engine.fast.device_moves import Staged
+from flexium.engine.fast.path import FastPath
 from flexium.engine.operations import EngineState, GpuIdentity, OperationKind, OperationResult, StepTiming
 from flexium.engine.step_outcomes import describe_failure, first_failure, process_lost
 from flexium.engine.transactions.context import OperationContext

@@ -9,7 +9,8 @@ from dataclasses import replace
 
 from flexium import _C
 from flexium.engine.fast import checksum
-from flexium.engine.fast.path import FastPath, RelocationError
+from flexium.engine.fast.path import FastPath
+from flexium.engine.fast.steps import RelocationError
 from flexium.engine.identity import MovePlan
 from flexium.engine.operations import EngineState, OperationKind, OperationResult
 from flexium.engine.step_outcomes import describe_failure, first_failure, own_restore_succeeded, timing_of

@@ -1,0 +1,86 @@
+"""A pause's host staging: how much of it a pause takes, when the copier process may take a context
+beside the job, and the records of what its preparation and copies did (path.py follows them).
+docs/fast-path.md says why."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from flexium import _C
+
+log = logging.getLogger("flexium")
+# Host staging a pause prepares beyond the pool's live bytes (one chunk of csrc's staging).
+HOST_STAGING_SLACK = 256 << 20
+POOL_GROWTH_ROOM = 8  # the staging may exceed the pool by 1/8
+# Between the copier's chunks while it pins ahead of a pause: the job's CUDA calls get through.
+PIN_PAUSE_MS = 2
+# The copier's context on the job's GPU (fact `staging-pinned-by-copier`: 518 MiB), and what must stay
+# free beside it: a context made on a GPU without room fails or stalls the driver.
+COPIER_CONTEXT_BYTES = 518 << 20
+COPIER_ROOM_MARGIN = 512 << 20
+DISABLE_NOTE = "the copier process is off: FLEXIUM_HOST_COPIER=0"
+BY_COPIER = "by the copier process"  # where the staging was pinned, as FastPath.reserve_host says it
+
+
+@dataclass(frozen=True)
+class Reserved:
+    """What reserve_host did: the staging's bytes pinned for the pause, those of them it pinned
+    now (the rest stayed pinned from before), the seconds it took and where it pinned them."""
+
+    pinned: int
+    newly_pinned: int
+    seconds: float
+    where: str
+    phases: str = ""  # where the seconds went, e.g. "touching 1.50 s, pinning 3.21 s"
+
+
+@dataclass(frozen=True)
+class CopierCopy:
+    """What the copier's order did: the bytes it pinned as its copies reached them and the seconds
+    of that pinning, of which waiting for its touching threads to reach them, and the seconds from
+    its first copy to its last one's end (pinning included)."""
+
+    pinned: int
+    pin_s: float
+    touch_wait_s: float
+    copy_s: float
+
+
+@dataclass(frozen=True)
+class HostCopy:
+    """A pause's copy step: the live bytes copied, the staging made in the step (None: it was
+    ready before the safe point), the seconds of the copies (pinning what was not pinned
+    included), and what the copier said of them (None: they ran in this process)."""
+
+    copied: int
+    made: Reserved | None
+    copy_s: float
+    by_copier: CopierCopy | None
+
+
+def copier_room_problem(uuid: str, coming: int = 0) -> str | None:
+    """Why the copier should not take a context on the GPU `uuid` now (None: it has room, or
+    NVML cannot tell). `coming`: bytes the job is about to take there (a resume's), which the
+    copier's context must leave room for."""
+    from flexium.engine import nvml
+
+    try:
+        gpu = nvml.gpu_by_uuid(uuid)
+    except Exception:  # NVML unreadable: the copier tries, and fails over to this process
+        return None
+    needed = COPIER_CONTEXT_BYTES + COPIER_ROOM_MARGIN + coming
+    if gpu is None or gpu.memory_free >= needed:
+        return None
+    beside = f"beside the {coming >> 20} MiB the job comes back with" if coming else "beside the job"
+    return (
+        f"the GPU has {gpu.memory_free >> 20} MiB free, less than the {needed >> 20} MiB the copier's context "
+        f"needs {beside}"
+    )
+
+
+def release_host_staging() -> None:
+    try:
+        _C.release_host_staging()
+    except Exception as exc:  # the next pause reuses what is left; nothing is lost
+        log.warning("could not give the host staging back: %s: %s", type(exc).__name__, exc)
