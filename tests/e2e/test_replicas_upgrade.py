@@ -3,8 +3,8 @@ PostgreSQL database: an old replica (this code) serves simulated jobs while two 
 version (this code with an additive schema change on top: support/newer_schema.py) start at once.
 They upgrade the schema once, one waiting for the other under the upgrade's PostgreSQL lock; the
 old replica serves on throughout (jobs register and heartbeat through it, and take commands made
-through every replica, each carried out once); restarted, it refuses the newer schema and says
-what to do."""
+through every replica, each carried out once, and no request is a deadlock's victim beside the
+upgrade); restarted, it refuses the newer schema and says what to do."""
 
 from __future__ import annotations
 
@@ -99,9 +99,9 @@ def test_a_rolling_upgrade_under_jobs_traffic(tmp_path: Path) -> None:
         for server in newer:
             server.token, server.job_token = old.token, old.job_token
             server.child.prefix = list(command_prefix(tmp_path / "newer-revision"))
-        body = {i: process_body(f"sim-{i}", host=f"node-{i}", n_gpus=1) for i in range(SIM_JOBS + 1)}
+        body = {i: process_body(f"sim-{i}", host=f"node-{i}", n_gpus=1) for i in range(SIM_JOBS + 2)}
         jobs = [SimJob(old.api, old.job_token or "", f"sim-{i}", body[i]).start() for i in range(SIM_JOBS)]
-        late: SimJob | None = None
+        later: list[SimJob] = []  # registered after the upgrade: through the old replica, a newer one
         traffic = Traffic(token, jobs, [old]).start()
         try:
             wait_until(lambda: all(len(ids) >= 2 for ids in traffic.created.values()), 60, "commands before")
@@ -136,13 +136,15 @@ def test_a_rolling_upgrade_under_jobs_traffic(tmp_path: Path) -> None:
 
                 # The old replica served while the upgrade waited, and serves after it: commands
                 # made through every replica reach the jobs polling it; a job registers through
-                # it, into the table with the new column, and takes one from a newer replica.
+                # it, into the table with the new columns, and takes one made through a newer
+                # replica; one on a newer replica takes one made through the old.
                 traffic.senders.extend(newer)
-                late = SimJob(old.api, old.job_token or "", f"sim-{SIM_JOBS}", body[SIM_JOBS]).start()
-                r = newer[1].post("/commands", {"kind": "pause", "process_id": late.process_id})
-                assert r.status_code == 201, r.text
-                ended = newer[1].get(f"/commands/{r.json()['id']}", params={"wait": 20}, timeout=30).json()
-                assert ended["state"] == "succeeded", ended
+                for through, polled, i in ((newer[1], old, SIM_JOBS), (old, newer[0], SIM_JOBS + 1)):
+                    later.append(SimJob(polled.api, old.job_token or "", f"sim-{i}", body[i]).start())
+                    r = through.post("/commands", {"kind": "pause", "process_id": f"sim-{i}"})
+                    assert r.status_code == 201, r.text
+                    ended = through.get(f"/commands/{r.json()['id']}", params={"wait": 20}, timeout=30).json()
+                    assert ended["state"] == "succeeded", ended
                 wait_until(
                     lambda: all(traffic.sent_by[s.port] >= SIM_JOBS for s in [old, *newer]),
                     120,
@@ -151,7 +153,7 @@ def test_a_rolling_upgrade_under_jobs_traffic(tmp_path: Path) -> None:
                 column, table = NULLABLE_COLUMN[1], NULLABLE_COLUMN[0]
                 assert conn.execute(f"SELECT count(*) FROM {table} WHERE {column} IS NOT NULL").fetchone() == (0,)
                 column, table = DEFAULT_COLUMN[1], DEFAULT_COLUMN[0]
-                assert conn.execute(f"SELECT count(*), min({column}) FROM {table}").fetchone() == (SIM_JOBS + 1, 0)
+                assert conn.execute(f"SELECT count(*), min({column}) FROM {table}").fetchone() == (SIM_JOBS + 2, 0)
             traffic.join()
             assert traffic.errors == [], traffic.errors[:5]
 
@@ -168,10 +170,10 @@ def test_a_rolling_upgrade_under_jobs_traffic(tmp_path: Path) -> None:
                     10,
                     f"{job.process_id}'s heartbeat after the upgrade",
                 )
-            assert sum(job.errors for job in [*jobs, late]) == 0
+            assert sum(job.errors for job in [*jobs, *later]) == 0
         finally:
             traffic.join()
-            for job in [*jobs, *([late] if late else [])]:
+            for job in [*jobs, *later]:
                 job.close()
             for server in newer:
                 server.stop()
@@ -182,3 +184,8 @@ def test_a_rolling_upgrade_under_jobs_traffic(tmp_path: Path) -> None:
             old.start(START_S)
         assert f"the database schema is at revision {revision}, which this flexium does not know" in str(refused.value)
         assert "upgrade flexium" in str(refused.value)
+
+        # No request was a deadlock's victim beside the upgrade (a 503 to a job or a person).
+        with psycopg.connect(database.replace("postgresql+psycopg://", "postgresql://"), autocommit=True) as conn:
+            row = conn.execute("SELECT deadlocks FROM pg_stat_database WHERE datname = current_database()").fetchone()
+            assert row == (0,), f"{row[0] if row else '?'} deadlocks in the database during the upgrade"

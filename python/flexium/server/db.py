@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import random
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -50,6 +51,9 @@ _WRITE_OPTION = "flexium_write"
 _LOCK_WAIT_OPTION = "flexium_lock_wait_ms"  # SQLite's busy_timeout for this write
 INLINE_LOCK_WAIT_S = 0.05  # what a write on the event loop waits for SQLite's write lock
 MIGRATION_LOCK_KEY = 0x666C6578  # PostgreSQL advisory lock: one schema upgrade at a time, whatever the servers
+UPGRADE_LOCK_WAIT_MS = 200  # PostgreSQL: the most a schema change waits for one lock before it gives way
+UPGRADE_TRIES_S = 120.0  # ... and for how long it tries again
+_PG_LOCK_NOT_AVAILABLE = "55P03"  # SQLSTATE of lock_timeout
 # SQLSTATE of a write refused because the transaction is read-only (default_transaction_read_only,
 # or a standby in recovery).
 _PG_READ_ONLY = "25006"
@@ -315,7 +319,9 @@ class Database:
     def upgrade(self, *, new_database: bool = False) -> float:
         """Create or upgrade the schema to this version's head; returns seconds taken. A SQLite
         file this server used before and that is gone now is not created again empty unless
-        `new_database`: DatabaseUnavailable says where it was and what to do."""
+        `new_database`: DatabaseUnavailable says where it was and what to do. PostgreSQL: one
+        server at a time (``MIGRATION_LOCK_KEY``), giving way to the requests of replicas that
+        serve meanwhile (``UPGRADE_LOCK_WAIT_MS``)."""
         self._check_not_lost(new_database=new_database)
         self._keep_file_private()
         from alembic import command
@@ -326,21 +332,39 @@ class Database:
         script = ScriptDirectory.from_config(config)
         known = {rev.revision for rev in script.walk_revisions()}
         start = time.perf_counter()
+        give_up = time.monotonic() + UPGRADE_TRIES_S
         lock = self._write_lock
         if lock is not None:
             lock.acquire()
         try:
-            with self._write_engine.begin() as conn:
-                if not self.is_sqlite:
-                    conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": MIGRATION_LOCK_KEY})
-                unknown = set(MigrationContext.configure(conn).get_current_heads()) - known
-                if unknown:
-                    raise SchemaTooNew(
-                        f"the database schema is at revision {', '.join(sorted(unknown))}, "
-                        "which this flexium does not know: upgrade flexium"
-                    )
-                config.attributes["connection"] = conn
-                command.upgrade(config, "head")
+            while True:
+                try:
+                    with self._write_engine.begin() as conn:
+                        if not self.is_sqlite:
+                            conn.execute(text("SELECT pg_advisory_xact_lock(:k)"), {"k": MIGRATION_LOCK_KEY})
+                            # Older replicas serve on while it runs: a request holding one table and
+                            # waiting for another this change holds would be a deadlock's victim
+                            # (refused, 503) once it waited deadlock_timeout (1 s); the change
+                            # waits less for each lock, gives way, and tries again.
+                            conn.execute(text(f"SET LOCAL lock_timeout = {UPGRADE_LOCK_WAIT_MS}"))
+                        unknown = set(MigrationContext.configure(conn).get_current_heads()) - known
+                        if unknown:
+                            raise SchemaTooNew(
+                                f"the database schema is at revision {', '.join(sorted(unknown))}, "
+                                "which this flexium does not know: upgrade flexium"
+                            )
+                        config.attributes["connection"] = conn
+                        command.upgrade(config, "head")
+                    break
+                except OperationalError as exc:
+                    if getattr(exc.orig, "sqlstate", None) != _PG_LOCK_NOT_AVAILABLE:
+                        raise
+                    if time.monotonic() > give_up:
+                        raise DatabaseUnavailable(
+                            f"the schema upgrade found its tables locked by other sessions for {UPGRADE_TRIES_S:g} s "
+                            "(a long transaction? pg_stat_activity shows it); start the server again once it ended"
+                        ) from exc
+                    time.sleep(random.uniform(0.1, 0.5))  # the requests it held up go first
         except OperationalError as exc:
             raise DatabaseUnavailable(_short(exc)) from exc
         finally:
