@@ -51,9 +51,12 @@ _WRITE_OPTION = "flexium_write"
 _LOCK_WAIT_OPTION = "flexium_lock_wait_ms"  # SQLite's busy_timeout for this write
 INLINE_LOCK_WAIT_S = 0.05  # what a write on the event loop waits for SQLite's write lock
 MIGRATION_LOCK_KEY = 0x666C6578  # PostgreSQL advisory lock: one schema upgrade at a time, whatever the servers
-UPGRADE_LOCK_WAIT_MS = 200  # PostgreSQL: the most a schema change waits for one lock before it gives way
+# PostgreSQL: the most a schema change waits for one lock before it gives way (at most half the
+# server's deadlock_timeout)
+UPGRADE_LOCK_WAIT_MS = 200
 UPGRADE_TRIES_S = 120.0  # ... and for how long it tries again
 _PG_LOCK_NOT_AVAILABLE = "55P03"  # SQLSTATE of lock_timeout
+_PG_DEADLOCK_TIMEOUT_MS = "SELECT setting::int FROM pg_settings WHERE name = 'deadlock_timeout'"
 # SQLSTATE of a write refused because the transaction is read-only (default_transaction_read_only,
 # or a standby in recovery).
 _PG_READ_ONLY = "25006"
@@ -346,7 +349,9 @@ class Database:
                             # waiting for another this change holds would be a deadlock's victim
                             # (refused, 503) once it waited deadlock_timeout (1 s); the change
                             # waits less for each lock, gives way, and tries again.
-                            conn.execute(text(f"SET LOCAL lock_timeout = {UPGRADE_LOCK_WAIT_MS}"))
+                            deadlock_ms = conn.execute(text(_PG_DEADLOCK_TIMEOUT_MS)).scalar_one()
+                            wait_ms = max(1, min(UPGRADE_LOCK_WAIT_MS, int(deadlock_ms) // 2))
+                            conn.execute(text(f"SET LOCAL lock_timeout = {wait_ms}"))
                         unknown = set(MigrationContext.configure(conn).get_current_heads()) - known
                         if unknown:
                             raise SchemaTooNew(
