@@ -109,7 +109,7 @@ def populate(libc: Libc, base: int, size: int, threads: int) -> None:
 
 class Staging:
     """SIZE bytes of one kind of host memory, as chunks of 256 MiB (2 MiB aligned). Kinds: memfd
-    (one file), memfd8 / memfd16 (a file per touching thread, as the copier maps its staging),
+    (one file), memfdN (N files, a file per touching thread, as the copier maps its staging),
     memfd_madv (memfd + MADV_HUGEPAGE: huge pages only where shmem_enabled allows them), hugetlb
     (memfd_create MFD_HUGETLB: needs huge pages reserved on the host), anon_thp (anonymous +
     MADV_HUGEPAGE: what only the copier could hold, and the staged bytes would die with it)."""
@@ -119,7 +119,7 @@ class Staging:
         self.maps: list[tuple[int, int]] = []
         self.fds: list[int] = []
         self.chunks: list[tuple[int, int]] = []
-        files = {"memfd8": TOUCH_THREADS, "memfd16": 2 * TOUCH_THREADS}.get(kind, 1)
+        files = int(kind[len("memfd") :]) if kind[len("memfd") :].isdigit() else 1
         per_file = round_up(-(-size // files), HUGE)
         for index in range(files):
             length = min(per_file, size - index * per_file)
