@@ -41,6 +41,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from cpu_use import CpuWindow
@@ -48,6 +49,14 @@ from http_client import Conn, HttpError, read_events, tune_client
 from live_server import Databases, Replicas, Server
 from simulated_job import BASE, GIB, Observer, SimulatedHost, SimulatedJob
 from tables import pct
+
+_STARTED = time.perf_counter()
+
+
+def progress(what: str) -> None:
+    """A line with the seconds since the benchmark started: where a long run is, and what each phase took."""
+    print(f"   [{time.perf_counter() - _STARTED:6.1f} s] {what}", flush=True)
+
 
 # --- measurements ---------------------------------------------------------------------------
 
@@ -205,7 +214,7 @@ async def bench_once(
         )
         for i in range(n)
     ]
-    sem = asyncio.Semaphore(32)
+    sem = asyncio.Semaphore(args.register_concurrency)
 
     async def register(job: SimulatedJob) -> None:
         async with sem:
@@ -215,15 +224,17 @@ async def bench_once(
                 raise HttpError(str(exc)) from None
 
     t0 = time.perf_counter()
+    progress(f"registering {n} jobs, {args.register_concurrency} at once")
     await asyncio.gather(*(register(j) for j in jobs))
     register_s = time.perf_counter() - t0
+    progress(f"registered in {register_s:.1f} s; warming up (at most {args.warmup_limit:g} s)")
 
     stop = asyncio.Event()
     runners = [asyncio.create_task(j.live(stop)) for j in jobs]
     # warm-up: every job has heartbeated and the server answers promptly again (2000 jobs
     # starting at the same instant is a storm no real cluster makes); bounded
     probe = Conn(port, token)
-    deadline = time.perf_counter() + 120
+    deadline = time.perf_counter() + args.warmup_limit
     await asyncio.sleep(args.heartbeat_interval + 1.0)
     while time.perf_counter() < deadline:
         start = time.perf_counter()
@@ -233,7 +244,9 @@ async def bench_once(
         await asyncio.sleep(0.5)
     probe.close()
     warmup_s = time.perf_counter() - t0 - register_s
+    heartbeated = len(stats.hb_latency)
     stats.hb_latency.clear()
+    progress(f"warm-up took {warmup_s:.1f} s ({heartbeated} heartbeats); steady phase of {args.duration:g} s")
     streams = await dashboards(port, token, args.dashboards, stats)
     cmd_conns = [Conn(port, token) for _ in range(8)]
     ctl_stop = asyncio.Event()
@@ -244,10 +257,15 @@ async def bench_once(
     await ctl
     steady_s = time.perf_counter() - steady_start
     heartbeats = len(stats.hb_latency)
-    await asyncio.sleep(1.0)  # last deliveries land
+    await asyncio.sleep(1.0)  # the last deliveries and events land
     stop.set()
-    # polls end by their own wait; don't hold the run for them
-    await asyncio.wait(runners, timeout=args.poll_wait + 5)
+    progress(f"steady phase over; waiting at most {args.poll_wait + 5:g} s for the last commands' deliveries")
+    # Only the deliveries are waited for (a command not received by then is lost): the jobs' open
+    # polls are then cut, and the server ends a long-poll whose client left; waiting for each to
+    # end by its own wait held every row up to --poll-wait seconds more.
+    deadline = time.perf_counter() + args.poll_wait + 5
+    while time.perf_counter() < deadline and any(cid not in stats.received for cid in stats.sent):
+        await asyncio.sleep(0.1)
     for task in [*runners, *streams]:
         task.cancel()
     for j in jobs:
@@ -256,6 +274,7 @@ async def bench_once(
     for c in cmd_conns:
         c.close()
 
+    progress(f"burst: {args.burst_concurrency} connections for {args.burst_seconds:g} s")
     cpu = CpuWindow(server_cpu)
     burst_rate, burst_lat = await burst(jobs, base, args.burst_seconds, args.burst_concurrency)
     burst_cpu = cpu.end()
@@ -389,6 +408,19 @@ def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
             )
 
 
+def save_logs(server: Server | Replicas, folder: Path, label: str) -> None:
+    """After a row's servers stopped: the last lines each printed (bench/live_server.py keeps 50)
+    and, for replicas, nginx's error log."""
+    folder.mkdir(parents=True, exist_ok=True)
+    servers = server.servers if isinstance(server, Replicas) else [server]
+    for i, one in enumerate(servers):
+        (folder / f"{label}-server-{i}.log").write_text("".join(line + "\n" for line in one.output))
+    if isinstance(server, Replicas) and hasattr(server, "front"):
+        error_log = server.front.work / "error.log"
+        if error_log.exists():
+            shutil.copy(error_log, folder / f"{label}-nginx-error.log")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--jobs", default="100,1000,2000")
@@ -408,11 +440,22 @@ def main(argv: list[str] | None = None) -> int:
         help="e.g. 1,3: that many servers on one PostgreSQL behind nginx, a row each (--backends is then ignored)",
     )
     parser.add_argument("--postgres-url", default=os.environ.get("FLEXIUM_TEST_POSTGRES_URL"))
+    parser.add_argument(
+        "--register-concurrency", type=int, default=32, help="registrations under way at once in the start's storm"
+    )
+    parser.add_argument(
+        "--warmup-limit",
+        type=float,
+        default=120.0,
+        help="the most seconds the warm-up waits for every job's first heartbeat and a prompt /healthz",
+    )
+    parser.add_argument("--logs", default="", help="a folder for each row's servers' last lines and nginx's error log")
     args = parser.parse_args(argv)
     tune_client()
     rows = []
     work = tempfile.mkdtemp(prefix="flexium-bench.")
     databases = Databases(work, args.postgres_url)
+    interrupted = False
     try:
         runs = [("postgresql", int(k)) for k in args.replicas.split(",")] if args.replicas else []
         runs = runs or [(backend, 0) for backend in args.backends.split(",")]
@@ -420,6 +463,7 @@ def main(argv: list[str] | None = None) -> int:
             for n in [int(x) for x in args.jobs.split(",")]:
                 with databases.fresh(backend, f"bench-{n}") as url:
                     options = quota_options(n, args)
+                    progress(f"starting {max(replicas, 1)} server(s)" + (" and nginx" if replicas else ""))
                     server = Replicas(url, work, replicas, options) if replicas else Server(url, work, options)
                     label = f"{backend} x{replicas} (nginx)" if replicas else backend
                     try:
@@ -448,11 +492,18 @@ def main(argv: list[str] | None = None) -> int:
                         )
                     finally:
                         server.stop()
+                        if args.logs:
+                            save_logs(
+                                server, Path(args.logs), f"{backend}-x{replicas}-{n}" if replicas else f"{backend}-{n}"
+                            )
+    except KeyboardInterrupt:  # ci/bench-replicas.sh's time limit, or Ctrl-C: the rows finished still count
+        interrupted = True
+        print(f"\ninterrupted (SIGINT) after {len(rows)} finished row(s)", flush=True)
     finally:
         databases.close()
         shutil.rmtree(work, ignore_errors=True)
     print_table(rows, args)
-    return 0
+    return 1 if interrupted else 0
 
 
 if __name__ == "__main__":

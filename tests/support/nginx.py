@@ -19,7 +19,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-NGINX = "/usr/sbin/nginx"
+# FLEXIUM_NGINX: another nginx, e.g. ci/bench-replicas.sh's from the bundle of a machine without one
+NGINX = os.environ.get("FLEXIUM_NGINX", "/usr/sbin/nginx")
 GUIDE = Path(__file__).resolve().parents[2] / "docs" / "guide" / "server.md"
 _NGINX_BLOCK = re.compile(r"^```nginx\n(.*?)^```$", re.MULTILINE | re.DOTALL)
 _UPSTREAM_SERVER = re.compile(r"^(\s*)server\s+\S+(.*;.*)$")
@@ -97,7 +98,7 @@ class NginxFront:
         if not os.access(NGINX, os.X_OK):
             raise NginxMissing(
                 f"{NGINX} is missing: the replica tests put Debian's nginx in front of the servers; "
-                "install it (apt-get install nginx-light; ci/test.sh does)"
+                "install it (apt-get install nginx-light; ci/test.sh does), or name another with FLEXIUM_NGINX"
             )
         self.work = Path(work)
         self.upstream_ports = list(upstream_ports)
