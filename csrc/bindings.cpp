@@ -326,6 +326,8 @@ void bind_copier(py::module_ &m) {
       .def_property_readonly("awake", &HostCopier::awake)
       .def_property_readonly("pinned_bytes", &HostCopier::pinned_bytes)
       .def_property_readonly("pinned_since_wake", &HostCopier::pinned_since_wake)
+      .def_property_readonly("pinned_at_wake", &HostCopier::pinned_at_wake)
+      .def_property_readonly("pinning", &HostCopier::pinning)
       .def_property_readonly("last_pinner", &HostCopier::last_pinner)
       .def_property_readonly("last_copy_times", [](const HostCopier &c) {
         const CopyTimes t = c.last_copy_times();

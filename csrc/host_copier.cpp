@@ -164,9 +164,11 @@ std::string HostCopier::wake(const std::string &uuid, bool wait, int pause_ms) {
     FLEXIUM_CU_CALL(d, cuCtxSetCurrent, context_);
     FLEXIUM_CU_CALL(d, cuStreamCreate, &stream_, CU_STREAM_NON_BLOCKING);
   }
+  const std::size_t found_pinned = pinned_bytes();
   {
     std::lock_guard<std::mutex> guard(mutex_);
     pinned_since_wake_ = 0;
+    pinned_at_wake_ = found_pinned;
   }
   // Awake already, the pinner may have stopped, or chunks been added since (extend()).
   start_pinner(pause_ms);
@@ -184,42 +186,49 @@ void HostCopier::start_pinner(int pause_ms) {
     std::lock_guard<std::mutex> guard(mutex_);
     pin_error_.clear();
   }
-  pinner_ = std::thread([this, pause_ms] {
-    const auto started = std::chrono::steady_clock::now();
-    std::size_t chunks = 0, bytes = 0;
-    double slowest = 0;
-    std::string ending = "all pinned";
-    try {
-      FLEXIUM_CU_CALL(require_vmm_driver(), cuCtxSetCurrent, context_);
-      for (std::size_t i = 0; i < chunks_.size(); ++i) {
-        if (stop_) {
-          ending = "stopped";
-          break;
+  pinner_running_ = true;
+  try {
+    pinner_ = std::thread([this, pause_ms] {
+      const auto started = std::chrono::steady_clock::now();
+      std::size_t chunks = 0, bytes = 0;
+      double slowest = 0;
+      std::string ending = "all pinned";
+      try {
+        FLEXIUM_CU_CALL(require_vmm_driver(), cuCtxSetCurrent, context_);
+        for (std::size_t i = 0; i < chunks_.size(); ++i) {
+          if (stop_) {
+            ending = "stopped";
+            break;
+          }
+          {
+            std::lock_guard<std::mutex> guard(mutex_);
+            if (pinned_[i]) continue;
+          }
+          const auto pin_start = std::chrono::steady_clock::now();
+          pin_chunk(i);
+          slowest =
+              std::max(slowest, std::chrono::duration<double>(std::chrono::steady_clock::now() - pin_start).count());
+          ++chunks;
+          bytes += chunks_[i].size;
+          if (pause_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
         }
-        {
-          std::lock_guard<std::mutex> guard(mutex_);
-          if (pinned_[i]) continue;
-        }
-        const auto pin_start = std::chrono::steady_clock::now();
-        pin_chunk(i);
-        slowest =
-            std::max(slowest, std::chrono::duration<double>(std::chrono::steady_clock::now() - pin_start).count());
-        ++chunks;
-        bytes += chunks_[i].size;
-        if (pause_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
+      } catch (const std::exception &e) {
+        std::lock_guard<std::mutex> guard(mutex_);
+        pin_error_ = e.what();
+        ending = std::string("failed: ") + e.what();
       }
-    } catch (const std::exception &e) {
+      const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
+      char summary[200];
+      std::snprintf(summary, sizeof summary, "pinned %zu chunks (%.2f GiB) in %.2f s (the slowest %.0f ms), ", chunks,
+                    static_cast<double>(bytes) / static_cast<double>(std::size_t{1} << 30), seconds, slowest * 1e3);
       std::lock_guard<std::mutex> guard(mutex_);
-      pin_error_ = e.what();
-      ending = std::string("failed: ") + e.what();
-    }
-    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
-    char summary[200];
-    std::snprintf(summary, sizeof summary, "pinned %zu chunks (%.2f GiB) in %.2f s (the slowest %.0f ms), ", chunks,
-                  static_cast<double>(bytes) / static_cast<double>(std::size_t{1} << 30), seconds, slowest * 1e3);
-    std::lock_guard<std::mutex> guard(mutex_);
-    last_pinner_ = summary + ending;
-  });
+      last_pinner_ = summary + ending;
+      pinner_running_ = false;
+    });
+  } catch (...) {
+    pinner_running_ = false;  // no thread to be had
+    throw;
+  }
 }
 
 void HostCopier::pin_rest(int pause_ms) {
@@ -363,6 +372,11 @@ void HostCopier::sleep() {
 std::size_t HostCopier::pinned_since_wake() const {
   std::lock_guard<std::mutex> guard(mutex_);
   return pinned_since_wake_;
+}
+
+std::size_t HostCopier::pinned_at_wake() const {
+  std::lock_guard<std::mutex> guard(mutex_);
+  return pinned_at_wake_;
 }
 
 std::string HostCopier::last_pinner() const {

@@ -90,6 +90,11 @@ class HostCopier {
   bool awake() const { return context_ != nullptr; }
   std::size_t pinned_bytes() const;
   std::size_t pinned_since_wake() const;  // by the last wake() and the copies after it
+  // What the last wake() found pinned, once it had stopped the pinning before it (a pause that
+  // came while the staging was being pinned ahead copies these chunks at once, and pins the rest).
+  std::size_t pinned_at_wake() const;
+  // Whether a pinner thread (of wake() or pin_rest()) is pinning now.
+  bool pinning() const { return pinner_running_; }
   // How the last pinner thread (of wake() or pin_rest()) ended: what it pinned, in how long, and
   // whether it finished, was stopped or failed; "" before the first. A failure in the background
   // is reported here and so by the next wake(), which pins what is left again.
@@ -131,8 +136,10 @@ class HostCopier {
   CUstream stream_ = nullptr;
   std::thread pinner_;
   std::atomic<bool> stop_{false};
-  mutable std::mutex mutex_;  // pinned_, touched_, pinned_since_wake_, pin_error_ and last_pinner_
+  std::atomic<bool> pinner_running_{false};
+  mutable std::mutex mutex_;  // pinned_, touched_, pinned_since_wake_, pinned_at_wake_, pin_error_, last_pinner_
   std::size_t pinned_since_wake_ = 0;
+  std::size_t pinned_at_wake_ = 0;
   std::string pin_error_;
   std::string last_pinner_;
   CopyTimes times_;

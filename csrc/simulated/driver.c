@@ -405,6 +405,7 @@ static void list_item(const char *list, int index, char *out, size_t size) {
 
 static int add_rule(const char *function, int nth, int code);
 static int add_corruption(const char *function, int nth);
+static int add_delay(const char *function, unsigned int ms);
 
 static void configure_from_environment(void) {
   fake.cuda_version = env_int("FAKE_CUDA_VERSION", 13000);
@@ -484,6 +485,24 @@ static void configure_from_environment(void) {
     }
     corrupt += strcspn(corrupt, ",");
     if (*corrupt == ',') ++corrupt;
+  }
+
+  /* FAKE_CUDA_DELAY="function:ms,...": slow calls armed the same way (a copier process pinning a
+   * staging ahead slowly enough for a pause to come while it is half way). */
+  const char *delay = getenv("FAKE_CUDA_DELAY");
+  while (delay != NULL && *delay != '\0') {
+    char item[128];
+    size_t length = strcspn(delay, ",");
+    if (length >= sizeof(item)) length = sizeof(item) - 1;
+    memcpy(item, delay, length);
+    item[length] = '\0';
+    char *ms_text = strchr(item, ':');
+    if (ms_text != NULL) {
+      *ms_text++ = '\0';
+      add_delay(item, (unsigned int)strtoul(ms_text, NULL, 10));
+    }
+    delay += strcspn(delay, ",");
+    if (*delay == ',') ++delay;
   }
 }
 
@@ -2740,21 +2759,22 @@ int fake_pending_failures(void) {
   return n;
 }
 
-int fake_set_delay_ms(const char *function, unsigned int ms) {
-  if (function == NULL || *function == '\0') return -1;
-  pthread_mutex_lock(&mutex);
-  int rc = 0;
+static int add_delay(const char *function, unsigned int ms) {
   int i = 0;
   while (i < fake.delay_count && strcmp(fake.delays[i].function, function) != 0) ++i;
   if (i == fake.delay_count) {
-    if (fake.delay_count == MAX_DELAYS) {
-      rc = -1;
-    } else {
-      ++fake.delay_count;
-      snprintf(fake.delays[i].function, sizeof(fake.delays[i].function), "%s", function);
-    }
+    if (fake.delay_count == MAX_DELAYS) return -1;
+    ++fake.delay_count;
+    snprintf(fake.delays[i].function, sizeof(fake.delays[i].function), "%s", function);
   }
-  if (rc == 0) fake.delays[i].ms = ms;
+  fake.delays[i].ms = ms;
+  return 0;
+}
+
+int fake_set_delay_ms(const char *function, unsigned int ms) {
+  if (function == NULL || *function == '\0') return -1;
+  pthread_mutex_lock(&mutex);
+  const int rc = add_delay(function, ms);
   pthread_mutex_unlock(&mutex);
   return rc;
 }

@@ -289,6 +289,10 @@ class HostCopier:
     @property
     def pinned_since_wake(self) -> int: ...
     @property
+    def pinned_at_wake(self) -> int: ...  # pinned when the last wake() had stopped the pinning before it
+    @property
+    def pinning(self) -> bool: ...  # a pinner thread is pinning now
+    @property
     def last_pinner(self) -> str: ...  # how the last background pinning ended ("" before any)
     @property
     def last_copy_times(self) -> dict[str, float]: ...  # import_s, pin_s, touch_wait_s, pinned_in_copy (bytes), copy_s

@@ -40,7 +40,8 @@ from support.fast_path import (  # noqa: E402,F401  (fixtures)
 
 MADE = re.compile(
     r"made the host staging by the copier process \d+ at the safe point in \d+\.\d\d s \(0\.01 GiB of it newly "
-    r"mapped and touched, 0\.00 GiB newly pinned; files \d+\.\d\d s, attach \d+\.\d\d s\), then pinned "
+    r"mapped and touched, 0\.00 GiB found pinned, 0\.01 GiB streamed; files \d+\.\d\d s, attach \d+\.\d\d s\), "
+    r"then pinned "
     r"\d+\.\d\d GiB in \d+\.\d\d s as the copies reached it \(of which \d+\.\d\d s waiting for the touching\), "
     r"copies \d+\.\d\d s$"
 )

@@ -134,6 +134,8 @@ class Copier:
         # What the copier maps: the staging's extents (inode, size) and its chunks, as sent.
         self._attached: tuple[tuple[tuple[int, int], ...], list[list[int]]] | None = None
         self._awake_on: str | None = None
+        # The reply to the last wake sent without waiting, once read (what it found pinned).
+        self.last_wake: dict[str, Any] | None = None
         self._parent_pid: int | None = None  # set in a forked child: the copier is its parent's
         _copiers.add(self)
 
@@ -212,6 +214,7 @@ class Copier:
         message = {"op": "wake", "uuid": uuid, "wait": wait, "pause_ms": pause_ms}
         self.awake_on = uuid
         if not wait:
+            self.last_wake = None
             self._send(message)
             self._unread.append("wake")
             return {}
@@ -281,6 +284,11 @@ class Copier:
             close_all(fds)
             raise refused
         return Filled(reply, fds)
+
+    def pinning(self) -> dict[str, Any]:
+        """How far its background pinning is: "pinned" bytes, "pinning" (still under way), "pinner" (how
+        the last one ended)."""
+        return self._exchange({"op": "pinning"}, timeout=START_TIMEOUT_S)
 
     def sleep(self) -> None:
         """Unpins the staging and lets go of its GPU context now (the staging stays mapped)."""
@@ -354,7 +362,10 @@ class Copier:
         if not self._unread:
             return {}
         what = self._unread.pop(0)
-        return self._reply(what, timeout)
+        reply = self._reply(what, timeout)
+        if what == "wake":
+            self.last_wake = reply
+        return reply
 
     def _reply(self, what: str, timeout: float) -> dict[str, Any]:
         reply, fds = self._reply_with_fds(what, timeout)

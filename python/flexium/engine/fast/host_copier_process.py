@@ -6,8 +6,9 @@ given, one request at a time, until the job says quit or goes away.
 (--trace: each request and reply on stderr, the job's; the job asks for it when its log is at DEBUG.)
 
 Requests: hello (loads the driver); attach (the staging's extents as fds, sizes, chunks); extend
-(the extents and chunks the job added to its staging since); wake (uuid, wait, pause_ms; says how
-the background pinning before it ended); copy
+(the extents and chunks the job added to its staging since); wake (uuid, wait, pause_ms; says what
+it found pinned and how the background pinning before it ended); pinning (how far the background
+pinning is: bytes pinned, whether it still runs, how the last one ended); copy
 (to_host, the segments as fds, sizes, pieces, then_sleep: a second reply follows once asleep;
 pin_rest_pause_ms: then pins the chunks the copies did not use); fill (sizes, pieces,
 then_sleep, pin_rest_pause_ms: new memory made and filled from the staging while the job restores,
@@ -113,7 +114,14 @@ class Server:
         copier = self.require_attached(op)
         if op == "wake":
             before = copier.wake(str(message["uuid"]), bool(message["wait"]), int(message.get("pause_ms", 0)))
-            return {"pinned": copier.pinned_bytes, "newly_pinned": copier.pinned_since_wake, "pinner_before": before}
+            return {
+                "pinned": copier.pinned_bytes,
+                "newly_pinned": copier.pinned_since_wake,
+                "pinned_at_wake": copier.pinned_at_wake,
+                "pinner_before": before,
+            }
+        if op == "pinning":
+            return {"pinned": copier.pinned_bytes, "pinning": copier.pinning, "pinner": copier.last_pinner}
         if op == "copy":
             segments = with_sizes(op, message, fds, "segments")
             pieces = [_C.CopierPiece(**dict(zip(PIECE_FIELDS, row, strict=True))) for row in message["pieces"]]

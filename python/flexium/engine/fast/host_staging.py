@@ -33,6 +33,26 @@ class Reserved:
     seconds: float
     where: str
     phases: str = ""  # where the seconds went, e.g. "touching 1.50 s, pinning 3.21 s"
+    # Made at the safe point: the bytes the copier had pinned ahead when it stopped that pinning for
+    # the copies (a staging kept for pauses, still being pinned), and how that pinning had gone.
+    found_pinned: int = 0
+    pinning_before: str = ""
+    staging: int = 0  # the staging's bytes then, the rest of which the pause pins as its copies near it
+
+
+@dataclass(frozen=True)
+class PinnedAhead:
+    """How far the copier has pinned the staging kept for pauses: `pinned` of its `staging` bytes,
+    whether its pinner still runs, and how the last one ended (the copier's words)."""
+
+    pinned: int
+    staging: int
+    pinning: bool
+    pinner: str
+
+    @property
+    def complete(self) -> bool:
+        return self.pinned >= self.staging
 
 
 @dataclass(frozen=True)

@@ -105,12 +105,35 @@ class StagingKeeper:
         # Kept for this pool already: nothing to ask (a pool's live ranges come from a snapshot of
         # PyTorch's allocator, which holds the GIL while it is taken).
         if pool == self._kept_for_pool and self._fast.kept_on(uuid):
+            self._follow_pinning(uuid)
             return
         note = self._fast.keep_ready(logical, uuid)
         if note is not None:
             self._say(note)
         if self._fast.kept_on(uuid):
             self._kept_for_pool = pool
+
+    def _follow_pinning(self, uuid: str) -> None:
+        """The copier pins the kept staging in the background, after the keeper made it or a resume
+        kept it (a pause coming meanwhile streams what is not pinned yet): says so once it has pinned
+        it all, or gives it back if its pinning stopped short (the next look keeps it again, with a new
+        copier if that one is gone)."""
+        ahead = self._fast.kept_pinning(uuid)
+        if ahead is None or ahead.pinning:
+            return
+        if ahead.complete:
+            self._say(
+                f"keeps {ahead.staging / (1 << 30):.2f} GiB of host staging pinned by the copier process for a "
+                f"pause (its pinning ahead: {ahead.pinner})"
+            )
+            return
+        self._fast.give_back_kept()
+        self._kept_for_pool = 0
+        self._say(
+            f"the staging for a pause is prepared when one is asked for: the copier's pinning ahead stopped at "
+            f"{ahead.pinned / (1 << 30):.2f} of {ahead.staging / (1 << 30):.2f} GiB ({ahead.pinner})",
+            logging.WARNING,
+        )
 
     def _say(self, note: str, level: int = logging.INFO) -> None:
         if note != self.note:

@@ -15,6 +15,8 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
+from typing import Literal
 
 from flexium import _C
 from flexium.engine.fast import checksum, pinned_budget, resume_overlap
@@ -28,6 +30,7 @@ from flexium.engine.fast.host_staging import (
     POOL_GROWTH_ROOM,
     CopierCopy,
     HostCopy,
+    PinnedAhead,
     Reserved,
     copier_room_problem,
     release_host_staging,
@@ -40,6 +43,10 @@ from flexium.errors import DriverError
 log = logging.getLogger("flexium")
 # Files kept free besides one per segment (sockets, logs, the NVML helper's pipes).
 FD_RESERVE = 256
+# When the copier pins a staging it was given: before the call returns (a pause topping up a kept
+# staging, while the job trains), ahead in the background with breaks for the job's CUDA calls (the
+# keeper), or as the copies reach each chunk (a pause at its safe point, the job stopped).
+PinWhen = Literal["before returning", "ahead", "as copied"]
 
 
 def memory_elsewhere(devices: list[str]) -> str:
@@ -139,16 +146,17 @@ class FastPath(DeviceMoves):
         trains: in the copier process (GPU `uuid`), or here if the copier is off or fails (the
         stage then unpins each chunk once copied, so the checkpoint sees no pinned memory)."""
         with self._host_lock:
-            return self._reserve_host(logical, wanted, uuid)
+            return self._reserve_host(logical, wanted, uuid, pin="before returning")
 
-    def _reserve_host(self, logical: int, wanted: int, uuid: str, *, job_stopped: bool = False) -> Reserved:
-        """With `job_stopped` (at a pause's safe point) the copier takes its context while it
+    def _reserve_host(self, logical: int, wanted: int, uuid: str, *, pin: PinWhen) -> Reserved:
+        """`pin` "as copied" (at a pause's safe point): the copier takes its context while it
         touches the staging in the background; its copies pin each chunk as they reach it, once
         touched, so that touching, pinning and copying overlap, and nothing waits between chunks
-        for the job's CUDA calls."""
+        for the job's CUDA calls. "ahead" (the keeper): returns once the copier pins in the
+        background, so that a pause coming meanwhile waits for none of it."""
         self._wait_for_release()
         self._wait_for_start()
-        if not job_stopped:  # at the safe point the move's checksum loads it
+        if pin != "as copied":  # at the safe point the move's checksum loads it
             self._load_checksum_kernel(logical)
         started = time.perf_counter()
 
@@ -181,9 +189,10 @@ class FastPath(DeviceMoves):
             copier = self._copier
             copier.attach(_C.host_staging_layout())  # it touches the staging in the background
             mark = phase("attach", mark)
-            if job_stopped:
-                copier.wake(uuid, wait=False)
-                return Reserved(0, 0, time.perf_counter() - started, f"{BY_COPIER} {copier.pid}", ", ".join(phases))
+            if pin != "before returning":
+                copier.wake(uuid, wait=False, pause_ms=PIN_PAUSE_MS if pin == "ahead" else 0)
+                where, took = f"{BY_COPIER} {copier.pid}", time.perf_counter() - started
+                return Reserved(0, 0, took, where, ", ".join(phases), staging=int(_C.host_staging_pool_bytes()))
             reply = copier.wake(uuid, wait=True, pause_ms=PIN_PAUSE_MS, bytes_to_pin=wanted)
             phase("touching and pinning", mark)
             if reply.get("pinner_before"):
@@ -223,11 +232,20 @@ class FastPath(DeviceMoves):
             made = None
             if make_for is not None:
                 with self._host_lock:
-                    made = self._reserve_host(logical, self.host_bytes_wanted(logical), make_for, job_stopped=True)
+                    made = self._reserve_host(logical, self.host_bytes_wanted(logical), make_for, pin="as copied")
+            copier = self._copier
             began = time.perf_counter()
             copied = self._by_copier(
                 lambda: _C.begin_stage_order(ranges), to_host=True, here=lambda: int(_C.stage_segments_to_host(ranges))
             )
+            woke = copier.last_wake if copier is not None else None
+            if made is not None and made.where.startswith(BY_COPIER) and woke is not None:
+                # What the copier had pinned ahead (a kept staging) when this pause's wake stopped that.
+                made = replace(
+                    made,
+                    found_pinned=int(woke.get("pinned_at_wake", 0)),
+                    pinning_before=str(woke.get("pinner_before", "")),
+                )
             return HostCopy(copied, made, time.perf_counter() - began, self.last_copy)
 
         return timed("copy", work)
@@ -375,10 +393,15 @@ class FastPath(DeviceMoves):
             raise
         return int(_C.finish_host_order())
 
-    def _drop_copier(self, why: str) -> None:
-        self.copier_fallback = why
+    def _drop_copier(self, why: str, *, copies_here: bool = True) -> None:
+        """Kills the copier. `copies_here`: a move's copies run in this process instead, which its
+        result says; else (the keeper asking how far it pinned) the next need starts another."""
+        if copies_here:
+            self.copier_fallback = why
         if self._copier is not None:
-            log.warning("the copier process is stopped (%s); this process copies instead", why)
+            log.warning(
+                "the copier process is stopped (%s)%s", why, "; this process copies instead" if copies_here else ""
+            )
             self._copier.kill()
             self._copier = None
 
@@ -452,7 +475,7 @@ class FastPath(DeviceMoves):
                     self.release_host_later()
                 return f"the staging for a pause is prepared when one is asked for: {refusal}"
             try:
-                reserved = self._reserve_host(logical, wanted, uuid)
+                reserved = self._reserve_host(logical, wanted, uuid, pin="ahead")
             except BaseException:
                 self._stop_keeping()
                 raise
@@ -465,8 +488,27 @@ class FastPath(DeviceMoves):
             self.keeping = True
             held = int(_C.host_staging_pool_bytes())
             return (
-                f"keeps {held / (1 << 30):.2f} GiB of host staging pinned {reserved.where} for a pause "
-                f"(took {reserved.seconds:.2f} s)"
+                f"pins {held / (1 << 30):.2f} GiB of host staging ahead {reserved.where} for a pause "
+                f"(made in {reserved.seconds:.2f} s: {reserved.phases}); a pause that comes meanwhile streams the rest"
+            )
+
+    def kept_pinning(self, uuid: str) -> PinnedAhead | None:
+        """How far the copier has pinned the staging it keeps on the GPU `uuid`; None when none is
+        kept there, or the copier could not say (it is then stopped: the keeper starts another)."""
+        with self._host_lock:
+            copier = self._copier
+            if copier is None or not self.kept_on(uuid):
+                return None
+            try:
+                reply = copier.pinning()
+            except CopierError as exc:
+                self._drop_copier(f"it failed pinning the staging ahead: {exc}", copies_here=False)
+                return None
+            return PinnedAhead(
+                int(reply.get("pinned", 0)),
+                int(_C.host_staging_pool_bytes()),
+                bool(reply.get("pinning")),
+                str(reply.get("pinner", "")),
             )
 
     def give_back_kept(self) -> None:

@@ -10,7 +10,7 @@ from dataclasses import dataclass, replace
 
 from flexium import _C
 from flexium.engine.fast import checksum
-from flexium.engine.fast.host_staging import HostCopy
+from flexium.engine.fast.host_staging import HostCopy, PinnedAhead
 from flexium.engine.fast.path import FastPath
 from flexium.engine.fast.steps import RelocationError
 from flexium.engine.operations import EngineState, GpuIdentity, OperationKind, OperationResult
@@ -44,6 +44,12 @@ def prepare_host_staging(ctx: OperationContext, fast: FastPath, source: GpuIdent
     check_host_room(to_map, fast=True)
     if not fast.kept_on(source.uuid):
         return StagingPlan(at_safe_point=True)
+    ahead = fast.kept_pinning(source.uuid)
+    if ahead is None or not ahead.complete or to_map > 0:
+        # Kept, but still being pinned ahead (a young job's first pause, or just after a resume), or
+        # grown since: waiting for that pinning, with its breaks for the job's CUDA calls, would take
+        # longer than streaming the rest at the safe point with the job stopped.
+        return StagingPlan(notes=(streaming_kept(ahead, wanted),), at_safe_point=True)
     try:
         reserved = fast.reserve_host(logical, wanted, source.uuid)
     except Exception as exc:
@@ -65,6 +71,22 @@ def prepare_host_staging(ctx: OperationContext, fast: FastPath, source: GpuIdent
     )
 
 
+def streaming_kept(ahead: PinnedAhead | None, wanted: int) -> str:
+    """Why a pause that found its staging kept streams it at its safe point, and how far it was pinned."""
+    if ahead is None:
+        return "the staging kept for pauses had no copier keeping it pinned any more: made at the safe point"
+    if not ahead.complete:
+        state = "still being pinned ahead" if ahead.pinning else f"pinned only in part ({ahead.pinner})"
+        return (
+            f"the staging kept for pauses was {state}: {gib(ahead.pinned, 2)} of {gib(ahead.staging, 2)} pinned when "
+            "the pause was asked for; the rest is pinned as the copies reach it, at the safe point"
+        )
+    return (
+        f"the staging kept for pauses ({gib(ahead.staging, 2)}, pinned) is short of the {gib(wanted, 2)} the pool "
+        "needs now: the rest is mapped and pinned as the copies reach it, at the safe point"
+    )
+
+
 def note_made(host: HostCopy, mapped: int) -> tuple[str, ...]:
     """Where a copy step that made its staging spent its time, for the benchmark and the log."""
     made = host.made
@@ -78,10 +100,12 @@ def note_made(host: HostCopy, mapped: int) -> tuple[str, ...]:
         if by_copier is not None
         else "then pinned and copied in this process"
     )
+    ahead = f" (its pinning ahead: {made.pinning_before})" if made.found_pinned and made.pinning_before else ""
+    streamed = f", {gib(made.staging - made.found_pinned, 2)} streamed" if made.staging else ""
     return (
         f"made the host staging {made.where} at the safe point in {made.seconds:.2f} s "
-        f"({gib(mapped, 2)} of it newly mapped and touched, {gib(made.newly_pinned, 2)} newly pinned{phases}), "
-        f"{pinned}, copies {host.copy_s:.2f} s",
+        f"({gib(mapped, 2)} of it newly mapped and touched, {gib(made.found_pinned, 2)} found pinned{ahead}{streamed}"
+        f"{phases}), {pinned}, copies {host.copy_s:.2f} s",
     )
 
 
