@@ -200,3 +200,143 @@ def test_the_copier_gives_its_gpu_memory_to_the_job() -> None:
     assert not result["copier_bytes_after"], result
     assert result.get("pause") == "fast" and result.get("resume") == "fast", result
     assert result["intact"] is True, result
+
+
+# A young job: its keeper starts once the pool has stayed one size for two looks (2 s apart) after
+# its first optimizer step, then touches and pins its staging beside training for seconds; 24 GiB
+# fits the default budget on the one-GPU host (32 GiB).
+YOUNG_GB = int(os.environ.get("FLEXIUM_TEST_YOUNG_GB", "24"))
+YOUNG_STEPS_AFTER = 10
+YOUNG_STEP_SLEEP_S = 0.02  # between steps: the test asks the copier how far it pinned after each
+YOUNG_WAIT_S = 120.0
+YOUNG_SLOWER_ALLOWED = 1.1  # streaming from a half-kept staging may not take longer than making it (10% noise)
+YOUNG_NOISE_S = 0.3
+STREAMED_KEPT = re.compile(r"the staging kept for pauses was still being pinned ahead: ")
+
+
+def young_job(ballast_gb: int, pause_at_step: int | None, total_steps: int | None) -> dict[str, Any]:
+    """Trains a fresh job (run in a fresh process) and pauses it from another thread, as flexium's
+    server connection asks: while its keeper is still pinning the staging ahead (`pause_at_step`
+    None), at step `pause_at_step`, or never (`total_steps` steps, the undisturbed run). Returns its
+    loss trace, the pause's result and seconds from the command to the paused result, and the bytes
+    NVML showed for the job and its copier while paused."""
+    import torch
+
+    import flexium
+    from flexium.api import runtime
+    from flexium.engine import nvml
+
+    flexium.init()
+    device = flexium.auto.get_device()
+    current = runtime.current()
+    assert current is not None and current.engine is not None
+    engine = current.engine
+    fast = engine._ctx.fast
+    uuid = engine._ctx.source.uuid
+    torch.manual_seed(0)
+    model = torch.nn.Linear(1024, 1024).to(device)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    data = torch.randn(512, 1024, device=device)
+    ballast = [torch.full((1 << 28,), float(i), device=device) for i in range(ballast_gb)]  # 1 GiB each
+    losses: list[float] = []
+    outcome: dict[str, Any] = {}
+
+    def pause_and_resume() -> None:
+        try:
+            started = time.perf_counter()
+            paused = engine.pause()
+            outcome["pause_s"] = time.perf_counter() - started
+            outcome["pause"] = {
+                "ok": paused.ok,
+                "path": paused.path,
+                "notes": list(paused.notes),
+                "error": paused.error,
+            }
+            copier = fast._copier.pid if fast._copier is not None else None
+            outcome["held"] = {
+                gpu.uuid: sum(gpu.used_by(pid) or 0 for pid in (os.getpid(), copier) if pid) for gpu in nvml.host_gpus()
+            }
+            time.sleep(0.5)
+            resumed = engine.resume()
+            outcome["resume"] = {"ok": resumed.ok, "path": resumed.path}
+        except Exception as exc:
+            outcome["error"] = f"{type(exc).__name__}: {exc}"
+
+    control: threading.Thread | None = None
+    deadline = time.monotonic() + YOUNG_WAIT_S
+    after = 0
+    while True:
+        loss = model(data).pow(2).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()  # a safe point
+        losses.append(float(loss.item()))
+        time.sleep(YOUNG_STEP_SLEEP_S)
+        if total_steps is not None and len(losses) >= total_steps:
+            break
+        if control is None:
+            ahead = fast.kept_pinning(uuid) if pause_at_step is None else None
+            due = len(losses) >= pause_at_step if pause_at_step is not None else None
+            if ahead is not None and ahead.complete:
+                outcome["error"] = f"the keeper had pinned it all before this test saw it half way: {ahead}"
+                break
+            if due or (ahead is not None and ahead.pinning and ahead.pinned > 0):
+                outcome["pause_step"] = len(losses)
+                outcome["found_at_command"] = str(ahead)
+                control = threading.Thread(target=pause_and_resume)
+                control.start()
+            elif time.monotonic() > deadline:
+                outcome["error"] = f"no pause within {YOUNG_WAIT_S:.0f} s (keeper: {engine._keeper.note})"
+                break
+        elif not control.is_alive():
+            after += 1
+            if after >= YOUNG_STEPS_AFTER:
+                break
+    if control is not None:
+        control.join()
+    outcome["losses"] = losses
+    outcome["ballast_intact"] = all(bool(t[:: 1 << 20].eq(float(i)).all().item()) for i, t in enumerate(ballast))
+    return outcome
+
+
+def test_a_young_jobs_first_pause_streams_what_its_keeper_has_not_pinned_yet(host_gpus: list[Any]) -> None:
+    """Paused while its keeper is still pinning the staging ahead (the job's first pause, seconds
+    after its first optimizer step), the job takes its safe point at once: the chunks found pinned
+    are copied at once, the rest pinned as the copies reach them (the notes say how much of each).
+    The GPU is then free (NVML shows nothing of the job or its copier), the loss trace is the
+    undisturbed run's, and the pause takes no longer than one that makes all of its staging at the
+    safe point (the same job with nothing kept: FLEXIUM_PINNED_HOST_MEMORY=0); both times printed."""
+    gpu0 = uuid_of(host_gpus, 0)
+    young = run_in_fresh_process(young_job, YOUNG_GB, None, None, timeout=600)
+    assert "error" not in young, young.get("error")
+    pause = young["pause"]
+    assert pause["ok"] and pause["path"] == "fast" and young["resume"] == {"ok": True, "path": "fast"}, young
+    streamed = [n for n in pause["notes"] if STREAMED_KEPT.match(n)]
+    made = [n for n in pause["notes"] if MADE_AT_SAFE_POINT.match(n)]
+    assert streamed and made, f"the pause did not stream its half-kept staging: {pause['notes']}"
+    found = re.search(r"([0-9.]+) GiB found pinned .*?, ([0-9.]+) GiB streamed", made[0])
+    assert found is not None and float(found.group(1)) > 0 and float(found.group(2)) > 0, made[0]
+    assert young["held"][gpu0] == 0, f"while paused the job and its copier held {young['held']} bytes"
+    assert young["ballast_intact"], "the ballast changed across the pause"
+    undisturbed = run_in_fresh_process(young_job, YOUNG_GB, None, len(young["losses"]), timeout=600)
+    assert young["losses"] == undisturbed["losses"], "loss trace differs from the undisturbed run"
+
+    unkept = run_in_fresh_process(
+        young_job, YOUNG_GB, young["pause_step"], None, env={"FLEXIUM_PINNED_HOST_MEMORY": "0"}, timeout=600
+    )
+    assert "error" not in unkept and unkept["pause"]["ok"], unkept.get("error") or unkept["pause"]
+    steps = min(len(unkept["losses"]), len(undisturbed["losses"]))
+    assert unkept["losses"][:steps] == undisturbed["losses"][:steps], "loss trace differs from the undisturbed run"
+    print(
+        f"\nyoung job of {YOUNG_GB} GiB, first pause at step {young['pause_step']} while its keeper pinned ahead "
+        f"({young['found_at_command']}): command -> paused (GPU free) {young['pause_s']:.2f} s; the same pause "
+        f"making all its staging at the safe point: {unkept['pause_s']:.2f} s\n  "
+        + "\n  ".join(pause["notes"])
+        + "\n  made: "
+        + "\n  ".join(unkept["pause"]["notes"]),
+        flush=True,
+    )
+    assert young["pause_s"] <= unkept["pause_s"] * YOUNG_SLOWER_ALLOWED + YOUNG_NOISE_S, (
+        f"the young job's pause took {young['pause_s']:.2f} s, one that makes its staging "
+        f"{unkept['pause_s']:.2f} s: it waited for the keeper"
+    )
