@@ -40,9 +40,15 @@ median step of the steps that ended in that time (step_analysis.preparation).
 of the job or of its children (the copier) on any GPU (pause rows) or on the GPU it left (migrate
 rows: parking the job on another GPU with room frees its GPU without any pinned host memory), read
 every 5 ms by this process (the clocks of both processes are CLOCK_MONOTONIC). Each pool job pauses
-twice: the first pause may find its staging still being prepared ("staging": made at the pause),
-the second finds it kept from the first ("kept"). Goals: FREE_GOALS, for the pauses; the fast
-migrations' are shown beside them.
+twice: the first pause may find its staging still being prepared ("staging": made at the pause, or
+"part": kept but still being pinned ahead, the rest streamed), the second finds it kept from the
+first ("kept"); a resume row shows the staging of the pause it ends. Goals: FREE_GOALS, for the
+pauses; the fast migrations' are shown beside them. With --staging-ways, per size two more jobs
+pause and resume with nothing kept pinned (FLEXIUM_PINNED_HOST_MEMORY=0) and with --kept-budget
+(their rows marked "@budget"; the downtime goals leave them out), and the summary "What a pause and
+its resume give" shows, per size and staging way, the time to a free GPU and the resume's
+operation, each beside its floor (floor_seconds: the bytes at this run's measured copy rate plus the
+bare context's checkpoint or restore).
 """
 
 from __future__ import annotations
@@ -479,10 +485,16 @@ def rows_of(size: float, run: JobRun) -> list[dict[str, Any]]:
     analysed = {entry.get("t0"): entry for entry in done.get("ops", [])}
     median = done.get("median_step")
     rows = []
+    paused_with = None  # the staging of the last fast pause, which the resume after it brings back
     for op in run.all("op"):
         result = op.get("result") or {}
         timing = analysed.get(op.get("t0"), {})
         path = result.get("path") or op.get("requested_path")
+        staging = None
+        if op["op"] == "pause":
+            staging = paused_with = staging_of(result) if path == "fast" else None
+        elif op["op"] == "resume" and path == "fast":
+            staging = paused_with
         rows.append(
             {
                 "size_gb": size,
@@ -513,7 +525,7 @@ def rows_of(size: float, run: JobRun) -> list[dict[str, Any]]:
                 "prep_max_step": timing.get("prep_max_step"),
                 "prep_median_step": timing.get("prep_median_step"),
                 "free": freed(op, result, run.gpu_use),
-                "staging": staging_of(result) if op["op"] == "pause" and path == "fast" else None,
+                "staging": staging,
                 "newly_pinned": newly_pinned_of(result) if op["op"] == "pause" and path == "fast" else None,
                 "notes": result.get("notes", []),
             }
@@ -535,9 +547,12 @@ def beside_restore(result: dict[str, Any]) -> str:
 
 
 def staging_of(result: dict[str, Any]) -> str:
-    """Whether a fast pause found its staging kept from before or made it after the request (at
-    its safe point when none was kept; a pause that found all of it kept and pinned has no note on it)."""
+    """Whether a fast pause found its staging kept from before ("kept"), kept but still being pinned
+    ahead or grown since ("part": it streamed the rest at its safe point), or made it after the
+    request ("made": at its safe point when none was kept). The notes are the engine's (fast_pause.py)."""
     for note in result.get("notes", []):
+        if note.startswith("the staging kept for pauses "):
+            return "part"
         if note.startswith("made the host staging "):
             return "made"
         match = re.search(r"pinned ([0-9.]+) GiB of host staging .*\(([0-9.]+) GiB of it newly mapped", note)
@@ -576,6 +591,9 @@ def add_ratios(rows: list[dict[str, Any]], bandwidth: dict[str, Any] | None, fix
 
 
 def floor_seconds(row: dict[str, Any], bandwidth: dict[str, Any] | None, fixed: dict[str, Any] | None) -> float | None:
+    """A row's floor from this run's measured bandwidth and the bare context's checkpoint and restore
+    (fixed): the bytes at the copy rate plus what the context costs. A pause's is also the floor of its
+    time to a free GPU: the GPU is free once the bytes are copied and the context checkpointed."""
     size = row.get("state_bytes") or row["size_gb"] * GIB
     if bandwidth is None or fixed is None:
         return None
@@ -613,7 +631,7 @@ def table_row(row: dict[str, Any]) -> tuple[str, ...]:
         fmt(row["downtime"]),
         fmt(row["extra"]),
         fmt(row.get("free")),
-        row.get("staging") or "-",
+        (row.get("staging") or "-") + (f" @{row['budget']}" if row.get("budget") else ""),
         fmt(row.get("newly_pinned"), 2),
         ms(median),
         fmt(row["op_seconds"]),
@@ -639,7 +657,10 @@ def goals(rows: list[dict[str, Any]], migrate_measured: bool = True) -> list[dic
     none of them failed."""
     checked = []
     for size, op, limit in GOALS:
-        runs = [r for r in rows if r["size_gb"] == size and r["op"] == op and r["path"] == "fast"]
+        # The jobs of --staging-ways (another budget than the default) are not what the goals are about.
+        runs = [
+            r for r in rows if r["size_gb"] == size and r["op"] == op and r["path"] == "fast" and not r.get("budget")
+        ]
         measured = [r for r in runs if r["ok"] and r["extra"] is not None]
         extra = statistics.median(r["extra"] for r in measured) if measured else None
         failed = len(runs) - len(measured)
@@ -679,7 +700,12 @@ def print_goals(checked: list[dict[str, Any]]) -> None:
 
 # How a GPU is freed, as the "Time to a free GPU" lines name it: a fast pause that found its
 # staging kept or made it, or a fast migration to another GPU with room (the job parked there).
-FREEING = {"kept": "pause, staging kept", "made": "pause, staging made", "parked": "migrate (parked elsewhere)"}
+FREEING = {
+    "kept": "pause, staging kept",
+    "part": "pause, staging kept in part",
+    "made": "pause, staging made",
+    "parked": "migrate (parked elsewhere)",
+}
 
 
 def free_goals(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -716,6 +742,55 @@ def print_free_goals(checked: list[dict[str, Any]]) -> None:
         if len(runs) > 1:
             measured += f" (median of {', '.join(f'{r:.3f}' for r in runs)})"
         print(f"  {mark} {FREEING[goal['freeing']]} {goal['size_gb']:g} GiB: <= {goal['limit']:g} s: {measured}")
+
+
+# How a fast pause got its staging, as the summary names it (staging_of).
+STAGING_WAYS = {"kept": "staging kept", "part": "staging kept in part", "made": "staging not kept"}
+
+
+def staging_ways(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per size and staging way (STAGING_WAYS), what a user gets: the median time to a free GPU of
+    its fast pauses and the median operation of the fast resumes after them, each beside its floor
+    (floor_seconds, from the run's measured bandwidth and fixed cost: the rows carry it)."""
+
+    def median(values: list[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return statistics.median(known) if known else None
+
+    checked = []
+    for size in sorted({r["size_gb"] for r in rows}):
+        for way in STAGING_WAYS:
+            of_way = [r for r in rows if r["size_gb"] == size and r["path"] == "fast" and r["ok"]]
+            pauses = [r for r in of_way if r["op"] == "pause" and r.get("staging") == way]
+            resumes = [r for r in of_way if r["op"] == "resume" and r.get("staging") == way]
+            if not pauses and not resumes:
+                continue
+            checked.append(
+                {
+                    "size_gb": size,
+                    "staging": way,
+                    "free_runs": [r["free"] for r in pauses if r.get("free") is not None],
+                    "free": median([r.get("free") for r in pauses]),
+                    "free_floor": median([r.get("floor") for r in pauses]),
+                    "resume_runs": [r["op_seconds"] for r in resumes if r.get("op_seconds") is not None],
+                    "resume": median([r.get("op_seconds") for r in resumes]),
+                    "resume_floor": median([r.get("floor") for r in resumes]),
+                }
+            )
+    return checked
+
+
+def print_staging_ways(checked: list[dict[str, Any]]) -> None:
+    budget = os.environ.get("FLEXIUM_PINNED_HOST_MEMORY") or "the default, 25% of the host's memory"
+    print(
+        "\nWhat a pause and its resume give, by how the pause got its staging (fast path, median of the runs; "
+        "free: request -> free GPU; resume: the operation; floor: the bytes at this run's measured copy rate plus "
+        f"the bare context's checkpoint or restore; pinned host memory budget: {budget}):"
+    )
+    for way in checked:
+        free = f"free {fmt(way['free'])} s (floor {fmt(way['free_floor'])} s, {len(way['free_runs'])} runs)"
+        resume = f"resume {fmt(way['resume'])} s (floor {fmt(way['resume_floor'])} s, {len(way['resume_runs'])} runs)"
+        print(f"  {way['size_gb']:g} GiB, {STAGING_WAYS[way['staging']]}: {free}; {resume}")
 
 
 def print_machine(bandwidth: dict[str, Any] | None, fixed: dict[str, Any] | None) -> None:
@@ -786,6 +861,18 @@ def main() -> int:
         dest="compare_in_process",
         action="store_false",
         help="skip the fast pause + resume rows with the copies in the job's process",
+    )
+    parser.add_argument(
+        "--staging-ways",
+        action="store_true",
+        help="per size, two more pool jobs doing the fast pause + resume only: one with nothing kept pinned "
+        "(FLEXIUM_PINNED_HOST_MEMORY=0) and one with --kept-budget, so that each size is measured with its staging "
+        "kept and not kept (the default budget keeps a 16 GiB job's, not a 64 GiB job's)",
+    )
+    parser.add_argument(
+        "--kept-budget",
+        default="90%",
+        help="for --staging-ways: the pinned host memory budget of the job that keeps its staging (default 90%%)",
     )
     parser.add_argument(
         "--job-sizes",
@@ -894,6 +981,20 @@ def main() -> int:
                 report_failure(run)
                 failures.append(run.label)
 
+        if args.staging_ways:
+            for budget in ("0", args.kept_budget):
+                log(f"-- {label}: pool job, fast pause + resume with FLEXIUM_PINNED_HOST_MEMORY={budget}")
+                run = run_pause_job(
+                    f"{label} pool job, pinned budget {budget}", size, args, {"FLEXIUM_PINNED_HOST_MEMORY": budget}
+                )
+                jobs.append(run)
+                for row in rows_of(size, run):
+                    row["budget"] = budget
+                    rows.append(row)
+                if run.problems():
+                    report_failure(run)
+                    failures.append(run.label)
+
         if not migrate:
             continue  # the hand-written move needs a second GPU
         log(f"-- {label}: hand-written move (flexium disabled): model, AdamW state, ballast .to('cuda:1')")
@@ -946,7 +1047,9 @@ def main() -> int:
         " that ended in that time (-: none did)."
     )
     print(
-        "staging (fast pause rows): made at the pause, or kept from an earlier one; pinned GiB: what the pause"
+        "staging (fast pause rows, and the resume after each): made at the pause, kept from an earlier one, or"
+        " part (kept but still being pinned ahead, or grown: the rest streamed at the safe point); pinned GiB: what"
+        " the pause"
         " pinned of it between its request and its safe point (kept staging is pinned ahead, so 0 is the aim)."
     )
     if not migrate:
@@ -962,6 +1065,8 @@ def main() -> int:
     print_goals(checked)
     free_checked = free_goals(rows)
     print_free_goals(free_checked)
+    ways = staging_ways(rows)
+    print_staging_ways(ways)
     elapsed = time.perf_counter() - started
     print(f"\n{len(jobs)} jobs in {elapsed:.0f} s" + (f"; FAILED: {', '.join(failures)}" if failures else ""))
     if args.json:
@@ -977,6 +1082,7 @@ def main() -> int:
                     "rows": rows,
                     "goals": checked,
                     "free_goals": free_checked,
+                    "staging_ways": ways,
                     "failures": failures,
                     "seconds": elapsed,
                     "jobs": [job.to_dict() for job in jobs],
