@@ -31,10 +31,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import functools
 import os
 import random
+import re
 import shutil
 import sys
 import tempfile
@@ -73,6 +75,7 @@ class Stats(Observer):
     event_arrivals: list[tuple[int, float]] = field(default_factory=list)  # (command id, monotonic)
     event_latency: list[float] = field(default_factory=list)
     errors: int = 0
+    error_kinds: collections.Counter[str] = field(default_factory=collections.Counter)
     refused: int = 0
 
     def heartbeat(self, job: SimulatedJob, seconds: float) -> None:
@@ -84,6 +87,14 @@ class Stats(Observer):
 
     def error(self, job: SimulatedJob, what: str) -> None:
         self.errors += 1
+        self.error_kinds[error_kind(what)] += 1
+
+
+def error_kind(what: str) -> str:
+    """The request and its exception or status: "heartbeat: TimeoutError()" -> "heartbeat: TimeoutError",
+    "poll: 503 {...}" -> "poll: 503"."""
+    request, _, detail = what.partition(": ")
+    return f"{request}: {re.split(r'[ ({]', detail, maxsplit=1)[0]}"
 
 
 async def controller(
@@ -99,8 +110,8 @@ async def controller(
                 status, body = await conn.request(
                     "POST", f"{base}/commands", {"kind": kind, "process_id": job.process_id}
                 )
-            except Exception:
-                stats.errors += 1
+            except Exception as exc:
+                stats.error(job, f"command: {exc!r}")
                 job.busy = False
                 return
         stats.post_latency.append(time.perf_counter() - start)
@@ -225,9 +236,14 @@ async def bench_once(
 
     t0 = time.perf_counter()
     progress(f"registering {n} jobs, {args.register_concurrency} at once")
+    cpu_before = sum(server_cpu())
     await asyncio.gather(*(register(j) for j in jobs))
     register_s = time.perf_counter() - t0
-    progress(f"registered in {register_s:.1f} s; warming up (at most {args.warmup_limit:g} s)")
+    register_cpu = sum(server_cpu()) - cpu_before
+    progress(
+        f"registered in {register_s:.1f} s (the servers' CPU: {register_cpu:.1f} s, "
+        f"{register_cpu / n * 1000:.1f} ms a job); warming up (at most {args.warmup_limit:g} s)"
+    )
 
     stop = asyncio.Event()
     runners = [asyncio.create_task(j.live(stop)) for j in jobs]
@@ -238,7 +254,10 @@ async def bench_once(
     await asyncio.sleep(args.heartbeat_interval + 1.0)
     while time.perf_counter() < deadline:
         start = time.perf_counter()
-        await probe.request("GET", "/healthz")
+        try:  # a server far behind answers late: the limit holds all the same
+            await asyncio.wait_for(probe.request("GET", "/healthz"), deadline - start)
+        except asyncio.TimeoutError:
+            break
         if len(stats.hb_latency) >= n and time.perf_counter() - start < 0.02:
             break
         await asyncio.sleep(0.5)
@@ -311,6 +330,7 @@ async def bench_once(
         "post_p50": pct(stats.post_latency, 0.5),
         "post_p99": pct(stats.post_latency, 0.99),
         "errors": stats.errors,
+        "error_kinds": ", ".join(f"{kind} {count}" for kind, count in stats.error_kinds.most_common()),
         "refused": stats.refused,
     }
 
@@ -487,7 +507,8 @@ def main(argv: list[str] | None = None) -> int:
                             f"{fmt_ms(row['del_p99'])} ms "
                             f"(from the server's commit: p99 {fmt_ms(row['srv_del_p99'])} ms), "
                             f"events p99 {fmt_ms(row['ev_p99'])} ms, "
-                            f"heartbeat p99 {fmt_ms(row['hb_p99'])} ms, errors {row['errors']}",
+                            f"heartbeat p99 {fmt_ms(row['hb_p99'])} ms, errors {row['errors']}"
+                            + (f" ({row['error_kinds']})" if row["error_kinds"] else ""),
                             flush=True,
                         )
                     finally:
