@@ -69,8 +69,12 @@ def copier_yield() -> dict[str, Any]:
         optimizer.step()
         torch.cuda.synchronize(device)
 
+    def kept() -> bool:  # the copier pins the kept staging in the background: until it has pinned it all
+        ahead = fast.kept_pinning(engine._ctx.source.uuid)
+        return ahead is not None and ahead.complete
+
     deadline = time.monotonic() + KEEP_WAIT_S
-    while not (fast.keeping and fast._copier is not None and fast._copier.awake_on) and time.monotonic() < deadline:
+    while not kept() and time.monotonic() < deadline:
         step()
         time.sleep(0.01)
     stage(f"kept: {fast.keeping}")
@@ -314,7 +318,7 @@ def test_a_young_jobs_first_pause_streams_what_its_keeper_has_not_pinned_yet(hos
     streamed = [n for n in pause["notes"] if STREAMED_KEPT.match(n)]
     made = [n for n in pause["notes"] if MADE_AT_SAFE_POINT.match(n)]
     assert streamed and made, f"the pause did not stream its half-kept staging: {pause['notes']}"
-    found = re.search(r"([0-9.]+) GiB found pinned .*?, ([0-9.]+) GiB streamed", made[0])
+    found = re.search(r"([0-9.]+) GiB found pinned.*?, ([0-9.]+) GiB streamed", made[0])
     assert found is not None and float(found.group(1)) > 0 and float(found.group(2)) > 0, made[0]
     assert young["held"][gpu0] == 0, f"while paused the job and its copier held {young['held']} bytes"
     assert young["ballast_intact"], "the ballast changed across the pause"
