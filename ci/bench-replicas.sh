@@ -87,16 +87,21 @@ if [ "$(id -u)" = 0 ]; then
   fi
   id "$pg_user" >/dev/null 2>&1 || { echo "no user $pg_user to run PostgreSQL as (PostgreSQL refuses root)"; exit 1; }
   pg_uid="$(id -u "$pg_user")" pg_gid="$(id -g "$pg_user")"
-  if runuser -u "$pg_user" -- true 2>"$out/become.log"; then
-    as_pg=(runuser -u "$pg_user" --)
-  elif setpriv --reuid="$pg_uid" --regid="$pg_gid" --clear-groups true 2>>"$out/become.log"; then
-    as_pg=(setpriv --reuid="$pg_uid" --regid="$pg_gid" --clear-groups)
-  elif su -s /bin/sh "$pg_user" -c true 2>>"$out/become.log"; then
-    as_pg=(su -s /bin/sh "$pg_user" -c 'exec "$0" "$@"')
-  else
+  : >"$out/become.log"
+  for way in runuser setpriv su; do
+    case "$way" in
+      runuser) as_pg=(runuser -u "$pg_user" --) ;;
+      setpriv) as_pg=(setpriv --reuid="$pg_uid" --regid="$pg_gid" --clear-groups) ;;
+      su) as_pg=(su -s /bin/sh -c 'exec "$0" "$@"' "$pg_user" --) ;;
+    esac
+    [ "$("${as_pg[@]}" id -u 2>>"$out/become.log")" = "$pg_uid" ] && break
+    echo "$way did not run a command as $pg_user (uid $pg_uid)" >>"$out/become.log"
+    as_pg=()
+  done
+  if [ "${#as_pg[@]}" = 0 ]; then
     echo "cannot run anything as $pg_user: runuser, setpriv and su all failed:"; cat "$out/become.log"; exit 1
   fi
-  say "PostgreSQL runs as $pg_user (uid $pg_uid) through ${as_pg[0]}"
+  say "PostgreSQL runs as $pg_user (uid $pg_uid) through $way"
 fi
 
 pg_dir="$(mktemp -d /tmp/flexium-bench-pg.XXXXXX)"
