@@ -17,7 +17,8 @@ seconds and keeps a long-poll open; a controller creates pause/resume commands a
 
 Usage: python bench/server.py [--jobs 100,1000,2000] [--backends sqlite,postgresql]
        python bench/server.py --replicas 1,3 --jobs 5000 --hosts 200
-``--replicas``: that many servers on one PostgreSQL database behind Debian's nginx, configured as
+``--replicas``: that many servers on one PostgreSQL database behind Debian's nginx (or the one
+$FLEXIUM_NGINX names: ci/bench-replicas.sh runs this on a machine without either), configured as
 docs/guide/server.md says, a row each, with the ratio of each row to the first. The server's
 quotas (processes, hosts) are raised to the run's size.
 PostgreSQL: --postgres-url (an admin URL; a fresh database is made), else

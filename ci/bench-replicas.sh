@@ -7,7 +7,7 @@
 # Output: bench-server.txt (the benchmark's own output), postgresql.log, logs/ (each row's servers'
 # last lines and nginx's error log) in $OUT (when the caller sets it) or ./bench-results.
 # Environment: FLEXIUM_BENCH_BUNDLE (the archive; default build/bench-bundle/bundle.tar.xz),
-# FLEXIUM_BENCH_LIMIT_S (default 570: the benchmark is interrupted then, from this script's start,
+# FLEXIUM_BENCH_LIMIT_S (default 540: the benchmark is interrupted then, from this script's start,
 # and prints the rows it finished),
 # FLEXIUM_BENCH_PG_USER (the user PostgreSQL runs as when this runs as root; default: postgres,
 # made with useradd when missing, else nobody).
@@ -131,10 +131,10 @@ nginx_version="$("$FLEXIUM_NGINX" -v 2>&1)" || { echo "the bundle's nginx does n
 say "$nginx_version ($FLEXIUM_NGINX)"
 
 # Stopped in time to print the rows measured and keep the logs, where the caller's limit is 10 minutes
-limit="$((${FLEXIUM_BENCH_LIMIT_S:-570} - (SECONDS - started)))"
+limit="$((${FLEXIUM_BENCH_LIMIT_S:-540} - (SECONDS - started)))"
 say "bench/server.py $* (interrupted after $limit s)"
 set +e
-timeout --signal=INT --kill-after=30 "$limit" \
+timeout --signal=INT --kill-after=20 "$limit" \
   python3 bench/server.py --postgres-url "$pg_url" --logs "$out/logs" "$@" 2>&1 | tee "$out/bench-server.txt"
 status="${PIPESTATUS[0]}"
 set -e
