@@ -74,10 +74,12 @@ pg_user="$(id -un)"
 if [ "$(id -u)" = 0 ]; then
   pg_user="${FLEXIUM_BENCH_PG_USER:-}"
   if [ -z "$pg_user" ]; then
+    in_group=()
+    if getent group postgres >/dev/null; then in_group=(--gid postgres); fi
     if id postgres >/dev/null 2>&1; then
       pg_user=postgres
-    elif useradd --system --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin \
-        $(getent group postgres >/dev/null && echo --gid postgres) postgres 2>"$out/useradd.log"; then
+    elif useradd --system --no-create-home --home-dir /nonexistent --shell /usr/sbin/nologin "${in_group[@]}" \
+        postgres 2>"$out/useradd.log"; then
       pg_user=postgres
       say "made the user postgres with useradd"
     else
