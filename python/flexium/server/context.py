@@ -16,7 +16,7 @@ import logging
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 from fastapi import Depends, Request
 
@@ -26,9 +26,11 @@ from flexium.server.db import Database, DatabaseUnavailable
 from flexium.server.live import EventBus, Notifier
 from flexium.server.metrics import Metrics
 from flexium.server.refusals import RefusalBook
-from flexium.server.replica_link import Message, ReplicaLink
 from flexium.server.settings import Settings
 from flexium.server.storage import AuthInfo, ProcessSnapshot
+
+if TYPE_CHECKING:  # the link is PostgreSQL's alone: a server on SQLite never imports psycopg
+    from flexium.server.replica_link import Message, ReplicaLink
 
 # How long a revocation waits for the other replicas to have it before its request is answered.
 REVOCATION_HEARD_S = 1.0

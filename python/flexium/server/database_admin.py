@@ -17,14 +17,12 @@ from __future__ import annotations
 
 import time
 
-import psycopg
 from pydantic import ValidationError
 
 from flexium import protocol, wire
 from flexium.server import storage
 from flexium.server.db import Database
 from flexium.server.errors import InvalidRequest
-from flexium.server.replica_link import tell_replicas
 from flexium.server.settings import load_settings
 from flexium.server.storage import quotas, retention
 
@@ -91,6 +89,10 @@ def revoke_token(workspace: str, token_or_id: str | int, *, database_url: str | 
         else:
             revoked = db.run(storage.revoke_token, write=True, workspace_id=ws, token=str(token_or_id), now=time.time())
         if not db.is_sqlite:
+            import psycopg  # PostgreSQL's alone: the command line on SQLite never imports it
+
+            from flexium.server.replica_link import tell_replicas
+
             message = {"kind": "revoked", "tokens": [revoked.id, *revoked.cascade]}
             try:
                 tell_replicas(db.url, "command line", message)

@@ -17,14 +17,16 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Hashable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flexium import protocol, wire
 from flexium.server import drains, queue, storage
 from flexium.server.context import ServerContext
-from flexium.server.replica_link import Message, ReplicaLink
 from flexium.server.storage import ProcessSnapshot
 from flexium.server.storage.processes import Progress
+
+if TYPE_CHECKING:
+    from flexium.server.replica_link import Message
 
 log = logging.getLogger("flexium.server")
 
@@ -37,6 +39,8 @@ async def start_link(ctx: ServerContext) -> None:
     """The link to the other replicas, started; every wake-up and event here is told to them from
     now on. Waits (``LISTEN_FIRST_S`` at most) until it listens: a replica that serves before it
     hears the others would hand a command created on one of them to its polls only at its sweep."""
+    from flexium.server.replica_link import ReplicaLink  # psycopg: imported by PostgreSQL's servers only
+
     connects = itertools.count()  # the first: no dashboard was served before it, none missed an event
     link = ReplicaLink(
         ctx.db.url,
