@@ -13,6 +13,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import requests
 
@@ -80,24 +81,19 @@ class Server:
         return f"{self.url}/api/w/{WORKSPACE}"
 
     def create_workspace(self) -> str:
-        """``flexium workspace create`` on the database (the server need not run), and a job
-        token for the training jobs (``flexium token issue --role job``)."""
-        self.token = self._last_line("workspace", "create", WORKSPACE)
-        self.job_token = self._last_line("token", "issue", WORKSPACE, "--role", "job", "--name", "e2e jobs")
-        return self.token
+        """The workspace and a job token for the training jobs, on the database (the server need
+        not run), made by what ``flexium workspace create`` and ``flexium token issue --role job``
+        call, in this process and in the environment they would have: the two commands cost 2 to 3
+        CPU-seconds per test module. The commands themselves are tested where they are the subject
+        (test_starts_and_stops.py, tests/server/test_live_server.py)."""
+        from flexium.server import database_admin
 
-    def _last_line(self, *args: str) -> str:
-        done = subprocess.run(
-            [*flexium_command(), *args, "--database", self.database],
-            env=clean_env(self.home),
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert done.returncode == 0, done.stderr
-        line = done.stdout.strip().splitlines()[-1]
-        assert line.startswith("flx_"), done.stdout
-        return line
+        with mock.patch.dict(os.environ, clean_env(self.home), clear=True):
+            self.token = database_admin.create_workspace(WORKSPACE, database_url=self.database)
+            self.job_token = database_admin.issue_token(
+                WORKSPACE, role="job", name="e2e jobs", database_url=self.database
+            )
+        return self.token
 
     def start(self, timeout: float = 60.0) -> Server:
         self.child.start(timeout)
