@@ -209,3 +209,28 @@ def test_a_copier_killed_while_streaming_a_kept_staging_leaves_the_copies_to_thi
     resumed = engine.resume()
     assert resumed.ok and resumed.path == "fast"
     job.assert_home(physical=0)
+
+
+def test_copiers_that_cannot_take_a_context_leave_the_keeping_undone_and_the_pause_to_this_process(
+    job: Job, slow_pinning: None, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The keeper's copier fails to wake (its context refused) in the background: the next look, or
+    the pause asking how far it pinned, hears it, stops it and says so; the pause then copies here."""
+    monkeypatch.setenv("FAKE_CUDA_FAIL", f"cuDevicePrimaryCtxRetain:{CUDA_ERROR_UNKNOWN}:0")  # in every copier
+    monkeypatch.setenv("FAKE_CUDA_DELAY", "cuMemHostRegister:5")
+    caplog.set_level(logging.WARNING, logger="flexium")
+    engine = job.training(SIZES)
+    wait_until(
+        lambda: any("it failed pinning the staging ahead" in r.getMessage() for r in caplog.records),
+        timeout=10.0,
+        what="the keeper to hear that its copier failed",
+    )
+    paused = engine.pause()
+    assert paused.ok and paused.path == "fast" and names(paused) == FAST_PAUSE
+    assert paused.notes[-1].startswith("the copies to and from host memory ran in this process: "), paused.notes
+    assert "cuDevicePrimaryCtxRetain" in paused.notes[-1] or "wake" in paused.notes[-1], paused.notes
+    assert job.fake.pinned_at_last_checkpoint() == 0
+    resumed = engine.resume()
+    assert resumed.ok and resumed.path == "fast"
+    job.assert_home(physical=0)
+    monkeypatch.delenv("FAKE_CUDA_FAIL")  # before the teardown's reset of this process's fake reads it
