@@ -175,9 +175,15 @@ def host_count(n: int, args: argparse.Namespace) -> int:
 
 
 def quota_options(n: int, args: argparse.Namespace) -> list[str]:
-    """The server's quotas raised to the run's size (its defaults stop registration at 1000
-    processes and 256 hosts, with a 409)."""
+    """The server's quotas and bounds raised to the run's size: its defaults stop registration at
+    1000 processes and 256 hosts (409), answer 503 past 4096 requests in progress (every job holds
+    a long-poll) and close idle connections past 8192 (a job holds two: its poll and its heartbeats),
+    so one server alone could not hold more than about 4000 jobs."""
     return [
+        "--max-requests",
+        str(max(n + 1024, 4096)),
+        "--max-connections",
+        str(max(2 * n + 1024, 8192)),
         "--max-processes",
         str(max(n, 1000)),
         "--max-hosts",
@@ -198,8 +204,18 @@ async def dashboards(port: int, token: str, count: int, stats: Stats) -> list[as
     tasks = []
     for _ in range(count):
         opened = asyncio.Event()
-        tasks.append(asyncio.create_task(read_events(port, token, f"{BASE}/events", on_event, opened)))
-        await asyncio.wait_for(opened.wait(), 30)
+        task = asyncio.create_task(read_events(port, token, f"{BASE}/events", on_event, opened))
+        waiting = asyncio.create_task(opened.wait())
+        await asyncio.wait({task, waiting}, timeout=30, return_when=asyncio.FIRST_COMPLETED)
+        waiting.cancel()
+        if opened.is_set():
+            tasks.append(task)
+            continue
+        # A server too busy to open a stream leaves the row without its events, not the run ended.
+        why = repr(task.exception()) if task.done() else "not opened within 30 s"
+        task.cancel()
+        stats.errors += 1
+        stats.error_kinds[f"events: {why}"[:80]] += 1
     return tasks
 
 
