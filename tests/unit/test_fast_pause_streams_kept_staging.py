@@ -13,6 +13,7 @@ import logging
 import os
 import re
 import signal
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -234,3 +235,46 @@ def test_copiers_that_cannot_take_a_context_leave_the_keeping_undone_and_the_pau
     assert resumed.ok and resumed.path == "fast"
     job.assert_home(physical=0)
     monkeypatch.delenv("FAKE_CUDA_FAIL")  # before the teardown's reset of this process's fake reads it
+
+
+def test_asking_how_far_the_copier_pinned_while_a_pause_or_resume_runs_waits_its_turn(
+    job: Job, slow_pinning: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The keeper asks from its own thread; a move's orders come from another. One socket: each
+    exchange waits for the one under way, so no reply goes to the wrong asker (which would stop the
+    copier and leave the copies to this process)."""
+    monkeypatch.setenv("FAKE_CUDA_DELAY", "cuMemHostRegister:5")
+    engine = job.training([2 * MiB, 4 * MiB, 6 * MiB])
+    uuid = engine.gpus[0].uuid
+    wait_until(lambda: job.fast is not None and job.fast.kept_on(uuid), timeout=10.0, what="the staging kept")
+    (copier,) = copier_processes()
+    fast = job.fast
+    assert fast is not None
+    stop = threading.Event()
+    asked: list[BaseException | PinnedAhead | None] = []
+
+    def ask() -> None:
+        while not stop.is_set():
+            try:
+                asked.append(fast.kept_pinning(uuid))
+            except BaseException as exc:  # noqa: BLE001  (whatever it is, the test says it)
+                asked.append(exc)
+
+    asker = threading.Thread(target=ask, daemon=True)
+    asker.start()
+    try:
+        for _ in range(3):
+            paused = engine.pause()
+            assert paused.ok and paused.path == "fast" and not any("ran in this process" in n for n in paused.notes)
+            resumed = engine.resume()
+            assert resumed.ok and resumed.path == "fast"
+            # The copier's copy back is imported memory until the next optimizer steps make it the job's
+            # own; a pause before that copies it here (docs/fast-path.md), which is not this test's point.
+            wait_until(lambda: _C.vmm_imported_count() == 0, what="the memory to be the job's own")
+    finally:
+        stop.set()
+        asker.join(10)
+    assert not [a for a in asked if isinstance(a, BaseException)]
+    assert any(isinstance(a, PinnedAhead) for a in asked)
+    assert copier_processes() == [copier]  # never stopped for a reply that was not its asker's
+    job.assert_home(physical=0)

@@ -26,9 +26,11 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -137,6 +139,9 @@ class Copier:
         # The reply to the last wake sent without waiting, once read (what it found pinned).
         self.last_wake: dict[str, Any] | None = None
         self._parent_pid: int | None = None  # set in a forked child: the copier is its parent's
+        # One exchange at a time: the keeper asks how far the copier pinned from its own thread, while a
+        # move's orders come from the thread that runs the move.
+        self._talking = threading.RLock()
         _copiers.add(self)
 
     @classmethod
@@ -214,9 +219,10 @@ class Copier:
         message = {"op": "wake", "uuid": uuid, "wait": wait, "pause_ms": pause_ms}
         self.awake_on = uuid
         if not wait:
-            self.last_wake = None
-            self._send(message)
-            self._unread.append("wake")
+            with self._turn(START_TIMEOUT_S):  # its reply is owed before any other's
+                self.last_wake = None
+                self._send(message)
+                self._unread.append("wake")
             return {}
         return self._exchange(message, timeout=START_TIMEOUT_S + bytes_to_pin / SLOWEST_BYTES_PER_S)
 
@@ -235,12 +241,12 @@ class Copier:
             "then_sleep": then_sleep,
             "pin_rest_pause_ms": None if then_sleep else pin_rest_pause_ms,
         }
-        reply = self._exchange(
-            message, [fd for fd, _size in segments], timeout=START_TIMEOUT_S + 2 * order.bytes / SLOWEST_BYTES_PER_S
-        )
-        if then_sleep:
-            self._unread.append("sleep")
-            self.awake_on = None
+        timeout = START_TIMEOUT_S + 2 * order.bytes / SLOWEST_BYTES_PER_S
+        with self._turn(timeout):  # the reply of its sleep is owed before any other's
+            reply = self._exchange(message, [fd for fd, _size in segments], timeout=timeout)
+            if then_sleep:
+                self._unread.append("sleep")
+                self.awake_on = None
         return reply
 
     def fill(self, order: _C.FillOrder, *, then_sleep: bool, pin_rest_pause_ms: int = 0) -> None:
@@ -254,15 +260,20 @@ class Copier:
             "then_sleep": then_sleep,
             "pin_rest_pause_ms": None if then_sleep else pin_rest_pause_ms,
         }
-        self._send(message)
-        self._unread.append("fill")
-        if then_sleep:
-            self._unread.append("sleep")
+        with self._turn(START_TIMEOUT_S):
+            self._send(message)
+            self._unread.append("fill")
+            if then_sleep:
+                self._unread.append("sleep")
 
     def filled(self, order: _C.FillOrder) -> Filled:
         """The reply to the fill ordered last, with its fds (one per segment of `order`, the caller's).
         Raises CopierError when the fill failed or no answer came in time; its fds are closed then."""
         timeout = START_TIMEOUT_S + 2 * order.bytes / SLOWEST_BYTES_PER_S
+        with self._turn(timeout):
+            return self._filled(timeout)
+
+    def _filled(self, timeout: float) -> Filled:
         refused: CopierRefused | None = None  # a request before it (the wake) failed: the fill's reply still comes
         while self._unread and self._unread[0] != "fill":
             try:
@@ -285,10 +296,14 @@ class Copier:
             raise refused
         return Filled(reply, fds)
 
-    def pinning(self) -> dict[str, Any]:
+    def pinning(self) -> dict[str, Any] | None:
         """How far its background pinning is: "pinned" bytes, "pinning" (still under way), "pinner" (how
-        the last one ended)."""
-        return self._exchange({"op": "pinning"}, timeout=START_TIMEOUT_S)
+        the last one ended). None while a resume's fill is under way: its reply, with the memory's fds, is
+        filled()'s to read, not another asker's to pass over."""
+        with self._turn(START_TIMEOUT_S):
+            if "fill" in self._unread:
+                return None
+            return self._exchange({"op": "pinning"}, timeout=START_TIMEOUT_S)
 
     def sleep(self) -> None:
         """Unpins the staging and lets go of its GPU context now (the staging stays mapped)."""
@@ -297,7 +312,8 @@ class Copier:
 
     def slept(self, timeout: float) -> dict[str, Any]:
         """Waits until the copier holds nothing on any GPU (after a copy)."""
-        return self._read_unread(timeout)
+        with self._turn(timeout):
+            return self._read_unread(timeout)
 
     def detach(self) -> None:
         """Unmaps the staging (its memory goes once the job unmaps it too); the copier stays,
@@ -343,20 +359,32 @@ class Copier:
         self._awake_on = None
         _C.set_gpu_memory_yielder(0)  # the copier is the parent's to give up, never a child's
 
-    def _send(self, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
+    @contextmanager
+    def _turn(self, timeout: float) -> Iterator[None]:
+        """Holds the socket for one exchange; another thread's must end within `timeout`."""
         if self._parent_pid is not None:
             raise CopierError(f"this process was forked from process {self._parent_pid}, whose copier this is")
+        if not self._talking.acquire(timeout=timeout):
+            raise CopierError(f"the copier stayed busy with another exchange for {timeout:.0f} s")
         try:
-            self._sock.settimeout(START_TIMEOUT_S)
-            send(self._sock, message, fds)
-        except OSError as exc:
-            raise CopierError(f"could not send '{message['op']}' to the copier: {exc}") from exc
+            yield
+        finally:
+            self._talking.release()
+
+    def _send(self, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
+        with self._turn(START_TIMEOUT_S):
+            try:
+                self._sock.settimeout(START_TIMEOUT_S)
+                send(self._sock, message, fds)
+            except OSError as exc:
+                raise CopierError(f"could not send '{message['op']}' to the copier: {exc}") from exc
 
     def _exchange(self, message: dict[str, Any], fds: Sequence[int] = (), *, timeout: float) -> dict[str, Any]:
-        self._send(message, fds)
-        while self._unread:
-            self._read_unread(timeout)
-        return self._reply(str(message["op"]), timeout)
+        with self._turn(timeout):
+            self._send(message, fds)
+            while self._unread:
+                self._read_unread(timeout)
+            return self._reply(str(message["op"]), timeout)
 
     def _read_unread(self, timeout: float) -> dict[str, Any]:
         if not self._unread:

@@ -504,6 +504,8 @@ class FastPath(DeviceMoves):
             except CopierError as exc:
                 self._drop_copier(f"it failed pinning the staging ahead: {exc}", copies_here=False)
                 return None
+            if reply is None:  # a resume's copy back is under way: asked again later
+                return None
             return PinnedAhead(
                 int(reply.get("pinned", 0)),
                 int(_C.host_staging_pool_bytes()),
