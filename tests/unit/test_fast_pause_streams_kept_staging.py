@@ -124,7 +124,8 @@ def test_a_copier_that_dies_when_asked_how_far_it_pinned_is_replaced_at_the_safe
     paused = engine.pause()
     assert paused.ok and paused.path == "fast" and names(paused) == FAST_PAUSE
     assert paused.notes[0] == (
-        "the staging kept for pauses had no copier keeping it pinned any more: made at the safe point"
+        "the staging kept for pauses: its copier did not say how far it had pinned it (busy, or stopped as it "
+        "failed): what is not pinned is pinned as the copies reach it, at the safe point"
     )
     assert paused.notes[1].startswith("made the host staging by the copier process ")
     assert f"copier process {first} " not in paused.notes[1]  # a new one made it

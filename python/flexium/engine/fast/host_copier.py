@@ -51,6 +51,7 @@ START_TIMEOUT_S = 60.0
 # `pinning-rate`).
 SLOWEST_BYTES_PER_S = 1 << 30
 EXIT_TIMEOUT_S = 10.0
+PINNING_WAIT_S = 1.0  # how long asking how far the copier pinned waits for another exchange to end
 # The wire carries a chunk or a piece (csrc/host_copier.h) as the list of these fields' values;
 # the copier rebuilds it by name.
 CHUNK_FIELDS = ("extent", "offset", "size")
@@ -298,12 +299,17 @@ class Copier:
 
     def pinning(self) -> dict[str, Any] | None:
         """How far its background pinning is: "pinned" bytes, "pinning" (still under way), "pinner" (how
-        the last one ended). None while a resume's fill is under way: its reply, with the memory's fds, is
-        filled()'s to read, not another asker's to pass over."""
-        with self._turn(START_TIMEOUT_S):
+        the last one ended). None while another exchange holds the copier past PINNING_WAIT_S (a move's
+        copies) or a resume's fill is under way (its reply, with the memory's fds, is filled()'s to read,
+        not another asker's to pass over): asked again later."""
+        if self._parent_pid is not None or not self._talking.acquire(timeout=PINNING_WAIT_S):
+            return None
+        try:
             if "fill" in self._unread:
                 return None
             return self._exchange({"op": "pinning"}, timeout=START_TIMEOUT_S)
+        finally:
+            self._talking.release()
 
     def sleep(self) -> None:
         """Unpins the staging and lets go of its GPU context now (the staging stays mapped)."""

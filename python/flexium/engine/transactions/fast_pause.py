@@ -74,7 +74,10 @@ def prepare_host_staging(ctx: OperationContext, fast: FastPath, source: GpuIdent
 def streaming_kept(ahead: PinnedAhead | None, wanted: int) -> str:
     """Why a pause that found its staging kept streams it at its safe point, and how far it was pinned."""
     if ahead is None:
-        return "the staging kept for pauses had no copier keeping it pinned any more: made at the safe point"
+        return (
+            "the staging kept for pauses: its copier did not say how far it had pinned it (busy, or stopped as it "
+            "failed): what is not pinned is pinned as the copies reach it, at the safe point"
+        )
     if not ahead.complete:
         state = "still being pinned ahead" if ahead.pinning else f"pinned only in part ({ahead.pinner})"
         return (
