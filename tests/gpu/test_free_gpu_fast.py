@@ -276,8 +276,10 @@ def young_job(ballast_gb: int, pause_at_step: int | None, total_steps: int | Non
         optimizer.step()  # a safe point
         losses.append(float(loss.item()))
         time.sleep(YOUNG_STEP_SLEEP_S)
-        if total_steps is not None and len(losses) >= total_steps:
-            break
+        if total_steps is not None:  # the undisturbed run: never paused, whatever its keeper does
+            if len(losses) >= total_steps:
+                break
+            continue
         if control is None:
             ahead = fast.kept_pinning(uuid) if pause_at_step is None else None
             due = len(losses) >= pause_at_step if pause_at_step is not None else None
@@ -323,6 +325,7 @@ def test_a_young_jobs_first_pause_streams_what_its_keeper_has_not_pinned_yet(hos
     assert young["held"][gpu0] == 0, f"while paused the job and its copier held {young['held']} bytes"
     assert young["ballast_intact"], "the ballast changed across the pause"
     undisturbed = run_in_fresh_process(young_job, YOUNG_GB, None, len(young["losses"]), timeout=600)
+    assert "error" not in undisturbed, undisturbed.get("error")
     assert young["losses"] == undisturbed["losses"], "loss trace differs from the undisturbed run"
 
     unkept = run_in_fresh_process(
