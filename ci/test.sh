@@ -111,7 +111,8 @@ join_stages_beside() {
 }
 
 workers="${FLEXIUM_TEST_WORKERS:-$(nproc)}"
-in_parallel=(-n "$workers" --dist loadfile)
+# The order of the files is tests/conftest.py's: the few long ones marked started_first first.
+in_parallel=(-n "$workers" --dist loadfile --no-loadscope-reorder)
 slowest=(--durations=10)
 
 # Every suite's output is also kept, so that the end of the run repeats what failed where one
@@ -289,7 +290,7 @@ beside "mypy" type_check
 beside "dashboard tests (headless Chromium)" python -m pytest -q --tb=short "${in_parallel[@]}" "${slowest[@]}" tests/browser "$@"
 stage "end-to-end tests"
 e2e_status=0
-pytest_suite -n "$((2 * workers))" --dist loadfile "${slowest[@]}" tests/e2e "$@" || e2e_status=$?
+pytest_suite -n "$((2 * workers))" --dist loadfile --no-loadscope-reorder "${slowest[@]}" tests/e2e "$@" || e2e_status=$?
 end_stage
 join_stages_beside || e2e_status=1
 exit "$e2e_status"

@@ -27,6 +27,25 @@ _passed = 0
 _verdict = ""  # why the run fails though every test that ran passed
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The order in which pytest-xdist's workers are handed the test files (ci/test.sh: --dist
+    loadfile --no-loadscope-reorder): files marked ``started_first`` first, then the others by how
+    many tests they hold, most first (xdist's own order otherwise). A file of two tests of minutes
+    each (the OpenAPI fuzz) came last in xdist's order and kept one worker busy alone for two
+    minutes after the others had finished. A run without workers keeps pytest's order."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    by_file: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        by_file.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+
+    def order(tests: list[pytest.Item]) -> tuple[bool, int]:
+        return tests[0].get_closest_marker("started_first") is None, -len(tests)
+
+    files = sorted(by_file.values(), key=order)
+    items[:] = [item for tests in files for item in tests]
+
+
 def _reason(report: pytest.TestReport | pytest.CollectReport) -> str:
     return report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
 

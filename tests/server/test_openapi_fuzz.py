@@ -62,7 +62,7 @@ CHECKS = [not_a_server_error, status_code_conformance, response_schema_conforman
 MAX_WAIT_S = 0.01  # what a generated long-poll may wait
 PAUSED_HOST = "full-node"
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.started_first]
 
 
 @dataclass
