@@ -10,8 +10,9 @@
 #
 # Each suite is spread over FLEXIUM_TEST_WORKERS pytest processes (pytest-xdist; default: one per
 # core), a test file at a time (--dist loadfile: a module's tests run in their order in one process
-# and share its module fixtures); the end-to-end tests, which mostly wait for servers, training
-# processes and heartbeats, over twice as many, while the dashboard tests and mypy run beside them.
+# and share its module fixtures); the server and end-to-end tests, which mostly wait for servers,
+# PostgreSQL, training processes and heartbeats, over twice as many, while the dashboard tests and
+# mypy run beside the end-to-end tests.
 # Each suite lists its ten slowest tests, so the next person sees where the time goes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -252,8 +253,12 @@ export FLEXIUM_TEST_POSTGRES_URL="postgresql://postgres@127.0.0.1:$pg_port/postg
 # They include the property-based fuzz of every OpenAPI operation (schemathesis, from the test
 # extra) and hostile text read back through every list and page (docs/reliability.md); their
 # figures print with the results, and FLEXIUM_RELIABILITY_FIGURES=DIR writes them there as JSON.
+# Over twice as many workers as cores, as the end-to-end tests: they mostly wait (server processes
+# starting, long-polls, timeouts, PostgreSQL's CREATE DATABASE). On a shared two-core machine one
+# worker per core took 13.3 minutes (550 CPU-s, PostgreSQL's 160 besides), two per core 8.4 to 9.1
+# with the same CPU-seconds.
 stage "server tests (SQLite and PostgreSQL $("$pg_bin/postgres" --version | awk '{print $3}'))"
-pytest_suite "${in_parallel[@]}" "${slowest[@]}" tests/server "$@"
+pytest_suite -n "$((2 * workers))" --dist loadfile --no-loadscope-reorder "${slowest[@]}" tests/server "$@"
 
 # -----------------------------------------------------------------------------------------------
 # End-to-end tests (tests/e2e): a real `flexium server` process on SQLite, real training
