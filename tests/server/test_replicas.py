@@ -31,6 +31,7 @@ from support.server import GIB, LiveServer, gpu, make_settings, process_body
 pytestmark = [pytest.mark.timeout(120), pytest.mark.parametrize("database_kind", ["postgresql"], indirect=True)]
 
 DELIVERY_LIMIT_S = 0.100
+APPLY_DELAY_S = 0.3  # b applies what its link hears this late (under the revocation's 1 s wait)
 
 
 @pytest.fixture
@@ -164,6 +165,37 @@ def test_a_token_revoked_through_one_replica_is_refused_by_the_other_at_once(
             assert stream.ended.wait(5), "b kept the revoked token's event stream open"
         finally:
             stream.close()
+
+
+def test_a_revocation_returns_once_the_other_replica_applied_it(
+    replicas: tuple[Replica, Replica], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Delivered to a replica's socket is not yet in force there: with b slow to apply what its link
+    hears, a revocation through a and one by the command line each return only once b applied it,
+    so b refuses the token as soon as either returned."""
+    a, b = replicas
+    link = b.ctx.link
+    assert link is not None
+    deliver = link._deliver
+
+    def slowly(sender: str, message: Any) -> None:
+        link._loop.call_later(APPLY_DELAY_S, deliver, sender, message)
+
+    monkeypatch.setattr(link, "_deliver", slowly)
+    for n, by_command_line in enumerate((False, True)):
+        issued = a.post("/tokens", {"name": f"viewer {n}", "role": protocol.ROLE_VIEWER}).json()
+        token, token_id = issued["token"], issued["id"]
+        assert b.get("/processes", token=token).status_code == 200  # cached by b from now on
+        started = time.monotonic()
+        if by_command_line:
+            database_admin.revoke_token("default", token_id, database_url=a.ctx.db.url)
+        else:
+            revoked = requests.delete(f"{a.api}/tokens/{token_id}", headers=auth(a.token), timeout=10)
+            assert revoked.status_code == 200, revoked.text
+        took = time.monotonic() - started
+        refused = b.get("/processes", token=token)
+        assert refused.status_code == 401, (by_command_line, took, refused.text)
+        assert took >= APPLY_DELAY_S, (by_command_line, took)
 
 
 def test_a_replica_whose_link_the_database_cut_listens_again_and_reads_again(

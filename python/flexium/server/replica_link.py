@@ -11,8 +11,10 @@ One thread listens on a connection of its own and hands each message to the even
 thread sends, batching what was queued while it sent the last batch into as few ``NOTIFY``
 payloads as fit PostgreSQL's 8000-byte limit (thousands of heartbeats a second must not be
 thousands of round trips). A replica skips its own messages, but for hearing them back when its
-sender asked (``send_heard``: PostgreSQL delivers a notification to every listener at once, so a
-replica that hears its own has had it delivered to the others too)."""
+sender asked (``send_heard``). Delivered to a listener's socket is not yet applied by its replica:
+a replica that applied a message its sender waits for says so (``applied``, to that sender), and
+the sender waits for every replica that listened when it sent (their listen connections, named in
+``pg_stat_activity``), so a revocation that returned is in force on every replica."""
 
 from __future__ import annotations
 
@@ -38,6 +40,8 @@ MAX_PAYLOAD_BYTES = 7900
 RECONNECT_S = (0.1, 0.5, 1.0, 2.0)  # the waits between tries to reconnect, the last repeated
 LISTEN_TICK_S = 0.5  # how often the listener looks whether it should stop
 ECHO = "echo"  # the key of a message whose sender waits to hear it back (``send_heard``)
+APPLIED = "applied"  # a replica's word to a sender that it applied the message of that echo
+_LISTEN_NAMES = "flexium replica % listen"  # what connection_name("listen") makes, as LIKE matches it
 
 Message = dict[str, Any]
 
@@ -47,19 +51,39 @@ def conninfo(database_url: str) -> str:
     return make_url(database_url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
+def listening_replicas(conn: psycopg.Connection[Any]) -> set[str]:
+    """The ids of the replicas listening on this database now."""
+    rows = conn.execute(
+        "SELECT application_name FROM pg_stat_activity WHERE datname = current_database() AND application_name LIKE %s",
+        (_LISTEN_NAMES,),
+    ).fetchall()
+    return {name.split()[2] for (name,) in rows}
+
+
+def applied_by(payload: str, sender: str) -> set[str]:
+    """The replicas whose ``payload`` says they applied a message of ``sender``'s."""
+    try:
+        by, messages = json.loads(payload)
+    except ValueError:
+        return set()
+    return {by for m in messages if m.get("kind") == APPLIED and m.get("to") == sender}
+
+
 def tell_replicas(database_url: str, sender: str, message: Message, timeout: float = 1.0) -> bool:
     """One message to every replica listening, from outside them (the command line's revocations);
-    returns once it is heard back (delivered to every listener, as ``send_heard``), or False after
+    returns once every replica listening when it was sent has applied it, or False after
     ``timeout``."""
-    payload = f'["{sender}",[{json.dumps(message, separators=(",", ":"))}]]'
+    sender = f"{sender} {uuid.uuid4().hex[:12]}"  # the replicas' answers are addressed to this call
+    payload = f'["{sender}",[{json.dumps({**message, ECHO: 1}, separators=(",", ":"))}]]'
     with psycopg.connect(conninfo(database_url), autocommit=True, connect_timeout=5) as conn:
         conn.execute(f"LISTEN {CHANNEL}")
+        waiting = listening_replicas(conn)
         conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, payload))
         deadline = time.monotonic() + timeout
-        while (left := deadline - time.monotonic()) > 0:
-            if any(note.payload == payload for note in conn.notifies(timeout=left, stop_after=1)):
-                return True
-    return False
+        while waiting and (left := deadline - time.monotonic()) > 0:
+            for note in conn.notifies(timeout=left, stop_after=1):
+                waiting -= applied_by(note.payload, sender)
+    return not waiting
 
 
 class ReplicaLink:
@@ -86,7 +110,7 @@ class ReplicaLink:
         self.received = 0
         self.dropped = 0  # messages too large for one payload: the sweep finds what they said
         self._echoes = itertools.count(1)
-        self._awaited: dict[int, asyncio.Future[None]] = {}  # echo number -> its sender's wait (on loop)
+        self._awaited: dict[int, _Awaited] = {}  # echo number -> its sender's wait (on loop)
         self._threads = [
             threading.Thread(target=self._listen, name="flexium-replica-listen", daemon=True),
             threading.Thread(target=self._send_forever, name="flexium-replica-send", daemon=True),
@@ -110,20 +134,29 @@ class ReplicaLink:
         return len(self._payload([json.dumps(message, separators=(",", ":"))]).encode()) <= MAX_PAYLOAD_BYTES
 
     async def send_heard(self, message: Message, timeout: float) -> bool:
-        """Sends ``message`` and waits (on ``loop``) until this replica hears it back, delivered by
-        PostgreSQL to every replica listening; False when that took longer than ``timeout`` (the
-        link is down: the others re-read at their reconnect)."""
+        """Sends ``message`` and waits (on ``loop``) until this replica hears it back and every other
+        replica listening when it was sent has applied it; False when that took longer than
+        ``timeout`` (the link is down: the others re-read at their reconnect)."""
+        deadline = time.monotonic() + timeout
+        try:
+            others = await asyncio.wait_for(asyncio.to_thread(self._other_listeners), timeout)
+        except (psycopg.Error, asyncio.TimeoutError):
+            others = set()  # unknown: hearing it back says it was delivered, as before
         echo = next(self._echoes)
-        heard = self._loop.create_future()
-        self._awaited[echo] = heard
+        awaited = _Awaited(others, self._loop.create_future())
+        self._awaited[echo] = awaited
         self.send({**message, ECHO: echo})
         try:
-            await asyncio.wait_for(heard, timeout)
+            await asyncio.wait_for(awaited.done, max(0.0, deadline - time.monotonic()))
             return True
         except asyncio.TimeoutError:
             return False
         finally:
             self._awaited.pop(echo, None)
+
+    def _other_listeners(self) -> set[str]:
+        with psycopg.connect(self._conninfo, autocommit=True, connect_timeout=5) as conn:
+            return listening_replicas(conn) - {self.replica_id}
 
     def _connect(self, role: str) -> psycopg.Connection[Any]:
         """Named in pg_stat_activity, so an operator sees each replica's two connections."""
@@ -171,22 +204,36 @@ class ReplicaLink:
         if sender == self.replica_id:
             for message in messages:
                 if ECHO in message:
-                    self._loop.call_soon_threadsafe(self._heard, message[ECHO])
+                    self._loop.call_soon_threadsafe(self._heard, message[ECHO], None)
             return
         for message in messages:
+            if message.get("kind") == APPLIED:
+                if message.get("to") == self.replica_id:
+                    self._loop.call_soon_threadsafe(self._heard, message["echoed"], sender)
+                continue
             self.received += 1
-            self._loop.call_soon_threadsafe(self._deliver, message)
+            self._loop.call_soon_threadsafe(self._deliver, sender, message)
 
-    def _heard(self, echo: int) -> None:
-        heard = self._awaited.get(echo)
-        if heard is not None and not heard.done():
-            heard.set_result(None)
+    def _heard(self, echo: int, applied_by: str | None) -> None:
+        """This replica heard its own message back (``applied_by`` None), or another applied it."""
+        awaited = self._awaited.get(echo)
+        if awaited is None:
+            return
+        if applied_by is None:
+            awaited.heard = True
+        else:
+            awaited.waiting.discard(applied_by)
+        if awaited.heard and not awaited.waiting and not awaited.done.done():
+            awaited.done.set_result(None)
 
-    def _deliver(self, message: Message) -> None:
+    def _deliver(self, sender: str, message: Message) -> None:
         try:
             self._on_message(message)
         except Exception:  # one bad message must not end the link
             log.exception("replica link: handling %r failed", message.get("kind"))
+            return
+        if ECHO in message:  # its sender waits until every replica applied it
+            self.send({"kind": APPLIED, "to": sender, "echoed": message[ECHO]})
 
     # --- sending ------------------------------------------------------------------------------
 
@@ -263,3 +310,12 @@ class ReplicaLink:
 
     def _payload(self, texts: list[str]) -> str:
         return f'["{self.replica_id}",[{",".join(texts)}]]'
+
+
+class _Awaited:
+    """A ``send_heard`` waiting: for its own message back and for the others' ``applied``."""
+
+    def __init__(self, waiting: set[str], done: asyncio.Future[None]) -> None:
+        self.heard = False
+        self.waiting = waiting
+        self.done = done
