@@ -122,7 +122,8 @@ used still counts. Driver version ``FAKE_NVML_DRIVER`` (default ``580.159.04``).
 Failure injection: ``fail(function, code, nth=1)`` makes the nth next call of ``function`` (any
 exported cu*/nvml* name) return ``code`` without doing anything; ``nth=0``: every call, until
 ``clear_failures()``. ``FAKE_CUDA_FAIL="function:code[:nth],..."`` arms the same at load (nth
-defaults to 0 there), for subprocesses. ``set_delay_ms(function, ms)`` makes calls slow.
+defaults to 0 there), for subprocesses. ``set_delay_ms(function, ms)`` makes calls slow;
+``FAKE_CUDA_DELAY="function:ms,..."`` arms the same at load (a copier process pinning slowly).
 ``corrupt_copy(function, nth=1)`` makes the nth next copy of ``function`` (``cuMemcpyDtoDAsync``,
 ``cuMemcpyDtoHAsync``, ``cuMemcpyHtoDAsync``) flip one bit of what it wrote, the fault a move's
 checksum must catch; ``FAKE_CUDA_CORRUPT="function:nth,..."`` arms the same at load (the copier
@@ -135,7 +136,7 @@ host, bit for bit; ``FAKE_CUDA_NO_CHECKSUM=1`` hides these functions (and ``cuMe
 
 Environment, read at load and by ``reset()``: FAKE_CUDA_GPUS, FAKE_CUDA_VERSION,
 FAKE_CUDA_NO_CHECKPOINT, FAKE_CUDA_NO_VMM, FAKE_CUDA_NO_CHECKSUM, FAKE_CUDA_MODELS, FAKE_CUDA_TOTAL_MIB,
-FAKE_NVML_DRIVER, FAKE_CUDA_FAIL, FAKE_CUDA_CORRUPT, FAKE_CUDA_HOST_FILE. ``_C`` resolves symbols and
+FAKE_NVML_DRIVER, FAKE_CUDA_FAIL, FAKE_CUDA_CORRUPT, FAKE_CUDA_DELAY, FAKE_CUDA_HOST_FILE. ``_C`` resolves symbols and
 reads the CUDA version once, so FAKE_CUDA_VERSION, FAKE_CUDA_NO_CHECKPOINT, FAKE_CUDA_NO_VMM and
 FAKE_CUDA_NO_CHECKSUM only matter for a process that has not loaded the driver yet.
 """
@@ -173,6 +174,7 @@ FAKE_ENV_VARS = (
     "FAKE_NVML_DRIVER",
     "FAKE_CUDA_FAIL",
     "FAKE_CUDA_CORRUPT",
+    "FAKE_CUDA_DELAY",
     "FAKE_CUDA_HOST_FILE",
 )
 
