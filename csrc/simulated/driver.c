@@ -403,6 +403,17 @@ static void list_item(const char *list, int index, char *out, size_t size) {
   out[length] = '\0';
 }
 
+/* Copies the item of a comma-separated list at `cursor` into `out` (cut to `size`); returns where
+ * the next item starts. */
+static const char *next_item(const char *cursor, char *out, size_t size) {
+  size_t length = strcspn(cursor, ",");
+  const char *next = cursor + length;
+  if (length >= size) length = size - 1;
+  memcpy(out, cursor, length);
+  out[length] = '\0';
+  return *next == ',' ? next + 1 : next;
+}
+
 static int add_rule(const char *function, int nth, int code);
 static int add_corruption(const char *function, int nth);
 static int add_delay(const char *function, unsigned int ms);
@@ -452,13 +463,9 @@ static void configure_from_environment(void) {
 
   /* FAKE_CUDA_FAIL="function:code[:nth],...": failures armed before the library is used, for
    * subprocesses that cannot call fake_fail before flexium._C loads the driver. */
-  const char *fail = getenv("FAKE_CUDA_FAIL");
-  while (fail != NULL && *fail != '\0') {
+  for (const char *fail = getenv("FAKE_CUDA_FAIL"); fail != NULL && *fail != '\0';) {
     char item[128];
-    size_t length = strcspn(fail, ",");
-    if (length >= sizeof(item)) length = sizeof(item) - 1;
-    memcpy(item, fail, length);
-    item[length] = '\0';
+    fail = next_item(fail, item, sizeof(item));
     char *code_text = strchr(item, ':');
     if (code_text != NULL) {
       *code_text++ = '\0';
@@ -466,43 +473,29 @@ static void configure_from_environment(void) {
       if (nth_text != NULL) *nth_text++ = '\0';
       add_rule(item, nth_text != NULL ? atoi(nth_text) : 0, atoi(code_text));
     }
-    fail += strcspn(fail, ",");
-    if (*fail == ',') ++fail;
   }
 
   /* FAKE_CUDA_CORRUPT="function:nth,...": corruptions armed the same way (the copier process's copies). */
-  const char *corrupt = getenv("FAKE_CUDA_CORRUPT");
-  while (corrupt != NULL && *corrupt != '\0') {
+  for (const char *corrupt = getenv("FAKE_CUDA_CORRUPT"); corrupt != NULL && *corrupt != '\0';) {
     char item[128];
-    size_t length = strcspn(corrupt, ",");
-    if (length >= sizeof(item)) length = sizeof(item) - 1;
-    memcpy(item, corrupt, length);
-    item[length] = '\0';
+    corrupt = next_item(corrupt, item, sizeof(item));
     char *nth_text = strchr(item, ':');
     if (nth_text != NULL) {
       *nth_text++ = '\0';
       add_corruption(item, atoi(nth_text));
     }
-    corrupt += strcspn(corrupt, ",");
-    if (*corrupt == ',') ++corrupt;
   }
 
   /* FAKE_CUDA_DELAY="function:ms,...": slow calls armed the same way (a copier process pinning a
    * staging ahead slowly enough for a pause to come while it is half way). */
-  const char *delay = getenv("FAKE_CUDA_DELAY");
-  while (delay != NULL && *delay != '\0') {
+  for (const char *delay = getenv("FAKE_CUDA_DELAY"); delay != NULL && *delay != '\0';) {
     char item[128];
-    size_t length = strcspn(delay, ",");
-    if (length >= sizeof(item)) length = sizeof(item) - 1;
-    memcpy(item, delay, length);
-    item[length] = '\0';
+    delay = next_item(delay, item, sizeof(item));
     char *ms_text = strchr(item, ':');
     if (ms_text != NULL) {
       *ms_text++ = '\0';
       add_delay(item, (unsigned int)strtoul(ms_text, NULL, 10));
     }
-    delay += strcspn(delay, ",");
-    if (*delay == ',') ++delay;
   }
 }
 
