@@ -41,7 +41,6 @@ RECONNECT_S = (0.1, 0.5, 1.0, 2.0)  # the waits between tries to reconnect, the 
 LISTEN_TICK_S = 0.5  # how often the listener looks whether it should stop
 ECHO = "echo"  # the key of a message whose sender waits to hear it back (``send_heard``)
 APPLIED = "applied"  # a replica's word to a sender that it applied the message of that echo
-_LISTEN_NAMES = "flexium replica % listen"  # what connection_name("listen") makes, as LIKE matches it
 
 Message = dict[str, Any]
 
@@ -51,13 +50,19 @@ def conninfo(database_url: str) -> str:
     return make_url(database_url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
+def connection_name(replica_id: str, role: str) -> str:
+    """A replica's connection as pg_stat_activity names it; ``role``: listen or send."""
+    return f"flexium replica {replica_id} {role}"
+
+
 def listening_replicas(conn: psycopg.Connection[Any]) -> set[str]:
     """The ids of the replicas listening on this database now."""
+    prefix, suffix = connection_name("\0", "listen").split("\0")
     rows = conn.execute(
         "SELECT application_name FROM pg_stat_activity WHERE datname = current_database() AND application_name LIKE %s",
-        (_LISTEN_NAMES,),
+        (f"{prefix}%{suffix}",),
     ).fetchall()
-    return {name.split()[2] for (name,) in rows}
+    return {name[len(prefix) : len(name) - len(suffix)] for (name,) in rows}
 
 
 def applied_by(payload: str, sender: str) -> set[str]:
@@ -166,7 +171,7 @@ class ReplicaLink:
 
     def connection_name(self, role: str) -> str:
         """``role``: listen or send."""
-        return f"flexium replica {self.replica_id} {role}"
+        return connection_name(self.replica_id, role)
 
     # --- listening ----------------------------------------------------------------------------
 
