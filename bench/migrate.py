@@ -933,6 +933,15 @@ def main() -> int:
         failures.append("fixed cost")
 
     rows: list[dict[str, Any]] = []
+
+    def record(run: JobRun, size: float, **marks: str) -> None:
+        """A job's rows into the table, each with ``marks``; a job that went wrong is said and counted."""
+        jobs.append(run)
+        rows.extend({**row, **marks} for row in rows_of(size, run))
+        if run.problems():
+            report_failure(run)
+            failures.append(run.label)
+
     for size in sizes:
         label = f"{size:g} GiB"
         with_driver = args.skip_driver_above is None or size <= args.skip_driver_above
@@ -951,21 +960,12 @@ def main() -> int:
             args.timeout,
             progress_printer(label),
         )
-        jobs.append(run)
-        rows += rows_of(size, run)
-        if run.problems():
-            report_failure(run)
-            failures.append(run.label)
+        record(run, size)
 
         repeats = args.repeat_pause if size in PAUSE_GOAL_SIZES else 1
         for again in range(2, repeats + 1):
             log(f"-- {label}: pool job, fast pause + resume again (run {again} of {repeats})")
-            run = run_pause_job(f"{label} pool job, pause run {again}", size, args)
-            jobs.append(run)
-            rows += rows_of(size, run)
-            if run.problems():
-                report_failure(run)
-                failures.append(run.label)
+            record(run_pause_job(f"{label} pool job, pause run {again}", size, args), size)
 
         if args.compare_in_process:
             log(
@@ -973,13 +973,7 @@ def main() -> int:
                 "(FLEXIUM_HOST_COPIER=0), for comparison"
             )
             run = run_pause_job(f"{label} pool job, copies in-process", size, args, {"FLEXIUM_HOST_COPIER": "0"})
-            jobs.append(run)
-            for row in rows_of(size, run):
-                row["path"] = IN_PROCESS_PATH
-                rows.append(row)
-            if run.problems():
-                report_failure(run)
-                failures.append(run.label)
+            record(run, size, path=IN_PROCESS_PATH)
 
         if args.staging_ways:
             for budget in ("0", args.kept_budget):
@@ -987,13 +981,7 @@ def main() -> int:
                 run = run_pause_job(
                     f"{label} pool job, pinned budget {budget}", size, args, {"FLEXIUM_PINNED_HOST_MEMORY": budget}
                 )
-                jobs.append(run)
-                for row in rows_of(size, run):
-                    row["budget"] = budget
-                    rows.append(row)
-                if run.problems():
-                    report_failure(run)
-                    failures.append(run.label)
+                record(run, size, budget=budget)
 
         if not migrate:
             continue  # the hand-written move needs a second GPU
