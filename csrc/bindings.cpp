@@ -240,9 +240,10 @@ void bind_checksum(py::module_ &m) {
 
 void bind_host_staging(py::module_ &m) {
   m.def("reserve_host_staging", &reserve_host_staging, py::arg("bytes"), py::arg("device"),
-        py::arg("chunk_bytes") = kDefaultHostChunkBytes, py::arg("pin_here") = true, release_gil(),
+        py::arg("chunk_bytes") = kDefaultHostChunkBytes, py::arg("pin_here") = true, py::arg("job_stopped") = false,
+        release_gil(),
         "Maps, touches and (pin_here) pins host staging for `bytes` ahead of a pause; returns the bytes pinned by "
-        "this call.");
+        "this call. job_stopped: the job waits at its safe point, so more files (touching threads) are made.");
   m.def("stage_segments_to_host", &stage_segments_to_host, py::arg("live") = LiveRanges{},
         py::arg("chunk_bytes") = kDefaultHostChunkBytes,
         "Copies the segments (only the live ranges of those listed) into host staging; returns the bytes copied.");
@@ -319,7 +320,8 @@ void bind_copier(py::module_ &m) {
            py::arg("extents"), py::arg("chunks"))
       .def("extend", &HostCopier::extend, py::arg("extents"), py::arg("chunks"), release_gil())
       .def("wake", &HostCopier::wake, py::arg("uuid"), py::arg("wait"), py::arg("pause_ms") = 0, release_gil())
-      .def("copy", &HostCopier::copy, py::arg("to_host"), py::arg("segments"), py::arg("pieces"), release_gil())
+      .def("copy", &HostCopier::copy, py::arg("to_host"), py::arg("segments"), py::arg("pieces"),
+           py::arg("unpin_copied") = false, release_gil())
       .def("fill", &HostCopier::fill, py::arg("sizes"), py::arg("pieces"), release_gil())
       .def("pin_rest", &HostCopier::pin_rest, py::arg("pause_ms"), release_gil())
       .def("sleep", &HostCopier::sleep, release_gil())
@@ -335,7 +337,8 @@ void bind_copier(py::module_ &m) {
                                              {"pin_s", t.pin_s},
                                              {"touch_wait_s", t.touch_wait_s},
                                              {"pinned_in_copy", static_cast<double>(t.pinned_in_copy)},
-                                             {"copy_s", t.copy_s}};
+                                             {"copy_s", t.copy_s},
+                                             {"unpinned_in_copy", static_cast<double>(t.unpinned_in_copy)}};
       });
 }
 

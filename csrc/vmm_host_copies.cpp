@@ -103,7 +103,7 @@ Layout plan(const std::map<int, std::vector<const Segment *>> &groups, const Liv
                                       ") outgrew the host staging prepared for them (" +
                                       std::to_string(mapped_bytes()) + " bytes)");
             }
-            map_extent(total - layout.bytes, chunk_bytes, true);
+            map_extent(total - layout.bytes, chunk_bytes, true, true);  // at the safe point
           }
           const Chunk &into = staging.chunks[chunk];
           if (offset == into.size) {

@@ -39,7 +39,11 @@ namespace {
 
 constexpr std::size_t kPageBytes = 4096;
 constexpr std::size_t kHugePageBytes = std::size_t{2} << 20;
-constexpr std::size_t kMaxTouchThreads = 8;
+// Beside training the touching leaves half the cores to the job; with the job stopped at its safe
+// point (a pause that makes its staging there) it may take them all: 16 files and threads touched a
+// 64 GiB staging 30% faster than 8 (fact `streamed-staging-pace`).
+constexpr std::size_t kTouchThreadsBesideTraining = 8;
+constexpr std::size_t kTouchThreadsJobStopped = 16;
 constexpr std::chrono::milliseconds kPinBreak{2};
 constexpr std::chrono::milliseconds kUnmapBreak{1};
 
@@ -48,9 +52,11 @@ void touch(char *base, std::size_t size) {
   for (std::size_t offset = 0; offset < size; offset += kPageBytes) static_cast<volatile char *>(base)[offset] = 0;
 }
 
-std::size_t touch_threads(std::size_t size) {
+std::size_t touch_threads(std::size_t size, bool job_stopped) {
   const std::size_t cores = std::max(1u, std::thread::hardware_concurrency());
-  return std::max<std::size_t>(1, std::min({kMaxTouchThreads, cores / 2, size / (64 * kHugePageBytes)}));
+  const std::size_t most =
+      job_stopped ? std::min(kTouchThreadsJobStopped, cores) : std::min(kTouchThreadsBesideTraining, cores / 2);
+  return std::max<std::size_t>(1, std::min(most, size / (64 * kHugePageBytes)));
 }
 
 // One memfd of `size` bytes mapped shared on a huge-page boundary (where the kernel can use huge
@@ -122,11 +128,9 @@ void refuse_while_staged(const char *what) {
   }
 }
 
-// New extents of at least `bytes` in all, not pinned, cut into chunks of `chunk_bytes` (appended
-// to the staging's chunks), touched here if `touch_here`: one memfd per touching thread.
-void map_extent(std::size_t bytes, std::size_t chunk_bytes, bool touch_here) {
+void map_extent(std::size_t bytes, std::size_t chunk_bytes, bool touch_here, bool job_stopped) {
   const std::size_t total = round_up(bytes, kHugePageBytes);
-  const std::size_t files = touch_threads(total);
+  const std::size_t files = touch_threads(total, job_stopped);
   const std::size_t each = round_up((total + files - 1) / files, kHugePageBytes);
   std::vector<Extent> made;
   try {
@@ -199,13 +203,14 @@ void populate_host_pages(const std::vector<std::pair<char *, std::size_t>> &rang
   for (std::thread &worker : workers) worker.join();
 }
 
-std::size_t reserve_host_staging(std::size_t bytes, int device, std::size_t chunk_bytes, bool pin_here) {
+std::size_t reserve_host_staging(std::size_t bytes, int device, std::size_t chunk_bytes, bool pin_here,
+                                 bool job_stopped) {
   check_chunk_bytes(chunk_bytes);
   const DriverTable &d = require_vmm_driver();
   std::lock_guard<std::mutex> guard(staging.mutex);
   refuse_while_staged("cannot reserve host staging");
   const std::size_t have = mapped_bytes();
-  if (have < bytes) map_extent(bytes - have, chunk_bytes, pin_here);
+  if (have < bytes) map_extent(bytes - have, chunk_bytes, pin_here, job_stopped);
   if (!pin_here) return 0;
   std::size_t pinned = 0;
   try {

@@ -34,8 +34,10 @@ void populate_host_pages(const std::vector<std::pair<char *, std::size_t>> &rang
 // job keeps training meanwhile. Returns the bytes pinned by this call. On failure nothing stays
 // pinned. Throws std::runtime_error while segments are staged.
 // With `pin_here` false it only maps: the copier process touches and pins instead (host_copier.h).
+// `job_stopped`: the job waits at its safe point (a pause that makes its staging there), so the
+// staging gets a file per core, up to 16, for as many touching threads; else up to 8, half the cores.
 std::size_t reserve_host_staging(std::size_t bytes, int device, std::size_t chunk_bytes = kDefaultHostChunkBytes,
-                                 bool pin_here = true);
+                                 bool pin_here = true, bool job_stopped = false);
 
 // Copies the `live` ranges of every segment (whole segments where not listed) into the staging,
 // in pieces of at most `chunk_bytes`, and unpins each chunk as soon as its copies are done, so

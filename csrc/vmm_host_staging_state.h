@@ -75,8 +75,9 @@ std::size_t waiting_segments();                      // staged segments not brou
 void refuse_while_staged(const char *what);          // std::runtime_error while any waits
 
 // New extents of at least `bytes` in all, not pinned, cut into chunks of `chunk_bytes` (appended
-// to the staging's chunks), touched here if `touch_here`: one memfd per touching thread.
-void map_extent(std::size_t bytes, std::size_t chunk_bytes, bool touch_here);
+// to the staging's chunks), touched here if `touch_here`: one memfd per touching thread, more of them
+// when `job_stopped` (the job waits at its safe point: its cores are free).
+void map_extent(std::size_t bytes, std::size_t chunk_bytes, bool touch_here, bool job_stopped);
 
 void pin(const DriverTable &d, Chunk &chunk);    // cuMemHostRegister, PORTABLE; once
 void unpin(const DriverTable &d, Chunk &chunk);  // cuMemHostUnregister; once

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
 from typing import Any
@@ -76,6 +77,19 @@ def test_copier_orders_round_trip_across_a_pause(fake: FakeDriver, allocator: Al
     assert fake.vmm_leaks() == NO_LEAKS
 
 
+def test_a_staging_made_at_the_safe_point_gets_a_file_per_core(fake: FakeDriver) -> None:
+    """Each file has a touching thread of its own in the copier: beside training half the cores, up
+    to 8; with the job stopped at its safe point every core, up to 16 (fact `streamed-staging-pace`)."""
+    cores = os.cpu_count() or 1
+    files = {}
+    for job_stopped in (False, True):
+        _C.reserve_host_staging(4 << 30, 0, pin_here=False, job_stopped=job_stopped)  # files only: nothing touched
+        files[job_stopped] = len(_C.host_staging_layout().extents)
+        _C.release_host_staging()
+    assert files == {False: max(1, min(8, cores // 2)), True: min(16, cores)}
+    assert fake.pinned_bytes() == 0
+
+
 def test_a_grown_staging_extends_the_copier_whose_pins_stay(fake: FakeDriver, allocator: Allocator) -> None:
     make_segments(allocator, [4 * MiB])
     _C.reserve_host_staging(4 * MiB, 0, chunk_bytes=2 * MiB, pin_here=False)
@@ -134,6 +148,29 @@ def test_after_a_copy_the_copier_pins_the_chunks_it_did_not_use(fake: FakeDriver
     with pytest.raises(RuntimeError, match="asleep"):
         copier.pin_rest(0)
     assert fake.pinned_bytes() == 0
+    assert_contents(contents)
+
+
+def test_a_pause_copy_unpins_what_it_pinned_behind_its_copies(fake: FakeDriver, allocator: Allocator) -> None:
+    """unpin_copied (a pause whose copier sleeps next): each chunk the copy pinned is unpinned once its
+    copies ended, so the sleep has only what was pinned ahead left to unpin."""
+    contents = make_segments(allocator, [2 * MiB, 4 * MiB])
+    _C.reserve_host_staging(6 * MiB, 0, chunk_bytes=2 * MiB, pin_here=False)
+    copier = copier_for_staging()
+    copier.wake(fake.uuid(0), False, 200)  # pins one chunk, then waits: the copy stops it there
+    deadline = time.monotonic() + 10
+    while copier.pinned_bytes < 2 * MiB and time.monotonic() < deadline:
+        time.sleep(0.01)
+    order = _C.begin_stage_order()
+    assert copier.copy(True, order.segments, order.pieces, unpin_copied=True) == 6 * MiB
+    _C.finish_host_order()
+    times = copier.last_copy_times
+    assert times["pinned_in_copy"] == times["unpinned_in_copy"] == 4 * MiB
+    assert copier.pinned_bytes == 2 * MiB and fake.call_count("cuMemHostUnregister") == 2
+    copier.sleep()
+    assert fake.pinned_bytes() == 0 and fake.call_count("cuMemHostUnregister") == 3
+    assert _C.release_source_backing() == 2
+    assert _C.restore_segments_from_host() == 6 * MiB
     assert_contents(contents)
 
 

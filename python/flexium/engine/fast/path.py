@@ -177,7 +177,8 @@ class FastPath(DeviceMoves):
             phases.append(f"{name} {now - since:.2f} s")
             return now
 
-        _C.reserve_host_staging(wanted, logical, pin_here=False)
+        # At the safe point the job's cores are idle: a file (and a touching thread) per core, up to 16.
+        _C.reserve_host_staging(wanted, logical, pin_here=False, job_stopped=pin == "as copied")
         mark = phase("files", started)
         try:
             if self._copier is not None and not self._copier.alive():
@@ -371,6 +372,7 @@ class FastPath(DeviceMoves):
                 float(reply.get("pin_s", 0.0)),
                 float(reply.get("touch_wait_s", 0.0)),
                 float(reply.get("copy_s", 0.0)),
+                int(reply.get("unpinned_in_copy", 0)),
             )
             log.debug(
                 "copier %s %.2f GiB: order %.0f ms here, then in the copier: import %.0f ms, "
