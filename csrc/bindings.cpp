@@ -320,8 +320,7 @@ void bind_copier(py::module_ &m) {
            py::arg("extents"), py::arg("chunks"))
       .def("extend", &HostCopier::extend, py::arg("extents"), py::arg("chunks"), release_gil())
       .def("wake", &HostCopier::wake, py::arg("uuid"), py::arg("wait"), py::arg("pause_ms") = 0, release_gil())
-      .def("copy", &HostCopier::copy, py::arg("to_host"), py::arg("segments"), py::arg("pieces"),
-           py::arg("unpin_copied") = false, release_gil())
+      .def("copy", &HostCopier::copy, py::arg("to_host"), py::arg("segments"), py::arg("pieces"), release_gil())
       .def("fill", &HostCopier::fill, py::arg("sizes"), py::arg("pieces"), release_gil())
       .def("pin_rest", &HostCopier::pin_rest, py::arg("pause_ms"), release_gil())
       .def("sleep", &HostCopier::sleep, release_gil())
@@ -337,8 +336,7 @@ void bind_copier(py::module_ &m) {
                                              {"pin_s", t.pin_s},
                                              {"touch_wait_s", t.touch_wait_s},
                                              {"pinned_in_copy", static_cast<double>(t.pinned_in_copy)},
-                                             {"copy_s", t.copy_s},
-                                             {"unpinned_in_copy", static_cast<double>(t.unpinned_in_copy)}};
+                                             {"copy_s", t.copy_s}};
       });
 }
 

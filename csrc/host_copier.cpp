@@ -15,8 +15,6 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
-#include <deque>
-#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <system_error>
@@ -38,82 +36,6 @@ int ordinal_of(const std::string &uuid) {
   }
   throw std::invalid_argument("no GPU with UUID " + uuid + " is visible to the copier (CUDA_VISIBLE_DEVICES?)");
 }
-
-// Unpins chunks behind the copies: each once the copies queued before its event have ended, in a thread
-// of its own, while the copier's thread pins and queues the next chunks. Unpinning runs at 50-70 GB/s
-// (fact `staging-kept-pinned-ahead`): left to the sleep after a 64 GiB pause, it took a second.
-class TrailingUnpinner {
- public:
-  TrailingUnpinner(const DriverTable &d, CUcontext context, std::function<void(std::size_t)> unpin)
-      : d_(d), context_(context), unpin_(std::move(unpin)) {}
-  ~TrailingUnpinner() { finish(); }
-  TrailingUnpinner(const TrailingUnpinner &) = delete;
-  TrailingUnpinner &operator=(const TrailingUnpinner &) = delete;
-
-  // Chunk `index` is unpinned once the copies queued on `stream` so far have ended. Where no event or
-  // thread can be had, it stays pinned for the sleep.
-  void after_copies(std::size_t index, CUstream stream) noexcept {
-    CUevent event = nullptr;
-    if (d_.cuEventCreate(&event, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) return;
-    if (d_.cuEventRecord(event, stream) != CUDA_SUCCESS) {
-      d_.cuEventDestroy(event);
-      return;
-    }
-    try {
-      if (!thread_.joinable()) thread_ = std::thread(&TrailingUnpinner::run, this);
-    } catch (const std::system_error &) {
-      d_.cuEventDestroy(event);
-      return;
-    }
-    {
-      std::lock_guard<std::mutex> guard(mutex_);
-      queue_.emplace_back(index, event);
-    }
-    cv_.notify_one();
-  }
-
-  // Waits until every chunk queued is unpinned (or left pinned after a failure).
-  void finish() noexcept {
-    {
-      std::lock_guard<std::mutex> guard(mutex_);
-      done_ = true;
-    }
-    cv_.notify_one();
-    if (thread_.joinable()) thread_.join();
-  }
-
- private:
-  void run() noexcept {
-    bool failed = d_.cuCtxSetCurrent(context_) != CUDA_SUCCESS;
-    for (;;) {
-      std::pair<std::size_t, CUevent> next;
-      {
-        std::unique_lock<std::mutex> lock(mutex_);
-        cv_.wait(lock, [this] { return done_ || !queue_.empty(); });
-        if (queue_.empty()) return;
-        next = queue_.front();
-        queue_.pop_front();
-      }
-      failed = failed || d_.cuEventSynchronize(next.second) != CUDA_SUCCESS;
-      d_.cuEventDestroy(next.second);
-      if (failed) continue;  // the rest stays pinned: the sleep unpins it
-      try {
-        unpin_(next.first);
-      } catch (const std::exception &) {
-        failed = true;
-      }
-    }
-  }
-
-  const DriverTable &d_;
-  CUcontext context_;
-  std::function<void(std::size_t)> unpin_;
-  std::mutex mutex_;
-  std::condition_variable cv_;
-  std::deque<std::pair<std::size_t, CUevent>> queue_;
-  bool done_ = false;
-  std::thread thread_;
-};
 
 }  // namespace
 
@@ -350,7 +272,7 @@ void HostCopier::check_pieces(const std::vector<std::size_t> &sizes, const std::
 }
 
 std::size_t HostCopier::copy(bool to_host, const std::vector<std::pair<int, std::size_t>> &segments,
-                             const std::vector<CopierPiece> &pieces, bool unpin_copied) {
+                             const std::vector<CopierPiece> &pieces) {
   require_awake("cannot copy");
   const DriverTable &d = require_vmm_driver();
   std::vector<std::size_t> sizes;
@@ -379,35 +301,25 @@ std::size_t HostCopier::copy(bool to_host, const std::vector<std::pair<int, std:
     addresses.push_back(b.address);
   }
   times_.import_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - import_start).count();
-  return copy_pieces(to_host, addresses, pieces, unpin_copied);
+  return copy_pieces(to_host, addresses, pieces);
 }
 
 std::size_t HostCopier::copy_pieces(bool to_host, const std::vector<CUdeviceptr> &addresses,
-                                    const std::vector<CopierPiece> &pieces, bool unpin_copied) {
+                                    const std::vector<CopierPiece> &pieces) {
   const DriverTable &d = require_vmm_driver();
   using Clock = std::chrono::steady_clock;
   const auto seconds_since = [](Clock::time_point start) {
     return std::chrono::duration<double>(Clock::now() - start).count();
   };
   const Clock::time_point copy_start = Clock::now();
-  std::unique_ptr<TrailingUnpinner> unpinner;
-  if (unpin_copied)
-    unpinner = std::make_unique<TrailingUnpinner>(d, context_, [this](std::size_t i) { unpin_chunk(i); });
-  // No copy may still run into memory the caller unmaps next, also when one fails half way (declared
-  // after the unpinner: the stream is drained before the unpinner finishes).
+  // No copy may still run into memory the caller unmaps next, also when one fails half way.
   struct Drain {
     const DriverTable &d;
     CUstream stream;
     ~Drain() { d.cuStreamSynchronize(stream); }
   } drain{d, stream_};
   std::size_t copied = 0;
-  constexpr std::size_t kNone = static_cast<std::size_t>(-1);
-  std::size_t pinned_here = kNone;  // the chunk whose copies are being queued, when this copy pinned it
   for (const CopierPiece &piece : pieces) {
-    if (unpinner && pinned_here != kNone && piece.chunk != pinned_here) {
-      unpinner->after_copies(pinned_here, stream_);
-      pinned_here = kNone;
-    }
     bool pinned = false;
     {
       std::lock_guard<std::mutex> guard(mutex_);
@@ -418,7 +330,6 @@ std::size_t HostCopier::copy_pieces(bool to_host, const std::vector<CUdeviceptr>
       times_.touch_wait_s += pin_chunk(piece.chunk);
       times_.pin_s += seconds_since(pin_start);
       times_.pinned_in_copy += chunks_[piece.chunk].size;
-      pinned_here = piece.chunk;
     }
     const CopierChunk &chunk = chunks_[piece.chunk];
     char *host = extents_[chunk.extent].base + chunk.offset + piece.chunk_offset;
@@ -430,19 +341,9 @@ std::size_t HostCopier::copy_pieces(bool to_host, const std::vector<CUdeviceptr>
     }
     copied += piece.length;
   }
-  if (unpinner && pinned_here != kNone) unpinner->after_copies(pinned_here, stream_);
   FLEXIUM_CU_CALL(d, cuStreamSynchronize, stream_);
   times_.copy_s = seconds_since(copy_start);
-  if (unpinner) unpinner->finish();
   return copied;
-}
-
-void HostCopier::unpin_chunk(std::size_t index) {
-  const CopierChunk &chunk = chunks_[index];
-  FLEXIUM_CU_CALL(require_vmm_driver(), cuMemHostUnregister, extents_[chunk.extent].base + chunk.offset);
-  std::lock_guard<std::mutex> guard(mutex_);
-  pinned_[index] = 0;
-  times_.unpinned_in_copy += chunk.size;
 }
 
 void HostCopier::sleep() {

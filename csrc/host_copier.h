@@ -45,7 +45,6 @@ struct CopyTimes {
   double touch_wait_s = 0;         // of which waiting for the touching threads to reach them
   std::size_t pinned_in_copy = 0;  // their bytes
   double copy_s = 0;               // from the first copy queued until the last one ended
-  std::size_t unpinned_in_copy = 0;  // of the chunks it pinned, unpinned once their copies ended (unpin_copied)
 };
 
 class HostCopier {
@@ -70,12 +69,9 @@ class HostCopier {
 
   // Copies the pieces between the chunks and the segments (fd, size) in chunk order, pinning the
   // chunks not yet pinned just before their copies (the copies of the chunk before run meanwhile).
-  // With `unpin_copied` (a pause whose copier sleeps next) a thread unpins each chunk it pinned once
-  // that chunk's copies have ended, while the next are pinned and copied, so that the sleep has
-  // little left to unpin. Returns the bytes copied. The fds stay the caller's; the imports are gone
-  // when it returns.
+  // Returns the bytes copied. The fds stay the caller's; the imports are gone when it returns.
   std::size_t copy(bool to_host, const std::vector<std::pair<int, std::size_t>> &segments,
-                   const std::vector<CopierPiece> &pieces, bool unpin_copied = false);
+                   const std::vector<CopierPiece> &pieces);
 
   // A resume's copy back made while the driver restores the job (host_copier_fill.cpp): new memory
   // of each size on the GPU it is awake on (exportable as POSIX fds), the pieces copied into it from
@@ -121,8 +117,7 @@ class HostCopier {
   // Copies the pieces between the chunks and the segments mapped here at `addresses`, pinning each
   // chunk not pinned yet just before its copies, and waits for them; fills times_'s pin and copy.
   std::size_t copy_pieces(bool to_host, const std::vector<CUdeviceptr> &addresses,
-                          const std::vector<CopierPiece> &pieces, bool unpin_copied);
-  void unpin_chunk(std::size_t index);  // cuMemHostUnregister; pinned_ says so
+                          const std::vector<CopierPiece> &pieces);
 
   struct Extent {
     char *base = nullptr;

@@ -48,7 +48,7 @@ std::vector<int> HostCopier::fill(const std::vector<std::size_t> &sizes, const s
     addresses.push_back(b.address);
   }
   times_.import_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - make_start).count();
-  copy_pieces(/*to_host=*/false, addresses, pieces, /*unpin_copied=*/false);
+  copy_pieces(/*to_host=*/false, addresses, pieces);
   std::vector<OwnedFd> fds;
   fds.reserve(made.size());
   for (const std::unique_ptr<Backing> &b : made) {

@@ -151,29 +151,6 @@ def test_after_a_copy_the_copier_pins_the_chunks_it_did_not_use(fake: FakeDriver
     assert_contents(contents)
 
 
-def test_a_pause_copy_unpins_what_it_pinned_behind_its_copies(fake: FakeDriver, allocator: Allocator) -> None:
-    """unpin_copied (a pause whose copier sleeps next): each chunk the copy pinned is unpinned once its
-    copies ended, so the sleep has only what was pinned ahead left to unpin."""
-    contents = make_segments(allocator, [2 * MiB, 4 * MiB])
-    _C.reserve_host_staging(6 * MiB, 0, chunk_bytes=2 * MiB, pin_here=False)
-    copier = copier_for_staging()
-    copier.wake(fake.uuid(0), False, 200)  # pins one chunk, then waits: the copy stops it there
-    deadline = time.monotonic() + 10
-    while copier.pinned_bytes < 2 * MiB and time.monotonic() < deadline:
-        time.sleep(0.01)
-    order = _C.begin_stage_order()
-    assert copier.copy(True, order.segments, order.pieces, unpin_copied=True) == 6 * MiB
-    _C.finish_host_order()
-    times = copier.last_copy_times
-    assert times["pinned_in_copy"] == times["unpinned_in_copy"] == 4 * MiB
-    assert copier.pinned_bytes == 2 * MiB and fake.call_count("cuMemHostUnregister") == 2
-    copier.sleep()
-    assert fake.pinned_bytes() == 0 and fake.call_count("cuMemHostUnregister") == 3
-    assert _C.release_source_backing() == 2
-    assert _C.restore_segments_from_host() == 6 * MiB
-    assert_contents(contents)
-
-
 def test_an_aborted_order_leaves_everything_as_it_was(fake: FakeDriver, allocator: Allocator) -> None:
     contents = make_segments(allocator, [2 * MiB, 4 * MiB])
     _C.reserve_host_staging(6 * MiB, 0, pin_here=False)

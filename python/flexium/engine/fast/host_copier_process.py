@@ -125,9 +125,7 @@ class Server:
         if op == "copy":
             segments = with_sizes(op, message, fds, "segments")
             pieces = [_C.CopierPiece(**dict(zip(PIECE_FIELDS, row, strict=True))) for row in message["pieces"]]
-            # A pause's copier sleeps next: what the copy pinned is unpinned behind it, not in the sleep.
-            to_host = bool(message["to_host"])
-            copied = copier.copy(to_host, segments, pieces, unpin_copied=to_host and bool(message.get("then_sleep")))
+            copied = copier.copy(bool(message["to_host"]), segments, pieces)
             times = copier.last_copy_times  # before the pinner runs again
             if message.get("pin_rest_pause_ms") is not None:
                 copier.pin_rest(int(message["pin_rest_pause_ms"]))

@@ -58,15 +58,13 @@ class PinnedAhead:
 @dataclass(frozen=True)
 class CopierCopy:
     """What the copier's order did: the bytes it pinned as its copies reached them and the seconds
-    of that pinning, of which waiting for its touching threads to reach them, the seconds from
-    its first copy to its last one's end (pinning included), and of the bytes it pinned those it
-    unpinned behind the copies (a pause's, whose copier sleeps next)."""
+    of that pinning, of which waiting for its touching threads to reach them, and the seconds from
+    its first copy to its last one's end (pinning included)."""
 
     pinned: int
     pin_s: float
     touch_wait_s: float
     copy_s: float
-    unpinned: int = 0
 
 
 @dataclass(frozen=True)

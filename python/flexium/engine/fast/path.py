@@ -372,7 +372,6 @@ class FastPath(DeviceMoves):
                 float(reply.get("pin_s", 0.0)),
                 float(reply.get("touch_wait_s", 0.0)),
                 float(reply.get("copy_s", 0.0)),
-                int(reply.get("unpinned_in_copy", 0)),
             )
             log.debug(
                 "copier %s %.2f GiB: order %.0f ms here, then in the copier: import %.0f ms, "

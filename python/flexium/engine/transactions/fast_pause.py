@@ -99,8 +99,7 @@ def note_made(host: HostCopy, mapped: int) -> tuple[str, ...]:
     by_copier = host.by_copier
     pinned = (
         f"then pinned {gib(by_copier.pinned, 2)} in {by_copier.pin_s:.2f} s as the copies reached it (of which "
-        f"{by_copier.touch_wait_s:.2f} s waiting for the touching; {gib(by_copier.unpinned, 2)} unpinned behind "
-        "the copies)"
+        f"{by_copier.touch_wait_s:.2f} s waiting for the touching)"
         if by_copier is not None
         else "then pinned and copied in this process"
     )
