@@ -277,6 +277,7 @@ void bind_copier(py::module_ &m) {
   py::class_<HostStagingLayout>(m, "HostStagingLayout")
       .def_readonly("extents", &HostStagingLayout::extents)
       .def_readonly("chunks", &HostStagingLayout::chunks)
+      .def_readonly("driver_made", &HostStagingLayout::driver_made)
       .def("__repr__", &record_repr);
 
   py::class_<HostOrder>(m, "HostOrder")
@@ -285,7 +286,12 @@ void bind_copier(py::module_ &m) {
       .def_readonly("bytes", &HostOrder::bytes)
       .def("__repr__", &record_repr);
 
-  m.def("host_staging_layout", &host_staging_layout, "The staging's extents (memfd, size), its own fds, and chunks.");
+  m.def("host_staging_layout", &host_staging_layout,
+        "The staging's extents (memfd or driver-made host memory, size), its own fds, chunks, and which are "
+        "driver-made.");
+  m.def("adopt_host_memory", &adopt_host_memory, py::arg("allocations"), release_gil(),
+        "Adds host memory the driver made in the copier ((fd, size) each: the fds become the staging's) to the "
+        "staging; returns its bytes.");
   // The orders keep the GIL, like the in-process moves: no other thread may touch the segments.
   m.def(
       "begin_stage_order", [](const LiveRanges &live) { return begin_stage_order(live); },
@@ -316,9 +322,12 @@ void bind_copier(py::module_ &m) {
         "for `device`; returns the bytes of the segments mapped.");
 
   py::class_<HostCopier>(m, "HostCopier")
-      .def(py::init<const std::vector<std::pair<int, std::size_t>> &, const std::vector<CopierChunk> &>(),
-           py::arg("extents"), py::arg("chunks"))
-      .def("extend", &HostCopier::extend, py::arg("extents"), py::arg("chunks"), release_gil())
+      .def(py::init<const std::vector<std::pair<int, std::size_t>> &, const std::vector<CopierChunk> &,
+                    const std::vector<bool> &>(),
+           py::arg("extents"), py::arg("chunks"), py::arg("driver_made") = std::vector<bool>{})
+      .def("extend", &HostCopier::extend, py::arg("extents"), py::arg("chunks"),
+           py::arg("driver_made") = std::vector<bool>{}, release_gil())
+      .def("make_host_memory", &HostCopier::make_host_memory, py::arg("bytes"), py::arg("piece"), release_gil())
       .def("wake", &HostCopier::wake, py::arg("uuid"), py::arg("wait"), py::arg("pause_ms") = 0, release_gil())
       .def("copy", &HostCopier::copy, py::arg("to_host"), py::arg("segments"), py::arg("pieces"), release_gil())
       .def("fill", &HostCopier::fill, py::arg("sizes"), py::arg("pieces"), release_gil())

@@ -12,12 +12,14 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstddef>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <thread>
 #include <vector>
 
 #include "cuda_driver_types.h"
+#include "vmm_driver.h"
 
 namespace flexium {
 
@@ -49,8 +51,11 @@ struct CopyTimes {
 
 class HostCopier {
  public:
-  // Maps each extent (fd, size) shared; the fds stay the caller's.
-  HostCopier(const std::vector<std::pair<int, std::size_t>> &extents, const std::vector<CopierChunk> &chunks);
+  // Maps each extent (fd, size) shared; the fds stay the caller's. `driver_made` (per extent; empty: none
+  // is): host memory the driver made (make_host_memory), which is pinned by nature: its fd is kept (a
+  // dup) and it is mapped for the GPU where a memfd chunk would be pinned.
+  HostCopier(const std::vector<std::pair<int, std::size_t>> &extents, const std::vector<CopierChunk> &chunks,
+             const std::vector<bool> &driver_made = {});
   ~HostCopier();  // sleep(), quietly, then unmaps
   HostCopier(const HostCopier &) = delete;
   HostCopier &operator=(const HostCopier &) = delete;
@@ -59,7 +64,15 @@ class HostCopier {
   // first) to the staging grown by the job; the chunks pinned already stay pinned. Returns at once:
   // a thread per new extent touches its chunks in the background, from its start, and each pin
   // waits for its chunk (touching, pinning and copying make one pipeline).
-  void extend(const std::vector<std::pair<int, std::size_t>> &extents, const std::vector<CopierChunk> &chunks);
+  void extend(const std::vector<std::pair<int, std::size_t>> &extents, const std::vector<CopierChunk> &chunks,
+              const std::vector<bool> &driver_made = {});
+
+  // Awake: `bytes` of host memory made by the driver (cuMemCreate on the host NUMA node of the GPU it is
+  // awake on, pieces of at most `piece` bytes), exported as POSIX fds, the caller's, with their sizes; this
+  // process keeps no reference. It lives while an fd or a mapping refers to it, needs no context to, and
+  // is pinned: mapped for the GPU at about 100 GB/s and let go of at once (fact `driver-made-host-memory`),
+  // where a memfd pins at 26-30 GB/s and unpins at 50-70. On failure nothing of it is left.
+  std::vector<std::pair<int, std::size_t>> make_host_memory(std::size_t bytes, std::size_t piece);
 
   // Takes the primary context of the GPU with `uuid` (unless it holds it already) and pins the
   // chunks not pinned yet, in order, in a thread of its own, `pause_ms` between chunks. With
@@ -120,9 +133,13 @@ class HostCopier {
                           const std::vector<CopierPiece> &pieces);
 
   struct Extent {
-    char *base = nullptr;
+    char *base = nullptr;  // driver-made: while mapped
     std::size_t size = 0;
+    bool driver_made = false;
+    int fd = -1;                        // driver-made: our dup of the job's fd
+    std::shared_ptr<Backing> mapped;    // driver-made, while mapped for the GPU
   };
+  void map_driver_made(Extent &extent);
   std::vector<Extent> extents_;
   std::vector<CopierChunk> chunks_;
   std::vector<char> pinned_;

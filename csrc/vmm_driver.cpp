@@ -116,6 +116,36 @@ ScopedStream::~ScopedStream() {
 
 void ScopedStream::synchronize() { FLEXIUM_CU_CALL(d_, cuStreamSynchronize, stream_); }
 
+std::unique_ptr<Backing> map_exported(const DriverTable &d, int fd, std::size_t size, int device) {
+  auto b = std::make_unique<Backing>(d);
+  b->size = size;
+  FLEXIUM_CU_CALL(d, cuMemImportFromShareableHandle, &b->handle,
+                  reinterpret_cast<void *>(static_cast<std::intptr_t>(fd)), CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR);
+  b->created = true;
+  FLEXIUM_CU_CALL(d, cuMemAddressReserve, &b->address, b->size, 0, 0, 0);
+  b->reserved = true;
+  FLEXIUM_CU_CALL(d, cuMemMap, b->address, b->size, 0, b->handle, 0);
+  b->mapped = true;
+  grant_access(d, b->address, b->size, {device});
+  return b;
+}
+
+void queue_host_copy(const DriverTable &d, bool to_host, char *host, CUdeviceptr device, std::size_t bytes,
+                     CUstream stream, bool driver_made) {
+  const CUdeviceptr at = static_cast<CUdeviceptr>(reinterpret_cast<std::uintptr_t>(host));
+  if (driver_made) {
+    if (to_host) {
+      FLEXIUM_CU_CALL(d, cuMemcpyDtoDAsync, at, device, bytes, stream);
+    } else {
+      FLEXIUM_CU_CALL(d, cuMemcpyDtoDAsync, device, at, bytes, stream);
+    }
+  } else if (to_host) {
+    FLEXIUM_CU_CALL(d, cuMemcpyDtoHAsync, host, device, bytes, stream);
+  } else {
+    FLEXIUM_CU_CALL(d, cuMemcpyHtoDAsync, device, host, bytes, stream);
+  }
+}
+
 Backing::~Backing() {
   if (mapped) d->cuMemUnmap(address, size);
   if (created) d->cuMemRelease(handle);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <memory>
 #include <vector>
 
 #include "cuda_driver_types.h"
@@ -83,6 +84,16 @@ struct Backing {
   Backing &operator=(const Backing &) = delete;
   void release_to_caller() { reserved = created = mapped = false; }
 };
+
+// The memory of an exported allocation (`fd`, `size` bytes) imported and mapped at an address of this
+// process for `device`'s access; unmapped and released when the Backing goes. The fd stays the caller's.
+std::unique_ptr<Backing> map_exported(const DriverTable &d, int fd, std::size_t size, int device);
+
+// Queues one copy between device memory and host memory at `host` on `stream`: pinned host memory, or
+// (`driver_made`) host memory the driver made (cuMemCreate on the host) mapped for the device, whose
+// address is a device address and which is copied as device memory.
+void queue_host_copy(const DriverTable &d, bool to_host, char *host, CUdeviceptr device, std::size_t bytes,
+                     CUstream stream, bool driver_made);
 
 // An fd closed on destruction unless released to the caller.
 struct OwnedFd {

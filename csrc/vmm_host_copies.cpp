@@ -223,8 +223,8 @@ std::size_t stage_segments_to_host(const LiveRanges &live, std::size_t chunk_byt
       queue_by_chunk(
           layout.pieces, member, stream.get(), events,
           [&](const Piece &piece) {
-            FLEXIUM_CU_CALL(d, cuMemcpyDtoHAsync, host_of(piece), layout.stashed[piece.stashed].address + piece.offset,
-                            piece.length, stream.get());
+            queue_host_copy(d, true, host_of(piece), layout.stashed[piece.stashed].address + piece.offset, piece.length,
+                            stream.get(), driver_made(staging.chunks[piece.chunk]));
           },
           // Pinned by the reserve, unless plan() mapped it or a failure unpinned it.
           [&](std::size_t chunk) { pin(d, staging.chunks[chunk]); });
@@ -289,8 +289,8 @@ std::size_t restore_segments_from_host(int device) {
       queue_by_chunk(
           staging.pieces, member, stream.get(), events,
           [&](const Piece &piece) {
-            FLEXIUM_CU_CALL(d, cuMemcpyHtoDAsync, staging.stashed[piece.stashed].address + piece.offset, host_of(piece),
-                            piece.length, stream.get());
+            queue_host_copy(d, false, host_of(piece), staging.stashed[piece.stashed].address + piece.offset,
+                            piece.length, stream.get(), driver_made(staging.chunks[piece.chunk]));
             copied += piece.length;
           },
           [&](std::size_t chunk) { pin(d, staging.chunks[chunk]); });

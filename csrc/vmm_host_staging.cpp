@@ -88,7 +88,11 @@ Extent map_file(std::size_t size) {
   // neither need the staging nor should share its pages while the GPU writes them.
   ::madvise(start, size, MADV_HUGEPAGE);
   ::madvise(start, size, MADV_DONTFORK);
-  return {fd, start, size};
+  Extent file;
+  file.fd = fd;
+  file.base = start;
+  file.size = size;
+  return file;
 }
 
 void unmap_files(const std::vector<Extent> &files) noexcept {
@@ -159,15 +163,32 @@ void map_extent(std::size_t bytes, std::size_t chunk_bytes, bool touch_here, boo
   }
 }
 
+bool driver_made(const Chunk &chunk) { return staging.extents[chunk.extent].driver_made; }
+
 void pin(const DriverTable &d, Chunk &chunk) {
   if (chunk.pinned) return;
-  FLEXIUM_CU_CALL(d, cuMemHostRegister, chunk.host, chunk.size, CU_MEMHOSTREGISTER_PORTABLE);
+  Extent &extent = staging.extents[chunk.extent];
+  if (extent.driver_made) {
+    CUdevice device = 0;
+    FLEXIUM_CU_CALL(d, cuCtxGetDevice, &device);
+    extent.mapped_here = map_exported(d, extent.fd, extent.size, device);
+    extent.base = reinterpret_cast<char *>(static_cast<std::uintptr_t>(extent.mapped_here->address));
+    chunk.host = extent.base + chunk.offset;
+  } else {
+    FLEXIUM_CU_CALL(d, cuMemHostRegister, chunk.host, chunk.size, CU_MEMHOSTREGISTER_PORTABLE);
+  }
   chunk.pinned = true;
 }
 
 void unpin(const DriverTable &d, Chunk &chunk) {
   if (!chunk.pinned) return;
-  FLEXIUM_CU_CALL(d, cuMemHostUnregister, chunk.host);
+  Extent &extent = staging.extents[chunk.extent];
+  if (extent.driver_made) {
+    extent.mapped_here.reset();
+    extent.base = chunk.host = nullptr;
+  } else {
+    FLEXIUM_CU_CALL(d, cuMemHostUnregister, chunk.host);
+  }
   chunk.pinned = false;
 }
 
@@ -177,7 +198,11 @@ void unpin_all_quietly(const DriverTable &d, int device) noexcept {
     if (std::none_of(staging.chunks.begin(), staging.chunks.end(), [](const Chunk &c) { return c.pinned; })) return;
     ScopedContext context(d, device);
     for (Chunk &chunk : staging.chunks) {
-      if (chunk.pinned && d.cuMemHostUnregister(chunk.host) == CUDA_SUCCESS) chunk.pinned = false;
+      if (chunk.pinned && driver_made(chunk)) {
+        unpin(d, chunk);  // never throws for driver-made memory: the Backing unmaps it
+      } else if (chunk.pinned && d.cuMemHostUnregister(chunk.host) == CUDA_SUCCESS) {
+        chunk.pinned = false;
+      }
     }
   } catch (...) {
   }
@@ -233,10 +258,35 @@ std::size_t reserve_host_staging(std::size_t bytes, int device, std::size_t chun
   return pinned;
 }
 
+std::size_t adopt_host_memory(const std::vector<std::pair<int, std::size_t>> &allocations) {
+  std::vector<OwnedFd> owned;
+  for (const auto &allocation : allocations) owned.emplace_back(allocation.first);
+  std::lock_guard<std::mutex> guard(staging.mutex);
+  refuse_while_staged("cannot add host memory to the staging");
+  for (std::size_t i = 0; i < allocations.size(); ++i) {
+    const std::size_t size = allocations[i].second;
+    if (size == 0 || size % kPageBytes != 0) {
+      throw std::invalid_argument("host memory of " + std::to_string(size) + " bytes: not whole pages");
+    }
+  }
+  for (std::size_t i = 0; i < allocations.size(); ++i) {
+    Extent extent;
+    extent.fd = owned[i].release();
+    extent.size = allocations[i].second;
+    extent.driver_made = true;
+    staging.extents.push_back(extent);
+    staging.chunks.push_back({nullptr, extent.size, false, staging.extents.size() - 1, 0});
+  }
+  return mapped_bytes();
+}
+
 HostStagingLayout host_staging_layout() {
   std::lock_guard<std::mutex> guard(staging.mutex);
   HostStagingLayout layout;
-  for (const Extent &extent : staging.extents) layout.extents.emplace_back(extent.fd, extent.size);
+  for (const Extent &extent : staging.extents) {
+    layout.extents.emplace_back(extent.fd, extent.size);
+    layout.driver_made.push_back(extent.driver_made);
+  }
   for (const Chunk &chunk : staging.chunks) layout.chunks.push_back({chunk.extent, chunk.offset, chunk.size});
   return layout;
 }
@@ -255,6 +305,7 @@ std::size_t release_host_staging() {
   // (MADV_DONTNEED takes the lock for reading only), so munmap finds nothing left to hold the job up
   // (fact `staging-unmapped-in-chunks`).
   for (std::size_t i = 0; i < staging.chunks.size(); ++i) {
+    if (driver_made(staging.chunks[i])) continue;  // not mapped here: its fd holds it
     if (i > 0) std::this_thread::sleep_for(kUnmapBreak);
     ::madvise(staging.chunks[i].host, staging.chunks[i].size, MADV_DONTNEED);
   }
@@ -262,8 +313,8 @@ std::size_t release_host_staging() {
   staging.chunks.clear();
   while (!staging.extents.empty()) {
     const Extent &extent = staging.extents.back();
-    ::munmap(extent.base, extent.size);
-    ::close(extent.fd);  // the copier's mapping, if any, keeps the pages until it unmaps them
+    if (!extent.driver_made) ::munmap(extent.base, extent.size);
+    ::close(extent.fd);  // the copier's mapping (or fd), if any, keeps the memory until it lets go
     released += extent.size;
     staging.extents.pop_back();
   }

@@ -75,9 +75,17 @@ struct HostOrder {
 struct HostStagingLayout {
   std::vector<std::pair<int, std::size_t>> extents;  // (memfd, size): the staging's own fds
   std::vector<CopierChunk> chunks;
+  std::vector<bool> driver_made;  // per extent: host memory the driver made (adopt_host_memory), not a memfd
 };
 
 HostStagingLayout host_staging_layout();
+
+// Adds host memory the driver made in the copier process (HostCopier::make_host_memory: cuMemCreate on the
+// host, exported as POSIX fds, which become the staging's) to the staging, a chunk per allocation. It is
+// pinned by nature and needs no context to live, so a staging of it stays pinned through a pause and a
+// resume copies from it without pinning again (fact `driver-made-host-memory`). Held here by its fds
+// only. Returns the staging's bytes. Throws std::runtime_error while segments are staged.
+std::size_t adopt_host_memory(const std::vector<std::pair<int, std::size_t>> &allocations);
 
 // Lays out the live ranges of the segments (one device's) over the staging, which must already
 // be large enough (std::length_error otherwise: stage in-process instead, which grows it), after

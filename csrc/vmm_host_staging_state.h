@@ -18,11 +18,16 @@
 namespace flexium {
 namespace host_staging {
 
-// One memfd, mapped shared here and by the copier process.
+// One memfd, mapped shared here and by the copier process; or (`driver_made`) one allocation of host
+// memory the driver made in the copier (adopt_host_memory), held here by its fd alone and mapped only while
+// this process's own copies use it (a process holding such memory mapped cannot be restored: fact
+// `cumem-host-memory-unrestorable`); its one chunk is the whole allocation.
 struct Extent {
   int fd = -1;
-  char *base = nullptr;
+  char *base = nullptr;  // driver-made: while mapped here
   std::size_t size = 0;
+  bool driver_made = false;
+  std::shared_ptr<Backing> mapped_here;  // driver-made, while mapped here
 };
 
 struct Chunk {
@@ -79,8 +84,11 @@ void refuse_while_staged(const char *what);          // std::runtime_error while
 // when `job_stopped` (the job waits at its safe point: its cores are free).
 void map_extent(std::size_t bytes, std::size_t chunk_bytes, bool touch_here, bool job_stopped);
 
-void pin(const DriverTable &d, Chunk &chunk);    // cuMemHostRegister, PORTABLE; once
-void unpin(const DriverTable &d, Chunk &chunk);  // cuMemHostUnregister; once
+// cuMemHostRegister, PORTABLE; once. A driver-made chunk is pinned already: it is mapped for the current
+// context's device instead.
+void pin(const DriverTable &d, Chunk &chunk);
+void unpin(const DriverTable &d, Chunk &chunk);  // cuMemHostUnregister (driver-made: unmapped); once
+bool driver_made(const Chunk &chunk);
 
 // After a failure: nothing pinned may ride into the next checkpoint. Best effort.
 void unpin_all_quietly(const DriverTable &d, int device) noexcept;

@@ -216,6 +216,7 @@ YOUNG_WAIT_S = 120.0
 YOUNG_SLOWER_ALLOWED = 1.1  # streaming from a half-kept staging may not take longer than making it (10% noise)
 YOUNG_NOISE_S = 0.3
 STREAMED_KEPT = re.compile(r"the staging kept for pauses was still being pinned ahead: ")
+MEMFD_KEPT = {"FLEXIUM_DRIVER_HOST_MEMORY": "0"}
 
 
 def young_job(ballast_gb: int, pause_at_step: int | None, total_steps: int | None) -> dict[str, Any]:
@@ -313,7 +314,9 @@ def test_a_young_jobs_first_pause_streams_what_its_keeper_has_not_pinned_yet(hos
     undisturbed run's, and the pause takes no longer than one that makes all of its staging at the
     safe point (the same job with nothing kept: FLEXIUM_PINNED_HOST_MEMORY=0); both times printed."""
     gpu0 = uuid_of(host_gpus, 0)
-    young = run_in_fresh_process(young_job, YOUNG_GB, None, None, timeout=600)
+    # The keeper's memfds, pinned ahead in the background: a staging of driver-made host memory (the default)
+    # is made a piece at a time before it is pinned, which this test does not catch half way yet.
+    young = run_in_fresh_process(young_job, YOUNG_GB, None, None, env=MEMFD_KEPT, timeout=600)
     assert "error" not in young, young.get("error")
     pause = young["pause"]
     assert pause["ok"] and pause["path"] == "fast" and young["resume"] == {"ok": True, "path": "fast"}, young

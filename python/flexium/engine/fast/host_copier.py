@@ -50,6 +50,8 @@ START_TIMEOUT_S = 60.0
 # Time limits grow with the bytes at this pace, far below the copy and pinning speeds (facts `copy-ceilings` and
 # `pinning-rate`).
 SLOWEST_BYTES_PER_S = 1 << 30
+# The driver makes host memory at 1.9-5.3 GB/s (fact `driver-made-host-memory`).
+MAKING_BYTES_PER_S = 1 << 28
 EXIT_TIMEOUT_S = 10.0
 PINNING_WAIT_S = 1.0  # how long asking how far the copier pinned waits for another exchange to end
 # The wire carries a chunk or a piece (csrc/host_copier.h) as the list of these fields' values;
@@ -135,7 +137,7 @@ class Copier:
         self._sock = sock
         self._unread: list[str] = []  # replies owed for requests sent without waiting
         # What the copier maps: the staging's extents (inode, size) and its chunks, as sent.
-        self._attached: tuple[tuple[tuple[int, int], ...], list[list[int]]] | None = None
+        self._attached: tuple[tuple[tuple[int, int, int], ...], list[list[int]]] | None = None
         self._awake_on: str | None = None
         # The reply to the last wake sent without waiting, once read (what it found pinned).
         self.last_wake: dict[str, Any] | None = None
@@ -198,7 +200,8 @@ class Copier:
         changed. A staging the job grew (extents and chunks added after those it had) is extended:
         what the copier pinned stays pinned, so a pause after a growth pins only what is new."""
         extents = layout.extents
-        key = tuple((os.fstat(fd).st_ino, size) for fd, size in extents)
+        # The fd's number too: the driver's exported fds may all share one inode.
+        key = tuple((fd, os.fstat(fd).st_ino, size) for fd, size in extents)
         chunks = [as_row(chunk, CHUNK_FIELDS) for chunk in layout.chunks]
         before = self._attached
         if before is not None and before == (key, chunks):
@@ -208,11 +211,31 @@ class Copier:
             op, first_extent, first_chunk = "extend", len(before[0]), len(before[1])
         added = extents[first_extent:]
         self._exchange(
-            {"op": op, "sizes": [size for _fd, size in added], "chunks": chunks[first_chunk:]},
+            {
+                "op": op,
+                "sizes": [size for _fd, size in added],
+                "chunks": chunks[first_chunk:],
+                "driver_made": list(layout.driver_made[first_extent:]),
+            },
             [fd for fd, _size in added],
             timeout=START_TIMEOUT_S + sum(size for _fd, size in added) / SLOWEST_BYTES_PER_S,  # it touches the pages
         )
         self._attached = (key, chunks)
+
+    def make_host(self, nbytes: int, piece: int) -> list[tuple[int, int]]:
+        """Host memory made by the driver in the copier, awake (fact `driver-made-host-memory`): (fd, size)
+        pieces of at most `piece` bytes, the caller's fds. Raises CopierError when it cannot."""
+        timeout = START_TIMEOUT_S + nbytes / MAKING_BYTES_PER_S
+        with self._turn(timeout):
+            self._send({"op": "make_host", "bytes": nbytes, "piece": piece})
+            while self._unread:
+                self._read_unread(timeout)
+            reply, fds = self._reply_with_fds("make_host", timeout)
+        sizes = [int(size) for size in reply.get("sizes", [])]
+        if len(sizes) != len(fds):
+            close_all(fds)
+            raise CopierError(f"the copier sent {len(fds)} fds for {len(sizes)} pieces of host memory")
+        return list(zip(fds, sizes, strict=True))
 
     def wake(self, uuid: str, *, wait: bool, pause_ms: int = 0, bytes_to_pin: int = 0) -> dict[str, Any]:
         """Takes a context on the GPU `uuid` and pins the staging; without `wait` returns at once

@@ -5,8 +5,10 @@ given, one request at a time, until the job says quit or goes away.
 
 (--trace: each request and reply on stderr, the job's; the job asks for it when its log is at DEBUG.)
 
-Requests: hello (loads the driver); attach (the staging's extents as fds, sizes, chunks); extend
-(the extents and chunks the job added to its staging since); wake (uuid, wait, pause_ms; says what
+Requests: hello (loads the driver); attach (the staging's extents as fds, sizes, chunks, which extents
+are driver-made host memory); extend (the extents and chunks the job added to its staging since);
+make_host (bytes, piece: awake, host memory made by the driver, its fds and sizes sent with the reply,
+the job's to add to its staging); wake (uuid, wait, pause_ms; says what
 it found pinned and how the background pinning before it ended); pinning (how far the background
 pinning is: bytes pinned, whether it still runs, how the last one ended); copy
 (to_host, the segments as fds, sizes, pieces, then_sleep: a second reply follows once asleep;
@@ -98,13 +100,14 @@ class Server:
             return {}
         if op in ("attach", "extend"):
             extents, chunks = with_sizes(op, message, fds, "extents"), staging_chunks(message)
+            driver_made = [bool(made) for made in message.get("driver_made", [])]
             if op == "extend":
-                self.require_attached(op).extend(extents, chunks)
+                self.require_attached(op).extend(extents, chunks, driver_made)
                 return {}
             if self.copier is not None:
                 self.copier.sleep()
                 self.copier = None  # unmaps the old extents
-            self.copier = _C.HostCopier(extents, chunks)
+            self.copier = _C.HostCopier(extents, chunks, driver_made)
             return {}
         if op == "detach":
             if self.copier is not None:
@@ -132,6 +135,9 @@ class Server:
             return {"bytes": copied, **times}
         if op == "fill":
             return self.fill(copier, message)
+        if op == "make_host":
+            made = copier.make_host_memory(int(message["bytes"]), int(message["piece"]))
+            return {"sizes": [size for _fd, size in made], HANDED_FDS: [fd for fd, _size in made]}
         if op == "sleep":
             return self.sleep()
         raise ValueError(f"unknown request {op!r}")

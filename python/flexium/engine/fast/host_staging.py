@@ -8,6 +8,7 @@ import logging
 from dataclasses import dataclass
 
 from flexium import _C
+from flexium.config import switch_from_env
 
 log = logging.getLogger("flexium")
 # Host staging a pause prepares beyond the pool's live bytes (one chunk of csrc's staging).
@@ -20,6 +21,17 @@ PIN_PAUSE_MS = 2
 COPIER_CONTEXT_BYTES = 518 << 20
 COPIER_ROOM_MARGIN = 512 << 20
 DISABLE_NOTE = "the copier process is off: FLEXIUM_HOST_COPIER=0"
+# A staging kept between pauses is host memory the driver makes in the copier, which stays pinned through a
+# pause with no context, so that a resume copies back without pinning (fact `driver-made-host-memory`); false:
+# memfds the copier pins, and pins again at each resume.
+DRIVER_MEMORY_ENV = "FLEXIUM_DRIVER_HOST_MEMORY"
+DRIVER_MADE_PIECE = 1 << 30  # one allocation and fd each; the copier's turn is held for one at a time
+
+
+def driver_memory_enabled() -> bool:
+    return switch_from_env(DRIVER_MEMORY_ENV, True, "driver-made host memory switch")
+
+
 BY_COPIER = "by the copier process"  # where the staging was pinned, as FastPath.reserve_host says it
 
 

@@ -107,7 +107,7 @@ class StagingKeeper:
         if pool == self._kept_for_pool and self._fast.kept_on(uuid):
             self._follow_pinning(uuid)
             return
-        note = self._fast.keep_ready(logical, uuid)
+        note = self._fast.keep_ready(logical, uuid, keep_going=self._ready)
         if note is not None:
             self._say(note)
         if self._fast.kept_on(uuid):

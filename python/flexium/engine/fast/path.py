@@ -25,6 +25,7 @@ from flexium.engine.fast.host_copier import Copier, CopierError, CopierRefused, 
 from flexium.engine.fast.host_staging import (
     BY_COPIER,
     DISABLE_NOTE,
+    DRIVER_MADE_PIECE,
     HOST_STAGING_SLACK,
     PIN_PAUSE_MS,
     POOL_GROWTH_ROOM,
@@ -33,6 +34,7 @@ from flexium.engine.fast.host_staging import (
     PinnedAhead,
     Reserved,
     copier_room_problem,
+    driver_memory_enabled,
     release_host_staging,
 )
 from flexium.engine.fast.memory_pool import LiveRanges, MemoryPool, open_file_headroom
@@ -74,6 +76,8 @@ class FastPath(DeviceMoves):
         # The staging stays (pinned by the copier) between pauses: claimed in pinned_budget.
         self.keeping = False
         self._kernel_loaded: set[int] = set()  # devices whose context has the checksum kernel
+        # Why the copier could not make host memory (a kept staging is then memfds); "" while it can.
+        self.driver_memory_refused = ""
         self.last_copy: CopierCopy | None = None  # what the copier's last order did (None: it ran here)
 
     def warm_up(self) -> None:
@@ -455,10 +459,12 @@ class FastPath(DeviceMoves):
 
         return timed("copier_sleep", work)[1]
 
-    def keep_ready(self, logical: int, uuid: str) -> str | None:
+    def keep_ready(self, logical: int, uuid: str, keep_going: Callable[[], bool] = lambda: True) -> str | None:
         """Between pauses: the staging holds what a pause of `logical` needs and the copier keeps
         it pinned on the job's GPU `uuid`, so that a pause only copies. Returns what it did, or
-        why it could not (the pinned host memory budget); None when nothing was needed."""
+        why it could not (the pinned host memory budget); None when nothing was needed. What the
+        staging lacks is host memory the driver makes in the copier, a piece at a time without the
+        staging's lock, while `keep_going()` (no operation is under way), else memfds."""
         with self._host_lock:
             if self.host_waiting() > 0:
                 return None
@@ -475,6 +481,12 @@ class FastPath(DeviceMoves):
                 if held > 0 and not self.keeping:
                     self.release_host_later()
                 return f"the staging for a pause is prepared when one is asked for: {refusal}"
+            making = self._copier_to_make(wanted - held, uuid)
+        if making is not None:
+            self._make_driver_memory(making, wanted - held, keep_going)
+        with self._host_lock:
+            if self.host_waiting() > 0 or not keep_going():
+                return None
             try:
                 reserved = self._reserve_host(logical, wanted, uuid, pin="ahead")
             except BaseException:
@@ -492,6 +504,56 @@ class FastPath(DeviceMoves):
                 f"pins {held / (1 << 30):.2f} GiB of host staging ahead {reserved.where} for a pause "
                 f"(made in {reserved.seconds:.2f} s: {reserved.phases}); a pause that comes meanwhile streams the rest"
             )
+
+    def _copier_to_make(self, missing: int, uuid: str) -> Copier | None:
+        """The copier, awake on `uuid` with the staging attached, when it should make the `missing` bytes
+        as host memory of the driver's; None when it should not (switched off, refused before, the
+        copier off or failing: memfds then)."""
+        if missing <= 0 or not copier_enabled() or not driver_memory_enabled() or self.driver_memory_refused:
+            return None
+        try:
+            self._wait_for_start()
+            if self._copier is not None and not self._copier.alive():
+                self._copier.kill()
+                self._copier = None
+            if self._copier is None:
+                self._copier = Copier.start()
+            self._copier.attach(_C.host_staging_layout())
+            if self._copier.awake_on != uuid:  # its context, taken before the next request is read
+                self._copier.wake(uuid, wait=False, pause_ms=PIN_PAUSE_MS)
+        except CopierError as exc:
+            self._drop_copier(f"it could not start making host memory: {exc}", copies_here=False)
+            return None
+        return self._copier
+
+    def _make_driver_memory(self, copier: Copier, missing: int, keep_going: Callable[[], bool]) -> None:
+        """Adds `missing` bytes of host memory made by the driver in `copier` to the staging, a piece per
+        exchange, the staging's lock held only while each is added: a pause that comes meanwhile waits
+        for one piece at most, and streams what is not made yet."""
+        made = 0
+        while made < missing and keep_going():
+            try:
+                pieces = copier.make_host(min(DRIVER_MADE_PIECE, missing - made), DRIVER_MADE_PIECE)
+            except CopierRefused as exc:
+                self.driver_memory_refused = str(exc)
+                log.info("the staging kept for pauses is memfds the copier pins: %s", exc)
+                return
+            except CopierError as exc:
+                with self._host_lock:
+                    if self._copier is copier:
+                        self._drop_copier(f"it failed making host memory: {exc}", copies_here=False)
+                return
+            with self._host_lock:
+                if self.host_waiting() > 0 or not keep_going() or self._copier is not copier:
+                    close_all([fd for fd, _size in pieces])
+                    return
+                try:
+                    _C.adopt_host_memory(pieces)  # the fds are the staging's now, closed by it on failure too
+                except (RuntimeError, ValueError) as exc:
+                    log.debug("host memory the copier made was not added to the staging: %s", exc)
+                    return
+            made += sum(size for _fd, size in pieces)
+            time.sleep(PIN_PAUSE_MS / 1000)  # a pause waiting for the lock takes it now
 
     def kept_pinning(self, uuid: str) -> PinnedAhead | None:
         """How far the copier has pinned the staging it keeps on the GPU `uuid`; None when none is

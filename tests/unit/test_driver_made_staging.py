@@ -1,0 +1,112 @@
+"""A staging kept between pauses made of host memory the driver makes in the copier (fact
+`driver-made-host-memory`, csrc/host_copier.cpp make_host_memory, vmm_host_staging.cpp adopt_host_memory),
+over the fake driver with the real copier process: the job holds it by its fds only, so its checkpoint
+finds none mapped (fact `cumem-host-memory-unrestorable`), and maps it only while its own copies run when
+the copier is gone; a driver that cannot make it leaves the staging to memfds."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from flexium import _C  # noqa: E402
+from flexium.engine.fast import kept_staging, pinned_budget  # noqa: E402
+from flexium.engine.fast.host_copier import Copier  # noqa: E402
+from flexium.engine.fast.host_staging import DRIVER_MEMORY_ENV  # noqa: E402
+from support.engine import MiB, driver, fake, make_engine, nvml_in_parent, wait_until  # noqa: E402,F401
+from support.fast_path import CUDA_ERROR_UNKNOWN, Job, copier_processes, job  # noqa: E402,F401  (fixtures)
+
+SIZES = [2 * MiB, 4 * MiB, 6 * MiB]
+
+
+@pytest.fixture
+def kept(monkeypatch: pytest.MonkeyPatch) -> Callable[[Job, Any], None]:
+    """The keeper on, looking often; waits until it keeps the job's staging pinned."""
+    monkeypatch.setenv(pinned_budget.ENV, "1GiB")
+    monkeypatch.setattr(kept_staging, "CHECK_S", 0.05)
+
+    def until_kept(job: Job, engine: Any) -> None:
+        wait_until(
+            lambda: job.fast is not None and job.fast.keeping and (engine._keeper.note or "").startswith("keeps "),
+            what="the keeper to keep the staging pinned",
+        )
+
+    return until_kept
+
+
+def host_memory_mapped_here() -> list[str]:
+    """What of the driver's host memory this process has mapped (what its checkpoint could not restore)."""
+    return [repr(m) for m in _C.uncheckpointable_mappings()]
+
+
+def test_the_kept_staging_is_driver_memory_the_job_holds_by_its_fds_alone(
+    job: Job, kept: Callable[[Job, Any], None]
+) -> None:
+    engine = job.training(SIZES)
+    kept(job, engine)
+    layout = _C.host_staging_layout()
+    assert layout.driver_made and all(layout.driver_made), layout
+    assert host_memory_mapped_here() == []
+    paused = engine.pause()
+    assert paused.ok and paused.path == "fast", paused.error
+    assert "0.00 GiB newly pinned" in paused.notes[0], paused.notes
+    assert job.fake.pinned_at_last_checkpoint() == 0 and job.fake.vmm_mappings() == 0
+    assert all(_C.host_staging_layout().driver_made)  # kept through the pause, the copier asleep
+    resumed = engine.resume()
+    assert resumed.ok and resumed.path == "fast", resumed.error
+    assert any("beside the restore" in note for note in resumed.notes), resumed.notes
+    job.assert_home(physical=0)
+    assert host_memory_mapped_here() == [] and all(_C.host_staging_layout().driver_made)
+
+
+def test_without_its_copier_the_job_maps_driver_memory_only_while_its_copies_run(
+    job: Job, kept: Callable[[Job, Any], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = job.training(SIZES)
+    kept(job, engine)
+    copy = Copier.copy
+
+    def killed_first(self: Copier, *args: Any, **kwargs: Any) -> Any:
+        os.kill(self.pid, signal.SIGKILL)
+        return copy(self, *args, **kwargs)
+
+    monkeypatch.setattr(Copier, "copy", killed_first)
+    paused = engine.pause()
+    assert paused.ok and paused.path == "fast", paused.error
+    assert any(note.startswith("the copies to and from host memory ran in this process") for note in paused.notes)
+    assert job.fake.vmm_mappings() == 0  # mapped for the copies, let go of before the checkpoint
+    layout = _C.host_staging_layout()
+    assert all(layout.driver_made)
+    resumed = engine.resume()
+    assert resumed.ok and resumed.path == "fast", resumed.error
+    job.assert_home(physical=0, held_by_fds=len(layout.extents))
+    assert host_memory_mapped_here() == []
+
+
+def test_a_driver_that_cannot_make_host_memory_leaves_the_staging_to_memfds(
+    job: Job, kept: Callable[[Job, Any], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_CUDA_FAIL", f"cuMemCreate:{CUDA_ERROR_UNKNOWN}:0")  # every call, in the copier's fake
+    engine = job.training(SIZES)
+    kept(job, engine)
+    assert job.fast is not None and "cuMemCreate" in job.fast.driver_memory_refused
+    assert not any(_C.host_staging_layout().driver_made)
+    assert engine.pause().ok and engine.resume().ok
+    job.assert_home(physical=0)
+
+
+def test_switched_off_the_kept_staging_is_memfds(
+    job: Job, kept: Callable[[Job, Any], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(DRIVER_MEMORY_ENV, "0")
+    engine = job.training(SIZES)
+    kept(job, engine)
+    assert _C.host_staging_layout().driver_made == [False] * len(_C.host_staging_layout().extents)
+    assert engine.pause().ok and engine.resume().ok
+    job.assert_home(physical=0)
