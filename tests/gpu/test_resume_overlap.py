@@ -11,17 +11,35 @@ the overlap, and says why.
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
 from support.gpu import GIB, JOB_TIMEOUT, assert_left, idle_used, ok_run, reference, run_job, summary, uuid_of
 
-BALLAST_GB = "16"
+# FLEXIUM_TEST_RESUME_GB=64 measures the other size of issue 39 item 1 (its staging kept only within a pinned
+# host memory budget that holds it: FLEXIUM_PINNED_HOST_MEMORY=60% on a 128 GiB host).
+BALLAST_GB = os.environ.get("FLEXIUM_TEST_RESUME_GB", "16")
 # Steps enough for the keeper to make the staging of driver-made host memory while the job trains (17.4 GiB at
 # 1.9-5.3 GB/s, fact `driver-made-host-memory`, after two looks 2 s apart find the pool settled) before the first
 # pause, and for both operations and the owning after each to end before the job does.
-COMMON = ("--ballast-gb", BALLAST_GB, "--steps", "300", "--step-sleep", "0.1", "--pause-seconds", "0.5")
-PLAN = ("200:pause@fast", "200:resume", "240:pause@fast", "240:resume")
+FIRST_PAUSE = 200 * max(1, int(BALLAST_GB) // 16)
+COMMON = (
+    "--ballast-gb",
+    BALLAST_GB,
+    "--steps",
+    str(FIRST_PAUSE + 100),
+    "--step-sleep",
+    "0.1",
+    "--pause-seconds",
+    "0.5",
+)
+PLAN = (
+    f"{FIRST_PAUSE}:pause@fast",
+    f"{FIRST_PAUSE}:resume",
+    f"{FIRST_PAUSE + 40}:pause@fast",
+    f"{FIRST_PAUSE + 40}:resume",
+)
 KEPT = "0.00 GiB newly pinned"  # the pause found its staging kept whole
 BESIDE = "copied back beside the restore: the copier made and filled "
 AFTER = "copied back after the restore: the copier could not make the memory beside it ("
@@ -30,7 +48,7 @@ FIGURES = re.compile(
     r"filled ([0-9.]+) GiB of new memory in ([0-9.]+) s \(pinning ([0-9.]+) s\), ([0-9.]+) s of it beside the job's "
     r"restore \(([0-9.]+) s\); the job waited ([0-9.]+) s after its restore and mapped it in ([0-9.]+) s"
 )
-GOAL_S = 0.6  # issue 39 item 1, the resume operation of 16 GiB with the staging pinned
+GOAL_S = 0.6 if int(BALLAST_GB) <= 16 else 1.5  # issue 39 item 1, the resume operation with the staging pinned
 
 
 def plan_args(plan: tuple[str, ...]) -> list[str]:
