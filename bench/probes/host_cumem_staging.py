@@ -61,6 +61,8 @@ EXTRA = {
     ),
     "cuMemcpyAsync": ("cuMemcpyAsync", [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]),
     "cuMemsetD8": ("cuMemsetD8_v2", [ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t]),
+    "cuMemcpyDtoDAsync": ("cuMemcpyDtoDAsync_v2", [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]),
+    "cuMemcpyHtoDAsync": ("cuMemcpyHtoDAsync_v2", [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]),
     "cuCtxSynchronize": ("cuCtxSynchronize", []),
     "cuCheckpointProcessLock": ("cuCheckpointProcessLock", [ctypes.c_int, ctypes.c_void_p]),
     "cuCheckpointProcessCheckpoint": ("cuCheckpointProcessCheckpoint", [ctypes.c_int, ctypes.c_void_p]),
@@ -108,16 +110,26 @@ def access_pieces(drv: Driver, va: int, piece: int, count: int, numa: int, k: in
         access(drv, va + i * piece, piece, numa, cpu=False)
 
 
-def copy_all(drv: Driver, dst: int, src: int, size: int, device: int, to_device: bool, stream: int) -> float:
-    """Copies between the host range and a 1 GiB device buffer (wrapping), per 256 MiB; seconds."""
+def unmap_pieces(drv: Driver, va: int, piece: int, count: int, k: int) -> None:
+    drv.call("cuCtxSetCurrent", ctypes.c_void_p(drv.context))
+    for i in range(k, count, THREADS):
+        drv.call("cuMemUnmap", va + i * piece, piece)
+
+
+def copy_all(
+    drv: Driver, dst: int, src: int, size: int, device: int, to_device: bool, stream: int, call: str = "cuMemcpyAsync"
+) -> float:
+    """Copies between the host range and a 1 GiB device buffer (wrapping), per 256 MiB, with `call`
+    (cuMemcpyAsync, cuMemcpyDtoDAsync: the host range as a device address, or cuMemcpyHtoDAsync: as a
+    host pointer); seconds."""
     started = now()
     for offset in range(0, size, PIECE_COPY):
         n = min(PIECE_COPY, size - offset)
         dev = device + offset % GIB
         if to_device:
-            drv.call("cuMemcpyAsync", dev, src + offset, n, stream)
+            drv.call(call, dev, src + offset, n, stream)
         else:
-            drv.call("cuMemcpyAsync", dst + offset, dev, n, stream)
+            drv.call(call, dst + offset, dev, n, stream)
     drv.stream_sync(stream)
     return now() - started
 
@@ -248,6 +260,18 @@ def copier(fds: list[int], meta: dict[str, int], result: dict[str, Any]) -> None
         result[f"r{round_}_import_s"], result[f"r{round_}_map_s"] = imported - started, mapped - imported
         result[f"r{round_}_access_s"] = done - mapped
         result[f"r{round_}_h2d_gbps"] = gbps(size, copy_all(drv, 0, va, size, device.value, True, stream))
+        if round_ == 1:  # the copier's calls: the range as a device address, or as a host pointer
+            for call in ("cuMemcpyDtoDAsync", "cuMemcpyHtoDAsync"):
+                try:
+                    seconds = copy_all(drv, 0, va, size, device.value, True, stream, call)
+                    result[f"{call}_gbps"] = gbps(size, seconds)
+                except RuntimeError as exc:
+                    result[f"{call}_gbps"] = str(exc)
+            try:
+                seconds = copy_all(drv, va, 0, size, device.value, False, stream, "cuMemcpyDtoDAsync")
+                result["dtod_to_host_gbps"] = gbps(size, seconds)
+            except RuntimeError as exc:
+                result["dtod_to_host_gbps"] = str(exc)
         wrong = [i for i in range(count) if cpu and ctypes.string_at(va + i * piece + 777, 1)[0] != (i + 1) & 0xFF]
         probe = ctypes.create_string_buffer(1 << 20)
         for i in range(count):  # the GPU's view of each piece too
@@ -259,7 +283,14 @@ def copier(fds: list[int], meta: dict[str, int], result: dict[str, Any]) -> None
                 wrong.append(i)
         result[f"r{round_}_pieces_wrong"] = sorted(set(wrong))
         started = now()
-        drv.call("cuMemUnmap", va, size)
+        if round_ == 3:  # per piece from THREADS threads
+            workers = [threading.Thread(target=unmap_pieces, args=(drv, va, piece, count, k)) for k in range(THREADS)]
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+        else:
+            drv.call("cuMemUnmap", va, size)
         for h in handles:
             drv.call("cuMemRelease", h)
         drv.call("cuMemAddressFree", va, size)
