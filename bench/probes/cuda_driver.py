@@ -106,6 +106,8 @@ class CudaError(RuntimeError):
 
 class Driver:
     def __init__(self) -> None:
+        self.device = 0
+        self.context = 0
         self.lib = ctypes.CDLL(os.environ.get("FLEXIUM_LIBCUDA", "libcuda.so.1"))  # FLEXIUM_LIBCUDA as flexium reads it
         self.fns: dict[str, Any] = {}
         for name, (symbol, argtypes) in SIGNATURES.items():
@@ -143,7 +145,8 @@ class Driver:
         self.call("cuDevicePrimaryCtxRetain", ctypes.byref(ctx), dev.value)
         self.call("cuCtxSetCurrent", ctx)
         self.device = dev.value
-        return int(ctx.value or 0)
+        self.context = int(ctx.value or 0)  # for other threads to make current
+        return self.context
 
     # streams
     def stream(self) -> int:

@@ -171,9 +171,9 @@ def maker(sock: socket.socket, gib: float, piece_gib: float, result: dict[str, A
         result["cpu_reads_byte"] = ctypes.string_at(va + piece + 12345, 1)[0]  # piece 1's, by the CPU
     fds = []
     for h in handles:
-        fd = ctypes.c_int(-1)
-        drv.call("cuMemExportToShareableHandle", ctypes.byref(fd), h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)
-        fds.append(fd.value)
+        exported = ctypes.c_int(-1)
+        drv.call("cuMemExportToShareableHandle", ctypes.byref(exported), h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0)
+        fds.append(exported.value)
     socket.send_fds(sock, [json.dumps({"piece": piece, "count": count}).encode()], fds)
     for fd in fds:
         os.close(fd)
@@ -223,7 +223,7 @@ def job(fds: list[int], result: dict[str, Any]) -> None:
 def copier(fds: list[int], meta: dict[str, int], result: dict[str, Any]) -> None:
     drv = driver()
     started = now()
-    drv.context = drv.primary_context(0)
+    drv.primary_context(0)
     result["context_s"] = now() - started
     numa = numa_node(drv)
     piece, count = meta["piece"], meta["count"]
@@ -237,9 +237,9 @@ def copier(fds: list[int], meta: dict[str, int], result: dict[str, Any]) -> None
         started = now()
         handles = []
         for fd in fds:
-            h = ctypes.c_ulonglong()
-            drv.call("cuMemImportFromShareableHandle", ctypes.byref(h), ctypes.c_void_p(fd), 1)
-            handles.append(h.value)
+            imported_handle = ctypes.c_ulonglong()
+            drv.call("cuMemImportFromShareableHandle", ctypes.byref(imported_handle), ctypes.c_void_p(fd), 1)
+            handles.append(imported_handle.value)
         imported = now()
         va = drv.reserve(size)
         for i, h in enumerate(handles):

@@ -219,15 +219,19 @@ STREAMED_KEPT = re.compile(r"the staging kept for pauses was still being pinned 
 MEMFD_KEPT = {"FLEXIUM_DRIVER_HOST_MEMORY": "0"}
 
 
-def young_job(ballast_gb: int, pause_at_step: int | None, total_steps: int | None) -> dict[str, Any]:
+def young_job(
+    ballast_gb: int, pause_at_step: int | None, total_steps: int | None, making: bool = False
+) -> dict[str, Any]:
     """Trains a fresh job (run in a fresh process) and pauses it from another thread, as flexium's
     server connection asks: while its keeper is still pinning the staging ahead (`pause_at_step`
-    None), at step `pause_at_step`, or never (`total_steps` steps, the undisturbed run). Returns its
+    None; with `making`, while it still makes driver-made host memory for it, a piece at a time),
+    at step `pause_at_step`, or never (`total_steps` steps, the undisturbed run). Returns its
     loss trace, the pause's result and seconds from the command to the paused result, and the bytes
     NVML showed for the job and its copier while paused."""
     import torch
 
     import flexium
+    from flexium import _C
     from flexium.api import runtime
     from flexium.engine import nvml
 
@@ -282,14 +286,21 @@ def young_job(ballast_gb: int, pause_at_step: int | None, total_steps: int | Non
                 break
             continue
         if control is None:
-            ahead = fast.kept_pinning(uuid) if pause_at_step is None else None
-            due = len(losses) >= pause_at_step if pause_at_step is not None else None
+            ahead = fast.kept_pinning(uuid) if pause_at_step is None and not making else None
+            due = len(losses) >= pause_at_step if pause_at_step is not None else False
+            found = str(ahead)
+            if making and pause_at_step is None:
+                made = int(_C.host_staging_pool_bytes())
+                if fast.keeping:
+                    outcome["error"] = f"the keeper had made it all before this test saw it half way: {made} bytes"
+                    break
+                due, found = made > 0, f"{made / (1 << 30):.2f} GiB of driver-made host memory made"
             if ahead is not None and ahead.complete:
                 outcome["error"] = f"the keeper had pinned it all before this test saw it half way: {ahead}"
                 break
             if due or (ahead is not None and ahead.pinning and ahead.pinned > 0):
                 outcome["pause_step"] = len(losses)
-                outcome["found_at_command"] = str(ahead)
+                outcome["found_at_command"] = found
                 control = threading.Thread(target=pause_and_resume)
                 control.start()
             elif time.monotonic() > deadline:
@@ -344,6 +355,39 @@ def test_a_young_jobs_first_pause_streams_what_its_keeper_has_not_pinned_yet(hos
         + "\n  ".join(pause["notes"])
         + "\n  made: "
         + "\n  ".join(unkept["pause"]["notes"]),
+        flush=True,
+    )
+    assert young["pause_s"] <= unkept["pause_s"] * YOUNG_SLOWER_ALLOWED + YOUNG_NOISE_S, (
+        f"the young job's pause took {young['pause_s']:.2f} s, one that makes its staging "
+        f"{unkept['pause_s']:.2f} s: it waited for the keeper"
+    )
+
+
+def test_a_young_jobs_first_pause_while_its_keeper_makes_driver_memory(host_gpus: list[Any]) -> None:
+    """The default kept staging is host memory the driver makes, a piece of 1 GiB at a time, without the
+    staging's lock (fact `driver-made-host-memory`): a pause that comes half way waits for one piece at most,
+    keeps what was made and streams the rest as memfds, and takes no longer than a pause that makes all of its
+    staging at the safe point; the GPU is free while paused and the loss trace is the undisturbed run's."""
+    gpu0 = uuid_of(host_gpus, 0)
+    young = run_in_fresh_process(young_job, YOUNG_GB, None, None, True, timeout=600)
+    assert "error" not in young, young.get("error")
+    pause = young["pause"]
+    assert pause["ok"] and pause["path"] == "fast" and young["resume"] == {"ok": True, "path": "fast"}, young
+    made = [n for n in pause["notes"] if MADE_AT_SAFE_POINT.match(n)]
+    newly = re.search(r"\(([0-9.]+) GiB of it newly mapped and touched, ", made[0]) if made else None
+    assert newly is not None and 0 < float(newly.group(1)) < YOUNG_GB, pause["notes"]
+    assert young["held"][gpu0] == 0, f"while paused the job and its copier held {young['held']} bytes"
+    assert young["ballast_intact"], "the ballast changed across the pause"
+    undisturbed = run_in_fresh_process(young_job, YOUNG_GB, None, len(young["losses"]), timeout=600)
+    assert young["losses"] == undisturbed["losses"], "loss trace differs from the undisturbed run"
+    unkept = run_in_fresh_process(
+        young_job, YOUNG_GB, young["pause_step"], None, env={"FLEXIUM_PINNED_HOST_MEMORY": "0"}, timeout=600
+    )
+    assert "error" not in unkept and unkept["pause"]["ok"], unkept.get("error") or unkept["pause"]
+    print(
+        f"\nyoung job of {YOUNG_GB} GiB, first pause at step {young['pause_step']} while its keeper made driver-made "
+        f"host memory ({young['found_at_command']}): command -> paused (GPU free) {young['pause_s']:.2f} s; the same "
+        f"pause making all its staging at the safe point: {unkept['pause_s']:.2f} s\n  " + "\n  ".join(pause["notes"]),
         flush=True,
     )
     assert young["pause_s"] <= unkept["pause_s"] * YOUNG_SLOWER_ALLOWED + YOUNG_NOISE_S, (

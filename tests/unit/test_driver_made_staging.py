@@ -16,7 +16,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from flexium import _C  # noqa: E402
-from flexium.engine.fast import kept_staging, pinned_budget  # noqa: E402
+from flexium.engine.fast import kept_staging, path, pinned_budget  # noqa: E402
 from flexium.engine.fast.host_copier import Copier  # noqa: E402
 from flexium.engine.fast.host_staging import DRIVER_MEMORY_ENV  # noqa: E402
 from support.engine import MiB, driver, fake, make_engine, nvml_in_parent, wait_until  # noqa: E402,F401
@@ -109,4 +109,70 @@ def test_switched_off_the_kept_staging_is_memfds(
     kept(job, engine)
     assert _C.host_staging_layout().driver_made == [False] * len(_C.host_staging_layout().extents)
     assert engine.pause().ok and engine.resume().ok
+    job.assert_home(physical=0)
+
+
+def test_a_resume_without_its_copier_maps_the_driver_memory_here_for_its_copy_back(
+    job: Job, kept: Callable[[Job, Any], None]
+) -> None:
+    engine = job.training(SIZES)
+    kept(job, engine)
+    assert engine.pause().ok
+    (copier,) = copier_processes()
+    os.kill(copier, signal.SIGKILL)  # asleep, holding nothing: the bytes are in the memory the job's fds hold
+    resumed = engine.resume()
+    assert resumed.ok and resumed.path == "fast", resumed.error
+    assert any("ran in this process" in note for note in resumed.notes), resumed.notes
+    layout = _C.host_staging_layout()
+    job.assert_home(physical=0, held_by_fds=len(layout.extents))
+    assert all(layout.driver_made)
+
+
+def test_a_copier_told_not_to_fill_copies_the_driver_memory_back_after_the_restore(
+    job: Job, kept: Callable[[Job, Any], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FLEXIUM_RESUME_OVERLAP", "0")  # read by the copier, which the job starts next
+    engine = job.training(SIZES)
+    kept(job, engine)
+    assert engine.pause().ok
+    resumed = engine.resume()
+    assert resumed.ok and resumed.path == "fast", resumed.error
+    assert any(note.startswith("copied back after the restore") for note in resumed.notes), resumed.notes
+    job.assert_home(physical=0)
+
+
+def test_a_pause_while_the_keeper_makes_driver_memory_streams_the_rest(
+    job: Job, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The keeper makes the memory a piece at a time without the staging's lock: a pause that comes half way
+    waits for one piece, keeps what was made and streams the rest as memfds."""
+    monkeypatch.setenv(pinned_budget.ENV, "1GiB")
+    monkeypatch.setattr(kept_staging, "CHECK_S", 0.05)
+    monkeypatch.setattr(path, "DRIVER_MADE_PIECE", 2 * MiB)
+    monkeypatch.setenv("FAKE_CUDA_DELAY", "cuMemCreate:150")  # in the copier's fake: a piece per 0.15 s
+    engine = job.training(SIZES)
+    wait_until(lambda: 0 < _C.host_staging_pool_bytes() <= 6 * MiB, what="the keeper to have made some pieces")
+    paused = engine.pause()
+    assert paused.ok and paused.path == "fast", paused.error
+    layout = _C.host_staging_layout()
+    assert True in layout.driver_made and False in layout.driver_made, layout  # made, then streamed
+    assert job.fake.pinned_at_last_checkpoint() == 0 and job.fake.vmm_mappings() == 0
+    assert engine.resume().ok
+    job.assert_home(physical=0)
+
+
+def test_a_copier_killed_while_it_makes_driver_memory_costs_the_job_nothing(
+    job: Job, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv(pinned_budget.ENV, "1GiB")
+    monkeypatch.setattr(kept_staging, "CHECK_S", 0.05)
+    monkeypatch.setattr(path, "DRIVER_MADE_PIECE", 2 * MiB)
+    monkeypatch.setenv("FAKE_CUDA_DELAY", "cuMemCreate:150")
+    engine = job.training(SIZES)
+    wait_until(lambda: _C.host_staging_pool_bytes() > 0, what="the keeper to have made a piece")
+    for pid in copier_processes():
+        os.kill(pid, signal.SIGKILL)
+    paused = engine.pause()
+    assert paused.ok and paused.path == "fast", paused.error
+    assert engine.resume().ok
     job.assert_home(physical=0)

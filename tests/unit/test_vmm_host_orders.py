@@ -77,6 +77,81 @@ def test_copier_orders_round_trip_across_a_pause(fake: FakeDriver, allocator: Al
     assert fake.vmm_leaks() == NO_LEAKS
 
 
+def test_driver_made_host_memory_carries_a_pause_held_by_its_fds_alone(fake: FakeDriver, allocator: Allocator) -> None:
+    """The copier makes host memory with the driver (fact `driver-made-host-memory`) and hands its fds over; the
+    staging holds them (adopt_host_memory), the copier maps the memory for the GPU instead of pinning it, and its
+    sleep only unmaps it: the bytes cross the checkpoint with nothing mapped or pinned anywhere, and come back."""
+    contents = make_segments(allocator, [2 * MiB, 4 * MiB])
+    maker = _C.HostCopier([], [])
+    with pytest.raises(RuntimeError, match="asleep"):
+        maker.make_host_memory(6 * MiB, 4 * MiB)
+    maker.wake(fake.uuid(0), True, 0)
+    made = maker.make_host_memory(6 * MiB, 4 * MiB)
+    assert [size for _fd, size in made] == [4 * MiB, 2 * MiB]
+    maker.sleep()
+    del maker
+    assert _C.adopt_host_memory(made) == 6 * MiB
+    layout = _C.host_staging_layout()
+    assert layout.driver_made == [True, True] and [c.size for c in layout.chunks] == [4 * MiB, 2 * MiB]
+    copier = _C.HostCopier(layout.extents, layout.chunks, layout.driver_made)
+    copier.wake(fake.uuid(0), True, 0)
+    assert copier.pinned_bytes == 6 * MiB and fake.pinned_bytes() == 0  # mapped, not registered
+
+    order = _C.begin_stage_order()
+    assert copier.copy(True, order.segments, order.pieces) == 6 * MiB
+    _C.finish_host_order()
+    copier.sleep()
+    assert _C.release_source_backing() == 2
+    mapped = fake.vmm_mappings()
+    assert mapped == 0, mapped  # the segments released, the staging mapped nowhere: fds only
+    _C.lock(PID, 0)
+    _C.checkpoint(PID)
+    assert fake.used_bytes(0) == 0
+    _C.restore(PID)
+    _C.unlock(PID)
+    order = _C.begin_restore_order(1)
+    copier.wake(fake.uuid(1), True, 0)
+    assert copier.copy(False, order.segments, order.pieces) == 6 * MiB
+    _C.finish_host_order()
+    assert_contents(contents)
+    copier.sleep()
+    del copier
+    assert _C.release_host_staging() == 6 * MiB
+    assert not any(is_open(fd) for fd, _size in made)
+    for address in contents:
+        allocator.free(address)
+    assert fake.vmm_leaks() == NO_LEAKS
+
+
+def test_driver_made_memory_is_mapped_here_only_while_this_process_copies(
+    fake: FakeDriver, allocator: Allocator
+) -> None:
+    """Without the copier the job copies itself: it maps the driver's host memory for its copies and lets go
+    of it after them (a process holding it mapped cannot be restored: fact `cumem-host-memory-unrestorable`);
+    memory added while segments are staged is refused and its fds closed."""
+    contents = make_segments(allocator, [2 * MiB, 4 * MiB])
+    maker = _C.HostCopier([], [])
+    maker.wake(fake.uuid(0), True, 0)
+    made = maker.make_host_memory(6 * MiB, 6 * MiB)
+    more = maker.make_host_memory(2 * MiB, 2 * MiB)
+    maker.sleep()
+    del maker
+    _C.adopt_host_memory(made)
+    assert _C.stage_segments_to_host() == 6 * MiB
+    assert _C.release_source_backing() == 2
+    assert fake.vmm_mappings() == 0 and fake.pinned_bytes() == 0
+    with pytest.raises(RuntimeError, match="still staged"):
+        _C.adopt_host_memory(more)
+    assert not any(is_open(fd) for fd, _size in more)
+    assert _C.restore_segments_from_host(0) == 6 * MiB
+    assert_contents(contents)
+    assert fake.vmm_mappings() == 2  # the segments only
+    assert _C.release_host_staging() == 6 * MiB
+    for address in contents:
+        allocator.free(address)
+    assert fake.vmm_leaks() == NO_LEAKS
+
+
 def test_a_staging_made_at_the_safe_point_gets_a_file_per_core(fake: FakeDriver) -> None:
     """Each file has a touching thread of its own in the copier: beside training half the cores, up
     to 8; with the job stopped at its safe point every core, up to 16 (fact `streamed-staging-pace`)."""
