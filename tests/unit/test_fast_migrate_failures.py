@@ -36,6 +36,14 @@ from support.fast_path import (  # noqa: E402,F401  (fixtures)
     rolled_back,
 )
 
+
+@pytest.fixture(autouse=True)
+def nothing_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No staging kept between pauses: the keeper's host memory, whose fds it adds to this process in the
+    background (memfds, or the pieces of driver-made memory), would change the open files these tests count."""
+    monkeypatch.setenv("FLEXIUM_PINNED_HOST_MEMORY", "0")
+
+
 # ----------------------------------------------------------------------------- failures, rolled back
 
 

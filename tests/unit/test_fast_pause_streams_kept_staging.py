@@ -25,7 +25,7 @@ from flexium import _C  # noqa: E402
 from flexium.engine import EngineState  # noqa: E402
 from flexium.engine.fast import kept_staging, pinned_budget  # noqa: E402
 from flexium.engine.fast.host_copier import Copier  # noqa: E402
-from flexium.engine.fast.host_staging import PinnedAhead  # noqa: E402
+from flexium.engine.fast.host_staging import DRIVER_MEMORY_ENV, PinnedAhead  # noqa: E402
 from support.engine import MiB, driver, fake, make_engine, nvml_in_parent, step_summary, wait_until  # noqa: E402,F401
 from support.fast_path import (  # noqa: E402,F401  (fixtures)
     CUDA_ERROR_UNKNOWN,
@@ -50,6 +50,9 @@ def slow_pinning(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(pinned_budget.ENV, "1GiB")
     monkeypatch.setattr(kept_staging, "CHECK_S", 0.05)
     monkeypatch.setenv("FAKE_CUDA_DELAY", f"cuMemHostRegister:{PIN_DELAY_MS}")
+    # The keeper's memfds, pinned ahead: a staging of driver-made host memory (the default) needs no pinning
+    # (tests/unit/test_driver_made_staging.py has a pause while it is being made).
+    monkeypatch.setenv(DRIVER_MEMORY_ENV, "0")
 
 
 def pinning_ahead(job: Job, engine: Any) -> PinnedAhead:
