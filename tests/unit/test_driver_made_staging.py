@@ -177,3 +177,16 @@ def test_a_copier_killed_while_it_makes_driver_memory_costs_the_job_nothing(
     assert engine.resume().ok
     # Copied by a new copier, or here (mapping the pieces made so far while its copies ran).
     job.assert_home(physical=0, held_by_fds=sum(_C.host_staging_layout().driver_made))
+
+
+def test_a_job_short_of_open_files_keeps_memfds(
+    job: Job, kept: Callable[[Job, Any], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each piece of driver-made memory is an fd the job holds as long as the staging: a job with too few files
+    left for them and for a move's (one per segment) keeps memfds, a few files in all."""
+    monkeypatch.setattr(path, "open_file_headroom", lambda: path.FD_RESERVE + 3)
+    engine = job.training(SIZES)
+    kept(job, engine)
+    assert not any(_C.host_staging_layout().driver_made)
+    assert engine.pause().ok and engine.resume().ok
+    job.assert_home(physical=0)

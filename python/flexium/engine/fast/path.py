@@ -511,6 +511,12 @@ class FastPath(DeviceMoves):
         copier off or failing: memfds then)."""
         if missing <= 0 or not copier_enabled() or not driver_memory_enabled() or self.driver_memory_refused:
             return None
+        # An fd per piece, held by this process as long as the staging: never at the cost of the files a move
+        # needs (one per segment, blocker()).
+        pieces = -(-missing // DRIVER_MADE_PIECE)
+        if open_file_headroom() < pieces + len(_C.vmm_segments()) + FD_RESERVE:
+            log.debug("the staging kept for pauses is memfds: too few files left for %d pieces of host memory", pieces)
+            return None
         try:
             self._wait_for_start()
             if self._copier is not None and not self._copier.alive():
