@@ -45,7 +45,9 @@ twice: the first pause may find its staging still being prepared ("staging": mad
 first ("kept"); a resume row shows the staging of the pause it ends. Goals: FREE_GOALS, for the
 pauses; the fast migrations' are shown beside them. With --staging-ways, per size two more jobs
 pause and resume with nothing kept pinned (FLEXIUM_PINNED_HOST_MEMORY=0) and with --kept-budget
-(their rows marked "@budget"; the downtime goals leave them out), and the summary "What a pause and
+(their rows marked "@budget"; the downtime goals leave them out), a third with --kept-budget pauses
+only once its keeper keeps the staging (its kept rows "ahead": made by the keeper, as a job that has
+trained a while finds it), and the summary "What a pause and
 its resume give" shows, per size and staging way, the time to a free GPU and the resume's
 operation, each beside its floor (floor_seconds: the bytes at this run's measured copy rate plus the
 bare context's checkpoint or restore).
@@ -361,8 +363,19 @@ def pool_plan(with_driver: bool, with_migrate: bool = True) -> list[str]:
     return plan
 
 
-def run_pause_job(label: str, size: float, args: argparse.Namespace, env_extra: dict[str, str] | None = None) -> JobRun:
-    """A pool job that only pauses on the fast path and resumes, in place."""
+def run_pause_job(
+    label: str,
+    size: float,
+    args: argparse.Namespace,
+    env_extra: dict[str, str] | None = None,
+    *,
+    keeper_first: bool = False,
+) -> JobRun:
+    """A pool job that only pauses on the fast path and resumes, in place; with `keeper_first` its first
+    pause waits until its keeper keeps the staging (plan op "kept")."""
+    plan = pool_plan(False, with_migrate=False)
+    if keeper_first:
+        plan = ["30:kept", *(f"+0:{item.split(':', 1)[1]}" if item.startswith("30:") else item for item in plan)]
     return run_job(
         label,
         [
@@ -370,7 +383,7 @@ def run_pause_job(label: str, size: float, args: argparse.Namespace, env_extra: 
             str(size),
             "--pause-seconds",
             str(args.pause_seconds),
-            *plan_args(pool_plan(False, with_migrate=False)),
+            *plan_args(plan),
         ],
         args.timeout,
         progress_printer(f"{size:g} GiB"),
@@ -631,7 +644,7 @@ def table_row(row: dict[str, Any]) -> tuple[str, ...]:
         fmt(row["downtime"]),
         fmt(row["extra"]),
         fmt(row.get("free")),
-        (row.get("staging") or "-") + (f" @{row['budget']}" if row.get("budget") else ""),
+        (staging_way(row) or "-") + (f" @{row['budget']}" if row.get("budget") else ""),
         fmt(row.get("newly_pinned"), 2),
         ms(median),
         fmt(row["op_seconds"]),
@@ -744,8 +757,20 @@ def print_free_goals(checked: list[dict[str, Any]]) -> None:
         print(f"  {mark} {FREEING[goal['freeing']]} {goal['size_gb']:g} GiB: <= {goal['limit']:g} s: {measured}")
 
 
-# How a fast pause got its staging, as the summary names it (staging_of).
-STAGING_WAYS = {"kept": "staging kept", "part": "staging kept in part", "made": "staging not kept"}
+# How a fast pause got its staging, as the summary names it (staging_of; "ahead": kept, in the job that paused
+# only once its keeper had made the staging, as a job that has trained a while finds it).
+STAGING_WAYS = {
+    "ahead": "staging kept, made ahead by the keeper",
+    "kept": "staging kept",
+    "part": "staging kept in part",
+    "made": "staging not kept",
+}
+
+
+def staging_way(row: dict[str, Any]) -> str | None:
+    """The row's STAGING_WAYS key: its staging, "ahead" where it was kept in a job marked so."""
+    staging = row.get("staging")
+    return "ahead" if staging == "kept" and row.get("ahead") else staging
 
 
 def staging_ways(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -761,8 +786,8 @@ def staging_ways(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     for size in sorted({r["size_gb"] for r in rows}):
         for way in STAGING_WAYS:
             of_way = [r for r in rows if r["size_gb"] == size and r["path"] == "fast" and r["ok"]]
-            pauses = [r for r in of_way if r["op"] == "pause" and r.get("staging") == way]
-            resumes = [r for r in of_way if r["op"] == "resume" and r.get("staging") == way]
+            pauses = [r for r in of_way if r["op"] == "pause" and staging_way(r) == way]
+            resumes = [r for r in of_way if r["op"] == "resume" and staging_way(r) == way]
             if not pauses and not resumes:
                 continue
             checked.append(
@@ -982,6 +1007,16 @@ def main() -> int:
                     f"{label} pool job, pinned budget {budget}", size, args, {"FLEXIUM_PINNED_HOST_MEMORY": budget}
                 )
                 record(run, size, budget=budget)
+            # A job that has trained a while: its first pause finds the staging its keeper made ahead.
+            log(f"-- {label}: pool job paused once its keeper made its staging ({args.kept_budget} budget)")
+            run = run_pause_job(
+                f"{label} pool job, kept by its keeper",
+                size,
+                args,
+                {"FLEXIUM_PINNED_HOST_MEMORY": args.kept_budget},
+                keeper_first=True,
+            )
+            record(run, size, budget=args.kept_budget, ahead="keeper")
 
         if not migrate:
             continue  # the hand-written move needs a second GPU

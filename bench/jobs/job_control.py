@@ -22,6 +22,8 @@ FILL_GPU = Path(__file__).with_name("fill_gpu.py")
 # A fast move's copies become the job's own over the next optimizer steps (NVML counts them for
 # this process from then on): the next operation waits for that, this long at most.
 OWN_MEMORY_WAIT_S = 60.0
+# The keeper makes a 64 GiB job's staging in 15-35 s (fact `driver-made-host-memory`), after the pool settled.
+KEPT_WAIT_S = 120.0
 # What an armed filler may take to fill its GPU once fired (it fills within milliseconds).
 FILL_WAIT_S = 60.0
 
@@ -88,6 +90,8 @@ class Control(threading.Thread):
                 self.vacate()
             elif item.op == "arm":
                 self.arm(engine, engine_target(engine, item.arg))
+            elif item.op == "kept":
+                self.wait_kept(engine, float(item.arg or KEPT_WAIT_S))
             else:
                 record = self.operate(engine, item, at_step)
                 if item.op == "pause" and record["ok"]:
@@ -103,6 +107,19 @@ class Control(threading.Thread):
                     emit("warning", message=f"the job stayed paused after the plan: {exc}")
             self.engine_state = engine.state.value
         emit("control_done")
+
+    def wait_kept(self, engine: Any, timeout: float) -> None:
+        """Until the keeper says it keeps the staging pinned ("keeps ..."), at most `timeout` s; the
+        "kept" event says how long it took and what the keeper said (a pause after a timeout makes its
+        own staging, which the benchmark's rows then show)."""
+        keeper = getattr(engine, "_keeper", None)
+        started = time.perf_counter()
+        while keeper is not None and not (keeper.note or "").startswith("keeps "):
+            if time.perf_counter() - started > timeout:
+                break
+            time.sleep(0.05)
+        note = keeper.note if keeper is not None else "no keeper"
+        emit("kept", seconds=round(time.perf_counter() - started, 3), note=note, step=self.progress.step)
 
     def operate(self, engine: Any, item: PlanItem, at_step: int) -> dict[str, Any]:
         """Runs one of the engine's operations; its record, also printed as the "op" event."""

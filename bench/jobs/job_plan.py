@@ -10,7 +10,9 @@ OP     pause, resume, migrate: the engine's operations, run by a control thread 
        connection runs them (in a rank job: a whole-job operation, each rank its share);
        train_job.py's own: handmove (on the training thread at the start of step STEP: model,
        AdamW state and ballast .to(ARG), the move a user writes by hand), occupy, arm and vacate
-       (another process takes GPU memory, tests/gpu's refusals)
+       (another process takes GPU memory, tests/gpu's refusals), kept (waits until the job's keeper
+       keeps its pause's staging pinned, at most ARG seconds, default 120: a pause after it finds
+       what a job that has trained a while finds, made by the keeper, not at the pause)
 ARG    train_job.py: a GPU, "cuda:N" in the job's own numbering at init (as a person tells the
        server) or a UUID, for migrate, resume (none: in place), handmove and arm; for occupy the
        GiB the other process leaves free on the job's GPU ("+G": what the last pause took off it
@@ -19,7 +21,7 @@ ARG    train_job.py: a GPU, "cuda:N" in the job's own numbering at init (as a pe
 @PATH  auto | fast | driver: the path of that migrate or pause (train_job.py; default: --path)
 
 e.g. 10:migrate:cuda:1@fast, 20:pause, 20:resume:cuda:0, +0:resume, 10:handmove:cuda:1,
-8:occupy:+0.2, 10:arm:cuda:1, 8:vacate; rank_job.py: 10:pause, 25:migrate:0=1,1=0.
+8:occupy:+0.2, 10:arm:cuda:1, 8:vacate, 30:kept; rank_job.py: 10:pause, 25:migrate:0=1,1=0.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 
 PATHS = ("auto", "fast", "driver")
 ENGINE_OPS = ("pause", "resume", "migrate")
-TRAIN_OPS = (*ENGINE_OPS, "handmove", "occupy", "arm", "vacate")
+TRAIN_OPS = (*ENGINE_OPS, "handmove", "occupy", "arm", "vacate", "kept")
 NEEDS_ARG = ("migrate", "handmove", "occupy", "arm")
 TAKES_PATH = ("migrate", "pause")
 

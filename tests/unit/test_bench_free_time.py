@@ -171,3 +171,14 @@ def test_the_jobs_of_another_budget_count_for_their_staging_not_for_the_downtime
     migrate.add_ratios(rows + unkept, BANDWIDTH, FIXED)
     ways = {w["staging"]: w for w in migrate.staging_ways(rows + unkept)}
     assert ways["made"]["resume_runs"] == [3.0] and ways["kept"]["resume_runs"] == [0.9]
+
+
+def test_the_rows_of_the_job_whose_keeper_made_its_staging_first_are_their_own_way() -> None:
+    rows = migrate.rows_of(16.0, pool_job(16.0, [("pause", "fast", [], None), ("resume", "fast", [], 0.95)]))
+    ahead = migrate.rows_of(16.0, pool_job(16.0, [("pause", "fast", [], None), ("resume", "fast", [], 0.55)]))
+    for row in ahead:
+        row.update(budget="90%", ahead="keeper")
+    migrate.add_ratios(rows + ahead, BANDWIDTH, FIXED)
+    ways = {w["staging"]: w for w in migrate.staging_ways(rows + ahead)}
+    assert ways["kept"]["resume_runs"] == [0.95] and ways["ahead"]["resume_runs"] == [0.55]
+    assert [migrate.staging_way(r) for r in ahead] == ["ahead", "ahead"]

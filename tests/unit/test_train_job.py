@@ -28,7 +28,15 @@ UNKNOWN_GPU = "GPU-00000000-0000-0000-0000-000000000000"
 
 def test_the_plan_grammar() -> None:
     plan = parse_plan(
-        ["10:migrate:cuda:1@fast", "20:pause", "+0:resume", "20:resume:cuda:0", "8:occupy:+0.2", "10:handmove:cuda:1"]
+        [
+            "10:migrate:cuda:1@fast",
+            "20:pause",
+            "+0:resume",
+            "20:resume:cuda:0",
+            "8:occupy:+0.2",
+            "10:handmove:cuda:1",
+            "30:kept",
+        ]
     )
     assert plan == [
         PlanItem(10, "migrate", "cuda:1", "fast"),
@@ -37,6 +45,7 @@ def test_the_plan_grammar() -> None:
         PlanItem(20, "resume", "cuda:0"),
         PlanItem(8, "occupy", "+0.2"),
         PlanItem(10, "handmove", "cuda:1"),
+        PlanItem(30, "kept"),
     ]
     assert [str(item) for item in plan][:3] == ["10:migrate:cuda:1@fast", "20:pause", "+0:resume"]
     (swap,) = parse_rank_plan(["25:migrate:0=1,1=0"])
@@ -119,6 +128,16 @@ def test_the_training_job_runs_its_plan_on_the_fake_driver() -> None:
     assert [entry["ok"] for entry in done["ops"]] == [True, True, True, True, False], done["ops"]
     assert all(entry["downtime"] is not None for entry in done["ops"][:4]), done["ops"]
     assert done["losses"] == undisturbed["losses"], "the loss trace differs from the undisturbed run"
+
+
+def test_a_plan_waits_for_the_keeper_at_most_its_time_then_goes_on() -> None:
+    """kept: until the keeper keeps the staging, at most ARG seconds (a CPU job has no keeper that would); the
+    "kept" event says how long and what the keeper said, and the plan goes on."""
+    plan = ["2:kept:1", "+0:pause", "+0:resume"]
+    events = run_train_job("--steps", "10", "--pause-seconds", "0.1", *(a for item in plan for a in ("--plan", item)))
+    kept = one(events, "kept")
+    assert kept["seconds"] <= 1.5 and kept["step"] >= 2, kept
+    assert [(op["op"], op["ok"]) for op in events if op["event"] == "op"] == [("pause", True), ("resume", True)]
 
 
 @pytest.mark.parametrize("job", ["train_job.py", "rank_job.py", "bandwidth.py", "fill_gpu.py"])
