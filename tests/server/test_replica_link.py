@@ -47,7 +47,8 @@ def _run(database_url: str, scenario: Callable[[Replica, Replica], Any]) -> None
         for replica in (a, b):
             replica.link.start()
         try:
-            await _until(lambda: a.link.listening.is_set() and b.link.listening.is_set(), "both to listen")
+            # The owner hears of each LISTEN through its loop, just after the link says it listens.
+            await _until(lambda: all(r.link.listening.is_set() and r.reconnects >= 1 for r in (a, b)), "both to listen")
             await scenario(a, b)
         finally:
             for replica in (a, b):
