@@ -350,14 +350,16 @@ def progress_printer(size_label: str) -> Any:
     return on_event
 
 
-def pool_plan(with_driver: bool, with_migrate: bool = True) -> list[str]:
+def pool_plan(with_driver: bool, with_migrate: bool = True, keeper_first: bool = False) -> list[str]:
+    """`keeper_first`: the first pause waits until the job's keeper keeps its staging (plan op "kept")."""
     plan = ["10:migrate:cuda:1@fast"] if with_migrate else []
     if with_driver and with_migrate:
         plan.append("20:migrate:cuda:0@driver")
     # The second pause comes 100 steps (0.5-1 s) after the first resume, whenever that came (a pause
     # that makes its staging reaches its safe point seconds after step 30): the copier pins what the
     # copy back left unpinned in the background meanwhile, as it would before any pause a person sends.
-    plan += ["30:pause@fast", "+0:resume", "+100:pause@fast", "+0:resume"]
+    plan += ["30:kept", "+0:pause@fast"] if keeper_first else ["30:pause@fast"]
+    plan += ["+0:resume", "+100:pause@fast", "+0:resume"]
     if with_driver:
         plan += ["+10:pause@driver", "+0:resume"]
     return plan
@@ -373,9 +375,7 @@ def run_pause_job(
 ) -> JobRun:
     """A pool job that only pauses on the fast path and resumes, in place; with `keeper_first` its first
     pause waits until its keeper keeps the staging (plan op "kept")."""
-    plan = pool_plan(False, with_migrate=False)
-    if keeper_first:
-        plan = ["30:kept", *(f"+0:{item.split(':', 1)[1]}" if item.startswith("30:") else item for item in plan)]
+    plan = pool_plan(False, with_migrate=False, keeper_first=keeper_first)
     return run_job(
         label,
         [

@@ -74,13 +74,7 @@ void HostCopier::extend(const std::vector<std::pair<int, std::size_t>> &extents,
   stop_pinner();  // it reads chunks_; wake() starts it again for the new chunks
   std::vector<Extent> added;
   const auto unmap_added = [&added] {
-    for (const Extent &mapped : added) {
-      if (mapped.driver_made) {
-        ::close(mapped.fd);
-      } else {
-        ::munmap(mapped.base, mapped.size);
-      }
-    }
+    for (const Extent &mapped : added) let_go(mapped);
   };
   for (std::size_t k = 0; k < extents.size(); ++k) {
     const auto &extent = extents[k];
@@ -201,12 +195,14 @@ HostCopier::~HostCopier() {
   } catch (...) {
     // The process is going away: its exit unpins and frees whatever is left.
   }
-  for (const Extent &extent : extents_) {
-    if (extent.driver_made) {
-      ::close(extent.fd);
-    } else {
-      ::munmap(extent.base, extent.size);
-    }
+  for (const Extent &extent : extents_) let_go(extent);
+}
+
+void HostCopier::let_go(const Extent &extent) noexcept {
+  if (extent.driver_made) {
+    ::close(extent.fd);  // its mapping for the GPU went with sleep()
+  } else {
+    ::munmap(extent.base, extent.size);
   }
 }
 

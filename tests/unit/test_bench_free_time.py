@@ -182,3 +182,9 @@ def test_the_rows_of_the_job_whose_keeper_made_its_staging_first_are_their_own_w
     ways = {w["staging"]: w for w in migrate.staging_ways(rows + ahead)}
     assert ways["kept"]["resume_runs"] == [0.95] and ways["ahead"]["resume_runs"] == [0.55]
     assert [migrate.staging_way(r) for r in ahead] == ["ahead", "ahead"]
+
+
+def test_the_job_whose_keeper_makes_its_staging_first_waits_for_it_before_its_first_pause() -> None:
+    plan = migrate.pool_plan(False, with_migrate=False, keeper_first=True)
+    assert plan == ["30:kept", "+0:pause@fast", "+0:resume", "+100:pause@fast", "+0:resume"]
+    assert migrate.pool_plan(False, with_migrate=False) == ["30:pause@fast", *plan[2:]]

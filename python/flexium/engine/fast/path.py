@@ -185,13 +185,9 @@ class FastPath(DeviceMoves):
         _C.reserve_host_staging(wanted, logical, pin_here=False, job_stopped=pin == "as copied")
         mark = phase("files", started)
         try:
-            if self._copier is not None and not self._copier.alive():
-                self._copier.kill()  # gone (killed for the job's GPU memory, or died): its socket goes too
-                self._copier = None
-            if self._copier is None:
-                self._copier = Copier.start()
+            copier, started_now = self._live_copier()
+            if started_now:
                 mark = phase("copier start", mark)
-            copier = self._copier
             copier.attach(_C.host_staging_layout())  # it touches the staging in the background
             mark = phase("attach", mark)
             if pin != "before returning":
@@ -212,6 +208,17 @@ class FastPath(DeviceMoves):
         except CopierError as exc:
             self._drop_copier(f"{exc}")
             return here(f"the copier failed: {exc}")
+
+    def _live_copier(self) -> tuple[Copier, bool]:
+        """The copier, and whether it was started now: a new one where there is none or it is gone (killed
+        for the job's GPU memory, or died: its socket goes too). Raises CopierError when none starts."""
+        if self._copier is not None and not self._copier.alive():
+            self._copier.kill()
+            self._copier = None
+        if self._copier is not None:
+            return self._copier, False
+        self._copier = Copier.start()
+        return self._copier, True
 
     def _load_checksum_kernel(self, logical: int) -> None:
         """The moves' checksum kernel loaded into the job's context while it trains, before a
@@ -519,18 +526,14 @@ class FastPath(DeviceMoves):
             return None
         try:
             self._wait_for_start()
-            if self._copier is not None and not self._copier.alive():
-                self._copier.kill()
-                self._copier = None
-            if self._copier is None:
-                self._copier = Copier.start()
-            self._copier.attach(_C.host_staging_layout())
-            if self._copier.awake_on != uuid:  # its context, taken before the next request is read
-                self._copier.wake(uuid, wait=False, pause_ms=PIN_PAUSE_MS)
+            copier, _started_now = self._live_copier()
+            copier.attach(_C.host_staging_layout())
+            if copier.awake_on != uuid:  # its context, taken before the next request is read
+                copier.wake(uuid, wait=False, pause_ms=PIN_PAUSE_MS)
         except CopierError as exc:
             self._drop_copier(f"it could not start making host memory: {exc}", copies_here=False)
             return None
-        return self._copier
+        return copier
 
     def _make_driver_memory(self, copier: Copier, missing: int, keep_going: Callable[[], bool]) -> None:
         """Adds `missing` bytes of host memory made by the driver in `copier` to the staging, a piece per
