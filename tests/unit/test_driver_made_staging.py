@@ -190,3 +190,13 @@ def test_a_job_short_of_open_files_keeps_memfds(
     assert not any(_C.host_staging_layout().driver_made)
     assert engine.pause().ok and engine.resume().ok
     job.assert_home(physical=0)
+
+
+def test_a_bad_switch_is_refused_when_the_job_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    from flexium.api import runtime
+    from flexium.errors import ConfigError
+
+    monkeypatch.setenv(DRIVER_MEMORY_ENV, "sometimes")
+    with pytest.raises(ConfigError, match=r"FLEXIUM_DRIVER_HOST_MEMORY\) is not valid; use true or false"):
+        runtime._start(None)  # type: ignore[arg-type]  (refused before the config is read)
+    assert runtime.current() is None

@@ -99,11 +99,13 @@ def start(
 
 
 def _start(config: FlexiumConfig) -> Runtime:
-    from flexium.engine.fast import pinned_budget
+    from flexium.engine.fast import host_staging, pinned_budget
     from flexium.engine.transactions import locked_section
 
-    # Settings that are not what they must be are refused before anything starts.
+    # Settings that are not what they must be are refused before anything starts (the keeper reads the
+    # driver-made memory switch later, in its own thread, where a bad value would only be logged).
     pinned_budget.budget()
+    host_staging.driver_memory_enabled()
     locked_section.check_report_setting()
     # A driver named explicitly (the simulated host, the tests' fake) runs the engine without
     # torch CUDA, so a CPU-only torch is no problem to warn about there.
