@@ -95,6 +95,7 @@ SIGNATURES: dict[str, tuple[str, list[Any]]] = {
     "cuMemMap": ("cuMemMap", [_u64, _size, _size, _ull, _ull]),
     "cuMemUnmap": ("cuMemUnmap", [_u64, _size]),
     "cuMemSetAccess": ("cuMemSetAccess", [_u64, _size, _P(CUmemAccessDesc), _size]),
+    "cuMemExportToShareableHandle": ("cuMemExportToShareableHandle", [_vp, _ull, _int, _ull]),
 }
 
 

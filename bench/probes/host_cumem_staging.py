@@ -51,10 +51,6 @@ PIECE_COPY = 256 << 20
 THREADS = 8
 _P = ctypes.POINTER
 EXTRA = {
-    "cuMemExportToShareableHandle": (
-        "cuMemExportToShareableHandle",
-        [ctypes.c_void_p, ctypes.c_ulonglong, ctypes.c_int, ctypes.c_ulonglong],
-    ),
     "cuMemImportFromShareableHandle": (
         "cuMemImportFromShareableHandle",
         [_P(ctypes.c_ulonglong), ctypes.c_void_p, ctypes.c_int],

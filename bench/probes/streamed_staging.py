@@ -1,23 +1,41 @@
 """Where a pause that makes its host staging at its safe point (stop first, then stream) loses its
-time: fact `streamed-staging-pace`, issue 39 item 2.
+time, and which way of making it would free the GPU sooner: fact `streamed-staging-pace`, issue 39
+item 2.
 
     python bench/probes/streamed_staging.py [--sizes 16,64] [--files 8,16] [--ways serial,same,child]
+                                            [--pin-threads 1] [--touch-grain-mib 256] [--huge-advice 0]
+                                            [--make-threads 1,4,16] [--piece-mib 1024]
                                             [--timeout 240] [--json out.json]
 
-Each way, file count and size is a fresh process with a bare driver context on cuda:0 that maps
-SIZE GiB as FILES memfds (host_staging.Staging), touches each file from a thread of its own, chunk by
-chunk (MADV_POPULATE_WRITE per 256 MiB), registers every chunk (cuMemHostRegister) in the copier's
-order (the files' chunks in turn) and copies a 1 GiB device buffer into it (D2H, queued on one
-stream after each chunk's registration). Ways:
-  serial  touch everything, then register and copy (the rates of each alone);
-  same    the touching threads run in this process beside the registering thread, which waits for
-          each chunk to be touched (the copier's pipeline since issue 39 item 2);
-  child   the touching threads run in a child process forked before the driver is loaded, which
-          maps the same files (the job's process could touch them: it maps them too); progress
-          comes through shared memory.
-Prints a row per part: touching's end, registering (and of it waiting for the touching), the copies'
-end, each from the start, and the rates. Needs one NVIDIA GPU. Sizes are GiB (2^30 bytes),
-bandwidths GB/s (10^9).
+Each part is a fresh process with a bare driver context on cuda:0 that copies a 1 GiB device buffer
+into SIZE GiB of host memory (D2H, queued on one stream, chunk after chunk as each is ready); it
+reports the seconds from the start to the last copy's end, which is what a pause that makes its
+staging at the safe point spends before the copier can let the GPU go. Ways:
+  serial  FILES memfds (host_staging.Staging), touched from a thread per file, then registered
+          (cuMemHostRegister per 256 MiB, in the copier's order: the files' chunks in turn) and
+          copied: the rates of each alone;
+  same    the touching threads run beside the registering, in this process, each chunk registered
+          once touched (the copier's pipeline since issue 39 item 2);
+  child   the touching threads run in a child process forked before the driver is loaded, which maps
+          the same files (the job's process could touch them: it maps them too); progress comes
+          through shared memory;
+  driver  no memfds: MAKE threads make the host memory with the driver (cuMemCreate on the GPU's host
+          NUMA node, pieces of PIECE MiB, mapped and given access for the GPU, exported as POSIX fds
+          as the copier's make_host_memory does), each piece copied into once made: whether making it
+          from several threads outruns touching and pinning (made from one thread it ran at 2-5 GB/s,
+          fact `driver-made-host-memory`), so that a staging made at the safe point need not be memfds.
+Knobs of the memfd ways, each a comma-separated list that multiplies the parts:
+  --pin-threads N      threads registering the chunks (each takes the next chunk in the copier's
+                       order and waits for it to be touched); the copies still run in order;
+  --touch-grain-mib M  bytes per MADV_POPULATE_WRITE call of a touching thread (the copier touches
+                       a whole 256 MiB chunk per call, holding the process's mmap lock for reading
+                       meanwhile, which a registration may wait for);
+  --huge-advice 0|1    MADV_HUGEPAGE on the files' mappings, as the copier and the job map them
+                       (shmem huge pages `never` ignores it; whether it costs anything is the question).
+Prints a row per part: when the memory was ready (touched, or made), when the last chunk was pinned
+(or mapped), the thread-seconds inside the registering (or making) calls and of it waiting for the
+touching, the copies' end, each from the start, and the rates. Needs one NVIDIA GPU. Sizes are GiB
+(2^30 bytes), bandwidths GB/s (10^9).
 """
 
 from __future__ import annotations
@@ -36,11 +54,41 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tables.py in bench/
 
 from children import report_part, run_parts  # noqa: E402
-from cuda_driver import COPY_PIECE, CU_MEMHOSTREGISTER_PORTABLE, Driver  # noqa: E402
-from host_staging import CHUNK, GIB, HUGE, MADV_POPULATE_WRITE, Libc, Staging, fmt, gbps, host_settings, now, round_up  # noqa: E402
+from cuda_driver import (  # noqa: E402
+    COPY_PIECE,
+    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+    CU_MEM_LOCATION_TYPE_HOST_NUMA,
+    CU_MEMHOSTREGISTER_PORTABLE,
+    Driver,
+)
+from host_cumem_staging import access, numa_node  # noqa: E402
+from host_staging import (  # noqa: E402
+    CHUNK,
+    GIB,
+    HUGE,
+    MADV_HUGEPAGE,
+    MADV_POPULATE_WRITE,
+    Libc,
+    Staging,
+    fmt,
+    gbps,
+    host_settings,
+    now,
+    round_up,
+)
 from tables import print_table  # noqa: E402
 
-WAYS = ("serial", "same", "child")
+MEMFD_WAYS = ("serial", "same", "child")
+WAYS = (*MEMFD_WAYS, "driver")
+MIB = 1 << 20
+
+
+def part_name(**knobs: Any) -> str:
+    return ",".join(f"{k}={v}" for k, v in knobs.items())
+
+
+def parse_part(part: str) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in part.split(","))
 
 
 def file_chunks(staging: Staging) -> list[list[tuple[int, int]]]:
@@ -58,13 +106,16 @@ def copier_order(per_file: list[list[tuple[int, int]]]) -> list[tuple[int, int, 
     return [(f, i, chunks[i]) for i in range(longest) for f, chunks in enumerate(per_file) if i < len(chunks)]
 
 
-def touch_files(libc: Libc, per_file: list[list[tuple[int, int]]], progress: Any) -> None:
-    """A thread per file faults its chunks in, in order, counting each in progress[file]."""
+def touch_files(libc: Libc, per_file: list[list[tuple[int, int]]], progress: Any, grain: int) -> None:
+    """A thread per file faults its chunks in, in order, `grain` bytes per call, counting each chunk
+    in progress[file]."""
 
     def work(f: int) -> None:
         for addr, size in per_file[f]:
-            if libc.lib.madvise(addr, size, MADV_POPULATE_WRITE) != 0:
-                libc.lib.memset(addr, 0, size)
+            for offset in range(0, size, grain):
+                n = min(grain, size - offset)
+                if libc.lib.madvise(addr + offset, n, MADV_POPULATE_WRITE) != 0:
+                    libc.lib.memset(addr + offset, 0, n)
             progress[f] += 1
 
     threads = [threading.Thread(target=work, args=(f,)) for f in range(len(per_file))]
@@ -74,10 +125,83 @@ def touch_files(libc: Libc, per_file: list[list[tuple[int, int]]], progress: Any
         t.join()
 
 
-def measure(way: str, files: int, gib: float, result: dict[str, Any]) -> None:
+class Pinners:
+    """`count` threads registering the chunks of `order` (each takes the next one and waits for its
+    file's toucher to reach it); copies wait for `pinned(k)`."""
+
+    def __init__(self, drv: Driver, order: list[tuple[int, int, tuple[int, int]]], progress: Any, count: int) -> None:
+        self.drv, self.order, self.progress = drv, order, progress
+        self.done = [False] * len(order)
+        self.cv = threading.Condition()
+        self.next = 0
+        self.pin_s = self.wait_s = 0.0
+        self.last_at = 0.0
+        self.error: BaseException | None = None
+        self.threads = [threading.Thread(target=self._work) for _ in range(count)]
+
+    def start(self) -> None:
+        for t in self.threads:
+            t.start()
+
+    def _work(self) -> None:
+        try:
+            self.drv.call("cuCtxSetCurrent", ctypes.c_void_p(self.drv.context))
+            while True:
+                with self.cv:
+                    if self.next >= len(self.order) or self.error is not None:
+                        return
+                    k = self.next
+                    self.next += 1
+                f, index, (addr, size) = self.order[k]
+                waited = now()
+                while self.progress[f] <= index:
+                    time.sleep(0.0002)
+                pinning = now()
+                self.drv.call("cuMemHostRegister", addr, size, CU_MEMHOSTREGISTER_PORTABLE)
+                ended = now()
+                with self.cv:
+                    self.wait_s += pinning - waited
+                    self.pin_s += ended - pinning
+                    self.last_at = max(self.last_at, ended)
+                    self.done[k] = True
+                    self.cv.notify_all()
+        except BaseException as exc:  # the copies' thread raises it
+            with self.cv:
+                self.error = exc
+                self.cv.notify_all()
+
+    def pinned(self, k: int) -> None:
+        with self.cv:
+            self.cv.wait_for(lambda: self.done[k] or self.error is not None)
+            if self.error is not None:
+                raise RuntimeError(f"a pinning thread failed: {self.error}")
+
+    def join(self) -> None:
+        for t in self.threads:
+            t.join()
+
+
+def queue_copies(drv: Driver, addr: int, size: int, device: int, device_offset: int, stream: int) -> int:
+    """Queues the copies of the 1 GiB device buffer (wrapping) into [addr, addr+size); the buffer's
+    offset after them."""
+    offset = 0
+    while offset < size:
+        n = min(COPY_PIECE, size - offset, GIB - device_offset)
+        drv.call("cuMemcpyDtoHAsync", addr + offset, device + device_offset, n, stream)
+        offset += n
+        device_offset = (device_offset + n) % GIB
+    return device_offset
+
+
+def measure_memfd(way: str, knobs: dict[str, str], result: dict[str, Any]) -> None:
+    files, gib = int(knobs["files"]), float(knobs["gib"])
+    pin_threads, grain = int(knobs["pin"]), int(float(knobs["grain"]) * MIB)
     size = round_up(int(gib * GIB), HUGE)
     libc = Libc()
     staging = Staging(libc, f"memfd{files}" if files > 1 else "memfd", size)
+    if knobs["huge"] == "1":
+        for addr, mapped in staging.maps:
+            libc.lib.madvise(round_up(addr, HUGE), mapped - HUGE, MADV_HUGEPAGE)
     per_file = file_chunks(staging)
     if len(per_file) != files:
         raise RuntimeError(f"asked for {files} files, Staging made {len(per_file)}")
@@ -91,7 +215,7 @@ def measure(way: str, files: int, gib: float, result: dict[str, Any]) -> None:
         if child == 0:
             os.close(go_write)
             os.read(go_read, 1)
-            touch_files(libc, per_file, progress)
+            touch_files(libc, per_file, progress, grain)
             child_touched.value = now()
             os._exit(0)
     drv = Driver()
@@ -99,6 +223,8 @@ def measure(way: str, files: int, gib: float, result: dict[str, Any]) -> None:
     device = ctypes.c_uint64()
     drv.call("cuMemAlloc", ctypes.byref(device), GIB)
     stream = drv.stream()
+    order = copier_order(per_file)
+    pinners = Pinners(drv, order, progress, pin_threads)
     started = now()
     touched_at: list[float] = []
     if way == "child":
@@ -106,31 +232,22 @@ def measure(way: str, files: int, gib: float, result: dict[str, Any]) -> None:
     elif way == "same":
 
         def touch_here() -> None:
-            touch_files(libc, per_file, progress)
+            touch_files(libc, per_file, progress, grain)
             touched_at.append(now())
 
         toucher = threading.Thread(target=touch_here)
         toucher.start()
     else:
-        touch_files(libc, per_file, progress)
+        touch_files(libc, per_file, progress, grain)
         touched_at.append(now())
-    pin_s = wait_s = 0.0
+    pinners.start()
     device_offset = 0
-    for f, index, (addr, chunk) in copier_order(per_file):
-        waited = now()
-        while progress[f] <= index:
-            time.sleep(0.0002)
-        pinning = now()
-        wait_s += pinning - waited
-        drv.call("cuMemHostRegister", addr, chunk, CU_MEMHOSTREGISTER_PORTABLE)
-        pin_s += now() - pinning
-        offset = 0
-        while offset < chunk:
-            n = min(COPY_PIECE, chunk - offset, GIB - device_offset)
-            drv.call("cuMemcpyDtoHAsync", addr + offset, int(device.value) + device_offset, n, stream)
-            offset += n
-            device_offset = (device_offset + n) % GIB
-    pinned_at = now()
+    try:
+        for k, (_f, _index, (addr, chunk)) in enumerate(order):
+            pinners.pinned(k)
+            device_offset = queue_copies(drv, addr, chunk, device.value, device_offset, stream)
+    finally:
+        pinners.join()
     drv.stream_sync(stream)
     copied_at = now()
     if way == "child":
@@ -141,68 +258,190 @@ def measure(way: str, files: int, gib: float, result: dict[str, Any]) -> None:
     elif way == "same":
         toucher.join()
     result.update(
-        ok=True,
-        touched_s=touched_at[0] - started,
-        pinned_s=pinned_at - started,
-        pin_s=pin_s,
-        wait_s=wait_s,
+        ready_s=touched_at[0] - started,
+        pinned_s=pinners.last_at - started,
+        pin_s=pinners.pin_s,
+        wait_s=pinners.wait_s,
         done_s=copied_at - started,
         bytes=size,
     )
-    for addr, _ in staging.chunks:
+    for _f, _index, (addr, _size) in order:
         drv.call("cuMemHostUnregister", addr)
     staging.unmap()
+    result["ok"] = True
+
+
+def measure_driver(knobs: dict[str, str], result: dict[str, Any]) -> None:
+    threads, gib, piece_mib = int(knobs["make"]), float(knobs["gib"]), float(knobs["piece"])
+    drv = Driver()
+    drv.primary_context(0)
+    numa = numa_node(drv)
+    prop = drv.prop(drv.device)
+    prop.location.type, prop.location.id = CU_MEM_LOCATION_TYPE_HOST_NUMA, numa
+    granularity = drv.granularity(prop)
+    piece = round_up(int(piece_mib * MIB), granularity)
+    count = -(-int(gib * GIB) // piece)
+    size = piece * count
+    va = drv.reserve(size)
+    device = ctypes.c_uint64()
+    drv.call("cuMemAlloc", ctypes.byref(device), GIB)
+    stream = drv.stream()
+    handles: list[int] = [0] * count
+    fds: list[int] = []
+    made = [False] * count
+    cv = threading.Condition()
+    times = {"make_s": 0.0, "last_at": 0.0}
+    failed: list[BaseException] = []
+
+    def work(k: int) -> None:
+        try:
+            drv.call("cuCtxSetCurrent", ctypes.c_void_p(drv.context))
+            for i in range(k, count, threads):
+                making = now()
+                handle = drv.create(piece, prop)
+                handles[i] = handle
+                drv.map(va + i * piece, piece, handle)
+                access(drv, va + i * piece, piece, numa, cpu=False)
+                exported = ctypes.c_int(-1)
+                drv.call(
+                    "cuMemExportToShareableHandle",
+                    ctypes.byref(exported),
+                    handle,
+                    CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                    0,
+                )
+                ended = now()
+                with cv:
+                    fds.append(exported.value)
+                    times["make_s"] += ended - making
+                    times["last_at"] = max(times["last_at"], ended)
+                    made[i] = True
+                    cv.notify_all()
+        except BaseException as exc:  # the copies' thread raises it
+            with cv:
+                failed.append(exc)
+                cv.notify_all()
+
+    makers = [threading.Thread(target=work, args=(k,)) for k in range(threads)]
+    started = now()
+    for t in makers:
+        t.start()
+    device_offset = 0
+    try:
+        for i in range(count):
+            with cv:
+                cv.wait_for(lambda i=i: made[i] or bool(failed))
+                if failed:
+                    raise RuntimeError(f"a making thread failed: {failed[0]}")
+            device_offset = queue_copies(drv, va + i * piece, piece, device.value, device_offset, stream)
+    finally:
+        for t in makers:
+            t.join()
+    drv.stream_sync(stream)
+    copied_at = now()
+    result.update(
+        ready_s=times["last_at"] - started,
+        pinned_s=times["last_at"] - started,
+        pin_s=times["make_s"],
+        wait_s=0.0,
+        done_s=copied_at - started,
+        bytes=size,
+        piece=piece,
+    )
+    for fd in fds:
+        os.close(fd)
+    for i, handle in enumerate(handles):
+        if handle:
+            drv.call("cuMemUnmap", va + i * piece, piece)
+            drv.call("cuMemRelease", handle)
+    drv.call("cuMemAddressFree", va, size)
+    result["ok"] = True
+
+
+def measure(part: str, result: dict[str, Any]) -> None:
+    knobs = parse_part(part)
+    if knobs["way"] == "driver":
+        measure_driver(knobs, result)
+    else:
+        measure_memfd(knobs["way"], knobs, result)
 
 
 def row(r: dict[str, Any]) -> tuple[str, ...]:
-    way, files, gib = r["part"].split(":")
+    knobs = parse_part(r["part"])
+    driver_way = knobs["way"] == "driver"
+    threads = f"{knobs['make']} making" if driver_way else f"{knobs['files']} files, {knobs['pin']} pinning"
+    detail = (
+        f"pieces {knobs['piece']} MiB" if driver_way else f"grain {knobs['grain']} MiB, huge advice {knobs['huge']}"
+    )
+    head = (knobs["way"], threads, detail, knobs["gib"])
     if not r.get("ok"):
-        return (way, files, gib, *["-"] * 7, f"FAILED: {r.get('error')}"[:60])
+        return (*head, *["-"] * 7, f"FAILED: {r.get('error')}"[:60])
     size = r["bytes"]
     return (
-        way,
-        files,
-        gib,
-        fmt(r["touched_s"], 2),
+        *head,
+        fmt(r["ready_s"], 2),
+        fmt(r["pinned_s"], 2),
         fmt(r["pin_s"], 2),
         fmt(r["wait_s"], 2),
         fmt(r["done_s"], 2),
-        fmt(gbps(size, r["touched_s"]), 1),
-        fmt(gbps(size, r["pin_s"]), 1),
+        fmt(gbps(size, r["pinned_s"]), 1),
         fmt(gbps(size, r["done_s"]), 1),
         "",
     )
+
+
+def listed(text: str) -> list[str]:
+    return [item for item in text.split(",") if item]
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="16,64", help="GiB per part, comma-separated (default 16,64)")
     parser.add_argument("--files", default="8,16", help="memfds, each touched by a thread (default 8,16)")
-    parser.add_argument("--ways", default=",".join(WAYS), help=f"default {','.join(WAYS)}")
+    parser.add_argument(
+        "--ways", default=",".join(MEMFD_WAYS), help=f"of {','.join(WAYS)} (default {','.join(MEMFD_WAYS)})"
+    )
+    parser.add_argument("--pin-threads", default="1", help="memfd ways: threads registering (default 1)")
+    parser.add_argument("--touch-grain-mib", default="256", help="memfd ways: MiB per touching call (default 256)")
+    parser.add_argument("--huge-advice", default="0", help="memfd ways: MADV_HUGEPAGE on the files, 0 or 1 (default 0)")
+    parser.add_argument("--make-threads", default="1,4,16", help="way driver: threads making (default 1,4,16)")
+    parser.add_argument("--piece-mib", default="1024", help="way driver: MiB per piece made (default 1024)")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per part (default 240)")
     parser.add_argument("--json", help="write every part's result here")
-    parser.add_argument("--part", help=argparse.SUPPRESS)  # WAY:FILES:GIB, in the part's own process
+    parser.add_argument("--part", help=argparse.SUPPRESS)  # way=...,gib=...: in the part's own process
     args = parser.parse_args()
     if args.part:
-        way, files, gib = args.part.split(":")
-        return report_part(args.part, lambda result: measure(way, int(files), float(gib), result))
-    ways = [w for w in args.ways.split(",") if w]
+        return report_part(args.part, lambda result: measure(args.part, result))
+    ways = listed(args.ways)
     unknown = set(ways) - set(WAYS)
     if unknown:
         parser.error(f"unknown ways {', '.join(sorted(unknown))}: choose from {', '.join(WAYS)}")
+    if not set(listed(args.huge_advice)) <= {"0", "1"}:
+        parser.error("--huge-advice takes 0, 1 or both")
     print("host:", json.dumps(host_settings()), flush=True)
-    parts = [
-        f"{way}:{files}:{gib}"
-        for gib in (s for s in args.sizes.split(",") if s)
-        for files in (f for f in args.files.split(",") if f)
-        for way in ways
-    ]
+    parts = []
+    for gib in listed(args.sizes):
+        for way in ways:
+            if way == "driver":
+                parts += [
+                    part_name(way=way, gib=gib, make=threads, piece=piece)
+                    for threads in listed(args.make_threads)
+                    for piece in listed(args.piece_mib)
+                ]
+                continue
+            parts += [
+                part_name(way=way, gib=gib, files=files, pin=pin, grain=grain, huge=huge)
+                for files in listed(args.files)
+                for pin in listed(args.pin_threads)
+                for grain in listed(args.touch_grain_mib)
+                for huge in listed(args.huge_advice)
+            ]
     results = run_parts(__file__, parts, args.timeout)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=str))
     print()
-    columns = ("way", "files", "GiB", "touched s", "pin s", "of it waiting", "copied s", "touch GB/s", "pin GB/s")
-    print_table((*columns, "overall GB/s", "note"), [row(r) for r in results])
+    columns = ("way", "threads", "how", "GiB", "ready s", "pinned s", "in calls s", "of it waiting", "copied s")
+    print_table((*columns, "pinned GB/s", "overall GB/s", "note"), [row(r) for r in results])
     return 0 if all(r.get("ok") for r in results) else 1
 
 
