@@ -96,6 +96,16 @@ SIGNATURES: dict[str, tuple[str, list[Any]]] = {
     "cuMemUnmap": ("cuMemUnmap", [_u64, _size]),
     "cuMemSetAccess": ("cuMemSetAccess", [_u64, _size, _P(CUmemAccessDesc), _size]),
     "cuMemExportToShareableHandle": ("cuMemExportToShareableHandle", [_vp, _ull, _int, _ull]),
+    "cuMemImportFromShareableHandle": ("cuMemImportFromShareableHandle", [_P(_ull), _vp, _int]),
+    "cuMemcpyAsync": ("cuMemcpyAsync", [_u64, _u64, _size, _vp]),
+    "cuMemsetD8": ("cuMemsetD8_v2", [_u64, ctypes.c_ubyte, _size]),
+    "cuMemcpyDtoDAsync": ("cuMemcpyDtoDAsync_v2", [_u64, _u64, _size, _vp]),
+    "cuMemcpyHtoDAsync": ("cuMemcpyHtoDAsync_v2", [_u64, _vp, _size, _vp]),
+    "cuCtxSynchronize": ("cuCtxSynchronize", []),
+    "cuCheckpointProcessLock": ("cuCheckpointProcessLock", [_int, _vp]),
+    "cuCheckpointProcessCheckpoint": ("cuCheckpointProcessCheckpoint", [_int, _vp]),
+    "cuCheckpointProcessRestore": ("cuCheckpointProcessRestore", [_int, _vp]),
+    "cuCheckpointProcessUnlock": ("cuCheckpointProcessUnlock", [_int, _vp]),
 }
 
 

@@ -49,31 +49,6 @@ from tables import print_table  # noqa: E402
 
 PIECE_COPY = 256 << 20
 THREADS = 8
-_P = ctypes.POINTER
-EXTRA = {
-    "cuMemImportFromShareableHandle": (
-        "cuMemImportFromShareableHandle",
-        [_P(ctypes.c_ulonglong), ctypes.c_void_p, ctypes.c_int],
-    ),
-    "cuMemcpyAsync": ("cuMemcpyAsync", [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]),
-    "cuMemsetD8": ("cuMemsetD8_v2", [ctypes.c_uint64, ctypes.c_ubyte, ctypes.c_size_t]),
-    "cuMemcpyDtoDAsync": ("cuMemcpyDtoDAsync_v2", [ctypes.c_uint64, ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p]),
-    "cuMemcpyHtoDAsync": ("cuMemcpyHtoDAsync_v2", [ctypes.c_uint64, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]),
-    "cuCtxSynchronize": ("cuCtxSynchronize", []),
-    "cuCheckpointProcessLock": ("cuCheckpointProcessLock", [ctypes.c_int, ctypes.c_void_p]),
-    "cuCheckpointProcessCheckpoint": ("cuCheckpointProcessCheckpoint", [ctypes.c_int, ctypes.c_void_p]),
-    "cuCheckpointProcessRestore": ("cuCheckpointProcessRestore", [ctypes.c_int, ctypes.c_void_p]),
-    "cuCheckpointProcessUnlock": ("cuCheckpointProcessUnlock", [ctypes.c_int, ctypes.c_void_p]),
-}
-
-
-def driver() -> Driver:
-    drv = Driver()
-    for name, (symbol, argtypes) in EXTRA.items():
-        fn = getattr(drv.lib, symbol)
-        fn.argtypes, fn.restype = argtypes, ctypes.c_int
-        drv.fns[name] = fn
-    return drv
 
 
 def numa_node(drv: Driver) -> int:
@@ -131,7 +106,7 @@ def copy_all(
 
 
 def maker(sock: socket.socket, gib: float, piece_gib: float, result: dict[str, Any]) -> None:
-    drv = driver()
+    drv = Driver()
     started = now()
     drv.primary_context(0)
     result["context_s"] = now() - started
@@ -183,7 +158,7 @@ def maker(sock: socket.socket, gib: float, piece_gib: float, result: dict[str, A
 
 
 def job(fds: list[int], result: dict[str, Any]) -> None:
-    drv = driver()
+    drv = Driver()
     drv.primary_context(0)
     mine = ctypes.c_uint64()
     drv.call("cuMemAlloc", ctypes.byref(mine), GIB)
@@ -217,7 +192,7 @@ def job(fds: list[int], result: dict[str, Any]) -> None:
 
 
 def copier(fds: list[int], meta: dict[str, int], result: dict[str, Any]) -> None:
-    drv = driver()
+    drv = Driver()
     started = now()
     drv.primary_context(0)
     result["context_s"] = now() - started

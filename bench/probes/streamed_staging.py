@@ -330,7 +330,8 @@ def measure_driver(knobs: dict[str, str], result: dict[str, Any]) -> None:
     try:
         for i in range(count):
             with cv:
-                cv.wait_for(lambda i=i: made[i] or bool(failed))
+                while not (made[i] or failed):
+                    cv.wait()
                 if failed:
                     raise RuntimeError(f"a making thread failed: {failed[0]}")
             device_offset = queue_copies(drv, va + i * piece, piece, device.value, device_offset, stream)
