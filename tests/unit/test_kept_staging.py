@@ -108,6 +108,28 @@ def test_claims_share_the_budget_and_a_finished_process_no_longer_counts(monkeyp
     assert pinned_budget.holders() == []
 
 
+def test_a_claim_up_to_takes_what_is_left_in_whole_steps_or_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(pinned_budget.ENV, "10GiB")
+    other = a_live_process()
+    try:
+        pinned_budget.LEDGER_DIR.mkdir(mode=0o1777)
+        start = pinned_budget._start_time(other.pid)
+        (pinned_budget.LEDGER_DIR / str(other.pid)).write_text(json.dumps({"bytes": 6 * GiB, "start": start}))
+        assert pinned_budget.claim_up_to(2 * GiB, "GPU-a", at_least=GiB) == (2 * GiB, "")
+        assert ledger()[os.getpid()]["bytes"] == 2 * GiB
+        share, why = pinned_budget.claim_up_to(8 * GiB, "GPU-a", at_least=2 * GiB, step=3 * GiB)
+        assert share == 3 * GiB and ledger()[os.getpid()]["bytes"] == 3 * GiB  # 4 GiB left: one whole step
+        assert why.startswith("its 8.0 GiB do not fit in the 4.0 GiB left of flexium's pinned host memory budget")
+        assert pinned_budget.claim_up_to(8 * GiB, "GPU-a", at_least=5 * GiB)[0] == 0
+        assert ledger()[os.getpid()]["bytes"] == 3 * GiB  # a share refused changes nothing
+        share, why = pinned_budget.claim_up_to(12 * GiB, "GPU-a", at_least=GiB)
+        assert share == 4 * GiB and "exceed flexium's pinned host memory budget of 10.0 GiB" in why
+    finally:
+        other.kill()
+        other.wait()
+        pinned_budget.release()
+
+
 # ----------------------------------------------------------------------------- the engine
 
 
@@ -219,6 +241,51 @@ def test_the_keeper_prepares_the_first_pause_ahead(job: Job, budget: Callable[[s
     pauses_on_the_kept_staging(job, engine)
 
 
+def test_a_staging_larger_than_the_budget_keeps_the_part_it_has_room_for(
+    job: Job, budget: Callable[[str], None]
+) -> None:
+    """A pause copies the part kept (host memory the driver made, pinned ahead) at once and streams the
+    rest at its safe point; after the resume the whole staging goes back and the keeper keeps the part
+    again."""
+    budget("8MiB")  # of the 14 MiB a pause needs: more than a quarter
+    engine = job.training([2 * MiB, 4 * MiB, 6 * MiB])
+    keeper = engine._keeper
+    assert keeper is not None
+    wait_until(lambda: (keeper.note or "").startswith("keeps "), what="the keeper to keep part of the staging")
+    assert keeper.note is not None and keeper.note.endswith(
+        "; only part of what a pause needs, as its 14 MiB exceed flexium's pinned host memory budget of 8 MiB "
+        "(FLEXIUM_PINNED_HOST_MEMORY=8MiB, from the environment)"
+    ), keeper.note
+    assert job.fast is not None and job.fast.keeping and job.fast.kept_in_part
+    assert _C.host_staging_pool_bytes() == 8 * MiB and ledger()[os.getpid()]["bytes"] == 8 * MiB
+    assert all(_C.host_staging_layout().driver_made)
+    pinned_ahead(job, engine)
+    paused = engine.pause()
+    assert paused.ok and paused.path == "fast", paused.error
+    assert paused.notes[0] == (
+        "the staging kept for pauses holds 8 MiB, pinned, of the 14 MiB the pool needs (only that part is kept, as "
+        "its 14 MiB exceed flexium's pinned host memory budget of 8 MiB (FLEXIUM_PINNED_HOST_MEMORY=8MiB, from the "
+        "environment)): it is copied at once, and the rest mapped and pinned as the copies reach it, at the safe point"
+    ), paused.notes
+    assert "0.01 GiB found pinned (its pinning ahead: " in paused.notes[1], paused.notes[1]
+    assert ", 0.01 GiB streamed; " in paused.notes[1], paused.notes[1]
+    made = _C.host_staging_layout().driver_made
+    assert made[0] and not made[-1], made  # the kept part driver-made, the rest memfds made at the safe point
+    assert job.fake.pinned_at_last_checkpoint() == 0 and job.fake.vmm_mappings() == 0
+    assert _C.gpu_memory_yielder() == 0  # the copier asleep: nothing of the paused job on any GPU
+    resumed = engine.resume()
+    assert resumed.ok and resumed.path == "fast", resumed.error
+    job.assert_home(physical=0)
+    wait_until(
+        lambda: job.fast is not None and job.fast.keeping and _C.host_staging_pool_bytes() == 8 * MiB,
+        what="the keeper to keep the part again",
+    )
+    assert ledger()[os.getpid()]["bytes"] == 8 * MiB
+    pinned_ahead(job, engine)
+    assert engine.pause().ok and engine.resume().ok
+    job.assert_home(physical=0)
+
+
 def test_a_job_whose_pause_would_be_refused_keeps_nothing_pinned_until_it_could_pause(
     job: Job, budget: Callable[[str], None], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -291,14 +358,14 @@ def test_a_process_holding_memory_the_driver_cannot_checkpoint_keeps_nothing_pin
 def test_a_pause_that_does_not_fit_the_budget_prepares_its_own_and_gives_it_back(
     job: Job, budget: Callable[[str], None]
 ) -> None:
-    budget("4MiB")
+    budget("2MiB")  # less than a quarter of the 14 MiB a pause needs: no part of it is kept either
     engine = job.training([2 * MiB, 4 * MiB, 6 * MiB])
     keeper = engine._keeper
     assert keeper is not None
     wait_until(lambda: keeper.note is not None, what="the keeper to look")
     assert keeper.note == (
         "the staging for a pause is prepared when one is asked for: its 14 MiB exceed flexium's pinned host "
-        "memory budget of 4 MiB (FLEXIUM_PINNED_HOST_MEMORY=4MiB, from the environment)"
+        "memory budget of 2 MiB (FLEXIUM_PINNED_HOST_MEMORY=2MiB, from the environment)"
     )
     assert _C.host_staging_pool_bytes() == 0 and ledger() == {}
     paused = engine.pause()  # made at its safe point, pinned as the copier's copies reach it

@@ -26,6 +26,11 @@ DISABLE_NOTE = "the copier process is off: FLEXIUM_HOST_COPIER=0"
 # memfds the copier pins, and pins again at each resume.
 DRIVER_MEMORY_ENV = "FLEXIUM_DRIVER_HOST_MEMORY"
 DRIVER_MADE_PIECE = 1 << 30  # one allocation and fd each; the copier's turn is held for one at a time
+# A staging larger than what the pinned host memory budget has left keeps that much of it between pauses,
+# if it is at least this share of what a pause needs: the pause copies the kept part at once and streams
+# the rest (docs/fast-path.md, "Part of it kept").
+KEPT_PART_AT_LEAST = 4  # a quarter
+STAGING_STEP = 2 << 20  # the staging's extents are whole huge pages (csrc/vmm_host_staging.cpp)
 
 
 def driver_memory_enabled() -> bool:

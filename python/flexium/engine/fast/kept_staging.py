@@ -122,9 +122,10 @@ class StagingKeeper:
         if ahead is None or ahead.pinning:
             return
         if ahead.complete:
+            part = f"; only part of what a pause needs, as {self._fast.kept_in_part}" if self._fast.kept_in_part else ""
             self._say(
                 f"keeps {ahead.staging / (1 << 30):.2f} GiB of host staging pinned by the copier process for a "
-                f"pause (its pinning ahead: {ahead.pinner})"
+                f"pause (its pinning ahead: {ahead.pinner}){part}"
             )
             return
         self._fast.give_back_kept()

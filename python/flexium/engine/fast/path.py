@@ -27,8 +27,10 @@ from flexium.engine.fast.host_staging import (
     DISABLE_NOTE,
     DRIVER_MADE_PIECE,
     HOST_STAGING_SLACK,
+    KEPT_PART_AT_LEAST,
     PIN_PAUSE_MS,
     POOL_GROWTH_ROOM,
+    STAGING_STEP,
     CopierCopy,
     HostCopy,
     PinnedAhead,
@@ -41,6 +43,7 @@ from flexium.engine.fast.memory_pool import LiveRanges, MemoryPool, open_file_he
 from flexium.engine.fast.steps import timed
 from flexium.engine.operations import StepTiming
 from flexium.errors import DriverError
+from flexium.units import gib_or_mib
 
 log = logging.getLogger("flexium")
 # Files kept free besides one per segment (sockets, logs, the NVML helper's pipes).
@@ -75,6 +78,8 @@ class FastPath(DeviceMoves):
         self._host_lock = threading.RLock()
         # The staging stays (pinned by the copier) between pauses: claimed in pinned_budget.
         self.keeping = False
+        # Why the staging kept holds only part of what a pause needs ("" when it holds all, or none is kept).
+        self.kept_in_part = ""
         self._kernel_loaded: set[int] = set()  # devices whose context has the checksum kernel
         # Why the copier could not make host memory (a kept staging is then memfds); "" while it can.
         self.driver_memory_refused = ""
@@ -429,6 +434,8 @@ class FastPath(DeviceMoves):
         """Whether the staging may stay between pauses (claimed in the pinned host memory budget)."""
         held = int(_C.host_staging_pool_bytes())
         self.keeping = held > 0 and pinned_budget.claim(held, uuid) is None
+        if self.keeping:
+            self.kept_in_part = ""
         return self.keeping
 
     def release_host_later(self) -> None:
@@ -471,7 +478,9 @@ class FastPath(DeviceMoves):
         it pinned on the job's GPU `uuid`, so that a pause only copies. Returns what it did, or
         why it could not (the pinned host memory budget); None when nothing was needed. What the
         staging lacks is host memory the driver makes in the copier, a piece at a time without the
-        staging's lock, while `keep_going()` (no operation is under way), else memfds."""
+        staging's lock, while `keep_going()` (no operation is under way), else memfds. A staging
+        larger than what the budget has left keeps that much of it, when that is at least a
+        KEPT_PART_AT_LEAST-th: a pause copies it at once and streams the rest."""
         with self._host_lock:
             if self.host_waiting() > 0:
                 return None
@@ -483,19 +492,19 @@ class FastPath(DeviceMoves):
             crowded = None if awake else copier_room_problem(uuid)
             if crowded is not None:
                 return f"nothing is kept pinned for a pause for now: {crowded}"
-            refusal = pinned_budget.claim(max(wanted, held), uuid)
-            if refusal is not None:
+            keep, in_part = self._claim_kept(wanted, held, uuid)
+            if keep == 0:
                 if held > 0 and not self.keeping:
                     self.release_host_later()
-                return f"the staging for a pause is prepared when one is asked for: {refusal}"
-            making = self._copier_to_make(wanted - held, uuid)
+                return f"the staging for a pause is prepared when one is asked for: {in_part}"
+            making = self._copier_to_make(keep - held, uuid)
         if making is not None:
-            self._make_driver_memory(making, wanted - held, keep_going)
+            self._make_driver_memory(making, keep - held, keep_going)
         with self._host_lock:
             if self.host_waiting() > 0 or not keep_going():
                 return None
             try:
-                reserved = self._reserve_host(logical, wanted, uuid, pin="ahead")
+                reserved = self._reserve_host(logical, keep, uuid, pin="ahead")
             except BaseException:
                 self._stop_keeping()
                 raise
@@ -505,12 +514,30 @@ class FastPath(DeviceMoves):
                     "the staging for a pause is prepared when one is asked for: the copier process failed "
                     f"({reserved.where})"
                 )
-            self.keeping = True
+            self.keeping, self.kept_in_part = True, in_part
             held = int(_C.host_staging_pool_bytes())
-            return (
-                f"pins {held / (1 << 30):.2f} GiB of host staging ahead {reserved.where} for a pause "
-                f"(made in {reserved.seconds:.2f} s: {reserved.phases}); a pause that comes meanwhile streams the rest"
+            part = (
+                f", {gib_or_mib(held)} of the {gib_or_mib(wanted)} it needs, as {in_part}: a pause copies that part "
+                "at once and streams the rest"
+                if in_part
+                else ""
             )
+            return (
+                f"pins {held / (1 << 30):.2f} GiB of host staging ahead {reserved.where} for a pause{part} "
+                f"(made in {reserved.seconds:.2f} s: {reserved.phases}); a pause that comes meanwhile streams what is "
+                "not pinned yet"
+            )
+
+    def _claim_kept(self, wanted: int, held: int, uuid: str) -> tuple[int, str]:
+        """The bytes of staging to keep for a pause that needs `wanted` (`held` kept now), claimed in the
+        pinned host memory budget, and why they are fewer than `wanted` ("" when they are not); (0, why)
+        when nothing is kept (a staging is never cut: one larger than the budget's share goes back)."""
+        refusal = pinned_budget.claim(max(wanted, held), uuid)
+        if refusal is None:
+            return max(wanted, held), ""
+        at_least = max(-(-wanted // KEPT_PART_AT_LEAST), held)
+        share, why = pinned_budget.claim_up_to(wanted, uuid, at_least=at_least, step=STAGING_STEP)
+        return (share, why) if share > 0 else (0, refusal)
 
     def _copier_to_make(self, missing: int, uuid: str) -> Copier | None:
         """The copier, awake on `uuid` with the staging attached, when it should make the `missing` bytes
@@ -601,7 +628,7 @@ class FastPath(DeviceMoves):
 
     def _stop_keeping(self) -> None:
         pinned_budget.release()
-        self.keeping = False
+        self.keeping, self.kept_in_part = False, ""
 
     def _release_host(self, copier: Copier | None) -> None:
         if copier is not None:

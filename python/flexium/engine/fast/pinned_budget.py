@@ -98,26 +98,64 @@ def claim(nbytes: int, gpu: str) -> str | None:
     when the budget has room, else why not (nothing is recorded then)."""
     limit = budget()
     if nbytes > limit.bytes:
-        return f"its {gib_or_mib(nbytes)} exceed flexium's pinned host memory budget of {limit.describe()}"
+        return _exceeds(nbytes, limit)
     try:
         with _locked():
-            return _claim_locked(nbytes, gpu, limit)
+            others = _others()
+            refusal = _no_room(nbytes, limit, others)
+            if refusal is None:
+                _record(nbytes, gpu)
+            return refusal
     except (OSError, LedgerBusy) as exc:
         return f"its pinned host memory ledger could not be written ({exc})"
 
 
-def _claim_locked(nbytes: int, gpu: str, limit: Budget) -> str | None:
-    others = [h for h in holders() if h.pid != os.getpid()]
+def claim_up_to(nbytes: int, gpu: str, *, at_least: int, step: int = 1) -> tuple[int, str]:
+    """Records that this process keeps as much of `nbytes` pinned as the budget has left, in whole
+    `step`s, if that is `at_least` (replacing what it claimed before). Returns the bytes claimed (0:
+    none, nothing recorded) and why they are fewer than `nbytes` ("" when they are not)."""
+    limit = budget()
+    try:
+        with _locked():
+            others = _others()
+            share = min(nbytes, max(0, limit.bytes - sum(h.bytes for h in others)) // step * step)
+            why = (
+                ""
+                if share == nbytes
+                else _exceeds(nbytes, limit)
+                if nbytes > limit.bytes
+                else _no_room(nbytes, limit, others)
+            )
+            if share < max(at_least, 1):
+                return 0, why or ""
+            _record(share, gpu)
+            return share, why or ""
+    except (OSError, LedgerBusy) as exc:
+        return 0, f"its pinned host memory ledger could not be written ({exc})"
+
+
+def _exceeds(nbytes: int, limit: Budget) -> str:
+    return f"its {gib_or_mib(nbytes)} exceed flexium's pinned host memory budget of {limit.describe()}"
+
+
+def _others() -> list[Holder]:
+    return [h for h in holders() if h.pid != os.getpid()]
+
+
+def _no_room(nbytes: int, limit: Budget, others: list[Holder]) -> str | None:
     held = sum(h.bytes for h in others)
-    if held + nbytes > limit.bytes:
-        pids = ", ".join(str(h.pid) for h in others)
-        return (
-            f"its {gib_or_mib(nbytes)} do not fit in the {gib_or_mib(max(0, limit.bytes - held))} left of flexium's "
-            f"pinned host memory budget of {limit.describe()}; processes {pids} keep {gib_or_mib(held)}"
-        )
+    if held + nbytes <= limit.bytes:
+        return None
+    pids = ", ".join(str(h.pid) for h in others)
+    return (
+        f"its {gib_or_mib(nbytes)} do not fit in the {gib_or_mib(max(0, limit.bytes - held))} left of flexium's "
+        f"pinned host memory budget of {limit.describe()}; processes {pids} keep {gib_or_mib(held)}"
+    )
+
+
+def _record(nbytes: int, gpu: str) -> None:
     record = {"bytes": nbytes, "gpu": gpu, "start": _start_time(os.getpid())}
     (LEDGER_DIR / str(os.getpid())).write_text(json.dumps(record))
-    return None
 
 
 def release() -> None:

@@ -20,7 +20,7 @@ from flexium.engine.transactions import locked_section
 from flexium.engine.transactions.context import OperationContext
 from flexium.engine.transactions.results import GIB, ResultDraft, copier_notes
 from flexium.errors import OperationFailedError
-from flexium.units import gib
+from flexium.units import gib, gib_or_mib
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ def prepare_host_staging(ctx: OperationContext, fast: FastPath, source: GpuIdent
         # Kept, but still being pinned ahead (a young job's first pause, or just after a resume), or
         # grown since: waiting for that pinning, with its breaks for the job's CUDA calls, would take
         # longer than streaming the rest at the safe point with the job stopped.
-        return StagingPlan(notes=(streaming_kept(ahead, wanted),), at_safe_point=True)
+        return StagingPlan(notes=(streaming_kept(ahead, wanted, fast.kept_in_part),), at_safe_point=True)
     try:
         reserved = fast.reserve_host(logical, wanted, source.uuid)
     except Exception as exc:
@@ -71,8 +71,9 @@ def prepare_host_staging(ctx: OperationContext, fast: FastPath, source: GpuIdent
     )
 
 
-def streaming_kept(ahead: PinnedAhead | None, wanted: int) -> str:
-    """Why a pause that found its staging kept streams it at its safe point, and how far it was pinned."""
+def streaming_kept(ahead: PinnedAhead | None, wanted: int, in_part: str = "") -> str:
+    """Why a pause that found its staging kept streams it at its safe point, and how far it was pinned;
+    `in_part`: why only part of it is kept (FastPath.kept_in_part)."""
     if ahead is None:
         return (
             "the staging kept for pauses: its copier did not say how far it had pinned it (busy, or stopped as it "
@@ -83,6 +84,12 @@ def streaming_kept(ahead: PinnedAhead | None, wanted: int) -> str:
         return (
             f"the staging kept for pauses was {state}: {gib(ahead.pinned, 2)} of {gib(ahead.staging, 2)} pinned when "
             "the pause was asked for; the rest is pinned as the copies reach it, at the safe point"
+        )
+    if in_part:
+        return (
+            f"the staging kept for pauses holds {gib_or_mib(ahead.staging)}, pinned, of the {gib_or_mib(wanted)} the "
+            f"pool needs (only that part is kept, as {in_part}): it is copied at once, and the rest mapped and pinned "
+            "as the copies reach it, at the safe point"
         )
     return (
         f"the staging kept for pauses ({gib(ahead.staging, 2)}, pinned) is short of the {gib(wanted, 2)} the pool "
