@@ -244,7 +244,9 @@ std::size_t reserve_host_staging(std::size_t bytes, int device, std::size_t chun
     for (std::size_t i = 0, covered = 0; i < staging.chunks.size() && covered < bytes; ++i) {
       Chunk &chunk = staging.chunks[i];
       covered += chunk.size;
-      if (chunk.pinned) continue;
+      // Driver-made memory is pinned by nature; mapped here ahead, it would ride the job's checkpoint, which
+      // cannot restore it (fact `cumem-host-memory-unrestorable`): the copies here map it while they run.
+      if (chunk.pinned || driver_made(chunk)) continue;
       // A break between chunks lets the job's CUDA calls through while we pin (fact `pinning-holds-job-calls`).
       if (pinned > 0) std::this_thread::sleep_for(kPinBreak);
       pin(d, chunk);
@@ -291,7 +293,7 @@ HostStagingLayout host_staging_layout() {
   return layout;
 }
 
-std::size_t release_host_staging() {
+std::size_t release_host_staging(bool keep_driver_made) {
   std::lock_guard<std::mutex> guard(staging.mutex);
   refuse_while_staged("cannot release host staging");
   staging.stashed.clear();
@@ -310,14 +312,27 @@ std::size_t release_host_staging() {
     ::madvise(staging.chunks[i].host, staging.chunks[i].size, MADV_DONTNEED);
   }
   std::size_t released = 0;
-  staging.chunks.clear();
-  while (!staging.extents.empty()) {
-    const Extent &extent = staging.extents.back();
+  std::vector<Extent> kept;
+  std::vector<std::size_t> kept_as(staging.extents.size(), SIZE_MAX);
+  for (std::size_t k = 0; k < staging.extents.size(); ++k) {
+    const Extent &extent = staging.extents[k];
+    if (keep_driver_made && extent.driver_made) {
+      kept_as[k] = kept.size();
+      kept.push_back(extent);
+      continue;
+    }
     if (!extent.driver_made) ::munmap(extent.base, extent.size);
     ::close(extent.fd);  // the copier's mapping (or fd), if any, keeps the memory until it lets go
     released += extent.size;
-    staging.extents.pop_back();
   }
+  std::vector<Chunk> kept_chunks;
+  for (Chunk chunk : staging.chunks) {
+    if (kept_as[chunk.extent] == SIZE_MAX) continue;
+    chunk.extent = kept_as[chunk.extent];
+    kept_chunks.push_back(chunk);
+  }
+  staging.extents = std::move(kept);
+  staging.chunks = std::move(kept_chunks);
   return released;
 }
 

@@ -30,7 +30,8 @@ void populate_host_pages(const std::vector<std::pair<char *, std::size_t>> &rang
 
 // Makes the staging hold at least `bytes`, all of it pinned, ahead of a pause: maps and touches
 // what is missing (several threads, huge pages where the kernel gives them) and registers every
-// chunk with `device`'s context. Takes seconds for tens of GiB, never the registry lock, so the
+// chunk with `device`'s context (host memory the driver made, pinned by nature, is left unmapped:
+// the copies map it while they run). Takes seconds for tens of GiB, never the registry lock, so the
 // job keeps training meanwhile. Returns the bytes pinned by this call. On failure nothing stays
 // pinned. Throws std::runtime_error while segments are staged.
 // With `pin_here` false it only maps: the copier process touches and pins instead (host_copier.h).
@@ -58,9 +59,10 @@ std::size_t restore_segments_from_host(int device = -1);
 // holds their bytes, for the next restore_segments_from_host or restore order. Returns how many.
 std::size_t restage_released_segments();
 
-// Unpins and unmaps the staging; returns the bytes given back. Throws std::runtime_error while
-// it holds segments not restored.
-std::size_t release_host_staging();
+// Unpins and unmaps the staging; returns the bytes given back. `keep_driver_made`: the host memory
+// the driver made stays (a staging kept in part within the pinned budget, whose memfds made at the
+// safe point go). Throws std::runtime_error while it holds segments not restored.
+std::size_t release_host_staging(bool keep_driver_made = false);
 
 // ---- The same moves with the copies run by the copier process --------------------------------
 // The staging is memfds (extents) the copier maps too. An order lists the segments as exported

@@ -697,6 +697,8 @@ static int physical_by_uuid(const CUuuid *uuid) {
 
 /* ------------------------------------------------------------------ VMM memory (state) */
 
+#define HOST_MEMFD_NAME "fake_cuda_vmm_host"
+
 /* Memory made by cuMemCreate is a memfd of its size living on one physical GPU; a reservation is
  * a PROT_NONE range of host address space; cuMemMap maps the memfd there (MAP_SHARED|MAP_FIXED),
  * with no access until cuMemSetAccess; an exported handle is a dup of the memfd. So the bytes
@@ -1664,7 +1666,8 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CU
   }
   const int slot = FREE_SLOT(vmm.allocs);
   if (slot < 0) return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, -1);
-  const int fd = memfd_create("fake_cuda_vmm", MFD_CLOEXEC);
+  /* The name tells a process importing the fd where the memory lives (adopt_foreign). */
+  const int fd = memfd_create(on_host ? HOST_MEMFD_NAME : "fake_cuda_vmm", MFD_CLOEXEC);
   if (fd < 0) return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, -1);
   struct stat st;
   if (ftruncate(fd, (off_t)size) != 0 || fstat(fd, &st) != 0) {
@@ -1912,6 +1915,16 @@ CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGenericAllocat
 /* An fd from another process (the copier imports the job's segments): a memfd of a granularity
  * multiple becomes an allocation of its own here, on the GPU of the current context, counted for
  * the process that made it. -1 if the fd is no such memfd. */
+/* Whether the memfd behind `fd` is host memory (cuMemCreate on a host NUMA node, in any process). */
+static int host_memfd(int fd) {
+  char link[64], target[128];
+  snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+  const ssize_t n = readlink(link, target, sizeof target - 1);
+  if (n <= 0) return 0;
+  target[n] = '\0';
+  return strstr(target, "memfd:" HOST_MEMFD_NAME " ") != NULL;
+}
+
 static int adopt_foreign(int fd) {
   struct stat st;
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size <= 0 || (size_t)st.st_size % VMM_GRANULARITY != 0) {
@@ -1924,8 +1937,10 @@ static int adopt_foreign(int fd) {
   struct vmm_alloc *a = &vmm.allocs[slot];
   /* Not exportable: an allocation imported from another process cannot be exported again (fact
    * `exported-fd-survives-checkpoint`, its holder mode: CUDA_ERROR_INVALID_VALUE). */
-  *a = (struct vmm_alloc){1, own, st.st_dev, st.st_ino, (size_t)st.st_size, fake.placement[current_context], -1, 0, 0, 0, 1,
-                          0, CU_MEM_LOCATION_TYPE_DEVICE, current_context};
+  const int on_host = host_memfd(fd);
+  *a = (struct vmm_alloc){1, own, st.st_dev, st.st_ino, (size_t)st.st_size, on_host ? -1 : fake.placement[current_context],
+                          -1, 0, 0, 0, 1, 0, on_host ? CU_MEM_LOCATION_TYPE_HOST_NUMA : CU_MEM_LOCATION_TYPE_DEVICE,
+                          on_host ? 0 : current_context};
   return slot;
 }
 

@@ -639,11 +639,13 @@ class FakeDriver:
             lib.cuCtxSetCurrent(previous)
             lib.cuDevicePrimaryCtxRelease(device)
 
-    def cumem_mapping(self, size: int, *, on_host: bool = True) -> Callable[[], None]:
+    def cumem_mapping(self, size: int, *, on_host: bool = True, made_elsewhere: bool = False) -> Callable[[], None]:
         """``size`` bytes (a multiple of ``granularity``) of cuMem memory on host NUMA node 0 (or,
         ``on_host=False``, on device 0), mapped and open to device 0: on the host, as NCCL makes its
-        shared host memory unless NCCL_CUMEM_HOST_ENABLE=0 (fact `cumem-host-memory-unrestorable`). Returns what
-        frees it again (unmap, release, give the range back); its ``address`` is where it is mapped."""
+        shared host memory unless NCCL_CUMEM_HOST_ENABLE=0 (fact `cumem-host-memory-unrestorable`).
+        ``made_elsewhere``: made by another process, which exports it as an fd and exits, and imported
+        here (as the copier makes host memory for the job). Returns what frees it again (unmap,
+        release, give the range back); its ``address`` is where it is mapped."""
         lib = self.library
         u64 = ctypes.c_uint64
         where = _Location(type=CU_MEM_LOCATION_TYPE_HOST_NUMA if on_host else 1, id=0)
@@ -660,7 +662,14 @@ class FakeDriver:
             self._check(getattr(lib, name)(*args), name)
 
         try:
-            call("cuMemCreate", ctypes.byref(handle), length, ctypes.byref(prop), u64(0))
+            if made_elsewhere:
+                fd = self._made_in_a_child(size, on_host)
+                try:
+                    call("cuMemImportFromShareableHandle", ctypes.byref(handle), ctypes.c_void_p(fd), 1)
+                finally:
+                    os.close(fd)
+            else:
+                call("cuMemCreate", ctypes.byref(handle), length, ctypes.byref(prop), u64(0))
             call("cuMemAddressReserve", ctypes.byref(address), length, zero, u64(0), u64(0))
             call("cuMemMap", address, length, zero, handle, u64(0))
             call("cuMemSetAccess", address, length, ctypes.byref(access), ctypes.c_size_t(1))
@@ -679,6 +688,34 @@ class FakeDriver:
 
         free.address = address.value  # type: ignore[attr-defined]
         return free
+
+    def _made_in_a_child(self, size: int, on_host: bool) -> int:
+        """An fd (POSIX, exported) of ``size`` bytes of cuMem memory a child process made on the host
+        (or device 0) with this fake and then exited."""
+        import socket
+
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        child = f"""
+import ctypes, os, socket, sys
+sys.path.insert(0, {str(Path(__file__).resolve().parent)!r})
+from fake_driver import _AllocationProp, _Location
+lib = ctypes.CDLL(os.environ["FLEXIUM_LIBCUDA"])
+ctx, handle, fd = ctypes.c_void_p(), ctypes.c_ulonglong(), ctypes.c_int(-1)
+prop = _AllocationProp(type=1, location=_Location(type={CU_MEM_LOCATION_TYPE_HOST_NUMA if on_host else 1}, id=0))
+prop.requestedHandleTypes = 1
+for rc in (lib.cuInit(0), lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0), lib.cuCtxSetCurrent(ctx),
+           lib.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t({size}), ctypes.byref(prop), ctypes.c_uint64(0)),
+           lib.cuMemExportToShareableHandle(ctypes.byref(fd), handle, 1, ctypes.c_uint64(0))):
+    assert rc == 0, rc
+socket.send_fds(socket.socket(fileno={theirs.fileno()}), [b"fd"], [fd.value])
+"""
+        try:
+            subprocess.run([sys.executable, "-c", child], check=True, timeout=60, pass_fds=(theirs.fileno(),))
+            _message, fds, _flags, _address = socket.recv_fds(ours, 16, 1)
+        finally:
+            ours.close()
+            theirs.close()
+        return fds[0]
 
     def managed_memory(self, size: int) -> Callable[[], None]:
         """``size`` bytes of managed memory (``cuMemAllocManaged``, as bitsandbytes' paged optimizers

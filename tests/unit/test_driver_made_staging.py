@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -200,3 +201,68 @@ def test_a_bad_switch_is_refused_when_the_job_starts(monkeypatch: pytest.MonkeyP
     with pytest.raises(ConfigError, match=r"FLEXIUM_DRIVER_HOST_MEMORY\) is not valid; use true or false"):
         runtime._start(None)  # type: ignore[arg-type]  (refused before the config is read)
     assert runtime.current() is None
+
+
+@pytest.mark.parametrize("why", ["crowded", "copier off"])
+def test_a_pause_that_pins_here_before_its_safe_point_leaves_driver_memory_unmapped(
+    job: Job, kept: Callable[[Job, Any], None], monkeypatch: pytest.MonkeyPatch, why: str
+) -> None:
+    """A pause that finds the staging kept pins it before its safe point; where that pinning runs in the
+    job (the GPU short of room for a copier's context, or the copier off), driver-made memory, pinned by
+    nature, is not mapped ahead: mapped, it would ride the job's checkpoint, which cannot restore it."""
+    engine = job.training(SIZES)
+    kept(job, engine)
+    if why == "crowded":
+        monkeypatch.setattr(path, "copier_room_problem", lambda uuid, coming=0: "the GPU has 700 MiB free")
+    else:
+        monkeypatch.setattr(path, "copier_enabled", lambda: False)
+    paused = engine.pause()
+    assert paused.ok and paused.path == "fast", paused.error
+    assert job.fake.vmm_mappings() == 0 and host_memory_mapped_here() == []
+    resumed = engine.resume()
+    assert resumed.ok and resumed.path == "fast", resumed.error
+    job.assert_home(physical=0, held_by_fds=len(_C.host_staging_layout().extents))
+    assert engine.pause().ok and engine.resume().ok  # and the next pause is not refused
+    job.assert_home(physical=0, held_by_fds=len(_C.host_staging_layout().extents))
+
+
+def test_a_wake_the_copier_refused_does_not_switch_driver_memory_off(
+    job: Job, kept: Callable[[Job, Any], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The keeper wakes the copier without waiting, then asks it to make memory: a refused wake (no
+    context to be had) is the copier failing, whose reply to the making must not be left for the next
+    exchange; the keeper starts another copier and the staging is driver-made all the same."""
+    wake = Copier.wake
+    calls = []
+
+    def refused_first(self: Copier, uuid: str, **kwargs: Any) -> Any:
+        calls.append(uuid)
+        if len(calls) == 1:  # a GPU the copier cannot find: it answers a refusal
+            reply = wake(self, "GPU-00000000-0000-0000-0000-000000000000", **kwargs)
+            self.awake_on = uuid
+            return reply
+        return wake(self, uuid, **kwargs)
+
+    monkeypatch.setattr(Copier, "wake", refused_first)
+    engine = job.training(SIZES)
+    kept(job, engine)
+    assert job.fast is not None and job.fast.driver_memory_refused == ""
+    assert all(_C.host_staging_layout().driver_made)
+    assert engine.pause().ok and engine.resume().ok
+    job.assert_home(physical=0)
+
+
+def test_the_keeper_stops_between_the_pieces_it_makes(job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine's stop waits for the piece under way, not for the whole staging."""
+    monkeypatch.setenv(pinned_budget.ENV, "1GiB")
+    monkeypatch.setattr(kept_staging, "CHECK_S", 0.05)
+    monkeypatch.setattr(path, "DRIVER_MADE_PIECE", 2 * MiB)
+    monkeypatch.setenv("FAKE_CUDA_DELAY", "cuMemCreate:400")  # in the copier's fake: 0.4 s a piece, 7 pieces
+    engine = job.training(SIZES)
+    wait_until(lambda: _C.host_staging_pool_bytes() > 0, what="the keeper's first piece")
+    keeper = engine._keeper
+    assert keeper is not None
+    started = time.perf_counter()
+    keeper.stop()
+    assert time.perf_counter() - started < 1.5  # the whole staging takes 2.8 s
+    assert _C.host_staging_pool_bytes() < 14 * MiB

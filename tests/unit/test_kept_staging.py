@@ -245,8 +245,8 @@ def test_a_staging_larger_than_the_budget_keeps_the_part_it_has_room_for(
     job: Job, budget: Callable[[str], None]
 ) -> None:
     """A pause copies the part kept (host memory the driver made, pinned ahead) at once and streams the
-    rest at its safe point; after the resume the whole staging goes back and the keeper keeps the part
-    again."""
+    rest at its safe point; after the resume what it streamed goes back, and the part stays, claimed, for
+    the keeper to keep ready again without making it anew."""
     budget("8MiB")  # of the 14 MiB a pause needs: more than a quarter
     engine = job.training([2 * MiB, 4 * MiB, 6 * MiB])
     keeper = engine._keeper
@@ -258,7 +258,8 @@ def test_a_staging_larger_than_the_budget_keeps_the_part_it_has_room_for(
     ), keeper.note
     assert job.fast is not None and job.fast.keeping and job.fast.kept_in_part
     assert _C.host_staging_pool_bytes() == 8 * MiB and ledger()[os.getpid()]["bytes"] == 8 * MiB
-    assert all(_C.host_staging_layout().driver_made)
+    part = _C.host_staging_layout()
+    assert all(part.driver_made)
     pinned_ahead(job, engine)
     paused = engine.pause()
     assert paused.ok and paused.path == "fast", paused.error
@@ -280,6 +281,7 @@ def test_a_staging_larger_than_the_budget_keeps_the_part_it_has_room_for(
         lambda: job.fast is not None and job.fast.keeping and _C.host_staging_pool_bytes() == 8 * MiB,
         what="the keeper to keep the part again",
     )
+    assert _C.host_staging_layout().extents == part.extents  # the same memory, its fds kept through the resume
     assert ledger()[os.getpid()]["bytes"] == 8 * MiB
     pinned_ahead(job, engine)
     assert engine.pause().ok and engine.resume().ok

@@ -54,6 +54,19 @@ def test_the_scan_finds_managed_and_host_cumem_memory_and_nothing_else(fake: Fak
     assert fake.vmm_leaks()["handles"] == 0  # every handle the scan retained was released
 
 
+def test_the_scan_finds_host_cumem_memory_another_process_made(fake: FakeDriver) -> None:
+    """As the copier makes host memory for a job's staging: imported and mapped here, it is host memory
+    all the same, which the job must not hold mapped at its checkpoint; device memory made elsewhere is not."""
+    on_host = fake.cumem_mapping(SIZE, made_elsewhere=True)
+    on_device = fake.cumem_mapping(SIZE, on_host=False, made_elsewhere=True)
+    try:
+        assert found() == [(on_host.address, SIZE, "host cuMem", "host NUMA node 0")]  # type: ignore[attr-defined]
+    finally:
+        on_host()
+        on_device()
+    assert found() == []
+
+
 def test_the_fake_checkpoint_refuses_managed_memory_as_the_driver_does(fake: FakeDriver) -> None:
     """fact `managed-memory-refused`, as the fake models it: what the refusal below keeps jobs from."""
     free = fake.managed_memory(SIZE)

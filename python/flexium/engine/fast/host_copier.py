@@ -228,9 +228,7 @@ class Copier:
         timeout = START_TIMEOUT_S + nbytes / MAKING_BYTES_PER_S
         with self._turn(timeout):
             self._send({"op": "make_host", "bytes": nbytes, "piece": piece})
-            while self._unread:
-                self._read_unread(timeout)
-            reply, fds = self._reply_with_fds("make_host", timeout)
+            reply, fds = self._own_reply("make_host", timeout)
         sizes = [int(size) for size in reply.get("sizes", [])]
         if len(sizes) != len(fds):
             close_all(fds)
@@ -298,12 +296,7 @@ class Copier:
             return self._filled(timeout)
 
     def _filled(self, timeout: float) -> Filled:
-        refused: CopierRefused | None = None  # a request before it (the wake) failed: the fill's reply still comes
-        while self._unread and self._unread[0] != "fill":
-            try:
-                self._read_unread(timeout)
-            except CopierRefused as exc:
-                refused = refused or exc
+        refused = self._read_owed(timeout, stop_at="fill")  # the wake before it failed: the fill's reply still comes
         if not self._unread:
             raise refused or CopierError("no fill was ordered")
         self._unread.pop(0)
@@ -411,9 +404,36 @@ class Copier:
     def _exchange(self, message: dict[str, Any], fds: Sequence[int] = (), *, timeout: float) -> dict[str, Any]:
         with self._turn(timeout):
             self._send(message, fds)
-            while self._unread:
+            reply, reply_fds = self._own_reply(str(message["op"]), timeout)
+            close_all(reply_fds)
+            return reply
+
+    def _read_owed(self, timeout: float, stop_at: str | None = None) -> CopierRefused | None:
+        """Reads the replies owed for requests sent without waiting (up to `stop_at`'s), all of them even
+        when one was a refusal; the first refusal."""
+        refused: CopierRefused | None = None
+        while self._unread and self._unread[0] != stop_at:
+            try:
                 self._read_unread(timeout)
-            return self._reply(str(message["op"]), timeout)
+            except CopierRefused as exc:
+                refused = refused or exc
+        return refused
+
+    def _own_reply(self, what: str, timeout: float) -> tuple[dict[str, Any], list[int]]:
+        """The reply to the request just sent, read after those owed before it, so that none is left for
+        the next exchange to take as its own. A refusal among those owed (a wake that took no context)
+        means the copier is not in the state the request assumed: a CopierError, not a refusal of it."""
+        refused = self._read_owed(timeout)
+        try:
+            reply, fds = self._reply_with_fds(what, timeout)
+        except CopierRefused:
+            if refused is None:
+                raise
+            reply, fds = {}, []
+        if refused is not None:
+            close_all(fds)
+            raise CopierError(f"the copier failed before '{what}': {refused}") from refused
+        return reply, fds
 
     def _read_unread(self, timeout: float) -> dict[str, Any]:
         if not self._unread:

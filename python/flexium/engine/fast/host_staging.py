@@ -116,8 +116,8 @@ def copier_room_problem(uuid: str, coming: int = 0) -> str | None:
     )
 
 
-def release_host_staging() -> None:
+def release_host_staging(keep_driver_made: bool = False) -> None:
     try:
-        _C.release_host_staging()
+        _C.release_host_staging(keep_driver_made=keep_driver_made)
     except Exception as exc:  # the next pause reuses what is left; nothing is lost
         log.warning("could not give the host staging back: %s: %s", type(exc).__name__, exc)

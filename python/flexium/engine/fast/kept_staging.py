@@ -107,11 +107,15 @@ class StagingKeeper:
         if pool == self._kept_for_pool and self._fast.kept_on(uuid):
             self._follow_pinning(uuid)
             return
-        note = self._fast.keep_ready(logical, uuid, keep_going=self._ready)
+        note = self._fast.keep_ready(logical, uuid, keep_going=self._keep_going)
         if note is not None:
             self._say(note)
         if self._fast.kept_on(uuid):
             self._kept_for_pool = pool
+
+    def _keep_going(self) -> bool:
+        """Whether the keeper's making may go on: not once it is stopped (the engine's stop waits for it)."""
+        return not self._stop.is_set() and self._ready()
 
     def _follow_pinning(self, uuid: str) -> None:
         """The copier pins the kept staging in the background, after the keeper made it or a resume

@@ -176,7 +176,8 @@ class FastPath(DeviceMoves):
 
         if not copier_enabled():
             return here(DISABLE_NOTE)
-        crowded = copier_room_problem(uuid)
+        # A copier awake on the GPU has its context there already: the room it needs is taken.
+        crowded = None if self._copier_awake_on(uuid) else copier_room_problem(uuid)
         if crowded is not None:
             return here(crowded)
         phases: list[str] = []
@@ -424,11 +425,14 @@ class FastPath(DeviceMoves):
 
     def done_with_host(self) -> None:
         """After a pause ended (resumed, rolled back or called off): the staging stays for the
-        next pause when the pinned host memory budget lets this job keep it, else goes back."""
+        next pause when the pinned host memory budget lets this job keep it, else goes back; one
+        kept in part keeps that part (its driver-made host memory, still claimed), for the keeper
+        to keep ready again without making it anew, and gives back what the pause made."""
         with self._host_lock:
             uuid = self._copier.awake_on if self._copier is not None else None
-            if not self._try_keep(uuid or ""):
-                self.release_host_later()
+            if self._try_keep(uuid or ""):
+                return
+            self.release_host_later(keep_driver_made=bool(self.kept_in_part))
 
     def _try_keep(self, uuid: str) -> bool:
         """Whether the staging may stay between pauses (claimed in the pinned host memory budget)."""
@@ -438,16 +442,22 @@ class FastPath(DeviceMoves):
             self.kept_in_part = ""
         return self.keeping
 
-    def release_host_later(self) -> None:
+    def release_host_later(self, *, keep_driver_made: bool = False) -> None:
         """Gives the staging's host memory back in a background thread (unmapping tens of GiB
         takes a second the resumed job need not wait for); the copier unmaps it too and stays,
         asleep, for the next pause, which maps and touches the staging again before its safe
-        point. Not a daemon: the interpreter waits for it at exit, as a daemon thread ended
+        point. `keep_driver_made`: the driver-made host memory stays, and its claim in the pinned
+        budget. Not a daemon: the interpreter waits for it at exit, as a daemon thread ended
         inside the native call would abort the process."""
         self._wait_for_release()
-        self._stop_keeping()
+        if keep_driver_made:
+            self.keeping = False  # the copier lets go of it: the keeper keeps it ready again
+        else:
+            self._stop_keeping()
         copier = self._copier
-        thread = threading.Thread(target=self._release_host, args=(copier,), name="flexium-host-staging-release")
+        thread = threading.Thread(
+            target=self._release_host, args=(copier, keep_driver_made), name="flexium-host-staging-release"
+        )
         self._releasing = thread
         thread.start()
 
@@ -498,8 +508,11 @@ class FastPath(DeviceMoves):
                     self.release_host_later()
                 return f"the staging for a pause is prepared when one is asked for: {in_part}"
             making = self._copier_to_make(keep - held, uuid)
-        if making is not None:
-            self._make_driver_memory(making, keep - held, keep_going)
+        if making is not None and not self._make_driver_memory(making, keep - held, keep_going):
+            with self._host_lock:
+                if not self.keeping:
+                    pinned_budget.release()  # claimed for memory not made: the next look claims again
+            return "nothing is kept pinned for a pause for now: the copier process failed making host memory"
         with self._host_lock:
             if self.host_waiting() > 0 or not keep_going():
                 return None
@@ -552,6 +565,7 @@ class FastPath(DeviceMoves):
             log.debug("the staging kept for pauses is memfds: too few files left for %d pieces of host memory", pieces)
             return None
         try:
+            self._wait_for_release()  # a staging going back must be gone before the copier is attached again
             self._wait_for_start()
             copier, _started_now = self._live_copier()
             copier.attach(_C.host_staging_layout())
@@ -562,10 +576,11 @@ class FastPath(DeviceMoves):
             return None
         return copier
 
-    def _make_driver_memory(self, copier: Copier, missing: int, keep_going: Callable[[], bool]) -> None:
+    def _make_driver_memory(self, copier: Copier, missing: int, keep_going: Callable[[], bool]) -> bool:
         """Adds `missing` bytes of host memory made by the driver in `copier` to the staging, a piece per
         exchange, the staging's lock held only while each is added: a pause that comes meanwhile waits
-        for one piece at most, and streams what is not made yet."""
+        for one piece at most, and streams what is not made yet. False when the copier failed (it is
+        stopped): the keeper's next look makes the rest with another, rather than memfds now."""
         made = 0
         while made < missing and keep_going():
             try:
@@ -573,23 +588,24 @@ class FastPath(DeviceMoves):
             except CopierRefused as exc:
                 self.driver_memory_refused = str(exc)
                 log.info("the staging kept for pauses is memfds the copier pins: %s", exc)
-                return
+                return True
             except CopierError as exc:
                 with self._host_lock:
                     if self._copier is copier:
                         self._drop_copier(f"it failed making host memory: {exc}", copies_here=False)
-                return
+                return False
             with self._host_lock:
                 if self.host_waiting() > 0 or not keep_going() or self._copier is not copier:
                     close_all([fd for fd, _size in pieces])
-                    return
+                    return True
                 try:
                     _C.adopt_host_memory(pieces)  # the fds are the staging's now, closed by it on failure too
                 except (RuntimeError, ValueError) as exc:
                     log.debug("host memory the copier made was not added to the staging: %s", exc)
-                    return
+                    return True
             made += sum(size for _fd, size in pieces)
             time.sleep(PIN_PAUSE_MS / 1000)  # a pause waiting for the lock takes it now
+        return True
 
     def kept_pinning(self, uuid: str) -> PinnedAhead | None:
         """How far the copier has pinned the staging it keeps on the GPU `uuid`; None when none is
@@ -614,8 +630,8 @@ class FastPath(DeviceMoves):
 
     def give_back_kept(self) -> None:
         """The staging kept between pauses goes back (nothing of a pause is under way)."""
-        with self._host_lock:
-            if self.keeping and self.host_waiting() == 0:
+        with self._host_lock:  # kept, or kept in part and let go of by the copier after a resume
+            if (self.keeping or self.kept_in_part) and self.host_waiting() == 0:
                 self.release_host_later()
 
     def kept_on(self, uuid: str) -> bool:
@@ -630,7 +646,7 @@ class FastPath(DeviceMoves):
         pinned_budget.release()
         self.keeping, self.kept_in_part = False, ""
 
-    def _release_host(self, copier: Copier | None) -> None:
+    def _release_host(self, copier: Copier | None, keep_driver_made: bool = False) -> None:
         if copier is not None:
             try:
                 copier.detach()
@@ -639,7 +655,7 @@ class FastPath(DeviceMoves):
                 copier.kill()
                 if self._copier is copier:
                     self._copier = None
-        release_host_staging()
+        release_host_staging(keep_driver_made)
 
     def _wait_for_release(self) -> None:
         if self._releasing is not None:
