@@ -47,7 +47,9 @@ pauses; the fast migrations' are shown beside them. With --staging-ways, per siz
 pause and resume with nothing kept pinned (FLEXIUM_PINNED_HOST_MEMORY=0) and with --kept-budget
 (their rows marked "@budget"; the downtime goals leave them out), a third with --kept-budget pauses
 only once its keeper keeps the staging (its kept rows "ahead": made by the keeper, as a job that has
-trained a while finds it), and the summary "What a pause and
+trained a while finds it), a fourth the same with the default budget where that cannot hold the whole
+staging (its rows "share": the part the budget has room for kept, the rest made at the safe point),
+and the summary "What a pause and
 its resume give" shows, per size and staging way, the time to a free GPU and the resume's
 operation, each beside its floor (floor_seconds: the bytes at this run's measured copy rate plus the
 bare context's checkpoint or restore).
@@ -564,6 +566,8 @@ def staging_of(result: dict[str, Any]) -> str:
     ahead or grown since ("part": it streamed the rest at its safe point), or made it after the
     request ("made": at its safe point when none was kept). The notes are the engine's (fast_pause.py)."""
     for note in result.get("notes", []):
+        if note.startswith("the staging kept for pauses holds "):  # all the pinned budget has room for
+            return "share"
         if note.startswith("the staging kept for pauses "):
             return "part"
         if note.startswith("made the host staging "):
@@ -573,6 +577,15 @@ def staging_of(result: dict[str, Any]) -> str:
             # A kept staging may have grown a little with the pool since (fact `growing-staging-keeps-pins`).
             return "made" if float(match.group(2)) > float(match.group(1)) / 2 else "kept"
     return "kept"
+
+
+def default_budget_holds(size_gb: float) -> bool:
+    """Whether the pinned host memory budget the jobs get here (this environment's, else the default) holds
+    a pause's staging for a job of `size_gb` GiB (the pool and a sixteenth, as FastPath.host_bytes_wanted
+    asks at most)."""
+    from flexium.engine.fast import pinned_budget
+
+    return size_gb * GIB * 17 / 16 <= pinned_budget.budget().bytes
 
 
 def newly_pinned_of(result: dict[str, Any]) -> float:
@@ -763,6 +776,7 @@ STAGING_WAYS = {
     "ahead": "staging kept, made ahead by the keeper",
     "kept": "staging kept",
     "part": "staging kept in part",
+    "share": "staging kept in part, the pinned budget's share, the rest made at the safe point",
     "made": "staging not kept",
 }
 
@@ -1017,6 +1031,10 @@ def main() -> int:
                 keeper_first=True,
             )
             record(run, size, budget=args.kept_budget, ahead="keeper")
+            if not default_budget_holds(size):
+                log(f"-- {label}: pool job paused once its keeper kept the default budget's share of its staging")
+                run = run_pause_job(f"{label} pool job, kept in part by its keeper", size, args, keeper_first=True)
+                record(run, size, budget="default", ahead="keeper")
 
         if not migrate:
             continue  # the hand-written move needs a second GPU

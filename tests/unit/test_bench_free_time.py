@@ -10,6 +10,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 
 import migrate  # noqa: E402
@@ -188,3 +190,23 @@ def test_the_job_whose_keeper_makes_its_staging_first_waits_for_it_before_its_fi
     plan = migrate.pool_plan(False, with_migrate=False, keeper_first=True)
     assert plan == ["30:kept", "+0:pause@fast", "+0:resume", "+100:pause@fast", "+0:resume"]
     assert migrate.pool_plan(False, with_migrate=False) == ["30:pause@fast", *plan[2:]]
+
+
+def test_a_pause_that_found_the_budgets_share_kept_is_its_own_way() -> None:
+    share = (
+        "the staging kept for pauses holds 31.5 GiB, pinned, of the 68.9 GiB the pool needs (only that part is kept, "
+        "as its 68.9 GiB exceed flexium's pinned host memory budget of 31.5 GiB (FLEXIUM_PINNED_HOST_MEMORY=25%, the "
+        "default)): it is copied at once, and the rest mapped and pinned as the copies reach it, at the safe point"
+    )
+    assert migrate.staging_of({"notes": [share, MADE, "fast path: copied 64.00 GiB"]}) == "share"
+    rows = migrate.rows_of(64.0, pool_job(64.0, [("pause", "fast", [share, MADE], None), ("resume", "fast", [], 1.9)]))
+    for row in rows:
+        row.update(budget="default", ahead="keeper")
+    migrate.add_ratios(rows, BANDWIDTH, FIXED)
+    ways = {w["staging"]: w for w in migrate.staging_ways(rows)}
+    assert set(ways) == {"share"} and ways["share"]["resume_runs"] == [1.9]
+
+
+def test_the_budgets_share_is_run_where_the_budget_cannot_hold_the_staging(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("FLEXIUM_PINNED_HOST_MEMORY", "32GiB")
+    assert migrate.default_budget_holds(16.0) and not migrate.default_budget_holds(64.0)
