@@ -394,12 +394,12 @@ class Copier:
             self._talking.release()
 
     def _send(self, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
-        with self._turn(START_TIMEOUT_S):
-            try:
-                self._sock.settimeout(START_TIMEOUT_S)
-                send(self._sock, message, fds)
-            except OSError as exc:
-                raise CopierError(f"could not send '{message['op']}' to the copier: {exc}") from exc
+        """Within the caller's turn (_turn), which its reply belongs to."""
+        try:
+            self._sock.settimeout(START_TIMEOUT_S)
+            send(self._sock, message, fds)
+        except OSError as exc:
+            raise CopierError(f"could not send '{message['op']}' to the copier: {exc}") from exc
 
     def _exchange(self, message: dict[str, Any], fds: Sequence[int] = (), *, timeout: float) -> dict[str, Any]:
         with self._turn(timeout):
