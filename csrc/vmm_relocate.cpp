@@ -213,6 +213,7 @@ std::size_t release_source_backing(int source, const SegmentFilter &only) {
         FLEXIUM_CU_CALL(d, cuMemRelease, segment->handle);
         segment->has_handle = false;
       }
+      segment->imported = false;  // no memory behind it now: whatever comes next is made or imported anew
       if (backed) ++released;
     }
   }

@@ -13,6 +13,7 @@ import ctypes
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -25,7 +26,9 @@ torch = pytest.importorskip("torch")
 
 from flexium import _C  # noqa: E402
 from flexium.engine import EngineState, host_memory  # noqa: E402
-from flexium.engine.fast import kept_staging, pinned_budget  # noqa: E402
+from flexium.engine.fast import kept_staging, path, pinned_budget  # noqa: E402
+from flexium.engine.fast.host_copier import Copier  # noqa: E402
+from flexium.engine.fast.host_staging import DRIVER_MEMORY_ENV  # noqa: E402
 from flexium.errors import ConfigError  # noqa: E402
 from support.engine import H200_BYTES, MiB, driver, fake, make_engine, nvml_in_parent, wait_until  # noqa: E402,F401
 from support.fake_driver import FakeDriver  # noqa: E402
@@ -286,6 +289,117 @@ def test_a_staging_larger_than_the_budget_keeps_the_part_it_has_room_for(
     pinned_ahead(job, engine)
     assert engine.pause().ok and engine.resume().ok
     job.assert_home(physical=0)
+
+
+@pytest.fixture
+def part_kept(
+    job: Job, budget: Callable[[str], None], monkeypatch: pytest.MonkeyPatch
+) -> Callable[[], tuple[Any, Any]]:
+    """A job whose keeper keeps 8 of the 14 MiB a pause needs, then stops looking (the tests call keep_ready
+    themselves); the engine, and the staging's layout as kept."""
+
+    def start() -> tuple[Any, Any]:
+        budget("8MiB")
+        engine = job.training([2 * MiB, 4 * MiB, 6 * MiB])
+        keeper = engine._keeper
+        assert keeper is not None
+        wait_until(lambda: (keeper.note or "").startswith("keeps "), what="the keeper to keep part of the staging")
+        keeper.stop()
+        return engine, _C.host_staging_layout()
+
+    return start
+
+
+def claimed() -> int:
+    return int(ledger().get(os.getpid(), {}).get("bytes", 0))
+
+
+def test_a_copier_that_dies_while_the_keeper_makes_leaves_what_it_made_claimed(
+    job: Job, budget: Callable[[str], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    budget("1GiB")
+    monkeypatch.setattr(kept_staging, "CHECK_S", 3600)  # the keeper never looks: keep_ready is called here
+    monkeypatch.setattr(path, "DRIVER_MADE_PIECE", 2 * MiB)
+    make = Copier.make_host
+    calls: list[int] = []
+
+    def dies_at_the_second(self: Copier, nbytes: int, piece: int) -> Any:
+        calls.append(nbytes)
+        if len(calls) == 2:
+            os.kill(self.pid, signal.SIGKILL)  # as the allocator kills it for the job's GPU memory
+            time.sleep(0.2)
+        return make(self, nbytes, piece)
+
+    monkeypatch.setattr(Copier, "make_host", dies_at_the_second)
+    engine = job.training([2 * MiB, 4 * MiB, 6 * MiB])
+    assert job.fast is not None
+    note = job.fast.keep_ready(0, engine.gpus[0].uuid)
+    assert note is not None and note.startswith("the copier process failed making host memory for a pause"), note
+    assert _C.host_staging_pool_bytes() == 2 * MiB and claimed() == 2 * MiB  # the piece made is held, and claimed
+    assert engine.pause().ok and engine.resume().ok
+    job.assert_home(physical=0)
+
+
+def test_a_keeper_look_while_a_resume_gives_back_what_it_made_keeps_the_part(
+    job: Job, part_kept: Callable[[], tuple[Any, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine, part = part_kept()
+    pinned_ahead(job, engine)
+    assert engine.pause().ok
+    detach = Copier.detach
+
+    def slow_detach(self: Copier) -> None:
+        time.sleep(1.0)  # as the copier unmaps tens of GiB
+        detach(self)
+
+    monkeypatch.setattr(Copier, "detach", slow_detach)
+    assert engine.resume().ok
+    assert job.fast is not None
+    note = job.fast.keep_ready(0, engine.gpus[0].uuid)  # the keeper's next look, the release still under way
+    assert note is not None and note.startswith("pins "), note
+    assert _C.host_staging_layout().extents == part.extents and claimed() == 8 * MiB
+
+
+def test_a_part_of_memfds_kept_through_a_resume_is_not_claimed_when_it_goes(
+    job: Job, part_kept: Callable[[], tuple[Any, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Kept memfds (driver-made memory off) are given back with what the pause made; the claim goes too, and a
+    crowded GPU gives back a part no copier can keep."""
+    monkeypatch.setenv(DRIVER_MEMORY_ENV, "0")
+    engine, part = part_kept()
+    assert not any(part.driver_made)
+    assert engine.pause().ok and engine.resume().ok
+    assert job.fast is not None
+    job.fast._wait_for_release()
+    assert _C.host_staging_pool_bytes() == 0 and claimed() == 0
+    job.assert_home(physical=0)
+
+
+def test_a_crowded_gpu_gives_back_the_part_kept_through_a_resume(
+    job: Job, part_kept: Callable[[], tuple[Any, Any]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine, part = part_kept()
+    pinned_ahead(job, engine)
+    assert engine.pause().ok and engine.resume().ok
+    assert job.fast is not None
+    job.fast._wait_for_release()
+    assert _C.host_staging_layout().extents == part.extents and claimed() == 8 * MiB
+    monkeypatch.setattr(path, "copier_room_problem", lambda uuid, coming=0: "the GPU has 300 MiB free")
+    note = job.fast.keep_ready(0, engine.gpus[0].uuid)
+    assert note == "nothing is kept pinned for a pause for now: the GPU has 300 MiB free"
+    job.fast._wait_for_release()
+    assert _C.host_staging_pool_bytes() == 0 and claimed() == 0
+
+
+def test_a_pause_called_off_keeps_the_staging_kept_in_part(job: Job, part_kept: Callable[[], tuple[Any, Any]]) -> None:
+    engine, part = part_kept()
+    assert job.fast is not None
+    job.fast.done_with_host()  # as after a pause called off before its safe point (its ranks did not agree)
+    assert job.fast.kept_in_part and claimed() == 8 * MiB
+    pinned_ahead(job, engine)
+    assert engine.pause().ok and engine.resume().ok
+    job.fast._wait_for_release()
+    assert _C.host_staging_layout().extents == part.extents  # the part stayed through the resume
 
 
 def test_a_job_whose_pause_would_be_refused_keeps_nothing_pinned_until_it_could_pause(

@@ -19,6 +19,7 @@ torch = pytest.importorskip("torch")
 
 from flexium import _C  # noqa: E402
 from flexium.engine import EngineState  # noqa: E402
+from flexium.engine.fast import kept_staging, pinned_budget  # noqa: E402
 from flexium.engine.fast.resume_overlap import Overlap  # noqa: E402
 from support.engine import (  # noqa: E402,F401  (fixtures)
     MiB,
@@ -238,6 +239,78 @@ def test_bytes_the_fill_got_wrong_are_copied_back_again(job: Job, monkeypatch: p
     assert names(resumed) == ["restore", "unlock", "copy_back", "verify", "release", "copy_back", "verify"]
     assert overlap_note(resumed).startswith(BESIDE)
     owned_again(job)
+    job.assert_home(physical=0)
+
+
+def test_a_fill_mapped_in_part_then_short_of_room_leaves_the_job_paused_and_resumable(job: Job) -> None:
+    """The job maps the copier's memory for one segment, fails on the next, and the copy back of the rest
+    finds no room: what came back goes back to the staging (imported memory could not ride the
+    checkpoint), and the job, paused again, resumes whole."""
+    engine = job.training(SIZES)
+    assert engine.pause().ok
+    job.fake.fail("cuMemMap", CUDA_ERROR_UNKNOWN, 2)  # the job maps the copier's first segment, not the second
+    job.fake.fail("cuMemCreate", "CUDA_ERROR_OUT_OF_MEMORY", 0)  # and the copy back of the rest finds no room
+    resumed = failure(lambda: engine.resume(target=engine.gpus[1])).result
+    assert not resumed.ok and "another process took memory on" in str(resumed.error), resumed.error
+    assert engine.state == EngineState.PAUSED and job.fake.state() == ProcessState.CHECKPOINTED
+    assert _C.vmm_imported_count() == 0 and _C.host_staged_segments() == len(SIZES)
+    job.fake.clear_failures()
+    again = engine.resume()
+    assert again.ok, again.error
+    job.assert_home(physical=1)
+
+
+def test_a_job_paused_again_leaves_no_copier_awake_on_its_gpu(job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Bytes that do not check out twice pause the job again: a copier that stayed awake to keep the staging
+    (the budget keeps it) is put to sleep, as after any pause."""
+    monkeypatch.setenv(pinned_budget.ENV, "1GiB")
+    monkeypatch.setattr(kept_staging, "CHECK_S", 3600)  # no keeper look: the resume alone keeps the staging
+    # The copier's second copy to the GPU (the fill's) and its fifth (the copy back after the first mismatch).
+    monkeypatch.setenv("FAKE_CUDA_CORRUPT", "cuMemcpyHtoDAsync:2,cuMemcpyHtoDAsync:5")
+    engine = job.training(SIZES)
+    assert engine.pause().ok
+    resumed = failure(lambda: engine.resume()).result
+    assert not resumed.ok and resumed.failed_step == "verify", resumed.error
+    assert engine.state == EngineState.PAUSED and job.fake.state() == ProcessState.CHECKPOINTED
+    copier = job.fast._copier if job.fast is not None else None
+    assert copier is None or copier.awake_on is None
+    assert _C.gpu_memory_yielder() == 0  # nothing of the paused job's on any GPU
+    monkeypatch.delenv("FAKE_CUDA_CORRUPT")
+    assert engine.resume().ok
+    job.assert_home(physical=0)
+
+
+def test_a_copier_whose_sleep_after_a_fill_fails_is_stopped(job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a restore that failed, the copier's sleep after its fill is read: one that failed (its context
+    still on the GPU) gets the copier stopped, so that the paused job holds nothing on any GPU."""
+    # The copier's first cuStreamDestroy is its sleep after the pause's copy, the second its sleep after the fill.
+    monkeypatch.setenv("FAKE_CUDA_FAIL", f"cuStreamDestroy:{CUDA_ERROR_UNKNOWN}:2")
+    engine = job.training(SIZES)
+    monkeypatch.delenv("FAKE_CUDA_FAIL")
+    assert engine.pause().ok
+    (first,) = copier_processes()
+    job.fake.fail("cuCheckpointProcessRestore", CUDA_ERROR_UNKNOWN)
+    resumed = failure(lambda: engine.resume(target=engine.gpus[1])).result
+    assert not resumed.ok and engine.state == EngineState.PAUSED
+    assert first not in copier_processes()  # stopped: its context went with it
+    job.fake.clear_failures()
+    assert engine.resume(target=engine.gpus[1]).ok
+    job.assert_home(physical=1)
+
+
+def test_a_segment_freed_while_the_job_was_paused_is_not_checked_at_its_resume(job: Job) -> None:
+    """Its free waited for the restore and came while the copy back ran: the rest checks out and the job
+    goes on."""
+    engine = job.training(SIZES)
+    assert engine.pause().ok
+    victim = min(job.contents)
+    job.fake.set_delay_ms("cuMemImportFromShareableHandle", 300)  # the free (after the unlock) lands first
+    freer = threading.Thread(target=lambda: job._free(victim, 0, 0, None))
+    freer.start()
+    resumed = engine.resume()
+    freer.join(10)
+    del job.contents[victim]
+    assert resumed.ok, resumed.error
     job.assert_home(physical=0)
 
 

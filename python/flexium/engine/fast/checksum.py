@@ -68,6 +68,15 @@ class Mismatch:
     found: int | None  # None: the segment is gone from where it landed
 
 
+def of_present(before: Before, segments: set[int]) -> Before:
+    """`before` for the segments at these addresses only (a resume leaves out those freed while the job
+    was paused, whose free waited for the restore)."""
+    return Before(
+        {a: r for a, r in before.live.items() if a in segments},
+        {a: v for a, v in before.sums.items() if a in segments},
+    )
+
+
 def compare(expected: Mapping[int, int], found: Mapping[int, int]) -> list[Mismatch]:
     """The segments whose checksum where they landed is not the one they left with."""
     return [

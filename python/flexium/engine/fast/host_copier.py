@@ -252,7 +252,7 @@ class Copier:
         self, to_host: bool, order: _C.HostOrder, *, then_sleep: bool = True, pin_rest_pause_ms: int = 0
     ) -> dict[str, Any]:
         """Runs one order; with `then_sleep` the copier goes to sleep right after it (its reply read
-        by slept()), else it stays awake with the staging pinned (kept for the next pause), and
+        by asleep()), else it stays awake with the staging pinned (kept for the next pause), and
         pins in the background what the copies did not use, `pin_rest_pause_ms` between chunks."""
         segments = order.segments
         message = {
@@ -332,10 +332,17 @@ class Copier:
         self._exchange({"op": "sleep"}, timeout=START_TIMEOUT_S)
         self.awake_on = None
 
-    def slept(self, timeout: float) -> dict[str, Any]:
-        """Waits until the copier holds nothing on any GPU (after a copy)."""
+    def asleep(self, timeout: float) -> None:
+        """Returns once the copier holds nothing on any GPU: the sleep owed after an order is read, or,
+        awake with none owed (it stayed awake to keep the staging), it is put to sleep now."""
         with self._turn(timeout):
-            return self._read_unread(timeout)
+            if "sleep" in self._unread:
+                refused = self._read_owed(timeout, stop_at="sleep")
+                self._read_unread(timeout)  # the sleep's reply: its failure is the copier's
+                if refused is not None:
+                    raise CopierError(f"the copier failed before its sleep: {refused}") from refused
+            elif self.awake_on is not None:
+                self.sleep()
 
     def detach(self) -> None:
         """Unmaps the staging (its memory goes once the job unmaps it too); the copier stays,

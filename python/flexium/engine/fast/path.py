@@ -324,8 +324,7 @@ class FastPath(DeviceMoves):
                     close_all(copier.filled(filling.order).fds)
                 except CopierRefused:
                     pass
-            if copier.awake_on is not None:
-                copier.sleep()
+            copier.asleep(timeout=10.0)  # the sleep owed after the fill, or one now
         except CopierError as exc:
             self._drop_copier(str(exc))
 
@@ -360,7 +359,7 @@ class FastPath(DeviceMoves):
             if self._copier is None:
                 return
             try:
-                self._copier.slept(timeout=10.0)
+                self._copier.asleep(timeout=10.0)
             except CopierError as exc:
                 self._drop_copier(str(exc))
 
@@ -429,17 +428,20 @@ class FastPath(DeviceMoves):
         kept in part keeps that part (its driver-made host memory, still claimed), for the keeper
         to keep ready again without making it anew, and gives back what the pause made."""
         with self._host_lock:
-            uuid = self._copier.awake_on if self._copier is not None else None
-            if self._try_keep(uuid or ""):
+            uuid = (self._copier.awake_on if self._copier is not None else None) or ""
+            if self._try_keep(uuid):
                 return
-            self.release_host_later(keep_driver_made=bool(self.kept_in_part))
+            layout = _C.host_staging_layout()
+            part = sum(size for (_fd, size), made in zip(layout.extents, layout.driver_made, strict=True) if made)
+            if not self.kept_in_part or part == 0 or pinned_budget.claim(part, uuid) is not None:
+                self.release_host_later()
+                return
+            self.release_host_later(keep_driver_made=True)
 
     def _try_keep(self, uuid: str) -> bool:
         """Whether the staging may stay between pauses (claimed in the pinned host memory budget)."""
         held = int(_C.host_staging_pool_bytes())
         self.keeping = held > 0 and pinned_budget.claim(held, uuid) is None
-        if self.keeping:
-            self.kept_in_part = ""
         return self.keeping
 
     def release_host_later(self, *, keep_driver_made: bool = False) -> None:
@@ -494,6 +496,7 @@ class FastPath(DeviceMoves):
         with self._host_lock:
             if self.host_waiting() > 0:
                 return None
+            self._wait_for_release()  # what a resume gives back must be gone before the staging is counted
             wanted = self.host_bytes_wanted(logical)
             held = int(_C.host_staging_pool_bytes())
             awake = self._copier_awake_on(uuid)
@@ -501,6 +504,8 @@ class FastPath(DeviceMoves):
                 return None
             crowded = None if awake else copier_room_problem(uuid)
             if crowded is not None:
+                if held > 0 and not self.keeping:  # a part kept through a resume, which no copier can keep now
+                    self.release_host_later()
                 return f"nothing is kept pinned for a pause for now: {crowded}"
             keep, in_part = self._claim_kept(wanted, held, uuid)
             if keep == 0:
@@ -511,8 +516,11 @@ class FastPath(DeviceMoves):
         if making is not None and not self._make_driver_memory(making, keep - held, keep_going):
             with self._host_lock:
                 if not self.keeping:
-                    pinned_budget.release()  # claimed for memory not made: the next look claims again
-            return "nothing is kept pinned for a pause for now: the copier process failed making host memory"
+                    self._claim_what_is_held(uuid)
+            return (
+                "the copier process failed making host memory for a pause: what it made is held, and the keeper "
+                "makes the rest with another at its next look"
+            )
         with self._host_lock:
             if self.host_waiting() > 0 or not keep_going():
                 return None
@@ -540,6 +548,15 @@ class FastPath(DeviceMoves):
                 f"(made in {reserved.seconds:.2f} s: {reserved.phases}); a pause that comes meanwhile streams what is "
                 "not pinned yet"
             )
+
+    def _claim_what_is_held(self, uuid: str) -> None:
+        """The pinned budget's claim is what the staging holds now (none for none), where the keeper
+        claimed more than it then made, or a resume kept only part of what was claimed."""
+        held = int(_C.host_staging_pool_bytes())
+        if held == 0:
+            pinned_budget.release()
+        elif pinned_budget.claim(held, uuid) is not None:
+            self.release_host_later()
 
     def _claim_kept(self, wanted: int, held: int, uuid: str) -> tuple[int, str]:
         """The bytes of staging to keep for a pause that needs `wanted` (`held` kept now), claimed in the

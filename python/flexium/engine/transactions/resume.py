@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from functools import partial
 
 from flexium import _C
 from flexium.engine.fast import checksum
@@ -95,6 +96,11 @@ def _bring_back_from_host(ctx: OperationContext, fast: FastPath, draft: ResultDr
         except RelocationError as exc:
             draft.steps.append(exc.timing)
             if _out_of_memory(exc):
+                # What came back (a fill mapped in part, imported memory the checkpoint cannot carry) waits in
+                # the staging again, which still holds it, so that the job is paused with all of it there.
+                failed = _back_to_staging(ctx, fast, draft, str(exc), failed_step=exc.step)
+                if failed is not None:
+                    return failed
                 return _pause_again(ctx, fast, draft, str(exc), _taken_after_room_check(draft, ctx.paused_bytes))
             if attempt == 1:
                 ctx.set_state(EngineState.FAILED)
@@ -107,7 +113,11 @@ def _bring_back_from_host(ctx: OperationContext, fast: FastPath, draft: ResultDr
         if before is None:
             break
         try:
-            draft.steps.append(checksum.verify(before, lambda: checksum.of_segments(ctx.logical, before.live)))
+            # A segment the job freed meanwhile (its free waited for the restore) is not there to check.
+            present = checksum.of_present(
+                before, {int(s.address) for s in _C.vmm_segments() if s.device == ctx.logical}
+            )
+            draft.steps.append(checksum.verify(present, partial(checksum.of_segments, ctx.logical, present.live)))
             break
         except RelocationError as exc:
             draft.steps.append(exc.timing)
@@ -123,16 +133,19 @@ def _bring_back_from_host(ctx: OperationContext, fast: FastPath, draft: ResultDr
     return draft.build(ok=True, notes=notes)
 
 
-def _back_to_staging(ctx: OperationContext, fast: FastPath, draft: ResultDraft, error: str) -> OperationResult | None:
-    """After a copy back whose bytes did not check out: its memory goes and the segments wait in
-    the staging again, which still holds what the job paused with. A result only if that failed."""
+def _back_to_staging(
+    ctx: OperationContext, fast: FastPath, draft: ResultDraft, error: str, failed_step: str = "verify"
+) -> OperationResult | None:
+    """After a copy back whose bytes did not check out, or that found too little room: the memory it
+    made goes and the segments wait in the staging again, which still holds what the job paused
+    with. A result only if that failed."""
     try:
         draft.steps.append(replace(fast.release(ctx.logical), rollback=True))
         _C.restage_released_segments()
     except (RelocationError, RuntimeError) as exc:
         ctx.set_state(EngineState.FAILED)
         return draft.build(
-            failed_step="verify",
+            failed_step=failed_step,
             error=f"{error}; ROLLBACK FAILED: the copy back could not be undone ({exc}); restart the job",
         )
     return None
