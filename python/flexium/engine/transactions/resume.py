@@ -98,7 +98,8 @@ def _bring_back_from_host(ctx: OperationContext, fast: FastPath, draft: ResultDr
             if _out_of_memory(exc):
                 # What came back (a fill mapped in part, imported memory the checkpoint cannot carry) waits in
                 # the staging again, which still holds it, so that the job is paused with all of it there.
-                failed = _back_to_staging(ctx, fast, draft, str(exc), failed_step=exc.step)
+                came_back = any(s.mapped for s in _C.vmm_segments() if s.device == ctx.logical)
+                failed = _back_to_staging(ctx, fast, draft, str(exc), failed_step=exc.step) if came_back else None
                 if failed is not None:
                     return failed
                 return _pause_again(ctx, fast, draft, str(exc), _taken_after_room_check(draft, ctx.paused_bytes))
