@@ -105,7 +105,8 @@ def receive(sock: socket.socket) -> tuple[dict[str, Any], list[int]]:
     fds: list[int] = []
     try:
         while True:
-            body, got, _flags, _addr = socket.recv_fds(sock, FRAME_BYTES + 1, FDS_PER_FRAME)
+            # Close-on-exec from the start: a child forked meanwhile must not hold the memory behind them.
+            body, got, _flags, _addr = socket.recv_fds(sock, FRAME_BYTES + 1, FDS_PER_FRAME, socket.MSG_CMSG_CLOEXEC)
             fds.extend(got)
             if not body:
                 raise ConnectionError("the other side closed the connection")
@@ -446,7 +447,12 @@ class Copier:
         if not self._unread:
             return {}
         what = self._unread.pop(0)
-        reply = self._reply(what, timeout)
+        try:
+            reply = self._reply(what, timeout)
+        except CopierRefused:
+            if what == "wake":
+                self.awake_on = None  # it took no context: the next need wakes it again
+            raise
         if what == "wake":
             self.last_wake = reply
         return reply

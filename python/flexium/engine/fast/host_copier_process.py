@@ -153,7 +153,11 @@ class Server:
         ended = time.monotonic()
         times = copier.last_copy_times  # before the pinner runs again
         if message.get("pin_rest_pause_ms") is not None:
-            copier.pin_rest(int(message["pin_rest_pause_ms"]))
+            try:
+                copier.pin_rest(int(message["pin_rest_pause_ms"]))
+            except BaseException:
+                close_all(fds)  # the reply carrying them is not sent: the memory must not stay held here
+                raise
         return {"bytes": sum(p.length for p in pieces), **times, "started": started, "ended": ended, HANDED_FDS: fds}
 
     def require_attached(self, op: str) -> _C.HostCopier:

@@ -41,7 +41,12 @@ def resume(ctx: OperationContext, plan: MovePlan) -> OperationResult:
     fast = ctx.fast if ctx.fast is not None and ctx.fast.host_waiting() > 0 else None
     if fast is not None:  # pins, and makes the pool's memory, while the restore runs
         fast.wake_for_restore(dest.uuid, coming=ctx.paused_bytes, fill_for=ctx.logical)
-    outcomes = locked_section.run(ctx, locked_section.resume_steps(plan), hold_gil=fast is not None)
+    try:
+        outcomes = locked_section.run(ctx, locked_section.resume_steps(plan), hold_gil=fast is not None)
+    except BaseException:
+        if fast is not None:  # the copier's memory goes with the fill's fds, and the copier lets go of the GPU
+            fast.call_off_fill()
+        raise
     final = locked_section.process_state(ctx)
     succeeded = final == _C.ProcessState.RUNNING and own_restore_succeeded(outcomes)
     if fast is not None and not succeeded:
