@@ -1,19 +1,29 @@
 """The replicas' link over PostgreSQL's LISTEN/NOTIFY (server/replica_link.py), between two links
 on one real database: a message reaches the other replica and not its sender, a burst arrives
 whole and in order in fewer payloads than messages, a message too large for a payload is dropped
-and counted while the rest arrive, and a listener whose connection the database ended
-reconnects, says so, and hears what is sent after."""
+and counted while the rest arrive, a listener whose connection the database ended reconnects,
+says so, and hears what is sent after, and a sender waiting for the others to apply its message
+does not wait for a replica of an older version, which never answers."""
 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from typing import Any
 
 import psycopg
 import pytest
 
-from flexium.server.replica_link import CHANNEL, MAX_PAYLOAD_BYTES, Message, ReplicaLink, conninfo
+from flexium.server.replica_link import (
+    CHANNEL,
+    MAX_PAYLOAD_BYTES,
+    Message,
+    ReplicaLink,
+    connection_name,
+    conninfo,
+    tell_replicas,
+)
 from flexium.server.settings import normalize_database_url
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.parametrize("database_kind", ["postgresql"], indirect=True)]
@@ -102,5 +112,25 @@ def test_a_listener_the_database_disconnected_reconnects_and_hears_what_follows(
         await _until(lambda: b.reconnects == 2 and b.link.listening.is_set(), "b to listen again")
         a.link.send({"kind": "wake", "key": [2, "gpu-2"]})
         await _until(lambda: b.heard == [{"kind": "wake", "key": [2, "gpu-2"]}], "b to hear a after reconnecting")
+
+    _run(database_url, scenario)
+
+
+def test_a_replica_that_never_answers_applied_is_not_waited_for(database_url: str) -> None:
+    """In a rolling upgrade, a replica of a version before ``applied`` listens under the name it had and
+    never answers: a sender waits for the replicas that do, not for its whole timeout."""
+    url = normalize_database_url(database_url)
+
+    async def scenario(a: Replica, b: Replica) -> None:
+        old = connection_name("0a0a0a0a0a0a", "listen")  # the name such a replica gives its listener
+        with psycopg.connect(conninfo(url), autocommit=True, application_name=old) as older:
+            older.execute(f"LISTEN {CHANNEL}")
+            started = time.monotonic()
+            assert await a.link.send_heard({"kind": "revoked", "token": 7}, timeout=5.0)
+            assert await asyncio.to_thread(tell_replicas, url, "flexium token revoke", {"kind": "revoked", "token": 8})
+            assert time.monotonic() - started < 2.0  # b answered both; the older replica was not waited for
+        await _until(
+            lambda: {"kind": "revoked", "token": 8} in [{k: m[k] for k in ("kind", "token")} for m in b.heard], "b"
+        )
 
     _run(database_url, scenario)

@@ -22,7 +22,7 @@ import requests
 
 from flexium import protocol
 from flexium.server import database_admin
-from flexium.server.replica_link import CHANNEL, conninfo
+from flexium.server.replica_link import CHANNEL, LISTEN, conninfo
 from flexium.server.storage import get_workspace, revoke_token
 from support.live_server import wait_until
 from support.replica_apps import EventStream, Replica, auth, two_replicas
@@ -211,7 +211,7 @@ def test_a_replica_whose_link_the_database_cut_listens_again_and_reads_again(
         workspace = a.ctx.db.run(get_workspace, write=False, name="default")
         a.ctx.db.run(revoke_token, write=True, workspace_id=workspace.id, token_id=issued["id"], now=time.time())
         assert b.get("/processes", token=issued["token"]).status_code == 200  # b's cache still trusts it
-        listener = b.ctx.link.connection_name("listen")
+        listener = b.ctx.link.connection_name(LISTEN)
         seen = len(stream.events)
         with psycopg.connect(conninfo(b.ctx.db.url), autocommit=True) as admin:
             ended = admin.execute(

@@ -50,14 +50,21 @@ def conninfo(database_url: str) -> str:
     return make_url(database_url).set(drivername="postgresql").render_as_string(hide_password=False)
 
 
+# The listen connection's role in its name: it also says the replica answers ``applied``, so that a sender
+# waits only for those that do (a replica of a version before them, met in a rolling upgrade, listens as
+# "listen" and is not waited for: it would never answer, and each revocation would wait its whole timeout).
+LISTEN = "listen (answers applied)"
+SEND = "send"
+
+
 def connection_name(replica_id: str, role: str) -> str:
-    """A replica's connection as pg_stat_activity names it; ``role``: listen or send."""
+    """A replica's connection as pg_stat_activity names it; ``role``: LISTEN or SEND."""
     return f"flexium replica {replica_id} {role}"
 
 
 def listening_replicas(conn: psycopg.Connection[Any]) -> set[str]:
-    """The ids of the replicas listening on this database now."""
-    prefix, suffix = connection_name("\0", "listen").split("\0")
+    """The ids of the replicas listening on this database now that answer ``applied``."""
+    prefix, suffix = connection_name("\0", LISTEN).split("\0")
     rows = conn.execute(
         "SELECT application_name FROM pg_stat_activity WHERE datname = current_database() AND application_name LIKE %s",
         (f"{prefix}%{suffix}",),
@@ -170,7 +177,7 @@ class ReplicaLink:
         )
 
     def connection_name(self, role: str) -> str:
-        """``role``: listen or send."""
+        """``role``: LISTEN or SEND."""
         return connection_name(self.replica_id, role)
 
     # --- listening ----------------------------------------------------------------------------
@@ -179,7 +186,7 @@ class ReplicaLink:
         tries = 0
         while not self._stopping.is_set():
             try:
-                with self._connect("listen") as conn:
+                with self._connect(LISTEN) as conn:
                     conn.execute(f"LISTEN {CHANNEL}")
                     self.listening.set()
                     if tries:
@@ -253,7 +260,7 @@ class ReplicaLink:
             while payloads:
                 try:
                     if conn is None or conn.closed:
-                        conn = self._connect("send")
+                        conn = self._connect(SEND)
                     # Sent again whole after a failure: a message is a hint, hearing it twice is harmless.
                     for payload in payloads:
                         conn.execute("SELECT pg_notify(%s, %s)", (CHANNEL, payload))
