@@ -165,8 +165,12 @@ def given_back(keeper: Any, said: Callable[[str], bool]) -> None:
     )
 
 
-def test_a_resumed_job_keeps_its_staging_pinned_for_the_next_pause(job: Job, budget: Callable[[str], None]) -> None:
+def test_a_resumed_job_keeps_its_staging_pinned_for_the_next_pause(
+    job: Job, budget: Callable[[str], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Memfds (driver-made host memory off): the staging the pause made stays, pinned by the copier."""
     budget("1GiB")
+    monkeypatch.setenv(DRIVER_MEMORY_ENV, "0")
     engine = job.training([2 * MiB, 4 * MiB, 6 * MiB])
     gpu0 = engine.gpus[0].uuid
     assert engine.pause().ok
@@ -196,12 +200,39 @@ def test_a_resumed_job_keeps_its_staging_pinned_for_the_next_pause(job: Job, bud
     assert os.getpid() not in ledger()
 
 
-def test_a_pool_that_grew_after_a_kept_resume_pins_only_what_is_new(job: Job, budget: Callable[[str], None]) -> None:
+def test_memfds_a_pause_made_at_its_safe_point_are_made_anew_as_driver_memory_after_its_resume(
+    job: Job, budget: Callable[[str], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A pause that came before the keeper made anything made memfds at its safe point; kept, every later
+    resume would pin them again: they go after the resume, and the keeper makes the staging anew as host
+    memory the driver makes, which the next resume maps."""
+    budget("1GiB")
+    monkeypatch.setattr(kept_staging, "CHECK_S", 3600)  # no keeper look before the first pause
+    engine = job.training([2 * MiB, 4 * MiB, 6 * MiB])
+    assert engine.pause().ok
+    assert not any(_C.host_staging_layout().driver_made)  # made at the safe point
+    assert engine.resume().ok
+    assert job.fast is not None
+    job.fast._wait_for_release()
+    assert _C.host_staging_pool_bytes() == 0 and claimed() == 0
+    note = job.fast.keep_ready(0, engine.gpus[0].uuid)  # the keeper's next look
+    assert note is not None and note.startswith("pins "), note
+    layout = _C.host_staging_layout()
+    assert layout.driver_made and all(layout.driver_made) and claimed() == _C.host_staging_pool_bytes()
+    pinned_ahead(job, engine)
+    assert engine.pause().ok and engine.resume().ok
+    job.assert_home(physical=0)
+
+
+def test_a_pool_that_grew_after_a_kept_resume_pins_only_what_is_new(
+    job: Job, budget: Callable[[str], None], monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The staging grows by extents added after those the copier maps: the copier maps the new
     ones and keeps the old ones pinned (pinning them all again took 9.6 s for 68 GiB on an H200). The
     pause streams what is new at its safe point, or finds it pinned already by the keeper, which
-    pinned the new part alone."""
+    pinned the new part alone. Memfds (driver-made host memory off), which a resume keeps."""
     budget("1GiB")
+    monkeypatch.setenv(DRIVER_MEMORY_ENV, "0")
     engine = job.training([64 * MiB, 64 * MiB])
     assert engine.pause().ok and engine.resume().ok
     assert job.fast is not None and job.fast.keeping

@@ -285,7 +285,7 @@ class FastPath(DeviceMoves):
         try:
             self._copier.wake(uuid, wait=False)
             if fill_for is not None:
-                keep = self._try_keep(uuid)
+                keep = self._stays_kept(uuid)
                 self._filling = resume_overlap.start(self._copier, then_sleep=not keep, pin_rest_pause_ms=PIN_PAUSE_MS)
         except CopierError as exc:
             self._drop_copier(str(exc))
@@ -346,7 +346,7 @@ class FastPath(DeviceMoves):
                 lambda: _C.begin_restore_order(logical),
                 to_host=False,
                 here=lambda: int(_C.restore_segments_from_host(logical)),
-                then_sleep=not self._try_keep(uuid),
+                then_sleep=not self._stays_kept(uuid),
             )
 
         return timed(step, work)
@@ -426,17 +426,37 @@ class FastPath(DeviceMoves):
         """After a pause ended (resumed, rolled back or called off): the staging stays for the
         next pause when the pinned host memory budget lets this job keep it, else goes back; one
         kept in part keeps that part (its driver-made host memory, still claimed), for the keeper
-        to keep ready again without making it anew, and gives back what the pause made."""
+        to keep ready again without making it anew, and gives back what the pause made. Memfds the
+        pause made at its safe point go too where the keeper can make driver memory instead: kept,
+        every resume would pin them again (fact `resume-paced-by-pinning`)."""
         with self._host_lock:
             uuid = (self._copier.awake_on if self._copier is not None else None) or ""
             if self._try_keep(uuid):
+                if not self._memfds_to_remake():
+                    return
+            elif not self.kept_in_part:
+                self.release_host_later()
                 return
-            layout = _C.host_staging_layout()
-            part = sum(size for (_fd, size), made in zip(layout.extents, layout.driver_made, strict=True) if made)
-            if not self.kept_in_part or part == 0 or pinned_budget.claim(part, uuid) is not None:
+            part = self._driver_made_bytes()
+            if part == 0 or pinned_budget.claim(part, uuid) is not None:
                 self.release_host_later()
                 return
             self.release_host_later(keep_driver_made=True)
+
+    def _stays_kept(self, uuid: str) -> bool:
+        """Whether the staging stays as it is after the resume under way (done_with_host): a copier that
+        stays awake for it pins what its copy back did not use; else it sleeps after its copies."""
+        return self._try_keep(uuid) and not self._memfds_to_remake()
+
+    def _driver_made_bytes(self) -> int:
+        layout = _C.host_staging_layout()
+        return sum(size for (_fd, size), made in zip(layout.extents, layout.driver_made, strict=True) if made)
+
+    def _memfds_to_remake(self) -> int:
+        """Bytes of memfds in the staging (made at a pause's safe point) that the keeper would make anew as
+        host memory of the driver's, which a resume maps instead of pinning; 0: none, or it cannot."""
+        memfds = int(_C.host_staging_pool_bytes()) - self._driver_made_bytes()
+        return memfds if memfds > 0 and self._may_make_driver_memory(memfds) else 0
 
     def _try_keep(self, uuid: str) -> bool:
         """Whether the staging may stay between pauses (claimed in the pinned host memory budget)."""
@@ -562,24 +582,19 @@ class FastPath(DeviceMoves):
         """The bytes of staging to keep for a pause that needs `wanted` (`held` kept now), claimed in the
         pinned host memory budget, and why they are fewer than `wanted` ("" when they are not); (0, why)
         when nothing is kept (a staging is never cut: one larger than the budget's share goes back)."""
-        refusal = pinned_budget.claim(max(wanted, held), uuid)
+        whole = -(-max(wanted, held) // STAGING_STEP) * STAGING_STEP  # what the staging will hold, rounded as made
+        refusal = pinned_budget.claim(whole, uuid)
         if refusal is None:
-            return max(wanted, held), ""
+            return whole, ""
         at_least = max(-(-wanted // KEPT_PART_AT_LEAST), held)
-        share, why = pinned_budget.claim_up_to(wanted, uuid, at_least=at_least, step=STAGING_STEP)
+        share, why = pinned_budget.claim_up_to(whole, uuid, at_least=at_least, step=STAGING_STEP)
         return (share, why) if share > 0 else (0, refusal)
 
     def _copier_to_make(self, missing: int, uuid: str) -> Copier | None:
         """The copier, awake on `uuid` with the staging attached, when it should make the `missing` bytes
         as host memory of the driver's; None when it should not (switched off, refused before, the
         copier off or failing: memfds then)."""
-        if missing <= 0 or not copier_enabled() or not driver_memory_enabled() or self.driver_memory_refused:
-            return None
-        # An fd per piece, held by this process as long as the staging: never at the cost of the files a move
-        # needs (one per segment, blocker()).
-        pieces = -(-missing // DRIVER_MADE_PIECE)
-        if open_file_headroom() < pieces + len(_C.vmm_segments()) + FD_RESERVE:
-            log.debug("the staging kept for pauses is memfds: too few files left for %d pieces of host memory", pieces)
+        if missing <= 0 or not self._may_make_driver_memory(missing):
             return None
         try:
             self._wait_for_release()  # a staging going back must be gone before the copier is attached again
@@ -592,6 +607,19 @@ class FastPath(DeviceMoves):
             self._drop_copier(f"it could not start making host memory: {exc}", copies_here=False)
             return None
         return copier
+
+    def _may_make_driver_memory(self, nbytes: int) -> bool:
+        """Whether the copier may make `nbytes` of host memory of the driver's (else a kept staging is
+        memfds): not switched off, not refused before, and files to spare for a piece each."""
+        if not copier_enabled() or not driver_memory_enabled() or self.driver_memory_refused:
+            return False
+        # An fd per piece, held by this process as long as the staging: never at the cost of the files a move
+        # needs (one per segment, blocker()).
+        pieces = -(-nbytes // DRIVER_MADE_PIECE)
+        if open_file_headroom() < pieces + len(_C.vmm_segments()) + FD_RESERVE:
+            log.debug("the staging kept for pauses is memfds: too few files left for %d pieces of host memory", pieces)
+            return False
+        return True
 
     def _make_driver_memory(self, copier: Copier, missing: int, keep_going: Callable[[], bool]) -> bool:
         """Adds `missing` bytes of host memory made by the driver in `copier` to the staging, a piece per
