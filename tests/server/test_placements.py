@@ -16,9 +16,9 @@ from flexium.server.db import Database
 from flexium.server.policies.placement import PlacementOutcome, place_job, report_placement, run_placement_pass
 from flexium.server.settings import BACKFILL_PATIENCE_S
 from flexium.server.storage.drains import create_drain
-from support.queue import HOST, admin, gpus_report, paused, queue
+from support.queue import HOST, admin, gpus_report, paused, queue, resumed, run
 from support.server import GIB, gpu
-from support.storage import NOW, STALE, add_process, make_workspace
+from support.storage import NOW, STALE, add_process, make_workspace, next_for, report
 
 LOW, NORMAL, HIGH = (protocol.PRIORITIES[name] for name in ("low", "normal", "high"))
 TTL = protocol.RESERVATION_TTL_S
@@ -160,7 +160,9 @@ def test_its_job_registering_takes_the_room(db: Database) -> None:
     placed = place(db, ws, 0, memory_bytes=10 * GIB).placement
     add_process(db, ws, "gpu-run")
     taken = _take(db, ws, admin(ws), placed.id)
-    assert taken.state == "started" and taken.process_id == "gpu-run" and taken.reservation is None
+    assert taken.state == "started" and taken.process_id == "gpu-run"
+    # Held on, less what the job's reports show, until the hold's time ends: a job registers before it allocates.
+    assert taken.reservation is not None and "process gpu-run started" in taken.reservation.holder
 
 
 def test_only_the_token_it_was_made_for_takes_it(db: Database) -> None:
@@ -276,3 +278,38 @@ def test_nothing_is_placed_on_a_drained_gpu(db: Database) -> None:
     assert placed.state == "placed" and placed.placed_uuid == "GPU-0001"
     named = place(db, ws, 0, 100 * GIB, gpu_uuid="GPU-0000").placement
     assert named.state == "waiting" and named.note is not None and "drained by alice" in named.note
+
+
+# A job registers (flexium.init) before it allocates: its room stays held, less what its reports show, until the
+# hold's time ends, so that neither another placement nor a paused job is given it meanwhile.
+
+
+def test_the_room_of_a_job_that_registered_stays_held_until_its_memory_shows(db: Database) -> None:
+    ws, _ = make_workspace(db)
+    first = place(db, ws, 0, memory_bytes=100 * GIB).placement
+    assert first.state == "placed" and first.placed_uuid == "GPU-0000"
+    second = place(db, ws, 0, memory_bytes=100 * GIB, now=NOW + 1).placement
+    assert second.state == "waiting"
+    add_process(db, ws, "gpu-run", memory=0, gpu_index=0, n_gpus=1, now=NOW + 2)  # nothing allocated yet
+    assert _take(db, ws, admin(ws), first.id).state == "started"
+    assert ask(db, ws, second.id, 0, now=NOW + 3).state == "waiting"  # the 140 GiB GPU holds one of them
+    paused(db, ws, "waiter", footprint=100 * GIB, visible_gpus=["GPU-0000"])
+    assert queue(db, ws, "waiter", now=NOW + 4).wait.state == "waiting"
+    gpus_report(db, ws, NOW + 5, 0)
+    assert resumed(run(db, NOW + 5)) == []
+
+
+def test_the_jobs_paused_to_make_room_are_not_resumed_into_it_when_its_job_registers(db: Database) -> None:
+    ws, _ = make_workspace(db)
+    add_process(db, ws, "low-50", memory=50 * GIB, gpu_index=0, devices=[], priority=LOW, n_gpus=1)
+    out = place(db, ws, 130 * GIB, memory_bytes=40 * GIB, priority=NORMAL, make_room=True)
+    (pause,) = out.pauses
+    next_for(db, ws, "low-50", now=NOW + 1)
+    report(db, ws, pause.id, "running", now=NOW + 1)
+    report(db, ws, pause.id, "succeeded", now=NOW + 2)
+    placed = ask(db, ws, out.placement.id, 80 * GIB, now=NOW + 3)
+    assert placed.state == "placed"
+    add_process(db, ws, "gpu-run", memory=0, gpu_index=0, n_gpus=1, devices=[], now=NOW + 4)  # nothing allocated yet
+    _take(db, ws, admin(ws), placed.id)
+    gpus_report(db, ws, NOW + 5, 80 * GIB)
+    assert resumed(run(db, NOW + 5)) == []

@@ -81,11 +81,14 @@ def find_placement(
 
 def end_placement(*, session: Session, row: Placement, state: str, note: str, now: float) -> None:
     """Waits no more (``cancelled``: never placed; ``ended``: placed, its job never took the room;
-    ``started``: its job registered): the room held for it released."""
+    ``started``: its job registered): the room held for it released, but for a started job's, which
+    holds what its memory has not yet taken until it expires (a job registers before it allocates:
+    HostRoom.read counts the hold less what the job's reports show)."""
     row.state = state
     row.finished_at = now
     row.note = note[: protocol.MAX_LONG_TEXT]
-    release_placement_room(session=session, row=row)
+    if state != "started":
+        release_placement_room(session=session, row=row)
 
 
 def release_placement_room(*, session: Session, row: Placement) -> None:
@@ -149,6 +152,11 @@ def take_placement(
         return None
     row.process_id = process_id
     end_placement(session=session, row=row, state="started", note=f"process {process_id} registered", now=now)
+    held = session.get(Reservation, row.reservation_id) if row.reservation_id is not None else None
+    if held is not None:
+        held.holder = f"placement {row.id}, process {process_id} started: until its memory shows"[
+            : protocol.MAX_SHORT_TEXT
+        ]
     return placement_view(session=session, row=row, now=now)
 
 
