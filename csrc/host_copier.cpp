@@ -179,15 +179,18 @@ double HostCopier::wait_touched(std::size_t index) {
   const auto started = std::chrono::steady_clock::now();
   std::unique_lock<std::mutex> lock(mutex_);
   // A chunk takes a fraction of a second to touch (10-12 GB/s, fact `staging-kept-pinned-ahead`): one
-  // not touched after minutes never will be.
-  if (!touched_cv_.wait_for(lock, kTouchWait, [&] { return touched_[index] != 0; })) {
+  // not touched after minutes never will be. A pinner told to stop waits no more.
+  if (!touched_cv_.wait_for(lock, kTouchWait, [&] { return touched_[index] != 0 || stop_; })) {
     throw std::runtime_error("chunk " + std::to_string(index) + " of the host staging was not touched within " +
                              std::to_string(kTouchWait.count()) + " s");
   }
+  if (touched_[index] == 0) throw PinnerStopped();
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - started).count();
 }
 
 HostCopier::~HostCopier() {
+  // The pinner first: it may wait for a chunk the touching threads, once stopped, would never reach.
+  stop_pinner();
   stop_touching_ = true;
   stop_touching();
   try {
@@ -209,17 +212,15 @@ void HostCopier::let_go(const Extent &extent) noexcept {
 std::string HostCopier::wake(const std::string &uuid, bool wait, int pause_ms) {
   stop_pinner();
   const std::string before = last_pinner();
-  const DriverTable &d = require_vmm_driver();
-  const int ordinal = ordinal_of(uuid);
-  if (context_ != nullptr && ordinal != ordinal_) sleep();
-  if (context_ == nullptr) {
-    FLEXIUM_CU_CALL(d, cuDeviceGet, &device_, ordinal);
-    CUcontext context = nullptr;
-    FLEXIUM_CU_CALL(d, cuDevicePrimaryCtxRetain, &context, device_);
-    context_ = context;
-    ordinal_ = ordinal;
-    FLEXIUM_CU_CALL(d, cuCtxSetCurrent, context_);
-    FLEXIUM_CU_CALL(d, cuStreamCreate, &stream_, CU_STREAM_NON_BLOCKING);
+  try {
+    take_context(uuid);
+  } catch (...) {
+    // A wake that failed leaves the copier asleep, holding nothing on any GPU, as its job then believes.
+    try {
+      sleep();
+    } catch (...) {
+    }
+    throw;
   }
   const std::size_t found_pinned = pinned_bytes();
   {
@@ -235,6 +236,20 @@ std::string HostCopier::wake(const std::string &uuid, bool wait, int pause_ms) {
     if (!pin_error_.empty()) throw std::runtime_error("pinning the host staging failed: " + pin_error_);
   }
   return before;
+}
+
+void HostCopier::take_context(const std::string &uuid) {
+  const DriverTable &d = require_vmm_driver();
+  const int ordinal = ordinal_of(uuid);
+  if (context_ != nullptr && ordinal != ordinal_) sleep();
+  if (context_ != nullptr) return;
+  FLEXIUM_CU_CALL(d, cuDeviceGet, &device_, ordinal);
+  CUcontext context = nullptr;
+  FLEXIUM_CU_CALL(d, cuDevicePrimaryCtxRetain, &context, device_);
+  context_ = context;  // sleep() lets it go should what follows fail
+  ordinal_ = ordinal;
+  FLEXIUM_CU_CALL(d, cuCtxSetCurrent, context_);
+  FLEXIUM_CU_CALL(d, cuStreamCreate, &stream_, CU_STREAM_NON_BLOCKING);
 }
 
 void HostCopier::start_pinner(int pause_ms) {
@@ -269,6 +284,8 @@ void HostCopier::start_pinner(int pause_ms) {
           bytes += chunks_[i].size;
           if (pause_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(pause_ms));
         }
+      } catch (const PinnerStopped &) {
+        ending = "stopped";
       } catch (const std::exception &e) {
         std::lock_guard<std::mutex> guard(mutex_);
         pin_error_ = e.what();
@@ -347,7 +364,11 @@ std::vector<std::pair<int, std::size_t>> HostCopier::make_host_memory(std::size_
 }
 
 void HostCopier::stop_pinner() {
-  stop_ = true;
+  {
+    std::lock_guard<std::mutex> guard(mutex_);  // a pinner waiting for a chunk to be touched sees it
+    stop_ = true;
+  }
+  touched_cv_.notify_all();
   if (pinner_.joinable()) pinner_.join();
   stop_ = false;
 }

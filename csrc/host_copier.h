@@ -12,6 +12,7 @@
 #include <atomic>
 #include <condition_variable>
 #include <cstddef>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -38,6 +39,11 @@ struct CopierPiece {
   std::size_t chunk = 0;
   std::size_t chunk_offset = 0;
   std::size_t length = 0;
+};
+
+// Thrown by wait_touched() in a pinner told to stop while it waited (stop_pinner()).
+struct PinnerStopped : std::exception {
+  const char *what() const noexcept override { return "the pinner was stopped"; }
 };
 
 // Where the last copy() spent its time, for the job's debug log and the benchmark.
@@ -115,6 +121,9 @@ class HostCopier {
   CopyTimes last_copy_times() const { return times_; }
 
  private:
+  // wake()'s context on the GPU with `uuid` (the one it holds there already, or a new one, after a sleep
+  // when it holds another's). On a throw the caller puts the copier to sleep.
+  void take_context(const std::string &uuid);
   void start_pinner(int pause_ms);
   void stop_pinner();
   // Pins chunk `index` once touched; the seconds it waited for that.

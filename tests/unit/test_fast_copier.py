@@ -13,6 +13,7 @@ torch = pytest.importorskip("torch")
 
 from flexium import _C  # noqa: E402
 from support.engine import (  # noqa: E402,F401  (fixtures)
+    H200_BYTES,
     GiB,
     MiB,
     driver,
@@ -134,5 +135,27 @@ def test_copier_off_pins_and_copies_in_this_process(job: Job, monkeypatch: pytes
     # Pinned here at the safe point, unpinned chunk by chunk as the copies finished.
     assert job.fake.call_count("cuMemHostRegister") > 0
     assert job.fake.pinned_at_last_checkpoint() == 0 and job.fake.pinned_bytes() == 0
+    assert engine.resume().ok
+    job.assert_home(physical=0)
+
+
+def test_a_pause_on_a_gpu_without_room_for_the_copier_copies_here_and_keeps_the_copier(
+    job: Job, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Too little room for the copier's context: the pause makes its staging and copies here, says why, and
+    leaves the copier, never woken, as it was (it is not sent copies it would refuse)."""
+    monkeypatch.setenv("FLEXIUM_PINNED_HOST_MEMORY", "0")
+    engine = job.training([2 * MiB, 4 * MiB])
+    wait_until(lambda: copier_processes() != [], what="the copier to start")
+    (before,) = copier_processes()
+    job.fake.set_other_memory(0, H200_BYTES - (600 << 20) - job.fake.used_bytes(0))  # 600 MiB free
+    paused = engine.pause()
+    assert paused.ok and paused.path == "fast" and names(paused) == FAST_PAUSE, paused.error
+    assert any(
+        n.startswith("the copies to and from host memory ran in this process: the GPU has ") for n in paused.notes
+    )
+    assert not any("the copier failed" in n for n in paused.notes), paused.notes
+    assert copier_processes() == [before]
+    job.fake.set_other_memory(0, 0)
     assert engine.resume().ok
     job.assert_home(physical=0)

@@ -298,3 +298,34 @@ def test_the_copier_refuses_bad_orders(fake: FakeDriver, allocator: Allocator) -
         _C.HostCopier(_C.host_staging_layout().extents, [_C.CopierChunk(extent=0, offset=0, size=4 * MiB)])
     copier.sleep()
     assert fake.pinned_bytes() == 0
+
+
+def test_a_wake_that_fails_leaves_the_copier_asleep(fake: FakeDriver) -> None:
+    """The job takes a refused wake for a copier asleep: one that failed after it took its context lets it go."""
+    copier = _C.HostCopier([], [])
+    fake.fail("cuStreamCreate", "CUDA_ERROR_OUT_OF_MEMORY")
+    with pytest.raises(RuntimeError, match="cuStreamCreate"):
+        copier.wake(fake.uuid(0), True, 0)
+    assert not copier.awake and fake.primary_ctx_refcount(0) == 0
+    copier.wake(fake.uuid(0), True, 0)  # and it wakes again
+    assert copier.awake
+    copier.sleep()
+    assert fake.primary_ctx_refcount(0) == 0
+
+
+def test_a_copier_pinning_ahead_of_its_touching_goes_at_once(fake: FakeDriver) -> None:
+    """Its pinner waits for chunks its touching threads have not reached: letting the copier go (the job quit or
+    died) stops the pinner before the touching, which would otherwise leave it waiting minutes for a chunk."""
+    fd = os.memfd_create("flexium-test-staging")
+    try:
+        os.ftruncate(fd, 4096 * MiB)
+        chunks = [_C.CopierChunk(extent=0, offset=o, size=32 * MiB) for o in range(0, 4096 * MiB, 32 * MiB)]
+        copier = _C.HostCopier([(fd, 4096 * MiB)], chunks)  # touches in the background
+        copier.wake(fake.uuid(0), False, 0)  # pins as touched, no breaks: it catches up with the touching
+        time.sleep(0.1)
+        started = time.monotonic()
+        del copier
+        assert time.monotonic() - started < 5.0
+    finally:
+        os.close(fd)
+    assert fake.primary_ctx_refcount(0) == 0

@@ -179,6 +179,8 @@ class FastPath(DeviceMoves):
         # A copier awake on the GPU has its context there already: the room it needs is taken.
         crowded = None if self._copier_awake_on(uuid) else copier_room_problem(uuid)
         if crowded is not None:
+            if pin != "ahead":  # this pause's copies run here too: its result says why
+                self.copier_fallback = crowded
             return here(crowded)
         phases: list[str] = []
 
@@ -372,7 +374,7 @@ class FastPath(DeviceMoves):
         (the staging's bytes are this process's memfds, so nothing is lost with it)."""
         copier = self._copier
         self.last_copy = None
-        if copier is None:
+        if copier is None or (to_host and copier.awake_on is None):  # not woken for this pause (no room for it)
             return here()
         began = time.perf_counter()
         try:
