@@ -14,7 +14,7 @@ from flexium.server.policies.drain import DrainOutcome, run_drains, start_drain
 from flexium.server.policies.migrate_auto import migrate_auto
 from flexium.server.storage.drains import end_drain
 from support.queue import HOST, admin, gpus_report, paused, queue, resumed, run, waits
-from support.server import GIB
+from support.server import GIB, rank_body, register
 from support.storage import NOW, STALE, add_process, make_command, make_workspace, next_for, report
 
 
@@ -139,3 +139,25 @@ def test_migrate_auto_picks_the_gpu_with_most_room_and_says_why_none_fits(db: Da
     assert "GPU 1: 10.0 GiB free of the 30.5 GiB it needs" in refused.value.message
     assert "GPU 2: drained by alice" in refused.value.message
     assert protocol.AUTO_TARGET == "auto"
+
+
+def test_a_job_with_a_rank_silent_for_now_is_moved_once_it_is_heard_again(db: Database) -> None:
+    """A lost heartbeat or two (or a server restart the ranks come back from one by one) is not a refusal."""
+    ws, _ = make_workspace(db)
+    register(db, ws, rank_body(0), now=NOW, stale_after=STALE)
+    register(db, ws, rank_body(1), now=NOW - 40, stale_after=STALE)  # rank 1 late
+    gpus_report(db, ws, NOW, 10 * GIB, 10 * GIB, 0, 0)
+    info, outcome = db.run(
+        start_drain,
+        write=True,
+        workspace_id=ws,
+        actor=admin(ws),
+        request=wire.DrainRequest(host=HOST, gpu=0),
+        now=NOW,
+        stale_after=STALE,
+    )
+    assert outcome.commands == () and [m.action for m in info.moves] == [] and info.state != "drained"
+    register(db, ws, rank_body(1), now=NOW + 5, stale_after=STALE)  # heard again
+    gpus_report(db, ws, NOW + 5, 10 * GIB, 10 * GIB, 0, 0)
+    again = db.run(run_drains, write=True, now=NOW + 6, stale_after=STALE)
+    assert again.commands != ()

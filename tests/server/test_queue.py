@@ -5,20 +5,23 @@ and PostgreSQL."""
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 import pytest
-from sqlalchemy import event
+from sqlalchemy import event, text
 from sqlalchemy.orm import Session
 
 from flexium import protocol, wire
 from flexium.server import errors, storage
 from flexium.server.db import Database
+from flexium.server.policies.migrate_auto import migrate_auto
 from flexium.server.policies.resume_when_free import QueueOutcome
 from flexium.server.storage.devices import host_devices
 from flexium.server.storage.drains import create_drain
 from flexium.server.storage.processes import find_process
-from flexium.server.storage.reservations import hold_room
+from flexium.server.storage.reservations import hold_room, lock_hosts
 from flexium.server.storage.targets import target_refusal
 from support.queue import HOST, admin, gpus_report, paused, queue, resumed, run, waits
 from support.server import GIB
@@ -340,3 +343,47 @@ def test_a_drain_written_in_a_session_is_seen_by_the_drains_it_read_before(db: D
 
     before, after = db.run(judged_before_and_after_a_drain, write=True)
     assert before is None and after is not None and after.startswith("drained by alice")
+
+
+@pytest.mark.parametrize("database_kind", ["postgresql"], indirect=True)
+def test_a_person_queueing_a_job_takes_its_hosts_lock_before_its_row(db: Database) -> None:
+    """A pass over the host holds the host's lock and then locks the job's row (to send it a command): a
+    person's resume of that job must not hold the row while it waits for the host, or the two deadlock."""
+    ws, _ = make_workspace(db)
+    paused(db, ws, "p", footprint=30 * GIB)
+    queued: list[Any] = []
+    with db.session(write=True) as pass_session:
+        lock_hosts(session=pass_session, hosts=[(ws, HOST)])  # a pass holds the host
+        person = threading.Thread(target=lambda: queued.append(queue(db, ws, "p", now=NOW + 1)))
+        person.start()
+        time.sleep(0.5)  # the person's resume waits for the host's lock
+        pass_session.execute(text("SET LOCAL lock_timeout = '2s'"))
+        find_process(session=pass_session, workspace_id=ws, process_id="p", for_update=True)  # not held by the person
+    person.join(30)
+    assert len(queued) == 1 and queued[0].wait.process_id == "p"
+
+
+@pytest.mark.parametrize("database_kind", ["postgresql"], indirect=True)
+def test_two_picks_of_a_target_at_once_never_promise_one_room_twice(db: Database) -> None:
+    ws, _ = make_workspace(db)
+    add_process(db, ws, "a", memory=40 * GIB, gpu_index=0, devices=[], n_gpus=4)
+    add_process(db, ws, "b", memory=40 * GIB, gpu_index=0, devices=[], n_gpus=4)
+    gpus_report(db, ws, NOW, 80 * GIB, 90 * GIB, 140 * GIB, 140 * GIB)  # GPU 1 has room for one of them
+    picked: dict[str, Any] = {}
+
+    def pick(process_id: str, session: Session) -> None:
+        try:
+            (command,) = migrate_auto(
+                session=session, workspace_id=ws, actor=admin(ws), process_id=process_id, now=NOW + 1, stale_after=STALE
+            )
+            picked[process_id] = command.target_uuid
+        except errors.TargetRefused as exc:
+            picked[process_id] = exc
+
+    with db.session(write=True) as first:
+        pick("a", first)
+        second = threading.Thread(target=lambda: db.run(lambda session: pick("b", session), write=True))
+        second.start()
+        time.sleep(0.5)  # the second pick waits for the host's lock until the first one's command is committed
+    second.join(30)
+    assert picked["a"] == "GPU-0001" and picked["b"] != "GPU-0001", picked

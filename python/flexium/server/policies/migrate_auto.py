@@ -18,6 +18,7 @@ from flexium.server.storage.commands import create_commands_audited
 from flexium.server.storage.devices import held_by_gpu
 from flexium.server.storage.jobs import is_job_rank
 from flexium.server.storage.processes import find_process
+from flexium.server.storage.reservations import lock_process_host
 from flexium.server.storage.targets import require_capability
 from flexium.server.storage.workspaces import AuthInfo
 from flexium.units import gib
@@ -32,7 +33,9 @@ def migrate_auto(
     now: float,
     stale_after: float,
 ) -> list[wire.CommandInfo]:
-    """The migrate of ``process_id`` to the GPU the server picked, audited as ``actor``'s."""
+    """The migrate of ``process_id`` to the GPU the server picked, audited as ``actor``'s. The host's room
+    is counted under its lock, as every policy counts it, so that two picks never promise one room twice."""
+    lock_process_host(session=session, workspace_id=workspace_id, process_id=process_id)
     proc = find_process(session=session, workspace_id=workspace_id, process_id=process_id, for_update=True)
     require_capability(proc, protocol.CAP_MIGRATION, "migrate")
     if proc.state != "RUNNING":

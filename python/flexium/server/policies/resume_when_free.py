@@ -30,7 +30,7 @@ from flexium.server.storage.audit import PolicyActor, record_commands_created
 from flexium.server.storage.commands import create_commands
 from flexium.server.storage.devices import host_devices
 from flexium.server.storage.processes import active_command
-from flexium.server.storage.reservations import lock_hosts
+from flexium.server.storage.reservations import lock_hosts, lock_process_host
 from flexium.server.storage.targets import target_refusal
 from flexium.server.storage.views import is_stale, stored_capabilities
 from flexium.server.storage.waits import (
@@ -87,6 +87,7 @@ def queue_resume(
 ) -> Queued:
     """``flexium resume JOB --when-free`` (or ``--make-room``): the job's wait, then the queue's
     pass over its host, which resumes it at once when it fits now."""
+    lock_process_host(session=session, workspace_id=workspace_id, process_id=request.process_id)
     if request.make_room:
         row, pauses = resume_making_room(
             session=session,

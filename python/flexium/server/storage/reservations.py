@@ -10,7 +10,7 @@ from sqlalchemy import Integer, cast, delete, func, select
 from sqlalchemy.orm import Session
 
 from flexium import wire
-from flexium.server.models import Reservation, Wait
+from flexium.server.models import Process, Reservation, Wait
 
 
 def hold_room(
@@ -53,6 +53,17 @@ def lock_hosts(*, session: Session, hosts: Iterable[tuple[int, str]]) -> None:
         return
     for workspace_id, host in sorted(set(hosts)):
         session.execute(select(func.pg_advisory_xact_lock(cast(workspace_id, Integer), func.hashtext(host))))
+
+
+def lock_process_host(*, session: Session, workspace_id: int, process_id: str) -> None:
+    """The lock of the host of a process a request acts on (lock_hosts), taken before that process's
+    row is locked: a policy's pass on that host takes the host's lock, then rows (a process's when it
+    sends it a command), so the other order would deadlock against it. A process stays on its host."""
+    host = session.scalar(
+        select(Process.host).where(Process.workspace_id == workspace_id, Process.process_id == process_id)
+    )
+    if host is not None:
+        lock_hosts(session=session, hosts=[(workspace_id, host)])
 
 
 def release_room(*, session: Session, wait_id: int) -> None:
