@@ -313,3 +313,16 @@ def test_the_jobs_paused_to_make_room_are_not_resumed_into_it_when_its_job_regis
     _take(db, ws, admin(ws), placed.id)
     gpus_report(db, ws, NOW + 5, 80 * GIB)
     assert resumed(run(db, NOW + 5)) == []
+
+
+def test_a_paused_job_of_lower_priority_leaves_the_room_to_a_placement_waiting_before_it(db: Database) -> None:
+    """A higher priority is never delayed by a lower one: the queue's pass, which runs first when room
+    shows, does not hand a paused job of lower priority the GPU a higher-priority placement waits for."""
+    ws, _ = make_workspace(db)
+    high = place(db, ws, 100 * GIB, memory_bytes=60 * GIB, priority=HIGH).placement
+    assert high.state == "waiting"
+    paused(db, ws, "low", footprint=50 * GIB, priority=LOW, visible_gpus=["GPU-0000"])
+    assert queue(db, ws, "low", now=NOW + 1).wait.state == "waiting"
+    gpus_report(db, ws, NOW + 20, 60 * GIB)  # 80 GiB free: room for one of them
+    assert resumed(run(db, NOW + 20)) == []
+    assert ask(db, ws, high.id, 60 * GIB, now=NOW + 20).state == "placed"

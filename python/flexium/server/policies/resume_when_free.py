@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from flexium import wire
 from flexium.server.errors import ApiError, CapabilityMissing, InvalidState
-from flexium.server.models import Process, Wait
+from flexium.server.models import Placement, Process, Wait
 from flexium.server.policies.make_room import resume_making_room
 from flexium.server.policies.room import HostRoom
 from flexium.server.policies.waited_for import WaitedFor
@@ -152,7 +152,7 @@ def run_queue(
     cancelled: list[tuple[int, wire.WaitInfo]] = []
     for (ws, on_host), group in itertools.groupby(rows, key=lambda row: (row[0].workspace_id, row[0].host)):
         room = HostRoom.read(session=session, workspace_id=ws, host=on_host, now=now)
-        waited_for = WaitedFor(patience=backfill_patience)
+        waited_for = placements_waiting(session=session, workspace_id=ws, host=on_host, patience=backfill_patience)
         for wait, holder in group:
             outcome = _consider(
                 session=session,
@@ -168,6 +168,21 @@ def run_queue(
             elif outcome is not None:
                 cancelled.append((ws, outcome))
     return QueueOutcome(dispatched=tuple(dispatched), cancelled=tuple(cancelled))
+
+
+def placements_waiting(*, session: Session, workspace_id: int, host: str, patience: float) -> WaitedFor:
+    """The GPUs the host's placements waiting for room wait for (flexium run's jobs not started yet):
+    a paused job after one in the queue's order takes such a GPU only as ``waited_for`` allows, as a
+    placement does with the paused jobs' waits (placement.py ``_waits_ahead``)."""
+    waited_for = WaitedFor(patience=patience)
+    devices = host_devices(session=session, workspace_id=workspace_id, host=host)
+    query = select(Placement).where(
+        Placement.workspace_id == workspace_id, Placement.host == host, Placement.state == "waiting"
+    )
+    for row in session.scalars(query):
+        uuids = [row.gpu_uuid] if row.gpu_uuid is not None else list(devices)
+        waited_for.add(uuids, priority=row.priority, queued_at=row.created_at)
+    return waited_for
 
 
 def _consider(
