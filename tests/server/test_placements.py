@@ -122,7 +122,7 @@ def test_a_job_that_fits_goes_ahead_of_an_earlier_one_until_that_one_waited_its_
 def test_a_paused_job_waiting_before_it_goes_first_once_it_waited_its_patience(db: Database) -> None:
     ws, _ = make_workspace(db)
     gpus_report(db, ws, NOW, 130 * GIB, 130 * GIB)
-    paused(db, ws, "earlier", footprint=20 * GIB)
+    paused(db, ws, "earlier", footprint=50 * GIB)  # fits no GPU on any report here
     queue(db, ws, "earlier")
     backfilled = place(db, ws, 130 * GIB, 100 * GIB, memory_bytes=5 * GIB, now=NOW + 1).placement
     assert backfilled.state == "placed"  # it fits now; the paused job fits nowhere yet
@@ -326,3 +326,15 @@ def test_a_paused_job_of_lower_priority_leaves_the_room_to_a_placement_waiting_b
     gpus_report(db, ws, NOW + 20, 60 * GIB)  # 80 GiB free: room for one of them
     assert resumed(run(db, NOW + 20)) == []
     assert ask(db, ws, high.id, 60 * GIB, now=NOW + 20).state == "placed"
+
+
+def test_the_report_a_placement_brings_serves_the_paused_jobs_waiting_before_it_first(db: Database) -> None:
+    """flexium run's request stores its host's GPUs: the queue's pass over them runs before the placements',
+    so that a later job of the same priority does not take the room an earlier paused one fits in."""
+    ws, _ = make_workspace(db)
+    gpus_report(db, ws, NOW, 140 * GIB)
+    paused(db, ws, "earlier", footprint=30 * GIB, visible_gpus=["GPU-0000"])
+    assert queue(db, ws, "earlier").wait.state == "waiting"
+    out = place(db, ws, 100 * GIB, memory_bytes=30 * GIB, now=NOW + 1)  # the report shows 40 GiB free
+    assert [done.wait.process_id for done in out.queued.dispatched] == ["earlier"]
+    assert out.placement.state == "waiting"

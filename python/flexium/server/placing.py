@@ -1,9 +1,10 @@
 """flexium run's placements as the server runs them beside the requests: a placement asked for
 (the pauses that make room for it announced as any command is), asked again with its host's GPUs
 as ``flexium run`` reads them, taken by its job, given up by its flexium run; each time the GPUs it
-reported are stored and told as a job's are, and the resume-when-free queue's pass over that host
-follows (a placement takes no GPU that a paused job waiting before it waits for, but as
-``policies/waited_for.py`` allows). The placement pass over a host runs after each of its GPU
+reported are stored and told as a job's are, the resume-when-free queue's pass over that host runs
+first, then the placements' (a placement takes no GPU that a paused job waiting before it waits
+for, nor a paused job one a placement waiting before it waits for, but as ``policies/waited_for.py``
+allows). The placement pass over a host runs after each of its GPU
 reports too, and over every host at every sweep (``queue.place``). Every placement a request or a
 pass changed is a ``placement`` event for the dashboards (``announce.placements_changed``)."""
 
@@ -34,6 +35,7 @@ async def create_placement(ctx: ServerContext, *, auth: AuthInfo, body: wire.Pla
         backfill_patience=ctx.settings.backfill_patience_s,
     )
     announce.commands_created(ctx, auth.workspace_id, outcome.pauses)
+    queue.told(ctx, outcome.queued)
     ctx.publish(auth.workspace_id, protocol.EVENT_PLACEMENT, {"action": "created", "placement": outcome.placement})
     announce.placements_changed(ctx, auth.workspace_id, [p for p in outcome.changed if p.id != outcome.placement.id])
     if outcome.placement.state in protocol.LIVE_PLACEMENT_STATES:  # its host's reports place it from now on
@@ -61,6 +63,7 @@ async def ask_again(
         answering_since=answering_since(ctx),
         backfill_patience=ctx.settings.backfill_patience_s,
     )
+    queue.told(ctx, outcome.queued)
     announce.placements_changed(ctx, auth.workspace_id, outcome.changed)
     if body.devices:
         await queue.devices_stored(ctx, auth.workspace_id, outcome.placement.host, now)

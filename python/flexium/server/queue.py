@@ -61,7 +61,7 @@ async def create_wait(ctx: ServerContext, *, auth: AuthInfo, body: wire.WaitRequ
             ctx.notifier.notify(watch_news(workspace_id, process_id))
     announce.commands_created(ctx, auth.workspace_id, [c for c in answer.commands if c.kind == "pause"])
     ctx.publish(auth.workspace_id, protocol.EVENT_WAIT, {"action": "created", "wait": answer.wait})
-    _told(ctx, queued.outcome, queue_changed=True)
+    told(ctx, queued.outcome, queue_changed=True)
     return answer
 
 
@@ -134,7 +134,7 @@ async def run(ctx: ServerContext, *, workspace_id: int | None = None, host: str 
     if outcome is None:
         return
     ctx.metrics.queue_decision.observe(time.perf_counter() - started)
-    _told(ctx, outcome)
+    told(ctx, outcome)
 
 
 async def place(ctx: ServerContext, *, workspace_id: int | None = None, host: str | None = None) -> None:
@@ -168,7 +168,7 @@ def _host_pass(ctx: ServerContext, workspace_id: int, host: str) -> asyncio.Futu
     return asyncio.shield(scheduled)
 
 
-def _told(ctx: ServerContext, outcome: QueueOutcome, *, queue_changed: bool = False) -> None:
+def told(ctx: ServerContext, outcome: QueueOutcome, *, queue_changed: bool = False) -> None:
     """What a pass did, told: the resumes it sent announced, the waits it changed shown, the view
     read again soon when the queue changed (``queue_changed``: before the pass)."""
     for done in outcome.dispatched:

@@ -23,6 +23,7 @@ from flexium import protocol, wire
 from flexium.server.errors import Forbidden
 from flexium.server.models import Placement, Process, Reservation, Wait
 from flexium.server.policies.make_room import Beneficiary, make_room, plan_room
+from flexium.server.policies.resume_when_free import QueueOutcome, run_queue
 from flexium.server.policies.room import HostRoom
 from flexium.server.policies.waited_for import WaitedFor
 from flexium.server.storage.devices import host_devices, upsert_devices
@@ -44,13 +45,15 @@ from flexium.units import gib
 
 @dataclass(frozen=True)
 class PlacementOutcome:
-    """A request answered: the placement as it is now, the pauses that make room for it, and every
+    """A request answered: the placement as it is now, the pauses that make room for it, every
     placement of its host the request changed (placed, ended, or told why it waits anew), it
-    included, as they are now."""
+    included, as they are now, and what the queue's pass over the host did first (the report the
+    request brought may give a paused job waiting before it its room)."""
 
     placement: wire.PlacementInfo
     pauses: tuple[wire.CommandInfo, ...] = ()
     changed: tuple[wire.PlacementInfo, ...] = ()
+    queued: QueueOutcome = QueueOutcome(dispatched=(), cancelled=())  # the queue's pass that ran first
 
 
 def place_job(
@@ -75,6 +78,14 @@ def place_job(
     pauses: list[wire.CommandInfo] = []
     if request.make_room:
         pauses = _make_room(session=session, row=row, now=now, stale_after=stale_after, ttl=reservation_ttl)
+    queued = run_queue(
+        session=session,
+        now=now,
+        stale_after=stale_after,
+        backfill_patience=backfill_patience,
+        workspace_id=workspace_id,
+        host=row.host,
+    )
     changed = run_placements(
         session=session,
         workspace_id=workspace_id,
@@ -86,7 +97,7 @@ def place_job(
         backfill_patience=backfill_patience,
     )
     shown = placement_view(session=session, row=row, now=now)
-    return PlacementOutcome(shown, tuple(pauses), _with(changed, shown))
+    return PlacementOutcome(shown, tuple(pauses), _with(changed, shown), queued)
 
 
 def report_placement(
@@ -113,6 +124,14 @@ def report_placement(
         if row.state == "placed" and row.asked_at < now - stale_after:
             _hold(session=session, row=row, now=now, ttl=reservation_ttl)
         row.asked_at = now
+    queued = run_queue(
+        session=session,
+        now=now,
+        stale_after=stale_after,
+        backfill_patience=backfill_patience,
+        workspace_id=workspace_id,
+        host=row.host,
+    )
     changed = run_placements(
         session=session,
         workspace_id=workspace_id,
@@ -124,7 +143,9 @@ def report_placement(
         backfill_patience=backfill_patience,
     )
     shown = placement_view(session=session, row=row, now=now)
-    return PlacementOutcome(shown, (), _with(changed, shown) if (row.state, row.note) != before else tuple(changed))
+    return PlacementOutcome(
+        shown, (), _with(changed, shown) if (row.state, row.note) != before else tuple(changed), queued
+    )
 
 
 def _with(changed: list[wire.PlacementInfo], shown: wire.PlacementInfo) -> tuple[wire.PlacementInfo, ...]:
