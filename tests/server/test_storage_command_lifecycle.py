@@ -163,3 +163,20 @@ def test_sweep_reports_newly_stale_once(db: Database) -> None:
     first = sweep_at(db, NOW + 31, stale_since=NOW + 29).newly_stale
     assert [p.process_id for _w, p in first] == ["gpu-1"] and first[0][1].state == "STALE"
     assert sweep_at(db, NOW + 33, stale_since=NOW + 31).newly_stale == []
+
+
+def test_a_late_report_of_an_expired_command_leaves_a_newer_command_in_charge(db: Database) -> None:
+    """The migrate expired, a pause is under way: the migrate's late failure ends the migrate, and the
+    process stays as the pause says (PAUSING), not RUNNING."""
+    ws, _ = make_workspace(db)
+    add_process(db, ws)
+    old = make_command(db, ws, "migrate", target=2)
+    next_for(db, ws, now=NOW + 1)
+    add_process(db, ws, now=NOW + 100)  # it keeps beating
+    sweep_at(db, NOW + 125)
+    assert db.run(storage.get_command, write=False, workspace_id=ws, command_id=old.id).state == "expired"
+    pause = make_command(db, ws, "pause", now=NOW + 126)
+    next_for(db, ws, now=NOW + 127)
+    assert report(db, ws, pause.id, "running", now=NOW + 128)[1].state == "PAUSING"
+    ended, proc, changed = report(db, ws, old.id, "failed", now=NOW + 129, error="late")
+    assert changed and ended.state == "failed" and proc is not None and proc.state == "PAUSING"

@@ -67,8 +67,14 @@ def run_drains(
 ) -> DrainOutcome:
     """Acts on every job on a live drain's GPUs whose last move ended (all hosts by default)."""
     unlocked = live_drains(session=session, workspace_id=workspace_id, host=host)
-    lock_hosts(session=session, hosts=[(d.workspace_id, d.host) for d in unlocked])
-    drains = live_drains(session=session, workspace_id=workspace_id, host=host, for_update=True)
+    locked = {(d.workspace_id, d.host) for d in unlocked}
+    lock_hosts(session=session, hosts=locked)
+    # A drain made on another host since the hosts were read waits for the next pass: its host is not locked.
+    drains = [
+        d
+        for d in live_drains(session=session, workspace_id=workspace_id, host=host, for_update=True)
+        if (d.workspace_id, d.host) in locked
+    ]
     commands: list[tuple[int, wire.CommandInfo]] = []
     acted: list[tuple[int, wire.DrainInfo]] = []
     for (ws, on_host), group in itertools.groupby(drains, key=lambda d: (d.workspace_id, d.host)):

@@ -148,6 +148,8 @@ def run_queue(
     lock_hosts(session=session, hosts=hosts)
     query = select(Wait, Process).join(Process, Process.pk == Wait.process_pk).where(*where)
     rows = session.execute(query.order_by(*queue_order()).with_for_update(of=Wait, skip_locked=True)).all()
+    locked = set(hosts)  # a wait made on another host since the hosts were read waits for the next pass
+    rows = [row for row in rows if (row[0].workspace_id, row[0].host) in locked]
     dispatched: list[Dispatched] = []
     cancelled: list[tuple[int, wire.WaitInfo]] = []
     for (ws, on_host), group in itertools.groupby(rows, key=lambda row: (row[0].workspace_id, row[0].host)):

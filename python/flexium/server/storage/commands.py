@@ -367,7 +367,9 @@ def report_command(
     """Apply a process's report; returns (command, process after it, changed).
 
     Repeating a report is harmless (the client retries until the server answers). A report
-    on an expired command is accepted: the process did act, and its word is the truth.
+    on an expired command is accepted: the process did act, and its word is the truth; but where
+    a newer command of the process is under way, that one says what state the process is in, and
+    the late report only ends its own command.
     """
     state = report.state
     cmd, proc = _find_command(session, workspace_id=workspace_id, command_id=command_id, for_update=True)
@@ -375,24 +377,27 @@ def report_command(
         return command_view(cmd, proc.process_id), None, False  # a retry, or a late ack
     if cmd.state in ("succeeded", "failed"):
         raise InvalidState(f"command {command_id} already {cmd.state}; it cannot become {state}")
+    superseded = cmd.state == "expired" and active_command(session=session, process_pk=proc.pk) is not None
     cmd.state = state
     update = report.process if report.process is not None else wire.ProcessUpdate()
-    if is_older(update.seq, proc.state_seq):
-        update = wire.ProcessUpdate()  # a heartbeat built later already said where it is
+    if superseded or is_older(update.seq, proc.state_seq):
+        update = wire.ProcessUpdate()  # a newer command, or a heartbeat built later, already said where it is
     elif update.seq is not None:
         proc.state_seq = update.seq
     if state == "running":
         cmd.started_at = cmd.started_at or now
-        proc.state = _RUNNING_STATE[cmd.kind]
+        if not superseded:
+            proc.state = _RUNNING_STATE[cmd.kind]
     else:
         cmd.finished_at = now
         cmd.started_at = cmd.started_at or now
         cmd.result = None if report.result is None else _stored_result(session, report.result)
         cmd.error = report.error
-        _settle_process(proc, cmd, succeeded=state == "succeeded")
-        if state == "succeeded":
-            update = _location_after(cmd, update)
-            _move_held_by_gpu(proc, cmd)
+        if not superseded:
+            _settle_process(proc, cmd, succeeded=state == "succeeded")
+            if state == "succeeded":
+                update = _location_after(cmd, update)
+                _move_held_by_gpu(proc, cmd)
     apply_process_update(proc, update)
     if proc.memory_bytes:
         proc.footprint_bytes = (
