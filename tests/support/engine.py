@@ -360,9 +360,18 @@ class DictStore:
 
     def __init__(self) -> None:
         self.data: dict[str, bytes] = {}
+        self._lock = threading.Lock()
 
     def set(self, key: str, value: str) -> None:
         self.data[key] = value.encode()
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        """As c10d's: `desired` stored where the key holds `expected` (absent counts as ""); the value now."""
+        with self._lock:
+            current = self.data.get(key)
+            if (current is None and expected == "") or current == expected.encode():
+                self.data[key] = desired.encode()
+            return self.data.get(key, expected.encode())
 
     def get(self, key: str) -> bytes:
         return self.data[key]

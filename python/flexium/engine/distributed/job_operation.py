@@ -183,6 +183,17 @@ class _Timeline:
         )
 
 
+def _own(kind: OperationKind, actions: RankActions, action: Callable[[], OperationResult]) -> OperationResult:
+    """This rank's part, as a result even where its transaction raised (a refusal of its own before it
+    changed anything: memory the driver cannot checkpoint made since, no host room, a sticky CUDA
+    error): the protocol must go on to post this rank's word and bring its NCCL back, or every rank
+    waits out its deadlines and trains on with its communicators suspended."""
+    try:
+        return action()
+    except Exception as exc:
+        return untouched(kind, actions, f"{type(exc).__name__}: {exc}", str(getattr(exc, "step", None) or kind.value))
+
+
 def untouched(kind: OperationKind, actions: RankActions, error: str, step: str) -> OperationResult:
     """The result of an operation given up before this rank changed anything."""
     return OperationResult(
@@ -307,26 +318,26 @@ def migrate_or_pause(
         timeline.timed("watchdog", lambda: _let_watchdog_look(drained_at))
     if kind == OperationKind.PAUSE:
         assert actions.pause is not None and actions.resume_in_place is not None
-        own = actions.pause()
+        own = _own(kind, actions, actions.pause)
         timeline.mark_transaction()
         everyone = _gather_outcome(rv, "paused", own, deadlines, what="pause")
         if everyone.all_ok:
             timeline.notes.append(f"every rank of the {op.world_size} paused; NCCL stays suspended until the resume")
             return timeline.result(own, ok=True)
-        undone = actions.resume_in_place() if own.ok else own
+        undone = _own(kind, actions, actions.resume_in_place) if own.ok else own
         error = f"the job could not pause on every rank ({everyone.describe_failures()})"
         if own.ok:
             error += "; this rank was resumed where it was" if undone.ok else f"; resuming it failed: {undone.error}"
         return _attach(op, rv, timeline, own, communicators, deadlines, check, failure=(error, "pause"))
 
-    own = actions.move() if actions.move is not None else _stayed(actions)
+    own = _own(kind, actions, actions.move) if actions.move is not None else _stayed(actions)
     timeline.mark_transaction()
     everyone = _gather_outcome(rv, "moved", own, deadlines, what="move")
     if everyone.all_ok:
         return _attach(op, rv, timeline, own, communicators, deadlines, check)
     error = f"the job's move failed ({everyone.describe_failures()}); every rank is back on the GPU it was on"
     if own.ok and actions.move is not None and actions.move_back is not None:
-        back = actions.move_back()
+        back = _own(kind, actions, actions.move_back)
         if not back.ok:
             error = f"{error}, except this rank, whose move back failed: {back.error}"
     return _attach(op, rv, timeline, own, communicators, deadlines, check, failure=(error, "move"))
@@ -349,13 +360,13 @@ def resume(
         timeline.timed("meet", lambda: rv.gather("ready", OK, deadline_s=deadlines.agree_s, what="take the resume up"))
     except JobAborted as exc:
         return untouched(op.kind, actions, f"the job's ranks did not meet, every rank stays paused: {exc}", "meet")
-    own = actions.resume()
+    own = _own(op.kind, actions, actions.resume)
     timeline.mark_transaction()
     everyone = _gather_outcome(rv, "restored", own, deadlines, what="resume")
     if not everyone.all_ok:
         error = f"the job could not resume on every rank ({everyone.describe_failures()})"
         if own.ok:
-            again = actions.pause_again()
+            again = _own(op.kind, actions, actions.pause_again)
             error += (
                 "; this rank was paused again, so the job stays paused: resume it again"
                 if again.ok

@@ -4,7 +4,9 @@
 Each stage is a gather: every rank posts its word (``ok`` or why not) and waits until every
 rank has posted, or until any rank aborts the operation, or until the stage's deadline. A
 rank that gives up aborts for all, so no rank waits longer than its own deadline for another
-that will never come.
+that will never come. Whether a stage was met or given up is decided once, for every rank, by
+the first rank to decide it (the store's compare-and-set): a rank that posts just as another
+gives up must not take the stage for met while the other rolls back.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from typing import Any
 
 OK = "ok"
 POLL_SECONDS = 0.001
+MET, GIVEN_UP = "met", "given up"  # a stage's verdict
 
 
 class JobAborted(RuntimeError):
@@ -88,17 +91,26 @@ class Rendezvous:
         says what the ranks were waiting for, in the reason."""
         self.post(stage, word)
         until = self.clock() + deadline_s
-        while not self.posted(stage):
+        while True:
+            if self.posted(stage):
+                if not abortable or self._decide(stage, MET) == MET:
+                    return self.words(stage)
+                raise JobAborted(self.aborted() or f"the ranks gave up at {stage}")
             reason = self.aborted() if abortable else None
             if reason is not None:
                 raise JobAborted(reason)
             if self.clock() >= until:
+                if abortable and self._decide(stage, GIVEN_UP) == MET:
+                    return self.words(stage)  # every rank posted meanwhile, and one took the stage for met
                 late = ", ".join(str(rank) for rank in self.missing(stage))
                 reason = f"rank(s) {late} did not {what} within {deadline_s:g} s"
                 self.abort(reason)
                 raise JobAborted(f"rank {self.rank}: {reason}")
             time.sleep(POLL_SECONDS)
-        return self.words(stage)
+
+    def _decide(self, stage: str, verdict: str) -> str:
+        """The stage's one verdict for every rank: `verdict`, unless a rank decided it first."""
+        return _text(self.store.compare_set(f"{self.prefix}{stage}/verdict", "", verdict))
 
 
 def _text(value: Any) -> str:
