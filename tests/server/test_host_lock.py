@@ -37,7 +37,8 @@ def test_a_queue_pass_waits_for_a_placement_on_its_host_and_counts_the_room_it_h
 ) -> None:
     ws, _ = make_workspace(db)
     gpus_report(db, ws, NOW, 139 * GIB)
-    paused(db, ws, "paused-job", footprint=30 * GIB)
+    # Of a lower priority than the placement, whose room it would take otherwise (both fit the report).
+    paused(db, ws, "paused-job", footprint=30 * GIB, priority=protocol.PRIORITIES["low"])
     assert queue(db, ws, "paused-job").wait.state == "waiting"
     gpus_report(db, ws, NOW + 1, 100 * GIB)  # 40 GiB free: room for one 30 GiB job
     room_for_one = [wire.GpuReport.model_validate(gpu(0, used=100 * GIB))]
