@@ -68,10 +68,10 @@ class HostRoom:
                 continue
             held = reservation.bytes
             if reservation.id in started:  # a job started on it: what its memory has not taken yet
-                shown = started[reservation.id]
+                need, shown = started[reservation.id]
                 if shown is None:  # the job is gone: nothing of it is on its way
                     continue
-                held = max(0, held - shown)
+                held = max(0, min(held, need) - shown)
             room.held[reservation.wait_id] = room.held.get(reservation.wait_id, 0) + held
         return cls(gpus)
 
@@ -107,11 +107,11 @@ class HostRoom:
         room.free = max(0, room.free - nbytes)
 
 
-def _started_placements(*, session: Session, workspace_id: int, host: str) -> dict[int, int | None]:
-    """The reservations still held for jobs ``flexium run`` started on this host, each with the memory its
-    job's reports show now (None: the job is gone, or not running)."""
+def _started_placements(*, session: Session, workspace_id: int, host: str) -> dict[int, tuple[int, int | None]]:
+    """The reservations still held for jobs ``flexium run`` started on this host, each with the memory the
+    job asked for and what its reports show now (None: the job is gone, or not running)."""
     rows = session.execute(
-        select(Placement.reservation_id, Process.memory_bytes, Process.state)
+        select(Placement.reservation_id, Placement.need_bytes, Process.memory_bytes, Process.state)
         .outerjoin(
             Process,
             and_(Process.workspace_id == Placement.workspace_id, Process.process_id == Placement.process_id),
@@ -124,6 +124,6 @@ def _started_placements(*, session: Session, workspace_id: int, host: str) -> di
         )
     )
     return {
-        int(reservation_id or 0): (int(memory) if memory is not None and state == "RUNNING" else None)
-        for reservation_id, memory, state in rows
+        int(reservation_id or 0): (int(need), int(memory) if memory is not None and state == "RUNNING" else None)
+        for reservation_id, need, memory, state in rows
     }

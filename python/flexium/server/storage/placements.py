@@ -103,10 +103,13 @@ def close_placement(
     *, session: Session, workspace_id: int, actor: AuthInfo, placement_id: int, now: float
 ) -> wire.PlacementInfo:
     """``flexium run`` is done with it (its job ended, or Ctrl-C while it waited): a live one ends
-    and its room goes; a started one stays as it is."""
+    and its room goes; a started one stays as it is, but for what is still held for its job, which
+    goes with it."""
     row = find_placement(
         session=session, workspace_id=workspace_id, placement_id=placement_id, actor=actor, for_update=True
     )
+    if row.state == "started":
+        release_placement_room(session=session, row=row)
     if row.state in protocol.LIVE_PLACEMENT_STATES:
         who = actor.token_name or f"token {actor.token_id}"
         state = "cancelled" if row.state == "waiting" else "ended"
