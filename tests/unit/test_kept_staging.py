@@ -394,8 +394,7 @@ def test_a_keeper_look_while_a_resume_gives_back_what_it_made_keeps_the_part(
 def test_a_part_of_memfds_kept_through_a_resume_is_not_claimed_when_it_goes(
     job: Job, part_kept: Callable[[], tuple[Any, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Kept memfds (driver-made memory off) are given back with what the pause made; the claim goes too, and a
-    crowded GPU gives back a part no copier can keep."""
+    """Kept memfds (driver-made memory off) are given back with what the pause made, and the claim goes too."""
     monkeypatch.setenv(DRIVER_MEMORY_ENV, "0")
     engine, part = part_kept()
     assert not any(part.driver_made)

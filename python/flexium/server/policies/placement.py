@@ -78,15 +78,7 @@ def place_job(
     pauses: list[wire.CommandInfo] = []
     if request.make_room:
         pauses = _make_room(session=session, row=row, now=now, stale_after=stale_after, ttl=reservation_ttl)
-    queued = run_queue(
-        session=session,
-        now=now,
-        stale_after=stale_after,
-        backfill_patience=backfill_patience,
-        workspace_id=workspace_id,
-        host=row.host,
-    )
-    changed = run_placements(
+    queued, changed = _passes(
         session=session,
         workspace_id=workspace_id,
         host=row.host,
@@ -124,15 +116,7 @@ def report_placement(
         if row.state == "placed" and row.asked_at < now - stale_after:
             _hold(session=session, row=row, now=now, ttl=reservation_ttl)
         row.asked_at = now
-    queued = run_queue(
-        session=session,
-        now=now,
-        stale_after=stale_after,
-        backfill_patience=backfill_patience,
-        workspace_id=workspace_id,
-        host=row.host,
-    )
-    changed = run_placements(
+    queued, changed = _passes(
         session=session,
         workspace_id=workspace_id,
         host=row.host,
@@ -146,6 +130,40 @@ def report_placement(
     return PlacementOutcome(
         shown, (), _with(changed, shown) if (row.state, row.note) != before else tuple(changed), queued
     )
+
+
+def _passes(
+    *,
+    session: Session,
+    workspace_id: int,
+    host: str,
+    now: float,
+    stale_after: float,
+    reservation_ttl: float,
+    answering_since: float,
+    backfill_patience: float,
+) -> tuple[QueueOutcome, list[wire.PlacementInfo]]:
+    """A request's passes over its host on the GPUs it brought: the queue's first, as after any report
+    (a paused job waiting before a placement takes the room it fits), then the placements'."""
+    queued = run_queue(
+        session=session,
+        now=now,
+        stale_after=stale_after,
+        backfill_patience=backfill_patience,
+        workspace_id=workspace_id,
+        host=host,
+    )
+    changed = run_placements(
+        session=session,
+        workspace_id=workspace_id,
+        host=host,
+        now=now,
+        stale_after=stale_after,
+        reservation_ttl=reservation_ttl,
+        answering_since=answering_since,
+        backfill_patience=backfill_patience,
+    )
+    return queued, changed
 
 
 def _with(changed: list[wire.PlacementInfo], shown: wire.PlacementInfo) -> tuple[wire.PlacementInfo, ...]:
