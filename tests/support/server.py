@@ -372,6 +372,9 @@ class SimJob:
         update: dict[str, Any] = {"state": self.state, "seq": time.monotonic_ns()}
         if cmd.get("target_uuid"):
             update["gpu_uuid"] = cmd["target_uuid"]
+        # Carried out before it is told: a test reading `done` once the server shows the command
+        # succeeded would otherwise race this thread's return from the report.
+        self.done.append(cmd["id"])
         self._report(
             cmd["id"],
             {
@@ -380,7 +383,6 @@ class SimJob:
                 "result": {"kind": cmd["kind"], "path": "driver", "ok": True, "seconds": 0.01},
             },
         )
-        self.done.append(cmd["id"])
 
 
 # --- figures that docs/reliability.md quotes ----------------------------------------------------
