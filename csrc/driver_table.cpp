@@ -48,7 +48,8 @@ DriverTable load() {
   resolver.legacy = reinterpret_cast<PFN_cuGetProcAddress_legacy>(dlsym(handle, "cuGetProcAddress"));
   auto get_version = reinterpret_cast<PFN_cuDriverGetVersion>(dlsym(handle, "cuDriverGetVersion"));
   if ((resolver.v2 == nullptr && resolver.legacy == nullptr) || get_version == nullptr) {
-    table.load_error = table.library + " has no cuGetProcAddress/cuDriverGetVersion: driver too old (need 550+)";
+    table.load_error =
+        table.library + " has no cuGetProcAddress/cuDriverGetVersion: driver too old (flexium needs 570+)";
     return table;
   }
   get_version(&table.cuda_version);

@@ -261,6 +261,13 @@ FINAL_COMMAND_STATES: tuple[str, ...] = ("succeeded", "failed", "expired")
 ReportState = Literal["running", "succeeded", "failed"]  # what a process may report
 REPORT_STATES: tuple[str, ...] = get_args(ReportState)
 
+# The NVIDIA driver each capability needs. NVIDIA's cuda-checkpoint tool checkpoints from driver 550
+# through an interface of its own; the public cuCheckpointProcess* calls that flexium makes in the
+# job's process arrive with CUDA 12.8, driver 570. Moving restores onto other GPUs: CUDA 13.0, 580.
+PAUSE_RESUME_MIN_DRIVER = 570
+MIGRATION_MIN_DRIVER = 580
+DRIVER_NEEDS = f"{PAUSE_RESUME_MIN_DRIVER}+ to pause and resume, {MIGRATION_MIN_DRIVER}+ to move between GPUs"
+
 # Capability keys a process reports (flexium.utils.get_capabilities()).
 CAP_PAUSE_RESUME = "pause_resume"
 CAP_MIGRATION = "migration"

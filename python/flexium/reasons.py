@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from flexium.protocol import MIGRATION_MIN_DRIVER, PAUSE_RESUME_MIN_DRIVER
+
 # Known reasons a process cannot be moved, as a few words. First match wins; order: the reason
 # that matters most first (a CPU-only torch has no GPU memory to move, whatever the driver).
 _SHORT_REASONS = (
@@ -17,9 +19,12 @@ _SHORT_REASONS = (
     ("install the NVIDIA driver", "no NVIDIA driver"),
     ("no NVIDIA driver", "no NVIDIA driver"),
     ("failed to initialise", "the NVIDIA driver failed to start"),
-    ("is too old", "NVIDIA driver too old (550+ / 580+)"),
-    ("lacks the checkpoint API", "driver lacks the checkpoint API (580+)"),
-    ("migration to another GPU needs 580+", "this driver pauses only; moving needs 580+"),
+    ("is too old", f"NVIDIA driver too old ({PAUSE_RESUME_MIN_DRIVER}+ / {MIGRATION_MIN_DRIVER}+)"),
+    ("lacks the checkpoint API", f"driver lacks the checkpoint API ({MIGRATION_MIN_DRIVER}+)"),
+    (
+        f"migration to another GPU needs {MIGRATION_MIN_DRIVER}+",
+        f"this driver pauses only; moving needs {MIGRATION_MIN_DRIVER}+",
+    ),
     ("cannot be paused or moved as a whole", "its job cannot be moved as a whole"),
     ("cannot take part in a job operation", "a rank cannot take part"),
     ("GPU remapping on restore", "mixed driver versions"),

@@ -374,7 +374,7 @@ def test_buttons_a_job_cannot_use_say_why(api: Api) -> None:
         "no NVIDIA driver &lt;libcuda&gt;"
     )
     assert cpu.count(f'disabled title="{why}"') == 2  # Migrate and Pause
-    assert 'disabled title="This job&#39;s driver cannot migrate (needs 580+)"' in old_driver
+    assert 'disabled title="This job&#39;s driver cannot migrate (needs driver 580+)"' in old_driver
     assert 'data-action="pause"' in old_driver and old_driver.count("disabled") == 1
 
 

@@ -136,7 +136,7 @@ def test_greyed_buttons_say_why_in_a_few_words(api: Api) -> None:
     shown = re.findall(r'<small class="refusal-short" title="([^"]*)">([^<]*)</small>', cpu_row)
     assert shown == [(str(escape("; ".join(cpu))), "CPU-only torch: no GPU memory to move")]
     [(_full, short)] = re.findall(r'<small class="refusal-short" title="([^"]*)">([^<]*)</small>', old_driver)
-    assert short == "migrate: This job&#39;s driver cannot migrate (needs 580+)"
+    assert short == "migrate: This job&#39;s driver cannot migrate (needs driver 580+)"
 
 
 def test_short_reasons_fit_beside_a_button() -> None:
@@ -145,9 +145,9 @@ def test_short_reasons_fit_beside_a_button() -> None:
         "viewer token. An admin issues one: flexium token issue default --role admin"
     )
     assert short_reason(refusal) == "read-only login: an admin token can"
-    assert short_reason("NVIDIA driver 535.1 is too old: pause/resume needs 550+, migration 580+") == (
-        "NVIDIA driver too old (550+ / 580+)"
-    )
+    assert short_reason(
+        "NVIDIA driver 535.1 is too old: it needs 570+ to pause and resume, 580+ to move between GPUs"
+    ) == ("NVIDIA driver too old (570+ / 580+)")
     unknown = "something nobody foresaw, said at great length by a process of a newer flexium release: x"
     assert len(short_reason(unknown)) <= SHORT_REASON_MAX and short_reason(unknown).endswith("…")
 

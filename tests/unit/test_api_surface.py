@@ -417,7 +417,7 @@ def test_without_a_driver_training_runs_and_migration_is_off(scripts: dict[str, 
     [line] = [line for line in run.stderr.splitlines() if line.startswith("[flexium]")]
     assert line.startswith("[flexium] WARNING: flexium in degraded mode on cpu (process gpu-")
     assert "local mode: no FLEXIUM_SERVER): no NVIDIA driver: could not load /nonexistent/libcuda.so.1" in line
-    assert line.endswith("install the NVIDIA driver (550+ for pause/resume, 580+ for migration)")
+    assert line.endswith("install the NVIDIA driver (570+ to pause and resume, 580+ to move between GPUs)")
 
 
 def test_without_a_driver_the_device_is_cpu(scripts: dict[str, Script]) -> None:

@@ -15,8 +15,8 @@ from flexium.client import Refused
 CPU_JOB_REFUSAL = (
     "process 'gpu-0e1e8143' cannot migrate: it reports no 'migration' capability: no NVIDIA driver: could not "
     "load libcuda.so.1 (libcuda.so.1: cannot open shared object file: No such file or directory); install the "
-    "NVIDIA driver (550+ for pause/resume, 580+ for migration); torch 2.13.0+cpu is a CPU-only build: training "
-    "runs, migration and pause are off; flexium's engine is not running in this process (training on cpu): "
+    "NVIDIA driver (570+ to pause and resume, 580+ to move between GPUs); torch 2.13.0+cpu is a CPU-only build: "
+    "training runs, migration and pause are off; flexium's engine is not running in this process (training on cpu): "
     "migrate, pause and resume are off"
 )
 

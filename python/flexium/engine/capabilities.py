@@ -1,6 +1,6 @@
-"""What this machine allows: pause/resume needs the driver checkpoint API (driver 550+, as
-docs/guide/limits.md says; the cuCheckpointProcess* functions themselves arrive with CUDA 12.8),
-migration needs GPU remapping on restore (driver 580+)."""
+"""What this machine allows: pause/resume needs the driver's checkpoint API (the cuCheckpointProcess*
+functions, CUDA 12.8: driver 570+), migration needs GPU remapping on restore (CUDA 13.0: driver
+580+); the thresholds are protocol's, which the server's refusals share."""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ from typing import Any
 
 from flexium.engine import nvml
 from flexium.errors import CapabilityError
-
-PAUSE_RESUME_MIN_DRIVER = 550
-MIGRATION_MIN_DRIVER = 580
+from flexium.protocol import DRIVER_NEEDS, MIGRATION_MIN_DRIVER, PAUSE_RESUME_MIN_DRIVER
 
 # Where NVML is missing, the CUDA version the driver reports bounds its branch from below.
 _MIN_DRIVER_FOR_CUDA = ((13000, 580), (12090, 575), (12080, 570), (12060, 560), (12040, 550), (12000, 525))
@@ -78,7 +76,7 @@ def detect(*, check_torch: bool = True) -> Capabilities:
     cuda_version = status.cuda_version
     gpu_count = 0
     if not status.loaded:
-        problems.append(f"{status.error}; install the NVIDIA driver (550+ for pause/resume, 580+ for migration)")
+        problems.append(f"{status.error}; install the NVIDIA driver ({DRIVER_NEEDS})")
     elif status.init_error:
         problems.append(f"the NVIDIA driver failed to initialise ({status.init_error}); check nvidia-smi")
     else:
@@ -98,16 +96,16 @@ def detect(*, check_torch: bool = True) -> Capabilities:
     if driver_ok and major is not None:
         shown = driver_version or f"{major}+ (CUDA {cuda_text(cuda_version)})"
         if major < PAUSE_RESUME_MIN_DRIVER:
-            problems.append(
-                f"NVIDIA driver {shown} is too old: pause/resume needs 550+, migration 580+; upgrade the driver"
-            )
+            problems.append(f"NVIDIA driver {shown} is too old: it needs {DRIVER_NEEDS}; upgrade the driver")
         elif not checkpoint_api:
             problems.append(
                 f"NVIDIA driver {shown} lacks the checkpoint API (cuCheckpointProcess*, "
-                f"CUDA {cuda_text(_C.CHECKPOINT_API_VERSION)}); upgrade to 580+"
+                f"CUDA {cuda_text(_C.CHECKPOINT_API_VERSION)}); upgrade to {MIGRATION_MIN_DRIVER}+"
             )
         elif major < MIGRATION_MIN_DRIVER:
-            problems.append(f"NVIDIA driver {shown}: pause/resume only; migration to another GPU needs 580+")
+            problems.append(
+                f"NVIDIA driver {shown}: pause/resume only; migration to another GPU needs {MIGRATION_MIN_DRIVER}+"
+            )
         elif cuda_version < 13000:
             problems.append(
                 f"libcuda reports CUDA {cuda_text(cuda_version)} although NVML says driver "

@@ -16,8 +16,8 @@ def refusal(process: wire.ProcessInfo, kind: str, actions_refused: str) -> str:
     able = caps.migration if kind == "migrate" else caps.pause_resume
     if able:
         return ""
-    needs = "580+" if kind == "migrate" else "550+"
-    return "; ".join(caps.problems) or f"This job's driver cannot {kind} (needs {needs})"
+    needs = protocol.MIGRATION_MIN_DRIVER if kind == "migrate" else protocol.PAUSE_RESUME_MIN_DRIVER
+    return "; ".join(caps.problems) or f"This job's driver cannot {kind} (needs driver {needs}+)"
 
 
 def job_pause_refusal(job: wire.JobSummary) -> str | None:

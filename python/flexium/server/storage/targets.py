@@ -37,10 +37,10 @@ def require_capability(proc: Process, key: str, what: str) -> None:
                 f"process {proc.process_id!r} cannot {what}: it reports no {key!r} capability: {'; '.join(problems)}"
             )
         driver = caps.driver_version or proc.driver_version or "unknown"
-        need = "580+" if key == protocol.CAP_MIGRATION else "550+"
+        need = protocol.MIGRATION_MIN_DRIVER if key == protocol.CAP_MIGRATION else protocol.PAUSE_RESUME_MIN_DRIVER
         raise CapabilityMissing(
             f"process {proc.process_id!r} cannot {what}: it reports no "
-            f"{key!r} capability (driver {driver}; {what} needs driver {need})"
+            f"{key!r} capability (driver {driver}; {what} needs driver {need}+)"
         )
 
 
