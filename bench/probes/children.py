@@ -77,6 +77,40 @@ def run_child(argv: list[str], env: dict[str, str], timeout: float) -> Child:
         )
 
 
+class Talking:
+    """A probe's own script run as a child that answers each order (a line on its stdin) with a
+    JSON line: for the probes whose child holds a GPU job across several steps of the parent's."""
+
+    def __init__(self, argv: list[str], *, pass_fds: tuple[int, ...] = ()) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, pass_fds=pass_fds
+        )
+
+    def read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the job exited ({self.proc.wait()})")
+        return dict(json.loads(line))
+
+    def order(self, what: str) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(what + "\n")
+        self.proc.stdin.flush()
+
+    def ask(self, what: str) -> dict[str, Any]:
+        self.order(what)
+        said = self.read()
+        if "error" in said:
+            raise RuntimeError(f"{what}: {said['error']}")
+        return said
+
+    def end(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(60)
+
+
 def run_parts(script: str, parts: list[str], timeout: float) -> list[dict[str, Any]]:
     """Runs `script --part PART` for each part, each in a fresh process; their results, each also
     printed as it comes (a run cut short keeps them)."""

@@ -33,7 +33,6 @@ import ctypes
 import json
 import os
 import socket
-import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -41,6 +40,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tables.py in bench/
 
+from children import Talking  # noqa: E402
 from cuda_driver import CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, CU_MEMHOSTREGISTER_PORTABLE, Driver  # noqa: E402
 from host_cumem_staging import gpu_used_mib  # noqa: E402
 from host_staging import GIB, MADV_POPULATE_WRITE, Libc, fmt, gbps, now  # noqa: E402
@@ -184,37 +184,13 @@ def job_main(sock_fd: int, gb: float, job_gb: float) -> None:
     os._exit(0)
 
 
-class Job:
+class Job(Talking):
     def __init__(self, gb: float, job_gb: float) -> None:
         self.sock, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--job", str(theirs.fileno()), "--gb", str(gb), "--job-gb", str(job_gb)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            pass_fds=(theirs.fileno(),),
-        )
+        argv = [__file__, "--job", str(theirs.fileno()), "--gb", str(gb), "--job-gb", str(job_gb)]
+        super().__init__(argv, pass_fds=(theirs.fileno(),))
         theirs.close()
         assert self.read()["event"] == "ready"
-
-    def read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the job exited ({self.proc.wait()})")
-        return dict(json.loads(line))
-
-    def order(self, what: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(what + "\n")
-        self.proc.stdin.flush()
-
-    def ask(self, what: str) -> dict[str, Any]:
-        self.order(what)
-        said = self.read()
-        if "error" in said:
-            raise RuntimeError(f"{what}: {said['error']}")
-        return said
 
     def make(self, byte: int) -> tuple[int, int]:
         """The job's new memory filled with `byte`: (its fd, received here, and its size)."""
@@ -222,11 +198,6 @@ class Job:
         message, fds, _flags, _addr = socket.recv_fds(self.sock, 4096, 1)
         self.read()
         return fds[0], int(json.loads(message)["size"])
-
-    def end(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        self.proc.wait(60)
 
 
 class Copier:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import threading
 import time
@@ -28,6 +27,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tables.py in bench/
 
+from children import Talking  # noqa: E402
 from tables import print_table  # noqa: E402
 
 GIB = 1 << 30
@@ -77,39 +77,10 @@ def job_main(job_gb: float) -> None:
     os._exit(0)
 
 
-class Job:
+class Job(Talking):
     def __init__(self, job_gb: float) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--job", str(job_gb)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+        super().__init__([__file__, "--job", str(job_gb)])
         assert self.read()["event"] == "ready"
-
-    def read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        line = self.proc.stdout.readline()
-        if not line:
-            raise RuntimeError(f"the job exited ({self.proc.wait()})")
-        return dict(json.loads(line))
-
-    def order(self, what: str) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(what + "\n")
-        self.proc.stdin.flush()
-
-    def ask(self, what: str) -> dict[str, Any]:
-        self.order(what)
-        said = self.read()
-        if "error" in said:
-            raise RuntimeError(f"{what}: {said['error']}")
-        return said
-
-    def end(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        self.proc.wait(60)
 
 
 def main() -> int:
