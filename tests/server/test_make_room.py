@@ -177,3 +177,24 @@ def test_the_reason_given_is_kept_on_the_wait_and_carried_by_the_commands_sent_f
     assert resume.reason is not None and resume.reason.endswith("queued by alice; why: the demo at 3")
     queued = db.run(storage.list_audit, write=False, workspace_id=ws)
     assert any(e.action == "wait.created" and e.detail.endswith("; why: the demo at 3") for e in queued)
+
+
+def test_asked_again_while_its_room_is_held_nothing_more_is_paused(db: Database) -> None:
+    """A second ``--make-room`` for a job whose room is held (its pauses perhaps under way) answers
+    with its wait: the room held for it is its own, not a deficit that pauses more jobs."""
+    ws, _ = make_workspace(db)
+    running(db, ws, "low-50", memory=50 * GIB, priority=LOW)
+    running(db, ws, "normal-60", memory=60 * GIB, priority=NORMAL)
+    gpus_report(db, ws, NOW, 138 * GIB, 138 * GIB)
+    paused(db, ws, "urgent", footprint=45 * GIB, priority=HIGH, visible_gpus=["GPU-0000"])
+    first = queue(db, ws, "urgent", make_room=True)
+    assert pauses(first) == ["low-50"] and first.wait.reservation is not None
+    for now in (NOW + 1, NOW + 2):  # the pause still under way, then done and not yet shown
+        again = queue(db, ws, "urgent", now=now, make_room=True)
+        assert again.commands == [], again.commands
+        assert again.wait.id == first.wait.id and again.wait.reservation == first.wait.reservation
+        [pause] = first.commands
+        if now == NOW + 1:
+            next_for(db, ws, "low-50")
+            report(db, ws, pause.id, "succeeded", process={"state": "PAUSED", "memory_bytes": 0})
+    assert "normal-60" not in waits(db, ws)  # never paused, so never queued

@@ -31,7 +31,14 @@ from flexium.server.storage.processes import active_command, find_process
 from flexium.server.storage.reservations import hold_room, lock_hosts
 from flexium.server.storage.targets import target_refusal
 from flexium.server.storage.views import is_stale, stored_capabilities
-from flexium.server.storage.waits import cancel_live_wait, may_resume_on, paused_job, queue_wait, wanted_gpu
+from flexium.server.storage.waits import (
+    cancel_live_wait,
+    live_wait_of,
+    may_resume_on,
+    paused_job,
+    queue_wait,
+    wanted_gpu,
+)
 from flexium.server.storage.workspaces import AuthInfo
 from flexium.units import gib
 
@@ -306,6 +313,19 @@ def make_room(
     return RoomMade(pauses, held)
 
 
+def _room_held(*, session: Session, proc: Process, gpu_uuid: str | None, now: float) -> Wait | None:
+    """The job's wait when room is held for it already (an earlier make-room, its pauses perhaps still
+    under way) on ``gpu_uuid`` (None: any GPU). Asked again, that room is its own: counted as someone
+    else's, it would pause more jobs for room the job has."""
+    live = live_wait_of(session=session, proc=proc, for_update=True)
+    if live is None or live.state != "waiting":
+        return None
+    held = session.scalar(
+        select(Reservation.gpu_uuid).where(Reservation.wait_id == live.id, Reservation.expires_at > now).limit(1)
+    )
+    return live if held is not None and gpu_uuid in (None, held) else None
+
+
 def resume_making_room(
     *,
     session: Session,
@@ -326,6 +346,9 @@ def resume_making_room(
         )
     holder, priority = paused_job(session=session, proc=proc, now=now, stale_after=stale_after)
     named = wanted_gpu(session=session, proc=proc, request=request, now=now, stale_after=stale_after)
+    held = _room_held(session=session, proc=proc, gpu_uuid=named.uuid if named is not None else None, now=now)
+    if held is not None:
+        return held, []
 
     def candidates(room: HostRoom) -> dict[str, str | None]:
         devices = {uuid: gpu.device for uuid, gpu in room.gpus.items()}
