@@ -218,6 +218,9 @@ COMMAND_TTL_S = 300.0  # queued/delivered but never started for this long: expir
 # of a neighbour's exit, where device reports ride heartbeats every HEARTBEAT_INTERVAL_S.
 ROOM_WATCH_INTERVAL_S = 0.15
 RESERVATION_TTL_S = 300.0  # room made for a job is held for it this long at most
+# What a job flexium run started has not taken yet of its room stays held this long from its
+# registration: a job registers at flexium.init(), before it loads its data and allocates.
+STARTED_HOLD_S = 900.0
 # The headroom a job's own room check asks beside other processes or on another GPU
 # (engine/target_rules.py's DEFAULT_MEMORY_MARGIN_BYTES): the server's queue asks the same.
 ROOM_MARGIN_BYTES = 512 << 20

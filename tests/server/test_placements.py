@@ -139,7 +139,7 @@ def _job_token(db: Database, ws: int, minted_by: storage.AuthInfo | None) -> sto
     return storage.AuthInfo(workspace_id=ws, workspace="team", token_id=token.id, role="job", token_name="")
 
 
-def _take(db: Database, ws: int, actor: storage.AuthInfo, placement_id: int) -> wire.PlacementInfo:
+def _take(db: Database, ws: int, actor: storage.AuthInfo, placement_id: int, now: float = NOW) -> wire.PlacementInfo:
     db.run(
         storage.take_placement,
         write=True,
@@ -147,7 +147,7 @@ def _take(db: Database, ws: int, actor: storage.AuthInfo, placement_id: int) -> 
         actor=actor,
         placement_id=placement_id,
         process_id="gpu-run",
-        now=NOW,
+        now=now,
     )
     info: wire.PlacementInfo = db.run(
         storage.get_placement, write=False, workspace_id=ws, actor=admin(ws), placement_id=placement_id, now=NOW
@@ -297,6 +297,25 @@ def test_the_room_of_a_job_that_registered_stays_held_until_its_memory_shows(db:
     assert queue(db, ws, "waiter", now=NOW + 4).wait.state == "waiting"
     gpus_report(db, ws, NOW + 5, 0)
     assert resumed(run(db, NOW + 5)) == []
+
+
+def test_a_started_jobs_room_is_held_for_a_while_from_its_registration_not_from_its_placement(db: Database) -> None:
+    """A job registers at flexium.init(), then loads its data: the room its memory has not taken is
+    held STARTED_HOLD_S from its registration, then given up."""
+    ws, _ = make_workspace(db)
+    first = place(db, ws, 0, memory_bytes=100 * GIB).placement
+    registered = NOW + TTL - 10  # just before the placement's own hold would end
+    add_process(db, ws, "gpu-run", memory=0, gpu_index=0, n_gpus=1, now=registered)
+    taken = _take(db, ws, admin(ws), first.id, now=registered)
+    assert taken.reservation is not None and taken.reservation.expires_at == registered + protocol.STARTED_HOLD_S
+    still = registered + protocol.STARTED_HOLD_S - 10
+    paused(db, ws, "waiter", footprint=100 * GIB, visible_gpus=["GPU-0000"], now=still)
+    assert queue(db, ws, "waiter", now=still).wait.state == "waiting"
+    gpus_report(db, ws, still, 0)
+    assert resumed(run(db, still)) == []  # past the placement's five minutes, the room is still the job's
+    after = registered + protocol.STARTED_HOLD_S + 1
+    gpus_report(db, ws, after, 0)
+    assert resumed(run(db, after)) == ["waiter"]
 
 
 def test_the_jobs_paused_to_make_room_are_not_resumed_into_it_when_its_job_registers(db: Database) -> None:

@@ -82,8 +82,9 @@ def find_placement(
 def end_placement(*, session: Session, row: Placement, state: str, note: str, now: float) -> None:
     """Waits no more (``cancelled``: never placed; ``ended``: placed, its job never took the room;
     ``started``: its job registered): the room held for it released, but for a started job's, which
-    holds what its memory has not yet taken until it expires (a job registers before it allocates:
-    HostRoom.read counts the hold less what the job's reports show)."""
+    holds what its memory has not yet taken until it expires, STARTED_HOLD_S after the registration at
+    the earliest (a job registers before it allocates: HostRoom.read counts the hold less what the
+    job's reports show)."""
     row.state = state
     row.finished_at = now
     row.note = note[: protocol.MAX_LONG_TEXT]
@@ -160,6 +161,7 @@ def take_placement(
         held.holder = f"placement {row.id}, process {process_id} started: until its memory shows"[
             : protocol.MAX_SHORT_TEXT
         ]
+        held.expires_at = max(held.expires_at, now + protocol.STARTED_HOLD_S)
     return placement_view(session=session, row=row, now=now)
 
 
