@@ -2,11 +2,15 @@
 host with room (the other one filled by a neighbour, another program's memory), seeing every GPU
 of its host, with a job token minted for it and revoked when it ends, its exit status flexium
 run's; with both GPUs full it waits, saying so, and starts once the neighbour leaves; Ctrl-C while
-it waits cancels its placement, and while the job runs reaches the job."""
+it waits cancels its placement, and while the job runs reaches the job; a server that stops
+answering while the job runs keeps flexium run only seconds after its job, and the token it could
+not revoke is named."""
 
 from __future__ import annotations
 
+import os
 import signal
+import time
 from pathlib import Path
 from typing import Any
 
@@ -83,3 +87,34 @@ def test_ctrl_c_while_it_waits_cancels_and_while_the_job_runs_reaches_the_job(se
         assert running.proc.wait(30) == 130  # the job ended by the SIGINT passed on to it
     finally:
         running.kill()
+
+
+def test_a_server_that_stops_answering_keeps_flexium_run_only_seconds_after_its_job(
+    server: Server, tmp_path: Path
+) -> None:
+    host_file = tmp_path / "neighbours"
+    write_host_file(host_file, {})
+    run = Run(server, tmp_path, host_file)
+    assert server.child.proc is not None
+    try:
+        process_id, _ = run.started()
+        wait_until(lambda: server.process(process_id), 20, "the job to register")
+        placement = next(p for p in _placements(server) if p["process_id"] == process_id)
+        minted = next(
+            t for t in server.get("/tokens").json() if t["name"] == f"flexium run, placement {placement['id']}"
+        )
+        os.kill(server.child.proc.pid, signal.SIGSTOP)
+        try:
+            ended = time.monotonic()
+            assert run.end(3) == 3, run.output.text[-3000:]
+            took = time.monotonic() - ended
+        finally:
+            os.kill(server.child.proc.pid, signal.SIGCONT)
+        # The job's own exit (an unregister it cannot send, ~2 s), then a few seconds to tidy up;
+        # asked with the default retries it took 30 to 60 s.
+        assert took < 20, (took, run.output.text[-3000:])
+        said = run.output.text
+        assert f"could not revoke the job token minted for the job, token {minted['id']}" in said, said[-3000:]
+        assert f"flexium token revoke e2e {minted['id']}" in said
+    finally:
+        run.kill()

@@ -128,12 +128,16 @@ def test_a_viewer_token_holds_its_share_of_event_streams(crowded: ServerProcess)
 
 def test_registered_jobs_keep_their_share_of_requests_in_progress(tmp_path: Path) -> None:
     """Others may hold at most --max-requests less --job-request-share of it (0.25): a job's
-    heartbeat and poll still go through when the rest is taken."""
+    heartbeat, poll and command report still go through when the rest is taken."""
     srv = _server(tmp_path / "home", "--max-requests", "20", open_files=1024)
     try:
         assert srv.token
         job = TimedJob(srv.url, srv.token, "reserved-job")
         job.register()
+        created = job.session.post(f"{job.base}/commands", json={"kind": "pause", "process_id": job.process_id})
+        assert created.status_code == 201, created.text
+        delivered = job.session.get(f"{job.base}/processes/{job.process_id}/commands/next", params={"wait": 5})
+        assert delivered.status_code == 200 and delivered.json()["id"] == created.json()["id"], delivered.text
         held, statuses = [], []
         for i in range(20):
             sock = connect(srv.port, source=f"127.0.0.{2 + i % 4}")
@@ -148,6 +152,9 @@ def test_registered_jobs_keep_their_share_of_requests_in_progress(tmp_path: Path
             assert statuses.count(200) == 20 - 5
             assert statuses.count(503) == 5
             assert job.beat(1) < SERVED_WITHIN_S
+            assert job.timed("POST", f"/commands/{created.json()['id']}/report", json={"state": "running"}) < (
+                SERVED_WITHIN_S
+            )
             assert 0.9 < job.poll(1) < 1 + SERVED_WITHIN_S
             busy = requests.get(f"{srv.url}/healthz", timeout=10)
             assert busy.status_code == 503 and busy.headers["Retry-After"] == "1"

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -89,6 +90,9 @@ class StubServer:
         self.reports: list[tuple[int, dict[str, Any]]] = []
         self.redeliver: set[int] = set()
         self.polls = 0
+        self.beats = 0
+        self.refuse_reports = False  # 503 to every report, as a busy server's share for others
+        self.refused_reports = 0
         self.changed = threading.Condition()
         self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
         self.httpd.daemon_threads = True
@@ -179,11 +183,16 @@ class StubServer:
                         },
                     )
                 elif self.path == prefix + protocol.PATH_HEARTBEAT.format(process_id=PROCESS_ID):
+                    stub.beats += 1
                     self._send(
                         200,
                         {"ok": True, "pending_command": None, "heartbeat_interval_s": 0.2, "server_time": time.time()},
                     )
                 elif self.path.startswith(prefix + "/commands/") and self.path.endswith("/report"):
+                    if stub.refuse_reports:
+                        stub.refused_reports += 1
+                        self._send(503, {"error": "unavailable", "message": "the server is busy"})
+                        return
                     command = stub.report(int(self.path.split("/")[-2]), body)
                     self._send(404, {"error": "not_found", "message": "no such command"}) if command is None else (
                         self._send(200, command)
@@ -232,7 +241,9 @@ class PausingEngine:
 
 class Reporter:
     def register_body(self, _gpus: Any) -> wire.RegisterRequest:
-        return wire.RegisterRequest(process_id=PROCESS_ID, host="unit-host", state="RUNNING")
+        return wire.RegisterRequest(
+            process_id=PROCESS_ID, host="unit-host", state="RUNNING", capabilities=self.capabilities()
+        )
 
     def heartbeat_body(self, _gpus: Any) -> wire.HeartbeatRequest:
         return wire.HeartbeatRequest(state="RUNNING")
@@ -397,6 +408,41 @@ def test_a_command_target_is_logged_in_the_jobs_own_numbering(
     said = [r.getMessage() for r in records.records]
     assert any(m.startswith("command 5: migrate to cuda:0 ") for m in said), said
     assert any(m.startswith("command 6: migrate to GPU-not-mine ") for m in said), said
+
+
+def test_heartbeats_go_on_while_a_report_is_retried(
+    setup: tuple[StubServer, ProcessClient, PausingEngine, Training, Records],
+) -> None:
+    """A server that refuses the job's reports (503) but takes its heartbeats: the outcome is
+    retried without holding back the heartbeats, else the job would look stale, and then lands."""
+    stub, client, engine, training, records = setup
+    stub.refuse_reports = True
+    stub.queue(_command(7, "pause"))
+    assert _wait_for(lambda: engine.calls == ["pause"] and stub.refused_reports >= 3, 20)
+    beats = stub.beats
+    assert _wait_for(lambda: stub.beats >= beats + 3, 5), "no heartbeat while the report was retried"
+    assert stub.reports_on(7) == []
+    stub.refuse_reports = False
+    assert _wait_for(lambda: [r["state"] for r in stub.reports_on(7)] == ["succeeded"], 20)
+    assert training.keeps_stepping()
+
+
+def test_stop_is_bounded_when_the_name_lookup_hangs(
+    setup: tuple[StubServer, ProcessClient, PausingEngine, Training, Records], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """At exit the unregister opens a connection of its own, whose name lookup no request timeout
+    bounds: a resolver that does not answer must not hold the process's exit."""
+    stub, client, engine, training, records = setup
+    real = socket.getaddrinfo
+
+    def hanging(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(30)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", hanging)
+    started = time.monotonic()
+    client.stop(timeout=0.5)
+    assert time.monotonic() - started < 2.0
 
 
 def test_a_registration_the_server_refuses_is_said_at_error_once(caplog: pytest.LogCaptureFixture) -> None:

@@ -28,6 +28,7 @@ from flexium.units import read_size
 
 ASK_EVERY_S = 0.5  # while it waits: how soon room that appears is seen
 KEEP_ASKING_S = 2.0  # once started, until its job registers: the placement stays alive
+TIDY_TIMEOUT_S = 3.0  # each attempt to close the placement and revoke the job's token, once it ended
 
 
 def add_commands(commands: Any) -> None:
@@ -263,18 +264,33 @@ def _terminal_sent_it() -> bool:
 
 
 def _still_placed(api: ApiClient, placement_id: int) -> bool:
-    """Asks again so that the placement stays alive until its job registers; whether it did."""
+    """Asks again so that the placement stays alive until its job registers; whether it did. One
+    short attempt: a server that does not answer is asked again next round, and the job's end is
+    seen meanwhile."""
     try:
-        placement = api.report_placement(placement_id, wire.PlacementReport(devices=read_reports()))
+        placement = api.report_placement(
+            placement_id, wire.PlacementReport(devices=read_reports()), timeout=KEEP_ASKING_S, retries=0
+        )
     except ServerError:
         return False
     return placement.state != "placed"
 
 
 def _close(api: ApiClient, placement_id: int, minted: int | None) -> None:
+    """The placement closed and the job token minted for it revoked, each tried briefly and on its
+    own: a server that does not answer keeps flexium run no longer than a few seconds after its
+    job (the server ends a placement whose flexium run went silent); a token it could not revoke
+    is named, with how to revoke it."""
     try:
-        api.close_placement(placement_id)
-        if minted is not None:
-            api.revoke_token(minted)
+        api.close_placement(placement_id, timeout=TIDY_TIMEOUT_S, retries=1)
     except ServerError as exc:
-        _say(f"could not tidy up after the job: {exc}")
+        _say(f"could not close placement {placement_id} (the server ends it once flexium run is silent): {exc.message}")
+    if minted is None:
+        return
+    try:
+        api.revoke_token(minted, timeout=TIDY_TIMEOUT_S, retries=1)
+    except ServerError as exc:
+        _say(
+            f"could not revoke the job token minted for the job, token {minted} ({exc.message}): it stays valid "
+            f"until revoked: flexium token revoke {api.workspace} {minted}"
+        )

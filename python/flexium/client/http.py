@@ -185,6 +185,7 @@ class ApiClient:
         stop: threading.Event | None = None,
         backoff: Backoff | None = None,
         workspace: bool = True,
+        hold: threading.Lock | None = None,
     ) -> Any:
         """Sends one request; returns the decoded JSON body, or None for 204.
 
@@ -193,14 +194,18 @@ class ApiClient:
         limit). When the server cannot be reached or answers 5xx, the request is tried again
         up to ``retries`` more times (None: until ``stop`` is set or ``deadline``, a
         ``time.monotonic()`` value, passes), after a backoff wait. 4xx answers are never
-        retried: they raise Unauthorized, NotFound or Refused with the server's message.
+        retried: they raise Unauthorized, NotFound or Refused with the server's message. ``hold``:
+        a lock held for each attempt, never through a backoff wait (others may send between).
         """
         backoff = backoff or Backoff()
         attempt = 0
         late_again = False
         while True:
             try:
-                return self._once(method, path, json=json, params=params, timeout=timeout, workspace=workspace)
+                if hold is None:
+                    return self._once(method, path, json=json, params=params, timeout=timeout, workspace=workspace)
+                with hold:
+                    return self._once(method, path, json=json, params=params, timeout=timeout, workspace=workspace)
             except (Unreachable, Unavailable) as exc:
                 attempt += 1
                 if retries is not None and attempt > retries:
@@ -332,6 +337,7 @@ class ApiClient:
         timeout: float,
         retries: int | None,
         stop: threading.Event | None = None,
+        hold: threading.Lock | None = None,
     ) -> None:
         """The server's answer (the command as it stored it) is left unread: a 2xx means it
         took the report, and a command this client could not read (``UnreadableCommand``)
@@ -343,6 +349,7 @@ class ApiClient:
             timeout=timeout,
             retries=retries,
             stop=stop,
+            hold=hold,
         )
 
     def health(self, *, timeout: float = DEFAULT_TIMEOUT_S, retries: int = 0) -> wire.HealthInfo:
@@ -460,22 +467,37 @@ class ApiClient:
         answer = self.request("POST", protocol.PATH_PLACEMENTS, json=_body(body))
         return self._read(wire.PlacementCreated, answer, "the new placement")
 
-    def report_placement(self, placement_id: int, body: wire.PlacementReport) -> wire.PlacementInfo:
+    def report_placement(
+        self,
+        placement_id: int,
+        body: wire.PlacementReport,
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        retries: int = 2,
+    ) -> wire.PlacementInfo:
         answer = self.request(
-            "POST", protocol.PATH_PLACEMENT_REPORT.format(placement_id=placement_id), json=_body(body), retries=2
+            "POST",
+            protocol.PATH_PLACEMENT_REPORT.format(placement_id=placement_id),
+            json=_body(body),
+            timeout=timeout,
+            retries=retries,
         )
         return self._read(wire.PlacementInfo, answer, "the placement")
 
-    def close_placement(self, placement_id: int) -> wire.PlacementInfo:
-        answer = self.request("DELETE", protocol.PATH_PLACEMENT.format(placement_id=placement_id), retries=2)
+    def close_placement(
+        self, placement_id: int, *, timeout: float = DEFAULT_TIMEOUT_S, retries: int = 2
+    ) -> wire.PlacementInfo:
+        answer = self.request(
+            "DELETE", protocol.PATH_PLACEMENT.format(placement_id=placement_id), timeout=timeout, retries=retries
+        )
         return self._read(wire.PlacementInfo, answer, "the placement")
 
     def issue_token(self, body: wire.TokenRequest) -> wire.TokenCreated:
         answer = self.request("POST", protocol.PATH_TOKENS, json=_body(body))
         return self._read(wire.TokenCreated, answer, "the new token")
 
-    def revoke_token(self, token_id: int) -> wire.TokenRevoked:
-        answer = self.request("DELETE", protocol.PATH_TOKEN.format(token_id=token_id), retries=2)
+    def revoke_token(self, token_id: int, *, timeout: float = DEFAULT_TIMEOUT_S, retries: int = 2) -> wire.TokenRevoked:
+        answer = self.request("DELETE", protocol.PATH_TOKEN.format(token_id=token_id), timeout=timeout, retries=retries)
         return self._read(wire.TokenRevoked, answer, "the revoked token")
 
     def set_priority(self, process_id: str, priority: int) -> wire.ProcessInfo:

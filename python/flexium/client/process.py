@@ -101,12 +101,24 @@ class ProcessClient:
 
     def stop(self, timeout: float = UNREGISTER_TIMEOUT_S) -> None:
         """Unregisters (one short attempt) and lets the threads end; never waits for a
-        long-poll or a server that does not answer."""
+        long-poll or a server that does not answer. The unregister runs in a thread of its own,
+        waited for at most 2 × ``timeout``: its connection's name lookup, which no timeout of the
+        request's bounds, may hang as long as DNS does, and the process must exit."""
         if self._stop.is_set():
             return
         self._stop.set()
         self._wake.set()
         self.progress.uninstall()
+        unregistering = threading.Thread(
+            target=self._unregister, args=(timeout,), name="flexium-unregister", daemon=True
+        )
+        unregistering.start()
+        unregistering.join(2 * timeout)
+        for thread in self._threads:
+            thread.join(0.2)
+        self.api.close()
+
+    def _unregister(self, timeout: float) -> None:
         # A registration in flight finishes first, so that it cannot land after the unregister.
         locked = self._send_lock.acquire(timeout=timeout)
         try:
@@ -114,12 +126,11 @@ class ProcessClient:
                 self.api.unregister(self.process_id, timeout=timeout)
         except ServerError as exc:
             log.debug("unregister failed: %s", exc)
+        except Exception:  # a daemon thread's failure at exit is only a process left to go stale
+            log.debug("unregister failed", exc_info=True)
         finally:
             if locked:
                 self._send_lock.release()
-        for thread in self._threads:
-            thread.join(0.2)
-        self.api.close()
 
     @property
     def registered(self) -> bool:
@@ -403,13 +414,14 @@ class ProcessClient:
     def _send_report(self, command_id: int, report: wire.CommandReport, *, final: bool) -> None:
         """A final outcome is retried until the server takes it (or the client stops): it is
         the only record of what the process did. 'running' is tried briefly; the operation
-        does not wait for the server."""
+        does not wait for the server. The send lock is held for each attempt only: heartbeats go
+        out between them (the server orders bodies by ``seq``), else a server that refuses only
+        reports would see the job go stale."""
         try:
-            with self._send_lock:
-                if final:
-                    self.api.report_command(command_id, report, timeout=REPORT_TIMEOUT_S, retries=None, stop=self._stop)
-                else:
-                    self.api.report_command(command_id, report, timeout=REPORT_TIMEOUT_S, retries=2)
+            retries = None if final else 2
+            self.api.report_command(
+                command_id, report, timeout=REPORT_TIMEOUT_S, retries=retries, stop=self._stop, hold=self._send_lock
+            )
         except (NotFound, Refused, Unauthorized) as exc:
             log.warning("the server refused the report on command %d (%s): %s", command_id, report.state, exc.message)
         except ServerError as exc:

@@ -198,8 +198,7 @@ def create_app(settings: Settings | None = None, *, database: Database | None = 
         for ws, process_id, command_id in await db.call(storage.pending_commands, write=False):
             ctx.command_pending(ws, process_id, command_id)
         for ws, process_id, snapshot in await db.call(storage.load_snapshots, write=False):
-            ctx.snapshots[(ws, process_id)] = snapshot
-            ctx.process_hosts[(ws, process_id)] = snapshot.host
+            ctx.process_seen_here(ws, process_id, snapshot)
         db.start_checkpoints()
         if not db.is_sqlite:  # several servers may share the database: each tells the others
             await replicas.start_link(ctx)

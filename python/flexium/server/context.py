@@ -104,6 +104,9 @@ class ServerContext:
     started_at: float = field(default_factory=time.time)
     tokens: TokenCache = field(init=False)
     process_hosts: dict[tuple[int, str], str] = field(default_factory=dict)
+    # The token that registered each process known here, kept while its snapshot comes and goes:
+    # the fair share's gate for the jobs' own requests (fair_share.py).
+    process_owners: dict[tuple[int, str], int | None] = field(default_factory=dict)
     device_writes: dict[tuple[int, str], float] = field(default_factory=dict)
     device_rooms: dict[tuple[int, str], tuple[Any, ...]] = field(default_factory=dict)  # the room it stored
     # Plain heartbeats (nothing changed but the time) are answered from memory and written in
@@ -223,6 +226,7 @@ class ServerContext:
         else:
             self.snapshots[key] = snapshot
             self.process_hosts[key] = snapshot.host
+            self.process_owners[key] = snapshot.token_id
 
     def should_write_devices(self, workspace_id: int, process_id: str, now: float) -> bool:
         host = self.process_hosts.get((workspace_id, process_id))
@@ -271,6 +275,7 @@ class ServerContext:
 
     def forget_process_here(self, workspace_id: int, process_id: str) -> None:
         self.process_hosts.pop((workspace_id, process_id), None)
+        self.process_owners.pop((workspace_id, process_id), None)
         self.snapshots.pop((workspace_id, process_id), None)
         self.pending.pop((workspace_id, process_id), None)
 

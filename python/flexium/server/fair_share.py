@@ -2,8 +2,9 @@
 dependency), after kube-apiserver's priority and fairness: no one client's requests may take
 what the others, and above all the training jobs, need.
 
-- Registered jobs' heartbeats and polls (a token the cache knows, on a process it registered, or
-  an admin's) may use every one of ``max_requests``; every other request only what is left of
+- Registered jobs' heartbeats, polls and command reports (a token the cache knows, on a process it
+  registered, or an admin's; a report, by a token that registered a process the server knows) may
+  use every one of ``max_requests``; every other request only what is left of
   it after ``job_request_share`` of it, kept for them. A flood of logins or reads then leaves the
   jobs' heartbeats and polls room.
 - Those other requests are held to ``max_requests_per_client`` in progress per client address
@@ -34,6 +35,7 @@ from flexium.server.settings import option_and_env
 from flexium.server.storage import AuthInfo
 
 _JOB_REQUEST = re.compile(r"^/api/w/([^/]+)/processes/([^/]+)/(?:heartbeat|commands/next)$")
+_JOB_REPORT = re.compile(r"^/api/w/([^/]+)/commands/[0-9]+/report$")
 _HOLD = "flexium_fair_share"
 RETRY_AFTER_S = 1
 
@@ -121,9 +123,12 @@ class FairShare:
         return None
 
     def _registered_job(self, scope: Any) -> bool:
-        """A heartbeat or poll of a process the server holds in memory, by the token that
-        registered it (or an admin's), as far as the token cache knows without a lookup."""
-        match = _JOB_REQUEST.match(scope.get("path", ""))
+        """A heartbeat or poll of a process the server knows, by the token that registered it (or
+        an admin's), or a command report by a token that registered one, as far as the token cache
+        knows without a lookup. A job's report is what it did: refused with the others' requests,
+        it would be retried while a flood of reads lasts."""
+        path = scope.get("path", "")
+        match = _JOB_REQUEST.match(path) or _JOB_REPORT.match(path)
         if match is None:
             return False
         token = scope_bearer_token(scope)
@@ -132,8 +137,13 @@ class FairShare:
         auth = cached_token(self.ctx, token, time.time())
         if auth is None or auth.workspace != match.group(1):
             return False
-        snapshot = self.ctx.snapshots.get((auth.workspace_id, match.group(2)))
-        return snapshot is not None and (auth.role == protocol.ROLE_ADMIN or snapshot.token_id == auth.token_id)
+        owners = self.ctx.process_owners
+        if match.re is _JOB_REPORT:
+            return any(  # over a copy: threads write it
+                key[0] == auth.workspace_id and owner == auth.token_id for key, owner in list(owners.items())
+            )
+        key = (auth.workspace_id, match.group(2))
+        return key in owners and (auth.role == protocol.ROLE_ADMIN or owners[key] == auth.token_id)
 
 
 class _Hold:
