@@ -312,6 +312,31 @@ def test_after_stop_no_operation_waits_for_the_optimizer(
     assert driver_call_threads(fake) == {threading.get_native_id()}
 
 
+@pytest.mark.usefixtures("nvml_in_parent")
+def test_stop_runs_a_pause_waiting_for_a_safe_point_at_once_then_resumes_it_before_going_on(
+    fake: FakeDriver, make_engine: Callable[..., Any], trainers: Callable[..., Trainer]
+) -> None:
+    """flexium.shutdown() while a pause waits for the training thread's next step, which will not
+    come: the pause runs at once on its caller's thread, and stop waits for it (what stop tears
+    down is what it uses), then resumes the job in place."""
+    fake.set_process_memory(0, GiB)
+    gate = threading.Event()
+    engine = make_engine(safe_point_wait_seconds=30.0)
+    trainer = trainers(gate=gate)
+    gate.set()
+    wait_until(lambda: trainer.steps == 1, what="one step")
+    pause = Background(engine.pause)
+    pause.start()
+    wait_until(lambda: engine._safe_points._pending is not None, what="the pause to wait for a safe point")
+    started = time.monotonic()
+    engine.stop()
+    assert time.monotonic() - started < 10.0  # not the 30 s safe-point wait
+    result = pause.join_result()
+    assert result.ok and result.kind.value == "pause"
+    assert engine.state == EngineState.RUNNING and fake.state() == ProcessState.RUNNING
+    assert trainer.tid not in driver_call_threads(fake)
+
+
 # ----------------------------------------------------------------------------- NVML while frozen (real child)
 
 

@@ -55,6 +55,8 @@ log = logging.getLogger("flexium")
 
 DEFAULT_LOCK_TIMEOUT_MS = 30_000
 DEFAULT_SAFE_POINT_WAIT_SECONDS = 5.0
+# How long shutdown waits for an operation under way: a 64 GiB pause on the driver path takes tens of seconds.
+STOP_WAIT_S = 120.0
 
 
 class Engine:
@@ -110,9 +112,21 @@ class Engine:
             self._keeper.start()
 
     def stop(self) -> None:
-        """Unhooks; a job paused at shutdown is resumed in place so the process can exit."""
+        """Unhooks; an operation under way ends first (one waiting for a safe point runs at once),
+        as what stop tears down (the fast path, the keeper) is what it uses; a job paused at
+        shutdown is resumed in place so the process can exit."""
         self._safe_points.between_operations(None)
         self._safe_points.uninstall()
+        if self._operation_lock.locked():
+            log.info("waiting for the operation under way (%s) before flexium stops", self.state.value)
+        if self._operation_lock.acquire(timeout=STOP_WAIT_S):
+            self._operation_lock.release()
+        else:
+            log.error(
+                "an operation still runs %.0f s into flexium's shutdown (%s); stopping beside it",
+                STOP_WAIT_S,
+                self.state.value,
+            )
         if self.state == EngineState.PAUSED:
             try:
                 self.resume()

@@ -36,6 +36,7 @@ class _Request(Generic[T]):
         self.then = then
         self.ready = ready  # None: the first safe point takes it
         self.taken = False
+        self.withdrawn = False  # by uninstall(): no safe point will come
         self.done = threading.Event()
         self.result: T | None = None
         self.error: BaseException | None = None
@@ -63,10 +64,17 @@ class SafePoints:
         return True
 
     def uninstall(self) -> None:
+        """No safe point comes after it: a request still waiting for one is withdrawn, and its
+        caller runs it at once, as after the bounded wait (run), or is told so (run_when)."""
         if self._handle is not None:
             self._handle.remove()
             self._handle = None
             foreign_steps.unwatch(self._on_step)
+        with self._lock:
+            request, self._pending = self._pending, None
+            if request is not None and not request.taken:
+                request.withdrawn = True
+                request.done.set()
 
     def between_operations(self, work: Callable[[], bool] | None) -> None:
         """`work()` runs at each safe point no operation takes, until it returns False or raises
@@ -107,6 +115,8 @@ class SafePoints:
                     log.info("no optimizer step within %.1f s: running the operation now", self.wait_seconds)
                     return work(False), False
             request.done.wait()
+        if request.withdrawn:
+            return work(False), False
         if request.error is not None:
             raise request.error
         return cast(T, request.result), True  # set with no error: what `work` returned
@@ -142,6 +152,8 @@ class SafePoints:
                         else f"the job's ranks did not reach the same optimizer step within {deadline_s:g} s"
                     )
             request.done.wait()
+        if request.withdrawn:
+            raise SafePointMissed("the job is shutting down flexium: no optimizer step will take it")
         if request.error is not None:
             raise request.error
         return cast(T, request.result)
