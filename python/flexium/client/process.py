@@ -236,11 +236,11 @@ class ProcessClient:
     def _heartbeat(self, *, room_seen: bool = False) -> bool:
         """Whether the server answered. ``room_seen``: the room the job waits for appeared; its
         devices are stored at once."""
-        if self.reporter.capabilities() != self._registered_capabilities:
-            log.info("what this process can do changed: registering again to tell the server")
-            self._registered.clear()
-            return False
         try:
+            if self.reporter.capabilities() != self._registered_capabilities:
+                log.info("what this process can do changed: registering again to tell the server")
+                self._registered.clear()
+                return False
             reading = GpuReading.take()  # outside the lock: a frozen process's read takes a child process
             with self._send_lock:
                 body = self.reporter.heartbeat_body(reading)
