@@ -51,7 +51,8 @@ def drain(
 
 
 class Server:
-    """The drains API as the CLI calls it: the drain made, then one scripted answer per read."""
+    """The drains API as the CLI calls it: the drain made, then one scripted answer per read (the
+    last one again and again)."""
 
     def __init__(
         self, made: wire.DrainInfo, reads: list[wire.DrainInfo], listed: tuple[wire.DrainInfo, ...] = ()
@@ -66,7 +67,7 @@ class Server:
 
     def get_drain(self, drain_id: int) -> wire.DrainInfo:
         assert drain_id == self.made.id
-        return self.reads.pop(0)
+        return self.reads.pop(0) if len(self.reads) > 1 else self.reads[0]
 
     def list_drains(self, host: str) -> list[wire.DrainInfo]:
         return [d for d in self.listed if d.host == host]
@@ -162,7 +163,7 @@ def test_a_drain_still_under_way_after_the_timeout_fails_saying_how_to_see_it(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     under_way = drain(moves=[move("gpu-a", "migrate", "running", 1)])
-    assert run(Server(under_way, [under_way] * 5), "drain", "node1:2", "--timeout", "0") == EXIT_FAILED
+    assert run(Server(under_way, [under_way] * 5), "drain", "node1:2", "--timeout", "0.01") == EXIT_FAILED
     err = capsys.readouterr().err
     assert "drain 4: moves still under way after 0 s (`flexium drain` again shows them; GET /drains/4)" in err
 
@@ -180,7 +181,7 @@ def test_json_prints_the_drain_as_it_ended_and_nothing_else(capsys: pytest.Captu
 
 def test_json_after_the_timeout_is_the_drain_alone_the_failure_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
     under_way = drain(moves=[move("gpu-a", "migrate", "running", 1)])
-    assert run(Server(under_way, [under_way]), "drain", "node1:2", "--json", "--timeout", "0") == EXIT_FAILED
+    assert run(Server(under_way, [under_way]), "drain", "node1:2", "--json", "--timeout", "0.01") == EXIT_FAILED
     out, err = capsys.readouterr()
     assert json.loads(out)["state"] == "draining"  # one JSON document: a script reads what is under way
     assert "moves still under way after 0 s" in err

@@ -83,7 +83,7 @@ class Server:
         return self.created
 
     def get_wait(self, wait_id: int) -> wire.WaitInfo:
-        return self.reads.pop(0)
+        return self.reads.pop(0) if len(self.reads) > 1 else self.reads[0]  # the last one again and again
 
     def get_command(self, command_id: int) -> wire.CommandInfo:
         return command("resume", command_id)
@@ -169,11 +169,12 @@ def test_a_reason_goes_with_the_wait_and_the_queue_shows_it(capsys: pytest.Captu
 def test_making_room_is_followed_until_the_queue_sends_the_resume(capsys: pytest.CaptureFixture[str]) -> None:
     held = wait(gpu_uuid="GPU-0001")
     created = wire.WaitCreated(wait=held, commands=[command("pause", 5, "gpu-low")])
-    server = Server(created, reads=[held, held.model_copy(update={"state": "dispatched", "command_id": 9})])
+    dispatched = held.model_copy(update={"state": "dispatched", "command_id": 9})
+    server = Server(created, reads=[held, dispatched])
     args = parse("resume", "gpu-7f3a", "--make-room")
     resume = queue_cli.resume_later(server, args)  # type: ignore[arg-type]
     assert isinstance(resume, wire.CommandInfo) and (resume.id, resume.kind) == (9, "resume")
-    assert server.requests[0].make_room is True and server.reads == []
+    assert server.requests[0].make_room is True and server.reads == [dispatched]  # read to the last
     err = capsys.readouterr().err
     assert "resume gpu-7f3a: making room: pausing gpu-low (command 5)" in err
     assert "room held for it on GPU-0001; waiting for the pauses to free it" in err
@@ -189,7 +190,7 @@ def test_making_room_fails_when_the_wait_ends_without_a_resume_or_outlives_the_t
     assert "resume gpu-7f3a: wait 3 cancelled: the job left" in capsys.readouterr().err
 
     late = Server(wire.WaitCreated(wait=held, commands=[]), reads=[held] * 3)
-    args = parse("resume", "gpu-7f3a", "--make-room", "--timeout", "0")
+    args = parse("resume", "gpu-7f3a", "--make-room", "--timeout", "0.01")
     assert queue_cli.resume_later(late, args) == EXIT_FAILED  # type: ignore[arg-type]
     assert "still waiting after 0 s (wait 3); it resumes when the room shows" in capsys.readouterr().err
 

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 
+from flexium import wire
 from flexium.cli import connection
 from flexium.cli.main import main
 from flexium.client import Refused
@@ -76,3 +77,50 @@ def test_a_bad_token_option_is_said_in_the_command_lines_terms(
     err = capsys.readouterr().err
     assert err.startswith("flexium: --token is empty or holds blanks or non-ASCII characters: give a token")
     assert "passed in code" not in err and "dashboard" not in err
+
+
+@pytest.mark.parametrize("timeout", ["nan", "-5", "0", "inf", "soon"])
+def test_a_timeout_that_is_not_a_number_of_seconds_above_0_is_refused_before_anything_is_sent(
+    timeout: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(connection, "connect", lambda *_: pytest.fail("connected with a bad --timeout"))
+    for verb in (["pause", "gpu-0e1e8143"], ["migrate", "gpu-0e1e8143", "cuda:1"], ["drain", "node1"]):
+        with pytest.raises(SystemExit) as exited:
+            main([*verb, "--timeout", timeout])
+        assert exited.value.code == 2
+        assert f"--timeout: {timeout!r}" in capsys.readouterr().err
+
+
+class InterruptedServer(RefusingServer):
+    """Takes the command, then the wait for its end is interrupted (Ctrl-C)."""
+
+    def create_command(self, request: Any) -> Any:
+        return wire.CommandInfo(
+            id=9,
+            kind=request.kind,
+            process_id=request.process_id,
+            state="queued",
+            target_uuid=None,
+            created_at=0.0,
+            delivered_at=None,
+            started_at=None,
+            finished_at=None,
+            deliveries=0,
+            result=None,
+            error=None,
+        )
+
+    def wait_command(self, *_: Any, **__: Any) -> Any:
+        raise KeyboardInterrupt
+
+
+def test_ctrl_c_while_a_command_is_followed_says_it_goes_on(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(connection, "connect", lambda *_: InterruptedServer(""))
+    assert main(["pause", "gpu-0e1e8143"]) == 130
+    said = capsys.readouterr().err
+    assert "Traceback" not in said
+    assert said.strip().endswith(
+        "flexium: interrupted: command 9 (pause of gpu-0e1e8143; `flexium ps` shows it) goes on at the server"
+    ), said

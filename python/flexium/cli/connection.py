@@ -14,8 +14,9 @@ from collections.abc import Callable
 from pydantic import ValidationError
 
 from flexium import protocol, reasons
-from flexium.cli.exit_status import EXIT_FAILED, EXIT_UNREACHABLE, EXIT_USAGE, UsageError, fail
-from flexium.client.http import ApiClient, ServerError, Unauthorized, Unreachable
+from flexium.cli.exit_status import EXIT_FAILED, EXIT_INTERRUPTED, EXIT_UNREACHABLE, EXIT_USAGE, UsageError, fail
+from flexium.cli.waiting import Following
+from flexium.client.http import ApiClient, LateAnswer, ServerError, Unauthorized, Unreachable
 from flexium.errors import ConfigError
 
 _TOKEN_TEXT = re.compile(r"[\x21-\x7e]+")  # sent in an HTTP header: printable ASCII, no blanks
@@ -45,6 +46,16 @@ def run(args: argparse.Namespace) -> int:
     try:
         on_server: OnServer = args.on_server
         return on_server(api, args)
+    except LateAnswer as exc:
+        # The request reached the server, which may have carried it out before its answer was late.
+        done = f" {Following.what} goes on at the server." if Following.what else ""
+        return fail(
+            f"{exc.message}.{done} What was asked may have been done all the same (a command sent, a wait "
+            "queued): `flexium ps` shows it before you ask again",
+            EXIT_UNREACHABLE,
+            as_json=args.json,
+            code=exc.code,
+        )
     except Unreachable as exc:
         return fail(
             f"{exc.message} (is `flexium server` running there?)", EXIT_UNREACHABLE, as_json=args.json, code=exc.code
@@ -60,6 +71,9 @@ def run(args: argparse.Namespace) -> int:
         first = exc.errors()[0]
         message = f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
         return fail(message, EXIT_FAILED, as_json=args.json, code="invalid_request")
+    except KeyboardInterrupt:
+        goes_on = f": {Following.what} goes on at the server" if Following.what else ""
+        return fail(f"interrupted{goes_on}", EXIT_INTERRUPTED, as_json=args.json, code="interrupted")
     finally:
         api.close()
 

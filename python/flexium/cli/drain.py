@@ -13,7 +13,7 @@ from flexium import protocol, wire
 from flexium.cli.connection import add_connection_options
 from flexium.cli.exit_status import EXIT_FAILED, EXIT_OK, UsageError, fail
 from flexium.cli.printing import print_json
-from flexium.cli.waiting import add_wait_options
+from flexium.cli.waiting import Following, add_wait_options
 
 FOLLOW_EVERY_S = 0.5  # how often `flexium drain` reads its drain while the moves go
 WHERE_HELP = "HOST (every GPU of it) or HOST:GPU, the GPU by its nvidia-smi index or its UUID (GPU-...)"
@@ -52,6 +52,7 @@ def _drain(api: Any, args: argparse.Namespace) -> int:
             f"drain {drain.id} of {label}: nothing is placed, resumed or migrated there until `flexium undrain {label}`"
         )
     shown: dict[tuple[str, int], str] = {}
+    Following.now(f"drain {drain.id} of {label} (`flexium drain` shows it; `flexium undrain {label}` ends it)")
     deadline = time.monotonic() + args.timeout
     while True:
         if not args.json:

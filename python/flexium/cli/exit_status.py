@@ -2,7 +2,7 @@
 under ``--json``).
 
 Exit status: 0 done; 1 refused or failed (the reason on stderr); 2 bad usage or settings;
-3 the server could not be reached.
+3 the server could not be reached; 130 interrupted (Ctrl-C), as a shell says of SIGINT.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ EXIT_OK = 0
 EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_UNREACHABLE = 3
+EXIT_INTERRUPTED = 130
 
 
 class UsageError(ValueError):

@@ -15,6 +15,7 @@ from flexium.cli.connection import add_connection_options
 from flexium.cli.exit_status import EXIT_FAILED, EXIT_OK, UsageError, fail, request_body
 from flexium.cli.naming import PROCESS_HELP, resolve_process
 from flexium.cli.printing import age, print_json, print_table
+from flexium.cli.waiting import Following
 from flexium.client import ApiClient, NotFound
 from flexium.units import gib
 
@@ -115,6 +116,9 @@ def _until_resumed(api: ApiClient, args: argparse.Namespace, wait: wire.WaitInfo
     """The room is being made: the wait read until the queue sends its resume."""
     if not args.json:
         print(f"{title}: room held for it on {wait.gpu_uuid}; waiting for the pauses to free it", file=sys.stderr)
+    Following.now(
+        f"wait {wait.id} (`flexium queue` shows it; `flexium resume {wait.process_id} --cancel` takes it out)"
+    )
     deadline = time.monotonic() + args.timeout
     while wait.state == "waiting" and time.monotonic() < deadline:
         time.sleep(FOLLOW_EVERY_S)

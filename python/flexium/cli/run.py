@@ -20,7 +20,7 @@ from typing import Any
 
 from flexium import protocol, simulated, wire
 from flexium.cli.connection import add_connection_options
-from flexium.cli.exit_status import EXIT_FAILED, UsageError, fail, request_body
+from flexium.cli.exit_status import EXIT_FAILED, EXIT_INTERRUPTED, UsageError, fail, request_body
 from flexium.client import ApiClient, ServerError, Unauthorized, Unavailable, Unreachable
 from flexium.client.host import reported_host
 from flexium.config import ENV_DEVICE
@@ -150,9 +150,16 @@ def _run(api: ApiClient, args: argparse.Namespace) -> int:
     try:
         placement = _wait_until_placed(api, placement)
     except KeyboardInterrupt:
-        api.close_placement(placement.id)
-        _say(f"placement {placement.id} cancelled")
-        return 128 + signal.SIGINT
+        try:
+            api.close_placement(placement.id, timeout=TIDY_TIMEOUT_S, retries=0)
+        except ServerError as exc:
+            _say(
+                f"could not cancel placement {placement.id} ({exc.message}): "
+                "the server ends it once flexium run is silent"
+            )
+        else:
+            _say(f"placement {placement.id} cancelled")
+        return EXIT_INTERRUPTED
     if placement.state != "placed" or placement.placed_uuid is None:
         return fail(
             f"placement {placement.id} is {placement.state}: {placement.note or 'no reason given'}", EXIT_FAILED

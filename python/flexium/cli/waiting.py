@@ -5,6 +5,7 @@ every PROGRESS_EVERY_S between (nothing under ``--json``)."""
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -16,6 +17,19 @@ from flexium.client import ApiClient
 
 DEFAULT_WAIT_S = 300.0
 PROGRESS_EVERY_S = 10.0
+
+
+class Following:
+    """What the command line follows now, said if Ctrl-C ends it (cli/connection.py): the server
+    carries it on all the same."""
+
+    what: str | None = None  # e.g. "command 9 (flexium ps shows it)"
+
+    @classmethod
+    def now(cls, what: str) -> None:
+        cls.what = what
+
+
 # A command or a job operation, long-polled until it ends.
 _Polled = TypeVar("_Polled", wire.CommandInfo, wire.JobOperationInfo)
 
@@ -26,10 +40,22 @@ _UNDER_WAY = {
 }
 
 
+def seconds(text: str) -> float:
+    """A --timeout: a finite number of seconds above 0 (argparse refuses anything else, exit 2,
+    before a command is sent)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give a number of seconds above 0, e.g. 600")
+    return value
+
+
 def add_wait_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--timeout",
-        type=float,
+        type=seconds,
         default=DEFAULT_WAIT_S,
         metavar="SECONDS",
         help=f"how long to wait for the outcome (default {DEFAULT_WAIT_S:.0f})",
@@ -79,6 +105,10 @@ def _poll_until(
     progress: Callable[[_Polled], None] | None,
 ) -> _Polled:
     """`ask(wait, deadline)` the server's long-poll again until `ended` or `timeout` passes."""
+    if isinstance(first, wire.CommandInfo):
+        Following.now(f"command {first.id} ({first.kind} of {first.process_id}; `flexium ps` shows it)")
+    else:
+        Following.now(f"job operation {first.id} (`flexium ps` shows its ranks' commands)")
     deadline = time.monotonic() + timeout
     current = first
     while not ended(current):
