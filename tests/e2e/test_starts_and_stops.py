@@ -61,7 +61,7 @@ def test_a_database_an_earlier_server_left_readable_is_made_private(tmp_path: Pa
     home.mkdir()
     database = home / "server.db"
     done = subprocess.run(
-        [*flexium_command(), "workspace", "list", "--database", f"sqlite:///{database}"],
+        [*flexium_command(), "workspace", "create", "team", "--database", f"sqlite:///{database}"],
         env=clean_env(home),
         capture_output=True,
         text=True,

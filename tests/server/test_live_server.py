@@ -375,3 +375,51 @@ def test_the_harness_starts_its_server_on_another_port_when_the_one_it_chose_is_
     finally:
         squatter.shutdown()
         squatter.server_close()
+
+
+def test_a_port_in_use_refuses_the_start_before_anything_is_made(tmp_path: Path) -> None:
+    """The port is bound before the database, the first workspace and its tokens are made: a
+    server that cannot listen leaves nothing behind, and says to choose another port."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    home = tmp_path / "home"
+    try:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FLEXIUM_")}
+        started = subprocess.run(
+            [sys.executable, "-m", "flexium.cli.main", "server", "--port", str(taken.getsockname()[1])],
+            env={**env, "FLEXIUM_HOME": str(home)},
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    finally:
+        taken.close()
+    assert started.returncode == 1, started.stderr
+    assert "address already in use" in started.stderr and "choose another with --port" in started.stderr
+    assert "admin token" not in started.stdout
+    assert not (home / "server.db").exists()
+
+
+@pytest.mark.parametrize("port", ["99999", "-1"])
+def test_a_port_outside_the_tcp_range_is_refused(port: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["server", "--port", port]) == 2
+    assert "--port must be a TCP port, 1 to 65535" in capsys.readouterr().err
+
+
+def test_a_database_that_is_not_there_is_made_only_to_create_a_workspace(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A mistyped --database (or FLEXIUM_HOME) must not make a database no server uses: reads and
+    tokens are refused naming where it was looked for; creating a workspace makes it, and says where."""
+    url = f"sqlite:///{tmp_path / 'typo' / 'server.db'}"
+    for argv in (["workspace", "list"], ["token", "list", "team"], ["token", "issue", "team"]):
+        assert main([*argv, "--database", url]) == 1
+        assert f"no database at {tmp_path / 'typo' / 'server.db'}" in capsys.readouterr().err
+    assert not (tmp_path / "typo").exists() or not any((tmp_path / "typo").iterdir())
+    assert main(["workspace", "create", "team", "--database", url]) == 0
+    assert f"created workspace 'team' in the database {url}" in capsys.readouterr().out
+    assert main(["workspace", "list", "--database", url]) == 0
+    assert capsys.readouterr().out.splitlines() == ["team"]

@@ -259,7 +259,7 @@ class ServerProcess:
         def answers() -> bool:
             if proc.poll() is not None:
                 output.wait_closed()
-                if self._port_is_ours_to_choose and "address already in use" in output.text:
+                if self._port_is_ours_to_choose and "address already in use" in output.text.lower():
                     raise _PortTaken()
                 raise AssertionError("server exited:\n" + output.text)
             try:

@@ -56,7 +56,7 @@ def _demo_token(database_url: str) -> tuple[str, bool]:
     from flexium.server.app import bootstrap
     from flexium.server.errors import NotFound
 
-    db = database_admin.open_database(database_url)
+    db = database_admin.open_database(database_url, create=True)  # before its server first starts
     try:
         first = bootstrap(db)
     finally:
@@ -117,7 +117,10 @@ def run(
     from flexium.server.db import DatabaseUnavailable, SchemaTooNew
     from flexium.server.settings import default_data_dir, load_settings
 
-    port = port or protocol.DEFAULT_PORT
+    if port == 0:
+        print("flexium demo: --port 0: the demo's job needs to know the port: give one, 1 to 65535", file=sys.stderr)
+        return 2
+    port = protocol.DEFAULT_PORT if port is None else port
     try:
         settings = load_settings(database_url=database, host=host, port=port)
     except ValueError as exc:

@@ -90,11 +90,13 @@ def _print_created(workspace: str, token: str, database_url: str | None) -> None
     """A login link to the new workspace's dashboard (a one-time code: the token itself never
     goes in a URL), how training jobs get a token, and the admin token alone on the last line."""
     from flexium.server import database_admin, storage
+    from flexium.server.db import redacted
     from flexium.server.settings import load_settings
 
-    link = load_settings(database_url=database_url).link_base
+    settings = load_settings(database_url=database_url)
+    link = settings.link_base
     code = database_admin.login_code(token, database_url=database_url)
-    print(f"created workspace '{workspace}'")
+    print(f"created workspace '{workspace}' in the database {redacted(settings.database_url)}")
     print(
         f"dashboard: {link}/login#code={code}  (works once, within {storage.LOGIN_CODE_TTL_S / 60:.0f} min; "
         "a server at another address: that address before /login)"

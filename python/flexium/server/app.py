@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import gc
 import logging
 import sys
@@ -23,10 +24,16 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from flexium import protocol
 from flexium.server import replicas, services, sole_server, storage
 from flexium.server.connection_book import ConnectionBook, TrustedProxies
-from flexium.server.connections import bounded_protocol, connection_limit, raise_open_file_limit, tls_context
+from flexium.server.connections import (
+    bounded_protocol,
+    connection_limit,
+    listening_socket,
+    raise_open_file_limit,
+    tls_context,
+)
 from flexium.server.context import ServerContext
 from flexium.server.dashboard import install_dashboard
-from flexium.server.db import Database, DatabaseUnavailable, SchemaTooNew, sqlite_file
+from flexium.server.db import Database, DatabaseUnavailable, SchemaTooNew, redacted, sqlite_file
 from flexium.server.errors import ApiError, TooManyRequests, Unauthorized
 from flexium.server.fair_share import FairShare
 from flexium.server.heartbeat_shortcut import HeartbeatShortcut
@@ -262,14 +269,6 @@ def bootstrap(db: Database) -> str | None:
     return db.run(storage.ensure_default_workspace, write=True, now=time.time())
 
 
-def _redact(url: str) -> str:
-    if "@" in url and "://" in url:
-        scheme, rest = url.split("://", 1)
-        creds, host = rest.rsplit("@", 1)
-        return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}" if ":" in creds else url
-    return url
-
-
 def _print_first_tokens(db: Database, settings: Settings, admin_token: str) -> None:
     """A new database's first start: a login link, a job token for training jobs (it registers
     and reports its own processes, and cannot command or mint) and the admin token, alone on
@@ -315,6 +314,18 @@ def serve(settings: Settings) -> int:
         return 1
     if tls.warning is not None:
         print(f"flexium server: {tls.warning}", file=sys.stderr)
+    try:
+        listening = listening_socket(settings.host, settings.port)
+    except OSError as exc:
+        why = (exc.strerror or str(exc)).lower()
+        print(
+            f"flexium server: cannot listen on {settings.host}:{settings.port}: {why}; another program, or another "
+            "flexium server, may use that port: choose another with --port",
+            file=sys.stderr,
+        )
+        return 1
+    if settings.port == 0:  # the port the system chose, in every link printed
+        settings = dataclasses.replace(settings, port=listening.getsockname()[1])
     database_file = sqlite_file(settings.database_url)
     if database_file is not None:
         try:
@@ -328,12 +339,12 @@ def serve(settings: Settings) -> int:
         seconds = db.upgrade(new_database=settings.new_database)
         token = bootstrap(db) if settings.bootstrap_default_workspace else None
     except (DatabaseUnavailable, SchemaTooNew) as exc:
-        print(f"flexium server: cannot use the database {_redact(settings.database_url)}: {exc}", file=sys.stderr)
+        print(f"flexium server: cannot use the database {redacted(settings.database_url)}: {exc}", file=sys.stderr)
         return 1
     app = create_app(settings, database=db, upgrade=False)
     app.state.ctx.metrics.schema_migration.observe(seconds)
     link = settings.link_base
-    print(f"flexium server: database {_redact(settings.database_url)} (schema ready in {seconds:.2f} s)")
+    print(f"flexium server: database {redacted(settings.database_url)} (schema ready in {seconds:.2f} s)")
     print(f"flexium server: dashboard {link}/  API {link}{protocol.API_PREFIX}/w/<workspace>/  docs {link}/docs")
     if token is not None:
         _print_first_tokens(db, settings, token)
@@ -397,7 +408,7 @@ def serve(settings: Settings) -> int:
     server = Server(config)
     tune_gc()
     try:
-        server.run()
+        server.run(sockets=[listening])
     except KeyboardInterrupt:
         # uvicorn shut down gracefully, then raised the Ctrl-C again for whoever called it: here
         # that is the person at the terminal, who asked for the stop and needs no traceback.

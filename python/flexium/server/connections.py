@@ -36,6 +36,7 @@ import json
 import logging
 import math
 import resource
+import socket
 import ssl
 import time
 from asyncio.sslproto import SSLProtocol
@@ -73,6 +74,21 @@ def received_at(scope: Any) -> float | None:
     well after its request arrived, and a long-poll's wait is counted from the arrival."""
     state = scope.get("state")
     return None if state is None else state.get(_RECEIVED_AT)
+
+
+def listening_socket(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before anything else is done (the database, the first workspace
+    and its tokens): a port in use refuses the start with nothing made. OSError says why."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
 def raise_open_file_limit() -> int:

@@ -15,20 +15,34 @@ else the default SQLite file):
 
 from __future__ import annotations
 
+import os
 import time
 
 from pydantic import ValidationError
 
 from flexium import protocol, wire
 from flexium.server import storage
-from flexium.server.db import Database
+from flexium.server.db import Database, sqlite_file
 from flexium.server.errors import InvalidRequest
 from flexium.server.settings import load_settings
 from flexium.server.storage import quotas, retention
 
 
-def open_database(database_url: str | None = None) -> Database:
+class NoDatabase(ValueError):
+    """No SQLite file where the settings point: a read or a token would go to a database no server uses."""
+
+
+def open_database(database_url: str | None = None, *, create: bool = False) -> Database:
+    """The database the settings name, its schema upgraded. A SQLite file that is not there is made
+    only to ``create`` a workspace (before the server first starts); else it is refused, naming where
+    it was looked for (a mistyped --database or FLEXIUM_HOME would make a database no server uses)."""
     settings = load_settings(database_url=database_url)
+    path = sqlite_file(settings.database_url)
+    if path is not None and not create and not os.path.exists(path):
+        raise NoDatabase(
+            f"no database at {path}: `flexium server` makes it when it first starts; check --database, "
+            f"{protocol.DATABASE_ENV} or FLEXIUM_HOME (the server's default is under it)"
+        )
     db = Database(settings.database_url, threads=2)
     db.session_info[quotas.SESSION_KEY] = quotas.Quotas.of(settings)  # FLEXIUM_MAX_TOKENS, as the server
     db.session_info[retention.SESSION_KEY] = retention.Retention.of(settings)  # the audit entries' keep
@@ -41,7 +55,7 @@ def _workspace_id(db: Database, workspace: str) -> int:
 
 
 def create_workspace(name: str, *, database_url: str | None = None) -> str:
-    db = open_database(database_url)
+    db = open_database(database_url, create=True)
     try:
         _record, token = db.run(storage.create_workspace, write=True, name=name, now=time.time())
         return token

@@ -72,6 +72,15 @@ def sqlite_file(url: str) -> str | None:
     return None if path in ("", ":memory:") else os.path.abspath(path)
 
 
+def redacted(url: str) -> str:
+    """A database URL as it may be printed: its password, if any, as ***."""
+    if "@" in url and "://" in url:
+        scheme, rest = url.split("://", 1)
+        creds, host = rest.rsplit("@", 1)
+        return f"{scheme}://{creds.split(':', 1)[0]}:***@{host}" if ":" in creds else url
+    return url
+
+
 # Written beside a SQLite file once a server has used it: a file that is gone then was lost.
 USED_MARK = ".used"
 

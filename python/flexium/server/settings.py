@@ -101,6 +101,8 @@ class Settings:
     bootstrap_default_workspace: bool = True
 
     def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"{_option('port')} must be a TCP port, 1 to 65535 (0: any free one), not {self.port}")
         for name in (
             "heartbeat_interval_s",
             "poll_timeout_s",
