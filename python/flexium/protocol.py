@@ -59,8 +59,10 @@ class TargetText:
 
 
 TARGET_SYNTAX = "cuda:N (the job's own numbering), N (nvidia-smi's index) or a GPU UUID (GPU-...)"
-# A migrate's target that lets the server pick: the GPU of the job's host with the most room it can use.
+# A migrate's target, or the GPU a wait or a placement asks for, that lets the server pick: the GPU
+# of the job's host with the most room it can use. "any" is what a wait first called it, still taken.
 AUTO_TARGET = "auto"
+AUTO_TARGET_WORDS = (AUTO_TARGET, "any")
 
 
 def nccl_ranks_on_one_gpu(placement: dict[int, str | None], restored: set[int]) -> str | None:

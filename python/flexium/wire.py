@@ -395,8 +395,8 @@ class WaitRequest(WireIn):
     process_id: ProcessId = Field(description="the paused process; a rank of a job of several stands for its job")
     gpu: StrictInt | ShortText | None = Field(
         default=None,
-        description="the GPU it waits for, named as a command's target is; None or 'any': the first GPU of its host "
-        "with room (where it paused first)",
+        description="the GPU it waits for, named as a command's target is; None or 'auto' ('any' is taken too): the "
+        "first GPU of its host with room (where it paused first)",
     )
     host: HostName | None = Field(
         default=None, description="the host it resumes on, which must be its own (a job resumes on its host's GPUs)"
@@ -826,7 +826,9 @@ class DrainRequest(WireIn):
         default=None,
         description="the GPU: its nvidia-smi index on the host, or its UUID (GPU-...); None: every GPU of the host",
     )
-    reason: LongText = Field(default="", description="why, for the audit log and the jobs' timelines")
+    reason: Reason = Field(
+        default="", description="why, one line, for the audit log and the commands it sends (the jobs' timelines)"
+    )
 
 
 class WaitCreated(WireOut):

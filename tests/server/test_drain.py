@@ -23,13 +23,15 @@ def running(db: Database, ws: int, process_id: str, *, memory: int, gpu: int, **
     add_process(db, ws, process_id, memory=memory, gpu_index=gpu, devices=[], **fields)
 
 
-def drain(db: Database, ws: int, gpu: int | None, now: float = NOW) -> tuple[wire.DrainInfo, DrainOutcome]:
+def drain(
+    db: Database, ws: int, gpu: int | None, now: float = NOW, reason: str = ""
+) -> tuple[wire.DrainInfo, DrainOutcome]:
     started: tuple[wire.DrainInfo, DrainOutcome] = db.run(
         start_drain,
         write=True,
         workspace_id=ws,
         actor=admin(ws),
-        request=wire.DrainRequest(host=HOST, gpu=gpu),
+        request=wire.DrainRequest(host=HOST, gpu=gpu, reason=reason),
         now=now,
         stale_after=STALE,
     )
@@ -54,13 +56,14 @@ def test_a_drain_moves_each_job_to_the_gpu_with_most_room_and_pauses_what_fits_n
     running(db, ws, "cpu-side", memory=10 * GIB, gpu=1)
     # GPU 0 holds both, GPU 1 has 100 GiB free, GPU 2 60 GiB.
     gpus_report(db, ws, NOW, 110 * GIB, 40 * GIB, 80 * GIB)
-    info, outcome = drain(db, ws, 0)
+    info, outcome = drain(db, ws, 0, reason="the ECC errors on GPU 0")
     commands = sent(outcome)
     # By registration order: small goes to GPU 1 (the most room); big then fits nowhere and pauses.
     assert commands["small"].kind == "migrate" and commands["small"].target_uuid == "GPU-0001"
     assert commands["big"].kind == "pause"
     assert "drain of node1:0 by alice" in (commands["small"].reason or "")
     assert "no other GPU of host 'node1' can take process 'big'" in (commands["big"].reason or "")
+    assert all((c.reason or "").endswith("; why: the ECC errors on GPU 0") for c in commands.values())
     assert "cpu-side" not in commands
     assert info.state == "draining" and [m.action for m in info.moves] == ["migrate", "pause"]
     assert waits(db, ws)["big"].reason.startswith("paused by the drain of node1:0")

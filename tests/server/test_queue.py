@@ -387,3 +387,15 @@ def test_two_picks_of_a_target_at_once_never_promise_one_room_twice(db: Database
         time.sleep(0.5)  # the second pick waits for the host's lock until the first one's command is committed
     second.join(30)
     assert picked["a"] == "GPU-0001" and picked["b"] != "GPU-0001", picked
+
+
+@pytest.mark.parametrize("gpu", ["auto", "any"])
+def test_auto_as_the_gpu_asked_for_is_the_first_gpu_with_room(db: Database, gpu: str) -> None:
+    """`--gpu auto`, as migrate's and flexium run's targets say it (and 'any', a wait's first word for it)."""
+    ws, _ = make_workspace(db)
+    gpus_report(db, ws, NOW, 139 * GIB, 139 * GIB)
+    paused(db, ws, "job")
+    created = queue(db, ws, "job", gpu=gpu)
+    assert created.wait.state == "waiting" and created.wait.gpu_uuid is None
+    gpus_report(db, ws, NOW + 1, 139 * GIB, 100 * GIB)
+    assert resumed(run(db, NOW + 1)) == ["job"]

@@ -206,3 +206,11 @@ def test_undrain_ends_every_drain_a_host_or_gpu_names(capsys: pytest.CaptureFixt
     assert "node1 is drained as a whole (drain 5): `flexium undrain node1`" in capsys.readouterr().err
     assert run(Server(drain(), []), "undrain", "node1:2") == EXIT_FAILED
     assert "node1:2 is not drained (`flexium drain` drains it)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("reason", ["x" * 3000, "two\nlines"])
+def test_a_reason_the_server_would_refuse_is_a_usage_error_before_anything_is_sent(reason: str) -> None:
+    server = Server(drain(), [])
+    with pytest.raises(UsageError, match="^--reason: "):  # exit status 2 (cli/connection.py)
+        run(server, "drain", "node1", "--reason", reason)
+    assert server.requests == []

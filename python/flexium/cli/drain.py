@@ -11,7 +11,7 @@ from typing import Any
 
 from flexium import protocol, wire
 from flexium.cli.connection import add_connection_options
-from flexium.cli.exit_status import EXIT_FAILED, EXIT_OK, UsageError, fail
+from flexium.cli.exit_status import EXIT_FAILED, EXIT_OK, UsageError, fail, request_body
 from flexium.cli.printing import print_json
 from flexium.cli.waiting import Following, add_wait_options
 
@@ -27,7 +27,12 @@ def add_commands(commands: Any) -> None:
         "with the most room, or paused to resume when free; nothing goes there until `flexium undrain`",
     )
     p.add_argument("where", metavar="HOST[:GPU]", help=WHERE_HELP)
-    p.add_argument("--reason", metavar="TEXT", default="", help="why, for the audit log and the jobs' timelines")
+    p.add_argument(
+        "--reason",
+        metavar="TEXT",
+        default="",
+        help="why, one line, for the audit log and the commands it sends (the jobs' timelines)",
+    )
     add_wait_options(p)
     add_connection_options(p, _drain)
     p = commands.add_parser("undrain", help="give a drained GPU (or host) back: jobs may be placed and resumed there")
@@ -45,7 +50,7 @@ def read_where(text: str) -> tuple[str, str | None]:
 
 def _drain(api: Any, args: argparse.Namespace) -> int:
     host, gpu = read_where(args.where)
-    drain = api.create_drain(wire.DrainRequest(host=host, gpu=gpu, reason=args.reason))
+    drain = api.create_drain(request_body(wire.DrainRequest, host=host, gpu=gpu, reason=args.reason))
     label = args.where
     if not args.json:
         print(

@@ -57,7 +57,10 @@ def add_resume_options(parser: argparse.ArgumentParser) -> None:
     )
     later.add_argument("--cancel", action="store_true", help="take it out of the queue")
     parser.add_argument(
-        "--gpu", metavar="GPU", help="with --when-free or --make-room: the GPU it waits for, cuda:N, N, GPU-... or any"
+        "--gpu",
+        metavar="GPU",
+        help="with --when-free or --make-room: the GPU it waits for, cuda:N, N, GPU-... or auto (the default: the "
+        "first GPU of its host with room)",
     )
     parser.add_argument("--host", help="with --when-free: the host it resumes on (its own; said to make sure)")
 

@@ -186,7 +186,10 @@ def _migrate(
             return _pause(session, drain, members, why, room, now, stale_after)
         moves[proc] = choice.uuid
     where = ", ".join(f"{p.process_id} to {gpu_label(room, uuid)}" for p, uuid in moves.items())
-    reason = f"drain of {drain_label(drain)} by {drain.requested_by}: moving {where}, the GPU with the most room"
+    reason = (
+        f"drain of {drain_label(drain)} by {drain.requested_by}: moving {where}, the GPU with the most room"
+        + _why(drain)
+    )
     try:
         with session.begin_nested():
             commands = create_commands(
@@ -231,7 +234,7 @@ def _pause(
     """The job paused and queued to resume when free (on a GPU not drained); refused where it cannot pause."""
     lead = members[0]
     priority = max(p.priority for p in members)
-    reason = f"drain of {drain_label(drain)} by {drain.requested_by}: {why}; paused to resume when free"
+    reason = f"drain of {drain_label(drain)} by {drain.requested_by}: {why}; paused to resume when free" + _why(drain)
     try:
         with session.begin_nested():
             commands = create_commands(
@@ -280,3 +283,8 @@ def _pause(
 def _refuse(session: Session, drain: Drain, lead: Process, why: str, now: float) -> list[wire.CommandInfo]:
     record_move(session=session, drain=drain, proc=lead, action="refused", note=f"left where it is: {why}", now=now)
     return []
+
+
+def _why(drain: Drain) -> str:
+    """The reason its requester gave, as the commands it sends carry it (as make-room's do)."""
+    return f"; why: {drain.reason}" if drain.reason else ""

@@ -202,7 +202,7 @@ def wanted_gpu(
             f"process {proc.process_id!r} is on host {proc.host!r}, not on host {request.host!r}: a job resumes only "
             f"on GPUs of its own host (leave --host out, or give --host {proc.host})"
         )
-    if request.gpu is None or request.gpu in ("", "any"):
+    if request.gpu is None or request.gpu in ("", *protocol.AUTO_TARGET_WORDS):
         return None
     if is_job_rank(proc):
         raise InvalidRequest(
