@@ -87,3 +87,17 @@ def test_a_late_long_poll_is_asked_again_at_once_and_then_after_a_backoff(late_s
     first, second, third = late_server.arrivals[:3]
     assert 10.0 <= second - first < 11.0  # its timeout (wait + 10 s), and no backoff after it
     assert third - second >= 10.1 + 1.5  # late again: its timeout, then half the backoff at least
+
+
+@pytest.mark.parametrize("late_server", [(100, 30.0)], indirect=True)
+def test_a_server_that_stops_answering_keeps_a_wait_no_longer_than_its_deadline(late_server: LateServer) -> None:
+    """`flexium pause --timeout 3` against a server that took the request and then stalls: the
+    wait ends near its deadline (each attempt waits for what is left of it), not at its long-poll's
+    own timeout (wait + 10 s) and again."""
+    from flexium.client.http import LateAnswer
+
+    api = ApiClient(parse_server_address(f"http://127.0.0.1:{late_server.server_address[1]}/default"), "flx_unit")
+    started = time.monotonic()
+    with pytest.raises(LateAnswer):
+        api.wait_command(7, wait=3.0, deadline=started + 3.0)
+    assert time.monotonic() - started < 3.0 + 2.0 + 1.0  # the deadline, its grace, and some slack

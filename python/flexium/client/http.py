@@ -25,6 +25,7 @@ from flexium.errors import ConfigError, FlexiumError
 _Model = TypeVar("_Model", bound=BaseModel)
 
 DEFAULT_TIMEOUT_S = 10.0
+DEADLINE_GRACE_S = 2.0  # past a request's deadline, how long its last attempt may still wait for an answer
 CONNECT_TIMEOUT_S = 2.0
 MIN_BACKOFF_S = 0.1
 MAX_BACKOFF_S = 5.0
@@ -195,20 +196,27 @@ class ApiClient:
         up to ``retries`` more times (None: until ``stop`` is set or ``deadline``, a
         ``time.monotonic()`` value, passes), after a backoff wait. 4xx answers are never
         retried: they raise Unauthorized, NotFound or Refused with the server's message. ``hold``:
-        a lock held for each attempt, never through a backoff wait (others may send between).
+        a lock held for each attempt, never through a backoff wait (others may send between). With
+        a ``deadline``, an attempt waits for its answer no longer than what is left of it (and a
+        grace of DEADLINE_GRACE_S, for a long-poll answered at its end).
         """
         backoff = backoff or Backoff()
         attempt = 0
         late_again = False
         while True:
+            waits = timeout
+            if deadline is not None:
+                waits = max(1.0, min(timeout, deadline - time.monotonic() + DEADLINE_GRACE_S))
             try:
                 if hold is None:
-                    return self._once(method, path, json=json, params=params, timeout=timeout, workspace=workspace)
+                    return self._once(method, path, json=json, params=params, timeout=waits, workspace=workspace)
                 with hold:
-                    return self._once(method, path, json=json, params=params, timeout=timeout, workspace=workspace)
+                    return self._once(method, path, json=json, params=params, timeout=waits, workspace=workspace)
             except (Unreachable, Unavailable) as exc:
                 attempt += 1
                 if retries is not None and attempt > retries:
+                    raise
+                if deadline is not None and time.monotonic() >= deadline:
                     raise
                 if isinstance(exc, LateAnswer) and not late_again and not (stop is not None and stop.is_set()):
                     late_again = True  # the first of late answers in a row is asked again at once
