@@ -277,6 +277,10 @@ static struct {
   int no_checkpoint;
   int no_vmm;
   int no_checksum; /* FAKE_CUDA_NO_CHECKSUM: a driver without the functions the moves' checksum needs */
+  /* FAKE_NVML_RESERVED_MIB: what the driver keeps of each GPU for itself. Not allocatable; NVML's v1
+   * memory info counts it as used (615 MiB on an idle H200, driver 580: fact `driver-made-host-memory`),
+   * the v2 one as reserved. 0 by default, where the tests' figures were set. */
+  unsigned long long reserved_bytes;
   char nvml_driver[80];
   int gpu_count;
   struct gpu gpus[MAX_GPUS];
@@ -423,6 +427,7 @@ static void configure_from_environment(void) {
   fake.no_checkpoint = env_int("FAKE_CUDA_NO_CHECKPOINT", 0) != 0;
   fake.no_vmm = env_int("FAKE_CUDA_NO_VMM", 0) != 0;
   fake.no_checksum = env_int("FAKE_CUDA_NO_CHECKSUM", 0) != 0;
+  fake.reserved_bytes = (unsigned long long)env_int("FAKE_NVML_RESERVED_MIB", 0) * MIB;
   const char *driver = getenv("FAKE_NVML_DRIVER");
   snprintf(fake.nvml_driver, sizeof(fake.nvml_driver), "%s", driver != NULL && *driver ? driver : "580.159.04");
   const char *host_file = getenv("FAKE_CUDA_HOST_FILE");
@@ -1408,7 +1413,7 @@ CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args) {
       if (target[l] == p) need += fake.process_bytes[l];
     }
     const struct gpu *g = &fake.gpus[p];
-    const unsigned long long held = others_on(p) + vmm_bytes_on(p, 1);
+    const unsigned long long held = fake.reserved_bytes + others_on(p) + vmm_bytes_on(p, 1);
     const unsigned long long free_bytes = held >= g->total ? 0 : g->total - held;
     if (need > free_bytes) {
       if (fake.oom_poisons_restore) fake.restore_poisoned = 1;
@@ -1661,7 +1666,7 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CU
   const int physical = on_host ? -1 : fake.placement[prop->location.id];
   if (!on_host) {
     const struct gpu *g = &fake.gpus[physical];
-    const unsigned long long used = others_on(physical) + process_bytes_on(physical);
+    const unsigned long long used = fake.reserved_bytes + others_on(physical) + process_bytes_on(physical);
     if (used >= g->total || size > g->total - used) return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, -1);
   }
   const int slot = FREE_SLOT(vmm.allocs);
@@ -2507,9 +2512,10 @@ nvmlReturn_t nvmlDeviceGetName(nvmlDevice_t device, char *name, unsigned int len
   return leave(fn, rc, -1);
 }
 
+/* NVML's v1 view: the driver's reserve is in `used`. */
 static void memory_of(int physical, unsigned long long *total, unsigned long long *used, unsigned long long *free_bytes) {
   const struct gpu *g = &fake.gpus[physical];
-  unsigned long long in_use = others_on(physical) + process_bytes_on(physical);
+  unsigned long long in_use = fake.reserved_bytes + others_on(physical) + process_bytes_on(physical);
   if (in_use > g->total) in_use = g->total;
   *total = g->total;
   *used = in_use;
@@ -2534,8 +2540,9 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *me
   if (rc == NVML_SUCCESS && memory == NULL) rc = NVML_ERROR_INVALID_ARGUMENT;
   if (rc == NVML_SUCCESS && memory->version != NVML_MEMORY_V2_VERSION) rc = NVML_ERROR_ARGUMENT_VERSION_MISMATCH;
   if (rc == NVML_SUCCESS) {
-    memory->reserved = 0;
     memory_of(i, &memory->total, &memory->used, &memory->free);
+    memory->reserved = fake.reserved_bytes < memory->used ? fake.reserved_bytes : memory->used;
+    memory->used -= memory->reserved; /* v2: the reserve apart from what processes use */
   }
   return leave(fn, rc, -1);
 }

@@ -105,3 +105,23 @@ def test_nvml_leaves_out_memory_the_process_holds_only_through_an_import_of_its_
         lib.cuCtxSetCurrent(previous)
         lib.cuDevicePrimaryCtxRelease(0)
     assert fake.vmm_allocations() == 0
+
+
+def test_the_drivers_own_reserve_is_left_out_of_what_flexium_reads(
+    fake: FakeDriver, pynvml: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """NVML's v1 memory info counts what the driver keeps for itself as used (615 MiB of an idle
+    H200); flexium reads it apart (v2), so an idle GPU shows 0 used, as nvidia-smi shows it, while
+    what is free stays what the driver can give."""
+    monkeypatch.setenv("FAKE_NVML_RESERVED_MIB", "615")
+    fake.reset()
+    handle = pynvml.nvmlDeviceGetHandleByIndex(0)
+    raw = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    assert raw.used == 615 * MiB and raw.free == raw.total - 615 * MiB
+    fake.set_process_memory(0, 3 * MiB)
+    gpus = {gpu.index: gpu for gpu in nvml.host_gpus()}
+    assert gpus[1].memory_used == 0 and gpus[1].memory_total == raw.total - 615 * MiB
+    assert gpus[1].memory_free == gpus[1].memory_total
+    assert gpus[0].memory_used == 3 * MiB and gpus[0].memory_free == raw.total - 618 * MiB
+    monkeypatch.delenv("FAKE_NVML_RESERVED_MIB")
+    fake.reset()

@@ -52,6 +52,10 @@ class GpuProcess:
 
 @dataclass(frozen=True)
 class HostGpu:
+    """One GPU as NVML reads it. Its memory leaves out what the driver keeps for itself (NVML's v1
+    figures count that reserve as used: 615 MiB of an idle H200), so that an idle GPU shows 0 used,
+    as nvidia-smi shows it, and `total - used` is still what is free."""
+
     index: int
     uuid: str
     name: str
@@ -137,17 +141,25 @@ def _health(pynvml: Any, handle: Any) -> str:
     return "ecc_errors" if errors > 0 else "ok"
 
 
+def _reserved(pynvml: Any, handle: Any) -> int:
+    """What the driver keeps of the GPU for itself (NVML's v2 memory info); 0 where NVML cannot say."""
+    version = getattr(pynvml, "nvmlMemory_v2", None)
+    info = None if version is None else _optional(pynvml.nvmlDeviceGetMemoryInfo, handle, version)
+    return int(getattr(info, "reserved", 0) or 0)
+
+
 def _read(pynvml: Any, index: int) -> HostGpu:
     handle = pynvml.nvmlDeviceGetHandleByIndex(index)
     memory = pynvml.nvmlDeviceGetMemoryInfo(handle)
+    reserved = min(_reserved(pynvml, handle), int(memory.used))
     utilization = _optional(pynvml.nvmlDeviceGetUtilizationRates, handle)
     processes = _optional(pynvml.nvmlDeviceGetComputeRunningProcesses, handle) or []
     return HostGpu(
         index=index,
         uuid=_text(pynvml.nvmlDeviceGetUUID(handle)),
         name=_text(pynvml.nvmlDeviceGetName(handle)),
-        memory_total=int(memory.total),
-        memory_used=int(memory.used),
+        memory_total=int(memory.total) - reserved,
+        memory_used=int(memory.used) - reserved,
         memory_free=int(memory.free),
         utilization_percent=None if utilization is None else int(utilization.gpu),
         temperature_c=_optional(pynvml.nvmlDeviceGetTemperature, handle, pynvml.NVML_TEMPERATURE_GPU),
