@@ -703,6 +703,7 @@ static int physical_by_uuid(const CUuuid *uuid) {
 /* ------------------------------------------------------------------ VMM memory (state) */
 
 #define HOST_MEMFD_NAME "fake_cuda_vmm_host"
+#define GPU_MEMFD_PREFIX "fake_cuda_vmm_gpu"
 
 /* Memory made by cuMemCreate is a memfd of its size living on one physical GPU; a reservation is
  * a PROT_NONE range of host address space; cuMemMap maps the memfd there (MAP_SHARED|MAP_FIXED),
@@ -1671,8 +1672,15 @@ CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CU
   }
   const int slot = FREE_SLOT(vmm.allocs);
   if (slot < 0) return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, -1);
-  /* The name tells a process importing the fd where the memory lives (adopt_foreign). */
-  const int fd = memfd_create(on_host ? HOST_MEMFD_NAME : "fake_cuda_vmm", MFD_CLOEXEC);
+  /* The name tells a process importing the fd where the memory lives (adopt_foreign): on the host,
+   * or on which physical GPU, where it stays whoever imports it. */
+  char name[48];
+  if (on_host) {
+    snprintf(name, sizeof name, "%s", HOST_MEMFD_NAME);
+  } else {
+    snprintf(name, sizeof name, "%s%d", GPU_MEMFD_PREFIX, physical);
+  }
+  const int fd = memfd_create(name, MFD_CLOEXEC);
   if (fd < 0) return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, -1);
   struct stat st;
   if (ftruncate(fd, (off_t)size) != 0 || fstat(fd, &st) != 0) {
@@ -1930,6 +1938,27 @@ static int host_memfd(int fd) {
   return strstr(target, "memfd:" HOST_MEMFD_NAME " ") != NULL;
 }
 
+/* The physical GPU a memfd made by cuMemCreate (in any process) lives on; -1: not one of those. */
+static int memfd_gpu(int fd) {
+  char link[64], target[128];
+  snprintf(link, sizeof link, "/proc/self/fd/%d", fd);
+  const ssize_t n = readlink(link, target, sizeof target - 1);
+  if (n <= 0) return -1;
+  target[n] = '\0';
+  const char *at = strstr(target, "memfd:" GPU_MEMFD_PREFIX);
+  if (at == NULL) return -1;
+  const int physical = atoi(at + strlen("memfd:" GPU_MEMFD_PREFIX));
+  return physical >= 0 && physical < fake.gpu_count ? physical : -1;
+}
+
+/* The logical device of this process on physical GPU `physical`; -1 where it has none. */
+static int logical_on(int physical) {
+  for (int l = 0; l < fake.gpu_count; ++l) {
+    if (fake.placement[l] == physical) return l;
+  }
+  return -1;
+}
+
 static int adopt_foreign(int fd) {
   struct stat st;
   if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || st.st_size <= 0 || (size_t)st.st_size % VMM_GRANULARITY != 0) {
@@ -1943,9 +1972,14 @@ static int adopt_foreign(int fd) {
   /* Not exportable: an allocation imported from another process cannot be exported again (fact
    * `exported-fd-survives-checkpoint`, its holder mode: CUDA_ERROR_INVALID_VALUE). */
   const int on_host = host_memfd(fd);
-  *a = (struct vmm_alloc){1, own, st.st_dev, st.st_ino, (size_t)st.st_size, on_host ? -1 : fake.placement[current_context],
+  /* Device memory stays on the GPU it was made on, whichever context imports it (cuMemImportFromShareableHandle
+   * names the existing allocation). A memfd of unknown origin counts as the importer's GPU's. */
+  int physical = on_host ? -1 : memfd_gpu(fd);
+  if (!on_host && physical < 0) physical = fake.placement[current_context];
+  const int logical = on_host ? 0 : logical_on(physical);
+  *a = (struct vmm_alloc){1, own, st.st_dev, st.st_ino, (size_t)st.st_size, physical,
                           -1, 0, 0, 0, 1, 0, on_host ? CU_MEM_LOCATION_TYPE_HOST_NUMA : CU_MEM_LOCATION_TYPE_DEVICE,
-                          on_host ? 0 : current_context};
+                          logical < 0 ? current_context : logical};
   return slot;
 }
 
