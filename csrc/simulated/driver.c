@@ -297,7 +297,7 @@ static struct {
   int placement[MAX_GPUS];                     /* logical device -> physical GPU */
   unsigned long long process_bytes[MAX_GPUS];  /* per logical device */
   int restore_poisoned;
-  int oom_poisons_restore;
+  int failed_restore_poisons;
   /* Measured on H200s (driver 580): a checkpoint taken while the process held imported VMM memory
    * cannot be restored: the restore, remapped or in place, fails with CUDA_ERROR_NOT_SUPPORTED and
    * the process stays CHECKPOINTED (fact `imported-memory-cannot-ride-checkpoint`). */
@@ -518,7 +518,7 @@ static void reset_locked(void) {
   fake.block_timeout_ms = 5000;
   /* A restore that failed for memory leaves the process unrestorable, as on driver 580
    * (fact `restore-without-room-loses-process`). */
-  fake.oom_poisons_restore = 1;
+  fake.failed_restore_poisons = 1;
   configure_from_environment();
   for (int i = 0; i < MAX_GPUS; ++i) fake.placement[i] = i;
   pthread_cond_broadcast(&state_changed);
@@ -1395,7 +1395,12 @@ CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args) {
     fake.last_pairs_old[i] = physical_by_uuid(&args->gpuPairs[i].oldUuid);
     fake.last_pairs_new[i] = physical_by_uuid(&args->gpuPairs[i].newUuid);
   }
-  if (injected) return leave(fn, rc, pairs);
+  if (injected) {
+    /* Only a restore refused for its arguments was measured to leave the process restorable (fact
+     * `failed-restore-stays-checkpointed`); every other failure measured left it so for good. */
+    if (rc != CUDA_ERROR_INVALID_VALUE && fake.failed_restore_poisons) fake.restore_poisoned = 1;
+    return leave(fn, rc, pairs);
+  }
   if (!is_own_pid(pid)) return leave(fn, CUDA_ERROR_INVALID_VALUE, pairs);
   if (fake.state != CU_PROCESS_STATE_CHECKPOINTED) return leave(fn, CUDA_ERROR_ILLEGAL_STATE, pairs);
   /* NVIDIA/cuda-checkpoint issue 44 (driver 580.95): after a restore failed for memory, every
@@ -1417,7 +1422,7 @@ CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args) {
     const unsigned long long held = fake.reserved_bytes + others_on(p) + vmm_bytes_on(p, 1);
     const unsigned long long free_bytes = held >= g->total ? 0 : g->total - held;
     if (need > free_bytes) {
-      if (fake.oom_poisons_restore) fake.restore_poisoned = 1;
+      if (fake.failed_restore_poisons) fake.restore_poisoned = 1;
       return leave(fn, CUDA_ERROR_OUT_OF_MEMORY, pairs);
     }
   }
@@ -2840,9 +2845,9 @@ void fake_set_block_timeout_ms(unsigned int ms) {
   pthread_mutex_unlock(&mutex);
 }
 
-void fake_set_oom_poisons_restore(int on) {
+void fake_set_failed_restore_poisons(int on) {
   pthread_mutex_lock(&mutex);
-  fake.oom_poisons_restore = on != 0;
+  fake.failed_restore_poisons = on != 0;
   if (!on) fake.restore_poisoned = 0;
   pthread_mutex_unlock(&mutex);
 }

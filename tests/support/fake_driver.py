@@ -41,8 +41,10 @@ Any other transition: ``CUDA_ERROR_ILLEGAL_STATE``, nothing changes. FAILED is r
   ``CUDA_ERROR_OUT_OF_MEMORY``. Any failure leaves the process CHECKPOINTED where it was
   (fact `failed-restore-stays-checkpointed`).
   A restore without pairs (NULL args, or no pairs) restores in place, with the same memory check.
-  ``set_oom_poisons_restore(True)`` models NVIDIA/cuda-checkpoint issue 44 (driver 580.95): after
-  a restore failed for memory, every later restore fails with ``CUDA_ERROR_OPERATING_SYSTEM``.
+  ``set_failed_restore_poisons(True)`` (the default) models what every restore failure measured but a
+  refused argument did (NVIDIA/cuda-checkpoint issue 44, facts `restore-without-room-loses-process`,
+  `cumem-host-memory-unrestorable`): after a restore failed for memory, or with an injected code other
+  than ``CUDA_ERROR_INVALID_VALUE``, every later restore fails with ``CUDA_ERROR_OPERATING_SYSTEM``.
 * while CHECKPOINTED the process holds no GPU memory (NVML shows none; fact `zero-residue`), but for VMM
   memory held only by exported fds (below).
 * after a remap ``cuDeviceGetUuid`` names the GPU a logical device is on now, as the driver does, while
@@ -344,7 +346,7 @@ class FakeDriver:
             "fake_set_delay_ms": (c_int, [ctypes.c_char_p, c_uint]),
             "fake_set_lock_delay_ms": (None, [c_uint]),
             "fake_set_block_timeout_ms": (None, [c_uint]),
-            "fake_set_oom_poisons_restore": (None, [c_int]),
+            "fake_set_failed_restore_poisons": (None, [c_int]),
             "fake_state": (c_int, []),
             "fake_force_state": (c_int, [c_int]),
             "fake_physical_of": (c_int, [c_int]),
@@ -462,9 +464,10 @@ class FakeDriver:
         """How long a CUDA call from another thread waits for a locked process to run again."""
         self._lib.fake_set_block_timeout_ms(ms)
 
-    def set_oom_poisons_restore(self, on: bool) -> None:
-        """Model cuda-checkpoint issue 44: after an OOM restore, restores fail for good."""
-        self._lib.fake_set_oom_poisons_restore(1 if on else 0)
+    def set_failed_restore_poisons(self, on: bool) -> None:
+        """Whether a restore that failed for anything but its arguments (memory, an injected code other
+        than CUDA_ERROR_INVALID_VALUE) leaves every later restore failing (on at each reset)."""
+        self._lib.fake_set_failed_restore_poisons(1 if on else 0)
 
     def force_state(self, state: ProcessState | int) -> None:
         """Puts the process in ``state`` at once, bypassing the checkpoint API's rules."""

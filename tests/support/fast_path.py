@@ -34,6 +34,9 @@ OWNING_NOTE = "the moved memory becomes the job's own over the next optimizer st
 FAST_PAUSE = ["prepare", "checksum", "copy", "release", "lock", "checkpoint", "copier_sleep"]
 FAST_RESUME = ["restore", "unlock", "copy_back", "verify"]
 CUDA_ERROR_UNKNOWN = 999
+# A restore refused for its arguments: the one failure measured to leave the process restorable (fact
+# `failed-restore-stays-checkpointed`); the simulated driver takes any other as real ones were (lost).
+CUDA_ERROR_INVALID_VALUE = 1
 
 
 class StandInPool:

@@ -189,7 +189,7 @@ def test_a_failed_resume_keeps_the_thread_parked(
     wait_until(lambda: trainer.steps >= 2, what="training to start")
     engine.pause()
     wait_until(lambda: parked(engine), what="the training thread to park")
-    fake.fail("cuCheckpointProcessRestore", "CUDA_ERROR_UNKNOWN")
+    fake.fail("cuCheckpointProcessRestore", "CUDA_ERROR_INVALID_VALUE")  # refused for its arguments: restorable
     with pytest.raises(OperationFailedError, match="still paused"):
         engine.resume()
     steps = trainer.steps
@@ -423,3 +423,21 @@ def test_resume_right_after_pause_never_strands_the_training_thread(
     wait_until(lambda: trainer.steps > steps + 2, what="training to go on")
     assert not parked(engine)
     assert fake.placement() == [0, 1]
+
+
+@pytest.mark.usefixtures("nvml_in_parent")
+def test_a_resume_whose_restore_failed_otherwise_says_the_job_may_be_lost_and_the_next_says_it_is(
+    fake: FakeDriver, make_engine: Callable[..., Any]
+) -> None:
+    """Every restore failure measured but a refused argument left the process unrestorable (the
+    simulated driver does the same): the first failure cannot know it, and says what the next resume
+    will show; that one says the job is lost."""
+    engine = make_engine(safe_point_wait_seconds=0.1)
+    assert engine.pause().ok
+    fake.fail("cuCheckpointProcessRestore", "CUDA_ERROR_UNKNOWN")
+    with pytest.raises(OperationFailedError) as first:
+        engine.resume()
+    assert "resume it once more; if that fails with CUDA_ERROR_OPERATING_SYSTEM, the job is lost" in str(first.value)
+    with pytest.raises(OperationFailedError) as second:
+        engine.resume()
+    assert "CUDA_ERROR_OPERATING_SYSTEM" in str(second.value) and "can never run CUDA again" in str(second.value)

@@ -129,7 +129,7 @@ def fail_checkpoint(job: Job, engine: Any) -> None:
 
 
 def fail_restore(job: Job, engine: Any) -> None:
-    job.fake.fail("cuCheckpointProcessRestore", "CUDA_ERROR_UNKNOWN")
+    job.fake.fail("cuCheckpointProcessRestore", "CUDA_ERROR_INVALID_VALUE")  # refused for its arguments: restorable
 
 
 def fill_target_meanwhile(job: Job, engine: Any) -> None:
@@ -153,7 +153,7 @@ LOCKED_FAILURES = {
     ),
     "restore": (
         fail_restore,
-        "cuCheckpointProcessRestore returned CUDA_ERROR_UNKNOWN",
+        "cuCheckpointProcessRestore returned CUDA_ERROR_INVALID_VALUE",
         [("checkpoint", True, False), ("restore", False, False), ("restore", True, True), ("unlock", True, True)],
     ),
 }

@@ -199,8 +199,8 @@ def test_a_failed_restore_keeps_a_fast_pause_and_a_failed_copy_back_fails_the_jo
     engine = job.training([2 * MiB, 4 * MiB])
     assert engine.pause().ok
 
-    # The restore fails: still paused, the segments still wait in host memory.
-    fake.fail("cuCheckpointProcessRestore", "CUDA_ERROR_UNKNOWN")
+    # The restore is refused for its arguments: still paused, the segments still wait in host memory.
+    fake.fail("cuCheckpointProcessRestore", "CUDA_ERROR_INVALID_VALUE")
     error = failure(engine.resume)
     assert error.step == "restore" and error.result.path == "fast" and "still paused" in str(error)
     assert engine.state == EngineState.PAUSED and _C.host_staged_segments() == 2

@@ -15,6 +15,7 @@ from support.engine import DictStore, Script, script_env
 
 STEPS = 40
 CUDA_ERROR_UNKNOWN = 999
+CUDA_ERROR_INVALID_VALUE = 1  # a restore refused for its arguments: the one failure that leaves it restorable
 
 RANK_SCRIPT = """
 import torch
@@ -152,8 +153,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> list[list[float]]:
     return [out["losses"] for out in outs]
 
 
-def _fail(function: str) -> str:
-    return f"{function}:{CUDA_ERROR_UNKNOWN}:1"
+def _fail(function: str, code: int = CUDA_ERROR_UNKNOWN) -> str:
+    return f"{function}:{code}:1"
 
 
 def test_a_whole_job_pause_and_resume_stop_every_rank_at_one_step(tmp_path: Any, reference: Any) -> None:
@@ -235,7 +236,7 @@ def test_a_failed_checkpoint_on_one_rank_resumes_the_rank_that_paused(tmp_path: 
 
 def test_a_failed_restore_on_one_moving_rank_brings_both_back(tmp_path: Any, reference: Any) -> None:
     plan = [{"id": 1, "kind": "migrate", "after_step": 5, "targets": BOTH_MOVE}]
-    outs = _run_job(tmp_path, plan, FAKE_CUDA_FAIL={1: _fail("cuCheckpointProcessRestore")})
+    outs = _run_job(tmp_path, plan, FAKE_CUDA_FAIL={1: _fail("cuCheckpointProcessRestore", CUDA_ERROR_INVALID_VALUE)})
     zero, one = outs
     assert "every rank is back on the GPU it was on" in zero["results"][0]["error"]
     for out in outs:
@@ -252,7 +253,7 @@ def test_a_failed_resume_on_one_rank_leaves_the_whole_job_paused_and_resumable(t
         {"id": 3, "kind": "resume", "after_step": 0, "delay": 0.2},
     ]
     # rank 1's first restore (its first resume) fails and leaves it paused
-    outs = _run_job(tmp_path, plan, FAKE_CUDA_FAIL={1: _fail("cuCheckpointProcessRestore")})
+    outs = _run_job(tmp_path, plan, FAKE_CUDA_FAIL={1: _fail("cuCheckpointProcessRestore", CUDA_ERROR_INVALID_VALUE)})
     zero, one = outs
     assert [r["ok"] for r in zero["results"]] == [True, False, True]
     assert [r["ok"] for r in one["results"]] == [True, False, True]

@@ -31,6 +31,7 @@ from support.engine import (  # noqa: E402,F401  (fixtures)
 )
 from support.fake_driver import ProcessState  # noqa: E402
 from support.fast_path import (  # noqa: E402,F401  (fixtures)
+    CUDA_ERROR_INVALID_VALUE,
     CUDA_ERROR_UNKNOWN,
     FAST_PAUSE,
     FAST_RESUME,
@@ -212,7 +213,7 @@ def test_a_restore_that_fails_leaves_the_job_paused_and_nothing_of_the_fill(job:
     assert engine.pause().ok
     fds = open_fds()
     (copier,) = copier_processes()
-    job.fake.fail("cuCheckpointProcessRestore", CUDA_ERROR_UNKNOWN)
+    job.fake.fail("cuCheckpointProcessRestore", CUDA_ERROR_INVALID_VALUE)
 
     resumed = failure(lambda: engine.resume(target=engine.gpus[1])).result
     assert not resumed.ok and resumed.failed_step == "restore"
@@ -289,7 +290,7 @@ def test_a_copier_whose_sleep_after_a_fill_fails_is_stopped(job: Job, monkeypatc
     monkeypatch.delenv("FAKE_CUDA_FAIL")
     assert engine.pause().ok
     (first,) = copier_processes()
-    job.fake.fail("cuCheckpointProcessRestore", CUDA_ERROR_UNKNOWN)
+    job.fake.fail("cuCheckpointProcessRestore", CUDA_ERROR_INVALID_VALUE)
     resumed = failure(lambda: engine.resume(target=engine.gpus[1])).result
     assert not resumed.ok and engine.state == EngineState.PAUSED
     assert first not in copier_processes()  # stopped: its context went with it

@@ -95,7 +95,7 @@ def test_fd_held_memory_counts_against_the_restore(fake: FakeDriver, allocator: 
     fake.set_other_memory(1, H200_BYTES - 10 * MiB)  # 10 MiB free on GPU 1, 6 held by our fd
     # What is checked is where the memory counts. The real driver would then refuse the rollback's
     # restore too (fact `restore-without-room-loses-process`), which the fake models unless told not to.
-    fake.set_oom_poisons_restore(False)
+    fake.set_failed_restore_poisons(False)
     outcomes = _C.run_steps(PID, *swap_plan(fake))
     assert [(o.step, o.rollback, o.error_name or "ok") for o in outcomes][2:] == [
         ("restore", False, "CUDA_ERROR_OUT_OF_MEMORY"),

@@ -23,6 +23,14 @@ from flexium.errors import DriverError
 from flexium.units import gib
 
 STILL_PAUSED = "the job is still paused and can be resumed again"
+# A restore that failed otherwise: every such failure measured left the process unrestorable, which
+# only the next restore shows (CUDA_ERROR_OPERATING_SYSTEM: step_outcomes.process_lost).
+MAYBE_LOST = (
+    "the job is still paused, but every restore failure measured other than a refused argument left the "
+    "process unable to restore again (fact `restore-without-room-loses-process` in docs/facts.md): resume it "
+    "once more; if that fails with CUDA_ERROR_OPERATING_SYSTEM, the job is lost and must be started again from "
+    "its last checkpoint"
+)
 # The one case a restore refused for its arguments does not cover: memory imported from another
 # process that flexium cannot see (uncheckpointable_memory.py finds PyTorch's imports only).
 UNLESS_IMPORTED = (
@@ -83,7 +91,7 @@ def _still_paused(outcomes: list[_C.StepOutcome]) -> str:
     refused = [o for o in outcomes if o.step == "restore" and not o.rollback and o.code != 0]
     if refused and refused[0].error_name == "CUDA_ERROR_INVALID_VALUE":
         return STILL_PAUSED + UNLESS_IMPORTED
-    return STILL_PAUSED
+    return MAYBE_LOST
 
 
 def _bring_back_from_host(ctx: OperationContext, fast: FastPath, draft: ResultDraft) -> OperationResult:
