@@ -53,9 +53,19 @@ def test_an_example_trains_a_few_steps_on_the_cpu(script: str, tmp_path: Path) -
     assert "Traceback" not in done.stderr
 
 
+# gloo's worker threads at interpreter exit (pytorch/pytorch#179291): a rank that trained to the end
+# may abort as it exits, once in many runs on a loaded machine, in torch's code, not flexium's.
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
 def test_the_torchrun_example_trains_on_two_cpu_ranks(tmp_path: Path) -> None:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    done = _run([*command, str(EXAMPLES / "torchrun_ddp.py"), "--steps", STEPS, "--step-seconds", "0"], tmp_path)
+    run = [*command, str(EXAMPLES / "torchrun_ddp.py"), "--steps", STEPS, "--step-seconds", "0"]
+    done = _run(run, tmp_path)
+    trained = all(f"rank {rank} step    3" in done.stdout for rank in (0, 1))
+    if done.returncode != 0 and trained and GLOO_EXIT_ABORT in done.stderr:
+        print(f"torchrun example: a rank aborted at exit after training ({GLOO_EXIT_ABORT}); run again once")
+        done = _run(run, tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     for rank in (0, 1):
         assert f"rank {rank} step    3" in done.stdout, done.stdout

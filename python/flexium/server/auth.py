@@ -135,7 +135,10 @@ async def require_auth(
         if request.method not in _SAFE_METHODS and protocol.CSRF_HEADER not in request.headers:
             raise Forbidden(f"requests authenticated by cookie must send the {protocol.CSRF_HEADER} header")
     if auth.workspace != workspace:
-        raise NotFound(f"workspace {workspace!r} not found")
+        raise NotFound(
+            f"workspace {workspace!r} not found for this token: a token belongs to one workspace; check the "
+            "workspace in the server's address (host:port/WORKSPACE)"
+        )
     auth = dataclasses.replace(auth, door=_door(request, auth))
     request.state.auth = auth  # whom a refusal after this names (server/refusals.py)
     return auth

@@ -109,7 +109,7 @@ def ensure_default_workspace(*, session: Session, now: float) -> str | None:
 def get_workspace(*, session: Session, name: str) -> WorkspaceRecord:
     row = session.scalar(select(Workspace).where(Workspace.name == name))
     if row is None:
-        raise NotFound(f"workspace {name!r} not found")
+        raise NotFound(f"workspace {name!r} not found (`flexium workspace list` lists those of the server's database)")
     return _workspace_record(row)
 
 
@@ -230,7 +230,7 @@ def revoke_token(
         raise InvalidRequest("name the token to revoke by id or by value")
     row = session.scalar(query)
     if row is None:
-        raise NotFound("token not found in this workspace")
+        raise NotFound("token not found in this workspace (`flexium token list WORKSPACE` lists their ids)")
     cascade: list[Token] = []
     seen = {row.id}
     frontier = [row.id]
