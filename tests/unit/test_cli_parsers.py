@@ -99,3 +99,23 @@ def test_version_names_the_distribution(capsys: pytest.CaptureFixture[str]) -> N
         build_parser().parse_args(["--version"])
     assert exited.value.code == 0
     assert capsys.readouterr().out.strip() == f"flexium {__version__}"
+
+
+@pytest.mark.parametrize(
+    ("argv", "usage"),
+    [
+        (["ps", "--bogus"], "usage: flexium ps"),
+        (["token", "issue", "team", "--bogus"], "usage: flexium token issue"),
+        (["server", "--hots"], "usage: flexium server"),
+    ],
+)
+def test_an_unknown_option_is_answered_with_the_commands_own_usage(
+    argv: list[str], usage: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from flexium.cli.main import main
+
+    with pytest.raises(SystemExit) as exited:
+        main(argv)
+    assert exited.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(usage) and f"unrecognized arguments: {argv[-1]}" in err

@@ -79,6 +79,8 @@ def _describe_commands(commands: Any) -> None:
     for name, sub in commands.choices.items():
         sub.description = sub.description or summaries.get(name)
         sub.formatter_class = _HelpWithDefaults
+        if sub.get_default("usage_parser") is None:  # an unknown option is answered with this usage (main)
+            sub.set_defaults(usage_parser=sub)
         for action in sub._actions:
             if isinstance(action, argparse._SubParsersAction):
                 _describe_commands(action)
@@ -88,8 +90,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, unrecognized = parser.parse_known_args(argv)
     if unrecognized:
-        # argparse leaves these to the top parser; a command that sets its own parser here answers
-        # with its own usage (`flexium server --hots` lists the server's options).
+        # argparse leaves these to the top parser; each command answers with its own usage
+        # (`flexium server --hots` lists the server's options, `flexium ps --bogus` those of ps).
         getattr(args, "usage_parser", parser).error(f"unrecognized arguments: {' '.join(unrecognized)}")
     if args.command == "doctor":
         from flexium.cli import doctor
