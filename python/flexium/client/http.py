@@ -84,7 +84,10 @@ def error_from_response(response: requests.Response) -> ServerError:
     else:
         code, detail = ("internal" if response.status_code >= 500 else "bad_request"), None
         text = response.text.strip().splitlines()[0][:200] if response.text.strip() else response.reason
-        message = f"HTTP {response.status_code} from {response.url}: {text}"
+        message = (
+            f"HTTP {response.status_code} from {response.url}: {text} (an answer no flexium server gives: is that "
+            "address a flexium server, and is the one behind any proxy up?)"
+        )
     if response.status_code >= 500:
         cls: type[ServerError] = Unavailable
     else:
