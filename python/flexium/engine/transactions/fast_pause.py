@@ -62,11 +62,12 @@ def prepare_host_staging(ctx: OperationContext, fast: FastPath, source: GpuIdent
     if reserved.pinned == 0:
         return StagingPlan()
     phases = f"; {reserved.phases}" if reserved.phases else ""
+    pinner = f"; its pinning ahead: {ahead.pinner}" if ahead.pinner else ""
     return StagingPlan(
         (
             f"pinned {gib(reserved.pinned, 2)} of host staging {reserved.where} in {reserved.seconds:.2f} s before "
             f"the safe point ({gib(to_map, 2)} of it newly mapped and touched, {gib(reserved.newly_pinned, 2)} newly "
-            f"pinned{phases})",
+            f"pinned{phases}{pinner})",
         )
     )
 
