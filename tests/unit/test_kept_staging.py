@@ -190,7 +190,8 @@ def test_a_resumed_job_keeps_its_staging_pinned_for_the_next_pause(
     assert again.notes[0].startswith("pinned 0.01 GiB of host staging by the copier process")
     assert re.search(
         r"\(0\.00 GiB of it newly mapped and touched, 0\.00 GiB newly pinned; "
-        r"files \d+\.\d\d s, attach \d+\.\d\d s, touching and pinning \d+\.\d\d s\)$",
+        r"files \d+\.\d\d s, attach \d+\.\d\d s, touching and pinning \d+\.\d\d s; its pinning ahead: pinned "
+        r"\d+ chunks \(\d+\.\d\d GiB\) in \d+\.\d\d s \(the slowest \d+ ms\), all pinned\)$",
         again.notes[0],
     ), again.notes[0]
     assert _C.gpu_memory_yielder() == 0  # asleep while the job is paused: nothing of it on any GPU
