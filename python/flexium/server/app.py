@@ -9,6 +9,7 @@ import contextlib
 import dataclasses
 import gc
 import logging
+import socket
 import sys
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -395,6 +396,11 @@ def serve(settings: Settings) -> int:
             if ctx.loop is not None and not ctx.loop.is_closed():
                 ctx.loop.call_soon_threadsafe(ctx.begin_shutdown)
             super().handle_exit(sig, frame)
+
+        async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+            await super().startup(sockets=sockets)
+            if sockets is not None and self.started:  # uvicorn says where it serves only on sockets it bound itself
+                self._log_started_message(sockets)
 
         def _log_started_message(self, listeners: Sequence[Any]) -> None:
             """uvicorn's start line, with the scheme served: uvicorn would say http under
