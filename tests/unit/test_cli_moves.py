@@ -13,6 +13,7 @@ import pytest
 from flexium import simulated, wire
 from flexium.cli import jobs, moves, waiting
 from flexium.client import ServerError
+from support.commands import command_info
 
 
 class LongPolls:
@@ -34,20 +35,7 @@ class LongPolls:
 
 
 def command(state: str) -> wire.CommandInfo:
-    return wire.CommandInfo(
-        id=7,
-        kind="pause",
-        process_id="gpu-1a2b3c4d",
-        state=state,  # type: ignore[arg-type]
-        target_uuid=None,
-        created_at=0.0,
-        delivered_at=None,
-        started_at=None,
-        finished_at=None,
-        deliveries=0,
-        result=None,
-        error=None,
-    )
+    return command_info(7, "pause", "gpu-1a2b3c4d", state)
 
 
 def test_each_change_and_every_interval_between_are_said(

@@ -18,6 +18,7 @@ from flexium import wire
 from flexium.cli import queue as queue_cli
 from flexium.cli.exit_status import EXIT_FAILED, EXIT_OK, UsageError
 from flexium.cli.main import build_parser
+from support.commands import command_info
 
 GIB = 1 << 30
 
@@ -45,20 +46,7 @@ def wait(**fields: Any) -> wire.WaitInfo:
 
 
 def command(kind: str, command_id: int, process_id: str = "gpu-7f3a") -> wire.CommandInfo:
-    return wire.CommandInfo(
-        id=command_id,
-        kind=kind,  # type: ignore[arg-type]
-        process_id=process_id,
-        state="queued",
-        target_uuid=None,
-        created_at=0.0,
-        delivered_at=None,
-        started_at=None,
-        finished_at=None,
-        deliveries=0,
-        result=None,
-        error=None,
-    )
+    return command_info(command_id, kind, process_id)
 
 
 class Server:

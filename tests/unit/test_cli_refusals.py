@@ -8,10 +8,10 @@ from typing import Any
 
 import pytest
 
-from flexium import wire
 from flexium.cli import connection
 from flexium.cli.main import main
 from flexium.client import Refused
+from support.commands import command_info
 
 CPU_JOB_REFUSAL = (
     "process 'gpu-0e1e8143' cannot migrate: it reports no 'migration' capability: no NVIDIA driver: could not "
@@ -95,20 +95,7 @@ class InterruptedServer(RefusingServer):
     """Takes the command, then the wait for its end is interrupted (Ctrl-C)."""
 
     def create_command(self, request: Any) -> Any:
-        return wire.CommandInfo(
-            id=9,
-            kind=request.kind,
-            process_id=request.process_id,
-            state="queued",
-            target_uuid=None,
-            created_at=0.0,
-            delivered_at=None,
-            started_at=None,
-            finished_at=None,
-            deliveries=0,
-            result=None,
-            error=None,
-        )
+        return command_info(9, request.kind, request.process_id)
 
     def wait_command(self, *_: Any, **__: Any) -> Any:
         raise KeyboardInterrupt
