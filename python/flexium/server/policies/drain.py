@@ -23,7 +23,7 @@ from flexium.server.errors import ApiError
 from flexium.server.models import Command, Drain, DrainMove, Process
 from flexium.server.policies.choose_gpu import choose_gpu, gpu_label
 from flexium.server.policies.room import HostRoom
-from flexium.server.storage.audit import PolicyActor, record_commands_created
+from flexium.server.storage.audit import PolicyActor, given_why, record_commands_created
 from flexium.server.storage.commands import create_commands
 from flexium.server.storage.devices import held_by_gpu
 from flexium.server.storage.drains import (
@@ -188,7 +188,7 @@ def _migrate(
     where = ", ".join(f"{p.process_id} to {gpu_label(room, uuid)}" for p, uuid in moves.items())
     reason = (
         f"drain of {drain_label(drain)} by {drain.requested_by}: moving {where}, the GPU with the most room"
-        + _why(drain)
+        + given_why(drain.reason)
     )
     try:
         with session.begin_nested():
@@ -234,7 +234,8 @@ def _pause(
     """The job paused and queued to resume when free (on a GPU not drained); refused where it cannot pause."""
     lead = members[0]
     priority = max(p.priority for p in members)
-    reason = f"drain of {drain_label(drain)} by {drain.requested_by}: {why}; paused to resume when free" + _why(drain)
+    label, why_given = drain_label(drain), given_why(drain.reason)
+    reason = f"drain of {label} by {drain.requested_by}: {why}; paused to resume when free{why_given}"
     try:
         with session.begin_nested():
             commands = create_commands(
@@ -283,8 +284,3 @@ def _pause(
 def _refuse(session: Session, drain: Drain, lead: Process, why: str, now: float) -> list[wire.CommandInfo]:
     record_move(session=session, drain=drain, proc=lead, action="refused", note=f"left where it is: {why}", now=now)
     return []
-
-
-def _why(drain: Drain) -> str:
-    """The reason its requester gave, as the commands it sends carry it (as make-room's do)."""
-    return f"; why: {drain.reason}" if drain.reason else ""

@@ -23,7 +23,7 @@ from flexium import protocol, wire
 from flexium.server.errors import InvalidRequest, TargetRefused
 from flexium.server.models import Device, Process, Reservation, Wait
 from flexium.server.policies.room import HostRoom
-from flexium.server.storage.audit import PolicyActor, record_commands_created
+from flexium.server.storage.audit import PolicyActor, given_why, record_commands_created
 from flexium.server.storage.commands import create_commands
 from flexium.server.storage.devices import held_by_gpu
 from flexium.server.storage.jobs import is_job_rank
@@ -269,7 +269,7 @@ def make_room(
         why = (
             f"make room: {beneficiary.label} (priority {protocol.priority_name(beneficiary.priority)}) needs "
             f"{gib(plan.required)} on {gpu}; this job's priority is {protocol.priority_name(victim.priority)}"
-        ) + (f"; why: {beneficiary.why}" if beneficiary.why else "")
+        ) + given_why(beneficiary.why)
         commands = create_commands(
             session=session,
             workspace_id=workspace_id,

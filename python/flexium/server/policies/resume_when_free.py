@@ -26,7 +26,7 @@ from flexium.server.models import Placement, Process, Wait
 from flexium.server.policies.make_room import resume_making_room
 from flexium.server.policies.room import HostRoom
 from flexium.server.policies.waited_for import WaitedFor
-from flexium.server.storage.audit import PolicyActor, record_commands_created
+from flexium.server.storage.audit import PolicyActor, given_why, record_commands_created
 from flexium.server.storage.commands import create_commands
 from flexium.server.storage.devices import host_devices
 from flexium.server.storage.processes import active_command
@@ -291,8 +291,10 @@ def _reason(wait: Wait, placement: list[tuple[Need, str]], room: HostRoom, now: 
         f"GPU {_label(room, uuid)} had {gib(room.free_for(uuid, wait.id))} free for {gib(need.nbytes)}"
         for need, uuid in placement
     )
-    why = f"; why: {wait.why}" if wait.why else ""
-    return f"resume when free: {where}; waited {now - wait.created_at:.0f} s, queued by {wait.requested_by}{why}"
+    return (
+        f"resume when free: {where}; waited {now - wait.created_at:.0f} s, queued by {wait.requested_by}"
+        + given_why(wait.why)
+    )
 
 
 def _label(room: HostRoom, uuid: str) -> str:

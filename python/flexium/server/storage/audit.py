@@ -56,6 +56,12 @@ class PolicyActor:
         return f"policy: {self.name}"
 
 
+def given_why(why: str | None) -> str:
+    """The reason a person gave (``--reason``), as what is done for them carries it after its own:
+    the commands a policy sends, and the audit entries of waits and placements; "" for none."""
+    return f"; why: {why}" if why else ""
+
+
 def is_reserved_actor(name: str) -> bool:
     """Whether a token named ``name`` would pass in the audit log, a command's sender or a job's
     timeline for the server, the command line or one of its policies."""

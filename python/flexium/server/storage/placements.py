@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 from flexium import protocol, wire
 from flexium.server.errors import NotFound, TargetRefused
 from flexium.server.models import Placement, Reservation, Token
-from flexium.server.storage.audit import record_audit
+from flexium.server.storage.audit import given_why, record_audit
 from flexium.server.storage.devices import host_devices
 from flexium.server.storage.listing import listed
 from flexium.server.storage.reservations import reservation_view
@@ -54,7 +54,7 @@ def create_placement(
         action="placement.created",
         target=f"placement {row.id} on host {row.host}",
         outcome="ok",
-        detail=f"{row.command or 'a job'}: {_asked(row)}" + (f"; why: {row.why}" if row.why else ""),
+        detail=f"{row.command or 'a job'}: {_asked(row)}" + given_why(row.why),
         now=now,
     )
     return row

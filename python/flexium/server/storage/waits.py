@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from flexium import protocol, wire
 from flexium.server.errors import Busy, InvalidRequest, InvalidState, NotFound, Stale, TargetRefused
 from flexium.server.models import Command, Device, Placement, Process, Wait
-from flexium.server.storage.audit import PolicyActor, record_wait
+from flexium.server.storage.audit import PolicyActor, given_why, record_wait
 from flexium.server.storage.devices import held_by_gpu
 from flexium.server.storage.jobs import is_job_rank, job_ranks
 from flexium.server.storage.processes import active_command, find_process
@@ -126,7 +126,7 @@ def queue_wait(
         actor=actor,
         action="wait.created",
         wait=shown,
-        detail=row.reason + (f"; why: {row.why}" if row.why else ""),
+        detail=row.reason + given_why(row.why),
         now=now,
     )
     return row
