@@ -39,6 +39,7 @@ def add_connection_options(parser: argparse.ArgumentParser, on_server: OnServer)
 
 
 def run(args: argparse.Namespace) -> int:
+    Following.what = None  # nothing is followed before this command sends anything
     try:
         api = connect(args.server, args.token)
     except ConfigError as exc:
@@ -48,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
         return on_server(api, args)
     except LateAnswer as exc:
         # The request reached the server, which may have carried it out before its answer was late.
-        done = f" {Following.what} goes on at the server." if Following.what else ""
+        done = f" {_goes_on()}." if Following.what else ""
         return fail(
             f"{exc.message}.{done} What was asked may have been done all the same (a command sent, a wait "
             "queued): `flexium ps` shows it before you ask again",
@@ -72,10 +73,15 @@ def run(args: argparse.Namespace) -> int:
         message = f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
         return fail(message, EXIT_FAILED, as_json=args.json, code="invalid_request")
     except KeyboardInterrupt:
-        goes_on = f": {Following.what} goes on at the server" if Following.what else ""
+        goes_on = f": {_goes_on()}" if Following.what else ""
         return fail(f"interrupted{goes_on}", EXIT_INTERRUPTED, as_json=args.json, code="interrupted")
     finally:
         api.close()
+
+
+def _goes_on() -> str:
+    """What the command line was following when it stopped, which the server carries on."""
+    return f"{Following.what} goes on at the server"
 
 
 def _one_reason(refused: ServerError) -> str | None:

@@ -9,6 +9,7 @@ they send ``flexium.wire`` models and return them.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import threading
@@ -211,9 +212,7 @@ class ApiClient:
             if deadline is not None:
                 waits = max(1.0, min(timeout, deadline - time.monotonic() + DEADLINE_GRACE_S))
             try:
-                if hold is None:
-                    return self._once(method, path, json=json, params=params, timeout=waits, workspace=workspace)
-                with hold:
+                with hold if hold is not None else contextlib.nullcontext():
                     return self._once(method, path, json=json, params=params, timeout=waits, workspace=workspace)
             except (Unreachable, Unavailable) as exc:
                 attempt += 1
