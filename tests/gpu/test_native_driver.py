@@ -280,7 +280,8 @@ def test_the_room_check_before_a_restore_asks_nvml_and_a_refusal_rolls_back_in_p
     said = re.fullmatch(rf"{uuid} has (\d+) MiB free, the restore needs (\d+) MiB", refused["outcomes"][2]["text"])
     assert said is not None, refused["outcomes"][2]
     # checkpointed, the process holds nothing there: nearly the whole GPU is free
-    assert total // 2 < int(said[1]) << 20 <= total and int(said[2]) << 20 == refused["needed"], said.groups()
+    # said in whole MiB; the total leaves out the driver's reserve (engine/nvml.py), so need not be whole MiB
+    assert total // 2 < int(said[1]) << 20 <= total and int(said[2]) == refused["needed"] >> 20, said.groups()
     assert refused["outcomes"][2]["seconds"] < 0.5, refused["outcomes"][2]
     assert refused["state"] == "RUNNING" and refused["intact"], refused
 
