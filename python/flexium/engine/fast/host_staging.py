@@ -55,6 +55,7 @@ class Reserved:
     found_pinned: int = 0
     pinning_before: str = ""
     staging: int = 0  # the staging's bytes then, the rest of which the pause pins as its copies near it
+    made_by_driver: int = 0  # of them, host memory the keeper had made with the driver before the pause
 
 
 @dataclass(frozen=True)

@@ -253,6 +253,7 @@ class FastPath(DeviceMoves):
             if make_for is not None:
                 with self._host_lock:
                     made = self._reserve_host(logical, self.host_bytes_wanted(logical), make_for, pin="as copied")
+                    made = replace(made, made_by_driver=self._driver_made_bytes())
             copier = self._copier
             began = time.perf_counter()
             copied = self._by_copier(

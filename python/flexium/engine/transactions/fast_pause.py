@@ -113,9 +113,10 @@ def note_made(host: HostCopy, mapped: int) -> tuple[str, ...]:
     )
     ahead = f" (its pinning ahead: {made.pinning_before})" if made.found_pinned and made.pinning_before else ""
     streamed = f", {gib(made.staging - made.found_pinned, 2)} streamed" if made.staging else ""
+    by_driver = f", {gib(made.made_by_driver, 2)} made by the driver ahead" if made.made_by_driver else ""
     return (
-        f"made the host staging {made.where} at the safe point in {made.seconds:.2f} s "
-        f"({gib(mapped, 2)} of it newly mapped and touched, {gib(made.found_pinned, 2)} found pinned{ahead}{streamed}"
+        f"made the host staging {made.where} at the safe point in {made.seconds:.2f} s ({gib(mapped, 2)} of it "
+        f"newly mapped and touched{by_driver}, {gib(made.found_pinned, 2)} found pinned{ahead}{streamed}"
         f"{phases}), {pinned}, copies {host.copy_s:.2f} s",
     )
 
