@@ -2,7 +2,7 @@
 time, and which way of making it would free the GPU sooner: fact `streamed-staging-pace`, issue 39
 item 2.
 
-    python bench/probes/streamed_staging.py [--sizes 16,64] [--files 8,16] [--ways serial,same,child]
+    python bench/probes/streamed_staging.py [--sizes 16,64] [--files 8,16] [--ways serial,same,child,driver,pageable]
                                             [--pin-threads 1] [--touch-grain-mib 256] [--huge-advice 0]
                                             [--make-threads 1,4,16] [--piece-mib 1024]
                                             [--timeout 240] [--json out.json]
@@ -24,6 +24,11 @@ staging at the safe point spends before the copier can let the GPU go. Ways:
           as the copier's make_host_memory does), each piece copied into once made: whether making it
           from several threads outruns touching and pinning (made from one thread it ran at 2-5 GB/s,
           fact `driver-made-host-memory`), so that a staging made at the safe point need not be memfds.
+  pageable  FILES memfds, untouched, nothing pinned: a thread per file copies its chunks from the GPU
+          into its file (cuMemcpyDtoHAsync to pageable memory on a stream of the thread's own, each
+          chunk synchronised), the driver copying through its own pinned buffers and the thread faulting
+          the pages in: whether that outruns touching and pinning once the unpinning, which the copier
+          does before its context may go and the GPU is free, is counted too ("unpin s").
 Knobs of the memfd ways, each a comma-separated list that multiplies the parts:
   --pin-threads N      threads registering the chunks (each takes the next chunk in the copier's
                        order and waits for it to be touched); the copies still run in order;
@@ -34,7 +39,8 @@ Knobs of the memfd ways, each a comma-separated list that multiplies the parts:
                        (shmem huge pages `never` ignores it; whether it costs anything is the question).
 Prints a row per part: when the memory was ready (touched, or made), when the last chunk was pinned
 (or mapped), the thread-seconds inside the registering (or making) calls and of it waiting for the
-touching, the copies' end, each from the start, and the rates. Needs one NVIDIA GPU. Sizes are GiB
+touching, the copies' end, each from the start, the seconds unregistering the chunks from one thread
+took after the copies (memfd ways), and the rates. Needs one NVIDIA GPU. Sizes are GiB
 (2^30 bytes), bandwidths GB/s (10^9).
 """
 
@@ -79,7 +85,7 @@ from host_staging import (  # noqa: E402
 from tables import print_table  # noqa: E402
 
 MEMFD_WAYS = ("serial", "same", "child")
-WAYS = (*MEMFD_WAYS, "driver")
+WAYS = (*MEMFD_WAYS, "driver", "pageable")
 MIB = 1 << 20
 
 
@@ -265,8 +271,52 @@ def measure_memfd(way: str, knobs: dict[str, str], result: dict[str, Any]) -> No
         done_s=copied_at - started,
         bytes=size,
     )
+    unpinning = now()
     for _f, _index, (addr, _size) in order:
         drv.call("cuMemHostUnregister", addr)
+    result["unpin_s"] = now() - unpinning
+    staging.unmap()
+    result["ok"] = True
+
+
+def measure_pageable(knobs: dict[str, str], result: dict[str, Any]) -> None:
+    """No pinning at all: a thread per file copies its chunks from the GPU straight into the
+    untouched memfd (cuMemcpyDtoHAsync to pageable memory on a stream of its own, then synchronised:
+    the driver copies through its own pinned buffers and the calling thread faults the pages in), so
+    that nothing is left to unpin before the context may go."""
+    files, gib = int(knobs["files"]), float(knobs["gib"])
+    size = round_up(int(gib * GIB), HUGE)
+    staging = Staging(Libc(), f"memfd{files}" if files > 1 else "memfd", size)
+    per_file = file_chunks(staging)
+    drv = Driver()
+    drv.primary_context(0)
+    device = ctypes.c_uint64()
+    drv.call("cuMemAlloc", ctypes.byref(device), GIB)
+    ends: list[float] = []
+    failed: list[BaseException] = []
+
+    def work(f: int) -> None:
+        try:
+            drv.call("cuCtxSetCurrent", ctypes.c_void_p(drv.context))
+            stream = drv.stream()
+            device_offset = (f * COPY_PIECE) % GIB
+            for addr, chunk in per_file[f]:
+                device_offset = queue_copies(drv, addr, chunk, device.value, device_offset, stream)
+                drv.stream_sync(stream)
+            ends.append(now())
+        except BaseException as exc:
+            failed.append(exc)
+
+    threads = [threading.Thread(target=work, args=(f,)) for f in range(len(per_file))]
+    started = now()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failed:
+        raise RuntimeError(f"a copying thread failed: {failed[0]}")
+    done = max(ends) - started
+    result.update(ready_s=done, pinned_s=0.0, pin_s=0.0, wait_s=0.0, done_s=done, unpin_s=0.0, bytes=size)
     staging.unmap()
     result["ok"] = True
 
@@ -363,28 +413,35 @@ def measure(part: str, result: dict[str, Any]) -> None:
     knobs = parse_part(part)
     if knobs["way"] == "driver":
         measure_driver(knobs, result)
+    elif knobs["way"] == "pageable":
+        measure_pageable(knobs, result)
     else:
         measure_memfd(knobs["way"], knobs, result)
 
 
 def row(r: dict[str, Any]) -> tuple[str, ...]:
     knobs = parse_part(r["part"])
-    driver_way = knobs["way"] == "driver"
-    threads = f"{knobs['make']} making" if driver_way else f"{knobs['files']} files, {knobs['pin']} pinning"
-    detail = (
-        f"pieces {knobs['piece']} MiB" if driver_way else f"grain {knobs['grain']} MiB, huge advice {knobs['huge']}"
-    )
-    head = (knobs["way"], threads, detail, knobs["gib"])
+    way = knobs["way"]
+    if way == "driver":
+        threads, detail = f"{knobs['make']} making", f"pieces {knobs['piece']} MiB"
+    elif way == "pageable":
+        threads, detail = f"{knobs['files']} files, a copying thread each", "nothing pinned"
+    else:
+        threads = f"{knobs['files']} files, {knobs['pin']} pinning"
+        detail = f"grain {knobs['grain']} MiB, huge advice {knobs['huge']}"
+    head = (way, threads, detail, knobs["gib"])
     if not r.get("ok"):
-        return (*head, *["-"] * 7, f"FAILED: {r.get('error')}"[:60])
+        return (*head, *["-"] * 8, f"FAILED: {r.get('error')}"[:60])
     size = r["bytes"]
+    pinning = way != "pageable"
     return (
         *head,
         fmt(r["ready_s"], 2),
-        fmt(r["pinned_s"], 2),
-        fmt(r["pin_s"], 2),
-        fmt(r["wait_s"], 2),
+        fmt(r["pinned_s"] if pinning else None, 2),
+        fmt(r["pin_s"] if pinning else None, 2),
+        fmt(r["wait_s"] if pinning else None, 2),
         fmt(r["done_s"], 2),
+        fmt(r.get("unpin_s"), 2),
         fmt(gbps(size, r["pinned_s"]), 1),
         fmt(gbps(size, r["done_s"]), 1),
         "",
@@ -430,6 +487,9 @@ def main() -> int:
                     for piece in listed(args.piece_mib)
                 ]
                 continue
+            if way == "pageable":
+                parts += [part_name(way=way, gib=gib, files=files) for files in listed(args.files)]
+                continue
             parts += [
                 part_name(way=way, gib=gib, files=files, pin=pin, grain=grain, huge=huge)
                 for files in listed(args.files)
@@ -441,7 +501,18 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1, default=str))
     print()
-    columns = ("way", "threads", "how", "GiB", "ready s", "pinned s", "in calls s", "of it waiting", "copied s")
+    columns = (
+        "way",
+        "threads",
+        "how",
+        "GiB",
+        "ready s",
+        "pinned s",
+        "in calls s",
+        "of it waiting",
+        "copied s",
+        "unpin s",
+    )
     print_table((*columns, "pinned GB/s", "overall GB/s", "note"), [row(r) for r in results])
     return 0 if all(r.get("ok") for r in results) else 1
 
