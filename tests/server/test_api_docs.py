@@ -1,6 +1,6 @@
 """/docs (Swagger UI) and /redoc: FastAPI's own pages, with their scripts, styles and icon
 served by this server when fastapi-offline is installed, and FastAPI's CDN pages without it
-(the browser test tests/browser/test_api_docs.py draws them with the network cut)."""
+(the browser test tests/browser/test_api_docs_drawn.py draws them with the network cut)."""
 
 from __future__ import annotations
 
