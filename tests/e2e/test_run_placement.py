@@ -118,3 +118,25 @@ def test_a_server_that_stops_answering_keeps_flexium_run_only_seconds_after_its_
         assert f"flexium token revoke e2e {minted['id']}" in said
     finally:
         run.kill()
+
+
+def test_started_while_the_server_is_down_it_starts_once_the_server_is_back(server: Server, tmp_path: Path) -> None:
+    """A job script run while the server restarts: nothing reached the server, so flexium run asks
+    again, saying so once, and the job starts when the server answers; one placement is made."""
+    host_file = tmp_path / "neighbours"
+    write_host_file(host_file, {})
+    before = len(_placements(server))
+    server.stop(signal.SIGKILL)
+    run = Run(server, tmp_path, host_file)
+    try:
+        run.output.wait_for(r"^flexium run: cannot reach the flexium server at .*; trying again for up to 60 s", 30)
+        assert run.proc.poll() is None
+    finally:
+        server.start()
+    try:
+        run.started()
+        assert run.end() == 0, run.output.text[-3000:]
+        assert len(_placements(server)) == before + 1
+        assert run.output.text.count("trying again") == 1
+    finally:
+        run.kill()

@@ -21,7 +21,7 @@ from typing import Any
 from flexium import protocol, simulated, wire
 from flexium.cli.connection import add_connection_options
 from flexium.cli.exit_status import EXIT_FAILED, EXIT_INTERRUPTED, UsageError, fail, request_body
-from flexium.client import ApiClient, ServerError, Unauthorized, Unavailable, Unreachable
+from flexium.client import ApiClient, NotDelivered, ServerError, Unauthorized, Unavailable, Unreachable
 from flexium.client.host import reported_host
 from flexium.config import ENV_DEVICE
 from flexium.units import read_size
@@ -29,6 +29,11 @@ from flexium.units import read_size
 ASK_EVERY_S = 0.5  # while it waits: how soon room that appears is seen
 KEEP_ASKING_S = 2.0  # once started, until its job registers: the placement stays alive
 TIDY_TIMEOUT_S = 3.0  # each attempt to close the placement and revoke the job's token, once it ended
+# A server that cannot be reached when flexium run starts (restarting, upgraded) is tried again this
+# long: a job script started meanwhile starts once it is back. Only a request that never reached it
+# is sent again, so no placement is made twice.
+SERVER_PATIENCE_S = 60.0
+TRY_AGAIN_EVERY_S = 1.0
 
 
 def add_commands(commands: Any) -> None:
@@ -143,7 +148,11 @@ def _run(api: ApiClient, args: argparse.Namespace) -> int:
         command=wire.clean_text(" ".join(command))[: protocol.MAX_LONG_TEXT],
         devices=gpus.reports,
     )
-    created = api.create_placement(request)
+    try:
+        created = _create_placement(api, request)
+    except KeyboardInterrupt:
+        _say("stopped before the server was reached: nothing was placed")
+        return EXIT_INTERRUPTED
     placement = created.placement
     for pause in created.commands:
         _say(f"making room: pausing {pause.process_id} (command {pause.id})")
@@ -199,6 +208,23 @@ def _choose_host(host: str | None) -> None:
         raise UsageError(
             f"--host {host}: flexium run starts the job here, on host {here!r}; run it on {host!r} to place a job there"
         )
+
+
+def _create_placement(api: ApiClient, request: wire.PlacementRequest) -> wire.PlacementCreated:
+    """The placement, asked for until the server is reached or SERVER_PATIENCE_S pass (then its
+    NotDelivered is raised: the command line says it cannot reach the server)."""
+    give_up = time.monotonic() + SERVER_PATIENCE_S
+    said = False
+    while True:
+        try:
+            return api.create_placement(request)
+        except NotDelivered as exc:
+            if time.monotonic() + TRY_AGAIN_EVERY_S > give_up:
+                raise
+            if not said:
+                _say(f"{exc.message}; trying again for up to {SERVER_PATIENCE_S:.0f} s (Ctrl-C stops)")
+                said = True
+            time.sleep(TRY_AGAIN_EVERY_S)
 
 
 def _wait_until_placed(api: ApiClient, placement: wire.PlacementInfo) -> wire.PlacementInfo:

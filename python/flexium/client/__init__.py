@@ -15,6 +15,7 @@ from flexium import protocol
 from flexium.client.http import (
     ApiClient,
     Backoff,
+    NotDelivered,
     NotFound,
     Refused,
     ServerError,
@@ -32,6 +33,7 @@ __all__ = [
     "ApiClient",
     "Backoff",
     "EngineControl",
+    "NotDelivered",
     "NotFound",
     "ProcessClient",
     "Refused",

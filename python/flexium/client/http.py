@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, get_args
 
 import requests
+import urllib3
 from pydantic import BaseModel, TypeAdapter, ValidationError
 
 from flexium import protocol, wire
@@ -51,6 +52,11 @@ class Unreachable(ServerError):
 class LateAnswer(Unreachable):
     """The request was sent and no answer came within the timeout: the server is alive but behind.
     A long-poll asks again at once (the server hands out a command whose answer was lost again)."""
+
+
+class NotDelivered(Unreachable):
+    """No connection could be made (refused, timed out connecting, the name did not resolve): the
+    request never reached the server, so sending it again cannot make it happen twice."""
 
 
 class Unavailable(ServerError):
@@ -260,7 +266,8 @@ class ApiClient:
                 code="unreachable",
             ) from None
         except requests.RequestException as exc:
-            raise Unreachable(
+            unreached = NotDelivered if _never_connected(exc) else Unreachable
+            raise unreached(
                 f"cannot reach the flexium server at {self.base_url}: {_short(exc)}", code="unreachable"
             ) from None
         if response.status_code == 204:
@@ -600,6 +607,17 @@ def _epoch(value: object) -> float | None:
         return float(value)
     except OverflowError:  # an integer beyond any float
         return None
+
+
+def _never_connected(exc: requests.RequestException) -> bool:
+    """Whether the request failed before a connection was made (nothing was sent): a connect
+    timeout, or a connection error whose cause is that no connection could be opened."""
+    if isinstance(exc, requests.ConnectTimeout):
+        return True
+    cause = exc.args[0] if exc.args else None
+    return isinstance(exc, requests.ConnectionError) and isinstance(
+        getattr(cause, "reason", cause), urllib3.exceptions.NewConnectionError
+    )
 
 
 def _short(exc: BaseException) -> str:
