@@ -126,3 +126,19 @@ def test_room_held_for_a_placed_job_is_held_again_when_its_flexium_run_is_heard_
     held = r.json()["reservation"]
     assert r.json()["state"] == "placed" and held is not None
     assert held["expires_at"] >= time.time() + api.ctx.settings.reservation_ttl_s - 60
+
+
+def test_a_job_larger_than_any_gpu_of_its_host_is_refused_not_queued(api: Api) -> None:
+    """It would wait for ever, holding up every job of lower priority on the host: refused at once, saying
+    how much the largest GPU holds, and nothing is stored (no placement, no audit entry of one)."""
+    two = [gpu(0, total=140 * GIB), gpu(1, total=80 * GIB)]
+    r = api.post("/placements", {"host": HOST, "devices": two, "memory_bytes": 500 * GIB})
+    assert r.status_code == 422 and r.json()["error"] == "target_refused", r.text
+    message = r.json()["message"]
+    assert "no GPU of host 'node1' can ever hold 500.5 GiB" in message, message
+    assert "the largest GPU of the host holds 140.0 GiB in all; ask for less with --memory" in message, message
+    named = api.post("/placements", {"host": HOST, "devices": two, "memory_bytes": 100 * GIB, "gpu_uuid": "GPU-0001"})
+    assert named.status_code == 422 and "GPU GPU-0001 holds 80.0 GiB in all" in named.json()["message"], named.text
+    assert api.get("/placements", params={"all": "true"}).json() == []
+    fits = api.post("/placements", {"host": HOST, "devices": two, "memory_bytes": 100 * GIB})
+    assert fits.status_code == 201 and fits.json()["placement"]["placed_index"] == 0, fits.text

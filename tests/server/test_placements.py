@@ -224,7 +224,7 @@ def test_one_whose_flexium_run_stopped_asking_ends(db: Database) -> None:
 def test_closing_it_cancels_a_waiting_one_and_releases_a_placed_ones_room(db: Database) -> None:
     ws, _ = make_workspace(db)
     placed = place(db, ws, 0, memory_bytes=10 * GIB).placement
-    waiting = place(db, ws, 0, gpu_uuid="GPU-0000", memory_bytes=200 * GIB).placement
+    waiting = place(db, ws, 0, gpu_uuid="GPU-0000", memory_bytes=135 * GIB).placement
     for placement, state in ((placed, "ended"), (waiting, "cancelled")):
         closed = db.run(
             storage.close_placement, write=True, workspace_id=ws, actor=admin(ws), placement_id=placement.id, now=NOW

@@ -137,10 +137,13 @@ def _run(api: ApiClient, args: argparse.Namespace) -> int:
         priority = protocol.DEFAULT_PRIORITY if args.priority is None else protocol.read_priority(args.priority)
     except ValueError as exc:
         raise UsageError(f"--priority: {exc}") from None
+    gpu_uuid = gpus.uuid_of(args.gpu)
+    if gpu_uuid is None:
+        gpu_uuid = _only_visible(gpus)
     request = request_body(
         wire.PlacementRequest,
         host=host,
-        gpu_uuid=gpus.uuid_of(args.gpu),
+        gpu_uuid=gpu_uuid,
         memory_bytes=0 if args.memory is None else _memory(args.memory),
         priority=priority,
         make_room=args.make_room,
@@ -173,17 +176,26 @@ def _run(api: ApiClient, args: argparse.Namespace) -> int:
         return fail(
             f"placement {placement.id} is {placement.state}: {placement.note or 'no reason given'}", EXIT_FAILED
         )
+    if placement.placed_uuid not in gpus.ordinals:  # placed by an older server, or the GPUs changed meanwhile
+        _close(api, placement.id, None)
+        return fail(
+            f"placement {placement.id} is on GPU {placement.placed_index}, which this job cannot see "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')}); nothing was started: name a GPU "
+            "it sees with --gpu cuda:N, or leave CUDA_VISIBLE_DEVICES unset",
+            EXIT_FAILED,
+        )
     _say(f"placement {placement.id}: {placement.note}")
-    token, minted = _job_token(api, placement.id)
-    env = dict(os.environ)
-    env[ENV_DEVICE] = f"cuda:{gpus.ordinals[placement.placed_uuid]}"
-    env[protocol.PLACEMENT_ENV] = str(placement.id)
-    env["FLEXIUM_PRIORITY"] = str(priority)
-    if args.server is not None:
-        env[protocol.SERVER_ENV] = args.server
-    if token is not None:
-        env[protocol.TOKEN_ENV] = token
+    minted = None
     try:
+        token, minted = _job_token(api, placement.id)
+        env = dict(os.environ)
+        env[ENV_DEVICE] = f"cuda:{gpus.ordinals[placement.placed_uuid]}"
+        env[protocol.PLACEMENT_ENV] = str(placement.id)
+        env["FLEXIUM_PRIORITY"] = str(priority)
+        if args.server is not None:
+            env[protocol.SERVER_ENV] = args.server
+        if token is not None:
+            env[protocol.TOKEN_ENV] = token
         return _run_child(api, command, env, placement.id)
     finally:
         _close(api, placement.id, minted)
@@ -208,6 +220,23 @@ def _choose_host(host: str | None) -> None:
         raise UsageError(
             f"--host {host}: flexium run starts the job here, on host {here!r}; run it on {host!r} to place a job there"
         )
+
+
+def _only_visible(gpus: HostGpus) -> str | None:
+    """For --gpu auto: None (any GPU of the host) where the job sees them all; the one it sees where
+    CUDA_VISIBLE_DEVICES leaves one; else a refusal before anything is asked of the server, which
+    places on any GPU of the host (a job cannot run, nor move, on a GPU it cannot see)."""
+    hidden = sorted(r.index if r.index is not None else r.uuid for r in gpus.reports if r.uuid not in gpus.ordinals)
+    if not hidden:
+        return None
+    if len(gpus.ordinals) == 1:
+        return next(iter(gpus.ordinals))
+    raise UsageError(
+        f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES', '')} hides GPU(s) "
+        f"{', '.join(map(str, hidden))} of this host from the job, and --gpu auto may place it on any: name one it "
+        f"sees with --gpu cuda:N (N from 0 to {len(gpus.ordinals) - 1}), or leave CUDA_VISIBLE_DEVICES unset "
+        "(flexium tells the job its GPU)"
+    )
 
 
 def _create_placement(api: ApiClient, request: wire.PlacementRequest) -> wire.PlacementCreated:

@@ -26,11 +26,21 @@ from flexium.units import gib
 def create_placement(
     *, session: Session, workspace_id: int, actor: AuthInfo, request: wire.PlacementRequest, now: float
 ) -> Placement:
-    """The row as asked; the GPU it names must be one its host reported (the request's devices)."""
-    if request.gpu_uuid is not None:
-        devices = host_devices(session=session, workspace_id=workspace_id, host=request.host)
-        if request.gpu_uuid not in devices:
-            raise TargetRefused(f"GPU {request.gpu_uuid} is not a GPU of host {request.host!r}")
+    """The row as asked; the GPU it names must be one its host reported (the request's devices), and
+    one of them (the one it names) must be able to hold what it needs once empty: else it would wait
+    for ever, holding up every job of lower priority queued on the host."""
+    devices = host_devices(session=session, workspace_id=workspace_id, host=request.host)
+    if request.gpu_uuid is not None and request.gpu_uuid not in devices:
+        raise TargetRefused(f"GPU {request.gpu_uuid} is not a GPU of host {request.host!r}")
+    candidates = [devices[request.gpu_uuid]] if request.gpu_uuid is not None else list(devices.values())
+    required = request.memory_bytes + protocol.ROOM_MARGIN_BYTES
+    largest = max((d.memory_total for d in candidates), default=0)
+    if request.memory_bytes and largest and required > largest:
+        where = f"GPU {request.gpu_uuid} holds" if request.gpu_uuid is not None else "the largest GPU of the host holds"
+        raise TargetRefused(
+            f"no GPU of host {request.host!r} can ever hold {gib(required)} (its {gib(request.memory_bytes)} and "
+            f"headroom): {where} {gib(largest)} in all; ask for less with --memory"
+        )
     row = Placement(
         workspace_id=workspace_id,
         host=request.host,
