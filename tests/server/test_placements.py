@@ -280,6 +280,30 @@ def test_nothing_is_placed_on_a_drained_gpu(db: Database) -> None:
     assert named.state == "waiting" and named.note is not None and "drained by alice" in named.note
 
 
+def test_a_job_placed_on_a_gpu_drained_before_it_started_is_placed_again_elsewhere(db: Database) -> None:
+    """Placed, its flexium run starts the job at its next ask: a drain in between sends it to another GPU
+    with room (its room on the drained one given back), or back to waiting, saying why."""
+    ws, _ = make_workspace(db)
+    placed = place(db, ws, 130 * GIB, 0, 60 * GIB, memory_bytes=10 * GIB).placement
+    assert placed.state == "placed" and placed.placed_uuid == "GPU-0001"
+    drain = wire.DrainRequest(host=HOST, gpu=1)
+    db.run(create_drain, write=True, workspace_id=ws, actor=admin(ws), request=drain, now=NOW + 0.1)
+    moved = ask(db, ws, placed.id, 130 * GIB, 0, 60 * GIB, now=NOW + 0.5)
+    assert moved.state == "placed" and moved.placed_uuid == "GPU-0002", moved
+    assert moved.reservation is not None and moved.reservation.gpu_uuid == "GPU-0002"
+    db.run(
+        create_drain,
+        write=True,
+        workspace_id=ws,
+        actor=admin(ws),
+        request=wire.DrainRequest(host=HOST, gpu=2),
+        now=NOW + 1,
+    )
+    back = ask(db, ws, placed.id, 130 * GIB, 0, 60 * GIB, now=NOW + 1.5)
+    assert back.state == "waiting" and back.reservation is None and back.placed_uuid is None, back
+    assert back.note is not None and "drained" in back.note, back.note
+
+
 # A job registers (flexium.init) before it allocates: its room stays held, less what its reports show, until the
 # hold's time ends, so that neither another placement nor a paused job is given it meanwhile.
 

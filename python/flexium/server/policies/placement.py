@@ -253,7 +253,9 @@ def run_placements(
             changed.append(row)
             continue
         if row.state == "placed":  # its room is held: the room counts it already
-            continue
+            if not _drained_before_it_started(session=session, row=row, room=room):
+                continue
+            changed.append(row)
         ahead = waited_for.closed(priority=row.priority, queued_at=row.created_at, now=now)
         gpu = _fitting_gpu(session=session, row=row, room=room, ahead=ahead, now=now, stale_after=stale_after)
         if gpu is None:
@@ -261,7 +263,8 @@ def run_placements(
             waited_for.add(uuids, priority=row.priority, queued_at=row.created_at)
             continue
         _place(session=session, row=row, uuid=gpu, room=room, now=now, ttl=reservation_ttl)
-        changed.append(row)
+        if row not in changed:
+            changed.append(row)
     return [placement_view(session=session, row=row, now=now) for row in changed]
 
 
@@ -314,6 +317,21 @@ def _waits_ahead(*, session: Session, workspace_id: int, host: str, patience: fl
             uuids = [need.gpu] if need.gpu is not None else may_resume_on(need.process, devices)
             waited_for.add(uuids, priority=wait.priority, queued_at=wait.created_at)
     return waited_for
+
+
+def _drained_before_it_started(*, session: Session, row: Placement, room: HostRoom) -> bool:
+    """Whether the GPU it was placed on has been drained since, before its flexium run started the job
+    (which it does at its next ask): then it waits again, its room there given back, and is placed
+    anew in this pass where it fits, as nothing is placed on a drained GPU."""
+    gpu = room.gpus.get(row.placed_uuid or "")
+    drained = None if gpu is None else drain_refusal(session=session, dev=gpu.device)
+    if drained is None:
+        return False
+    release_placement_room(session=session, row=row)
+    row.state, row.placed_uuid, row.placed_at = "waiting", None, None
+    row.note = f"its GPU was drained before its job started ({drained}): waits again"
+    session.flush()  # its place in line is read from the table
+    return True
 
 
 def _own_held(session: Session, row: Placement, now: float) -> Reservation | None:
