@@ -9,14 +9,16 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from sqlalchemy import update
 
 from flexium import protocol, wire
 from flexium.server import errors, storage
 from flexium.server.db import Database
+from flexium.server.models import Process
 from flexium.server.policies.placement import PlacementOutcome, place_job, report_placement, run_placement_pass
 from flexium.server.settings import BACKFILL_PATIENCE_S
 from flexium.server.storage.drains import create_drain
-from support.queue import HOST, admin, gpus_report, paused, queue, resumed, run
+from support.queue import HOST, admin, gpus_report, paused, queue, resumed, run, waits
 from support.server import GIB, gpu
 from support.storage import NOW, STALE, add_process, make_workspace, next_for, report
 
@@ -119,6 +121,14 @@ def test_a_job_that_fits_goes_ahead_of_an_earlier_one_until_that_one_waited_its_
     assert [(p.id, p.state) for p in listed] == [(urgent.id, "placed"), (first.id, "waiting"), (third.id, "waiting")]
 
 
+def _heard(db: Database, ws: int, process_id: str, now: float) -> None:
+    """The process's last beat at ``now``."""
+    with db.session(write=True) as session:
+        session.execute(
+            update(Process).where(Process.workspace_id == ws, Process.process_id == process_id).values(last_seen=now)
+        )
+
+
 def test_a_paused_job_waiting_before_it_goes_first_once_it_waited_its_patience(db: Database) -> None:
     ws, _ = make_workspace(db)
     gpus_report(db, ws, NOW, 130 * GIB, 130 * GIB)
@@ -127,6 +137,7 @@ def test_a_paused_job_waiting_before_it_goes_first_once_it_waited_its_patience(d
     backfilled = place(db, ws, 130 * GIB, 100 * GIB, memory_bytes=5 * GIB, now=NOW + 1).placement
     assert backfilled.state == "placed"  # it fits now; the paused job fits nowhere yet
     patient = NOW + BACKFILL_PATIENCE_S
+    _heard(db, ws, "earlier", patient - 1)  # a paused job still beats: its wait counts
     later = place(db, ws, 130 * GIB, 100 * GIB, memory_bytes=5 * GIB, now=patient).placement
     assert later.state == "waiting"
     assert later.note is not None and "a job before it in the queue waits for it" in later.note
@@ -369,6 +380,24 @@ def test_a_paused_job_of_lower_priority_leaves_the_room_to_a_placement_waiting_b
     gpus_report(db, ws, NOW + 20, 60 * GIB)  # 80 GiB free: room for one of them
     assert resumed(run(db, NOW + 20)) == []
     assert ask(db, ws, high.id, 60 * GIB, now=NOW + 20).state == "placed"
+
+
+def test_a_paused_job_gone_silent_holds_up_no_placement(db: Database) -> None:
+    """The queue passes over a wait whose job is silent (it could not resume now): so do the placements, which
+    would otherwise wait behind it until the job is forgotten (15 minutes); it counts again once heard."""
+    ws, _ = make_workspace(db)
+    gpus_report(db, ws, NOW, 139 * GIB, 139 * GIB)
+    paused(db, ws, "ghost", footprint=30 * GIB, priority=HIGH)  # heard at NOW
+    assert queue(db, ws, "ghost", now=NOW).wait.state == "waiting"
+    later = NOW + STALE + 10  # ghost is silent by then
+    placed = place(db, ws, 10 * GIB, 0, memory_bytes=10 * GIB, priority=NORMAL, now=later).placement
+    assert placed.state == "placed" and placed.placed_uuid == "GPU-0001", placed.note
+    assert waits(db, ws, later)["ghost"].state == "waiting"
+    # Heard again, it is ahead of a later placement as before.
+    paused(db, ws, "heard", footprint=131 * GIB, priority=HIGH, now=later)
+    assert queue(db, ws, "heard", now=later).wait.state == "waiting"
+    behind = place(db, ws, 10 * GIB, 0, memory_bytes=10 * GIB, priority=NORMAL, now=later + 1).placement
+    assert behind.state == "waiting" and "a job before it in the queue waits for it" in (behind.note or ""), behind
 
 
 def test_the_report_a_placement_brings_serves_the_paused_jobs_waiting_before_it_first(db: Database) -> None:

@@ -23,7 +23,7 @@ from flexium import protocol, wire
 from flexium.server.errors import Forbidden
 from flexium.server.models import Placement, Process, Reservation, Wait
 from flexium.server.policies.make_room import Beneficiary, make_room, plan_room
-from flexium.server.policies.resume_when_free import QueueOutcome, run_queue
+from flexium.server.policies.resume_when_free import QueueOutcome, run_queue, standing
 from flexium.server.policies.room import HostRoom
 from flexium.server.policies.waited_for import WaitedFor
 from flexium.server.storage.devices import host_devices, upsert_devices
@@ -242,7 +242,14 @@ def run_placements(
     if not rows:
         return []
     room = HostRoom.read(session=session, workspace_id=workspace_id, host=host, now=now)
-    waited_for = _waits_ahead(session=session, workspace_id=workspace_id, host=host, patience=backfill_patience)
+    waited_for = _waits_ahead(
+        session=session,
+        workspace_id=workspace_id,
+        host=host,
+        patience=backfill_patience,
+        now=now,
+        stale_after=stale_after,
+    )
     changed: list[Placement] = []
     for row in rows:
         silent_since = max(row.asked_at, answering_since)
@@ -301,9 +308,12 @@ def run_placement_pass(
     return changed
 
 
-def _waits_ahead(*, session: Session, workspace_id: int, host: str, patience: float) -> WaitedFor:
+def _waits_ahead(
+    *, session: Session, workspace_id: int, host: str, patience: float, now: float, stale_after: float
+) -> WaitedFor:
     """The GPUs the host's waiting paused jobs wait for: a placement after one in the queue's order
-    takes such a GPU only as ``waited_for`` allows."""
+    takes such a GPU only as ``waited_for`` allows. A wait the queue passes over now (its job silent,
+    or a command of its under way) holds up no placement either."""
     devices = host_devices(session=session, workspace_id=workspace_id, host=host)
     waited_for = WaitedFor(patience=patience)
     query = (
@@ -313,7 +323,10 @@ def _waits_ahead(*, session: Session, workspace_id: int, host: str, patience: fl
         .order_by(*queue_order())
     )
     for wait, holder in session.execute(query):
-        for need in needs_of(session=session, wait=wait, holder=holder):
+        needs = needs_of(session=session, wait=wait, holder=holder)
+        if not standing(session=session, holder=holder, needs=needs, now=now, stale_after=stale_after):
+            continue
+        for need in needs:
             uuids = [need.gpu] if need.gpu is not None else may_resume_on(need.process, devices)
             waited_for.add(uuids, priority=wait.priority, queued_at=wait.created_at)
     return waited_for

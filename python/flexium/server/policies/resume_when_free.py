@@ -187,6 +187,21 @@ def placements_waiting(*, session: Session, workspace_id: int, host: str, patien
     return waited_for
 
 
+def _processes(holder: Process, needs: list[Need]) -> list[Process]:
+    return list({holder.pk: holder, **{need.process.pk: need.process for need in needs}}.values())
+
+
+def standing(*, session: Session, holder: Process, needs: list[Need], now: float, stale_after: float) -> bool:
+    """Whether a wait counts now, in the queue's pass and before the placements of its host: none of its
+    processes has a command under way (its pause made room, a person's command) or is silent. One that
+    does not is passed over until it counts again."""
+    return not any(
+        active_command(session=session, process_pk=proc.pk) is not None
+        or is_stale(proc, now=now, stale_after=stale_after)
+        for proc in _processes(holder, needs)
+    )
+
+
 def _consider(
     *,
     session: Session,
@@ -199,13 +214,12 @@ def _consider(
 ) -> Dispatched | wire.WaitInfo | None:
     """The wait resumed (Dispatched), cancelled (its view), or left waiting (None)."""
     needs = needs_of(session=session, wait=wait, holder=holder)
-    for proc in {holder.pk: holder, **{need.process.pk: need.process for need in needs}}.values():
-        busy = active_command(session=session, process_pk=proc.pk) is not None
-        if proc.state != "PAUSED" and not busy:
+    for proc in _processes(holder, needs):
+        if proc.state != "PAUSED" and active_command(session=session, process_pk=proc.pk) is None:
             why = f"process {proc.process_id!r} is {proc.state}: it does not wait to resume any more"
             return end_wait(session=session, row=wait, state="cancelled", note=why, actor=None, now=now)
-        if busy or is_stale(proc, now=now, stale_after=stale_after):
-            return None  # its pause is under way (room made), a person's command, or it is silent
+    if not standing(session=session, holder=holder, needs=needs, now=now, stale_after=stale_after):
+        return None
     placement = _place(wait=wait, needs=needs, room=room, waited_for=waited_for, now=now, stale_after=stale_after)
     if placement is None:
         return None
