@@ -198,3 +198,27 @@ def test_asked_again_while_its_room_is_held_nothing_more_is_paused(db: Database)
             next_for(db, ws, "low-50")
             report(db, ws, pause.id, "succeeded", process={"state": "PAUSED", "memory_bytes": 0})
     assert "normal-60" not in waits(db, ws)  # never paused, so never queued
+
+
+def test_room_is_not_made_for_a_job_on_a_gpu_a_higher_priority_job_waits_for(db: Database) -> None:
+    """A higher priority is never delayed by a lower one: making room for a normal job where a high-priority
+    paused job, first in line, waits for room is refused there, naming that job; with the high job's wait
+    gone, the same request makes its room."""
+    ws, _ = make_workspace(db)
+    running(db, ws, "low-80", memory=80 * GIB, priority=LOW)
+    running(db, ws, "high-40", memory=40 * GIB, priority=HIGH)
+    gpus_report(db, ws, NOW, 120 * GIB)  # one GPU of 140 GiB: 20 free
+    paused(db, ws, "urgent", footprint=70 * GIB, priority=HIGH, visible_gpus=["GPU-0000"])
+    paused(db, ws, "normal", footprint=30 * GIB, priority=NORMAL, visible_gpus=["GPU-0000"])
+    urgent = queue(db, ws, "urgent", now=NOW).wait
+    assert urgent.state == "waiting"
+    with pytest.raises(errors.TargetRefused) as refused:
+        queue(db, ws, "normal", now=NOW + 1, make_room=True)
+    assert "GPU 0: process 'urgent' of a higher priority waits for it first" in refused.value.message
+    assert waits(db, ws, NOW + 1).get("normal") is None  # nothing stored: no wait, no pause
+    cancelled = db.run(
+        storage.cancel_wait, write=True, workspace_id=ws, actor=admin(ws), wait_id=urgent.id, now=NOW + 2
+    )
+    assert cancelled.state == "cancelled"
+    made = queue(db, ws, "normal", now=NOW + 3, make_room=True)
+    assert [c.process_id for c in made.commands if c.kind == "pause"] == ["low-80"]

@@ -21,11 +21,11 @@ from sqlalchemy.orm import Session
 
 from flexium import protocol, wire
 from flexium.server.errors import InvalidRequest, TargetRefused
-from flexium.server.models import Device, Process, Reservation, Wait
+from flexium.server.models import Device, Placement, Process, Reservation, Wait
 from flexium.server.policies.room import HostRoom
 from flexium.server.storage.audit import PolicyActor, given_why, record_commands_created
 from flexium.server.storage.commands import create_commands
-from flexium.server.storage.devices import held_by_gpu
+from flexium.server.storage.devices import held_by_gpu, host_devices
 from flexium.server.storage.jobs import is_job_rank
 from flexium.server.storage.processes import active_command, find_process
 from flexium.server.storage.reservations import hold_room, lock_hosts
@@ -35,8 +35,11 @@ from flexium.server.storage.waits import (
     cancel_live_wait,
     live_wait_of,
     may_resume_on,
+    needs_of,
     paused_job,
+    queue_order,
     queue_wait,
+    standing,
     wanted_gpu,
 )
 from flexium.server.storage.workspaces import AuthInfo
@@ -118,6 +121,9 @@ def plan_room(
     room = HostRoom.read(session=session, workspace_id=workspace_id, host=host, now=now)
     gpus = candidates(room)
     units = _running_jobs(session=session, workspace_id=workspace_id, host=host, now=now, stale_after=stale_after)
+    higher = _higher_priority_waiting(
+        session=session, workspace_id=workspace_id, host=host, beneficiary=beneficiary, now=now, stale_after=stale_after
+    )
     plans: list[RoomPlan] = []
     why_not: list[str] = []
     for uuid, refusal in gpus.items():
@@ -127,6 +133,9 @@ def plan_room(
         name = f"GPU {gpu.device.index if gpu.device.index is not None else uuid}"
         if refusal is not None:
             why_not.append(f"{name}: {refusal}")
+            continue
+        if uuid in higher:  # a higher priority is never delayed by a lower one
+            why_not.append(f"{name}: {higher[uuid]} of a higher priority waits for it first")
             continue
         required = room.required(uuid, beneficiary.need, home=beneficiary.home)
         free = room.free_for(uuid, beneficiary.wait_id)
@@ -143,6 +152,46 @@ def plan_room(
             f"host {host!r}: {reasons}. Jobs of its priority or higher are never paused for it"
         )
     return min(plans, key=lambda plan: _cost(plan, beneficiary, room))
+
+
+def _higher_priority_waiting(
+    *, session: Session, workspace_id: int, host: str, beneficiary: Beneficiary, now: float, stale_after: float
+) -> dict[str, str]:
+    """GPU UUID -> the first job of a higher priority than the beneficiary's that waits for it (a paused
+    job's wait the queue counts now, a flexium run placement): room made there would go to the
+    beneficiary ahead of it."""
+    devices = host_devices(session=session, workspace_id=workspace_id, host=host)
+    found: dict[str, str] = {}
+    waits = (
+        select(Wait, Process)
+        .join(Process, Process.pk == Wait.process_pk)
+        .where(
+            Wait.workspace_id == workspace_id,
+            Wait.host == host,
+            Wait.state == "waiting",
+            Wait.priority > beneficiary.priority,
+        )
+        .order_by(*queue_order())
+    )
+    for wait, holder in session.execute(waits):
+        needs = needs_of(session=session, wait=wait, holder=holder)
+        if holder.pk in beneficiary.own or not standing(
+            session=session, holder=holder, needs=needs, now=now, stale_after=stale_after
+        ):
+            continue
+        for need in needs:
+            for uuid in [need.gpu] if need.gpu is not None else may_resume_on(need.process, devices):
+                found.setdefault(uuid, f"process {holder.process_id!r}")
+    placements = select(Placement).where(
+        Placement.workspace_id == workspace_id,
+        Placement.host == host,
+        Placement.state == "waiting",
+        Placement.priority > beneficiary.priority,
+    )
+    for row in session.scalars(placements.order_by(*queue_order(Placement))):
+        for uuid in [row.gpu_uuid] if row.gpu_uuid is not None else list(devices):
+            found.setdefault(uuid, f"placement {row.id}")
+    return found
 
 
 def _cost(plan: RoomPlan, beneficiary: Beneficiary, room: HostRoom) -> tuple[object, ...]:

@@ -23,7 +23,7 @@ from flexium import protocol, wire
 from flexium.server.errors import Forbidden
 from flexium.server.models import Placement, Process, Reservation, Wait
 from flexium.server.policies.make_room import Beneficiary, make_room, plan_room
-from flexium.server.policies.resume_when_free import QueueOutcome, run_queue, standing
+from flexium.server.policies.resume_when_free import QueueOutcome, run_queue
 from flexium.server.policies.room import HostRoom
 from flexium.server.policies.waited_for import WaitedFor
 from flexium.server.storage.devices import host_devices, upsert_devices
@@ -38,7 +38,7 @@ from flexium.server.storage.placements import (
     release_placement_room,
 )
 from flexium.server.storage.reservations import hold_room, lock_hosts
-from flexium.server.storage.waits import may_resume_on, needs_of, queue_order
+from flexium.server.storage.waits import may_resume_on, needs_of, queue_order, standing
 from flexium.server.storage.workspaces import AuthInfo
 from flexium.units import gib
 

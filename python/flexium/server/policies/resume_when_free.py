@@ -32,14 +32,16 @@ from flexium.server.storage.devices import host_devices
 from flexium.server.storage.processes import active_command
 from flexium.server.storage.reservations import lock_hosts, lock_process_host
 from flexium.server.storage.targets import target_refusal
-from flexium.server.storage.views import is_stale, stored_capabilities
+from flexium.server.storage.views import stored_capabilities
 from flexium.server.storage.waits import (
     Need,
     create_wait,
     end_wait,
     needs_of,
+    processes_of,
     queue_order,
     room_watches,
+    standing,
     wait_view,
 )
 from flexium.server.storage.workspaces import AuthInfo
@@ -187,21 +189,6 @@ def placements_waiting(*, session: Session, workspace_id: int, host: str, patien
     return waited_for
 
 
-def _processes(holder: Process, needs: list[Need]) -> list[Process]:
-    return list({holder.pk: holder, **{need.process.pk: need.process for need in needs}}.values())
-
-
-def standing(*, session: Session, holder: Process, needs: list[Need], now: float, stale_after: float) -> bool:
-    """Whether a wait counts now, in the queue's pass and before the placements of its host: none of its
-    processes has a command under way (its pause made room, a person's command) or is silent. One that
-    does not is passed over until it counts again."""
-    return not any(
-        active_command(session=session, process_pk=proc.pk) is not None
-        or is_stale(proc, now=now, stale_after=stale_after)
-        for proc in _processes(holder, needs)
-    )
-
-
 def _consider(
     *,
     session: Session,
@@ -214,7 +201,7 @@ def _consider(
 ) -> Dispatched | wire.WaitInfo | None:
     """The wait resumed (Dispatched), cancelled (its view), or left waiting (None)."""
     needs = needs_of(session=session, wait=wait, holder=holder)
-    for proc in _processes(holder, needs):
+    for proc in processes_of(holder, needs):
         if proc.state != "PAUSED" and active_command(session=session, process_pk=proc.pk) is None:
             why = f"process {proc.process_id!r} is {proc.state}: it does not wait to resume any more"
             return end_wait(session=session, row=wait, state="cancelled", note=why, actor=None, now=now)

@@ -41,6 +41,22 @@ class Need:
     nbytes: int
 
 
+def processes_of(holder: Process, needs: list[Need]) -> list[Process]:
+    """The wait's holder and every process its job needs resumed, each once."""
+    return list({holder.pk: holder, **{need.process.pk: need.process for need in needs}}.values())
+
+
+def standing(*, session: Session, holder: Process, needs: list[Need], now: float, stale_after: float) -> bool:
+    """Whether a wait counts now, in the queue's pass and before the placements of its host: none of its
+    processes has a command under way (its pause made room, a person's command) or is silent. One that
+    does not is passed over until it counts again."""
+    return not any(
+        active_command(session=session, process_pk=proc.pk) is not None
+        or is_stale(proc, now=now, stale_after=stale_after)
+        for proc in processes_of(holder, needs)
+    )
+
+
 def needs_of(*, session: Session, wait: Wait, holder: Process) -> list[Need]:
     """What the wait's job needs to resume: a process on one GPU, its memory on the GPU it waits
     for (or any); a process on several, each GPU's share back where it was; a job of several
