@@ -191,8 +191,12 @@ def test_refusals_under_json_are_json_on_stdout(server: Server) -> None:
 
 
 def test_token_problems_are_said_in_the_command_line_s_terms(server: Server) -> None:
-    for token, expected in (("", "no token for workspace 'e2e'"), ("flx_wrong", "does not accept this token")):
+    # No token is a setting missing here (exit 2, as no server); a wrong one the server's refusal (exit 1).
+    for token, expected, status in (
+        ("", "no token for workspace 'e2e'", 2),
+        ("flx_wrong", "does not accept this token", 1),
+    ):
         done = server.cli("ps", env={"FLEXIUM_TOKEN": token})
-        assert done.returncode == 1
+        assert done.returncode == status, done.stderr
         assert expected in done.stderr and "FLEXIUM_TOKEN, --token or 'token:' in .flexiumrc" in done.stderr
         assert "Authorization" not in done.stderr and "Bearer" not in done.stderr, done.stderr

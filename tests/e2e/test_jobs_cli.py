@@ -6,11 +6,16 @@ answer their commands over HTTP as the training processes would."""
 from __future__ import annotations
 
 import json
+import signal
+import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import requests
 
 from support.e2e import FakeRank, Server, ps_row, wait_until
+from support.server import process_body
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -136,3 +141,27 @@ def test_no_wait_and_a_rank_that_cannot_take_part(server: Server) -> None:
     finally:
         for rank in ranks:
             rank.close()
+
+
+def test_a_pause_for_a_process_that_stopped_reporting_ends_its_wait_saying_so(tmp_path: Path) -> None:
+    """A job killed before it took its pause: the command stays queued (taken if the job comes back),
+    and flexium pause says the process stopped reporting and exits 1 once the server sees it stale,
+    rather than waiting out its --timeout."""
+    server = Server(tmp_path, options=("--stale-after", "6"))
+    server.create_workspace()
+    server.start()
+    try:
+        body = {**process_body("gone-1"), "seq": time.monotonic_ns()}
+        r = requests.post(f"{server.api}/processes", json=body, headers=server.headers(), timeout=10)
+        assert r.status_code in (200, 201), r.text
+        started = time.monotonic()
+        done = server.cli("pause", "gone-1", "--timeout", "120", timeout=150)
+        took = time.monotonic() - started
+        assert done.returncode == 1, done.stderr
+        assert "process gone-1 stopped reporting (`flexium ps` shows it STALE): command" in done.stderr, done.stderr
+        assert "stays queued and is taken if it comes back" in done.stderr
+        assert took < 60, took
+        (command,) = server.get("/commands", params={"process_id": "gone-1"}).json()
+        assert command["state"] == "queued"
+    finally:
+        server.stop_checked(signal.SIGKILL)

@@ -62,7 +62,9 @@ def run(args: argparse.Namespace) -> int:
             f"{exc.message} (is `flexium server` running there?)", EXIT_UNREACHABLE, as_json=args.json, code=exc.code
         )
     except Unauthorized as exc:
-        return fail(_token_problem(api, exc), EXIT_FAILED, as_json=args.json, code=exc.code)
+        # No token at all is a setting missing here (2), as no server is; a token refused is the server's answer (1).
+        status = EXIT_USAGE if not api.token and exc.status != 403 else EXIT_FAILED
+        return fail(_token_problem(api, exc), status, as_json=args.json, code=exc.code)
     except ServerError as exc:
         short = None if args.verbose else _one_reason(exc)
         return fail(exc.message, EXIT_FAILED, as_json=args.json, code=exc.code, short=short)

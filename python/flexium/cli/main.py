@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from flexium.cli import connection, drain, moves, processes, queue, run, server, workspaces
+from flexium.cli.exit_status import EXIT_FAILED
 from flexium.cli.terminal import terminal_safe_output
 
 DISTRIBUTION = "flexium"  # pyproject.toml's [project] name
@@ -18,7 +20,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="flexium",
         description="Move, pause and resume PyTorch training on NVIDIA GPUs.",
         epilog="Commands that talk to a server read FLEXIUM_SERVER (host[:port]/workspace) and FLEXIUM_TOKEN, "
-        "else .flexiumrc. Exit status: 0 done, 1 refused or failed, 2 bad usage, 3 server unreachable.",
+        "else .flexiumrc. Exit status: 0 done, 1 refused or failed, 2 bad usage or settings, 3 server unreachable, "
+        "130 stopped by Ctrl-C.",
     )
     parser.add_argument("--version", action="version", version=version_line())
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -87,6 +90,18 @@ def _describe_commands(commands: Any) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        status = _main(argv)
+        sys.stdout.flush()  # inside: a reader gone (`flexium ps | head`) shows here at the latest
+        return status
+    except BrokenPipeError:
+        # Whoever read the output stopped reading it: nothing more to say, and no traceback at exit.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_FAILED
+
+
+def _main(argv: Sequence[str] | None) -> int:
     parser = build_parser()
     args, unrecognized = parser.parse_known_args(argv)
     if unrecognized:

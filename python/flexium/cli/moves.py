@@ -16,7 +16,7 @@ from flexium.cli.jobs import add_ranks_option, follow_job_operation
 from flexium.cli.naming import PROCESS_HELP, resolve_process
 from flexium.cli.printing import ms, print_json, reason
 from flexium.cli.queue import add_resume_options, resume_later
-from flexium.cli.waiting import add_wait_options, command_progress, wait_command
+from flexium.cli.waiting import ProcessSilent, add_wait_options, command_progress, wait_command
 from flexium.client import ApiClient, NotFound, Refused, ServerError
 from flexium.units import gib
 
@@ -70,12 +70,17 @@ def add_commands(commands: Any) -> None:
 
 
 def _add_wait_and_connection_options(parser: argparse.ArgumentParser) -> None:
+    waits = (
+        "; with --when-free or --make-room it is kept on the wait (flexium queue shows it) and the commands sent for "
+        "it carry it"
+        if parser.prog.endswith(" resume")
+        else ""
+    )
     parser.add_argument(
         "--reason",
         metavar="TEXT",
         help=f"why, in one line (at most {protocol.MAX_REASON_LEN} characters): the job's timeline shows it beside "
-        "who sent the command, so a colleague sees why their job moved; with --when-free or --make-room it is kept "
-        "on the wait (flexium queue shows it) and the commands sent for it carry it",
+        f"who sent the command, so a colleague sees why their job moved{waits}",
     )
     add_wait_options(parser)
     add_connection_options(parser, _move)
@@ -131,7 +136,12 @@ def _follow(api: ApiClient, args: argparse.Namespace, command: wire.CommandInfo)
         else:
             print(f"{title}: queued as command {command.id}")
         return EXIT_OK
-    final = wait_command(api, command, args.timeout, progress=None if args.json else command_progress(title, command))
+    try:
+        final = wait_command(
+            api, command, args.timeout, progress=None if args.json else command_progress(title, command)
+        )
+    except ProcessSilent as exc:
+        return fail(f"{title}: {exc}", EXIT_FAILED, as_json=args.json, code="process_silent")
     if args.json:
         print_json(final)
     if final.state not in protocol.FINAL_COMMAND_STATES:

@@ -100,7 +100,9 @@ class HostGpus:
         if named.ordinal is not None:
             by_ordinal = {ordinal: uuid for uuid, ordinal in self.ordinals.items()}
             if named.ordinal not in by_ordinal:
-                raise UsageError(f"--gpu {text}: the job would see {len(by_ordinal)} GPU(s) (cuda:0..)")
+                raise UsageError(
+                    f"--gpu {text}: the job would see {len(by_ordinal)} GPU(s), cuda:0 to cuda:{len(by_ordinal) - 1}"
+                )
             return by_ordinal[named.ordinal]
         if named.index is not None:
             if named.index not in self.indexes:

@@ -63,6 +63,10 @@ def add_wait_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-wait", action="store_true", help="print the queued command and return")
 
 
+class ProcessSilent(Exception):
+    """The command waits, queued, for a process that stopped reporting: it would wait out its timeout."""
+
+
 def wait_command(
     api: ApiClient,
     command: wire.CommandInfo,
@@ -70,10 +74,24 @@ def wait_command(
     progress: Callable[[wire.CommandInfo], None] | None = None,
 ) -> wire.CommandInfo:
     """Long-polls the command until it ends or `timeout` passes; `progress(command)` is called
-    with each answer while it is under way (each change, and every PROGRESS_EVERY_S between)."""
+    with each answer while it is under way (each change, and every PROGRESS_EVERY_S between).
+    Raises ProcessSilent when the command is still queued and its process has stopped reporting."""
+
+    def ended(current: wire.CommandInfo) -> bool:
+        if current.state in protocol.FINAL_COMMAND_STATES:
+            return True
+        if current.state == "queued" and current is not command:  # asked at least once: not at the start
+            process = api.get_process(current.process_id)
+            if process.stale:
+                raise ProcessSilent(
+                    f"process {current.process_id} stopped reporting (`flexium ps` shows it STALE): command "
+                    f"{current.id} stays queued and is taken if it comes back"
+                )
+        return False
+
     return _poll_until(
         command,
-        ended=lambda c: c.state in protocol.FINAL_COMMAND_STATES,
+        ended=ended,
         ask=lambda wait, deadline: api.wait_command(command.id, wait=wait, deadline=deadline),
         timeout=timeout,
         progress=progress,

@@ -78,7 +78,9 @@ def create_drain(
     """The drain's row, audited; refused when the host reported no such GPU or it is drained already."""
     devices = host_devices(session=session, workspace_id=workspace_id, host=request.host)
     if not devices:
-        raise NotFound(f"host {request.host!r} reported no GPU in this workspace (`flexium ps` lists the hosts)")
+        raise NotFound(
+            f"host {request.host!r} reported no GPU in this workspace (`flexium devices` lists each host's GPUs)"
+        )
     gpu = None if request.gpu in (None, "") else _named_gpu(request.host, devices, request.gpu)
     who = actor.token_name or f"token {actor.token_id}"
     row = Drain(
