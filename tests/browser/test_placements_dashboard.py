@@ -129,7 +129,7 @@ def test_placements_wait_in_the_queue_order_and_cancel_and_placing_show_live(
         assert not dash.d.find_elements(By.CSS_SELECTOR, f'li[data-placement-id="{big["id"]}"] button')
 
         # a viewer sees the queue's placements without Cancel
-        waiting = _place(api, host, memory=500 * GIB, priority="low", command="python huge.py")
+        waiting = _place(api, host, memory=135 * GIB, priority="low", command="python huge.py")
         with _asking(api, host, waiting):
             minted = api.post("/tokens", {"name": "placement screen", "role": "viewer"})
             assert minted.status_code == 201
