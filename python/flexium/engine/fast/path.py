@@ -134,14 +134,15 @@ class FastPath(DeviceMoves):
 
     # ---- GPU to host memory ----------------------------------------------------------------
 
-    def host_bytes_wanted(self, logical: int, *, stopped: bool = False) -> int:
+    def host_bytes_wanted(self, logical: int, *, stopped: bool = False, live: LiveRanges | None = None) -> int:
         """Host staging a pause of `logical` would fill: the pool's live bytes now, with room for
         what the job may allocate before the safe point, never more than an eighth over what the
         pool holds now (the pool grows meanwhile: fact `pool-grows-before-safe-point`). Should it need more at
         the safe point, the copies run in this process, which maps the rest there. `stopped`: at the
         safe point, where the pool no longer grows: its live bytes and a chunk for the layout alone
-        (every byte more would be touched for nothing while the GPU waits to be freed)."""
-        live = self.pool.live_ranges(logical)
+        (every byte more would be touched for nothing while the GPU waits to be freed). `live`: the
+        allocator's snapshot the caller holds already (else one is taken)."""
+        live = self.pool.live_ranges(logical) if live is None else live
         segments = [(s.address, s.size) for s in _C.vmm_segments() if s.device == logical]
         live_bytes = sum(sum(length for _o, length in live[a]) if a in live else size for a, size in segments)
         pool_bytes = sum(size for _a, size in segments)
@@ -255,7 +256,7 @@ class FastPath(DeviceMoves):
             made = None
             if make_for is not None:
                 with self._host_lock:
-                    wanted = self.host_bytes_wanted(logical, stopped=True)
+                    wanted = self.host_bytes_wanted(logical, stopped=True, live=ranges)
                     made = self._reserve_host(logical, wanted, make_for, pin="as copied")
                     made = replace(made, made_by_driver=self._driver_made_bytes())
             copier = self._copier

@@ -147,7 +147,8 @@ def pause_fast(ctx: OperationContext, fast: FastPath, source: GpuIdentity, stagi
     before, timing, unchecked = checksum.before_the_move(ctx.logical, live)
     draft.steps.extend([timing] if timing is not None else [])
     draft.notes = (*draft.notes, *([unchecked] if unchecked else []))
-    to_map = fast.host_bytes_to_map(fast.host_bytes_wanted(ctx.logical, stopped=True)) if staging.at_safe_point else 0
+    wanted = fast.host_bytes_wanted(ctx.logical, stopped=True, live=live) if staging.at_safe_point else 0
+    to_map = fast.host_bytes_to_map(wanted) if staging.at_safe_point else 0
     try:
         host, timing = fast.stage_to_host(ctx.logical, live, make_for=source.uuid if staging.at_safe_point else None)
         draft.steps.append(timing)

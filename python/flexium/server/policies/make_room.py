@@ -35,11 +35,10 @@ from flexium.server.storage.waits import (
     cancel_live_wait,
     live_wait_of,
     may_resume_on,
-    needs_of,
     paused_job,
     queue_order,
     queue_wait,
-    standing,
+    standing_waits,
     wanted_gpu,
 )
 from flexium.server.storage.workspaces import AuthInfo
@@ -160,27 +159,12 @@ def _higher_priority_waiting(
     """GPU UUID -> the first job of a higher priority than the beneficiary's that waits for it (a paused
     job's wait the queue counts now, a flexium run placement): room made there would go to the
     beneficiary ahead of it."""
-    devices = host_devices(session=session, workspace_id=workspace_id, host=host)
     found: dict[str, str] = {}
-    waits = (
-        select(Wait, Process)
-        .join(Process, Process.pk == Wait.process_pk)
-        .where(
-            Wait.workspace_id == workspace_id,
-            Wait.host == host,
-            Wait.state == "waiting",
-            Wait.priority > beneficiary.priority,
-        )
-        .order_by(*queue_order())
-    )
-    for wait, holder in session.execute(waits):
-        needs = needs_of(session=session, wait=wait, holder=holder)
-        if holder.pk in beneficiary.own or not standing(
-            session=session, holder=holder, needs=needs, now=now, stale_after=stale_after
-        ):
-            continue
-        for need in needs:
-            for uuid in [need.gpu] if need.gpu is not None else may_resume_on(need.process, devices):
+    for wait, holder, uuids in standing_waits(
+        session=session, workspace_id=workspace_id, host=host, now=now, stale_after=stale_after
+    ):
+        if wait.priority > beneficiary.priority and holder.pk not in beneficiary.own:
+            for uuid in uuids:
                 found.setdefault(uuid, f"process {holder.process_id!r}")
     placements = select(Placement).where(
         Placement.workspace_id == workspace_id,
@@ -188,8 +172,9 @@ def _higher_priority_waiting(
         Placement.state == "waiting",
         Placement.priority > beneficiary.priority,
     )
+    devices = list(host_devices(session=session, workspace_id=workspace_id, host=host))
     for row in session.scalars(placements.order_by(*queue_order(Placement))):
-        for uuid in [row.gpu_uuid] if row.gpu_uuid is not None else list(devices):
+        for uuid in [row.gpu_uuid] if row.gpu_uuid is not None else devices:
             found.setdefault(uuid, f"placement {row.id}")
     return found
 

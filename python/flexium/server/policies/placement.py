@@ -16,17 +16,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from flexium import protocol, wire
 from flexium.server.errors import Forbidden
-from flexium.server.models import Placement, Process, Reservation, Wait
+from flexium.server.models import Placement, Reservation
 from flexium.server.policies.make_room import Beneficiary, make_room, plan_room
 from flexium.server.policies.resume_when_free import QueueOutcome, run_queue
 from flexium.server.policies.room import HostRoom
 from flexium.server.policies.waited_for import WaitedFor
-from flexium.server.storage.devices import host_devices, upsert_devices
+from flexium.server.storage.devices import upsert_devices
 from flexium.server.storage.drains import drain_refusal
 from flexium.server.storage.placements import (
     create_placement,
@@ -38,7 +37,7 @@ from flexium.server.storage.placements import (
     release_placement_room,
 )
 from flexium.server.storage.reservations import hold_room, lock_hosts
-from flexium.server.storage.waits import may_resume_on, needs_of, queue_order, standing
+from flexium.server.storage.waits import standing_waits
 from flexium.server.storage.workspaces import AuthInfo
 from flexium.units import gib
 
@@ -314,21 +313,11 @@ def _waits_ahead(
     """The GPUs the host's waiting paused jobs wait for: a placement after one in the queue's order
     takes such a GPU only as ``waited_for`` allows. A wait the queue passes over now (its job silent,
     or a command of its under way) holds up no placement either."""
-    devices = host_devices(session=session, workspace_id=workspace_id, host=host)
     waited_for = WaitedFor(patience=patience)
-    query = (
-        select(Wait, Process)
-        .join(Process, Process.pk == Wait.process_pk)
-        .where(Wait.workspace_id == workspace_id, Wait.host == host, Wait.state == "waiting")
-        .order_by(*queue_order())
-    )
-    for wait, holder in session.execute(query):
-        needs = needs_of(session=session, wait=wait, holder=holder)
-        if not standing(session=session, holder=holder, needs=needs, now=now, stale_after=stale_after):
-            continue
-        for need in needs:
-            uuids = [need.gpu] if need.gpu is not None else may_resume_on(need.process, devices)
-            waited_for.add(uuids, priority=wait.priority, queued_at=wait.created_at)
+    for wait, _holder, uuids in standing_waits(
+        session=session, workspace_id=workspace_id, host=host, now=now, stale_after=stale_after
+    ):
+        waited_for.add(uuids, priority=wait.priority, queued_at=wait.created_at)
     return waited_for
 
 

@@ -8,7 +8,7 @@ transaction that makes it."""
 
 from __future__ import annotations
 
-from collections.abc import Container
+from collections.abc import Container, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +20,7 @@ from flexium import protocol, wire
 from flexium.server.errors import Busy, InvalidRequest, InvalidState, NotFound, Stale, TargetRefused
 from flexium.server.models import Command, Device, Placement, Process, Wait
 from flexium.server.storage.audit import PolicyActor, given_why, record_wait
-from flexium.server.storage.devices import held_by_gpu
+from flexium.server.storage.devices import held_by_gpu, host_devices
 from flexium.server.storage.jobs import is_job_rank, job_ranks
 from flexium.server.storage.processes import active_command, find_process
 from flexium.server.storage.reservations import release_room, reservation_of, reservation_view
@@ -55,6 +55,33 @@ def standing(*, session: Session, holder: Process, needs: list[Need], now: float
         or is_stale(proc, now=now, stale_after=stale_after)
         for proc in processes_of(holder, needs)
     )
+
+
+def standing_waits(
+    *, session: Session, workspace_id: int, host: str, now: float, stale_after: float
+) -> Iterator[tuple[Wait, Process, list[str]]]:
+    """The host's waiting waits that count now (``standing``), in the queue's order, each with the
+    GPUs its job waits for (the one it asked for, else those it may resume on)."""
+    devices = host_devices(session=session, workspace_id=workspace_id, host=host)
+    query = (
+        select(Wait, Process)
+        .join(Process, Process.pk == Wait.process_pk)
+        .where(Wait.workspace_id == workspace_id, Wait.host == host, Wait.state == "waiting")
+        .order_by(*queue_order())
+    )
+    for wait, holder in session.execute(query):
+        needs = needs_of(session=session, wait=wait, holder=holder)
+        if standing(session=session, holder=holder, needs=needs, now=now, stale_after=stale_after):
+            uuids = [
+                u
+                for need in needs
+                for u in ([need.gpu] if need.gpu is not None else may_resume_on(need.process, devices))
+            ]
+            yield wait, holder, uuids
+
+
+def _waited_gpus(need: Need, devices: Container[str]) -> list[str]:
+    return [need.gpu] if need.gpu is not None else may_resume_on(need.process, devices)
 
 
 def needs_of(*, session: Session, wait: Wait, holder: Process) -> list[Need]:
