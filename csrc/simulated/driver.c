@@ -25,6 +25,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
+#include <signal.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -288,6 +289,13 @@ static struct {
    * "PHYSICAL BYTES" line each, read at each use: every process of the host (a job, its NVML reader
    * process, a neighbour a test starts and ends) sees the same GPUs. */
   char host_file[4096];
+  /* FAKE_CUDA_HOST_DIR: where every process of one simulated host says what it holds on each GPU, a
+   * file named by its pid of "PHYSICAL BYTES" lines, rewritten when that changes; each process counts
+   * the others' (those alive), as NVML shows every process's memory on a real host. Unset, each
+   * process sees only itself and what it is told: the tests run simulated jobs side by side apart. */
+  char host_dir[4096];
+  unsigned long long published[MAX_GPUS]; /* what this process last wrote there */
+  long published_pid;                     /* which process wrote it (0: none yet) */
 
   /* the process */
   int initialized;       /* cuInit succeeded */
@@ -337,17 +345,80 @@ static long current_tid(void) { return (long)syscall(SYS_gettid); }
 
 /* Memory other processes hold on a GPU: what this process was told (fake_set_other_memory) and what
  * the host file says. */
-static unsigned long long others_on(int physical) {
-  unsigned long long bytes = fake.gpus[physical].other_bytes;
-  if (fake.host_file[0] == '\0') return bytes;
-  FILE *file = fopen(fake.host_file, "r");
-  if (file == NULL) return bytes;
+static unsigned long long held_in_file(const char *path, int physical) {
+  FILE *file = fopen(path, "r");
+  if (file == NULL) return 0;
   int index = 0;
-  unsigned long long held = 0;
+  unsigned long long held = 0, bytes = 0;
   while (fscanf(file, "%d %llu", &index, &held) == 2) {
     if (index == physical) bytes += held;
   }
   fclose(file);
+  return bytes;
+}
+
+/* A process that still holds its GPU memory: alive and not a zombie (one that exited, not reaped). */
+static int holds_memory(long pid) {
+  if (kill((pid_t)pid, 0) != 0 && errno != EPERM) return 0;
+  char path[64], stat[512];
+  snprintf(path, sizeof(path), "/proc/%ld/stat", pid);
+  FILE *file = fopen(path, "r");
+  if (file == NULL) return 1;
+  const size_t n = fread(stat, 1, sizeof(stat) - 1, file);
+  fclose(file);
+  stat[n] = '\0';
+  const char *end = strrchr(stat, ')');
+  return end == NULL || end[1] == '\0' || end[2] != 'Z';
+}
+
+/* The other processes of the host directory that hold memory on a GPU: up to `room` of them, pids
+ * and bytes; how many there are. */
+static int neighbours_on(int physical, unsigned int *pids, unsigned long long *bytes, int room) {
+  if (fake.host_dir[0] == '\0') return 0;
+  DIR *dir = opendir(fake.host_dir);
+  if (dir == NULL) return 0;
+  int n = 0;
+  const long self = (long)getpid();
+  struct dirent *entry;
+  while ((entry = readdir(dir)) != NULL) {
+    char *end = NULL;
+    const long pid = strtol(entry->d_name, &end, 10);
+    if (pid <= 0 || end == entry->d_name || *end != '\0' || pid == self) continue;
+    char path[sizeof(fake.host_dir) + 32];
+    snprintf(path, sizeof(path), "%s/%ld", fake.host_dir, pid);
+    if (!holds_memory(pid)) {
+      if (kill((pid_t)pid, 0) != 0 && errno == ESRCH) unlink(path); /* killed: no one else will */
+      continue;
+    }
+    const unsigned long long held = held_in_file(path, physical);
+    if (held == 0) continue;
+    if (n < room) {
+      pids[n] = (unsigned int)pid;
+      bytes[n] = held;
+    }
+    ++n;
+  }
+  closedir(dir);
+  return n;
+}
+
+#define MAX_NEIGHBOURS 64
+
+/* Memory other processes hold on a GPU that this process was told of: fake_set_other_memory and
+ * the host file. */
+static unsigned long long told_on(int physical) {
+  const unsigned long long bytes = fake.gpus[physical].other_bytes;
+  return fake.host_file[0] != '\0' ? bytes + held_in_file(fake.host_file, physical) : bytes;
+}
+
+/* Memory other processes hold on a GPU: what this process was told of, and what the processes of
+ * the host directory say they hold. */
+static unsigned long long others_on(int physical) {
+  unsigned long long bytes = told_on(physical);
+  unsigned int pids[MAX_NEIGHBOURS];
+  unsigned long long held[MAX_NEIGHBOURS];
+  const int n = neighbours_on(physical, pids, held, MAX_NEIGHBOURS);
+  for (int k = 0; k < n && k < MAX_NEIGHBOURS; ++k) bytes += held[k];
   return bytes;
 }
 
@@ -432,6 +503,8 @@ static void configure_from_environment(void) {
   snprintf(fake.nvml_driver, sizeof(fake.nvml_driver), "%s", driver != NULL && *driver ? driver : "580.159.04");
   const char *host_file = getenv("FAKE_CUDA_HOST_FILE");
   snprintf(fake.host_file, sizeof(fake.host_file), "%s", host_file != NULL ? host_file : "");
+  const char *host_dir = getenv("FAKE_CUDA_HOST_DIR");
+  snprintf(fake.host_dir, sizeof(fake.host_dir), "%s", host_dir != NULL ? host_dir : "");
 
   int count = env_int("FAKE_CUDA_GPUS", 2);
   if (count < 0) count = 0;
@@ -504,6 +577,8 @@ static void configure_from_environment(void) {
   }
 }
 
+static void publish_holdings(void);
+
 static void reset_locked(void) {
   const int refcount = fake.nvml_refcount;
   const int initialized = fake.initialized;
@@ -521,6 +596,7 @@ static void reset_locked(void) {
   fake.failed_restore_poisons = 1;
   configure_from_environment();
   for (int i = 0; i < MAX_GPUS; ++i) fake.placement[i] = i;
+  publish_holdings();
   pthread_cond_broadcast(&state_changed);
 }
 
@@ -625,7 +701,59 @@ static int enter(const char *function, int *code) {
   return injected_failure(function, code);
 }
 
+/* The calls after which what this process holds on a GPU may have changed. */
+static int changes_holdings(const char *function) {
+  if (strncmp(function, "cuMem", 5) == 0)
+    return strncmp(function, "cuMemcpy", 8) != 0 && strncmp(function, "cuMemset", 8) != 0 &&
+           strncmp(function, "cuMemGet", 8) != 0 && strncmp(function, "cuMemHost", 9) != 0;
+  return strncmp(function, "cuCheckpoint", 12) == 0;
+}
+
+static void holdings_path(long pid, const char *suffix, char *path, size_t length) {
+  snprintf(path, length, "%s/%ld%s", fake.host_dir, pid, suffix);
+}
+
+static unsigned long long process_bytes_on(int physical);
+
+/* Says in the host directory what this process holds on each GPU now, when that changed; a process
+ * that holds nothing has no file there. Called with the mutex held. */
+static void publish_holdings(void) {
+  if (fake.host_dir[0] == '\0') return;
+  const long self = (long)getpid();
+  unsigned long long now[MAX_GPUS];
+  int changed = fake.published_pid != self, any = 0;
+  for (int p = 0; p < fake.gpu_count; ++p) {
+    now[p] = process_bytes_on(p);
+    changed |= now[p] != fake.published[p];
+    any |= now[p] > 0;
+  }
+  if (!changed) return;
+  char path[sizeof(fake.host_dir) + 32], staged[sizeof(fake.host_dir) + 32];
+  holdings_path(self, "", path, sizeof(path));
+  if (any) {
+    holdings_path(self, ".tmp", staged, sizeof(staged));
+    FILE *file = fopen(staged, "w");
+    if (file == NULL) return; /* published stays as it was: tried again at the next change */
+    for (int p = 0; p < fake.gpu_count; ++p)
+      if (now[p] > 0) fprintf(file, "%d %llu\n", p, now[p]);
+    if (fclose(file) != 0 || rename(staged, path) != 0) return;
+  } else if (unlink(path) != 0 && errno != ENOENT) {
+    return;
+  }
+  memcpy(fake.published, now, sizeof(now));
+  fake.published_pid = self;
+}
+
+/* A process that ends holds nothing: its file goes (not a forked child's of its parent's file). */
+__attribute__((destructor)) static void fake_unload(void) {
+  if (fake.host_dir[0] == '\0' || fake.published_pid != (long)getpid()) return;
+  char path[sizeof(fake.host_dir) + 32];
+  holdings_path(fake.published_pid, "", path, sizeof(path));
+  unlink(path);
+}
+
 static int leave(const char *function, int result, int pairs) {
+  if (changes_holdings(function)) publish_holdings();
   if (strncmp(function, "cu", 2) == 0) {
     struct log_entry *e = &fake.log[fake.log_total % LOG_CAPACITY];
     e->function = function;
@@ -2587,9 +2715,10 @@ nvmlReturn_t nvmlDeviceGetMemoryInfo_v2(nvmlDevice_t device, nvmlMemory_v2_t *me
 }
 
 /* Physical view: this process appears on each GPU that holds some of its memory now (nothing
- * while checkpointed); memory of other processes appears as one process per GPU. */
+ * while checkpointed), each process of the host directory that says it holds some there as itself,
+ * and the memory of other processes this process was told of as one process per GPU. */
 static nvmlReturn_t running_processes(int physical, unsigned int *count, nvmlProcessInfo_t *infos) {
-  nvmlProcessInfo_t found[2];
+  nvmlProcessInfo_t found[2 + MAX_NEIGHBOURS];
   unsigned int n = 0;
   const unsigned long long ours = nvml_process_bytes_on(physical);
   if (ours > 0) {
@@ -2597,10 +2726,18 @@ static nvmlReturn_t running_processes(int physical, unsigned int *count, nvmlPro
     found[n].usedGpuMemory = ours;
     ++n;
   }
-  const unsigned long long others = others_on(physical);
-  if (others > 0) {
+  unsigned int pids[MAX_NEIGHBOURS];
+  unsigned long long held[MAX_NEIGHBOURS];
+  const int neighbours = neighbours_on(physical, pids, held, MAX_NEIGHBOURS);
+  for (int k = 0; k < neighbours && k < MAX_NEIGHBOURS; ++k) {
+    found[n].pid = pids[k];
+    found[n].usedGpuMemory = held[k];
+    ++n;
+  }
+  const unsigned long long told = told_on(physical);
+  if (told > 0) {
     found[n].pid = OTHER_PID_BASE + (unsigned int)physical;
-    found[n].usedGpuMemory = others;
+    found[n].usedGpuMemory = told;
     ++n;
   }
   for (unsigned int k = 0; k < n; ++k) found[k].gpuInstanceId = found[k].computeInstanceId = 0xffffffffu;
@@ -2751,6 +2888,7 @@ int fake_set_process_memory(int logical, unsigned long long bytes) {
   pthread_mutex_lock(&mutex);
   const int ok = logical >= 0 && logical < fake.gpu_count;
   if (ok) fake.process_bytes[logical] = bytes;
+  publish_holdings();
   pthread_mutex_unlock(&mutex);
   return ok ? 0 : -1;
 }

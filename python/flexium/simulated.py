@@ -44,8 +44,10 @@ def library_path() -> Path | None:
     return path if path.exists() else None
 
 
-def environment(library: Path) -> dict[str, str]:
-    """What a job's environment needs to run on the simulated host (two GPUs of one model)."""
+def environment(library: Path, host_dir: Path) -> dict[str, str]:
+    """What a job's environment needs to run on the simulated host (two GPUs of one model).
+    ``host_dir``: where the host's processes say what GPU memory they hold, so that each sees the
+    others' as a real host's NVML shows it (the demo job's memory, to a job started beside it)."""
     return {
         "FLEXIUM_LIBCUDA": str(library),
         "FLEXIUM_LIBNVML": str(library),
@@ -53,6 +55,7 @@ def environment(library: Path) -> dict[str, str]:
         "FAKE_CUDA_MODELS": SIMULATED_MODEL,
         "FAKE_NVML_DRIVER": SIMULATED_DRIVER,
         "FAKE_CUDA_TOTAL_MIB": str(GPU_MIB),
+        "FAKE_CUDA_HOST_DIR": str(host_dir),
     }
 
 

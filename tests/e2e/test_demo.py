@@ -184,6 +184,24 @@ def test_without_a_gpu_the_demo_job_runs_on_a_simulated_host_that_says_so(tmp_pa
                 30,
                 "the script of one's own to register on the simulated host",
             )
+            # Every process of the simulated host sees the demo job's 6 GiB on GPU 0, as NVML shows
+            # another process's memory on a real host: a job asking 76 of GPU 0's 80 GiB waits there.
+            run = subprocess.Popen(
+                [*flexium_command(), "run", "--gpu", "cuda:0", "--memory", "76GiB", "--", sys.executable, "-c", "1"],
+                env={**env, **own_env, "FLEXIUM_TOKEN": token},
+                cwd=home,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            try:
+                assert run.stderr is not None
+                said = run.stderr.readline()
+                assert re.match(r"flexium run: placement \d+ waits .*: GPU 0: 74\.0 GiB free$", said), said
+            finally:
+                run.send_signal(signal.SIGINT)
+                run.wait(30)
+            [host] = json.loads(cli("devices", "--json").stdout)["hosts"]
+            assert host["devices"][0]["memory_used"] == 6 << 30, host["devices"]
         finally:
             own.send_signal(signal.SIGINT)
             own.wait(30)

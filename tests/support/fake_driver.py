@@ -114,8 +114,12 @@ read and write the bytes behind a device address with ctypes:
 NVML (physical view): memory used = other processes + this process's bytes on that GPU now; other
 processes are those ``set_other_memory`` names, plus those of ``FAKE_CUDA_HOST_FILE``: a file of
 lines ``PHYSICAL BYTES`` read at each use, which every process of one simulated host shares (a job,
-its NVML reader process, a neighbour a test starts and ends: ``write_host_file``);
-compute processes = this pid (when it holds memory there) and, for other memory, one process
+its NVML reader process, a neighbour a test starts and ends: ``write_host_file``), and, where
+``FAKE_CUDA_HOST_DIR`` names a directory, every other live process of that directory, each under its
+own pid: a process there says what it holds on each GPU (a file named by its pid, rewritten after each
+call that may change it, gone when it holds nothing or exits), as ``flexium demo``'s processes do;
+compute processes = this pid (when it holds memory there), each process of the host directory that
+holds some there, and, for the other memory this process was told of, one process
 with pid ``OTHER_PID_BASE + physical`` (above the kernel's pid limit, so never real). This pid's
 count leaves out VMM memory it holds only through an import of its own export (a fast move's
 target memory until it is the job's own again; fact `nvml-skips-imported-memory`), which memory
@@ -138,9 +142,10 @@ host, bit for bit; ``FAKE_CUDA_NO_CHECKSUM=1`` hides these functions (and ``cuMe
 
 Environment, read at load and by ``reset()``: FAKE_CUDA_GPUS, FAKE_CUDA_VERSION,
 FAKE_CUDA_NO_CHECKPOINT, FAKE_CUDA_NO_VMM, FAKE_CUDA_NO_CHECKSUM, FAKE_CUDA_MODELS, FAKE_CUDA_TOTAL_MIB,
-FAKE_NVML_DRIVER, FAKE_CUDA_FAIL, FAKE_CUDA_CORRUPT, FAKE_CUDA_DELAY, FAKE_CUDA_HOST_FILE. ``_C`` resolves symbols and
-reads the CUDA version once, so FAKE_CUDA_VERSION, FAKE_CUDA_NO_CHECKPOINT, FAKE_CUDA_NO_VMM and
-FAKE_CUDA_NO_CHECKSUM only matter for a process that has not loaded the driver yet.
+FAKE_NVML_DRIVER, FAKE_CUDA_FAIL, FAKE_CUDA_CORRUPT, FAKE_CUDA_DELAY, FAKE_CUDA_HOST_FILE,
+FAKE_CUDA_HOST_DIR. ``_C`` resolves symbols and reads the CUDA version once, so FAKE_CUDA_VERSION,
+FAKE_CUDA_NO_CHECKPOINT, FAKE_CUDA_NO_VMM and FAKE_CUDA_NO_CHECKSUM only matter for a process that
+has not loaded the driver yet.
 """
 
 from __future__ import annotations
@@ -179,6 +184,7 @@ FAKE_ENV_VARS = (
     "FAKE_CUDA_CORRUPT",
     "FAKE_CUDA_DELAY",
     "FAKE_CUDA_HOST_FILE",
+    "FAKE_CUDA_HOST_DIR",
 )
 
 CUDA_ERRORS = {
@@ -643,20 +649,22 @@ class FakeDriver:
             lib.cuCtxSetCurrent(previous)
             lib.cuDevicePrimaryCtxRelease(device)
 
-    def cumem_mapping(self, size: int, *, on_host: bool = True, made_elsewhere: bool = False) -> Callable[[], None]:
+    def cumem_mapping(
+        self, size: int, *, on_host: bool = True, made_elsewhere: bool = False, device: int = 0
+    ) -> Callable[[], None]:
         """``size`` bytes (a multiple of ``granularity``) of cuMem memory on host NUMA node 0 (or,
-        ``on_host=False``, on device 0), mapped and open to device 0: on the host, as NCCL makes its
+        ``on_host=False``, on ``device``), mapped and open to ``device``: on the host, as NCCL makes its
         shared host memory unless NCCL_CUMEM_HOST_ENABLE=0 (fact `cumem-host-memory-unrestorable`).
         ``made_elsewhere``: made by another process, which exports it as an fd and exits, and imported
         here (as the copier makes host memory for the job). Returns what frees it again (unmap,
         release, give the range back); its ``address`` is where it is mapped."""
         lib = self.library
         u64 = ctypes.c_uint64
-        where = _Location(type=CU_MEM_LOCATION_TYPE_HOST_NUMA if on_host else 1, id=0)
+        where = _Location(type=CU_MEM_LOCATION_TYPE_HOST_NUMA if on_host else 1, id=0 if on_host else device)
         prop = _AllocationProp(type=1, location=where)
-        access = _AccessDesc(location=_Location(type=1, id=0), flags=3)  # device 0, read/write
+        access = _AccessDesc(location=_Location(type=1, id=device), flags=3)  # read/write
         ctx = ctypes.c_void_p()
-        self._check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0), "device 0")
+        self._check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), device), f"device {device}")
         previous = ctypes.c_void_p()
         lib.cuCtxGetCurrent(ctypes.byref(previous))
         lib.cuCtxSetCurrent(ctx)
@@ -688,7 +696,7 @@ class FakeDriver:
                 call("cuMemAddressFree", address, length)
             finally:
                 lib.cuCtxSetCurrent(previous)
-                lib.cuDevicePrimaryCtxRelease(0)
+                lib.cuDevicePrimaryCtxRelease(device)
 
         free.address = address.value  # type: ignore[attr-defined]
         return free

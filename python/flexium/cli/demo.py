@@ -88,7 +88,7 @@ def _raise_interrupt(*_: Any) -> None:
     raise KeyboardInterrupt
 
 
-def _simulated_host(requested: bool) -> dict[str, str] | None:
+def _simulated_host(requested: bool, data_dir: Path) -> dict[str, str] | None:
     """The environment that puts the demo's job on the simulated host, or None for this host's
     own GPUs: the simulation is used where NVML sees no NVIDIA GPU, or when asked for."""
     from flexium import simulated
@@ -100,7 +100,9 @@ def _simulated_host(requested: bool) -> dict[str, str] | None:
     if library is None:
         _say(f"no {simulated.LIBRARY_NAME} in this build: the job runs on this host as it is")
         return None
-    return simulated.environment(library)
+    host_dir = data_dir / "simulated-host"
+    host_dir.mkdir(exist_ok=True)
+    return simulated.environment(library, host_dir)
 
 
 def run(
@@ -209,7 +211,7 @@ def run(
         env = dict(os.environ)
         env[protocol.SERVER_ENV] = f"{address}/{protocol.DEFAULT_WORKSPACE}"
         env[protocol.TOKEN_ENV] = job_token
-        simulation = _simulated_host(simulated)
+        simulation = _simulated_host(simulated, data_dir)
         if simulation is not None:
             env.update(simulation)
             _say(
