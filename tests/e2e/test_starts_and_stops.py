@@ -107,6 +107,46 @@ def test_a_new_workspace_comes_with_a_login_link_and_token_list_with_a_header(tm
         srv.stop(signal.SIGKILL)
 
 
+def test_a_new_workspace_links_to_the_server_that_serves_its_database(tmp_path: Path) -> None:
+    """Created while a server runs on the SQLite file at a port of its own, the login link points at
+    that server, not at the default port; once it has stopped, at the default address, saying so."""
+    home = tmp_path / "home"
+    home.mkdir()
+    database = f"sqlite:///{tmp_path / 'server.db'}"
+    env = clean_env(home)
+
+    def create(name: str) -> list[str]:
+        done = subprocess.run(
+            [*flexium_command(), "workspace", "create", name, "--database", database],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        return done.stdout.splitlines()
+
+    srv = ServerProcess(home, database=database, env=env).start()
+    try:
+        lines = create("team")
+        link = re.fullmatch(
+            rf"dashboard: {re.escape(srv.url)}/login#code=(\S+)  \(works once, within 10 min; the server that "
+            r"serves this database\)",
+            lines[1],
+        )
+        assert link, (srv.url, lines)
+        login = requests.post(f"{srv.url}/login", data={"code": link.group(1)}, allow_redirects=False, timeout=10)
+        assert login.status_code == 303, login.text
+    finally:
+        srv.stop(signal.SIGKILL)
+    lines = create("team-b")
+    assert re.fullmatch(
+        r"dashboard: http://127\.0\.0\.1:8080/login#code=\S+  \(works once, within 10 min; a server at another "
+        r"address: that address before /login\)",
+        lines[1],
+    ), lines
+
+
 def _background_demo(home: Path) -> tuple[subprocess.Popen[str], ProcessOutput, int]:
     """`flexium demo &` from a script: a shell starts a background job with SIGINT ignored."""
     port = free_port()

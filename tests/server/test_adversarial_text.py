@@ -26,6 +26,7 @@ import pytest
 import requests
 
 from flexium import protocol
+from flexium.server.storage.workspaces import FIRST_TOKEN_NAME
 from support.hostile_text import ACCEPTED, REFUSED
 from support.server import LiveServer, gpu, process_body, rank_body, report_figures
 
@@ -587,7 +588,7 @@ def test_bytes_that_are_not_utf8_in_a_raw_body_are_refused_with_a_4xx(api: Any) 
     # Nothing was stored: the lists read as before, and every page renders.
     assert api.get("/processes").json() == before
     assert api.get(f"/commands/{command.json()['id']}").json()["state"] == "queued"
-    assert all(t["name"] == "initial" or t["name"] == "" for t in api.get("/tokens").json())
+    assert all(t["name"] == FIRST_TOKEN_NAME or t["name"] == "" for t in api.get("/tokens").json())
     index, rows, commands = api.pages("/", "/ui/processes", "/ui/commands")
     assert "gpu-1" in index and "gpu-1" in rows and "pause" in commands
 
@@ -611,7 +612,10 @@ def test_workspace_and_token_names_given_on_the_command_line(database_url: str) 
             continue
         assert database_admin.issue_token("hostile", name=value, database_url=database_url).startswith("flx_")
         kept.append(value)
-    assert [t.name for t in database_admin.list_tokens("hostile", database_url=database_url)] == ["initial", *kept]
+    assert [t.name for t in database_admin.list_tokens("hostile", database_url=database_url)] == [
+        FIRST_TOKEN_NAME,
+        *kept,
+    ]
     assert [w.name for w in database_admin.list_workspaces(database_url=database_url)] == ["hostile"]
 
 

@@ -89,18 +89,24 @@ def run(args: argparse.Namespace) -> int:
 def _print_created(workspace: str, token: str, database_url: str | None) -> None:
     """A login link to the new workspace's dashboard (a one-time code: the token itself never
     goes in a URL), how training jobs get a token, and the admin token alone on the last line."""
-    from flexium.server import database_admin, storage
-    from flexium.server.db import redacted
+    from flexium.server import database_admin, sole_server, storage
+    from flexium.server.db import redacted, sqlite_file
     from flexium.server.settings import load_settings
 
     settings = load_settings(database_url=database_url)
-    link = settings.link_base
+    database_file = sqlite_file(settings.database_url)
+    # A server on this SQLite file says where it is; else the address a server would take by default.
+    serving = sole_server.serving_link(database_file) if database_file is not None else None
     code = database_admin.login_code(token, database_url=database_url)
+    minutes = f"works once, within {storage.LOGIN_CODE_TTL_S / 60:.0f} min"
     print(f"created workspace '{workspace}' in the database {redacted(settings.database_url)}")
-    print(
-        f"dashboard: {link}/login#code={code}  (works once, within {storage.LOGIN_CODE_TTL_S / 60:.0f} min; "
-        "a server at another address: that address before /login)"
-    )
+    if serving is not None:
+        print(f"dashboard: {serving}/login#code={code}  ({minutes}; the server that serves this database)")
+    else:
+        print(
+            f"dashboard: {settings.link_base}/login#code={code}  ({minutes}; "
+            "a server at another address: that address before /login)"
+        )
     print(f"training jobs: give them a job token: flexium token issue {workspace} --role job")
     print("its admin token, for the command line and the dashboard (shown once):")
     print(token)

@@ -331,7 +331,7 @@ def serve(settings: Settings) -> int:
     if database_file is not None:
         try:
             # kept open while this process lives: the lock is the file descriptor's
-            sole_server.claim(database_file, address=f"{settings.host}:{settings.port}")
+            sole_server.claim(database_file, address=f"{settings.host}:{settings.port}", link=settings.link_base)
         except (ServedElsewhere, OSError) as exc:
             print(f"flexium server: {exc}", file=sys.stderr)
             return 1

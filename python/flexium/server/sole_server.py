@@ -23,9 +23,10 @@ def lock_path(database_file: str) -> str:
     return database_file + ".server-lock"
 
 
-def claim(database_file: str, *, address: str) -> int:
+def claim(database_file: str, *, address: str, link: str) -> int:
     """Take the database file for this process (until it ends); returns the open lock's file
-    descriptor, kept open by the caller. Raises ServedElsewhere naming the server that holds it."""
+    descriptor, kept open by the caller. Raises ServedElsewhere naming the server that holds it.
+    ``link``: where its dashboard's links point (``serving`` reads it back)."""
     path = lock_path(database_file)
     os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -40,8 +41,38 @@ def claim(database_file: str, *, address: str) -> int:
             "sqlite:///other.db), or run several servers on one PostgreSQL database (--database postgresql://...)"
         ) from None
     os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps({"pid": os.getpid(), "address": address, "since": time.time()}).encode(), 0)
+    said = {"pid": os.getpid(), "address": address, "link": link, "since": time.time()}
+    os.pwrite(fd, json.dumps(said).encode(), 0)
     return fd
+
+
+def serving_link(database_file: str) -> str | None:
+    """Where the dashboard of the server that serves this SQLite database now is (its links' base),
+    or None when no server runs on it. Read without taking the lock, even for a moment: a server
+    starting then would find it taken and refuse to start."""
+    try:
+        with open(lock_path(database_file), "rb") as file:
+            said = json.loads(file.read(4096) or b"{}")
+            stat = os.fstat(file.fileno())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(said, dict) or not isinstance(said.get("link"), str):
+        return None
+    return said["link"] if _held_by(stat, said.get("pid")) else None
+
+
+def _held_by(stat: os.stat_result, pid: object) -> bool:
+    """Whether process ``pid`` holds the flock on the file of ``stat`` (Linux's /proc/locks)."""
+    where = f"{os.major(stat.st_dev):02x}:{os.minor(stat.st_dev):02x}:{stat.st_ino}"
+    try:
+        with open("/proc/locks") as locks:
+            for line in locks:
+                fields = line.split()
+                if fields[1:2] == ["FLOCK"] and fields[5:6] == [where]:
+                    return fields[4] == str(pid)
+    except OSError:
+        pass
+    return False
 
 
 def _holder(fd: int) -> str:

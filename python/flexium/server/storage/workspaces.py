@@ -23,6 +23,9 @@ from flexium.server.models import Command, DashboardSession, LoginCode, Process,
 from flexium.server.storage import quotas
 from flexium.server.storage.audit import is_reserved_actor, record_audit
 
+# The label of a workspace's first token, which what it does is signed with ("queued by ...").
+FIRST_TOKEN_NAME = "first admin token"
+
 
 @dataclass(frozen=True)
 class AuthInfo:
@@ -83,7 +86,7 @@ def check_workspace_name(name: str) -> str:
 
 
 def create_workspace(
-    *, session: Session, name: str, now: float, token_name: str = "initial"
+    *, session: Session, name: str, now: float, token_name: str = FIRST_TOKEN_NAME
 ) -> tuple[WorkspaceRecord, str]:
     """A new workspace and its first token, an admin token (returned in clear once; only its
     hash is kept)."""
