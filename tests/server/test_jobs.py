@@ -630,6 +630,7 @@ def test_sweep_expires_a_job_operation_and_forgets_it_with_its_ranks(db: Databas
             remove_after=600.0,
             command_ttl=120.0,
             stale_since=now - 2,
+            reservation_ttl=300.0,
         )
 
     expired = sweep(NOW + 121).expired

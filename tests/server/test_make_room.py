@@ -19,7 +19,7 @@ from flexium.server.policies.resume_when_free import queue_resume
 from flexium.server.settings import BACKFILL_PATIENCE_S
 from support.queue import admin, gpus_report, paused, queue, resumed, run, waits
 from support.server import GIB
-from support.storage import NOW, STALE, add_process, make_workspace, next_for, report
+from support.storage import NOW, STALE, add_process, make_workspace, next_for, report, sweep_at
 
 LOW, NORMAL, HIGH = (protocol.PRIORITIES[name] for name in ("low", "normal", "high"))
 
@@ -198,6 +198,36 @@ def test_asked_again_while_its_room_is_held_nothing_more_is_paused(db: Database)
             next_for(db, ws, "low-50")
             report(db, ws, pause.id, "succeeded", process={"state": "PAUSED", "memory_bytes": 0})
     assert "normal-60" not in waits(db, ws)  # never paused, so never queued
+
+
+def test_room_is_held_while_the_pauses_that_make_it_are_under_way(db: Database) -> None:
+    """A job may take its pause late (a command waits for it up to its own time): the hold does not
+    run out before the room it waits for shows; once the pauses ended it runs its time and goes."""
+    ws, _ = make_workspace(db)
+    ttl = protocol.RESERVATION_TTL_S
+    running(db, ws, "low-50", memory=50 * GIB, priority=LOW)
+    gpus_report(db, ws, NOW, 130 * GIB, 138 * GIB)
+    paused(db, ws, "urgent", footprint=45 * GIB, priority=HIGH)
+    first = queue(db, ws, "urgent", make_room=True)
+    assert pauses(first) == ["low-50"] and first.wait.reservation is not None
+    assert first.wait.reservation.expires_at == NOW + ttl
+
+    def held() -> float | None:
+        reservation = waits(db, ws)["urgent"].reservation
+        return None if reservation is None else reservation.expires_at
+
+    late = NOW + ttl * 0.75  # within half its time of running out, the pause not taken yet
+    sweep_at(db, late, command_ttl=10 * ttl)
+    assert held() == late + ttl
+    sweep_at(db, late + 5, command_ttl=10 * ttl)  # not renewed at every sweep, only near its end
+    assert held() == late + ttl
+    [pause] = first.commands
+    next_for(db, ws, "low-50", now=late + 10)
+    report(db, ws, pause.id, "succeeded", process={"state": "PAUSED", "memory_bytes": 0}, now=late + 20)
+    sweep_at(db, late + ttl * 0.75, command_ttl=10 * ttl)  # its pause ended: it runs the time it has
+    assert held() == late + ttl
+    assert sweep_at(db, late + ttl, command_ttl=10 * ttl).released == [(ws, "node1")]
+    assert held() is None
 
 
 def test_room_is_not_made_for_a_job_on_a_gpu_a_higher_priority_job_waits_for(db: Database) -> None:

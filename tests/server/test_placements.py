@@ -353,6 +353,40 @@ def test_a_started_jobs_room_is_held_for_a_while_from_its_registration_not_from_
     assert resumed(run(db, after)) == ["waiter"]
 
 
+def test_a_placed_jobs_room_is_held_a_full_time_from_each_ask_while_it_starts(db: Database) -> None:
+    """Its job may take long to start (a slow import, a dataset to open): while its flexium run asks,
+    every few seconds, the room stays held, and a job of lower priority waiting for it does not get it."""
+    ws, _ = make_workspace(db)
+    placed = place(db, ws, 100 * GIB, memory_bytes=30 * GIB).placement
+    assert placed.state == "placed" and placed.reservation is not None
+    assert placed.reservation.expires_at == NOW + TTL
+    paused(db, ws, "low-30", footprint=30 * GIB, priority=LOW)
+    queue(db, ws, "low-30", now=NOW + 1)
+    for now in (NOW + TTL / 2, NOW + TTL, NOW + TTL * 1.5):  # past the hold's first time
+        asked = ask(db, ws, placed.id, 100 * GIB, now=now)
+        assert asked.state == "placed" and asked.reservation is not None
+        assert asked.reservation.expires_at == now + TTL
+        gpus_report(db, ws, now, 100 * GIB)
+        assert resumed(run(db, now)) == []
+    assert waits(db, ws)["low-30"].state == "waiting"
+
+
+def test_room_made_for_a_placement_is_held_a_full_time_from_its_placing(db: Database) -> None:
+    """The pauses that made its room may take a while: placed, its job starts now, and the room
+    made for it is held from then, not from when it was made."""
+    ws, _ = make_workspace(db)
+    add_process(db, ws, "low-50", memory=50 * GIB, gpu_index=0, devices=[], priority=LOW, n_gpus=1)
+    out = place(db, ws, 130 * GIB, memory_bytes=40 * GIB, priority=NORMAL, make_room=True)
+    (pause,) = out.pauses
+    assert out.placement.reservation is not None and out.placement.reservation.expires_at == NOW + TTL
+    later = NOW + TTL * 0.9
+    next_for(db, ws, "low-50", now=later - 2)
+    report(db, ws, pause.id, "succeeded", now=later - 1)
+    placed = ask(db, ws, out.placement.id, 80 * GIB, now=later)
+    assert placed.state == "placed" and placed.reservation is not None
+    assert placed.reservation.id == out.placement.reservation.id and placed.reservation.expires_at == later + TTL
+
+
 def test_the_jobs_paused_to_make_room_are_not_resumed_into_it_when_its_job_registers(db: Database) -> None:
     ws, _ = make_workspace(db)
     add_process(db, ws, "low-50", memory=50 * GIB, gpu_index=0, devices=[], priority=LOW, n_gpus=1)

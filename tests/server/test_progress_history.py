@@ -120,6 +120,7 @@ def test_gpu_history_keeps_one_sample_a_minute_for_a_day(db: Database) -> None:
         remove_after=10 * storage.Retention().history_keep_s,
         command_ttl=60.0,
         stale_since=later,
+        reservation_ttl=300.0,
     )
     kept = db.run(storage.gpu_history, write=False, workspace_id=ws, since=0)
     assert [s.at for s in kept[("node1", "GPU-0000")]] == [NOW + 61]

@@ -10,12 +10,13 @@ import time
 from typing import Any
 
 import pytest
-from sqlalchemy import event, text
+from sqlalchemy import event, text, update
 from sqlalchemy.orm import Session
 
 from flexium import protocol, wire
 from flexium.server import errors, storage
 from flexium.server.db import Database
+from flexium.server.models import Process
 from flexium.server.policies.migrate_auto import migrate_auto
 from flexium.server.policies.resume_when_free import QueueOutcome
 from flexium.server.storage.devices import host_devices
@@ -25,7 +26,7 @@ from flexium.server.storage.reservations import hold_room, lock_hosts
 from flexium.server.storage.targets import target_refusal
 from support.queue import HOST, admin, gpus_report, paused, queue, resumed, run, waits
 from support.server import GIB
-from support.storage import NOW, STALE, add_process, all_at_once, make_workspace, next_for, report
+from support.storage import NOW, STALE, add_process, all_at_once, make_workspace, next_for, report, sweep_at
 
 
 def test_a_higher_priority_first_and_first_come_first_served_within_one(db: Database) -> None:
@@ -399,3 +400,61 @@ def test_auto_as_the_gpu_asked_for_is_the_first_gpu_with_room(db: Database, gpu:
     assert created.wait.state == "waiting" and created.wait.gpu_uuid is None
     gpus_report(db, ws, NOW + 1, 139 * GIB, 100 * GIB)
     assert resumed(run(db, NOW + 1)) == ["job"]
+
+
+def _heard(db: Database, process_id: str, now: float) -> None:
+    """The job's heartbeat at ``now``: it is alive and paused."""
+    with db.session(write=True) as session:
+        session.execute(update(Process).where(Process.process_id == process_id).values(last_seen=now))
+
+
+def test_a_wait_for_a_gpu_its_host_stopped_reporting_says_why_then_ends_once_the_gpu_is_forgotten(
+    db: Database,
+) -> None:
+    """Its host no longer reports the GPU the wait names (taken out, or hidden): while the server
+    still knows it, the wait says why it cannot go there; once the server forgets it, the wait ends
+    saying so and what to do, rather than wait for a GPU that is not coming back."""
+    ws, _ = make_workspace(db)
+    gpus_report(db, ws, NOW, 139 * GIB, 139 * GIB)
+    paused(db, ws, "pinned")
+    assert queue(db, ws, "pinned", gpu="1").wait.state == "waiting"
+    later = NOW + 2 * STALE
+    gpus_report(db, ws, later, 0)  # GPU 0 alone now
+    _heard(db, "pinned", later)
+    assert resumed(run(db, later)) == []
+    assert waits(db, ws, later)["pinned"].note == "GPU 1: no fresh report from its host"
+    forgotten = NOW + 700  # past the server's remove_after (600 s here) for GPU 1
+    gpus_report(db, ws, forgotten, 0)
+    _heard(db, "pinned", forgotten)
+    sweep_at(db, forgotten)
+    outcome = run(db, forgotten)
+    [(_ws, ended)] = outcome.cancelled
+    assert ended.process_id == "pinned" and ended.state == "cancelled"
+    assert ended.note == (
+        "the GPU it waits for (GPU-0001) is no longer reported by host 'node1': queue it again for a GPU the "
+        "host has (flexium resume pinned --when-free)"
+    )
+
+
+def test_a_higher_priority_job_whose_resume_was_refused_keeps_its_gpu_from_lower_ones(db: Database) -> None:
+    """Refused by its job's own room check, it waits for a newer report; meanwhile a job of lower
+    priority does not take the room it waits for, as it did not before the refusal."""
+    ws, _ = make_workspace(db)
+    gpus_report(db, ws, NOW, 100 * GIB, 139 * GIB)
+    paused(db, ws, "high-50", footprint=50 * GIB, priority=protocol.PRIORITIES["high"])
+    paused(db, ws, "low-35", footprint=35 * GIB, priority=protocol.PRIORITIES["low"])
+    queue(db, ws, "high-50", now=NOW)
+    queue(db, ws, "low-35", now=NOW + 1)
+    assert resumed(run(db, NOW + 2)) == []  # 40 GiB free: the low job waits behind the high one
+    gpus_report(db, ws, NOW + 3, 60 * GIB, 139 * GIB)
+    outcome = run(db, NOW + 3)
+    assert resumed(outcome) == ["high-50"]
+    [command] = [c for done in outcome.dispatched for c in done.commands]
+    next_for(db, ws, "high-50", now=NOW + 4)
+    report(db, ws, command.id, "failed", now=NOW + 5, error="room check: 49.0 GiB free on GPU 0 for 50.5 GiB")
+    gpus_report(db, ws, NOW + 5, 60 * GIB, 139 * GIB)  # no newer than the refusal: the high job waits
+    assert resumed(run(db, NOW + 5)) == []
+    queued = waits(db, ws, NOW + 5)
+    assert queued["high-50"].state == "waiting" and queued["low-35"].state == "waiting"
+    gpus_report(db, ws, NOW + 6, 60 * GIB, 139 * GIB)  # newer: the high job is tried again, first
+    assert resumed(run(db, NOW + 6)) == ["high-50"]

@@ -68,7 +68,7 @@ def report(db: Database, ws: int, command_id: int, state: str, now: float = NOW,
 
 
 def sweep_at(db: Database, now: float, alive_since: float = NOW - 10_000, **kw: Any) -> storage.SweepResult:
-    args = dict(stale_after=STALE, remove_after=600.0, command_ttl=120.0, stale_since=now - 2)
+    args = dict(stale_after=STALE, remove_after=600.0, command_ttl=120.0, stale_since=now - 2, reservation_ttl=300.0)
     args.update(kw)
     return db.run(storage.sweep, write=True, now=now, alive_since=alive_since, **args)
 

@@ -276,6 +276,7 @@ async def sweep_forever(ctx: ServerContext) -> None:
                 remove_after=ctx.settings.remove_after_s,
                 command_ttl=ctx.settings.command_ttl_s,
                 stale_since=previous,
+                reservation_ttl=ctx.settings.reservation_ttl_s,
             )
         except DatabaseUnavailable as exc:  # the health check says so too; no traceback to add
             log.warning("sweep failed, retrying at the next interval: %s", exc)

@@ -23,12 +23,12 @@ from flexium import protocol, wire
 from flexium.server.errors import InvalidRequest, TargetRefused
 from flexium.server.models import Device, Placement, Process, Reservation, Wait
 from flexium.server.policies.room import HostRoom
-from flexium.server.storage.audit import PolicyActor, given_why, record_commands_created
+from flexium.server.storage.audit import given_why, record_commands_created
 from flexium.server.storage.commands import create_commands
 from flexium.server.storage.devices import held_by_gpu, host_devices
 from flexium.server.storage.jobs import is_job_rank
 from flexium.server.storage.processes import active_command, find_process
-from flexium.server.storage.reservations import hold_room, lock_hosts
+from flexium.server.storage.reservations import MAKE_ROOM, hold_room, lock_hosts
 from flexium.server.storage.targets import target_refusal
 from flexium.server.storage.views import is_stale, stored_capabilities
 from flexium.server.storage.waits import (
@@ -44,7 +44,6 @@ from flexium.server.storage.waits import (
 from flexium.server.storage.workspaces import AuthInfo
 from flexium.units import gib
 
-ACTOR = PolicyActor("make room")
 # Choices of victims are tried exhaustively up to this many candidates on one GPU, greedily past it.
 _EXHAUSTIVE = 12
 
@@ -313,12 +312,12 @@ def make_room(
             stale_after=stale_after,
             reason=why,
         )
-        record_commands_created(session=session, workspace_id=workspace_id, actor=ACTOR, commands=commands, now=now)
+        record_commands_created(session=session, workspace_id=workspace_id, actor=MAKE_ROOM, commands=commands, now=now)
         pauses += commands
         cancel_live_wait(
             session=session,
             workspace_id=workspace_id,
-            actor=ACTOR,
+            actor=MAKE_ROOM,
             proc=victim.addressed,
             why="paused to make room",
             now=now,
@@ -326,7 +325,7 @@ def make_room(
         queue_wait(
             session=session,
             workspace_id=workspace_id,
-            actor=ACTOR,
+            actor=MAKE_ROOM,
             holder=victim.addressed,
             gpu_uuid=None,
             priority=victim.priority,

@@ -4,7 +4,7 @@ first, first come first served within one) and after the paused jobs waiting ahe
 (``resume_when_free``): a placement takes a GPU that a wait or a placement before it waits for only
 as ``waited_for`` allows. Placed, the room is held for it (a reservation, which the queue's waits
 cannot take) until its job registers and takes it (``storage.placements.take_placement``) or the
-reservation expires (held again when its flexium run is heard after an outage). With
+reservation expires (each time its flexium run asks, the hold runs a full reservation time again). With
 ``make_room`` (an admin's), room is made at once as for a paused job (``make_room``): the fewest jobs
 of lower priority on one GPU paused, the room held, the placement waiting for that GPU. Nothing is
 placed on a drained GPU.
@@ -105,14 +105,15 @@ def report_placement(
     backfill_patience: float,
 ) -> PlacementOutcome:
     """``flexium run`` asks again, with its host's GPUs as it reads them now: stored, then the
-    placement pass over the host. Asking after a silence longer than would end it (the server, or
-    its database, could not hear it: ``answering_since``), a placed one's room is held a full
-    ``reservation_ttl`` again: the hold's time ran on while its job could not start."""
+    placement pass over the host. A placed one's room is held a full ``reservation_ttl`` from each
+    ask: its job is starting (a slow import, a large dataset to open), and the room must still be
+    there when it registers; after a silence (the server, or its database, could not hear it:
+    ``answering_since``) the hold's time ran on while its job could not start."""
     row = find_placement(session=session, workspace_id=workspace_id, placement_id=placement_id, actor=actor)
     upsert_devices(session=session, workspace_id=workspace_id, host=row.host, devices=report.devices, now=now)
     before = (row.state, row.note)
     if row.state in protocol.LIVE_PLACEMENT_STATES:
-        if row.state == "placed" and row.asked_at < now - stale_after:
+        if row.state == "placed":
             _hold(session=session, row=row, now=now, ttl=reservation_ttl)
         row.asked_at = now
     queued, changed = _passes(
@@ -394,7 +395,9 @@ def _place(*, session: Session, row: Placement, uuid: str, room: HostRoom, now: 
     row.state = "placed"
     row.placed_uuid = uuid
     row.placed_at = now
-    if own is None or own.gpu_uuid != uuid:
+    if own is not None and own.gpu_uuid == uuid:  # the room made for it: held from now, as it starts
+        _hold(session=session, row=row, now=now, ttl=ttl)
+    else:
         release_placement_room(session=session, row=row)
         held = _hold(session=session, row=row, now=now, ttl=ttl)
         if held is not None:

@@ -207,6 +207,13 @@ def _consider(
             return end_wait(session=session, row=wait, state="cancelled", note=why, actor=None, now=now)
     if not standing(session=session, holder=holder, needs=needs, now=now, stale_after=stale_after):
         return None
+    gone = next((need.gpu for need in needs if need.gpu is not None and need.gpu not in room.gpus), None)
+    if gone is not None:  # its host has not reported it for remove_after: forgotten, not coming back
+        why = (
+            f"the GPU it waits for ({gone}) is no longer reported by host {wait.host!r}: queue it again for a GPU "
+            f"the host has (flexium resume {holder.process_id} --when-free)"
+        )
+        return end_wait(session=session, row=wait, state="cancelled", note=why, actor=None, now=now)
     placement = _place(wait=wait, needs=needs, room=room, waited_for=waited_for, now=now, stale_after=stale_after)
     if placement is None:
         return None
@@ -225,8 +232,9 @@ def _consider(
             )
     except (InvalidState, CapabilityMissing) as exc:
         return end_wait(session=session, row=wait, state="cancelled", note=exc.message, actor=None, now=now)
-    except ApiError as exc:  # busy, stale, a target refused for now: it waits on
+    except ApiError as exc:  # busy, stale, a target refused for now: it waits on, for those GPUs
         wait.note = exc.message
+        waited_for.add([uuid for _need, uuid in placement], priority=wait.priority, queued_at=wait.created_at)
         return None
     record_commands_created(session=session, workspace_id=wait.workspace_id, actor=ACTOR, commands=commands, now=now)
     wait.state = "dispatched"
@@ -248,8 +256,13 @@ def _place(
     claimed: dict[str, int] = {}
     wanted: list[str] = []
     for need in needs:
-        candidates = _candidates(wait=wait, need=need, room=room, now=now, stale_after=stale_after)
-        wanted += candidates
+        names = _names(need, room)
+        # Waited for even where it may not go now (refused since the last report, a GPU gone silent
+        # for a while): a job of lower priority taking that room would delay it.
+        wanted += names
+        candidates = _candidates(wait=wait, need=need, names=names, room=room, now=now, stale_after=stale_after)
+        if need.gpu is not None and need.gpu in names:
+            wait.note = _pinned_note(wait=wait, need=need, room=room, now=now, stale_after=stale_after)
         for uuid in candidates:
             closed = waited_for.closed_to(uuid, priority=wait.priority, queued_at=wait.created_at, now=now)
             if closed and not room.holds_for(uuid, wait.id):
@@ -265,9 +278,9 @@ def _place(
     return placement
 
 
-def _candidates(*, wait: Wait, need: Need, room: HostRoom, now: float, stale_after: float) -> list[str]:
-    """The GPUs ``need`` may go to, the one it paused on first, then by free memory: the target
-    rules but room, on a report newer than the job's last refusal."""
+def _names(need: Need, room: HostRoom) -> list[str]:
+    """The host's GPUs ``need`` may go to by what it is: the one it names; else the one it paused on
+    first, then (a job that migrates) the others by free memory."""
     proc = need.process
     if need.gpu is not None:
         names = [need.gpu]
@@ -276,15 +289,38 @@ def _candidates(*, wait: Wait, need: Need, room: HostRoom, now: float, stale_aft
         if stored_capabilities(proc).migration:
             others = [uuid for uuid in room.gpus if uuid != proc.gpu_uuid]
             names += sorted(others, key=lambda uuid: -room.gpus[uuid].free)
+    return [uuid for uuid in names if uuid in room.gpus]
+
+
+def _candidates(
+    *, wait: Wait, need: Need, names: list[str], room: HostRoom, now: float, stale_after: float
+) -> list[str]:
+    """Those of ``names`` it may go to now: the target rules but room, on a report newer than the
+    job's last refusal."""
     fitting = []
     for uuid in names:
-        gpu = room.gpus.get(uuid)
-        if gpu is None or (wait.refused_at is not None and gpu.device.updated_at <= wait.refused_at):
+        gpu = room.gpus[uuid]
+        if wait.refused_at is not None and gpu.device.updated_at <= wait.refused_at:
             continue
-        refusal = target_refusal(proc=proc, dev=gpu.device, kind="resume", now=now, stale_after=stale_after, room=False)
+        refusal = target_refusal(
+            proc=need.process, dev=gpu.device, kind="resume", now=now, stale_after=stale_after, room=False
+        )
         if refusal is None:
             fitting.append(uuid)
     return fitting
+
+
+def _pinned_note(*, wait: Wait, need: Need, room: HostRoom, now: float, stale_after: float) -> str | None:
+    """The wait's note where it names its GPU: why it cannot go there now but for room (a GPU gone
+    silent, drained), said until it can again; any other note as it is."""
+    assert need.gpu is not None
+    prefix = f"GPU {_label(room, need.gpu)}: "
+    refusal = target_refusal(
+        proc=need.process, dev=room.gpus[need.gpu].device, kind="resume", now=now, stale_after=stale_after, room=False
+    )
+    if refusal is not None:
+        return prefix + refusal
+    return None if wait.note is not None and wait.note.startswith(prefix) else wait.note
 
 
 def _reason(wait: Wait, placement: list[tuple[Need, str]], room: HostRoom, now: float) -> str:

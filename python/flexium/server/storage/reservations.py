@@ -1,16 +1,21 @@
 """Room held on a GPU for one job: made for it by pausing others (``policies/make_room.py``), taken
-by its resume, released when its wait ends, or dropped by the sweep when it expires. The queue
-counts a reservation as taken for every wait but its own (``policies/room.py``)."""
+by its resume, released when its wait ends, or dropped by the sweep when it expires. A hold does not
+run out while the pauses that make its room are under way (a job may take its pause late): the
+sweep holds it a full time again. The queue counts a reservation as taken for every wait but its own
+(``policies/room.py``)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from sqlalchemy import Integer, cast, delete, func, select
+from sqlalchemy import Integer, and_, cast, delete, exists, func, select, update
 from sqlalchemy.orm import Session
 
-from flexium import wire
-from flexium.server.models import Process, Reservation, Wait
+from flexium import protocol, wire
+from flexium.server.models import Command, Process, Reservation, Wait
+from flexium.server.storage.audit import PolicyActor
+
+MAKE_ROOM = PolicyActor("make room")  # who sends the pauses that make a hold's room
 
 
 def hold_room(
@@ -88,9 +93,27 @@ def reservation_of(*, session: Session, wait_id: int, now: float) -> Reservation
     )
 
 
-def expire_reservations(*, session: Session, now: float) -> list[tuple[int, str]]:
+def expire_reservations(*, session: Session, now: float, ttl: float) -> list[tuple[int, str]]:
     """Drops the reservations past their time; (workspace id, host) of each, whose queue may now
-    use that room."""
+    use that room. One whose room is still being made (a pause make-room sent on its GPU since it
+    was made, not ended) is held ``ttl`` from now instead, before it runs out (half its time
+    left): the room it waits for has not shown yet."""
+    making = exists().where(
+        Command.workspace_id == Reservation.workspace_id,
+        Command.kind == "pause",
+        Command.state.in_(protocol.ACTIVE_COMMAND_STATES),
+        Command.sent_by == MAKE_ROOM.label,
+        Command.created_at >= Reservation.created_at,
+        Process.pk == Command.process_pk,
+        Process.host == Reservation.host,
+        Process.gpu_uuid == Reservation.gpu_uuid,
+    )
+    session.execute(
+        update(Reservation)
+        .where(and_(Reservation.expires_at <= now + ttl / 2, making))
+        .values(expires_at=now + ttl)
+        .execution_options(synchronize_session=False)
+    )
     expired = list(
         session.execute(
             select(Reservation.id, Reservation.workspace_id, Reservation.host).where(Reservation.expires_at <= now)

@@ -39,6 +39,7 @@ def sweep(
     remove_after: float,
     command_ttl: float,
     stale_since: float,
+    reservation_ttl: float,
 ) -> SweepResult:
     """``stale_since``: the previous sweep's time; processes that became stale after it are
     reported once in ``newly_stale``."""
@@ -86,7 +87,7 @@ def sweep(
             # A job operation is its ranks' commands: once none is left, nothing shows it.
             session.execute(delete(JobOperation).where(~exists().where(Command.operation_id == JobOperation.id)))
         session.execute(delete(Device).where(Device.updated_at < now - remove_after))
-    result.released = expire_reservations(session=session, now=now)
+    result.released = expire_reservations(session=session, now=now, ttl=reservation_ttl)
     prune_history(session=session, now=now)
     sample_progress(session=session, now=now)
     prune_progress(session=session, now=now)
