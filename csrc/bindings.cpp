@@ -323,10 +323,11 @@ void bind_copier(py::module_ &m) {
 
   py::class_<HostCopier>(m, "HostCopier")
       .def(py::init<const std::vector<std::pair<int, std::size_t>> &, const std::vector<CopierChunk> &,
-                    const std::vector<bool> &>(),
-           py::arg("extents"), py::arg("chunks"), py::arg("driver_made") = std::vector<bool>{})
+                    const std::vector<bool> &, const std::vector<bool> &>(),
+           py::arg("extents"), py::arg("chunks"), py::arg("driver_made") = std::vector<bool>{},
+           py::arg("written") = std::vector<bool>{})
       .def("extend", &HostCopier::extend, py::arg("extents"), py::arg("chunks"),
-           py::arg("driver_made") = std::vector<bool>{}, release_gil())
+           py::arg("driver_made") = std::vector<bool>{}, py::arg("written") = std::vector<bool>{}, release_gil())
       .def("make_host_memory", &HostCopier::make_host_memory, py::arg("bytes"), py::arg("piece"), release_gil())
       .def("wake", &HostCopier::wake, py::arg("uuid"), py::arg("wait"), py::arg("pause_ms") = 0, release_gil())
       .def("copy", &HostCopier::copy, py::arg("to_host"), py::arg("segments"), py::arg("pieces"), release_gil())
@@ -345,7 +346,8 @@ void bind_copier(py::module_ &m) {
                                              {"pin_s", t.pin_s},
                                              {"touch_wait_s", t.touch_wait_s},
                                              {"pinned_in_copy", static_cast<double>(t.pinned_in_copy)},
-                                             {"copy_s", t.copy_s}};
+                                             {"copy_s", t.copy_s},
+                                             {"written", static_cast<double>(t.written)}};
       });
 }
 

@@ -61,15 +61,17 @@ int host_numa_node(int ordinal) {
 }  // namespace
 
 HostCopier::HostCopier(const std::vector<std::pair<int, std::size_t>> &extents, const std::vector<CopierChunk> &chunks,
-                       const std::vector<bool> &driver_made) {
-  extend(extents, chunks, driver_made);
+                       const std::vector<bool> &driver_made, const std::vector<bool> &written) {
+  extend(extents, chunks, driver_made, written);
 }
 
 void HostCopier::extend(const std::vector<std::pair<int, std::size_t>> &extents, const std::vector<CopierChunk> &chunks,
-                        const std::vector<bool> &driver_made) {
-  if (!driver_made.empty() && driver_made.size() != extents.size()) {
-    throw std::invalid_argument("driver_made names " + std::to_string(driver_made.size()) + " extents of " +
-                                std::to_string(extents.size()));
+                        const std::vector<bool> &driver_made, const std::vector<bool> &written) {
+  for (const auto *flags : {&driver_made, &written}) {
+    if (!flags->empty() && flags->size() != extents.size()) {
+      throw std::invalid_argument(std::string(flags == &written ? "written" : "driver_made") + " names " +
+                                  std::to_string(flags->size()) + " extents of " + std::to_string(extents.size()));
+    }
   }
   stop_pinner();  // it reads chunks_; wake() starts it again for the new chunks
   std::vector<Extent> added;
@@ -104,6 +106,17 @@ void HostCopier::extend(const std::vector<std::pair<int, std::size_t>> &extents,
     Extent mapped;
     mapped.base = static_cast<char *>(base);
     mapped.size = extent.second;
+    if (!written.empty() && written[k]) {
+      mapped.written = true;
+      mapped.fd = ::fcntl(extent.first, F_DUPFD_CLOEXEC, 0);  // written through it: the job closes its own
+      if (mapped.fd < 0) {
+        const int error = errno;
+        ::munmap(base, extent.second);
+        unmap_added();
+        throw std::runtime_error(std::string("could not keep the fd of the job's host staging: ") +
+                                 std::strerror(error));
+      }
+    }
     added.push_back(mapped);
   }
   const std::size_t first_added = extents_.size();
@@ -127,9 +140,13 @@ void HostCopier::extend(const std::vector<std::pair<int, std::size_t>> &extents,
     chunks_.insert(chunks_.end(), chunks.begin(), chunks.end());
     pinned_.resize(chunks_.size(), 0);
     touched_.resize(chunks_.size(), 0);
-    // Chunks of extents mapped before were touched then; driver-made memory needs no touching.
+    to_write_.resize(chunks_.size(), 0);
+    // Chunks of extents mapped before were touched (or written) then; driver-made memory needs no touching;
+    // a written extent's pages are made by the first copy to host.
     for (std::size_t i = first_chunk; i < chunks_.size(); ++i) {
-      touched_[i] = chunks_[i].extent < first_added || extents_[chunks_[i].extent].driver_made ? 1 : 0;
+      const std::size_t k = chunks_[i].extent;
+      to_write_[i] = k >= first_added && extents_[k].written ? 1 : 0;
+      touched_[i] = k < first_added || extents_[k].driver_made ? 1 : 0;
     }
   }
   start_touching(first_added, first_chunk);
@@ -141,7 +158,8 @@ void HostCopier::extend(const std::vector<std::pair<int, std::size_t>> &extents,
 void HostCopier::start_touching(std::size_t first_added, std::size_t first_chunk) {
   std::vector<std::vector<std::size_t>> by_extent(extents_.size() - first_added);
   for (std::size_t i = first_chunk; i < chunks_.size(); ++i) {
-    if (chunks_[i].extent >= first_added && !extents_[chunks_[i].extent].driver_made) {
+    const Extent &extent = extents_[chunks_[i].extent];
+    if (chunks_[i].extent >= first_added && !extent.driver_made && !extent.written) {
       by_extent[chunks_[i].extent - first_added].push_back(i);
     }
   }
@@ -202,11 +220,8 @@ HostCopier::~HostCopier() {
 }
 
 void HostCopier::let_go(const Extent &extent) noexcept {
-  if (extent.driver_made) {
-    ::close(extent.fd);  // its mapping for the GPU went with sleep()
-  } else {
-    ::munmap(extent.base, extent.size);
-  }
+  if (extent.fd >= 0) ::close(extent.fd);  // driver-made: its mapping for the GPU went with sleep()
+  if (!extent.driver_made) ::munmap(extent.base, extent.size);
 }
 
 std::string HostCopier::wake(const std::string &uuid, bool wait, int pause_ms) {
@@ -274,7 +289,7 @@ void HostCopier::start_pinner(int pause_ms) {
           }
           {
             std::lock_guard<std::mutex> guard(mutex_);
-            if (pinned_[i]) continue;
+            if (pinned_[i] || to_write_[i]) continue;  // one to be written: its pages are not made yet
           }
           const auto pin_start = std::chrono::steady_clock::now();
           pin_chunk(i);
@@ -426,8 +441,40 @@ std::size_t HostCopier::copy_pieces(bool to_host, const std::vector<CUdeviceptr>
     CUstream stream;
     ~Drain() { d.cuStreamSynchronize(stream); }
   } drain{d, stream_};
+  std::vector<CopierPiece> to_write, here;
+  {
+    std::lock_guard<std::mutex> guard(mutex_);
+    for (const CopierPiece &piece : pieces) {
+      if (!to_write_[piece.chunk]) {
+        here.push_back(piece);
+      } else if (to_host) {
+        to_write.push_back(piece);
+      } else {
+        throw std::invalid_argument("chunk " + std::to_string(piece.chunk) +
+                                    " of the host staging was never written: nothing to copy back from it");
+      }
+    }
+  }
   std::size_t copied = 0;
-  for (const CopierPiece &piece : pieces) {
+  // The written extents' threads run beside this one's copies; their failure is thrown once all stopped.
+  std::exception_ptr write_failed;
+  std::thread writer;
+  if (!to_write.empty()) {
+    writer = std::thread([&] {
+      try {
+        times_.written = write_pieces(addresses, to_write);
+      } catch (...) {
+        write_failed = std::current_exception();
+      }
+    });
+  }
+  struct JoinWriter {
+    std::thread &writer;
+    ~JoinWriter() {
+      if (writer.joinable()) writer.join();
+    }
+  } join_writer{writer};
+  for (const CopierPiece &piece : here) {
     bool pinned = false;
     {
       std::lock_guard<std::mutex> guard(mutex_);
@@ -446,8 +493,10 @@ std::size_t HostCopier::copy_pieces(bool to_host, const std::vector<CUdeviceptr>
     copied += piece.length;
   }
   FLEXIUM_CU_CALL(d, cuStreamSynchronize, stream_);
+  if (writer.joinable()) writer.join();
+  if (write_failed) std::rethrow_exception(write_failed);
   times_.copy_s = seconds_since(copy_start);
-  return copied;
+  return copied + times_.written;
 }
 
 void HostCopier::sleep() {

@@ -53,15 +53,18 @@ struct CopyTimes {
   double touch_wait_s = 0;         // of which waiting for the touching threads to reach them
   std::size_t pinned_in_copy = 0;  // their bytes
   double copy_s = 0;               // from the first copy queued until the last one ended
+  std::size_t written = 0;         // bytes written into extents made to be written (not touched)
 };
 
 class HostCopier {
  public:
   // Maps each extent (fd, size) shared; the fds stay the caller's. `driver_made` (per extent; empty: none
   // is): host memory the driver made (make_host_memory), which is pinned by nature: its fd is kept (a
-  // dup) and it is mapped for the GPU where a memfd chunk would be pinned.
+  // dup) and it is mapped for the GPU where a memfd chunk would be pinned. `written` (per extent; empty:
+  // none is): a memfd made at a pause's safe point whose pages the first copy to host makes by writing
+  // them (copier_writes.cpp) rather than touching and pinning them: not touched here, its fd kept (a dup).
   HostCopier(const std::vector<std::pair<int, std::size_t>> &extents, const std::vector<CopierChunk> &chunks,
-             const std::vector<bool> &driver_made = {});
+             const std::vector<bool> &driver_made = {}, const std::vector<bool> &written = {});
   ~HostCopier();  // sleep(), quietly, then unmaps
   HostCopier(const HostCopier &) = delete;
   HostCopier &operator=(const HostCopier &) = delete;
@@ -71,7 +74,7 @@ class HostCopier {
   // a thread per new extent touches its chunks in the background, from its start, and each pin
   // waits for its chunk (touching, pinning and copying make one pipeline).
   void extend(const std::vector<std::pair<int, std::size_t>> &extents, const std::vector<CopierChunk> &chunks,
-              const std::vector<bool> &driver_made = {});
+              const std::vector<bool> &driver_made = {}, const std::vector<bool> &written = {});
 
   // Awake: `bytes` of host memory made by the driver (cuMemCreate on the host NUMA node of the GPU it is
   // awake on, pieces of at most `piece` bytes), exported as POSIX fds, the caller's, with their sizes; this
@@ -138,14 +141,21 @@ class HostCopier {
   void check_pieces(const std::vector<std::size_t> &sizes, const std::vector<CopierPiece> &pieces) const;
   // Copies the pieces between the chunks and the segments mapped here at `addresses`, pinning each
   // chunk not pinned yet just before its copies, and waits for them; fills times_'s pin and copy.
+  // The pieces to host of chunks still to be written go to write_pieces() meanwhile.
   std::size_t copy_pieces(bool to_host, const std::vector<CUdeviceptr> &addresses,
                           const std::vector<CopierPiece> &pieces);
+  // copier_writes.cpp: the pieces (of chunks still to be written) copied from the GPU and written into
+  // their extents' files, a thread per extent, each through two small pinned buffers of its own; the
+  // chunks are then touched, not pinned. Throws the first thread's failure once all have stopped.
+  std::size_t write_pieces(const std::vector<CUdeviceptr> &addresses, const std::vector<CopierPiece> &pieces);
+  void write_extent(const std::vector<CUdeviceptr> &addresses, const std::vector<CopierPiece> &pieces) const;
 
   struct Extent {
     char *base = nullptr;  // driver-made: while mapped
     std::size_t size = 0;
     bool driver_made = false;
-    int fd = -1;                        // driver-made: our dup of the job's fd
+    bool written = false;               // made to be written by the first copy to host, not touched
+    int fd = -1;                        // driver-made or written: our dup of the job's fd
     std::shared_ptr<Backing> mapped;    // driver-made, while mapped for the GPU
   };
   void map_driver_made(Extent &extent);
@@ -153,7 +163,8 @@ class HostCopier {
   std::vector<Extent> extents_;
   std::vector<CopierChunk> chunks_;
   std::vector<char> pinned_;
-  std::vector<char> touched_;  // under mutex_
+  std::vector<char> touched_;   // under mutex_
+  std::vector<char> to_write_;  // chunks of written extents no copy has written yet (under mutex_)
   std::condition_variable touched_cv_;
   std::vector<std::thread> touchers_;
   std::atomic<bool> stop_touching_{false};

@@ -2,9 +2,10 @@
 time, and which way of making it would free the GPU sooner: fact `streamed-staging-pace`, issue 39
 item 2.
 
-    python bench/probes/streamed_staging.py [--sizes 16,64] [--files 8,16] [--ways serial,same,child,driver,pageable]
+    python bench/probes/streamed_staging.py [--sizes 16,64] [--files 8,16]
+                                            [--ways serial,same,child,driver,pageable,written]
                                             [--pin-threads 1] [--touch-grain-mib 256] [--huge-advice 0]
-                                            [--make-threads 1,4,16] [--piece-mib 1024]
+                                            [--make-threads 1,4,16] [--piece-mib 1024] [--bounce-mib 64]
                                             [--timeout 240] [--json out.json]
 
 Each part is a fresh process with a bare driver context on cuda:0 that copies a 1 GiB device buffer
@@ -29,6 +30,12 @@ staging at the safe point spends before the copier can let the GPU go. Ways:
           chunk synchronised), the driver copying through its own pinned buffers and the thread faulting
           the pages in: whether that outruns touching and pinning once the unpinning, which the copier
           does before its context may go and the GPU is free, is counted too ("unpin s").
+  written FILES memfds, untouched, nothing of them pinned: a thread per file copies each piece from
+          the GPU into one of two pinned buffers of its own (BOUNCE MiB each, made when it starts and
+          counted: "ready s") and writes the other, copied before, into its file with pwrite, which
+          makes the file's pages as it fills them (no zeroing, no page faults: shmem skips clearing a
+          page a write fills whole), so the pages are made once instead of touched, then pinned,
+          then unpinned.
 Knobs of the memfd ways, each a comma-separated list that multiplies the parts:
   --pin-threads N      threads registering the chunks (each takes the next chunk in the copier's
                        order and waits for it to be touched); the copies still run in order;
@@ -74,6 +81,10 @@ from host_staging import (  # noqa: E402
     HUGE,
     MADV_HUGEPAGE,
     MADV_POPULATE_WRITE,
+    MAP_ANONYMOUS,
+    MAP_PRIVATE,
+    PROT_READ,
+    PROT_WRITE,
     Libc,
     Staging,
     fmt,
@@ -85,7 +96,7 @@ from host_staging import (  # noqa: E402
 from tables import print_table  # noqa: E402
 
 MEMFD_WAYS = ("serial", "same", "child")
-WAYS = (*MEMFD_WAYS, "driver", "pageable")
+WAYS = (*MEMFD_WAYS, "driver", "pageable", "written")
 MIB = 1 << 20
 
 
@@ -321,6 +332,77 @@ def measure_pageable(knobs: dict[str, str], result: dict[str, Any]) -> None:
     result["ok"] = True
 
 
+def measure_written(knobs: dict[str, str], result: dict[str, Any]) -> None:
+    """Nothing of the files pinned: a thread per file copies from the GPU into two pinned buffers of
+    its own in turn and writes each into its file (pwrite) while the next copy runs, so each page of
+    the file is made by the write that fills it."""
+    files, gib, bounce = int(knobs["files"]), float(knobs["gib"]), int(float(knobs["bounce"]) * MIB)
+    size = round_up(int(gib * GIB), HUGE)
+    libc = Libc()
+    staging = Staging(libc, f"memfd{files}" if files > 1 else "memfd", size)
+    per_file = file_chunks(staging)
+    drv = Driver()
+    drv.primary_context(0)
+    device = ctypes.c_uint64()
+    drv.call("cuMemAlloc", ctypes.byref(device), GIB)
+    ready: list[float] = []
+    ends: list[float] = []
+    unpin: list[float] = []
+    failed: list[BaseException] = []
+
+    def work(f: int) -> None:
+        try:
+            drv.call("cuCtxSetCurrent", ctypes.c_void_p(drv.context))
+            stream = drv.stream()
+            prot, flags = PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS
+            buffers = [int(libc.lib.mmap(None, bounce, prot, flags, -1, 0)) for _ in range(2)]
+            for buffer in buffers:
+                libc.lib.memset(buffer, 0, bounce)
+                drv.call("cuMemHostRegister", buffer, bounce, CU_MEMHOSTREGISTER_PORTABLE)
+            ready.append(now())
+            mapped_at = staging.maps[f][0]
+            device_offset = (f * COPY_PIECE) % GIB
+            pending: tuple[int, int, int] | None = None  # (buffer, bytes, file offset) copied, not written
+            turn = 0
+            for addr, chunk in per_file[f]:
+                for offset in range(0, chunk, bounce):
+                    n = min(bounce, chunk - offset)
+                    buffer = buffers[turn]
+                    device_offset = queue_copies(drv, buffer, n, device.value, device_offset, stream)
+                    if pending is not None:
+                        written, length, at = pending
+                        os.pwrite(staging.fds[f], (ctypes.c_char * length).from_address(written), at)
+                    drv.stream_sync(stream)
+                    pending = (buffer, n, addr + offset - mapped_at)
+                    turn ^= 1
+            if pending is not None:
+                written, length, at = pending
+                os.pwrite(staging.fds[f], (ctypes.c_char * length).from_address(written), at)
+            ends.append(now())
+            unpinning = now()
+            for buffer in buffers:
+                drv.call("cuMemHostUnregister", buffer)
+                libc.lib.munmap(buffer, bounce)
+            unpin.append(now() - unpinning)
+        except BaseException as exc:
+            failed.append(exc)
+
+    threads = [threading.Thread(target=work, args=(f,)) for f in range(len(per_file))]
+    started = now()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if failed:
+        raise RuntimeError(f"a copying thread failed: {failed[0]}")
+    done = max(ends) - started
+    result.update(
+        ready_s=max(ready) - started, pinned_s=0.0, pin_s=0.0, wait_s=0.0, done_s=done, unpin_s=max(unpin), bytes=size
+    )
+    staging.unmap()
+    result["ok"] = True
+
+
 def measure_driver(knobs: dict[str, str], result: dict[str, Any]) -> None:
     threads, gib, piece_mib = int(knobs["make"]), float(knobs["gib"]), float(knobs["piece"])
     drv = Driver()
@@ -415,6 +497,8 @@ def measure(part: str, result: dict[str, Any]) -> None:
         measure_driver(knobs, result)
     elif knobs["way"] == "pageable":
         measure_pageable(knobs, result)
+    elif knobs["way"] == "written":
+        measure_written(knobs, result)
     else:
         measure_memfd(knobs["way"], knobs, result)
 
@@ -426,6 +510,8 @@ def row(r: dict[str, Any]) -> tuple[str, ...]:
         threads, detail = f"{knobs['make']} making", f"pieces {knobs['piece']} MiB"
     elif way == "pageable":
         threads, detail = f"{knobs['files']} files, a copying thread each", "nothing pinned"
+    elif way == "written":
+        threads, detail = f"{knobs['files']} files, a copying thread each", f"2 x {knobs['bounce']} MiB pinned each"
     else:
         threads = f"{knobs['files']} files, {knobs['pin']} pinning"
         detail = f"grain {knobs['grain']} MiB, huge advice {knobs['huge']}"
@@ -433,7 +519,7 @@ def row(r: dict[str, Any]) -> tuple[str, ...]:
     if not r.get("ok"):
         return (*head, *["-"] * 8, f"FAILED: {r.get('error')}"[:60])
     size = r["bytes"]
-    pinning = way != "pageable"
+    pinning = way not in ("pageable", "written")
     return (
         *head,
         fmt(r["ready_s"], 2),
@@ -464,6 +550,7 @@ def main() -> int:
     parser.add_argument("--huge-advice", default="0", help="memfd ways: MADV_HUGEPAGE on the files, 0 or 1 (default 0)")
     parser.add_argument("--make-threads", default="1,4,16", help="way driver: threads making (default 1,4,16)")
     parser.add_argument("--piece-mib", default="1024", help="way driver: MiB per piece made (default 1024)")
+    parser.add_argument("--bounce-mib", default="64", help="way written: MiB per pinned buffer (default 64)")
     parser.add_argument("--timeout", type=float, default=240.0, help="seconds per part (default 240)")
     parser.add_argument("--json", help="write every part's result here")
     parser.add_argument("--part", help=argparse.SUPPRESS)  # way=...,gib=...: in the part's own process
@@ -489,6 +576,13 @@ def main() -> int:
                 continue
             if way == "pageable":
                 parts += [part_name(way=way, gib=gib, files=files) for files in listed(args.files)]
+                continue
+            if way == "written":
+                parts += [
+                    part_name(way=way, gib=gib, files=files, bounce=bounce)
+                    for files in listed(args.files)
+                    for bounce in listed(args.bounce_mib)
+                ]
                 continue
             parts += [
                 part_name(way=way, gib=gib, files=files, pin=pin, grain=grain, huge=huge)

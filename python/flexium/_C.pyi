@@ -281,10 +281,18 @@ def adopt_filled_segments(order: FillOrder, fds: Sequence[int], device: int) -> 
 
 class HostCopier:
     def __init__(
-        self, extents: Sequence[tuple[int, int]], chunks: Sequence[CopierChunk], driver_made: Sequence[bool] = ...
+        self,
+        extents: Sequence[tuple[int, int]],
+        chunks: Sequence[CopierChunk],
+        driver_made: Sequence[bool] = ...,
+        written: Sequence[bool] = ...,
     ) -> None: ...
     def extend(
-        self, extents: Sequence[tuple[int, int]], chunks: Sequence[CopierChunk], driver_made: Sequence[bool] = ...
+        self,
+        extents: Sequence[tuple[int, int]],
+        chunks: Sequence[CopierChunk],
+        driver_made: Sequence[bool] = ...,
+        written: Sequence[bool] = ...,
     ) -> None: ...
     def make_host_memory(self, bytes: int, piece: int) -> list[tuple[int, int]]: ...  # (fd, size), the caller's
     def wake(self, uuid: str, wait: bool, pause_ms: int = 0) -> str: ...  # how the pinning before it ended
@@ -304,5 +312,6 @@ class HostCopier:
     def pinning(self) -> bool: ...  # a pinner thread is pinning now
     @property
     def last_pinner(self) -> str: ...  # how the last background pinning ended ("" before any)
+    # import_s, pin_s, touch_wait_s, pinned_in_copy (bytes), copy_s, written (bytes)
     @property
-    def last_copy_times(self) -> dict[str, float]: ...  # import_s, pin_s, touch_wait_s, pinned_in_copy (bytes), copy_s
+    def last_copy_times(self) -> dict[str, float]: ...

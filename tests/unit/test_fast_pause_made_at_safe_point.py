@@ -68,6 +68,62 @@ def test_the_staging_is_made_at_the_safe_point_and_its_time_noted(job: Job, unke
     wait_until(lambda: _C.host_staging_pool_bytes() == 0, what="the staging to be given back")
 
 
+WRITTEN = re.compile(
+    r"made the host staging by the copier process \d+ at the safe point in \d+\.\d\d s \(0\.01 GiB of it newly "
+    r"mapped and written, 0\.00 GiB found pinned, 0\.01 GiB streamed; files \d+\.\d\d s, attach \d+\.\d\d s\), "
+    r"then wrote 0\.01 GiB as the copies came, nothing of it pinned, copies \d+\.\d\d s$"
+)
+
+
+@pytest.fixture
+def written(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copier writes a staging made at the safe point rather than touch and pin it (the copier
+    process, started at the pause, reads it from the job's environment)."""
+    monkeypatch.setenv("FLEXIUM_WRITTEN_STAGING", "1")
+
+
+def test_the_staging_made_at_the_safe_point_may_be_written_not_pinned(job: Job, unkept: None, written: None) -> None:
+    """Written through the copier's small pinned buffers, the staging's pages are made by the writes:
+    nothing of it is ever pinned, and the job resumes on the other GPU with its bytes intact. A
+    second pause writes its staging again."""
+    engine = job.training([2 * MiB, 4 * MiB, 6 * MiB])
+    for target in (1, 0):
+        paused = engine.pause()
+        assert paused.ok and paused.path == "fast" and names(paused) == FAST_PAUSE
+        assert WRITTEN.match(paused.notes[0]), paused.notes
+        assert job.fake.pinned_at_last_checkpoint() == 0 and job.fake.call_count("cuMemHostRegister") == 0
+        assert job.fast is not None and job.fast._copier is not None and job.fast._copier.awake_on is None
+        resumed = engine.resume(target=engine.gpus[target])
+        assert resumed.ok and resumed.path == "fast"
+        job.assert_home(physical=target)
+        wait_until(lambda: _C.host_staging_pool_bytes() == 0, what="the staging to be given back")
+
+
+@pytest.mark.parametrize("call", ["cuMemHostRegister", "cuMemcpyDtoHAsync"])
+def test_a_written_staging_failing_in_the_copier_is_copied_here(
+    job: Job, unkept: None, written: None, monkeypatch: pytest.MonkeyPatch, call: str
+) -> None:
+    """The copier cannot pin its buffers or copy into them: it is stopped and this process copies
+    (touching and pinning the files itself), the job pausing and resuming whole; failing here too,
+    nothing moves and the job trains on."""
+    monkeypatch.setenv("FAKE_CUDA_FAIL", f"{call}:{CUDA_ERROR_UNKNOWN}:0")  # every call, in the copier's fake
+    engine = job.training([2 * MiB, 4 * MiB])
+    paused = engine.pause()
+    assert paused.ok and paused.path == "fast" and names(paused) == FAST_PAUSE
+    assert "then pinned and copied in this process" in paused.notes[0], paused.notes
+    assert call in paused.notes[-1] and paused.notes[-1].startswith("the copies to and from host memory ran in this"), (
+        paused.notes
+    )
+    monkeypatch.delenv("FAKE_CUDA_FAIL")  # the next copier copies
+    resumed = engine.resume()
+    assert resumed.ok and resumed.path == "fast"
+    job.assert_home(physical=0)
+    wait_until(lambda: _C.host_staging_pool_bytes() == 0, what="the staging to be given back")
+    job.fake.fail(call, "CUDA_ERROR_UNKNOWN", nth=0)
+    monkeypatch.setenv("FAKE_CUDA_FAIL", f"{call}:{CUDA_ERROR_UNKNOWN}:0")
+    nothing_moved(job, engine, call)
+
+
 def nothing_moved(job: Job, engine: Any, call: str) -> None:
     """The pause failed in its copy step: the job trains on where it was, whole, and the next pause
     goes through once the driver lets it."""

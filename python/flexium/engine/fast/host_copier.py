@@ -44,6 +44,7 @@ log = logging.getLogger("flexium")
 
 DISABLE_ENV = "FLEXIUM_HOST_COPIER"  # false: copies run in the job's process
 OVERLAP_ENV = "FLEXIUM_RESUME_OVERLAP"  # false: the copy back waits for the restore (fast/resume_overlap.py)
+WRITTEN_ENV = "FLEXIUM_WRITTEN_STAGING"  # true: a staging made at the safe point is written, not touched
 FRAME_BYTES = 48 << 10
 FDS_PER_FRAME = 200
 START_TIMEOUT_S = 60.0
@@ -85,6 +86,13 @@ def overlap_enabled() -> bool:
     """Whether the copier makes a resume's memory while the job restores (read in the copier, whose
     environment is the job's): off, it refuses, and the copy back runs after the restore."""
     return switch_from_env(OVERLAP_ENV, True, "resume overlap switch")
+
+
+def written_staging_enabled() -> bool:
+    """Whether the copier writes a staging made at a pause's safe point through small pinned buffers
+    (csrc/host_copier_writes.cpp) rather than touch, pin and later unpin it: off until it is measured
+    faster on a GPU (docs/fast-path.md, "Written at the safe point")."""
+    return switch_from_env(WRITTEN_ENV, False, "written staging switch")
 
 
 def send(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
@@ -196,10 +204,12 @@ class Copier:
     def alive(self) -> bool:
         return self._parent_pid is None and self._process.poll() is None
 
-    def attach(self, layout: _C.HostStagingLayout) -> None:
+    def attach(self, layout: _C.HostStagingLayout, *, written: bool = False) -> None:
         """Maps the staging's extents (memfd, size) and touches their pages; again only when they
         changed. A staging the job grew (extents and chunks added after those it had) is extended:
-        what the copier pinned stays pinned, so a pause after a growth pins only what is new."""
+        what the copier pinned stays pinned, so a pause after a growth pins only what is new.
+        `written` (a staging made at a pause's safe point): the new memfds are not touched, their
+        pages made by the copy to host writing them (``written_staging_enabled``)."""
         extents = layout.extents
         # The fd's number too: the driver's exported fds may all share one inode.
         key = tuple((fd, os.fstat(fd).st_ino, size) for fd, size in extents)
@@ -217,6 +227,7 @@ class Copier:
                 "sizes": [size for _fd, size in added],
                 "chunks": chunks[first_chunk:],
                 "driver_made": list(layout.driver_made[first_extent:]),
+                "written": [written and not made for made in layout.driver_made[first_extent:]],
             },
             [fd for fd, _size in added],
             timeout=START_TIMEOUT_S + sum(size for _fd, size in added) / SLOWEST_BYTES_PER_S,  # it touches the pages

@@ -6,7 +6,8 @@ given, one request at a time, until the job says quit or goes away.
 (--trace: each request and reply on stderr, the job's; the job asks for it when its log is at DEBUG.)
 
 Requests: hello (loads the driver); attach (the staging's extents as fds, sizes, chunks, which extents
-are driver-made host memory); extend (the extents and chunks the job added to its staging since);
+are driver-made host memory, which are written by the first copy to host rather than touched); extend
+(the extents and chunks the job added to its staging since);
 make_host (bytes, piece: awake, host memory made by the driver, its fds and sizes sent with the reply,
 the job's to add to its staging); wake (uuid, wait, pause_ms; says what
 it found pinned and how the background pinning before it ended); pinning (how far the background
@@ -101,13 +102,14 @@ class Server:
         if op in ("attach", "extend"):
             extents, chunks = with_sizes(op, message, fds, "extents"), staging_chunks(message)
             driver_made = [bool(made) for made in message.get("driver_made", [])]
+            written = [bool(flag) for flag in message.get("written", [])]
             if op == "extend":
-                self.require_attached(op).extend(extents, chunks, driver_made)
+                self.require_attached(op).extend(extents, chunks, driver_made, written)
                 return {}
             if self.copier is not None:
                 self.copier.sleep()
                 self.copier = None  # unmaps the old extents
-            self.copier = _C.HostCopier(extents, chunks, driver_made)
+            self.copier = _C.HostCopier(extents, chunks, driver_made, written)
             return {}
         if op == "detach":
             if self.copier is not None:

@@ -76,13 +76,15 @@ class PinnedAhead:
 @dataclass(frozen=True)
 class CopierCopy:
     """What the copier's order did: the bytes it pinned as its copies reached them and the seconds
-    of that pinning, of which waiting for its touching threads to reach them, and the seconds from
-    its first copy to its last one's end (pinning included)."""
+    of that pinning, of which waiting for its touching threads to reach them, the seconds from its
+    first copy to its last one's end (pinning included), and the bytes it wrote into a staging made
+    to be written rather than touched (``written_staging_enabled``)."""
 
     pinned: int
     pin_s: float
     touch_wait_s: float
     copy_s: float
+    written: int = 0
 
 
 @dataclass(frozen=True)

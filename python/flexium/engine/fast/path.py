@@ -21,7 +21,14 @@ from typing import Literal
 from flexium import _C
 from flexium.engine.fast import checksum, pinned_budget, resume_overlap
 from flexium.engine.fast.device_moves import DeviceMoves
-from flexium.engine.fast.host_copier import Copier, CopierError, CopierRefused, close_all, copier_enabled
+from flexium.engine.fast.host_copier import (
+    Copier,
+    CopierError,
+    CopierRefused,
+    close_all,
+    copier_enabled,
+    written_staging_enabled,
+)
 from flexium.engine.fast.host_staging import (
     BY_COPIER,
     DISABLE_NOTE,
@@ -200,7 +207,8 @@ class FastPath(DeviceMoves):
             copier, started_now = self._live_copier()
             if started_now:
                 mark = phase("copier start", mark)
-            copier.attach(_C.host_staging_layout())  # it touches the staging in the background
+            # It touches the staging in the background; at the safe point it may write it instead.
+            copier.attach(_C.host_staging_layout(), written=pin == "as copied" and written_staging_enabled())
             mark = phase("attach", mark)
             if pin != "before returning":
                 copier.wake(uuid, wait=False, pause_ms=PIN_PAUSE_MS if pin == "ahead" else 0)
@@ -396,10 +404,12 @@ class FastPath(DeviceMoves):
                 float(reply.get("pin_s", 0.0)),
                 float(reply.get("touch_wait_s", 0.0)),
                 float(reply.get("copy_s", 0.0)),
+                int(reply.get("written", 0)),
             )
             log.debug(
                 "copier %s %.2f GiB: order %.0f ms here, then in the copier: import %.0f ms, "
-                "pinning %.2f GiB it had not reached %.0f ms, copies %.0f ms (%.0f ms with the exchange)",
+                "pinning %.2f GiB it had not reached %.0f ms, copies %.0f ms (%.0f ms with the exchange; "
+                "%.2f GiB written, not pinned)",
                 "to host" if to_host else "back",
                 order.bytes / (1 << 30),
                 begin_s * 1e3,
@@ -408,6 +418,7 @@ class FastPath(DeviceMoves):
                 reply.get("pin_s", 0.0) * 1e3,
                 reply.get("copy_s", 0.0) * 1e3,
                 (time.perf_counter() - began - begin_s) * 1e3,
+                reply.get("written", 0) / (1 << 30),
             )
         except CopierError as exc:
             _C.abort_host_order()

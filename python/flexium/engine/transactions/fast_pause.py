@@ -105,18 +105,23 @@ def note_made(host: HostCopy, mapped: int) -> tuple[str, ...]:
         return ()
     phases = f"; {made.phases}" if made.phases else ""
     by_copier = host.by_copier
-    pinned = (
-        f"then pinned {gib(by_copier.pinned, 2)} in {by_copier.pin_s:.2f} s as the copies reached it (of which "
-        f"{by_copier.touch_wait_s:.2f} s waiting for the touching)"
-        if by_copier is not None
-        else "then pinned and copied in this process"
-    )
+    written = by_copier is not None and by_copier.written > 0
+    if by_copier is None:
+        pinned = "then pinned and copied in this process"
+    elif written and not by_copier.pinned:
+        pinned = f"then wrote {gib(by_copier.written, 2)} as the copies came, nothing of it pinned"
+    else:
+        pinned = (
+            f"then pinned {gib(by_copier.pinned, 2)} in {by_copier.pin_s:.2f} s as the copies reached it (of which "
+            f"{by_copier.touch_wait_s:.2f} s waiting for the touching)"
+        ) + (f" and wrote {gib(by_copier.written, 2)}, not pinned" if written else "")
     ahead = f" (its pinning ahead: {made.pinning_before})" if made.found_pinned and made.pinning_before else ""
     streamed = f", {gib(made.staging - made.found_pinned, 2)} streamed" if made.staging else ""
     by_driver = f", {gib(made.made_by_driver, 2)} made by the driver ahead" if made.made_by_driver else ""
+    made_how = "written" if written else "touched"
     return (
         f"made the host staging {made.where} at the safe point in {made.seconds:.2f} s ({gib(mapped, 2)} of it "
-        f"newly mapped and touched{by_driver}, {gib(made.found_pinned, 2)} found pinned{ahead}{streamed}"
+        f"newly mapped and {made_how}{by_driver}, {gib(made.found_pinned, 2)} found pinned{ahead}{streamed}"
         f"{phases}), {pinned}, copies {host.copy_s:.2f} s",
     )
 
