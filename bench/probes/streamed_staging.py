@@ -290,35 +290,29 @@ def measure_memfd(way: str, knobs: dict[str, str], result: dict[str, Any]) -> No
     result["ok"] = True
 
 
-def measure_pageable(knobs: dict[str, str], result: dict[str, Any]) -> None:
-    """No pinning at all: a thread per file copies its chunks from the GPU straight into the
-    untouched memfd (cuMemcpyDtoHAsync to pageable memory on a stream of its own, then synchronised:
-    the driver copies through its own pinned buffers and the calling thread faults the pages in), so
-    that nothing is left to unpin before the context may go."""
+def untouched_files(knobs: dict[str, str]) -> tuple[Libc, Staging, list[list[tuple[int, int]]], Driver, int]:
+    """FILES memfds of GIB, untouched, their chunks, and a context on cuda:0 with a 1 GiB device buffer."""
     files, gib = int(knobs["files"]), float(knobs["gib"])
-    size = round_up(int(gib * GIB), HUGE)
-    staging = Staging(Libc(), f"memfd{files}" if files > 1 else "memfd", size)
-    per_file = file_chunks(staging)
+    libc = Libc()
+    staging = Staging(libc, f"memfd{files}" if files > 1 else "memfd", round_up(int(gib * GIB), HUGE))
     drv = Driver()
     drv.primary_context(0)
     device = ctypes.c_uint64()
     drv.call("cuMemAlloc", ctypes.byref(device), GIB)
-    ends: list[float] = []
+    return libc, staging, file_chunks(staging), drv, device.value
+
+
+def thread_per_file(files: int, work: Any) -> float:
+    """work(f) in a thread per file, together; when they started. Raises the first thread's failure."""
     failed: list[BaseException] = []
 
-    def work(f: int) -> None:
+    def guarded(f: int) -> None:
         try:
-            drv.call("cuCtxSetCurrent", ctypes.c_void_p(drv.context))
-            stream = drv.stream()
-            device_offset = (f * COPY_PIECE) % GIB
-            for addr, chunk in per_file[f]:
-                device_offset = queue_copies(drv, addr, chunk, device.value, device_offset, stream)
-                drv.stream_sync(stream)
-            ends.append(now())
+            work(f)
         except BaseException as exc:
             failed.append(exc)
 
-    threads = [threading.Thread(target=work, args=(f,)) for f in range(len(per_file))]
+    threads = [threading.Thread(target=guarded, args=(f,)) for f in range(files)]
     started = now()
     for t in threads:
         t.start()
@@ -326,8 +320,29 @@ def measure_pageable(knobs: dict[str, str], result: dict[str, Any]) -> None:
         t.join()
     if failed:
         raise RuntimeError(f"a copying thread failed: {failed[0]}")
+    return started
+
+
+def measure_pageable(knobs: dict[str, str], result: dict[str, Any]) -> None:
+    """No pinning at all: a thread per file copies its chunks from the GPU straight into the
+    untouched memfd (cuMemcpyDtoHAsync to pageable memory on a stream of its own, then synchronised:
+    the driver copies through its own pinned buffers and the calling thread faults the pages in), so
+    that nothing is left to unpin before the context may go."""
+    _libc, staging, per_file, drv, device = untouched_files(knobs)
+    ends: list[float] = []
+
+    def work(f: int) -> None:
+        drv.call("cuCtxSetCurrent", ctypes.c_void_p(drv.context))
+        stream = drv.stream()
+        device_offset = (f * COPY_PIECE) % GIB
+        for addr, chunk in per_file[f]:
+            device_offset = queue_copies(drv, addr, chunk, device, device_offset, stream)
+            drv.stream_sync(stream)
+        ends.append(now())
+
+    started = thread_per_file(len(per_file), work)
     done = max(ends) - started
-    result.update(ready_s=done, pinned_s=0.0, pin_s=0.0, wait_s=0.0, done_s=done, unpin_s=0.0, bytes=size)
+    result.update(ready_s=done, pinned_s=0.0, pin_s=0.0, wait_s=0.0, done_s=done, unpin_s=0.0, bytes=staging.size)
     staging.unmap()
     result["ok"] = True
 
@@ -336,68 +351,55 @@ def measure_written(knobs: dict[str, str], result: dict[str, Any]) -> None:
     """Nothing of the files pinned: a thread per file copies from the GPU into two pinned buffers of
     its own in turn and writes each into its file (pwrite) while the next copy runs, so each page of
     the file is made by the write that fills it."""
-    files, gib, bounce = int(knobs["files"]), float(knobs["gib"]), int(float(knobs["bounce"]) * MIB)
-    size = round_up(int(gib * GIB), HUGE)
-    libc = Libc()
-    staging = Staging(libc, f"memfd{files}" if files > 1 else "memfd", size)
-    per_file = file_chunks(staging)
-    drv = Driver()
-    drv.primary_context(0)
-    device = ctypes.c_uint64()
-    drv.call("cuMemAlloc", ctypes.byref(device), GIB)
+    libc, staging, per_file, drv, device = untouched_files(knobs)
+    bounce = int(float(knobs["bounce"]) * MIB)
     ready: list[float] = []
     ends: list[float] = []
     unpin: list[float] = []
-    failed: list[BaseException] = []
 
     def work(f: int) -> None:
-        try:
-            drv.call("cuCtxSetCurrent", ctypes.c_void_p(drv.context))
-            stream = drv.stream()
-            prot, flags = PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS
-            buffers = [int(libc.lib.mmap(None, bounce, prot, flags, -1, 0)) for _ in range(2)]
-            for buffer in buffers:
-                libc.lib.memset(buffer, 0, bounce)
-                drv.call("cuMemHostRegister", buffer, bounce, CU_MEMHOSTREGISTER_PORTABLE)
-            ready.append(now())
-            mapped_at = staging.maps[f][0]
-            device_offset = (f * COPY_PIECE) % GIB
-            pending: tuple[int, int, int] | None = None  # (buffer, bytes, file offset) copied, not written
-            turn = 0
-            for addr, chunk in per_file[f]:
-                for offset in range(0, chunk, bounce):
-                    n = min(bounce, chunk - offset)
-                    buffer = buffers[turn]
-                    device_offset = queue_copies(drv, buffer, n, device.value, device_offset, stream)
-                    if pending is not None:
-                        written, length, at = pending
-                        os.pwrite(staging.fds[f], (ctypes.c_char * length).from_address(written), at)
-                    drv.stream_sync(stream)
-                    pending = (buffer, n, addr + offset - mapped_at)
-                    turn ^= 1
-            if pending is not None:
-                written, length, at = pending
-                os.pwrite(staging.fds[f], (ctypes.c_char * length).from_address(written), at)
-            ends.append(now())
-            unpinning = now()
-            for buffer in buffers:
-                drv.call("cuMemHostUnregister", buffer)
-                libc.lib.munmap(buffer, bounce)
-            unpin.append(now() - unpinning)
-        except BaseException as exc:
-            failed.append(exc)
+        drv.call("cuCtxSetCurrent", ctypes.c_void_p(drv.context))
+        stream = drv.stream()
+        prot, flags = PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS
+        buffers = [int(libc.lib.mmap(None, bounce, prot, flags, -1, 0)) for _ in range(2)]
+        for buffer in buffers:
+            libc.lib.memset(buffer, 0, bounce)
+            drv.call("cuMemHostRegister", buffer, bounce, CU_MEMHOSTREGISTER_PORTABLE)
+        ready.append(now())
+        mapped_at = staging.maps[f][0]
+        device_offset = (f * COPY_PIECE) % GIB
+        pending: tuple[int, int, int] | None = None  # (buffer, bytes, file offset) copied, not written
+        turn = 0
+        for addr, chunk in per_file[f]:
+            for offset in range(0, chunk, bounce):
+                n = min(bounce, chunk - offset)
+                buffer = buffers[turn]
+                device_offset = queue_copies(drv, buffer, n, device, device_offset, stream)
+                if pending is not None:
+                    written, length, at = pending
+                    os.pwrite(staging.fds[f], (ctypes.c_char * length).from_address(written), at)
+                drv.stream_sync(stream)
+                pending = (buffer, n, addr + offset - mapped_at)
+                turn ^= 1
+        if pending is not None:
+            written, length, at = pending
+            os.pwrite(staging.fds[f], (ctypes.c_char * length).from_address(written), at)
+        ends.append(now())
+        unpinning = now()
+        for buffer in buffers:
+            drv.call("cuMemHostUnregister", buffer)
+            libc.lib.munmap(buffer, bounce)
+        unpin.append(now() - unpinning)
 
-    threads = [threading.Thread(target=work, args=(f,)) for f in range(len(per_file))]
-    started = now()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    if failed:
-        raise RuntimeError(f"a copying thread failed: {failed[0]}")
-    done = max(ends) - started
+    started = thread_per_file(len(per_file), work)
     result.update(
-        ready_s=max(ready) - started, pinned_s=0.0, pin_s=0.0, wait_s=0.0, done_s=done, unpin_s=max(unpin), bytes=size
+        ready_s=max(ready) - started,
+        pinned_s=0.0,
+        pin_s=0.0,
+        wait_s=0.0,
+        done_s=max(ends) - started,
+        unpin_s=max(unpin),
+        bytes=staging.size,
     )
     staging.unmap()
     result["ok"] = True
@@ -574,14 +576,14 @@ def main() -> int:
                     for piece in listed(args.piece_mib)
                 ]
                 continue
-            if way == "pageable":
-                parts += [part_name(way=way, gib=gib, files=files) for files in listed(args.files)]
-                continue
-            if way == "written":
+            if way in ("pageable", "written"):  # a copying thread per file; written: its buffers' size
+                bounces: list[dict[str, str]] = (
+                    [{"bounce": b} for b in listed(args.bounce_mib)] if way == "written" else [{}]
+                )
                 parts += [
-                    part_name(way=way, gib=gib, files=files, bounce=bounce)
+                    part_name(way=way, gib=gib, files=files, **bounce)
                     for files in listed(args.files)
-                    for bounce in listed(args.bounce_mib)
+                    for bounce in bounces
                 ]
                 continue
             parts += [

@@ -153,6 +153,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import enum
+import json
 import os
 import subprocess
 import sys
@@ -297,6 +298,18 @@ def subprocess_env(library: Path | None = None, **fake_vars: Any) -> dict[str, s
 
 
 CU_MEM_LOCATION_TYPE_HOST_NUMA = 3
+
+
+def host_gpus_in_another_process(library: Path, **fake_vars: str) -> dict[int, dict[str, Any]]:
+    """The host's GPUs as a process of its own reads them through ``library`` (engine/nvml.py run by
+    path, as flexium's reader process is), with these FAKE_* settings: index -> GPU."""
+    from flexium.engine import nvml
+
+    env = {**os.environ, "FLEXIUM_LIBNVML": str(library), **fake_vars}
+    done = subprocess.run(
+        [sys.executable, nvml.__file__], env=env, capture_output=True, text=True, timeout=60, check=True
+    )
+    return {gpu["index"]: gpu for gpu in json.loads(done.stdout)}
 
 
 def write_host_file(path: Path, others: dict[int, int]) -> None:

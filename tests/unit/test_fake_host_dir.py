@@ -5,19 +5,19 @@ counts it, under its pid, for as long as it lives."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from flexium.engine import nvml
 from support.engine import driver, fake  # noqa: F401  (fixtures)
-from support.fake_driver import FakeDriver
+from support.fake_driver import FakeDriver, host_gpus_in_another_process
 
 GIB = 1 << 30
 
@@ -33,14 +33,8 @@ NEIGHBOUR = textwrap.dedent(
 )
 
 
-def _read_in_another_process(library: Path, host_dir: Path) -> dict[int, dict[str, object]]:
-    """The host's GPUs as a process of its own reads them (engine/nvml.py run by path, as flexium's
-    reader process is)."""
-    env = {**os.environ, "FLEXIUM_LIBNVML": str(library), "FAKE_CUDA_HOST_DIR": str(host_dir)}
-    done = subprocess.run(
-        [sys.executable, nvml.__file__], env=env, capture_output=True, text=True, timeout=60, check=True
-    )
-    return {gpu["index"]: gpu for gpu in json.loads(done.stdout)}
+def _read_in_another_process(library: Path, host_dir: Path) -> dict[int, dict[str, Any]]:
+    return host_gpus_in_another_process(library, FAKE_CUDA_HOST_DIR=str(host_dir))
 
 
 def _start_neighbour(fake: FakeDriver, host_dir: Path) -> subprocess.Popen[str]:

@@ -4,29 +4,20 @@ process alike (the job's NVML reader process, while the job is paused)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from flexium.engine import nvml
 from support.engine import MiB, driver, fake  # noqa: F401  (fixtures)
-from support.fake_driver import OTHER_PID_BASE, FakeDriver, write_host_file
+from support.fake_driver import OTHER_PID_BASE, FakeDriver, host_gpus_in_another_process, write_host_file
 
 GIB = 1 << 30
 
 
-def _read_in_another_process(library: Path, host_file: Path) -> dict[int, dict[str, int]]:
-    """The host's GPUs as a process of its own reads them (engine/nvml.py run by path, as flexium's
-    reader process is)."""
-    env = {**os.environ, "FLEXIUM_LIBNVML": str(library), "FAKE_CUDA_HOST_FILE": str(host_file)}
-    done = subprocess.run(
-        [sys.executable, nvml.__file__], env=env, capture_output=True, text=True, timeout=60, check=True
-    )
-    return {gpu["index"]: gpu for gpu in json.loads(done.stdout)}
+def _read_in_another_process(library: Path, host_file: Path) -> dict[int, dict[str, Any]]:
+    return host_gpus_in_another_process(library, FAKE_CUDA_HOST_FILE=str(host_file))
 
 
 def test_every_process_of_the_host_sees_its_neighbours(
