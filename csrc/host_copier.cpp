@@ -459,14 +459,20 @@ std::size_t HostCopier::copy_pieces(bool to_host, const std::vector<CUdeviceptr>
   // The written extents' threads run beside this one's copies; their failure is thrown once all stopped.
   std::exception_ptr write_failed;
   std::thread writer;
+  const auto write = [&] {
+    try {
+      times_.written = write_pieces(addresses, to_write);
+    } catch (...) {
+      write_failed = std::current_exception();
+    }
+  };
+  bool write_here = false;
   if (!to_write.empty()) {
-    writer = std::thread([&] {
-      try {
-        times_.written = write_pieces(addresses, to_write);
-      } catch (...) {
-        write_failed = std::current_exception();
-      }
-    });
+    try {
+      writer = std::thread(write);
+    } catch (const std::system_error &) {
+      write_here = true;  // no thread to be had: written after this thread's copies
+    }
   }
   struct JoinWriter {
     std::thread &writer;
@@ -493,8 +499,10 @@ std::size_t HostCopier::copy_pieces(bool to_host, const std::vector<CUdeviceptr>
     copied += piece.length;
   }
   FLEXIUM_CU_CALL(d, cuStreamSynchronize, stream_);
+  if (write_here) write();
   if (writer.joinable()) writer.join();
   if (write_failed) std::rethrow_exception(write_failed);
+  if (to_host) written_all();
   times_.copy_s = seconds_since(copy_start);
   return copied + times_.written;
 }

@@ -149,6 +149,9 @@ class HostCopier {
   // chunks are then touched, not pinned. Throws the first thread's failure once all have stopped.
   std::size_t write_pieces(const std::vector<CUdeviceptr> &addresses, const std::vector<CopierPiece> &pieces);
   void write_extent(const std::vector<CUdeviceptr> &addresses, const std::vector<CopierPiece> &pieces) const;
+  // After a copy to host: no chunk waits to be written any more. One that no piece filled (the staging's
+  // slack) counts as touched: pinning it (a kept staging's pinner) faults its pages in.
+  void written_all();
 
   struct Extent {
     char *base = nullptr;  // driver-made: while mapped

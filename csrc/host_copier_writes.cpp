@@ -96,6 +96,7 @@ std::size_t HostCopier::write_pieces(const std::vector<CUdeviceptr> &addresses,
   }
   std::vector<std::exception_ptr> failed(by_extent.size());
   std::vector<std::thread> threads;
+  threads.reserve(by_extent.size());  // no allocation between two threads' starts, which could leave one unjoined
   for (std::size_t k = 0; k < by_extent.size(); ++k) {
     if (by_extent[k].empty()) continue;
     const auto work = [this, &addresses, &by_extent, &failed, k] {
@@ -115,12 +116,19 @@ std::size_t HostCopier::write_pieces(const std::vector<CUdeviceptr> &addresses,
   for (const std::exception_ptr &failure : failed) {
     if (failure) std::rethrow_exception(failure);  // the chunks stay to be written: a copy again writes them
   }
-  std::lock_guard<std::mutex> guard(mutex_);
-  for (const CopierPiece &piece : pieces) {
-    to_write_[piece.chunk] = 0;
-    touched_[piece.chunk] = 1;  // its pages are made: pinning them (a later resume's) faults none in
-  }
   return bytes;
+}
+
+void HostCopier::written_all() {
+  {
+    std::lock_guard<std::mutex> guard(mutex_);
+    for (std::size_t i = 0; i < to_write_.size(); ++i) {
+      if (!to_write_[i]) continue;
+      to_write_[i] = 0;
+      touched_[i] = 1;
+    }
+  }
+  touched_cv_.notify_all();
 }
 
 void HostCopier::write_extent(const std::vector<CUdeviceptr> &addresses, const std::vector<CopierPiece> &pieces) const {

@@ -294,8 +294,7 @@ static struct {
    * the others' (those alive), as NVML shows every process's memory on a real host. Unset, each
    * process sees only itself and what it is told: the tests run simulated jobs side by side apart. */
   char host_dir[4096];
-  unsigned long long published[MAX_GPUS]; /* what this process last wrote there */
-  long published_pid;                     /* which process wrote it (0: none yet) */
+  long published_pid; /* the process that wrote published_text there (0: none since the last reset) */
 
   /* the process */
   int initialized;       /* cuInit succeeded */
@@ -357,26 +356,48 @@ static unsigned long long held_in_file(const char *path, int physical) {
   return bytes;
 }
 
-/* A process that still holds its GPU memory: alive and not a zombie (one that exited, not reaped). */
-static int holds_memory(long pid) {
-  if (kill((pid_t)pid, 0) != 0 && errno != EPERM) return 0;
-  char path[64], stat[512];
+/* When process `pid` started (clock ticks since boot, /proc/PID/stat's 22nd field), 0 when there is
+ * none: a file of the host directory names its writer by pid and start, so a pid used again by another
+ * process (after a reboot) is not taken for the writer. */
+static unsigned long long start_of(long pid) {
+  char path[64], stat[1024];
   snprintf(path, sizeof(path), "/proc/%ld/stat", pid);
   FILE *file = fopen(path, "r");
-  if (file == NULL) return 1;
+  if (file == NULL) return 0;
   const size_t n = fread(stat, 1, sizeof(stat) - 1, file);
   fclose(file);
   stat[n] = '\0';
-  const char *end = strrchr(stat, ')');
-  return end == NULL || end[1] == '\0' || end[2] != 'Z';
+  const char *field = strrchr(stat, ')'); /* the command may hold spaces and parentheses */
+  if (field == NULL) return 0;
+  unsigned long long start = 0;
+  char state = 0;
+  /* after ")": state (3rd field), then 4th..21st, then starttime (22nd) */
+  if (sscanf(field + 1, " %c %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %*s %llu", &state,
+             &start) != 2) {
+    return 0;
+  }
+  return state == 'Z' ? 0 : start; /* a zombie's memory went with its exit */
 }
 
-/* The other processes of the host directory that hold memory on a GPU: up to `room` of them, pids
- * and bytes; how many there are. */
+#define MAX_HOLDINGS 4096
+
+static int own_allocation_keys(unsigned long long *keys, int room);
+
+static int key_in(unsigned long long key, const unsigned long long *keys, int n) {
+  for (int k = 0; k < n; ++k)
+    if (keys[k] == key) return 1;
+  return 0;
+}
+
+/* The other processes of the host directory that hold memory on a GPU: up to `room` of them, pids and
+ * bytes; how many there are. An allocation two processes hold (its maker and an importer) counts once,
+ * not at all where it is this process's own. A file whose writer has gone is taken away. */
 static int neighbours_on(int physical, unsigned int *pids, unsigned long long *bytes, int room) {
   if (fake.host_dir[0] == '\0') return 0;
   DIR *dir = opendir(fake.host_dir);
   if (dir == NULL) return 0;
+  static unsigned long long seen[MAX_HOLDINGS];
+  int seen_count = own_allocation_keys(seen, MAX_HOLDINGS);
   int n = 0;
   const long self = (long)getpid();
   struct dirent *entry;
@@ -386,15 +407,31 @@ static int neighbours_on(int physical, unsigned int *pids, unsigned long long *b
     if (pid <= 0 || end == entry->d_name || *end != '\0' || pid == self) continue;
     char path[sizeof(fake.host_dir) + 32];
     snprintf(path, sizeof(path), "%s/%ld", fake.host_dir, pid);
-    if (!holds_memory(pid)) {
-      if (kill((pid_t)pid, 0) != 0 && errno == ESRCH) unlink(path); /* killed: no one else will */
+    FILE *file = fopen(path, "r");
+    if (file == NULL) continue;
+    unsigned long long started = 0;
+    const unsigned long long alive_since = start_of(pid);
+    if (fscanf(file, "start %llu", &started) != 1 || alive_since != started) {
+      fclose(file);
+      if (kill((pid_t)pid, 0) != 0 && errno == ESRCH) unlink(path); /* its writer has gone: no one else will */
+      else if (alive_since != 0 && started != 0 && alive_since != started) unlink(path); /* a pid used again */
       continue;
     }
-    const unsigned long long held = held_in_file(path, physical);
-    if (held == 0) continue;
+    int index = 0;
+    unsigned long long held = 0, key = 0, total = 0;
+    while (fscanf(file, "%d %llu %llu", &index, &held, &key) == 3) {
+      if (index != physical) continue;
+      if (key != 0) {
+        if (key_in(key, seen, seen_count)) continue;
+        if (seen_count < MAX_HOLDINGS) seen[seen_count++] = key;
+      }
+      total += held;
+    }
+    fclose(file);
+    if (total == 0) continue;
     if (n < room) {
       pids[n] = (unsigned int)pid;
-      bytes[n] = held;
+      bytes[n] = total;
     }
     ++n;
   }
@@ -578,6 +615,7 @@ static void configure_from_environment(void) {
 }
 
 static void publish_holdings(void);
+static void start_publishing(void);
 
 static void reset_locked(void) {
   const int refcount = fake.nvml_refcount;
@@ -597,6 +635,7 @@ static void reset_locked(void) {
   configure_from_environment();
   for (int i = 0; i < MAX_GPUS; ++i) fake.placement[i] = i;
   publish_holdings();
+  start_publishing();
   pthread_cond_broadcast(&state_changed);
 }
 
@@ -714,35 +753,6 @@ static void holdings_path(long pid, const char *suffix, char *path, size_t lengt
 }
 
 static unsigned long long process_bytes_on(int physical);
-
-/* Says in the host directory what this process holds on each GPU now, when that changed; a process
- * that holds nothing has no file there. Called with the mutex held. */
-static void publish_holdings(void) {
-  if (fake.host_dir[0] == '\0') return;
-  const long self = (long)getpid();
-  unsigned long long now[MAX_GPUS];
-  int changed = fake.published_pid != self, any = 0;
-  for (int p = 0; p < fake.gpu_count; ++p) {
-    now[p] = process_bytes_on(p);
-    changed |= now[p] != fake.published[p];
-    any |= now[p] > 0;
-  }
-  if (!changed) return;
-  char path[sizeof(fake.host_dir) + 32], staged[sizeof(fake.host_dir) + 32];
-  holdings_path(self, "", path, sizeof(path));
-  if (any) {
-    holdings_path(self, ".tmp", staged, sizeof(staged));
-    FILE *file = fopen(staged, "w");
-    if (file == NULL) return; /* published stays as it was: tried again at the next change */
-    for (int p = 0; p < fake.gpu_count; ++p)
-      if (now[p] > 0) fprintf(file, "%d %llu\n", p, now[p]);
-    if (fclose(file) != 0 || rename(staged, path) != 0) return;
-  } else if (unlink(path) != 0 && errno != ENOENT) {
-    return;
-  }
-  memcpy(fake.published, now, sizeof(now));
-  fake.published_pid = self;
-}
 
 /* A process that ends holds nothing: its file goes (not a forked child's of its parent's file). */
 __attribute__((destructor)) static void fake_unload(void) {
@@ -989,6 +999,84 @@ static unsigned long long process_bytes_on(int physical) {
     if (fake.placement[l] == physical) bytes += fake.process_bytes[l];
   }
   return bytes;
+}
+
+/* The keys (files' inodes) of the allocations this process holds: what another process of the host
+ * directory says it holds of them is counted here already. */
+static int own_allocation_keys(unsigned long long *keys, int room) {
+  int n = 0;
+  for (int i = 0; i < MAX_VMM && n < room; ++i) {
+    if (vmm.allocs[i].used) keys[n++] = (unsigned long long)vmm.allocs[i].st_ino;
+  }
+  return n;
+}
+
+/* Says in the host directory what this process holds on each GPU now, when that changed: "start
+ * TICKS", then a line "PHYSICAL BYTES KEY" per allocation (KEY: its file's inode, which every process
+ * holding it shares) and one for the memory it was told it holds (KEY 0). A process that holds nothing
+ * has no file there. Called with the mutex held. */
+static void publish_holdings(void) {
+  if (fake.host_dir[0] == '\0') return;
+  static char text[MAX_HOLDINGS * 48 + 64], published_text[sizeof(text)];
+  const long self = (long)getpid();
+  size_t length = (size_t)snprintf(text, sizeof(text), "start %llu\n", start_of(self));
+  const size_t header = length;
+  vmm_collect();
+  for (int i = 0; i < MAX_VMM && length < sizeof(text) - 64; ++i) {
+    const struct vmm_alloc *a = &vmm.allocs[i];
+    if (!a->used || a->physical < 0 || (a->foreign && a->mappings == 0)) continue;
+    if (fake.state == CU_PROCESS_STATE_CHECKPOINTED && a->riding >= 0) continue;
+    length += (size_t)snprintf(text + length, sizeof(text) - length, "%d %llu %llu\n", a->physical,
+                               (unsigned long long)a->size, (unsigned long long)a->st_ino);
+  }
+  for (int p = 0; p < fake.gpu_count && fake.state != CU_PROCESS_STATE_CHECKPOINTED; ++p) {
+    unsigned long long told = 0;
+    for (int l = 0; l < fake.gpu_count; ++l)
+      if (fake.placement[l] == p) told += fake.process_bytes[l];
+    if (told > 0) length += (size_t)snprintf(text + length, sizeof(text) - length, "%d %llu 0\n", p, told);
+  }
+  if (fake.published_pid == self && strcmp(text, published_text) == 0) return;
+  char path[sizeof(fake.host_dir) + 32], staged[sizeof(fake.host_dir) + 32];
+  holdings_path(self, "", path, sizeof(path));
+  if (length > header) {
+    holdings_path(self, ".tmp", staged, sizeof(staged));
+    FILE *file = fopen(staged, "w");
+    if (file == NULL) return; /* tried again at the next change */
+    fputs(text, file);
+    if (fclose(file) != 0 || rename(staged, path) != 0) return;
+  } else if (unlink(path) != 0 && errno != ENOENT) {
+    return;
+  }
+  memcpy(published_text, text, length + 1);
+  fake.published_pid = self;
+}
+
+/* Memory can leave this process with no driver call (an exported fd it closes once another process has
+ * it): with a host directory, what it holds is said again a few times a second as well. */
+static void *publish_now_and_then(void *unused) {
+  (void)unused;
+  for (;;) {
+    sleep_ms(200);
+    pthread_mutex_lock(&mutex);
+    publish_holdings();
+    pthread_mutex_unlock(&mutex);
+  }
+  return NULL;
+}
+
+static void lock_for_fork(void) { pthread_mutex_lock(&mutex); }
+static void unlock_after_fork(void) { pthread_mutex_unlock(&mutex); }
+
+static void start_publishing(void) {
+  static int started;
+  if (started || fake.host_dir[0] == '\0') return;
+  /* A fork while the publisher holds the mutex would leave the child's copy of it locked for good. */
+  pthread_atfork(lock_for_fork, unlock_after_fork, unlock_after_fork);
+  pthread_t thread;
+  if (pthread_create(&thread, NULL, publish_now_and_then, NULL) == 0) {
+    pthread_detach(thread);
+    started = 1;
+  }
 }
 
 /* What NVML counts for the process on a GPU: all of process_bytes_on() but the memory it holds only

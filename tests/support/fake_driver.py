@@ -698,6 +698,9 @@ class FakeDriver:
             call("cuMemAddressReserve", ctypes.byref(address), length, zero, u64(0), u64(0))
             call("cuMemMap", address, length, zero, handle, u64(0))
             call("cuMemSetAccess", address, length, ctypes.byref(access), ctypes.c_size_t(1))
+        except BaseException:
+            lib.cuDevicePrimaryCtxRelease(device)  # contexts outlive reset(): none may be left retained
+            raise
         finally:
             lib.cuCtxSetCurrent(previous)
 

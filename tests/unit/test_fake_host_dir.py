@@ -5,11 +5,13 @@ counts it, under its pid, for as long as it lives."""
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +19,7 @@ import pytest
 
 from flexium.engine import nvml
 from support.engine import driver, fake  # noqa: F401  (fixtures)
-from support.fake_driver import FakeDriver, host_gpus_in_another_process
+from support.fake_driver import FakeDriver, _AllocationProp, _Location, host_gpus_in_another_process
 
 GIB = 1 << 30
 
@@ -28,6 +30,29 @@ NEIGHBOUR = textwrap.dedent(
     lib = ctypes.CDLL(os.environ["FLEXIUM_LIBCUDA"])
     lib.fake_set_process_memory(1, ctypes.c_ulonglong(5 << 30))
     print("holding", flush=True)
+    sys.stdin.read()
+    """
+)
+
+
+# Another process that imports the memory this one exported (as the copier maps a job's segments, or
+# the job the memory the copier made at a resume) and maps it.
+IMPORTER = textwrap.dedent(
+    """
+    import ctypes, os, sys
+    lib = ctypes.CDLL(os.environ["FLEXIUM_LIBCUDA"])
+    fd, size = int(sys.argv[1]), ctypes.c_size_t(int(sys.argv[2]))
+    ctx, handle, address, zero = ctypes.c_void_p(), ctypes.c_ulonglong(), ctypes.c_uint64(), ctypes.c_uint64(0)
+    for rc in (
+        lib.cuInit(0),
+        lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0),
+        lib.cuCtxSetCurrent(ctx),
+        lib.cuMemImportFromShareableHandle(ctypes.byref(handle), ctypes.c_void_p(fd), 1),
+        lib.cuMemAddressReserve(ctypes.byref(address), size, ctypes.c_size_t(0), zero, zero),
+        lib.cuMemMap(address, size, ctypes.c_size_t(0), handle, zero),
+    ):
+        assert rc == 0, rc
+    print("mapped", flush=True)
     sys.stdin.read()
     """
 )
@@ -96,3 +121,64 @@ def test_a_killed_process_holds_nothing(fake: FakeDriver, tmp_path: Path, monkey
     assert _read_in_another_process(fake.path, host_dir)[1]["memory_used"] == 0
     assert nvml.host_gpus()[1].memory_used == 0
     assert list(host_dir.iterdir()) == []
+
+
+def test_memory_two_processes_hold_counts_once_and_goes_with_its_last_holder(
+    fake: FakeDriver, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Made here, exported and mapped by another process too: every process of the host counts it once.
+    Handed over (this process lets go of its handle and closes the fd, which takes no driver call),
+    it is the other's alone within a moment; gone with that one, no process counts it."""
+    host_dir = tmp_path / "host"
+    host_dir.mkdir()
+    monkeypatch.setenv("FAKE_CUDA_HOST_DIR", str(host_dir))
+    fake.reset()
+    lib, size = fake.library, 64 * fake.granularity
+    ctx, previous, handle, fd = ctypes.c_void_p(), ctypes.c_void_p(), ctypes.c_ulonglong(), ctypes.c_int(-1)
+    prop = _AllocationProp(type=1, location=_Location(type=1, id=0))
+    prop.requestedHandleTypes = 1  # a POSIX fd
+    lib.cuCtxGetCurrent(ctypes.byref(previous))
+    assert lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0 and lib.cuCtxSetCurrent(ctx) == 0
+    assert lib.cuMemCreate(ctypes.byref(handle), ctypes.c_size_t(size), ctypes.byref(prop), ctypes.c_uint64(0)) == 0
+    assert lib.cuMemExportToShareableHandle(ctypes.byref(fd), handle, 1, ctypes.c_uint64(0)) == 0
+    importer = subprocess.Popen(
+        [sys.executable, "-c", IMPORTER, str(fd.value), str(size)],
+        env=fake.environment(FAKE_CUDA_HOST_DIR=str(host_dir)),
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        pass_fds=(fd.value,),
+    )
+    try:
+        assert importer.stdout is not None and importer.stdout.readline().strip() == "mapped"
+        assert fake.used_bytes(0) == size
+        assert _read_in_another_process(fake.path, host_dir)[0]["memory_used"] == size
+        assert lib.cuMemRelease(handle) == 0
+        os.close(fd.value)  # handed over: no driver call says so
+        deadline = time.monotonic() + 5
+        while (host_dir / str(os.getpid())).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not (host_dir / str(os.getpid())).exists()  # this process holds nothing now
+        there = _read_in_another_process(fake.path, host_dir)[0]
+        assert there["memory_used"] == size and there["processes"] == [{"pid": importer.pid, "used_bytes": size}]
+    finally:
+        importer.stdin.close()  # type: ignore[union-attr]
+        importer.wait(30)
+        lib.cuCtxSetCurrent(previous)  # contexts outlive the fake's reset: the next test finds none
+        lib.cuDevicePrimaryCtxRelease(0)
+    assert _read_in_another_process(fake.path, host_dir)[0]["memory_used"] == 0
+
+
+def test_a_file_of_a_pid_used_again_is_not_counted(fake: FakeDriver, tmp_path: Path) -> None:
+    """A file left by a process killed outright before a reboot names a pid that another process may
+    have now: its start time tells them apart, and the file is taken away."""
+    host_dir = tmp_path / "host"
+    host_dir.mkdir()
+    stranger = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        (host_dir / str(stranger.pid)).write_text("start 1\n0 6442450944 0\n")
+        assert _read_in_another_process(fake.path, host_dir)[0]["memory_used"] == 0
+        assert list(host_dir.iterdir()) == []
+    finally:
+        stranger.stdin.close()  # type: ignore[union-attr]
+        stranger.wait(30)

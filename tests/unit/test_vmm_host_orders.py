@@ -226,6 +226,43 @@ def test_after_a_copy_the_copier_pins_the_chunks_it_did_not_use(fake: FakeDriver
     assert_contents(contents)
 
 
+def test_a_written_staging_round_trips_and_is_then_kept_whole(fake: FakeDriver, allocator: Allocator) -> None:
+    """Made at the safe point to be written (csrc/host_copier_writes.cpp): the copy to host pins none of
+    it and writes what the order uses; a chunk no piece filled (the staging's slack) no longer waits to
+    be written, so a kept staging is pinned whole afterwards, and the bytes come back intact."""
+    contents = make_segments(allocator, [2 * MiB, 4 * MiB, 6 * MiB])
+    _C.reserve_host_staging(16 * MiB, 0, chunk_bytes=4 * MiB, pin_here=False, job_stopped=True)
+    layout = _C.host_staging_layout()
+    copier = _C.HostCopier(layout.extents, layout.chunks, layout.driver_made, [True] * len(layout.extents))
+    copier.wake(fake.uuid(0), False, 0)  # the pinner skips what is to be written: nothing to pin
+    order = _C.begin_stage_order()
+    used = {piece.chunk for piece in order.pieces}
+    assert len(used) < len(layout.chunks)  # a chunk left over, as at the safe point
+    assert copier.copy(True, order.segments, order.pieces) == 12 * MiB
+    assert copier.last_copy_times["written"] == 12 * MiB and copier.pinned_bytes == 0
+    assert fake.pinned_bytes() == 0  # the copier's buffers went with the copy
+    _C.finish_host_order()
+    copier.sleep()
+    assert _C.release_source_backing() == 3
+    _C.lock(PID, 0)
+    _C.checkpoint(PID)
+    _C.restore(PID)
+    _C.unlock(PID)
+
+    order = _C.begin_restore_order(1)
+    copier.wake(fake.uuid(1), True, 0)  # a kept staging's pinning: every chunk, the unwritten one too
+    assert copier.pinned_bytes == 16 * MiB and copier.last_pinner.endswith("all pinned"), copier.last_pinner
+    assert copier.copy(False, order.segments, order.pieces) == 12 * MiB
+    _C.finish_host_order()
+    assert_contents(contents)
+    copier.sleep()
+    del copier
+    _C.release_host_staging()
+    for address in contents:
+        allocator.free(address)
+    assert fake.vmm_leaks() == NO_LEAKS
+
+
 def test_an_aborted_order_leaves_everything_as_it_was(fake: FakeDriver, allocator: Allocator) -> None:
     contents = make_segments(allocator, [2 * MiB, 4 * MiB])
     _C.reserve_host_staging(6 * MiB, 0, pin_here=False)

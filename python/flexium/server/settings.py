@@ -43,7 +43,9 @@ class Settings:
     command_ttl_s: float = protocol.COMMAND_TTL_S
     sweep_interval_s: float = SWEEP_INTERVAL_S
     device_write_interval_s: float = 5.0  # one host's GPU report is written at most this often
-    reservation_ttl_s: float = protocol.RESERVATION_TTL_S  # room made for a job is held this long at most
+    # Room held for a job, from when it was made or its flexium run last asked, or (made by pausing
+    # others) from when the last of those pauses ended.
+    reservation_ttl_s: float = protocol.RESERVATION_TTL_S
     # An earlier job of equal priority that fits nowhere lets later ones that fit go first this long.
     backfill_patience_s: float = BACKFILL_PATIENCE_S
     beat_flush_interval_s: float = 0.5  # plain heartbeats are written in batches this often

@@ -5,9 +5,9 @@ given, one request at a time, until the job says quit or goes away.
 
 (--trace: each request and reply on stderr, the job's; the job asks for it when its log is at DEBUG.)
 
-Requests: hello (loads the driver); attach (the staging's extents as fds, sizes, chunks, which extents
-are driver-made host memory, which are written by the first copy to host rather than touched); extend
-(the extents and chunks the job added to its staging since);
+Requests: hello (loads the driver); attach (the staging's extents as fds, sizes, chunks; which extents
+are driver-made host memory; which memfds the first copy to host writes rather than the copier touching
+them); extend (the extents and chunks the job added to its staging since);
 make_host (bytes, piece: awake, host memory made by the driver, its fds and sizes sent with the reply,
 the job's to add to its staging); wake (uuid, wait, pause_ms; says what
 it found pinned and how the background pinning before it ended); pinning (how far the background
