@@ -43,11 +43,12 @@ every 5 ms by this process (the clocks of both processes are CLOCK_MONOTONIC). E
 twice: the first pause may find its staging still being prepared ("staging": made at the pause, or
 "part": kept but still being pinned ahead, the rest streamed), the second finds it kept from the
 first ("kept"); a resume row shows the staging of the pause it ends. Goals: FREE_GOALS, for the
-pauses; the fast migrations' are shown beside them. With --staging-ways, per size two more jobs
-pause and resume with nothing kept pinned (FLEXIUM_PINNED_HOST_MEMORY=0) and with --kept-budget
-(their rows marked "@budget"; the downtime goals leave them out), a third with --kept-budget pauses
+pauses; the fast migrations' are shown beside them. With --staging-ways, per size more jobs
+pause and resume with nothing kept pinned (FLEXIUM_PINNED_HOST_MEMORY=0; again with the staging written
+by the copier, FLEXIUM_WRITTEN_STAGING=1) and with --kept-budget
+(their rows marked "@budget"; the downtime goals leave them out), another with --kept-budget pauses
 only once its keeper keeps the staging (its kept rows "ahead": made by the keeper, as a job that has
-trained a while finds it), a fourth the same with the default budget where that cannot hold the whole
+trained a while finds it), and another the same with the default budget where that cannot hold the whole
 staging (its rows "share": the part the budget has room for kept, the rest made at the safe point),
 and the summary "What a pause and
 its resume give" shows, per size and staging way, the time to a free GPU and the resume's
@@ -571,7 +572,7 @@ def staging_of(result: dict[str, Any]) -> str:
         if note.startswith("the staging kept for pauses "):
             return "part"
         if note.startswith("made the host staging "):
-            return "made"
+            return "written" if "newly mapped and written" in note else "made"
         match = re.search(r"pinned ([0-9.]+) GiB of host staging .*\(([0-9.]+) GiB of it newly mapped", note)
         if match:
             # A kept staging may have grown a little with the pool since (fact `growing-staging-keeps-pins`).
@@ -730,6 +731,7 @@ FREEING = {
     "kept": "pause, staging kept",
     "part": "pause, staging kept in part",
     "made": "pause, staging made",
+    "written": "pause, staging made and written (FLEXIUM_WRITTEN_STAGING=1)",
     "parked": "migrate (parked elsewhere)",
 }
 
@@ -778,6 +780,7 @@ STAGING_WAYS = {
     "part": "staging kept in part",
     "share": "staging kept in part, the pinned budget's share, the rest made at the safe point",
     "made": "staging not kept",
+    "written": "staging not kept, written by the copier (FLEXIUM_WRITTEN_STAGING=1)",
 }
 
 
@@ -1021,6 +1024,10 @@ def main() -> int:
                     f"{label} pool job, pinned budget {budget}", size, args, {"FLEXIUM_PINNED_HOST_MEMORY": budget}
                 )
                 record(run, size, budget=budget)
+            log(f"-- {label}: pool job, nothing kept, its staging written by the copier (FLEXIUM_WRITTEN_STAGING=1)")
+            written = {"FLEXIUM_PINNED_HOST_MEMORY": "0", "FLEXIUM_WRITTEN_STAGING": "1"}
+            run = run_pause_job(f"{label} pool job, staging written", size, args, written)
+            record(run, size, budget="0")
             # A job that has trained a while: its first pause finds the staging its keeper made ahead.
             log(f"-- {label}: pool job paused once its keeper made its staging ({args.kept_budget} budget)")
             run = run_pause_job(

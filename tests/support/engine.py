@@ -106,7 +106,9 @@ def fake(driver: FakeDriver, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeDr
     driver.reset()
     nvml.set_frozen(False)
     yield driver
-    # A test that failed half way must not leave the process locked or NVML "frozen".
+    # A test that failed half way must not leave the process locked or NVML "frozen", nor a context
+    # current on this thread (a released one: the next test's driver calls would run in it).
+    driver.library.cuCtxSetCurrent(None)
     driver.reset()
     nvml.set_frozen(False)
 

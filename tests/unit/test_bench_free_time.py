@@ -81,6 +81,8 @@ def test_a_pause_says_whether_it_found_its_staging_kept_or_made_it() -> None:
     )
     before = "pinned 17.00 GiB of host staging by the copier process 7 in 0.02 s before the safe point ({} GiB of it "
     assert migrate.staging_of({"notes": [at_safe_point, "fast path: copied 64.00 GiB"]}) == "made"
+    written = at_safe_point.replace("newly mapped and touched", "newly mapped and written")
+    assert migrate.staging_of({"notes": [written, "fast path: copied 64.00 GiB"]}) == "written"
     assert migrate.staging_of({"notes": [half_kept, at_safe_point, "fast path: copied 24.00 GiB"]}) == "part"
     assert migrate.staging_of({"notes": [before.format("17.00") + "newly mapped and touched"]}) == "made"
     assert migrate.staging_of({"notes": [before.format("0.25") + "newly mapped and touched"]}) == "kept"

@@ -71,4 +71,5 @@ def test_memory_another_process_made_stays_on_its_gpu_when_imported_from_another
     assert lib.cuMemUnmap(address, length) == 0 and lib.cuMemAddressFree(address, length) == 0
     assert lib.cuMemRelease(handle) == 0
     ctypes.CDLL(None).close(fd)
+    assert lib.cuCtxSetCurrent(None) == 0  # no context left current on this thread for the next test
     assert lib.cuDevicePrimaryCtxRelease(0) == 0
