@@ -657,10 +657,16 @@ class DeviceInfo(WireOut):
     memory_used: int
     memory_flexium: int = Field(description="held by this workspace's flexium jobs on it")
     memory_other: int = Field(description="memory_used - memory_flexium, never negative")
+    memory_reserved: int = Field(
+        default=0,
+        description="held for jobs not on it yet (a flexium run placement, room made by pausing others): "
+        "the queue and the placements count it as taken",
+    )
     memory_free: int
     utilization: int | None
     temperature: int | None
     health: str
+    drained: str | None = Field(default=None, description="why nothing is moved, resumed or placed there (a drain)")
     updated_at: float
     processes: list[str] = Field(description="process ids on it")
 
@@ -866,6 +872,13 @@ class PlacementInfo(WireOut):
     note: str | None = Field(description="why it waits, or where it was placed and why")
     why: str | None = Field(default=None, description="the reason its requester gave (PlacementRequest.reason)")
     reservation: ReservationInfo | None = Field(default=None, description="the room held for it")
+
+
+class QueueListing(WireOut):
+    """`flexium queue --json`: the paused jobs waiting to resume and flexium run's placements."""
+
+    waits: list[WaitInfo]
+    placements: list[PlacementInfo]
 
 
 class PlacementCreated(WireOut):

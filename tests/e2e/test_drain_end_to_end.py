@@ -94,6 +94,11 @@ def test_a_drain_moves_both_jobs_off_and_the_gpu_takes_nothing_until_undrained(s
         assert drain["state"] == "drained" and drain["reason"] == "driver update"
         assert [m["action"] for m in drain["moves"]] == ["migrate", "migrate"]
 
+        listed = server.cli("devices", "--host", host)  # the drained GPU says so, and until what
+        assert listed.returncode == 0, listed.stdout + listed.stderr
+        assert re.search(r"^  0 .* ok, drained ", listed.stdout, re.M), listed.stdout
+        assert re.search(rf"^  GPU 0: drained by .* until `flexium undrain {host}:0`$", listed.stdout, re.M)
+
         refused = server.cli("migrate", first.process_id, "cuda:0")
         assert refused.returncode == 1, refused.stdout + refused.stderr
         assert "drained by" in refused.stderr and f"flexium undrain {host}:0" in refused.stderr, refused.stderr

@@ -387,6 +387,39 @@ def test_room_made_for_a_placement_is_held_a_full_time_from_its_placing(db: Data
     assert placed.reservation.id == out.placement.reservation.id and placed.reservation.expires_at == later + TTL
 
 
+def test_the_devices_show_the_room_held_and_the_drains(db: Database) -> None:
+    """`flexium devices` and its API say what is held on each GPU for jobs not on it yet (a placed job's
+    room, until its memory shows) and which GPU is drained, why and until what: the room the queue and
+    the placements count as taken, which the GPU's own report does not show."""
+    ws, _ = make_workspace(db)
+    placed = place(db, ws, 0, 100 * GIB, memory_bytes=30 * GIB).placement
+    assert placed.placed_uuid == "GPU-0000"
+    drain = wire.DrainRequest(host=HOST, gpu=1)
+    db.run(create_drain, write=True, workspace_id=ws, actor=admin(ws), request=drain, now=NOW)
+    [host] = db.run(storage.list_devices, write=False, workspace_id=ws, now=NOW + 1, stale_after=STALE).hosts
+    held, drained = host.devices
+    assert held.memory_reserved == 30 * GIB + protocol.ROOM_MARGIN_BYTES and held.drained is None
+    assert drained.memory_reserved == 0 and drained.drained is not None
+    assert drained.drained.startswith("drained by alice (drain 1) until `flexium undrain node1:1`"), drained.drained
+    # Its job registered and its memory shows: held no more than what has not shown yet.
+    add_process(db, ws, "gpu-run", memory=20 * GIB, gpu_index=0, n_gpus=2, devices=[], now=NOW + 2)
+    _take(db, ws, admin(ws), placed.id)
+    [host] = db.run(storage.list_devices, write=False, workspace_id=ws, now=NOW + 3, stale_after=STALE).hosts
+    assert host.devices[0].memory_reserved == 10 * GIB
+
+
+def test_a_refused_make_room_says_what_is_held_for_jobs_not_started_yet(db: Database) -> None:
+    """The GPU's report shows its room free; a placed job's hold takes it: the refusal says so, and what
+    to do instead."""
+    ws, _ = make_workspace(db)
+    assert place(db, ws, 0, memory_bytes=100 * GIB, gpu_uuid="GPU-0000").placement.state == "placed"
+    with pytest.raises(errors.TargetRefused) as refused:
+        place(db, ws, 0, memory_bytes=60 * GIB, gpu_uuid="GPU-0000", make_room=True, now=NOW + 1)
+    message = refused.value.message
+    assert "GPU 0: 39.5 GiB free of the 60.5 GiB it needs, 100.5 GiB more held for jobs not on it yet" in message
+    assert message.endswith("give it a higher priority, or leave out --make-room to wait in the queue for room")
+
+
 def test_the_jobs_paused_to_make_room_are_not_resumed_into_it_when_its_job_registers(db: Database) -> None:
     ws, _ = make_workspace(db)
     add_process(db, ws, "low-50", memory=50 * GIB, gpu_index=0, devices=[], priority=LOW, n_gpus=1)

@@ -59,8 +59,10 @@ class Server:
         created: wire.WaitCreated | None = None,
         reads: Sequence[wire.WaitInfo] = (),
         waits: Sequence[wire.WaitInfo] = (),
+        placements: Sequence[wire.PlacementInfo] = (),
     ) -> None:
         self.created, self.reads, self.waits = created, list(reads), list(waits)
+        self.placements = list(placements)
         self.requests: list[wire.WaitRequest] = []
         self.cancelled: list[int] = []
         self.priorities: list[tuple[str, int]] = []
@@ -75,6 +77,9 @@ class Server:
 
     def get_command(self, command_id: int) -> wire.CommandInfo:
         return command("resume", command_id)
+
+    def list_placements(self, *, ended: bool = False) -> list[wire.PlacementInfo]:
+        return self.placements
 
     def list_waits(self, *, process_id: str | None = None, ended: bool = False) -> list[wire.WaitInfo]:
         return [w for w in self.waits if process_id in (None, w.process_id)]
@@ -203,8 +208,9 @@ def test_cancel_takes_the_waiting_wait_out_or_says_nothing_waits(capsys: pytest.
 
 
 def test_the_queue_lists_each_wait_with_its_priority_place_and_a_clipped_note(
-    capsys: pytest.CaptureFixture[str],
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    monkeypatch.setenv("COLUMNS", "80")  # a narrow terminal: the note is clipped to NOTE_WIDTH
     long_note = "resume refused by the job: " + "x" * 80
     server = Server(
         waits=[
@@ -221,11 +227,56 @@ def test_the_queue_lists_each_wait_with_its_priority_place_and_a_clipped_note(
     assert lines[2].split()[:5] == ["4", "run-7-rank-0", "(job)", "70", "2"]
     assert lines[2].endswith("x~") and len(lines[2].split("alice  ")[1]) == queue_cli.NOTE_WIDTH
     assert lines[-1].startswith("PLACE: in its host's queue")
+    monkeypatch.setenv("COLUMNS", "250")  # a wide one shows it whole
+    assert run(server, "queue") == EXIT_OK
+    assert capsys.readouterr().out.splitlines()[2].endswith(long_note)
 
     assert run(Server(), "queue") == EXIT_OK
-    assert capsys.readouterr().out == "no job waits to resume in workspace 'team'\n"
+    assert capsys.readouterr().out == "no job waits to resume or start in workspace 'team'\n"
     assert run(Server(), "queue", "--all") == EXIT_OK
     assert capsys.readouterr().out == "no wait yet\n"
+
+
+def placement(**fields: Any) -> wire.PlacementInfo:
+    values: dict[str, Any] = {
+        "id": 7,
+        "host": "node1",
+        "state": "waiting",
+        "gpu_uuid": None,
+        "need_bytes": 76 * GIB,
+        "priority": 10,
+        "position": 1,
+        "placed_uuid": None,
+        "placed_index": None,
+        "process_id": None,
+        "created_at": time.time() - 12,
+        "placed_at": None,
+        "finished_at": None,
+        "requested_by": "bob",
+        "command": "python train.py",
+        "note": "waits for 76.5 GiB (its 76.0 GiB and headroom): GPU 0: 74.0 GiB free",
+    }
+    return wire.PlacementInfo(**{**values, **fields})
+
+
+def test_the_queue_lists_the_jobs_flexium_run_waits_to_start_too(capsys: pytest.CaptureFixture[str]) -> None:
+    """A placement waiting for room, and one placed (its room held until its job registers), beside the
+    paused jobs waiting to resume: one listing of what goes next on each host; --json carries both."""
+    placed = placement(id=8, state="placed", position=None, placed_index=1, placed_uuid="GPU-0001", note="placed")
+    server = Server(waits=[wait()], placements=[placement(), placed])
+    assert run(server, "queue") == EXIT_OK
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == "paused, waiting to resume:" and lines[1].split()[0] == "WAIT"
+    start = lines.index("waiting to start or starting (flexium run):")
+    assert lines[start + 1].split() == [
+        "PLACEMENT", "PRIORITY", "PLACE", "STATE", "HOST", "GPU", "NEEDS", "WAITING", "BY", "COMMAND", "NOTE",
+    ]  # fmt: skip
+    assert lines[start + 2].split()[:9] == ["7", "low", "1", "waiting", "node1", "any", "76.0", "GiB", "12s"]
+    assert lines[start + 2].endswith("GPU 0: 74.0 GiB free")
+    assert lines[start + 3].split()[:6] == ["8", "low", "-", "placed", "node1", "1"]
+    assert run(Server(placements=[placement()]), "queue", "--json") == EXIT_OK
+    listed = wire.QueueListing.model_validate_json(capsys.readouterr().out)
+    assert listed.waits == [] and [p.id for p in listed.placements] == [7]
 
 
 def test_a_priority_is_shown_set_by_name_or_number_and_refused_outside_the_scale(

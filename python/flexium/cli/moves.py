@@ -120,7 +120,13 @@ def _move(api: ApiClient, args: argparse.Namespace) -> int:
             command = api.create_command(request)
     except Refused as exc:
         if args.command == "resume" and exc.code == "target_refused":
-            exc.message += f"; queue it? flexium resume {args.process} --when-free"
+            # A GPU named: the refusal is that GPU's; the queue may resume it on another of its host.
+            exc.message += (
+                f"; `flexium devices` lists its host's GPUs, or the queue resumes it on one with room: "
+                f"flexium resume {args.process} --when-free"
+                if target
+                else f"; queue it? flexium resume {args.process} --when-free"
+            )
         raise
     return _follow(api, args, command)
 

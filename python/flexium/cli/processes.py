@@ -164,7 +164,21 @@ def _devices(api: ApiClient, args: argparse.Namespace) -> int:
             print()
         stale = "  STALE: no report recently" if host.stale else ""
         print(f"host {host.host} (reported {age(now - host.updated_at)} ago){stale}")
-        rows = [("GPU", "MODEL", "USED / TOTAL", "FLEXIUM", "OTHER", "UTIL", "TEMP", "HEALTH", "UUID", "PROCESSES")]
+        rows = [
+            (
+                "GPU",
+                "MODEL",
+                "USED / TOTAL",
+                "FLEXIUM",
+                "OTHER",
+                "RESERVED",
+                "UTIL",
+                "TEMP",
+                "HEALTH",
+                "UUID",
+                "PROCESSES",
+            )
+        ]
         for d in host.devices:
             rows.append(
                 (
@@ -173,12 +187,18 @@ def _devices(api: ApiClient, args: argparse.Namespace) -> int:
                     f"{d.memory_used / GIB:.1f} / {d.memory_total / GIB:.1f} GiB",
                     gib(d.memory_flexium or 0),
                     gib(d.memory_other or 0),
+                    gib(d.memory_reserved) if d.memory_reserved else "-",
                     "-" if d.utilization is None else f"{d.utilization}%",
                     "-" if d.temperature is None else f"{d.temperature}C",
-                    d.health,
+                    f"{d.health}, drained" if d.drained else d.health,
                     d.uuid,
                     ",".join(d.processes) or "-",
                 )
             )
         print_table(rows, indent="  ")
+        for d in host.devices:
+            if d.drained:
+                print(f"  GPU {'-' if d.index is None else d.index}: {d.drained}")
+    if any(d.memory_reserved for host in answer.hosts for d in host.devices):
+        print("RESERVED: held for jobs not on the GPU yet (flexium run, --make-room); `flexium queue` lists them")
     return EXIT_OK

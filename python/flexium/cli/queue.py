@@ -6,6 +6,7 @@ room, in the order they resume), `flexium priority JOB [P]`, and what `flexium r
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import time
 from typing import Any
@@ -26,9 +27,11 @@ NOTE_WIDTH = 60
 def add_commands(commands: Any) -> None:
     """``commands``: the ``flexium`` parser's subparsers."""
     p = commands.add_parser(
-        "queue", help="list the paused jobs waiting to resume when free, by host, in the order they resume"
+        "queue",
+        help="list the paused jobs waiting to resume when free and the flexium run jobs waiting to start (or "
+        "started, their room held), by host, in the order they go",
     )
-    p.add_argument("--all", action="store_true", help="every wait, those that ended too, newest first")
+    p.add_argument("--all", action="store_true", help="every wait and placement, those that ended too, newest first")
     add_connection_options(p, _queue)
     p = commands.add_parser(
         "priority",
@@ -159,12 +162,59 @@ def _cancel(api: ApiClient, args: argparse.Namespace) -> int:
 
 def _queue(api: ApiClient, args: argparse.Namespace) -> int:
     waits = api.list_waits(ended=args.all)
+    placements = api.list_placements(ended=args.all)
     if args.json:
-        print_json(waits)
+        print_json(wire.QueueListing(waits=waits, placements=placements))
         return EXIT_OK
-    if not waits:
-        print(f"no job waits to resume in workspace '{api.workspace}'" if not args.all else "no wait yet")
+    if not waits and not placements:
+        print(f"no job waits to resume or start in workspace '{api.workspace}'" if not args.all else "no wait yet")
         return EXIT_OK
+    if waits:
+        if placements:
+            print("paused, waiting to resume:")
+        _print_waits(waits)
+    if placements:
+        if waits:
+            print()
+        _print_placements(placements)
+    print("PLACE: in its host's queue (a higher priority first, first come first served within one).")
+    return EXIT_OK
+
+
+def _print_placements(placements: list[wire.PlacementInfo]) -> None:
+    now = time.time()
+    rows = [("PLACEMENT", "PRIORITY", "PLACE", "STATE", "HOST", "GPU", "NEEDS", "WAITING", "BY", "COMMAND", "NOTE")]
+    for p in placements:
+        gpu = p.placed_index if p.placed_index is not None else (p.placed_uuid or p.gpu_uuid or "any")
+        rows.append(
+            (
+                str(p.id),
+                protocol.priority_name(p.priority),
+                "-" if p.position is None else str(p.position),
+                p.state,
+                p.host,
+                str(gpu),
+                gib(p.need_bytes) if p.need_bytes else "-",
+                age((p.placed_at or p.finished_at or now) - p.created_at),
+                p.requested_by,
+                _clip(p.command),
+                _clip(_placement_note(p)),
+            )
+        )
+    print("waiting to start or starting (flexium run):")
+    print_table(rows)
+
+
+def _placement_note(p: wire.PlacementInfo) -> str:
+    """Its note without what NEEDS says already ("waits for 76.5 GiB (its 76.0 GiB and headroom): "): why
+    it waits, GPU by GPU."""
+    note = p.note or (f"why: {p.why}" if p.why else "")
+    if note.startswith("waits for ") and "): " in note:
+        return note.split("): ", 1)[1]
+    return note
+
+
+def _print_waits(waits: list[wire.WaitInfo]) -> None:
     now = time.time()
     rows = [("WAIT", "PROCESS", "PRIORITY", "PLACE", "STATE", "HOST", "GPU", "NEEDS", "WAITING", "BY", "NOTE")]
     for w in waits:
@@ -184,12 +234,12 @@ def _queue(api: ApiClient, args: argparse.Namespace) -> int:
             )
         )
     print_table(rows)
-    print("PLACE: in its host's queue (a higher priority first, first come first served within one).")
-    return EXIT_OK
 
 
 def _clip(text: str) -> str:
-    return text if len(text) <= NOTE_WIDTH else text[: NOTE_WIDTH - 1] + "~"
+    """At most NOTE_WIDTH characters, or what a wider terminal leaves the last column."""
+    width = max(NOTE_WIDTH, shutil.get_terminal_size().columns - 110)
+    return text if len(text) <= width else text[: width - 1] + "~"
 
 
 def _priority(api: ApiClient, args: argparse.Namespace) -> int:

@@ -479,6 +479,13 @@ class ApiClient:
         answer = self.request("DELETE", protocol.PATH_WAIT.format(wait_id=wait_id))
         return self._read(wire.WaitInfo, answer, "the cancelled wait")
 
+    def list_placements(self, *, ended: bool = False, retries: int = 2) -> list[wire.PlacementInfo]:
+        """flexium run's live placements by host in queue order (``ended``: every one, newest first)."""
+        answer = self.request(
+            "GET", protocol.PATH_PLACEMENTS, params={"all": "true"} if ended else None, retries=retries
+        )
+        return self._read_list(wire.PlacementInfo, answer, "the placements")
+
     def create_placement(self, body: wire.PlacementRequest) -> wire.PlacementCreated:
         """flexium run's job placed, or queued for room; not retried, as ``create_wait``."""
         answer = self.request("POST", protocol.PATH_PLACEMENTS, json=_body(body))

@@ -140,14 +140,16 @@ def plan_room(
         holders = _holders(units, uuid, beneficiary)
         victims = _fewest(holders.lower, required - free)
         if victims is None:
-            why_not.append(_why_not(name, free, required, holders))
+            held = room.gpus[uuid].free - free  # for others: placed jobs not started, room made for others
+            why_not.append(_why_not(name, free, required, holders, held))
         else:
             plans.append(RoomPlan(gpu.device, victims, required))
     if not plans:
         reasons = "; ".join(why_not) or "it reported no GPU"
         raise TargetRefused(
             f"cannot make room for {beneficiary.label} (priority {protocol.priority_name(beneficiary.priority)}) on "
-            f"host {host!r}: {reasons}. Jobs of its priority or higher are never paused for it"
+            f"host {host!r}: {reasons}. Jobs of its priority or higher are never paused for it: give it a higher "
+            "priority, or leave out --make-room to wait in the queue for room"
         )
     return min(plans, key=lambda plan: _cost(plan, beneficiary, room))
 
@@ -270,9 +272,11 @@ def _fewest(candidates: list[Victim], deficit: int) -> tuple[Victim, ...] | None
     )
 
 
-def _why_not(name: str, free: int, required: int, holders: _Holders) -> str:
+def _why_not(name: str, free: int, required: int, holders: _Holders, held: int) -> str:
     pausable = sum(victim.frees for victim in holders.lower)
     parts = [f"{gib(free)} free of the {gib(required)} it needs"]
+    if held > 0:
+        parts.append(f"{gib(held)} more held for jobs not on it yet (`flexium queue` lists them)")
     if holders.lower:
         parts.append(f"pausing every job of lower priority there frees {gib(pausable)}")
     else:

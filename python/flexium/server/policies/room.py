@@ -13,9 +13,9 @@ from sqlalchemy import and_, or_, select
 from sqlalchemy.orm import Session
 
 from flexium import protocol
-from flexium.server.models import Command, Device, Placement, Process
+from flexium.server.models import Command, Device, Process
 from flexium.server.storage.devices import host_devices
-from flexium.server.storage.reservations import held_on_host
+from flexium.server.storage.reservations import holds_on_host
 
 
 @dataclass
@@ -60,19 +60,10 @@ class HostRoom:
             if room is None or (state == "succeeded" and (finished_at or 0.0) <= room.device.updated_at):
                 continue
             room.free = max(0, room.free - max(footprint, memory))
-        started = _started_placements(session=session, workspace_id=workspace_id, host=host)
-        for reservation, wait_state in held_on_host(session=session, workspace_id=workspace_id, host=host, now=now):
-            room = gpus.get(reservation.gpu_uuid)
-            # A wait whose resume is under way counts as memory on its way (above), not twice.
-            if room is None or wait_state == "dispatched":
-                continue
-            held = reservation.bytes
-            if reservation.id in started:  # a job started on it: what its memory has not taken yet
-                need, shown = started[reservation.id]
-                if shown is None:  # the job is gone: nothing of it is on its way
-                    continue
-                held = max(0, min(held, need) - shown)
-            room.held[reservation.wait_id] = room.held.get(reservation.wait_id, 0) + held
+        for uuid, wait_id, held in holds_on_host(session=session, workspace_id=workspace_id, host=host, now=now):
+            room = gpus.get(uuid)
+            if room is not None:
+                room.held[wait_id] = room.held.get(wait_id, 0) + held
         return cls(gpus)
 
     def free_for(self, uuid: str, wait_id: int | None) -> int:
@@ -105,25 +96,3 @@ class HostRoom:
         """A move sent there: its memory is on its way."""
         room = self.gpus[uuid]
         room.free = max(0, room.free - nbytes)
-
-
-def _started_placements(*, session: Session, workspace_id: int, host: str) -> dict[int, tuple[int, int | None]]:
-    """The reservations still held for jobs ``flexium run`` started on this host, each with the memory the
-    job asked for and what its reports show now (None: the job is gone, or not running)."""
-    rows = session.execute(
-        select(Placement.reservation_id, Placement.need_bytes, Process.memory_bytes, Process.state)
-        .outerjoin(
-            Process,
-            and_(Process.workspace_id == Placement.workspace_id, Process.process_id == Placement.process_id),
-        )
-        .where(
-            Placement.workspace_id == workspace_id,
-            Placement.host == host,
-            Placement.state == "started",
-            Placement.reservation_id.is_not(None),
-        )
-    )
-    return {
-        int(reservation_id or 0): (int(need), int(memory) if memory is not None and state == "RUNNING" else None)
-        for reservation_id, need, memory, state in rows
-    }

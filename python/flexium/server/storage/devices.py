@@ -17,6 +17,7 @@ from flexium import protocol, wire
 from flexium.server.models import Device, Process, table_of
 from flexium.server.storage import quotas
 from flexium.server.storage.history import record_samples
+from flexium.server.storage.reservations import holds_on_host
 
 _FIELDS = ("index", "name", "memory_total", "memory_used", "utilization", "temperature", "health")
 
@@ -122,7 +123,9 @@ def _upsert(dialect: str) -> Any:
     return stmt
 
 
-def device_view(row: Device, *, flexium_bytes: int, processes: list[str]) -> wire.DeviceInfo:
+def device_view(
+    row: Device, *, flexium_bytes: int, processes: list[str], reserved: int = 0, drained: str | None = None
+) -> wire.DeviceInfo:
     return wire.DeviceInfo(
         uuid=row.uuid,
         index=row.index,
@@ -131,10 +134,12 @@ def device_view(row: Device, *, flexium_bytes: int, processes: list[str]) -> wir
         memory_used=row.memory_used,
         memory_flexium=flexium_bytes,
         memory_other=max(0, row.memory_used - flexium_bytes),
+        memory_reserved=reserved,
         memory_free=max(0, row.memory_total - row.memory_used),
         utilization=row.utilization,
         temperature=row.temperature,
         health=row.health,
+        drained=drained,
         updated_at=row.updated_at,
         processes=processes,
     )
@@ -143,7 +148,10 @@ def device_view(row: Device, *, flexium_bytes: int, processes: list[str]) -> wir
 def list_devices(
     *, session: Session, workspace_id: int, now: float, stale_after: float, host: str | None = None
 ) -> wire.DevicesResponse:
-    """Hosts by name, each with its devices by index."""
+    """Hosts by name, each with its devices by index: what is held there for jobs not on it yet, and
+    the drain of each drained one."""
+    from flexium.server.storage.drains import drain_refusal  # drains reads devices: imported here
+
     query = select(Device).where(Device.workspace_id == workspace_id)
     if host:
         query = query.where(Device.host == host)
@@ -160,6 +168,10 @@ def list_devices(
         for uuid, held in held_by_gpu(proc.gpu_uuid, proc.memory_bytes, proc.gpu_bytes).items():
             used, names = on_gpu.get((proc.host, uuid), (0, []))
             on_gpu[(proc.host, uuid)] = (used + held, names + [proc.process_id])
+    reserved: dict[tuple[str, str], int] = {}
+    for on_host in {row.host for row in rows}:
+        for uuid, _wait, held in holds_on_host(session=session, workspace_id=workspace_id, host=on_host, now=now):
+            reserved[(on_host, uuid)] = reserved.get((on_host, uuid), 0) + held
     hosts: dict[str, wire.HostInfo] = {}
     for row in rows:
         entry = hosts.setdefault(
@@ -168,7 +180,14 @@ def list_devices(
         entry.updated_at = max(entry.updated_at, row.updated_at)
         entry.stale = entry.updated_at < cutoff
         used, names = on_gpu.get((row.host, row.uuid), (0, []))
-        entry.devices.append(device_view(row, flexium_bytes=used, processes=names))
+        view = device_view(
+            row,
+            flexium_bytes=used,
+            processes=names,
+            reserved=reserved.get((row.host, row.uuid), 0),
+            drained=drain_refusal(session=session, dev=row),
+        )
+        entry.devices.append(view)
     return wire.DevicesResponse(hosts=list(hosts.values()))
 
 

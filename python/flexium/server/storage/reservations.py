@@ -12,7 +12,7 @@ from sqlalchemy import Integer, and_, cast, delete, exists, func, select, update
 from sqlalchemy.orm import Session
 
 from flexium import protocol, wire
-from flexium.server.models import Command, Process, Reservation, Wait
+from flexium.server.models import Command, Placement, Process, Reservation, Wait
 from flexium.server.storage.audit import PolicyActor
 
 MAKE_ROOM = PolicyActor("make room")  # who sends the pauses that make a hold's room
@@ -85,6 +85,47 @@ def held_on_host(*, session: Session, workspace_id: int, host: str, now: float) 
         .where(Reservation.workspace_id == workspace_id, Reservation.host == host, Reservation.expires_at > now)
     )
     return [(row, state) for row, state in rows]
+
+
+def holds_on_host(*, session: Session, workspace_id: int, host: str, now: float) -> list[tuple[str, int | None, int]]:
+    """(GPU, wait id or None for a job not started yet, bytes) of the room held on the host now: a wait
+    whose resume is under way holds none (its memory is on its way); for a job ``flexium run`` started,
+    what its memory has not taken yet."""
+    started = _started_placements(session=session, workspace_id=workspace_id, host=host)
+    holds = []
+    for reservation, wait_state in held_on_host(session=session, workspace_id=workspace_id, host=host, now=now):
+        if wait_state == "dispatched":
+            continue
+        held = reservation.bytes
+        if reservation.id in started:
+            need, shown = started[reservation.id]
+            if shown is None:  # the job is gone: nothing of it is on its way
+                continue
+            held = max(0, min(held, need) - shown)
+        holds.append((reservation.gpu_uuid, reservation.wait_id, held))
+    return holds
+
+
+def _started_placements(*, session: Session, workspace_id: int, host: str) -> dict[int, tuple[int, int | None]]:
+    """The reservations still held for jobs ``flexium run`` started on this host, each with the memory the
+    job asked for and what its reports show now (None: the job is gone, or not running)."""
+    rows = session.execute(
+        select(Placement.reservation_id, Placement.need_bytes, Process.memory_bytes, Process.state)
+        .outerjoin(
+            Process,
+            and_(Process.workspace_id == Placement.workspace_id, Process.process_id == Placement.process_id),
+        )
+        .where(
+            Placement.workspace_id == workspace_id,
+            Placement.host == host,
+            Placement.state == "started",
+            Placement.reservation_id.is_not(None),
+        )
+    )
+    return {
+        int(reservation_id or 0): (int(need), int(memory) if memory is not None and state == "RUNNING" else None)
+        for reservation_id, need, memory, state in rows
+    }
 
 
 def reservation_of(*, session: Session, wait_id: int, now: float) -> Reservation | None:
