@@ -4,6 +4,7 @@ start nor stop waits for a server that is down or never answers."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import time
 from collections.abc import Iterator
@@ -25,7 +26,7 @@ from flexium.errors import (
     OperationInProgressError,
     TargetRefusedError,
 )
-from support.e2e import Server, wait_until
+from support.e2e import HEARTBEAT_S, WORKSPACE, Server, wait_until
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -243,3 +244,38 @@ def test_start_and_stop_never_wait_for_the_server(kind: str) -> None:
         wait_until(lambda: not any(t.is_alive() for t in client._threads), 15, "the client threads to end")
     finally:
         listener.close()
+
+
+def test_a_token_revoked_while_the_server_was_down_is_said_once_when_it_is_back(
+    server: Server, caplog: pytest.LogCaptureFixture
+) -> None:
+    """As when `flexium demo` stops (its server goes, and the job token it printed is revoked) and is
+    started again: the job first says the server cannot be reached, then, the server back, that its
+    token is refused, once, at WARNING, with what to do, however often it tries again; it is not stopped."""
+    from flexium.server import database_admin
+
+    issued = server.post("/tokens", {"name": "a job of mine", "role": "job"})
+    assert issued.status_code == 201, issued.text
+    token = issued.json()["token"]
+    session = _session("gpu-revoked", None, server.address, token)
+    client = ProcessClient(session, ApiClient(session.config.address, token), reporter=ScriptedReporter("gpu-revoked"))
+    client.start()  # type: ignore[arg-type]
+    try:
+        assert client.wait_registered(10)
+        caplog.set_level("INFO", logger="flexium")
+        server.stop()
+        wait_until(lambda: any("training continues" in r.getMessage() for r in caplog.records), 30, "the outage")
+        database_admin.revoke_token(WORKSPACE, token, database_url=server.database)
+        server.start()
+
+        def said() -> list[logging.LogRecord]:
+            return [r for r in caplog.records if "refused this process's token" in r.getMessage()]
+
+        wait_until(lambda: said(), 60, "the refused token to be said")
+        time.sleep(6 * HEARTBEAT_S)  # it keeps trying: said no more
+        [warning] = said()
+        assert warning.levelname == "WARNING"
+        message = warning.getMessage()
+        assert "training continues without flexium's server; set FLEXIUM_TOKEN" in message, message
+    finally:
+        client.stop()

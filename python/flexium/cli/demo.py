@@ -274,7 +274,11 @@ def run(
             if _stop(job, signal.SIGINT) == -signal.SIGKILL and registered is not None:
                 _forget(api, registered.process_id)  # it could not unregister: no STALE row for the next demo
             _stop(server, signal.SIGTERM)
-            _revoke(job_token, settings.database_url)
+            if _revoke(job_token, settings.database_url):
+                _say(
+                    "the job token it printed is revoked: a job of yours started with it trains on without the "
+                    "server (start it again with a token of a running server)"
+                )
             if revoke:
                 _revoke(token, settings.database_url)
         except KeyboardInterrupt:
@@ -298,10 +302,13 @@ def _forget(api: ApiClient, process_id: str) -> None:
         print(f"flexium demo: could not remove the demo job from the server: {exc}", file=sys.stderr)
 
 
-def _revoke(token: str, database_url: str) -> None:
+def _revoke(token: str, database_url: str) -> bool:
+    """Whether it is revoked now."""
     from flexium.server import database_admin
 
     try:
         database_admin.revoke_token(protocol.DEFAULT_WORKSPACE, token, database_url=database_url)
     except Exception as exc:  # the demo is over either way; say so and move on
         print(f"flexium demo: could not revoke the demo token: {exc}", file=sys.stderr)
+        return False
+    return True

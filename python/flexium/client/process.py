@@ -194,10 +194,17 @@ class ProcessClient:
                 body = self.reporter.register_body(reading)
                 answer = self.api.register(body, timeout=REGISTER_TIMEOUT_S)
         except Unauthorized as exc:
-            self._lost(
-                f"the server refused this process's token ({exc.message}); set {protocol.TOKEN_ENV} "
-                "or 'token:' in .flexiumrc to a token of the workspace"
-            )
+            # Said once per reason, whether or not an outage was said before: a revoked token (the demo
+            # that printed it stopped) does not pass, and training goes on without the server meanwhile.
+            self._connected = False
+            if exc.message != self._last_refusal:
+                log.warning(
+                    "the server refused this process's token (%s): training continues without flexium's server; "
+                    "set %s or 'token:' in .flexiumrc to a token of the workspace and start the job again",
+                    exc.message,
+                    protocol.TOKEN_ENV,
+                )
+                self._last_refusal = exc.message
             return False
         except Refused as exc:
             # The server understood and said no: a problem of this client or its process, never a
