@@ -243,10 +243,15 @@ def test_resume_target_choice(db: Database) -> None:
     # paused from GPU 0, which is now full: resume goes to the emptiest same-model GPU
     devices = [gpu(0, used=139 * GIB), gpu(1, used=50 * GIB), gpu(2, used=20 * GIB), gpu(3, name="NVIDIA A100")]
     add_process(db, ws, "p", state="PAUSED", memory=0, footprint_bytes=30 * GIB, devices=devices)
-    assert make_command(db, ws, "resume", "p").target_uuid == "GPU-0002"
+    elsewhere = make_command(db, ws, "resume", "p")
+    assert elsewhere.target_uuid == "GPU-0002"
+    assert elsewhere.reason == (  # the command line and the job's timeline say why
+        "to GPU 2, the one with the most room (where it paused: GPU 0, 1.0 GiB free, the job needs 30.0 GiB)"
+    )
     # room on its own GPU: resume there
     add_process(db, ws, "q", state="PAUSED", memory=0, footprint_bytes=30 * GIB, host="n2", n_gpus=2)
-    assert make_command(db, ws, "resume", "q").target_uuid == "GPU-0000"
+    home = make_command(db, ws, "resume", "q")
+    assert home.target_uuid == "GPU-0000" and home.reason is None
     # cannot migrate and its GPU is full by the last report: it resumes there, the job judging the room
     add_process(
         db,

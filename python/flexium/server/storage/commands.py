@@ -45,31 +45,36 @@ from flexium.server.storage.workspaces import AuthInfo
 _RUNNING_STATE = {"migrate": "MIGRATING", "pause": "PAUSING", "resume": "RESUMING"}
 
 
-def _choose_resume_target(*, session: Session, proc: Process, now: float, stale_after: float) -> Device | None:
+def _choose_resume_target(
+    *, session: Session, proc: Process, now: float, stale_after: float
+) -> tuple[Device | None, str | None]:
     """Resume where it paused when that GPU has room by the last report; else the GPU with the
-    most free memory that has (another GPU only for a job that can migrate); else where it paused,
-    the job judging the room there (the report is older than this command). None lets the process
-    resume on its source (no device reports to judge by)."""
+    most free memory that has (another GPU only for a job that can migrate), saying why; else where
+    it paused, the job judging the room there (the report is older than this command). None lets
+    the process resume on its source (no device reports to judge by)."""
     devices = host_devices(session=session, workspace_id=proc.workspace_id, host=proc.host)
     if not devices:
-        return None
+        return None, None
 
     def refusal(dev: Device, *, room: bool) -> str | None:
         return target_refusal(proc=proc, dev=dev, kind="resume", now=now, stale_after=stale_after, room=room)
 
     home = devices.get(proc.gpu_uuid or "")
-    if home is not None and refusal(home, room=True) is None:
-        return home
+    home_room = None if home is None else refusal(home, room=True)
+    if home is not None and home_room is None:
+        return home, None
     candidates = [dev for dev in devices.values() if refusal(dev, room=True) is None]
     if candidates and stored_capabilities(proc).migration:
-        return max(candidates, key=lambda d: (d.memory_total - d.memory_used, -(d.index or 0)))
+        chosen = max(candidates, key=lambda d: (d.memory_total - d.memory_used, -(d.index or 0)))
+        where = "not reported" if home is None else f"GPU {home.index}, {home_room}"
+        return chosen, f"to GPU {chosen.index}, the one with the most room (where it paused: {where})"
     home_refusal = None if home is None else refusal(home, room=False)
     if home is not None and home_refusal is None:
-        return home
+        return home, None
     if home_refusal is not None:
         raise TargetRefused(f"no GPU can take process {proc.process_id!r}: its own GPU {proc.gpu_uuid}: {home_refusal}")
     if proc.gpu_uuid is None:
-        return None
+        return None, None
     raise TargetRefused(f"no GPU on host {proc.host!r} can take process {proc.process_id!r}")
 
 
@@ -154,7 +159,8 @@ def create_commands(
             device = resolve_target(session=session, proc=proc, target=target)
             check_target(proc, device, kind=kind, now=now, stale_after=stale_after)
         else:
-            device = _choose_resume_target(session=session, proc=proc, now=now, stale_after=stale_after)
+            device, chosen_because = _choose_resume_target(session=session, proc=proc, now=now, stale_after=stale_after)
+            reason = reason or chosen_because
     row = Command(
         workspace_id=workspace_id,
         process_pk=proc.pk,
