@@ -145,7 +145,8 @@ def test_queuing_says_its_wait_its_place_and_how_to_list_and_cancel_it(capsys: p
     assert server.requests == [wire.WaitRequest(process_id="gpu-7f3a", gpu="cuda:1", host="node1", make_room=False)]
     assert capsys.readouterr().out == (
         "resume gpu-7f3a: queued as wait 3, number 2 in host node1's queue: it resumes when a GPU of its host has "
-        "30.0 GiB free (`flexium queue` lists the queue; `flexium resume gpu-7f3a --cancel` takes it out)\n"
+        "30.0 GiB free (0.5 GiB more as headroom beside other processes or on another GPU; `flexium queue` lists "
+        "the queue; `flexium resume gpu-7f3a --cancel` takes it out)\n"
     )
 
 

@@ -114,7 +114,8 @@ def _queued(wait: wire.WaitInfo) -> str:
     place = f", number {wait.position} in host {wait.host}'s queue" if wait.position else ""
     return (
         f"queued as wait {wait.id}{place}: it resumes when {where} has {gib(wait.need_bytes)} free "
-        f"(`flexium queue` lists the queue; `flexium resume {wait.process_id} --cancel` takes it out)"
+        f"({gib(protocol.ROOM_MARGIN_BYTES)} more as headroom beside other processes or on another GPU; "
+        f"`flexium queue` lists the queue; `flexium resume {wait.process_id} --cancel` takes it out)"
     )
 
 
