@@ -57,7 +57,7 @@ def test_with_both_gpus_full_it_waits_then_starts_when_the_neighbour_leaves(serv
     write_host_file(host_file, {0: FULL, 1: FULL})
     run = Run(server, tmp_path, host_file)
     try:
-        run.output.wait_for(r"^flexium run: placement (\d+) waits \(place 1 in line\): waits for 4.5 GiB", 60)
+        run.output.wait_for(r"^flexium run: placement (\d+) waits \(number 1 to start on \S+\): waits for 4.5 GiB", 60)
         waiting = [p for p in _placements(server) if p["state"] == "waiting"]
         assert len(waiting) == 1 and "GPU 0: 1.0 GiB free; GPU 1: 1.0 GiB free" in waiting[0]["note"]
         write_host_file(host_file, {1: FULL})

@@ -64,6 +64,6 @@ def test_it_asks_again_while_the_server_cannot_be_reached(monkeypatch: pytest.Mo
     monkeypatch.setattr(run_cli, "_say", said.append)
     assert run_cli._wait_until_placed(Api(), placement).state == "placed"  # type: ignore[arg-type]
     assert said == [
-        "placement 7 waits (place 1 in line): waits for a GPU",
+        "placement 7 waits (number 1 to start on node1): waits for a GPU",
         f"placement 7: {down.message}; asking again",
     ]

@@ -265,7 +265,9 @@ def _wait_until_placed(api: ApiClient, placement: wire.PlacementInfo) -> wire.Pl
     unreachable = False  # said once an outage
     while placement.state == "waiting":
         if placement.note != said:
-            place = f" (place {placement.position} in line)" if placement.position else ""
+            # Its place among the jobs waiting to start on its host; paused jobs waiting to resume are a list of
+            # their own, which `flexium queue` shows above it.
+            place = f" (number {placement.position} to start on {placement.host})" if placement.position else ""
             _say(f"placement {placement.id} waits{place}: {placement.note}")
             said = placement.note
         time.sleep(ASK_EVERY_S)
