@@ -19,7 +19,9 @@ from flexium.units import GIB, gib
 KEY_WIDTH = 16  # of a job's key in `flexium ps`
 COMMAND_WIDTH = 80  # of a job's command line in `flexium ps` (--json has all of it)
 PS_LEGEND = (
-    "Columns: STEPS = optimizer steps taken, as last reported (flexium.auto.report's step where the loop "
+    "Columns: DEVICE = the GPU as the job names it (cuda:N), and, once a move took it to another, the GPU it is "
+    "on as its host numbers them (cuda:0 (on cuda:1): the job's cuda:0 is the host's GPU 1, `flexium devices` "
+    "lists them); STEPS = optimizer steps taken, as last reported (flexium.auto.report's step where the loop "
     "counts its own); SPEED = steps per second between its last two reports, while it runs; MOVES: fast = "
     "migrate and pause on the fast path, driver = on the driver path only, pause = pause and resume only "
     "(driver below 580), - = none (`flexium ps --json` gives the reasons); MEMORY: the GPU memory it holds, or "
