@@ -47,7 +47,7 @@ def test_a_drain_and_a_placement_survive_the_servers_sigkill(tmp_path: Path) -> 
         for job in jobs:
             assert job.wait_registered()["gpu_index"] == 0
         run = Run(server, tmp_path, place_file, "--host", PLACE_HOST)
-        run.output.wait_for(r"^flexium run: placement \d+ waits \(place 1 in line\)", 60)
+        run.output.wait_for(r"^flexium run: placement \d+ waits \(number 1 to start on \S+\)", 60)
         drain = server.post("/drains", {"host": DRAIN_HOST, "gpu": 0, "reason": "before a restart"})
         assert drain.status_code == 201, drain.text
         server.stop(signal.SIGKILL)
