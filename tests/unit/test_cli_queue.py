@@ -232,6 +232,10 @@ def test_the_queue_lists_each_wait_with_its_priority_place_and_a_clipped_note(
     assert run(server, "queue") == EXIT_OK
     assert capsys.readouterr().out.splitlines()[2].endswith(long_note)
 
+    done = wait(id=5, state="done", position=None, command_id=12, finished_at=time.time())
+    assert run(Server(waits=[done]), "queue", "--all") == EXIT_OK
+    assert capsys.readouterr().out.splitlines()[1].endswith("alice  resumed by command 12")
+
     assert run(Server(), "queue") == EXIT_OK
     assert capsys.readouterr().out == "no job waits to resume or start in workspace 'team'\n"
     assert run(Server(), "queue", "--all") == EXIT_OK

@@ -138,12 +138,14 @@ def run(
         token, revoke = _demo_token(settings.database_url)
         from flexium.server import database_admin, storage
 
-        # The job gets what a job needs, and no more: its token cannot command or mint.
-        job_token = database_admin.issue_token(
-            protocol.DEFAULT_WORKSPACE,
-            name="flexium demo job",
-            role=protocol.ROLE_JOB,
-            database_url=settings.database_url,
+        # The jobs get what a job needs, and no more: their tokens cannot command or mint. The demo's job
+        # and the jobs of yours started with the line it prints each have their own, so that the audit
+        # log tells them apart.
+        job_token, your_token = (
+            database_admin.issue_token(
+                protocol.DEFAULT_WORKSPACE, name=name, role=protocol.ROLE_JOB, database_url=settings.database_url
+            )
+            for name in ("flexium demo job", "your jobs beside flexium demo")
         )
     except (DatabaseUnavailable, SchemaTooNew) as exc:
         print(f"flexium demo: cannot use the database: {exc}", file=sys.stderr)
@@ -246,7 +248,7 @@ def run(
         server_env = f"{protocol.SERVER_ENV}={address}/{protocol.DEFAULT_WORKSPACE}"
         _say(f"admin token (for the CLI and the dashboard): {token}")
         _say(f"try: {server_env} {protocol.TOKEN_ENV}={token} flexium ps")
-        job_env = f"{server_env} {protocol.TOKEN_ENV}={job_token}"
+        job_env = f"{server_env} {protocol.TOKEN_ENV}={your_token}"
         if simulation is None:
             _say(f"a job of yours: {job_env} python train.py  (a job token)")
         else:
@@ -274,7 +276,8 @@ def run(
             if _stop(job, signal.SIGINT) == -signal.SIGKILL and registered is not None:
                 _forget(api, registered.process_id)  # it could not unregister: no STALE row for the next demo
             _stop(server, signal.SIGTERM)
-            if _revoke(job_token, settings.database_url):
+            _revoke(job_token, settings.database_url)
+            if _revoke(your_token, settings.database_url):
                 _say(
                     "the job token it printed is revoked: a job of yours started with it trains on without the "
                     "server (start it again with a token of a running server)"

@@ -206,6 +206,14 @@ def _print_placements(placements: list[wire.PlacementInfo]) -> None:
     print_table(rows)
 
 
+def _wait_note(w: wire.WaitInfo) -> str:
+    """Why it waits, or how it ended: a done one by which resume (`flexium ps` and the job's timeline say
+    where it went)."""
+    if w.state == "done" and w.command_id is not None:
+        return f"resumed by command {w.command_id}" + (f"; why: {w.why}" if w.why else "")
+    return w.note or (f"why: {w.why}" if w.why else w.reason)
+
+
 def _placement_note(p: wire.PlacementInfo) -> str:
     """Its note without what NEEDS says already ("waits for 76.5 GiB (its 76.0 GiB and headroom): "): why
     it waits, GPU by GPU."""
@@ -231,7 +239,7 @@ def _print_waits(waits: list[wire.WaitInfo]) -> None:
                 gib(w.need_bytes),
                 age((w.finished_at or now) - w.created_at),
                 w.requested_by,
-                _clip(w.note or (f"why: {w.why}" if w.why else w.reason)),
+                _clip(_wait_note(w)),
             )
         )
     print_table(rows)
