@@ -21,8 +21,5 @@ def module_tmp(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def server(module_tmp: Path) -> Iterator[Server]:
-    srv = Server(module_tmp)
-    srv.create_workspace()
-    srv.start()
-    yield srv
-    srv.stop_checked(signal.SIGKILL)
+    with Server(module_tmp).serving(signal.SIGKILL) as srv:
+        yield srv

@@ -21,11 +21,8 @@ SHOWN_WITHIN_S = 3.0  # the job beats right after its final report; the rest is 
 
 @pytest.fixture(scope="module")
 def server(module_tmp: Path) -> Iterator[Server]:
-    srv = Server(module_tmp, options=("--stale-after", "60", "--device-write-interval", "30"))
-    srv.create_workspace()
-    srv.start()
-    yield srv
-    srv.stop_checked()
+    with Server(module_tmp, options=("--stale-after", "60", "--device-write-interval", "30")).serving() as srv:
+        yield srv
 
 
 def memory_by_gpu(server: Server) -> dict[str, int]:

@@ -24,11 +24,8 @@ pytestmark = pytest.mark.timeout(120)
 
 @pytest.fixture
 def server(tmp_path: Path) -> Iterator[Server]:
-    srv = Server(tmp_path)
-    srv.create_workspace()
-    srv.start()
-    yield srv
-    srv.stop_checked(signal.SIGKILL)
+    with Server(tmp_path).serving(signal.SIGKILL) as srv:
+        yield srv
 
 
 def host(monkeypatch: pytest.MonkeyPatch, server: Server, visible: list[int]) -> None:

@@ -4,13 +4,14 @@ real ``flexium`` command. Everything listens on 127.0.0.1 only; every wait is bo
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -101,6 +102,14 @@ class Server:
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> None:
         self.child.stop(sig, timeout)
+
+    @contextlib.contextmanager
+    def serving(self, stop_signal: int = signal.SIGTERM) -> Iterator[Server]:
+        """Its workspace made and the server started for the block, then stopped (stop_checked)."""
+        self.create_workspace()
+        self.start()
+        yield self
+        self.stop_checked(stop_signal)
 
     def stop_checked(self, sig: int = signal.SIGTERM) -> None:
         """Stops the server, failing (with what it printed) where it had exited by itself."""
