@@ -44,8 +44,8 @@ twice: the first pause may find its staging still being prepared ("staging": mad
 "part": kept but still being pinned ahead, the rest streamed), the second finds it kept from the
 first ("kept"); a resume row shows the staging of the pause it ends. Goals: FREE_GOALS, for the
 pauses; the fast migrations' are shown beside them. With --staging-ways, per size more jobs
-pause and resume with nothing kept pinned (FLEXIUM_PINNED_HOST_MEMORY=0; again with the staging written
-by the copier, FLEXIUM_WRITTEN_STAGING=1) and with --kept-budget
+pause and resume with nothing kept pinned (FLEXIUM_PINNED_HOST_MEMORY=0; again with the staging touched
+and pinned rather than written by the copier, FLEXIUM_WRITTEN_STAGING=0) and with --kept-budget
 (their rows marked "@budget"; the downtime goals leave them out), another with --kept-budget pauses
 only once its keeper keeps the staging (its kept rows "ahead": made by the keeper, as a job that has
 trained a while finds it), and another the same with the default budget where that cannot hold the whole
@@ -730,8 +730,8 @@ def print_goals(checked: list[dict[str, Any]]) -> None:
 FREEING = {
     "kept": "pause, staging kept",
     "part": "pause, staging kept in part",
-    "made": "pause, staging made",
-    "written": "pause, staging made and written (FLEXIUM_WRITTEN_STAGING=1)",
+    "made": "pause, staging made, touched and pinned (FLEXIUM_WRITTEN_STAGING=0)",
+    "written": "pause, staging made (written by the copier)",
     "parked": "migrate (parked elsewhere)",
 }
 
@@ -779,9 +779,27 @@ STAGING_WAYS = {
     "kept": "staging kept",
     "part": "staging kept in part",
     "share": "staging kept in part, the pinned budget's share, the rest made at the safe point",
-    "made": "staging not kept",
-    "written": "staging not kept, written by the copier (FLEXIUM_WRITTEN_STAGING=1)",
+    "made": "staging not kept, touched and pinned (FLEXIUM_WRITTEN_STAGING=0)",
+    "written": "staging not kept (written by the copier)",
 }
+
+
+# The jobs --staging-ways adds per size (--staging-jobs picks among them).
+STAGING_JOBS = {
+    "unkept": "nothing kept pinned (FLEXIUM_PINNED_HOST_MEMORY=0)",
+    "kept": "the whole staging kept (--kept-budget)",
+    "touched": "nothing kept, the staging touched and pinned rather than written (FLEXIUM_WRITTEN_STAGING=0)",
+    "ahead": "paused once its keeper kept its staging (--kept-budget)",
+    "share": "paused once its keeper kept the default budget's share (sizes beyond that budget)",
+}
+
+
+def staging_jobs(wanted: str) -> set[str]:
+    jobs = {j.strip() for j in wanted.split(",") if j.strip()}
+    unknown = sorted(jobs - set(STAGING_JOBS))
+    if unknown:
+        raise SystemExit(f"--staging-jobs: unknown {', '.join(unknown)}; choose among {', '.join(STAGING_JOBS)}")
+    return jobs
 
 
 def staging_way(row: dict[str, Any]) -> str | None:
@@ -912,6 +930,13 @@ def main() -> int:
         "kept and not kept (the default budget keeps a 16 GiB job's, not a 64 GiB job's)",
     )
     parser.add_argument(
+        "--staging-jobs",
+        default=",".join(STAGING_JOBS),
+        help="for --staging-ways: which of its jobs run, comma-separated (default all: "
+        + "; ".join(f"{k}: {v}" for k, v in STAGING_JOBS.items())
+        + ")",
+    )
+    parser.add_argument(
         "--kept-budget",
         default="90%",
         help="for --staging-ways: the pinned host memory budget of the job that keeps its staging (default 90%%)",
@@ -942,6 +967,7 @@ def main() -> int:
     if args.repeat_pause < 1:
         parser.error(f"--repeat-pause must be at least 1 (one run: the pool job's own), not {args.repeat_pause}")
     sizes = [float(s) for s in args.sizes.split(",") if s.strip()]
+    jobs_wanted = staging_jobs(args.staging_jobs)
 
     started = time.perf_counter()
     failures: list[str] = []
@@ -1018,27 +1044,31 @@ def main() -> int:
             record(run, size, path=IN_PROCESS_PATH)
 
         if args.staging_ways:
-            for budget in ("0", args.kept_budget):
+            for job, budget in (("unkept", "0"), ("kept", args.kept_budget)):
+                if job not in jobs_wanted:
+                    continue
                 log(f"-- {label}: pool job, fast pause + resume with FLEXIUM_PINNED_HOST_MEMORY={budget}")
                 run = run_pause_job(
                     f"{label} pool job, pinned budget {budget}", size, args, {"FLEXIUM_PINNED_HOST_MEMORY": budget}
                 )
                 record(run, size, budget=budget)
-            log(f"-- {label}: pool job, nothing kept, its staging written by the copier (FLEXIUM_WRITTEN_STAGING=1)")
-            written = {"FLEXIUM_PINNED_HOST_MEMORY": "0", "FLEXIUM_WRITTEN_STAGING": "1"}
-            run = run_pause_job(f"{label} pool job, staging written", size, args, written)
-            record(run, size, budget="0")
-            # A job that has trained a while: its first pause finds the staging its keeper made ahead.
-            log(f"-- {label}: pool job paused once its keeper made its staging ({args.kept_budget} budget)")
-            run = run_pause_job(
-                f"{label} pool job, kept by its keeper",
-                size,
-                args,
-                {"FLEXIUM_PINNED_HOST_MEMORY": args.kept_budget},
-                keeper_first=True,
-            )
-            record(run, size, budget=args.kept_budget, ahead="keeper")
-            if not default_budget_holds(size):
+            if "touched" in jobs_wanted:
+                log(f"-- {label}: pool job, nothing kept, its staging touched and pinned (FLEXIUM_WRITTEN_STAGING=0)")
+                touched = {"FLEXIUM_PINNED_HOST_MEMORY": "0", "FLEXIUM_WRITTEN_STAGING": "0"}
+                run = run_pause_job(f"{label} pool job, staging touched", size, args, touched)
+                record(run, size, budget="0")
+            if "ahead" in jobs_wanted:
+                # A job that has trained a while: its first pause finds the staging its keeper made ahead.
+                log(f"-- {label}: pool job paused once its keeper made its staging ({args.kept_budget} budget)")
+                run = run_pause_job(
+                    f"{label} pool job, kept by its keeper",
+                    size,
+                    args,
+                    {"FLEXIUM_PINNED_HOST_MEMORY": args.kept_budget},
+                    keeper_first=True,
+                )
+                record(run, size, budget=args.kept_budget, ahead="keeper")
+            if "share" in jobs_wanted and not default_budget_holds(size):
                 log(f"-- {label}: pool job paused once its keeper kept the default budget's share of its staging")
                 run = run_pause_job(f"{label} pool job, kept in part by its keeper", size, args, keeper_first=True)
                 record(run, size, budget="default", ahead="keeper")

@@ -158,7 +158,7 @@ def test_a_pause_while_the_keeper_makes_driver_memory_streams_the_rest(
     layout = _C.host_staging_layout()
     assert True in layout.driver_made and False in layout.driver_made, layout  # made, then streamed
     made_ahead = sum(size for (_fd, size), made in zip(layout.extents, layout.driver_made, strict=True) if made)
-    said = f"GiB of it newly mapped and touched, {made_ahead / (1 << 30):.2f} GiB made by the driver ahead, "
+    said = f"GiB of it newly mapped and written, {made_ahead / (1 << 30):.2f} GiB made by the driver ahead, "
     assert any(said in note for note in paused.notes), (said, paused.notes)
     assert job.fake.pinned_at_last_checkpoint() == 0 and job.fake.vmm_mappings() == 0
     assert engine.resume().ok

@@ -1,9 +1,10 @@
 """A fast pause whose host staging is not kept pinned (it does not fit the pinned host memory budget,
 or nothing kept it yet) makes it at its safe point, with the job stopped, in its copy step: the
-copier touches it and pins each chunk as its copies reach it (docs/fast-path.md, "stop first, then
-stream"). Over the fake driver: where the time went is noted, and a failure at any point of that
-step (pinning, copying, the copier dying) leaves the job paused by copies in this process, or
-running where it was with nothing moved; never lost."""
+copier writes it through small pinned buffers as its copies come (or, with FLEXIUM_WRITTEN_STAGING=0,
+touches it and pins each chunk as its copies reach it: docs/fast-path.md, "stop first, then stream").
+Over the fake driver: where the time went is noted, and a failure at any point of that step (pinning,
+copying, the copier dying) leaves the job paused by copies in this process, or running where it was
+with nothing moved; never lost."""
 
 from __future__ import annotations
 
@@ -38,7 +39,12 @@ from support.fast_path import (  # noqa: E402,F401  (fixtures)
     names,
 )
 
-MADE = re.compile(
+WRITTEN = re.compile(
+    r"made the host staging by the copier process \d+ at the safe point in \d+\.\d\d s \(0\.01 GiB of it newly "
+    r"mapped and written, 0\.00 GiB found pinned, 0\.01 GiB streamed; files \d+\.\d\d s, attach \d+\.\d\d s\), "
+    r"then wrote 0\.01 GiB as the copies came, nothing of it pinned, copies \d+\.\d\d s$"
+)
+TOUCHED = re.compile(
     r"made the host staging by the copier process \d+ at the safe point in \d+\.\d\d s \(0\.01 GiB of it newly "
     r"mapped and touched, 0\.00 GiB found pinned, 0\.01 GiB streamed; files \d+\.\d\d s, attach \d+\.\d\d s\), "
     r"then pinned "
@@ -53,57 +59,58 @@ def unkept(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FLEXIUM_PINNED_HOST_MEMORY", "0")
 
 
-def test_the_staging_is_made_at_the_safe_point_and_its_time_noted(job: Job, unkept: None) -> None:
-    engine = job.training([2 * MiB, 4 * MiB, 6 * MiB])
-    assert _C.host_staging_pool_bytes() == 0  # nothing made while the job trains
-    paused = engine.pause()
-    assert paused.ok and paused.path == "fast" and names(paused) == FAST_PAUSE
-    assert MADE.match(paused.notes[0]), paused.notes
-    assert job.fake.pinned_at_last_checkpoint() == 0 and job.fake.call_count("cuMemHostRegister") == 0
-    assert copier_processes() != [] and job.fast is not None and job.fast._copier is not None
-    assert job.fast._copier.awake_on is None  # asleep: the paused job holds nothing on any GPU
-    resumed = engine.resume(target=engine.gpus[1])
-    assert resumed.ok and resumed.path == "fast"
-    job.assert_home(physical=1)
-    wait_until(lambda: _C.host_staging_pool_bytes() == 0, what="the staging to be given back")
-
-
-WRITTEN = re.compile(
-    r"made the host staging by the copier process \d+ at the safe point in \d+\.\d\d s \(0\.01 GiB of it newly "
-    r"mapped and written, 0\.00 GiB found pinned, 0\.01 GiB streamed; files \d+\.\d\d s, attach \d+\.\d\d s\), "
-    r"then wrote 0\.01 GiB as the copies came, nothing of it pinned, copies \d+\.\d\d s$"
-)
-
-
 @pytest.fixture
-def written(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The copier writes a staging made at the safe point rather than touch and pin it (the copier
-    process, started at the pause, reads it from the job's environment)."""
-    monkeypatch.setenv("FLEXIUM_WRITTEN_STAGING", "1")
+def touched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copier touches a staging made at the safe point and pins it as its copies reach it, rather than
+    write it (the copier process, started at the pause, reads it from the job's environment)."""
+    monkeypatch.setenv("FLEXIUM_WRITTEN_STAGING", "0")
 
 
-def test_the_staging_made_at_the_safe_point_may_be_written_not_pinned(job: Job, unkept: None, written: None) -> None:
+@pytest.fixture(params=["written", "touched"])
+def way(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each way the copier makes a staging at the safe point: the default (written) and touched."""
+    monkeypatch.setenv("FLEXIUM_WRITTEN_STAGING", "1" if request.param == "written" else "0")
+    return str(request.param)
+
+
+def test_the_staging_made_at_the_safe_point_is_written_not_pinned(job: Job, unkept: None) -> None:
     """Written through the copier's small pinned buffers, the staging's pages are made by the writes:
     nothing of it is ever pinned, and the job resumes on the other GPU with its bytes intact. A
-    second pause writes its staging again."""
+    second pause writes its staging again; the time each took is noted."""
     engine = job.training([2 * MiB, 4 * MiB, 6 * MiB])
+    assert _C.host_staging_pool_bytes() == 0  # nothing made while the job trains
     for target in (1, 0):
         paused = engine.pause()
         assert paused.ok and paused.path == "fast" and names(paused) == FAST_PAUSE
         assert WRITTEN.match(paused.notes[0]), paused.notes
         assert job.fake.pinned_at_last_checkpoint() == 0 and job.fake.call_count("cuMemHostRegister") == 0
-        assert job.fast is not None and job.fast._copier is not None and job.fast._copier.awake_on is None
+        assert copier_processes() != [] and job.fast is not None and job.fast._copier is not None
+        assert job.fast._copier.awake_on is None  # asleep: the paused job holds nothing on any GPU
         resumed = engine.resume(target=engine.gpus[target])
         assert resumed.ok and resumed.path == "fast"
         job.assert_home(physical=target)
         wait_until(lambda: _C.host_staging_pool_bytes() == 0, what="the staging to be given back")
 
 
+def test_the_staging_made_at_the_safe_point_may_be_touched_and_pinned(job: Job, unkept: None, touched: None) -> None:
+    engine = job.training([2 * MiB, 4 * MiB, 6 * MiB])
+    assert _C.host_staging_pool_bytes() == 0
+    paused = engine.pause()
+    assert paused.ok and paused.path == "fast" and names(paused) == FAST_PAUSE
+    assert TOUCHED.match(paused.notes[0]), paused.notes
+    assert job.fake.pinned_at_last_checkpoint() == 0  # pinned while the copies ran, unpinned before the checkpoint
+    assert job.fast is not None and job.fast._copier is not None and job.fast._copier.awake_on is None
+    resumed = engine.resume(target=engine.gpus[1])
+    assert resumed.ok and resumed.path == "fast"
+    job.assert_home(physical=1)
+    wait_until(lambda: _C.host_staging_pool_bytes() == 0, what="the staging to be given back")
+
+
 @pytest.mark.parametrize("call", ["cuMemHostRegister", "cuMemcpyDtoHAsync"])
-def test_a_written_staging_failing_in_the_copier_is_copied_here(
-    job: Job, unkept: None, written: None, monkeypatch: pytest.MonkeyPatch, call: str
+def test_a_staging_failing_in_the_copier_is_copied_here(
+    job: Job, unkept: None, way: str, monkeypatch: pytest.MonkeyPatch, call: str
 ) -> None:
-    """The copier cannot pin its buffers or copy into them: it is stopped and this process copies
+    """The copier cannot pin (its buffers, or the staging it touched) or copy: it is stopped and this process copies
     (touching and pinning the files itself), the job pausing and resuming whole; failing here too,
     nothing moves and the job trains on."""
     monkeypatch.setenv("FAKE_CUDA_FAIL", f"{call}:{CUDA_ERROR_UNKNOWN}:0")  # every call, in the copier's fake
@@ -146,7 +153,7 @@ def nothing_moved(job: Job, engine: Any, call: str) -> None:
 
 @pytest.mark.parametrize("call", ["cuMemHostRegister", "cuMemcpyDtoHAsync"])
 def test_a_copy_step_failing_in_the_copier_and_here_moves_nothing(
-    job: Job, unkept: None, monkeypatch: pytest.MonkeyPatch, call: str
+    job: Job, unkept: None, way: str, monkeypatch: pytest.MonkeyPatch, call: str
 ) -> None:
     monkeypatch.setenv("FAKE_CUDA_FAIL", f"{call}:{CUDA_ERROR_UNKNOWN}:0")  # every call, in the copier's fake
     engine = job.training([2 * MiB, 4 * MiB])
@@ -155,7 +162,7 @@ def test_a_copy_step_failing_in_the_copier_and_here_moves_nothing(
 
 
 def test_a_copier_killed_in_the_copy_step_leaves_the_copies_to_this_process(
-    job: Job, unkept: None, monkeypatch: pytest.MonkeyPatch
+    job: Job, unkept: None, way: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = job.training([2 * MiB, 4 * MiB, 6 * MiB])
     copy = Copier.copy

@@ -284,7 +284,9 @@ def test_a_job_paused_again_leaves_no_copier_awake_on_its_gpu(job: Job, monkeypa
 def test_a_copier_whose_sleep_after_a_fill_fails_is_stopped(job: Job, monkeypatch: pytest.MonkeyPatch) -> None:
     """After a restore that failed, the copier's sleep after its fill is read: one that failed (its context
     still on the GPU) gets the copier stopped, so that the paused job holds nothing on any GPU."""
-    # The copier's first cuStreamDestroy is its sleep after the pause's copy, the second its sleep after the fill.
+    # The copier's first cuStreamDestroy is its sleep after the pause's copy, the second its sleep after the fill,
+    # where its staging is touched: writing it, its threads (one a file, as many as the cores) destroy streams too.
+    monkeypatch.setenv("FLEXIUM_WRITTEN_STAGING", "0")
     monkeypatch.setenv("FAKE_CUDA_FAIL", f"cuStreamDestroy:{CUDA_ERROR_UNKNOWN}:2")
     engine = job.training(SIZES)
     monkeypatch.delenv("FAKE_CUDA_FAIL")

@@ -44,7 +44,7 @@ log = logging.getLogger("flexium")
 
 DISABLE_ENV = "FLEXIUM_HOST_COPIER"  # false: copies run in the job's process
 OVERLAP_ENV = "FLEXIUM_RESUME_OVERLAP"  # false: the copy back waits for the restore (fast/resume_overlap.py)
-WRITTEN_ENV = "FLEXIUM_WRITTEN_STAGING"  # true: a staging made at the safe point is written, not touched
+WRITTEN_ENV = "FLEXIUM_WRITTEN_STAGING"  # false: a staging made at the safe point is touched, not written
 FRAME_BYTES = 48 << 10
 FDS_PER_FRAME = 200
 START_TIMEOUT_S = 60.0
@@ -90,9 +90,9 @@ def overlap_enabled() -> bool:
 
 def written_staging_enabled() -> bool:
     """Whether the copier writes a staging made at a pause's safe point through small pinned buffers
-    (csrc/host_copier_writes.cpp) rather than touch, pin and later unpin it: off until it is measured
-    faster on a GPU (docs/fast-path.md, "Written at the safe point")."""
-    return switch_from_env(WRITTEN_ENV, False, "written staging switch")
+    (csrc/host_copier_writes.cpp) rather than touch, pin and later unpin it (docs/fast-path.md, "Written at
+    the safe point")."""
+    return switch_from_env(WRITTEN_ENV, True, "written staging switch")
 
 
 def send(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
