@@ -98,11 +98,20 @@ def host_name() -> str | None:
     return name
 
 
-def hold_job_memory(nbytes: int = JOB_BYTES) -> None:
-    """The simulated GPU memory this process holds on its device (it moves with the job)."""
+def hold_job_memory(device: str = "cuda:0", nbytes: int = JOB_BYTES) -> None:
+    """Hold ``nbytes`` of simulated GPU memory on ``device`` (the job's ``cuda:N``, as
+    ``flexium.auto.get_device()`` gives it), as a job's tensors would: it moves with the job, and every
+    process of the simulated host sees it (`flexium devices`, a job placed beside it). The demo job calls
+    it; a job of yours on the simulated host may too, to take room on its GPU."""
     library = library_path()
     if library is None or not active():
         raise RuntimeError("this process does not run on flexium's simulated driver")
-    code = ctypes.CDLL(str(library)).fake_set_process_memory(0, ctypes.c_uint64(nbytes))
+    kind, _, index = device.partition(":")
+    if kind != "cuda" or not index.isdigit():
+        raise ValueError(f"hold_job_memory: {device!r} is not a GPU of this process; pass its cuda:N")
+    code = ctypes.CDLL(str(library)).fake_set_process_memory(int(index), ctypes.c_uint64(nbytes))
     if code != 0:
-        raise RuntimeError(f"the simulated driver refused to hold {nbytes} bytes (code {code})")
+        raise RuntimeError(
+            f"the simulated driver refused to hold {nbytes} bytes on {device} (code {code}): the simulated "
+            f"host shows {GPUS} GPUs, cuda:0 to cuda:{GPUS - 1}"
+        )

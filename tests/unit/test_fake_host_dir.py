@@ -182,3 +182,43 @@ def test_a_file_of_a_pid_used_again_is_not_counted(fake: FakeDriver, tmp_path: P
     finally:
         stranger.stdin.close()  # type: ignore[union-attr]
         stranger.wait(30)
+
+
+# A job of the simulated host (as `flexium demo` starts its own): holds 3 GiB on the device it names.
+HOLDER = textwrap.dedent(
+    """
+    import sys
+    from flexium import simulated
+    try:
+        simulated.hold_job_memory("gpu1", 1 << 30)
+    except ValueError as exc:
+        print(exc, flush=True)
+    simulated.hold_job_memory(sys.argv[1], 3 << 30)
+    print("holding", flush=True)
+    sys.stdin.read()
+    """
+)
+
+
+def test_a_simulated_job_holds_its_memory_on_its_own_device(tmp_path: Path) -> None:
+    from flexium import simulated
+
+    library = simulated.library_path()
+    assert library is not None, "this build of flexium has no simulated driver"
+    host_dir = tmp_path / "host"
+    host_dir.mkdir()
+    env = {**os.environ, **simulated.environment(library, host_dir)}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, "cuda:1"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout is not None
+        refused = holder.stdout.readline().strip()
+        assert refused == "hold_job_memory: 'gpu1' is not a GPU of this process; pass its cuda:N"
+        assert holder.stdout.readline().strip() == "holding"
+        seen = host_gpus_in_another_process(library, **simulated.environment(library, host_dir))
+        assert seen[1]["processes"] == [{"pid": holder.pid, "used_bytes": 3 * GIB}]
+        assert seen[0]["memory_used"] == 0
+    finally:
+        holder.stdin.close()  # type: ignore[union-attr]
+        assert holder.wait(30) == 0

@@ -37,11 +37,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from flexium import simulated
 
     flexium.init()
+    device = flexium.auto.get_device()
     where = ""
     if simulated.active():
-        simulated.hold_job_memory()
+        simulated.hold_job_memory(device)
         where = " (simulated)"
-    device = flexium.auto.get_device()
     if where or not (device.startswith("cuda") and torch.cuda.is_available()):  # simulated GPUs compute nothing
         device = "cpu"
         torch.set_num_threads(1)
