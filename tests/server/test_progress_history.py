@@ -28,14 +28,21 @@ def _until(condition: Any, timeout: float = 5.0) -> Any:
 
 
 def test_steps_per_s_is_measured_between_two_reports_of_steps() -> None:
-    first = Progress().after(steps=100, loss=None, now=NOW)
+    first = Progress().after(steps=100, loss=None, now=NOW, training=True)
     assert (first.steps, first.steps_per_s) == (100, None)
-    second = first.after(steps=150, loss=2.5, now=NOW + 10)
+    second = first.after(steps=150, loss=2.5, now=NOW + 10, training=True)
     assert (second.steps, second.steps_per_s, second.loss, second.steps_at) == (150, 5.0, 2.5, NOW + 10)
     # a beat without steps or loss keeps what was said
-    assert second.after(steps=None, loss=None, now=NOW + 20) == second
+    assert second.after(steps=None, loss=None, now=NOW + 20, training=True) == second
     # a count that went back (a new process under the same id) starts the rate afresh
-    assert second.after(steps=3, loss=None, now=NOW + 20).steps_per_s is None
+    assert second.after(steps=3, loss=None, now=NOW + 20, training=True).steps_per_s is None
+    # a pause or resume between the two reports starts it afresh too
+    moved = second.after(steps=150, loss=None, now=NOW + 20, training=False)
+    assert (moved.steps, moved.steps_per_s, moved.steps_at) == (150, None, NOW + 20)
+    assert moved.after(steps=170, loss=None, now=NOW + 30, training=True).steps_per_s == 2.0
+    # the same steps again within a step at the last speed (5/s: 0.2 s) say nothing of it; later, a stall
+    assert second.after(steps=150, loss=None, now=NOW + 10.1, training=True).steps_per_s == 5.0
+    assert second.after(steps=150, loss=None, now=NOW + 12, training=True).steps_per_s == 0.0
 
 
 def test_heartbeats_carry_steps_and_loss_to_the_process(api: Api) -> None:
@@ -55,6 +62,26 @@ def test_heartbeats_carry_steps_and_loss_to_the_process(api: Api) -> None:
     assert api.post("/processes/gpu-1/heartbeat", {**beat, "gpu_uuid": "GPU-0001", "steps": 170}).status_code == 200
     shown = api.get("/processes/gpu-1").json()
     assert (shown["steps"], shown["gpu_uuid"], shown["loss"]) == (170, "GPU-0001", 1.25)
+
+
+def test_the_time_of_a_move_is_no_training_speed(api: Api) -> None:
+    """The reports of a move (MIGRATING, then RUNNING again at the same step) make no speed of 0 steps/s:
+    the speed shows again from the next report."""
+    api.register()
+    beat = {"state": "RUNNING", "memory_bytes": 10 * GIB, "gpu_uuid": "GPU-0000"}
+    assert api.post("/processes/gpu-1/heartbeat", {**beat, "steps": 100}).status_code == 200
+    time.sleep(0.2)
+    assert api.post("/processes/gpu-1/heartbeat", {**beat, "steps": 160}).status_code == 200
+    assert _until(lambda: (api.get("/processes/gpu-1").json()["steps_per_s"] or 0) > 0)
+    for state, gpu_uuid in (("MIGRATING", "GPU-0000"), ("RUNNING", "GPU-0001")):
+        time.sleep(0.1)
+        moved = {**beat, "state": state, "gpu_uuid": gpu_uuid, "steps": 160}
+        assert api.post("/processes/gpu-1/heartbeat", moved).status_code == 200
+        shown = api.get("/processes/gpu-1").json()
+        assert (shown["state"], shown["steps"], shown["steps_per_s"]) == (state, 160, None), shown
+    time.sleep(0.2)
+    assert api.post("/processes/gpu-1/heartbeat", {**beat, "gpu_uuid": "GPU-0001", "steps": 180}).status_code == 200
+    assert _until(lambda: (api.get("/processes/gpu-1").json()["steps_per_s"] or 0) > 0)
 
 
 def test_a_loss_that_is_not_a_finite_number_is_refused(api: Api) -> None:

@@ -28,6 +28,7 @@ from flexium.server.metrics import Metrics
 from flexium.server.refusals import RefusalBook
 from flexium.server.settings import Settings
 from flexium.server.storage import AuthInfo, ProcessSnapshot
+from flexium.server.storage.processes import trained_between
 
 if TYPE_CHECKING:  # the link is PostgreSQL's alone: a server on SQLite never imports psycopg
     from flexium.server.replica_link import Message, ReplicaLink
@@ -294,7 +295,8 @@ class ServerContext:
             return False
         progress = snap.progress
         if report.steps is not None or report.loss is not None:
-            progress = progress.after(steps=report.steps, loss=report.loss, now=now)
+            training = trained_between(snap.state, report.state)
+            progress = progress.after(steps=report.steps, loss=report.loss, now=now, training=training)
             self.progress[snap.pk] = ReportedProgress(workspace_id, process_id, progress)
         self.snapshots[key] = dataclasses.replace(snap, last_seen=now, progress=progress)
         self.beats[snap.pk] = now

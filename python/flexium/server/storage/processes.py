@@ -52,22 +52,33 @@ class Progress:
     def of(cls, row: Process) -> Progress:
         return cls(steps=row.steps, steps_at=row.steps_at, steps_per_s=row.steps_per_s, loss=row.loss)
 
-    def after(self, *, steps: int | None, loss: float | None, now: float) -> Progress:
+    def after(self, *, steps: int | None, loss: float | None, now: float, training: bool) -> Progress:
         """The progress once a body saying ``steps`` and ``loss`` (None: not said) arrives.
-        steps/s is measured between two reports of steps: a count that went back (a new
-        process under the same id) or no time between them starts it afresh."""
+        steps/s is measured between two reports of steps while the process trained through both
+        (``training``: ``trained_between``): a count that went back (a new process under the same
+        id), or a pause or resume between them starts it afresh, as its operation's time is no
+        training speed. Two reports of the same steps closer together than the last speed's step
+        (a move's report and the beat after it) keep that speed: they say nothing of it."""
         progress = self if loss is None else replace(self, loss=loss)
         if steps is None:
             return progress
         rate = None
-        if self.steps is not None and self.steps_at is not None and now > self.steps_at and steps >= self.steps:
-            rate = (steps - self.steps) / (now - self.steps_at)
-        elif self.steps == steps:
-            rate = self.steps_per_s
+        if training and self.steps is not None and self.steps_at is not None:
+            between = now - self.steps_at
+            if steps == self.steps and (between <= 0 or (self.steps_per_s or 0) * between < 1):
+                rate = self.steps_per_s
+            elif between > 0 and steps >= self.steps:
+                rate = (steps - self.steps) / between
         return replace(progress, steps=steps, steps_at=now, steps_per_s=rate)
 
     def store(self, row: Process) -> None:
         row.steps, row.steps_at, row.steps_per_s, row.loss = self.steps, self.steps_at, self.steps_per_s, self.loss
+
+
+def trained_between(before: str, reported: str | None) -> bool:
+    """Whether a process that was in state ``before`` at its last report and says ``reported`` now (None:
+    unchanged) trained all the while, so that the steps between the two reports make a speed."""
+    return before == "RUNNING" and reported in (None, "RUNNING")
 
 
 # Said by a body beside its state; they change with every beat, so they never make a beat
@@ -246,7 +257,8 @@ def register_process_snapshot(
         setattr(row, name, getattr(report, name))
     row.capabilities = quotas.stored_json(session=session, value=report.capabilities, what="the process's capabilities")
     _set_job(row, report.job)
-    Progress.of(row).after(steps=report.steps, loss=report.loss, now=now).store(row)
+    training = not created and trained_between(row.state, report.state)
+    Progress.of(row).after(steps=report.steps, loss=report.loss, now=now, training=training).store(row)
     row.last_seen = now
     row.state_seq = report.seq
     _apply_footprint(row, footprint=report.footprint_bytes)
@@ -371,7 +383,8 @@ def heartbeat(
     was_stale = row.last_seen < now - stale_after
     before = _shown_placement(row)
     # Progress only grows and is not a placement: an older beat's still counts.
-    Progress.of(row).after(steps=report.steps, loss=report.loss, now=now).store(row)
+    training = trained_between(row.state, report.state)
+    Progress.of(row).after(steps=report.steps, loss=report.loss, now=now, training=training).store(row)
     if is_older(report.seq, row.state_seq):
         report = wire.HeartbeatRequest()
     elif report.seq is not None:
