@@ -93,3 +93,26 @@ def test_the_migrate_form_of_a_job_on_two_gpus_has_a_gpu_for_each_where_it_is(ap
         chosen = re.findall(r'<option value="(GPU-\d+)"[^>]*selected', select)
         assert chosen == [uuid], select
     assert 'value="GPU-0002"' in selects["GPU-0001"]  # where it may go
+
+
+def test_a_gpu_card_shows_the_room_held_for_a_job_not_on_it_yet(api: Api) -> None:
+    """flexium run's placement holds room on a GPU before its job's memory shows there: the card says how
+    much (as `flexium devices` says RESERVED), and a card with nothing held says nothing of it."""
+    api.register("gpu-run", gpu_index=0, memory=10 * GIB)
+    [before] = api.pages("/ui/devices")
+    assert "mem-reserved" not in before
+    body = {
+        "host": "node1",
+        "devices": [gpu(0, used=10 * GIB), gpu(1)],
+        "memory_bytes": 30 * GIB,
+        "gpu_uuid": "GPU-0001",
+    }
+    placed = api.post("/placements", body)
+    assert placed.status_code == 201 and placed.json()["placement"]["state"] == "placed", placed.text
+    reserved = {d["uuid"]: d["memory_reserved"] for h in api.get("/devices").json()["hosts"] for d in h["devices"]}
+    assert reserved["GPU-0001"] > 30 * GIB and reserved["GPU-0000"] == 0
+    main, cards = api.pages("/", "/ui/devices")
+    for page in (main, cards):
+        held = re.search(r'<li class="mem-reserved"[^>]*><b>([^<]+)</b> reserved</li>', _card(page, "GPU-0001"))
+        assert held is not None and held.group(1).startswith("3"), _card(page, "GPU-0001")
+        assert "mem-reserved" not in _card(page, "GPU-0000")
