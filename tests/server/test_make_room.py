@@ -233,6 +233,47 @@ def test_room_is_held_while_the_pauses_that_make_it_are_under_way(db: Database) 
     assert held() is None
 
 
+@pytest.mark.parametrize("ending", ["failed", "expired"])
+def test_a_pause_that_fails_to_make_the_room_lets_go_of_it_and_says_why(db: Database, ending: str) -> None:
+    """The job refuses its pause (not enough host memory, say) or never takes it: it runs on where the
+    room was to be made. The room held for the waiting job goes (nothing else is kept from that GPU for
+    room that will not come), the wait says why and waits on in the queue, and the paused job's own wait
+    to resume says its pause failed and why."""
+    ws, _ = make_workspace(db)
+    running(db, ws, "low-50", memory=50 * GIB, priority=LOW)
+    gpus_report(db, ws, NOW, 130 * GIB, 138 * GIB)
+    paused(db, ws, "urgent", footprint=45 * GIB, priority=HIGH)
+    made = queue(db, ws, "urgent", make_room=True)
+    [pause] = made.commands
+    assert made.wait.reservation is not None
+    if ending == "failed":
+        next_for(db, ws, "low-50", now=NOW + 1)
+        refusal = "pausing needs 51.00 GiB of host memory; this machine has 22.28 GiB available"
+        report(db, ws, pause.id, "failed", error=refusal, now=NOW + 2)
+        why = f"failed: {refusal}"
+    else:
+        sweep_at(db, NOW + 200, command_ttl=100.0)
+        why = "expired: not started within 100 s"
+    urgent = waits(db, ws)["urgent"]
+    assert urgent.state == "waiting" and urgent.reservation is None, urgent
+    assert urgent.note is not None and urgent.note.startswith(
+        f"room not made: pausing low-50 (command {pause.id}) {why}"
+    )
+    assert (
+        db.run(storage.list_devices, write=False, workspace_id=ws, now=NOW + 3, stale_after=STALE)
+        .hosts[0]
+        .devices[0]
+        .memory_reserved
+        == 0
+    )
+    victim = db.run(storage.list_waits, write=False, workspace_id=ws, now=NOW + 3, process_id="low-50", live=False)
+    assert (
+        victim
+        and victim[0].state == "cancelled"
+        and victim[0].note == f"its pause, command {pause.id}, {why}; it runs on"
+    )
+
+
 def test_room_is_not_made_for_a_job_on_a_gpu_a_higher_priority_job_waits_for(db: Database) -> None:
     """A higher priority is never delayed by a lower one: making room for a normal job where a high-priority
     paused job, first in line, waits for room is refused there, naming that job; with the high job's wait

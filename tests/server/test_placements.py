@@ -14,7 +14,7 @@ from sqlalchemy import update
 from flexium import protocol, wire
 from flexium.server import errors, storage
 from flexium.server.db import Database
-from flexium.server.models import Process
+from flexium.server.models import Placement, Process
 from flexium.server.policies.placement import PlacementOutcome, place_job, report_placement, run_placement_pass
 from flexium.server.settings import BACKFILL_PATIENCE_S
 from flexium.server.storage.drains import create_drain
@@ -369,6 +369,29 @@ def test_a_placed_jobs_room_is_held_a_full_time_from_each_ask_while_it_starts(db
         gpus_report(db, ws, now, 100 * GIB)
         assert resumed(run(db, now)) == []
     assert waits(db, ws)["low-30"].state == "waiting"
+
+
+def test_a_placement_whose_room_is_not_made_waits_on_without_a_hold_and_says_why(db: Database) -> None:
+    """The job paused to make its room refuses its pause: it runs on, so that room will not come. The
+    placement holds none any more (the GPU shows nothing reserved) and its note says why (until the
+    placing pass notes its wait); it waits for room as any other."""
+    ws, _ = make_workspace(db)
+    add_process(db, ws, "low-50", memory=50 * GIB, gpu_index=0, devices=[], priority=LOW, n_gpus=1)
+    out = place(db, ws, 130 * GIB, memory_bytes=40 * GIB, priority=NORMAL, make_room=True)
+    (pause,) = out.pauses
+    assert out.placement.reservation is not None
+    next_for(db, ws, "low-50", now=NOW + 1)
+    report(db, ws, pause.id, "failed", error="pausing needs more host memory than is available", now=NOW + 2)
+    with db.session(write=False) as session:
+        row = session.get(Placement, out.placement.id)
+        assert row is not None and row.reservation_id is None
+        assert row.note is not None and row.note.startswith(
+            f"room not made: pausing low-50 (command {pause.id}) failed"
+        )
+    asked = ask(db, ws, out.placement.id, 130 * GIB, now=NOW + 3)
+    assert asked.state == "waiting" and asked.reservation is None, asked
+    [host] = db.run(storage.list_devices, write=False, workspace_id=ws, now=NOW + 3, stale_after=STALE).hosts
+    assert host.devices[0].memory_reserved == 0
 
 
 def test_room_made_for_a_placement_is_held_a_full_time_from_its_placing(db: Database) -> None:

@@ -127,11 +127,18 @@ def _until_resumed(api: ApiClient, args: argparse.Namespace, wait: wire.WaitInfo
         f"wait {wait.id} (`flexium queue` shows it; `flexium resume {wait.process_id} --cancel` takes it out)"
     )
     deadline = time.monotonic() + args.timeout
-    while wait.state == "waiting" and time.monotonic() < deadline:
+    while wait.state == "waiting" and wait.reservation is not None and time.monotonic() < deadline:
         time.sleep(FOLLOW_EVERY_S)
         wait = api.get_wait(wait.id)
     if wait.command_id is not None and wait.state in ("dispatched", "done"):
         return api.get_command(wait.command_id)
+    if wait.state == "waiting" and wait.reservation is None:  # a pause that was to make the room failed
+        return fail(
+            f"{title}: {wait.note or 'the room held for it is gone'} (wait {wait.id}: `flexium queue` shows it; "
+            f"`flexium resume {wait.process_id} --cancel` takes it out)",
+            EXIT_FAILED,
+            as_json=args.json,
+        )
     if wait.state == "waiting":
         return fail(
             f"{title}: still waiting after {args.timeout:.0f} s (wait {wait.id}); it resumes when the room shows "

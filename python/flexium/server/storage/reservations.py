@@ -76,6 +76,28 @@ def release_room(*, session: Session, wait_id: int) -> None:
     session.execute(delete(Reservation).where(Reservation.wait_id == wait_id))
 
 
+def drop_room_not_made(*, session: Session, cmd: Command, proc: Process) -> list[Reservation]:
+    """A pause make-room sent that failed or expired leaves its job running on the GPU the room was to be
+    made on: the holds there made when it was sent (or before) wait for room that will not come. They
+    are dropped and returned, so that whom they held room for is told."""
+    if cmd.sent_by != MAKE_ROOM.label or proc.gpu_uuid is None:
+        return []
+    rows = list(
+        session.scalars(
+            select(Reservation).where(
+                Reservation.workspace_id == cmd.workspace_id,
+                Reservation.host == proc.host,
+                Reservation.gpu_uuid == proc.gpu_uuid,
+                Reservation.created_at <= cmd.created_at,
+            )
+        )
+    )
+    for row in rows:
+        session.delete(row)
+    session.flush()
+    return rows
+
+
 def held_on_host(*, session: Session, workspace_id: int, host: str, now: float) -> list[tuple[Reservation, str | None]]:
     """The host's reservations not expired, each with the state of the wait it is for (None: for
     a job not started yet)."""

@@ -23,7 +23,7 @@ from flexium.server.storage.audit import PolicyActor, given_why, record_wait
 from flexium.server.storage.devices import held_by_gpu, host_devices
 from flexium.server.storage.jobs import is_job_rank, job_ranks
 from flexium.server.storage.processes import active_command, find_process
-from flexium.server.storage.reservations import release_room, reservation_of, reservation_view
+from flexium.server.storage.reservations import drop_room_not_made, release_room, reservation_of, reservation_view
 from flexium.server.storage.targets import require_capability, resolve_target, target_refusal
 from flexium.server.storage.views import is_stale, stored_capabilities
 from flexium.server.storage.workspaces import AuthInfo
@@ -336,14 +336,32 @@ def command_ended(*, session: Session, cmd: Command, proc: Process, now: float) 
                 now=now,
             )
     elif cmd.kind == "pause" and cmd.state != "succeeded":
+        outcome = f"{cmd.state}: {cmd.error}" if cmd.error else cmd.state
         cancel_live_wait(
             session=session,
             workspace_id=cmd.workspace_id,
             actor=None,
             proc=proc,
-            why=f"its pause, command {cmd.id}, {cmd.state}: it runs on",
+            why=f"its pause, command {cmd.id}, {outcome}; it runs on",
             now=now,
         )
+        _room_not_made(session=session, cmd=cmd, proc=proc, outcome=outcome)
+
+
+def _room_not_made(*, session: Session, cmd: Command, proc: Process, outcome: str) -> None:
+    """The room a failed make-room pause was making will not come: its holds go (drop_room_not_made), and the
+    waits and placements they held it for say why; they wait on for room as any other."""
+    for held in drop_room_not_made(session=session, cmd=cmd, proc=proc):
+        note = (
+            f"room not made: pausing {proc.process_id} (command {cmd.id}) {outcome}; no room is held for it now, "
+            "it waits in the queue for room to show"
+        )[: protocol.MAX_LONG_TEXT]
+        wait = None if held.wait_id is None else session.get(Wait, held.wait_id)
+        if wait is not None and wait.state == "waiting":
+            wait.note = note
+        for placement in session.scalars(select(Placement).where(Placement.reservation_id == held.id)):
+            placement.reservation_id = None
+            placement.note = note
 
 
 def get_wait(*, session: Session, workspace_id: int, wait_id: int, now: float) -> wire.WaitInfo:
