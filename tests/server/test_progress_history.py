@@ -84,6 +84,37 @@ def test_the_time_of_a_move_is_no_training_speed(api: Api) -> None:
     assert _until(lambda: (api.get("/processes/gpu-1").json()["steps_per_s"] or 0) > 0)
 
 
+def _operate(api: Api, kind: str, state: str) -> None:
+    created = api.command(kind, "gpu-1")
+    assert created.status_code == 201, created.text
+    api.client.get(f"{api.base}/processes/gpu-1/commands/next", params={"timeout": 0}, headers=api.headers())
+    done = {"state": "succeeded", "result": {"kind": kind, "path": "driver", "ok": True, "seconds": 0.5}}
+    assert (
+        api.post(f"/commands/{created.json()['id']}/report", {**done, "process": {"state": state}}).status_code == 200
+    )
+
+
+def test_a_pause_is_no_training_speed_after_its_resume(api: Api) -> None:
+    """The job's command reports carry its pause and its resume: the first report of steps after the resume
+    measures nothing across the pause (it once read a fraction of a step a second); the next does."""
+    api.register()
+    beat = {"state": "RUNNING", "memory_bytes": 10 * GIB, "gpu_uuid": "GPU-0000"}
+    assert api.post("/processes/gpu-1/heartbeat", {**beat, "steps": 100}).status_code == 200
+    time.sleep(0.2)
+    assert api.post("/processes/gpu-1/heartbeat", {**beat, "steps": 160}).status_code == 200
+    _operate(api, "pause", "PAUSED")
+    assert api.post("/processes/gpu-1/heartbeat", {**beat, "state": "PAUSED", "steps": 160}).status_code == 200
+    time.sleep(0.5)
+    _operate(api, "resume", "RUNNING")
+    time.sleep(0.1)
+    assert api.post("/processes/gpu-1/heartbeat", {**beat, "steps": 170}).status_code == 200
+    shown = _until(lambda: (p := api.get("/processes/gpu-1").json())["steps"] == 170 and p)
+    assert shown["state"] == "RUNNING" and shown["steps_per_s"] is None, shown
+    time.sleep(0.2)
+    assert api.post("/processes/gpu-1/heartbeat", {**beat, "steps": 230}).status_code == 200
+    assert _until(lambda: (api.get("/processes/gpu-1").json()["steps_per_s"] or 0) > 100)  # 60 steps in 0.2 s
+
+
 def test_a_loss_that_is_not_a_finite_number_is_refused(api: Api) -> None:
     api.register()
     r = api.client.post(

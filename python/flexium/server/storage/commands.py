@@ -30,7 +30,14 @@ from flexium.server.storage import quotas
 from flexium.server.storage.audit import PolicyActor, record_command_finished, record_commands_created
 from flexium.server.storage.devices import host_devices
 from flexium.server.storage.jobs import create_job_commands, is_job_rank
-from flexium.server.storage.processes import active_command, apply_process_update, find_process, is_older, shown_process
+from flexium.server.storage.processes import (
+    Progress,
+    active_command,
+    apply_process_update,
+    find_process,
+    is_older,
+    shown_process,
+)
 from flexium.server.storage.targets import (
     check_target,
     require_capability,
@@ -379,6 +386,7 @@ def report_command(
     """
     state = report.state
     cmd, proc = _find_command(session, workspace_id=workspace_id, command_id=command_id, for_update=True)
+    was = proc.state
     if cmd.state == state or (state == "running" and cmd.state in ("succeeded", "failed")):
         return command_view(cmd, proc.process_id), None, False  # a retry, or a late ack
     if cmd.state in ("succeeded", "failed"):
@@ -405,6 +413,8 @@ def report_command(
                 update = _location_after(cmd, update)
                 _move_held_by_gpu(proc, cmd)
     apply_process_update(proc, update)
+    if proc.state != was:
+        Progress.of(proc).after_operation().store(proc)
     if proc.memory_bytes:
         proc.footprint_bytes = (
             max(proc.footprint_bytes, proc.memory_bytes) if proc.state == "PAUSED" else proc.memory_bytes

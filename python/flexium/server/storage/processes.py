@@ -71,6 +71,11 @@ class Progress:
                 rate = (steps - self.steps) / between
         return replace(progress, steps=steps, steps_at=now, steps_per_s=rate)
 
+    def after_operation(self) -> Progress:
+        """A move, pause or resume (its command's report) came between: the speed starts afresh from the
+        next report of steps, so that the operation's time is no training speed."""
+        return replace(self, steps_at=None, steps_per_s=None)
+
     def store(self, row: Process) -> None:
         row.steps, row.steps_at, row.steps_per_s, row.loss = self.steps, self.steps_at, self.steps_per_s, self.loss
 
