@@ -338,7 +338,7 @@ def test_each_target_is_judged_for_the_rank_that_goes_there(db: Database) -> Non
         now=NOW,
         stale_after=STALE,
     )
-    assert judged[2].refusal == "10.0 GiB free, the job needs 100.0 GiB"
+    assert judged[2].refusal == "10.0 GiB free, the job needs 100.0 GiB plus 0.5 GiB headroom"
     _refused(db, ws, errors.TargetRefused, "unknown GPU 'GPU-9999'", "migrate", ranks={"1": "GPU-9999"})
     _refused(db, ws, errors.TargetRefused, "reported no GPU with index 7", "migrate", target=7)
     body = rank_body(1, memory=100 * GIB, placement={0: 100 * GIB, 1: 100 * GIB, 2: 130 * GIB})

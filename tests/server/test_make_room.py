@@ -88,8 +88,8 @@ def test_a_job_of_equal_or_higher_priority_is_never_paused(db: Database) -> None
         "GPU 1: 2.0 GiB free of the 40.5 GiB it needs, pausing every job of lower priority there frees 5.0" in message
     )
     assert message.endswith(
-        "Jobs of its priority or higher are never paused for it: give it a higher priority, or leave out "
-        "--make-room to wait in the queue for room"
+        "Jobs of its priority or higher are never paused for it: give it a higher priority, or let it wait in the "
+        "queue for room without pausing others (flexium resume --when-free; flexium run without --make-room)"
     )
     assert waits(db, ws) == {}
     assert db.run(storage.list_commands, write=False, workspace_id=ws) == []

@@ -440,7 +440,10 @@ def test_a_refused_make_room_says_what_is_held_for_jobs_not_started_yet(db: Data
         place(db, ws, 0, memory_bytes=60 * GIB, gpu_uuid="GPU-0000", make_room=True, now=NOW + 1)
     message = refused.value.message
     assert "GPU 0: 39.5 GiB free of the 60.5 GiB it needs, 100.5 GiB more held for jobs not on it yet" in message
-    assert message.endswith("give it a higher priority, or leave out --make-room to wait in the queue for room")
+    assert message.endswith(
+        "give it a higher priority, or let it wait in the queue for room without pausing others "
+        "(flexium resume --when-free; flexium run without --make-room)"
+    )
 
 
 def test_the_jobs_paused_to_make_room_are_not_resumed_into_it_when_its_job_registers(db: Database) -> None:

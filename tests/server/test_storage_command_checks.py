@@ -76,7 +76,7 @@ def test_room_by_a_report_older_than_the_command_is_the_jobs_to_judge(db: Databa
         now=NOW,
         stale_after=STALE,
     )
-    assert judged[1].refusal == "5.0 GiB free, the job needs 10.0 GiB"
+    assert judged[1].refusal == "5.0 GiB free, the job needs 10.0 GiB plus 0.5 GiB headroom"
     assert make_command(db, ws, "migrate", "gpu-1", 1).target_uuid == "GPU-0001"
 
 
@@ -313,7 +313,7 @@ def test_a_job_on_two_gpus_needs_room_for_the_share_that_moves(db: Database) -> 
     }
     assert judged["n1"][1].refusal is None  # a swap
     assert judged["n2"][2].refusal is None
-    assert judged["n3"][3].refusal == "80.0 GiB free, the job needs 100.0 GiB"
+    assert judged["n3"][3].refusal == "80.0 GiB free, the job needs 100.0 GiB plus 0.5 GiB headroom"
     assert make_command(db, ws, "migrate", "dp-n1", target=1).target_uuid == "GPU-0001"
 
 

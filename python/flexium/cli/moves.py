@@ -122,10 +122,10 @@ def _move(api: ApiClient, args: argparse.Namespace) -> int:
         if args.command == "resume" and exc.code == "target_refused":
             # A GPU named: the refusal is that GPU's; the queue may resume it on another of its host.
             exc.message += (
-                f"; `flexium devices` lists its host's GPUs, or the queue resumes it on one with room: "
-                f"flexium resume {args.process} --when-free"
+                f"; `flexium devices` lists its host's GPUs, or the queue resumes it when {target} has room: "
+                f"flexium resume {args.process} --when-free --gpu {target} (without --gpu: on any GPU of its host)"
                 if target
-                else f"; queue it? flexium resume {args.process} --when-free"
+                else f"; {_queue_hint(api, args.process, None)}"
             )
         raise
     return _follow(api, args, command)
@@ -161,9 +161,22 @@ def _follow(api: ApiClient, args: argparse.Namespace, command: wire.CommandInfo)
         if args.json:
             print(f"flexium: {title} {final.state}: {reason(final)}", file=sys.stderr)
         if final.kind == "resume":
-            print(f"  queue it? flexium resume {final.process_id} --when-free", file=sys.stderr)
+            print(f"  {_queue_hint(api, final.process_id, getattr(args, 'target', None))}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
+
+
+def _queue_hint(api: ApiClient, process: str, target: str | None) -> str:
+    """After a refused or failed resume: how to queue it (for the GPU it named), unless it waits in the
+    queue already."""
+    try:
+        waiting = [w for w in api.list_waits(process_id=process) if w.state == "waiting"]
+    except ServerError:
+        waiting = []
+    if waiting:
+        return f"it waits in the queue already (wait {waiting[0].id}): `flexium queue` shows it"
+    gpu = f" --gpu {target}" if target and target != protocol.AUTO_TARGET else ""
+    return f"queue it? flexium resume {process} --when-free{gpu}"
 
 
 def _request(

@@ -161,7 +161,7 @@ def role_refusal(auth: AuthInfo, roles: tuple[str, ...], doing: str) -> str:
     needed = " or ".join(roles)
     return (
         f"{doing} needs a token with role {needed}; this one ({auth.token_name or 'token ' + str(auth.token_id)}) "
-        f"is a {auth.role} token. An admin issues one: flexium token issue {auth.workspace} --role {roles[0]}"
+        f"is a {auth.role} token. An admin issues one: flexium token issue {auth.workspace} --role {roles[-1]}"
     )
 
 

@@ -149,7 +149,8 @@ def plan_room(
         raise TargetRefused(
             f"cannot make room for {beneficiary.label} (priority {protocol.priority_name(beneficiary.priority)}) on "
             f"host {host!r}: {reasons}. Jobs of its priority or higher are never paused for it: give it a higher "
-            "priority, or leave out --make-room to wait in the queue for room"
+            "priority, or let it wait in the queue for room without pausing others (flexium resume --when-free; "
+            "flexium run without --make-room)"
         )
     return min(plans, key=lambda plan: _cost(plan, beneficiary, room))
 

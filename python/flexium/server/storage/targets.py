@@ -143,8 +143,10 @@ def target_refusal(
     else:
         need = max(proc.footprint_bytes, proc.memory_bytes)
     free = max(0, dev.memory_total - dev.memory_used + freed)
-    if room and free < need:
-        return f"{gib(free)} free, the job needs {gib(need)}"
+    # A job moved to another GPU asks headroom beside its memory there, as its own room check does.
+    margin = protocol.ROOM_MARGIN_BYTES if need and dev.uuid != moving_from else 0
+    if room and free < need + margin:
+        return f"{gib(free)} free, the job needs {gib(need)}" + (f" plus {gib(margin)} headroom" if margin else "")
     if kind == "resume" and proc.gpu_uuid and dev.uuid != proc.gpu_uuid and not stored_capabilities(proc).migration:
         return _RESUME_ELSEWHERE
     return None
