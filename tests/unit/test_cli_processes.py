@@ -236,3 +236,15 @@ def test_the_terminal_width_is_columns_then_the_terminal_s_then_none(monkeypatch
 
 def test_counts_are_singular_for_one() -> None:
     assert (count(1, "rank"), count(2, "rank"), count(0, "GPU")) == ("1 rank", "2 ranks", "0 GPUs")
+
+
+def test_a_filter_that_matches_nothing_says_so_not_that_the_workspace_is_empty(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    for state, host, said in (
+        ("PAUSED", None, "no process matches --state PAUSED in workspace 'team' (`flexium ps` lists them all)"),
+        (None, "nohost", "no process matches --host nohost in workspace 'team' (`flexium ps` lists them all)"),
+        (None, None, "no processes in workspace 'team' at http://127.0.0.1:8080"),
+    ):
+        assert processes._ps(Listing([]), argparse.Namespace(state=state, host=host, json=False)) == 0  # type: ignore[arg-type]
+        assert capsys.readouterr().out.strip() == said

@@ -53,7 +53,12 @@ def _ps(api: ApiClient, args: argparse.Namespace) -> int:
         print_json(processes)
         return EXIT_OK
     if not processes:
-        print(f"no processes in workspace '{api.workspace}' at {api.base_url}")
+        filters = [f"--{name} {value}" for name, value in (("state", args.state), ("host", args.host)) if value]
+        if filters:
+            matching = " ".join(filters)
+            print(f"no process matches {matching} in workspace '{api.workspace}' (`flexium ps` lists them all)")
+        else:
+            print(f"no processes in workspace '{api.workspace}' at {api.base_url}")
         return EXIT_OK
     print_columns(fit_columns(_columns(processes, time.time()), terminal_width()))
     simulated = [p.process_id for p in processes if p.simulated]
@@ -159,7 +164,13 @@ def _devices(api: ApiClient, args: argparse.Namespace) -> int:
         print_json(answer)
         return EXIT_OK
     if not answer.hosts:
-        print(f"no GPUs reported in workspace '{api.workspace}' (processes report their host's GPUs)")
+        if args.host:
+            print(
+                f"no GPUs reported by host {args.host!r} in workspace '{api.workspace}' "
+                "(`flexium devices` lists them all)"
+            )
+        else:
+            print(f"no GPUs reported in workspace '{api.workspace}' (processes report their host's GPUs)")
         return EXIT_OK
     now = time.time()
     for i, host in enumerate(answer.hosts):
