@@ -332,6 +332,12 @@ def test_the_room_of_a_job_that_registered_stays_held_until_its_memory_shows(db:
     assert queue(db, ws, "waiter", now=NOW + 4).wait.state == "waiting"
     gpus_report(db, ws, NOW + 5, 0)
     assert resumed(run(db, NOW + 5)) == []
+    # The queue lists the started one while its room is held: room it counts as taken.
+    live = db.run(storage.list_placements, write=False, workspace_id=ws, actor=admin(ws), now=NOW + 6)
+    assert [(p.id, p.state, p.reservation is not None) for p in live] == [
+        (first.id, "started", True),
+        (second.id, "waiting", False),
+    ]
 
 
 def test_a_started_jobs_room_is_held_for_a_while_from_its_registration_not_from_its_placement(db: Database) -> None:

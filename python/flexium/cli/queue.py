@@ -224,6 +224,9 @@ def _wait_note(w: wire.WaitInfo) -> str:
 def _placement_note(p: wire.PlacementInfo) -> str:
     """Its note without what NEEDS says already ("waits for 76.5 GiB (its 76.0 GiB and headroom): "): why
     it waits, GPU by GPU."""
+    if p.state == "started" and p.reservation is not None:
+        until = time.strftime("%H:%M:%S", time.localtime(p.reservation.expires_at))
+        return f"its room is held until its memory shows there (at most until {until}); the queue counts it as taken"
     note = p.note or (f"why: {p.why}" if p.why else "")
     if note.startswith("waits for ") and "): " in note:
         return note.split("): ", 1)[1]

@@ -8,7 +8,7 @@ audited in the transaction that makes them."""
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from sqlalchemy import and_, exists, or_, select
 from sqlalchemy.orm import Session
 
 from flexium import protocol, wire
@@ -197,8 +197,10 @@ def list_placements(
     live: bool = True,
     limit: int = 100,
 ) -> list[wire.PlacementInfo]:
-    """Live placements by host in the queue's order, or with ``live=False`` every one, newest
-    first; a job token's own only."""
+    """Live placements by host in the queue's order (with the started ones whose room is still held:
+    room the queue counts as taken), or with ``live=False`` every one, newest first; a job token's own
+    only."""
+    holding = exists().where(Reservation.id == Placement.reservation_id, Reservation.expires_at > now)
     rows = listed(
         Placement,
         session=session,
@@ -206,7 +208,9 @@ def list_placements(
         host=host,
         live=live,
         limit=limit,
-        live_where=Placement.state.in_(protocol.LIVE_PLACEMENT_STATES),
+        live_where=or_(
+            Placement.state.in_(protocol.LIVE_PLACEMENT_STATES), and_(Placement.state == "started", holding)
+        ),
         live_order=queue_order(Placement),
         where=[Placement.token_id == actor.token_id] if actor.role == protocol.ROLE_JOB else [],
     )
