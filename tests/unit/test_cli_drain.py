@@ -155,6 +155,10 @@ def test_the_summary_counts_each_job_by_its_last_move_and_names_what_remains() -
         drain_cli.move_line(move("gpu-c", "migrate", None, 4))
         == "  gpu-c: migrate (command 4) [forgotten]: migrate note"
     )
+    # failed: its note was the plan, the refusal after it says why
+    assert drain_cli.move_line(move("gpu-a", "migrate", "failed", 1)) == (
+        "  gpu-a: migrate (command 1) [failed]: it was migrate note"
+    )
     job_rank = move("run-7-rank-0", "pause", "queued", 5).model_copy(update={"job_key": "run-7"})
     assert drain_cli.move_line(job_rank).startswith("  job run-7: pause (command 5) [queued]")
 

@@ -92,11 +92,12 @@ def _print_changes(drain: wire.DrainInfo, shown: dict[tuple[str, int], str]) -> 
 def move_line(move: wire.DrainMoveInfo) -> str:
     who = f"job {move.job_key}" if move.job_key else move.process_id
     state = f" [{move.command_state or 'forgotten'}]" if move.command_id is not None else ""
-    if move.action == "migrate":
-        return f"  {who}: migrate (command {move.command_id}){state}: {move.note}"
-    if move.action == "pause":
-        return f"  {who}: pause (command {move.command_id}){state}: {move.note}"
-    return f"  {who}: not moved: {move.note}"
+    if move.action == "refused":
+        return f"  {who}: not moved: {move.note}"
+    # A command that ended otherwise than succeeded: its note was the plan; the line after it says why not.
+    gone = move.command_state is not None and move.command_state not in (*protocol.ACTIVE_COMMAND_STATES, "succeeded")
+    note = f"it was {move.note}" if gone else move.note
+    return f"  {who}: {move.action} (command {move.command_id}){state}: {note}"
 
 
 def summary(drain: wire.DrainInfo) -> str:

@@ -64,9 +64,11 @@ def _ps(api: ApiClient, args: argparse.Namespace) -> int:
     simulated = [p.process_id for p in processes if p.simulated]
     if simulated:
         sys.stdout.flush()  # the table before the note where both go to one terminal or file
+        one = len(simulated) == 1
         print(
-            f"note: {', '.join(simulated)} {'runs' if len(simulated) == 1 else 'run'} on flexium's simulated host "
-            "(flexium demo): its GPUs, their memory and the timings of moves are simulated, not measured",
+            f"note: {', '.join(simulated)} {'runs' if one else 'run'} on flexium's simulated host "
+            f"(flexium demo): {'its' if one else 'their'} GPUs, their memory and the timings of moves are simulated, "
+            "not measured",
             file=sys.stderr,
         )
     return EXIT_OK

@@ -218,7 +218,7 @@ class ProcessClient:
                 self._last_refusal = exc.message
             return False
         except ServerError as exc:
-            self._lost(f"{exc.message}; training continues, flexium keeps trying in the background")
+            self._lost(exc.message)
             return False
         except Exception:  # a bug building the report must not end the thread
             log.exception("registering with the server failed")
@@ -259,7 +259,7 @@ class ProcessClient:
             self._registered.clear()
             return False
         except ServerError as exc:
-            self._lost(f"{exc.message}; training continues")
+            self._lost(exc.message)
             return False
         except Exception:
             log.exception("heartbeat failed")
@@ -272,7 +272,8 @@ class ProcessClient:
             self.heartbeat_interval_s = answer.heartbeat_interval_s
         return True
 
-    def _lost(self, message: str) -> None:
+    def _lost(self, why: str) -> None:
+        message = f"{why}; training continues, flexium keeps trying in the background"
         if self._connected:
             log.warning("%s", message)
             self._connected = False
