@@ -23,6 +23,7 @@ pytestmark = pytest.mark.timeout(180)
 
 # As the quick start says to write it: tensors on the CPU where the GPUs are simulated.
 OWN_SCRIPT = """
+import os
 import time
 
 import torch
@@ -31,6 +32,8 @@ import flexium
 import flexium.simulated
 
 flexium.init()
+if os.environ.get("HOLD_BYTES"):  # simulated GPU memory, as the quick start says
+    flexium.simulated.hold_job_memory(flexium.auto.get_device(), int(os.environ["HOLD_BYTES"]))
 device = "cpu" if flexium.simulated.active() else flexium.auto.get_device()
 model = torch.nn.Linear(8, 1).to(device)
 model(torch.randn(4, 8, device=device)).sum().backward()
@@ -204,6 +207,27 @@ def test_without_a_gpu_the_demo_job_runs_on_a_simulated_host_that_says_so(tmp_pa
                 run.wait(30)
             [host] = json.loads(cli("devices", "--json").stdout)["hosts"]
             assert host["devices"][0]["memory_used"] == 6 << 30, host["devices"]
+
+            # Simulated GPU memory is a count: a job holding twice this machine's memory pauses and resumes.
+            ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+            big_env = {**env, **own_env, "FAKE_CUDA_TOTAL_MIB": str(3 * ram >> 20), "HOLD_BYTES": str(2 * ram)}
+            big = subprocess.Popen(
+                [sys.executable, str(script)], env=big_env, cwd=home, stdout=subprocess.PIPE, text=True
+            )
+            try:
+                assert big.stdout is not None and big.stdout.readline().strip() == "trained a step on cpu"
+                wait_until(
+                    lambda: any(p["pid"] == big.pid for p in json.loads(cli("ps", "--json").stdout)),
+                    30,
+                    "the large simulated job to register",
+                )
+                [big_id] = [p["process_id"] for p in json.loads(cli("ps", "--json").stdout) if p["pid"] == big.pid]
+                paused_big = cli("pause", big_id)
+                assert paused_big.returncode == 0, paused_big.stdout + paused_big.stderr
+                assert cli("resume", big_id).returncode == 0
+            finally:
+                big.send_signal(signal.SIGINT)
+                big.wait(30)
         finally:
             own.send_signal(signal.SIGINT)
             own.wait(30)

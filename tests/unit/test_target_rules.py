@@ -198,6 +198,20 @@ def test_pause_refused_when_the_host_cannot_hold_the_memory(
     assert engine.pause().ok
 
 
+def test_a_job_on_the_simulated_host_pauses_whatever_the_machine_s_memory(
+    fake: FakeDriver, make_engine: Callable[..., Any], host_memory: HostMemory, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On flexium's simulated host (flexium demo) the memory a job holds is a count (hold_job_memory): its
+    pause stages nothing, so a machine with less memory than that still pauses it."""
+    from flexium import simulated
+
+    monkeypatch.setattr(simulated, "active", lambda: True)  # as a process whose FLEXIUM_LIBCUDA is the package's
+    fake.set_process_memory(0, 74 * GiB)
+    host_memory.available = 4 * GiB
+    engine = make_engine()
+    assert engine.pause().ok and engine.resume().ok
+
+
 def test_resume_without_room_anywhere_stays_paused(fake: FakeDriver, make_engine: Callable[..., Any]) -> None:
     fake.set_process_memory(0, 30 * GiB)
     engine = make_engine()
