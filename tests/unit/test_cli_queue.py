@@ -45,6 +45,14 @@ def wait(**fields: Any) -> wire.WaitInfo:
     return wire.WaitInfo(**{**values, **fields})
 
 
+def held_wait() -> wire.WaitInfo:
+    """A wait with room held for it on GPU 1, as a make-room answers it."""
+    room = wire.ReservationInfo(
+        id=4, host="node1", gpu_uuid="GPU-0001", bytes=30 * GIB, holder="gpu-7f3a", created_at=0.0, expires_at=300.0
+    )
+    return wait(gpu_uuid="GPU-0001", reservation=room)
+
+
 def command(kind: str, command_id: int, process_id: str = "gpu-7f3a") -> wire.CommandInfo:
     return command_info(command_id, kind, process_id)
 
@@ -150,6 +158,12 @@ def test_queuing_says_its_wait_its_place_and_how_to_list_and_cancel_it(capsys: p
     )
 
 
+def test_a_wait_for_a_named_gpu_says_it_as_it_was_named(capsys: pytest.CaptureFixture[str]) -> None:
+    server = Server(wire.WaitCreated(wait=wait(gpu_uuid="GPU-0001"), commands=[]))
+    assert run(server, "resume", "gpu-7f3a", "--when-free", "--gpu", "cuda:1") == EXIT_OK
+    assert "it resumes when cuda:1 (GPU-0001) has 30.0 GiB free" in capsys.readouterr().out
+
+
 def test_a_reason_goes_with_the_wait_and_the_queue_shows_it(capsys: pytest.CaptureFixture[str]) -> None:
     server = Server(wire.WaitCreated(wait=wait(), commands=[]))
     for option in ("--when-free", "--make-room"):
@@ -161,7 +175,7 @@ def test_a_reason_goes_with_the_wait_and_the_queue_shows_it(capsys: pytest.Captu
 
 
 def test_making_room_is_followed_until_the_queue_sends_the_resume(capsys: pytest.CaptureFixture[str]) -> None:
-    held = wait(gpu_uuid="GPU-0001")
+    held = held_wait()
     created = wire.WaitCreated(wait=held, commands=[command("pause", 5, "gpu-low")])
     dispatched = held.model_copy(update={"state": "dispatched", "command_id": 9})
     server = Server(created, reads=[held, dispatched])
@@ -177,7 +191,7 @@ def test_making_room_is_followed_until_the_queue_sends_the_resume(capsys: pytest
 def test_making_room_fails_when_the_wait_ends_without_a_resume_or_outlives_the_timeout(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
-    held = wait(gpu_uuid="GPU-0001")
+    held = held_wait()
     gone = held.model_copy(update={"state": "cancelled", "note": "the job left"})
     server = Server(wire.WaitCreated(wait=held, commands=[]), reads=[gone])
     assert queue_cli.resume_later(server, parse("resume", "gpu-7f3a", "--make-room")) == EXIT_FAILED  # type: ignore[arg-type]
@@ -187,6 +201,13 @@ def test_making_room_fails_when_the_wait_ends_without_a_resume_or_outlives_the_t
     args = parse("resume", "gpu-7f3a", "--make-room", "--timeout", "0.01")
     assert queue_cli.resume_later(late, args) == EXIT_FAILED  # type: ignore[arg-type]
     assert "still waiting after 0 s (wait 3); it resumes when the room shows" in capsys.readouterr().err
+
+    # A pause that was to make the room failed: the room is not held any more, and the wait says why.
+    note = "room not made: pausing gpu-low (command 5) failed: no host memory; no room is held for it now, it waits"
+    not_made = held.model_copy(update={"reservation": None, "note": note})
+    failed = Server(wire.WaitCreated(wait=held, commands=[]), reads=[not_made])
+    assert queue_cli.resume_later(failed, parse("resume", "gpu-7f3a", "--make-room")) == EXIT_FAILED  # type: ignore[arg-type]
+    assert f"resume gpu-7f3a: {note} (wait 3: `flexium queue` shows it" in capsys.readouterr().err
 
 
 def test_a_room_free_at_once_gives_the_resume_to_follow(capsys: pytest.CaptureFixture[str]) -> None:

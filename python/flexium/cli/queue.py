@@ -104,13 +104,19 @@ def resume_later(api: ApiClient, args: argparse.Namespace) -> wire.CommandInfo |
         if args.json:
             print_json(created)
         else:
-            print(f"{title}: {_queued(wait)}")
+            print(f"{title}: {_queued(wait, args.gpu)}")
         return EXIT_OK
     return _until_resumed(api, args, wait, title)
 
 
-def _queued(wait: wire.WaitInfo) -> str:
-    where = "a GPU of its host" if wait.gpu_uuid is None else wait.gpu_uuid
+def _queued(wait: wire.WaitInfo, named: str | None) -> str:
+    """``named``: the GPU as the user named it (--gpu), shown beside the UUID the server resolved it to."""
+    if wait.gpu_uuid is None:
+        where = "a GPU of its host"
+    elif named and named != wait.gpu_uuid:
+        where = f"{named} ({wait.gpu_uuid})"
+    else:
+        where = wait.gpu_uuid
     place = f", number {wait.position} in host {wait.host}'s queue" if wait.position else ""
     return (
         f"queued as wait {wait.id}{place}: it resumes when {where} has {gib(wait.need_bytes)} free "
