@@ -274,6 +274,26 @@ def test_a_pause_that_fails_to_make_the_room_lets_go_of_it_and_says_why(db: Data
     )
 
 
+def test_a_failed_pause_lets_go_only_of_the_room_it_was_making(db: Database) -> None:
+    """Two make-rooms on one GPU, each pausing a job of its own: the second's pause fails. Only the room held
+    for the second goes; the first's, made by a pause that went through, stays held for it."""
+    ws, _ = make_workspace(db)
+    running(db, ws, "low-50", memory=50 * GIB, priority=LOW)
+    running(db, ws, "low-40", memory=40 * GIB, priority=LOW)
+    gpus_report(db, ws, NOW, 130 * GIB, 138 * GIB)
+    paused(db, ws, "urgent-a", footprint=45 * GIB, priority=HIGH)
+    paused(db, ws, "urgent-b", footprint=45 * GIB, priority=HIGH)
+    first = queue(db, ws, "urgent-a", make_room=True)
+    second = queue(db, ws, "urgent-b", make_room=True, now=NOW + 1)
+    assert pauses(first) == ["low-40"] and pauses(second) == ["low-50"], (pauses(first), pauses(second))
+    [failing] = second.commands
+    next_for(db, ws, "low-50", now=NOW + 2)
+    report(db, ws, failing.id, "failed", error="pausing needs more host memory", now=NOW + 3)
+    held = waits(db, ws, now=NOW + 4)
+    assert held["urgent-a"].reservation is not None and held["urgent-b"].reservation is None
+    assert (held["urgent-b"].note or "").startswith(f"room not made: pausing low-50 (command {failing.id}) failed")
+
+
 def test_room_is_not_made_for_a_job_on_a_gpu_a_higher_priority_job_waits_for(db: Database) -> None:
     """A higher priority is never delayed by a lower one: making room for a normal job where a high-priority
     paused job, first in line, waits for room is refused there, naming that job; with the high job's wait

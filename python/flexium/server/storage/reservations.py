@@ -78,8 +78,9 @@ def release_room(*, session: Session, wait_id: int) -> None:
 
 def drop_room_not_made(*, session: Session, cmd: Command, proc: Process) -> list[Reservation]:
     """A pause make-room sent that failed or expired leaves its job running on the GPU the room was to be
-    made on: the holds there made when it was sent (or before) wait for room that will not come. They
-    are dropped and returned, so that whom they held room for is told."""
+    made on: the holds there made with it (in its transaction: the same time) wait for room that will not
+    come. They are dropped and returned, so that whom they held room for is told; another's hold on that
+    GPU stays."""
     if cmd.sent_by != MAKE_ROOM.label or proc.gpu_uuid is None:
         return []
     rows = list(
@@ -88,7 +89,7 @@ def drop_room_not_made(*, session: Session, cmd: Command, proc: Process) -> list
                 Reservation.workspace_id == cmd.workspace_id,
                 Reservation.host == proc.host,
                 Reservation.gpu_uuid == proc.gpu_uuid,
-                Reservation.created_at <= cmd.created_at,
+                Reservation.created_at == cmd.created_at,
             )
         )
     )
