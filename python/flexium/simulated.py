@@ -22,6 +22,8 @@ import logging
 import os
 from pathlib import Path
 
+from flexium import protocol
+
 LIBRARY_NAME = "libflexium_simulated_driver.so"
 SIMULATED_MODEL = "SIMULATED GPU (flexium demo)"
 # What its NVML calls the driver: a real version (580: migration) that says it is none.
@@ -106,10 +108,13 @@ def hold_job_memory(device: str = "cuda:0", nbytes: int = JOB_BYTES) -> None:
     library = library_path()
     if library is None or not active():
         raise RuntimeError("this process does not run on flexium's simulated driver")
-    kind, _, index = device.partition(":")
-    if kind != "cuda" or not index.isdigit():
+    try:
+        ordinal = protocol.read_target(device).ordinal
+    except ValueError:
+        ordinal = None
+    if ordinal is None:
         raise ValueError(f"hold_job_memory: {device!r} is not a GPU of this process; pass its cuda:N")
-    code = ctypes.CDLL(str(library)).fake_set_process_memory(int(index), ctypes.c_uint64(nbytes))
+    code = ctypes.CDLL(str(library)).fake_set_process_memory(ordinal, ctypes.c_uint64(nbytes))
     if code != 0:
         raise RuntimeError(
             f"the simulated driver refused to hold {nbytes} bytes on {device} (code {code}): the simulated "

@@ -95,7 +95,7 @@ def move_line(move: wire.DrainMoveInfo) -> str:
     if move.action == "refused":
         return f"  {who}: not moved: {move.note}"
     # A command that ended otherwise than succeeded: its note was the plan; the line after it says why not.
-    gone = move.command_state is not None and move.command_state not in (*protocol.ACTIVE_COMMAND_STATES, "succeeded")
+    gone = move.command_state in protocol.FINAL_COMMAND_STATES and move.command_state != "succeeded"
     note = f"it was {move.note}" if gone else move.note
     return f"  {who}: {move.action} (command {move.command_id}){state}: {note}"
 
