@@ -338,6 +338,16 @@ def test_the_room_of_a_job_that_registered_stays_held_until_its_memory_shows(db:
         (first.id, "started", True),
         (second.id, "waiting", False),
     ]
+    # Its memory shows: it holds nothing more, though its reservation lives on, so the queue lists it no
+    # more, as the devices show nothing reserved.
+    with db.session(write=True) as session:
+        session.execute(update(Process).where(Process.process_id == "gpu-run").values(memory_bytes=100 * GIB))
+    live = db.run(storage.list_placements, write=False, workspace_id=ws, actor=admin(ws), now=NOW + 7)
+    assert [(p.id, p.state) for p in live] == [(second.id, "waiting")]
+    [host] = db.run(storage.list_devices, write=False, workspace_id=ws, now=NOW + 7, stale_after=STALE).hosts
+    assert host.devices[0].memory_reserved == 0
+    every = db.run(storage.list_placements, write=False, workspace_id=ws, actor=admin(ws), now=NOW + 7, live=False)
+    assert {p.id for p in every} == {first.id, second.id}
 
 
 def test_a_started_jobs_room_is_held_for_a_while_from_its_registration_not_from_its_placement(db: Database) -> None:

@@ -17,7 +17,7 @@ from flexium.server.models import Placement, Reservation, Token
 from flexium.server.storage.audit import given_why, record_audit
 from flexium.server.storage.devices import host_devices
 from flexium.server.storage.listing import listed
-from flexium.server.storage.reservations import reservation_view
+from flexium.server.storage.reservations import reservation_view, started_still_holding
 from flexium.server.storage.waits import queue_order
 from flexium.server.storage.workspaces import AuthInfo
 from flexium.units import gib
@@ -214,6 +214,13 @@ def list_placements(
         live_order=queue_order(Placement),
         where=[Placement.token_id == actor.token_id] if actor.role == protocol.ROLE_JOB else [],
     )
+    if live:
+        # A started job whose memory has shown holds nothing more, though its reservation lives on.
+        started = [row.id for row in rows if row.state == "started"]
+        holding_still = started_still_holding(
+            session=session, workspace_id=workspace_id, placement_ids=started, now=now
+        )
+        rows = [row for row in rows if row.state != "started" or row.id in holding_still]
     return [placement_view(session=session, row=row, now=now) for row in rows]
 
 

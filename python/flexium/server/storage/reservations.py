@@ -7,6 +7,7 @@ sweep holds it a full time again. The queue counts a reservation as taken for ev
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 from sqlalchemy import Integer, and_, cast, delete, exists, func, select, update
 from sqlalchemy.orm import Session
@@ -119,36 +120,63 @@ def holds_on_host(*, session: Session, workspace_id: int, host: str, now: float)
     for reservation, wait_state in held_on_host(session=session, workspace_id=workspace_id, host=host, now=now):
         if wait_state == "dispatched":
             continue
-        held = reservation.bytes
+        held: int | None = reservation.bytes
         if reservation.id in started:
-            need, shown = started[reservation.id]
-            if shown is None:  # the job is gone: nothing of it is on its way
-                continue
-            held = max(0, min(held, need) - shown)
-        holds.append((reservation.gpu_uuid, reservation.wait_id, held))
+            held = started_hold(reservation.bytes, *started[reservation.id])
+        if held is not None:
+            holds.append((reservation.gpu_uuid, reservation.wait_id, held))
     return holds
 
 
-def _started_placements(*, session: Session, workspace_id: int, host: str) -> dict[int, tuple[int, int | None]]:
+def started_hold(held: int, need: int, memory: int | None, state: str | None) -> int | None:
+    """What a hold of ``held`` bytes for a job ``flexium run`` started still holds: what of the ``need``
+    it asked for its memory has not taken yet. None: the job is gone or not running, so nothing of it
+    is on its way. The one statement of the rule, for the room the queue counts and the queue's list."""
+    if memory is None or state != "RUNNING":
+        return None
+    return max(0, min(held, need) - memory)
+
+
+def _started_placements(
+    *, session: Session, workspace_id: int, host: str
+) -> dict[int, tuple[int, int | None, str | None]]:
     """The reservations still held for jobs ``flexium run`` started on this host, each with the memory the
-    job asked for and what its reports show now (None: the job is gone, or not running)."""
+    job asked for, what its reports show now and its state (None, None: the job is gone)."""
     rows = session.execute(
-        select(Placement.reservation_id, Placement.need_bytes, Process.memory_bytes, Process.state)
+        _started_query(workspace_id).add_columns(Placement.reservation_id).where(Placement.host == host)
+    )
+    return {int(reservation_id): (int(need), memory, state) for need, memory, state, reservation_id in rows}
+
+
+def started_still_holding(*, session: Session, workspace_id: int, placement_ids: Iterable[int], now: float) -> set[int]:
+    """Those of these started placements whose job's room is still held: their reservation counts
+    (``started_hold`` above 0), as ``holds_on_host`` counts it."""
+    ids = list(placement_ids)
+    if not ids:
+        return set()
+    rows = session.execute(
+        _started_query(workspace_id)
+        .add_columns(Placement.id, Reservation.bytes)
+        .join(Reservation, Reservation.id == Placement.reservation_id)
+        .where(Placement.id.in_(ids), Reservation.expires_at > now)
+    )
+    return {int(pid) for need, memory, state, pid, held in rows if (started_hold(held, need, memory, state) or 0) > 0}
+
+
+def _started_query(workspace_id: int) -> Any:  # a Select, whose type parameters differ across SQLAlchemy 2.0 and 2.1
+    """(need, the job's memory, its state) of the workspace's started placements that hold room."""
+    return (
+        select(Placement.need_bytes, Process.memory_bytes, Process.state)
         .outerjoin(
             Process,
             and_(Process.workspace_id == Placement.workspace_id, Process.process_id == Placement.process_id),
         )
         .where(
             Placement.workspace_id == workspace_id,
-            Placement.host == host,
             Placement.state == "started",
             Placement.reservation_id.is_not(None),
         )
     )
-    return {
-        int(reservation_id or 0): (int(need), int(memory) if memory is not None and state == "RUNNING" else None)
-        for reservation_id, need, memory, state in rows
-    }
 
 
 def reservation_of(*, session: Session, wait_id: int, now: float) -> Reservation | None:
