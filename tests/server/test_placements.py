@@ -389,8 +389,8 @@ def test_a_placed_jobs_room_is_held_a_full_time_from_each_ask_while_it_starts(db
 
 def test_a_placement_whose_room_is_not_made_waits_on_without_a_hold_and_says_why(db: Database) -> None:
     """The job paused to make its room refuses its pause: it runs on, so that room will not come. The
-    placement holds none any more (the GPU shows nothing reserved) and its note says why (until the
-    placing pass notes its wait); it waits for room as any other."""
+    placement holds none any more (the GPU shows nothing reserved) and its note says why, after what the
+    placing pass notes of its wait from then on; it waits for room as any other."""
     ws, _ = make_workspace(db)
     add_process(db, ws, "low-50", memory=50 * GIB, gpu_index=0, devices=[], priority=LOW, n_gpus=1)
     out = place(db, ws, 130 * GIB, memory_bytes=40 * GIB, priority=NORMAL, make_room=True)
@@ -406,6 +406,10 @@ def test_a_placement_whose_room_is_not_made_waits_on_without_a_hold_and_says_why
         )
     asked = ask(db, ws, out.placement.id, 130 * GIB, now=NOW + 3)
     assert asked.state == "waiting" and asked.reservation is None, asked
+    assert asked.note is not None and asked.note.startswith("waits for 40.5 GiB (its 40.0 GiB and headroom): GPU 0: 10.0 GiB free; "), asked.note
+    assert f"; room not made: pausing low-50 (command {pause.id}) failed: pausing needs" in asked.note
+    again = ask(db, ws, out.placement.id, 130 * GIB, now=NOW + 4)
+    assert again.note is not None and again.note.count("room not made") == 1, again.note
     [host] = db.run(storage.list_devices, write=False, workspace_id=ws, now=NOW + 3, stale_after=STALE).hosts
     assert host.devices[0].memory_reserved == 0
 

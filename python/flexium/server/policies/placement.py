@@ -37,7 +37,7 @@ from flexium.server.storage.placements import (
     release_placement_room,
 )
 from flexium.server.storage.reservations import hold_room, lock_hosts
-from flexium.server.storage.waits import standing_waits
+from flexium.server.storage.waits import since_room_not_made, standing_waits
 from flexium.server.storage.workspaces import AuthInfo
 from flexium.units import gib
 
@@ -379,7 +379,9 @@ def _fitting_gpu(
     if fitting:
         return max(fitting)[1]
     need = f"{gib(required)} (its {gib(row.need_bytes)} and headroom)" if row.need_bytes else "a GPU"
-    row.note = f"waits for {need}: " + ("; ".join(why) or f"host {row.host!r} reported no GPU")
+    row.note = since_room_not_made(
+        row.note, f"waits for {need}: " + ("; ".join(why) or f"host {row.host!r} reported no GPU")
+    )
     return None
 
 

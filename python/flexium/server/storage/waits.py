@@ -348,12 +348,22 @@ def command_ended(*, session: Session, cmd: Command, proc: Process, now: float) 
         _room_not_made(session=session, cmd=cmd, proc=proc, outcome=outcome)
 
 
+ROOM_NOT_MADE = "room not made"
+
+
+def since_room_not_made(old: str | None, note: str) -> str:
+    """A note a queue's pass writes, followed by what a failed make-room said in the note before, if it did:
+    flexium run and the dashboard show why the room it held is gone until the job is placed."""
+    kept = "" if old is None or ROOM_NOT_MADE + ":" not in old else old[old.index(ROOM_NOT_MADE + ":") :]
+    return (f"{note}; {kept}" if kept else note)[: protocol.MAX_LONG_TEXT]
+
+
 def _room_not_made(*, session: Session, cmd: Command, proc: Process, outcome: str) -> None:
     """The room a failed make-room pause was making will not come: its holds go (drop_room_not_made), and the
     waits and placements they held it for say why; they wait on for room as any other."""
     for held in drop_room_not_made(session=session, cmd=cmd, proc=proc):
         note = (
-            f"room not made: pausing {proc.process_id} (command {cmd.id}) {outcome}; no room is held for it now, "
+            f"{ROOM_NOT_MADE}: pausing {proc.process_id} (command {cmd.id}) {outcome}; no room is held for it now, "
             "it waits in the queue for room to show"
         )[: protocol.MAX_LONG_TEXT]
         wait = None if held.wait_id is None else session.get(Wait, held.wait_id)
