@@ -156,13 +156,17 @@ void HostCopier::extend(const std::vector<std::pair<int, std::size_t>> &extents,
 // they are pinned; one thread per file (fact `staging-kept-pinned-ahead`: threads faulting one file
 // wait on each other), each from the file's start, which is the order the copies take its chunks.
 void HostCopier::start_touching(std::size_t first_added, std::size_t first_chunk) {
-  std::vector<std::vector<std::size_t>> by_extent(extents_.size() - first_added);
+  std::vector<std::size_t> to_touch;
   for (std::size_t i = first_chunk; i < chunks_.size(); ++i) {
     const Extent &extent = extents_[chunks_[i].extent];
-    if (chunks_[i].extent >= first_added && !extent.driver_made && !extent.written) {
-      by_extent[chunks_[i].extent - first_added].push_back(i);
-    }
+    if (chunks_[i].extent >= first_added && !extent.driver_made && !extent.written) to_touch.push_back(i);
   }
+  touch_chunks(to_touch);
+}
+
+void HostCopier::touch_chunks(const std::vector<std::size_t> &to_touch) {
+  std::vector<std::vector<std::size_t>> by_extent(extents_.size());
+  for (const std::size_t i : to_touch) by_extent[chunks_[i].extent].push_back(i);
   for (std::vector<std::size_t> &chunks : by_extent) {
     if (chunks.empty()) continue;
     std::sort(chunks.begin(), chunks.end(),

@@ -132,6 +132,8 @@ class HostCopier {
   // Pins chunk `index` once touched; the seconds it waited for that.
   double pin_chunk(std::size_t index);
   void start_touching(std::size_t first_added, std::size_t first_chunk);
+  // A thread per extent touches these chunks (not touched yet) in the background, each extent's from its start.
+  void touch_chunks(const std::vector<std::size_t> &to_touch);
   void touch_extent(std::vector<std::size_t> chunks) noexcept;
   void stop_touching() noexcept;
   // Waits until the touching threads reached chunk `index`; the seconds waited.
@@ -149,8 +151,8 @@ class HostCopier {
   // chunks are then touched, not pinned. Throws the first thread's failure once all have stopped.
   std::size_t write_pieces(const std::vector<CUdeviceptr> &addresses, const std::vector<CopierPiece> &pieces);
   void write_extent(const std::vector<CUdeviceptr> &addresses, const std::vector<CopierPiece> &pieces) const;
-  // After a copy to host: no chunk waits to be written any more. One that no piece filled (the staging's
-  // slack) counts as touched: pinning it (a kept staging's pinner) faults its pages in.
+  // After a copy to host: no chunk waits to be written any more; touching threads map the written chunks'
+  // pages here (one that no piece filled, the staging's slack, is made by that), for a pin to wait for.
   void written_all();
 
   struct Extent {

@@ -120,15 +120,20 @@ std::size_t HostCopier::write_pieces(const std::vector<CUdeviceptr> &addresses,
 }
 
 void HostCopier::written_all() {
+  std::vector<std::size_t> to_map;
   {
     std::lock_guard<std::mutex> guard(mutex_);
     for (std::size_t i = 0; i < to_write_.size(); ++i) {
       if (!to_write_[i]) continue;
       to_write_[i] = 0;
-      touched_[i] = 1;
+      to_map.push_back(i);
     }
   }
-  touched_cv_.notify_all();
+  // Written through the file, their pages are in no mapping of this process yet: a resume's pinning would
+  // fault each in from the one pinner thread (64 GiB written, then pinned at a resume: 6.5 GB/s, 10 s).
+  // Threads map them now, while the job is paused, as the touching threads do a new file's (a page
+  // written exists: mapping it clears nothing), and a pin waits for its chunk as it does for those.
+  touch_chunks(to_map);
 }
 
 void HostCopier::write_extent(const std::vector<CUdeviceptr> &addresses, const std::vector<CopierPiece> &pieces) const {

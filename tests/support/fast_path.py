@@ -225,6 +225,20 @@ def job(fake: FakeDriver, make_engine: Callable[..., Any], nvml_in_parent: Any) 
         job.close()
 
 
+def staging_mapped_in(pid: int) -> int:
+    """Bytes of the host staging's memfds whose pages are mapped in process `pid` (its smaps' Rss of them):
+    a page written through the file is in no mapping until something maps it in."""
+    mapped, in_staging = 0, False
+    with open(f"/proc/{pid}/smaps") as smaps:
+        for line in smaps:
+            first = line.split(maxsplit=1)[0]
+            if "-" in first and not first.endswith(":"):  # a mapping's header line
+                in_staging = "memfd:flexium-host-staging" in line
+            elif in_staging and first == "Rss:":
+                mapped += int(line.split()[1]) * 1024
+    return mapped
+
+
 def copier_processes() -> list[int]:
     """Pids of this process's children that run the copier."""
     found = []
