@@ -97,6 +97,9 @@ def test_the_staging_made_at_the_safe_point_is_written_not_pinned(job: Job, unke
         assert resumed.ok and resumed.path == "fast"
         job.assert_home(physical=target)
         wait_until(lambda: _C.host_staging_pool_bytes() == 0, what="the staging to be given back")
+        # The memory the copier filled at the resume is the job's own after its next step (a pause before
+        # that copies it in this process, which is not what this test is about).
+        wait_until(lambda: _C.vmm_segments_to_own() == 0, what="the resumed job to make its memory its own")
 
 
 def test_the_staging_made_at_the_safe_point_may_be_touched_and_pinned(job: Job, unkept: None, touched: None) -> None:
