@@ -766,6 +766,9 @@ class WaitInfo(WireOut):
     job_key: str | None = Field(description="a job of several ranks: every rank resumes together")
     host: str
     gpu_uuid: str | None = Field(description="the GPU it waits for; None: any GPU of its host it may use")
+    gpu_index: int | None = Field(
+        default=None, description="that GPU's nvidia-smi index on its host (None: any GPU, or not reported)"
+    )
     priority: int
     state: WaitState
     position: int | None = Field(

@@ -135,8 +135,11 @@ def test_queued_again_replaces_the_earlier_wait(db: Database) -> None:
     paused(db, ws, "a")
     first = queue(db, ws, "a").wait
     second = queue(db, ws, "a", gpu="cuda:1").wait
-    assert second.id != first.id and second.gpu_uuid == "GPU-0001"
+    assert second.id != first.id and second.gpu_uuid == "GPU-0001" and second.gpu_index == 1
     assert list(waits(db, ws)) == ["a"]
+    # The listing says the GPU by its index on its host too (read once for the whole list).
+    [listed] = db.run(storage.list_waits, write=False, workspace_id=ws, now=NOW)
+    assert (listed.gpu_uuid, listed.gpu_index) == ("GPU-0001", 1) and first.gpu_index is None
 
 
 def test_what_cannot_be_queued_is_refused_before_anything_changes(db: Database) -> None:

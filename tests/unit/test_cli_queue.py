@@ -238,10 +238,14 @@ def test_the_queue_lists_each_wait_with_its_priority_place_and_a_clipped_note(
         waits=[
             wait(priority=90, position=1),
             wait(id=4, process_id="run-7-rank-0", job_key="run-7", gpu_uuid="GPU-0001", priority=70, note=long_note),
+            wait(id=6, process_id="gpu-9c1d", gpu_uuid="GPU-0002", gpu_index=2, priority=50, position=3),
         ]
     )
     assert run(server, "queue") == EXIT_OK
     lines = capsys.readouterr().out.splitlines()
+    # The GPU a wait names, by its nvidia-smi index where its host reported it, else by its UUID.
+    assert lines[3].split()[:7] == ["6", "gpu-9c1d", "normal", "3", "waiting", "node1", "2"], lines[3]
+    assert lines[2].split()[7] == "GPU-0001", lines[2]
     assert lines[0].split() == [
         "WAIT", "PROCESS", "PRIORITY", "PLACE", "STATE", "HOST", "GPU", "NEEDS", "WAITING", "BY", "NOTE",
     ]  # fmt: skip

@@ -251,7 +251,7 @@ def _print_waits(waits: list[wire.WaitInfo]) -> None:
                 "-" if w.position is None else str(w.position),
                 w.state,
                 w.host,
-                w.gpu_uuid or "any",
+                str(w.gpu_index) if w.gpu_index is not None else (w.gpu_uuid or "any"),
                 gib(w.need_bytes),
                 age((w.finished_at or now) - w.created_at),
                 w.requested_by,

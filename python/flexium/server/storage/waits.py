@@ -20,7 +20,7 @@ from flexium import protocol, wire
 from flexium.server.errors import Busy, InvalidRequest, InvalidState, NotFound, Stale, TargetRefused
 from flexium.server.models import Command, Device, Placement, Process, Wait
 from flexium.server.storage.audit import PolicyActor, given_why, record_wait
-from flexium.server.storage.devices import held_by_gpu, host_devices
+from flexium.server.storage.devices import device_indexes, held_by_gpu, host_devices
 from flexium.server.storage.jobs import is_job_rank, job_ranks
 from flexium.server.storage.processes import active_command, find_process
 from flexium.server.storage.reservations import drop_room_not_made, release_room, reservation_of, reservation_view
@@ -414,12 +414,13 @@ def list_waits(
     else:
         query = query.order_by(Wait.id.desc())
     positions: dict[str, int] = {}
+    indexes = device_indexes(session=session, workspace_id=workspace_id)
     shown = []
     for row, holder in session.execute(query.limit(limit)):
         position = None
         if row.state == "waiting":
             position = positions[row.host] = positions.get(row.host, 0) + 1
-        shown.append(wait_view(session=session, row=row, holder=holder, now=now, position=position))
+        shown.append(wait_view(session=session, row=row, holder=holder, now=now, position=position, indexes=indexes))
     return shown
 
 
@@ -455,9 +456,18 @@ def queue_order(row: type[Wait] | type[Placement] = Wait) -> tuple[ColumnElement
 
 
 def wait_view(
-    *, session: Session, row: Wait, holder: Process | None, now: float, position: int | None = None
+    *,
+    session: Session,
+    row: Wait,
+    holder: Process | None,
+    now: float,
+    position: int | None = None,
+    indexes: dict[str, int | None] | None = None,
 ) -> wire.WaitInfo:
+    """``indexes``: the workspace's GPU indexes (device_indexes), read once for a listing."""
     needs = [] if holder is None else needs_of(session=session, wait=row, holder=holder)
+    if row.gpu_uuid is not None and indexes is None:
+        indexes = device_indexes(session=session, workspace_id=row.workspace_id, host=row.host)
     reservation = reservation_of(session=session, wait_id=row.id, now=now)
     if position is None and row.state == "waiting":
         position = _position(session, row)
@@ -467,6 +477,7 @@ def wait_view(
         job_key=row.job_key,
         host=row.host,
         gpu_uuid=row.gpu_uuid,
+        gpu_index=None if row.gpu_uuid is None or indexes is None else indexes.get(row.gpu_uuid),
         priority=row.priority,
         state=row.state,  # type: ignore[arg-type]  # one of protocol.WAIT_STATES, written here only
         position=position,
