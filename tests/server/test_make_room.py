@@ -44,7 +44,9 @@ def test_the_fewest_jobs_of_the_lowest_priorities_are_paused(db: Database) -> No
     created = queue(db, ws, "urgent", make_room=True)
     assert pauses(created) == ["low-20", "low-30"]
     wait = created.wait
-    assert wait.state == "waiting" and wait.gpu_uuid == "GPU-0000" and wait.reservation is not None
+    # It waits for any GPU, as asked (no --gpu): the room held on the one chosen brings it there.
+    assert wait.state == "waiting" and wait.gpu_uuid is None and wait.reservation is not None
+    assert wait.reservation.gpu_uuid == "GPU-0000"
     assert wait.reservation.bytes == 45 * GIB + protocol.ROOM_MARGIN_BYTES
     for command in created.commands:
         assert command.reason is not None and "make room: process 'urgent' (priority high)" in command.reason
@@ -272,6 +274,11 @@ def test_a_pause_that_fails_to_make_the_room_lets_go_of_it_and_says_why(db: Data
         and victim[0].state == "cancelled"
         and victim[0].note == f"its pause, command {pause.id}, {why}; it runs on"
     )
+    # Asked without --gpu, it waits for any GPU, not the one room was to be made on: the other one frees first.
+    assert urgent.gpu_uuid is None
+    if ending == "failed":  # (an expired pause is noticed minutes later, when the job's reports are stale)
+        gpus_report(db, ws, NOW + 4, 130 * GIB, 0)
+        assert resumed(run(db, NOW + 4)) == ["urgent"], waits(db, ws)["urgent"].note
 
 
 def test_a_failed_pause_lets_go_only_of_the_room_it_was_making(db: Database) -> None:

@@ -254,7 +254,9 @@ def test_making_room_pauses_jobs_of_lower_priority_for_it(db: Database) -> None:
     assert outcome.pauses[0].reason is not None and outcome.pauses[0].reason.endswith("; why: a deadline")
     assert outcome.placement.why == "a deadline"
     placement = outcome.placement
-    assert placement.state == "waiting" and placement.gpu_uuid == "GPU-0000" and placement.reservation is not None
+    # It waits for any GPU, as asked (no --gpu): the room held on the one chosen brings it there.
+    assert placement.state == "waiting" and placement.gpu_uuid is None and placement.reservation is not None
+    assert placement.reservation.gpu_uuid == "GPU-0000"
     # Another job's placement does not take the room made for it.
     other = place(db, ws, 80 * GIB, 130 * GIB, memory_bytes=40 * GIB, priority=HIGH, now=NOW + 1).placement
     assert other.state == "waiting"
@@ -406,10 +408,14 @@ def test_a_placement_whose_room_is_not_made_waits_on_without_a_hold_and_says_why
         )
     asked = ask(db, ws, out.placement.id, 130 * GIB, now=NOW + 3)
     assert asked.state == "waiting" and asked.reservation is None, asked
-    assert asked.note is not None and asked.note.startswith("waits for 40.5 GiB (its 40.0 GiB and headroom): GPU 0: 10.0 GiB free; "), asked.note
+    waits_for = "waits for 40.5 GiB (its 40.0 GiB and headroom): GPU 0: 10.0 GiB free; "
+    assert asked.note is not None and asked.note.startswith(waits_for), asked.note
     assert f"; room not made: pausing low-50 (command {pause.id}) failed: pausing needs" in asked.note
     again = ask(db, ws, out.placement.id, 130 * GIB, now=NOW + 4)
     assert again.note is not None and again.note.count("room not made") == 1, again.note
+    # Asked without --gpu, it waits for any GPU, not the one room was to be made on: another one frees first.
+    assert again.gpu_uuid is None
+    assert ask(db, ws, out.placement.id, 130 * GIB, 0, now=NOW + 5).state == "placed"
     [host] = db.run(storage.list_devices, write=False, workspace_id=ws, now=NOW + 3, stale_after=STALE).hosts
     assert host.devices[0].memory_reserved == 0
 

@@ -46,11 +46,12 @@ def wait(**fields: Any) -> wire.WaitInfo:
 
 
 def held_wait() -> wire.WaitInfo:
-    """A wait with room held for it on GPU 1, as a make-room answers it."""
+    """A wait with room held for it on GPU 1, as a make-room without --gpu answers it (the wait is for any GPU:
+    should that room not come it waits for any)."""
     room = wire.ReservationInfo(
         id=4, host="node1", gpu_uuid="GPU-0001", bytes=30 * GIB, holder="gpu-7f3a", created_at=0.0, expires_at=300.0
     )
-    return wait(gpu_uuid="GPU-0001", reservation=room)
+    return wait(gpu_uuid=None, reservation=room)
 
 
 def command(kind: str, command_id: int, process_id: str = "gpu-7f3a") -> wire.CommandInfo:

@@ -128,7 +128,8 @@ def _queued(wait: wire.WaitInfo, named: str | None) -> str:
 def _until_resumed(api: ApiClient, args: argparse.Namespace, wait: wire.WaitInfo, title: str) -> wire.CommandInfo | int:
     """The room is being made: the wait read until the queue sends its resume."""
     if not args.json:
-        print(f"{title}: room held for it on {wait.gpu_uuid}; waiting for the pauses to free it", file=sys.stderr)
+        held_on = wait.reservation.gpu_uuid if wait.reservation is not None else wait.gpu_uuid
+        print(f"{title}: room held for it on {held_on}; waiting for the pauses to free it", file=sys.stderr)
     Following.now(
         f"wait {wait.id} (`flexium queue` shows it; `flexium resume {wait.process_id} --cancel` takes it out)"
     )

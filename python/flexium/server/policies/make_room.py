@@ -422,7 +422,9 @@ def resume_making_room(
         workspace_id=workspace_id,
         actor=actor,
         holder=holder,
-        gpu_uuid=plan.device.uuid,
+        # The GPU as asked (None: any): the room held on the one chosen brings it there, and should that room
+        # not come (a pause failed) it waits for any GPU, as a wait queued with --when-free would.
+        gpu_uuid=named.uuid if named is not None else None,
         priority=priority,
         reason=f"room made by {who} on GPU {plan.device.index}, pausing {plan.paused}",
         now=now,

@@ -197,7 +197,8 @@ def _make_room(
         stale_after=stale_after,
         ttl=ttl,
     )
-    row.gpu_uuid = plan.device.uuid
+    # Its GPU stays as asked (None: any): the room held brings it to the one chosen, and should that room not
+    # come (a pause failed) it waits for any, as it did before.
     row.reservation_id = made.reservation.id
     row.note = f"room made on GPU {plan.device.index}, pausing {plan.paused}"
     return made.pauses

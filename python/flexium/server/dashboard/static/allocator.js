@@ -27,7 +27,8 @@
       .map(function (c) { return c.process_id; });
     var resumed = answer.commands.some(function (c) { return c.kind === "resume"; });
     var text = resumed ? "resume " + processId + ": there is room now, resuming on " + gpuOf(w.gpu_uuid)
-      : makeRoom ? "making room for " + processId + " on " + gpuOf(w.gpu_uuid) + ": pausing "
+      : makeRoom ? "making room for " + processId + " on "
+        + gpuOf(w.reservation ? w.reservation.gpu_uuid : w.gpu_uuid) + ": pausing "
         + (paused.length ? paused.join(", ") : "no job (the room is free)") + "; it resumes there once the room shows"
       : processId + " waits to resume when free: #" + w.position + " in the queue of " + w.host
         + " (wait " + w.id + ")";
