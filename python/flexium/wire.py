@@ -858,7 +858,10 @@ class PlacementInfo(WireOut):
     id: int
     host: str
     state: protocol.PlacementState
-    gpu_uuid: str | None = Field(description="the GPU it asked for, or room was made on; None: the one with most room")
+    gpu_uuid: str | None = Field(description="the GPU it asked for; None: the one with most room")
+    gpu_index: int | None = Field(
+        default=None, description="that GPU's nvidia-smi index on its host (None: any GPU, or not reported)"
+    )
     need_bytes: int
     priority: int
     position: int | None = Field(

@@ -83,7 +83,7 @@ def test_a_job_goes_to_the_gpu_with_the_most_room_and_its_room_is_held(db: Datab
 def test_the_gpu_it_names_or_nothing(db: Database) -> None:
     ws, _ = make_workspace(db)
     named = place(db, ws, 0, 130 * GIB, memory_bytes=20 * GIB, gpu_uuid="GPU-0001").placement
-    assert named.state == "waiting" and named.placed_uuid is None
+    assert named.state == "waiting" and named.placed_uuid is None and named.gpu_index == 1
     assert named.note is not None and "GPU 1: 10.0 GiB free" in named.note
     with pytest.raises(errors.TargetRefused, match="not a GPU of host 'node1'"):
         place(db, ws, 0, 0, gpu_uuid="GPU-0009")
@@ -349,7 +349,7 @@ def test_the_room_of_a_job_that_registered_stays_held_until_its_memory_shows(db:
     [host] = db.run(storage.list_devices, write=False, workspace_id=ws, now=NOW + 7, stale_after=STALE).hosts
     assert host.devices[0].memory_reserved == 0
     every = db.run(storage.list_placements, write=False, workspace_id=ws, actor=admin(ws), now=NOW + 7, live=False)
-    assert {p.id for p in every} == {first.id, second.id}
+    assert {(p.id, p.reservation is not None) for p in every} == {(first.id, False), (second.id, False)}
 
 
 def test_a_started_jobs_room_is_held_for_a_while_from_its_registration_not_from_its_placement(db: Database) -> None:

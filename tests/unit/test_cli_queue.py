@@ -257,6 +257,18 @@ def test_the_queue_lists_each_wait_with_its_priority_place_and_a_clipped_note(
     monkeypatch.setenv("COLUMNS", "250")  # a wide one shows it whole
     assert run(server, "queue") == EXIT_OK
     assert capsys.readouterr().out.splitlines()[2].endswith(long_note)
+    monkeypatch.delenv("COLUMNS")  # to a pipe (as here: not a terminal), whole lines, as `flexium ps` prints
+    assert run(server, "queue") == EXIT_OK
+    assert capsys.readouterr().out.splitlines()[2].endswith(long_note)
+
+    # The reason it was queued with comes first, before a note that may be clipped.
+    why = wait(id=7, why="paper deadline", note="room not made: pausing gpu-1 (command 3) failed: no host memory")
+    assert run(Server(waits=[why]), "queue") == EXIT_OK
+    assert (
+        capsys.readouterr()
+        .out.splitlines()[1]
+        .endswith("alice  why: paper deadline; room not made: pausing gpu-1 (command 3) failed: no host memory")
+    )
 
     done = wait(id=5, state="done", position=None, command_id=12, finished_at=time.time())
     assert run(Server(waits=[done]), "queue", "--all") == EXIT_OK
@@ -294,7 +306,8 @@ def test_the_queue_lists_the_jobs_flexium_run_waits_to_start_too(capsys: pytest.
     """A placement waiting for room, and one placed (its room held until its job registers), beside the
     paused jobs waiting to resume: one listing of what goes next on each host; --json carries both."""
     placed = placement(id=8, state="placed", position=None, placed_index=1, placed_uuid="GPU-0001", note="placed")
-    server = Server(waits=[wait()], placements=[placement(), placed])
+    named = placement(id=9, position=2, gpu_uuid="GPU-0002", gpu_index=2, why="big eval")
+    server = Server(waits=[wait()], placements=[placement(), placed, named])
     assert run(server, "queue") == EXIT_OK
     lines = capsys.readouterr().out.splitlines()
     assert lines[0] == "paused, waiting to resume:" and lines[1].split()[0] == "WAIT"
@@ -305,6 +318,9 @@ def test_the_queue_lists_the_jobs_flexium_run_waits_to_start_too(capsys: pytest.
     assert lines[start + 2].split()[:9] == ["7", "low", "1", "waiting", "node1", "any", "76.0", "GiB", "12s"]
     assert lines[start + 2].endswith("GPU 0: 74.0 GiB free")
     assert lines[start + 3].split()[:6] == ["8", "low", "-", "placed", "node1", "1"]
+    # The GPU it asked for by its index; the reason it was started with before the note.
+    assert lines[start + 4].split()[:6] == ["9", "low", "2", "waiting", "node1", "2"]
+    assert lines[start + 4].endswith("why: big eval; GPU 0: 74.0 GiB free")
     assert run(Server(placements=[placement()]), "queue", "--json") == EXIT_OK
     listed = wire.QueueListing.model_validate_json(capsys.readouterr().out)
     assert listed.waits == [] and [p.id for p in listed.placements] == [7]

@@ -6,7 +6,6 @@ room, in the order they resume), `flexium priority JOB [P]`, and what `flexium r
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 import time
 from typing import Any
@@ -16,6 +15,7 @@ from flexium.cli.connection import add_connection_options
 from flexium.cli.exit_status import EXIT_FAILED, EXIT_OK, UsageError, fail, request_body
 from flexium.cli.naming import PROCESS_HELP, resolve_process
 from flexium.cli.printing import age, print_json, print_table
+from flexium.cli.terminal import terminal_width
 from flexium.cli.waiting import Following
 from flexium.client import ApiClient, NotFound
 from flexium.units import gib
@@ -200,7 +200,9 @@ def _print_placements(placements: list[wire.PlacementInfo]) -> None:
     now = time.time()
     rows = [("PLACEMENT", "PRIORITY", "PLACE", "STATE", "HOST", "GPU", "NEEDS", "WAITING", "BY", "COMMAND", "NOTE")]
     for p in placements:
-        gpu = p.placed_index if p.placed_index is not None else (p.placed_uuid or p.gpu_uuid or "any")
+        gpu = p.placed_index if p.placed_index is not None else p.placed_uuid
+        if gpu is None:
+            gpu = p.gpu_index if p.gpu_index is not None else (p.gpu_uuid or "any")
         rows.append(
             (
                 str(p.id),
@@ -225,7 +227,12 @@ def _wait_note(w: wire.WaitInfo) -> str:
     where it went)."""
     if w.state == "done" and w.command_id is not None:
         return f"resumed by command {w.command_id}" + (f"; why: {w.why}" if w.why else "")
-    return w.note or (f"why: {w.why}" if w.why else w.reason)
+    return _with_why(w.why, w.note or ("" if w.why else w.reason))
+
+
+def _with_why(why: str | None, note: str) -> str:
+    """The reason it was queued with (--reason), first: a note that follows may be clipped."""
+    return "; ".join(part for part in (f"why: {why}" if why else "", note) if part)
 
 
 def _placement_note(p: wire.PlacementInfo) -> str:
@@ -233,11 +240,14 @@ def _placement_note(p: wire.PlacementInfo) -> str:
     it waits, GPU by GPU."""
     if p.state == "started" and p.reservation is not None:
         until = time.strftime("%H:%M:%S", time.localtime(p.reservation.expires_at))
-        return f"its room is held until its memory shows there (at most until {until}); the queue counts it as taken"
-    note = p.note or (f"why: {p.why}" if p.why else "")
+        return _with_why(
+            p.why,
+            f"its room is held until its memory shows there (at most until {until}); the queue counts it as taken",
+        )
+    note = p.note or ""
     if note.startswith("waits for ") and "): " in note:
-        return note.split("): ", 1)[1]
-    return note
+        note = note.split("): ", 1)[1]
+    return _with_why(p.why, note)
 
 
 def _print_waits(waits: list[wire.WaitInfo]) -> None:
@@ -263,8 +273,12 @@ def _print_waits(waits: list[wire.WaitInfo]) -> None:
 
 
 def _clip(text: str) -> str:
-    """At most NOTE_WIDTH characters, or what a wider terminal leaves the last column."""
-    width = max(NOTE_WIDTH, shutil.get_terminal_size().columns - 110)
+    """At most NOTE_WIDTH characters, or what a wider terminal leaves the last column; whole to a file or a
+    pipe (terminal_width)."""
+    columns = terminal_width()
+    if columns is None:
+        return text
+    width = max(NOTE_WIDTH, columns - 110)
     return text if len(text) <= width else text[: width - 1] + "~"
 
 

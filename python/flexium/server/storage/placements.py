@@ -15,7 +15,7 @@ from flexium import protocol, wire
 from flexium.server.errors import NotFound, TargetRefused
 from flexium.server.models import Placement, Reservation, Token
 from flexium.server.storage.audit import given_why, record_audit
-from flexium.server.storage.devices import host_devices
+from flexium.server.storage.devices import device_indexes, host_devices
 from flexium.server.storage.listing import listed
 from flexium.server.storage.reservations import reservation_view, started_still_holding
 from flexium.server.storage.waits import queue_order
@@ -214,14 +214,19 @@ def list_placements(
         live_order=queue_order(Placement),
         where=[Placement.token_id == actor.token_id] if actor.role == protocol.ROLE_JOB else [],
     )
+    # A started job whose memory has shown holds nothing more, though its reservation lives on: the live
+    # listing leaves it out, the whole one shows it without room held.
+    started = [row.id for row in rows if row.state == "started"]
+    holding_still = started_still_holding(session=session, workspace_id=workspace_id, placement_ids=started, now=now)
     if live:
-        # A started job whose memory has shown holds nothing more, though its reservation lives on.
-        started = [row.id for row in rows if row.state == "started"]
-        holding_still = started_still_holding(
-            session=session, workspace_id=workspace_id, placement_ids=started, now=now
-        )
         rows = [row for row in rows if row.state != "started" or row.id in holding_still]
-    return [placement_view(session=session, row=row, now=now) for row in rows]
+    views = [placement_view(session=session, row=row, now=now) for row in rows]
+    return [
+        view.model_copy(update={"reservation": None})
+        if view.state == "started" and view.id not in holding_still
+        else view
+        for view in views
+    ]
 
 
 def placement_hosts(*, session: Session) -> list[tuple[int, str]]:
@@ -253,20 +258,22 @@ def _position(session: Session, row: Placement) -> int:
 
 def placement_view(*, session: Session, row: Placement, now: float) -> wire.PlacementInfo:
     reservation = None if row.reservation_id is None else session.get(Reservation, row.reservation_id)
-    index = None
-    if row.placed_uuid is not None:
-        placed = host_devices(session=session, workspace_id=row.workspace_id, host=row.host).get(row.placed_uuid)
-        index = None if placed is None else placed.index
+    indexes = (
+        {}
+        if row.placed_uuid is None and row.gpu_uuid is None
+        else device_indexes(session=session, workspace_id=row.workspace_id, host=row.host)
+    )
     return wire.PlacementInfo(
         id=row.id,
         host=row.host,
         state=row.state,  # type: ignore[arg-type]  # one of protocol.PLACEMENT_STATES, written here only
         gpu_uuid=row.gpu_uuid,
+        gpu_index=None if row.gpu_uuid is None else indexes.get(row.gpu_uuid),
         need_bytes=row.need_bytes,
         priority=row.priority,
         position=_position(session, row) if row.state == "waiting" else None,
         placed_uuid=row.placed_uuid,
-        placed_index=index,
+        placed_index=None if row.placed_uuid is None else indexes.get(row.placed_uuid),
         process_id=row.process_id,
         created_at=row.created_at,
         placed_at=row.placed_at,
