@@ -127,7 +127,8 @@ def test_a_job_that_fits_nowhere_is_queued_and_one_that_cannot_move_is_named(ser
         write_host_file(host_file, {1: FULL, 2: FULL, 3: FULL})
         wait_until(lambda: _reported_full(server, host, {1, 2, 3}), 20, "a GPU report with the neighbours")
         done = server.cli("drain", f"{host}:0", timeout=120)
-        assert done.returncode == 0, done.stdout + done.stderr
+        assert done.returncode == 1, done.stdout + done.stderr  # a job is left there
+        assert f"1 job(s) still on {host}:0: {stuck.process_id}" in done.stderr, done.stderr
         assert re.search(
             rf"^  {movable.process_id}: pause \(command \d+\) \[succeeded\]: no other GPU of host '{host}' can take "
             rf"process '{movable.process_id}'",

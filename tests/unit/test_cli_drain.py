@@ -121,7 +121,8 @@ def test_each_move_is_printed_as_it_goes_and_again_only_when_its_state_changes(
             ),
         ],
     )
-    assert run(server, "drain", "node1:2", "--reason", "fan swap") == EXIT_OK
+    # A job left on the drained GPU: the drain stays, and the command fails, so that a script does not go on.
+    assert run(server, "drain", "node1:2", "--reason", "fan swap") == EXIT_FAILED
     assert server.requests == [wire.DrainRequest(host="node1", gpu="2", reason="fan swap")]
     out, err = capsys.readouterr()
     assert out.splitlines() == [
@@ -133,7 +134,11 @@ def test_each_move_is_printed_as_it_goes_and_again_only_when_its_state_changes(
         "  gpu-b: pause (command 2) [succeeded]: pause note",
         "drain 4: drained: 1 moved, 1 paused (queued to resume when free), 1 left where they are (named above)",
     ]
-    assert err == "  gpu-c: not moved: left where it is: it uses several GPUs\n"
+    assert err.splitlines() == [
+        "  gpu-c: not moved: left where it is: it uses several GPUs",
+        "flexium: drain 4: 1 job(s) still on node1:2: gpu-c (named above with why); the drain stays, so nothing new "
+        "goes there: move or pause them yourself, or `flexium undrain node1:2`",
+    ]
 
 
 def test_the_summary_counts_each_job_by_its_last_move_and_names_what_remains() -> None:
@@ -157,7 +162,7 @@ def test_the_summary_counts_each_job_by_its_last_move_and_names_what_remains() -
     )
     # failed: its note was the plan, the refusal after it says why
     assert drain_cli.move_line(move("gpu-a", "migrate", "failed", 1)) == (
-        "  gpu-a: migrate (command 1) [failed]: it was migrate note"
+        "  gpu-a: migrate (command 1) [failed]: planned as: migrate note"
     )
     job_rank = move("run-7-rank-0", "pause", "queued", 5).model_copy(update={"job_key": "run-7"})
     assert drain_cli.move_line(job_rank).startswith("  job run-7: pause (command 5) [queued]")

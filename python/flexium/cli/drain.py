@@ -76,6 +76,14 @@ def _drain(api: Any, args: argparse.Namespace) -> int:
             f"GET {protocol.PATH_DRAIN.format(drain_id=drain.id)})",
             EXIT_FAILED,
         )  # under --json the drain printed above is stdout's one document: it says what is under way
+    left = left_behind(drain)
+    if left and not args.no_wait:
+        # A script that drains before maintenance must not go on while jobs still run there.
+        return fail(
+            f"drain {drain.id}: {len(left)} job(s) still on {label}: {', '.join(left)} (named above with why); the "
+            f"drain stays, so nothing new goes there: move or pause them yourself, or `flexium undrain {label}`",
+            EXIT_FAILED,
+        )
     return EXIT_OK
 
 
@@ -96,26 +104,32 @@ def move_line(move: wire.DrainMoveInfo) -> str:
         return f"  {who}: not moved: {move.note}"
     # A command that ended otherwise than succeeded: its note was the plan; the line after it says why not.
     gone = move.command_state in protocol.FINAL_COMMAND_STATES and move.command_state != "succeeded"
-    note = f"it was {move.note}" if gone else move.note
+    note = f"planned as: {move.note}" if gone else move.note
     return f"  {who}: {move.action} (command {move.command_id}){state}: {note}"
 
 
 def summary(drain: wire.DrainInfo) -> str:
     done = {"migrate": 0, "pause": 0}
-    failed = refused = 0
     for move in _last_moves(drain):
-        if move.action == "refused":
-            refused += 1
-        elif move.command_state == "succeeded":
+        if move.action != "refused" and move.command_state == "succeeded":
             done[move.action] += 1
-        elif move.command_state not in protocol.ACTIVE_COMMAND_STATES:
-            failed += 1
     parts = [f"{done['migrate']} moved", f"{done['pause']} paused (queued to resume when free)"]
-    if refused or failed:
-        parts.append(f"{refused + failed} left where they are (named above)")
+    left = left_behind(drain)
+    if left:
+        parts.append(f"{len(left)} left where they are (named above)")
     if drain.remaining:
         parts.append(f"still to move: {', '.join(drain.remaining)}")
     return f"drain {drain.id}: {drain.state}: " + ", ".join(parts)
+
+
+def left_behind(drain: wire.DrainInfo) -> list[str]:
+    """The jobs whose last move was refused or ended otherwise than succeeded: still on the drained GPUs."""
+    return [
+        move.job_key or move.process_id
+        for move in _last_moves(drain)
+        if move.action == "refused"
+        or (move.command_state != "succeeded" and move.command_state not in protocol.ACTIVE_COMMAND_STATES)
+    ]
 
 
 def _last_moves(drain: wire.DrainInfo) -> list[wire.DrainMoveInfo]:
