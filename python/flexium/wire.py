@@ -772,7 +772,9 @@ class WaitInfo(WireOut):
     priority: int
     state: WaitState
     position: int | None = Field(
-        default=None, description="its place among its host's waiting jobs (1: next); None once it is not waiting"
+        default=None,
+        description="its place in its host's queue, paused jobs and flexium run's placements in one order (1: next); "
+        "None once it is not waiting",
     )
     need_bytes: int = Field(description="the room it needs (for a job: its largest rank's)")
     created_at: float
@@ -865,7 +867,9 @@ class PlacementInfo(WireOut):
     need_bytes: int
     priority: int
     position: int | None = Field(
-        default=None, description="its place among its host's waiting placements (1: next); None once placed"
+        default=None,
+        description="its place in its host's queue, paused jobs and flexium run's placements in one order (1: next); "
+        "None once placed",
     )
     placed_uuid: str | None = Field(description="the GPU it was placed on")
     placed_index: int | None = Field(description="that GPU's nvidia-smi index on its host")

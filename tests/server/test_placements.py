@@ -529,3 +529,18 @@ def test_the_report_a_placement_brings_serves_the_paused_jobs_waiting_before_it_
     out = place(db, ws, 100 * GIB, memory_bytes=30 * GIB, now=NOW + 1)  # the report shows 40 GiB free
     assert [done.wait.process_id for done in out.queued.dispatched] == ["earlier"]
     assert out.placement.state == "waiting"
+
+
+def test_paused_jobs_and_placements_are_numbered_in_one_queue(db: Database) -> None:
+    """The queue's one order (a higher priority first, first come first served within one) numbers the paused
+    jobs' waits and flexium run's placements of a host together: no two say they are next."""
+    ws, _ = make_workspace(db)
+    paused(db, ws, "paused-normal", footprint=100 * GIB, priority=NORMAL)
+    assert queue(db, ws, "paused-normal", now=NOW).wait.position == 1
+    high = place(db, ws, 130 * GIB, 130 * GIB, memory_bytes=100 * GIB, priority=HIGH, now=NOW + 1).placement
+    low = place(db, ws, 130 * GIB, 130 * GIB, memory_bytes=100 * GIB, priority=LOW, now=NOW + 2).placement
+    assert (high.position, low.position) == (1, 3)
+    [listed_wait] = db.run(storage.list_waits, write=False, workspace_id=ws, now=NOW + 3)
+    listed = db.run(storage.list_placements, write=False, workspace_id=ws, actor=admin(ws), now=NOW + 3)
+    assert listed_wait.position == 2 and [(p.id, p.position) for p in listed] == [(high.id, 1), (low.id, 3)]
+    assert waits(db, ws)["paused-normal"].position == 2

@@ -192,7 +192,10 @@ def _queue(api: ApiClient, args: argparse.Namespace) -> int:
         if waits:
             print()
         _print_placements(placements)
-    print("PLACE: in its host's queue (a higher priority first, first come first served within one).")
+    print(
+        "PLACE: in its host's queue, paused jobs and jobs not started yet in one order (a higher priority first, "
+        "first come first served within one)."
+    )
     return EXIT_OK
 
 

@@ -18,7 +18,7 @@ from flexium.server.storage.audit import given_why, record_audit
 from flexium.server.storage.devices import device_indexes, host_devices
 from flexium.server.storage.listing import listed
 from flexium.server.storage.reservations import reservation_view, started_still_holding
-from flexium.server.storage.waits import queue_order
+from flexium.server.storage.waits import queue_order, waits_ahead
 from flexium.server.storage.workspaces import AuthInfo
 from flexium.units import gib
 
@@ -247,13 +247,15 @@ def live_placements(*, session: Session, workspace_id: int, host: str) -> list[P
 
 
 def _position(session: Session, row: Placement) -> int:
-    """Its place among its host's waiting placements (1: next), in the queue's order."""
+    """Its place in its host's queue (1: next), in the queue's one order of placements and paused jobs' waits."""
     waiting = session.scalars(
         select(Placement.id)
         .where(Placement.workspace_id == row.workspace_id, Placement.host == row.host, Placement.state == "waiting")
         .order_by(*queue_order(Placement))
     )
-    return list(waiting).index(row.id) + 1
+    return (
+        list(waiting).index(row.id) + waits_ahead(session, row.workspace_id, row.host, row.priority, row.created_at) + 1
+    )
 
 
 def placement_view(*, session: Session, row: Placement, now: float) -> wire.PlacementInfo:

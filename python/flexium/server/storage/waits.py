@@ -420,12 +420,14 @@ def list_waits(
         position = None
         if row.state == "waiting":
             position = positions[row.host] = positions.get(row.host, 0) + 1
+            position += placements_ahead(session, workspace_id, row.host, row.priority, row.created_at)
         shown.append(wait_view(session=session, row=row, holder=holder, now=now, position=position, indexes=indexes))
     return shown
 
 
 def _position(session: Session, row: Wait) -> int:
-    """Its place among its host's waiting jobs (1: next), by ``queue_order``."""
+    """Its place in its host's queue (1: next), by ``queue_order``: the paused jobs' waits and flexium run's
+    placements are one queue (placements_ahead)."""
     ahead = session.scalar(
         select(func.count()).where(
             Wait.workspace_id == row.workspace_id,
@@ -440,7 +442,41 @@ def _position(session: Session, row: Wait) -> int:
             ),
         )
     )
-    return int(ahead or 0) + 1
+    return int(ahead or 0) + placements_ahead(session, row.workspace_id, row.host, row.priority, row.created_at) + 1
+
+
+def placements_ahead(session: Session, workspace_id: int, host: str, priority: int, created_at: float) -> int:
+    """flexium run's placements waiting ahead of a job of ``priority`` queued at ``created_at`` on the host, in the
+    queue's one order (a paused job's wait goes first on a tie: waits_ahead)."""
+    return int(
+        session.scalar(
+            select(func.count()).where(
+                Placement.workspace_id == workspace_id,
+                Placement.host == host,
+                Placement.state == "waiting",
+                or_(
+                    Placement.priority > priority,
+                    and_(Placement.priority == priority, Placement.created_at < created_at),
+                ),
+            )
+        )
+        or 0
+    )
+
+
+def waits_ahead(session: Session, workspace_id: int, host: str, priority: int, created_at: float) -> int:
+    """The paused jobs' waits waiting ahead of a placement of ``priority`` asked for at ``created_at``."""
+    return int(
+        session.scalar(
+            select(func.count()).where(
+                Wait.workspace_id == workspace_id,
+                Wait.host == host,
+                Wait.state == "waiting",
+                or_(Wait.priority > priority, and_(Wait.priority == priority, Wait.created_at <= created_at)),
+            )
+        )
+        or 0
+    )
 
 
 def queue_order(row: type[Wait] | type[Placement] = Wait) -> tuple[ColumnElement[Any], ...]:
