@@ -59,7 +59,10 @@ def test_the_fewest_jobs_of_the_lowest_priorities_are_paused(db: Database) -> No
         next_for(db, ws, command.process_id)
         report(db, ws, command.id, "succeeded", process={"state": "PAUSED", "memory_bytes": 0})
     gpus_report(db, ws, NOW + 5, 88 * GIB, 138 * GIB)
-    assert resumed(run(db, NOW + 5)) == ["urgent"]
+    outcome = run(db, NOW + 5)
+    assert resumed(outcome) == ["urgent"]
+    [resume] = outcome.dispatched[0].commands
+    assert resume.reason is not None and resume.reason.startswith("make room: the room made for it: GPU 0 had ")
     assert waits(db, ws)["low-20"].state == "waiting"
 
 

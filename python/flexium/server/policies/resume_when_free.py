@@ -328,9 +328,11 @@ def _reason(wait: Wait, placement: list[tuple[Need, str]], room: HostRoom, now: 
         f"GPU {_label(room, uuid)} had {gib(room.free_for(uuid, wait.id))} free for {gib(need.nbytes)}"
         for need, uuid in placement
     )
-    return (
-        f"resume when free: {where}; waited {now - wait.created_at:.0f} s, queued by {wait.requested_by}"
-        + given_why(wait.why)
+    # Room held for it on the GPU it goes to was made for it (make room's pauses, the only holds of a wait).
+    made = any(room.holds_for(uuid, wait.id) for _need, uuid in placement)
+    policy = "make room: the room made for it" if made else "resume when free"
+    return f"{policy}: {where}; waited {now - wait.created_at:.0f} s, queued by {wait.requested_by}" + given_why(
+        wait.why
     )
 
 
