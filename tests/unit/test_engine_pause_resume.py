@@ -96,9 +96,13 @@ def test_stop_says_why_a_paused_job_it_cannot_resume_in_place_exits_paused(
     fake.set_other_memory(0, H200_BYTES - 10 * GiB)  # GPU 1 has room: stop() does not move the job there
     fake.clear_log()
     engine.stop()
+    err = capsys.readouterr().err
     assert (
         "could not resume the paused job in place at shutdown, so it exits paused: "
-        "cuda:0 has 10.00 GiB free; the paused job needs 30.00 GiB" in capsys.readouterr().err
+        "cuda:0 has 10.00 GiB free; the paused job needs 30.00 GiB plus 0.50 GiB headroom; the process ends now, so "
+        "nothing of it is left "
+        "to resume" in err
     )
+    assert "flexium resume" not in err and "free memory there" not in err  # advice for a process still there
     assert fake.calls("cu") == []
     assert engine.state == EngineState.PAUSED and fake.state() == ProcessState.CHECKPOINTED

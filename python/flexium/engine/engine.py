@@ -130,8 +130,14 @@ class Engine:
         if self.state == EngineState.PAUSED:
             try:
                 self.resume()
-            except Exception as exc:  # exiting anyway; say what happened
-                log.error("could not resume the paused job in place at shutdown, so it exits paused: %s", exc)
+            except Exception as exc:  # exiting anyway; say what happened (its advice needs a process still there)
+                why = str(exc).split(f": {target_rules.STAYS_PAUSED};", 1)[0]
+                log.error(
+                    "could not resume the paused job in place at shutdown, so it exits paused: %s; the process ends "
+                    "now, so nothing of it is left to resume (what it trained since its last checkpoint of its own "
+                    "goes with it)",
+                    why,
+                )
         self._parking.release()
         pinning_gate.uninstall()
         cuda_graphs.uninstall()

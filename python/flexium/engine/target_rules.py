@@ -29,6 +29,10 @@ DEFAULT_MEMORY_MARGIN_BYTES = 512 << 20
 # Host memory a pause leaves free beside what it stages.
 HOST_MEMORY_MARGIN_BYTES = 1 << 30
 
+# What a refused resume of a paused job says before its advice (what to do next), which the engine's shutdown,
+# exiting at once, leaves out.
+STAYS_PAUSED = "it stays paused"
+
 
 @dataclass(frozen=True)
 class TargetCandidate:
@@ -166,7 +170,7 @@ def check_resume(
             name = gpu.device if gpu is not None else uuid
             raise TargetRefusedError(
                 f"{name} has {gib(host.memory_free, 2)} free; the paused job held {gib(needed, 2)} there"
-                f"{f' plus {gib(extra, 2)} headroom' if extra else ''} (it uses several GPUs): it stays paused; "
+                f"{f' plus {gib(extra, 2)} headroom' if extra else ''} (it uses several GPUs): {STAYS_PAUSED}; "
                 "free memory there"
             )
         if not in_place:
@@ -180,7 +184,7 @@ def check_resume(
         headroom = f" plus {gib(extra, 2)} headroom" if extra else ""
         raise TargetRefusedError(
             f"{dest.device} has {gib(host.memory_free, 2)} free; the paused job needs {gib(needed, 2)}{headroom}: "
-            f"it stays paused; {advice}"
+            f"{STAYS_PAUSED}; {advice}"
         )
 
 
