@@ -67,3 +67,17 @@ def test_it_asks_again_while_the_server_cannot_be_reached(monkeypatch: pytest.Mo
         "placement 7 waits (number 1 to start on node1): waits for a GPU",
         f"placement 7: {down.message}; asking again",
     ]
+
+
+def test_a_host_without_a_gpu_says_how_to_try_it_on_the_demos_simulated_host(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    def no_driver() -> HostGpus:
+        raise RuntimeError("no NVIDIA driver: could not load libcuda.so.1")
+
+    monkeypatch.setattr(HostGpus, "read", staticmethod(no_driver))
+    args = build_parser().parse_args(["run", "--memory", "4GiB", "--", "python", "t.py"])
+    assert run_cli._run(None, args) == 1  # type: ignore[arg-type]  # refused before any request
+    err = capsys.readouterr().err
+    assert "nothing to place the job on: no NVIDIA driver: could not load libcuda.so.1" in err
+    assert "the variables of the simulated host that `flexium demo` prints before flexium run" in err

@@ -134,7 +134,11 @@ def _run(api: ApiClient, args: argparse.Namespace) -> int:
     try:
         gpus = HostGpus.read()
     except Exception as exc:  # no driver, no GPU: nothing to place on
-        return fail(f"cannot read this host's GPUs, so there is nothing to place the job on: {exc}", EXIT_FAILED)
+        return fail(
+            f"cannot read this host's GPUs, so there is nothing to place the job on: {exc} (on a machine without "
+            "an NVIDIA GPU, put the variables of the simulated host that `flexium demo` prints before flexium run)",
+            EXIT_FAILED,
+        )
     try:
         priority = protocol.DEFAULT_PRIORITY if args.priority is None else protocol.read_priority(args.priority)
     except ValueError as exc:
