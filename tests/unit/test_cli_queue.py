@@ -189,6 +189,22 @@ def test_making_room_is_followed_until_the_queue_sends_the_resume(capsys: pytest
     assert "room held for it on GPU-0001; waiting for the pauses to free it" in err
 
 
+def test_a_pause_making_room_that_is_slow_to_be_taken_is_said_once_with_where_to_look(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(queue_cli, "PAUSE_SLOW_S", 0.0)
+    held = held_wait()
+    created = wire.WaitCreated(wait=held, commands=[command("pause", 5, "gpu-low")])
+    dispatched = held.model_copy(update={"state": "dispatched", "command_id": 9})
+    server = Server(created, reads=[held, held, dispatched])
+    resume = queue_cli.resume_later(server, parse("resume", "gpu-7f3a", "--make-room"))  # type: ignore[arg-type]
+    assert isinstance(resume, wire.CommandInfo) and resume.id == 9
+    err = capsys.readouterr().err
+    slow = "resume gpu-7f3a: pausing gpu-low (command 5) is still queued after 0 s: a job takes its pause at its next"
+    assert err.count(slow) == 1, err
+    assert "`flexium ps` shows whether it is STALE" in err
+
+
 def test_making_room_fails_when_the_wait_ends_without_a_resume_or_outlives_the_timeout(
     capsys: pytest.CaptureFixture[str],
 ) -> None:

@@ -21,6 +21,7 @@ from flexium.client import ApiClient, NotFound
 from flexium.units import gib
 
 FOLLOW_EVERY_S = 0.5  # how often `resume --make-room` reads its wait while the room is made
+PAUSE_SLOW_S = 15.0  # a pause making room not done by then is said, with where to look
 NOTE_WIDTH = 60
 
 
@@ -106,7 +107,8 @@ def resume_later(api: ApiClient, args: argparse.Namespace) -> wire.CommandInfo |
         else:
             print(f"{title}: {_queued(wait, args.gpu)}")
         return EXIT_OK
-    return _until_resumed(api, args, wait, title)
+    pauses = [c for c in created.commands if c.kind == "pause"]
+    return _until_resumed(api, args, wait, title, pauses)
 
 
 def _queued(wait: wire.WaitInfo, named: str | None) -> str:
@@ -125,18 +127,25 @@ def _queued(wait: wire.WaitInfo, named: str | None) -> str:
     )
 
 
-def _until_resumed(api: ApiClient, args: argparse.Namespace, wait: wire.WaitInfo, title: str) -> wire.CommandInfo | int:
-    """The room is being made: the wait read until the queue sends its resume."""
+def _until_resumed(
+    api: ApiClient, args: argparse.Namespace, wait: wire.WaitInfo, title: str, pauses: list[wire.CommandInfo]
+) -> wire.CommandInfo | int:
+    """The room is being made: the wait read until the queue sends its resume; a pause not taken after
+    PAUSE_SLOW_S is said once, with where to look."""
     if not args.json:
         held_on = wait.reservation.gpu_uuid if wait.reservation is not None else wait.gpu_uuid
         print(f"{title}: room held for it on {held_on}; waiting for the pauses to free it", file=sys.stderr)
     Following.now(
         f"wait {wait.id} (`flexium queue` shows it; `flexium resume {wait.process_id} --cancel` takes it out)"
     )
-    deadline = time.monotonic() + args.timeout
+    started = time.monotonic()
+    deadline = started + args.timeout
     while wait.state == "waiting" and wait.reservation is not None and time.monotonic() < deadline:
         time.sleep(FOLLOW_EVERY_S)
         wait = api.get_wait(wait.id)
+        if pauses and time.monotonic() - started >= PAUSE_SLOW_S:
+            _say_slow_pauses(api, args, title, pauses)
+            pauses = []
     if wait.command_id is not None and wait.state in ("dispatched", "done"):
         return api.get_command(wait.command_id)
     if wait.state == "waiting" and wait.reservation is None:  # a pause that was to make the room failed
@@ -156,6 +165,20 @@ def _until_resumed(api: ApiClient, args: argparse.Namespace, wait: wire.WaitInfo
     return fail(
         f"{title}: wait {wait.id} {wait.state}: {wait.note or 'no reason given'}", EXIT_FAILED, as_json=args.json
     )
+
+
+def _say_slow_pauses(api: ApiClient, args: argparse.Namespace, title: str, pauses: list[wire.CommandInfo]) -> None:
+    """The pauses making the room that are still not done, and why that may be."""
+    for pause in pauses:
+        now = api.get_command(pause.id)
+        if now.state in protocol.ACTIVE_COMMAND_STATES and not args.json:
+            print(
+                f"{title}: pausing {pause.process_id} (command {pause.id}) is still {now.state} after "
+                f"{PAUSE_SLOW_S:.0f} s: a job takes its pause at its next optimizer step; `flexium ps` shows whether "
+                "it is STALE (its pause then expires and this job waits in the queue); Ctrl-C stops waiting here, "
+                "the room stays held",
+                file=sys.stderr,
+            )
 
 
 def _cancel(api: ApiClient, args: argparse.Namespace) -> int:
