@@ -52,12 +52,15 @@ def test_the_fewest_jobs_of_the_lowest_priorities_are_paused(db: Database) -> No
         assert command.reason is not None and "make room: process 'urgent' (priority high)" in command.reason
     queued = waits(db, ws)
     assert queued["low-20"].reason.startswith("paused to make room for process 'urgent'")
+    not_yet = "not paused yet (RUNNING): its pause is under way; it waits in the queue once paused"
+    assert queued["low-20"].note == not_yet
     assert queued["low-20"].gpu_uuid is None and queued["low-20"].priority == LOW
 
     # The pauses end; the next report shows their room: the job resumes there before anyone else.
     for command in created.commands:
         next_for(db, ws, command.process_id)
         report(db, ws, command.id, "succeeded", process={"state": "PAUSED", "memory_bytes": 0})
+    assert waits(db, ws)["low-20"].note is None  # paused now: it waits as any other
     gpus_report(db, ws, NOW + 5, 88 * GIB, 138 * GIB)
     outcome = run(db, NOW + 5)
     assert resumed(outcome) == ["urgent"]

@@ -525,9 +525,17 @@ def wait_view(
         requested_by=row.requested_by,
         reason=row.reason,
         why=row.why,
-        note=row.note,
+        note=row.note or _not_paused_yet(row, holder),
         reservation=None if reservation is None else reservation_view(reservation),
     )
+
+
+def _not_paused_yet(row: Wait, holder: Process | None) -> str | None:
+    """A wait queued with the pause that frees its job's GPU (make room's, a drain's): its job still runs, and
+    the queue counts it once that pause is done."""
+    if row.state != "waiting" or holder is None or holder.state == "PAUSED":
+        return None
+    return f"not paused yet ({holder.state}): its pause is under way; it waits in the queue once paused"
 
 
 @dataclass(frozen=True)
