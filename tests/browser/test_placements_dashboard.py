@@ -112,7 +112,7 @@ def test_placements_wait_in_the_queue_order_and_cancel_and_placing_show_live(
         assert "priority high" in text and "the GPU with the most room" in text and "needs 40.0 GiB" in text
         assert f"flexium run by {big['requested_by']}" in text and "waiting" in text and big["note"] in text
         assert "why: paper deadline" in text and "why:" not in _placement_text(dash, small["id"])
-        assert "start #2" in _placement_text(dash, small["id"])
+        assert "start #3" in _placement_text(dash, small["id"])  # after the paused job, #2 of the one queue
 
         css = f'#queue li.placement[data-placement-id="{small["id"]}"] button[data-action="cancel-placement"]'
         dash.wait(lambda: dash.d.find_element(By.CSS_SELECTOR, css).click() or True, "clicked Cancel")

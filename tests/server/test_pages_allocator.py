@@ -46,7 +46,9 @@ def test_the_queue_lists_placements_among_the_waits_in_the_queue_order(api: Api)
     for page in (main, fragment):
         assert _queue(page) == expected, page
     assert "python big.py &lt;script&gt;alert(1)&lt;/script&gt;" in fragment and "<script>alert" not in fragment
-    assert "start #1" in fragment and "start #2" in fragment and "1 waiting to resume · 2 to start" in fragment
+    # One numbering of the host's queue: the placements are its first and third, the paused job its second.
+    assert "start #1" in fragment and "start #3" in fragment and ">#2<" in fragment
+    assert "1 waiting to resume · 2 to start" in fragment
     assert fragment.count('data-action="cancel-placement"') == 2 and 'data-action="cancel-wait"' in fragment
 
     viewer = api.post("/tokens", {"name": "screen", "role": "viewer"}).json()["token"]
