@@ -8,6 +8,7 @@ transaction that makes it."""
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Container, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -414,13 +415,17 @@ def list_waits(
     else:
         query = query.order_by(Wait.id.desc())
     positions: dict[str, int] = {}
+    placed: dict[str, list[tuple[int, float]]] = {}  # by host: its waiting placements' places in the queue's order
     indexes = device_indexes(session=session, workspace_id=workspace_id)
     shown = []
     for row, holder in session.execute(query.limit(limit)):
         position = None
         if row.state == "waiting":
             position = positions[row.host] = positions.get(row.host, 0) + 1
-            position += placements_ahead(session, workspace_id, row.host, row.priority, row.created_at)
+            if row.host not in placed:
+                placed[row.host] = _placement_places(session, workspace_id, row.host)
+            # Those strictly before it (placements_ahead's rule), read once per host.
+            position += bisect.bisect_left(placed[row.host], (-row.priority, row.created_at))
         shown.append(wait_view(session=session, row=row, holder=holder, now=now, position=position, indexes=indexes))
     return shown
 
@@ -462,6 +467,16 @@ def placements_ahead(session: Session, workspace_id: int, host: str, priority: i
         )
         or 0
     )
+
+
+def _placement_places(session: Session, workspace_id: int, host: str) -> list[tuple[int, float]]:
+    """(-priority, asked at) of the host's waiting placements, sorted: the queue's order of them."""
+    rows = session.execute(
+        select(Placement.priority, Placement.created_at).where(
+            Placement.workspace_id == workspace_id, Placement.host == host, Placement.state == "waiting"
+        )
+    )
+    return sorted((-priority, created_at) for priority, created_at in rows)
 
 
 def waits_ahead(session: Session, workspace_id: int, host: str, priority: int, created_at: float) -> int:
