@@ -8,8 +8,8 @@
 //  - a write that fills a whole page of a shmem file (a memfd) allocates the page without clearing it
 //    first, where a page fault clears it (Linux mm/shmem.c: shmem_get_folio skips the clearing for a
 //    write); measured on a CPU-only host, pwrite made a memfd's pages at 2.7 GB/s a thread against 1.6
-//    GB/s touching them (MADV_POPULATE_WRITE 1.8), `bench/probes/streamed_staging.py --ways written`
-//    measures it beside the GPU's copies;
+//    GB/s touching them (MADV_POPULATE_WRITE 1.8); beside the GPU's copies on H100 hosts, docs/fast-path.md
+//    ("Written at the safe point") and docs/measurements.md (runs 35-37);
 //  - the file's pages are the job's too: it maps the same memfd shared.
 #include <sys/types.h>
 #include <unistd.h>

@@ -422,17 +422,16 @@ def list_waits(
         position = None
         if row.state == "waiting":
             position = positions[row.host] = positions.get(row.host, 0) + 1
-            if row.host not in placed:
+            if row.host not in placed:  # read once per host for the whole list
                 placed[row.host] = _placement_places(session, workspace_id, row.host)
-            # Those strictly before it (placements_ahead's rule), read once per host.
-            position += bisect.bisect_left(placed[row.host], (-row.priority, row.created_at))
+            position += _placements_ahead(placed[row.host], row)
         shown.append(wait_view(session=session, row=row, holder=holder, now=now, position=position, indexes=indexes))
     return shown
 
 
 def _position(session: Session, row: Wait) -> int:
     """Its place in its host's queue (1: next), by ``queue_order``: the paused jobs' waits and flexium run's
-    placements are one queue (placements_ahead)."""
+    placements are one queue (_placements_ahead)."""
     ahead = session.scalar(
         select(func.count()).where(
             Wait.workspace_id == row.workspace_id,
@@ -447,26 +446,15 @@ def _position(session: Session, row: Wait) -> int:
             ),
         )
     )
-    return int(ahead or 0) + placements_ahead(session, row.workspace_id, row.host, row.priority, row.created_at) + 1
+    places = _placement_places(session, row.workspace_id, row.host)
+    return int(ahead or 0) + _placements_ahead(places, row) + 1
 
 
-def placements_ahead(session: Session, workspace_id: int, host: str, priority: int, created_at: float) -> int:
-    """flexium run's placements waiting ahead of a job of ``priority`` queued at ``created_at`` on the host, in the
-    queue's one order (a paused job's wait goes first on a tie: waits_ahead)."""
-    return int(
-        session.scalar(
-            select(func.count()).where(
-                Placement.workspace_id == workspace_id,
-                Placement.host == host,
-                Placement.state == "waiting",
-                or_(
-                    Placement.priority > priority,
-                    and_(Placement.priority == priority, Placement.created_at < created_at),
-                ),
-            )
-        )
-        or 0
-    )
+def _placements_ahead(places: list[tuple[int, float]], row: Wait) -> int:
+    """How many of the host's waiting placements (``_placement_places``) go before the wait in the queue's one
+    order: a higher priority, or the same one asked for earlier (a paused job's wait goes first on a tie:
+    waits_ahead)."""
+    return bisect.bisect_left(places, (-row.priority, row.created_at))
 
 
 def _placement_places(session: Session, workspace_id: int, host: str) -> list[tuple[int, float]]:
