@@ -330,7 +330,8 @@ void bind_copier(py::module_ &m) {
            py::arg("driver_made") = std::vector<bool>{}, py::arg("written") = std::vector<bool>{}, release_gil())
       .def("make_host_memory", &HostCopier::make_host_memory, py::arg("bytes"), py::arg("piece"), release_gil())
       .def("wake", &HostCopier::wake, py::arg("uuid"), py::arg("wait"), py::arg("pause_ms") = 0, release_gil())
-      .def("copy", &HostCopier::copy, py::arg("to_host"), py::arg("segments"), py::arg("pieces"), release_gil())
+      .def("copy", &HostCopier::copy, py::arg("to_host"), py::arg("segments"), py::arg("pieces"),
+           py::arg("write_untouched") = false, release_gil())
       .def("fill", &HostCopier::fill, py::arg("sizes"), py::arg("pieces"), release_gil())
       .def("pin_rest", &HostCopier::pin_rest, py::arg("pause_ms"), release_gil())
       .def("sleep", &HostCopier::sleep, release_gil())

@@ -106,16 +106,14 @@ void HostCopier::extend(const std::vector<std::pair<int, std::size_t>> &extents,
     Extent mapped;
     mapped.base = static_cast<char *>(base);
     mapped.size = extent.second;
-    if (!written.empty() && written[k]) {
-      mapped.written = true;
-      mapped.fd = ::fcntl(extent.first, F_DUPFD_CLOEXEC, 0);  // written through it: the job closes its own
-      if (mapped.fd < 0) {
-        const int error = errno;
-        ::munmap(base, extent.second);
-        unmap_added();
-        throw std::runtime_error(std::string("could not keep the fd of the job's host staging: ") +
-                                 std::strerror(error));
-      }
+    mapped.written = !written.empty() && written[k];
+    // Written through it (a written extent, or chunks a copy reaches before the touching does): the job closes its own.
+    mapped.fd = ::fcntl(extent.first, F_DUPFD_CLOEXEC, 0);
+    if (mapped.fd < 0) {
+      const int error = errno;
+      ::munmap(base, extent.second);
+      unmap_added();
+      throw std::runtime_error(std::string("could not keep the fd of the job's host staging: ") + std::strerror(error));
     }
     added.push_back(mapped);
   }
@@ -140,6 +138,7 @@ void HostCopier::extend(const std::vector<std::pair<int, std::size_t>> &extents,
     chunks_.insert(chunks_.end(), chunks.begin(), chunks.end());
     pinned_.resize(chunks_.size(), 0);
     touched_.resize(chunks_.size(), 0);
+    claimed_.resize(chunks_.size(), 0);
     to_write_.resize(chunks_.size(), 0);
     // Chunks of extents mapped before were touched (or written) then; driver-made memory needs no touching;
     // a written extent's pages are made by the first copy to host.
@@ -182,6 +181,12 @@ void HostCopier::touch_chunks(const std::vector<std::size_t> &to_touch) {
 void HostCopier::touch_extent(std::vector<std::size_t> chunks) noexcept {
   for (const std::size_t i : chunks) {
     if (stop_touching_) return;
+    {
+      // A chunk a copy writes is left to it until written; one another thread took is touched there.
+      std::lock_guard<std::mutex> guard(mutex_);
+      if (to_write_[i] || claimed_[i]) continue;
+      claimed_[i] = 1;
+    }
     const CopierChunk &chunk = chunks_[i];
     populate_host_pages({{extents_[chunk.extent].base + chunk.offset, chunk.size}});
     {
@@ -410,7 +415,7 @@ void HostCopier::check_pieces(const std::vector<std::size_t> &sizes, const std::
 }
 
 std::size_t HostCopier::copy(bool to_host, const std::vector<std::pair<int, std::size_t>> &segments,
-                             const std::vector<CopierPiece> &pieces) {
+                             const std::vector<CopierPiece> &pieces, bool write_untouched) {
   require_awake("cannot copy");
   const DriverTable &d = require_vmm_driver();
   std::vector<std::size_t> sizes;
@@ -418,6 +423,7 @@ std::size_t HostCopier::copy(bool to_host, const std::vector<std::pair<int, std:
   check_pieces(sizes, pieces);
   times_ = CopyTimes{};
   stop_pinner();  // this thread pins what is left, between the copies
+  if (to_host && write_untouched) write_untouched_chunks(pieces);
   FLEXIUM_CU_CALL(d, cuCtxSetCurrent, context_);
   const auto import_start = std::chrono::steady_clock::now();
   std::vector<std::unique_ptr<Backing>> imports;
@@ -509,6 +515,16 @@ std::size_t HostCopier::copy_pieces(bool to_host, const std::vector<CUdeviceptr>
   if (to_host) written_all();
   times_.copy_s = seconds_since(copy_start);
   return copied + times_.written;
+}
+
+void HostCopier::write_untouched_chunks(const std::vector<CopierPiece> &pieces) {
+  std::lock_guard<std::mutex> guard(mutex_);
+  for (const CopierPiece &piece : pieces) {
+    const std::size_t i = piece.chunk;
+    const Extent &extent = extents_[chunks_[i].extent];
+    if (claimed_[i] || touched_[i] || pinned_[i] || extent.driver_made || extent.fd < 0) continue;
+    to_write_[i] = 1;
+  }
 }
 
 void HostCopier::sleep() {

@@ -91,9 +91,12 @@ class HostCopier {
 
   // Copies the pieces between the chunks and the segments (fd, size) in chunk order, pinning the
   // chunks not yet pinned just before their copies (the copies of the chunk before run meanwhile).
-  // Returns the bytes copied. The fds stay the caller's; the imports are gone when it returns.
+  // With `write_untouched` a copy to host writes the memfd chunks the touching threads have not
+  // reached (a young job's kept staging: docs/fast-path.md, "Written at the safe point") as it writes a
+  // written extent's, and those threads stop short of them. Returns the bytes copied. The fds stay the
+  // caller's; the imports are gone when it returns.
   std::size_t copy(bool to_host, const std::vector<std::pair<int, std::size_t>> &segments,
-                   const std::vector<CopierPiece> &pieces);
+                   const std::vector<CopierPiece> &pieces, bool write_untouched = false);
 
   // A resume's copy back made while the driver restores the job (host_copier_fill.cpp): new memory
   // of each size on the GPU it is awake on (exportable as POSIX fds), the pieces copied into it from
@@ -151,6 +154,9 @@ class HostCopier {
   // chunks are then touched, not pinned. Throws the first thread's failure once all have stopped.
   std::size_t write_pieces(const std::vector<CUdeviceptr> &addresses, const std::vector<CopierPiece> &pieces);
   void write_extent(const std::vector<CUdeviceptr> &addresses, const std::vector<CopierPiece> &pieces) const;
+  // Marks the chunks of these pieces that no touching thread has reached (nor will: they are claimed)
+  // to be written by the copy, in memfds whose fd the copier keeps.
+  void write_untouched_chunks(const std::vector<CopierPiece> &pieces);
   // After a copy to host: no chunk waits to be written any more; touching threads map the written chunks'
   // pages here (one that no piece filled, the staging's slack, is made by that), for a pin to wait for.
   void written_all();
@@ -160,7 +166,7 @@ class HostCopier {
     std::size_t size = 0;
     bool driver_made = false;
     bool written = false;               // made to be written by the first copy to host, not touched
-    int fd = -1;                        // driver-made or written: our dup of the job's fd
+    int fd = -1;                        // our dup of the job's fd (a memfd's: to write through it)
     std::shared_ptr<Backing> mapped;    // driver-made, while mapped for the GPU
   };
   void map_driver_made(Extent &extent);
@@ -169,6 +175,7 @@ class HostCopier {
   std::vector<CopierChunk> chunks_;
   std::vector<char> pinned_;
   std::vector<char> touched_;   // under mutex_
+  std::vector<char> claimed_;   // taken by a touching thread, touched or being touched (under mutex_)
   std::vector<char> to_write_;  // chunks of written extents no copy has written yet (under mutex_)
   std::condition_variable touched_cv_;
   std::vector<std::thread> touchers_;
@@ -180,7 +187,8 @@ class HostCopier {
   std::thread pinner_;
   std::atomic<bool> stop_{false};
   std::atomic<bool> pinner_running_{false};
-  mutable std::mutex mutex_;  // pinned_, touched_, pinned_since_wake_, pinned_at_wake_, pin_error_, last_pinner_
+  // Guards pinned_, touched_, claimed_, to_write_, pinned_since_wake_, pinned_at_wake_, pin_error_, last_pinner_.
+  mutable std::mutex mutex_;
   std::size_t pinned_since_wake_ = 0;
   std::size_t pinned_at_wake_ = 0;
   std::string pin_error_;

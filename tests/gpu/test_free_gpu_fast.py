@@ -364,7 +364,8 @@ def young_job(
 def test_a_young_jobs_first_pause_streams_what_its_keeper_has_not_pinned_yet(host_gpus: list[Any]) -> None:
     """Paused while its keeper is still pinning the staging ahead (the job's first pause, seconds
     after its first optimizer step), the job takes its safe point at once: the chunks found pinned
-    are copied at once, the rest pinned as the copies reach them (the notes say how much of each).
+    are copied at once, the rest pinned as the copies reach them, or written where the keeper had not
+    touched it yet (the notes say how much of each).
     The GPU is then free (NVML shows nothing of the job or its copier), the loss trace is the
     undisturbed run's, and the pause takes no longer than one that makes all of its staging at the
     safe point (the same job with nothing kept: FLEXIUM_PINNED_HOST_MEMORY=0); both times printed."""

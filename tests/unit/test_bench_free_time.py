@@ -77,7 +77,7 @@ def test_a_pause_says_whether_it_found_its_staging_kept_or_made_it() -> None:
     )
     half_kept = (
         "the staging kept for pauses was still being pinned ahead: 9.50 of 25.50 GiB pinned when the pause was "
-        "asked for; the rest is pinned as the copies reach it, at the safe point"
+        "asked for; the rest is pinned as the copies reach it, or written where not touched yet, at the safe point"
     )
     before = "pinned 17.00 GiB of host staging by the copier process 7 in 0.02 s before the safe point ({} GiB of it "
     assert migrate.staging_of({"notes": [at_safe_point, "fast path: copied 64.00 GiB"]}) == "made"
@@ -198,7 +198,7 @@ def test_a_pause_that_found_the_budgets_share_kept_is_its_own_way() -> None:
     share = (
         "the staging kept for pauses holds 31.5 GiB, pinned, of the 68.9 GiB the pool needs (only that part is kept, "
         "as its 68.9 GiB exceed flexium's pinned host memory budget of 31.5 GiB (FLEXIUM_PINNED_HOST_MEMORY=25%, the "
-        "default)): it is copied at once, and the rest mapped and pinned as the copies reach it, at the safe point"
+        "default)): it is copied at once, and the rest mapped and written as the copies reach it, at the safe point"
     )
     assert migrate.staging_of({"notes": [share, MADE, "fast path: copied 64.00 GiB"]}) == "share"
     rows = migrate.rows_of(64.0, pool_job(64.0, [("pause", "fast", [share, MADE], None), ("resume", "fast", [], 1.9)]))

@@ -93,7 +93,8 @@ def test_a_pause_while_the_keeper_pins_ahead_streams_the_rest_and_the_staging_st
     assert paused.ok and paused.path == "fast" and names(paused) == FAST_PAUSE
     assert re.fullmatch(
         r"the staging kept for pauses was still being pinned ahead: 0\.25 GiB of 0\.53 GiB pinned when the pause "
-        r"was asked for; the rest is pinned as the copies reach it, at the safe point",
+        r"was asked for; the rest is pinned as the copies reach it, or written where not touched yet, at the safe "
+        r"point",
         paused.notes[0],
     ), paused.notes
     found, streamed = found_and_streamed(paused.notes[1])
@@ -128,7 +129,8 @@ def test_a_copier_that_dies_when_asked_how_far_it_pinned_is_replaced_at_the_safe
     assert paused.ok and paused.path == "fast" and names(paused) == FAST_PAUSE
     assert paused.notes[0] == (
         "the staging kept for pauses: its copier did not say how far it had pinned it (busy, or stopped as it "
-        "failed): what is not pinned is pinned as the copies reach it, at the safe point"
+        "failed): what is not pinned is pinned as the copies reach it, or written where not touched yet, at the safe "
+        "point"
     )
     assert paused.notes[1].startswith("made the host staging by the copier process ")
     assert f"copier process {first} " not in paused.notes[1]  # a new one made it

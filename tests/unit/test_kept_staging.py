@@ -301,7 +301,7 @@ def test_a_staging_larger_than_the_budget_keeps_the_part_it_has_room_for(
     assert paused.notes[0] == (
         "the staging kept for pauses holds 8 MiB, pinned, of the 14 MiB the pool needs (only that part is kept, as "
         "its 14 MiB exceed flexium's pinned host memory budget of 8 MiB (FLEXIUM_PINNED_HOST_MEMORY=8MiB, from the "
-        "environment)): it is copied at once, and the rest mapped and pinned as the copies reach it, at the safe point"
+        "environment)): it is copied at once, and the rest mapped and written as the copies reach it, at the safe point"
     ), paused.notes
     assert "0.01 GiB found pinned (its pinning ahead: " in paused.notes[1], paused.notes[1]
     assert ", 0.01 GiB streamed; " in paused.notes[1], paused.notes[1]

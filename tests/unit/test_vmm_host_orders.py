@@ -263,6 +263,63 @@ def test_a_written_staging_round_trips_and_is_then_kept_whole(fake: FakeDriver, 
     assert fake.vmm_leaks() == NO_LEAKS
 
 
+def round_trip_a_staging_being_touched(fake: FakeDriver, allocator: Allocator, *, write_untouched: bool) -> Any:
+    """A young job's kept staging of memfds (64 chunks in one file, touched by the copier in the background
+    from the file's start) copied to host at once, then back: returns the copy to host's times."""
+    contents = make_segments(allocator, [64 * MiB, 192 * MiB])
+    _C.reserve_host_staging(256 * MiB, 0, chunk_bytes=4 * MiB, pin_here=False)
+    copier = copier_for_staging()  # its thread starts touching the chunks now
+    copier.wake(fake.uuid(0), False, 0)
+    order = _C.begin_stage_order()
+    assert copier.copy(True, order.segments, order.pieces, write_untouched) == 256 * MiB
+    times = copier.last_copy_times
+    _C.finish_host_order()
+    copier.sleep()
+    assert fake.pinned_bytes() == 0
+    _C.release_source_backing()
+    _C.lock(PID, 0)
+    _C.checkpoint(PID)
+    _C.restore(PID)
+    _C.unlock(PID)
+    order = _C.begin_restore_order(1)
+    # Every chunk is mapped in by then, the written ones too: the kept staging's pinning takes all of it.
+    copier.wake(fake.uuid(1), True, 0)
+    assert copier.pinned_bytes == 256 * MiB and copier.last_pinner.endswith("all pinned"), copier.last_pinner
+    assert copier.copy(False, order.segments, order.pieces) == 256 * MiB
+    _C.finish_host_order()
+    assert_contents(contents)
+    copier.sleep()
+    del copier
+    _C.release_host_staging()
+    for address in contents:
+        allocator.free(address)
+    assert fake.vmm_leaks() == NO_LEAKS
+    return times
+
+
+def test_a_copy_to_host_writes_the_chunks_the_touching_has_not_reached(fake: FakeDriver, allocator: Allocator) -> None:
+    """A pause that finds its kept staging still being touched writes the chunks the touching has not
+    reached, as it writes a staging made at the safe point, and pins the rest (docs/fast-path.md, "Written at
+    the safe point"); the bytes come back intact. The touching runs beside the copy, so how far it got
+    differs from run to run: tried until a copy finds chunks untouched (the first, almost always)."""
+    tries = []
+    for _ in range(5):
+        times = round_trip_a_staging_being_touched(fake, allocator, write_untouched=True)
+        tries.append(times)
+        if times["written"] > 0:
+            break
+    assert tries[-1]["written"] > 0, f"every copy found the staging touched: {tries}"
+    assert tries[-1]["written"] % (4 * MiB) == 0 and tries[-1]["written"] + tries[-1]["pinned_in_copy"] <= 256 * MiB
+
+
+def test_without_write_untouched_a_copy_to_host_pins_every_chunk_as_the_touching_reaches_it(
+    fake: FakeDriver, allocator: Allocator
+) -> None:
+    """FLEXIUM_WRITTEN_STAGING=0's way: the copy waits for the touching and pins each chunk."""
+    times = round_trip_a_staging_being_touched(fake, allocator, write_untouched=False)
+    assert times["written"] == 0 and times["pinned_in_copy"] > 0, times
+
+
 def test_an_aborted_order_leaves_everything_as_it_was(fake: FakeDriver, allocator: Allocator) -> None:
     contents = make_segments(allocator, [2 * MiB, 4 * MiB])
     _C.reserve_host_staging(6 * MiB, 0, pin_here=False)

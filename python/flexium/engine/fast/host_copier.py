@@ -261,15 +261,23 @@ class Copier:
         return self._exchange(message, timeout=START_TIMEOUT_S + bytes_to_pin / SLOWEST_BYTES_PER_S)
 
     def copy(
-        self, to_host: bool, order: _C.HostOrder, *, then_sleep: bool = True, pin_rest_pause_ms: int = 0
+        self,
+        to_host: bool,
+        order: _C.HostOrder,
+        *,
+        then_sleep: bool = True,
+        pin_rest_pause_ms: int = 0,
+        write_untouched: bool = False,
     ) -> dict[str, Any]:
         """Runs one order; with `then_sleep` the copier goes to sleep right after it (its reply read
         by asleep()), else it stays awake with the staging pinned (kept for the next pause), and
-        pins in the background what the copies did not use, `pin_rest_pause_ms` between chunks."""
+        pins in the background what the copies did not use, `pin_rest_pause_ms` between chunks.
+        `write_untouched`: a copy to host writes the memfd chunks not touched yet (_C.HostCopier.copy)."""
         segments = order.segments
         message = {
             "op": "copy",
             "to_host": to_host,
+            "write_untouched": write_untouched,
             "sizes": [size for _fd, size in segments],
             "pieces": [as_row(piece, PIECE_FIELDS) for piece in order.pieces],
             "then_sleep": then_sleep,

@@ -130,7 +130,9 @@ class Server:
         if op == "copy":
             segments = with_sizes(op, message, fds, "segments")
             pieces = [_C.CopierPiece(**dict(zip(PIECE_FIELDS, row, strict=True))) for row in message["pieces"]]
-            copied = copier.copy(bool(message["to_host"]), segments, pieces)
+            copied = copier.copy(
+                bool(message["to_host"]), segments, pieces, bool(message.get("write_untouched", False))
+            )
             times = copier.last_copy_times  # before the pinner runs again
             if message.get("pin_rest_pause_ms") is not None:
                 copier.pin_rest(int(message["pin_rest_pause_ms"]))

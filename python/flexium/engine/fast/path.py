@@ -398,7 +398,12 @@ class FastPath(DeviceMoves):
             return here()
         begin_s = time.perf_counter() - began
         try:
-            reply = copier.copy(to_host, order, then_sleep=then_sleep, pin_rest_pause_ms=PIN_PAUSE_MS)
+            # A staging a young job's keeper is still touching: what it has not reached is written, as a staging
+            # made at the safe point is (docs/fast-path.md, "Written at the safe point").
+            write_untouched = to_host and written_staging_enabled()
+            reply = copier.copy(
+                to_host, order, then_sleep=then_sleep, pin_rest_pause_ms=PIN_PAUSE_MS, write_untouched=write_untouched
+            )
             self.last_copy = CopierCopy(
                 int(reply.get("pinned_in_copy", 0)),
                 float(reply.get("pin_s", 0.0)),

@@ -10,6 +10,7 @@ from dataclasses import dataclass, replace
 
 from flexium import _C
 from flexium.engine.fast import checksum
+from flexium.engine.fast.host_copier import written_staging_enabled
 from flexium.engine.fast.host_staging import HostCopy, PinnedAhead
 from flexium.engine.fast.path import FastPath
 from flexium.engine.fast.steps import RelocationError
@@ -78,24 +79,37 @@ def streaming_kept(ahead: PinnedAhead | None, wanted: int, in_part: str = "") ->
     if ahead is None:
         return (
             "the staging kept for pauses: its copier did not say how far it had pinned it (busy, or stopped as it "
-            "failed): what is not pinned is pinned as the copies reach it, at the safe point"
+            f"failed): what is not pinned is {rest_at_safe_point(new=False)}, at the safe point"
         )
     if not ahead.complete:
         state = "still being pinned ahead" if ahead.pinning else f"pinned only in part ({ahead.pinner})"
         return (
             f"the staging kept for pauses was {state}: {gib(ahead.pinned, 2)} of {gib(ahead.staging, 2)} pinned when "
-            "the pause was asked for; the rest is pinned as the copies reach it, at the safe point"
+            f"the pause was asked for; the rest is {rest_at_safe_point(new=False)}, at the safe point"
         )
     if in_part:
         return (
             f"the staging kept for pauses holds {gib_or_mib(ahead.staging)}, pinned, of the {gib_or_mib(wanted)} the "
-            f"pool needs (only that part is kept, as {in_part}): it is copied at once, and the rest mapped and pinned "
-            "as the copies reach it, at the safe point"
+            f"pool needs (only that part is kept, as {in_part}): it is copied at once, and the rest "
+            f"{rest_at_safe_point(new=True)}, at the safe point"
         )
     return (
         f"the staging kept for pauses ({gib(ahead.staging, 2)}, pinned) is short of the {gib(wanted, 2)} the pool "
-        "needs now: the rest is mapped and pinned as the copies reach it, at the safe point"
+        f"needs now: the rest is {rest_at_safe_point(new=True)}, at the safe point"
     )
+
+
+def rest_at_safe_point(*, new: bool) -> str:
+    """How a pause's copies take what its kept staging has not pinned: memory mapped at the safe point
+    (`new`), or the kept staging's own chunks, of which those the copier has not touched yet are written
+    as a staging made at the safe point is (docs/fast-path.md, "Written at the safe point")."""
+    if written_staging_enabled():
+        return (
+            "mapped and written as the copies reach it"
+            if new
+            else "pinned as the copies reach it, or written where not touched yet"
+        )
+    return "mapped and pinned as the copies reach it" if new else "pinned as the copies reach it"
 
 
 def note_made(host: HostCopy, mapped: int) -> tuple[str, ...]:
