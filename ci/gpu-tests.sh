@@ -37,6 +37,16 @@ if [ -n "${FLEXIUM_EXPECT_GPUS:-}" ] && [ "$FLEXIUM_EXPECT_GPUS" != "$listed" ];
   echo "FLEXIUM_EXPECT_GPUS=$FLEXIUM_EXPECT_GPUS, but nvidia-smi -L lists $listed GPU(s)"; exit 1
 fi
 python3 -c 'import torch; print("torch", torch.__version__, "gpus", torch.cuda.device_count())' | tee -a "$out/gpus.csv"
+# What makes host memory fast or slow to make (the written staging's pace differs by half between hosts).
+{
+  echo "kernel $(uname -r)"
+  lscpu | grep -E '^(Model name|CPU\(s\)|NUMA node\(s\)|Socket\(s\))'
+  for knob in enabled shmem_enabled defrag; do
+    echo "thp $knob: $(cat /sys/kernel/mm/transparent_hugepage/$knob 2>/dev/null)"
+  done
+  grep -E '^(MemTotal|MemFree|MemAvailable|Shmem|HugePages_Total)' /proc/meminfo
+  echo "cgroup memory.max: $(cat /sys/fs/cgroup/memory.max 2>/dev/null) memory.high: $(cat /sys/fs/cgroup/memory.high 2>/dev/null)"
+} >"$out/host.txt" 2>&1
 
 echo "== build"
 if ! python3 -m pip install --no-build-isolation --no-deps -e . >"$out/build.log" 2>&1; then
