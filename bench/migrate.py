@@ -572,9 +572,7 @@ def staging_of(result: dict[str, Any]) -> str:
         if note.startswith("the staging kept for pauses "):
             return "part"
         if note.startswith("made the host staging "):
-            if "newly mapped and written" not in note:
-                return "made"
-            return "mixed" if re.search(r"\), then pinned [0-9.]+ GiB .* and wrote ", note) else "written"
+            return "written" if "newly mapped and written" in note else "made"
         match = re.search(r"pinned ([0-9.]+) GiB of host staging .*\(([0-9.]+) GiB of it newly mapped", note)
         if match:
             # A kept staging may have grown a little with the pool since (fact `growing-staging-keeps-pins`).
@@ -734,7 +732,6 @@ FREEING = {
     "part": "pause, staging kept in part",
     "made": "pause, staging made, touched and pinned (FLEXIUM_WRITTEN_STAGING=0)",
     "written": "pause, staging made (written by the copier)",
-    "mixed": "pause, staging made, part written and part touched and pinned (FLEXIUM_WRITTEN_STAGING=0.5)",
     "parked": "migrate (parked elsewhere)",
 }
 
@@ -784,7 +781,6 @@ STAGING_WAYS = {
     "share": "staging kept in part, the pinned budget's share, the rest made at the safe point",
     "made": "staging not kept, touched and pinned (FLEXIUM_WRITTEN_STAGING=0)",
     "written": "staging not kept (written by the copier)",
-    "mixed": "staging not kept, half its files written, half touched and pinned (FLEXIUM_WRITTEN_STAGING=0.5)",
 }
 
 
@@ -793,7 +789,6 @@ STAGING_JOBS = {
     "unkept": "nothing kept pinned (FLEXIUM_PINNED_HOST_MEMORY=0)",
     "kept": "the whole staging kept (--kept-budget)",
     "touched": "nothing kept, the staging touched and pinned rather than written (FLEXIUM_WRITTEN_STAGING=0)",
-    "mixed": "nothing kept, half the staging's files written, half touched and pinned (FLEXIUM_WRITTEN_STAGING=0.5)",
     "ahead": "paused once its keeper kept its staging (--kept-budget)",
     "share": "paused once its keeper kept the default budget's share (sizes beyond that budget)",
 }
@@ -1061,11 +1056,6 @@ def main() -> int:
                 log(f"-- {label}: pool job, nothing kept, its staging touched and pinned (FLEXIUM_WRITTEN_STAGING=0)")
                 touched = {"FLEXIUM_PINNED_HOST_MEMORY": "0", "FLEXIUM_WRITTEN_STAGING": "0"}
                 run = run_pause_job(f"{label} pool job, staging touched", size, args, touched)
-                record(run, size, budget="0")
-            if "mixed" in jobs_wanted:
-                log(f"-- {label}: pool job, nothing kept, half its staging written, half touched and pinned")
-                mixed = {"FLEXIUM_PINNED_HOST_MEMORY": "0", "FLEXIUM_WRITTEN_STAGING": "0.5"}
-                run = run_pause_job(f"{label} pool job, staging half written", size, args, mixed)
                 record(run, size, budget="0")
             if "ahead" in jobs_wanted:
                 # A job that has trained a while: its first pause finds the staging its keeper made ahead.

@@ -36,7 +36,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flexium.config import switch_from_env
-from flexium.errors import ConfigError
 
 if TYPE_CHECKING:
     from flexium import _C
@@ -89,34 +88,11 @@ def overlap_enabled() -> bool:
     return switch_from_env(OVERLAP_ENV, True, "resume overlap switch")
 
 
-def written_share() -> float:
-    """The share of the files of a staging made at a pause's safe point that the copier writes through small
-    pinned buffers (csrc/host_copier_writes.cpp) rather than touch, pin and later unpin (docs/fast-path.md,
-    "Written at the safe point"); the rest it touches and pins beside those writes. On (1, the default) or off
-    (0), or a share between."""
-    value = os.environ.get(WRITTEN_ENV, "").strip()
-    try:
-        share = float(value) if value else 1.0
-    except ValueError:
-        return 1.0 if switch_from_env(WRITTEN_ENV, True, "written staging switch") else 0.0
-    if not 0.0 <= share <= 1.0:
-        raise ConfigError(
-            f"written staging {value!r} (from environment variable {WRITTEN_ENV}) is not valid; use on or off, or "
-            "the share of the files written, between 0 and 1"
-        )
-    return share
-
-
 def written_staging_enabled() -> bool:
-    """Whether the copier writes (some of) a staging made at a pause's safe point (written_share)."""
-    return written_share() > 0.0
-
-
-def files_written(driver_made: list[bool], share: float) -> list[bool]:
-    """Which of a new staging's files the copier writes: the first `share` of its memfds (none driver-made)."""
-    memfds = [k for k, made in enumerate(driver_made) if not made]
-    chosen = set(memfds[: round(share * len(memfds))])
-    return [k in chosen for k in range(len(driver_made))]
+    """Whether the copier writes a staging made at a pause's safe point through small pinned buffers
+    (csrc/host_copier_writes.cpp) rather than touch, pin and later unpin it (docs/fast-path.md, "Written at
+    the safe point")."""
+    return switch_from_env(WRITTEN_ENV, True, "written staging switch")
 
 
 def send(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
@@ -228,12 +204,12 @@ class Copier:
     def alive(self) -> bool:
         return self._parent_pid is None and self._process.poll() is None
 
-    def attach(self, layout: _C.HostStagingLayout, *, written: float = 0.0) -> None:
+    def attach(self, layout: _C.HostStagingLayout, *, written: bool = False) -> None:
         """Maps the staging's extents (memfd, size) and touches their pages; again only when they
         changed. A staging the job grew (extents and chunks added after those it had) is extended:
         what the copier pinned stays pinned, so a pause after a growth pins only what is new.
-        `written` (a staging made at a pause's safe point): that share of the new memfds is not touched,
-        their pages made by the copy to host writing them (``written_share``)."""
+        `written` (a staging made at a pause's safe point): the new memfds are not touched, their
+        pages made by the copy to host writing them (``written_staging_enabled``)."""
         extents = layout.extents
         # The fd's number too: the driver's exported fds may all share one inode.
         key = tuple((fd, os.fstat(fd).st_ino, size) for fd, size in extents)
@@ -251,7 +227,7 @@ class Copier:
                 "sizes": [size for _fd, size in added],
                 "chunks": chunks[first_chunk:],
                 "driver_made": list(layout.driver_made[first_extent:]),
-                "written": files_written(list(layout.driver_made[first_extent:]), written),
+                "written": [written and not made for made in layout.driver_made[first_extent:]],
             },
             [fd for fd, _size in added],
             timeout=START_TIMEOUT_S + sum(size for _fd, size in added) / SLOWEST_BYTES_PER_S,  # it touches the pages

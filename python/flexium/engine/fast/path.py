@@ -27,7 +27,6 @@ from flexium.engine.fast.host_copier import (
     CopierRefused,
     close_all,
     copier_enabled,
-    written_share,
     written_staging_enabled,
 )
 from flexium.engine.fast.host_staging import (
@@ -209,7 +208,7 @@ class FastPath(DeviceMoves):
             if started_now:
                 mark = phase("copier start", mark)
             # It touches the staging in the background; at the safe point it may write it instead.
-            copier.attach(_C.host_staging_layout(), written=written_share() if pin == "as copied" else 0.0)
+            copier.attach(_C.host_staging_layout(), written=pin == "as copied" and written_staging_enabled())
             mark = phase("attach", mark)
             if pin != "before returning":
                 copier.wake(uuid, wait=False, pause_ms=PIN_PAUSE_MS if pin == "ahead" else 0)
