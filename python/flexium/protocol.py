@@ -62,6 +62,9 @@ TARGET_SYNTAX = "cuda:N (the job's own numbering), N (nvidia-smi's index) or a G
 # A migrate's target, or the GPU a wait or a placement asks for, that lets the server pick: the GPU
 # of the job's host with the most room it can use. "any" is what a wait first called it, still taken.
 AUTO_TARGET = "auto"
+# A target_refused error's detail key, true where the GPU named is none of the process's host: no queue
+# can resume it there (the CLI offers --when-free only for a GPU that exists).
+UNKNOWN_GPU = "unknown_gpu"
 AUTO_TARGET_WORDS = (AUTO_TARGET, "any")
 
 

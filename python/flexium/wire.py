@@ -850,6 +850,11 @@ class WaitCreated(WireOut):
     watch: RoomWatch | None = Field(
         default=None, description="it waits: what the queued process watches (as its heartbeats' answers say)"
     )
+    queued_before: float | None = Field(
+        default=None,
+        description="the job was queued already, since then: it kept its place (its wait replaced by one for the GPU "
+        "now asked for, where that differs)",
+    )
 
 
 class PlacementInfo(WireOut):

@@ -52,10 +52,17 @@ def test_a_queued_job_resumes_when_its_neighbour_exits(server: Server, tmp_path:
         assert refused.returncode == 1, refused.stdout + refused.stderr
         assert f"queue it? flexium resume {job.process_id} --when-free" in refused.stderr
         assert server.process(job.process_id)["state"] == "PAUSED"
+        # A GPU the job's host does not have: no queue can resume it there, so none is offered.
+        nowhere = server.cli("resume", job.process_id, "cuda:7")
+        assert nowhere.returncode == 1 and "cuda:7 is not one of them" in nowhere.stderr, nowhere.stderr
+        assert "--when-free" not in nowhere.stderr and "`flexium devices` lists its host's GPUs" in nowhere.stderr
 
         queued = server.cli("resume", job.process_id, "--when-free")
         assert queued.returncode == 0, queued.stdout + queued.stderr
         assert "queued as wait" in queued.stdout
+        again = server.cli("resume", job.process_id, "--when-free")
+        assert again.returncode == 0 and "already queued since " in again.stdout, again.stdout + again.stderr
+        assert "its place kept: queued as wait" in again.stdout, again.stdout
         listed = server.cli("queue")
         assert job.process_id in listed.stdout and "waiting" in listed.stdout, listed.stdout
         assert "waiting for room" in server.cli("ps").stdout

@@ -142,6 +142,25 @@ def test_queued_again_replaces_the_earlier_wait(db: Database) -> None:
     assert (listed.gpu_uuid, listed.gpu_index) == ("GPU-0001", 1) and first.gpu_index is None
 
 
+def test_a_job_queued_again_keeps_its_place(db: Database) -> None:
+    """Asked again for the same GPU, the wait stays as it is (a new reason noted); for another GPU it is
+    replaced by one queued when the job was first: either way the job keeps its place."""
+    ws, _ = make_workspace(db)
+    gpus_report(db, ws, NOW, 139 * GIB, 139 * GIB)
+    paused(db, ws, "first")
+    paused(db, ws, "second")
+    earlier = queue(db, ws, "first", now=NOW + 1)
+    assert earlier.queued_before is None
+    queue(db, ws, "second", now=NOW + 2)
+    again = queue(db, ws, "first", now=NOW + 3, reason="still needed")
+    assert again.wait.id == earlier.wait.id and again.queued_before == NOW + 1 and again.wait.why == "still needed"
+    assert [w.process_id for w in sorted(waits(db, ws).values(), key=lambda w: w.position or 0)] == ["first", "second"]
+    moved = queue(db, ws, "first", gpu="cuda:1", now=NOW + 4)
+    assert moved.wait.id != earlier.wait.id and moved.wait.gpu_uuid == "GPU-0001" and moved.queued_before == NOW + 1
+    order = waits(db, ws)
+    assert (order["first"].position, order["second"].position) == (1, 2)
+
+
 def test_what_cannot_be_queued_is_refused_before_anything_changes(db: Database) -> None:
     ws, _ = make_workspace(db)
     gpus_report(db, ws, NOW, 0, 0)

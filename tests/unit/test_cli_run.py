@@ -21,6 +21,14 @@ def test_memory_reads_as_people_write_it() -> None:
         units.read_size("forty gigs")
 
 
+def test_memory_without_its_unit_is_refused_naming_the_units() -> None:
+    """--memory 40 meant 40 GiB to its user and 40 bytes to read_size: the job would start on a full GPU."""
+    for text in ("40", "1.5"):
+        with pytest.raises(UsageError, match=rf"--memory {text}: give its unit, e\.g\. {text}GiB or {text}MiB"):
+            run_cli._memory(text)
+    assert run_cli._memory("40GiB") == 40 << 30
+
+
 def test_the_gpu_it_names_is_one_the_job_sees() -> None:
     gpus = HostGpus(
         ordinals={"GPU-b": 0, "GPU-a": 1},

@@ -119,7 +119,10 @@ def _move(api: ApiClient, args: argparse.Namespace) -> int:
             request.process_id = resolve_process(api, args.process)
             command = api.create_command(request)
     except Refused as exc:
-        if args.command == "resume" and exc.code == "target_refused":
+        no_such_gpu = isinstance(exc.detail, dict) and bool(exc.detail.get(protocol.UNKNOWN_GPU))
+        if args.command == "resume" and exc.code == "target_refused" and no_such_gpu:
+            exc.message += "; `flexium devices` lists its host's GPUs"
+        elif args.command == "resume" and exc.code == "target_refused":
             # A GPU named: the refusal is that GPU's; the queue may resume it on another of its host.
             exc.message += (
                 f"; `flexium devices` lists its host's GPUs, or the queue resumes it when {target} has room: "

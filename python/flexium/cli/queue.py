@@ -105,14 +105,15 @@ def resume_later(api: ApiClient, args: argparse.Namespace) -> wire.CommandInfo |
         if args.json:
             print_json(created)
         else:
-            print(f"{title}: {_queued(wait, args.gpu)}")
+            print(f"{title}: {_queued(wait, args.gpu, created.queued_before)}")
         return EXIT_OK
     pauses = [c for c in created.commands if c.kind == "pause"]
     return _until_resumed(api, args, wait, title, pauses)
 
 
-def _queued(wait: wire.WaitInfo, named: str | None) -> str:
-    """``named``: the GPU as the user named it (--gpu), shown beside the UUID the server resolved it to."""
+def _queued(wait: wire.WaitInfo, named: str | None, queued_before: float | None = None) -> str:
+    """``named``: the GPU as the user named it (--gpu), shown beside the UUID the server resolved it to;
+    ``queued_before``: when the job was queued first, if it was already (it kept its place)."""
     if wait.gpu_uuid is None:
         where = "a GPU of its host"
     elif named and named != wait.gpu_uuid:
@@ -120,8 +121,11 @@ def _queued(wait: wire.WaitInfo, named: str | None) -> str:
     else:
         where = wait.gpu_uuid
     place = f", number {wait.position} in host {wait.host}'s queue" if wait.position else ""
+    already = ""
+    if queued_before is not None:
+        already = f"already queued since {time.strftime('%H:%M:%S', time.localtime(queued_before))}, its place kept: "
     return (
-        f"queued as wait {wait.id}{place}: it resumes when {where} has {gib(wait.need_bytes)} free "
+        f"{already}queued as wait {wait.id}{place}: it resumes when {where} has {gib(wait.need_bytes)} free "
         f"({gib(protocol.ROOM_MARGIN_BYTES)} more as headroom beside other processes or on another GPU; "
         f"`flexium queue` lists the queue; `flexium resume {wait.process_id} --cancel` takes it out)"
     )

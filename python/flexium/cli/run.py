@@ -208,6 +208,10 @@ def _run(api: ApiClient, args: argparse.Namespace) -> int:
 
 
 def _memory(text: str) -> int:
+    if (
+        text.strip().replace(".", "", 1).isdigit()
+    ):  # a unit left out: 40 means 40 GiB to a person, 40 bytes to read_size
+        raise UsageError(f"--memory {text.strip()}: give its unit, e.g. {text.strip()}GiB or {text.strip()}MiB")
     try:
         return read_size(text)
     except ValueError as exc:

@@ -90,6 +90,7 @@ def queue_resume(
     """``flexium resume JOB --when-free`` (or ``--make-room``): the job's wait, then the queue's
     pass over its host, which resumes it at once when it fits now."""
     lock_process_host(session=session, workspace_id=workspace_id, process_id=request.process_id)
+    queued_before = None
     if request.make_room:
         row, pauses = resume_making_room(
             session=session,
@@ -101,7 +102,7 @@ def queue_resume(
             ttl=reservation_ttl,
         )
     else:
-        row = create_wait(
+        row, queued_before = create_wait(
             session=session, workspace_id=workspace_id, actor=actor, request=request, now=now, stale_after=stale_after
         )
         pauses = []
@@ -121,7 +122,10 @@ def queue_resume(
         host_gpus = host_devices(session=session, workspace_id=workspace_id, host=row.host)
         watches = room_watches(row, needs_of(session=session, wait=row, holder=holder), host_gpus)
     answer = wire.WaitCreated(
-        wait=wait, commands=[*pauses, *resumed], watch=watches.get((workspace_id, request.process_id))
+        wait=wait,
+        commands=[*pauses, *resumed],
+        watch=watches.get((workspace_id, request.process_id)),
+        queued_before=queued_before,
     )
     return Queued(answer=answer, outcome=outcome, watches=watches)
 

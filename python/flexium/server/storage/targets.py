@@ -48,7 +48,7 @@ def _by_index(devices: Iterable[Device], index: int, host: str) -> Device:
     for dev in devices:
         if dev.index == index:
             return dev
-    raise TargetRefused(f"host {host!r} reported no GPU with index {index}")
+    raise _no_such_gpu(f"host {host!r} reported no GPU with index {index}")
 
 
 def resolve_target(*, session: Session, proc: Process, target: str | int) -> Device:
@@ -75,7 +75,7 @@ def resolve_target(*, session: Session, proc: Process, target: str | int) -> Dev
                 f"process {proc.process_id!r} did not report its visible GPUs; name the target by UUID or by index"
             )
         if named.ordinal >= len(visible):
-            raise TargetRefused(
+            raise _no_such_gpu(
                 f"process {proc.process_id!r} sees {len(visible)} GPU(s); cuda:{named.ordinal} is not one of them"
             )
         text = visible[named.ordinal]
@@ -88,11 +88,16 @@ def resolve_target(*, session: Session, proc: Process, target: str | int) -> Dev
         h for h in find_device_hosts(session=session, workspace_id=proc.workspace_id, uuid=text) if h != proc.host
     ]
     if elsewhere:
-        raise TargetRefused(
+        raise _no_such_gpu(
             f"GPU {text} is on host {elsewhere[0]!r} and process {proc.process_id!r} on host {proc.host!r}: a job "
             f"moves only to a GPU of its own host (flexium devices --host {proc.host} lists them)"
         )
-    raise TargetRefused(f"unknown GPU {text!r} on host {proc.host!r}")
+    raise _no_such_gpu(f"unknown GPU {text!r} on host {proc.host!r}")
+
+
+def _no_such_gpu(message: str) -> TargetRefused:
+    """A target that names no GPU of the process's host (protocol.UNKNOWN_GPU)."""
+    return TargetRefused(message, detail={protocol.UNKNOWN_GPU: True})
 
 
 # A refusal that is the process's lack, not the GPU's: command creation answers it as a

@@ -140,9 +140,11 @@ def queue_wait(
     reason: str,
     now: float,
     why: str | None = None,
+    queued_at: float | None = None,
 ) -> Wait:
     """A wait written as it is asked (the caller checked the job): audited, one live wait per job;
-    ``why``: the reason its requester gave."""
+    ``why``: the reason its requester gave; ``queued_at``: its place in the queue's order, when the job
+    was queued first (now by default)."""
     row = Wait(
         workspace_id=workspace_id,
         process_pk=holder.pk,
@@ -151,7 +153,7 @@ def queue_wait(
         gpu_uuid=gpu_uuid,
         priority=priority,
         state="waiting",
-        created_at=now,
+        created_at=now if queued_at is None else queued_at,
         dispatches=0,
         requested_by=(actor.label if isinstance(actor, PolicyActor) else actor.token_name)[: protocol.MAX_SHORT_TEXT],
         token_id=None if isinstance(actor, PolicyActor) else actor.token_id,
@@ -178,32 +180,38 @@ def queue_wait(
 
 def create_wait(
     *, session: Session, workspace_id: int, actor: AuthInfo, request: wire.WaitRequest, now: float, stale_after: float
-) -> Wait:
+) -> tuple[Wait, float | None]:
     """A person queues a paused job (``flexium resume JOB --when-free``): checked as its resume
-    would be but for room, and replacing the job's earlier wait if it has one."""
+    would be but for room. A job queued already keeps its place: its wait stays as it is when the same
+    GPU is asked for (a new reason noted), and is replaced by one queued at the same time for another.
+    The wait, and when the job was queued first where it was already (None: queued now)."""
     proc = find_process(session=session, workspace_id=workspace_id, process_id=request.process_id, for_update=True)
     holder, priority = paused_job(session=session, proc=proc, now=now, stale_after=stale_after)
     gpu = wanted_gpu(session=session, proc=proc, request=request, now=now, stale_after=stale_after)
-    cancel_live_wait(
-        session=session,
-        workspace_id=workspace_id,
-        actor=actor,
-        proc=proc,
-        why=f"queued again by {actor.token_name or 'token ' + str(actor.token_id)}",
-        now=now,
+    gpu_uuid = None if gpu is None else gpu.uuid
+    earlier = live_wait_of(session=session, proc=proc, for_update=True)
+    if earlier is not None and earlier.state == "waiting" and earlier.gpu_uuid == gpu_uuid:
+        if request.reason:
+            earlier.why = request.reason
+        return earlier, earlier.created_at
+    who = actor.token_name or f"token {actor.token_id}"
+    replaced = cancel_live_wait(
+        session=session, workspace_id=workspace_id, actor=actor, proc=proc, why=f"queued again by {who}", now=now
     )
     where = "any GPU of its host" if gpu is None else f"GPU {gpu.index if gpu.index is not None else gpu.uuid}"
-    return queue_wait(
+    row = queue_wait(
         session=session,
         workspace_id=workspace_id,
         actor=actor,
         holder=holder,
-        gpu_uuid=None if gpu is None else gpu.uuid,
+        gpu_uuid=gpu_uuid,
         priority=priority,
-        reason=f"queued by {actor.token_name or 'token ' + str(actor.token_id)} to resume on {where} when free",
+        reason=f"queued by {who} to resume on {where} when free",
         now=now,
         why=request.reason,
+        queued_at=None if replaced is None else replaced.created_at,
     )
+    return row, None if replaced is None else replaced.created_at
 
 
 def paused_job(*, session: Session, proc: Process, now: float, stale_after: float) -> tuple[Process, int]:
