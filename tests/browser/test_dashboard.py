@@ -3,6 +3,7 @@ with their progress and errors, staleness, escaping, and layout at desktop and p
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -340,6 +341,10 @@ def test_a_silent_job_is_shown_stale(dash: Dashboard, jobs: Jobs, api: Api) -> N
     job.die()
     dash.wait_cell("gpu-stale-01", "Status", "STALE", "silent since", timeout=20)
     dash.wait_buttons("gpu-stale-01", {"Forget": True})
+    # Its runtime ends where it went silent: the cell counts on no more.
+    runtime = dash.cell("gpu-stale-01", "Runtime")
+    time.sleep(2.5)
+    assert dash.cell("gpu-stale-01", "Runtime") == runtime, runtime
 
     def folded() -> bool:  # read again when a live update re-renders the section meanwhile
         section = dash.host_section("stale-node")

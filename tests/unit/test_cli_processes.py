@@ -234,6 +234,14 @@ def test_the_terminal_width_is_columns_then_the_terminal_s_then_none(monkeypatch
     assert terminal.terminal_width() == 132
 
 
+def test_a_silent_processs_time_up_ends_where_it_went_silent() -> None:
+    now = time.time()
+    silent = _process("gpu-0dead000", state="STALE", stale=True, started_at=now - 600, last_seen=now - 540)
+    live = _process("gpu-1live000", started_at=now - 600, last_seen=now)
+    [up] = [c for c in processes._columns([silent, live], now) if c.header == "UP"]
+    assert up.cells == ["60s", "10m"], up.cells
+
+
 def test_counts_are_singular_for_one() -> None:
     assert (count(1, "rank"), count(2, "rank"), count(0, "GPU")) == ("1 rank", "2 ranks", "0 GPUs")
 

@@ -92,7 +92,8 @@ def _columns(processes: Sequence[wire.ProcessInfo], now: float) -> list[Column]:
         column("DEVICE", _device, keep=80),
         column("GPU", _gpu_cell, keep=45, shrink_to=12),
         column("MEMORY", _memory, keep=60),
-        column("UP", lambda p: age(now - (p.started_at or p.registered_at)), keep=30),
+        # A silent process's time up ends where it went silent.
+        column("UP", lambda p: age((p.last_seen if p.stale else now) - (p.started_at or p.registered_at)), keep=30),
         column("STEPS", lambda p: "-" if p.steps is None else f"{p.steps:,}", keep=75),
         column("SPEED", _speed, keep=72),
         column("MOVES", lambda p: _moves(p.capabilities), keep=40),

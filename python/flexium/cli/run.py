@@ -14,6 +14,8 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -157,16 +159,18 @@ def _run(api: ApiClient, args: argparse.Namespace) -> int:
         command=wire.clean_text(" ".join(command))[: protocol.MAX_LONG_TEXT],
         devices=gpus.reports,
     )
-    try:
-        created = _create_placement(api, request)
-    except KeyboardInterrupt:
-        _say("stopped before the server was reached: nothing was placed")
-        return EXIT_INTERRUPTED
+    with _sigterm_interrupts():
+        try:
+            created = _create_placement(api, request)
+        except KeyboardInterrupt:
+            _say("stopped before the server was reached: nothing was placed")
+            return EXIT_INTERRUPTED
     placement = created.placement
     for pause in created.commands:
         _say(f"making room: pausing {pause.process_id} (command {pause.id})")
     try:
-        placement = _wait_until_placed(api, placement)
+        with _sigterm_interrupts():
+            placement = _wait_until_placed(api, placement)
     except KeyboardInterrupt:
         try:
             api.close_placement(placement.id, timeout=TIDY_TIMEOUT_S, retries=0)
@@ -205,6 +209,21 @@ def _run(api: ApiClient, args: argparse.Namespace) -> int:
         return _run_child(api, command, env, placement.id)
     finally:
         _close(api, placement.id, minted)
+
+
+@contextmanager
+def _sigterm_interrupts() -> Iterator[None]:
+    """SIGTERM (kill, timeout, a scheduler's stop) taken as Ctrl-C while no job runs yet: the placement is
+    cancelled at once rather than left for the server to end once flexium run is silent."""
+
+    def interrupt(signum: int, frame: FrameType | None) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _memory(text: str) -> int:
