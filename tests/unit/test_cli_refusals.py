@@ -111,3 +111,18 @@ def test_ctrl_c_while_a_command_is_followed_says_it_goes_on(
     assert said.strip().endswith(
         "flexium: interrupted: command 9 (pause of gpu-0e1e8143; `flexium ps` shows it) goes on at the server"
     ), said
+
+
+@pytest.mark.parametrize("process", ["", "-1", "a b"])
+def test_a_process_id_that_cannot_be_one_is_said_so_before_anything_is_sent(
+    process: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(connection, "connect", lambda *_: RefusingServer("never asked"))
+    assert main(["resume", "--", process]) == 1
+    assert capsys.readouterr().err == f"flexium: {process!r} is not a process id: `flexium ps` lists them\n"
+
+
+def test_flexium_run_offers_no_json_its_output_is_its_jobs(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["run", "--json", "--", "true"])
+    assert exited.value.code == 2 and "unrecognized arguments: --json" in capsys.readouterr().err

@@ -24,14 +24,18 @@ _TOKEN_TEXT = re.compile(r"[\x21-\x7e]+")  # sent in an HTTP header: printable A
 OnServer = Callable[[ApiClient, argparse.Namespace], int]
 
 
-def add_connection_options(parser: argparse.ArgumentParser, on_server: OnServer) -> None:
+def add_connection_options(parser: argparse.ArgumentParser, on_server: OnServer, *, json_output: bool = True) -> None:
+    """``json_output``: whether the verb offers --json (not one whose output is its job's own)."""
     parser.add_argument(
         "--server",
         metavar="ADDRESS",
         help=f"host[:port]/workspace (default ${protocol.SERVER_ENV}, else 'server:' in .flexiumrc)",
     )
     parser.add_argument("--token", help=f"workspace token (default ${protocol.TOKEN_ENV}, else 'token:' in .flexiumrc)")
-    parser.add_argument("--json", action="store_true", help="print JSON (the server's objects) for scripts")
+    if json_output:
+        parser.add_argument("--json", action="store_true", help="print JSON (the server's objects) for scripts")
+    else:
+        parser.set_defaults(json=False)
     parser.add_argument(
         "-v", "--verbose", action="store_true", help="a refusal with every reason, not only the one that matters"
     )
@@ -72,7 +76,10 @@ def run(args: argparse.Namespace) -> int:
         return fail(str(exc), EXIT_USAGE, as_json=args.json, code="bad_usage")
     except ValidationError as exc:  # what the server would refuse as invalid_request
         first = exc.errors()[0]
-        message = f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
+        if first["loc"][-1:] == ("process_id",):
+            message = f"{first.get('input')!r} is not a process id: `flexium ps` lists them"
+        else:
+            message = f"{'.'.join(str(p) for p in first['loc'])}: {first['msg']}"
         return fail(message, EXIT_FAILED, as_json=args.json, code="invalid_request")
     except KeyboardInterrupt:
         goes_on = f": {_goes_on()}" if Following.what else ""

@@ -68,7 +68,7 @@ def add_commands(commands: Any) -> None:
         help="the host to run on, which is this one (on flexium's simulated driver: the simulated host to run on)",
     )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- then the job's command line")
-    add_connection_options(p, _run)
+    add_connection_options(p, _run, json_output=False)  # its output is its job's
 
 
 @dataclass(frozen=True)
