@@ -124,6 +124,31 @@ def test_demo_says_what_is_missing_when_the_port_is_taken(tmp_path: Path) -> Non
     assert re.search(rf"port {port} .* is in use", done.stderr), done.stderr
 
 
+def test_a_second_demo_on_the_same_database_says_where_the_first_one_is(tmp_path: Path) -> None:
+    """The demo's SQLite database takes one server: a second demo (another port, the same home) refuses
+    before it makes anything, naming the first one's dashboard, and the first one goes on."""
+    home = tmp_path / "home"
+    demo, out, port, env = start_demo(home)
+    try:
+        out.wait_for(r"admin token \(for the CLI and the dashboard\): (flx_\S+)$", 90)
+        done = subprocess.run(
+            [*flexium_command(), "demo", "--port", str(port + 1)],
+            env=env,
+            cwd=home,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 1, done.stderr
+        assert done.stderr.startswith("flexium demo: a flexium server already serves the demo's database "), done.stderr
+        assert f"(its dashboard: http://127.0.0.1:{port})" in done.stderr and "revoked" not in done.stderr
+        assert requests.get(f"http://127.0.0.1:{port}/healthz", timeout=5).ok
+    finally:
+        demo.send_signal(signal.SIGINT)
+        if demo.wait(30) != 0:
+            demo.kill()
+
+
 def test_without_a_gpu_the_demo_job_runs_on_a_simulated_host_that_says_so(tmp_path: Path) -> None:
     """This machine has no NVIDIA GPU: the demo offers two simulated GPUs, and the job on them
     migrates, pauses and resumes by the command line; every GPU shown is named SIMULATED."""

@@ -134,6 +134,19 @@ def run(
             file=sys.stderr,
         )
         return 1
+    from flexium.server import sole_server
+    from flexium.server.db import sqlite_file
+
+    database_file = sqlite_file(settings.database_url)
+    serving = sole_server.serving_link(database_file) if database_file is not None else None
+    if serving is not None:
+        print(
+            f"flexium demo: a flexium server already serves the demo's database {database_file} (its dashboard: "
+            f"{serving}), another flexium demo likely: use that one, or stop it first (Ctrl-C where it runs); "
+            "or give this demo a database of its own with --database sqlite:///other.db",
+            file=sys.stderr,
+        )
+        return 1
     try:
         token, revoke = _demo_token(settings.database_url)
         from flexium.server import database_admin, storage
@@ -168,6 +181,9 @@ def run(
     # in the background (`flexium demo &`) inherits SIGINT ignored, and so would they.
     previous = {sig: signal.signal(sig, _raise_interrupt) for sig in (signal.SIGINT, signal.SIGTERM)}
     status = 0
+    printed_your_token = False
+    # The log is kept across demos: what this server says starts here.
+    log_start = log_path.stat().st_size if log_path.exists() else 0
     try:
         with open(log_path, "ab") as log:
             server = subprocess.Popen(
@@ -190,7 +206,7 @@ def run(
         deadline = time.monotonic() + SERVER_START_S
         while True:
             if server.poll() is not None:
-                tail = log_path.read_text(errors="replace").splitlines()[-15:]
+                tail = log_path.read_bytes()[log_start:].decode(errors="replace").splitlines()[-15:]
                 print("flexium demo: the server did not start:\n  " + "\n  ".join(tail), file=sys.stderr)
                 return 1
             try:
@@ -257,6 +273,7 @@ def run(
                 f"a job of yours on the simulated host: {job_env} {on_host} python train.py  (a job token; its "
                 "tensors stay on the CPU: the simulated GPUs hold none, see flexium.simulated)"
             )
+        printed_your_token = True
         _say("Ctrl-C stops the job and the server")
         while True:
             if job.poll() is not None:
@@ -277,7 +294,7 @@ def run(
                 _forget(api, registered.process_id)  # it could not unregister: no STALE row for the next demo
             _stop(server, signal.SIGTERM)
             _revoke(job_token, settings.database_url)
-            if _revoke(your_token, settings.database_url):
+            if _revoke(your_token, settings.database_url) and printed_your_token:
                 _say(
                     "the job token it printed is revoked: a job of yours started with it trains on without the "
                     "server (start it again with a token of a running server)"
