@@ -542,6 +542,18 @@ static void configure_from_environment(void) {
   snprintf(fake.host_file, sizeof(fake.host_file), "%s", host_file != NULL ? host_file : "");
   const char *host_dir = getenv("FAKE_CUDA_HOST_DIR");
   snprintf(fake.host_dir, sizeof(fake.host_dir), "%s", host_dir != NULL ? host_dir : "");
+  /* Each simulated host (FLEXIUM_SIMULATED_HOST) counts the memory of its own processes only: a folder of
+   * its own in FAKE_CUDA_HOST_DIR, named after it ('/' and '.' kept out), made by its first process. */
+  const char *simulated_host = getenv("FLEXIUM_SIMULATED_HOST");
+  if (fake.host_dir[0] != '\0' && simulated_host != NULL && *simulated_host != '\0') {
+    size_t at = strlen(fake.host_dir);
+    at += (size_t)snprintf(fake.host_dir + at, sizeof(fake.host_dir) - at, "/host-");
+    for (const char *c = simulated_host; *c != '\0' && at + 1 < sizeof(fake.host_dir); ++c) {
+      fake.host_dir[at++] = (*c == '/' || *c == '.') ? '_' : *c;
+    }
+    fake.host_dir[at] = '\0';
+    if (mkdir(fake.host_dir, 0700) != 0 && errno != EEXIST) fake.host_dir[0] = '\0';
+  }
 
   int count = env_int("FAKE_CUDA_GPUS", 2);
   if (count < 0) count = 0;

@@ -222,3 +222,28 @@ def test_a_simulated_job_holds_its_memory_on_its_own_device(tmp_path: Path) -> N
     finally:
         holder.stdin.close()  # type: ignore[union-attr]
         assert holder.wait(30) == 0
+
+
+def test_each_simulated_host_counts_its_own_processes_only(fake: FakeDriver, tmp_path: Path) -> None:
+    """Simulated hosts beside one another (FLEXIUM_SIMULATED_HOST, the demo's FAKE_CUDA_HOST_DIR for all):
+    a neighbour on host sim-a holds memory on sim-a's GPU 1, not on sim-b's."""
+    host_dir = tmp_path / "host"
+    host_dir.mkdir()
+    total = os.environ.get("FAKE_CUDA_TOTAL_MIB", "")
+    env = {
+        **fake.environment(FAKE_CUDA_HOST_DIR=str(host_dir), FAKE_CUDA_TOTAL_MIB=total),
+        "FLEXIUM_SIMULATED_HOST": "sim-a",
+    }
+    neighbour = subprocess.Popen(
+        [sys.executable, "-c", NEIGHBOUR], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert neighbour.stdout is not None and neighbour.stdout.readline().strip() == "holding"
+        on_a = host_gpus_in_another_process(fake.path, FAKE_CUDA_HOST_DIR=str(host_dir), FLEXIUM_SIMULATED_HOST="sim-a")
+        on_b = host_gpus_in_another_process(fake.path, FAKE_CUDA_HOST_DIR=str(host_dir), FLEXIUM_SIMULATED_HOST="sim-b")
+        assert on_a[1]["memory_used"] == 5 * GIB and on_b[1]["memory_used"] == 0, (on_a[1], on_b[1])
+        assert on_a[1]["uuid"] != on_b[1]["uuid"]
+        assert sorted(path.name for path in host_dir.iterdir()) == ["host-sim-a", "host-sim-b"]
+    finally:
+        neighbour.stdin.close()  # type: ignore[union-attr]
+        assert neighbour.wait(30) == 0
