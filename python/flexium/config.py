@@ -295,8 +295,14 @@ def _read_rc(path: Path) -> dict[str, tuple[Any, int]]:
         )
     lines: dict[Any, int] = {}
     for key_node, value_node in root.value:
-        if isinstance(key_node, yaml.ScalarNode):
-            lines[key_node.value] = value_node.start_mark.line + 1
+        if not isinstance(key_node, yaml.ScalarNode):
+            continue
+        if key_node.value in lines:  # YAML keeps the last one silently: which one was meant is not known
+            raise ConfigError(
+                f"config file {path} sets {key_node.value!r} twice (lines {lines[key_node.value]} and "
+                f"{value_node.start_mark.line + 1}); keep the one you mean"
+            )
+        lines[key_node.value] = value_node.start_mark.line + 1
     found: dict[str, tuple[Any, int]] = {}
     for key, value in data.items():
         name = _RC_KEYS.get(key) if isinstance(key, str) else None

@@ -158,6 +158,12 @@ def test_null_values_in_rc_file_fall_through(home: Path) -> None:
     assert config.device == "cuda:0"
 
 
+def test_a_key_set_twice_in_the_rc_file_is_refused_naming_both_lines(home: Path) -> None:
+    write_rc(home, "server: one-host/ws\ndevice: cuda:1\nserver: other-host/ws\n")
+    with pytest.raises(ConfigError, match=r"sets 'server' twice \(lines 1 and 3\); keep the one you mean"):
+        load_config()
+
+
 def test_empty_rc_file_is_fine(home: Path) -> None:
     write_rc(home, "# nothing yet\n")
     assert load_config().local_mode
