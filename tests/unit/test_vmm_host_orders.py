@@ -249,10 +249,19 @@ def test_a_written_staging_round_trips_and_is_then_kept_whole(fake: FakeDriver, 
     _C.restore(PID)
     _C.unlock(PID)
 
+    # A kept staging's pinning: every chunk, the unwritten one too.
+    back_from_a_kept_staging(fake, allocator, copier, contents, staging=16 * MiB, copied=12 * MiB)
+
+
+def back_from_a_kept_staging(
+    fake: FakeDriver, allocator: Allocator, copier: Any, contents: dict[int, bytes], *, staging: int, copied: int
+) -> None:
+    """A resume on GPU 1 from the staging the copier keeps, pinned whole first; the bytes come back intact,
+    and then everything goes."""
     order = _C.begin_restore_order(1)
-    copier.wake(fake.uuid(1), True, 0)  # a kept staging's pinning: every chunk, the unwritten one too
-    assert copier.pinned_bytes == 16 * MiB and copier.last_pinner.endswith("all pinned"), copier.last_pinner
-    assert copier.copy(False, order.segments, order.pieces) == 12 * MiB
+    copier.wake(fake.uuid(1), True, 0)
+    assert copier.pinned_bytes == staging and copier.last_pinner.endswith("all pinned"), copier.last_pinner
+    assert copier.copy(False, order.segments, order.pieces) == copied
     _C.finish_host_order()
     assert_contents(contents)
     copier.sleep()
@@ -281,19 +290,8 @@ def round_trip_a_staging_being_touched(fake: FakeDriver, allocator: Allocator, *
     _C.checkpoint(PID)
     _C.restore(PID)
     _C.unlock(PID)
-    order = _C.begin_restore_order(1)
     # Every chunk is mapped in by then, the written ones too: the kept staging's pinning takes all of it.
-    copier.wake(fake.uuid(1), True, 0)
-    assert copier.pinned_bytes == 256 * MiB and copier.last_pinner.endswith("all pinned"), copier.last_pinner
-    assert copier.copy(False, order.segments, order.pieces) == 256 * MiB
-    _C.finish_host_order()
-    assert_contents(contents)
-    copier.sleep()
-    del copier
-    _C.release_host_staging()
-    for address in contents:
-        allocator.free(address)
-    assert fake.vmm_leaks() == NO_LEAKS
+    back_from_a_kept_staging(fake, allocator, copier, contents, staging=256 * MiB, copied=256 * MiB)
     return times
 
 
