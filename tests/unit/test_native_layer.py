@@ -639,6 +639,28 @@ def test_a_report_setting_that_is_not_whole_seconds_is_refused_when_the_job_star
     assert runtime.current() is None
 
 
+@pytest.mark.parametrize(
+    "variable",
+    [
+        "FLEXIUM_HOST_COPIER",
+        "FLEXIUM_RESUME_OVERLAP",
+        "FLEXIUM_WRITTEN_STAGING",
+        "FLEXIUM_MOVE_CHECKSUM",
+        "FLEXIUM_DRIVER_HOST_MEMORY",
+    ],
+)
+def test_a_fast_path_switch_that_is_not_on_or_off_is_refused_when_the_job_starts(
+    monkeypatch: pytest.MonkeyPatch, variable: str
+) -> None:
+    """Not at the first pause or move that reads it: before the job trains."""
+    from flexium.api import runtime
+
+    monkeypatch.setenv(variable, "banana")
+    with pytest.raises(ConfigError, match=rf"'banana' \(from environment variable {variable}\) is not valid; use true"):
+        runtime._start(None)  # type: ignore[arg-type]  (refused before the config is read)
+    assert runtime.current() is None
+
+
 def test_run_steps_failed_remap_rolls_back_to_the_source(fake: FakeDriver) -> None:
     """A restore refused for its arguments leaves the process restorable in place (fact
     `failed-restore-stays-checkpointed`); one that found too little room does not (fact

@@ -99,13 +99,17 @@ def start(
 
 
 def _start(config: FlexiumConfig) -> Runtime:
-    from flexium.engine.fast import host_staging, pinned_budget
+    from flexium.engine.fast import checksum, host_copier, host_staging, pinned_budget
     from flexium.engine.transactions import locked_section
 
-    # Settings that are not what they must be are refused before anything starts (the keeper reads the
-    # driver-made memory switch later, in its own thread, where a bad value would only be logged).
+    # Settings that are not what they must be are refused before anything starts, not at the first move
+    # that reads them (the keeper reads the driver-made memory switch in its own thread, where a bad value
+    # would only be logged).
     pinned_budget.budget()
     host_staging.driver_memory_enabled()
+    checksum.checksum_enabled()
+    for switch in (host_copier.copier_enabled, host_copier.overlap_enabled, host_copier.written_staging_enabled):
+        switch()
     locked_section.check_report_setting()
     # A driver named explicitly (the simulated host, the tests' fake) runs the engine without
     # torch CUDA, so a CPU-only torch is no problem to warn about there.
