@@ -60,6 +60,11 @@ def _bearer_value(header: str) -> str | None:
     return token if scheme.lower() == "bearer" and token else None
 
 
+# How long a request waits for its token's lookup once the cached auth is due one (a busy database: then
+# the cached auth is served).
+LOOKUP_PATIENCE_S = 1.0
+
+
 def _lookup(ctx: ServerContext, token: str, token_hash: str) -> asyncio.Future[AuthInfo | None]:
     """One database lookup per token at a time, shared by every request that needs it."""
     inflight = ctx.token_lookups.get(token_hash)
@@ -79,27 +84,44 @@ def _lookup(ctx: ServerContext, token: str, token_hash: str) -> asyncio.Future[A
 def _finished(ctx: ServerContext, token_hash: str, done: asyncio.Future[AuthInfo | None]) -> None:
     if ctx.token_lookups.get(token_hash) is done:
         del ctx.token_lookups[token_hash]
-    if not done.cancelled():
-        done.exception()  # retrieved: a failed background refresh is not an error here
+    if not done.cancelled() and done.exception() is not None:  # retrieved: not an error of the requests served
+        ctx.tokens.lookup_failed(token_hash)
 
 
 def cached_token(ctx: ServerContext, token: str, now: float) -> AuthInfo | None:
-    """The cached auth of a token, starting a background refresh when it is due; None when
-    not cached (the caller looks it up)."""
+    """The cached auth of a token, for the layers that answer without waiting: None when it is not
+    cached, or due for a lookup (started here; the caller leaves the request to ``resolve_token``, which
+    waits for it), except while lookups fail (the database down: served within TokenCache's bounds)."""
     token_hash = storage.hash_token(token)
     auth, refresh = ctx.tokens.get(token_hash, now)
-    if auth is not None and refresh:
-        _lookup(ctx, token, token_hash)
-    return auth
+    if auth is None or not refresh:
+        return auth
+    _lookup(ctx, token, token_hash)
+    return auth if ctx.tokens.failing(token_hash) else None
 
 
 async def resolve_token(ctx: ServerContext, token: str) -> AuthInfo | None:
+    """Who a token stands for. Past its cache time a token is looked up again and the request waits for
+    that (one lookup shared by every request that needs it), so that a token revoked by another process
+    is refused however seldom it is used; a database that does not answer within LOOKUP_PATIENCE_S, or
+    fails, is not waited for: the cached auth is served meanwhile, within TokenCache's bounds."""
     if len(token) > _MAX_TOKEN_LEN or not token.isascii():
         return None
-    auth = cached_token(ctx, token, time.time())
-    if auth is not None:
-        return auth
-    return await asyncio.shield(_lookup(ctx, token, storage.hash_token(token)))
+    token_hash = storage.hash_token(token)
+    cached, refresh = ctx.tokens.get(token_hash, time.time())
+    if cached is not None and not refresh:
+        return cached
+    lookup = _lookup(ctx, token, token_hash)
+    if cached is None:
+        return await asyncio.shield(lookup)
+    if ctx.tokens.failing(token_hash):
+        return cached
+    try:
+        return await asyncio.wait_for(asyncio.shield(lookup), LOOKUP_PATIENCE_S)
+    except asyncio.TimeoutError:
+        return cached  # a busy database: its lookup goes on
+    except Exception:  # a database that failed it: served as cached, looked up again by the next request
+        return cached
 
 
 async def resolve_session(ctx: ServerContext, secret: str) -> AuthInfo | None:

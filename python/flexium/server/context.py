@@ -41,17 +41,19 @@ log = logging.getLogger("flexium.server")
 
 
 class TokenCache:
-    """token hash -> auth. Only successes are cached. An entry older than ``ttl`` is still
-    served while one background lookup refreshes it (thousands of jobs share a token: none of
-    them should wait for that lookup, however busy the database is), so a token revoked by
-    another process (the CLI on the same database) stops working within about ``ttl``
-    seconds; one revoked through this server stops at once."""
+    """token hash -> auth. Only successes are cached. Past ``ttl`` an entry is looked up again, and the
+    requests that need it wait for that one lookup (auth.resolve_token), but for a busy database's (past
+    auth.LOOKUP_PATIENCE_S) or a failing one's: the entry is served then, up to ``max_stale`` more
+    (thousands of jobs share a token: none of them should wait long for a database). So a token revoked by
+    another process (the CLI on the same database) is refused from ``ttl`` seconds on, however seldom it is
+    used; one revoked through this server at once."""
 
     def __init__(self, ttl: float, max_entries: int = 10000, max_stale: float = 60.0) -> None:
         self.ttl = ttl
         self.max_entries = max_entries
         self.max_stale = max_stale
         self._entries: dict[str, tuple[AuthInfo, float]] = {}
+        self._failing: set[str] = set()  # whose last lookup failed (the database down)
 
     def get(self, token_hash: str, now: float) -> tuple[AuthInfo | None, bool]:
         """(auth or None, whether it needs a refresh)."""
@@ -64,7 +66,14 @@ class TokenCache:
             return None, True
         return auth, age > self.ttl
 
+    def lookup_failed(self, token_hash: str) -> None:
+        self._failing.add(token_hash)
+
+    def failing(self, token_hash: str) -> bool:
+        return token_hash in self._failing
+
     def put(self, token_hash: str, auth: AuthInfo | None, now: float) -> None:
+        self._failing.discard(token_hash)
         if auth is None:
             self._entries.pop(token_hash, None)
             return
@@ -74,6 +83,7 @@ class TokenCache:
 
     def clear(self) -> None:
         self._entries.clear()
+        self._failing.clear()
 
     def forget(self, token_ids: frozenset[int]) -> None:
         for key in [k for k, (a, _t) in self._entries.items() if a.token_id in token_ids]:
