@@ -87,6 +87,9 @@ class Server:
     def get_command(self, command_id: int) -> wire.CommandInfo:
         return command("resume", command_id)
 
+    def list_processes(self) -> list[Any]:  # the one process the CLI is told of, by the short id it is named with
+        return [SimpleNamespace(process_id="gpu-7f3a", pid=4242)]
+
     def list_placements(self, *, ended: bool = False) -> list[wire.PlacementInfo]:
         return self.placements
 
@@ -173,6 +176,15 @@ def test_a_reason_goes_with_the_wait_and_the_queue_shows_it(capsys: pytest.Captu
     capsys.readouterr()
     assert run(Server(waits=[wait(why="the demo at 3")]), "queue") == EXIT_OK
     assert capsys.readouterr().out.splitlines()[1].endswith("alice  why: the demo at 3")
+
+
+def test_a_process_named_in_short_is_looked_up_before_the_wait_is_asked_for() -> None:
+    """The server hears only of the process meant: a first try with the short name would stand in its
+    audit log as a request refused (no such process)."""
+    server = Server(wire.WaitCreated(wait=wait(), commands=[]))
+    for named in ("gpu-7f", "7f3a", "4242"):  # a prefix, the id's hex, the pid
+        assert run(server, "resume", named, "--when-free", "--no-wait") == EXIT_OK
+    assert [r.process_id for r in server.requests] == ["gpu-7f3a"] * 3
 
 
 def test_making_room_is_followed_until_the_queue_sends_the_resume(capsys: pytest.CaptureFixture[str]) -> None:

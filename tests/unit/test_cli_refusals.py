@@ -4,6 +4,7 @@ every reason under --verbose and in --json; a bad --token in the command line's 
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -32,6 +33,9 @@ class RefusingServer:
 
     def create_command(self, _request: Any) -> Any:
         raise Refused(self.message, code="capability", status=409)
+
+    def list_processes(self) -> list[Any]:  # what a name that is no whole id is looked up in first
+        return [SimpleNamespace(process_id="gpu-1", pid=4242)]
 
     def close(self) -> None:
         pass

@@ -13,7 +13,7 @@ from flexium import protocol, wire
 from flexium.cli.connection import add_connection_options
 from flexium.cli.exit_status import EXIT_FAILED, EXIT_OK, UsageError, fail, request_body
 from flexium.cli.jobs import add_ranks_option, follow_job_operation
-from flexium.cli.naming import PROCESS_HELP, resolve_process
+from flexium.cli.naming import PROCESS_HELP, process_id_for, resolve_process
 from flexium.cli.printing import ms, print_json, reason
 from flexium.cli.queue import add_resume_options, resume_later
 from flexium.cli.waiting import ProcessSilent, add_wait_options, command_progress, wait_command
@@ -112,6 +112,7 @@ def _move(api: ApiClient, args: argparse.Namespace) -> int:
         if named and not (named == target and args.command == "migrate" and named == protocol.AUTO_TARGET):
             _check_target(str(named))
     request = _request(args, target=target or None, ranks=ranks, gpus=gpus)
+    request.process_id = process_id_for(api, args.process)
     try:
         try:
             command = api.create_command(request)

@@ -13,7 +13,7 @@ from typing import Any
 from flexium import protocol, wire
 from flexium.cli.connection import add_connection_options
 from flexium.cli.exit_status import EXIT_FAILED, EXIT_OK, UsageError, fail, request_body
-from flexium.cli.naming import PROCESS_HELP, resolve_process
+from flexium.cli.naming import PROCESS_HELP, process_id_for, resolve_process
 from flexium.cli.printing import age, print_json, print_table
 from flexium.cli.terminal import terminal_width
 from flexium.cli.waiting import Following
@@ -88,6 +88,7 @@ def resume_later(api: ApiClient, args: argparse.Namespace) -> wire.CommandInfo |
         make_room=args.make_room,
         reason=args.reason,
     )
+    request.process_id = process_id_for(api, args.process)
     try:
         created = api.create_wait(request)
     except NotFound:
