@@ -72,3 +72,44 @@ def test_https_links(tmp_path: Any) -> None:
         (tmp_path / name).write_text("-")
     s = Settings(database_url="sqlite:///x.db", certfile=str(tmp_path / "c.pem"), keyfile=str(tmp_path / "k.pem"))
     assert s.link_base == f"https://127.0.0.1:{s.port}"
+
+
+@pytest.mark.parametrize(
+    "url,message",
+    [
+        ("", "the database URL is empty"),
+        ("sqlite://", "names no file: SQLite in memory keeps nothing"),
+        ("sqlite:///", "names no file"),
+        ("sqlite:///:memory:", "names no file"),
+    ],
+)
+def test_a_database_url_that_names_no_file_is_refused(url: str, message: str) -> None:
+    """An unset variable in sqlite:///$DIR/server.db gives sqlite:///: a server in memory would lose its
+    workspaces and tokens when it stops."""
+    with pytest.raises(ValueError, match=message):
+        load_settings(database_url=url)
+
+
+def test_a_sqlite_file_in_a_folder_that_is_not_there_is_refused_and_nothing_is_made(
+    capsys: pytest.CaptureFixture[str], tmp_path: Any
+) -> None:
+    missing = tmp_path / "typo" / "server.db"
+    assert main(["server", "--port", "0", "--database", f"sqlite:///{missing}"]) == 1
+    assert f"no folder {missing.parent} for the SQLite database" in capsys.readouterr().err
+    assert not missing.parent.exists()
+
+
+@pytest.mark.parametrize("url", ["flexium.example.com", "ftp://x", "https://"])
+def test_a_public_url_a_browser_cannot_open_is_refused(url: str, tmp_path: Any) -> None:
+    with pytest.raises(ValueError, match="is not one a browser opens: give it whole"):
+        load_settings(database_url=str(tmp_path / "s.db"), public_url=url)
+    assert load_settings(database_url=str(tmp_path / "s.db"), public_url="https://f.example.com/").link_base == (
+        "https://f.example.com"
+    )
+
+
+def test_a_host_that_is_not_this_machines_is_said_so_not_a_port_in_use(
+    capsys: pytest.CaptureFixture[str], tmp_path: Any
+) -> None:
+    assert main(["server", "--port", "0", "--host", "nosuchhost.invalid", "--database", str(tmp_path / "s.db")]) == 1
+    assert "that is not an address of this machine: check --host" in capsys.readouterr().err

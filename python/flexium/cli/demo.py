@@ -135,7 +135,7 @@ def run(
         )
         return 1
     from flexium.server import sole_server
-    from flexium.server.db import sqlite_file
+    from flexium.server.settings import sqlite_file
 
     database_file = sqlite_file(settings.database_url)
     serving = sole_server.serving_link(database_file) if database_file is not None else None

@@ -90,8 +90,8 @@ def _print_created(workspace: str, token: str, database_url: str | None) -> None
     """A login link to the new workspace's dashboard (a one-time code: the token itself never
     goes in a URL), how training jobs get a token, and the admin token alone on the last line."""
     from flexium.server import database_admin, sole_server, storage
-    from flexium.server.db import redacted, sqlite_file
-    from flexium.server.settings import load_settings
+    from flexium.server.db import redacted
+    from flexium.server.settings import load_settings, sqlite_file
 
     settings = load_settings(database_url=database_url)
     database_file = sqlite_file(settings.database_url)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import errno
 import gc
 import logging
 import socket
@@ -34,14 +35,14 @@ from flexium.server.connections import (
 )
 from flexium.server.context import ServerContext
 from flexium.server.dashboard import install_dashboard
-from flexium.server.db import Database, DatabaseUnavailable, SchemaTooNew, redacted, sqlite_file
+from flexium.server.db import Database, DatabaseUnavailable, SchemaTooNew, redacted, require_folder
 from flexium.server.errors import ApiError, TooManyRequests, Unauthorized
 from flexium.server.fair_share import FairShare
 from flexium.server.heartbeat_shortcut import HeartbeatShortcut
 from flexium.server.refusals import request_refused
 from flexium.server.routes import api, system
 from flexium.server.routes.docs import install_docs
-from flexium.server.settings import Settings, load_settings
+from flexium.server.settings import Settings, load_settings, sqlite_file
 from flexium.server.sole_server import ServedElsewhere
 from flexium.server.storage import quotas, retention
 from flexium.server.tls_certificate import check_certificate
@@ -319,27 +320,30 @@ def serve(settings: Settings) -> int:
         listening = listening_socket(settings.host, settings.port)
     except OSError as exc:
         why = (exc.strerror or str(exc)).lower()
-        print(
-            f"flexium server: cannot listen on {settings.host}:{settings.port}: {why}; another program, or another "
-            "flexium server, may use that port: choose another with --port",
-            file=sys.stderr,
-        )
+        if isinstance(exc, socket.gaierror) or exc.errno == errno.EADDRNOTAVAIL:
+            advice = "that is not an address of this machine: check --host (0.0.0.0 listens on all of them)"
+        else:
+            advice = "another program, or another flexium server, may use that port: choose another with --port"
+        print(f"flexium server: cannot listen on {settings.host}:{settings.port}: {why}; {advice}", file=sys.stderr)
         return 1
     if settings.port == 0:  # the port the system chose, in every link printed
         settings = dataclasses.replace(settings, port=listening.getsockname()[1])
     database_file = sqlite_file(settings.database_url)
     if database_file is not None:
         try:
+            require_folder(database_file)
             # kept open while this process lives: the lock is the file descriptor's
             sole_server.claim(database_file, address=f"{settings.host}:{settings.port}", link=settings.link_base)
-        except (ServedElsewhere, OSError) as exc:
+        except (ServedElsewhere, DatabaseUnavailable, OSError) as exc:
+            listening.close()
             print(f"flexium server: {exc}", file=sys.stderr)
             return 1
-    db = Database(settings.database_url, threads=settings.threads, lock_timeout_s=settings.db_lock_timeout_s)
     try:
+        db = Database(settings.database_url, threads=settings.threads, lock_timeout_s=settings.db_lock_timeout_s)
         seconds = db.upgrade(new_database=settings.new_database)
         token = bootstrap(db) if settings.bootstrap_default_workspace else None
     except (DatabaseUnavailable, SchemaTooNew) as exc:
+        listening.close()
         print(f"flexium server: cannot use the database {redacted(settings.database_url)}: {exc}", file=sys.stderr)
         return 1
     app = create_app(settings, database=db, upgrade=False)

@@ -22,9 +22,9 @@ from pydantic import ValidationError
 
 from flexium import protocol, wire
 from flexium.server import storage
-from flexium.server.db import Database, sqlite_file
+from flexium.server.db import Database
 from flexium.server.errors import InvalidRequest
-from flexium.server.settings import load_settings
+from flexium.server.settings import load_settings, sqlite_file
 from flexium.server.storage import quotas, retention
 
 

@@ -42,6 +42,8 @@ from sqlalchemy.exc import DBAPIError, OperationalError
 from sqlalchemy.orm import Session
 from sqlalchemy.pool import StaticPool
 
+from flexium.server.settings import default_data_dir, sqlite_file
+
 if TYPE_CHECKING:
     from alembic.config import Config as AlembicConfig
 
@@ -64,12 +66,18 @@ _WRITE_CHECK_EVERY_S = 1.0  # how often writes look at the SQLite file (write_pr
 HEALTH_TIMEOUT_S = 1.0  # the health check answers within about this, whatever the database does
 
 
-def sqlite_file(url: str) -> str | None:
-    """The absolute path of a SQLite database URL's file; None for PostgreSQL or in memory."""
-    if not url.startswith("sqlite"):
-        return None
-    path = url.split(":///", 1)[1] if ":///" in url else ""
-    return None if path in ("", ":memory:") else os.path.abspath(path)
+def require_folder(database_file: str) -> None:
+    """A SQLite file's folder: flexium's own (FLEXIUM_HOME, ~/.flexium) is made where missing; another
+    must be there already (a mistyped path would make a database no one meant). DatabaseUnavailable."""
+    folder = Path(database_file).parent
+    if folder.is_dir():
+        return
+    if folder.absolute() == default_data_dir().absolute():
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        return
+    raise DatabaseUnavailable(
+        f"no folder {folder} for the SQLite database: check the path, or make the folder first (mkdir -p {folder})"
+    )
 
 
 def redacted(url: str) -> str:
@@ -135,7 +143,7 @@ class Database:
             path = url.split(":///", 1)[1] if ":///" in url else ""
             in_memory = path in ("", ":memory:")
             if not in_memory:
-                Path(path).parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                require_folder(path)
             kwargs: dict[str, Any] = {"connect_args": {"check_same_thread": False, "timeout": self.lock_timeout_s}}
             if in_memory:
                 kwargs["poolclass"] = StaticPool

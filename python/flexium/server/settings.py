@@ -258,10 +258,26 @@ _ENV_SETTINGS: dict[str, tuple[str, type]] = {
 }
 
 
+def sqlite_file(url: str) -> str | None:
+    """The absolute path of a SQLite database URL's file; None for PostgreSQL or in memory."""
+    if not url.startswith("sqlite"):
+        return None
+    path = url.split(":///", 1)[1] if ":///" in url else ""
+    return None if path in ("", ":memory:") else os.path.abspath(path)
+
+
 def normalize_database_url(url: str) -> str:
     """Accept what people type (``postgresql://``, ``postgres://``, a plain file path) and name
-    the driver SQLAlchemy must use (psycopg 3 for PostgreSQL)."""
+    the driver SQLAlchemy must use (psycopg 3 for PostgreSQL). A SQLite database in memory is refused:
+    what a server keeps there is gone when it stops (an unset variable in ``sqlite:///$DIR`` makes one)."""
     url = url.strip()
+    if not url:
+        raise ValueError("the database URL is empty: give sqlite:///PATH or postgresql://USER@HOST/DB")
+    if url.startswith("sqlite:") and sqlite_file(url) is None:
+        raise ValueError(
+            f"database URL {url!r} names no file: SQLite in memory keeps nothing once the server stops (an "
+            "unset variable in the URL?); give sqlite:///PATH"
+        )
     if url.startswith("postgres://"):
         url = "postgresql://" + url[len("postgres://") :]
     if url.startswith("postgresql://"):
@@ -295,4 +311,16 @@ def load_settings(**overrides: Any) -> Settings:
             values[key] = value
     if "database_url" in values:
         values["database_url"] = normalize_database_url(values["database_url"])
+    if values.get("public_url"):
+        check_public_url(values["public_url"])
     return Settings(**values)
+
+
+def check_public_url(url: str) -> None:
+    """--public-url / FLEXIUM_PUBLIC_URL: the links printed and shown start with it, so a browser must
+    open it (ValueError otherwise)."""
+    scheme, _, rest = url.strip().partition("://")
+    if scheme.lower() not in ("http", "https") or not rest.strip("/"):
+        raise ValueError(
+            f"public URL {url!r} is not one a browser opens: give it whole, e.g. https://flexium.example.com"
+        )

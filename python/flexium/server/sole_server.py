@@ -26,9 +26,9 @@ def lock_path(database_file: str) -> str:
 def claim(database_file: str, *, address: str, link: str) -> int:
     """Take the database file for this process (until it ends); returns the open lock's file
     descriptor, kept open by the caller. Raises ServedElsewhere naming the server that holds it.
-    ``link``: where its dashboard's links point (``serving`` reads it back)."""
+    ``link``: where its dashboard's links point (``serving`` reads it back). The database's folder is
+    there (``db.require_folder``)."""
     path = lock_path(database_file)
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
