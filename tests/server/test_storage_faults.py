@@ -85,6 +85,7 @@ def _recovers(server: LiveServer, name: str) -> None:
 
 @pytest.fixture
 def sqlite_server(tmp_path: Path) -> Iterator[LiveServer]:
+    (tmp_path / "db").mkdir()  # a server makes no folder but flexium's own for its database
     srv = LiveServer(f"sqlite:///{tmp_path / 'db' / 'flexium.db'}", str(tmp_path / "home")).start()
     yield srv
     srv.stop(signal.SIGKILL)

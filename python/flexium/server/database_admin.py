@@ -34,8 +34,9 @@ class NoDatabase(ValueError):
 
 def open_database(database_url: str | None = None, *, create: bool = False) -> Database:
     """The database the settings name, its schema upgraded. A SQLite file that is not there is made
-    only to ``create`` a workspace (before the server first starts); else it is refused, naming where
-    it was looked for (a mistyped --database or FLEXIUM_HOME would make a database no server uses)."""
+    only to ``create`` a workspace (before the server first starts; its folder too, as asked for); else
+    it is refused, naming where it was looked for (a mistyped --database or FLEXIUM_HOME would make a
+    database no server uses)."""
     settings = load_settings(database_url=database_url)
     path = sqlite_file(settings.database_url)
     if path is not None and not create and not os.path.exists(path):
@@ -43,6 +44,8 @@ def open_database(database_url: str | None = None, *, create: bool = False) -> D
             f"no database at {path}: `flexium server` makes it when it first starts; check --database, "
             f"{protocol.DATABASE_ENV} or FLEXIUM_HOME (the server's default is under it)"
         )
+    if path is not None and create:
+        os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
     db = Database(settings.database_url, threads=2)
     db.session_info[quotas.SESSION_KEY] = quotas.Quotas.of(settings)  # FLEXIUM_MAX_TOKENS, as the server
     db.session_info[retention.SESSION_KEY] = retention.Retention.of(settings)  # the audit entries' keep
