@@ -67,12 +67,32 @@ def test_refused_writes_are_recorded_once_per_sender(api: Api) -> None:
     assert by_token[viewer["id"]]["detail"].startswith("403 POST /api/w/default/commands: ")
     anonymous = by_token[None]
     assert anonymous["repeats"] == 40 and anonymous["token_name"] == "no valid token"
-    assert anonymous["target"] == "from testclient" and anonymous["outcome"] == "refused"
+    assert anonymous["target"] == "POST /api/w/{workspace}/commands from testclient"
+    assert anonymous["outcome"] == "refused"
     # the next flood within the hour counts in the same entries
     for _ in range(5):
         api.post("/commands", {"kind": "pause", "process_id": "gpu-1"}, headers=api.headers("flx_wrong"))
     _refusals_written(api)
     assert [e["repeats"] for e in _entries(api, "request.refused") if e["token_id"] is None] == [45]
+
+
+def test_refusals_of_different_kinds_are_told_apart(api: Api) -> None:
+    """A viewer refused a pause and refused minting an admin token: two entries, each naming what was
+    refused, the mint not hidden in the pause's count."""
+    viewer = _mint(api, "viewer", "carol")
+    api.register("gpu-1")
+    headers = api.headers(viewer["token"])
+    for _ in range(3):
+        assert api.post("/commands", {"kind": "pause", "process_id": "gpu-1"}, headers=headers).status_code == 403
+    assert api.post("/tokens", {"name": "mine", "role": "admin"}, headers=headers).status_code == 403
+    _refusals_written(api)
+    mine = {e["target"]: e for e in _entries(api, "request.refused") if e["token_id"] == viewer["id"]}
+    assert sorted(mine) == [
+        "POST /api/w/{workspace}/commands from testclient",
+        "POST /api/w/{workspace}/tokens from testclient",
+    ]
+    assert mine["POST /api/w/{workspace}/commands from testclient"]["repeats"] == 3
+    assert mine["POST /api/w/{workspace}/tokens from testclient"]["detail"].startswith("403 POST /api/w/default/tokens")
 
 
 def test_a_refused_login_is_recorded_in_its_tokens_workspace(api: Api) -> None:

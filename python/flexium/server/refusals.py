@@ -1,6 +1,7 @@
 """Refused writes and logins in the audit log. A request refused 401 or 403 (no token, a wrong
 one, or a role that may not) changes nothing, yet who tried is worth keeping; anyone can send
-them by the thousand, so each is counted here, in memory, by (workspace, token, address, what),
+them by the thousand, so each is counted here, in memory, by (workspace, token, address, action,
+and the request's method and route),
 and the counts are written together every ``FLUSH_S``: an access entry per key, its repeats
 counted in the entry before within the hour (``storage.audit``). A flood costs the database a
 write every few seconds and the log a row per sender an hour.
@@ -38,6 +39,7 @@ class RefusalKey:
     token_id: int | None
     address: str
     action: str  # "request.refused", "login.refused"
+    what: str = ""  # the request's method and route ("POST /api/w/{workspace}/tokens"): refusals of one kind
 
 
 @dataclass
@@ -53,6 +55,7 @@ def request_refused(request: Request, exc: ApiError) -> None:
     if exc.status not in (401, 403) or request.method in _READS:
         return
     ctx: ServerContext = request.app.state.ctx
+    route = getattr(request.scope.get("route"), "path", request.url.path)  # the route: ids do not split the count
     ctx.refusals.note(
         ctx,
         workspace=request.scope.get("path_params", {}).get("workspace"),
@@ -60,6 +63,7 @@ def request_refused(request: Request, exc: ApiError) -> None:
         address=request.client.host if request.client else "an unknown address",
         action="request.refused",
         detail=f"{exc.status} {request.method} {request.url.path}: {exc.message}",
+        what=f"{request.method} {route}",
     )
 
 
@@ -78,8 +82,9 @@ class RefusalBook:
         address: str,
         action: str,
         detail: str,
+        what: str = "",
     ) -> None:
-        key = RefusalKey(workspace, auth.token_id if auth else None, address, action)
+        key = RefusalKey(workspace, auth.token_id if auth else None, address, action, what)
         if key not in self._counted and len(self._counted) >= MAX_KEYS:
             key = RefusalKey(workspace, None, "many addresses", action)
         counted = self._counted.setdefault(key, _Counted(auth, 0, detail))
@@ -110,6 +115,7 @@ class RefusalBook:
                     action=key.action,
                     times=c.times,
                     detail=c.detail,
+                    what=key.what,
                 )
             )
         if not refusals:

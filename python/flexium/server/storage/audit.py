@@ -88,6 +88,7 @@ class Refusal:
     action: str
     times: int
     detail: str
+    what: str = ""  # the method and route refused ("" for a login): entries of one kind each
 
 
 def record_refusals(*, session: Session, refusals: list[Refusal], now: float) -> None:
@@ -104,7 +105,7 @@ def record_refusals(*, session: Session, refusals: list[Refusal], now: float) ->
             workspace_id=workspace_id,
             actor=refusal.auth,
             action=refusal.action,
-            target=f"from {refusal.address}",
+            target=f"{refusal.what} from {refusal.address}" if refusal.what else f"from {refusal.address}",
             outcome=_REFUSED,
             detail=refusal.detail,
             now=now,
