@@ -227,10 +227,10 @@ def _sigterm_interrupts() -> Iterator[None]:
 
 
 def _memory(text: str) -> int:
-    if (
-        text.strip().replace(".", "", 1).isdigit()
-    ):  # a unit left out: 40 means 40 GiB to a person, 40 bytes to read_size
-        raise UsageError(f"--memory {text.strip()}: give its unit, e.g. {text.strip()}GiB or {text.strip()}MiB")
+    amount = text.strip()
+    # A unit left out: 40 means 40 GiB to a person, 40 bytes to read_size.
+    if amount.replace(".", "", 1).isdigit():
+        raise UsageError(f"--memory {amount}: give its unit, e.g. {amount}GiB or {amount}MiB")
     try:
         return read_size(text)
     except ValueError as exc:

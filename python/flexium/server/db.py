@@ -118,6 +118,10 @@ class Database:
         self._write_problem: str | None = None
         # What every transaction carries in Session.info (the server's quotas: storage/quotas.py).
         self.session_info: dict[str, Any] = {}
+        # The SQLite file (None: PostgreSQL, or in memory) and the file it was when first used: open
+        # connections keep writing to a file deleted or replaced under them, and every write is then lost
+        # at the restart.
+        self._file = sqlite_file(url)
         self.engine = self._create_engine(url, threads=threads, echo=echo)
         self._write_engine = self.engine.execution_options(
             **{_WRITE_OPTION: True, _LOCK_WAIT_OPTION: int(self.lock_timeout_s * 1000)}
@@ -127,9 +131,6 @@ class Database:
         )
         self.inline = self.is_sqlite
         self._checkpointer: threading.Thread | None = None
-        # The SQLite file and the file it was when first used: open connections keep writing to
-        # a file deleted or replaced under them, and every write is then lost at the restart.
-        self._file = sqlite_file(url)
         self._file_identity: tuple[int, int] | None = None
         self._stop_checkpoints = threading.Event()
         self.migration_seconds: float | None = None
@@ -140,12 +141,10 @@ class Database:
 
     def _create_engine(self, url: str, *, threads: int, echo: bool) -> Engine:
         if self.is_sqlite:
-            path = url.split(":///", 1)[1] if ":///" in url else ""
-            in_memory = path in ("", ":memory:")
-            if not in_memory:
-                require_folder(path)
+            if self._file is not None:
+                require_folder(self._file)
             kwargs: dict[str, Any] = {"connect_args": {"check_same_thread": False, "timeout": self.lock_timeout_s}}
-            if in_memory:
+            if self._file is None:  # in memory
                 kwargs["poolclass"] = StaticPool
             else:
                 # a connection per worker thread, kept: opening one costs the pragmas again
@@ -432,13 +431,10 @@ class Database:
         """SQLite: move the WAL into the database file from a thread of its own. Serving
         connections have automatic checkpoints off: a checkpoint (the one fsync of WAL mode)
         inside a request would stall the event loop for as long as the disk takes."""
-        if not self.is_sqlite or self._checkpointer is not None or ":///" not in self.url:
+        path = self._file
+        if path is None or self._checkpointer is not None:
             return
         import sqlite3
-
-        path = self.url.split(":///", 1)[1]
-        if path in ("", ":memory:"):
-            return
 
         def loop() -> None:
             conn = sqlite3.connect(path, timeout=30, isolation_level=None, check_same_thread=False)

@@ -189,15 +189,16 @@ def create_wait(
     holder, priority = paused_job(session=session, proc=proc, now=now, stale_after=stale_after)
     gpu = wanted_gpu(session=session, proc=proc, request=request, now=now, stale_after=stale_after)
     gpu_uuid = None if gpu is None else gpu.uuid
-    earlier = live_wait_of(session=session, proc=proc, for_update=True)
-    if earlier is not None and earlier.state == "waiting" and earlier.gpu_uuid == gpu_uuid:
-        if request.reason:
-            earlier.why = request.reason
-        return earlier, earlier.created_at
     who = actor.token_name or f"token {actor.token_id}"
-    replaced = cancel_live_wait(
-        session=session, workspace_id=workspace_id, actor=actor, proc=proc, why=f"queued again by {who}", now=now
-    )
+    earlier = live_wait_of(session=session, proc=proc, for_update=True)
+    queued_before = None
+    if earlier is not None and earlier.state == "waiting":  # one whose resume is under way stays: queue_wait refuses
+        if earlier.gpu_uuid == gpu_uuid:
+            if request.reason:
+                earlier.why = request.reason
+            return earlier, earlier.created_at
+        queued_before = earlier.created_at
+        end_wait(session=session, row=earlier, state="cancelled", note=f"queued again by {who}", actor=actor, now=now)
     where = "any GPU of its host" if gpu is None else f"GPU {gpu.index if gpu.index is not None else gpu.uuid}"
     row = queue_wait(
         session=session,
@@ -209,9 +210,9 @@ def create_wait(
         reason=f"queued by {who} to resume on {where} when free",
         now=now,
         why=request.reason,
-        queued_at=None if replaced is None else replaced.created_at,
+        queued_at=queued_before,
     )
-    return row, None if replaced is None else replaced.created_at
+    return row, queued_before
 
 
 def paused_job(*, session: Session, proc: Process, now: float, stale_after: float) -> tuple[Process, int]:
