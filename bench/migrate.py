@@ -502,6 +502,7 @@ def rows_of(size: float, run: JobRun) -> list[dict[str, Any]]:
     median = done.get("median_step")
     rows = []
     paused_with = None  # the staging of the last fast pause, which the resume after it brings back
+    buffer_of_pause = None  # the buffers that pause's copier wrote through (FLEXIUM_WRITE_BUFFER), if it wrote
     for op in run.all("op"):
         result = op.get("result") or {}
         timing = analysed.get(op.get("t0"), {})
@@ -509,6 +510,7 @@ def rows_of(size: float, run: JobRun) -> list[dict[str, Any]]:
         staging = None
         if op["op"] == "pause":
             staging = paused_with = staging_of(result) if path == "fast" else None
+            buffer_of_pause = write_buffer_of(result) if path == "fast" else None
         elif op["op"] == "resume" and path == "fast":
             staging = paused_with
         rows.append(
@@ -542,6 +544,7 @@ def rows_of(size: float, run: JobRun) -> list[dict[str, Any]]:
                 "prep_median_step": timing.get("prep_median_step"),
                 "free": freed(op, result, run.gpu_use),
                 "staging": staging,
+                "write_buffer": buffer_of_pause if staging is not None else None,
                 "newly_pinned": newly_pinned_of(result) if op["op"] == "pause" and path == "fast" else None,
                 "notes": result.get("notes", []),
             }
@@ -560,6 +563,16 @@ def beside_restore(result: dict[str, Any]) -> str:
         if note.startswith(("copied back after the restore", "copied back beside the restore")):
             return "after" if note.startswith("copied back after") else "0"
     return "after"
+
+
+def write_buffer_of(result: dict[str, Any]) -> str | None:
+    """The buffers a fast pause's copier wrote its staging through ("16 MiB"), as its notes say; None where
+    it wrote none."""
+    for note in result.get("notes", []):
+        match = re.search(r"through ([0-9]+ [KM]iB) buffers", note)
+        if match:
+            return match.group(1)
+    return None
 
 
 def staging_of(result: dict[str, Any]) -> str:
@@ -818,9 +831,14 @@ def staging_ways(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return statistics.median(known) if known else None
 
     checked = []
+    buffers = sorted({r.get("write_buffer") for r in rows}, key=lambda b: (b is not None, b and buffer_bytes(b)))
     for size in sorted({r["size_gb"] for r in rows}):
-        for way in STAGING_WAYS:
-            of_way = [r for r in rows if r["size_gb"] == size and r["path"] == "fast" and r["ok"]]
+        for way, buffer in ((way, buffer) for way in STAGING_WAYS for buffer in buffers):
+            of_way = [
+                r
+                for r in rows
+                if r["size_gb"] == size and r["path"] == "fast" and r["ok"] and r.get("write_buffer") == buffer
+            ]
             pauses = [r for r in of_way if r["op"] == "pause" and staging_way(r) == way]
             resumes = [r for r in of_way if r["op"] == "resume" and staging_way(r) == way]
             if not pauses and not resumes:
@@ -829,6 +847,7 @@ def staging_ways(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 {
                     "size_gb": size,
                     "staging": way,
+                    "write_buffer": buffer,
                     "free_runs": [r["free"] for r in pauses if r.get("free") is not None],
                     "free": median([r.get("free") for r in pauses]),
                     "free_floor": median([r.get("floor") for r in pauses]),
@@ -850,7 +869,14 @@ def print_staging_ways(checked: list[dict[str, Any]]) -> None:
     for way in checked:
         free = f"free {fmt(way['free'])} s (floor {fmt(way['free_floor'])} s, {len(way['free_runs'])} runs)"
         resume = f"resume {fmt(way['resume'])} s (floor {fmt(way['resume_floor'])} s, {len(way['resume_runs'])} runs)"
-        print(f"  {way['size_gb']:g} GiB, {STAGING_WAYS[way['staging']]}: {free}; {resume}")
+        through = f" through {way['write_buffer']} buffers" if way.get("write_buffer") else ""
+        print(f"  {way['size_gb']:g} GiB, {STAGING_WAYS[way['staging']]}{through}: {free}; {resume}")
+
+
+def buffer_bytes(text: str) -> int:
+    """Bytes of a buffer size as the notes write it ("16 MiB", "512 KiB")."""
+    number, unit = text.split()
+    return int(number) << (20 if unit == "MiB" else 10)
 
 
 def print_machine(bandwidth: dict[str, Any] | None, fixed: dict[str, Any] | None) -> None:
@@ -937,6 +963,13 @@ def main() -> int:
         + ")",
     )
     parser.add_argument(
+        "--write-buffers",
+        default="",
+        help="for --staging-ways' unkept job: one such job per buffer size listed (FLEXIUM_WRITE_BUFFER, "
+        "e.g. 1MiB,16MiB: the pinned buffers the copier writes a staging made at the safe point through; "
+        "default: one job, with the job's default)",
+    )
+    parser.add_argument(
         "--kept-budget",
         default="90%",
         help="for --staging-ways: the pinned host memory budget of the job that keeps its staging (default 90%%)",
@@ -968,6 +1001,7 @@ def main() -> int:
         parser.error(f"--repeat-pause must be at least 1 (one run: the pool job's own), not {args.repeat_pause}")
     sizes = [float(s) for s in args.sizes.split(",") if s.strip()]
     jobs_wanted = staging_jobs(args.staging_jobs)
+    write_buffers = [b.strip() for b in args.write_buffers.split(",") if b.strip()]
 
     started = time.perf_counter()
     failures: list[str] = []
@@ -1047,11 +1081,12 @@ def main() -> int:
             for job, budget in (("unkept", "0"), ("kept", args.kept_budget)):
                 if job not in jobs_wanted:
                     continue
-                log(f"-- {label}: pool job, fast pause + resume with FLEXIUM_PINNED_HOST_MEMORY={budget}")
-                run = run_pause_job(
-                    f"{label} pool job, pinned budget {budget}", size, args, {"FLEXIUM_PINNED_HOST_MEMORY": budget}
-                )
-                record(run, size, budget=budget)
+                for buffer in (write_buffers or [None]) if job == "unkept" else [None]:
+                    env = {"FLEXIUM_PINNED_HOST_MEMORY": budget, **({"FLEXIUM_WRITE_BUFFER": buffer} if buffer else {})}
+                    through = f", FLEXIUM_WRITE_BUFFER={buffer}" if buffer else ""
+                    log(f"-- {label}: pool job, fast pause + resume with FLEXIUM_PINNED_HOST_MEMORY={budget}{through}")
+                    run = run_pause_job(f"{label} pool job, pinned budget {budget}{through}", size, args, env)
+                    record(run, size, budget=budget)
             if "touched" in jobs_wanted:
                 log(f"-- {label}: pool job, nothing kept, its staging touched and pinned (FLEXIUM_WRITTEN_STAGING=0)")
                 touched = {"FLEXIUM_PINNED_HOST_MEMORY": "0", "FLEXIUM_WRITTEN_STAGING": "0"}

@@ -341,6 +341,7 @@ void bind_copier(py::module_ &m) {
       .def_property_readonly("pinned_at_wake", &HostCopier::pinned_at_wake)
       .def_property_readonly("pinning", &HostCopier::pinning)
       .def_property_readonly("last_pinner", &HostCopier::last_pinner)
+      .def_property("write_buffer_bytes", &HostCopier::write_buffer_bytes, &HostCopier::set_write_buffer_bytes)
       .def_property_readonly("last_copy_times", [](const HostCopier &c) {
         const CopyTimes t = c.last_copy_times();
         return std::map<std::string, double>{{"import_s", t.import_s},

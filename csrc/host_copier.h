@@ -56,6 +56,9 @@ struct CopyTimes {
   std::size_t written = 0;         // bytes written into extents made to be written (not touched)
 };
 
+// Small enough that two per writing thread cost nothing to pin; large enough that each copy and write is long.
+constexpr std::size_t kDefaultWriteBufferBytes = std::size_t{16} << 20;
+
 class HostCopier {
  public:
   // Maps each extent (fd, size) shared; the fds stay the caller's. `driver_made` (per extent; empty: none
@@ -125,6 +128,10 @@ class HostCopier {
   // is reported here and so by the next wake(), which pins what is left again.
   std::string last_pinner() const;
   CopyTimes last_copy_times() const { return times_; }
+  // Bytes of each of the two pinned buffers a writing thread copies through (host_copier_writes.cpp): a
+  // multiple of 4 KiB, at least 64 KiB (std::invalid_argument otherwise). Set between copies.
+  void set_write_buffer_bytes(std::size_t bytes);
+  std::size_t write_buffer_bytes() const { return write_buffer_bytes_; }
 
  private:
   // wake()'s context on the GPU with `uuid` (the one it holds there already, or a new one, after a sleep
@@ -194,6 +201,7 @@ class HostCopier {
   std::string pin_error_;
   std::string last_pinner_;
   CopyTimes times_;
+  std::size_t write_buffer_bytes_ = kDefaultWriteBufferBytes;
 };
 
 }  // namespace flexium

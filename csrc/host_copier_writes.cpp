@@ -32,17 +32,14 @@
 namespace flexium {
 namespace {
 
-// Small enough that two per thread cost nothing to pin; large enough that each copy and write is long.
-constexpr std::size_t kWriteBufferBytes = std::size_t{16} << 20;
-
 // Two pinned buffers of this process's memory, unpinned and freed when it goes (after the copies into them).
 class WriteBuffers {
  public:
-  explicit WriteBuffers(const DriverTable &d) : d_(d) {
+  WriteBuffers(const DriverTable &d, std::size_t bytes) : d_(d) {
     try {
       for (int i = 0; i < 2; ++i) {
-        buffers_[i] = static_cast<char *>(::operator new(kWriteBufferBytes, std::align_val_t{4096}));
-        FLEXIUM_CU_CALL(d_, cuMemHostRegister, buffers_[i], kWriteBufferBytes, CU_MEMHOSTREGISTER_PORTABLE);
+        buffers_[i] = static_cast<char *>(::operator new(bytes, std::align_val_t{4096}));
+        FLEXIUM_CU_CALL(d_, cuMemHostRegister, buffers_[i], bytes, CU_MEMHOSTREGISTER_PORTABLE);
         registered_[i] = true;
       }
     } catch (...) {
@@ -119,6 +116,14 @@ std::size_t HostCopier::write_pieces(const std::vector<CUdeviceptr> &addresses,
   return bytes;
 }
 
+void HostCopier::set_write_buffer_bytes(std::size_t bytes) {
+  if (bytes < (std::size_t{64} << 10) || bytes % 4096 != 0) {
+    throw std::invalid_argument("a write buffer must be a multiple of 4 KiB and at least 64 KiB, not " +
+                                std::to_string(bytes) + " bytes");
+  }
+  write_buffer_bytes_ = bytes;
+}
+
 void HostCopier::written_all() {
   std::vector<std::size_t> to_map;
   {
@@ -139,7 +144,8 @@ void HostCopier::written_all() {
 void HostCopier::write_extent(const std::vector<CUdeviceptr> &addresses, const std::vector<CopierPiece> &pieces) const {
   const DriverTable &d = require_vmm_driver();
   FLEXIUM_CU_CALL(d, cuCtxSetCurrent, context_);
-  const WriteBuffers buffers(d);
+  const std::size_t buffer_bytes = write_buffer_bytes_;
+  const WriteBuffers buffers(d, buffer_bytes);
   CUstream stream = nullptr;
   FLEXIUM_CU_CALL(d, cuStreamCreate, &stream, CU_STREAM_NON_BLOCKING);
   // No copy may still run into a buffer as it is freed, also when one fails half way.
@@ -161,7 +167,7 @@ void HostCopier::write_extent(const std::vector<CUdeviceptr> &addresses, const s
   for (const CopierPiece &piece : pieces) {
     const std::size_t at = chunks_[piece.chunk].offset + piece.chunk_offset;
     for (std::size_t done = 0; done < piece.length;) {
-      const std::size_t n = std::min(kWriteBufferBytes, piece.length - done);
+      const std::size_t n = std::min(buffer_bytes, piece.length - done);
       FLEXIUM_CU_CALL(d, cuMemcpyDtoHAsync, buffers[turn], addresses[piece.segment] + piece.segment_offset + done, n,
                       stream);
       if (pending.bytes > 0) write_all(fd, pending.data, pending.bytes, pending.at);  // beside that copy

@@ -661,6 +661,19 @@ def test_a_fast_path_switch_that_is_not_on_or_off_is_refused_when_the_job_starts
     assert runtime.current() is None
 
 
+@pytest.mark.parametrize("value", ["16", "60KiB", "1000KiB", "1GiB", "big"])
+def test_a_write_buffer_flexium_cannot_use_is_refused_when_the_job_starts(
+    monkeypatch: pytest.MonkeyPatch, value: str
+) -> None:
+    """Too small, not in whole pages, more than two per thread should pin, or no amount at all."""
+    from flexium.api import runtime
+
+    monkeypatch.setenv("FLEXIUM_WRITE_BUFFER", value)
+    with pytest.raises(ConfigError, match=rf"FLEXIUM_WRITE_BUFFER='{value}' is not valid: give the size of each"):
+        runtime._start(None)  # type: ignore[arg-type]  (refused before the config is read)
+    assert runtime.current() is None
+
+
 def test_run_steps_failed_remap_rolls_back_to_the_source(fake: FakeDriver) -> None:
     """A restore refused for its arguments leaves the process restorable in place (fact
     `failed-restore-stays-checkpointed`); one that found too little room does not (fact

@@ -253,6 +253,43 @@ def test_a_written_staging_round_trips_and_is_then_kept_whole(fake: FakeDriver, 
     back_from_a_kept_staging(fake, allocator, copier, contents, staging=16 * MiB, copied=12 * MiB)
 
 
+@pytest.mark.parametrize("buffer", [64 << 10, 1 * MiB, 16 * MiB])
+def test_a_written_staging_goes_through_buffers_of_the_size_asked(
+    fake: FakeDriver, allocator: Allocator, buffer: int
+) -> None:
+    """FLEXIUM_WRITE_BUFFER's size (the copier process sets it): each copy from the GPU fills at most one
+    buffer, and the bytes come back intact whatever the size."""
+    contents = make_segments(allocator, [2 * MiB, 4 * MiB, 6 * MiB])
+    _C.reserve_host_staging(16 * MiB, 0, chunk_bytes=4 * MiB, pin_here=False, job_stopped=True)
+    layout = _C.host_staging_layout()
+    copier = _C.HostCopier(layout.extents, layout.chunks, layout.driver_made, [True] * len(layout.extents))
+    copier.write_buffer_bytes = buffer
+    copier.wake(fake.uuid(0), False, 0)
+    order = _C.begin_stage_order()
+    copies_before = fake.call_count("cuMemcpyDtoHAsync")
+    assert copier.copy(True, order.segments, order.pieces) == 12 * MiB
+    copies = fake.call_count("cuMemcpyDtoHAsync") - copies_before
+    least = sum(-(-piece.length // buffer) for piece in order.pieces)
+    assert copies == least, (copies, least)
+    assert copier.last_copy_times["written"] == 12 * MiB and fake.pinned_bytes() == 0
+    _C.finish_host_order()
+    copier.sleep()
+    assert _C.release_source_backing() == 3
+    _C.lock(PID, 0)
+    _C.checkpoint(PID)
+    _C.restore(PID)
+    _C.unlock(PID)
+    back_from_a_kept_staging(fake, allocator, copier, contents, staging=16 * MiB, copied=12 * MiB)
+
+
+@pytest.mark.parametrize("buffer", [0, 4096, (64 << 10) + 1])
+def test_a_write_buffer_the_copier_cannot_use_is_refused(buffer: int) -> None:
+    copier = _C.HostCopier([], [])
+    with pytest.raises(ValueError, match="a write buffer must be a multiple of 4 KiB and at least 64 KiB"):
+        copier.write_buffer_bytes = buffer
+    assert copier.write_buffer_bytes == 16 * MiB  # unchanged
+
+
 def back_from_a_kept_staging(
     fake: FakeDriver, allocator: Allocator, copier: Any, contents: dict[int, bytes], *, staging: int, copied: int
 ) -> None:

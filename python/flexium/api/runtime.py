@@ -110,6 +110,7 @@ def _start(config: FlexiumConfig) -> Runtime:
     checksum.checksum_enabled()
     for switch in (host_copier.copier_enabled, host_copier.overlap_enabled, host_copier.written_staging_enabled):
         switch()
+    host_copier.write_buffer_bytes()
     locked_section.check_report_setting()
     # A driver named explicitly (the simulated host, the tests' fake) runs the engine without
     # torch CUDA, so a CPU-only torch is no problem to warn about there.

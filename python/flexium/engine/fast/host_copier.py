@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flexium.config import switch_from_env
+from flexium.config import ConfigError, switch_from_env
+from flexium.units import read_size
 
 if TYPE_CHECKING:
     from flexium import _C
@@ -45,6 +46,8 @@ log = logging.getLogger("flexium")
 DISABLE_ENV = "FLEXIUM_HOST_COPIER"  # false: copies run in the job's process
 OVERLAP_ENV = "FLEXIUM_RESUME_OVERLAP"  # false: the copy back waits for the restore (fast/resume_overlap.py)
 WRITTEN_ENV = "FLEXIUM_WRITTEN_STAGING"  # false: a staging made at the safe point is touched, not written
+WRITE_BUFFER_ENV = "FLEXIUM_WRITE_BUFFER"  # each pinned buffer a written staging's copies go through
+DEFAULT_WRITE_BUFFER = 16 << 20
 FRAME_BYTES = 48 << 10
 FDS_PER_FRAME = 200
 START_TIMEOUT_S = 60.0
@@ -93,6 +96,25 @@ def written_staging_enabled() -> bool:
     (csrc/host_copier_writes.cpp) rather than touch, pin and later unpin it (docs/fast-path.md, "Written at
     the safe point")."""
     return switch_from_env(WRITTEN_ENV, True, "written staging switch")
+
+
+def write_buffer_bytes() -> int:
+    """Bytes of each of the two pinned buffers a thread writing a staging copies through (read in the
+    copier, whose environment is the job's): an amount such as 1MiB, a multiple of 4 KiB from 64 KiB to
+    256 MiB (two per writing thread are pinned)."""
+    text = os.environ.get(WRITE_BUFFER_ENV, "").strip()
+    if not text:
+        return DEFAULT_WRITE_BUFFER
+    try:
+        size = read_size(text)
+    except ValueError:
+        size = 0
+    if not 64 << 10 <= size <= 256 << 20 or size % 4096:
+        raise ConfigError(
+            f"{WRITE_BUFFER_ENV}={text!r} is not valid: give the size of each write buffer, such as 1MiB or 512KiB "
+            f"(a multiple of 4 KiB from 64 KiB to 256 MiB; default {DEFAULT_WRITE_BUFFER >> 20} MiB), or unset it"
+        )
+    return size
 
 
 def send(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:

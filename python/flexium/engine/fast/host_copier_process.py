@@ -39,6 +39,7 @@ from flexium.engine.fast.host_copier import (
     overlap_enabled,
     receive,
     send,
+    write_buffer_bytes,
 )
 
 HANDED_FDS = "handed_fds"  # a reply's fds to send with it (not a field of the reply)
@@ -110,6 +111,7 @@ class Server:
                 self.copier.sleep()
                 self.copier = None  # unmaps the old extents
             self.copier = _C.HostCopier(extents, chunks, driver_made, written)
+            self.copier.write_buffer_bytes = write_buffer_bytes()
             return {}
         if op == "detach":
             if self.copier is not None:
@@ -136,7 +138,7 @@ class Server:
             times = copier.last_copy_times  # before the pinner runs again
             if message.get("pin_rest_pause_ms") is not None:
                 copier.pin_rest(int(message["pin_rest_pause_ms"]))
-            return {"bytes": copied, **times}
+            return {"bytes": copied, **times, "write_buffer": copier.write_buffer_bytes}
         if op == "fill":
             return self.fill(copier, message)
         if op == "make_host":

@@ -78,13 +78,15 @@ class CopierCopy:
     """What the copier's order did: the bytes it pinned as its copies reached them and the seconds
     of that pinning, of which waiting for its touching threads to reach them, the seconds from its
     first copy to its last one's end (pinning included), and the bytes it wrote into a staging made
-    to be written rather than touched (``written_staging_enabled``)."""
+    to be written rather than touched (``written_staging_enabled``) through two pinned buffers per
+    writing thread, each of `write_buffer` bytes."""
 
     pinned: int
     pin_s: float
     touch_wait_s: float
     copy_s: float
     written: int = 0
+    write_buffer: int = 0
 
 
 @dataclass(frozen=True)

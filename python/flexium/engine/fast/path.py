@@ -410,6 +410,7 @@ class FastPath(DeviceMoves):
                 float(reply.get("touch_wait_s", 0.0)),
                 float(reply.get("copy_s", 0.0)),
                 int(reply.get("written", 0)),
+                int(reply.get("write_buffer", 0)),
             )
             log.debug(
                 "copier %s %.2f GiB: order %.0f ms here, then in the copier: import %.0f ms, "

@@ -11,7 +11,7 @@ from dataclasses import dataclass, replace
 from flexium import _C
 from flexium.engine.fast import checksum
 from flexium.engine.fast.host_copier import written_staging_enabled
-from flexium.engine.fast.host_staging import HostCopy, PinnedAhead
+from flexium.engine.fast.host_staging import CopierCopy, HostCopy, PinnedAhead
 from flexium.engine.fast.path import FastPath
 from flexium.engine.fast.steps import RelocationError
 from flexium.engine.operations import EngineState, GpuIdentity, OperationKind, OperationResult
@@ -123,12 +123,12 @@ def note_made(host: HostCopy, mapped: int) -> tuple[str, ...]:
     if by_copier is None:
         pinned = "then pinned and copied in this process"
     elif written and not by_copier.pinned:
-        pinned = f"then wrote {gib(by_copier.written, 2)} as the copies came, nothing of it pinned"
+        pinned = f"then wrote {gib(by_copier.written, 2)}{through(by_copier)} as the copies came, nothing of it pinned"
     else:
         pinned = (
             f"then pinned {gib(by_copier.pinned, 2)} in {by_copier.pin_s:.2f} s as the copies reached it (of which "
             f"{by_copier.touch_wait_s:.2f} s waiting for the touching)"
-        ) + (f" and wrote {gib(by_copier.written, 2)}, not pinned" if written else "")
+        ) + (f" and wrote {gib(by_copier.written, 2)}{through(by_copier)}, not pinned" if written else "")
     ahead = f" (its pinning ahead: {made.pinning_before})" if made.found_pinned and made.pinning_before else ""
     streamed = f", {gib(made.staging - made.found_pinned, 2)} streamed" if made.staging else ""
     by_driver = f", {gib(made.made_by_driver, 2)} made by the driver ahead" if made.made_by_driver else ""
@@ -138,6 +138,14 @@ def note_made(host: HostCopy, mapped: int) -> tuple[str, ...]:
         f"newly mapped and {made_how}{by_driver}, {gib(made.found_pinned, 2)} found pinned{ahead}{streamed}"
         f"{phases}), {pinned}, copies {host.copy_s:.2f} s",
     )
+
+
+def through(copy: CopierCopy) -> str:
+    """The buffers a copier's writes went through (FLEXIUM_WRITE_BUFFER), as the notes say it."""
+    if not copy.write_buffer:
+        return ""
+    size = copy.write_buffer
+    return f" through {size >> 20} MiB buffers" if size % (1 << 20) == 0 else f" through {size >> 10} KiB buffers"
 
 
 def pause_fast(ctx: OperationContext, fast: FastPath, source: GpuIdentity, staging: StagingPlan) -> OperationResult:
