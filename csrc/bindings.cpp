@@ -251,6 +251,8 @@ void bind_host_staging(py::module_ &m) {
   m.def("restage_released_segments", &restage_released_segments,
         "Segments brought back from the staging and released again wait in it again; returns how many.");
   m.def("release_host_staging", &release_host_staging, py::arg("keep_driver_made") = false, release_gil());
+  m.def("set_host_release_hurried", &set_host_release_hurried, py::arg("hurried"),
+        "While true, a release_host_staging under way drops what is left at once, a thread per extent.");
   m.def("host_staging_pool_bytes", &host_staging_pool_bytes, release_gil());
   m.def("host_staging_pinned_bytes", &host_staging_pinned_bytes, release_gil());
   m.def("host_staged_segments", &host_staged_segments, release_gil());

@@ -76,7 +76,7 @@ void HostCopier::extend(const std::vector<std::pair<int, std::size_t>> &extents,
   stop_pinner();  // it reads chunks_; wake() starts it again for the new chunks
   std::vector<Extent> added;
   const auto unmap_added = [&added] {
-    for (const Extent &mapped : added) let_go(mapped);
+    for (const Extent &mapped : added) let_go(mapped, false);
   };
   for (std::size_t k = 0; k < extents.size(); ++k) {
     const auto &extent = extents[k];
@@ -225,12 +225,17 @@ HostCopier::~HostCopier() {
   } catch (...) {
     // The process is going away: its exit unpins and frees whatever is left.
   }
-  for (const Extent &extent : extents_) let_go(extent);
+  // A thread per extent: unmapping tens of GiB of small pages takes a thread a second or more, and a
+  // pause after the resume that gave the staging back waits for it (fact `staging-given-back`).
+  each_in_a_thread(extents_.size(), [this](std::size_t k) { let_go(extents_[k], true); });
 }
 
-void HostCopier::let_go(const Extent &extent) noexcept {
+void HostCopier::let_go(const Extent &extent, bool drop_first) noexcept {
   if (extent.fd >= 0) ::close(extent.fd);  // driver-made: its mapping for the GPU went with sleep()
-  if (!extent.driver_made) ::munmap(extent.base, extent.size);
+  if (extent.driver_made) return;
+  // Dropped first, which runs beside other threads where munmap (the mmap lock taken for writing) would not.
+  if (drop_first) ::madvise(extent.base, extent.size, MADV_DONTNEED);
+  ::munmap(extent.base, extent.size);
 }
 
 std::string HostCopier::wake(const std::string &uuid, bool wait, int pause_ms) {

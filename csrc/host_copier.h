@@ -177,7 +177,8 @@ class HostCopier {
     std::shared_ptr<Backing> mapped;    // driver-made, while mapped for the GPU
   };
   void map_driver_made(Extent &extent);
-  static void let_go(const Extent &extent) noexcept;  // unmaps a memfd, closes a driver-made extent's fd
+  // Unmaps a memfd (`drop_first`: its pages dropped first), closes the fd kept of it.
+  static void let_go(const Extent &extent, bool drop_first) noexcept;
   std::vector<Extent> extents_;
   std::vector<CopierChunk> chunks_;
   std::vector<char> pinned_;

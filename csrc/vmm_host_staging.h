@@ -12,6 +12,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <utility>
 #include <vector>
 
@@ -21,6 +22,10 @@
 namespace flexium {
 
 constexpr std::size_t kDefaultHostChunkBytes = std::size_t{256} << 20;
+
+// Runs work(0) .. work(count - 1), each in a thread of its own (this one runs the first, and those no
+// thread could be had for); returns once all ended. `work` must not throw.
+void each_in_a_thread(std::size_t count, const std::function<void(std::size_t)> &work);
 
 // Faults the pages of each range in (allocating them where the memfd has none yet), one thread per
 // range. Registering memory whose pages are not mapped in the registering process runs at about 4
@@ -58,6 +63,11 @@ std::size_t restore_segments_from_host(int device = -1);
 // again (release_source_backing): the restored segments wait in the staging again, which still
 // holds their bytes, for the next restore_segments_from_host or restore order. Returns how many.
 std::size_t restage_released_segments();
+
+// While `hurried` (someone waits for a release_host_staging under way, or about to start: a pause that
+// needs its room), the release drops what is left at once, a thread per extent, rather than chunk by
+// chunk with a break between them, which spares a training job's page faults.
+void set_host_release_hurried(bool hurried);
 
 // Unpins and unmaps the staging; returns the bytes given back. `keep_driver_made`: the host memory
 // the driver made stays (a staging kept in part within the pinned budget, whose memfds made at the

@@ -661,7 +661,7 @@ def test_a_fast_path_switch_that_is_not_on_or_off_is_refused_when_the_job_starts
     assert runtime.current() is None
 
 
-@pytest.mark.parametrize("value", ["16", "60KiB", "1000KiB", "1GiB", "big"])
+@pytest.mark.parametrize("value", ["16", "60KiB", "1001KiB", "1GiB", "big"])
 def test_a_write_buffer_flexium_cannot_use_is_refused_when_the_job_starts(
     monkeypatch: pytest.MonkeyPatch, value: str
 ) -> None:

@@ -5,10 +5,15 @@ job's own, a slice at a time."""
 
 from __future__ import annotations
 
+import os
+import threading
+import time
+
 import pytest
 
 from flexium import _C
 from support.fake_driver import FakeDriver
+from support.fast_path import staging_mapped_in
 from support.vmm import (  # noqa: F401  (fixtures)
     NO_LEAKS,
     PID,
@@ -218,3 +223,57 @@ def test_host_staging_of_nothing(fake: FakeDriver) -> None:
     assert _C.release_source_backing() == 0
     _C.map_imported([], 0)
     assert fake.pinned_bytes() == 0
+
+
+def staging_fds() -> int:
+    """This process's open fds of the host staging's memfds."""
+    found = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            found += "memfd:flexium-host-staging" in os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            pass  # the fd the listing itself used
+    return found
+
+
+def release_timed(hurried: bool) -> float:
+    """A staging of 256 chunks of 64 KiB, touched and pinned, given back with or without hurry; its seconds."""
+    _C.reserve_host_staging(16 * MiB, 0, chunk_bytes=64 << 10)
+    assert staging_mapped_in(os.getpid()) == 16 * MiB and staging_fds() > 0
+    _C.set_host_release_hurried(hurried)
+    try:
+        started = time.perf_counter()
+        assert _C.release_host_staging() == 16 * MiB
+        seconds = time.perf_counter() - started
+    finally:
+        _C.set_host_release_hurried(False)
+    assert staging_mapped_in(os.getpid()) == 0 and staging_fds() == 0 and _C.host_staging_pool_bytes() == 0
+    return seconds
+
+
+def test_a_hurried_release_gives_everything_back_without_the_breaks_that_spare_training(fake: FakeDriver) -> None:
+    """Not hurried, the release drops the staging a chunk at a time with a 1 ms break between chunks
+    (fact `staging-unmapped-in-chunks`); hurried (a pause waits for the room), it drops the rest at once,
+    a thread per file. Either way nothing is left mapped or open."""
+    spared = release_timed(hurried=False)
+    hurried = release_timed(hurried=True)
+    assert spared >= 0.255, spared  # 255 breaks of 1 ms
+    assert hurried < spared / 2, (hurried, spared)
+
+
+def test_a_hurry_that_comes_during_the_release_ends_it_at_once(fake: FakeDriver) -> None:
+    """The hurry is read as the release goes: set from another thread (a pause that waits for the room)
+    while the release takes its breaks, it drops what is left at once."""
+    _C.reserve_host_staging(64 * MiB, 0, chunk_bytes=64 << 10)
+    assert staging_mapped_in(os.getpid()) == 64 * MiB
+    timer = threading.Timer(0.1, _C.set_host_release_hurried, args=(True,))
+    timer.start()
+    try:
+        started = time.perf_counter()
+        assert _C.release_host_staging() == 64 * MiB
+        seconds = time.perf_counter() - started
+    finally:
+        timer.join()
+        _C.set_host_release_hurried(False)
+    assert seconds < 0.5, seconds  # unhurried, its 1023 breaks alone would take over a second
+    assert staging_mapped_in(os.getpid()) == 0 and staging_fds() == 0

@@ -174,7 +174,7 @@ class FastPath(DeviceMoves):
         touched, so that touching, pinning and copying overlap, and nothing waits between chunks
         for the job's CUDA calls. "ahead" (the keeper): returns once the copier pins in the
         background, so that a pause coming meanwhile waits for none of it."""
-        self._wait_for_release()
+        self._wait_for_release(hurry=pin != "ahead")
         self._wait_for_start()
         if pin != "as copied":  # at the safe point the move's checksum loads it
             self._load_checksum_kernel(logical)
@@ -513,7 +513,11 @@ class FastPath(DeviceMoves):
         with self._host_lock:
             self._wait_for_release()
             self._stop_keeping()
-            self._release_host(self._copier)
+            _C.set_host_release_hurried(True)  # the checkpoint waits for it
+            try:
+                self._release_host(self._copier)
+            finally:
+                _C.set_host_release_hurried(False)
 
     def copier_sleep_now(self) -> StepTiming:
         """Before a migration: the copier, awake with the staging pinned, holds a context on the
@@ -541,7 +545,7 @@ class FastPath(DeviceMoves):
         with self._host_lock:
             if self.host_waiting() > 0:
                 return None
-            self._wait_for_release()  # what a resume gives back must be gone before the staging is counted
+            self._wait_for_release(hurry=False)  # what a resume gives back must be gone before the staging is counted
             wanted = self.host_bytes_wanted(logical)
             held = int(_C.host_staging_pool_bytes())
             awake = self._copier_awake_on(uuid)
@@ -622,7 +626,8 @@ class FastPath(DeviceMoves):
         if missing <= 0 or not self._may_make_driver_memory(missing):
             return None
         try:
-            self._wait_for_release()  # a staging going back must be gone before the copier is attached again
+            # A staging going back must be gone before the copier is attached again.
+            self._wait_for_release(hurry=False)
             self._wait_for_start()
             copier, _started_now = self._live_copier()
             copier.attach(_C.host_staging_layout())
@@ -717,6 +722,8 @@ class FastPath(DeviceMoves):
         self.keeping, self.kept_in_part = False, ""
 
     def _release_host(self, copier: Copier | None, keep_driver_made: bool = False) -> None:
+        started = time.perf_counter()
+        held = int(_C.host_staging_pool_bytes())
         if copier is not None:
             try:
                 copier.detach()
@@ -725,12 +732,29 @@ class FastPath(DeviceMoves):
                 copier.kill()
                 if self._copier is copier:
                     self._copier = None
+        detached = time.perf_counter()
         release_host_staging(keep_driver_made)
+        log.debug(
+            "gave %.2f GiB of host staging back in %.2f s (the copier's letting go %.2f s, this process's %.2f s)",
+            held / (1 << 30),
+            time.perf_counter() - started,
+            detached - started,
+            time.perf_counter() - detached,
+        )
 
-    def _wait_for_release(self) -> None:
-        if self._releasing is not None:
+    def _wait_for_release(self, *, hurry: bool = True) -> None:
+        """`hurry` (a move or the job's stop waits): the release drops what is left at once meanwhile; the
+        keeper, which waits between moves, lets it spare the training job (_C.set_host_release_hurried)."""
+        if self._releasing is None:
+            return
+        if hurry:
+            _C.set_host_release_hurried(True)
+        try:
             self._releasing.join()
-            self._releasing = None
+        finally:
+            if hurry:
+                _C.set_host_release_hurried(False)
+        self._releasing = None
 
     def host_waiting(self) -> int:
         return int(_C.host_staged_segments())
