@@ -344,6 +344,8 @@ void bind_copier(py::module_ &m) {
       .def_property_readonly("pinning", &HostCopier::pinning)
       .def_property_readonly("last_pinner", &HostCopier::last_pinner)
       .def_property("write_buffer_bytes", &HostCopier::write_buffer_bytes, &HostCopier::set_write_buffer_bytes)
+      .def_property_readonly_static("default_write_buffer_bytes",
+                                    [](const py::object &) { return kDefaultWriteBufferBytes; })
       .def_property_readonly("last_copy_times", [](const HostCopier &c) {
         const CopyTimes t = c.last_copy_times();
         return std::map<std::string, double>{{"import_s", t.import_s},

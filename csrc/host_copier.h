@@ -56,8 +56,10 @@ struct CopyTimes {
   std::size_t written = 0;         // bytes written into extents made to be written (not touched)
 };
 
-// Small enough that two per writing thread cost nothing to pin; large enough that each copy and write is long.
-constexpr std::size_t kDefaultWriteBufferBytes = std::size_t{16} << 20;
+// Two per writing thread cost nothing to pin, and a buffer the GPU just filled is still in the CPU's cache
+// when written out: 1 MiB freed a 64 GiB GPU 0.6 s sooner than 16 MiB, 256 KiB 0.9 s later (docs/measurements.md,
+// runs 39a and 39b). The job's setting (FLEXIUM_WRITE_BUFFER) replaces it.
+constexpr std::size_t kDefaultWriteBufferBytes = std::size_t{1} << 20;
 
 class HostCopier {
  public:

@@ -43,7 +43,7 @@ from support.fast_path import (  # noqa: E402,F401  (fixtures)
 WRITTEN = re.compile(
     r"made the host staging by the copier process \d+ at the safe point in \d+\.\d\d s \(0\.01 GiB of it newly "
     r"mapped and written, 0\.00 GiB found pinned, 0\.01 GiB streamed; files \d+\.\d\d s, attach \d+\.\d\d s\), "
-    r"then wrote 0\.01 GiB through 16 MiB buffers as the copies came, nothing of it pinned, copies \d+\.\d\d s$"
+    r"then wrote 0\.01 GiB through 1 MiB buffers as the copies came, nothing of it pinned, copies \d+\.\d\d s$"
 )
 TOUCHED = re.compile(
     r"made the host staging by the copier process \d+ at the safe point in \d+\.\d\d s \(0\.01 GiB of it newly "

@@ -519,7 +519,7 @@ def test_a_pause_that_does_not_fit_the_budget_prepares_its_own_and_gives_it_back
     assert paused.ok and re.match(
         r"made the host staging by the copier process \d+ at the safe point in \d+\.\d\d s \(0\.01 GiB of it newly "
         r"mapped and written, 0\.00 GiB found pinned, 0\.01 GiB streamed; files \d+\.\d\d s, attach \d+\.\d\d s\), "
-        r"then wrote \d+\.\d\d GiB through 16 MiB buffers as the copies came, nothing of it pinned",
+        r"then wrote \d+\.\d\d GiB through 1 MiB buffers as the copies came, nothing of it pinned",
         paused.notes[0],
     ), paused.notes
     assert engine.resume().ok

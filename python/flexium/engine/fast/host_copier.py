@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from flexium.config import ConfigError, switch_from_env
-from flexium.units import read_size
+from flexium.units import gib_or_mib, read_size
 
 if TYPE_CHECKING:
     from flexium import _C
@@ -47,7 +47,6 @@ DISABLE_ENV = "FLEXIUM_HOST_COPIER"  # false: copies run in the job's process
 OVERLAP_ENV = "FLEXIUM_RESUME_OVERLAP"  # false: the copy back waits for the restore (fast/resume_overlap.py)
 WRITTEN_ENV = "FLEXIUM_WRITTEN_STAGING"  # false: a staging made at the safe point is touched, not written
 WRITE_BUFFER_ENV = "FLEXIUM_WRITE_BUFFER"  # each pinned buffer a written staging's copies go through
-DEFAULT_WRITE_BUFFER = 16 << 20
 FRAME_BYTES = 48 << 10
 FDS_PER_FRAME = 200
 START_TIMEOUT_S = 60.0
@@ -101,10 +100,13 @@ def written_staging_enabled() -> bool:
 def write_buffer_bytes() -> int:
     """Bytes of each of the two pinned buffers a thread writing a staging copies through (read in the
     copier, whose environment is the job's): an amount such as 1MiB, a multiple of 4 KiB from 64 KiB to
-    256 MiB (two per writing thread are pinned)."""
+    256 MiB (two per writing thread are pinned); unset, the copier's default (csrc/host_copier.h says why)."""
+    from flexium import _C
+
+    default = int(_C.HostCopier.default_write_buffer_bytes)
     text = os.environ.get(WRITE_BUFFER_ENV, "").strip()
     if not text:
-        return DEFAULT_WRITE_BUFFER
+        return default
     try:
         size = read_size(text)
     except ValueError:
@@ -112,7 +114,7 @@ def write_buffer_bytes() -> int:
     if not 64 << 10 <= size <= 256 << 20 or size % 4096:
         raise ConfigError(
             f"{WRITE_BUFFER_ENV}={text!r} is not valid: give the size of each write buffer, such as 1MiB or 512KiB "
-            f"(a multiple of 4 KiB from 64 KiB to 256 MiB; default {DEFAULT_WRITE_BUFFER >> 20} MiB), or unset it"
+            f"(a multiple of 4 KiB from 64 KiB to 256 MiB; default {gib_or_mib(default)}), or unset it"
         )
     return size
 
