@@ -327,9 +327,8 @@ std::size_t release_host_staging(bool keep_driver_made) {
   }
   // munmap takes the mmap lock for writing, which the job's page faults wait for. Dropped chunk by chunk
   // (MADV_DONTNEED takes the lock for reading only), so munmap finds nothing left to hold the job up
-  // (fact `staging-unmapped-in-chunks`). Hurried, the rest goes a file at a time in threads of their own,
-  // whose close frees the file's pages (the copier let go of them first), the slowest part: one thread
-  // frees about 10-20 GB/s, fact `staging-given-back`.
+  // (fact `staging-unmapped-in-chunks`). Hurried, the rest goes a file per thread, whose close frees the
+  // file's pages (the copier let go of them first), the slowest part (fact `staging-given-back`).
   std::size_t dropped = 0;
   for (; dropped < staging.chunks.size() && !release_hurried; ++dropped) {
     const Chunk &chunk = staging.chunks[dropped];

@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from flexium.config import ConfigError, switch_from_env
+from flexium.config import switch_from_env
+from flexium.errors import ConfigError
 from flexium.units import gib_or_mib, read_size
 
 if TYPE_CHECKING:
