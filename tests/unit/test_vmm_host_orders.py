@@ -226,19 +226,30 @@ def test_after_a_copy_the_copier_pins_the_chunks_it_did_not_use(fake: FakeDriver
     assert_contents(contents)
 
 
-def test_a_written_staging_round_trips_and_is_then_kept_whole(fake: FakeDriver, allocator: Allocator) -> None:
+@pytest.mark.parametrize("buffer", [None, 64 << 10, 16 * MiB])
+def test_a_written_staging_round_trips_and_is_then_kept_whole(
+    fake: FakeDriver, allocator: Allocator, buffer: int | None
+) -> None:
     """Made at the safe point to be written (csrc/host_copier_writes.cpp): the copy to host pins none of
-    it and writes what the order uses; a chunk no piece filled (the staging's slack) no longer waits to
-    be written, so a kept staging is pinned whole afterwards, and the bytes come back intact."""
+    it and writes what the order uses through buffers of the size asked (FLEXIUM_WRITE_BUFFER, which the
+    copier process sets; None: the default), each copy from the GPU filling at most one; a chunk no piece
+    filled (the staging's slack) no longer waits to be written, so a kept staging is pinned whole
+    afterwards, and the bytes come back intact."""
     contents = make_segments(allocator, [2 * MiB, 4 * MiB, 6 * MiB])
     _C.reserve_host_staging(16 * MiB, 0, chunk_bytes=4 * MiB, pin_here=False, job_stopped=True)
     layout = _C.host_staging_layout()
     copier = _C.HostCopier(layout.extents, layout.chunks, layout.driver_made, [True] * len(layout.extents))
+    if buffer is not None:
+        copier.write_buffer_bytes = buffer
     copier.wake(fake.uuid(0), False, 0)  # the pinner skips what is to be written: nothing to pin
     order = _C.begin_stage_order()
     used = {piece.chunk for piece in order.pieces}
     assert len(used) < len(layout.chunks)  # a chunk left over, as at the safe point
+    copies_before = fake.call_count("cuMemcpyDtoHAsync")
     assert copier.copy(True, order.segments, order.pieces) == 12 * MiB
+    through = buffer or _C.HostCopier.default_write_buffer_bytes
+    least = sum(-(-piece.length // through) for piece in order.pieces)
+    assert fake.call_count("cuMemcpyDtoHAsync") - copies_before == least
     assert copier.last_copy_times["written"] == 12 * MiB and copier.pinned_bytes == 0
     assert fake.pinned_bytes() == 0  # the copier's buffers went with the copy
     _C.finish_host_order()
@@ -250,35 +261,6 @@ def test_a_written_staging_round_trips_and_is_then_kept_whole(fake: FakeDriver, 
     _C.unlock(PID)
 
     # A kept staging's pinning: every chunk, the unwritten one too.
-    back_from_a_kept_staging(fake, allocator, copier, contents, staging=16 * MiB, copied=12 * MiB)
-
-
-@pytest.mark.parametrize("buffer", [64 << 10, 1 * MiB, 16 * MiB])
-def test_a_written_staging_goes_through_buffers_of_the_size_asked(
-    fake: FakeDriver, allocator: Allocator, buffer: int
-) -> None:
-    """FLEXIUM_WRITE_BUFFER's size (the copier process sets it): each copy from the GPU fills at most one
-    buffer, and the bytes come back intact whatever the size."""
-    contents = make_segments(allocator, [2 * MiB, 4 * MiB, 6 * MiB])
-    _C.reserve_host_staging(16 * MiB, 0, chunk_bytes=4 * MiB, pin_here=False, job_stopped=True)
-    layout = _C.host_staging_layout()
-    copier = _C.HostCopier(layout.extents, layout.chunks, layout.driver_made, [True] * len(layout.extents))
-    copier.write_buffer_bytes = buffer
-    copier.wake(fake.uuid(0), False, 0)
-    order = _C.begin_stage_order()
-    copies_before = fake.call_count("cuMemcpyDtoHAsync")
-    assert copier.copy(True, order.segments, order.pieces) == 12 * MiB
-    copies = fake.call_count("cuMemcpyDtoHAsync") - copies_before
-    least = sum(-(-piece.length // buffer) for piece in order.pieces)
-    assert copies == least, (copies, least)
-    assert copier.last_copy_times["written"] == 12 * MiB and fake.pinned_bytes() == 0
-    _C.finish_host_order()
-    copier.sleep()
-    assert _C.release_source_backing() == 3
-    _C.lock(PID, 0)
-    _C.checkpoint(PID)
-    _C.restore(PID)
-    _C.unlock(PID)
     back_from_a_kept_staging(fake, allocator, copier, contents, staging=16 * MiB, copied=12 * MiB)
 
 
