@@ -323,6 +323,10 @@ void bind_copier(py::module_ &m) {
         "Maps the copier's filled memory (one fd per segment of the order, all closed) at the segments' addresses "
         "for `device`; returns the bytes of the segments mapped.");
 
+  m.def(
+      "default_write_buffer_bytes", [] { return kDefaultWriteBufferBytes; },
+      "Bytes of each pinned buffer a copier writes a staging through unless set (csrc/host_copier.h says why).");
+
   py::class_<HostCopier>(m, "HostCopier")
       .def(py::init<const std::vector<std::pair<int, std::size_t>> &, const std::vector<CopierChunk> &,
                     const std::vector<bool> &, const std::vector<bool> &>(),
@@ -343,9 +347,8 @@ void bind_copier(py::module_ &m) {
       .def_property_readonly("pinned_at_wake", &HostCopier::pinned_at_wake)
       .def_property_readonly("pinning", &HostCopier::pinning)
       .def_property_readonly("last_pinner", &HostCopier::last_pinner)
-      .def_property("write_buffer_bytes", &HostCopier::write_buffer_bytes, &HostCopier::set_write_buffer_bytes)
-      .def_property_readonly_static("default_write_buffer_bytes",
-                                    [](const py::object &) { return kDefaultWriteBufferBytes; })
+      .def("set_write_buffer_bytes", &HostCopier::set_write_buffer_bytes, py::arg("bytes"))
+      .def_property_readonly("write_buffer_bytes", &HostCopier::write_buffer_bytes)
       .def_property_readonly("last_copy_times", [](const HostCopier &c) {
         const CopyTimes t = c.last_copy_times();
         return std::map<std::string, double>{{"import_s", t.import_s},

@@ -240,14 +240,14 @@ def test_a_written_staging_round_trips_and_is_then_kept_whole(
     layout = _C.host_staging_layout()
     copier = _C.HostCopier(layout.extents, layout.chunks, layout.driver_made, [True] * len(layout.extents))
     if buffer is not None:
-        copier.write_buffer_bytes = buffer
+        copier.set_write_buffer_bytes(buffer)
     copier.wake(fake.uuid(0), False, 0)  # the pinner skips what is to be written: nothing to pin
     order = _C.begin_stage_order()
     used = {piece.chunk for piece in order.pieces}
     assert len(used) < len(layout.chunks)  # a chunk left over, as at the safe point
     copies_before = fake.call_count("cuMemcpyDtoHAsync")
     assert copier.copy(True, order.segments, order.pieces) == 12 * MiB
-    through = buffer or _C.HostCopier.default_write_buffer_bytes
+    through = buffer or _C.default_write_buffer_bytes()
     least = sum(-(-piece.length // through) for piece in order.pieces)
     assert fake.call_count("cuMemcpyDtoHAsync") - copies_before == least
     assert copier.last_copy_times["written"] == 12 * MiB and copier.pinned_bytes == 0
@@ -268,8 +268,8 @@ def test_a_written_staging_round_trips_and_is_then_kept_whole(
 def test_a_write_buffer_the_copier_cannot_use_is_refused(buffer: int) -> None:
     copier = _C.HostCopier([], [])
     with pytest.raises(ValueError, match="a write buffer must be a multiple of 4 KiB and at least 64 KiB"):
-        copier.write_buffer_bytes = buffer
-    assert copier.write_buffer_bytes == 1 * MiB  # unchanged: the default
+        copier.set_write_buffer_bytes(buffer)
+    assert copier.write_buffer_bytes == _C.default_write_buffer_bytes() == 1 * MiB  # unchanged: the default
 
 
 def back_from_a_kept_staging(

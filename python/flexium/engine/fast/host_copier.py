@@ -104,7 +104,7 @@ def write_buffer_bytes() -> int:
     256 MiB (two per writing thread are pinned); unset, the copier's default (csrc/host_copier.h says why)."""
     from flexium import _C
 
-    default = int(_C.HostCopier.default_write_buffer_bytes)
+    default = _C.default_write_buffer_bytes()
     text = os.environ.get(WRITE_BUFFER_ENV, "").strip()
     if not text:
         return default

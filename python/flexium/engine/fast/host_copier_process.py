@@ -111,7 +111,7 @@ class Server:
                 self.copier.sleep()
                 self.copier = None  # unmaps the old extents
             self.copier = _C.HostCopier(extents, chunks, driver_made, written)
-            self.copier.write_buffer_bytes = write_buffer_bytes()
+            self.copier.set_write_buffer_bytes(write_buffer_bytes())
             return {}
         if op == "detach":
             if self.copier is not None:
