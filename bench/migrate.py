@@ -830,8 +830,10 @@ def staging_ways(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         known = [v for v in values if v is not None]
         return statistics.median(known) if known else None
 
+    from flexium.units import read_size  # reads the notes' "16 MiB" as FLEXIUM_WRITE_BUFFER's "16MiB"
+
     checked = []
-    buffers = sorted({r.get("write_buffer") for r in rows}, key=lambda b: (b is not None, b and buffer_bytes(b)))
+    buffers = sorted({r.get("write_buffer") for r in rows}, key=lambda b: (b is not None, b and read_size(b)))
     for size in sorted({r["size_gb"] for r in rows}):
         for way, buffer in ((way, buffer) for way in STAGING_WAYS for buffer in buffers):
             of_way = [
@@ -871,12 +873,6 @@ def print_staging_ways(checked: list[dict[str, Any]]) -> None:
         resume = f"resume {fmt(way['resume'])} s (floor {fmt(way['resume_floor'])} s, {len(way['resume_runs'])} runs)"
         through = f" through {way['write_buffer']} buffers" if way.get("write_buffer") else ""
         print(f"  {way['size_gb']:g} GiB, {STAGING_WAYS[way['staging']]}{through}: {free}; {resume}")
-
-
-def buffer_bytes(text: str) -> int:
-    """Bytes of a buffer size as the notes write it ("16 MiB", "512 KiB")."""
-    number, unit = text.split()
-    return int(number) << (20 if unit == "MiB" else 10)
 
 
 def print_machine(bandwidth: dict[str, Any] | None, fixed: dict[str, Any] | None) -> None:

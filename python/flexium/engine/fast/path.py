@@ -14,7 +14,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from typing import Literal
 
@@ -513,11 +514,8 @@ class FastPath(DeviceMoves):
         with self._host_lock:
             self._wait_for_release()
             self._stop_keeping()
-            _C.set_host_release_hurried(True)  # the checkpoint waits for it
-            try:
+            with release_hurried():  # the checkpoint waits for it
                 self._release_host(self._copier)
-            finally:
-                _C.set_host_release_hurried(False)
 
     def copier_sleep_now(self) -> StepTiming:
         """Before a migration: the copier, awake with the staging pinned, holds a context on the
@@ -747,13 +745,8 @@ class FastPath(DeviceMoves):
         keeper, which waits between moves, lets it spare the training job (_C.set_host_release_hurried)."""
         if self._releasing is None:
             return
-        if hurry:
-            _C.set_host_release_hurried(True)
-        try:
+        with release_hurried() if hurry else nullcontext():
             self._releasing.join()
-        finally:
-            if hurry:
-                _C.set_host_release_hurried(False)
         self._releasing = None
 
     def host_waiting(self) -> int:
@@ -764,3 +757,14 @@ class FastPath(DeviceMoves):
         if self.host_waiting() == 0:
             return 0
         return sum(int(s.size) for s in _C.vmm_segments() if not s.mapped)
+
+
+@contextmanager
+def release_hurried() -> Iterator[None]:
+    """While someone waits for a staging going back, the release drops what is left at once
+    (_C.set_host_release_hurried); between moves it spares the training job."""
+    _C.set_host_release_hurried(True)
+    try:
+        yield
+    finally:
+        _C.set_host_release_hurried(False)
