@@ -132,8 +132,9 @@ def dash(browser: Any, server: LiveServer) -> Iterator[Dashboard]:
 
 
 @pytest.fixture
-def jobs(api: Api) -> Iterator[Jobs]:
-    """``jobs(host, process_id, **options)`` starts a simulated job; all stop at the end."""
+def jobs(api: Api, server: LiveServer) -> Iterator[Jobs]:
+    """``jobs(host, process_id, **options)`` starts a simulated job; all stop at the end, and
+    each must have had every answer (with the server's stalls, if any, where one had not)."""
     started: list[SimJob] = []
 
     def start(host: FakeHost, process_id: str, **options: Any) -> SimJob:
@@ -146,4 +147,4 @@ def jobs(api: Api) -> Iterator[Jobs]:
         job.die()
         api.delete(f"/processes/{job.process_id}")
     for job in started:
-        assert not job.errors, (job.process_id, job.errors)
+        assert not job.errors, (job.process_id, job.errors, server.stalls)

@@ -186,6 +186,12 @@ class ServerProcess:
         return self.output.lines if self.output is not None else []
 
     @property
+    def stalls(self) -> list[str]:
+        """The warnings of this run's event loop watcher (server/loop_watch.py): when the server
+        answered nothing, for how long, and why."""
+        return [line for line in self.lines if "event loop did not run" in line]
+
+    @property
     def token(self) -> str | None:
         """The workspace token this run printed (a restart on the same database prints none)."""
         tokens = [line.strip() for line in self.lines if _TOKEN_LINE.fullmatch(line.strip())]
@@ -272,7 +278,8 @@ class ServerProcess:
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> float:
         """Sends `sig` and waits; returns the seconds until the process exited. A server that
-        does not exit in time is killed and the test fails."""
+        does not exit in time is killed and the test fails. Then ``lines`` hold all it printed
+        (the reader may be behind the exit on a busy machine)."""
         started = time.monotonic()
         self._stopped = True
         if self.proc is not None and self.proc.poll() is None:
@@ -283,7 +290,10 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait()
                 raise AssertionError(f"the server did not exit within {timeout:.0f} s of signal {sig}") from None
-        return time.monotonic() - started
+        stopped_after = time.monotonic() - started
+        if self.output is not None:
+            self.output.wait_closed()
+        return stopped_after
 
     def restart(self) -> ServerProcess:
         self.stop()

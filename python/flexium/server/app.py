@@ -39,6 +39,7 @@ from flexium.server.db import Database, DatabaseUnavailable, SchemaTooNew, redac
 from flexium.server.errors import ApiError, TooManyRequests, Unauthorized
 from flexium.server.fair_share import FairShare
 from flexium.server.heartbeat_shortcut import HeartbeatShortcut
+from flexium.server.loop_watch import LoopWatch
 from flexium.server.refusals import request_refused
 from flexium.server.routes import api, system
 from flexium.server.routes.docs import install_docs
@@ -204,6 +205,8 @@ def create_app(settings: Settings | None = None, *, database: Database | None = 
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         ctx.loop = asyncio.get_running_loop()
+        watch = LoopWatch(ctx.metrics)
+        watch.start()
         for ws, process_id, command_id in await db.call(storage.pending_commands, write=False):
             ctx.command_pending(ws, process_id, command_id)
         for ws, process_id, snapshot in await db.call(storage.load_snapshots, write=False):
@@ -224,6 +227,7 @@ def create_app(settings: Settings | None = None, *, database: Database | None = 
                 await ctx.flush_beats()
             await asyncio.to_thread(replicas.stop_link, ctx)
             db.stop_checkpoints()
+            await watch.stop()
             if database is None:
                 db.dispose()
 

@@ -159,6 +159,12 @@ class Metrics:
         self.long_polls = Gauge("flexium_long_polls_waiting", "Long-polls waiting for a command.", registry=r)
         self.sse_subscribers = Gauge("flexium_sse_subscribers", "Open live event streams.", registry=r)
         self.db_waiting = Gauge("flexium_db_calls_waiting", "Database calls queued for a worker thread.", registry=r)
+        self.loop_stalls = Histogram(
+            "flexium_server_loop_stall_seconds",
+            "Stretches in which the server's event loop did not run for a second or more (every request waited).",
+            buckets=(1, 2, 5, 10, 30, 60, 300),
+            registry=r,
+        )
         self.up_since = Gauge("flexium_server_start_time_seconds", "When this server started (epoch).", registry=r)
         self.pages = ScrapeCache()
         for state in protocol.DISPLAY_STATES:
