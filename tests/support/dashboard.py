@@ -53,6 +53,11 @@ class Api:
         self.base = f"{server.url}/api/w/{workspace}"
         self.session = requests.Session()
         self.session.headers["Authorization"] = f"Bearer {server.token}"
+        # Every simulated job's threads share this session: a pool of requests' default 10 would
+        # drop and open a connection per request past the tenth (a test of 20 jobs runs 40 threads).
+        adapter = requests.adapters.HTTPAdapter(pool_maxsize=64)
+        self.session.mount("http://", adapter)
+        self.session.mount("https://", adapter)
 
     def get(self, path: str, **kw: Any) -> requests.Response:
         return self.session.get(self.base + path, timeout=kw.pop("timeout", 10), **kw)
