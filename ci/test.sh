@@ -12,7 +12,7 @@
 # core), a test file at a time (--dist loadfile: a module's tests run in their order in one process
 # and share its module fixtures); the server and end-to-end tests, which mostly wait for servers,
 # PostgreSQL, training processes and heartbeats, over twice as many, while the dashboard tests and
-# mypy run beside the end-to-end tests.
+# mypy run beside the end-to-end tests where the machine has four cores or more (after them on fewer).
 # Each suite lists its ten slowest tests, so the next person sees where the time goes.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -265,9 +265,13 @@ pytest_suite -n "$((2 * workers))" --dist loadfile --no-loadscope-reorder "${slo
 # processes (CPU torch; the fake driver library for migrate / pause / resume) and the `flexium`
 # command line, all on 127.0.0.1. Dashboard tests (tests/browser): the dashboard of a real server
 # process in headless Chromium, driven by Selenium (from the test extra) through Debian's
-# chromium-driver. Both mostly wait (for servers, training processes, heartbeats, pages), so the
-# dashboard tests and mypy run beside the end-to-end tests, on the cores they leave idle; nothing
-# is installed while they run.
+# chromium-driver. Both mostly wait (for servers, training processes, heartbeats, pages), so on a
+# machine of four cores or more the dashboard tests and mypy run beside the end-to-end tests, on the
+# cores they leave idle; nothing is installed while they run. A machine of two has none to leave:
+# there, beside them, the load average reached 10, the dashboard suite's servers got a fifth of
+# the CPU they asked for (their event loops stopped for 1 to 3 s at a time, server/loop_watch.py's
+# warnings said, working 0.2 to 0.5 s of it) and a simulated job's heartbeat went 5 s unanswered,
+# and CLI commands of the end-to-end tests ran past their 30 s; so there they run after them.
 stage "nginx, Chromium and mypy for the last stages"
 extras_installed || python -m pip install -q --no-build-isolation ".[server,test]"
 # The replica tests (tests/e2e/test_replicas*.py) put Debian's nginx in front of several servers on
@@ -287,15 +291,28 @@ python -m pip install -q "mypy==2.4.1" "types-PyYAML==6.0.12.20261122" "types-re
 # checkout, ignored by git): the two are checked with different options, so in one cache each made
 # the other analyse torch again (36 CPU-seconds a run, against 2 with the caches kept apart on a
 # checkout where it ran before; a fresh checkout analyses torch once per run, as before).
-type_check() {
-  python -m mypy python/flexium --ignore-missing-imports
-  python -m mypy bench --ignore-missing-imports --config-file bench/mypy.ini --cache-dir .mypy_cache/bench
+type_check() { # both run, and either failing fails it, also where set -e does not hold (after ||)
+  local failed=0
+  python -m mypy python/flexium --ignore-missing-imports || failed=1
+  python -m mypy bench --ignore-missing-imports --config-file bench/mypy.ini --cache-dir .mypy_cache/bench || failed=1
+  return "$failed"
 }
-beside "mypy" type_check
-beside "dashboard tests (headless Chromium)" python -m pytest -q --tb=short "${in_parallel[@]}" "${slowest[@]}" tests/browser "$@"
+dashboard_tests=("${in_parallel[@]}" "${slowest[@]}" tests/browser "$@")
+cores_to_spare=0
+if [ "$(nproc)" -ge 4 ]; then
+  cores_to_spare=1
+  beside "mypy" type_check
+  beside "dashboard tests (headless Chromium)" python -m pytest -q --tb=short "${dashboard_tests[@]}"
+fi
 stage "end-to-end tests"
-e2e_status=0
-pytest_suite -n "$((2 * workers))" --dist loadfile --no-loadscope-reorder "${slowest[@]}" tests/e2e "$@" || e2e_status=$?
+status=0
+pytest_suite -n "$((2 * workers))" --dist loadfile --no-loadscope-reorder "${slowest[@]}" tests/e2e "$@" || status=$?
 end_stage
-join_stages_beside || e2e_status=1
-exit "$e2e_status"
+join_stages_beside || status=1
+if [ "$cores_to_spare" = 0 ]; then
+  stage "mypy"
+  type_check || status=1
+  stage "dashboard tests (headless Chromium)"
+  pytest_suite "${dashboard_tests[@]}" || status=1
+fi
+exit "$status"
