@@ -90,9 +90,11 @@ def nccl_ranks_on_one_gpu(placement: dict[int, str | None], restored: set[int]) 
     return None
 
 
-def read_target(text: str) -> TargetText:
+def read_target(text: str, *, ordinals: int | None = None) -> TargetText:
     """The one reading of a target's syntax (the CLI checks with it before sending, the server
-    resolves by it); ValueError names what is wrong and suggests what was probably meant."""
+    resolves by it); ValueError names what is wrong and suggests what was probably meant.
+    ``ordinals``: how many GPUs the job sees, where the reader knows: a number it cannot see is
+    not suggested, its range is."""
     text = text.strip()
     if not text:
         raise ValueError(f"the target is empty: name a GPU as {TARGET_SYNTAX}")
@@ -107,7 +109,12 @@ def read_target(text: str) -> TargetText:
     if _GPU_UUID.fullmatch(text):
         return TargetText(uuid=text)
     almost = _ALMOST_ORDINAL.fullmatch(text)
-    hint = f"; did you mean cuda:{almost.group(2)}?" if almost and ascii_number(almost.group(2)) is not None else ""
+    meant = ascii_number(almost.group(2)) if almost else None
+    hint = ""
+    if meant is not None and (ordinals is None or meant < ordinals):
+        hint = f"; did you mean cuda:{meant}?"
+    elif meant is not None and ordinals:
+        hint = f"; the job sees cuda:0 to cuda:{ordinals - 1}"
     raise ValueError(f"target {text!r} is not a GPU name: use {TARGET_SYNTAX}{hint}")
 
 

@@ -42,6 +42,12 @@ def test_the_gpu_it_names_is_one_the_job_sees() -> None:
     for wrong in ("cuda:2", "7", "GPU-c", "gpu0"):
         with pytest.raises(UsageError):
             gpus.uuid_of(wrong)
+    with pytest.raises(UsageError, match=r"'cuda1'.*; did you mean cuda:1\?; or auto"):
+        gpus.uuid_of("cuda1")
+    # a number the job cannot see is not suggested: the range it sees is
+    with pytest.raises(UsageError, match=r"'cuda5'.*; the job sees cuda:0 to cuda:1; or auto") as refused:
+        gpus.uuid_of("cuda5")
+    assert "did you mean" not in str(refused.value)
 
 
 def test_the_command_follows_its_options() -> None:

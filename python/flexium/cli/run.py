@@ -96,7 +96,7 @@ class HostGpus:
         if text == "auto":
             return None
         try:
-            named = protocol.read_target(text)
+            named = protocol.read_target(text, ordinals=len(self.ordinals))
         except ValueError as exc:
             raise UsageError(f"--gpu: {exc}; or auto") from None
         if named.ordinal is not None:
