@@ -57,8 +57,8 @@ struct CopyTimes {
 };
 
 // Two per writing thread cost nothing to pin, and a buffer the GPU just filled is still in the CPU's cache
-// when written out: 1 MiB freed a 64 GiB GPU 0.6 s sooner than 16 MiB, 256 KiB 0.9 s later (docs/measurements.md,
-// runs 39a and 39b). The job's setting (FLEXIUM_WRITE_BUFFER) replaces it.
+// when written out: through 1 MiB buffers a 64 GiB GPU was free 0.6 s sooner than through 16 MiB, and 0.9 s
+// sooner than through 256 KiB (docs/measurements.md, runs 39a and 39b). The job's FLEXIUM_WRITE_BUFFER replaces it.
 constexpr std::size_t kDefaultWriteBufferBytes = std::size_t{1} << 20;
 
 class HostCopier {
