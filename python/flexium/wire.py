@@ -572,6 +572,11 @@ class ProcessInfo(WireOut):
     loss: float | None = Field(default=None, description="the last loss the job reported")
     priority: int = Field(default=protocol.DEFAULT_PRIORITY, description=protocol.PRIORITY_SYNTAX)
     wait_id: int | None = Field(default=None, description="its wait in the resume-when-free queue, while it waits")
+    token_revoked: bool = Field(
+        default=False,
+        description="the token it registered with is revoked: it trains on, but the server no longer hears or "
+        "commands it (it goes STALE) until it starts again with a valid token",
+    )
 
     @computed_field(  # type: ignore[prop-decorator]
         description="its host's GPUs are flexium's simulated ones (flexium demo without a GPU): its memory, driver "
@@ -709,6 +714,11 @@ class TokenCreated(TokenInfo):
 class TokenRevoked(TokenInfo):
     cascade: list[int] = Field(
         default_factory=list, description="the tokens revoked with it: those it minted, and theirs"
+    )
+    processes: list[str] = Field(
+        default_factory=list,
+        description="the processes these tokens registered: they train on, but the server no longer hears or "
+        "commands them until they start again with a valid token",
     )
 
 

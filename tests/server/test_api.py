@@ -161,6 +161,25 @@ def test_revoked_token_refused_at_once(api: Api) -> None:
     _error(api.delete("/tokens/999"), 404, "not_found")
 
 
+def test_a_process_whose_token_is_revoked_says_so(api: Api) -> None:
+    """It trains on but can no longer report: the revocation names it, and so does every listing."""
+    job = api.post("/tokens", {"name": "rack 3", "role": "job"}).json()
+    other = api.post("/tokens", {"name": "rack 4", "role": "job"}).json()
+    for process_id, token in (("gpu-r3a", job), ("gpu-r3b", job), ("gpu-r4a", other)):
+        body = process_body(process_id)
+        assert api.post("/processes", body, headers=api.headers(token["token"])).status_code == 201
+    assert not any(p["token_revoked"] for p in api.get("/processes").json())
+
+    revoked = api.delete(f"/tokens/{job['id']}").json()
+    assert revoked["processes"] == ["gpu-r3a", "gpu-r3b"]
+    shown = {p["process_id"]: p["token_revoked"] for p in api.get("/processes").json()}
+    assert shown == {"gpu-r3a": True, "gpu-r3b": True, "gpu-r4a": False}
+    assert api.get("/processes/gpu-r3a").json()["token_revoked"] is True
+    assert api.get("/processes/gpu-r4a").json()["token_revoked"] is False
+    [page] = api.pages("/")
+    assert page.count("its token was revoked") == 2
+
+
 def test_cookie_auth_needs_csrf_header_for_writes(api: Api) -> None:
     client = api.client
     r = client.post(

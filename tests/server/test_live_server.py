@@ -314,6 +314,13 @@ def test_workspace_command_line(server: LiveServer) -> None:
         time.sleep(0.2)
     assert requests.get(base, headers=_auth(second), timeout=5).status_code == 401
     assert requests.get(base, headers=_auth(token), timeout=5).status_code == 200
+    # a job token's processes are named when it is revoked: they train on, unmanaged
+    registered = requests.post(base + "/processes", json=process_body("gpu-a1"), headers=_auth(job), timeout=5)
+    assert registered.status_code == 201, registered.text
+    said = cli("token", "revoke", "team-a", job)
+    assert said.returncode == 0, said.stderr
+    assert "processes it registered: gpu-a1. They train on" in said.stdout, said.stdout
+    assert "valid FLEXIUM_TOKEN" in said.stdout, said.stdout
     assert "team-a" in cli("workspace", "list").stdout
     assert cli("workspace", "create", "Bad Name").returncode == 1
 

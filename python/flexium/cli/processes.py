@@ -86,7 +86,7 @@ def _columns(processes: Sequence[wire.ProcessInfo], now: float) -> list[Column]:
         column("NAME", lambda p: p.name or "-", keep=90, shrink_to=12),
         column("JOB", lambda p: _short_key(p.job.key) if p.job else "-", keep=55, shrink_to=8, optional=True),
         column("RANK", lambda p: f"{p.job.rank}/{p.job.world_size}" if p.job else "-", keep=56, optional=True),
-        column("STATE", lambda p: p.state, keep=95),
+        column("STATE", lambda p: f"{p.state} (token revoked)" if p.token_revoked else p.state, keep=95),
         column("HOST", lambda p: p.host, keep=70, shrink_to=12),
         column("PID", lambda p: str(p.pid), keep=20),
         column("DEVICE", _device, keep=80),

@@ -75,6 +75,12 @@ def run(args: argparse.Namespace) -> int:
             revoked = database_admin.revoke_token(args.workspace, args.token, database_url=url)
             also = f", and the tokens it minted: {', '.join(map(str, revoked.cascade))}" if revoked.cascade else ""
             print(f"revoked token {revoked.id} ({revoked.prefix}...) of workspace '{args.workspace}'{also}")
+            if revoked.processes:
+                print(
+                    f"processes it registered: {', '.join(revoked.processes)}. They train on, but the server no "
+                    f"longer hears or commands them: start them again with a valid {protocol.TOKEN_ENV} to manage "
+                    "them (flexium ps shows them as token revoked)"
+                )
         else:
             _print_tokens(database_admin.list_tokens(args.workspace, database_url=url))
     except ApiError as exc:

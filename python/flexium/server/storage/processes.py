@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 
 from flexium import protocol, wire
 from flexium.server.errors import Forbidden, InvalidRequest, NotFound
-from flexium.server.models import Command, Process, Wait, table_of
+from flexium.server.models import Command, Process, Token, Wait, table_of
 from flexium.server.storage import quotas
 from flexium.server.storage.devices import device_indexes, held_by_gpu, upsert_devices
 from flexium.server.storage.views import process_view
@@ -188,7 +188,23 @@ def shown_process(
     indexes = device_indexes(session=session, workspace_id=row.workspace_id, host=row.host)
     by_process, by_job = live_wait_ids(session=session, workspace_id=row.workspace_id)
     wait_id = by_process.get(row.pk) or (by_job.get(row.job_key) if row.job_key else None)
-    return process_view(row, now=now, stale_after=stale_after, gpu_indexes=indexes, active=active, wait_id=wait_id)
+    return process_view(
+        row,
+        now=now,
+        stale_after=stale_after,
+        gpu_indexes=indexes,
+        active=active,
+        wait_id=wait_id,
+        token_revoked=bool(revoked_owners(session=session, rows=[row])),
+    )
+
+
+def revoked_owners(*, session: Session, rows: list[Process]) -> set[int]:
+    """Of the tokens that registered ``rows``, those revoked since."""
+    owners = {r.token_id for r in rows if r.token_id is not None}
+    if not owners:
+        return set()
+    return set(session.scalars(select(Token.id).where(Token.id.in_(owners), Token.revoked_at.is_not(None))))
 
 
 def live_wait_ids(*, session: Session, workspace_id: int) -> tuple[dict[int, int], dict[str, int]]:
@@ -512,6 +528,7 @@ def list_processes(
     }
     indexes = device_indexes(session=session, workspace_id=workspace_id)
     by_process, by_job = live_wait_ids(session=session, workspace_id=workspace_id)
+    revoked = revoked_owners(session=session, rows=rows)
     return [
         process_view(
             r,
@@ -520,6 +537,7 @@ def list_processes(
             gpu_indexes=indexes,
             active=active.get(r.pk),
             wait_id=by_process.get(r.pk) or (by_job.get(r.job_key) if r.job_key else None),
+            token_revoked=r.token_id in revoked,
         )
         for r in rows
     ]

@@ -266,7 +266,14 @@ def revoke_token(
     ids = [t.id for t in (row, *cascade)]
     session.execute(delete(DashboardSession).where(DashboardSession.token_id.in_(ids)))
     session.execute(delete(LoginCode).where(LoginCode.token_id.in_(ids)))
-    return wire.TokenRevoked(**_token_info(row).model_dump(), cascade=[t.id for t in cascade])
+    registered = session.scalars(
+        select(Process.process_id)
+        .where(Process.workspace_id == workspace_id, Process.token_id.in_(ids))
+        .order_by(Process.host, Process.process_id)
+    )
+    return wire.TokenRevoked(
+        **_token_info(row).model_dump(), cascade=[t.id for t in cascade], processes=list(registered)
+    )
 
 
 def revoked_since(*, session: Session, since: float) -> list[int]:
