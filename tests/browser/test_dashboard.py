@@ -292,6 +292,28 @@ def test_keyboard_alone_can_migrate(dash: Dashboard, jobs: Jobs, api: Api) -> No
     assert labels and all(n == 1 for n in labels)
 
 
+def test_a_live_redraw_keeps_the_focus_and_leaves_the_page_where_it_was(dash: Dashboard, jobs: Jobs) -> None:
+    """A row redrawn under a focused button gets the focus back on its new button without scrolling
+    to it: the page must not jump while a person reads or clicks elsewhere (a click on a notice at
+    the top was once lost so)."""
+    job = jobs(FakeHost("focus-node"), "gpu-f0cus001", memory=20 * GIB)
+    size = dash.d.get_window_size()
+    dash.d.set_window_size(1280, 420)  # the table's rows below the fold
+    try:
+        dash.open()
+        dash.wait_buttons(job.process_id, {"Migrate": True, "Pause": True})
+        button = dash.row(job.process_id).find_element(By.CSS_SELECTOR, "[data-action=pause]")
+        dash.js("arguments[0].focus(); window.scrollTo(0, 0)", button)
+        assert dash.js("return window.scrollY") == 0
+        assert dash.d.switch_to.active_element.get_attribute("aria-label") == f"Pause {job.process_id}"
+        job.memory = 21 * GIB  # its next heartbeat redraws its row
+        dash.wait_cell(job.process_id, "Memory", "21.0 GiB")
+        assert dash.d.switch_to.active_element.get_attribute("aria-label") == f"Pause {job.process_id}"
+        assert dash.js("return window.scrollY") == 0
+    finally:
+        dash.d.set_window_size(size["width"], size["height"])
+
+
 def test_refused_and_failed_commands_are_visible(dash: Dashboard, jobs: Jobs, api: Api) -> None:
     host = FakeHost("err-node")
     job = jobs(host, "gpu-err-0001", op_seconds=0.3)

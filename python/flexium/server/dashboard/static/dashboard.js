@@ -43,7 +43,8 @@
 
   function rowOf(processId) { return document.getElementById("proc-" + processId); }
 
-  // A re-rendered row keeps the keyboard focus on the same button.
+  // A re-rendered row keeps the keyboard focus on the same button, where it was: focus() would
+  // scroll to it, and a page that jumps under a person loses the click they were making.
   function focusedAction() {
     var el = document.activeElement;
     return el && el.dataset && el.dataset.action && rows.contains(el)
@@ -54,7 +55,7 @@
     if (!was || (document.activeElement && document.activeElement !== document.body)) { return; }
     // A job's buttons are on its own row: look for the button itself, not the process's row.
     var button = rows.querySelector('[data-action="' + was.action + '"][data-process-id="' + CSS.escape(was.id) + '"]');
-    if (button && !button.disabled) { button.focus(); }
+    if (button && !button.disabled) { button.focus({preventScroll: true}); }
   }
 
   // Rows and GPU sections to re-render, gathered over a few events and fetched together.

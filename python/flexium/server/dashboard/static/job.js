@@ -26,9 +26,10 @@
 
   // --- the panel -----------------------------------------------------------------------------
 
+  // The focus back on a redrawn action, without scrolling to it (the page stays where it is read).
   function focusAction(action) {
     var button = panel.querySelector('[data-action="' + action + '"]');
-    if (button && !button.disabled) { button.focus(); }
+    if (button && !button.disabled) { button.focus({preventScroll: true}); }
   }
 
   // `work`, one run at a time: asked again meanwhile, it runs once more after the one under way.
