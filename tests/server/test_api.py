@@ -170,8 +170,16 @@ def test_a_process_whose_token_is_revoked_says_so(api: Api) -> None:
         assert api.post("/processes", body, headers=api.headers(token["token"])).status_code == 201
     assert not any(p["token_revoked"] for p in api.get("/processes").json())
 
+    before = api.ctx.bus.last_id
     revoked = api.delete(f"/tokens/{job['id']}").json()
     assert revoked["processes"] == ["gpu-r3a", "gpu-r3b"]
+    # Dashboards hear it at once, not when the processes next go stale.
+    told = [
+        (data["process"]["process_id"], data["process"]["token_revoked"])
+        for kind, data in api.events(before)
+        if kind == protocol.EVENT_PROCESS
+    ]
+    assert told == [("gpu-r3a", True), ("gpu-r3b", True)]
     shown = {p["process_id"]: p["token_revoked"] for p in api.get("/processes").json()}
     assert shown == {"gpu-r3a": True, "gpu-r3b": True, "gpu-r4a": False}
     assert api.get("/processes/gpu-r3a").json()["token_revoked"] is True

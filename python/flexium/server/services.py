@@ -313,7 +313,8 @@ async def sweep_forever(ctx: ServerContext) -> None:
 
 async def revoke_token(ctx: ServerContext, *, auth: AuthInfo, token_id: int) -> wire.TokenRevoked:
     """Revokes the token and what it minted; their requests, event streams, long-polls and
-    dashboard sessions end on this server at once."""
+    dashboard sessions end on this server at once. Dashboards are told at once which processes
+    those tokens registered: they train on unheard, which their rows say."""
     info = await ctx.db.call(
         storage.revoke_token,
         write=True,
@@ -323,6 +324,18 @@ async def revoke_token(ctx: ServerContext, *, auth: AuthInfo, token_id: int) -> 
         now=time.time(),
     )
     await ctx.tokens_revoked(frozenset([info.id, *info.cascade]))
+    if info.processes:
+        orphaned = set(info.processes)
+        listed = await ctx.db.call(
+            storage.list_processes,
+            write=False,
+            workspace_id=auth.workspace_id,
+            now=time.time(),
+            stale_after=ctx.settings.stale_after_s,
+        )
+        for process in listed:
+            if process.process_id in orphaned:
+                ctx.publish(auth.workspace_id, protocol.EVENT_PROCESS, {"action": "updated", "process": process})
     return info
 
 

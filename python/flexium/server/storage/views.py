@@ -75,7 +75,7 @@ def process_view(
     gpu_indexes: Mapping[str, int | None],
     active: Command | None = None,
     wait_id: int | None = None,
-    token_revoked: bool = False,
+    token_revoked: bool,
 ) -> wire.ProcessInfo:
     """``gpu_indexes``: GPU UUID -> nvidia-smi index from the device reports (``device_indexes``);
     ``wait_id``: its live wait in the queue (its job's, for a rank of a job of several);
