@@ -16,7 +16,10 @@ from support.e2e import Job, Server, wait_until
 pytestmark = pytest.mark.timeout(180)
 
 JOB_MIB = 2048
-SHOWN_WITHIN_S = 3.0  # the job beats right after its final report; the rest is this machine's load
+# The job beats right after its final report, so well within this; the bound rules out the report
+# waiting for the 30 s write interval, and leaves the rest to a machine shared with other work (a
+# loaded two-core machine once took over 3 s).
+SHOWN_WITHIN_S = 10.0
 
 
 @pytest.fixture(scope="module")

@@ -193,6 +193,7 @@ class Job:
         env["E2E_JOB_MEMORY_MIB"] = str(memory_mib)
         env["E2E_CONTROL"] = str(self.control)
         env["E2E_PRINT_EVERY"] = "5"
+        env["PYTHONFAULTHANDLER"] = "1"  # where it was, should it not start (wait_for_or_show_where)
         env.update(extra_env or {})
         self.proc = subprocess.Popen(
             [sys.executable, script, *args],
@@ -203,7 +204,7 @@ class Job:
             cwd=server.home,
         )
         self.output = Output(self.proc)
-        match = self.output.wait_for(r"^init (\S+) (gpu-[0-9a-f]+)$", 60)
+        match = self.output.wait_for_or_show_where(r"^init (\S+) (gpu-[0-9a-f]+)$", 60)
         self.init_seconds = float(match.group(1))
         self.process_id = match.group(2)
 

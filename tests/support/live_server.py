@@ -129,6 +129,45 @@ class ProcessOutput:
 
         return wait_until(find, timeout, f"{pattern!r} in the output:\n{self.text[-2000:]}")
 
+    def wait_for_or_show_where(self, pattern: str, timeout: float) -> re.Match[str]:
+        """`wait_for`; a child still silent after `timeout` is ended, and the failure says whether it
+        worked or waited (its CPU time against the time it lived, the load average) and where each
+        of its threads was: with PYTHONFAULTHANDLER=1 in its environment, SIGABRT makes Python write
+        the stacks before it dies."""
+        try:
+            return self.wait_for(pattern, timeout)
+        except AssertionError:
+            if self._proc.poll() is not None:
+                raise
+            usage = _cpu_use(self._proc.pid)
+            self._proc.send_signal(signal.SIGABRT)
+            try:
+                self._proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+            self.wait_closed()
+            raise AssertionError(
+                f"no line matched {pattern!r} in {timeout:.0f} s; {usage}; load average {os.getloadavg()[0]:.1f} on "
+                f"{os.cpu_count()} cores. Its output and stacks:\n{self.text[-6000:]}"
+            ) from None
+
+
+def _cpu_use(pid: int) -> str:
+    """How much CPU a live process has used in the time it has lived (Linux's /proc)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+    except OSError as exc:
+        return f"its CPU use could not be read ({exc})"
+    ticks = os.sysconf("SC_CLK_TCK")
+    # Fields after the name, counted from 0 at the state: utime 11, stime 12, starttime 19 (proc(5)).
+    user, system, started = int(fields[11]) / ticks, int(fields[12]) / ticks, int(fields[19]) / ticks
+    return (
+        f"it was in state {fields[0]}, had used {user:.1f} s of CPU in Python and libraries and "
+        f"{system:.1f} s in the kernel in the {uptime - started:.1f} s it lived"
+    )
+
 
 def start_demo(home: Path) -> tuple[subprocess.Popen[str], ProcessOutput, int, dict[str, str]]:
     """`flexium demo` in a fresh `home` (made here) on a free port: the process, its combined
