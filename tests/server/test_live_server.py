@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -261,29 +262,39 @@ def test_sigterm_is_quick_with_waiting_polls_and_streams(server: LiveServer) -> 
     assert results in ([204], [-1])
 
 
+def _cli_env(server: LiveServer) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEXIUM_")}
+    env["FLEXIUM_HOME"] = str(server.home)
+    return env
+
+
+def _cli(server: LiveServer, *args: str) -> subprocess.CompletedProcess[str]:
+    """`flexium ARGS --database URL` in this process, with the environment and arguments a process
+    would get."""
+    argv = [*args, "--database", server.database] if server.database else list(args)
+    out, err = io.StringIO(), io.StringIO()
+    with mock.patch.dict(os.environ, _cli_env(server), clear=True), redirect_stdout(out), redirect_stderr(err):
+        try:
+            status = main(argv)
+        except SystemExit as exc:  # argparse's refusals
+            status = exc.code if isinstance(exc.code, int) else 1
+    return subprocess.CompletedProcess(argv, status, out.getvalue(), err.getvalue())
+
+
 def test_workspace_command_line(server: LiveServer) -> None:
     """The first command runs as a process of its own (``python -m flexium.server workspace``:
     the entry point), the others in this process, with the environment and arguments a process
     would get (each process cost about 1.2 CPU-s, mostly imports)."""
     url = server.database
-    env = {k: v for k, v in os.environ.items() if not k.startswith("FLEXIUM_")}
-    env["FLEXIUM_HOME"] = str(server.home)
 
     def cli_process(*args: str) -> subprocess.CompletedProcess[str]:
         cmd = [sys.executable, "-m", "flexium.server", *args]
         if url:
             cmd += ["--database", url]
-        return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=60)
+        return subprocess.run(cmd, capture_output=True, text=True, env=_cli_env(server), timeout=60)
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
-        argv = [*args, "--database", url] if url else list(args)
-        out, err = io.StringIO(), io.StringIO()
-        with mock.patch.dict(os.environ, env, clear=True), redirect_stdout(out), redirect_stderr(err):
-            try:
-                status = main(argv)
-            except SystemExit as exc:  # argparse's refusals
-                status = exc.code if isinstance(exc.code, int) else 1
-        return subprocess.CompletedProcess(argv, status, out.getvalue(), err.getvalue())
+        return _cli(server, *args)
 
     created = cli_process("workspace", "create", "team-a")
     assert created.returncode == 0, created.stderr
@@ -323,6 +334,50 @@ def test_workspace_command_line(server: LiveServer) -> None:
     assert "valid FLEXIUM_TOKEN" in said.stdout, said.stdout
     assert "team-a" in cli("workspace", "list").stdout
     assert cli("workspace", "create", "Bad Name").returncode == 1
+
+
+def test_a_workspace_whose_login_link_was_lost_gets_another(server: LiveServer) -> None:
+    """`flexium token link`: a one-time login as the workspace's oldest admin token by default, or
+    as a token named by id; a job token and a revoked token are refused, and the audit log keeps
+    each link made."""
+    assert _cli(server, "workspace", "create", "team-b").returncode == 0
+    _cli(server, "token", "issue", "team-b", "--role", "viewer", "--name", "wall screen")
+    _cli(server, "token", "issue", "team-b", "--name", "jobs")
+    listed = _cli(server, "token", "list", "team-b").stdout.splitlines()[1:]
+    by_role = {row.split()[3]: row.split()[0] for row in listed}  # under the header ID PREFIX STATE ROLE ...
+
+    def log_in(said: str) -> str:
+        """The dashboard's page after logging in through the link in `said`: the link's own server."""
+        found = re.search(r"^dashboard: (\S+)/login#code=(\S+)  \(works once", said, re.M)
+        assert found, said
+        if server.database.startswith("sqlite"):  # the server on this file says where it is
+            assert found.group(1) == server.url
+        with requests.Session() as browser:
+            opened = browser.post(server.url + "/login", data={"code": found.group(2)}, timeout=10)
+            assert opened.status_code == 200 and opened.url == server.url + "/", opened.text[-500:]
+            return opened.text
+
+    default = _cli(server, "token", "link", "team-b")
+    assert default.returncode == 0, default.stderr
+    assert f"token {by_role['admin']} (" in default.stdout and "role admin, in workspace 'team-b'" in default.stdout
+    assert re.search(r'id="role"[^>]*>admin<', log_in(default.stdout))
+
+    viewer = _cli(server, "token", "link", "team-b", by_role["viewer"])
+    assert viewer.returncode == 0 and "wall screen" in viewer.stdout, viewer.stderr
+    assert re.search(r'id="role"[^>]*>viewer<', log_in(viewer.stdout))
+
+    job = _cli(server, "token", "link", "team-b", by_role["job"])
+    assert job.returncode == 1 and "is a job token, which cannot open the dashboard" in job.stderr, job.stderr
+    assert _cli(server, "token", "revoke", "team-b", by_role["viewer"]).returncode == 0
+    revoked = _cli(server, "token", "link", "team-b", by_role["viewer"])
+    assert revoked.returncode == 1 and "is revoked" in revoked.stderr, revoked.stderr
+    missing = _cli(server, "token", "link", "team-b", "999")
+    assert missing.returncode == 1 and "token not found in this workspace" in missing.stderr, missing.stderr
+
+    admin = _cli(server, "token", "issue", "team-b", "--role", "admin").stdout.strip().splitlines()[-1]
+    audit = requests.get(f"{server.url}/api/w/team-b/audit", headers=_auth(admin), timeout=10).json()
+    links = [e for e in audit if e["action"] == "login_link.issued"]
+    assert [e["target"].split(" (")[0] for e in links] == [f"token {by_role['viewer']}", f"token {by_role['admin']}"]
 
 
 def test_stale_then_event(server: LiveServer) -> None:

@@ -1,4 +1,4 @@
-"""`flexium workspace create|list` and `flexium token issue|revoke|list`: on the database
+"""`flexium workspace create|list` and `flexium token issue|revoke|list|link`: on the database
 directly (``flexium.server.database_admin``), so they work while the server runs or not. A new token
 is printed alone on the last line of output, for scripts."""
 
@@ -26,7 +26,9 @@ def add_commands(commands: Any) -> None:
     p.add_argument("--database", metavar="URL", help=db_help)
     p = actions.add_parser("list", help="list workspaces")
     p.add_argument("--database", metavar="URL", help=db_help)
-    tok = commands.add_parser("token", help="issue, revoke or list tokens (flexium token --help)")
+    tok = commands.add_parser(
+        "token", help="issue, revoke or list tokens, or print a dashboard login link (flexium token --help)"
+    )
     actions = tok.add_subparsers(dest="action", required=True)
     p = actions.add_parser("issue", help="issue another token; prints it on the last line")
     p.add_argument("workspace", help="the workspace's name")
@@ -48,6 +50,19 @@ def add_commands(commands: Any) -> None:
         "list", help="list a workspace's tokens (no secrets): id, prefix, state, role, minted by, label"
     )
     p.add_argument("workspace", help="the workspace's name")
+    p.add_argument("--database", metavar="URL", help=db_help)
+    p = actions.add_parser(
+        "link",
+        help="print a one-time dashboard login link (valid 10 minutes) for a token of the workspace: "
+        "for a workspace whose first link has expired or was lost",
+    )
+    p.add_argument("workspace", help="the workspace's name")
+    p.add_argument(
+        "token",
+        nargs="?",
+        help="the token (admin or viewer), or its id from 'token list' (default: the workspace's oldest admin "
+        "token not revoked)",
+    )
     p.add_argument("--database", metavar="URL", help=db_help)
 
 
@@ -71,6 +86,11 @@ def run(args: argparse.Namespace) -> int:
             use = f"training jobs read it from {protocol.TOKEN_ENV}" if args.role == protocol.ROLE_JOB else ""
             print(f"new {args.role} token for workspace '{args.workspace}' (shown once{'; ' + use if use else ''}):")
             print(token)
+        elif args.action == "link":
+            code, opened = database_admin.login_code_as(args.workspace, args.token, database_url=url)
+            label = f"token {opened.id} ({opened.prefix}...{', ' + opened.name if opened.name else ''})"
+            print(f"a dashboard login as {label}, role {opened.role}, in workspace '{args.workspace}':")
+            print(_dashboard_link(code, url))
         elif args.action == "revoke":
             revoked = database_admin.revoke_token(args.workspace, args.token, database_url=url)
             also = f", and the tokens it minted: {', '.join(map(str, revoked.cascade))}" if revoked.cascade else ""
@@ -95,27 +115,35 @@ def run(args: argparse.Namespace) -> int:
 def _print_created(workspace: str, token: str, database_url: str | None) -> None:
     """A login link to the new workspace's dashboard (a one-time code: the token itself never
     goes in a URL), how training jobs get a token, and the admin token alone on the last line."""
-    from flexium.server import database_admin, sole_server, storage
+    from flexium.server import database_admin
     from flexium.server.db import redacted
+    from flexium.server.settings import load_settings
+
+    settings = load_settings(database_url=database_url)
+    code = database_admin.login_code(token, database_url=database_url)
+    print(f"created workspace '{workspace}' in the database {redacted(settings.database_url)}")
+    print(_dashboard_link(code, database_url))
+    print(f"training jobs: give them a job token: flexium token issue {workspace} --role job")
+    print("its admin token, for the command line and the dashboard (shown once):")
+    print(token)
+
+
+def _dashboard_link(code: str, database_url: str | None) -> str:
+    """The line that gives a login code as a link: to the server that serves this SQLite file, which
+    says where it is, else to the address a server takes by default."""
+    from flexium.server import sole_server, storage
     from flexium.server.settings import load_settings, sqlite_file
 
     settings = load_settings(database_url=database_url)
     database_file = sqlite_file(settings.database_url)
-    # A server on this SQLite file says where it is; else the address a server would take by default.
     serving = sole_server.serving_link(database_file) if database_file is not None else None
-    code = database_admin.login_code(token, database_url=database_url)
     minutes = f"works once, within {storage.LOGIN_CODE_TTL_S / 60:.0f} min"
-    print(f"created workspace '{workspace}' in the database {redacted(settings.database_url)}")
     if serving is not None:
-        print(f"dashboard: {serving}/login#code={code}  ({minutes}; the server that serves this database)")
-    else:
-        print(
-            f"dashboard: {settings.link_base}/login#code={code}  ({minutes}; "
-            "a server at another address: that address before /login)"
-        )
-    print(f"training jobs: give them a job token: flexium token issue {workspace} --role job")
-    print("its admin token, for the command line and the dashboard (shown once):")
-    print(token)
+        return f"dashboard: {serving}/login#code={code}  ({minutes}; the server that serves this database)"
+    return (
+        f"dashboard: {settings.link_base}/login#code={code}  ({minutes}; "
+        "a server at another address: that address before /login)"
+    )
 
 
 def _print_tokens(tokens: list[wire.TokenInfo]) -> None:

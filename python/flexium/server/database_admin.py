@@ -10,6 +10,8 @@ else the default SQLite file):
 - ``issue_token(workspace, name="", role=protocol.DEFAULT_ISSUED_ROLE) -> str``
 - ``revoke_token(workspace, token_or_id) -> wire.TokenRevoked`` (with what it minted)
 - ``login_code(token) -> str``: a one-time dashboard login code (``/login#code=...``)
+- ``login_code_as(workspace, token_or_id=None) -> (str, wire.TokenInfo)``: one for a token named by
+  its id or itself, else the workspace's oldest admin token (``flexium token link``)
 - ``list_tokens(workspace) -> list[wire.TokenInfo]``, ``list_workspaces() -> list[WorkspaceRecord]``
 """
 
@@ -57,6 +59,12 @@ def _workspace_id(db: Database, workspace: str) -> int:
     return db.run(storage.get_workspace, write=False, name=workspace).id
 
 
+def _id_or_value(token_or_id: str | int) -> tuple[int | None, str | None]:
+    """A token named on the command line: (its id, None) for a number, else (None, the token)."""
+    token_id = protocol.ascii_number(str(token_or_id))
+    return (token_id, None) if token_id is not None else (None, str(token_or_id))
+
+
 def create_workspace(name: str, *, database_url: str | None = None) -> str:
     db = open_database(database_url, create=True)
     try:
@@ -91,6 +99,20 @@ def login_code(token: str, *, database_url: str | None = None) -> str:
         db.dispose()
 
 
+def login_code_as(
+    workspace: str, token_or_id: str | int | None = None, *, database_url: str | None = None
+) -> tuple[str, wire.TokenInfo]:
+    db = open_database(database_url)
+    try:
+        ws = _workspace_id(db, workspace)
+        token_id, token = _id_or_value(token_or_id) if token_or_id is not None else (None, None)
+        return db.run(
+            storage.login_code_as, write=True, workspace_id=ws, token_id=token_id, token=token, now=time.time()
+        )
+    finally:
+        db.dispose()
+
+
 def revoke_token(workspace: str, token_or_id: str | int, *, database_url: str | None = None) -> wire.TokenRevoked:
     """Revoke by the token itself or by its id (``list_tokens`` shows ids), and every token it
     minted. Their dashboard sessions end at once. On PostgreSQL the running servers are told (their
@@ -100,11 +122,10 @@ def revoke_token(workspace: str, token_or_id: str | int, *, database_url: str | 
     db = open_database(database_url)
     try:
         ws = _workspace_id(db, workspace)
-        token_id = protocol.ascii_number(str(token_or_id))
-        if token_id is not None:
-            revoked = db.run(storage.revoke_token, write=True, workspace_id=ws, token_id=token_id, now=time.time())
-        else:
-            revoked = db.run(storage.revoke_token, write=True, workspace_id=ws, token=str(token_or_id), now=time.time())
+        token_id, token = _id_or_value(token_or_id)
+        revoked = db.run(
+            storage.revoke_token, write=True, workspace_id=ws, token_id=token_id, token=token, now=time.time()
+        )
         if not db.is_sqlite:
             import psycopg  # PostgreSQL's alone: the command line on SQLite never imports it
 

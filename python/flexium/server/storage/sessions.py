@@ -20,11 +20,19 @@ import secrets
 from sqlalchemy import ColumnElement, delete, or_, select, update
 from sqlalchemy.orm import Session
 
-from flexium.server.errors import NotFound
+from flexium import protocol, wire
+from flexium.server.errors import InvalidRequest, NotFound
 from flexium.server.models import DashboardSession, LoginCode, Token, Workspace
 from flexium.server.storage.audit import record_audit
 from flexium.server.storage.retention import retention_of
-from flexium.server.storage.workspaces import AuthInfo, authenticate, hash_token
+from flexium.server.storage.workspaces import (
+    AuthInfo,
+    authenticate,
+    hash_token,
+    named_token,
+    token_info,
+    token_label,
+)
 
 SESSION_IDLE_S = 12 * 3600.0  # a working day's pause ends it
 SESSION_MAX_S = 7 * 86400.0  # log in again once a week, however often it is used
@@ -137,6 +145,45 @@ def login_code_for(*, session: Session, token: str, now: float) -> str:
     if auth is None:
         raise NotFound("no such token, or it is revoked")
     return issue_login_code(session=session, token_id=auth.token_id, now=now)
+
+
+def login_code_as(
+    *, session: Session, workspace_id: int, token_id: int | None = None, token: str | None = None, now: float
+) -> tuple[str, wire.TokenInfo]:
+    """A login code for a token of the workspace, named by its id or by itself, for the command line
+    on the database, which holds no token in clear (and whoever reaches the database may do
+    anything already); neither: the workspace's oldest admin token not revoked. A revoked token and
+    a job token (the dashboard opens no session of one) are refused. The audit log keeps it: the
+    link opens a session of a token that its holder did not hand out."""
+    if token is None and token_id is None:
+        oldest_admin = select(Token).where(
+            Token.workspace_id == workspace_id, Token.role == protocol.ROLE_ADMIN, Token.revoked_at.is_(None)
+        )
+        row = session.scalars(oldest_admin.order_by(Token.id).limit(1)).first()
+    else:
+        row = session.scalar(named_token(workspace_id=workspace_id, token_id=token_id, token=token))
+    if row is None:
+        if token is None and token_id is None:
+            raise NotFound("this workspace has no admin token that is not revoked: issue one (flexium token issue)")
+        raise NotFound("token not found in this workspace (`flexium token list WORKSPACE` lists their ids)")
+    if row.revoked_at is not None:
+        raise InvalidRequest(f"{token_label(row)} is revoked: name another (`flexium token list WORKSPACE`)")
+    if row.role == protocol.ROLE_JOB:
+        raise InvalidRequest(
+            f"{token_label(row)} is a job token, which cannot open the dashboard: name a viewer or admin token"
+        )
+    code = issue_login_code(session=session, token_id=row.id, now=now)
+    record_audit(
+        session=session,
+        workspace_id=workspace_id,
+        actor=None,
+        action="login_link.issued",
+        target=token_label(row),
+        outcome="ok",
+        detail=f"role {row.role}, valid {LOGIN_CODE_TTL_S / 60:.0f} min",
+        now=now,
+    )
+    return code, token_info(row)
 
 
 def redeem_login_code(*, session: Session, code: str, now: float) -> AuthInfo | None:

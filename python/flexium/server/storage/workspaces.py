@@ -14,7 +14,7 @@ import secrets
 from dataclasses import dataclass
 from typing import cast
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import Select, delete, func, select
 from sqlalchemy.orm import Session
 
 from flexium import protocol, wire
@@ -63,7 +63,7 @@ def _workspace_record(row: Workspace) -> WorkspaceRecord:
     return WorkspaceRecord(id=row.id, name=row.name, created_at=row.created_at)
 
 
-def _token_info(row: Token) -> wire.TokenInfo:
+def token_info(row: Token) -> wire.TokenInfo:
     return wire.TokenInfo(
         id=row.id,
         name=row.name,
@@ -180,12 +180,12 @@ def issue_token(
         workspace_id=workspace_id,
         actor=minted_by,
         action="token.issued",
-        target=_token_label(row),
+        target=token_label(row),
         outcome="ok",
         detail=f"role {role}",
         now=now,
     )
-    return wire.TokenCreated(**_token_info(row).model_dump(), token=token)
+    return wire.TokenCreated(**token_info(row).model_dump(), token=token)
 
 
 def _check_minter_unrevoked(*, session: Session, minter: AuthInfo) -> None:
@@ -202,13 +202,21 @@ def _check_minter_unrevoked(*, session: Session, minter: AuthInfo) -> None:
         raise Unauthorized("invalid or revoked token", error="invalid_token")
 
 
-def _token_label(row: Token) -> str:
+def token_label(row: Token) -> str:
     return f"token {row.id} ({row.prefix}...{' ' + row.name if row.name else ''})"
 
 
 def list_tokens(*, session: Session, workspace_id: int) -> list[wire.TokenInfo]:
     rows = session.scalars(select(Token).where(Token.workspace_id == workspace_id).order_by(Token.id))
-    return [_token_info(r) for r in rows]
+    return [token_info(r) for r in rows]
+
+
+def named_token(*, workspace_id: int, token_id: int | None, token: str | None) -> Select[Token]:
+    """The workspace's token named by the token itself (when given) or by its id."""
+    query = select(Token).where(Token.workspace_id == workspace_id)
+    if token is not None:
+        return query.where(Token.token_hash == hash_token(token))
+    return query.where(Token.id == token_id)
 
 
 def revoke_token(
@@ -224,14 +232,9 @@ def revoke_token(
     (``cascade``: their ids), ending their dashboard sessions and login codes. Revoking twice
     is not an error (what it minted since is revoked then too). ``revoked_by``: the caller,
     for the audit log; None for the command line."""
-    query = select(Token).where(Token.workspace_id == workspace_id)
-    if token is not None:
-        query = query.where(Token.token_hash == hash_token(token))
-    elif token_id is not None:
-        query = query.where(Token.id == token_id)
-    else:
+    if token is None and token_id is None:
         raise InvalidRequest("name the token to revoke by id or by value")
-    row = session.scalar(query)
+    row = session.scalar(named_token(workspace_id=workspace_id, token_id=token_id, token=token))
     if row is None:
         raise NotFound("token not found in this workspace (`flexium token list WORKSPACE` lists their ids)")
     cascade: list[Token] = []
@@ -258,7 +261,7 @@ def revoke_token(
             workspace_id=workspace_id,
             actor=revoked_by,
             action="token.revoked",
-            target=_token_label(revoked),
+            target=token_label(revoked),
             outcome="ok",
             detail="" if revoked is row else f"minted (directly or not) by token {row.id}, revoked with it",
             now=now,
@@ -272,7 +275,7 @@ def revoke_token(
         .order_by(Process.host, Process.process_id)
     )
     return wire.TokenRevoked(
-        **_token_info(row).model_dump(), cascade=[t.id for t in cascade], processes=list(registered)
+        **token_info(row).model_dump(), cascade=[t.id for t in cascade], processes=list(registered)
     )
 
 
