@@ -28,6 +28,7 @@ def job(server: Server, module_tmp: Path) -> Iterator[Job]:
     folder.mkdir()
     script = folder / "train.py"
     shutil.copy(TRAIN_JOB, script)
+    shutil.copy(TRAIN_JOB.with_name("job_output.py"), folder)  # what it imports from its own folder
     j = Job(server, fake=True, script=script, args=[b"--data", NOT_UTF8 + b".csv", "--note", "caf\u00e9"])
     j.wait_registered()
     yield j

@@ -147,9 +147,12 @@ class ProcessOutput:
                 self._proc.kill()
                 self._proc.wait()
             self.wait_closed()
+            # Its first lines too: the line that did not match is there when the child went on past it.
+            text = self.text
+            shown = text if len(text) <= 8000 else f"{text[:3000]}\n[...]\n{text[-5000:]}"
             raise AssertionError(
                 f"no line matched {pattern!r} in {timeout:.0f} s; {usage}; load average {os.getloadavg()[0]:.1f} on "
-                f"{os.cpu_count()} cores. Its output and stacks:\n{self.text[-6000:]}"
+                f"{os.cpu_count()} cores. Its output and stacks:\n{shown}"
             ) from None
 
 

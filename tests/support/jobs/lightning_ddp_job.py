@@ -10,17 +10,11 @@ line: its rank, its loss trace and its physical device.
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
-
-
-def say(line: str) -> None:
-    """One write per line: the ranks share this process's stdout."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+from job_output import say
 
 
 def main() -> None:

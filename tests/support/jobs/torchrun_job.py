@@ -8,19 +8,12 @@ its rank, its loss trace and its physical device.
 
 import json
 import os
-import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-
-
-def say(line: str) -> None:
-    """One write per line: the ranks share torchrun's stdout (unbuffered, a print() writes its
-    text and its newline apart, and another rank's line can land between them)."""
-    sys.stdout.write(line + "\n")
-    sys.stdout.flush()
+from job_output import say
 
 
 def main() -> None:

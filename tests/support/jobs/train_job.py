@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import torch
+from job_output import say
 
 
 def main() -> None:
@@ -33,7 +34,7 @@ def main() -> None:
 
     started = time.perf_counter()
     flexium.init()
-    print(f"init {time.perf_counter() - started:.3f} {flexium.auto.get_process_id()}", flush=True)
+    say(f"init {time.perf_counter() - started:.3f} {flexium.auto.get_process_id()}")
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -50,14 +51,14 @@ def main() -> None:
             optimizer.step()
             step += 1
             if step % every == 0:
-                print(f"step {step} {flexium.auto.get_physical_device()}", flush=True)
+                say(f"step {step} {flexium.auto.get_physical_device()}")
             if control is not None and control.exists() and fake is not None:
                 for line in control.read_text().splitlines():
                     word, function, code = line.split()
                     if word == "fail":
                         fake.fail(function, code)
                 control.unlink()
-                print("control done", flush=True)
+                say("control done")
             time.sleep(0.02)
     except KeyboardInterrupt:
         pass
