@@ -175,7 +175,12 @@ class Job:
         assert [(s.address, s.size, s.device, s.mapped) for s in _C.vmm_segments()] == [
             (a, len(d), device, True) for a, d in sorted(self.contents.items())
         ]
-        assert self.fake.vmm_bytes_on(physical) == self.total and self.fake.vmm_bytes_on(1 - physical) == 0
+        on = {gpu: self.fake.vmm_bytes_on(gpu) for gpu in (physical, 1 - physical)}
+        allocations = (self.fake.vmm_allocations(), self.fake.vmm_handles(), self.fake.vmm_mappings())
+        assert on == {physical: self.total, 1 - physical: 0}, (
+            f"VMM bytes by GPU {on}, expected {self.total} on {physical} ({n} segments); allocations, handles "
+            f"and mappings {allocations}"
+        )
         assert self.fake.vmm_handles() == self.fake.vmm_mappings() == n
         assert n <= self.fake.vmm_allocations() <= n + held_by_fds
         assert self.fake.vmm_reservations() == n and self.fake.live_streams() == 0
