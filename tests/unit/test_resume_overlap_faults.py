@@ -312,6 +312,7 @@ def test_a_segment_freed_while_the_job_was_paused_is_not_checked_at_its_resume(j
     freer.start()
     resumed = engine.resume()
     freer.join(10)
+    assert not freer.is_alive(), "the free did not return within 10 s of the resume"
     del job.contents[victim]
     assert resumed.ok, resumed.error
     job.assert_home(physical=0)
