@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from flexium import protocol, wire
 from flexium.cli.exit_status import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from flexium.cli.printing import print_table
 from flexium.cli.server_extra import server_module
+
+if TYPE_CHECKING:  # the server extra may be missing: imported where a command needs it
+    from flexium.server.settings import Settings
 
 
 def add_commands(commands: Any) -> None:
@@ -72,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
     from flexium.server import database_admin
     from flexium.server.db import DatabaseUnavailable, SchemaTooNew
     from flexium.server.errors import ApiError
+    from flexium.server.settings import load_settings
 
     url = args.database
     try:
@@ -90,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
             code, opened = database_admin.login_code_as(args.workspace, args.token, database_url=url)
             label = f"token {opened.id} ({opened.prefix}...{', ' + opened.name if opened.name else ''})"
             print(f"a dashboard login as {label}, role {opened.role}, in workspace '{args.workspace}':")
-            print(_dashboard_link(code, url))
+            print(_dashboard_link(code, load_settings(database_url=url)))
         elif args.action == "revoke":
             revoked = database_admin.revoke_token(args.workspace, args.token, database_url=url)
             also = f", and the tokens it minted: {', '.join(map(str, revoked.cascade))}" if revoked.cascade else ""
@@ -122,19 +126,18 @@ def _print_created(workspace: str, token: str, database_url: str | None) -> None
     settings = load_settings(database_url=database_url)
     code = database_admin.login_code(token, database_url=database_url)
     print(f"created workspace '{workspace}' in the database {redacted(settings.database_url)}")
-    print(_dashboard_link(code, database_url))
+    print(_dashboard_link(code, settings))
     print(f"training jobs: give them a job token: flexium token issue {workspace} --role job")
     print("its admin token, for the command line and the dashboard (shown once):")
     print(token)
 
 
-def _dashboard_link(code: str, database_url: str | None) -> str:
+def _dashboard_link(code: str, settings: Settings) -> str:
     """The line that gives a login code as a link: to the server that serves this SQLite file, which
     says where it is, else to the address a server takes by default."""
     from flexium.server import sole_server, storage
-    from flexium.server.settings import load_settings, sqlite_file
+    from flexium.server.settings import sqlite_file
 
-    settings = load_settings(database_url=database_url)
     database_file = sqlite_file(settings.database_url)
     serving = sole_server.serving_link(database_file) if database_file is not None else None
     minutes = f"works once, within {storage.LOGIN_CODE_TTL_S / 60:.0f} min"

@@ -325,17 +325,16 @@ async def revoke_token(ctx: ServerContext, *, auth: AuthInfo, token_id: int) -> 
     )
     await ctx.tokens_revoked(frozenset([info.id, *info.cascade]))
     if info.processes:
-        orphaned = set(info.processes)
-        listed = await ctx.db.call(
+        orphaned = await ctx.db.call(
             storage.list_processes,
             write=False,
             workspace_id=auth.workspace_id,
             now=time.time(),
             stale_after=ctx.settings.stale_after_s,
+            process_ids=info.processes,
         )
-        for process in listed:
-            if process.process_id in orphaned:
-                ctx.publish(auth.workspace_id, protocol.EVENT_PROCESS, {"action": "updated", "process": process})
+        for process in orphaned:
+            ctx.publish(auth.workspace_id, protocol.EVENT_PROCESS, {"action": "updated", "process": process})
     return info
 
 

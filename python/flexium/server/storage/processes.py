@@ -3,6 +3,7 @@ network cut), heartbeat, unregister, read."""
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -502,10 +503,14 @@ def list_processes(
     host: str | None = None,
     gpu: str | None = None,
     job_key: str | None = None,
+    process_ids: Collection[str] | None = None,
 ) -> list[wire.ProcessInfo]:
     """Every process of the workspace by host, oldest first on each; ``state`` filters on the shown state
-    (STALE included), ``gpu`` on the GPU UUID, ``job_key`` on the job's key (its ranks)."""
+    (STALE included), ``gpu`` on the GPU UUID, ``job_key`` on the job's key (its ranks), ``process_ids``
+    on their ids."""
     query = select(Process).where(Process.workspace_id == workspace_id)
+    if process_ids is not None:
+        query = query.where(Process.process_id.in_(list(process_ids)))
     if host:
         query = query.where(Process.host == host)
     if gpu:
