@@ -360,6 +360,11 @@ ROLE_VIEWER: TokenRole = "viewer"
 # What `flexium token issue` and POST /tokens give when no role is named: most tokens handed
 # out go to training jobs, and a token that can do less is the safer one to hand out by mistake.
 DEFAULT_ISSUED_ROLE: TokenRole = ROLE_JOB
+# Why a token no longer opens doors: revoked (by a person, or with the token that minted it), or
+# expired (its life, given when it was issued, is over).
+TokenEnd = Literal["revoked", "expired"]
+# The longest life a token may be given (a slip of a unit should not make one forever).
+MAX_TOKEN_LIFE_S = 10 * 366 * 86400.0
 
 # --- doors: how a command came in ------------------------------------------------------------
 

@@ -1,8 +1,10 @@
-"""How flexium writes amounts of memory in what it says: a GiB is 2^30 bytes, a MiB 2^20."""
+"""How flexium writes amounts of memory and time in what it says, and reads them as people
+write them: a GiB is 2^30 bytes, a MiB 2^20; a day 86,400 s; times in UTC."""
 
 from __future__ import annotations
 
 import re
+import time
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -28,3 +30,20 @@ def read_size(text: str) -> int:
     if amount is None or amount.group(2) not in _SIZE_UNITS:
         raise ValueError(f"{text!r} is not an amount of memory such as 40GiB or 512MiB")
     return int(float(amount.group(1)) * _SIZE_UNITS[amount.group(2)])
+
+
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+
+
+def read_duration(text: str) -> float:
+    """Seconds of a duration as people write it: ``90d``, ``12h``, ``30m`` (minutes), ``2w``, ``45s``
+    or a number of seconds; ValueError otherwise."""
+    amount = re.fullmatch(r"(\d+(?:\.\d+)?)\s*([a-z]*)", text.strip().lower())
+    if amount is None or amount.group(2) not in _DURATION_UNITS:
+        raise ValueError(f"{text!r} is not a duration such as 90d, 12h, 30m or 45s")
+    return float(amount.group(1)) * _DURATION_UNITS[amount.group(2)]
+
+
+def utc_time(ts: float) -> str:
+    """A moment to the minute, the same for every reader whatever their time zone."""
+    return time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(ts))

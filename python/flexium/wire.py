@@ -462,6 +462,15 @@ class TokenRequest(WireIn):
         default=protocol.DEFAULT_ISSUED_ROLE,
         description="admin: everything; job: a training job's own processes; viewer: reads only",
     )
+    expires_in_s: float | None = Field(
+        default=None,
+        gt=0,
+        le=protocol.MAX_TOKEN_LIFE_S,
+        allow_inf_nan=False,
+        description="its life in seconds, after which it is refused as a revoked token is (at most 10 years); "
+        "None: valid until revoked. A token never outlives the token that minted it: without a life it gets its "
+        "minter's, and a longer one is refused",
+    )
 
 
 # --- responses ------------------------------------------------------------------------------
@@ -576,6 +585,11 @@ class ProcessInfo(WireOut):
         default=False,
         description="the token it registered with is revoked: it trains on, but the server no longer hears or "
         "commands it (it goes STALE) until it starts again with a valid token",
+    )
+    token_expired: bool = Field(
+        default=False,
+        description="the token it registered with has expired: as token_revoked, it trains on unmanaged until it "
+        "starts again with a valid token",
     )
 
     @computed_field(  # type: ignore[prop-decorator]
@@ -705,6 +719,7 @@ class TokenInfo(WireOut):
     created_at: float
     revoked_at: float | None
     revoked: bool
+    expires_at: float | None = Field(default=None, description="refused from then on; None: valid until revoked")
 
 
 class TokenCreated(TokenInfo):

@@ -27,7 +27,7 @@ def test_progress_is_announced_once_stored_one_event_for_a_batch_of_beats(api: A
     api.register("gpu-1")
     api.register("gpu-2")
     before = api.ctx.bus.last_id
-    workspace_id = api.db.run(storage.authenticate, write=False, token=api.token).workspace_id
+    workspace_id = api.db.run(storage.authenticate, write=False, token=api.token, now=time.time()).workspace_id
 
     async def two_beats_then_their_write() -> None:
         for process_id, steps in (("gpu-1", 100), ("gpu-2", 7)):

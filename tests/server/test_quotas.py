@@ -76,7 +76,7 @@ def test_tokens_per_workspace(server: LiveServer) -> None:
     assert third.status_code == 201, third.text
     r = s.post(f"{_api(server)}/tokens", json={"name": "fourth"}, timeout=10)
     body = _refusal(r, 409, "quota_exceeded", "--max-tokens or FLEXIUM_MAX_TOKENS")
-    assert "3 tokens not revoked" in body["message"]
+    assert "3 tokens neither revoked nor expired" in body["message"]
     assert len(s.get(f"{_api(server)}/tokens", timeout=10).json()) == 3
     assert s.delete(f"{_api(server)}/tokens/{third.json()['id']}", timeout=10).status_code in (200, 204)
     assert s.post(f"{_api(server)}/tokens", json={"name": "fourth"}, timeout=10).status_code == 201
@@ -122,6 +122,6 @@ def test_the_token_command_keeps_the_quota_of_the_environment(
     capsys.readouterr()
     assert main(["token", "issue", "team", "--database", database]) != 0
     err = capsys.readouterr().err
-    assert "the workspace has 2 tokens not revoked, its limit" in err and "FLEXIUM_MAX_TOKENS" in err
+    assert "the workspace has 2 tokens neither revoked nor expired, its limit" in err and "FLEXIUM_MAX_TOKENS" in err
     monkeypatch.setenv("FLEXIUM_MAX_TOKENS", "3")
     assert main(["token", "issue", "team", "--database", database]) == 0

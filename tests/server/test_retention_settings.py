@@ -5,6 +5,8 @@ its bound end."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from sqlalchemy import text
 
@@ -96,7 +98,7 @@ def test_shorter_history_and_progress_keeps_prune_sooner(db: Database) -> None:
 
 def test_a_token_holds_at_most_its_bound_of_sessions(db: Database) -> None:
     _ws, token = make_workspace(db)
-    auth = db.run(storage.authenticate, write=False, token=token)
+    auth = db.run(storage.authenticate, write=False, token=token, now=time.time())
     assert auth is not None
 
     def open_sessions(count: int) -> int:

@@ -41,7 +41,7 @@ def test_a_token_revoked_on_the_database_mints_nothing_more(api: Api, database_u
 
     refused = api.post("/tokens", {"name": "after", "role": "admin"}, headers=headers)
     assert refused.status_code == 401, refused.text
-    assert refused.json()["message"] == "invalid or revoked token"
+    assert refused.json()["message"] == "invalid, revoked or expired token"
     listed = {t["name"]: t for t in api.get("/tokens").json()}
     assert "after" not in listed
     assert listed["leaked"]["revoked"] and listed["child"]["revoked"]
@@ -65,5 +65,7 @@ def test_a_token_revoked_on_the_database_and_used_now_and_then_is_refused_once_i
         database_admin.revoke_token("default", leaked.json()["id"], database_url=database_url_at_head)
         time.sleep(0.5)
         refused = api.post("/commands", {"process_id": "gpu-0000000a", "kind": "pause"}, headers=headers)
-        assert refused.status_code == 401 and refused.json()["message"] == "invalid or revoked token", refused.text
+        assert refused.status_code == 401 and refused.json()["message"] == "invalid, revoked or expired token", (
+            refused.text
+        )
         assert api.get("/processes").status_code == 200  # the admin's own token goes on

@@ -61,7 +61,7 @@ def test_the_cookie_is_a_session_that_logout_ends_on_the_server(api: Api) -> Non
 
 def test_sessions_expire_when_idle_and_after_a_week(db: Database) -> None:
     _record, token = db.run(storage.create_workspace, write=True, name="team", now=NOW)
-    auth = db.run(storage.authenticate, write=False, token=token)
+    auth = db.run(storage.authenticate, write=False, token=token, now=time.time())
     secret, _who = db.run(storage.open_session, write=True, auth=auth, how="token", now=NOW)
 
     def who(at: float) -> Any:
@@ -223,7 +223,7 @@ def test_tokens_made_before_roles_become_admin_and_0006_goes_back(database_url: 
                 {"h": storage.hash_token("flx_old-token")},
             )
         db.upgrade()
-        auth = db.run(storage.authenticate, write=False, token="flx_old-token")
+        auth = db.run(storage.authenticate, write=False, token="flx_old-token", now=time.time())
         assert auth is not None and auth.role == "admin"
         [info] = db.run(storage.list_tokens, write=False, workspace_id=1)
         assert info.role == "admin" and info.minted_by is None
@@ -242,7 +242,7 @@ def test_tokens_made_before_roles_become_admin_and_0006_goes_back(database_url: 
         with db.session(write=False) as s:
             assert s.execute(text("SELECT count(*) FROM commands")).scalar() == 1
         db.upgrade()
-        assert db.run(storage.authenticate, write=False, token="flx_old-token").role == "admin"
+        assert db.run(storage.authenticate, write=False, token="flx_old-token", now=time.time()).role == "admin"
     finally:
         db.dispose()
 

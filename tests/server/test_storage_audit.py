@@ -3,6 +3,8 @@ entries by them; on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
+import time
+
 from flexium import wire
 from flexium.server import storage
 from flexium.server.db import Database
@@ -11,7 +13,7 @@ from support.storage import NOW, STALE, add_process, make_workspace, next_for, s
 
 
 def _admin(db: Database, token: str) -> storage.AuthInfo:
-    auth = db.run(storage.authenticate, write=False, token=token)
+    auth = db.run(storage.authenticate, write=False, token=token, now=time.time())
     assert auth is not None
     return auth
 

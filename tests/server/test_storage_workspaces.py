@@ -3,6 +3,8 @@ and PostgreSQL."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from sqlalchemy import text
 
@@ -20,15 +22,15 @@ def test_workspace_tokens_hashed_and_revocable(db: Database) -> None:
     with db.session(write=False) as s:
         stored = [r[0] for r in s.execute(text("SELECT token_hash FROM tokens"))]
     assert token not in stored and storage.hash_token(token) in stored
-    auth = db.run(storage.authenticate, write=False, token=token)
+    auth = db.run(storage.authenticate, write=False, token=token, now=time.time())
     assert auth is not None and auth.workspace == "team" and auth.workspace_id == ws
     created = db.run(storage.issue_token, write=True, workspace_id=ws, name="ci", now=NOW)
     second = created.token
-    assert db.run(storage.authenticate, write=False, token=second).token_id == created.id
+    assert db.run(storage.authenticate, write=False, token=second, now=time.time()).token_id == created.id
     db.run(storage.revoke_token, write=True, workspace_id=ws, token=second, now=NOW)
-    assert db.run(storage.authenticate, write=False, token=second) is None
-    assert db.run(storage.authenticate, write=False, token=token) is not None
-    assert db.run(storage.authenticate, write=False, token="flx_nope") is None
+    assert db.run(storage.authenticate, write=False, token=second, now=time.time()) is None
+    assert db.run(storage.authenticate, write=False, token=token, now=time.time()) is not None
+    assert db.run(storage.authenticate, write=False, token="flx_nope", now=time.time()) is None
     tokens = db.run(storage.list_tokens, write=False, workspace_id=ws)
     assert [t.revoked for t in tokens] == [False, True]
 
@@ -45,7 +47,7 @@ def test_workspace_names(db: Database) -> None:
 
 def test_default_workspace_only_on_empty_database(db: Database) -> None:
     token = db.run(storage.ensure_default_workspace, write=True, now=NOW)
-    assert token and db.run(storage.authenticate, write=False, token=token).workspace == "default"
+    assert token and db.run(storage.authenticate, write=False, token=token, now=time.time()).workspace == "default"
     assert db.run(storage.ensure_default_workspace, write=True, now=NOW) is None
 
 

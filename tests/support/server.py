@@ -90,7 +90,7 @@ class Api:
     def events(self, after: int, *, on_loop: bool = False) -> list[tuple[str, Any]]:
         """(type, data) of each event published after the id ``after``, as a stream resumed there
         gets them; read on the server's event loop, where the bus lives (``on_loop``: this runs there)."""
-        workspace_id = self.db.run(storage.authenticate, write=False, token=self.token).workspace_id
+        workspace_id = self.db.run(storage.authenticate, write=False, token=self.token, now=time.time()).workspace_id
 
         def replay() -> list[str]:
             sub, backlog = self.ctx.bus.subscribe(workspace_id, last_event_id=after)

@@ -86,7 +86,7 @@ def _columns(processes: Sequence[wire.ProcessInfo], now: float) -> list[Column]:
         column("NAME", lambda p: p.name or "-", keep=90, shrink_to=12),
         column("JOB", lambda p: _short_key(p.job.key) if p.job else "-", keep=55, shrink_to=8, optional=True),
         column("RANK", lambda p: f"{p.job.rank}/{p.job.world_size}" if p.job else "-", keep=56, optional=True),
-        column("STATE", lambda p: f"{p.state} (token revoked)" if p.token_revoked else p.state, keep=95),
+        column("STATE", _state, keep=95),
         column("HOST", lambda p: p.host, keep=70, shrink_to=12),
         column("PID", lambda p: str(p.pid), keep=20),
         column("DEVICE", _device, keep=80),
@@ -103,6 +103,12 @@ def _columns(processes: Sequence[wire.ProcessInfo], now: float) -> list[Column]:
     if len({p.host for p in processes}) == 1:
         columns = [c for c in columns if c.header != "HOST"]
     return columns
+
+
+def _state(p: wire.ProcessInfo) -> str:
+    if p.token_revoked:
+        return f"{p.state} (token revoked)"
+    return f"{p.state} (token expired)" if p.token_expired else p.state
 
 
 def _device(p: wire.ProcessInfo) -> str:

@@ -147,7 +147,11 @@ def add_command(commands: Any) -> None:
     )
     bounds.add_argument("--max-processes", type=int, default=None, metavar="N", help="processes per workspace (1000)")
     bounds.add_argument(
-        "--max-tokens", type=int, default=None, metavar="N", help="tokens not revoked per workspace (200)"
+        "--max-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="tokens neither revoked nor expired per workspace (200)",
     )
     bounds.add_argument(
         "--max-payload-bytes",

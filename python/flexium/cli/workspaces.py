@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import TYPE_CHECKING, Any
 
 from flexium import protocol, wire
 from flexium.cli.exit_status import EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from flexium.cli.printing import print_table
 from flexium.cli.server_extra import server_module
+from flexium.units import read_duration, utc_time
 
 if TYPE_CHECKING:  # the server extra may be missing: imported where a command needs it
     from flexium.server.settings import Settings
@@ -43,6 +45,12 @@ def add_commands(commands: Any) -> None:
         help=f"admin: everything (commands, tokens); job: what a training job does, to the processes it "
         f"registers; viewer: reads everything, changes nothing (default {protocol.DEFAULT_ISSUED_ROLE}: most "
         "tokens go to training jobs, and a token that can do less is the safer one to hand out)",
+    )
+    p.add_argument(
+        "--expires-in",
+        type=_life,
+        metavar="DURATION",
+        help="refuse it after this long, as if revoked: e.g. 90d, 12h, 30m, 2w (default: valid until revoked)",
     )
     p.add_argument("--database", metavar="URL", help=db_help)
     p = actions.add_parser("revoke", help="revoke a token (by value or id) and every token it minted")
@@ -86,9 +94,16 @@ def run(args: argparse.Namespace) -> int:
             for record in database_admin.list_workspaces(database_url=url):
                 print(record.name)
         elif args.action == "issue":
-            token = database_admin.issue_token(args.workspace, name=args.name, role=args.role, database_url=url)
-            use = f"training jobs read it from {protocol.TOKEN_ENV}" if args.role == protocol.ROLE_JOB else ""
-            print(f"new {args.role} token for workspace '{args.workspace}' (shown once{'; ' + use if use else ''}):")
+            asked_at = time.time()
+            token = database_admin.issue_token(
+                args.workspace, name=args.name, role=args.role, expires_in_s=args.expires_in, database_url=url
+            )
+            notes = ["shown once"]
+            if args.expires_in is not None:
+                notes.append(f"expires {utc_time(asked_at + args.expires_in)}")
+            if args.role == protocol.ROLE_JOB:
+                notes.append(f"training jobs read it from {protocol.TOKEN_ENV}")
+            print(f"new {args.role} token for workspace '{args.workspace}' ({'; '.join(notes)}):")
             print(token)
         elif args.action == "link":
             code, opened = database_admin.login_code_as(args.workspace, args.token, database_url=url)
@@ -149,16 +164,26 @@ def _dashboard_link(code: str, settings: Settings) -> str:
     )
 
 
+def _life(text: str) -> float:
+    try:
+        return read_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def _print_tokens(tokens: list[wire.TokenInfo]) -> None:
-    rows = [("ID", "PREFIX", "STATE", "ROLE", "MINTED BY", "LABEL")]
+    now = time.time()
+    rows = [("ID", "PREFIX", "STATE", "ROLE", "EXPIRES", "MINTED BY", "LABEL")]
     for info in tokens:
         minted_by = "-" if info.minted_by is None else str(info.minted_by)
+        expired = info.expires_at is not None and info.expires_at <= now
         rows.append(
             (
                 str(info.id),
                 f"{info.prefix}...",
-                "revoked" if info.revoked else "active",
+                "revoked" if info.revoked else "expired" if expired else "active",
                 info.role,
+                "-" if info.expires_at is None else utc_time(info.expires_at),
                 minted_by,
                 info.name,
             )

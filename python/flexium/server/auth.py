@@ -71,8 +71,10 @@ def _lookup(ctx: ServerContext, token: str, token_hash: str) -> asyncio.Future[A
     if inflight is None:
 
         async def run() -> AuthInfo | None:
-            auth = await ctx.db.call(storage.authenticate, write=False, token=token)
+            auth = await ctx.db.call(storage.authenticate, write=False, token=token, now=time.time())
             ctx.tokens.put(token_hash, auth, time.time())
+            if auth is not None:
+                ctx.watch_expiry(auth)
             return auth
 
         inflight = asyncio.ensure_future(run())
@@ -131,6 +133,8 @@ async def resolve_session(ctx: ServerContext, secret: str) -> AuthInfo | None:
         return None
     now = time.time()
     auth, touch = await ctx.db.call(storage.session_auth, write=False, secret=secret, now=now)
+    if auth is not None:
+        ctx.watch_expiry(auth)
     if auth is not None and touch:
         await ctx.db.call(storage.touch_session, write=True, session_id=auth.session_id, now=now)
     return auth
@@ -143,7 +147,7 @@ async def require_auth(
     if token is not None:
         auth = await resolve_token(ctx, token)
         if auth is None:
-            raise Unauthorized("invalid or revoked token", error="invalid_token")
+            raise Unauthorized(storage.REFUSED_TOKEN, error="invalid_token")
     else:
         secret = request.cookies.get(protocol.SESSION_COOKIE)
         if not secret:
@@ -153,7 +157,9 @@ async def require_auth(
             )
         auth = await resolve_session(ctx, secret)
         if auth is None:
-            raise Unauthorized("dashboard session ended (logged out, expired, or its token revoked): log in again")
+            raise Unauthorized(
+                "dashboard session ended (logged out, expired, or its token revoked or expired): log in again"
+            )
         if request.method not in _SAFE_METHODS and protocol.CSRF_HEADER not in request.headers:
             raise Forbidden(f"requests authenticated by cookie must send the {protocol.CSRF_HEADER} header")
     if auth.workspace != workspace:

@@ -62,7 +62,7 @@ class TokenCache:
             return None, True
         auth, fetched = entry
         age = now - fetched
-        if age > self.ttl + self.max_stale:
+        if age > self.ttl + self.max_stale or auth.expired(now):
             return None, True
         return auth, age > self.ttl
 
@@ -145,9 +145,11 @@ class ServerContext:
     # Since when the policies' passes have reached the database without a gap (its start, or the
     # end of an outage; math.inf during one): flexium run's silence counts from then (policy_pass.py).
     answering_since: float = field(default_factory=time.time)
-    # Revoked through this server since it started (ids only: a few bytes each), for a request
-    # admitted just before its token's revocation and waiting just after it.
-    revoked_tokens: set[int] = field(default_factory=set)
+    # Revoked through this server since it started, or expired while it ran (ids only: a few bytes
+    # each), for a request admitted just before its token's end and waiting just after it.
+    ended_tokens: set[int] = field(default_factory=set)
+    # token id -> the timer that ends it at its expiry (watch_expiry), one per expiring token seen.
+    _expiry_timers: dict[int, asyncio.TimerHandle] = field(default_factory=dict)
     refusals: RefusalBook = field(default_factory=RefusalBook)  # refused writes, on their way to the audit log
     stopping: bool = False
     loop: asyncio.AbstractEventLoop | None = None
@@ -181,7 +183,7 @@ class ServerContext:
         """Revoked through this server: no request is admitted with them from now on, here and on
         every replica (this returns once they have it, or after ``REVOCATION_HEARD_S`` when the link
         is down), and their event streams and waiting long-polls end now."""
-        self.tokens_revoked_here(token_ids)
+        self.tokens_ended_here(token_ids)
         if self.link is None:
             return
         ids = sorted(token_ids)
@@ -189,13 +191,23 @@ class ServerContext:
             message = {"kind": "revoked", "tokens": ids[start : start + REVOKED_PER_MESSAGE]}
             await self.link.send_heard(message, REVOCATION_HEARD_S)
 
-    def tokens_revoked_here(self, token_ids: frozenset[int]) -> None:
-        """``long_poll.revocation_waiter`` ends the long-polls."""
+    def tokens_ended_here(self, token_ids: frozenset[int]) -> None:
+        """Revoked, or expired: no request is admitted with them from now on, and their event streams
+        and waiting long-polls end (``long_poll.revocation_waiter`` ends the long-polls)."""
         self.tokens.forget(token_ids)
-        self.revoked_tokens.update(token_ids)
+        self.ended_tokens.update(token_ids)
         self.bus.end_streams(token_ids=token_ids)
         for token_id in token_ids:
             self.notifier.wake(("token", token_id))
+
+    def watch_expiry(self, auth: AuthInfo) -> None:
+        """An expiring token's streams and long-polls end when it expires, as a revoked one's do; every
+        replica sees the clock, so none is told."""
+        if auth.expires_at is None or auth.token_id in self._expiry_timers or self.loop is None:
+            return
+        ended = frozenset([auth.token_id])
+        delay = max(0.0, auth.expires_at - time.time())
+        self._expiry_timers[auth.token_id] = self.loop.call_later(delay, self.tokens_ended_here, ended)
 
     def session_ended(self, session_id: int) -> None:
         """A dashboard session logged out: its event streams end, here and on every replica."""

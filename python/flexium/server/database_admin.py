@@ -75,18 +75,33 @@ def create_workspace(name: str, *, database_url: str | None = None) -> str:
 
 
 def issue_token(
-    workspace: str, *, name: str = "", role: str = protocol.DEFAULT_ISSUED_ROLE, database_url: str | None = None
+    workspace: str,
+    *,
+    name: str = "",
+    role: str = protocol.DEFAULT_ISSUED_ROLE,
+    expires_in_s: float | None = None,
+    database_url: str | None = None,
 ) -> str:
     """Issued by the command line (its audit entry says so; no token minted it, so only its
-    own revocation revokes it)."""
-    try:  # the API's rule for a name (a command line may hold NUL or bytes that are not UTF-8)
-        name = wire.TokenRequest(name=name).name
+    own revocation, or its expiry after ``expires_in_s``, ends it)."""
+    try:  # the API's rules for a name (a command line may hold NUL or bytes that are not UTF-8) and a life
+        name = wire.TokenRequest(name=name, expires_in_s=expires_in_s).name
     except ValidationError as exc:
-        raise InvalidRequest(f"token name {name!r}: {exc.errors()[0]['msg']}") from None
+        error = exc.errors()[0]
+        what = f"token name {name!r}" if error["loc"] == ("name",) else f"a life of {expires_in_s!r} s"
+        raise InvalidRequest(f"{what}: {error['msg']}") from None
     db = open_database(database_url)
     try:
         ws = _workspace_id(db, workspace)
-        return db.run(storage.issue_token, write=True, workspace_id=ws, name=name, role=role, now=time.time()).token
+        return db.run(
+            storage.issue_token,
+            write=True,
+            workspace_id=ws,
+            name=name,
+            role=role,
+            expires_in_s=expires_in_s,
+            now=time.time(),
+        ).token
     finally:
         db.dispose()
 

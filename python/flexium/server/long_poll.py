@@ -21,7 +21,7 @@ def revocation_waiter(ctx: ServerContext, auth: AuthInfo) -> asyncio.Future[None
     """Done when ``auth``'s token is revoked (``ServerContext.tokens_revoked``, on any replica), or
     was since the request was admitted; unregister it with the key ("token", id)."""
     revoked = ctx.notifier.register(("token", auth.token_id))
-    if auth.token_id in ctx.revoked_tokens and not revoked.done():
+    if auth.token_id in ctx.ended_tokens and not revoked.done():
         revoked.set_result(None)
     return revoked
 
@@ -40,7 +40,7 @@ async def _wait(
         {waiter, revoked, *ends}, timeout=max(0.0, timeout), return_when=asyncio.FIRST_COMPLETED
     )
     if revoked in done and not ctx.stopping:  # stopping wakes every waiter, this one too
-        raise Unauthorized("token revoked", error="invalid_token")
+        raise Unauthorized("token revoked or expired", error="invalid_token")
     return bool(done) and not any(end in done for end in ends)
 
 

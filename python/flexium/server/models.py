@@ -49,6 +49,8 @@ class Token(Base):
     prefix: Mapped[str] = mapped_column(String(16))  # shown in lists
     created_at: Mapped[float] = mapped_column(Double)
     revoked_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    # None: valid until revoked; else refused from then on (``storage.token_alive``), as if revoked.
+    expires_at: Mapped[float | None] = mapped_column(Double, nullable=True)
     # protocol.TOKEN_ROLES; tokens made before roles existed could do everything, so they are admin.
     role: Mapped[str] = mapped_column(String(16), server_default=protocol.ROLE_ADMIN)
     # The token that issued this one (None: the command line, or the workspace's first):

@@ -89,7 +89,7 @@ def _resync(ctx: ServerContext, m: Message) -> None:
 
 
 def _revoked(ctx: ServerContext, m: Message) -> None:
-    ctx.tokens_revoked_here(frozenset(m["tokens"]))
+    ctx.tokens_ended_here(frozenset(m["tokens"]))
 
 
 def _session_ended(ctx: ServerContext, m: Message) -> None:
@@ -179,7 +179,7 @@ async def reread(ctx: ServerContext, *, dashboards: bool) -> None:
     try:
         revoked = await ctx.db.call(storage.revoked_since, write=False, since=ctx.started_at - REVOKED_CLOCK_SKEW_S)
         ctx.tokens.clear()
-        ctx.tokens_revoked_here(frozenset(revoked) - ctx.revoked_tokens)
+        ctx.tokens_ended_here(frozenset(revoked) - ctx.ended_tokens)
         for ws, process_id, snapshot in await ctx.db.call(storage.load_snapshots, write=False):
             ctx.process_seen_here(ws, process_id, snapshot)
         await ctx.reconcile_pending()

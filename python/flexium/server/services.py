@@ -353,7 +353,7 @@ def open_event_stream(ctx: ServerContext, *, auth: AuthInfo, last_event_id: str 
     sub, backlog = ctx.bus.subscribe(
         auth.workspace_id, last_event_id=resume_from, token_id=auth.token_id, session_id=auth.session_id
     )
-    if auth.token_id in ctx.revoked_tokens:  # revoked between this request's admission and now
+    if auth.token_id in ctx.ended_tokens:  # revoked between this request's admission and now
         sub.end()
     keepalive = ctx.settings.sse_keepalive_s
     hello = ctx.bus.frame(

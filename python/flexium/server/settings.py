@@ -75,7 +75,7 @@ class Settings:
 
     # Per-workspace quotas (server/storage/quotas.py), answered 4xx naming the setting.
     max_processes: int = 1000  # processes registered in one workspace
-    max_tokens: int = 200  # tokens of one workspace not revoked
+    max_tokens: int = 200  # tokens of one workspace neither revoked nor expired
     max_payload_bytes: int = 64 << 10  # a process's capabilities, a command's result (as JSON)
     max_gpus_per_host: int = 16  # GPUs stored for one host (a GPU stays ~remove_after_s after it left)
     max_hosts: int = 256  # hosts with GPUs stored in one workspace

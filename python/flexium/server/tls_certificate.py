@@ -15,6 +15,8 @@ import ssl
 import time
 from dataclasses import dataclass
 
+from flexium.units import utc_time
+
 # A certificate this close to its end is said at start: time to renew it before clients refuse it.
 WARN_BEFORE_S = 14 * 86400.0
 _FIRST_CERTIFICATE = re.compile(r"-----BEGIN CERTIFICATE-----.+?-----END CERTIFICATE-----", re.DOTALL)
@@ -44,7 +46,7 @@ def check_certificate(certfile: str | None, keyfile: str | None, *, now: float) 
             problem=f"cannot serve HTTPS with --certfile {certfile} --keyfile {keyfile}: {exc} "
             "(both must be PEM files, the key the certificate's, unencrypted)"
         )
-    until = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(expires))
+    until = utc_time(expires)
     if expires <= now:
         return CertificateCheck(
             problem=f"cannot serve HTTPS with --certfile {certfile}: the certificate expired on {until} "

@@ -78,7 +78,7 @@ async def login(request: Request, ctx: Ctx) -> Response:
     else:
         how = "token"
         auth = await resolve_token(ctx, token) if token else None
-        refused = "invalid or revoked token"
+        refused = storage.REFUSED_TOKEN
     if auth is None:
         _note_refused(request, ctx, None, f"with a {how}: {refused}")
         return _refused(request, refused, 401)

@@ -456,6 +456,7 @@ async def issue_token(body: wire.TokenRequest, auth: Admin, ctx: Ctx) -> Any:
         name=body.name,
         role=body.role,
         minted_by=auth,
+        expires_in_s=body.expires_in_s,
         now=time.time(),
     )
 

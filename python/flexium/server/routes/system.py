@@ -15,7 +15,7 @@ from flexium.server.context import Ctx, ServerContext
 from flexium.server.db import DatabaseUnavailable
 from flexium.server.errors import Forbidden, Unauthorized
 from flexium.server.metrics import CONTENT_TYPE
-from flexium.server.storage import AuthInfo
+from flexium.server.storage import REFUSED_TOKEN, AuthInfo
 
 router = APIRouter()
 
@@ -50,7 +50,7 @@ async def _metrics_reader(request: Request, ctx: ServerContext) -> AuthInfo | No
         )
     auth = await resolve_token(ctx, token)
     if auth is None:
-        raise Unauthorized("invalid or revoked token", error="invalid_token")
+        raise Unauthorized(REFUSED_TOKEN, error="invalid_token")
     if auth.role not in _METRICS_ROLES:
         raise Forbidden(role_refusal(auth, _METRICS_ROLES, "reading the metrics"))
     return auth

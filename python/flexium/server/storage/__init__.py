@@ -79,6 +79,7 @@ from flexium.server.storage.sweep import SweepResult, sweep
 from flexium.server.storage.targets import judge_targets, resolve_target, target_refusal
 from flexium.server.storage.waits import QueueView, cancel_wait, get_wait, list_waits, queue_view, wait_of_command
 from flexium.server.storage.workspaces import (
+    REFUSED_TOKEN,
     AuthInfo,
     WorkspaceRecord,
     authenticate,
@@ -96,6 +97,7 @@ from flexium.server.storage.workspaces import (
 )
 
 __all__ = [
+    "REFUSED_TOKEN",
     "close_placement",
     "get_placement",
     "list_placements",

@@ -7,7 +7,7 @@ from collections.abc import Collection
 from dataclasses import dataclass, replace
 from typing import Any
 
-from sqlalchemy import bindparam, case, func, or_, select, update
+from sqlalchemy import bindparam, case, func, not_, or_, select, update
 from sqlalchemy.orm import Session
 
 from flexium import protocol, wire
@@ -15,6 +15,7 @@ from flexium.server.errors import Forbidden, InvalidRequest, NotFound
 from flexium.server.models import Command, Process, Token, Wait, table_of
 from flexium.server.storage import quotas
 from flexium.server.storage.devices import device_indexes, held_by_gpu, upsert_devices
+from flexium.server.storage.token_validity import token_alive, token_end
 from flexium.server.storage.views import process_view
 
 _REGISTER_FIELDS = (
@@ -196,16 +197,18 @@ def shown_process(
         gpu_indexes=indexes,
         active=active,
         wait_id=wait_id,
-        token_revoked=bool(revoked_owners(session=session, rows=[row])),
+        token_end=ended_owners(session=session, rows=[row], now=now).get(row.token_id) if row.token_id else None,
     )
 
 
-def revoked_owners(*, session: Session, rows: list[Process]) -> set[int]:
-    """Of the tokens that registered ``rows``, those revoked since."""
+def ended_owners(*, session: Session, rows: list[Process], now: float) -> dict[int, protocol.TokenEnd]:
+    """Of the tokens that registered ``rows``, those that no longer open doors (revoked or expired
+    since), each with why."""
     owners = {r.token_id for r in rows if r.token_id is not None}
     if not owners:
-        return set()
-    return set(session.scalars(select(Token.id).where(Token.id.in_(owners), Token.revoked_at.is_not(None))))
+        return {}
+    found = session.scalars(select(Token).where(Token.id.in_(owners), not_(token_alive(now))))
+    return {t.id: end for t in found if (end := token_end(t, now)) is not None}
 
 
 def live_wait_ids(*, session: Session, workspace_id: int) -> tuple[dict[int, int], dict[str, int]]:
@@ -533,7 +536,7 @@ def list_processes(
     }
     indexes = device_indexes(session=session, workspace_id=workspace_id)
     by_process, by_job = live_wait_ids(session=session, workspace_id=workspace_id)
-    revoked = revoked_owners(session=session, rows=rows)
+    ended = ended_owners(session=session, rows=rows, now=now)
     return [
         process_view(
             r,
@@ -542,7 +545,7 @@ def list_processes(
             gpu_indexes=indexes,
             active=active.get(r.pk),
             wait_id=by_process.get(r.pk) or (by_job.get(r.job_key) if r.job_key else None),
-            token_revoked=r.token_id in revoked,
+            token_end=ended.get(r.token_id) if r.token_id else None,
         )
         for r in rows
     ]

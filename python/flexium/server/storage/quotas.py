@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 from flexium.server.errors import PayloadTooLarge, QuotaExceeded
 from flexium.server.models import Device, Process, Token, Workspace
 from flexium.server.settings import Settings
+from flexium.server.storage.token_validity import token_alive
 
 SESSION_KEY = "flexium_quotas"
 
@@ -75,21 +76,19 @@ def check_new_process(*, session: Session, workspace_id: int) -> None:
         )
 
 
-def check_new_token(*, session: Session, workspace_id: int) -> None:
-    """Before a token is issued in the workspace (revoked ones do not count)."""
+def check_new_token(*, session: Session, workspace_id: int, now: float) -> None:
+    """Before a token is issued in the workspace (revoked and expired ones do not count)."""
     limit = _quotas(session).max_tokens
     _counting_alone(session, workspace_id)
     count = (
         session.scalar(
-            select(func.count())
-            .select_from(Token)
-            .where(Token.workspace_id == workspace_id, Token.revoked_at.is_(None))
+            select(func.count()).select_from(Token).where(Token.workspace_id == workspace_id, token_alive(now))
         )
         or 0
     )
     if count >= limit:
         raise QuotaExceeded(
-            f"the workspace has {count} tokens not revoked, its limit: revoke unused ones "
+            f"the workspace has {count} tokens neither revoked nor expired, its limit: revoke unused ones "
             f"(`flexium token revoke`), or start the server with a higher {_setting('max_tokens')}",
             detail={"limit": "max_tokens", "value": limit},
         )

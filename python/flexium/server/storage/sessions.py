@@ -25,8 +25,10 @@ from flexium.server.errors import InvalidRequest, NotFound
 from flexium.server.models import DashboardSession, LoginCode, Token, Workspace
 from flexium.server.storage.audit import record_audit
 from flexium.server.storage.retention import retention_of
+from flexium.server.storage.token_validity import token_alive, token_end
 from flexium.server.storage.workspaces import (
     AuthInfo,
+    auth_of,
     authenticate,
     hash_token,
     named_token,
@@ -85,27 +87,20 @@ def open_session(*, session: Session, auth: AuthInfo, how: str, now: float) -> t
 
 def session_auth(*, session: Session, secret: str, now: float) -> tuple[AuthInfo | None, bool]:
     """(who a session cookie stands for, whether its last use is due to be written:
-    ``touch_session``); None when it is unknown, expired or its token revoked (expired rows go
-    at the next login)."""
+    ``touch_session``); None when it is unknown, expired or its token revoked or expired (expired
+    rows go at the next login)."""
     found = session.execute(
-        select(DashboardSession, Token.role, Token.name, Token.workspace_id, Token.revoked_at, Workspace.name)
+        select(DashboardSession, Token, Workspace.name)
         .join(Token, Token.id == DashboardSession.token_id)
         .join(Workspace, Workspace.id == Token.workspace_id)
-        .where(DashboardSession.session_hash == hash_token(secret))
+        .where(DashboardSession.session_hash == hash_token(secret), token_alive(now))
     ).first()
     if found is None:
         return None, False
-    row, role, token_name, workspace_id, revoked_at, workspace = found
-    if revoked_at is not None or row.last_used < now - SESSION_IDLE_S or row.created_at < now - SESSION_MAX_S:
+    row, token, workspace = found
+    if row.last_used < now - SESSION_IDLE_S or row.created_at < now - SESSION_MAX_S:
         return None, False
-    return AuthInfo(
-        workspace_id=workspace_id,
-        workspace=workspace,
-        token_id=row.token_id,
-        role=role,
-        token_name=token_name,
-        session_id=row.id,
-    ), now - row.last_used >= _TOUCH_EVERY_S
+    return auth_of(token, workspace=workspace, session_id=row.id), now - row.last_used >= _TOUCH_EVERY_S
 
 
 def touch_session(*, session: Session, session_id: int, now: float) -> None:
@@ -141,9 +136,9 @@ def issue_login_code(*, session: Session, token_id: int, now: float) -> str:
 
 def login_code_for(*, session: Session, token: str, now: float) -> str:
     """A login code for a token held in clear (the one the server or ``flexium demo`` prints)."""
-    auth = authenticate(session=session, token=token)
+    auth = authenticate(session=session, token=token, now=now)
     if auth is None:
-        raise NotFound("no such token, or it is revoked")
+        raise NotFound("no such token, or it is revoked or expired")
     return issue_login_code(session=session, token_id=auth.token_id, now=now)
 
 
@@ -152,22 +147,25 @@ def login_code_as(
 ) -> tuple[str, wire.TokenInfo]:
     """A login code for a token of the workspace, named by its id or by itself, for the command line
     on the database, which holds no token in clear (and whoever reaches the database may do
-    anything already); neither: the workspace's oldest admin token not revoked. A revoked token and
+    anything already); neither: the workspace's oldest admin token that opens doors. A revoked or expired token and
     a job token (the dashboard opens no session of one) are refused. The audit log keeps it: the
     link opens a session of a token that its holder did not hand out."""
     if token is None and token_id is None:
         oldest_admin = select(Token).where(
-            Token.workspace_id == workspace_id, Token.role == protocol.ROLE_ADMIN, Token.revoked_at.is_(None)
+            Token.workspace_id == workspace_id, Token.role == protocol.ROLE_ADMIN, token_alive(now)
         )
         row = session.scalars(oldest_admin.order_by(Token.id).limit(1)).first()
     else:
         row = session.scalar(named_token(workspace_id=workspace_id, token_id=token_id, token=token))
     if row is None:
         if token is None and token_id is None:
-            raise NotFound("this workspace has no admin token that is not revoked: issue one (flexium token issue)")
+            raise NotFound(
+                "this workspace has no admin token that is neither revoked nor expired: issue one (flexium token issue)"
+            )
         raise NotFound("token not found in this workspace (`flexium token list WORKSPACE` lists their ids)")
-    if row.revoked_at is not None:
-        raise InvalidRequest(f"{token_label(row)} is revoked: name another (`flexium token list WORKSPACE`)")
+    ended = token_end(row, now)
+    if ended is not None:
+        raise InvalidRequest(f"{token_label(row)} is {ended}: name another (`flexium token list WORKSPACE`)")
     if row.role == protocol.ROLE_JOB:
         raise InvalidRequest(
             f"{token_label(row)} is a job token, which cannot open the dashboard: name a viewer or admin token"
@@ -199,11 +197,6 @@ def redeem_login_code(*, session: Session, code: str, now: float) -> AuthInfo | 
     found = session.execute(
         select(Token, Workspace.name)
         .join(Workspace, Workspace.id == Token.workspace_id)
-        .where(Token.id == row.token_id, Token.revoked_at.is_(None))
+        .where(Token.id == row.token_id, token_alive(now))
     ).first()
-    if found is None:
-        return None
-    token, workspace = found
-    return AuthInfo(
-        workspace_id=token.workspace_id, workspace=workspace, token_id=token.id, role=token.role, token_name=token.name
-    )
+    return None if found is None else auth_of(found[0], workspace=found[1])

@@ -75,11 +75,11 @@ def process_view(
     gpu_indexes: Mapping[str, int | None],
     active: Command | None = None,
     wait_id: int | None = None,
-    token_revoked: bool,
+    token_end: protocol.TokenEnd | None,
 ) -> wire.ProcessInfo:
     """``gpu_indexes``: GPU UUID -> nvidia-smi index from the device reports (``device_indexes``);
     ``wait_id``: its live wait in the queue (its job's, for a rank of a job of several);
-    ``token_revoked``: the token it registered with is revoked (``revoked_owners``).
+    ``token_end``: why the token it registered with no longer opens doors, or None (``ended_owners``).
     The row holds one fact of where the process is, ``gpu_uuid``; how it is shown comes from it."""
     stale = is_stale(row, now=now, stale_after=stale_after)
     visible = list(row.visible_gpus or [])
@@ -119,7 +119,8 @@ def process_view(
             "loss": row.loss,
             "priority": row.priority,
             "wait_id": wait_id,
-            "token_revoked": token_revoked,
+            "token_revoked": token_end == "revoked",
+            "token_expired": token_end == "expired",
         }
     )
 

@@ -4,8 +4,9 @@ every request).
 
 A token has a role (``protocol.TOKEN_ROLES``) and remembers the token that minted it:
 revoking a token revokes, in the same transaction, every token it minted and theirs, and ends
-their dashboard sessions and login codes. Each issue and revocation is written to the audit
-log in the transaction that makes it."""
+their dashboard sessions and login codes. A token may expire (``expires_at``): from then on it is
+refused as a revoked one is (``token_alive``), and what it minted expires with it at the latest.
+Each issue and revocation is written to the audit log in the transaction that makes it."""
 
 from __future__ import annotations
 
@@ -22,6 +23,8 @@ from flexium.server.errors import Conflict, InvalidRequest, NotFound, Unauthoriz
 from flexium.server.models import Command, DashboardSession, LoginCode, Process, Token, Workspace
 from flexium.server.storage import quotas
 from flexium.server.storage.audit import is_reserved_actor, record_audit
+from flexium.server.storage.token_validity import token_alive, token_end
+from flexium.units import utc_time
 
 # The label of a workspace's first token, which what it does is signed with ("queued by ...").
 FIRST_TOKEN_NAME = "first admin token"
@@ -39,6 +42,10 @@ class AuthInfo:
     token_name: str = ""
     session_id: int | None = None
     door: protocol.Door = "api"
+    expires_at: float | None = None  # the token's (None: valid until revoked)
+
+    def expired(self, now: float) -> bool:
+        return self.expires_at is not None and self.expires_at <= now
 
 
 @dataclass(frozen=True)
@@ -73,6 +80,7 @@ def token_info(row: Token) -> wire.TokenInfo:
         created_at=row.created_at,
         revoked_at=row.revoked_at,
         revoked=row.revoked_at is not None,
+        expires_at=row.expires_at,
     )
 
 
@@ -147,12 +155,15 @@ def issue_token(
     name: str = "",
     role: str = protocol.DEFAULT_ISSUED_ROLE,
     minted_by: AuthInfo | None = None,
+    expires_in_s: float | None = None,
     now: float,
 ) -> wire.TokenCreated:
     """The new token in clear (``.token``) is in this answer only: only its hash is kept.
     ``minted_by``: the caller, whose revocation will revoke this token too; None for the
     command line on the database (and a workspace's first token). Who may mint is the
-    route's rule (admins only)."""
+    route's rule (admins only). ``expires_in_s``: None, valid until revoked, or until its
+    minter expires if that one does: a token never outlives the token that minted it (one that
+    asks to is refused)."""
     if role not in protocol.TOKEN_ROLES:
         raise InvalidRequest(f"unknown role {role!r}: use one of {', '.join(protocol.TOKEN_ROLES)}")
     if is_reserved_actor(name):
@@ -160,9 +171,10 @@ def issue_token(
             f"a token may not be named {name!r}: the audit log names the server, the command line and its "
             "policies so; choose another name"
         )
+    expires_at = _expiry(expires_in_s, now)
     if minted_by is not None:
-        _check_minter_unrevoked(session=session, minter=minted_by)
-    quotas.check_new_token(session=session, workspace_id=workspace_id)
+        expires_at = _within_minters_life(_minters_expiry(session=session, minter=minted_by, now=now), expires_at, now)
+    quotas.check_new_token(session=session, workspace_id=workspace_id, now=now)
     token = new_token()
     row = Token(
         workspace_id=workspace_id,
@@ -172,6 +184,7 @@ def issue_token(
         created_at=now,
         role=role,
         minted_by=minted_by.token_id if minted_by is not None else None,
+        expires_at=expires_at,
     )
     session.add(row)
     session.flush()
@@ -182,24 +195,44 @@ def issue_token(
         action="token.issued",
         target=token_label(row),
         outcome="ok",
-        detail=f"role {role}",
+        detail=f"role {role}" + (f", expires at {utc_time(expires_at)}" if expires_at is not None else ""),
         now=now,
     )
     return wire.TokenCreated(**token_info(row).model_dump(), token=token)
 
 
-def _check_minter_unrevoked(*, session: Session, minter: AuthInfo) -> None:
-    """A server trusts a token's cached auth for a few seconds (``Settings.token_cache_s``), so a
-    revocation made elsewhere (the command line, another server) would let a leaked admin token
-    mint children the revocation never saw. The minter's row is read locked: a revocation that
-    commits first is seen here, one that commits after finds the child in its cascade."""
-    found = session.execute(
-        select(Token.revoked_at)
-        .where(Token.id == minter.token_id, Token.workspace_id == minter.workspace_id)
-        .with_for_update()
-    ).first()
-    if found is None or found.revoked_at is not None:
-        raise Unauthorized("invalid or revoked token", error="invalid_token")
+def _expiry(expires_in_s: float | None, now: float) -> float | None:
+    """``expires_in_s`` as ``wire.TokenRequest`` admits it (its callers' rule)."""
+    return None if expires_in_s is None else now + expires_in_s
+
+
+def _minters_expiry(*, session: Session, minter: AuthInfo, now: float) -> float | None:
+    """The minter's end of validity. A server trusts a token's cached auth for a few seconds
+    (``Settings.token_cache_s``), so a revocation made elsewhere (the command line, another server)
+    would let a leaked admin token mint children the revocation never saw. The minter's row is read
+    locked: a revocation that commits first is seen here, one that commits after finds the child in
+    its cascade."""
+    found = session.scalar(
+        select(Token).where(Token.id == minter.token_id, Token.workspace_id == minter.workspace_id).with_for_update()
+    )
+    if found is None or token_end(found, now) is not None:
+        raise Unauthorized(REFUSED_TOKEN, error="invalid_token")
+    return found.expires_at
+
+
+def _within_minters_life(minters: float | None, asked: float | None, now: float) -> float | None:
+    if asked is None or minters is None or asked <= minters:
+        return asked if asked is not None else minters
+    raise InvalidRequest(
+        f"the token minting this one expires at {utc_time(minters)}, and a token cannot outlive the token "
+        f"that minted it: ask for expires_in_s of at most {minters - now:.0f}, or have the command line issue it "
+        "(flexium token issue)"
+    )
+
+
+# What a request with a token that opens no door is told (the same whatever the reason, as for a
+# token that never existed: `flexium token list` says which).
+REFUSED_TOKEN = "invalid, revoked or expired token"
 
 
 def token_label(row: Token) -> str:
@@ -285,14 +318,23 @@ def revoked_since(*, session: Session, since: float) -> list[int]:
     return list(session.scalars(select(Token.id).where(Token.revoked_at >= since).order_by(Token.id)))
 
 
-def authenticate(*, session: Session, token: str) -> AuthInfo | None:
+def authenticate(*, session: Session, token: str, now: float) -> AuthInfo | None:
     row = session.execute(
-        select(Token.id, Token.workspace_id, Token.role, Token.name, Workspace.name.label("workspace"))
+        select(Token, Workspace.name)
         .join(Workspace, Workspace.id == Token.workspace_id)
-        .where(Token.token_hash == hash_token(token), Token.revoked_at.is_(None))
+        .where(Token.token_hash == hash_token(token), token_alive(now))
     ).first()
-    if row is None:
-        return None
+    return None if row is None else auth_of(row[0], workspace=row[1])
+
+
+def auth_of(row: Token, *, workspace: str, session_id: int | None = None) -> AuthInfo:
+    """Who a token stands for (its row read where ``token_alive``)."""
     return AuthInfo(
-        workspace_id=row.workspace_id, workspace=row.workspace, token_id=row.id, role=row.role, token_name=row.name
+        workspace_id=row.workspace_id,
+        workspace=workspace,
+        token_id=row.id,
+        role=row.role,
+        token_name=row.name,
+        session_id=session_id,
+        expires_at=row.expires_at,
     )
