@@ -720,6 +720,7 @@ class TokenInfo(WireOut):
     revoked_at: float | None
     revoked: bool
     expires_at: float | None = Field(default=None, description="refused from then on; None: valid until revoked")
+    expired: bool = Field(default=False, description="its expires_at had passed when this was read")
 
 
 class TokenCreated(TokenInfo):

@@ -58,4 +58,4 @@ def test_token_issues_at_once_stop_at_the_limit(db: Database) -> None:
 
     outcomes = _attempts(issue)
     assert outcomes.count("added") == 9 and outcomes.count("refused") == AT_ONCE - 9
-    assert len(db.run(storage.list_tokens, write=False, workspace_id=ws)) == 10
+    assert len(db.run(storage.list_tokens, write=False, workspace_id=ws, now=NOW)) == 10

@@ -225,7 +225,7 @@ def test_tokens_made_before_roles_become_admin_and_0006_goes_back(database_url: 
         db.upgrade()
         auth = db.run(storage.authenticate, write=False, token="flx_old-token", now=time.time())
         assert auth is not None and auth.role == "admin"
-        [info] = db.run(storage.list_tokens, write=False, workspace_id=1)
+        [info] = db.run(storage.list_tokens, write=False, workspace_id=1, now=time.time())
         assert info.role == "admin" and info.minted_by is None
         register(db, 1, process_body("gpu-1"), now=NOW, stale_after=30.0)
         db.run(

@@ -31,7 +31,7 @@ def test_workspace_tokens_hashed_and_revocable(db: Database) -> None:
     assert db.run(storage.authenticate, write=False, token=second, now=time.time()) is None
     assert db.run(storage.authenticate, write=False, token=token, now=time.time()) is not None
     assert db.run(storage.authenticate, write=False, token="flx_nope", now=time.time()) is None
-    tokens = db.run(storage.list_tokens, write=False, workspace_id=ws)
+    tokens = db.run(storage.list_tokens, write=False, workspace_id=ws, now=time.time())
     assert [t.revoked for t in tokens] == [False, True]
 
 

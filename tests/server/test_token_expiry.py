@@ -72,7 +72,8 @@ def test_an_expired_token_is_refused_though_the_server_cached_its_auth(cached_ap
     beat = api.post("/processes/gpu-short/heartbeat", {}, headers=api.headers(job["token"]))
     assert beat.status_code == 401, beat.text
     listed = {t["id"]: t for t in api.get("/tokens").json()}
-    assert listed[viewer["id"]]["expires_at"] == viewer["expires_at"] and not listed[viewer["id"]]["revoked"]
+    assert listed[viewer["id"]]["expires_at"] == viewer["expires_at"] and listed[viewer["id"]]["expired"]
+    assert not listed[viewer["id"]]["revoked"] and not viewer["expired"]
     # The process it registered trains on unheard, and says why.
     shown = api.get("/processes/gpu-short").json()
     assert shown["token_expired"] and not shown["token_revoked"], shown

@@ -72,7 +72,7 @@ def add_commands(commands: Any) -> None:
         "token",
         nargs="?",
         help="the token (admin or viewer), or its id from 'token list' (default: the workspace's oldest admin "
-        "token not revoked)",
+        "token neither revoked nor expired)",
     )
     p.add_argument("--database", metavar="URL", help=db_help)
 
@@ -172,16 +172,14 @@ def _life(text: str) -> float:
 
 
 def _print_tokens(tokens: list[wire.TokenInfo]) -> None:
-    now = time.time()
     rows = [("ID", "PREFIX", "STATE", "ROLE", "EXPIRES", "MINTED BY", "LABEL")]
     for info in tokens:
         minted_by = "-" if info.minted_by is None else str(info.minted_by)
-        expired = info.expires_at is not None and info.expires_at <= now
         rows.append(
             (
                 str(info.id),
                 f"{info.prefix}...",
-                "revoked" if info.revoked else "expired" if expired else "active",
+                "revoked" if info.revoked else "expired" if info.expired else "active",
                 info.role,
                 "-" if info.expires_at is None else utc_time(info.expires_at),
                 minted_by,

@@ -159,7 +159,7 @@ def revoke_token(workspace: str, token_or_id: str | int, *, database_url: str | 
 def list_tokens(workspace: str, *, database_url: str | None = None) -> list[wire.TokenInfo]:
     db = open_database(database_url)
     try:
-        return db.run(storage.list_tokens, write=False, workspace_id=_workspace_id(db, workspace))
+        return db.run(storage.list_tokens, write=False, workspace_id=_workspace_id(db, workspace), now=time.time())
     finally:
         db.dispose()
 

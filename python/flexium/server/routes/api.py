@@ -439,7 +439,7 @@ async def list_devices(
 
 @router.get("/tokens", response_model=list[wire.TokenInfo], summary="Tokens of this workspace (no secrets)")
 async def list_tokens(auth: Reader, ctx: Ctx) -> Any:
-    return await ctx.db.call(storage.list_tokens, write=False, workspace_id=auth.workspace_id)
+    return await ctx.db.call(storage.list_tokens, write=False, workspace_id=auth.workspace_id, now=time.time())
 
 
 @router.post(

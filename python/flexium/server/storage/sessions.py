@@ -181,7 +181,7 @@ def login_code_as(
         detail=f"role {row.role}, valid {LOGIN_CODE_TTL_S / 60:.0f} min",
         now=now,
     )
-    return code, token_info(row)
+    return code, token_info(row, now)
 
 
 def redeem_login_code(*, session: Session, code: str, now: float) -> AuthInfo | None:

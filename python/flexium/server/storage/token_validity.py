@@ -18,6 +18,9 @@ def token_end(row: Token, now: float) -> protocol.TokenEnd | None:
     """Why a token no longer opens doors at ``now``, or None: it does (``token_alive`` read on a row)."""
     if row.revoked_at is not None:
         return "revoked"
-    if row.expires_at is not None and row.expires_at <= now:
-        return "expired"
-    return None
+    return "expired" if expired(row.expires_at, now) else None
+
+
+def expired(expires_at: float | None, now: float) -> bool:
+    """A token's life is over at ``now`` (``expires_at`` None: it has no end but its revocation)."""
+    return expires_at is not None and expires_at <= now

@@ -23,11 +23,14 @@ from flexium.server.errors import Conflict, InvalidRequest, NotFound, Unauthoriz
 from flexium.server.models import Command, DashboardSession, LoginCode, Process, Token, Workspace
 from flexium.server.storage import quotas
 from flexium.server.storage.audit import is_reserved_actor, record_audit
-from flexium.server.storage.token_validity import token_alive, token_end
+from flexium.server.storage.token_validity import expired, token_alive, token_end
 from flexium.units import utc_time
 
 # The label of a workspace's first token, which what it does is signed with ("queued by ...").
 FIRST_TOKEN_NAME = "first admin token"
+# What a request with a token that opens no door is told (the same whatever the reason, as for a
+# token that never existed: `flexium token list` says which).
+REFUSED_TOKEN = "invalid, revoked or expired token"
 
 
 @dataclass(frozen=True)
@@ -45,7 +48,7 @@ class AuthInfo:
     expires_at: float | None = None  # the token's (None: valid until revoked)
 
     def expired(self, now: float) -> bool:
-        return self.expires_at is not None and self.expires_at <= now
+        return expired(self.expires_at, now)
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,7 @@ def _workspace_record(row: Workspace) -> WorkspaceRecord:
     return WorkspaceRecord(id=row.id, name=row.name, created_at=row.created_at)
 
 
-def token_info(row: Token) -> wire.TokenInfo:
+def token_info(row: Token, now: float) -> wire.TokenInfo:
     return wire.TokenInfo(
         id=row.id,
         name=row.name,
@@ -81,6 +84,7 @@ def token_info(row: Token) -> wire.TokenInfo:
         revoked_at=row.revoked_at,
         revoked=row.revoked_at is not None,
         expires_at=row.expires_at,
+        expired=expired(row.expires_at, now),
     )
 
 
@@ -198,7 +202,7 @@ def issue_token(
         detail=f"role {role}" + (f", expires at {utc_time(expires_at)}" if expires_at is not None else ""),
         now=now,
     )
-    return wire.TokenCreated(**token_info(row).model_dump(), token=token)
+    return wire.TokenCreated(**token_info(row, now).model_dump(), token=token)
 
 
 def _expiry(expires_in_s: float | None, now: float) -> float | None:
@@ -230,18 +234,13 @@ def _within_minters_life(minters: float | None, asked: float | None, now: float)
     )
 
 
-# What a request with a token that opens no door is told (the same whatever the reason, as for a
-# token that never existed: `flexium token list` says which).
-REFUSED_TOKEN = "invalid, revoked or expired token"
-
-
 def token_label(row: Token) -> str:
     return f"token {row.id} ({row.prefix}...{' ' + row.name if row.name else ''})"
 
 
-def list_tokens(*, session: Session, workspace_id: int) -> list[wire.TokenInfo]:
+def list_tokens(*, session: Session, workspace_id: int, now: float) -> list[wire.TokenInfo]:
     rows = session.scalars(select(Token).where(Token.workspace_id == workspace_id).order_by(Token.id))
-    return [token_info(r) for r in rows]
+    return [token_info(r, now) for r in rows]
 
 
 def named_token(*, workspace_id: int, token_id: int | None, token: str | None) -> Select[Token]:
@@ -308,7 +307,7 @@ def revoke_token(
         .order_by(Process.host, Process.process_id)
     )
     return wire.TokenRevoked(
-        **token_info(row).model_dump(), cascade=[t.id for t in cascade], processes=list(registered)
+        **token_info(row, now).model_dump(), cascade=[t.id for t in cascade], processes=list(registered)
     )
 
 
