@@ -1,4 +1,4 @@
-"""`flexium workspace create|list` and `flexium token issue|revoke|list|link`: on the database
+"""`flexium workspace create|list|delete` and `flexium token issue|revoke|list|link`: on the database
 directly (``flexium.server.database_admin``), so they work while the server runs or not. A new token
 is printed alone on the last line of output, for scripts."""
 
@@ -17,6 +17,7 @@ from flexium.units import read_duration, utc_time
 
 if TYPE_CHECKING:  # the server extra may be missing: imported where a command needs it
     from flexium.server.settings import Settings
+    from flexium.server.storage import WorkspaceDeleted
 
 
 def add_commands(commands: Any) -> None:
@@ -30,6 +31,19 @@ def add_commands(commands: Any) -> None:
     p.add_argument("name", help="lowercase letters, digits, '.', '_', '-' (e.g. vision-team)")
     p.add_argument("--database", metavar="URL", help=db_help)
     p = actions.add_parser("list", help="list workspaces")
+    p.add_argument("--database", metavar="URL", help=db_help)
+    p = actions.add_parser(
+        "delete",
+        help="delete a workspace and everything of it: tokens, processes, commands, history, audit log "
+        "(asks for its name again unless --yes)",
+    )
+    p.add_argument("name", help="the workspace's name")
+    p.add_argument("--yes", action="store_true", help="do not ask: delete it (for scripts)")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="delete it even while processes of it are heard (they train on, unmanaged, their tokens refused)",
+    )
     p.add_argument("--database", metavar="URL", help=db_help)
     tok = commands.add_parser(
         "token", help="issue, revoke or list tokens, or print a dashboard login link (flexium token --help)"
@@ -90,6 +104,8 @@ def run(args: argparse.Namespace) -> int:
         if args.command == "workspace" and args.action == "create":
             token = database_admin.create_workspace(args.name, database_url=url)
             _print_created(args.name, token, url)
+        elif args.command == "workspace" and args.action == "delete":
+            return _delete_workspace(args)
         elif args.command == "workspace":
             for record in database_admin.list_workspaces(database_url=url):
                 print(record.name)
@@ -129,6 +145,42 @@ def run(args: argparse.Namespace) -> int:
         print(f"flexium: {exc}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
+
+
+def _delete_workspace(args: argparse.Namespace) -> int:
+    """What would go is shown and confirmed (its name typed again) before anything goes; --yes skips
+    the question, which a command without a terminal to ask on needs."""
+    from flexium.server import database_admin
+
+    url = args.database
+    if not args.yes:
+        if not sys.stdin.isatty():
+            print(
+                f"flexium: deleting workspace '{args.name}' cannot be undone and there is no terminal to confirm it "
+                "on: pass --yes",
+                file=sys.stderr,
+            )
+            return EXIT_USAGE
+        preview = database_admin.delete_workspace(args.name, force=args.force, dry_run=True, database_url=url)
+        print(f"workspace '{args.name}' holds {_contents(preview)}; all of it goes, and cannot be brought back.")
+        if input("type the workspace's name to delete it: ").strip() != args.name:
+            print("flexium: not deleted (the name typed was not the workspace's)", file=sys.stderr)
+            return EXIT_FAILED
+    deleted = database_admin.delete_workspace(args.name, force=args.force, database_url=url)
+    print(f"deleted workspace '{args.name}': {_contents(deleted)}")
+    if deleted.heard:
+        print(
+            f"processes of it still heard: {', '.join(p for p, _host in deleted.heard)}. They train on; the "
+            "servers refuse their tokens, so they run unmanaged until started again in another workspace"
+        )
+    return EXIT_OK
+
+
+def _contents(deleted: WorkspaceDeleted) -> str:
+    return (
+        f"{len(deleted.tokens)} token(s) in use, {deleted.processes} process(es), {deleted.commands} command(s), "
+        f"{deleted.audit_entries} audit log entries"
+    )
 
 
 def _print_created(workspace: str, token: str, database_url: str | None) -> None:

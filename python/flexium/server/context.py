@@ -40,6 +40,15 @@ REVOKED_PER_MESSAGE = 500  # token ids in one notification (PostgreSQL's limit i
 log = logging.getLogger("flexium.server")
 
 
+def revocation_messages(token_ids: Iterable[int]) -> list[dict[str, Any]]:
+    """What tells the replicas of revoked tokens: a long cascade, in notifications that fit."""
+    ids = sorted(token_ids)
+    return [
+        {"kind": "revoked", "tokens": ids[start : start + REVOKED_PER_MESSAGE]}
+        for start in range(0, len(ids), REVOKED_PER_MESSAGE)
+    ]
+
+
 class TokenCache:
     """token hash -> auth. Only successes are cached. Past ``ttl`` an entry is looked up again, and the
     requests that need it wait for that one lookup (auth.resolve_token), but for a busy database's (past
@@ -186,9 +195,7 @@ class ServerContext:
         self.tokens_ended_here(token_ids)
         if self.link is None:
             return
-        ids = sorted(token_ids)
-        for start in range(0, len(ids), REVOKED_PER_MESSAGE):  # a long cascade in notifications that fit
-            message = {"kind": "revoked", "tokens": ids[start : start + REVOKED_PER_MESSAGE]}
+        for message in revocation_messages(token_ids):
             await self.link.send_heard(message, REVOCATION_HEARD_S)
 
     def tokens_ended_here(self, token_ids: frozenset[int]) -> None:

@@ -13,6 +13,7 @@ else the default SQLite file):
 - ``login_code_as(workspace, token_or_id=None) -> (str, wire.TokenInfo)``: one for a token named by
   its id or itself, else the workspace's oldest admin token (``flexium token link``)
 - ``list_tokens(workspace) -> list[wire.TokenInfo]``, ``list_workspaces() -> list[WorkspaceRecord]``
+- ``delete_workspace(workspace, force=False, dry_run=False) -> WorkspaceDeleted``: it and everything of it
 """
 
 from __future__ import annotations
@@ -141,17 +142,51 @@ def revoke_token(workspace: str, token_or_id: str | int, *, database_url: str | 
         revoked = db.run(
             storage.revoke_token, write=True, workspace_id=ws, token_id=token_id, token=token, now=time.time()
         )
-        if not db.is_sqlite:
-            import psycopg  # PostgreSQL's alone: the command line on SQLite never imports it
-
-            from flexium.server.replica_link import tell_replicas
-
-            message = {"kind": "revoked", "tokens": [revoked.id, *revoked.cascade]}
-            try:
-                tell_replicas(db.url, "command line", message)
-            except psycopg.Error:  # revoked all the same: the servers' caches forget it within 5 s
-                pass
+        _tell_servers_revoked(db, [revoked.id, *revoked.cascade])
         return revoked
+    finally:
+        db.dispose()
+
+
+def _tell_servers_revoked(db: Database, token_ids: list[int]) -> None:
+    """The servers on a PostgreSQL database refuse these tokens at once and end their event streams and
+    long-polls (those on SQLite, and any that could not hear it, within their token cache time)."""
+    if db.is_sqlite or not token_ids:
+        return
+    import psycopg  # PostgreSQL's alone: the command line on SQLite never imports it
+
+    from flexium.server.context import revocation_messages
+    from flexium.server.replica_link import tell_replicas
+
+    for message in revocation_messages(token_ids):
+        try:
+            tell_replicas(db.url, "command line", message)
+        except psycopg.Error:  # revoked all the same: the servers' caches forget it within 5 s
+            return
+
+
+def delete_workspace(
+    workspace: str, *, force: bool = False, dry_run: bool = False, database_url: str | None = None
+) -> storage.WorkspaceDeleted:
+    """The workspace and everything of it (its tokens, processes, commands, queue, drains, history and
+    audit log); refused while a process of it was heard within the server's ``stale_after_s`` unless
+    ``force``. Its tokens are refused by the running servers as revoked ones are (told at once on
+    PostgreSQL, within their token cache time on SQLite)."""
+    settings = load_settings(database_url=database_url)
+    db = open_database(database_url)
+    try:
+        deleted = db.run(
+            storage.delete_workspace,
+            write=True,
+            name=workspace,
+            now=time.time(),
+            stale_after=settings.stale_after_s,
+            force=force,
+            dry_run=dry_run,
+        )
+        if not dry_run:
+            _tell_servers_revoked(db, deleted.tokens)
+        return deleted
     finally:
         db.dispose()
 

@@ -81,9 +81,11 @@ from flexium.server.storage.waits import QueueView, cancel_wait, get_wait, list_
 from flexium.server.storage.workspaces import (
     REFUSED_TOKEN,
     AuthInfo,
+    WorkspaceDeleted,
     WorkspaceRecord,
     authenticate,
     create_workspace,
+    delete_workspace,
     ensure_default_workspace,
     get_workspace,
     hash_token,
@@ -98,6 +100,7 @@ from flexium.server.storage.workspaces import (
 
 __all__ = [
     "REFUSED_TOKEN",
+    "WorkspaceDeleted",
     "close_placement",
     "get_placement",
     "list_placements",
@@ -161,6 +164,7 @@ __all__ = [
     "count_processes",
     "create_commands",
     "create_workspace",
+    "delete_workspace",
     "ensure_default_workspace",
     "get_command",
     "get_operation",

@@ -20,7 +20,7 @@ from sqlalchemy.orm import Session
 
 from flexium import protocol, wire
 from flexium.server.errors import Conflict, InvalidRequest, NotFound, Unauthorized
-from flexium.server.models import Command, DashboardSession, LoginCode, Process, Token, Workspace
+from flexium.server.models import AuditRecord, Command, DashboardSession, LoginCode, Process, Token, Workspace
 from flexium.server.storage import quotas
 from flexium.server.storage.audit import is_reserved_actor, record_audit
 from flexium.server.storage.token_validity import expired, token_alive, token_end
@@ -49,6 +49,20 @@ class AuthInfo:
 
     def expired(self, now: float) -> bool:
         return expired(self.expires_at, now)
+
+
+@dataclass(frozen=True)
+class WorkspaceDeleted:
+    """What went with a workspace (or would go: ``delete_workspace(dry_run=True)``). ``tokens``: those
+    that still opened doors, whose holders the running servers are told to refuse; ``heard``: its
+    processes heard within ``stale_after`` (process id, host), which train on unmanaged."""
+
+    name: str
+    tokens: list[int]
+    processes: int
+    heard: list[tuple[str, str]]
+    commands: int
+    audit_entries: int
 
 
 @dataclass(frozen=True)
@@ -110,6 +124,49 @@ def create_workspace(
     session.flush()
     created = issue_token(session=session, workspace_id=row.id, name=token_name, role=protocol.ROLE_ADMIN, now=now)
     return _workspace_record(row), created.token
+
+
+def delete_workspace(
+    *, session: Session, name: str, now: float, stale_after: float, force: bool = False, dry_run: bool = False
+) -> WorkspaceDeleted:
+    """The workspace and everything of it, its audit log included (the rows go by their foreign keys'
+    cascade). Refused, before anything changes, while any of its processes was heard within
+    ``stale_after``: they would train on unheard, their tokens refused, unless ``force``."""
+    row = session.scalar(select(Workspace).where(Workspace.name == name).with_for_update())
+    if row is None:
+        raise NotFound(f"workspace {name!r} not found (`flexium workspace list` lists those of the server's database)")
+
+    def count(model: type[Command] | type[Process] | type[AuditRecord]) -> int:
+        return session.scalar(select(func.count()).select_from(model).where(model.workspace_id == row.id)) or 0
+
+    heard = [
+        (p.process_id, p.host)
+        for p in session.execute(
+            select(Process.process_id, Process.host)
+            .where(Process.workspace_id == row.id, Process.last_seen >= now - stale_after)
+            .order_by(Process.host, Process.process_id)
+        )
+    ]
+    if heard and not force:
+        shown = ", ".join(f"{process_id} on {host}" for process_id, host in heard[:5])
+        more = f" and {len(heard) - 5} more" if len(heard) > 5 else ""
+        raise Conflict(
+            f"workspace {name!r} has {len(heard)} process(es) heard within the last {stale_after:g} s ({shown}{more}): "
+            "deleted, they would train on unmanaged and their tokens be refused. Stop them, or wait until "
+            "`flexium ps` shows them STALE, or pass --force",
+            detail={"heard": [process_id for process_id, _host in heard]},
+        )
+    deleted = WorkspaceDeleted(
+        name=name,
+        tokens=list(session.scalars(select(Token.id).where(Token.workspace_id == row.id, token_alive(now)))),
+        processes=count(Process),
+        heard=heard,
+        commands=count(Command),
+        audit_entries=count(AuditRecord),
+    )
+    if not dry_run:
+        session.execute(delete(Workspace).where(Workspace.id == row.id))
+    return deleted
 
 
 def ensure_default_workspace(*, session: Session, now: float) -> str | None:
