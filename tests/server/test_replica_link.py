@@ -134,3 +134,25 @@ def test_a_replica_that_never_answers_applied_is_not_waited_for(database_url: st
         )
 
     _run(database_url, scenario)
+
+
+def test_a_long_revocation_reaches_the_replicas_in_notifications_that_fit(database_url: str) -> None:
+    """A cascade of 1,201 tokens of ten-digit ids from the command line (one notification of them all
+    passed PostgreSQL's 8000 bytes, so pg_notify refused it and no replica heard any): every id arrives."""
+    from flexium.server.context import revocation_messages
+
+    url = normalize_database_url(database_url)
+    ids = list(range(10**9, 10**9 + 1201))
+
+    async def scenario(a: Replica, b: Replica) -> None:
+        messages = revocation_messages(reversed(ids))
+        assert len(messages) == 3
+        for message in messages:
+            assert await asyncio.to_thread(tell_replicas, url, "flexium token revoke", message)
+
+        def heard() -> list[int]:
+            return sorted(t for m in b.heard if m.get("kind") == "revoked" for t in m["tokens"])
+
+        await _until(lambda: heard() == ids, "b to hear every revoked token")
+
+    _run(database_url, scenario)
