@@ -242,12 +242,13 @@ def test_a_silent_processs_time_up_ends_where_it_went_silent() -> None:
     assert up.cells == ["60s", "10m"], up.cells
 
 
-def test_a_process_whose_token_was_revoked_says_so_beside_its_state() -> None:
+def test_a_process_whose_token_was_revoked_or_expired_says_so_beside_its_state() -> None:
     now = time.time()
     orphan = _process("gpu-0rphan00", state="STALE", stale=True, last_seen=now - 30, token_revoked=True)
+    lapsed = _process("gpu-0ld00000", state="STALE", stale=True, last_seen=now - 30, token_expired=True)
     live = _process("gpu-1live000", last_seen=now)
-    [state] = [c for c in processes._columns([orphan, live], now) if c.header == "STATE"]
-    assert state.cells == ["STALE (token revoked)", "RUNNING"], state.cells
+    [state] = [c for c in processes._columns([orphan, lapsed, live], now) if c.header == "STATE"]
+    assert state.cells == ["STALE (token revoked)", "STALE (token expired)", "RUNNING"], state.cells
 
 
 def test_counts_are_singular_for_one() -> None:
