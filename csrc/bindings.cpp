@@ -326,6 +326,8 @@ void bind_copier(py::module_ &m) {
   m.def(
       "default_write_buffer_bytes", [] { return kDefaultWriteBufferBytes; },
       "Bytes of each pinned buffer a copier writes a staging through unless set (csrc/host_copier.h says why).");
+  m.def("write_buffer_refusal", &write_buffer_refusal, py::arg("bytes"),
+        "Why a write buffer of that many bytes cannot be used, or an empty string where it can.");
 
   py::class_<HostCopier>(m, "HostCopier")
       .def(py::init<const std::vector<std::pair<int, std::size_t>> &, const std::vector<CopierChunk> &,

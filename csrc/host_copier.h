@@ -61,6 +61,12 @@ struct CopyTimes {
 // sooner than through 256 KiB (docs/measurements.md, runs 39a and 39b). The job's FLEXIUM_WRITE_BUFFER replaces it.
 constexpr std::size_t kDefaultWriteBufferBytes = std::size_t{1} << 20;
 
+// Why a write buffer of `bytes` cannot be used, or "" where it can: the one rule, for
+// HostCopier::set_write_buffer_bytes and for FLEXIUM_WRITE_BUFFER, refused when the job starts. Whole pages
+// (each is pinned), from 64 KiB (smaller costs more calls than it saves) to 256 MiB (two are pinned per
+// writing thread).
+std::string write_buffer_refusal(std::size_t bytes);
+
 class HostCopier {
  public:
   // Maps each extent (fd, size) shared; the fds stay the caller's. `driver_made` (per extent; empty: none

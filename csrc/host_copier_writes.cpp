@@ -116,11 +116,14 @@ std::size_t HostCopier::write_pieces(const std::vector<CUdeviceptr> &addresses,
   return bytes;
 }
 
+std::string write_buffer_refusal(std::size_t bytes) {
+  if (bytes >= (std::size_t{64} << 10) && bytes <= (std::size_t{256} << 20) && bytes % 4096 == 0) return "";
+  return "a write buffer must be a multiple of 4 KiB from 64 KiB to 256 MiB, not " + std::to_string(bytes) + " bytes";
+}
+
 void HostCopier::set_write_buffer_bytes(std::size_t bytes) {
-  if (bytes < (std::size_t{64} << 10) || bytes % 4096 != 0) {
-    throw std::invalid_argument("a write buffer must be a multiple of 4 KiB and at least 64 KiB, not " +
-                                std::to_string(bytes) + " bytes");
-  }
+  const std::string refusal = write_buffer_refusal(bytes);
+  if (!refusal.empty()) throw std::invalid_argument(refusal);
   write_buffer_bytes_ = bytes;
 }
 

@@ -285,6 +285,9 @@ def adopt_filled_segments(order: FillOrder, fds: Sequence[int], device: int) -> 
 # Each pinned buffer a copier writes a staging through unless set (HostCopier.set_write_buffer_bytes).
 def default_write_buffer_bytes() -> int: ...
 
+# Why a write buffer of that many bytes cannot be used, or "" where it can (the one rule).
+def write_buffer_refusal(bytes: int) -> str: ...
+
 class HostCopier:
     def __init__(
         self,

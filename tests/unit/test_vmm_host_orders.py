@@ -264,10 +264,12 @@ def test_a_written_staging_round_trips_and_is_then_kept_whole(
     back_from_a_kept_staging(fake, allocator, copier, contents, staging=16 * MiB, copied=12 * MiB)
 
 
-@pytest.mark.parametrize("buffer", [0, 4096, (64 << 10) + 1])
+@pytest.mark.parametrize("buffer", [0, 4096, (64 << 10) + 1, (256 << 20) + 4096])
 def test_a_write_buffer_the_copier_cannot_use_is_refused(buffer: int) -> None:
     copier = _C.HostCopier([], [])
-    with pytest.raises(ValueError, match="a write buffer must be a multiple of 4 KiB and at least 64 KiB"):
+    refusal = f"a write buffer must be a multiple of 4 KiB from 64 KiB to 256 MiB, not {buffer} bytes"
+    assert _C.write_buffer_refusal(buffer) == refusal
+    with pytest.raises(ValueError, match=refusal):
         copier.set_write_buffer_bytes(buffer)
     assert copier.write_buffer_bytes == _C.default_write_buffer_bytes() == 1 * MiB  # unchanged: the default
 

@@ -100,8 +100,8 @@ def written_staging_enabled() -> bool:
 
 def write_buffer_bytes() -> int:
     """Bytes of each of the two pinned buffers a thread writing a staging copies through (read in the
-    copier, whose environment is the job's): an amount such as 1MiB, a multiple of 4 KiB from 64 KiB to
-    256 MiB (two per writing thread are pinned); unset, the copier's default (csrc/host_copier.h says why)."""
+    copier, whose environment is the job's): an amount such as 1MiB, which the copier's rule admits
+    (``_C.write_buffer_refusal``); unset, the copier's default (csrc/host_copier.h says why)."""
     from flexium import _C
 
     default = _C.default_write_buffer_bytes()
@@ -110,12 +110,14 @@ def write_buffer_bytes() -> int:
         return default
     try:
         size = read_size(text)
-    except ValueError:
-        size = 0
-    if not 64 << 10 <= size <= 256 << 20 or size % 4096:
+    except ValueError as exc:
+        size, refusal = 0, str(exc)
+    else:  # an amount past what the copier can even be given is refused without asking it
+        refusal = _C.write_buffer_refusal(size) if size < 1 << 63 else "more memory than any host has"
+    if refusal:
         raise ConfigError(
             f"{WRITE_BUFFER_ENV}={text!r} is not valid: give the size of each write buffer, such as 1MiB or 512KiB "
-            f"(a multiple of 4 KiB from 64 KiB to 256 MiB; default {gib_or_mib(default)}), or unset it"
+            f"({refusal}; default {gib_or_mib(default)}), or unset it"
         )
     return size
 
