@@ -82,6 +82,29 @@ def test_an_expired_token_is_refused_though_the_server_cached_its_auth(cached_ap
     assert page.count("its token has expired") == 1
 
 
+def test_the_dashboards_hear_at_its_expiry_which_processes_the_token_registered(cached_api: Api) -> None:
+    """As at a revocation: their rows say so at once, not when the processes next go STALE."""
+    api = cached_api
+    job = _issue(api, {"name": "short job", "role": "job", "expires_in_s": LIFE_S})
+    for process_id in ("gpu-e1", "gpu-e2"):
+        registered = api.post("/processes", process_body(process_id), headers=api.headers(job["token"]))
+        assert registered.status_code == 201, registered.text
+    api.register("gpu-kept")
+    before = api.ctx.bus.last_id
+    _sleep_past(job["expires_at"])
+    deadline = time.monotonic() + 5
+    while True:
+        told = [
+            (data["process"]["process_id"], data["process"]["token_expired"])
+            for kind, data in api.events(before)
+            if kind == protocol.EVENT_PROCESS and data["action"] == "updated"
+        ]
+        if told or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert sorted(told) == [("gpu-e1", True), ("gpu-e2", True)], told
+
+
 def test_a_token_never_outlives_the_token_that_minted_it(cached_api: Api) -> None:
     api = cached_api
     lead = _issue(api, {"name": "lead", "role": "admin", "expires_in_s": 3600})

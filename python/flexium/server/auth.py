@@ -22,7 +22,7 @@ from typing import Annotated, Any
 from fastapi import Depends, Path, Request
 
 from flexium import protocol, wire
-from flexium.server import storage
+from flexium.server import services, storage
 from flexium.server.context import Ctx, ServerContext
 from flexium.server.errors import Forbidden, NotFound, Unauthorized
 from flexium.server.storage import AuthInfo
@@ -74,7 +74,7 @@ def _lookup(ctx: ServerContext, token: str, token_hash: str) -> asyncio.Future[A
             auth = await ctx.db.call(storage.authenticate, write=False, token=token, now=time.time())
             ctx.tokens.put(token_hash, auth, time.time())
             if auth is not None:
-                ctx.watch_expiry(auth)
+                services.watch_expiry(ctx, auth)
             return auth
 
         inflight = asyncio.ensure_future(run())
@@ -134,7 +134,7 @@ async def resolve_session(ctx: ServerContext, secret: str) -> AuthInfo | None:
     now = time.time()
     auth, touch = await ctx.db.call(storage.session_auth, write=False, secret=secret, now=now)
     if auth is not None:
-        ctx.watch_expiry(auth)
+        services.watch_expiry(ctx, auth)
     if auth is not None and touch:
         await ctx.db.call(storage.touch_session, write=True, session_id=auth.session_id, now=now)
     return auth

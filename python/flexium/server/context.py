@@ -157,8 +157,10 @@ class ServerContext:
     # Revoked through this server since it started, or expired while it ran (ids only: a few bytes
     # each), for a request admitted just before its token's end and waiting just after it.
     ended_tokens: set[int] = field(default_factory=set)
-    # token id -> the timer that ends it at its expiry (watch_expiry), one per expiring token seen.
-    _expiry_timers: dict[int, asyncio.TimerHandle] = field(default_factory=dict)
+    # token id -> the timer that ends it at its expiry (services.watch_expiry), one per expiring token seen.
+    expiry_timers: dict[int, asyncio.TimerHandle] = field(default_factory=dict)
+    # What a timer started on the loop and nothing awaits (held here until done: the loop keeps weak references).
+    loose_tasks: set[asyncio.Task[None]] = field(default_factory=set)
     refusals: RefusalBook = field(default_factory=RefusalBook)  # refused writes, on their way to the audit log
     stopping: bool = False
     loop: asyncio.AbstractEventLoop | None = None
@@ -206,15 +208,6 @@ class ServerContext:
         self.bus.end_streams(token_ids=token_ids)
         for token_id in token_ids:
             self.notifier.wake(("token", token_id))
-
-    def watch_expiry(self, auth: AuthInfo) -> None:
-        """An expiring token's streams and long-polls end when it expires, as a revoked one's do; every
-        replica sees the clock, so none is told."""
-        if auth.expires_at is None or auth.token_id in self._expiry_timers or self.loop is None:
-            return
-        ended = frozenset([auth.token_id])
-        delay = max(0.0, auth.expires_at - time.time())
-        self._expiry_timers[auth.token_id] = self.loop.call_later(delay, self.tokens_ended_here, ended)
 
     def session_ended(self, session_id: int) -> None:
         """A dashboard session logged out: its event streams end, here and on every replica."""

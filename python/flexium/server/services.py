@@ -325,17 +325,50 @@ async def revoke_token(ctx: ServerContext, *, auth: AuthInfo, token_id: int) -> 
     )
     await ctx.tokens_revoked(frozenset([info.id, *info.cascade]))
     if info.processes:
-        orphaned = await ctx.db.call(
-            storage.list_processes,
-            write=False,
-            workspace_id=auth.workspace_id,
-            now=time.time(),
-            stale_after=ctx.settings.stale_after_s,
-            process_ids=info.processes,
-        )
-        for process in orphaned:
+        for process in await _registered_by(ctx, auth.workspace_id, [info.id, *info.cascade]):
             ctx.publish(auth.workspace_id, protocol.EVENT_PROCESS, {"action": "updated", "process": process})
     return info
+
+
+async def _registered_by(ctx: ServerContext, workspace_id: int, token_ids: list[int]) -> list[wire.ProcessInfo]:
+    return await ctx.db.call(
+        storage.list_processes,
+        write=False,
+        workspace_id=workspace_id,
+        now=time.time(),
+        stale_after=ctx.settings.stale_after_s,
+        token_ids=token_ids,
+    )
+
+
+def watch_expiry(ctx: ServerContext, auth: AuthInfo) -> None:
+    """An expiring token's streams and long-polls end when it expires, as a revoked one's do, and this
+    server's dashboards are told which processes it registered. Every replica sees the clock (and keeps
+    its own timer for each expiring token it has seen), so none is told."""
+    if auth.expires_at is None or auth.token_id in ctx.expiry_timers or ctx.loop is None:
+        return
+    delay = max(0.0, auth.expires_at - time.time())
+    ctx.expiry_timers[auth.token_id] = ctx.loop.call_later(delay, _expired, ctx, auth)
+
+
+def _expired(ctx: ServerContext, auth: AuthInfo) -> None:
+    ctx.tokens_ended_here(frozenset([auth.token_id]))
+    assert ctx.loop is not None  # this runs on it
+    task = ctx.loop.create_task(_announce_expired(ctx, auth))
+    ctx.loose_tasks.add(task)
+    task.add_done_callback(ctx.loose_tasks.discard)
+
+
+async def _announce_expired(ctx: ServerContext, auth: AuthInfo) -> None:
+    try:
+        orphaned = await _registered_by(ctx, auth.workspace_id, [auth.token_id])
+    except DatabaseUnavailable:  # they are told when the processes go STALE, which the sweep announces
+        log.info(
+            "token %d expired: its processes are announced when they go STALE (database unavailable)", auth.token_id
+        )
+        return
+    for process in orphaned:
+        ctx.publish_here(auth.workspace_id, protocol.EVENT_PROCESS, {"action": "updated", "process": process})
 
 
 async def log_out(ctx: ServerContext, *, secret: str) -> None:

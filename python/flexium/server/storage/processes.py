@@ -506,14 +506,14 @@ def list_processes(
     host: str | None = None,
     gpu: str | None = None,
     job_key: str | None = None,
-    process_ids: Collection[str] | None = None,
+    token_ids: Collection[int] | None = None,
 ) -> list[wire.ProcessInfo]:
     """Every process of the workspace by host, oldest first on each; ``state`` filters on the shown state
-    (STALE included), ``gpu`` on the GPU UUID, ``job_key`` on the job's key (its ranks), ``process_ids``
-    on their ids."""
+    (STALE included), ``gpu`` on the GPU UUID, ``job_key`` on the job's key (its ranks), ``token_ids``
+    on the tokens that registered them."""
     query = select(Process).where(Process.workspace_id == workspace_id)
-    if process_ids is not None:
-        query = query.where(Process.process_id.in_(list(process_ids)))
+    if token_ids is not None:
+        query = query.where(Process.token_id.in_(list(token_ids)))
     if host:
         query = query.where(Process.host == host)
     if gpu:
