@@ -19,6 +19,7 @@ from flexium import protocol
 from flexium.server import database_admin, storage
 from flexium.server.app import bootstrap, create_app
 from flexium.server.errors import InvalidRequest
+from flexium.server.settings import Settings
 from support.server import Api, LiveServer, make_settings, process_body
 
 pytestmark = pytest.mark.timeout(180)
@@ -34,16 +35,10 @@ def _sleep_past(moment: float) -> None:
 
 
 @pytest.fixture
-def cached_api(database_url_at_head: str) -> Iterator[Api]:
-    """A server that trusts a token's auth for a minute without reading the database again."""
-    app = create_app(make_settings(database_url_at_head, token_cache_s=60.0))
-    token = bootstrap(app.state.ctx.db)
-    assert token
-    with TestClient(app) as client:
-        bound = Api(client, token)
-        bound.ctx = app.state.ctx
-        bound.db = app.state.ctx.db
-        yield bound
+def app_settings(database_url_at_head: str) -> Settings:
+    """The ``api`` of this file's tests: a server that trusts a token's auth for a minute without reading
+    the database again."""
+    return make_settings(database_url_at_head, token_cache_s=60.0)
 
 
 def _issue(api: Api, body: dict[str, Any], token: str | None = None) -> dict[str, Any]:
@@ -52,8 +47,7 @@ def _issue(api: Api, body: dict[str, Any], token: str | None = None) -> dict[str
     return dict(issued.json())
 
 
-def test_an_expired_token_is_refused_though_the_server_cached_its_auth(cached_api: Api) -> None:
-    api = cached_api
+def test_an_expired_token_is_refused_though_the_server_cached_its_auth(api: Api) -> None:
     asked_at = time.time()
     viewer = _issue(api, {"name": "intern", "role": "viewer", "expires_in_s": LIFE_S})
     job = _issue(api, {"name": "short job", "role": "job", "expires_in_s": LIFE_S})
@@ -82,9 +76,8 @@ def test_an_expired_token_is_refused_though_the_server_cached_its_auth(cached_ap
     assert page.count("its token has expired") == 1
 
 
-def test_the_dashboards_hear_at_its_expiry_which_processes_the_token_registered(cached_api: Api) -> None:
+def test_the_dashboards_hear_at_its_expiry_which_processes_the_token_registered(api: Api) -> None:
     """As at a revocation: their rows say so at once, not when the processes next go STALE."""
-    api = cached_api
     job = _issue(api, {"name": "short job", "role": "job", "expires_in_s": LIFE_S})
     for process_id in ("gpu-e1", "gpu-e2"):
         registered = api.post("/processes", process_body(process_id), headers=api.headers(job["token"]))
@@ -105,8 +98,7 @@ def test_the_dashboards_hear_at_its_expiry_which_processes_the_token_registered(
     assert sorted(told) == [("gpu-e1", True), ("gpu-e2", True)], told
 
 
-def test_a_token_never_outlives_the_token_that_minted_it(cached_api: Api) -> None:
-    api = cached_api
+def test_a_token_never_outlives_the_token_that_minted_it(api: Api) -> None:
     lead = _issue(api, {"name": "lead", "role": "admin", "expires_in_s": 3600})
     inherited = _issue(api, {"name": "inherits", "role": "job"}, token=lead["token"])
     assert inherited["expires_at"] == lead["expires_at"]
@@ -126,17 +118,16 @@ def test_a_token_never_outlives_the_token_that_minted_it(cached_api: Api) -> Non
 
 
 @pytest.mark.parametrize("life", [0, -5, 1e12, "soon", True])
-def test_a_life_out_of_bounds_is_refused(cached_api: Api, life: Any) -> None:
-    count = len(cached_api.get("/tokens").json())
-    refused = cached_api.post("/tokens", {"name": "odd", "role": "job", "expires_in_s": life})
+def test_a_life_out_of_bounds_is_refused(api: Api, life: Any) -> None:
+    count = len(api.get("/tokens").json())
+    refused = api.post("/tokens", {"name": "odd", "role": "job", "expires_in_s": life})
     assert refused.status_code == 422, refused.text
     assert "expires_in_s" in refused.text
-    assert len(cached_api.get("/tokens").json()) == count
+    assert len(api.get("/tokens").json()) == count
 
 
-def test_an_expired_minter_mints_nothing(cached_api: Api) -> None:
+def test_an_expired_minter_mints_nothing(api: Api) -> None:
     """Its cached auth would let it through the door a while: minting reads its row."""
-    api = cached_api
     lead = _issue(api, {"name": "lead", "role": "admin", "expires_in_s": LIFE_S})
     assert api.get("/tokens", headers=api.headers(lead["token"])).status_code == 200
     _sleep_past(lead["expires_at"])
@@ -159,8 +150,7 @@ def test_expired_tokens_leave_the_quota(database_url_at_head: str) -> None:
         _issue(api, {"name": "in its place", "role": "job"})
 
 
-def test_a_dashboard_session_and_a_login_link_end_with_their_token(cached_api: Api) -> None:
-    api = cached_api
+def test_a_dashboard_session_and_a_login_link_end_with_their_token(api: Api) -> None:
     viewer = _issue(api, {"name": "screen", "role": "viewer", "expires_in_s": LIFE_S})
     assert api.log_in(viewer["token"]).status_code == 303
     assert api.client.get("/", follow_redirects=False).status_code == 200
