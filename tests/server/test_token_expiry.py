@@ -157,7 +157,10 @@ def test_a_dashboard_session_and_a_login_link_end_with_their_token(api: Api) -> 
     url = api.db.url
     code, opened = database_admin.login_code_as("default", str(viewer["id"]), database_url=url)
     assert opened.id == viewer["id"]
+    assert api.client.get("/api/w/default/processes").status_code == 200  # the session's cookie alone
     _sleep_past(viewer["expires_at"])
+    refused = api.client.get("/api/w/default/processes")
+    assert refused.status_code == 401 and "12 h idle, 7 days old, or its token revoked or expired" in refused.text
     assert api.client.get("/", follow_redirects=False).headers["location"] == "/login"
     api.client.cookies.clear()
     link = api.client.post(

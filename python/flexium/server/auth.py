@@ -158,7 +158,8 @@ async def require_auth(
         auth = await resolve_session(ctx, secret)
         if auth is None:
             raise Unauthorized(
-                "dashboard session ended (logged out, expired, or its token revoked or expired): log in again"
+                f"dashboard session ended (logged out, {storage.SESSION_IDLE_S / 3600:g} h idle, "
+                f"{storage.SESSION_MAX_S / 86400:g} days old, or its token revoked or expired): log in again"
             )
         if request.method not in _SAFE_METHODS and protocol.CSRF_HEADER not in request.headers:
             raise Forbidden(f"requests authenticated by cookie must send the {protocol.CSRF_HEADER} header")
