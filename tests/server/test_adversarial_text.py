@@ -610,7 +610,7 @@ def test_workspace_and_token_names_given_on_the_command_line(database_url: str) 
             with pytest.raises(InvalidRequest, match="token name"):
                 database_admin.issue_token("hostile", name=value, database_url=database_url)
             continue
-        assert database_admin.issue_token("hostile", name=value, database_url=database_url).startswith("flx_")
+        assert database_admin.issue_token("hostile", name=value, database_url=database_url).token.startswith("flx_")
         kept.append(value)
     assert [t.name for t in database_admin.list_tokens("hostile", database_url=database_url)] == [
         FIRST_TOKEN_NAME,

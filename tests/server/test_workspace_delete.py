@@ -74,8 +74,8 @@ def test_a_workspace_goes_with_everything_of_it_and_nothing_else(live: LiveServe
     assert url
     db = Database(normalize_database_url(url), threads=2)
     team_admin = database_admin.create_workspace("team", database_url=url)
-    job = database_admin.issue_token("team", role="job", database_url=url)
-    viewer = database_admin.issue_token("team", role="viewer", database_url=url)
+    job = database_admin.issue_token("team", role="job", database_url=url).token
+    viewer = database_admin.issue_token("team", role="viewer", database_url=url).token
     team = f"{live.url}/api/w/team"
     default = f"{live.url}/api/w/default"
 

@@ -93,7 +93,7 @@ class Server:
             self.token = database_admin.create_workspace(WORKSPACE, database_url=self.database)
             self.job_token = database_admin.issue_token(
                 WORKSPACE, role="job", name="e2e jobs", database_url=self.database
-            )
+            ).token
         return self.token
 
     def start(self, timeout: float = 60.0) -> Server:

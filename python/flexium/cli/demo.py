@@ -66,7 +66,7 @@ def _demo_token(database_url: str) -> tuple[str, bool]:
     try:
         return database_admin.issue_token(
             protocol.DEFAULT_WORKSPACE, name="flexium demo", role=protocol.ROLE_ADMIN, database_url=database_url
-        ), True
+        ).token, True
     except NotFound:
         return database_admin.create_workspace(protocol.DEFAULT_WORKSPACE, database_url=database_url), False
 
@@ -157,7 +157,7 @@ def run(
         job_token, your_token = (
             database_admin.issue_token(
                 protocol.DEFAULT_WORKSPACE, name=name, role=protocol.ROLE_JOB, database_url=settings.database_url
-            )
+            ).token
             for name in ("flexium demo job", "your jobs beside flexium demo")
         )
     except (DatabaseUnavailable, SchemaTooNew) as exc:

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from typing import TYPE_CHECKING, Any
 
 from flexium import protocol, wire
@@ -110,17 +109,16 @@ def run(args: argparse.Namespace) -> int:
             for record in database_admin.list_workspaces(database_url=url):
                 print(record.name)
         elif args.action == "issue":
-            asked_at = time.time()
-            token = database_admin.issue_token(
+            issued = database_admin.issue_token(
                 args.workspace, name=args.name, role=args.role, expires_in_s=args.expires_in, database_url=url
             )
             notes = ["shown once"]
-            if args.expires_in is not None:
-                notes.append(f"expires {utc_time(asked_at + args.expires_in)}")
+            if issued.expires_at is not None:
+                notes.append(f"expires {utc_time(issued.expires_at)}")
             if args.role == protocol.ROLE_JOB:
                 notes.append(f"training jobs read it from {protocol.TOKEN_ENV}")
             print(f"new {args.role} token for workspace '{args.workspace}' ({'; '.join(notes)}):")
-            print(token)
+            print(issued.token)
         elif args.action == "link":
             code, opened = database_admin.login_code_as(args.workspace, args.token, database_url=url)
             label = f"token {opened.id} ({opened.prefix}...{', ' + opened.name if opened.name else ''})"

@@ -7,7 +7,7 @@ Functions for the CLI to call (each takes ``database_url=None``: then ``$FLEXIUM
 else the default SQLite file):
 
 - ``create_workspace(name) -> str``: the new workspace's first token (an admin token)
-- ``issue_token(workspace, name="", role=protocol.DEFAULT_ISSUED_ROLE) -> str``
+- ``issue_token(workspace, name="", role=protocol.DEFAULT_ISSUED_ROLE, expires_in_s=None) -> wire.TokenCreated``
 - ``revoke_token(workspace, token_or_id) -> wire.TokenRevoked`` (with what it minted)
 - ``login_code(token) -> str``: a one-time dashboard login code (``/login#code=...``)
 - ``login_code_as(workspace, token_or_id=None) -> (str, wire.TokenInfo)``: one for a token named by
@@ -27,7 +27,7 @@ from flexium import protocol, wire
 from flexium.server import storage
 from flexium.server.db import Database
 from flexium.server.errors import InvalidRequest
-from flexium.server.settings import load_settings, sqlite_file
+from flexium.server.settings import Settings, load_settings, sqlite_file
 from flexium.server.storage import quotas, retention
 
 
@@ -40,7 +40,10 @@ def open_database(database_url: str | None = None, *, create: bool = False) -> D
     only to ``create`` a workspace (before the server first starts; its folder too, as asked for); else
     it is refused, naming where it was looked for (a mistyped --database or FLEXIUM_HOME would make a
     database no server uses)."""
-    settings = load_settings(database_url=database_url)
+    return _open(load_settings(database_url=database_url), create=create)
+
+
+def _open(settings: Settings, *, create: bool = False) -> Database:
     path = sqlite_file(settings.database_url)
     if path is not None and not create and not os.path.exists(path):
         raise NoDatabase(
@@ -82,9 +85,9 @@ def issue_token(
     role: str = protocol.DEFAULT_ISSUED_ROLE,
     expires_in_s: float | None = None,
     database_url: str | None = None,
-) -> str:
+) -> wire.TokenCreated:
     """Issued by the command line (its audit entry says so; no token minted it, so only its
-    own revocation, or its expiry after ``expires_in_s``, ends it)."""
+    own revocation, or its expiry after ``expires_in_s``, ends it); the token in clear is ``.token``."""
     try:  # the API's rules for a name (a command line may hold NUL or bytes that are not UTF-8) and a life
         name = wire.TokenRequest(name=name, expires_in_s=expires_in_s).name
     except ValidationError as exc:
@@ -102,7 +105,7 @@ def issue_token(
             role=role,
             expires_in_s=expires_in_s,
             now=time.time(),
-        ).token
+        )
     finally:
         db.dispose()
 
@@ -173,7 +176,7 @@ def delete_workspace(
     ``force``. Its tokens are refused by the running servers as revoked ones are (told at once on
     PostgreSQL, within their token cache time on SQLite)."""
     settings = load_settings(database_url=database_url)
-    db = open_database(database_url)
+    db = _open(settings)
     try:
         deleted = db.run(
             storage.delete_workspace,

@@ -134,7 +134,7 @@ def delete_workspace(
     ``stale_after``: they would train on unheard, their tokens refused, unless ``force``."""
     row = session.scalar(select(Workspace).where(Workspace.name == name).with_for_update())
     if row is None:
-        raise NotFound(f"workspace {name!r} not found (`flexium workspace list` lists those of the server's database)")
+        raise _no_workspace(name)
 
     def count(model: type[Command] | type[Process] | type[AuditRecord]) -> int:
         return session.scalar(select(func.count()).select_from(model).where(model.workspace_id == row.id)) or 0
@@ -181,8 +181,12 @@ def ensure_default_workspace(*, session: Session, now: float) -> str | None:
 def get_workspace(*, session: Session, name: str) -> WorkspaceRecord:
     row = session.scalar(select(Workspace).where(Workspace.name == name))
     if row is None:
-        raise NotFound(f"workspace {name!r} not found (`flexium workspace list` lists those of the server's database)")
+        raise _no_workspace(name)
     return _workspace_record(row)
+
+
+def _no_workspace(name: str) -> NotFound:
+    return NotFound(f"workspace {name!r} not found (`flexium workspace list` lists those of the server's database)")
 
 
 def list_workspaces(*, session: Session) -> list[WorkspaceRecord]:
