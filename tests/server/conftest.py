@@ -30,7 +30,7 @@ from fastapi.testclient import TestClient  # noqa: E402
 from flexium.server.app import bootstrap, create_app  # noqa: E402
 from flexium.server.db import Database  # noqa: E402
 from flexium.server.settings import Settings, normalize_database_url  # noqa: E402
-from support.server import Api, make_settings  # noqa: E402
+from support.server import Api, LiveServer, make_settings  # noqa: E402
 
 PG_ENV = "FLEXIUM_TEST_POSTGRES_URL"
 
@@ -149,6 +149,17 @@ def api(app_settings: Settings) -> Iterator[Api]:
         bound.ctx = app.state.ctx
         bound.db = app.state.ctx.db
         yield bound
+
+
+@pytest.fixture
+def live_server(database_url: str, tmp_path: Path) -> Iterator[LiveServer]:
+    """A real server process on the test's database (no sweep of its own during a test)."""
+    server = LiveServer(database_url, str(tmp_path / "home"), "--sweep-interval", "3600")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
 
 
 @pytest.fixture

@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -104,13 +103,8 @@ class Workspace:
 
 
 @pytest.fixture
-def live(database_url: str, tmp_path: Path) -> Iterator[Workspace]:
-    server = LiveServer(database_url, str(tmp_path / "home"), "--sweep-interval", "3600")
-    server.start()
-    try:
-        yield Workspace(server)
-    finally:
-        server.stop()
+def live(live_server: LiveServer) -> Workspace:
+    return Workspace(live_server)
 
 
 def _refused(r: requests.Response, needed: str) -> None:

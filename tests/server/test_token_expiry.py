@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -196,21 +194,11 @@ def _poll(base: str, token: str, process_id: str, out: dict[str, Any]) -> None:
     out["status"], out["ended"] = answer.status_code, time.time()
 
 
-@pytest.fixture
-def live(database_url: str, tmp_path: Path) -> Iterator[LiveServer]:
-    server = LiveServer(database_url, str(tmp_path / "home"), "--sweep-interval", "3600")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-def test_an_expiring_tokens_event_stream_and_long_poll_end_at_its_end(live: LiveServer) -> None:
+def test_an_expiring_tokens_event_stream_and_long_poll_end_at_its_end(live_server: LiveServer) -> None:
     """Left alone, a stream would last for ever and a poll its 30 s: the server ends them when the token
     expires, as it does at a revocation, though nobody revoked anything."""
-    base = f"{live.url}/api/w/default"
-    admin = {"Authorization": f"Bearer {live.token}"}
+    base = f"{live_server.url}/api/w/default"
+    admin = {"Authorization": f"Bearer {live_server.token}"}
 
     def issue(role: str) -> dict[str, Any]:
         issued = requests.post(

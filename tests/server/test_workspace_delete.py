@@ -9,8 +9,6 @@ import io
 import sys
 import threading
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -50,16 +48,6 @@ def _rows_of(db: Database, workspace_id: int) -> dict[str, int]:
     return counts
 
 
-@pytest.fixture
-def live(database_url: str, tmp_path: Path) -> Iterator[LiveServer]:
-    server = LiveServer(database_url, str(tmp_path / "home"), "--sweep-interval", "3600")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
 def _stream(url: str, token: str, out: dict[str, Any]) -> None:
     with requests.get(url, headers={"Authorization": f"Bearer {token}"}, stream=True, timeout=60) as answer:
         out["status"] = answer.status_code
@@ -69,15 +57,15 @@ def _stream(url: str, token: str, out: dict[str, Any]) -> None:
     out["ended"] = time.monotonic()
 
 
-def test_a_workspace_goes_with_everything_of_it_and_nothing_else(live: LiveServer) -> None:
-    url = live.database
+def test_a_workspace_goes_with_everything_of_it_and_nothing_else(live_server: LiveServer) -> None:
+    url = live_server.database
     assert url
     db = Database(normalize_database_url(url), threads=2)
     team_admin = database_admin.create_workspace("team", database_url=url)
     job = database_admin.issue_token("team", role="job", database_url=url).token
     viewer = database_admin.issue_token("team", role="viewer", database_url=url).token
-    team = f"{live.url}/api/w/team"
-    default = f"{live.url}/api/w/default"
+    team = f"{live_server.url}/api/w/team"
+    default = f"{live_server.url}/api/w/default"
 
     def call(method: str, base: str, path: str, token: str, body: Any = None) -> requests.Response:
         return requests.request(
@@ -85,7 +73,7 @@ def test_a_workspace_goes_with_everything_of_it_and_nothing_else(live: LiveServe
         )
 
     assert call("POST", team, "/processes", job, process_body("gpu-t", host="node-t")).status_code == 201
-    assert call("POST", default, "/processes", live.token or "", process_body("gpu-d")).status_code == 201
+    assert call("POST", default, "/processes", live_server.token or "", process_body("gpu-d")).status_code == 201
     command = call("POST", team, "/commands", team_admin, {"kind": "pause", "process_id": "gpu-t"})
     assert command.status_code == 201, command.text
     code, _opened = database_admin.login_code_as("team", database_url=url)
@@ -128,13 +116,13 @@ def test_a_workspace_goes_with_everything_of_it_and_nothing_else(live: LiveServe
     if not db.is_sqlite:  # told through the replica link: its stream ends at once (SQLite's has no link)
         streaming.join(REFUSED_WITHIN_S)
         assert stream["status"] == 200 and stream["ended"] - deleted_at < REFUSED_WITHIN_S, stream
-    login = requests.post(live.url + "/login", data={"code": code}, allow_redirects=False, timeout=10)
+    login = requests.post(live_server.url + "/login", data={"code": code}, allow_redirects=False, timeout=10)
     assert login.status_code == 401
-    listed = call("GET", default, "/processes", live.token or "")
+    listed = call("GET", default, "/processes", live_server.token or "")
     assert [p["process_id"] for p in listed.json()] == ["gpu-d"]
     with pytest.raises(NotFound, match="workspace 'team' not found"):
         database_admin.delete_workspace("team", database_url=url)
-    live.stop()  # ends the stream where no link did (SQLite)
+    live_server.stop()  # ends the stream where no link did (SQLite)
     streaming.join(10)
     db.dispose()
 
