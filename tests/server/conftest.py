@@ -163,6 +163,18 @@ def live_server(database_url: str, tmp_path: Path) -> Iterator[LiveServer]:
 
 
 @pytest.fixture
+def swept_live_server(database_url: str, tmp_path: Path) -> Iterator[LiveServer]:
+    """A real server process on the test's database that sweeps every second: what it finds by itself
+    (a token or a session ended on the database without its knowing) shows within the test."""
+    server = LiveServer(database_url, str(tmp_path / "home"), "--sweep-interval", "1")
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture
 def enough_file_descriptors() -> None:
     """This test process may open the thousands of sockets a flood test holds: its soft limit on
     open files raised to 8192, or to its hard limit if that is lower."""

@@ -13,7 +13,12 @@ from typing import Any
 
 import pytest
 import requests
+from sqlalchemy import update
 
+from flexium.server import database_admin, storage
+from flexium.server.db import Database
+from flexium.server.models import DashboardSession
+from flexium.server.settings import normalize_database_url
 from support.server import GIB, LiveServer, gpu, process_body, rank_body
 
 pytestmark = pytest.mark.timeout(180)
@@ -390,3 +395,52 @@ def test_logout_and_revocation_end_the_dashboards_event_streams(live: Workspace)
     threads[0].join(10)
     assert streams[0]["ended"] - revoked_at < ENDED_WITHIN_S
     assert kept.get(live.url + "/", allow_redirects=False, timeout=10).headers["location"] == "/login"
+
+
+def test_what_ends_on_the_database_unheard_ends_its_streams_and_polls_at_the_sweep(
+    swept_live_server: LiveServer,
+) -> None:
+    """`flexium token revoke` writes to the database, and a server on SQLite has no link to hear it: its
+    sweep finds the tokens and dashboard sessions that hold a stream or a long-poll there and no longer
+    open doors, and ends what they hold (on PostgreSQL the server is told at once). A session past its
+    life (its start moved back a week) ends the same way, though its token lives on."""
+    live = Workspace(swept_live_server)
+    url = swept_live_server.database
+    assert url
+    j, v = live.mint(ADMIN, JOB, name="a job"), live.mint(ADMIN, VIEWER, name="a screen")
+    browser = _session(live, live.tokens[VIEWER])
+    live.register(j["token"], process_body("gpu-j"))
+    poll: dict[str, Any] = {}
+    stream: dict[str, Any] = {}
+    dashboard: dict[str, Any] = {}
+    threads = [
+        threading.Thread(target=_poll, args=(live, j["token"], "gpu-j", poll)),
+        threading.Thread(target=_stream, args=(live, stream), kwargs={"token": v["token"]}),
+        threading.Thread(target=_stream, args=(live, dashboard), kwargs={"cookies": browser.cookies}),
+    ]
+    for t in threads:
+        t.start()
+    _wait_for(lambda: "open" in stream and "open" in dashboard, "the event streams to open")
+    time.sleep(0.5)  # the poll is waiting
+
+    revoked_at = time.monotonic()
+    assert sorted(database_admin.revoke_token("default", j["id"], database_url=url).cascade) == []
+    assert database_admin.revoke_token("default", v["token"], database_url=url).id == v["id"]
+    threads[0].join(ENDED_WITHIN_S + 5)
+    threads[1].join(ENDED_WITHIN_S + 5)
+    assert poll["status"] == 401 and poll["ended"] - revoked_at < ENDED_WITHIN_S, poll
+    assert stream["status"] == 200 and stream["ended"] - revoked_at < ENDED_WITHIN_S, stream
+    assert "ended" not in dashboard  # its token and session live
+
+    db = Database(normalize_database_url(url), threads=1)
+    try:
+        aged_at = time.monotonic()
+        with db.session(write=True) as s:
+            moved = s.execute(update(DashboardSession).values(created_at=time.time() - storage.SESSION_MAX_S - 60))
+            assert moved.rowcount == 1
+    finally:
+        db.dispose()
+    threads[2].join(ENDED_WITHIN_S + 5)
+    assert dashboard["status"] == 200 and dashboard["ended"] - aged_at < ENDED_WITHIN_S, dashboard
+    assert browser.get(live.url + "/", allow_redirects=False, timeout=10).headers["location"] == "/login"
+    assert live.call(VIEWER, "GET", "/processes").status_code == 200  # the token itself lives

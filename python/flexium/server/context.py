@@ -154,8 +154,8 @@ class ServerContext:
     # Since when the policies' passes have reached the database without a gap (its start, or the
     # end of an outage; math.inf during one): flexium run's silence counts from then (policy_pass.py).
     answering_since: float = field(default_factory=time.time)
-    # Revoked through this server since it started, or expired while it ran (ids only: a few bytes
-    # each), for a request admitted just before its token's end and waiting just after it.
+    # Revoked through this server since it started, expired while it ran, or found ended by its sweep
+    # (ids only: a few bytes each), for a request admitted just before its token's end and waiting just after it.
     ended_tokens: set[int] = field(default_factory=set)
     # token id -> the timer that ends it at its expiry (services.watch_expiry), one per expiring token seen.
     expiry_timers: dict[int, asyncio.TimerHandle] = field(default_factory=dict)

@@ -136,8 +136,8 @@ def revoke_token(workspace: str, token_or_id: str | int, *, database_url: str | 
     """Revoke by the token itself or by its id (``list_tokens`` shows ids), and every token it
     minted. Their dashboard sessions end at once. On PostgreSQL the running servers are told (their
     replica link): they refuse the tokens and end their event streams and long-polls at once; a
-    server on SQLite stops accepting them within its token cache time (5 s), as does a server on
-    PostgreSQL that could not hear it (it reads revocations again when its link reconnects)."""
+    server on SQLite stops accepting them within its token cache time (5 s), and ends their streams
+    and long-polls at its next sweep, as does a server on PostgreSQL that could not hear it."""
     db = open_database(database_url)
     try:
         ws = _workspace_id(db, workspace)
@@ -153,7 +153,8 @@ def revoke_token(workspace: str, token_or_id: str | int, *, database_url: str | 
 
 def _tell_servers_revoked(db: Database, token_ids: list[int]) -> None:
     """The servers on a PostgreSQL database refuse these tokens at once and end their event streams and
-    long-polls (those on SQLite, and any that could not hear it, within their token cache time)."""
+    long-polls (those on SQLite, and any that could not hear it, within their token cache time, and
+    their streams and long-polls at their next sweep)."""
     if db.is_sqlite or not token_ids:
         return
     import psycopg  # PostgreSQL's alone: the command line on SQLite never imports it
@@ -174,7 +175,7 @@ def delete_workspace(
     """The workspace and everything of it (its tokens, processes, commands, queue, drains, history and
     audit log); refused while a process of it was heard within the server's ``stale_after_s`` unless
     ``force``. Its tokens are refused by the running servers as revoked ones are (told at once on
-    PostgreSQL, within their token cache time on SQLite)."""
+    PostgreSQL; on SQLite within their token cache time, and their streams at the next sweep)."""
     settings = load_settings(database_url=database_url)
     db = _open(settings)
     try:

@@ -87,6 +87,10 @@ class Notifier:
     def waiting(self) -> int:
         return sum(len(w) for w in self._waiters.values())
 
+    def waited(self, kind: str) -> set[Hashable]:
+        """What the waits registered as ``(kind, x)`` wait on: each ``x``."""
+        return {key[1] for key in self._waiters if isinstance(key, tuple) and len(key) == 2 and key[0] == kind}
+
 
 def client_gone(receive: Callable[[], Awaitable[MutableMapping[str, Any]]]) -> asyncio.Task[None]:
     """Done when the client of a request whose body was read (or that has none) goes away: the
@@ -281,6 +285,13 @@ class EventBus:
     def workspaces(self) -> list[int]:
         """The workspaces with an open stream here."""
         return list(self._subs)
+
+    @property
+    def openers(self) -> tuple[set[int], set[int]]:
+        """The tokens and the dashboard sessions that opened a stream here."""
+        subs = [sub for subs in self._subs.values() for sub in subs if not sub.ended]
+        tokens = {sub.token_id for sub in subs if sub.token_id is not None}
+        return tokens, {sub.session_id for sub in subs if sub.session_id is not None}
 
     @property
     def subscribers(self) -> int:

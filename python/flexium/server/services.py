@@ -299,6 +299,7 @@ async def sweep_forever(ctx: ServerContext) -> None:
             ctx.publish(ws, protocol.EVENT_PROCESS, {"action": "removed", "process": {"process_id": process_id}})
         for ws, proc in result.newly_stale:  # every replica's sweep finds them
             ctx.publish_here(ws, protocol.EVENT_PROCESS, {"action": "stale", "process": proc})
+        await end_what_ended_unheard(ctx, now)
         # The backstop: every waiting job judged again (what another server queued included).
         await queue.run(ctx)
         await queue.place(ctx)
@@ -369,6 +370,30 @@ async def _announce_expired(ctx: ServerContext, auth: AuthInfo) -> None:
         return
     for process in orphaned:
         ctx.publish_here(auth.workspace_id, protocol.EVENT_PROCESS, {"action": "updated", "process": process})
+
+
+async def end_what_ended_unheard(ctx: ServerContext, now: float) -> None:
+    """The event streams and long-polls held here by a token or a dashboard session that ended without
+    this server being told (revoked, or its workspace deleted, by the command line on SQLite, which has
+    no replica link; a session past its life; a message the link lost) end at the sweep after."""
+    tokens, sessions = ctx.bus.openers
+    tokens |= {t for t in ctx.notifier.waited("token") if isinstance(t, int)}
+    tokens -= ctx.ended_tokens
+    if not tokens and not sessions:
+        return
+    try:
+        ended = await ctx.db.call(storage.ended_among, write=False, token_ids=tokens, session_ids=sessions, now=now)
+    except Exception:  # the next sweep asks again
+        log.exception("reading which tokens and sessions ended failed; asking again at the next sweep")
+        return
+    if ended.tokens:
+        log.info(
+            "tokens %s ended unheard (by the command line, or past their life): their streams and polls end",
+            sorted(ended.tokens),
+        )
+        ctx.tokens_ended_here(frozenset(ended.tokens))
+    for session_id in ended.sessions:
+        ctx.bus.end_streams(session_id=session_id)
 
 
 async def log_out(ctx: ServerContext, *, secret: str) -> None:

@@ -16,6 +16,8 @@ opens nothing later."""
 from __future__ import annotations
 
 import secrets
+from collections.abc import Collection
+from typing import NamedTuple
 
 from sqlalchemy import ColumnElement, delete, or_, select, update
 from sqlalchemy.orm import Session
@@ -93,14 +95,40 @@ def session_auth(*, session: Session, secret: str, now: float) -> tuple[AuthInfo
         select(DashboardSession, Token, Workspace.name)
         .join(Token, Token.id == DashboardSession.token_id)
         .join(Workspace, Workspace.id == Token.workspace_id)
-        .where(DashboardSession.session_hash == hash_token(secret), token_alive(now))
+        .where(DashboardSession.session_hash == hash_token(secret), token_alive(now), ~_expired(now))
     ).first()
     if found is None:
         return None, False
     row, token, workspace = found
-    if row.last_used < now - SESSION_IDLE_S or row.created_at < now - SESSION_MAX_S:
-        return None, False
     return auth_of(token, workspace=workspace, session_id=row.id), now - row.last_used >= _TOUCH_EVERY_S
+
+
+class Ended(NamedTuple):
+    """Of the tokens and dashboard sessions asked about, those that no longer open doors."""
+
+    tokens: set[int]
+    sessions: set[int]
+
+
+_IDS_PER_QUERY = 500  # far below any database's bound on a statement's parameters
+
+
+def ended_among(*, session: Session, token_ids: Collection[int], session_ids: Collection[int], now: float) -> Ended:
+    """Which of these tokens are revoked, expired or gone (their workspace deleted), and which of these
+    sessions are ended (logged out, past their life, their token's revocation): for a server that
+    was not told, since the command line changed the database (SQLite has no replica link)."""
+    tokens, sessions = sorted(token_ids), sorted(session_ids)
+    alive_tokens: set[int] = set()
+    alive_sessions: set[int] = set()
+    for at in range(0, len(tokens), _IDS_PER_QUERY):
+        ids = tokens[at : at + _IDS_PER_QUERY]
+        alive_tokens.update(session.scalars(select(Token.id).where(Token.id.in_(ids), token_alive(now))))
+    for at in range(0, len(sessions), _IDS_PER_QUERY):
+        ids = sessions[at : at + _IDS_PER_QUERY]
+        alive_sessions.update(
+            session.scalars(select(DashboardSession.id).where(DashboardSession.id.in_(ids), ~_expired(now)))
+        )
+    return Ended(tokens=set(tokens) - alive_tokens, sessions=set(sessions) - alive_sessions)
 
 
 def touch_session(*, session: Session, session_id: int, now: float) -> None:
