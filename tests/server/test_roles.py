@@ -6,6 +6,7 @@ streams and long-polls within a second."""
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable
@@ -311,6 +312,8 @@ def _stream(live: Workspace, out: dict[str, Any], *, token: str | None = None, c
         for line in r.iter_lines(decode_unicode=True):
             if line.startswith("event: hello"):
                 out["open"] = time.monotonic()
+            elif line.startswith("data: "):
+                out.setdefault("data", []).append(json.loads(line[len("data: ") :]))
     out["ended"] = time.monotonic()
 
 
@@ -402,8 +405,9 @@ def test_what_ends_on_the_database_unheard_ends_its_streams_and_polls_at_the_swe
 ) -> None:
     """`flexium token revoke` writes to the database, and a server on SQLite has no link to hear it: its
     sweep finds the tokens and dashboard sessions that hold a stream or a long-poll there and no longer
-    open doors, and ends what they hold (on PostgreSQL the server is told at once). A session past its
-    life (its start moved back a week) ends the same way, though its token lives on."""
+    open doors, and ends what they hold (on PostgreSQL the server is told at once), and tells its dashboards
+    which processes those tokens registered. A session past its life (its start moved back a week) ends
+    the same way, though its token lives on."""
     live = Workspace(swept_live_server)
     url = swept_live_server.database
     assert url
@@ -431,6 +435,13 @@ def test_what_ends_on_the_database_unheard_ends_its_streams_and_polls_at_the_swe
     assert poll["status"] == 401 and poll["ended"] - revoked_at < ENDED_WITHIN_S, poll
     assert stream["status"] == 200 and stream["ended"] - revoked_at < ENDED_WITHIN_S, stream
     assert "ended" not in dashboard  # its token and session live
+    # ... and it was told that the revoked job token's process trains on unheard
+    _wait_for(
+        lambda: any(d.get("process", {}).get("token_revoked") for d in dashboard.get("data", [])),
+        "the dashboard to hear of the process of the revoked token",
+    )
+    [told] = [d["process"] for d in dashboard["data"] if d.get("process", {}).get("token_revoked")]
+    assert told["process_id"] == "gpu-j" and told["state"] == "RUNNING", told
 
     db = Database(normalize_database_url(url), threads=1)
     try:

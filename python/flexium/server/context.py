@@ -14,7 +14,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Annotated, Any
 
@@ -40,11 +40,14 @@ REVOKED_PER_MESSAGE = 500  # token ids in one notification (PostgreSQL's limit i
 log = logging.getLogger("flexium.server")
 
 
-def revocation_messages(token_ids: Iterable[int]) -> list[dict[str, Any]]:
-    """What tells the replicas of revoked tokens: a long cascade, in notifications that fit."""
+def revocation_messages(token_ids: Iterable[int], *, announce_in: int | None = None) -> list[dict[str, Any]]:
+    """What tells the replicas of revoked tokens: a long cascade, in notifications that fit.
+    ``announce_in``: the workspace whose dashboards each replica tells which processes the tokens
+    registered (a revocation by the command line, which no server announced)."""
     ids = sorted(token_ids)
+    said: dict[str, Any] = {} if announce_in is None else {"workspace": announce_in}
     return [
-        {"kind": "revoked", "tokens": ids[start : start + REVOKED_PER_MESSAGE]}
+        {"kind": "revoked", "tokens": ids[start : start + REVOKED_PER_MESSAGE], **said}
         for start in range(0, len(ids), REVOKED_PER_MESSAGE)
     ]
 
@@ -159,7 +162,7 @@ class ServerContext:
     ended_tokens: set[int] = field(default_factory=set)
     # token id -> the timer that ends it at its expiry (services.watch_expiry), one per expiring token seen.
     expiry_timers: dict[int, asyncio.TimerHandle] = field(default_factory=dict)
-    # What a timer started on the loop and nothing awaits (held here until done: the loop keeps weak references).
+    # What runs on the loop and nothing awaits (``spawn``; held here until done: the loop keeps weak references).
     loose_tasks: set[asyncio.Task[None]] = field(default_factory=set)
     refusals: RefusalBook = field(default_factory=RefusalBook)  # refused writes, on their way to the audit log
     stopping: bool = False
@@ -208,6 +211,12 @@ class ServerContext:
         self.bus.end_streams(token_ids=token_ids)
         for token_id in token_ids:
             self.notifier.wake(("token", token_id))
+
+    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        """Runs ``work`` on the loop, held until done (the loop keeps a task only weakly); from the loop."""
+        task = asyncio.ensure_future(work)
+        self.loose_tasks.add(task)
+        task.add_done_callback(self.loose_tasks.discard)
 
     def session_ended(self, session_id: int) -> None:
         """A dashboard session logged out: its event streams end, here and on every replica."""

@@ -145,16 +145,17 @@ def revoke_token(workspace: str, token_or_id: str | int, *, database_url: str | 
         revoked = db.run(
             storage.revoke_token, write=True, workspace_id=ws, token_id=token_id, token=token, now=time.time()
         )
-        _tell_servers_revoked(db, [revoked.id, *revoked.cascade])
+        _tell_servers_revoked(db, [revoked.id, *revoked.cascade], announce_in=ws)
         return revoked
     finally:
         db.dispose()
 
 
-def _tell_servers_revoked(db: Database, token_ids: list[int]) -> None:
+def _tell_servers_revoked(db: Database, token_ids: list[int], *, announce_in: int | None = None) -> None:
     """The servers on a PostgreSQL database refuse these tokens at once and end their event streams and
     long-polls (those on SQLite, and any that could not hear it, within their token cache time, and
-    their streams and long-polls at their next sweep)."""
+    their streams and long-polls at their next sweep); with ``announce_in``, each tells its dashboards
+    of that workspace which processes the tokens registered."""
     if db.is_sqlite or not token_ids:
         return
     import psycopg  # PostgreSQL's alone: the command line on SQLite never imports it
@@ -162,7 +163,7 @@ def _tell_servers_revoked(db: Database, token_ids: list[int]) -> None:
     from flexium.server.context import revocation_messages
     from flexium.server.replica_link import tell_replicas
 
-    for message in revocation_messages(token_ids):
+    for message in revocation_messages(token_ids, announce_in=announce_in):
         try:
             tell_replicas(db.url, "command line", message)
         except psycopg.Error:  # revoked all the same: the servers' caches forget it within 5 s

@@ -20,7 +20,7 @@ from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
 from flexium import protocol, wire
-from flexium.server import drains, queue, storage
+from flexium.server import drains, queue, services, storage
 from flexium.server.context import ServerContext
 from flexium.server.storage import ProcessSnapshot
 from flexium.server.storage.processes import Progress
@@ -90,6 +90,8 @@ def _resync(ctx: ServerContext, m: Message) -> None:
 
 def _revoked(ctx: ServerContext, m: Message) -> None:
     ctx.tokens_ended_here(frozenset(m["tokens"]))
+    if m.get("workspace") is not None:  # the command line's: no server has told the dashboards
+        ctx.spawn(services.tell_registered_by(ctx, m["workspace"], m["tokens"]))
 
 
 def _session_ended(ctx: ServerContext, m: Message) -> None:
@@ -160,13 +162,8 @@ _APPLY: dict[str, Callable[[ServerContext, Message], None]] = {
 }
 
 
-_rereads: set[asyncio.Task[None]] = set()  # held until done: the loop keeps a task only weakly
-
-
 def _reread_soon(ctx: ServerContext, *, dashboards: bool) -> None:
-    task = asyncio.ensure_future(reread(ctx, dashboards=dashboards))
-    _rereads.add(task)
-    task.add_done_callback(_rereads.discard)
+    ctx.spawn(reread(ctx, dashboards=dashboards))
 
 
 async def reread(ctx: ServerContext, *, dashboards: bool) -> None:

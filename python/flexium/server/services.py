@@ -354,28 +354,29 @@ def watch_expiry(ctx: ServerContext, auth: AuthInfo) -> None:
 
 def _expired(ctx: ServerContext, auth: AuthInfo) -> None:
     ctx.tokens_ended_here(frozenset([auth.token_id]))
-    assert ctx.loop is not None  # this runs on it
-    task = ctx.loop.create_task(_announce_expired(ctx, auth))
-    ctx.loose_tasks.add(task)
-    task.add_done_callback(ctx.loose_tasks.discard)
+    ctx.spawn(tell_registered_by(ctx, auth.workspace_id, [auth.token_id]))
 
 
-async def _announce_expired(ctx: ServerContext, auth: AuthInfo) -> None:
+async def tell_registered_by(ctx: ServerContext, workspace_id: int, token_ids: list[int]) -> None:
+    """This server's dashboards are told which processes these tokens, ended (revoked or expired) in a
+    way every replica learns by itself, registered: their rows say so at once, not when they go STALE."""
     try:
-        orphaned = await _registered_by(ctx, auth.workspace_id, [auth.token_id])
+        orphaned = await _registered_by(ctx, workspace_id, token_ids)
     except DatabaseUnavailable:  # they are told when the processes go STALE, which the sweep announces
-        log.info(
-            "token %d expired: its processes are announced when they go STALE (database unavailable)", auth.token_id
-        )
+        log.info("tokens %s ended: their processes are announced when they go STALE (database unavailable)", token_ids)
+        return
+    except Exception:
+        log.exception("telling the dashboards which processes tokens %s registered failed", token_ids)
         return
     for process in orphaned:
-        ctx.publish_here(auth.workspace_id, protocol.EVENT_PROCESS, {"action": "updated", "process": process})
+        ctx.publish_here(workspace_id, protocol.EVENT_PROCESS, {"action": "updated", "process": process})
 
 
 async def end_what_ended_unheard(ctx: ServerContext, now: float) -> None:
     """The event streams and long-polls held here by a token or a dashboard session that ended without
     this server being told (revoked, or its workspace deleted, by the command line on SQLite, which has
-    no replica link; a session past its life; a message the link lost) end at the sweep after."""
+    no replica link; a session past its life; a message the link lost) end at the sweep after, and
+    this server's dashboards are told which processes those tokens registered."""
     tokens, sessions = ctx.bus.openers
     tokens |= {t for t in ctx.notifier.waited("token") if isinstance(t, int)}
     tokens -= ctx.ended_tokens
@@ -394,6 +395,8 @@ async def end_what_ended_unheard(ctx: ServerContext, now: float) -> None:
         ctx.tokens_ended_here(frozenset(ended.tokens))
     for session_id in ended.sessions:
         ctx.bus.end_streams(session_id=session_id)
+    for workspace_id, token_ids in ended.by_workspace.items():  # every replica's sweep finds them
+        await tell_registered_by(ctx, workspace_id, token_ids)
 
 
 async def log_out(ctx: ServerContext, *, secret: str) -> None:

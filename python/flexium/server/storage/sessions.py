@@ -108,6 +108,9 @@ class Ended(NamedTuple):
 
     tokens: set[int]
     sessions: set[int]
+    # The ended tokens still in the database (revoked or expired, not deleted), by workspace: whose
+    # processes the dashboards are told of.
+    by_workspace: dict[int, list[int]]
 
 
 _IDS_PER_QUERY = 500  # far below any database's bound on a statement's parameters
@@ -119,16 +122,23 @@ def ended_among(*, session: Session, token_ids: Collection[int], session_ids: Co
     was not told, since the command line changed the database (SQLite has no replica link)."""
     tokens, sessions = sorted(token_ids), sorted(session_ids)
     alive_tokens: set[int] = set()
-    alive_sessions: set[int] = set()
+    by_workspace: dict[int, list[int]] = {}
     for at in range(0, len(tokens), _IDS_PER_QUERY):
         ids = tokens[at : at + _IDS_PER_QUERY]
-        alive_tokens.update(session.scalars(select(Token.id).where(Token.id.in_(ids), token_alive(now))))
+        for token_id, workspace_id, alive in session.execute(
+            select(Token.id, Token.workspace_id, token_alive(now)).where(Token.id.in_(ids))
+        ):
+            if alive:
+                alive_tokens.add(token_id)
+            else:
+                by_workspace.setdefault(workspace_id, []).append(token_id)
+    alive_sessions: set[int] = set()
     for at in range(0, len(sessions), _IDS_PER_QUERY):
         ids = sessions[at : at + _IDS_PER_QUERY]
         alive_sessions.update(
             session.scalars(select(DashboardSession.id).where(DashboardSession.id.in_(ids), ~_expired(now)))
         )
-    return Ended(tokens=set(tokens) - alive_tokens, sessions=set(sessions) - alive_sessions)
+    return Ended(tokens=set(tokens) - alive_tokens, sessions=set(sessions) - alive_sessions, by_workspace=by_workspace)
 
 
 def touch_session(*, session: Session, session_id: int, now: float) -> None:
