@@ -21,6 +21,7 @@ from support.storage import (
     all_at_once,
     make_command,
     make_workspace,
+    sweep_at,
 )
 
 
@@ -166,6 +167,55 @@ def test_stale_shown_and_filtered(db: Database) -> None:
     assert [p.process_id for p in stale] == ["gpu-1"]
     counts = db.run(storage.count_processes, write=False, now=NOW + 45, stale_after=STALE)
     assert counts["STALE"] == 1 and counts["RUNNING"] == 1
+
+
+def test_stale_strictly_after_stale_after_in_every_reading(db: Database) -> None:
+    """Silent for exactly ``stale_after`` is not yet STALE, a moment more is: the listing, its filters, the
+    counts, the GPU cards' flexium memory, a workspace's deletion and the sweep's announcement agree."""
+    ws, _ = make_workspace(db)
+    add_process(db, ws, "gpu-1", now=NOW, devices=[gpu(0, used=30 * GIB)], memory=20 * GIB)
+
+    def readings(now: float) -> dict[str, Any]:
+        def listed(state: str | None) -> list[str]:
+            found = db.run(
+                storage.list_processes, write=False, workspace_id=ws, now=now, stale_after=STALE, state=state
+            )
+            return [p.process_id for p in found]
+
+        hosts = db.run(storage.list_devices, write=False, workspace_id=ws, now=now, stale_after=STALE).hosts
+        heard = db.run(
+            storage.delete_workspace, write=True, name="team", now=now, stale_after=STALE, force=True, dry_run=True
+        ).heard
+        return {
+            "shown": db.run(
+                storage.get_process, write=False, workspace_id=ws, process_id="gpu-1", now=now, stale_after=STALE
+            ).state,
+            "stale": listed("STALE"),
+            "running": listed("RUNNING"),
+            "counted_stale": db.run(storage.count_processes, write=False, now=now, stale_after=STALE)["STALE"],
+            "flexium_memory": hosts[0].devices[0].memory_flexium,
+            "heard": [process_id for process_id, _host in heard],
+        }
+
+    assert readings(NOW + STALE) == {
+        "shown": "RUNNING",
+        "stale": [],
+        "running": ["gpu-1"],
+        "counted_stale": 0,
+        "flexium_memory": 20 * GIB,
+        "heard": ["gpu-1"],
+    }
+    assert readings(NOW + STALE + 0.5) == {
+        "shown": "STALE",
+        "stale": ["gpu-1"],
+        "running": [],
+        "counted_stale": 1,
+        "flexium_memory": 0,
+        "heard": [],
+    }
+    assert sweep_at(db, NOW + STALE, stale_since=NOW + STALE - 1).newly_stale == []
+    announced = sweep_at(db, NOW + STALE + 0.5, stale_since=NOW + STALE).newly_stale
+    assert [p.process_id for _ws, p in announced] == ["gpu-1"]
 
 
 def test_processes_are_scoped_to_workspace(db: Database) -> None:

@@ -29,6 +29,7 @@ from flexium.server.refusals import RefusalBook
 from flexium.server.settings import Settings
 from flexium.server.storage import AuthInfo, ProcessSnapshot
 from flexium.server.storage.processes import trained_between
+from flexium.server.storage.staleness import silent
 
 if TYPE_CHECKING:  # the link is PostgreSQL's alone: a server on SQLite never imports psycopg
     from flexium.server.replica_link import Message, ReplicaLink
@@ -322,7 +323,11 @@ class ServerContext:
         beat, a change, or stale)."""
         key = (workspace_id, process_id)
         snap = self.snapshots.get(key)
-        if snap is None or now - snap.last_seen > self.settings.stale_after_s or not snap.unchanged_by(report):
+        if (
+            snap is None
+            or silent(snap.last_seen, now=now, stale_after=self.settings.stale_after_s)
+            or not snap.unchanged_by(report)
+        ):
             return False
         progress = snap.progress
         if report.steps is not None or report.loss is not None:

@@ -39,7 +39,7 @@ from flexium.server.storage.drains import (
 from flexium.server.storage.jobs import is_job_rank
 from flexium.server.storage.processes import active_command
 from flexium.server.storage.reservations import lock_hosts
-from flexium.server.storage.views import is_stale
+from flexium.server.storage.staleness import is_stale
 from flexium.server.storage.waits import cancel_live_wait, queue_wait
 from flexium.server.storage.workspaces import AuthInfo
 from flexium.units import gib

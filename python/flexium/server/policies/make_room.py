@@ -29,8 +29,9 @@ from flexium.server.storage.devices import held_by_gpu, host_devices
 from flexium.server.storage.jobs import is_job_rank
 from flexium.server.storage.processes import active_command, find_process
 from flexium.server.storage.reservations import MAKE_ROOM, hold_room, lock_hosts
+from flexium.server.storage.staleness import is_stale
 from flexium.server.storage.targets import target_refusal
-from flexium.server.storage.views import is_stale, stored_capabilities
+from flexium.server.storage.views import stored_capabilities
 from flexium.server.storage.waits import (
     cancel_live_wait,
     live_wait_of,

@@ -38,6 +38,7 @@ from flexium.server.storage.processes import (
     is_older,
     shown_process,
 )
+from flexium.server.storage.staleness import is_stale
 from flexium.server.storage.targets import (
     check_target,
     require_capability,
@@ -45,7 +46,7 @@ from flexium.server.storage.targets import (
     resolve_target,
     target_refusal,
 )
-from flexium.server.storage.views import command_view, is_stale, stored_capabilities
+from flexium.server.storage.views import command_view, stored_capabilities
 from flexium.server.storage.waits import cancel_live_wait, command_ended
 from flexium.server.storage.workspaces import AuthInfo
 

@@ -18,6 +18,7 @@ from flexium.server.models import Device, Process, table_of
 from flexium.server.storage import quotas
 from flexium.server.storage.history import record_samples
 from flexium.server.storage.reservations import holds_on_host
+from flexium.server.storage.staleness import process_heard
 
 _FIELDS = ("index", "name", "memory_total", "memory_used", "utilization", "temperature", "health")
 
@@ -161,7 +162,11 @@ def list_devices(
     for proc in session.execute(
         select(
             Process.process_id, Process.host, Process.gpu_uuid, Process.memory_bytes, Process.gpu_bytes, Process.state
-        ).where(Process.workspace_id == workspace_id, Process.last_seen >= cutoff, Process.gpu_uuid.is_not(None))
+        ).where(
+            Process.workspace_id == workspace_id,
+            process_heard(now=now, stale_after=stale_after),
+            Process.gpu_uuid.is_not(None),
+        )
     ):
         if proc.state == "PAUSED":  # gpu_uuid is where it paused from: it holds nothing there
             continue

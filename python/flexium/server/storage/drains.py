@@ -16,7 +16,7 @@ from flexium.server.models import Command, Device, Drain, DrainMove, Process
 from flexium.server.storage.audit import record_audit
 from flexium.server.storage.devices import held_by_gpu, host_devices
 from flexium.server.storage.listing import listed
-from flexium.server.storage.views import is_stale
+from flexium.server.storage.staleness import is_stale
 from flexium.server.storage.workspaces import AuthInfo
 
 WHOLE_HOST = ""  # Drain.gpu_uuid of a drain of every GPU of its host

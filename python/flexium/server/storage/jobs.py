@@ -31,8 +31,9 @@ from flexium.server.errors import (
 from flexium.server.models import Command, Device, JobOperation, Process
 from flexium.server.storage.devices import host_devices
 from flexium.server.storage.processes import active_command, list_processes
+from flexium.server.storage.staleness import is_stale
 from flexium.server.storage.targets import check_target, require_capability, resolve_target, target_refusal
-from flexium.server.storage.views import command_view, is_stale, stored_capabilities
+from flexium.server.storage.views import command_view, stored_capabilities
 
 Target = str | int
 

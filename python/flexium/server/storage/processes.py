@@ -15,6 +15,7 @@ from flexium.server.errors import Forbidden, InvalidRequest, NotFound
 from flexium.server.models import Command, Process, Token, Wait, table_of
 from flexium.server.storage import quotas
 from flexium.server.storage.devices import device_indexes, held_by_gpu, upsert_devices
+from flexium.server.storage.staleness import is_stale, process_heard, process_stale
 from flexium.server.storage.token_validity import token_alive, token_end
 from flexium.server.storage.views import process_view
 
@@ -405,7 +406,7 @@ def heartbeat(
     row = find_process(session=session, workspace_id=workspace_id, process_id=process_id, for_update=True)
     if write_devices:
         _check_reporter(row, reporter, report.devices)
-    was_stale = row.last_seen < now - stale_after
+    was_stale = is_stale(row, now=now, stale_after=stale_after)
     before = _shown_placement(row)
     # Progress only grows and is not a placement: an older beat's still counts.
     training = trained_between(row.state, report.state)
@@ -520,11 +521,10 @@ def list_processes(
         query = query.where(Process.gpu_uuid == gpu)
     if job_key is not None:
         query = query.where(Process.job_key == job_key)
-    cutoff = now - stale_after
     if state == protocol.STALE:
-        query = query.where(Process.last_seen < cutoff)
+        query = query.where(process_stale(now=now, stale_after=stale_after))
     elif state:
-        query = query.where(Process.state == state, Process.last_seen >= cutoff)
+        query = query.where(Process.state == state, process_heard(now=now, stale_after=stale_after))
     rows = list(session.scalars(query.order_by(Process.host, Process.registered_at, Process.pk)))
     active = {
         c.process_pk: c
@@ -553,7 +553,7 @@ def list_processes(
 
 def count_processes(*, session: Session, now: float, stale_after: float) -> dict[str, int]:
     """Shown state -> number of processes, all workspaces (for /metrics)."""
-    shown = case((Process.last_seen < now - stale_after, protocol.STALE), else_=Process.state)
+    shown = case((process_stale(now=now, stale_after=stale_after), protocol.STALE), else_=Process.state)
     counts = {state: 0 for state in protocol.DISPLAY_STATES}
     for state, n in session.execute(select(shown, func.count()).group_by(shown)):
         counts[state] = counts.get(state, 0) + n

@@ -19,6 +19,7 @@ from flexium.server.storage.history import prune_history
 from flexium.server.storage.processes import shown_process
 from flexium.server.storage.progress_history import prune_progress, sample_progress
 from flexium.server.storage.reservations import expire_reservations
+from flexium.server.storage.staleness import process_heard, process_stale
 
 
 @dataclass
@@ -59,7 +60,7 @@ def sweep(
             .join(Process, Process.pk == Command.process_pk)
             .where(
                 Command.state == "running",
-                Process.last_seen < now - stale_after,
+                process_stale(now=now, stale_after=stale_after),
                 Command.started_at < now - command_ttl,
             )
             .with_for_update()
@@ -92,7 +93,9 @@ def sweep(
     sample_progress(session=session, now=now)
     prune_progress(session=session, now=now)
     for proc in session.scalars(
-        select(Process).where(Process.last_seen < now - stale_after, Process.last_seen >= stale_since - stale_after)
+        select(Process).where(
+            process_stale(now=now, stale_after=stale_after), process_heard(now=stale_since, stale_after=stale_after)
+        )
     ):
         shown = shown_process(session=session, row=proc, now=now, stale_after=stale_after, active=None)
         result.newly_stale.append((proc.workspace_id, shown))

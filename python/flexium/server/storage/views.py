@@ -10,6 +10,7 @@ from pydantic import ValidationError
 from flexium import protocol, wire
 from flexium.server.models import Command, Process
 from flexium.server.storage.devices import held_by_gpu
+from flexium.server.storage.staleness import is_stale
 
 log = logging.getLogger("flexium.server")
 
@@ -61,10 +62,6 @@ def command_view(row: Command, process_id: str) -> wire.CommandInfo:
             "door": row.door,
         }
     )
-
-
-def is_stale(row: Process, *, now: float, stale_after: float) -> bool:
-    return row.last_seen < now - stale_after
 
 
 def process_view(

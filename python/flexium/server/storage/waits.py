@@ -25,8 +25,9 @@ from flexium.server.storage.devices import device_indexes, held_by_gpu, host_dev
 from flexium.server.storage.jobs import is_job_rank, job_ranks
 from flexium.server.storage.processes import active_command, find_process
 from flexium.server.storage.reservations import drop_room_not_made, release_room, reservation_of, reservation_view
+from flexium.server.storage.staleness import is_stale
 from flexium.server.storage.targets import require_capability, resolve_target, target_refusal
-from flexium.server.storage.views import is_stale, stored_capabilities
+from flexium.server.storage.views import stored_capabilities
 from flexium.server.storage.workspaces import AuthInfo
 
 Actor = AuthInfo | PolicyActor

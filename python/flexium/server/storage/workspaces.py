@@ -23,6 +23,7 @@ from flexium.server.errors import Conflict, InvalidRequest, NotFound, Unauthoriz
 from flexium.server.models import AuditRecord, Command, DashboardSession, LoginCode, Process, Token, Workspace
 from flexium.server.storage import quotas
 from flexium.server.storage.audit import is_reserved_actor, record_audit
+from flexium.server.storage.staleness import process_heard
 from flexium.server.storage.token_validity import expired, token_alive, token_end
 from flexium.units import utc_time
 
@@ -143,7 +144,7 @@ def delete_workspace(
         (p.process_id, p.host)
         for p in session.execute(
             select(Process.process_id, Process.host)
-            .where(Process.workspace_id == row.id, Process.last_seen >= now - stale_after)
+            .where(Process.workspace_id == row.id, process_heard(now=now, stale_after=stale_after))
             .order_by(Process.host, Process.process_id)
         )
     ]
