@@ -171,7 +171,8 @@ def test_stale_shown_and_filtered(db: Database) -> None:
 
 def test_stale_strictly_after_stale_after_in_every_reading(db: Database) -> None:
     """Silent for exactly ``stale_after`` is not yet STALE, a moment more is: the listing, its filters, the
-    counts, the GPU cards' flexium memory, a workspace's deletion and the sweep's announcement agree."""
+    counts, the GPU cards' flexium memory, a workspace's deletion and the sweep's announcement agree, and
+    the host's GPU report (sent with the beat) is held to the same rule."""
     ws, _ = make_workspace(db)
     add_process(db, ws, "gpu-1", now=NOW, devices=[gpu(0, used=30 * GIB)], memory=20 * GIB)
 
@@ -194,6 +195,7 @@ def test_stale_strictly_after_stale_after_in_every_reading(db: Database) -> None
             "running": listed("RUNNING"),
             "counted_stale": db.run(storage.count_processes, write=False, now=now, stale_after=STALE)["STALE"],
             "flexium_memory": hosts[0].devices[0].memory_flexium,
+            "host_stale": hosts[0].stale,
             "heard": [process_id for process_id, _host in heard],
         }
 
@@ -203,6 +205,7 @@ def test_stale_strictly_after_stale_after_in_every_reading(db: Database) -> None
         "running": ["gpu-1"],
         "counted_stale": 0,
         "flexium_memory": 20 * GIB,
+        "host_stale": False,
         "heard": ["gpu-1"],
     }
     assert readings(NOW + STALE + 0.5) == {
@@ -211,6 +214,7 @@ def test_stale_strictly_after_stale_after_in_every_reading(db: Database) -> None
         "running": [],
         "counted_stale": 1,
         "flexium_memory": 0,
+        "host_stale": True,
         "heard": [],
     }
     assert sweep_at(db, NOW + STALE, stale_since=NOW + STALE - 1).newly_stale == []

@@ -37,6 +37,7 @@ from flexium.server.storage.placements import (
     release_placement_room,
 )
 from flexium.server.storage.reservations import hold_room, lock_hosts
+from flexium.server.storage.staleness import silent
 from flexium.server.storage.waits import since_room_not_made, standing_waits
 from flexium.server.storage.workspaces import AuthInfo
 from flexium.units import gib
@@ -218,7 +219,7 @@ def _gpu_refusal(session: Session, room: HostRoom, uuid: str, *, now: float, sta
         return drained
     if gpu.device.health and gpu.device.health not in protocol.TARGETABLE_HEALTH:
         return f"health: {gpu.device.health}"
-    if gpu.device.updated_at < now - stale_after:
+    if silent(gpu.device.updated_at, now=now, stale_after=stale_after):
         return "no fresh report from its host"
     return None
 
@@ -254,7 +255,7 @@ def run_placements(
     changed: list[Placement] = []
     for row in rows:
         silent_since = max(row.asked_at, answering_since)
-        if silent_since < now - stale_after:
+        if silent(silent_since, now=now, stale_after=stale_after):
             state = "cancelled" if row.state == "waiting" else "ended"
             why = f"its flexium run stopped asking {now - silent_since:.0f} s ago"
             end_placement(session=session, row=row, state=state, note=why, now=now)

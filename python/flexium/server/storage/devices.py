@@ -18,7 +18,7 @@ from flexium.server.models import Device, Process, table_of
 from flexium.server.storage import quotas
 from flexium.server.storage.history import record_samples
 from flexium.server.storage.reservations import holds_on_host
-from flexium.server.storage.staleness import process_heard
+from flexium.server.storage.staleness import process_heard, silent
 
 _FIELDS = ("index", "name", "memory_total", "memory_used", "utilization", "temperature", "health")
 
@@ -157,7 +157,6 @@ def list_devices(
     if host:
         query = query.where(Device.host == host)
     rows = list(session.scalars(query.order_by(Device.host, Device.index, Device.uuid)))
-    cutoff = now - stale_after
     on_gpu: dict[tuple[str, str], tuple[int, list[str]]] = {}
     for proc in session.execute(
         select(
@@ -183,7 +182,7 @@ def list_devices(
             row.host, wire.HostInfo(host=row.host, updated_at=row.updated_at, stale=True, devices=[])
         )
         entry.updated_at = max(entry.updated_at, row.updated_at)
-        entry.stale = entry.updated_at < cutoff
+        entry.stale = silent(entry.updated_at, now=now, stale_after=stale_after)
         used, names = on_gpu.get((row.host, row.uuid), (0, []))
         view = device_view(
             row,

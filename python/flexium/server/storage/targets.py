@@ -21,6 +21,7 @@ from flexium.server.models import Device, Process
 from flexium.server.storage.devices import find_device_hosts, held_by_gpu, host_devices, list_devices
 from flexium.server.storage.drains import drain_refusal
 from flexium.server.storage.processes import find_process
+from flexium.server.storage.staleness import silent
 from flexium.server.storage.views import stored_capabilities
 from flexium.units import gib
 
@@ -137,7 +138,7 @@ def target_refusal(
     drained = _drained(dev)
     if drained is not None:
         return drained
-    if dev.updated_at < now - stale_after:
+    if silent(dev.updated_at, now=now, stale_after=stale_after):
         return "no fresh report from its host"
     held = held_by_gpu(proc.gpu_uuid, proc.memory_bytes, proc.gpu_bytes)
     if len(held) > 1 and moving_from is not None:
