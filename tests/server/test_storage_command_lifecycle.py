@@ -3,7 +3,10 @@ in, listing, and what the sweep expires, fails and forgets; on SQLite and Postgr
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
+from sqlalchemy import event
 
 from flexium import wire
 from flexium.server import errors, storage
@@ -163,6 +166,34 @@ def test_sweep_reports_newly_stale_once(db: Database) -> None:
     first = sweep_at(db, NOW + 31, stale_since=NOW + 29).newly_stale
     assert [p.process_id for _w, p in first] == ["gpu-1"] and first[0][1].state == "STALE"
     assert sweep_at(db, NOW + 33, stale_since=NOW + 31).newly_stale == []
+
+
+def test_the_sweep_reads_what_newly_stale_processes_share_once_a_workspace(db: Database) -> None:
+    """Reads that do not grow with the processes gone STALE at once (a rack that lost its network):
+    the same for 2 processes as for 40, over two workspaces, each shown as the API shows it."""
+
+    def selects_of_a_sweep(processes: int, at: float) -> tuple[int, list[tuple[int, wire.ProcessInfo]]]:
+        for n in range(processes):
+            add_process(db, workspaces[n % 2], f"gpu-{at:.0f}-{n}", host=f"node-{n % 3}", now=at)
+        statements: list[str] = []
+
+        def count(*args: Any) -> None:
+            statements.append(args[2])
+
+        event.listen(db.engine, "before_cursor_execute", count)
+        try:
+            stale = sweep_at(db, at + 31, stale_since=at + 29).newly_stale
+        finally:
+            event.remove(db.engine, "before_cursor_execute", count)
+        return len([s for s in statements if s.lstrip().upper().startswith("SELECT")]), stale
+
+    workspaces = [make_workspace(db, "a")[0], make_workspace(db, "b")[0]]
+    few, stale_few = selects_of_a_sweep(2, NOW)
+    many, stale_many = selects_of_a_sweep(40, NOW + 1000)
+    assert len(stale_few) == 2 and len(stale_many) == 40
+    assert many == few, (few, many)
+    expected = {(workspaces[n % 2], f"gpu-{NOW + 1000:.0f}-{n}", f"node-{n % 3}", "STALE") for n in range(40)}
+    assert {(ws, p.process_id, p.host, p.state) for ws, p in stale_many} == expected
 
 
 def test_a_late_report_of_an_expired_command_leaves_a_newer_command_in_charge(db: Database) -> None:

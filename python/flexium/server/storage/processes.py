@@ -3,7 +3,7 @@ network cut), heartbeat, unregister, read."""
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -188,18 +188,45 @@ def shown_process(
     *, session: Session, row: Process, now: float, stale_after: float, active: Command | None
 ) -> wire.ProcessInfo:
     """One process as the API shows it, its GPU's index read from its host's device reports."""
-    indexes = device_indexes(session=session, workspace_id=row.workspace_id, host=row.host)
-    by_process, by_job = live_wait_ids(session=session, workspace_id=row.workspace_id)
-    wait_id = by_process.get(row.pk) or (by_job.get(row.job_key) if row.job_key else None)
-    return process_view(
-        row,
+    [shown] = shown_processes(
+        session=session,
+        workspace_id=row.workspace_id,
+        rows=[row],
         now=now,
         stale_after=stale_after,
-        gpu_indexes=indexes,
-        active=active,
-        wait_id=wait_id,
-        token_end=ended_owners(session=session, rows=[row], now=now).get(row.token_id) if row.token_id else None,
+        active={} if active is None else {row.pk: active},
     )
+    return shown
+
+
+def shown_processes(
+    *,
+    session: Session,
+    workspace_id: int,
+    rows: list[Process],
+    now: float,
+    stale_after: float,
+    active: Mapping[int, Command],
+) -> list[wire.ProcessInfo]:
+    """Processes of one workspace as the API shows them (``active``: process pk -> its command under
+    way), with what they share read once: GPU indexes (of their host's reports alone when they are on
+    one host), the queue's waits and the tokens that ended."""
+    hosts = {r.host for r in rows}
+    indexes = device_indexes(session=session, workspace_id=workspace_id, host=hosts.pop() if len(hosts) == 1 else None)
+    by_process, by_job = live_wait_ids(session=session, workspace_id=workspace_id)
+    ended = ended_owners(session=session, rows=rows, now=now)
+    return [
+        process_view(
+            r,
+            now=now,
+            stale_after=stale_after,
+            gpu_indexes=indexes,
+            active=active.get(r.pk),
+            wait_id=by_process.get(r.pk) or (by_job.get(r.job_key) if r.job_key else None),
+            token_end=ended.get(r.token_id) if r.token_id else None,
+        )
+        for r in rows
+    ]
 
 
 def ended_owners(*, session: Session, rows: list[Process], now: float) -> dict[int, protocol.TokenEnd]:
@@ -534,21 +561,9 @@ def list_processes(
             )
         )
     }
-    indexes = device_indexes(session=session, workspace_id=workspace_id)
-    by_process, by_job = live_wait_ids(session=session, workspace_id=workspace_id)
-    ended = ended_owners(session=session, rows=rows, now=now)
-    return [
-        process_view(
-            r,
-            now=now,
-            stale_after=stale_after,
-            gpu_indexes=indexes,
-            active=active.get(r.pk),
-            wait_id=by_process.get(r.pk) or (by_job.get(r.job_key) if r.job_key else None),
-            token_end=ended.get(r.token_id) if r.token_id else None,
-        )
-        for r in rows
-    ]
+    return shown_processes(
+        session=session, workspace_id=workspace_id, rows=rows, now=now, stale_after=stale_after, active=active
+    )
 
 
 def count_processes(*, session: Session, now: float, stale_after: float) -> dict[str, int]:

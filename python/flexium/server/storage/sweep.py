@@ -16,7 +16,7 @@ from flexium import protocol, wire
 from flexium.server.models import Command, Device, JobOperation, Process
 from flexium.server.storage.commands import end_command
 from flexium.server.storage.history import prune_history
-from flexium.server.storage.processes import shown_process
+from flexium.server.storage.processes import shown_processes
 from flexium.server.storage.progress_history import prune_progress, sample_progress
 from flexium.server.storage.reservations import expire_reservations
 from flexium.server.storage.staleness import process_heard, process_stale
@@ -92,11 +92,16 @@ def sweep(
     prune_history(session=session, now=now)
     sample_progress(session=session, now=now)
     prune_progress(session=session, now=now)
+    newly_stale: dict[int, list[Process]] = {}
     for proc in session.scalars(
-        select(Process).where(
-            process_stale(now=now, stale_after=stale_after), process_heard(now=stale_since, stale_after=stale_after)
-        )
+        select(Process)
+        .where(process_stale(now=now, stale_after=stale_after), process_heard(now=stale_since, stale_after=stale_after))
+        .order_by(Process.workspace_id, Process.host, Process.registered_at, Process.pk)
     ):
-        shown = shown_process(session=session, row=proc, now=now, stale_after=stale_after, active=None)
-        result.newly_stale.append((proc.workspace_id, shown))
+        newly_stale.setdefault(proc.workspace_id, []).append(proc)
+    for ws, rows in newly_stale.items():  # what they share read once a workspace, not once a process
+        shown = shown_processes(
+            session=session, workspace_id=ws, rows=rows, now=now, stale_after=stale_after, active={}
+        )
+        result.newly_stale += [(ws, view) for view in shown]
     return result
