@@ -12,10 +12,10 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, Response
 from starlette.convertors import PathConvertor, register_url_convertor
 
-from flexium import protocol, wire
+from flexium import wire
 from flexium.server.context import Ctx, ServerContext
 from flexium.server.dashboard.templating import nothing, render
-from flexium.server.dashboard.viewer import FragmentAuth, PageAuth, Viewer
+from flexium.server.dashboard.viewer import ConnectLine, FragmentAuth, PageAuth, Viewer
 from flexium.server.dashboard.views.audit import audit_page
 from flexium.server.dashboard.views.commands import recent_commands
 from flexium.server.dashboard.views.devices import host_cards, host_drain_form
@@ -47,8 +47,6 @@ async def index(request: Request, ctx: Ctx, auth: PageAuth) -> Response:
     view = await ctx.db.call(
         main_page, write=False, actor=auth, now=time.time(), stale_after=ctx.settings.stale_after_s
     )
-    host = request.url.hostname or "localhost"
-    port = request.url.port or (443 if request.url.scheme == "https" else 80)
     return render(
         request,
         "index.html",
@@ -57,10 +55,8 @@ async def index(request: Request, ctx: Ctx, auth: PageAuth) -> Response:
         view.queue,
         view.recent,
         Viewer.of(auth),
+        ConnectLine.of(request, auth),
         totals=view.totals,
-        server_address=f"{host}:{port}/{auth.workspace}",
-        token_env=protocol.TOKEN_ENV,
-        server_env=protocol.SERVER_ENV,
         # Events published between this read and the script's subscription are not replayed to
         # it; the script compares this with the stream's first id and reloads the lists if they differ.
         event_id=ctx.bus.last_event_id,
@@ -243,3 +239,4 @@ async def commands_fragment(request: Request, ctx: Ctx, auth: FragmentAuth) -> R
 async def audit(request: Request, ctx: Ctx, auth: PageAuth) -> Response:
     view = await ctx.db.call(audit_page, write=False, workspace_id=auth.workspace_id, now=time.time())
     return render(request, "audit.html", view, Viewer.of(auth))
+

@@ -1,6 +1,6 @@
 """Who is looking: the one check of the dashboard's session cookie (a page takes
-``auth: PageAuth``, a fragment ``auth: FragmentAuth``), and what every page shows of the person
-logged in (``Viewer``)."""
+``auth: PageAuth``, a fragment ``auth: FragmentAuth``), what every page shows of the person
+logged in (``Viewer``), and how they connect a shell to this server (``ConnectLine``)."""
 
 from __future__ import annotations
 
@@ -71,4 +71,24 @@ class Viewer:
             role=auth.role,
             actions_refused=refused,
             api_base=protocol.workspace_path(auth.workspace),
+        )
+
+
+@dataclass(frozen=True)
+class ConnectLine:
+    """What a page shows to connect a training job or the command line to this workspace:
+    ``{server_env}={server_address} {token_env}=...``, the server as this browser reaches it."""
+
+    server_address: str
+    token_env: str
+    server_env: str
+
+    @classmethod
+    def of(cls, request: Request, auth: AuthInfo) -> ConnectLine:
+        host = request.url.hostname or "localhost"
+        port = request.url.port or (443 if request.url.scheme == "https" else 80)
+        return cls(
+            server_address=f"{host}:{port}/{auth.workspace}",
+            token_env=protocol.TOKEN_ENV,
+            server_env=protocol.SERVER_ENV,
         )
