@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import HTMLResponse, Response
 from starlette.convertors import PathConvertor, register_url_convertor
 
@@ -24,12 +24,14 @@ from flexium.server.dashboard.views.main import main_page, totals
 from flexium.server.dashboard.views.processes import process_rows
 from flexium.server.dashboard.views.queue import queue_panel
 from flexium.server.dashboard.views.targets import GpusForm, job_migrate_form, target_form
+from flexium.server.dashboard.views.tokens import issue_form, revoke_form, token_table
 from flexium.server.errors import NotFound
 from flexium.server.storage import AuthInfo
 
 router = APIRouter(include_in_schema=False)
 
 _MAX_BATCH = 200  # ids or hosts one fragment request may name
+TokenIdPath = Annotated[int, Path(ge=1, le=2**31 - 1)]
 
 
 class JobKeyConvertor(PathConvertor):
@@ -240,3 +242,33 @@ async def audit(request: Request, ctx: Ctx, auth: PageAuth) -> Response:
     view = await ctx.db.call(audit_page, write=False, workspace_id=auth.workspace_id, now=time.time())
     return render(request, "audit.html", view, Viewer.of(auth))
 
+
+@router.get("/tokens", response_class=HTMLResponse)
+async def tokens(request: Request, ctx: Ctx, auth: PageAuth) -> Response:
+    """The workspace's tokens; for an admin, the forms that issue and revoke them (through the API)."""
+    view = await ctx.db.call(token_table, write=False, actor=auth, now=time.time())
+    return render(request, "tokens.html", view, issue_form(auth), Viewer.of(auth), ConnectLine.of(request, auth))
+
+
+@router.get("/ui/tokens", response_class=HTMLResponse)
+async def tokens_fragment(request: Request, ctx: Ctx, auth: FragmentAuth) -> Response:
+    """The tokens table again, for the page's script once it issued or revoked one."""
+    view = await ctx.db.call(token_table, write=False, actor=auth, now=time.time())
+    return render(request, "fragments/tokens.html", view, Viewer.of(auth))
+
+
+@router.get("/ui/tokens/{token_id}/revoke", response_class=HTMLResponse)
+async def revoke_token_fragment(request: Request, ctx: Ctx, auth: FragmentAuth, token_id: TokenIdPath) -> Response:
+    """The Revoke dialog's form: the tokens revoked with it and the processes left unheard, to
+    confirm; 404 where the token is no longer active."""
+    view = await ctx.db.call(
+        revoke_form,
+        write=False,
+        actor=auth,
+        token_id=token_id,
+        now=time.time(),
+        stale_after=ctx.settings.stale_after_s,
+    )
+    if view is None:
+        return nothing(404)
+    return render(request, "fragments/revoke_token.html", view, Viewer.of(auth))

@@ -1,0 +1,140 @@
+"""The tokens page: every token of the workspace, newest first, in the state it is in now (never
+a secret: only hashes are stored), who minted each; for an admin, what the issue form offers; and
+what revoking one does (the revoke dialog): the tokens it minted go with it, and the processes
+they registered are no longer heard."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from sqlalchemy.orm import Session
+
+from flexium import protocol, wire
+from flexium.server import storage
+from flexium.server.auth import role_refusal
+from flexium.server.storage import AuthInfo
+
+# What each role may do, as the issue form offers it (the CLI's `token issue --role` says the same).
+ROLE_PURPOSES = {
+    protocol.ROLE_JOB: "what a training job does, to the processes it registers",
+    protocol.ROLE_VIEWER: "reads everything, changes nothing",
+    protocol.ROLE_ADMIN: "everything: commands, tokens",
+}
+# The units of a life the issue form offers, and their seconds: its script sends the product.
+LIFE_UNITS = (("minutes", 60), ("hours", 3600), ("days", 86400), ("weeks", 7 * 86400))
+
+
+def token_state(token: wire.TokenInfo) -> str:
+    """active, revoked or expired (revoked wins: it is what a person did)."""
+    return "revoked" if token.revoked else "expired" if token.expired else "active"
+
+
+@dataclass(frozen=True)
+class TokenRow:
+    token: wire.TokenInfo
+    state: str
+    minter: wire.TokenInfo | None  # the token that minted it; None: the command line on the database
+
+
+@dataclass(frozen=True)
+class TokenTable:
+    """fragments/tokens.html. ``own_token_id``: the token this session logged in with;
+    ``manage_refused``: why this session may not issue or revoke ("" for an admin)."""
+
+    now: float
+    rows: tuple[TokenRow, ...]
+    own_token_id: int
+    manage_refused: str
+
+
+@dataclass(frozen=True)
+class IssueForm:
+    """The issue form's choices (tokens.html, for an admin). ``own_expires_at``: when this
+    session's token expires, the latest end of a token it issues."""
+
+    own_expires_at: float | None
+    name_max: int
+    roles: tuple[tuple[str, str], ...]  # (role, what it may do), in the form's order
+    default_role: str
+    life_units: tuple[tuple[str, int], ...]
+
+
+@dataclass(frozen=True)
+class RevokeForm:
+    """fragments/revoke_token.html: what revoking ``token`` does. ``minted``: the active tokens
+    it minted, directly or not, revoked with it; ``processes``: those that it and they registered,
+    which train on unheard; ``ends_this_session``: this session's token (``own_token_id``) is
+    among them."""
+
+    token: wire.TokenInfo
+    minted: tuple[wire.TokenInfo, ...]
+    processes: tuple[wire.ProcessInfo, ...]
+    ends_this_session: bool
+    own_token_id: int
+
+
+def token_table(*, session: Session, actor: AuthInfo, now: float) -> TokenTable:
+    tokens = storage.list_tokens(session=session, workspace_id=actor.workspace_id, now=now)
+    return TokenTable(now=now, rows=_rows(tokens), own_token_id=actor.token_id, manage_refused=_manage_refused(actor))
+
+
+def issue_form(actor: AuthInfo) -> IssueForm:
+    return IssueForm(
+        own_expires_at=actor.expires_at,
+        name_max=protocol.MAX_SHORT_TEXT,
+        roles=tuple(ROLE_PURPOSES.items()),
+        default_role=protocol.DEFAULT_ISSUED_ROLE,
+        life_units=LIFE_UNITS,
+    )
+
+
+def revoke_form(
+    *, session: Session, actor: AuthInfo, token_id: int, now: float, stale_after: float
+) -> RevokeForm | None:
+    """None where the token is not an active token of the workspace (revoked or expired meanwhile)."""
+    tokens = storage.list_tokens(session=session, workspace_id=actor.workspace_id, now=now)
+    token = next((t for t in tokens if t.id == token_id), None)
+    if token is None or token_state(token) != "active":
+        return None
+    minted = minted_by_transitively(tokens, token.id)
+    ids = {token.id, *(t.id for t in minted)}
+    processes = storage.list_processes(
+        session=session, workspace_id=actor.workspace_id, now=now, stale_after=stale_after, token_ids=ids
+    )
+    return RevokeForm(
+        token=token,
+        minted=tuple(t for t in minted if token_state(t) == "active"),
+        processes=tuple(processes),
+        ends_this_session=actor.token_id in ids,
+        own_token_id=actor.token_id,
+    )
+
+
+def minted_by_transitively(tokens: Sequence[wire.TokenInfo], token_id: int) -> list[wire.TokenInfo]:
+    """The tokens ``token_id`` minted, and those they minted, in turn: what revoking it revokes
+    (``storage.revoke_token``'s cascade)."""
+    found: list[wire.TokenInfo] = []
+    seen = {token_id}
+    frontier = {token_id}
+    while frontier:
+        minted = [t for t in tokens if t.minted_by in frontier and t.id not in seen]
+        seen.update(t.id for t in minted)
+        found.extend(minted)
+        frontier = {t.id for t in minted}
+    return found
+
+
+def _rows(tokens: Sequence[wire.TokenInfo]) -> tuple[TokenRow, ...]:
+    by_id = {t.id: t for t in tokens}
+    newest_first = sorted(tokens, key=lambda t: t.id, reverse=True)
+    return tuple(
+        TokenRow(token=t, state=token_state(t), minter=by_id.get(t.minted_by) if t.minted_by is not None else None)
+        for t in newest_first
+    )
+
+
+def _manage_refused(actor: AuthInfo) -> str:
+    if actor.role == protocol.ROLE_ADMIN:
+        return ""
+    return role_refusal(actor, (protocol.ROLE_ADMIN,), "issuing or revoking a token")
