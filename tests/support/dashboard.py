@@ -20,11 +20,12 @@ H200 = "NVIDIA H200"
 
 
 class LiveServer(ServerProcess):
-    """The server with its own SQLite file in `home`. Its workspace token and login link are the
-    ones its first start printed (a restart on the same database prints none)."""
+    """The server on `database` (a URL), by default its own SQLite file in `home`. Its workspace
+    token and login link are the ones its first start printed (a restart on the same database
+    prints none)."""
 
-    def __init__(self, home: Path, *args: str) -> None:
-        super().__init__(home, *args, database=f"sqlite:///{Path(home) / 'server.db'}")
+    def __init__(self, home: Path, *args: str, database: str | None = None) -> None:
+        super().__init__(home, *args, database=database or f"sqlite:///{Path(home) / 'server.db'}")
         self._first: tuple[str | None, str | None] | None = None
 
     def start(self, timeout: float = 30.0) -> LiveServer:
