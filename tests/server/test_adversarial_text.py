@@ -453,11 +453,13 @@ def read_pages(client: Client, shows: list[Showcase]) -> int:
     """The page and every fragment, all of them and narrowed to each showcase; each escapes the
     text and keeps its own markup."""
     reads = 0
-    everything = [client.page(path) for path in ("/", "/ui/processes", "/ui/devices", "/ui/commands", "/ui/totals")]
+    pages = ("/", "/ui/processes", "/ui/devices", "/ui/commands", "/ui/totals", "/tokens", "/ui/tokens")
+    everything = [client.page(path) for path in pages]
     reads += len(everything)
     for show in shows:
         escaped_host = as_html(show.host.strip())
         assert escaped_host in everything[0] and escaped_host in everything[2], show.name
+        assert as_html(show.value) in everything[5] and as_html(show.value) in everything[6], show.name  # token names
         pid = quote(show.process_id)
         narrowed = [
             client.page(f"/ui/processes?id={pid}&id={pid}-rank-0"),
@@ -633,6 +635,7 @@ def test_hostile_text_in_the_parameters_of_lists_and_fragments(api: Any) -> None
         "/ui/drain-host?host={v}",
         "/ui/processes/{v}/targets?kind=migrate",
         "/ui/jobs/{v}/migrate",
+        "/ui/tokens/{v}/revoke",
         "/api/w/default/processes?host={v}",
         "/api/w/default/processes?gpu={v}",
         "/api/w/default/processes/{v}",
