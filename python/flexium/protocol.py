@@ -363,6 +363,7 @@ DEFAULT_ISSUED_ROLE: TokenRole = ROLE_JOB
 # Why a token no longer opens doors: revoked (by a person, or with the token that minted it), or
 # expired (its life, given when it was issued, is over).
 TokenEnd = Literal["revoked", "expired"]
+TokenState = Literal["active", "revoked", "expired"]
 # The longest life a token may be given (a slip of a unit should not make one forever).
 MAX_TOKEN_LIFE_S = 10 * 366 * 86400.0
 

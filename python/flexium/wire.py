@@ -722,6 +722,11 @@ class TokenInfo(WireOut):
     expires_at: float | None = Field(default=None, description="refused from then on; None: valid until revoked")
     expired: bool = Field(default=False, description="its expires_at had passed when this was read")
 
+    @property
+    def state(self) -> protocol.TokenState:
+        """What the token list and the dashboard show: revoked wins over expired (it is what a person did)."""
+        return "revoked" if self.revoked else "expired" if self.expired else "active"
+
 
 class TokenCreated(TokenInfo):
     token: str = Field(description="shown once; only its hash is stored")

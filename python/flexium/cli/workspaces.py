@@ -229,7 +229,7 @@ def _print_tokens(tokens: list[wire.TokenInfo]) -> None:
             (
                 str(info.id),
                 f"{info.prefix}...",
-                "revoked" if info.revoked else "expired" if info.expired else "active",
+                info.state,
                 info.role,
                 "-" if info.expires_at is None else utc_time(info.expires_at),
                 minted_by,

@@ -331,21 +331,7 @@ def revoke_token(
     row = session.scalar(named_token(workspace_id=workspace_id, token_id=token_id, token=token))
     if row is None:
         raise NotFound("token not found in this workspace (`flexium token list WORKSPACE` lists their ids)")
-    cascade: list[Token] = []
-    seen = {row.id}
-    frontier = [row.id]
-    while frontier:
-        minted = list(
-            session.scalars(
-                select(Token)
-                .where(Token.workspace_id == workspace_id, Token.minted_by.in_(frontier))
-                .order_by(Token.id)
-            )
-        )
-        minted = [t for t in minted if t.id not in seen]
-        seen.update(t.id for t in minted)
-        cascade.extend(minted)
-        frontier = [t.id for t in minted]
+    cascade = minted_from(session=session, workspace_id=workspace_id, token_id=row.id)
     for revoked in (row, *cascade):
         if revoked.revoked_at is not None:
             continue
@@ -371,6 +357,26 @@ def revoke_token(
     return wire.TokenRevoked(
         **token_info(row, now).model_dump(), cascade=[t.id for t in cascade], processes=list(registered)
     )
+
+
+def minted_from(*, session: Session, workspace_id: int, token_id: int) -> list[Token]:
+    """The tokens ``token_id`` minted, and those they minted in turn: what revoking it revokes."""
+    cascade: list[Token] = []
+    seen = {token_id}
+    frontier = [token_id]
+    while frontier:
+        minted = list(
+            session.scalars(
+                select(Token)
+                .where(Token.workspace_id == workspace_id, Token.minted_by.in_(frontier))
+                .order_by(Token.id)
+            )
+        )
+        minted = [t for t in minted if t.id not in seen]
+        seen.update(t.id for t in minted)
+        cascade.extend(minted)
+        frontier = [t.id for t in minted]
+    return cascade
 
 
 def revoked_since(*, session: Session, since: float) -> list[int]:

@@ -25,16 +25,14 @@ ROLE_PURPOSES = {
 LIFE_UNITS = (("minutes", 60), ("hours", 3600), ("days", 86400), ("weeks", 7 * 86400))
 
 
-def token_state(token: wire.TokenInfo) -> str:
-    """active, revoked or expired (revoked wins: it is what a person did)."""
-    return "revoked" if token.revoked else "expired" if token.expired else "active"
-
-
 @dataclass(frozen=True)
 class TokenRow:
     token: wire.TokenInfo
-    state: str
     minter: wire.TokenInfo | None  # the token that minted it; None: the command line on the database
+
+    @property
+    def state(self) -> protocol.TokenState:
+        return self.token.state
 
 
 @dataclass(frozen=True)
@@ -95,42 +93,28 @@ def revoke_form(
     """None where the token is not an active token of the workspace (revoked or expired meanwhile)."""
     tokens = storage.list_tokens(session=session, workspace_id=actor.workspace_id, now=now)
     token = next((t for t in tokens if t.id == token_id), None)
-    if token is None or token_state(token) != "active":
+    if token is None or token.state != "active":
         return None
-    minted = minted_by_transitively(tokens, token.id)
-    ids = {token.id, *(t.id for t in minted)}
+    cascade = {t.id for t in storage.minted_from(session=session, workspace_id=actor.workspace_id, token_id=token.id)}
+    minted = [t for t in tokens if t.id in cascade]
+    ids = {token.id, *cascade}
     processes = storage.list_processes(
         session=session, workspace_id=actor.workspace_id, now=now, stale_after=stale_after, token_ids=ids
     )
     return RevokeForm(
         token=token,
-        minted=tuple(t for t in minted if token_state(t) == "active"),
+        minted=tuple(t for t in minted if t.state == "active"),
         processes=tuple(processes),
         ends_this_session=actor.token_id in ids,
         own_token_id=actor.token_id,
     )
 
 
-def minted_by_transitively(tokens: Sequence[wire.TokenInfo], token_id: int) -> list[wire.TokenInfo]:
-    """The tokens ``token_id`` minted, and those they minted, in turn: what revoking it revokes
-    (``storage.revoke_token``'s cascade)."""
-    found: list[wire.TokenInfo] = []
-    seen = {token_id}
-    frontier = {token_id}
-    while frontier:
-        minted = [t for t in tokens if t.minted_by in frontier and t.id not in seen]
-        seen.update(t.id for t in minted)
-        found.extend(minted)
-        frontier = {t.id for t in minted}
-    return found
-
-
 def _rows(tokens: Sequence[wire.TokenInfo]) -> tuple[TokenRow, ...]:
     by_id = {t.id: t for t in tokens}
     newest_first = sorted(tokens, key=lambda t: t.id, reverse=True)
     return tuple(
-        TokenRow(token=t, state=token_state(t), minter=by_id.get(t.minted_by) if t.minted_by is not None else None)
-        for t in newest_first
+        TokenRow(token=t, minter=by_id.get(t.minted_by) if t.minted_by is not None else None) for t in newest_first
     )
 
 
