@@ -540,6 +540,17 @@ class CommandInfo(WireOut):
         "or 'api' (any other client); None: sent before the server recorded it",
     )
 
+    @property
+    def took_s(self) -> float | None:
+        """How long it took: the operation's own measure when the process sent one, else the server's
+        clock from its start to its end; None before it ended (or when it never started)."""
+        seconds = self.result.seconds if self.result is not None else None
+        if seconds is not None and seconds >= 0:
+            return seconds
+        if self.finished_at is not None and self.started_at is not None:
+            return self.finished_at - self.started_at
+        return None
+
 
 class ProcessInfo(WireOut):
     process_id: str

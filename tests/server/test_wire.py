@@ -234,3 +234,29 @@ def test_a_refusal_inside_free_json_says_where_it_is() -> None:
     for model, body, where in cases:
         with pytest.raises(ValidationError, match=re.escape(where)):
             model.model_validate(body)
+
+
+def test_how_long_a_command_took_is_the_operations_measure_else_the_servers_clock() -> None:
+    """One rule for the dashboard's outcomes, `flexium jobs`' TIME and the migration-duration metric."""
+
+    def command(result: dict[str, Any] | None, started: float | None, finished: float | None) -> wire.CommandInfo:
+        return wire.CommandInfo(
+            id=1,
+            kind="pause",
+            process_id="gpu-1",
+            state="succeeded" if finished is not None else "running",
+            target_uuid=None,
+            created_at=100.0,
+            delivered_at=100.5,
+            started_at=started,
+            finished_at=finished,
+            deliveries=1,
+            result=None if result is None else wire.OperationReport.model_validate(result),
+            error=None,
+        )
+
+    assert command({"seconds": 1.25}, 101.0, 109.0).took_s == 1.25  # the job's own measure, not the 8 s around it
+    assert command({"seconds": -1.0}, 101.0, 109.0).took_s == 8.0  # a measure that cannot be: the server's clock
+    assert command({}, 101.0, 104.5).took_s == 3.5
+    assert command(None, 101.0, None).took_s is None  # not ended
+    assert command(None, None, 104.0).took_s is None  # ended before it started (expired, cancelled)

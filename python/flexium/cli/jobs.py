@@ -88,7 +88,7 @@ def _print_job_outcome(api: ApiClient, title: str, operation: wire.JobOperationI
             index = "" if process.gpu_index is None else f" (GPU {process.gpu_index})"
             gpu = f"{process.physical_device}{index}"
         result = command.result
-        seconds = result.seconds if result is not None else None
+        seconds = command.took_s
         rows.append(
             (
                 rank(command),

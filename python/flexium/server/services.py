@@ -245,11 +245,8 @@ async def report_command(
         await queue.command_ended(ctx, workspace_id, command)
         await drains.command_ended(ctx, workspace_id, command)
         ctx.devices_due(workspace_id, command.process_id)
-        seconds = command.result.seconds if command.result is not None else None
-        if seconds is None or seconds < 0:
-            finished = command.finished_at or time.time()
-            seconds = finished - (command.started_at or finished)
-        ctx.metrics.migration_duration.labels(kind=command.kind, outcome=command.state).observe(seconds)
+        took = command.took_s
+        ctx.metrics.migration_duration.labels(kind=command.kind, outcome=command.state).observe(took or 0.0)
     return command
 
 

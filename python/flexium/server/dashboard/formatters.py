@@ -123,16 +123,6 @@ def membar(device: wire.DeviceInfo) -> MemoryBar:
     return MemoryBar(flexium=f, other=o, free=max(0, 1000 - f - o))
 
 
-def command_seconds(command: wire.CommandInfo) -> float | None:
-    """The operation's own measure when the process sent one, else the server's clock."""
-    seconds = command.result.seconds if command.result is not None else None
-    if seconds is not None and seconds >= 0:
-        return seconds
-    if command.finished_at is not None and command.started_at is not None:
-        return command.finished_at - command.started_at
-    return None
-
-
 def sparkline(values: Sequence[float | None], times: Sequence[float], *, since: float, until: float) -> str:
     """SVG polyline points of ``values`` (0..1, None: a gap skipped) over [since, until], in a
     240 x 40 box (the charts' viewBox)."""

@@ -58,7 +58,6 @@ TEMPLATES.env.globals.update(
     job_name=formatters.job_name,
     gpu_label=formatters.gpu_label,
     membar=formatters.membar,
-    command_seconds=formatters.command_seconds,
     refusal=refusals.refusal,
     job_pause_refusal=refusals.job_pause_refusal,
     DISPLAY_STATES=protocol.DISPLAY_STATES,
