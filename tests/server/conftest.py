@@ -151,27 +151,26 @@ def api(app_settings: Settings) -> Iterator[Api]:
         yield bound
 
 
-@pytest.fixture
-def live_server(database_url: str, tmp_path: Path) -> Iterator[LiveServer]:
-    """A real server process on the test's database (no sweep of its own during a test)."""
-    server = LiveServer(database_url, str(tmp_path / "home"), "--sweep-interval", "3600")
+def _live_server(database_url: str, tmp_path: Path, *, sweep_interval_s: float) -> Iterator[LiveServer]:
+    server = LiveServer(database_url, str(tmp_path / "home"), "--sweep-interval", str(sweep_interval_s))
     server.start()
     try:
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture
+def live_server(database_url: str, tmp_path: Path) -> Iterator[LiveServer]:
+    """A real server process on the test's database (no sweep of its own during a test)."""
+    yield from _live_server(database_url, tmp_path, sweep_interval_s=3600)
 
 
 @pytest.fixture
 def swept_live_server(database_url: str, tmp_path: Path) -> Iterator[LiveServer]:
     """A real server process on the test's database that sweeps every second: what it finds by itself
     (a token or a session ended on the database without its knowing) shows within the test."""
-    server = LiveServer(database_url, str(tmp_path / "home"), "--sweep-interval", "1")
-    server.start()
-    try:
-        yield server
-    finally:
-        server.stop()
+    yield from _live_server(database_url, tmp_path, sweep_interval_s=1)
 
 
 @pytest.fixture
