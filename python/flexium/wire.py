@@ -732,6 +732,11 @@ class TokenInfo(WireOut):
     revoked: bool
     expires_at: float | None = Field(default=None, description="refused from then on; None: valid until revoked")
     expired: bool = Field(default=False, description="its expires_at had passed when this was read")
+    last_used_at: float | None = Field(
+        default=None,
+        description="when a request last came with it (or a dashboard session of it), to within a minute; "
+        "None: none since the server recorded it",
+    )
 
     @property
     def state(self) -> protocol.TokenState:

@@ -158,6 +158,7 @@ def test_an_admin_sees_every_token_in_its_state_and_never_a_secret(browser: Any,
     job = mint(tokens_server, deputy["token"], name="deputy's job", role="job")
     visitor = mint(tokens_server, name="visitor", role="viewer", expires_in_s=1)
     wait_until(lambda: listed(tokens_server)[visitor["id"]]["expired"], 10, "the visitor's token to expire")
+    wait_until(lambda: listed(tokens_server)[deputy["id"]]["last_used_at"], 10, "the deputy's use (a mint) written")
 
     page = open_tokens(browser, tokens_server, tokens_server.token)
     everyone = listed(tokens_server)
@@ -185,6 +186,12 @@ def test_an_admin_sees_every_token_in_its_state_and_never_a_secret(browser: Any,
     assert created_title == fmt_utc(job["created_at"])
     assert cells(page, job["id"])["Minted by"] == f"token {deputy['id']} · deputy"
     assert cells(page, job["id"])["Role"] == "job"
+    assert cells(page, job["id"])["Last used"] == "never"
+    assert re.fullmatch(r"just now|\d+ s ago", cells(page, deputy["id"])["Last used"])
+    used_title = page.js(
+        "return document.querySelector('#token-' + arguments[0] + ' .token-used span').title", deputy["id"]
+    )
+    assert used_title.startswith(fmt_utc(everyone[deputy["id"]]["last_used_at"]))
     assert cells(page, deputy["id"])["Minted by"].startswith("token 1 · ")
 
     active = sum(1 for t in everyone.values() if not t["revoked"] and not t["expired"])

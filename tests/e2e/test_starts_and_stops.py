@@ -97,8 +97,8 @@ def test_a_new_workspace_comes_with_a_login_link_and_token_list_with_a_header(tm
     listed = cli("token", "list", "team")
     assert listed.returncode == 0, listed.stderr
     header, row = listed.stdout.splitlines()
-    assert header.split() == ["ID", "PREFIX", "STATE", "ROLE", "EXPIRES", "MINTED", "BY", "LABEL"]
-    assert row.split()[1:5] == [f"{lines[-1][:10]}...", "active", "admin", "-"]
+    assert header.split() == ["ID", "PREFIX", "STATE", "ROLE", "EXPIRES", "LAST", "USED", "MINTED", "BY", "LABEL"]
+    assert row.split()[1:6] == [f"{lines[-1][:10]}...", "active", "admin", "-", "-"]  # never used yet
     srv = ServerProcess(home, database=database, port=port, env=env).start()
     try:
         login = requests.post(f"{srv.url}/login", data={"code": link.group(1)}, allow_redirects=False, timeout=10)

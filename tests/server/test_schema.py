@@ -38,7 +38,7 @@ def test_upgrade_is_idempotent(db: Database) -> None:
     db.upgrade()
     db.upgrade()
     with db.session(write=False) as s:
-        assert s.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0018"
+        assert s.execute(text("SELECT version_num FROM alembic_version")).scalar() == "0019"
 
 
 def test_schema_newer_than_code_is_refused(db: Database) -> None:

@@ -222,7 +222,7 @@ def _life(text: str) -> float:
 
 
 def _print_tokens(tokens: list[wire.TokenInfo]) -> None:
-    rows = [("ID", "PREFIX", "STATE", "ROLE", "EXPIRES", "MINTED BY", "LABEL")]
+    rows = [("ID", "PREFIX", "STATE", "ROLE", "EXPIRES", "LAST USED", "MINTED BY", "LABEL")]
     for info in tokens:
         minted_by = "-" if info.minted_by is None else str(info.minted_by)
         rows.append(
@@ -232,6 +232,7 @@ def _print_tokens(tokens: list[wire.TokenInfo]) -> None:
                 info.state,
                 info.role,
                 "-" if info.expires_at is None else utc_time(info.expires_at),
+                "-" if info.last_used_at is None else utc_time(info.last_used_at),
                 minted_by,
                 info.name,
             )

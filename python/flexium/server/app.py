@@ -225,6 +225,8 @@ def create_app(settings: Settings | None = None, *, database: Database | None = 
                     await task
             with contextlib.suppress(Exception):
                 await ctx.flush_beats()
+            with contextlib.suppress(Exception):
+                await ctx.flush_token_use()
             await asyncio.to_thread(replicas.stop_link, ctx)
             db.stop_checkpoints()
             await watch.stop()

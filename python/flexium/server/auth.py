@@ -103,10 +103,18 @@ def cached_token(ctx: ServerContext, token: str, now: float) -> AuthInfo | None:
 
 
 async def resolve_token(ctx: ServerContext, token: str) -> AuthInfo | None:
-    """Who a token stands for. Past its cache time a token is looked up again and the request waits for
-    that (one lookup shared by every request that needs it), so that a token revoked by another process
-    is refused however seldom it is used; a database that does not answer within LOOKUP_PATIENCE_S, or
-    fails, is not waited for: the cached auth is served meanwhile, within TokenCache's bounds."""
+    """Who a token stands for (its use noted: ``ServerContext.token_used``). Past its cache time a token
+    is looked up again and the request waits for that (one lookup shared by every request that needs it),
+    so that a token revoked by another process is refused however seldom it is used; a database that does
+    not answer within LOOKUP_PATIENCE_S, or fails, is not waited for: the cached auth is served meanwhile,
+    within TokenCache's bounds."""
+    auth = await _token_auth(ctx, token)
+    if auth is not None:
+        ctx.token_used(auth.token_id, time.time())
+    return auth
+
+
+async def _token_auth(ctx: ServerContext, token: str) -> AuthInfo | None:
     if len(token) > _MAX_TOKEN_LEN or not token.isascii():
         return None
     token_hash = storage.hash_token(token)
@@ -135,6 +143,7 @@ async def resolve_session(ctx: ServerContext, secret: str) -> AuthInfo | None:
     auth, touch = await ctx.db.call(storage.session_auth, write=False, secret=secret, now=now)
     if auth is not None:
         services.watch_expiry(ctx, auth)
+        ctx.token_used(auth.token_id, now)
     if auth is not None and touch:
         await ctx.db.call(storage.touch_session, write=True, session_id=auth.session_id, now=now)
     return auth

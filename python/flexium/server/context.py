@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
 import time
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass, field
@@ -37,6 +38,9 @@ if TYPE_CHECKING:  # the link is PostgreSQL's alone: a server on SQLite never im
 # How long a revocation waits for the other replicas to have it before its request is answered.
 REVOCATION_HEARD_S = 1.0
 REVOKED_PER_MESSAGE = 500  # token ids in one notification (PostgreSQL's limit is 8000 bytes)
+# A token's last use is written by each server at most this often: the tokens list says "in use" to
+# within a minute without a write per request.
+TOKEN_USE_WRITTEN_EVERY_S = 60.0
 
 log = logging.getLogger("flexium.server")
 
@@ -161,6 +165,10 @@ class ServerContext:
     # Revoked through this server since it started, expired while it ran, or found ended by its sweep
     # (ids only: a few bytes each), for a request admitted just before its token's end and waiting just after it.
     ended_tokens: set[int] = field(default_factory=set)
+    # token id -> when a request last came with it here, to be written (``flush_token_use``); and when
+    # this server last wrote a use of it.
+    token_use: dict[int, float] = field(default_factory=dict)
+    token_use_written: dict[int, float] = field(default_factory=dict)
     # token id -> the timer that ends it at its expiry (services.watch_expiry), one per expiring token seen.
     expiry_timers: dict[int, asyncio.TimerHandle] = field(default_factory=dict)
     # What runs on the loop and nothing awaits (``spawn``; held here until done: the loop keeps weak references).
@@ -364,15 +372,34 @@ class ServerContext:
         for workspace_id, written in by_workspace.items():
             self.publish(workspace_id, protocol.EVENT_PROGRESS, progress_event(written))
 
+    def token_used(self, token_id: int, now: float) -> None:
+        """A request came with the token (or a dashboard session of it): its use is written at the next
+        flush, unless this server wrote one within ``TOKEN_USE_WRITTEN_EVERY_S``."""
+        if now - self.token_use_written.get(token_id, -math.inf) >= TOKEN_USE_WRITTEN_EVERY_S:
+            self.token_use[token_id] = max(now, self.token_use.get(token_id, now))
+
+    async def flush_token_use(self) -> None:
+        if not self.token_use:
+            return
+        used, self.token_use = self.token_use, {}
+        try:
+            await self.db.call(storage.record_token_use, write=True, used=used)
+        except Exception:
+            for token_id, at in used.items():  # kept for the next try
+                self.token_use[token_id] = max(at, self.token_use.get(token_id, at))
+            raise
+        self.token_use_written.update(used)
+
     async def flush_forever(self) -> None:
         while not self.stopping:
             await asyncio.sleep(self.settings.beat_flush_interval_s)
-            try:
-                await self.flush_beats()
-            except DatabaseUnavailable as exc:  # the health check says so too; no traceback to add
-                log.warning("writing heartbeats failed, retrying: %s", exc)
-            except Exception:
-                log.exception("writing heartbeats failed; retrying")
+            for flush, what in ((self.flush_beats, "heartbeats"), (self.flush_token_use, "tokens' last use")):
+                try:
+                    await flush()
+                except DatabaseUnavailable as exc:  # the health check says so too; no traceback to add
+                    log.warning("writing %s failed, retrying: %s", what, exc)
+                except Exception:
+                    log.exception("writing %s failed; retrying", what)
 
     def command_pending(self, workspace_id: int, process_id: str, command_id: int | None) -> None:
         """A command newly pending is told to every replica (whichever takes the process's next

@@ -87,4 +87,6 @@ class HeartbeatShortcut:
         answer = services.heartbeat_from_memory(
             ctx, workspace_id=auth.workspace_id, process_id=process_id, body=body, now=now
         )
+        if answer is not None:
+            ctx.token_used(auth.token_id, now)
         return None if answer is None else answer.model_dump_json().encode()

@@ -51,6 +51,9 @@ class Token(Base):
     revoked_at: Mapped[float | None] = mapped_column(Double, nullable=True)
     # None: valid until revoked; else refused from then on (``storage.token_alive``), as if revoked.
     expires_at: Mapped[float | None] = mapped_column(Double, nullable=True)
+    # When a request last came with it, as its servers write it: at most once a TOKEN_USE_WRITTEN_EVERY_S
+    # each (ServerContext.flush_token_use). None: none since flexium recorded it.
+    last_used_at: Mapped[float | None] = mapped_column(Double, nullable=True)
     # protocol.TOKEN_ROLES; tokens made before roles existed could do everything, so they are admin.
     role: Mapped[str] = mapped_column(String(16), server_default=protocol.ROLE_ADMIN)
     # The token that issued this one (None: the command line, or the workspace's first):

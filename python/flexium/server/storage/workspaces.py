@@ -15,12 +15,21 @@ import secrets
 from dataclasses import dataclass
 from typing import cast
 
-from sqlalchemy import Select, delete, func, select
+from sqlalchemy import Select, bindparam, delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from flexium import protocol, wire
 from flexium.server.errors import Conflict, InvalidRequest, NotFound, Unauthorized
-from flexium.server.models import AuditRecord, Command, DashboardSession, LoginCode, Process, Token, Workspace
+from flexium.server.models import (
+    AuditRecord,
+    Command,
+    DashboardSession,
+    LoginCode,
+    Process,
+    Token,
+    Workspace,
+    table_of,
+)
 from flexium.server.storage import quotas
 from flexium.server.storage.audit import is_reserved_actor, record_audit
 from flexium.server.storage.staleness import process_heard
@@ -100,6 +109,7 @@ def token_info(row: Token, now: float) -> wire.TokenInfo:
         revoked=row.revoked_at is not None,
         expires_at=row.expires_at,
         expired=expired(row.expires_at, now),
+        last_used_at=row.last_used_at,
     )
 
 
@@ -377,6 +387,24 @@ def minted_from(*, session: Session, workspace_id: int, token_id: int) -> list[T
         cascade.extend(minted)
         frontier = [t.id for t in minted]
     return cascade
+
+
+def record_token_use(*, session: Session, used: dict[int, float]) -> None:
+    """When requests last came with these tokens (token id -> time), in one statement; never moved
+    backwards (another server may have written a later use)."""
+    if used:
+        session.execute(_TOKEN_USE_UPDATE, [{"b_id": token_id, "b_used": at} for token_id, at in used.items()])
+
+
+_TOKENS = table_of(Token)
+_TOKEN_USE_UPDATE = (
+    update(_TOKENS)
+    .where(
+        _TOKENS.c.id == bindparam("b_id"),
+        or_(_TOKENS.c.last_used_at.is_(None), _TOKENS.c.last_used_at < bindparam("b_used")),
+    )
+    .values(last_used_at=bindparam("b_used"))
+)
 
 
 def revoked_since(*, session: Session, since: float) -> list[int]:
