@@ -221,11 +221,12 @@ class ServerContext:
         for token_id in token_ids:
             self.notifier.wake(("token", token_id))
 
-    def spawn(self, work: Coroutine[Any, Any, None]) -> None:
+    def spawn(self, work: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
         """Runs ``work`` on the loop, held until done (the loop keeps a task only weakly); from the loop."""
         task = asyncio.ensure_future(work)
         self.loose_tasks.add(task)
         task.add_done_callback(self.loose_tasks.discard)
+        return task
 
     def session_ended(self, session_id: int) -> None:
         """A dashboard session logged out: its event streams end, here and on every replica."""

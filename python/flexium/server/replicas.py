@@ -37,22 +37,36 @@ REVOKED_CLOCK_SKEW_S = 60.0
 
 async def start_link(ctx: ServerContext) -> None:
     """The link to the other replicas, started; every wake-up and event here is told to them from
-    now on. Waits (``LISTEN_FIRST_S`` at most) until it listens: a replica that serves before it
-    hears the others would hand a command created on one of them to its polls only at its sweep."""
+    now on. Waits (``LISTEN_FIRST_S`` at most) until it listens and has read what it keeps of the
+    others' (``reread``): a replica that serves before it hears the others would hand a command created
+    on one of them to its polls only at its sweep, and one that serves before that read ends would see
+    what it did meanwhile undone by it (a GPU report written, then forgotten)."""
     from flexium.server.replica_link import ReplicaLink  # psycopg: imported by PostgreSQL's servers only
 
+    loop = asyncio.get_running_loop()
     connects = itertools.count()  # the first: no dashboard was served before it, none missed an event
-    link = ReplicaLink(
-        ctx.db.url,
-        loop=asyncio.get_running_loop(),
-        on_message=functools.partial(take, ctx),
-        on_reconnect=lambda: _reread_soon(ctx, dashboards=next(connects) > 0),
-    )
+    first_read: asyncio.Future[None] = loop.create_future()
+
+    def on_reconnect() -> None:
+        first = next(connects) == 0
+        reading = ctx.spawn(reread(ctx, dashboards=not first))
+        if first:
+            reading.add_done_callback(lambda _done: first_read.done() or first_read.set_result(None))
+
+    link = ReplicaLink(ctx.db.url, loop=loop, on_message=functools.partial(take, ctx), on_reconnect=on_reconnect)
     ctx.link = link
     ctx.notifier.forward = lambda key: link.send({"kind": "wake", "key": list(_tuple(key))})
     link.start()
+    started = time.monotonic()
     if not await asyncio.to_thread(link.listening.wait, LISTEN_FIRST_S):
         log.warning("replica link: not listening %g s after start; serving, and listening when it can", LISTEN_FIRST_S)
+        return
+    try:
+        await asyncio.wait_for(asyncio.shield(first_read), max(0.0, LISTEN_FIRST_S - (time.monotonic() - started)))
+    except asyncio.TimeoutError:
+        log.warning(
+            "replica link: still reading what it keeps of the others' %g s after start; serving", LISTEN_FIRST_S
+        )
 
 
 def stop_link(ctx: ServerContext) -> None:
@@ -160,10 +174,6 @@ _APPLY: dict[str, Callable[[ServerContext, Message], None]] = {
     "waits_ended": _waits_ended,
     "drain": _drain,
 }
-
-
-def _reread_soon(ctx: ServerContext, *, dashboards: bool) -> None:
-    ctx.spawn(reread(ctx, dashboards=dashboards))
 
 
 async def reread(ctx: ServerContext, *, dashboards: bool) -> None:
