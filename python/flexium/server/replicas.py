@@ -51,7 +51,11 @@ async def start_link(ctx: ServerContext) -> None:
         first = next(connects) == 0
         reading = ctx.spawn(reread(ctx, dashboards=not first))
         if first:
-            reading.add_done_callback(lambda _done: first_read.done() or first_read.set_result(None))
+            reading.add_done_callback(read_first)
+
+    def read_first(_reading: asyncio.Task[None]) -> None:
+        if not first_read.done():
+            first_read.set_result(None)
 
     link = ReplicaLink(ctx.db.url, loop=loop, on_message=functools.partial(take, ctx), on_reconnect=on_reconnect)
     ctx.link = link
