@@ -142,9 +142,10 @@ def test_sqlite_locked_by_another_process(
             t.join(20)
         assert len(refused_at) == 4 and answered_at < min(refused_at), (answered_at, refused_at)
     finally:
-        assert holder.stdin is not None
+        assert holder.stdin is not None and holder.stdout is not None
         holder.stdin.close()
         holder.wait(10)
+        holder.stdout.close()
     _recovers(sqlite_server, "after")
     with capsys.disabled():
         print(

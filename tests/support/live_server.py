@@ -102,8 +102,9 @@ class ProcessOutput:
 
     def _read(self) -> None:
         assert self._proc.stdout is not None
-        for line in self._proc.stdout:
-            self.lines.append(line.rstrip("\n"))
+        with self._proc.stdout:  # closed at its end: a pipe left to the collector warns in a later test
+            for line in self._proc.stdout:
+                self.lines.append(line.rstrip("\n"))
 
     @property
     def text(self) -> str:
