@@ -357,6 +357,12 @@ TOKEN_ROLES: tuple[str, ...] = get_args(TokenRole)
 ROLE_ADMIN: TokenRole = "admin"
 ROLE_JOB: TokenRole = "job"
 ROLE_VIEWER: TokenRole = "viewer"
+# What each role may do, as `flexium token issue --role` and the dashboard's issue form say it.
+ROLE_PURPOSES: dict[str, str] = {
+    ROLE_JOB: "what a training job does, to the processes it registers",
+    ROLE_VIEWER: "reads everything, changes nothing",
+    ROLE_ADMIN: "everything: commands, tokens",
+}
 # What `flexium token issue` and POST /tokens give when no role is named: most tokens handed
 # out go to training jobs, and a token that can do less is the safer one to hand out by mistake.
 DEFAULT_ISSUED_ROLE: TokenRole = ROLE_JOB

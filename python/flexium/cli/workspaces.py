@@ -55,9 +55,9 @@ def add_commands(commands: Any) -> None:
         "--role",
         choices=protocol.TOKEN_ROLES,
         default=protocol.DEFAULT_ISSUED_ROLE,
-        help=f"admin: everything (commands, tokens); job: what a training job does, to the processes it "
-        f"registers; viewer: reads everything, changes nothing (default {protocol.DEFAULT_ISSUED_ROLE}: most "
-        "tokens go to training jobs, and a token that can do less is the safer one to hand out)",
+        help="; ".join(f"{role}: {does}" for role, does in protocol.ROLE_PURPOSES.items())
+        + f" (default {protocol.DEFAULT_ISSUED_ROLE}: most tokens go to training jobs, and a token that can do "
+        "less is the safer one to hand out)",
     )
     p.add_argument(
         "--expires-in",

@@ -15,12 +15,6 @@ from flexium.server import storage
 from flexium.server.auth import role_refusal
 from flexium.server.storage import AuthInfo
 
-# What each role may do, as the issue form offers it (the CLI's `token issue --role` says the same).
-ROLE_PURPOSES = {
-    protocol.ROLE_JOB: "what a training job does, to the processes it registers",
-    protocol.ROLE_VIEWER: "reads everything, changes nothing",
-    protocol.ROLE_ADMIN: "everything: commands, tokens",
-}
 # The units of a life the issue form offers, and their seconds: its script sends the product.
 LIFE_UNITS = (("minutes", 60), ("hours", 3600), ("days", 86400), ("weeks", 7 * 86400))
 
@@ -81,7 +75,7 @@ def issue_form(actor: AuthInfo) -> IssueForm:
     return IssueForm(
         own_expires_at=actor.expires_at,
         name_max=protocol.MAX_SHORT_TEXT,
-        roles=tuple(ROLE_PURPOSES.items()),
+        roles=tuple(protocol.ROLE_PURPOSES.items()),
         default_role=protocol.DEFAULT_ISSUED_ROLE,
         life_units=LIFE_UNITS,
     )
