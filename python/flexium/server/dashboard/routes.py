@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Query, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import HTMLResponse, Response
 from starlette.convertors import PathConvertor, register_url_convertor
 
@@ -26,12 +26,12 @@ from flexium.server.dashboard.views.queue import queue_panel
 from flexium.server.dashboard.views.targets import GpusForm, job_migrate_form, target_form
 from flexium.server.dashboard.views.tokens import issue_form, revoke_form, token_table
 from flexium.server.errors import NotFound
+from flexium.server.routes.api import RowIdPath
 from flexium.server.storage import AuthInfo
 
 router = APIRouter(include_in_schema=False)
 
 _MAX_BATCH = 200  # ids or hosts one fragment request may name
-TokenIdPath = Annotated[int, Path(ge=1, le=2**31 - 1)]
 
 
 class JobKeyConvertor(PathConvertor):
@@ -258,7 +258,7 @@ async def tokens_fragment(request: Request, ctx: Ctx, auth: FragmentAuth) -> Res
 
 
 @router.get("/ui/tokens/{token_id}/revoke", response_class=HTMLResponse)
-async def revoke_token_fragment(request: Request, ctx: Ctx, auth: FragmentAuth, token_id: TokenIdPath) -> Response:
+async def revoke_token_fragment(request: Request, ctx: Ctx, auth: FragmentAuth, token_id: RowIdPath) -> Response:
     """The Revoke dialog's form: the tokens revoked with it and the processes left unheard, to
     confirm; 404 where the token is no longer active."""
     view = await ctx.db.call(

@@ -39,6 +39,7 @@ router = APIRouter(prefix=protocol.API_PREFIX + "/w/{workspace}", responses=_ERR
 _NO_NUL = r"^[^\x00]*$"
 ProcessIdPath = Annotated[str, Path(max_length=protocol.MAX_SHORT_TEXT, pattern=protocol.PROCESS_ID_RE.pattern)]
 CommandIdPath = Annotated[int, Path(ge=1, le=2**31 - 1)]
+RowIdPath = Annotated[int, Path(ge=1, le=2**31 - 1)]  # an operation's, a token's, a wait's, a placement's, a drain's
 WaitQuery = Annotated[
     float | None, Query(ge=0, le=protocol.MAX_POLL_TIMEOUT_S, description="seconds to wait (long-poll)")
 ]
@@ -229,9 +230,7 @@ async def report_command(command_id: CommandIdPath, body: wire.CommandReport, au
     response_model=wire.JobOperationInfo,
     summary="One job operation (every rank's command); with ?wait=S, answers when all ended or after S seconds",
 )
-async def get_operation(
-    operation_id: Annotated[int, Path(ge=1, le=2**31 - 1)], auth: Member, ctx: Ctx, wait: WaitQuery = None
-) -> Any:
+async def get_operation(operation_id: RowIdPath, auth: Member, ctx: Ctx, wait: WaitQuery = None) -> Any:
     await require_own_operation(ctx, auth, operation_id)
     return await long_poll.wait_operation(ctx, auth=auth, operation_id=operation_id, wait=wait)
 
@@ -249,7 +248,6 @@ async def list_jobs(auth: Reader, ctx: Ctx) -> Any:
 
 # --- the resume-when-free queue, priorities ----------------------------------------------------
 
-RowIdPath = Annotated[int, Path(ge=1, le=2**31 - 1)]  # a wait's, a placement's or a drain's
 HostQuery = Annotated[str | None, Query(max_length=protocol.MAX_HOST_LEN, pattern=_NO_NUL)]
 
 
@@ -466,7 +464,7 @@ async def issue_token(body: wire.TokenRequest, auth: Admin, ctx: Ctx) -> Any:
     response_model=wire.TokenRevoked,
     summary="Revoke a token (admin), and every token it minted; their streams, polls and sessions end",
 )
-async def revoke_token(token_id: Annotated[int, Path(ge=1, le=2**31 - 1)], auth: Admin, ctx: Ctx) -> Any:
+async def revoke_token(token_id: RowIdPath, auth: Admin, ctx: Ctx) -> Any:
     return await services.revoke_token(ctx, auth=auth, token_id=token_id)
 
 
